@@ -1,0 +1,37 @@
+"""Typed settings for loading and running a model, shared by every stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and where to run it."""
+
+    model: str = "default"
+    """Local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint; "default" is epd's
+    embedded default model, built (or trained) on first use and cached on disk."""
+    device: str = "cpu"
+    """"cpu" or "cuda" (or "cuda:N")."""
+    dtype: str = "float32"
+    """Weights and activations: float32, float16 or bfloat16."""
+    num_threads: int = 1
+    """torch intra-op threads in this process. On small machines one thread per process is much
+    faster than two (the services already run in parallel processes)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

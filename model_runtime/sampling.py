@@ -1,0 +1,71 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How tokens are generated. The defaults are greedy and match `generate(do_sample=False)`."""
+
+    max_new_tokens: int = 32
+    """Most tokens to generate, the first token (made by prefill) included."""
+    temperature: float = 0.0
+    """0 is greedy; > 0 samples from softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 is off."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 is off."""
+    seed: int = 0
+    """Seed of the sampler; prefill uses it for the first token and decode uses seed + 1."""
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    """Stop when the text ends with one of these strings (the string is cut from the answer)."""
+    ignore_eos: bool = False
+    """Keep going past end-of-sequence (benchmarks)."""
+
+    def validate(self, max_new_tokens_limit: int) -> None:
+        if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
+            raise ValueError(
+                f"max_new_tokens must be between 1 and {max_new_tokens_limit}, "
+                f"got {self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+class Sampler:
+    """Chooses the next token from logits. One sampler per request (it owns the RNG state)."""
+
+    def __init__(self, config: GenerationConfig, seed_offset: int = 0) -> None:
+        self.config = config
+        self._generator: torch.Generator | None = None
+        if config.temperature > 0:
+            self._generator = torch.Generator(device="cpu")
+            self._generator.manual_seed(config.seed + seed_offset)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] (any float dtype) -> token id."""
+        logits = logits.float()
+        if self._generator is None:
+            return int(torch.argmax(logits))
+        logits = logits / self.config.temperature
+        if self.config.top_k > 0:
+            k = min(self.config.top_k, logits.shape[-1])
+            kth = torch.topk(logits, k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.config.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep tokens until the mass before them reaches top_p (the first is always kept).
+            drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= self.config.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        token = torch.multinomial(probs.cpu(), 1, generator=self._generator)
+        return int(token)

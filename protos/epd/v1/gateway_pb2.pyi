@@ -1,0 +1,87 @@
+from protos.epd.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AskHeader(_message.Message):
+    __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PRUNING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    question: str
+    media_num_bytes: int
+    media_sha256: str
+    sampling: _common_pb2.VideoSampling
+    generation: _common_pb2.GenerationParams
+    pruning: _common_pb2.PruningOptions
+    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., media_sha256: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ...) -> None: ...
+
+class AskRequest(_message.Message):
+    __slots__ = ("header", "media_chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: AskHeader
+    media_chunk: bytes
+    def __init__(self, header: _Optional[_Union[AskHeader, _Mapping]] = ..., media_chunk: _Optional[bytes] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class AskSummary(_message.Message):
+    __slots__ = ("request_id", "answer", "token_ids", "finish_reason", "num_frames", "num_visual_tokens", "num_prompt_tokens", "timings_ms", "kv_num_bytes", "encoder_cache_hit", "media_sha256", "frame_timestamps_s")
+    class TimingsMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_VISUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    FRAME_TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    answer: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    num_frames: int
+    num_visual_tokens: int
+    num_prompt_tokens: int
+    timings_ms: _containers.ScalarMap[str, float]
+    kv_num_bytes: int
+    encoder_cache_hit: bool
+    media_sha256: str
+    frame_timestamps_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_frames: _Optional[int] = ..., num_visual_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., kv_num_bytes: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class AskResponse(_message.Message):
+    __slots__ = ("event", "delta", "summary")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    event: _common_pb2.StageEvent
+    delta: TokenDelta
+    summary: AskSummary
+    def __init__(self, event: _Optional[_Union[_common_pb2.StageEvent, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., summary: _Optional[_Union[AskSummary, _Mapping]] = ...) -> None: ...

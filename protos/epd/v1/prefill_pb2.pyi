@@ -1,0 +1,69 @@
+from protos.epd.v1 import common_pb2 as _common_pb2
+from protos.epd.v1 import encoder_pb2 as _encoder_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillHeader(_message.Message):
+    __slots__ = ("request_id", "question", "visual", "generation", "pruning")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    VISUAL_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PRUNING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    question: str
+    visual: _encoder_pb2.EncodeResult
+    generation: _common_pb2.GenerationParams
+    pruning: _common_pb2.PruningOptions
+    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("header", "visual_embeds")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    VISUAL_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    header: PrefillHeader
+    visual_embeds: _common_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., visual_embeds: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PrefillResult(_message.Message):
+    __slots__ = ("kv_handle", "kv_address", "first_token_id", "num_prompt_tokens", "num_cached_tokens", "next_position_ids", "kv_num_bytes", "prefill_ms", "num_visual_tokens_in", "num_visual_tokens_out", "kv_num_bytes_uncompressed")
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VISUAL_TOKENS_IN_FIELD_NUMBER: _ClassVar[int]
+    NUM_VISUAL_TOKENS_OUT_FIELD_NUMBER: _ClassVar[int]
+    KV_NUM_BYTES_UNCOMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    kv_address: str
+    first_token_id: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    next_position_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_num_bytes: int
+    prefill_ms: float
+    num_visual_tokens_in: int
+    num_visual_tokens_out: int
+    kv_num_bytes_uncompressed: int
+    def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ...) -> None: ...
+
+class PullKvRequest(_message.Message):
+    __slots__ = ("kv_handle",)
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("tensor",)
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tensor: _common_pb2.TensorChunk
+    def __init__(self, tensor: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ...) -> None: ...

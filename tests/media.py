@@ -1,0 +1,147 @@
+"""Make small real video files for tests and benchmarks, with PyAV's own FFmpeg encoders.
+
+    make_video(path, codec="h264", container=None, size=(96, 64), fps=10.0, seconds=2.0,
+               gop=10, pattern="moving") -> Path
+
+`codec` is a short name (h264, hevc, vp9, av1, mpeg4, mjpeg) or an FFmpeg encoder name; the
+container comes from the path's suffix (.mp4 .mkv .webm .mov .avi) unless given. Every frame is
+different (a moving block plus the frame number drawn as bars) so a wrong frame is caught.
+Use `encoder_available(codec)` to skip a test where this FFmpeg lacks an encoder.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+# Short name -> FFmpeg encoder tried in order.
+_ENCODERS = {
+    "h264": ("libx264",),
+    "hevc": ("libx265",),
+    "vp9": ("libvpx-vp9",),
+    "av1": ("libsvtav1", "libaom-av1", "librav1e"),
+    "mpeg4": ("mpeg4",),
+    "mjpeg": ("mjpeg",),
+}
+_CONTAINER_FORMATS = {".mp4": "mp4", ".mkv": "matroska", ".webm": "webm", ".mov": "mov", ".avi": "avi"}
+
+
+def encoder_name(codec: str) -> str | None:
+    """The FFmpeg encoder this build has for `codec`, or None."""
+    import av
+
+    for name in _ENCODERS.get(codec, (codec,)):
+        try:
+            av.codec.Codec(name, "w")
+            return name
+        except Exception:  # av.codec.codec.UnknownCodecError; type varies across PyAV versions
+            continue
+    return None
+
+
+def encoder_available(codec: str) -> bool:
+    return encoder_name(codec) is not None
+
+
+def frame_pattern(i: int, width: int, height: int, pattern: str = "moving", seed: int = 0) -> np.ndarray:
+    """Frame `i` as [H, W, 3] uint8 RGB. "moving": smooth, cheap to encode; "noise": costly."""
+    if pattern == "noise":
+        rng = np.random.default_rng(seed * 1_000_003 + i)
+        base = rng.integers(0, 256, size=(height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
+        return np.ascontiguousarray(base.repeat(4, 0).repeat(4, 1)[:height, :width])
+    y, x = np.mgrid[0:height, 0:width]
+    img = np.empty((height, width, 3), np.uint8)
+    img[..., 0] = (x * 255 // max(width - 1, 1) + 7 * i) % 256
+    img[..., 1] = (y * 255 // max(height - 1, 1) + 3 * i) % 256
+    img[..., 2] = (40 * seed) % 256
+    side = max(4, min(width, height) // 4)
+    bx = (i * 3) % max(width - side, 1)
+    by = (i * 2) % max(height - side, 1)
+    img[by : by + side, bx : bx + side] = (255, 255, 255)
+    # The frame number in binary as 8 bars along the bottom, so every frame is distinct.
+    bar_w = max(1, width // 8)
+    for bit in range(8):
+        if (i >> bit) & 1:
+            img[height - max(2, height // 8) :, bit * bar_w : (bit + 1) * bar_w] = (0, 0, 0)
+    return img
+
+
+def make_video(
+    path: str | Path,
+    codec: str = "h264",
+    container: str | None = None,
+    size: tuple[int, int] = (96, 64),
+    fps: float = 10.0,
+    seconds: float = 2.0,
+    gop: int = 10,
+    pattern: str = "moving",
+    *,
+    pix_fmt: str | None = None,
+    rotation_deg: int = 0,
+    bframes: int | None = None,
+    vfr: bool = False,
+    single_slice: bool = True,
+    crf: int | None = None,
+) -> Path:
+    """Encode a synthetic video and return its path.
+
+    size: (width, height). gop: frames between keyframes. rotation_deg: display-matrix rotation
+    (counter-clockwise, as PyAV reports it). vfr: frame durations alternate 1x/2x/3x the nominal
+    period (timestamps only; the encoder sees a fixed rate). single_slice: one slice per frame
+    for x264 (camera files usually have one; PyAV's default slice threading writes several).
+    """
+    import os
+
+    import av
+
+    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr otherwise
+    path = Path(path)
+    enc = encoder_name(codec)
+    if enc is None:
+        raise RuntimeError(f"this FFmpeg has no encoder for {codec}")
+    fmt = container or _CONTAINER_FORMATS[path.suffix.lower()]
+    width, height = size
+    num_frames = max(1, int(round(seconds * fps)))
+    rate = Fraction(fps).limit_denominator(1001)
+    with av.open(str(path), mode="w", format=fmt) as out:
+        options: dict[str, str] = {}
+        if enc == "libx264":
+            params = f"keyint={gop}:min-keyint={gop}:scenecut=0"
+            if bframes is not None:
+                params += f":bframes={bframes}"
+            options = {"x264-params": params, "preset": "veryfast", "crf": str(crf or 23)}
+        elif enc == "libx265":
+            params = f"keyint={gop}:min-keyint={gop}:scenecut=0:log-level=none"
+            if bframes is not None:
+                params += f":bframes={bframes}"
+            options = {"x265-params": params, "preset": "ultrafast"}
+        elif enc == "libvpx-vp9":
+            options = {"deadline": "realtime", "cpu-used": "8", "lag-in-frames": "0"}
+        elif enc == "libsvtav1":
+            options = {"preset": "12", "svtav1-params": f"keyint={gop}"}
+        stream = out.add_stream(enc, rate=rate, options=options)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = pix_fmt or ("yuvj420p" if enc == "mjpeg" else "yuv420p")
+        stream.codec_context.gop_size = gop
+        if enc == "libx264" and single_slice:
+            stream.codec_context.thread_type = "FRAME"
+        if enc in ("mpeg4",):
+            stream.codec_context.max_b_frames = bframes or 0
+        if rotation_deg:
+            stream.set_display_rotation(rotation_deg)
+        # Frame pts are in the encoder's time base; 1/(1000*fps) units keep VFR durations exact.
+        # (Don't set frame.time_base: the muxer changes stream.time_base when it writes the header.)
+        stream.codec_context.time_base = Fraction(1, 1000) / rate if vfr else 1 / rate
+        pts = 0
+        for i in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(frame_pattern(i, width, height, pattern), format="rgb24")
+            frame = frame.reformat(format=stream.pix_fmt)
+            frame.pts = pts
+            pts += 1000 * (1 + i % 3) if vfr else 1
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path

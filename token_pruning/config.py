@@ -1,0 +1,212 @@
+"""One typed settings object for every pruning stage, plus named presets.
+
+`PruningConfig()` is all off: with it every stage is the identity and the tokens equal the
+unpruned pipeline's. A request picks a preset by name and may override single knobs:
+
+    cfg = PruningConfig.from_preset("balanced", kv_keep_ratio=0.3)
+    wire = cfg.to_dict()            # plain JSON-able dict for the protos and cache keys
+    same = PruningConfig.from_dict(wire)
+
+Ratios are fractions of the visual tokens that *enter* a stage (1.0 keeps all). Where a stage
+offers both a ratio and an absolute count/bytes budget, the absolute one wins when set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+KEY_TOKEN_SCORES = ("distinct", "norm")
+KV_MERGE_MODES = ("none", "averaged", "pivotal", "weighted")
+
+
+@dataclass(frozen=True)
+class PruningConfig:
+    """Knobs of every pruning stage. Defaults: everything off."""
+
+    # --- Encode stage -------------------------------------------------------------------------
+    temporal_drop: bool = False
+    """Drop merged tokens whose pixels barely changed since the last kept token at that place."""
+    temporal_threshold: float = 0.05
+    """Mean absolute difference (in the processor's normalised pixel units, roughly [-2, 2]) below
+    which a token counts as unchanged. Compression noise on a static clip is ~0.01-0.03."""
+    temporal_before_tower: bool = True
+    """True: the dropped patches never enter the vision tower (saves encode time; kept tokens see
+    only kept neighbours in the tower's attention). False: the tower runs on full grids and the
+    tokens are dropped from its output (exact kept embeddings, no encode saving)."""
+    spatial_merge: bool = False
+    """Merge adjacent visual tokens of one frame group whose cosine similarity is high."""
+    spatial_merge_threshold: float = 0.9
+    """Cosine similarity above which two adjacent tokens are merged."""
+    spatial_merge_window: int = 2
+    """Side of the square windows (in merged tokens) that bound a merged group."""
+    key_token_ratio: float = 0.0
+    """Fraction of visual tokens flagged as key tokens, which no later stage drops (0 = none)."""
+    key_token_score: str = "distinct"
+    """Saliency score for key tokens: "distinct" (unlike its grid neighbours) or "norm"."""
+
+    # --- Prefill stage ------------------------------------------------------------------------
+    prefill_drop: bool = False
+    """Drop visual tokens at `prefill_drop_layer` by the attention the question pays them."""
+    prefill_drop_layer: int = 2
+    """Decoder layer whose input is scored; layers >= this one run on the survivors only."""
+    prefill_keep_ratio: float = 1.0
+    """Fraction of the visual tokens entering prefill that survive the drop."""
+    prefill_keep_count: int | None = None
+    """Exact number of surviving visual tokens; overrides `prefill_keep_ratio`."""
+    prefill_query_window: int = 0
+    """Score with the last this-many prompt tokens as queries; 0 = all text after the video."""
+
+    # --- KV compression after prefill (LOOK-M) ------------------------------------------------
+    kv_compress: bool = False
+    """Evict visual KV entries (per layer, per KV head) before the cache goes to Decode."""
+    kv_keep_ratio: float = 1.0
+    """Fraction of the visual KV entries kept in every layer and KV head."""
+    kv_budget_bytes: int | None = None
+    """Total KV cache size (all layers, keys + values, text included) not to exceed; overrides
+    `kv_keep_ratio`."""
+    kv_merge: str = "averaged"
+    """How an evicted entry is folded into its most similar kept entry: "none", "averaged",
+    "pivotal" or "weighted" (see kv_compress.py)."""
+    kv_query_window: int = 0
+    """Prompt tokens whose attention scores the KV entries; 0 = all text after the video."""
+
+    # --- Decode stage -------------------------------------------------------------------------
+    decode_evict: bool = False
+    """Evict visual KV entries that persistently receive little attention while generating."""
+    decode_keep_ratio: float = 1.0
+    """Visual KV entries kept, as a fraction of those present when decoding starts."""
+    decode_ema_decay: float = 0.9
+    """Decay of the running (exponential) mean of attention received per generated token."""
+    decode_min_steps: int = 4
+    """Generated tokens observed before the first eviction: one token's attention is noise."""
+    decode_evict_interval: int = 4
+    """Evict at most once every this many generated tokens (gathers are not free)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the knob to change."""
+        for name in ("prefill_keep_ratio", "kv_keep_ratio", "decode_keep_ratio"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if not 0.0 <= self.key_token_ratio <= 1.0:
+            raise ValueError(f"key_token_ratio must be in [0, 1], got {self.key_token_ratio}")
+        if self.temporal_threshold < 0:
+            raise ValueError(f"temporal_threshold must be >= 0, got {self.temporal_threshold}")
+        if not -1.0 <= self.spatial_merge_threshold <= 1.0:
+            raise ValueError(
+                f"spatial_merge_threshold is a cosine similarity in [-1, 1], "
+                f"got {self.spatial_merge_threshold}"
+            )
+        if self.spatial_merge_window < 1:
+            raise ValueError(f"spatial_merge_window must be >= 1, got {self.spatial_merge_window}")
+        if self.key_token_score not in KEY_TOKEN_SCORES:
+            raise ValueError(f"key_token_score must be one of {KEY_TOKEN_SCORES}, got {self.key_token_score!r}")
+        if self.kv_merge not in KV_MERGE_MODES:
+            raise ValueError(f"kv_merge must be one of {KV_MERGE_MODES}, got {self.kv_merge!r}")
+        if self.prefill_drop_layer < 0:
+            raise ValueError(f"prefill_drop_layer must be >= 0, got {self.prefill_drop_layer}")
+        if self.prefill_keep_count is not None and self.prefill_keep_count < 0:
+            raise ValueError(f"prefill_keep_count must be >= 0, got {self.prefill_keep_count}")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ValueError(f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}")
+        for name in ("prefill_query_window", "kv_query_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = all text after the video)")
+        if not 0.0 <= self.decode_ema_decay < 1.0:
+            raise ValueError(f"decode_ema_decay must be in [0, 1), got {self.decode_ema_decay}")
+        if self.decode_min_steps < 1 or self.decode_evict_interval < 1:
+            raise ValueError("decode_min_steps and decode_evict_interval must be >= 1")
+
+    @property
+    def any_enabled(self) -> bool:
+        return (
+            self.temporal_drop
+            or self.spatial_merge
+            or self.key_token_ratio > 0
+            or self.prefill_drop
+            or self.kv_compress
+            or self.decode_evict
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every knob by name, JSON-able (for protos, logs and cache keys)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PruningConfig:
+        """Inverse of `to_dict`; missing keys take defaults, unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown pruning option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> PruningConfig:
+        """A named preset with some knobs overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown pruning preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls.from_dict({**PRESETS[name].to_dict(), **overrides})
+
+    def encode_cache_key(self) -> dict[str, Any]:
+        """The knobs that change the encoder's output tokens: part of an encoder-cache key.
+
+        Prefill, KV and decode knobs act later, so a cached encoding is shared across them.
+        """
+        keys = ["temporal_drop", "spatial_merge", "key_token_ratio"]
+        if self.temporal_drop:
+            keys += ["temporal_threshold", "temporal_before_tower"]
+        if self.spatial_merge:
+            keys += ["spatial_merge_threshold", "spatial_merge_window"]
+        if self.key_token_ratio > 0:
+            keys += ["key_token_score"]
+        return {k: getattr(self, k) for k in keys}
+
+
+PRESETS: dict[str, PruningConfig] = {
+    "off": PruningConfig(),
+    # Only near-lossless steps: unchanged pixels, near-duplicate neighbours, a mild KV trim.
+    "light": PruningConfig(
+        temporal_drop=True,
+        temporal_threshold=0.03,
+        spatial_merge=True,
+        spatial_merge_threshold=0.95,
+        key_token_ratio=0.05,
+        prefill_drop=True,
+        prefill_keep_ratio=0.75,
+        kv_compress=True,
+        kv_keep_ratio=0.75,
+    ),
+    "balanced": PruningConfig(
+        temporal_drop=True,
+        temporal_threshold=0.05,
+        spatial_merge=True,
+        spatial_merge_threshold=0.9,
+        key_token_ratio=0.05,
+        prefill_drop=True,
+        prefill_keep_ratio=0.5,
+        kv_compress=True,
+        kv_keep_ratio=0.5,
+        decode_evict=True,
+        decode_keep_ratio=0.75,
+    ),
+    "aggressive": PruningConfig(
+        temporal_drop=True,
+        temporal_threshold=0.08,
+        spatial_merge=True,
+        spatial_merge_threshold=0.8,
+        key_token_ratio=0.03,
+        prefill_drop=True,
+        prefill_keep_ratio=0.25,
+        kv_compress=True,
+        kv_keep_ratio=0.4,
+        kv_merge="weighted",
+        decode_evict=True,
+        decode_keep_ratio=0.5,
+    ),
+}

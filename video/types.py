@@ -1,0 +1,107 @@
+"""What every video decoder takes and returns, and the errors it may raise.
+
+Every backend (the simple sequential decoder, the parallel keyframe-aligned one, decord) follows
+the same frame selection rule, so they return identical frames for the same request:
+
+    The clip [start_time_s, end_time_s) is cut into `n` equal slots; the target timestamp of slot
+    i is its midpoint, start + (i + 0.5) * span / n. The frame chosen for a target is the one whose
+    presentation timestamp is nearest at or before the target (the first frame if none is).
+
+`n` is `num_frames` when given, else round(span * fps) clamped to [min_frames, max_frames] and
+to the number of frames the clip holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class MediaError(ValueError):
+    """The media cannot be used as sent (corrupt, truncated, unsupported). Maps to INVALID_ARGUMENT.
+
+    The message is written for the client: it never contains decoder text, paths or addresses.
+    """
+
+
+class MediaLimitError(MediaError):
+    """The media is valid but exceeds a configured limit. Maps to RESOURCE_EXHAUSTED."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How frames are chosen from a video and how large they may be."""
+
+    fps: float = 2.0
+    """Frames sampled per second of video, when `num_frames` is not given."""
+    max_frames: int = 32
+    """Upper bound on sampled frames."""
+    min_frames: int = 2
+    """Lower bound on sampled frames (a short clip still yields this many, repeated if needed)."""
+    num_frames: int | None = None
+    """Exactly this many frames, spread uniformly; overrides `fps`."""
+    start_time_s: float = 0.0
+    """Start of the clip to sample, in seconds from the first frame."""
+    end_time_s: float | None = None
+    """End of the clip to sample (exclusive); None means the end of the video."""
+    max_pixels: int | None = None
+    """Frames larger than this (H*W) are downscaled, keeping aspect; None keeps decoded size."""
+
+    def validate(self, max_frames_limit: int) -> None:
+        """Raise MediaError/MediaLimitError naming the option to change."""
+        if self.num_frames is not None and self.num_frames < 1:
+            raise MediaError(f"num_frames must be >= 1, got {self.num_frames}")
+        if self.fps <= 0:
+            raise MediaError(f"fps must be > 0, got {self.fps}")
+        if self.min_frames < 1 or self.max_frames < 1:
+            raise MediaError("min_frames and max_frames must be >= 1")
+        if self.min_frames > self.max_frames:
+            raise MediaError(
+                f"min_frames ({self.min_frames}) is larger than max_frames ({self.max_frames}); "
+                "lower min_frames or raise max_frames"
+            )
+        wanted = self.num_frames if self.num_frames is not None else self.max_frames
+        if wanted > max_frames_limit:
+            raise MediaLimitError(
+                f"{wanted} frames requested but this server allows at most {max_frames_limit}; "
+                f"set max_frames (or num_frames) to {max_frames_limit} or fewer"
+            )
+        if self.start_time_s < 0 or (
+            self.end_time_s is not None and self.end_time_s <= self.start_time_s
+        ):
+            raise MediaError(
+                f"clip [{self.start_time_s}, {self.end_time_s}) is empty or negative; "
+                "use 0 <= start_time_s < end_time_s"
+            )
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """Operator-set caps that every decode path enforces before and while decoding."""
+
+    max_bytes: int = 256 * 1024 * 1024
+    max_duration_s: float = 3600.0
+    max_source_pixels: int = 3840 * 2160
+    max_frames: int = 256
+
+
+@dataclass
+class DecodedVideo:
+    """Sampled frames of one video (or one image, as a single frame)."""
+
+    frames: np.ndarray
+    """[T, H, W, 3] uint8 RGB."""
+    timestamps_s: list[float]
+    """Presentation time of each returned frame."""
+    sampled_fps: float
+    """Frames per second of the sample (T / span); drives Qwen's temporal positions."""
+    duration_s: float
+    source_fps: float
+    is_image: bool = False
+    stats: dict[str, float] = field(default_factory=dict)
+    """Decoder accounting, e.g. {"decode_ms": ..., "num_decoded_frames": ...}."""
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
