@@ -98,6 +98,20 @@ def scaled_size(width: int, height: int, max_pixels: int | None) -> tuple[int, i
     return max(2, int(width * scale) // 2 * 2), max(2, int(height * scale) // 2 * 2)
 
 
+def frame_to_rgb(frame, max_pixels: int | None) -> np.ndarray:
+    """One decoded PyAV frame as [H, W, 3] uint8 RGB, downscaled to `max_pixels`, then turned
+    upright by its display rotation (counter-clockwise degrees, as PyAV reports it).
+
+    Every PyAV backend converts through here so that they return identical pixels.
+    """
+    w, h = scaled_size(frame.width, frame.height, max_pixels)
+    rgb = frame.to_ndarray(format="rgb24", width=w, height=h)
+    rotation = int(round(frame.rotation)) % 360 if frame.rotation else 0
+    if rotation in (90, 180, 270):
+        rgb = np.ascontiguousarray(np.rot90(rgb, k=rotation // 90))
+    return rgb
+
+
 def check_size(num_bytes: int, limits: DecodeLimits) -> None:
     if num_bytes == 0:
         raise MediaError("the media is empty (0 bytes); send a video or image file")
@@ -192,8 +206,7 @@ def _decode_chosen(container, chosen_pts: np.ndarray, opts: SamplingOptions) -> 
             continue
         t = frame.pts * tb
         if t in wanted and t not in kept:
-            w, h = scaled_size(frame.width, frame.height, opts.max_pixels)
-            kept[t] = frame.to_ndarray(format="rgb24", width=w, height=h)
+            kept[t] = frame_to_rgb(frame, opts.max_pixels)
         if t >= last_needed and len(kept) == len(wanted):
             break
     if len(kept) != len(wanted):

@@ -1,0 +1,93 @@
+"""Decode: KV cache + first token -> the rest of the answer, one step at a time. No gRPC here.
+
+A `Generation` holds one request's state (cache, positions, sampler, text); the servicer calls
+`step()` on the model thread once per token, so several requests interleave token by token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_runtime.adapter import VLMAdapter
+from model_runtime.detokenizer import IncrementalText
+from model_runtime.kv_cache import KvCache
+from model_runtime.sampling import GenerationConfig, Sampler
+from stages.contracts import TokenStep
+
+
+class Generation:
+    """One request being decoded."""
+
+    def __init__(
+        self,
+        adapter: VLMAdapter,
+        cache: KvCache,
+        first_token_id: int,
+        next_position_ids: list[int],
+        generation: GenerationConfig,
+    ) -> None:
+        self.adapter = adapter
+        self.generation = generation
+        self.cache = adapter.new_decode_cache(cache)
+        self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
+        self.sampler = Sampler(generation, seed_offset=1)
+        self.text = IncrementalText(adapter.detokenize, generation.stop)
+        self.last_token = first_token_id
+        self.finish_reason = ""
+
+    def first(self) -> TokenStep:
+        """The prefill's token, as the first step."""
+        return self._emit(self.last_token)
+
+    def step(self) -> TokenStep:
+        """Run the model on the last token and emit the next one."""
+        logits = self.adapter.decode_step(self.last_token, self.positions, self.cache)
+        self.positions = self.positions + 1
+        self.last_token = self.sampler(logits)
+        return self._emit(self.last_token)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    def _emit(self, token: int) -> TokenStep:
+        delta = self.text.add(token)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif token in self.adapter.eos_token_ids and not self.generation.ignore_eos:
+            self.finish_reason = "stop"
+        elif len(self.text.token_ids) >= self.generation.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            delta += self.text.flush()
+        return TokenStep([token], delta, self.finish_reason)
+
+
+class DecodeEngine:
+    def __init__(self, adapter: VLMAdapter) -> None:
+        self.adapter = adapter
+
+    def start(
+        self, cache: KvCache, first_token_id: int, next_position_ids: list[int], generation: GenerationConfig
+    ) -> Generation:
+        return Generation(self.adapter, cache, first_token_id, next_position_ids, generation)
+
+
+async def stream_tokens(
+    engine: DecodeEngine,
+    model_thread,
+    cache: KvCache,
+    handle,
+    generation: GenerationConfig,
+    kv_transfer_ms: float,
+):
+    """Async iterator of TokenStep for one request; every model call runs on `model_thread`."""
+    gen = await model_thread.run(
+        engine.start, cache, handle.first_token_id, handle.next_position_ids, generation
+    )
+    first = gen.first()
+    first.kv_transfer_ms = kv_transfer_ms
+    first.kv_num_bytes = cache.num_bytes
+    yield first
+    while not gen.done:
+        yield await model_thread.run(gen.step)

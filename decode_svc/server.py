@@ -1,0 +1,35 @@
+"""Start the Decode service: `start(config)` for tests, `main(config)` for `epd serve decode`."""
+
+from __future__ import annotations
+
+import logging
+
+from decode_svc.config import DecodeConfig
+from decode_svc.engine import DecodeEngine
+from decode_svc.kv_pull import KvPuller
+from decode_svc.servicer import SERVICE_NAME, DecodeServicer
+from model_runtime.loader import load_adapter
+from protos.epd.v1 import decode_pb2_grpc
+from stages.model_thread import ModelThread
+from transport.server import HealthyServer, create_server, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+
+async def start(config: DecodeConfig) -> HealthyServer:
+    model_thread = ModelThread()
+    puller = KvPuller(config.allow_kv_from, config.max_transfer_bytes, config.pull_timeout_s)
+    servicer = DecodeServicer(config, puller, model_thread)
+    hs = await create_server(
+        config.server, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s), [SERVICE_NAME]
+    )
+    adapter = await model_thread.run(load_adapter, config.model, "decode")
+    servicer.engine = DecodeEngine(adapter)
+    await hs.set_serving(True)
+    log.info("decode serving on port %d", hs.port)
+    return hs
+
+
+async def main(config: DecodeConfig) -> None:
+    hs = await start(config)
+    await serve_until_signal(hs, config.server.grace_s)

@@ -1,0 +1,35 @@
+"""Start the Encode service: `start(config)` for tests, `main(config)` for `epd serve encoder`."""
+
+from __future__ import annotations
+
+import logging
+
+from encoder_svc.config import EncoderConfig
+from encoder_svc.engine import EncoderEngine
+from encoder_svc.servicer import SERVICE_NAME, EncoderServicer
+from model_runtime.loader import load_adapter
+from protos.epd.v1 import encoder_pb2_grpc
+from stages.local import LocalEncodeStage
+from stages.model_thread import ModelThread
+from transport.server import HealthyServer, create_server, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+
+async def start(config: EncoderConfig) -> HealthyServer:
+    """Listen at once (health NOT_SERVING), load the vision tower, then report SERVING."""
+    servicer = EncoderServicer(config)
+    hs = await create_server(
+        config.server, lambda s: encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, s), [SERVICE_NAME]
+    )
+    model_thread = ModelThread()
+    adapter = await model_thread.run(load_adapter, config.model, "encoder")
+    servicer.stage = LocalEncodeStage(EncoderEngine(config, adapter), model_thread)
+    await hs.set_serving(True)
+    log.info("encoder serving on port %d", hs.port)
+    return hs
+
+
+async def main(config: EncoderConfig) -> None:
+    hs = await start(config)
+    await serve_until_signal(hs, config.server.grace_s)

@@ -1,0 +1,42 @@
+"""EncoderService over gRPC: protobuf in, EncodeStage call, protobuf out."""
+
+from __future__ import annotations
+
+import time
+
+from encoder_svc.config import EncoderConfig
+from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
+from stages.contracts import EncodeStage, MediaInput
+from stages.events import Finished, with_events
+from transport import convert
+from transport.errors import Unavailable, rpc_errors
+from transport.tensor_wire import tensor_to_chunks
+from transport.upload import read_upload
+
+SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self, config: EncoderConfig) -> None:
+        self.config = config
+        self.stage: EncodeStage | None = None  # set once the model is loaded
+
+    @rpc_errors
+    async def Encode(self, request_iterator, context):
+        started = time.perf_counter()
+        if self.stage is None:
+            raise Unavailable("the encoder is still loading its model; retry shortly")
+        header, data = await read_upload(request_iterator, self.config.limits.max_bytes)
+        sampling = convert.sampling_from_proto(header.sampling, self.config.sampling)
+        media = MediaInput(data if data or not header.media_sha256 else None, header.media_sha256)
+        stage = self.stage
+
+        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, header.request_id)):
+            if isinstance(item, Finished):
+                encoded = item.value
+                for chunk in tensor_to_chunks("visual_embeds", encoded.embeds):
+                    yield encoder_pb2.EncodeResponse(embeddings=chunk)
+                yield encoder_pb2.EncodeResponse(result=convert.encode_result_to_proto(encoded))
+            else:
+                at_ms = (time.perf_counter() - started) * 1e3
+                yield encoder_pb2.EncodeResponse(event=convert.event_to_proto(item, at_ms))

@@ -1,0 +1,69 @@
+"""CLI flags -> the typed config of each component (the only place they meet)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from decode_svc.config import DecodeConfig
+from encoder_svc.config import EncoderConfig
+from gateway.config import GatewayConfig
+from model_runtime.config import ModelConfig
+from model_runtime.sampling import GenerationConfig
+from prefill_svc.config import PrefillConfig
+from transport.server import ServerConfig
+from video.types import DecodeLimits, SamplingOptions
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.num_threads)
+
+
+def sampling_options(args: argparse.Namespace) -> SamplingOptions:
+    return SamplingOptions(
+        fps=args.fps,
+        max_frames=args.max_frames,
+        min_frames=min(2, args.max_frames) if args.max_frames > 0 else 2,
+        num_frames=args.num_frames or None,
+        max_pixels=args.max_pixels or None,
+    )
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port)
+
+
+def encoder_config(args: argparse.Namespace) -> EncoderConfig:
+    limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes)
+    return EncoderConfig(model=model_config(args), server=server_config(args), limits=limits,
+                         sampling=sampling_options(args))
+
+
+def prefill_config(args: argparse.Namespace) -> PrefillConfig:
+    return PrefillConfig(model=model_config(args), server=server_config(args),
+                         advertise_address=args.advertise_address)
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(model=model_config(args), server=server_config(args), allow_kv_from=tuple(args.allow_kv_from))
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        server=server_config(args),
+        encoder_addresses=tuple(args.encoder),
+        prefill_addresses=tuple(args.prefill),
+        decode_addresses=tuple(args.decode),
+        max_upload_bytes=args.max_upload_bytes,
+    )

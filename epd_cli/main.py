@@ -1,0 +1,133 @@
+"""`epd`: ask a question about a video, or serve the stack.
+
+    epd ask VIDEO QUESTION [--endpoint HOST:PORT] [--json]
+    epd serve                     # the whole stack on loopback, one process per service
+    epd serve encoder|prefill|decode|gateway
+    epd health HOST:PORT          # exit 0 when the service reports SERVING
+
+Environment variables are read here and nowhere else: EPD_MODEL, EPD_DEVICE, EPD_DTYPE,
+EPD_NUM_THREADS give the defaults of --model, --device, --dtype, --num-threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=_env("EPD_MODEL", "default"),
+                   help="local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint (default: embedded model)")
+    g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--num-threads", type=int, default=int(_env("EPD_NUM_THREADS", "1")),
+                   help="torch threads per process (1 is fastest on small machines)")
+
+
+def add_generation_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frame sampling")
+    g.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video")
+    g.add_argument("--max-frames", type=int, default=32)
+    g.add_argument("--num-frames", type=int, default=0, help="exactly N frames, uniformly (overrides --fps)")
+    g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
+
+
+def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=default_port)
+
+
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from decode_svc.config import DEFAULT_PORT as DECODE_PORT
+    from encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
+    from gateway.config import DEFAULT_PORT as GATEWAY_PORT
+    from prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
+
+    parser = argparse.ArgumentParser(prog="epd", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ask = sub.add_parser("ask", help="ask a question about a video or image")
+    ask.add_argument("video", help="path of a video (MP4, MKV, WebM, MOV, AVI) or image")
+    ask.add_argument("question")
+    ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
+    ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_model_flags(ask)
+    add_generation_flags(ask)
+    add_sampling_flags(ask)
+
+    serve = sub.add_parser("serve", help="run the stack (default) or one service")
+    roles = serve.add_subparsers(dest="role")
+    for role, port in (("encoder", ENCODER_PORT), ("prefill", PREFILL_PORT), ("decode", DECODE_PORT)):
+        r = roles.add_parser(role, help=f"run the {role} service")
+        add_server_flags(r, port)
+        add_model_flags(r)
+        if role == "encoder":
+            add_sampling_flags(r)
+            r.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+        if role == "prefill":
+            r.add_argument("--advertise-address", default="",
+                           help="HOST:PORT decoders pull KV caches from (default: --host:--port)")
+        if role == "decode":
+            r.add_argument("--allow-kv-from", type=_addresses, default=("127.0.0.1:*", "localhost:*"),
+                           help="comma-separated HOST:PORT patterns of prefill servers to pull KV from")
+    gw = roles.add_parser("gateway", help="run the front door")
+    add_server_flags(gw, GATEWAY_PORT)
+    gw.add_argument("--encoder", type=_addresses, default=(f"127.0.0.1:{ENCODER_PORT}",),
+                    help="comma-separated encoder replica addresses")
+    gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
+    gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
+    gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    # `epd serve` with no role: the whole stack on loopback.
+    serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
+    serve.add_argument("--encoder-port", type=int, default=ENCODER_PORT)
+    serve.add_argument("--prefill-port", type=int, default=PREFILL_PORT)
+    serve.add_argument("--decode-port", type=int, default=DECODE_PORT)
+    add_model_flags(serve)
+
+    health = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
+    health.add_argument("address", help="HOST:PORT")
+    health.add_argument("--service", default="", help="service name; default: the whole server")
+    health.add_argument("--timeout", type=float, default=3.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "ask":
+        from epd_cli.ask import run_ask
+
+        return run_ask(args)
+    if args.command == "health":
+        from epd_cli.health import check_health
+
+        return check_health(args.address, args.service, args.timeout)
+    from epd_cli.serve import run_serve
+
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""One question about one video through Encode -> Prefill -> Decode, as a stream of events.
+
+Written against the stage contracts only: the same code runs the embedded mode (local stages)
+and the gateway of the disaggregated stack (remote stages).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from model_runtime.sampling import GenerationConfig
+from stages.contracts import (
+    DecodeStage,
+    EncodeStage,
+    MediaInput,
+    PrefillStage,
+    StageEvent,
+    TokenStep,
+)
+from stages.events import Finished, with_events
+from transport.errors import InvalidRequest
+from video.types import SamplingOptions
+
+
+@dataclass
+class AskRequest:
+    question: str
+    media: MediaInput
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    request_id: str = ""
+
+
+@dataclass
+class AskSummary:
+    request_id: str
+    answer: str
+    token_ids: list[int]
+    finish_reason: str
+    num_frames: int
+    num_visual_tokens: int
+    num_prompt_tokens: int
+    timings_ms: dict[str, float]
+    kv_num_bytes: int
+    encoder_cache_hit: bool
+    media_sha256: str
+    frame_timestamps_s: list[float]
+
+
+PipelineEvent = StageEvent | TokenStep | AskSummary
+
+
+class Pipeline:
+    def __init__(self, encoder: EncodeStage, prefill: PrefillStage, decoder: DecodeStage) -> None:
+        self.encoder = encoder
+        self.prefill = prefill
+        self.decoder = decoder
+
+    async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
+        """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
+        if not req.question.strip():
+            raise InvalidRequest("the question is empty; ask something about the video")
+        request_id = req.request_id or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+
+        def elapsed_ms() -> float:
+            return (time.perf_counter() - t0) * 1e3
+
+        media = None
+        async for item in with_events(
+            lambda sink: self.encoder.encode(req.media, req.sampling, sink, request_id)
+        ):
+            if isinstance(item, Finished):
+                media = item.value
+            else:
+                yield item
+        assert media is not None
+        timings["decode"] = media.decode_ms
+        timings["encode"] = media.encode_ms
+
+        yield StageEvent("prefill", "started")
+        t_prefill = time.perf_counter()
+        handle = await self.prefill.prefill(req.question, media, req.generation, request_id)
+        timings["prefill"] = handle.prefill_ms
+        yield StageEvent(
+            "prefill",
+            "finished",
+            (time.perf_counter() - t_prefill) * 1e3,
+            {"num_prompt_tokens": str(handle.num_prompt_tokens), "kv_num_bytes": str(handle.kv_num_bytes)},
+        )
+
+        token_ids: list[int] = []
+        text_parts: list[str] = []
+        finish_reason = ""
+        t_gen = time.perf_counter()
+        async for step in self.decoder.generate(handle, req.generation, request_id):
+            if not token_ids:
+                timings["ttft"] = elapsed_ms()
+                timings["kv_transfer"] = step.kv_transfer_ms
+                yield StageEvent("kv_transfer", "finished", step.kv_transfer_ms,
+                                 {"kv_num_bytes": str(step.kv_num_bytes)})
+            token_ids += step.token_ids
+            text_parts.append(step.text)
+            finish_reason = step.finish_reason or finish_reason
+            yield step
+        timings["generate"] = (time.perf_counter() - t_gen) * 1e3
+        timings["total"] = elapsed_ms()
+        yield AskSummary(
+            request_id=request_id,
+            answer="".join(text_parts),
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            num_frames=media.num_frames,
+            num_visual_tokens=media.meta.num_visual_tokens,
+            num_prompt_tokens=handle.num_prompt_tokens,
+            timings_ms=timings,
+            kv_num_bytes=handle.kv_num_bytes,
+            encoder_cache_hit=media.cache_hit,
+            media_sha256=media.sha256,
+            frame_timestamps_s=media.frame_timestamps_s,
+        )

@@ -1,0 +1,58 @@
+"""GatewayService over gRPC: read the upload, run the pipeline, stream events and tokens."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.config import GatewayConfig
+from gateway.pipeline import AskRequest, AskSummary, Pipeline
+from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc
+from stages.contracts import MediaInput, StageEvent
+from transport import convert
+from transport.errors import rpc_errors
+from transport.upload import read_upload
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, config: GatewayConfig, pipeline: Pipeline) -> None:
+        self.config = config
+        self.pipeline = pipeline
+
+    @rpc_errors
+    async def Ask(self, request_iterator, context):
+        started = time.perf_counter()
+        header, data = await read_upload(request_iterator, self.config.max_upload_bytes)
+        request = AskRequest(
+            question=header.question,
+            media=MediaInput(data if data or not header.media_sha256 else None, header.media_sha256),
+            sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
+            generation=convert.generation_from_proto(header.generation, self.config.generation),
+            request_id=header.request_id,
+        )
+        async for item in self.pipeline.ask(request):
+            if isinstance(item, StageEvent):
+                at_ms = (time.perf_counter() - started) * 1e3
+                yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
+            elif isinstance(item, AskSummary):
+                yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
+            else:
+                yield gateway_pb2.AskResponse(delta=gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text))
+
+
+def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
+    return gateway_pb2.AskSummary(
+        request_id=s.request_id,
+        answer=s.answer,
+        token_ids=s.token_ids,
+        finish_reason=s.finish_reason,
+        num_frames=s.num_frames,
+        num_visual_tokens=s.num_visual_tokens,
+        num_prompt_tokens=s.num_prompt_tokens,
+        timings_ms=s.timings_ms,
+        kv_num_bytes=s.kv_num_bytes,
+        encoder_cache_hit=s.encoder_cache_hit,
+        media_sha256=s.media_sha256,
+        frame_timestamps_s=s.frame_timestamps_s,
+    )

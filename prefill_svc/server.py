@@ -1,0 +1,37 @@
+"""Start the Prefill service: `start(config)` for tests, `main(config)` for `epd serve prefill`."""
+
+from __future__ import annotations
+
+import logging
+
+from model_runtime.loader import load_adapter
+from prefill_svc.config import PrefillConfig
+from prefill_svc.engine import PrefillEngine
+from prefill_svc.kv_store import KvStore
+from prefill_svc.servicer import SERVICE_NAME, PrefillServicer
+from protos.epd.v1 import prefill_pb2_grpc
+from stages.local import LocalPrefillStage
+from stages.model_thread import ModelThread
+from transport.server import HealthyServer, create_server, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+
+async def start(config: PrefillConfig) -> HealthyServer:
+    kv_store = KvStore(config.kv_store_bytes, config.kv_ttl_s)
+    servicer = PrefillServicer(config, kv_store, kv_address="")
+    hs = await create_server(
+        config.server, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s), [SERVICE_NAME]
+    )
+    servicer.kv_address = config.advertise_address or f"{config.server.host}:{hs.port}"
+    model_thread = ModelThread()
+    adapter = await model_thread.run(load_adapter, config.model, "prefill")
+    servicer.stage = LocalPrefillStage(PrefillEngine(config, adapter), kv_store, model_thread)
+    await hs.set_serving(True)
+    log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, servicer.kv_address)
+    return hs
+
+
+async def main(config: PrefillConfig) -> None:
+    hs = await start(config)
+    await serve_until_signal(hs, config.server.grace_s)

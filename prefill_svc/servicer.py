@@ -1,0 +1,56 @@
+"""PrefillService over gRPC: prefill on upload of visual embeddings; PullKv hands caches over."""
+
+from __future__ import annotations
+
+from model_runtime.sampling import GenerationConfig
+from prefill_svc.config import PrefillConfig
+from prefill_svc.kv_store import KvStore
+from protos.epd.v1 import prefill_pb2, prefill_pb2_grpc
+from stages.contracts import PrefillStage
+from transport import convert
+from transport.errors import InvalidRequest, Unavailable, rpc_errors
+from transport.tensor_wire import TensorAssembler, tensor_to_chunks
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, config: PrefillConfig, kv_store: KvStore, kv_address: str) -> None:
+        self.config = config
+        self.kv_store = kv_store
+        self.kv_address = kv_address
+        self.stage: PrefillStage | None = None  # set once the model is loaded
+
+    @rpc_errors
+    async def Prefill(self, request_iterator, context):
+        if self.stage is None:
+            raise Unavailable("prefill is still loading its model; retry shortly")
+        header = None
+        embeds = TensorAssembler(self.config.max_transfer_bytes)
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("kind")
+            if header is None:
+                if kind != "header":
+                    raise InvalidRequest("the first message of the stream must be the header")
+                header = msg.header
+            elif kind == "visual_embeds":
+                embeds.add(msg.visual_embeds)
+            else:
+                raise InvalidRequest("only visual_embeds messages may follow the header")
+        if header is None:
+            raise InvalidRequest("the stream ended before its header")
+        tensors = embeds.tensors()
+        if "visual_embeds" not in tensors:
+            raise InvalidRequest("no visual_embeds tensor was sent")
+        media = convert.encoded_media_from_proto(header.visual, tensors["visual_embeds"])
+        generation = convert.generation_from_proto(header.generation, GenerationConfig())
+        handle = await self.stage.prefill(header.question, media, generation, header.request_id)
+        handle.kv_address = self.kv_address
+        return convert.handle_to_proto(handle)
+
+    @rpc_errors
+    async def PullKv(self, request, context):
+        cache = self.kv_store.take(request.kv_handle)
+        for name, tensor in cache.named_tensors():
+            for chunk in tensor_to_chunks(name, tensor):
+                yield prefill_pb2.KvChunk(tensor=chunk)

@@ -1,0 +1,107 @@
+"""The three stage boundaries, as small abstract classes with their contracts.
+
+    EncodeStage.encode(MediaInput, SamplingOptions)         -> EncodedMedia
+    PrefillStage.prefill(question, EncodedMedia, GenerationConfig) -> PrefillHandle
+    DecodeStage.generate(PrefillHandle, GenerationConfig)   -> async iterator of TokenStep
+
+Two implementations stand side by side: `stages.local` runs the engines in this process (the
+embedded mode, and the reference for tests) and `stages.remote` calls the gRPC services. The
+gateway's pipeline is written against these contracts only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model_runtime.adapter import VisualMeta
+from model_runtime.sampling import GenerationConfig
+from video.types import SamplingOptions
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    stage: str  # "upload" | "decode" | "encode" | "prefill" | "kv_transfer" | "generate"
+    state: str  # "started" | "progress" | "finished"
+    duration_ms: float = 0.0
+    details: dict[str, str] = field(default_factory=dict)
+
+
+EventSink = Callable[[StageEvent], None]
+
+
+@dataclass
+class MediaInput:
+    """A video or image: its bytes, or only its sha256 when the encoder has seen it before."""
+
+    data: bytes | None
+    sha256: str = ""
+
+
+@dataclass
+class EncodedMedia:
+    """Visual token embeddings and what prefill needs to place them."""
+
+    embeds: torch.Tensor  # [num_visual_tokens, hidden_size]
+    meta: VisualMeta
+    num_frames: int
+    frame_timestamps_s: list[float]
+    decode_ms: float
+    encode_ms: float
+    cache_hit: bool = False
+    sha256: str = ""
+
+
+@dataclass
+class PrefillHandle:
+    """Where the KV cache waits and what decoding starts from."""
+
+    kv_handle: str
+    kv_address: str  # "" for an in-process store
+    first_token_id: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    next_position_ids: list[int]  # [4]: text, temporal, height, width
+    kv_num_bytes: int
+    prefill_ms: float
+    num_visual_tokens_in: int = 0
+    num_visual_tokens_out: int = 0
+    kv_num_bytes_uncompressed: int = 0
+
+
+@dataclass
+class TokenStep:
+    """Tokens produced since the last step and the text they add."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""  # "" while generating, then "stop" or "length"
+    kv_transfer_ms: float = 0.0  # set on the first step
+    kv_num_bytes: int = 0  # set on the first step
+
+
+class EncodeStage(ABC):
+    @abstractmethod
+    async def encode(
+        self, media: MediaInput, sampling: SamplingOptions, on_event: EventSink, request_id: str
+    ) -> EncodedMedia:
+        """Decode and encode the media. Raises MediaError / EpdError with a client-safe message."""
+
+
+class PrefillStage(ABC):
+    @abstractmethod
+    async def prefill(
+        self, question: str, media: EncodedMedia, generation: GenerationConfig, request_id: str
+    ) -> PrefillHandle:
+        """Run the prompt; the KV cache stays with the stage until a decoder takes it."""
+
+
+class DecodeStage(ABC):
+    @abstractmethod
+    def generate(
+        self, handle: PrefillHandle, generation: GenerationConfig, request_id: str
+    ) -> AsyncIterator[TokenStep]:
+        """Take the KV cache and stream tokens; the first step carries the first token."""

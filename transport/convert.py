@@ -1,0 +1,150 @@
+"""Protobuf <-> domain objects. Servicers and remote stages use only these, so the wire format
+lives in one place. Zero in a proto field means "server default"."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from model_runtime.adapter import VisualMeta
+from model_runtime.sampling import GenerationConfig
+from protos.epd.v1 import common_pb2, encoder_pb2, prefill_pb2
+from stages.contracts import EncodedMedia, PrefillHandle, StageEvent, TokenStep
+from transport.errors import InvalidRequest
+from video.types import MediaError, SamplingOptions
+
+
+def sampling_from_proto(msg: common_pb2.VideoSampling, defaults: SamplingOptions) -> SamplingOptions:
+    if msg.fps < 0 or msg.max_frames < 0 or msg.min_frames < 0 or msg.num_frames < 0 or msg.max_pixels < 0:
+        raise MediaError("sampling options must not be negative")
+    opts = replace(
+        defaults,
+        fps=msg.fps or defaults.fps,
+        max_frames=msg.max_frames or defaults.max_frames,
+        min_frames=msg.min_frames or min(defaults.min_frames, msg.max_frames or defaults.max_frames),
+        num_frames=msg.num_frames or defaults.num_frames,
+        start_time_s=msg.start_time_s,
+        end_time_s=msg.end_time_s or None,
+        max_pixels=msg.max_pixels or defaults.max_pixels,
+    )
+    return opts
+
+
+def sampling_to_proto(opts: SamplingOptions) -> common_pb2.VideoSampling:
+    return common_pb2.VideoSampling(
+        fps=opts.fps,
+        max_frames=opts.max_frames,
+        min_frames=opts.min_frames,
+        num_frames=opts.num_frames or 0,
+        start_time_s=opts.start_time_s,
+        end_time_s=opts.end_time_s or 0.0,
+        max_pixels=opts.max_pixels or 0,
+    )
+
+
+def generation_from_proto(msg: common_pb2.GenerationParams, defaults: GenerationConfig) -> GenerationConfig:
+    if msg.max_new_tokens < 0 or msg.top_k < 0 or msg.temperature < 0 or msg.top_p < 0:
+        raise InvalidRequest("generation parameters must not be negative")
+    return GenerationConfig(
+        max_new_tokens=msg.max_new_tokens or defaults.max_new_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed,
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def generation_to_proto(cfg: GenerationConfig) -> common_pb2.GenerationParams:
+    return common_pb2.GenerationParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        seed=cfg.seed,
+        stop=list(cfg.stop),
+        ignore_eos=cfg.ignore_eos,
+    )
+
+
+def event_to_proto(event: StageEvent, at_ms: float) -> common_pb2.StageEvent:
+    return common_pb2.StageEvent(
+        stage=event.stage, state=event.state, at_ms=at_ms, duration_ms=event.duration_ms, details=event.details
+    )
+
+
+def event_from_proto(msg: common_pb2.StageEvent) -> StageEvent:
+    return StageEvent(msg.stage, msg.state, msg.duration_ms, dict(msg.details))
+
+
+def encode_result_to_proto(media: EncodedMedia) -> encoder_pb2.EncodeResult:
+    return encoder_pb2.EncodeResult(
+        modality=media.meta.modality,
+        grid_thw=list(media.meta.grid_thw),
+        num_visual_tokens=media.meta.num_visual_tokens,
+        num_frames=media.num_frames,
+        frame_timestamps_s=media.frame_timestamps_s,
+        second_per_grid_t=media.meta.second_per_grid_t,
+        decode_ms=media.decode_ms,
+        encode_ms=media.encode_ms,
+        cache_hit=media.cache_hit,
+        media_sha256=media.sha256,
+    )
+
+
+def visual_meta_from_proto(msg: encoder_pb2.EncodeResult) -> VisualMeta:
+    if msg.modality not in ("video", "image") or len(msg.grid_thw) != 3 or min(msg.grid_thw) < 1:
+        raise InvalidRequest("visual metadata must name modality 'video' or 'image' and a 3-value grid_thw")
+    grid = (int(msg.grid_thw[0]), int(msg.grid_thw[1]), int(msg.grid_thw[2]))
+    return VisualMeta(msg.modality, grid, msg.second_per_grid_t, int(msg.num_visual_tokens))
+
+
+def encoded_media_from_proto(msg: encoder_pb2.EncodeResult, embeds) -> EncodedMedia:
+    return EncodedMedia(
+        embeds=embeds,
+        meta=visual_meta_from_proto(msg),
+        num_frames=msg.num_frames,
+        frame_timestamps_s=list(msg.frame_timestamps_s),
+        decode_ms=msg.decode_ms,
+        encode_ms=msg.encode_ms,
+        cache_hit=msg.cache_hit,
+        sha256=msg.media_sha256,
+    )
+
+
+def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
+    return prefill_pb2.PrefillResult(
+        kv_handle=h.kv_handle,
+        kv_address=h.kv_address,
+        first_token_id=h.first_token_id,
+        num_prompt_tokens=h.num_prompt_tokens,
+        num_cached_tokens=h.num_cached_tokens,
+        next_position_ids=h.next_position_ids,
+        kv_num_bytes=h.kv_num_bytes,
+        prefill_ms=h.prefill_ms,
+        num_visual_tokens_in=h.num_visual_tokens_in,
+        num_visual_tokens_out=h.num_visual_tokens_out,
+        kv_num_bytes_uncompressed=h.kv_num_bytes_uncompressed,
+    )
+
+
+def handle_from_proto(msg: prefill_pb2.PrefillResult) -> PrefillHandle:
+    if len(msg.next_position_ids) != 4 or not msg.kv_handle:
+        raise InvalidRequest("prefill result must carry a kv_handle and 4 next_position_ids")
+    return PrefillHandle(
+        kv_handle=msg.kv_handle,
+        kv_address=msg.kv_address,
+        first_token_id=msg.first_token_id,
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        next_position_ids=list(msg.next_position_ids),
+        kv_num_bytes=msg.kv_num_bytes,
+        prefill_ms=msg.prefill_ms,
+        num_visual_tokens_in=msg.num_visual_tokens_in,
+        num_visual_tokens_out=msg.num_visual_tokens_out,
+        kv_num_bytes_uncompressed=msg.kv_num_bytes_uncompressed,
+    )
+
+
+def token_step_from_proto(msg) -> TokenStep:
+    return TokenStep(list(msg.token_ids), msg.text, msg.finish_reason, msg.kv_transfer_ms, msg.kv_num_bytes)

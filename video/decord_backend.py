@@ -1,0 +1,196 @@
+"""Optional decord backend, run in a child process so that a hang can be killed.
+
+decord's last release is from 2021 and has open reports of hangs that hold the GIL, so it never
+runs in the server's own process: one long-lived child (spawned, not forked, since the parent has
+decode threads) takes requests over a pipe and writes the frames into shared memory, which the
+parent copies out. A request that takes longer than `timeout_s` kills the child; the next
+request starts a fresh one.
+
+Frames are chosen by the same rule as every backend: the parent builds the PyAV demux index and
+plan, and asks decord for frames by their position in presentation order. decord's own frame
+table must agree with the index (same count, timestamps within half a frame); where it does not
+(e.g. AVI with B-frames) the request fails with MediaError rather than return other frames.
+
+Identical to PyAV for H.264, HEVC, VP9 and MJPEG in MP4, MKV, MOV and WebM at full size. Known
+differences: decord's bundled FFmpeg cannot open AV1; its MPEG-4 Part 2 decoder differs from
+FFmpeg 8's by +-1 in some pixels; with `max_pixels` downscaling decord's scaler is used, whose
+pixels differ slightly from swscale's in PyAV.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from video.keyframe_index import KeyframeIndexCache, content_sha256
+from video.simple_decoder import check_size, decode_image, is_image, select_frames, scaled_size
+from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
+
+log = logging.getLogger(__name__)
+
+_DECORD_FAILED = (
+    "the decord backend could not decode this video (it cannot open AV1, and some AVI files); "
+    "use the default PyAV backend"
+)
+
+
+@dataclass(frozen=True)
+class DecordConfig:
+    timeout_s: float = 120.0
+    """A request not answered by the child within this long kills it and fails with MediaError."""
+    num_threads: int = 0
+    """decord's decode threads (0: its default, one per core)."""
+
+
+def decord_available() -> bool:
+    try:
+        import decord  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _child_main(conn) -> None:
+    """Child loop: (data, positions, size, shm name, num_threads) -> ("ok", shape) | ("error", text)."""
+    import io
+
+    import decord
+
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        data, positions, size, pts_s, shm_name, num_threads = msg
+        try:
+            kwargs = {"ctx": decord.cpu(0), "num_threads": num_threads}
+            if size is not None:
+                kwargs["width"], kwargs["height"] = size
+            reader = decord.VideoReader(io.BytesIO(data), **kwargs)
+            if len(reader) != len(pts_s):
+                raise RuntimeError(f"decord sees {len(reader)} frames, the index {len(pts_s)}")
+            ts = reader.get_frame_timestamp(np.arange(len(reader)))[:, 0]
+            tol = 0.5 * float(np.median(np.diff(pts_s))) if len(pts_s) > 1 else 1e-3
+            if np.max(np.abs(ts - (np.asarray(pts_s) - pts_s[0]))) > tol:
+                raise RuntimeError("decord's frame timestamps disagree with the demux index")
+            frames = reader.get_batch(list(positions)).asnumpy()  # [T, H, W, 3]
+            shm = shared_memory.SharedMemory(name=shm_name)
+            try:
+                if frames.nbytes > shm.size:
+                    raise RuntimeError("frames larger than the shared buffer")
+                np.ndarray(frames.shape, np.uint8, buffer=shm.buf)[:] = frames
+            finally:
+                shm.close()
+            conn.send(("ok", frames.shape))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back as text
+            conn.send(("error", repr(exc)))
+
+
+class DecordDecoder:
+    """`decode(data, opts, limits) -> DecodedVideo` through decord in a killable child process."""
+
+    def __init__(self, config: DecordConfig | None = None):
+        self.config = config or DecordConfig()
+        self.index_cache = KeyframeIndexCache()
+        self._lock = threading.Lock()  # one request at a time per child
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn = None
+        self.num_restarts = 0
+
+    def _ensure_child(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            return
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child,), daemon=True, name="decord")
+        self._proc.start()
+        child.close()
+        self._conn = parent
+
+    def _kill_child(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(timeout=5)
+            self.num_restarts += 1
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn = None, None
+
+    def decode(
+        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(),
+        sha256: str | None = None,
+    ) -> DecodedVideo:
+        started = time.perf_counter()
+        check_size(len(data), limits)
+        opts.validate(limits.max_frames)
+        if is_image(data):
+            return decode_image(data, opts, limits)
+        index = self.index_cache.get_or_build(data, limits, sha256 or content_sha256(data))
+        chosen_s, sampled_fps = select_frames(index.frames, opts)
+        positions = np.searchsorted(index.frames.pts_s, chosen_s).tolist()
+        w, h = scaled_size(index.width, index.height, opts.max_pixels)
+        size = None if (w, h) == (index.width, index.height) else (w, h)
+        shm = shared_memory.SharedMemory(create=True, size=len(positions) * w * h * 3)
+        try:
+            with self._lock:
+                self._ensure_child()
+                assert self._conn is not None
+                self._conn.send((data, positions, size, index.frames.pts_s.tolist(), shm.name,
+                                 self.config.num_threads))
+                if not self._conn.poll(self.config.timeout_s):
+                    self._kill_child()
+                    raise MediaError(
+                        f"the decord backend did not answer within {self.config.timeout_s:.0f} s "
+                        "and was restarted; use the default PyAV backend"
+                    )
+                try:
+                    status, payload = self._conn.recv()
+                except EOFError:  # the child died (crash in decord)
+                    self._kill_child()
+                    raise MediaError(_DECORD_FAILED) from None
+            if status != "ok":
+                log.info("decord failed: %s", payload)
+                raise MediaError(_DECORD_FAILED)
+            frames = np.ndarray(payload, np.uint8, buffer=shm.buf).copy()
+        finally:
+            shm.close()
+            shm.unlink()
+        if index.rotation_deg:
+            frames = np.ascontiguousarray(np.rot90(frames, k=index.rotation_deg // 90, axes=(1, 2)))
+        return DecodedVideo(
+            frames=frames,
+            timestamps_s=[float(t - index.frames.pts_s[0]) for t in chosen_s],
+            sampled_fps=sampled_fps,
+            duration_s=index.duration_s,
+            source_fps=index.source_fps,
+            stats={"decode_ms": (time.perf_counter() - started) * 1e3},
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and self._proc is not None and self._proc.is_alive():
+                try:
+                    self._conn.send(None)
+                    self._proc.join(timeout=5)
+                except OSError:
+                    pass
+            if self._proc is not None and self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(timeout=5)
+            if self._conn is not None:
+                self._conn.close()
+            self._proc, self._conn = None, None
+
+    def __enter__(self) -> DecordDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

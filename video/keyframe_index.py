@@ -1,0 +1,197 @@
+"""A demux-only index of a video: every frame's pts, the keyframes, rate, size and rotation.
+
+The parallel decoder plans from this index (which keyframe to seek to for each target), so it is
+built once per content hash and cached: a second request for the same bytes skips the demux pass.
+The frame timestamps come from the same `build_frame_index` the reference decoder uses, so the
+frame selection rule picks the same frames in every backend.
+
+Rotation is the one field a demux pass cannot see in PyAV (it exposes the display matrix only on
+decoded frames), so the index decodes the first frame to read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from video.simple_decoder import _CORRUPT, FrameIndex, check_size
+from video.types import DecodeLimits, MediaError, MediaLimitError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VideoIndex:
+    """What the planner needs to know about one video, without decoding it."""
+
+    content_sha256: str
+    """sha256 hex digest of the file bytes; the cache key."""
+    frames: FrameIndex
+    """Presentation time of every frame and keyframe in seconds, as the reference decoder sees it."""
+    frame_pts: np.ndarray
+    """[N] int64 stream pts of every frame, sorted; frame_pts[i] * time_base == frames.pts_s[i]."""
+    keyframe_pts: np.ndarray
+    """[K] int64 stream pts of the keyframes (seek points), sorted; may be just the first frame."""
+    time_base: float
+    """Seconds per pts unit."""
+    width: int
+    height: int
+    """Coded size of the frames, before rotation."""
+    rotation_deg: int
+    """Counter-clockwise display rotation (0, 90, 180, 270) applied to every returned frame."""
+    codec_name: str
+    container_format: str
+
+    @property
+    def duration_s(self) -> float:
+        return self.frames.duration_s
+
+    @property
+    def source_fps(self) -> float:
+        return self.frames.source_fps
+
+    @property
+    def num_frames(self) -> int:
+        return int(len(self.frame_pts))
+
+    @property
+    def num_keyframes(self) -> int:
+        return int(len(self.keyframe_pts))
+
+
+def content_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def build_video_index(
+    data: bytes, limits: DecodeLimits = DecodeLimits(), sha256: str | None = None
+) -> VideoIndex:
+    """Demux every packet of the first video stream of `data`; raise MediaError if unusable."""
+    import av
+
+    check_size(len(data), limits)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError("the file has no video stream; send a video or an image")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > limits.max_source_pixels:
+                raise MediaLimitError(
+                    f"the video is {width}x{height}, over this server's limit of "
+                    f"{limits.max_source_pixels} pixels per frame; downscale it before sending"
+                )
+            frame_pts, keyframe_pts, rotation = _demux(container, stream)
+            tb = float(stream.time_base)
+            codec_name = stream.codec_context.name
+            container_format = container.format.name
+            rate = float(stream.average_rate) if stream.average_rate else 0.0
+    except MediaError:
+        raise
+    except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:
+        log.info("video index failed: %r", exc)  # decoder text stays in the server log
+        raise MediaError(_CORRUPT) from None
+    if len(frame_pts) == 0:
+        raise MediaError(_CORRUPT)
+    # Same arithmetic as simple_decoder.build_frame_index (int * float), so floats compare equal.
+    pts_s = np.asarray([int(p) * tb for p in frame_pts], dtype=np.float64)
+    if rate <= 0 and len(pts_s) > 1:
+        rate = (len(pts_s) - 1) / max(pts_s[-1] - pts_s[0], 1e-6)
+    if len(keyframe_pts) == 0 or keyframe_pts[0] > frame_pts[0]:
+        # No index, or leading frames before the first flagged keyframe: the start of the stream
+        # is always a valid place to begin decoding.
+        keyframe_pts = np.concatenate([frame_pts[:1], keyframe_pts])
+    frames = FrameIndex(pts_s, np.asarray([int(p) * tb for p in keyframe_pts]), rate or 1.0)
+    if frames.duration_s > limits.max_duration_s:
+        raise MediaLimitError(
+            f"the video lasts {frames.duration_s:.0f} s, over this server's limit of "
+            f"{limits.max_duration_s:.0f} s; trim it or send a clip with start/end times"
+        )
+    return VideoIndex(
+        content_sha256=sha256 or content_sha256(data),
+        frames=frames,
+        frame_pts=frame_pts,
+        keyframe_pts=keyframe_pts,
+        time_base=tb,
+        width=width,
+        height=height,
+        rotation_deg=rotation,
+        codec_name=codec_name,
+        container_format=container_format,
+    )
+
+
+def _demux(container, stream) -> tuple[np.ndarray, np.ndarray, int]:
+    """One pass over the packets; the first few are also decoded to read the display rotation."""
+    ctx = stream.codec_context
+    ctx.thread_count = 1  # frame threading would delay the first frame by several packets
+    pts, key = [], []
+    rotation: int | None = None
+    for num_packets, packet in enumerate(container.demux(stream)):
+        if rotation is None and num_packets < 64:
+            try:
+                for frame in packet.decode():
+                    rotation = int(round(frame.rotation)) % 360
+                    break
+            except Exception as exc:  # a bad first packet is found again by the real decode
+                log.debug("first-frame decode for rotation failed: %r", exc)
+        if packet.pts is None or packet.size == 0:
+            continue
+        pts.append(packet.pts)
+        if packet.is_keyframe:
+            key.append(packet.pts)
+    if rotation not in (0, 90, 180, 270):
+        rotation = 0
+    return np.sort(np.asarray(pts, np.int64)), np.sort(np.asarray(key, np.int64)), rotation
+
+
+class KeyframeIndexCache:
+    """LRU of VideoIndex by content hash; thread-safe. Two racing builds of one file both run."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, VideoIndex] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def get_or_build(
+        self, data: bytes, limits: DecodeLimits, sha256: str | None = None
+    ) -> VideoIndex:
+        sha256 = sha256 or content_sha256(data)
+        with self._lock:
+            index = self._entries.get(sha256)
+            if index is not None:
+                self._entries.move_to_end(sha256)
+                self.num_hits += 1
+        if index is not None:
+            # Limits may differ between callers; re-check the cheap ones.
+            check_size(len(data), limits)
+            _check_limits(index, limits)
+            return index
+        index = build_video_index(data, limits, sha256)
+        with self._lock:
+            self.num_misses += 1
+            self._entries[sha256] = index
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return index
+
+
+def _check_limits(index: VideoIndex, limits: DecodeLimits) -> None:
+    if index.width * index.height > limits.max_source_pixels:
+        raise MediaLimitError(
+            f"the video is {index.width}x{index.height}, over this server's limit of "
+            f"{limits.max_source_pixels} pixels per frame; downscale it before sending"
+        )
+    if index.duration_s > limits.max_duration_s:
+        raise MediaLimitError(
+            f"the video lasts {index.duration_s:.0f} s, over this server's limit of "
+            f"{limits.max_duration_s:.0f} s; trim it or send a clip with start/end times"
+        )

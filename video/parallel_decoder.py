@@ -1,0 +1,481 @@
+"""Parallel keyframe-aligned video decoding with a reusable pool of decode threads.
+
+A request's life:
+  1. `iter_groups` hashes the bytes, gets the demux-only `VideoIndex` (cached per hash) and makes a
+     `DecodePlan`: keyframe-aligned intervals dealt to `num_workers` shares by decode cost. Bad input
+     and limits fail here, before any thread is involved. The result's shape is known now, so
+     the returned `FrameGroupStream` carries the metadata (sampled_fps, timestamps) up front.
+  2. Each share becomes one task on the pool's queue. A worker thread opens its own container
+     (one codec context is not thread-safe) with `thread_count=1`, and for each interval seeks to
+     its keyframe (or decodes forward when the keyframe is only a few frames ahead), decodes until
+     it holds every target, and writes each target straight into the request's output array
+     [T, H, W, 3]. PyAV releases the GIL in demux, decode and swscale, so threads run in parallel
+     and nothing is pickled or copied between processes.
+  3. The consumer iterates the stream: it waits for intervals in temporal order and yields a
+     `FrameGroup` (a view of the output array) as soon as the frames of that group are ready, so
+     the encoder can start on the first frames while later intervals are still decoding.
+
+Failure: any error fails the whole request with MediaError (decoder text goes to the log only).
+A worker that makes no progress for `stall_timeout_s`, or a request past `request_timeout_s`, is
+cancelled: the stuck threads are retired and replaced by fresh ones, so the pool keeps its size;
+a retired thread exits at its next frame. A thread stuck forever inside FFmpeg cannot be killed
+from Python (use the decord backend's process isolation for decoders that hang while holding the
+GIL); its container is closed when it returns. A segfault in FFmpeg kills the process: threads
+trade that isolation for speed (VIDEO.md: threads beat processes here and use ~300 MB less).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from video.keyframe_index import KeyframeIndexCache, VideoIndex, content_sha256
+from video.plan import DecodePlan, make_plan
+from video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, is_image
+from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelDecodeConfig:
+    """Settings of one ParallelDecoder (one pool shared by all requests)."""
+
+    num_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """Decode threads; each decodes one share of a request at a time. Default: one per core."""
+    request_timeout_s: float = 300.0
+    """A request not finished after this long fails with MediaError and its workers are replaced."""
+    stall_timeout_s: float = 30.0
+    """A worker that decodes no frame for this long is treated as hung."""
+    seek_cost_frames: float = 3.0
+    """A seek (flush + keyframe) costs about this many decoded frames; neighbouring intervals
+    closer than this are decoded through, and each interval's cost includes one seek."""
+    index_cache_entries: int = 256
+    """Keyframe indexes kept in memory, by content hash."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.request_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ValueError("request_timeout_s and stall_timeout_s must be > 0")
+
+
+@dataclass
+class FrameGroup:
+    """Consecutive sampled frames, ready to encode."""
+
+    frames: np.ndarray
+    """[g, H, W, 3] uint8 RGB (a view of the request's output array)."""
+    timestamps_s: list[float]
+    """Presentation time of each frame, seconds from the first frame of the video."""
+    first_index: int
+    """Position of frames[0] among all sampled frames of the request."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Request:
+    """Shared state of one decode between the consumer and the worker tasks."""
+
+    def __init__(
+        self, data: bytes, index: VideoIndex, plan: DecodePlan, opts: SamplingOptions,
+        seek_cost_frames: float,
+    ):
+        self.data = data
+        self.index = index
+        self.plan = plan
+        self.opts = opts
+        self.seek_cost_frames = seek_cost_frames
+        self.slots_of_pts: dict[int, list[int]] = {}
+        for slot, pts in enumerate(plan.slot_pts.tolist()):
+            self.slots_of_pts.setdefault(pts, []).append(slot)
+        self.interval_of_pts = {
+            pts: iv.position for iv in plan.intervals for pts in iv.target_pts
+        }
+        self.out: np.ndarray | None = None  # [T, H, W, 3], allocated at the first frame
+        self.interval_done = [False] * len(plan.intervals)
+        self.cond = threading.Condition()
+        self.error: MediaError | None = None
+        self.cancelled = threading.Event()
+        self.tasks: list[_Task] = []
+
+    def put_frame(self, pts: int, rgb: np.ndarray) -> None:
+        with self.cond:
+            if self.out is None:
+                self.out = np.empty((len(self.plan.slot_pts), *rgb.shape), np.uint8)
+        if rgb.shape != self.out.shape[1:]:
+            # The reference decoder fails the same way (np.stack of unequal frames).
+            raise MediaError(_CORRUPT)
+        for slot in self.slots_of_pts[pts]:
+            self.out[slot] = rgb
+
+    def finish_interval(self, position: int) -> None:
+        with self.cond:
+            self.interval_done[position] = True
+            self.cond.notify_all()
+
+    def fail(self, error: MediaError) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cancelled.set()
+            self.cond.notify_all()
+
+
+@dataclass
+class _Task:
+    request: _Request
+    positions: list[int]
+    """Interval positions of this share, ascending."""
+    started_at: float | None = None
+    last_progress: float = 0.0
+    """time.monotonic() of the last decoded frame (or of the start)."""
+    worker: _Worker | None = None
+    done: bool = False
+    num_decoded_frames: int = 0
+
+
+class _Worker(threading.Thread):
+    def __init__(self, pool: ParallelDecoder, number: int):
+        super().__init__(name=f"video-decode-{number}", daemon=True)
+        self.pool = pool
+        self.retired = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.retired.is_set():
+                task = self.pool._tasks.get()
+                if task is None:  # shutdown
+                    return
+                self._run_task(task)
+        finally:
+            self.pool._worker_exited(self)
+
+    def _run_task(self, task: _Task) -> None:
+        req = task.request
+        if req.cancelled.is_set():
+            return
+        task.worker = self
+        task.started_at = task.last_progress = time.monotonic()
+        try:
+            _decode_share(task, self.retired)
+        except _Cancelled:
+            pass
+        except MediaError as exc:
+            req.fail(exc)
+        except Exception as exc:
+            log.info("video decode worker failed: %r", exc)  # decoder text stays in the log
+            req.fail(MediaError(_CORRUPT))
+        except BaseException:
+            req.fail(MediaError("a video decode worker crashed; send the request again"))
+            raise  # the thread ends; _worker_exited replaces it
+        finally:
+            task.done = True
+
+
+def _decode_share(task: _Task, retired: threading.Event) -> None:
+    """Decode the intervals of one share in order with one container; write targets to the output."""
+    import av
+
+    req = task.request
+    index = req.index
+    frame_pts = index.frame_pts
+    with av.open(io.BytesIO(req.data), mode="r") as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1  # parallelism is across workers, not inside one
+        frames: Iterator | None = None  # the live decode iterator
+        last_pts: int | None = None  # pts of the last frame taken from it
+        for position in task.positions:
+            interval = req.plan.intervals[position]
+            wanted = set(interval.target_pts)
+            first_target = interval.target_pts[0]
+            if frames is None:
+                if interval.keyframe_pts <= frame_pts[0]:
+                    frames = _decode_iter(container, stream)
+                else:
+                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target)
+            else:
+                ahead = int(
+                    np.searchsorted(frame_pts, interval.keyframe_pts)
+                    - np.searchsorted(frame_pts, last_pts, "right")
+                )
+                if last_pts >= first_target or ahead > req.seek_cost_frames:
+                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target)
+            for frame in frames:
+                if req.cancelled.is_set() or retired.is_set():
+                    raise _Cancelled
+                task.last_progress = time.monotonic()
+                task.num_decoded_frames += 1
+                last_pts = frame.pts
+                if frame.pts in wanted:
+                    req.put_frame(frame.pts, frame_to_rgb(frame, req.opts.max_pixels))
+                    wanted.discard(frame.pts)
+                    if not wanted:
+                        break
+            if wanted:  # the stream ended before a target: truncated or corrupt
+                raise MediaError(_CORRUPT)
+            req.finish_interval(position)
+
+
+def _decode_iter(container, stream) -> Iterator:
+    return (f for f in container.decode(stream) if f.pts is not None)
+
+
+def _seek(container, stream, index: VideoIndex, keyframe_pts: int, first_target: int) -> Iterator:
+    """Seek to the keyframe; if the demuxer lands after the first target, back off and retry."""
+    keys = index.keyframe_pts
+    k = int(np.searchsorted(keys, keyframe_pts, "right")) - 1
+    tried = 0
+    while True:
+        key = int(keys[k]) if k >= 0 else int(index.frame_pts[0])
+        container.seek(key, stream=stream, backward=True, any_frame=False)
+        frames = _decode_iter(container, stream)
+        first = next(frames, None)
+        if first is not None and first.pts <= first_target:
+            return itertools.chain([first], frames)
+        if k < 0:  # landed after the target even from the start: the stream cannot be read
+            raise MediaError(_CORRUPT)
+        tried += 1
+        # Back off: one keyframe earlier, then jump to the start.
+        k = k - 1 if tried < 3 else -1
+
+
+class FrameGroupStream(Iterator[FrameGroup]):
+    """Iterator over the FrameGroups of one request, in temporal order.
+
+    The metadata (`num_frames`, `timestamps_s`, `sampled_fps`, `duration_s`, `source_fps`,
+    `is_image`) is known before the first group. Iterating to the end, or `result()`, gives the
+    same frames as `simple_decoder.decode`. Breaking off early: call `close()` (or use `with`),
+    which cancels the decode work still pending.
+    """
+
+    def __init__(self, decoder: ParallelDecoder, request: _Request | None, group_size: int,
+                 timestamps_s: list[float], sampled_fps: float, duration_s: float,
+                 source_fps: float, image: DecodedVideo | None = None, started: float = 0.0):
+        self._decoder = decoder
+        self._request = request
+        self.group_size = max(1, group_size)
+        self.timestamps_s = timestamps_s
+        self.sampled_fps = sampled_fps
+        self.duration_s = duration_s
+        self.source_fps = source_fps
+        self.is_image = image is not None
+        self._image = image
+        self._next_slot = 0
+        self._started = started
+        self.stats: dict[str, float] = {}
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.timestamps_s)
+
+    def __iter__(self) -> FrameGroupStream:
+        return self
+
+    def __next__(self) -> FrameGroup:
+        if self._next_slot >= self.num_frames:
+            self._finish()
+            raise StopIteration
+        first = self._next_slot
+        last = min(first + self.group_size, self.num_frames)  # exclusive
+        if self._image is not None:
+            frames = self._image.frames[first:last]
+        else:
+            frames = self._wait_for_slots(first, last)
+        self._next_slot = last
+        return FrameGroup(frames, self.timestamps_s[first:last], first)
+
+    def _wait_for_slots(self, first: int, last: int) -> np.ndarray:
+        req = self._request
+        assert req is not None
+        positions = {req.interval_of_pts[p] for p in req.plan.slot_pts[first:last].tolist()}
+        config = self._decoder.config
+        deadline = self._started + config.request_timeout_s
+        with req.cond:
+            while True:
+                if req.error is not None:
+                    raise req.error
+                if all(req.interval_done[p] for p in positions):
+                    assert req.out is not None
+                    return req.out[first:last]
+                now = time.monotonic()
+                if now > deadline:
+                    self._fail_hung(f"did not finish within {config.request_timeout_s:.0f} s")
+                stalled = [
+                    t for t in req.tasks
+                    if t.started_at is not None and not t.done
+                    and now - t.last_progress > config.stall_timeout_s
+                ]
+                if stalled:
+                    self._fail_hung(f"made no progress for {config.stall_timeout_s:.0f} s")
+                req.cond.wait(timeout=min(0.5, max(deadline - now, 0.01)))
+
+    def _fail_hung(self, why: str) -> None:
+        """Fail the request and replace the workers still inside it (they may never return)."""
+        req = self._request
+        assert req is not None
+        req.fail(MediaError(
+            f"decoding the video {why}; the file may be corrupt, or send a shorter clip"
+        ))
+        for task in req.tasks:
+            if task.started_at is not None and not task.done and task.worker is not None:
+                self._decoder._replace(task.worker)
+        raise req.error  # type: ignore[misc]
+
+    def _finish(self) -> None:
+        if self._request is not None and not self.stats:
+            self.stats = {
+                "decode_ms": (time.monotonic() - self._started) * 1e3,
+                "num_decoded_frames": float(sum(t.num_decoded_frames for t in self._request.tasks)),
+                "num_intervals": float(len(self._request.plan.intervals)),
+                "num_planned_decode_frames": float(self._request.plan.num_decode_frames),
+            }
+
+    def close(self) -> None:
+        """Cancel the work still pending for this request (running shares stop at their next
+        frame; queued ones are skipped). Safe to call more than once."""
+        req = self._request
+        if req is not None and not all(req.interval_done):
+            req.cancelled.set()
+
+    def result(self) -> DecodedVideo:
+        """Drain the remaining groups into one DecodedVideo (same as simple_decoder.decode)."""
+        if self._image is not None:
+            return self._image
+        for _ in self:
+            pass
+        req = self._request
+        assert req is not None and req.out is not None
+        return DecodedVideo(
+            frames=req.out,
+            timestamps_s=self.timestamps_s,
+            sampled_fps=self.sampled_fps,
+            duration_s=self.duration_s,
+            source_fps=self.source_fps,
+            stats=self.stats,
+        )
+
+    def __enter__(self) -> FrameGroupStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._next_slot < self.num_frames:
+            self.close()
+
+
+class ParallelDecoder:
+    """A pool of decode threads, reused across requests. Thread-safe; `close()` when done."""
+
+    def __init__(self, config: ParallelDecodeConfig | None = None):
+        self.config = config or ParallelDecodeConfig()
+        self.index_cache = KeyframeIndexCache(self.config.index_cache_entries)
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._workers: set[_Worker] = set()
+        self._closed = False
+        self._num_started = 0
+        self.num_replaced_workers = 0
+        for _ in range(self.config.num_workers):
+            self._start_worker()
+
+    # -- public API -------------------------------------------------------------------------
+    def decode(
+        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(),
+        sha256: str | None = None,
+    ) -> DecodedVideo:
+        """Same result as `simple_decoder.decode`, frame for frame."""
+        return self.iter_groups(data, opts, limits, group_size=1 << 30, sha256=sha256).result()
+
+    def iter_groups(
+        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(),
+        group_size: int = 2, sha256: str | None = None,
+    ) -> FrameGroupStream:
+        """Plan the request and start decoding; frames come back in groups of `group_size`.
+
+        Raises MediaError/MediaLimitError here for bad input or limits. Pass `sha256` (hex digest
+        of `data`) when you already have it, to skip hashing.
+        """
+        if self._closed:
+            raise RuntimeError("ParallelDecoder is closed")
+        started = time.monotonic()
+        check_size(len(data), limits)
+        opts.validate(limits.max_frames)
+        if is_image(data):
+            image = decode_image(data, opts, limits)
+            return FrameGroupStream(self, None, group_size, image.timestamps_s, image.sampled_fps,
+                                    image.duration_s, image.source_fps, image=image, started=started)
+        index = self.index_cache.get_or_build(data, limits, sha256 or content_sha256(data))
+        plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
+        req = _Request(data, index, plan, opts, self.config.seek_cost_frames)
+        pts_s = index.frames.pts_s
+        first_pts = float(pts_s[0])
+        positions = np.searchsorted(index.frame_pts, plan.slot_pts)
+        timestamps = [float(pts_s[p] - first_pts) for p in positions.tolist()]
+        stream = FrameGroupStream(self, req, group_size, timestamps, plan.sampled_fps,
+                                  index.duration_s, index.source_fps, started=started)
+        for share in plan.shares:
+            if share:
+                task = _Task(req, share, last_progress=started)
+                req.tasks.append(task)
+        for task in req.tasks:
+            self._tasks.put(task)
+        return stream
+
+    def close(self) -> None:
+        """Stop the pool: running shares finish their current frame, threads exit."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = list(self._workers)
+        for worker in workers:
+            worker.retired.set()
+            self._tasks.put(None)
+        for worker in workers:
+            worker.join(timeout=5.0)
+
+    def __enter__(self) -> ParallelDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def num_live_workers(self) -> int:
+        with self._lock:
+            return sum(1 for w in self._workers if not w.retired.is_set())
+
+    # -- pool upkeep ------------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        worker = _Worker(self, self._num_started)
+        self._num_started += 1
+        self._workers.add(worker)
+        worker.start()
+
+    def _replace(self, worker: _Worker) -> None:
+        """Retire a stuck worker (it exits at its next frame) and start a fresh one."""
+        with self._lock:
+            if worker.retired.is_set() or self._closed:
+                return
+            worker.retired.set()
+            self.num_replaced_workers += 1
+            self._start_worker()
+
+    def _worker_exited(self, worker: _Worker) -> None:
+        with self._lock:
+            self._workers.discard(worker)
+            if not worker.retired.is_set() and not self._closed:
+                # It died without being retired (a crash): keep the pool at full size.
+                self.num_replaced_workers += 1
+                self._start_worker()
