@@ -311,14 +311,14 @@ class FrameGroupStream(Iterator[FrameGroup]):
                     return req.out[first:last]
                 now = time.monotonic()
                 if now > deadline:
-                    self._fail_hung(f"did not finish within {config.request_timeout_s:.0f} s")
+                    self._fail_hung(f"did not finish within {config.request_timeout_s:g} s")
                 stalled = [
                     t for t in req.tasks
                     if t.started_at is not None and not t.done
                     and now - t.last_progress > config.stall_timeout_s
                 ]
                 if stalled:
-                    self._fail_hung(f"made no progress for {config.stall_timeout_s:.0f} s")
+                    self._fail_hung(f"made no progress for {config.stall_timeout_s:g} s")
                 req.cond.wait(timeout=min(0.5, max(deadline - now, 0.01)))
 
     def _fail_hung(self, why: str) -> None:

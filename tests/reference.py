@@ -1,0 +1,40 @@
+"""The unsplit Hugging Face reference: processor + `model.generate(do_sample=False)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from video import simple_decoder
+from video.types import DecodedVideo, SamplingOptions
+
+
+def decode_for_test(path: Path, num_frames: int) -> DecodedVideo:
+    """The frames our encoder samples for `num_frames` (the same reference decoder)."""
+    return simple_decoder.decode(path.read_bytes(), SamplingOptions(num_frames=num_frames))
+
+
+def reference_tokens(model_dir: Path, video: DecodedVideo, question: str, max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    kind = "image" if video.is_image else "video"
+    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if video.is_image:
+        inputs = processor(text=[text], images=[video.frames[0]], return_tensors="pt")
+    else:
+        t = video.num_frames
+        meta = VideoMetadata(total_num_frames=t, fps=video.sampled_fps, frames_indices=list(range(t)))
+        inputs = processor(
+            text=[text],
+            videos=[video.frames],
+            return_tensors="pt",
+            videos_kwargs={"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [meta]},
+        )
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

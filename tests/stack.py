@@ -1,0 +1,90 @@
+"""A real epd stack on loopback for tests: encoder, prefill, decode and gateway, each its own
+process started with the same `epd serve ROLE` command a user or compose runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from epd_cli.health import is_serving
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def epd_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "epd_cli.main", *args]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class Stack:
+    """Context manager; `.gateway` is the front door's address."""
+
+    def __init__(self, model: Path, log_dir: Path, extra: dict[str, list[str]] | None = None) -> None:
+        self.model = str(model)
+        self.log_dir = log_dir
+        self.extra = extra or {}
+        self.ports = {name: free_port() for name in ("encoder", "prefill", "decode", "gateway")}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def gateway(self) -> str:
+        return f"127.0.0.1:{self.ports['gateway']}"
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def command(self, name: str) -> list[str]:
+        p = self.ports
+        if name == "gateway":
+            args = ["serve", "gateway", "--port", str(p["gateway"]), "--encoder", self.address("encoder"),
+                    "--prefill", self.address("prefill"), "--decode", self.address("decode")]
+        else:
+            args = ["serve", name, "--port", str(p[name]), "--model", self.model]
+        return epd_command(*args, *self.extra.get(name, []))
+
+    def __enter__(self) -> Stack:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for name in self.ports:
+            log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT,
+                                                env=child_env(), cwd=ROOT)
+        deadline = time.monotonic() + 180
+        for name in self.ports:
+            while not is_serving(self.address(name), timeout_s=1.0):
+                if self.procs[name].poll() is not None or time.monotonic() > deadline:
+                    self.__exit__(None, None, None)
+                    log = (self.log_dir / f"{name}.log").read_text()[-3000:]
+                    raise RuntimeError(f"{name} did not start:\n{log}")
+                time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())

@@ -1,0 +1,74 @@
+import json
+
+import pytest
+
+from token_pruning.accounting import ModelSizes, PruningStats, layer_prefill_flops, prefill_flops, tokens_per_layer
+from token_pruning.budget import keep_count_from_ratio, resolve_keep_count
+from token_pruning.config import PRESETS, PruningConfig
+
+
+def test_default_is_all_off_and_presets_round_trip():
+    assert not PruningConfig().any_enabled
+    assert PRESETS["off"] == PruningConfig()
+    for name, preset in PRESETS.items():
+        wire = json.loads(json.dumps(preset.to_dict()))
+        assert PruningConfig.from_dict(wire) == preset, name
+    assert all(PRESETS[n].any_enabled for n in ("light", "balanced", "aggressive"))
+    assert PRESETS["aggressive"].prefill_keep_ratio < PRESETS["balanced"].prefill_keep_ratio < PRESETS["light"].prefill_keep_ratio
+
+
+def test_preset_overrides_and_validation_errors():
+    cfg = PruningConfig.from_preset("balanced", kv_keep_ratio=0.3)
+    assert cfg.kv_keep_ratio == 0.3 and cfg.prefill_keep_ratio == 0.5
+    with pytest.raises(ValueError, match="unknown pruning preset 'fast'"):
+        PruningConfig.from_preset("fast")
+    with pytest.raises(ValueError, match=r"unknown pruning option\(s\) \['keep'\]"):
+        PruningConfig.from_dict({"keep": 0.5})
+    with pytest.raises(ValueError, match=r"kv_keep_ratio must be in \(0, 1\]"):
+        PruningConfig(kv_keep_ratio=0.0)
+    with pytest.raises(ValueError, match="kv_merge must be one of"):
+        PruningConfig(kv_merge="mean")
+    with pytest.raises(ValueError, match="key_token_score must be one of"):
+        PruningConfig.from_preset("light", key_token_score="cls")
+
+
+def test_encode_cache_key_changes_only_with_encode_knobs():
+    base = PruningConfig.from_preset("balanced")
+    later_only = PruningConfig.from_preset("balanced", kv_keep_ratio=0.2, prefill_keep_ratio=0.1)
+    assert base.encode_cache_key() == later_only.encode_cache_key()
+    assert base.encode_cache_key() != PruningConfig.from_preset("balanced", temporal_threshold=0.2).encode_cache_key()
+    # Knobs of a disabled stage do not split the cache.
+    assert PruningConfig(temporal_threshold=0.2).encode_cache_key() == PruningConfig().encode_cache_key()
+
+
+def test_keep_counts_are_exact():
+    assert keep_count_from_ratio(10, 0.3) == 3  # not 4 from 0.30000000000000004 * 10
+    assert keep_count_from_ratio(10, 0.25) == 3
+    assert keep_count_from_ratio(7, 1.0) == 7 and keep_count_from_ratio(7, 0.0) == 0
+    assert resolve_keep_count(10, 0.5, keep_count=20) == 10
+    with pytest.raises(ValueError, match="keep ratio must be in"):
+        keep_count_from_ratio(10, 1.5)
+
+
+def test_prefill_flops_formula():
+    sizes = ModelSizes(num_layers=2, hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1)
+    # projections 2*3*4*(8+4) = 288, mlp 2*3*3*4*8 = 576, attention 2*4*3*4 = 96
+    assert layer_prefill_flops(sizes, 3) == 288 + 576 + 96
+    assert prefill_flops(sizes, 3) == 2 * (288 + 576 + 96)
+    assert prefill_flops(sizes, [3, 0]) == 288 + 576 + 96
+    assert tokens_per_layer(4, 100, 2, 30) == [100, 100, 30, 30]
+    with pytest.raises(ValueError, match="3 token counts for 2 layers"):
+        prefill_flops(sizes, [1, 2, 3])
+
+
+def test_stats_record_and_serialise():
+    sizes = ModelSizes(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    stats = PruningStats()
+    stats.record("temporal", 400, 220)
+    stats.record("prefill_drop", 220, 55)
+    stats.prefill_flops_full = prefill_flops(sizes, 400 + 20)
+    stats.prefill_flops_pruned = prefill_flops(sizes, tokens_per_layer(4, 220 + 20, 2, 55 + 20))
+    out = json.loads(json.dumps(stats.to_dict()))
+    assert out["stages"][1] == {"stage": "prefill_drop", "num_visual_tokens_in": 220, "num_visual_tokens_out": 55}
+    assert out["prefill_flops_saved"] == stats.prefill_flops_full - stats.prefill_flops_pruned > 0
+    assert (stats.num_visual_tokens_in, stats.num_visual_tokens_out) == (400, 55)

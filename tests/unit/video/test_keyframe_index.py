@@ -1,0 +1,42 @@
+"""The demux-only index: keyframes, frame count, duration, rotation; cached per content hash."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256
+from video.types import DecodeLimits, MediaError, MediaLimitError
+
+
+@pytest.mark.parametrize("codec,suffix", [("h264", ".mp4"), ("vp9", ".webm"), ("hevc", ".mkv")])
+def test_index_finds_every_keyframe(video_factory, codec, suffix):
+    data = video_factory(suffix, codec=codec, size=(96, 64), fps=10.0, seconds=3.0, gop=10)
+    index = build_video_index(data)
+    assert index.num_frames == 30
+    assert index.num_keyframes == 3
+    assert np.allclose(index.frames.keyframe_pts_s - index.frames.pts_s[0], [0.0, 1.0, 2.0])
+    assert index.duration_s == pytest.approx(3.0, abs=0.01)
+    assert index.source_fps == pytest.approx(10.0)
+    assert (index.width, index.height, index.rotation_deg) == (96, 64, 0)
+    assert index.content_sha256 == content_sha256(data)
+
+
+def test_index_reads_rotation(video_factory):
+    data = video_factory(".mp4", codec="h264", size=(96, 64), seconds=1.0, rotation_deg=270)
+    assert build_video_index(data).rotation_deg == 270
+
+
+def test_cache_hits_by_content_and_rechecks_limits(video_factory):
+    data = video_factory(".mp4", codec="h264", size=(96, 64), seconds=1.0)
+    cache = KeyframeIndexCache(max_entries=1)
+    first = cache.get_or_build(data, DecodeLimits())
+    assert cache.get_or_build(data, DecodeLimits()) is first
+    assert (cache.num_hits, cache.num_misses) == (1, 1)
+    with pytest.raises(MediaLimitError, match="lasts 1 s"):
+        cache.get_or_build(data, DecodeLimits(max_duration_s=0.5))  # a cached index still obeys limits
+
+
+def test_text_file_is_rejected():
+    with pytest.raises(MediaError, match="not a supported container"):
+        build_video_index(b"hello, not a video\n" * 100)

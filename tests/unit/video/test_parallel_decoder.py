@@ -1,0 +1,167 @@
+"""The parallel decoder returns exactly what the sequential reference decoder returns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from video import simple_decoder
+from video.types import DecodeLimits, SamplingOptions
+
+# (codec, container suffix): every container and codec of the issue, as far as FFmpeg muxes them.
+COMBOS = [
+    ("h264", ".mp4"), ("h264", ".mkv"), ("h264", ".mov"), ("h264", ".avi"),
+    ("hevc", ".mp4"), ("hevc", ".mkv"),
+    ("vp9", ".webm"), ("vp9", ".mp4"),
+    ("av1", ".mp4"), ("av1", ".webm"), ("av1", ".mkv"),
+    ("mpeg4", ".avi"), ("mpeg4", ".mp4"),
+    ("mjpeg", ".avi"), ("mjpeg", ".mov"),
+]
+# 3 s at 10 fps, a keyframe every 10 frames: 3 GOPs, so the plan has several intervals.
+SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)
+
+
+def assert_same(expected, got) -> None:
+    assert got.frames.shape == expected.frames.shape
+    assert got.frames.dtype == np.uint8
+    assert np.array_equal(got.frames, expected.frames)
+    assert got.timestamps_s == expected.timestamps_s
+    assert got.sampled_fps == pytest.approx(expected.sampled_fps)
+    assert got.duration_s == pytest.approx(expected.duration_s)
+    assert got.source_fps == pytest.approx(expected.source_fps)
+
+
+@pytest.mark.parametrize("codec,suffix", COMBOS, ids=[f"{c}{s}" for c, s in COMBOS])
+def test_frames_identical_to_reference(video_factory, decoder, codec, suffix):
+    data = video_factory(suffix, codec=codec, **SMALL)
+    for opts in (
+        SamplingOptions(num_frames=6),
+        SamplingOptions(fps=2.0, max_frames=8),
+        SamplingOptions(num_frames=5, start_time_s=0.7, end_time_s=2.6),
+    ):
+        got = decoder.decode(data, opts)
+        assert_same(simple_decoder.decode(data, opts), got)
+        # The targets span 3 GOPs; mjpeg (all keyframes) gets one interval per distinct target.
+        assert got.stats["num_intervals"] >= 2
+
+
+def test_iter_groups_yields_time_ordered_groups_with_metadata_first(video_factory, decoder):
+    data = video_factory(".mkv", codec="h264", **SMALL)
+    opts = SamplingOptions(num_frames=7)
+    expected = simple_decoder.decode(data, opts)
+    with decoder.iter_groups(data, opts, group_size=2) as stream:
+        # Known before any frame is decoded, so the encoder can size its work up front.
+        assert stream.num_frames == 7
+        assert stream.timestamps_s == expected.timestamps_s
+        assert stream.sampled_fps == pytest.approx(expected.sampled_fps)
+        groups = list(stream)
+    assert [g.first_index for g in groups] == [0, 2, 4, 6]
+    assert [len(g.timestamps_s) for g in groups] == [2, 2, 2, 1]
+    assert np.array_equal(np.concatenate([g.frames for g in groups]), expected.frames)
+    assert sum((g.timestamps_s for g in groups), []) == expected.timestamps_s
+    assert stream.stats["num_decoded_frames"] > 0
+
+
+def test_iter_groups_closed_early_leaves_pool_usable(video_factory, decoder):
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    stream = decoder.iter_groups(data, SamplingOptions(num_frames=8), group_size=1)
+    first = next(stream)
+    assert first.first_index == 0
+    stream.close()
+    opts = SamplingOptions(num_frames=4)
+    assert_same(simple_decoder.decode(data, opts), decoder.decode(data, opts))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(codec="h264", pix_fmt="yuv420p10le"),  # 10-bit
+        dict(codec="hevc", pix_fmt="yuv420p10le"),
+        dict(codec="h264", pix_fmt="yuv444p", size=(95, 63)),  # odd dimensions
+        dict(codec="vp9", size=(95, 63)),
+        dict(codec="h264", vfr=True),  # variable frame rate
+        dict(codec="h264", gop=1000),  # a single keyframe: one sequential interval
+        dict(codec="h264", rotation_deg=90),
+    ],
+    ids=["h264-10bit", "hevc-10bit", "h264-odd", "vp9-odd", "vfr", "single-keyframe", "rotated"],
+)
+def test_special_streams_identical_to_reference(video_factory, decoder, kwargs):
+    params = {**SMALL, **kwargs}
+    suffix = ".webm" if params["codec"] == "vp9" else ".mp4"
+    data = video_factory(suffix, **params)
+    opts = SamplingOptions(num_frames=6)
+    got = decoder.decode(data, opts)
+    assert_same(simple_decoder.decode(data, opts), got)
+    if kwargs.get("gop") == 1000:
+        assert got.stats["num_intervals"] == 1
+
+
+def test_vfr_timestamps_follow_the_stream(video_factory, decoder):
+    data = video_factory(".mkv", codec="h264", vfr=True, **SMALL)
+    got = decoder.decode(data, SamplingOptions(num_frames=30))
+    # Frame durations cycle 0.1/0.2/0.3 s, so the chosen timestamps are not evenly spaced.
+    assert len(set(np.round(np.diff(sorted(set(got.timestamps_s))), 3))) > 1
+
+
+def test_rotation_metadata_is_applied(video_factory, decoder):
+    plain = video_factory(".mp4", codec="h264", **SMALL)
+    rotated = video_factory(".mp4", codec="h264", rotation_deg=90, **SMALL)
+    opts = SamplingOptions(num_frames=4)
+    upright = decoder.decode(plain, opts).frames
+    turned = decoder.decode(rotated, opts).frames
+    assert turned.shape == (4, 96, 64, 3)  # height and width swapped
+    assert np.array_equal(turned, np.rot90(upright, k=1, axes=(1, 2)))
+
+
+def test_downscale_identical_to_reference(video_factory, decoder):
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    opts = SamplingOptions(num_frames=4, max_pixels=48 * 32)
+    got = decoder.decode(data, opts)
+    assert got.frames.shape[1:3] == (32, 48)
+    assert_same(simple_decoder.decode(data, opts), got)
+
+
+def test_concurrent_requests_share_the_pool(video_factory, decoder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    videos = [video_factory(s, codec=c, **SMALL) for c, s in (("h264", ".mp4"), ("vp9", ".webm"), ("hevc", ".mkv"))]
+    opts = SamplingOptions(num_frames=6)
+    with ThreadPoolExecutor(3) as ex:
+        results = list(ex.map(lambda d: decoder.decode(d, opts), videos * 2))
+    for data, got in zip(videos * 2, results):
+        assert_same(simple_decoder.decode(data, opts), got)
+
+
+def test_image_is_one_frame(decoder):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((20, 30, 3), 200, np.uint8)).save(buf, format="PNG")
+    got = decoder.decode(buf.getvalue(), SamplingOptions())
+    assert got.is_image and got.frames.shape == (1, 20, 30, 3)
+    groups = list(decoder.iter_groups(buf.getvalue(), SamplingOptions(), group_size=2))
+    assert len(groups) == 1 and groups[0].frames.shape == (1, 20, 30, 3)
+
+
+def test_index_cache_hits_on_same_bytes(video_factory, decoder):
+    data = video_factory(".webm", codec="vp9", **SMALL)
+    before = decoder.index_cache.num_hits
+    decoder.decode(data, SamplingOptions(num_frames=3))
+    decoder.decode(data, SamplingOptions(num_frames=5))
+    assert decoder.index_cache.num_hits >= before + 1
+
+
+def test_limits_are_enforced(video_factory, decoder):
+    from video.types import MediaLimitError
+
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    with pytest.raises(MediaLimitError, match="accepts at most 100"):
+        decoder.decode(data, SamplingOptions(), DecodeLimits(max_bytes=100))
+    with pytest.raises(MediaLimitError, match="over this server's limit of 2 s"):
+        decoder.decode(data, SamplingOptions(), DecodeLimits(max_duration_s=2.0))
+    with pytest.raises(MediaLimitError, match="pixels per frame"):
+        decoder.decode(data, SamplingOptions(), DecodeLimits(max_source_pixels=64 * 64))
+    with pytest.raises(MediaLimitError, match="at most 4"):
+        decoder.decode(data, SamplingOptions(num_frames=8), DecodeLimits(max_frames=4))

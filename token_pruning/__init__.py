@@ -1,0 +1,73 @@
+"""Multi-stage visual token dropping and KV-cache compression, as pure functions on tensors.
+
+Batch size 1, Qwen2-VL / Qwen2.5-VL layouts. One file per stage; no gRPC, no model loading:
+
+    config.py            PruningConfig (all off by default), named presets, to_dict/from_dict
+    temporal.py          encode (a): drop tokens unchanged since the last kept frame group
+    spatial_merge.py     encode (b): merge similar adjacent tokens in windows (size-weighted)
+    key_tokens.py        encode (c): key token set that no later stage drops
+    text_guided.py       prefill: question-guided dropping with MustDrop's dual rule
+    kv_compress.py       after prefill: LOOK-M text-prior eviction with merging
+    decode_policy.py     decode: output-aware eviction of ignored visual KV entries
+    attention_scores.py  attention received from a few queries, grouped by KV head (GQA)
+    query_capture.py     the model's rotated query states for chosen tokens (forward hooks)
+    positions.py         survivors keep their original position ids
+    grid.py              where each surviving token sits on the merged-token grid
+    budget.py            ratio / count / bytes -> exact number kept
+    accounting.py        tokens in/out per stage, prefill FLOPs saved, KV bytes
+
+A request's order: temporal (before or after the tower) -> key tokens -> spatial merge ->
+prefill drop at a layer -> KV compression -> decode eviction. Every stage keeps the key tokens
+and reports its counts into `PruningStats`.
+"""
+
+from token_pruning.accounting import ModelSizes, PruningStats, prefill_flops, tokens_per_layer
+from token_pruning.attention_scores import ReceivedAttention, received_attention
+from token_pruning.budget import resolve_keep_count
+from token_pruning.config import PRESETS, PruningConfig
+from token_pruning.decode_policy import OutputAwareEviction
+from token_pruning.grid import TokenGrid
+from token_pruning.key_tokens import key_token_scores, select_key_tokens
+from token_pruning.kv_compress import KVCompressionResult, compress_kv_cache, text_prior_scores
+from token_pruning.positions import PrunedPrompt, gather_prompt, prompt_keep_indices, visual_positions
+from token_pruning.spatial_merge import MergeResult, spatial_merge
+from token_pruning.temporal import (
+    SparseVisionInputs,
+    TemporalDropResult,
+    sparse_vision_inputs,
+    temporal_redundancy_mask,
+)
+from token_pruning.text_guided import PrefillDropResult, dual_rule_select, question_query_positions, text_guided_drop
+
+__all__ = [
+    "PRESETS",
+    "KVCompressionResult",
+    "MergeResult",
+    "ModelSizes",
+    "OutputAwareEviction",
+    "PrefillDropResult",
+    "PrunedPrompt",
+    "PruningConfig",
+    "PruningStats",
+    "ReceivedAttention",
+    "SparseVisionInputs",
+    "TemporalDropResult",
+    "TokenGrid",
+    "compress_kv_cache",
+    "dual_rule_select",
+    "gather_prompt",
+    "key_token_scores",
+    "prefill_flops",
+    "prompt_keep_indices",
+    "question_query_positions",
+    "received_attention",
+    "resolve_keep_count",
+    "select_key_tokens",
+    "sparse_vision_inputs",
+    "spatial_merge",
+    "temporal_redundancy_mask",
+    "text_guided_drop",
+    "text_prior_scores",
+    "tokens_per_layer",
+    "visual_positions",
+]
