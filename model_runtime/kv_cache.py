@@ -54,10 +54,12 @@ class KvCache:
 
     @classmethod
     def from_named_tensors(cls, tensors: dict[str, torch.Tensor]) -> KvCache:
-        num_layers = len(tensors) // 2
+        num_layers = (len(tensors) + 1) // 2
         try:
             keys = [tensors[f"layer.{i}.key"] for i in range(num_layers)]
             values = [tensors[f"layer.{i}.value"] for i in range(num_layers)]
         except KeyError as exc:
             raise ValueError(f"KV cache transfer is missing tensor {exc.args[0]}") from None
+        if len(tensors) != 2 * num_layers:
+            raise ValueError(f"KV cache transfer has unexpected tensors: {sorted(tensors)}")
         return cls(keys, values)

@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=s.duration_s, help="clip length in seconds")
     p.add_argument("--max-objects", type=int, default=s.max_objects, help="most objects in a clip (<= 5)")
     p.add_argument("--keyframe-interval", type=int, default=e.keyframe_interval, help="frames per GOP")
-    p.add_argument("--crf", type=int, default=e.crf, help="x264 quality (lower = better)")
+    p.add_argument("--qp", type=int, default=e.qp, help="x264 constant quantiser (lower = better)")
     p.add_argument("--workers", type=int, default=1, help="rendering processes")
     p.add_argument("--audit", action="store_true", help="check every answer against decoded pixels")
     p.add_argument("--audit-only", action="store_true", help="audit an existing --out, build nothing")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             scene=SceneConfig(
                 width_px=a.width, height_px=a.height, fps=a.fps, duration_s=a.duration_s, max_objects=a.max_objects
             ),
-            encode=EncodeConfig(keyframe_interval=a.keyframe_interval, crf=a.crf),
+            encode=EncodeConfig(keyframe_interval=a.keyframe_interval, qp=a.qp),
             num_workers=a.workers,
         )
         try:

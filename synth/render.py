@@ -3,8 +3,8 @@
 Frames are exact functions of the scene (the texture has its own seeded generator), so two renders
 of one seed are the same bytes. The MP4 is a real H.264 stream in yuv420p with a fixed keyframe
 interval (scene-cut detection off, so keyframes sit exactly every `keyframe_interval` frames, which
-the decoder's seek tests rely on) and x264's default B-frames. One encoder thread keeps the bytes
-reproducible.
+the decoder's seek tests rely on) and x264's default B-frames. One encoder thread and a constant
+quantiser keep the bytes reproducible (see `EncodeConfig.qp`).
 """
 
 from __future__ import annotations
@@ -24,16 +24,18 @@ class EncodeConfig:
 
     keyframe_interval: int = 8
     """Frames between keyframes (GOP size); 8 = one keyframe a second at 8 fps."""
-    crf: int = 20
-    """x264 constant rate factor: lower is better quality and larger files (0 is lossless)."""
+    qp: int = 22
+    """x264 constant quantiser: lower is better quality and larger files. Constant QP rather than
+    CRF because CRF's adaptive quantisation and macroblock tree gave different bytes on repeated
+    runs of one input (1 run in ~10 on some clips); constant QP turns both off."""
     preset: str = "medium"
     """x264 speed/size preset."""
 
     def validate(self) -> None:
         if self.keyframe_interval < 1:
             raise ValueError(f"keyframe_interval must be >= 1, got {self.keyframe_interval}")
-        if not 0 <= self.crf <= 51:
-            raise ValueError(f"crf must be in 0..51, got {self.crf}")
+        if not 0 <= self.qp <= 51:
+            raise ValueError(f"qp must be in 0..51, got {self.qp}")
 
 
 def render_background(scene: Scene) -> np.ndarray:
@@ -100,12 +102,14 @@ def encode_mp4(frames: np.ndarray, fps: int, config: EncodeConfig = EncodeConfig
     with av.open(buf, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        # x264 with several threads does not give the same bytes twice; one thread does.
+        stream.codec_context.thread_count = 1
+        stream.codec_context.thread_type = "SLICE"
         g = config.keyframe_interval
         stream.options = {
-            "crf": str(config.crf),
+            "qp": str(config.qp),
             "preset": config.preset,
-            "threads": "1",
-            "x264-params": f"keyint={g}:min-keyint={g}:scenecut=0",
+            "x264-params": f"keyint={g}:min-keyint={g}:scenecut=0:threads=1:lookahead-threads=1",
         }
         for i in range(t):
             frame = av.VideoFrame.from_ndarray(frames[i], format="rgb24")

@@ -67,7 +67,7 @@ def write_sample(out_dir: str | Path, encode: EncodeConfig = EncodeConfig()) -> 
             "file": "sample.mp4",
             "seed": video.seed,
             "keyframe_interval": encode.keyframe_interval,
-            "crf": encode.crf,
+            "qp": encode.qp,
             "questions": [qa.__dict__ for qa in sample_questions(video)],
         },
         "image": {

@@ -125,7 +125,7 @@ class SceneConfig:
             )
         n, e = self.num_frames, self.end_window_start
         body_frames = self.frames(self.min_visible_s) + 3
-        if e < body_frames or n - e < self.frames(self.min_tail_s) + 2:
+        if e < body_frames or n - e < max(3, self.frames(self.min_tail_s)):
             raise ValueError(
                 f"{n} frames ({self.fps} fps x {self.duration_s} s) are too few to place entries and "
                 "exits before and inside the end window; use a longer clip or a higher fps"

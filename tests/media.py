@@ -118,7 +118,7 @@ def make_video(
                 params += f":bframes={bframes}"
             options = {"x265-params": params, "preset": "ultrafast"}
         elif enc == "libvpx-vp9":
-            options = {"deadline": "realtime", "cpu-used": "8", "lag-in-frames": "0"}
+            options = {"cpu-used": "8"}
         elif enc == "libsvtav1":
             options = {"preset": "12", "svtav1-params": f"keyint={gop}"}
         stream = out.add_stream(enc, rate=rate, options=options)

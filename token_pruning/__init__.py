@@ -37,7 +37,12 @@ from token_pruning.temporal import (
     sparse_vision_inputs,
     temporal_redundancy_mask,
 )
-from token_pruning.text_guided import PrefillDropResult, dual_rule_select, question_query_positions, text_guided_drop
+from token_pruning.text_guided import (
+    PrefillDropResult,
+    dual_rule_select,
+    question_query_positions,
+    text_guided_drop,
+)
 
 __all__ = [
     "PRESETS",

@@ -61,7 +61,9 @@ def prefill_flops(sizes: ModelSizes, tokens_per_layer: list[int] | int) -> int:
     return sum(layer_prefill_flops(sizes, t) for t in tokens_per_layer)
 
 
-def tokens_per_layer(num_layers: int, num_tokens: int, drop_layer: int | None, num_tokens_after: int) -> list[int]:
+def tokens_per_layer(
+    num_layers: int, num_tokens: int, drop_layer: int | None, num_tokens_after: int
+) -> list[int]:
     """Token count per layer for a prefill that drops at `drop_layer` (None: no drop)."""
     if drop_layer is None:
         return [num_tokens] * num_layers

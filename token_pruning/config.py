@@ -105,7 +105,9 @@ class PruningConfig:
         if self.spatial_merge_window < 1:
             raise ValueError(f"spatial_merge_window must be >= 1, got {self.spatial_merge_window}")
         if self.key_token_score not in KEY_TOKEN_SCORES:
-            raise ValueError(f"key_token_score must be one of {KEY_TOKEN_SCORES}, got {self.key_token_score!r}")
+            raise ValueError(
+                f"key_token_score must be one of {KEY_TOKEN_SCORES}, got {self.key_token_score!r}"
+            )
         if self.kv_merge not in KV_MERGE_MODES:
             raise ValueError(f"kv_merge must be one of {KV_MERGE_MODES}, got {self.kv_merge!r}")
         if self.prefill_drop_layer < 0:

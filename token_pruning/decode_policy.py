@@ -66,7 +66,9 @@ class OutputAwareEviction:
         for i, mask in enumerate(visual_masks):
             pos = torch.arange(mask.shape[1]).expand_as(mask) if positions is None else positions[i]
             layers.append(_LayerState(torch.zeros(mask.shape), mask.clone(), pos.clone()))
-        counts = {int(s.visual.sum(dim=1).max()) for s in layers} | {int(s.visual.sum(dim=1).min()) for s in layers}
+        counts = {int(s.visual.sum(dim=1).max()) for s in layers} | {
+            int(s.visual.sum(dim=1).min()) for s in layers
+        }
         if len(counts) != 1:
             raise ValueError("every layer and KV head must start with the same number of visual entries")
         return cls(keep_count=keep_count, layers=layers, **knobs)  # type: ignore[arg-type]
@@ -89,11 +91,15 @@ class OutputAwareEviction:
         if num_cur > num_tracked:
             extra = num_cur - num_tracked
             state.ema = torch.cat([state.ema, torch.zeros(num_kv_heads, extra)], dim=1)
-            state.visual = torch.cat([state.visual, torch.zeros(num_kv_heads, extra, dtype=torch.bool)], dim=1)
+            state.visual = torch.cat(
+                [state.visual, torch.zeros(num_kv_heads, extra, dtype=torch.bool)], dim=1
+            )
             last = int(state.positions.max())
             new_pos = torch.arange(last + 1, last + 1 + extra).expand(num_kv_heads, -1)
             state.positions = torch.cat([state.positions, new_pos], dim=1)
-        received = attn_weights[0].float().sum(dim=1).view(num_kv_heads, num_heads // num_kv_heads, num_cur).mean(1)
+        received = (
+            attn_weights[0].float().sum(dim=1).view(num_kv_heads, num_heads // num_kv_heads, num_cur).mean(1)
+        )
         state.ema = self.ema_decay * state.ema + (1 - self.ema_decay) * received
 
     def observe_queries(self, layer: int, query_states: torch.Tensor, key_states: torch.Tensor) -> None:
@@ -134,7 +140,9 @@ class OutputAwareEviction:
         keep_mask = torch.ones(num_kv_heads, num_tracked, dtype=torch.bool)
         keep_mask.scatter_(1, drop, False)
         keep = keep_mask.nonzero()[:, 1].view(num_kv_heads, -1)  # [G, n'] increasing per head
-        state.ema, state.visual, state.positions = (x.gather(1, keep) for x in (state.ema, state.visual, state.positions))
+        state.ema, state.visual, state.positions = (
+            x.gather(1, keep) for x in (state.ema, state.visual, state.positions)
+        )
         if layer == 0:
             self.num_evicted += num_drop
         idx = keep[None, :, :, None].expand(1, -1, -1, key.shape[3])

@@ -152,7 +152,9 @@ def compress_kv_cache(
     for layer, (key, value) in enumerate(caches):
         layer_scores = scores[layer].float().clone()
         if layer_scores.shape != (num_kv_heads, num_visual):
-            raise ValueError(f"layer {layer} scores are {tuple(layer_scores.shape)}, expected ({num_kv_heads}, {num_visual})")
+            raise ValueError(
+                f"layer {layer} scores are {tuple(layer_scores.shape)}, expected ({num_kv_heads}, {num_visual})"
+            )
         layer_scores[:, key_mask] = float("inf")
         order = torch.sort(layer_scores, dim=1, descending=True, stable=True).indices  # [G, V]
         kept, evicted = order[:, :num_keep].sort(dim=1).values, order[:, num_keep:]

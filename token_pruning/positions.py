@@ -32,7 +32,9 @@ def prompt_keep_indices(seq_len: int, visual_index: torch.Tensor, keep_visual: t
     keep[visual_index] = False
     if keep_visual.dtype == torch.bool:
         if keep_visual.numel() != visual_index.numel():
-            raise ValueError(f"keep mask has {keep_visual.numel()} entries for {visual_index.numel()} visual tokens")
+            raise ValueError(
+                f"keep mask has {keep_visual.numel()} entries for {visual_index.numel()} visual tokens"
+            )
         keep[visual_index[keep_visual]] = True
     else:
         keep[visual_index[keep_visual]] = True
@@ -47,9 +49,15 @@ class PrunedPrompt:
     """[R, 1, L'] the original position ids of the survivors (R = 3 or 4)."""
     keep_indices: torch.Tensor
     """[L'] long: each survivor's index in the unpruned prompt."""
+    attention_mask: torch.Tensor
+    """[1, L'] ones. Always pass it: with gapped row-0 positions, no mask and no cache,
+    transformers reads each gap as the start of a new packed sequence and blocks attention
+    across it."""
 
 
-def gather_prompt(input_ids: torch.Tensor, position_ids: torch.Tensor, keep_indices: torch.Tensor) -> PrunedPrompt:
+def gather_prompt(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, keep_indices: torch.Tensor
+) -> PrunedPrompt:
     """Select the survivors' ids and original positions. position_ids: [R, 1, L]."""
     if position_ids.shape[-1] != input_ids.shape[-1]:
         raise ValueError(
@@ -59,4 +67,5 @@ def gather_prompt(input_ids: torch.Tensor, position_ids: torch.Tensor, keep_indi
         input_ids=input_ids[:, keep_indices],
         position_ids=position_ids[..., keep_indices],
         keep_indices=keep_indices,
+        attention_mask=torch.ones(1, keep_indices.numel(), dtype=torch.long),
     )

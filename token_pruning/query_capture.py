@@ -55,14 +55,16 @@ class QueryCapture:
             cos, sin = kwargs["position_embeddings"]
             with torch.no_grad():
                 idx = self.query_index
-                self.queries[layer] = rotated_states(module, hidden[:, idx], cos[:, idx], sin[:, idx], "q_proj")
+                self.queries[layer] = rotated_states(
+                    module, hidden[:, idx], cos[:, idx], sin[:, idx], "q_proj"
+                )
                 self.keys[layer] = rotated_states(module, hidden, cos, sin, "k_proj")
 
         return capture
 
     def __enter__(self) -> QueryCapture:
         for layer in self.layers:
-            attn = self.decoder_layers[layer].self_attn
+            attn: nn.Module = self.decoder_layers[layer].self_attn  # type: ignore[assignment]
             self._handles.append(attn.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
         return self
 

@@ -1,7 +1,9 @@
 """Optional decord backend, run in a child process so that a hang can be killed.
 
 decord's last release is from 2021 and has open reports of hangs that hold the GIL, so it never
-runs in the server's own process: one long-lived child (spawned, not forked, since the parent has
+runs in the server's own process. Never `import decord` there either: its bundled FFmpeg 4
+libraries interpose on PyAV's (measured here: after `import decord`, PyAV's libvpx-vp9 encoder
+fails to open and HEVC/rotation results change). So: one long-lived child (spawned, not forked, since the parent has
 decode threads) takes requests over a pipe and writes the frames into shared memory, which the
 parent copies out. A request that takes longer than `timeout_s` kills the child; the next
 request starts a fresh one.
@@ -49,11 +51,10 @@ class DecordConfig:
 
 
 def decord_available() -> bool:
-    try:
-        import decord  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether decord is installed, without importing it (see the module docstring)."""
+    import importlib.util
+
+    return importlib.util.find_spec("decord") is not None
 
 
 def _child_main(conn) -> None:

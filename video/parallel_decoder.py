@@ -460,8 +460,8 @@ class ParallelDecoder:
     def _start_worker(self) -> None:
         worker = _Worker(self, self._num_started)
         self._num_started += 1
-        self._workers.add(worker)
         worker.start()
+        self._workers.add(worker)
 
     def _replace(self, worker: _Worker) -> None:
         """Retire a stuck worker (it exits at its next frame) and start a fresh one."""

@@ -30,7 +30,7 @@ def test_textured_background_has_texture_and_static_does_not():
 
 
 def test_mp4_is_h264_yuv420p_with_keyframes_every_interval():
-    config = SceneConfig(width_px=128, height_px=96, fps=10, duration_s=2.0)
+    config = SceneConfig(width_px=128, height_px=96, fps=10, duration_s=2.0, min_tail_s=0.5)
     frames = render_frames(generate_scene(11, config))
     data = encode_mp4(frames, config.fps, EncodeConfig(keyframe_interval=5))
     with av.open(io.BytesIO(data)) as container:

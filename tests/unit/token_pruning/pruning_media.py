@@ -31,7 +31,9 @@ def process_video(frames: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers import Qwen2VLVideoProcessor
 
     processor = Qwen2VLVideoProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
-    out = processor(videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], do_sample_frames=False, return_tensors="pt")
+    out = processor(
+        videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], do_sample_frames=False, return_tensors="pt"
+    )
     return out["pixel_values_videos"], out["video_grid_thw"]
 
 

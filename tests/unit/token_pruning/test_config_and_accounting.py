@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from token_pruning.accounting import ModelSizes, PruningStats, layer_prefill_flops, prefill_flops, tokens_per_layer
+from token_pruning.accounting import (
+    ModelSizes,
+    PruningStats,
+    layer_prefill_flops,
+    prefill_flops,
+    tokens_per_layer,
+)
 from token_pruning.budget import keep_count_from_ratio, resolve_keep_count
 from token_pruning.config import PRESETS, PruningConfig
 
@@ -14,7 +20,11 @@ def test_default_is_all_off_and_presets_round_trip():
         wire = json.loads(json.dumps(preset.to_dict()))
         assert PruningConfig.from_dict(wire) == preset, name
     assert all(PRESETS[n].any_enabled for n in ("light", "balanced", "aggressive"))
-    assert PRESETS["aggressive"].prefill_keep_ratio < PRESETS["balanced"].prefill_keep_ratio < PRESETS["light"].prefill_keep_ratio
+    assert (
+        PRESETS["aggressive"].prefill_keep_ratio
+        < PRESETS["balanced"].prefill_keep_ratio
+        < PRESETS["light"].prefill_keep_ratio
+    )
 
 
 def test_preset_overrides_and_validation_errors():
@@ -36,7 +46,10 @@ def test_encode_cache_key_changes_only_with_encode_knobs():
     base = PruningConfig.from_preset("balanced")
     later_only = PruningConfig.from_preset("balanced", kv_keep_ratio=0.2, prefill_keep_ratio=0.1)
     assert base.encode_cache_key() == later_only.encode_cache_key()
-    assert base.encode_cache_key() != PruningConfig.from_preset("balanced", temporal_threshold=0.2).encode_cache_key()
+    assert (
+        base.encode_cache_key()
+        != PruningConfig.from_preset("balanced", temporal_threshold=0.2).encode_cache_key()
+    )
     # Knobs of a disabled stage do not split the cache.
     assert PruningConfig(temporal_threshold=0.2).encode_cache_key() == PruningConfig().encode_cache_key()
 
@@ -69,6 +82,10 @@ def test_stats_record_and_serialise():
     stats.prefill_flops_full = prefill_flops(sizes, 400 + 20)
     stats.prefill_flops_pruned = prefill_flops(sizes, tokens_per_layer(4, 220 + 20, 2, 55 + 20))
     out = json.loads(json.dumps(stats.to_dict()))
-    assert out["stages"][1] == {"stage": "prefill_drop", "num_visual_tokens_in": 220, "num_visual_tokens_out": 55}
+    assert out["stages"][1] == {
+        "stage": "prefill_drop",
+        "num_visual_tokens_in": 220,
+        "num_visual_tokens_out": 55,
+    }
     assert out["prefill_flops_saved"] == stats.prefill_flops_full - stats.prefill_flops_pruned > 0
     assert (stats.num_visual_tokens_in, stats.num_visual_tokens_out) == (400, 55)

@@ -19,9 +19,12 @@ def test_evicts_persistently_ignored_visual_entries_to_the_budget():
     caches = [(torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8)) for _ in range(2)]
     hot = [4, 6, 9, 12]
     evicted_at = None
-    for step in range(6):
+    for _ in range(6):
         n = caches[0][0].shape[2] + 1  # the new token's own entry is appended
-        caches = [(torch.cat([k, torch.randn(1, 2, 1, 8)], 2), torch.cat([v, torch.randn(1, 2, 1, 8)], 2)) for k, v in caches]
+        caches = [
+            (torch.cat([k, torch.randn(1, 2, 1, 8)], 2), torch.cat([v, torch.randn(1, 2, 1, 8)], 2))
+            for k, v in caches
+        ]
         for layer in range(2):
             policy.observe(layer, _weights(4, n, hot))
         policy.step()

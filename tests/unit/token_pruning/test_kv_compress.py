@@ -27,7 +27,7 @@ def test_budget_by_ratio_is_exact_and_text_is_kept(merge):
     caches, scores = _cache(), _scores()
     out = compress_kv_cache(caches, scores, VISUAL, keep_ratio=0.25, merge=merge)
     assert out.num_visual_kept == 5
-    for layer, ((k, v), pos) in enumerate(zip(out.caches, out.kept_positions)):
+    for layer, ((k, v), pos) in enumerate(zip(out.caches, out.kept_positions, strict=True)):
         assert k.shape == v.shape == (1, 2, 10 + 5, 8)
         for head in range(2):
             kept_visual = [p for p in pos[head].tolist() if 4 <= p < 24]
@@ -35,7 +35,9 @@ def test_budget_by_ratio_is_exact_and_text_is_kept(merge):
             assert kept_visual == expected
             # Text entries are untouched, whatever the merge mode.
             text_at = [i for i, p in enumerate(pos[head].tolist()) if not 4 <= p < 24]
-            torch.testing.assert_close(k[0, head, text_at], caches[layer][0][0, head, [*range(4), *range(24, 30)]])
+            torch.testing.assert_close(
+                k[0, head, text_at], caches[layer][0][0, head, [*range(4), *range(24, 30)]]
+            )
     assert out.bytes_after * 30 == out.bytes_before * 15
 
 
@@ -54,7 +56,7 @@ def test_budget_by_bytes_is_the_largest_that_fits():
 def test_averaged_merge_preserves_total_weight():
     caches, scores = _cache(), _scores()
     out = compress_kv_cache(caches, scores, VISUAL, keep_ratio=0.3, merge="averaged")
-    for (k, v), sizes, (k0, v0) in zip(out.caches, out.sizes, caches):
+    for (k, v), sizes, (k0, v0) in zip(out.caches, out.sizes, caches, strict=True):
         torch.testing.assert_close(sizes.sum(dim=1), torch.full((2,), 30.0))
         torch.testing.assert_close((k[0] * sizes[..., None]).sum(1), k0[0].sum(1))
         torch.testing.assert_close((v[0] * sizes[..., None]).sum(1), v0[0].sum(1))

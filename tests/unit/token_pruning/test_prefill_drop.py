@@ -63,7 +63,9 @@ def test_dual_rule_never_drops_a_token_that_beats_a_kept_one_on_both():
         assert kept.numel() == 17
         dropped = torch.ones(50, dtype=torch.bool)
         dropped[kept] = False
-        dominates = (total[dropped][:, None] > total[kept][None]) & (peak[dropped][:, None] > peak[kept][None])
+        dominates = (total[dropped][:, None] > total[kept][None]) & (
+            peak[dropped][:, None] > peak[kept][None]
+        )
         assert not dominates.any()
 
 
@@ -102,7 +104,14 @@ def test_text_guided_drop_meets_budget_and_keeps_positions():
 
 def test_prompt_keep_indices_and_errors():
     visual = torch.tensor([2, 3, 4, 5])
-    assert prompt_keep_indices(8, visual, torch.tensor([False, True, False, True])).tolist() == [0, 1, 3, 5, 6, 7]
+    assert prompt_keep_indices(8, visual, torch.tensor([False, True, False, True])).tolist() == [
+        0,
+        1,
+        3,
+        5,
+        6,
+        7,
+    ]
     assert prompt_keep_indices(8, visual, torch.tensor([0, 2])).tolist() == [0, 1, 2, 4, 6, 7]
     with pytest.raises(ValueError, match="no text after the video"):
         question_query_positions(6, visual)

@@ -11,7 +11,7 @@ def _clustered(t=2, h=5, w=7, dim=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     grid = TokenGrid.full(t, h, w)
     _, rows, cols = grid.coords()
-    window_id = (torch.arange(t).repeat_interleave(h * w) * 100 + (rows // 2) * 10 + cols // 2)
+    window_id = torch.arange(t).repeat_interleave(h * w) * 100 + (rows // 2) * 10 + cols // 2
     centres = torch.randn(1000, dim, generator=g)
     emb = centres[window_id] + 0.001 * torch.randn(grid.num_tokens, dim, generator=g)
     return emb, grid, window_id
@@ -41,7 +41,9 @@ def test_merge_groups_are_the_windows_on_odd_grids():
     # Representatives are each group's first member: increasing, and they keep their cell.
     assert torch.equal(out.representative, torch.sort(out.representative).values)
     assert torch.equal(out.grid.flat_index, grid.flat_index[out.representative])
-    assert sorted(out.sizes.tolist()) == sorted(torch.bincount(window_id)[torch.bincount(window_id) > 0].float().tolist())
+    assert sorted(out.sizes.tolist()) == sorted(
+        torch.bincount(window_id)[torch.bincount(window_id) > 0].float().tolist()
+    )
 
 
 def test_merge_threshold_one_and_window_one_merge_nothing():
@@ -80,7 +82,7 @@ def test_key_tokens_distinct_score_picks_the_odd_one_out():
     grid = TokenGrid.full(2, 4, 4)
     emb = torch.ones(32, 8) + 0.01 * torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
     emb[21] = -emb[21]  # one token unlike all its neighbours
-    emb[6, :4] = -1.0   # one that differs partly
+    emb[6, :4] = -1.0  # one that differs partly
     scores = key_token_scores(emb, grid)
     assert scores.argmax() == 21
     mask = select_key_tokens(emb, grid, key_count=2)

@@ -86,23 +86,29 @@ def test_sparse_tower_inputs_run_the_real_vision_tower():
     full = tower(pixels, grid_thw=grid).pooler_output  # [12, 48]
 
     everything = sparse_vision_inputs(pixels, grid, torch.ones(12, dtype=torch.bool))
-    out = tower(everything.pixel_values, grid_thw=grid, position_ids=everything.position_ids,
-                cu_seqlens=everything.cu_seqlens).pooler_output
+    out = tower(
+        everything.pixel_values,
+        grid_thw=grid,
+        position_ids=everything.position_ids,
+        cu_seqlens=everything.cu_seqlens,
+    ).pooler_output
     torch.testing.assert_close(out, full)
 
     # Dropping the middle group entirely: attention is per group, so the others are exact.
     keep = torch.tensor([True] * 4 + [False] * 4 + [True] * 4)
     sparse = sparse_vision_inputs(pixels, grid, keep)
     assert sparse.cu_seqlens.tolist() == [0, 16, 32]
-    out = tower(sparse.pixel_values, grid_thw=grid, position_ids=sparse.position_ids,
-                cu_seqlens=sparse.cu_seqlens).pooler_output
+    out = tower(
+        sparse.pixel_values, grid_thw=grid, position_ids=sparse.position_ids, cu_seqlens=sparse.cu_seqlens
+    ).pooler_output
     torch.testing.assert_close(out, full[keep])
 
     # Dropping single tokens: one output per kept token, close to but not equal to full grids.
     keep = torch.tensor([True] * 4 + [True, False, False, True] + [False, True, True, True])
     sparse = sparse_vision_inputs(pixels, grid, keep)
     assert sparse.cu_seqlens.tolist() == [0, 16, 24, 36]
-    out = tower(sparse.pixel_values, grid_thw=grid, position_ids=sparse.position_ids,
-                cu_seqlens=sparse.cu_seqlens).pooler_output
+    out = tower(
+        sparse.pixel_values, grid_thw=grid, position_ids=sparse.position_ids, cu_seqlens=sparse.cu_seqlens
+    ).pooler_output
     assert out.shape == (9, 48)
     torch.testing.assert_close(out[:4], full[:4])

@@ -8,9 +8,10 @@ import pytest
 from video import simple_decoder
 from video.types import MediaError, SamplingOptions
 
-pytest.importorskip("decord", reason="decord is an optional backend")
+from video.decord_backend import DecordConfig, DecordDecoder, decord_available
 
-from video.decord_backend import DecordConfig, DecordDecoder  # noqa: E402
+# Never import decord into the test process: it breaks PyAV's own codecs (see decord_backend).
+pytestmark = pytest.mark.skipif(not decord_available(), reason="decord is an optional backend")
 
 SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)
 

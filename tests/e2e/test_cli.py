@@ -1,0 +1,79 @@
+"""The CLI as a user runs it, in subprocesses: `epd ask` embedded and against `epd serve`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from epd_cli.health import is_serving
+from tests.reference import decode_for_test, reference_tokens
+from tests.stack import ROOT, child_env, epd_command, free_port
+
+QUESTION = "what colour is the square?"
+
+
+def run_epd(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(epd_command(*args), capture_output=True, text=True, env=child_env(), cwd=ROOT,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models, media_files):
+    video = decode_for_test(media_files["mp4"], 8)
+    return reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, 12)
+
+
+def test_ask_embedded_json(tiny_models, media_files, expected):
+    proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
+                   "--num-frames", "8", "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == expected
+    assert out["num_frames"] == 8
+    assert out["num_visual_tokens"] > 0
+    assert {"decode", "encode", "prefill", "ttft", "total"} <= set(out["timings_ms"])
+
+
+def test_ask_embedded_text_streams_progress(tiny_models, media_files):
+    proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
+                   "--num-frames", "4", "--max-new-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "[encode] done" in proc.stderr and "[prefill] done" in proc.stderr
+
+
+def test_ask_missing_file_fails_clearly(tmp_path):
+    proc = run_epd("ask", str(tmp_path / "nope.mp4"), QUESTION)
+    assert proc.returncode == 2
+    assert "no such file" in proc.stderr
+
+
+def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
+    ports = [free_port() for _ in range(4)]
+    serve = subprocess.Popen(
+        epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port", str(ports[0]),
+                    "--encoder-port", str(ports[1]), "--prefill-port", str(ports[2]), "--decode-port", str(ports[3])),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not is_serving(f"127.0.0.1:{ports[0]}", timeout_s=1.0):
+            assert serve.poll() is None, serve.stdout.read()
+            assert time.monotonic() < deadline, "epd serve did not become ready"
+            time.sleep(0.3)
+        time.sleep(0.5)  # the stack reports ready once every service is SERVING
+        proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{ports[0]}",
+                       "--num-frames", "8", "--max-new-tokens", "12", "--json")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["token_ids"] == expected
+        assert out["kv_num_bytes"] > 0
+    finally:
+        serve.send_signal(signal.SIGINT)
+        code = serve.wait(timeout=60)
+    assert code == 0
+    # Every service stopped with the stack: nothing listens any more.
+    assert not any(is_serving(f"127.0.0.1:{p}", timeout_s=0.5) for p in ports)

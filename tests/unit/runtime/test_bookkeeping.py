@@ -1,0 +1,104 @@
+"""Bookkeeping tested alone: KV store, detokeniser, sampler, configs."""
+
+import pytest
+import torch
+
+from model_runtime.config import ModelConfig
+from model_runtime.detokenizer import IncrementalText
+from model_runtime.kv_cache import KvCache
+from model_runtime.sampling import GenerationConfig, Sampler
+from prefill_svc.kv_store import KvStore
+from transport.errors import NotFound, ResourceExhausted
+
+
+def _cache(num_tokens=3):
+    k = torch.zeros(1, 2, num_tokens, 4)
+    return KvCache([k, k.clone()], [k.clone(), k.clone()])
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_kv_store_hands_over_once():
+    store = KvStore(max_bytes=10_000, ttl_s=10)
+    handle = store.put(_cache())
+    assert store.num_bytes == _cache().num_bytes == 4 * 24 * 4
+    assert store.take(handle).num_cached_tokens == 3
+    assert store.num_bytes == 0
+    with pytest.raises(NotFound, match="unknown or expired"):
+        store.take(handle)
+
+
+def test_kv_store_budget_and_ttl():
+    clock = FakeClock()
+    store = KvStore(max_bytes=_cache().num_bytes * 2, ttl_s=5, clock=clock)
+    store.put(_cache())
+    h2 = store.put(_cache())
+    with pytest.raises(ResourceExhausted, match="waiting for decoders"):
+        store.put(_cache())
+    clock.now = 6.0  # both expire
+    h3 = store.put(_cache())
+    assert store.num_expired == 2 and len(store) == 1
+    with pytest.raises(NotFound):
+        store.take(h2)
+    store.take(h3)
+
+
+def test_kv_cache_wire_names_round_trip():
+    c = _cache()
+    named = dict(c.named_tensors())
+    assert list(named) == ["layer.0.key", "layer.0.value", "layer.1.key", "layer.1.value"]
+    back = KvCache.from_named_tensors(named)
+    assert back.num_layers == 2 and back.num_bytes == c.num_bytes
+    del named["layer.1.value"]
+    with pytest.raises(ValueError, match="missing tensor"):
+        KvCache.from_named_tensors(named)
+
+
+def test_incremental_text_holds_back_stop_prefix():
+    words = {1: "Hello", 2: " wor", 3: "ld", 4: " END", 5: "!"}
+    text = IncrementalText(lambda ids: "".join(words[i] for i in ids), stop=(" END",))
+    released = [text.add(i) for i in (1, 2, 3, 4)]
+    assert "".join(released) == "Hello world"
+    assert text.stopped
+
+
+def test_incremental_text_waits_for_whole_characters():
+    pieces = {1: "a", 2: "\ufffd", 3: "é"}
+
+    def decode(ids):
+        s = "".join(pieces[i] for i in ids)
+        return s.replace("\ufffdé", "é")  # token 2 is half a character until token 3 arrives
+
+    text = IncrementalText(decode)
+    assert text.add(1) == "a"
+    assert text.add(2) == ""
+    assert text.add(3) == "é"
+    assert text.flush() == ""
+
+
+def test_sampler_greedy_and_seeded():
+    logits = torch.tensor([0.1, 2.0, 0.3, 1.9])
+    assert Sampler(GenerationConfig())(logits) == 1
+    assert Sampler(GenerationConfig(temperature=1.0, top_k=1))(logits) == 1
+    a = [Sampler(GenerationConfig(temperature=1.0, seed=7))(torch.randn(50, generator=torch.Generator().manual_seed(i)))
+         for i in range(20)]
+    b = [Sampler(GenerationConfig(temperature=1.0, seed=7))(torch.randn(50, generator=torch.Generator().manual_seed(i)))
+         for i in range(20)]
+    assert a == b
+    top_p = Sampler(GenerationConfig(temperature=1.0, top_p=0.01, seed=3))
+    assert all(top_p(logits) == 1 for _ in range(10))
+
+
+def test_configs_validate():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ModelConfig(dtype="float8")
+    with pytest.raises(ValueError, match="max_new_tokens must be between 1 and 10"):
+        GenerationConfig(max_new_tokens=11).validate(10)
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationConfig(top_p=0).validate(100)

@@ -1,0 +1,107 @@
+"""The pruning functions against a real (tiny, random) Qwen2-VL language model."""
+
+import pytest
+import torch
+
+from token_pruning.attention_scores import received_attention
+from token_pruning.positions import gather_prompt, visual_positions
+from token_pruning.query_capture import QueryCapture
+from token_pruning.text_guided import question_query_positions, text_guided_drop
+
+VIDEO_ID = 60
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import Qwen2VLConfig, Qwen2VLModel
+
+    text = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2)
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        video_token_id=VIDEO_ID,
+        image_token_id=63,
+        vision_start_token_id=61,
+        vision_end_token_id=62,
+    )
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return Qwen2VLModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    """input_ids [1, L], inputs_embeds [1, L, 64], position_ids [4, 1, L] for a 2x4x6 video."""
+    grid = torch.tensor([[2, 4, 6]])  # 2 * 2 * 3 = 12 merged tokens
+    ids = [1, 2, 3, 4, 61] + [VIDEO_ID] * 12 + [62] + [5, 6, 7, 8, 9, 10]
+    input_ids = torch.tensor([ids])
+    mm_types = (input_ids == VIDEO_ID).int() * 2
+    rope, _ = model.get_rope_index(input_ids, mm_types, video_grid_thw=grid)
+    position_ids = torch.cat([torch.arange(len(ids)).view(1, 1, -1), rope])
+    g = torch.Generator().manual_seed(1)
+    embeds = model.get_input_embeddings()(input_ids).detach().clone()
+    embeds[input_ids == VIDEO_ID] = torch.randn(12, 64, generator=g)  # stand-in vision features
+    return input_ids, embeds, position_ids
+
+
+@torch.no_grad()
+def test_pruned_prompt_equals_full_prompt_with_dropped_tokens_masked(model, prompt):
+    input_ids, embeds, position_ids = prompt
+    lm = model.language_model
+    seq = input_ids.shape[1]
+    visual = visual_positions(input_ids, VIDEO_ID)
+    keep_visual = torch.tensor([0, 3, 4, 9, 11])
+    keep = torch.cat([torch.arange(5), visual[keep_visual], torch.arange(17, seq)]).sort().values
+    pruned = gather_prompt(input_ids, position_ids, keep)
+    # Reference: the full prompt, nobody may attend to a dropped token.
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+    dropped = torch.ones(seq, dtype=torch.bool)
+    dropped[keep] = False
+    allowed[:, dropped] = False
+    allowed[dropped, dropped] = True  # dropped rows only see themselves (outputs ignored)
+    mask = torch.zeros(seq, seq).masked_fill(~allowed, float("-inf"))[None, None]
+    full = lm(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask, use_cache=False)
+    expected = full.last_hidden_state[:, keep]
+
+    ones = pruned.attention_mask
+    out = lm(
+        inputs_embeds=embeds[:, keep], position_ids=pruned.position_ids, attention_mask=ones, use_cache=False
+    )
+    torch.testing.assert_close(out.last_hidden_state, expected, atol=1e-5, rtol=1e-5)
+
+    # Renumbering the survivors 0..L'-1 (instead of keeping positions) gives other outputs.
+    renumbered = torch.arange(keep.numel()).view(1, 1, -1).expand(4, 1, -1)
+    wrong = lm(inputs_embeds=embeds[:, keep], position_ids=renumbered, attention_mask=ones, use_cache=False)
+    assert not torch.allclose(wrong.last_hidden_state, expected, atol=1e-3)
+    # Pitfall: gapped row-0 positions without an attention mask and without a cache make
+    # transformers treat the gaps as packed-sequence boundaries. Always pass the mask.
+    packed = lm(inputs_embeds=embeds[:, keep], position_ids=pruned.position_ids, use_cache=False)
+    assert not torch.allclose(packed.last_hidden_state, expected, atol=1e-3)
+
+
+@torch.no_grad()
+def test_captured_queries_score_exactly_the_models_attention(model, prompt):
+    input_ids, embeds, position_ids = prompt
+    lm = model.language_model
+    visual = visual_positions(input_ids, VIDEO_ID)
+    qpos = question_query_positions(input_ids.shape[1], visual)
+    with QueryCapture(lm.layers, layers=[1, 2], query_index=qpos) as cap:
+        out = lm(inputs_embeds=embeds, position_ids=position_ids, output_attentions=True, use_cache=False)
+    for layer in (1, 2):
+        weights = out.attentions[layer][0][:, qpos][..., visual]  # [heads, Q, V] from the model
+        scores = received_attention(cap.queries[layer], cap.keys[layer], qpos, scored_keys=visual)
+        torch.testing.assert_close(scores.total, weights.sum(1).view(2, 2, -1).mean(1), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(scores.max, weights.amax(1).view(2, 2, -1).amax(1), atol=1e-5, rtol=1e-4)
+
+    result = text_guided_drop(cap.queries[1], cap.keys[1], qpos, visual, keep_ratio=0.25)
+    assert result.kept_visual.numel() == 3
+    assert result.keep_indices.numel() == input_ids.shape[1] - 9

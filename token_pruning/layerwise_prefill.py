@@ -1,0 +1,113 @@
+"""A prefill that drops visual tokens part-way through the decoder (FastKV / MustDrop prefill).
+
+Layers before `drop_layer` run on the whole prompt. At `drop_layer`, the question's queries
+score the visual tokens from that layer's own (normalised, projected, M-RoPE-rotated) input;
+`text_guided_drop` keeps a budget of them, and every later layer runs on the survivors only,
+with their original position ids (cos/sin gathered, never recomputed from a shorter range).
+The earlier layers' cache entries of the dropped tokens are removed too, so every layer's cache
+has the same length L' and the result is an ordinary `DynamicCache`.
+
+Decoding afterwards: the cache holds L' entries, but the next token's position continues from
+the *unpruned* prompt (Qwen2-VL: `position = L + rope_deltas`); pass position_ids explicitly.
+
+Written against transformers 5.x Qwen2-VL / Qwen2.5-VL text models (`language_model.layers`,
+`.rotary_emb`, `.norm`; decoder layers called with keyword arguments), batch size 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from token_pruning.query_capture import rotated_states
+from token_pruning.text_guided import PrefillDropResult, question_query_positions, text_guided_drop
+
+
+@dataclass
+class LayerwisePrefillResult:
+    last_hidden_state: torch.Tensor
+    """[1, L', hidden] after the final norm (the last row gives the first token's logits)."""
+    past_key_values: object
+    """transformers DynamicCache, every layer holding L' entries."""
+    keep_indices: torch.Tensor
+    """[L'] long: survivors' indices in the unpruned prompt."""
+    position_ids: torch.Tensor
+    """[R, 1, L'] survivors' original position ids."""
+    drop: PrefillDropResult | None
+    """Scores and survivors of the drop (None when no drop ran)."""
+    tokens_per_layer: list[int]
+    """Sequence length each decoder layer ran on (for the FLOPs estimate)."""
+
+
+def _causal_mask(language_model: nn.Module, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """SDPA/flash kernels are causal by themselves when given no mask; eager needs one [1,1,n,n]."""
+    if getattr(language_model.config, "_attn_implementation", "eager") != "eager":
+        return None
+    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+
+
+@torch.no_grad()
+def prefill_with_drop(
+    language_model: nn.Module,
+    inputs_embeds: torch.Tensor,
+    position_ids: torch.Tensor,
+    visual_index: torch.Tensor,
+    drop_layer: int | None,
+    keep_ratio: float = 1.0,
+    keep_count: int | None = None,
+    key_mask: torch.Tensor | None = None,
+    query_window: int = 0,
+) -> LayerwisePrefillResult:
+    """Run the text model's prefill, dropping visual tokens at `drop_layer` (None: never).
+
+    inputs_embeds: [1, L, hidden] with the visual features already in place. position_ids:
+    [4, 1, L] (row 0 text positions, rows 1..3 M-RoPE) or [3, 1, L]. visual_index: [V] indices
+    of the visual tokens in L. key_mask: [V] bool, never dropped.
+    """
+    from transformers import DynamicCache
+
+    layers = language_model.layers
+    if drop_layer is not None and not 0 <= drop_layer < len(layers):
+        raise ValueError(f"drop_layer must be in [0, {len(layers) - 1}], got {drop_layer}")
+    seq_len = inputs_embeds.shape[1]
+    rope_rows = position_ids[1:] if position_ids.shape[0] == 4 else position_ids
+    text_rows = position_ids[0] if position_ids.shape[0] == 4 else None
+    cache = DynamicCache(config=language_model.config)
+    hidden = inputs_embeds
+    cos, sin = language_model.rotary_emb(hidden, rope_rows)  # each [1, L, head_dim]
+    keep = torch.arange(seq_len)
+    mask = _causal_mask(language_model, seq_len, hidden.dtype)
+    drop = None
+    lengths = []
+    for i, layer in enumerate(layers):
+        if i == drop_layer:
+            attn = layer.self_attn
+            normed = layer.input_layernorm(hidden)
+            queries = question_query_positions(seq_len, visual_index, query_window)
+            q = rotated_states(attn, normed[:, queries], cos[:, queries], sin[:, queries], "q_proj")
+            k = rotated_states(attn, normed, cos, sin, "k_proj")
+            drop = text_guided_drop(q, k, queries, visual_index, keep_ratio, keep_count, key_mask)
+            keep = drop.keep_indices
+            hidden, cos, sin = hidden[:, keep], cos[:, keep], sin[:, keep]
+            for done in cache.layers[:i]:
+                done.keys, done.values = done.keys[:, :, keep], done.values[:, :, keep]
+            mask = _causal_mask(language_model, keep.numel(), hidden.dtype)
+        hidden = layer(
+            hidden,
+            attention_mask=mask,
+            position_embeddings=(cos, sin),
+            position_ids=None if text_rows is None else text_rows[:, keep],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        lengths.append(hidden.shape[1])
+    return LayerwisePrefillResult(
+        last_hidden_state=language_model.norm(hidden),
+        past_key_values=cache,
+        keep_indices=keep,
+        position_ids=position_ids[..., keep],
+        drop=drop,
+        tokens_per_layer=lengths,
+    )
