@@ -36,7 +36,9 @@ GENERATOR_VERSION = 1  # bump when a seed's pixels or questions change
 class DatasetConfig:
     """What to build."""
 
-    num_videos: dict[str, int] = field(default_factory=lambda: {"train": 2000, "validation": 100, "test": 300})
+    num_videos: dict[str, int] = field(
+        default_factory=lambda: {"train": 2000, "validation": 100, "test": 300}
+    )
     """Clips per split."""
     image_ratio: float = 0.1
     """Still images per clip, per split (0.1: one image for every ten clips)."""
@@ -115,12 +117,16 @@ def _build_one(args: _Args) -> list[ManifestRecord]:
 def _jobs(config: DatasetConfig) -> list[_Job]:
     jobs = []
     for split in SPLITS:
-        jobs += [_Job(split, "video", seed_for(split, "video", i)) for i in range(config.num_videos.get(split, 0))]
+        jobs += [
+            _Job(split, "video", seed_for(split, "video", i)) for i in range(config.num_videos.get(split, 0))
+        ]
         jobs += [_Job(split, "image", seed_for(split, "image", i)) for i in range(config.num_images(split))]
     return jobs
 
 
-def build_dataset(out_dir: str | Path, config: DatasetConfig = DatasetConfig(), progress: bool = True) -> dict:
+def build_dataset(
+    out_dir: str | Path, config: DatasetConfig = DatasetConfig(), progress: bool = True
+) -> dict:
     """Write media, manifest and info under `out_dir`; returns the info written."""
     from tqdm import tqdm
 
@@ -150,7 +156,9 @@ def build_dataset(out_dir: str | Path, config: DatasetConfig = DatasetConfig(), 
     return info
 
 
-def _map(fn: Callable[[_Args], list[ManifestRecord]], args: list[_Args], num_workers: int) -> Iterator[list[ManifestRecord]]:
+def _map(
+    fn: Callable[[_Args], list[ManifestRecord]], args: list[_Args], num_workers: int
+) -> Iterator[list[ManifestRecord]]:
     """`map` in submission order; in a process pool when num_workers > 1."""
     if num_workers == 1:
         yield from map(fn, args)
@@ -213,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             num_videos={"train": a.num_train, "validation": a.num_validation, "test": a.num_test},
             image_ratio=a.image_ratio,
             scene=SceneConfig(
-                width_px=a.width, height_px=a.height, fps=a.fps, duration_s=a.duration_s, max_objects=a.max_objects
+                width_px=a.width,
+                height_px=a.height,
+                fps=a.fps,
+                duration_s=a.duration_s,
+                max_objects=a.max_objects,
             ),
             encode=EncodeConfig(keyframe_interval=a.keyframe_interval, qp=a.qp),
             num_workers=a.workers,

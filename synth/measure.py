@@ -119,17 +119,18 @@ def decode_media(source: str | Path | bytes) -> np.ndarray:
             return np.asarray(img.convert("RGB"), dtype=np.uint8)[None]
     import av
 
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.video[0]
-        frames = sorted(
-            ((f.pts, f.to_ndarray(format="rgb24")) for f in container.decode(stream)), key=lambda x: x[0]
-        )
-    return np.stack([f for _, f in frames])
+        decoded = [(int(f.pts or 0), f.to_ndarray(format="rgb24")) for f in container.decode(stream)]
+    decoded.sort(key=lambda x: x[0])  # decoders emit display order already; sorting makes it certain
+    return np.stack([f for _, f in decoded])
 
 
 def label_pixels(frame: np.ndarray) -> np.ndarray:
     """[H, W] int8: index into COLOUR_NAMES of the nearest colour, or -1 for background."""
-    dist = np.linalg.norm(frame[:, :, None, :].astype(np.float32) - _PALETTE[None, None], axis=-1)  # [H, W, K]
+    dist = np.linalg.norm(
+        frame[:, :, None, :].astype(np.float32) - _PALETTE[None, None], axis=-1
+    )  # [H, W, K]
     labels = dist.argmin(axis=-1).astype(np.int8)
     labels[dist.min(axis=-1) > MAX_COLOUR_DISTANCE] = -1
     return labels

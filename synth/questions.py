@@ -59,7 +59,10 @@ _TEMPLATES: dict[str, tuple[str, ...]] = {
     "colour": ("what colour is the {shape}?", "what color is the {shape}?"),
     "shape": ("what shape is the {colour} object?", "what is the shape of the {colour} object?"),
     "count": ("how many objects appear in the video?", "how many objects are there in the video?"),
-    "direction": ("which direction does the {colour} object move?", "which way does the {colour} object move?"),
+    "direction": (
+        "which direction does the {colour} object move?",
+        "which way does the {colour} object move?",
+    ),
     "first": ("which object appears first?", "which object is seen first?"),
     "last": ("which object appears last?", "which object is seen last?"),
     "enters": ("does the {colour} object enter the video?", "does the {colour} object enter later?"),

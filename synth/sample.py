@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     info = write_sample(a.out)
     first = info["video"]["questions"][0]
-    print(f"wrote {a.out}/sample.mp4 (seed {info['video']['seed']}): {first['question']} -> {first['answer']}")
+    print(
+        f"wrote {a.out}/sample.mp4 (seed {info['video']['seed']}): {first['question']} -> {first['answer']}"
+    )
     return 0
 
 

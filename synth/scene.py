@@ -116,7 +116,9 @@ class SceneConfig:
                 f"in a clip); got {self.min_objects}..{self.max_objects}"
             )
         if not 1 <= self.min_size_px <= self.max_size_px:
-            raise ValueError(f"need 1 <= min_size_px <= max_size_px, got {self.min_size_px}..{self.max_size_px}")
+            raise ValueError(
+                f"need 1 <= min_size_px <= max_size_px, got {self.min_size_px}..{self.max_size_px}"
+            )
         span = 2 * (self.max_size_px * _BOUND_RADIUS + 1) + self.min_travel_px
         if span > min(self.width_px, self.height_px):
             raise ValueError(
@@ -209,7 +211,9 @@ def generate_scene(seed: int, config: SceneConfig = SceneConfig()) -> Scene:
         timings = _draw_timings(rng, config, num_objects, end_event)
         objects = _draw_paths(rng, config, colours, timings)
         if objects is not None:
-            return Scene(seed, config, background, background_rgb, tuple(objects), end_event, config.num_frames)
+            return Scene(
+                seed, config, background, background_rgb, tuple(objects), end_event, config.num_frames
+            )
     raise RuntimeError(f"could not place {num_objects} objects without overlap for seed {seed}")
 
 
@@ -341,7 +345,10 @@ def _place_still(rng: np.random.Generator, c: SceneConfig, colours: list[str]) -
         size = int(rng.integers(c.min_size_px, c.max_size_px + 1))
         margin = size * _BOUND_RADIUS + 1
         for _ in range(50):
-            xy = (float(rng.uniform(margin, c.width_px - margin)), float(rng.uniform(margin, c.height_px - margin)))
+            xy = (
+                float(rng.uniform(margin, c.width_px - margin)),
+                float(rng.uniform(margin, c.height_px - margin)),
+            )
             obj = ObjectSpec(colour, shape, size, xy, xy, 0, 1, 0, 1)
             if all(_apart(obj, other, c) for other in placed):
                 placed.append(obj)

@@ -13,10 +13,12 @@ plan, and asks decord for frames by their position in presentation order. decord
 table must agree with the index (same count, timestamps within half a frame); where it does not
 (e.g. AVI with B-frames) the request fails with MediaError rather than return other frames.
 
-Identical to PyAV for H.264, HEVC, VP9 and MJPEG in MP4, MKV, MOV and WebM at full size. Known
-differences: decord's bundled FFmpeg cannot open AV1; its MPEG-4 Part 2 decoder differs from
-FFmpeg 8's by +-1 in some pixels; with `max_pixels` downscaling decord's scaler is used, whose
-pixels differ slightly from swscale's in PyAV.
+Measured identical to PyAV (tests/unit/video/test_decord_backend.py) for H.264 (MP4, MKV), VP9
+(WebM) and MJPEG (AVI), rotation included (decord applies the display matrix itself). Known
+differences: decord's bundled FFmpeg cannot open AV1; for HEVC from x265 (open GOP) it returns
+wrong frames after a seek (a known decord bug); its MPEG-4 Part 2 decoder differs from FFmpeg 8's
+by +-1 in some pixels; with `max_pixels` downscaling decord's own scaler is used, whose pixels
+differ from swscale's in PyAV.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ class DecordDecoder:
         positions = np.searchsorted(index.frames.pts_s, chosen_s).tolist()
         w, h = scaled_size(index.width, index.height, opts.max_pixels)
         size = None if (w, h) == (index.width, index.height) else (w, h)
+        # decord applies the display rotation itself (pixel-identical to frame_to_rgb's rot90).
         shm = shared_memory.SharedMemory(create=True, size=len(positions) * w * h * 3)
         try:
             with self._lock:
@@ -164,8 +167,6 @@ class DecordDecoder:
         finally:
             shm.close()
             shm.unlink()
-        if index.rotation_deg:
-            frames = np.ascontiguousarray(np.rot90(frames, k=index.rotation_deg // 90, axes=(1, 2)))
         return DecodedVideo(
             frames=frames,
             timestamps_s=[float(t - index.frames.pts_s[0]) for t in chosen_s],

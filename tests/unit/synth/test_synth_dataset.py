@@ -12,9 +12,7 @@ SMALL = DatasetConfig(num_videos={"train": 4, "validation": 2, "test": 2}, image
 
 
 def test_split_seed_ranges_never_overlap():
-    ranges = {
-        s: {seed_for(s, m, i) for m in ("video", "image") for i in (0, 1, 4_999_999)} for s in SPLITS
-    }
+    ranges = {s: {seed_for(s, m, i) for m in ("video", "image") for i in (0, 1, 4_999_999)} for s in SPLITS}
     for s, seeds in ranges.items():
         assert {split_of(x) for x in seeds} == {s}
     assert not ranges["train"] & ranges["validation"] and not ranges["train"] & ranges["test"]
@@ -45,7 +43,11 @@ def test_manifest_is_well_formed(built):
         path = r.media_path(out)
         assert path.is_file() and path.stat().st_size > 0
         assert path.suffix == (".mp4" if r.media_type == "video" else ".png")
-        assert path.read_bytes()[4:8] == b"ftyp" if r.media_type == "video" else path.read_bytes()[:4] == b"\x89PNG"
+        assert (
+            path.read_bytes()[4:8] == b"ftyp"
+            if r.media_type == "video"
+            else path.read_bytes()[:4] == b"\x89PNG"
+        )
     media = {(r.split, r.media_type, r.media) for r in records}
     for split in SPLITS:
         assert sum(1 for s, m, _ in media if s == split and m == "video") == SMALL.num_videos[split]
@@ -97,8 +99,14 @@ def test_audit_passes_and_catches_a_wrong_label(built, tmp_path):
 
 def test_manifest_rejects_malformed_records(tmp_path):
     good = dict(
-        id="train-video-0-count", split="train", media="train/videos/0.mp4", media_type="video",
-        question="how many objects appear in the video?", answer="two", question_type="count", seed=0,
+        id="train-video-0-count",
+        split="train",
+        media="train/videos/0.mp4",
+        media_type="video",
+        question="how many objects appear in the video?",
+        answer="two",
+        question_type="count",
+        seed=0,
     )
     ManifestRecord.from_dict(good).validate()
     with pytest.raises(ValueError, match="not a word of ANSWER_VOCAB"):
@@ -118,16 +126,43 @@ def test_manifest_rejects_malformed_records(tmp_path):
 
 
 def test_messages_put_the_media_before_the_question():
-    r = ManifestRecord("i", "train", "train/videos/0.mp4", "video", "what colour is the circle?", "red", "colour", 0)
+    r = ManifestRecord(
+        "i", "train", "train/videos/0.mp4", "video", "what colour is the circle?", "red", "colour", 0
+    )
     assert r.messages() == [
-        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour is the circle?"}]}
+        {
+            "role": "user",
+            "content": [{"type": "video"}, {"type": "text", "text": "what colour is the circle?"}],
+        }
     ]
-    assert r.messages(with_answer=True)[1] == {"role": "assistant", "content": [{"type": "text", "text": "red"}]}
+    assert r.messages(with_answer=True)[1] == {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "red"}],
+    }
 
 
 def test_cli_builds_and_audits(tmp_path, capsys):
-    rc = main(["--out", str(tmp_path), "--num-train", "2", "--num-validation", "1", "--num-test", "1",
-               "--image-ratio", "0", "--width", "128", "--height", "96", "--keyframe-interval", "4", "--audit"])
+    rc = main(
+        [
+            "--out",
+            str(tmp_path),
+            "--num-train",
+            "2",
+            "--num-validation",
+            "1",
+            "--num-test",
+            "1",
+            "--image-ratio",
+            "0",
+            "--width",
+            "128",
+            "--height",
+            "96",
+            "--keyframe-interval",
+            "4",
+            "--audit",
+        ]
+    )
     assert rc == 0
     assert "match the pixels" in capsys.readouterr().out
     info = json.loads((tmp_path / "dataset_info.json").read_text())

@@ -9,7 +9,7 @@ check that the pixel answers change the way they must, so the measurement can't 
 import numpy as np
 import pytest
 
-from synth.measure import count_blobs, decode_media, label_pixels, track_objects, COLOUR_NAMES
+from synth.measure import COLOUR_NAMES, count_blobs, decode_media, label_pixels, track_objects
 from synth.oracle import answer_from_frames, answer_from_tracks
 from synth.questions import VIDEO_QUESTION_TYPES, make_questions
 from synth.render import encode_mp4, encode_png, render_frame, render_frames
@@ -17,7 +17,9 @@ from synth.scene import END_EVENTS, generate_image_scene, generate_scene
 from synth.splits import seed_for
 
 # Test-split clips 0..7 hold every question type and every end event (asserted below).
-VIDEO_SEEDS = [seed_for("test", "video", i) for i in range(8)] + [seed_for("train", "video", i) for i in range(4)]
+VIDEO_SEEDS = [seed_for("test", "video", i) for i in range(8)] + [
+    seed_for("train", "video", i) for i in range(4)
+]
 IMAGE_SEEDS = [seed_for("test", "image", i) for i in range(6)]
 
 
@@ -42,7 +44,9 @@ def test_every_answer_matches_the_decoded_pixels(decoded):
         tracks = track_objects(frames)
         for qa in make_questions(scene):
             got = answer_from_tracks(tracks, len(frames), qa.question_type, qa.question)
-            assert got == qa.answer, f"seed {seed}: {qa.question!r} labelled {qa.answer!r}, pixels say {got!r}"
+            assert got == qa.answer, (
+                f"seed {seed}: {qa.question!r} labelled {qa.answer!r}, pixels say {got!r}"
+            )
 
 
 def test_blob_count_per_frame_is_the_number_of_visible_objects(decoded):
@@ -93,8 +97,12 @@ def test_reversed_video_turns_entries_into_exits(decoded):
         scene, frames = decoded[seed]
         forwards, backwards = track_objects(frames), track_objects(frames[::-1])
         for obj in scene.objects:
-            enters = answer_from_tracks(forwards, len(frames), "enters", f"does the {obj.colour} object enter?")
-            leaves = answer_from_tracks(backwards, len(frames), "leaves", f"does the {obj.colour} object leave?")
+            enters = answer_from_tracks(
+                forwards, len(frames), "enters", f"does the {obj.colour} object enter?"
+            )
+            leaves = answer_from_tracks(
+                backwards, len(frames), "leaves", f"does the {obj.colour} object leave?"
+            )
             assert enters == leaves
             checked += enters == "yes"
     assert checked > 0

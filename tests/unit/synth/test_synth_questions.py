@@ -3,7 +3,13 @@
 import re
 from collections import Counter
 
-from synth.questions import ANSWER_VOCAB, IMAGE_QUESTION_TYPES, VIDEO_QUESTION_TYPES, make_questions, tokenizer_words
+from synth.questions import (
+    ANSWER_VOCAB,
+    IMAGE_QUESTION_TYPES,
+    VIDEO_QUESTION_TYPES,
+    make_questions,
+    tokenizer_words,
+)
 from synth.scene import generate_image_scene, generate_scene
 
 

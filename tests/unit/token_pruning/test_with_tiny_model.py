@@ -105,3 +105,74 @@ def test_captured_queries_score_exactly_the_models_attention(model, prompt):
     result = text_guided_drop(cap.queries[1], cap.keys[1], qpos, visual, keep_ratio=0.25)
     assert result.kept_visual.numel() == 3
     assert result.keep_indices.numel() == input_ids.shape[1] - 9
+
+
+def _reference_with_masks(lm, embeds, position_ids, drop_layer, dropped):
+    """Full-length forward where layers >= drop_layer may not attend to `dropped` tokens."""
+    from transformers import DynamicCache
+
+    seq = embeds.shape[1]
+    cos, sin = lm.rotary_emb(embeds, position_ids[1:])
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    blocked = causal.clone()
+    blocked[:, dropped] = False
+    blocked[dropped, dropped] = True
+    to_mask = lambda allowed: torch.zeros(seq, seq).masked_fill(~allowed, float("-inf"))[None, None]  # noqa: E731
+    cache = DynamicCache(config=lm.config)
+    hidden = embeds
+    for i, layer in enumerate(lm.layers):
+        mask = to_mask(causal if i < drop_layer else blocked)
+        hidden = layer(
+            hidden,
+            attention_mask=mask,
+            position_embeddings=(cos, sin),
+            position_ids=position_ids[0],
+            past_key_values=cache,
+            use_cache=True,
+        )
+    return lm.norm(hidden), cache
+
+
+@torch.no_grad()
+def test_layerwise_prefill_without_drop_equals_the_model(model, prompt):
+    from token_pruning.layerwise_prefill import prefill_with_drop
+
+    input_ids, embeds, position_ids = prompt
+    lm = model.language_model
+    visual = visual_positions(input_ids, VIDEO_ID)
+    full = lm(inputs_embeds=embeds, position_ids=position_ids, use_cache=True)
+    out = prefill_with_drop(lm, embeds, position_ids, visual, drop_layer=None)
+    torch.testing.assert_close(out.last_hidden_state, full.last_hidden_state)
+    for mine, theirs in zip(out.past_key_values.layers, full.past_key_values.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+    assert out.tokens_per_layer == [input_ids.shape[1]] * 3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_layerwise_prefill_drop_equals_masking_the_dropped_tokens(model, prompt, attn):
+    from token_pruning.layerwise_prefill import prefill_with_drop
+
+    input_ids, embeds, position_ids = prompt
+    lm = model.language_model
+    seq = input_ids.shape[1]
+    visual = visual_positions(input_ids, VIDEO_ID)
+    key = torch.zeros(12, dtype=torch.bool)
+    key[5] = True
+    lm.config._attn_implementation = attn
+    try:
+        out = prefill_with_drop(lm, embeds, position_ids, visual, 1, keep_ratio=0.25, key_mask=key)
+    finally:
+        lm.config._attn_implementation = "eager"
+    assert out.drop is not None and out.drop.kept_visual.numel() == 3 and 5 in out.drop.kept_visual.tolist()
+    keep = out.keep_indices
+    assert keep.numel() == seq - 9 and out.tokens_per_layer == [seq, seq - 9, seq - 9]
+    assert torch.equal(out.position_ids, position_ids[..., keep])
+    dropped = torch.ones(seq, dtype=torch.bool)
+    dropped[keep] = False
+    ref_hidden, ref_cache = _reference_with_masks(lm, embeds, position_ids, 1, dropped)
+    torch.testing.assert_close(out.last_hidden_state, ref_hidden[:, keep], atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(out.past_key_values.layers, ref_cache.layers, strict=True):
+        assert mine.keys.shape[2] == keep.numel()
+        torch.testing.assert_close(mine.keys, theirs.keys[:, :, keep], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values, theirs.values[:, :, keep], atol=1e-5, rtol=1e-4)

@@ -110,7 +110,12 @@ def test_rotation_metadata_is_applied(video_factory, decoder):
     upright = decoder.decode(plain, opts).frames
     turned = decoder.decode(rotated, opts).frames
     assert turned.shape == (4, 96, 64, 3)  # height and width swapped
-    assert np.array_equal(turned, np.rot90(upright, k=1, axes=(1, 2)))
+    # Two separate lossy encodes of the same frames: equal up to coding noise (x264's output
+    # varies a little with the process's earlier encodes), far from any other orientation.
+    def error(k: int) -> float:
+        return float(np.abs(np.rot90(upright, k=k, axes=(1, 2)).astype(int) - turned).mean())
+
+    assert error(1) < 3.0 < error(3)
 
 
 def test_downscale_identical_to_reference(video_factory, decoder):
