@@ -200,8 +200,7 @@ class TokenCache:
         try:
             save_file(entry.tensors, str(tensor_file) + suffix)
             os.replace(str(tensor_file) + suffix, tensor_file)
-            side = {"key": key, "metadata": entry.metadata, "nbytes": entry.nbytes,
-                    "written_at": time.time()}
+            side = {"key": key, "metadata": entry.metadata, "nbytes": entry.nbytes, "written_at": time.time()}
             Path(str(sidecar) + suffix).write_text(json.dumps(side))
             os.replace(str(sidecar) + suffix, sidecar)  # commit marker, written last
         except OSError as exc:  # a full disk must not fail the request
@@ -223,7 +222,7 @@ class TokenCache:
             os.utime(sidecar)  # LRU order on disk is the sidecar's mtime
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, RuntimeError) as exc:  # corrupt pair: drop it, count a miss
+        except Exception as exc:  # corrupt pair (SafetensorError, bad json): drop it, count a miss
             log.warning("token cache: dropping unreadable entry %s: %r", key, exc)
             tensor_file.unlink(missing_ok=True)
             sidecar.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from decode_svc.config import DecodeConfig
 from encoder_svc.config import EncoderConfig
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
 from model_runtime.config import ModelConfig
 from model_runtime.sampling import GenerationConfig
 from prefill_svc.config import PrefillConfig
@@ -66,4 +66,15 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         prefill_addresses=tuple(args.prefill),
         decode_addresses=tuple(args.decode),
         max_upload_bytes=args.max_upload_bytes,
+        http=http_api_config(args),
     )
+
+
+def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
+    media = MediaFetchConfig(
+        allowed_local_dir=args.allowed_local_media_path,
+        allowed_domains=tuple(args.allowed_media_domains),
+        fetch_timeout_s=args.media_fetch_timeout,
+    )
+    return HttpApiConfig(port=args.http_port, host=args.http_host, api_key=args.api_key,
+                         served_model_name=args.served_model_name, media=media)

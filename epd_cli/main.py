@@ -6,7 +6,8 @@
     epd health HOST:PORT          # exit 0 when the service reports SERVING
 
 Environment variables are read here and nowhere else: EPD_MODEL, EPD_DEVICE, EPD_DTYPE,
-EPD_NUM_THREADS give the defaults of --model, --device, --dtype, --num-threads.
+EPD_NUM_THREADS give the defaults of --model, --device, --dtype, --num-threads; EPD_API_KEY the
+default of the gateway's --api-key.
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
 
+def add_http_api_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP API")
+    g.add_argument("--http-port", type=int, default=0, help="port of the HTTP API (0 = off)")
+    g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
+    g.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $EPD_API_KEY; empty = open)")
+    g.add_argument("--served-model-name", default="epd", help="model id listed by /v1/models")
+    g.add_argument("--allowed-local-media-path", default="",
+                   help="directory that local paths / file:// media URLs may be read from (default: none)")
+    g.add_argument("--allowed-media-domains", type=_addresses, default=(),
+                   help="comma-separated domains http(s) media URLs may be fetched from (default: none); "
+                        "private addresses are refused regardless")
+    g.add_argument("--media-fetch-timeout", type=float, default=30.0, help="seconds to fetch one media URL")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from decode_svc.config import DEFAULT_PORT as DECODE_PORT
     from encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
@@ -99,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
     gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
     gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    add_http_api_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
     serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
     serve.add_argument("--encoder-port", type=int, default=ENCODER_PORT)

@@ -12,6 +12,40 @@ DEFAULT_PORT = 50050
 
 
 @dataclass(frozen=True)
+class MediaFetchConfig:
+    """Where the HTTP API may take media from besides `data:` URLs (both off by default)."""
+
+    allowed_local_dir: str = ""
+    """Local paths and file:// URLs are read only under this directory (symlinks resolved);
+    "" refuses every local path."""
+    allowed_domains: tuple[str, ...] = ()
+    """http(s) URLs are fetched only from these hosts or their subdomains; () refuses every URL.
+    Private, loopback and link-local addresses are refused whatever the name."""
+    fetch_timeout_s: float = 30.0
+    """Whole-fetch deadline of one http(s) media URL, redirects included."""
+    max_redirects: int = 3
+    """Redirects followed, each to the same host only."""
+    allow_private_addresses: bool = False
+    """Let http(s) URLs reach private/loopback addresses (tests and closed networks only)."""
+
+
+@dataclass(frozen=True)
+class HttpApiConfig:
+    """The OpenAI-compatible HTTP API, served by the gateway process next to gRPC."""
+
+    port: int = 0
+    """TCP port of the HTTP API; 0 turns it off."""
+    host: str = ""
+    """Interface to bind; "" means the gRPC server's host."""
+    api_key: str = ""
+    """When set, /v1/* needs `Authorization: Bearer <api_key>` (health and metrics stay open)."""
+    served_model_name: str = "epd"
+    """The model id that /v1/models lists and requests must name."""
+    media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
+    """Which media URLs and paths requests may use."""
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
     encoder_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -28,3 +62,5 @@ class GatewayConfig:
     """Defaults for sampling fields a request leaves unset."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Defaults for generation fields a request leaves unset."""
+    http: HttpApiConfig = field(default_factory=HttpApiConfig)
+    """The OpenAI-compatible HTTP API (off unless `http.port` is set)."""

@@ -15,8 +15,8 @@ Each clip has exactly one `end_event`, which is what "what happens at the end?" 
 - "leaves": one object disappears inside the end window; nothing enters there.
 - "stops": nothing enters or leaves there, and every object stands still through the window
   (they all moved before it).
-Entries and exits in the body are kept at least two frames away from the window so the two can't
-be confused after sampling.
+Entries and exits in the body are kept `event_margin_s` away from the start and from the window, so
+that frames sampled at 2 fps (what the serving path feeds the model) still tell them apart.
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ class SceneConfig:
     """Shortest time an object stays visible, except one entering in the end window."""
     min_tail_s: float = 0.75
     """Shortest time an object that enters in the end window stays visible before the end."""
+    event_margin_s: float = 0.5
+    """Least time from the start to a later entry, and from an early exit to the end window: one
+    sampling period at 2 fps, so sampled frames still show what happened when."""
     min_order_gap_s: float = 0.5
     """Least time between the first two (or last two) entries for an order question to be asked."""
     textured_fraction: float = 0.5
@@ -125,12 +128,14 @@ class SceneConfig:
                 f"a {self.min_travel_px} px path for a {self.max_size_px} px object does not fit in "
                 f"{self.width_px}x{self.height_px}; lower min_travel_px or max_size_px"
             )
+        # Entries and exits before the window are optional (skipped where they don't fit);
+        # the end events are not.
         n, e = self.num_frames, self.end_window_start
-        body_frames = self.frames(self.min_visible_s) + 3
-        if e < body_frames or n - e < max(3, self.frames(self.min_tail_s)):
+        if n - e < max(3, self.frames(self.min_tail_s)):
             raise ValueError(
-                f"{n} frames ({self.fps} fps x {self.duration_s} s) are too few to place entries and "
-                "exits before and inside the end window; use a longer clip or a higher fps"
+                f"{n} frames ({self.fps} fps x {self.duration_s} s) leave too few in the end window "
+                "for an object to enter or leave there; use a longer clip, a higher fps or a "
+                "smaller min_tail_s"
             )
 
 
@@ -246,35 +251,37 @@ class _Timing:
 
 
 def _draw_timings(rng: np.random.Generator, c: SceneConfig, n: int, end_event: str) -> list[_Timing]:
-    """Visible spans and motion spans; object 0 carries the end event."""
+    """Visible spans and motion spans; object 0 carries the end event.
+
+    Frames at 3 s x 8 fps (window = 16, margin = 4, min visible = 8): body entries at 4..8, body
+    exits with the last sighting at <= 11, end entries at 16..18, end exits with the last sighting
+    at 16..21. Sampled at 2 fps (frames 2, 6, 10, 14, 18, 22) each kind shows differently.
+    """
     num_frames, window = c.num_frames, c.end_window_start
-    min_visible = c.frames(c.min_visible_s)
+    min_visible, margin = c.frames(c.min_visible_s), c.frames(c.event_margin_s)
+    last_body_entry = window - min_visible
+    last_body_exit = window - margin  # exclusive exit frame: last sighting <= window - margin - 1
     timings = []
     for i in range(n):
         if i == 0 and end_event == "enters":
             enter = int(rng.integers(window, num_frames - c.frames(c.min_tail_s) + 1))
-            exit_ = num_frames
+        elif rng.random() < c.p_present_at_start or last_body_entry < margin:
+            enter = 0
         else:
-            late_enter_max = window - 2 - min_visible  # room for an early exit after it
-            if rng.random() < c.p_present_at_start or late_enter_max < 1:
-                enter = 0
-            else:
-                enter = int(rng.integers(1, window - min_visible + 1))
-            if i == 0 and end_event == "leaves":
-                exit_ = int(rng.integers(window + 1, num_frames - 1))
-            elif i == 0 or rng.random() < c.p_present_at_end or enter + min_visible > window - 1:
-                # Object 0 stays for "stops" so that the stop is visible.
-                exit_ = num_frames
-            else:
-                exit_ = int(rng.integers(enter + min_visible, window))  # last visible <= window - 2
+            enter = int(rng.integers(margin, last_body_entry + 1))
+        if i == 0 and end_event == "leaves":
+            exit_ = int(rng.integers(window + 1, num_frames - 1))
+        elif i == 0 or rng.random() < c.p_present_at_end or enter + min_visible > last_body_exit:
+            exit_ = num_frames  # object 0 stays for "enters" and "stops" (so the stop is seen)
+        else:
+            exit_ = int(rng.integers(enter + min_visible, last_body_exit + 1))
         if end_event == "stops":
-            # Motion ends before the window; keep at least a few frames of motion to see.
-            move_end = max(enter + 4, min(window, exit_ - 1) - int(rng.integers(0, 3)))
-            move_end = min(move_end, window)
+            # Motion ends at or before the window, after a few frames of it to see.
+            move_end = min(window, exit_ - 1) - int(rng.integers(0, 3))
+            move_end = min(max(move_end, enter + 4), window)
         else:
             move_end = exit_ - 1
-        move_end = max(move_end, enter + 1)
-        timings.append(_Timing(enter, exit_, enter, move_end))
+        timings.append(_Timing(enter, exit_, enter, max(move_end, enter + 1)))
     return timings
 
 

@@ -46,7 +46,18 @@ def encoder_available(codec: str) -> bool:
 
 
 def frame_pattern(i: int, width: int, height: int, pattern: str = "moving", seed: int = 0) -> np.ndarray:
-    """Frame `i` as [H, W, 3] uint8 RGB. "moving": smooth, cheap to encode; "noise": costly."""
+    """Frame `i` as [H, W, 3] uint8 RGB. "moving": smooth, cheap to decode; "texture": a fixed
+    random texture panning 2 px per frame (camera-like bitrate and decode cost); "noise": new noise
+    every frame (worst case)."""
+    if pattern == "texture":
+        rng = np.random.default_rng(seed)
+        tex = rng.integers(0, 256, size=(height // 8 + 2, width // 8 + 2, 3), dtype=np.uint8)
+        tex = tex.repeat(8, 0).repeat(8, 1)
+        shift = (2 * i) % 8
+        img = np.roll(tex, shift=(i // 4 * 8 % (tex.shape[0]), (i // 4) * 8 % tex.shape[1]), axis=(0, 1))
+        img = np.ascontiguousarray(img[shift : shift + height, shift : shift + width])
+        _draw_frame_number(img, i)
+        return img
     if pattern == "noise":
         rng = np.random.default_rng(seed * 1_000_003 + i)
         base = rng.integers(0, 256, size=(height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
@@ -60,12 +71,17 @@ def frame_pattern(i: int, width: int, height: int, pattern: str = "moving", seed
     bx = (i * 3) % max(width - side, 1)
     by = (i * 2) % max(height - side, 1)
     img[by : by + side, bx : bx + side] = (255, 255, 255)
-    # The frame number in binary as 8 bars along the bottom, so every frame is distinct.
+    _draw_frame_number(img, i)
+    return img
+
+
+def _draw_frame_number(img: np.ndarray, i: int) -> None:
+    """The frame number in binary as 8 bars along the bottom, so every frame is distinct."""
+    height, width = img.shape[:2]
     bar_w = max(1, width // 8)
     for bit in range(8):
         if (i >> bit) & 1:
             img[height - max(2, height // 8) :, bit * bar_w : (bit + 1) * bar_w] = (0, 0, 0)
-    return img
 
 
 def make_video(

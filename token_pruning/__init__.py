@@ -6,7 +6,9 @@ Batch size 1, Qwen2-VL / Qwen2.5-VL layouts. One file per stage; no gRPC, no mod
     temporal.py          encode (a): drop tokens unchanged since the last kept frame group
     spatial_merge.py     encode (b): merge similar adjacent tokens in windows (size-weighted)
     key_tokens.py        encode (c): key token set that no later stage drops
+    encode_stage.py      (c) then (b) on the tower output; surviving tokens by full-list index
     text_guided.py       prefill: question-guided dropping with MustDrop's dual rule
+    layerwise_prefill.py a Qwen2-VL text-model prefill that drops at a layer (uses text_guided)
     kv_compress.py       after prefill: LOOK-M text-prior eviction with merging
     decode_policy.py     decode: output-aware eviction of ignored visual KV entries
     attention_scores.py  attention received from a few queries, grouped by KV head (GQA)
@@ -26,6 +28,7 @@ from token_pruning.attention_scores import ReceivedAttention, received_attention
 from token_pruning.budget import resolve_keep_count
 from token_pruning.config import PRESETS, PruningConfig
 from token_pruning.decode_policy import OutputAwareEviction
+from token_pruning.encode_stage import EncodedTokens, prune_encoded_tokens
 from token_pruning.grid import TokenGrid
 from token_pruning.key_tokens import key_token_scores, select_key_tokens
 from token_pruning.kv_compress import KVCompressionResult, compress_kv_cache, text_prior_scores
@@ -58,7 +61,9 @@ __all__ = [
     "SparseVisionInputs",
     "TemporalDropResult",
     "TokenGrid",
+    "EncodedTokens",
     "compress_kv_cache",
+    "prune_encoded_tokens",
     "dual_rule_select",
     "gather_prompt",
     "key_token_scores",

@@ -50,6 +50,9 @@ def prune_encoded_tokens(
 ) -> EncodedTokens:
     """Key tokens (c) and spatial merge (b) on the present tokens of each grid row.
 
+    `config.key_token_ratio` applies per video (ceil of the ratio of its present tokens), so a
+    short clip next to a long one still gets its own key tokens.
+
     embeddings: [present.sum(), D] tower output. grid_thw: [num_videos, 3] in patches.
     present: [num_full_tokens] bool (None = all present).
     """

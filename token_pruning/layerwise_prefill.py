@@ -17,9 +17,9 @@ Written against transformers 5.x Qwen2-VL / Qwen2.5-VL text models (`language_mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from token_pruning.query_capture import rotated_states
 from token_pruning.text_guided import PrefillDropResult, question_query_positions, text_guided_drop
@@ -41,7 +41,7 @@ class LayerwisePrefillResult:
     """Sequence length each decoder layer ran on (for the FLOPs estimate)."""
 
 
-def _causal_mask(language_model: nn.Module, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+def _causal_mask(language_model: Any, length: int, dtype: torch.dtype) -> torch.Tensor | None:
     """SDPA/flash kernels are causal by themselves when given no mask; eager needs one [1,1,n,n]."""
     if getattr(language_model.config, "_attn_implementation", "eager") != "eager":
         return None
@@ -50,7 +50,7 @@ def _causal_mask(language_model: nn.Module, length: int, dtype: torch.dtype) -> 
 
 @torch.no_grad()
 def prefill_with_drop(
-    language_model: nn.Module,
+    language_model: Any,
     inputs_embeds: torch.Tensor,
     position_ids: torch.Tensor,
     visual_index: torch.Tensor,
@@ -61,6 +61,8 @@ def prefill_with_drop(
     query_window: int = 0,
 ) -> LayerwisePrefillResult:
     """Run the text model's prefill, dropping visual tokens at `drop_layer` (None: never).
+
+    language_model: a transformers Qwen2-VL / Qwen2.5-VL text model (`model.model.language_model`).
 
     inputs_embeds: [1, L, hidden] with the visual features already in place. position_ids:
     [4, 1, L] (row 0 text positions, rows 1..3 M-RoPE) or [3, 1, L]. visual_index: [V] indices
@@ -91,7 +93,8 @@ def prefill_with_drop(
             drop = text_guided_drop(q, k, queries, visual_index, keep_ratio, keep_count, key_mask)
             keep = drop.keep_indices
             hidden, cos, sin = hidden[:, keep], cos[:, keep], sin[:, keep]
-            for done in cache.layers[:i]:
+            done: Any
+            for done in cache.layers[:i]:  # DynamicLayer: keys, values [1, kv_heads, L, D]
                 done.keys, done.values = done.keys[:, :, keep], done.values[:, :, keep]
             mask = _causal_mask(language_model, keep.numel(), hidden.dtype)
         hidden = layer(

@@ -33,7 +33,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from video.keyframe_index import KeyframeIndexCache, content_sha256
-from video.simple_decoder import check_size, decode_image, is_image, select_frames, scaled_size
+from video.simple_decoder import check_size, decode_image, is_image, scaled_size, select_frames
 from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,10 @@ class DecordDecoder:
         self._proc, self._conn = None, None
 
     def decode(
-        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(),
+        self,
+        data: bytes,
+        opts: SamplingOptions,
+        limits: DecodeLimits = DecodeLimits(),
         sha256: str | None = None,
     ) -> DecodedVideo:
         started = time.perf_counter()
@@ -147,8 +150,9 @@ class DecordDecoder:
             with self._lock:
                 self._ensure_child()
                 assert self._conn is not None
-                self._conn.send((data, positions, size, index.frames.pts_s.tolist(), shm.name,
-                                 self.config.num_threads))
+                self._conn.send(
+                    (data, positions, size, index.frames.pts_s.tolist(), shm.name, self.config.num_threads)
+                )
                 if not self._conn.poll(self.config.timeout_s):
                     self._kill_child()
                     raise MediaError(

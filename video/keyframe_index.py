@@ -161,9 +161,7 @@ class KeyframeIndexCache:
         self.num_hits = 0
         self.num_misses = 0
 
-    def get_or_build(
-        self, data: bytes, limits: DecodeLimits, sha256: str | None = None
-    ) -> VideoIndex:
+    def get_or_build(self, data: bytes, limits: DecodeLimits, sha256: str | None = None) -> VideoIndex:
         sha256 = sha256 or content_sha256(data)
         with self._lock:
             index = self._entries.get(sha256)

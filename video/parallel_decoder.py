@@ -89,7 +89,11 @@ class _Request:
     """Shared state of one decode between the consumer and the worker tasks."""
 
     def __init__(
-        self, data: bytes, index: VideoIndex, plan: DecodePlan, opts: SamplingOptions,
+        self,
+        data: bytes,
+        index: VideoIndex,
+        plan: DecodePlan,
+        opts: SamplingOptions,
         seek_cost_frames: float,
     ):
         self.data = data
@@ -100,9 +104,7 @@ class _Request:
         self.slots_of_pts: dict[int, list[int]] = {}
         for slot, pts in enumerate(plan.slot_pts.tolist()):
             self.slots_of_pts.setdefault(pts, []).append(slot)
-        self.interval_of_pts = {
-            pts: iv.position for iv in plan.intervals for pts in iv.target_pts
-        }
+        self.interval_of_pts = {pts: iv.position for iv in plan.intervals for pts in iv.target_pts}
         self.out: np.ndarray | None = None  # [T, H, W, 3], allocated at the first frame
         self.interval_done = [False] * len(plan.intervals)
         self.cond = threading.Condition()
@@ -260,9 +262,18 @@ class FrameGroupStream(Iterator[FrameGroup]):
     which cancels the decode work still pending.
     """
 
-    def __init__(self, decoder: ParallelDecoder, request: _Request | None, group_size: int,
-                 timestamps_s: list[float], sampled_fps: float, duration_s: float,
-                 source_fps: float, image: DecodedVideo | None = None, started: float = 0.0):
+    def __init__(
+        self,
+        decoder: ParallelDecoder,
+        request: _Request | None,
+        group_size: int,
+        timestamps_s: list[float],
+        sampled_fps: float,
+        duration_s: float,
+        source_fps: float,
+        image: DecodedVideo | None = None,
+        started: float = 0.0,
+    ):
         self._decoder = decoder
         self._request = request
         self.group_size = max(1, group_size)
@@ -313,8 +324,10 @@ class FrameGroupStream(Iterator[FrameGroup]):
                 if now > deadline:
                     self._fail_hung(f"did not finish within {config.request_timeout_s:g} s")
                 stalled = [
-                    t for t in req.tasks
-                    if t.started_at is not None and not t.done
+                    t
+                    for t in req.tasks
+                    if t.started_at is not None
+                    and not t.done
                     and now - t.last_progress > config.stall_timeout_s
                 ]
                 if stalled:
@@ -325,9 +338,7 @@ class FrameGroupStream(Iterator[FrameGroup]):
         """Fail the request and replace the workers still inside it (they may never return)."""
         req = self._request
         assert req is not None
-        req.fail(MediaError(
-            f"decoding the video {why}; the file may be corrupt, or send a shorter clip"
-        ))
+        req.fail(MediaError(f"decoding the video {why}; the file may be corrupt, or send a shorter clip"))
         for task in req.tasks:
             if task.started_at is not None and not task.done and task.worker is not None:
                 self._decoder._replace(task.worker)
@@ -391,15 +402,22 @@ class ParallelDecoder:
 
     # -- public API -------------------------------------------------------------------------
     def decode(
-        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(),
+        self,
+        data: bytes,
+        opts: SamplingOptions,
+        limits: DecodeLimits = DecodeLimits(),
         sha256: str | None = None,
     ) -> DecodedVideo:
         """Same result as `simple_decoder.decode`, frame for frame."""
         return self.iter_groups(data, opts, limits, group_size=1 << 30, sha256=sha256).result()
 
     def iter_groups(
-        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(),
-        group_size: int = 2, sha256: str | None = None,
+        self,
+        data: bytes,
+        opts: SamplingOptions,
+        limits: DecodeLimits = DecodeLimits(),
+        group_size: int = 2,
+        sha256: str | None = None,
     ) -> FrameGroupStream:
         """Plan the request and start decoding; frames come back in groups of `group_size`.
 
@@ -413,8 +431,17 @@ class ParallelDecoder:
         opts.validate(limits.max_frames)
         if is_image(data):
             image = decode_image(data, opts, limits)
-            return FrameGroupStream(self, None, group_size, image.timestamps_s, image.sampled_fps,
-                                    image.duration_s, image.source_fps, image=image, started=started)
+            return FrameGroupStream(
+                self,
+                None,
+                group_size,
+                image.timestamps_s,
+                image.sampled_fps,
+                image.duration_s,
+                image.source_fps,
+                image=image,
+                started=started,
+            )
         index = self.index_cache.get_or_build(data, limits, sha256 or content_sha256(data))
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
         req = _Request(data, index, plan, opts, self.config.seek_cost_frames)
@@ -422,8 +449,16 @@ class ParallelDecoder:
         first_pts = float(pts_s[0])
         positions = np.searchsorted(index.frame_pts, plan.slot_pts)
         timestamps = [float(pts_s[p] - first_pts) for p in positions.tolist()]
-        stream = FrameGroupStream(self, req, group_size, timestamps, plan.sampled_fps,
-                                  index.duration_s, index.source_fps, started=started)
+        stream = FrameGroupStream(
+            self,
+            req,
+            group_size,
+            timestamps,
+            plan.sampled_fps,
+            index.duration_s,
+            index.source_fps,
+            started=started,
+        )
         for share in plan.shares:
             if share:
                 task = _Task(req, share, last_progress=started)

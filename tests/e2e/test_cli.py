@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -59,12 +58,12 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT,
     )
     try:
-        deadline = time.monotonic() + 180
-        while not is_serving(f"127.0.0.1:{ports[0]}", timeout_s=1.0):
-            assert serve.poll() is None, serve.stdout.read()
-            assert time.monotonic() < deadline, "epd serve did not become ready"
-            time.sleep(0.3)
-        time.sleep(0.5)  # the stack reports ready once every service is SERVING
+        # `epd serve` prints its ready line once every service reports SERVING.
+        line = serve.stdout.readline()
+        while line and "stack ready" not in line:
+            line = serve.stdout.readline()
+        assert "stack ready" in line, "epd serve exited before it was ready"
+        assert is_serving(f"127.0.0.1:{ports[0]}")
         proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{ports[0]}",
                        "--num-frames", "8", "--max-new-tokens", "12", "--json")
         assert proc.returncode == 0, proc.stderr

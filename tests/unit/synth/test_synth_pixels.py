@@ -49,6 +49,22 @@ def test_every_answer_matches_the_decoded_pixels(decoded):
             )
 
 
+def test_answers_hold_on_frames_sampled_at_2_fps(decoded):
+    """What the serving path feeds the model (2 fps, the frame at or before (i + 0.5) / fps) still
+    shows every answer: late entries are absent from the first sample, early exits gone before the
+    end window, the end event inside it."""
+    for seed, (scene, frames) in decoded.items():
+        n = len(frames)
+        k = int(round(scene.config.duration_s * 2))
+        sampled = frames[np.floor((np.arange(k) + 0.5) * n / k + 1e-9).astype(int)]
+        tracks = track_objects(sampled)
+        for qa in make_questions(scene):
+            got = answer_from_tracks(tracks, k, qa.question_type, qa.question)
+            assert got == qa.answer, (
+                f"seed {seed} at 2 fps: {qa.question!r} is {qa.answer!r}, pixels say {got!r}"
+            )
+
+
 def test_blob_count_per_frame_is_the_number_of_visible_objects(decoded):
     for seed, (scene, frames) in decoded.items():
         assert len(frames) == scene.num_frames

@@ -37,6 +37,14 @@ def test_scene_invariants(seed):
             for b in vis[i + 1 :]:
                 (ax, ay), (bx, by) = a.position(f), b.position(f)
                 assert math.hypot(ax - bx, ay - by) >= (a.size_px + b.size_px) * math.sqrt(2)
+    margin = c.frames(c.event_margin_s)
+    for o in scene.objects:  # early events keep clear of the start and of the end window
+        assert (
+            o.enter_frame == 0
+            or margin <= o.enter_frame <= window - c.frames(c.min_visible_s)
+            or (o.enter_frame >= window)
+        )
+        assert o.exit_frame == n or o.exit_frame <= window - margin or o.exit_frame > window
     entered = [o for o in scene.objects if o.enter_frame >= window]
     left = [o for o in scene.objects if window < o.exit_frame < n]
     if scene.end_event == "enters":
@@ -61,7 +69,7 @@ def test_image_scene_is_one_still_frame():
         (SceneConfig(width_px=111), "must be even"),
         (SceneConfig(max_objects=6), "colours are unique"),
         (SceneConfig(width_px=40, height_px=40), "does not fit"),
-        (SceneConfig(fps=2, duration_s=2.0), "too few"),
+        (SceneConfig(fps=2, duration_s=2.0), "too few in the end window"),
     ],
 )
 def test_bad_config_is_refused_with_the_fix(config, match):

@@ -176,3 +176,36 @@ def test_layerwise_prefill_drop_equals_masking_the_dropped_tokens(model, prompt,
         assert mine.keys.shape[2] == keep.numel()
         torch.testing.assert_close(mine.keys, theirs.keys[:, :, keep], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(mine.values, theirs.values[:, :, keep], atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_compressed_cache_decodes_and_full_budget_changes_nothing(model, prompt):
+    from transformers import DynamicCache
+
+    from token_pruning.kv_compress import compress_kv_cache, text_prior_scores
+
+    input_ids, embeds, position_ids = prompt
+    lm = model.language_model
+    seq = input_ids.shape[1]
+    visual = visual_positions(input_ids, VIDEO_ID)
+    qpos = question_query_positions(seq, visual)
+    with QueryCapture(lm.layers, layers=range(3), query_index=qpos) as cap:
+        prefill = lm(inputs_embeds=embeds, position_ids=position_ids, use_cache=True)
+    caches = [(layer.keys, layer.values) for layer in prefill.past_key_values.layers]
+    scores = text_prior_scores([cap.queries[i] for i in range(3)], caches, qpos, visual)
+    new_token = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(2))
+    next_pos = (position_ids[..., -1:] + 1).clone()
+
+    def decode(layer_caches):
+        cache = DynamicCache(ddp_cache_data=layer_caches, config=lm.config)
+        n = layer_caches[0][0].shape[2]
+        mask = torch.ones(1, n + 1, dtype=torch.long)
+        return lm(inputs_embeds=new_token, position_ids=next_pos, attention_mask=mask, past_key_values=cache)
+
+    reference = decode(caches).last_hidden_state
+    full = compress_kv_cache(caches, scores, visual, keep_ratio=1.0, merge="averaged")
+    torch.testing.assert_close(decode(full.caches).last_hidden_state, reference)
+    small = compress_kv_cache(caches, scores, visual, keep_ratio=0.25, merge="averaged")
+    assert small.bytes_after < full.bytes_after
+    out = decode(small.caches).last_hidden_state
+    assert out.shape == reference.shape and torch.isfinite(out).all()

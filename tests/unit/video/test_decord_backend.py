@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from video import simple_decoder
-from video.types import MediaError, SamplingOptions
-
 from video.decord_backend import DecordConfig, DecordDecoder, decord_available
+from video.types import MediaError, SamplingOptions
 
 # Never import decord into the test process: it breaks PyAV's own codecs (see decord_backend).
 pytestmark = pytest.mark.skipif(not decord_available(), reason="decord is an optional backend")

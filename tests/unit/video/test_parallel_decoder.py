@@ -10,12 +10,21 @@ from video.types import DecodeLimits, SamplingOptions
 
 # (codec, container suffix): every container and codec of the issue, as far as FFmpeg muxes them.
 COMBOS = [
-    ("h264", ".mp4"), ("h264", ".mkv"), ("h264", ".mov"), ("h264", ".avi"),
-    ("hevc", ".mp4"), ("hevc", ".mkv"),
-    ("vp9", ".webm"), ("vp9", ".mp4"),
-    ("av1", ".mp4"), ("av1", ".webm"), ("av1", ".mkv"),
-    ("mpeg4", ".avi"), ("mpeg4", ".mp4"),
-    ("mjpeg", ".avi"), ("mjpeg", ".mov"),
+    ("h264", ".mp4"),
+    ("h264", ".mkv"),
+    ("h264", ".mov"),
+    ("h264", ".avi"),
+    ("hevc", ".mp4"),
+    ("hevc", ".mkv"),
+    ("vp9", ".webm"),
+    ("vp9", ".mp4"),
+    ("av1", ".mp4"),
+    ("av1", ".webm"),
+    ("av1", ".mkv"),
+    ("mpeg4", ".avi"),
+    ("mpeg4", ".mp4"),
+    ("mjpeg", ".avi"),
+    ("mjpeg", ".mov"),
 ]
 # 3 s at 10 fps, a keyframe every 10 frames: 3 GOPs, so the plan has several intervals.
 SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)
@@ -110,6 +119,7 @@ def test_rotation_metadata_is_applied(video_factory, decoder):
     upright = decoder.decode(plain, opts).frames
     turned = decoder.decode(rotated, opts).frames
     assert turned.shape == (4, 96, 64, 3)  # height and width swapped
+
     # Two separate lossy encodes of the same frames: equal up to coding noise (x264's output
     # varies a little with the process's earlier encodes), far from any other orientation.
     def error(k: int) -> float:
@@ -129,7 +139,9 @@ def test_downscale_identical_to_reference(video_factory, decoder):
 def test_concurrent_requests_share_the_pool(video_factory, decoder):
     from concurrent.futures import ThreadPoolExecutor
 
-    videos = [video_factory(s, codec=c, **SMALL) for c, s in (("h264", ".mp4"), ("vp9", ".webm"), ("hevc", ".mkv"))]
+    videos = [
+        video_factory(s, codec=c, **SMALL) for c, s in (("h264", ".mp4"), ("vp9", ".webm"), ("hevc", ".mkv"))
+    ]
     opts = SamplingOptions(num_frames=6)
     with ThreadPoolExecutor(3) as ex:
         results = list(ex.map(lambda d: decoder.decode(d, opts), videos * 2))

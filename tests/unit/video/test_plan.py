@@ -58,7 +58,9 @@ def test_targets_in_one_gop_share_one_interval():
     keys = np.array([0, 30, 60, 90])
     intervals = make_intervals(frame_pts, keys, np.array([5, 10, 40, 41, 95]), merge_gap_frames=0)
     assert [(iv.keyframe_pts, iv.target_pts) for iv in intervals] == [
-        (0, (5, 10)), (30, (40, 41)), (90, (95,)),
+        (0, (5, 10)),
+        (30, (40, 41)),
+        (90, (95,)),
     ]
     assert [iv.num_decode_frames for iv in intervals] == [11, 12, 6]
 

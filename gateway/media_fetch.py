@@ -1,0 +1,282 @@
+"""Turn the `url` of an OpenAI `video_url` / `image_url` content part into media bytes, under
+the operator's policy (`MediaFetchConfig`):
+
+    data:[<type>];base64,<payload>   always accepted (size-capped before decoding)
+    /abs/path or file:///abs/path    only under `allowed_local_dir` (symlinks resolved first)
+    http(s)://host/...               only for `allowed_domains`, never to a private, loopback or
+                                     link-local address (every resolved address is checked, and
+                                     the connection goes to exactly the checked addresses, so a
+                                     second DNS answer cannot swap in 127.0.0.1); redirects only
+                                     to the same host; a whole-fetch timeout and a byte cap.
+
+Refusals raise `MediaRefused` (403 on HTTP); the other errors are `transport.errors` ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
+
+import grpc
+
+from gateway.config import MediaFetchConfig
+from transport.errors import DeadlineExceeded, EpdError, InvalidRequest, NotFound, ResourceExhausted
+
+_REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+_READ_CHUNK_BYTES = 1 << 16
+
+
+class MediaRefused(EpdError):
+    """The media URL or path is not allowed by this server's policy."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+async def load_media(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
+    """The bytes behind `url`, at most `max_bytes` of them."""
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest("the media part needs a non-empty 'url'")
+    if url.startswith("data:"):
+        return decode_data_url(url, max_bytes)
+    scheme = urlsplit(url).scheme.lower()
+    if scheme in ("http", "https"):
+        return await fetch_url(url, config, max_bytes)
+    if scheme == "file" or url.startswith("/"):
+        path = local_media_path(url, config.allowed_local_dir)
+        return await asyncio.to_thread(_read_file, path, max_bytes)
+    raise InvalidRequest(
+        "media url must be a data: URL (data:video/mp4;base64,...), an http(s) URL, or an absolute "
+        "local path / file:// URL"
+    )
+
+
+# -- data: URLs ---------------------------------------------------------------------------------
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    header, sep, payload = url[len("data:") :].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise InvalidRequest("data: URLs must be base64, as in data:video/mp4;base64,<payload>")
+    payload = payload.strip()
+    # base64 grows data by 4/3: refuse before decoding anything too large.
+    if len(payload) // 4 * 3 > max_bytes + 2:
+        raise ResourceExhausted(f"the media is larger than this server accepts (at most {max_bytes} bytes)")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("the data: URL payload is not valid base64") from None
+    if len(data) > max_bytes:
+        raise ResourceExhausted(f"the media is larger than this server accepts (at most {max_bytes} bytes)")
+    return data
+
+
+# -- local files --------------------------------------------------------------------------------
+
+
+def local_media_path(url: str, allowed_dir: str) -> Path:
+    """The resolved path of a local media reference, if it lies under `allowed_dir`."""
+    if not allowed_dir:
+        raise MediaRefused(
+            "local media paths are turned off on this server; send the media as a data: URL, or "
+            "start the gateway with --allowed-local-media-path DIR"
+        )
+    if url.startswith("file:"):
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidRequest("file:// URLs must name a local file (file:///abs/path)")
+        raw = unquote(parts.path)
+    else:
+        raw = url
+    if not os.path.isabs(raw):
+        raise InvalidRequest("local media paths must be absolute")
+    root = os.path.realpath(allowed_dir)
+    real = os.path.realpath(raw)  # resolves symlinks and "..": what would really be opened
+    if os.path.commonpath([real, root]) != root:
+        raise MediaRefused(f"{raw} is outside the directory this server allows local media from")
+    path = Path(real)
+    if not path.exists():
+        raise NotFound(f"no file at {raw}")
+    if not path.is_file():
+        raise InvalidRequest(f"{raw} is not a regular file")
+    return path
+
+
+def _read_file(path: Path, max_bytes: int) -> bytes:
+    if path.stat().st_size > max_bytes:
+        raise ResourceExhausted(f"the media is larger than this server accepts (at most {max_bytes} bytes)")
+    return path.read_bytes()
+
+
+# -- http(s) URLs -------------------------------------------------------------------------------
+
+
+def is_public_address(ip: IpAddress) -> bool:
+    """True for globally routable unicast addresses only."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+def host_allowed(host: str, allowed_domains: tuple[str, ...]) -> bool:
+    """`host` is a listed domain or a subdomain of one (IP literals must be listed exactly)."""
+    host = host.lower().rstrip(".")
+    for domain in allowed_domains:
+        domain = domain.lower().strip().rstrip(".")
+        if domain and (host == domain or host.endswith("." + domain)):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class UrlTarget:
+    scheme: str
+    host: str
+    port: int
+
+
+def check_url(url: str, config: MediaFetchConfig) -> UrlTarget:
+    """Scheme, host and port of an http(s) URL the policy allows (DNS not consulted yet)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise InvalidRequest("media URLs must be http or https")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise InvalidRequest("the media URL has an invalid port") from None
+    if not host:
+        raise InvalidRequest("the media URL has no host")
+    if not config.allowed_domains:
+        raise MediaRefused(
+            "fetching media from URLs is turned off on this server; send the media as a data: URL, "
+            "or start the gateway with --allowed-media-domains"
+        )
+    if not host_allowed(host, config.allowed_domains):
+        raise MediaRefused(
+            f"media from {host} is not allowed on this server (not in --allowed-media-domains)"
+        )
+    literal = _ip_literal(host)
+    if literal is not None and not config.allow_private_addresses and not is_public_address(literal):
+        raise MediaRefused(f"media URLs must not point at a private, loopback or link-local address ({host})")
+    return UrlTarget(scheme, host.lower(), port or (443 if scheme == "https" else 80))
+
+
+def _ip_literal(host: str) -> IpAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+async def resolve_checked(target: UrlTarget, config: MediaFetchConfig) -> list[tuple[str, int]]:
+    """(address, family) of every address `target.host` resolves to; refused unless all are public."""
+    literal = _ip_literal(target.host)
+    if literal is not None:
+        family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
+        return [(str(literal), family)]
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    except OSError:
+        raise InvalidRequest(f"could not resolve the media host {target.host}") from None
+    found: list[tuple[str, int]] = []
+    for family, _, _, _, sockaddr in infos:
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        if not config.allow_private_addresses and not is_public_address(ip):
+            raise MediaRefused(
+                f"{target.host} resolves to a private, loopback or link-local address; media URLs must be public"
+            )
+        if (str(ip), family) not in found:
+            found.append((str(ip), family))
+    if not found:
+        raise InvalidRequest(f"could not resolve the media host {target.host}")
+    return found
+
+
+async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
+    import aiohttp  # only the HTTP API needs it
+
+    target = check_url(url, config)
+    addresses = await resolve_checked(target, config)
+    connector = aiohttp.TCPConnector(resolver=_PinnedResolver(target.host, addresses), use_dns_cache=False)
+    timeout = aiohttp.ClientTimeout(total=config.fetch_timeout_s)
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+            for _ in range(config.max_redirects + 1):
+                async with session.get(url, allow_redirects=False) as resp:
+                    if resp.status in _REDIRECT_STATUSES:
+                        url = _same_host_redirect(url, resp.headers.get("Location", ""), target, config)
+                        continue
+                    if resp.status == 404:
+                        raise NotFound("the media URL answered 404 Not Found")
+                    if resp.status >= 400:
+                        raise InvalidRequest(f"the media URL answered HTTP {resp.status}")
+                    return await _read_capped(resp, max_bytes)
+            raise InvalidRequest(f"the media URL redirected more than {config.max_redirects} times")
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"fetching the media URL took longer than {config.fetch_timeout_s:g} s; send it as a data: URL"
+        ) from None
+    except aiohttp.ClientError:
+        raise InvalidRequest(f"could not fetch the media URL from {target.host}") from None
+
+
+def _same_host_redirect(url: str, location: str, target: UrlTarget, config: MediaFetchConfig) -> str:
+    if not location:
+        raise InvalidRequest("the media URL redirected without a Location")
+    new_url = urljoin(url, location)
+    new = check_url(new_url, config)
+    if new.host != target.host:
+        raise MediaRefused(
+            f"the media URL redirected to another host ({new.host}); only same-host redirects are followed"
+        )
+    return new_url
+
+
+async def _read_capped(resp, max_bytes: int) -> bytes:
+    too_large = ResourceExhausted(f"the media is larger than this server accepts (at most {max_bytes} bytes)")
+    if resp.content_length is not None and resp.content_length > max_bytes:
+        raise too_large
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(_READ_CHUNK_BYTES):
+        data += chunk
+        if len(data) > max_bytes:
+            raise too_large
+    return bytes(data)
+
+
+class _PinnedResolver:
+    """aiohttp resolver that answers only for the checked host, with the checked addresses: the
+    connection cannot go anywhere the policy did not see."""
+
+    def __init__(self, host: str, addresses: list[tuple[str, int]]) -> None:
+        self.host = host
+        self.addresses = addresses
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict]:
+        if host.lower().rstrip(".") != self.host.rstrip("."):
+            raise OSError(f"{host} was not checked by the media policy")
+        return [
+            {
+                "hostname": host,
+                "host": addr,
+                "port": port,
+                "family": fam,
+                "proto": 0,
+                "flags": socket.AI_NUMERICHOST,
+            }
+            for addr, fam in self.addresses
+        ]
+
+    async def close(self) -> None:
+        pass
