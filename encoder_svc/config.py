@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from encoder_svc.token_cache import TokenCacheConfig
 from model_runtime.config import ModelConfig
 from transport.server import ServerConfig
+from video.parallel_decoder import ParallelDecodeConfig
 from video.types import DecodeLimits, SamplingOptions
 
 DEFAULT_PORT = 50051
@@ -21,3 +23,15 @@ class EncoderConfig:
     """Defaults for fields a request leaves unset."""
     max_visual_tokens: int = 16384
     """A request whose sampling would give more visual tokens is refused before encoding."""
+    decode: ParallelDecodeConfig = field(default_factory=ParallelDecodeConfig)
+    """The pool of decode threads (one per core by default), shared by all requests."""
+    frames_per_group: int = 8
+    """Overlap: the vision tower encodes each group of this many frames (even: Qwen encodes
+    frames in temporal pairs) as soon as it is decoded, while later frames still decode.
+    0 decodes the whole sample first (no overlap)."""
+    cache: TokenCacheConfig = field(default_factory=TokenCacheConfig)
+    """The multimodal token cache: a video seen before is neither decoded nor encoded again."""
+
+    def __post_init__(self) -> None:
+        if self.frames_per_group < 0 or self.frames_per_group % 2:
+            raise ValueError(f"frames_per_group must be 0 or even, got {self.frames_per_group}")

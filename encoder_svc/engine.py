@@ -1,61 +1,157 @@
-"""Encode: media bytes -> sampled frames -> visual token embeddings. No gRPC here."""
+"""Encode: media bytes -> sampled frames -> visual token embeddings. No gRPC here.
+
+A request's life:
+  1. The cache key is the media's sha256 plus everything that changes the tokens (sampling,
+     model fingerprint, preprocessing bounds). A hit returns the stored embeddings: nothing is
+     decoded or encoded.
+  2. On a miss, the parallel decoder plans keyframe-aligned intervals and starts its threads;
+     frames come back in temporal order, `frames_per_group` at a time.
+  3. Each group is preprocessed and run through the vision tower as soon as it arrives, while
+     later groups are still decoding (the vision tower attends within one temporal patch only,
+     so encoding group by group gives the same tokens as encoding the whole sample).
+  4. The concatenated embeddings [num_visual_tokens, hidden] are stored in the cache.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
+from dataclasses import asdict
+
+import torch
 
 from encoder_svc.config import EncoderConfig
+from encoder_svc.token_cache import TokenCache, make_cache_key
 from model_runtime.adapter import VisualMeta, VLMAdapter
-from stages.contracts import EncodedMedia, EventSink, StageEvent
-from transport.errors import ResourceExhausted
-from video import simple_decoder
-from video.types import SamplingOptions
+from stages.contracts import EncodedMedia, EventSink, MediaInput, StageEvent
+from transport.errors import NotFound, ResourceExhausted
+from video.parallel_decoder import ParallelDecoder
+from video.types import DecodedVideo, SamplingOptions
 
 log = logging.getLogger(__name__)
 
 
 class EncoderEngine:
-    """Owns the vision tower. `encode` is synchronous and runs one request at a time."""
+    """Owns the vision tower, the decode pool and the token cache. `encode` runs one request at
+    a time (the model thread); the decode pool works for it in parallel."""
 
     def __init__(self, config: EncoderConfig, adapter: VLMAdapter) -> None:
         self.config = config
         self.adapter = adapter
+        self.decoder = ParallelDecoder(config.decode)
+        self.cache = TokenCache(config.cache)
 
-    def encode(self, data: bytes, sampling: SamplingOptions, on_event: EventSink) -> EncodedMedia:
-        sha256 = hashlib.sha256(data).hexdigest()
-        on_event(StageEvent("decode", "started"))
-        video = simple_decoder.decode(data, sampling, self.config.limits)
-        decode_ms = video.stats.get("decode_ms", 0.0)
-        on_event(
-            StageEvent(
-                "decode",
-                "finished",
-                decode_ms,
-                {"num_frames": str(video.num_frames), "height": str(video.frames.shape[1]),
-                 "width": str(video.frames.shape[2])},
+    def cache_key(self, sha256: str, sampling: SamplingOptions) -> str:
+        params = {
+            "sampling": asdict(sampling),
+            "model": self.adapter.fingerprint,
+            "limits_max_source_pixels": self.config.limits.max_source_pixels,
+            "pruning": {},  # encoder-side token dropping is off; its settings join the key when on
+        }
+        return make_cache_key(sha256, params)
+
+    def encode(self, media: MediaInput, sampling: SamplingOptions, on_event: EventSink) -> EncodedMedia:
+        sha256 = media.sha256 or hashlib.sha256(media.data or b"").hexdigest()
+        if media.data is not None and media.sha256 and hashlib.sha256(media.data).hexdigest() != media.sha256:
+            sha256 = hashlib.sha256(media.data).hexdigest()  # never trust a client's hash for bytes it sent
+        key = self.cache_key(sha256, sampling)
+        cached = self.cache.get(key)
+        if cached is not None:
+            on_event(StageEvent("encode", "finished", 0.0, {"cache": "hit"}))
+            return _from_cache(cached, sha256)
+        if media.data is None:
+            raise NotFound(
+                f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
             )
+        out = self._decode_and_encode(media.data, sha256, sampling, on_event)
+        self.cache.put(
+            key,
+            {"visual_embeds": out.embeds},
+            {
+                "modality": out.meta.modality,
+                "grid_thw": list(out.meta.grid_thw),
+                "second_per_grid_t": out.meta.second_per_grid_t,
+                "frame_timestamps_s": out.frame_timestamps_s,
+            },
         )
-        on_event(StageEvent("encode", "started"))
+        return out
+
+    def _decode_and_encode(
+        self, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink
+    ) -> EncodedMedia:
         t0 = time.perf_counter()
-        inputs = self.adapter.preprocess(video)
-        num_tokens = self.adapter.num_visual_tokens(inputs.grid_thw)
-        if num_tokens > self.config.max_visual_tokens:
-            raise ResourceExhausted(
-                f"this video would give {num_tokens} visual tokens but the encoder allows "
-                f"{self.config.max_visual_tokens}; lower max_frames/fps or max_pixels"
-            )
-        embeds = self.adapter.encode(inputs)
-        encode_ms = (time.perf_counter() - t0) * 1e3
-        on_event(StageEvent("encode", "finished", encode_ms, {"num_visual_tokens": str(num_tokens)}))
-        meta = VisualMeta(inputs.modality, inputs.grid_thw, inputs.second_per_grid_t, int(embeds.shape[0]))
+        on_event(StageEvent("decode", "started"))
+        group_size = self.config.frames_per_group or (1 << 30)
+        stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256)
+        embeds: list[torch.Tensor] = []
+        grids: list[tuple[int, int, int]] = []
+        encode_s = 0.0
+        with stream:
+            on_event(StageEvent("decode", "progress", 0.0, {"num_frames": str(stream.num_frames)}))
+            for group in stream:
+                video = DecodedVideo(
+                    frames=group.frames,
+                    timestamps_s=group.timestamps_s,
+                    sampled_fps=stream.sampled_fps,
+                    duration_s=stream.duration_s,
+                    source_fps=stream.source_fps,
+                    is_image=stream.is_image,
+                )
+                t_enc = time.perf_counter()
+                inputs = self.adapter.preprocess(video)
+                self._check_token_budget(inputs.grid_thw, stream.num_frames, len(group.timestamps_s))
+                embeds.append(self.adapter.encode(inputs))
+                encode_s += time.perf_counter() - t_enc
+                grids.append(inputs.grid_thw)
+                on_event(StageEvent("encode", "progress", 0.0,
+                                    {"frames_done": str(group.first_index + len(group.timestamps_s))}))
+            modality = "image" if stream.is_image else "video"
+            timestamps = list(stream.timestamps_s)
+            num_frames = stream.num_frames
+            second_per_grid_t = inputs.second_per_grid_t
+        total_ms = (time.perf_counter() - t0) * 1e3
+        encode_ms = encode_s * 1e3
+        decode_ms = total_ms - encode_ms  # time waiting for frames not hidden behind encoding
+        grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
+        visual = torch.cat(embeds)
+        on_event(StageEvent("decode", "finished", decode_ms, {"num_frames": str(num_frames)}))
+        on_event(StageEvent("encode", "finished", encode_ms,
+                            {"num_visual_tokens": str(visual.shape[0]), "cache": "miss"}))
         return EncodedMedia(
-            embeds=embeds,
-            meta=meta,
-            num_frames=video.num_frames,
-            frame_timestamps_s=video.timestamps_s,
+            embeds=visual,
+            meta=VisualMeta(modality, grid, second_per_grid_t, int(visual.shape[0])),
+            num_frames=num_frames,
+            frame_timestamps_s=timestamps,
             decode_ms=decode_ms,
             encode_ms=encode_ms,
             sha256=sha256,
         )
+
+    def _check_token_budget(self, grid_thw: tuple[int, int, int], num_frames: int, group_frames: int) -> None:
+        per_frame = self.adapter.num_visual_tokens(grid_thw) / max(group_frames, 1)
+        expected = int(per_frame * num_frames)
+        if expected > self.config.max_visual_tokens:
+            raise ResourceExhausted(
+                f"this video would give about {expected} visual tokens but the encoder allows "
+                f"{self.config.max_visual_tokens}; lower max_frames/fps or max_pixels"
+            )
+
+    def close(self) -> None:
+        self.decoder.close()
+
+
+def _from_cache(cached, sha256: str) -> EncodedMedia:
+    meta = cached.metadata
+    embeds = cached.tensors["visual_embeds"]
+    grid = tuple(int(x) for x in meta["grid_thw"])
+    return EncodedMedia(
+        embeds=embeds,
+        meta=VisualMeta(meta["modality"], grid, float(meta["second_per_grid_t"]), int(embeds.shape[0])),  # type: ignore[arg-type]
+        num_frames=len(meta["frame_timestamps_s"]),
+        frame_timestamps_s=list(meta["frame_timestamps_s"]),
+        decode_ms=0.0,
+        encode_ms=0.0,
+        cache_hit=True,
+        sha256=sha256,
+    )

@@ -7,11 +7,13 @@ from dataclasses import replace
 
 from decode_svc.config import DecodeConfig
 from encoder_svc.config import EncoderConfig
+from encoder_svc.token_cache import TokenCacheConfig
 from gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
 from model_runtime.config import ModelConfig
 from model_runtime.sampling import GenerationConfig
 from prefill_svc.config import PrefillConfig
 from transport.server import ServerConfig
+from video.parallel_decoder import ParallelDecodeConfig
 from video.types import DecodeLimits, SamplingOptions
 
 
@@ -46,8 +48,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes)
+    decode = ParallelDecodeConfig(num_workers=args.decode_workers) if args.decode_workers else ParallelDecodeConfig()
+    cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
     return EncoderConfig(model=model_config(args), server=server_config(args), limits=limits,
-                         sampling=sampling_options(args))
+                         sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
+                         cache=cache)
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:

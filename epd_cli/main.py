@@ -50,6 +50,17 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
 
 
+def add_encoder_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("encoder")
+    g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    g.add_argument("--decode-workers", type=int, default=0, help="video decode threads (0 = one per core)")
+    g.add_argument("--frames-per-group", type=int, default=8,
+                   help="encode frames in groups of N while later frames decode (even; 0 = no overlap)")
+    g.add_argument("--cache-memory-bytes", type=int, default=2 << 30,
+                   help="multimodal token cache in memory (LRU); 0 disables it")
+    g.add_argument("--cache-dir", default="", help="directory of the on-disk token cache tier (default: off)")
+
+
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port)
@@ -101,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_flags(r)
         if role == "encoder":
             add_sampling_flags(r)
-            r.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+            add_encoder_flags(r)
         if role == "prefill":
             r.add_argument("--advertise-address", default="",
                            help="HOST:PORT decoders pull KV caches from (default: --host:--port)")

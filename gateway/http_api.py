@@ -155,7 +155,7 @@ class HttpApi:
             events = self.pipeline.ask(ask)
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
-            async with aclosing(events):
+            async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
                     if isinstance(item, AskSummary):
                         return web.json_response(completion_body(item, chat.model))

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
+import aiohttp
 import grpc
+from aiohttp.abc import AbstractResolver, ResolveResult
 
 from gateway.config import MediaFetchConfig
 from transport.errors import DeadlineExceeded, EpdError, InvalidRequest, NotFound, ResourceExhausted
@@ -204,7 +206,6 @@ async def resolve_checked(target: UrlTarget, config: MediaFetchConfig) -> list[t
 
 
 async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
-    import aiohttp  # only the HTTP API needs it
 
     target = check_url(url, config)
     addresses = await resolve_checked(target, config)
@@ -255,7 +256,7 @@ async def _read_capped(resp, max_bytes: int) -> bytes:
     return bytes(data)
 
 
-class _PinnedResolver:
+class _PinnedResolver(AbstractResolver):
     """aiohttp resolver that answers only for the checked host, with the checked addresses: the
     connection cannot go anywhere the policy did not see."""
 
@@ -263,7 +264,9 @@ class _PinnedResolver:
         self.host = host
         self.addresses = addresses
 
-    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         if host.lower().rstrip(".") != self.host.rstrip("."):
             raise OSError(f"{host} was not checked by the media policy")
         return [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 
 from gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
@@ -221,7 +221,7 @@ class GatewayMetrics:
     def render(self) -> str:
         return self.registry.render()
 
-    async def track(self, events: AsyncIterator[PipelineEvent]) -> AsyncIterator[PipelineEvent]:
+    async def track(self, events: AsyncIterator[PipelineEvent]) -> AsyncGenerator[PipelineEvent, None]:
         """Pass a pipeline run's events through, recording its metrics."""
         t0 = time.perf_counter()
         t_first: float | None = None
@@ -229,7 +229,7 @@ class GatewayMetrics:
         status = "OK"
         self.in_flight.inc()
         try:
-            async with aclosing(events):
+            async with aclosing(events):  # type: ignore[type-var]  # Pipeline.ask is an async generator
                 async for item in events:
                     if isinstance(item, TokenStep) and t_first is None and item.token_ids:
                         t_first = time.perf_counter()

@@ -47,6 +47,9 @@ _MEDIA_OPTIONS = {
 }
 
 
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
 def http_status_of(code: grpc.StatusCode) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) of a gRPC status code."""
     return _HTTP_OF_STATUS.get(code, (500, "server_error"))
@@ -141,7 +144,7 @@ def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
-        raise InvalidRequest(f"'{name}' must be a {kind.__name__}, got {value!r}")
+        raise InvalidRequest(f"'{name}' must be {_KIND_NAMES[kind]}, got {value!r}")
     return value
 
 

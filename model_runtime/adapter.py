@@ -72,6 +72,7 @@ class VLMAdapter(ABC):
 
     eos_token_ids: frozenset[int]
     hidden_size: int
+    fingerprint: str  # identity of the loaded checkpoint, part of the token cache key
 
     @abstractmethod
     def preprocess(self, video: DecodedVideo) -> VisionInputs:

@@ -41,6 +41,7 @@ class Qwen2VLAdapter(VLMAdapter):
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.processor = AutoProcessor.from_pretrained(path)
+        self.fingerprint = _fingerprint(path)
         self.tokenizer = self.processor.tokenizer
         self.hf_config = AutoConfig.from_pretrained(path)
         self.family = self.hf_config.model_type  # "qwen2_vl" or "qwen2_5_vl"
@@ -191,6 +192,23 @@ class Qwen2VLAdapter(VLMAdapter):
             return GenerationConfig.from_pretrained(path)
         except OSError:
             return None
+
+
+def _fingerprint(path: str) -> str:
+    """Identity of a checkpoint for cache keys: its configs' contents and its weight files'
+    names, sizes and modification times (a re-saved or re-trained model gets a new one)."""
+    import hashlib
+
+    root = Path(path)
+    h = hashlib.sha256(str(root.resolve() if root.exists() else path).encode())
+    if root.is_dir():
+        for f in sorted(root.iterdir()):
+            if f.suffix == ".json":
+                h.update(f.name.encode() + f.read_bytes())
+            elif f.suffix == ".safetensors":
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def _rope_index_fn(hf_config):

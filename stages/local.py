@@ -26,7 +26,6 @@ from stages.contracts import (
     TokenStep,
 )
 from stages.model_thread import ModelThread
-from transport.errors import NotFound
 from video.types import SamplingOptions
 
 
@@ -38,14 +37,12 @@ class LocalEncodeStage(EncodeStage):
     async def encode(
         self, media: MediaInput, sampling: SamplingOptions, on_event: EventSink, request_id: str
     ) -> EncodedMedia:
-        if media.data is None:
-            raise NotFound(f"media {media.sha256[:12]}... is not cached here; send the file itself")
         loop = asyncio.get_running_loop()
 
         def threadsafe(event: StageEvent) -> None:
             loop.call_soon_threadsafe(on_event, event)
 
-        return await self.model_thread.run(self.engine.encode, media.data, sampling, threadsafe)
+        return await self.model_thread.run(self.engine.encode, media, sampling, threadsafe)
 
 
 class LocalPrefillStage(PrefillStage):

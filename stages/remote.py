@@ -43,7 +43,10 @@ class ReplicaPool:
     def __init__(self, addresses: list[str]) -> None:
         if not addresses:
             raise ValueError("a stage needs at least one address")
-        self.channels = [grpc.aio.insecure_channel(a, options=channel_options()) for a in addresses]
+        # round_robin: a `dns:///name-headless:port` target spreads calls over every replica
+        # behind the name (gRPC's default pick_first would send all of them to one).
+        options = [*channel_options(), ("grpc.lb_policy_name", "round_robin")]
+        self.channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
         self._next = itertools.cycle(range(len(self.channels)))
 
     def pick(self) -> grpc.aio.Channel:

@@ -28,6 +28,7 @@ import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -105,7 +106,7 @@ class DecordDecoder:
         self.index_cache = KeyframeIndexCache()
         self._lock = threading.Lock()  # one request at a time per child
         self._proc: mp.process.BaseProcess | None = None
-        self._conn = None
+        self._conn: Any = None  # multiprocessing Connection to the child
         self.num_restarts = 0
 
     def _ensure_child(self) -> None:

@@ -88,7 +88,7 @@ def build_video_index(
                     f"{limits.max_source_pixels} pixels per frame; downscale it before sending"
                 )
             frame_pts, keyframe_pts, rotation = _demux(container, stream)
-            tb = float(stream.time_base)
+            tb = float(stream.time_base)  # type: ignore[arg-type]  # set for every demuxed stream
             codec_name = stream.codec_context.name
             container_format = container.format.name
             rate = float(stream.average_rate) if stream.average_rate else 0.0

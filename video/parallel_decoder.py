@@ -197,7 +197,7 @@ def _decode_share(task: _Task, retired: threading.Event) -> None:
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1  # parallelism is across workers, not inside one
         frames: Iterator | None = None  # the live decode iterator
-        last_pts: int | None = None  # pts of the last frame taken from it
+        last_pts = int(frame_pts[0]) - 1  # pts of the last frame taken from it
         for position in task.positions:
             interval = req.plan.intervals[position]
             wanted = set(interval.target_pts)

@@ -66,7 +66,9 @@ def data_url(path, mime: str) -> str:
 
 
 def video_message(url: str, kind: str = "video_url") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": kind, kind: {"url": url}}]}]
+    return [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": kind, kind: {"url": url}}]}
+    ]
 
 
 def ask_http(client, url: str, kind: str = "video_url", **kwargs):
@@ -79,7 +81,9 @@ def ask_http(client, url: str, kind: str = "video_url", **kwargs):
     )
 
 
-@pytest.mark.parametrize("kind,fmt,mime", [("video_url", "mp4", "video/mp4"), ("image_url", "png", "image/png")])
+@pytest.mark.parametrize(
+    "kind,fmt,mime", [("video_url", "mp4", "video/mp4"), ("image_url", "png", "image/png")]
+)
 def test_non_streaming_matches_grpc(client, grpc_client, media_files, kind, fmt, mime):
     expected = grpc_client.ask(media_files[fmt], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
     completion = ask_http(client, data_url(media_files[fmt], mime), kind)
@@ -104,7 +108,9 @@ def test_streaming_matches_grpc(client, grpc_client, media_files):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    token_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    token_ids = [
+        t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])
+    ]
     assert token_ids == expected.token_ids
     assert text == expected.answer
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -174,7 +180,9 @@ def test_unlisted_domain_is_refused(client):
 
 def test_missing_or_wrong_api_key(stack):
     for key in ("", "wrong-key"):
-        bad = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=key or "x", max_retries=0)
+        bad = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=key or "x", max_retries=0
+        )
         if not key:
             bad = bad.with_options(default_headers={"Authorization": ""})
         with pytest.raises(openai.AuthenticationError, match="API key") as info:
@@ -239,7 +247,10 @@ def test_metrics_move_after_a_request(stack, client, media_files):
     )
     assert _sample(after, "epd_generation_tokens_total") > _sample(before, "epd_generation_tokens_total")
     route = '{route="/v1/chat/completions",code="200"}'
-    assert _sample(after, "epd_http_responses_total", route) == _sample(before, "epd_http_responses_total", route) + 1
+    assert (
+        _sample(after, "epd_http_responses_total", route)
+        == _sample(before, "epd_http_responses_total", route) + 1
+    )
     assert _sample(after, "epd_requests_in_flight") == 0
     assert "# TYPE epd_e2e_request_latency_seconds histogram" in after
 

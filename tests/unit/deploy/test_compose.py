@@ -31,7 +31,12 @@ from transport.errors import InvalidRequest
 
 COMPOSE_DIR = Path(__file__).resolve().parents[3] / "compose"
 STAGES = ("encoder", "prefill", "decode")
-ROLE_PORTS = {"gateway": GATEWAY_PORT, "encoder": ENCODER_PORT, "prefill": PREFILL_PORT, "decode": DECODE_PORT}
+ROLE_PORTS = {
+    "gateway": GATEWAY_PORT,
+    "encoder": ENCODER_PORT,
+    "prefill": PREFILL_PORT,
+    "decode": DECODE_PORT,
+}
 MODEL_ENV = ("EPD_MODEL", "EPD_DEVICE", "EPD_DTYPE", "EPD_NUM_THREADS")
 _VAR = re.compile(r"\$\{(\w+)(?:(:?)-([^}]*))?\}")
 
@@ -87,8 +92,12 @@ def parse_epd(argv: list[str]) -> argparse.Namespace:
 
 def serve_configs(services: dict) -> tuple[dict, list[str]]:
     """service name -> the typed config `epd serve ROLE` builds from its command, plus problems."""
-    builders = {"encoder": configs.encoder_config, "prefill": configs.prefill_config,
-                "decode": configs.decode_config, "gateway": configs.gateway_config}
+    builders = {
+        "encoder": configs.encoder_config,
+        "prefill": configs.prefill_config,
+        "decode": configs.decode_config,
+        "gateway": configs.gateway_config,
+    }
     out, problems = {}, []
     for name, svc in services.items():
         try:
@@ -107,6 +116,7 @@ def serve_configs(services: dict) -> tuple[dict, list[str]]:
 
 
 # ---- checks ---------------------------------------------------------------------------------------
+
 
 def check_commands(doc: dict) -> list[str]:
     services = doc["services"]
@@ -132,8 +142,11 @@ def check_addresses(doc: dict) -> list[str]:
     if problems or not {"gateway", "prefill", "decode"} <= set(cfgs):
         return problems or ["gateway, prefill and decode are all needed"]
     gw = cfgs["gateway"]
-    for role, addresses in (("encoder", gw.encoder_addresses), ("prefill", gw.prefill_addresses),
-                            ("decode", gw.decode_addresses)):
+    for role, addresses in (
+        ("encoder", gw.encoder_addresses),
+        ("prefill", gw.prefill_addresses),
+        ("decode", gw.decode_addresses),
+    ):
         for address in addresses:
             host, _, port = address.rpartition(":")
             if host not in cfgs or host != role:
@@ -142,8 +155,9 @@ def check_addresses(doc: dict) -> list[str]:
                 problems.append(f"gateway --{role} {address}: {host} listens on {cfgs[host].server.port}")
     advertised = cfgs["prefill"].advertise_address
     if advertised != f"prefill:{cfgs['prefill'].server.port}":
-        problems.append(f"prefill advertises {advertised!r}; decoders reach it at "
-                        f"prefill:{cfgs['prefill'].server.port}")
+        problems.append(
+            f"prefill advertises {advertised!r}; decoders reach it at prefill:{cfgs['prefill'].server.port}"
+        )
     puller = KvPuller(cfgs["decode"].allow_kv_from, 1, 1.0)
     for address, should_pass in ((advertised, True), ("attacker.example:50052", False)):
         try:
@@ -152,8 +166,10 @@ def check_addresses(doc: dict) -> list[str]:
         except InvalidRequest:
             allowed = False
         if allowed != should_pass:
-            problems.append(f"decode --allow-kv-from {','.join(cfgs['decode'].allow_kv_from)} "
-                            f"{'refuses' if should_pass else 'admits'} {address}")
+            problems.append(
+                f"decode --allow-kv-from {','.join(cfgs['decode'].allow_kv_from)} "
+                f"{'refuses' if should_pass else 'admits'} {address}"
+            )
     return problems
 
 
@@ -220,8 +236,10 @@ def check_model_cache(doc: dict) -> list[str]:
         volumes.update(names)
     declared = set(doc.get("volumes") or {})
     if len(volumes) != 1 or not volumes <= declared:
-        problems.append(f"stages must share one declared named volume for the model cache, mount {sorted(volumes)}"
-                        f" (declared: {sorted(declared)})")
+        problems.append(
+            f"stages must share one declared named volume for the model cache, mount {sorted(volumes)}"
+            f" (declared: {sorted(declared)})"
+        )
     return problems
 
 
@@ -240,7 +258,9 @@ def check_gpu(doc: dict) -> list[str]:
     """With the GPU override: each model stage reserves an NVIDIA GPU and runs on cuda."""
     problems = []
     for name, svc in doc["services"].items():
-        devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+        devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get(
+            "devices"
+        ) or []
         has_gpu = any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
         if name in STAGES and not has_gpu:
             problems.append(f"{name}: no nvidia GPU reservation")
@@ -274,19 +294,28 @@ def check_dockerfile(text: str) -> list[str]:
         problems.append("requirements/ci.txt is not installed")
     if not re.search(r"pip install (\S+ )*-e \.", runs):
         problems.append("the repository is not installed with `pip install -e .`")
-    if "TORCH_INDEX_URL" not in [v.split("=")[0] for k, v in ins if k == "ARG"] or \
-            '--index-url "${TORCH_INDEX_URL}"' not in runs:
+    if (
+        "TORCH_INDEX_URL" not in [v.split("=")[0] for k, v in ins if k == "ARG"]
+        or '--index-url "${TORCH_INDEX_URL}"' not in runs
+    ):
         problems.append("no TORCH_INDEX_URL build arg for a CPU (or other) torch index")
     return problems
 
 
 def all_problems(raw: dict) -> list[str]:
     doc = interpolate(raw, {})
-    return (check_commands(doc) + check_addresses(doc) + check_healthchecks(doc) + check_start_order(doc)
-            + check_model_cache(doc) + check_env_driven(raw))
+    return (
+        check_commands(doc)
+        + check_addresses(doc)
+        + check_healthchecks(doc)
+        + check_start_order(doc)
+        + check_model_cache(doc)
+        + check_env_driven(raw)
+    )
 
 
 # ---- the real files -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def raw() -> dict:
@@ -301,13 +330,22 @@ def test_gpu_override_reserves_gpus_for_model_stages_only():
     doc = load("docker-compose.yml", "docker-compose.gpu.yml")
     assert check_gpu(doc) == []
     # The override changes devices and environment only: the stack itself stays valid.
-    assert all_problems(merge(yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text()),
-                              yaml.safe_load((COMPOSE_DIR / "docker-compose.gpu.yml").read_text()))) == []
+    assert (
+        all_problems(
+            merge(
+                yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text()),
+                yaml.safe_load((COMPOSE_DIR / "docker-compose.gpu.yml").read_text()),
+            )
+        )
+        == []
+    )
     assert check_gpu(load("docker-compose.yml")) != []  # CPU by default
 
 
 def test_environment_overrides_reach_the_services():
-    doc = load("docker-compose.yml", env={"EPD_MODEL": "Qwen/Qwen2-VL-2B-Instruct", "EPD_GATEWAY_PORT": "6000"})
+    doc = load(
+        "docker-compose.yml", env={"EPD_MODEL": "Qwen/Qwen2-VL-2B-Instruct", "EPD_GATEWAY_PORT": "6000"}
+    )
     assert doc["services"]["prefill"]["environment"]["EPD_MODEL"] == "Qwen/Qwen2-VL-2B-Instruct"
     assert doc["services"]["gateway"]["ports"] == ["6000:50050"]
     assert load("docker-compose.yml")["services"]["decode"]["environment"]["EPD_MODEL"] == "default"
@@ -317,14 +355,18 @@ def test_dockerfile_is_valid_and_compose_builds_it(raw):
     assert check_dockerfile((COMPOSE_DIR / "Dockerfile").read_text()) == []
     for name, svc in raw["services"].items():
         build = svc["build"]
-        assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == (COMPOSE_DIR / "Dockerfile"), name
+        assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == (
+            COMPOSE_DIR / "Dockerfile"
+        ), name
 
 
 def test_compose_runs_the_same_topology_as_epd_serve(raw):
     """`epd serve` (loopback processes) and compose: same roles, same ports, same wiring."""
     args = parse_epd(["serve"])
     loopback = {role: parse_epd(cmd[3:]) for role, cmd in stack_commands(args).items()}
-    composed = {name: parse_epd(as_argv(svc["command"])) for name, svc in interpolate(raw, {})["services"].items()}
+    composed = {
+        name: parse_epd(as_argv(svc["command"])) for name, svc in interpolate(raw, {})["services"].items()
+    }
     assert {r: a.port for r, a in loopback.items()} == {r: a.port for r, a in composed.items()}
 
     def gateway_targets(a):  # role -> ports the gateway calls
@@ -334,6 +376,7 @@ def test_compose_runs_the_same_topology_as_epd_serve(raw):
 
 
 # ---- every check can fail -------------------------------------------------------------------------
+
 
 def _set(path: str, value):
     def mutate(doc):
@@ -347,6 +390,7 @@ def _set(path: str, value):
             node[int(last)] = value
         else:
             node[last] = value
+
     return mutate
 
 
@@ -354,26 +398,51 @@ _DELETE = object()
 
 MUTATIONS = [
     ("unknown flag", _set("services.encoder.command.2", "--hots"), "not a valid command"),
-    ("wrong role", _set("services.prefill.command", ["serve", "decode", "--host", "0.0.0.0", "--port", "50052"]),
-     "service name must be its role"),
+    (
+        "wrong role",
+        _set("services.prefill.command", ["serve", "decode", "--host", "0.0.0.0", "--port", "50052"]),
+        "service name must be its role",
+    ),
     ("loopback bind", _set("services.prefill.command.3", "127.0.0.1"), "must bind 0.0.0.0"),
     ("port moved", _set("services.encoder.command.5", "50061"), "expected the default 50051"),
     ("stage missing", _set("services.decode", _DELETE), "one per role"),
-    ("gateway -> wrong host", _set("services.gateway.command.7", "prefill:50051"), "is not the encoder service"),
+    (
+        "gateway -> wrong host",
+        _set("services.gateway.command.7", "prefill:50051"),
+        "is not the encoder service",
+    ),
     ("gateway -> wrong port", _set("services.gateway.command.11", "decode:50052"), "decode listens on 50053"),
     ("advertise loopback", _set("services.prefill.command.7", "127.0.0.1:50052"), "prefill advertises"),
-    ("allow-list refuses prefill", _set("services.decode.command.7", "prefill-old:*"), "refuses prefill:50052"),
+    (
+        "allow-list refuses prefill",
+        _set("services.decode.command.7", "prefill-old:*"),
+        "refuses prefill:50052",
+    ),
     ("allow-list admits all", _set("services.decode.command.7", "*"), "admits attacker.example"),
     ("no healthcheck", _set("services.decode.healthcheck", _DELETE), "decode: no healthcheck"),
-    ("healthcheck wrong port", _set("services.encoder.healthcheck.test.3", "localhost:50052"),
-     "epd health localhost:50051"),
+    (
+        "healthcheck wrong port",
+        _set("services.encoder.healthcheck.test.3", "localhost:50052"),
+        "epd health localhost:50051",
+    ),
     ("healthcheck not epd", _set("services.prefill.healthcheck.test", ["CMD", "true"]), "not `epd health`"),
-    ("started, not healthy", _set("services.gateway.depends_on.prefill.condition", "service_started"),
-     "depend on prefill with condition service_healthy"),
+    (
+        "started, not healthy",
+        _set("services.gateway.depends_on.prefill.condition", "service_started"),
+        "depend on prefill with condition service_healthy",
+    ),
     ("no depends_on", _set("services.gateway.depends_on", _DELETE), "depend on encoder"),
     ("cache not mounted", _set("services.prefill.volumes", []), "prefill: nothing is mounted"),
-    ("two caches", _set("services.decode.volumes", ["other-cache:/cache"]), "share one declared named volume"),
-    ("cache dir unset", _set("services.encoder.environment.EPD_CACHE_DIR", _DELETE), "EPD_CACHE_DIR is not set"),
+    (
+        "two caches",
+        _set("services.decode.volumes", ["other-cache:/cache"]),
+        "share one declared named volume",
+    ),
+    (
+        "cache dir unset",
+        _set("services.encoder.environment.EPD_CACHE_DIR", _DELETE),
+        "EPD_CACHE_DIR is not set",
+    ),
     ("hard-coded model", _set("services.encoder.environment.EPD_MODEL", "default"), "EPD_MODEL must be"),
 ]
 
@@ -399,14 +468,17 @@ def test_gpu_check_catches_a_missing_reservation_and_a_cpu_device():
     ]
 
 
-@pytest.mark.parametrize("old, new, problem", [
-    ("FROM python:3.11-slim", "FROM python:3.11", "FROM must be python:3.11-slim"),
-    ('ENTRYPOINT ["epd"]', 'ENTRYPOINT ["python"]', "ENTRYPOINT must be"),
-    ("USER epd", "USER root", "non-root USER"),
-    ("pip install -r requirements/ci.txt", "pip install torch", "requirements/ci.txt is not installed"),
-    ("pip install --no-deps -e .", "pip install --no-deps .", "pip install -e ."),
-    ('--index-url "${TORCH_INDEX_URL}"', "", "TORCH_INDEX_URL"),
-])
+@pytest.mark.parametrize(
+    "old, new, problem",
+    [
+        ("FROM python:3.11-slim", "FROM python:3.11", "FROM must be python:3.11-slim"),
+        ('ENTRYPOINT ["epd"]', 'ENTRYPOINT ["python"]', "ENTRYPOINT must be"),
+        ("USER epd", "USER root", "non-root USER"),
+        ("pip install -r requirements/ci.txt", "pip install torch", "requirements/ci.txt is not installed"),
+        ("pip install --no-deps -e .", "pip install --no-deps .", "pip install -e ."),
+        ('--index-url "${TORCH_INDEX_URL}"', "", "TORCH_INDEX_URL"),
+    ],
+)
 def test_dockerfile_check_catches_a_broken_dockerfile(old, new, problem):
     text = (COMPOSE_DIR / "Dockerfile").read_text()
     assert old in text

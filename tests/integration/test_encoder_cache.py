@@ -1,0 +1,107 @@
+"""The multimodal token cache and decode/encode overlap, through the real encoder engine and a
+real stack: a video seen before is neither decoded nor encoded again, by bytes or by hash, and
+the disk tier survives a restart."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from encoder_svc.config import EncoderConfig
+from encoder_svc.engine import EncoderEngine
+from encoder_svc.token_cache import TokenCacheConfig
+from epd_client import EpdClient, EpdError
+from model_runtime.config import ModelConfig
+from model_runtime.loader import load_adapter
+from stages.contracts import MediaInput
+from tests.stack import Stack
+from transport.errors import NotFound
+from video.types import SamplingOptions
+
+QUESTION = "what colour is the square?"
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_models):
+    return load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "encoder")
+
+
+def _encode(engine, data, sampling, sha=""):
+    events = []
+    out = engine.encode(MediaInput(data, sha), sampling, events.append)
+    return out, events
+
+
+def test_overlap_gives_the_same_tokens_as_whole_sample(adapter, media_files):
+    data = media_files["mp4"].read_bytes()
+    sampling = SamplingOptions(num_frames=16)
+    whole, _ = _encode(EncoderEngine(EncoderConfig(frames_per_group=0), adapter), data, sampling)
+    grouped, events = _encode(EncoderEngine(EncoderConfig(frames_per_group=4), adapter), data, sampling)
+    assert grouped.meta == whole.meta
+    torch.testing.assert_close(grouped.embeds, whole.embeds, rtol=1e-5, atol=1e-6)
+    progress = [e for e in events if e.stage == "encode" and e.state == "progress"]
+    assert [e.details["frames_done"] for e in progress] == ["4", "8", "12", "16"]
+
+
+def test_cache_hit_skips_decoding_and_encoding(adapter, media_files):
+    engine = EncoderEngine(EncoderConfig(), adapter)
+    data = media_files["mp4"].read_bytes()
+    first, _ = _encode(engine, data, SamplingOptions(num_frames=8))
+    again, events = _encode(engine, data, SamplingOptions(num_frames=8))
+    assert not first.cache_hit and again.cache_hit
+    assert torch.equal(first.embeds, again.embeds) and again.meta == first.meta
+    assert [e.stage for e in events] == ["encode"] and events[0].details["cache"] == "hit"
+    by_hash, _ = _encode(engine, None, SamplingOptions(num_frames=8), sha=hashlib.sha256(data).hexdigest())
+    assert by_hash.cache_hit and torch.equal(by_hash.embeds, first.embeds)
+    stats = engine.cache.stats()
+    assert (stats.num_hits, stats.num_misses) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_frames": 6},
+        {"num_frames": 8, "max_pixels": 64 * 48},
+        {"num_frames": 8, "start_time_s": 1.0},
+    ],
+)
+def test_cache_key_changes_with_sampling(adapter, media_files, change):
+    engine = EncoderEngine(EncoderConfig(), adapter)
+    data = media_files["mp4"].read_bytes()
+    _encode(engine, data, SamplingOptions(num_frames=8))
+    out, _ = _encode(engine, data, SamplingOptions(**change))
+    assert not out.cache_hit
+
+
+def test_unknown_hash_is_not_found(adapter):
+    engine = EncoderEngine(EncoderConfig(), adapter)
+    with pytest.raises(NotFound, match="not cached here; send the file itself"):
+        _encode(engine, None, SamplingOptions(), sha="cd" * 32)
+
+
+def test_stack_cache_by_bytes_and_by_hash_and_across_restart(tiny_models, media_files, tmp_path):
+    extra = {"encoder": ["--cache-dir", str(tmp_path / "token-cache")]}
+    data = media_files["mp4_b"].read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs1", extra=extra) as stack, EpdClient(stack.gateway) as c:
+        miss = c.ask(data, QUESTION, num_frames=8, max_new_tokens=8)
+        hit = c.ask(data, QUESTION, num_frames=8, max_new_tokens=8)
+        by_hash = c.ask(None, QUESTION, media_sha256=sha, num_frames=8, max_new_tokens=8)
+    assert not miss.encoder_cache_hit and hit.encoder_cache_hit and by_hash.encoder_cache_hit
+    assert miss.token_ids == hit.token_ids == by_hash.token_ids
+    assert hit.timings_ms["decode"] == 0.0 and hit.timings_ms["encode"] == 0.0
+    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs2", extra=extra) as stack, EpdClient(stack.gateway) as c:
+        after_restart = c.ask(None, QUESTION, media_sha256=sha, num_frames=8, max_new_tokens=8)
+        with pytest.raises(EpdError, match="not cached"):
+            c.ask(None, QUESTION, media_sha256=sha, num_frames=6, max_new_tokens=8)
+    assert after_restart.encoder_cache_hit and after_restart.token_ids == miss.token_ids
+
+
+def test_cache_can_be_disabled(adapter, media_files):
+    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+    data = media_files["mp4"].read_bytes()
+    _encode(engine, data, SamplingOptions(num_frames=4))
+    out, _ = _encode(engine, data, SamplingOptions(num_frames=4))
+    assert not out.cache_hit

@@ -1,0 +1,89 @@
+"""The HTTP layer alone (in-process server, real sockets): body limit, API key, JSON errors for
+aiohttp's own refusals, and /health. None of these requests reaches the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import GatewayConfig, HttpApiConfig
+from gateway.http_api import HttpApi
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+
+UPLOAD_LIMIT_BYTES = 1000
+
+
+async def _not_serving_decode() -> list[str]:
+    return ["decode 127.0.0.1:1"]
+
+
+async def _requests(api_key: str, fn, not_serving=None):
+    config = GatewayConfig(max_upload_bytes=UPLOAD_LIMIT_BYTES, http=HttpApiConfig(port=0, api_key=api_key))
+    metrics = GatewayMetrics()
+    api = HttpApi(config, Pipeline(None, None, None), metrics, not_serving)  # type: ignore[arg-type]
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+            return await fn(session), metrics
+    finally:
+        await runner.cleanup()
+
+
+async def _status_and_json(resp: aiohttp.ClientResponse):
+    return resp.status, await resp.json()
+
+
+def test_body_over_the_limit_is_413_json():
+    async def post_big(session):
+        # The limit is max_upload_bytes * 4/3 (base64) + 1 MiB of JSON.
+        async with session.post("/v1/chat/completions", data=b"x" * ((1 << 20) + 2000)) as resp:
+            return await _status_and_json(resp)
+
+    (status, body), metrics = asyncio.run(_requests("", post_big))
+    assert status == 413
+    assert body["error"]["type"] == "request_too_large"
+    assert metrics.http_responses.get(route="/v1/chat/completions", code="413") == 1
+
+
+def test_api_key_guards_v1_only():
+    async def calls(session):
+        out = []
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer k1"}):
+            async with session.get("/v1/models", headers=headers) as resp:
+                out.append(resp.status)
+        async with session.get("/metrics") as resp:
+            out.append(resp.status)
+            assert "epd_http_responses_total" in await resp.text()
+        return out
+
+    statuses, _ = asyncio.run(_requests("k1", calls))
+    assert statuses == [401, 401, 200, 200]
+
+
+def test_unknown_route_and_bad_json_are_json_errors():
+    async def calls(session):
+        async with session.get("/v2/nothing") as resp:
+            missing = await _status_and_json(resp)
+        async with session.post("/v1/chat/completions", data=b"{not json") as resp:
+            bad = await _status_and_json(resp)
+        return missing, bad
+
+    (missing, bad), _ = asyncio.run(_requests("", calls))
+    assert missing[0] == 404 and "error" in missing[1]
+    assert bad[0] == 400 and "not valid JSON" in bad[1]["error"]["message"]
+
+
+def test_health_names_the_stages_not_serving():
+    async def health(session):
+        async with session.get("/health") as resp:
+            return await _status_and_json(resp)
+
+    (status, body), _ = asyncio.run(_requests("k1", health, _not_serving_decode))
+    assert (status, body) == (503, {"status": "unavailable", "not_serving": ["decode 127.0.0.1:1"]})
+    (status, body), _ = asyncio.run(_requests("k1", health))
+    assert (status, body) == (200, {"status": "ok"})

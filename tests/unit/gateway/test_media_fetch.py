@@ -1,0 +1,255 @@
+"""The media URL/path policy of the HTTP API: what it accepts, what it refuses, and that fetches
+obey the timeout, the size cap and the same-host redirect rule (against a real loopback server,
+with `allow_private_addresses` on only for that)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import os
+
+import pytest
+from aiohttp import web
+
+from gateway.config import MediaFetchConfig
+from gateway.media_fetch import (
+    MediaRefused,
+    check_url,
+    decode_data_url,
+    host_allowed,
+    is_public_address,
+    load_media,
+    local_media_path,
+    resolve_checked,
+)
+from transport.errors import DeadlineExceeded, InvalidRequest, NotFound, ResourceExhausted
+
+# -- data: URLs
+
+
+def test_data_url_round_trip():
+    payload = bytes(range(256)) * 3
+    url = "data:video/mp4;base64," + base64.b64encode(payload).decode()
+    assert decode_data_url(url, max_bytes=len(payload)) == payload
+
+
+def test_data_url_must_be_base64():
+    with pytest.raises(InvalidRequest, match="must be base64"):
+        decode_data_url("data:video/mp4,rawbytes", 100)
+    with pytest.raises(InvalidRequest, match="not valid base64"):
+        decode_data_url("data:video/mp4;base64,@@@@", 100)
+
+
+def test_data_url_over_the_cap_is_refused_before_decoding():
+    with pytest.raises(ResourceExhausted, match="at most 1000 bytes"):
+        decode_data_url("data:video/mp4;base64," + "A" * 4000, 1000)
+    exact = base64.b64encode(b"x" * 1001).decode()
+    with pytest.raises(ResourceExhausted, match="at most 1000 bytes"):
+        decode_data_url("data:video/mp4;base64," + exact, 1000)
+
+
+# -- local paths
+
+
+@pytest.fixture
+def media_dir(tmp_path):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "clip.mp4").write_bytes(b"video bytes")
+    (tmp_path / "secret.txt").write_bytes(b"not for clients")
+    return allowed
+
+
+def test_local_paths_are_off_by_default(media_dir):
+    with pytest.raises(MediaRefused, match="--allowed-local-media-path"):
+        local_media_path(str(media_dir / "clip.mp4"), "")
+
+
+def test_local_path_and_file_url_inside_the_allowed_dir(media_dir):
+    inside = media_dir / "clip.mp4"
+    assert local_media_path(str(inside), str(media_dir)) == inside.resolve()
+    assert local_media_path(inside.as_uri(), str(media_dir)) == inside.resolve()
+    data = asyncio.run(load_media(inside.as_uri(), MediaFetchConfig(allowed_local_dir=str(media_dir)), 100))
+    assert data == b"video bytes"
+
+
+@pytest.mark.parametrize("relative", ["../secret.txt", "./../allowed/../secret.txt"])
+def test_dot_dot_escape_is_refused(media_dir, relative):
+    with pytest.raises(MediaRefused, match="outside the directory"):
+        local_media_path(f"{media_dir}/{relative}", str(media_dir))
+
+
+def test_symlink_out_of_the_allowed_dir_is_refused(media_dir):
+    link = media_dir / "link.mp4"
+    os.symlink(media_dir.parent / "secret.txt", link)
+    with pytest.raises(MediaRefused, match="outside the directory"):
+        local_media_path(str(link), str(media_dir))
+
+
+def test_sibling_dir_with_the_same_prefix_is_refused(media_dir):
+    sibling = media_dir.parent / "allowed_other"
+    sibling.mkdir()
+    (sibling / "x.mp4").write_bytes(b"x")
+    with pytest.raises(MediaRefused, match="outside the directory"):
+        local_media_path(str(sibling / "x.mp4"), str(media_dir))
+
+
+def test_local_path_errors(media_dir):
+    with pytest.raises(NotFound, match="no file at"):
+        local_media_path(str(media_dir / "absent.mp4"), str(media_dir))
+    with pytest.raises(InvalidRequest, match="not a regular file"):
+        local_media_path(str(media_dir), str(media_dir))
+    with pytest.raises(InvalidRequest, match="must name a local file"):
+        local_media_path("file://otherhost/clip.mp4", str(media_dir))
+    config = MediaFetchConfig(allowed_local_dir=str(media_dir))
+    with pytest.raises(ResourceExhausted, match="at most 4 bytes"):
+        asyncio.run(load_media(str(media_dir / "clip.mp4"), config, 4))
+    with pytest.raises(InvalidRequest, match="must be a data: URL"):
+        asyncio.run(load_media("clip.mp4", config, 100))
+
+
+# -- addresses and domains
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "0.0.0.0",
+        "224.0.0.1", "::1", "fe80::1", "fc00::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "::",
+    ],
+)  # fmt: skip
+def test_non_public_addresses(address):
+    assert not is_public_address(ipaddress.ip_address(address))
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8"])
+def test_public_addresses(address):
+    assert is_public_address(ipaddress.ip_address(address))
+
+
+def test_host_allowed_matches_domains_and_subdomains_only():
+    domains = ("a.com", "B.org")
+    assert host_allowed("a.com", domains)
+    assert host_allowed("cdn.a.com", domains)
+    assert host_allowed("A.COM.", domains)
+    assert host_allowed("x.b.org", domains)
+    assert not host_allowed("evila.com", domains)
+    assert not host_allowed("a.com.evil.org", domains)
+    assert not host_allowed("a.com", ())
+
+
+def test_check_url_policy():
+    with pytest.raises(MediaRefused, match="turned off"):
+        check_url("https://a.com/x.mp4", MediaFetchConfig())
+    config = MediaFetchConfig(allowed_domains=("a.com", "10.0.0.5", "8.8.8.8"))
+    with pytest.raises(MediaRefused, match="not in --allowed-media-domains"):
+        check_url("https://b.com/x.mp4", config)
+    with pytest.raises(MediaRefused, match="private, loopback or link-local"):
+        check_url("http://10.0.0.5/x.mp4", config)
+    with pytest.raises(InvalidRequest, match="http or https"):
+        check_url("ftp://a.com/x.mp4", config)
+    target = check_url("https://cdn.a.com/x.mp4", config)
+    assert (target.scheme, target.host, target.port) == ("https", "cdn.a.com", 443)
+    assert check_url("http://8.8.8.8:8080/x", config).port == 8080
+
+
+def test_a_name_resolving_to_loopback_is_refused():
+    config = MediaFetchConfig(allowed_domains=("localhost",))
+    target = check_url("http://localhost:9/x.mp4", config)
+    with pytest.raises(MediaRefused, match="resolves to a private"):
+        asyncio.run(resolve_checked(target, config))
+
+
+# -- fetching (real loopback server; private addresses allowed for these tests only)
+
+
+async def _with_server(routes, fn):
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        return await fn(runner.addresses[0][1])
+    finally:
+        await runner.cleanup()
+
+
+def _run_fetch(routes, path, max_bytes=1000, host="127.0.0.1", **config_kwargs):
+    config = MediaFetchConfig(
+        allowed_domains=("127.0.0.1", "localhost"), allow_private_addresses=True, **config_kwargs
+    )
+    return asyncio.run(
+        _with_server(routes, lambda port: load_media(f"http://{host}:{port}{path}", config, max_bytes))
+    )
+
+
+async def _video(request):
+    return web.Response(body=b"v" * 500)
+
+
+async def _big_streamed(request):
+    resp = web.StreamResponse()  # chunked: no Content-Length to trust
+    await resp.prepare(request)
+    for _ in range(10):
+        await resp.write(b"b" * 500)
+    return resp
+
+
+async def _redirect_same_host(request):
+    raise web.HTTPFound("/video")
+
+
+async def _redirect_other_host(request):
+    raise web.HTTPFound(f"http://localhost:{request.url.port}/video")
+
+
+async def _slow(request):
+    await asyncio.sleep(2)
+    return web.Response(body=b"late")
+
+
+ROUTES = {
+    "/video": _video,
+    "/big": _big_streamed,
+    "/same": _redirect_same_host,
+    "/other": _redirect_other_host,
+    "/slow": _slow,
+}
+
+
+def test_fetch_and_same_host_redirect():
+    assert _run_fetch(ROUTES, "/video") == b"v" * 500
+    assert _run_fetch(ROUTES, "/same") == b"v" * 500
+
+
+def test_redirect_to_another_host_is_refused():
+    with pytest.raises(MediaRefused, match="redirected to another host"):
+        _run_fetch(ROUTES, "/other")
+
+
+def test_fetch_size_cap():
+    with pytest.raises(ResourceExhausted, match="at most 100 bytes"):
+        _run_fetch(ROUTES, "/video", max_bytes=100)  # refused on Content-Length
+    with pytest.raises(ResourceExhausted, match="at most 1000 bytes"):
+        _run_fetch(ROUTES, "/big", max_bytes=1000)  # refused while reading
+
+
+def test_fetch_timeout_and_not_found():
+    with pytest.raises(DeadlineExceeded, match="longer than 0.3 s"):
+        _run_fetch(ROUTES, "/slow", fetch_timeout_s=0.3)
+    with pytest.raises(NotFound, match="404"):
+        _run_fetch(ROUTES, "/absent")
+
+
+def test_fetch_of_private_address_is_refused_by_default():
+    config = MediaFetchConfig(allowed_domains=("127.0.0.1",))
+
+    async def fetch(port):
+        return await load_media(f"http://127.0.0.1:{port}/video", config, 1000)
+
+    with pytest.raises(MediaRefused, match="private, loopback or link-local"):
+        asyncio.run(_with_server(ROUTES, fetch))
