@@ -31,7 +31,13 @@ class EncoderConfig:
     0 decodes the whole sample first (no overlap)."""
     cache: TokenCacheConfig = field(default_factory=TokenCacheConfig)
     """The multimodal token cache: a video seen before is neither decoded nor encoded again."""
+    decode_backend: str = "pyav"
+    """"pyav" (parallel keyframe-aligned threads, overlapped with encoding) or "decord" (in a
+    child process that is killed if it hangs; decodes the whole sample before encoding).
+    Both return identical frames for H.264/VP9/MJPEG (tests/unit/video)."""
 
     def __post_init__(self) -> None:
+        if self.decode_backend not in ("pyav", "decord"):
+            raise ValueError(f"decode_backend must be 'pyav' or 'decord', got {self.decode_backend!r}")
         if self.frames_per_group < 0 or self.frames_per_group % 2:
             raise ValueError(f"frames_per_group must be 0 or even, got {self.frames_per_group}")

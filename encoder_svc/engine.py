@@ -41,12 +41,14 @@ class EncoderEngine:
         self.adapter = adapter
         self.decoder = ParallelDecoder(config.decode)
         self.cache = TokenCache(config.cache)
+        self._decord = None  # started on first use when decode_backend == "decord"
 
     def cache_key(self, sha256: str, sampling: SamplingOptions) -> str:
         params = {
             "sampling": asdict(sampling),
             "model": self.adapter.fingerprint,
             "limits_max_source_pixels": self.config.limits.max_source_pixels,
+            "decode_backend": self.config.decode_backend,
             "pruning": {},  # encoder-side token dropping is off; its settings join the key when on
         }
         return make_cache_key(sha256, params)
@@ -77,52 +79,63 @@ class EncoderEngine:
         )
         return out
 
+    def _frame_groups(self, data: bytes, sha256: str, sampling: SamplingOptions):
+        """(stream metadata, iterator of DecodedVideo groups in temporal order)."""
+        group_size = self.config.frames_per_group or (1 << 30)
+        if self.config.decode_backend == "decord":
+            if self._decord is None:
+                from video.decord_backend import DecordDecoder
+
+                self._decord = DecordDecoder()
+            whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
+            groups = (
+                _slice(whole, i, i + group_size) for i in range(0, whole.num_frames, group_size)
+            )
+            return whole, groups
+        stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256)
+
+        def groups():
+            with stream:
+                for g in stream:
+                    yield DecodedVideo(g.frames, g.timestamps_s, stream.sampled_fps, stream.duration_s,
+                                       stream.source_fps, stream.is_image)
+
+        return stream, groups()
+
     def _decode_and_encode(
         self, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent("decode", "started"))
-        group_size = self.config.frames_per_group or (1 << 30)
-        stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256)
+        meta, groups = self._frame_groups(data, sha256, sampling)
+        on_event(StageEvent("decode", "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         embeds: list[torch.Tensor] = []
         grids: list[tuple[int, int, int]] = []
         encode_s = 0.0
-        with stream:
-            on_event(StageEvent("decode", "progress", 0.0, {"num_frames": str(stream.num_frames)}))
-            for group in stream:
-                video = DecodedVideo(
-                    frames=group.frames,
-                    timestamps_s=group.timestamps_s,
-                    sampled_fps=stream.sampled_fps,
-                    duration_s=stream.duration_s,
-                    source_fps=stream.source_fps,
-                    is_image=stream.is_image,
-                )
-                t_enc = time.perf_counter()
-                inputs = self.adapter.preprocess(video)
-                self._check_token_budget(inputs.grid_thw, stream.num_frames, len(group.timestamps_s))
-                embeds.append(self.adapter.encode(inputs))
-                encode_s += time.perf_counter() - t_enc
-                grids.append(inputs.grid_thw)
-                on_event(StageEvent("encode", "progress", 0.0,
-                                    {"frames_done": str(group.first_index + len(group.timestamps_s))}))
-            modality = "image" if stream.is_image else "video"
-            timestamps = list(stream.timestamps_s)
-            num_frames = stream.num_frames
-            second_per_grid_t = inputs.second_per_grid_t
+        frames_done = 0
+        for video in groups:  # decoding of later groups continues while this one encodes
+            t_enc = time.perf_counter()
+            inputs = self.adapter.preprocess(video)
+            self._check_token_budget(inputs.grid_thw, meta.num_frames, video.num_frames)
+            embeds.append(self.adapter.encode(inputs))
+            encode_s += time.perf_counter() - t_enc
+            grids.append(inputs.grid_thw)
+            frames_done += video.num_frames
+            on_event(StageEvent("encode", "progress", 0.0, {"frames_done": str(frames_done)}))
         total_ms = (time.perf_counter() - t0) * 1e3
         encode_ms = encode_s * 1e3
-        decode_ms = total_ms - encode_ms  # time waiting for frames not hidden behind encoding
+        decode_ms = total_ms - encode_ms  # time waiting for frames, not hidden behind encoding
         grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
         visual = torch.cat(embeds)
-        on_event(StageEvent("decode", "finished", decode_ms, {"num_frames": str(num_frames)}))
+        on_event(StageEvent("decode", "finished", decode_ms, {"num_frames": str(meta.num_frames)}))
         on_event(StageEvent("encode", "finished", encode_ms,
                             {"num_visual_tokens": str(visual.shape[0]), "cache": "miss"}))
         return EncodedMedia(
             embeds=visual,
-            meta=VisualMeta(modality, grid, second_per_grid_t, int(visual.shape[0])),
-            num_frames=num_frames,
-            frame_timestamps_s=timestamps,
+            meta=VisualMeta("image" if meta.is_image else "video", grid, inputs.second_per_grid_t,
+                            int(visual.shape[0])),
+            num_frames=meta.num_frames,
+            frame_timestamps_s=list(meta.timestamps_s),
             decode_ms=decode_ms,
             encode_ms=encode_ms,
             sha256=sha256,
@@ -139,6 +152,13 @@ class EncoderEngine:
 
     def close(self) -> None:
         self.decoder.close()
+        if self._decord is not None:
+            self._decord.close()
+
+
+def _slice(video: DecodedVideo, start: int, end: int) -> DecodedVideo:
+    return DecodedVideo(video.frames[start:end], video.timestamps_s[start:end], video.sampled_fps,
+                        video.duration_s, video.source_fps, video.is_image)
 
 
 def _from_cache(cached, sha256: str) -> EncodedMedia:

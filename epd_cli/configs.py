@@ -52,7 +52,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
     return EncoderConfig(model=model_config(args), server=server_config(args), limits=limits,
                          sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
-                         cache=cache)
+                         cache=cache, decode_backend=args.decode_backend)
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:

@@ -59,6 +59,8 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-memory-bytes", type=int, default=2 << 30,
                    help="multimodal token cache in memory (LRU); 0 disables it")
     g.add_argument("--cache-dir", default="", help="directory of the on-disk token cache tier (default: off)")
+    g.add_argument("--decode-backend", choices=["pyav", "decord"], default="pyav",
+                   help="video decoder: parallel PyAV threads (default) or decord in a child process")
 
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -132,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--encoder-port", type=int, default=ENCODER_PORT)
     serve.add_argument("--prefill-port", type=int, default=PREFILL_PORT)
     serve.add_argument("--decode-port", type=int, default=DECODE_PORT)
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
     add_model_flags(serve)
 
     health = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")

@@ -57,7 +57,8 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "prefill": [*base, "prefill", "--port", str(p), *model],
         "decode": [*base, "decode", "--port", str(d), *model],
         "gateway": [*base, "gateway", "--port", str(args.gateway_port), "--encoder", f"127.0.0.1:{e}",
-                    "--prefill", f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}"],
+                    "--prefill", f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}",
+                    "--http-port", str(args.http_port)],
     }
 
 

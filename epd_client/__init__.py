@@ -1,5 +1,21 @@
-"""Python client for an epd front door (gRPC)."""
+"""Python client SDK of an epd front door (gRPC): sync and asyncio clients, typed stream events,
+chunked uploads or reuse by sha256, deadlines, retries of UNAVAILABLE, TLS and an API key."""
 
-from epd_client.client import AskResult, AsyncEpdClient, EpdClient, EpdError
+from epd_client.client import AsyncEpdClient, EpdClient, build_header
+from epd_client.media import MediaSource
+from epd_client.retry import NO_RETRY, RetryPolicy
+from epd_client.types import AskResult, EpdError, StageEvent, StreamEvent, TokenDelta
 
-__all__ = ["AskResult", "AsyncEpdClient", "EpdClient", "EpdError"]
+__all__ = [
+    "NO_RETRY",
+    "AskResult",
+    "AsyncEpdClient",
+    "EpdClient",
+    "EpdError",
+    "MediaSource",
+    "RetryPolicy",
+    "StageEvent",
+    "StreamEvent",
+    "TokenDelta",
+    "build_header",
+]

@@ -78,9 +78,15 @@ class TinyVLMSpec:
     max_pixels: int = 112 * 112
     weight_std: float = 0.3  # std of the re-initialised weights; large enough for varied output
     seed: int = 0
+    init: str = "scaled"
+    """"scaled": every matrix re-drawn with std `weight_std` (varied outputs of a random model, for
+    tests); "hf": transformers' own initialisation (std 0.02), the starting point for training."""
+    extra_words: tuple[str, ...] = ()
+    """Words added to the tokenizer's training corpus (e.g. `synth.questions.tokenizer_words()`),
+    so that they tokenize as whole words."""
 
 
-def _train_tokenizer(vocab_size: int):
+def _train_tokenizer(vocab_size: int, extra_words: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -92,7 +98,8 @@ def _train_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = [_CORPUS_WORDS, _CORPUS_WORDS.upper(), _CORPUS_WORDS.title()] * 4
+    words = _CORPUS_WORDS + "".join(f"{w} " for w in extra_words)
+    corpus = [words, words.upper(), words.title()] * 4
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
@@ -108,7 +115,7 @@ def build_processor(spec: TinyVLMSpec):
     )
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(spec.vocab_size),
+        tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:],
@@ -182,8 +189,12 @@ def build_model(spec: TinyVLMSpec, tokenizer):
         raise ValueError(f"unknown model family {spec.family!r}; use 'qwen2_vl' or 'qwen2_5_vl'")
     config.eos_token_id = ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
+    if spec.init not in ("scaled", "hf"):
+        raise ValueError(f"unknown init {spec.init!r}; use 'scaled' or 'hf'")
     torch.manual_seed(spec.seed)
     model = cls(config).eval()
+    if spec.init == "hf":
+        return model
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:

@@ -28,8 +28,8 @@ import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 from multiprocessing import shared_memory
+from typing import Any
 
 import numpy as np
 

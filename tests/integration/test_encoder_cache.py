@@ -105,3 +105,20 @@ def test_cache_can_be_disabled(adapter, media_files):
     _encode(engine, data, SamplingOptions(num_frames=4))
     out, _ = _encode(engine, data, SamplingOptions(num_frames=4))
     assert not out.cache_hit
+
+
+def test_decord_backend_gives_the_same_tokens(adapter, media_files):
+    from video.decord_backend import decord_available
+
+    if not decord_available():
+        pytest.skip("decord is not installed (optional backend: pip install 'epd[decord]')")
+    data = media_files["mp4"].read_bytes()
+    sampling = SamplingOptions(num_frames=8)
+    pyav, _ = _encode(EncoderEngine(EncoderConfig(), adapter), data, sampling)
+    engine = EncoderEngine(EncoderConfig(decode_backend="decord"), adapter)
+    try:
+        dec, _ = _encode(engine, data, sampling)
+    finally:
+        engine.close()
+    assert dec.meta == pyav.meta and dec.frame_timestamps_s == pyav.frame_timestamps_s
+    assert torch.equal(dec.embeds, pyav.embeds)

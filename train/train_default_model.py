@@ -1,0 +1,505 @@
+"""Train epd's default model: a tiny Qwen2-VL that answers the synthetic video-QA questions.
+
+    PYTHONPATH=. python -m train.train_default_model --out models/epd-tiny-videoqa
+
+1. Builds the dataset with `python -m synth.dataset` into a temporary directory (or reads
+   `--data DIR` built before with the same sizes).
+2. Builds the tokenizer (the synth question words included), processor and a
+   `Qwen2VLForConditionalGeneration` with transformers' own initialisation (model_runtime.tiny_model).
+3. Prepares every input with the serving path's own code: frames from
+   `video.simple_decoder.decode` with the server's default `SamplingOptions` (2 fps, at most 32
+   frames: 6 frames of a 3 s clip), pixels from `Qwen2VLAdapter.preprocess` (the video processor
+   with `do_sample_frames=False`), token ids and M-RoPE positions from `Qwen2VLAdapter.build_prompt`
+   (the processor's chat template). The loss is on the answer's tokens and the closing <|im_end|>.
+4. Trains with AdamW (warm-up, cosine decay) on (clip, question) pairs drawn in a seeded order,
+   with a tqdm bar; checks per-type accuracy on the validation split as it goes.
+5. Saves model + processor with `save_pretrained`, `epd_model_card.json`, `training_log.json`
+   and `loss_curve.png` under `--out`.
+
+Accuracy here is greedy exact match computed in one teacher-forced forward pass: greedy decoding
+produces exactly "answer<|im_end|>" if and only if every one of those tokens is the argmax given
+the ones before it. `epd bench quality` measures the same thing through the serving pipeline.
+
+Reproducible: the same seed, sizes and thread count give the same weights (CPU float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "models" / "epd-tiny-videoqa"
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Sizes of the trained model (see model_runtime.tiny_model.TinyVLMSpec)."""
+
+    hidden_size: int = 128
+    """Language model width; also the width the vision merger projects to."""
+    intermediate_size: int = 256
+    """Language model MLP width."""
+    num_hidden_layers: int = 2
+    """Language model decoder layers."""
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    vision_depth: int = 3
+    """Vision transformer blocks: the questions need vision far more than language."""
+    vision_embed_dim: int = 96
+    vision_num_heads: int = 4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. The defaults are the run that made models/epd-tiny-videoqa."""
+
+    seed: int = 0
+    """Seeds the weights and the order of training examples."""
+    num_train_clips: int = 4000
+    """Training clips (plus one still image for every ten clips, synth's default ratio)."""
+    num_validation_clips: int = 200
+    """Validation clips, evaluated every `eval_every_steps`."""
+    num_test_clips: int = 500
+    """Test clips, evaluated once at the end (the same split `epd bench quality` uses)."""
+    steps: int = 6000
+    """Optimizer steps."""
+    batch_size: int = 16
+    """(media, question) pairs per step."""
+    lr: float = 2e-3
+    """Peak learning rate (after warm-up)."""
+    min_lr_ratio: float = 0.05
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_steps: int = 200
+    """Linear warm-up from 0 to lr."""
+    weight_decay: float = 0.01
+    """AdamW decay on matrices (not on biases and norms)."""
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+    eval_every_steps: int = 1000
+    """Validation accuracy every this many steps (0: only at the end)."""
+    num_threads: int = 1
+    """torch threads. The machine is shared; 1 keeps the run reproducible and polite."""
+    size: ModelSize = field(default_factory=ModelSize)
+    """Model sizes."""
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Example:
+    """One (media, question, answer) as model inputs; tensors are 1-D over the sequence."""
+
+    media_index: int
+    input_ids: torch.Tensor  # [L] prompt + answer + <|im_end|>
+    position_ids: torch.Tensor  # [4, L] text row + M-RoPE rows, as the serving path builds them
+    labels: torch.Tensor  # [L] -100 except the answer tokens and <|im_end|>
+    question_type: str
+    answer: str
+
+
+@dataclass
+class MediaItem:
+    """Preprocessed pixels of one clip or image, exactly as the encoder service makes them."""
+
+    modality: str  # "video" | "image"
+    pixel_values: torch.Tensor  # [num_patches, 3 * 2 * 14 * 14]
+    grid_thw: tuple[int, int, int]
+
+
+def generate_dataset(out_dir: Path, config: TrainConfig) -> None:
+    """Run `python -m synth.dataset` (a subprocess: the same command a user would run)."""
+    cmd = [
+        sys.executable, "-m", "synth.dataset", "--out", str(out_dir),
+        "--num-train", str(config.num_train_clips),
+        "--num-validation", str(config.num_validation_clips),
+        "--num-test", str(config.num_test_clips),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
+
+
+def check_dataset(data_dir: Path, config: TrainConfig) -> None:
+    """Refuse a --data directory built with other sizes than the config asks for."""
+    info = json.loads((data_dir / "dataset_info.json").read_text())
+    want = {"train": config.num_train_clips, "validation": config.num_validation_clips,
+            "test": config.num_test_clips}
+    if info["num_videos"] != want:
+        raise ValueError(f"{data_dir} holds {info['num_videos']} clips, this run wants {want}; "
+                         "rebuild it or drop --data")
+
+
+def serving_sampling():
+    """The encoder service's default sampling (2 fps, at most 32 frames)."""
+    from encoder_svc.config import EncoderConfig
+
+    return EncoderConfig().sampling
+
+
+def load_split(data_dir: Path, split: str, adapter, progress: bool = True) -> tuple[list[Example], list[MediaItem]]:
+    """Decode, preprocess and tokenize every question of `split` the way the serving path does."""
+    from tqdm import tqdm
+
+    from model_runtime.adapter import VisualMeta
+    from synth.manifest import read_manifest
+    from video.simple_decoder import decode
+
+    sampling = serving_sampling()
+    records = read_manifest(data_dir, split=split)
+    media: list[MediaItem] = []
+    metas: list[VisualMeta] = []
+    index_of: dict[str, int] = {}
+    examples: list[Example] = []
+    tokenizer = adapter.tokenizer
+    end_ids = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+    for r in tqdm(records, desc=f"preparing {split}", unit="question", disable=not progress, mininterval=2):
+        if r.media not in index_of:
+            video = decode(r.media_path(data_dir).read_bytes(), sampling)
+            inputs = adapter.preprocess(video)
+            meta = VisualMeta(inputs.modality, inputs.grid_thw, inputs.second_per_grid_t,
+                              adapter.num_visual_tokens(inputs.grid_thw))
+            index_of[r.media] = len(media)
+            media.append(MediaItem(inputs.modality, inputs.pixel_values, inputs.grid_thw))
+            metas.append(meta)
+        i = index_of[r.media]
+        prompt = adapter.build_prompt(r.question, metas[i])
+        answer_ids = tokenizer(r.answer, add_special_tokens=False)["input_ids"] + end_ids
+        input_ids = torch.cat([prompt.input_ids[0], torch.tensor(answer_ids, dtype=torch.long)])
+        positions = adapter._prompt_positions(input_ids[None], metas[i])[:, 0]  # [4, L]
+        if not torch.equal(positions[:, : prompt.num_tokens], prompt.position_ids[:, 0]):
+            raise AssertionError("answer tokens changed the prompt's positions")
+        labels = torch.full_like(input_ids, -100)
+        labels[prompt.num_tokens :] = input_ids[prompt.num_tokens :]
+        examples.append(Example(i, input_ids, positions, labels, r.question_type, r.answer))
+    return examples, media
+
+
+def check_chat_template(adapter) -> None:
+    """The supervised tokens must be what the processor's chat template writes for the answer."""
+    messages = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour is the circle?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "yellow"}]},
+    ]
+    text = adapter.processor.apply_chat_template(messages, tokenize=False)
+    prompt = adapter.processor.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    if text != prompt + "yellow<|im_end|>\n":
+        raise AssertionError(f"chat template renders the answer turn unexpectedly: {text[len(prompt):]!r}")
+
+
+def collate(batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded model inputs; visual inputs concatenated in batch order (the model scatters
+    them into the placeholders in that order)."""
+    length = max(len(e.input_ids) for e in batch)
+    n = len(batch)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    labels = torch.full((n, length), -100, dtype=torch.long)
+    attention = torch.zeros((n, length), dtype=torch.long)
+    positions = torch.zeros((4, n, length), dtype=torch.long)
+    video_pix, video_grid, image_pix, image_grid = [], [], [], []
+    for row, e in enumerate(batch):
+        L = len(e.input_ids)
+        input_ids[row, :L] = e.input_ids
+        labels[row, :L] = e.labels
+        attention[row, :L] = 1
+        positions[:, row, :L] = e.position_ids
+        positions[:, row, L:] = e.position_ids[:, -1:] + torch.arange(1, length - L + 1)
+        m = media[e.media_index]
+        if m.modality == "video":
+            video_pix.append(m.pixel_values)
+            video_grid.append(m.grid_thw)
+        else:
+            image_pix.append(m.pixel_values)
+            image_grid.append(m.grid_thw)
+    out = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "labels": labels}
+    if video_pix:
+        out["pixel_values_videos"] = torch.cat(video_pix)
+        out["video_grid_thw"] = torch.tensor(video_grid, dtype=torch.long)
+    if image_pix:
+        out["pixel_values"] = torch.cat(image_pix)
+        out["image_grid_thw"] = torch.tensor(image_grid, dtype=torch.long)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[Example], media: list[MediaItem], pad_id: int,
+             batch_size: int = 32) -> dict[str, tuple[int, int]]:
+    """{question_type: (correct, total)}: greedy exact match, teacher-forced (module docstring)."""
+    model.eval()
+    correct: Counter = Counter()
+    total: Counter = Counter()
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        inputs = collate(batch, media, pad_id)
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits  # [B, L, vocab]
+        predicted = logits[:, :-1].argmax(-1)
+        target = labels[:, 1:]
+        supervised = target != -100
+        ok = ((predicted == target) | ~supervised).all(dim=1)
+        for e, good in zip(batch, ok.tolist()):
+            total[e.question_type] += 1
+            correct[e.question_type] += int(good)
+    model.train()
+    return {t: (correct[t], total[t]) for t in sorted(total)}
+
+
+def overall(by_type: dict[str, tuple[int, int]]) -> float:
+    c = sum(v[0] for v in by_type.values())
+    n = sum(v[1] for v in by_type.values())
+    return c / max(n, 1)
+
+
+def format_accuracy(by_type: dict[str, tuple[int, int]]) -> str:
+    parts = [f"{t} {c / n:.0%}" for t, (c, n) in by_type.items()]
+    return f"overall {overall(by_type):.1%} | " + ", ".join(parts)
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+
+def model_spec(config: TrainConfig):
+    from model_runtime.tiny_model import TinyVLMSpec
+    from synth.questions import tokenizer_words
+
+    s = config.size
+    return TinyVLMSpec(
+        family="qwen2_vl",
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        vision_depth=s.vision_depth,
+        vision_embed_dim=s.vision_embed_dim,
+        vision_num_heads=s.vision_num_heads,
+        seed=config.seed,
+        init="hf",
+        extra_words=tuple(tokenizer_words()),
+    )
+
+
+def save_model(model, processor, out_dir: Path) -> None:
+    tok = processor.tokenizer
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    floor = config.min_lr_ratio
+    return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, progress: bool = True) -> dict:
+    """Train, save under `out_dir`, return the training log (also written as training_log.json)."""
+    from tqdm import tqdm
+
+    from model_runtime.config import ModelConfig
+    from model_runtime.qwen2_vl import Qwen2VLAdapter
+    from model_runtime.tiny_model import build_model, build_processor
+    from train.png_plot import Series, line_plot
+
+    torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    spec = model_spec(config)
+    processor = build_processor(spec)
+    model = build_model(spec, processor.tokenizer)
+    pad_id = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    # The serving adapter, loaded from the untrained checkpoint, prepares every input.
+    with tempfile.TemporaryDirectory(prefix="epd-init-") as init_dir:
+        save_model(model, processor, Path(init_dir))
+        adapter = Qwen2VLAdapter(init_dir, ModelConfig(), {"vision"})
+        check_chat_template(adapter)
+        t0 = time.perf_counter()
+        train_ex, train_media = load_split(data_dir, "train", adapter, progress)
+        val_ex, val_media = load_split(data_dir, "validation", adapter, progress)
+        test_ex, test_media = load_split(data_dir, "test", adapter, progress)
+        prepare_s = time.perf_counter() - t0
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{num_params / 1e6:.2f} M parameters; {len(train_ex)} train, {len(val_ex)} validation, "
+          f"{len(test_ex)} test questions (prepared in {prepare_s:.0f} s)", file=sys.stderr)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.98),
+    )
+    order_gen = torch.Generator().manual_seed(config.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    evals: list[dict] = []
+    model.train()
+    t_train = time.perf_counter()
+    bar = tqdm(range(config.steps), desc="training", unit="step", disable=not progress, mininterval=2)
+    for step in bar:
+        if len(order) < config.batch_size:
+            order += torch.randperm(len(train_ex), generator=order_gen).tolist()
+        idx, order = order[: config.batch_size], order[config.batch_size :]
+        inputs = collate([train_ex[i] for i in idx], train_media, pad_id)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        loss = model(**inputs).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        losses.append(float(loss))
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
+        last = step + 1 == config.steps
+        if (config.eval_every_steps and (step + 1) % config.eval_every_steps == 0) or last:
+            val = evaluate(model, val_ex, val_media, pad_id)
+            evals.append({"step": step + 1, "validation": val, "overall": overall(val)})
+            bar.write(f"step {step + 1}: validation {format_accuracy(val)}")
+    bar.close()
+    train_s = time.perf_counter() - t_train
+    test = evaluate(model, test_ex, test_media, pad_id)
+    print(f"test: {format_accuracy(test)}", file=sys.stderr)
+
+    model.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(model, processor, out_dir)
+    curve = out_dir / "loss_curve.png"
+    line_plot(
+        curve,
+        [Series("loss per step", list(range(1, len(losses) + 1)), losses),
+         Series("mean of 100 steps", list(range(1, len(losses) + 1)), smooth(losses, 100))],
+        title=f"epd-tiny-videoqa training loss (seed {config.seed}, batch {config.batch_size})",
+        xlabel="step", ylabel="loss", log_y=True,
+    )
+    log = {
+        "config": asdict(config),
+        "num_parameters": num_params,
+        "num_questions": {"train": len(train_ex), "validation": len(val_ex), "test": len(test_ex)},
+        "num_media": {"train": len(train_media), "validation": len(val_media), "test": len(test_media)},
+        "prepare_s": round(prepare_s, 1),
+        "train_s": round(train_s, 1),
+        "seconds_per_step": round(train_s / config.steps, 4),
+        "loss_every_10_steps": [round(sum(losses[i : i + 10]) / len(losses[i : i + 10]), 5)
+                                for i in range(0, len(losses), 10)],
+        "validation": evals,
+        "test": {"by_type": test, "overall": overall(test)},
+    }
+    (out_dir / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    card = {
+        "name": "epd-tiny-videoqa",
+        "built_by": "train.train_default_model",
+        "note": ("a tiny Qwen2-VL trained from scratch on epd's synthetic video-QA data (synth/); "
+                 "it answers questions about coloured shapes in short clips with one word"),
+        "command": command,
+        "seed": config.seed,
+        "num_threads": config.num_threads,
+        "num_parameters": num_params,
+        "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(model_spec(config)).items()
+                 if k != "extra_words"},
+        "data": {
+            "generator": "python -m synth.dataset",
+            "num_clips": {"train": config.num_train_clips, "validation": config.num_validation_clips,
+                          "test": config.num_test_clips},
+            "num_media": log["num_media"],
+            "num_questions": log["num_questions"],
+            "sampling": {"fps": serving_sampling().fps, "max_frames": serving_sampling().max_frames},
+        },
+        "training": {"steps": config.steps, "batch_size": config.batch_size, "lr": config.lr,
+                     "train_s": log["train_s"], "seconds_per_step": log["seconds_per_step"]},
+        "accuracy": {
+            "metric": "greedy exact match of the one-word answer",
+            "validation": overall(evals[-1]["validation"]),
+            "test": overall(test),
+            "test_by_type": {t: round(c / n, 4) for t, (c, n) in test.items()},
+            "test_counts": {t: [c, n] for t, (c, n) in test.items()},
+        },
+    }
+    (out_dir / "epd_model_card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(f"saved {out_dir} ({sum(f.stat().st_size for f in out_dir.iterdir()) / 1e6:.1f} MB); "
+          f"loss curve {curve}", file=sys.stderr)
+    return log
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m train.train_default_model", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="directory to save the model into")
+    p.add_argument("--data", default="", help="a dataset built by synth.dataset with the same sizes "
+                   "(default: build one in a temporary directory)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--num-train", type=int, default=d.num_train_clips, help="training clips")
+    p.add_argument("--num-validation", type=int, default=d.num_validation_clips, help="validation clips")
+    p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips")
+    p.add_argument("--eval-every", type=int, default=d.eval_every_steps, help="steps between validations")
+    p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
+    s = ModelSize()
+    p.add_argument("--hidden-size", type=int, default=s.hidden_size)
+    p.add_argument("--intermediate-size", type=int, default=s.intermediate_size)
+    p.add_argument("--layers", type=int, default=s.num_hidden_layers)
+    p.add_argument("--vision-depth", type=int, default=s.vision_depth)
+    p.add_argument("--vision-dim", type=int, default=s.vision_embed_dim)
+    p.add_argument("--vision-heads", type=int, default=s.vision_num_heads)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    a = p.parse_args(argv)
+    size = ModelSize(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                     num_hidden_layers=a.layers, vision_depth=a.vision_depth,
+                     vision_embed_dim=a.vision_dim, vision_num_heads=a.vision_heads)
+    config = TrainConfig(
+        seed=a.seed, steps=a.steps, batch_size=a.batch_size, lr=a.lr, num_train_clips=a.num_train,
+        num_validation_clips=a.num_validation, num_test_clips=a.num_test,
+        eval_every_steps=a.eval_every, num_threads=a.threads, size=size,
+        warmup_steps=min(d.warmup_steps, max(1, a.steps // 10)),
+    )
+    return config, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, a = parse_args(argv)
+    command = "PYTHONPATH=. python -m train.train_default_model " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    tmp = None
+    if a.data:
+        data_dir = Path(a.data)
+        check_dataset(data_dir, config)
+    else:
+        tmp = tempfile.mkdtemp(prefix="epd-synth-")
+        data_dir = Path(tmp)
+        generate_dataset(data_dir, config)
+    try:
+        train(config, data_dir, Path(a.out), command.strip(), progress=not a.no_progress)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
