@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from decode_svc.eviction import DecodeEviction
 from model_runtime.adapter import VLMAdapter
 from model_runtime.detokenizer import IncrementalText
 from model_runtime.kv_cache import KvCache
 from model_runtime.sampling import GenerationConfig, Sampler
 from stages.contracts import TokenStep
+from token_pruning import PruningConfig
+from transport.errors import InvalidRequest
 
 
 class Generation:
@@ -25,6 +28,8 @@ class Generation:
         first_token_id: int,
         next_position_ids: list[int],
         generation: GenerationConfig,
+        visual_entry_mask: torch.Tensor | None = None,
+        pruning: PruningConfig = PruningConfig(),
     ) -> None:
         self.adapter = adapter
         self.generation = generation
@@ -34,6 +39,12 @@ class Generation:
         self.text = IncrementalText(adapter.detokenize, generation.stop)
         self.last_token = first_token_id
         self.finish_reason = ""
+        self.eviction = None
+        if pruning.decode_evict and visual_entry_mask is not None:
+            shape = (cache.num_layers, cache.keys[0].shape[1], cache.num_cached_tokens)
+            if visual_entry_mask.numel() != shape[0] * shape[1] * shape[2]:
+                raise InvalidRequest("visual_entry_mask does not match the KV cache's shape")
+            self.eviction = DecodeEviction(adapter, self.cache, visual_entry_mask.reshape(shape), pruning)
 
     def first(self) -> TokenStep:
         """The prefill's token, as the first step."""
@@ -41,7 +52,10 @@ class Generation:
 
     def step(self) -> TokenStep:
         """Run the model on the last token and emit the next one."""
-        logits = self.adapter.decode_step(self.last_token, self.positions, self.cache)
+        if self.eviction is not None:
+            logits = self.eviction.step(self.last_token, self.positions)
+        else:
+            logits = self.adapter.decode_step(self.last_token, self.positions, self.cache)
         self.positions = self.positions + 1
         self.last_token = self.sampler(logits)
         return self._emit(self.last_token)
@@ -60,6 +74,8 @@ class Generation:
             self.finish_reason = "length"
         if self.finish_reason:
             delta += self.text.flush()
+            evicted = self.eviction.counts if self.eviction is not None else None
+            return TokenStep([token], delta, self.finish_reason, decode_evict=evicted)
         return TokenStep([token], delta, self.finish_reason)
 
 
@@ -68,9 +84,16 @@ class DecodeEngine:
         self.adapter = adapter
 
     def start(
-        self, cache: KvCache, first_token_id: int, next_position_ids: list[int], generation: GenerationConfig
+        self,
+        cache: KvCache,
+        first_token_id: int,
+        next_position_ids: list[int],
+        generation: GenerationConfig,
+        visual_entry_mask: torch.Tensor | None = None,
+        pruning: PruningConfig = PruningConfig(),
     ) -> Generation:
-        return Generation(self.adapter, cache, first_token_id, next_position_ids, generation)
+        return Generation(self.adapter, cache, first_token_id, next_position_ids, generation,
+                          visual_entry_mask, pruning)
 
 
 async def stream_tokens(
@@ -80,10 +103,12 @@ async def stream_tokens(
     handle,
     generation: GenerationConfig,
     kv_transfer_ms: float,
+    pruning: PruningConfig = PruningConfig(),
 ):
     """Async iterator of TokenStep for one request; every model call runs on `model_thread`."""
     gen = await model_thread.run(
-        engine.start, cache, handle.first_token_id, handle.next_position_ids, generation
+        engine.start, cache, handle.first_token_id, handle.next_position_ids, generation,
+        handle.visual_entry_mask, pruning,
     )
     first = gen.first()
     first.kv_transfer_ms = kv_transfer_ms

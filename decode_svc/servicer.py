@@ -29,6 +29,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise Unavailable("decode is still loading its model; retry shortly")
         handle = convert.handle_from_proto(request.prefill)
         generation = convert.generation_from_proto(request.generation, GenerationConfig())
+        pruning = convert.pruning_from_proto(request.pruning)
         try:
             generation.validate(self.config.max_new_tokens_limit)
         except ValueError as exc:
@@ -36,11 +37,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         t0 = time.perf_counter()
         cache = await self.puller.pull(handle.kv_address, handle.kv_handle)
         transfer_ms = (time.perf_counter() - t0) * 1e3
-        async for step in stream_tokens(self.engine, self.model_thread, cache, handle, generation, transfer_ms):
-            yield decode_pb2.GenerateResponse(
+        async for step in stream_tokens(
+            self.engine, self.model_thread, cache, handle, generation, transfer_ms, pruning
+        ):
+            msg = decode_pb2.GenerateResponse(
                 token_ids=step.token_ids,
                 text=step.text,
                 finish_reason=step.finish_reason,
                 kv_transfer_ms=step.kv_transfer_ms,
                 kv_num_bytes=step.kv_num_bytes,
             )
+            if step.decode_evict is not None:
+                msg.decode_evict.stage = "decode_evict"
+                msg.decode_evict.num_visual_tokens_in, msg.decode_evict.num_visual_tokens_out = step.decode_evict
+            yield msg

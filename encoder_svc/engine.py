@@ -22,9 +22,11 @@ from dataclasses import asdict
 import torch
 
 from encoder_svc.config import EncoderConfig
+from encoder_svc.pruning import encode_stage_pruning
 from encoder_svc.token_cache import TokenCache, make_cache_key
 from model_runtime.adapter import VisualMeta, VLMAdapter
 from stages.contracts import EncodedMedia, EventSink, MediaInput, StageEvent
+from token_pruning import PruningConfig, PruningStats
 from transport.errors import NotFound, ResourceExhausted
 from video.parallel_decoder import ParallelDecoder
 from video.types import DecodedVideo, SamplingOptions
@@ -43,21 +45,27 @@ class EncoderEngine:
         self.cache = TokenCache(config.cache)
         self._decord = None  # started on first use when decode_backend == "decord"
 
-    def cache_key(self, sha256: str, sampling: SamplingOptions) -> str:
+    def cache_key(self, sha256: str, sampling: SamplingOptions, pruning: PruningConfig = PruningConfig()) -> str:
         params = {
             "sampling": asdict(sampling),
             "model": self.adapter.fingerprint,
             "limits_max_source_pixels": self.config.limits.max_source_pixels,
             "decode_backend": self.config.decode_backend,
-            "pruning": {},  # encoder-side token dropping is off; its settings join the key when on
+            "pruning": pruning.encode_cache_key(),
         }
         return make_cache_key(sha256, params)
 
-    def encode(self, media: MediaInput, sampling: SamplingOptions, on_event: EventSink) -> EncodedMedia:
+    def encode(
+        self,
+        media: MediaInput,
+        sampling: SamplingOptions,
+        on_event: EventSink,
+        pruning: PruningConfig = PruningConfig(),
+    ) -> EncodedMedia:
         sha256 = media.sha256 or hashlib.sha256(media.data or b"").hexdigest()
         if media.data is not None and media.sha256 and hashlib.sha256(media.data).hexdigest() != media.sha256:
             sha256 = hashlib.sha256(media.data).hexdigest()  # never trust a client's hash for bytes it sent
-        key = self.cache_key(sha256, sampling)
+        key = self.cache_key(sha256, sampling, pruning)
         cached = self.cache.get(key)
         if cached is not None:
             on_event(StageEvent("encode", "finished", 0.0, {"cache": "hit"}))
@@ -66,15 +74,23 @@ class EncoderEngine:
             raise NotFound(
                 f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
             )
-        out = self._decode_and_encode(media.data, sha256, sampling, on_event)
+        out = self._decode_and_encode(media.data, sha256, sampling, on_event, pruning)
+        tensors = {"visual_embeds": out.embeds}
+        if out.token_index is not None:
+            tensors["token_index"] = out.token_index
+        if out.key_mask is not None:
+            tensors["key_mask"] = out.key_mask
         self.cache.put(
             key,
-            {"visual_embeds": out.embeds},
+            tensors,
             {
                 "modality": out.meta.modality,
                 "grid_thw": list(out.meta.grid_thw),
                 "second_per_grid_t": out.meta.second_per_grid_t,
                 "frame_timestamps_s": out.frame_timestamps_s,
+                "pruning_stages": [[s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out]
+                                   for s in out.pruning.stages],
+                "num_key_tokens": out.pruning.num_key_tokens,
             },
         )
         return out
@@ -103,13 +119,18 @@ class EncoderEngine:
         return stream, groups()
 
     def _decode_and_encode(
-        self, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink
+        self, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
+        pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent("decode", "started"))
         meta, groups = self._frame_groups(data, sha256, sampling)
         on_event(StageEvent("decode", "progress", 0.0, {"num_frames": str(meta.num_frames)}))
+        # Temporal dropping before the tower needs every group's patches first (the reference
+        # of "unchanged" runs across groups), so the tower then runs once on the kept patches.
+        sparse = pruning.temporal_drop and pruning.temporal_before_tower and self.adapter.supports_sparse_vision
         embeds: list[torch.Tensor] = []
+        pixels: list[torch.Tensor] = []
         grids: list[tuple[int, int, int]] = []
         encode_s = 0.0
         frames_done = 0
@@ -117,16 +138,29 @@ class EncoderEngine:
             t_enc = time.perf_counter()
             inputs = self.adapter.preprocess(video)
             self._check_token_budget(inputs.grid_thw, meta.num_frames, video.num_frames)
-            embeds.append(self.adapter.encode(inputs))
+            if pruning.temporal_drop:
+                pixels.append(inputs.pixel_values)
+            if not sparse:
+                embeds.append(self.adapter.encode(inputs))
             encode_s += time.perf_counter() - t_enc
             grids.append(inputs.grid_thw)
             frames_done += video.num_frames
             on_event(StageEvent("encode", "progress", 0.0, {"frames_done": str(frames_done)}))
+        grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
+        t_enc = time.perf_counter()
+        stats = PruningStats()
+        token_index = key_mask = None
+        if sparse or pruning.spatial_merge or pruning.key_token_ratio > 0 or pruning.temporal_drop:
+            visual, token_index, key_mask = encode_stage_pruning(
+                self.adapter, torch.cat(embeds) if embeds else None, torch.cat(pixels) if pixels else None,
+                grid, pruning, stats,
+            )
+        else:
+            visual = torch.cat(embeds)
+        encode_s += time.perf_counter() - t_enc
         total_ms = (time.perf_counter() - t0) * 1e3
         encode_ms = encode_s * 1e3
         decode_ms = total_ms - encode_ms  # time waiting for frames, not hidden behind encoding
-        grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
-        visual = torch.cat(embeds)
         on_event(StageEvent("decode", "finished", decode_ms, {"num_frames": str(meta.num_frames)}))
         on_event(StageEvent("encode", "finished", encode_ms,
                             {"num_visual_tokens": str(visual.shape[0]), "cache": "miss"}))
@@ -139,6 +173,9 @@ class EncoderEngine:
             decode_ms=decode_ms,
             encode_ms=encode_ms,
             sha256=sha256,
+            token_index=token_index,
+            key_mask=key_mask,
+            pruning=stats,
         )
 
     def _check_token_budget(self, grid_thw: tuple[int, int, int], num_frames: int, group_frames: int) -> None:
@@ -164,6 +201,9 @@ def _slice(video: DecodedVideo, start: int, end: int) -> DecodedVideo:
 def _from_cache(cached, sha256: str) -> EncodedMedia:
     meta = cached.metadata
     embeds = cached.tensors["visual_embeds"]
+    stats = PruningStats(num_key_tokens=int(meta.get("num_key_tokens", 0)))
+    for stage, num_in, num_out in meta.get("pruning_stages", []):
+        stats.record(stage, int(num_in), int(num_out))
     grid = tuple(int(x) for x in meta["grid_thw"])
     return EncodedMedia(
         embeds=embeds,
@@ -174,4 +214,7 @@ def _from_cache(cached, sha256: str) -> EncodedMedia:
         encode_ms=0.0,
         cache_hit=True,
         sha256=sha256,
+        token_index=cached.tensors.get("token_index"),
+        key_mask=cached.tensors.get("key_mask"),
+        pruning=stats,
     )

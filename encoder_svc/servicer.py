@@ -31,7 +31,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         media = MediaInput(data if data or not header.media_sha256 else None, header.media_sha256)
         stage = self.stage
 
-        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, header.request_id)):
+        pruning = convert.pruning_from_proto(header.pruning)
+        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, header.request_id, pruning)):
             if isinstance(item, Finished):
                 encoded = item.value
                 for chunk in tensor_to_chunks("visual_embeds", encoded.embeds):

@@ -17,6 +17,7 @@ the gRPC status and the server's message.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -237,22 +238,28 @@ async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):
 
 
 class EpdClient:
-    """Blocking client with the same methods and arguments: runs an `AsyncEpdClient` on a private
-    event loop (so use one EpdClient per thread)."""
+    """Blocking client with the same methods and arguments. It runs an `AsyncEpdClient` on a
+    private event loop in its own thread, so it also works where a loop is already running
+    (Jupyter, other async frameworks' threads)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, **settings) -> None:
         self._loop = asyncio.new_event_loop()
-        self._client: AsyncEpdClient = self._loop.run_until_complete(_make(endpoint, timeout_s, settings))
+        self._thread = threading.Thread(target=self._loop.run_forever, name="epd-client", daemon=True)
+        self._thread.start()
+        self._client: AsyncEpdClient = self._run(_make(endpoint, timeout_s, settings))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
     def endpoint(self) -> str:
         return self._client.endpoint
 
     def ask(self, video: Media | None, question: str, **options) -> AskResult:
-        return self._loop.run_until_complete(self._client.ask(video, question, **options))
+        return self._run(self._client.ask(video, question, **options))
 
     def upload_or_reuse(self, video: Media, question: str, **options) -> AskResult:
-        return self._loop.run_until_complete(self._client.upload_or_reuse(video, question, **options))
+        return self._run(self._client.upload_or_reuse(video, question, **options))
 
     def stream(self, video: Media | None, question: str, **options) -> Iterator[StreamEvent]:
         """Yields `StageEvent`s and `TokenDelta`s as they arrive, then one `AskResult`."""
@@ -265,15 +272,19 @@ class EpdClient:
         try:
             while True:
                 try:
-                    yield self._loop.run_until_complete(agen.__anext__())
+                    yield self._run(agen.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
             # Breaking out early cancels the call on the server.
-            self._loop.run_until_complete(agen.aclose())  # type: ignore[attr-defined]
+            self._run(agen.aclose())  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        self._loop.run_until_complete(self._client.close())
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
         self._loop.close()
 
     def __enter__(self) -> EpdClient:

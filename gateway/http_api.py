@@ -46,6 +46,7 @@ from gateway.openai_protocol import (
     usage,
 )
 from gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from gateway.web.routes import add_demo_routes
 from stages.contracts import MediaInput, TokenStep
 from transport.errors import InvalidRequest, status_of
 from transport.server import channel_options
@@ -92,6 +93,7 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        add_demo_routes(app, self.config)  # the web demo: GET /, /static/*, /demo/*
         return app
 
     @web.middleware

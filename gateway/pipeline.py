@@ -21,6 +21,7 @@ from stages.contracts import (
     TokenStep,
 )
 from stages.events import Finished, with_events
+from token_pruning import PruningConfig, PruningStats
 from transport.errors import InvalidRequest
 from video.types import SamplingOptions
 
@@ -32,6 +33,8 @@ class AskRequest:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     request_id: str = ""
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    """Token dropping and KV compression; all off by default (exact tokens)."""
 
 
 @dataclass
@@ -48,6 +51,9 @@ class AskSummary:
     encoder_cache_hit: bool
     media_sha256: str
     frame_timestamps_s: list[float]
+    pruning: PruningStats = field(default_factory=PruningStats)
+    grid_thw: tuple[int, int, int] = (0, 0, 0)
+    kept_visual_token_index: list[int] = field(default_factory=list)
 
 
 PipelineEvent = StageEvent | TokenStep | AskSummary
@@ -72,7 +78,7 @@ class Pipeline:
 
         media = None
         async for item in with_events(
-            lambda sink: self.encoder.encode(req.media, req.sampling, sink, request_id)
+            lambda sink: self.encoder.encode(req.media, req.sampling, sink, request_id, req.pruning)
         ):
             if isinstance(item, Finished):
                 media = item.value
@@ -84,7 +90,7 @@ class Pipeline:
 
         yield StageEvent("prefill", "started")
         t_prefill = time.perf_counter()
-        handle = await self.prefill.prefill(req.question, media, req.generation, request_id)
+        handle = await self.prefill.prefill(req.question, media, req.generation, request_id, req.pruning)
         timings["prefill"] = handle.prefill_ms
         yield StageEvent(
             "prefill",
@@ -97,7 +103,8 @@ class Pipeline:
         text_parts: list[str] = []
         finish_reason = ""
         t_gen = time.perf_counter()
-        async for step in self.decoder.generate(handle, req.generation, request_id):
+        pruning = handle.pruning
+        async for step in self.decoder.generate(handle, req.generation, request_id, req.pruning):
             if not token_ids:
                 timings["ttft"] = elapsed_ms()
                 timings["kv_transfer"] = step.kv_transfer_ms
@@ -106,6 +113,8 @@ class Pipeline:
             token_ids += step.token_ids
             text_parts.append(step.text)
             finish_reason = step.finish_reason or finish_reason
+            if step.decode_evict is not None:
+                pruning.record("decode_evict", *step.decode_evict)
             yield step
         timings["generate"] = (time.perf_counter() - t_gen) * 1e3
         timings["total"] = elapsed_ms()
@@ -122,4 +131,9 @@ class Pipeline:
             encoder_cache_hit=media.cache_hit,
             media_sha256=media.sha256,
             frame_timestamps_s=media.frame_timestamps_s,
+            pruning=pruning,
+            grid_thw=media.meta.grid_thw,
+            kept_visual_token_index=handle.kept_visual_token_index or (
+                [] if media.token_index is None else media.token_index.tolist()
+            ),
         )

@@ -21,6 +21,7 @@ from stages.remote import (
     RemotePrefillStage,
     ReplicaPool,
 )
+from transport.auth import ApiKeyInterceptor
 from transport.server import HealthyServer, create_server, serve_until_signal
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,13 @@ def remote_pipeline(config: GatewayConfig) -> Pipeline:
 
 async def start(config: GatewayConfig, pipeline: Pipeline | None = None) -> HealthyServer:
     servicer = GatewayServicer(config, pipeline or remote_pipeline(config))
+    # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
+    interceptors = [ApiKeyInterceptor(config.http.api_key, (f"/{SERVICE_NAME}/",))] if config.http.api_key else []
     hs = await create_server(
-        config.server, lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s), [SERVICE_NAME]
+        config.server,
+        lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        interceptors,
     )
     stages = [*config.encoder_addresses, *config.prefill_addresses, *config.decode_addresses]
 

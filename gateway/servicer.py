@@ -30,6 +30,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
             generation=convert.generation_from_proto(header.generation, self.config.generation),
             request_id=header.request_id,
+            pruning=convert.pruning_from_proto(header.pruning),
         )
         async for item in self.pipeline.ask(request):
             if isinstance(item, StageEvent):
@@ -55,4 +56,7 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         encoder_cache_hit=s.encoder_cache_hit,
         media_sha256=s.media_sha256,
         frame_timestamps_s=s.frame_timestamps_s,
+        pruning=convert.stats_to_proto(s.pruning),
+        grid_thw=list(s.grid_thw),
+        kept_visual_token_index=s.kept_visual_token_index,
     )

@@ -100,12 +100,7 @@ class Qwen2VLAdapter(VLMAdapter):
         ]
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
-        num_tokens = self.num_visual_tokens(visual.grid_thw)
-        if num_tokens != visual.num_visual_tokens:
-            raise ValueError(
-                f"the encoder sent {visual.num_visual_tokens} visual tokens but grid "
-                f"{visual.grid_thw} needs {num_tokens}; encoder and prefill disagree on the model"
-            )
+        num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
@@ -127,6 +122,42 @@ class Qwen2VLAdapter(VLMAdapter):
         mrope, _ = rope_index(self.hf_config, input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)
         text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
         return torch.cat([text_row, mrope], dim=0)
+
+    @property
+    def language_model(self):
+        """transformers' text model (embed_tokens, layers, rotary_emb, norm)."""
+        return self._language_model()
+
+    @property
+    def lm_head(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.lm_head
+
+    @property
+    def text_config(self):
+        return self.hf_config.text_config
+
+    @property
+    def placeholder_ids(self) -> frozenset[int]:
+        return frozenset({self.hf_config.video_token_id, self.hf_config.image_token_id})
+
+    @property
+    def supports_sparse_vision(self) -> bool:
+        """Whether the vision tower can run on a subset of patches (Qwen2.5-VL's windowed
+        attention reorders patches by window, so it cannot)."""
+        return self.family == "qwen2_vl"
+
+    @torch.inference_mode()
+    def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
+                      position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The tower on kept patches only: position_ids [P', 2] (row, col), cu_seqlens per group."""
+        if self.visual is None or not self.supports_sparse_vision:
+            raise RuntimeError("sparse vision encoding needs Qwen2-VL's vision tower")
+        grid = torch.tensor([grid_thw], dtype=torch.long, device=self.device)
+        out = self.visual(pixel_values.to(self.device, self.visual.dtype), grid_thw=grid,
+                          position_ids=position_ids.to(self.device), cu_seqlens=cu_seqlens.to(self.device))
+        return out.pooler_output
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:

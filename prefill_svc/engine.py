@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,6 +11,9 @@ from model_runtime.adapter import VisualMeta, VLMAdapter
 from model_runtime.kv_cache import KvCache
 from model_runtime.sampling import GenerationConfig, Sampler
 from prefill_svc.config import PrefillConfig
+from prefill_svc.pruned_prefill import pruned_prefill
+from stages.contracts import EncodedMedia
+from token_pruning import PruningConfig, PruningStats
 from transport.errors import InvalidRequest, ResourceExhausted
 
 
@@ -21,6 +24,12 @@ class PrefillOutcome:
     next_position_ids: list[int]  # [4]
     num_prompt_tokens: int
     prefill_ms: float
+    num_visual_tokens_in: int = 0
+    num_visual_tokens_out: int = 0
+    kv_num_bytes_uncompressed: int = 0
+    pruning: PruningStats = field(default_factory=PruningStats)
+    visual_entry_mask: torch.Tensor | None = None  # [layers, kv_heads, cached] bool
+    kept_visual_token_index: list[int] = field(default_factory=list)
 
 
 class PrefillEngine:
@@ -47,18 +56,35 @@ class PrefillEngine:
                 f"{self.config.max_prompt_tokens}; lower max_frames, fps or max_pixels"
             )
 
-    def prefill(
-        self, question: str, meta: VisualMeta, embeds: torch.Tensor, generation: GenerationConfig
-    ) -> PrefillOutcome:
-        self.validate(question, meta, generation)
-        if embeds.ndim != 2 or embeds.shape[0] != meta.num_visual_tokens or embeds.shape[1] != self.adapter.hidden_size:
+    def _check_visual(self, media: EncodedMedia) -> None:
+        """The number of embeddings must match the grid (or the encoder's kept-token list):
+        a mismatch means encoder and prefill serve different models, and fails this request."""
+        meta, embeds = media.meta, media.embeds
+        full = self.adapter.num_visual_tokens(meta.grid_thw)
+        expected = full if media.token_index is None else int(media.token_index.numel())
+        if embeds.ndim != 2 or embeds.shape[0] != expected or embeds.shape[1] != self.adapter.hidden_size \
+                or meta.num_visual_tokens != expected:
             raise InvalidRequest(
                 f"visual embeddings have shape {tuple(embeds.shape)}, expected "
-                f"[{meta.num_visual_tokens}, {self.adapter.hidden_size}]: encoder and prefill serve different models"
+                f"[{expected}, {self.adapter.hidden_size}]: encoder and prefill serve different models"
             )
+        if media.token_index is not None and media.token_index.numel() and (
+            int(media.token_index.max()) >= full or bool((media.token_index.diff() <= 0).any())
+        ):
+            raise InvalidRequest("kept_token_index must be increasing and within the grid's tokens")
+
+    def prefill(
+        self,
+        question: str,
+        media: EncodedMedia,
+        generation: GenerationConfig,
+        pruning: PruningConfig = PruningConfig(),
+    ) -> PrefillOutcome:
+        self.validate(question, media.meta, generation)
+        self._check_visual(media)
         t0 = time.perf_counter()
         try:
-            prompt = self.adapter.build_prompt(question, meta)
+            prompt = self.adapter.build_prompt(question, media.meta)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if prompt.num_tokens > self.config.max_prompt_tokens:
@@ -66,7 +92,22 @@ class PrefillEngine:
                 f"the prompt has {prompt.num_tokens} tokens, over the limit of "
                 f"{self.config.max_prompt_tokens}; lower max_frames, fps or max_pixels"
             )
-        state = self.adapter.prefill(prompt, embeds)
+        stats = PruningStats(stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens)
+        num_in = media.meta.num_visual_tokens
+        uses_pruning = media.token_index is not None or pruning.prefill_drop or pruning.kv_compress \
+            or pruning.decode_evict
+        if uses_pruning:
+            try:
+                out = pruned_prefill(self.adapter, prompt, media.embeds, media.token_index, media.key_mask,
+                                     pruning, stats)
+            except ValueError as exc:  # budgets that cannot be met (e.g. key tokens over budget)
+                raise InvalidRequest(str(exc)) from None
+            state, mask, kept, kv_before = out.state, out.visual_entry_mask, out.kept_visual_token_index, \
+                out.kv_bytes_before
+            num_out = len(kept)
+        else:
+            state = self.adapter.prefill(prompt, media.embeds)
+            mask, kept, kv_before, num_out = None, [], state.cache.num_bytes, num_in
         first = Sampler(generation)(state.last_logits)
         return PrefillOutcome(
             first_token_id=first,
@@ -74,4 +115,10 @@ class PrefillEngine:
             next_position_ids=[int(x) for x in state.next_position_ids],
             num_prompt_tokens=state.num_prompt_tokens,
             prefill_ms=(time.perf_counter() - t0) * 1e3,
+            num_visual_tokens_in=num_in,
+            num_visual_tokens_out=num_out,
+            kv_num_bytes_uncompressed=kv_before,
+            pruning=stats,
+            visual_entry_mask=mask,
+            kept_visual_token_index=kept,
         )

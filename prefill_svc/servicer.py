@@ -44,7 +44,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise InvalidRequest("no visual_embeds tensor was sent")
         media = convert.encoded_media_from_proto(header.visual, tensors["visual_embeds"])
         generation = convert.generation_from_proto(header.generation, GenerationConfig())
-        handle = await self.stage.prefill(header.question, media, generation, header.request_id)
+        pruning = convert.pruning_from_proto(header.pruning)
+        handle = await self.stage.prefill(header.question, media, generation, header.request_id, pruning)
         handle.kv_address = self.kv_address
         return convert.handle_to_proto(handle)
 

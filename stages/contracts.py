@@ -19,6 +19,7 @@ import torch
 
 from model_runtime.adapter import VisualMeta
 from model_runtime.sampling import GenerationConfig
+from token_pruning import PruningConfig, PruningStats
 from video.types import SamplingOptions
 
 
@@ -53,6 +54,12 @@ class EncodedMedia:
     encode_ms: float
     cache_hit: bool = False
     sha256: str = ""
+    token_index: torch.Tensor | None = None
+    """[N'] long, increasing: index in the full visual-token list of each embedding, when
+    encode-stage dropping removed some (None: all sent, in order)."""
+    key_mask: torch.Tensor | None = None
+    """[N'] bool: key tokens, which no later stage drops (None: none)."""
+    pruning: PruningStats = field(default_factory=PruningStats)
 
 
 @dataclass
@@ -70,6 +77,12 @@ class PrefillHandle:
     num_visual_tokens_in: int = 0
     num_visual_tokens_out: int = 0
     kv_num_bytes_uncompressed: int = 0
+    pruning: PruningStats = field(default_factory=PruningStats)
+    visual_entry_mask: torch.Tensor | None = None
+    """[num_layers, num_kv_heads, num_cached_tokens] bool: visual cache entries, for decode-stage
+    eviction (None unless it is on)."""
+    kept_visual_token_index: list[int] = field(default_factory=list)
+    """Full-list index of each visual token left after prefill dropping (empty: all kept)."""
 
 
 @dataclass
@@ -81,12 +94,18 @@ class TokenStep:
     finish_reason: str = ""  # "" while generating, then "stop" or "length"
     kv_transfer_ms: float = 0.0  # set on the first step
     kv_num_bytes: int = 0  # set on the first step
+    decode_evict: tuple[int, int] | None = None  # last step: visual entries per head (in, out)
 
 
 class EncodeStage(ABC):
     @abstractmethod
     async def encode(
-        self, media: MediaInput, sampling: SamplingOptions, on_event: EventSink, request_id: str
+        self,
+        media: MediaInput,
+        sampling: SamplingOptions,
+        on_event: EventSink,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
         """Decode and encode the media. Raises MediaError / EpdError with a client-safe message."""
 
@@ -94,7 +113,12 @@ class EncodeStage(ABC):
 class PrefillStage(ABC):
     @abstractmethod
     async def prefill(
-        self, question: str, media: EncodedMedia, generation: GenerationConfig, request_id: str
+        self,
+        question: str,
+        media: EncodedMedia,
+        generation: GenerationConfig,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
         """Run the prompt; the KV cache stays with the stage until a decoder takes it."""
 
@@ -102,6 +126,10 @@ class PrefillStage(ABC):
 class DecodeStage(ABC):
     @abstractmethod
     def generate(
-        self, handle: PrefillHandle, generation: GenerationConfig, request_id: str
+        self,
+        handle: PrefillHandle,
+        generation: GenerationConfig,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
         """Take the KV cache and stream tokens; the first step carries the first token."""

@@ -26,6 +26,7 @@ from stages.contracts import (
     TokenStep,
 )
 from stages.model_thread import ModelThread
+from token_pruning import PruningConfig
 from video.types import SamplingOptions
 
 
@@ -35,14 +36,19 @@ class LocalEncodeStage(EncodeStage):
         self.model_thread = model_thread
 
     async def encode(
-        self, media: MediaInput, sampling: SamplingOptions, on_event: EventSink, request_id: str
+        self,
+        media: MediaInput,
+        sampling: SamplingOptions,
+        on_event: EventSink,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
         loop = asyncio.get_running_loop()
 
         def threadsafe(event: StageEvent) -> None:
             loop.call_soon_threadsafe(on_event, event)
 
-        return await self.model_thread.run(self.engine.encode, media, sampling, threadsafe)
+        return await self.model_thread.run(self.engine.encode, media, sampling, threadsafe, pruning)
 
 
 class LocalPrefillStage(PrefillStage):
@@ -52,11 +58,14 @@ class LocalPrefillStage(PrefillStage):
         self.model_thread = model_thread
 
     async def prefill(
-        self, question: str, media: EncodedMedia, generation: GenerationConfig, request_id: str
+        self,
+        question: str,
+        media: EncodedMedia,
+        generation: GenerationConfig,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
-        out = await self.model_thread.run(
-            self.engine.prefill, question, media.meta, media.embeds, generation
-        )
+        out = await self.model_thread.run(self.engine.prefill, question, media, generation, pruning)
         handle = self.kv_store.put(out.cache)
         return PrefillHandle(
             kv_handle=handle,
@@ -67,9 +76,12 @@ class LocalPrefillStage(PrefillStage):
             next_position_ids=out.next_position_ids,
             kv_num_bytes=out.cache.num_bytes,
             prefill_ms=out.prefill_ms,
-            num_visual_tokens_in=media.meta.num_visual_tokens,
-            num_visual_tokens_out=media.meta.num_visual_tokens,
-            kv_num_bytes_uncompressed=out.cache.num_bytes,
+            num_visual_tokens_in=out.num_visual_tokens_in,
+            num_visual_tokens_out=out.num_visual_tokens_out,
+            kv_num_bytes_uncompressed=out.kv_num_bytes_uncompressed,
+            pruning=out.pruning,
+            visual_entry_mask=out.visual_entry_mask if pruning.decode_evict else None,
+            kept_visual_token_index=out.kept_visual_token_index,
         )
 
 
@@ -82,8 +94,14 @@ class LocalDecodeStage(DecodeStage):
         self.model_thread = model_thread
 
     async def generate(
-        self, handle: PrefillHandle, generation: GenerationConfig, request_id: str
+        self,
+        handle: PrefillHandle,
+        generation: GenerationConfig,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
         cache = self.kv_store.take(handle.kv_handle)
-        async for step in stream_tokens(self.engine, self.model_thread, cache, handle, generation, 0.0):
+        async for step in stream_tokens(
+            self.engine, self.model_thread, cache, handle, generation, 0.0, pruning
+        ):
             yield step

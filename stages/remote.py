@@ -30,6 +30,7 @@ from stages.contracts import (
     PrefillStage,
     TokenStep,
 )
+from token_pruning import PruningConfig
 from transport import convert
 from transport.errors import InvalidRequest, UpstreamError
 from transport.server import channel_options
@@ -68,7 +69,12 @@ class RemoteEncodeStage(EncodeStage):
         self.max_transfer_bytes = max_transfer_bytes
 
     async def encode(
-        self, media: MediaInput, sampling: SamplingOptions, on_event: EventSink, request_id: str
+        self,
+        media: MediaInput,
+        sampling: SamplingOptions,
+        on_event: EventSink,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
         data = media.data or b""
 
@@ -79,6 +85,7 @@ class RemoteEncodeStage(EncodeStage):
                     media_num_bytes=len(data),
                     sampling=convert.sampling_to_proto(sampling),
                     media_sha256=media.sha256,
+                    pruning=convert.pruning_to_proto(pruning),
                 )
             )
             for i in range(0, len(data), CHUNK_BYTES):
@@ -109,7 +116,12 @@ class RemotePrefillStage(PrefillStage):
         self.timeout_s = timeout_s
 
     async def prefill(
-        self, question: str, media: EncodedMedia, generation: GenerationConfig, request_id: str
+        self,
+        question: str,
+        media: EncodedMedia,
+        generation: GenerationConfig,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
         async def requests():
             yield prefill_pb2.PrefillRequest(
@@ -118,6 +130,7 @@ class RemotePrefillStage(PrefillStage):
                     question=question,
                     visual=convert.encode_result_to_proto(media),
                     generation=convert.generation_to_proto(generation),
+                    pruning=convert.pruning_to_proto(pruning),
                 )
             )
             for chunk in tensor_to_chunks("visual_embeds", media.embeds):
@@ -137,7 +150,11 @@ class RemoteDecodeStage(DecodeStage):
         self.timeout_s = timeout_s
 
     async def generate(
-        self, handle: PrefillHandle, generation: GenerationConfig, request_id: str
+        self,
+        handle: PrefillHandle,
+        generation: GenerationConfig,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
         if not handle.kv_address:
             raise InvalidRequest("a remote decoder needs the prefill server's kv_address")
@@ -146,6 +163,7 @@ class RemoteDecodeStage(DecodeStage):
             request_id=request_id,
             prefill=convert.handle_to_proto(handle),
             generation=convert.generation_to_proto(generation),
+            pruning=convert.pruning_to_proto(pruning),
         )
         try:
             async for msg in stub.Generate(request, timeout=self.timeout_s):

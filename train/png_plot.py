@@ -85,8 +85,12 @@ def line_plot(
         draw.line([x, top + ph, x, top + ph + 4], fill="black")
         draw.text((x - 10, top + ph + 6), _fmt(t), fill="black")
     if log_y:
-        y_ticks = [float(e) for e in range(math.floor(y_lo), math.ceil(y_hi) + 1) if y_lo <= e <= y_hi]
-        y_labels = [_fmt(10**e) for e in y_ticks]
+        values = [m * 10.0**e for e in range(math.floor(y_lo), math.ceil(y_hi) + 1) for m in (1, 2, 5)]
+        values = [v for v in values if y_lo <= math.log10(v) <= y_hi]
+        if len(values) < 3:  # less than a decade: plain ticks, placed on the log scale
+            values = [v for v in _ticks(10**y_lo, 10**y_hi) if v > 0]
+        y_ticks = [math.log10(v) for v in values]
+        y_labels = [_fmt(v) for v in values]
     else:
         y_ticks = _ticks(y_lo, y_hi)
         y_labels = [_fmt(t) for t in y_ticks]

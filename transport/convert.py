@@ -3,12 +3,15 @@ lives in one place. Zero in a proto field means "server default"."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
+
+import torch
 
 from model_runtime.adapter import VisualMeta
 from model_runtime.sampling import GenerationConfig
 from protos.epd.v1 import common_pb2, encoder_pb2, prefill_pb2
 from stages.contracts import EncodedMedia, PrefillHandle, StageEvent, TokenStep
+from token_pruning import PruningConfig, PruningStats
 from transport.errors import InvalidRequest
 from video.types import MediaError, SamplingOptions
 
@@ -89,6 +92,9 @@ def encode_result_to_proto(media: EncodedMedia) -> encoder_pb2.EncodeResult:
         encode_ms=media.encode_ms,
         cache_hit=media.cache_hit,
         media_sha256=media.sha256,
+        kept_token_index=[] if media.token_index is None else media.token_index.tolist(),
+        key_token_index=[] if media.key_mask is None else media.key_mask.nonzero().flatten().tolist(),
+        pruning=stats_to_proto(media.pruning),
     )
 
 
@@ -100,6 +106,14 @@ def visual_meta_from_proto(msg: encoder_pb2.EncodeResult) -> VisualMeta:
 
 
 def encoded_media_from_proto(msg: encoder_pb2.EncodeResult, embeds) -> EncodedMedia:
+    token_index = torch.tensor(list(msg.kept_token_index), dtype=torch.long) if msg.kept_token_index else None
+    key_mask = None
+    if msg.key_token_index:
+        key_mask = torch.zeros(embeds.shape[0], dtype=torch.bool)
+        index = torch.tensor(list(msg.key_token_index), dtype=torch.long)
+        if int(index.min()) < 0 or int(index.max()) >= embeds.shape[0]:
+            raise InvalidRequest("key_token_index points outside the visual tokens sent")
+        key_mask[index] = True
     return EncodedMedia(
         embeds=embeds,
         meta=visual_meta_from_proto(msg),
@@ -109,6 +123,9 @@ def encoded_media_from_proto(msg: encoder_pb2.EncodeResult, embeds) -> EncodedMe
         encode_ms=msg.encode_ms,
         cache_hit=msg.cache_hit,
         sha256=msg.media_sha256,
+        token_index=token_index,
+        key_mask=key_mask,
+        pruning=stats_from_proto(msg.pruning),
     )
 
 
@@ -125,6 +142,9 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         num_visual_tokens_in=h.num_visual_tokens_in,
         num_visual_tokens_out=h.num_visual_tokens_out,
         kv_num_bytes_uncompressed=h.kv_num_bytes_uncompressed,
+        pruning=stats_to_proto(h.pruning),
+        visual_entry_mask=b"" if h.visual_entry_mask is None else h.visual_entry_mask.numpy().tobytes(),
+        kept_visual_token_index=h.kept_visual_token_index,
     )
 
 
@@ -143,8 +163,82 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult) -> PrefillHandle:
         num_visual_tokens_in=msg.num_visual_tokens_in,
         num_visual_tokens_out=msg.num_visual_tokens_out,
         kv_num_bytes_uncompressed=msg.kv_num_bytes_uncompressed,
+        pruning=stats_from_proto(msg.pruning),
+        # Flat here; the decoder shapes it [layers, kv_heads, cached] once it has the cache.
+        visual_entry_mask=torch.frombuffer(bytearray(msg.visual_entry_mask), dtype=torch.bool)
+        if msg.visual_entry_mask else None,
+        kept_visual_token_index=list(msg.kept_visual_token_index),
     )
 
 
 def token_step_from_proto(msg) -> TokenStep:
-    return TokenStep(list(msg.token_ids), msg.text, msg.finish_reason, msg.kv_transfer_ms, msg.kv_num_bytes)
+    evict = None
+    if msg.HasField("decode_evict"):
+        evict = (int(msg.decode_evict.num_visual_tokens_in), int(msg.decode_evict.num_visual_tokens_out))
+    return TokenStep(list(msg.token_ids), msg.text, msg.finish_reason, msg.kv_transfer_ms, msg.kv_num_bytes,
+                     decode_evict=evict)
+
+
+def pruning_from_proto(msg: common_pb2.PruningOptions) -> PruningConfig:
+    """A preset (default "off") with knobs given as strings, parsed by each knob's type."""
+    knobs: dict[str, object] = {}
+    types = {f.name: f.type for f in fields(PruningConfig)}
+    for name, text in msg.knobs.items():
+        if name not in types:
+            raise InvalidRequest(f"unknown pruning option {name!r}; known options: {sorted(types)}")
+        knobs[name] = _parse_knob(name, text, str(types[name]))
+    try:
+        return PruningConfig.from_preset(msg.preset or "off", **knobs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _parse_knob(name: str, text: str, type_name: str) -> object:
+    try:
+        if type_name == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+        if "None" in type_name and text.lower() in ("", "none"):
+            return None
+        if type_name.startswith("int"):
+            return int(text)
+        if type_name == "float":
+            return float(text)
+        return text
+    except ValueError:
+        raise InvalidRequest(f"pruning option {name}={text!r} is not a valid {type_name}") from None
+
+
+def pruning_to_proto(cfg: PruningConfig) -> common_pb2.PruningOptions:
+    default = PruningConfig()
+    knobs = {f.name: str(getattr(cfg, f.name)) for f in fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)}
+    return common_pb2.PruningOptions(preset="off", knobs=knobs)
+
+
+def stats_to_proto(stats: PruningStats) -> common_pb2.PruningReport:
+    return common_pb2.PruningReport(
+        stages=[
+            common_pb2.PruningStageCount(stage=s.stage, num_visual_tokens_in=s.num_visual_tokens_in,
+                                         num_visual_tokens_out=s.num_visual_tokens_out)
+            for s in stats.stages
+        ],
+        num_key_tokens=stats.num_key_tokens,
+        prefill_flops_full=stats.prefill_flops_full,
+        prefill_flops_pruned=stats.prefill_flops_pruned,
+        kv_bytes_before=stats.kv_bytes_before,
+        kv_bytes_after=stats.kv_bytes_after,
+    )
+
+
+def stats_from_proto(msg: common_pb2.PruningReport) -> PruningStats:
+    stats = PruningStats(
+        num_key_tokens=msg.num_key_tokens,
+        prefill_flops_full=msg.prefill_flops_full,
+        prefill_flops_pruned=msg.prefill_flops_pruned,
+        kv_bytes_before=msg.kv_bytes_before,
+        kv_bytes_after=msg.kv_bytes_after,
+    )
+    for s in msg.stages:
+        stats.record(s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out)
+    return stats

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -68,9 +68,10 @@ async def create_server(
     config: ServerConfig,
     register: Callable[[grpc.aio.Server], None],
     service_names: list[str],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> HealthyServer:
     """Build and start a server; `register(server)` adds the service's servicers."""
-    server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+    server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=list(interceptors))
     register(server)
     port = server.add_insecure_port(config.address)
     if port == 0:

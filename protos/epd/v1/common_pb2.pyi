@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -93,3 +93,29 @@ class StageEvent(_message.Message):
     duration_ms: float
     details: _containers.ScalarMap[str, str]
     def __init__(self, stage: _Optional[str] = ..., state: _Optional[str] = ..., at_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PruningStageCount(_message.Message):
+    __slots__ = ("stage", "num_visual_tokens_in", "num_visual_tokens_out")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_VISUAL_TOKENS_IN_FIELD_NUMBER: _ClassVar[int]
+    NUM_VISUAL_TOKENS_OUT_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    num_visual_tokens_in: int
+    num_visual_tokens_out: int
+    def __init__(self, stage: _Optional[str] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ...) -> None: ...
+
+class PruningReport(_message.Message):
+    __slots__ = ("stages", "num_key_tokens", "prefill_flops_full", "prefill_flops_pruned", "kv_bytes_before", "kv_bytes_after")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FLOPS_FULL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FLOPS_PRUNED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[PruningStageCount]
+    num_key_tokens: int
+    prefill_flops_full: int
+    prefill_flops_pruned: int
+    kv_bytes_before: int
+    kv_bytes_after: int
+    def __init__(self, stages: _Optional[_Iterable[_Union[PruningStageCount, _Mapping]]] = ..., num_key_tokens: _Optional[int] = ..., prefill_flops_full: _Optional[int] = ..., prefill_flops_pruned: _Optional[int] = ..., kv_bytes_before: _Optional[int] = ..., kv_bytes_after: _Optional[int] = ...) -> None: ...

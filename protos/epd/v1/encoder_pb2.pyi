@@ -30,7 +30,7 @@ class EncodeRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[EncodeHeader, _Mapping]] = ..., media_chunk: _Optional[bytes] = ...) -> None: ...
 
 class EncodeResult(_message.Message):
-    __slots__ = ("modality", "grid_thw", "num_visual_tokens", "num_frames", "frame_timestamps_s", "second_per_grid_t", "decode_ms", "encode_ms", "cache_hit", "media_sha256")
+    __slots__ = ("modality", "grid_thw", "num_visual_tokens", "num_frames", "frame_timestamps_s", "second_per_grid_t", "decode_ms", "encode_ms", "cache_hit", "media_sha256", "kept_token_index", "key_token_index", "pruning")
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_VISUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,9 @@ class EncodeResult(_message.Message):
     ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    KEY_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PRUNING_FIELD_NUMBER: _ClassVar[int]
     modality: str
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_visual_tokens: int
@@ -51,7 +54,10 @@ class EncodeResult(_message.Message):
     encode_ms: float
     cache_hit: bool
     media_sha256: str
-    def __init__(self, modality: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_visual_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., second_per_grid_t: _Optional[float] = ..., decode_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ...) -> None: ...
+    kept_token_index: _containers.RepeatedScalarFieldContainer[int]
+    key_token_index: _containers.RepeatedScalarFieldContainer[int]
+    pruning: _common_pb2.PruningReport
+    def __init__(self, modality: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_visual_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., second_per_grid_t: _Optional[float] = ..., decode_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., kept_token_index: _Optional[_Iterable[int]] = ..., key_token_index: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("event", "embeddings", "result")

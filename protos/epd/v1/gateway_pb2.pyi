@@ -42,7 +42,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class AskSummary(_message.Message):
-    __slots__ = ("request_id", "answer", "token_ids", "finish_reason", "num_frames", "num_visual_tokens", "num_prompt_tokens", "timings_ms", "kv_num_bytes", "encoder_cache_hit", "media_sha256", "frame_timestamps_s")
+    __slots__ = ("request_id", "answer", "token_ids", "finish_reason", "num_frames", "num_visual_tokens", "num_prompt_tokens", "timings_ms", "kv_num_bytes", "encoder_cache_hit", "media_sha256", "frame_timestamps_s", "pruning", "grid_thw", "kept_visual_token_index")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,9 @@ class AskSummary(_message.Message):
     ENCODER_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_SHA256_FIELD_NUMBER: _ClassVar[int]
     FRAME_TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
+    PRUNING_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    KEPT_VISUAL_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     answer: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,7 +77,10 @@ class AskSummary(_message.Message):
     encoder_cache_hit: bool
     media_sha256: str
     frame_timestamps_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_frames: _Optional[int] = ..., num_visual_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., kv_num_bytes: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    pruning: _common_pb2.PruningReport
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    kept_visual_token_index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_frames: _Optional[int] = ..., num_visual_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., kv_num_bytes: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AskResponse(_message.Message):
     __slots__ = ("event", "delta", "summary")

@@ -26,7 +26,7 @@ from protos.epd.v1 import common_pb2 as protos_dot_epd_dot_v1_dot_common__pb2
 from protos.epd.v1 import encoder_pb2 as protos_dot_epd_dot_v1_dot_encoder__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/epd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x1aprotos/epd/v1/common.proto\x1a\x1bprotos/epd/v1/encoder.proto\"\xb2\x01\n\rPrefillHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08question\x18\x02 \x01(\t\x12$\n\x06visual\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodeResult\x12,\n\ngeneration\x18\x04 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x05 \x01(\x0b\x32\x16.epd.v1.PruningOptions\"o\n\x0ePrefillRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.epd.v1.PrefillHeaderH\x00\x12,\n\rvisual_embeds\x18\x02 \x01(\x0b\x32\x13.epd.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xa9\x02\n\rPrefillResult\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11next_position_ids\x18\x06 \x03(\x03\x12\x14\n\x0ckv_num_bytes\x18\x07 \x01(\x03\x12\x12\n\nprefill_ms\x18\x08 \x01(\x01\x12\x1c\n\x14num_visual_tokens_in\x18\t \x01(\x03\x12\x1d\n\x15num_visual_tokens_out\x18\n \x01(\x03\x12!\n\x19kv_num_bytes_uncompressed\x18\x0b \x01(\x03\"\"\n\rPullKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\".\n\x07KvChunk\x12#\n\x06tensor\x18\x01 \x01(\x0b\x32\x13.epd.v1.TensorChunk2\x80\x01\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x15.epd.v1.PrefillResult(\x01\x12\x32\n\x06PullKv\x12\x15.epd.v1.PullKvRequest\x1a\x0f.epd.v1.KvChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/epd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x1aprotos/epd/v1/common.proto\x1a\x1bprotos/epd/v1/encoder.proto\"\xb2\x01\n\rPrefillHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08question\x18\x02 \x01(\t\x12$\n\x06visual\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodeResult\x12,\n\ngeneration\x18\x04 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x05 \x01(\x0b\x32\x16.epd.v1.PruningOptions\"o\n\x0ePrefillRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.epd.v1.PrefillHeaderH\x00\x12,\n\rvisual_embeds\x18\x02 \x01(\x0b\x32\x13.epd.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x8d\x03\n\rPrefillResult\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11next_position_ids\x18\x06 \x03(\x03\x12\x14\n\x0ckv_num_bytes\x18\x07 \x01(\x03\x12\x12\n\nprefill_ms\x18\x08 \x01(\x01\x12\x1c\n\x14num_visual_tokens_in\x18\t \x01(\x03\x12\x1d\n\x15num_visual_tokens_out\x18\n \x01(\x03\x12!\n\x19kv_num_bytes_uncompressed\x18\x0b \x01(\x03\x12&\n\x07pruning\x18\x0c \x01(\x0b\x32\x15.epd.v1.PruningReport\x12\x19\n\x11visual_entry_mask\x18\r \x01(\x0c\x12\x1f\n\x17kept_visual_token_index\x18\x0e \x03(\x03\"\"\n\rPullKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\".\n\x07KvChunk\x12#\n\x06tensor\x18\x01 \x01(\x0b\x32\x13.epd.v1.TensorChunk2\x80\x01\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x15.epd.v1.PrefillResult(\x01\x12\x32\n\x06PullKv\x12\x15.epd.v1.PullKvRequest\x1a\x0f.epd.v1.KvChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=277
   _globals['_PREFILLREQUEST']._serialized_end=388
   _globals['_PREFILLRESULT']._serialized_start=391
-  _globals['_PREFILLRESULT']._serialized_end=688
-  _globals['_PULLKVREQUEST']._serialized_start=690
-  _globals['_PULLKVREQUEST']._serialized_end=724
-  _globals['_KVCHUNK']._serialized_start=726
-  _globals['_KVCHUNK']._serialized_end=772
-  _globals['_PREFILLSERVICE']._serialized_start=775
-  _globals['_PREFILLSERVICE']._serialized_end=903
+  _globals['_PREFILLRESULT']._serialized_end=788
+  _globals['_PULLKVREQUEST']._serialized_start=790
+  _globals['_PULLKVREQUEST']._serialized_end=824
+  _globals['_KVCHUNK']._serialized_start=826
+  _globals['_KVCHUNK']._serialized_end=872
+  _globals['_PREFILLSERVICE']._serialized_start=875
+  _globals['_PREFILLSERVICE']._serialized_end=1003
 # @@protoc_insertion_point(module_scope)

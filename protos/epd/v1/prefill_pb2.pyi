@@ -31,7 +31,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., visual_embeds: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("kv_handle", "kv_address", "first_token_id", "num_prompt_tokens", "num_cached_tokens", "next_position_ids", "kv_num_bytes", "prefill_ms", "num_visual_tokens_in", "num_visual_tokens_out", "kv_num_bytes_uncompressed")
+    __slots__ = ("kv_handle", "kv_address", "first_token_id", "num_prompt_tokens", "num_cached_tokens", "next_position_ids", "kv_num_bytes", "prefill_ms", "num_visual_tokens_in", "num_visual_tokens_out", "kv_num_bytes_uncompressed", "pruning", "visual_entry_mask", "kept_visual_token_index")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,9 @@ class PrefillResult(_message.Message):
     NUM_VISUAL_TOKENS_IN_FIELD_NUMBER: _ClassVar[int]
     NUM_VISUAL_TOKENS_OUT_FIELD_NUMBER: _ClassVar[int]
     KV_NUM_BYTES_UNCOMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    PRUNING_FIELD_NUMBER: _ClassVar[int]
+    VISUAL_ENTRY_MASK_FIELD_NUMBER: _ClassVar[int]
+    KEPT_VISUAL_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
     kv_address: str
     first_token_id: int
@@ -54,7 +57,10 @@ class PrefillResult(_message.Message):
     num_visual_tokens_in: int
     num_visual_tokens_out: int
     kv_num_bytes_uncompressed: int
-    def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ...) -> None: ...
+    pruning: _common_pb2.PruningReport
+    visual_entry_mask: bytes
+    kept_visual_token_index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., visual_entry_mask: _Optional[bytes] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
     __slots__ = ("kv_handle",)

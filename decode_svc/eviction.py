@@ -1,0 +1,47 @@
+"""Decode-stage output-aware eviction around one request's decode steps (MustDrop's decode stage).
+
+Each step captures the new token's rotated queries at every layer (forward pre-hooks, no L x L
+matrix), lets the policy accumulate the attention each visual cache entry receives, and evicts
+persistently ignored entries from every layer at once when the policy says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from token_pruning import OutputAwareEviction, PruningConfig, resolve_keep_count
+from token_pruning.query_capture import QueryCapture
+
+
+class DecodeEviction:
+    def __init__(self, adapter, cache, visual_entry_mask: torch.Tensor, config: PruningConfig) -> None:
+        """visual_entry_mask: [num_layers, num_kv_heads, num_cached] bool, from prefill."""
+        self.adapter = adapter
+        self.cache = cache
+        masks = list(visual_entry_mask.unbind(0))
+        self.num_visual_start = int(masks[0][0].sum())
+        self.policy = OutputAwareEviction.start(
+            masks,
+            resolve_keep_count(self.num_visual_start, config.decode_keep_ratio),
+            ema_decay=config.decode_ema_decay,
+            min_steps=config.decode_min_steps,
+            evict_interval=config.decode_evict_interval,
+        )
+
+    def step(self, token_id: int, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step with observation (and eviction when due); returns logits [vocab]."""
+        layers = self.adapter.language_model.layers
+        with QueryCapture(layers, range(len(layers)), torch.tensor([0])) as cap:
+            logits = self.adapter.decode_step(token_id, positions, self.cache)
+        for i, layer in enumerate(self.cache.layers):
+            self.policy.observe_queries(i, cap.queries[i], layer.keys)
+        self.policy.step()
+        if self.policy.should_evict():
+            for i, layer in enumerate(self.cache.layers):
+                layer.keys, layer.values = self.policy.evict(i, layer.keys, layer.values)
+        return logits
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """Visual entries per layer and head: at the start, now."""
+        return self.num_visual_start, self.policy.num_visual

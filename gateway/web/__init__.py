@@ -1,0 +1,1 @@
+"""The web demo: static page + the JSON endpoints it needs (routes.py)."""

@@ -1,0 +1,363 @@
+// epd web demo: pick a video, see the frames the encoder samples, ask questions through the
+// streaming OpenAI API (/v1/chat/completions, SSE) and draw what the final chunk's `epd` object
+// says: stage timings, frames, encoder cache hit, and which visual tokens token dropping kept.
+//
+// `epd.kept_tokens` (present only when token dropping ran): kept[t][row][col], 0/1 or booleans,
+//   t   = temporal group of the vision tower (Qwen2-VL merges 2 consecutive frames into one group,
+//         so frame i belongs to group floor(i * T / num_frames)),
+//   row, col = the merged-token grid of that group (2x2 patches of 14 px per token).
+// Absent: every token was kept, and the grid is inferred from num_visual_tokens / T tokens per
+// group laid out with the frames' aspect ratio.
+"use strict";
+
+const TEMPORAL_PATCH = 2;  // frames per temporal group in Qwen2-VL / Qwen2.5-VL
+const STAGES = ["decode", "encode", "prefill", "kv_transfer", "generate"];
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  dataUrl: null,   // the chosen media as a data: URL, resent on follow-ups (the encoder's cache hits)
+  kind: "video",   // "video" | "image"
+  name: "",
+  sha256: "",
+  frames: null,    // {frames: [{timestamp_s, jpeg_base64}], width, height}
+  framesKey: "",   // sampling options the frames were fetched with
+  busy: false,
+};
+
+function apiHeaders() {
+  const headers = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) headers["Authorization"] = "Bearer " + key;
+  return headers;
+}
+
+function mediaOptions() {
+  return { num_frames: Math.max(1, parseInt($("num-frames").value, 10) || 8) };
+}
+
+function showError(message) {
+  const box = $("error");
+  box.textContent = message;
+  box.hidden = !message;
+}
+
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    return (body.error && body.error.message) || JSON.stringify(body);
+  } catch (_) {
+    return response.status + " " + response.statusText;
+  }
+}
+
+// ---- choosing media --------------------------------------------------------------------------
+
+function readAsDataUrl(blob) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(blob);
+  });
+}
+
+async function sha256Hex(blob) {
+  if (!(window.crypto && crypto.subtle)) return "";  // not a secure context (plain http off loopback)
+  const digest = await crypto.subtle.digest("SHA-256", await blob.arrayBuffer());
+  return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+async function useMedia(blob, name, questions) {
+  showError("");
+  state.dataUrl = await readAsDataUrl(blob);
+  state.kind = (blob.type || "").startsWith("image/") ? "image" : "video";
+  state.name = name;
+  state.sha256 = await sha256Hex(blob);
+  state.frames = null;
+  state.framesKey = "";
+  $("answers").innerHTML = "";
+  const sha = state.sha256 ? ` · sha256 ${state.sha256.slice(0, 12)}…` : "";
+  $("media-info").textContent = `${name} (${state.kind}, ${blob.size.toLocaleString()} bytes)${sha}`;
+  showSuggestions(questions || []);
+  $("ask").disabled = false;
+  await loadFrames();
+}
+
+async function loadSamples() {
+  const response = await fetch("/demo/samples");
+  if (!response.ok) return;
+  const { samples } = await response.json();
+  const select = $("sample-select");
+  for (const s of samples) {
+    const option = document.createElement("option");
+    option.value = s.name;
+    option.textContent = `${s.name} (${s.kind})`;
+    option.dataset.questions = JSON.stringify(s.questions);
+    select.appendChild(option);
+  }
+}
+
+async function useSample() {
+  const select = $("sample-select");
+  const name = select.value;
+  if (!name) return;
+  const response = await fetch("/demo/samples/" + encodeURIComponent(name));
+  if (!response.ok) return showError(await errorMessage(response));
+  const questions = JSON.parse(select.selectedOptions[0].dataset.questions || "[]");
+  await useMedia(await response.blob(), name, questions);
+}
+
+function showSuggestions(questions) {
+  const box = $("suggestions");
+  box.innerHTML = "";
+  for (const q of questions.slice(0, 6)) {
+    const chip = document.createElement("button");
+    chip.type = "button";
+    chip.className = "suggestion";
+    chip.textContent = q;
+    chip.onclick = () => { $("question").value = q; };
+    box.appendChild(chip);
+  }
+}
+
+// ---- sampled frames and the kept-token overlay ----------------------------------------------
+
+async function loadFrames() {
+  const options = mediaOptions();
+  const key = JSON.stringify(options);
+  if (!state.dataUrl || key === state.framesKey) return;
+  const response = await fetch("/demo/frames", {
+    method: "POST",
+    headers: apiHeaders(),
+    body: JSON.stringify({ video_url: state.dataUrl, media: options }),
+  });
+  if (!response.ok) return showError("frames: " + (await errorMessage(response)));
+  state.frames = await response.json();
+  state.framesKey = key;
+  renderFrames(null);
+}
+
+function tokenGrid(epd, numGroups) {
+  // -> {rows, cols} of one temporal group when the server sent no kept_tokens.
+  const perGroup = epd ? Math.round(epd.num_visual_tokens / numGroups) : 0;
+  const aspect = state.frames.height / state.frames.width;
+  if (!perGroup) return null;
+  let best = { rows: 1, cols: perGroup }, bestErr = Infinity;
+  for (let rows = 1; rows <= perGroup; rows++) {
+    if (perGroup % rows) continue;
+    const cols = perGroup / rows;
+    const err = Math.abs(Math.log(rows / cols / aspect));
+    if (err < bestErr) { best = { rows, cols }; bestErr = err; }
+  }
+  return best;
+}
+
+function renderFrames(epd) {
+  const box = $("frames");
+  box.innerHTML = "";
+  if (!state.frames) return;
+  const frames = state.frames.frames;
+  const kept = epd && Array.isArray(epd.kept_tokens) ? epd.kept_tokens : null;
+  const numGroups = kept ? kept.length : Math.max(1, Math.ceil(frames.length / TEMPORAL_PATCH));
+  const inferred = kept ? null : tokenGrid(epd, numGroups);
+  const flat = kept ? kept.flat(2).map(Boolean) : [];
+  const numKept = flat.filter((k) => k).length, numTokens = flat.length;
+  frames.forEach((frame, i) => {
+    const figure = document.createElement("figure");
+    figure.className = "frame";
+    const pic = document.createElement("div");
+    pic.className = "pic";
+    const img = document.createElement("img");
+    img.src = "data:image/jpeg;base64," + frame.jpeg_base64;
+    img.alt = `frame ${i} at ${frame.timestamp_s.toFixed(2)} s`;
+    pic.appendChild(img);
+    const group = Math.min(numGroups - 1, Math.floor((i * numGroups) / frames.length));
+    const grid = kept ? kept[group] : null;
+    const rows = grid ? grid.length : inferred ? inferred.rows : 0;
+    const cols = grid ? (grid[0] || []).length : inferred ? inferred.cols : 0;
+    if (rows && cols) {
+      const overlay = document.createElement("div");
+      overlay.className = "token-grid";
+      overlay.dataset.group = String(group);
+      overlay.style.gridTemplateColumns = `repeat(${cols}, 1fr)`;
+      overlay.style.gridTemplateRows = `repeat(${rows}, 1fr)`;
+      for (let r = 0; r < rows; r++) {
+        for (let c = 0; c < cols; c++) {
+          const isKept = grid ? Boolean(grid[r][c]) : true;
+          const cell = document.createElement("div");
+          cell.className = "token " + (isKept ? "kept" : "dropped");
+          overlay.appendChild(cell);
+        }
+      }
+      pic.appendChild(overlay);
+    }
+    figure.appendChild(pic);
+    const caption = document.createElement("figcaption");
+    caption.textContent = `#${i} · ${frame.timestamp_s.toFixed(2)} s`;
+    figure.appendChild(caption);
+    box.appendChild(figure);
+  });
+  const legend = $("overlay-legend");
+  if (!epd) legend.textContent = "(the token overlay appears with the first answer)";
+  else if (kept) legend.textContent = `token dropping kept ${numKept} of ${numTokens} visual tokens (dropped ones shaded)`;
+  else legend.textContent = `all ${epd.num_visual_tokens} visual tokens kept (token dropping off)`;
+}
+
+// ---- asking: the streaming OpenAI API ---------------------------------------------------------
+
+async function ask(question) {
+  const card = $("answer-template").content.firstElementChild.cloneNode(true);
+  card.querySelector(".q").textContent = question;
+  const text = card.querySelector(".answer-text");
+  $("answers").prepend(card);
+  const body = {
+    model: "",  // the server's own model
+    stream: true,
+    max_tokens: Math.max(1, parseInt($("max-tokens").value, 10) || 32),
+    media: mediaOptions(),
+    messages: [{
+      role: "user",
+      content: [
+        { type: "text", text: question },
+        { type: state.kind === "image" ? "image_url" : "video_url",
+          [state.kind === "image" ? "image_url" : "video_url"]: { url: state.dataUrl } },
+      ],
+    }],
+  };
+  if ($("pruning").value) body.pruning = { preset: $("pruning").value };
+  const response = await fetch("/v1/chat/completions", {
+    method: "POST", headers: apiHeaders(), body: JSON.stringify(body),
+  });
+  if (!response.ok) {
+    text.classList.remove("streaming");
+    card.remove();
+    return showError(await errorMessage(response));
+  }
+  let epd = null;
+  await readSse(response, (chunk) => {
+    if (chunk.error) throw new Error(chunk.error.message);
+    const choice = (chunk.choices || [])[0];
+    if (choice && choice.delta && choice.delta.content) text.textContent += choice.delta.content;
+    if (chunk.epd) epd = chunk.epd;
+  });
+  text.classList.remove("streaming");
+  if (epd) {
+    renderBadges(card.querySelector(".badges"), epd);
+    renderTimeline(card.querySelector(".timeline"), epd.timings_ms || {});
+    renderFrames(epd);
+  }
+}
+
+async function readSse(response, onChunk) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        onChunk(JSON.parse(data));
+      }
+    }
+  }
+}
+
+function badge(box, label, extraClass) {
+  const span = document.createElement("span");
+  span.className = "badge" + (extraClass ? " " + extraClass : "");
+  span.textContent = label;
+  box.appendChild(span);
+}
+
+function renderBadges(box, epd) {
+  box.innerHTML = "";
+  if (epd.encoder_cache_hit) badge(box, "cache hit: video reused", "cache-hit");
+  else badge(box, "cache miss: video encoded", "cache-miss");
+  badge(box, `${epd.num_frames} frames`);
+  badge(box, `${epd.num_visual_tokens} visual tokens`);
+  if (epd.kv_num_bytes) badge(box, `KV ${(epd.kv_num_bytes / 1024).toFixed(1)} KiB moved`);
+  if (epd.timings_ms && epd.timings_ms.ttft !== undefined) badge(box, `TTFT ${epd.timings_ms.ttft.toFixed(0)} ms`);
+}
+
+function renderTimeline(box, t) {
+  // Stages run one after another except that the KV pull happens inside generation's first step:
+  // decode | encode | prefill | generate (kv_transfer at its start).
+  const start = { decode: 0 };
+  start.encode = t.decode || 0;
+  start.prefill = start.encode + (t.encode || 0);
+  start.kv_transfer = start.prefill + (t.prefill || 0);
+  start.generate = start.kv_transfer;
+  const end = Math.max(t.total || 0, ...STAGES.map((s) => start[s] + (t[s] || 0)), 1);
+  box.innerHTML = "";
+  for (const stage of STAGES) {
+    if (t[stage] === undefined) continue;
+    const row = document.createElement("div");
+    row.className = "stage-row";
+    const name = document.createElement("span");
+    name.className = "name";
+    name.textContent = stage.replace("_", " ");
+    const track = document.createElement("div");
+    track.className = "track";
+    const bar = document.createElement("div");
+    bar.className = "stage-bar";
+    bar.dataset.stage = stage;
+    bar.style.left = (100 * start[stage] / end).toFixed(2) + "%";
+    bar.style.width = (100 * t[stage] / end).toFixed(2) + "%";
+    bar.title = `${stage}: ${t[stage].toFixed(1)} ms`;
+    track.appendChild(bar);
+    if (stage === "generate" && t.ttft !== undefined) {
+      const marker = document.createElement("div");
+      marker.className = "ttft-marker";
+      marker.style.left = (100 * t.ttft / end).toFixed(2) + "%";
+      marker.title = `first token at ${t.ttft.toFixed(1)} ms`;
+      track.appendChild(marker);
+    }
+    const ms = document.createElement("span");
+    ms.className = "ms";
+    ms.textContent = t[stage].toFixed(1) + " ms";
+    row.append(name, track, ms);
+    box.appendChild(row);
+  }
+  const footer = document.createElement("div");
+  footer.className = "timeline-footer";
+  footer.textContent = `total ${(t.total || 0).toFixed(1)} ms · dashed line: first token`;
+  box.appendChild(footer);
+}
+
+// ---- wiring -----------------------------------------------------------------------------------
+
+$("file-input").addEventListener("change", (e) => {
+  const file = e.target.files[0];
+  if (file) useMedia(file, file.name, []).catch((err) => showError(String(err)));
+});
+$("use-sample").addEventListener("click", () => useSample().catch((err) => showError(String(err))));
+$("num-frames").addEventListener("change", () => loadFrames().catch((err) => showError(String(err))));
+$("api-key").value = localStorage.getItem("epd-api-key") || "";
+$("api-key").addEventListener("change", () => localStorage.setItem("epd-api-key", $("api-key").value));
+$("ask-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const question = $("question").value.trim();
+  if (!question || !state.dataUrl || state.busy) return;
+  state.busy = true;
+  $("ask").disabled = true;
+  showError("");
+  try {
+    await loadFrames();
+    await ask(question);
+  } catch (err) {
+    showError(String(err.message || err));
+  } finally {
+    state.busy = false;
+    $("ask").disabled = false;
+  }
+});
+loadSamples();
+renderFrames(null);

@@ -1,0 +1,134 @@
+"""Prefill with token dropping and KV compression (runs only when a request enables them).
+
+    full prompt [1, L]  --(encode-stage drops: fewer placeholders)-->  [1, L']
+        layers < d on L' tokens; at layer d the question's queries score the visual tokens
+        (MustDrop dual rule) and layers >= d run on the survivors  -->  cache of L'' entries
+    --(LOOK-M: text-prior eviction + merging, per layer and KV head)-->  cache of T + k entries
+
+Positions are computed once on the full prompt and gathered, so every surviving token keeps its
+original M-RoPE position, and the next token continues from the full prompt's last position.
+With every stage off this module is not used at all (the exact path is `adapter.prefill`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_runtime.adapter import PrefillState, Prompt
+from model_runtime.kv_cache import KvCache
+from token_pruning import (
+    ModelSizes,
+    PruningConfig,
+    PruningStats,
+    compress_kv_cache,
+    gather_prompt,
+    prefill_flops,
+    prompt_keep_indices,
+    question_query_positions,
+    resolve_keep_count,
+    text_prior_scores,
+)
+from token_pruning.layerwise_prefill import prefill_with_drop
+from token_pruning.query_capture import QueryCapture
+
+
+@dataclass
+class PrunedPrefill:
+    state: PrefillState
+    visual_entry_mask: torch.Tensor  # [num_layers, num_kv_heads, num_cached] bool
+    kept_visual_token_index: list[int]  # full-list index of each visual token after the drop
+    kv_bytes_before: int
+
+
+@torch.inference_mode()
+def pruned_prefill(
+    adapter,
+    prompt: Prompt,
+    embeds: torch.Tensor,
+    token_index: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    config: PruningConfig,
+    stats: PruningStats,
+) -> PrunedPrefill:
+    """prompt: the full prompt (every placeholder). embeds: [N', hidden], one per token of
+    `token_index` ([N'] full-list indices; None = all). key_mask: [N'] bool or None."""
+    lm = adapter.language_model
+    num_layers = len(lm.layers)
+    full_visual = prompt.visual_mask.nonzero().flatten()  # [V] prompt indices of placeholders
+    if token_index is None:
+        token_index = torch.arange(full_visual.numel())
+    keep = prompt_keep_indices(prompt.num_tokens, full_visual, token_index)
+    pruned = gather_prompt(prompt.input_ids, prompt.position_ids, keep)
+    visual_index = prompt.visual_mask[keep].nonzero().flatten()  # [N'] in the pruned prompt
+    hidden = lm.embed_tokens(pruned.input_ids.to(adapter.device))  # [1, L', hidden]
+    hidden[0, visual_index] = embeds.to(hidden.device, hidden.dtype)
+
+    drop_layer = min(config.prefill_drop_layer, num_layers - 1) if config.prefill_drop else None
+    num_visual = visual_index.numel()
+    num_after_drop = num_visual
+    if drop_layer is not None:
+        num_after_drop = resolve_keep_count(num_visual, config.prefill_keep_ratio, config.prefill_keep_count)
+    length = pruned.input_ids.shape[1]
+    length_after = length - (num_visual - num_after_drop)
+    # Question queries for KV scoring, in each layer's own sequence (shorter after the drop).
+    q_before = question_query_positions(length, visual_index, config.kv_query_window)
+    q_after = q_before - (length - length_after)
+    captures = []
+    if config.kv_compress:
+        split = num_layers if drop_layer is None else drop_layer
+        captures = [QueryCapture(lm.layers, range(split), q_before),
+                    QueryCapture(lm.layers, range(split, num_layers), q_after)]
+    for c in captures:
+        c.__enter__()
+    try:
+        out = prefill_with_drop(
+            lm, hidden, pruned.position_ids.to(hidden.device), visual_index, drop_layer,
+            keep_ratio=config.prefill_keep_ratio, keep_count=config.prefill_keep_count,
+            key_mask=key_mask, query_window=config.prefill_query_window,
+        )
+    finally:
+        for c in captures:
+            c.__exit__(None, None, None)
+    logits = adapter.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+    cache = KvCache.from_dynamic(out.past_key_values)
+    kept_visual = (prompt.visual_mask[keep][out.keep_indices]).nonzero().flatten()  # in L''
+    # Which of the N' visual tokens survived the drop, by their rank among the visual tokens.
+    visual_rank = torch.full((length,), -1, dtype=torch.long)
+    visual_rank[visual_index] = torch.arange(num_visual)
+    surviving = visual_rank[out.keep_indices][visual_rank[out.keep_indices] >= 0]
+    if drop_layer is not None:
+        stats.record("prefill_drop", num_visual, int(surviving.numel()))
+    sizes = ModelSizes.from_config(adapter.text_config)
+    stats.prefill_flops_full = prefill_flops(sizes, prompt.num_tokens)
+    stats.prefill_flops_pruned = prefill_flops(sizes, out.tokens_per_layer)
+    kv_bytes_before = cache.num_bytes
+    stats.kv_bytes_before = kv_bytes_before
+
+    num_heads = cache.keys[0].shape[1]
+    visual_entry_mask = torch.zeros(num_layers, num_heads, cache.num_cached_tokens, dtype=torch.bool)
+    visual_entry_mask[:, :, kept_visual] = True
+    if config.kv_compress:
+        queries = [{**captures[0].queries, **captures[1].queries}[i] for i in range(num_layers)]
+        layer_caches = list(zip(cache.keys, cache.values, strict=True))
+        scores = text_prior_scores(queries, layer_caches, q_after, kept_visual)
+        survivor_keys = None if key_mask is None else key_mask[surviving]
+        result = compress_kv_cache(
+            layer_caches, scores, kept_visual, keep_ratio=config.kv_keep_ratio,
+            budget_bytes=config.kv_budget_bytes, merge=config.kv_merge, key_mask=survivor_keys,
+        )
+        cache = KvCache([k for k, _ in result.caches], [v for _, v in result.caches])
+        visual_set = torch.zeros(length_after, dtype=torch.bool)
+        visual_set[kept_visual] = True
+        visual_entry_mask = torch.stack([visual_set[pos] for pos in result.kept_positions])
+        stats.record("kv_compress", result.num_visual_in, result.num_visual_kept)
+    stats.kv_bytes_after = cache.num_bytes
+    state = PrefillState(
+        cache=cache,
+        last_logits=logits,
+        next_position_ids=prompt.position_ids[:, 0, -1] + 1,
+        num_prompt_tokens=prompt.num_tokens,
+    )
+    kept_full = token_index[surviving].tolist()
+    return PrunedPrefill(state, visual_entry_mask, kept_full, kv_bytes_before)

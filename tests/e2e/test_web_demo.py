@@ -1,0 +1,160 @@
+"""The web demo in headless Chromium (Debian's, driven by Playwright) against a real stack with
+the HTTP port on: upload a video, see the sampled frames, ask, watch the answer stream in, see
+the kept-token overlay and the stage timeline; a follow-up hits the encoder's cache; a bundled
+sample works the same way.
+
+Needs `apt-get install -y chromium` and `pip install playwright` (no `playwright install`: the
+system Chromium is used); skipped with that hint when either is missing.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from epd_client import EpdClient
+from tests.stack import Stack, free_port
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+if not Path(CHROMIUM).exists():
+    pytest.skip("needs Debian's chromium: apt-get install -y chromium", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright for Python: pip install playwright")
+
+API_KEY = "demo-key"
+QUESTION = "what colour is the moving square?"
+NUM_FRAMES = 4
+MAX_TOKENS = 8
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+SCREENSHOT = Path("/tmp/epd_web_demo.png")
+TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models, tmp_path_factory):
+    http_port = free_port()
+    extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_web"), extra=extra) as s:
+        s.http_url = f"http://127.0.0.1:{http_port}/"
+        yield s
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, stack):
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(stack.http_url)
+    page.fill("#api-key", API_KEY)
+    page.fill("#num-frames", str(NUM_FRAMES))
+    page.fill("#max-tokens", str(MAX_TOKENS))
+    yield page
+    context.close()
+    assert not errors, errors  # no uncaught script errors
+
+
+def _ask(page, question: str) -> dict:
+    """Ask on the page; returns the newest answer card's text, how often it changed, badges."""
+    page.evaluate(
+        """() => {
+            window.__textUpdates = 0;
+            const seen = new WeakSet();
+            new MutationObserver(() => {
+                const t = document.querySelector('#answers .answer-text');
+                if (t && t.textContent && !seen.has(t)) { window.__textUpdates = 0; seen.add(t); }
+                window.__textUpdates += 1;
+            }).observe(document.getElementById('answers'), {subtree: true, childList: true, characterData: true});
+        }"""
+    )
+    page.fill("#question", question)
+    page.click("#ask")
+    page.wait_for_selector("#answers .answer:first-child .answer-text:not(.streaming)")
+    page.wait_for_selector("#answers .answer:first-child .stage-bar")
+    card = page.locator("#answers .answer").first
+    return {
+        "text": card.locator(".answer-text").text_content(),
+        "updates": page.evaluate("window.__textUpdates"),
+        "badges": card.locator(".badge").all_text_contents(),
+        "stages": card.locator(".stage-bar").evaluate_all("bars => bars.map(b => b.dataset.stage)"),
+    }
+
+
+def test_upload_ask_stream_frames_overlay_timeline_and_cached_follow_up(page, stack, media_files):
+    page.set_input_files("#file-input", str(media_files["mp4"]))
+    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    assert "clip.mp4" in page.text_content("#media-info")
+
+    first = _ask(page, QUESTION)
+    assert first["text"]
+    assert first["updates"] >= 2, "the answer should appear piece by piece as tokens stream in"
+    assert first["stages"] == ["decode", "encode", "prefill", "kv_transfer", "generate"]
+    assert "cache miss: video encoded" in first["badges"]
+    assert f"{NUM_FRAMES} frames" in first["badges"]
+
+    # Overlay: no kept_tokens from the server yet (token dropping off) -> every token kept, one
+    # grid per frame, num_visual_tokens / ceil(frames / 2) cells each.
+    num_visual_tokens = int(next(b for b in first["badges"] if b.endswith("visual tokens")).split()[0])
+    per_group = num_visual_tokens // ((NUM_FRAMES + 1) // 2)
+    assert page.locator("#frames .token-grid").count() == NUM_FRAMES
+    assert page.locator("#frames .token.kept").count() == NUM_FRAMES * per_group
+    assert page.locator("#frames .token.dropped").count() == 0
+    assert "all" in page.text_content("#overlay-legend")
+
+    follow_up = _ask(page, "and what happens at the end?")
+    assert "cache hit: video reused" in follow_up["badges"]
+    assert page.locator("#answers .answer").count() == 2
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+    # The page's answer is the API's answer: same tokens as the gRPC SDK with the same options.
+    with EpdClient(stack.gateway, timeout_s=120, api_key=API_KEY) as client:
+        expected = client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
+    assert first["text"] == expected.answer
+
+
+def test_kept_tokens_from_the_server_shade_the_dropped_ones(page, media_files):
+    page.set_input_files("#file-input", str(media_files["mp4"]))
+    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    # The `epd.kept_tokens` contract: kept[t][row][col]; frames 0-1 -> group 0, frames 2-3 -> group 1.
+    kept = [[[1, 0, 1], [0, 1, 0]], [[0, 0, 0], [1, 1, 1]]]
+    page.evaluate("kept => renderFrames({num_visual_tokens: 12, num_frames: 4, kept_tokens: kept})", kept)
+    grids = page.locator("#frames .token-grid")
+    assert grids.count() == NUM_FRAMES
+    dropped_per_frame = [grids.nth(i).locator(".token.dropped").count() for i in range(NUM_FRAMES)]
+    assert dropped_per_frame == [3, 3, 3, 3]
+    first_frame_cells = grids.nth(0).locator(".token").evaluate_all("cs => cs.map(c => c.className)")
+    assert first_frame_cells == ["token kept", "token dropped", "token kept", "token dropped", "token kept",
+                                 "token dropped"]  # fmt: skip
+    assert page.text_content("#overlay-legend").startswith("token dropping kept 6 of 12")
+
+
+def test_a_bundled_sample_with_suggested_questions(page):
+    page.select_option("#sample-select", "sample.mp4")
+    page.click("#use-sample")
+    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    page.click("#suggestions .suggestion >> nth=0")
+    assert page.input_value("#question") == "what colour is the circle?"
+    page.click("#ask")
+    page.wait_for_selector("#answers .answer .answer-text:not(.streaming)")
+    page.wait_for_selector("#answers .answer .stage-bar[data-stage=generate]")
+    assert page.locator("#answers .answer .answer-text").text_content()
+
+
+def test_a_wrong_api_key_shows_the_servers_message(page, media_files):
+    page.fill("#api-key", "not-the-key")
+    page.set_input_files("#file-input", str(media_files["mp4"]))
+    page.wait_for_selector("#error:not([hidden])")
+    assert "missing or wrong API key" in page.text_content("#error")

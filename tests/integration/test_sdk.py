@@ -1,0 +1,181 @@
+"""The client SDK (`epd_client`) against a real stack on loopback: typed streams in order, the
+sync and asyncio clients agree, errors carry their status, deadlines, uploads by path / bytes /
+file object / hash, the API key on gRPC, and retries of UNAVAILABLE while a gateway starts."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+
+from epd_cli.health import is_serving
+from epd_client import (
+    NO_RETRY,
+    AskResult,
+    AsyncEpdClient,
+    EpdClient,
+    EpdError,
+    RetryPolicy,
+    StageEvent,
+    TokenDelta,
+)
+from tests.stack import ROOT, Stack, child_env, epd_command, free_port
+
+API_KEY = "sdk-test-key"
+QUESTION = "what colour is the moving square?"
+OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models, tmp_path_factory):
+    extra = {"gateway": ["--api-key", API_KEY]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_sdk"), extra=extra) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with EpdClient(stack.gateway, timeout_s=120, api_key=API_KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(client, media_files) -> AskResult:
+    return client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+
+
+def test_stream_yields_stage_events_then_tokens_then_the_result(client, media_files, expected):
+    items = list(client.stream(media_files["mp4"], QUESTION, **OPTIONS))
+    kinds = [type(item).__name__ for item in items]
+    first_token = kinds.index("TokenDelta")
+    stages_before = {item.stage for item in items[:first_token] if isinstance(item, StageEvent)}
+    assert {"encode", "prefill"} <= stages_before, kinds  # "decode" too unless the encoder cache hit
+    assert isinstance(items[-1], AskResult) and kinds.count("AskResult") == 1
+    deltas = [item for item in items if isinstance(item, TokenDelta)]
+    assert "".join(d.text for d in deltas) == items[-1].answer
+    assert [t for d in deltas for t in d.token_ids] == items[-1].token_ids == expected.token_ids
+    assert items[-1].num_frames == 4 and len(items[-1].frame_timestamps_s) == 4
+    assert {"encode", "prefill", "ttft", "total"} <= set(items[-1].timings_ms)
+
+
+def test_async_client_streams_the_same_tokens(stack, media_files, expected):
+    async def run():
+        async with AsyncEpdClient(stack.gateway, timeout_s=120, api_key=API_KEY) as c:
+            items = [item async for item in c.stream(media_files["mp4"], QUESTION, **OPTIONS)]
+            raw = [msg.WhichOneof("kind") async for msg in c.ask_stream(media_files["mp4"], QUESTION, **OPTIONS)]
+            return items, raw
+
+    items, raw = asyncio.run(run())
+    assert items[-1].token_ids == expected.token_ids
+    assert raw[0] == "event" and raw[-1] == "summary" and "delta" in raw
+
+
+def test_errors_carry_the_grpc_status_and_message(client, media_files):
+    with pytest.raises(EpdError, match="question is empty") as info:
+        client.ask(media_files["mp4"], "   ", **OPTIONS)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(EpdError, match="send the file itself") as info:
+        client.ask(None, QUESTION, media_sha256="cd" * 32, **OPTIONS)
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(TypeError, match="unknown options: \\['num_frame'\\]"):
+        client.ask(media_files["mp4"], QUESTION, num_frame=4)
+
+
+def test_a_tiny_deadline_is_deadline_exceeded(client, media_files):
+    with pytest.raises(EpdError, match="DEADLINE_EXCEEDED") as info:
+        client.ask(media_files["mp4"], QUESTION, timeout_s=0.001, **OPTIONS)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_bytes_and_file_objects_upload_the_same_video(client, media_files, expected):
+    data = media_files["mp4"].read_bytes()
+    with open(media_files["mp4"], "rb") as f:
+        from_file = client.ask(f, QUESTION, **OPTIONS)
+
+    class Pipe(io.RawIOBase):  # not seekable: the SDK must read it once and keep the bytes
+        def __init__(self):
+            self.buf = io.BytesIO(data)
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            return self.buf.readinto(b)
+
+    from_pipe = client.ask(io.BufferedReader(Pipe(), buffer_size=1000), QUESTION, **OPTIONS)
+    with EpdClient(client.endpoint, timeout_s=120, api_key=API_KEY, chunk_bytes=1000) as small_chunks:
+        from_bytes = small_chunks.ask(data, QUESTION, **OPTIONS)  # 13 messages of 1000 bytes
+    for result in (from_file, from_pipe, from_bytes):
+        assert result.token_ids == expected.token_ids
+        assert result.media_num_bytes_sent == len(data)
+        assert result.media_sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_ask_by_hash_reuses_the_servers_copy(client, media_files, expected):
+    sha = hashlib.sha256(media_files["mp4"].read_bytes()).hexdigest()
+    by_hash = client.ask(None, QUESTION, media_sha256=sha, **OPTIONS)
+    assert by_hash.token_ids == expected.token_ids
+    assert by_hash.encoder_cache_hit and by_hash.media_num_bytes_sent == 0
+
+
+def test_upload_or_reuse_uploads_once_then_reuses(client, media_files):
+    path = media_files["mp4_b"]
+    first = client.upload_or_reuse(path, QUESTION, num_frames=6, max_new_tokens=4)
+    again = client.upload_or_reuse(path, QUESTION, num_frames=6, max_new_tokens=4)
+    assert first.media_num_bytes_sent == path.stat().st_size and not first.encoder_cache_hit
+    assert again.media_num_bytes_sent == 0 and again.encoder_cache_hit
+    assert again.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("key", ["", "wrong-key"])
+def test_the_gateway_refuses_a_missing_or_wrong_api_key(stack, media_files, key):
+    with EpdClient(stack.gateway, timeout_s=60, api_key=key) as c:
+        with pytest.raises(EpdError, match="missing or wrong API key") as info:
+            c.ask(media_files["mp4"], QUESTION, **OPTIONS)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert is_serving(stack.gateway, timeout_s=5.0)  # health stays open for probes
+
+
+def test_unavailable_is_retried_until_the_gateway_comes_up(stack, media_files, expected, tmp_path):
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with EpdClient(address, timeout_s=60, api_key=API_KEY, retry=NO_RETRY) as c:
+        with pytest.raises(EpdError, match="UNAVAILABLE") as info:
+            c.ask(media_files["mp4"], QUESTION, **OPTIONS)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+    outcome: dict[str, object] = {}
+
+    def ask() -> None:
+        retry = RetryPolicy(max_attempts=200, initial_backoff_s=0.1, max_backoff_s=0.5)
+        with EpdClient(address, timeout_s=90, api_key=API_KEY, retry=retry) as c:
+            try:
+                outcome["result"] = c.ask(media_files["mp4"], QUESTION, **OPTIONS)
+            except EpdError as exc:
+                outcome["error"] = exc
+
+    caller = threading.Thread(target=ask)
+    caller.start()
+    time.sleep(1.0)  # the first attempts find nothing listening
+    command = epd_command(
+        "serve", "gateway", "--port", str(port), "--api-key", API_KEY, "--encoder", stack.address("encoder"),
+        "--prefill", stack.address("prefill"), "--decode", stack.address("decode"),
+    )  # fmt: skip
+    with open(tmp_path / "late_gateway.log", "w") as log:
+        late = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
+    try:
+        caller.join(timeout=120)
+    finally:
+        late.terminate()
+        late.wait(timeout=20)
+    assert "error" not in outcome, outcome.get("error")
+    result = outcome["result"]
+    assert isinstance(result, AskResult)
+    assert result.token_ids == expected.token_ids
+    assert result.num_attempts > 1

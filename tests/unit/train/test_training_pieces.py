@@ -1,0 +1,148 @@
+"""The trainer's pieces on a tiny real checkpoint and real synth clips: token ids and labels,
+batching, the schedule, the training-friendly model options, and the PNG plot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tiny training-style checkpoint (hf init + synth words) and 2 clips + 1 image prepared by
+    the trainer through the serving adapter."""
+    from model_runtime.config import ModelConfig
+    from model_runtime.qwen2_vl import Qwen2VLAdapter
+    from model_runtime.tiny_model import build_model, build_processor
+    from synth.dataset import DatasetConfig, build_dataset
+    from train.train_default_model import ModelSize, TrainConfig, load_split, model_spec, save_model
+
+    root = tmp_path_factory.mktemp("train")
+    build_dataset(root / "data", DatasetConfig(num_videos={"train": 2}, image_ratio=0.5), progress=False)
+    config = TrainConfig(size=ModelSize(hidden_size=64, intermediate_size=128, vision_depth=1,
+                                        vision_embed_dim=32, vision_num_heads=2))
+    spec = model_spec(config)
+    processor = build_processor(spec)
+    model = build_model(spec, processor.tokenizer)
+    save_model(model, processor, root / "model")
+    adapter = Qwen2VLAdapter(str(root / "model"), ModelConfig(), {"vision", "language"})
+    examples, media = load_split(root / "data", "train", adapter, progress=False)
+    return adapter, examples, media
+
+
+def test_labels_cover_exactly_the_answer_and_im_end(prepared):
+    from synth.questions import ANSWER_VOCAB
+
+    adapter, examples, _ = prepared
+    assert len(examples) >= 10
+    for e in examples:
+        supervised = e.labels != -100
+        first = int(supervised.nonzero()[0])
+        assert supervised[first:].all()  # one contiguous run at the end
+        text = adapter.tokenizer.decode(e.input_ids[supervised].tolist())
+        assert text == e.answer + "<|im_end|>"
+        assert e.answer in ANSWER_VOCAB
+        assert adapter.tokenizer.decode(e.input_ids[:first].tolist()).endswith("<|im_start|>assistant\n")
+
+
+def test_media_are_prepared_as_the_encoder_service_does(prepared):
+    _, examples, media = prepared
+    videos = [m for m in media if m.modality == "video"]
+    images = [m for m in media if m.modality == "image"]
+    assert len(videos) == 2 and len(images) == 1
+    # 3 s at 2 fps = 6 frames -> 3 temporal groups of 8x8 patches; a 112x112 still -> 1 group.
+    assert all(m.grid_thw == (3, 8, 8) for m in videos)
+    assert images[0].grid_thw == (1, 8, 8)
+    assert videos[0].pixel_values.shape == (3 * 8 * 8, 3 * 2 * 14 * 14)
+
+
+def test_collate_pads_right_and_orders_visual_inputs_like_the_batch(prepared):
+    from train.train_default_model import collate
+
+    adapter, examples, media = prepared
+    image_ex = next(e for e in examples if media[e.media_index].modality == "image")
+    video_ex = [e for e in examples if media[e.media_index].modality == "video"][:2]
+    batch = [video_ex[0], image_ex, video_ex[1]]
+    out = collate(batch, media, pad_id=0)
+    length = max(len(e.input_ids) for e in batch)
+    assert out["input_ids"].shape == (3, length)
+    assert out["position_ids"].shape == (4, 3, length)
+    assert out["attention_mask"].sum(1).tolist() == [len(e.input_ids) for e in batch]
+    assert out["video_grid_thw"].tolist() == [[3, 8, 8], [3, 8, 8]]
+    assert out["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert torch.equal(out["pixel_values_videos"][:192], media[video_ex[0].media_index].pixel_values)
+    short = min(range(3), key=lambda i: len(batch[i].input_ids))
+    n = len(batch[short].input_ids)
+    if n < length:
+        assert (out["labels"][short, n:] == -100).all()
+
+
+def test_one_step_lowers_the_loss_on_its_batch(prepared):
+    """The model, batch and labels fit together: a few AdamW steps on one batch reduce its loss."""
+    from train.train_default_model import collate
+
+    adapter, examples, media = prepared
+    model = adapter.model
+    torch.manual_seed(0)
+    inputs = collate(examples[:4], media, pad_id=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    losses = []
+    for _ in range(5):
+        loss = model(**inputs).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    assert losses[0] > 4.0  # hf init: near ln(vocab), not a saturated random model
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    from train.train_default_model import TrainConfig, lr_at
+
+    c = TrainConfig(steps=1000, warmup_steps=100, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(0, c) == pytest.approx(1e-5)
+    assert lr_at(99, c) == pytest.approx(1e-3)
+    assert lr_at(550, c) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+    assert lr_at(999, c) == pytest.approx(1e-4, rel=1e-3)
+    values = [lr_at(s, c) for s in range(100, 1000)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_tiny_model_training_options_leave_the_defaults_alone():
+    from model_runtime.tiny_model import TinyVLMSpec, build_model, build_processor
+
+    base = TinyVLMSpec()
+    assert base.init == "scaled" and base.extra_words == ()
+    def num_tokens(spec: TinyVLMSpec, word: str) -> int:
+        return len(build_processor(spec).tokenizer(word, add_special_tokens=False)["input_ids"])
+
+    assert num_tokens(TinyVLMSpec(vocab_size=1024), " appear") > 1
+    words = TinyVLMSpec(vocab_size=1024, extra_words=("appear", "later", "leave"))
+    assert num_tokens(words, " appear") == 1  # as inside a question
+    tok = build_processor(base).tokenizer
+    torch.manual_seed(0)
+    hf = build_model(TinyVLMSpec(init="hf"), tok)
+    std = hf.model.language_model.layers[0].mlp.up_proj.weight.std().item()
+    assert std == pytest.approx(0.02, rel=0.2)
+    scaled = build_model(base, build_processor(base).tokenizer)
+    assert scaled.model.language_model.layers[0].mlp.up_proj.weight.std().item() > 0.1
+    with pytest.raises(ValueError, match="unknown init 'xavier'"):
+        build_model(TinyVLMSpec(init="xavier"), tok)
+
+
+def test_line_plot_draws_each_series_in_its_colour(tmp_path):
+    from PIL import Image
+
+    from train.png_plot import Series, line_plot
+
+    path = line_plot(tmp_path / "p.png", [Series("a", [0, 1, 2], [3.0, 2.0, 1.0]),
+                                         Series("b", [0, 2], [1.5, 2.5], markers=True)],
+                     title="t", xlabel="x", ylabel="y", log_y=True)
+    with Image.open(path) as img:
+        colours = {c for _, c in img.convert("RGB").getcolors(1 << 20)}
+    assert (31, 119, 180) in colours and (255, 127, 14) in colours
+    with pytest.raises(ValueError, match="every series is empty"):
+        line_plot(tmp_path / "q.png", [Series("a", [], [])], title="t", xlabel="x", ylabel="y")

@@ -1,0 +1,59 @@
+"""An optional API key on gRPC services: `authorization: Bearer <key>` metadata, the same header
+the HTTP API checks, so one key (`--api-key` / `EPD_API_KEY`) guards both front-door APIs.
+
+Only the methods under `protected_prefixes` are checked: health and reflection stay open, so
+probes (compose, Kubernetes, `epd health`) need no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+MISSING_KEY_MESSAGE = "missing or wrong API key; send metadata 'authorization: Bearer <key>' (SDK: api_key=...)"
+
+
+def bearer_token(metadata) -> str:
+    """The token of the first `authorization: Bearer ...` entry, or ""."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            scheme, _, token = str(value).partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return ""
+
+
+def key_matches(token: str, api_key: str) -> bool:
+    return hmac.compare_digest(token.encode(), api_key.encode())
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, api_key: str, protected_prefixes: tuple[str, ...]) -> None:
+        if not api_key:
+            raise ValueError("ApiKeyInterceptor needs a non-empty api_key")
+        self.api_key = api_key
+        self.protected_prefixes = protected_prefixes
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self.protected_prefixes):
+            return handler
+        if key_matches(bearer_token(handler_call_details.invocation_metadata), self.api_key):
+            return handler
+        return _denying_handler(handler)
+
+
+async def _deny(request_or_iterator, context) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY_MESSAGE)
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that refuses the call before reading it."""
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(_deny, handler.request_deserializer, handler.response_serializer)
