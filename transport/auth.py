@@ -44,7 +44,20 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return _denying_handler(handler)
 
 
+MAX_DRAINED_MESSAGES = 512
+"""Request messages read and dropped before refusing a client-streaming call (see `_deny`)."""
+
+
 async def _deny(request_or_iterator, context) -> None:
+    if hasattr(request_or_iterator, "__aiter__"):
+        # Aborting while the client is still sending makes its side fail with INTERNAL "Internal
+        # error from Core" instead of our status (grpc.aio race), so read what it sends first:
+        # dropped as it arrives, never stored, and only up to a bound.
+        num_messages = 0
+        async for _ in request_or_iterator:
+            num_messages += 1
+            if num_messages >= MAX_DRAINED_MESSAGES:
+                break
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY_MESSAGE)
 
 
