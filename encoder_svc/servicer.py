@@ -6,12 +6,12 @@ import time
 
 from encoder_svc.config import EncoderConfig
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
-from stages.contracts import EncodeStage, MediaInput
+from stages.contracts import EncodeStage
 from stages.events import Finished, with_events
 from transport import convert
 from transport.errors import Unavailable, rpc_errors
 from transport.tensor_wire import tensor_to_chunks
-from transport.upload import read_upload
+from transport.upload import media_input, read_upload
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 
@@ -28,7 +28,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise Unavailable("the encoder is still loading its model; retry shortly")
         header, data = await read_upload(request_iterator, self.config.limits.max_bytes)
         sampling = convert.sampling_from_proto(header.sampling, self.config.sampling)
-        media = MediaInput(data if data or not header.media_sha256 else None, header.media_sha256)
+        media = media_input(header, data)
         stage = self.stage
 
         pruning = convert.pruning_from_proto(header.pruning)

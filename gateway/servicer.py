@@ -7,10 +7,10 @@ import time
 from gateway.config import GatewayConfig
 from gateway.pipeline import AskRequest, AskSummary, Pipeline
 from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc
-from stages.contracts import MediaInput, StageEvent
+from stages.contracts import StageEvent
 from transport import convert
 from transport.errors import rpc_errors
-from transport.upload import read_upload
+from transport.upload import media_input, read_upload
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
@@ -26,7 +26,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         header, data = await read_upload(request_iterator, self.config.max_upload_bytes)
         request = AskRequest(
             question=header.question,
-            media=MediaInput(data if data or not header.media_sha256 else None, header.media_sha256),
+            media=media_input(header, data),
             sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
             generation=convert.generation_from_proto(header.generation, self.config.generation),
             request_id=header.request_id,

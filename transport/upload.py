@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+
+from stages.contracts import MediaInput
 from transport.errors import InvalidRequest, ResourceExhausted
+
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def media_input(header, data: bytes) -> MediaInput:
+    """The upload as the encoder sees it: bytes, or a reference by sha256 when no bytes came.
+    A zero-byte file is an (empty, refused) upload, not a reference, even with its hash set."""
+    sha = header.media_sha256
+    by_reference = not data and sha and sha != _EMPTY_SHA256
+    return MediaInput(None if by_reference else data, sha)
 
 
 async def read_upload(request_iterator, max_bytes: int):
@@ -18,12 +31,14 @@ async def read_upload(request_iterator, max_bytes: int):
                 raise InvalidRequest("the first message of the stream must be the header")
             header = msg.header
             if header.media_num_bytes > max_bytes:
+                await _drain(request_iterator)
                 raise ResourceExhausted(_too_big(header.media_num_bytes, max_bytes))
             continue
         if kind != "media_chunk":
             raise InvalidRequest("only media_chunk messages may follow the header")
         received += len(msg.media_chunk)
         if received > max_bytes:
+            await _drain(request_iterator)
             raise ResourceExhausted(_too_big(received, max_bytes))
         parts.append(msg.media_chunk)
     if header is None:
@@ -33,6 +48,21 @@ async def read_upload(request_iterator, max_bytes: int):
             f"the header announced {header.media_num_bytes} bytes but {received} arrived; the upload was cut short"
         )
     return header, b"".join(parts)
+
+
+MAX_DRAINED_MESSAGES = 256
+"""Messages read and dropped after a refusal, before the call ends (see `_drain`)."""
+
+
+async def _drain(request_iterator) -> None:
+    """Read (and drop) what the client is still sending: a grpc.aio client whose send is in
+    flight when the server ends the call sees INTERNAL "Internal error from Core" instead of our
+    status. Nothing is kept, and at most MAX_DRAINED_MESSAGES messages are read."""
+    num_messages = 0
+    async for _ in request_iterator:
+        num_messages += 1
+        if num_messages >= MAX_DRAINED_MESSAGES:
+            return
 
 
 def _too_big(num_bytes: int, max_bytes: int) -> str:
