@@ -32,7 +32,7 @@ class ChannelSettings:
 
 
 def open_channel(endpoint: str, settings: ChannelSettings, retry: RetryPolicy) -> grpc.aio.Channel:
-    options = [
+    options: list[tuple[str, str | int]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         # gRPC's own reconnect backoff (1 s, growing to 120 s) would outlast our retries: a call
@@ -51,4 +51,6 @@ def open_channel(endpoint: str, settings: ChannelSettings, retry: RetryPolicy) -
         if not path.is_file():
             raise FileNotFoundError(f"root certificates file not found: {path}")
         roots = path.read_bytes()
-    return grpc.aio.secure_channel(endpoint, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
+    return grpc.aio.secure_channel(
+        endpoint, grpc.ssl_channel_credentials(root_certificates=roots), options=options
+    )

@@ -40,11 +40,21 @@ from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 __all__ = ["CHUNK_BYTES", "AskResult", "AsyncEpdClient", "EpdClient", "EpdError", "StageEvent", "TokenDelta"]
 
-_SAMPLING_OPTIONS = ("fps", "max_frames", "min_frames", "num_frames", "start_time_s", "end_time_s", "max_pixels")
+_SAMPLING_OPTIONS = (
+    "fps",
+    "max_frames",
+    "min_frames",
+    "num_frames",
+    "start_time_s",
+    "end_time_s",
+    "max_pixels",
+)
 _GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
 
-def build_header(question: str, num_bytes: int, sha256: str, options: dict[str, Any]) -> gateway_pb2.AskHeader:
+def build_header(
+    question: str, num_bytes: int, sha256: str, options: dict[str, Any]
+) -> gateway_pb2.AskHeader:
     """The AskHeader for `options` (the keyword options of `ask`); unknown names raise TypeError.
 
     Sampling: fps, max_frames, min_frames, num_frames, start_time_s, end_time_s, max_pixels.
@@ -57,7 +67,9 @@ def build_header(question: str, num_bytes: int, sha256: str, options: dict[str, 
     options["stop"] = [stop] if isinstance(stop, str) else list(stop)
     # Unset, None and zero all mean "the server's default" (proto3 has no presence for scalars).
     sampling = common_pb2.VideoSampling(**{k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None))})
-    generation = common_pb2.GenerationParams(**{k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None))})
+    generation = common_pb2.GenerationParams(
+        **{k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None))}
+    )
     pruning = common_pb2.PruningOptions(
         preset=options.pop("pruning", "") or "",
         knobs={k: str(v) for k, v in (options.pop("pruning_knobs", None) or {}).items()},
@@ -102,7 +114,9 @@ class AsyncEpdClient:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.chunk_bytes = chunk_bytes
-        self.settings = ChannelSettings(tls, root_certificates_path, server_name_override, api_key, tuple(metadata))
+        self.settings = ChannelSettings(
+            tls, root_certificates_path, server_name_override, api_key, tuple(metadata)
+        )
         self._channel = open_channel(endpoint, self.settings, self.retry)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
@@ -157,7 +171,9 @@ class AsyncEpdClient:
         **options,
     ) -> AskResult:
         """The whole answer at once (see `stream` for the options)."""
-        async for item in self.stream(video, question, media_sha256=media_sha256, timeout_s=timeout_s, **options):
+        async for item in self.stream(
+            video, question, media_sha256=media_sha256, timeout_s=timeout_s, **options
+        ):
             if isinstance(item, AskResult):
                 return item
         raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
@@ -180,7 +196,7 @@ class AsyncEpdClient:
 
     async def _responses(
         self,
-        video: Media | MediaSource | None,
+        video: Media | None,
         question: str,
         media_sha256: str,
         timeout_s: float | None,
@@ -189,9 +205,11 @@ class AsyncEpdClient:
         """The call with its retries; yields (message, (attempt number, media bytes sent))."""
         source = None
         if video is not None:
-            source = video if isinstance(video, MediaSource) else MediaSource(video, self.chunk_bytes)
+            source = MediaSource(video, self.chunk_bytes)
         elif not media_sha256:
-            raise ValueError("pass a video (path, bytes or file object) or the media_sha256 of one the server has")
+            raise ValueError(
+                "pass a video (path, bytes or file object) or the media_sha256 of one the server has"
+            )
         header = build_header(
             question,
             source.num_bytes if source else 0,
@@ -296,4 +314,3 @@ class EpdClient:
 
 async def _make(endpoint: str, timeout_s: float, settings: dict[str, Any]) -> AsyncEpdClient:
     return AsyncEpdClient(endpoint, timeout_s, **settings)  # grpc.aio channels bind to the running loop
-

@@ -11,21 +11,31 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeAlias
 
 CHUNK_BYTES = 1 << 20
 """Bytes per `media_chunk` message (the servers' message limit is 4 MiB)."""
 
-Media = str | Path | bytes | bytearray | memoryview | BinaryIO
-
 
 class MediaSource:
+    num_bytes: int
+    sha256: str
+
     def __init__(self, media: Media, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
         self._data: bytes | None = None
         self._path: Path | None = None
         self._file: BinaryIO | None = None
         self._start = 0
+        if isinstance(media, MediaSource):  # already hashed: share its bytes or path
+            self._data, self._path, self._file, self._start = (
+                media._data,
+                media._path,
+                media._file,
+                media._start,
+            )
+            self.num_bytes, self.sha256 = media.num_bytes, media.sha256
+            return
         if isinstance(media, (bytes, bytearray, memoryview)):
             self._data = bytes(media)
         elif isinstance(media, (str, Path)):
@@ -38,7 +48,9 @@ class MediaSource:
             else:
                 self._data = media.read()
         else:
-            raise TypeError(f"media must be a path, bytes or a binary file object, not {type(media).__name__}")
+            raise TypeError(
+                f"media must be a path, bytes or a binary file object, not {type(media).__name__}"
+            )
         digest = hashlib.sha256()
         self.num_bytes = 0
         for chunk in self.chunks():
@@ -58,6 +70,10 @@ class MediaSource:
             assert self._file is not None
             self._file.seek(self._start)
             yield from _read_chunks(self._file, self.chunk_bytes)
+
+
+Media: TypeAlias = str | Path | bytes | bytearray | memoryview | BinaryIO | MediaSource
+"""A video or image: a path, bytes, a binary file object, or an already hashed MediaSource."""
 
 
 def _seekable(f) -> bool:

@@ -11,7 +11,9 @@ import hmac
 
 import grpc
 
-MISSING_KEY_MESSAGE = "missing or wrong API key; send metadata 'authorization: Bearer <key>' (SDK: api_key=...)"
+MISSING_KEY_MESSAGE = (
+    "missing or wrong API key; send metadata 'authorization: Bearer <key>' (SDK: api_key=...)"
+)
 
 
 def bearer_token(metadata) -> str:

@@ -69,10 +69,13 @@ class WebDemo:
 
     async def frames(self, request: web.Request) -> web.Response:
         if self.config.http.api_key and not key_matches(
-            bearer_token([("authorization", request.headers.get("Authorization", ""))]), self.config.http.api_key
+            bearer_token([("authorization", request.headers.get("Authorization", ""))]),
+            self.config.http.api_key,
         ):
             return web.json_response(
-                error_body("missing or wrong API key; send 'Authorization: Bearer <key>'", "authentication_error"),
+                error_body(
+                    "missing or wrong API key; send 'Authorization: Bearer <key>'", "authentication_error"
+                ),
                 status=401,
             )
         try:
@@ -116,8 +119,10 @@ def sampled_thumbnails(data: bytes, sampling: SamplingOptions, limits: DecodeLim
     size = (max(1, round(width * scale)), max(1, round(height * scale)))
     for frame, timestamp_s in zip(video.frames, video.timestamps_s):
         buf = io.BytesIO()
-        Image.fromarray(frame).resize(size, Image.BILINEAR).save(buf, format="JPEG", quality=75)
-        out.append({"timestamp_s": float(timestamp_s), "jpeg_base64": base64.b64encode(buf.getvalue()).decode()})
+        Image.fromarray(frame).resize(size, Image.Resampling.BILINEAR).save(buf, format="JPEG", quality=75)
+        out.append(
+            {"timestamp_s": float(timestamp_s), "jpeg_base64": base64.b64encode(buf.getvalue()).decode()}
+        )
     return {"frames": out, "width": width, "height": height, "is_image": video.is_image}
 
 

@@ -20,7 +20,9 @@ from tests.stack import Stack, free_port
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
     pytest.skip("needs Debian's chromium: apt-get install -y chromium", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright for Python: pip install playwright")
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="needs Playwright for Python: pip install playwright"
+)
 
 API_KEY = "demo-key"
 QUESTION = "what colour is the moving square?"

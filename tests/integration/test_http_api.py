@@ -57,7 +57,7 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def grpc_client(stack):
-    with EpdClient(stack.gateway, timeout_s=120) as c:
+    with EpdClient(stack.gateway, timeout_s=120, api_key=API_KEY) as c:  # --api-key guards gRPC too
         yield c
 
 

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import io
 import subprocess
+import sys
 import threading
 import time
 
@@ -34,8 +35,10 @@ OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    extra = {"gateway": ["--api-key", API_KEY]}
+    http_port = free_port()
+    extra = {"gateway": ["--api-key", API_KEY, "--http-port", str(http_port)]}
     with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_sdk"), extra=extra) as s:
+        s.http_port = http_port
         yield s
 
 
@@ -68,7 +71,9 @@ def test_async_client_streams_the_same_tokens(stack, media_files, expected):
     async def run():
         async with AsyncEpdClient(stack.gateway, timeout_s=120, api_key=API_KEY) as c:
             items = [item async for item in c.stream(media_files["mp4"], QUESTION, **OPTIONS)]
-            raw = [msg.WhichOneof("kind") async for msg in c.ask_stream(media_files["mp4"], QUESTION, **OPTIONS)]
+            raw = [
+                msg.WhichOneof("kind") async for msg in c.ask_stream(media_files["mp4"], QUESTION, **OPTIONS)
+            ]
             return items, raw
 
     items, raw = asyncio.run(run())
@@ -179,3 +184,20 @@ def test_unavailable_is_retried_until_the_gateway_comes_up(stack, media_files, e
     assert isinstance(result, AskResult)
     assert result.token_ids == expected.token_ids
     assert result.num_attempts > 1
+
+
+@pytest.mark.parametrize(
+    "script,args,expect",
+    [
+        ("ask_sync.py", ["--endpoint", "{grpc}"], "encoder cache hit: True"),
+        ("ask_async_stream.py", ["--endpoint", "{grpc}"], "prefill finished"),
+        ("openai_http.py", ["--base-url", "{http}"], "frames, TTFT"),
+    ],
+)
+def test_the_examples_run_against_the_stack(stack, script, args, expect):
+    addresses = {"grpc": stack.gateway, "http": f"http://127.0.0.1:{stack.http_port}/v1"}
+    command = [sys.executable, str(ROOT / "examples" / script), "samples/sample.mp4",
+               *(a.format(**addresses) for a in args), "--api-key", API_KEY]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert expect in done.stdout + done.stderr

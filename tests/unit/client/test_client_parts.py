@@ -1,0 +1,118 @@
+"""The SDK's bookkeeping without a server: retry decisions and backoff, media sources (path,
+bytes, seekable and one-shot file objects) and request headers; the gRPC API-key check."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import grpc
+import pytest
+
+from epd_client import MediaSource, RetryPolicy, build_header
+from epd_client.channel import ChannelSettings, open_channel
+from transport.auth import bearer_token, key_matches
+
+
+def test_backoff_grows_then_caps():
+    policy = RetryPolicy(max_attempts=6, initial_backoff_s=0.5, max_backoff_s=3.0, multiplier=2.0)
+    assert [policy.backoff_s(a) for a in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def test_only_unavailable_before_the_first_token_is_retried_and_only_so_often():
+    policy = RetryPolicy(max_attempts=3)
+    assert policy.should_retry(grpc.StatusCode.UNAVAILABLE, attempt=1, saw_token=False)
+    assert not policy.should_retry(grpc.StatusCode.UNAVAILABLE, attempt=1, saw_token=True)
+    assert not policy.should_retry(grpc.StatusCode.UNAVAILABLE, attempt=3, saw_token=False)
+    assert not policy.should_retry(grpc.StatusCode.INVALID_ARGUMENT, attempt=1, saw_token=False)
+    assert not policy.should_retry(grpc.StatusCode.DEADLINE_EXCEEDED, attempt=1, saw_token=False)
+
+
+def test_bad_retry_policies_are_refused():
+    with pytest.raises(ValueError, match="max_attempts must be >= 1"):
+        RetryPolicy(max_attempts=0)
+    with pytest.raises(ValueError, match="initial_backoff_s <= max_backoff_s"):
+        RetryPolicy(initial_backoff_s=2.0, max_backoff_s=1.0)
+
+
+class OneShot(io.RawIOBase):
+    """A pipe-like file: readable once, not seekable."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buf = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        return self.buf.readinto(b)
+
+
+@pytest.mark.parametrize("kind", ["path", "str", "bytes", "file", "one_shot"])
+def test_every_media_source_gives_the_same_chunks_twice(tmp_path, kind):
+    data = bytes(range(256)) * 41  # 10,496 bytes -> 11 chunks of 1000
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    f = open(path, "rb")  # noqa: SIM115 - closed below
+    f.read(10)  # a seekable file is uploaded from where it stands, like shutil.copyfileobj
+    media = {
+        "path": path,
+        "str": str(path),
+        "bytes": data,
+        "file": f,
+        "one_shot": io.BufferedReader(OneShot(data)),
+    }
+    expected = data[10:] if kind == "file" else data
+    source = MediaSource(media[kind], chunk_bytes=1000)
+    for _ in range(2):  # a retried call re-sends from the start
+        chunks = list(source.chunks())
+        assert b"".join(chunks) == expected and max(len(c) for c in chunks) == 1000
+    assert source.num_bytes == len(expected)
+    assert source.sha256 == hashlib.sha256(expected).hexdigest()
+    f.close()
+
+
+def test_media_source_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such video file"):
+        MediaSource(tmp_path / "missing.mp4")
+    with pytest.raises(TypeError, match="must be a path, bytes or a binary file object, not int"):
+        MediaSource(3)  # type: ignore[arg-type]
+
+
+def test_header_carries_options_and_leaves_zeros_to_the_server():
+    h = build_header(
+        "q?",
+        12,
+        "ab" * 32,
+        {
+            "num_frames": 8,
+            "max_new_tokens": 16,
+            "temperature": 0.0,
+            "stop": "END",
+            "pruning": "light",
+            "pruning_knobs": {"keep": 0.5},
+        },
+    )
+    assert (h.question, h.media_num_bytes, h.media_sha256) == ("q?", 12, "ab" * 32)
+    assert h.sampling.num_frames == 8 and h.sampling.fps == 0.0
+    assert h.generation.max_new_tokens == 16 and list(h.generation.stop) == ["END"]
+    assert h.pruning.preset == "light" and dict(h.pruning.knobs) == {"keep": "0.5"}
+    with pytest.raises(TypeError, match=r"unknown options: \['frames'\]"):
+        build_header("q?", 0, "", {"frames": 3})
+
+
+def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():
+    metadata = ChannelSettings(api_key="s3cret", metadata=(("x-team", "vision"),)).call_metadata()
+    assert metadata == (("authorization", "Bearer s3cret"), ("x-team", "vision"))
+    assert bearer_token(metadata) == "s3cret" and key_matches("s3cret", "s3cret")
+    assert bearer_token([("authorization", "Basic s3cret")]) == ""
+    assert not key_matches("s3cre", "s3cret") and not key_matches("", "s3cret")
+
+
+def test_tls_needs_an_existing_root_certificate_file(tmp_path):
+    from epd_client import RetryPolicy as Policy
+
+    with pytest.raises(FileNotFoundError, match="root certificates file not found"):
+        open_channel(
+            "127.0.0.1:1", ChannelSettings(root_certificates_path=str(tmp_path / "ca.pem")), Policy()
+        )

@@ -1,0 +1,91 @@
+"""The web demo's endpoints on an in-process HTTP server (real sockets, real PyAV video): the
+page and its files, the bundled samples, and the sampled-frame thumbnails with the encoder's
+frame selection rule."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import aiohttp
+from aiohttp import web
+from PIL import Image
+
+from gateway.config import GatewayConfig, HttpApiConfig
+from gateway.http_api import HttpApi
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+from tests.media import make_video
+from video.simple_decoder import decode
+from video.types import SamplingOptions
+
+
+async def _session(api_key: str, fn):
+    config = GatewayConfig(http=HttpApiConfig(port=0, api_key=api_key))
+    api = HttpApi(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+            return await fn(session)
+    finally:
+        await runner.cleanup()
+
+
+def test_page_static_files_and_samples():
+    async def calls(session):
+        out = {}
+        for path in (
+            "/",
+            "/static/app.js",
+            "/static/style.css",
+            "/demo/samples",
+            "/demo/samples/sample.mp4",
+            "/demo/samples/..%2Fpyproject.toml",
+            "/demo/samples/nope.mp4",
+        ):
+            async with session.get(path) as resp:
+                out[path] = (resp.status, await resp.read())
+        return out
+
+    out = asyncio.run(_session("", calls))
+    assert out["/"][0] == 200 and b'<script src="/static/app.js">' in out["/"][1]
+    assert out["/static/app.js"][0] == 200 and b"kept_tokens" in out["/static/app.js"][1]
+    assert out["/static/style.css"][0] == 200
+    samples = {s["name"]: s for s in __import__("json").loads(out["/demo/samples"][1])["samples"]}
+    assert samples["sample.mp4"]["kind"] == "video" and samples["sample.png"]["kind"] == "image"
+    assert "what colour is the circle?" in samples["sample.mp4"]["questions"]
+    assert out["/demo/samples/sample.mp4"][0] == 200
+    assert len(out["/demo/samples/sample.mp4"][1]) == samples["sample.mp4"]["num_bytes"]
+    assert out["/demo/samples/..%2Fpyproject.toml"][0] == 404
+    assert out["/demo/samples/nope.mp4"][0] == 404
+
+
+def test_frames_are_the_encoders_sampled_frames_as_thumbnails(tmp_path):
+    video = make_video(tmp_path / "clip.mp4", codec="h264", size=(320, 240), fps=10.0, seconds=3.0, gop=10)
+    data = video.read_bytes()
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+    async def calls(session):
+        out = []
+        for body, headers in (
+            ({"video_url": url, "media": {"num_frames": 5}}, {}),
+            ({"video_url": url, "media": {"num_frames": 5}}, {"Authorization": "Bearer k"}),
+            ({"video_url": url, "media": {"frames": 5}}, {"Authorization": "Bearer k"}),
+            ({"video_url": "/etc/passwd"}, {"Authorization": "Bearer k"}),
+        ):
+            async with session.post("/demo/frames", json=body, headers=headers) as resp:
+                out.append((resp.status, await resp.json()))
+        return out
+
+    (no_key, _), (ok, body), (bad_option, error), (local_path, refused) = asyncio.run(_session("k", calls))
+    assert no_key == 401
+    assert ok == 200 and (body["width"], body["height"]) == (320, 240)
+    expected = decode(data, SamplingOptions(num_frames=5))
+    assert [f["timestamp_s"] for f in body["frames"]] == expected.timestamps_s
+    thumb = Image.open(io.BytesIO(base64.b64decode(body["frames"][0]["jpeg_base64"])))
+    assert thumb.format == "JPEG" and thumb.size == (192, 144)
+    assert bad_option == 400 and "unknown media options ['frames']" in error["error"]["message"]
+    assert local_path == 403
