@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +27,10 @@ from epd_client import (
     StageEvent,
     TokenDelta,
 )
+from gateway.config import GatewayConfig
+from gateway.server import remote_pipeline
+from gateway.servicer import GatewayServicer
+from protos.epd.v1 import gateway_pb2_grpc
 from tests.stack import ROOT, Stack, child_env, epd_command, free_port
 
 API_KEY = "sdk-test-key"
@@ -201,3 +206,46 @@ def test_the_examples_run_against_the_stack(stack, script, args, expect):
     done = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert expect in done.stdout + done.stderr
+
+
+def test_tls_with_a_root_certificate(stack, media_files, expected, tmp_path):
+    """The real gateway servicer and pipeline behind a TLS port (as a TLS-terminating front
+    door would be), reached with the CA's certificate; a plaintext client is refused."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=epd-test", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    config = GatewayConfig(
+        encoder_addresses=(stack.address("encoder"),),
+        prefill_addresses=(stack.address("prefill"),),
+        decode_addresses=(stack.address("decode"),),
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        servicer = GatewayServicer(config, remote_pipeline(config))
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    try:
+        with EpdClient(f"127.0.0.1:{port}", timeout_s=60, root_certificates_path=str(cert)) as c:
+            assert c.ask(media_files["mp4"], QUESTION, **OPTIONS).token_ids == expected.token_ids
+        with EpdClient(f"127.0.0.1:{port}", timeout_s=20, retry=NO_RETRY) as plaintext:
+            with pytest.raises(EpdError, match="UNAVAILABLE"):
+                plaintext.ask(media_files["mp4"], QUESTION, **OPTIONS)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
