@@ -4,6 +4,7 @@
     epd serve                     # the whole stack on loopback, one process per service
     epd serve encoder|prefill|decode|gateway
     epd health HOST:PORT          # exit 0 when the service reports SERVING
+    epd bench serve|quality ...  # latency/throughput vs baselines; accuracy on the test split
 
 Environment variables are read here and nowhere else: EPD_MODEL, EPD_DEVICE, EPD_DTYPE,
 EPD_NUM_THREADS give the defaults of --model, --device, --dtype, --num-threads; EPD_API_KEY the
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
     add_model_flags(serve)
 
+    bench = sub.add_parser("bench", help="benchmarks: serve (latency/throughput), quality (accuracy)")
+    bench.add_argument("suite", choices=["serve", "quality"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the suite's own flags (--help)")
+
     health = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
     health.add_argument("address", help="HOST:PORT")
     health.add_argument("--service", default="", help="service name; default: the whole server")
@@ -152,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         from epd_cli.ask import run_ask
 
         return run_ask(args)
+    if args.command == "bench":
+        if args.suite == "serve":
+            from bench.serve import main as bench_main
+        else:
+            from bench.quality import main as bench_main
+        return bench_main(args.bench_args)
     if args.command == "health":
         from epd_cli.health import check_health
 
