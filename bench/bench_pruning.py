@@ -108,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for num_frames in args.frames:
         sampling = SamplingOptions(num_frames=num_frames)
-        enc_full = [timed(lambda: encoder.encode(MediaInput(data), sampling, lambda e: None)) for _ in range(args.repeats)]
+        def encode(pruning: PruningConfig, sampling: SamplingOptions = sampling):
+            return encoder.encode(MediaInput(data), sampling, lambda e: None, pruning)
+
+        enc_full = [timed(lambda: encode(PruningConfig())) for _ in range(args.repeats)]
         media, _ = enc_full[0]
         encode_ms = statistics.median(t for _, t in enc_full)
         temporal = PruningConfig(temporal_drop=True, temporal_threshold=0.05)
-        enc_t = [timed(lambda: encoder.encode(MediaInput(data), sampling, lambda e: None, temporal))
-                 for _ in range(args.repeats)]
+        enc_t = [timed(lambda: encode(temporal)) for _ in range(args.repeats)]
         temporal_media, _ = enc_t[0]
         encode_t_ms = statistics.median(t for _, t in enc_t)
         kept_t = temporal_media.meta.num_visual_tokens / media.meta.num_visual_tokens
@@ -121,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.retain:
             cfg = PruningConfig() if r >= 1.0 else PruningConfig(
                 prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=r)
-            runs = [timed(lambda: prefill.prefill("what colour is the moving square?", media, gen, cfg))
-                    for _ in range(args.repeats)]
+            def run_prefill(cfg: PruningConfig = cfg, media=media):
+                return prefill.prefill("what colour is the moving square?", media, gen, cfg)
+
+            runs = [timed(run_prefill) for _ in range(args.repeats)]
             outcome = runs[0][0]
             prefill_ms = statistics.median(t for _, t in runs)
             g = decoder.start(outcome.cache, outcome.first_token_id, outcome.next_position_ids, gen)

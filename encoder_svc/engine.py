@@ -28,6 +28,7 @@ from model_runtime.adapter import VisualMeta, VLMAdapter
 from stages.contracts import EncodedMedia, EventSink, MediaInput, StageEvent
 from token_pruning import PruningConfig, PruningStats
 from transport.errors import NotFound, ResourceExhausted
+from video.decord_backend import DecordDecoder
 from video.parallel_decoder import ParallelDecoder
 from video.types import DecodedVideo, SamplingOptions
 
@@ -43,7 +44,7 @@ class EncoderEngine:
         self.adapter = adapter
         self.decoder = ParallelDecoder(config.decode)
         self.cache = TokenCache(config.cache)
-        self._decord = None  # started on first use when decode_backend == "decord"
+        self._decord: DecordDecoder | None = None  # started on first use with decode_backend="decord"
 
     def cache_key(self, sha256: str, sampling: SamplingOptions, pruning: PruningConfig = PruningConfig()) -> str:
         params = {
@@ -100,14 +101,9 @@ class EncoderEngine:
         group_size = self.config.frames_per_group or (1 << 30)
         if self.config.decode_backend == "decord":
             if self._decord is None:
-                from video.decord_backend import DecordDecoder
-
                 self._decord = DecordDecoder()
             whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
-            groups = (
-                _slice(whole, i, i + group_size) for i in range(0, whole.num_frames, group_size)
-            )
-            return whole, groups
+            return whole, (_slice(whole, i, i + group_size) for i in range(0, whole.num_frames, group_size))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256)
 
         def groups():

@@ -85,7 +85,7 @@ async def _ask_remote(args: argparse.Namespace, path: Path) -> dict:
 
     sampling = configs.sampling_options(args)
     generation = configs.generation_config(args)
-    options = dict(
+    options: dict = dict(
         fps=sampling.fps, max_frames=sampling.max_frames, num_frames=sampling.num_frames or 0,
         max_pixels=sampling.max_pixels or 0, max_new_tokens=generation.max_new_tokens,
         temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k,

@@ -18,21 +18,21 @@ _PR_SET_PDEATHSIG = 1
 
 def run_serve(args: argparse.Namespace) -> int:
     if args.role == "encoder":
-        from encoder_svc.server import main
+        from encoder_svc import server as encoder
 
-        asyncio.run(main(configs.encoder_config(args)))
+        asyncio.run(encoder.main(configs.encoder_config(args)))
     elif args.role == "prefill":
-        from prefill_svc.server import main
+        from prefill_svc import server as prefill
 
-        asyncio.run(main(configs.prefill_config(args)))
+        asyncio.run(prefill.main(configs.prefill_config(args)))
     elif args.role == "decode":
-        from decode_svc.server import main
+        from decode_svc import server as decode
 
-        asyncio.run(main(configs.decode_config(args)))
+        asyncio.run(decode.main(configs.decode_config(args)))
     elif args.role == "gateway":
-        from gateway.server import main
+        from gateway import server as gateway
 
-        asyncio.run(main(configs.gateway_config(args)))
+        asyncio.run(gateway.main(configs.gateway_config(args)))
     else:
         return serve_stack(args)
     return 0

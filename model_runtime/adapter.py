@@ -73,6 +73,12 @@ class VLMAdapter(ABC):
     eos_token_ids: frozenset[int]
     hidden_size: int
     fingerprint: str  # identity of the loaded checkpoint, part of the token cache key
+    supports_sparse_vision: bool = False  # the tower can run on a subset of patches
+
+    def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
+                      position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The tower on kept patches only (temporal dropping before the tower)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot encode a subset of patches")
 
     @abstractmethod
     def preprocess(self, video: DecodedVideo) -> VisionInputs:

@@ -33,9 +33,10 @@ class KvCache:
 
     @classmethod
     def from_dynamic(cls, cache: DynamicCache) -> KvCache:
+        layers = cache.layers
         return cls(
-            keys=[layer.keys for layer in cache.layers],
-            values=[layer.values for layer in cache.layers],
+            keys=[layer.keys for layer in layers],  # type: ignore[union-attr,misc]
+            values=[layer.values for layer in layers],  # type: ignore[union-attr,misc]
         )
 
     def to_dynamic(self, config) -> DynamicCache:

@@ -45,6 +45,8 @@ class Qwen2VLAdapter(VLMAdapter):
         self.tokenizer = self.processor.tokenizer
         self.hf_config = AutoConfig.from_pretrained(path)
         self.family = self.hf_config.model_type  # "qwen2_vl" or "qwen2_5_vl"
+        # Qwen2.5-VL's windowed attention reorders patches by window: no subset encoding there.
+        self.supports_sparse_vision = self.family == "qwen2_vl"
         self.merge_size = self.hf_config.vision_config.spatial_merge_size
         self.hidden_size = self.hf_config.text_config.hidden_size
         self.visual = None
@@ -142,12 +144,6 @@ class Qwen2VLAdapter(VLMAdapter):
     def placeholder_ids(self) -> frozenset[int]:
         return frozenset({self.hf_config.video_token_id, self.hf_config.image_token_id})
 
-    @property
-    def supports_sparse_vision(self) -> bool:
-        """Whether the vision tower can run on a subset of patches (Qwen2.5-VL's windowed
-        attention reorders patches by window, so it cannot)."""
-        return self.family == "qwen2_vl"
-
     @torch.inference_mode()
     def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
                       position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -177,7 +173,7 @@ class Qwen2VLAdapter(VLMAdapter):
             past_key_values=cache,
             use_cache=True,
         )
-        logits = self.model.lm_head(out.last_hidden_state[:, -1:])  # [1, 1, vocab]
+        logits = self.lm_head(out.last_hidden_state[:, -1:])  # [1, 1, vocab]
         return PrefillState(
             cache=KvCache.from_dynamic(cache),
             last_logits=logits[0, -1],
@@ -203,7 +199,7 @@ class Qwen2VLAdapter(VLMAdapter):
             past_key_values=cache,
             use_cache=True,
         )
-        return self.model.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -266,7 +262,7 @@ def _load_full_model(path: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):

@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -161,7 +162,7 @@ def build_model(spec: TinyVLMSpec, tokenizer):
     if spec.family == "qwen2_vl":
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-        vision = dict(
+        vision: dict[str, Any] = dict(
             depth=spec.vision_depth,
             embed_dim=spec.vision_embed_dim,
             hidden_size=spec.hidden_size,
@@ -183,8 +184,8 @@ def build_model(spec: TinyVLMSpec, tokenizer):
             window_size=56,
             tokens_per_second=2,
         )
-        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
-        cls = Qwen2_5_VLForConditionalGeneration
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)  # type: ignore[assignment]
+        cls = Qwen2_5_VLForConditionalGeneration  # type: ignore[assignment]
     else:
         raise ValueError(f"unknown model family {spec.family!r}; use 'qwen2_vl' or 'qwen2_5_vl'")
     config.eos_token_id = ids["<|im_end|>"]
@@ -196,7 +197,7 @@ def build_model(spec: TinyVLMSpec, tokenizer):
     if spec.init == "hf":
         return model
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
     return model

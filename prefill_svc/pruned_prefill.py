@@ -92,7 +92,7 @@ def pruned_prefill(
         for c in captures:
             c.__exit__(None, None, None)
     logits = adapter.lm_head(out.last_hidden_state[:, -1:])[0, -1]
-    cache = KvCache.from_dynamic(out.past_key_values)
+    cache = KvCache.from_dynamic(out.past_key_values)  # type: ignore[arg-type]
     kept_visual = (prompt.visual_mask[keep][out.keep_indices]).nonzero().flatten()  # in L''
     # Which of the N' visual tokens survived the drop, by their rank among the visual tokens.
     visual_rank = torch.full((length,), -1, dtype=torch.long)

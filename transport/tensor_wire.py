@@ -39,7 +39,7 @@ def tensor_to_chunks(
     if tensor.dtype not in _NAMES:
         raise TypeError(f"cannot send dtype {tensor.dtype}")
     flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)  # [num_bytes]
-    raw = memoryview(flat.numpy())
+    raw = memoryview(flat.numpy())  # type: ignore[arg-type]
     total = len(raw)
     offset = 0
     while True:
