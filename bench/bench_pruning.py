@@ -49,6 +49,9 @@ SPEC = TinyVLMSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                    min_pixels=56 * 56, max_pixels=224 * 224, weight_std=0.02)
 
 
+TEMPORAL = PruningConfig(temporal_drop=True, temporal_threshold=0.05)
+
+
 def make_clip(path: Path, seconds: float = 8.0, fps: int = 10, size=(224, 224)) -> None:
     """A static textured background with one moving square (real H.264)."""
     import av
@@ -114,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         enc_full = [timed(lambda: encode(PruningConfig())) for _ in range(args.repeats)]
         media, _ = enc_full[0]
         encode_ms = statistics.median(t for _, t in enc_full)
-        temporal = PruningConfig(temporal_drop=True, temporal_threshold=0.05)
-        enc_t = [timed(lambda: encode(temporal)) for _ in range(args.repeats)]
+        enc_t = [timed(lambda: encode(TEMPORAL)) for _ in range(args.repeats)]
         temporal_media, _ = enc_t[0]
         encode_t_ms = statistics.median(t for _, t in enc_t)
         kept_t = temporal_media.meta.num_visual_tokens / media.meta.num_visual_tokens
