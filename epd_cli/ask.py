@@ -64,6 +64,7 @@ async def _ask_embedded(args: argparse.Namespace, path: Path) -> dict:
         media=MediaInput(path.read_bytes()),
         sampling=configs.sampling_options(args),
         generation=configs.generation_config(args),
+        pruning=configs.pruning_config(args),
     )
     summary = None
     async for item in pipeline.ask(request):
@@ -77,7 +78,8 @@ async def _ask_embedded(args: argparse.Namespace, path: Path) -> dict:
     if not args.json:
         print(file=sys.stdout)
     return _result(summary.answer, summary.token_ids, summary.num_frames, summary.num_visual_tokens,
-                   summary.timings_ms, summary.finish_reason, summary.kv_num_bytes, notice)
+                   summary.timings_ms, summary.finish_reason, summary.kv_num_bytes, notice,
+                   summary.pruning.to_dict())
 
 
 async def _ask_remote(args: argparse.Namespace, path: Path) -> dict:
@@ -90,6 +92,7 @@ async def _ask_remote(args: argparse.Namespace, path: Path) -> dict:
         max_pixels=sampling.max_pixels or 0, max_new_tokens=generation.max_new_tokens,
         temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k,
         seed=generation.seed, stop=list(generation.stop),
+        pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
     )
     async with AsyncEpdClient(args.endpoint) as client:
         async for msg in client.ask_stream(path, args.question, **options):
@@ -102,8 +105,10 @@ async def _ask_remote(args: argparse.Namespace, path: Path) -> dict:
                 s = msg.summary
     if not args.json:
         print(file=sys.stdout)
+    from transport.convert import stats_from_proto
+
     return _result(s.answer, list(s.token_ids), s.num_frames, s.num_visual_tokens, dict(s.timings_ms),
-                   s.finish_reason, s.kv_num_bytes, "")
+                   s.finish_reason, s.kv_num_bytes, "", stats_from_proto(s.pruning).to_dict())
 
 
 def _notice(meaningless: bool, quiet: bool) -> str:
@@ -116,7 +121,8 @@ def _notice(meaningless: bool, quiet: bool) -> str:
     return text
 
 
-def _result(answer, token_ids, num_frames, num_visual_tokens, timings_ms, finish_reason, kv_num_bytes, notice):
+def _result(answer, token_ids, num_frames, num_visual_tokens, timings_ms, finish_reason, kv_num_bytes, notice,
+            pruning):
     out = {
         "answer": answer,
         "token_ids": token_ids,
@@ -125,6 +131,7 @@ def _result(answer, token_ids, num_frames, num_visual_tokens, timings_ms, finish
         "timings_ms": timings_ms,
         "finish_reason": finish_reason,
         "kv_num_bytes": kv_num_bytes,
+        "pruning": pruning,
     }
     if notice:
         out["notice"] = notice

@@ -11,6 +11,7 @@ from encoder_svc.token_cache import TokenCacheConfig
 from gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
 from model_runtime.config import ModelConfig
 from model_runtime.sampling import GenerationConfig
+from token_pruning import PruningConfig
 from prefill_svc.config import PrefillConfig
 from transport.server import ServerConfig
 from video.parallel_decoder import ParallelDecodeConfig
@@ -29,6 +30,14 @@ def sampling_options(args: argparse.Namespace) -> SamplingOptions:
         num_frames=args.num_frames or None,
         max_pixels=args.max_pixels or None,
     )
+
+
+def pruning_config(args: argparse.Namespace) -> PruningConfig:
+    """--pruning PRESET plus --pruning-knob NAME=VALUE, parsed exactly as the servers parse them."""
+    from protos.epd.v1 import common_pb2
+    from transport.convert import pruning_from_proto
+
+    return pruning_from_proto(common_pb2.PruningOptions(preset=args.pruning, knobs=dict(args.pruning_knob)))
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

@@ -51,6 +51,20 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
 
 
+def _knob(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def add_pruning_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("token dropping and KV compression (off by default)")
+    g.add_argument("--pruning", default="off", help="preset: off, light, balanced, aggressive")
+    g.add_argument("--pruning-knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
+                   help="override one knob of token_pruning.PruningConfig (repeatable)")
+
+
 def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("encoder")
     g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
@@ -106,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(ask)
     add_generation_flags(ask)
     add_sampling_flags(ask)
+    add_pruning_flags(ask)
 
     serve = sub.add_parser("serve", help="run the stack (default) or one service")
     roles = serve.add_subparsers(dest="role")

@@ -76,3 +76,22 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
     assert code == 0
     # Every service stopped with the stack: nothing listens any more.
     assert not any(is_serving(f"127.0.0.1:{p}", timeout_s=0.5) for p in ports)
+
+
+def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files):
+    common = ["ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
+              "--num-frames", "8", "--max-new-tokens", "6", "--json"]
+    off = json.loads(run_epd(*common).stdout)
+    proc = run_epd(*common, "--pruning", "balanced", "--pruning-knob", "prefill_drop_layer=1")
+    assert proc.returncode == 0, proc.stderr
+    on = json.loads(proc.stdout)
+    assert off["pruning"]["stages"] == []
+    assert {s["stage"] for s in on["pruning"]["stages"]} >= {"prefill_drop", "kv_compress"}
+    assert on["kv_num_bytes"] < off["kv_num_bytes"]
+
+
+def test_ask_with_bad_pruning_knob_fails_clearly(tiny_models, media_files):
+    proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
+                   "--pruning-knob", "kv_keep_ratio=2")
+    assert proc.returncode == 1
+    assert "INVALID_ARGUMENT" in proc.stderr and "kv_keep_ratio must be in (0, 1]" in proc.stderr
