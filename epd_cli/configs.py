@@ -11,8 +11,8 @@ from encoder_svc.token_cache import TokenCacheConfig
 from gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
 from model_runtime.config import ModelConfig
 from model_runtime.sampling import GenerationConfig
-from token_pruning import PruningConfig
 from prefill_svc.config import PrefillConfig
+from token_pruning import PruningConfig
 from transport.server import ServerConfig
 from video.parallel_decoder import ParallelDecodeConfig
 from video.types import DecodeLimits, SamplingOptions
