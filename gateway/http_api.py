@@ -153,6 +153,7 @@ class HttpApi:
                 sampling=chat.sampling,
                 generation=chat.generation,
                 request_id=uuid.uuid4().hex,
+                pruning=chat.pruning,
             )
             events = self.pipeline.ask(ask)
             if chat.stream:

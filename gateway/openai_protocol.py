@@ -4,7 +4,8 @@ A request is one user message whose content parts are text and exactly one `vide
 `image_url` part. Generation options are OpenAI's own fields (max_completion_tokens or
 max_tokens, temperature, top_p, seed, stop) plus `top_k` and `ignore_eos`; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
-"start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`).
+"start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
+dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
 Fields left out take the server's defaults, which are greedy: unlike OpenAI, a missing
 `temperature` means 0.
 """
@@ -19,6 +20,9 @@ import grpc
 
 from gateway.pipeline import AskSummary
 from model_runtime.sampling import GenerationConfig
+from protos.epd.v1 import common_pb2
+from token_pruning import PruningConfig
+from transport.convert import pruning_from_proto
 from transport.errors import InvalidRequest, NotFound
 from video.types import SamplingOptions
 
@@ -71,6 +75,7 @@ class ChatRequest:
     generation: GenerationConfig
     stream: bool
     include_usage: bool
+    pruning: PruningConfig = PruningConfig()
 
 
 def parse_chat_request(
@@ -98,7 +103,24 @@ def parse_chat_request(
         generation=_generation(body, generation_defaults),
         stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
+        pruning=_pruning(body.get("pruning")),
     )
+
+
+def _pruning(value: Any) -> PruningConfig:
+    """{"preset": name, "knobs": {name: value}} -> PruningConfig, parsed as the gRPC path does."""
+    if value is None:
+        return PruningConfig()
+    if not isinstance(value, dict) or set(value) - {"preset", "knobs"}:
+        raise InvalidRequest('\'pruning\' must be an object like {"preset": "balanced", "knobs": {...}}')
+    knobs = value.get("knobs") or {}
+    if not isinstance(knobs, dict):
+        raise InvalidRequest("pruning.knobs must be an object of knob names to values")
+    options = common_pb2.PruningOptions(
+        preset=str(value.get("preset") or "off"),
+        knobs={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in knobs.items()},
+    )
+    return pruning_from_proto(options)
 
 
 def _parse_messages(messages: Any) -> tuple[str, str, str]:
@@ -223,7 +245,23 @@ def epd_details(summary: AskSummary) -> dict[str, Any]:
         "kv_num_bytes": summary.kv_num_bytes,
         "encoder_cache_hit": summary.encoder_cache_hit,
         "media_sha256": summary.media_sha256,
+        "pruning": summary.pruning.to_dict(),
+        "grid_thw": list(summary.grid_thw),
+        **({"kept_tokens": kept_token_grid(summary)} if summary.kept_visual_token_index else {}),
     }
+
+
+def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[int]]]:
+    """kept[t][row][col] (0/1) over the merged-token grid of each temporal group: which visual
+    tokens reached the KV cache. grid_thw is in patches; a merged token covers merge x merge."""
+    t, h, w = summary.grid_thw
+    rows, cols = h // merge_size, w // merge_size
+    kept = [[[0] * cols for _ in range(rows)] for _ in range(t)]
+    for index in summary.kept_visual_token_index:
+        group, rest = divmod(index, rows * cols)
+        if group < t:
+            kept[group][rest // cols][rest % cols] = 1
+    return kept
 
 
 def completion_body(summary: AskSummary, model: str, created: int | None = None) -> dict[str, Any]:
