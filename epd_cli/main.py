@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
+                     help="key of a gateway started with --api-key (default: $EPD_API_KEY)")
     add_model_flags(ask)
     add_generation_flags(ask)
     add_sampling_flags(ask)

@@ -38,7 +38,8 @@ class HttpApiConfig:
     host: str = ""
     """Interface to bind; "" means the gRPC server's host."""
     api_key: str = ""
-    """When set, /v1/* needs `Authorization: Bearer <api_key>` (health and metrics stay open)."""
+    """When set, /v1/* and the gRPC GatewayService need `Authorization: Bearer <api_key>`
+    (HTTP /health and /metrics and the gRPC health service stay open for probes)."""
     served_model_name: str = "epd"
     """The model id that /v1/models lists and requests must name."""
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)

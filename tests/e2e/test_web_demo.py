@@ -141,6 +141,7 @@ def test_kept_tokens_from_the_server_shade_the_dropped_ones(page, media_files):
     assert first_frame_cells == ["token kept", "token dropped", "token kept", "token dropped", "token kept",
                                  "token dropped"]  # fmt: skip
     assert page.text_content("#overlay-legend").startswith("token dropping kept 6 of 12")
+    page.locator("#media-panel").screenshot(path=str(SCREENSHOT.with_name("epd_web_demo_kept.png")))
 
 
 def test_a_bundled_sample_with_suggested_questions(page):
