@@ -94,7 +94,7 @@ async def _ask_remote(args: argparse.Namespace, path: Path) -> dict:
         seed=generation.seed, stop=list(generation.stop),
         pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
     )
-    async with AsyncEpdClient(args.endpoint, api_key=args.api_key or None) as client:
+    async with AsyncEpdClient(args.endpoint, api_key=args.api_key) as client:
         async for msg in client.ask_stream(path, args.question, **options):
             kind = msg.WhichOneof("kind")
             if kind == "event":
