@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 
 from gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
-from stages.contracts import TokenStep
+from stages.contracts import StageEvent, TokenStep
 from transport.errors import status_of
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -181,6 +181,14 @@ class GatewayMetrics:
             Counter("epd_requests_total", "Pipeline runs by outcome (gRPC status name).", ["status"])
         )
         self.in_flight = r.add(Gauge("epd_requests_in_flight", "Pipeline runs in progress."))
+        self.stage_queue = r.add(
+            Gauge(
+                "epd_stage_requests",
+                "Requests waiting for or being served by each stage (encoder, prefill, decode), "
+                "as the gateway sees them: the stages' queue sizes.",
+                ["stage"],
+            )
+        )
         self.ttft = r.add(
             Histogram(
                 "epd_time_to_first_token_seconds", "Request start to first generated token.", _TTFT_BUCKETS_S
@@ -227,10 +235,18 @@ class GatewayMetrics:
         t_first: float | None = None
         answered = False
         status = "OK"
+        stage = "encoder"  # the first stage a request waits for
         self.in_flight.inc()
+        self.stage_queue.inc(stage=stage)
         try:
             async with aclosing(events):  # type: ignore[type-var]  # Pipeline.ask is an async generator
                 async for item in events:
+                    next_stage = _stage_after(item, stage)
+                    if next_stage != stage:
+                        self.stage_queue.dec(stage=stage)
+                        if next_stage:
+                            self.stage_queue.inc(stage=next_stage)
+                        stage = next_stage
                     if isinstance(item, TokenStep) and t_first is None and item.token_ids:
                         t_first = time.perf_counter()
                         self.ttft.observe(t_first - t0)
@@ -246,6 +262,8 @@ class GatewayMetrics:
             status = status_of(exc)[0].name
             raise
         finally:
+            if stage:
+                self.stage_queue.dec(stage=stage)
             self.in_flight.dec()
             self.requests.inc(status=status)
 
@@ -255,11 +273,24 @@ class GatewayMetrics:
         num_tokens = len(summary.token_ids)
         if t_first is not None and num_tokens > 1:
             self.tpot.observe((t_end - t_first) / (num_tokens - 1))
-        self.visual_tokens.observe(summary.num_visual_tokens)
+        kept = len(summary.kept_visual_token_index) or summary.num_visual_tokens
+        self.visual_tokens.observe(kept)
         self.prompt_tokens.inc(summary.num_prompt_tokens)
         self.generation_tokens.inc(num_tokens)
         if summary.encoder_cache_hit:
             self.cache_hits.inc()
+
+
+def _stage_after(item: PipelineEvent, stage: str) -> str:
+    """Which stage a request is in after this event ("" once answered)."""
+    if isinstance(item, StageEvent):
+        if item.stage == "prefill" and item.state == "started":
+            return "prefill"
+        if item.stage == "prefill" and item.state == "finished":
+            return "decode"
+    if isinstance(item, AskSummary):
+        return ""
+    return stage
 
 
 class MeteredPipeline(Pipeline):

@@ -142,3 +142,38 @@ def test_closing_after_the_summary_counts_as_ok():
     asyncio.run(read_until_summary())
     assert m.requests.get(status="OK") == 1
     assert "epd_requests_total" in m.render()
+
+
+def test_stage_queue_gauges_follow_a_request():
+    import asyncio
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.pipeline import AskSummary
+    from stages.contracts import StageEvent, TokenStep
+
+    metrics = GatewayMetrics()
+    seen = []
+
+    async def events():
+        yield StageEvent("decode", "started")
+        seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
+        yield StageEvent("prefill", "started")
+        seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
+        yield StageEvent("prefill", "finished")
+        yield TokenStep([5], "a")
+        seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
+        yield AskSummary("r", "a", [5], "stop", 1, 4, 9, {}, 0, False, "", [], kept_visual_token_index=[0, 2])
+
+    async def run():
+        async for _ in metrics.track(events()):
+            pass
+
+    asyncio.run(run())
+    assert seen == [
+        {"encoder": 1, "prefill": 0, "decode": 0},
+        {"encoder": 0, "prefill": 1, "decode": 0},
+        {"encoder": 0, "prefill": 0, "decode": 1},
+    ]
+    assert all(metrics.stage_queue.get(stage=s) == 0 for s in ("encoder", "prefill", "decode"))
+    assert 'epd_stage_requests{stage="decode"} 0' in metrics.render()
+    assert "epd_request_visual_tokens_sum 2" in metrics.render()
