@@ -53,7 +53,7 @@ async def start(config: GatewayConfig, pipeline: Pipeline | None = None) -> Heal
         await hs.set_serving(True)
         log.info("gateway serving on port %d", hs.port)
 
-    hs.background = asyncio.ensure_future(become_ready())  # type: ignore[attr-defined]
+    hs.background_tasks.append(asyncio.ensure_future(become_ready()))
     return hs
 
 

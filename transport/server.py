@@ -51,6 +51,7 @@ class HealthyServer:
         self.port = port
         self.service_names = service_names
         self.health = health.aio.HealthServicer()
+        self.background_tasks: list[asyncio.Task] = []  # e.g. waiting for downstream readiness
 
     async def set_serving(self, serving: bool = True) -> None:
         status = (
@@ -60,6 +61,8 @@ class HealthyServer:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
+        for task in self.background_tasks:
+            task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 
