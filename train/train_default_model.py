@@ -76,8 +76,9 @@ class TrainConfig:
     """Test clips, evaluated once at the end (the same split `epd bench quality` uses)."""
     steps: int = 6000
     """Optimizer steps."""
-    batch_size: int = 16
-    """(media, question) pairs per step."""
+    clips_per_step: int = 4
+    """Media files per step; every question about them is in the step (about 8 per clip), and the
+    vision tower runs once per file for all of them (its cost dominates a step)."""
     lr: float = 2e-3
     """Peak learning rate (after warm-up)."""
     min_lr_ratio: float = 0.05
@@ -233,6 +234,31 @@ def collate(batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[s
     return out
 
 
+def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[str, torch.Tensor]:
+    """Model inputs with the visual embeddings already in place, the vision tower run once per
+    distinct media file of the batch (several questions share a clip).
+
+    The same computation as `model(**collate(batch))`, where the model runs the tower once per
+    question: the tower sees one file at a time (attention within a temporal patch group), and
+    the embeddings go into the placeholder tokens in batch order."""
+    inputs = collate(batch, [MediaItem(m.modality, m.pixel_values[:0], m.grid_thw) for m in media], pad_id)
+    for key in ("pixel_values_videos", "pixel_values", "video_grid_thw", "image_grid_thw"):
+        inputs.pop(key, None)
+    distinct = sorted({e.media_index for e in batch})
+    pixels = torch.cat([media[i].pixel_values for i in distinct])
+    grids = torch.tensor([media[i].grid_thw for i in distinct], dtype=torch.long)
+    visual = model.model.visual(pixels, grid_thw=grids).pooler_output  # [sum tokens, hidden]
+    sizes = [int(t * h * w) // 4 for t, h, w in grids.tolist()]
+    per_media = dict(zip(distinct, torch.split(visual, sizes)))
+    input_ids = inputs.pop("input_ids")
+    embeds = model.model.get_input_embeddings()(input_ids)  # [B, L, hidden]
+    cfg = model.config
+    mask = (input_ids == cfg.video_token_id) | (input_ids == cfg.image_token_id)
+    fill = torch.cat([per_media[e.media_index] for e in batch])
+    inputs["inputs_embeds"] = embeds.masked_scatter(mask[..., None].expand_as(embeds), fill)
+    return inputs
+
+
 @torch.no_grad()
 def evaluate(model, examples: list[Example], media: list[MediaItem], pad_id: int,
              batch_size: int = 32) -> dict[str, tuple[int, int]]:
@@ -355,16 +381,22 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     )
     order_gen = torch.Generator().manual_seed(config.seed)
     order: list[int] = []
+    questions_of: dict[int, list[Example]] = {}
+    for e in train_ex:
+        questions_of.setdefault(e.media_index, []).append(e)
+    num_seen = 0
     losses: list[float] = []
     evals: list[dict] = []
     model.train()
     t_train = time.perf_counter()
     bar = tqdm(range(config.steps), desc="training", unit="step", disable=not progress, mininterval=2)
     for step in bar:
-        if len(order) < config.batch_size:
-            order += torch.randperm(len(train_ex), generator=order_gen).tolist()
-        idx, order = order[: config.batch_size], order[config.batch_size :]
-        inputs = collate([train_ex[i] for i in idx], train_media, pad_id)
+        if len(order) < config.clips_per_step:
+            order += torch.randperm(len(train_media), generator=order_gen).tolist()
+        idx, order = order[: config.clips_per_step], order[config.clips_per_step :]
+        batch = [e for i in idx for e in questions_of[i]]
+        num_seen += len(batch)
+        inputs = shared_vision_inputs(model, batch, train_media, pad_id)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         loss = model(**inputs).loss
@@ -372,7 +404,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 20 == 0:
             bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
         last = step + 1 == config.steps
@@ -393,7 +425,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         curve,
         [Series("loss per step", list(range(1, len(losses) + 1)), losses),
          Series("mean of 100 steps", list(range(1, len(losses) + 1)), smooth(losses, 100))],
-        title=f"epd-tiny-videoqa training loss (seed {config.seed}, batch {config.batch_size})",
+        title=f"epd-tiny-videoqa training loss (seed {config.seed}, {config.clips_per_step} clips a step)",
         xlabel="step", ylabel="loss", log_y=True,
     )
     log = {
@@ -404,6 +436,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         "prepare_s": round(prepare_s, 1),
         "train_s": round(train_s, 1),
         "seconds_per_step": round(train_s / config.steps, 4),
+        "num_questions_seen": num_seen,
         "loss_every_10_steps": [round(sum(losses[i : i + 10]) / len(losses[i : i + 10]), 5)
                                 for i in range(0, len(losses), 10)],
         "validation": evals,
@@ -429,7 +462,8 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
             "num_questions": log["num_questions"],
             "sampling": {"fps": serving_sampling().fps, "max_frames": serving_sampling().max_frames},
         },
-        "training": {"steps": config.steps, "batch_size": config.batch_size, "lr": config.lr,
+        "training": {"steps": config.steps, "clips_per_step": config.clips_per_step, "lr": config.lr,
+                     "num_questions_seen": log["num_questions_seen"],
                      "train_s": log["train_s"], "seconds_per_step": log["seconds_per_step"]},
         "accuracy": {
             "metric": "greedy exact match of the one-word answer",
@@ -453,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
                    "(default: build one in a temporary directory)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--clips-per-step", type=int, default=d.clips_per_step)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--num-train", type=int, default=d.num_train_clips, help="training clips")
     p.add_argument("--num-validation", type=int, default=d.num_validation_clips, help="validation clips")
@@ -473,7 +507,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
                      num_hidden_layers=a.layers, vision_depth=a.vision_depth,
                      vision_embed_dim=a.vision_dim, vision_num_heads=a.vision_heads)
     config = TrainConfig(
-        seed=a.seed, steps=a.steps, batch_size=a.batch_size, lr=a.lr, num_train_clips=a.num_train,
+        seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, num_train_clips=a.num_train,
         num_validation_clips=a.num_validation, num_test_clips=a.num_test,
         eval_every_steps=a.eval_every, num_threads=a.threads, size=size,
         warmup_steps=min(d.warmup_steps, max(1, a.steps // 10)),

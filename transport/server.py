@@ -74,11 +74,17 @@ async def create_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> HealthyServer:
     """Build and start a server; `register(server)` adds the service's servicers."""
-    server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=list(interceptors))
+    # so_reuseport off: gRPC enables it by default on Linux, which lets a second server bind a
+    # port already in use and silently share its connections (two models behind one address).
+    options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
     register(server)
-    port = server.add_insecure_port(config.address)
+    try:
+        port = server.add_insecure_port(config.address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {config.address}")
+        raise OSError(f"could not bind {config.address}: is another server already using that port?")
     hs = HealthyServer(server, port, service_names)
     health_pb2_grpc.add_HealthServicer_to_server(hs.health, server)
     reflection.enable_server_reflection(

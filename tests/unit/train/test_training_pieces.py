@@ -146,3 +146,24 @@ def test_line_plot_draws_each_series_in_its_colour(tmp_path):
     assert (31, 119, 180) in colours and (255, 127, 14) in colours
     with pytest.raises(ValueError, match="every series is empty"):
         line_plot(tmp_path / "q.png", [Series("a", [], [])], title="t", xlabel="x", ylabel="y")
+
+
+def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
+    """Running the tower once per clip for all its questions gives the model's own per-question
+    forward (the path generation and serving take), to float rounding."""
+    from train.train_default_model import collate, shared_vision_inputs
+
+    adapter, examples, media = prepared
+    model = adapter.model
+    batch = examples[:5] + [e for e in examples if media[e.media_index].modality == "image"][:2]
+    with torch.no_grad():
+        full = model(**collate(batch, media, pad_id=0))
+        shared = model(**shared_vision_inputs(model, batch, media, pad_id=0))
+    assert torch.allclose(full.logits, shared.logits, atol=1e-5)
+    assert full.loss.item() == pytest.approx(shared.loss.item(), abs=1e-6)
+    # A wrong clip in the batch changes the answer logits: the embeddings land per question.
+    swapped = list(batch)
+    swapped[0] = type(batch[0])(**{**batch[0].__dict__, "media_index": batch[-1].media_index})
+    with torch.no_grad():
+        other = model(**shared_vision_inputs(model, swapped, media, pad_id=0))
+    assert not torch.allclose(other.logits[0], shared.logits[0], atol=1e-4)
