@@ -163,7 +163,8 @@ def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
     assert full.loss.item() == pytest.approx(shared.loss.item(), abs=1e-6)
     # A wrong clip in the batch changes the answer logits: the embeddings land per question.
     swapped = list(batch)
-    swapped[0] = type(batch[0])(**{**batch[0].__dict__, "media_index": batch[-1].media_index})
+    other_clip = next(i for i, m in enumerate(media) if m.modality == "video" and i != batch[0].media_index)
+    swapped[0] = type(batch[0])(**{**batch[0].__dict__, "media_index": other_clip})
     with torch.no_grad():
         other = model(**shared_vision_inputs(model, swapped, media, pad_id=0))
     assert not torch.allclose(other.logits[0], shared.logits[0], atol=1e-4)
