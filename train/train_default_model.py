@@ -60,6 +60,10 @@ class ModelSize:
     """Vision transformer blocks: the questions need vision far more than language."""
     vision_embed_dim: int = 96
     vision_num_heads: int = 4
+    init: str = "hf"
+    """"hf": transformers' initialisation (std 0.02); "scaled": std `weight_std` (TinyVLMSpec)."""
+    weight_std: float = 0.1
+    """Std of the matrices when init is "scaled"."""
 
 
 @dataclass(frozen=True)
@@ -312,7 +316,8 @@ def model_spec(config: TrainConfig):
         vision_embed_dim=s.vision_embed_dim,
         vision_num_heads=s.vision_num_heads,
         seed=config.seed,
-        init="hf",
+        init=s.init,
+        weight_std=s.weight_std,
         extra_words=tuple(tokenizer_words()),
     )
 
@@ -501,11 +506,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--vision-depth", type=int, default=s.vision_depth)
     p.add_argument("--vision-dim", type=int, default=s.vision_embed_dim)
     p.add_argument("--vision-heads", type=int, default=s.vision_num_heads)
+    p.add_argument("--init", default=s.init, choices=["hf", "scaled"])
+    p.add_argument("--weight-std", type=float, default=s.weight_std)
+    p.add_argument("--heads", type=int, default=s.num_attention_heads)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
     size = ModelSize(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
                      num_hidden_layers=a.layers, vision_depth=a.vision_depth,
-                     vision_embed_dim=a.vision_dim, vision_num_heads=a.vision_heads)
+                     vision_embed_dim=a.vision_dim, vision_num_heads=a.vision_heads, init=a.init, weight_std=a.weight_std,
+                     num_attention_heads=a.heads)
     config = TrainConfig(
         seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, num_train_clips=a.num_train,
         num_validation_clips=a.num_validation, num_test_clips=a.num_test,

@@ -344,10 +344,11 @@ def test_gpu_override_reserves_gpus_for_model_stages_only():
 
 def test_environment_overrides_reach_the_services():
     doc = load(
-        "docker-compose.yml", env={"EPD_MODEL": "Qwen/Qwen2-VL-2B-Instruct", "EPD_GATEWAY_PORT": "6000"}
+        "docker-compose.yml",
+        env={"EPD_MODEL": "Qwen/Qwen2-VL-2B-Instruct", "EPD_GATEWAY_PORT": "6000", "EPD_HTTP_PORT": "6001"},
     )
     assert doc["services"]["prefill"]["environment"]["EPD_MODEL"] == "Qwen/Qwen2-VL-2B-Instruct"
-    assert doc["services"]["gateway"]["ports"] == ["6000:50050"]
+    assert doc["services"]["gateway"]["ports"] == ["6000:50050", "6001:8000"]
     assert load("docker-compose.yml")["services"]["decode"]["environment"]["EPD_MODEL"] == "default"
 
 

@@ -174,7 +174,15 @@ def check_services(objs: list[dict]) -> list[str]:
             ]
             if others:
                 problems.append(f"Service {s['metadata']['name']} also selects the pods of {others}")
+            container_ports = {
+                cp.get("name"): cp["containerPort"] for cp in dep["spec"]["template"]["spec"]["containers"][0]["ports"]
+            }
             for p in s["spec"]["ports"]:
+                if p.get("name") == "http":  # the gateway's HTTP API: a named container port
+                    if p.get("targetPort") != "http" or container_ports.get("http") != p["port"]:
+                        problems.append(f"Service {s['metadata']['name']}: http port {p} does not reach "
+                                        f"{role}'s container port named http")
+                    continue
                 if p.get("targetPort") not in ("grpc", grpc_port(dep)) or p["port"] != grpc_port(dep):
                     problems.append(
                         f"Service {s['metadata']['name']}: port {p} does not reach {role}'s "
