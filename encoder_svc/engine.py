@@ -63,9 +63,8 @@ class EncoderEngine:
         on_event: EventSink,
         pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
-        sha256 = media.sha256 or hashlib.sha256(media.data or b"").hexdigest()
-        if media.data is not None and media.sha256 and hashlib.sha256(media.data).hexdigest() != media.sha256:
-            sha256 = hashlib.sha256(media.data).hexdigest()  # never trust a client's hash for bytes it sent
+        # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
+        sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         key = self.cache_key(sha256, sampling, pruning)
         cached = self.cache.get(key)
         if cached is not None:
