@@ -95,7 +95,7 @@ def test_one_step_lowers_the_loss_on_its_batch(prepared):
         opt.step()
         losses.append(float(loss.detach()))
     model.eval()
-    assert losses[0] > 4.0  # hf init: near ln(vocab), not a saturated random model
+    assert losses[0] > 4.0  # near ln(vocab): the training init is not a saturated random model
     assert losses[-1] < losses[0] - 0.5
 
 
