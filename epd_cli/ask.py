@@ -49,13 +49,13 @@ def _emit_text(text: str, quiet: bool) -> None:
 async def _ask_embedded(args: argparse.Namespace, path: Path) -> dict:
     from gateway.embedded import build_embedded_pipeline
     from gateway.pipeline import AskRequest, AskSummary
-    from model_runtime.default_model import is_meaningless
+    from model_runtime.default_model import accuracy_notice, is_meaningless
     from model_runtime.loader import resolve_model_path
     from stages.contracts import MediaInput, StageEvent
 
     model = configs.model_config(args)
     model_path = resolve_model_path(model.model)
-    notice = _notice(is_meaningless(model_path), args.json)
+    notice = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
     if not args.json:
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
     pipeline = build_embedded_pipeline(model)
@@ -109,6 +109,12 @@ async def _ask_remote(args: argparse.Namespace, path: Path) -> dict:
 
     return _result(s.answer, list(s.token_ids), s.num_frames, s.num_visual_tokens, dict(s.timings_ms),
                    s.finish_reason, s.kv_num_bytes, "", stats_from_proto(s.pruning).to_dict())
+
+
+def _say(text: str, quiet: bool) -> str:
+    if text and not quiet:
+        print(f"epd: NOTE: {text}", file=sys.stderr, flush=True)
+    return text
 
 
 def _notice(meaningless: bool, quiet: bool) -> str:

@@ -42,6 +42,18 @@ def default_model_path() -> Path:
     return target
 
 
+def accuracy_notice(path: str | Path) -> str:
+    """For a demo model whose card records its test accuracy: a line saying how often it is right."""
+    card = Path(path) / "epd_model_card.json"
+    if not card.exists():
+        return ""
+    accuracy = json.loads(card.read_text()).get("accuracy", {}).get("test")
+    if accuracy is None:
+        return ""
+    return (f"epd's demo model answers about {accuracy:.0%} of its synthetic test questions correctly "
+            f"(per question type: {card})")
+
+
 def is_meaningless(path: str | Path) -> bool:
     """True for randomly initialised models, whose answers mean nothing."""
     card = Path(path) / "epd_model_card.json"
