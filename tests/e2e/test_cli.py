@@ -54,7 +54,8 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
     ports = [free_port() for _ in range(4)]
     serve = subprocess.Popen(
         epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port", str(ports[0]),
-                    "--encoder-port", str(ports[1]), "--prefill-port", str(ports[2]), "--decode-port", str(ports[3])),
+                    "--encoder-port", str(ports[1]), "--prefill-port", str(ports[2]), "--decode-port", str(ports[3]),
+                    "--http-port", str(free_port())),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT,
     )
     try:
