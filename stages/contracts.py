@@ -1,8 +1,10 @@
 """The three stage boundaries, as small abstract classes with their contracts.
 
-    EncodeStage.encode(MediaInput, SamplingOptions)         -> EncodedMedia
-    PrefillStage.prefill(question, EncodedMedia, GenerationConfig) -> PrefillHandle
-    DecodeStage.generate(PrefillHandle, GenerationConfig)   -> async iterator of TokenStep
+    EncodeStage.encode(MediaInput, SamplingOptions, ..., PruningConfig)   -> EncodedMedia
+    PrefillStage.prefill(question, EncodedMedia, GenerationConfig, ..., PruningConfig) -> PrefillHandle
+    DecodeStage.generate(PrefillHandle, GenerationConfig, ..., PruningConfig) -> async iter of TokenStep
+
+Every stage takes the request's PruningConfig; with its default (all off) the stages are exact.
 
 Two implementations stand side by side: `stages.local` runs the engines in this process (the
 embedded mode, and the reference for tests) and `stages.remote` calls the gRPC services. The
