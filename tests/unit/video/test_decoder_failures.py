@@ -78,11 +78,11 @@ def test_worker_exception_fails_request_and_pool_recovers(video_factory, monkeyp
     real = parallel_decoder._decode_share
     calls = {"n": 0}
 
-    def flaky(task, retired):
+    def flaky(task, retired, *rest):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected decoder failure with /secret/path")
-        return real(task, retired)
+        return real(task, retired, *rest)
 
     monkeypatch.setattr(parallel_decoder, "_decode_share", flaky)
     with ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0)) as dec:
@@ -101,11 +101,11 @@ def test_crashed_worker_thread_is_replaced(video_factory, monkeypatch):
     real = parallel_decoder._decode_share
     calls = {"n": 0}
 
-    def crashing(task, retired):
+    def crashing(task, retired, *rest):
         calls["n"] += 1
         if calls["n"] == 1:
             raise _ThreadDeath()
-        return real(task, retired)
+        return real(task, retired, *rest)
 
     monkeypatch.setattr(parallel_decoder, "_decode_share", crashing)
     threading_excepthook = threading.excepthook
@@ -127,12 +127,12 @@ def test_hung_worker_times_out_and_is_replaced(video_factory, monkeypatch):
     release = threading.Event()
     calls = {"n": 0}
 
-    def hanging(task, retired):
+    def hanging(task, retired, *rest):
         calls["n"] += 1
         if calls["n"] == 1:
             release.wait(timeout=30)  # stands in for a decoder stuck inside FFmpeg
             return None
-        return real(task, retired)
+        return real(task, retired, *rest)
 
     monkeypatch.setattr(parallel_decoder, "_decode_share", hanging)
     others = set(_decode_threads())
@@ -155,7 +155,7 @@ def test_hung_worker_times_out_and_is_replaced(video_factory, monkeypatch):
 def test_request_timeout(video_factory, monkeypatch):
     good = video_factory(".mp4", codec="h264", **SMALL)
     release = threading.Event()
-    monkeypatch.setattr(parallel_decoder, "_decode_share", lambda task, retired: release.wait(30))
+    monkeypatch.setattr(parallel_decoder, "_decode_share", lambda task, retired, *rest: release.wait(30))
     dec = ParallelDecoder(ParallelDecodeConfig(num_workers=1, request_timeout_s=0.3, stall_timeout_s=60))
     try:
         with pytest.raises(MediaError, match="did not finish within 0.3 s"):

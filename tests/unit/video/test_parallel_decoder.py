@@ -182,3 +182,23 @@ def test_limits_are_enforced(video_factory, decoder):
         decoder.decode(data, SamplingOptions(), DecodeLimits(max_source_pixels=64 * 64))
     with pytest.raises(MediaLimitError, match="at most 4"):
         decoder.decode(data, SamplingOptions(num_frames=8), DecodeLimits(max_frames=4))
+
+
+@pytest.mark.parametrize("codec", ["h264", "hevc"])
+def test_non_reference_frames_are_skipped_without_changing_any_frame(video_factory, codec):
+    """Long GOPs with B-frames: most frames between targets are decoded only because they are on
+    the way. Skipping the non-reference ones must leave every returned frame identical."""
+    from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+
+    data = video_factory(".mp4", codec=codec, size=(96, 64), fps=10.0, seconds=6.0, gop=60, bframes=3)
+    opts = SamplingOptions(num_frames=5)
+    expected = simple_decoder.decode(data, opts)
+    decoded = {}
+    for skip in (False, True):
+        with ParallelDecoder(ParallelDecodeConfig(num_workers=1, skip_nonref_frames=skip)) as dec:
+            got = dec.decode(data, opts)
+        assert_same(expected, got)
+        decoded[skip] = got.stats["num_decoded_frames"]
+    # One interval from the only keyframe to the last target (~54 frames); with 3 B-frames per
+    # P-frame and x264's B-pyramid, 2 of every 4 frames are non-reference.
+    assert decoded[True] < 0.75 * decoded[False], decoded
