@@ -2,7 +2,8 @@
 
     full prompt [1, L]  --(encode-stage drops: fewer placeholders)-->  [1, L']
         layers < d on L' tokens; at layer d the question's queries score the visual tokens
-        (MustDrop dual rule) and layers >= d run on the survivors  -->  cache of L'' entries
+        (MustDrop dual rule) and layers >= d run on the survivors (repeated at each drop layer
+        d1 < d2 < ... when several are configured)  -->  cache of L'' entries
     --(LOOK-M: text-prior eviction + merging, per layer and KV head)-->  cache of T + k entries
 
 Positions are computed once on the full prompt and gathered, so every surviving token keeps its
@@ -28,6 +29,7 @@ from token_pruning import (
     prompt_keep_indices,
     question_query_positions,
     resolve_keep_count,
+    staged_keep_counts,
     text_prior_scores,
 )
 from token_pruning.layerwise_prefill import prefill_with_drop
@@ -65,26 +67,30 @@ def pruned_prefill(
     hidden = lm.embed_tokens(pruned.input_ids.to(adapter.device))  # [1, L', hidden]
     hidden[0, visual_index] = embeds.to(hidden.device, hidden.dtype)
 
-    drop_layer = min(config.prefill_drop_layer, num_layers - 1) if config.prefill_drop else None
+    drop_layers = config.drop_layers(num_layers)
     num_visual = visual_index.numel()
     num_after_drop = num_visual
-    if drop_layer is not None:
+    counts: list[int] = []
+    if drop_layers:
         num_after_drop = resolve_keep_count(num_visual, config.prefill_keep_ratio, config.prefill_keep_count)
+        counts = staged_keep_counts(num_visual, num_after_drop, len(drop_layers))
     length = pruned.input_ids.shape[1]
     length_after = length - (num_visual - num_after_drop)
-    # Question queries for KV scoring, in each layer's own sequence (shorter after the drop).
+    # Question queries for KV scoring, in each layer's own sequence (shorter after each drop: the
+    # dropped tokens all precede the question, so its positions shift down by their number).
     q_before = question_query_positions(length, visual_index, config.kv_query_window)
     q_after = q_before - (length - length_after)
     captures = []
     if config.kv_compress:
-        split = num_layers if drop_layer is None else drop_layer
-        captures = [QueryCapture(lm.layers, range(split), q_before),
-                    QueryCapture(lm.layers, range(split, num_layers), q_after)]
+        bounds = [0, *drop_layers, num_layers]
+        left = [num_visual, *counts]  # visual tokens present in each segment of layers
+        captures = [QueryCapture(lm.layers, range(a, b), q_before - (num_visual - n))
+                    for a, b, n in zip(bounds, bounds[1:], left) if b > a]
     for c in captures:
         c.__enter__()
     try:
         out = prefill_with_drop(
-            lm, hidden, pruned.position_ids.to(hidden.device), visual_index, drop_layer,
+            lm, hidden, pruned.position_ids.to(hidden.device), visual_index, list(drop_layers) or None,
             keep_ratio=config.prefill_keep_ratio, keep_count=config.prefill_keep_count,
             key_mask=key_mask, query_window=config.prefill_query_window,
         )
@@ -98,7 +104,7 @@ def pruned_prefill(
     visual_rank = torch.full((length,), -1, dtype=torch.long)
     visual_rank[visual_index] = torch.arange(num_visual)
     surviving = visual_rank[out.keep_indices][visual_rank[out.keep_indices] >= 0]
-    if drop_layer is not None:
+    if drop_layers:
         stats.record("prefill_drop", num_visual, int(surviving.numel()))
     sizes = ModelSizes.from_config(adapter.text_config)
     stats.prefill_flops_full = prefill_flops(sizes, prompt.num_tokens)
@@ -110,7 +116,8 @@ def pruned_prefill(
     visual_entry_mask = torch.zeros(num_layers, num_heads, cache.num_cached_tokens, dtype=torch.bool)
     visual_entry_mask[:, :, kept_visual] = True
     if config.kv_compress:
-        queries = [{**captures[0].queries, **captures[1].queries}[i] for i in range(num_layers)]
+        by_layer = {i: q for c in captures for i, q in c.queries.items()}
+        queries = [by_layer[i] for i in range(num_layers)]
         layer_caches = list(zip(cache.keys, cache.values, strict=True))
         scores = text_prior_scores(queries, layer_caches, q_after, kept_visual)
         survivor_keys = None if key_mask is None else key_mask[surviving]

@@ -25,7 +25,7 @@ and reports its counts into `PruningStats`.
 
 from token_pruning.accounting import ModelSizes, PruningStats, prefill_flops, tokens_per_layer
 from token_pruning.attention_scores import ReceivedAttention, received_attention
-from token_pruning.budget import resolve_keep_count
+from token_pruning.budget import resolve_keep_count, staged_keep_counts
 from token_pruning.config import PRESETS, PruningConfig
 from token_pruning.decode_policy import OutputAwareEviction
 from token_pruning.encode_stage import EncodedTokens, prune_encoded_tokens
@@ -72,6 +72,7 @@ __all__ = [
     "question_query_positions",
     "received_attention",
     "resolve_keep_count",
+    "staged_keep_counts",
     "select_key_tokens",
     "sparse_vision_inputs",
     "spatial_merge",

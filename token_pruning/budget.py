@@ -25,6 +25,22 @@ def resolve_keep_count(num_tokens: int, keep_ratio: float = 1.0, keep_count: int
     return keep_count_from_ratio(num_tokens, keep_ratio)
 
 
+def staged_keep_counts(num_tokens: int, final_count: int, num_stages: int) -> list[int]:
+    """Survivors after each of `num_stages` drops that end at `final_count`, shrinking by the same
+    factor at every stage (geometric): 100 tokens, 25 kept, 2 stages -> [50, 25]. Non-increasing,
+    the last is exactly `final_count`."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not 0 <= final_count <= num_tokens:
+        raise ValueError(f"final count {final_count} must be in [0, {num_tokens}]")
+    if num_tokens == 0:
+        return [0] * num_stages
+    ratio = final_count / num_tokens
+    counts = [max(final_count, math.ceil(round(num_tokens * ratio ** ((i + 1) / num_stages), 6)))
+              for i in range(num_stages - 1)]
+    return [*counts, final_count]
+
+
 def kv_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Bytes one sequence position costs in a KV cache: keys and values of every layer."""
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes

@@ -51,8 +51,14 @@ class PruningConfig:
     """Drop visual tokens at `prefill_drop_layer` by the attention the question pays them."""
     prefill_drop_layer: int = 2
     """Decoder layer whose input is scored; layers >= this one run on the survivors only."""
+    prefill_drop_layers: tuple[int, ...] = ()
+    """Drop at each of these decoder layers (strictly ascending) instead of only at
+    `prefill_drop_layer`. Each stage is scored afresh by the question at its own layer, and the
+    survivors shrink by the same factor per stage down to the final budget at the last one: layers
+    (1, 3) with ratio 0.25 keep 50% after layer 1 and 25% after layer 3. Later layers see sharper
+    text-to-visual attention, so a gradual schedule drops less of what matters (PyramidDrop)."""
     prefill_keep_ratio: float = 1.0
-    """Fraction of the visual tokens entering prefill that survive the drop."""
+    """Fraction of the visual tokens entering prefill that survive the (last) drop."""
     prefill_keep_count: int | None = None
     """Exact number of surviving visual tokens; overrides `prefill_keep_ratio`."""
     prefill_query_window: int = 0
@@ -112,6 +118,11 @@ class PruningConfig:
             raise ValueError(f"kv_merge must be one of {KV_MERGE_MODES}, got {self.kv_merge!r}")
         if self.prefill_drop_layer < 0:
             raise ValueError(f"prefill_drop_layer must be >= 0, got {self.prefill_drop_layer}")
+        layers = tuple(self.prefill_drop_layers)
+        if any(x < 0 for x in layers) or any(b <= a for a, b in zip(layers, layers[1:])):
+            raise ValueError(
+                f"prefill_drop_layers must be strictly ascending layer numbers >= 0, got {layers}"
+            )
         if self.prefill_keep_count is not None and self.prefill_keep_count < 0:
             raise ValueError(f"prefill_keep_count must be >= 0, got {self.prefill_keep_count}")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
@@ -123,6 +134,14 @@ class PruningConfig:
             raise ValueError(f"decode_ema_decay must be in [0, 1), got {self.decode_ema_decay}")
         if self.decode_min_steps < 1 or self.decode_evict_interval < 1:
             raise ValueError("decode_min_steps and decode_evict_interval must be >= 1")
+
+    def drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The decoder layers that drop, clamped to the model's depth (duplicates removed);
+        () when the prefill stage is off."""
+        if not self.prefill_drop:
+            return ()
+        wanted = self.prefill_drop_layers or (self.prefill_drop_layer,)
+        return tuple(sorted({min(x, num_layers - 1) for x in wanted}))
 
     @property
     def any_enabled(self) -> bool:
@@ -146,6 +165,8 @@ class PruningConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown pruning option(s) {unknown}; known options: {sorted(known)}")
+        if "prefill_drop_layers" in data:  # JSON gives a list
+            data = {**data, "prefill_drop_layers": tuple(int(x) for x in data["prefill_drop_layers"])}
         return cls(**data)
 
     @classmethod

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from train.aux_targets import AuxHead, TokenTargets, token_targets
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "epd-tiny-videoqa"
 
@@ -95,6 +97,9 @@ class TrainConfig:
     """AdamW decay on matrices (not on biases and norms)."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
+    aux_weight: float = 1.0
+    """Weight of the dense auxiliary loss on the vision tower's tokens (train/aux_targets.py);
+    0 trains on the answers alone."""
     eval_every_steps: int = 1000
     """Validation accuracy every this many steps (0: only at the end)."""
     num_threads: int = 1
@@ -125,6 +130,7 @@ class MediaItem:
     modality: str  # "video" | "image"
     pixel_values: torch.Tensor  # [num_patches, 3 * 2 * 14 * 14]
     grid_thw: tuple[int, int, int]
+    aux: TokenTargets | None = None  # per merged token, from the scene (training only)
 
 
 def generate_dataset(out_dir: Path, config: TrainConfig) -> None:
@@ -156,15 +162,26 @@ def serving_sampling():
     return EncoderConfig().sampling
 
 
-def load_split(data_dir: Path, split: str, adapter, progress: bool = True) -> tuple[list[Example], list[MediaItem]]:
-    """Decode, preprocess and tokenize every question of `split` the way the serving path does."""
+def scene_config(data_dir: Path):
+    """The SceneConfig the dataset was generated with."""
+    from synth.scene import SceneConfig
+
+    return SceneConfig(**json.loads((data_dir / "dataset_info.json").read_text())["scene"])
+
+
+def load_split(data_dir: Path, split: str, adapter, progress: bool = True,
+               with_aux: bool = False) -> tuple[list[Example], list[MediaItem]]:
+    """Decode, preprocess and tokenize every question of `split` the way the serving path does;
+    with_aux: also the dense targets of every media file (remade from its scene seed)."""
     from tqdm import tqdm
 
     from model_runtime.adapter import VisualMeta
     from synth.manifest import read_manifest
+    from synth.scene import generate_image_scene, generate_scene
     from video.simple_decoder import decode
 
     sampling = serving_sampling()
+    scenes = scene_config(data_dir) if with_aux else None
     records = read_manifest(data_dir, split=split)
     media: list[MediaItem] = []
     metas: list[VisualMeta] = []
@@ -178,8 +195,16 @@ def load_split(data_dir: Path, split: str, adapter, progress: bool = True) -> tu
             inputs = adapter.preprocess(video)
             meta = VisualMeta(inputs.modality, inputs.grid_thw, inputs.second_per_grid_t,
                               adapter.num_visual_tokens(inputs.grid_thw))
+            aux = None
+            if scenes is not None:
+                if r.media_type == "video":
+                    scene = generate_scene(r.seed, scenes)
+                    frame_indices = [int(round(ts * scenes.fps)) for ts in video.timestamps_s]
+                else:
+                    scene, frame_indices = generate_image_scene(r.seed, scenes), [0]
+                aux = token_targets(scene, frame_indices, inputs.grid_thw)
             index_of[r.media] = len(media)
-            media.append(MediaItem(inputs.modality, inputs.pixel_values, inputs.grid_thw))
+            media.append(MediaItem(inputs.modality, inputs.pixel_values, inputs.grid_thw, aux))
             metas.append(meta)
         i = index_of[r.media]
         prompt = adapter.build_prompt(r.question, metas[i])
@@ -240,13 +265,15 @@ def collate(batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[s
     return out
 
 
-def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[str, torch.Tensor]:
+def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pad_id: int
+                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
     """Model inputs with the visual embeddings already in place, the vision tower run once per
     distinct media file of the batch (several questions share a clip).
 
     The same computation as `model(**collate(batch))`, where the model runs the tower once per
     question: the tower sees one file at a time (attention within a temporal patch group), and
-    the embeddings go into the placeholder tokens in batch order."""
+    the embeddings go into the placeholder tokens in batch order. Also returns the tower's output
+    [sum of merged tokens, hidden] and the media indices it covers, in order."""
     inputs = collate(batch, [MediaItem(m.modality, m.pixel_values[:0], m.grid_thw) for m in media], pad_id)
     for key in ("pixel_values_videos", "pixel_values", "video_grid_thw", "image_grid_thw"):
         inputs.pop(key, None)
@@ -262,7 +289,7 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
     mask = (input_ids == cfg.video_token_id) | (input_ids == cfg.image_token_id)
     fill = torch.cat([per_media[e.media_index] for e in batch])
     inputs["inputs_embeds"] = embeds.masked_scatter(mask[..., None].expand_as(embeds), fill)
-    return inputs
+    return inputs, visual, distinct
 
 
 @torch.no_grad()
@@ -372,7 +399,8 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         adapter = Qwen2VLAdapter(init_dir, ModelConfig(), {"vision"})
         check_chat_template(adapter)
         t0 = time.perf_counter()
-        train_ex, train_media = load_split(data_dir, "train", adapter, progress)
+        train_ex, train_media = load_split(data_dir, "train", adapter, progress,
+                                           with_aux=config.aux_weight > 0)
         val_ex, val_media = load_split(data_dir, "validation", adapter, progress)
         test_ex, test_media = load_split(data_dir, "test", adapter, progress)
         prepare_s = time.perf_counter() - t0
@@ -380,8 +408,10 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     print(f"{num_params / 1e6:.2f} M parameters; {len(train_ex)} train, {len(val_ex)} validation, "
           f"{len(test_ex)} test questions (prepared in {prepare_s:.0f} s)", file=sys.stderr)
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    aux_head = AuxHead(model.config.text_config.hidden_size)  # trained alongside, never saved
+    params = list(model.parameters()) + (list(aux_head.parameters()) if config.aux_weight > 0 else [])
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.lr, betas=(0.9, 0.98),
@@ -393,6 +423,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         questions_of.setdefault(e.media_index, []).append(e)
     num_seen = 0
     losses: list[float] = []
+    aux_losses: list[float] = []
     evals: list[dict] = []
     model.train()
     t_train = time.perf_counter()
@@ -403,17 +434,25 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         idx, order = order[: config.clips_per_step], order[config.clips_per_step :]
         batch = [e for i in idx for e in questions_of[i]]
         num_seen += len(batch)
-        inputs = shared_vision_inputs(model, batch, train_media, pad_id)
+        inputs, visual, distinct = shared_vision_inputs(model, batch, train_media, pad_id)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         loss = model(**inputs).loss
+        total = loss
+        if config.aux_weight > 0:
+            aux = aux_head.loss(visual, TokenTargets.cat([train_media[i].aux for i in distinct]))
+            total = loss + config.aux_weight * aux
+            aux_losses.append(float(aux.detach()))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         optimizer.step()
         losses.append(float(loss.detach()))
         if step % 20 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
+            post = {"loss": f"{sum(losses[-50:]) / len(losses[-50:]):.3f}"}
+            if aux_losses:
+                post["aux"] = f"{sum(aux_losses[-50:]) / len(aux_losses[-50:]):.3f}"
+            bar.set_postfix(post)
         last = step + 1 == config.steps
         if (config.eval_every_steps and (step + 1) % config.eval_every_steps == 0) or last:
             val = evaluate(model, val_ex, val_media, pad_id)
@@ -446,6 +485,8 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         "num_questions_seen": num_seen,
         "loss_every_10_steps": [round(sum(losses[i : i + 10]) / len(losses[i : i + 10]), 5)
                                 for i in range(0, len(losses), 10)],
+        "aux_loss_every_10_steps": [round(sum(aux_losses[i : i + 10]) / len(aux_losses[i : i + 10]), 5)
+                                    for i in range(0, len(aux_losses), 10)],
         "validation": evals,
         "test": {"by_type": test, "overall": overall(test)},
     }
@@ -470,6 +511,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
             "sampling": {"fps": serving_sampling().fps, "max_frames": serving_sampling().max_frames},
         },
         "training": {"steps": config.steps, "clips_per_step": config.clips_per_step, "lr": config.lr,
+                     "aux_weight": config.aux_weight,
                      "num_questions_seen": log["num_questions_seen"],
                      "train_s": log["train_s"], "seconds_per_step": log["seconds_per_step"]},
         "accuracy": {
@@ -496,6 +538,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--clips-per-step", type=int, default=d.clips_per_step)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--aux-weight", type=float, default=d.aux_weight,
+                   help="weight of the dense vision-token loss (0: answers only)")
     p.add_argument("--num-train", type=int, default=d.num_train_clips, help="training clips")
     p.add_argument("--num-validation", type=int, default=d.num_validation_clips, help="validation clips")
     p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips")
@@ -518,7 +562,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
                      vision_embed_dim=a.vision_dim, vision_num_heads=a.vision_heads, init=a.init, weight_std=a.weight_std,
                      num_attention_heads=a.heads)
     config = TrainConfig(
-        seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, num_train_clips=a.num_train,
+        seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, aux_weight=a.aux_weight,
+        num_train_clips=a.num_train,
         num_validation_clips=a.num_validation, num_test_clips=a.num_test,
         eval_every_steps=a.eval_every, num_threads=a.threads, size=size,
         warmup_steps=min(d.warmup_steps, max(1, a.steps // 10)),

@@ -205,6 +205,10 @@ def _parse_knob(name: str, text: str, type_name: str) -> object:
             return int(text)
         if type_name == "float":
             return float(text)
+        if type_name.startswith("tuple[int"):
+            # "1,3", "(1, 3)" or "[1, 3]"; "" or "()" is the empty tuple
+            parts = text.strip().strip("()[]").replace(" ", "")
+            return tuple(int(x) for x in parts.split(",") if x)
         return text
     except ValueError:
         raise InvalidRequest(f"pruning option {name}={text!r} is not a valid {type_name}") from None

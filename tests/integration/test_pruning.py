@@ -99,6 +99,30 @@ def test_prefill_drop_budget_and_cache_length(pipeline, media_files):
     assert len(s.kept_visual_token_index) == kept and sorted(set(s.kept_visual_token_index)) == s.kept_visual_token_index
 
 
+def test_staged_prefill_drop_through_the_services(pipeline, media_files):
+    """Two drop layers: the final budget is the same as one drop's, but layer 0 already runs on
+    fewer tokens, so the prefill is cheaper than dropping once at layer 1."""
+    base = ask(pipeline, media_files["mp4"], PruningConfig())
+    once = ask(pipeline, media_files["mp4"],
+               PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.25))
+    staged = ask(pipeline, media_files["mp4"],
+                 PruningConfig(prefill_drop=True, prefill_drop_layers=(0, 1), prefill_keep_ratio=0.25))
+    v = base.num_visual_tokens
+    kept = math.ceil(0.25 * v)
+    assert stages(staged)["prefill_drop"] == (v, kept)
+    assert staged.kv_num_bytes == once.kv_num_bytes
+    assert staged.pruning.prefill_flops_pruned < once.pruning.prefill_flops_pruned
+    assert len(staged.kept_visual_token_index) == kept
+    # KV compression on top scores each layer with the question's queries in that layer's own
+    # (shrunk) sequence, and halves the visual entries that are left.
+    both = ask(pipeline, media_files["mp4"],
+               PruningConfig(prefill_drop=True, prefill_drop_layers=(0, 1), prefill_keep_ratio=0.25,
+                             kv_compress=True, kv_keep_ratio=0.5))
+    assert stages(both)["kv_compress"] == (kept, math.ceil(0.5 * kept))
+    text = base.num_prompt_tokens - v
+    assert both.kv_num_bytes == base.kv_num_bytes * (text + math.ceil(0.5 * kept)) // base.num_prompt_tokens
+
+
 @pytest.mark.parametrize("merge", ["averaged", "pivotal", "weighted", "none"])
 def test_kv_compression_shrinks_the_transferred_cache(pipeline, media_files, merge):
     base = ask(pipeline, media_files["mp4"], PruningConfig())

@@ -42,6 +42,29 @@ def test_preset_overrides_and_validation_errors():
         PruningConfig.from_preset("light", key_token_score="cls")
 
 
+def test_staged_prefill_drop_layers_validate_and_cross_the_wire():
+    from transport.convert import pruning_from_proto, pruning_to_proto
+    from transport.errors import InvalidRequest
+
+    cfg = PruningConfig(prefill_drop=True, prefill_drop_layers=(1, 3), prefill_keep_ratio=0.25)
+    assert cfg.drop_layers(num_layers=8) == (1, 3)
+    assert cfg.drop_layers(num_layers=2) == (1,)  # clamped to the model's depth
+    assert PruningConfig(prefill_drop=True, prefill_drop_layer=4).drop_layers(8) == (4,)
+    assert PruningConfig(prefill_drop_layers=(1, 3)).drop_layers(8) == ()  # stage off
+    assert PruningConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert pruning_from_proto(pruning_to_proto(cfg)) == cfg
+    for text in ("1,3", "[1, 3]", "(1, 3)"):
+        msg = pruning_to_proto(PruningConfig(prefill_drop=True))
+        msg.knobs["prefill_drop_layers"] = text
+        assert pruning_from_proto(msg).prefill_drop_layers == (1, 3)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        PruningConfig(prefill_drop_layers=(3, 1))
+    msg = pruning_to_proto(PruningConfig())
+    msg.knobs["prefill_drop_layers"] = "one,two"
+    with pytest.raises(InvalidRequest, match="prefill_drop_layers"):
+        pruning_from_proto(msg)
+
+
 def test_encode_cache_key_changes_only_with_encode_knobs():
     base = PruningConfig.from_preset("balanced")
     later_only = PruningConfig.from_preset("balanced", kv_keep_ratio=0.2, prefill_keep_ratio=0.1)

@@ -108,20 +108,30 @@ def test_captured_queries_score_exactly_the_models_attention(model, prompt):
 
 
 def _reference_with_masks(lm, embeds, position_ids, drop_layer, dropped):
-    """Full-length forward where layers >= drop_layer may not attend to `dropped` tokens."""
+    """Full-length forward where layers >= drop_layer may not attend to `dropped` tokens
+    (drop_layer and dropped may be lists, one entry per stage: later stages add to the set)."""
     from transformers import DynamicCache
 
+    stages = list(zip(drop_layer, dropped)) if isinstance(drop_layer, list) else [(drop_layer, dropped)]
     seq = embeds.shape[1]
     cos, sin = lm.rotary_emb(embeds, position_ids[1:])
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    blocked = causal.clone()
-    blocked[:, dropped] = False
-    blocked[dropped, dropped] = True
+
+    def blocked_by(gone):
+        allowed = causal.clone()
+        allowed[:, gone] = False
+        allowed[gone, gone] = True
+        return allowed
+
     to_mask = lambda allowed: torch.zeros(seq, seq).masked_fill(~allowed, float("-inf"))[None, None]  # noqa: E731
     cache = DynamicCache(config=lm.config)
     hidden = embeds
     for i, layer in enumerate(lm.layers):
-        mask = to_mask(causal if i < drop_layer else blocked)
+        gone = torch.zeros(seq, dtype=torch.bool)
+        for start, mask_here in stages:
+            if i >= start:
+                gone |= mask_here
+        mask = to_mask(blocked_by(gone))
         hidden = layer(
             hidden,
             attention_mask=mask,
@@ -176,6 +186,39 @@ def test_layerwise_prefill_drop_equals_masking_the_dropped_tokens(model, prompt,
         assert mine.keys.shape[2] == keep.numel()
         torch.testing.assert_close(mine.keys, theirs.keys[:, :, keep], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(mine.values, theirs.values[:, :, keep], atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_staged_drop_at_two_layers_equals_masking_each_stage(model, prompt):
+    """Layers (1, 2), 25% kept: 12 visual -> 6 after layer 1 -> 3 after layer 2, the key token
+    always among them; every layer equals the full model with the dropped tokens masked."""
+    from token_pruning.layerwise_prefill import prefill_with_drop
+
+    input_ids, embeds, position_ids = prompt
+    lm = model.language_model
+    seq = input_ids.shape[1]
+    visual = visual_positions(input_ids, VIDEO_ID)
+    key = torch.zeros(12, dtype=torch.bool)
+    key[7] = True
+    one = prefill_with_drop(lm, embeds, position_ids, visual, 1, keep_ratio=0.5, key_mask=key)
+    out = prefill_with_drop(lm, embeds, position_ids, visual, [1, 2], keep_ratio=0.25, key_mask=key)
+    assert out.visual_per_stage == [6, 3]
+    assert out.tokens_per_layer == [seq, seq - 6, seq - 9]
+    # Stage 1 is the single drop at layer 1 to 6 tokens; stage 2 keeps 3 of those 6.
+    after_first = one.keep_indices
+    assert set(out.keep_indices.tolist()) <= set(after_first.tolist())
+    assert visual[7].item() in out.keep_indices.tolist()
+    first = torch.ones(seq, dtype=torch.bool)
+    first[after_first] = False
+    second = torch.ones(seq, dtype=torch.bool)
+    second[out.keep_indices] = False
+    ref_hidden, ref_cache = _reference_with_masks(lm, embeds, position_ids, [1, 2], [first, second & ~first])
+    keep = out.keep_indices
+    torch.testing.assert_close(out.last_hidden_state, ref_hidden[:, keep], atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(out.past_key_values.layers, ref_cache.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys[:, :, keep], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="ascending"):
+        prefill_with_drop(lm, embeds, position_ids, visual, [2, 1], keep_ratio=0.25)
 
 
 @torch.no_grad()

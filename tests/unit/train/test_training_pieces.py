@@ -158,7 +158,7 @@ def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
     batch = examples[:5] + [e for e in examples if media[e.media_index].modality == "image"][:2]
     with torch.no_grad():
         full = model(**collate(batch, media, pad_id=0))
-        shared = model(**shared_vision_inputs(model, batch, media, pad_id=0))
+        shared = model(**shared_vision_inputs(model, batch, media, pad_id=0)[0])
     assert torch.allclose(full.logits, shared.logits, atol=1e-5)
     assert full.loss.item() == pytest.approx(shared.loss.item(), abs=1e-6)
     # A wrong clip in the batch changes the answer logits: the embeddings land per question.
@@ -166,5 +166,5 @@ def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
     other_clip = next(i for i, m in enumerate(media) if m.modality == "video" and i != batch[0].media_index)
     swapped[0] = type(batch[0])(**{**batch[0].__dict__, "media_index": other_clip})
     with torch.no_grad():
-        other = model(**shared_vision_inputs(model, swapped, media, pad_id=0))
+        other = model(**shared_vision_inputs(model, swapped, media, pad_id=0)[0])
     assert not torch.allclose(other.logits[0], shared.logits[0], atol=1e-4)
