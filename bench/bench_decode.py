@@ -1,4 +1,5 @@
-"""Video decoding benchmark: sequential vs seek-per-target vs decord vs ours (1 and N workers).
+"""Video decoding benchmark: sequential vs seek-per-target vs decord vs ours (1 and N workers,
+and N worker processes: bench/process_decoder.py).
 
     PYTHONPATH=. python bench/bench_decode.py --quick            # 1080p 60 s, 2 s and 10 s GOPs
     PYTHONPATH=. python bench/bench_decode.py                    # the issue's full matrix (slow)
@@ -27,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.process_decoder import ProcessShareDecoder  # noqa: E402
 from tests.media import make_video  # noqa: E402
 from video import simple_decoder  # noqa: E402
 from video.decord_backend import DecordDecoder, decord_available  # noqa: E402
@@ -108,7 +110,7 @@ def median_time(fn, repeats: int):
     return statistics.median(times), result
 
 
-def bench_case(label, data, opts, rate, decoders, decord_dec, cores, repeats) -> None:
+def bench_case(label, data, opts, rate, decoders, decord_dec, procs, cores, repeats) -> None:
     """Time every method on one video and sampling request; print one table row."""
     t_seq, ref = median_time(lambda: simple_decoder.decode(data, opts), repeats)
     row: dict = {}
@@ -127,6 +129,9 @@ def bench_case(label, data, opts, rate, decoders, decord_dec, cores, repeats) ->
         t, got = median_time(ours, repeats)
         row[w], same = t, same and np.array_equal(got.frames, ref.frames)
         row[f"decoded{w}"] = int(got.stats["num_decoded_frames"])
+    if procs is not None:
+        t, frames = median_time(lambda: procs.decode(data, opts), repeats)
+        row["procs"], same = t, same and np.array_equal(frames, ref.frames)
     plan = make_plan(build_video_index(data), opts, cores, decoders[cores].config.seek_cost_frames)
     floor_s = plan.num_decode_frames / (cores * rate)
 
@@ -135,7 +140,7 @@ def bench_case(label, data, opts, rate, decoders, decord_dec, cores, repeats) ->
 
     print(
         f"| {label} | {opts.num_frames} | {t_seq:.2f} | {cell('seek')} | {cell('decord')} | "
-        f"{cell(1)} | {cell(cores)} | {row[cores] / floor_s:.2f}x of {floor_s:.2f} s | "
+        f"{cell(1)} | {cell(cores)} | {cell('procs')} | {row[cores] / floor_s:.2f}x of {floor_s:.2f} s | "
         f"{row[f'decoded{cores}']} of {plan.num_decode_frames} | "
         f"{'yes' if same else 'NO'} |",
         flush=True,
@@ -148,12 +153,14 @@ def run(args) -> None:
     cores = os.cpu_count() or 1
     decoders = {w: ParallelDecoder(ParallelDecodeConfig(num_workers=w)) for w in (1, cores)}
     decord_dec = DecordDecoder() if decord_available() and not args.no_decord else None
+    procs = None if args.no_processes else ProcessShareDecoder(cores)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, {cores} cores, repeats={args.repeats}")
     print(
         "| video | frames | sequential s | seek/target | decord | ours 1w | "
-        f"ours {cores}w | ours {cores}w vs floor | frames decoded (ours {cores}w) of the floor's | identical |"
+        f"ours {cores}w | ours {cores} processes | ours {cores}w vs floor | "
+        f"frames decoded (ours {cores}w) of the floor's | identical |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for height in args.heights:
         for seconds in args.seconds:
             for gop_s in args.gops:
@@ -168,6 +175,7 @@ def run(args) -> None:
                         rate,
                         decoders,
                         decord_dec,
+                        procs,
                         cores,
                         args.repeats,
                     )
@@ -175,6 +183,8 @@ def run(args) -> None:
         dec.close()
     if decord_dec is not None:
         decord_dec.close()
+    if procs is not None:
+        procs.close()
 
 
 def main() -> None:
@@ -188,6 +198,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-decord", action="store_true")
+    parser.add_argument("--no-processes", action="store_true", help="skip (5), the process-pool variant")
     parser.add_argument("--cache-dir", default="/tmp/epd_bench_videos")
     args = parser.parse_args()
     if args.quick:

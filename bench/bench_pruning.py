@@ -2,13 +2,16 @@
 
     PYTHONPATH=. python bench/bench_pruning.py                      # 8, 32, 64 frames
     PYTHONPATH=. python bench/bench_pruning.py --frames 8 --repeats 1
+    PYTHONPATH=. python bench/bench_pruning.py --drop-layers 0 2     # staged drop at layers 0 and 2
+    PYTHONPATH=. python bench/bench_pruning.py --kv-keep 0.5         # + LOOK-M on the survivors
 
 A ~30M-parameter Qwen2-VL (8 layers of width 512, GQA 8/2 heads; 4-block vision tower), built
 from the real config class and randomly initialised, on a generated H.264 clip. For each frame
 count, in one process:
   * retention r in {100%, 50%, 25%, 10%} of the visual tokens, kept by prefill-stage dropping at
-    layer 1 (MustDrop's dual rule on the question's attention); the KV cache sent to Decode then
-    holds text + r * visual entries;
+    layer 1 (or the --drop-layers stages; MustDrop's dual rule on the question's attention); the KV
+    cache sent to Decode then holds text + r * visual entries (times --kv-keep when KV compression
+    runs on top);
   * prefill ms and per-token decode ms (median of --decode-tokens steps), KV bytes;
   * encode ms with the encode stage off and with temporal dropping before the tower (the clip
     has a static background, so temporal dropping removes what does not change).
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--drop-layers", type=int, nargs="+", default=[1],
+                   help="decoder layers that drop visual tokens (several: a staged drop)")
+    p.add_argument("--kv-keep", type=float, default=1.0,
+                   help="also compress the survivors' KV entries to this fraction (LOOK-M, averaged merge)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "epd-bench-pruning"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     data = clip.read_bytes()
     gen = GenerationConfig(max_new_tokens=args.decode_tokens + 1, ignore_eos=True)
     print(f"model: Qwen2-VL, {params / 1e6:.1f}M parameters, {args.threads} thread(s); clip 8 s 224x224; "
-          f"medians of {args.repeats}")
+          f"medians of {args.repeats}; drop at layers {args.drop_layers}; KV keep {args.kv_keep:g}")
     print("| frames | visual tokens | retained | encode ms | prefill ms (x faster) | decode ms/token (x) | "
           "KV bytes (x smaller) |")
     print("|---|---|---|---|---|---|---|")
@@ -124,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         for r in args.retain:
             cfg = PruningConfig() if r >= 1.0 else PruningConfig(
-                prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=r)
+                prefill_drop=True, prefill_drop_layers=tuple(args.drop_layers), prefill_keep_ratio=r,
+                kv_compress=args.kv_keep < 1.0, kv_keep_ratio=args.kv_keep)
             def run_prefill(cfg: PruningConfig = cfg, media=media):
                 return prefill.prefill("what colour is the moving square?", media, gen, cfg)
 

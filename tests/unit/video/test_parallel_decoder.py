@@ -202,3 +202,16 @@ def test_non_reference_frames_are_skipped_without_changing_any_frame(video_facto
     # One interval from the only keyframe to the last target (~54 frames); with 3 B-frames per
     # P-frame and x264's B-pyramid, 2 of every 4 frames are non-reference.
     assert decoded[True] < 0.75 * decoded[False], decoded
+
+
+def test_process_pool_variant_of_the_benchmark_returns_the_reference_frames(video_factory):
+    """bench/process_decoder.py (threads vs processes, issue #3) must decode what the threads do."""
+    from bench.process_decoder import ProcessShareDecoder
+
+    data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=6.0, gop=20, bframes=3)
+    dec = ProcessShareDecoder(2, seek_cost_frames=0)
+    try:
+        for opts in (SamplingOptions(num_frames=7), SamplingOptions(fps=2.0, max_frames=5, start_time_s=1.5)):
+            assert np.array_equal(dec.decode(data, opts), simple_decoder.decode(data, opts).frames)
+    finally:
+        dec.close()
