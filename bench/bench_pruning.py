@@ -4,6 +4,7 @@
     PYTHONPATH=. python bench/bench_pruning.py --frames 8 --repeats 1
     PYTHONPATH=. python bench/bench_pruning.py --drop-layers 0 2     # staged drop at layers 0 and 2
     PYTHONPATH=. python bench/bench_pruning.py --kv-keep 0.5         # + LOOK-M on the survivors
+    PYTHONPATH=. python bench/bench_pruning.py --kv-dtype bfloat16   # + KV kept and sent in bf16
 
 A ~30M-parameter Qwen2-VL (8 layers of width 512, GQA 8/2 heads; 4-block vision tower), built
 from the real config class and randomly initialised, on a generated H.264 clip. For each frame
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--drop-layers", type=int, nargs="+", default=[1],
                    help="decoder layers that drop visual tokens (several: a staged drop)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+                   help="dtype the pruned runs keep and send the KV cache in")
     p.add_argument("--kv-keep", type=float, default=1.0,
                    help="also compress the survivors' KV entries to this fraction (LOOK-M, averaged merge)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "epd-bench-pruning"))
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     data = clip.read_bytes()
     gen = GenerationConfig(max_new_tokens=args.decode_tokens + 1, ignore_eos=True)
     print(f"model: Qwen2-VL, {params / 1e6:.1f}M parameters, {args.threads} thread(s); clip 8 s 224x224; "
-          f"medians of {args.repeats}; drop at layers {args.drop_layers}; KV keep {args.kv_keep:g}")
+          f"medians of {args.repeats}; drop at layers {args.drop_layers}; KV keep {args.kv_keep:g}; "
+          f"KV dtype {args.kv_dtype}")
     print("| frames | visual tokens | retained | encode ms | prefill ms (x faster) | decode ms/token (x) | "
           "KV bytes (x smaller) |")
     print("|---|---|---|---|---|---|---|")
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.retain:
             cfg = PruningConfig() if r >= 1.0 else PruningConfig(
                 prefill_drop=True, prefill_drop_layers=tuple(args.drop_layers), prefill_keep_ratio=r,
-                kv_compress=args.kv_keep < 1.0, kv_keep_ratio=args.kv_keep)
+                kv_compress=args.kv_keep < 1.0, kv_keep_ratio=args.kv_keep, kv_dtype=args.kv_dtype)
             def run_prefill(cfg: PruningConfig = cfg, media=media):
                 return prefill.prefill("what colour is the moving square?", media, gen, cfg)
 

@@ -39,6 +39,10 @@ class KvCache:
             values=[layer.values for layer in layers],  # type: ignore[union-attr,misc]
         )
 
+    def cast(self, dtype: torch.dtype) -> KvCache:
+        """The same cache with every tensor in `dtype` (a no-op for tensors already in it)."""
+        return KvCache([k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values])
+
     def to_dynamic(self, config) -> DynamicCache:
         """A DynamicCache that the language model extends in place during decoding."""
         cache = DynamicCache(config=config)

@@ -184,7 +184,9 @@ class Qwen2VLAdapter(VLMAdapter):
     # -- decode ------------------------------------------------------------------------------
 
     def new_decode_cache(self, cache: KvCache):
-        kv = KvCache([k.to(self.device) for k in cache.keys], [v.to(self.device) for v in cache.values])
+        # The cache may arrive narrower than the model (PruningConfig.kv_dtype); compute in the model's.
+        dtype = self._language_model().embed_tokens.weight.dtype
+        kv = KvCache([k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values])
         return kv.to_dynamic(self.hf_config.text_config)
 
     @torch.inference_mode()

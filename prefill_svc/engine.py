@@ -108,10 +108,15 @@ class PrefillEngine:
         else:
             state = self.adapter.prefill(prompt, media.embeds)
             mask, kept, kv_before, num_out = None, [], state.cache.num_bytes, num_in
+        cache = state.cache
+        if pruning.kv_dtype != "auto":
+            cache = cache.cast(getattr(torch, pruning.kv_dtype))
+            stats.kv_bytes_before = kv_before
+            stats.kv_bytes_after = cache.num_bytes
         first = Sampler(generation)(state.last_logits)
         return PrefillOutcome(
             first_token_id=first,
-            cache=state.cache,
+            cache=cache,
             next_position_ids=[int(x) for x in state.next_position_ids],
             num_prompt_tokens=state.num_prompt_tokens,
             prefill_ms=(time.perf_counter() - t0) * 1e3,

@@ -19,6 +19,7 @@ from typing import Any
 
 KEY_TOKEN_SCORES = ("distinct", "norm")
 KV_MERGE_MODES = ("none", "averaged", "pivotal", "weighted")
+KV_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,11 @@ class PruningConfig:
     "pivotal" or "weighted" (see kv_compress.py)."""
     kv_query_window: int = 0
     """Prompt tokens whose attention scores the KV entries; 0 = all text after the video."""
+    kv_dtype: str = "auto"
+    """Dtype the KV cache is kept in and sent to Decode: "auto" (the model's), "bfloat16" or
+    "float16". Narrower than the model's halves the bytes (and rounds every entry: lossy, measured
+    by `epd bench quality`); Decode computes in the model's dtype either way. Like vLLM's
+    `kv_cache_dtype`, applied to every entry, text included."""
 
     # --- Decode stage -------------------------------------------------------------------------
     decode_evict: bool = False
@@ -114,6 +120,8 @@ class PruningConfig:
             raise ValueError(
                 f"key_token_score must be one of {KEY_TOKEN_SCORES}, got {self.key_token_score!r}"
             )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.kv_merge not in KV_MERGE_MODES:
             raise ValueError(f"kv_merge must be one of {KV_MERGE_MODES}, got {self.kv_merge!r}")
         if self.prefill_drop_layer < 0:
@@ -151,6 +159,7 @@ class PruningConfig:
             or self.key_token_ratio > 0
             or self.prefill_drop
             or self.kv_compress
+            or self.kv_dtype != "auto"
             or self.decode_evict
         )
 

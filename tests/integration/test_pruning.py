@@ -123,6 +123,20 @@ def test_staged_prefill_drop_through_the_services(pipeline, media_files):
     assert both.kv_num_bytes == base.kv_num_bytes * (text + math.ceil(0.5 * kept)) // base.num_prompt_tokens
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrow_kv_dtype_halves_the_transferred_cache(pipeline, media_files, dtype):
+    base = ask(pipeline, media_files["mp4"], PruningConfig())
+    s = ask(pipeline, media_files["mp4"], PruningConfig(kv_dtype=dtype))
+    assert s.kv_num_bytes * 2 == base.kv_num_bytes
+    assert s.pruning.kv_bytes_before == base.kv_num_bytes and s.pruning.kv_bytes_after == s.kv_num_bytes
+    assert len(s.token_ids) == len(base.token_ids) and s.token_ids[0] == base.token_ids[0]
+    # On top of a 25% prefill drop: text + a quarter of the visual entries, at half the bytes each.
+    both = ask(pipeline, media_files["mp4"], PruningConfig(prefill_drop=True, prefill_drop_layer=1,
+                                                           prefill_keep_ratio=0.25, kv_dtype=dtype))
+    v, kept = base.num_visual_tokens, math.ceil(0.25 * base.num_visual_tokens)
+    assert both.kv_num_bytes * 2 == base.kv_num_bytes * (base.num_prompt_tokens - v + kept) // base.num_prompt_tokens
+
+
 @pytest.mark.parametrize("merge", ["averaged", "pivotal", "weighted", "none"])
 def test_kv_compression_shrinks_the_transferred_cache(pipeline, media_files, merge):
     base = ask(pipeline, media_files["mp4"], PruningConfig())

@@ -59,6 +59,9 @@ def test_staged_prefill_drop_layers_validate_and_cross_the_wire():
         assert pruning_from_proto(msg).prefill_drop_layers == (1, 3)
     with pytest.raises(ValueError, match="strictly ascending"):
         PruningConfig(prefill_drop_layers=(3, 1))
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        PruningConfig(kv_dtype="int4")
+    assert PruningConfig(kv_dtype="bfloat16").any_enabled and not PruningConfig(kv_dtype="auto").any_enabled
     msg = pruning_to_proto(PruningConfig())
     msg.knobs["prefill_drop_layers"] = "one,two"
     with pytest.raises(InvalidRequest, match="prefill_drop_layers"):
