@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--gop-s", type=float, default=2.0)
     p.add_argument("--frames", type=int, default=32)
-    p.add_argument("--frames-per-group", type=int, default=8)
+    p.add_argument("--frames-per-group", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-pixels", type=int, default=448 * 448)
     p.add_argument("--vision-depth", type=int, default=8)

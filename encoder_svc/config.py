@@ -25,10 +25,12 @@ class EncoderConfig:
     """A request whose sampling would give more visual tokens is refused before encoding."""
     decode: ParallelDecodeConfig = field(default_factory=ParallelDecodeConfig)
     """The pool of decode threads (one per core by default), shared by all requests."""
-    frames_per_group: int = 8
+    frames_per_group: int = 2
     """Overlap: the vision tower encodes each group of this many frames (even: Qwen encodes
     frames in temporal pairs) as soon as it is decoded, while later frames still decode.
-    0 decodes the whole sample first (no overlap)."""
+    0 decodes the whole sample first (no overlap). 2 (one temporal pair) leaves the least
+    encoding after the last frame decodes; per-group overhead was not measurable on CPU
+    (docs/benchmarks.md: 1.11x of max(decode, encode) with 2, 1.25x with 8)."""
     cache: TokenCacheConfig = field(default_factory=TokenCacheConfig)
     """The multimodal token cache: a video seen before is neither decoded nor encoded again."""
     decode_backend: str = "pyav"

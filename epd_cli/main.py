@@ -69,7 +69,7 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("encoder")
     g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
     g.add_argument("--decode-workers", type=int, default=0, help="video decode threads (0 = one per core)")
-    g.add_argument("--frames-per-group", type=int, default=8,
+    g.add_argument("--frames-per-group", type=int, default=2,
                    help="encode frames in groups of N while later frames decode (even; 0 = no overlap)")
     g.add_argument("--cache-memory-bytes", type=int, default=2 << 30,
                    help="multimodal token cache in memory (LRU); 0 disables it")
