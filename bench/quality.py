@@ -8,8 +8,9 @@ embedded Encode -> Prefill -> Decode pipeline `epd ask` runs: the same decoder, 
 preprocessing, prompt, prefill and decode as the services), greedy, and the answer counts as
 correct when it equals the one-word label exactly (after stripping spaces and lowercasing).
 
-For each token-dropping / KV-compression preset (`token_pruning.PruningConfig.from_preset`) it
-reports accuracy overall and per question type and the visual tokens kept, and writes
+For each token-dropping / KV-compression preset (`token_pruning.PruningConfig.from_preset`) and
+each fixed retention setting (`keep50`, `keep25`, `keep10`: the prefill drop alone keeping that share
+of the visual tokens; `keep25-kvbf16`: plus a bfloat16 KV cache) it reports accuracy overall and per question type and the visual tokens kept, and writes
     <out>/quality.csv          one row per (preset, question type), plus "overall" per preset
     <out>/quality_answers.csv  one row per (preset, question): expected and generated answer
     <out>/quality.json         the same numbers and the settings of the run
@@ -36,7 +37,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ALL_PRESETS: tuple[str, ...] = ("off", "light", "balanced", "aggressive")
+PRESET_NAMES: tuple[str, ...] = ("off", "light", "balanced", "aggressive")
+# Fixed retention levels (issue #4's benchmark settings): only the prefill drop, at layer 1, keeping
+# this share of the visual tokens; "-kvbf16" also keeps and sends the KV cache in bfloat16.
+RETENTION_SETTINGS: dict[str, dict] = {
+    "keep50": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.5},
+    "keep25": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.25},
+    "keep10": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.1},
+    "keep25-kvbf16": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.25,
+                      "kv_dtype": "bfloat16"},
+}
+ALL_PRESETS: tuple[str, ...] = (*PRESET_NAMES, *RETENTION_SETTINGS)
+
+
+def pruning_for(name: str):
+    """The PruningConfig of a preset or of a retention setting."""
+    from token_pruning import PruningConfig
+
+    if name in RETENTION_SETTINGS:
+        return PruningConfig(**RETENTION_SETTINGS[name])
+    return PruningConfig.from_preset(name)
 CSV_FIELDS = ["preset", "question_type", "num_questions", "num_correct", "accuracy",
               "mean_visual_tokens", "mean_full_visual_tokens", "retained_ratio", "mean_kv_bytes",
               "mean_total_ms"]
@@ -162,9 +182,7 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
 
     extra = {}
     if pruning_supported():
-        from token_pruning import PruningConfig
-
-        extra["pruning"] = PruningConfig.from_preset(preset)
+        extra["pruning"] = pruning_for(preset)
     generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
     result = PresetResult(preset)
     media_cache: dict[str, bytes] = {}

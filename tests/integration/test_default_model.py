@@ -175,3 +175,17 @@ def test_bench_quality_refuses_an_unknown_preset(tmp_path, capsys):
 
     assert main(["--presets", "off,extreme", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "unknown preset(s) ['extreme']" in capsys.readouterr().err
+
+
+def test_bench_quality_retention_setting_keeps_its_share_of_tokens(tmp_path, test_clips):
+    from bench.quality import RETENTION_SETTINGS, main, pruning_for
+
+    assert pruning_for("keep25").prefill_keep_ratio == 0.25 and pruning_for("keep25-kvbf16").kv_dtype == "bfloat16"
+    assert set(RETENTION_SETTINGS) == {"keep50", "keep25", "keep10", "keep25-kvbf16"}
+    out = tmp_path / "quality"
+    assert main(["--model", str(SHIPPED), "--data", str(test_clips), "--max-questions", "6",
+                 "--presets", "keep25", "--out", str(out), "--no-progress"]) == 0
+    (total,) = [r for r in csv.DictReader(open(out / "quality.csv")) if r["question_type"] == "overall"]
+    assert total["preset"] == "keep25"
+    # ceil(0.25 * 48) = 12 of a clip's 48 tokens, ceil(0.25 * 16) = 4 of a still's 16.
+    assert 0.25 <= float(total["retained_ratio"]) <= 0.26
