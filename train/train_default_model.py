@@ -100,6 +100,14 @@ class TrainConfig:
     aux_weight: float = 1.0
     """Weight of the dense auxiliary loss on the vision tower's tokens (train/aux_targets.py);
     0 trains on the answers alone."""
+    vision_pretrain_steps: int = 0
+    """Phase 1: steps that train the vision tower and the auxiliary head alone, before the whole
+    model trains (needs aux_weight > 0). A vision-only step costs a fraction of a full one, and
+    seeing shapes and motion is what the answers cannot teach quickly."""
+    vision_pretrain_lr: float = 2e-3
+    """Peak learning rate of phase 1 (warm-up, then cosine decay like phase 2)."""
+    vision_pretrain_clips: int = 8
+    """Media files per phase-1 step."""
     eval_every_steps: int = 1000
     """Validation accuracy every this many steps (0: only at the end)."""
     num_threads: int = 1
@@ -382,7 +390,52 @@ def _load_prepared(path: Path | None, key: str) -> dict | None:
     if path is None or not path.exists():
         return None
     saved = torch.load(path, weights_only=False)
-    return saved if saved.get("key") == key else None
+    if saved.get("key") != key:
+        return None
+    # Stored as plain dicts: pickled dataclasses would be bound to the module that ran (__main__).
+    return {split: ([Example(**e) for e in ex], [MediaItem(**m) for m in media])
+            for split, (ex, media) in saved["splits"].items()}
+
+
+def _save_prepared(path: Path, key: str, splits: dict) -> None:
+    plain = {split: ([vars(e) for e in ex], [vars(m) for m in media]) for split, (ex, media) in splits.items()}
+    torch.save({"key": key, "splits": plain}, path)
+
+
+def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: TrainConfig,
+                    progress: bool = True) -> list[float]:
+    """Phase 1: the vision tower and the auxiliary head alone, on random media files; returns the
+    loss per step. The language model is untouched (its weights get no gradient)."""
+    from tqdm import tqdm
+
+    visual = model.model.visual
+    params = list(visual.parameters()) + list(aux_head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=config.vision_pretrain_lr, betas=(0.9, 0.98),
+                                  weight_decay=config.weight_decay)
+    phase = TrainConfig(steps=config.vision_pretrain_steps, lr=config.vision_pretrain_lr,
+                        warmup_steps=min(config.warmup_steps, max(1, config.vision_pretrain_steps // 10)),
+                        min_lr_ratio=config.min_lr_ratio)
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    losses: list[float] = []
+    bar = tqdm(range(config.vision_pretrain_steps), desc="vision pretraining", unit="step",
+               disable=not progress, mininterval=2)
+    for step in bar:
+        idx = torch.randint(len(media), (config.vision_pretrain_clips,), generator=gen).tolist()
+        pixels = torch.cat([media[i].pixel_values for i in idx])
+        grids = torch.tensor([media[i].grid_thw for i in idx], dtype=torch.long)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, phase)
+        tokens = visual(pixels, grid_thw=grids).pooler_output  # [sum merged tokens, hidden]
+        loss = aux_head.loss(tokens, TokenTargets.cat([media[i].aux for i in idx]))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if step % 20 == 0:
+            bar.set_postfix(aux=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
+    bar.close()
+    return losses
 
 
 def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, progress: bool = True,
@@ -423,7 +476,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
                 "test": load_split(data_dir, "test", adapter, progress),
             }
             if prepared_cache is not None:
-                torch.save({"key": key, **cached}, prepared_cache)
+                _save_prepared(prepared_cache, key, cached)
         (train_ex, train_media), (val_ex, val_media), (test_ex, test_media) = (
             cached["train"], cached["validation"], cached["test"])
         prepare_s = time.perf_counter() - t0
@@ -432,6 +485,13 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
           f"{len(test_ex)} test questions (prepared in {prepare_s:.0f} s)", file=sys.stderr)
 
     aux_head = AuxHead(model.config.text_config.hidden_size)  # trained alongside, never saved
+    t_pre = time.perf_counter()
+    pretrain_losses: list[float] = []
+    if config.vision_pretrain_steps:
+        if config.aux_weight <= 0:
+            raise ValueError("vision pretraining trains on the auxiliary targets: set aux_weight > 0")
+        pretrain_losses = pretrain_vision(model, aux_head, train_media, config, progress)
+    pretrain_s = time.perf_counter() - t_pre
     params = list(model.parameters()) + (list(aux_head.parameters()) if config.aux_weight > 0 else [])
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -503,6 +563,10 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         "num_questions": {"train": len(train_ex), "validation": len(val_ex), "test": len(test_ex)},
         "num_media": {"train": len(train_media), "validation": len(val_media), "test": len(test_media)},
         "prepare_s": round(prepare_s, 1),
+        "vision_pretrain_s": round(pretrain_s, 1),
+        "vision_pretrain_loss_every_10_steps": [
+            round(sum(pretrain_losses[i : i + 10]) / len(pretrain_losses[i : i + 10]), 5)
+            for i in range(0, len(pretrain_losses), 10)],
         "train_s": round(train_s, 1),
         "seconds_per_step": round(train_s / config.steps, 4),
         "num_questions_seen": num_seen,
@@ -534,7 +598,8 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
             "sampling": {"fps": serving_sampling().fps, "max_frames": serving_sampling().max_frames},
         },
         "training": {"steps": config.steps, "clips_per_step": config.clips_per_step, "lr": config.lr,
-                     "aux_weight": config.aux_weight,
+                     "aux_weight": config.aux_weight, "vision_pretrain_steps": config.vision_pretrain_steps,
+                     "vision_pretrain_s": round(pretrain_s, 1),
                      "num_questions_seen": log["num_questions_seen"],
                      "train_s": log["train_s"], "seconds_per_step": log["seconds_per_step"]},
         "accuracy": {
@@ -563,6 +628,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--aux-weight", type=float, default=d.aux_weight,
                    help="weight of the dense vision-token loss (0: answers only)")
+    p.add_argument("--vision-pretrain-steps", type=int, default=d.vision_pretrain_steps,
+                   help="phase 1: steps on the vision tower + auxiliary head alone")
+    p.add_argument("--vision-pretrain-lr", type=float, default=d.vision_pretrain_lr)
     p.add_argument("--num-train", type=int, default=d.num_train_clips, help="training clips")
     p.add_argument("--num-validation", type=int, default=d.num_validation_clips, help="validation clips")
     p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips")
@@ -588,6 +656,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
                      num_attention_heads=a.heads)
     config = TrainConfig(
         seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, aux_weight=a.aux_weight,
+        vision_pretrain_steps=a.vision_pretrain_steps, vision_pretrain_lr=a.vision_pretrain_lr,
         num_train_clips=a.num_train,
         num_validation_clips=a.num_validation, num_test_clips=a.num_test,
         eval_every_steps=a.eval_every, num_threads=a.threads, size=size,

@@ -9,8 +9,9 @@ A request's life:
      (one codec context is not thread-safe) with `thread_count=1`, and for each interval seeks to
      its keyframe (or decodes forward when the keyframe is only a few frames ahead), decodes until
      it holds every target, and writes each target straight into the request's output array
-     [T, H, W, 3]. Non-reference frames that are not targets are skipped (H.264/HEVC, per packet). PyAV releases the GIL in demux, decode and swscale, so threads run in parallel
-     and nothing is pickled or copied between processes.
+     [T, H, W, 3]. Non-reference frames that are not targets are skipped (H.264/HEVC, per
+     packet). PyAV releases the GIL in demux, decode and swscale, so threads run in parallel and
+     nothing is pickled or copied between processes.
   3. The consumer iterates the stream: it waits for intervals in temporal order and yields a
      `FrameGroup` (a view of the output array) as soon as the frames of that group are ready, so
      the encoder can start on the first frames while later intervals are still decoding.

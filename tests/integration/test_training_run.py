@@ -30,7 +30,7 @@ def test_training_run_saves_a_loadable_model_and_reuses_prepared_splits(tmp_path
     model = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "a")
     assert not any("proj" in k and "aux" in k for k in model.state_dict())  # the aux head is not saved
     saved = torch.load(cache, weights_only=False)
-    assert len(saved["train"][1]) == 3 and saved["train"][1][0].aux is not None
+    assert len(saved["splits"]["train"][1]) == 3 and saved["splits"]["train"][1][0]["aux"] is not None
 
     # Same data, another run: the prepared splits come from the cache file (and give the same run).
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
@@ -40,3 +40,8 @@ def test_training_run_saves_a_loadable_model_and_reuses_prepared_splits(tmp_path
     assert main([*args, "--aux-weight", "0", "--out", str(tmp_path / "c")]) == 0
     plain = json.loads((tmp_path / "c" / "training_log.json").read_text())
     assert plain["aux_loss_every_10_steps"] == [] and plain["loss_every_10_steps"] != log["loss_every_10_steps"]
+    # Phase 1 (vision tower + auxiliary head alone) runs first and changes what phase 2 starts from.
+    assert main([*args, "--vision-pretrain-steps", "3", "--out", str(tmp_path / "d")]) == 0
+    staged = json.loads((tmp_path / "d" / "training_log.json").read_text())
+    assert len(staged["vision_pretrain_loss_every_10_steps"]) == 1
+    assert staged["loss_every_10_steps"] != log["loss_every_10_steps"]
