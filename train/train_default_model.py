@@ -390,7 +390,7 @@ def _load_prepared(path: Path | None, key: str) -> dict | None:
     if path is None or not path.exists():
         return None
     saved = torch.load(path, weights_only=False)
-    if saved.get("key") != key:
+    if saved.get("key") != key or "splits" not in saved:  # other data, or an older layout
         return None
     # Stored as plain dicts: pickled dataclasses would be bound to the module that ran (__main__).
     return {split: ([Example(**e) for e in ex], [MediaItem(**m) for m in media])
