@@ -9,8 +9,9 @@ preprocessing, prompt, prefill and decode as the services), greedy, and the answ
 correct when it equals the one-word label exactly (after stripping spaces and lowercasing).
 
 For each token-dropping / KV-compression preset (`token_pruning.PruningConfig.from_preset`) and
-each fixed retention setting (`keep50`, `keep25`, `keep10`: the prefill drop alone keeping that share
-of the visual tokens; `keep25-kvbf16`: plus a bfloat16 KV cache) it reports accuracy overall and per question type and the visual tokens kept, and writes
+each fixed retention setting (`keep50`, `keep25`, `keep10`: the prefill drop alone, staged at
+layers 0 and 1, keeping that share of the visual tokens; `keep25-kvbf16`: plus a bfloat16 KV
+cache) it reports accuracy overall and per question type and the visual tokens kept, and writes
     <out>/quality.csv          one row per (preset, question type), plus "overall" per preset
     <out>/quality_answers.csv  one row per (preset, question): expected and generated answer
     <out>/quality.json         the same numbers and the settings of the run
@@ -38,14 +39,15 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESET_NAMES: tuple[str, ...] = ("off", "light", "balanced", "aggressive")
-# Fixed retention levels (issue #4's benchmark settings): only the prefill drop, at layer 1, keeping
-# this share of the visual tokens; "-kvbf16" also keeps and sends the KV cache in bfloat16.
+# Fixed retention levels (issue #4's benchmark settings, as `bench/bench_pruning.py --drop-layers 0 1`
+# runs them): only the prefill drop, staged at layers 0 and 1, keeping this share of the visual
+# tokens; "-kvbf16" also keeps and sends the KV cache in bfloat16.
+_STAGED = {"prefill_drop": True, "prefill_drop_layers": (0, 1)}
 RETENTION_SETTINGS: dict[str, dict] = {
-    "keep50": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.5},
-    "keep25": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.25},
-    "keep10": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.1},
-    "keep25-kvbf16": {"prefill_drop": True, "prefill_drop_layer": 1, "prefill_keep_ratio": 0.25,
-                      "kv_dtype": "bfloat16"},
+    "keep50": {**_STAGED, "prefill_keep_ratio": 0.5},
+    "keep25": {**_STAGED, "prefill_keep_ratio": 0.25},
+    "keep10": {**_STAGED, "prefill_keep_ratio": 0.1},
+    "keep25-kvbf16": {**_STAGED, "prefill_keep_ratio": 0.25, "kv_dtype": "bfloat16"},
 }
 ALL_PRESETS: tuple[str, ...] = (*PRESET_NAMES, *RETENTION_SETTINGS)
 
