@@ -58,9 +58,9 @@ class ModelSize:
     """Language model decoder layers."""
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    vision_depth: int = 3
+    vision_depth: int = 4
     """Vision transformer blocks: the questions need vision far more than language."""
-    vision_embed_dim: int = 96
+    vision_embed_dim: int = 128
     vision_num_heads: int = 4
     init: str = "scaled"
     """"scaled": matrices drawn with std `weight_std` (TinyVLMSpec); "hf": transformers' own
@@ -87,7 +87,7 @@ class TrainConfig:
     clips_per_step: int = 4
     """Media files per step; every question about them is in the step (about 8 per clip), and the
     vision tower runs once per file for all of them (its cost dominates a step)."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Peak learning rate (after warm-up)."""
     min_lr_ratio: float = 0.05
     """The cosine schedule ends at lr * min_lr_ratio."""
@@ -100,18 +100,19 @@ class TrainConfig:
     aux_weight: float = 1.0
     """Weight of the dense auxiliary loss on the vision tower's tokens (train/aux_targets.py);
     0 trains on the answers alone."""
-    vision_pretrain_steps: int = 0
+    vision_pretrain_steps: int = 3000
     """Phase 1: steps that train the vision tower and the auxiliary head alone, before the whole
     model trains (needs aux_weight > 0). A vision-only step costs a fraction of a full one, and
     seeing shapes and motion is what the answers cannot teach quickly."""
-    vision_pretrain_lr: float = 2e-3
+    vision_pretrain_lr: float = 1e-3
     """Peak learning rate of phase 1 (warm-up, then cosine decay like phase 2)."""
     vision_pretrain_clips: int = 8
     """Media files per phase-1 step."""
     eval_every_steps: int = 1000
     """Validation accuracy every this many steps (0: only at the end)."""
-    num_threads: int = 1
-    """torch threads. The machine is shared; 1 keeps the run reproducible and polite."""
+    num_threads: int = 2
+    """torch threads (one per core of the 2-core machine the shipped model was trained on). The
+    same seed, sizes and thread count give the same weights."""
     size: ModelSize = field(default_factory=ModelSize)
     """Model sizes."""
 

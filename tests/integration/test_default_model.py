@@ -18,10 +18,10 @@ from tests.stack import ROOT
 
 SHIPPED = ROOT / "models" / "epd-tiny-videoqa"
 NUM_CLIPS = 10
-# Issue #5's target (>= 90% on the test split) is not met yet: the shipped model scores 59.5%
+# Issue #5's target (>= 90% on the test split) is not met yet: the shipped model scores 79.8%
 # (its card). These checks stay as written and are expected to fail until a better model ships;
 # strict, so the day they pass they must be un-marked.
-UNMET = "issue #5 target not met: the shipped model answers 59.5% of test questions, not >= 90%"
+UNMET = "issue #5 target not met: the shipped model answers 79.8% of test questions, not >= 90%"
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,6 @@ def test_shipped_model_is_the_default_and_is_trained():
         assert default_model_path() == SHIPPED
 
 
-@pytest.mark.xfail(strict=True, reason=UNMET)
 def test_from_pretrained_generate_answers_the_bundled_sample():
     """Plain transformers (AutoProcessor + from_pretrained + generate), no epd code in the loop."""
     import torch

@@ -21,7 +21,7 @@ def test_training_run_saves_a_loadable_model_and_reuses_prepared_splits(tmp_path
     args = ["--data", str(data), "--num-train", "3", "--num-validation", "1", "--num-test", "1",
             "--steps", "4", "--clips-per-step", "2", "--eval-every", "0", "--hidden-size", "32",
             "--intermediate-size", "64", "--vision-depth", "1", "--vision-dim", "32", "--vision-heads", "2",
-            "--no-progress", "--prepared-cache", str(cache)]
+            "--no-progress", "--prepared-cache", str(cache), "--vision-pretrain-steps", "0", "--threads", "1"]
     assert main([*args, "--out", str(tmp_path / "a")]) == 0
     log = json.loads((tmp_path / "a" / "training_log.json").read_text())
     assert log["config"]["aux_weight"] == 1.0 and len(log["aux_loss_every_10_steps"]) == 1
