@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decoder layers that drop visual tokens (several: a staged drop)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
                    help="dtype the pruned runs keep and send the KV cache in")
+    p.add_argument("--presets", nargs="*", default=["light"],
+                   help="also run these presets end to end (encoder stages included)")
     p.add_argument("--kv-keep", type=float, default=1.0,
                    help="also compress the survivors' KV entries to this fraction (LOOK-M, averaged merge)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "epd-bench-pruning"))
@@ -158,6 +160,31 @@ def main(argv: list[str] | None = None) -> int:
                   f"{kv:,} ({base[2] / kv:.2f}x) |")
         print(f"| {num_frames} | temporal drop before tower | {kept_t:.0%} kept | {encode_t_ms:.0f} "
               f"({encode_ms / encode_t_ms:.2f}x faster) | | | |")
+        for preset in args.presets:
+            # Every stage of the preset: the encoder's drops first, then prefill, KV and decode.
+            cfg = PruningConfig.from_preset(preset)
+            enc_p = [timed(lambda cfg=cfg: encode(cfg)) for _ in range(args.repeats)]
+            pmedia, _ = enc_p[0]
+
+            def run_preset(cfg: PruningConfig = cfg, pmedia=pmedia):
+                return prefill.prefill("what colour is the moving square?", pmedia, gen, cfg)
+
+            runs = [timed(run_preset) for _ in range(args.repeats)]
+            outcome = runs[0][0]
+            prefill_ms = statistics.median(t for _, t in runs)
+            g = decoder.start(outcome.cache, outcome.first_token_id, outcome.next_position_ids, gen,
+                              visual_entry_mask=outcome.visual_entry_mask, pruning=cfg)
+            step_ms = []
+            while not g.done:
+                _, ms = timed(g.step)
+                step_ms.append(ms)
+            kept = outcome.pruning.num_visual_tokens_out / media.meta.num_visual_tokens  # after the last stage
+            enc_ms = statistics.median(t for _, t in enc_p)
+            kv = outcome.cache.num_bytes
+            assert base is not None
+            print(f"| {num_frames} | preset {preset} | {kept:.1%} | {enc_ms:.0f} | {prefill_ms:.0f} "
+                  f"({base[0] / prefill_ms:.2f}x) | {statistics.median(step_ms):.1f} "
+                  f"({base[1] / statistics.median(step_ms):.2f}x) | {kv:,} ({base[2] / kv:.2f}x) |")
     return 0
 
 
