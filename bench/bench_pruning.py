@@ -15,7 +15,8 @@ count, in one process:
     runs on top);
   * prefill ms and per-token decode ms (median of --decode-tokens steps), KV bytes;
   * encode ms with the encode stage off and with temporal dropping before the tower (the clip
-    has a static background, so temporal dropping removes what does not change).
+    has a static background, so temporal dropping removes what does not change);
+  * each --presets preset (default: light) end to end, the encoder's stages included.
 Every ratio is against the unpruned run measured in the same process.
 """
 
