@@ -403,6 +403,18 @@ def _save_prepared(path: Path, key: str, splits: dict) -> None:
     torch.save({"key": key, "splits": plain}, path)
 
 
+def _optimizer_step(optimizer, loss: torch.Tensor, params: list, grad_clip: float) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+
+
+def _mean_every_10(values: list[float]) -> list[float]:
+    """The mean of each run of 10 values (the last run may be shorter), for the training log."""
+    return [round(sum(values[i : i + 10]) / len(values[i : i + 10]), 5) for i in range(0, len(values), 10)]
+
+
 def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: TrainConfig,
                     progress: bool = True) -> list[float]:
     """Phase 1: the vision tower and the auxiliary head alone, on random media files; returns the
@@ -428,10 +440,7 @@ def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: Tr
             group["lr"] = lr_at(step, phase)
         tokens = visual(pixels, grid_thw=grids).pooler_output  # [sum merged tokens, hidden]
         loss = aux_head.loss(tokens, TokenTargets.cat([media[i].aux for i in idx]))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        optimizer.step()
+        _optimizer_step(optimizer, loss, params, config.grad_clip)
         losses.append(float(loss.detach()))
         if step % 20 == 0:
             bar.set_postfix(aux=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
@@ -527,10 +536,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
             aux = aux_head.loss(visual, TokenTargets.cat([train_media[i].aux for i in distinct]))
             total = loss + config.aux_weight * aux
             aux_losses.append(float(aux.detach()))
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        optimizer.step()
+        _optimizer_step(optimizer, total, params, config.grad_clip)
         losses.append(float(loss.detach()))
         if step % 20 == 0:
             post = {"loss": f"{sum(losses[-50:]) / len(losses[-50:]):.3f}"}
@@ -565,16 +571,12 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         "num_media": {"train": len(train_media), "validation": len(val_media), "test": len(test_media)},
         "prepare_s": round(prepare_s, 1),
         "vision_pretrain_s": round(pretrain_s, 1),
-        "vision_pretrain_loss_every_10_steps": [
-            round(sum(pretrain_losses[i : i + 10]) / len(pretrain_losses[i : i + 10]), 5)
-            for i in range(0, len(pretrain_losses), 10)],
+        "vision_pretrain_loss_every_10_steps": _mean_every_10(pretrain_losses),
         "train_s": round(train_s, 1),
         "seconds_per_step": round(train_s / config.steps, 4),
         "num_questions_seen": num_seen,
-        "loss_every_10_steps": [round(sum(losses[i : i + 10]) / len(losses[i : i + 10]), 5)
-                                for i in range(0, len(losses), 10)],
-        "aux_loss_every_10_steps": [round(sum(aux_losses[i : i + 10]) / len(aux_losses[i : i + 10]), 5)
-                                    for i in range(0, len(aux_losses), 10)],
+        "loss_every_10_steps": _mean_every_10(losses),
+        "aux_loss_every_10_steps": _mean_every_10(aux_losses),
         "validation": evals,
         "test": {"by_type": test, "overall": overall(test)},
     }
