@@ -16,7 +16,7 @@ count, in one process:
   * prefill ms and per-token decode ms (median of --decode-tokens steps), KV bytes;
   * encode ms with the encode stage off and with temporal dropping before the tower (the clip
     has a static background, so temporal dropping removes what does not change);
-  * each --presets preset (default: light) end to end, the encoder's stages included.
+  * each --presets preset (default: light, budget25) end to end, the encoder's stages included.
 Every ratio is against the unpruned run measured in the same process.
 """
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="decoder layers that drop visual tokens (several: a staged drop)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
                    help="dtype the pruned runs keep and send the KV cache in")
-    p.add_argument("--presets", nargs="*", default=["light"],
+    p.add_argument("--presets", nargs="*", default=["light", "budget25"],
                    help="also run these presets end to end (encoder stages included)")
     p.add_argument("--kv-keep", type=float, default=1.0,
                    help="also compress the survivors' KV entries to this fraction (LOOK-M, averaged merge)")

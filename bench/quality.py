@@ -1,7 +1,7 @@
 """`epd bench quality`: accuracy on the synthetic test split, through the serving path.
 
     PYTHONPATH=. python -c "import sys, bench.quality as q; sys.exit(q.main(sys.argv[1:]))" \
-        --presets off,light,balanced,aggressive --out bench_results/quality
+        --presets off,light,budget25,balanced,aggressive --out bench_results/quality
 
 Every question of the test split goes through `gateway.embedded.build_embedded_pipeline` (the
 embedded Encode -> Prefill -> Decode pipeline `epd ask` runs: the same decoder, frame sampling,
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PRESET_NAMES: tuple[str, ...] = ("off", "light", "balanced", "aggressive")
+PRESET_NAMES: tuple[str, ...] = ("off", "light", "budget25", "balanced", "aggressive")
 # Fixed retention levels (issue #4's benchmark settings, as `bench/bench_pruning.py --drop-layers 0 1`
 # runs them): only the prefill drop, staged at layers 0 and 1, keeping this share of the visual
 # tokens; "-kvbf16" also keeps and sends the KV cache in bfloat16.

@@ -60,7 +60,7 @@ def _knob(text: str) -> tuple[str, str]:
 
 def add_pruning_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("token dropping and KV compression (off by default)")
-    g.add_argument("--pruning", default="off", help="preset: off, light, balanced, aggressive")
+    g.add_argument("--pruning", default="off", help="preset: off, light, budget25, balanced, aggressive")
     g.add_argument("--pruning-knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
                    help="override one knob of token_pruning.PruningConfig (repeatable)")
 

@@ -44,6 +44,15 @@ class PrunedPrefill:
     kv_bytes_before: int
 
 
+def prefill_keep_target(config: PruningConfig, num_entering: int, num_video: int) -> int:
+    """Visual tokens left after the (last) prefill drop: `prefill_keep_count` if set, else the
+    ratio of the tokens entering prefill or, with basis "video", of the video's tokens before
+    the encode stages (never more than enter)."""
+    if config.prefill_keep_count is not None or config.prefill_keep_basis == "entering":
+        return resolve_keep_count(num_entering, config.prefill_keep_ratio, config.prefill_keep_count)
+    return min(num_entering, resolve_keep_count(num_video, config.prefill_keep_ratio))
+
+
 @torch.inference_mode()
 def pruned_prefill(
     adapter,
@@ -72,8 +81,11 @@ def pruned_prefill(
     num_after_drop = num_visual
     counts: list[int] = []
     if drop_layers:
-        num_after_drop = resolve_keep_count(num_visual, config.prefill_keep_ratio, config.prefill_keep_count)
-        counts = staged_keep_counts(num_visual, num_after_drop, len(drop_layers))
+        num_after_drop = prefill_keep_target(config, num_visual, full_visual.numel())
+        if num_after_drop == num_visual:  # the encode stages already met the budget: skip the scoring
+            drop_layers = ()
+        else:
+            counts = staged_keep_counts(num_visual, num_after_drop, len(drop_layers))
     length = pruned.input_ids.shape[1]
     length_after = length - (num_visual - num_after_drop)
     # Question queries for KV scoring, in each layer's own sequence (shorter after each drop: the
@@ -91,7 +103,7 @@ def pruned_prefill(
     try:
         out = prefill_with_drop(
             lm, hidden, pruned.position_ids.to(hidden.device), visual_index, list(drop_layers) or None,
-            keep_ratio=config.prefill_keep_ratio, keep_count=config.prefill_keep_count,
+            keep_count=num_after_drop,
             key_mask=key_mask, query_window=config.prefill_query_window,
         )
     finally:

@@ -20,6 +20,7 @@ from typing import Any
 KEY_TOKEN_SCORES = ("distinct", "norm")
 KV_MERGE_MODES = ("none", "averaged", "pivotal", "weighted")
 KV_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
+KEEP_BASES: tuple[str, ...] = ("entering", "video")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class PruningConfig:
     """Fraction of the visual tokens entering prefill that survive the (last) drop."""
     prefill_keep_count: int | None = None
     """Exact number of surviving visual tokens; overrides `prefill_keep_ratio`."""
+    prefill_keep_basis: str = "entering"
+    """What `prefill_keep_ratio` is a fraction of. "entering": the visual tokens that reach
+    prefill. "video": the video's visual tokens before any encode stage, so the ratio is the whole
+    pipeline's budget and the prefill drop removes only what the (cheap, content-aware) encode
+    stages left above it, and nothing when they already went below it."""
     prefill_query_window: int = 0
     """Score with the last this-many prompt tokens as queries; 0 = all text after the video."""
 
@@ -119,6 +125,10 @@ class PruningConfig:
         if self.key_token_score not in KEY_TOKEN_SCORES:
             raise ValueError(
                 f"key_token_score must be one of {KEY_TOKEN_SCORES}, got {self.key_token_score!r}"
+            )
+        if self.prefill_keep_basis not in KEEP_BASES:
+            raise ValueError(
+                f"prefill_keep_basis must be one of {KEEP_BASES}, got {self.prefill_keep_basis!r}"
             )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
@@ -213,6 +223,19 @@ PRESETS: dict[str, PruningConfig] = {
         prefill_keep_ratio=0.75,
         kv_compress=True,
         kv_keep_ratio=0.75,
+    ),
+    # A quarter of the video's tokens: light's encode stages (cheap, content-aware) first, then
+    # the question-guided drop removes only what they left above 25%; KV kept and sent in bf16.
+    "budget25": PruningConfig(
+        temporal_drop=True,
+        temporal_threshold=0.03,
+        spatial_merge=True,
+        spatial_merge_threshold=0.95,
+        key_token_ratio=0.05,
+        prefill_drop=True,
+        prefill_keep_ratio=0.25,
+        prefill_keep_basis="video",
+        kv_dtype="bfloat16",
     ),
     "balanced": PruningConfig(
         temporal_drop=True,

@@ -123,6 +123,34 @@ def test_staged_prefill_drop_through_the_services(pipeline, media_files):
     assert both.kv_num_bytes == base.kv_num_bytes * (text + math.ceil(0.5 * kept)) // base.num_prompt_tokens
 
 
+def test_video_basis_budget_counts_the_encode_stages(pipeline, static_video):
+    """prefill_keep_basis="video": the ratio is of the video's tokens before the encode stages, so
+    prefill drops only what temporal dropping (which keeps 1 group of 4 here) left above it."""
+    temporal = dict(temporal_drop=True, prefill_drop=True, prefill_drop_layer=1)
+    v = stages(ask(pipeline, static_video, PruningConfig(temporal_drop=True)))["temporal"][0]
+    after_temporal = v // 4
+    already_met = ask(pipeline, static_video,
+                      PruningConfig(**temporal, prefill_keep_ratio=0.5, prefill_keep_basis="video"))
+    assert "prefill_drop" not in stages(already_met), "25% left is under the 50% budget: no drop"
+    assert already_met.num_visual_tokens == after_temporal
+    tighter = ask(pipeline, static_video,
+                  PruningConfig(**temporal, prefill_keep_ratio=0.125, prefill_keep_basis="video"))
+    assert stages(tighter)["prefill_drop"] == (after_temporal, math.ceil(0.125 * v))
+    entering = ask(pipeline, static_video, PruningConfig(**temporal, prefill_keep_ratio=0.5))
+    assert stages(entering)["prefill_drop"] == (after_temporal, math.ceil(0.5 * after_temporal))
+
+
+def test_budget25_preset_keeps_at_most_a_quarter_at_half_the_kv_bytes(pipeline, media_files):
+    base = ask(pipeline, media_files["mp4"], PruningConfig())
+    s = ask(pipeline, media_files["mp4"], PruningConfig.from_preset("budget25"))
+    v = base.num_visual_tokens
+    assert s.pruning.num_visual_tokens_in == v
+    assert s.pruning.num_visual_tokens_out <= math.ceil(0.25 * v)
+    text = base.num_prompt_tokens - v
+    per_position = base.kv_num_bytes // base.num_prompt_tokens
+    assert s.kv_num_bytes == (text + s.pruning.num_visual_tokens_out) * per_position // 2
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_narrow_kv_dtype_halves_the_transferred_cache(pipeline, media_files, dtype):
     base = ask(pipeline, media_files["mp4"], PruningConfig())

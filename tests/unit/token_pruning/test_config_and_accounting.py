@@ -38,6 +38,22 @@ def test_preset_overrides_and_validation_errors():
         PruningConfig(kv_keep_ratio=0.0)
     with pytest.raises(ValueError, match="kv_merge must be one of"):
         PruningConfig(kv_merge="mean")
+    with pytest.raises(ValueError, match="prefill_keep_basis must be one of"):
+        PruningConfig(prefill_keep_basis="prompt")
+
+
+def test_prefill_keep_target_by_basis():
+    from prefill_svc.pruned_prefill import prefill_keep_target
+
+    entering = PruningConfig(prefill_drop=True, prefill_keep_ratio=0.25)
+    video = PruningConfig(prefill_drop=True, prefill_keep_ratio=0.25, prefill_keep_basis="video")
+    # 200 video tokens, 120 left after the encode stages.
+    assert prefill_keep_target(entering, 120, 200) == 30
+    assert prefill_keep_target(video, 120, 200) == 50
+    assert prefill_keep_target(video, 40, 200) == 40, "never more than enter"
+    counted = PruningConfig(prefill_drop=True, prefill_keep_count=7, prefill_keep_basis="video")
+    assert prefill_keep_target(counted, 120, 200) == 7, "an exact count wins over the ratio"
+    assert PRESETS["budget25"].prefill_keep_basis == "video" and PRESETS["budget25"].kv_dtype == "bfloat16"
     with pytest.raises(ValueError, match="key_token_score must be one of"):
         PruningConfig.from_preset("light", key_token_score="cls")
 
@@ -53,6 +69,8 @@ def test_staged_prefill_drop_layers_validate_and_cross_the_wire():
     assert PruningConfig(prefill_drop_layers=(1, 3)).drop_layers(8) == ()  # stage off
     assert PruningConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert pruning_from_proto(pruning_to_proto(cfg)) == cfg
+    for name, preset in PRESETS.items():
+        assert pruning_from_proto(pruning_to_proto(preset)) == preset, name
     for text in ("1,3", "[1, 3]", "(1, 3)"):
         msg = pruning_to_proto(PruningConfig(prefill_drop=True))
         msg.knobs["prefill_drop_layers"] = text

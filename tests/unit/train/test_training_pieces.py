@@ -111,6 +111,22 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert values == sorted(values, reverse=True)
 
 
+def test_phase_two_groups_scale_only_the_vision_tower_and_aux_head(prepared):
+    from train.aux_targets import AuxHead
+    from train.train_default_model import TrainConfig, _param_groups
+
+    model = prepared[0].model
+    head = AuxHead(model.config.text_config.hidden_size)
+    groups = _param_groups(model, head, TrainConfig(vision_lr_scale=0.25))
+    vision = {id(p) for p in model.model.visual.parameters()} | {id(p) for p in head.parameters()}
+    grouped = [id(p) for g in groups for p in g["params"]]
+    assert sorted(grouped) == sorted({id(p) for p in model.parameters()} | {id(p) for p in head.parameters()})
+    for g in groups:
+        assert g["lr_scale"] == (0.25 if id(g["params"][0]) in vision else 1.0)
+        assert all((id(p) in vision) == (g["lr_scale"] == 0.25) for p in g["params"])
+        assert all((p.dim() >= 2) == (g["weight_decay"] > 0) for p in g["params"])
+
+
 def test_tiny_model_training_options_leave_the_defaults_alone():
     from model_runtime.tiny_model import TinyVLMSpec, build_model, build_processor
 
