@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from train.augment import mirror_answer, mirror_pixels, mirror_sequence, mirror_targets, mirrored_answer_ids
 from train.aux_targets import AuxHead, TokenTargets, token_targets
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +111,12 @@ class TrainConfig:
     """Media files per phase-1 step."""
     vision_lr_scale: float = 1.0
     """Phase 2 trains the vision tower at lr * vision_lr_scale: at the full rate the first
-    steps undo much of what phase 1 learnt (the auxiliary loss jumped from 0.16 to ~0.5)."""
+    steps undo much of what phase 1 learnt (the auxiliary loss jumped from 0.16 to ~0.5). 0
+    freezes it: its output per file is computed once and phase 2 trains the language model
+    (and the merger's projection, part of the tower, stays as phase 1 left it) alone."""
+    mirror_prob: float = 0.0
+    """Chance that a training clip is seen mirrored left-right in a step (both phases; see
+    train/augment.py): a second view of every clip against overfitting the 4,000."""
     eval_every_steps: int = 1000
     """Validation accuracy every this many steps (0: only at the end)."""
     num_threads: int = 2
@@ -277,7 +283,8 @@ def collate(batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[s
     return out
 
 
-def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pad_id: int
+def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pad_id: int,
+                         frozen: list[torch.Tensor] | None = None,
                          ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
     """Model inputs with the visual embeddings already in place, the vision tower run once per
     distinct media file of the batch (several questions share a clip).
@@ -285,16 +292,21 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
     The same computation as `model(**collate(batch))`, where the model runs the tower once per
     question: the tower sees one file at a time (attention within a temporal patch group), and
     the embeddings go into the placeholder tokens in batch order. Also returns the tower's output
-    [sum of merged tokens, hidden] and the media indices it covers, in order."""
+    [sum of merged tokens, hidden] and the media indices it covers, in order. frozen: the tower's
+    output per media file, computed once (a frozen tower), used instead of running it."""
     inputs = collate(batch, [MediaItem(m.modality, m.pixel_values[:0], m.grid_thw) for m in media], pad_id)
     for key in ("pixel_values_videos", "pixel_values", "video_grid_thw", "image_grid_thw"):
         inputs.pop(key, None)
     distinct = sorted({e.media_index for e in batch})
-    pixels = torch.cat([media[i].pixel_values for i in distinct])
-    grids = torch.tensor([media[i].grid_thw for i in distinct], dtype=torch.long)
-    visual = model.model.visual(pixels, grid_thw=grids).pooler_output  # [sum tokens, hidden]
-    sizes = [int(t * h * w) // 4 for t, h, w in grids.tolist()]
-    per_media = dict(zip(distinct, torch.split(visual, sizes)))
+    if frozen is not None:
+        per_media = {i: frozen[i] for i in distinct}
+        visual = torch.cat([frozen[i] for i in distinct])
+    else:
+        pixels = torch.cat([media[i].pixel_values for i in distinct])
+        grids = torch.tensor([media[i].grid_thw for i in distinct], dtype=torch.long)
+        visual = model.model.visual(pixels, grid_thw=grids).pooler_output  # [sum tokens, hidden]
+        sizes = [int(t * h * w) // 4 for t, h, w in grids.tolist()]
+        per_media = dict(zip(distinct, torch.split(visual, sizes)))
     input_ids = inputs.pop("input_ids")
     embeds = model.model.get_input_embeddings()(input_ids)  # [B, L, hidden]
     cfg = model.config
@@ -424,13 +436,53 @@ def _param_groups(model, aux_head: AuxHead, config: TrainConfig) -> list[dict]:
     vision = {id(p) for p in model.model.visual.parameters()} | {id(p) for p in aux_head.parameters()}
     params = list(model.parameters()) + (list(aux_head.parameters()) if config.aux_weight > 0 else [])
     groups = []
-    for is_vision in (False, True):
+    for is_vision in (False, True) if config.vision_lr_scale > 0 else (False,):
         for decay in (True, False):
             chosen = [p for p in params if (id(p) in vision) == is_vision and (p.dim() >= 2) == decay]
             if chosen:
                 groups.append({"params": chosen, "weight_decay": config.weight_decay if decay else 0.0,
                                "lr_scale": config.vision_lr_scale if is_vision else 1.0})
     return groups
+
+
+@torch.no_grad()
+def _tower_outputs(model, media: list[MediaItem], batch_size: int = 32) -> list[torch.Tensor]:
+    """The vision tower's output per media file, [merged tokens, hidden] each."""
+    out: list[torch.Tensor] = []
+    for start in range(0, len(media), batch_size):
+        chunk = media[start : start + batch_size]
+        grids = torch.tensor([m.grid_thw for m in chunk], dtype=torch.long)
+        visual = model.model.visual(torch.cat([m.pixel_values for m in chunk]), grid_thw=grids).pooler_output
+        out += torch.split(visual, [int(t * h * w) // 4 for t, h, w in grids.tolist()])
+    return out
+
+
+def _coin_flips(n: int, prob: float, gen: torch.Generator) -> list[bool]:
+    """n seeded coin flips; draws nothing when prob is 0 (runs without mirroring stay as before)."""
+    return (torch.rand(n, generator=gen) < prob).tolist() if prob > 0 else [False] * n
+
+
+def mirror_media(m: MediaItem) -> MediaItem:
+    return MediaItem(m.modality, mirror_pixels(m.pixel_values, m.grid_thw), m.grid_thw,
+                     None if m.aux is None else mirror_targets(m.aux, m.grid_thw))
+
+
+def step_inputs(idx: list[int], flips: list[bool], questions_of: dict[int, list[Example]],
+                media: list[MediaItem], answer_ids: dict[str, torch.Tensor]
+                ) -> tuple[list[Example], list[MediaItem]]:
+    """The examples and media of one phase-2 step, renumbered 0..len(idx)-1, the flipped clips
+    mirrored with their answers."""
+    batch: list[Example] = []
+    local: list[MediaItem] = []
+    for j, (i, flip) in enumerate(zip(idx, flips)):
+        local.append(mirror_media(media[i]) if flip else media[i])
+        for e in questions_of[i]:
+            if flip:
+                ids, positions, labels = mirror_sequence(e.input_ids, e.position_ids, e.labels, e.answer, answer_ids)
+                batch.append(Example(j, ids, positions, labels, e.question_type, mirror_answer(e.answer)))
+            else:
+                batch.append(Example(j, e.input_ids, e.position_ids, e.labels, e.question_type, e.answer))
+    return batch, local
 
 
 def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: TrainConfig,
@@ -452,12 +504,14 @@ def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: Tr
                disable=not progress, mininterval=2)
     for step in bar:
         idx = torch.randint(len(media), (config.vision_pretrain_clips,), generator=gen).tolist()
-        pixels = torch.cat([media[i].pixel_values for i in idx])
-        grids = torch.tensor([media[i].grid_thw for i in idx], dtype=torch.long)
+        flips = _coin_flips(len(idx), config.mirror_prob, gen)
+        chosen = [mirror_media(media[i]) if f else media[i] for i, f in zip(idx, flips)]
+        pixels = torch.cat([m.pixel_values for m in chosen])
+        grids = torch.tensor([m.grid_thw for m in chosen], dtype=torch.long)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, phase)
         tokens = visual(pixels, grid_thw=grids).pooler_output  # [sum merged tokens, hidden]
-        loss = aux_head.loss(tokens, TokenTargets.cat([media[i].aux for i in idx]))
+        loss = aux_head.loss(tokens, TokenTargets.cat([m.aux for m in chosen]))
         _optimizer_step(optimizer, loss, params, config.grad_clip)
         losses.append(float(loss.detach()))
         if step % 20 == 0:
@@ -520,8 +574,16 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
             raise ValueError("vision pretraining trains on the auxiliary targets: set aux_weight > 0")
         pretrain_losses = pretrain_vision(model, aux_head, train_media, config, progress)
     pretrain_s = time.perf_counter() - t_pre
-    params = list(model.parameters()) + (list(aux_head.parameters()) if config.aux_weight > 0 else [])
-    optimizer = torch.optim.AdamW(_param_groups(model, aux_head, config), lr=config.lr, betas=(0.9, 0.98))
+    groups = _param_groups(model, aux_head, config)
+    params = [p for g in groups for p in g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98))
+    frozen = None
+    answer_ids = mirrored_answer_ids(processor.tokenizer)
+    if config.vision_lr_scale == 0:
+        if config.mirror_prob > 0:
+            raise ValueError("mirror_prob needs a trainable vision tower (vision_lr_scale > 0)")
+        model.model.visual.requires_grad_(False)
+        frozen = _tower_outputs(model, train_media)
     order_gen = torch.Generator().manual_seed(config.seed)
     order: list[int] = []
     questions_of: dict[int, list[Example]] = {}
@@ -538,15 +600,19 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         if len(order) < config.clips_per_step:
             order += torch.randperm(len(train_media), generator=order_gen).tolist()
         idx, order = order[: config.clips_per_step], order[config.clips_per_step :]
-        batch = [e for i in idx for e in questions_of[i]]
+        if frozen is None:
+            flips = _coin_flips(len(idx), config.mirror_prob, order_gen)
+            batch, step_media = step_inputs(idx, flips, questions_of, train_media, answer_ids)
+        else:
+            batch, step_media = [e for i in idx for e in questions_of[i]], train_media
         num_seen += len(batch)
-        inputs, visual, distinct = shared_vision_inputs(model, batch, train_media, pad_id)
+        inputs, visual, distinct = shared_vision_inputs(model, batch, step_media, pad_id, frozen)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config) * group["lr_scale"]
         loss = model(**inputs).loss
         total = loss
-        if config.aux_weight > 0:
-            aux = aux_head.loss(visual, TokenTargets.cat([train_media[i].aux for i in distinct]))
+        if config.aux_weight > 0 and frozen is None:
+            aux = aux_head.loss(visual, TokenTargets.cat([step_media[i].aux for i in distinct]))
             total = loss + config.aux_weight * aux
             aux_losses.append(float(aux.detach()))
         _optimizer_step(optimizer, total, params, config.grad_clip)
@@ -615,7 +681,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         },
         "training": {"steps": config.steps, "clips_per_step": config.clips_per_step, "lr": config.lr,
                      "aux_weight": config.aux_weight, "vision_pretrain_steps": config.vision_pretrain_steps,
-                     "vision_lr_scale": config.vision_lr_scale,
+                     "vision_lr_scale": config.vision_lr_scale, "mirror_prob": config.mirror_prob,
                      "vision_pretrain_s": round(pretrain_s, 1),
                      "num_questions_seen": log["num_questions_seen"],
                      "train_s": log["train_s"], "seconds_per_step": log["seconds_per_step"]},
@@ -653,6 +719,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--num-train", type=int, default=d.num_train_clips, help="training clips")
     p.add_argument("--num-validation", type=int, default=d.num_validation_clips, help="validation clips")
     p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips")
+    p.add_argument("--mirror-prob", type=float, default=d.mirror_prob,
+                   help="chance a training clip is mirrored left-right in a step")
     p.add_argument("--eval-every", type=int, default=d.eval_every_steps, help="steps between validations")
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
     s = ModelSize()
@@ -676,7 +744,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     config = TrainConfig(
         seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, aux_weight=a.aux_weight,
         vision_pretrain_steps=a.vision_pretrain_steps, vision_pretrain_lr=a.vision_pretrain_lr,
-        vision_lr_scale=a.vision_lr_scale, num_train_clips=a.num_train,
+        vision_lr_scale=a.vision_lr_scale, mirror_prob=a.mirror_prob, num_train_clips=a.num_train,
         num_validation_clips=a.num_validation, num_test_clips=a.num_test,
         eval_every_steps=a.eval_every, num_threads=a.threads, size=size,
         warmup_steps=min(d.warmup_steps, max(1, a.steps // 10)),

@@ -177,6 +177,12 @@ def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
         shared = model(**shared_vision_inputs(model, batch, media, pad_id=0)[0])
     assert torch.allclose(full.logits, shared.logits, atol=1e-5)
     assert full.loss.item() == pytest.approx(shared.loss.item(), abs=1e-6)
+    # A frozen tower's outputs, computed once per file, give the same inputs.
+    from train.train_default_model import _tower_outputs
+
+    with torch.no_grad():
+        frozen = model(**shared_vision_inputs(model, batch, media, 0, _tower_outputs(model, media, 2))[0])
+    assert torch.allclose(frozen.logits, shared.logits, atol=1e-5)
     # A wrong clip in the batch changes the answer logits: the embeddings land per question.
     swapped = list(batch)
     other_clip = next(i for i, m in enumerate(media) if m.modality == "video" and i != batch[0].media_index)
