@@ -9,9 +9,9 @@ Videos are generated once into --cache-dir (x264 veryfast CRF 23, 3 B-frames, on
 frame, 30 fps). Every method's frames are compared with the sequential reference. Prints a
 markdown table: median seconds, ratio to sequential (higher is faster), and ours against the floor
 = frames that must be decoded (keyframe to last target of each interval) / (workers x one
-thread's decode rate, median of 3), and against a measured floor: the same frames / the rate that `workers`
-single-thread decoders reach together when run at once in separate processes (on a 2-vCPU cloud
-machine that is 1.6-1.8x one decoder, not 2x: shared caches and memory bandwidth).
+thread's decode rate, median of 3), and against a measured floor: the same frames / the rate that
+`workers` single-thread decoders reach together when run at once in separate processes (on our
+2-vCPU cloud machine 1.6-2.1x one decoder, varying by file and run: shared caches and memory).
 """
 
 from __future__ import annotations
