@@ -210,28 +210,29 @@ class PruningConfig:
         return {k: getattr(self, k) for k in keys}
 
 
+# The encoder stages that cost almost no accuracy: unchanged pixels, near-duplicate neighbours.
+_LIGHT_ENCODE: dict[str, Any] = dict(
+    temporal_drop=True,
+    temporal_threshold=0.03,
+    spatial_merge=True,
+    spatial_merge_threshold=0.95,
+    key_token_ratio=0.05,
+)
+
 PRESETS: dict[str, PruningConfig] = {
     "off": PruningConfig(),
-    # Only near-lossless steps: unchanged pixels, near-duplicate neighbours, a mild KV trim.
+    # Only near-lossless steps: the light encoder stages, a mild prefill drop and KV trim.
     "light": PruningConfig(
-        temporal_drop=True,
-        temporal_threshold=0.03,
-        spatial_merge=True,
-        spatial_merge_threshold=0.95,
-        key_token_ratio=0.05,
+        **_LIGHT_ENCODE,
         prefill_drop=True,
         prefill_keep_ratio=0.75,
         kv_compress=True,
         kv_keep_ratio=0.75,
     ),
-    # A quarter of the video's tokens: light's encode stages (cheap, content-aware) first, then
+    # A quarter of the video's tokens: the light encoder stages (cheap, content-aware) first, then
     # the question-guided drop removes only what they left above 25%; KV kept and sent in bf16.
     "budget25": PruningConfig(
-        temporal_drop=True,
-        temporal_threshold=0.03,
-        spatial_merge=True,
-        spatial_merge_threshold=0.95,
-        key_token_ratio=0.05,
+        **_LIGHT_ENCODE,
         prefill_drop=True,
         prefill_keep_ratio=0.25,
         prefill_keep_basis="video",
