@@ -21,7 +21,9 @@ import torch
 from synth.scene import DIRECTIONS
 from train.aux_targets import IGNORE, TokenTargets
 
-_SWAP = {DIRECTIONS.index("left"): DIRECTIONS.index("right"), DIRECTIONS.index("right"): DIRECTIONS.index("left")}
+_MIRRORED_WORD = {"left": "right", "right": "left"}
+"""The only answers (and direction targets) a left-right mirror changes."""
+_SWAP = {DIRECTIONS.index(a): DIRECTIONS.index(b) for a, b in _MIRRORED_WORD.items()}
 
 
 def mirror_pixels(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int], merge: int = 2,
@@ -58,14 +60,14 @@ def mirror_targets(targets: TokenTargets, grid_thw: tuple[int, int, int], merge:
 
 def mirror_answer(answer: str) -> str:
     """The answer to the same question about the mirrored clip."""
-    return {"left": "right", "right": "left"}.get(answer, answer)
+    return _MIRRORED_WORD.get(answer, answer)
 
 
 def mirrored_answer_ids(tokenizer) -> dict[str, torch.Tensor]:
     """The supervised ids (answer + <|im_end|>) of every answer that mirroring changes."""
     end = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
     return {w: torch.tensor(tokenizer(w, add_special_tokens=False)["input_ids"] + end, dtype=torch.long)
-            for w in ("left", "right")}
+            for w in _MIRRORED_WORD}
 
 
 def mirror_sequence(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
