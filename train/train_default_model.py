@@ -42,6 +42,7 @@ import torch
 
 from train.augment import mirror_answer, mirror_pixels, mirror_sequence, mirror_targets, mirrored_answer_ids
 from train.aux_targets import AuxHead, TokenTargets, token_targets
+from train.pixel_codes import PixelCodec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "epd-tiny-videoqa"
@@ -119,6 +120,9 @@ class TrainConfig:
     train/augment.py): a second view of every clip against overfitting the 4,000."""
     eval_every_steps: int = 1000
     """Validation accuracy every this many steps (0: only at the end)."""
+    prepare_workers: int = 2
+    """Processes that decode and preprocess the splits before training (one per core); the
+    prepared inputs do not depend on it."""
     num_threads: int = 2
     """torch threads (one per core of the 2-core machine the shipped model was trained on). The
     same seed, sizes and thread count give the same weights."""
@@ -146,9 +150,16 @@ class MediaItem:
     """Preprocessed pixels of one clip or image, exactly as the encoder service makes them."""
 
     modality: str  # "video" | "image"
-    pixel_values: torch.Tensor  # [num_patches, 3 * 2 * 14 * 14]
+    patches: torch.Tensor
+    """[num_patches, 3 * 2 * 14 * 14]: the processor's float32 patches, or their uint8 values
+    when `codec` is set (train/pixel_codes.py: 4x less memory)."""
     grid_thw: tuple[int, int, int]
     aux: TokenTargets | None = None  # per merged token, from the scene (training only)
+    codec: PixelCodec | None = None
+
+    def pixel_values(self) -> torch.Tensor:
+        """The processor's float32 patches, [num_patches, 3 * 2 * 14 * 14]."""
+        return self.patches if self.codec is None else self.codec.decode(self.patches)
 
 
 def generate_dataset(out_dir: Path, config: TrainConfig) -> None:
@@ -187,27 +198,88 @@ def scene_config(data_dir: Path):
     return SceneConfig(**json.loads((data_dir / "dataset_info.json").read_text())["scene"])
 
 
-def load_split(data_dir: Path, split: str, adapter, progress: bool = True,
-               with_aux: bool = False) -> tuple[list[Example], list[MediaItem]]:
+def load_split(data_dir: Path, split: str, adapter, progress: bool = True, with_aux: bool = False,
+               compact: bool = False, workers: int = 1, model_dir: Path | None = None,
+               ) -> tuple[list[Example], list[MediaItem]]:
     """Decode, preprocess and tokenize every question of `split` the way the serving path does;
-    with_aux: also the dense targets of every media file (remade from its scene seed)."""
+    with_aux: also the dense targets of every media file (remade from its scene seed); compact:
+    keep the patches as uint8 (train/pixel_codes.py). workers > 1 prepares contiguous parts of
+    the split in that many spawned processes, each with the serving adapter loaded from
+    `model_dir` (the checkpoint `adapter` came from); the result is the same as with one."""
+    from synth.manifest import read_manifest
+
+    records = read_manifest(data_dir, split=split)
+    if workers <= 1:
+        return _prepare_records(records, data_dir, adapter, progress, with_aux, compact, f"preparing {split}")
+    if model_dir is None:
+        raise ValueError("preparing in several processes needs model_dir, the adapter's checkpoint")
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # Cut between media files (a file's questions are consecutive in the manifest), at about
+    # equal numbers of files per part.
+    starts = [i for i, r in enumerate(records) if i == 0 or r.media != records[i - 1].media]
+    bounds = [starts[len(starts) * k // workers] for k in range(workers)] + [len(records)]
+    parts = [records[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    examples: list[Example] = []
+    media: list[MediaItem] = []
+    with tempfile.TemporaryDirectory(prefix="epd-prepare-") as tmp, ProcessPoolExecutor(
+            len(parts), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_prepare_part, part, data_dir, model_dir, Path(tmp) / f"{k}.pt",
+                               progress and k == 0, with_aux, compact,
+                               f"preparing {split} (part 1 of {len(parts)} in parallel)")
+                   for k, part in enumerate(parts)]
+        for future in futures:  # in order, so the split keeps the manifest's order
+            part_ex, part_media = _from_plain(torch.load(future.result(), weights_only=False))
+            for e in part_ex:
+                e.media_index += len(media)
+            examples += part_ex
+            media += part_media
+    return examples, media
+
+
+def _prepare_part(records: list, data_dir: Path, model_dir: Path, out: Path, progress: bool,
+                  with_aux: bool, compact: bool, desc: str) -> Path:
+    """One process's part of `load_split`: prepared with its own adapter, saved to `out`."""
+    from model_runtime.config import ModelConfig
+    from model_runtime.qwen2_vl import Qwen2VLAdapter
+
+    torch.set_num_threads(1)
+    adapter = Qwen2VLAdapter(str(model_dir), ModelConfig(), {"vision"})
+    torch.save(_to_plain(_prepare_records(records, data_dir, adapter, progress, with_aux, compact, desc)), out)
+    return out
+
+
+def _to_plain(split: tuple[list[Example], list[MediaItem]]) -> tuple[list[dict], list[dict]]:
+    # Plain dicts: pickled dataclasses would be bound to the module that ran (__main__).
+    examples, media = split
+    return [vars(e) for e in examples], [vars(m) for m in media]
+
+
+def _from_plain(plain: tuple[list[dict], list[dict]]) -> tuple[list[Example], list[MediaItem]]:
+    examples, media = plain
+    return [Example(**e) for e in examples], [MediaItem(**m) for m in media]
+
+
+def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, with_aux: bool,
+                     compact: bool, desc: str) -> tuple[list[Example], list[MediaItem]]:
     from tqdm import tqdm
 
     from model_runtime.adapter import VisualMeta
-    from synth.manifest import read_manifest
     from synth.scene import generate_image_scene, generate_scene
     from video.simple_decoder import decode
 
     sampling = serving_sampling()
     scenes = scene_config(data_dir) if with_aux else None
-    records = read_manifest(data_dir, split=split)
+    codecs = {"video": PixelCodec.of(adapter.processor.video_processor),
+              "image": PixelCodec.of(adapter.processor.image_processor)} if compact else {}
     media: list[MediaItem] = []
     metas: list[VisualMeta] = []
     index_of: dict[str, int] = {}
     examples: list[Example] = []
     tokenizer = adapter.tokenizer
     end_ids = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
-    for r in tqdm(records, desc=f"preparing {split}", unit="question", disable=not progress, mininterval=2):
+    for r in tqdm(records, desc=desc, unit="question", disable=not progress, mininterval=2):
         if r.media not in index_of:
             video = decode(r.media_path(data_dir).read_bytes(), sampling)
             inputs = adapter.preprocess(video)
@@ -221,8 +293,10 @@ def load_split(data_dir: Path, split: str, adapter, progress: bool = True,
                 else:
                     scene, frame_indices = generate_image_scene(r.seed, scenes), [0]
                 aux = token_targets(scene, frame_indices, inputs.grid_thw)
+            codec = codecs.get(inputs.modality)
+            patches = inputs.pixel_values if codec is None else codec.encode(inputs.pixel_values)
             index_of[r.media] = len(media)
-            media.append(MediaItem(inputs.modality, inputs.pixel_values, inputs.grid_thw, aux))
+            media.append(MediaItem(inputs.modality, patches, inputs.grid_thw, aux, codec))
             metas.append(meta)
         i = index_of[r.media]
         prompt = adapter.build_prompt(r.question, metas[i])
@@ -268,10 +342,10 @@ def collate(batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[s
         positions[:, row, L:] = e.position_ids[:, -1:] + torch.arange(1, length - L + 1)
         m = media[e.media_index]
         if m.modality == "video":
-            video_pix.append(m.pixel_values)
+            video_pix.append(m.pixel_values())
             video_grid.append(m.grid_thw)
         else:
-            image_pix.append(m.pixel_values)
+            image_pix.append(m.pixel_values())
             image_grid.append(m.grid_thw)
     out = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "labels": labels}
     if video_pix:
@@ -294,7 +368,7 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
     the embeddings go into the placeholder tokens in batch order. Also returns the tower's output
     [sum of merged tokens, hidden] and the media indices it covers, in order. frozen: the tower's
     output per media file, computed once (a frozen tower), used instead of running it."""
-    inputs = collate(batch, [MediaItem(m.modality, m.pixel_values[:0], m.grid_thw) for m in media], pad_id)
+    inputs = collate(batch, [MediaItem(m.modality, m.patches[:0], m.grid_thw) for m in media], pad_id)
     for key in ("pixel_values_videos", "pixel_values", "video_grid_thw", "image_grid_thw"):
         inputs.pop(key, None)
     distinct = sorted({e.media_index for e in batch})
@@ -302,7 +376,7 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
         per_media = {i: frozen[i] for i in distinct}
         visual = torch.cat([frozen[i] for i in distinct])
     else:
-        pixels = torch.cat([media[i].pixel_values for i in distinct])
+        pixels = torch.cat([media[i].pixel_values() for i in distinct])
         grids = torch.tensor([media[i].grid_thw for i in distinct], dtype=torch.long)
         visual = model.model.visual(pixels, grid_thw=grids).pooler_output  # [sum tokens, hidden]
         sizes = [int(t * h * w) // 4 for t, h, w in grids.tolist()]
@@ -408,14 +482,11 @@ def _load_prepared(path: Path | None, key: str) -> dict | None:
     saved = torch.load(path, weights_only=False)
     if saved.get("key") != key or "splits" not in saved:  # other data, or an older layout
         return None
-    # Stored as plain dicts: pickled dataclasses would be bound to the module that ran (__main__).
-    return {split: ([Example(**e) for e in ex], [MediaItem(**m) for m in media])
-            for split, (ex, media) in saved["splits"].items()}
+    return {split: _from_plain(plain) for split, plain in saved["splits"].items()}
 
 
 def _save_prepared(path: Path, key: str, splits: dict) -> None:
-    plain = {split: ([vars(e) for e in ex], [vars(m) for m in media]) for split, (ex, media) in splits.items()}
-    torch.save({"key": key, "splits": plain}, path)
+    torch.save({"key": key, "splits": {split: _to_plain(v) for split, v in splits.items()}}, path)
 
 
 def _optimizer_step(optimizer, loss: torch.Tensor, params: list, grad_clip: float) -> None:
@@ -452,7 +523,7 @@ def _tower_outputs(model, media: list[MediaItem], batch_size: int = 32) -> list[
     for start in range(0, len(media), batch_size):
         chunk = media[start : start + batch_size]
         grids = torch.tensor([m.grid_thw for m in chunk], dtype=torch.long)
-        visual = model.model.visual(torch.cat([m.pixel_values for m in chunk]), grid_thw=grids).pooler_output
+        visual = model.model.visual(torch.cat([m.pixel_values() for m in chunk]), grid_thw=grids).pooler_output
         out += torch.split(visual, [int(t * h * w) // 4 for t, h, w in grids.tolist()])
     return out
 
@@ -463,8 +534,8 @@ def _coin_flips(n: int, prob: float, gen: torch.Generator) -> list[bool]:
 
 
 def mirror_media(m: MediaItem) -> MediaItem:
-    return MediaItem(m.modality, mirror_pixels(m.pixel_values, m.grid_thw), m.grid_thw,
-                     None if m.aux is None else mirror_targets(m.aux, m.grid_thw))
+    return MediaItem(m.modality, mirror_pixels(m.patches, m.grid_thw), m.grid_thw,
+                     None if m.aux is None else mirror_targets(m.aux, m.grid_thw), m.codec)
 
 
 def step_inputs(idx: list[int], flips: list[bool], questions_of: dict[int, list[Example]],
@@ -506,7 +577,7 @@ def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: Tr
         idx = torch.randint(len(media), (config.vision_pretrain_clips,), generator=gen).tolist()
         flips = _coin_flips(len(idx), config.mirror_prob, gen)
         chosen = [mirror_media(media[i]) if f else media[i] for i, f in zip(idx, flips)]
-        pixels = torch.cat([m.pixel_values for m in chosen])
+        pixels = torch.cat([m.pixel_values() for m in chosen])
         grids = torch.tensor([m.grid_thw for m in chosen], dtype=torch.long)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, phase)
@@ -549,13 +620,14 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
                           # what the tokenizer and the processor are made from (not the model's sizes)
                           "spec": {k: getattr(spec, k) for k in ("family", "vocab_size", "min_pixels",
                                                                  "max_pixels", "extra_words")},
-                          "aux": config.aux_weight > 0}, sort_keys=True, default=str)
+                          "aux": config.aux_weight > 0, "layout": "uint8 patches"},
+                         sort_keys=True, default=str)
         cached = _load_prepared(prepared_cache, key)
         if cached is None:
             cached = {
-                "train": load_split(data_dir, "train", adapter, progress, with_aux=config.aux_weight > 0),
-                "validation": load_split(data_dir, "validation", adapter, progress),
-                "test": load_split(data_dir, "test", adapter, progress),
+                split: load_split(data_dir, split, adapter, progress, with_aux=split == "train" and config.aux_weight > 0,
+                                  compact=True, workers=config.prepare_workers, model_dir=Path(init_dir))
+                for split in ("train", "validation", "test")
             }
             if prepared_cache is not None:
                 _save_prepared(prepared_cache, key, cached)
@@ -723,6 +795,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
                    help="chance a training clip is mirrored left-right in a step")
     p.add_argument("--eval-every", type=int, default=d.eval_every_steps, help="steps between validations")
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
+    p.add_argument("--prepare-workers", type=int, default=d.prepare_workers,
+                   help="processes that prepare the inputs before training")
     s = ModelSize()
     p.add_argument("--hidden-size", type=int, default=s.hidden_size)
     p.add_argument("--intermediate-size", type=int, default=s.intermediate_size)
@@ -746,7 +820,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         vision_pretrain_steps=a.vision_pretrain_steps, vision_pretrain_lr=a.vision_pretrain_lr,
         vision_lr_scale=a.vision_lr_scale, mirror_prob=a.mirror_prob, num_train_clips=a.num_train,
         num_validation_clips=a.num_validation, num_test_clips=a.num_test,
-        eval_every_steps=a.eval_every, num_threads=a.threads, size=size,
+        eval_every_steps=a.eval_every, num_threads=a.threads, prepare_workers=a.prepare_workers, size=size,
         warmup_steps=min(d.warmup_steps, max(1, a.steps // 10)),
     )
     return config, a

@@ -8,14 +8,12 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A tiny training-style checkpoint (hf init + synth words) and 2 clips + 1 image prepared by
-    the trainer through the serving adapter."""
-    from model_runtime.config import ModelConfig
-    from model_runtime.qwen2_vl import Qwen2VLAdapter
+def train_root(tmp_path_factory):
+    """A tiny training-style checkpoint (hf init + synth words) under model/ and 2 clips + 1
+    image under data/."""
     from model_runtime.tiny_model import build_model, build_processor
     from synth.dataset import DatasetConfig, build_dataset
-    from train.train_default_model import ModelSize, TrainConfig, load_split, model_spec, save_model
+    from train.train_default_model import ModelSize, TrainConfig, model_spec, save_model
 
     root = tmp_path_factory.mktemp("train")
     build_dataset(root / "data", DatasetConfig(num_videos={"train": 2}, image_ratio=0.5), progress=False)
@@ -23,10 +21,19 @@ def prepared(tmp_path_factory):
                                         vision_embed_dim=32, vision_num_heads=2))
     spec = model_spec(config)
     processor = build_processor(spec)
-    model = build_model(spec, processor.tokenizer)
-    save_model(model, processor, root / "model")
-    adapter = Qwen2VLAdapter(str(root / "model"), ModelConfig(), {"vision", "language"})
-    examples, media = load_split(root / "data", "train", adapter, progress=False)
+    save_model(build_model(spec, processor.tokenizer), processor, root / "model")
+    return root
+
+
+@pytest.fixture(scope="module")
+def prepared(train_root):
+    """The train split prepared by the trainer through the serving adapter."""
+    from model_runtime.config import ModelConfig
+    from model_runtime.qwen2_vl import Qwen2VLAdapter
+    from train.train_default_model import load_split
+
+    adapter = Qwen2VLAdapter(str(train_root / "model"), ModelConfig(), {"vision", "language"})
+    examples, media = load_split(train_root / "data", "train", adapter, progress=False)
     return adapter, examples, media
 
 
@@ -53,7 +60,7 @@ def test_media_are_prepared_as_the_encoder_service_does(prepared):
     # 3 s at 2 fps = 6 frames -> 3 temporal groups of 8x8 patches; a 112x112 still -> 1 group.
     assert all(m.grid_thw == (3, 8, 8) for m in videos)
     assert images[0].grid_thw == (1, 8, 8)
-    assert videos[0].pixel_values.shape == (3 * 8 * 8, 3 * 2 * 14 * 14)
+    assert videos[0].pixel_values().shape == (3 * 8 * 8, 3 * 2 * 14 * 14)
 
 
 def test_collate_pads_right_and_orders_visual_inputs_like_the_batch(prepared):
@@ -70,7 +77,7 @@ def test_collate_pads_right_and_orders_visual_inputs_like_the_batch(prepared):
     assert out["attention_mask"].sum(1).tolist() == [len(e.input_ids) for e in batch]
     assert out["video_grid_thw"].tolist() == [[3, 8, 8], [3, 8, 8]]
     assert out["image_grid_thw"].tolist() == [[1, 8, 8]]
-    assert torch.equal(out["pixel_values_videos"][:192], media[video_ex[0].media_index].pixel_values)
+    assert torch.equal(out["pixel_values_videos"][:192], media[video_ex[0].media_index].pixel_values())
     short = min(range(3), key=lambda i: len(batch[i].input_ids))
     n = len(batch[short].input_ids)
     if n < length:
@@ -190,3 +197,24 @@ def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
     with torch.no_grad():
         other = model(**shared_vision_inputs(model, swapped, media, pad_id=0)[0])
     assert not torch.allclose(other.logits[0], shared.logits[0], atol=1e-4)
+
+
+def test_compact_parallel_preparation_equals_the_plain_one(prepared, train_root):
+    """uint8 patches prepared in 2 spawned processes give the same examples and float32 patches
+    as one process keeping float32."""
+    from train.train_default_model import load_split
+
+    adapter, examples, media = prepared
+    data_dir, model_dir = train_root / "data", train_root / "model"
+    ex2, media2 = load_split(data_dir, "train", adapter, progress=False, compact=True, workers=2,
+                             model_dir=model_dir)
+    assert len(ex2) == len(examples) and len(media2) == len(media)
+    for a, b in zip(examples, ex2):
+        assert a.media_index == b.media_index and a.answer == b.answer and a.question_type == b.question_type
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
+        assert torch.equal(a.labels, b.labels)
+    for a, b in zip(media, media2):
+        assert b.patches.dtype == torch.uint8 and a.grid_thw == b.grid_thw
+        assert torch.equal(a.pixel_values(), b.pixel_values())
+    with pytest.raises(ValueError, match="needs model_dir"):
+        load_split(data_dir, "train", adapter, progress=False, workers=2)
