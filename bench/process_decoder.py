@@ -18,7 +18,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from video.keyframe_index import VideoIndex, build_video_index
+from video.keyframe_index import VideoIndex, build_video_index, probe_rotation
 from video.parallel_decoder import _NONREF_SKIP_CODECS, _decode_iter, _seek
 from video.plan import make_plan
 from video.simple_decoder import frame_to_rgb, scaled_size
@@ -93,7 +93,7 @@ class ProcessShareDecoder:
         index = build_video_index(data)
         plan = make_plan(index, opts, self.num_workers, self.seek_cost_frames)
         w, h = scaled_size(index.width, index.height, opts.max_pixels)
-        if index.rotation_deg in (90, 270):
+        if probe_rotation(data) in (90, 270):
             w, h = h, w
         shape = (len(plan.slot_pts), h, w, 3)
         slots_of_pts: dict[int, list[int]] = {}

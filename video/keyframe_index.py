@@ -1,12 +1,14 @@
-"""A demux-only index of a video: every frame's pts, the keyframes, rate, size and rotation.
+"""A demux-only index of a video: every frame's pts, the keyframes, rate and size.
 
 The parallel decoder plans from this index (which keyframe to seek to for each target), so it is
 built once per content hash and cached: a second request for the same bytes skips the demux pass.
 The frame timestamps come from the same `build_frame_index` the reference decoder uses, so the
 frame selection rule picks the same frames in every backend.
 
-Rotation is the one field a demux pass cannot see in PyAV (it exposes the display matrix only on
-decoded frames), so the index decodes the first frame to read it.
+Display rotation is not in the index: PyAV exposes the display matrix only on decoded frames, and
+decoding the first frames (a keyframe plus the decoder's reorder delay) made the index pass up to
+twice as long as demuxing alone. The decoders turn every frame upright from its own `rotation`;
+`probe_rotation` reads it for callers that need it before decoding.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ class VideoIndex:
     width: int
     height: int
     """Coded size of the frames, before rotation."""
-    rotation_deg: int
-    """Counter-clockwise display rotation (0, 90, 180, 270) applied to every returned frame."""
     codec_name: str
     container_format: str
 
@@ -87,7 +87,7 @@ def build_video_index(
                     f"the video is {width}x{height}, over this server's limit of "
                     f"{limits.max_source_pixels} pixels per frame; downscale it before sending"
                 )
-            frame_pts, keyframe_pts, rotation = _demux(container, stream)
+            frame_pts, keyframe_pts = _demux(container, stream)
             tb = float(stream.time_base)  # type: ignore[arg-type]  # set for every demuxed stream
             codec_name = stream.codec_context.name
             container_format = container.format.name
@@ -121,34 +121,42 @@ def build_video_index(
         time_base=tb,
         width=width,
         height=height,
-        rotation_deg=rotation,
         codec_name=codec_name,
         container_format=container_format,
     )
 
 
-def _demux(container, stream) -> tuple[np.ndarray, np.ndarray, int]:
-    """One pass over the packets; the first few are also decoded to read the display rotation."""
-    ctx = stream.codec_context
-    ctx.thread_count = 1  # frame threading would delay the first frame by several packets
+def _demux(container, stream) -> tuple[np.ndarray, np.ndarray]:
+    """One pass over the packets, decoding none: (every frame's pts, the keyframes' pts), sorted."""
     pts, key = [], []
-    rotation: int | None = None
-    for num_packets, packet in enumerate(container.demux(stream)):
-        if rotation is None and num_packets < 64:
+    for packet in container.demux(stream):
+        p = packet.pts
+        if p is None or packet.size == 0:
+            continue
+        pts.append(p)
+        if packet.is_keyframe:
+            key.append(p)
+    return np.sort(np.asarray(pts, np.int64)), np.sort(np.asarray(key, np.int64))
+
+
+def probe_rotation(data: bytes) -> int:
+    """Counter-clockwise display rotation (0, 90, 180 or 270) of the first decodable frame of
+    `data`'s first video stream (0 when none decodes in its first 64 packets)."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1  # frame threading would delay the first frame
+        for num_packets, packet in enumerate(container.demux(stream)):
+            if num_packets >= 64:
+                break
             try:
                 for frame in packet.decode():
-                    rotation = int(round(frame.rotation)) % 360
-                    break
-            except Exception as exc:  # a bad first packet is found again by the real decode
-                log.debug("first-frame decode for rotation failed: %r", exc)
-        if packet.pts is None or packet.size == 0:
-            continue
-        pts.append(packet.pts)
-        if packet.is_keyframe:
-            key.append(packet.pts)
-    if rotation not in (0, 90, 180, 270):
-        rotation = 0
-    return np.sort(np.asarray(pts, np.int64)), np.sort(np.asarray(key, np.int64)), rotation
+                    rotation = int(round(frame.rotation)) % 360 if frame.rotation else 0
+                    return rotation if rotation in (90, 180, 270) else 0
+            except av.FFmpegError as exc:  # a bad first packet: try the next ones
+                log.debug("decoding for the rotation failed: %r", exc)
+    return 0
 
 
 class KeyframeIndexCache:

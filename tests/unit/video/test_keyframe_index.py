@@ -1,11 +1,11 @@
-"""The demux-only index: keyframes, frame count, duration, rotation; cached per content hash."""
+"""The demux-only index: keyframes, frame count, duration; cached per content hash. The rotation probe."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256
+from video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256, probe_rotation
 from video.types import DecodeLimits, MediaError, MediaLimitError
 
 
@@ -18,13 +18,14 @@ def test_index_finds_every_keyframe(video_factory, codec, suffix):
     assert np.allclose(index.frames.keyframe_pts_s - index.frames.pts_s[0], [0.0, 1.0, 2.0])
     assert index.duration_s == pytest.approx(3.0, abs=0.01)
     assert index.source_fps == pytest.approx(10.0)
-    assert (index.width, index.height, index.rotation_deg) == (96, 64, 0)
+    assert (index.width, index.height) == (96, 64)
     assert index.content_sha256 == content_sha256(data)
 
 
-def test_index_reads_rotation(video_factory):
-    data = video_factory(".mp4", codec="h264", size=(96, 64), seconds=1.0, rotation_deg=270)
-    assert build_video_index(data).rotation_deg == 270
+@pytest.mark.parametrize("rotation", [0, 90, 270])
+def test_rotation_probe_reads_the_display_matrix(video_factory, rotation):
+    data = video_factory(".mp4", codec="h264", size=(96, 64), seconds=1.0, rotation_deg=rotation)
+    assert probe_rotation(data) == rotation
 
 
 def test_cache_hits_by_content_and_rechecks_limits(video_factory):
