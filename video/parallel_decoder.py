@@ -11,7 +11,10 @@ A request's life:
      it holds every target, and writes each target straight into the request's output array
      [T, H, W, 3]. Non-reference frames that are not targets are skipped (H.264/HEVC, per
      packet). PyAV releases the GIL in demux, decode and swscale, so threads run in parallel and
-     nothing is pickled or copied between processes.
+     nothing is pickled or copied between processes. A task that finishes its share while
+     another still has intervals pending takes the last of them (work stealing): the plan
+     balances frame counts, but a keyframe costs several times a skipped-through frame, and on
+     a shared machine one core can run slower than the other for a while.
   3. The consumer iterates the stream: it waits for intervals in temporal order and yields a
      `FrameGroup` (a view of the output array) as soon as the frames of that group are ready, so
      the encoder can start on the first frames while later intervals are still decoding.
@@ -29,6 +32,7 @@ memory with threads.
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import logging
@@ -115,6 +119,11 @@ class _Request:
         self.interval_of_pts = {pts: iv.position for iv in plan.intervals for pts in iv.target_pts}
         self.out: np.ndarray | None = None  # [T, H, W, 3], allocated at the first frame
         self.interval_done = [False] * len(plan.intervals)
+        # Intervals not yet started, per share: a task takes from the front of its own and, when
+        # that is empty, from the back of the share with the most planned frames left.
+        self.pending = [collections.deque(share) for share in plan.shares]
+        # Targets of the whole request: packets with these pts are always decoded in full.
+        self.target_pts = frozenset(plan.slot_pts.tolist())
         self.cond = threading.Condition()
         self.error: MediaError | None = None
         self.cancelled = threading.Event()
@@ -129,6 +138,15 @@ class _Request:
             raise MediaError(_CORRUPT)
         for slot in self.slots_of_pts[pts]:
             self.out[slot] = rgb
+
+    def take(self, share: int) -> int | None:
+        """The next interval position for the task of `share`, or None when none is left."""
+        with self.cond:
+            if self.pending[share]:
+                return self.pending[share].popleft()
+            cost = [sum(self.plan.intervals[p].num_decode_frames for p in q) for q in self.pending]
+            busiest = max(range(len(cost)), key=cost.__getitem__)
+            return self.pending[busiest].pop() if self.pending[busiest] else None
 
     def finish_interval(self, position: int) -> None:
         with self.cond:
@@ -146,8 +164,8 @@ class _Request:
 @dataclass
 class _Task:
     request: _Request
-    positions: list[int]
-    """Interval positions of this share, ascending."""
+    share: int
+    """Which of the plan's shares this task starts on (it may then steal from the others)."""
     started_at: float | None = None
     last_progress: float = 0.0
     """time.monotonic() of the last decoded frame (or of the start)."""
@@ -211,12 +229,14 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
         stream.codec_context.thread_count = 1  # parallelism is across workers, not inside one
         keep: frozenset[int] | None = None  # packets to decode in full; None: every packet
         if skip_nonref and stream.codec_context.name in _NONREF_SKIP_CODECS:
-            # Every target of the share, not only the current interval's: the decoder's reorder
+            # Every target of the request, not only the current interval's: the decoder's reorder
             # delay means packets of the next interval are sent before this one's last frame is out.
-            keep = frozenset(p for pos in task.positions for p in req.plan.intervals[pos].target_pts)
+            keep = req.target_pts
         frames: Iterator | None = None  # the live decode iterator
         last_pts = int(frame_pts[0]) - 1  # pts of the last frame taken from it
-        for position in task.positions:
+        while (position := req.take(task.share)) is not None:
+            if req.cancelled.is_set() or retired.is_set():
+                raise _Cancelled
             interval = req.plan.intervals[position]
             wanted = set(interval.target_pts)
             first_target = interval.target_pts[0]
@@ -487,10 +507,9 @@ class ParallelDecoder:
             index.source_fps,
             started=started,
         )
-        for share in plan.shares:
+        for number, share in enumerate(plan.shares):
             if share:
-                task = _Task(req, share, last_progress=started)
-                req.tasks.append(task)
+                req.tasks.append(_Task(req, number, last_progress=started))
         for task in req.tasks:
             self._tasks.put(task)
         return stream

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -130,7 +131,8 @@ def test_hung_worker_times_out_and_is_replaced(video_factory, monkeypatch):
     def hanging(task, retired, *rest):
         calls["n"] += 1
         if calls["n"] == 1:
-            release.wait(timeout=30)  # stands in for a decoder stuck inside FFmpeg
+            task.request.take(task.share)  # it holds an interval (the others cannot steal it)...
+            release.wait(timeout=30)  # ...and is stuck inside FFmpeg
             return None
         return real(task, retired, *rest)
 
@@ -163,3 +165,24 @@ def test_request_timeout(video_factory, monkeypatch):
     finally:
         release.set()
         dec.close()
+
+
+def test_a_late_worker_share_is_stolen_and_frames_stay_identical(video_factory, monkeypatch):
+    """A task that starts late (a busy core) finds its intervals taken by the other task, which
+    ran out of its own: the request finishes without it, with the reference frames."""
+    good = video_factory(".mp4", codec="h264", **SMALL)
+    real = parallel_decoder._decode_share
+    taken: dict[int, int] = {}
+
+    def late_or_counting(task, retired, *rest):
+        if task.share == 0:
+            time.sleep(1.0)
+        before = task.num_decoded_frames
+        real(task, retired, *rest)
+        taken[task.share] = task.num_decoded_frames - before
+
+    monkeypatch.setattr(parallel_decoder, "_decode_share", late_or_counting)
+    with ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0)) as dec:
+        got = dec.decode(good, OPTS)
+    assert np.array_equal(got.frames, simple_decoder.decode(good, OPTS).frames)
+    assert taken.get(0, 0) == 0 and taken[1] > 0

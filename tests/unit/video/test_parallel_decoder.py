@@ -215,3 +215,25 @@ def test_process_pool_variant_of_the_benchmark_returns_the_reference_frames(vide
             assert np.array_equal(dec.decode(data, opts), simple_decoder.decode(data, opts).frames)
     finally:
         dec.close()
+
+
+def test_tasks_take_their_share_in_order_then_steal_from_the_back(video_factory):
+    """Work stealing bookkeeping: a task takes its own share front to back, then the pending
+    intervals of the other shares from the back; every interval is handed out exactly once."""
+    from video.keyframe_index import build_video_index
+    from video.parallel_decoder import _Request
+    from video.plan import make_plan
+
+    data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=6.0, gop=10)
+    index = build_video_index(data)
+    opts = SamplingOptions(num_frames=6)
+    plan = make_plan(index, opts, 2, 0.0)
+    assert [len(s) for s in plan.shares] == [3, 3]
+    req = _Request(data, index, plan, opts, 0.0)
+    first = req.take(1)
+    assert first == plan.shares[1][0]
+    order = []
+    while (position := req.take(0)) is not None:
+        order.append(position)
+    assert order == plan.shares[0] + plan.shares[1][1:][::-1]
+    assert req.take(1) is None
