@@ -237,3 +237,35 @@ def test_tasks_take_their_share_in_order_then_steal_from_the_back(video_factory)
         order.append(position)
     assert order == plan.shares[0] + plan.shares[1][1:][::-1]
     assert req.take(1) is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(codec="h264"), dict(codec="hevc", pix_fmt="yuv420p10le")])
+@pytest.mark.parametrize("max_pixels", [None, 48 * 32])
+def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, kwargs, max_pixels):
+    """The per-thread swscale context gives exactly what PyAV's per-frame conversion gives, also
+    when sizes and formats alternate between calls on one thread, and on a second thread."""
+    import io
+    import threading
+
+    import av
+
+    from video.simple_decoder import frame_to_rgb, scaled_size
+
+    small = video_factory(".mkv", size=(96, 64), fps=10.0, seconds=1.0, gop=10, **kwargs)
+    other = video_factory(".mp4", codec="h264", size=(64, 48), fps=10.0, seconds=1.0, gop=10)
+    with av.open(io.BytesIO(small)) as c:
+        frames = list(c.decode(c.streams.video[0]))
+    with av.open(io.BytesIO(other)) as c:
+        others = list(c.decode(c.streams.video[0]))
+    for frame, between in zip(frames, others):
+        w, h = scaled_size(frame.width, frame.height, max_pixels)
+        assert np.array_equal(frame_to_rgb(frame, max_pixels), frame.to_ndarray(format="rgb24", width=w, height=h))
+        frame_to_rgb(between, None)  # another size and format in between: the context re-inits
+    from video.simple_decoder import _reformatter
+
+    results = []
+    worker = threading.Thread(target=lambda: results.append((frame_to_rgb(frames[0], max_pixels), _reformatter())))
+    worker.start()
+    worker.join()
+    assert np.array_equal(results[0][0], frame_to_rgb(frames[0], max_pixels))
+    assert _reformatter() is _reformatter() and results[0][1] is not _reformatter()  # one per thread
