@@ -277,8 +277,9 @@ def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, wit
     metas: list[VisualMeta] = []
     index_of: dict[str, int] = {}
     examples: list[Example] = []
-    tokenizer = adapter.tokenizer
-    end_ids = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+    end_ids = adapter.tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+    # The clips share one layout and a few hundred (question, answer) pairs: tokenize each once.
+    sequences: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for r in tqdm(records, desc=desc, unit="question", disable=not progress, mininterval=2):
         if r.media not in index_of:
             video = decode(r.media_path(data_dir).read_bytes(), sampling)
@@ -299,16 +300,26 @@ def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, wit
             media.append(MediaItem(inputs.modality, patches, inputs.grid_thw, aux, codec))
             metas.append(meta)
         i = index_of[r.media]
-        prompt = adapter.build_prompt(r.question, metas[i])
-        answer_ids = tokenizer(r.answer, add_special_tokens=False)["input_ids"] + end_ids
-        input_ids = torch.cat([prompt.input_ids[0], torch.tensor(answer_ids, dtype=torch.long)])
-        positions = adapter._prompt_positions(input_ids[None], metas[i])[:, 0]  # [4, L]
-        if not torch.equal(positions[:, : prompt.num_tokens], prompt.position_ids[:, 0]):
-            raise AssertionError("answer tokens changed the prompt's positions")
-        labels = torch.full_like(input_ids, -100)
-        labels[prompt.num_tokens :] = input_ids[prompt.num_tokens :]
-        examples.append(Example(i, input_ids, positions, labels, r.question_type, r.answer))
+        key = (r.question, r.answer, metas[i])
+        if key not in sequences:
+            sequences[key] = _sequence(adapter, r.question, r.answer, metas[i], end_ids)
+        examples.append(Example(i, *sequences[key], r.question_type, r.answer))
     return examples, media
+
+
+def _sequence(adapter, question: str, answer: str, meta, end_ids: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids [L], position_ids [4, L] and labels [L] of one question and answer about a media
+    file with visual layout `meta` (the serving adapter's prompt, then the answer)."""
+    prompt = adapter.build_prompt(question, meta)
+    answer_ids = adapter.tokenizer(answer, add_special_tokens=False)["input_ids"] + end_ids
+    input_ids = torch.cat([prompt.input_ids[0], torch.tensor(answer_ids, dtype=torch.long)])
+    positions = adapter._prompt_positions(input_ids[None], meta)[:, 0]  # [4, L]
+    if not torch.equal(positions[:, : prompt.num_tokens], prompt.position_ids[:, 0]):
+        raise AssertionError("answer tokens changed the prompt's positions")
+    labels = torch.full_like(input_ids, -100)
+    labels[prompt.num_tokens :] = input_ids[prompt.num_tokens :]
+    return input_ids, positions, labels
 
 
 def check_chat_template(adapter) -> None:
