@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from video.keyframe_index import KeyframeIndexCache, content_sha256
+from video.keyframe_index import KeyframeIndexCache
 from video.simple_decoder import check_size, decode_image, is_image, scaled_size, select_frames
 from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
 
@@ -140,7 +140,7 @@ class DecordDecoder:
         opts.validate(limits.max_frames)
         if is_image(data):
             return decode_image(data, opts, limits)
-        index = self.index_cache.get_or_build(data, limits, sha256 or content_sha256(data))
+        index = self.index_cache.get_or_build(data, limits, sha256)
         chosen_s, sampled_fps = select_frames(index.frames, opts)
         positions = np.searchsorted(index.frames.pts_s, chosen_s).tolist()
         w, h = scaled_size(index.width, index.height, opts.max_pixels)

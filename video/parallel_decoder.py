@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from video.keyframe_index import KeyframeIndexCache, VideoIndex, content_sha256
+from video.keyframe_index import KeyframeIndexCache, VideoIndex
 from video.plan import DecodePlan, make_plan
 from video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, is_image
 from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
@@ -490,7 +490,7 @@ class ParallelDecoder:
                 image=image,
                 started=started,
             )
-        index = self.index_cache.get_or_build(data, limits, sha256 or content_sha256(data))
+        index = self.index_cache.get_or_build(data, limits, sha256)
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
         req = _Request(data, index, plan, opts, self.config.seek_cost_frames)
         pts_s = index.frames.pts_s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -41,3 +43,40 @@ def test_cache_hits_by_content_and_rechecks_limits(video_factory):
 def test_text_file_is_rejected():
     with pytest.raises(MediaError, match="not a supported container"):
         build_video_index(b"hello, not a video\n" * 100)
+
+
+def test_index_built_while_hashing_equals_the_plain_one_and_hits_stop_early(video_factory, monkeypatch):
+    """Without a hash the cache hashes beside the demux pass: the same index, keyed by the
+    content hash; a second call for the same bytes is a hit whose demux pass is cut short."""
+    from video import keyframe_index
+
+    data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=60.0, gop=10)
+    cache = KeyframeIndexCache()
+    built = cache.get_or_build(data, DecodeLimits())
+    plain = build_video_index(data)
+    assert built.content_sha256 == content_sha256(data)
+    assert np.array_equal(built.frame_pts, plain.frame_pts) and np.array_equal(built.keyframe_pts, plain.keyframe_pts)
+    assert (cache.num_hits, cache.num_misses) == (0, 1)
+
+    checks = []
+    real_demux = keyframe_index._demux
+
+    def demux_after_the_hash(container, stream, stop=None):
+        deadline = time.monotonic() + 5
+        while stop is not None and not stop() and time.monotonic() < deadline:
+            time.sleep(0.01)  # a long file: the hash is done before the demux gets far
+
+        def counting_stop():
+            checks.append(1)
+            return stop() if stop is not None else False
+
+        return real_demux(container, stream, counting_stop)
+
+    monkeypatch.setattr(keyframe_index, "_demux", demux_after_the_hash)
+    assert cache.get_or_build(data, DecodeLimits()) is built
+    assert (cache.num_hits, cache.num_misses) == (1, 1)
+    assert len(checks) == 1  # stopped at the first check, before reading on
+    with pytest.raises(MediaLimitError, match="lasts 60 s"):
+        cache.get_or_build(data, DecodeLimits(max_duration_s=10))  # a hit still obeys limits
+    with pytest.raises(MediaError):
+        cache.get_or_build(b"\x00" * 5000, DecodeLimits())
