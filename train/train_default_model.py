@@ -78,13 +78,13 @@ class TrainConfig:
 
     seed: int = 0
     """Seeds the weights and the order of training examples."""
-    num_train_clips: int = 4000
+    num_train_clips: int = 8000
     """Training clips (plus one still image for every ten clips, synth's default ratio)."""
     num_validation_clips: int = 200
     """Validation clips, evaluated every `eval_every_steps`."""
     num_test_clips: int = 500
     """Test clips, evaluated once at the end (the same split `epd bench quality` uses)."""
-    steps: int = 5000
+    steps: int = 6000
     """Optimizer steps."""
     clips_per_step: int = 4
     """Media files per step; every question about them is in the step (about 8 per clip), and the
@@ -115,9 +115,9 @@ class TrainConfig:
     steps undo much of what phase 1 learnt (the auxiliary loss jumped from 0.16 to ~0.5). 0
     freezes it: its output per file is computed once and phase 2 trains the language model
     (and the merger's projection, part of the tower, stays as phase 1 left it) alone."""
-    mirror_prob: float = 0.0
+    mirror_prob: float = 0.5
     """Chance that a training clip is seen mirrored left-right in a step (both phases; see
-    train/augment.py): a second view of every clip against overfitting the 4,000."""
+    train/augment.py): a second view of every clip against overfitting the training clips."""
     eval_every_steps: int = 1000
     """Validation accuracy every this many steps (0: only at the end)."""
     prepare_workers: int = 2

@@ -18,10 +18,7 @@ from tests.stack import ROOT
 
 SHIPPED = ROOT / "models" / "epd-tiny-videoqa"
 NUM_CLIPS = 10
-# Issue #5's target (>= 90% on the test split) is not met yet: the shipped model scores 79.8%
-# (its card). These checks stay as written and are expected to fail until a better model ships;
-# strict, so the day they pass they must be un-marked.
-UNMET = "issue #5 target not met: the shipped model answers 79.8% of test questions, not >= 90%"
+
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +59,6 @@ def pipeline_answers(test_clips) -> list[tuple[object, str]]:
         pipeline.encoder.engine.close()
 
 
-@pytest.mark.xfail(strict=True, reason=UNMET)
 def test_shipped_model_is_the_default_and_is_trained():
     from model_runtime.default_model import default_model_path, is_meaningless
 
@@ -106,7 +102,6 @@ def test_from_pretrained_generate_answers_the_bundled_sample():
     assert correct >= len(sample) - 1, answers
 
 
-@pytest.mark.xfail(strict=True, reason=UNMET)
 def test_answers_ten_test_clips_through_the_serving_pipeline(pipeline_answers):
     by_clip: dict[str, list[bool]] = {}
     for r, answer in pipeline_answers:
