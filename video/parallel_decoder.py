@@ -1,9 +1,10 @@
 """Parallel keyframe-aligned video decoding with a reusable pool of decode threads.
 
 A request's life:
-  1. `iter_groups` hashes the bytes, gets the demux-only `VideoIndex` (cached per hash) and makes a
-     `DecodePlan`: keyframe-aligned intervals dealt to `num_workers` shares by decode cost. Bad input
-     and limits fail here, before any thread is involved. The result's shape is known now, so
+  1. `iter_groups` gets the demux-only `VideoIndex` (cached per content hash; without a hash from
+     the caller, the bytes are hashed beside the demux pass) and makes a `DecodePlan`:
+     keyframe-aligned intervals dealt to `num_workers` shares by decode cost. Bad input and
+     limits fail here, before any thread is involved. The result's shape is known now, so
      the returned `FrameGroupStream` carries the metadata (sampled_fps, timestamps) up front.
   2. Each share becomes one task on the pool's queue. A worker thread opens its own container
      (one codec context is not thread-safe) with `thread_count=1`, and for each interval seeks to

@@ -20,7 +20,6 @@ SHIPPED = ROOT / "models" / "epd-tiny-videoqa"
 NUM_CLIPS = 10
 
 
-
 @pytest.fixture(scope="module")
 def test_clips(tmp_path_factory) -> Path:
     """The first 10 clips (and 1 still image) of the test split, with their manifest."""
