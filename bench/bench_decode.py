@@ -22,7 +22,6 @@ B-frame-rich first 300 frames the rate is measured on.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ from tests.media import make_video  # noqa: E402
 from video import simple_decoder  # noqa: E402
 from video.decord_backend import DecordDecoder, decord_available  # noqa: E402
 from video.keyframe_index import KeyframeIndexCache, build_video_index  # noqa: E402
+from video.media_open import open_video  # noqa: E402
 from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
 from video.plan import make_plan  # noqa: E402
 from video.types import SamplingOptions  # noqa: E402
@@ -71,13 +71,11 @@ def video_path(cache_dir: Path, height: int, seconds: int, gop_s: int) -> Path:
 
 def seek_per_target(data: bytes, opts: SamplingOptions) -> np.ndarray:
     """(2) One container; for each target seek to it (backward to a keyframe), decode up to it."""
-    import av
-
     index = build_video_index(data)
     chosen_s, _ = simple_decoder.select_frames(index.frames, opts)
     slot_pts = index.frame_pts[np.searchsorted(index.frames.pts_s, chosen_s)]
     out = []
-    with av.open(io.BytesIO(data)) as container:
+    with open_video(data) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         cache: dict[int, np.ndarray] = {}
@@ -110,9 +108,7 @@ def concurrent_rate(path: Path, workers: int, rounds: int = 3) -> float:
 
 def one_thread_rate(data: bytes, num_frames: int = 300) -> float:
     """Frames per second that one thread decodes (thread_count=1), over the first frames."""
-    import av
-
-    with av.open(io.BytesIO(data)) as container:
+    with open_video(data) as container:
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1
         started = time.perf_counter()
@@ -127,10 +123,9 @@ def one_thread_rate(data: bytes, num_frames: int = 300) -> float:
 def planned_work_s(data: bytes, plan, repeats: int = 3) -> float:
     """Seconds one thread takes to decode every frame the plan's intervals span (keyframe to last
     target, no frame skipped, no RGB conversion): the floor's numerator, timed (median)."""
-    import av
 
     def once() -> float:
-        with av.open(io.BytesIO(data)) as container:
+        with open_video(data) as container:
             stream = container.streams.video[0]
             stream.codec_context.thread_count = 1
             started = time.perf_counter()

@@ -12,17 +12,18 @@ counted; what is counted is the index, the plan, the two shared-memory copies an
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import multiprocessing
 from multiprocessing import shared_memory
 
 import numpy as np
 
+from video.budget import DecodeBudget
 from video.keyframe_index import VideoIndex, build_video_index, probe_rotation
+from video.media_open import open_video
 from video.parallel_decoder import _NONREF_SKIP_CODECS, _decode_iter, _seek
 from video.plan import make_plan
 from video.simple_decoder import frame_to_rgb, scaled_size
-from video.types import SamplingOptions
+from video.types import DecodeLimits, SamplingOptions
 
 
 def _decode_share_in_process(
@@ -31,14 +32,13 @@ def _decode_share_in_process(
     max_pixels: int | None, seek_cost_frames: float, skip_nonref: bool,
 ) -> int:
     """Decode one share's intervals into the shared output; returns frames decoded."""
-    import av
-
     data_shm = shared_memory.SharedMemory(name=data_name)
     out_shm = shared_memory.SharedMemory(name=out_name)
     try:
         out = np.ndarray(out_shape, np.uint8, buffer=out_shm.buf)  # [T, H, W, 3]
         decoded = 0
-        with av.open(io.BytesIO(bytes(data_shm.buf[:data_size])), mode="r") as container:
+        budget = DecodeBudget(DecodeLimits())  # this share's frames only (one per process)
+        with open_video(bytes(data_shm.buf[:data_size])) as container:
             stream = container.streams.video[0]
             stream.codec_context.thread_count = 1
             keep = None
@@ -50,13 +50,13 @@ def _decode_share_in_process(
             for keyframe_pts, targets in intervals:
                 wanted = set(targets)
                 if frames is None:
-                    frames = (_decode_iter(container, stream, keep) if keyframe_pts <= frame_pts[0]
-                              else _seek(container, stream, index, keyframe_pts, targets[0], keep))
+                    frames = (_decode_iter(container, stream, keep, budget) if keyframe_pts <= frame_pts[0]
+                              else _seek(container, stream, index, keyframe_pts, targets[0], keep, budget))
                 else:
                     ahead = int(np.searchsorted(frame_pts, keyframe_pts)
                                 - np.searchsorted(frame_pts, last_pts, "right"))
                     if last_pts >= targets[0] or ahead > seek_cost_frames:
-                        frames = _seek(container, stream, index, keyframe_pts, targets[0], keep)
+                        frames = _seek(container, stream, index, keyframe_pts, targets[0], keep, budget)
                 for frame in frames:
                     decoded += 1
                     last_pts = frame.pts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decode_svc.kv_sources import parse_allow_list
 from model_runtime.config import ModelConfig
 from transport.server import ServerConfig
 
@@ -19,5 +20,13 @@ class DecodeConfig:
     """Largest single KV cache accepted from prefill."""
     pull_timeout_s: float = 60.0
     allow_kv_from: tuple[str, ...] = ("127.0.0.1:*", "localhost:*", "[::1]:*")
-    """host:port patterns (fnmatch) of prefill servers this decoder may pull KV caches from.
-    Requests naming any other address are refused: a client must not make us connect anywhere."""
+    """Prefill servers this decoder may pull KV caches from, each `HOST:PORT`: HOST an exact DNS
+    name, an IPv4 address or network (`10.0.0.0/8`), or an IPv6 address or network in brackets
+    (`[::1]`, `[fd00::/8]`); PORT a number or `*` for any port. There is no any-host wildcard.
+    A request's address must be exactly one `HOST:PORT` (IPv6 in brackets, no scheme, list or
+    path); IP addresses compare by value, and an IPv4-mapped IPv6 address does not match an IPv4
+    entry. Other addresses are refused: a client must not make us connect anywhere. Grammar in
+    `decode_svc/kv_sources.py`."""
+
+    def __post_init__(self) -> None:
+        parse_allow_list(self.allow_kv_from)  # ValueError names the entry and --allow-kv-from

@@ -2,6 +2,9 @@
 
 A `Generation` holds one request's state (cache, positions, sampler, text); the servicer calls
 `step()` on the model thread once per token, so several requests interleave token by token.
+When the caller stops reading (its client went away, the task is cancelled), `stream_tokens`
+runs no further step and `Generation.close()` drops the cache at once, without waiting for
+garbage collection to find the abandoned stream.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ class Generation:
     def done(self) -> bool:
         return bool(self.finish_reason)
 
+    def close(self) -> None:
+        """Free the cache (the request ended, finished or not); no step may follow."""
+        self.cache = None
+        self.eviction = None
+        if not self.finish_reason:
+            self.finish_reason = "cancelled"
+
     def _emit(self, token: int) -> TokenStep:
         delta = self.text.add(token)
         if self.text.stopped:
@@ -105,14 +115,21 @@ async def stream_tokens(
     kv_transfer_ms: float,
     pruning: PruningConfig = PruningConfig(),
 ):
-    """Async iterator of TokenStep for one request; every model call runs on `model_thread`."""
+    """Async iterator of TokenStep for one request; every model call runs on `model_thread`.
+    Pass the cache without keeping a reference: the stream frees it when it ends (close it with
+    `contextlib.aclosing`, or cancel the task reading it)."""
+    kv_num_bytes = cache.num_bytes
     gen = await model_thread.run(
         engine.start, cache, handle.first_token_id, handle.next_position_ids, generation,
         handle.visual_entry_mask, pruning,
     )
-    first = gen.first()
-    first.kv_transfer_ms = kv_transfer_ms
-    first.kv_num_bytes = cache.num_bytes
-    yield first
-    while not gen.done:
-        yield await model_thread.run(gen.step)
+    del cache  # the Generation holds it now, until close()
+    try:
+        first = gen.first()
+        first.kv_transfer_ms = kv_transfer_ms
+        first.kv_num_bytes = kv_num_bytes
+        yield first
+        while not gen.done:
+            yield await model_thread.run(gen.step)
+    finally:
+        gen.close()

@@ -1,17 +1,28 @@
-"""DecodeService over gRPC: pull the KV cache, stream tokens."""
+"""DecodeService over gRPC: pull the KV cache, stream tokens.
+
+A client that goes away cancels this handler (gRPC cancels its task): a pull in flight is cancelled
+(the prefill side has already forgotten the cache), and generation stops before its next step
+with the cache freed (`stream_tokens`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from contextlib import aclosing
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import DecodeEngine, stream_tokens
 from decode_svc.kv_pull import KvPuller
 from model_runtime.sampling import GenerationConfig
 from protos.epd.v1 import decode_pb2, decode_pb2_grpc
+from stages.contracts import TokenStep
 from stages.model_thread import ModelThread
 from transport import convert
 from transport.errors import InvalidRequest, Unavailable, rpc_errors
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 
@@ -34,20 +45,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             generation.validate(self.config.max_new_tokens_limit)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        t0 = time.perf_counter()
-        cache = await self.puller.pull(handle.kv_address, handle.kv_handle)
-        transfer_ms = (time.perf_counter() - t0) * 1e3
-        async for step in stream_tokens(
-            self.engine, self.model_thread, cache, handle, generation, transfer_ms, pruning
-        ):
-            msg = decode_pb2.GenerateResponse(
-                token_ids=step.token_ids,
-                text=step.text,
-                finish_reason=step.finish_reason,
-                kv_transfer_ms=step.kv_transfer_ms,
-                kv_num_bytes=step.kv_num_bytes,
-            )
-            if step.decode_evict is not None:
-                msg.decode_evict.stage = "decode_evict"
-                msg.decode_evict.num_visual_tokens_in, msg.decode_evict.num_visual_tokens_out = step.decode_evict
-            yield msg
+        num_tokens = 0
+        try:
+            t0 = time.perf_counter()
+            cache = await self.puller.pull(handle.kv_address, handle.kv_handle)
+            transfer_ms = (time.perf_counter() - t0) * 1e3
+            tokens = stream_tokens(self.engine, self.model_thread, cache, handle, generation, transfer_ms, pruning)
+            del cache  # the token stream owns it now and frees it when it ends
+            async with aclosing(tokens):
+                async for step in tokens:
+                    num_tokens += len(step.token_ids)
+                    yield _response(step)
+        except asyncio.CancelledError:
+            log.info("generation of request %s cancelled by its caller after %d tokens; its KV cache is freed",
+                     request.request_id, num_tokens)
+            raise
+
+
+def _response(step: TokenStep) -> decode_pb2.GenerateResponse:
+    msg = decode_pb2.GenerateResponse(
+        token_ids=step.token_ids,
+        text=step.text,
+        finish_reason=step.finish_reason,
+        kv_transfer_ms=step.kv_transfer_ms,
+        kv_num_bytes=step.kv_num_bytes,
+    )
+    if step.decode_evict is not None:
+        msg.decode_evict.stage = "decode_evict"
+        msg.decode_evict.num_visual_tokens_in, msg.decode_evict.num_visual_tokens_out = step.decode_evict
+    return msg

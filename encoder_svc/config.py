@@ -37,9 +37,23 @@ class EncoderConfig:
     """"pyav" (parallel keyframe-aligned threads, overlapped with encoding) or "decord" (in a
     child process that is killed if it hangs; decodes the whole sample before encoding).
     Both return identical frames for H.264/VP9/MJPEG (tests/unit/video)."""
+    max_concurrent_decodes: int = 4
+    """Requests whose encode driver runs at once, each on its own thread: the demux index pass,
+    waiting for decoded frame groups, cache lookups. Their model work (preprocessing, vision
+    tower, pruning) still runs on the one model thread, group by group, interleaved, so a slow
+    video delays only itself. Also bounds the requests sharing the decode threads."""
+    max_queued_decodes: int = 16
+    """Requests that may wait (FIFO, holding their upload) for one of `max_concurrent_decodes`;
+    past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
 
     def __post_init__(self) -> None:
         if self.decode_backend not in ("pyav", "decord"):
             raise ValueError(f"decode_backend must be 'pyav' or 'decord', got {self.decode_backend!r}")
         if self.frames_per_group < 0 or self.frames_per_group % 2:
             raise ValueError(f"frames_per_group must be 0 or even, got {self.frames_per_group}")
+        if self.max_concurrent_decodes < 1:
+            raise ValueError(f"max_concurrent_decodes (--max-concurrent-decodes) must be >= 1, "
+                             f"got {self.max_concurrent_decodes}")
+        if self.max_queued_decodes < 0:
+            raise ValueError(f"max_queued_decodes (--max-queued-decodes) must be >= 0, "
+                             f"got {self.max_queued_decodes}")

@@ -1,31 +1,46 @@
-"""Encode: media bytes -> sampled frames -> visual token embeddings. No gRPC here.
+"""Encode: media bytes -> sampled frames -> visual token embeddings. No gRPC, no asyncio here.
 
-A request's life:
+A request's life (`EncoderEngine.encode`, which blocks; the caller runs it on one of the
+request-pool threads of `stages.request_pool`, `--max-concurrent-decodes` of them):
   1. The cache key is the media's sha256 plus everything that changes the tokens (sampling,
      model fingerprint, preprocessing bounds). A hit returns the stored embeddings: nothing is
      decoded or encoded.
-  2. On a miss, the parallel decoder plans keyframe-aligned intervals and starts its threads;
-     frames come back in temporal order, `frames_per_group` at a time.
-  3. Each group is preprocessed and run through the vision tower as soon as it arrives, while
-     later groups are still decoding (the vision tower attends within one temporal patch only,
-     so encoding group by group gives the same tokens as encoding the whole sample).
-  4. The concatenated embeddings [num_visual_tokens, hidden] are stored in the cache.
+  2. On a miss, the parallel decoder builds the demux index (on this request's thread) and plans
+     keyframe-aligned intervals for its shared decode threads; frames come back in temporal
+     order, `frames_per_group` at a time.
+  3. Each group is handed to `run_model` (the process's one model thread): preprocessing and the
+     vision tower run there, one group per call, so groups of other requests interleave with this
+     one's and a request still waiting for its frames holds no model time. Later groups keep
+     decoding meanwhile (the vision tower attends within one temporal patch only, so encoding
+     group by group gives the same tokens as encoding the whole sample).
+  4. Encode-stage pruning (when asked for) is one more model call; the concatenated embeddings
+     [num_visual_tokens, hidden] are stored in the cache.
+
+Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The driver
+checks it after the index pass, after every frame group and before each model call (a call
+already queued on the model thread checks it again before it starts), then closes the frame
+stream, which cancels the decode work still pending, and raises RequestCancelled. A wait for the
+next group already under way is not broken off: the stop comes when that group arrives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import threading
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Generator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from encoder_svc.config import EncoderConfig
 from encoder_svc.pruning import encode_stage_pruning
 from encoder_svc.token_cache import TokenCache, make_cache_key
-from model_runtime.adapter import VisualMeta, VLMAdapter
-from stages.contracts import EncodedMedia, EventSink, MediaInput, StageEvent
+from model_runtime.adapter import VisionInputs, VisualMeta, VLMAdapter
+from stages.contracts import EncodedMedia, EventSink, MediaInput, RequestCancelled, StageEvent
 from token_pruning import PruningConfig, PruningStats
 from transport.errors import NotFound, ResourceExhausted
 from video.decord_backend import DecordDecoder
@@ -34,10 +49,62 @@ from video.types import DecodedVideo, SamplingOptions
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+RunModel = Callable[..., Any]
+"""run_model(fn, *args) -> fn(*args), run where this process runs model work (the model thread),
+blocking the caller until it is done."""
+
+
+def run_here(fn: Callable[..., T], *args: Any) -> T:
+    """The RunModel of a caller that owns the model outright (tests, benchmarks)."""
+    return fn(*args)
+
+
+class FrameSource(Protocol):
+    """What the driver needs to know of a sample before its first frame group."""
+
+    @property
+    def num_frames(self) -> int: ...
+
+    is_image: bool
+    timestamps_s: list[float]
+
+
+@dataclass
+class _Request:
+    """One encode on its driver thread: how to reach the model, and its cancel flag."""
+
+    run_model: RunModel
+    cancel: threading.Event
+    num_groups_done: int = 0
+    model_s: float = 0.0
+    """Wall time of this request's model calls, queueing on the model thread included."""
+    stats: PruningStats = field(default_factory=PruningStats)
+
+    def check_cancelled(self) -> None:
+        if self.cancel.is_set():
+            raise RequestCancelled(f"cancelled after {self.num_groups_done} frame groups")
+
+    def model(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the model thread, unless the request is (or gets, while queued) cancelled."""
+        self.check_cancelled()
+
+        def guarded() -> T:
+            self.check_cancelled()  # cancelled while it waited for the model thread
+            return fn(*args)
+
+        t0 = time.perf_counter()
+        try:
+            return self.run_model(guarded)
+        finally:
+            self.model_s += time.perf_counter() - t0
+
 
 class EncoderEngine:
-    """Owns the vision tower, the decode pool and the token cache. `encode` runs one request at
-    a time (the model thread); the decode pool works for it in parallel."""
+    """Owns the vision tower, the decode pool and the token cache. `encode` may run for several
+    requests at once, each on its own thread; every model call goes through that request's
+    `run_model`."""
 
     def __init__(self, config: EncoderConfig, adapter: VLMAdapter) -> None:
         self.config = config
@@ -45,6 +112,7 @@ class EncoderEngine:
         self.decoder = ParallelDecoder(config.decode)
         self.cache = TokenCache(config.cache)
         self._decord: DecordDecoder | None = None  # started on first use with decode_backend="decord"
+        self._decord_lock = threading.Lock()
 
     def cache_key(self, sha256: str, sampling: SamplingOptions, pruning: PruningConfig = PruningConfig()) -> str:
         params = {
@@ -62,7 +130,12 @@ class EncoderEngine:
         sampling: SamplingOptions,
         on_event: EventSink,
         pruning: PruningConfig = PruningConfig(),
+        *,
+        run_model: RunModel = run_here,
+        cancel: threading.Event | None = None,
     ) -> EncodedMedia:
+        """Blocks until the media is encoded. Raises RequestCancelled once `cancel` is set."""
+        req = _Request(run_model, cancel or threading.Event())
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         key = self.cache_key(sha256, sampling, pruning)
@@ -74,7 +147,7 @@ class EncoderEngine:
             raise NotFound(
                 f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
             )
-        out = self._decode_and_encode(media.data, sha256, sampling, on_event, pruning)
+        out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning)
         tensors = {"visual_embeds": out.embeds}
         if out.token_index is not None:
             tensors["token_index"] = out.token_index
@@ -95,12 +168,15 @@ class EncoderEngine:
         )
         return out
 
-    def _frame_groups(self, data: bytes, sha256: str, sampling: SamplingOptions):
-        """(stream metadata, iterator of DecodedVideo groups in temporal order)."""
+    def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions
+                    ) -> tuple[FrameSource, Generator[DecodedVideo, None, None]]:
+        """(stream metadata, generator of DecodedVideo groups in temporal order). Closing the
+        generator early cancels the decode work still pending."""
         group_size = self.config.frames_per_group or (1 << 30)
         if self.config.decode_backend == "decord":
-            if self._decord is None:
-                self._decord = DecordDecoder()
+            with self._decord_lock:
+                if self._decord is None:
+                    self._decord = DecordDecoder()
             whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
             return whole, (_slice(whole, i, i + group_size) for i in range(0, whole.num_frames, group_size))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256)
@@ -114,47 +190,45 @@ class EncoderEngine:
         return stream, groups()
 
     def _decode_and_encode(
-        self, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
+        self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
         pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent("decode", "started"))
-        meta, groups = self._frame_groups(data, sha256, sampling)
+        meta, groups = self.open_frames(data, sha256, sampling)
         on_event(StageEvent("decode", "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.
         sparse = pruning.temporal_drop and pruning.temporal_before_tower and self.adapter.supports_sparse_vision
-        embeds: list[torch.Tensor] = []
-        pixels: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []  # per group: [group_tokens, hidden]
+        pixels: list[torch.Tensor] = []  # per group: [group_patches, patch_dim]
         grids: list[tuple[int, int, int]] = []
-        encode_s = 0.0
         frames_done = 0
-        for video in groups:  # decoding of later groups continues while this one encodes
-            t_enc = time.perf_counter()
-            inputs = self.adapter.preprocess(video)
-            self._check_token_budget(inputs.grid_thw, meta.num_frames, video.num_frames)
-            if pruning.temporal_drop:
-                pixels.append(inputs.pixel_values)
-            if not sparse:
-                embeds.append(self.adapter.encode(inputs))
-            encode_s += time.perf_counter() - t_enc
-            grids.append(inputs.grid_thw)
-            frames_done += video.num_frames
-            on_event(StageEvent("encode", "progress", 0.0, {"frames_done": str(frames_done)}))
+        # closing(): leaving early (cancel, error) closes the stream, which stops its decoding.
+        with contextlib.closing(groups):
+            req.check_cancelled()  # cancelled during the index pass: wait for no frame at all
+            for video in groups:  # decoding of later groups continues while this one encodes
+                inputs, group_embeds = req.model(self._encode_group, video, meta.num_frames, not sparse)
+                if pruning.temporal_drop:
+                    pixels.append(inputs.pixel_values)
+                if group_embeds is not None:
+                    embeds.append(group_embeds)
+                grids.append(inputs.grid_thw)
+                frames_done += video.num_frames
+                req.num_groups_done += 1
+                on_event(StageEvent("encode", "progress", 0.0, {"frames_done": str(frames_done)}))
+                req.check_cancelled()  # before waiting for the next group
         grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
-        t_enc = time.perf_counter()
-        stats = PruningStats()
         token_index = key_mask = None
         if sparse or pruning.spatial_merge or pruning.key_token_ratio > 0 or pruning.temporal_drop:
-            visual, token_index, key_mask = encode_stage_pruning(
-                self.adapter, torch.cat(embeds) if embeds else None, torch.cat(pixels) if pixels else None,
-                grid, pruning, stats,
+            visual, token_index, key_mask = req.model(
+                encode_stage_pruning, self.adapter, torch.cat(embeds) if embeds else None,
+                torch.cat(pixels) if pixels else None, grid, pruning, req.stats,
             )
         else:
             visual = torch.cat(embeds)
-        encode_s += time.perf_counter() - t_enc
         total_ms = (time.perf_counter() - t0) * 1e3
-        encode_ms = encode_s * 1e3
+        encode_ms = req.model_s * 1e3
         decode_ms = total_ms - encode_ms  # time waiting for frames, not hidden behind encoding
         on_event(StageEvent("decode", "finished", decode_ms, {"num_frames": str(meta.num_frames)}))
         on_event(StageEvent("encode", "finished", encode_ms,
@@ -170,8 +244,16 @@ class EncoderEngine:
             sha256=sha256,
             token_index=token_index,
             key_mask=key_mask,
-            pruning=stats,
+            pruning=req.stats,
         )
+
+    def _encode_group(self, video: DecodedVideo, num_frames: int, run_tower: bool
+                      ) -> tuple[VisionInputs, torch.Tensor | None]:
+        """On the model thread: preprocess one group and (unless the tower waits for sparse
+        pruning) run the vision tower on it -> (inputs, embeddings [group_tokens, hidden])."""
+        inputs = self.adapter.preprocess(video)
+        self._check_token_budget(inputs.grid_thw, num_frames, video.num_frames)
+        return inputs, self.adapter.encode(inputs) if run_tower else None
 
     def _check_token_budget(self, grid_thw: tuple[int, int, int], num_frames: int, group_frames: int) -> None:
         per_frame = self.adapter.num_visual_tokens(grid_thw) / max(group_frames, 1)

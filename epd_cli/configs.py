@@ -56,17 +56,22 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
-    limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes)
-    decode = ParallelDecodeConfig(num_workers=args.decode_workers) if args.decode_workers else ParallelDecodeConfig()
+    limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes, max_source_pixels=args.max_source_pixels,
+                     max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s)
+    decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
+                     **({"num_workers": args.decode_workers} if args.decode_workers else {}))
     cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
     return EncoderConfig(model=model_config(args), server=server_config(args), limits=limits,
                          sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
-                         cache=cache, decode_backend=args.decode_backend)
+                         cache=cache, decode_backend=args.decode_backend,
+                         max_concurrent_decodes=args.max_concurrent_decodes,
+                         max_queued_decodes=args.max_queued_decodes)
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=model_config(args), server=server_config(args),
-                         advertise_address=args.advertise_address)
+                         advertise_address=args.advertise_address, kv_store_bytes=args.kv_store_bytes,
+                         kv_ttl_s=args.kv_ttl)
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
@@ -80,6 +85,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         prefill_addresses=tuple(args.prefill),
         decode_addresses=tuple(args.decode),
         max_upload_bytes=args.max_upload_bytes,
+        max_requests_per_client=args.max_requests_per_client,
+        max_inflight_body_bytes=args.max_inflight_body_bytes,
         http=http_api_config(args),
     )
 
@@ -91,4 +98,4 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
         fetch_timeout_s=args.media_fetch_timeout,
     )
     return HttpApiConfig(port=args.http_port, host=args.http_host, api_key=args.api_key,
-                         served_model_name=args.served_model_name, media=media)
+                         no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media)

@@ -66,8 +66,19 @@ def add_pruning_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_encoder_flags(p: argparse.ArgumentParser) -> None:
+    from video.parallel_decoder import ParallelDecodeConfig
+    from video.types import DecodeLimits
+
     g = p.add_argument_group("encoder")
     g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    g.add_argument("--max-source-pixels", type=int, default=DecodeLimits.max_source_pixels,
+                   help="largest video frame or image, width x height, checked on every decoded frame")
+    g.add_argument("--max-decoded-pixels", type=int, default=DecodeLimits.max_decoded_pixels,
+                   help="pixels one request may decode, every frame counted (at least 256x256 each)")
+    g.add_argument("--max-demux-s", type=float, default=DecodeLimits.max_demux_s,
+                   help="seconds the demux (index) pass of one video may take")
+    g.add_argument("--index-cache-bytes", type=int, default=ParallelDecodeConfig.index_cache_bytes,
+                   help="memory of the cached keyframe indexes (LRU)")
     g.add_argument("--decode-workers", type=int, default=0, help="video decode threads (0 = one per core)")
     g.add_argument("--frames-per-group", type=int, default=2,
                    help="encode frames in groups of N while later frames decode (even; 0 = no overlap)")
@@ -76,6 +87,11 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default="", help="directory of the on-disk token cache tier (default: off)")
     g.add_argument("--decode-backend", choices=["pyav", "decord"], default="pyav",
                    help="video decoder: parallel PyAV threads (default) or decord in a child process")
+    g.add_argument("--max-concurrent-decodes", type=int, default=4,
+                   help="requests decoded at once, each on its own driver thread (model work still "
+                        "interleaves group by group on the one model thread)")
+    g.add_argument("--max-queued-decodes", type=int, default=16,
+                   help="requests that may wait for a decode slot; beyond, RESOURCE_EXHAUSTED at once")
 
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -87,12 +103,26 @@ def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
 
+def _kv_sources(value: str) -> tuple[str, ...]:
+    from decode_svc.kv_sources import parse_allow_list
+
+    entries = _addresses(value)
+    try:
+        parse_allow_list(entries)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return entries
+
+
 def add_http_api_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("OpenAI-compatible HTTP API")
     g.add_argument("--http-port", type=int, default=0, help="port of the HTTP API (0 = off)")
     g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
     g.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $EPD_API_KEY; empty = open)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: $EPD_API_KEY); "
+                        "needed to listen beyond loopback unless --no-api-key")
+    g.add_argument("--no-api-key", action="store_true",
+                   help="serve a non-loopback --host/--http-host with no API key: closed, trusted networks only")
     g.add_argument("--served-model-name", default="epd", help="model id listed by /v1/models")
     g.add_argument("--allowed-local-media-path", default="",
                    help="directory that local paths / file:// media URLs may be read from (default: none)")
@@ -104,6 +134,7 @@ def add_http_api_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from decode_svc.config import DEFAULT_PORT as DECODE_PORT
+    from decode_svc.config import DecodeConfig
     from encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
     from gateway.config import DEFAULT_PORT as GATEWAY_PORT
     from prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
@@ -136,9 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "prefill":
             r.add_argument("--advertise-address", default="",
                            help="HOST:PORT decoders pull KV caches from (default: --host:--port)")
+            r.add_argument("--kv-store-bytes", type=int, default=4 << 30,
+                           help="KV caches waiting for decoders may hold this many bytes; beyond, new "
+                                "prefills get RESOURCE_EXHAUSTED")
+            r.add_argument("--kv-ttl", type=float, default=120.0,
+                           help="seconds a KV cache waits for a decoder before it is dropped")
         if role == "decode":
-            r.add_argument("--allow-kv-from", type=_addresses, default=("127.0.0.1:*", "localhost:*"),
-                           help="comma-separated HOST:PORT patterns of prefill servers to pull KV from")
+            r.add_argument("--allow-kv-from", type=_kv_sources, default=DecodeConfig.allow_kv_from,
+                           help="comma-separated HOST:PORT of prefill servers to pull KV from: HOST a DNS "
+                                "name, IPv4 address or network (10.0.0.0/8), or IPv6 one in brackets "
+                                "([::1], [fd00::/8]); PORT a number or * (any port); no any-host "
+                                "wildcard (default: 127.0.0.1:*,localhost:*,[::1]:*)")
     gw = roles.add_parser("gateway", help="run the front door")
     add_server_flags(gw, GATEWAY_PORT)
     gw.add_argument("--encoder", type=_addresses, default=(f"127.0.0.1:{ENCODER_PORT}",),
@@ -146,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
     gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
     gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    gw.add_argument("--max-requests-per-client", type=int, default=8,
+                    help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
+    gw.add_argument("--max-inflight-body-bytes", type=int, default=0,
+                    help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
     add_http_api_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
     serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)

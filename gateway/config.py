@@ -24,7 +24,7 @@ class MediaFetchConfig:
     fetch_timeout_s: float = 30.0
     """Whole-fetch deadline of one http(s) media URL, redirects included."""
     max_redirects: int = 3
-    """Redirects followed, each to the same host only."""
+    """Redirects followed, each to the same scheme, host and port only."""
     allow_private_addresses: bool = False
     """Let http(s) URLs reach private/loopback addresses (tests and closed networks only)."""
 
@@ -39,7 +39,11 @@ class HttpApiConfig:
     """Interface to bind; "" means the gRPC server's host."""
     api_key: str = ""
     """When set, /v1/* and the gRPC GatewayService need `Authorization: Bearer <api_key>`
-    (HTTP /health and /metrics and the gRPC health service stay open for probes)."""
+    (HTTP /health and /metrics and the gRPC health service stay open for probes). Required when
+    the gRPC or HTTP API listens on a non-loopback interface, unless `no_api_key`."""
+    no_api_key: bool = False
+    """Serve a non-loopback interface with no API key (`--no-api-key`): for closed, trusted
+    networks only. Without it the gateway refuses to start open beyond loopback."""
     served_model_name: str = "epd"
     """The model id that /v1/models lists and requests must name."""
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
@@ -54,7 +58,14 @@ class GatewayConfig:
     prefill_addresses: tuple[str, ...] = ("127.0.0.1:50052",)
     decode_addresses: tuple[str, ...] = ("127.0.0.1:50053",)
     max_upload_bytes: int = 256 * 1024 * 1024
-    """Largest media upload accepted; larger ones get RESOURCE_EXHAUSTED before any decoding."""
+    """Largest media upload accepted; larger ones get RESOURCE_EXHAUSTED before any decoding.
+    The HTTP API's body limit follows from it (`gateway.admission.max_body_bytes`)."""
+    max_requests_per_client: int = 8
+    """Requests one client (peer IP) may have in flight on the HTTP and gRPC APIs together;
+    more get HTTP 429 / RESOURCE_EXHAUSTED."""
+    max_inflight_body_bytes: int = 0
+    """Request-body bytes (HTTP bodies, gRPC uploads) the process holds at once over all
+    requests; more get HTTP 429 / RESOURCE_EXHAUSTED. 0 = twice the largest HTTP body."""
     stage_timeout_s: float = 600.0
     """Deadline of each call to a stage."""
     max_transfer_bytes: int = 1 << 30

@@ -12,15 +12,21 @@ Request format and options: gateway/openai_protocol.py. Media URL policy: gatewa
 Errors are OpenAI-style JSON bodies; pipeline errors go through `transport.errors.status_of`,
 so a status means the same thing on both APIs. A streamed answer sends its 200 only with the
 first token: bad media, limits and refusals still get their own HTTP status.
+
+Bodies are read under limits (gateway/http_body.py): 413 past the body limit (derived from
+--max-upload-bytes) without reading the rest, 429 + Retry-After when the client already has
+--max-requests-per-client requests in flight or the process holds --max-inflight-body-bytes of
+bodies (gateway/admission.py, shared with the gRPC API).
 """
 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import hashlib
-import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,7 +38,15 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.admission import (
+    RETRY_AFTER_S,
+    Admission,
+    Overloaded,
+    max_body_bytes,
+    peer_host,
+)
 from gateway.config import GatewayConfig
+from gateway.http_body import TICKET_KEY, defer_continue, read_json_body
 from gateway.media_fetch import load_media
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_protocol import (
@@ -41,14 +55,15 @@ from gateway.openai_protocol import (
     completion_body,
     epd_details,
     error_body,
-    http_status_of,
+    http_error_of,
     parse_chat_request,
     usage,
 )
 from gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
-from gateway.web.routes import add_demo_routes
+from gateway.web.routes import BODY_ROUTES, add_demo_routes
 from stages.contracts import MediaInput, TokenStep
-from transport.errors import InvalidRequest, status_of
+from transport.auth import bearer_token, key_matches
+from transport.errors import InvalidRequest, ResourceExhausted
 from transport.server import channel_options
 
 log = logging.getLogger(__name__)
@@ -56,18 +71,17 @@ log = logging.getLogger(__name__)
 NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
 
-_JSON_OVERHEAD_BYTES = 1 << 20
-
-
 def json_error(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response(error_body(message, error_type), status=status)
+    response = web.json_response(error_body(message, error_type), status=status)
+    if status == 429:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def _exception_response(exc: BaseException) -> web.Response:
-    code, message = status_of(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    status, error_type, message = http_error_of(exc)
+    if status == 500:
         log.exception("internal error in the HTTP API", exc_info=exc)
-    status, error_type = http_status_of(code)
     return json_error(status, message, error_type)
 
 
@@ -78,28 +92,31 @@ class HttpApi:
         pipeline: Pipeline,
         metrics: GatewayMetrics,
         not_serving: NotServing | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.config = config
         self.pipeline = pipeline
         self.metrics = metrics
         self.not_serving = not_serving
+        self.admission = admission or Admission.of_gateway(config)
+        self.max_body_bytes = max_body_bytes(config.max_upload_bytes)
         self.started_s = int(time.time())
 
     def app(self) -> web.Application:
-        # A base64 data: URL is 4/3 of the media; the JSON around it is small.
-        max_body_bytes = self.config.max_upload_bytes * 4 // 3 + _JSON_OVERHEAD_BYTES
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        # client_max_size only backs up read_json_body for any route that calls request.read().
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware])
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
-        add_demo_routes(app, self.config)  # the web demo: GET /, /static/*, /demo/*
+        add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
         return app
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
+        ticket = None
         try:
             if self.config.http.api_key and request.path.startswith("/v1/") and not self._authorized(request):
                 response: web.StreamResponse = json_error(
@@ -107,18 +124,30 @@ class HttpApi:
                     "missing or wrong API key; send 'Authorization: Bearer <key>'",
                     "authentication_error",
                 )
+            elif request.method == "POST" and route in BODY_ROUTES:
+                ticket = request[TICKET_KEY] = self.admission.admit(peer_host(request.remote or "unknown"))
+                response = await handler(request)
             else:
                 response = await handler(request)
+        except Overloaded as exc:
+            response = _exception_response(exc)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
             error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
             message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
             response = json_error(exc.status, message, error_type)
+        finally:
+            if ticket is not None:
+                ticket.close()
+        if not response.prepared and request.can_read_body:
+            # Refused before its body was read: the connection cannot carry another request
+            # (aiohttp drops what is still arriving for a few seconds, then closes it).
+            response.force_close()
         self.metrics.http_responses.inc(route=route, code=str(response.status))
         return response
 
     def _authorized(self, request: web.Request) -> bool:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.config.http.api_key)
+        token = bearer_token([("authorization", request.headers.get("Authorization", ""))])
+        return key_matches(token, self.config.http.api_key)
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.config.http.served_model_name
@@ -141,12 +170,15 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             chat = parse_chat_request(
-                await _read_json(request),
+                await read_json_body(request, self.max_body_bytes),
                 self.config.http.served_model_name,
                 self.config.sampling,
                 self.config.generation,
             )
-            data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes)
+            if chat.media_url.startswith("data:"):
+                data = take_data_url_bytes(chat, self.config.max_upload_bytes)
+            else:
+                data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes)
             ask = AskRequest(
                 question=chat.question,
                 media=MediaInput(data, hashlib.sha256(data).hexdigest()),
@@ -222,9 +254,8 @@ class HttpApi:
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
             if response is None:
                 raise  # nothing sent yet: the caller answers with the error's own status
-            code, message = status_of(exc)
-            status, error_type = http_status_of(code)
-            if code == grpc.StatusCode.INTERNAL:
+            status, error_type, message = http_error_of(exc)
+            if status == 500:
                 log.exception("internal error mid-stream in %s", request_id)
             await response.write(
                 b"data: " + json.dumps(error_body(message, error_type, str(status))).encode() + b"\n\n"
@@ -236,11 +267,48 @@ class HttpApi:
         return response
 
 
-async def _read_json(request: web.Request) -> Any:
+def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:
+    """The media of a base64 data: URL, under `gateway.media_fetch.decode_data_url`'s rules but
+    with fewer copies of a URL that may be hundreds of MB: its ASCII bytes replace the text
+    (taken out of `chat`, so the text is freed), the payload is decoded through a memoryview of
+    them (no slice copy), and they are freed as soon as the media is out."""
     try:
-        return await request.json()
-    except json.JSONDecodeError:
-        raise InvalidRequest("the request body is not valid JSON") from None
+        url = chat.media_url.encode("ascii")
+    except UnicodeEncodeError:
+        raise InvalidRequest("the data: URL must be ASCII: data:video/mp4;base64,<payload>") from None
+    chat.media_url = ""
+    comma = url.find(b",")
+    if comma < 0 or not url[len(b"data:") : comma].endswith(b";base64"):
+        raise InvalidRequest("data: URLs must be base64, as in data:video/mp4;base64,<payload>")
+    start, end = comma + 1, len(url)
+    while start < end and url[start] in _ASCII_SPACE:
+        start += 1
+    while end > start and url[end - 1] in _ASCII_SPACE:
+        end -= 1
+    too_big = ResourceExhausted(
+        f"the media is larger than this server accepts (at most {max_upload_bytes} bytes, the server's "
+        "--max-upload-bytes); send a shorter or more compressed video"
+    )
+    if (end - start) // 4 * 3 > max_upload_bytes + 2:  # refused before decoding anything
+        raise too_big
+    with memoryview(url) as view:
+        payload = view[start:end]
+        # What base64.b64decode(validate=True) checks, on the view instead of a copy.
+        if not _BASE64.fullmatch(payload):
+            raise InvalidRequest("the data: URL payload is not valid base64")
+        try:
+            data = binascii.a2b_base64(payload)
+        except binascii.Error:
+            raise InvalidRequest("the data: URL payload is not valid base64 (bad padding)") from None
+        finally:
+            payload.release()
+    if len(data) > max_upload_bytes:
+        raise too_big
+    return data
+
+
+_ASCII_SPACE = b" \t\n\r\x0b\x0c"
+_BASE64 = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
 
 
 class StageHealth:
@@ -297,9 +365,11 @@ async def start_http_api(
     pipeline: Pipeline,
     metrics: GatewayMetrics,
     stage_health: StageHealth | None = None,
+    admission: Admission | None = None,
 ) -> HttpServer:
-    """Serve the HTTP API on `config.http.port` (0 here binds a free port, for tests)."""
-    api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None)
+    """Serve the HTTP API on `config.http.port` (0 here binds a free port, for tests);
+    `admission` is shared with the gRPC API so that a client's limit counts both."""
+    api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
     # handler_cancellation: a client that disconnects stops its pipeline run.
     runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     await runner.setup()

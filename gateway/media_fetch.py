@@ -6,8 +6,10 @@ the operator's policy (`MediaFetchConfig`):
     http(s)://host/...               only for `allowed_domains`, never to a private, loopback or
                                      link-local address (every resolved address is checked, and
                                      the connection goes to exactly the checked addresses, so a
-                                     second DNS answer cannot swap in 127.0.0.1); redirects only
-                                     to the same host; a whole-fetch timeout and a byte cap.
+                                     second DNS answer cannot swap in 127.0.0.1; IPv6 forms that
+                                     embed an IPv4 address are judged by it); redirects only to
+                                     the same scheme, host and port; one deadline over the whole
+                                     fetch (DNS, every hop, the body) and a byte cap.
 
 Refusals raise `MediaRefused` (403 on HTTP); the other errors are `transport.errors` ones.
 """
@@ -122,11 +124,35 @@ def _read_file(path: Path, max_bytes: int) -> bytes:
 # -- http(s) URLs -------------------------------------------------------------------------------
 
 
+# IPv6 forms that carry an IPv4 address: traffic to them reaches that IPv4 host (through a
+# translator, a relay or the stack itself), so it is the IPv4 address that is judged.
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix, IPv4 in the last 32 bits
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: local use, never public
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d
+
+
 def is_public_address(ip: IpAddress) -> bool:
-    """True for globally routable unicast addresses only."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    """True for globally routable unicast addresses only; an IPv6 address that embeds an IPv4
+    one (mapped, compatible, NAT64, 6to4, Teredo) is public only if the IPv4 address(es) are."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            return all(is_public_address(v4) for v4 in embedded)
+        if ip in _NAT64_LOCAL or ip.is_site_local:  # fec0::/10: deprecated, but routed locally
+            return False
     return ip.is_global and not ip.is_multicast
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address] | None:
+    if ip.ipv4_mapped is not None:
+        return [ip.ipv4_mapped]
+    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+        return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
+    if ip.sixtofour is not None:
+        return [ip.sixtofour]
+    if ip.teredo is not None:
+        return list(ip.teredo)  # (server, client): both are reached
+    return None
 
 
 def host_allowed(host: str, allowed_domains: tuple[str, ...]) -> bool:
@@ -206,17 +232,27 @@ async def resolve_checked(target: UrlTarget, config: MediaFetchConfig) -> list[t
 
 
 async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
+    """One deadline (`fetch_timeout_s`) over the whole fetch: DNS, every hop and the body."""
+    try:
+        return await asyncio.wait_for(_fetch(url, config, max_bytes), config.fetch_timeout_s)
+    except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+        raise DeadlineExceeded(
+            f"fetching the media URL took longer than {config.fetch_timeout_s:g} s; send it as a data: URL"
+        ) from None
 
+
+async def _fetch(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
     target = check_url(url, config)
     addresses = await resolve_checked(target, config)
     connector = aiohttp.TCPConnector(resolver=_PinnedResolver(target.host, addresses), use_dns_cache=False)
-    timeout = aiohttp.ClientTimeout(total=config.fetch_timeout_s)
+    # No per-request timeout: aiohttp's would restart at each hop; fetch_url's deadline covers all.
+    timeout = aiohttp.ClientTimeout(total=None)
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
             for _ in range(config.max_redirects + 1):
                 async with session.get(url, allow_redirects=False) as resp:
                     if resp.status in _REDIRECT_STATUSES:
-                        url = _same_host_redirect(url, resp.headers.get("Location", ""), target, config)
+                        url = _same_origin_redirect(url, resp.headers.get("Location", ""), target, config)
                         continue
                     if resp.status == 404:
                         raise NotFound("the media URL answered 404 Not Found")
@@ -224,22 +260,20 @@ async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes
                         raise InvalidRequest(f"the media URL answered HTTP {resp.status}")
                     return await _read_capped(resp, max_bytes)
             raise InvalidRequest(f"the media URL redirected more than {config.max_redirects} times")
-    except TimeoutError:
-        raise DeadlineExceeded(
-            f"fetching the media URL took longer than {config.fetch_timeout_s:g} s; send it as a data: URL"
-        ) from None
     except aiohttp.ClientError:
         raise InvalidRequest(f"could not fetch the media URL from {target.host}") from None
 
 
-def _same_host_redirect(url: str, location: str, target: UrlTarget, config: MediaFetchConfig) -> str:
+def _same_origin_redirect(url: str, location: str, target: UrlTarget, config: MediaFetchConfig) -> str:
+    """Redirects keep scheme, host and port: another port on the same host is another service."""
     if not location:
         raise InvalidRequest("the media URL redirected without a Location")
     new_url = urljoin(url, location)
     new = check_url(new_url, config)
-    if new.host != target.host:
+    if new != target:
         raise MediaRefused(
-            f"the media URL redirected to another host ({new.host}); only same-host redirects are followed"
+            "the media URL redirected to another scheme, host or port; only redirects on the same "
+            "scheme, host and port are followed"
         )
     return new_url
 

@@ -12,18 +12,20 @@ Fields left out take the server's defaults, which are greedy: unlike OpenAI, a m
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
+from gateway.admission import Overloaded
 from gateway.pipeline import AskSummary
 from model_runtime.sampling import GenerationConfig
 from protos.epd.v1 import common_pb2
 from token_pruning import PruningConfig
-from transport.convert import pruning_from_proto
-from transport.errors import InvalidRequest, NotFound
+from transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
+from transport.errors import InvalidRequest, NotFound, status_of
 from video.types import SamplingOptions
 
 # gRPC status (from transport.errors.status_of) -> HTTP status and OpenAI error type.
@@ -40,23 +42,59 @@ _HTTP_OF_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class _Number:
+    """A numeric request field: its type and the range it must lie in (the proto field's range
+    at most, so every accepted value also crosses the wire to the stages)."""
+
+    kind: type  # int or float
+    low: float
+    high: float
+    low_open: bool = False  # low itself excluded (fps > 0)
+
+    def describe(self) -> str:
+        if self.kind is int:
+            return f"an integer from {int(self.low)} to {int(self.high)}"
+        low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
+        return f"a finite number {low}" + (f" and <= {self.high:g}" if self.high != math.inf else "")
+
+
 _MEDIA_OPTIONS = {
-    "fps": float,
-    "max_frames": int,
-    "min_frames": int,
-    "num_frames": int,
-    "max_pixels": int,
-    "start_time_s": float,
-    "end_time_s": float,
+    "fps": _Number(float, 0.0, MAX_SAMPLING_FPS, low_open=True),
+    "max_frames": _Number(int, 1, INT32_MAX),
+    "min_frames": _Number(int, 1, INT32_MAX),
+    "num_frames": _Number(int, 1, INT32_MAX),
+    "max_pixels": _Number(int, 1, INT64_MAX),
+    "start_time_s": _Number(float, 0.0, math.inf),
+    "end_time_s": _Number(float, 0.0, math.inf, low_open=True),
 }
-
-
-_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+_GENERATION_OPTIONS = {
+    "max_completion_tokens": _Number(int, 1, INT32_MAX),
+    "max_tokens": _Number(int, 1, INT32_MAX),
+    "temperature": _Number(float, 0.0, math.inf),
+    "top_p": _Number(float, 0.0, 1.0, low_open=True),
+    "top_k": _Number(int, 0, INT32_MAX),
+    "seed": _Number(int, INT64_MIN, INT64_MAX),
+}
 
 
 def http_status_of(code: grpc.StatusCode) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) of a gRPC status code."""
     return _HTTP_OF_STATUS.get(code, (500, "server_error"))
+
+
+def http_error_of(exc: BaseException) -> tuple[int, str, str]:
+    """(HTTP status, OpenAI error type, client-safe message) of any exception. A refusal for
+    load (`Overloaded`) is a 429 to retry; every other limit is a 413."""
+    if isinstance(exc, Overloaded):
+        return 429, "rate_limit_error", str(exc)
+    code, message = status_of(exc)
+    status, error_type = http_status_of(code)
+    return status, error_type, message
 
 
 def error_body(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
@@ -84,13 +122,14 @@ def parse_chat_request(
     """Validate a chat-completions body; raises InvalidRequest (400) or NotFound (404, model)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    model = body.get("model") or served_model
+    model = _text(body.get("model"), "model") or served_model
     if model != served_model:
-        raise NotFound(f"model '{model}' is not served here; GET /v1/models lists '{served_model}'")
-    if body.get("n", 1) != 1:
+        raise NotFound(f"model '{model[:200]}' is not served here; GET /v1/models lists '{served_model}'")
+    n = body.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise InvalidRequest("only n=1 is supported")
     question, media_url, modality = _parse_messages(body.get("messages"))
-    stream = _typed(body, "stream", bool, False)
+    stream = _boolean(body, "stream", False)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
@@ -102,7 +141,7 @@ def parse_chat_request(
         sampling=_sampling(body.get("media"), sampling_defaults),
         generation=_generation(body, generation_defaults),
         stream=stream,
-        include_usage=bool(stream_options.get("include_usage", False)),
+        include_usage=_boolean(stream_options, "include_usage", False, "stream_options.include_usage"),
         pruning=_pruning(body.get("pruning")),
     )
 
@@ -116,10 +155,16 @@ def _pruning(value: Any) -> PruningConfig:
     knobs = value.get("knobs") or {}
     if not isinstance(knobs, dict):
         raise InvalidRequest("pruning.knobs must be an object of knob names to values")
-    options = common_pb2.PruningOptions(
-        preset=str(value.get("preset") or "off"),
-        knobs={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in knobs.items()},
-    )
+    preset = value.get("preset") or "off"
+    if not isinstance(preset, str):
+        raise InvalidRequest("pruning.preset must be a string such as \"balanced\"")
+    text_knobs = {}
+    for name, knob in knobs.items():
+        if isinstance(knob, (dict, list)):
+            raise InvalidRequest(f"pruning.knobs.{_text(name, 'pruning.knobs')[:64]} must be a number, string or bool")
+        text = str(knob).lower() if isinstance(knob, bool) else str(knob)
+        text_knobs[_text(name, "pruning.knobs")] = _text(text, f"pruning.knobs.{name[:64]}")
+    options = common_pb2.PruningOptions(preset=_text(preset, "pruning.preset"), knobs=text_knobs)
     return pruning_from_proto(options)
 
 
@@ -128,9 +173,10 @@ def _parse_messages(messages: Any) -> tuple[str, str, str]:
         raise InvalidRequest("'messages' must be a non-empty list")
     roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
     if roles != ["user"]:
+        shown = [r[:32] if isinstance(r, str) else None for r in roles[:8]]
         raise InvalidRequest(
-            f"expected exactly one user message (got roles {roles}); put the question and the "
-            "video_url or image_url part in one user message"
+            f"expected exactly one user message (got roles {shown}{'...' if len(roles) > 8 else ''}); "
+            "put the question and the video_url or image_url part in one user message"
         )
     content = messages[0].get("content")
     if isinstance(content, str):
@@ -142,15 +188,20 @@ def _parse_messages(messages: Any) -> tuple[str, str, str]:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            texts.append(_text(part["text"], "messages[0].content text"))
         elif kind in ("video_url", "image_url"):
             ref = part.get(kind)
             url = ref.get("url") if isinstance(ref, dict) else ref
             if not isinstance(url, str) or not url:
                 raise InvalidRequest(f"a {kind} part needs {{'{kind}': {{'url': ...}}}}")
+            if not url.startswith("data:"):  # a data: URL is checked as it is decoded (ASCII only)
+                _text(url, f"{kind}.url")
             media.append((url, kind.removesuffix("_url")))
         else:
-            raise InvalidRequest(f"unsupported content part {kind!r}; use 'text', 'video_url' or 'image_url'")
+            kind_text = kind[:64] if isinstance(kind, str) else kind if kind is None else type(kind).__name__
+            raise InvalidRequest(
+                f"unsupported content part {kind_text!r}; use 'text', 'video_url' or 'image_url'"
+            )
     if len(media) != 1:
         raise InvalidRequest(
             f"the message must have exactly one video_url or image_url part, got {len(media)}"
@@ -158,16 +209,59 @@ def _parse_messages(messages: Any) -> tuple[str, str, str]:
     return "\n".join(texts), media[0][0], media[0][1]
 
 
-def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
+def _text(value: Any, name: str) -> str:
+    """A JSON string that can be sent on as UTF-8: JSON's \\ud800-style escapes can spell lone
+    surrogates, which no UTF-8 encoder (protobuf's included) accepts."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"'{name}' must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{name}' is not valid Unicode text (it holds a lone surrogate escape)") from None
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool, label: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return default
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        raise InvalidRequest(f"'{name}' must be {_KIND_NAMES[kind]}, got {value!r}")
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{label or name}' must be true or false, got {_shown(value)}")
     return value
+
+
+def _number(body: dict, name: str, spec: _Number, default: Any) -> Any:
+    """body[name] as spec.kind within its range (ints are never taken for bools, nor floats for
+    ints); `default` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if spec.kind is int:
+        ok = ok and isinstance(value, int)
+    elif ok:
+        try:
+            value = float(value)  # an integer of 400 digits overflows: not a usable number
+        except OverflowError:
+            ok = False
+    if ok:
+        in_low = value > spec.low if spec.low_open else value >= spec.low
+        # isinstance first: math.isfinite of an int past float's range raises OverflowError.
+        ok = (isinstance(value, int) or math.isfinite(value)) and in_low and value <= spec.high
+    if not ok:
+        raise InvalidRequest(f"'{name}' must be {spec.describe()}, got {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A client's value for an error message, cut short: the message must not echo a megabyte
+    (nor recurse through a deeply nested array)."""
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "an array"
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
@@ -175,10 +269,10 @@ def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
         return defaults
     if not isinstance(media, dict):
         raise InvalidRequest('\'media\' must be an object such as {"fps": 2, "num_frames": 8}')
-    unknown = sorted(set(media) - set(_MEDIA_OPTIONS))
+    unknown = sorted(str(name)[:64] for name in set(media) - set(_MEDIA_OPTIONS))
     if unknown:
-        raise InvalidRequest(f"unknown media options {unknown}; known: {sorted(_MEDIA_OPTIONS)}")
-    v = {name: _typed(media, name, kind, None) for name, kind in _MEDIA_OPTIONS.items()}
+        raise InvalidRequest(f"unknown media options {unknown[:8]}; known: {sorted(_MEDIA_OPTIONS)}")
+    v = {name: _number(media, name, spec, None) for name, spec in _MEDIA_OPTIONS.items()}
     max_frames = v["max_frames"] if v["max_frames"] is not None else defaults.max_frames
     return replace(
         defaults,
@@ -193,32 +287,30 @@ def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
 
 
 def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
-    max_tokens = _typed(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", int, defaults.max_new_tokens)
+    v = {name: _number(body, name, spec, None) for name, spec in _GENERATION_OPTIONS.items()}
+    max_tokens = v["max_completion_tokens"] if v["max_completion_tokens"] is not None else v["max_tokens"]
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = defaults.stop
     elif isinstance(stop, str):
-        stops = (stop,)
+        stops = (_text(stop, "stop"),)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
+        stops = tuple(_text(s, "stop") for s in stop)
     else:
         raise InvalidRequest("'stop' must be a string or a list of strings")
-    config = GenerationConfig(
-        max_new_tokens=max_tokens,
-        temperature=_typed(body, "temperature", float, defaults.temperature),
-        top_p=_typed(body, "top_p", float, defaults.top_p),
-        top_k=_typed(body, "top_k", int, defaults.top_k),
-        seed=_typed(body, "seed", int, defaults.seed),
+
+    def given(name: str, default: Any) -> Any:
+        return v[name] if v[name] is not None else default
+
+    return GenerationConfig(
+        max_new_tokens=max_tokens if max_tokens is not None else defaults.max_new_tokens,
+        temperature=given("temperature", defaults.temperature),
+        top_p=given("top_p", defaults.top_p),
+        top_k=given("top_k", defaults.top_k),
+        seed=given("seed", defaults.seed),
         stop=stops,
-        ignore_eos=_typed(body, "ignore_eos", bool, defaults.ignore_eos),
+        ignore_eos=_boolean(body, "ignore_eos", defaults.ignore_eos),
     )
-    if config.max_new_tokens < 1:
-        raise InvalidRequest("max_tokens must be >= 1")
-    if config.temperature < 0 or not 0 < config.top_p <= 1 or config.top_k < 0:
-        raise InvalidRequest("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-    return config
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -4,42 +4,52 @@ from __future__ import annotations
 
 import time
 
+from gateway.admission import Admission, Overloaded, peer_host
 from gateway.config import GatewayConfig
 from gateway.pipeline import AskRequest, AskSummary, Pipeline
 from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc
 from stages.contracts import StageEvent
 from transport import convert
 from transport.errors import rpc_errors
-from transport.upload import media_input, read_upload
+from transport.upload import drain, media_input, read_upload
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, config: GatewayConfig, pipeline: Pipeline) -> None:
+    def __init__(self, config: GatewayConfig, pipeline: Pipeline, admission: Admission | None = None) -> None:
         self.config = config
         self.pipeline = pipeline
+        # Shared with the HTTP API when both run (gateway.server.main): a client's limit counts both.
+        self.admission = admission or Admission.of_gateway(config)
 
     @rpc_errors
     async def Ask(self, request_iterator, context):
         started = time.perf_counter()
-        header, data = await read_upload(request_iterator, self.config.max_upload_bytes)
-        request = AskRequest(
-            question=header.question,
-            media=media_input(header, data),
-            sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
-            generation=convert.generation_from_proto(header.generation, self.config.generation),
-            request_id=header.request_id,
-            pruning=convert.pruning_from_proto(header.pruning),
-        )
-        async for item in self.pipeline.ask(request):
-            if isinstance(item, StageEvent):
-                at_ms = (time.perf_counter() - started) * 1e3
-                yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
-            elif isinstance(item, AskSummary):
-                yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
-            else:
-                yield gateway_pb2.AskResponse(delta=gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text))
+        try:
+            ticket = self.admission.admit(peer_host(context.peer()))
+        except Overloaded:
+            await drain(request_iterator)  # so that the client sees our status, not INTERNAL
+            raise
+        with ticket:
+            header, data = await read_upload(request_iterator, self.config.max_upload_bytes, ticket.reserve_bytes)
+            request = AskRequest(
+                question=header.question,
+                media=media_input(header, data),
+                sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
+                generation=convert.generation_from_proto(header.generation, self.config.generation),
+                request_id=header.request_id,
+                pruning=convert.pruning_from_proto(header.pruning),
+            )
+            async for item in self.pipeline.ask(request):
+                if isinstance(item, StageEvent):
+                    at_ms = (time.perf_counter() - started) * 1e3
+                    yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
+                elif isinstance(item, AskSummary):
+                    yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
+                else:
+                    delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
+                    yield gateway_pb2.AskResponse(delta=delta)
 
 
 def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:

@@ -27,3 +27,9 @@ class PrefillConfig:
     max_new_tokens_limit: int = 4096
     max_transfer_bytes: int = 1 << 30
     """Largest visual-embedding upload accepted."""
+
+    def __post_init__(self) -> None:
+        if self.kv_store_bytes < 0:
+            raise ValueError(f"kv_store_bytes (--kv-store-bytes) must be >= 0, got {self.kv_store_bytes}")
+        if self.kv_ttl_s <= 0:
+            raise ValueError(f"kv_ttl_s (--kv-ttl) must be > 0 seconds, got {self.kv_ttl_s}")

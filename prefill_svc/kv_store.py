@@ -1,4 +1,9 @@
-"""KV caches waiting to be pulled by a decoder: a byte budget and a time-to-live. No gRPC here."""
+"""KV caches waiting to be pulled by a decoder: a byte budget and a time-to-live. No gRPC here.
+
+An entry leaves by one of three doors: `take` (a decoder pulls it), `release` (its request ended
+before a decoder took it: cancelled, failed, or its decoder could not pull), or its TTL. The
+gateway releases on every exit path of a request, so the store holds only requests in flight.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ class _Entry:
 
 
 class KvStore:
-    """put() -> handle; take(handle) hands the cache over once. Thread-safe."""
+    """put() -> handle; take(handle) hands the cache over once; release(handle) drops it. Thread-safe."""
 
     def __init__(self, max_bytes: int, ttl_s: float, clock=time.monotonic) -> None:
         self.max_bytes = max_bytes
@@ -29,6 +34,7 @@ class KvStore:
         self._entries: dict[str, _Entry] = {}
         self.num_bytes = 0
         self.num_expired = 0
+        self.num_released = 0
 
     def put(self, cache: KvCache) -> str:
         size = cache.num_bytes
@@ -52,6 +58,17 @@ class KvStore:
                 raise NotFound(f"KV cache {handle!r} is unknown or expired (TTL {self.ttl_s:.0f} s)")
             self.num_bytes -= entry.num_bytes
             return entry.cache
+
+    def release(self, handle: str) -> bool:
+        """Drop the cache of `handle`; False when it is unknown, expired or already taken."""
+        with self._lock:
+            self._expire()
+            entry = self._entries.pop(handle, None)
+            if entry is None:
+                return False
+            self.num_bytes -= entry.num_bytes
+            self.num_released += 1
+            return True
 
     def __len__(self) -> int:
         with self._lock:

@@ -1,6 +1,12 @@
-"""PrefillService over gRPC: prefill on upload of visual embeddings; PullKv hands caches over."""
+"""PrefillService over gRPC: prefill on upload of visual embeddings; PullKv hands caches over;
+ReleaseKv drops one whose request ended before a decoder pulled it.
+
+A caller that goes away during Prefill cancels the handler: the model call is dropped if still
+queued, and a finished one's cache is not stored (`LocalPrefillStage`)."""
 
 from __future__ import annotations
+
+import logging
 
 from model_runtime.sampling import GenerationConfig
 from prefill_svc.config import PrefillConfig
@@ -10,6 +16,8 @@ from stages.contracts import PrefillStage
 from transport import convert
 from transport.errors import InvalidRequest, Unavailable, rpc_errors
 from transport.tensor_wire import TensorAssembler, tensor_to_chunks
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 
@@ -55,3 +63,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         for name, tensor in cache.named_tensors():
             for chunk in tensor_to_chunks(name, tensor):
                 yield prefill_pb2.KvChunk(tensor=chunk)
+
+    @rpc_errors
+    async def ReleaseKv(self, request, context):
+        released = self.kv_store.release(request.kv_handle)
+        if released:
+            log.info("released the KV cache of request %s: it ended before a decoder pulled it",
+                     request.request_id or "?")
+        return prefill_pb2.ReleaseKvResult(
+            released=released, num_kv_caches_held=len(self.kv_store), kv_bytes_held=self.kv_store.num_bytes
+        )

@@ -6,6 +6,12 @@
 
 Every stage takes the request's PruningConfig; with its default (all off) the stages are exact.
 
+Cancellation: each call is an asyncio coroutine (or async iterator); cancelling it is how a caller
+says its client went away. A stage then stops its work at the next safe point (the encoder at
+the next frame group, the decoder at the next token), stores nothing (prefill keeps no KV cache
+for a cancelled call) and frees what it held. A KV cache that prefill did store and that no
+decoder will pull is dropped with `PrefillStage.release`.
+
 Two implementations stand side by side: `stages.local` runs the engines in this process (the
 embedded mode, and the reference for tests) and `stages.remote` calls the gRPC services. The
 gateway's pipeline is written against these contracts only.
@@ -99,6 +105,11 @@ class TokenStep:
     decode_evict: tuple[int, int] | None = None  # last step: visual entries per head (in, out)
 
 
+class RequestCancelled(Exception):
+    """Raised inside an engine's blocking driver when its request's cancel flag is set: the work
+    stops there and nobody waits for the result (the caller's task was already cancelled)."""
+
+
 class EncodeStage(ABC):
     @abstractmethod
     async def encode(
@@ -122,7 +133,13 @@ class PrefillStage(ABC):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
-        """Run the prompt; the KV cache stays with the stage until a decoder takes it."""
+        """Run the prompt; the KV cache stays with the stage until a decoder takes it (or its TTL
+        passes). Cancelled before it returns, the stage stores no cache."""
+
+    @abstractmethod
+    async def release(self, handle: PrefillHandle, request_id: str) -> None:
+        """Drop the KV cache of `handle`: its request ended (cancelled or failed) before a decoder
+        took it. Idempotent: an unknown, expired or already taken handle is not an error."""
 
 
 class DecodeStage(ABC):
@@ -134,4 +151,6 @@ class DecodeStage(ABC):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
-        """Take the KV cache and stream tokens; the first step carries the first token."""
+        """Take the KV cache and stream tokens; the first step carries the first token (so once it
+        arrives, the cache has left the prefill stage). Closing or cancelling the stream stops
+        generation and frees the cache."""

@@ -2,12 +2,20 @@
 
 This is the embedded mode (`epd ask` without --endpoint) and the reference implementation of
 every boundary; the services run the same engines behind gRPC.
+
+Where each stage's work runs: the encoder's per-request driver (demux, waiting for frames, cache)
+on a bounded `RequestPool` thread and only its model calls on the `ModelThread`; prefill and
+decode steps on the `ModelThread`. Cancelling a call (the client went away) sets the encoder
+driver's cancel flag, drops queued model calls, and keeps prefill from storing its cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from decode_svc.engine import DecodeEngine, stream_tokens
 from encoder_svc.engine import EncoderEngine
@@ -22,18 +30,30 @@ from stages.contracts import (
     MediaInput,
     PrefillHandle,
     PrefillStage,
+    RequestCancelled,
     StageEvent,
     TokenStep,
 )
 from stages.model_thread import ModelThread
+from stages.request_pool import RequestPool
 from token_pruning import PruningConfig
 from video.types import SamplingOptions
+
+log = logging.getLogger(__name__)
+
+
+def _decodes_full(num_running: int, num_waiting: int) -> str:
+    return (f"the encoder is decoding {num_running} videos and {num_waiting} more requests are waiting; "
+            "retry shortly, or start the encoder with a larger --max-concurrent-decodes or "
+            "--max-queued-decodes")
 
 
 class LocalEncodeStage(EncodeStage):
     def __init__(self, engine: EncoderEngine, model_thread: ModelThread) -> None:
         self.engine = engine
         self.model_thread = model_thread
+        self.drivers = RequestPool(engine.config.max_concurrent_decodes, engine.config.max_queued_decodes,
+                                   _decodes_full, thread_name="encode-driver")
 
     async def encode(
         self,
@@ -45,10 +65,24 @@ class LocalEncodeStage(EncodeStage):
     ) -> EncodedMedia:
         loop = asyncio.get_running_loop()
 
-        def threadsafe(event: StageEvent) -> None:
-            loop.call_soon_threadsafe(on_event, event)
+        def drive(cancel: threading.Event) -> EncodedMedia:  # on a request-pool thread
+            def threadsafe(event: StageEvent) -> None:
+                if not cancel.is_set():  # nobody listens any more (and the loop may be gone)
+                    loop.call_soon_threadsafe(on_event, event)
 
-        return await self.model_thread.run(self.engine.encode, media, sampling, threadsafe, pruning)
+            try:
+                return self.engine.encode(media, sampling, threadsafe, pruning,
+                                          run_model=self.model_thread.call, cancel=cancel)
+            except RequestCancelled as exc:
+                log.info("encode of request %s stopped: %s", request_id, exc)
+                raise
+
+        try:
+            return await self.drivers.run(drive)
+        except asyncio.CancelledError:
+            log.info("encode of request %s cancelled by its caller; decoding stops at the next frame group",
+                     request_id)
+            raise
 
 
 class LocalPrefillStage(PrefillStage):
@@ -65,7 +99,13 @@ class LocalPrefillStage(PrefillStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
-        out = await self.model_thread.run(self.engine.prefill, question, media, generation, pruning)
+        try:
+            out = await self.model_thread.run(self.engine.prefill, question, media, generation, pruning)
+        except asyncio.CancelledError:
+            # A call still queued is dropped; one already running finishes and its cache is freed
+            # with `out`: a cancelled prefill stores nothing.
+            log.info("prefill of request %s cancelled by its caller; no KV cache is kept", request_id)
+            raise
         handle = self.kv_store.put(out.cache)
         return PrefillHandle(
             kv_handle=handle,
@@ -84,6 +124,10 @@ class LocalPrefillStage(PrefillStage):
             kept_visual_token_index=out.kept_visual_token_index,
         )
 
+    async def release(self, handle: PrefillHandle, request_id: str) -> None:
+        if self.kv_store.release(handle.kv_handle):
+            log.info("released the KV cache of request %s: it ended before a decoder took it", request_id)
+
 
 class LocalDecodeStage(DecodeStage):
     """Takes the cache from the prefill stage's in-memory store: the in-process 'transfer'."""
@@ -101,7 +145,8 @@ class LocalDecodeStage(DecodeStage):
         pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
         cache = self.kv_store.take(handle.kv_handle)
-        async for step in stream_tokens(
-            self.engine, self.model_thread, cache, handle, generation, 0.0, pruning
-        ):
-            yield step
+        tokens = stream_tokens(self.engine, self.model_thread, cache, handle, generation, 0.0, pruning)
+        del cache  # the token stream owns it now and frees it when it ends, however it ends
+        async with aclosing(tokens):
+            async for step in tokens:
+                yield step

@@ -2,6 +2,11 @@
 
 Each stage holds one channel per replica address and picks replicas round-robin (client-side
 load balancing; in Kubernetes the addresses come from a headless Service).
+
+Cancelling a stage call (the gateway's request task is cancelled when its client goes away)
+cancels the RPC, and the service's handler is cancelled in turn. A KV cache is released at the
+prefill replica that holds it, by the address that replica advertised (`kv_address`), since a
+replica pool's channel may balance a call to another replica.
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ class RemotePrefillStage(PrefillStage):
     def __init__(self, pool: ReplicaPool, timeout_s: float) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
+        self._kv_channels: dict[str, grpc.aio.Channel] = {}  # by kv_address, for ReleaseKv
 
     async def prefill(
         self,
@@ -142,6 +148,21 @@ class RemotePrefillStage(PrefillStage):
         except grpc.aio.AioRpcError as exc:
             raise _upstream(exc, "prefill") from None
         return convert.handle_from_proto(result)
+
+    async def release(self, handle: PrefillHandle, request_id: str) -> None:
+        if not handle.kv_address:
+            return
+        channel = self._kv_channels.get(handle.kv_address)
+        if channel is None:
+            # The address came from our own prefill server's answer, never from a client.
+            channel = grpc.aio.insecure_channel(handle.kv_address, options=channel_options())
+            self._kv_channels[handle.kv_address] = channel
+        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        try:
+            request = prefill_pb2.ReleaseKvRequest(kv_handle=handle.kv_handle, request_id=request_id)
+            await stub.ReleaseKv(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _upstream(exc, "releasing a KV cache") from None
 
 
 class RemoteDecodeStage(DecodeStage):

@@ -14,7 +14,6 @@ timings and shapes are all measured.
 
 from __future__ import annotations
 
-import io
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,15 +110,13 @@ class Track:
 
 def decode_media(source: str | Path | bytes) -> np.ndarray:
     """All frames of an MP4 or PNG, [T, H, W, 3] uint8, in presentation order (PNG: T = 1)."""
+    from video.media_open import open_image, open_video, sniff_container
+
     data = Path(source).read_bytes() if isinstance(source, (str, Path)) else source
-    if data.startswith(b"\x89PNG"):
-        from PIL import Image
-
-        with Image.open(io.BytesIO(data)) as img:
+    if sniff_container(data).is_image:
+        with open_image(data) as img:
             return np.asarray(img.convert("RGB"), dtype=np.uint8)[None]
-    import av
-
-    with av.open(io.BytesIO(data), mode="r") as container:
+    with open_video(data) as container:
         stream = container.streams.video[0]
         decoded = [(int(f.pts or 0), f.to_ndarray(format="rgb24")) for f in container.decode(stream)]
     decoded.sort(key=lambda x: x[0])  # decoders emit display order already; sorting makes it certain

@@ -161,3 +161,46 @@ def make_video(
         for packet in stream.encode():
             out.mux(packet)
     return path
+
+
+def make_resolution_change(
+    path: str | Path, sizes: list[tuple[int, int]], counts: list[int], fps: float = 10.0
+) -> Path:
+    """An MPEG-TS H.264 stream whose resolution changes in-band: `counts[i]` frames of
+    `sizes[i]` (width, height), one encoder per size, muxed as one stream. FFmpeg's probe reports
+    the first size when enough frames come before the change (about 10 or more), so only a check
+    on every decoded frame sees the later ones."""
+    from fractions import Fraction
+
+    import av
+
+    path = Path(path)
+    rate = Fraction(fps).limit_denominator(1001)
+    with av.open(str(path), mode="w", format="mpegts") as out:
+        stream = out.add_stream("libx264", rate=rate, options={"preset": "ultrafast"})
+        stream.width, stream.height = sizes[0]
+        stream.pix_fmt = "yuv420p"
+        offset = 0
+        for part, ((width, height), count) in enumerate(zip(sizes, counts)):
+            if part == 0:
+                enc = stream.codec_context
+            else:  # a fresh encoder: new SPS/PPS with the new size, in the same stream
+                enc = av.CodecContext.create("libx264", "w")
+                enc.width, enc.height, enc.pix_fmt = width, height, "yuv420p"
+                enc.time_base, enc.framerate = 1 / rate, rate
+                enc.options = {"preset": "ultrafast"}
+            for i in range(count + 1):
+                frame = None
+                if i < count:
+                    frame = av.VideoFrame.from_ndarray(frame_pattern(offset + i, width, height), format="rgb24")
+                    frame = frame.reformat(format="yuv420p")
+                    frame.pts = offset + i if part == 0 else i
+                    frame.time_base = 1 / rate
+                for packet in enc.encode(frame):
+                    if part:
+                        packet.stream, packet.time_base = stream, 1 / rate
+                        packet.pts += offset
+                        packet.dts += offset
+                    out.mux(packet)
+            offset += count
+    return path

@@ -27,7 +27,10 @@ def bearer_token(metadata) -> str:
 
 
 def key_matches(token: str, api_key: str) -> bool:
-    return hmac.compare_digest(token.encode(), api_key.encode())
+    """Constant-time comparison of any two strings. Compared as UTF-8 bytes: `compare_digest`
+    refuses non-ASCII str, and aiohttp hands header bytes that are not UTF-8 over as lone
+    surrogates, which "surrogatepass" encodes instead of raising."""
+    return hmac.compare_digest(token.encode("utf-8", "surrogatepass"), api_key.encode("utf-8", "surrogatepass"))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

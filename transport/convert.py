@@ -3,6 +3,7 @@ lives in one place. Zero in a proto field means "server default"."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields, replace
 
 import torch
@@ -16,9 +17,38 @@ from transport.errors import InvalidRequest
 from video.types import MediaError, SamplingOptions
 
 
+def require_finite(**values: float) -> None:
+    """Refuse NaN and infinities: every comparison with NaN is false, so a NaN slips past
+    each range check and fails later, deep in a stage, as an internal error."""
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number, got {value}")
+
+
+def media_sha256_from_proto(text: str) -> str:
+    """The media reference of an upload: empty (none), or a sha256 digest as 64 lower-case hex
+    digits, the form every cache key is built from."""
+    if text and (len(text) != 64 or text.strip(_HEX_DIGITS)):
+        raise InvalidRequest(
+            "media_sha256 must be the sha256 of the media as 64 lower-case hex digits "
+            "(hashlib.sha256(data).hexdigest()), or empty"
+        )
+    return text
+
+
+_HEX_DIGITS = "0123456789abcdef"
+
+MAX_SAMPLING_FPS = 1000.0
+"""Above any video's frame rate (sampling past it only repeats frames), and far below where
+span * fps stops being a finite number of frames."""
+
+
 def sampling_from_proto(msg: common_pb2.VideoSampling, defaults: SamplingOptions) -> SamplingOptions:
+    require_finite(fps=msg.fps, start_time_s=msg.start_time_s, end_time_s=msg.end_time_s)
     if msg.fps < 0 or msg.max_frames < 0 or msg.min_frames < 0 or msg.num_frames < 0 or msg.max_pixels < 0:
         raise MediaError("sampling options must not be negative")
+    if msg.fps > MAX_SAMPLING_FPS:
+        raise MediaError(f"fps must be at most {MAX_SAMPLING_FPS:g}, got {msg.fps:g}")
     opts = replace(
         defaults,
         fps=msg.fps or defaults.fps,
@@ -45,6 +75,7 @@ def sampling_to_proto(opts: SamplingOptions) -> common_pb2.VideoSampling:
 
 
 def generation_from_proto(msg: common_pb2.GenerationParams, defaults: GenerationConfig) -> GenerationConfig:
+    require_finite(temperature=msg.temperature, top_p=msg.top_p)
     if msg.max_new_tokens < 0 or msg.top_k < 0 or msg.temperature < 0 or msg.top_p < 0:
         raise InvalidRequest("generation parameters must not be negative")
     return GenerationConfig(
@@ -185,7 +216,7 @@ def pruning_from_proto(msg: common_pb2.PruningOptions) -> PruningConfig:
     types = {f.name: f.type for f in fields(PruningConfig)}
     for name, text in msg.knobs.items():
         if name not in types:
-            raise InvalidRequest(f"unknown pruning option {name!r}; known options: {sorted(types)}")
+            raise InvalidRequest(f"unknown pruning option {name[:64]!r}; known options: {sorted(types)}")
         knobs[name] = _parse_knob(name, text, str(types[name]))
     try:
         return PruningConfig.from_preset(msg.preset or "off", **knobs)
@@ -202,16 +233,34 @@ def _parse_knob(name: str, text: str, type_name: str) -> object:
         if "None" in type_name and text.lower() in ("", "none"):
             return None
         if type_name.startswith("int"):
-            return int(text)
+            return _knob_int(text)
         if type_name == "float":
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
         if type_name.startswith("tuple[int"):
             # "1,3", "(1, 3)" or "[1, 3]"; "" or "()" is the empty tuple
             parts = text.strip().strip("()[]").replace(" ", "")
-            return tuple(int(x) for x in parts.split(",") if x)
+            return tuple(_knob_int(x) for x in parts.split(",") if x)
         return text
     except ValueError:
-        raise InvalidRequest(f"pruning option {name}={text!r} is not a valid {type_name}") from None
+        raise InvalidRequest(
+            f"pruning option {name}={text[:64]!r} is not a valid {type_name}"
+            + (f" (integers within +-{_MAX_KNOB_INT}, finite numbers)" if type_name != "bool" else "")
+        ) from None
+
+
+_MAX_KNOB_INT = 2**62
+"""Integer knobs (layers, counts, byte budgets) beyond this are refused: no real value is near
+it, and torch index arithmetic overflows int64 past it."""
+
+
+def _knob_int(text: str) -> int:
+    value = int(text)
+    if abs(value) > _MAX_KNOB_INT:
+        raise ValueError
+    return value
 
 
 def pruning_to_proto(cfg: PruningConfig) -> common_pb2.PruningOptions:

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from transport.tensor_wire import MAX_MESSAGE_BYTES
+from transport.tensor_wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,30 @@ class ServerConfig:
     grace_s: float = 5.0
     """On shutdown, in-flight calls get this long to finish."""
 
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be at least {MIN_MESSAGE_BYTES} (one {CHUNK_BYTES}-byte media or "
+                f"tensor chunk plus its header), got {self.max_message_bytes}"
+            )
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
 
+MIN_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
+"""Smallest workable message limit: every stream (uploads, tensors, KV caches) is cut into
+CHUNK_BYTES pieces, and a piece travels with a small header (tensor name, shape, offsets)."""
+
+
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Message limits of every server and channel. Why 4 MiB (MAX_MESSAGE_BYTES) and not more:
+    senders cut everything large into 1 MiB chunks (media uploads in `epd_client` and
+    `stages.remote`, tensors in `tensor_wire`), so no legitimate message is near it, while a
+    peer's single message is parsed whole in memory before any of our checks runs. Whole-upload
+    limits (`--max-upload-bytes`, the gateway's `--max-inflight-body-bytes`) are counted over
+    the chunks by the receiver (`transport.upload.read_upload`), never by gRPC."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 from stages.contracts import MediaInput
+from transport.convert import media_sha256_from_proto
 from transport.errors import InvalidRequest, ResourceExhausted
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -13,14 +15,15 @@ _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 def media_input(header, data: bytes) -> MediaInput:
     """The upload as the encoder sees it: bytes, or a reference by sha256 when no bytes came.
     A zero-byte file is an (empty, refused) upload, not a reference, even with its hash set."""
-    sha = header.media_sha256
+    sha = media_sha256_from_proto(header.media_sha256)
     by_reference = not data and sha and sha != _EMPTY_SHA256
     return MediaInput(None if by_reference else data, sha)
 
 
-async def read_upload(request_iterator, max_bytes: int):
+async def read_upload(request_iterator, max_bytes: int, reserve_bytes: Callable[[int], None] | None = None):
     """Returns (header, bytes). The first message must carry `header`; the rest `media_chunk`.
-    Refuses as soon as the declared or received size passes `max_bytes`."""
+    Refuses as soon as the declared or received size passes `max_bytes`. `reserve_bytes(n)` is
+    called before each chunk is kept and may raise to refuse the upload (a memory budget)."""
     header = None
     parts: list[bytes] = []
     received = 0
@@ -31,15 +34,21 @@ async def read_upload(request_iterator, max_bytes: int):
                 raise InvalidRequest("the first message of the stream must be the header")
             header = msg.header
             if header.media_num_bytes > max_bytes:
-                await _drain(request_iterator)
+                await drain(request_iterator)
                 raise ResourceExhausted(_too_big(header.media_num_bytes, max_bytes))
             continue
         if kind != "media_chunk":
             raise InvalidRequest("only media_chunk messages may follow the header")
         received += len(msg.media_chunk)
         if received > max_bytes:
-            await _drain(request_iterator)
+            await drain(request_iterator)
             raise ResourceExhausted(_too_big(received, max_bytes))
+        if reserve_bytes is not None:
+            try:
+                reserve_bytes(len(msg.media_chunk))
+            except Exception:
+                await drain(request_iterator)
+                raise
         parts.append(msg.media_chunk)
     if header is None:
         raise InvalidRequest("the stream ended before its header")
@@ -51,10 +60,10 @@ async def read_upload(request_iterator, max_bytes: int):
 
 
 MAX_DRAINED_MESSAGES = 256
-"""Messages read and dropped after a refusal, before the call ends (see `_drain`)."""
+"""Messages read and dropped after a refusal, before the call ends (see `drain`)."""
 
 
-async def _drain(request_iterator) -> None:
+async def drain(request_iterator) -> None:
     """Read (and drop) what the client is still sending: a grpc.aio client whose send is in
     flight when the server ends the call sees INTERNAL "Internal error from Core" instead of our
     status. Nothing is kept, and at most MAX_DRAINED_MESSAGES messages are read."""
@@ -68,5 +77,5 @@ async def _drain(request_iterator) -> None:
 def _too_big(num_bytes: int, max_bytes: int) -> str:
     return (
         f"the upload is {num_bytes} bytes but this server accepts at most {max_bytes}; "
-        "send a shorter or more compressed video"
+        "send a shorter or more compressed video (the server's limit is --max-upload-bytes)"
     )

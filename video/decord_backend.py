@@ -8,10 +8,19 @@ decode threads) takes requests over a pipe and writes the frames into shared mem
 parent copies out. A request that takes longer than `timeout_s` kills the child; the next
 request starts a fresh one.
 
+Untrusted bytes: decord probes the container itself (its FFmpeg 4, every demuxer, no whitelist),
+so the parent first vets them with `video.media_open.sniff_container` (only MP4/MOV, Matroska/
+WebM, AVI and MPEG-TS reach the child) and builds the index through `open_video`. What runs
+inside decord cannot be charged frame by frame: the decoded-pixel budget is checked up front
+from the plan (keyframe to last target of each interval, at the index's frame size), and a frame
+size change mid-stream is not seen by the parent; the child's timeout and process boundary are
+what bound it there. The PyAV backend enforces both while decoding.
+
 Frames are chosen by the same rule as every backend: the parent builds the PyAV demux index and
-plan, and asks decord for frames by their position in presentation order. decord's own frame
-table must agree with the index (same count, timestamps within half a frame); where it does not
-(e.g. AVI with B-frames) the request fails with MediaError rather than return other frames.
+plan, and asks decord for frames by their position in presentation order (each distinct frame
+once; a frame picked for several slots is repeated in the parent). decord's own frame table must
+agree with the index (same count, timestamps within half a frame); where it does not (e.g. AVI
+with B-frames) the request fails with MediaError rather than return other frames.
 
 Measured identical to PyAV (tests/unit/video/test_decord_backend.py) for H.264 (MP4, MKV), VP9
 (WebM) and MJPEG (AVI), rotation included (decord applies the display matrix itself). Known
@@ -33,9 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from video.budget import MIN_PIXELS_PER_FRAME
 from video.keyframe_index import KeyframeIndexCache
-from video.simple_decoder import check_size, decode_image, is_image, scaled_size, select_frames
-from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
+from video.media_open import sniff_container
+from video.plan import make_intervals
+from video.simple_decoder import check_size, decode_image, scaled_size, select_frames
+from video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +150,14 @@ class DecordDecoder:
         started = time.perf_counter()
         check_size(len(data), limits)
         opts.validate(limits.max_frames)
-        if is_image(data):
+        if sniff_container(data).is_image:  # nothing but an allowed container reaches decord
             return decode_image(data, opts, limits)
         index = self.index_cache.get_or_build(data, limits, sha256)
         chosen_s, sampled_fps = select_frames(index.frames, opts)
-        positions = np.searchsorted(index.frames.pts_s, chosen_s).tolist()
+        slot_positions = np.searchsorted(index.frames.pts_s, chosen_s)  # [T] non-decreasing
+        distinct = np.unique(slot_positions)  # [U]: decord decodes each once
+        _check_planned_pixels(index, distinct, limits)
+        positions = distinct.tolist()
         w, h = scaled_size(index.width, index.height, opts.max_pixels)
         size = None if (w, h) == (index.width, index.height) else (w, h)
         # decord applies the display rotation itself (pixel-identical to frame_to_rgb's rot90).
@@ -168,7 +183,9 @@ class DecordDecoder:
             if status != "ok":
                 log.info("decord failed: %s", payload)
                 raise MediaError(_DECORD_FAILED)
-            frames = np.ndarray(payload, np.uint8, buffer=shm.buf).copy()
+            unique = np.ndarray(payload, np.uint8, buffer=shm.buf)  # [U, H, W, 3]
+            frames = unique[np.searchsorted(distinct, slot_positions)]  # [T, H, W, 3], a copy
+            del unique
         finally:
             shm.close()
             shm.unlink()
@@ -201,3 +218,16 @@ class DecordDecoder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_planned_pixels(index, positions: np.ndarray, limits: DecodeLimits) -> None:
+    """The decoded-pixel budget, from the plan: decord decodes from each target's keyframe to the
+    target (at least; it is not charged while it runs)."""
+    targets = index.frame_pts[positions]
+    planned = sum(iv.num_decode_frames for iv in make_intervals(index.frame_pts, index.keyframe_pts, targets))
+    if planned * max(index.width * index.height, MIN_PIXELS_PER_FRAME) > limits.max_decoded_pixels:
+        raise MediaLimitError(
+            f"decoding this request would take {planned} frames of {index.width}x{index.height}, over "
+            f"this server's limit of {limits.max_decoded_pixels} decoded pixels (encoder flag "
+            "--max-decoded-pixels); send a shorter clip, a lower resolution, or ask for fewer frames"
+        )

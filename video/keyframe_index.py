@@ -9,13 +9,15 @@ Display rotation is not in the index: PyAV exposes the display matrix only on de
 decoding the first frames (a keyframe plus the decoder's reorder delay) made the index pass up to
 twice as long as demuxing alone. The decoders turn every frame upright from its own `rotation`;
 `probe_rotation` reads it for callers that need it before decoding.
+
+The demux pass is bounded by `DecodeLimits.max_demux_s`, and the cache by bytes as well as
+entries: an index costs 16 bytes per frame, and a file of millions of tiny packets is cheap to send.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import logging
 import threading
 from collections import OrderedDict
@@ -24,8 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from video.simple_decoder import _CORRUPT, FrameIndex, check_size
-from video.types import DecodeLimits, MediaError, MediaLimitError
+from video.budget import DecodeBudget, DemuxDeadline, check_frame_size
+from video.media_open import open_video
+from video.simple_decoder import _CORRUPT, DemuxStopped, FrameIndex, check_duration, check_size, demux_pts
+from video.types import DecodeLimits, MediaError
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +70,22 @@ class VideoIndex:
     def num_keyframes(self) -> int:
         return int(len(self.keyframe_pts))
 
+    @property
+    def num_bytes(self) -> int:
+        """Memory held by the index's arrays (what the cache budgets), plus a fixed overhead."""
+        arrays = (self.frame_pts, self.keyframe_pts, self.frames.pts_s, self.frames.keyframe_pts_s)
+        return sum(a.nbytes for a in arrays) + _INDEX_OVERHEAD_BYTES
+
+
+_INDEX_OVERHEAD_BYTES = 1024
+"""Python objects around the arrays of one VideoIndex (dataclasses, strings, array headers)."""
+
 
 def content_sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class _Stopped(Exception):
-    """The caller no longer needs the index being built."""
+_Stopped = DemuxStopped  # the caller no longer needs the index being built
 
 
 def build_video_index(
@@ -82,22 +95,25 @@ def build_video_index(
     stop: Callable[[], bool] | None = None,
 ) -> VideoIndex:
     """Demux every packet of the first video stream of `data`; raise MediaError if unusable.
-    stop: checked every few hundred packets; when it returns True the pass ends with _Stopped."""
+    stop: checked every few hundred packets; when it returns True the pass ends with _Stopped.
+    The pass ends with MediaLimitError after `limits.max_demux_s`."""
     import av
 
     check_size(len(data), limits)
+    deadline = DemuxDeadline(limits)
+
+    def stop_or_deadline() -> bool:
+        deadline.check()  # raises MediaLimitError
+        return stop is not None and stop()
+
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with open_video(data, limits) as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream; send a video or an image")
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
-            if width * height > limits.max_source_pixels:
-                raise MediaLimitError(
-                    f"the video is {width}x{height}, over this server's limit of "
-                    f"{limits.max_source_pixels} pixels per frame; downscale it before sending"
-                )
-            frame_pts, keyframe_pts = _demux(container, stream, stop)
+            check_frame_size(width, height, limits)
+            frame_pts, keyframe_pts = _demux(container, stream, stop_or_deadline)
             tb = float(stream.time_base)  # type: ignore[arg-type]  # set for every demuxed stream
             codec_name = stream.codec_context.name
             container_format = container.format.name
@@ -118,11 +134,7 @@ def build_video_index(
         # is always a valid place to begin decoding.
         keyframe_pts = np.concatenate([frame_pts[:1], keyframe_pts])
     frames = FrameIndex(pts_s, np.asarray([int(p) * tb for p in keyframe_pts]), rate or 1.0)
-    if frames.duration_s > limits.max_duration_s:
-        raise MediaLimitError(
-            f"the video lasts {frames.duration_s:.0f} s, over this server's limit of "
-            f"{limits.max_duration_s:.0f} s; trim it or send a clip with start/end times"
-        )
+    check_duration(frames.duration_s, limits)
     return VideoIndex(
         content_sha256=sha256 or content_sha256(data),
         frames=frames,
@@ -138,25 +150,16 @@ def build_video_index(
 
 def _demux(container, stream, stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One pass over the packets, decoding none: (every frame's pts, the keyframes' pts), sorted."""
-    pts, key = [], []
-    for num_packets, packet in enumerate(container.demux(stream)):
-        if stop is not None and num_packets % 256 == 0 and stop():
-            raise _Stopped
-        p = packet.pts
-        if p is None or packet.size == 0:
-            continue
-        pts.append(p)
-        if packet.is_keyframe:
-            key.append(p)
-    return np.sort(np.asarray(pts, np.int64)), np.sort(np.asarray(key, np.int64))
+    return demux_pts(container, stream, stop)
 
 
-def probe_rotation(data: bytes) -> int:
+def probe_rotation(data: bytes, limits: DecodeLimits = DecodeLimits()) -> int:
     """Counter-clockwise display rotation (0, 90, 180 or 270) of the first decodable frame of
     `data`'s first video stream (0 when none decodes in its first 64 packets)."""
     import av
 
-    with av.open(io.BytesIO(data), mode="r") as container:
+    budget = DecodeBudget(limits)
+    with open_video(data, limits) as container:
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1  # frame threading would delay the first frame
         for num_packets, packet in enumerate(container.demux(stream)):
@@ -164,6 +167,7 @@ def probe_rotation(data: bytes) -> int:
                 break
             try:
                 for frame in packet.decode():
+                    budget.charge(frame)
                     rotation = int(round(frame.rotation)) % 360 if frame.rotation else 0
                     return rotation if rotation in (90, 180, 270) else 0
             except av.FFmpegError as exc:  # a bad first packet: try the next ones
@@ -172,12 +176,17 @@ def probe_rotation(data: bytes) -> int:
 
 
 class KeyframeIndexCache:
-    """LRU of VideoIndex by content hash; thread-safe. Two racing builds of one file both run."""
+    """LRU of VideoIndex by content hash, bounded in entries and in bytes (`VideoIndex.num_bytes`);
+    thread-safe. An index larger than the whole byte budget is used but not kept. Two racing
+    builds of one file both run."""
 
-    def __init__(self, max_entries: int = 256) -> None:
+    def __init__(self, max_entries: int = 256, max_bytes: int = 64 << 20) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[str, VideoIndex] = OrderedDict()
         self._lock = threading.Lock()
+        self.num_bytes = 0
+        """Sum of num_bytes of the cached indexes."""
         self.num_hits = 0
         self.num_misses = 0
 
@@ -230,22 +239,22 @@ class KeyframeIndexCache:
 
     def _insert(self, index: VideoIndex) -> VideoIndex:
         sha256 = index.content_sha256
+        size = index.num_bytes
         with self._lock:
             self.num_misses += 1
+            if size > self.max_bytes:
+                return index
+            old = self._entries.pop(sha256, None)
+            if old is not None:  # a racing build of the same file got here first
+                self.num_bytes -= old.num_bytes
             self._entries[sha256] = index
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self.num_bytes += size
+            while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.num_bytes -= evicted.num_bytes
         return index
 
 
 def _check_limits(index: VideoIndex, limits: DecodeLimits) -> None:
-    if index.width * index.height > limits.max_source_pixels:
-        raise MediaLimitError(
-            f"the video is {index.width}x{index.height}, over this server's limit of "
-            f"{limits.max_source_pixels} pixels per frame; downscale it before sending"
-        )
-    if index.duration_s > limits.max_duration_s:
-        raise MediaLimitError(
-            f"the video lasts {index.duration_s:.0f} s, over this server's limit of "
-            f"{limits.max_duration_s:.0f} s; trim it or send a clip with start/end times"
-        )
+    check_frame_size(index.width, index.height, limits)
+    check_duration(index.duration_s, limits)

@@ -7,18 +7,23 @@ A request's life:
      limits fail here, before any thread is involved. The result's shape is known now, so
      the returned `FrameGroupStream` carries the metadata (sampled_fps, timestamps) up front.
   2. Each share becomes one task on the pool's queue. A worker thread opens its own container
-     (one codec context is not thread-safe) with `thread_count=1`, and for each interval seeks to
-     its keyframe (or decodes forward when the keyframe is only a few frames ahead), decodes until
-     it holds every target, and writes each target straight into the request's output array
-     [T, H, W, 3]. Non-reference frames that are not targets are skipped (H.264/HEVC, per
-     packet). PyAV releases the GIL in demux, decode and swscale, so threads run in parallel and
-     nothing is pickled or copied between processes. A task that finishes its share while
-     another still has intervals pending takes the last of them (work stealing): the plan
-     balances frame counts, but a keyframe costs several times a skipped-through frame, and on
-     a shared machine one core can run slower than the other for a while.
+     (through `video.media_open`, like every decode path; one codec context is not thread-safe)
+     with `thread_count=1`, and for each interval seeks to its keyframe (or decodes forward when
+     the keyframe is only a few frames ahead), decodes until it holds every target, charging
+     every decoded frame to the request's `DecodeBudget`, and writes each target straight into
+     the request's output array of distinct frames [U, H, W, 3] (U <= T: a frame picked for
+     several slots, when the clip has fewer frames than slots, is stored once). Non-reference
+     frames that are not targets are skipped (H.264/HEVC, per packet). PyAV releases the GIL in
+     demux, decode and swscale, so threads run in parallel and nothing is pickled or copied
+     between processes. A task that finishes its share while another still has intervals
+     pending takes the last of them (work stealing): the plan balances frame counts, but a
+     keyframe costs several times a skipped-through frame, and on a shared machine one core can
+     run slower than the other for a while.
   3. The consumer iterates the stream: it waits for intervals in temporal order and yields a
-     `FrameGroup` (a view of the output array) as soon as the frames of that group are ready, so
-     the encoder can start on the first frames while later intervals are still decoding.
+     `FrameGroup` as soon as the frames of that group are ready, so the encoder can start on the
+     first frames while later intervals are still decoding. A group's frames are a view of the
+     output array, or, where slots repeat a frame, a copy of just that group's slots: the
+     [T, H, W, 3] array of every slot exists only if the caller asks for it (`result()`).
 
 Failure: any error fails the whole request with MediaError (decoder text goes to the log only).
 A worker that makes no progress for `stall_timeout_s`, or a request past `request_timeout_s`, is
@@ -34,7 +39,6 @@ memory with threads.
 from __future__ import annotations
 
 import collections
-import io
 import itertools
 import logging
 import os
@@ -46,9 +50,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from video.budget import DecodeBudget
 from video.keyframe_index import KeyframeIndexCache, VideoIndex
+from video.media_open import open_video, sniff_container
 from video.plan import DecodePlan, make_plan
-from video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, is_image
+from video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, gather_slots
 from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -69,6 +75,9 @@ class ParallelDecodeConfig:
     closer than this are decoded through, and each interval's cost includes one seek."""
     index_cache_entries: int = 256
     """Keyframe indexes kept in memory, by content hash."""
+    index_cache_bytes: int = 64 << 20
+    """Memory the cached keyframe indexes may hold (16 bytes per frame each), in bytes
+    (--index-cache-bytes); least recently used ones are evicted first."""
     skip_nonref_frames: bool = True
     """H.264/HEVC: frames that no other frame references and that are not targets are not decoded
     (FFmpeg's `skip_frame=NONREF`, switched per packet). Lossless: a skipped frame cannot change any
@@ -80,6 +89,8 @@ class ParallelDecodeConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.request_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ValueError("request_timeout_s and stall_timeout_s must be > 0")
+        if self.index_cache_bytes < 0:
+            raise ValueError(f"index_cache_bytes must be >= 0, got {self.index_cache_bytes}")
 
 
 @dataclass
@@ -87,7 +98,8 @@ class FrameGroup:
     """Consecutive sampled frames, ready to encode."""
 
     frames: np.ndarray
-    """[g, H, W, 3] uint8 RGB (a view of the request's output array)."""
+    """[g, H, W, 3] uint8 RGB: a view of the request's output array, or a copy of these g slots
+    where slots repeat a frame."""
     timestamps_s: list[float]
     """Presentation time of each frame, seconds from the first frame of the video."""
     first_index: int
@@ -108,17 +120,20 @@ class _Request:
         plan: DecodePlan,
         opts: SamplingOptions,
         seek_cost_frames: float,
+        limits: DecodeLimits = DecodeLimits(),
     ):
         self.data = data
         self.index = index
         self.plan = plan
         self.opts = opts
         self.seek_cost_frames = seek_cost_frames
-        self.slots_of_pts: dict[int, list[int]] = {}
-        for slot, pts in enumerate(plan.slot_pts.tolist()):
-            self.slots_of_pts.setdefault(pts, []).append(slot)
+        self.limits = limits
+        self.budget = DecodeBudget(limits)
+        distinct = np.unique(plan.slot_pts)  # [U] sorted: the frames to decode
+        self.unique_of_pts = {pts: u for u, pts in enumerate(distinct.tolist())}
+        self.unique_of_slot = np.searchsorted(distinct, plan.slot_pts)  # [T] non-decreasing
         self.interval_of_pts = {pts: iv.position for iv in plan.intervals for pts in iv.target_pts}
-        self.out: np.ndarray | None = None  # [T, H, W, 3], allocated at the first frame
+        self.out: np.ndarray | None = None  # [U, H, W, 3], allocated at the first frame
         self.interval_done = [False] * len(plan.intervals)
         # Intervals not yet started, per share: a task takes from the front of its own and, when
         # that is empty, from the back of the share with the most planned frames left.
@@ -133,12 +148,16 @@ class _Request:
     def put_frame(self, pts: int, rgb: np.ndarray) -> None:
         with self.cond:
             if self.out is None:
-                self.out = np.empty((len(self.plan.slot_pts), *rgb.shape), np.uint8)
+                self.out = np.empty((len(self.unique_of_pts), *rgb.shape), np.uint8)
         if rgb.shape != self.out.shape[1:]:
             # The reference decoder fails the same way (np.stack of unequal frames).
             raise MediaError(_CORRUPT)
-        for slot in self.slots_of_pts[pts]:
-            self.out[slot] = rgb
+        self.out[self.unique_of_pts[pts]] = rgb
+
+    def frames_of_slots(self, first: int, last: int) -> np.ndarray:
+        """[last - first, H, W, 3] frames of slots [first, last), once their intervals are done."""
+        assert self.out is not None
+        return gather_slots(self.out, self.unique_of_slot[first:last])
 
     def take(self, share: int) -> int | None:
         """The next interval position for the task of `share`, or None when none is left."""
@@ -220,12 +239,11 @@ _NONREF_SKIP_CODECS = frozenset({"h264", "hevc"})
 
 def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> None:
     """Decode the intervals of one share in order with one container; write targets to the output."""
-    import av
-
     req = task.request
     index = req.index
     frame_pts = index.frame_pts
-    with av.open(io.BytesIO(req.data), mode="r") as container:
+    budget = req.budget
+    with open_video(req.data, req.limits) as container:
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1  # parallelism is across workers, not inside one
         keep: frozenset[int] | None = None  # packets to decode in full; None: every packet
@@ -243,16 +261,16 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
             first_target = interval.target_pts[0]
             if frames is None:
                 if interval.keyframe_pts <= frame_pts[0]:
-                    frames = _decode_iter(container, stream, keep)
+                    frames = _decode_iter(container, stream, keep, budget)
                 else:
-                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep)
+                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
             else:
                 ahead = int(
                     np.searchsorted(frame_pts, interval.keyframe_pts)
                     - np.searchsorted(frame_pts, last_pts, "right")
                 )
                 if last_pts >= first_target or ahead > req.seek_cost_frames:
-                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep)
+                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
             for frame in frames:
                 if req.cancelled.is_set() or retired.is_set():
                     raise _Cancelled
@@ -269,21 +287,30 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
             req.finish_interval(position)
 
 
-def _decode_iter(container, stream, keep: frozenset[int] | None) -> Iterator:
-    """Decoded frames from the container's current position. With `keep`, a packet whose pts is
-    not in it is decoded with skip_frame=NONREF (FFmpeg decodes each packet as it is sent when
-    frame threading is off, so the setting applies to exactly that packet)."""
+def _decode_iter(container, stream, keep: frozenset[int] | None, budget: DecodeBudget) -> Iterator:
+    """Decoded frames from the container's current position, each charged to `budget` (frames
+    without a pts too). With `keep`, a packet whose pts is not in it is decoded with
+    skip_frame=NONREF (FFmpeg decodes each packet as it is sent when frame threading is off, so
+    the setting applies to exactly that packet)."""
+    import av
+
     ctx = stream.codec_context
     for packet in container.demux(stream):
         if keep is not None:
             ctx.skip_frame = "DEFAULT" if packet.pts is None or packet.pts in keep else "NONREF"
-        for frame in ctx.decode(packet if packet.size else None):
+        try:
+            decoded = ctx.decode(packet if packet.size else None)
+        except av.FFmpegError:
+            budget.check_decoder_size(ctx)  # refused by FFmpeg's max_pixels guard?
+            raise
+        for frame in decoded:
+            budget.charge(frame)
             if frame.pts is not None:
                 yield frame
 
 
 def _seek(container, stream, index: VideoIndex, keyframe_pts: int, first_target: int,
-          keep: frozenset[int] | None) -> Iterator:
+          keep: frozenset[int] | None, budget: DecodeBudget) -> Iterator:
     """Seek to the keyframe; if the demuxer lands after the first target, back off and retry."""
     keys = index.keyframe_pts
     k = int(np.searchsorted(keys, keyframe_pts, "right")) - 1
@@ -291,7 +318,7 @@ def _seek(container, stream, index: VideoIndex, keyframe_pts: int, first_target:
     while True:
         key = int(keys[k]) if k >= 0 else int(index.frame_pts[0])
         container.seek(key, stream=stream, backward=True, any_frame=False)
-        frames = _decode_iter(container, stream, keep)
+        frames = _decode_iter(container, stream, keep, budget)
         first = next(frames, None)
         if first is not None and first.pts <= first_target:
             return itertools.chain([first], frames)
@@ -352,11 +379,14 @@ class FrameGroupStream(Iterator[FrameGroup]):
         if self._image is not None:
             frames = self._image.frames[first:last]
         else:
-            frames = self._wait_for_slots(first, last)
+            self._wait_for_slots(first, last)
+            assert self._request is not None
+            frames = self._request.frames_of_slots(first, last)
         self._next_slot = last
         return FrameGroup(frames, self.timestamps_s[first:last], first)
 
-    def _wait_for_slots(self, first: int, last: int) -> np.ndarray:
+    def _wait_for_slots(self, first: int, last: int) -> None:
+        """Block until every interval holding a frame of slots [first, last) is decoded."""
         req = self._request
         assert req is not None
         positions = {req.interval_of_pts[p] for p in req.plan.slot_pts[first:last].tolist()}
@@ -367,8 +397,7 @@ class FrameGroupStream(Iterator[FrameGroup]):
                 if req.error is not None:
                     raise req.error
                 if all(req.interval_done[p] for p in positions):
-                    assert req.out is not None
-                    return req.out[first:last]
+                    return
                 now = time.monotonic()
                 if now > deadline:
                     self._fail_hung(f"did not finish within {config.request_timeout_s:g} s")
@@ -398,6 +427,7 @@ class FrameGroupStream(Iterator[FrameGroup]):
             self.stats = {
                 "decode_ms": (time.monotonic() - self._started) * 1e3,
                 "num_decoded_frames": float(sum(t.num_decoded_frames for t in self._request.tasks)),
+                "num_decoded_pixels": float(self._request.budget.num_decoded_pixels),
                 "num_intervals": float(len(self._request.plan.intervals)),
                 "num_planned_decode_frames": float(self._request.plan.num_decode_frames),
             }
@@ -410,15 +440,18 @@ class FrameGroupStream(Iterator[FrameGroup]):
             req.cancelled.set()
 
     def result(self) -> DecodedVideo:
-        """Drain the remaining groups into one DecodedVideo (same as simple_decoder.decode)."""
+        """Wait for the remaining frames and return them all as one DecodedVideo (same as
+        simple_decoder.decode): [T, H, W, 3], with a repeated frame copied into each of its slots."""
         if self._image is not None:
             return self._image
-        for _ in self:
-            pass
         req = self._request
-        assert req is not None and req.out is not None
+        assert req is not None
+        if self._next_slot < self.num_frames:
+            self._wait_for_slots(self._next_slot, self.num_frames)
+            self._next_slot = self.num_frames
+        self._finish()
         return DecodedVideo(
-            frames=req.out,
+            frames=req.frames_of_slots(0, self.num_frames),
             timestamps_s=self.timestamps_s,
             sampled_fps=self.sampled_fps,
             duration_s=self.duration_s,
@@ -439,7 +472,7 @@ class ParallelDecoder:
 
     def __init__(self, config: ParallelDecodeConfig | None = None):
         self.config = config or ParallelDecodeConfig()
-        self.index_cache = KeyframeIndexCache(self.config.index_cache_entries)
+        self.index_cache = KeyframeIndexCache(self.config.index_cache_entries, self.config.index_cache_bytes)
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._workers: set[_Worker] = set()
@@ -478,7 +511,7 @@ class ParallelDecoder:
         started = time.monotonic()
         check_size(len(data), limits)
         opts.validate(limits.max_frames)
-        if is_image(data):
+        if sniff_container(data).is_image:  # refuses what is neither an allowed video nor image
             image = decode_image(data, opts, limits)
             return FrameGroupStream(
                 self,
@@ -493,7 +526,7 @@ class ParallelDecoder:
             )
         index = self.index_cache.get_or_build(data, limits, sha256)
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
-        req = _Request(data, index, plan, opts, self.config.seek_cost_frames)
+        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits)
         pts_s = index.frames.pts_s
         first_pts = float(pts_s[0])
         positions = np.searchsorted(index.frame_pts, plan.slot_pts)

@@ -2,32 +2,37 @@
 
 It is correct by construction and is what every faster backend is checked against. It follows the
 frame selection rule in `video.types`. Images (JPEG, PNG, WebP) come back as one frame.
+
+Media is opened only through `video.media_open` (a sniffed, allow-listed container, no nested
+I/O) and every decoded frame is charged to the request's `video.budget.DecodeBudget`. A frame
+picked for several slots (more slots than the clip has frames) is decoded and converted once;
+only the returned [T, H, W, 3] array repeats it.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import threading
 import time
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from video.budget import DecodeBudget, DemuxDeadline, check_frame_size
+from video.media_open import SEND_SUPPORTED, open_image, open_video, sniff_container
 from video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 
 log = logging.getLogger(__name__)
 
-_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 _CORRUPT = (
     "could not decode the media: the file is corrupt, truncated, or not a supported container "
-    "or codec (send MP4, MKV, WebM, MOV or AVI video, or a JPEG, PNG or WebP image)"
+    f"or codec ({SEND_SUPPORTED})"
 )
-
-
-def is_image(data: bytes) -> bool:
-    return data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+_DEMUX_CHECK_PACKETS = 256
+"""The demux pass looks at the clock (and its stop callback) once per this many packets."""
 
 
 @dataclass(frozen=True)
@@ -45,25 +50,47 @@ class FrameIndex:
         return float(self.pts_s[-1] - self.pts_s[0]) + 1.0 / max(self.source_fps, 1e-6)
 
 
-def build_frame_index(container) -> FrameIndex:
-    """Demux every packet of the first video stream and record its presentation time."""
+def demux_pts(container, stream, stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One pass over the packets of `stream`, decoding none: (every frame's pts, the keyframes'
+    pts), int64, sorted. `stop` is called before the first packet and every 256 after it: when it
+    returns True the pass ends with DemuxStopped; it may also raise (a DemuxDeadline)."""
+    pts, key = array("q"), array("q")
+    for num_packets, packet in enumerate(container.demux(stream)):
+        if stop is not None and num_packets % _DEMUX_CHECK_PACKETS == 0 and stop():
+            raise DemuxStopped
+        p = packet.pts
+        if p is None or packet.size == 0:
+            continue
+        pts.append(p)
+        if packet.is_keyframe:
+            key.append(p)
+    return np.sort(np.frombuffer(pts, np.int64)), np.sort(np.frombuffer(key, np.int64))
+
+
+class DemuxStopped(Exception):
+    """The demux pass's `stop` callback asked it to end (the caller no longer needs the index)."""
+
+
+def build_frame_index(container, limits: DecodeLimits = DecodeLimits()) -> FrameIndex:
+    """Demux every packet of the first video stream and record its presentation time, within
+    `limits.max_demux_s`."""
     stream = container.streams.video[0]
     tb = float(stream.time_base)
-    pts, key = [], []
-    for packet in container.demux(stream):
-        if packet.pts is None or packet.size == 0:
-            continue
-        t = packet.pts * tb
-        pts.append(t)
-        if packet.is_keyframe:
-            key.append(t)
-    if not pts:
+    deadline = DemuxDeadline(limits)
+
+    def past_deadline() -> bool:
+        deadline.check()  # raises MediaLimitError
+        return False
+
+    frame_pts, keyframe_pts = demux_pts(container, stream, past_deadline)
+    if len(frame_pts) == 0:
         raise MediaError(_CORRUPT)
-    pts_arr = np.sort(np.asarray(pts, dtype=np.float64))
+    # int * float per element: keyframe_index.build_video_index does the same, so floats compare equal.
+    pts_arr = np.asarray([p * tb for p in frame_pts.tolist()], dtype=np.float64)
     rate = float(stream.average_rate) if stream.average_rate else 0.0
     if rate <= 0 and len(pts_arr) > 1:
         rate = (len(pts_arr) - 1) / max(pts_arr[-1] - pts_arr[0], 1e-6)
-    return FrameIndex(pts_arr, np.sort(np.asarray(key, dtype=np.float64)), rate or 1.0)
+    return FrameIndex(pts_arr, np.asarray([p * tb for p in keyframe_pts.tolist()], dtype=np.float64), rate or 1.0)
 
 
 def select_frames(index: FrameIndex, opts: SamplingOptions) -> tuple[np.ndarray, float]:
@@ -140,15 +167,10 @@ def check_size(num_bytes: int, limits: DecodeLimits) -> None:
 
 
 def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> DecodedVideo:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            if img.width * img.height > limits.max_source_pixels:
-                raise MediaLimitError(
-                    f"the image is {img.width}x{img.height}, over this server's limit of "
-                    f"{limits.max_source_pixels} pixels; send a smaller image"
-                )
+        with open_image(data, limits) as img:  # only its sniffed format, size checked
             w, h = scaled_size(img.width, img.height, opts.max_pixels)
             rgb = img.convert("RGB")
             if (w, h) != rgb.size:
@@ -156,7 +178,7 @@ def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> De
             frame = np.asarray(rgb, dtype=np.uint8)[None]
     except MediaError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except (OSError, ValueError, SyntaxError) as exc:  # UnidentifiedImageError is an OSError
         log.info("image decode failed: %r", exc)  # detail stays in the server log
         raise MediaError(_CORRUPT) from None
     return DecodedVideo(frame, [0.0], sampled_fps=1.0, duration_s=0.0, source_fps=0.0, is_image=True)
@@ -168,23 +190,20 @@ def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimi
 
     check_size(len(data), limits)
     opts.validate(limits.max_frames)
-    if is_image(data):
+    if sniff_container(data).is_image:  # refuses what is neither an allowed video nor image
         return decode_image(data, opts, limits)
     started = time.perf_counter()
+    budget = DecodeBudget(limits)
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with open_video(data, limits) as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream; send a video or an image")
             stream = container.streams.video[0]
-            _check_stream(stream, limits)
-            index = build_frame_index(container)
-            if index.duration_s > limits.max_duration_s:
-                raise MediaLimitError(
-                    f"the video lasts {index.duration_s:.0f} s, over this server's limit of "
-                    f"{limits.max_duration_s:.0f} s; trim it or send a clip with start/end times"
-                )
+            check_frame_size(stream.codec_context.width, stream.codec_context.height, limits)
+            index = build_frame_index(container, limits)
+            check_duration(index.duration_s, limits)
             chosen, sampled_fps = select_frames(index, opts)
-            frames = _decode_chosen(container, chosen, opts)
+            frames = _decode_chosen(container, chosen, opts, budget)
     except MediaError:
         raise
     except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:
@@ -196,36 +215,60 @@ def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimi
         sampled_fps=sampled_fps,
         duration_s=index.duration_s,
         source_fps=index.source_fps,
-        stats={"decode_ms": (time.perf_counter() - started) * 1e3},
+        stats={
+            "decode_ms": (time.perf_counter() - started) * 1e3,
+            "num_decoded_frames": float(budget.num_decoded_frames),
+            "num_decoded_pixels": float(budget.num_decoded_pixels),
+        },
     )
 
 
-def _check_stream(stream, limits: DecodeLimits) -> None:
-    w, h = stream.codec_context.width, stream.codec_context.height
-    if w * h > limits.max_source_pixels:
+def check_duration(duration_s: float, limits: DecodeLimits) -> None:
+    if duration_s > limits.max_duration_s:
         raise MediaLimitError(
-            f"the video is {w}x{h}, over this server's limit of {limits.max_source_pixels} "
-            "pixels per frame; downscale it before sending"
+            f"the video lasts {duration_s:.0f} s, over this server's limit of "
+            f"{limits.max_duration_s:.0f} s; trim it or send a clip with start/end times"
         )
 
 
-def _decode_chosen(container, chosen_pts: np.ndarray, opts: SamplingOptions) -> np.ndarray:
-    """Decode every frame in order and keep those whose pts was chosen (repeats kept in order)."""
-    wanted = {float(t) for t in chosen_pts}
+def gather_slots(unique: np.ndarray, unique_of_slot: np.ndarray) -> np.ndarray:
+    """unique[unique_of_slot] ([S, H, W, 3] from [U, H, W, 3]): a view of `unique` when the slots
+    are consecutive distinct frames, else a copy of just these S slots. `unique_of_slot` is
+    non-decreasing (slots are in time order), so a slot repeats the frame of the one before it
+    exactly when the clip has fewer frames than slots there."""
+    u = unique_of_slot
+    if len(u) == 1 or (len(u) > 1 and bool(np.all(np.diff(u) == 1))):
+        return unique[int(u[0]) : int(u[-1]) + 1]
+    return unique[u]
+
+
+def _decode_chosen(container, chosen_pts: np.ndarray, opts: SamplingOptions, budget: DecodeBudget) -> np.ndarray:
+    """Decode every frame in order, charging each to `budget`, and keep those whose pts was
+    chosen: each distinct one converted once, then repeated per slot. [T, H, W, 3]."""
+    import av
+
+    distinct = np.unique(chosen_pts)  # [U] sorted; chosen_pts holds elements of the index
+    wanted = set(distinct.tolist())
     stream = container.streams.video[0]
     stream.thread_type = "AUTO"
     container.seek(0, stream=stream)
     tb = float(stream.time_base)
     kept: dict[float, np.ndarray] = {}
-    last_needed = float(chosen_pts.max())
-    for frame in container.decode(stream):
-        if frame.pts is None:
-            continue
-        t = frame.pts * tb
-        if t in wanted and t not in kept:
-            kept[t] = frame_to_rgb(frame, opts.max_pixels)
-        if t >= last_needed and len(kept) == len(wanted):
-            break
+    last_needed = float(distinct[-1])
+    try:
+        for frame in container.decode(stream):
+            budget.charge(frame)
+            if frame.pts is None:
+                continue
+            t = frame.pts * tb
+            if t in wanted and t not in kept:
+                kept[t] = frame_to_rgb(frame, opts.max_pixels)
+            if t >= last_needed and len(kept) == len(wanted):
+                break
+    except av.FFmpegError:
+        budget.check_decoder_size(stream.codec_context)  # refused by FFmpeg's max_pixels guard?
+        raise
     if len(kept) != len(wanted):
         raise MediaError(_CORRUPT)
-    return np.stack([kept[float(t)] for t in chosen_pts])
+    unique = np.stack([kept[t] for t in distinct.tolist()])  # [U, H, W, 3]
+    return gather_slots(unique, np.searchsorted(distinct, chosen_pts))

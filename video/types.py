@@ -78,12 +78,40 @@ class SamplingOptions:
 
 @dataclass(frozen=True)
 class DecodeLimits:
-    """Operator-set caps that every decode path enforces before and while decoding."""
+    """Operator-set caps that every decode path enforces before and while decoding.
+
+    The header-level ones (bytes, duration, frame size) are checked before any frame is decoded;
+    the work budgets (`max_source_pixels` again, on every decoded frame; `max_decoded_pixels`;
+    `max_demux_s`) are charged while the decoder runs, since a header says nothing binding about
+    the frames that follow it. Each message that refuses a request names its flag.
+    """
 
     max_bytes: int = 256 * 1024 * 1024
+    """Largest upload, in bytes (--max-upload-bytes)."""
     max_duration_s: float = 3600.0
+    """Longest video, in seconds of presentation time (first to last frame)."""
     max_source_pixels: int = 3840 * 2160
+    """Largest decoded frame, width x height before any downscaling (--max-source-pixels).
+    Checked on the stream header and on every decoded frame (a stream may change resolution
+    mid-file); FFmpeg's own `max_pixels` guard (twice this, to allow for its row alignment)
+    refuses larger frames before allocating them."""
     max_frames: int = 256
+    """Most sampled frames one request may ask for."""
+    max_decoded_pixels: int = 1 << 36
+    """Pixels (width x height, summed over every frame the decoder outputs for one request:
+    targets and the frames decoded on the way to them; a frame counts at least 256x256) after
+    which the request fails (--max-decoded-pixels). 2^36 is about 68.7 G: 33,000 1080p frames,
+    a sequential decode of 18 min of 1080p at 30 fps, or 1 M frames of any small size; a 300 s
+    1080p video sampled to 64 frames takes at most 18.7 G (9,000 frames, decoded sequentially)."""
+    max_demux_s: float = 10.0
+    """Wall time the demux (index) pass may take, in seconds (--max-demux-s). A legitimate
+    one-hour file demuxes in about a second; a file of millions of tiny packets would not."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_duration_s", "max_source_pixels", "max_frames",
+                     "max_decoded_pixels", "max_demux_s"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass

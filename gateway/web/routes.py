@@ -25,7 +25,9 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.admission import max_body_bytes as gateway_max_body_bytes
 from gateway.config import GatewayConfig
+from gateway.http_body import defer_continue, read_json_body
 from gateway.media_fetch import load_media
 from gateway.openai_protocol import error_body, parse_chat_request
 from transport.auth import bearer_token, key_matches
@@ -40,19 +42,29 @@ THUMBNAIL_MAX_SIDE = 192
 _SAMPLE_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".png", ".jpg", ".jpeg"}
 
 
-def add_demo_routes(app: web.Application, config: GatewayConfig, samples_dir: Path = SAMPLES_DIR) -> None:
-    demo = WebDemo(config, samples_dir)
+BODY_ROUTES = frozenset({"/v1/chat/completions", "/demo/frames"})
+"""Routes whose POST body is read with `read_json_body` under the admission limits."""
+
+
+def add_demo_routes(
+    app: web.Application,
+    config: GatewayConfig,
+    max_body_bytes: int | None = None,
+    samples_dir: Path = SAMPLES_DIR,
+) -> None:
+    demo = WebDemo(config, samples_dir, max_body_bytes or gateway_max_body_bytes(config.max_upload_bytes))
     app.router.add_get("/", demo.index)
     app.router.add_static("/static/", STATIC_DIR)
     app.router.add_get("/demo/samples", demo.samples)
     app.router.add_get("/demo/samples/{name}", demo.sample)
-    app.router.add_post("/demo/frames", demo.frames)
+    app.router.add_post("/demo/frames", demo.frames, expect_handler=defer_continue)
 
 
 class WebDemo:
-    def __init__(self, config: GatewayConfig, samples_dir: Path) -> None:
+    def __init__(self, config: GatewayConfig, samples_dir: Path, max_body_bytes: int) -> None:
         self.config = config
         self.samples_dir = samples_dir
+        self.max_body_bytes = max_body_bytes
 
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
@@ -79,11 +91,7 @@ class WebDemo:
                 status=401,
             )
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return web.json_response(error_body("the body is not JSON", "invalid_request_error"), status=400)
-        try:
-            sampling, url = _frames_request(body, self.config)
+            sampling, url = _frames_request(await read_json_body(request, self.max_body_bytes), self.config)
             data = await load_media(url, self.config.http.media, self.config.max_upload_bytes)
             limits = DecodeLimits(max_bytes=self.config.max_upload_bytes)
             return web.json_response(await asyncio.to_thread(sampled_thumbnails, data, sampling, limits))

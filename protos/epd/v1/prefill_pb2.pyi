@@ -73,3 +73,21 @@ class KvChunk(_message.Message):
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     tensor: _common_pb2.TensorChunk
     def __init__(self, tensor: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class ReleaseKvRequest(_message.Message):
+    __slots__ = ("kv_handle", "request_id")
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    request_id: str
+    def __init__(self, kv_handle: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseKvResult(_message.Message):
+    __slots__ = ("released", "num_kv_caches_held", "kv_bytes_held")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_CACHES_HELD_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    num_kv_caches_held: int
+    kv_bytes_held: int
+    def __init__(self, released: _Optional[bool] = ..., num_kv_caches_held: _Optional[int] = ..., kv_bytes_held: _Optional[int] = ...) -> None: ...

@@ -46,6 +46,11 @@ class PrefillServiceStub:
                 request_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
                 response_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.KvChunk.FromString,
                 _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/epd.v1.PrefillService/ReleaseKv',
+                request_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -68,6 +73,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseKv(self, request, context):
+        """Drops the KV cache named by a handle that no decoder will pull: the gateway calls it when a
+        request ends (cancelled by its client, failed, or its decoder could not pull) after Prefill
+        answered and before a decoder took the cache. Idempotent: an unknown, expired or already
+        pulled handle is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +95,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.PullKv,
                     request_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
                     response_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.KvChunk.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +158,33 @@ class PrefillService:
             '/epd.v1.PrefillService/PullKv',
             protos_dot_epd_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
             protos_dot_epd_dot_v1_dot_prefill__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/ReleaseKv',
+            protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+            protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
             options,
             channel_credentials,
             insecure,

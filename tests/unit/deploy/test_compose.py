@@ -38,11 +38,13 @@ ROLE_PORTS = {
     "decode": DECODE_PORT,
 }
 MODEL_ENV = ("EPD_MODEL", "EPD_DEVICE", "EPD_DTYPE", "EPD_NUM_THREADS")
-_VAR = re.compile(r"\$\{(\w+)(?:(:?)-([^}]*))?\}")
+KEY_ENV = {"EPD_API_KEY": "test-key"}  # compose refuses to start without it
+_VAR = re.compile(r"\$\{(\w+)(?:(:?)([-?])([^}]*))?\}")
 
 
 def interpolate(value, env: dict[str, str]):
-    """Compose's `${VAR}`, `${VAR-default}`, `${VAR:-default}` and `$$`, applied to every string."""
+    """Compose's `${VAR}`, `${VAR-default}`, `${VAR:-default}`, `${VAR:?error}` and `$$`, applied
+    to every string; a required variable that is unset raises ValueError with its message."""
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -51,10 +53,12 @@ def interpolate(value, env: dict[str, str]):
         return value
 
     def sub(m: re.Match) -> str:
-        name, colon, default = m.group(1), m.group(2), m.group(3)
+        name, colon, op, text = m.groups()
         if name in env and not (colon and env[name] == ""):
             return env[name]
-        return default or ""
+        if op == "?":
+            raise ValueError(f"required variable {name} is missing a value: {text}")
+        return text or ""
 
     return _VAR.sub(sub, value.replace("$$", "\0")).replace("\0", "$")
 
@@ -73,7 +77,7 @@ def load(*names: str, env: dict[str, str] | None = None) -> dict:
     doc: dict = {}
     for name in names:
         doc = merge(doc, yaml.safe_load((COMPOSE_DIR / name).read_text()))
-    return interpolate(doc, env or {})
+    return interpolate(doc, {**KEY_ENV, **(env or {})})
 
 
 def as_argv(command) -> list[str]:
@@ -159,7 +163,11 @@ def check_addresses(doc: dict) -> list[str]:
             f"prefill advertises {advertised!r}; decoders reach it at prefill:{cfgs['prefill'].server.port}"
         )
     puller = KvPuller(cfgs["decode"].allow_kv_from, 1, 1.0)
-    for address, should_pass in ((advertised, True), ("attacker.example:50052", False)):
+    for address, should_pass in (
+        (advertised, True),
+        ("attacker.example:50052", False),
+        ("prefill:22", False),
+    ):
         try:
             puller.check_allowed(address)
             allowed = True
@@ -244,13 +252,20 @@ def check_model_cache(doc: dict) -> list[str]:
 
 
 def check_env_driven(raw: dict) -> list[str]:
-    """On the file before interpolation: model settings come from `${VAR:-default}`."""
+    """On the file before interpolation: model settings come from `${VAR:-default}`, and the
+    gateway's API key from `${EPD_API_KEY:?message}`, so compose stops when it is unset."""
     problems = []
     for stage in STAGES:
         env = raw["services"].get(stage, {}).get("environment") or {}
         for var in MODEL_ENV:
             if not re.fullmatch(rf"\$\{{{var}:-[^}}]+\}}", str(env.get(var, ""))):
                 problems.append(f"{stage}: {var} must be `${{{var}:-default}}`, is {env.get(var)!r}")
+    gateway = raw["services"].get("gateway", {})
+    key = (gateway.get("environment") or {}).get("EPD_API_KEY")
+    if not re.fullmatch(r"\$\{EPD_API_KEY:\?[^}]+\}", str(key)):
+        problems.append(f"gateway: EPD_API_KEY must be `${{EPD_API_KEY:?message}}`, is {key!r}")
+    if "--no-api-key" in as_argv(gateway.get("command", [])):
+        problems.append("gateway: runs with --no-api-key")
     return problems
 
 
@@ -303,7 +318,7 @@ def check_dockerfile(text: str) -> list[str]:
 
 
 def all_problems(raw: dict) -> list[str]:
-    doc = interpolate(raw, {})
+    doc = interpolate(raw, KEY_ENV)
     return (
         check_commands(doc)
         + check_addresses(doc)
@@ -350,6 +365,9 @@ def test_environment_overrides_reach_the_services():
     assert doc["services"]["prefill"]["environment"]["EPD_MODEL"] == "Qwen/Qwen2-VL-2B-Instruct"
     assert doc["services"]["gateway"]["ports"] == ["6000:50050", "6001:8000"]
     assert load("docker-compose.yml")["services"]["decode"]["environment"]["EPD_MODEL"] == "default"
+    assert load("docker-compose.yml")["services"]["gateway"]["environment"]["EPD_API_KEY"] == "test-key"
+    with pytest.raises(ValueError, match="EPD_API_KEY is missing a value: set EPD_API_KEY"):
+        load("docker-compose.yml", env={"EPD_API_KEY": ""})
 
 
 def test_dockerfile_is_valid_and_compose_builds_it(raw):
@@ -366,7 +384,8 @@ def test_compose_runs_the_same_topology_as_epd_serve(raw):
     args = parse_epd(["serve"])
     loopback = {role: parse_epd(cmd[3:]) for role, cmd in stack_commands(args).items()}
     composed = {
-        name: parse_epd(as_argv(svc["command"])) for name, svc in interpolate(raw, {})["services"].items()
+        name: parse_epd(as_argv(svc["command"]))
+        for name, svc in interpolate(raw, KEY_ENV)["services"].items()
     }
     assert {r: a.port for r, a in loopback.items()} == {r: a.port for r, a in composed.items()}
 
@@ -419,7 +438,8 @@ MUTATIONS = [
         _set("services.decode.command.7", "prefill-old:*"),
         "refuses prefill:50052",
     ),
-    ("allow-list admits all", _set("services.decode.command.7", "*"), "admits attacker.example"),
+    ("allow-list admits any port", _set("services.decode.command.7", "prefill:*"), "admits prefill:22"),
+    ("allow-list any host", _set("services.decode.command.7", "*:50052"), "no any-host wildcard"),
     ("no healthcheck", _set("services.decode.healthcheck", _DELETE), "decode: no healthcheck"),
     (
         "healthcheck wrong port",
@@ -432,7 +452,6 @@ MUTATIONS = [
         _set("services.gateway.depends_on.prefill.condition", "service_started"),
         "depend on prefill with condition service_healthy",
     ),
-    ("no depends_on", _set("services.gateway.depends_on", _DELETE), "depend on encoder"),
     ("cache not mounted", _set("services.prefill.volumes", []), "prefill: nothing is mounted"),
     (
         "two caches",
@@ -445,6 +464,16 @@ MUTATIONS = [
         "EPD_CACHE_DIR is not set",
     ),
     ("hard-coded model", _set("services.encoder.environment.EPD_MODEL", "default"), "EPD_MODEL must be"),
+    (
+        "optional key",
+        _set("services.gateway.environment.EPD_API_KEY", "${EPD_API_KEY:-}"),
+        "EPD_API_KEY must be",
+    ),
+    (
+        "key opt-out",
+        lambda d: d["services"]["gateway"]["command"].append("--no-api-key"),
+        "with --no-api-key",
+    ),
 ]
 
 

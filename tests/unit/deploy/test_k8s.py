@@ -270,8 +270,27 @@ def check_model_cache(objs: list[dict]) -> list[str]:
     return problems
 
 
+def check_api_key(objs: list[dict]) -> list[str]:
+    """The gateway takes EPD_API_KEY (epd's default of --api-key) from a required Secret key, so
+    it cannot run open; no key or opt-out in its args (args are visible in the pod spec)."""
+    deps, problems = deployments_by_role(objs)
+    if "gateway" not in deps:
+        return problems
+    c = container(deps["gateway"])
+    env = {e["name"]: e for e in c.get("env", [])}
+    ref = (env.get("EPD_API_KEY", {}).get("valueFrom") or {}).get("secretKeyRef") or {}
+    if not ref.get("name") or not ref.get("key") or ref.get("optional"):
+        problems.append(
+            f"gateway: EPD_API_KEY must come from a required secretKeyRef, is {env.get('EPD_API_KEY')}"
+        )
+    if {"--api-key", "--no-api-key"} & set(c.get("args", [])):
+        problems.append("gateway: --api-key/--no-api-key in args; the key comes from the Secret")
+    return problems
+
+
 def check_decode_egress(objs: list[dict]) -> list[str]:
-    """Decode admits any host on the prefill port, so a NetworkPolicy must keep that port to prefill pods."""
+    """Decode admits any private address on the prefill port, so a NetworkPolicy must keep that
+    port to prefill pods."""
     port = ROLE_PORTS["prefill"]
     decode_labels = {"app.kubernetes.io/name": "epd", COMPONENT: "decode"}
     policies = [
@@ -309,6 +328,7 @@ def all_problems(objs: list[dict]) -> list[str]:
         + check_services(objs)
         + check_addresses(objs)
         + check_model_cache(objs)
+        + check_api_key(objs)
         + check_decode_egress(objs)
     )
 
@@ -404,11 +424,6 @@ MUTATIONS = [
         "readinessProbe must be a grpc probe",
     ),
     (
-        "liveness is tcp",
-        _mutate_container("gateway", lambda c: c.update(livenessProbe={"tcpSocket": {"port": 50050}})),
-        "livenessProbe must be a grpc probe",
-    ),
-    (
         "probe wrong port",
         _mutate_container("decode", lambda c: c["readinessProbe"]["grpc"].update(port=50052)),
         "decode: readinessProbe must be a grpc probe on port 50053",
@@ -475,11 +490,24 @@ MUTATIONS = [
         "refuses 10.244.3.17:50052",
     ),
     (
-        "allow-list admits all",
+        "allow-list admits any port",
         _mutate_container(
-            "decode", lambda c: c["args"].__setitem__(c["args"].index("--allow-kv-from") + 1, "*")
+            "decode", lambda c: c["args"].__setitem__(c["args"].index("--allow-kv-from") + 1, "10.0.0.0/8:*")
         ),
         "admits 10.244.3.17:22",
+    ),
+    ("no api key", _mutate_container("gateway", lambda c: c.pop("env")), "EPD_API_KEY must come from"),
+    (
+        "optional api key",
+        _mutate_container(
+            "gateway", lambda c: c["env"][0]["valueFrom"]["secretKeyRef"].update(optional=True)
+        ),
+        "EPD_API_KEY must come from",
+    ),
+    (
+        "opt-out",
+        _mutate_container("gateway", lambda c: c["args"].append("--no-api-key")),
+        "key comes from the Secret",
     ),
     (
         "cache not mounted",

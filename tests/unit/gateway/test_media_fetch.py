@@ -1,5 +1,5 @@
 """The media URL/path policy of the HTTP API: what it accepts, what it refuses, and that fetches
-obey the timeout, the size cap and the same-host redirect rule (against a real loopback server,
+obey the whole-fetch deadline, the size cap and the same-origin redirect rule (against a real loopback server,
 with `allow_private_addresses` on only for that)."""
 
 from __future__ import annotations
@@ -117,13 +117,29 @@ def test_local_path_errors(media_dir):
     [
         "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "0.0.0.0",
         "224.0.0.1", "::1", "fe80::1", "fc00::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "::",
+        # IPv6 forms that embed a private IPv4 address: judged by that address
+        "64:ff9b::7f00:1", "64:ff9b::a00:5",  # NAT64 well-known prefix -> 127.0.0.1, 10.0.0.5
+        "2002:7f00:1::1", "2002:c0a8:101::1",  # 6to4 -> 127.0.0.1, 192.168.1.1
+        "::127.0.0.1", "::10.0.0.5",  # IPv4-compatible
+        "2001:0:4136:e378:8000:63bf:80ff:fffe",  # Teredo, client ~0x80fffffe = 127.0.0.1
+        "2001:0:a00:5:8000:63bf:f7f7:f7f7",  # Teredo via a private server 10.0.0.5, client 8.8.8.8
+        # never public whatever they embed
+        "64:ff9b:1::808:808",  # local-use NAT64 (RFC 8215)
+        "fec0::1", "fec0:1::8.8.8.8",  # site-local
     ],
 )  # fmt: skip
 def test_non_public_addresses(address):
     assert not is_public_address(ipaddress.ip_address(address))
 
 
-@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8",
+        "64:ff9b::808:808", "2002:808:808::1", "::8.8.8.8",  # NAT64, 6to4, compatible -> 8.8.8.8
+        "2001:0:4136:e378:8000:63bf:f7f7:f7f7",  # Teredo: server 65.54.227.120, client 8.8.8.8
+    ],
+)  # fmt: skip
 def test_public_addresses(address):
     assert is_public_address(ipaddress.ip_address(address))
 
@@ -212,12 +228,38 @@ async def _slow(request):
     return web.Response(body=b"late")
 
 
+# Each hop takes ~0.4 s, well under a 1 s timeout; the fetch as a whole takes ~1.2 s.
+_HOP_S = 0.4
+
+
+async def _slow_redirect_1(request):
+    await asyncio.sleep(_HOP_S)
+    raise web.HTTPFound("/slow-redirect-2")
+
+
+async def _slow_redirect_2(request):
+    await asyncio.sleep(_HOP_S)
+    raise web.HTTPFound("/trickle")
+
+
+async def _trickle(request):
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    for _ in range(8):
+        await resp.write(b"t")
+        await asyncio.sleep(_HOP_S / 8)
+    return resp
+
+
 ROUTES = {
     "/video": _video,
     "/big": _big_streamed,
     "/same": _redirect_same_host,
     "/other": _redirect_other_host,
     "/slow": _slow,
+    "/slow-redirect-1": _slow_redirect_1,
+    "/slow-redirect-2": _slow_redirect_2,
+    "/trickle": _trickle,
 }
 
 
@@ -227,8 +269,29 @@ def test_fetch_and_same_host_redirect():
 
 
 def test_redirect_to_another_host_is_refused():
-    with pytest.raises(MediaRefused, match="redirected to another host"):
+    with pytest.raises(MediaRefused, match="another scheme, host or port"):
         _run_fetch(ROUTES, "/other")
+
+
+def test_redirect_to_another_port_on_the_same_host_is_refused():
+    """Private addresses are allowed here, so only the same-port rule stands between the fetch
+    and the other local service (which really listens, and would answer)."""
+
+    async def other_service(request):
+        return web.Response(body=b"another local service")
+
+    async def fetch(other_port):
+        async def redirect(request):
+            raise web.HTTPFound(f"http://127.0.0.1:{other_port}/secret")
+
+        config = MediaFetchConfig(allowed_domains=("127.0.0.1",), allow_private_addresses=True)
+        return await _with_server(
+            {"/redirect": redirect},
+            lambda port: load_media(f"http://127.0.0.1:{port}/redirect", config, 1000),
+        )
+
+    with pytest.raises(MediaRefused, match="another scheme, host or port"):
+        asyncio.run(_with_server({"/secret": other_service}, fetch))
 
 
 def test_fetch_size_cap():
@@ -243,6 +306,13 @@ def test_fetch_timeout_and_not_found():
         _run_fetch(ROUTES, "/slow", fetch_timeout_s=0.3)
     with pytest.raises(NotFound, match="404"):
         _run_fetch(ROUTES, "/absent")
+
+
+def test_one_deadline_covers_every_hop_and_the_body():
+    """Two slow redirects then a trickled body: no hop alone reaches 1 s, all together do."""
+    assert _run_fetch(ROUTES, "/trickle", fetch_timeout_s=30) == b"t" * 8
+    with pytest.raises(DeadlineExceeded, match="longer than 1 s"):
+        _run_fetch(ROUTES, "/slow-redirect-1", fetch_timeout_s=1.0)
 
 
 def test_fetch_of_private_address_is_refused_by_default():

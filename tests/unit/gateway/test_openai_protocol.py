@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 
@@ -69,8 +71,8 @@ def test_image_part_and_string_url():
         ({"media": {"frames": 3}}, "unknown media options"),
         ({"media": {"num_frames": True}}, "'num_frames' must be an integer"),
         ({"max_tokens": "9"}, "'max_tokens' must be an integer"),
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
-        ({"top_p": 0}, "0 < top_p <= 1"),
+        ({"max_tokens": 0}, "'max_tokens' must be an integer from 1 to 2147483647, got 0"),
+        ({"top_p": 0}, "'top_p' must be a finite number > 0 and <= 1, got 0"),
         ({"stop": [1]}, "list of strings"),
         ({"n": 2}, "only n=1"),
     ],
@@ -103,3 +105,85 @@ def test_http_status_of():
     assert http_status_of(grpc.StatusCode.RESOURCE_EXHAUSTED)[0] == 413
     assert http_status_of(grpc.StatusCode.UNAVAILABLE)[0] == 503
     assert http_status_of(grpc.StatusCode.INTERNAL)[0] == 500
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"media": {"fps": NAN}}, "'fps' must be a finite number > 0 and <= 1000, got nan"),
+        ({"media": {"fps": INF}}, "'fps' must be a finite number > 0 and <= 1000, got inf"),
+        ({"media": {"fps": 0}}, "'fps' must be a finite number > 0"),
+        ({"media": {"fps": 1e308}}, "'fps' must be a finite number > 0 and <= 1000, got 1e+308"),
+        ({"media": {"start_time_s": NAN}}, "'start_time_s' must be a finite number >= 0"),
+        ({"media": {"start_time_s": -INF}}, "'start_time_s' must be a finite number >= 0"),
+        ({"media": {"end_time_s": INF}}, "'end_time_s' must be a finite number > 0"),
+        ({"media": {"fps": 10**400}}, "'fps' must be a finite number > 0 and <= 1000, got a huge integer"),
+        ({"media": {"num_frames": 2**40}}, "'num_frames' must be an integer from 1 to 2147483647"),
+        ({"media": {"num_frames": 8.0}}, "'num_frames' must be an integer"),
+        ({"media": {"max_pixels": 2**63}}, "'max_pixels' must be an integer from 1 to"),
+        ({"temperature": NAN}, "'temperature' must be a finite number >= 0, got nan"),
+        ({"temperature": -0.5}, "'temperature' must be a finite number >= 0"),
+        ({"top_p": NAN}, "'top_p' must be a finite number > 0 and <= 1"),
+        ({"max_tokens": 2**40}, "'max_tokens' must be an integer from 1 to 2147483647"),
+        ({"max_completion_tokens": 2**31}, "'max_completion_tokens' must be an integer"),
+        ({"top_k": 2**40}, "'top_k' must be an integer from 0 to 2147483647"),
+        ({"seed": 2**63}, "'seed' must be an integer from -9223372036854775808 to 9223372036854775807"),
+        ({"seed": 10**100}, "got a huge integer"),
+        ({"stream": "yes"}, "'stream' must be true or false"),
+        ({"stream_options": {"include_usage": 1}}, "'stream_options.include_usage' must be true or false"),
+        ({"ignore_eos": 0}, "'ignore_eos' must be true or false"),
+        ({"n": True}, "only n=1"),
+        ({"model": ["epd"]}, "'model' must be a string"),
+        ({"stop": "\ud800"}, "'stop' is not valid Unicode text"),
+        ({"pruning": {"preset": 3}}, "pruning.preset must be a string"),
+        ({"pruning": {"knobs": {"kv_keep_ratio": NAN}}}, "pruning option kv_keep_ratio='nan' is not a valid float"),
+        ({"pruning": {"knobs": {"prefill_drop_layer": 2**70}}}, "is not a valid int"),
+        ({"pruning": {"knobs": {"kv_keep_ratio": [0.5]}}}, "pruning.knobs.kv_keep_ratio must be a number"),
+    ],
+)
+def test_out_of_range_and_non_finite_fields_name_the_field(change, match):
+    with pytest.raises(InvalidRequest, match=re.escape(match)):
+        parse(body(**change))
+
+
+def test_text_that_cannot_be_utf8_is_refused():
+    b = body()
+    b["messages"][0]["content"][0]["text"] = "what \ud800 happens?"
+    with pytest.raises(InvalidRequest, match="'messages\\[0\\].content text' is not valid Unicode"):
+        parse(b)
+    b = body()
+    b["messages"][0]["content"][1]["video_url"]["url"] = "/videos/\udcff.mp4"
+    with pytest.raises(InvalidRequest, match="'video_url.url' is not valid Unicode"):
+        parse(b)
+
+
+def test_values_at_the_ends_of_their_ranges_are_accepted():
+    req = parse(
+        body(max_tokens=2**31 - 1, top_k=2**31 - 1, seed=-(2**63), temperature=0, top_p=1,
+             media={"num_frames": 2**31 - 1, "max_pixels": 2**63 - 1, "start_time_s": 0, "end_time_s": 1e9})
+    )  # fmt: skip
+    assert (req.generation.max_new_tokens, req.generation.seed, req.sampling.max_pixels) == (
+        2**31 - 1,
+        -(2**63),
+        2**63 - 1,
+    )
+    assert parse(body(seed=2**40)).generation.seed == 2**40
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "top_k", "seed"])
+def test_integers_past_floats_range_are_refused_not_raised(name):
+    with pytest.raises(InvalidRequest, match=f"'{name}' must be an integer from .* got a huge integer"):
+        parse(body(**{name: 10**400}))
+
+
+def test_deeply_nested_values_are_named_not_echoed():
+    nested: list = []
+    for _ in range(900):
+        nested = [nested]
+    with pytest.raises(InvalidRequest, match="'seed' must be an integer .* got an array"):
+        parse(body(seed=nested))
+    with pytest.raises(InvalidRequest, match=r"got roles \[None\]"):
+        parse(body(messages=[{"role": nested}]))

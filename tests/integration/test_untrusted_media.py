@@ -1,0 +1,211 @@
+"""Uploads that would make FFmpeg open something by name are refused on every door.
+
+Before the container allow-list, an `ffconcat` playlist naming a file relative to the server's
+working directory made FFmpeg decode that local file as if it had been uploaded (a text file
+came back rendered by the `tty` demuxer), and HLS playlists could open local files or fetch
+URLs. Here every such payload goes through the OpenAI HTTP API, the gRPC API, the demo's
+/demo/frames endpoint and `epd ask`; each must be refused as an unsupported container, no
+response may contain the secret, and the local HTTP server named by a playlist must see no
+request. A one-frame 1080p file asked for 256 frames, and a stream whose resolution grows
+mid-file, are refused or served within a stated memory bound, and the stack keeps serving.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import shutil
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from epd_client import EpdClient, EpdError
+from tests.media import make_resolution_change, make_video
+from tests.stack import ROOT, Stack, child_env, epd_command, free_port
+
+SECRET = "EPD-SECRET-" + uuid.uuid4().hex
+QUESTION = "what happens?"
+# Peak RSS growth allowed in the encoder for one hostile request (the model is loaded before it).
+MAX_ENCODER_RSS_GROWTH_BYTES = 400 * 1024 * 1024
+
+
+class _RecordingHandler(http.server.BaseHTTPRequestHandler):
+    seen: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.seen.append(self.path)
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def local_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RecordingHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def planted(media_files):
+    """A secret text file and a local video, named relative to the servers' working directory
+    (the repository root): FFmpeg's playlist "safe mode" refuses only absolute paths and "..",
+    so these are exactly what an attacker would name."""
+    rel = Path(f"untrusted_media_{uuid.uuid4().hex[:8]}")
+    root = ROOT / rel
+    root.mkdir()
+    (root / "secret.txt").write_text((SECRET + "\n") * 40)
+    shutil.copy(media_files["mp4"], root / "local.mp4")
+    yield rel
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def payloads(planted, local_server) -> dict[str, bytes]:
+    port = local_server.server_address[1]
+    secret, video = f"{planted}/secret.txt", f"{planted}/local.mp4"
+    hls = "#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\n{}\n#EXT-X-ENDLIST\n"
+    return {
+        "ffconcat_text": f"ffconcat version 1.0\nfile {secret}\n".encode(),
+        "ffconcat_video": f"ffconcat version 1.0\nfile {video}\nfile {video}\n".encode(),
+        "hls_local": hls.format(video).encode(),
+        "hls_http": hls.format(f"http://127.0.0.1:{port}/segment.ts").encode(),
+        "tty_text": (SECRET + "\n").encode() * 40,
+        "image2_pattern": f"{planted}/img-%03d.png".encode(),
+        "subfile": f"subfile,,start,0,end,0,,:{secret}".encode(),
+        "concat_protocol": f"concat:{video}|{video}".encode(),
+    }
+
+
+PAYLOADS = ["ffconcat_text", "ffconcat_video", "hls_local", "hls_http", "tty_text", "image2_pattern",
+            "subfile", "concat_protocol"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models, tmp_path_factory):
+    http_port = free_port()
+    extra = {"gateway": ["--http-port", str(http_port)]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_untrusted"), extra=extra) as s:
+        s.http_port = http_port
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with EpdClient(stack.gateway, timeout_s=120) as c:
+        yield c
+
+
+def _post(stack, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{stack.http_port}{path}", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def _data_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+def _assert_refused_safely(text: str, local_server) -> None:
+    assert "unsupported container" in text.lower(), text
+    assert SECRET not in text
+    assert "untrusted_media_" not in text  # no path echoed back
+    assert local_server.RequestHandlerClass.seen == []
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_refused_over_grpc(client, payloads, local_server, kind):
+    with pytest.raises(EpdError) as info:
+        client.ask(payloads[kind], QUESTION, num_frames=2, max_new_tokens=4)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    _assert_refused_safely(info.value.message, local_server)
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_refused_over_openai_http(stack, payloads, local_server, kind):
+    status, body = _post(stack, "/v1/chat/completions", {
+        "model": "epd", "max_tokens": 4, "media": {"num_frames": 2},
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": QUESTION},
+            {"type": "video_url", "video_url": {"url": _data_url(payloads[kind])}},
+        ]}],
+    })  # fmt: skip
+    assert status == 400, body
+    _assert_refused_safely(json.loads(body)["error"]["message"], local_server)
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_refused_by_demo_frames(stack, payloads, local_server, kind):
+    status, body = _post(stack, "/demo/frames", {"video_url": _data_url(payloads[kind]), "media": {"num_frames": 2}})
+    assert status == 400, body
+    _assert_refused_safely(json.loads(body)["error"]["message"], local_server)
+
+
+@pytest.mark.parametrize("kind", ["ffconcat_text", "ffconcat_video", "hls_http"])
+def test_refused_by_epd_ask(payloads, local_server, tmp_path, kind):
+    import subprocess
+
+    path = tmp_path / "upload.mp4"  # the name a user would give it; only the bytes count
+    path.write_bytes(payloads[kind])
+    proc = subprocess.run(epd_command("ask", str(path), QUESTION, "--max-new-tokens", "4"),
+                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180)
+    assert proc.returncode != 0
+    _assert_refused_safely(proc.stdout + proc.stderr, local_server)
+
+
+def test_one_frame_1080p_asked_for_256_frames(stack, client, tmp_path):
+    """7-8 KB of H.264 that decodes to one 1920x1080 frame: before, 256 copies of it were
+    materialised (~1.6 GB). Refused or served, the encoder's peak RSS stays bounded."""
+    path = make_video(tmp_path / "one.mp4", size=(1920, 1080), fps=1.0, seconds=1.0, gop=1)
+    before = _peak_rss_bytes(stack.procs["encoder"].pid)
+    try:
+        result = client.ask(path, QUESTION, num_frames=256, max_new_tokens=2)
+        assert result.num_frames == 256
+    except EpdError as err:
+        assert err.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+        assert "--max" in err.message  # names the flag that tunes the limit
+    growth = _peak_rss_bytes(stack.procs["encoder"].pid) - before
+    assert growth < MAX_ENCODER_RSS_GROWTH_BYTES, f"encoder peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+def test_resolution_growing_mid_stream(stack, client, tmp_path):
+    """An MPEG-TS whose header (and first 20 frames) say 64x48 and whose last frames are
+    4096x4096, over the default 3840x2160 per-frame limit: a header check alone lets it in."""
+    path = make_resolution_change(tmp_path / "grow.ts", [(64, 48), (4096, 4096)], [20, 4])
+    before = _peak_rss_bytes(stack.procs["encoder"].pid)
+    with pytest.raises(EpdError) as info:
+        client.ask(path, QUESTION, num_frames=6, max_new_tokens=2)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "pixels" in info.value.message
+    growth = _peak_rss_bytes(stack.procs["encoder"].pid) - before
+    assert growth < MAX_ENCODER_RSS_GROWTH_BYTES, f"encoder peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+def test_still_serving_after_hostile_inputs(client, media_files):
+    result = client.ask(media_files["mp4"], QUESTION, num_frames=4, max_new_tokens=4)
+    assert result.num_frames == 4
+    assert len(result.token_ids) > 0
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")

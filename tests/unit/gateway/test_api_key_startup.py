@@ -1,0 +1,103 @@
+"""The gateway refuses to start open beyond loopback: a non-loopback gRPC or HTTP interface needs
+--api-key (or $EPD_API_KEY) or the explicit --no-api-key. Real `epd serve gateway` processes;
+the only one that binds anything binds 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.config import GatewayConfig, HttpApiConfig
+from gateway.server import open_without_key
+from transport.server import ServerConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _epd(*args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "EPD_API_KEY"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "epd_cli.main", "serve", "gateway", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _config(host: str, http_port: int = 0, http_host: str = "", **key) -> GatewayConfig:
+    return GatewayConfig(
+        server=ServerConfig(host=host, port=50050), http=HttpApiConfig(port=http_port, host=http_host, **key)
+    )
+
+
+@pytest.mark.parametrize(
+    "config, refused",
+    [
+        (_config("0.0.0.0"), "gRPC on 0.0.0.0 (--host)"),
+        (_config(""), "gRPC on * (--host)"),
+        (_config("10.0.0.5"), "gRPC on 10.0.0.5"),
+        (_config("::"), "gRPC on ::"),
+        (_config("127.0.0.1", http_port=8000, http_host="0.0.0.0"), "HTTP on 0.0.0.0"),
+        (_config("0.0.0.0", http_port=8000), "gRPC on 0.0.0.0 (--host) and HTTP on 0.0.0.0"),
+        (_config("0.0.0.0", api_key="k", no_api_key=True), "pass one of them"),
+        # loopback, a key, or the explicit opt-out: starts
+        (_config("127.0.0.1", http_port=8000), None),
+        (_config("localhost", http_port=8000, http_host="::1"), None),
+        (_config("[::1]"), None),
+        (_config("0.0.0.0", http_port=8000, api_key="k"), None),
+        (_config("0.0.0.0", http_port=8000, no_api_key=True), None),
+        (_config("127.0.0.1", http_port=0, http_host="0.0.0.0"), None),  # HTTP off
+    ],
+)
+def test_open_without_key(config, refused):
+    problem = open_without_key(config)
+    if refused is None:
+        assert problem is None
+    else:
+        assert refused in problem and "--api-key" in problem and "--no-api-key" in problem
+
+
+def test_a_gateway_on_every_interface_without_a_key_exits_before_binding():
+    port = _free_port()
+    proc = _epd("--host", "0.0.0.0", "--port", str(port))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert err.strip().splitlines() == [
+        "epd serve gateway: refusing to serve gRPC on 0.0.0.0 (--host) without an API key: set --api-key "
+        "KEY (or $EPD_API_KEY), bind 127.0.0.1, or pass --no-api-key on a closed, trusted network"
+    ]
+    with socket.socket() as s:  # nothing was bound: the port is still free
+        s.bind(("0.0.0.0", port))
+
+
+def test_a_loopback_gateway_starts_without_a_key():
+    """`epd serve` (no role) runs its gateway like this, so it keeps working with no key."""
+    port = _free_port()
+    proc = _epd("--host", "127.0.0.1", "--port", str(port))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None, proc.communicate()[1]
+                try:  # NOT_SERVING until its stages answer (none run here): answering is enough
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "the gateway never answered health"
+                    time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

@@ -1,0 +1,253 @@
+"""The HTTP API's body limits and admission on an in-process server (real sockets, raw HTTP so
+that the test controls what is sent when): 413 before an oversized body is read, "100 Continue"
+only after the checks, 429 + Retry-After past a client's slots or the process's body budget,
+400/401 for bodies and headers that used to end in a 500. None of these reaches the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.admission import max_body_bytes
+from gateway.config import GatewayConfig, HttpApiConfig
+from gateway.http_api import HttpApi
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+from tests.raw_http import Connection, request
+
+UPLOAD_LIMIT_BYTES = 30_000
+MAX_BODY_BYTES = max_body_bytes(UPLOAD_LIMIT_BYTES)  # 40,004 + 1 MiB of JSON allowance
+PLANNED_BYTES = 50 * MAX_BODY_BYTES
+"""What an oversized client means to send: far more than the server may read."""
+API_KEY = "k1"
+
+
+async def _serve(fn, max_requests_per_client: int = 8, max_inflight_body_bytes: int = 0, api_key: str = ""):
+    config = GatewayConfig(
+        max_upload_bytes=UPLOAD_LIMIT_BYTES,
+        max_requests_per_client=max_requests_per_client,
+        max_inflight_body_bytes=max_inflight_body_bytes,
+        http=HttpApiConfig(port=0, api_key=api_key),
+    )
+    api = HttpApi(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
+    runner = web.AppRunner(api.app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        return await fn(runner.addresses[0][1], api.admission)
+    finally:
+        await runner.cleanup()
+
+
+def _post_head(length: int | None, expect: bool = False) -> dict[str, str | bytes]:
+    head: dict[str, str | bytes] = {"Content-Type": "application/json"}
+    head.update({"Content-Length": str(length)} if length is not None else {"Transfer-Encoding": "chunked"})
+    return {**head, "Expect": "100-continue"} if expect else head
+
+
+def _assert_json_error(response, status: int, match: str) -> None:
+    assert response.status == status, response.body
+    error = response.json()["error"]
+    assert match in error["message"], error["message"]
+    assert "Traceback" not in response.body.decode() and ".py" not in error["message"]
+
+
+def test_content_length_over_the_limit_is_413_before_the_body_is_read():
+    async def run(port, admission):
+        conn = await Connection.open(port)
+        await conn.send_head("POST", "/v1/chat/completions", _post_head(PLANNED_BYTES))
+        await conn.send(b'{"messages": "' + b"x" * 1000)  # a first piece, then nothing more
+        response = await conn.read_response()
+        await conn.close()
+        return response
+
+    response = asyncio.run(_serve(run))
+    _assert_json_error(response, 413, f"at most {MAX_BODY_BYTES}")
+    assert "--max-upload-bytes" in response.json()["error"]["message"]
+    assert response.json()["error"]["type"] == "request_too_large"
+    assert response.headers["connection"] == "close"
+
+
+def test_chunked_body_is_refused_once_it_passes_the_limit():
+    async def run(port, admission):
+        conn = await Connection.open(port)
+        await conn.send_head("POST", "/v1/chat/completions", _post_head(None))
+        num_sent = 0
+        piece = b"x" * 65536
+        while num_sent <= MAX_BODY_BYTES:  # just past the limit, then stop sending
+            await conn.send_chunk(piece)
+            num_sent += len(piece)
+        response = await conn.read_response()  # arrives with the rest of the body never sent
+        await conn.close()
+        return response, num_sent, admission.num_reserved_bytes
+
+    response, num_sent, reserved_after = asyncio.run(_serve(run))
+    _assert_json_error(response, 413, f"accepts at most {MAX_BODY_BYTES}")
+    assert num_sent < PLANNED_BYTES / 10
+    assert reserved_after == 0
+
+
+def test_continue_comes_only_after_the_checks():
+    async def run(port, admission):
+        too_big = await Connection.open(port)
+        await too_big.send_head("POST", "/v1/chat/completions", _post_head(PLANNED_BYTES, expect=True))
+        refused = await too_big.read_response()  # the final status instead of 100: nothing sent
+        await too_big.close()
+
+        ok = await Connection.open(port)
+        body = b'{"messages": []}'
+        await ok.send_head("POST", "/v1/chat/completions", _post_head(len(body), expect=True))
+        interim = await ok.read_response()
+        await ok.send(body)
+        final = await ok.read_response()
+        await ok.close()
+        return refused, interim, final
+
+    refused, interim, final = asyncio.run(_serve(run))
+    _assert_json_error(refused, 413, "--max-upload-bytes")
+    assert interim.status == 100
+    _assert_json_error(final, 400, "'messages' must be a non-empty list")
+
+
+def test_the_body_budget_refuses_with_429_and_comes_back():
+    budget = MAX_BODY_BYTES + 1000  # room for one large body at a time
+
+    async def run(port, admission):
+        held = await Connection.open(port)  # announces a large body; the server holds its bytes
+        await held.send_head("POST", "/v1/chat/completions", _post_head(MAX_BODY_BYTES - 10, expect=True))
+        assert (await held.read_response()).status == 100
+
+        declared = await request(port, "POST", "/v1/chat/completions", b"x" * 2000)  # 2000 more: too many
+        chunked = await Connection.open(port)
+        await chunked.send_head("POST", "/v1/chat/completions", _post_head(None))
+        await chunked.send_chunk(b"x" * 5000)
+        chunked_response = await chunked.read_response()
+        await chunked.close()
+
+        await held.send(b"x" * (MAX_BODY_BYTES - 10))  # finishing it ends the request (bad JSON)
+        held_response = await held.read_response()
+        await held.close()
+        after = await request(port, "POST", "/v1/chat/completions", b"x" * 2000)
+        return declared, chunked_response, held_response, after, admission.num_reserved_bytes
+
+    declared, chunked, held, after, reserved_after = asyncio.run(_serve(run, max_inflight_body_bytes=budget))
+    for response in (declared, chunked):
+        _assert_json_error(response, 429, "--max-inflight-body-bytes")
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "rate_limit_error"
+    _assert_json_error(held, 400, "not valid JSON")
+    _assert_json_error(after, 400, "not valid JSON")  # the budget came back
+    assert reserved_after == 0
+
+
+def test_a_client_past_its_requests_in_flight_gets_429():
+    async def run(port, admission):
+        held = []
+        for _ in range(2):
+            conn = await Connection.open(port)
+            await conn.send_head("POST", "/v1/chat/completions", _post_head(2, expect=True))
+            assert (await conn.read_response()).status == 100  # admitted, body not sent yet
+            held.append(conn)
+        third = await request(port, "POST", "/demo/frames", b"{}")  # the demo's body route counts too
+        models = await request(port, "GET", "/v1/models")  # bodiless routes are not limited
+        for conn in held:
+            await conn.send(b"[]")
+            _assert_json_error(await conn.read_response(), 400, "must be a JSON object")
+            await conn.close()
+        again = await request(port, "POST", "/v1/chat/completions", b"[]")
+        return third, models, again, admission.num_requests
+
+    third, models, again, num_requests_after = asyncio.run(_serve(run, max_requests_per_client=2))
+    _assert_json_error(third, 429, "--max-requests-per-client")
+    assert third.headers["retry-after"] == "1"
+    assert models.status == 200
+    _assert_json_error(again, 400, "must be a JSON object")
+    assert num_requests_after == 0
+
+
+def test_many_concurrent_large_bodies_get_429s_or_answers_and_the_server_stays_up():
+    budget = 2 * MAX_BODY_BYTES
+
+    async def run(port, admission):
+        body = json.dumps({"messages": "x" * (MAX_BODY_BYTES - 100)}).encode()
+
+        async def post(session):
+            async with session.post("/v1/chat/completions", data=body) as resp:
+                return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+            results = await asyncio.gather(*(post(session) for _ in range(8)))
+            async with session.get("/health") as resp:
+                health = resp.status
+        return results, health, admission.num_reserved_bytes, admission.num_requests
+
+    results, health, reserved_after, requests_after = asyncio.run(_serve(run, max_inflight_body_bytes=budget))
+    for status, retry_after, body in results:
+        assert status in (400, 429), body
+        if status == 429:
+            assert retry_after == "1" and "--max-inflight-body-bytes" in body["error"]["message"]
+        else:
+            assert "'messages' must be a non-empty list" in body["error"]["message"]
+    assert health == 200
+    assert (reserved_after, requests_after) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "body,headers,status,match",
+    [
+        (b'{"model": "epd", "messages": "\xff\xfe"}', {}, 400, "not UTF-8"),
+        (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}, 400, "nests arrays/objects too deeply"),
+        (b'{"messages": [], "seed": ' + b"9" * 5000 + b"}", {}, 400, "not valid JSON"),
+        (b'{"media": {"fps": NaN}, "messages": [{"role": "user", "content": [{"type": "video_url", '
+         b'"video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]}', {}, 400, "'fps' must be a finite number"),
+        (b"[]", {"Authorization": "Bearer cl\xc3\xa9"}, 401, "missing or wrong API key"),
+        (b"[]", {"Authorization": b"Bearer \xff\xfe"}, 401, "missing or wrong API key"),
+        (b"[]", {"Authorization": f"Bearer {API_KEY}"}, 400, "must be a JSON object"),
+    ],
+)  # fmt: skip
+def test_malformed_bodies_and_headers_get_4xx_json(body, headers, status, match):
+    async def run(port, admission):
+        return await request(port, "POST", "/v1/chat/completions", body, headers)
+
+    _assert_json_error(asyncio.run(_serve(run, api_key=API_KEY if headers else "")), status, match)
+
+
+def test_data_url_that_is_not_ascii_or_base64_is_400():
+    async def run(port, admission):
+        out = []
+        for url in ("data:video/mp4;base64,AAAA\u00e9", "data:video/mp4;base64,A$AA", "data:video/mp4,AAAA"):
+            content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": url}}]
+            body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
+            out.append(await request(port, "POST", "/v1/chat/completions", body))
+        too_big = "data:video/mp4;base64," + "A" * (UPLOAD_LIMIT_BYTES * 4 // 3 + 8)
+        content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": too_big}}]
+        body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
+        out.append(await request(port, "POST", "/v1/chat/completions", body))
+        return out
+
+    not_ascii, not_base64, not_base64_url, too_big = asyncio.run(_serve(run))
+    _assert_json_error(not_ascii, 400, "must be ASCII")
+    _assert_json_error(not_base64, 400, "not valid base64")
+    _assert_json_error(not_base64_url, 400, "data: URLs must be base64")
+    _assert_json_error(too_big, 413, f"at most {UPLOAD_LIMIT_BYTES} bytes")
+
+
+def test_a_compressed_body_is_limited_by_its_inflated_size():
+    inflated = b'{"messages": "' + b"x" * (2 * MAX_BODY_BYTES) + b'"}'
+    compressed = gzip.compress(inflated)
+    assert len(compressed) < MAX_BODY_BYTES // 10
+
+    async def run(port, admission):
+        response = await request(
+            port, "POST", "/v1/chat/completions", compressed, {"Content-Encoding": "gzip"}
+        )
+        return response, admission.num_reserved_bytes
+
+    response, reserved_after = asyncio.run(_serve(run))
+    _assert_json_error(response, 413, f"accepts at most {MAX_BODY_BYTES}")
+    assert reserved_after == 0

@@ -1,0 +1,339 @@
+"""The async plumbing of the stages, in one process with the real tiny model (no servers):
+
+- the encoder's per-request driver runs off the model thread, so a request whose frames are
+  not coming (blocked deterministically with a threading.Event inside its frame stream) does
+  not stop another request's encode from finishing, and both get the tokens they get alone;
+- cancelling an encode sets its flag: no tower call follows and the frame stream is closed;
+- the request pool bounds running + waiting drivers and says which flags raise the bounds;
+- `with_events` cancels its call however the consumer leaves;
+- the embedded pipeline leaves its KV store empty however a request ends.
+
+Waits below carry a generous timeout only so that a broken build fails instead of hanging;
+nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from collections.abc import Generator
+from contextlib import aclosing
+
+import pytest
+import torch
+
+from encoder_svc.config import EncoderConfig
+from encoder_svc.engine import EncoderEngine
+from encoder_svc.token_cache import TokenCacheConfig
+from gateway.embedded import build_embedded_pipeline
+from gateway.pipeline import AskRequest, AskSummary
+from model_runtime.config import ModelConfig
+from model_runtime.loader import load_adapter
+from model_runtime.sampling import GenerationConfig
+from prefill_svc.kv_store import KvStore
+from stages.contracts import MediaInput, StageEvent
+from stages.events import Finished, with_events
+from stages.local import LocalEncodeStage
+from stages.model_thread import ModelThread
+from stages.request_pool import RequestPool
+from transport.errors import InvalidRequest, ResourceExhausted
+from video.types import DecodedVideo, SamplingOptions
+
+HANG_GUARD_S = 120.0
+SAMPLING = SamplingOptions(num_frames=6)  # 3 frame groups of 2
+
+
+class Gate:
+    """Stands in the frame stream of one request: hands out the first group, then blocks
+    (as a slow demux or decode would) until the test opens it."""
+
+    def __init__(self) -> None:
+        self.blocked = threading.Event()  # the first group is out, the second is being waited for
+        self.open = threading.Event()
+        self.closed = threading.Event()  # the driver closed the stream
+        self.num_groups_out = 0
+
+    def wrap(self, groups: Generator[DecodedVideo, None, None]) -> Generator[DecodedVideo, None, None]:
+        try:
+            for video in groups:
+                if self.num_groups_out == 1:
+                    self.blocked.set()
+                    if not self.open.wait(HANG_GUARD_S):
+                        raise RuntimeError("the gate was never opened")
+                self.num_groups_out += 1
+                yield video
+        finally:
+            groups.close()  # the real stream: cancels its pending decode work
+            self.closed.set()
+
+
+class GatedEngine(EncoderEngine):
+    """The real engine; the frames of media listed in `gates` pass through a Gate."""
+
+    gates: dict[str, Gate]
+
+    def open_frames(self, data, sha256, sampling):
+        meta, groups = super().open_frames(data, sha256, sampling)
+        gate = self.gates.get(sha256)
+        return meta, (gate.wrap(groups) if gate else groups)
+
+
+def _engine(adapter, cls=EncoderEngine, **config) -> EncoderEngine:
+    engine = cls(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0), **config), adapter)
+    engine.gates = {}
+    return engine
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_models):
+    return load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "encoder")
+
+
+@pytest.fixture(scope="module")
+def videos(media_files) -> dict[str, bytes]:
+    return {name: media_files[name].read_bytes() for name in ("mp4", "mp4_b")}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def _wait(event: threading.Event) -> None:
+    assert await asyncio.to_thread(event.wait, HANG_GUARD_S), "the test would hang here"
+
+
+def test_model_thread_call_runs_there_and_refuses_to_wait_on_itself():
+    thread = ModelThread()
+    try:
+        name = thread.call(lambda: threading.current_thread().name)
+        assert name.startswith("model")
+        with pytest.raises(RuntimeError, match="would wait forever"):
+            thread.call(thread.call, lambda: None)
+    finally:
+        thread.close()
+
+
+def test_a_blocked_decode_does_not_stop_another_requests_encode(adapter, videos):
+    """A waits for its second frame group (blocked) while B is encoded from start to end; B and A
+    then give the same tokens as each encoded alone."""
+    engine = _engine(adapter, GatedEngine)
+    gate = engine.gates[_sha(videos["mp4"])] = Gate()
+    stage = LocalEncodeStage(engine, ModelThread())
+
+    async def scenario():
+        task_a = asyncio.ensure_future(stage.encode(MediaInput(videos["mp4"]), SAMPLING, lambda e: None, "a"))
+        await _wait(gate.blocked)
+        events_b: list[StageEvent] = []
+        out_b = await asyncio.wait_for(
+            stage.encode(MediaInput(videos["mp4_b"]), SAMPLING, events_b.append, "b"), HANG_GUARD_S
+        )
+        assert not task_a.done(), "A cannot have finished: its frames are held back"
+        gate.open.set()
+        return await task_a, out_b, events_b
+
+    out_a, out_b, events_b = asyncio.run(scenario())
+    assert gate.num_groups_out == 3 and gate.closed.is_set()
+    assert [e.details["frames_done"] for e in events_b if e.state == "progress" and e.stage == "encode"] == [
+        "2",
+        "4",
+        "6",
+    ]
+    alone = _engine(adapter)
+    for data, out in ((videos["mp4"], out_a), (videos["mp4_b"], out_b)):
+        ref = alone.encode(MediaInput(data), SAMPLING, lambda e: None)
+        assert out.meta == ref.meta
+        torch.testing.assert_close(out.embeds, ref.embeds, rtol=0, atol=0)
+    stage.model_thread.close()
+
+
+def test_cancel_sets_the_flag_stops_tower_calls_and_closes_the_stream(adapter, videos, monkeypatch):
+    engine = _engine(adapter, GatedEngine, max_concurrent_decodes=1, max_queued_decodes=1)
+    gate = engine.gates[_sha(videos["mp4"])] = Gate()
+    tower_calls: list[str] = []
+    encode = adapter.encode
+    monkeypatch.setattr(adapter, "encode", lambda inputs: tower_calls.append("x") or encode(inputs))
+    stage = LocalEncodeStage(engine, ModelThread())
+
+    async def scenario():
+        task_a = asyncio.ensure_future(stage.encode(MediaInput(videos["mp4"]), SAMPLING, lambda e: None, "a"))
+        await _wait(gate.blocked)
+        assert len(tower_calls) == 1
+        task_a.cancel()  # what gRPC does when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task_a
+        # B waits for the only driver slot, which A frees only once its driver has stopped.
+        b = asyncio.ensure_future(stage.encode(MediaInput(videos["mp4_b"]), SAMPLING, lambda e: None, "b"))
+        gate.open.set()  # A's next group arrives: the driver sees the flag there
+        await _wait(gate.closed)
+        return await asyncio.wait_for(b, HANG_GUARD_S)
+
+    out_b = asyncio.run(scenario())
+    assert gate.num_groups_out == 2, "the driver took one more group, then stopped"
+    assert len(tower_calls) == 1 + 3, "no tower call for A after the cancel (B made 3)"
+    assert stage.drivers.num_cancelled == 1 and stage.drivers.num_admitted == 0
+    assert out_b.num_frames == 6
+    stage.model_thread.close()
+
+
+def test_request_pool_bounds_running_and_waiting_and_names_the_flags():
+    pool = RequestPool(1, 1, lambda running, waiting: f"{running} running, {waiting} waiting: raise --max-x")
+    release = threading.Event()
+    ran: list[str] = []
+
+    def driver(name: str):
+        def drive(cancel: threading.Event) -> str:
+            ran.append(name)
+            assert release.wait(HANG_GUARD_S)
+            return name
+
+        return drive
+
+    async def scenario():
+        first = asyncio.ensure_future(pool.run(driver("first")))
+        waiting = asyncio.ensure_future(pool.run(driver("waiting")))
+        await asyncio.sleep(0)  # both admitted
+        with pytest.raises(ResourceExhausted, match="1 running, 1 waiting: raise --max-x"):
+            await pool.run(driver("refused"))
+        waiting.cancel()  # its client went away while it waited: it never runs
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        release.set()
+        assert await first == "first"
+        assert await pool.run(driver("after")) == "after"
+
+    asyncio.run(scenario())
+    assert ran == ["first", "after"]
+    assert pool.num_admitted == 0 and pool.num_cancelled == 1
+    pool.close()
+
+
+async def _reporting_call(cancelled: asyncio.Event, emit) -> str:
+    emit("first")
+    try:
+        await asyncio.Event().wait()  # works until it is cancelled
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    return "never"
+
+
+@pytest.mark.parametrize("how", ["stream_closed", "consumer_cancelled", "consumer_task_ended"])
+def test_with_events_cancels_its_call_however_the_consumer_leaves(how):
+    async def scenario():
+        cancelled, got_first = asyncio.Event(), asyncio.Event()
+        stream = with_events(lambda emit: _reporting_call(cancelled, emit))
+        kept: list[object] = [stream]  # an unclosed stream stays referenced: no GC rescue
+
+        async def consume():
+            async for item in stream:
+                assert item == "first"
+                got_first.set()
+                if how == "consumer_task_ended":
+                    return  # leaves without closing the stream
+                if how == "stream_closed":
+                    break
+                # consumer_cancelled: read on; the next read waits inside the stream
+            await stream.aclose()
+
+        consumer = asyncio.ensure_future(consume())
+        await got_first.wait()  # the consumer runs on until its next wait before we resume
+        if how == "consumer_cancelled":
+            consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await asyncio.wait_for(cancelled.wait(), HANG_GUARD_S)
+        return kept
+
+    asyncio.run(scenario())
+
+
+def test_with_events_yields_the_result_and_raises_the_calls_error():
+    async def ok(emit):
+        emit(1)
+        emit(2)
+        return "done"
+
+    async def failing(emit):
+        emit(1)
+        raise InvalidRequest("bad")
+
+    async def collect(call):
+        return [item async for item in with_events(call)]
+
+    items = asyncio.run(collect(ok))
+    assert items[:2] == [1, 2] and isinstance(items[2], Finished) and items[2].value == "done"
+    with pytest.raises(InvalidRequest, match="bad"):
+        asyncio.run(collect(failing))
+
+
+def test_kv_store_release_is_idempotent():
+    from model_runtime.kv_cache import KvCache
+
+    k = torch.zeros(1, 2, 3, 4)
+    store = KvStore(max_bytes=10_000, ttl_s=10)
+    handle = store.put(KvCache([k, k.clone()], [k.clone(), k.clone()]))
+    assert store.release(handle) is True
+    assert (len(store), store.num_bytes, store.num_released) == (0, 0, 1)
+    assert store.release(handle) is False and store.release("unknown") is False
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny_models):
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"])))
+    yield pipeline
+    pipeline.encoder.model_thread.close()
+
+
+def _ask(videos, **generation) -> AskRequest:
+    return AskRequest(
+        question="what colour is the square?",
+        media=MediaInput(videos["mp4"]),
+        sampling=SamplingOptions(num_frames=4),
+        generation=GenerationConfig(**generation),
+    )
+
+
+@pytest.mark.parametrize(
+    "leave_at", [("prefill", "started"), ("prefill", "finished"), ("kv_transfer", "finished")]
+)
+def test_embedded_pipeline_leaves_no_kv_cache_however_the_request_ends(embedded, videos, leave_at):
+    store: KvStore = embedded.prefill.kv_store
+
+    async def scenario():
+        async with aclosing(embedded.ask(_ask(videos, max_new_tokens=8))) as events:
+            async for item in events:
+                if isinstance(item, StageEvent) and (item.stage, item.state) == leave_at:
+                    break  # the client goes away here
+        # Closing the stream waited for the pipeline task to stop and clean up.
+        assert (len(store), store.num_bytes) == (0, 0)
+        items = [item async for item in embedded.ask(_ask(videos, max_new_tokens=4))]
+        assert isinstance(items[-1], AskSummary) and len(items[-1].token_ids) == 4
+        assert (len(store), store.num_bytes) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos):
+    """A real remote decode stage refuses the in-process handle (it has no kv_address) before
+    pulling: the pipeline must release the cache prefill stored."""
+    from gateway.pipeline import Pipeline
+    from stages.remote import RemoteDecodeStage, ReplicaPool
+
+    store: KvStore = embedded.prefill.kv_store
+
+    released_before = store.num_released
+
+    async def scenario():
+        pipeline = Pipeline(
+            embedded.encoder, embedded.prefill, RemoteDecodeStage(ReplicaPool(["127.0.0.1:1"]), 5.0)
+        )
+        stages_seen = []
+        with pytest.raises(InvalidRequest, match="kv_address"):
+            async for item in pipeline.ask(_ask(videos, max_new_tokens=4)):
+                if isinstance(item, StageEvent):
+                    stages_seen.append((item.stage, item.state))
+        assert ("prefill", "finished") in stages_seen
+        assert (len(store), store.num_bytes, store.num_released) == (0, 0, released_before + 1)
+        await pipeline.decoder.pool.close()
+
+    asyncio.run(scenario())

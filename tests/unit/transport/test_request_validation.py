@@ -1,0 +1,132 @@
+"""Proto -> domain checks of what a client sends over gRPC (NaN and infinite floats, malformed
+media hashes, unparsable pruning knobs), bearer-token comparison of any string, the upload's
+byte-reservation hook, and the message limit's floor. Each used to end as INTERNAL or a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from model_runtime.sampling import GenerationConfig
+from protos.epd.v1 import common_pb2, gateway_pb2
+from transport.auth import bearer_token, key_matches
+from transport.convert import (
+    generation_from_proto,
+    media_sha256_from_proto,
+    pruning_from_proto,
+    sampling_from_proto,
+)
+from transport.errors import InvalidRequest, ResourceExhausted
+from transport.server import MIN_MESSAGE_BYTES, ServerConfig
+from transport.tensor_wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from transport.upload import media_input, read_upload
+from video.types import SamplingOptions
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"fps": NAN}, "fps must be a finite number, got nan"),
+        ({"fps": INF}, "fps must be a finite number, got inf"),
+        ({"start_time_s": NAN}, "start_time_s must be a finite number"),
+        ({"end_time_s": -INF}, "end_time_s must be a finite number"),
+        ({"fps": 1e308}, "fps must be at most 1000"),
+    ],
+)
+def test_sampling_floats_must_be_finite(fields, match):
+    with pytest.raises(ValueError, match=match):  # InvalidRequest or MediaError: INVALID_ARGUMENT both
+        sampling_from_proto(common_pb2.VideoSampling(**fields), SamplingOptions())
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [({"temperature": NAN}, "temperature must be a finite"), ({"top_p": INF}, "top_p must be a finite")],
+)
+def test_generation_floats_must_be_finite(fields, match):
+    with pytest.raises(InvalidRequest, match=match):
+        generation_from_proto(common_pb2.GenerationParams(**fields), GenerationConfig())
+
+
+def test_generation_config_refuses_a_nan_temperature():
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got nan"):
+        GenerationConfig(temperature=NAN).validate(100)
+    GenerationConfig(temperature=0.5).validate(100)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["xyz", "AB" * 32, "ab" * 31, "ab" * 33, "g" * 64, "../" * 21 + "a", "ab" * 31 + "a\u00e9"],
+)
+def test_malformed_media_sha256_is_invalid_argument(text):
+    with pytest.raises(InvalidRequest, match="64 lower-case hex digits"):
+        media_sha256_from_proto(text)
+    with pytest.raises(InvalidRequest, match="media_sha256"):
+        media_input(gateway_pb2.AskHeader(media_sha256=text), b"")
+
+
+def test_well_formed_media_sha256_is_kept():
+    sha = hashlib.sha256(b"video").hexdigest()
+    assert media_sha256_from_proto(sha) == sha and media_sha256_from_proto("") == ""
+    assert media_input(gateway_pb2.AskHeader(media_sha256=sha), b"").sha256 == sha
+
+
+@pytest.mark.parametrize(
+    "knobs,match",
+    [
+        ({"kv_keep_ratio": "nan"}, "kv_keep_ratio='nan' is not a valid float"),
+        ({"temporal_threshold": "inf"}, "temporal_threshold='inf' is not a valid float"),
+        ({"prefill_drop_layer": str(2**70)}, "is not a valid int"),
+        ({"prefill_drop_layers": f"1,{2**70}"}, "is not a valid tuple"),
+        ({"prefill_drop_layer": "9" * 5000}, "is not a valid int"),
+    ],
+)
+def test_pruning_knobs_must_be_finite_and_in_range(knobs, match):
+    with pytest.raises(InvalidRequest, match=match):
+        pruning_from_proto(common_pb2.PruningOptions(knobs=knobs))
+
+
+def test_bearer_tokens_of_any_text_compare_without_raising():
+    assert key_matches("s3cret", "s3cret")
+    for token in ("cl\u00e9", "\udcff\udcfe", "\u4e2d\u6587"):  # non-ASCII, undecodable header bytes
+        assert not key_matches(token, "s3cret")
+    assert key_matches("cl\u00e9", "cl\u00e9")
+    assert bearer_token([("authorization", "Bearer \udcff")]) == "\udcff"
+
+
+async def _stream(*messages):
+    for msg in messages:
+        yield msg
+
+
+def test_read_upload_reserves_each_chunk_and_stops_when_refused():
+    header = gateway_pb2.AskRequest(header=gateway_pb2.AskHeader(media_num_bytes=30))
+    chunks = [gateway_pb2.AskRequest(media_chunk=b"x" * 10) for _ in range(3)]
+    reserved: list[int] = []
+    _, data = asyncio.run(read_upload(_stream(header, *chunks), 100, reserved.append))
+    assert (data, reserved) == (b"x" * 30, [10, 10, 10])
+
+    def refuse_after_15(num_bytes: int) -> None:
+        if sum(reserved) + num_bytes > 15:
+            raise ResourceExhausted("budget spent")
+        reserved.append(num_bytes)
+
+    reserved.clear()
+    with pytest.raises(ResourceExhausted, match="budget spent"):
+        asyncio.run(read_upload(_stream(header, *chunks), 100, refuse_after_15))
+    assert reserved == [10]
+
+
+def test_upload_over_the_limit_names_the_flag():
+    header = gateway_pb2.AskRequest(header=gateway_pb2.AskHeader(media_num_bytes=101))
+    with pytest.raises(ResourceExhausted, match="at most 100.*--max-upload-bytes"):
+        asyncio.run(read_upload(_stream(header), 100))
+
+
+def test_message_limit_holds_a_chunk_and_its_header():
+    assert MAX_MESSAGE_BYTES >= MIN_MESSAGE_BYTES > CHUNK_BYTES
+    with pytest.raises(ValueError, match="max_message_bytes must be at least"):
+        ServerConfig(max_message_bytes=CHUNK_BYTES)

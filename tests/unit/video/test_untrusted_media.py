@@ -1,0 +1,415 @@
+"""Untrusted media: only allow-listed containers reach FFmpeg, nothing opens a file or URL by name,
+and the work one request makes the decoder do is bounded while it decodes (issue #21)."""
+
+from __future__ import annotations
+
+import ast
+import http.server
+import io
+import threading
+import tracemalloc
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.media import make_resolution_change, make_video
+from video import simple_decoder
+from video.decord_backend import DecordDecoder
+from video.keyframe_index import KeyframeIndexCache, build_video_index, probe_rotation
+from video.media_open import _open_av, open_video, sniff_container
+from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+from video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
+
+ROOT = Path(__file__).resolve().parents[3]
+SECRET = "EPD-UNIT-SECRET-7f3a"
+SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)
+HLS = "#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\n{}\n#EXT-X-ENDLIST\n"
+
+
+class _RecordingHandler(http.server.BaseHTTPRequestHandler):
+    seen: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.seen.append(self.path)
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def local_server():
+    _RecordingHandler.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RecordingHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture()
+def planted(tmp_path, monkeypatch, video_factory):
+    """A secret text file and a video in the working directory, named relatively, as an attacker
+    would name files beside the server (FFmpeg's playlist safe mode allows relative names)."""
+    (tmp_path / "secret.txt").write_text((SECRET + "\n") * 40)
+    (tmp_path / "local.mp4").write_bytes(video_factory(".mp4", codec="h264", **SMALL))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _payloads(port: int) -> dict[str, bytes]:
+    return {
+        "ffconcat_text": b"ffconcat version 1.0\nfile secret.txt\n",
+        "ffconcat_video": b"ffconcat version 1.0\nfile local.mp4\nfile local.mp4\n",
+        "hls_local": HLS.format("local.mp4").encode(),
+        "hls_http": HLS.format(f"http://127.0.0.1:{port}/segment.ts").encode(),
+        "tty_text": (SECRET + "\n").encode() * 40,
+        "image2_pattern": b"img-%03d.png",
+        "subfile": b"subfile,,start,0,end,0,,:secret.txt",
+        "concat_protocol": b"concat:local.mp4|local.mp4",
+        "data_uri": b"data:video/mp4;base64,AAAA",
+    }
+
+
+def _entry_points(decoder: ParallelDecoder) -> dict:
+    opts = SamplingOptions(num_frames=2)
+    return {
+        "simple": lambda data: simple_decoder.decode(data, opts),
+        "parallel_iter_groups": lambda data: list(decoder.iter_groups(data, opts, group_size=2)),
+        "build_video_index": lambda data: build_video_index(data),
+        "index_cache": lambda data: KeyframeIndexCache().get_or_build(data, DecodeLimits()),
+        "probe_rotation": lambda data: probe_rotation(data),
+        "open_video": lambda data: open_video(data).close(),
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["ffconcat_text", "ffconcat_video", "hls_local", "hls_http", "tty_text", "image2_pattern",
+             "subfile", "concat_protocol", "data_uri"],
+)  # fmt: skip
+def test_names_in_the_bytes_are_refused_by_every_entry_point(planted, local_server, decoder, kind):
+    data = _payloads(local_server.server_address[1])[kind]
+    for name, entry in _entry_points(decoder).items():
+        with pytest.raises(MediaError, match="unsupported container") as info:
+            entry(data)
+        text = str(info.value)
+        assert SECRET not in text and str(planted) not in text and "secret.txt" not in text, (name, text)
+        assert "send MP4/MOV, Matroska/WebM, AVI or MPEG-TS video" in text
+    with DecordDecoder() as dec:  # refused before decord (or its child process) sees a byte
+        with pytest.raises(MediaError, match="unsupported container"):
+            dec.decode(data, SamplingOptions(num_frames=2))
+        assert dec._proc is None
+    assert _RecordingHandler.seen == []
+
+
+def test_the_payloads_are_live_without_the_guard(planted, local_server):
+    """What the old `av.open(io.BytesIO(data))` did with them: the checks above can fail."""
+    import av
+
+    payloads = _payloads(local_server.server_address[1])
+    with av.open(io.BytesIO(payloads["ffconcat_video"])) as container:  # probed: concat
+        assert sum(1 for _ in container.decode(video=0)) == 60  # local.mp4, twice
+    with av.open(io.BytesIO(payloads["hls_local"]), format="hls") as container:
+        assert sum(1 for _ in container.decode(video=0)) == 30
+    with pytest.raises(av.FFmpegError):
+        av.open(io.BytesIO(payloads["hls_http"]), format="hls")  # 404, but it asked
+    assert _RecordingHandler.seen == ["/segment.ts"]
+
+
+@pytest.mark.parametrize("kind,demuxer", [("ffconcat_video", "concat"), ("hls_local", "hls"), ("hls_http", "hls")])
+def test_whitelists_refuse_nested_opens_even_with_the_playlist_demuxer(planted, local_server, kind, demuxer):
+    """Defence in depth: the options open_video passes stop a demuxer that opens things by name
+    (an MP4 data reference would be one) from opening a local file or a URL. Both whitelists
+    count: without protocol_whitelist the HLS demuxer fetches the URL; without format_whitelist
+    the nested demuxer of a local file is any FFmpeg has."""
+    import av
+
+    data = _payloads(local_server.server_address[1])[kind]
+    try:
+        with _open_av(data, demuxer, DecodeLimits()) as container:
+            num_packets = sum(1 for _ in container.demux())
+    except av.FFmpegError:
+        num_packets = 0
+    assert num_packets == 0
+    assert _RecordingHandler.seen == []
+
+
+def test_sniffing_allows_only_the_listed_containers(video_factory):
+    from PIL import Image
+
+    assert sniff_container(video_factory(".mp4", codec="h264", **SMALL)).demuxer == "mp4"
+    assert sniff_container(video_factory(".mov", codec="h264", **SMALL)).demuxer == "mp4"
+    assert sniff_container(video_factory(".mkv", codec="h264", **SMALL)).demuxer == "matroska"
+    assert sniff_container(video_factory(".webm", codec="vp9", **SMALL)).demuxer == "matroska"
+    assert sniff_container(video_factory(".avi", codec="mjpeg", **SMALL)).demuxer == "avi"
+    ts = _mpegts(video_factory(".mp4", codec="h264", **SMALL))
+    assert sniff_container(ts).demuxer == "mpegts"
+    m2ts = b"".join(b"\0\0\0\0" + ts[i : i + 188] for i in range(0, len(ts), 188))  # 192-byte packets
+    assert sniff_container(m2ts).demuxer == "mpegts"
+    for fmt, name in (("JPEG", "jpeg"), ("PNG", "png"), ("WEBP", "webp")):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, format=fmt)
+        assert sniff_container(buf.getvalue()).name == name
+        assert sniff_container(buf.getvalue()).is_image
+    for fmt in ("GIF", "BMP", "TIFF"):  # Pillow reads these; this server does not
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, format=fmt)
+        with pytest.raises(MediaError, match="unsupported container"):
+            simple_decoder.decode(buf.getvalue(), SamplingOptions())
+    for junk in (b"G" * 100, b"\x00" * 5000, b"#EXTM3U\n", b"RIFF\0\0\0\0WAVEfmt "):
+        with pytest.raises(MediaError, match="unsupported container"):
+            sniff_container(junk)
+
+
+def test_mpegts_decodes_like_mp4(video_factory, decoder):
+    data = _mpegts(video_factory(".mp4", codec="h264", **SMALL))
+    opts = SamplingOptions(num_frames=5)
+    expected = simple_decoder.decode(data, opts)
+    assert expected.frames.shape == (5, 64, 96, 3)
+    assert np.array_equal(decoder.decode(data, opts).frames, expected.frames)
+
+
+def _mpegts(mp4: bytes) -> bytes:
+    """The same H.264 packets remuxed into MPEG-TS."""
+    import av
+
+    out_buf = io.BytesIO()
+    with open_video(mp4) as src, av.open(out_buf, "w", format="mpegts") as out:
+        in_stream = src.streams.video[0]
+        stream = out.add_stream_from_template(in_stream)
+        for packet in src.demux(in_stream):
+            if packet.size:
+                packet.stream = stream
+                out.mux(packet)
+    return out_buf.getvalue()
+
+
+def test_no_other_av_open_reads_bytes():
+    """Every read of media goes through video.media_open; only write-mode av.open remains."""
+    offenders = []
+    tops = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "tests"]
+    for path in sorted([p for p in ROOT.glob("*.py")] + [p for top in tops for p in top.rglob("*.py")]):
+        rel = path.relative_to(ROOT)
+        if rel == Path("video/media_open.py") or "site-packages" in rel.parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(rel))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "av" and any(a.name == "open" for a in node.names):
+                offenders.append(f"{rel}:{node.lineno} imports av.open")
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "open"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "av"):  # fmt: skip
+                continue
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str) and mode.value.startswith("w")):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == [], f"open untrusted media with video.media_open.open_video: {offenders}"
+
+
+# -- frames: decoded once, repeated by reference ----------------------------------------------
+
+
+def test_one_frame_1080p_asked_for_256_frames_stays_small(tmp_path):
+    """7-50 KB of H.264 that decodes to one 1920x1080 frame. Before, the output held 256 copies
+    (~1.6 GB); now the decoder holds the one frame and each group is a copy of its 2 slots."""
+    data = Path(make_video(tmp_path / "one.mp4", size=(1920, 1080), fps=1.0, seconds=1.0, gop=1)).read_bytes()
+    reference = simple_decoder.decode(data, SamplingOptions(num_frames=1)).frames[0]  # [H, W, 3]
+    frame_bytes = reference.nbytes  # ~6 MB
+    with ParallelDecoder(ParallelDecodeConfig(num_workers=2)) as dec:
+        tracemalloc.start()
+        try:
+            with dec.iter_groups(data, SamplingOptions(num_frames=256), group_size=2) as stream:
+                assert stream.num_frames == 256
+                num_frames = 0
+                for group in stream:
+                    assert group.frames.shape == (2, 1080, 1920, 3)
+                    assert all(np.array_equal(f, reference) for f in group.frames)
+                    num_frames += len(group.frames)
+            _, peak_bytes = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert num_frames == 256
+    assert stream.stats["num_decoded_frames"] == 1
+    assert peak_bytes < 8 * frame_bytes, f"peak {peak_bytes / 2**20:.0f} MiB"  # was 256 frames
+
+
+def test_repeated_frames_match_the_reference_in_groups_and_whole(video_factory, decoder):
+    data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=0.3, gop=10)  # 3 frames
+    opts = SamplingOptions(num_frames=8)
+    expected = simple_decoder.decode(data, opts)
+    assert len({f.tobytes() for f in expected.frames}) == 3
+    with decoder.iter_groups(data, opts, group_size=2) as stream:
+        groups = list(stream)
+    assert np.array_equal(np.concatenate([g.frames for g in groups]), expected.frames)
+    got = decoder.decode(data, opts)
+    assert np.array_equal(got.frames, expected.frames) and got.timestamps_s == expected.timestamps_s
+
+
+def test_groups_without_repeats_are_views_of_one_output(video_factory, decoder):
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    with decoder.iter_groups(data, SamplingOptions(num_frames=6), group_size=2) as stream:
+        groups = list(stream)
+        whole = stream.result()
+    assert all(np.shares_memory(g.frames, whole.frames) for g in groups)
+
+
+# -- the frame size, on every decoded frame ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "second_size,refused_by_ffmpeg",
+    [((1024, 1024), True), ((160, 160), False)],
+    ids=["over-ffmpeg-guard", "between-limit-and-guard"],
+)
+def test_resolution_growing_mid_stream_is_refused_on_every_path(tmp_path, monkeypatch, second_size, refused_by_ffmpeg):
+    """Header and first 20 frames 64x48, the last 4 bigger. Limit 128x128: FFmpeg's guard (twice
+    the limit) refuses 1024x1024 before allocating it; 160x160 decodes and the per-frame check
+    refuses it before conversion."""
+    from video import budget
+
+    data = make_resolution_change(tmp_path / "grow.ts", [(64, 48), second_size], [20, 4]).read_bytes()
+    limits = DecodeLimits(max_source_pixels=128 * 128)
+    assert build_video_index(data, limits).width == 64  # the header passes
+    seen_sizes = set()
+    real_charge = budget.DecodeBudget.charge
+
+    def charge(self, frame):
+        seen_sizes.add((frame.width, frame.height))
+        return real_charge(self, frame)
+
+    monkeypatch.setattr(budget.DecodeBudget, "charge", charge)
+    opts = SamplingOptions(num_frames=6)  # the last targets are in the big part
+    with ParallelDecoder(ParallelDecodeConfig(num_workers=2)) as dec:
+        for entry in (
+            lambda: simple_decoder.decode(data, opts, limits),
+            lambda: dec.decode(data, opts, limits),
+            lambda: list(dec.iter_groups(data, opts, limits, group_size=2)),
+        ):
+            with pytest.raises(MediaLimitError, match=r"is \d+x\d+, over this server's limit of 16384 pixels per frame"
+                                                      r" \(encoder flag --max-source-pixels\)"):  # fmt: skip
+                entry()
+    assert (second_size in seen_sizes) is not refused_by_ffmpeg
+
+
+def test_ffmpeg_max_pixels_guard_is_set_on_the_decoder(video_factory):
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    with open_video(data, DecodeLimits(max_source_pixels=1000)) as container:
+        assert container.streams.video[0].codec_context.options == {"max_pixels": "2000"}
+        import av
+
+        with pytest.raises(av.FFmpegError):  # 96x64 is over the guard: the decoder will not open
+            next(container.decode(video=0))
+
+
+# -- budgets of work ---------------------------------------------------------------------------
+
+
+def _packet_flood(num_packets: int) -> bytes:
+    """Matroska holding one 14-byte 16x16 H.264 frame `num_packets` times at 1000 fps."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as out:
+        stream = out.add_stream("libx264", rate=1000, options={"x264-params": "keyint=1", "preset": "ultrafast"})
+        stream.width = stream.height = 16
+        stream.pix_fmt = "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
+        packets = []
+        for i in range(3):
+            frame.pts = i
+            packets += list(stream.encode(frame))
+        packets += list(stream.encode(None))
+        payload = bytes(packets[-1])  # an IDR frame without x264's SEI
+        for i in range(num_packets):
+            packet = av.Packet(payload)
+            packet.pts = packet.dts = i
+            packet.time_base = Fraction(1, 1000)
+            packet.is_keyframe = True
+            packet.stream = stream
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def test_packet_flood_stops_at_the_demux_time_limit(decoder):
+    data = _packet_flood(20_000)
+    assert build_video_index(data).num_frames == 20_000  # a valid file, only long to demux
+    limits = DecodeLimits(max_demux_s=0.001)
+    match = r"limit of 0.001 s \(encoder flag --max-demux-s\)"
+    with pytest.raises(MediaLimitError, match=match):
+        build_video_index(data, limits)
+    with pytest.raises(MediaLimitError, match=match):
+        simple_decoder.decode(data, SamplingOptions(num_frames=2), limits)
+    with pytest.raises(MediaLimitError, match=match):
+        decoder.iter_groups(data, SamplingOptions(num_frames=2), limits)
+
+
+def test_decoded_pixel_budget_counts_every_decoded_frame(video_factory, decoder):
+    data = video_factory(".mp4", codec="h264", **SMALL)  # 96x64: each frame is charged 256x256
+    opts = SamplingOptions(num_frames=3)
+    full = simple_decoder.decode(data, opts)
+    # The last target is frame 25: the reference decodes 26 frames, targets or not.
+    assert full.stats["num_decoded_frames"] >= 26
+    assert full.stats["num_decoded_pixels"] == full.stats["num_decoded_frames"] * 65536
+    limits = DecodeLimits(max_decoded_pixels=10 * 65536)
+    match = r"limit of 655360 decoded pixels .*\(.*encoder flag --max-decoded-pixels\)"
+    with pytest.raises(MediaLimitError, match=match):
+        simple_decoder.decode(data, opts, limits)
+    with ParallelDecoder(ParallelDecodeConfig(num_workers=1, skip_nonref_frames=False)) as dec:
+        with pytest.raises(MediaLimitError, match=match):
+            dec.decode(data, opts, limits)
+        # Within budget, the pool reports what it charged.
+        got = dec.decode(data, opts)
+    assert got.stats["num_decoded_pixels"] == got.stats["num_decoded_frames"] * 65536
+
+
+def test_index_cache_is_bounded_in_bytes(video_factory):
+    datas = [video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=s, gop=10) for s in (1.0, 2.0, 3.0)]
+    sizes = [build_video_index(d).num_bytes for d in datas]
+    cache = KeyframeIndexCache(max_entries=100, max_bytes=sizes[1] + sizes[2])
+    for d in datas:
+        cache.get_or_build(d, DecodeLimits())
+    assert cache.num_bytes == sizes[1] + sizes[2] <= cache.max_bytes
+    assert len(cache._entries) == 2  # the least recently used (the first) was evicted
+    cache.get_or_build(datas[1], DecodeLimits())  # a hit: now most recently used
+    cache.get_or_build(datas[0], DecodeLimits())  # evicts datas[2], the least recently used
+    assert cache.num_hits == 1 and cache.num_bytes == sizes[0] + sizes[1]
+    tiny = KeyframeIndexCache(max_bytes=sizes[0] - 1)
+    index = tiny.get_or_build(datas[0], DecodeLimits())  # too large to keep: used, not cached
+    assert index.num_frames == 10 and tiny.num_bytes == 0 and not tiny._entries
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that claims width x height and holds almost no data: Pillow reads the size from IHDR."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b"")
+
+
+def test_image_over_the_pixel_limit_is_refused_before_decoding():
+    with pytest.raises(MediaLimitError, match=r"5000x5000, over this server's limit of 8294400 pixels .*--max-source-pixels"):
+        simple_decoder.decode(_png_header(5000, 5000), SamplingOptions())
+    with pytest.raises(MediaLimitError, match="over this server's limit .*--max-source-pixels"):
+        simple_decoder.decode(_png_header(20000, 20000), SamplingOptions())  # Pillow's bomb check
+
+
+def test_cli_flags_reach_the_encoder_config():
+    from epd_cli.configs import encoder_config
+    from epd_cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "encoder", "--max-source-pixels", "1000000", "--max-decoded-pixels",
+                                      "123456789", "--max-demux-s", "2.5", "--index-cache-bytes", "4096"])  # fmt: skip
+    config = encoder_config(args)
+    assert config.limits.max_source_pixels == 1_000_000
+    assert config.limits.max_decoded_pixels == 123_456_789
+    assert config.limits.max_demux_s == 2.5
+    assert config.decode.index_cache_bytes == 4096
+    defaults = encoder_config(build_parser().parse_args(["serve", "encoder"]))
+    assert defaults.limits == DecodeLimits() and defaults.decode.index_cache_bytes == 64 << 20

@@ -1,0 +1,88 @@
+"""Work budgets of one decode request, charged while the decoder runs (not from headers).
+
+A header says little that binds the frames after it: an H.264 stream may switch to 8192x8192
+in-band, a 7 KB file may hold one 1080p frame or a million 16x16 ones. So:
+  - `DecodeBudget.charge(frame)` is called on every frame a decoder outputs, target or not, before
+    it is converted: the frame must be within `max_source_pixels`, and the request's running total
+    of decoded pixels (each frame counted as at least MIN_PIXELS_PER_FRAME) within
+    `max_decoded_pixels`. `check_decoder_size` turns an FFmpeg error
+    raised because a frame was over FFmpeg's own `max_pixels` guard (video.media_open) into the
+    same MediaLimitError.
+  - `DemuxDeadline` bounds the demux (index) pass in wall time: `max_demux_s`.
+Every message names the limit and the encoder flag that tunes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from video.types import DecodeLimits, MediaLimitError
+
+MIN_PIXELS_PER_FRAME = 1 << 16
+"""Each decoded frame is charged at least this many pixels (256x256): a frame has a fixed cost
+however small it is (25-80 us for a 16x16 H.264 frame here, what ~10-30 K pixels of a large
+frame cost), so a million tiny frames cannot hide under the pixel budget."""
+
+
+def frame_too_large(width: int, height: int, limits: DecodeLimits, what: str = "the video") -> MediaLimitError:
+    return MediaLimitError(
+        f"{what} is {width}x{height}, over this server's limit of {limits.max_source_pixels} "
+        "pixels per frame (encoder flag --max-source-pixels); downscale it before sending"
+    )
+
+
+def check_frame_size(width: int, height: int, limits: DecodeLimits, what: str = "the video") -> None:
+    if width * height > limits.max_source_pixels:
+        raise frame_too_large(width, height, limits, what)
+
+
+class DecodeBudget:
+    """Decoded frames and pixels of one request. Thread-safe: the parallel decoder's workers all
+    charge the budget of the request they work on."""
+
+    def __init__(self, limits: DecodeLimits) -> None:
+        self.limits = limits
+        self.num_decoded_frames = 0
+        self.num_decoded_pixels = 0
+        """Pixels charged so far: width x height of each frame, at least MIN_PIXELS_PER_FRAME."""
+        self._lock = threading.Lock()
+
+    def charge(self, frame) -> None:
+        """Account one decoded frame (a PyAV VideoFrame); MediaLimitError when it is over the
+        per-frame limit or takes the request over its decoded-pixel budget."""
+        width, height = frame.width, frame.height
+        check_frame_size(width, height, self.limits, "a frame of the video")
+        with self._lock:
+            self.num_decoded_frames += 1
+            self.num_decoded_pixels += max(width * height, MIN_PIXELS_PER_FRAME)
+            total = self.num_decoded_pixels
+        if total > self.limits.max_decoded_pixels:
+            raise MediaLimitError(
+                f"decoding this request took more than this server's limit of "
+                f"{self.limits.max_decoded_pixels} decoded pixels (every frame decoded, targets and "
+                "the frames on the way to them; encoder flag --max-decoded-pixels); send a shorter "
+                "clip, a lower resolution, or ask for fewer frames"
+            )
+
+    def check_decoder_size(self, codec_context) -> None:
+        """After an FFmpeg decode error: raise the size MediaLimitError if the decoder had
+        switched to a frame size over the limit (FFmpeg's `max_pixels` guard refused it; the
+        context holds the new size), else return so that the caller reports a corrupt file."""
+        check_frame_size(codec_context.width, codec_context.height, self.limits, "a frame of the video")
+
+
+class DemuxDeadline:
+    """Wall-time bound of one demux pass; `check()` every few hundred packets."""
+
+    def __init__(self, limits: DecodeLimits) -> None:
+        self.limits = limits
+        self._deadline = time.monotonic() + limits.max_demux_s
+
+    def check(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise MediaLimitError(
+                f"reading the video's packets took longer than this server's limit of "
+                f"{self.limits.max_demux_s:g} s (encoder flag --max-demux-s); the file holds too many "
+                "packets: send a shorter clip or re-encode it"
+            )

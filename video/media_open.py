@@ -1,0 +1,168 @@
+"""The one door for untrusted media bytes into FFmpeg (PyAV) and Pillow.
+
+Left to probe, FFmpeg picks a demuxer from the content, and several demuxers open other things
+by name: an `ffconcat` playlist opens the files it lists (relative to the server's working
+directory), HLS playlists open local files and fetch URLs, a text file is rendered as video by
+the `tty` demuxer, and `image2`/`subfile`/`data` name what to read. So nothing is probed here:
+
+  1. `sniff_container` recognises the container from its first bytes and allows only MP4/MOV
+     (ISO BMFF), Matroska/WebM, AVI, MPEG-TS (188- or 192-byte packets), and JPEG, PNG and WebP
+     images. Anything else is refused with MediaError(UNSUPPORTED).
+  2. `open_video` opens the bytes with exactly that demuxer (`format=`), with
+     `format_whitelist` naming only it (for any nested open) and an empty `protocol_whitelist`,
+     so the demuxer cannot open another file or URL (an MP4 data reference, a playlist entry).
+     The first video stream's decoder gets FFmpeg's `max_pixels` guard, so a frame far over
+     `DecodeLimits.max_source_pixels` is refused before FFmpeg allocates it.
+  3. `open_image` opens the bytes with Pillow restricted to the one sniffed format.
+
+Every decode path (simple decoder, keyframe index, parallel decoder workers, rotation probe,
+synth and bench readers) opens media through here, and the decord backend vets the bytes with
+`sniff_container` before its child process sees them; tests/unit/video/test_untrusted_media.py
+fails if another `av.open` reads bytes anywhere else.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from video.types import DecodeLimits, MediaError, MediaLimitError
+
+if TYPE_CHECKING:
+    from av.container import InputContainer
+    from PIL.Image import Image
+
+SEND_SUPPORTED = "send MP4/MOV, Matroska/WebM, AVI or MPEG-TS video, or a JPEG, PNG or WebP image"
+UNSUPPORTED = (
+    "unsupported container: the file is corrupt, truncated, or not a supported container; "
+    + SEND_SUPPORTED
+)
+
+# Box types FFmpeg's MOV demuxer accepts as the first box of a file (offset 4).
+_ISO_BMFF_FIRST_BOXES = frozenset({b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot"})
+_TS_SYNC = 0x47
+_TS_PACKETS_CHECKED = 5
+"""MPEG-TS: sync bytes checked at the start of this many packets (at least 3 must be present:
+a playable stream needs a PAT, a PMT and a video packet)."""
+_FFMPEG_MAX_PIXELS_FACTOR = 2
+"""FFmpeg checks `max_pixels` against the frame with its width rounded up to its stride
+alignment (up to 64), so its guard is set to twice the limit: frames between the limit and the
+guard are decoded and then refused by the per-frame check (video.budget), frames past the guard
+are never allocated."""
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container this server reads, as sniffed from the first bytes."""
+
+    name: str
+    """"mp4", "matroska", "avi", "mpegts", "jpeg", "png" or "webp"."""
+    demuxer: str | None
+    """FFmpeg demuxer to force (video), or None (image)."""
+    pillow_format: str | None
+    """Pillow format to restrict Image.open to (image), or None (video)."""
+
+    @property
+    def is_image(self) -> bool:
+        return self.pillow_format is not None
+
+
+MP4 = Container("mp4", "mp4", None)
+MATROSKA = Container("matroska", "matroska", None)
+AVI = Container("avi", "avi", None)
+MPEGTS = Container("mpegts", "mpegts", None)
+JPEG = Container("jpeg", None, "JPEG")
+PNG = Container("png", None, "PNG")
+WEBP = Container("webp", None, "WEBP")
+
+
+def sniff_container(data: bytes) -> Container:
+    """The container of `data`, from its magic bytes; MediaError(UNSUPPORTED) for any other."""
+    head = data[:16]
+    if head.startswith(b"\xff\xd8\xff"):
+        return JPEG
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return PNG
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return WEBP
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return AVI
+    if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML header: Matroska and WebM
+        return MATROSKA
+    if len(head) >= 8 and head[4:8] in _ISO_BMFF_FIRST_BOXES:
+        size = int.from_bytes(head[:4], "big")
+        if size in (0, 1) or size >= 8:  # 0: to the end of the file; 1: a 64-bit size follows
+            return MP4
+    if _is_mpegts(data, 188, 0) or _is_mpegts(data, 192, 4):  # 192: M2TS (4-byte timecode first)
+        return MPEGTS
+    raise MediaError(UNSUPPORTED)
+
+
+def _is_mpegts(data: bytes, packet_bytes: int, offset: int) -> bool:
+    num_packets = min(len(data) // packet_bytes, _TS_PACKETS_CHECKED)
+    return num_packets >= 3 and all(
+        data[offset + i * packet_bytes] == _TS_SYNC for i in range(num_packets)
+    )
+
+
+def open_video(data: bytes, limits: DecodeLimits = DecodeLimits()) -> InputContainer:
+    """`data` opened with the demuxer its magic bytes name, and nothing else; use as a context
+    manager. Raises MediaError(UNSUPPORTED) for anything but the allowed video containers; FFmpeg
+    errors (a corrupt file) propagate as av.FFmpegError for the caller to map."""
+    container = sniff_container(data)
+    if container.demuxer is None:
+        raise MediaError(f"expected a video here but got a {container.name.upper()} image; {SEND_SUPPORTED}")
+    return _open_av(data, container.demuxer, limits)
+
+
+def _open_av(data: bytes, demuxer: str, limits: DecodeLimits) -> InputContainer:
+    """av.open with `demuxer` forced and no nested I/O (tests call this with other demuxers to
+    show the whitelists hold)."""
+    import av
+
+    guard = str(limits.max_source_pixels * _FFMPEG_MAX_PIXELS_FACTOR)
+    container = av.open(
+        io.BytesIO(data),
+        mode="r",
+        format=demuxer,
+        # Nested opens (a playlist entry, an MP4 data reference) may use no protocol and no
+        # other demuxer. An empty protocol_whitelist refuses every protocol, file included.
+        container_options={"format_whitelist": demuxer, "protocol_whitelist": ""},
+        # Codec options of the decoders avformat_find_stream_info opens to probe the streams.
+        options={"max_pixels": guard},
+    )
+    try:
+        if container.streams.video:
+            # The decoder the caller will use opens on its first packet, with these options.
+            container.streams.video[0].codec_context.options = {"max_pixels": guard}
+    except BaseException:
+        container.close()
+        raise
+    return container
+
+
+def open_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image:
+    """`data` opened by Pillow with only its sniffed format allowed (JPEG, PNG or WebP), size
+    checked against `limits.max_source_pixels` before any pixel is decoded."""
+    from PIL import Image as PILImage
+
+    container = sniff_container(data)
+    if container.pillow_format is None:
+        raise MediaError(f"expected an image here but got {container.name} video; {SEND_SUPPORTED}")
+    try:
+        img = PILImage.open(io.BytesIO(data), formats=[container.pillow_format])
+    except PILImage.DecompressionBombError:
+        raise MediaLimitError(_image_too_large("", limits)) from None
+    if img.width * img.height > limits.max_source_pixels:
+        size = f" {img.width}x{img.height},"
+        img.close()
+        raise MediaLimitError(_image_too_large(size, limits))
+    return img
+
+
+def _image_too_large(size: str, limits: DecodeLimits) -> str:
+    return (
+        f"the image is{size} over this server's limit of {limits.max_source_pixels} pixels "
+        "(encoder flag --max-source-pixels); send a smaller image"
+    )
