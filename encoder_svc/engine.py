@@ -16,11 +16,12 @@ request-pool threads of `stages.request_pool`, `--max-concurrent-decodes` of the
   4. Encode-stage pruning (when asked for) is one more model call; the concatenated embeddings
      [num_visual_tokens, hidden] are stored in the cache.
 
-Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The driver
-checks it after the index pass, after every frame group and before each model call (a call
-already queued on the model thread checks it again before it starts), then closes the frame
-stream, which cancels the decode work still pending, and raises RequestCancelled. A wait for the
-next group already under way is not broken off: the stop comes when that group arrives.
+Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The
+decoder watches it too: the demux pass stops within a few hundred packets, its workers at their
+next frame, and a wait for the next group within 50 ms. The driver checks it after every frame
+group and before each model call (a call already queued on the model thread checks it again
+before it starts), then closes the frame stream and raises RequestCancelled. (The decord backend
+decodes the whole sample in its child process first; a cancel there takes effect after it.)
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from token_pruning import PruningConfig, PruningStats
 from transport.errors import NotFound, ResourceExhausted
 from video.decord_backend import DecordDecoder
 from video.parallel_decoder import ParallelDecoder
-from video.types import DecodedVideo, SamplingOptions
+from video.types import DecodeCancelled, DecodedVideo, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +169,12 @@ class EncoderEngine:
         )
         return out
 
-    def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions
+    def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions,
+                    cancel: threading.Event | None = None,
                     ) -> tuple[FrameSource, Generator[DecodedVideo, None, None]]:
         """(stream metadata, generator of DecodedVideo groups in temporal order). Closing the
-        generator early cancels the decode work still pending."""
+        generator early cancels the decode work still pending; setting `cancel` stops the demux
+        pass and the decoding, and a wait for the next group, with DecodeCancelled."""
         group_size = self.config.frames_per_group or (1 << 30)
         if self.config.decode_backend == "decord":
             with self._decord_lock:
@@ -179,7 +182,8 @@ class EncoderEngine:
                     self._decord = DecordDecoder()
             whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
             return whole, (_slice(whole, i, i + group_size) for i in range(0, whole.num_frames, group_size))
-        stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256)
+        stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
+                                          cancel=cancel)
 
         def groups():
             with stream:
@@ -195,7 +199,16 @@ class EncoderEngine:
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent("decode", "started"))
-        meta, groups = self.open_frames(data, sha256, sampling)
+        try:
+            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0)
+        except DecodeCancelled as exc:
+            raise RequestCancelled(f"{exc}, after {req.num_groups_done} frame groups") from None
+
+    def _encode_frames(
+        self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
+        pruning: PruningConfig, t0: float,
+    ) -> EncodedMedia:
+        meta, groups = self.open_frames(data, sha256, sampling, req.cancel)
         on_event(StageEvent("decode", "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.

@@ -22,11 +22,9 @@ bodies (gateway/admission.py, shared with the gRPC API).
 from __future__ import annotations
 
 import asyncio
-import binascii
 import hashlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,7 +45,7 @@ from gateway.admission import (
 )
 from gateway.config import GatewayConfig
 from gateway.http_body import TICKET_KEY, defer_continue, read_json_body
-from gateway.media_fetch import load_media
+from gateway.media_fetch import decode_data_url, load_media
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_protocol import (
     ChatRequest,
@@ -63,7 +61,7 @@ from gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from gateway.web.routes import BODY_ROUTES, add_demo_routes
 from stages.contracts import MediaInput, TokenStep
 from transport.auth import bearer_token, key_matches
-from transport.errors import InvalidRequest, ResourceExhausted
+from transport.errors import InvalidRequest
 from transport.server import channel_options
 
 log = logging.getLogger(__name__)
@@ -268,47 +266,15 @@ class HttpApi:
 
 
 def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:
-    """The media of a base64 data: URL, under `gateway.media_fetch.decode_data_url`'s rules but
-    with fewer copies of a URL that may be hundreds of MB: its ASCII bytes replace the text
-    (taken out of `chat`, so the text is freed), the payload is decoded through a memoryview of
-    them (no slice copy), and they are freed as soon as the media is out."""
+    """The media of a base64 data: URL with few copies of a URL that may be hundreds of MB: its
+    ASCII bytes replace the text (taken out of `chat`, so the text is freed) and are decoded in
+    place (`gateway.media_fetch.decode_data_url`)."""
     try:
         url = chat.media_url.encode("ascii")
     except UnicodeEncodeError:
         raise InvalidRequest("the data: URL must be ASCII: data:video/mp4;base64,<payload>") from None
     chat.media_url = ""
-    comma = url.find(b",")
-    if comma < 0 or not url[len(b"data:") : comma].endswith(b";base64"):
-        raise InvalidRequest("data: URLs must be base64, as in data:video/mp4;base64,<payload>")
-    start, end = comma + 1, len(url)
-    while start < end and url[start] in _ASCII_SPACE:
-        start += 1
-    while end > start and url[end - 1] in _ASCII_SPACE:
-        end -= 1
-    too_big = ResourceExhausted(
-        f"the media is larger than this server accepts (at most {max_upload_bytes} bytes, the server's "
-        "--max-upload-bytes); send a shorter or more compressed video"
-    )
-    if (end - start) // 4 * 3 > max_upload_bytes + 2:  # refused before decoding anything
-        raise too_big
-    with memoryview(url) as view:
-        payload = view[start:end]
-        # What base64.b64decode(validate=True) checks, on the view instead of a copy.
-        if not _BASE64.fullmatch(payload):
-            raise InvalidRequest("the data: URL payload is not valid base64")
-        try:
-            data = binascii.a2b_base64(payload)
-        except binascii.Error:
-            raise InvalidRequest("the data: URL payload is not valid base64 (bad padding)") from None
-        finally:
-            payload.release()
-    if len(data) > max_upload_bytes:
-        raise too_big
-    return data
-
-
-_ASCII_SPACE = b" \t\n\r\x0b\x0c"
-_BASE64 = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
+    return decode_data_url(url, max_upload_bytes)
 
 
 class StageHealth:

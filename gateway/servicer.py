@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 
 from gateway.admission import Admission, Overloaded, peer_host
 from gateway.config import GatewayConfig
@@ -41,15 +42,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 request_id=header.request_id,
                 pruning=convert.pruning_from_proto(header.pruning),
             )
-            async for item in self.pipeline.ask(request):
-                if isinstance(item, StageEvent):
-                    at_ms = (time.perf_counter() - started) * 1e3
-                    yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
-                elif isinstance(item, AskSummary):
-                    yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
-                else:
-                    delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
-                    yield gateway_pb2.AskResponse(delta=delta)
+            # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
+            # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.
+            events = self.pipeline.ask(request)
+            async with aclosing(events):  # type: ignore[type-var]
+                async for item in events:
+                    if isinstance(item, StageEvent):
+                        at_ms = (time.perf_counter() - started) * 1e3
+                        yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
+                    elif isinstance(item, AskSummary):
+                        yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
+                    else:
+                        delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
+                        yield gateway_pb2.AskResponse(delta=delta)
 
 
 def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:

@@ -80,7 +80,7 @@ class LocalEncodeStage(EncodeStage):
         try:
             return await self.drivers.run(drive)
         except asyncio.CancelledError:
-            log.info("encode of request %s cancelled by its caller; decoding stops at the next frame group",
+            log.info("encode of request %s cancelled by its caller; its decoding stops",
                      request_id)
             raise
 

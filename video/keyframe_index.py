@@ -29,7 +29,7 @@ import numpy as np
 from video.budget import DecodeBudget, DemuxDeadline, check_frame_size
 from video.media_open import open_video
 from video.simple_decoder import _CORRUPT, DemuxStopped, FrameIndex, check_duration, check_size, demux_pts
-from video.types import DecodeLimits, MediaError
+from video.types import DecodeCancelled, DecodeLimits, MediaError
 
 log = logging.getLogger(__name__)
 
@@ -190,20 +190,26 @@ class KeyframeIndexCache:
         self.num_hits = 0
         self.num_misses = 0
 
-    def get_or_build(self, data: bytes, limits: DecodeLimits, sha256: str | None = None) -> VideoIndex:
+    def get_or_build(
+        self, data: bytes, limits: DecodeLimits, sha256: str | None = None, cancel: threading.Event | None = None
+    ) -> VideoIndex:
         """The index of `data`, from the cache or built now. Without `sha256`, the bytes are
         hashed on a helper thread while this one demuxes (hashlib and FFmpeg's demuxer release
         the GIL): on a miss the hash (~20 ms for 50 MB) costs no wall time, and on a hit the
-        demux pass stops as soon as the hash names a cached index."""
+        demux pass stops as soon as the hash names a cached index. When `cancel` is set during the
+        demux pass, the pass stops within a few hundred packets with DecodeCancelled."""
         if sha256 is None:
-            return self._build_while_hashing(data, limits)
+            return self._build_while_hashing(data, limits, cancel)
         index = self._lookup(sha256)
         if index is not None:
             # Limits may differ between callers; re-check the cheap ones.
             check_size(len(data), limits)
             _check_limits(index, limits)
             return index
-        return self._insert(build_video_index(data, limits, sha256))
+        try:
+            return self._insert(build_video_index(data, limits, sha256, stop=cancel.is_set if cancel else None))
+        except _Stopped:
+            raise DecodeCancelled("cancelled during the demux pass") from None
 
     def _lookup(self, sha256: str) -> VideoIndex | None:
         with self._lock:
@@ -213,13 +219,15 @@ class KeyframeIndexCache:
                 self.num_hits += 1
         return index
 
-    def _build_while_hashing(self, data: bytes, limits: DecodeLimits) -> VideoIndex:
+    def _build_while_hashing(self, data: bytes, limits: DecodeLimits, cancel: threading.Event | None) -> VideoIndex:
         check_size(len(data), limits)
         digest: list[str] = []
         hasher = threading.Thread(target=lambda: digest.append(content_sha256(data)), name="video-index-hash")
         hasher.start()
 
         def known() -> bool:  # between packets: is the file's index cached after all?
+            if cancel is not None and cancel.is_set():
+                return True
             with self._lock:
                 return bool(digest) and digest[0] in self._entries
 
@@ -229,6 +237,8 @@ class KeyframeIndexCache:
             index = None
         finally:
             hasher.join()
+        if cancel is not None and cancel.is_set():
+            raise DecodeCancelled("cancelled during the demux pass")
         cached = self._lookup(digest[0])
         if cached is not None:
             _check_limits(cached, limits)

@@ -55,7 +55,7 @@ from video.keyframe_index import KeyframeIndexCache, VideoIndex
 from video.media_open import open_video, sniff_container
 from video.plan import DecodePlan, make_plan
 from video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, gather_slots
-from video.types import DecodedVideo, DecodeLimits, MediaError, SamplingOptions
+from video.types import DecodeCancelled, DecodedVideo, DecodeLimits, MediaError, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class _Request:
         opts: SamplingOptions,
         seek_cost_frames: float,
         limits: DecodeLimits = DecodeLimits(),
+        caller_cancel: threading.Event | None = None,
     ):
         self.data = data
         self.index = index
@@ -143,7 +144,13 @@ class _Request:
         self.cond = threading.Condition()
         self.error: MediaError | None = None
         self.cancelled = threading.Event()
+        """Set when the request failed or its consumer left: workers stop at the next frame."""
+        self.caller_cancel = caller_cancel
+        """The caller's own flag (its client went away), set from another thread."""
         self.tasks: list[_Task] = []
+
+    def stopped(self) -> bool:
+        return self.cancelled.is_set() or (self.caller_cancel is not None and self.caller_cancel.is_set())
 
     def put_frame(self, pts: int, rgb: np.ndarray) -> None:
         with self.cond:
@@ -212,7 +219,7 @@ class _Worker(threading.Thread):
 
     def _run_task(self, task: _Task) -> None:
         req = task.request
-        if req.cancelled.is_set():
+        if req.stopped():
             return
         task.worker = self
         task.started_at = task.last_progress = time.monotonic()
@@ -254,7 +261,7 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
         frames: Iterator | None = None  # the live decode iterator
         last_pts = int(frame_pts[0]) - 1  # pts of the last frame taken from it
         while (position := req.take(task.share)) is not None:
-            if req.cancelled.is_set() or retired.is_set():
+            if req.stopped() or retired.is_set():
                 raise _Cancelled
             interval = req.plan.intervals[position]
             wanted = set(interval.target_pts)
@@ -272,7 +279,7 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
                 if last_pts >= first_target or ahead > req.seek_cost_frames:
                     frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
             for frame in frames:
-                if req.cancelled.is_set() or retired.is_set():
+                if req.stopped() or retired.is_set():
                     raise _Cancelled
                 task.last_progress = time.monotonic()
                 task.num_decoded_frames += 1
@@ -396,6 +403,8 @@ class FrameGroupStream(Iterator[FrameGroup]):
             while True:
                 if req.error is not None:
                     raise req.error
+                if req.caller_cancel is not None and req.caller_cancel.is_set():
+                    raise DecodeCancelled(f"cancelled while waiting for frames {first}..{last - 1}")
                 if all(req.interval_done[p] for p in positions):
                     return
                 now = time.monotonic()
@@ -410,7 +419,10 @@ class FrameGroupStream(Iterator[FrameGroup]):
                 ]
                 if stalled:
                     self._fail_hung(f"made no progress for {config.stall_timeout_s:g} s")
-                req.cond.wait(timeout=min(0.5, max(deadline - now, 0.01)))
+                # The caller's flag is a plain threading.Event (set from its event loop), which
+                # cannot notify this condition: with one, look again every 50 ms.
+                poll_s = 0.05 if req.caller_cancel is not None else 0.5
+                req.cond.wait(timeout=min(poll_s, max(deadline - now, 0.01)))
 
     def _fail_hung(self, why: str) -> None:
         """Fail the request and replace the workers still inside it (they may never return)."""
@@ -500,11 +512,14 @@ class ParallelDecoder:
         limits: DecodeLimits = DecodeLimits(),
         group_size: int = 2,
         sha256: str | None = None,
+        cancel: threading.Event | None = None,
     ) -> FrameGroupStream:
         """Plan the request and start decoding; frames come back in groups of `group_size`.
 
         Raises MediaError/MediaLimitError here for bad input or limits. Pass `sha256` (hex digest
-        of `data`) when you already have it, to skip hashing.
+        of `data`) when you already have it, to skip hashing. When `cancel` is set (from any
+        thread), the demux pass stops within a few hundred packets, the workers at their next
+        frame, and a consumer waiting for a group gets DecodeCancelled within 50 ms.
         """
         if self._closed:
             raise RuntimeError("ParallelDecoder is closed")
@@ -524,9 +539,9 @@ class ParallelDecoder:
                 image=image,
                 started=started,
             )
-        index = self.index_cache.get_or_build(data, limits, sha256)
+        index = self.index_cache.get_or_build(data, limits, sha256, cancel)
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
-        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits)
+        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel)
         pts_s = index.frames.pts_s
         first_pts = float(pts_s[0])
         positions = np.searchsorted(index.frame_pts, plan.slot_pts)

@@ -29,6 +29,11 @@ class MediaLimitError(MediaError):
     """The media is valid but exceeds a configured limit. Maps to RESOURCE_EXHAUSTED."""
 
 
+class DecodeCancelled(Exception):
+    """The caller set its cancel flag (its client went away): the decode stopped early. Not a
+    MediaError: nothing is wrong with the media."""
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """How frames are chosen from a video and how large they may be."""

@@ -20,6 +20,7 @@ import base64
 import io
 import json
 import mimetypes
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,11 @@ def sampled_thumbnails(data: bytes, sampling: SamplingOptions, limits: DecodeLim
     """{"frames": [{"timestamp_s", "jpeg_base64"}], "width", "height"} of the sampled frames."""
     from PIL import Image
 
-    video = decode(data, sampling, limits)  # frames: [T, H, W, 3] uint8
+    # Decode straight to about twice the thumbnail size (same frames, same aspect): a repeated
+    # frame is copied into each of the T slots, so full-size frames would cost T x H x W x 3.
+    thumb_pixels = (2 * THUMBNAIL_MAX_SIDE) ** 2
+    max_pixels = min(sampling.max_pixels or thumb_pixels, thumb_pixels)
+    video = decode(data, replace(sampling, max_pixels=max_pixels), limits)  # frames: [T, h, w, 3] uint8
     out = []
     height, width = int(video.frames.shape[1]), int(video.frames.shape[2])
     scale = min(1.0, THUMBNAIL_MAX_SIDE / max(height, width))

@@ -13,10 +13,8 @@ mid-file, are refused or served within a stated memory bound, and the stack keep
 from __future__ import annotations
 
 import base64
-import http.server
 import json
 import shutil
-import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -26,6 +24,7 @@ import grpc
 import pytest
 
 from epd_client import EpdClient, EpdError
+from tests.local_http import recording_server
 from tests.media import make_resolution_change, make_video
 from tests.stack import ROOT, Stack, child_env, epd_command, free_port
 
@@ -35,26 +34,10 @@ QUESTION = "what happens?"
 MAX_ENCODER_RSS_GROWTH_BYTES = 400 * 1024 * 1024
 
 
-class _RecordingHandler(http.server.BaseHTTPRequestHandler):
-    seen: list[str] = []
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.seen.append(self.path)
-        self.send_response(404)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def local_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RecordingHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with recording_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +56,7 @@ def planted(media_files):
 
 @pytest.fixture(scope="module")
 def payloads(planted, local_server) -> dict[str, bytes]:
-    port = local_server.server_address[1]
+    port = local_server.port
     secret, video = f"{planted}/secret.txt", f"{planted}/local.mp4"
     hls = "#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\n{}\n#EXT-X-ENDLIST\n"
     return {
@@ -127,7 +110,7 @@ def _assert_refused_safely(text: str, local_server) -> None:
     assert "unsupported container" in text.lower(), text
     assert SECRET not in text
     assert "untrusted_media_" not in text  # no path echoed back
-    assert local_server.RequestHandlerClass.seen == []
+    assert local_server.seen == []
 
 
 @pytest.mark.parametrize("kind", PAYLOADS)

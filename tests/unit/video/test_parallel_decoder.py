@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import threading
+
 import numpy as np
 import pytest
 
 from video import simple_decoder
-from video.types import DecodeLimits, SamplingOptions
+from video.types import DecodeCancelled, DecodeLimits, SamplingOptions
 
 # (codec, container suffix): every container and codec of the issue, as far as FFmpeg muxes them.
 COMBOS = [
@@ -79,6 +82,32 @@ def test_iter_groups_closed_early_leaves_pool_usable(video_factory, decoder):
     stream.close()
     opts = SamplingOptions(num_frames=4)
     assert_same(simple_decoder.decode(data, opts), decoder.decode(data, opts))
+
+
+def test_caller_cancel_stops_the_wait_and_leaves_pool_usable(video_factory, decoder):
+    """The caller's flag, set from another thread while the consumer waits, ends the wait with
+    DecodeCancelled (not a MediaError: nothing is wrong with the media)."""
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    cancel = threading.Event()
+    stream = decoder.iter_groups(data, SamplingOptions(num_frames=8), group_size=1, cancel=cancel)
+    assert next(stream).first_index == 0
+    cancel.set()
+    with pytest.raises(DecodeCancelled, match="cancelled while waiting"):
+        next(stream)
+    stream.close()
+    opts = SamplingOptions(num_frames=4)
+    assert_same(simple_decoder.decode(data, opts), decoder.decode(data, opts))
+
+
+@pytest.mark.parametrize("with_hash", [True, False], ids=["sha256-given", "hashed-beside-demux"])
+def test_caller_cancel_before_the_demux_pass_builds_no_index(video_factory, decoder, with_hash):
+    data = video_factory(".mkv", codec="h264", size=(80, 48), fps=10.0, seconds=2.5, gop=10)  # bytes no other test indexes
+    cancel = threading.Event()
+    cancel.set()
+    sha256 = hashlib.sha256(data).hexdigest() if with_hash else None
+    with pytest.raises(DecodeCancelled, match="demux pass"):
+        decoder.iter_groups(data, SamplingOptions(num_frames=4), sha256=sha256, cancel=cancel)
+    assert hashlib.sha256(data).hexdigest() not in decoder.index_cache._entries
 
 
 @pytest.mark.parametrize(

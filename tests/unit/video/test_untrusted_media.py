@@ -4,9 +4,7 @@ and the work one request makes the decoder do is bounded while it decodes (issue
 from __future__ import annotations
 
 import ast
-import http.server
 import io
-import threading
 import tracemalloc
 from fractions import Fraction
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.local_http import recording_server
 from tests.media import make_resolution_change, make_video
 from video import simple_decoder
 from video.decord_backend import DecordDecoder
@@ -28,27 +27,10 @@ SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)
 HLS = "#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\n{}\n#EXT-X-ENDLIST\n"
 
 
-class _RecordingHandler(http.server.BaseHTTPRequestHandler):
-    seen: list[str] = []
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.seen.append(self.path)
-        self.send_response(404)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture()
 def local_server():
-    _RecordingHandler.seen = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RecordingHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with recording_server() as server:
+        yield server
 
 
 @pytest.fixture()
@@ -92,7 +74,7 @@ def _entry_points(decoder: ParallelDecoder) -> dict:
              "subfile", "concat_protocol", "data_uri"],
 )  # fmt: skip
 def test_names_in_the_bytes_are_refused_by_every_entry_point(planted, local_server, decoder, kind):
-    data = _payloads(local_server.server_address[1])[kind]
+    data = _payloads(local_server.port)[kind]
     for name, entry in _entry_points(decoder).items():
         with pytest.raises(MediaError, match="unsupported container") as info:
             entry(data)
@@ -103,21 +85,21 @@ def test_names_in_the_bytes_are_refused_by_every_entry_point(planted, local_serv
         with pytest.raises(MediaError, match="unsupported container"):
             dec.decode(data, SamplingOptions(num_frames=2))
         assert dec._proc is None
-    assert _RecordingHandler.seen == []
+    assert local_server.seen == []
 
 
 def test_the_payloads_are_live_without_the_guard(planted, local_server):
     """What the old `av.open(io.BytesIO(data))` did with them: the checks above can fail."""
     import av
 
-    payloads = _payloads(local_server.server_address[1])
+    payloads = _payloads(local_server.port)
     with av.open(io.BytesIO(payloads["ffconcat_video"])) as container:  # probed: concat
         assert sum(1 for _ in container.decode(video=0)) == 60  # local.mp4, twice
     with av.open(io.BytesIO(payloads["hls_local"]), format="hls") as container:
         assert sum(1 for _ in container.decode(video=0)) == 30
     with pytest.raises(av.FFmpegError):
         av.open(io.BytesIO(payloads["hls_http"]), format="hls")  # 404, but it asked
-    assert _RecordingHandler.seen == ["/segment.ts"]
+    assert local_server.seen == ["/segment.ts"]
 
 
 @pytest.mark.parametrize("kind,demuxer", [("ffconcat_video", "concat"), ("hls_local", "hls"), ("hls_http", "hls")])
@@ -128,14 +110,14 @@ def test_whitelists_refuse_nested_opens_even_with_the_playlist_demuxer(planted, 
     the nested demuxer of a local file is any FFmpeg has."""
     import av
 
-    data = _payloads(local_server.server_address[1])[kind]
+    data = _payloads(local_server.port)[kind]
     try:
         with _open_av(data, demuxer, DecodeLimits()) as container:
             num_packets = sum(1 for _ in container.demux())
     except av.FFmpegError:
         num_packets = 0
     assert num_packets == 0
-    assert _RecordingHandler.seen == []
+    assert local_server.seen == []
 
 
 def test_sniffing_allows_only_the_listed_containers(video_factory):
