@@ -22,7 +22,8 @@ class EncoderConfig:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     """Defaults for fields a request leaves unset."""
     max_visual_tokens: int = 16384
-    """A request whose sampling would give more visual tokens is refused before encoding."""
+    """A request whose sampling would give more visual tokens is refused after its first frame
+    group is preprocessed, before any tower call (`--max-visual-tokens`)."""
     decode: ParallelDecodeConfig = field(default_factory=ParallelDecodeConfig)
     """The pool of decode threads (one per core by default), shared by all requests."""
     frames_per_group: int = 2
@@ -47,6 +48,8 @@ class EncoderConfig:
     past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
 
     def __post_init__(self) -> None:
+        if self.max_visual_tokens < 1:
+            raise ValueError(f"max_visual_tokens must be >= 1, got {self.max_visual_tokens}")
         if self.decode_backend not in ("pyav", "decord"):
             raise ValueError(f"decode_backend must be 'pyav' or 'decord', got {self.decode_backend!r}")
         if self.frames_per_group < 0 or self.frames_per_group % 2:

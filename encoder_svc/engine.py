@@ -274,7 +274,8 @@ class EncoderEngine:
         if expected > self.config.max_visual_tokens:
             raise ResourceExhausted(
                 f"this video would give about {expected} visual tokens but the encoder allows "
-                f"{self.config.max_visual_tokens}; lower max_frames/fps or max_pixels"
+                f"{self.config.max_visual_tokens} (encoder flag --max-visual-tokens); lower max_frames/fps "
+                "or max_pixels"
             )
 
     def close(self) -> None:

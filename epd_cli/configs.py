@@ -65,7 +65,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
                          sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
                          cache=cache, decode_backend=args.decode_backend,
                          max_concurrent_decodes=args.max_concurrent_decodes,
-                         max_queued_decodes=args.max_queued_decodes)
+                         max_queued_decodes=args.max_queued_decodes, max_visual_tokens=args.max_visual_tokens)
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:

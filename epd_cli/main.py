@@ -73,6 +73,8 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
     g.add_argument("--max-source-pixels", type=int, default=DecodeLimits.max_source_pixels,
                    help="largest video frame or image, width x height, checked on every decoded frame")
+    g.add_argument("--max-visual-tokens", type=int, default=16384,
+                   help="visual tokens one request may produce; checked after its first frame group")
     g.add_argument("--max-decoded-pixels", type=int, default=DecodeLimits.max_decoded_pixels,
                    help="pixels one request may decode, every frame counted (at least 256x256 each)")
     g.add_argument("--max-demux-s", type=float, default=DecodeLimits.max_demux_s,

@@ -6,7 +6,7 @@ and the gateway of the disaggregated stack (remote stages).
 The stages run in one task of their own (`stages.events.with_events`) and `ask` streams what
 that task reports. When the consumer goes (the front door's handler is cancelled because its
 client disconnected, or it closes the stream), the task is cancelled wherever it is: the stage
-call in flight is cancelled with it (encoder: decoding stops at the next frame group; prefill:
+call in flight is cancelled with it (encoder: demux and decoding stop within 50 ms; prefill:
 keeps no cache; decode: stops and frees the cache). A KV cache that prefill already stored and
 no decoder has taken yet is released on every way out (cancel, error, a decoder that could not
 pull it), so each request holds at most one cache and only while it is in flight.
