@@ -30,16 +30,16 @@ class Generation:
         cache: KvCache,
         first_token_id: int,
         next_position_ids: list[int],
-        generation: GenerationConfig,
+        config: GenerationConfig,
         visual_entry_mask: torch.Tensor | None = None,
         pruning: PruningConfig = PruningConfig(),
     ) -> None:
         self.adapter = adapter
-        self.generation = generation
+        self.config = config
         self.cache = adapter.new_decode_cache(cache)
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
-        self.sampler = Sampler(generation, seed_offset=1)
-        self.text = IncrementalText(adapter.detokenize, generation.stop)
+        self.sampler = Sampler(config, seed_offset=1)
+        self.text = IncrementalText(adapter.detokenize, config.stop)
         self.last_token = first_token_id
         self.finish_reason = ""
         self.eviction = None
@@ -78,9 +78,9 @@ class Generation:
         delta = self.text.add(token)
         if self.text.stopped:
             self.finish_reason = "stop"
-        elif token in self.adapter.eos_token_ids and not self.generation.ignore_eos:
+        elif token in self.adapter.eos_token_ids and not self.config.ignore_eos:
             self.finish_reason = "stop"
-        elif len(self.text.token_ids) >= self.generation.max_new_tokens:
+        elif len(self.text.token_ids) >= self.config.max_new_tokens:
             self.finish_reason = "length"
         if self.finish_reason:
             delta += self.text.flush()

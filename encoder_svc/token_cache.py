@@ -163,11 +163,6 @@ class TokenCache:
             stats.disk_bytes = sum(p.stat().st_size for p in self._disk_dir.glob("*.safetensors"))
         return stats
 
-    def clear_memory(self) -> None:
-        with self._lock:
-            self._memory.clear()
-            self._memory_bytes = 0
-
     # -- memory tier (caller holds the lock) ------------------------------------------------
     def _insert_memory(self, key: str, entry: CachedEncoding) -> None:
         budget = self.config.memory_budget_bytes

@@ -140,10 +140,6 @@ class Qwen2VLAdapter(VLMAdapter):
     def text_config(self):
         return self.hf_config.text_config
 
-    @property
-    def placeholder_ids(self) -> frozenset[int]:
-        return frozenset({self.hf_config.video_token_id, self.hf_config.image_token_id})
-
     @torch.inference_mode()
     def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
                       position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

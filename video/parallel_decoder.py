@@ -32,8 +32,7 @@ a retired thread exits at its next frame. A thread stuck forever inside FFmpeg c
 from Python (use the decord backend's process isolation for decoders that hang while holding the
 GIL); its container is closed when it returns. A segfault in FFmpeg kills the process: threads
 trade that isolation for speed: the same plan on a process pool (bench/process_decoder.py) was
-1.04-1.53x slower on every 300 s benchmark row (docs/benchmarks.md), and VIDEO.md found ~300 MB less
-memory with threads.
+1.04-1.53x slower on every 300 s benchmark row (docs/benchmarks.md).
 """
 
 from __future__ import annotations

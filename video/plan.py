@@ -53,9 +53,6 @@ class DecodePlan:
         """Frames that must be decoded: the numerator of the decode floor."""
         return sum(iv.num_decode_frames for iv in self.intervals)
 
-    def share_cost(self, worker: int, seek_cost_frames: float = 0.0) -> float:
-        return sum(self.intervals[p].num_decode_frames + seek_cost_frames for p in self.shares[worker])
-
 
 def make_plan(
     index: VideoIndex,
