@@ -204,3 +204,32 @@ def make_resolution_change(
                     out.mux(packet)
             offset += count
     return path
+
+
+def make_packet_flood(num_packets: int) -> bytes:
+    """Matroska holding one 14-byte 16x16 H.264 frame `num_packets` times at 1000 fps: a valid
+    file that is only long to demux (about 25 bytes a packet)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as out:
+        stream = out.add_stream("libx264", rate=1000, options={"x264-params": "keyint=1", "preset": "ultrafast"})
+        stream.width = stream.height = 16
+        stream.pix_fmt = "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
+        packets = []
+        for i in range(3):
+            frame.pts = i
+            packets += list(stream.encode(frame))
+        packets += list(stream.encode(None))
+        payload = bytes(packets[-1])  # an IDR frame without x264's SEI
+        for i in range(num_packets):
+            packet = av.Packet(payload)
+            packet.pts = packet.dts = i
+            packet.time_base = Fraction(1, 1000)
+            packet.is_keyframe = True
+            packet.stream = stream
+            out.mux(packet)
+    return buf.getvalue()

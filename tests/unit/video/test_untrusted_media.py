@@ -6,14 +6,13 @@ from __future__ import annotations
 import ast
 import io
 import tracemalloc
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.local_http import recording_server
-from tests.media import make_resolution_change, make_video
+from tests.media import make_packet_flood, make_resolution_change, make_video
 from video import simple_decoder
 from video.decord_backend import DecordDecoder
 from video.keyframe_index import KeyframeIndexCache, build_video_index, probe_rotation
@@ -289,34 +288,10 @@ def test_ffmpeg_max_pixels_guard_is_set_on_the_decoder(video_factory):
 # -- budgets of work ---------------------------------------------------------------------------
 
 
-def _packet_flood(num_packets: int) -> bytes:
-    """Matroska holding one 14-byte 16x16 H.264 frame `num_packets` times at 1000 fps."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as out:
-        stream = out.add_stream("libx264", rate=1000, options={"x264-params": "keyint=1", "preset": "ultrafast"})
-        stream.width = stream.height = 16
-        stream.pix_fmt = "yuv420p"
-        frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
-        packets = []
-        for i in range(3):
-            frame.pts = i
-            packets += list(stream.encode(frame))
-        packets += list(stream.encode(None))
-        payload = bytes(packets[-1])  # an IDR frame without x264's SEI
-        for i in range(num_packets):
-            packet = av.Packet(payload)
-            packet.pts = packet.dts = i
-            packet.time_base = Fraction(1, 1000)
-            packet.is_keyframe = True
-            packet.stream = stream
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def test_packet_flood_stops_at_the_demux_time_limit(decoder):
-    data = _packet_flood(20_000)
+    data = make_packet_flood(20_000)
     assert build_video_index(data).num_frames == 20_000  # a valid file, only long to demux
     limits = DecodeLimits(max_demux_s=0.001)
     match = r"limit of 0.001 s \(encoder flag --max-demux-s\)"
