@@ -85,9 +85,6 @@ def content_sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_Stopped = DemuxStopped  # the caller no longer needs the index being built
-
-
 def build_video_index(
     data: bytes,
     limits: DecodeLimits = DecodeLimits(),
@@ -95,7 +92,7 @@ def build_video_index(
     stop: Callable[[], bool] | None = None,
 ) -> VideoIndex:
     """Demux every packet of the first video stream of `data`; raise MediaError if unusable.
-    stop: checked every few hundred packets; when it returns True the pass ends with _Stopped.
+    stop: checked every few hundred packets; when it returns True the pass ends with DemuxStopped.
     The pass ends with MediaLimitError after `limits.max_demux_s`."""
     import av
 
@@ -113,7 +110,7 @@ def build_video_index(
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             check_frame_size(width, height, limits)
-            frame_pts, keyframe_pts = _demux(container, stream, stop_or_deadline)
+            frame_pts, keyframe_pts = demux_pts(container, stream, stop_or_deadline)
             tb = float(stream.time_base)  # type: ignore[arg-type]  # set for every demuxed stream
             codec_name = stream.codec_context.name
             container_format = container.format.name
@@ -148,9 +145,6 @@ def build_video_index(
     )
 
 
-def _demux(container, stream, stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """One pass over the packets, decoding none: (every frame's pts, the keyframes' pts), sorted."""
-    return demux_pts(container, stream, stop)
 
 
 def probe_rotation(data: bytes, limits: DecodeLimits = DecodeLimits()) -> int:
@@ -208,7 +202,7 @@ class KeyframeIndexCache:
             return index
         try:
             return self._insert(build_video_index(data, limits, sha256, stop=cancel.is_set if cancel else None))
-        except _Stopped:
+        except DemuxStopped:
             raise DecodeCancelled("cancelled during the demux pass") from None
 
     def _lookup(self, sha256: str) -> VideoIndex | None:
@@ -233,7 +227,7 @@ class KeyframeIndexCache:
 
         try:
             index = build_video_index(data, limits, sha256="-", stop=known)
-        except _Stopped:
+        except DemuxStopped:
             index = None
         finally:
             hasher.join()

@@ -59,7 +59,7 @@ def test_index_built_while_hashing_equals_the_plain_one_and_hits_stop_early(vide
     assert (cache.num_hits, cache.num_misses) == (0, 1)
 
     checks = []
-    real_demux = keyframe_index._demux
+    real_demux = keyframe_index.demux_pts
 
     def demux_after_the_hash(container, stream, stop=None):
         deadline = time.monotonic() + 5
@@ -72,7 +72,7 @@ def test_index_built_while_hashing_equals_the_plain_one_and_hits_stop_early(vide
 
         return real_demux(container, stream, counting_stop)
 
-    monkeypatch.setattr(keyframe_index, "_demux", demux_after_the_hash)
+    monkeypatch.setattr(keyframe_index, "demux_pts", demux_after_the_hash)
     assert cache.get_or_build(data, DecodeLimits()) is built
     assert (cache.num_hits, cache.num_misses) == (1, 1)
     assert len(checks) == 1  # stopped at the first check, before reading on
