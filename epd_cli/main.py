@@ -134,6 +134,24 @@ def add_http_api_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--media-fetch-timeout", type=float, default=30.0, help="seconds to fetch one media URL")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a flag it does not know is reported as an unknown flag. Left alone,
+    `epd serve --bad-flag x` skips the unknown flag, takes `x` for the role and says "argument
+    role: invalid choice: 'x'", which points at the wrong word."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._arg_strings = list(args) if args is not None else None
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):  # type: ignore[override]
+        if "invalid choice" in message and getattr(self, "_arg_strings", None):
+            unknown = [a for a in self._arg_strings if a.startswith("-") and a != "--"
+                       and a.split("=", 1)[0] not in self._option_string_actions]
+            if unknown:
+                message = f"unknown flag {unknown[0]} (see {self.prog} --help)"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from decode_svc.config import DEFAULT_PORT as DECODE_PORT
     from decode_svc.config import DecodeConfig
@@ -141,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.config import DEFAULT_PORT as GATEWAY_PORT
     from prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
 
-    parser = argparse.ArgumentParser(prog="epd", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="epd", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     ask = sub.add_parser("ask", help="ask a question about a video or image")
     ask.add_argument("video", help="path of a video (MP4, MKV, WebM, MOV, AVI) or image")
