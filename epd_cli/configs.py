@@ -87,6 +87,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         max_upload_bytes=args.max_upload_bytes,
         max_requests_per_client=args.max_requests_per_client,
         max_inflight_body_bytes=args.max_inflight_body_bytes,
+        stage_check_interval_s=args.stage_check_interval,
         http=http_api_config(args),
     )
 

@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
     gw.add_argument("--max-inflight-body-bytes", type=int, default=0,
                     help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
+    gw.add_argument("--stage-check-interval", type=float, default=5.0,
+                    help="seconds between stage health checks; gateway health is NOT_SERVING while a stage "
+                         "is down (0 = check only at start-up)")
     add_http_api_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
     serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)

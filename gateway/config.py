@@ -68,6 +68,9 @@ class GatewayConfig:
     requests; more get HTTP 429 / RESOURCE_EXHAUSTED. 0 = twice the largest HTTP body."""
     stage_timeout_s: float = 600.0
     """Deadline of each call to a stage."""
+    stage_check_interval_s: float = 5.0
+    """Seconds between health checks of the stages; the gateway's grpc.health follows them
+    (NOT_SERVING while one is unreachable). 0 checks only until they first serve."""
     max_transfer_bytes: int = 1 << 30
     """Largest visual-embedding tensor accepted from an encoder."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)

@@ -21,7 +21,6 @@ bodies (gateway/admission.py, shared with the gRPC API).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -32,9 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from aiohttp import web
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.admission import (
     RETRY_AFTER_S,
@@ -58,11 +55,11 @@ from gateway.openai_protocol import (
     usage,
 )
 from gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from gateway.readiness import StageHealth
 from gateway.web.routes import BODY_ROUTES, add_demo_routes
 from stages.contracts import MediaInput, TokenStep
 from transport.auth import bearer_token, key_matches
 from transport.errors import InvalidRequest
-from transport.server import channel_options
 
 log = logging.getLogger(__name__)
 
@@ -275,43 +272,6 @@ def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:
         raise InvalidRequest("the data: URL must be ASCII: data:video/mp4;base64,<payload>") from None
     chat.media_url = ""
     return decode_data_url(url, max_upload_bytes)
-
-
-class StageHealth:
-    """grpc.health checks of every configured stage replica (the `/health` answer)."""
-
-    def __init__(self, config: GatewayConfig, timeout_s: float = 2.0) -> None:
-        self.timeout_s = timeout_s
-        self.addresses = [
-            (stage, address)
-            for stage, addresses in (
-                ("encoder", config.encoder_addresses),
-                ("prefill", config.prefill_addresses),
-                ("decode", config.decode_addresses),
-            )
-            for address in addresses
-        ]
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    async def not_serving(self) -> list[str]:
-        results = await asyncio.gather(*(self._serving(address) for _, address in self.addresses))
-        return [f"{stage} {address}" for (stage, address), ok in zip(self.addresses, results) if not ok]
-
-    async def _serving(self, address: str) -> bool:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=self.timeout_s
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
 
 
 @dataclass

@@ -14,7 +14,7 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics, MeteredPipeline
 from gateway.pipeline import Pipeline
-from gateway.readiness import wait_for_stages
+from gateway.readiness import StageHealth, watch_stages
 from gateway.servicer import SERVICE_NAME, GatewayServicer
 from protos.epd.v1 import gateway_pb2_grpc
 from stages.remote import (
@@ -50,14 +50,9 @@ async def start(
         [SERVICE_NAME],
         interceptors,
     )
-    stages = [*config.encoder_addresses, *config.prefill_addresses, *config.decode_addresses]
-
-    async def become_ready() -> None:
-        await wait_for_stages(stages)
-        await hs.set_serving(True)
-        log.info("gateway serving on port %d", hs.port)
-
-    hs.background_tasks.append(asyncio.ensure_future(become_ready()))
+    # NOT_SERVING until every stage serves, and again whenever one stops (gateway/readiness.py).
+    watch = watch_stages(hs, StageHealth(config), config.stage_check_interval_s)
+    hs.background_tasks.append(asyncio.ensure_future(watch))
     return hs
 
 
@@ -100,7 +95,7 @@ async def main(config: GatewayConfig) -> None:
     admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
     http = None
     if config.http.port:
-        from gateway.http_api import StageHealth, start_http_api  # aiohttp only when asked for
+        from gateway.http_api import start_http_api  # aiohttp only when asked for
 
         http = await start_http_api(config, pipeline, metrics, StageHealth(config), admission)
     hs = await start(config, pipeline, admission)

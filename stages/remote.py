@@ -37,8 +37,8 @@ from stages.contracts import (
 )
 from token_pruning import PruningConfig
 from transport import convert
-from transport.errors import InvalidRequest, UpstreamError
-from transport.server import channel_options
+from transport.errors import InvalidRequest, UpstreamError, stage_error
+from transport.server import RECONNECT_OPTIONS, channel_options
 from transport.tensor_wire import CHUNK_BYTES, TensorAssembler, tensor_to_chunks
 from video.types import SamplingOptions
 
@@ -51,7 +51,7 @@ class ReplicaPool:
             raise ValueError("a stage needs at least one address")
         # round_robin: a `dns:///name-headless:port` target spreads calls over every replica
         # behind the name (gRPC's default pick_first would send all of them to one).
-        options = [*channel_options(), ("grpc.lb_policy_name", "round_robin")]
+        options = [*channel_options(), *RECONNECT_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
         self.channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
         self._next = itertools.cycle(range(len(self.channels)))
 
@@ -61,10 +61,6 @@ class ReplicaPool:
     async def close(self) -> None:
         for ch in self.channels:
             await ch.close()
-
-
-def _upstream(exc: grpc.aio.AioRpcError, stage: str) -> UpstreamError:
-    return UpstreamError(exc.code(), exc.details() or f"{stage} failed")
 
 
 class RemoteEncodeStage(EncodeStage):
@@ -109,7 +105,7 @@ class RemoteEncodeStage(EncodeStage):
                 else:
                     result = msg.result
         except grpc.aio.AioRpcError as exc:
-            raise _upstream(exc, "encode") from None
+            raise stage_error(exc, "encode", request_id) from None
         if result is None:
             raise UpstreamError(grpc.StatusCode.INTERNAL, "the encoder ended without a result")
         return convert.encoded_media_from_proto(result, asm.tensors()["visual_embeds"])
@@ -146,7 +142,7 @@ class RemotePrefillStage(PrefillStage):
         try:
             result = await stub.Prefill(requests(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _upstream(exc, "prefill") from None
+            raise stage_error(exc, "prefill", request_id) from None
         return convert.handle_from_proto(result)
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
@@ -162,7 +158,7 @@ class RemotePrefillStage(PrefillStage):
             request = prefill_pb2.ReleaseKvRequest(kv_handle=handle.kv_handle, request_id=request_id)
             await stub.ReleaseKv(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _upstream(exc, "releasing a KV cache") from None
+            raise stage_error(exc, "prefill", request_id) from None
 
 
 class RemoteDecodeStage(DecodeStage):
@@ -190,4 +186,4 @@ class RemoteDecodeStage(DecodeStage):
             async for msg in stub.Generate(request, timeout=self.timeout_s):
                 yield convert.token_step_from_proto(msg)
         except grpc.aio.AioRpcError as exc:
-            raise _upstream(exc, "decode") from None
+            raise stage_error(exc, "decode", request_id) from None

@@ -46,11 +46,39 @@ class DeadlineExceeded(EpdError):
 
 
 class UpstreamError(EpdError):
-    """A downstream service answered with a status; the gateway passes it on unchanged."""
+    """A downstream service answered with a status; the gateway passes it on (see `stage_error`)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+# Statuses that gRPC itself raises (no connection, deadline, transport faults) or that our
+# services give only with a generic text: their details carry peer addresses and gRPC debug
+# strings, never anything a client can act on. Every other status comes from `rpc_errors` of
+# our own stage, whose message was written for the client.
+_SANITISED = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
+    grpc.StatusCode.INTERNAL: "failed",
+    grpc.StatusCode.UNKNOWN: "failed",
+    grpc.StatusCode.UNIMPLEMENTED: "failed",
+    grpc.StatusCode.DATA_LOSS: "failed",
+}
+
+
+def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> UpstreamError:
+    """The client-safe error for a stage's failed call: `stage` is "encode", "prefill" or
+    "decode". Transport-level statuses get a fixed message naming the stage and the request
+    id (the detail goes to the server log under that id); our stage's own messages pass on."""
+    code = exc.code()
+    what = _SANITISED.get(code)
+    if what is None:
+        return UpstreamError(code, exc.details() or f"{stage} stage failed (request id {request_id})")
+    log.warning(
+        "request %s: %s stage -> %s: %s | %s", request_id, stage, code.name, exc.details(), exc.debug_error_string()
+    )
+    return UpstreamError(code, f"{stage} stage {what} (request id {request_id})")
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -62,6 +90,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, MediaError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
+        # Normally turned into `stage_error` at the call site; a raw one may hold addresses.
+        if exc.code() in _SANITISED:
+            log.warning("upstream call -> %s: %s", exc.code().name, exc.details())
+            return exc.code(), "an upstream service failed; the server log has details"
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.INTERNAL, "internal error; the server log has details"
 

@@ -61,6 +61,11 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
+# A restarted peer is found within seconds rather than after gRPC's default reconnect backoff
+# (growing to 120 s): for the gateway's channels to its stages and its health checks of them.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 class HealthyServer:
     """A started server plus its health servicer (NOT_SERVING until `set_serving`)."""
 
