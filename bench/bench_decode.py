@@ -25,24 +25,20 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.process_decoder import ProcessShareDecoder  # noqa: E402
+from epd.bench.process_decoder import ProcessShareDecoder  # noqa: E402
+from epd.video import simple_decoder  # noqa: E402
+from epd.video.decord_backend import DecordDecoder, decord_available  # noqa: E402
+from epd.video.keyframe_index import KeyframeIndexCache, build_video_index  # noqa: E402
+from epd.video.media_open import open_video  # noqa: E402
+from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
+from epd.video.plan import make_plan  # noqa: E402
+from epd.video.types import SamplingOptions  # noqa: E402
 from tests.media import make_video  # noqa: E402
-from video import simple_decoder  # noqa: E402
-from video.decord_backend import DecordDecoder, decord_available  # noqa: E402
-from video.keyframe_index import KeyframeIndexCache, build_video_index  # noqa: E402
-from video.media_open import open_video  # noqa: E402
-from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
-from video.plan import make_plan  # noqa: E402
-from video.types import SamplingOptions  # noqa: E402
 
 FPS = 30.0
 

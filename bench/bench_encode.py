@@ -23,21 +23,18 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import torch  # noqa: E402
 
-from encoder_svc.config import EncoderConfig  # noqa: E402
-from encoder_svc.engine import EncoderEngine  # noqa: E402
-from encoder_svc.token_cache import TokenCacheConfig  # noqa: E402
-from model_runtime.config import ModelConfig  # noqa: E402
-from model_runtime.loader import load_adapter  # noqa: E402
-from model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
-from stages.contracts import MediaInput  # noqa: E402
+from epd.encoder_svc.config import EncoderConfig  # noqa: E402
+from epd.encoder_svc.engine import EncoderEngine  # noqa: E402
+from epd.encoder_svc.token_cache import TokenCacheConfig  # noqa: E402
+from epd.model_runtime.config import ModelConfig  # noqa: E402
+from epd.model_runtime.loader import load_adapter  # noqa: E402
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
+from epd.stages.contracts import MediaInput  # noqa: E402
+from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
+from epd.video.types import DecodeLimits, SamplingOptions  # noqa: E402
 from tests.media import make_video  # noqa: E402
-from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
-from video.types import DecodeLimits, SamplingOptions  # noqa: E402
 
 
 def median_s(fn, repeats: int) -> float:

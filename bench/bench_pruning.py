@@ -29,25 +29,22 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from decode_svc.engine import DecodeEngine  # noqa: E402
-from encoder_svc.config import EncoderConfig  # noqa: E402
-from encoder_svc.engine import EncoderEngine  # noqa: E402
-from encoder_svc.token_cache import TokenCacheConfig  # noqa: E402
-from model_runtime.config import ModelConfig  # noqa: E402
-from model_runtime.loader import load_adapter  # noqa: E402
-from model_runtime.sampling import GenerationConfig  # noqa: E402
-from model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
-from prefill_svc.config import PrefillConfig  # noqa: E402
-from prefill_svc.engine import PrefillEngine  # noqa: E402
-from stages.contracts import MediaInput  # noqa: E402
-from token_pruning import PruningConfig  # noqa: E402
-from video.types import SamplingOptions  # noqa: E402
+from epd.decode_svc.engine import DecodeEngine  # noqa: E402
+from epd.encoder_svc.config import EncoderConfig  # noqa: E402
+from epd.encoder_svc.engine import EncoderEngine  # noqa: E402
+from epd.encoder_svc.token_cache import TokenCacheConfig  # noqa: E402
+from epd.model_runtime.config import ModelConfig  # noqa: E402
+from epd.model_runtime.loader import load_adapter  # noqa: E402
+from epd.model_runtime.sampling import GenerationConfig  # noqa: E402
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
+from epd.prefill_svc.config import PrefillConfig  # noqa: E402
+from epd.prefill_svc.engine import PrefillEngine  # noqa: E402
+from epd.stages.contracts import MediaInput  # noqa: E402
+from epd.token_pruning import PruningConfig  # noqa: E402
+from epd.video.types import SamplingOptions  # noqa: E402
 
 SPEC = TinyVLMSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=2, vision_depth=4, vision_embed_dim=256, vision_num_heads=4,

@@ -17,19 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
+from epd.video.keyframe_index import build_video_index  # noqa: E402
+from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
+from epd.video.types import DecodeLimits, MediaLimitError, SamplingOptions  # noqa: E402
 from tests.media import make_packet_flood, make_video  # noqa: E402
-from video.keyframe_index import build_video_index  # noqa: E402
-from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
-from video.types import DecodeLimits, MediaLimitError, SamplingOptions  # noqa: E402
 
 
 def median_s(fn, repeats: int) -> float:

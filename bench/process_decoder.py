@@ -1,7 +1,7 @@
 """The parallel decoder's algorithm on worker *processes* instead of threads (benchmark only).
 
 Issue #3 asks whether decode workers should be threads or processes. The served decoder
-(`video.parallel_decoder`) uses threads; this runs the same plan and the same per-share decode
+(`epd.video.parallel_decoder`) uses threads; this runs the same plan and the same per-share decode
 loop (`_seek` / `_decode_iter`, non-reference skipping included) in a pool of spawned processes,
 in the best case for processes: the video bytes go to the workers once through shared memory, and
 each worker writes its frames straight into a shared output array (nothing is pickled but the
@@ -17,13 +17,13 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from video.budget import DecodeBudget
-from video.keyframe_index import VideoIndex, build_video_index, probe_rotation
-from video.media_open import open_video
-from video.parallel_decoder import _NONREF_SKIP_CODECS, _decode_iter, _seek
-from video.plan import make_plan
-from video.simple_decoder import frame_to_rgb, scaled_size
-from video.types import DecodeLimits, SamplingOptions
+from epd.video.budget import DecodeBudget
+from epd.video.keyframe_index import VideoIndex, build_video_index, probe_rotation
+from epd.video.media_open import open_video
+from epd.video.parallel_decoder import _NONREF_SKIP_CODECS, _decode_iter, _seek
+from epd.video.plan import make_plan
+from epd.video.simple_decoder import frame_to_rgb, scaled_size
+from epd.video.types import DecodeLimits, SamplingOptions
 
 
 def _decode_share_in_process(

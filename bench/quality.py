@@ -1,9 +1,9 @@
 """`epd bench quality`: accuracy on the synthetic test split, through the serving path.
 
-    PYTHONPATH=. python -c "import sys, bench.quality as q; sys.exit(q.main(sys.argv[1:]))" \
+    PYTHONPATH=. python -c "import sys, epd.bench.quality as q; sys.exit(q.main(sys.argv[1:]))" \
         --presets off,light,budget25,balanced,aggressive --out bench_results/quality
 
-Every question of the test split goes through `gateway.embedded.build_embedded_pipeline` (the
+Every question of the test split goes through `epd.gateway.embedded.build_embedded_pipeline` (the
 embedded Encode -> Prefill -> Decode pipeline `epd ask` runs: the same decoder, frame sampling,
 preprocessing, prompt, prefill and decode as the services), greedy, and the answer counts as
 correct when it equals the one-word label exactly (after stripping spaces and lowercasing).
@@ -37,7 +37,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESET_NAMES: tuple[str, ...] = ("off", "light", "budget25", "balanced", "aggressive")
 # Fixed retention levels (issue #4's benchmark settings, as `bench/bench_pruning.py --drop-layers 0 1`
 # runs them): only the prefill drop, staged at layers 0 and 1, keeping this share of the visual
@@ -54,7 +53,7 @@ ALL_PRESETS: tuple[str, ...] = (*PRESET_NAMES, *RETENTION_SETTINGS)
 
 def pruning_for(name: str):
     """The PruningConfig of a preset or of a retention setting."""
-    from token_pruning import PruningConfig
+    from epd.token_pruning import PruningConfig
 
     if name in RETENTION_SETTINGS:
         return PruningConfig(**RETENTION_SETTINGS[name])
@@ -142,7 +141,7 @@ def _row(preset: str, qtype: str, group: list[Answer]) -> dict:
 
 def pruning_supported() -> bool:
     """True once the pipeline's AskRequest takes a `pruning` option."""
-    from gateway.pipeline import AskRequest
+    from epd.gateway.pipeline import AskRequest
 
     return "pruning" in {f.name for f in dataclasses.fields(AskRequest)}
 
@@ -158,11 +157,11 @@ def runnable_presets(presets: tuple[str, ...]) -> tuple[list[str], list[str]]:
 
 
 def build_test_split(out_dir: Path, num_test_clips: int) -> None:
-    """`python -m synth.dataset` with only a test split."""
-    cmd = [sys.executable, "-m", "synth.dataset", "--out", str(out_dir), "--num-train", "0",
+    """`python -m epd.synth.dataset` with only a test split."""
+    cmd = [sys.executable, "-m", "epd.synth.dataset", "--out", str(out_dir), "--num-train", "0",
            "--num-validation", "0", "--num-test", str(num_test_clips)]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def _retained_tokens(summary) -> tuple[int, int]:
@@ -177,10 +176,10 @@ def _retained_tokens(summary) -> tuple[int, int]:
 async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: QualityConfig) -> PresetResult:
     from tqdm import tqdm
 
-    from gateway.pipeline import AskRequest, AskSummary
-    from model_runtime.sampling import GenerationConfig
-    from stages.contracts import MediaInput
-    from video.types import SamplingOptions
+    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.stages.contracts import MediaInput
+    from epd.video.types import SamplingOptions
 
     extra = {}
     if pruning_supported():
@@ -211,10 +210,10 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
 
 def evaluate(config: QualityConfig, data_dir: Path, presets: list[str]) -> list[PresetResult]:
     """Answer every test question under each preset with one loaded model."""
-    from gateway.embedded import build_embedded_pipeline
-    from model_runtime.config import ModelConfig
-    from model_runtime.loader import load_adapter
-    from synth.manifest import read_manifest
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.loader import load_adapter
+    from epd.synth.manifest import read_manifest
 
     records = read_manifest(data_dir, split="test")
     if config.max_questions:
@@ -256,7 +255,7 @@ def format_table(results: list[PresetResult]) -> str:
 
 
 def write_outputs(results: list[PresetResult], out_dir: Path, info: dict) -> dict[str, Path]:
-    from train.png_plot import Series, line_plot
+    from epd.train.png_plot import Series, line_plot
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out_dir / "quality.csv", "answers": out_dir / "quality_answers.csv",
@@ -329,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = tempfile.mkdtemp(prefix="epd-quality-")
             data_dir = Path(tmp)
             build_test_split(data_dir, config.num_test_clips)
-        from model_runtime.loader import resolve_model_path
+        from epd.model_runtime.loader import resolve_model_path
 
         t0 = time.perf_counter()
         results = evaluate(config, data_dir, presets)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from epd.resources import sample_video
+
 DEFAULT_QUESTIONS = ["what colour is the circle?", "how many objects are there in the video?",
                      "which direction does the square move?", "what happens at the end?"]
 
@@ -91,7 +93,7 @@ def _options(args) -> dict:
 
 
 async def run_stack(args, inputs, progress) -> tuple[list[RequestResult], float]:
-    from epd_client import AsyncEpdClient
+    from epd.client import AsyncEpdClient
 
     results: list[RequestResult] = []
     rng = random.Random(args.seed)
@@ -139,9 +141,9 @@ def run_hf_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]
     from transformers.generation.streamers import BaseStreamer
     from transformers.video_utils import VideoMetadata
 
-    from model_runtime.loader import resolve_model_path
-    from video import simple_decoder
-    from video.types import SamplingOptions
+    from epd.model_runtime.loader import resolve_model_path
+    from epd.video import simple_decoder
+    from epd.video.types import SamplingOptions
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
@@ -193,12 +195,12 @@ def run_hf_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]
 
 
 def run_embedded_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]:
-    from gateway.embedded import build_embedded_pipeline
-    from gateway.pipeline import AskRequest
-    from model_runtime.config import ModelConfig
-    from model_runtime.sampling import GenerationConfig
-    from stages.contracts import MediaInput, TokenStep
-    from video.types import SamplingOptions
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.gateway.pipeline import AskRequest
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.stages.contracts import MediaInput, TokenStep
+    from epd.video.types import SamplingOptions
 
     pipeline = build_embedded_pipeline(ModelConfig(model=args.model, num_threads=args.threads))
 
@@ -231,7 +233,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="epd bench serve", description=__doc__.split("\n")[0])
     p.add_argument("--endpoint", required=True, help="HOST:PORT of the stack's gateway")
     p.add_argument("--model", default="default", help="the model the stack serves (for the baselines)")
-    p.add_argument("--videos", nargs="+", default=[str(Path(__file__).resolve().parents[1] / "samples/sample.mp4")])
+    p.add_argument("--videos", nargs="+", default=[str(sample_video())])
     p.add_argument("--questions", nargs="*", default=[])
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=0.0, help="requests/s (Poisson); 0 = all at once")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decode_svc.kv_sources import parse_allow_list
-from model_runtime.config import ModelConfig
-from transport.server import ServerConfig
+from epd.decode_svc.kv_sources import parse_allow_list
+from epd.model_runtime.config import ModelConfig
+from epd.transport.server import ServerConfig
 
 DEFAULT_PORT = 50053
 

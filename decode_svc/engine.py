@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from decode_svc.eviction import DecodeEviction
-from model_runtime.adapter import VLMAdapter
-from model_runtime.detokenizer import IncrementalText
-from model_runtime.kv_cache import KvCache
-from model_runtime.sampling import GenerationConfig, Sampler
-from stages.contracts import TokenStep
-from token_pruning import PruningConfig
-from transport.errors import InvalidRequest
+from epd.decode_svc.eviction import DecodeEviction
+from epd.model_runtime.adapter import VLMAdapter
+from epd.model_runtime.detokenizer import IncrementalText
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.sampling import GenerationConfig, Sampler
+from epd.stages.contracts import TokenStep
+from epd.token_pruning import PruningConfig
+from epd.transport.errors import InvalidRequest
 
 
 class Generation:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from token_pruning import OutputAwareEviction, PruningConfig, resolve_keep_count
-from token_pruning.query_capture import QueryCapture
+from epd.token_pruning import OutputAwareEviction, PruningConfig, resolve_keep_count
+from epd.token_pruning.query_capture import QueryCapture
 
 
 class DecodeEviction:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from decode_svc.config import DecodeConfig
-from decode_svc.engine import DecodeEngine
-from decode_svc.kv_pull import KvPuller
-from decode_svc.servicer import SERVICE_NAME, DecodeServicer
-from model_runtime.loader import load_adapter
-from protos.epd.v1 import decode_pb2_grpc
-from stages.model_thread import ModelThread
-from transport.server import HealthyServer, create_server, serve_until_signal
+from epd.decode_svc.config import DecodeConfig
+from epd.decode_svc.engine import DecodeEngine
+from epd.decode_svc.kv_pull import KvPuller
+from epd.decode_svc.servicer import SERVICE_NAME, DecodeServicer
+from epd.model_runtime.loader import load_adapter
+from epd.stages.model_thread import ModelThread
+from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.v1 import decode_pb2_grpc
 
 log = logging.getLogger(__name__)
 

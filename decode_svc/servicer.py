@@ -12,15 +12,15 @@ import logging
 import time
 from contextlib import aclosing
 
-from decode_svc.config import DecodeConfig
-from decode_svc.engine import DecodeEngine, stream_tokens
-from decode_svc.kv_pull import KvPuller
-from model_runtime.sampling import GenerationConfig
-from protos.epd.v1 import decode_pb2, decode_pb2_grpc
-from stages.contracts import TokenStep
-from stages.model_thread import ModelThread
-from transport import convert
-from transport.errors import InvalidRequest, Unavailable, rpc_errors
+from epd.decode_svc.config import DecodeConfig
+from epd.decode_svc.engine import DecodeEngine, stream_tokens
+from epd.decode_svc.kv_pull import KvPuller
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import TokenStep
+from epd.stages.model_thread import ModelThread
+from epd.transport import convert
+from epd.transport.errors import InvalidRequest, Unavailable, rpc_errors
+from epd.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)
 

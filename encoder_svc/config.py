@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from encoder_svc.token_cache import TokenCacheConfig
-from model_runtime.config import ModelConfig
-from transport.server import ServerConfig
-from video.parallel_decoder import ParallelDecodeConfig
-from video.types import DecodeLimits, SamplingOptions
+from epd.encoder_svc.token_cache import TokenCacheConfig
+from epd.model_runtime.config import ModelConfig
+from epd.transport.server import ServerConfig
+from epd.video.parallel_decoder import ParallelDecodeConfig
+from epd.video.types import DecodeLimits, SamplingOptions
 
 DEFAULT_PORT = 50051
 

@@ -1,7 +1,7 @@
 """Encode: media bytes -> sampled frames -> visual token embeddings. No gRPC, no asyncio here.
 
 A request's life (`EncoderEngine.encode`, which blocks; the caller runs it on one of the
-request-pool threads of `stages.request_pool`, `--max-concurrent-decodes` of them):
+request-pool threads of `epd.stages.request_pool`, `--max-concurrent-decodes` of them):
   1. The cache key is the media's sha256 plus everything that changes the tokens (sampling,
      model fingerprint, preprocessing bounds). A hit returns the stored embeddings: nothing is
      decoded or encoded.
@@ -37,16 +37,16 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from encoder_svc.config import EncoderConfig
-from encoder_svc.pruning import encode_stage_pruning
-from encoder_svc.token_cache import TokenCache, make_cache_key
-from model_runtime.adapter import VisionInputs, VisualMeta, VLMAdapter
-from stages.contracts import EncodedMedia, EventSink, MediaInput, RequestCancelled, StageEvent
-from token_pruning import PruningConfig, PruningStats
-from transport.errors import NotFound, ResourceExhausted
-from video.decord_backend import DecordDecoder
-from video.parallel_decoder import ParallelDecoder
-from video.types import DecodeCancelled, DecodedVideo, SamplingOptions
+from epd.encoder_svc.config import EncoderConfig
+from epd.encoder_svc.pruning import encode_stage_pruning
+from epd.encoder_svc.token_cache import TokenCache, make_cache_key
+from epd.model_runtime.adapter import VisionInputs, VisualMeta, VLMAdapter
+from epd.stages.contracts import EncodedMedia, EventSink, MediaInput, RequestCancelled, StageEvent
+from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport.errors import NotFound, ResourceExhausted
+from epd.video.decord_backend import DecordDecoder
+from epd.video.parallel_decoder import ParallelDecoder
+from epd.video.types import DecodeCancelled, DecodedVideo, SamplingOptions
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from token_pruning import (
+from epd.token_pruning import (
     PruningConfig,
     PruningStats,
     prune_encoded_tokens,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from encoder_svc.config import EncoderConfig
-from encoder_svc.engine import EncoderEngine
-from encoder_svc.servicer import SERVICE_NAME, EncoderServicer
-from model_runtime.loader import load_adapter
-from protos.epd.v1 import encoder_pb2_grpc
-from stages.local import LocalEncodeStage
-from stages.model_thread import ModelThread
-from transport.server import HealthyServer, create_server, serve_until_signal
+from epd.encoder_svc.config import EncoderConfig
+from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.servicer import SERVICE_NAME, EncoderServicer
+from epd.model_runtime.loader import load_adapter
+from epd.stages.local import LocalEncodeStage
+from epd.stages.model_thread import ModelThread
+from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.v1 import encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 
-from encoder_svc.config import EncoderConfig
-from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
-from stages.contracts import EncodeStage
-from stages.events import Finished, with_events
-from transport import convert
-from transport.errors import Unavailable, rpc_errors
-from transport.tensor_wire import tensor_to_chunks
-from transport.upload import media_input, read_upload
+from epd.encoder_svc.config import EncoderConfig
+from epd.stages.contracts import EncodeStage
+from epd.stages.events import Finished, with_events
+from epd.transport import convert
+from epd.transport.errors import Unavailable, rpc_errors
+from epd.transport.tensor_wire import tensor_to_chunks
+from epd.transport.upload import media_input, read_upload
+from epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 

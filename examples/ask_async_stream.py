@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import sys
 
-from epd_client import AskResult, AsyncEpdClient, RetryPolicy, StageEvent, TokenDelta
+from epd.client import AskResult, AsyncEpdClient, RetryPolicy, StageEvent, TokenDelta
 
 
 async def stream_one(client: AsyncEpdClient, video: str, question: str) -> None:

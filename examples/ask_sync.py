@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from epd_client import EpdClient, EpdError
+from epd.client import EpdClient, EpdError
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model_runtime.config import ModelConfig
-from transport.server import ServerConfig
+from epd.model_runtime.config import ModelConfig
+from epd.transport.server import ServerConfig
 
 DEFAULT_PORT = 50052
 

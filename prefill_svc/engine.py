@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_runtime.adapter import VisualMeta, VLMAdapter
-from model_runtime.kv_cache import KvCache
-from model_runtime.sampling import GenerationConfig, Sampler
-from prefill_svc.config import PrefillConfig
-from prefill_svc.pruned_prefill import pruned_prefill
-from stages.contracts import EncodedMedia
-from token_pruning import PruningConfig, PruningStats
-from transport.errors import InvalidRequest, ResourceExhausted
+from epd.model_runtime.adapter import VisualMeta, VLMAdapter
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.sampling import GenerationConfig, Sampler
+from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.pruned_prefill import pruned_prefill
+from epd.stages.contracts import EncodedMedia
+from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport.errors import InvalidRequest, ResourceExhausted
 
 
 @dataclass

@@ -12,8 +12,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from model_runtime.kv_cache import KvCache
-from transport.errors import NotFound, ResourceExhausted
+from epd.model_runtime.kv_cache import KvCache
+from epd.transport.errors import NotFound, ResourceExhausted
 
 
 @dataclass

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.adapter import PrefillState, Prompt
-from model_runtime.kv_cache import KvCache
-from token_pruning import (
+from epd.model_runtime.adapter import PrefillState, Prompt
+from epd.model_runtime.kv_cache import KvCache
+from epd.token_pruning import (
     ModelSizes,
     PruningConfig,
     PruningStats,
@@ -32,8 +32,8 @@ from token_pruning import (
     staged_keep_counts,
     text_prior_scores,
 )
-from token_pruning.layerwise_prefill import prefill_with_drop
-from token_pruning.query_capture import QueryCapture
+from epd.token_pruning.layerwise_prefill import prefill_with_drop
+from epd.token_pruning.query_capture import QueryCapture
 
 
 @dataclass

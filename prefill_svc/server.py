@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 
-from model_runtime.loader import load_adapter
-from prefill_svc.config import PrefillConfig
-from prefill_svc.engine import PrefillEngine
-from prefill_svc.kv_store import KvStore
-from prefill_svc.servicer import SERVICE_NAME, PrefillServicer
-from protos.epd.v1 import prefill_pb2_grpc
-from stages.local import LocalPrefillStage
-from stages.model_thread import ModelThread
-from transport.server import HealthyServer, create_server, serve_until_signal
+from epd.model_runtime.loader import load_adapter
+from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.engine import PrefillEngine
+from epd.prefill_svc.kv_store import KvStore
+from epd.prefill_svc.servicer import SERVICE_NAME, PrefillServicer
+from epd.stages.local import LocalPrefillStage
+from epd.stages.model_thread import ModelThread
+from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.v1 import prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 

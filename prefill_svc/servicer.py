@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 
-from model_runtime.sampling import GenerationConfig
-from prefill_svc.config import PrefillConfig
-from prefill_svc.kv_store import KvStore
-from protos.epd.v1 import prefill_pb2, prefill_pb2_grpc
-from stages.contracts import PrefillStage
-from transport import convert
-from transport.errors import InvalidRequest, Unavailable, rpc_errors
-from transport.tensor_wire import TensorAssembler, tensor_to_chunks
+from epd.model_runtime.sampling import GenerationConfig
+from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.kv_store import KvStore
+from epd.stages.contracts import PrefillStage
+from epd.transport import convert
+from epd.transport.errors import InvalidRequest, Unavailable, rpc_errors
+from epd.transport.tensor_wire import TensorAssembler, tensor_to_chunks
+from epd.v1 import prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 .venv/bin/ruff check . || exit 1
-.venv/bin/mypy model_runtime stages transport encoder_svc prefill_svc decode_svc gateway video \
-  token_pruning epd_cli epd_client || exit 1
+.venv/bin/mypy epd || exit 1
 export OMP_NUM_THREADS=1
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Qwen2-VL and Qwen2.5-VL checkpoints built from the real configs, saved with save_pretrained."""
-    from model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+    from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     root = tmp_path_factory.mktemp("models")
     return {

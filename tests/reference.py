@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from video import simple_decoder
-from video.types import DecodedVideo, SamplingOptions
+from epd.video import simple_decoder
+from epd.video.types import DecodedVideo, SamplingOptions
 
 
 def decode_for_test(path: Path, num_frames: int) -> DecodedVideo:

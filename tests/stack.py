@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from epd_cli.health import is_serving
+from epd.cli.health import is_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def epd_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "epd_cli.main", *args]
+    return [sys.executable, "-m", "epd.cli.main", *args]
 
 
 def child_env() -> dict[str, str]:

@@ -23,24 +23,24 @@ prefill drop at a layer -> KV compression -> decode eviction. Every stage keeps 
 and reports its counts into `PruningStats`.
 """
 
-from token_pruning.accounting import ModelSizes, PruningStats, prefill_flops, tokens_per_layer
-from token_pruning.attention_scores import ReceivedAttention, received_attention
-from token_pruning.budget import resolve_keep_count, staged_keep_counts
-from token_pruning.config import PRESETS, PruningConfig
-from token_pruning.decode_policy import OutputAwareEviction
-from token_pruning.encode_stage import EncodedTokens, prune_encoded_tokens
-from token_pruning.grid import TokenGrid
-from token_pruning.key_tokens import key_token_scores, select_key_tokens
-from token_pruning.kv_compress import KVCompressionResult, compress_kv_cache, text_prior_scores
-from token_pruning.positions import PrunedPrompt, gather_prompt, prompt_keep_indices, visual_positions
-from token_pruning.spatial_merge import MergeResult, spatial_merge
-from token_pruning.temporal import (
+from epd.token_pruning.accounting import ModelSizes, PruningStats, prefill_flops, tokens_per_layer
+from epd.token_pruning.attention_scores import ReceivedAttention, received_attention
+from epd.token_pruning.budget import resolve_keep_count, staged_keep_counts
+from epd.token_pruning.config import PRESETS, PruningConfig
+from epd.token_pruning.decode_policy import OutputAwareEviction
+from epd.token_pruning.encode_stage import EncodedTokens, prune_encoded_tokens
+from epd.token_pruning.grid import TokenGrid
+from epd.token_pruning.key_tokens import key_token_scores, select_key_tokens
+from epd.token_pruning.kv_compress import KVCompressionResult, compress_kv_cache, text_prior_scores
+from epd.token_pruning.positions import PrunedPrompt, gather_prompt, prompt_keep_indices, visual_positions
+from epd.token_pruning.spatial_merge import MergeResult, spatial_merge
+from epd.token_pruning.temporal import (
     SparseVisionInputs,
     TemporalDropResult,
     sparse_vision_inputs,
     temporal_redundancy_mask,
 )
-from token_pruning.text_guided import (
+from epd.token_pruning.text_guided import (
     PrefillDropResult,
     dual_rule_select,
     question_query_positions,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from token_pruning.attention_scores import received_attention
+from epd.token_pruning.attention_scores import received_attention
 
 
 @dataclass

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from token_pruning.config import PruningConfig
-from token_pruning.grid import TokenGrid
-from token_pruning.key_tokens import select_key_tokens
-from token_pruning.spatial_merge import spatial_merge
-from token_pruning.temporal import _rows
+from epd.token_pruning.config import PruningConfig
+from epd.token_pruning.grid import TokenGrid
+from epd.token_pruning.key_tokens import select_key_tokens
+from epd.token_pruning.spatial_merge import spatial_merge
+from epd.token_pruning.temporal import _rows
 
 
 @dataclass(frozen=True)

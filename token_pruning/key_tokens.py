@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from token_pruning.budget import resolve_keep_count
-from token_pruning.grid import TokenGrid
+from epd.token_pruning.budget import resolve_keep_count
+from epd.token_pruning.grid import TokenGrid
 
 
 def key_token_scores(embeddings: torch.Tensor, grid: TokenGrid, score: str = "distinct") -> torch.Tensor:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from token_pruning.budget import kv_bytes_per_position, resolve_keep_count, visual_keep_count_from_bytes
+from epd.token_pruning.budget import kv_bytes_per_position, resolve_keep_count, visual_keep_count_from_bytes
 
 KVCache = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -196,7 +196,7 @@ def text_prior_scores(
     query_states: per layer [1, heads, Q, D] rotated queries of the question tokens (the last
     text of the prompt); caches: the prefill cache, whose keys are the full key set.
     """
-    from token_pruning.attention_scores import received_attention
+    from epd.token_pruning.attention_scores import received_attention
 
     return [
         received_attention(q, k, query_positions, scored_keys=visual_index).total

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from token_pruning.budget import resolve_keep_count, staged_keep_counts
-from token_pruning.query_capture import rotated_states
-from token_pruning.text_guided import PrefillDropResult, question_query_positions, text_guided_drop
+from epd.token_pruning.budget import resolve_keep_count, staged_keep_counts
+from epd.token_pruning.query_capture import rotated_states
+from epd.token_pruning.text_guided import PrefillDropResult, question_query_positions, text_guided_drop
 
 
 @dataclass

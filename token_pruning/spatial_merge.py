@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from token_pruning.grid import TokenGrid
+from epd.token_pruning.grid import TokenGrid
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from token_pruning.attention_scores import received_attention
-from token_pruning.budget import resolve_keep_count
-from token_pruning.positions import prompt_keep_indices
+from epd.token_pruning.attention_scores import received_attention
+from epd.token_pruning.budget import resolve_keep_count
+from epd.token_pruning.positions import prompt_keep_indices
 
 
 def question_query_positions(seq_len: int, visual_index: torch.Tensor, window: int = 0) -> torch.Tensor:

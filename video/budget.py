@@ -6,7 +6,7 @@ in-band, a 7 KB file may hold one 1080p frame or a million 16x16 ones. So:
     it is converted: the frame must be within `max_source_pixels`, and the request's running total
     of decoded pixels (each frame counted as at least MIN_PIXELS_PER_FRAME) within
     `max_decoded_pixels`. `check_decoder_size` turns an FFmpeg error
-    raised because a frame was over FFmpeg's own `max_pixels` guard (video.media_open) into the
+    raised because a frame was over FFmpeg's own `max_pixels` guard (epd.video.media_open) into the
     same MediaLimitError.
   - `DemuxDeadline` bounds the demux (index) pass in wall time: `max_demux_s`.
 Every message names the limit and the encoder flag that tunes it.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
-from video.types import DecodeLimits, MediaLimitError
+from epd.video.types import DecodeLimits, MediaLimitError
 
 MIN_PIXELS_PER_FRAME = 1 << 16
 """Each decoded frame is charged at least this many pixels (256x256): a frame has a fixed cost

@@ -9,7 +9,7 @@ parent copies out. A request that takes longer than `timeout_s` kills the child;
 request starts a fresh one.
 
 Untrusted bytes: decord probes the container itself (its FFmpeg 4, every demuxer, no whitelist),
-so the parent first vets them with `video.media_open.sniff_container` (only MP4/MOV, Matroska/
+so the parent first vets them with `epd.video.media_open.sniff_container` (only MP4/MOV, Matroska/
 WebM, AVI and MPEG-TS reach the child) and builds the index through `open_video`. What runs
 inside decord cannot be charged frame by frame: the decoded-pixel budget is checked up front
 from the plan (keyframe to last target of each interval, at the index's frame size), and a frame
@@ -42,12 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from video.budget import MIN_PIXELS_PER_FRAME
-from video.keyframe_index import KeyframeIndexCache
-from video.media_open import sniff_container
-from video.plan import make_intervals
-from video.simple_decoder import check_size, decode_image, scaled_size, select_frames
-from video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
+from epd.video.budget import MIN_PIXELS_PER_FRAME
+from epd.video.keyframe_index import KeyframeIndexCache
+from epd.video.media_open import sniff_container
+from epd.video.plan import make_intervals
+from epd.video.simple_decoder import check_size, decode_image, scaled_size, select_frames
+from epd.video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from video.budget import DecodeBudget, DemuxDeadline, check_frame_size
-from video.media_open import open_video
-from video.simple_decoder import _CORRUPT, DemuxStopped, FrameIndex, check_duration, check_size, demux_pts
-from video.types import DecodeCancelled, DecodeLimits, MediaError
+from epd.video.budget import DecodeBudget, DemuxDeadline, check_frame_size
+from epd.video.media_open import open_video
+from epd.video.simple_decoder import _CORRUPT, DemuxStopped, FrameIndex, check_duration, check_size, demux_pts
+from epd.video.types import DecodeCancelled, DecodeLimits, MediaError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from video.types import DecodeLimits, MediaError, MediaLimitError
+from epd.video.types import DecodeLimits, MediaError, MediaLimitError
 
 if TYPE_CHECKING:
     from av.container import InputContainer
@@ -48,7 +48,7 @@ a playable stream needs a PAT, a PMT and a video packet)."""
 _FFMPEG_MAX_PIXELS_FACTOR = 2
 """FFmpeg checks `max_pixels` against the frame with its width rounded up to its stride
 alignment (up to 64), so its guard is set to twice the limit: frames between the limit and the
-guard are decoded and then refused by the per-frame check (video.budget), frames past the guard
+guard are decoded and then refused by the per-frame check (epd.video.budget), frames past the guard
 are never allocated."""
 
 

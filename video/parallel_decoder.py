@@ -7,7 +7,7 @@ A request's life:
      limits fail here, before any thread is involved. The result's shape is known now, so
      the returned `FrameGroupStream` carries the metadata (sampled_fps, timestamps) up front.
   2. Each share becomes one task on the pool's queue. A worker thread opens its own container
-     (through `video.media_open`, like every decode path; one codec context is not thread-safe)
+     (through `epd.video.media_open`, like every decode path; one codec context is not thread-safe)
      with `thread_count=1`, and for each interval seeks to its keyframe (or decodes forward when
      the keyframe is only a few frames ahead), decodes until it holds every target, charging
      every decoded frame to the request's `DecodeBudget`, and writes each target straight into
@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from video.budget import DecodeBudget
-from video.keyframe_index import KeyframeIndexCache, VideoIndex
-from video.media_open import open_video, sniff_container
-from video.plan import DecodePlan, make_plan
-from video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, gather_slots
-from video.types import DecodeCancelled, DecodedVideo, DecodeLimits, MediaError, SamplingOptions
+from epd.video.budget import DecodeBudget
+from epd.video.keyframe_index import KeyframeIndexCache, VideoIndex
+from epd.video.media_open import open_video, sniff_container
+from epd.video.plan import DecodePlan, make_plan
+from epd.video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, gather_slots
+from epd.video.types import DecodeCancelled, DecodedVideo, DecodeLimits, MediaError, SamplingOptions
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """From a sampling request to keyframe-aligned decode intervals dealt out to workers (pure functions).
 
-1. `select_frames` (the rule in `video.types`) picks one frame pts per output slot.
+1. `select_frames` (the rule in `epd.video.types`) picks one frame pts per output slot.
 2. `make_intervals` groups the distinct picked frames by the keyframe at or before each: one
    interval per keyframe, from that keyframe (where a worker seeks) to its last target (where the
    worker stops). Neighbouring intervals are merged when the frames between them are fewer than
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from video.keyframe_index import VideoIndex
-from video.simple_decoder import select_frames
-from video.types import SamplingOptions
+from epd.video.keyframe_index import VideoIndex
+from epd.video.simple_decoder import select_frames
+from epd.video.types import SamplingOptions
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The reference decoder: one demux pass for timestamps, then one sequential decode.
 
 It is correct by construction and is what every faster backend is checked against. It follows the
-frame selection rule in `video.types`. Images (JPEG, PNG, WebP) come back as one frame.
+frame selection rule in `epd.video.types`. Images (JPEG, PNG, WebP) come back as one frame.
 
-Media is opened only through `video.media_open` (a sniffed, allow-listed container, no nested
-I/O) and every decoded frame is charged to the request's `video.budget.DecodeBudget`. A frame
+Media is opened only through `epd.video.media_open` (a sniffed, allow-listed container, no nested
+I/O) and every decoded frame is charged to the request's `epd.video.budget.DecodeBudget`. A frame
 picked for several slots (more slots than the clip has frames) is decoded and converted once;
 only the returned [T, H, W, 3] array repeats it.
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from video.budget import DecodeBudget, DemuxDeadline, check_frame_size
-from video.media_open import SEND_SUPPORTED, open_image, open_video, sniff_container
-from video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
+from epd.video.budget import DecodeBudget, DemuxDeadline, check_frame_size
+from epd.video.media_open import SEND_SUPPORTED, open_image, open_video, sniff_container
+from epd.video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from epd_cli.health import is_serving
+from epd.cli.health import is_serving
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import ROOT, child_env, epd_command, free_port
 

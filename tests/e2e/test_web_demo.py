@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_client import EpdClient
+from epd.client import EpdClient
 from tests.stack import Stack, free_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from epd_client import EpdClient, EpdError
+from epd.client import EpdClient, EpdError
 from tests.stack import Stack
 
 UPLOAD_LIMIT_BYTES = 200_000
@@ -90,7 +90,7 @@ def test_stack_still_serves_after_errors(stack, client, media_files):
 
 def test_decode_refuses_unlisted_kv_source(stack):
     """A client must not make the decoder connect anywhere: kv_address outside --allow-kv-from."""
-    from protos.epd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
+    from epd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 
     with grpc.insecure_channel(stack.address("decode")) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)

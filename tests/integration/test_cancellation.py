@@ -19,8 +19,8 @@ import time
 import grpc
 import pytest
 
-from epd_client import AskResult, AsyncEpdClient, EpdClient, EpdError, StageEvent
-from protos.epd.v1 import prefill_pb2, prefill_pb2_grpc
+from epd.client import AskResult, AsyncEpdClient, EpdClient, EpdError, StageEvent
+from epd.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.media import make_video
 from tests.stack import Stack
 

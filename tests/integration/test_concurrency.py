@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from epd_client import AsyncEpdClient
+from epd.client import AsyncEpdClient
 from tests.stack import Stack
 
 REQUESTS = [

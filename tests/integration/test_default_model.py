@@ -23,7 +23,7 @@ NUM_CLIPS = 10
 @pytest.fixture(scope="module")
 def test_clips(tmp_path_factory) -> Path:
     """The first 10 clips (and 1 still image) of the test split, with their manifest."""
-    from synth.dataset import DatasetConfig, build_dataset
+    from epd.synth.dataset import DatasetConfig, build_dataset
 
     out = tmp_path_factory.mktemp("synth_test")
     build_dataset(out, DatasetConfig(num_videos={"test": NUM_CLIPS}), progress=False)
@@ -33,12 +33,12 @@ def test_clips(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipeline_answers(test_clips) -> list[tuple[object, str]]:
     """(record, generated answer) for every question of the clips, through the embedded pipeline."""
-    from gateway.embedded import build_embedded_pipeline
-    from gateway.pipeline import AskRequest, AskSummary
-    from model_runtime.config import ModelConfig
-    from model_runtime.sampling import GenerationConfig
-    from stages.contracts import MediaInput
-    from synth.manifest import read_manifest
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.stages.contracts import MediaInput
+    from epd.synth.manifest import read_manifest
 
     pipeline = build_embedded_pipeline(ModelConfig(model=str(SHIPPED)))
 
@@ -59,9 +59,9 @@ def pipeline_answers(test_clips) -> list[tuple[object, str]]:
 
 
 def test_shipped_model_is_the_default_and_is_trained():
-    from model_runtime.default_model import default_model_path, is_meaningless
+    from epd.model_runtime.default_model import default_model_path, is_meaningless
 
-    assert (SHIPPED / "config.json").exists(), "models/epd-tiny-videoqa is missing; run train.train_default_model"
+    assert (SHIPPED / "config.json").exists(), "models/epd-tiny-videoqa is missing; run epd.train.train_default_model"
     assert not is_meaningless(SHIPPED)
     card = json.loads((SHIPPED / "epd_model_card.json").read_text())
     assert card["accuracy"]["test"] >= 0.9
@@ -79,8 +79,8 @@ def test_from_pretrained_generate_answers_the_bundled_sample():
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from video.simple_decoder import decode
-    from video.types import SamplingOptions
+    from epd.video.simple_decoder import decode
+    from epd.video.types import SamplingOptions
 
     processor = AutoProcessor.from_pretrained(SHIPPED)
     model = AutoModelForImageTextToText.from_pretrained(SHIPPED).eval()
@@ -117,9 +117,9 @@ def test_answers_ten_test_clips_through_the_serving_pipeline(pipeline_answers):
 def test_training_accuracy_equals_served_greedy_answers(test_clips, pipeline_answers):
     """The trainer's teacher-forced accuracy says 'correct' exactly when the served greedy answer
     is right: training inputs are prepared as the serving path prepares them."""
-    from model_runtime.config import ModelConfig
-    from model_runtime.qwen2_vl import Qwen2VLAdapter
-    from train.train_default_model import evaluate, load_split
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
+    from epd.train.train_default_model import evaluate, load_split
 
     adapter = Qwen2VLAdapter(str(SHIPPED), ModelConfig(), {"vision", "language"})
     examples, media = load_split(test_clips, "test", adapter, progress=False)
@@ -135,7 +135,7 @@ def test_training_accuracy_equals_served_greedy_answers(test_clips, pipeline_ans
 def test_bench_quality_writes_consistent_outputs(tmp_path, test_clips):
     from PIL import Image
 
-    from bench.quality import main
+    from epd.bench.quality import main
 
     out = tmp_path / "quality"
     rc = main(["--model", str(SHIPPED), "--data", str(test_clips), "--max-questions", "20",
@@ -164,14 +164,14 @@ def test_bench_quality_writes_consistent_outputs(tmp_path, test_clips):
 
 
 def test_bench_quality_refuses_an_unknown_preset(tmp_path, capsys):
-    from bench.quality import main
+    from epd.bench.quality import main
 
     assert main(["--presets", "off,extreme", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "unknown preset(s) ['extreme']" in capsys.readouterr().err
 
 
 def test_bench_quality_retention_setting_keeps_its_share_of_tokens(tmp_path, test_clips):
-    from bench.quality import RETENTION_SETTINGS, main, pruning_for
+    from epd.bench.quality import RETENTION_SETTINGS, main, pruning_for
 
     assert pruning_for("keep25").prefill_keep_ratio == 0.25 and pruning_for("keep25-kvbf16").kv_dtype == "bfloat16"
     assert set(RETENTION_SETTINGS) == {"keep50", "keep25", "keep10", "keep25-kvbf16"}

@@ -9,16 +9,16 @@ import hashlib
 import pytest
 import torch
 
-from encoder_svc.config import EncoderConfig
-from encoder_svc.engine import EncoderEngine
-from encoder_svc.token_cache import TokenCacheConfig
-from epd_client import EpdClient, EpdError
-from model_runtime.config import ModelConfig
-from model_runtime.loader import load_adapter
-from stages.contracts import MediaInput
+from epd.client import EpdClient, EpdError
+from epd.encoder_svc.config import EncoderConfig
+from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.token_cache import TokenCacheConfig
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.loader import load_adapter
+from epd.stages.contracts import MediaInput
+from epd.transport.errors import NotFound
+from epd.video.types import SamplingOptions
 from tests.stack import Stack
-from transport.errors import NotFound
-from video.types import SamplingOptions
 
 QUESTION = "what colour is the square?"
 
@@ -108,7 +108,7 @@ def test_cache_can_be_disabled(adapter, media_files):
 
 
 def test_decord_backend_gives_the_same_tokens(adapter, media_files):
-    from video.decord_backend import decord_available
+    from epd.video.decord_backend import decord_available
 
     if not decord_available():
         pytest.skip("decord is not installed (optional backend: pip install 'epd[decord]')")

@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 
-from epd_client import EpdClient
-from gateway.embedded import build_embedded_pipeline
-from gateway.pipeline import AskRequest, AskSummary
-from model_runtime.config import ModelConfig
-from model_runtime.sampling import GenerationConfig
-from stages.contracts import MediaInput
+from epd.client import EpdClient
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest, AskSummary
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import MediaInput
+from epd.video.types import SamplingOptions
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import Stack
-from video.types import SamplingOptions
 
 QUESTION = "what colour is the moving square?"
 MAX_NEW_TOKENS = 20

@@ -15,7 +15,7 @@ import urllib.request
 import openai
 import pytest
 
-from epd_client import EpdClient
+from epd.client import EpdClient
 from tests.stack import Stack, free_port
 
 API_KEY = "test-key-123"

@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
-from epd_client import EpdClient
-from gateway.admission import max_body_bytes
-from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from epd.client import EpdClient
+from epd.gateway.admission import max_body_bytes
+from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.raw_http import Connection, Response, request
 from tests.stack import ROOT, Stack, free_port
 

@@ -10,15 +10,15 @@ import grpc
 import numpy as np
 import pytest
 
-from gateway.embedded import build_embedded_pipeline
-from gateway.pipeline import AskRequest, AskSummary
-from model_runtime.config import ModelConfig
-from model_runtime.sampling import GenerationConfig
-from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from stages.contracts import MediaInput
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest, AskSummary
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import MediaInput
+from epd.token_pruning import PruningConfig
+from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from epd.video.types import SamplingOptions
 from tests.stack import Stack
-from token_pruning import PruningConfig
-from video.types import SamplingOptions
 
 QUESTION = "what colour is the square?"
 

@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
-from epd_cli.health import is_serving
-from epd_client import (
+from epd.cli.health import is_serving
+from epd.client import (
     NO_RETRY,
     AskResult,
     AsyncEpdClient,
@@ -27,10 +27,10 @@ from epd_client import (
     StageEvent,
     TokenDelta,
 )
-from gateway.config import GatewayConfig
-from gateway.server import remote_pipeline
-from gateway.servicer import GatewayServicer
-from protos.epd.v1 import gateway_pb2_grpc
+from epd.gateway.config import GatewayConfig
+from epd.gateway.server import remote_pipeline
+from epd.gateway.servicer import GatewayServicer
+from epd.v1 import gateway_pb2_grpc
 from tests.stack import ROOT, Stack, child_env, epd_command, free_port
 
 API_KEY = "sdk-test-key"

@@ -15,10 +15,10 @@ import urllib.request
 import grpc
 import pytest
 
-from epd_cli.health import is_serving
-from epd_client import EpdClient
-from epd_client.retry import RetryPolicy
-from epd_client.types import EpdError
+from epd.cli.health import is_serving
+from epd.client import EpdClient
+from epd.client.retry import RetryPolicy
+from epd.client.types import EpdError
 from tests.stack import ROOT, Stack, child_env, free_port
 
 MESSAGE = re.compile(r"^decode stage unavailable \(request id [0-9a-f]+\)$")

@@ -1,4 +1,4 @@
-"""`python -m train.train_default_model` end to end on a tiny setting: it trains with the dense
+"""`python -m epd.train.train_default_model` end to end on a tiny setting: it trains with the dense
 auxiliary loss, saves a checkpoint that loads through from_pretrained, and reuses prepared data."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 def test_training_run_saves_a_loadable_model_and_reuses_prepared_splits(tmp_path):
     from transformers import Qwen2VLForConditionalGeneration
 
-    from synth.dataset import DatasetConfig, build_dataset
-    from train.train_default_model import main
+    from epd.synth.dataset import DatasetConfig, build_dataset
+    from epd.train.train_default_model import main
 
     data = tmp_path / "data"
     build_dataset(data, DatasetConfig(num_videos={"train": 3, "validation": 1, "test": 1}, image_ratio=0.0),

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from epd_client import EpdClient, EpdError
+from epd.client import EpdClient, EpdError
 from tests.local_http import recording_server
 from tests.media import make_resolution_change, make_video
 from tests.stack import ROOT, Stack, child_env, epd_command, free_port

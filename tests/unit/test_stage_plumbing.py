@@ -23,22 +23,22 @@ from contextlib import aclosing
 import pytest
 import torch
 
-from encoder_svc.config import EncoderConfig
-from encoder_svc.engine import EncoderEngine
-from encoder_svc.token_cache import TokenCacheConfig
-from gateway.embedded import build_embedded_pipeline
-from gateway.pipeline import AskRequest, AskSummary
-from model_runtime.config import ModelConfig
-from model_runtime.loader import load_adapter
-from model_runtime.sampling import GenerationConfig
-from prefill_svc.kv_store import KvStore
-from stages.contracts import MediaInput, StageEvent
-from stages.events import Finished, with_events
-from stages.local import LocalEncodeStage
-from stages.model_thread import ModelThread
-from stages.request_pool import RequestPool
-from transport.errors import InvalidRequest, ResourceExhausted
-from video.types import DecodedVideo, SamplingOptions
+from epd.encoder_svc.config import EncoderConfig
+from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.token_cache import TokenCacheConfig
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest, AskSummary
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.loader import load_adapter
+from epd.model_runtime.sampling import GenerationConfig
+from epd.prefill_svc.kv_store import KvStore
+from epd.stages.contracts import MediaInput, StageEvent
+from epd.stages.events import Finished, with_events
+from epd.stages.local import LocalEncodeStage
+from epd.stages.model_thread import ModelThread
+from epd.stages.request_pool import RequestPool
+from epd.transport.errors import InvalidRequest, ResourceExhausted
+from epd.video.types import DecodedVideo, SamplingOptions
 
 HANG_GUARD_S = 120.0
 SAMPLING = SamplingOptions(num_frames=6)  # 3 frame groups of 2
@@ -267,7 +267,7 @@ def test_with_events_yields_the_result_and_raises_the_calls_error():
 
 
 def test_kv_store_release_is_idempotent():
-    from model_runtime.kv_cache import KvCache
+    from epd.model_runtime.kv_cache import KvCache
 
     k = torch.zeros(1, 2, 3, 4)
     store = KvStore(max_bytes=10_000, ttl_s=10)
@@ -316,8 +316,8 @@ def test_embedded_pipeline_leaves_no_kv_cache_however_the_request_ends(embedded,
 def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos):
     """A real remote decode stage refuses the in-process handle (it has no kv_address) before
     pulling: the pipeline must release the cache prefill stored."""
-    from gateway.pipeline import Pipeline
-    from stages.remote import RemoteDecodeStage, ReplicaPool
+    from epd.gateway.pipeline import Pipeline
+    from epd.stages.remote import RemoteDecodeStage, ReplicaPool
 
     store: KvStore = embedded.prefill.kv_store
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from encoder_svc.token_cache import TokenCache, TokenCacheConfig, make_cache_key
+from epd.encoder_svc.token_cache import TokenCache, TokenCacheConfig, make_cache_key
 
 SHA = hashlib.sha256(b"video bytes").hexdigest()
 PARAMS = {

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.epd.v1 import decode_pb2 as protos_dot_epd_dot_v1_dot_decode__pb2
+from epd.v1 import decode_pb2 as epd_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/epd/v1/decode_pb2_grpc.py depends on'
+        + ' but the generated code in epd/v1/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class DecodeServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/epd.v1.DecodeService/Generate',
-                request_serializer=protos_dot_epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_epd_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
+                request_serializer=epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -58,8 +58,8 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_epd_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_epd_dot_v1_dot_decode__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=epd_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_decode__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,8 +88,8 @@ class DecodeService:
             request,
             target,
             '/epd.v1.DecodeService/Generate',
-            protos_dot_epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
-            protos_dot_epd_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
+            epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+            epd_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

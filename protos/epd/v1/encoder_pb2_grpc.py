@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.epd.v1 import encoder_pb2 as protos_dot_epd_dot_v1_dot_encoder__pb2
+from epd.v1 import encoder_pb2 as epd_dot_v1_dot_encoder__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/epd/v1/encoder_pb2_grpc.py depends on'
+        + ' but the generated code in epd/v1/encoder_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,8 +38,8 @@ class EncoderServiceStub:
         """
         self.Encode = channel.stream_stream(
                 '/epd.v1.EncoderService/Encode',
-                request_serializer=protos_dot_epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
-                response_deserializer=protos_dot_epd_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
+                request_serializer=epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
                 _registered_method=True)
 
 
@@ -61,8 +61,8 @@ def add_EncoderServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Encode': grpc.stream_stream_rpc_method_handler(
                     servicer.Encode,
-                    request_deserializer=protos_dot_epd_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
-                    response_serializer=protos_dot_epd_dot_v1_dot_encoder__pb2.EncodeResponse.SerializeToString,
+                    request_deserializer=epd_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_encoder__pb2.EncodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,8 +92,8 @@ class EncoderService:
             request_iterator,
             target,
             '/epd.v1.EncoderService/Encode',
-            protos_dot_epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
-            protos_dot_epd_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
+            epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
+            epd_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.epd.v1 import gateway_pb2 as protos_dot_epd_dot_v1_dot_gateway__pb2
+from epd.v1 import gateway_pb2 as epd_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/epd/v1/gateway_pb2_grpc.py depends on'
+        + ' but the generated code in epd/v1/gateway_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class GatewayServiceStub:
         """
         self.Ask = channel.stream_stream(
                 '/epd.v1.GatewayService/Ask',
-                request_serializer=protos_dot_epd_dot_v1_dot_gateway__pb2.AskRequest.SerializeToString,
-                response_deserializer=protos_dot_epd_dot_v1_dot_gateway__pb2.AskResponse.FromString,
+                request_serializer=epd_dot_v1_dot_gateway__pb2.AskRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_gateway__pb2.AskResponse.FromString,
                 _registered_method=True)
 
 
@@ -59,8 +59,8 @@ def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Ask': grpc.stream_stream_rpc_method_handler(
                     servicer.Ask,
-                    request_deserializer=protos_dot_epd_dot_v1_dot_gateway__pb2.AskRequest.FromString,
-                    response_serializer=protos_dot_epd_dot_v1_dot_gateway__pb2.AskResponse.SerializeToString,
+                    request_deserializer=epd_dot_v1_dot_gateway__pb2.AskRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_gateway__pb2.AskResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,8 +89,8 @@ class GatewayService:
             request_iterator,
             target,
             '/epd.v1.GatewayService/Ask',
-            protos_dot_epd_dot_v1_dot_gateway__pb2.AskRequest.SerializeToString,
-            protos_dot_epd_dot_v1_dot_gateway__pb2.AskResponse.FromString,
+            epd_dot_v1_dot_gateway__pb2.AskRequest.SerializeToString,
+            epd_dot_v1_dot_gateway__pb2.AskResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.epd.v1 import prefill_pb2 as protos_dot_epd_dot_v1_dot_prefill__pb2
+from epd.v1 import prefill_pb2 as epd_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/epd/v1/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in epd/v1/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,18 +38,18 @@ class PrefillServiceStub:
         """
         self.Prefill = channel.stream_unary(
                 '/epd.v1.PrefillService/Prefill',
-                request_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
+                request_serializer=epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
                 _registered_method=True)
         self.PullKv = channel.unary_stream(
                 '/epd.v1.PrefillService/PullKv',
-                request_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
-                response_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.KvChunk.FromString,
+                request_serializer=epd_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.KvChunk.FromString,
                 _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
                 '/epd.v1.PrefillService/ReleaseKv',
-                request_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
-                response_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
+                request_serializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
                 _registered_method=True)
 
 
@@ -88,18 +88,18 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.stream_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PrefillResult.SerializeToString,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.PrefillResult.SerializeToString,
             ),
             'PullKv': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKv,
-                    request_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
-                    response_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.KvChunk.SerializeToString,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.KvChunk.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
-                    request_deserializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
-                    response_serializer=protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.SerializeToString,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,8 +129,8 @@ class PrefillService:
             request_iterator,
             target,
             '/epd.v1.PrefillService/Prefill',
-            protos_dot_epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            protos_dot_epd_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
+            epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -156,8 +156,8 @@ class PrefillService:
             request,
             target,
             '/epd.v1.PrefillService/PullKv',
-            protos_dot_epd_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
-            protos_dot_epd_dot_v1_dot_prefill__pb2.KvChunk.FromString,
+            epd_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.KvChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -183,8 +183,8 @@ class PrefillService:
             request,
             target,
             '/epd.v1.PrefillService/ReleaseKv',
-            protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
-            protos_dot_epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
+            epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
             options,
             channel_credentials,
             insecure,

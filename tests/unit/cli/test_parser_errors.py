@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_cli.main import build_parser
+from epd.cli.main import build_parser
 
 
 @pytest.mark.parametrize(

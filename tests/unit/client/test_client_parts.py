@@ -9,9 +9,9 @@ import io
 import grpc
 import pytest
 
-from epd_client import MediaSource, RetryPolicy, build_header
-from epd_client.channel import ChannelSettings, open_channel
-from transport.auth import bearer_token, key_matches
+from epd.client import MediaSource, RetryPolicy, build_header
+from epd.client.channel import ChannelSettings, open_channel
+from epd.transport.auth import bearer_token, key_matches
 
 
 def test_backoff_grows_then_caps():
@@ -110,7 +110,7 @@ def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():
 
 
 def test_tls_needs_an_existing_root_certificate_file(tmp_path):
-    from epd_client import RetryPolicy as Policy
+    from epd.client import RetryPolicy as Policy
 
     with pytest.raises(FileNotFoundError, match="root certificates file not found"):
         open_channel(

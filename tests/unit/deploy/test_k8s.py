@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode_svc.config import DEFAULT_PORT as DECODE_PORT
-from decode_svc.kv_pull import KvPuller
-from encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
-from epd_cli import configs
-from epd_cli.main import build_parser
-from gateway.config import DEFAULT_PORT as GATEWAY_PORT
-from prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
-from transport.errors import InvalidRequest
+from epd.cli import configs
+from epd.cli.main import build_parser
+from epd.decode_svc.config import DEFAULT_PORT as DECODE_PORT
+from epd.decode_svc.kv_pull import KvPuller
+from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
+from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
+from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
+from epd.transport.errors import InvalidRequest
 
 K8S_DIR = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 STAGES = ("encoder", "prefill", "decode")

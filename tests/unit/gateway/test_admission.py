@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.admission import (
+from epd.gateway.admission import (
     JSON_ALLOWANCE_BYTES,
     Admission,
     AdmissionLimits,
@@ -14,8 +14,8 @@ from gateway.admission import (
     max_body_bytes,
     peer_host,
 )
-from gateway.config import GatewayConfig
-from transport.errors import status_of
+from epd.gateway.config import GatewayConfig
+from epd.transport.errors import status_of
 
 
 def test_a_client_gets_at_most_its_slots_and_others_are_unaffected():

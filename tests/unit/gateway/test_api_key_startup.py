@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.config import GatewayConfig, HttpApiConfig
-from gateway.server import open_without_key
-from transport.server import ServerConfig
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.server import open_without_key
+from epd.transport.server import ServerConfig
 
 
 def _free_port() -> int:
@@ -28,7 +28,7 @@ def _free_port() -> int:
 def _epd(*args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "EPD_API_KEY"}
     return subprocess.Popen(
-        [sys.executable, "-m", "epd_cli.main", "serve", "gateway", *args],
+        [sys.executable, "-m", "epd.cli.main", "serve", "gateway", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -8,10 +8,10 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from gateway.config import GatewayConfig, HttpApiConfig
-from gateway.http_api import HttpApi
-from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.http_api import HttpApi
+from epd.gateway.metrics import GatewayMetrics
+from epd.gateway.pipeline import Pipeline
 
 UPLOAD_LIMIT_BYTES = 1000
 

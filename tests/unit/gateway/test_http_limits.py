@@ -13,11 +13,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.admission import max_body_bytes
-from gateway.config import GatewayConfig, HttpApiConfig
-from gateway.http_api import HttpApi
-from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline
+from epd.gateway.admission import max_body_bytes
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.http_api import HttpApi
+from epd.gateway.metrics import GatewayMetrics
+from epd.gateway.pipeline import Pipeline
 from tests.raw_http import Connection, request
 
 UPLOAD_LIMIT_BYTES = 30_000

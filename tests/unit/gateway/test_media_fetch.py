@@ -12,8 +12,8 @@ import os
 import pytest
 from aiohttp import web
 
-from gateway.config import MediaFetchConfig
-from gateway.media_fetch import (
+from epd.gateway.config import MediaFetchConfig
+from epd.gateway.media_fetch import (
     MediaRefused,
     check_url,
     decode_data_url,
@@ -23,7 +23,7 @@ from gateway.media_fetch import (
     local_media_path,
     resolve_checked,
 )
-from transport.errors import DeadlineExceeded, InvalidRequest, NotFound, ResourceExhausted
+from epd.transport.errors import DeadlineExceeded, InvalidRequest, NotFound, ResourceExhausted
 
 # -- data: URLs
 

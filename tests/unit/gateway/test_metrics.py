@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry, format_value
-from gateway.pipeline import AskSummary
-from stages.contracts import StageEvent, TokenStep
-from transport.errors import InvalidRequest
+from epd.gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry, format_value
+from epd.gateway.pipeline import AskSummary
+from epd.stages.contracts import StageEvent, TokenStep
+from epd.transport.errors import InvalidRequest
 
 
 def test_exposition_text():
@@ -147,9 +147,9 @@ def test_closing_after_the_summary_counts_as_ok():
 def test_stage_queue_gauges_follow_a_request():
     import asyncio
 
-    from gateway.metrics import GatewayMetrics
-    from gateway.pipeline import AskSummary
-    from stages.contracts import StageEvent, TokenStep
+    from epd.gateway.metrics import GatewayMetrics
+    from epd.gateway.pipeline import AskSummary
+    from epd.stages.contracts import StageEvent, TokenStep
 
     metrics = GatewayMetrics()
     seen = []

@@ -7,10 +7,10 @@ import re
 import grpc
 import pytest
 
-from gateway.openai_protocol import http_status_of, parse_chat_request
-from model_runtime.sampling import GenerationConfig
-from transport.errors import InvalidRequest, NotFound
-from video.types import SamplingOptions
+from epd.gateway.openai_protocol import http_status_of, parse_chat_request
+from epd.model_runtime.sampling import GenerationConfig
+from epd.transport.errors import InvalidRequest, NotFound
+from epd.video.types import SamplingOptions
 
 MODEL = "epd"
 

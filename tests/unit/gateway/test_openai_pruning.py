@@ -2,11 +2,11 @@
 
 import pytest
 
-from gateway.openai_protocol import kept_token_grid, parse_chat_request
-from gateway.pipeline import AskSummary
-from model_runtime.sampling import GenerationConfig
-from transport.errors import InvalidRequest
-from video.types import SamplingOptions
+from epd.gateway.openai_protocol import kept_token_grid, parse_chat_request
+from epd.gateway.pipeline import AskSummary
+from epd.model_runtime.sampling import GenerationConfig
+from epd.transport.errors import InvalidRequest
+from epd.video.types import SamplingOptions
 
 BODY = {"messages": [{"role": "user", "content": [
     {"type": "text", "text": "what?"},

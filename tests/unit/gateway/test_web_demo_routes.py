@@ -12,13 +12,13 @@ import aiohttp
 from aiohttp import web
 from PIL import Image
 
-from gateway.config import GatewayConfig, HttpApiConfig
-from gateway.http_api import HttpApi
-from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.http_api import HttpApi
+from epd.gateway.metrics import GatewayMetrics
+from epd.gateway.pipeline import Pipeline
+from epd.video.simple_decoder import decode
+from epd.video.types import SamplingOptions
 from tests.media import make_video
-from video.simple_decoder import decode
-from video.types import SamplingOptions
 
 
 async def _session(api_key: str, fn):

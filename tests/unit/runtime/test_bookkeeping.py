@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from model_runtime.config import ModelConfig
-from model_runtime.detokenizer import IncrementalText
-from model_runtime.kv_cache import KvCache
-from model_runtime.sampling import GenerationConfig, Sampler
-from prefill_svc.kv_store import KvStore
-from transport.errors import NotFound, ResourceExhausted
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.detokenizer import IncrementalText
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.sampling import GenerationConfig, Sampler
+from epd.prefill_svc.kv_store import KvStore
+from epd.transport.errors import NotFound, ResourceExhausted
 
 
 def _cache(num_tokens=3):

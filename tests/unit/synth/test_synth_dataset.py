@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from synth.dataset import DatasetConfig, audit_dataset, build_dataset, main
-from synth.manifest import ManifestRecord, read_manifest, write_manifest
-from synth.splits import SPLITS, seed_for, split_of
+from epd.synth.dataset import DatasetConfig, audit_dataset, build_dataset, main
+from epd.synth.manifest import ManifestRecord, read_manifest, write_manifest
+from epd.synth.splits import SPLITS, seed_for, split_of
 
 SMALL = DatasetConfig(num_videos={"train": 4, "validation": 2, "test": 2}, image_ratio=0.5)
 

@@ -2,19 +2,19 @@
 
 Each clip is rendered, encoded with x264, decoded again with PyAV, and measured: blob counts per
 frame, the colour under each object's centre, centroid motion, and a from-pixels answer to every
-question (synth.oracle). The last tests transform the decoded frames (mirror, time reversal) and
+question (epd.synth.oracle). The last tests transform the decoded frames (mirror, time reversal) and
 check that the pixel answers change the way they must, so the measurement can't pass vacuously.
 """
 
 import numpy as np
 import pytest
 
-from synth.measure import COLOUR_NAMES, count_blobs, decode_media, label_pixels, track_objects
-from synth.oracle import answer_from_frames, answer_from_tracks
-from synth.questions import VIDEO_QUESTION_TYPES, make_questions
-from synth.render import encode_mp4, encode_png, render_frame, render_frames
-from synth.scene import END_EVENTS, generate_image_scene, generate_scene
-from synth.splits import seed_for
+from epd.synth.measure import COLOUR_NAMES, count_blobs, decode_media, label_pixels, track_objects
+from epd.synth.oracle import answer_from_frames, answer_from_tracks
+from epd.synth.questions import VIDEO_QUESTION_TYPES, make_questions
+from epd.synth.render import encode_mp4, encode_png, render_frame, render_frames
+from epd.synth.scene import END_EVENTS, generate_image_scene, generate_scene
+from epd.synth.splits import seed_for
 
 # Test-split clips 0..7 hold every question type and every end event (asserted below).
 VIDEO_SEEDS = [seed_for("test", "video", i) for i in range(8)] + [

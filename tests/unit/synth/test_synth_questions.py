@@ -3,14 +3,14 @@
 import re
 from collections import Counter
 
-from synth.questions import (
+from epd.synth.questions import (
     ANSWER_VOCAB,
     IMAGE_QUESTION_TYPES,
     VIDEO_QUESTION_TYPES,
     make_questions,
     tokenizer_words,
 )
-from synth.scene import generate_image_scene, generate_scene
+from epd.synth.scene import generate_image_scene, generate_scene
 
 
 def test_vocabulary_is_small_and_lowercase_ascii():

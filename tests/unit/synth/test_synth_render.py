@@ -6,8 +6,8 @@ import av
 import numpy as np
 import pytest
 
-from synth.render import EncodeConfig, encode_mp4, encode_png, render_frames
-from synth.scene import SceneConfig, generate_scene
+from epd.synth.render import EncodeConfig, encode_mp4, encode_png, render_frames
+from epd.synth.scene import SceneConfig, generate_scene
 
 
 def test_same_seed_renders_the_same_bytes():

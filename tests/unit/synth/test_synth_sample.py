@@ -7,12 +7,12 @@ from pathlib import Path
 import av
 import numpy as np
 
-from synth.measure import decode_media
-from synth.oracle import answer_from_frames
-from synth.render import render_frame, render_frames
-from synth.sample import README_QUESTION, find_sample_scene
-from synth.scene import generate_image_scene, generate_scene
-from synth.splits import split_of
+from epd.synth.measure import decode_media
+from epd.synth.oracle import answer_from_frames
+from epd.synth.render import render_frame, render_frames
+from epd.synth.sample import README_QUESTION, find_sample_scene
+from epd.synth.scene import generate_image_scene, generate_scene
+from epd.synth.splits import split_of
 
 SAMPLES = Path(__file__).resolve().parents[3] / "samples"
 
@@ -26,7 +26,7 @@ def test_sample_clip_is_small_h264_from_the_test_split():
         assert ctx.width % 2 == 0 and ctx.height % 2 == 0
     info = json.loads((SAMPLES / "sample.json").read_text())
     assert split_of(info["video"]["seed"]) == "test" and split_of(info["image"]["seed"]) == "test"
-    assert info["video"]["seed"] == find_sample_scene("video").seed  # still what synth.sample picks
+    assert info["video"]["seed"] == find_sample_scene("video").seed  # still what epd.synth.sample picks
 
 
 def test_sample_files_are_what_the_generator_makes_from_their_seeds():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from synth.scene import COLOURS, SceneConfig, generate_image_scene, generate_scene
+from epd.synth.scene import COLOURS, SceneConfig, generate_image_scene, generate_scene
 
 
 def test_same_seed_same_scene_and_different_seeds_differ():

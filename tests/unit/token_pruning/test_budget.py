@@ -4,7 +4,7 @@ import pytest
 
 
 def test_staged_keep_counts_shrink_geometrically_to_the_final_budget():
-    from token_pruning.budget import staged_keep_counts
+    from epd.token_pruning.budget import staged_keep_counts
 
     assert staged_keep_counts(100, 25, 1) == [25]
     assert staged_keep_counts(100, 25, 2) == [50, 25]

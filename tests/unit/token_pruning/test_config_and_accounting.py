@@ -2,15 +2,15 @@ import json
 
 import pytest
 
-from token_pruning.accounting import (
+from epd.token_pruning.accounting import (
     ModelSizes,
     PruningStats,
     layer_prefill_flops,
     prefill_flops,
     tokens_per_layer,
 )
-from token_pruning.budget import keep_count_from_ratio, resolve_keep_count
-from token_pruning.config import PRESETS, PruningConfig
+from epd.token_pruning.budget import keep_count_from_ratio, resolve_keep_count
+from epd.token_pruning.config import PRESETS, PruningConfig
 
 
 def test_default_is_all_off_and_presets_round_trip():
@@ -43,7 +43,7 @@ def test_preset_overrides_and_validation_errors():
 
 
 def test_prefill_keep_target_by_basis():
-    from prefill_svc.pruned_prefill import prefill_keep_target
+    from epd.prefill_svc.pruned_prefill import prefill_keep_target
 
     entering = PruningConfig(prefill_drop=True, prefill_keep_ratio=0.25)
     video = PruningConfig(prefill_drop=True, prefill_keep_ratio=0.25, prefill_keep_basis="video")
@@ -59,8 +59,8 @@ def test_prefill_keep_target_by_basis():
 
 
 def test_staged_prefill_drop_layers_validate_and_cross_the_wire():
-    from transport.convert import pruning_from_proto, pruning_to_proto
-    from transport.errors import InvalidRequest
+    from epd.transport.convert import pruning_from_proto, pruning_to_proto
+    from epd.transport.errors import InvalidRequest
 
     cfg = PruningConfig(prefill_drop=True, prefill_drop_layers=(1, 3), prefill_keep_ratio=0.25)
     assert cfg.drop_layers(num_layers=8) == (1, 3)

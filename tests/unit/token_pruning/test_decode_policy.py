@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from token_pruning.decode_policy import OutputAwareEviction
+from epd.token_pruning.decode_policy import OutputAwareEviction
 
 
 def _weights(num_heads, n, hot, cold_value=1e-4):

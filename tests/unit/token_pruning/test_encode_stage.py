@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from token_pruning.config import PruningConfig
-from token_pruning.encode_stage import prune_encoded_tokens
+from epd.token_pruning.config import PruningConfig
+from epd.token_pruning.encode_stage import prune_encoded_tokens
 
 
 def _embeddings(num, dim=8, seed=0):

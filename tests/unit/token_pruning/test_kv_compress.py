@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from token_pruning.attention_scores import received_attention
-from token_pruning.budget import kv_bytes_per_position
-from token_pruning.kv_compress import cache_bytes, compress_kv_cache, text_prior_scores
+from epd.token_pruning.attention_scores import received_attention
+from epd.token_pruning.budget import kv_bytes_per_position
+from epd.token_pruning.kv_compress import cache_bytes, compress_kv_cache, text_prior_scores
 
 
 def _cache(layers=3, kv_heads=2, seq=30, dim=8, seed=0):

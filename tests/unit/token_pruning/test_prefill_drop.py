@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from token_pruning.attention_scores import received_attention
-from token_pruning.positions import gather_prompt, prompt_keep_indices, visual_positions
-from token_pruning.text_guided import dual_rule_select, question_query_positions, text_guided_drop
+from epd.token_pruning.attention_scores import received_attention
+from epd.token_pruning.positions import gather_prompt, prompt_keep_indices, visual_positions
+from epd.token_pruning.text_guided import dual_rule_select, question_query_positions, text_guided_drop
 
 
 def _qk(heads=6, kv_heads=2, seq=40, queries=5, dim=8, seed=0):

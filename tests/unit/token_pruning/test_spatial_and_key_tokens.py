@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from token_pruning.grid import TokenGrid
-from token_pruning.key_tokens import key_token_scores, select_key_tokens
-from token_pruning.spatial_merge import spatial_merge
+from epd.token_pruning.grid import TokenGrid
+from epd.token_pruning.key_tokens import key_token_scores, select_key_tokens
+from epd.token_pruning.spatial_merge import spatial_merge
 
 
 def _clustered(t=2, h=5, w=7, dim=16, seed=0):

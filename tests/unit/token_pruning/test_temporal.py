@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from epd.token_pruning.temporal import sparse_vision_inputs, temporal_redundancy_mask, vision_patch_positions
 from tests.unit.token_pruning.pruning_media import decode_video, encode_video, process_video, textured_frame
-from token_pruning.temporal import sparse_vision_inputs, temporal_redundancy_mask, vision_patch_positions
 
 
 def _video(tmp_path, frames):

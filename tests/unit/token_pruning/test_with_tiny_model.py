@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from token_pruning.attention_scores import received_attention
-from token_pruning.positions import gather_prompt, visual_positions
-from token_pruning.query_capture import QueryCapture
-from token_pruning.text_guided import question_query_positions, text_guided_drop
+from epd.token_pruning.attention_scores import received_attention
+from epd.token_pruning.positions import gather_prompt, visual_positions
+from epd.token_pruning.query_capture import QueryCapture
+from epd.token_pruning.text_guided import question_query_positions, text_guided_drop
 
 VIDEO_ID = 60
 
@@ -145,7 +145,7 @@ def _reference_with_masks(lm, embeds, position_ids, drop_layer, dropped):
 
 @torch.no_grad()
 def test_layerwise_prefill_without_drop_equals_the_model(model, prompt):
-    from token_pruning.layerwise_prefill import prefill_with_drop
+    from epd.token_pruning.layerwise_prefill import prefill_with_drop
 
     input_ids, embeds, position_ids = prompt
     lm = model.language_model
@@ -161,7 +161,7 @@ def test_layerwise_prefill_without_drop_equals_the_model(model, prompt):
 @torch.no_grad()
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_layerwise_prefill_drop_equals_masking_the_dropped_tokens(model, prompt, attn):
-    from token_pruning.layerwise_prefill import prefill_with_drop
+    from epd.token_pruning.layerwise_prefill import prefill_with_drop
 
     input_ids, embeds, position_ids = prompt
     lm = model.language_model
@@ -192,7 +192,7 @@ def test_layerwise_prefill_drop_equals_masking_the_dropped_tokens(model, prompt,
 def test_staged_drop_at_two_layers_equals_masking_each_stage(model, prompt):
     """Layers (1, 2), 25% kept: 12 visual -> 6 after layer 1 -> 3 after layer 2, the key token
     always among them; every layer equals the full model with the dropped tokens masked."""
-    from token_pruning.layerwise_prefill import prefill_with_drop
+    from epd.token_pruning.layerwise_prefill import prefill_with_drop
 
     input_ids, embeds, position_ids = prompt
     lm = model.language_model
@@ -225,7 +225,7 @@ def test_staged_drop_at_two_layers_equals_masking_each_stage(model, prompt):
 def test_compressed_cache_decodes_and_full_budget_changes_nothing(model, prompt):
     from transformers import DynamicCache
 
-    from token_pruning.kv_compress import compress_kv_cache, text_prior_scores
+    from epd.token_pruning.kv_compress import compress_kv_cache, text_prior_scores
 
     input_ids, embeds, position_ids = prompt
     lm = model.language_model

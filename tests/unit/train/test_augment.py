@@ -10,21 +10,27 @@ import numpy as np
 import pytest
 import torch
 
-from synth.scene import DIRECTIONS, ObjectSpec, Scene, SceneConfig
-from train.augment import mirror_answer, mirror_pixels, mirror_sequence, mirror_targets, mirrored_answer_ids
-from train.aux_targets import IGNORE, token_targets
+from epd.synth.scene import DIRECTIONS, ObjectSpec, Scene, SceneConfig
+from epd.train.augment import (
+    mirror_answer,
+    mirror_pixels,
+    mirror_sequence,
+    mirror_targets,
+    mirrored_answer_ids,
+)
+from epd.train.aux_targets import IGNORE, token_targets
 
 
 @pytest.fixture(scope="module")
 def adapter(tiny_models):
-    from model_runtime.config import ModelConfig
-    from model_runtime.qwen2_vl import Qwen2VLAdapter
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 
     return Qwen2VLAdapter(str(tiny_models["qwen2_vl"]), ModelConfig(), {"vision"})
 
 
 def _video(frames: np.ndarray):
-    from video.types import DecodedVideo
+    from epd.video.types import DecodedVideo
 
     n = len(frames)
     return DecodedVideo(frames=frames, timestamps_s=[i / 2.0 for i in range(n)], sampled_fps=2.0,
@@ -61,11 +67,11 @@ def test_targets_mirror_columns_and_swap_left_right():
 def test_mirrored_direction_examples_equal_examples_prepared_with_the_other_answer():
     """A direction question about a mirrored clip: the same prompt, and ids, positions and labels
     exactly as the trainer prepares the same question with the mirrored answer."""
-    from model_runtime.adapter import VisualMeta
-    from model_runtime.config import ModelConfig
-    from model_runtime.qwen2_vl import Qwen2VLAdapter
-    from model_runtime.tiny_model import build_model, build_processor
-    from train.train_default_model import TrainConfig, model_spec, save_model
+    from epd.model_runtime.adapter import VisualMeta
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
+    from epd.model_runtime.tiny_model import build_model, build_processor
+    from epd.train.train_default_model import TrainConfig, model_spec, save_model
 
     assert [mirror_answer(a) for a in ("left", "right", "up", "red", "yes")] == ["right", "left", "up", "red", "yes"]
     spec = model_spec(TrainConfig())  # the trained model's tokenizer: "left" is not one token

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from synth.render import render_frames
-from synth.scene import COLOURS, DIRECTIONS, SHAPES, ObjectSpec, Scene, SceneConfig, generate_scene
-from train.aux_targets import IGNORE, NUM_COLOURS, AuxHead, TokenTargets, token_targets
+from epd.synth.render import render_frames
+from epd.synth.scene import COLOURS, DIRECTIONS, SHAPES, ObjectSpec, Scene, SceneConfig, generate_scene
+from epd.train.aux_targets import IGNORE, NUM_COLOURS, AuxHead, TokenTargets, token_targets
 
 COLOURS_LIST = list(COLOURS)
 

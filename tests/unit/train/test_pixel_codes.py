@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.pixel_codes import PixelCodec
+from epd.train.pixel_codes import PixelCodec
 
 
 @pytest.fixture(scope="module")

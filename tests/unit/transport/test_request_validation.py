@@ -9,20 +9,20 @@ import hashlib
 
 import pytest
 
-from model_runtime.sampling import GenerationConfig
-from protos.epd.v1 import common_pb2, gateway_pb2
-from transport.auth import bearer_token, key_matches
-from transport.convert import (
+from epd.model_runtime.sampling import GenerationConfig
+from epd.transport.auth import bearer_token, key_matches
+from epd.transport.convert import (
     generation_from_proto,
     media_sha256_from_proto,
     pruning_from_proto,
     sampling_from_proto,
 )
-from transport.errors import InvalidRequest, ResourceExhausted
-from transport.server import MIN_MESSAGE_BYTES, ServerConfig
-from transport.tensor_wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
-from transport.upload import media_input, read_upload
-from video.types import SamplingOptions
+from epd.transport.errors import InvalidRequest, ResourceExhausted
+from epd.transport.server import MIN_MESSAGE_BYTES, ServerConfig
+from epd.transport.tensor_wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from epd.transport.upload import media_input, read_upload
+from epd.v1 import common_pb2, gateway_pb2
+from epd.video.types import SamplingOptions
 
 NAN, INF = float("nan"), float("inf")
 

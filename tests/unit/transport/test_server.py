@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from transport.server import ServerConfig, create_server
+from epd.transport.server import ServerConfig, create_server
 
 
 def test_second_server_on_a_used_port_fails():

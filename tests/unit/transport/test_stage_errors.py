@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.openai_protocol import http_error_of
-from transport.errors import UpstreamError, stage_error, status_of
+from epd.gateway.openai_protocol import http_error_of
+from epd.transport.errors import UpstreamError, stage_error, status_of
 
 LEAKY = "ipv4:127.0.0.1:41109: Failed to connect to remote host: Connection refused"
 DEBUG = 'UNKNOWN:Error received from peer ipv4:127.0.0.1:41109 {grpc_status:14, created_time:"..."}'

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from transport.errors import InvalidRequest, ResourceExhausted
-from transport.tensor_wire import TensorAssembler, assemble, tensor_to_chunks
+from epd.transport.errors import InvalidRequest, ResourceExhausted
+from epd.transport.tensor_wire import TensorAssembler, assemble, tensor_to_chunks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])

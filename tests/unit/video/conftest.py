@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
 from tests.media import encoder_available, make_video
-from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
 
 
 @pytest.fixture(scope="session")

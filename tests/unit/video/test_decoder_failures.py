@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from video import parallel_decoder, simple_decoder
-from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
-from video.types import MediaError, SamplingOptions
+from epd.video import parallel_decoder, simple_decoder
+from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+from epd.video.types import MediaError, SamplingOptions
 
 SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)
 OPTS = SamplingOptions(num_frames=6)

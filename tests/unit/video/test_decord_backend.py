@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from video import simple_decoder
-from video.decord_backend import DecordConfig, DecordDecoder, decord_available
-from video.types import MediaError, SamplingOptions
+from epd.video import simple_decoder
+from epd.video.decord_backend import DecordConfig, DecordDecoder, decord_available
+from epd.video.types import MediaError, SamplingOptions
 
 # Never import decord into the test process: it breaks PyAV's own codecs (see decord_backend).
 pytestmark = pytest.mark.skipif(not decord_available(), reason="decord is an optional backend")

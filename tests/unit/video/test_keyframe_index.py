@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256, probe_rotation
-from video.types import DecodeLimits, MediaError, MediaLimitError
+from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256, probe_rotation
+from epd.video.types import DecodeLimits, MediaError, MediaLimitError
 
 
 @pytest.mark.parametrize("codec,suffix", [("h264", ".mp4"), ("vp9", ".webm"), ("hevc", ".mkv")])
@@ -48,7 +48,7 @@ def test_text_file_is_rejected():
 def test_index_built_while_hashing_equals_the_plain_one_and_hits_stop_early(video_factory, monkeypatch):
     """Without a hash the cache hashes beside the demux pass: the same index, keyed by the
     content hash; a second call for the same bytes is a hit whose demux pass is cut short."""
-    from video import keyframe_index
+    from epd.video import keyframe_index
 
     data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=60.0, gop=10)
     cache = KeyframeIndexCache()

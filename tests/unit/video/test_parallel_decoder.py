@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from video import simple_decoder
-from video.types import DecodeCancelled, DecodeLimits, SamplingOptions
+from epd.video import simple_decoder
+from epd.video.types import DecodeCancelled, DecodeLimits, SamplingOptions
 
 # (codec, container suffix): every container and codec of the issue, as far as FFmpeg muxes them.
 COMBOS = [
@@ -200,7 +200,7 @@ def test_index_cache_hits_on_same_bytes(video_factory, decoder):
 
 
 def test_limits_are_enforced(video_factory, decoder):
-    from video.types import MediaLimitError
+    from epd.video.types import MediaLimitError
 
     data = video_factory(".mp4", codec="h264", **SMALL)
     with pytest.raises(MediaLimitError, match="accepts at most 100"):
@@ -217,7 +217,7 @@ def test_limits_are_enforced(video_factory, decoder):
 def test_non_reference_frames_are_skipped_without_changing_any_frame(video_factory, codec):
     """Long GOPs with B-frames: most frames between targets are decoded only because they are on
     the way. Skipping the non-reference ones must leave every returned frame identical."""
-    from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+    from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
 
     data = video_factory(".mp4", codec=codec, size=(96, 64), fps=10.0, seconds=6.0, gop=60, bframes=3)
     opts = SamplingOptions(num_frames=5)
@@ -235,7 +235,7 @@ def test_non_reference_frames_are_skipped_without_changing_any_frame(video_facto
 
 def test_process_pool_variant_of_the_benchmark_returns_the_reference_frames(video_factory):
     """bench/process_decoder.py (threads vs processes, issue #3) must decode what the threads do."""
-    from bench.process_decoder import ProcessShareDecoder
+    from epd.bench.process_decoder import ProcessShareDecoder
 
     data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=6.0, gop=20, bframes=3)
     dec = ProcessShareDecoder(2, seek_cost_frames=0)
@@ -249,9 +249,9 @@ def test_process_pool_variant_of_the_benchmark_returns_the_reference_frames(vide
 def test_tasks_take_their_share_in_order_then_steal_from_the_back(video_factory):
     """Work stealing bookkeeping: a task takes its own share front to back, then the pending
     intervals of the other shares from the back; every interval is handed out exactly once."""
-    from video.keyframe_index import build_video_index
-    from video.parallel_decoder import _Request
-    from video.plan import make_plan
+    from epd.video.keyframe_index import build_video_index
+    from epd.video.parallel_decoder import _Request
+    from epd.video.plan import make_plan
 
     data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=6.0, gop=10)
     index = build_video_index(data)
@@ -278,7 +278,7 @@ def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, k
 
     import av
 
-    from video.simple_decoder import frame_to_rgb, scaled_size
+    from epd.video.simple_decoder import frame_to_rgb, scaled_size
 
     small = video_factory(".mkv", size=(96, 64), fps=10.0, seconds=1.0, gop=10, **kwargs)
     other = video_factory(".mp4", codec="h264", size=(64, 48), fps=10.0, seconds=1.0, gop=10)
@@ -290,7 +290,7 @@ def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, k
         w, h = scaled_size(frame.width, frame.height, max_pixels)
         assert np.array_equal(frame_to_rgb(frame, max_pixels), frame.to_ndarray(format="rgb24", width=w, height=h))
         frame_to_rgb(between, None)  # another size and format in between: the context re-inits
-    from video.simple_decoder import _reformatter
+    from epd.video.simple_decoder import _reformatter
 
     results = []
     worker = threading.Thread(target=lambda: results.append((frame_to_rgb(frames[0], max_pixels), _reformatter())))

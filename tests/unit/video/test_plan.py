@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from video.plan import assign_intervals, make_intervals
+from epd.video.plan import assign_intervals, make_intervals
 
 
 def _random_case(seed: int):

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from epd.video import simple_decoder
+from epd.video.decord_backend import DecordDecoder
+from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, probe_rotation
+from epd.video.media_open import _open_av, open_video, sniff_container
+from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+from epd.video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 from tests.local_http import recording_server
 from tests.media import make_packet_flood, make_resolution_change, make_video
-from video import simple_decoder
-from video.decord_backend import DecordDecoder
-from video.keyframe_index import KeyframeIndexCache, build_video_index, probe_rotation
-from video.media_open import _open_av, open_video, sniff_container
-from video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
-from video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 
 ROOT = Path(__file__).resolve().parents[3]
 SECRET = "EPD-UNIT-SECRET-7f3a"
@@ -170,10 +170,12 @@ def _mpegts(mp4: bytes) -> bytes:
 
 
 def test_no_other_av_open_reads_bytes():
-    """Every read of media goes through video.media_open; only write-mode av.open remains."""
+    """Every read of media goes through epd.video.media_open; only write-mode av.open remains."""
     offenders = []
-    tops = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "tests"]
-    for path in sorted([p for p in ROOT.glob("*.py")] + [p for top in tops for p in top.rglob("*.py")]):
+    tops = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in ("tests", "build")]
+    # resolve(): epd/video etc. are symlinks to the top-level folders; read each file once.
+    files = {p.resolve() for p in ROOT.glob("*.py")} | {p.resolve() for top in tops for p in top.rglob("*.py")}
+    for path in sorted(f for f in files if f.is_relative_to(ROOT)):
         rel = path.relative_to(ROOT)
         if rel == Path("video/media_open.py") or "site-packages" in rel.parts:
             continue
@@ -187,7 +189,7 @@ def test_no_other_av_open_reads_bytes():
             mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
             if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str) and mode.value.startswith("w")):
                 offenders.append(f"{rel}:{node.lineno}")
-    assert offenders == [], f"open untrusted media with video.media_open.open_video: {offenders}"
+    assert offenders == [], f"open untrusted media with epd.video.media_open.open_video: {offenders}"
 
 
 # -- frames: decoded once, repeated by reference ----------------------------------------------
@@ -249,7 +251,7 @@ def test_resolution_growing_mid_stream_is_refused_on_every_path(tmp_path, monkey
     """Header and first 20 frames 64x48, the last 4 bigger. Limit 128x128: FFmpeg's guard (twice
     the limit) refuses 1024x1024 before allocating it; 160x160 decodes and the per-frame check
     refuses it before conversion."""
-    from video import budget
+    from epd.video import budget
 
     data = make_resolution_change(tmp_path / "grow.ts", [(64, 48), second_size], [20, 4]).read_bytes()
     limits = DecodeLimits(max_source_pixels=128 * 128)
@@ -358,8 +360,8 @@ def test_image_over_the_pixel_limit_is_refused_before_decoding():
 
 
 def test_cli_flags_reach_the_encoder_config():
-    from epd_cli.configs import encoder_config
-    from epd_cli.main import build_parser
+    from epd.cli.configs import encoder_config
+    from epd.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "encoder", "--max-source-pixels", "1000000", "--max-decoded-pixels",
                                       "123456789", "--max-demux-s", "2.5", "--index-cache-bytes", "4096"])  # fmt: skip

@@ -1,0 +1,102 @@
+"""CLI flags -> the typed config of each component (the only place they meet)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from epd.decode_svc.config import DecodeConfig
+from epd.encoder_svc.config import EncoderConfig
+from epd.encoder_svc.token_cache import TokenCacheConfig
+from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.prefill_svc.config import PrefillConfig
+from epd.token_pruning import PruningConfig
+from epd.transport.server import ServerConfig
+from epd.video.parallel_decoder import ParallelDecodeConfig
+from epd.video.types import DecodeLimits, SamplingOptions
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.num_threads)
+
+
+def sampling_options(args: argparse.Namespace) -> SamplingOptions:
+    return SamplingOptions(
+        fps=args.fps,
+        max_frames=args.max_frames,
+        min_frames=min(2, args.max_frames) if args.max_frames > 0 else 2,
+        num_frames=args.num_frames or None,
+        max_pixels=args.max_pixels or None,
+    )
+
+
+def pruning_config(args: argparse.Namespace) -> PruningConfig:
+    """--pruning PRESET plus --pruning-knob NAME=VALUE, parsed exactly as the servers parse them."""
+    from epd.transport.convert import pruning_from_proto
+    from epd.v1 import common_pb2
+
+    return pruning_from_proto(common_pb2.PruningOptions(preset=args.pruning, knobs=dict(args.pruning_knob)))
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port)
+
+
+def encoder_config(args: argparse.Namespace) -> EncoderConfig:
+    limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes, max_source_pixels=args.max_source_pixels,
+                     max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s)
+    decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
+                     **({"num_workers": args.decode_workers} if args.decode_workers else {}))
+    cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
+    return EncoderConfig(model=model_config(args), server=server_config(args), limits=limits,
+                         sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
+                         cache=cache, decode_backend=args.decode_backend,
+                         max_concurrent_decodes=args.max_concurrent_decodes,
+                         max_queued_decodes=args.max_queued_decodes, max_visual_tokens=args.max_visual_tokens)
+
+
+def prefill_config(args: argparse.Namespace) -> PrefillConfig:
+    return PrefillConfig(model=model_config(args), server=server_config(args),
+                         advertise_address=args.advertise_address, kv_store_bytes=args.kv_store_bytes,
+                         kv_ttl_s=args.kv_ttl)
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(model=model_config(args), server=server_config(args), allow_kv_from=tuple(args.allow_kv_from))
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        server=server_config(args),
+        encoder_addresses=tuple(args.encoder),
+        prefill_addresses=tuple(args.prefill),
+        decode_addresses=tuple(args.decode),
+        max_upload_bytes=args.max_upload_bytes,
+        max_requests_per_client=args.max_requests_per_client,
+        max_inflight_body_bytes=args.max_inflight_body_bytes,
+        stage_check_interval_s=args.stage_check_interval,
+        http=http_api_config(args),
+    )
+
+
+def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
+    media = MediaFetchConfig(
+        allowed_local_dir=args.allowed_local_media_path,
+        allowed_domains=tuple(args.allowed_media_domains),
+        fetch_timeout_s=args.media_fetch_timeout,
+    )
+    return HttpApiConfig(port=args.http_port, host=args.http_host, api_key=args.api_key,
+                         no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media)

@@ -1,0 +1,259 @@
+"""`epd`: ask a question about a video, or serve the stack.
+
+    epd ask VIDEO QUESTION [--endpoint HOST:PORT] [--json]
+    epd serve                     # the whole stack on loopback, one process per service
+    epd serve encoder|prefill|decode|gateway
+    epd health HOST:PORT          # exit 0 when the service reports SERVING
+    epd bench serve|quality ...  # latency/throughput vs baselines; accuracy on the test split
+
+Environment variables are read here and nowhere else: EPD_MODEL, EPD_DEVICE, EPD_DTYPE,
+EPD_NUM_THREADS give the defaults of --model, --device, --dtype, --num-threads; EPD_API_KEY the
+default of the gateway's --api-key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=_env("EPD_MODEL", "default"),
+                   help="local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint (default: embedded model)")
+    g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--num-threads", type=int, default=int(_env("EPD_NUM_THREADS", "1")),
+                   help="torch threads per process (1 is fastest on small machines)")
+
+
+def add_generation_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frame sampling")
+    g.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video")
+    g.add_argument("--max-frames", type=int, default=32)
+    g.add_argument("--num-frames", type=int, default=0, help="exactly N frames, uniformly (overrides --fps)")
+    g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
+
+
+def _knob(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def add_pruning_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("token dropping and KV compression (off by default)")
+    g.add_argument("--pruning", default="off", help="preset: off, light, budget25, balanced, aggressive")
+    g.add_argument("--pruning-knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
+                   help="override one knob of token_pruning.PruningConfig (repeatable)")
+
+
+def add_encoder_flags(p: argparse.ArgumentParser) -> None:
+    from epd.video.parallel_decoder import ParallelDecodeConfig
+    from epd.video.types import DecodeLimits
+
+    g = p.add_argument_group("encoder")
+    g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    g.add_argument("--max-source-pixels", type=int, default=DecodeLimits.max_source_pixels,
+                   help="largest video frame or image, width x height, checked on every decoded frame")
+    g.add_argument("--max-visual-tokens", type=int, default=16384,
+                   help="visual tokens one request may produce; checked after its first frame group")
+    g.add_argument("--max-decoded-pixels", type=int, default=DecodeLimits.max_decoded_pixels,
+                   help="pixels one request may decode, every frame counted (at least 256x256 each)")
+    g.add_argument("--max-demux-s", type=float, default=DecodeLimits.max_demux_s,
+                   help="seconds the demux (index) pass of one video may take")
+    g.add_argument("--index-cache-bytes", type=int, default=ParallelDecodeConfig.index_cache_bytes,
+                   help="memory of the cached keyframe indexes (LRU)")
+    g.add_argument("--decode-workers", type=int, default=0, help="video decode threads (0 = one per core)")
+    g.add_argument("--frames-per-group", type=int, default=2,
+                   help="encode frames in groups of N while later frames decode (even; 0 = no overlap)")
+    g.add_argument("--cache-memory-bytes", type=int, default=2 << 30,
+                   help="multimodal token cache in memory (LRU); 0 disables it")
+    g.add_argument("--cache-dir", default="", help="directory of the on-disk token cache tier (default: off)")
+    g.add_argument("--decode-backend", choices=["pyav", "decord"], default="pyav",
+                   help="video decoder: parallel PyAV threads (default) or decord in a child process")
+    g.add_argument("--max-concurrent-decodes", type=int, default=4,
+                   help="requests decoded at once, each on its own driver thread (model work still "
+                        "interleaves group by group on the one model thread)")
+    g.add_argument("--max-queued-decodes", type=int, default=16,
+                   help="requests that may wait for a decode slot; beyond, RESOURCE_EXHAUSTED at once")
+
+
+def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=default_port)
+
+
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def _kv_sources(value: str) -> tuple[str, ...]:
+    from epd.decode_svc.kv_sources import parse_allow_list
+
+    entries = _addresses(value)
+    try:
+        parse_allow_list(entries)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return entries
+
+
+def add_http_api_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP API")
+    g.add_argument("--http-port", type=int, default=0, help="port of the HTTP API (0 = off)")
+    g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
+    g.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: $EPD_API_KEY); "
+                        "needed to listen beyond loopback unless --no-api-key")
+    g.add_argument("--no-api-key", action="store_true",
+                   help="serve a non-loopback --host/--http-host with no API key: closed, trusted networks only")
+    g.add_argument("--served-model-name", default="epd", help="model id listed by /v1/models")
+    g.add_argument("--allowed-local-media-path", default="",
+                   help="directory that local paths / file:// media URLs may be read from (default: none)")
+    g.add_argument("--allowed-media-domains", type=_addresses, default=(),
+                   help="comma-separated domains http(s) media URLs may be fetched from (default: none); "
+                        "private addresses are refused regardless")
+    g.add_argument("--media-fetch-timeout", type=float, default=30.0, help="seconds to fetch one media URL")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a flag it does not know is reported as an unknown flag. Left alone,
+    `epd serve --bad-flag x` skips the unknown flag, takes `x` for the role and says "argument
+    role: invalid choice: 'x'", which points at the wrong word."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._arg_strings = list(args) if args is not None else None
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):  # type: ignore[override]
+        if "invalid choice" in message and getattr(self, "_arg_strings", None):
+            unknown = [a for a in self._arg_strings if a.startswith("-") and a != "--"
+                       and a.split("=", 1)[0] not in self._option_string_actions]
+            if unknown:
+                message = f"unknown flag {unknown[0]} (see {self.prog} --help)"
+        super().error(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from epd.decode_svc.config import DEFAULT_PORT as DECODE_PORT
+    from epd.decode_svc.config import DecodeConfig
+    from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
+    from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
+    from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
+
+    parser = _Parser(prog="epd", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    ask = sub.add_parser("ask", help="ask a question about a video or image")
+    ask.add_argument("video", help="path of a video (MP4, MKV, WebM, MOV, AVI) or image")
+    ask.add_argument("question")
+    ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
+    ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
+                     help="key of a gateway started with --api-key (default: $EPD_API_KEY)")
+    add_model_flags(ask)
+    add_generation_flags(ask)
+    add_sampling_flags(ask)
+    add_pruning_flags(ask)
+
+    serve = sub.add_parser("serve", help="run the stack (default) or one service")
+    roles = serve.add_subparsers(dest="role")
+    for role, port in (("encoder", ENCODER_PORT), ("prefill", PREFILL_PORT), ("decode", DECODE_PORT)):
+        r = roles.add_parser(role, help=f"run the {role} service")
+        add_server_flags(r, port)
+        add_model_flags(r)
+        if role == "encoder":
+            add_sampling_flags(r)
+            add_encoder_flags(r)
+        if role == "prefill":
+            r.add_argument("--advertise-address", default="",
+                           help="HOST:PORT decoders pull KV caches from (default: --host:--port)")
+            r.add_argument("--kv-store-bytes", type=int, default=4 << 30,
+                           help="KV caches waiting for decoders may hold this many bytes; beyond, new "
+                                "prefills get RESOURCE_EXHAUSTED")
+            r.add_argument("--kv-ttl", type=float, default=120.0,
+                           help="seconds a KV cache waits for a decoder before it is dropped")
+        if role == "decode":
+            r.add_argument("--allow-kv-from", type=_kv_sources, default=DecodeConfig.allow_kv_from,
+                           help="comma-separated HOST:PORT of prefill servers to pull KV from: HOST a DNS "
+                                "name, IPv4 address or network (10.0.0.0/8), or IPv6 one in brackets "
+                                "([::1], [fd00::/8]); PORT a number or * (any port); no any-host "
+                                "wildcard (default: 127.0.0.1:*,localhost:*,[::1]:*)")
+    gw = roles.add_parser("gateway", help="run the front door")
+    add_server_flags(gw, GATEWAY_PORT)
+    gw.add_argument("--encoder", type=_addresses, default=(f"127.0.0.1:{ENCODER_PORT}",),
+                    help="comma-separated encoder replica addresses")
+    gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
+    gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
+    gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    gw.add_argument("--max-requests-per-client", type=int, default=8,
+                    help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
+    gw.add_argument("--max-inflight-body-bytes", type=int, default=0,
+                    help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
+    gw.add_argument("--stage-check-interval", type=float, default=5.0,
+                    help="seconds between stage health checks; gateway health is NOT_SERVING while a stage "
+                         "is down (0 = check only at start-up)")
+    add_http_api_flags(gw)
+    # `epd serve` with no role: the whole stack on loopback.
+    serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
+    serve.add_argument("--encoder-port", type=int, default=ENCODER_PORT)
+    serve.add_argument("--prefill-port", type=int, default=PREFILL_PORT)
+    serve.add_argument("--decode-port", type=int, default=DECODE_PORT)
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
+    add_model_flags(serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (latency/throughput), quality (accuracy)")
+    bench.add_argument("suite", choices=["serve", "quality"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the suite's own flags (--help)")
+
+    health = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
+    health.add_argument("address", help="HOST:PORT")
+    health.add_argument("--service", default="", help="service name; default: the whole server")
+    health.add_argument("--timeout", type=float, default=3.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "ask":
+        from epd.cli.ask import run_ask
+
+        return run_ask(args)
+    if args.command == "bench":
+        if args.suite == "serve":
+            from epd.bench.serve import main as bench_main
+        else:
+            from epd.bench.quality import main as bench_main
+        return bench_main(args.bench_args)
+    if args.command == "health":
+        from epd.cli.health import check_health
+
+        return check_health(args.address, args.service, args.timeout)
+    from epd.cli.serve import run_serve
+
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""gRPC clients of the front door: `AsyncEpdClient` (asyncio) and `EpdClient` (blocking).
+
+    with EpdClient("127.0.0.1:50050", api_key="KEY") as client:
+        result = client.ask("clip.mp4", "what colour is the circle?", max_new_tokens=16)
+        print(result.answer, result.timings_ms)
+
+        for event in client.stream("clip.mp4", "and the square?"):   # StageEvent | TokenDelta | AskResult
+            ...
+
+One call = one `GatewayService.Ask` stream: a header, the media in 1 MiB chunks (or only its
+sha256 when the servers have it), then stage events, token deltas and a summary come back.
+Every call has a deadline (`timeout_s`, per client or per call, covering retries); UNAVAILABLE
+is retried before the first token only (`retry.RetryPolicy`); failures raise `EpdError` with
+the gRPC status and the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+
+from epd.client.channel import ChannelSettings, open_channel
+from epd.client.media import CHUNK_BYTES, Media, MediaSource
+from epd.client.retry import RetryPolicy
+from epd.client.types import (
+    AskResult,
+    EpdError,
+    StageEvent,
+    StreamEvent,
+    TokenDelta,
+    result_from_proto,
+    stage_event_from_proto,
+)
+from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+__all__ = ["CHUNK_BYTES", "AskResult", "AsyncEpdClient", "EpdClient", "EpdError", "StageEvent", "TokenDelta"]
+
+_SAMPLING_OPTIONS = (
+    "fps",
+    "max_frames",
+    "min_frames",
+    "num_frames",
+    "start_time_s",
+    "end_time_s",
+    "max_pixels",
+)
+_GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
+def build_header(
+    question: str, num_bytes: int, sha256: str, options: dict[str, Any]
+) -> gateway_pb2.AskHeader:
+    """The AskHeader for `options` (the keyword options of `ask`); unknown names raise TypeError.
+
+    Sampling: fps, max_frames, min_frames, num_frames, start_time_s, end_time_s, max_pixels.
+    Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos.
+    Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id.
+    Unset or zero values take the server's defaults.
+    """
+    options = dict(options)
+    stop = options.pop("stop", None) or ()
+    options["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    # Unset, None and zero all mean "the server's default" (proto3 has no presence for scalars).
+    sampling = common_pb2.VideoSampling(**{k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None))})
+    generation = common_pb2.GenerationParams(
+        **{k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None))}
+    )
+    pruning = common_pb2.PruningOptions(
+        preset=options.pop("pruning", "") or "",
+        knobs={k: str(v) for k, v in (options.pop("pruning_knobs", None) or {}).items()},
+    )
+    request_id = options.pop("request_id", "") or ""
+    if options:
+        known = sorted((*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id"))
+        raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
+    return gateway_pb2.AskHeader(
+        request_id=request_id,
+        question=question,
+        media_num_bytes=num_bytes,
+        media_sha256=sha256,
+        sampling=sampling,
+        generation=generation,
+        pruning=pruning,
+    )
+
+
+class AsyncEpdClient:
+    """asyncio client; use `async with AsyncEpdClient(endpoint) as client:`.
+
+    endpoint: "HOST:PORT" of the gateway. timeout_s: default deadline of one call (retries
+    included). api_key: sent as `authorization: Bearer ...`. tls / root_certificates_path /
+    server_name_override: a TLS channel. retry: when UNAVAILABLE is tried again.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 600.0,
+        *,
+        api_key: str = "",
+        tls: bool = False,
+        root_certificates_path: str = "",
+        server_name_override: str = "",
+        metadata: tuple[tuple[str, str], ...] = (),
+        retry: RetryPolicy | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self.chunk_bytes = chunk_bytes
+        self.settings = ChannelSettings(
+            tls, root_certificates_path, server_name_override, api_key, tuple(metadata)
+        )
+        self._channel = open_channel(endpoint, self.settings, self.retry)
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+
+    async def ask_stream(
+        self,
+        video: Media | None,
+        question: str,
+        *,
+        media_sha256: str = "",
+        timeout_s: float | None = None,
+        **options,
+    ) -> AsyncIterator[gateway_pb2.AskResponse]:
+        """Yields the raw AskResponse protos (events, token deltas, then the summary).
+
+        video: a path, bytes or binary file object; None with `media_sha256` to reuse media the
+        servers have seen (NOT_FOUND when they have not)."""
+        async for msg, _ in self._responses(video, question, media_sha256, timeout_s, options):
+            yield msg
+
+    async def stream(
+        self,
+        video: Media | None,
+        question: str,
+        *,
+        media_sha256: str = "",
+        timeout_s: float | None = None,
+        **options,
+    ) -> AsyncIterator[StreamEvent]:
+        """Yields `StageEvent`s and `TokenDelta`s as they happen, then one `AskResult`."""
+        events: list[common_pb2.StageEvent] = []
+        async for msg, meta in self._responses(video, question, media_sha256, timeout_s, options):
+            kind = msg.WhichOneof("kind")
+            if kind == "event":
+                events.append(msg.event)
+                yield stage_event_from_proto(msg.event)
+            elif kind == "delta":
+                yield TokenDelta(list(msg.delta.token_ids), msg.delta.text)
+            elif kind == "summary":
+                result = result_from_proto(msg.summary, events)
+                result.num_attempts, result.media_num_bytes_sent = meta
+                yield result
+                return
+        raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
+
+    async def ask(
+        self,
+        video: Media | None,
+        question: str,
+        *,
+        media_sha256: str = "",
+        timeout_s: float | None = None,
+        **options,
+    ) -> AskResult:
+        """The whole answer at once (see `stream` for the options)."""
+        async for item in self.stream(
+            video, question, media_sha256=media_sha256, timeout_s=timeout_s, **options
+        ):
+            if isinstance(item, AskResult):
+                return item
+        raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
+
+    async def upload_or_reuse(
+        self, video: Media, question: str, *, timeout_s: float | None = None, **options
+    ) -> AskResult:
+        """Ask by the video's sha256 first (no upload); on NOT_FOUND upload the bytes.
+
+        Saves the upload when the encoder still caches this video with these sampling options;
+        `result.media_num_bytes_sent` says which happened."""
+        source = MediaSource(video, self.chunk_bytes)
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        try:
+            return await self.ask(None, question, media_sha256=source.sha256, timeout_s=timeout_s, **options)
+        except EpdError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+        return await self.ask(source, question, timeout_s=max(0.0, deadline - time.monotonic()), **options)
+
+    async def _responses(
+        self,
+        video: Media | None,
+        question: str,
+        media_sha256: str,
+        timeout_s: float | None,
+        options: dict[str, Any],
+    ) -> AsyncIterator[tuple[gateway_pb2.AskResponse, tuple[int, int]]]:
+        """The call with its retries; yields (message, (attempt number, media bytes sent))."""
+        source = None
+        if video is not None:
+            source = MediaSource(video, self.chunk_bytes)
+        elif not media_sha256:
+            raise ValueError(
+                "pass a video (path, bytes or file object) or the media_sha256 of one the server has"
+            )
+        header = build_header(
+            question,
+            source.num_bytes if source else 0,
+            source.sha256 if source else media_sha256,
+            options,
+        )
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        attempt = 0
+        while True:
+            attempt += 1
+            saw_token = False
+            try:
+                call = self._stub.Ask(
+                    _requests(header, source),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    metadata=self.settings.call_metadata(),
+                )
+                async for msg in call:
+                    saw_token = saw_token or msg.WhichOneof("kind") == "delta"
+                    yield msg, (attempt, source.num_bytes if source else 0)
+                return
+            except grpc.aio.AioRpcError as exc:
+                code, message = exc.code(), exc.details() or ""
+            wait_s = self.retry.backoff_s(attempt)
+            if not self.retry.should_retry(code, attempt, saw_token) or time.monotonic() + wait_s >= deadline:
+                raise EpdError(code, message) from None
+            await asyncio.sleep(wait_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncEpdClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):
+    yield gateway_pb2.AskRequest(header=header)
+    if source is not None:
+        for chunk in source.chunks():
+            yield gateway_pb2.AskRequest(media_chunk=chunk)
+
+
+class EpdClient:
+    """Blocking client with the same methods and arguments. It runs an `AsyncEpdClient` on a
+    private event loop in its own thread, so it also works where a loop is already running
+    (Jupyter, other async frameworks' threads)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 600.0, **settings) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="epd-client", daemon=True)
+        self._thread.start()
+        self._client: AsyncEpdClient = self._run(_make(endpoint, timeout_s, settings))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def endpoint(self) -> str:
+        return self._client.endpoint
+
+    def ask(self, video: Media | None, question: str, **options) -> AskResult:
+        return self._run(self._client.ask(video, question, **options))
+
+    def upload_or_reuse(self, video: Media, question: str, **options) -> AskResult:
+        return self._run(self._client.upload_or_reuse(video, question, **options))
+
+    def stream(self, video: Media | None, question: str, **options) -> Iterator[StreamEvent]:
+        """Yields `StageEvent`s and `TokenDelta`s as they arrive, then one `AskResult`."""
+        return self._iterate(self._client.stream(video, question, **options))
+
+    def ask_stream(self, video: Media | None, question: str, **options) -> Iterator[gateway_pb2.AskResponse]:
+        return self._iterate(self._client.ask_stream(video, question, **options))
+
+    def _iterate(self, agen: AsyncIterator) -> Iterator:
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            # Breaking out early cancels the call on the server.
+            self._run(agen.aclose())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> EpdClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+async def _make(endpoint: str, timeout_s: float, settings: dict[str, Any]) -> AsyncEpdClient:
+    return AsyncEpdClient(endpoint, timeout_s, **settings)  # grpc.aio channels bind to the running loop

@@ -1,0 +1,166 @@
+"""Admission at the front doors: how many requests one client keeps in flight, and how many
+request-body bytes the whole gateway process holds at once. Plain counters, no gRPC, no HTTP:
+both front doors (gateway/http_api.py, gateway/servicer.py) share one `Admission` per process.
+
+A request's life here:
+
+    ticket = admission.admit(client)      # Overloaded if the client has its maximum in flight
+    ticket.reserve_bytes(n)               # Overloaded if the process budget cannot take n more
+    ...                                   # read the body, run the pipeline
+    ticket.close()                        # gives back the slot and every byte reserved
+
+Body bytes stay reserved until the request ends, because the media they carry is held (as
+bytes, then as the pipeline's input) for that long.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import unquote
+
+from epd.transport.errors import ResourceExhausted
+
+if TYPE_CHECKING:
+    from epd.gateway.config import GatewayConfig
+
+JSON_ALLOWANCE_BYTES = 1 << 20
+"""Room for the JSON around a data: URL (question, options) in an HTTP body."""
+
+RETRY_AFTER_S = 1
+"""What a refused client is told to wait before retrying (HTTP Retry-After), in seconds: slots
+and bytes come back as soon as one request in flight ends."""
+
+
+class Overloaded(ResourceExhausted):
+    """A request refused for now: gRPC RESOURCE_EXHAUSTED like every limit, but on HTTP a 429
+    with Retry-After (to retry) rather than a 413 (to send less). The message names the flag
+    that tunes the limit."""
+
+    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def max_body_bytes(max_upload_bytes: int) -> int:
+    """Largest HTTP request body for media of `max_upload_bytes`: base64 is 4/3 of the media
+    (plus up to 4 bytes of padding), then the JSON around it."""
+    return max_upload_bytes * 4 // 3 + 4 + JSON_ALLOWANCE_BYTES
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_requests_per_client: int
+    """Requests one client (peer IP) may have in flight on both front doors together."""
+    max_inflight_body_bytes: int
+    """Request-body bytes the process holds at once, over all requests."""
+
+    def __post_init__(self) -> None:
+        if self.max_requests_per_client < 1:
+            raise ValueError(f"--max-requests-per-client must be >= 1, got {self.max_requests_per_client}")
+        if self.max_inflight_body_bytes < 1:
+            raise ValueError(f"--max-inflight-body-bytes must be >= 1, got {self.max_inflight_body_bytes}")
+
+    @classmethod
+    def for_gateway(
+        cls, max_upload_bytes: int, max_requests_per_client: int, max_inflight_body_bytes: int
+    ) -> AdmissionLimits:
+        """The gateway's limits; `max_inflight_body_bytes` 0 means two of the largest bodies.
+        A budget below one largest body would refuse some valid requests forever."""
+        largest = max_body_bytes(max_upload_bytes)
+        budget = max_inflight_body_bytes or 2 * largest
+        if budget < largest:
+            raise ValueError(
+                f"--max-inflight-body-bytes {budget} is below the largest request body ({largest} bytes "
+                "for --max-upload-bytes); raise it or lower --max-upload-bytes"
+            )
+        return cls(max_requests_per_client, budget)
+
+
+class Admission:
+    """Per-client request slots and the process-wide body-byte budget. Not thread-safe: used from
+    the gateway's one event loop."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.num_requests_of: Counter[str] = Counter()
+        self.num_reserved_bytes = 0
+
+    @classmethod
+    def of_gateway(cls, config: GatewayConfig) -> Admission:
+        """From the gateway's flags; one per process, shared by the HTTP and gRPC APIs."""
+        limits = AdmissionLimits.for_gateway(
+            config.max_upload_bytes, config.max_requests_per_client, config.max_inflight_body_bytes
+        )
+        return cls(limits)
+
+    def admit(self, client: str) -> Ticket:
+        if self.num_requests_of[client] >= self.limits.max_requests_per_client:
+            raise Overloaded(
+                f"this client already has {self.limits.max_requests_per_client} requests in flight; "
+                "wait for one to finish (the server's limit is --max-requests-per-client)"
+            )
+        self.num_requests_of[client] += 1
+        return Ticket(self, client)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(self.num_requests_of.values())
+
+    def _reserve(self, num_bytes: int) -> None:
+        if self.num_reserved_bytes + num_bytes > self.limits.max_inflight_body_bytes:
+            raise Overloaded(
+                f"the server is holding {self.num_reserved_bytes} bytes of request bodies and cannot "
+                f"take {num_bytes} more now (its limit is --max-inflight-body-bytes "
+                f"{self.limits.max_inflight_body_bytes}); retry shortly or send less"
+            )
+        self.num_reserved_bytes += num_bytes
+
+    def _release(self, client: str, num_bytes: int) -> None:
+        self.num_reserved_bytes -= num_bytes
+        self.num_requests_of[client] -= 1
+        if self.num_requests_of[client] <= 0:
+            del self.num_requests_of[client]  # the map holds only clients with requests in flight
+
+
+class Ticket:
+    """One admitted request: its client slot and the body bytes it reserved."""
+
+    def __init__(self, admission: Admission, client: str) -> None:
+        self._admission = admission
+        self.client = client
+        self.num_reserved_bytes = 0
+        self._closed = False
+
+    def reserve_bytes(self, num_bytes: int) -> None:
+        """Reserve `num_bytes` more for this request, or raise Overloaded (nothing reserved)."""
+        if self._closed:
+            raise RuntimeError("reserve_bytes on a closed ticket")
+        self._admission._reserve(num_bytes)
+        self.num_reserved_bytes += num_bytes
+
+    def close(self) -> None:
+        """Give back the slot and the bytes; later calls do nothing."""
+        if not self._closed:
+            self._closed = True
+            self._admission._release(self.client, self.num_reserved_bytes)
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def peer_host(peer: str) -> str:
+    """The client's address without its port, from a gRPC peer string ('ipv4:1.2.3.4:5678',
+    'ipv6:[::1]:5678', 'unix:/path') or an HTTP remote ('1.2.3.4', '::1')."""
+    kind, sep, rest = unquote(peer).partition(":")
+    if not sep or kind not in ("ipv4", "ipv6", "unix"):
+        return peer  # already a bare address (aiohttp's request.remote)
+    if kind == "unix":
+        return "unix"
+    if rest.startswith("["):  # ipv6:[::1]:port
+        return rest[1:].partition("]")[0]
+    return rest.rpartition(":")[0] or rest

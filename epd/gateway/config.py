@@ -1,0 +1,81 @@
+"""Settings of the front door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epd.model_runtime.sampling import GenerationConfig
+from epd.transport.server import ServerConfig
+from epd.video.types import SamplingOptions
+
+DEFAULT_PORT = 50050
+
+
+@dataclass(frozen=True)
+class MediaFetchConfig:
+    """Where the HTTP API may take media from besides `data:` URLs (both off by default)."""
+
+    allowed_local_dir: str = ""
+    """Local paths and file:// URLs are read only under this directory (symlinks resolved);
+    "" refuses every local path."""
+    allowed_domains: tuple[str, ...] = ()
+    """http(s) URLs are fetched only from these hosts or their subdomains; () refuses every URL.
+    Private, loopback and link-local addresses are refused whatever the name."""
+    fetch_timeout_s: float = 30.0
+    """Whole-fetch deadline of one http(s) media URL, redirects included."""
+    max_redirects: int = 3
+    """Redirects followed, each to the same scheme, host and port only."""
+    allow_private_addresses: bool = False
+    """Let http(s) URLs reach private/loopback addresses (tests and closed networks only)."""
+
+
+@dataclass(frozen=True)
+class HttpApiConfig:
+    """The OpenAI-compatible HTTP API, served by the gateway process next to gRPC."""
+
+    port: int = 0
+    """TCP port of the HTTP API; 0 turns it off."""
+    host: str = ""
+    """Interface to bind; "" means the gRPC server's host."""
+    api_key: str = ""
+    """When set, /v1/* and the gRPC GatewayService need `Authorization: Bearer <api_key>`
+    (HTTP /health and /metrics and the gRPC health service stay open for probes). Required when
+    the gRPC or HTTP API listens on a non-loopback interface, unless `no_api_key`."""
+    no_api_key: bool = False
+    """Serve a non-loopback interface with no API key (`--no-api-key`): for closed, trusted
+    networks only. Without it the gateway refuses to start open beyond loopback."""
+    served_model_name: str = "epd"
+    """The model id that /v1/models lists and requests must name."""
+    media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
+    """Which media URLs and paths requests may use."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
+    encoder_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
+    """Replicas of the Encode service (round-robin)."""
+    prefill_addresses: tuple[str, ...] = ("127.0.0.1:50052",)
+    decode_addresses: tuple[str, ...] = ("127.0.0.1:50053",)
+    max_upload_bytes: int = 256 * 1024 * 1024
+    """Largest media upload accepted; larger ones get RESOURCE_EXHAUSTED before any decoding.
+    The HTTP API's body limit follows from it (`epd.gateway.admission.max_body_bytes`)."""
+    max_requests_per_client: int = 8
+    """Requests one client (peer IP) may have in flight on the HTTP and gRPC APIs together;
+    more get HTTP 429 / RESOURCE_EXHAUSTED."""
+    max_inflight_body_bytes: int = 0
+    """Request-body bytes (HTTP bodies, gRPC uploads) the process holds at once over all
+    requests; more get HTTP 429 / RESOURCE_EXHAUSTED. 0 = twice the largest HTTP body."""
+    stage_timeout_s: float = 600.0
+    """Deadline of each call to a stage."""
+    stage_check_interval_s: float = 5.0
+    """Seconds between health checks of the stages; the gateway's grpc.health follows them
+    (NOT_SERVING while one is unreachable). 0 checks only until they first serve."""
+    max_transfer_bytes: int = 1 << 30
+    """Largest visual-embedding tensor accepted from an encoder."""
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    """Defaults for sampling fields a request leaves unset."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Defaults for generation fields a request leaves unset."""
+    http: HttpApiConfig = field(default_factory=HttpApiConfig)
+    """The OpenAI-compatible HTTP API (off unless `http.port` is set)."""

@@ -1,0 +1,35 @@
+"""The whole pipeline in one process: one model, local stages, no ports."""
+
+from __future__ import annotations
+
+from epd.decode_svc.engine import DecodeEngine
+from epd.encoder_svc.config import EncoderConfig
+from epd.encoder_svc.engine import EncoderEngine
+from epd.gateway.pipeline import Pipeline
+from epd.model_runtime.adapter import VLMAdapter
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.loader import load_adapter
+from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.engine import PrefillEngine
+from epd.prefill_svc.kv_store import KvStore
+from epd.stages.local import LocalDecodeStage, LocalEncodeStage, LocalPrefillStage
+from epd.stages.model_thread import ModelThread
+
+
+def build_embedded_pipeline(
+    model: ModelConfig,
+    encoder: EncoderConfig | None = None,
+    prefill: PrefillConfig | None = None,
+    adapter: VLMAdapter | None = None,
+) -> Pipeline:
+    """Loads the model once (vision + language) and wires the three local stages to it."""
+    encoder = encoder or EncoderConfig(model=model)
+    prefill = prefill or PrefillConfig(model=model)
+    adapter = adapter or load_adapter(model, "all")
+    thread = ModelThread()
+    kv_store = KvStore(prefill.kv_store_bytes, prefill.kv_ttl_s)
+    return Pipeline(
+        LocalEncodeStage(EncoderEngine(encoder, adapter), thread),
+        LocalPrefillStage(PrefillEngine(prefill, adapter), kv_store, thread),
+        LocalDecodeStage(DecodeEngine(adapter), kv_store, thread),
+    )

@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP API of the front door (aiohttp), in the gateway's own process and
+event loop, calling the same `Pipeline` as the gRPC servicer:
+
+    POST /v1/chat/completions   one user message: text + one video_url / image_url part
+                                -> `chat.completion`, or with "stream": true SSE
+                                   `chat.completion.chunk`s ending in `data: [DONE]`
+    GET  /v1/models             the served model id
+    GET  /health                200 when every configured stage answers SERVING on grpc.health
+    GET  /metrics               Prometheus text format (gateway/metrics.py)
+
+Request format and options: gateway/openai_protocol.py. Media URL policy: gateway/media_fetch.py.
+Errors are OpenAI-style JSON bodies; pipeline errors go through `epd.transport.errors.status_of`,
+so a status means the same thing on both APIs. A streamed answer sends its 200 only with the
+first token: bad media, limits and refusals still get their own HTTP status.
+
+Bodies are read under limits (gateway/http_body.py): 413 past the body limit (derived from
+--max-upload-bytes) without reading the rest, 429 + Retry-After when the client already has
+--max-requests-per-client requests in flight or the process holds --max-inflight-body-bytes of
+bodies (gateway/admission.py, shared with the gRPC API).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from epd.gateway.admission import (
+    RETRY_AFTER_S,
+    Admission,
+    Overloaded,
+    max_body_bytes,
+    peer_host,
+)
+from epd.gateway.config import GatewayConfig
+from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body
+from epd.gateway.media_fetch import decode_data_url, load_media
+from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from epd.gateway.openai_protocol import (
+    ChatRequest,
+    chunk_body,
+    completion_body,
+    epd_details,
+    error_body,
+    http_error_of,
+    parse_chat_request,
+    usage,
+)
+from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.readiness import StageHealth
+from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
+from epd.stages.contracts import MediaInput, TokenStep
+from epd.transport.auth import bearer_token, key_matches
+from epd.transport.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+NotServing = Callable[[], Awaitable[list[str]]]
+"""Returns the names of the stages that are not serving ([] = healthy)."""
+
+def json_error(status: int, message: str, error_type: str) -> web.Response:
+    response = web.json_response(error_body(message, error_type), status=status)
+    if status == 429:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def _exception_response(exc: BaseException) -> web.Response:
+    status, error_type, message = http_error_of(exc)
+    if status == 500:
+        log.exception("internal error in the HTTP API", exc_info=exc)
+    return json_error(status, message, error_type)
+
+
+class HttpApi:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pipeline: Pipeline,
+        metrics: GatewayMetrics,
+        not_serving: NotServing | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.not_serving = not_serving
+        self.admission = admission or Admission.of_gateway(config)
+        self.max_body_bytes = max_body_bytes(config.max_upload_bytes)
+        self.started_s = int(time.time())
+
+    def app(self) -> web.Application:
+        # client_max_size only backs up read_json_body for any route that calls request.read().
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware])
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        ticket = None
+        try:
+            if self.config.http.api_key and request.path.startswith("/v1/") and not self._authorized(request):
+                response: web.StreamResponse = json_error(
+                    401,
+                    "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                )
+            elif request.method == "POST" and route in BODY_ROUTES:
+                ticket = request[TICKET_KEY] = self.admission.admit(peer_host(request.remote or "unknown"))
+                response = await handler(request)
+            else:
+                response = await handler(request)
+        except Overloaded as exc:
+            response = _exception_response(exc)
+        except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+            error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
+            message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
+            response = json_error(exc.status, message, error_type)
+        finally:
+            if ticket is not None:
+                ticket.close()
+        if not response.prepared and request.can_read_body:
+            # Refused before its body was read: the connection cannot carry another request
+            # (aiohttp drops what is still arriving for a few seconds, then closes it).
+            response.force_close()
+        self.metrics.http_responses.inc(route=route, code=str(response.status))
+        return response
+
+    def _authorized(self, request: web.Request) -> bool:
+        token = bearer_token([("authorization", request.headers.get("Authorization", ""))])
+        return key_matches(token, self.config.http.api_key)
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.config.http.served_model_name
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": name, "object": "model", "created": self.started_s, "owned_by": "epd"}],
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        down = await self.not_serving() if self.not_serving else []
+        if down:
+            return web.json_response({"status": "unavailable", "not_serving": down}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            chat = parse_chat_request(
+                await read_json_body(request, self.max_body_bytes),
+                self.config.http.served_model_name,
+                self.config.sampling,
+                self.config.generation,
+            )
+            if chat.media_url.startswith("data:"):
+                data = take_data_url_bytes(chat, self.config.max_upload_bytes)
+            else:
+                data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes)
+            ask = AskRequest(
+                question=chat.question,
+                media=MediaInput(data, hashlib.sha256(data).hexdigest()),
+                sampling=chat.sampling,
+                generation=chat.generation,
+                request_id=uuid.uuid4().hex,
+                pruning=chat.pruning,
+            )
+            events = self.pipeline.ask(ask)
+            if chat.stream:
+                return await self._stream(request, chat, ask.request_id, events)
+            async with aclosing(events):  # type: ignore[type-var]
+                async for item in events:
+                    if isinstance(item, AskSummary):
+                        return web.json_response(completion_body(item, chat.model))
+            raise RuntimeError("the pipeline ended without a summary")
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped in status_of
+            return _exception_response(exc)
+
+    async def _stream(
+        self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent]
+    ) -> web.StreamResponse:
+        created = int(time.time())
+        response: web.StreamResponse | None = None
+
+        async def send(body: dict[str, Any]) -> None:
+            assert response is not None
+            if chat.include_usage:
+                body.setdefault("usage", None)
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+        try:
+            async with aclosing(events):  # type: ignore[type-var]
+                async for item in events:
+                    if not isinstance(item, (TokenStep, AskSummary)):
+                        continue  # stage events have no place in OpenAI's format
+                    if response is None:
+                        response = web.StreamResponse(
+                            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                        )
+                        await response.prepare(request)
+                        await send(
+                            chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
+                        )
+                    if isinstance(item, TokenStep):
+                        if item.token_ids or item.text:
+                            await send(
+                                chunk_body(
+                                    request_id,
+                                    chat.model,
+                                    created,
+                                    {"content": item.text},
+                                    token_ids=item.token_ids,
+                                )
+                            )
+                        continue
+                    final = chunk_body(request_id, chat.model, created, {}, item.finish_reason or "stop")
+                    final["epd"] = epd_details(item)
+                    await send(final)
+                    if chat.include_usage:
+                        await send(
+                            {
+                                **chunk_body(request_id, chat.model, created, {}),
+                                "choices": [],
+                                "usage": usage(item),
+                            }
+                        )
+        except ConnectionResetError:
+            log.info("client of %s went away mid-stream", request_id)
+            return response or web.Response(status=499)
+        except Exception as exc:  # noqa: BLE001 - mapped in status_of
+            if response is None:
+                raise  # nothing sent yet: the caller answers with the error's own status
+            status, error_type, message = http_error_of(exc)
+            if status == 500:
+                log.exception("internal error mid-stream in %s", request_id)
+            await response.write(
+                b"data: " + json.dumps(error_body(message, error_type, str(status))).encode() + b"\n\n"
+            )
+        if response is None:
+            raise RuntimeError("the pipeline ended without a token")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:
+    """The media of a base64 data: URL with few copies of a URL that may be hundreds of MB: its
+    ASCII bytes replace the text (taken out of `chat`, so the text is freed) and are decoded in
+    place (`epd.gateway.media_fetch.decode_data_url`)."""
+    try:
+        url = chat.media_url.encode("ascii")
+    except UnicodeEncodeError:
+        raise InvalidRequest("the data: URL must be ASCII: data:video/mp4;base64,<payload>") from None
+    chat.media_url = ""
+    return decode_data_url(url, max_upload_bytes)
+
+
+@dataclass
+class HttpServer:
+    runner: web.AppRunner
+    port: int
+    stage_health: StageHealth | None = None
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        if self.stage_health is not None:
+            await self.stage_health.close()
+
+
+async def start_http_api(
+    config: GatewayConfig,
+    pipeline: Pipeline,
+    metrics: GatewayMetrics,
+    stage_health: StageHealth | None = None,
+    admission: Admission | None = None,
+) -> HttpServer:
+    """Serve the HTTP API on `config.http.port` (0 here binds a free port, for tests);
+    `admission` is shared with the gRPC API so that a client's limit counts both."""
+    api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
+    # handler_cancellation: a client that disconnects stops its pipeline run.
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, config.http.host or config.server.host, config.http.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    log.info("OpenAI-compatible HTTP API on port %d", port)
+    return HttpServer(runner, port, stage_health)

@@ -1,0 +1,396 @@
+"""OpenAI chat-completions JSON <-> the pipeline's request and results (no HTTP in here).
+
+A request is one user message whose content parts are text and exactly one `video_url` or
+`image_url` part. Generation options are OpenAI's own fields (max_completion_tokens or
+max_tokens, temperature, top_p, seed, stop) plus `top_k` and `ignore_eos`; frame sampling goes in
+one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
+"start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
+dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
+Fields left out take the server's defaults, which are greedy: unlike OpenAI, a missing
+`temperature` means 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+
+from epd.gateway.admission import Overloaded
+from epd.gateway.pipeline import AskSummary
+from epd.model_runtime.sampling import GenerationConfig
+from epd.token_pruning import PruningConfig
+from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
+from epd.transport.errors import InvalidRequest, NotFound, status_of
+from epd.v1 import common_pb2
+from epd.video.types import SamplingOptions
+
+# gRPC status (from epd.transport.errors.status_of) -> HTTP status and OpenAI error type.
+_HTTP_OF_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (413, "request_too_large"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class _Number:
+    """A numeric request field: its type and the range it must lie in (the proto field's range
+    at most, so every accepted value also crosses the wire to the stages)."""
+
+    kind: type  # int or float
+    low: float
+    high: float
+    low_open: bool = False  # low itself excluded (fps > 0)
+
+    def describe(self) -> str:
+        if self.kind is int:
+            return f"an integer from {int(self.low)} to {int(self.high)}"
+        low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
+        return f"a finite number {low}" + (f" and <= {self.high:g}" if self.high != math.inf else "")
+
+
+_MEDIA_OPTIONS = {
+    "fps": _Number(float, 0.0, MAX_SAMPLING_FPS, low_open=True),
+    "max_frames": _Number(int, 1, INT32_MAX),
+    "min_frames": _Number(int, 1, INT32_MAX),
+    "num_frames": _Number(int, 1, INT32_MAX),
+    "max_pixels": _Number(int, 1, INT64_MAX),
+    "start_time_s": _Number(float, 0.0, math.inf),
+    "end_time_s": _Number(float, 0.0, math.inf, low_open=True),
+}
+_GENERATION_OPTIONS = {
+    "max_completion_tokens": _Number(int, 1, INT32_MAX),
+    "max_tokens": _Number(int, 1, INT32_MAX),
+    "temperature": _Number(float, 0.0, math.inf),
+    "top_p": _Number(float, 0.0, 1.0, low_open=True),
+    "top_k": _Number(int, 0, INT32_MAX),
+    "seed": _Number(int, INT64_MIN, INT64_MAX),
+}
+
+
+def http_status_of(code: grpc.StatusCode) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of a gRPC status code."""
+    return _HTTP_OF_STATUS.get(code, (500, "server_error"))
+
+
+def http_error_of(exc: BaseException) -> tuple[int, str, str]:
+    """(HTTP status, OpenAI error type, client-safe message) of any exception. A refusal for
+    load (`Overloaded`) is a 429 to retry; every other limit is a 413."""
+    if isinstance(exc, Overloaded):
+        return 429, "rate_limit_error", str(exc)
+    code, message = status_of(exc)
+    status, error_type = http_status_of(code)
+    return status, error_type, message
+
+
+def error_body(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+
+
+@dataclass
+class ChatRequest:
+    """What one chat-completions body asks for, in the pipeline's terms."""
+
+    model: str
+    question: str
+    media_url: str
+    modality: str  # "video" | "image": which content part carried the URL
+    sampling: SamplingOptions
+    generation: GenerationConfig
+    stream: bool
+    include_usage: bool
+    pruning: PruningConfig = PruningConfig()
+
+
+def parse_chat_request(
+    body: Any, served_model: str, sampling_defaults: SamplingOptions, generation_defaults: GenerationConfig
+) -> ChatRequest:
+    """Validate a chat-completions body; raises InvalidRequest (400) or NotFound (404, model)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = _text(body.get("model"), "model") or served_model
+    if model != served_model:
+        raise NotFound(f"model '{model[:200]}' is not served here; GET /v1/models lists '{served_model}'")
+    n = body.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
+        raise InvalidRequest("only n=1 is supported")
+    question, media_url, modality = _parse_messages(body.get("messages"))
+    stream = _boolean(body, "stream", False)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise InvalidRequest("stream_options must be an object")
+    return ChatRequest(
+        model=model,
+        question=question,
+        media_url=media_url,
+        modality=modality,
+        sampling=_sampling(body.get("media"), sampling_defaults),
+        generation=_generation(body, generation_defaults),
+        stream=stream,
+        include_usage=_boolean(stream_options, "include_usage", False, "stream_options.include_usage"),
+        pruning=_pruning(body.get("pruning")),
+    )
+
+
+def _pruning(value: Any) -> PruningConfig:
+    """{"preset": name, "knobs": {name: value}} -> PruningConfig, parsed as the gRPC path does."""
+    if value is None:
+        return PruningConfig()
+    if not isinstance(value, dict) or set(value) - {"preset", "knobs"}:
+        raise InvalidRequest('\'pruning\' must be an object like {"preset": "balanced", "knobs": {...}}')
+    knobs = value.get("knobs") or {}
+    if not isinstance(knobs, dict):
+        raise InvalidRequest("pruning.knobs must be an object of knob names to values")
+    preset = value.get("preset") or "off"
+    if not isinstance(preset, str):
+        raise InvalidRequest("pruning.preset must be a string such as \"balanced\"")
+    text_knobs = {}
+    for name, knob in knobs.items():
+        if isinstance(knob, (dict, list)):
+            raise InvalidRequest(f"pruning.knobs.{_text(name, 'pruning.knobs')[:64]} must be a number, string or bool")
+        text = str(knob).lower() if isinstance(knob, bool) else str(knob)
+        text_knobs[_text(name, "pruning.knobs")] = _text(text, f"pruning.knobs.{name[:64]}")
+    options = common_pb2.PruningOptions(preset=_text(preset, "pruning.preset"), knobs=text_knobs)
+    return pruning_from_proto(options)
+
+
+def _parse_messages(messages: Any) -> tuple[str, str, str]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list")
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    if roles != ["user"]:
+        shown = [r[:32] if isinstance(r, str) else None for r in roles[:8]]
+        raise InvalidRequest(
+            f"expected exactly one user message (got roles {shown}{'...' if len(roles) > 8 else ''}); "
+            "put the question and the video_url or image_url part in one user message"
+        )
+    content = messages[0].get("content")
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest("message content must be a string or a list of content parts")
+    texts: list[str] = []
+    media: list[tuple[str, str]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(_text(part["text"], "messages[0].content text"))
+        elif kind in ("video_url", "image_url"):
+            ref = part.get(kind)
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if not isinstance(url, str) or not url:
+                raise InvalidRequest(f"a {kind} part needs {{'{kind}': {{'url': ...}}}}")
+            if not url.startswith("data:"):  # a data: URL is checked as it is decoded (ASCII only)
+                _text(url, f"{kind}.url")
+            media.append((url, kind.removesuffix("_url")))
+        else:
+            kind_text = kind[:64] if isinstance(kind, str) else kind if kind is None else type(kind).__name__
+            raise InvalidRequest(
+                f"unsupported content part {kind_text!r}; use 'text', 'video_url' or 'image_url'"
+            )
+    if len(media) != 1:
+        raise InvalidRequest(
+            f"the message must have exactly one video_url or image_url part, got {len(media)}"
+        )
+    return "\n".join(texts), media[0][0], media[0][1]
+
+
+def _text(value: Any, name: str) -> str:
+    """A JSON string that can be sent on as UTF-8: JSON's \\ud800-style escapes can spell lone
+    surrogates, which no UTF-8 encoder (protobuf's included) accepts."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"'{name}' must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{name}' is not valid Unicode text (it holds a lone surrogate escape)") from None
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool, label: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{label or name}' must be true or false, got {_shown(value)}")
+    return value
+
+
+def _number(body: dict, name: str, spec: _Number, default: Any) -> Any:
+    """body[name] as spec.kind within its range (ints are never taken for bools, nor floats for
+    ints); `default` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if spec.kind is int:
+        ok = ok and isinstance(value, int)
+    elif ok:
+        try:
+            value = float(value)  # an integer of 400 digits overflows: not a usable number
+        except OverflowError:
+            ok = False
+    if ok:
+        in_low = value > spec.low if spec.low_open else value >= spec.low
+        # isinstance first: math.isfinite of an int past float's range raises OverflowError.
+        ok = (isinstance(value, int) or math.isfinite(value)) and in_low and value <= spec.high
+    if not ok:
+        raise InvalidRequest(f"'{name}' must be {spec.describe()}, got {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A client's value for an error message, cut short: the message must not echo a megabyte
+    (nor recurse through a deeply nested array)."""
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "an array"
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
+def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
+    if media is None:
+        return defaults
+    if not isinstance(media, dict):
+        raise InvalidRequest('\'media\' must be an object such as {"fps": 2, "num_frames": 8}')
+    unknown = sorted(str(name)[:64] for name in set(media) - set(_MEDIA_OPTIONS))
+    if unknown:
+        raise InvalidRequest(f"unknown media options {unknown[:8]}; known: {sorted(_MEDIA_OPTIONS)}")
+    v = {name: _number(media, name, spec, None) for name, spec in _MEDIA_OPTIONS.items()}
+    max_frames = v["max_frames"] if v["max_frames"] is not None else defaults.max_frames
+    return replace(
+        defaults,
+        fps=v["fps"] if v["fps"] is not None else defaults.fps,
+        max_frames=max_frames,
+        min_frames=v["min_frames"] if v["min_frames"] is not None else min(defaults.min_frames, max_frames),
+        num_frames=v["num_frames"] if v["num_frames"] is not None else defaults.num_frames,
+        max_pixels=v["max_pixels"] if v["max_pixels"] is not None else defaults.max_pixels,
+        start_time_s=v["start_time_s"] if v["start_time_s"] is not None else defaults.start_time_s,
+        end_time_s=v["end_time_s"] if v["end_time_s"] is not None else defaults.end_time_s,
+    )
+
+
+def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
+    v = {name: _number(body, name, spec, None) for name, spec in _GENERATION_OPTIONS.items()}
+    max_tokens = v["max_completion_tokens"] if v["max_completion_tokens"] is not None else v["max_tokens"]
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = defaults.stop
+    elif isinstance(stop, str):
+        stops = (_text(stop, "stop"),)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(_text(s, "stop") for s in stop)
+    else:
+        raise InvalidRequest("'stop' must be a string or a list of strings")
+
+    def given(name: str, default: Any) -> Any:
+        return v[name] if v[name] is not None else default
+
+    return GenerationConfig(
+        max_new_tokens=max_tokens if max_tokens is not None else defaults.max_new_tokens,
+        temperature=given("temperature", defaults.temperature),
+        top_p=given("top_p", defaults.top_p),
+        top_k=given("top_k", defaults.top_k),
+        seed=given("seed", defaults.seed),
+        stop=stops,
+        ignore_eos=_boolean(body, "ignore_eos", defaults.ignore_eos),
+    )
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def usage(summary: AskSummary) -> dict[str, int]:
+    completion = len(summary.token_ids)
+    return {
+        "prompt_tokens": summary.num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": summary.num_prompt_tokens + completion,
+    }
+
+
+def epd_details(summary: AskSummary) -> dict[str, Any]:
+    """Extra `epd` field: what OpenAI's format has no place for (token ids, frames, timings)."""
+    return {
+        "request_id": summary.request_id,
+        "token_ids": summary.token_ids,
+        "num_frames": summary.num_frames,
+        "num_visual_tokens": summary.num_visual_tokens,
+        "frame_timestamps_s": summary.frame_timestamps_s,
+        "timings_ms": summary.timings_ms,
+        "kv_num_bytes": summary.kv_num_bytes,
+        "encoder_cache_hit": summary.encoder_cache_hit,
+        "media_sha256": summary.media_sha256,
+        "pruning": summary.pruning.to_dict(),
+        "grid_thw": list(summary.grid_thw),
+        **({"kept_tokens": kept_token_grid(summary)} if summary.kept_visual_token_index else {}),
+    }
+
+
+def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[int]]]:
+    """kept[t][row][col] (0/1) over the merged-token grid of each temporal group: which visual
+    tokens reached the KV cache. grid_thw is in patches; a merged token covers merge x merge."""
+    t, h, w = summary.grid_thw
+    rows, cols = h // merge_size, w // merge_size
+    kept = [[[0] * cols for _ in range(rows)] for _ in range(t)]
+    for index in summary.kept_visual_token_index:
+        group, rest = divmod(index, rows * cols)
+        if group < t:
+            kept[group][rest // cols][rest % cols] = 1
+    return kept
+
+
+def completion_body(summary: AskSummary, model: str, created: int | None = None) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{summary.request_id}",
+        "object": "chat.completion",
+        "created": created if created is not None else int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": summary.answer},
+                "logprobs": None,
+                "finish_reason": summary.finish_reason or "stop",
+            }
+        ],
+        "usage": usage(summary),
+        "epd": epd_details(summary),
+    }
+
+
+def chunk_body(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from."""
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }

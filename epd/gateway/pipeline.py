@@ -1,0 +1,181 @@
+"""One question about one video through Encode -> Prefill -> Decode, as a stream of events.
+
+Written against the stage contracts only: the same code runs the embedded mode (local stages)
+and the gateway of the disaggregated stack (remote stages).
+
+The stages run in one task of their own (`epd.stages.events.with_events`) and `ask` streams what
+that task reports. When the consumer goes (the front door's handler is cancelled because its
+client disconnected, or it closes the stream), the task is cancelled wherever it is: the stage
+call in flight is cancelled with it (encoder: demux and decoding stop within 50 ms; prefill:
+keeps no cache; decode: stops and frees the cache). A KV cache that prefill already stored and
+no decoder has taken yet is released on every way out (cancel, error, a decoder that could not
+pull it), so each request holds at most one cache and only while it is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import (
+    DecodeStage,
+    EncodeStage,
+    MediaInput,
+    PrefillHandle,
+    PrefillStage,
+    StageEvent,
+    TokenStep,
+)
+from epd.stages.events import Finished, with_events
+from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport.errors import InvalidRequest
+from epd.video.types import SamplingOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AskRequest:
+    question: str
+    media: MediaInput
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    request_id: str = ""
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    """Token dropping and KV compression; all off by default (exact tokens)."""
+
+
+@dataclass
+class AskSummary:
+    request_id: str
+    answer: str
+    token_ids: list[int]
+    finish_reason: str
+    num_frames: int
+    num_visual_tokens: int
+    num_prompt_tokens: int
+    timings_ms: dict[str, float]
+    kv_num_bytes: int
+    encoder_cache_hit: bool
+    media_sha256: str
+    frame_timestamps_s: list[float]
+    pruning: PruningStats = field(default_factory=PruningStats)
+    grid_thw: tuple[int, int, int] = (0, 0, 0)
+    kept_visual_token_index: list[int] = field(default_factory=list)
+
+
+PipelineEvent = StageEvent | TokenStep | AskSummary
+Emit = Callable[[StageEvent | TokenStep], None]
+
+
+class Pipeline:
+    def __init__(self, encoder: EncodeStage, prefill: PrefillStage, decoder: DecodeStage) -> None:
+        self.encoder = encoder
+        self.prefill = prefill
+        self.decoder = decoder
+
+    async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
+        """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
+        if not req.question.strip():
+            raise InvalidRequest("the question is empty; ask something about the video")
+        request_id = req.request_id or uuid.uuid4().hex
+
+        async def run(emit: Emit) -> AskSummary:
+            return await self._run(req, request_id, emit)
+
+        async for item in with_events(run):
+            yield item.value if isinstance(item, Finished) else item
+
+    async def _run(self, req: AskRequest, request_id: str, emit: Emit) -> AskSummary:
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+
+        def elapsed_ms() -> float:
+            return (time.perf_counter() - t0) * 1e3
+
+        media = await self.encoder.encode(req.media, req.sampling, emit, request_id, req.pruning)
+        timings["decode"] = media.decode_ms
+        timings["encode"] = media.encode_ms
+
+        emit(StageEvent("prefill", "started"))
+        t_prefill = time.perf_counter()
+        handle = await self.prefill.prefill(req.question, media, req.generation, request_id, req.pruning)
+        taken = False  # by the decoder: its first step comes only after it pulled the cache
+        try:
+            timings["prefill"] = handle.prefill_ms
+            emit(StageEvent(
+                "prefill",
+                "finished",
+                (time.perf_counter() - t_prefill) * 1e3,
+                {"num_prompt_tokens": str(handle.num_prompt_tokens), "kv_num_bytes": str(handle.kv_num_bytes)},
+            ))
+            token_ids: list[int] = []
+            text_parts: list[str] = []
+            finish_reason = ""
+            t_gen = time.perf_counter()
+            pruning = handle.pruning
+            async for step in self.decoder.generate(handle, req.generation, request_id, req.pruning):
+                if not taken:
+                    taken = True
+                    timings["ttft"] = elapsed_ms()
+                    timings["kv_transfer"] = step.kv_transfer_ms
+                    emit(StageEvent("kv_transfer", "finished", step.kv_transfer_ms,
+                                    {"kv_num_bytes": str(step.kv_num_bytes)}))
+                token_ids += step.token_ids
+                text_parts.append(step.text)
+                finish_reason = step.finish_reason or finish_reason
+                if step.decode_evict is not None:
+                    pruning.record("decode_evict", *step.decode_evict)
+                emit(step)
+        finally:
+            if not taken:
+                await self._release(handle, request_id)
+        timings["generate"] = (time.perf_counter() - t_gen) * 1e3
+        timings["total"] = elapsed_ms()
+        return AskSummary(
+            request_id=request_id,
+            answer="".join(text_parts),
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            num_frames=media.num_frames,
+            num_visual_tokens=media.meta.num_visual_tokens,
+            num_prompt_tokens=handle.num_prompt_tokens,
+            timings_ms=timings,
+            kv_num_bytes=handle.kv_num_bytes,
+            encoder_cache_hit=media.cache_hit,
+            media_sha256=media.sha256,
+            frame_timestamps_s=media.frame_timestamps_s,
+            pruning=pruning,
+            grid_thw=media.meta.grid_thw,
+            kept_visual_token_index=handle.kept_visual_token_index or (
+                [] if media.token_index is None else media.token_index.tolist()
+            ),
+        )
+
+    async def _release(self, handle: PrefillHandle, request_id: str) -> None:
+        """Tell prefill to drop a cache no decoder took. Runs to the end even if this task is
+        cancelled (again) meanwhile; a failure is logged, not raised over the request's own error."""
+        release = asyncio.ensure_future(self.prefill.release(handle, request_id))
+        _in_flight.add(release)
+        release.add_done_callback(_release_done(request_id))
+        await asyncio.wait([release])  # unlike await, neither raises its error nor cancels it
+
+
+_in_flight: set[asyncio.Future] = set()
+"""Releases still running, held here so that one outliving its cancelled request task is not
+garbage-collected half way."""
+
+
+def _release_done(request_id: str) -> Callable[[asyncio.Future], None]:
+    def done(release: asyncio.Future) -> None:
+        _in_flight.discard(release)
+        if not release.cancelled() and release.exception() is not None:
+            log.warning("could not release the KV cache of request %s (its TTL will): %r",
+                        request_id, release.exception())
+
+    return done

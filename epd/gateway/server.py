@@ -1,0 +1,106 @@
+"""Start the front door: `start(config)` for tests, `main(config)` for `epd serve gateway`.
+
+`main` serves gRPC and, when `config.http.port` is set, the OpenAI-compatible HTTP API in the
+same event loop, both over one metered pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+
+from epd.gateway.admission import Admission
+from epd.gateway.config import GatewayConfig
+from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
+from epd.gateway.pipeline import Pipeline
+from epd.gateway.readiness import StageHealth, watch_stages
+from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
+from epd.stages.remote import (
+    RemoteDecodeStage,
+    RemoteEncodeStage,
+    RemotePrefillStage,
+    ReplicaPool,
+)
+from epd.transport.auth import ApiKeyInterceptor
+from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.v1 import gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def remote_pipeline(config: GatewayConfig) -> Pipeline:
+    t = config.stage_timeout_s
+    return Pipeline(
+        RemoteEncodeStage(ReplicaPool(list(config.encoder_addresses)), t, config.max_transfer_bytes),
+        RemotePrefillStage(ReplicaPool(list(config.prefill_addresses)), t),
+        RemoteDecodeStage(ReplicaPool(list(config.decode_addresses)), t),
+    )
+
+
+async def start(
+    config: GatewayConfig, pipeline: Pipeline | None = None, admission: Admission | None = None
+) -> HealthyServer:
+    servicer = GatewayServicer(config, pipeline or remote_pipeline(config), admission)
+    # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
+    interceptors = [ApiKeyInterceptor(config.http.api_key, (f"/{SERVICE_NAME}/",))] if config.http.api_key else []
+    hs = await create_server(
+        config.server,
+        lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        interceptors,
+    )
+    # NOT_SERVING until every stage serves, and again whenever one stops (gateway/readiness.py).
+    watch = watch_stages(hs, StageHealth(config), config.stage_check_interval_s)
+    hs.background_tasks.append(asyncio.ensure_future(watch))
+    return hs
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # "" (every interface), 0.0.0.0, or a name that may resolve anywhere
+
+
+def open_without_key(config: GatewayConfig) -> str | None:
+    """Why the gateway must not start with this config (None when it may): a non-loopback
+    interface with no API key needs the explicit --no-api-key opt-out."""
+    http = config.http
+    if http.api_key and http.no_api_key:
+        return "both an API key (--api-key or $EPD_API_KEY) and --no-api-key are set; pass one of them"
+    if http.api_key or http.no_api_key:
+        return None
+    exposed = [] if _is_loopback(config.server.host) else [f"gRPC on {config.server.host or '*'} (--host)"]
+    http_host = http.host or config.server.host
+    if http.port and not _is_loopback(http_host):
+        exposed.append(f"HTTP on {http_host or '*'} (--http-host/--host)")
+    if not exposed:
+        return None
+    return (
+        f"refusing to serve {' and '.join(exposed)} without an API key: set --api-key KEY (or "
+        "$EPD_API_KEY), bind 127.0.0.1, or pass --no-api-key on a closed, trusted network"
+    )
+
+
+async def main(config: GatewayConfig) -> None:
+    # Before anything binds: exit non-zero with one line, not a traceback.
+    problem = open_without_key(config)
+    if problem:
+        raise SystemExit(f"epd serve gateway: {problem}")
+    metrics = GatewayMetrics()
+    pipeline = MeteredPipeline(remote_pipeline(config), metrics)
+    admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
+    http = None
+    if config.http.port:
+        from epd.gateway.http_api import start_http_api  # aiohttp only when asked for
+
+        http = await start_http_api(config, pipeline, metrics, StageHealth(config), admission)
+    hs = await start(config, pipeline, admission)
+    try:
+        await serve_until_signal(hs, config.server.grace_s)
+    finally:
+        if http is not None:
+            await http.stop()

@@ -1,0 +1,77 @@
+"""GatewayService over gRPC: read the upload, run the pipeline, stream events and tokens."""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+
+from epd.gateway.admission import Admission, Overloaded, peer_host
+from epd.gateway.config import GatewayConfig
+from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.stages.contracts import StageEvent
+from epd.transport import convert
+from epd.transport.errors import rpc_errors
+from epd.transport.upload import drain, media_input, read_upload
+from epd.v1 import gateway_pb2, gateway_pb2_grpc
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, config: GatewayConfig, pipeline: Pipeline, admission: Admission | None = None) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        # Shared with the HTTP API when both run (epd.gateway.server.main): a client's limit counts both.
+        self.admission = admission or Admission.of_gateway(config)
+
+    @rpc_errors
+    async def Ask(self, request_iterator, context):
+        started = time.perf_counter()
+        try:
+            ticket = self.admission.admit(peer_host(context.peer()))
+        except Overloaded:
+            await drain(request_iterator)  # so that the client sees our status, not INTERNAL
+            raise
+        with ticket:
+            header, data = await read_upload(request_iterator, self.config.max_upload_bytes, ticket.reserve_bytes)
+            request = AskRequest(
+                question=header.question,
+                media=media_input(header, data),
+                sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
+                generation=convert.generation_from_proto(header.generation, self.config.generation),
+                request_id=header.request_id,
+                pruning=convert.pruning_from_proto(header.pruning),
+            )
+            # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
+            # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.
+            events = self.pipeline.ask(request)
+            async with aclosing(events):  # type: ignore[type-var]
+                async for item in events:
+                    if isinstance(item, StageEvent):
+                        at_ms = (time.perf_counter() - started) * 1e3
+                        yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
+                    elif isinstance(item, AskSummary):
+                        yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
+                    else:
+                        delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
+                        yield gateway_pb2.AskResponse(delta=delta)
+
+
+def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
+    return gateway_pb2.AskSummary(
+        request_id=s.request_id,
+        answer=s.answer,
+        token_ids=s.token_ids,
+        finish_reason=s.finish_reason,
+        num_frames=s.num_frames,
+        num_visual_tokens=s.num_visual_tokens,
+        num_prompt_tokens=s.num_prompt_tokens,
+        timings_ms=s.timings_ms,
+        kv_num_bytes=s.kv_num_bytes,
+        encoder_cache_hit=s.encoder_cache_hit,
+        media_sha256=s.media_sha256,
+        frame_timestamps_s=s.frame_timestamps_s,
+        pruning=convert.stats_to_proto(s.pruning),
+        grid_thw=list(s.grid_thw),
+        kept_visual_token_index=s.kept_visual_token_index,
+    )

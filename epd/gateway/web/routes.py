@@ -1,0 +1,168 @@
+"""The web demo, served by the front door's HTTP server next to the OpenAI API:
+
+    GET  /                        the page (static/index.html; plain HTML/CSS/JS, no build, no CDN)
+    GET  /static/{file}           its script and style sheet
+    GET  /demo/samples            the bundled samples (samples/): name, kind, size, suggested questions
+    GET  /demo/samples/{name}     one sample's bytes
+    POST /demo/frames             {"video_url": "data:...", "media": {...}} -> the frames the
+                                  encoder samples with these options, as small base64 JPEGs
+                                  with their timestamps (same parser and defaults as
+                                  /v1/chat/completions, same frame selection rule)
+
+The page asks its questions through the streaming `/v1/chat/completions` (SSE) and draws the
+final chunk's `epd` object: timings (stage timeline), frames, cache hit, and `kept_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import mimetypes
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from epd.gateway.admission import max_body_bytes as gateway_max_body_bytes
+from epd.gateway.config import GatewayConfig
+from epd.gateway.http_body import defer_continue, read_json_body
+from epd.gateway.media_fetch import load_media
+from epd.gateway.openai_protocol import error_body, parse_chat_request
+from epd.resources import shipped
+from epd.transport.auth import bearer_token, key_matches
+from epd.transport.errors import InvalidRequest
+from epd.video.simple_decoder import decode
+from epd.video.types import DecodeLimits, SamplingOptions
+
+STATIC_DIR = Path(__file__).parent / "static"
+SAMPLES_DIR = shipped("samples")
+THUMBNAIL_MAX_SIDE = 192
+"""Longest side of a frame thumbnail, in pixels."""
+_SAMPLE_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".png", ".jpg", ".jpeg"}
+
+
+BODY_ROUTES = frozenset({"/v1/chat/completions", "/demo/frames"})
+"""Routes whose POST body is read with `read_json_body` under the admission limits."""
+
+
+def add_demo_routes(
+    app: web.Application,
+    config: GatewayConfig,
+    max_body_bytes: int | None = None,
+    samples_dir: Path = SAMPLES_DIR,
+) -> None:
+    demo = WebDemo(config, samples_dir, max_body_bytes or gateway_max_body_bytes(config.max_upload_bytes))
+    app.router.add_get("/", demo.index)
+    app.router.add_static("/static/", STATIC_DIR)
+    app.router.add_get("/demo/samples", demo.samples)
+    app.router.add_get("/demo/samples/{name}", demo.sample)
+    app.router.add_post("/demo/frames", demo.frames, expect_handler=defer_continue)
+
+
+class WebDemo:
+    def __init__(self, config: GatewayConfig, samples_dir: Path, max_body_bytes: int) -> None:
+        self.config = config
+        self.samples_dir = samples_dir
+        self.max_body_bytes = max_body_bytes
+
+    async def index(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def samples(self, request: web.Request) -> web.Response:
+        return web.json_response({"samples": list_samples(self.samples_dir)})
+
+    async def sample(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        names = {s["name"] for s in list_samples(self.samples_dir)}
+        if name not in names:  # only listed files: no path ever comes from the URL
+            return web.json_response(error_body(f"no sample named {name!r}", "not_found_error"), status=404)
+        return web.FileResponse(self.samples_dir / name)
+
+    async def frames(self, request: web.Request) -> web.Response:
+        if self.config.http.api_key and not key_matches(
+            bearer_token([("authorization", request.headers.get("Authorization", ""))]),
+            self.config.http.api_key,
+        ):
+            return web.json_response(
+                error_body(
+                    "missing or wrong API key; send 'Authorization: Bearer <key>'", "authentication_error"
+                ),
+                status=401,
+            )
+        try:
+            sampling, url = _frames_request(await read_json_body(request, self.max_body_bytes), self.config)
+            data = await load_media(url, self.config.http.media, self.config.max_upload_bytes)
+            limits = DecodeLimits(max_bytes=self.config.max_upload_bytes)
+            return web.json_response(await asyncio.to_thread(sampled_thumbnails, data, sampling, limits))
+        except Exception as exc:  # noqa: BLE001 - mapped like the OpenAI API's errors
+            from epd.gateway.http_api import _exception_response
+
+            return _exception_response(exc)
+
+
+def _frames_request(body: Any, config: GatewayConfig) -> tuple[SamplingOptions, str]:
+    """Reuse the chat-completions parser so that sampling defaults and checks are the same."""
+    if not isinstance(body, dict) or not isinstance(body.get("video_url"), str):
+        raise InvalidRequest('send {"video_url": "data:...", "media": {...}}')
+    chat = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "frames"},
+                                         {"type": "video_url", "video_url": {"url": body["video_url"]}}]}
+        ],
+        "media": body.get("media"),
+    }  # fmt: skip
+    parsed = parse_chat_request(chat, config.http.served_model_name, config.sampling, config.generation)
+    return parsed.sampling, parsed.media_url
+
+
+def sampled_thumbnails(data: bytes, sampling: SamplingOptions, limits: DecodeLimits) -> dict[str, Any]:
+    """{"frames": [{"timestamp_s", "jpeg_base64"}], "width", "height"} of the sampled frames."""
+    from PIL import Image
+
+    # Decode straight to about twice the thumbnail size (same frames, same aspect): a repeated
+    # frame is copied into each of the T slots, so full-size frames would cost T x H x W x 3.
+    thumb_pixels = (2 * THUMBNAIL_MAX_SIDE) ** 2
+    max_pixels = min(sampling.max_pixels or thumb_pixels, thumb_pixels)
+    video = decode(data, replace(sampling, max_pixels=max_pixels), limits)  # frames: [T, h, w, 3] uint8
+    out = []
+    height, width = int(video.frames.shape[1]), int(video.frames.shape[2])
+    scale = min(1.0, THUMBNAIL_MAX_SIDE / max(height, width))
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    for frame, timestamp_s in zip(video.frames, video.timestamps_s):
+        buf = io.BytesIO()
+        Image.fromarray(frame).resize(size, Image.Resampling.BILINEAR).save(buf, format="JPEG", quality=75)
+        out.append(
+            {"timestamp_s": float(timestamp_s), "jpeg_base64": base64.b64encode(buf.getvalue()).decode()}
+        )
+    return {"frames": out, "width": width, "height": height, "is_image": video.is_image}
+
+
+def list_samples(samples_dir: Path) -> list[dict[str, Any]]:
+    """The media files in `samples_dir`, with the questions its sample.json suggests."""
+    if not samples_dir.is_dir():
+        return []
+    questions: dict[str, list[str]] = {}
+    meta_path = samples_dir / "sample.json"
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+            for entry in meta.values():
+                if isinstance(entry, dict) and "file" in entry:
+                    questions[entry["file"]] = [q["question"] for q in entry.get("questions", [])]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # suggestions are optional
+    out = []
+    for path in sorted(samples_dir.iterdir()):
+        if path.is_file() and path.suffix.lower() in _SAMPLE_SUFFIXES:
+            mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+            out.append({
+                "name": path.name,
+                "kind": "image" if mime.startswith("image/") else "video",
+                "mime_type": mime,
+                "num_bytes": path.stat().st_size,
+                "questions": questions.get(path.name, []),
+            })  # fmt: skip
+    return out

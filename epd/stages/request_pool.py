@@ -1,0 +1,87 @@
+"""A bounded pool of threads for per-request drivers that block (demuxing, waiting for decoded
+frames), so neither the event loop nor the model thread ever waits on one request's media.
+
+    await pool.run(drive)   # drive(cancel: threading.Event) -> T, on a pool thread
+
+Admission: at most `max_running` drivers run at once; up to `max_waiting` more wait in FIFO
+order for a thread; beyond that `run` raises ResourceExhausted with the caller's message (which
+names the flags that raise the limits), before any work starts.
+
+Cancellation: when the awaiting task is cancelled (its client went away), `run` sets the
+driver's `cancel` event and drops the driver if it is still waiting. A running driver polls the
+event at its own safe points and stops there; it keeps its slot until it has actually returned,
+so the bound counts the threads really busy, not the requests still wanted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from epd.transport.errors import ResourceExhausted
+
+T = TypeVar("T")
+
+
+class RequestPool:
+    def __init__(
+        self,
+        max_running: int,
+        max_waiting: int,
+        refusal: Callable[[int, int], str],
+        thread_name: str = "request",
+    ) -> None:
+        """`refusal(num_running, num_waiting)` is the message of the ResourceExhausted raised
+        when the pool is full: it should say which flags raise the limits."""
+        if max_running < 1 or max_waiting < 0:
+            raise ValueError(
+                f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}"
+            )
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self._refusal = refusal
+        self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix=thread_name)
+        self._lock = threading.Lock()
+        self._num_admitted = 0  # running + waiting; a slot is freed when its driver returns
+        self.num_cancelled = 0
+
+    @property
+    def num_admitted(self) -> int:
+        with self._lock:
+            return self._num_admitted
+
+    async def run(self, drive: Callable[[threading.Event], T]) -> T:
+        with self._lock:
+            if self._num_admitted >= self.max_running + self.max_waiting:
+                running = min(self._num_admitted, self.max_running)
+                raise ResourceExhausted(self._refusal(running, self._num_admitted - running))
+            self._num_admitted += 1
+        cancel = threading.Event()
+        call = functools.partial(contextvars.copy_context().run, drive, cancel)
+        try:
+            future = self._pool.submit(call)
+        except BaseException:
+            self._release()
+            raise
+        future.add_done_callback(lambda _: self._release())
+        try:
+            # wrap_future: cancelling this await also cancels `future` if it has not started.
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            cancel.set()
+            future.cancel()
+            with self._lock:
+                self.num_cancelled += 1
+            raise
+
+    def _release(self) -> None:
+        with self._lock:
+            self._num_admitted -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

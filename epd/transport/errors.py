@@ -1,0 +1,140 @@
+"""Domain errors and the one place where they become gRPC status codes.
+
+Engines raise these (or `epd.video.types.MediaError`) with a message that tells the caller what to
+change; servicer methods are wrapped by `rpc_errors`, which aborts the call with the mapped
+status. Anything unexpected becomes INTERNAL with a generic message: internals (decoder text,
+paths, addresses) never reach a client, and the full traceback goes to the server log.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+
+from epd.video.types import MediaError, MediaLimitError
+
+log = logging.getLogger(__name__)
+
+
+class EpdError(Exception):
+    """Base of errors whose message is safe and useful to show a client."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(EpdError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(EpdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotFound(EpdError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unavailable(EpdError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(EpdError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UpstreamError(EpdError):
+    """A downstream service answered with a status; the gateway passes it on (see `stage_error`)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# Statuses that gRPC itself raises (no connection, deadline, transport faults) or that our
+# services give only with a generic text: their details carry peer addresses and gRPC debug
+# strings, never anything a client can act on. Every other status comes from `rpc_errors` of
+# our own stage, whose message was written for the client.
+_SANITISED = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
+    grpc.StatusCode.INTERNAL: "failed",
+    grpc.StatusCode.UNKNOWN: "failed",
+    grpc.StatusCode.UNIMPLEMENTED: "failed",
+    grpc.StatusCode.DATA_LOSS: "failed",
+}
+
+
+def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> UpstreamError:
+    """The client-safe error for a stage's failed call: `stage` is "encode", "prefill" or
+    "decode". Transport-level statuses get a fixed message naming the stage and the request
+    id (the detail goes to the server log under that id); our stage's own messages pass on."""
+    code = exc.code()
+    what = _SANITISED.get(code)
+    if what is None:
+        return UpstreamError(code, exc.details() or f"{stage} stage failed (request id {request_id})")
+    log.warning(
+        "request %s: %s stage -> %s: %s | %s", request_id, stage, code.name, exc.details(), exc.debug_error_string()
+    )
+    return UpstreamError(code, f"{stage} stage {what} (request id {request_id})")
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(status code, client-safe message) for any exception."""
+    if isinstance(exc, EpdError):
+        return exc.code, str(exc)
+    if isinstance(exc, MediaLimitError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, MediaError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # Normally turned into `stage_error` at the call site; a raw one may hold addresses.
+        if exc.code() in _SANITISED:
+            log.warning("upstream call -> %s: %s", exc.code().name, exc.details())
+            return exc.code(), "an upstream service failed; the server log has details"
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.INTERNAL, "internal error; the server log has details"
+
+
+def rpc_errors(method):
+    """Wrap a grpc.aio servicer method (coroutine or async generator) so that errors abort the
+    call with the mapped status instead of reaching grpc as an unknown exception."""
+
+    async def _abort(context, exc: BaseException):
+        code, message = status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("internal error in %s", method.__qualname__)
+        else:
+            log.info("%s -> %s: %s", method.__qualname__, code.name, message)
+        await context.abort(code, message)
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def gen_wrapper(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (GeneratorExit, _AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped in status_of
+                await _abort(context, exc)
+
+        return gen_wrapper
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except _AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped in status_of
+            await _abort(context, exc)
+
+    return wrapper
+
+
+# context.abort raises this; it must pass through untouched.
+_AbortError = grpc.aio.AbortError

@@ -1,0 +1,135 @@
+"""A grpc.aio server with what every epd service needs: health, reflection, message limits,
+graceful shutdown. `create_server(config, ...) -> (server, port)` binds port 0 in tests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from epd.transport.tensor_wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a service listens and how it drains."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; 0.0.0.0 in containers."""
+    port: int = 0
+    """TCP port; 0 picks a free one (tests)."""
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    """Largest gRPC message sent or received; tensors are chunked below it."""
+    grace_s: float = 5.0
+    """On shutdown, in-flight calls get this long to finish."""
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be at least {MIN_MESSAGE_BYTES} (one {CHUNK_BYTES}-byte media or "
+                f"tensor chunk plus its header), got {self.max_message_bytes}"
+            )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+MIN_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
+"""Smallest workable message limit: every stream (uploads, tensors, KV caches) is cut into
+CHUNK_BYTES pieces, and a piece travels with a small header (tensor name, shape, offsets)."""
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Message limits of every server and channel. Why 4 MiB (MAX_MESSAGE_BYTES) and not more:
+    senders cut everything large into 1 MiB chunks (media uploads in `epd_client` and
+    `epd.stages.remote`, tensors in `tensor_wire`), so no legitimate message is near it, while a
+    peer's single message is parsed whole in memory before any of our checks runs. Whole-upload
+    limits (`--max-upload-bytes`, the gateway's `--max-inflight-body-bytes`) are counted over
+    the chunks by the receiver (`epd.transport.upload.read_upload`), never by gRPC."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+# A restarted peer is found within seconds rather than after gRPC's default reconnect backoff
+# (growing to 120 s): for the gateway's channels to its stages and its health checks of them.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+class HealthyServer:
+    """A started server plus its health servicer (NOT_SERVING until `set_serving`)."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, service_names: list[str]) -> None:
+        self.server = server
+        self.port = port
+        self.service_names = service_names
+        self.health = health.aio.HealthServicer()
+        self.background_tasks: list[asyncio.Task] = []  # e.g. waiting for downstream readiness
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        for task in self.background_tasks:
+            task.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def create_server(
+    config: ServerConfig,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> HealthyServer:
+    """Build and start a server; `register(server)` adds the service's servicers."""
+    # so_reuseport off: gRPC enables it by default on Linux, which lets a second server bind a
+    # port already in use and silently share its connections (two models behind one address).
+    options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    register(server)
+    try:
+        port = server.add_insecure_port(config.address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"could not bind {config.address}: is another server already using that port?")
+    hs = HealthyServer(server, port, service_names)
+    health_pb2_grpc.add_HealthServicer_to_server(hs.health, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    await hs.set_serving(False)
+    await server.start()
+    return hs
+
+
+async def serve_until_signal(hs: HealthyServer, grace_s: float, on_stop: Callable[[], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then drain in-flight calls and stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(hs.server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down (grace %.1f s)", grace_s)
+    await hs.stop(grace_s)
+    if on_stop:
+        on_stop()
+    stopper.cancel()
