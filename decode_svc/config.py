@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from epd.decode_svc.kv_sources import parse_allow_list
 from epd.model_runtime.config import ModelConfig
-from epd.transport.server import ServerConfig
+from epd.stages.server_config import ServerConfig
 
 DEFAULT_PORT = 50053
 

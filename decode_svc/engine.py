@@ -17,8 +17,8 @@ from epd.model_runtime.detokenizer import IncrementalText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.stages.contracts import TokenStep
+from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig
-from epd.transport.errors import InvalidRequest
 
 
 class Generation:

@@ -15,7 +15,7 @@ import grpc
 
 from epd.decode_svc.kv_sources import KvSource, parse_allow_list, parse_source
 from epd.model_runtime.kv_cache import KvCache
-from epd.transport.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest
 from epd.transport.server import channel_options
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import prefill_pb2, prefill_pb2_grpc

@@ -17,9 +17,10 @@ from epd.decode_svc.engine import DecodeEngine, stream_tokens
 from epd.decode_svc.kv_pull import KvPuller
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import TokenStep
+from epd.stages.errors import InvalidRequest, Unavailable
 from epd.stages.model_thread import ModelThread
 from epd.transport import convert
-from epd.transport.errors import InvalidRequest, Unavailable, rpc_errors
+from epd.transport.errors import rpc_errors
 from epd.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)

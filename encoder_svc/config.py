@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.model_runtime.config import ModelConfig
-from epd.transport.server import ServerConfig
+from epd.stages.server_config import ServerConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
 

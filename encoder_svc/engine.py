@@ -42,8 +42,8 @@ from epd.encoder_svc.pruning import encode_stage_pruning
 from epd.encoder_svc.token_cache import TokenCache, make_cache_key
 from epd.model_runtime.adapter import VisionInputs, VisualMeta, VLMAdapter
 from epd.stages.contracts import EncodedMedia, EventSink, MediaInput, RequestCancelled, StageEvent
+from epd.stages.errors import NotFound, ResourceExhausted
 from epd.token_pruning import PruningConfig, PruningStats
-from epd.transport.errors import NotFound, ResourceExhausted
 from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.types import DecodeCancelled, DecodedVideo, SamplingOptions

@@ -7,8 +7,8 @@ import logging
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.servicer import SERVICE_NAME, EncoderServicer
+from epd.encoder_svc.stage import LocalEncodeStage
 from epd.model_runtime.loader import load_adapter
-from epd.stages.local import LocalEncodeStage
 from epd.stages.model_thread import ModelThread
 from epd.transport.server import HealthyServer, create_server, serve_until_signal
 from epd.v1 import encoder_pb2_grpc

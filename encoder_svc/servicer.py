@@ -6,9 +6,10 @@ import time
 
 from epd.encoder_svc.config import EncoderConfig
 from epd.stages.contracts import EncodeStage
+from epd.stages.errors import Unavailable
 from epd.stages.events import Finished, with_events
 from epd.transport import convert
-from epd.transport.errors import Unavailable, rpc_errors
+from epd.transport.errors import rpc_errors
 from epd.transport.tensor_wire import tensor_to_chunks
 from epd.transport.upload import media_input, read_upload
 from epd.v1 import encoder_pb2, encoder_pb2_grpc

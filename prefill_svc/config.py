@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.model_runtime.config import ModelConfig
-from epd.transport.server import ServerConfig
+from epd.stages.server_config import ServerConfig
 
 DEFAULT_PORT = 50052
 

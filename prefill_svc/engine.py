@@ -13,8 +13,8 @@ from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.pruned_prefill import pruned_prefill
 from epd.stages.contracts import EncodedMedia
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.token_pruning import PruningConfig, PruningStats
-from epd.transport.errors import InvalidRequest, ResourceExhausted
 
 
 @dataclass

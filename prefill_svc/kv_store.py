@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from epd.model_runtime.kv_cache import KvCache
-from epd.transport.errors import NotFound, ResourceExhausted
+from epd.stages.errors import NotFound, ResourceExhausted
 
 
 @dataclass

@@ -9,7 +9,7 @@ from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import SERVICE_NAME, PrefillServicer
-from epd.stages.local import LocalPrefillStage
+from epd.prefill_svc.stage import LocalPrefillStage
 from epd.stages.model_thread import ModelThread
 from epd.transport.server import HealthyServer, create_server, serve_until_signal
 from epd.v1 import prefill_pb2_grpc

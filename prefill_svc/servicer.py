@@ -12,8 +12,9 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import PrefillStage
+from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert
-from epd.transport.errors import InvalidRequest, Unavailable, rpc_errors
+from epd.transport.errors import rpc_errors
 from epd.transport.tensor_wire import TensorAssembler, tensor_to_chunks
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 

@@ -12,8 +12,8 @@ from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
+from epd.stages.server_config import ServerConfig
 from epd.token_pruning import PruningConfig
-from epd.transport.server import ServerConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
-from epd.transport.errors import ResourceExhausted
+from epd.stages.errors import ResourceExhausted
 
 if TYPE_CHECKING:
     from epd.gateway.config import GatewayConfig

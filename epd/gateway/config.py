@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.model_runtime.sampling import GenerationConfig
-from epd.transport.server import ServerConfig
+from epd.stages.server_config import ServerConfig
 from epd.video.types import SamplingOptions
 
 DEFAULT_PORT = 50050

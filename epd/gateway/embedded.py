@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from epd.decode_svc.engine import DecodeEngine
+from epd.decode_svc.stage import LocalDecodeStage
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.stage import LocalEncodeStage
 from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.config import ModelConfig
@@ -12,7 +14,7 @@ from epd.model_runtime.loader import load_adapter
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
-from epd.stages.local import LocalDecodeStage, LocalEncodeStage, LocalPrefillStage
+from epd.prefill_svc.stage import LocalPrefillStage
 from epd.stages.model_thread import ModelThread
 
 

@@ -58,8 +58,8 @@ from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.gateway.readiness import StageHealth
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, TokenStep
+from epd.stages.errors import InvalidRequest
 from epd.transport.auth import bearer_token, key_matches
-from epd.transport.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 

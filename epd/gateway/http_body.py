@@ -22,7 +22,7 @@ from aiohttp.http import HttpVersion11
 
 from epd.gateway.admission import Ticket
 from epd.gateway.openai_protocol import error_body
-from epd.transport.errors import InvalidRequest, ResourceExhausted
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 
 TICKET_KEY = web.RequestKey("epd_admission_ticket", Ticket)
 """Where the admission middleware leaves the request's ticket for `read_json_body`."""

@@ -27,20 +27,17 @@ from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
 import aiohttp
-import grpc
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from epd.gateway.config import MediaFetchConfig
-from epd.transport.errors import DeadlineExceeded, EpdError, InvalidRequest, NotFound, ResourceExhausted
+from epd.stages.errors import DeadlineExceeded, InvalidRequest, NotFound, PermissionDenied, ResourceExhausted
 
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _READ_CHUNK_BYTES = 1 << 16
 
 
-class MediaRefused(EpdError):
+class MediaRefused(PermissionDenied):
     """The media URL or path is not allowed by this server's policy."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

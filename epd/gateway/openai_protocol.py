@@ -22,9 +22,10 @@ import grpc
 from epd.gateway.admission import Overloaded
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest, NotFound
 from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
-from epd.transport.errors import InvalidRequest, NotFound, status_of
+from epd.transport.errors import status_of
 from epd.v1 import common_pb2
 from epd.video.types import SamplingOptions
 

@@ -31,9 +31,9 @@ from epd.stages.contracts import (
     StageEvent,
     TokenStep,
 )
+from epd.stages.errors import InvalidRequest
 from epd.stages.events import Finished, with_events
 from epd.token_pruning import PruningConfig, PruningStats
-from epd.transport.errors import InvalidRequest
 from epd.video.types import SamplingOptions
 
 log = logging.getLogger(__name__)

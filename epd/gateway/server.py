@@ -16,13 +16,13 @@ from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import StageHealth, watch_stages
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
-from epd.stages.remote import (
+from epd.transport.auth import ApiKeyInterceptor
+from epd.transport.remote_stages import (
     RemoteDecodeStage,
     RemoteEncodeStage,
     RemotePrefillStage,
     ReplicaPool,
 )
-from epd.transport.auth import ApiKeyInterceptor
 from epd.transport.server import HealthyServer, create_server, serve_until_signal
 from epd.v1 import gateway_pb2_grpc
 

@@ -12,8 +12,10 @@ the next frame group, the decoder at the next token), stores nothing (prefill ke
 for a cancelled call) and frees what it held. A KV cache that prefill did store and that no
 decoder will pull is dropped with `PrefillStage.release`.
 
-Two implementations stand side by side: `epd.stages.local` runs the engines in this process (the
-embedded mode, and the reference for tests) and `epd.stages.remote` calls the gRPC services. The
+Two implementations stand side by side: the `Local*Stage` classes (`epd.encoder_svc.stage`,
+`epd.prefill_svc.stage`, `epd.decode_svc.stage`) run the engines in this process (the embedded
+mode, the services' servicers, and the reference for tests) and `epd.transport.remote_stages`
+calls the gRPC services. The
 gateway's pipeline is written against these contracts only.
 """
 

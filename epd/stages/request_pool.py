@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from epd.transport.errors import ResourceExhausted
+from epd.stages.errors import ResourceExhausted
 
 T = TypeVar("T")
 

@@ -11,8 +11,8 @@ import torch
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import EncodedMedia, PrefillHandle, StageEvent, TokenStep
+from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
-from epd.transport.errors import InvalidRequest
 from epd.v1 import common_pb2, encoder_pb2, prefill_pb2
 from epd.video.types import MediaError, SamplingOptions
 

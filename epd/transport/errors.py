@@ -1,6 +1,7 @@
-"""Domain errors and the one place where they become gRPC status codes.
+"""The one place where domain errors (`epd.stages.errors`, `epd.video.types.MediaError`) become
+gRPC status codes.
 
-Engines raise these (or `epd.video.types.MediaError`) with a message that tells the caller what to
+Engines raise domain errors with a message that tells the caller what to
 change; servicer methods are wrapped by `rpc_errors`, which aborts the call with the mapped
 status. Anything unexpected becomes INTERNAL with a generic message: internals (decoder text,
 paths, addresses) never reach a client, and the full traceback goes to the server log.
@@ -14,35 +15,31 @@ import logging
 
 import grpc
 
+from epd.stages.errors import (
+    DeadlineExceeded,
+    EpdError,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from epd.video.types import MediaError, MediaLimitError
 
 log = logging.getLogger(__name__)
 
 
-class EpdError(Exception):
-    """Base of errors whose message is safe and useful to show a client."""
-
-    code = grpc.StatusCode.INTERNAL
-
-
-class InvalidRequest(EpdError, ValueError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class ResourceExhausted(EpdError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class NotFound(EpdError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class Unavailable(EpdError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class DeadlineExceeded(EpdError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+# The one mapping from domain errors to gRPC status codes (most specific class first).
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (MediaLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (MediaError, grpc.StatusCode.INVALID_ARGUMENT),
+)
 
 
 class UpstreamError(EpdError):
@@ -83,12 +80,13 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> Upstr
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, client-safe message) for any exception."""
-    if isinstance(exc, EpdError):
+    if isinstance(exc, UpstreamError):
         return exc.code, str(exc)
-    if isinstance(exc, MediaLimitError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, MediaError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    if isinstance(exc, EpdError):
+        return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         # Normally turned into `stage_error` at the call site; a raw one may hold addresses.
         if exc.code() in _SANITISED:

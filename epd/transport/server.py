@@ -7,51 +7,20 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from epd.transport.tensor_wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from epd.stages.server_config import MAX_MESSAGE_BYTES, ServerConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Where a service listens and how it drains."""
-
-    host: str = "127.0.0.1"
-    """Interface to bind; 0.0.0.0 in containers."""
-    port: int = 0
-    """TCP port; 0 picks a free one (tests)."""
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    """Largest gRPC message sent or received; tensors are chunked below it."""
-    grace_s: float = 5.0
-    """On shutdown, in-flight calls get this long to finish."""
-
-    def __post_init__(self) -> None:
-        if self.max_message_bytes < MIN_MESSAGE_BYTES:
-            raise ValueError(
-                f"max_message_bytes must be at least {MIN_MESSAGE_BYTES} (one {CHUNK_BYTES}-byte media or "
-                f"tensor chunk plus its header), got {self.max_message_bytes}"
-            )
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-MIN_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
-"""Smallest workable message limit: every stream (uploads, tensors, KV caches) is cut into
-CHUNK_BYTES pieces, and a piece travels with a small header (tensor name, shape, offsets)."""
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Message limits of every server and channel. Why 4 MiB (MAX_MESSAGE_BYTES) and not more:
     senders cut everything large into 1 MiB chunks (media uploads in `epd_client` and
-    `epd.stages.remote`, tensors in `tensor_wire`), so no legitimate message is near it, while a
+    `epd.transport.remote_stages`, tensors in `tensor_wire`), so no legitimate message is near it, while a
     peer's single message is parsed whole in memory before any of our checks runs. Whole-upload
     limits (`--max-upload-bytes`, the gateway's `--max-inflight-body-bytes`) are counted over
     the chunks by the receiver (`epd.transport.upload.read_upload`), never by gRPC."""

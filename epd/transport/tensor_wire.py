@@ -11,14 +11,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from epd.transport.errors import InvalidRequest, ResourceExhausted
+from epd.stages.errors import InvalidRequest, ResourceExhausted
+from epd.stages.server_config import CHUNK_BYTES
 from epd.v1 import common_pb2
-
-CHUNK_BYTES = 1 << 20
-"""Payload per message. With the 4 MiB channel limit this leaves room for headers and lets the
-receiver start copying early."""
-MAX_MESSAGE_BYTES = 4 << 20
-"""gRPC receive/send limit we set on purpose on every server and channel."""
 
 _DTYPES = {
     "float32": torch.float32,

@@ -6,8 +6,8 @@ import hashlib
 from collections.abc import Callable
 
 from epd.stages.contracts import MediaInput
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.transport.convert import media_sha256_from_proto
-from epd.transport.errors import InvalidRequest, ResourceExhausted
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 

@@ -16,7 +16,7 @@ from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.stages.contracts import MediaInput
-from epd.transport.errors import NotFound
+from epd.stages.errors import NotFound
 from epd.video.types import SamplingOptions
 from tests.stack import Stack
 

@@ -25,6 +25,7 @@ import torch
 
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.stage import LocalEncodeStage
 from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest, AskSummary
@@ -33,11 +34,10 @@ from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import MediaInput, StageEvent
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.events import Finished, with_events
-from epd.stages.local import LocalEncodeStage
 from epd.stages.model_thread import ModelThread
 from epd.stages.request_pool import RequestPool
-from epd.transport.errors import InvalidRequest, ResourceExhausted
 from epd.video.types import DecodedVideo, SamplingOptions
 
 HANG_GUARD_S = 120.0
@@ -317,7 +317,7 @@ def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos
     """A real remote decode stage refuses the in-process handle (it has no kv_address) before
     pulling: the pipeline must release the cache prefill stored."""
     from epd.gateway.pipeline import Pipeline
-    from epd.stages.remote import RemoteDecodeStage, ReplicaPool
+    from epd.transport.remote_stages import RemoteDecodeStage, ReplicaPool
 
     store: KvStore = embedded.prefill.kv_store
 

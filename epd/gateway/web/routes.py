@@ -32,8 +32,8 @@ from epd.gateway.http_body import defer_continue, read_json_body
 from epd.gateway.media_fetch import load_media
 from epd.gateway.openai_protocol import error_body, parse_chat_request
 from epd.resources import shipped
+from epd.stages.errors import InvalidRequest
 from epd.transport.auth import bearer_token, key_matches
-from epd.transport.errors import InvalidRequest
 from epd.video.simple_decoder import decode
 from epd.video.types import DecodeLimits, SamplingOptions
 

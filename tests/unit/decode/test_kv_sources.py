@@ -15,8 +15,9 @@ import pytest
 from epd.cli.main import build_parser
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.kv_pull import KvPuller
-from epd.transport.errors import InvalidRequest
-from epd.transport.server import ServerConfig, create_server
+from epd.stages.errors import InvalidRequest
+from epd.stages.server_config import ServerConfig
+from epd.transport.server import create_server
 
 DEFAULT = DecodeConfig().allow_kv_from  # 127.0.0.1:*, localhost:*, [::1]:*
 K8S = ("10.0.0.0/8:50052", "172.16.0.0/12:50052", "192.168.0.0/16:50052")  # deploy/k8s/decode.yaml

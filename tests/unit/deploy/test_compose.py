@@ -27,7 +27,7 @@ from epd.decode_svc.kv_pull import KvPuller
 from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
 from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
 from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
-from epd.transport.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest
 
 COMPOSE_DIR = Path(__file__).resolve().parents[3] / "compose"
 STAGES = ("encoder", "prefill", "decode")

@@ -24,7 +24,7 @@ from epd.decode_svc.kv_pull import KvPuller
 from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
 from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
 from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
-from epd.transport.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest
 
 K8S_DIR = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 STAGES = ("encoder", "prefill", "decode")

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.server import open_without_key
-from epd.transport.server import ServerConfig
+from epd.stages.server_config import ServerConfig
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ from epd.gateway.media_fetch import (
     local_media_path,
     resolve_checked,
 )
-from epd.transport.errors import DeadlineExceeded, InvalidRequest, NotFound, ResourceExhausted
+from epd.stages.errors import DeadlineExceeded, InvalidRequest, NotFound, ResourceExhausted
 
 # -- data: URLs
 

@@ -10,7 +10,7 @@ import pytest
 from epd.gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry, format_value
 from epd.gateway.pipeline import AskSummary
 from epd.stages.contracts import StageEvent, TokenStep
-from epd.transport.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest
 
 
 def test_exposition_text():

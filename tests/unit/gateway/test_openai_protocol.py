@@ -9,7 +9,7 @@ import pytest
 
 from epd.gateway.openai_protocol import http_status_of, parse_chat_request
 from epd.model_runtime.sampling import GenerationConfig
-from epd.transport.errors import InvalidRequest, NotFound
+from epd.stages.errors import InvalidRequest, NotFound
 from epd.video.types import SamplingOptions
 
 MODEL = "epd"

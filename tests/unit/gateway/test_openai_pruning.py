@@ -5,7 +5,7 @@ import pytest
 from epd.gateway.openai_protocol import kept_token_grid, parse_chat_request
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
-from epd.transport.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest
 from epd.video.types import SamplingOptions
 
 BODY = {"messages": [{"role": "user", "content": [

@@ -8,7 +8,7 @@ from epd.model_runtime.detokenizer import IncrementalText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.kv_store import KvStore
-from epd.transport.errors import NotFound, ResourceExhausted
+from epd.stages.errors import NotFound, ResourceExhausted
 
 
 def _cache(num_tokens=3):

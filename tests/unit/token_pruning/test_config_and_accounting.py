@@ -59,8 +59,8 @@ def test_prefill_keep_target_by_basis():
 
 
 def test_staged_prefill_drop_layers_validate_and_cross_the_wire():
+    from epd.stages.errors import InvalidRequest
     from epd.transport.convert import pruning_from_proto, pruning_to_proto
-    from epd.transport.errors import InvalidRequest
 
     cfg = PruningConfig(prefill_drop=True, prefill_drop_layers=(1, 3), prefill_keep_ratio=0.25)
     assert cfg.drop_layers(num_layers=8) == (1, 3)

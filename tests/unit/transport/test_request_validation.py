@@ -10,6 +10,8 @@ import hashlib
 import pytest
 
 from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest, ResourceExhausted
+from epd.stages.server_config import CHUNK_BYTES, MAX_MESSAGE_BYTES, MIN_MESSAGE_BYTES, ServerConfig
 from epd.transport.auth import bearer_token, key_matches
 from epd.transport.convert import (
     generation_from_proto,
@@ -17,9 +19,6 @@ from epd.transport.convert import (
     pruning_from_proto,
     sampling_from_proto,
 )
-from epd.transport.errors import InvalidRequest, ResourceExhausted
-from epd.transport.server import MIN_MESSAGE_BYTES, ServerConfig
-from epd.transport.tensor_wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from epd.transport.upload import media_input, read_upload
 from epd.v1 import common_pb2, gateway_pb2
 from epd.video.types import SamplingOptions

@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from epd.transport.server import ServerConfig, create_server
+from epd.stages.server_config import ServerConfig
+from epd.transport.server import create_server
 
 
 def test_second_server_on_a_used_port_fails():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from epd.transport.errors import InvalidRequest, ResourceExhausted
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.transport.tensor_wire import TensorAssembler, assemble, tensor_to_chunks
 
 

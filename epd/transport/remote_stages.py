@@ -27,11 +27,13 @@ from epd.stages.contracts import (
     PrefillStage,
     TokenStep,
 )
+from epd.stages.errors import InvalidRequest
+from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
-from epd.transport.errors import InvalidRequest, UpstreamError, stage_error
+from epd.transport.errors import UpstreamError, stage_error
 from epd.transport.server import RECONNECT_OPTIONS, channel_options
-from epd.transport.tensor_wire import CHUNK_BYTES, TensorAssembler, tensor_to_chunks
+from epd.transport.tensor_wire import TensorAssembler, tensor_to_chunks
 from epd.v1 import (
     decode_pb2,
     decode_pb2_grpc,

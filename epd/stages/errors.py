@@ -1,0 +1,36 @@
+"""Domain errors: what went wrong, in words a client can act on. No gRPC here.
+
+Engines and libraries raise these (or `epd.video.types.MediaError`); the transport layer maps them
+to status codes in one place (`epd.transport.errors.status_of`), and the HTTP front door maps
+those to HTTP statuses (`epd.gateway.openai_protocol.http_status_of`).
+"""
+
+from __future__ import annotations
+
+
+class EpdError(Exception):
+    """Base of errors whose message is safe and useful to show a client (INTERNAL when raised bare)."""
+
+
+class InvalidRequest(EpdError, ValueError):
+    """The request itself is wrong: change it (INVALID_ARGUMENT)."""
+
+
+class ResourceExhausted(EpdError):
+    """A limit was reached: smaller input, or retry later (RESOURCE_EXHAUSTED)."""
+
+
+class NotFound(EpdError):
+    """Something the request names does not exist (any more) (NOT_FOUND)."""
+
+
+class Unavailable(EpdError):
+    """The service cannot take the request now; retrying may work (UNAVAILABLE)."""
+
+
+class DeadlineExceeded(EpdError):
+    """The work did not finish within its time limit (DEADLINE_EXCEEDED)."""
+
+
+class PermissionDenied(EpdError):
+    """The server's policy does not allow what the request asks for (PERMISSION_DENIED)."""

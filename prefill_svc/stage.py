@@ -1,0 +1,62 @@
+"""The prefill stage in this process: `PrefillEngine` on the `ModelThread`, caches kept in a `KvStore`.
+
+Used by the prefill gRPC servicer and by the embedded mode. A cancelled prefill stores nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from epd.model_runtime.sampling import GenerationConfig
+from epd.prefill_svc.engine import PrefillEngine
+from epd.prefill_svc.kv_store import KvStore
+from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
+from epd.stages.model_thread import ModelThread
+from epd.token_pruning import PruningConfig
+
+log = logging.getLogger(__name__)
+
+
+class LocalPrefillStage(PrefillStage):
+    def __init__(self, engine: PrefillEngine, kv_store: KvStore, model_thread: ModelThread) -> None:
+        self.engine = engine
+        self.kv_store = kv_store
+        self.model_thread = model_thread
+
+    async def prefill(
+        self,
+        question: str,
+        media: EncodedMedia,
+        generation: GenerationConfig,
+        request_id: str,
+        pruning: PruningConfig = PruningConfig(),
+    ) -> PrefillHandle:
+        try:
+            out = await self.model_thread.run(self.engine.prefill, question, media, generation, pruning)
+        except asyncio.CancelledError:
+            # A call still queued is dropped; one already running finishes and its cache is freed
+            # with `out`: a cancelled prefill stores nothing.
+            log.info("prefill of request %s cancelled by its caller; no KV cache is kept", request_id)
+            raise
+        handle = self.kv_store.put(out.cache)
+        return PrefillHandle(
+            kv_handle=handle,
+            kv_address="",
+            first_token_id=out.first_token_id,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.cache.num_cached_tokens,
+            next_position_ids=out.next_position_ids,
+            kv_num_bytes=out.cache.num_bytes,
+            prefill_ms=out.prefill_ms,
+            num_visual_tokens_in=out.num_visual_tokens_in,
+            num_visual_tokens_out=out.num_visual_tokens_out,
+            kv_num_bytes_uncompressed=out.kv_num_bytes_uncompressed,
+            pruning=out.pruning,
+            visual_entry_mask=out.visual_entry_mask if pruning.decode_evict else None,
+            kept_visual_token_index=out.kept_visual_token_index,
+        )
+
+    async def release(self, handle: PrefillHandle, request_id: str) -> None:
+        if self.kv_store.release(handle.kv_handle):
+            log.info("released the KV cache of request %s: it ended before a decoder took it", request_id)
