@@ -213,6 +213,9 @@ class _Worker(threading.Thread):
                 if task is None:  # shutdown
                     return
                 self._run_task(task)
+                # While this thread waits for the next task, it must not keep the last one alive:
+                # the task holds its request, whose output holds every decoded frame.
+                del task
         finally:
             self.pool._worker_exited(self)
 
@@ -476,6 +479,12 @@ class FrameGroupStream(Iterator[FrameGroup]):
     def __exit__(self, *exc) -> None:
         if self._next_slot < self.num_frames:
             self.close()
+        if self._request is not None:
+            # A request and its tasks point at each other (req.tasks, task.request): left alone,
+            # the pair, and with it every decoded frame (req.out, [U, H, W, 3] uint8), waits for
+            # the cyclic GC, which can take many requests. Workers still inside a cancelled task
+            # keep their own reference until they return.
+            self._request.tasks = []
 
 
 class ParallelDecoder:
@@ -502,7 +511,8 @@ class ParallelDecoder:
         sha256: str | None = None,
     ) -> DecodedVideo:
         """Same result as `simple_decoder.decode`, frame for frame."""
-        return self.iter_groups(data, opts, limits, group_size=1 << 30, sha256=sha256).result()
+        with self.iter_groups(data, opts, limits, group_size=1 << 30, sha256=sha256) as stream:
+            return stream.result()
 
     def iter_groups(
         self,
