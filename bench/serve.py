@@ -43,6 +43,9 @@ class RequestResult:
     itl_ms: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     error: str = ""
+    server_timings: dict[str, float] = field(default_factory=dict)
+    """The stack's own timings of the request, e.g. video_decode_ms, ttft_ms (`AskResult.timings_ms`;
+    stack only)."""
 
     @property
     def tpot_ms(self) -> float:
@@ -93,7 +96,7 @@ def _options(args) -> dict:
 
 
 async def run_stack(args, inputs, progress) -> tuple[list[RequestResult], float]:
-    from epd.client import AsyncEpdClient
+    from epd.client import AskResult, AsyncEpdClient, TokenDelta
 
     results: list[RequestResult] = []
     rng = random.Random(args.seed)
@@ -105,8 +108,10 @@ async def run_stack(args, inputs, progress) -> tuple[list[RequestResult], float]
             last = t0
             r = RequestResult(ok=False)
             try:
-                async for msg in client.ask_stream(data, question, **_options(args)):
-                    if msg.WhichOneof("kind") != "delta":
+                async for item in client.stream(data, question, **_options(args)):
+                    if isinstance(item, AskResult):
+                        r.server_timings = {k: v for k, v in asdict(item.timings_ms).items() if k != "extra_ms"}
+                    if not isinstance(item, TokenDelta):
                         continue
                     now = time.perf_counter()
                     if r.num_output_tokens == 0:
@@ -114,7 +119,7 @@ async def run_stack(args, inputs, progress) -> tuple[list[RequestResult], float]
                     else:
                         r.itl_ms.append((now - last) * 1e3)
                     last = now
-                    r.num_output_tokens += len(msg.delta.token_ids)
+                    r.num_output_tokens += len(item.token_ids)
                 r.e2e_ms = (time.perf_counter() - t0) * 1e3
                 r.ok = True
             except Exception as exc:  # noqa: BLE001 - recorded per request

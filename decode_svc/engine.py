@@ -1,7 +1,8 @@
 """Decode: KV cache + first token -> the rest of the answer, one step at a time. No gRPC here.
 
-A `Generation` holds one request's state (cache, positions, sampler, text); the servicer calls
-`step()` on the model thread once per token, so several requests interleave token by token.
+A `Generation` holds one request's state (cache, positions, sampler, text); `stream_tokens` (used
+by `LocalDecodeStage`, in-process and behind the gRPC servicer alike) calls `step()` on the model
+thread once per token, so several requests interleave token by token.
 When the caller stops reading (its client went away, the task is cancelled), `stream_tokens`
 runs no further step and `Generation.close()` drops the cache at once, without waiting for
 garbage collection to find the abandoned stream.
@@ -16,7 +17,7 @@ from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.detokenizer import IncrementalText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
-from epd.stages.contracts import TokenStep
+from epd.stages.contracts import PrefillHandle, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig
 
@@ -110,7 +111,7 @@ async def stream_tokens(
     engine: DecodeEngine,
     model_thread,
     cache: KvCache,
-    handle,
+    handle: PrefillHandle,
     generation: GenerationConfig,
     kv_transfer_ms: float,
     pruning: PruningConfig = PruningConfig(),

@@ -15,6 +15,7 @@ import grpc
 
 from epd.decode_svc.kv_sources import KvSource, parse_allow_list, parse_source
 from epd.model_runtime.kv_cache import KvCache
+from epd.stages.contracts import PrefillHandle
 from epd.stages.errors import InvalidRequest
 from epd.transport.server import channel_options
 from epd.transport.tensor_wire import TensorAssembler
@@ -54,6 +55,11 @@ class KvPuller:
         async for msg in stub.PullKv(prefill_pb2.PullKvRequest(kv_handle=handle), timeout=self.timeout_s):
             asm.add(msg.tensor)
         return KvCache.from_named_tensors(asm.tensors())
+
+    async def take_kv(self, handle: PrefillHandle) -> KvCache:
+        """The decode service's `TakeKv` (`epd.decode_svc.stage`): pull the cache from the prefill
+        server that advertised it."""
+        return await self.pull(handle.kv_address, handle.kv_handle)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -8,6 +8,7 @@ from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.servicer import SERVICE_NAME, DecodeServicer
+from epd.decode_svc.stage import LocalDecodeStage
 from epd.model_runtime.loader import load_adapter
 from epd.stages.model_thread import ModelThread
 from epd.transport.server import HealthyServer, create_server, serve_until_signal
@@ -19,12 +20,12 @@ log = logging.getLogger(__name__)
 async def start(config: DecodeConfig) -> HealthyServer:
     model_thread = ModelThread()
     puller = KvPuller(config.allow_kv_from, config.max_transfer_bytes, config.pull_timeout_s)
-    servicer = DecodeServicer(config, puller, model_thread)
+    servicer = DecodeServicer()
     hs = await create_server(
         config.server, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s), [SERVICE_NAME]
     )
     adapter = await model_thread.run(load_adapter, config.model, "decode")
-    servicer.engine = DecodeEngine(adapter)
+    servicer.stage = LocalDecodeStage(DecodeEngine(adapter), puller.take_kv, model_thread, config)
     await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
     return hs

@@ -13,8 +13,9 @@ request-pool threads of `epd.stages.request_pool`, `--max-concurrent-decodes` of
      one's and a request still waiting for its frames holds no model time. Later groups keep
      decoding meanwhile (the vision tower attends within one temporal patch only, so encoding
      group by group gives the same tokens as encoding the whole sample).
-  4. Encode-stage pruning (when asked for) is one more model call; the concatenated embeddings
-     [num_visual_tokens, hidden] are stored in the cache.
+  4. Encode-stage pruning (when asked for) is one more model call; the result, an EncodedMedia
+     (the concatenated embeddings [num_visual_tokens, hidden] and what prefill needs to place
+     them), is what the cache stores and what the stage returns.
 
 Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The
 decoder watches it too: the demux pass stops within a few hundred packets, its workers at their
@@ -32,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -43,6 +44,7 @@ from epd.encoder_svc.token_cache import TokenCache, make_cache_key
 from epd.model_runtime.adapter import VisionInputs, VisualMeta, VLMAdapter
 from epd.stages.contracts import EncodedMedia, EventSink, MediaInput, RequestCancelled, StageEvent
 from epd.stages.errors import NotFound, ResourceExhausted
+from epd.stages.names import Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import ParallelDecoder
@@ -142,31 +144,15 @@ class EncoderEngine:
         key = self.cache_key(sha256, sampling, pruning)
         cached = self.cache.get(key)
         if cached is not None:
-            on_event(StageEvent("encode", "finished", 0.0, {"cache": "hit"}))
-            return _from_cache(cached, sha256)
+            on_event(StageEvent(Stage.ENCODE, "finished", 0.0, {"cache": "hit"}))
+            # Stored as it was made; this request decoded and encoded nothing.
+            return replace(cached, cache_hit=True, decode_ms=0.0, encode_ms=0.0, sha256=sha256)
         if media.data is None:
             raise NotFound(
                 f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
             )
         out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning)
-        tensors = {"visual_embeds": out.embeds}
-        if out.token_index is not None:
-            tensors["token_index"] = out.token_index
-        if out.key_mask is not None:
-            tensors["key_mask"] = out.key_mask
-        self.cache.put(
-            key,
-            tensors,
-            {
-                "modality": out.meta.modality,
-                "grid_thw": list(out.meta.grid_thw),
-                "second_per_grid_t": out.meta.second_per_grid_t,
-                "frame_timestamps_s": out.frame_timestamps_s,
-                "pruning_stages": [[s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out]
-                                   for s in out.pruning.stages],
-                "num_key_tokens": out.pruning.num_key_tokens,
-            },
-        )
+        self.cache.put(key, out)
         return out
 
     def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions,
@@ -198,7 +184,7 @@ class EncoderEngine:
         pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
         t0 = time.perf_counter()
-        on_event(StageEvent("decode", "started"))
+        on_event(StageEvent(Stage.VIDEO_DECODE, "started"))
         try:
             return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0)
         except DecodeCancelled as exc:
@@ -209,7 +195,7 @@ class EncoderEngine:
         pruning: PruningConfig, t0: float,
     ) -> EncodedMedia:
         meta, groups = self.open_frames(data, sha256, sampling, req.cancel)
-        on_event(StageEvent("decode", "progress", 0.0, {"num_frames": str(meta.num_frames)}))
+        on_event(StageEvent(Stage.VIDEO_DECODE, "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.
         sparse = pruning.temporal_drop and pruning.temporal_before_tower and self.adapter.supports_sparse_vision
@@ -229,7 +215,7 @@ class EncoderEngine:
                 grids.append(inputs.grid_thw)
                 frames_done += video.num_frames
                 req.num_groups_done += 1
-                on_event(StageEvent("encode", "progress", 0.0, {"frames_done": str(frames_done)}))
+                on_event(StageEvent(Stage.ENCODE, "progress", 0.0, {"frames_done": str(frames_done)}))
                 req.check_cancelled()  # before waiting for the next group
         grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
         token_index = key_mask = None
@@ -243,8 +229,8 @@ class EncoderEngine:
         total_ms = (time.perf_counter() - t0) * 1e3
         encode_ms = req.model_s * 1e3
         decode_ms = total_ms - encode_ms  # time waiting for frames, not hidden behind encoding
-        on_event(StageEvent("decode", "finished", decode_ms, {"num_frames": str(meta.num_frames)}))
-        on_event(StageEvent("encode", "finished", encode_ms,
+        on_event(StageEvent(Stage.VIDEO_DECODE, "finished", decode_ms, {"num_frames": str(meta.num_frames)}))
+        on_event(StageEvent(Stage.ENCODE, "finished", encode_ms,
                             {"num_visual_tokens": str(visual.shape[0]), "cache": "miss"}))
         return EncodedMedia(
             embeds=visual,
@@ -287,25 +273,3 @@ class EncoderEngine:
 def _slice(video: DecodedVideo, start: int, end: int) -> DecodedVideo:
     return DecodedVideo(video.frames[start:end], video.timestamps_s[start:end], video.sampled_fps,
                         video.duration_s, video.source_fps, video.is_image)
-
-
-def _from_cache(cached, sha256: str) -> EncodedMedia:
-    meta = cached.metadata
-    embeds = cached.tensors["visual_embeds"]
-    stats = PruningStats(num_key_tokens=int(meta.get("num_key_tokens", 0)))
-    for stage, num_in, num_out in meta.get("pruning_stages", []):
-        stats.record(stage, int(num_in), int(num_out))
-    grid = tuple(int(x) for x in meta["grid_thw"])
-    return EncodedMedia(
-        embeds=embeds,
-        meta=VisualMeta(meta["modality"], grid, float(meta["second_per_grid_t"]), int(embeds.shape[0])),  # type: ignore[arg-type]
-        num_frames=len(meta["frame_timestamps_s"]),
-        frame_timestamps_s=list(meta["frame_timestamps_s"]),
-        decode_ms=0.0,
-        encode_ms=0.0,
-        cache_hit=True,
-        sha256=sha256,
-        token_index=cached.tensors.get("token_index"),
-        key_mask=cached.tensors.get("key_mask"),
-        pruning=stats,
-    )

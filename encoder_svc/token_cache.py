@@ -8,13 +8,16 @@ frames, start/end), preprocessing (max_pixels, resize rule), the model id and it
 the token-dropping settings. `make_cache_key` hashes any JSON-able dict canonically (sorted keys,
 dataclasses as dicts, tuples as lists), so a change to any part is a different key.
 
+The values are the encoder's boundary type, `EncodedMedia`, stored as its one plain-data form
+(`EncodedMedia.to_record()`: named tensors + a JSON-able dict keyed like the wire's EncodeResult).
+Each `get` builds a fresh EncodedMedia from the record; its tensors are shared with the cache:
+treat them as read-only.
+
 Two tiers: memory (LRU within `memory_budget_bytes`) and, optionally, a directory of
 `<key>.safetensors` + `<key>.json` pairs that survives a restart (LRU by file mtime within
 `disk_budget_bytes`). The json sidecar is written last and is the commit marker: a pair without it
-is ignored. No gRPC here; thread-safe.
-
-Values are a dict of named CPU tensors plus a small JSON-able metadata dict. Returned tensors are
-shared with the cache: treat them as read-only.
+is ignored. An entry that does not read back as an EncodedMedia (corrupt, or written in an older
+format) is a miss and is deleted. No gRPC here; thread-safe.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from epd.stages.contracts import EncodedMedia, MediaRecord
 
 log = logging.getLogger(__name__)
 
-_KEY_VERSION = 1  # bump when the meaning of cached values changes
+_KEY_VERSION = 2  # bump when the meaning or the format of cached values changes
+"""2: values are `EncodedMedia.to_record()`. Entries of an older version are never looked up
+(their keys differ): a miss, and the disk tier's LRU deletes their files in time."""
 
 
 @dataclass(frozen=True)
@@ -53,18 +58,8 @@ class TokenCacheConfig:
             raise ValueError("cache budgets must be >= 0 bytes")
 
 
-@dataclass
-class CachedEncoding:
-    """One cached encoder output."""
-
-    tensors: dict[str, torch.Tensor]
-    """Named CPU tensors, e.g. {"visual_tokens": [N, D] bf16, "grid_thw": [T', 3] int64}."""
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """Small JSON-able facts about the output, e.g. sampled_fps, num_frames."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+def _nbytes(record: MediaRecord) -> int:
+    return sum(t.numel() * t.element_size() for t in record.tensors.values())
 
 
 @dataclass
@@ -110,7 +105,7 @@ class TokenCache:
     def __init__(self, config: TokenCacheConfig | None = None):
         self.config = config or TokenCacheConfig()
         self._lock = threading.Lock()
-        self._memory: OrderedDict[str, CachedEncoding] = OrderedDict()
+        self._memory: OrderedDict[str, MediaRecord] = OrderedDict()
         self._memory_bytes = 0
         self._stats = TokenCacheStats()
         self._disk_dir = Path(self.config.disk_dir) if self.config.disk_dir else None
@@ -118,22 +113,24 @@ class TokenCache:
             self._disk_dir.mkdir(parents=True, exist_ok=True)
 
     # -- lookups ----------------------------------------------------------------------------
-    def get(self, key: str) -> CachedEncoding | None:
+    def get(self, key: str) -> EncodedMedia | None:
+        """The media stored under `key`, as it was put (`cache_hit` and the timings included)."""
         with self._lock:
-            entry = self._memory.get(key)
-            if entry is not None:
+            record = self._memory.get(key)
+            if record is not None:
                 self._memory.move_to_end(key)
                 self._stats.num_hits += 1
-                return entry
-        entry = self._load_from_disk(key)
+                return EncodedMedia.from_record(record)
+        loaded = self._load_from_disk(key)
         with self._lock:
-            if entry is None:
+            if loaded is None:
                 self._stats.num_misses += 1
                 return None
+            record, media = loaded
             self._stats.num_hits += 1
             self._stats.num_disk_hits += 1
-            self._insert_memory(key, entry)
-        return entry
+            self._insert_memory(key, record)
+        return media
 
     def __contains__(self, key: str) -> bool:
         """True if `get(key)` would hit; does not touch the counters or the LRU order."""
@@ -142,17 +139,18 @@ class TokenCache:
                 return True
         return self._disk_dir is not None and self._sidecar(key).exists()
 
-    def put(self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any] | None = None) -> None:
-        """Store a copy of `tensors` (moved to CPU, contiguous) and `metadata` under `key`."""
-        json.dumps(metadata or {})  # fail now, not at load time, on a non-JSON-able value
-        entry = CachedEncoding(
-            {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()},
-            dict(metadata or {}),
+    def put(self, key: str, media: EncodedMedia) -> None:
+        """Store a copy of `media` (its tensors moved to CPU, contiguous) under `key`."""
+        record = media.to_record()
+        json.dumps(record.fields)  # fail now, not at load time, on a non-JSON-able value
+        record = MediaRecord(
+            {name: t.detach().to("cpu").contiguous().clone() for name, t in record.tensors.items()},
+            record.fields,
         )
         with self._lock:
-            self._insert_memory(key, entry)
+            self._insert_memory(key, record)
         if self._disk_dir is not None:
-            self._write_to_disk(key, entry)
+            self._write_to_disk(key, record)
 
     def stats(self) -> TokenCacheStats:
         with self._lock:
@@ -164,18 +162,18 @@ class TokenCache:
         return stats
 
     # -- memory tier (caller holds the lock) ------------------------------------------------
-    def _insert_memory(self, key: str, entry: CachedEncoding) -> None:
+    def _insert_memory(self, key: str, record: MediaRecord) -> None:
         budget = self.config.memory_budget_bytes
         old = self._memory.pop(key, None)
         if old is not None:
-            self._memory_bytes -= old.nbytes
-        if entry.nbytes > budget:
+            self._memory_bytes -= _nbytes(old)
+        if _nbytes(record) > budget:
             return  # larger than the whole tier: the disk tier (if any) still holds it
-        self._memory[key] = entry
-        self._memory_bytes += entry.nbytes
+        self._memory[key] = record
+        self._memory_bytes += _nbytes(record)
         while self._memory_bytes > budget:
             _, evicted = self._memory.popitem(last=False)
-            self._memory_bytes -= evicted.nbytes
+            self._memory_bytes -= _nbytes(evicted)
             self._stats.num_evictions += 1
 
     # -- disk tier --------------------------------------------------------------------------
@@ -187,15 +185,15 @@ class TokenCache:
         assert self._disk_dir is not None
         return self._disk_dir / f"{key}.json"
 
-    def _write_to_disk(self, key: str, entry: CachedEncoding) -> None:
+    def _write_to_disk(self, key: str, record: MediaRecord) -> None:
         from safetensors.torch import save_file
 
         tensor_file, sidecar = self._tensor_file(key), self._sidecar(key)
         suffix = f".tmp{os.getpid()}.{threading.get_ident()}"
         try:
-            save_file(entry.tensors, str(tensor_file) + suffix)
+            save_file(record.tensors, str(tensor_file) + suffix)
             os.replace(str(tensor_file) + suffix, tensor_file)
-            side = {"key": key, "metadata": entry.metadata, "nbytes": entry.nbytes, "written_at": time.time()}
+            side = {"key": key, "fields": record.fields, "nbytes": _nbytes(record), "written_at": time.time()}
             Path(str(sidecar) + suffix).write_text(json.dumps(side))
             os.replace(str(sidecar) + suffix, sidecar)  # commit marker, written last
         except OSError as exc:  # a full disk must not fail the request
@@ -205,7 +203,7 @@ class TokenCache:
             return
         self._evict_disk()
 
-    def _load_from_disk(self, key: str) -> CachedEncoding | None:
+    def _load_from_disk(self, key: str) -> tuple[MediaRecord, EncodedMedia] | None:
         if self._disk_dir is None:
             return None
         from safetensors.torch import load_file
@@ -213,16 +211,17 @@ class TokenCache:
         tensor_file, sidecar = self._tensor_file(key), self._sidecar(key)
         try:
             side = json.loads(sidecar.read_text())
-            tensors = load_file(str(tensor_file))
+            record = MediaRecord(load_file(str(tensor_file)), side["fields"])
+            media = EncodedMedia.from_record(record)
             os.utime(sidecar)  # LRU order on disk is the sidecar's mtime
         except FileNotFoundError:
             return None
-        except Exception as exc:  # corrupt pair (SafetensorError, bad json): drop it, count a miss
+        except Exception as exc:  # corrupt or foreign pair (SafetensorError, bad json, missing field): drop it
             log.warning("token cache: dropping unreadable entry %s: %r", key, exc)
             tensor_file.unlink(missing_ok=True)
             sidecar.unlink(missing_ok=True)
             return None
-        return CachedEncoding(tensors, side.get("metadata", {}))
+        return record, media
 
     def _evict_disk(self) -> None:
         assert self._disk_dir is not None

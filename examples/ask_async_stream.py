@@ -24,8 +24,8 @@ async def stream_one(client: AsyncEpdClient, video: str, question: str) -> None:
             print(event.text, end="", flush=True)
         elif isinstance(event, AskResult):
             print(
-                f"\n-> {event.finish_reason}, TTFT {event.timings_ms.get('ttft', 0):.0f} ms, "
-                f"{event.num_attempts} attempt(s)"
+                f"\n-> {event.finish_reason}, TTFT {event.timings_ms.ttft_ms:.0f} ms "
+                f"(video decode {event.timings_ms.video_decode_ms:.0f} ms), {event.num_attempts} attempt(s)"
             )
 
 

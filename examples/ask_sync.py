@@ -28,8 +28,11 @@ def main() -> None:
         except EpdError as exc:  # exc.code is the grpc.StatusCode, exc.message what to change
             raise SystemExit(f"{exc.code.name}: {exc.message}") from None
         print(result.answer)
+        t = result.timings_ms
         print(
-            f"{result.num_frames} frames, {result.num_visual_tokens} visual tokens, timings {result.timings_ms}"
+            f"{result.num_frames} frames, {result.num_visual_tokens} visual tokens (grid {tuple(result.grid_thw)}); "
+            f"video decode {t.video_decode_ms:.0f} ms, encode {t.encode_ms:.0f} ms, "
+            f"prefill {t.prefill_ms:.0f} ms, TTFT {t.ttft_ms:.0f} ms"
         )
 
         # The servers keep the video's tokens: send its sha256 instead of the bytes (falls back

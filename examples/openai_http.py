@@ -42,10 +42,11 @@ def main() -> None:
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
-        epd = (chunk.model_extra or {}).get("epd")  # the last chunk: timings, frames, cache hit
+        epd = (chunk.model_extra or {}).get("epd")  # the last chunk: the SDK's AskResult fields, as JSON
         if epd:
             print(
                 f"\n{epd['num_frames']} frames, TTFT {epd['timings_ms']['ttft']:.0f} ms, "
+                f"video decode {epd['timings_ms']['video_decode']:.0f} ms, "
                 f"encoder cache hit: {epd['encoder_cache_hit']}"
             )
 

@@ -1,9 +1,12 @@
-"""Prefill: question + visual embeddings -> KV cache + first token. No gRPC here."""
+"""Prefill: question + visual embeddings -> KV cache + first token. No gRPC here.
+
+The engine's result is the boundary's own type, `PrefillHandle` (without the cache's location,
+which the stage that stores the cache fills in), next to the cache itself."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -12,24 +15,18 @@ from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.pruned_prefill import pruned_prefill
-from epd.stages.contracts import EncodedMedia
+from epd.stages.contracts import EncodedMedia, PrefillHandle, check_generation_limits
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.token_pruning import PruningConfig, PruningStats
 
 
 @dataclass
-class PrefillOutcome:
-    first_token_id: int
+class PrefillOutput:
+    """The handle decoding starts from (`kv_handle` and `kv_address` still empty) and the cache
+    it describes, which the stage stores under a new `kv_handle`."""
+
+    handle: PrefillHandle
     cache: KvCache
-    next_position_ids: list[int]  # [4]
-    num_prompt_tokens: int
-    prefill_ms: float
-    num_visual_tokens_in: int = 0
-    num_visual_tokens_out: int = 0
-    kv_num_bytes_uncompressed: int = 0
-    pruning: PruningStats = field(default_factory=PruningStats)
-    visual_entry_mask: torch.Tensor | None = None  # [layers, kv_heads, cached] bool
-    kept_visual_token_index: list[int] = field(default_factory=list)
 
 
 class PrefillEngine:
@@ -46,10 +43,7 @@ class PrefillEngine:
             raise InvalidRequest(
                 f"the question has {len(question)} characters; the limit is {self.config.max_question_chars}"
             )
-        try:
-            generation.validate(self.config.max_new_tokens_limit)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
+        check_generation_limits(generation, self.config.max_new_tokens_limit)
         if meta.num_visual_tokens > self.config.max_prompt_tokens:
             raise ResourceExhausted(
                 f"{meta.num_visual_tokens} visual tokens exceed the prompt limit of "
@@ -79,7 +73,7 @@ class PrefillEngine:
         media: EncodedMedia,
         generation: GenerationConfig,
         pruning: PruningConfig = PruningConfig(),
-    ) -> PrefillOutcome:
+    ) -> PrefillOutput:
         self.validate(question, media.meta, generation)
         self._check_visual(media)
         t0 = time.perf_counter()
@@ -114,16 +108,19 @@ class PrefillEngine:
             stats.kv_bytes_before = kv_before
             stats.kv_bytes_after = cache.num_bytes
         first = Sampler(generation)(state.last_logits)
-        return PrefillOutcome(
+        handle = PrefillHandle(
             first_token_id=first,
-            cache=cache,
-            next_position_ids=[int(x) for x in state.next_position_ids],
             num_prompt_tokens=state.num_prompt_tokens,
+            num_cached_tokens=cache.num_cached_tokens,
+            next_position_ids=[int(x) for x in state.next_position_ids],
+            kv_num_bytes=cache.num_bytes,
             prefill_ms=(time.perf_counter() - t0) * 1e3,
             num_visual_tokens_in=num_in,
             num_visual_tokens_out=num_out,
             kv_num_bytes_uncompressed=kv_before,
             pruning=stats,
-            visual_entry_mask=mask,
+            # [layers, kv_heads, cached] bool; sent only when decode-stage eviction will use it.
+            visual_entry_mask=mask if pruning.decode_evict else None,
             kept_visual_token_index=kept,
         )
+        return PrefillOutput(handle, cache)

@@ -19,16 +19,16 @@ log = logging.getLogger(__name__)
 
 async def start(config: PrefillConfig) -> HealthyServer:
     kv_store = KvStore(config.kv_store_bytes, config.kv_ttl_s)
-    servicer = PrefillServicer(config, kv_store, kv_address="")
+    servicer = PrefillServicer(config, kv_store)
     hs = await create_server(
         config.server, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s), [SERVICE_NAME]
     )
-    servicer.kv_address = config.advertise_address or f"{config.server.host}:{hs.port}"
+    kv_address = config.advertise_address or f"{config.server.host}:{hs.port}"
     model_thread = ModelThread()
     adapter = await model_thread.run(load_adapter, config.model, "prefill")
-    servicer.stage = LocalPrefillStage(PrefillEngine(config, adapter), kv_store, model_thread)
+    servicer.stage = LocalPrefillStage(PrefillEngine(config, adapter), kv_store, model_thread, kv_address)
     await hs.set_serving(True)
-    log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, servicer.kv_address)
+    log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, kv_address)
     return hs
 
 

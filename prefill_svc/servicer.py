@@ -1,5 +1,6 @@
-"""PrefillService over gRPC: prefill on upload of visual embeddings; PullKv hands caches over;
-ReleaseKv drops one whose request ended before a decoder pulled it.
+"""PrefillService over gRPC: Prefill is protobuf in (the visual embeddings' upload), a
+PrefillStage call, protobuf out (the stage's PrefillHandle); PullKv hands caches over; ReleaseKv
+drops one whose request ended before a decoder pulled it.
 
 A caller that goes away during Prefill cancels the handler: the model call is dropped if still
 queued, and a finished one's cache is not stored (`LocalPrefillStage`)."""
@@ -24,10 +25,9 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_na
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, config: PrefillConfig, kv_store: KvStore, kv_address: str) -> None:
+    def __init__(self, config: PrefillConfig, kv_store: KvStore) -> None:
         self.config = config
         self.kv_store = kv_store
-        self.kv_address = kv_address
         self.stage: PrefillStage | None = None  # set once the model is loaded
 
     @rpc_errors
@@ -55,7 +55,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         generation = convert.generation_from_proto(header.generation, GenerationConfig())
         pruning = convert.pruning_from_proto(header.pruning)
         handle = await self.stage.prefill(header.question, media, generation, header.request_id, pruning)
-        handle.kv_address = self.kv_address
         return convert.handle_to_proto(handle)
 
     @rpc_errors

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.engine import PrefillEngine
@@ -19,10 +20,14 @@ log = logging.getLogger(__name__)
 
 
 class LocalPrefillStage(PrefillStage):
-    def __init__(self, engine: PrefillEngine, kv_store: KvStore, model_thread: ModelThread) -> None:
+    def __init__(
+        self, engine: PrefillEngine, kv_store: KvStore, model_thread: ModelThread, kv_address: str = ""
+    ) -> None:
         self.engine = engine
         self.kv_store = kv_store
         self.model_thread = model_thread
+        self.kv_address = kv_address
+        """host:port decoders pull this stage's caches from ("" when they take them in-process)."""
 
     async def prefill(
         self,
@@ -39,23 +44,7 @@ class LocalPrefillStage(PrefillStage):
             # with `out`: a cancelled prefill stores nothing.
             log.info("prefill of request %s cancelled by its caller; no KV cache is kept", request_id)
             raise
-        handle = self.kv_store.put(out.cache)
-        return PrefillHandle(
-            kv_handle=handle,
-            kv_address="",
-            first_token_id=out.first_token_id,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_cached_tokens=out.cache.num_cached_tokens,
-            next_position_ids=out.next_position_ids,
-            kv_num_bytes=out.cache.num_bytes,
-            prefill_ms=out.prefill_ms,
-            num_visual_tokens_in=out.num_visual_tokens_in,
-            num_visual_tokens_out=out.num_visual_tokens_out,
-            kv_num_bytes_uncompressed=out.kv_num_bytes_uncompressed,
-            pruning=out.pruning,
-            visual_entry_mask=out.visual_entry_mask if pruning.decode_evict else None,
-            kept_visual_token_index=out.kept_visual_token_index,
-        )
+        return replace(out.handle, kv_handle=self.kv_store.put(out.cache), kv_address=self.kv_address)
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if self.kv_store.release(handle.kv_handle):

@@ -4,8 +4,10 @@
 unpruned pipeline's. A request picks a preset by name and may override single knobs:
 
     cfg = PruningConfig.from_preset("balanced", kv_keep_ratio=0.3)
-    wire = cfg.to_dict()            # plain JSON-able dict for the protos and cache keys
-    same = PruningConfig.from_dict(wire)
+    data = cfg.to_dict()            # plain JSON-able dict for logs and cache keys
+    same = PruningConfig.from_dict(data)
+    knobs = cfg.to_knobs()          # {name: text} of the knobs off their defaults: the wire form
+    same = PruningConfig.from_knobs(knobs)   # each text parsed by its field's declared type
 
 Ratios are fractions of the visual tokens that *enter* a stage (1.0 keeps all). Where a stage
 offers both a ratio and an absolute count/bytes budget, the absolute one wins when set.
@@ -14,8 +16,12 @@ offers both a ratio and an absolute count/bytes budget, the absolute one wins wh
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 KEY_TOKEN_SCORES = ("distinct", "norm")
 KV_MERGE_MODES = ("none", "averaged", "pivotal", "weighted")
@@ -195,6 +201,25 @@ class PruningConfig:
             raise ValueError(f"unknown pruning preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name].to_dict(), **overrides})
 
+    def to_knobs(self) -> dict[str, str]:
+        """The knobs that differ from the defaults, as text: `from_knobs(cfg.to_knobs()) == cfg`."""
+        default = PruningConfig()
+        return {
+            f.name: str(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)
+        }
+
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, str], preset: str = "off") -> PruningConfig:
+        """Preset `preset` with knobs given as text (a client's request, a command line), each
+        parsed by its field's declared type. ValueError naming the knob and the type expected."""
+        hints = _knob_types()
+        parsed: dict[str, Any] = {}
+        for name, text in knobs.items():
+            if name not in hints:
+                raise ValueError(f"unknown pruning option {name[:64]!r}; known options: {sorted(hints)}")
+            parsed[name] = _parse_knob(name, text, hints[name])
+        return cls.from_preset(preset, **parsed)
+
     def encode_cache_key(self) -> dict[str, Any]:
         """The knobs that change the encoder's output tokens: part of an encoder-cache key.
 
@@ -208,6 +233,67 @@ class PruningConfig:
         if self.key_token_ratio > 0:
             keys += ["key_token_score"]
         return {k: getattr(self, k) for k in keys}
+
+
+MAX_KNOB_INT = 2**62
+"""Integer knobs (layers, counts, byte budgets) beyond this are refused: no real value is near
+it, and torch index arithmetic overflows int64 past it."""
+
+
+@functools.cache
+def _knob_types() -> dict[str, Any]:
+    """Each knob's declared type, resolved from its annotation (`int | None`, `tuple[int, ...]`)."""
+    hints = get_type_hints(PruningConfig)
+    return {f.name: hints[f.name] for f in fields(PruningConfig)}
+
+
+def _type_name(hint: Any) -> str:
+    """How an error message names a knob's type: "bool", "int | None", "tuple[int, ...]"."""
+    return hint.__name__ if isinstance(hint, type) and get_origin(hint) is None else str(hint)
+
+
+def _parse_knob(name: str, text: str, hint: Any) -> Any:
+    try:
+        return _parse_as(text, hint)
+    except ValueError:
+        raise ValueError(
+            f"pruning option {name}={text[:64]!r} is not a valid {_type_name(hint)}"
+            + (f" (integers within +-{MAX_KNOB_INT}, finite numbers)" if hint is not bool else "")
+        ) from None
+
+
+def _parse_as(text: str, hint: Any) -> Any:
+    """`text` as a value of type `hint`; ValueError when it is not one."""
+    if get_origin(hint) in (Union, types.UnionType):
+        args = get_args(hint)
+        if type(None) in args and text.lower() in ("", "none"):
+            return None
+        (hint,) = [a for a in args if a is not type(None)]  # only `T | None` knobs exist
+    if hint is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError
+        return text.lower() in ("true", "1")
+    if hint is int:
+        return _knob_int(text)
+    if hint is float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError
+        return value
+    if hint is str:
+        return text
+    if get_origin(hint) is tuple and get_args(hint) == (int, ...):
+        # "1,3", "(1, 3)" or "[1, 3]"; "" or "()" is the empty tuple
+        parts = text.strip().strip("()[]").replace(" ", "")
+        return tuple(_knob_int(x) for x in parts.split(",") if x)
+    raise TypeError(f"a pruning knob of type {hint} has no text form")  # a new knob type: add it here
+
+
+def _knob_int(text: str) -> int:
+    value = int(text)
+    if abs(value) > MAX_KNOB_INT:
+        raise ValueError
+    return value
 
 
 # The encoder stages that cost almost no accuracy: unchanged pixels, near-duplicate neighbours.

@@ -1,4 +1,9 @@
-"""`epd ask VIDEO QUESTION`: embedded (one process, no ports) or against --endpoint."""
+"""`epd ask VIDEO QUESTION`: embedded (one process, no ports) or against --endpoint.
+
+Both modes print the SDK's typed result (`epd.client.AskResult`): the answer as it streams, stage
+progress on stderr, then a timings line; with --json one object, `AskResult.to_dict()` (the
+field names of the HTTP API's `epd` object), plus `notice` for the demo model.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +11,40 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from epd.cli import configs
+if TYPE_CHECKING:
+    from epd.client import AskResult
+    from epd.client import StageEvent as ClientStageEvent
+    from epd.gateway.pipeline import AskSummary
 
 
 def run_ask(args: argparse.Namespace) -> int:
+    from epd.client import EpdError
+
     path = Path(args.video)
     if not path.is_file():
         print(f"epd: no such file: {path}", file=sys.stderr)
         return 2
+    notice: list[str] = []
     try:
-        result = asyncio.run(_ask_remote(args, path) if args.endpoint else _ask_embedded(args, path))
+        result = asyncio.run(_ask_remote(args, path) if args.endpoint else _ask_embedded(args, path, notice))
+    except EpdError as exc:  # the server's status and message
+        print(f"epd: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - one message per failure for a CLI user
+        # Embedded mode ran the servers' code in this process: name its error as they would.
         from epd.transport.errors import status_of
 
         code, message = status_of(exc)
-        if hasattr(exc, "code") and hasattr(exc, "message"):  # epd_client.EpdError
-            code, message = exc.code, exc.message
         print(f"epd: {code.name}: {message}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({**result.to_dict(), **({"notice": notice[0]} if notice else {})}))
+    else:
+        _print_summary(result)
     return 0
 
 
@@ -46,16 +63,29 @@ def _emit_text(text: str, quiet: bool) -> None:
         sys.stdout.flush()
 
 
-async def _ask_embedded(args: argparse.Namespace, path: Path) -> dict:
+def _print_summary(result: AskResult) -> None:
+    from epd.stages.names import TIMING_NAMES
+
+    print(file=sys.stdout)
+    timings = ", ".join(f"{name} {getattr(result.timings_ms, f'{name}_ms'):.0f} ms" for name in TIMING_NAMES)
+    print(f"epd: {result.num_frames} frames, {result.num_visual_tokens} visual tokens, "
+          f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}", file=sys.stderr)
+
+
+async def _ask_embedded(args: argparse.Namespace, path: Path, notice: list[str]) -> AskResult:
+    from epd.cli import configs
+    from epd.client import StageEvent as ClientStageEvent
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.gateway.pipeline import AskRequest, AskSummary
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
     from epd.model_runtime.loader import resolve_model_path
     from epd.stages.contracts import MediaInput, StageEvent
+    from epd.stages.names import Stage
 
     model = configs.model_config(args)
     model_path = resolve_model_path(model.model)
-    notice = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
+    text = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
+    notice += [text] if text else []
     if not args.json:
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
     pipeline = build_embedded_pipeline(model)
@@ -66,49 +96,49 @@ async def _ask_embedded(args: argparse.Namespace, path: Path) -> dict:
         generation=configs.generation_config(args),
         pruning=configs.pruning_config(args),
     )
+    started = time.perf_counter()
+    events: list[ClientStageEvent] = []
     summary = None
     async for item in pipeline.ask(request):
         if isinstance(item, StageEvent):
+            at_ms = (time.perf_counter() - started) * 1e3
+            events.append(ClientStageEvent(Stage.of(item.stage), item.state, at_ms, item.duration_ms, item.details))
             _progress(item.stage, item.state, item.duration_ms, args.json)
         elif isinstance(item, AskSummary):
             summary = item
         else:
             _emit_text(item.text, args.json)
     assert summary is not None
-    if not args.json:
-        print(file=sys.stdout)
-    return _result(summary.answer, summary.token_ids, summary.num_frames, summary.num_visual_tokens,
-                   summary.timings_ms, summary.finish_reason, summary.kv_num_bytes, notice,
-                   summary.pruning.to_dict())
+    return _result_of(summary, events)
 
 
-async def _ask_remote(args: argparse.Namespace, path: Path) -> dict:
-    from epd.client import AsyncEpdClient
+def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult:
+    """The pipeline's own summary as the SDK's result, so that both modes print the same thing:
+    through the gateway's converter and the SDK's, the path a remote answer takes."""
+    from epd.client.types import result_from_proto
+    from epd.gateway.servicer import summary_to_proto
 
-    sampling = configs.sampling_options(args)
-    generation = configs.generation_config(args)
+    return result_from_proto(summary_to_proto(summary), events)
+
+
+async def _ask_remote(args: argparse.Namespace, path: Path) -> AskResult:
+    from epd.client import AskResult, AsyncEpdClient, StageEvent, TokenDelta
+
+    # Zero and empty mean "the server's default"; the server checks and parses every option.
     options: dict = dict(
-        fps=sampling.fps, max_frames=sampling.max_frames, num_frames=sampling.num_frames or 0,
-        max_pixels=sampling.max_pixels or 0, max_new_tokens=generation.max_new_tokens,
-        temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k,
-        seed=generation.seed, stop=list(generation.stop),
-        pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
-    )
+        fps=args.fps, max_frames=args.max_frames, num_frames=args.num_frames, max_pixels=args.max_pixels,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=list(args.stop), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
+    )  # fmt: skip
     async with AsyncEpdClient(args.endpoint, api_key=args.api_key) as client:
-        async for msg in client.ask_stream(path, args.question, **options):
-            kind = msg.WhichOneof("kind")
-            if kind == "event":
-                _progress(msg.event.stage, msg.event.state, msg.event.duration_ms, args.json)
-            elif kind == "delta":
-                _emit_text(msg.delta.text, args.json)
-            else:
-                s = msg.summary
-    if not args.json:
-        print(file=sys.stdout)
-    from epd.transport.convert import stats_from_proto
-
-    return _result(s.answer, list(s.token_ids), s.num_frames, s.num_visual_tokens, dict(s.timings_ms),
-                   s.finish_reason, s.kv_num_bytes, "", stats_from_proto(s.pruning).to_dict())
+        async for item in client.stream(path, args.question, **options):
+            if isinstance(item, StageEvent):
+                _progress(item.stage, item.state, item.duration_ms, args.json)
+            elif isinstance(item, TokenDelta):
+                _emit_text(item.text, args.json)
+            elif isinstance(item, AskResult):
+                return item
+    raise RuntimeError("unreachable: the SDK's stream ends with an AskResult or raises EpdError")
 
 
 def _say(text: str, quiet: bool) -> str:
@@ -125,20 +155,3 @@ def _notice(meaningless: bool, quiet: bool) -> str:
     if not quiet:
         print(f"epd: NOTE: {text}", file=sys.stderr, flush=True)
     return text
-
-
-def _result(answer, token_ids, num_frames, num_visual_tokens, timings_ms, finish_reason, kv_num_bytes, notice,
-            pruning):
-    out = {
-        "answer": answer,
-        "token_ids": token_ids,
-        "num_frames": num_frames,
-        "num_visual_tokens": num_visual_tokens,
-        "timings_ms": timings_ms,
-        "finish_reason": finish_reason,
-        "kv_num_bytes": kv_num_bytes,
-        "pruning": pruning,
-    }
-    if notice:
-        out["notice"] = notice
-    return out

@@ -12,6 +12,7 @@ from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
+from epd.stages.errors import InvalidRequest
 from epd.stages.server_config import ServerConfig
 from epd.token_pruning import PruningConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
@@ -33,11 +34,12 @@ def sampling_options(args: argparse.Namespace) -> SamplingOptions:
 
 
 def pruning_config(args: argparse.Namespace) -> PruningConfig:
-    """--pruning PRESET plus --pruning-knob NAME=VALUE, parsed exactly as the servers parse them."""
-    from epd.transport.convert import pruning_from_proto
-    from epd.v1 import common_pb2
-
-    return pruning_from_proto(common_pb2.PruningOptions(preset=args.pruning, knobs=dict(args.pruning_knob)))
+    """--pruning PRESET plus --pruning-knob NAME=VALUE, parsed exactly as the servers parse them
+    (`PruningConfig.from_knobs`); a bad value is the same InvalidRequest a server answers."""
+    try:
+        return PruningConfig.from_knobs(dict(args.pruning_knob), args.pruning or "off")
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

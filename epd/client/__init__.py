@@ -1,10 +1,22 @@
-"""Python client SDK of an epd front door (gRPC): sync and asyncio clients, typed stream events,
-chunked uploads or reuse by sha256, deadlines, retries of UNAVAILABLE, TLS and an API key."""
+"""Python client SDK of an epd front door (gRPC): sync and asyncio clients, typed stream events
+and results (no protobuf in user code), chunked uploads or reuse by sha256, deadlines, retries of
+UNAVAILABLE, TLS and an API key. Result fields and the 0.2 renames: `epd.client.types`."""
 
 from epd.client.client import AsyncEpdClient, EpdClient, build_header
 from epd.client.media import MediaSource
 from epd.client.retry import NO_RETRY, RetryPolicy
-from epd.client.types import AskResult, EpdError, StageEvent, StreamEvent, TokenDelta
+from epd.client.types import (
+    AskResult,
+    EpdError,
+    GridTHW,
+    PruningReport,
+    PruningStageCount,
+    Stage,
+    StageEvent,
+    StreamEvent,
+    Timings,
+    TokenDelta,
+)
 
 __all__ = [
     "NO_RETRY",
@@ -12,10 +24,15 @@ __all__ = [
     "AsyncEpdClient",
     "EpdClient",
     "EpdError",
+    "GridTHW",
     "MediaSource",
+    "PruningReport",
+    "PruningStageCount",
     "RetryPolicy",
+    "Stage",
     "StageEvent",
     "StreamEvent",
+    "Timings",
     "TokenDelta",
     "build_header",
 ]

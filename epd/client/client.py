@@ -2,10 +2,11 @@
 
     with EpdClient("127.0.0.1:50050", api_key="KEY") as client:
         result = client.ask("clip.mp4", "what colour is the circle?", max_new_tokens=16)
-        print(result.answer, result.timings_ms)
+        print(result.answer, result.timings_ms.ttft_ms, result.pruning, result.grid_thw)
 
         for event in client.stream("clip.mp4", "and the square?"):   # StageEvent | TokenDelta | AskResult
-            ...
+            if isinstance(event, StageEvent) and event.stage == Stage.VIDEO_DECODE:
+                ...
 
 One call = one `GatewayService.Ask` stream: a header, the media in 1 MiB chunks (or only its
 sha256 when the servers have it), then stage events, token deltas and a summary come back.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -129,10 +131,9 @@ class AsyncEpdClient:
         timeout_s: float | None = None,
         **options,
     ) -> AsyncIterator[gateway_pb2.AskResponse]:
-        """Yields the raw AskResponse protos (events, token deltas, then the summary).
-
-        video: a path, bytes or binary file object; None with `media_sha256` to reuse media the
-        servers have seen (NOT_FOUND when they have not)."""
+        """Deprecated (removed in 0.3): the raw AskResponse protos (events, token deltas, then
+        the summary). Use `stream`, which yields the same as typed SDK objects."""
+        warnings.warn("ask_stream is deprecated (removed in 0.3); use stream()", DeprecationWarning, stacklevel=2)
         async for msg, _ in self._responses(video, question, media_sha256, timeout_s, options):
             yield msg
 
@@ -145,13 +146,17 @@ class AsyncEpdClient:
         timeout_s: float | None = None,
         **options,
     ) -> AsyncIterator[StreamEvent]:
-        """Yields `StageEvent`s and `TokenDelta`s as they happen, then one `AskResult`."""
-        events: list[common_pb2.StageEvent] = []
+        """Yields `StageEvent`s and `TokenDelta`s as they happen, then one `AskResult`.
+
+        video: a path, bytes or binary file object; None with `media_sha256` to reuse media the
+        servers have seen (NOT_FOUND when they have not). Options: see `build_header`."""
+        events: list[StageEvent] = []
         async for msg, meta in self._responses(video, question, media_sha256, timeout_s, options):
             kind = msg.WhichOneof("kind")
             if kind == "event":
-                events.append(msg.event)
-                yield stage_event_from_proto(msg.event)
+                event = stage_event_from_proto(msg.event)
+                events.append(event)
+                yield event
             elif kind == "delta":
                 yield TokenDelta(list(msg.delta.token_ids), msg.delta.text)
             elif kind == "summary":
@@ -284,6 +289,7 @@ class EpdClient:
         return self._iterate(self._client.stream(video, question, **options))
 
     def ask_stream(self, video: Media | None, question: str, **options) -> Iterator[gateway_pb2.AskResponse]:
+        """Deprecated (removed in 0.3): raw protos; use `stream`."""
         return self._iterate(self._client.ask_stream(video, question, **options))
 
     def _iterate(self, agen: AsyncIterator) -> Iterator:

@@ -1,6 +1,6 @@
 """Admission at the front doors: how many requests one client keeps in flight, and how many
 request-body bytes the whole gateway process holds at once. Plain counters, no gRPC, no HTTP:
-both front doors (gateway/http_api.py, gateway/servicer.py) share one `Admission` per process.
+both front doors (epd/gateway/http_api.py, epd/gateway/servicer.py) share one `Admission` per process.
 
 A request's life here:
 

@@ -6,17 +6,17 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
                                    `chat.completion.chunk`s ending in `data: [DONE]`
     GET  /v1/models             the served model id
     GET  /health                200 when every configured stage answers SERVING on grpc.health
-    GET  /metrics               Prometheus text format (gateway/metrics.py)
+    GET  /metrics               Prometheus text format (epd/gateway/metrics.py)
 
-Request format and options: gateway/openai_protocol.py. Media URL policy: gateway/media_fetch.py.
+Request format and options: epd/gateway/openai_protocol.py. Media URL policy: epd/gateway/media_fetch.py.
 Errors are OpenAI-style JSON bodies; pipeline errors go through `epd.transport.errors.status_of`,
 so a status means the same thing on both APIs. A streamed answer sends its 200 only with the
 first token: bad media, limits and refusals still get their own HTTP status.
 
-Bodies are read under limits (gateway/http_body.py): 413 past the body limit (derived from
+Bodies are read under limits (epd/gateway/http_body.py): 413 past the body limit (derived from
 --max-upload-bytes) without reading the rest, 429 + Retry-After when the client already has
 --max-requests-per-client requests in flight or the process holds --max-inflight-body-bytes of
-bodies (gateway/admission.py, shared with the gRPC API).
+bodies (epd/gateway/admission.py, shared with the gRPC API).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from contextlib import aclosing
 
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.stages.contracts import StageEvent, TokenStep
+from epd.stages.names import Stage
 from epd.transport.errors import status_of
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -284,9 +285,10 @@ class GatewayMetrics:
 def _stage_after(item: PipelineEvent, stage: str) -> str:
     """Which stage a request is in after this event ("" once answered)."""
     if isinstance(item, StageEvent):
-        if item.stage == "prefill" and item.state == "started":
+        # Stage names are what the events say; the queue labels name the services.
+        if item.stage == Stage.PREFILL and item.state == "started":
             return "prefill"
-        if item.stage == "prefill" and item.state == "finished":
+        if item.stage == Stage.PREFILL and item.state == "finished":
             return "decode"
     if isinstance(item, AskSummary):
         return ""

@@ -23,6 +23,7 @@ from epd.gateway.admission import Overloaded
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.names import timings_with_legacy_names
 from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
 from epd.transport.errors import status_of
@@ -327,19 +328,25 @@ def usage(summary: AskSummary) -> dict[str, int]:
 
 
 def epd_details(summary: AskSummary) -> dict[str, Any]:
-    """Extra `epd` field: what OpenAI's format has no place for (token ids, frames, timings)."""
+    """Extra `epd` field: the whole summary, under the names the gRPC summary and the SDK's
+    `AskResult` use (the answer itself is the message content), and `kept_tokens`, the kept
+    visual tokens as a grid for the web demo. `timings_ms` also carries "decode", the old name
+    of "video_decode", until 0.3."""
     return {
         "request_id": summary.request_id,
         "token_ids": summary.token_ids,
+        "finish_reason": summary.finish_reason or "stop",
         "num_frames": summary.num_frames,
         "num_visual_tokens": summary.num_visual_tokens,
+        "num_prompt_tokens": summary.num_prompt_tokens,
         "frame_timestamps_s": summary.frame_timestamps_s,
-        "timings_ms": summary.timings_ms,
+        "timings_ms": timings_with_legacy_names(summary.timings_ms),
         "kv_num_bytes": summary.kv_num_bytes,
         "encoder_cache_hit": summary.encoder_cache_hit,
         "media_sha256": summary.media_sha256,
         "pruning": summary.pruning.to_dict(),
         "grid_thw": list(summary.grid_thw),
+        "kept_visual_token_index": summary.kept_visual_token_index,
         **({"kept_tokens": kept_token_grid(summary)} if summary.kept_visual_token_index else {}),
     }
 

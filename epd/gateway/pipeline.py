@@ -33,6 +33,7 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest
 from epd.stages.events import Finished, with_events
+from epd.stages.names import TOTAL, TTFT, Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
 
@@ -60,6 +61,7 @@ class AskSummary:
     num_visual_tokens: int
     num_prompt_tokens: int
     timings_ms: dict[str, float]
+    """Milliseconds by `epd.stages.names.TIMING_NAMES` (video_decode, encode, ..., ttft, total)."""
     kv_num_bytes: int
     encoder_cache_hit: bool
     media_sha256: str
@@ -99,17 +101,17 @@ class Pipeline:
             return (time.perf_counter() - t0) * 1e3
 
         media = await self.encoder.encode(req.media, req.sampling, emit, request_id, req.pruning)
-        timings["decode"] = media.decode_ms
-        timings["encode"] = media.encode_ms
+        timings[Stage.VIDEO_DECODE.value] = media.decode_ms
+        timings[Stage.ENCODE.value] = media.encode_ms
 
-        emit(StageEvent("prefill", "started"))
+        emit(StageEvent(Stage.PREFILL, "started"))
         t_prefill = time.perf_counter()
         handle = await self.prefill.prefill(req.question, media, req.generation, request_id, req.pruning)
         taken = False  # by the decoder: its first step comes only after it pulled the cache
         try:
-            timings["prefill"] = handle.prefill_ms
+            timings[Stage.PREFILL.value] = handle.prefill_ms
             emit(StageEvent(
-                "prefill",
+                Stage.PREFILL,
                 "finished",
                 (time.perf_counter() - t_prefill) * 1e3,
                 {"num_prompt_tokens": str(handle.num_prompt_tokens), "kv_num_bytes": str(handle.kv_num_bytes)},
@@ -119,12 +121,13 @@ class Pipeline:
             finish_reason = ""
             t_gen = time.perf_counter()
             pruning = handle.pruning
+            emit(StageEvent(Stage.GENERATE, "started"))
             async for step in self.decoder.generate(handle, req.generation, request_id, req.pruning):
                 if not taken:
                     taken = True
-                    timings["ttft"] = elapsed_ms()
-                    timings["kv_transfer"] = step.kv_transfer_ms
-                    emit(StageEvent("kv_transfer", "finished", step.kv_transfer_ms,
+                    timings[TTFT] = elapsed_ms()
+                    timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
+                    emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
                                     {"kv_num_bytes": str(step.kv_num_bytes)}))
                 token_ids += step.token_ids
                 text_parts.append(step.text)
@@ -135,8 +138,10 @@ class Pipeline:
         finally:
             if not taken:
                 await self._release(handle, request_id)
-        timings["generate"] = (time.perf_counter() - t_gen) * 1e3
-        timings["total"] = elapsed_ms()
+        timings[Stage.GENERATE.value] = (time.perf_counter() - t_gen) * 1e3
+        emit(StageEvent(Stage.GENERATE, "finished", timings[Stage.GENERATE.value],
+                        {"num_tokens": str(len(token_ids)), "finish_reason": finish_reason}))
+        timings[TOTAL] = elapsed_ms()
         return AskSummary(
             request_id=request_id,
             answer="".join(text_parts),

@@ -50,7 +50,7 @@ async def start(
         [SERVICE_NAME],
         interceptors,
     )
-    # NOT_SERVING until every stage serves, and again whenever one stops (gateway/readiness.py).
+    # NOT_SERVING until every stage serves, and again whenever one stops (epd/gateway/readiness.py).
     watch = watch_stages(hs, StageHealth(config), config.stage_check_interval_s)
     hs.background_tasks.append(asyncio.ensure_future(watch))
     return hs

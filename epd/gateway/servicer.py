@@ -9,6 +9,7 @@ from epd.gateway.admission import Admission, Overloaded, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
 from epd.stages.contracts import StageEvent
+from epd.stages.names import Stage, timings_with_legacy_names
 from epd.transport import convert
 from epd.transport.errors import rpc_errors
 from epd.transport.upload import drain, media_input, read_upload
@@ -34,6 +35,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise
         with ticket:
             header, data = await read_upload(request_iterator, self.config.max_upload_bytes, ticket.reserve_bytes)
+            upload_ms = (time.perf_counter() - started) * 1e3
+            uploaded = StageEvent(Stage.UPLOAD, "finished", upload_ms, {"num_bytes": str(len(data))})
+            yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
             request = AskRequest(
                 question=header.question,
                 media=media_input(header, data),
@@ -66,7 +70,7 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         num_frames=s.num_frames,
         num_visual_tokens=s.num_visual_tokens,
         num_prompt_tokens=s.num_prompt_tokens,
-        timings_ms=s.timings_ms,
+        timings_ms=timings_with_legacy_names(s.timings_ms),  # "decode" too, until 0.3
         kv_num_bytes=s.kv_num_bytes,
         encoder_cache_hit=s.encoder_cache_hit,
         media_sha256=s.media_sha256,

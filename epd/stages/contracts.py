@@ -6,6 +6,11 @@
 
 Every stage takes the request's PruningConfig; with its default (all off) the stages are exact.
 
+One type per boundary result, like vLLM v1's EngineCoreRequest/EngineCoreOutput: the engines
+build these types themselves, `epd.transport.convert` turns each into protobuf and back in one
+place, and the encoder's token cache stores `EncodedMedia` through its one plain-data form,
+`EncodedMedia.to_record()` / `from_record()`.
+
 Cancellation: each call is an asyncio coroutine (or async iterator); cancelling it is how a caller
 says its client went away. A stage then stops its work at the next safe point (the encoder at
 the next frame group, the decoder at the next token), stores nothing (prefill keeps no KV cache
@@ -24,18 +29,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
 
 
 @dataclass(frozen=True)
 class StageEvent:
-    stage: str  # "upload" | "decode" | "encode" | "prefill" | "kv_transfer" | "generate"
+    stage: str  # a Stage (epd.stages.names), the one list of stage names
     state: str  # "started" | "progress" | "finished"
     duration_ms: float = 0.0
     details: dict[str, str] = field(default_factory=dict)
@@ -50,6 +57,22 @@ class MediaInput:
 
     data: bytes | None
     sha256: str = ""
+
+
+@dataclass
+class MediaRecord:
+    """An `EncodedMedia` as plain data: its tensors by name and a JSON-able dict of everything else.
+
+    The keys of `fields` are the field names of the wire's `epd.v1.EncodeResult` (with
+    `pruning` the fields of `epd.v1.PruningReport`), so the proto converter is
+    `EncodeResult(**record.fields)` and its inverse; the encoder's token cache stores the same
+    record (tensors in a safetensors file, `fields` in its JSON sidecar). The embeddings travel
+    on the wire as tensor chunks beside the EncodeResult.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    """{"visual_embeds": [num_visual_tokens, hidden_size]}."""
+    fields: dict[str, Any]
 
 
 @dataclass
@@ -71,13 +94,101 @@ class EncodedMedia:
     """[N'] bool: key tokens, which no later stage drops (None: none)."""
     pruning: PruningStats = field(default_factory=PruningStats)
 
+    def to_record(self) -> MediaRecord:
+        """The one plain-data form of this object (see `MediaRecord`); `from_record` inverts it."""
+        return MediaRecord(
+            tensors={"visual_embeds": self.embeds},
+            fields={
+                "modality": self.meta.modality,
+                "grid_thw": list(self.meta.grid_thw),
+                "num_visual_tokens": self.meta.num_visual_tokens,
+                "second_per_grid_t": self.meta.second_per_grid_t,
+                "num_frames": self.num_frames,
+                "frame_timestamps_s": list(self.frame_timestamps_s),
+                "decode_ms": self.decode_ms,
+                "encode_ms": self.encode_ms,
+                "cache_hit": self.cache_hit,
+                "media_sha256": self.sha256,
+                "kept_token_index": [] if self.token_index is None else self.token_index.tolist(),
+                # [K] positions among the N' embeddings of the True entries of key_mask [N'].
+                "key_token_index": [] if self.key_mask is None else self.key_mask.nonzero().flatten().tolist(),
+                "pruning": pruning_stats_to_record(self.pruning),
+            },
+        )
+
+    @classmethod
+    def from_record(cls, record: MediaRecord) -> EncodedMedia:
+        """The inverse of `to_record`. The record may come from a client (a proto) or from disk
+        (the token cache): InvalidRequest when its metadata is malformed, KeyError when a field
+        or the embeddings tensor is missing."""
+        f = record.fields
+        embeds = record.tensors["visual_embeds"]  # [N', hidden_size]
+        grid = [int(x) for x in f["grid_thw"]]
+        if f["modality"] not in ("video", "image") or len(grid) != 3 or min(grid) < 1:
+            raise InvalidRequest("visual metadata must name modality 'video' or 'image' and a 3-value grid_thw")
+        key_mask = None
+        if len(f["key_token_index"]):
+            index = torch.tensor(list(f["key_token_index"]), dtype=torch.long)  # [K]
+            if int(index.min()) < 0 or int(index.max()) >= embeds.shape[0]:
+                raise InvalidRequest("key_token_index points outside the visual tokens sent")
+            key_mask = torch.zeros(embeds.shape[0], dtype=torch.bool)
+            key_mask[index] = True
+        kept = list(f["kept_token_index"])
+        return cls(
+            embeds=embeds,
+            meta=VisualMeta(str(f["modality"]), (grid[0], grid[1], grid[2]), float(f["second_per_grid_t"]),
+                            int(f["num_visual_tokens"])),
+            num_frames=int(f["num_frames"]),
+            frame_timestamps_s=[float(t) for t in f["frame_timestamps_s"]],
+            decode_ms=float(f["decode_ms"]),
+            encode_ms=float(f["encode_ms"]),
+            cache_hit=bool(f["cache_hit"]),
+            sha256=str(f["media_sha256"]),
+            token_index=torch.tensor(kept, dtype=torch.long) if kept else None,
+            key_mask=key_mask,
+            pruning=pruning_stats_from_record(f["pruning"]),
+        )
+
+
+def pruning_stats_to_record(stats: PruningStats) -> dict[str, Any]:
+    """PruningStats as a JSON-able dict keyed like `epd.v1.PruningReport`. `transfer_bytes` is
+    left out: the gateway counts it for its own request, it never crosses a stage boundary."""
+    return {
+        "stages": [
+            {"stage": s.stage, "num_visual_tokens_in": s.num_visual_tokens_in,
+             "num_visual_tokens_out": s.num_visual_tokens_out}
+            for s in stats.stages
+        ],
+        "num_key_tokens": stats.num_key_tokens,
+        "prefill_flops_full": stats.prefill_flops_full,
+        "prefill_flops_pruned": stats.prefill_flops_pruned,
+        "kv_bytes_before": stats.kv_bytes_before,
+        "kv_bytes_after": stats.kv_bytes_after,
+    }
+
+
+def pruning_stats_from_record(fields: dict[str, Any]) -> PruningStats:
+    """The inverse of `pruning_stats_to_record`."""
+    stats = PruningStats(
+        num_key_tokens=int(fields["num_key_tokens"]),
+        prefill_flops_full=int(fields["prefill_flops_full"]),
+        prefill_flops_pruned=int(fields["prefill_flops_pruned"]),
+        kv_bytes_before=int(fields["kv_bytes_before"]),
+        kv_bytes_after=int(fields["kv_bytes_after"]),
+    )
+    for s in fields["stages"]:
+        stats.record(str(s["stage"]), int(s["num_visual_tokens_in"]), int(s["num_visual_tokens_out"]))
+    return stats
+
 
 @dataclass
 class PrefillHandle:
-    """Where the KV cache waits and what decoding starts from."""
+    """What decoding starts from, and where the KV cache waits.
 
-    kv_handle: str
-    kv_address: str  # "" for an in-process store
+    The prefill engine builds it without the location (`kv_handle`, `kv_address` empty) and the
+    stage that stores the cache fills that in; `epd.transport.convert` carries it as
+    `epd.v1.PrefillResult`, field for field."""
+
     first_token_id: int
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -90,9 +201,23 @@ class PrefillHandle:
     pruning: PruningStats = field(default_factory=PruningStats)
     visual_entry_mask: torch.Tensor | None = None
     """[num_layers, num_kv_heads, num_cached_tokens] bool: visual cache entries, for decode-stage
-    eviction (None unless it is on)."""
+    eviction (None unless it is on). Flat [num_layers * num_kv_heads * num_cached_tokens] once it
+    has crossed the wire; the decoder shapes it by its cache."""
     kept_visual_token_index: list[int] = field(default_factory=list)
     """Full-list index of each visual token left after prefill dropping (empty: all kept)."""
+    kv_handle: str = ""
+    """The cache's name in the prefill stage's KvStore ("" until the stage stored it)."""
+    kv_address: str = ""
+    """host:port of the prefill server a decoder pulls the cache from ("" for an in-process store)."""
+
+
+def check_generation_limits(generation: GenerationConfig, max_new_tokens_limit: int) -> None:
+    """The one check of a request's generation settings against a stage's limits, made by prefill
+    (before it runs the prompt) and by decode (before it takes the KV cache)."""
+    try:
+        generation.validate(max_new_tokens_limit)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 @dataclass

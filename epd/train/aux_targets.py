@@ -1,7 +1,7 @@
 """Dense auxiliary supervision for the vision tower: what each visual token should know.
 
 Why: trained on the answers alone, the tiny model sat on the answer prior for tens of thousands
-of questions (train/README.md): one answer word per question is a weak, late signal for a vision
+of questions (epd/train/README.md): one answer word per question is a weak, late signal for a vision
 tower that must first learn to see colour, shape and motion at 1-2 patches per object. The
 synthetic scenes know exactly what is where on every frame, so during training each merged visual
 token (the vision tower's output, one per 2x2 patches of one temporal pair of frames) also predicts,

@@ -106,7 +106,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Gradient norm clip."""
     aux_weight: float = 1.0
-    """Weight of the dense auxiliary loss on the vision tower's tokens (train/aux_targets.py);
+    """Weight of the dense auxiliary loss on the vision tower's tokens (epd/train/aux_targets.py);
     0 trains on the answers alone."""
     vision_pretrain_steps: int = 3000
     """Phase 1: steps that train the vision tower and the auxiliary head alone, before the whole
@@ -123,7 +123,7 @@ class TrainConfig:
     (and the merger's projection, part of the tower, stays as phase 1 left it) alone."""
     mirror_prob: float = 0.5
     """Chance that a training clip is seen mirrored left-right in a step (both phases; see
-    train/augment.py): a second view of every clip against overfitting the training clips."""
+    epd/train/augment.py): a second view of every clip against overfitting the training clips."""
     eval_every_steps: int = 1000
     """Validation accuracy every this many steps (0: only at the end)."""
     prepare_workers: int = 2
@@ -158,7 +158,7 @@ class MediaItem:
     modality: str  # "video" | "image"
     patches: torch.Tensor
     """[num_patches, 3 * 2 * 14 * 14]: the processor's float32 patches, or their uint8 values
-    when `codec` is set (train/pixel_codes.py: 4x less memory)."""
+    when `codec` is set (epd/train/pixel_codes.py: 4x less memory)."""
     grid_thw: tuple[int, int, int]
     aux: TokenTargets | None = None  # per merged token, from the scene (training only)
     codec: PixelCodec | None = None
@@ -209,7 +209,7 @@ def load_split(data_dir: Path, split: str, adapter, progress: bool = True, with_
                ) -> tuple[list[Example], list[MediaItem]]:
     """Decode, preprocess and tokenize every question of `split` the way the serving path does;
     with_aux: also the dense targets of every media file (remade from its scene seed); compact:
-    keep the patches as uint8 (train/pixel_codes.py). workers > 1 prepares contiguous parts of
+    keep the patches as uint8 (epd/train/pixel_codes.py). workers > 1 prepares contiguous parts of
     the split in that many spawned processes, each with the serving adapter loaded from
     `model_dir` (the checkpoint `adapter` came from); the result is the same as with one."""
     from epd.synth.manifest import read_manifest

@@ -1,19 +1,29 @@
 """Protobuf <-> domain objects. Servicers and remote stages use only these, so the wire format
-lives in one place. Zero in a proto field means "server default"."""
+lives in one place: one converter each way per boundary type. Zero in a proto field means
+"server default"."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import fields, replace
+from dataclasses import replace
+from typing import Any
 
 import torch
+from google.protobuf.message import Message
 
-from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.sampling import GenerationConfig
-from epd.stages.contracts import EncodedMedia, PrefillHandle, StageEvent, TokenStep
+from epd.stages.contracts import (
+    EncodedMedia,
+    MediaRecord,
+    PrefillHandle,
+    StageEvent,
+    TokenStep,
+    pruning_stats_from_record,
+    pruning_stats_to_record,
+)
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
-from epd.v1 import common_pb2, encoder_pb2, prefill_pb2
+from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2
 from epd.video.types import MediaError, SamplingOptions
 
 
@@ -111,53 +121,28 @@ def event_from_proto(msg: common_pb2.StageEvent) -> StageEvent:
     return StageEvent(msg.stage, msg.state, msg.duration_ms, dict(msg.details))
 
 
+def message_fields(msg: Message) -> dict[str, Any]:
+    """Every field of `msg` by name, as plain Python values (lists, and dicts for messages): the
+    inverse of building a message with `Type(**fields)`, for the record forms of the domain types."""
+    out: dict[str, Any] = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None:
+            value = [message_fields(v) for v in value] if f.is_repeated else message_fields(value)
+        elif f.is_repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
 def encode_result_to_proto(media: EncodedMedia) -> encoder_pb2.EncodeResult:
-    return encoder_pb2.EncodeResult(
-        modality=media.meta.modality,
-        grid_thw=list(media.meta.grid_thw),
-        num_visual_tokens=media.meta.num_visual_tokens,
-        num_frames=media.num_frames,
-        frame_timestamps_s=media.frame_timestamps_s,
-        second_per_grid_t=media.meta.second_per_grid_t,
-        decode_ms=media.decode_ms,
-        encode_ms=media.encode_ms,
-        cache_hit=media.cache_hit,
-        media_sha256=media.sha256,
-        kept_token_index=[] if media.token_index is None else media.token_index.tolist(),
-        key_token_index=[] if media.key_mask is None else media.key_mask.nonzero().flatten().tolist(),
-        pruning=stats_to_proto(media.pruning),
-    )
+    """Everything but the embeddings, which go as tensor chunks (`tensor_to_chunks`)."""
+    return encoder_pb2.EncodeResult(**media.to_record().fields)
 
 
-def visual_meta_from_proto(msg: encoder_pb2.EncodeResult) -> VisualMeta:
-    if msg.modality not in ("video", "image") or len(msg.grid_thw) != 3 or min(msg.grid_thw) < 1:
-        raise InvalidRequest("visual metadata must name modality 'video' or 'image' and a 3-value grid_thw")
-    grid = (int(msg.grid_thw[0]), int(msg.grid_thw[1]), int(msg.grid_thw[2]))
-    return VisualMeta(msg.modality, grid, msg.second_per_grid_t, int(msg.num_visual_tokens))
-
-
-def encoded_media_from_proto(msg: encoder_pb2.EncodeResult, embeds) -> EncodedMedia:
-    token_index = torch.tensor(list(msg.kept_token_index), dtype=torch.long) if msg.kept_token_index else None
-    key_mask = None
-    if msg.key_token_index:
-        key_mask = torch.zeros(embeds.shape[0], dtype=torch.bool)
-        index = torch.tensor(list(msg.key_token_index), dtype=torch.long)
-        if int(index.min()) < 0 or int(index.max()) >= embeds.shape[0]:
-            raise InvalidRequest("key_token_index points outside the visual tokens sent")
-        key_mask[index] = True
-    return EncodedMedia(
-        embeds=embeds,
-        meta=visual_meta_from_proto(msg),
-        num_frames=msg.num_frames,
-        frame_timestamps_s=list(msg.frame_timestamps_s),
-        decode_ms=msg.decode_ms,
-        encode_ms=msg.encode_ms,
-        cache_hit=msg.cache_hit,
-        sha256=msg.media_sha256,
-        token_index=token_index,
-        key_mask=key_mask,
-        pruning=stats_from_proto(msg.pruning),
-    )
+def encoded_media_from_proto(msg: encoder_pb2.EncodeResult, embeds: torch.Tensor) -> EncodedMedia:
+    """embeds: [num_visual_tokens, hidden_size], reassembled from the chunks beside `msg`."""
+    return EncodedMedia.from_record(MediaRecord({"visual_embeds": embeds}, message_fields(msg)))
 
 
 def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
@@ -202,7 +187,21 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult) -> PrefillHandle:
     )
 
 
-def token_step_from_proto(msg) -> TokenStep:
+def token_step_to_proto(step: TokenStep) -> decode_pb2.GenerateResponse:
+    msg = decode_pb2.GenerateResponse(
+        token_ids=step.token_ids,
+        text=step.text,
+        finish_reason=step.finish_reason,
+        kv_transfer_ms=step.kv_transfer_ms,
+        kv_num_bytes=step.kv_num_bytes,
+    )
+    if step.decode_evict is not None:
+        msg.decode_evict.stage = "decode_evict"
+        msg.decode_evict.num_visual_tokens_in, msg.decode_evict.num_visual_tokens_out = step.decode_evict
+    return msg
+
+
+def token_step_from_proto(msg: decode_pb2.GenerateResponse) -> TokenStep:
     evict = None
     if msg.HasField("decode_evict"):
         evict = (int(msg.decode_evict.num_visual_tokens_in), int(msg.decode_evict.num_visual_tokens_out))
@@ -212,86 +211,19 @@ def token_step_from_proto(msg) -> TokenStep:
 
 def pruning_from_proto(msg: common_pb2.PruningOptions) -> PruningConfig:
     """A preset (default "off") with knobs given as strings, parsed by each knob's type."""
-    knobs: dict[str, object] = {}
-    types = {f.name: f.type for f in fields(PruningConfig)}
-    for name, text in msg.knobs.items():
-        if name not in types:
-            raise InvalidRequest(f"unknown pruning option {name[:64]!r}; known options: {sorted(types)}")
-        knobs[name] = _parse_knob(name, text, str(types[name]))
     try:
-        return PruningConfig.from_preset(msg.preset or "off", **knobs)
+        return PruningConfig.from_knobs(dict(msg.knobs), msg.preset or "off")
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
 
-def _parse_knob(name: str, text: str, type_name: str) -> object:
-    try:
-        if type_name == "bool":
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return text.lower() in ("true", "1")
-        if "None" in type_name and text.lower() in ("", "none"):
-            return None
-        if type_name.startswith("int"):
-            return _knob_int(text)
-        if type_name == "float":
-            value = float(text)
-            if not math.isfinite(value):
-                raise ValueError
-            return value
-        if type_name.startswith("tuple[int"):
-            # "1,3", "(1, 3)" or "[1, 3]"; "" or "()" is the empty tuple
-            parts = text.strip().strip("()[]").replace(" ", "")
-            return tuple(_knob_int(x) for x in parts.split(",") if x)
-        return text
-    except ValueError:
-        raise InvalidRequest(
-            f"pruning option {name}={text[:64]!r} is not a valid {type_name}"
-            + (f" (integers within +-{_MAX_KNOB_INT}, finite numbers)" if type_name != "bool" else "")
-        ) from None
-
-
-_MAX_KNOB_INT = 2**62
-"""Integer knobs (layers, counts, byte budgets) beyond this are refused: no real value is near
-it, and torch index arithmetic overflows int64 past it."""
-
-
-def _knob_int(text: str) -> int:
-    value = int(text)
-    if abs(value) > _MAX_KNOB_INT:
-        raise ValueError
-    return value
-
-
 def pruning_to_proto(cfg: PruningConfig) -> common_pb2.PruningOptions:
-    default = PruningConfig()
-    knobs = {f.name: str(getattr(cfg, f.name)) for f in fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)}
-    return common_pb2.PruningOptions(preset="off", knobs=knobs)
+    return common_pb2.PruningOptions(preset="off", knobs=cfg.to_knobs())
 
 
 def stats_to_proto(stats: PruningStats) -> common_pb2.PruningReport:
-    return common_pb2.PruningReport(
-        stages=[
-            common_pb2.PruningStageCount(stage=s.stage, num_visual_tokens_in=s.num_visual_tokens_in,
-                                         num_visual_tokens_out=s.num_visual_tokens_out)
-            for s in stats.stages
-        ],
-        num_key_tokens=stats.num_key_tokens,
-        prefill_flops_full=stats.prefill_flops_full,
-        prefill_flops_pruned=stats.prefill_flops_pruned,
-        kv_bytes_before=stats.kv_bytes_before,
-        kv_bytes_after=stats.kv_bytes_after,
-    )
+    return common_pb2.PruningReport(**pruning_stats_to_record(stats))
 
 
 def stats_from_proto(msg: common_pb2.PruningReport) -> PruningStats:
-    stats = PruningStats(
-        num_key_tokens=msg.num_key_tokens,
-        prefill_flops_full=msg.prefill_flops_full,
-        prefill_flops_pruned=msg.prefill_flops_pruned,
-        kv_bytes_before=msg.kv_bytes_before,
-        kv_bytes_after=msg.kv_bytes_after,
-    )
-    for s in msg.stages:
-        stats.record(s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out)
-    return stats
+    return pruning_stats_from_record(message_fields(msg))

@@ -20,6 +20,9 @@ def run_epd(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+EMBEDDED_JSON: dict = {}
+
+
 @pytest.fixture(scope="module")
 def expected(tiny_models, media_files):
     video = decode_for_test(media_files["mp4"], 8)
@@ -31,17 +34,22 @@ def test_ask_embedded_json(tiny_models, media_files, expected):
                    "--num-frames", "8", "--max-new-tokens", "12", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
+    EMBEDDED_JSON.update(out)
     assert out["token_ids"] == expected
     assert out["num_frames"] == 8
     assert out["num_visual_tokens"] > 0
-    assert {"decode", "encode", "prefill", "ttft", "total"} <= set(out["timings_ms"])
+    assert {"video_decode", "encode", "prefill", "kv_transfer", "generate", "ttft", "total"} <= set(out["timings_ms"])
+    assert out["timings_ms"]["decode"] == out["timings_ms"]["video_decode"]  # the old name, until 0.3
+    assert len(out["grid_thw"]) == 3 and out["num_prompt_tokens"] > 0 and len(out["frame_timestamps_s"]) == 8
+    assert [e["stage"] for e in out["events"]][:1] == ["video_decode"]
 
 
 def test_ask_embedded_text_streams_progress(tiny_models, media_files):
     proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
                    "--num-frames", "4", "--max-new-tokens", "4")
     assert proc.returncode == 0, proc.stderr
-    assert "[encode] done" in proc.stderr and "[prefill] done" in proc.stderr
+    assert "[video_decode] done" in proc.stderr and "[encode] done" in proc.stderr and "[prefill] done" in proc.stderr
+    assert "video_decode" in proc.stderr.splitlines()[-1] and "ttft" in proc.stderr.splitlines()[-1]
 
 
 def test_ask_missing_file_fails_clearly(tmp_path):
@@ -71,6 +79,13 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
         out = json.loads(proc.stdout)
         assert out["token_ids"] == expected
         assert out["kv_num_bytes"] > 0
+        # Both modes print the SDK's result: the same fields (the demo model's notice aside).
+        if EMBEDDED_JSON:
+            assert set(out) == set(EMBEDDED_JSON) - {"notice"}
+            assert out["grid_thw"] == EMBEDDED_JSON["grid_thw"]
+            assert set(out["timings_ms"]) == set(EMBEDDED_JSON["timings_ms"])
+        assert {e["stage"] for e in out["events"]} == {"upload", "video_decode", "encode", "prefill",
+                                                       "kv_transfer", "generate"}  # fmt: skip
     finally:
         serve.send_signal(signal.SIGINT)
         code = serve.wait(timeout=60)

@@ -103,7 +103,7 @@ def test_upload_ask_stream_frames_overlay_timeline_and_cached_follow_up(page, st
     first = _ask(page, QUESTION)
     assert first["text"]
     assert first["updates"] >= 2, "the answer should appear piece by piece as tokens stream in"
-    assert first["stages"] == ["decode", "encode", "prefill", "kv_transfer", "generate"]
+    assert first["stages"] == ["video_decode", "encode", "prefill", "kv_transfer", "generate"]
     assert "cache miss: video encoded" in first["badges"]
     assert f"{NUM_FRAMES} frames" in first["badges"]
 

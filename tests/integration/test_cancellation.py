@@ -104,7 +104,7 @@ def test_a_client_that_disconnects_mid_decode_frees_the_encoder(stack, long_clip
         _leave_after(
             stack,
             long_clip,
-            "decode",
+            "video_decode",
             "started",
             num_frames=256,
             max_frames=256,

@@ -119,6 +119,26 @@ def test_streaming_matches_grpc(client, grpc_client, media_files):
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(client, grpc_client, media_files):
+    pruning = {"preset": "balanced", "knobs": {"prefill_drop_layer": 1}}
+    expected = grpc_client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS,
+                               pruning="balanced", pruning_knobs={"prefill_drop_layer": 1})  # fmt: skip
+    completion = client.chat.completions.create(
+        model=MODEL, messages=video_message(data_url(media_files["mp4"], "video/mp4")), max_tokens=MAX_TOKENS,
+        extra_body={"media": {"num_frames": NUM_FRAMES}, "pruning": pruning},
+    )  # fmt: skip
+    sdk = expected.to_dict()
+    # The answer is the message content; events and attempts are the gRPC call's own.
+    names = set(sdk) - {"answer", "events", "num_attempts", "media_num_bytes_sent", "request_id"}
+    assert names <= set(completion.epd), names - set(completion.epd)
+    for name in names - {"timings_ms", "pruning", "encoder_cache_hit", "media_sha256"}:
+        assert completion.epd[name] == sdk[name], name
+    assert set(completion.epd["timings_ms"]) == set(sdk["timings_ms"])  # "decode" too, until 0.3
+    assert completion.epd["timings_ms"]["decode"] == completion.epd["timings_ms"]["video_decode"]
+    assert completion.epd["pruning"]["stages"] == sdk["pruning"]["stages"]
+    assert completion.epd["kept_visual_token_index"] and completion.epd["kept_tokens"]
+
+
 def test_allowed_local_path_and_file_url(client, grpc_client, allowed_dir, media_files):
     expected = grpc_client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
     by_path = ask_http(client, str(allowed_dir / "clip.mp4"))

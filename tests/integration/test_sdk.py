@@ -24,6 +24,7 @@ from epd.client import (
     EpdClient,
     EpdError,
     RetryPolicy,
+    Stage,
     StageEvent,
     TokenDelta,
 )
@@ -63,13 +64,30 @@ def test_stream_yields_stage_events_then_tokens_then_the_result(client, media_fi
     kinds = [type(item).__name__ for item in items]
     first_token = kinds.index("TokenDelta")
     stages_before = {item.stage for item in items[:first_token] if isinstance(item, StageEvent)}
-    assert {"encode", "prefill"} <= stages_before, kinds  # "decode" too unless the encoder cache hit
+    assert {"encode", "prefill"} <= stages_before, kinds  # "video_decode" too unless the encoder cache hit
     assert isinstance(items[-1], AskResult) and kinds.count("AskResult") == 1
     deltas = [item for item in items if isinstance(item, TokenDelta)]
     assert "".join(d.text for d in deltas) == items[-1].answer
     assert [t for d in deltas for t in d.token_ids] == items[-1].token_ids == expected.token_ids
     assert items[-1].num_frames == 4 and len(items[-1].frame_timestamps_s) == 4
     assert {"encode", "prefill", "ttft", "total"} <= set(items[-1].timings_ms)
+
+
+def test_every_stage_event_names_a_stage_of_the_enum_and_the_result_carries_them(client, media_files):
+    # 3 frames: no other test samples these, so the encoder decodes (a cache hit skips video_decode).
+    items = list(client.stream(media_files["mp4"], QUESTION, num_frames=3, max_new_tokens=4, pruning="balanced",
+                               pruning_knobs={"prefill_drop_layer": 1}))  # fmt: skip
+    events = [item for item in items if isinstance(item, StageEvent)]
+    assert all(isinstance(e.stage, Stage) for e in events), [e.stage for e in events]
+    assert {e.stage for e in events} == set(Stage)  # every stage reports, under its enum name
+    result = items[-1]
+    assert isinstance(result, AskResult) and result.events == events
+    # Everything the summary carries arrives typed: grid, kept tokens, pruning report, timings.
+    assert min(result.grid_thw) >= 1
+    assert 0 < len(result.kept_visual_token_index) < result.num_visual_tokens
+    assert "prefill_drop" in {s.stage for s in result.pruning.stages}
+    assert result.timings_ms.video_decode_ms > 0 and result.timings_ms.ttft_ms > 0
+    assert result.num_prompt_tokens > 0 and result.frame_timestamps_s and result.request_id
 
 
 def test_async_client_streams_the_same_tokens(stack, media_files, expected):

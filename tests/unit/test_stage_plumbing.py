@@ -337,3 +337,21 @@ def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos
         await pipeline.decoder.pool.close()
 
     asyncio.run(scenario())
+
+
+def test_the_prefill_stage_returns_the_engines_handle_with_where_its_cache_waits(embedded, videos):
+    """The engine builds the PrefillHandle; the stage stores the cache and adds only its place."""
+    store: KvStore = embedded.prefill.kv_store
+
+    async def scenario():
+        media = await embedded.encoder.encode(MediaInput(videos["mp4"]), SamplingOptions(num_frames=4),
+                                              lambda e: None, "r")
+        handle = await embedded.prefill.prefill("what colour is the square?", media,
+                                                GenerationConfig(max_new_tokens=4), "r")
+        return handle, store.take(handle.kv_handle)
+
+    handle, cache = asyncio.run(scenario())
+    assert handle.kv_handle and handle.kv_address == "", "in-process: taken from the store, not pulled"
+    assert (handle.num_cached_tokens, handle.kv_num_bytes) == (cache.num_cached_tokens, cache.num_bytes)
+    assert handle.visual_entry_mask is None, "sent only when decode-stage eviction is on"
+    assert (len(store), store.num_bytes) == (0, 0)

@@ -1,14 +1,18 @@
-"""The multimodal token cache: key sensitivity, LRU budget, disk tier across a restart."""
+"""The multimodal token cache: key sensitivity, LRU budget, disk tier across a restart, and
+entries that do not read back (corrupt, or an older format) as misses."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 
 import pytest
 import torch
 
 from epd.encoder_svc.token_cache import TokenCache, TokenCacheConfig, make_cache_key
+from epd.model_runtime.adapter import VisualMeta
+from epd.stages.contracts import EncodedMedia
 
 SHA = hashlib.sha256(b"video bytes").hexdigest()
 PARAMS = {
@@ -26,12 +30,21 @@ PARAMS = {
 }
 
 
-def _entry(seed: int, num_tokens: int = 16) -> dict[str, torch.Tensor]:
+def _entry(seed: int, num_tokens: int = 16) -> EncodedMedia:
     g = torch.Generator().manual_seed(seed)
-    return {
-        "visual_tokens": torch.randn(num_tokens, 8, generator=g).to(torch.bfloat16),
-        "grid_thw": torch.tensor([[1, 4, 4]]),
-    }
+    return EncodedMedia(
+        embeds=torch.randn(num_tokens, 8, generator=g).to(torch.bfloat16),
+        meta=VisualMeta("video", (1, 8, 8), 2.0, num_tokens),
+        num_frames=2,
+        frame_timestamps_s=[0.0, 0.5],
+        decode_ms=3.0,
+        encode_ms=4.0,
+        sha256=SHA,
+    )
+
+
+def _size(media: EncodedMedia) -> int:
+    return media.embeds.numel() * media.embeds.element_size()
 
 
 def _changed(path: tuple[str, str], value) -> dict:
@@ -72,22 +85,21 @@ def test_other_media_bytes_miss_and_key_is_canonical():
         make_cache_key(SHA, {"fps": float("nan")})
 
 
-def test_hit_returns_stored_tensors_and_metadata():
+def test_hit_returns_the_stored_media():
     cache = TokenCache()
     key = make_cache_key(SHA, PARAMS)
-    tensors = _entry(1)
-    cache.put(key, tensors, {"sampled_fps": 2.0, "num_frames": 4})
-    tensors["visual_tokens"].zero_()  # the cache keeps its own copy
+    media = _entry(1)
+    cache.put(key, media)
+    media.embeds.zero_()  # the cache keeps its own copy
     hit = cache.get(key)
     assert hit is not None
-    assert torch.equal(hit.tensors["visual_tokens"], _entry(1)["visual_tokens"])
-    assert hit.metadata == {"sampled_fps": 2.0, "num_frames": 4}
+    assert torch.equal(hit.embeds, _entry(1).embeds)
+    assert (hit.meta, hit.num_frames, hit.frame_timestamps_s) == (media.meta, 2, [0.0, 0.5])
     assert (cache.stats().num_hits, cache.stats().num_misses) == (1, 0)
 
 
 def test_memory_budget_evicts_least_recently_used():
-    one = _entry(0)
-    size = sum(t.numel() * t.element_size() for t in one.values())
+    size = _size(_entry(0))
     cache = TokenCache(TokenCacheConfig(memory_budget_bytes=2 * size))
     keys = [make_cache_key(SHA, {"i": i}) for i in range(3)]
     cache.put(keys[0], _entry(0))
@@ -103,21 +115,39 @@ def test_memory_budget_evicts_least_recently_used():
 def test_disk_tier_survives_restart(tmp_path):
     key = make_cache_key(SHA, PARAMS)
     first = TokenCache(TokenCacheConfig(disk_dir=str(tmp_path)))
-    first.put(key, _entry(3), {"num_frames": 8})
+    first.put(key, _entry(3))
     del first
     restarted = TokenCache(TokenCacheConfig(disk_dir=str(tmp_path)))  # empty memory tier
     hit = restarted.get(key)
     assert hit is not None
-    assert torch.equal(hit.tensors["visual_tokens"], _entry(3)["visual_tokens"])
-    assert hit.tensors["visual_tokens"].dtype == torch.bfloat16
-    assert hit.metadata == {"num_frames": 8}
+    assert torch.equal(hit.embeds, _entry(3).embeds)
+    assert hit.embeds.dtype == torch.bfloat16
+    assert (hit.meta, hit.frame_timestamps_s) == (_entry(3).meta, [0.0, 0.5])
     assert restarted.stats().num_disk_hits == 1
     assert restarted.get(make_cache_key(SHA, {**PARAMS, "model": "x"})) is None
 
 
+def test_an_entry_in_the_old_format_is_a_miss_and_is_removed(tmp_path):
+    """Format 1 stored loose metadata beside the tensors; its files, found under a key, read back
+    as nothing: a miss, not an error, and the pair is deleted."""
+    from safetensors.torch import save_file
+
+    key = make_cache_key(SHA, PARAMS)
+    save_file({"visual_embeds": _entry(0).embeds, "token_index": torch.arange(16)},
+              str(tmp_path / f"{key}.safetensors"))
+    old_metadata = {"modality": "video", "grid_thw": [1, 8, 8], "second_per_grid_t": 2.0,
+                    "frame_timestamps_s": [0.0, 0.5], "pruning_stages": [], "num_key_tokens": 0}
+    (tmp_path / f"{key}.json").write_text(json.dumps({"key": key, "metadata": old_metadata, "nbytes": 256}))
+    cache = TokenCache(TokenCacheConfig(disk_dir=str(tmp_path)))
+    assert cache.get(key) is None
+    assert cache.stats().num_misses == 1
+    assert not (tmp_path / f"{key}.json").exists() and not (tmp_path / f"{key}.safetensors").exists()
+    cache.put(key, _entry(0))  # and the key is usable again
+    assert TokenCache(TokenCacheConfig(disk_dir=str(tmp_path))).get(key) is not None
+
+
 def test_disk_budget_and_corrupt_files(tmp_path):
-    one = _entry(0)
-    size = sum(t.numel() * t.element_size() for t in one.values())
+    size = _size(_entry(0))
     cache = TokenCache(
         TokenCacheConfig(
             memory_budget_bytes=0, disk_dir=str(tmp_path), disk_budget_bytes=int(2.5 * (size + 200))
@@ -135,7 +165,7 @@ def test_disk_budget_and_corrupt_files(tmp_path):
 
 def test_thread_safe_under_concurrent_use():
     one = _entry(0)
-    size = sum(t.numel() * t.element_size() for t in one.values())
+    size = _size(one)
     cache = TokenCache(TokenCacheConfig(memory_budget_bytes=5 * size))
     errors: list[BaseException] = []
 

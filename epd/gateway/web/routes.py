@@ -10,7 +10,9 @@
                                   /v1/chat/completions, same frame selection rule)
 
 The page asks its questions through the streaming `/v1/chat/completions` (SSE) and draws the
-final chunk's `epd` object: timings (stage timeline), frames, cache hit, and `kept_tokens`.
+final chunk's `epd` object (the SDK's `AskResult` fields under the same names, see
+`openai_protocol.epd_details`): `timings_ms` by `epd.stages.names` stage (timeline), frames,
+cache hit, and `kept_tokens`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from epd.gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Regis
 from epd.gateway.pipeline import AskSummary
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
+from epd.stages.names import Stage
 
 
 def test_exposition_text():
@@ -85,7 +86,7 @@ def _summary(num_tokens: int, cache_hit: bool) -> AskSummary:
 
 
 async def _events(num_tokens: int, fail: Exception | None = None, cache_hit: bool = False):
-    yield StageEvent("encode", "finished")
+    yield StageEvent(Stage.ENCODE, "finished")
     if fail:
         raise fail
     for i in range(num_tokens):
@@ -155,11 +156,11 @@ def test_stage_queue_gauges_follow_a_request():
     seen = []
 
     async def events():
-        yield StageEvent("decode", "started")
+        yield StageEvent(Stage.VIDEO_DECODE, "started")
         seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
-        yield StageEvent("prefill", "started")
+        yield StageEvent(Stage.PREFILL, "started")
         seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
-        yield StageEvent("prefill", "finished")
+        yield StageEvent(Stage.PREFILL, "finished")
         yield TokenStep([5], "a")
         seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
         yield AskSummary("r", "a", [5], "stop", 1, 4, 9, {}, 0, False, "", [], kept_visual_token_index=[0, 2])

@@ -1,4 +1,4 @@
-"""Mirroring prepared inputs (train/augment.py) equals preprocessing the mirrored frames, and the
+"""Mirroring prepared inputs (epd/train/augment.py) equals preprocessing the mirrored frames, and the
 targets and answers follow the mirror."""
 
 from __future__ import annotations

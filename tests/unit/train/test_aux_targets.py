@@ -1,4 +1,4 @@
-"""Dense training targets (train/aux_targets.py) agree with the scene and with the pixels."""
+"""Dense training targets (epd/train/aux_targets.py) agree with the scene and with the pixels."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""uint8 storage of prepared patches (train/pixel_codes.py) gives back the processor's float32
+"""uint8 storage of prepared patches (epd/train/pixel_codes.py) gives back the processor's float32
 patches bit for bit, and refuses patches it cannot."""
 
 from __future__ import annotations

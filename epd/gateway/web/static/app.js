@@ -11,7 +11,9 @@
 "use strict";
 
 const TEMPORAL_PATCH = 2;  // frames per temporal group in Qwen2-VL / Qwen2.5-VL
-const STAGES = ["decode", "encode", "prefill", "kv_transfer", "generate"];
+// The stages with a timing, in timeline order: epd.stages.names.TIMED_STAGES (a unit test keeps
+// this list equal to it). "video_decode" is decoding the video; "generate" is token generation.
+const STAGES = ["video_decode", "encode", "prefill", "kv_transfer", "generate"];
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -243,7 +245,7 @@ async function ask(question) {
   text.classList.remove("streaming");
   if (epd) {
     renderBadges(card.querySelector(".badges"), epd);
-    renderTimeline(card.querySelector(".timeline"), epd.timings_ms || {});
+    renderTimeline(card.querySelector(".timeline"), timings(epd.timings_ms || {}));
     renderFrames(epd);
   }
 }
@@ -287,11 +289,19 @@ function renderBadges(box, epd) {
   if (epd.timings_ms && epd.timings_ms.ttft !== undefined) badge(box, `TTFT ${epd.timings_ms.ttft.toFixed(0)} ms`);
 }
 
+function timings(t) {
+  // A server before 0.2 sends video decoding only under its old name, "decode".
+  const out = { ...t };
+  if (out.video_decode === undefined && out.decode !== undefined) out.video_decode = out.decode;
+  delete out.decode;
+  return out;
+}
+
 function renderTimeline(box, t) {
   // Stages run one after another except that the KV pull happens inside generation's first step:
-  // decode | encode | prefill | generate (kv_transfer at its start).
-  const start = { decode: 0 };
-  start.encode = t.decode || 0;
+  // video_decode | encode | prefill | generate (kv_transfer at its start).
+  const start = { video_decode: 0 };
+  start.encode = t.video_decode || 0;
   start.prefill = start.encode + (t.encode || 0);
   start.kv_transfer = start.prefill + (t.prefill || 0);
   start.generate = start.kv_transfer;

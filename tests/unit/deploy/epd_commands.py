@@ -1,0 +1,71 @@
+"""What the deployment files' commands mean to the real `epd` (the image's ENTRYPOINT)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+from unittest.mock import patch
+
+from epd.cli import configs
+from epd.cli.main import build_parser
+from epd.decode_svc.kv_pull import KvPuller
+from epd.gateway.server import open_without_key
+from epd.stages.errors import InvalidRequest
+
+ROOT = Path(__file__).resolve().parents[3]
+STAGES = ("encoder", "prefill", "decode")
+BUILDERS = {
+    "encoder": configs.encoder_config,
+    "prefill": configs.prefill_config,
+    "decode": configs.decode_config,
+    "gateway": configs.gateway_config,
+}
+
+
+def parse_epd(argv: list[str], env: dict[str, str] | None = None):
+    """`epd ARGV` with the container's environment (epd reads EPD_* as flag defaults);
+    an invalid command raises ValueError with argparse's message."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    err = io.StringIO()
+    with patch.dict(os.environ, {**clean, **(env or {})}, clear=True):
+        try:
+            with contextlib.redirect_stderr(err):
+                return build_parser().parse_args(argv)
+        except SystemExit:
+            raise ValueError(f"`epd {' '.join(argv)}` is not a valid command: {err.getvalue().strip()}") from None
+
+
+def serve_config(argv: list[str], env: dict[str, str] | None = None):
+    """(role, typed config) that `epd serve ROLE ...` builds."""
+    args = parse_epd(argv, env)
+    if args.command != "serve" or args.role not in BUILDERS:
+        raise ValueError(f"`epd {' '.join(argv)}` is not `epd serve ROLE`")
+    return args.role, BUILDERS[args.role](args)
+
+
+def kv_source_problems(allow_kv_from, advertised: str) -> list[str]:
+    """Decoders must admit the address prefill advertises, and not the same host on another port."""
+    puller = KvPuller(tuple(allow_kv_from), 1, 1.0)
+    host = advertised.rpartition(":")[0]
+    problems = []
+    for address, should_pass in ((advertised, True), (f"{host}:22", False), ("attacker.example:50052", False)):
+        try:
+            puller.check_allowed(address)
+            allowed = True
+        except InvalidRequest:
+            allowed = False
+        if allowed != should_pass:
+            verb = "refuses" if should_pass else "admits"
+            problems.append(f"decode --allow-kv-from {','.join(allow_kv_from)} {verb} {address}")
+    return problems
+
+
+def api_key_problems(gateway_cfg, key: str) -> list[str]:
+    """The gateway runs with exactly the key its environment gives, and would refuse to start
+    open without it."""
+    problems = []
+    if gateway_cfg.http.api_key != key or gateway_cfg.http.no_api_key:
+        problems.append(f"gateway: does not take its API key from EPD_API_KEY (no_api_key={gateway_cfg.http.no_api_key})")
+    return problems + [f"gateway: {p}" for p in [open_without_key(gateway_cfg)] if p]

@@ -1,0 +1,171 @@
+"""`ModelThread`: one thread runs every call, in the order they were asked for; a call's error
+reaches its own caller and the thread serves on; a caller cancelled before its call started
+drops the call; `close` stops the thread and drops what was still queued.
+
+To hold calls in the queue deterministically, a first call blocks the thread on a
+threading.Event until the test opens it. Waits carry a hang guard only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from epd.stages.model_thread import ModelThread
+
+HANG_GUARD_S = 30.0
+
+
+@pytest.fixture
+def thread():
+    model_thread = ModelThread()
+    yield model_thread
+    model_thread.close()
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
+
+
+class Blocker:
+    """A call that holds the model thread until `release` is set."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self) -> str:
+        self.started.set()
+        assert self.release.wait(HANG_GUARD_S), "the blocker was never released"
+        return "blocker"
+
+    async def wait_started(self) -> None:
+        assert await asyncio.to_thread(self.started.wait, HANG_GUARD_S)
+
+
+def test_calls_run_in_order_on_one_thread_off_the_loop(thread):
+    ran: list[tuple[int, int]] = []
+
+    def record(i: int, *, scale: int) -> int:
+        ran.append((i, threading.get_ident()))
+        return i * scale
+
+    async def scenario():
+        blocker = Blocker()
+        held = asyncio.ensure_future(thread.run(blocker))
+        await blocker.wait_started()
+        calls = [asyncio.ensure_future(thread.run(record, i, scale=10)) for i in range(8)]
+        await asyncio.sleep(0)  # all queued behind the blocker
+        blocker.release.set()
+        return await held, await asyncio.gather(*calls), threading.get_ident()
+
+    held, results, loop_thread = _run(scenario())
+    assert held == "blocker"
+    assert results == [i * 10 for i in range(8)], "each caller gets its own call's result"
+    assert [i for i, _ in ran] == list(range(8)), "FIFO"
+    idents = {ident for _, ident in ran}
+    assert len(idents) == 1 and loop_thread not in idents
+
+
+def test_run_and_call_share_the_thread_and_the_queue(thread):
+    async def scenario():
+        on_loop = await thread.run(threading.get_ident)
+        from_driver = await asyncio.to_thread(thread.call, threading.get_ident)
+        return on_loop, from_driver
+
+    on_loop, from_driver = _run(scenario())
+    assert on_loop == from_driver
+
+
+def test_a_calls_error_reaches_its_caller_and_the_thread_serves_on(thread):
+    def boom(what: str) -> None:
+        raise ValueError(f"bad {what}")
+
+    async def scenario():
+        ident = await thread.run(threading.get_ident)
+        with pytest.raises(ValueError, match="bad tensor"):
+            await thread.run(boom, "tensor")
+        # Two concurrent callers: only the failing one sees the error.
+        results = await asyncio.gather(thread.run(boom, "x"), thread.run(lambda: "ok"), return_exceptions=True)
+        return ident, results, await thread.run(threading.get_ident)
+
+    before, results, after = _run(scenario())
+    assert isinstance(results[0], ValueError) and results[1] == "ok"
+    assert before == after, "the same thread keeps serving after a failed call"
+    with pytest.raises(ValueError, match="bad y"):
+        thread.call(boom, "y")  # the blocking entry raises the same way
+    assert thread.call(lambda: 7) == 7
+
+
+def test_cancelling_a_waiting_caller_drops_its_queued_call(thread):
+    ran: list[str] = []
+
+    async def scenario():
+        blocker = Blocker()
+        held = asyncio.ensure_future(thread.run(blocker))
+        await blocker.wait_started()
+        gone = asyncio.ensure_future(thread.run(ran.append, "gone"))
+        kept = asyncio.ensure_future(thread.run(ran.append, "kept"))
+        await asyncio.sleep(0)  # both queued behind the blocker
+        gone.cancel()  # its client went away before the thread reached its call
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        blocker.release.set()
+        await held
+        await kept
+        await thread.run(ran.append, "after")
+
+    _run(scenario())
+    assert ran == ["kept", "after"]
+
+
+def test_cancelling_a_running_call_lets_it_finish_and_the_thread_serves_on(thread):
+    """A started call cannot be interrupted: the caller stops waiting, the call completes, and
+    the next call runs after it (never alongside it)."""
+    order: list[str] = []
+
+    async def scenario():
+        blocker = Blocker()
+        running = asyncio.ensure_future(thread.run(blocker))
+        await blocker.wait_started()
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        following = asyncio.ensure_future(thread.run(order.append, "next"))
+        await asyncio.sleep(0)
+        order.append("blocker released")
+        blocker.release.set()
+        await following
+
+    _run(scenario())
+    assert order == ["blocker released", "next"]
+
+
+def test_close_stops_the_thread_and_drops_queued_calls():
+    thread = ModelThread()
+    ran: list[str] = []
+
+    async def scenario():
+        worker = await thread.run(threading.current_thread)
+        blocker = Blocker()
+        held = asyncio.ensure_future(thread.run(blocker))
+        await blocker.wait_started()
+        queued = asyncio.ensure_future(thread.run(ran.append, "queued"))
+        await asyncio.sleep(0)
+        thread.close()  # does not wait for the running call
+        blocker.release.set()
+        assert await held == "blocker", "the running call still completes"
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        with pytest.raises(RuntimeError):
+            await thread.run(ran.append, "after close")
+        return worker
+
+    worker = _run(scenario())
+    worker.join(HANG_GUARD_S)
+    assert not worker.is_alive(), "the model thread exited"
+    assert ran == []
+    with pytest.raises(RuntimeError):
+        thread.call(ran.append, "after close")

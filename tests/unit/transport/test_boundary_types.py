@@ -1,0 +1,287 @@
+"""One type per stage boundary, converted in one place each way: every field of EncodedMedia,
+PrefillHandle, PruningStats, TokenStep and PruningConfig survives its converter (proto, and the
+token cache's record). Each sample sets every field off its default, and the tests check that it
+does, so a field added to a type but not to its converter fails here."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+
+from epd.decode_svc.engine import DecodeEngine
+from epd.decode_svc.stage import LocalDecodeStage
+from epd.encoder_svc.token_cache import TokenCache, TokenCacheConfig, make_cache_key
+from epd.model_runtime.adapter import VisualMeta
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.sampling import GenerationConfig
+from epd.prefill_svc.kv_store import KvStore
+from epd.stages.contracts import (
+    EncodedMedia,
+    MediaRecord,
+    PrefillHandle,
+    TokenStep,
+    check_generation_limits,
+)
+from epd.stages.errors import InvalidRequest
+from epd.stages.model_thread import ModelThread
+from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport import convert
+from epd.v1 import common_pb2, encoder_pb2, prefill_pb2
+
+
+def _stats() -> PruningStats:
+    stats = PruningStats(
+        num_key_tokens=2, prefill_flops_full=10**12, prefill_flops_pruned=4 * 10**11, kv_bytes_before=4096,
+        kv_bytes_after=1024, transfer_bytes=77,
+    )
+    stats.record("temporal", 12, 9)
+    stats.record("spatial_merge", 9, 6)
+    return stats
+
+
+def _media() -> EncodedMedia:
+    embeds = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    return EncodedMedia(
+        embeds=embeds,
+        meta=VisualMeta("video", (2, 4, 6), 1.5, 6),
+        num_frames=4,
+        frame_timestamps_s=[0.0, 0.5, 1.25, 2.0],
+        decode_ms=12.5,
+        encode_ms=30.25,
+        cache_hit=True,
+        sha256=hashlib.sha256(b"media").hexdigest(),
+        token_index=torch.tensor([0, 2, 3, 7, 8, 11]),
+        key_mask=torch.tensor([False, True, False, False, True, False]),
+        pruning=_stats(),
+    )
+
+
+def _handle() -> PrefillHandle:
+    return PrefillHandle(
+        first_token_id=42,
+        num_prompt_tokens=90,
+        num_cached_tokens=70,
+        next_position_ids=[40, 3, 5, 7],
+        kv_num_bytes=7000,
+        prefill_ms=8.5,
+        num_visual_tokens_in=60,
+        num_visual_tokens_out=40,
+        kv_num_bytes_uncompressed=9000,
+        pruning=_stats(),
+        visual_entry_mask=torch.rand(2, 1, 70, generator=torch.Generator().manual_seed(1)) > 0.5,
+        kept_visual_token_index=[1, 4, 9],
+        kv_handle="abc123",
+        kv_address="prefill-0:50052",
+    )
+
+
+def _assert_all_set(obj: Any, skip: tuple[str, ...] = ()) -> None:
+    """Every dataclass field of `obj` differs from its default: the sample exercises them all."""
+    for f in dataclasses.fields(obj):
+        if f.name in skip:
+            continue
+        value = getattr(obj, f.name)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            continue
+        if default is None:
+            assert value is not None, f"the sample leaves {f.name} at its default"
+        else:
+            assert value != default, f"the sample leaves {f.name} at its default"
+
+
+def _assert_same(a: Any, b: Any, skip: tuple[str, ...] = ()) -> None:
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        if f.name in skip:
+            continue
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_the_samples_set_every_field():
+    _assert_all_set(_media())
+    _assert_all_set(_handle())
+    _assert_all_set(_stats())
+
+
+def test_encoded_media_round_trips_through_its_record_and_the_proto():
+    media = _media()
+    record = media.to_record()
+    assert set(record.fields) == set(encoder_pb2.EncodeResult.DESCRIPTOR.fields_by_name), (
+        "the record is keyed like the wire's EncodeResult"
+    )
+    assert set(record.fields["pruning"]) == set(common_pb2.PruningReport.DESCRIPTOR.fields_by_name)
+    # transfer_bytes is the gateway's own count; it never crosses a boundary.
+    _assert_same(EncodedMedia.from_record(record), media, skip=("pruning",))
+    msg = convert.encode_result_to_proto(media)
+    back = convert.encoded_media_from_proto(encoder_pb2.EncodeResult.FromString(msg.SerializeToString()), media.embeds)
+    _assert_same(back, media, skip=("pruning",))
+    _assert_same(back.pruning, media.pruning, skip=("transfer_bytes",))
+    _assert_same(EncodedMedia.from_record(record).pruning, media.pruning, skip=("transfer_bytes",))
+
+
+def test_encoded_media_without_pruning_round_trips_as_none():
+    media = dataclasses.replace(_media(), token_index=None, key_mask=None, pruning=PruningStats())
+    back = convert.encoded_media_from_proto(convert.encode_result_to_proto(media), media.embeds)
+    assert back.token_index is None and back.key_mask is None and back.pruning == PruningStats()
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"modality": "audio"}, "modality 'video' or 'image'"),
+        ({"grid_thw": [1, 2]}, "3-value grid_thw"),
+        ({"grid_thw": [0, 2, 2]}, "3-value grid_thw"),
+        ({"key_token_index": [6]}, "key_token_index points outside"),
+        ({"key_token_index": [-1]}, "key_token_index points outside"),
+    ],
+)
+def test_a_malformed_encode_result_is_an_invalid_request(change, match):
+    fields = {**_media().to_record().fields, **change}
+    msg = encoder_pb2.EncodeResult(**fields)
+    with pytest.raises(InvalidRequest, match=match):
+        convert.encoded_media_from_proto(msg, _media().embeds)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_the_token_cache_stores_encoded_media_whole(tmp_path, disk):
+    media = _media()
+    key = make_cache_key(media.sha256, {"x": 1})
+    config = TokenCacheConfig(disk_dir=str(tmp_path) if disk else None)
+    cache = TokenCache(config)
+    cache.put(key, media)
+    if disk:
+        cache = TokenCache(config)  # a restart: the memory tier is empty
+    hit = cache.get(key)
+    assert hit is not None and cache.stats().num_disk_hits == int(disk)
+    _assert_same(hit, media, skip=("pruning",))
+    _assert_same(hit.pruning, media.pruning, skip=("transfer_bytes",))
+    assert hit is not cache.get(key), "each hit is a fresh object"
+
+
+def test_prefill_handle_round_trips_through_the_proto():
+    handle = _handle()
+    assert {f.name for f in dataclasses.fields(PrefillHandle)} == set(
+        prefill_pb2.PrefillResult.DESCRIPTOR.fields_by_name
+    ), "PrefillHandle and PrefillResult name the same fields"
+    msg = prefill_pb2.PrefillResult.FromString(convert.handle_to_proto(handle).SerializeToString())
+    back = convert.handle_from_proto(msg)
+    # The mask crosses the wire flat; the decoder shapes it by its cache.
+    assert back.visual_entry_mask is not None
+    assert torch.equal(back.visual_entry_mask, handle.visual_entry_mask.flatten())
+    _assert_same(back, handle, skip=("pruning", "visual_entry_mask"))
+    _assert_same(back.pruning, handle.pruning, skip=("transfer_bytes",))
+
+
+def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
+    stats = _stats()
+    _assert_same(convert.stats_from_proto(convert.stats_to_proto(stats)), stats, skip=("transfer_bytes",))
+    step = TokenStep([5, 6], "ab", "length", kv_transfer_ms=3.5, kv_num_bytes=1024, decode_evict=(40, 30))
+    _assert_all_set(step)
+    _assert_same(convert.token_step_from_proto(convert.token_step_to_proto(step)), step)
+
+
+def _every_knob_off_default() -> PruningConfig:
+    return PruningConfig(
+        temporal_drop=True, temporal_threshold=0.07, temporal_before_tower=False, spatial_merge=True,
+        spatial_merge_threshold=0.8, spatial_merge_window=3, key_token_ratio=0.1, key_token_score="norm",
+        prefill_drop=True, prefill_drop_layer=3, prefill_drop_layers=(1, 3), prefill_keep_ratio=0.5,
+        prefill_keep_count=17, prefill_keep_basis="video", prefill_query_window=5, kv_compress=True,
+        kv_keep_ratio=0.6, kv_budget_bytes=1 << 20, kv_merge="pivotal", kv_query_window=4, kv_dtype="float16",
+        decode_evict=True, decode_keep_ratio=0.7, decode_ema_decay=0.5, decode_min_steps=2,
+        decode_evict_interval=3,
+    )
+
+
+def test_every_pruning_knob_parses_from_its_text_by_its_declared_type():
+    cfg = _every_knob_off_default()
+    _assert_all_set(cfg)
+    knobs = cfg.to_knobs()
+    assert set(knobs) == {f.name for f in dataclasses.fields(PruningConfig)}
+    assert PruningConfig.from_knobs(knobs) == cfg
+    assert convert.pruning_from_proto(convert.pruning_to_proto(cfg)) == cfg
+    assert PruningConfig().to_knobs() == {}
+    parsed = PruningConfig.from_knobs({"prefill_keep_count": "none", "decode_evict": "1", "kv_merge": "none"},
+                                      "balanced")
+    assert (parsed.prefill_keep_count, parsed.decode_evict, parsed.kv_merge) == (None, True, "none")
+    assert parsed.kv_compress, "the preset's other knobs stay"
+
+
+@pytest.mark.parametrize(
+    "knobs,match",
+    [
+        ({"decode_evict": "yes"}, r"pruning option decode_evict='yes' is not a valid bool$"),
+        ({"kv_budget_bytes": "lots"}, r"kv_budget_bytes='lots' is not a valid int \| None \(integers within"),
+        ({"prefill_drop_layers": "1,x"}, r"is not a valid tuple\[int, \.\.\.\]"),
+        ({"kv_keep_ratio": "nan"}, "kv_keep_ratio='nan' is not a valid float"),
+        ({"bogus": "1"}, r"unknown pruning option 'bogus'; known options: \["),
+        ({"kv_merge": "median"}, "kv_merge must be one of"),
+    ],
+)
+def test_bad_knobs_name_the_knob_and_the_type(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        PruningConfig.from_knobs(knobs)
+    with pytest.raises(InvalidRequest, match=match):
+        convert.pruning_from_proto(common_pb2.PruningOptions(knobs=knobs))
+
+
+def test_generation_limits_are_checked_in_one_place():
+    check_generation_limits(GenerationConfig(max_new_tokens=8), 8)
+    with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 8, got 9"):
+        check_generation_limits(GenerationConfig(max_new_tokens=9), 8)
+    with pytest.raises(InvalidRequest, match="top_p must be in"):
+        check_generation_limits(GenerationConfig(max_new_tokens=8, top_p=0.0), 8)
+
+
+def test_decode_refuses_over_limit_generation_before_any_cache_moves():
+    """The limits check comes before the KV cache is taken, whatever the cache's source: the
+    in-process store keeps it (for the pipeline to release), and no pull starts."""
+    from epd.decode_svc.config import DecodeConfig
+
+    k = torch.zeros(1, 2, 3, 4)
+    store = KvStore(max_bytes=10_000, ttl_s=10)
+    handle = dataclasses.replace(_handle(), kv_handle=store.put(KvCache([k], [k.clone()])))
+    pulls: list[PrefillHandle] = []
+
+    async def take_kv(h: PrefillHandle) -> KvCache:
+        pulls.append(h)
+        raise AssertionError("no cache may move for a refused request")
+
+    thread = ModelThread()
+    limits = DecodeConfig(max_new_tokens_limit=16)
+    too_many = GenerationConfig(max_new_tokens=17)
+
+    async def first_step(stage: LocalDecodeStage) -> None:
+        async for _ in stage.generate(handle, too_many, "r"):
+            break
+
+    try:
+        for source in (store, take_kv):
+            stage = LocalDecodeStage(DecodeEngine(adapter=None), source, thread, limits)  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 16"):
+                asyncio.run(first_step(stage))
+    finally:
+        thread.close()
+    assert len(store) == 1 and pulls == []
+
+
+def test_a_record_missing_its_embeddings_or_a_field_is_refused():
+    record = _media().to_record()
+    with pytest.raises(KeyError):
+        EncodedMedia.from_record(MediaRecord({}, record.fields))
+    fields = dict(record.fields)
+    del fields["num_frames"]
+    with pytest.raises(KeyError):
+        EncodedMedia.from_record(MediaRecord(record.tensors, fields))
