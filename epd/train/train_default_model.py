@@ -204,17 +204,25 @@ def scene_config(data_dir: Path):
     return SceneConfig(**json.loads((data_dir / "dataset_info.json").read_text())["scene"])
 
 
+MIN_FILES_PER_PREPARE_WORKER = 50
+
+
 def load_split(data_dir: Path, split: str, adapter, progress: bool = True, with_aux: bool = False,
                compact: bool = False, workers: int = 1, model_dir: Path | None = None,
+               min_files_per_worker: int = MIN_FILES_PER_PREPARE_WORKER,
                ) -> tuple[list[Example], list[MediaItem]]:
     """Decode, preprocess and tokenize every question of `split` the way the serving path does;
     with_aux: also the dense targets of every media file (remade from its scene seed); compact:
     keep the patches as uint8 (epd/train/pixel_codes.py). workers > 1 prepares contiguous parts of
-    the split in that many spawned processes, each with the serving adapter loaded from
+    the split in that many spawned processes (at most one per `min_files_per_worker` media files), each with the serving adapter loaded from
     `model_dir` (the checkpoint `adapter` came from); the result is the same as with one."""
     from epd.synth.manifest import read_manifest
 
     records = read_manifest(data_dir, split=split)
+    # A spawned worker spends ~5 s importing torch and transformers and loading the adapter, and a
+    # media file takes ~0.1 s to prepare: below ~50 files per worker, one process is faster.
+    num_files = len({r.media for r in records})
+    workers = min(workers, max(1, num_files // min_files_per_worker))
     if workers <= 1:
         return _prepare_records(records, data_dir, adapter, progress, with_aux, compact, f"preparing {split}")
     if model_dir is None:

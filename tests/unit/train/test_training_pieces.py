@@ -207,7 +207,7 @@ def test_compact_parallel_preparation_equals_the_plain_one(prepared, train_root)
     adapter, examples, media = prepared
     data_dir, model_dir = train_root / "data", train_root / "model"
     ex2, media2 = load_split(data_dir, "train", adapter, progress=False, compact=True, workers=2,
-                             model_dir=model_dir)
+                             model_dir=model_dir, min_files_per_worker=1)
     assert len(ex2) == len(examples) and len(media2) == len(media)
     for a, b in zip(examples, ex2):
         assert a.media_index == b.media_index and a.answer == b.answer and a.question_type == b.question_type
@@ -217,4 +217,4 @@ def test_compact_parallel_preparation_equals_the_plain_one(prepared, train_root)
         assert b.patches.dtype == torch.uint8 and a.grid_thw == b.grid_thw
         assert torch.equal(a.pixel_values(), b.pixel_values())
     with pytest.raises(ValueError, match="needs model_dir"):
-        load_split(data_dir, "train", adapter, progress=False, workers=2)
+        load_split(data_dir, "train", adapter, progress=False, workers=2, min_files_per_worker=1)
