@@ -25,10 +25,14 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+# Checkout-only scripts: they make their clips with tests/media.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from epd.bench.process_decoder import ProcessShareDecoder  # noqa: E402
 from epd.video import simple_decoder  # noqa: E402

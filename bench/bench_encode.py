@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
+# Checkout-only scripts: they make their clips with tests/media.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from epd.encoder_svc.config import EncoderConfig  # noqa: E402
 from epd.encoder_svc.engine import EncoderEngine  # noqa: E402
 from epd.encoder_svc.token_cache import TokenCacheConfig  # noqa: E402

@@ -17,10 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+
+# Checkout-only scripts: they make their clips with tests/media.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from epd.video.keyframe_index import build_video_index  # noqa: E402
 from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
