@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from epd.client import AsyncEpdClient
-from tests.stack import Stack
 
 REQUESTS = [
     ("mp4", "what colour is the square?", 6),
@@ -18,9 +17,8 @@ REQUESTS = [
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_conc")) as s:
-        yield s
+def stack(shared_stack):
+    return shared_stack
 
 
 def test_concurrent_requests_match_sequential(stack, media_files):

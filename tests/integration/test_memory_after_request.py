@@ -15,7 +15,6 @@ import pytest
 
 from epd.client import EpdClient
 from tests.media import make_video
-from tests.stack import Stack
 
 QUESTION = "what colour is the circle?"
 MAX_GROWTH = 0.10
@@ -27,9 +26,8 @@ def rss_bytes(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_memory")) as s:
-        yield s
+def stack(shared_stack):
+    return shared_stack
 
 
 def test_rss_returns_to_idle_after_a_large_request(stack, media_files, tmp_path):

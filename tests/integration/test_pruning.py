@@ -15,10 +15,10 @@ from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
+from epd.stages.messages import question_messages
 from epd.token_pruning import PruningConfig
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from epd.video.types import SamplingOptions
-from tests.stack import Stack
 
 QUESTION = "what colour is the square?"
 
@@ -48,7 +48,7 @@ def static_video(tmp_path_factory):
 
 
 def ask(pipeline, path, pruning: PruningConfig, num_frames=8, max_new_tokens=10) -> AskSummary:
-    req = AskRequest(QUESTION, MediaInput(path.read_bytes()), SamplingOptions(num_frames=num_frames),
+    req = AskRequest(question_messages(QUESTION), MediaInput(path.read_bytes()), SamplingOptions(num_frames=num_frames),
                      GenerationConfig(max_new_tokens=max_new_tokens), pruning=pruning)
 
     async def run():
@@ -192,7 +192,7 @@ def test_decode_eviction_reports_counts(pipeline, media_files):
     assert stages(s)["decode_evict"] == (v, math.ceil(0.5 * v))
 
 
-def test_balanced_preset_through_three_services(tiny_models, media_files, tmp_path):
+def test_balanced_preset_through_three_services(shared_stack, media_files):
     """The preset travels through gateway -> encoder/prefill/decode; the KV sent shrinks."""
     data = media_files["mp4"].read_bytes()
 
@@ -206,7 +206,7 @@ def test_balanced_preset_through_three_services(tiny_models, media_files, tmp_pa
         reqs = [gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=data)]
         return [m for m in stub.Ask(iter(reqs), timeout=120) if m.WhichOneof("kind") == "summary"][0].summary
 
-    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs") as stack, grpc.insecure_channel(stack.gateway) as ch:
+    with grpc.insecure_channel(shared_stack.gateway) as ch:
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)
         off = ask_remote(stub, "off")
         balanced = ask_remote(stub, "balanced")

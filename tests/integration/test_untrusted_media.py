@@ -26,7 +26,7 @@ import pytest
 from epd.client import EpdClient, EpdError
 from tests.local_http import recording_server
 from tests.media import make_resolution_change, make_video
-from tests.stack import ROOT, Stack, child_env, epd_command, free_port
+from tests.stack import ROOT, child_env, epd_command
 
 SECRET = "EPD-SECRET-" + uuid.uuid4().hex
 QUESTION = "what happens?"
@@ -76,12 +76,8 @@ PAYLOADS = ["ffconcat_text", "ffconcat_video", "hls_local", "hls_http", "tty_tex
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port)]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_untrusted"), extra=extra) as s:
-        s.http_port = http_port
-        yield s
+def stack(shared_stack):
+    return shared_stack
 
 
 @pytest.fixture(scope="module")
