@@ -179,6 +179,7 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
     from epd.gateway.pipeline import AskRequest, AskSummary
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput
+    from epd.stages.messages import question_messages
     from epd.video.types import SamplingOptions
 
     extra = {}
@@ -190,7 +191,7 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
     for r in tqdm(records, desc=f"quality [{preset}]", unit="question", disable=not config.progress,
                   mininterval=2):
         data = media_cache.setdefault(r.media, r.media_path(data_dir).read_bytes())
-        request = AskRequest(question=r.question, media=MediaInput(data), sampling=SamplingOptions(),
+        request = AskRequest(messages=question_messages(r.question), media=MediaInput(data), sampling=SamplingOptions(),
                              generation=generation, **extra)
         summary = None
         async for item in pipeline.ask(request):

@@ -205,6 +205,7 @@ def run_embedded_baseline(args, inputs, progress) -> tuple[list[RequestResult], 
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput, TokenStep
+    from epd.stages.messages import question_messages
     from epd.video.types import SamplingOptions
 
     pipeline = build_embedded_pipeline(ModelConfig(model=args.model, num_threads=args.threads))
@@ -213,7 +214,7 @@ def run_embedded_baseline(args, inputs, progress) -> tuple[list[RequestResult], 
         results = []
         start = time.perf_counter()
         for data, question in inputs:
-            req = AskRequest(question, MediaInput(data), SamplingOptions(num_frames=args.num_frames),
+            req = AskRequest(question_messages(question), MediaInput(data), SamplingOptions(num_frames=args.num_frames),
                              GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos))
             t0 = last = time.perf_counter()
             r = RequestResult(ok=True)

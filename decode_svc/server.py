@@ -11,7 +11,7 @@ from epd.decode_svc.servicer import SERVICE_NAME, DecodeServicer
 from epd.decode_svc.stage import LocalDecodeStage
 from epd.model_runtime.loader import load_adapter
 from epd.stages.model_thread import ModelThread
-from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import decode_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -24,13 +24,14 @@ async def start(config: DecodeConfig) -> HealthyServer:
     hs = await create_server(
         config.server, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s), [SERVICE_NAME]
     )
-    adapter = await model_thread.run(load_adapter, config.model, "decode")
-    servicer.stage = LocalDecodeStage(DecodeEngine(adapter), puller.take_kv, model_thread, config)
-    await hs.set_serving(True)
+    # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
+    async with hs.closed_on_failure():
+        adapter = await model_thread.run(load_adapter, config.model, "decode")
+        servicer.stage = LocalDecodeStage(DecodeEngine(adapter), puller.take_kv, model_thread, config)
+        await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
     return hs
 
 
 async def main(config: DecodeConfig) -> None:
-    hs = await start(config)
-    await serve_until_signal(hs, config.server.grace_s)
+    await run_service(start(config), config.server.grace_s)

@@ -10,7 +10,7 @@ from epd.encoder_svc.servicer import SERVICE_NAME, EncoderServicer
 from epd.encoder_svc.stage import LocalEncodeStage
 from epd.model_runtime.loader import load_adapter
 from epd.stages.model_thread import ModelThread
-from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,13 +23,14 @@ async def start(config: EncoderConfig) -> HealthyServer:
         config.server, lambda s: encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, s), [SERVICE_NAME]
     )
     model_thread = ModelThread()
-    adapter = await model_thread.run(load_adapter, config.model, "encoder")
-    servicer.stage = LocalEncodeStage(EncoderEngine(config, adapter), model_thread)
-    await hs.set_serving(True)
+    # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
+    async with hs.closed_on_failure():
+        adapter = await model_thread.run(load_adapter, config.model, "encoder")
+        servicer.stage = LocalEncodeStage(EncoderEngine(config, adapter), model_thread)
+        await hs.set_serving(True)
     log.info("encoder serving on port %d", hs.port)
     return hs
 
 
 async def main(config: EncoderConfig) -> None:
-    hs = await start(config)
-    await serve_until_signal(hs, config.server.grace_s)
+    await run_service(start(config), config.server.grace_s)

@@ -1,4 +1,4 @@
-"""Prefill: question + visual embeddings -> KV cache + first token. No gRPC here.
+"""Prefill: messages + visual embeddings -> KV cache + first token. No gRPC here.
 
 The engine's result is the boundary's own type, `PrefillHandle` (without the cache's location,
 which the stage that stores the cache fills in), next to the cache itself."""
@@ -6,6 +6,7 @@ which the stage that stores the cache fills in), next to the cache itself."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.pruned_prefill import pruned_prefill
 from epd.stages.contracts import EncodedMedia, PrefillHandle, check_generation_limits
 from epd.stages.errors import InvalidRequest, ResourceExhausted
+from epd.stages.messages import Message, check_messages, to_chat_template
 from epd.token_pruning import PruningConfig, PruningStats
 
 
@@ -36,13 +38,8 @@ class PrefillEngine:
         self.config = config
         self.adapter = adapter
 
-    def validate(self, question: str, meta: VisualMeta, generation: GenerationConfig) -> None:
-        if not question.strip():
-            raise InvalidRequest("the question is empty; ask something about the video")
-        if len(question) > self.config.max_question_chars:
-            raise InvalidRequest(
-                f"the question has {len(question)} characters; the limit is {self.config.max_question_chars}"
-            )
+    def validate(self, messages: Sequence[Message], meta: VisualMeta, generation: GenerationConfig) -> None:
+        check_messages(messages, self.config.max_question_chars)
         check_generation_limits(generation, self.config.max_new_tokens_limit)
         if meta.num_visual_tokens > self.config.max_prompt_tokens:
             raise ResourceExhausted(
@@ -69,16 +66,18 @@ class PrefillEngine:
 
     def prefill(
         self,
-        question: str,
+        messages: Sequence[Message],
         media: EncodedMedia,
         generation: GenerationConfig,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillOutput:
-        self.validate(question, media.meta, generation)
+        self.validate(messages, media.meta, generation)
         self._check_visual(media)
         t0 = time.perf_counter()
         try:
-            prompt = self.adapter.build_prompt(question, media.meta)
+            # Rendered by the model's own chat template, parts in the user's order; the media
+            # part's placeholder takes the kind the encoder found in the bytes.
+            prompt = self.adapter.build_prompt(to_chat_template(messages, media.meta.modality), media.meta)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if prompt.num_tokens > self.config.max_prompt_tokens:

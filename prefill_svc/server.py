@@ -11,7 +11,7 @@ from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import SERVICE_NAME, PrefillServicer
 from epd.prefill_svc.stage import LocalPrefillStage
 from epd.stages.model_thread import ModelThread
-from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -25,13 +25,14 @@ async def start(config: PrefillConfig) -> HealthyServer:
     )
     kv_address = config.advertise_address or f"{config.server.host}:{hs.port}"
     model_thread = ModelThread()
-    adapter = await model_thread.run(load_adapter, config.model, "prefill")
-    servicer.stage = LocalPrefillStage(PrefillEngine(config, adapter), kv_store, model_thread, kv_address)
-    await hs.set_serving(True)
+    # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
+    async with hs.closed_on_failure():
+        adapter = await model_thread.run(load_adapter, config.model, "prefill")
+        servicer.stage = LocalPrefillStage(PrefillEngine(config, adapter), kv_store, model_thread, kv_address)
+        await hs.set_serving(True)
     log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, kv_address)
     return hs
 
 
 async def main(config: PrefillConfig) -> None:
-    hs = await start(config)
-    await serve_until_signal(hs, config.server.grace_s)
+    await run_service(start(config), config.server.grace_s)

@@ -54,7 +54,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         media = convert.encoded_media_from_proto(header.visual, tensors["visual_embeds"])
         generation = convert.generation_from_proto(header.generation, GenerationConfig())
         pruning = convert.pruning_from_proto(header.pruning)
-        handle = await self.stage.prefill(header.question, media, generation, header.request_id, pruning)
+        messages = convert.messages_from_proto(header.messages)
+        handle = await self.stage.prefill(messages, media, generation, header.request_id, pruning)
         return convert.handle_to_proto(handle)
 
     @rpc_errors

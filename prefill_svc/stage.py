@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
+from epd.stages.messages import Message
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig
 
@@ -31,14 +33,14 @@ class LocalPrefillStage(PrefillStage):
 
     async def prefill(
         self,
-        question: str,
+        messages: Sequence[Message],
         media: EncodedMedia,
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
         try:
-            out = await self.model_thread.run(self.engine.prefill, question, media, generation, pruning)
+            out = await self.model_thread.run(self.engine.prefill, messages, media, generation, pruning)
         except asyncio.CancelledError:
             # A call still queued is dropped; one already running finishes and its cache is freed
             # with `out`: a cancelled prefill stores nothing.

@@ -16,13 +16,17 @@ def decode_for_test(path: Path, num_frames: int) -> DecodedVideo:
 
 
 def reference_tokens(model_dir: Path, video: DecodedVideo, question: str, max_new_tokens: int) -> list[int]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-    from transformers.video_utils import VideoMetadata
-
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    """The reference for one question: the user message [media, question]."""
     kind = "image" if video.is_image else "video"
     messages = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
+    return reference_tokens_for_messages(model_dir, video, messages, max_new_tokens)
+
+
+def reference_inputs(processor, video: DecodedVideo, messages: list[dict]):
+    """The processor's own inputs for `messages` (its chat form, parts in order) and the media:
+    `apply_chat_template`, then the processor's __call__ with the frames our encoder samples."""
+    from transformers.video_utils import VideoMetadata
+
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if video.is_image:
         inputs = processor(text=[text], images=[video.frames[0]], return_tensors="pt")
@@ -35,6 +39,19 @@ def reference_tokens(model_dir: Path, video: DecodedVideo, question: str, max_ne
             return_tensors="pt",
             videos_kwargs={"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [meta]},
         )
+    return inputs
+
+
+def reference_tokens_for_messages(
+    model_dir: Path, video: DecodedVideo, messages: list[dict], max_new_tokens: int
+) -> list[int]:
+    """`model.generate(do_sample=False)` on the unsplit model, prompted by the processor's own chat
+    template for `messages`."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    inputs = reference_inputs(processor, video, messages)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -23,29 +23,62 @@ prefill drop at a layer -> KV compression -> decode eviction. Every stage keeps 
 and reports its counts into `PruningStats`.
 """
 
+# Torch-free modules load eagerly; the rest (torch) on first use of one of their names, so the
+# gateway can take PruningConfig / PruningStats without importing torch (PEP 562 __getattr__).
+from typing import TYPE_CHECKING
+
 from epd.token_pruning.accounting import ModelSizes, PruningStats, prefill_flops, tokens_per_layer
-from epd.token_pruning.attention_scores import ReceivedAttention, received_attention
 from epd.token_pruning.budget import resolve_keep_count, staged_keep_counts
 from epd.token_pruning.config import PRESETS, PruningConfig
-from epd.token_pruning.decode_policy import OutputAwareEviction
-from epd.token_pruning.encode_stage import EncodedTokens, prune_encoded_tokens
-from epd.token_pruning.grid import TokenGrid
-from epd.token_pruning.key_tokens import key_token_scores, select_key_tokens
-from epd.token_pruning.kv_compress import KVCompressionResult, compress_kv_cache, text_prior_scores
-from epd.token_pruning.positions import PrunedPrompt, gather_prompt, prompt_keep_indices, visual_positions
-from epd.token_pruning.spatial_merge import MergeResult, spatial_merge
-from epd.token_pruning.temporal import (
-    SparseVisionInputs,
-    TemporalDropResult,
-    sparse_vision_inputs,
-    temporal_redundancy_mask,
-)
-from epd.token_pruning.text_guided import (
-    PrefillDropResult,
-    dual_rule_select,
-    question_query_positions,
-    text_guided_drop,
-)
+
+if TYPE_CHECKING:
+    from epd.token_pruning.attention_scores import ReceivedAttention, received_attention
+    from epd.token_pruning.decode_policy import OutputAwareEviction
+    from epd.token_pruning.encode_stage import EncodedTokens, prune_encoded_tokens
+    from epd.token_pruning.grid import TokenGrid
+    from epd.token_pruning.key_tokens import key_token_scores, select_key_tokens
+    from epd.token_pruning.kv_compress import KVCompressionResult, compress_kv_cache, text_prior_scores
+    from epd.token_pruning.positions import PrunedPrompt, gather_prompt, prompt_keep_indices, visual_positions
+    from epd.token_pruning.spatial_merge import MergeResult, spatial_merge
+    from epd.token_pruning.temporal import (
+        SparseVisionInputs,
+        TemporalDropResult,
+        sparse_vision_inputs,
+        temporal_redundancy_mask,
+    )
+    from epd.token_pruning.text_guided import (
+        PrefillDropResult,
+        dual_rule_select,
+        question_query_positions,
+        text_guided_drop,
+    )
+
+_LAZY = {
+    "ReceivedAttention": "attention_scores", "received_attention": "attention_scores",
+    "OutputAwareEviction": "decode_policy",
+    "EncodedTokens": "encode_stage", "prune_encoded_tokens": "encode_stage",
+    "TokenGrid": "grid",
+    "key_token_scores": "key_tokens", "select_key_tokens": "key_tokens",
+    "KVCompressionResult": "kv_compress", "compress_kv_cache": "kv_compress", "text_prior_scores": "kv_compress",
+    "PrunedPrompt": "positions", "gather_prompt": "positions", "prompt_keep_indices": "positions",
+    "visual_positions": "positions",
+    "MergeResult": "spatial_merge", "spatial_merge": "spatial_merge",
+    "SparseVisionInputs": "temporal", "TemporalDropResult": "temporal", "sparse_vision_inputs": "temporal",
+    "temporal_redundancy_mask": "temporal",
+    "PrefillDropResult": "text_guided", "dual_rule_select": "text_guided",
+    "question_query_positions": "text_guided", "text_guided_drop": "text_guided",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PRESETS",

@@ -1,4 +1,6 @@
-"""`epd ask VIDEO QUESTION`: embedded (one process, no ports) or against --endpoint.
+"""`epd ask VIDEO QUESTION` (or `--messages FILE`, a conversation): embedded (one process, no
+ports) or against --endpoint. Both send the same messages (`epd.stages.messages`): QUESTION is one
+user message [media, QUESTION]; FILE holds the processor's chat form, parts in your order.
 
 Both modes print the SDK's typed result (`epd.client.AskResult`): the answer as it streams, stage
 progress on stderr, then a timings line; with --json one object, `AskResult.to_dict()` (the
@@ -19,18 +21,27 @@ if TYPE_CHECKING:
     from epd.client import AskResult
     from epd.client import StageEvent as ClientStageEvent
     from epd.gateway.pipeline import AskSummary
+    from epd.stages.messages import Message
 
 
 def run_ask(args: argparse.Namespace) -> int:
     from epd.client import EpdError
+    from epd.stages.errors import InvalidRequest
 
     path = Path(args.video)
     if not path.is_file():
         print(f"epd: no such file: {path}", file=sys.stderr)
         return 2
+    try:
+        messages = _messages(args)
+    except (InvalidRequest, OSError, ValueError) as exc:
+        print(f"epd: {exc}", file=sys.stderr)
+        return 2
     notice: list[str] = []
     try:
-        result = asyncio.run(_ask_remote(args, path) if args.endpoint else _ask_embedded(args, path, notice))
+        result = asyncio.run(
+            _ask_remote(args, path, messages) if args.endpoint else _ask_embedded(args, path, messages, notice)
+        )
     except EpdError as exc:  # the server's status and message
         print(f"epd: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
@@ -72,7 +83,23 @@ def _print_summary(result: AskResult) -> None:
           f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}", file=sys.stderr)
 
 
-async def _ask_embedded(args: argparse.Namespace, path: Path, notice: list[str]) -> AskResult:
+def _messages(args: argparse.Namespace) -> list[Message]:
+    """The conversation: QUESTION as [media, QUESTION], or --messages FILE (- for stdin)."""
+    from epd.stages.messages import check_messages, from_chat_template, question_messages
+
+    if (args.question is None) == (not args.messages):
+        raise ValueError("give a QUESTION or --messages FILE (one of them)")
+    if not args.messages:
+        return question_messages(args.question)
+    source = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
+    messages = from_chat_template(json.loads(source))
+    check_messages(messages)
+    return messages
+
+
+async def _ask_embedded(
+    args: argparse.Namespace, path: Path, messages: list[Message], notice: list[str]
+) -> AskResult:
     from epd.cli import configs
     from epd.client import StageEvent as ClientStageEvent
     from epd.gateway.embedded import build_embedded_pipeline
@@ -90,7 +117,7 @@ async def _ask_embedded(args: argparse.Namespace, path: Path, notice: list[str])
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
     pipeline = build_embedded_pipeline(model)
     request = AskRequest(
-        question=args.question,
+        messages=messages,
         media=MediaInput(path.read_bytes()),
         sampling=configs.sampling_options(args),
         generation=configs.generation_config(args),
@@ -121,7 +148,7 @@ def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult
     return result_from_proto(summary_to_proto(summary), events)
 
 
-async def _ask_remote(args: argparse.Namespace, path: Path) -> AskResult:
+async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Message]) -> AskResult:
     from epd.client import AskResult, AsyncEpdClient, StageEvent, TokenDelta
 
     # Zero and empty mean "the server's default"; the server checks and parses every option.
@@ -131,7 +158,7 @@ async def _ask_remote(args: argparse.Namespace, path: Path) -> AskResult:
         seed=args.seed, stop=list(args.stop), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
     )  # fmt: skip
     async with AsyncEpdClient(args.endpoint, api_key=args.api_key) as client:
-        async for item in client.stream(path, args.question, **options):
+        async for item in client.stream(path, messages=messages, **options):
             if isinstance(item, StageEvent):
                 _progress(item.stage, item.state, item.duration_ms, args.json)
             elif isinstance(item, TokenDelta):

@@ -54,7 +54,7 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port)
+    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_period)
 
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:

@@ -1,6 +1,6 @@
 """`epd`: ask a question about a video, or serve the stack.
 
-    epd ask VIDEO QUESTION [--endpoint HOST:PORT] [--json]
+    epd ask VIDEO (QUESTION | --messages FILE) [--endpoint HOST:PORT] [--json]
     epd serve                     # the whole stack on loopback, one process per service
     epd serve encoder|prefill|decode|gateway
     epd health HOST:PORT          # exit 0 when the service reports SERVING
@@ -96,9 +96,26 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a decode slot; beyond, RESOURCE_EXHAUSTED at once")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return value
+
+
+def add_grace_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, requests in flight get this long to finish before they are "
+                        "cut off (an idle service exits at once; a second signal stops at once)")
+
+
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port)
+    add_grace_flag(p)
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -165,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="ask a question about a video or image")
     ask.add_argument("video", help="path of a video (MP4, MKV, WebM, MOV, AVI) or image")
-    ask.add_argument("question")
+    ask.add_argument("question", nargs="?", default=None,
+                     help="the question (one user message: the media, then this text)")
+    ask.add_argument("--messages", default="", metavar="FILE",
+                     help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
+                          '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
+                          "roles system/user/assistant, parts in your order, one video or image part")
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
@@ -220,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-port", type=int, default=DECODE_PORT)
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
+    add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     add_model_flags(serve)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (latency/throughput), quality (accuracy)")

@@ -1,6 +1,7 @@
 """Python client SDK of an epd front door (gRPC): sync and asyncio clients, typed stream events
 and results (no protobuf in user code), chunked uploads or reuse by sha256, deadlines, retries of
-UNAVAILABLE, TLS and an API key. Result fields and the 0.2 renames: `epd.client.types`."""
+UNAVAILABLE, TLS and an API key. A call carries a conversation (`Message`s of text / VIDEO /
+IMAGE parts in your order, `epd.stages.messages`) or, the 0.1 form kept until 0.3, one question. Result fields and the 0.2 renames: `epd.client.types`."""
 
 from epd.client.client import AsyncEpdClient, EpdClient, build_header
 from epd.client.media import MediaSource
@@ -17,15 +18,20 @@ from epd.client.types import (
     Timings,
     TokenDelta,
 )
+from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message
 
 __all__ = [
+    "IMAGE",
     "NO_RETRY",
+    "VIDEO",
     "AskResult",
     "AsyncEpdClient",
+    "ContentPart",
     "EpdClient",
     "EpdError",
     "GridTHW",
     "MediaSource",
+    "Message",
     "PruningReport",
     "PruningStageCount",
     "RetryPolicy",

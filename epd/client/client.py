@@ -4,6 +4,9 @@
         result = client.ask("clip.mp4", "what colour is the circle?", max_new_tokens=16)
         print(result.answer, result.timings_ms.ttft_ms, result.pruning, result.grid_thw)
 
+        # A conversation: parts in your order, rendered with the model's own chat template.
+        result = client.ask("clip.mp4", messages=[Message.user("in this clip", VIDEO, "what moves?")])
+
         for event in client.stream("clip.mp4", "and the square?"):   # StageEvent | TokenDelta | AskResult
             if isinstance(event, StageEvent) and event.stage == Stage.VIDEO_DECODE:
                 ...
@@ -21,7 +24,7 @@ import asyncio
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -38,9 +41,24 @@ from epd.client.types import (
     result_from_proto,
     stage_event_from_proto,
 )
+from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template
+from epd.transport.message_convert import messages_to_proto
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-__all__ = ["CHUNK_BYTES", "AskResult", "AsyncEpdClient", "EpdClient", "EpdError", "StageEvent", "TokenDelta"]
+__all__ = [
+    "CHUNK_BYTES", "IMAGE", "VIDEO", "AskResult", "AsyncEpdClient", "ContentPart", "EpdClient", "EpdError",
+    "Message", "StageEvent", "TokenDelta",
+]  # fmt: skip
+
+MessageLike = Message | dict[str, Any]
+"""A `Message`, or a dict in the processor's chat form (see `build_header`)."""
+
+
+def conversation(messages: Sequence[MessageLike]) -> list[Message]:
+    """`Message`s as they are; dicts through `epd.stages.messages.from_chat_template`."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of Message objects or chat-form dicts")
+    return [m if isinstance(m, Message) else from_chat_template([m])[0] for m in messages]
 
 _SAMPLING_OPTIONS = (
     "fps",
@@ -55,9 +73,18 @@ _GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed"
 
 
 def build_header(
-    question: str, num_bytes: int, sha256: str, options: dict[str, Any]
+    question: str | None,
+    num_bytes: int,
+    sha256: str,
+    options: dict[str, Any],
+    messages: Sequence[MessageLike] | None = None,
 ) -> gateway_pb2.AskHeader:
-    """The AskHeader for `options` (the keyword options of `ask`); unknown names raise TypeError.
+    """The AskHeader for a question or a conversation (exactly one) and `options` (the keyword
+    options of `ask`); unknown names raise TypeError.
+
+    messages: `Message`s, or dicts in the processor's chat form ({"role": "user", "content":
+    [{"type": "video"}, {"type": "text", "text": ...}]}); parts keep their order. A question is
+    the deprecated 0.1 form (kept until 0.3), the same as [Message.user(VIDEO, question)].
 
     Sampling: fps, max_frames, min_frames, num_frames, start_time_s, end_time_s, max_pixels.
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos.
@@ -80,9 +107,12 @@ def build_header(
     if options:
         known = sorted((*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id"))
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
+    if (question is None) == (messages is None):
+        raise TypeError("pass a question or messages=[...], not both (and not neither)")
     return gateway_pb2.AskHeader(
         request_id=request_id,
-        question=question,
+        question=question or "",
+        messages=messages_to_proto(conversation(messages)) if messages is not None else [],
         media_num_bytes=num_bytes,
         media_sha256=sha256,
         sampling=sampling,
@@ -125,8 +155,9 @@ class AsyncEpdClient:
     async def ask_stream(
         self,
         video: Media | None,
-        question: str,
+        question: str | None = None,
         *,
+        messages: Sequence[MessageLike] | None = None,
         media_sha256: str = "",
         timeout_s: float | None = None,
         **options,
@@ -134,14 +165,15 @@ class AsyncEpdClient:
         """Deprecated (removed in 0.3): the raw AskResponse protos (events, token deltas, then
         the summary). Use `stream`, which yields the same as typed SDK objects."""
         warnings.warn("ask_stream is deprecated (removed in 0.3); use stream()", DeprecationWarning, stacklevel=2)
-        async for msg, _ in self._responses(video, question, media_sha256, timeout_s, options):
+        async for msg, _ in self._responses(video, question, messages, media_sha256, timeout_s, options):
             yield msg
 
     async def stream(
         self,
         video: Media | None,
-        question: str,
+        question: str | None = None,
         *,
+        messages: Sequence[MessageLike] | None = None,
         media_sha256: str = "",
         timeout_s: float | None = None,
         **options,
@@ -151,7 +183,7 @@ class AsyncEpdClient:
         video: a path, bytes or binary file object; None with `media_sha256` to reuse media the
         servers have seen (NOT_FOUND when they have not). Options: see `build_header`."""
         events: list[StageEvent] = []
-        async for msg, meta in self._responses(video, question, media_sha256, timeout_s, options):
+        async for msg, meta in self._responses(video, question, messages, media_sha256, timeout_s, options):
             kind = msg.WhichOneof("kind")
             if kind == "event":
                 event = stage_event_from_proto(msg.event)
@@ -169,22 +201,29 @@ class AsyncEpdClient:
     async def ask(
         self,
         video: Media | None,
-        question: str,
+        question: str | None = None,
         *,
+        messages: Sequence[MessageLike] | None = None,
         media_sha256: str = "",
         timeout_s: float | None = None,
         **options,
     ) -> AskResult:
         """The whole answer at once (see `stream` for the options)."""
         async for item in self.stream(
-            video, question, media_sha256=media_sha256, timeout_s=timeout_s, **options
+            video, question, messages=messages, media_sha256=media_sha256, timeout_s=timeout_s, **options
         ):
             if isinstance(item, AskResult):
                 return item
         raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
 
     async def upload_or_reuse(
-        self, video: Media, question: str, *, timeout_s: float | None = None, **options
+        self,
+        video: Media,
+        question: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        timeout_s: float | None = None,
+        **options,
     ) -> AskResult:
         """Ask by the video's sha256 first (no upload); on NOT_FOUND upload the bytes.
 
@@ -193,16 +232,19 @@ class AsyncEpdClient:
         source = MediaSource(video, self.chunk_bytes)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         try:
-            return await self.ask(None, question, media_sha256=source.sha256, timeout_s=timeout_s, **options)
+            return await self.ask(None, question, messages=messages, media_sha256=source.sha256,
+                                  timeout_s=timeout_s, **options)
         except EpdError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
-        return await self.ask(source, question, timeout_s=max(0.0, deadline - time.monotonic()), **options)
+        return await self.ask(source, question, messages=messages,
+                              timeout_s=max(0.0, deadline - time.monotonic()), **options)
 
     async def _responses(
         self,
         video: Media | None,
-        question: str,
+        question: str | None,
+        messages: Sequence[MessageLike] | None,
         media_sha256: str,
         timeout_s: float | None,
         options: dict[str, Any],
@@ -220,6 +262,7 @@ class AsyncEpdClient:
             source.num_bytes if source else 0,
             source.sha256 if source else media_sha256,
             options,
+            messages,
         )
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         attempt = 0
@@ -278,17 +321,20 @@ class EpdClient:
     def endpoint(self) -> str:
         return self._client.endpoint
 
-    def ask(self, video: Media | None, question: str, **options) -> AskResult:
+    def ask(self, video: Media | None, question: str | None = None, **options) -> AskResult:
+        """See `AsyncEpdClient.ask`; `messages=[...]` instead of a question for a conversation."""
         return self._run(self._client.ask(video, question, **options))
 
-    def upload_or_reuse(self, video: Media, question: str, **options) -> AskResult:
+    def upload_or_reuse(self, video: Media, question: str | None = None, **options) -> AskResult:
         return self._run(self._client.upload_or_reuse(video, question, **options))
 
-    def stream(self, video: Media | None, question: str, **options) -> Iterator[StreamEvent]:
+    def stream(self, video: Media | None, question: str | None = None, **options) -> Iterator[StreamEvent]:
         """Yields `StageEvent`s and `TokenDelta`s as they arrive, then one `AskResult`."""
         return self._iterate(self._client.stream(video, question, **options))
 
-    def ask_stream(self, video: Media | None, question: str, **options) -> Iterator[gateway_pb2.AskResponse]:
+    def ask_stream(
+        self, video: Media | None, question: str | None = None, **options
+    ) -> Iterator[gateway_pb2.AskResponse]:
         """Deprecated (removed in 0.3): raw protos; use `stream`."""
         return self._iterate(self._client.ask_stream(video, question, **options))
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of the front door (aiohttp), in the gateway's own process and
 event loop, calling the same `Pipeline` as the gRPC servicer:
 
-    POST /v1/chat/completions   one user message: text + one video_url / image_url part
+    POST /v1/chat/completions   messages (system/user/assistant) whose parts, in order, are text
+                                and one video_url / image_url part
                                 -> `chat.completion`, or with "stream": true SSE
                                    `chat.completion.chunk`s ending in `data: [DONE]`
     GET  /v1/models             the served model id
@@ -175,7 +176,7 @@ class HttpApi:
             else:
                 data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes)
             ask = AskRequest(
-                question=chat.question,
+                messages=chat.messages,
                 media=MediaInput(data, hashlib.sha256(data).hexdigest()),
                 sampling=chat.sampling,
                 generation=chat.generation,
@@ -297,7 +298,8 @@ async def start_http_api(
     `admission` is shared with the gRPC API so that a client's limit counts both."""
     api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
     # handler_cancellation: a client that disconnects stops its pipeline run.
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=config.server.grace_s)  # drain for the grace period
     await runner.setup()
     site = web.TCPSite(runner, config.http.host or config.server.host, config.http.port)
     await site.start()

@@ -1,7 +1,10 @@
 """OpenAI chat-completions JSON <-> the pipeline's request and results (no HTTP in here).
 
-A request is one user message whose content parts are text and exactly one `video_url` or
-`image_url` part. Generation options are OpenAI's own fields (max_completion_tokens or
+A request is a conversation: system, user and assistant messages (earlier turns are history),
+the last one the user's, whose content is a string or a list of `text`, `video_url` and
+`image_url` parts. The parts keep the client's order: [text, video_url] is rendered text first,
+exactly as the model's chat template renders it (`epd.stages.messages`). Exactly one `video_url`
+or `image_url` part per request, in a user message. Generation options are OpenAI's own fields (max_completion_tokens or
 max_tokens, temperature, top_p, seed, stop) plus `top_k` and `ignore_eos`; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
@@ -23,6 +26,8 @@ from epd.gateway.admission import Overloaded
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.messages import ROLES, ContentPart, Message, check_messages
+from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
 from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
@@ -108,7 +113,8 @@ class ChatRequest:
     """What one chat-completions body asks for, in the pipeline's terms."""
 
     model: str
-    question: str
+    messages: list[Message]
+    """The conversation in the client's part order; its one media part is `media_url`'s place."""
     media_url: str
     modality: str  # "video" | "image": which content part carried the URL
     sampling: SamplingOptions
@@ -130,14 +136,14 @@ def parse_chat_request(
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise InvalidRequest("only n=1 is supported")
-    question, media_url, modality = _parse_messages(body.get("messages"))
+    messages, media_url, modality = _parse_messages(body.get("messages"))
     stream = _boolean(body, "stream", False)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
-    return ChatRequest(
+    request = ChatRequest(
         model=model,
-        question=question,
+        messages=messages,
         media_url=media_url,
         modality=modality,
         sampling=_sampling(body.get("media"), sampling_defaults),
@@ -146,6 +152,8 @@ def parse_chat_request(
         include_usage=_boolean(stream_options, "include_usage", False, "stream_options.include_usage"),
         pruning=_pruning(body.get("pruning")),
     )
+    check_messages(messages)  # the message model's own rules (the last message is the user's, ...)
+    return request
 
 
 def _pruning(value: Any) -> PruningConfig:
@@ -170,45 +178,56 @@ def _pruning(value: Any) -> PruningConfig:
     return pruning_from_proto(options)
 
 
-def _parse_messages(messages: Any) -> tuple[str, str, str]:
+def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
+    """OpenAI messages -> (the conversation, the media URL, "video" | "image"). Roles system, user
+    and assistant; content a string or a list of text / video_url / image_url parts, kept in the
+    client's order; exactly one media part, in a user message, and the last message the user's."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
     roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
-    if roles != ["user"]:
+    if any(r not in ROLES for r in roles):
         shown = [r[:32] if isinstance(r, str) else None for r in roles[:8]]
         raise InvalidRequest(
-            f"expected exactly one user message (got roles {shown}{'...' if len(roles) > 8 else ''}); "
-            "put the question and the video_url or image_url part in one user message"
+            f"message roles must be {', '.join(ROLES)} (got roles {shown}{'...' if len(roles) > 8 else ''})"
         )
-    content = messages[0].get("content")
-    if isinstance(content, str):
-        content = [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise InvalidRequest("message content must be a string or a list of content parts")
-    texts: list[str] = []
+    out: list[Message] = []
     media: list[tuple[str, str]] = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(_text(part["text"], "messages[0].content text"))
-        elif kind in ("video_url", "image_url"):
-            ref = part.get(kind)
-            url = ref.get("url") if isinstance(ref, dict) else ref
-            if not isinstance(url, str) or not url:
-                raise InvalidRequest(f"a {kind} part needs {{'{kind}': {{'url': ...}}}}")
-            if not url.startswith("data:"):  # a data: URL is checked as it is decoded (ASCII only)
-                _text(url, f"{kind}.url")
-            media.append((url, kind.removesuffix("_url")))
-        else:
-            kind_text = kind[:64] if isinstance(kind, str) else kind if kind is None else type(kind).__name__
-            raise InvalidRequest(
-                f"unsupported content part {kind_text!r}; use 'text', 'video_url' or 'image_url'"
-            )
-    if len(media) != 1:
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list) or not content:
+            raise InvalidRequest(f"messages[{i}].content must be a string or a non-empty list of content parts")
+        parts: list[ContentPart] = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(text_part(_text(part["text"], f"messages[{i}].content text")))
+            elif kind in ("video_url", "image_url"):
+                if roles[i] != "user":
+                    raise InvalidRequest(f"messages[{i}] is a {roles[i]} message; put the {kind} part in a user message")
+                ref = part.get(kind)
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                if not isinstance(url, str) or not url:
+                    raise InvalidRequest(f"a {kind} part needs {{'{kind}': {{'url': ...}}}}")
+                if not url.startswith("data:"):  # a data: URL is checked as it is decoded (ASCII only)
+                    _text(url, f"{kind}.url")
+                media.append((url, kind.removesuffix("_url")))
+                parts.append(ContentPart(kind.removesuffix("_url")))
+            else:
+                kind_text = kind[:64] if isinstance(kind, str) else kind if kind is None else type(kind).__name__
+                raise InvalidRequest(
+                    f"unsupported content part {kind_text!r}; use 'text', 'video_url' or 'image_url'"
+                )
+        out.append(Message(str(roles[i]), tuple(parts)))
+    if len(media) > 1:
         raise InvalidRequest(
-            f"the message must have exactly one video_url or image_url part, got {len(media)}"
+            f"the messages have {len(media)} video_url / image_url parts; at most one video or image per "
+            "request is supported (the encoder encodes one media per request): send one"
         )
-    return "\n".join(texts), media[0][0], media[0][1]
+    if not media:
+        raise InvalidRequest("the messages must have exactly one video_url or image_url part (in a user message), got 0")
+    return out, media[0][0], media[0][1]
 
 
 def _text(value: Any, name: str) -> str:

@@ -1,4 +1,4 @@
-"""One question about one video through Encode -> Prefill -> Decode, as a stream of events.
+"""One conversation about one video or image through Encode -> Prefill -> Decode, as a stream of events.
 
 Written against the stage contracts only: the same code runs the embedded mode (local stages)
 and the gateway of the disaggregated stack (remote stages).
@@ -31,8 +31,8 @@ from epd.stages.contracts import (
     StageEvent,
     TokenStep,
 )
-from epd.stages.errors import InvalidRequest
 from epd.stages.events import Finished, with_events
+from epd.stages.messages import Message, check_messages
 from epd.stages.names import TOTAL, TTFT, Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AskRequest:
-    question: str
+    messages: list[Message]
+    """The conversation (`epd.stages.messages`), parts in the user's order, exactly one media
+    part; `question_messages(q)` is 0.1's single question, [media, q]."""
     media: MediaInput
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -83,8 +85,7 @@ class Pipeline:
 
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
-        if not req.question.strip():
-            raise InvalidRequest("the question is empty; ask something about the video")
+        check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
         request_id = req.request_id or uuid.uuid4().hex
 
         async def run(emit: Emit) -> AskSummary:
@@ -106,7 +107,7 @@ class Pipeline:
 
         emit(StageEvent(Stage.PREFILL, "started"))
         t_prefill = time.perf_counter()
-        handle = await self.prefill.prefill(req.question, media, req.generation, request_id, req.pruning)
+        handle = await self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning)
         taken = False  # by the decoder: its first step comes only after it pulled the cache
         try:
             timings[Stage.PREFILL.value] = handle.prefill_ms

@@ -23,7 +23,7 @@ from epd.transport.remote_stages import (
     RemotePrefillStage,
     ReplicaPool,
 )
-from epd.transport.server import HealthyServer, create_server, serve_until_signal
+from epd.transport.server import HealthyServer, StopSignals, create_server, serve_until_signal
 from epd.v1 import gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -90,17 +90,20 @@ async def main(config: GatewayConfig) -> None:
     problem = open_without_key(config)
     if problem:
         raise SystemExit(f"epd serve gateway: {problem}")
+    signals = StopSignals()  # first: a signal while the servers start stops them cleanly
     metrics = GatewayMetrics()
     pipeline = MeteredPipeline(remote_pipeline(config), metrics)
     admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
     http = None
-    if config.http.port:
-        from epd.gateway.http_api import start_http_api  # aiohttp only when asked for
-
-        http = await start_http_api(config, pipeline, metrics, StageHealth(config), admission)
-    hs = await start(config, pipeline, admission)
     try:
-        await serve_until_signal(hs, config.server.grace_s)
+        if config.http.port:
+            from epd.gateway.http_api import start_http_api  # aiohttp only when asked for
+
+            http = await start_http_api(config, pipeline, metrics, StageHealth(config), admission)
+        hs = await start(config, pipeline, admission)
+        # HTTP drains alongside gRPC, each for up to the grace period (its runner's shutdown_timeout).
+        await serve_until_signal(hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None)
+        http = None
     finally:
-        if http is not None:
+        if http is not None:  # start-up failed after the HTTP API bound
             await http.stop()

@@ -1,4 +1,5 @@
-"""GatewayService over gRPC: read the upload, run the pipeline, stream events and tokens."""
+"""GatewayService over gRPC: read the upload, run the pipeline on the header's messages, stream
+events and tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from epd.gateway.admission import Admission, Overloaded, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
 from epd.stages.contracts import StageEvent
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
 from epd.transport import convert
 from epd.transport.errors import rpc_errors
@@ -39,7 +42,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             uploaded = StageEvent(Stage.UPLOAD, "finished", upload_ms, {"num_bytes": str(len(data))})
             yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
             request = AskRequest(
-                question=header.question,
+                messages=messages_of(header),
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
                 generation=convert.generation_from_proto(header.generation, self.config.generation),
@@ -59,6 +62,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     else:
                         delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
                         yield gateway_pb2.AskResponse(delta=delta)
+
+
+def messages_of(header: gateway_pb2.AskHeader) -> list[Message]:
+    """The header's conversation; the deprecated `question` (until 0.3) is [user: media, question]."""
+    if header.messages and header.question:
+        raise InvalidRequest("send the conversation in messages or a single question, not both")
+    if header.messages:
+        return convert.messages_from_proto(header.messages)
+    return question_messages(header.question)
 
 
 def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:

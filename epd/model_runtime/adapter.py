@@ -4,7 +4,7 @@ A new family (LLaVA-OneVision, SmolVLM2, ...) is one file that implements `VLMAd
 call only these methods:
 
     encoder:  preprocess(frames) -> VisionInputs;  encode(VisionInputs) -> visual embeds
-    prefill:  build_prompt(question, VisualMeta) -> Prompt;  prefill(Prompt, embeds) -> PrefillState
+    prefill:  build_prompt(conversation, VisualMeta) -> Prompt;  prefill(Prompt, embeds) -> PrefillState
     decode:   decode_step(token_id, position_ids, cache) -> logits
 
 Everything crossing a stage boundary is a plain tensor or a small dataclass, so it can be sent
@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from epd.model_runtime.kv_cache import KvCache
 from epd.video.types import DecodedVideo
+
+if TYPE_CHECKING:  # VisualMeta is read by the gateway, which starts without torch
+    import torch
+
+    from epd.model_runtime.kv_cache import KvCache
 
 
 @dataclass
@@ -93,9 +96,15 @@ class VLMAdapter(ABC):
         """How many visual tokens (prompt placeholders) a grid yields."""
 
     @abstractmethod
-    def build_prompt(self, question: str, visual: VisualMeta) -> Prompt:
-        """Chat-template the question with one video/image, expand placeholders, compute the
-        position ids `generate()` would use."""
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+        """Render `conversation` exactly as the family's `processor.apply_chat_template(conversation,
+        add_generation_prompt=True)` renders it, expand its one media placeholder to the visual
+        tokens, compute the position ids `generate()` would use.
+
+        conversation: the processor's chat form, [{"role": "system" | "user" | "assistant",
+        "content": [{"type": "text", "text": ...} | {"type": visual.modality}, ...]}], parts in the
+        user's order, exactly one media part (`epd.stages.messages.to_chat_template` makes it).
+        Raises ValueError when a text part holds the model's own placeholder tokens."""
 
     @abstractmethod
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:

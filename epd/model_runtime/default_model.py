@@ -14,7 +14,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.resources import demo_model_dir
 
 RANDOM_MODEL_NAME = "tiny-qwen2-vl-random"
@@ -33,6 +32,9 @@ def default_model_path() -> Path:
         return _SHIPPED
     target = cache_dir() / "models" / RANDOM_MODEL_NAME
     if not (target / "config.json").exists():
+        # torch only here: finding the shipped or cached model must not cost `epd serve` a torch import.
+        from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
         build_checkpoint(tmp, TinyVLMSpec())

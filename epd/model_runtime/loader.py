@@ -1,38 +1,153 @@
-"""Load the adapter a stage needs, by the checkpoint's model type."""
+"""Load the adapter a stage needs, by the checkpoint's model type.
+
+`check_model_dir` is the cheap part (config.json, model type, weights files and their safetensors
+headers; no torch): `epd serve` runs it before it starts any service, and `load_adapter` runs it
+first too, so that the common broken checkpoints fail with one sentence instead of a traceback
+from deep inside transformers (or, for a truncated weights file, a crash while reading it).
+This module imports torch only inside `load_adapter`: the launcher imports it.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from epd.model_runtime.adapter import VLMAdapter
-from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.default_model import default_model_path
+
+if TYPE_CHECKING:
+    from epd.model_runtime.adapter import VLMAdapter
+    from epd.model_runtime.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 # model_type in config.json -> adapter class; a new family is one entry here plus its file.
 _FAMILIES = {"qwen2_vl", "qwen2_5_vl"}
+SUPPORTED = "Qwen2-VL and Qwen2.5-VL checkpoints (model_type qwen2_vl or qwen2_5_vl)"
+
+# safetensors refuses headers above 100 MB; a bigger length means the first bytes are not a header.
+_MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be served: missing or unreadable files, an unsupported model type, bad
+    weights. A library error like `epd.video.types.MediaError` (this layer cannot import
+    `epd.stages.errors`); `epd.transport.errors` maps it to FAILED_PRECONDITION with its message,
+    which names the path, the reason and, for a wrong model type, what epd serves."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"cannot load {path}: {reason}")
+        self.path = path
+        self.reason = reason
 
 
 def resolve_model_path(model: str) -> str:
     return str(default_model_path()) if model == "default" else model
 
 
+def is_hub_id(model: str) -> bool:
+    """"org/name" that is not a local path: downloaded by transformers, so not checked here."""
+    return not Path(model).exists() and _HUB_ID.fullmatch(model) is not None
+
+
+def check_model_dir(path: str) -> str | None:
+    """Raise ModelLoadError when the local checkpoint at `path` surely cannot be loaded; return its
+    model_type (None for a hub id, which only loading can check). Reads config.json and the
+    first bytes of each weights file, nothing more."""
+    if is_hub_id(path):
+        return None
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(path, "no such directory" if not root.exists() else "not a directory")
+    try:
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(path, "config.json is missing") from None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(path, f"config.json is not readable JSON ({exc})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in _FAMILIES:
+        raise ModelLoadError(path, f"model_type {model_type!r} is not supported; epd serves {SUPPORTED}")
+    for weights in _weights_files(root, path):
+        if weights.suffix == ".safetensors":
+            _check_safetensors(weights, path)
+    return model_type
+
+
+def _weights_files(root: Path, path: str) -> list[Path]:
+    """The weights files the checkpoint names: one file, or the shards of its index."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (root / single).is_file():
+            return [root / single]
+        if (root / index).is_file():
+            try:
+                shards = sorted(set(json.loads((root / index).read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ModelLoadError(path, f"{index} is not a readable weights index ({exc!r})") from None
+            missing = [s for s in shards if not (root / s).is_file()]
+            if missing:
+                raise ModelLoadError(path, f"weights file {missing[0]} named in {index} is missing")
+            return [root / s for s in shards]
+    raise ModelLoadError(path, "no weights file (model.safetensors or model.safetensors.index.json)")
+
+
+def _check_safetensors(file: Path, path: str) -> None:
+    """The header parses and the file holds every byte it promises: a truncated file is refused
+    here rather than found by whatever reads past its end."""
+    corrupt = ModelLoadError(path, f"{file.name} is truncated or corrupt")
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise corrupt
+            (header_bytes,) = struct.unpack("<Q", prefix)
+            if header_bytes > min(_MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+                raise corrupt
+            header = json.loads(f.read(header_bytes))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except ModelLoadError:
+        raise
+    except OSError as exc:
+        raise ModelLoadError(path, f"{file.name} is not readable ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise corrupt from None
+    if 8 + header_bytes + max(ends, default=0) > size:
+        raise corrupt
+
+
 def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
-    """stage: "encoder", "prefill", "decode" or "all" (embedded mode loads one model for all)."""
-    from transformers import AutoConfig
+    """stage: "encoder", "prefill", "decode" or "all" (embedded mode loads one model for all).
+    Any failure to load is a ModelLoadError saying why (the original exception is its cause)."""
+    path = resolve_model_path(config.model)
+    model_type = check_model_dir(path)  # before torch: a broken checkpoint fails in milliseconds
+    import torch
 
     from epd.model_runtime.qwen2_vl import STAGE_PARTS, Qwen2VLAdapter
 
     torch.set_num_threads(config.num_threads)
-    path = resolve_model_path(config.model)
-    model_type = AutoConfig.from_pretrained(path).model_type
-    if model_type not in _FAMILIES:
-        raise ValueError(
-            f"model {config.model!r} is a {model_type!r}; epd serves {sorted(_FAMILIES)} models"
-        )
     parts = {"vision", "language"} if stage == "all" else STAGE_PARTS[stage]
-    log.info("loading %s (%s) for %s on %s", path, model_type, stage, config.device)
-    return Qwen2VLAdapter(path, config, parts)
+    try:
+        if model_type is None:  # a hub id: its config.json arrives with the download
+            from transformers import AutoConfig
+
+            model_type = AutoConfig.from_pretrained(path).model_type
+            if model_type not in _FAMILIES:
+                raise ModelLoadError(path, f"model_type {model_type!r} is not supported; epd serves {SUPPORTED}")
+        log.info("loading %s (%s) for %s on %s", path, model_type, stage, config.device)
+        return Qwen2VLAdapter(path, config, parts)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers/torch raise, the model cannot be served
+        log.debug("loading %s failed", path, exc_info=True)
+        raise ModelLoadError(path, f"{type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no details"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +32,9 @@ STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"langu
 
 class Qwen2VLAdapter(VLMAdapter):
     """Loads only the parts a stage needs: "vision" (the vision tower) and/or "language"
-    (embeddings, decoder layers, lm_head)."""
+    (embeddings, decoder layers, lm_head). From safetensors, a one-part stage reads only its own
+    part's tensors (the encoder never the language model's, prefill and decode never the tower's);
+    both parts (the embedded mode, training) load transformers' whole model."""
 
     def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
         from transformers import AutoConfig, AutoProcessor
@@ -51,13 +54,14 @@ class Qwen2VLAdapter(VLMAdapter):
         self.hidden_size = self.hf_config.text_config.hidden_size
         self.visual = None
         self.model = None
-        if self.parts == {"vision"}:
-            self.visual = _load_vision_tower(path, self.hf_config, self.dtype).to(self.device)
-        else:
+        if self.parts >= {"vision", "language"}:
             self.model = _load_full_model(path, self.dtype, self.device)
-            self.visual = self.model.model.visual if "vision" in self.parts else None
-            if "vision" not in self.parts:
-                self.model.model.visual = None  # frees the tower; this stage never runs it
+            self.visual = self.model.model.visual
+        elif "vision" in self.parts:
+            self.visual = _load_vision_tower(path, self.hf_config, self.dtype).to(self.device)
+        elif "language" in self.parts:
+            self.model = _load_language_model(path, self.hf_config, self.dtype).to(self.device).eval()
+        # no parts: prompts only (build_prompt), no weights
         eos = getattr(self._generation_config(path), "eos_token_id", None)
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -96,19 +100,22 @@ class Qwen2VLAdapter(VLMAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, question: str, visual: VisualMeta) -> Prompt:
-        messages = [
-            {"role": "user", "content": [{"type": visual.modality}, {"type": "text", "text": question}]}
-        ]
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+        # The processor's own template renders the parts in order (no separator between text parts,
+        # earlier turns as it renders them); we only expand the one placeholder, as its __call__ does.
+        text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
+        if any(token in part.get("text", "") for m in conversation for part in m["content"]
+               for token in (self.processor.video_token, self.processor.image_token)):
+            raise ValueError("a text part contains the model's visual placeholder token; remove it")
         num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
         visual_mask = input_ids[0] == pad_id
         if int(visual_mask.sum()) != num_tokens:
-            raise ValueError("the question contains the model's visual placeholder token; remove it")
+            raise ValueError(f"the chat template rendered {text.count(pad) - num_tokens + 1} {visual.modality} "
+                             "placeholders; send exactly one video or image part")
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
@@ -263,6 +270,50 @@ def _load_full_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
+def _safetensors_files(path: str) -> tuple[Path, list[str]]:
+    """The checkpoint's directory and its safetensors files ([] when it has none)."""
+    root = Path(path) if Path(path).is_dir() else Path(_snapshot_dir(path))
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return root, sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return root, ["model.safetensors"] if (root / "model.safetensors").exists() else []
+
+
+def _read_part(root: Path, files: list[str], rename) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors that `rename(key)` maps to a name (None skips the key). Only those
+    are read: safetensors maps the file and a tensor's bytes are touched only by get_tensor."""
+    from safetensors import safe_open
+
+    state = {}
+    for name in files:
+        with safe_open(str(root / name), framework="pt") as f:
+            for key in f.keys():
+                if (new := rename(key)) is not None:
+                    state[new] = f.get_tensor(key)
+    return state
+
+
+def _vision_key(key: str) -> str | None:
+    """Hub format ("visual.*") or transformers 5's ("model.visual.*") -> the tower's own names."""
+    for prefix in ("model.visual.", "visual."):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return None
+
+
+def _language_key(key: str) -> str | None:
+    """Hub format ("model.layers.*", "lm_head.*") or transformers 5's ("model.language_model.*")
+    -> "model.language_model.*" / "lm_head.*" (`_LanguageOnly`'s names); the tower's -> None (never read)."""
+    if key.startswith("lm_head."):
+        return key
+    if key.startswith(("visual.", "model.visual.")):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if key.startswith(prefix):
+            return "model.language_model." + key[len(prefix) :]
+    return None
+
+
 def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
     """Build the vision tower alone and load only its weights from the checkpoint's safetensors.
 
@@ -270,26 +321,16 @@ def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
     written by transformers 5); both are accepted. Falls back to loading the full model when the
     checkpoint is not in safetensors.
     """
-    from safetensors import safe_open
+    from transformers.initialization import no_init_weights
 
-    root = Path(path) if Path(path).is_dir() else Path(_snapshot_dir(path))
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (root / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
+    root, files = _safetensors_files(path)
+    if not files:
         log.info("no safetensors in %s; loading the full model for its vision tower", root)
         return _load_full_model(str(root), dtype, torch.device("cpu")).model.visual
     tower_cls = _vision_tower_class(hf_config)
-    tower = tower_cls._from_config(hf_config.vision_config, dtype=dtype)
-    state = {}
-    for name in files:
-        with safe_open(str(root / name), framework="pt") as f:
-            for key in f.keys():
-                for prefix in ("model.visual.", "visual."):
-                    if key.startswith(prefix):
-                        state[key[len(prefix) :]] = f.get_tensor(key)
+    with no_init_weights():  # every weight is loaded below; random init would only cost time
+        tower = tower_cls._from_config(hf_config.vision_config, dtype=dtype)
+    state = _read_part(root, files, _vision_key)
     missing, unexpected = tower.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -297,6 +338,56 @@ def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
             f"unexpected {unexpected[:3]}"
         )
     return tower.to(dtype).eval()
+
+
+class _LanguageOnly(torch.nn.Module):
+    """The language half of the model at the whole model's attribute paths (`model.language_model`,
+    `lm_head`; no `model.visual`), so prefill and decode run the same modules either way."""
+
+    def __init__(self, language_model: torch.nn.Module, lm_head: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.language_model = language_model
+        self.lm_head = lm_head
+
+
+def _load_language_model(path: str, hf_config, dtype: torch.dtype):
+    """Build the text model and lm_head alone and load only their weights (prefill and decode):
+    the tower's tensors are never read. Without safetensors: the full model, tower dropped."""
+    from transformers.initialization import no_init_weights
+
+    root, files = _safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its language model", root)
+        model = _load_full_model(str(root), dtype, torch.device("cpu"))
+        model.model.visual = None  # frees the tower; this stage never runs it
+        return model
+    text_config = hf_config.text_config
+    with no_init_weights():  # every weight is loaded below; random init would only cost time
+        text_cls = _text_model_class(hf_config)
+        lm = text_cls._from_config(text_config, dtype=dtype)  # as the whole model builds it
+        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+    model = _LanguageOnly(lm, head)
+    state = _read_part(root, files, _language_key)
+    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
+    if "lm_head.weight" not in state and tied:
+        head.weight = lm.embed_tokens.weight
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    return model
+
+
+def _text_model_class(hf_config):
+    if hf_config.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel as text
+    else:
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel as text
+    return text
 
 
 def _vision_tower_class(hf_config):

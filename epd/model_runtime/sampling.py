@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported where sampling runs: the gateway reads GenerationConfig without torch
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Sampler:
     """Chooses the next token from logits. One sampler per request (it owns the RNG state)."""
 
     def __init__(self, config: GenerationConfig, seed_offset: int = 0) -> None:
+        import torch
+
         self.config = config
         self._generator: torch.Generator | None = None
         if config.temperature > 0:
@@ -54,6 +58,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (any float dtype) -> token id."""
+        import torch
+
         logits = logits.float()
         if self._generator is None:
             return int(torch.argmax(logits))

@@ -1,7 +1,7 @@
 """The three stage boundaries, as small abstract classes with their contracts.
 
     EncodeStage.encode(MediaInput, SamplingOptions, ..., PruningConfig)   -> EncodedMedia
-    PrefillStage.prefill(question, EncodedMedia, GenerationConfig, ..., PruningConfig) -> PrefillHandle
+    PrefillStage.prefill(messages, EncodedMedia, GenerationConfig, ..., PruningConfig) -> PrefillHandle
     DecodeStage.generate(PrefillHandle, GenerationConfig, ..., PruningConfig) -> async iter of TokenStep
 
 Every stage takes the request's PruningConfig; with its default (all off) the stages are exact.
@@ -27,17 +27,19 @@ gateway's pipeline is written against these contracts only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
+from epd.stages.messages import Message
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
+
+if TYPE_CHECKING:
+    import torch  # the gateway imports this module and must start without torch
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,34 @@ class MediaInput:
     sha256: str = ""
 
 
+class TensorLike(Protocol):
+    """What the boundary types need of their tensors. Two forms satisfy it: torch.Tensor (the
+    engines, the embedded mode, the token cache, the services after receiving) and the wire form
+    `epd.transport.tensor_wire.WireTensor` (dtype name, shape, bytes; no torch), in which the
+    gateway relays a request's tensors from one stage to the next without looking inside."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def tolist(self) -> Any: ...
+
+
+T = TypeVar("T", bound=TensorLike)
+"""The tensor form of an `EncodedMedia` / `MediaRecord` / `PrefillHandle`: all its tensors are
+torch.Tensor, or all are WireTensor (`EncodedMedia[WireTensor]` in the gateway's remote stages)."""
+
+IndexFromList = Callable[[list, str], Any]
+"""(values, dtype name "int64" | "bool") -> a 1-D tensor [len(values)] of the wanted form."""
+
+
+def torch_from_list(values: list, dtype: str) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(values, dtype=getattr(torch, dtype))
+
+
 @dataclass
-class MediaRecord:
+class MediaRecord(Generic[T]):
     """An `EncodedMedia` as plain data: its tensors by name and a JSON-able dict of everything else.
 
     The keys of `fields` are the field names of the wire's `epd.v1.EncodeResult` (with
@@ -70,16 +98,19 @@ class MediaRecord:
     on the wire as tensor chunks beside the EncodeResult.
     """
 
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, T]
     """{"visual_embeds": [num_visual_tokens, hidden_size]}."""
     fields: dict[str, Any]
 
 
 @dataclass
-class EncodedMedia:
-    """Visual token embeddings and what prefill needs to place them."""
+class EncodedMedia(Generic[T]):
+    """Visual token embeddings and what prefill needs to place them.
 
-    embeds: torch.Tensor  # [num_visual_tokens, hidden_size]
+    Its tensors are torch.Tensor everywhere a model runs; the gateway holds them in wire form
+    (`EncodedMedia[WireTensor]`, see `TensorLike`) since it only relays them to prefill."""
+
+    embeds: T  # [num_visual_tokens, hidden_size]
     meta: VisualMeta
     num_frames: int
     frame_timestamps_s: list[float]
@@ -87,14 +118,14 @@ class EncodedMedia:
     encode_ms: float
     cache_hit: bool = False
     sha256: str = ""
-    token_index: torch.Tensor | None = None
+    token_index: T | None = None
     """[N'] long, increasing: index in the full visual-token list of each embedding, when
     encode-stage dropping removed some (None: all sent, in order)."""
-    key_mask: torch.Tensor | None = None
+    key_mask: T | None = None
     """[N'] bool: key tokens, which no later stage drops (None: none)."""
     pruning: PruningStats = field(default_factory=PruningStats)
 
-    def to_record(self) -> MediaRecord:
+    def to_record(self) -> MediaRecord[T]:
         """The one plain-data form of this object (see `MediaRecord`); `from_record` inverts it."""
         return MediaRecord(
             tensors={"visual_embeds": self.embeds},
@@ -111,16 +142,19 @@ class EncodedMedia:
                 "media_sha256": self.sha256,
                 "kept_token_index": [] if self.token_index is None else self.token_index.tolist(),
                 # [K] positions among the N' embeddings of the True entries of key_mask [N'].
-                "key_token_index": [] if self.key_mask is None else self.key_mask.nonzero().flatten().tolist(),
+                "key_token_index": [] if self.key_mask is None else [
+                    i for i, key in enumerate(self.key_mask.tolist()) if key
+                ],
                 "pruning": pruning_stats_to_record(self.pruning),
             },
         )
 
     @classmethod
-    def from_record(cls, record: MediaRecord) -> EncodedMedia:
+    def from_record(cls, record: MediaRecord[T], from_list: IndexFromList = torch_from_list) -> EncodedMedia[T]:
         """The inverse of `to_record`. The record may come from a client (a proto) or from disk
         (the token cache): InvalidRequest when its metadata is malformed, KeyError when a field
-        or the embeddings tensor is missing."""
+        or the embeddings tensor is missing. `from_list` builds token_index and key_mask in the
+        embeddings' form (torch by default; `WireTensor.from_list` in the gateway)."""
         f = record.fields
         embeds = record.tensors["visual_embeds"]  # [N', hidden_size]
         grid = [int(x) for x in f["grid_thw"]]
@@ -128,11 +162,13 @@ class EncodedMedia:
             raise InvalidRequest("visual metadata must name modality 'video' or 'image' and a 3-value grid_thw")
         key_mask = None
         if len(f["key_token_index"]):
-            index = torch.tensor(list(f["key_token_index"]), dtype=torch.long)  # [K]
-            if int(index.min()) < 0 or int(index.max()) >= embeds.shape[0]:
+            index = [int(i) for i in f["key_token_index"]]  # [K]
+            if min(index) < 0 or max(index) >= embeds.shape[0]:
                 raise InvalidRequest("key_token_index points outside the visual tokens sent")
-            key_mask = torch.zeros(embeds.shape[0], dtype=torch.bool)
-            key_mask[index] = True
+            mask = [False] * embeds.shape[0]  # [N']
+            for i in index:
+                mask[i] = True
+            key_mask = from_list(mask, "bool")
         kept = list(f["kept_token_index"])
         return cls(
             embeds=embeds,
@@ -144,7 +180,7 @@ class EncodedMedia:
             encode_ms=float(f["encode_ms"]),
             cache_hit=bool(f["cache_hit"]),
             sha256=str(f["media_sha256"]),
-            token_index=torch.tensor(kept, dtype=torch.long) if kept else None,
+            token_index=from_list([int(i) for i in kept], "int64") if kept else None,
             key_mask=key_mask,
             pruning=pruning_stats_from_record(f["pruning"]),
         )
@@ -182,7 +218,7 @@ def pruning_stats_from_record(fields: dict[str, Any]) -> PruningStats:
 
 
 @dataclass
-class PrefillHandle:
+class PrefillHandle(Generic[T]):
     """What decoding starts from, and where the KV cache waits.
 
     The prefill engine builds it without the location (`kv_handle`, `kv_address` empty) and the
@@ -199,10 +235,11 @@ class PrefillHandle:
     num_visual_tokens_out: int = 0
     kv_num_bytes_uncompressed: int = 0
     pruning: PruningStats = field(default_factory=PruningStats)
-    visual_entry_mask: torch.Tensor | None = None
+    visual_entry_mask: T | None = None
     """[num_layers, num_kv_heads, num_cached_tokens] bool: visual cache entries, for decode-stage
     eviction (None unless it is on). Flat [num_layers * num_kv_heads * num_cached_tokens] once it
-    has crossed the wire; the decoder shapes it by its cache."""
+    has crossed the wire; the decoder shapes it by its cache. A torch.Tensor, except in the
+    gateway, which relays it to the decoder in wire form (`TensorLike`)."""
     kept_visual_token_index: list[int] = field(default_factory=list)
     """Full-list index of each visual token left after prefill dropping (empty: all kept)."""
     kv_handle: str = ""
@@ -254,13 +291,14 @@ class PrefillStage(ABC):
     @abstractmethod
     async def prefill(
         self,
-        question: str,
+        messages: Sequence[Message],
         media: EncodedMedia,
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
-        """Run the prompt; the KV cache stays with the stage until a decoder takes it (or its TTL
+        """Render `messages` (`epd.stages.messages`: one media part, the user's message last) with
+        the model's chat template around `media` and run the prompt; the KV cache stays with the stage until a decoder takes it (or its TTL
         passes). Cancelled before it returns, the stage stores no cache."""
 
     @abstractmethod

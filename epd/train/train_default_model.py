@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from epd.resources import demo_model_dir
+from epd.stages.messages import question_messages, to_chat_template
 from epd.train.augment import (
     mirror_answer,
     mirror_pixels,
@@ -325,7 +326,8 @@ def _sequence(adapter, question: str, answer: str, meta, end_ids: list[int]
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [L], position_ids [4, L] and labels [L] of one question and answer about a media
     file with visual layout `meta` (the serving adapter's prompt, then the answer)."""
-    prompt = adapter.build_prompt(question, meta)
+    # The serving prompt of a question: one user message [media, question].
+    prompt = adapter.build_prompt(to_chat_template(question_messages(question), meta.modality), meta)
     answer_ids = adapter.tokenizer(answer, add_special_tokens=False)["input_ids"] + end_ids
     input_ids = torch.cat([prompt.input_ids[0], torch.tensor(answer_ids, dtype=torch.long)])
     positions = adapter._prompt_positions(input_ids[None], meta)[:, 0]  # [4, L]

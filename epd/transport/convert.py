@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from google.protobuf.message import Message
 
 from epd.model_runtime.sampling import GenerationConfig
@@ -23,8 +22,14 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport.message_convert import messages_from_proto as messages_from_proto  # re-exported
+from epd.transport.message_convert import messages_to_proto as messages_to_proto  # re-exported
+from epd.transport.tensor_wire import WireTensor, tensor_bytes
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2
 from epd.video.types import MediaError, SamplingOptions
+
+if TYPE_CHECKING:
+    import torch  # the gateway uses this module without torch (its tensors stay WireTensors)
 
 
 def require_finite(**values: float) -> None:
@@ -140,9 +145,15 @@ def encode_result_to_proto(media: EncodedMedia) -> encoder_pb2.EncodeResult:
     return encoder_pb2.EncodeResult(**media.to_record().fields)
 
 
-def encoded_media_from_proto(msg: encoder_pb2.EncodeResult, embeds: torch.Tensor) -> EncodedMedia:
-    """embeds: [num_visual_tokens, hidden_size], reassembled from the chunks beside `msg`."""
-    return EncodedMedia.from_record(MediaRecord({"visual_embeds": embeds}, message_fields(msg)))
+def encoded_media_from_proto(
+    msg: encoder_pb2.EncodeResult, embeds: torch.Tensor | WireTensor
+) -> EncodedMedia:
+    """embeds: [num_visual_tokens, hidden_size], reassembled from the chunks beside `msg`. A
+    WireTensor (the gateway, relaying) gives the media's index tensors in wire form too."""
+    record = MediaRecord({"visual_embeds": embeds}, message_fields(msg))
+    if isinstance(embeds, WireTensor):
+        return EncodedMedia.from_record(record, WireTensor.from_list)
+    return EncodedMedia.from_record(record)
 
 
 def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
@@ -159,12 +170,13 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         num_visual_tokens_out=h.num_visual_tokens_out,
         kv_num_bytes_uncompressed=h.kv_num_bytes_uncompressed,
         pruning=stats_to_proto(h.pruning),
-        visual_entry_mask=b"" if h.visual_entry_mask is None else h.visual_entry_mask.numpy().tobytes(),
+        visual_entry_mask=b"" if h.visual_entry_mask is None else tensor_bytes(h.visual_entry_mask),
         kept_visual_token_index=h.kept_visual_token_index,
     )
 
 
-def handle_from_proto(msg: prefill_pb2.PrefillResult) -> PrefillHandle:
+def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> PrefillHandle:
+    """relay: keep visual_entry_mask in wire form (the gateway, which only passes it to decode)."""
     if len(msg.next_position_ids) != 4 or not msg.kv_handle:
         raise InvalidRequest("prefill result must carry a kv_handle and 4 next_position_ids")
     return PrefillHandle(
@@ -181,10 +193,15 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult) -> PrefillHandle:
         kv_num_bytes_uncompressed=msg.kv_num_bytes_uncompressed,
         pruning=stats_from_proto(msg.pruning),
         # Flat here; the decoder shapes it [layers, kv_heads, cached] once it has the cache.
-        visual_entry_mask=torch.frombuffer(bytearray(msg.visual_entry_mask), dtype=torch.bool)
-        if msg.visual_entry_mask else None,
+        visual_entry_mask=_flat_mask(msg.visual_entry_mask, relay) if msg.visual_entry_mask else None,
         kept_visual_token_index=list(msg.kept_visual_token_index),
     )
+
+
+def _flat_mask(data: bytes, relay: bool) -> Any:
+    """[num_bytes] bool, one byte per entry: a WireTensor when relaying, else a torch.Tensor."""
+    wire = WireTensor("bool", (len(data),), bytearray(data))
+    return wire if relay else wire.to_torch()
 
 
 def token_step_to_proto(step: TokenStep) -> decode_pb2.GenerateResponse:

@@ -1,5 +1,5 @@
-"""The one place where domain errors (`epd.stages.errors`, `epd.video.types.MediaError`) become
-gRPC status codes.
+"""The one place where domain errors (`epd.stages.errors`, `epd.video.types.MediaError`,
+`epd.model_runtime.loader.ModelLoadError`) become gRPC status codes.
 
 Engines raise domain errors with a message that tells the caller what to
 change; servicer methods are wrapped by `rpc_errors`, which aborts the call with the mapped
@@ -15,6 +15,7 @@ import logging
 
 import grpc
 
+from epd.model_runtime.loader import ModelLoadError
 from epd.stages.errors import (
     DeadlineExceeded,
     EpdError,
@@ -39,6 +40,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (MediaLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (MediaError, grpc.StatusCode.INVALID_ARGUMENT),
+    # The server's model, not the request, is wrong: its message says why and what epd serves.
+    (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 

@@ -3,6 +3,9 @@
 Each stage holds one channel per replica address and picks replicas round-robin (client-side
 load balancing; in Kubernetes the addresses come from a headless Service).
 
+Tensors pass through in wire form (`epd.transport.tensor_wire.WireTensor`): the gateway relays the
+encoder's embeddings to prefill and prefill's visual-entry mask to decode without torch.
+
 Cancelling a stage call (the gateway's request task is cancelled when its client goes away)
 cancels the RPC, and the service's handler is cancelled in turn. A KV cache is released at the
 prefill replica that holds it, by the address that replica advertised (`kv_address`), since a
@@ -12,7 +15,7 @@ replica pool's channel may balance a call to another replica.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -28,6 +31,7 @@ from epd.stages.contracts import (
     TokenStep,
 )
 from epd.stages.errors import InvalidRequest
+from epd.stages.messages import Message
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
@@ -110,7 +114,8 @@ class RemoteEncodeStage(EncodeStage):
             raise stage_error(exc, "encode", request_id) from None
         if result is None:
             raise UpstreamError(grpc.StatusCode.INTERNAL, "the encoder ended without a result")
-        return convert.encoded_media_from_proto(result, asm.tensors()["visual_embeds"])
+        # Relayed to prefill as received: wire form, no torch in the gateway.
+        return convert.encoded_media_from_proto(result, asm.wire_tensors()["visual_embeds"])
 
 
 class RemotePrefillStage(PrefillStage):
@@ -121,7 +126,7 @@ class RemotePrefillStage(PrefillStage):
 
     async def prefill(
         self,
-        question: str,
+        messages: Sequence[Message],
         media: EncodedMedia,
         generation: GenerationConfig,
         request_id: str,
@@ -131,7 +136,7 @@ class RemotePrefillStage(PrefillStage):
             yield prefill_pb2.PrefillRequest(
                 header=prefill_pb2.PrefillHeader(
                     request_id=request_id,
-                    question=question,
+                    messages=convert.messages_to_proto(messages),
                     visual=convert.encode_result_to_proto(media),
                     generation=convert.generation_to_proto(generation),
                     pruning=convert.pruning_to_proto(pruning),
@@ -145,7 +150,7 @@ class RemotePrefillStage(PrefillStage):
             result = await stub.Prefill(requests(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise stage_error(exc, "prefill", request_id) from None
-        return convert.handle_from_proto(result)
+        return convert.handle_from_proto(result, relay=True)
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if not handle.kv_address:

@@ -1,12 +1,14 @@
 """A grpc.aio server with what every epd service needs: health, reflection, message limits,
-graceful shutdown. `create_server(config, ...) -> (server, port)` binds port 0 in tests."""
+graceful shutdown. `create_server(config, ...) -> (server, port)` binds port 0 in tests;
+`run_service(start(config), grace_s)` is a service's whole life in `epd serve ROLE`."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -52,6 +54,20 @@ class HealthyServer:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
+    @contextlib.asynccontextmanager
+    async def closed_on_failure(self) -> AsyncIterator[None]:
+        """Around the rest of a service's start-up (loading the model): if it fails or is
+        cancelled, stop the server before the error leaves the event loop. A grpc.aio server
+        left to the garbage collector after `asyncio.run` returns logs "Event loop is closed"
+        tracebacks."""
+        try:
+            yield
+        except BaseException:
+            for task in self.background_tasks:
+                task.cancel()
+            await self.server.stop(None)
+            raise
+
     async def stop(self, grace_s: float) -> None:
         for task in self.background_tasks:
             task.cancel()
@@ -88,17 +104,72 @@ async def create_server(
     return hs
 
 
-async def serve_until_signal(hs: HealthyServer, grace_s: float, on_stop: Callable[[], None] | None = None) -> None:
-    """Run until SIGINT/SIGTERM, then drain in-flight calls and stop."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+class StopSignals:
+    """SIGINT/SIGTERM as events: the first asks for a graceful stop (drain in-flight calls for up
+    to the grace period), a second one for an immediate stop. Installed before the model loads,
+    so a signal during start-up stops the service at once instead of killing it half-built
+    (SIGINT would otherwise end it with a KeyboardInterrupt traceback)."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.hurry if self.stop.is_set() else self.stop).set()
+
+
+async def run_service(
+    start: Awaitable[HealthyServer], grace_s: float, on_stop: Callable[[], None] | None = None
+) -> None:
+    """Start a service (`start` is its `start(config)`), serve until SIGINT/SIGTERM, drain, stop.
+    A signal during start-up cancels it; `start` must then close what it opened (see
+    `HealthyServer.closed_on_failure`). Start-up errors (a model that cannot be loaded) propagate."""
+    signals = StopSignals()
+    starting = asyncio.ensure_future(start)
+    stopper = asyncio.ensure_future(signals.stop.wait())
+    try:
+        await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("stopped during start-up")
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        await serve_until_signal(starting.result(), grace_s, on_stop, signals)
+    finally:
+        stopper.cancel()
+
+
+async def serve_until_signal(
+    hs: HealthyServer,
+    grace_s: float,
+    on_stop: Callable[[], None] | None = None,
+    signals: StopSignals | None = None,
+    drain_too: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run until SIGINT/SIGTERM, then drain in-flight calls (at most `grace_s`; a second signal
+    cuts it short) and stop. An idle server stops at once: gRPC waits only for open calls.
+    `drain_too` stops another server of the process (the gateway's HTTP API) at the same time."""
+    signals = signals or StopSignals()
     waiter = asyncio.ensure_future(hs.server.wait_for_termination())
-    stopper = asyncio.ensure_future(stop.wait())
+    stopper = asyncio.ensure_future(signals.stop.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down (grace %.1f s)", grace_s)
-    await hs.stop(grace_s)
+
+    async def drain() -> None:
+        await asyncio.gather(hs.stop(grace_s), *([drain_too()] if drain_too else []))
+
+    draining = asyncio.ensure_future(drain())
+    hurry = asyncio.ensure_future(signals.hurry.wait())
+    await asyncio.wait([draining, hurry], return_when=asyncio.FIRST_COMPLETED)
+    if not draining.done():
+        log.info("second signal: aborting the calls still in flight")
+        await hs.server.stop(None)  # a shorter grace overrides the pending one
+        await draining
+    hurry.cancel()
     if on_stop:
         on_stop()
     stopper.cancel()
+    waiter.cancel()

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from epd.cli.health import is_serving
-from tests.reference import decode_for_test, reference_tokens
+from tests.reference import decode_for_test, reference_tokens, reference_tokens_for_messages
 from tests.stack import ROOT, child_env, epd_command, free_port
 
 QUESTION = "what colour is the square?"
@@ -50,6 +50,21 @@ def test_ask_embedded_text_streams_progress(tiny_models, media_files):
     assert proc.returncode == 0, proc.stderr
     assert "[video_decode] done" in proc.stderr and "[encode] done" in proc.stderr and "[prefill] done" in proc.stderr
     assert "video_decode" in proc.stderr.splitlines()[-1] and "ttft" in proc.stderr.splitlines()[-1]
+
+
+def test_ask_embedded_messages_file_keeps_the_part_order(tiny_models, media_files, tmp_path):
+    """--messages FILE: text before the video, as the model's template renders it."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "video"}]}]
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(messages))
+    proc = run_epd("ask", str(media_files["mp4"]), "--messages", str(path), "--model", str(tiny_models["qwen2_vl"]),
+                   "--num-frames", "8", "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    video = decode_for_test(media_files["mp4"], 8)
+    assert json.loads(proc.stdout)["token_ids"] == reference_tokens_for_messages(
+        tiny_models["qwen2_vl"], video, messages, 12)
+    both = run_epd("ask", str(media_files["mp4"]), QUESTION, "--messages", str(path))
+    assert both.returncode == 2 and "give a QUESTION or --messages FILE" in both.stderr
 
 
 def test_ask_missing_file_fails_clearly(tmp_path):

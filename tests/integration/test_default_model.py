@@ -38,6 +38,7 @@ def pipeline_answers(test_clips) -> list[tuple[object, str]]:
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput
+    from epd.stages.messages import question_messages
     from epd.synth.manifest import read_manifest
 
     pipeline = build_embedded_pipeline(ModelConfig(model=str(SHIPPED)))
@@ -45,7 +46,7 @@ def pipeline_answers(test_clips) -> list[tuple[object, str]]:
     async def ask_all():
         out = []
         for r in read_manifest(test_clips, split="test"):
-            req = AskRequest(r.question, MediaInput(r.media_path(test_clips).read_bytes()),
+            req = AskRequest(question_messages(r.question), MediaInput(r.media_path(test_clips).read_bytes()),
                              generation=GenerationConfig(max_new_tokens=8))
             summary = [x async for x in pipeline.ask(req) if isinstance(x, AskSummary)][0]
             out.append((r, summary.answer.strip()))

@@ -13,6 +13,7 @@ from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
+from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import Stack
@@ -52,7 +53,7 @@ def embedded_tokens(model_dir, path, num_frames: int, positions_override=None) -
         adapter = pipeline.prefill.engine.adapter
         adapter._prompt_positions = positions_override.__get__(adapter)
     request = AskRequest(
-        question=QUESTION,
+        messages=question_messages(QUESTION),
         media=MediaInput(path.read_bytes()),
         sampling=SamplingOptions(num_frames=num_frames),
         generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),

@@ -15,7 +15,7 @@ import urllib.request
 import openai
 import pytest
 
-from epd.client import EpdClient
+from epd.client import VIDEO, EpdClient, Message
 from tests.stack import Stack, free_port
 
 API_KEY = "test-key-123"
@@ -23,6 +23,8 @@ MODEL = "tiny-qwen2-vl"
 QUESTION = "what colour is the moving square?"
 MAX_TOKENS = 8
 NUM_FRAMES = 4
+TEXT_FIRST = [Message.user(QUESTION, VIDEO)]
+"""What `video_message` sends, for the gRPC API (the media part takes the kind found in the bytes)."""
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,8 @@ def ask_http(client, url: str, kind: str = "video_url", **kwargs):
     "kind,fmt,mime", [("video_url", "mp4", "video/mp4"), ("image_url", "png", "image/png")]
 )
 def test_non_streaming_matches_grpc(client, grpc_client, media_files, kind, fmt, mime):
-    expected = grpc_client.ask(media_files[fmt], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
+    expected = grpc_client.ask(media_files[fmt], messages=TEXT_FIRST,
+                               num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
     completion = ask_http(client, data_url(media_files[fmt], mime), kind)
 
     assert completion.object == "chat.completion"
@@ -99,7 +102,8 @@ def test_non_streaming_matches_grpc(client, grpc_client, media_files, kind, fmt,
 
 
 def test_streaming_matches_grpc(client, grpc_client, media_files):
-    expected = grpc_client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
+    expected = grpc_client.ask(media_files["mp4"], messages=TEXT_FIRST,
+                               num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
     stream = ask_http(
         client, data_url(media_files["mp4"], "video/mp4"), stream=True, stream_options={"include_usage": True}
     )
@@ -121,7 +125,8 @@ def test_streaming_matches_grpc(client, grpc_client, media_files):
 
 def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(client, grpc_client, media_files):
     pruning = {"preset": "balanced", "knobs": {"prefill_drop_layer": 1}}
-    expected = grpc_client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS,
+    expected = grpc_client.ask(media_files["mp4"], messages=TEXT_FIRST,
+                               num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS,
                                pruning="balanced", pruning_knobs={"prefill_drop_layer": 1})  # fmt: skip
     completion = client.chat.completions.create(
         model=MODEL, messages=video_message(data_url(media_files["mp4"], "video/mp4")), max_tokens=MAX_TOKENS,
@@ -140,7 +145,8 @@ def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(c
 
 
 def test_allowed_local_path_and_file_url(client, grpc_client, allowed_dir, media_files):
-    expected = grpc_client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
+    expected = grpc_client.ask(media_files["mp4"], messages=TEXT_FIRST,
+                               num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
     by_path = ask_http(client, str(allowed_dir / "clip.mp4"))
     by_url = ask_http(client, (allowed_dir / "clip.mp4").as_uri())
     assert by_path.epd["token_ids"] == by_url.epd["token_ids"] == expected.token_ids

@@ -36,6 +36,7 @@ from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import MediaInput, StageEvent
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.events import Finished, with_events
+from epd.stages.messages import question_messages
 from epd.stages.model_thread import ModelThread
 from epd.stages.request_pool import RequestPool
 from epd.video.types import DecodedVideo, SamplingOptions
@@ -286,7 +287,7 @@ def embedded(tiny_models):
 
 def _ask(videos, **generation) -> AskRequest:
     return AskRequest(
-        question="what colour is the square?",
+        messages=question_messages("what colour is the square?"),
         media=MediaInput(videos["mp4"]),
         sampling=SamplingOptions(num_frames=4),
         generation=GenerationConfig(**generation),
@@ -346,7 +347,7 @@ def test_the_prefill_stage_returns_the_engines_handle_with_where_its_cache_waits
     async def scenario():
         media = await embedded.encoder.encode(MediaInput(videos["mp4"]), SamplingOptions(num_frames=4),
                                               lambda e: None, "r")
-        handle = await embedded.prefill.prefill("what colour is the square?", media,
+        handle = await embedded.prefill.prefill(question_messages("what colour is the square?"), media,
                                                 GenerationConfig(max_new_tokens=4), "r")
         return handle, store.take(handle.kv_handle)
 

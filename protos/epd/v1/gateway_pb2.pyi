@@ -1,4 +1,5 @@
 from epd.v1 import common_pb2 as _common_pb2
+from epd.v1 import messages_pb2 as _messages_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AskHeader(_message.Message):
-    __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning")
+    __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning", "messages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     MEDIA_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +17,7 @@ class AskHeader(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     question: str
     media_num_bytes: int
@@ -23,7 +25,8 @@ class AskHeader(_message.Message):
     sampling: _common_pb2.VideoSampling
     generation: _common_pb2.GenerationParams
     pruning: _common_pb2.PruningOptions
-    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., media_sha256: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
+    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., media_sha256: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class AskRequest(_message.Message):
     __slots__ = ("header", "media_chunk")

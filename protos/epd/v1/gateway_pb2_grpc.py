@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class GatewayServiceStub:
-    """The front door: runs Encode -> Prefill -> Decode for one question about one video.
+    """The front door: runs Encode -> Prefill -> Decode for one conversation about one video or image.
     """
 
     def __init__(self, channel):
@@ -43,7 +43,7 @@ class GatewayServiceStub:
 
 
 class GatewayServiceServicer:
-    """The front door: runs Encode -> Prefill -> Decode for one question about one video.
+    """The front door: runs Encode -> Prefill -> Decode for one conversation about one video or image.
     """
 
     def Ask(self, request_iterator, context):
@@ -71,7 +71,7 @@ def add_GatewayServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GatewayService:
-    """The front door: runs Encode -> Prefill -> Decode for one question about one video.
+    """The front door: runs Encode -> Prefill -> Decode for one conversation about one video or image.
     """
 
     @staticmethod

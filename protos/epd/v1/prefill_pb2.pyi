@@ -1,5 +1,6 @@
 from epd.v1 import common_pb2 as _common_pb2
 from epd.v1 import encoder_pb2 as _encoder_pb2
+from epd.v1 import messages_pb2 as _messages_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -9,18 +10,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "question", "visual", "generation", "pruning")
+    __slots__ = ("request_id", "visual", "generation", "pruning", "messages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    QUESTION_FIELD_NUMBER: _ClassVar[int]
     VISUAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    question: str
     visual: _encoder_pb2.EncodeResult
     generation: _common_pb2.GenerationParams
     pruning: _common_pb2.PruningOptions
-    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
+    def __init__(self, request_id: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "visual_embeds")

@@ -10,6 +10,7 @@ import pytest
 from epd.gateway.openai_protocol import http_status_of, parse_chat_request
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.messages import IMAGE, VIDEO, Message
 from epd.video.types import SamplingOptions
 
 MODEL = "epd"
@@ -29,8 +30,8 @@ def parse(b):
 
 def test_defaults_and_options():
     req = parse(body())
-    assert (req.question, req.media_url, req.modality, req.stream) == (
-        "what happens?",
+    assert (req.messages, req.media_url, req.modality, req.stream) == (
+        [Message.user("what happens?", VIDEO)],
         "data:x",
         "video",
         False,
@@ -65,9 +66,27 @@ def test_image_part_and_string_url():
         ({"messages": []}, "non-empty list"),
         (
             {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]},
-            "exactly one user",
+            "exactly one video_url or image_url",
         ),
         ({"messages": [{"role": "user", "content": "no media here"}]}, "exactly one video_url or image_url"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "roles must be system, user, assistant"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}},
+                                                       {"type": "image_url", "image_url": {"url": "data:y"}}]}]},
+            "have 2 video_url / image_url parts; at most one video or image per request",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "video_url", "video_url": {"url": "data:x"}}]},
+                          {"role": "user", "content": "and?"}]},
+            "put the video_url part in a user message",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}},
+                                                       {"type": "text", "text": "what?"}]},
+                          {"role": "assistant", "content": "red"}]},
+            "end with the user's message",
+        ),
+        ({"messages": [{"role": "user", "content": []}]}, "non-empty list of content parts"),
         ({"media": {"frames": 3}}, "unknown media options"),
         ({"media": {"num_frames": True}}, "'num_frames' must be an integer"),
         ({"max_tokens": "9"}, "'max_tokens' must be an integer"),
@@ -85,7 +104,7 @@ def test_invalid_bodies(change, match):
 def test_two_media_parts_and_unknown_parts():
     b = body()
     b["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "data:z"}})
-    with pytest.raises(InvalidRequest, match="got 2"):
+    with pytest.raises(InvalidRequest, match="have 2 video_url / image_url parts; at most one video or image"):
         parse(b)
     b = body()
     b["messages"][0]["content"].append({"type": "input_audio", "input_audio": {}})
@@ -187,3 +206,24 @@ def test_deeply_nested_values_are_named_not_echoed():
         parse(body(seed=nested))
     with pytest.raises(InvalidRequest, match=r"got roles \[None\]"):
         parse(body(messages=[{"role": nested}]))
+
+
+def test_parts_keep_the_clients_order_and_history_is_kept():
+    """[text, video_url, text] stays in that order (no joining, no media first), with the
+    system and assistant turns before it."""
+    url = {"url": "data:x"}
+    req = parse(body(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": url}, {"type": "text", "text": "what?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a circle"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]))  # fmt: skip
+    assert req.messages == [
+        Message.system("be brief"), Message.user(IMAGE, "what?"), Message.assistant("a circle"),
+        Message.user("a", "b"),
+    ]  # fmt: skip
+    assert (req.media_url, req.modality) == ("data:x", "image")
+    req = parse(body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "look:"}, {"type": "video_url", "video_url": url}, {"type": "text", "text": "why?"},
+    ]}]))  # fmt: skip
+    assert req.messages == [Message.user("look:", VIDEO, "why?")]

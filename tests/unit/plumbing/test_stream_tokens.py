@@ -21,6 +21,7 @@ from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import PrefillHandle, TokenStep
+from epd.stages.messages import question_messages, to_chat_template
 from epd.stages.model_thread import ModelThread
 
 HANG_GUARD_S = 30.0
@@ -67,7 +68,8 @@ def _prefilled(adapter) -> tuple[KvCache, PrefillHandle, weakref.ref]:
     its handle and a weak reference to it."""
     grid = (1, 4, 4)
     n = adapter.num_visual_tokens(grid)
-    prompt = adapter.build_prompt("what colour is the square?", VisualMeta("image", grid, 0.0, n))
+    messages = to_chat_template(question_messages("what colour is the square?"), "image")
+    prompt = adapter.build_prompt(messages, VisualMeta("image", grid, 0.0, n))
     state = adapter.prefill(prompt, torch.randn(n, adapter.hidden_size, generator=torch.Generator().manual_seed(0)))
     cache = state.cache
     handle = PrefillHandle(

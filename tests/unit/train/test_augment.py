@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from epd.stages.messages import question_messages, to_chat_template
 from epd.synth.scene import DIRECTIONS, ObjectSpec, Scene, SceneConfig
 from epd.train.augment import (
     mirror_answer,
@@ -84,7 +85,7 @@ def test_mirrored_direction_examples_equal_examples_prepared_with_the_other_answ
         answer_ids = mirrored_answer_ids(processor.tokenizer)
 
         def prepared(answer: str):
-            prompt = adapter.build_prompt(question, meta)
+            prompt = adapter.build_prompt(to_chat_template(question_messages(question), "video"), meta)
             ids = torch.cat([prompt.input_ids[0], answer_ids[answer]])
             positions = adapter._prompt_positions(ids[None], meta)[:, 0]
             labels = torch.full_like(ids, IGNORE)

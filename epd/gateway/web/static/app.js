@@ -217,12 +217,14 @@ async function ask(question) {
     stream: true,
     max_tokens: Math.max(1, parseInt($("max-tokens").value, 10) || 32),
     media: mediaOptions(),
+    // The page's question is one user message [media, question]: the same prompt as `epd ask`
+    // and the SDK's ask(video, question) (the server keeps the parts in this order).
     messages: [{
       role: "user",
       content: [
-        { type: "text", text: question },
         { type: state.kind === "image" ? "image_url" : "video_url",
           [state.kind === "image" ? "image_url" : "video_url"]: { url: state.dataUrl } },
+        { type: "text", text: question },
       ],
     }],
   };

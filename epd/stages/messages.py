@@ -1,0 +1,185 @@
+"""The one message model of every door: a conversation is a list of `Message`s (role "system",
+"user" or "assistant"), each a list of `ContentPart`s ("text", "video", "image") in the user's
+order. Plain Python (no torch, no gRPC): the SDK builds it, the HTTP and gRPC doors parse into it,
+`epd.transport.message_convert` carries it over the wire, and the prefill engine renders it with
+the model's own chat template, exactly as `processor.apply_chat_template` renders
+`to_chat_template(messages, modality)`.
+
+    [Message.user(VIDEO, "what colour is the circle?")]                      # 0.1's question
+    [Message.user("what happens here?", VIDEO, "answer in one word")]         # text around a video
+    [Message.system("be brief"), Message.user(IMAGE, "what is it?"),
+     Message.assistant("a circle"), Message.user("what colour?")]             # earlier turns
+
+A media part ("video" / "image") marks where the request's media goes; the media itself travels
+beside the messages (uploaded bytes, a URL, a sha256). For now a request carries exactly one media
+part (the encoder encodes one media per request). Its placeholder takes the kind the encoder found
+in the bytes: a "video" part whose bytes are a PNG is rendered as an image, as 0.1 did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from epd.stages.errors import InvalidRequest
+
+ROLES = ("system", "user", "assistant")
+PART_TYPES = ("text", "video", "image")
+MEDIA_TYPES = ("video", "image")
+
+
+@dataclass(frozen=True)
+class ContentPart:
+    """A piece of a message: text, or the place of the request's video or image."""
+
+    type: str
+    """"text", "video" or "image"."""
+    text: str = ""
+    """The text of a "text" part (empty for media parts)."""
+
+    @property
+    def is_media(self) -> bool:
+        return self.type in MEDIA_TYPES
+
+
+VIDEO = ContentPart("video")
+"""Where the request's video goes."""
+IMAGE = ContentPart("image")
+"""Where the request's image goes."""
+
+
+def text(value: str) -> ContentPart:
+    """A text part."""
+    return ContentPart("text", value)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of the conversation: its role and its content parts, in order."""
+
+    role: str
+    """"system", "user" or "assistant"."""
+    parts: tuple[ContentPart, ...]
+
+    @classmethod
+    def user(cls, *parts: ContentPart | str) -> Message:
+        """A user message; a str is a text part."""
+        return cls("user", tuple(text(p) if isinstance(p, str) else p for p in parts))
+
+    @classmethod
+    def system(cls, content: str) -> Message:
+        return cls("system", (text(content),))
+
+    @classmethod
+    def assistant(cls, content: str) -> Message:
+        """An earlier answer, for multi-turn history."""
+        return cls("assistant", (text(content),))
+
+
+def question_messages(question: str, media: str = "video") -> list[Message]:
+    """The 0.1 form, one question about one media: one user message [media, question] (what
+    gRPC's `AskHeader.question` and the SDK's `ask(video, question)` mean)."""
+    return [Message.user(ContentPart(media), question)]
+
+
+def num_text_chars(messages: Sequence[Message]) -> int:
+    return sum(len(p.text) for m in messages for p in m.parts)
+
+
+def check_messages(messages: Sequence[Message], max_text_chars: int | None = None) -> None:
+    """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
+    answer: known roles and part types, text only in text parts, exactly one media part (in a
+    user message), some text, the last message the user's, at most `max_text_chars` of text."""
+    if not messages:
+        raise InvalidRequest("the request has no messages; send a user message with a video and a question")
+    media = 0
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidRequest(f"messages[{i}] has role {_shown(m.role)}; use one of {', '.join(ROLES)}")
+        if not m.parts:
+            raise InvalidRequest(f"messages[{i}] has no content; give it a text part")
+        for j, p in enumerate(m.parts):
+            if p.type not in PART_TYPES:
+                raise InvalidRequest(
+                    f"messages[{i}] part {j} has type {_shown(p.type)}; use one of {', '.join(PART_TYPES)}"
+                )
+            if p.is_media:
+                if p.text:
+                    raise InvalidRequest(f"messages[{i}] part {j} is a {p.type} part and cannot carry text")
+                if m.role != "user":
+                    raise InvalidRequest(
+                        f"messages[{i}] is a {m.role} message with a {p.type} part; media go in user messages"
+                    )
+                media += 1
+    if media != 1:
+        raise InvalidRequest(
+            f"the messages have {media} video or image parts; "
+            + ("add one where the media goes" if media == 0 else
+               "at most one video or image per request is supported (the encoder encodes one media "
+               "per request): send one")
+        )  # fmt: skip
+    if messages[-1].role != "user":
+        raise InvalidRequest(
+            f"the last message is the {messages[-1].role}'s; end with the user's message (the answer is "
+            "generated as the assistant's next message)"
+        )
+    if not any(p.text.strip() for m in messages for p in m.parts):
+        raise InvalidRequest("the question is empty; ask something about the video")
+    if max_text_chars is not None and (n := num_text_chars(messages)) > max_text_chars:
+        raise InvalidRequest(f"the messages have {n} characters of text; the limit is {max_text_chars}")
+
+
+def media_type(messages: Iterable[Message]) -> str:
+    """The type of the (first) media part: "video" or "image"; "" when there is none."""
+    return next((p.type for m in messages for p in m.parts if p.is_media), "")
+
+
+def to_chat_template(messages: Sequence[Message], modality: str) -> list[dict[str, Any]]:
+    """The conversation in the form `processor.apply_chat_template` takes:
+    [{"role": ..., "content": [{"type": "video"}, {"type": "text", "text": ...}, ...]}], each
+    media part typed `modality`, the kind the encoder found in the media."""
+    return [
+        {
+            "role": m.role,
+            "content": [{"type": modality} if p.is_media else {"type": "text", "text": p.text} for p in m.parts],
+        }
+        for m in messages
+    ]
+
+
+def from_chat_template(conversation: Any) -> list[Message]:
+    """The inverse of `to_chat_template`, for callers that hold the processor's form (or
+    OpenAI's, without URLs): content a string, or parts {"type": "text", "text": ...},
+    {"type": "video"}, {"type": "image"} (a "video_url" / "image_url" part counts as its media;
+    the URL itself is ignored here). Raises InvalidRequest on anything else."""
+    if not isinstance(conversation, list):
+        raise InvalidRequest("messages must be a list of {'role': ..., 'content': ...} objects")
+    out = []
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a 'role' string and 'content'")
+        content = m.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text" and isinstance(p.get("text"), str):
+                parts.append(text(p["text"]))
+            elif kind in ("video", "image", "video_url", "image_url"):
+                parts.append(ContentPart(kind.removesuffix("_url")))
+            else:
+                raise InvalidRequest(
+                    f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': ...}}, "
+                    "{'type': 'video'} or {'type': 'image'}"
+                )
+        out.append(Message(m["role"], tuple(parts)))
+    return out
+
+
+def _shown(value: object) -> str:
+    text_ = repr(value)
+    return text_ if len(text_) <= 40 else text_[:37] + "..."

@@ -1,0 +1,84 @@
+"""The message model (epd.stages.messages): its rules, its chat-template form, its one wire
+converter, and the gRPC door's deprecated question."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd.gateway.servicer import messages_of
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import (
+    IMAGE,
+    VIDEO,
+    Message,
+    check_messages,
+    from_chat_template,
+    question_messages,
+    to_chat_template,
+)
+from epd.transport import convert
+from epd.v1 import gateway_pb2
+
+HISTORY = [
+    Message.system("be brief"),
+    Message.user("look:", VIDEO, "what moves?"),
+    Message.assistant("a circle"),
+    Message.user("and then?"),
+]
+
+
+def test_chat_template_form_keeps_the_order_and_types_the_media_by_the_encoded_modality():
+    form = to_chat_template(HISTORY, "image")
+    assert form[1] == {"role": "user", "content": [
+        {"type": "text", "text": "look:"}, {"type": "image"}, {"type": "text", "text": "what moves?"}]}  # fmt: skip
+    assert form[0] == {"role": "system", "content": [{"type": "text", "text": "be brief"}]}
+    assert from_chat_template(to_chat_template(HISTORY, "video")) == HISTORY
+
+
+def test_the_wire_form_round_trips():
+    assert convert.messages_from_proto(convert.messages_to_proto(HISTORY)) == HISTORY
+
+
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        ([], "no messages"),
+        ([Message.user(VIDEO, "a", IMAGE)], "2 video or image parts; at most one video or image per request"),
+        ([Message.user("no media")], "0 video or image parts; add one"),
+        ([Message.user(VIDEO, "q"), Message.assistant("a")], "end with the user's message"),
+        ([Message("bot", (VIDEO,))], "role 'bot'"),
+        ([Message("assistant", (VIDEO,)), Message.user("q")], "media go in user messages"),
+        ([Message.user(VIDEO, "  ")], "the question is empty"),
+    ],
+)
+def test_check_messages_says_what_to_change(messages, match):
+    with pytest.raises(InvalidRequest, match=match):
+        check_messages(messages)
+
+
+def test_check_messages_limits_the_text():
+    check_messages(HISTORY, max_text_chars=100)
+    with pytest.raises(InvalidRequest, match="characters of text; the limit is 10"):
+        check_messages(HISTORY, max_text_chars=10)
+
+
+def test_the_deprecated_question_is_one_user_message_media_then_text():
+    assert messages_of(gateway_pb2.AskHeader(question="why?")) == [Message.user(VIDEO, "why?")]
+    assert messages_of(gateway_pb2.AskHeader(question="why?")) == question_messages("why?")
+    header = gateway_pb2.AskHeader(messages=convert.messages_to_proto(HISTORY))
+    assert messages_of(header) == HISTORY
+    header.question = "why?"
+    with pytest.raises(InvalidRequest, match="not both"):
+        messages_of(header)
+
+
+def test_the_sdk_sends_messages_or_the_deprecated_question():
+    from epd.client import build_header
+
+    header = build_header(None, 3, "", {}, messages=[
+        Message.system("be brief"), {"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "video"}]}])
+    assert convert.messages_from_proto(header.messages) == [Message.system("be brief"), Message.user("q", VIDEO)]
+    assert header.question == ""
+    assert build_header("q", 3, "", {}).question == "q" and not build_header("q", 3, "", {}).messages
+    with pytest.raises(TypeError, match="not both"):
+        build_header("q", 3, "", {}, messages=[Message.user(VIDEO, "q")])
