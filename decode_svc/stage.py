@@ -44,14 +44,14 @@ class LocalDecodeStage(DecodeStage):
     def __init__(
         self,
         engine: DecodeEngine,
-        kv_source: KvStore | TakeKv,
+        take_kv: TakeKv,
         model_thread: ModelThread,
         config: DecodeConfig | None = None,
     ) -> None:
-        """kv_source: the prefill stage's `KvStore` (in-process) or a `TakeKv`. `config` gives the
-        generation limits (default: DecodeConfig's)."""
+        """take_kv: `take_from_store(kv_store)` in-process, `KvPuller.take_kv` in the service.
+        `config` gives the generation limits (default: DecodeConfig's)."""
         self.engine = engine
-        self.take_kv: TakeKv = take_from_store(kv_source) if isinstance(kv_source, KvStore) else kv_source
+        self.take_kv = take_kv
         self.model_thread = model_thread
         self.config = config or DecodeConfig()
 

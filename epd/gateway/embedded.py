@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from epd.decode_svc.engine import DecodeEngine
-from epd.decode_svc.stage import LocalDecodeStage
+from epd.decode_svc.stage import LocalDecodeStage, take_from_store
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.stage import LocalEncodeStage
@@ -33,5 +33,5 @@ def build_embedded_pipeline(
     return Pipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),
         LocalPrefillStage(PrefillEngine(prefill, adapter), kv_store, thread),
-        LocalDecodeStage(DecodeEngine(adapter), kv_store, thread),
+        LocalDecodeStage(DecodeEngine(adapter), take_from_store(kv_store), thread),
     )

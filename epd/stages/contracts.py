@@ -297,8 +297,9 @@ class PrefillStage(ABC):
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
         """Render `messages` (`epd.stages.messages`: one media part, the user's message last) with
-        the model's chat template around `media` and run the prompt; the KV cache stays with the stage until a decoder takes it (or its TTL
-        passes). Cancelled before it returns, the stage stores no cache."""
+        the model's chat template around `media` and run the prompt; the KV cache stays with the
+        stage until a decoder takes it (or its TTL passes). Cancelled before it returns, the stage
+        stores no cache."""
 
     @abstractmethod
     async def release(self, handle: PrefillHandle, request_id: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from epd.decode_svc.engine import DecodeEngine
-from epd.decode_svc.stage import LocalDecodeStage
+from epd.decode_svc.stage import LocalDecodeStage, take_from_store
 from epd.encoder_svc.token_cache import TokenCache, TokenCacheConfig, make_cache_key
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.kv_cache import KvCache
@@ -268,7 +268,7 @@ def test_decode_refuses_over_limit_generation_before_any_cache_moves():
             break
 
     try:
-        for source in (store, take_kv):
+        for source in (take_from_store(store), take_kv):
             stage = LocalDecodeStage(DecodeEngine(adapter=None), source, thread, limits)  # type: ignore[arg-type]
             with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 16"):
                 asyncio.run(first_step(stage))
