@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         make_clip(clip)
     model = ModelConfig(model=str(model_dir), num_threads=args.threads)
     adapter = load_adapter(model, "all")
-    params = sum(p.numel() for p in adapter.model.parameters())
+    params = adapter.num_parameters
     encoder = EncoderEngine(EncoderConfig(model=model, cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
     prefill = PrefillEngine(PrefillConfig(model=model), adapter)
     decoder = DecodeEngine(adapter)

@@ -2,12 +2,22 @@
 
     epd bench serve --endpoint 127.0.0.1:50050 --num-requests 16 --concurrency 2 --model DIR
     epd bench serve --endpoint 127.0.0.1:50050 --request-rate 0.5 --num-requests 16 --model DIR
+    epd bench serve --endpoint 127.0.0.1:50050 --concurrency 1,4,16,32 --no-baselines --plot sweep.png
+    epd bench serve --openai http://127.0.0.1:8000 --concurrency 1,4 --no-baselines
 
 Like `vllm bench serve`: N requests (questions about the given videos, cycled) sent at a fixed
 rate (Poisson arrivals) or a fixed concurrency to the front door, streaming. Per request: TTFT
 (time to the first token), TPOT (time per output token after the first), inter-token latencies
 and end-to-end latency. Reported: mean, p50, p90, p99 of each; request and output-token
 throughput; goodput (requests/s that met both --ttft-slo-ms and --tpot-slo-ms).
+
+--concurrency takes a comma list: the same N requests are run at each level in turn (a sweep),
+one table row per level (req/s, output tok/s, TTFT p50/p99, TPOT p50/p99, errors), and
+--plot FILE.png draws throughput, TTFT and TPOT against concurrency (needs matplotlib, the
+`bench` extra). The front door is the gateway's gRPC API (--endpoint) or any OpenAI-compatible
+/v1/chat/completions (--openai BASE_URL, streaming SSE; --openai-dialect transformers for
+Hugging Face's `transformers serve`, which takes frames in `chat_template_kwargs` and media as
+file paths: --media-as path).
 
 In the same run, on the same inputs and model (--model, unless --no-baselines):
   hf        the monolithic Hugging Face pipeline: sequential frame decoding, the processor, and
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import random
 import sys
@@ -31,8 +42,12 @@ import numpy as np
 
 from epd.resources import sample_video
 
-DEFAULT_QUESTIONS = ["what colour is the circle?", "how many objects are there in the video?",
-                     "which direction does the square move?", "what happens at the end?"]
+DEFAULT_QUESTIONS = [
+    "what colour is the circle?",
+    "how many objects are there in the video?",
+    "which direction does the square move?",
+    "what happens at the end?",
+]
 
 
 @dataclass
@@ -43,6 +58,8 @@ class RequestResult:
     itl_ms: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     error: str = ""
+    num_prompt_tokens: int = 0
+    """As the server reported it (OpenAI usage; --openai only)."""
     server_timings: dict[str, float] = field(default_factory=dict)
     """The stack's own timings of the request, e.g. video_decode_ms, ttft_ms (`AskResult.timings_ms`;
     stack only)."""
@@ -54,7 +71,9 @@ class RequestResult:
         return (self.e2e_ms - self.ttft_ms) / (self.num_output_tokens - 1)
 
 
-def summarize(results: list[RequestResult], duration_s: float, ttft_slo_ms: float, tpot_slo_ms: float) -> dict:
+def summarize(
+    results: list[RequestResult], duration_s: float, ttft_slo_ms: float, tpot_slo_ms: float
+) -> dict:
     """Aggregate statistics; percentiles over successful requests."""
     done = [r for r in results if r.ok]
 
@@ -62,8 +81,12 @@ def summarize(results: list[RequestResult], duration_s: float, ttft_slo_ms: floa
         if not values:
             return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
         arr = np.asarray(values, dtype=np.float64)
-        return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
-                "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
+        return {
+            "mean": float(arr.mean()),
+            "p50": float(np.percentile(arr, 50)),
+            "p90": float(np.percentile(arr, 90)),
+            "p99": float(np.percentile(arr, 99)),
+        }
 
     good = [r for r in done if r.ttft_ms <= ttft_slo_ms and r.tpot_ms <= tpot_slo_ms]
     num_tokens = sum(r.num_output_tokens for r in done)
@@ -92,15 +115,37 @@ def _inputs(args) -> list[tuple[bytes, str]]:
 
 
 def _options(args) -> dict:
-    return {"num_frames": args.num_frames, "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
+    return {
+        "num_frames": args.num_frames,
+        "max_new_tokens": args.max_new_tokens,
+        "ignore_eos": args.ignore_eos,
+    }
 
 
-async def run_stack(args, inputs, progress) -> tuple[list[RequestResult], float]:
+def parse_levels(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; one number is one level; 0 = unlimited (all at once)."""
+    try:
+        levels = [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--concurrency takes integers separated by commas, got {text!r}"
+        ) from None
+    if not levels or any(c < 0 for c in levels):
+        raise argparse.ArgumentTypeError(
+            f"--concurrency takes integers >= 0 separated by commas, got {text!r}"
+        )
+    return levels
+
+
+async def run_stack(
+    args, inputs, progress, concurrency: int | None = None
+) -> tuple[list[RequestResult], float]:
     from epd.client import AskResult, AsyncEpdClient, TokenDelta
 
     results: list[RequestResult] = []
     rng = random.Random(args.seed)
-    semaphore = asyncio.Semaphore(args.concurrency if args.concurrency > 0 else len(inputs))
+    limit = args.concurrency[0] if concurrency is None else concurrency
+    semaphore = asyncio.Semaphore(limit if limit > 0 else len(inputs))
 
     async def one(client, data, question):
         async with semaphore:
@@ -110,7 +155,9 @@ async def run_stack(args, inputs, progress) -> tuple[list[RequestResult], float]
             try:
                 async for item in client.stream(data, question, **_options(args)):
                     if isinstance(item, AskResult):
-                        r.server_timings = {k: v for k, v in asdict(item.timings_ms).items() if k != "extra_ms"}
+                        r.server_timings = {
+                            k: v for k, v in asdict(item.timings_ms).items() if k != "extra_ms"
+                        }
                     if not isinstance(item, TokenDelta):
                         continue
                     now = time.perf_counter()
@@ -134,6 +181,194 @@ async def run_stack(args, inputs, progress) -> tuple[list[RequestResult], float]
             tasks.append(asyncio.ensure_future(one(client, data, question)))
             if args.request_rate > 0:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+@dataclass(frozen=True)
+class OpenAITarget:
+    """An OpenAI-compatible /v1/chat/completions endpoint and how to talk to it."""
+
+    base_url: str
+    """e.g. http://127.0.0.1:8000 (with or without a trailing /v1)."""
+    dialect: str = "epd"
+    """'epd': frames in the `media` object, `ignore_eos` sent when asked; 'transformers'
+    (`transformers serve`): frames in `chat_template_kwargs`, no `ignore_eos` (it answers 422:
+    force the length with `min_new_tokens` in the served model's generation_config.json)."""
+    media_as: str = "data"
+    """How the media travel: 'data' (a data: URL; epd's default), 'path' (a local file path, what
+    `transformers serve` takes for video) or 'file-url' (file:///...)."""
+    model: str = ""
+    """The body's `model` ('' = leave it out: the server's only/forced model)."""
+    api_key: str = ""
+
+    @property
+    def url(self) -> str:
+        base = self.base_url.rstrip("/")
+        return (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+
+
+_MIME = {
+    ".mp4": "video/mp4",
+    ".mkv": "video/x-matroska",
+    ".webm": "video/webm",
+    ".mov": "video/quicktime",
+    ".avi": "video/x-msvideo",
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".jpeg": "image/jpeg",
+}
+
+
+def media_url(path: str | Path, media_as: str) -> tuple[str, str]:
+    """(url, content part type) of one media file: 'video_url', or 'image_url' for stills."""
+    p = Path(path).resolve()
+    mime = _MIME.get(p.suffix.lower(), "video/mp4")
+    kind = "image_url" if mime.startswith("image/") else "video_url"
+    if media_as == "data":
+        return f"data:{mime};base64," + base64.b64encode(p.read_bytes()).decode(), kind
+    if media_as == "file-url":
+        return p.as_uri(), kind
+    if media_as == "path":
+        return str(p), kind
+    raise ValueError(f"media_as must be data, path or file-url, got {media_as!r}")
+
+
+def openai_bodies(
+    target: OpenAITarget,
+    videos: list[str],
+    questions: list[str],
+    num_requests: int,
+    num_frames: int,
+    max_new_tokens: int,
+    ignore_eos: bool,
+) -> list[bytes]:
+    """One streaming chat-completions body per request (videos and questions cycled), greedy."""
+    if target.dialect not in ("epd", "transformers"):
+        raise ValueError(f"dialect must be epd or transformers, got {target.dialect!r}")
+    if ignore_eos and target.dialect == "transformers":
+        raise ValueError(
+            "transformers serve answers 422 to ignore_eos: serve a model directory whose "
+            "generation_config.json sets min_new_tokens (bench/bench_vs_transformers_serve.py "
+            "--ignore-eos does) and leave --ignore-eos off"
+        )
+    urls = [media_url(v, target.media_as) for v in videos]
+    questions = questions or DEFAULT_QUESTIONS
+    bodies = []
+    for i in range(num_requests):
+        url, kind = urls[i % len(urls)]
+        body: dict = {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": kind, kind: {"url": url}},
+                        {"type": "text", "text": questions[i % len(questions)]},
+                    ],
+                }
+            ],
+            "max_tokens": max_new_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if target.model:
+            body["model"] = target.model
+        if target.dialect == "epd":
+            body["media"] = {"num_frames": num_frames}
+            if ignore_eos:
+                body["ignore_eos"] = True
+        else:
+            body["chat_template_kwargs"] = {"num_frames": num_frames}
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+async def _one_openai(session, target: OpenAITarget, body: bytes) -> RequestResult:
+    """One streaming request: TTFT and inter-token gaps from the chunks that carry text (epd's
+    chunks also carry `token_ids`, counted exactly); the token count from the final usage."""
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
+    r = RequestResult(ok=False)
+    t0 = last = time.perf_counter()
+    counted = 0
+    usage_tokens = 0
+    try:
+        async with session.post(target.url, data=body, headers=headers) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return r
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if chunk.get("error"):
+                    raise RuntimeError(f"error in stream: {str(chunk['error'])[:200]}")
+                usage = chunk.get("usage") or {}
+                if usage:
+                    r.num_prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    usage_tokens = int(usage.get("completion_tokens") or 0)
+                for choice in chunk.get("choices") or []:
+                    ids = choice.get("token_ids")
+                    n = len(ids) if ids else (1 if (choice.get("delta") or {}).get("content") else 0)
+                    if not n:
+                        continue
+                    now = time.perf_counter()
+                    if counted == 0:
+                        r.ttft_ms = (now - t0) * 1e3
+                    else:
+                        r.itl_ms.append((now - last) * 1e3)
+                    last = now
+                    counted += n
+        r.e2e_ms = (time.perf_counter() - t0) * 1e3
+        r.num_output_tokens = usage_tokens or counted
+        r.ok = counted > 0
+        if not r.ok:
+            r.error = "the stream carried no tokens"
+    except Exception as exc:  # noqa: BLE001 - recorded per request
+        r.error = f"{type(exc).__name__}: {exc}"[:200]
+    return r
+
+
+async def run_openai(
+    target: OpenAITarget,
+    bodies: list[bytes],
+    concurrency: int,
+    progress=None,
+    request_rate: float = 0.0,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+) -> tuple[list[RequestResult], float]:
+    """The bodies against `target`, at most `concurrency` in flight (0 = all at once), or arriving
+    at `request_rate` per second (Poisson) when > 0."""
+    import aiohttp
+
+    results: list[RequestResult] = []
+    rng = random.Random(seed)
+    semaphore = asyncio.Semaphore(concurrency if concurrency > 0 else max(1, len(bodies)))
+
+    async def one(session, body):
+        async with semaphore:
+            results.append(await _one_openai(session, target, body))
+            if progress is not None:
+                progress.update(1)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as session:
+        start = time.perf_counter()
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.ensure_future(one(session, body)))
+            if request_rate > 0:
+                await asyncio.sleep(rng.expovariate(request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return results, duration
@@ -180,15 +415,27 @@ def run_hf_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]
         if video.is_image:
             inputs_ = processor(text=[text], images=[video.frames[0]], return_tensors="pt")
         else:
-            meta = VideoMetadata(total_num_frames=video.num_frames, fps=video.sampled_fps,
-                                 frames_indices=list(range(video.num_frames)))
-            inputs_ = processor(text=[text], videos=[video.frames], return_tensors="pt",
-                                videos_kwargs={"do_sample_frames": False, "cap_pixels_per_frame": False,
-                                               "video_metadata": [meta]})
+            meta = VideoMetadata(
+                total_num_frames=video.num_frames,
+                fps=video.sampled_fps,
+                frames_indices=list(range(video.num_frames)),
+            )
+            inputs_ = processor(
+                text=[text],
+                videos=[video.frames],
+                return_tensors="pt",
+                videos_kwargs={
+                    "do_sample_frames": False,
+                    "cap_pixels_per_frame": False,
+                    "video_metadata": [meta],
+                },
+            )
         clock = Clock()
         kwargs = {"min_new_tokens": args.max_new_tokens} if args.ignore_eos else {}
         with torch.inference_mode():
-            model.generate(**inputs_, do_sample=False, max_new_tokens=args.max_new_tokens, streamer=clock, **kwargs)
+            model.generate(
+                **inputs_, do_sample=False, max_new_tokens=args.max_new_tokens, streamer=clock, **kwargs
+            )
         times = clock.times
         r = RequestResult(ok=True, e2e_ms=(time.perf_counter() - t0) * 1e3, num_output_tokens=len(times))
         if times:
@@ -214,8 +461,12 @@ def run_embedded_baseline(args, inputs, progress) -> tuple[list[RequestResult], 
         results = []
         start = time.perf_counter()
         for data, question in inputs:
-            req = AskRequest(question_messages(question), MediaInput(data), SamplingOptions(num_frames=args.num_frames),
-                             GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos))
+            req = AskRequest(
+                question_messages(question),
+                MediaInput(data),
+                SamplingOptions(num_frames=args.num_frames),
+                GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos),
+            )
             t0 = last = time.perf_counter()
             r = RequestResult(ok=True)
             async for item in pipeline.ask(req):
@@ -237,13 +488,40 @@ def run_embedded_baseline(args, inputs, progress) -> tuple[list[RequestResult], 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="epd bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--endpoint", required=True, help="HOST:PORT of the stack's gateway")
+    door = p.add_mutually_exclusive_group(required=True)
+    door.add_argument("--endpoint", default="", help="HOST:PORT of the stack's gateway (gRPC)")
+    door.add_argument(
+        "--openai",
+        default="",
+        metavar="BASE_URL",
+        help="an OpenAI-compatible server instead, e.g. http://127.0.0.1:8000 (streaming "
+        "/v1/chat/completions)",
+    )
+    p.add_argument(
+        "--openai-dialect",
+        choices=["epd", "transformers"],
+        default="epd",
+        help="with --openai: how frames and ignore_eos are sent (transformers = `transformers serve`)",
+    )
+    p.add_argument(
+        "--media-as",
+        choices=["data", "path", "file-url"],
+        default="data",
+        help="with --openai: media as data: URLs, local paths or file:// URLs",
+    )
+    p.add_argument("--openai-model", default="", help="with --openai: the body's `model` (default: left out)")
+    p.add_argument("--api-key", default="", help="with --openai: sent as 'Authorization: Bearer KEY'")
     p.add_argument("--model", default="default", help="the model the stack serves (for the baselines)")
     p.add_argument("--videos", nargs="+", default=[str(sample_video())])
     p.add_argument("--questions", nargs="*", default=[])
-    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=16, help="requests at each concurrency level")
     p.add_argument("--request-rate", type=float, default=0.0, help="requests/s (Poisson); 0 = all at once")
-    p.add_argument("--concurrency", type=int, default=1, help="max requests in flight (0 = unlimited)")
+    p.add_argument(
+        "--concurrency",
+        type=parse_levels,
+        default=[1],
+        help="max requests in flight (0 = unlimited); a comma list (1,4,16,32) runs a sweep",
+    )
     p.add_argument("--num-frames", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
@@ -254,13 +532,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default="", help="write all results here")
+    p.add_argument(
+        "--plot",
+        default="",
+        metavar="FILE.png",
+        help="write throughput, TTFT and TPOT against concurrency here (needs matplotlib)",
+    )
     return p
 
 
 def _print_table(name: str, s: dict) -> None:
-    print(f"\n== {name}: {s['num_completed']}/{s['num_requests']} ok in {s['duration_s']:.2f} s; "
-          f"{s['request_throughput_rps']:.3f} req/s, {s['output_token_throughput_tps']:.1f} tok/s, "
-          f"goodput {s['goodput_rps']:.3f} req/s")
+    print(
+        f"\n== {name}: {s['num_completed']}/{s['num_requests']} ok in {s['duration_s']:.2f} s; "
+        f"{s['request_throughput_rps']:.3f} req/s, {s['output_token_throughput_tps']:.1f} tok/s, "
+        f"goodput {s['goodput_rps']:.3f} req/s"
+    )
     print("| metric | mean | p50 | p90 | p99 |")
     print("|---|---|---|---|---|")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -268,34 +554,147 @@ def _print_table(name: str, s: dict) -> None:
         print(f"| {key} | {v['mean']:.1f} | {v['p50']:.1f} | {v['p90']:.1f} | {v['p99']:.1f} |")
 
 
+def sweep_table(sweep: list[dict]) -> list[str]:
+    """Markdown rows, one per concurrency level: [{"concurrency": c, "summary": summarize(...)}]."""
+    rows = [
+        "| in flight | ok | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for level in sweep:
+        s = level["summary"]
+        rows.append(
+            f"| {level['concurrency'] or 'all'} | {s['num_completed']}/{s['num_requests']} | "
+            f"{s['request_throughput_rps']:.3f} | {s['output_token_throughput_tps']:.1f} | "
+            f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} | "
+            f"{s['tpot_ms']['p99']:.1f} | {s['num_failed']} |"
+        )
+    return rows
+
+
+def write_plot(path: str | Path, series: dict[str, list[dict]], title: str = "") -> None:
+    """PNG of request and output-token throughput, TTFT and TPOT (p50 solid, p99 dashed) against
+    concurrency, one line per series (e.g. {"epd": sweep, "transformers serve": sweep}).
+    matplotlib is imported here only: the benchmark runs without it when no plot is asked for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    levels: set[int] = set()
+    for i, (name, sweep) in enumerate(series.items()):
+        colour = f"C{i}"
+        xs = [lv["concurrency"] for lv in sweep]
+        levels.update(xs)
+        s = [lv["summary"] for lv in sweep]
+        axes[0].plot(xs, [x["request_throughput_rps"] for x in s], "o-", color=colour, label=name)
+        axes[1].plot(xs, [x["output_token_throughput_tps"] for x in s], "o-", color=colour, label=name)
+        for ax, key in ((axes[2], "ttft_ms"), (axes[3], "tpot_ms")):
+            ax.plot(xs, [x[key]["p50"] for x in s], "o-", color=colour, label=f"{name} p50")
+            ax.plot(xs, [x[key]["p99"] for x in s], "s--", color=colour, alpha=0.6, label=f"{name} p99")
+    labels = ("requests/s", "output tokens/s", "TTFT (ms)", "TPOT (ms)")
+    for ax, label in zip(axes, labels):
+        if levels and min(levels) > 0 and len(levels) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(levels))
+        ax.set_xticklabels([str(c) for c in sorted(levels)])
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
+    levels: list[int] = args.concurrency
+    target = None
+    if args.openai:
+        target = OpenAITarget(
+            args.openai, args.openai_dialect, args.media_as, args.openai_model, args.api_key
+        )
+        try:
+            bodies = openai_bodies(
+                target,
+                args.videos,
+                args.questions,
+                args.num_requests,
+                args.num_frames,
+                args.max_new_tokens,
+                args.ignore_eos,
+            )
+        except ValueError as exc:
+            print(f"epd bench serve: {exc}", file=sys.stderr)
+            return 2
     inputs = _inputs(args)
-    report: dict = {"config": vars(args)}
-    with tqdm(total=len(inputs), desc="stack", unit="req", file=sys.stderr) as bar:
-        results, duration = asyncio.run(run_stack(args, inputs, bar))
-    report["stack"] = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
-    report["stack_requests"] = [asdict(r) for r in results]
-    _print_table("stack (disaggregated, gRPC)", report["stack"])
+    door = f"OpenAI API {target.url} ({target.dialect})" if target else f"gRPC {args.endpoint}"
+    report: dict = {"config": vars(args), "sweep": []}
+    for c in levels:
+        with tqdm(
+            total=len(inputs), desc=f"stack, {c or 'all'} in flight", unit="req", file=sys.stderr
+        ) as bar:
+            if target is not None:
+                results, duration = asyncio.run(
+                    run_openai(target, bodies, c, bar, args.request_rate, args.seed, args.timeout_s)
+                )
+            else:
+                results, duration = asyncio.run(run_stack(args, inputs, bar, c))
+        summary = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
+        report["sweep"].append(
+            {"concurrency": c, "summary": summary, "requests": [asdict(r) for r in results]}
+        )
+        _print_table(f"stack ({door}), {c or 'all'} in flight", summary)
+    # The first level keeps the single-level report's names.
+    report["stack"] = report["sweep"][0]["summary"]
+    report["stack_requests"] = report["sweep"][0]["requests"]
+    print(
+        f"\n== concurrency sweep ({door}; {args.num_requests} requests a level, {args.num_frames} frames, "
+        f"{args.max_new_tokens} new tokens{', ignore_eos' if args.ignore_eos else ''})"
+    )
+    print("\n".join(sweep_table(report["sweep"])))
+    errors = sorted({e for lv in report["sweep"] for e in lv["summary"]["errors"]})
+    for e in errors:
+        print(f"  error: {e}")
     if not args.no_baselines:
         for name, runner in (("hf", run_hf_baseline), ("embedded", run_embedded_baseline)):
             with tqdm(total=len(inputs), desc=name, unit="req", file=sys.stderr) as bar:
                 res, dur = runner(args, inputs, bar)
             report[name] = summarize(res, dur, args.ttft_slo_ms, args.tpot_slo_ms)
-            _print_table({"hf": "hf baseline (processor + generate)", "embedded": "embedded"}[name], report[name])
+            _print_table(
+                {"hf": "hf baseline (processor + generate)", "embedded": "embedded"}[name], report[name]
+            )
         print("\n| ratio (stack vs baseline) | hf | embedded |")
         print("|---|---|---|")
-        for key, label in (("request_throughput_rps", "throughput (higher is better)"),):
-            print(f"| {label} | {report['stack'][key] / max(report['hf'][key], 1e-9):.2f}x | "
-                  f"{report['stack'][key] / max(report['embedded'][key], 1e-9):.2f}x |")
-        for key in ("ttft_ms", "e2e_ms"):
-            print(f"| {key} p50 (lower is better) | {report['stack'][key]['p50'] / max(report['hf'][key]['p50'], 1e-9):.2f}x | "
-                  f"{report['stack'][key]['p50'] / max(report['embedded'][key]['p50'], 1e-9):.2f}x |")
+        for level in report["sweep"]:
+            s = level["summary"]
+            at = f", {level['concurrency'] or 'all'} in flight" if len(levels) > 1 else ""
+            print(
+                f"| throughput (higher is better){at} | "
+                f"{s['request_throughput_rps'] / max(report['hf']['request_throughput_rps'], 1e-9):.2f}x | "
+                f"{s['request_throughput_rps'] / max(report['embedded']['request_throughput_rps'], 1e-9):.2f}x |"
+            )
+            for key in ("ttft_ms", "e2e_ms"):
+                print(
+                    f"| {key} p50 (lower is better){at} | {s[key]['p50'] / max(report['hf'][key]['p50'], 1e-9):.2f}x | "
+                    f"{s[key]['p50'] / max(report['embedded'][key]['p50'], 1e-9):.2f}x |"
+                )
+    if args.plot:
+        write_plot(
+            args.plot,
+            {"epd" if target is None or target.dialect == "epd" else "server": report["sweep"]},
+            title=f"{door}: {args.num_frames} frames, {args.max_new_tokens} tokens",
+        )
+        print(f"plot: {args.plot}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
-    return 0 if report["stack"]["num_failed"] == 0 else 1
+    return 0 if all(lv["summary"]["num_failed"] == 0 for lv in report["sweep"]) else 1
 
 
 if __name__ == "__main__":

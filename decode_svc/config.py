@@ -17,6 +17,13 @@ class DecodeConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
     max_new_tokens_limit: int = 4096
     max_transfer_bytes: int = 2 << 30
+    kv_budget_bytes: int = 4 << 30
+    """KV memory of the running batch (rows x the longest final length x bytes per token);
+    requests wait for room beyond it (`decode_svc/kv_memory.py`)."""
+    max_running_requests: int = 64
+    """Requests decoding together in one batch at most."""
+    max_waiting_requests: int = 256
+    """Requests waiting for KV room at most; more are refused with RESOURCE_EXHAUSTED."""
     """Largest single KV cache accepted from prefill."""
     pull_timeout_s: float = 60.0
     allow_kv_from: tuple[str, ...] = ("127.0.0.1:*", "localhost:*", "[::1]:*")
@@ -30,3 +37,8 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         parse_allow_list(self.allow_kv_from)  # ValueError names the entry and --allow-kv-from
+        if self.kv_budget_bytes <= 0 or self.max_running_requests < 1 or self.max_waiting_requests < 0:
+            raise ValueError(
+                "--kv-budget-bytes must be > 0, --max-running-requests >= 1 and --max-waiting-requests >= 0; "
+                f"got {self.kv_budget_bytes}, {self.max_running_requests}, {self.max_waiting_requests}"
+            )

@@ -1,11 +1,14 @@
 """Decode: KV cache + first token -> the rest of the answer, one step at a time. No gRPC here.
 
-A `Generation` holds one request's state (cache, positions, sampler, text); `stream_tokens` (used
-by `LocalDecodeStage`, in-process and behind the gRPC servicer alike) calls `step()` on the model
-thread once per token, so several requests interleave token by token.
-When the caller stops reading (its client went away, the task is cancelled), `stream_tokens`
-runs no further step and `Generation.close()` drops the cache at once, without waiting for
-garbage collection to find the abandoned stream.
+A `Generation` is one request's decoding state (positions, sampler, text, finish reason). It
+advances in one of two ways:
+  * in the batch (`accept(logits)`): the decode core's runner (`epd.decode_svc.runner`) runs one
+    forward pass for every running request and hands each Generation its row of logits; the
+    cache lives in the runner's `BatchKv`;
+  * alone (`step()`), with its own cache: requests with decode-stage eviction (their cache
+    shrinks per layer and head, which a shared batch cache cannot represent), and the benchmarks
+    that time one request.
+Either way the same code samples, detects the end and builds the `TokenStep`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.detokenizer import IncrementalText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
-from epd.stages.contracts import PrefillHandle, TokenStep
+from epd.stages.contracts import TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig
 
@@ -34,17 +37,20 @@ class Generation:
         config: GenerationConfig,
         visual_entry_mask: torch.Tensor | None = None,
         pruning: PruningConfig = PruningConfig(),
+        own_cache: bool = True,
     ) -> None:
+        """own_cache: keep `cache` in this Generation and advance with `step()`; False: the
+        caller keeps it (in a BatchKv) and advances with `accept(logits)`."""
         self.adapter = adapter
         self.config = config
-        self.cache = adapter.new_decode_cache(cache)
+        self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
         self.sampler = Sampler(config, seed_offset=1)
         self.text = IncrementalText(adapter.detokenize, config.stop)
         self.last_token = first_token_id
         self.finish_reason = ""
         self.eviction = None
-        if pruning.decode_evict and visual_entry_mask is not None:
+        if own_cache and pruning.decode_evict and visual_entry_mask is not None:
             shape = (cache.num_layers, cache.keys[0].shape[1], cache.num_cached_tokens)
             if visual_entry_mask.numel() != shape[0] * shape[1] * shape[2]:
                 raise InvalidRequest("visual_entry_mask does not match the KV cache's shape")
@@ -55,11 +61,17 @@ class Generation:
         return self._emit(self.last_token)
 
     def step(self) -> TokenStep:
-        """Run the model on the last token and emit the next one."""
+        """Alone: run the model on the last token with this Generation's cache, emit the next."""
+        if self.cache is None:
+            raise RuntimeError("this Generation's cache is in a batch: advance it with accept()")
         if self.eviction is not None:
             logits = self.eviction.step(self.last_token, self.positions)
         else:
             logits = self.adapter.decode_step(self.last_token, self.positions, self.cache)
+        return self.accept(logits)
+
+    def accept(self, logits: torch.Tensor) -> TokenStep:
+        """The model's logits [vocab] for `last_token` at `positions`: sample and emit the next."""
         self.positions = self.positions + 1
         self.last_token = self.sampler(logits)
         return self._emit(self.last_token)
@@ -91,6 +103,8 @@ class Generation:
 
 
 class DecodeEngine:
+    """The decode stage's model: starts Generations (the core's runner and the benchmarks)."""
+
     def __init__(self, adapter: VLMAdapter) -> None:
         self.adapter = adapter
 
@@ -102,35 +116,15 @@ class DecodeEngine:
         generation: GenerationConfig,
         visual_entry_mask: torch.Tensor | None = None,
         pruning: PruningConfig = PruningConfig(),
+        own_cache: bool = True,
     ) -> Generation:
-        return Generation(self.adapter, cache, first_token_id, next_position_ids, generation,
-                          visual_entry_mask, pruning)
-
-
-async def stream_tokens(
-    engine: DecodeEngine,
-    model_thread,
-    cache: KvCache,
-    handle: PrefillHandle,
-    generation: GenerationConfig,
-    kv_transfer_ms: float,
-    pruning: PruningConfig = PruningConfig(),
-):
-    """Async iterator of TokenStep for one request; every model call runs on `model_thread`.
-    Pass the cache without keeping a reference: the stream frees it when it ends (close it with
-    `contextlib.aclosing`, or cancel the task reading it)."""
-    kv_num_bytes = cache.num_bytes
-    gen = await model_thread.run(
-        engine.start, cache, handle.first_token_id, handle.next_position_ids, generation,
-        handle.visual_entry_mask, pruning,
-    )
-    del cache  # the Generation holds it now, until close()
-    try:
-        first = gen.first()
-        first.kv_transfer_ms = kv_transfer_ms
-        first.kv_num_bytes = kv_num_bytes
-        yield first
-        while not gen.done:
-            yield await model_thread.run(gen.step)
-    finally:
-        gen.close()
+        return Generation(
+            self.adapter,
+            cache,
+            first_token_id,
+            next_position_ids,
+            generation,
+            visual_entry_mask,
+            pruning,
+            own_cache,
+        )

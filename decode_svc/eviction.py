@@ -1,20 +1,21 @@
 """Decode-stage output-aware eviction around one request's decode steps (MustDrop's decode stage).
 
-Each step captures the new token's rotated queries at every layer (forward pre-hooks, no L x L
-matrix), lets the policy accumulate the attention each visual cache entry receives, and evicts
-persistently ignored entries from every layer at once when the policy says so.
+Each step captures the new token's rotated queries at every layer (`VLMAdapter.capture_queries`,
+no L x L matrix), lets the policy accumulate the attention each visual cache entry receives, and
+evicts persistently ignored entries from every layer at once when the policy says so. The decode
+cache is read and shrunk through the adapter (`decode_cache_kv`, `set_decode_cache_kv`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from epd.model_runtime.adapter import VLMAdapter
 from epd.token_pruning import OutputAwareEviction, PruningConfig, resolve_keep_count
-from epd.token_pruning.query_capture import QueryCapture
 
 
 class DecodeEviction:
-    def __init__(self, adapter, cache, visual_entry_mask: torch.Tensor, config: PruningConfig) -> None:
+    def __init__(self, adapter: VLMAdapter, cache, visual_entry_mask: torch.Tensor, config: PruningConfig) -> None:
         """visual_entry_mask: [num_layers, num_kv_heads, num_cached] bool, from prefill."""
         self.adapter = adapter
         self.cache = cache
@@ -30,15 +31,15 @@ class DecodeEviction:
 
     def step(self, token_id: int, positions: torch.Tensor) -> torch.Tensor:
         """One decode step with observation (and eviction when due); returns logits [vocab]."""
-        layers = self.adapter.language_model.layers
-        with QueryCapture(layers, range(len(layers)), torch.tensor([0])) as cap:
+        with self.adapter.capture_queries(range(self.adapter.num_layers), torch.tensor([0])) as cap:
             logits = self.adapter.decode_step(token_id, positions, self.cache)
-        for i, layer in enumerate(self.cache.layers):
-            self.policy.observe_queries(i, cap.queries[i], layer.keys)
+        layers = self.adapter.decode_cache_kv(self.cache)
+        for i, (keys, _) in enumerate(layers):
+            self.policy.observe_queries(i, cap.queries[i], keys)
         self.policy.step()
         if self.policy.should_evict():
-            for i, layer in enumerate(self.cache.layers):
-                layer.keys, layer.values = self.policy.evict(i, layer.keys, layer.values)
+            for i, (keys, values) in enumerate(layers):
+                self.adapter.set_decode_cache_kv(self.cache, i, *self.policy.evict(i, keys, values))
         return logits
 
     @property

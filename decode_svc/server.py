@@ -10,7 +10,9 @@ from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.servicer import SERVICE_NAME, DecodeServicer
 from epd.decode_svc.stage import LocalDecodeStage
 from epd.model_runtime.loader import load_adapter
+from epd.model_runtime.threads import StepThreads
 from epd.stages.model_thread import ModelThread
+from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import decode_pb2_grpc
 
@@ -18,11 +20,16 @@ log = logging.getLogger(__name__)
 
 
 async def start(config: DecodeConfig) -> HealthyServer:
-    model_thread = ModelThread()
+    model_thread = ModelThread(StepThreads(config.model.num_threads))
     puller = KvPuller(config.allow_kv_from, config.max_transfer_bytes, config.pull_timeout_s)
     servicer = DecodeServicer()
     hs = await create_server(
-        config.server, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s), [SERVICE_NAME]
+        config.server,
+        with_load_service(
+            lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+            lambda: stage_loads(servicer.stage),
+        ),
+        [SERVICE_NAME],
     )
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():

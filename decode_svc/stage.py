@@ -1,11 +1,17 @@
-"""The decode stage in this process: `DecodeEngine` on the `ModelThread`, behind the `DecodeStage`
-contract. Used by the decode gRPC servicer and by the embedded mode.
+"""The decode stage in this process: the decode core (`EngineCore` with `DecodeScheduler` and
+`DecodeRunner`, model calls on the `ModelThread`) behind the `DecodeStage` contract. Used by the
+decode gRPC servicer and by the embedded mode.
 
 The two differ only in where the KV cache comes from, `take_kv`: the embedded mode takes it from
 the prefill stage's in-process `KvStore` (its in-memory 'transfer'); the decode service pulls it
 from the prefill server over gRPC (`epd.decode_svc.kv_pull.KvPuller.take_kv`). Everything else is
-this class: the generation-limits check (before any cache moves), timing the transfer, streaming
-the tokens (`stream_tokens`), and freeing the cache however the stream ends.
+this class. A request's life here:
+  1. the generation-limits check (before anything is reserved or moved);
+  2. `KvMemory.reserve`: room for its whole life (cached tokens + max_new_tokens), waiting FIFO
+     when the budget is taken, RESOURCE_EXHAUSTED when the wait queue is full too;
+  3. the pull (`take_kv`), timed;
+  4. `core.submit`: it joins the running batch at the next step and streams a token per step;
+  5. however it ends (finished, client gone, error), its row and its reservation are freed.
 """
 
 from __future__ import annotations
@@ -17,11 +23,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from epd.decode_svc.config import DecodeConfig
-from epd.decode_svc.engine import DecodeEngine, stream_tokens
+from epd.decode_svc.engine import DecodeEngine
+from epd.decode_svc.kv_memory import KvMemory
+from epd.decode_svc.runner import DecodeRunner
+from epd.decode_svc.scheduler import DecodeRequest, DecodeScheduler
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import DecodeStage, PrefillHandle, TokenStep, check_generation_limits
+from epd.stages.engine_core import EngineCore, EngineLoad
+from epd.stages.errors import InvalidRequest
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig
 
@@ -49,11 +60,23 @@ class LocalDecodeStage(DecodeStage):
         config: DecodeConfig | None = None,
     ) -> None:
         """take_kv: `take_from_store(kv_store)` in-process, `KvPuller.take_kv` in the service.
-        `config` gives the generation limits (default: DecodeConfig's)."""
+        `config` gives the generation limits and the KV memory budget (default: DecodeConfig's)."""
         self.engine = engine
         self.take_kv = take_kv
         self.model_thread = model_thread
         self.config = config or DecodeConfig()
+        c = self.config
+        self.memory = KvMemory(
+            c.kv_budget_bytes,
+            engine.adapter.kv_bytes_per_token,
+            c.max_running_requests,
+            c.max_waiting_requests,
+            getattr(engine.adapter, "decode_state_bytes", 0),  # fixed state per request (hybrid models)
+        )
+        self.core = EngineCore(DecodeScheduler(self.memory), DecodeRunner(engine), model_thread)
+
+    def load(self) -> EngineLoad:
+        return self.core.load()
 
     async def generate(
         self,
@@ -63,19 +86,40 @@ class LocalDecodeStage(DecodeStage):
         pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
         check_generation_limits(generation, self.config.max_new_tokens_limit)
+        request = DecodeRequest(
+            request_id,
+            handle=handle,
+            generation_config=generation,
+            pruning=pruning,
+            final_length=handle.num_cached_tokens + generation.max_new_tokens,
+        )
         num_tokens = 0
         try:
-            t0 = time.perf_counter()
-            cache = await self.take_kv(handle)
-            kv_transfer_ms = (time.perf_counter() - t0) * 1e3
-            tokens = stream_tokens(self.engine, self.model_thread, cache, handle, generation, kv_transfer_ms, pruning)
-            del cache  # the token stream owns it now and frees it when it ends, however it ends
-            async with aclosing(tokens):
-                async for step in tokens:
-                    num_tokens += len(step.token_ids)
-                    yield step
+            # Room first, then the cache: a cache is never pulled into memory that is not there.
+            async with self.memory.reservation(request, request.final_length):
+                t0 = time.perf_counter()
+                kv = await self.take_kv(handle)
+                request.kv_transfer_ms = (time.perf_counter() - t0) * 1e3
+                if kv.num_cached_tokens != handle.num_cached_tokens:
+                    raise InvalidRequest(
+                        f"the KV cache holds {kv.num_cached_tokens} tokens, its handle says "
+                        f"{handle.num_cached_tokens}: prefill and decode disagree"
+                    )
+                request.kv, request.kv_num_bytes = kv, kv.num_bytes
+                del kv  # the core owns it now and frees it when the request ends, however it ends
+                steps = self.core.submit(request)
+                async with aclosing(steps):
+                    async for out in steps:
+                        for step in out:
+                            num_tokens += len(step.token_ids)
+                            yield step
         except asyncio.CancelledError:
             # A pull in flight is cancelled too (the prefill side has already forgotten the cache).
-            log.info("generation of request %s cancelled by its caller after %d tokens; its KV cache is freed",
-                     request_id, num_tokens)
+            log.info(
+                "generation of request %s cancelled by its caller after %d tokens; its KV cache is freed",
+                request_id,
+                num_tokens,
+            )
             raise
+        finally:
+            request.kv = None

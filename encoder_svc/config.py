@@ -40,12 +40,17 @@ class EncoderConfig:
     Both return identical frames for H.264/VP9/MJPEG (tests/unit/video)."""
     max_concurrent_decodes: int = 4
     """Requests whose encode driver runs at once, each on its own thread: the demux index pass,
-    waiting for decoded frame groups, cache lookups. Their model work (preprocessing, vision
-    tower, pruning) still runs on the one model thread, group by group, interleaved, so a slow
-    video delays only itself. Also bounds the requests sharing the decode threads."""
+    waiting for decoded frame groups, preprocessing, cache lookups. Their frame groups go
+    through the vision tower together, batched across requests on the one model thread, so a
+    slow video delays only itself. Also bounds the requests sharing the decode threads."""
     max_queued_decodes: int = 16
     """Requests that may wait (FIFO, holding their upload) for one of `max_concurrent_decodes`;
     past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
+    max_tower_patches_per_step: int = 8192
+    """Patches one batched vision-tower call may take (`--max-tower-patches-per-step`): each
+    step encodes the oldest waiting frame groups, of any requests, while their patches fit (a
+    larger group runs alone). Bounds the tower's activation memory per call; 8192 is 8 frame
+    groups of 448x448 (Qwen: 1024 patches per temporal pair), 32 of 224x224."""
 
     def __post_init__(self) -> None:
         if self.max_visual_tokens < 1:
@@ -57,6 +62,9 @@ class EncoderConfig:
         if self.max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes (--max-concurrent-decodes) must be >= 1, "
                              f"got {self.max_concurrent_decodes}")
+        if self.max_tower_patches_per_step < 1:
+            raise ValueError(f"max_tower_patches_per_step (--max-tower-patches-per-step) must be >= 1, "
+                             f"got {self.max_tower_patches_per_step}")
         if self.max_queued_decodes < 0:
             raise ValueError(f"max_queued_decodes (--max-queued-decodes) must be >= 0, "
                              f"got {self.max_queued_decodes}")

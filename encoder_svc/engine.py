@@ -1,27 +1,35 @@
 """Encode: media bytes -> sampled frames -> visual token embeddings. No gRPC, no asyncio here.
 
 A request's life (`EncoderEngine.encode`, which blocks; the caller runs it on one of the
-request-pool threads of `epd.stages.request_pool`, `--max-concurrent-decodes` of them):
+request-pool threads of `epd.stages.request_pool`, `--max-concurrent-decodes` of them, the
+request's *driver*):
   1. The cache key is the media's sha256 plus everything that changes the tokens (sampling,
      model fingerprint, preprocessing bounds). A hit returns the stored embeddings: nothing is
      decoded or encoded.
   2. On a miss, the parallel decoder builds the demux index (on this request's thread) and plans
      keyframe-aligned intervals for its shared decode threads; frames come back in temporal
      order, `frames_per_group` at a time.
-  3. Each group is handed to `run_model` (the process's one model thread): preprocessing and the
-     vision tower run there, one group per call, so groups of other requests interleave with this
-     one's and a request still waiting for its frames holds no model time. Later groups keep
-     decoding meanwhile (the vision tower attends within one temporal patch only, so encoding
-     group by group gives the same tokens as encoding the whole sample).
+  3. Each group is preprocessed into patches on the driver, then handed to `run_tower`, which
+     blocks until the vision tower has encoded it: the stage (`encoder_svc/stage.py`) queues it
+     as a tower job in the encoder's engine core, whose steps encode the waiting groups of
+     several requests in one tower call (`encoder_svc/scheduler.py`, `encoder_svc/runner.py`),
+     so a request still waiting for its frames holds no model time. Later groups keep decoding
+     meanwhile (the vision tower attends within one temporal patch only, so encoding group by
+     group, alone or beside other requests' groups, gives the same tokens as encoding the whole
+     sample, up to float rounding). Without `run_tower` (tests, benchmarks) the group is
+     encoded alone through `run_model`.
   4. Encode-stage pruning (when asked for) is one more model call; the result, an EncodedMedia
-     (the concatenated embeddings [num_visual_tokens, hidden] and what prefill needs to place
-     them), is what the cache stores and what the stage returns.
+     (the concatenated embeddings [num_visual_tokens, hidden], for Qwen3-VL the DeepStack
+     features of the same rows and each temporal group's time, and what prefill needs to place
+     them), is what the cache stores and what the stage returns. Pruning stages that would lose
+     the DeepStack alignment are refused before step 1 (`refuse_unaligned_pruning`).
 
 Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The
 decoder watches it too: the demux pass stops within a few hundred packets, its workers at their
 next frame, and a wait for the next group within 50 ms. The driver checks it after every frame
-group and before each model call (a call already queued on the model thread checks it again
-before it starts), then closes the frame stream and raises RequestCancelled. (The decord backend
+group and before each model call or tower job (a call already queued on the model thread checks
+it again before it starts; the stage takes a queued tower job out of the core's queue at once),
+then closes the frame stream and raises RequestCancelled. (The decord backend
 decodes the whole sample in its child process first; a cancel there takes effect after it.)
 """
 
@@ -41,8 +49,15 @@ import torch
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.pruning import encode_stage_pruning
 from epd.encoder_svc.token_cache import TokenCache, make_cache_key
-from epd.model_runtime.adapter import VisionInputs, VisualMeta, VLMAdapter
-from epd.stages.contracts import EncodedMedia, EventSink, MediaInput, RequestCancelled, StageEvent
+from epd.model_runtime.adapter import VisionInputs, VisualFeatures, VisualMeta, VLMAdapter
+from epd.stages.contracts import (
+    EncodedMedia,
+    EventSink,
+    MediaInput,
+    RequestCancelled,
+    StageEvent,
+    refuse_unaligned_pruning,
+)
 from epd.stages.errors import NotFound, ResourceExhausted
 from epd.stages.names import Stage
 from epd.token_pruning import PruningConfig, PruningStats
@@ -57,6 +72,12 @@ T = TypeVar("T")
 RunModel = Callable[..., Any]
 """run_model(fn, *args) -> fn(*args), run where this process runs model work (the model thread),
 blocking the caller until it is done."""
+
+RunTower = Callable[[VisionInputs, int], VisualFeatures]
+"""run_tower(inputs, group_index) -> the group's features (embeddings [group_tokens, hidden] and
+any DeepStack features of the same shape), blocking the driver until the vision tower has encoded
+them (queued with other requests' groups); raises RequestCancelled when the request is cancelled
+while it waits."""
 
 
 def run_here(fn: Callable[..., T], *args: Any) -> T:
@@ -79,10 +100,12 @@ class _Request:
     """One encode on its driver thread: how to reach the model, and its cancel flag."""
 
     run_model: RunModel
+    run_tower: RunTower | None
     cancel: threading.Event
     num_groups_done: int = 0
     model_s: float = 0.0
-    """Wall time of this request's model calls, queueing on the model thread included."""
+    """Wall time of this request's preprocessing and model calls (tower jobs, pruning), queueing
+    for the model included."""
     stats: PruningStats = field(default_factory=PruningStats)
 
     def check_cancelled(self) -> None:
@@ -103,11 +126,22 @@ class _Request:
         finally:
             self.model_s += time.perf_counter() - t0
 
+    def tower(self, adapter: VLMAdapter, inputs: VisionInputs) -> VisualFeatures:
+        """The group's features: a tower job of the stage's core, or alone on `run_model`."""
+        if self.run_tower is None:
+            return self.model(adapter.encode_features, inputs)
+        self.check_cancelled()
+        t0 = time.perf_counter()
+        try:
+            return self.run_tower(inputs, self.num_groups_done)
+        finally:
+            self.model_s += time.perf_counter() - t0
+
 
 class EncoderEngine:
     """Owns the vision tower, the decode pool and the token cache. `encode` may run for several
-    requests at once, each on its own thread; every model call goes through that request's
-    `run_model`."""
+    requests at once, each on its own thread; every tower call goes through that request's
+    `run_tower` (or `run_model`), every other model call through its `run_model`."""
 
     def __init__(self, config: EncoderConfig, adapter: VLMAdapter) -> None:
         self.config = config
@@ -124,8 +158,11 @@ class EncoderEngine:
             "limits_max_source_pixels": self.config.limits.max_source_pixels,
             "decode_backend": self.config.decode_backend,
             "pruning": pruning.encode_cache_key(),
+            # What the entry holds besides the embeddings: a DeepStack family's entries carry
+            # its features (and the group times), another family's never do.
+            "parts": {"deepstack_features": self.adapter.num_deepstack_layers, "group_timestamps": True},
         }
-        return make_cache_key(sha256, params)
+        return make_cache_key(sha256, params, family=self.adapter.family or type(self.adapter).__name__)
 
     def encode(
         self,
@@ -135,10 +172,13 @@ class EncoderEngine:
         pruning: PruningConfig = PruningConfig(),
         *,
         run_model: RunModel = run_here,
+        run_tower: RunTower | None = None,
         cancel: threading.Event | None = None,
     ) -> EncodedMedia:
         """Blocks until the media is encoded. Raises RequestCancelled once `cancel` is set."""
-        req = _Request(run_model, cancel or threading.Event())
+        # Before any work, cached or not: a stage (of any service) that would lose DeepStack.
+        refuse_unaligned_pruning(self.adapter.family, self.adapter.num_deepstack_layers, pruning)
+        req = _Request(run_model, run_tower, cancel or threading.Event())
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         key = self.cache_key(sha256, sampling, pruning)
@@ -200,6 +240,8 @@ class EncoderEngine:
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.
         sparse = pruning.temporal_drop and pruning.temporal_before_tower and self.adapter.supports_sparse_vision
         embeds: list[torch.Tensor] = []  # per group: [group_tokens, hidden]
+        deepstack: list[list[torch.Tensor]] = []  # per group: one [group_tokens, hidden] per DeepStack layer
+        times: list[float] = []  # per temporal patch group (Qwen3-VL's prompt times)
         pixels: list[torch.Tensor] = []  # per group: [group_patches, patch_dim]
         grids: list[tuple[int, int, int]] = []
         frames_done = 0
@@ -207,23 +249,31 @@ class EncoderEngine:
         with contextlib.closing(groups):
             req.check_cancelled()  # cancelled during the index pass: wait for no frame at all
             for video in groups:  # decoding of later groups continues while this one encodes
-                inputs, group_embeds = req.model(self._encode_group, video, meta.num_frames, not sparse)
+                inputs = self._preprocess(req, video, meta.num_frames)
                 if pruning.temporal_drop:
                     pixels.append(inputs.pixel_values)
-                if group_embeds is not None:
-                    embeds.append(group_embeds)
+                if not sparse:  # sparse: the tower waits for every group's patches (pruning below)
+                    group = req.tower(self.adapter, inputs)
+                    embeds.append(group.embeds)
+                    deepstack.append(list(group.deepstack or []))
                 grids.append(inputs.grid_thw)
+                times.extend(inputs.group_timestamps_s)
                 frames_done += video.num_frames
                 req.num_groups_done += 1
                 on_event(StageEvent(Stage.ENCODE, "progress", 0.0, {"frames_done": str(frames_done)}))
                 req.check_cancelled()  # before waiting for the next group
         grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
         token_index = key_mask = None
+        # [N, hidden] per DeepStack layer, all groups (none for families without DeepStack)
+        features = [torch.cat(layer) for layer in zip(*deepstack, strict=True)] if deepstack else []
         if sparse or pruning.spatial_merge or pruning.key_token_ratio > 0 or pruning.temporal_drop:
             visual, token_index, key_mask = req.model(
                 encode_stage_pruning, self.adapter, torch.cat(embeds) if embeds else None,
                 torch.cat(pixels) if pixels else None, grid, pruning, req.stats,
             )
+            # The kept tokens are rows of the full list (spatial merging, which mixes rows, is
+            # refused for DeepStack families): each feature keeps the same rows.
+            features = [f[token_index] for f in features]
         else:
             visual = torch.cat(embeds)
         total_ms = (time.perf_counter() - t0) * 1e3
@@ -235,7 +285,7 @@ class EncoderEngine:
         return EncodedMedia(
             embeds=visual,
             meta=VisualMeta("image" if meta.is_image else "video", grid, inputs.second_per_grid_t,
-                            int(visual.shape[0])),
+                            int(visual.shape[0]), tuple(times)),
             num_frames=meta.num_frames,
             frame_timestamps_s=list(meta.timestamps_s),
             decode_ms=decode_ms,
@@ -244,15 +294,19 @@ class EncoderEngine:
             token_index=token_index,
             key_mask=key_mask,
             pruning=req.stats,
+            deepstack=features,
         )
 
-    def _encode_group(self, video: DecodedVideo, num_frames: int, run_tower: bool
-                      ) -> tuple[VisionInputs, torch.Tensor | None]:
-        """On the model thread: preprocess one group and (unless the tower waits for sparse
-        pruning) run the vision tower on it -> (inputs, embeddings [group_tokens, hidden])."""
-        inputs = self.adapter.preprocess(video)
+    def _preprocess(self, req: _Request, video: DecodedVideo, num_frames: int) -> VisionInputs:
+        """On the driver: one group's patches [group_patches, patch_dim], checked against the
+        visual-token budget before any tower work."""
+        t0 = time.perf_counter()
+        try:
+            inputs = self.adapter.preprocess(video)
+        finally:
+            req.model_s += time.perf_counter() - t0
         self._check_token_budget(inputs.grid_thw, num_frames, video.num_frames)
-        return inputs, self.adapter.encode(inputs) if run_tower else None
+        return inputs
 
     def _check_token_budget(self, grid_thw: tuple[int, int, int], num_frames: int, group_frames: int) -> None:
         per_frame = self.adapter.num_visual_tokens(grid_thw) / max(group_frames, 1)

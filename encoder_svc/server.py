@@ -7,9 +7,11 @@ import logging
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.servicer import SERVICE_NAME, EncoderServicer
-from epd.encoder_svc.stage import LocalEncodeStage
+from epd.encoder_svc.stage import LocalEncodeStage, build_encode_core
 from epd.model_runtime.loader import load_adapter
+from epd.model_runtime.threads import StepThreads
 from epd.stages.model_thread import ModelThread
+from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import encoder_pb2_grpc
 
@@ -20,13 +22,20 @@ async def start(config: EncoderConfig) -> HealthyServer:
     """Listen at once (health NOT_SERVING), load the vision tower, then report SERVING."""
     servicer = EncoderServicer(config)
     hs = await create_server(
-        config.server, lambda s: encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, s), [SERVICE_NAME]
+        config.server,
+        with_load_service(
+            lambda s: encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, s),
+            lambda: stage_loads(servicer.stage),
+        ),
+        [SERVICE_NAME],
     )
-    model_thread = ModelThread()
+    model_thread = ModelThread(StepThreads(config.model.num_threads))
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "encoder")
-        servicer.stage = LocalEncodeStage(EncoderEngine(config, adapter), model_thread)
+        engine = EncoderEngine(config, adapter)
+        core = build_encode_core(engine, model_thread)  # tower jobs of all requests, batched per step
+        servicer.stage = LocalEncodeStage(engine, model_thread, core=core)
         await hs.set_serving(True)
     log.info("encoder serving on port %d", hs.port)
     return hs

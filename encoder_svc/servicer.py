@@ -10,7 +10,6 @@ from epd.stages.errors import Unavailable
 from epd.stages.events import Finished, with_events
 from epd.transport import convert
 from epd.transport.errors import rpc_errors
-from epd.transport.tensor_wire import tensor_to_chunks
 from epd.transport.upload import media_input, read_upload
 from epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -36,7 +35,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         async for item in with_events(lambda sink: stage.encode(media, sampling, sink, header.request_id, pruning)):
             if isinstance(item, Finished):
                 encoded = item.value
-                for chunk in tensor_to_chunks("visual_embeds", encoded.embeds):
+                for chunk in convert.encoded_media_chunks(encoded):  # embeddings + DeepStack features
                     yield encoder_pb2.EncodeResponse(embeddings=chunk)
                 yield encoder_pb2.EncodeResponse(result=convert.encode_result_to_proto(encoded))
             else:

@@ -1,19 +1,27 @@
 """The encode stage in this process: `EncoderEngine` behind the `EncodeStage` contract.
 
 Used by the encoder's gRPC servicer and by the embedded mode (`epd ask` without --endpoint).
-The per-request driver (demux, waiting for frames, token cache) runs on a bounded `RequestPool`
-thread and only its model calls on the `ModelThread`. Cancelling `encode` (the client went away)
-sets the driver's cancel flag: decoding stops at the next frame group and queued model calls are
-dropped.
+The per-request driver (demux, waiting for frames, preprocessing, token cache) runs on a bounded
+`RequestPool` thread. Its frame groups go to the stage's engine core as tower jobs, which encodes
+the waiting groups of several requests in one tower call per step on the `ModelThread`
+(`encoder_svc/scheduler.py`, `encoder_svc/runner.py`); the driver waits for its group's result
+while the decode threads go on decoding. Encode-stage pruning stays a per-request model call.
+
+Cancelling `encode` (the client went away) sets the driver's cancel flag, so decoding stops at
+the next frame group, and takes the request's queued tower job out of the core's queue at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 
 from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.runner import EncodeRunner
+from epd.encoder_svc.scheduler import EncodeScheduler, TowerJob
+from epd.model_runtime.adapter import VisionInputs, VisualFeatures
 from epd.stages.contracts import (
     EncodedMedia,
     EncodeStage,
@@ -22,6 +30,7 @@ from epd.stages.contracts import (
     RequestCancelled,
     StageEvent,
 )
+from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.model_thread import ModelThread
 from epd.stages.request_pool import RequestPool
 from epd.token_pruning import PruningConfig
@@ -38,16 +47,35 @@ def _decodes_full(num_running: int, num_waiting: int) -> str:
     )
 
 
+def build_encode_core(engine: EncoderEngine, model_thread: ModelThread) -> EngineCore[TowerJob]:
+    """The encoder's engine core: tower jobs, batched up to `max_tower_patches_per_step`."""
+    config = engine.config
+    # Each running driver has at most one tower job queued: the queue never refuses one.
+    scheduler = EncodeScheduler(config.max_tower_patches_per_step, config.max_concurrent_decodes)
+    return EngineCore(scheduler, EncodeRunner(engine.adapter), model_thread)
+
+
 class LocalEncodeStage(EncodeStage):
-    def __init__(self, engine: EncoderEngine, model_thread: ModelThread) -> None:
+    def __init__(
+        self, engine: EncoderEngine, model_thread: ModelThread, core: EngineCore[TowerJob] | None = None
+    ) -> None:
+        """`core`: the encoder core on `model_thread` (`build_encode_core`; built here when None)."""
+        config = engine.config
         self.engine = engine
         self.model_thread = model_thread
         self.drivers = RequestPool(
-            engine.config.max_concurrent_decodes,
-            engine.config.max_queued_decodes,
+            config.max_concurrent_decodes,
+            config.max_queued_decodes,
             _decodes_full,
             thread_name="encode-driver",
         )
+        self.core = core or build_encode_core(engine, model_thread)
+        assert isinstance(self.core.scheduler, EncodeScheduler) and isinstance(self.core.runner, EncodeRunner)
+        self.scheduler: EncodeScheduler = self.core.scheduler
+        self.runner: EncodeRunner = self.core.runner
+
+    def load(self) -> EngineLoad:
+        return self.core.load()
 
     async def encode(
         self,
@@ -58,6 +86,7 @@ class LocalEncodeStage(EncodeStage):
         pruning: PruningConfig = PruningConfig(),
     ) -> EncodedMedia:
         loop = asyncio.get_running_loop()
+        towers = _TowerJobs(self.core, request_id, loop)
 
         def drive(cancel: threading.Event) -> EncodedMedia:  # on a request-pool thread
             def threadsafe(event: StageEvent) -> None:
@@ -66,7 +95,13 @@ class LocalEncodeStage(EncodeStage):
 
             try:
                 return self.engine.encode(
-                    media, sampling, threadsafe, pruning, run_model=self.model_thread.call, cancel=cancel
+                    media,
+                    sampling,
+                    threadsafe,
+                    pruning,
+                    run_model=self.model_thread.call,
+                    run_tower=towers.encode,
+                    cancel=cancel,
                 )
             except RequestCancelled as exc:
                 log.info("encode of request %s stopped: %s", request_id, exc)
@@ -75,5 +110,55 @@ class LocalEncodeStage(EncodeStage):
         try:
             return await self.drivers.run(drive)
         except asyncio.CancelledError:
+            await towers.cancel()  # its queued tower job has left the queue when this returns
             log.info("encode of request %s cancelled by its caller; its decoding stops", request_id)
             raise
+
+
+class _TowerJobs:
+    """One media request's way into the core from its driver thread: `encode` submits a frame
+    group as a tower job on the event loop and blocks the driver until its embeddings are back;
+    `cancel` (on the loop) takes a queued job out of the queue and refuses later ones."""
+
+    def __init__(self, core: EngineCore[TowerJob], request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.core = core
+        self.request_id = request_id
+        self.loop = loop
+        self._tasks: set[asyncio.Task] = set()  # loop only
+        self._cancelled = False  # loop only
+
+    def encode(self, inputs: VisionInputs, group_index: int) -> VisualFeatures:  # driver thread
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._run(inputs, group_index), self.loop)
+            return future.result()
+        except (concurrent.futures.CancelledError, RuntimeError) as exc:  # RuntimeError: the loop closed
+            if isinstance(exc, RuntimeError) and not self.loop.is_closed():
+                raise
+            raise RequestCancelled(
+                f"cancelled while frame group {group_index} waited for the tower"
+            ) from None
+
+    async def _run(self, inputs: VisionInputs, group_index: int) -> VisualFeatures:
+        if self._cancelled:
+            raise RequestCancelled(f"cancelled before frame group {group_index} reached the tower")
+        job = TowerJob(
+            request_id=self.request_id,
+            num_patches=int(inputs.pixel_values.shape[0]),
+            group_index=group_index,
+            inputs=inputs,
+        )
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            # Closing the submission (this task cancelled) removes the job from the queue at once.
+            return [embeds async for embeds in self.core.submit(job)][0]
+        finally:
+            self._tasks.discard(task)
+
+    async def cancel(self) -> None:
+        self._cancelled = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,7 +2,8 @@
 
 EPD's "cache multimedia tokens": a request whose key is cached skips decoding and encoding.
 The key is a sha256 over a canonical JSON of
-    {"content_sha256": <sha256 of the media bytes>, "params": {...}}
+    {"v": <format version>, "family": <model_type>, "content_sha256": <sha256 of the media bytes>,
+     "params": {...}}
 where `params` must hold everything else that changes the output: sampling (fps, max/min/num
 frames, start/end), preprocessing (max_pixels, resize rule), the model id and its revision, and
 the token-dropping settings. `make_cache_key` hashes any JSON-able dict canonically (sorted keys,
@@ -39,9 +40,11 @@ from epd.stages.contracts import EncodedMedia, MediaRecord
 
 log = logging.getLogger(__name__)
 
-_KEY_VERSION = 2  # bump when the meaning or the format of cached values changes
-"""2: values are `EncodedMedia.to_record()`. Entries of an older version are never looked up
-(their keys differ): a miss, and the disk tier's LRU deletes their files in time."""
+_KEY_VERSION = 3  # bump when the meaning or the format of cached values changes
+"""2: values are `EncodedMedia.to_record()`. 3: the record also holds DeepStack features
+("deepstack.{k}" tensors, `num_deepstack_features`) and `group_timestamps_s`, and the key names the
+model family. Entries of an older version are never looked up (their keys differ): a miss, and
+the disk tier's LRU deletes their files in time."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,14 @@ def _canonical(value: Any) -> Any:
     raise TypeError(f"cache key parameter of type {type(value).__name__} is not JSON-able")
 
 
-def make_cache_key(content_sha256: str, params: dict[str, Any]) -> str:
-    """Hex sha256 of the media hash plus every parameter that changes the encoder's output."""
+def make_cache_key(content_sha256: str, params: dict[str, Any], family: str = "") -> str:
+    """Hex sha256 of the media hash plus every parameter that changes the encoder's output.
+    `family` (the model's `model_type`, e.g. "qwen3_vl") is its own part of the key: families
+    put different things in an entry (Qwen3-VL's DeepStack features), so an entry made by one
+    family is never served to another, whatever else the parameters say."""
     if len(content_sha256) != 64 or any(c not in "0123456789abcdef" for c in content_sha256):
         raise ValueError("content_sha256 must be a lower-case hex sha256 digest of the media bytes")
-    doc = {"v": _KEY_VERSION, "content_sha256": content_sha256, "params": _canonical(params)}
+    doc = {"v": _KEY_VERSION, "family": family, "content_sha256": content_sha256, "params": _canonical(params)}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -11,6 +11,42 @@ DEFAULT_PORT = 50052
 
 
 @dataclass(frozen=True)
+class PrefillSchedulerConfig:
+    """The prefill core's scheduler (`prefill_svc/scheduler.py`)."""
+
+    max_prefill_tokens_per_step: int = 2048
+    """Prompt tokens one step computes at most, over every prompt in it (--max-prefill-tokens-per-step)."""
+    prefill_chunk_tokens: int | None = 512
+    """Prompts longer than this run in chunks of at most this many tokens, one chunk per step, so a
+    long video does not hold the prompts behind it for its whole prefill (--prefill-chunk-tokens;
+    None: never chunk)."""
+    max_waiting_prefills: int = 64
+    """Requests admitted and not yet prefilled, at most; beyond it RESOURCE_EXHAUSTED (--max-waiting-prefills)."""
+    max_waiting_prompt_tokens: int = 65536
+    """Prompt tokens of those requests, at most; beyond it RESOURCE_EXHAUSTED (--max-waiting-prompt-tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.max_prefill_tokens_per_step < 1:
+            raise ValueError(
+                "max_prefill_tokens_per_step (--max-prefill-tokens-per-step) must be >= 1, "
+                f"got {self.max_prefill_tokens_per_step}"
+            )
+        if self.prefill_chunk_tokens is not None and not (
+            1 <= self.prefill_chunk_tokens <= self.max_prefill_tokens_per_step
+        ):
+            raise ValueError(
+                "prefill_chunk_tokens (--prefill-chunk-tokens) must be between 1 and "
+                f"--max-prefill-tokens-per-step ({self.max_prefill_tokens_per_step}), "
+                f"got {self.prefill_chunk_tokens}"
+            )
+        if self.max_waiting_prefills < 1 or self.max_waiting_prompt_tokens < 1:
+            raise ValueError(
+                "max_waiting_prefills (--max-waiting-prefills) and max_waiting_prompt_tokens "
+                "(--max-waiting-prompt-tokens) must be >= 1"
+            )
+
+
+@dataclass(frozen=True)
 class PrefillConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
@@ -27,8 +63,15 @@ class PrefillConfig:
     max_new_tokens_limit: int = 4096
     max_transfer_bytes: int = 1 << 30
     """Largest visual-embedding upload accepted."""
+    scheduler: PrefillSchedulerConfig = field(default_factory=lambda: PrefillSchedulerConfig())
+    """The prefill core's queue bounds, token budget per step and chunk size."""
 
     def __post_init__(self) -> None:
+        if self.scheduler.max_waiting_prompt_tokens < self.max_prompt_tokens:
+            raise ValueError(
+                f"max_waiting_prompt_tokens (--max-waiting-prompt-tokens, {self.scheduler.max_waiting_prompt_tokens}) "
+                f"must be >= max_prompt_tokens ({self.max_prompt_tokens}), or the longest prompt never gets in"
+            )
         if self.kv_store_bytes < 0:
             raise ValueError(f"kv_store_bytes (--kv-store-bytes) must be >= 0, got {self.kv_store_bytes}")
         if self.kv_ttl_s <= 0:

@@ -5,21 +5,35 @@ which the stage that stores the cache fills in), next to the cache itself."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from epd.model_runtime.adapter import VisualMeta, VLMAdapter
+from epd.model_runtime.adapter import Prompt, UnsupportedByFamily, VisualFeatures, VisualMeta, VLMAdapter
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
-from epd.prefill_svc.pruned_prefill import pruned_prefill
-from epd.stages.contracts import EncodedMedia, PrefillHandle, check_generation_limits
+from epd.prefill_svc.pruned_prefill import PrunedPrefill, pruned_prefill
+from epd.prefill_svc.scheduler import PrefillRequest
+from epd.stages.contracts import (
+    EncodedMedia,
+    PrefillHandle,
+    check_generation_limits,
+    refuse_unaligned_pruning,
+)
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import Message, check_messages, to_chat_template
-from epd.token_pruning import PruningConfig, PruningStats
+from epd.token_pruning import (
+    ModelSizes,
+    PruningConfig,
+    PruningStats,
+    gather_prompt,
+    prefill_flops,
+    prompt_keep_indices,
+)
 
 
 @dataclass
@@ -32,7 +46,9 @@ class PrefillOutput:
 
 
 class PrefillEngine:
-    """Owns the language model of the prefill stage; one request at a time."""
+    """The prefill stage's per-request work around the model: validation and the prompt before a
+    request queues (`prepare`), the first token and the handle after its last step (`finish`).
+    The batched steps in between are `PrefillRunner`'s."""
 
     def __init__(self, config: PrefillConfig, adapter: VLMAdapter) -> None:
         self.config = config
@@ -53,27 +69,44 @@ class PrefillEngine:
         meta, embeds = media.meta, media.embeds
         full = self.adapter.num_visual_tokens(meta.grid_thw)
         expected = full if media.token_index is None else int(media.token_index.numel())
-        if embeds.ndim != 2 or embeds.shape[0] != expected or embeds.shape[1] != self.adapter.hidden_size \
-                or meta.num_visual_tokens != expected:
+        if (
+            embeds.ndim != 2
+            or embeds.shape[0] != expected
+            or embeds.shape[1] != self.adapter.hidden_size
+            or meta.num_visual_tokens != expected
+        ):
             raise InvalidRequest(
                 f"visual embeddings have shape {tuple(embeds.shape)}, expected "
                 f"[{expected}, {self.adapter.hidden_size}]: encoder and prefill serve different models"
             )
-        if media.token_index is not None and media.token_index.numel() and (
-            int(media.token_index.max()) >= full or bool((media.token_index.diff() <= 0).any())
+        if (
+            media.token_index is not None
+            and media.token_index.numel()
+            and (int(media.token_index.max()) >= full or bool((media.token_index.diff() <= 0).any()))
         ):
             raise InvalidRequest("kept_token_index must be increasing and within the grid's tokens")
+        family = self.adapter.family or type(self.adapter).__name__
+        if len(media.deepstack) != self.adapter.num_deepstack_layers:
+            raise InvalidRequest(
+                f"the media carries {len(media.deepstack)} DeepStack features but this {family} model "
+                f"adds {self.adapter.num_deepstack_layers}: encoder and prefill serve different models"
+            )
+        if any(tuple(d.shape) != tuple(embeds.shape) for d in media.deepstack):
+            raise InvalidRequest("each DeepStack feature must have the visual embeddings' shape, row for row")
 
-    def prefill(
+    def prepare(
         self,
         messages: Sequence[Message],
         media: EncodedMedia,
         generation: GenerationConfig,
         pruning: PruningConfig = PruningConfig(),
-    ) -> PrefillOutput:
+        request_id: str = "",
+    ) -> PrefillRequest:
+        """Validate the request and build its prompt: everything that can refuse it, before it
+        queues (a bad request never takes a queue place)."""
         self.validate(messages, media.meta, generation)
+        refuse_unaligned_pruning(self.adapter.family, self.adapter.num_deepstack_layers, pruning)
         self._check_visual(media)
-        t0 = time.perf_counter()
         try:
             # Rendered by the model's own chat template, parts in the user's order; the media
             # part's placeholder takes the kind the encoder found in the bytes.
@@ -85,35 +118,127 @@ class PrefillEngine:
                 f"the prompt has {prompt.num_tokens} tokens, over the limit of "
                 f"{self.config.max_prompt_tokens}; lower max_frames, fps or max_pixels"
             )
-        stats = PruningStats(stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens)
-        num_in = media.meta.num_visual_tokens
-        uses_pruning = media.token_index is not None or pruning.prefill_drop or pruning.kv_compress \
+        exclusive = (
+            media.token_index is not None
+            or pruning.prefill_drop
+            or pruning.kv_compress
             or pruning.decode_evict
-        if uses_pruning:
-            try:
-                out = pruned_prefill(self.adapter, prompt, media.embeds, media.token_index, media.key_mask,
-                                     pruning, stats)
-            except ValueError as exc:  # budgets that cannot be met (e.g. key tokens over budget)
-                raise InvalidRequest(str(exc)) from None
-            state, mask, kept, kv_before = out.state, out.visual_entry_mask, out.kept_visual_token_index, \
-                out.kv_bytes_before
-            num_out = len(kept)
-        else:
-            state = self.adapter.prefill(prompt, media.embeds)
-            mask, kept, kv_before, num_out = None, [], state.cache.num_bytes, num_in
+        )
+        return PrefillRequest(
+            request_id,
+            num_prompt_tokens=prompt.num_tokens,
+            exclusive=exclusive,
+            prompt=prompt,
+            media=media,
+            generation=generation,
+            pruning=pruning,
+        )
+
+    def prefill(
+        self,
+        messages: Sequence[Message],
+        media: EncodedMedia,
+        generation: GenerationConfig,
+        pruning: PruningConfig = PruningConfig(),
+    ) -> PrefillOutput:
+        """One request, whole and alone (benchmarks and tools; the service runs `PrefillRunner`)."""
+        request = self.prepare(messages, media, generation, pruning)
+        t0 = time.perf_counter()
+        if request.exclusive:
+            return self.prefill_pruned(request)
+        state = self.adapter.prefill_features(_parts(request)[0], _features(media))
+        return self.finish(request, state.cache, state.last_logits, (time.perf_counter() - t0) * 1e3)
+
+    def prefill_pruned(self, request: PrefillRequest) -> PrefillOutput:
+        """A request with token dropping or KV compression: whole and alone, as `pruned_prefill` does it."""
+        prompt, media, pruning = _parts(request)
+        if media.deepstack:
+            return self._prefill_kept_tokens(request)
+        t0 = time.perf_counter()
+        stats = PruningStats(stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens)
+        try:
+            out = pruned_prefill(
+                self.adapter, prompt, media.embeds, media.token_index, media.key_mask, pruning, stats
+            )
+        except ValueError as exc:  # budgets that cannot be met (e.g. key tokens over budget)
+            raise InvalidRequest(str(exc)) from None
+        return self.finish(
+            request,
+            out.state.cache,
+            out.state.last_logits,
+            (time.perf_counter() - t0) * 1e3,
+            stats=stats,
+            pruned=out,
+        )
+
+    def _prefill_kept_tokens(self, request: PrefillRequest) -> PrefillOutput:
+        """A DeepStack family's request whose encoder dropped tokens (the only pruning it has
+        before decode, `refuse_unaligned_pruning`): the prompt without the dropped placeholders,
+        every kept token at its full-prompt position, and the DeepStack features' rows of the kept
+        tokens (the encoder kept the same rows), run whole through `prefill_features`."""
+        prompt, media, _ = _parts(request)
+        assert media.token_index is not None
+        t0 = time.perf_counter()
+        full_visual = prompt.visual_mask.nonzero().flatten()  # [V] prompt index of each placeholder
+        keep = prompt_keep_indices(prompt.num_tokens, full_visual, media.token_index)  # [L'] increasing
+        kept = gather_prompt(prompt.input_ids, prompt.position_ids, keep)
+        kept_prompt = Prompt(kept.input_ids, kept.position_ids, prompt.visual_mask[keep])
+        try:
+            state = self.adapter.prefill_features(kept_prompt, _features(media))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        stats = PruningStats(stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens)
+        with contextlib.suppress(UnsupportedByFamily):  # a family without text_dims: no estimate
+            sizes = ModelSizes.from_dims(self.adapter.text_dims)
+            stats.prefill_flops_full = prefill_flops(sizes, prompt.num_tokens)
+            stats.prefill_flops_pruned = prefill_flops(sizes, kept_prompt.num_tokens)
         cache = state.cache
+        stats.kv_bytes_before = stats.kv_bytes_after = cache.num_bytes
+        # [layers, kv_heads, cached] bool: the visual entries (decode eviction is refused for
+        # DeepStack families, so nobody reads it; kept for PrunedPrefill's shape)
+        visual_entries = kept_prompt.visual_mask.expand(len(cache.keys), cache.keys[0].shape[1], -1).clone()
+        pruned = PrunedPrefill(state, visual_entries, media.token_index.tolist(), cache.num_bytes)
+        ms = (time.perf_counter() - t0) * 1e3
+        return self.finish(request, cache, state.last_logits, ms, stats=stats, pruned=pruned)
+
+    def finish(
+        self,
+        request: PrefillRequest,
+        cache: KvCache,
+        last_logits: torch.Tensor,
+        prefill_ms: float,
+        stats: PruningStats | None = None,
+        pruned: PrunedPrefill | None = None,
+    ) -> PrefillOutput:
+        """The prompt's cache and last logits -> the first token and the handle decoding starts from."""
+        prompt, media, pruning = _parts(request)
+        if stats is None:
+            stats = PruningStats(
+                stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens
+            )
+        num_in = media.meta.num_visual_tokens
+        if pruned is not None:
+            mask, kept, kv_before, num_out = (
+                pruned.visual_entry_mask,
+                pruned.kept_visual_token_index,
+                pruned.kv_bytes_before,
+                len(pruned.kept_visual_token_index),
+            )
+        else:
+            mask, kept, kv_before, num_out = None, [], cache.num_bytes, num_in
         if pruning.kv_dtype != "auto":
             cache = cache.cast(getattr(torch, pruning.kv_dtype))
             stats.kv_bytes_before = kv_before
             stats.kv_bytes_after = cache.num_bytes
-        first = Sampler(generation)(state.last_logits)
+        assert request.generation is not None
+        first = Sampler(request.generation)(last_logits)
         handle = PrefillHandle(
             first_token_id=first,
-            num_prompt_tokens=state.num_prompt_tokens,
+            num_prompt_tokens=prompt.num_tokens,
             num_cached_tokens=cache.num_cached_tokens,
-            next_position_ids=[int(x) for x in state.next_position_ids],
+            next_position_ids=[int(x) for x in prompt.position_ids[:, 0, -1] + 1],
             kv_num_bytes=cache.num_bytes,
-            prefill_ms=(time.perf_counter() - t0) * 1e3,
+            prefill_ms=prefill_ms,
             num_visual_tokens_in=num_in,
             num_visual_tokens_out=num_out,
             kv_num_bytes_uncompressed=kv_before,
@@ -123,3 +248,13 @@ class PrefillEngine:
             kept_visual_token_index=kept,
         )
         return PrefillOutput(handle, cache)
+
+
+def _features(media: EncodedMedia) -> VisualFeatures:
+    """The media's embeddings and DeepStack features (None for families without them)."""
+    return VisualFeatures(media.embeds, list(media.deepstack) or None)
+
+
+def _parts(request: PrefillRequest) -> tuple[Prompt, EncodedMedia, PruningConfig]:
+    assert request.prompt is not None and request.media is not None and request.pruning is not None
+    return request.prompt, request.media, request.pruning

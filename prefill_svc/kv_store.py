@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from epd.model_runtime.kv_cache import KvCache
-from epd.stages.errors import NotFound, ResourceExhausted
+from epd.stages.errors import Busy, NotFound
 
 
 @dataclass
@@ -41,7 +41,7 @@ class KvStore:
         with self._lock:
             self._expire()
             if self.num_bytes + size > self.max_bytes:
-                raise ResourceExhausted(
+                raise Busy(
                     f"prefill holds {self.num_bytes} bytes of KV caches waiting for decoders and this "
                     f"one needs {size} more (limit {self.max_bytes}); retry shortly or add decode capacity"
                 )

@@ -9,15 +9,19 @@
 Positions are computed once on the full prompt and gathered, so every surviving token keeps its
 original M-RoPE position, and the next token continues from the full prompt's last position.
 With every stage off this module is not used at all (the exact path is `adapter.prefill`).
+The model is reached through `VLMAdapter` only (`embed`, `layerwise_prefill`, `capture_queries`,
+`logits`, `chunk_cache_to_kv`, `text_dims`): a family that lacks one is refused with its
+`UnsupportedByFamily` (a ValueError, so the request gets INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
-from epd.model_runtime.adapter import PrefillState, Prompt
+from epd.model_runtime.adapter import CapturedQueries, PrefillState, Prompt, VLMAdapter
 from epd.model_runtime.kv_cache import KvCache
 from epd.token_pruning import (
     ModelSizes,
@@ -33,7 +37,6 @@ from epd.token_pruning import (
     text_prior_scores,
 )
 from epd.token_pruning.layerwise_prefill import prefill_with_drop
-from epd.token_pruning.query_capture import QueryCapture
 
 
 @dataclass
@@ -55,7 +58,7 @@ def prefill_keep_target(config: PruningConfig, num_entering: int, num_video: int
 
 @torch.inference_mode()
 def pruned_prefill(
-    adapter,
+    adapter: VLMAdapter,
     prompt: Prompt,
     embeds: torch.Tensor,
     token_index: torch.Tensor | None,
@@ -65,15 +68,14 @@ def pruned_prefill(
 ) -> PrunedPrefill:
     """prompt: the full prompt (every placeholder). embeds: [N', hidden], one per token of
     `token_index` ([N'] full-list indices; None = all). key_mask: [N'] bool or None."""
-    lm = adapter.language_model
-    num_layers = len(lm.layers)
+    num_layers = adapter.num_layers
     full_visual = prompt.visual_mask.nonzero().flatten()  # [V] prompt indices of placeholders
     if token_index is None:
         token_index = torch.arange(full_visual.numel())
     keep = prompt_keep_indices(prompt.num_tokens, full_visual, token_index)
     pruned = gather_prompt(prompt.input_ids, prompt.position_ids, keep)
     visual_index = prompt.visual_mask[keep].nonzero().flatten()  # [N'] in the pruned prompt
-    hidden = lm.embed_tokens(pruned.input_ids.to(adapter.device))  # [1, L', hidden]
+    hidden = adapter.embed(pruned.input_ids)  # [1, L', hidden]
     hidden[0, visual_index] = embeds.to(hidden.device, hidden.dtype)
 
     drop_layers = config.drop_layers(num_layers)
@@ -92,25 +94,20 @@ def pruned_prefill(
     # dropped tokens all precede the question, so its positions shift down by their number).
     q_before = question_query_positions(length, visual_index, config.kv_query_window)
     q_after = q_before - (length - length_after)
-    captures = []
-    if config.kv_compress:
-        bounds = [0, *drop_layers, num_layers]
-        left = [num_visual, *counts]  # visual tokens present in each segment of layers
-        captures = [QueryCapture(lm.layers, range(a, b), q_before - (num_visual - n))
-                    for a, b, n in zip(bounds, bounds[1:], left) if b > a]
-    for c in captures:
-        c.__enter__()
-    try:
+    captures: list[CapturedQueries] = []
+    with ExitStack() as open_captures:
+        if config.kv_compress:
+            bounds = [0, *drop_layers, num_layers]
+            left = [num_visual, *counts]  # visual tokens present in each segment of layers
+            captures = [open_captures.enter_context(adapter.capture_queries(range(a, b), q_before - (num_visual - n)))
+                        for a, b, n in zip(bounds, bounds[1:], left) if b > a]
         out = prefill_with_drop(
-            lm, hidden, pruned.position_ids.to(hidden.device), visual_index, list(drop_layers) or None,
+            adapter, hidden, pruned.position_ids.to(hidden.device), visual_index, list(drop_layers) or None,
             keep_count=num_after_drop,
             key_mask=key_mask, query_window=config.prefill_query_window,
         )
-    finally:
-        for c in captures:
-            c.__exit__(None, None, None)
-    logits = adapter.lm_head(out.last_hidden_state[:, -1:])[0, -1]
-    cache = KvCache.from_dynamic(out.past_key_values)  # type: ignore[arg-type]
+    logits = adapter.logits(out.last_hidden_state[:, -1:])[0, -1]
+    cache = adapter.chunk_cache_to_kv(out.past_key_values)
     kept_visual = (prompt.visual_mask[keep][out.keep_indices]).nonzero().flatten()  # in L''
     # Which of the N' visual tokens survived the drop, by their rank among the visual tokens.
     visual_rank = torch.full((length,), -1, dtype=torch.long)
@@ -118,7 +115,7 @@ def pruned_prefill(
     surviving = visual_rank[out.keep_indices][visual_rank[out.keep_indices] >= 0]
     if drop_layers:
         stats.record("prefill_drop", num_visual, int(surviving.numel()))
-    sizes = ModelSizes.from_config(adapter.text_config)
+    sizes = ModelSizes.from_dims(adapter.text_dims)
     stats.prefill_flops_full = prefill_flops(sizes, prompt.num_tokens)
     stats.prefill_flops_pruned = prefill_flops(sizes, out.tokens_per_layer)
     kv_bytes_before = cache.num_bytes

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 
 from epd.model_runtime.loader import load_adapter
+from epd.model_runtime.threads import StepThreads
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import SERVICE_NAME, PrefillServicer
-from epd.prefill_svc.stage import LocalPrefillStage
+from epd.prefill_svc.stage import LocalPrefillStage, build_prefill_core
 from epd.stages.model_thread import ModelThread
+from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import prefill_pb2_grpc
 
@@ -21,14 +23,21 @@ async def start(config: PrefillConfig) -> HealthyServer:
     kv_store = KvStore(config.kv_store_bytes, config.kv_ttl_s)
     servicer = PrefillServicer(config, kv_store)
     hs = await create_server(
-        config.server, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s), [SERVICE_NAME]
+        config.server,
+        with_load_service(
+            lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+            lambda: stage_loads(servicer.stage),
+        ),
+        [SERVICE_NAME],
     )
     kv_address = config.advertise_address or f"{config.server.host}:{hs.port}"
-    model_thread = ModelThread()
+    model_thread = ModelThread(StepThreads(config.model.num_threads))
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "prefill")
-        servicer.stage = LocalPrefillStage(PrefillEngine(config, adapter), kv_store, model_thread, kv_address)
+        engine = PrefillEngine(config, adapter)
+        core = build_prefill_core(engine, model_thread)  # scheduler + batched runner on the model thread
+        servicer.stage = LocalPrefillStage(engine, kv_store, model_thread, kv_address, core=core)
         await hs.set_serving(True)
     log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, kv_address)
     return hs

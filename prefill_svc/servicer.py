@@ -2,8 +2,9 @@
 PrefillStage call, protobuf out (the stage's PrefillHandle); PullKv hands caches over; ReleaseKv
 drops one whose request ended before a decoder pulled it.
 
-A caller that goes away during Prefill cancels the handler: the model call is dropped if still
-queued, and a finished one's cache is not stored (`LocalPrefillStage`)."""
+A caller that goes away during Prefill cancels the handler: the request leaves the prefill
+core's queue at once (or stops between its chunks), and a finished one's cache is not stored
+(`LocalPrefillStage`)."""
 
 from __future__ import annotations
 
@@ -48,10 +49,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise InvalidRequest("only visual_embeds messages may follow the header")
         if header is None:
             raise InvalidRequest("the stream ended before its header")
-        tensors = embeds.tensors()
-        if "visual_embeds" not in tensors:
-            raise InvalidRequest("no visual_embeds tensor was sent")
-        media = convert.encoded_media_from_proto(header.visual, tensors["visual_embeds"])
+        # "visual_embeds" and the DeepStack features the header names, one byte budget for all
+        media = convert.encoded_media_from_proto(header.visual, embeds.tensors())
         generation = convert.generation_from_proto(header.generation, GenerationConfig())
         pruning = convert.pruning_from_proto(header.pruning)
         messages = convert.messages_from_proto(header.messages)

@@ -1,6 +1,12 @@
-"""The prefill stage in this process: `PrefillEngine` on the `ModelThread`, caches kept in a `KvStore`.
+"""The prefill stage in this process: requests through the prefill core, caches kept in a `KvStore`.
 
-Used by the prefill gRPC servicer and by the embedded mode. A cancelled prefill stores nothing.
+    prefill(...)  -> engine.prepare on the model thread (validation, chat template, positions:
+                     a bad request is refused here and never queues)
+                  -> core.submit: waits in the scheduler, runs in batched/chunked steps
+                  -> the finished cache goes into the KvStore under a new handle
+
+Used by the prefill gRPC servicer and by the embedded mode. A cancelled prefill leaves the queue
+at once (its chunks' cache is freed before the next step) and stores nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from epd.model_runtime.sampling import GenerationConfig
-from epd.prefill_svc.engine import PrefillEngine
+from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
 from epd.prefill_svc.kv_store import KvStore
+from epd.prefill_svc.runner import PrefillRunner
+from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
 from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
+from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.messages import Message
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig
@@ -21,15 +30,30 @@ from epd.token_pruning import PruningConfig
 log = logging.getLogger(__name__)
 
 
+def build_prefill_core(engine: PrefillEngine, model_thread: ModelThread) -> EngineCore[PrefillRequest]:
+    """The scheduler from `engine.config.scheduler` (chunking off for a model family that cannot
+    prefill in chunks), the runner over `engine`, both on `model_thread`."""
+    config = engine.config.scheduler
+    if not engine.adapter.supports_chunked_prefill:
+        config = replace(config, prefill_chunk_tokens=None)
+    return EngineCore(PrefillScheduler(config), PrefillRunner(engine), model_thread)
+
+
 class LocalPrefillStage(PrefillStage):
     def __init__(
-        self, engine: PrefillEngine, kv_store: KvStore, model_thread: ModelThread, kv_address: str = ""
+        self,
+        engine: PrefillEngine,
+        kv_store: KvStore,
+        model_thread: ModelThread,
+        kv_address: str = "",
+        core: EngineCore[PrefillRequest] | None = None,
     ) -> None:
         self.engine = engine
         self.kv_store = kv_store
         self.model_thread = model_thread
         self.kv_address = kv_address
         """host:port decoders pull this stage's caches from ("" when they take them in-process)."""
+        self.core = core or build_prefill_core(engine, model_thread)
 
     async def prefill(
         self,
@@ -39,15 +63,29 @@ class LocalPrefillStage(PrefillStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillHandle:
+        out: PrefillOutput | None = None
         try:
-            out = await self.model_thread.run(self.engine.prefill, messages, media, generation, pruning)
+            request = await self.model_thread.run(
+                self.engine.prepare, messages, media, generation, pruning, request_id
+            )
+            async for item in self.core.submit(request):
+                out = item  # the one output: the finished prompt's handle and cache
         except asyncio.CancelledError:
-            # A call still queued is dropped; one already running finishes and its cache is freed
-            # with `out`: a cancelled prefill stores nothing.
+            # Queued: it leaves the queue now; mid-way: its partial cache is freed before the next
+            # step; finished but not yet stored: its cache goes with `out`.
             log.info("prefill of request %s cancelled by its caller; no KV cache is kept", request_id)
             raise
+        if out is None:
+            raise RuntimeError(f"the prefill core ended request {request_id} without an output")
         return replace(out.handle, kv_handle=self.kv_store.put(out.cache), kv_address=self.kv_address)
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if self.kv_store.release(handle.kv_handle):
             log.info("released the KV cache of request %s: it ended before a decoder took it", request_id)
+
+    def load(self) -> EngineLoad:
+        """What the prefill core is doing now (running/waiting requests, last batch size, steps)."""
+        return self.core.load()
+
+    async def close(self) -> None:
+        await self.core.close()

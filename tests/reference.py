@@ -37,7 +37,11 @@ def reference_inputs(processor, video: DecodedVideo, messages: list[dict]):
             text=[text],
             videos=[video.frames],
             return_tensors="pt",
-            videos_kwargs={"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [meta]},
+            videos_kwargs={
+                "do_sample_frames": False,
+                "cap_pixels_per_frame": False,
+                "video_metadata": [meta],
+            },
         )
     return inputs
 
@@ -55,3 +59,32 @@ def reference_tokens_for_messages(
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def divergence_margin(
+    model_dir: Path, video: DecodedVideo, question: str, want: list[int], got: list[int]
+) -> tuple[int, float] | None:
+    """Where `got` first leaves `want` (generate()'s tokens) and by how much the reference model
+    preferred its own token there: (index, logit[want] - logit[got]); None when they are equal.
+
+    A batched forward may round differently from a single one (other matrix shapes, other
+    summation order), so a token may flip where the model's top two were within rounding of each
+    other: a small margin is such a near-tie; a large one is a real error."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    if got == want:
+        return None
+    i = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    if i >= min(len(want), len(got)):
+        return i, float("inf")  # one stopped early: not a rounding difference
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    kind = "image" if video.is_image else "video"
+    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
+    inputs = reference_inputs(processor, video, messages)
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs, do_sample=False, max_new_tokens=i + 1, output_logits=True, return_dict_in_generate=True
+        )
+    logits = out.logits[i][0]
+    return i, float(logits[want[i]] - logits[got[i]])

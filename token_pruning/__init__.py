@@ -8,11 +8,11 @@ Batch size 1, Qwen2-VL / Qwen2.5-VL layouts. One file per stage; no gRPC, no mod
     key_tokens.py        encode (c): key token set that no later stage drops
     encode_stage.py      (c) then (b) on the tower output; surviving tokens by full-list index
     text_guided.py       prefill: question-guided dropping with MustDrop's dual rule
-    layerwise_prefill.py a Qwen2-VL text-model prefill that drops at a layer (uses text_guided)
+    layerwise_prefill.py a prefill that drops at layers, through VLMAdapter.layerwise_prefill
     kv_compress.py       after prefill: LOOK-M text-prior eviction with merging
     decode_policy.py     decode: output-aware eviction of ignored visual KV entries
     attention_scores.py  attention received from a few queries, grouped by KV head (GQA)
-    query_capture.py     the model's rotated query states for chosen tokens (forward hooks)
+    query_capture.py     old names of the Qwen query capture (now model_runtime/qwen_text_layers.py)
     positions.py         survivors keep their original position ids
     grid.py              where each surviving token sits on the merged-token grid
     budget.py            ratio / count / bytes -> exact number kept

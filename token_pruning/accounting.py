@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from epd.model_runtime.adapter import TextDims
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,11 @@ class ModelSizes:
             num_heads=text_config.num_attention_heads,
             num_kv_heads=text_config.num_key_value_heads,
         )
+
+    @classmethod
+    def from_dims(cls, dims: TextDims) -> ModelSizes:
+        """From the adapter's `VLMAdapter.text_dims`."""
+        return cls(dims.num_layers, dims.hidden_size, dims.intermediate_size, dims.num_heads, dims.num_kv_heads)
 
 
 def layer_prefill_flops(sizes: ModelSizes, num_tokens: int) -> int:

@@ -12,8 +12,8 @@ removed too, so every layer's cache has the same length L' and the result is an 
 Decoding afterwards: the cache holds L' entries, but the next token's position continues from
 the *unpruned* prompt (Qwen2-VL: `position = L + rope_deltas`); pass position_ids explicitly.
 
-Written against transformers 5.x Qwen2-VL / Qwen2.5-VL text models (`language_model.layers`,
-`.rotary_emb`, `.norm`; decoder layers called with keyword arguments), batch size 1.
+The model is reached only through `VLMAdapter.layerwise_prefill` (a `LayerwisePass`: run layers
+[a, b), score at a layer's input, keep tokens); each family implements it in its own file.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from epd.model_runtime.adapter import LayerwisePass, VLMAdapter
 from epd.token_pruning.budget import resolve_keep_count, staged_keep_counts
-from epd.token_pruning.query_capture import rotated_states
 from epd.token_pruning.text_guided import PrefillDropResult, question_query_positions, text_guided_drop
 
 
@@ -33,8 +33,9 @@ from epd.token_pruning.text_guided import PrefillDropResult, question_query_posi
 class LayerwisePrefillResult:
     last_hidden_state: torch.Tensor
     """[1, L', hidden] after the final norm (the last row gives the first token's logits)."""
-    past_key_values: object
-    """transformers DynamicCache, every layer holding L' entries."""
+    past_key_values: Any
+    """The family's cache object (transformers DynamicCache for Qwen), every layer holding L'
+    entries; `VLMAdapter.chunk_cache_to_kv` turns it into a `KvCache`."""
     keep_indices: torch.Tensor
     """[L'] long: survivors' indices in the unpruned prompt."""
     position_ids: torch.Tensor
@@ -48,16 +49,19 @@ class LayerwisePrefillResult:
     """Visual tokens left after each drop stage, in layer order."""
 
 
-def _causal_mask(language_model: Any, length: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """SDPA/flash kernels are causal by themselves when given no mask; eager needs one [1,1,n,n]."""
-    if getattr(language_model.config, "_attn_implementation", "eager") != "eager":
-        return None
-    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+def _start(model: Any, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> tuple[LayerwisePass, int]:
+    """The pass and the number of decoder layers. `model`: a `VLMAdapter`, or a bare transformers
+    Qwen2-VL / Qwen2.5-VL text model (tests and notebooks), run by the Qwen family file."""
+    if isinstance(model, VLMAdapter):
+        return model.layerwise_prefill(inputs_embeds, position_ids), model.num_layers
+    from epd.model_runtime.qwen_text_layers import QwenLayerwisePass, text_model_num_layers
+
+    return QwenLayerwisePass(model, inputs_embeds, position_ids), text_model_num_layers(model)
 
 
 @torch.no_grad()
 def prefill_with_drop(
-    language_model: Any,
+    model: Any,
     inputs_embeds: torch.Tensor,
     position_ids: torch.Tensor,
     visual_index: torch.Tensor,
@@ -67,49 +71,38 @@ def prefill_with_drop(
     key_mask: torch.Tensor | None = None,
     query_window: int = 0,
 ) -> LayerwisePrefillResult:
-    """Run the text model's prefill, dropping visual tokens at `drop_layer` (None: never).
+    """Run the language model's prefill, dropping visual tokens at `drop_layer` (None: never).
 
     drop_layer: one layer, or several (ascending) for a staged drop whose survivors shrink
     geometrically to the final budget, `resolve_keep_count(V, keep_ratio, keep_count)`.
-    language_model: a transformers Qwen2-VL / Qwen2.5-VL text model (`model.model.language_model`).
+    model: a `VLMAdapter` (or a bare transformers Qwen2-VL text model, see `_start`).
 
     inputs_embeds: [1, L, hidden] with the visual features already in place. position_ids:
     [4, 1, L] (row 0 text positions, rows 1..3 M-RoPE) or [3, 1, L]. visual_index: [V] indices
     of the visual tokens in L. key_mask: [V] bool, never dropped.
     """
-    from transformers import DynamicCache
-
-    layers = language_model.layers
+    run, num_layers = _start(model, inputs_embeds, position_ids)
     drop_layers = [] if drop_layer is None else [drop_layer] if isinstance(drop_layer, int) else list(drop_layer)
     for d in drop_layers:
-        if not 0 <= d < len(layers):
-            raise ValueError(f"drop layers must be in [0, {len(layers) - 1}], got {drop_layers}")
+        if not 0 <= d < num_layers:
+            raise ValueError(f"drop layers must be in [0, {num_layers - 1}], got {drop_layers}")
     if any(b <= a for a, b in zip(drop_layers, drop_layers[1:])):
         raise ValueError(f"drop layers must be strictly ascending, got {drop_layers}")
     num_visual = visual_index.numel()
     final = resolve_keep_count(num_visual, keep_ratio, keep_count)
     budget = dict(zip(drop_layers, staged_keep_counts(num_visual, final, len(drop_layers)))) if drop_layers else {}
-    seq_len = inputs_embeds.shape[1]
-    rope_rows = position_ids[1:] if position_ids.shape[0] == 4 else position_ids
-    text_rows = position_ids[0] if position_ids.shape[0] == 4 else None
-    cache = DynamicCache(config=language_model.config)
-    hidden = inputs_embeds
-    cos, sin = language_model.rotary_emb(hidden, rope_rows)  # each [1, L, head_dim]
-    keep = torch.arange(seq_len)
-    mask = _causal_mask(language_model, seq_len, hidden.dtype)
+    keep = torch.arange(inputs_embeds.shape[1])
     drop = None
     lengths: list[int] = []
     visual_per_stage: list[int] = []
     visual_now, key_now = visual_index, key_mask  # in the current (shrinking) sequence
-    for i, layer in enumerate(layers):
-        if i in budget:
-            attn = layer.self_attn
-            normed = layer.input_layernorm(hidden)
-            length_now = hidden.shape[1]
+    bounds = sorted({0, *drop_layers, num_layers})  # segments of layers between drops
+    for start, stop in zip(bounds, bounds[1:]):
+        if start in budget:
+            length_now = run.num_tokens
             queries = question_query_positions(length_now, visual_now, query_window)
-            q = rotated_states(attn, normed[:, queries], cos[:, queries], sin[:, queries], "q_proj")
-            k = rotated_states(attn, normed, cos, sin, "k_proj")
-            drop = text_guided_drop(q, k, queries, visual_now, keep_count=budget[i], key_mask=key_now)
+            q, k = run.layer_queries(start, queries)
+            drop = text_guided_drop(q, k, queries, visual_now, keep_count=budget[start], key_mask=key_now)
             here = drop.keep_indices  # [L_next] indices into the current sequence
             keep = keep[here]
             is_visual = torch.zeros(length_now, dtype=torch.bool)
@@ -117,22 +110,12 @@ def prefill_with_drop(
             visual_now = is_visual[here].nonzero().flatten()
             key_now = None if key_now is None else key_now[drop.kept_visual]
             visual_per_stage.append(int(visual_now.numel()))
-            hidden, cos, sin = hidden[:, here], cos[:, here], sin[:, here]
-            done: Any
-            for done in cache.layers[:i]:  # DynamicLayer: keys, values [1, kv_heads, L, D]
-                done.keys, done.values = done.keys[:, :, here], done.values[:, :, here]
-            mask = _causal_mask(language_model, here.numel(), hidden.dtype)
-        hidden = layer(
-            hidden,
-            attention_mask=mask,
-            position_embeddings=(cos, sin),
-            position_ids=None if text_rows is None else text_rows[:, keep],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        lengths.append(hidden.shape[1])
+            run.keep(here)
+        run.run_layers(start, stop)
+        lengths += [run.num_tokens] * (stop - start)
+    last_hidden, cache = run.finish()
     return LayerwisePrefillResult(
-        last_hidden_state=language_model.norm(hidden),
+        last_hidden_state=last_hidden,
         past_key_values=cache,
         keep_indices=keep,
         position_ids=position_ids[..., keep],

@@ -11,7 +11,7 @@ from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
-from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.server_config import ServerConfig
 from epd.token_pruning import PruningConfig
@@ -67,17 +67,25 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
                          sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
                          cache=cache, decode_backend=args.decode_backend,
                          max_concurrent_decodes=args.max_concurrent_decodes,
-                         max_queued_decodes=args.max_queued_decodes, max_visual_tokens=args.max_visual_tokens)
+                         max_queued_decodes=args.max_queued_decodes, max_visual_tokens=args.max_visual_tokens,
+                         max_tower_patches_per_step=args.max_tower_patches_per_step)
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=model_config(args), server=server_config(args),
                          advertise_address=args.advertise_address, kv_store_bytes=args.kv_store_bytes,
-                         kv_ttl_s=args.kv_ttl)
+                         kv_ttl_s=args.kv_ttl,
+                         scheduler=PrefillSchedulerConfig(
+                             max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
+                             prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+                             max_waiting_prefills=args.max_waiting_prefills,
+                             max_waiting_prompt_tokens=args.max_waiting_prompt_tokens))
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(model=model_config(args), server=server_config(args), allow_kv_from=tuple(args.allow_kv_from))
+    return DecodeConfig(model=model_config(args), server=server_config(args), allow_kv_from=tuple(args.allow_kv_from),
+                        kv_budget_bytes=args.kv_budget_bytes, max_running_requests=args.max_running_requests,
+                        max_waiting_requests=args.max_waiting_requests)
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -92,6 +100,12 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         stage_check_interval_s=args.stage_check_interval,
         http=http_api_config(args),
     )
+
+
+def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages."""
+    return GatewayConfig(server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period),
+                         http=HttpApiConfig(port=args.http_port))
 
 
 def http_api_config(args: argparse.Namespace) -> HttpApiConfig:

@@ -23,14 +23,28 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _num_threads(text: str) -> int:
+    """--num-threads: a positive count, or "auto" (0)."""
+    if text == "auto":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number or auto, got {text!r}")
+    return n
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=_env("EPD_MODEL", "default"),
                    help="local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint (default: embedded model)")
     g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--num-threads", type=int, default=int(_env("EPD_NUM_THREADS", "1")),
-                   help="torch threads per process (1 is fastest on small machines)")
+    g.add_argument("--num-threads", type=_num_threads, default=_num_threads(_env("EPD_NUM_THREADS", "1")),
+                   help="torch threads per model call: N, or auto (every core for a call that serves one "
+                        "request with nothing else waiting, one otherwise; in --colocate, every core)")
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -90,8 +104,11 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-backend", choices=["pyav", "decord"], default="pyav",
                    help="video decoder: parallel PyAV threads (default) or decord in a child process")
     g.add_argument("--max-concurrent-decodes", type=int, default=4,
-                   help="requests decoded at once, each on its own driver thread (model work still "
-                        "interleaves group by group on the one model thread)")
+                   help="requests decoded at once, each on its own driver thread (their frame groups "
+                        "share batched vision-tower calls on the one model thread)")
+    g.add_argument("--max-tower-patches-per-step", type=int, default=8192,
+                   help="patches one batched vision-tower call may take (frame groups of several "
+                        "requests; a larger group runs alone)")
     g.add_argument("--max-queued-decodes", type=int, default=16,
                    help="requests that may wait for a decode slot; beyond, RESOURCE_EXHAUSTED at once")
 
@@ -175,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
     from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
+    from epd.prefill_svc.config import PrefillSchedulerConfig
 
     parser = _Parser(prog="epd", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -214,12 +232,29 @@ def build_parser() -> argparse.ArgumentParser:
                                 "prefills get RESOURCE_EXHAUSTED")
             r.add_argument("--kv-ttl", type=float, default=120.0,
                            help="seconds a KV cache waits for a decoder before it is dropped")
+            sched = PrefillSchedulerConfig()
+            r.add_argument("--max-prefill-tokens-per-step", type=int, default=sched.max_prefill_tokens_per_step,
+                           help="prompt tokens one batched prefill step computes at most")
+            r.add_argument("--prefill-chunk-tokens", type=int, default=sched.prefill_chunk_tokens,
+                           help="prompts longer than this are prefilled in chunks of this many tokens, one "
+                                "chunk per step, so short prompts are not held behind them (0: never chunk)")
+            r.add_argument("--max-waiting-prefills", type=int, default=sched.max_waiting_prefills,
+                           help="requests waiting for their prefill at most; more get RESOURCE_EXHAUSTED")
+            r.add_argument("--max-waiting-prompt-tokens", type=int, default=sched.max_waiting_prompt_tokens,
+                           help="prompt tokens of the waiting requests at most; more get RESOURCE_EXHAUSTED")
         if role == "decode":
             r.add_argument("--allow-kv-from", type=_kv_sources, default=DecodeConfig.allow_kv_from,
                            help="comma-separated HOST:PORT of prefill servers to pull KV from: HOST a DNS "
                                 "name, IPv4 address or network (10.0.0.0/8), or IPv6 one in brackets "
                                 "([::1], [fd00::/8]); PORT a number or * (any port); no any-host "
                                 "wildcard (default: 127.0.0.1:*,localhost:*,[::1]:*)")
+            r.add_argument("--kv-budget-bytes", type=int, default=DecodeConfig.kv_budget_bytes,
+                           help="KV memory of the running batch (requests x the longest final length x "
+                                "bytes per token); requests wait for room beyond it (default: 4 GiB)")
+            r.add_argument("--max-running-requests", type=int, default=DecodeConfig.max_running_requests,
+                           help="requests decoding together in one batch at most")
+            r.add_argument("--max-waiting-requests", type=int, default=DecodeConfig.max_waiting_requests,
+                           help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED")
     gw = roles.add_parser("gateway", help="run the front door")
     add_server_flags(gw, GATEWAY_PORT)
     gw.add_argument("--encoder", type=_addresses, default=(f"127.0.0.1:{ENCODER_PORT}",),
@@ -242,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-port", type=int, default=DECODE_PORT)
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
+    serve.add_argument("--colocate", action="store_true",
+                       help="one process instead of four: the front door and the three stages share one "
+                            "model and the machine's cores (same ports and APIs); for a single machine")
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     add_model_flags(serve)
 

@@ -34,7 +34,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if args.role is None:
+    if args.role is None and not args.colocate:
         return serve_stack(args)
     _exit_now(serve_role(args))
 
@@ -44,23 +44,25 @@ def serve_role(args: argparse.Namespace) -> int:
     (`epd.transport.server.run_service`); until then SIGTERM stops it like Ctrl-C, quietly."""
     from epd.model_runtime.loader import ModelLoadError
 
+    name = args.role or "colocated"
+
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         try:
             service = _service(args)  # imports torch: seconds in which a signal may come
         except ValueError as exc:  # a config's own check of a flag value
-            print(f"epd serve {args.role}: {exc}", file=sys.stderr)
+            print(f"epd serve {name}: {exc}", file=sys.stderr)
             return EXIT_USAGE
         asyncio.run(service)
     except KeyboardInterrupt:
         return EXIT_OK
     except ModelLoadError as exc:
-        log.debug("%s: loading the model failed", args.role, exc_info=exc)
-        print(f"epd: {args.role} {exc}", file=sys.stderr)
+        log.debug("%s: loading the model failed", name, exc_info=exc)
+        print(f"epd: {name} {exc}", file=sys.stderr)
         return EXIT_MODEL
     except OSError as exc:  # e.g. the port is taken
-        log.debug("%s: start-up failed", args.role, exc_info=exc)
-        print(f"epd: {args.role}: {exc}", file=sys.stderr)
+        log.debug("%s: start-up failed", name, exc_info=exc)
+        print(f"epd: {name}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -83,7 +85,21 @@ def _service(args: argparse.Namespace):
         return decode.main(configs.decode_config(args))
     from epd.gateway import server as gateway
 
+    if args.role is None:  # --colocate: the front door and the three stages in this process
+        return _colocated(args, configs.colocated_gateway_config(args))
     return gateway.main(configs.gateway_config(args))
+
+
+async def _colocated(args: argparse.Namespace, config) -> None:
+    """`epd serve --colocate`: one process, one model (vision + language), the three stages local
+    and sharing its cores (their model calls take turns on one model thread: the decode batch
+    steps between encode and prefill calls, as in vLLM's single engine), the same gRPC and HTTP
+    front door on the same ports."""
+    from epd.cli import configs
+    from epd.gateway import server as gateway
+    from epd.gateway.embedded import build_embedded_pipeline
+
+    await gateway.main(config, local=build_embedded_pipeline(configs.model_config(args)))
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -108,7 +124,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack."""
     base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, "serve"]
     model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-             "--num-threads", str(args.num_threads)]
+             "--num-threads", str(args.num_threads or "auto")]
     grace = ["--grace-period", str(args.grace_period)]
     e, p, d = args.encoder_port, args.prefill_port, args.decode_port
     return {

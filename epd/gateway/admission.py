@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
-from epd.stages.errors import ResourceExhausted
+from epd.stages.errors import Busy
 
 if TYPE_CHECKING:
     from epd.gateway.config import GatewayConfig
@@ -33,14 +33,13 @@ RETRY_AFTER_S = 1
 and bytes come back as soon as one request in flight ends."""
 
 
-class Overloaded(ResourceExhausted):
-    """A request refused for now: gRPC RESOURCE_EXHAUSTED like every limit, but on HTTP a 429
-    with Retry-After (to retry) rather than a 413 (to send less). The message names the flag
-    that tunes the limit."""
+class Overloaded(Busy):
+    """The front door's refusal for load (a client's requests in flight, the body bytes held):
+    a `Busy` like a full stage queue, so RESOURCE_EXHAUSTED on gRPC and a 429 with Retry-After on
+    HTTP. The message names the flag that tunes the limit."""
 
     def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+        super().__init__(message, retry_after_s)
 
 
 def max_body_bytes(max_upload_bytes: int) -> int:

@@ -56,7 +56,7 @@ from epd.gateway.openai_protocol import (
     usage,
 )
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
-from epd.gateway.readiness import StageHealth
+from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest
@@ -138,7 +138,7 @@ class HttpApi:
             # Refused before its body was read: the connection cannot carry another request
             # (aiohttp drops what is still arriving for a few seconds, then closes it).
             response.force_close()
-        self.metrics.http_responses.inc(route=route, code=str(response.status))
+        self.metrics.http_responses.labels(route=route, code=str(response.status)).inc()
         return response
 
     def _authorized(self, request: web.Request) -> bool:
@@ -161,7 +161,7 @@ class HttpApi:
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=await self.metrics.scrape(), headers={"Content-Type": CONTENT_TYPE})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -279,7 +279,7 @@ def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:
 class HttpServer:
     runner: web.AppRunner
     port: int
-    stage_health: StageHealth | None = None
+    stage_health: StageHealth | InProcessHealth | None = None
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -291,7 +291,7 @@ async def start_http_api(
     config: GatewayConfig,
     pipeline: Pipeline,
     metrics: GatewayMetrics,
-    stage_health: StageHealth | None = None,
+    stage_health: StageHealth | InProcessHealth | None = None,
     admission: Admission | None = None,
 ) -> HttpServer:
     """Serve the HTTP API on `config.http.port` (0 here binds a free port, for tests);

@@ -22,10 +22,9 @@ from typing import Any
 
 import grpc
 
-from epd.gateway.admission import Overloaded
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
-from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.errors import Busy, InvalidRequest, NotFound
 from epd.stages.messages import ROLES, ContentPart, Message, check_messages
 from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
@@ -96,8 +95,9 @@ def http_status_of(code: grpc.StatusCode) -> tuple[int, str]:
 
 def http_error_of(exc: BaseException) -> tuple[int, str, str]:
     """(HTTP status, OpenAI error type, client-safe message) of any exception. A refusal for
-    load (`Overloaded`) is a 429 to retry; every other limit is a 413."""
-    if isinstance(exc, Overloaded):
+    load (`Busy`: the front door's admission, or a stage's full queue or KV budget passed on with
+    its retry mark) is a 429 to retry; every other limit is a 413."""
+    if isinstance(exc, Busy) or getattr(exc, "retry_after_s", None):
         return 429, "rate_limit_error", str(exc)
     code, message = status_of(exc)
     status, error_type = http_status_of(code)

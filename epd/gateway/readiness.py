@@ -71,7 +71,21 @@ class StageHealth:
             await channel.close()
 
 
-async def watch_stages(hs: HealthyServer, health: StageHealth, interval_s: float) -> None:
+class InProcessHealth:
+    """The stages of a colocated server (`epd serve --colocate`): they live in this process and
+    serve as soon as it does."""
+
+    async def down(self) -> list[str]:
+        return []
+
+    async def not_serving(self) -> list[str]:
+        return []
+
+    async def close(self) -> None:
+        pass
+
+
+async def watch_stages(hs: HealthyServer, health: StageHealth | InProcessHealth, interval_s: float) -> None:
     """Set `hs` SERVING once every stage serves, then keep its status in step with the stages,
     checked every `interval_s` (0: never again after the first SERVING). Runs until cancelled."""
     serving: bool | None = None

@@ -14,7 +14,7 @@ from epd.gateway.admission import Admission
 from epd.gateway.config import GatewayConfig
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
-from epd.gateway.readiness import StageHealth, watch_stages
+from epd.gateway.readiness import InProcessHealth, StageHealth, watch_stages
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
 from epd.transport.auth import ApiKeyInterceptor
 from epd.transport.remote_stages import (
@@ -39,7 +39,10 @@ def remote_pipeline(config: GatewayConfig) -> Pipeline:
 
 
 async def start(
-    config: GatewayConfig, pipeline: Pipeline | None = None, admission: Admission | None = None
+    config: GatewayConfig,
+    pipeline: Pipeline | None = None,
+    admission: Admission | None = None,
+    health: StageHealth | InProcessHealth | None = None,
 ) -> HealthyServer:
     servicer = GatewayServicer(config, pipeline or remote_pipeline(config), admission)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
@@ -51,7 +54,7 @@ async def start(
         interceptors,
     )
     # NOT_SERVING until every stage serves, and again whenever one stops (epd/gateway/readiness.py).
-    watch = watch_stages(hs, StageHealth(config), config.stage_check_interval_s)
+    watch = watch_stages(hs, health or StageHealth(config), config.stage_check_interval_s)
     hs.background_tasks.append(asyncio.ensure_future(watch))
     return hs
 
@@ -85,22 +88,25 @@ def open_without_key(config: GatewayConfig) -> str | None:
     )
 
 
-async def main(config: GatewayConfig) -> None:
+async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
+    """The front door until SIGTERM/SIGINT: over the remote stages of `config`, or over `local`
+    stages in this process (`epd serve --colocate`)."""
     # Before anything binds: exit non-zero with one line, not a traceback.
     problem = open_without_key(config)
     if problem:
         raise SystemExit(f"epd serve gateway: {problem}")
     signals = StopSignals()  # first: a signal while the servers start stops them cleanly
     metrics = GatewayMetrics()
-    pipeline = MeteredPipeline(remote_pipeline(config), metrics)
+    pipeline = MeteredPipeline(local or remote_pipeline(config), metrics)
+    health = InProcessHealth() if local is not None else None
     admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
     http = None
     try:
         if config.http.port:
             from epd.gateway.http_api import start_http_api  # aiohttp only when asked for
 
-            http = await start_http_api(config, pipeline, metrics, StageHealth(config), admission)
-        hs = await start(config, pipeline, admission)
+            http = await start_http_api(config, pipeline, metrics, health or StageHealth(config), admission)
+        hs = await start(config, pipeline, admission, health)
         # HTTP drains alongside gRPC, each for up to the grace period (its runner's shutdown_timeout).
         await serve_until_signal(hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None)
         http = None

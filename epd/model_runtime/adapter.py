@@ -3,9 +3,30 @@
 A new family (LLaVA-OneVision, SmolVLM2, ...) is one file that implements `VLMAdapter`. The stages
 call only these methods:
 
-    encoder:  preprocess(frames) -> VisionInputs;  encode(VisionInputs) -> visual embeds
+    encoder:  preprocess(frames) -> VisionInputs;  encode(VisionInputs) -> visual embeds;
+              encode_batch([VisionInputs]) -> [visual embeds] (one tower call for many)
+              encode_features(VisionInputs) -> VisualFeatures (embeds + DeepStack features, Qwen3-VL)
+              encode_features_batch([VisionInputs]) -> [VisualFeatures] (what the encoder core runs)
     prefill:  build_prompt(conversation, VisualMeta) -> Prompt;  prefill(Prompt, embeds) -> PrefillState
-    decode:   decode_step(token_id, position_ids, cache) -> logits
+              prefill_chunks([PrefillChunk]) -> [ChunkResult] (several prompts / chunks in one step)
+              prefill_features(Prompt, VisualFeatures) -> PrefillState (what every family accepts)
+    decode:   decode_step(token_id, position_ids, cache) -> logits  (one request)
+              decode_batch(token_ids, position_ids, BatchKv) -> logits  (every running request)
+
+The pruning stages (docs/architecture.md, "Model interface") call these, and never a model's
+modules (tests/unit/test_model_boundary.py checks it); a family that cannot run one leaves the
+default, which raises `UnsupportedByFamily` (a ValueError: the request gets INVALID_ARGUMENT
+naming the family and the stage):
+
+    sizes:    text_dims -> TextDims (layers, hidden, heads, KV heads, head_dim);  num_layers
+    encoder:  encode_sparse(patches, grid, positions, cu_seqlens) (temporal drop before the tower)
+    prefill:  embed(input_ids) -> [1, L, hidden];  logits(final hidden) -> [..., vocab]
+              layerwise_prefill(embeds, position_ids) -> LayerwisePass: run_layers(a, b),
+                  layer_queries(layer, query_index) -> (q, k), keep(index), finish() -> (hidden, cache)
+              capture_queries(layers, query_index) -> with-block yielding CapturedQueries
+              chunk_cache_to_kv(cache) -> KvCache (the pass's cache as it crosses to decode)
+    decode:   capture_queries (around decode_step);  decode_cache_kv(cache) -> [(keys, values)];
+              set_decode_cache_kv(cache, layer, keys, values) (eviction)
 
 Everything crossing a stage boundary is a plain tensor or a small dataclass, so it can be sent
 over gRPC as dtype + shape + bytes.
@@ -14,6 +35,8 @@ over gRPC as dtype + shape + bytes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +45,7 @@ from epd.video.types import DecodedVideo
 if TYPE_CHECKING:  # VisualMeta is read by the gateway, which starts without torch
     import torch
 
+    from epd.model_runtime.batch_kv import BatchKv
     from epd.model_runtime.kv_cache import KvCache
 
 
@@ -33,6 +57,19 @@ class VisionInputs:
     pixel_values: torch.Tensor  # [num_patches, C * temporal_patch * patch * patch]
     grid_thw: tuple[int, int, int]  # patches along time, height, width
     second_per_grid_t: float  # seconds of video per temporal patch group (0 for images)
+    group_timestamps_s: tuple[float, ...] = ()
+    """Time of each temporal patch group as the prompt states it (Qwen3-VL writes `<t seconds>`
+    before each group); empty for images and for families that do not write times."""
+
+
+@dataclass
+class VisualFeatures:
+    """What the vision tower hands to prefill: the visual token embeddings and, for families with
+    DeepStack (Qwen3-VL), the features of several tower layers that the language model adds to its
+    first layers' hidden states at the same visual positions (row i of each = token i)."""
+
+    embeds: torch.Tensor  # [num_visual_tokens, hidden_size]
+    deepstack: list[torch.Tensor] | None = None  # one [num_visual_tokens, hidden_size] per DeepStack layer
 
 
 @dataclass(frozen=True)
@@ -43,6 +80,9 @@ class VisualMeta:
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float
     num_visual_tokens: int
+    group_timestamps_s: tuple[float, ...] = ()
+    """`VisionInputs.group_timestamps_s` (Qwen3-VL's prompt text); empty: derived from
+    `second_per_grid_t` as evenly spaced frames from 0 s."""
 
 
 @dataclass
@@ -69,14 +109,101 @@ class PrefillState:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class PrefillChunk:
+    """One row of a prefill step: tokens [start, end) of `prompt` (a whole prompt: 0, num_tokens)."""
+
+    prompt: Prompt
+    visual_embeds: torch.Tensor  # [num_visual, hidden]: the whole prompt's, in placeholder order
+    start: int
+    end: int
+    cache: Any = None
+    """The adapter's cache of tokens [0, start) from the row's earlier chunks; None when start == 0."""
+    deepstack: list[torch.Tensor] | None = None
+    """DeepStack features (Qwen3-VL), each like `visual_embeds`, row for row; None for families
+    without DeepStack. A chunk adds the rows of its own visual positions."""
+
+
+@dataclass
+class ChunkResult:
+    cache: Any  # the adapter's cache of tokens [0, end) (the row's `cache`, extended in place)
+    last_logits: torch.Tensor  # [vocab] float: logits after token end - 1
+
+
+# -- pruning interface: types -----------------------------------------------------------------
+
+
+class UnsupportedByFamily(NotImplementedError, ValueError):
+    """A family cannot run an operation (most often a pruning stage). A ValueError too, so the
+    stages answer it as a bad request (INVALID_ARGUMENT) whose message names family and stage."""
+
+
+@dataclass(frozen=True)
+class TextDims:
+    """The language model's sizes, as the pruning stages need them (budgets, FLOPs, masks)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class CapturedQueries:
+    """Filled by `VLMAdapter.capture_queries` during the forward passes inside its `with` block:
+    per decoder layer, the rotated queries of the chosen tokens and the rotated keys of all
+    tokens, exactly as that layer's attention computes them (projection, per-head norm where the
+    family has one, RoPE with the call's positions)."""
+
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, heads, Q, head_dim]
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, kv_heads, n, head_dim]
+
+
+class LayerwisePass(ABC):
+    """One prompt (batch 1) going through the decoder a segment of layers at a time, so that a
+    pruning stage can score tokens at a layer's input and drop them before the next layer (the
+    prefill drop). Positions are fixed when the pass starts; `keep` gathers them with the
+    tokens, so a survivor keeps its original position and nothing is recomputed."""
+
+    @property
+    @abstractmethod
+    def num_tokens(self) -> int:
+        """Tokens present now (the prompt's length, less every `keep` so far)."""
+
+    @abstractmethod
+    def run_layers(self, start: int, stop: int) -> None:
+        """Decoder layers [start, stop) over the present tokens, appending to their cache."""
+
+    @abstractmethod
+    def layer_queries(self, layer: int, query_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `layer`'s attention would compute from the present hidden states (that layer not
+        run yet): rotated queries [1, heads, Q, D] of tokens `query_index` and rotated keys
+        [1, kv_heads, n, D] of all n present tokens."""
+
+    @abstractmethod
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only present tokens `index` ([n'] long, increasing): hidden states, positions and
+        the cache entries of every layer run so far."""
+
+    @abstractmethod
+    def finish(self) -> tuple[torch.Tensor, Any]:
+        """After the last layer: the final-normed hidden states [1, n, hidden] (`logits` takes
+        them) and the family's cache object of every layer (`chunk_cache_to_kv` turns it into
+        the `KvCache` that crosses to decode)."""
+
+
 class VLMAdapter(ABC):
     """One model family's implementation of the stage operations. Not thread-safe: one model
     call at a time (the services run model calls on a single executor thread)."""
 
     eos_token_ids: frozenset[int]
     hidden_size: int
+    family: str = ""  # config.json's model_type ("qwen2_vl", "qwen3_vl", ...); part of the token cache key
     fingerprint: str  # identity of the loaded checkpoint, part of the token cache key
     supports_sparse_vision: bool = False  # the tower can run on a subset of patches
+    num_deepstack_layers: int = 0  # len(VisualFeatures.deepstack) the language model expects
 
     def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
                       position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -85,11 +212,32 @@ class VLMAdapter(ABC):
 
     @abstractmethod
     def preprocess(self, video: DecodedVideo) -> VisionInputs:
-        """Frames -> normalised patches, exactly as the model's own processor prepares them."""
+        """Frames -> normalised patches, exactly as the model's own processor prepares them.
+        Touches no weights: the encoder runs it on its request driver threads, several at once
+        and beside model calls."""
 
     @abstractmethod
     def encode(self, inputs: VisionInputs) -> torch.Tensor:
         """Patches -> visual token embeddings [num_visual_tokens, hidden_size]."""
+
+    def encode_features(self, inputs: VisionInputs) -> VisualFeatures:
+        """Everything the tower hands to prefill. Families without DeepStack: `encode`'s embeddings."""
+        return VisualFeatures(self.encode(inputs))
+
+    def encode_features_batch(self, inputs: list[VisionInputs]) -> list[VisualFeatures]:
+        """`encode_features` of several images/frame groups (of any requests), each equal to its
+        `encode_features` alone up to float rounding: what the encoder core runs per step. The
+        default: `encode_batch` for families without DeepStack (one tower call when the family
+        batches), else `encode_features` one by one."""
+        if not self.num_deepstack_layers:
+            return [VisualFeatures(e) for e in self.encode_batch(inputs)]
+        return [self.encode_features(i) for i in inputs]
+
+    def encode_batch(self, inputs: list[VisionInputs]) -> list[torch.Tensor]:
+        """`encode` of several images/frame groups (of any requests) -> each one's embeddings,
+        equal to its `encode` alone up to float rounding. A family whose tower takes several
+        images in one call overrides this; the default encodes them one by one."""
+        return [self.encode(i) for i in inputs]
 
     @abstractmethod
     def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
@@ -111,6 +259,35 @@ class VLMAdapter(ABC):
         """Run the language model over the prompt with `visual_embeds` [num_visual, hidden] in the
         placeholders; returns the KV cache and the last position's logits."""
 
+    def prefill_features(self, prompt: Prompt, features: VisualFeatures) -> PrefillState:
+        """`prefill` with everything `encode_features` produced. Families without DeepStack refuse
+        DeepStack features rather than drop them."""
+        if features.deepstack:
+            raise ValueError(f"{type(self).__name__} has no DeepStack layers; it takes no DeepStack features")
+        return self.prefill(prompt, features.embeds)
+
+    # Batched and chunked prefill (the prefill core, `epd.prefill_svc.runner`): several prompts in
+    # one forward, a long one over several steps. A family that cannot leaves these as they are:
+    # its prompts then run whole and one at a time through `prefill`.
+
+    supports_chunked_prefill: bool = False  # prefill_chunks takes rows with start > 0 or end < num_tokens
+
+    def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """Tokens [start, end) of each row's prompt, after the row's `cache` of tokens [0, start);
+        returns each row's cache of tokens [0, end) and the logits of token end - 1, equal to
+        prefilling the row alone up to float rounding. The default runs whole prompts one by one."""
+        out = []
+        for row in rows:
+            if row.start != 0 or row.end != row.prompt.num_tokens:
+                raise NotImplementedError(f"{type(self).__name__} cannot prefill a prompt in chunks")
+            state = self.prefill(row.prompt, row.visual_embeds)
+            out.append(ChunkResult(state.cache, state.last_logits))
+        return out
+
+    def chunk_cache_to_kv(self, cache: Any) -> KvCache:
+        """A finished row's `ChunkResult.cache` as the cache that crosses to decode."""
+        return cache
+
     @abstractmethod
     def new_decode_cache(self, cache: KvCache):
         """Turn a transferred cache into the structure `decode_step` extends in place."""
@@ -119,6 +296,83 @@ class VLMAdapter(ABC):
     def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
         """One token in ([4] positions), logits [vocab] out; `cache` grows by one position."""
 
+    # Batched decoding (the decode core, `epd.decode_svc.runner`): one forward for every running
+    # request. A family that cannot batch leaves `supports_batched_decode` False and these
+    # unimplemented: the core then steps each of its requests alone (`decode_step`).
+    supports_batched_decode: bool = False
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token adds to the cache, in the model's dtype."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its KV cache")
+
+    @property
+    def decode_state_bytes(self) -> int:
+        """Bytes of decoding state a request holds whatever its length (a hybrid model's
+        linear-attention states); 0 for attention-only families."""
+        return 0
+
+    def new_batch_kv(self) -> BatchKv:
+        """An empty batch cache (`epd.model_runtime.batch_kv.BatchKv`) shaped for this model."""
+        raise NotImplementedError(f"{type(self).__name__} cannot decode requests in a batch")
+
+    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
+        """One token for each of the B rows of `batch` in one forward pass: `token_ids` [B],
+        `position_ids` [4, B]; returns logits [B, vocab] and grows every row by one."""
+        raise NotImplementedError(f"{type(self).__name__} cannot decode requests in a batch")
+
     @abstractmethod
     def detokenize(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""
+
+
+    # -- pruning interface ---------------------------------------------------------------------
+    # What the pruning stages (`epd.token_pruning`, `epd.prefill_svc.pruned_prefill`,
+    # `epd.decode_svc.eviction`) call; they never touch the model's modules themselves. A family
+    # that cannot run one leaves it as it is: the stage is refused with `UnsupportedByFamily`.
+
+    @property
+    def text_dims(self) -> TextDims:
+        """The language model's sizes."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not describe its language model's sizes")
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the language model."""
+        return self.text_dims.num_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [1, L, hidden] of input_ids [1, L] (on the model's device)."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not expose its token embeddings")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm head on final-normed hidden states [..., hidden] -> [..., vocab]."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not expose its lm head")
+
+    def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
+        """Start a prefill that the caller runs a segment of layers at a time (`LayerwisePass`).
+        inputs_embeds [1, L, hidden] with the visual embeddings in place (`embed`);
+        position_ids as `Prompt.position_ids` (or gathered from it), on the model's device."""
+        raise UnsupportedByFamily(
+            f"{type(self).__name__} cannot run its decoder layer by layer: no prefill drop or KV compression"
+        )
+
+    def capture_queries(self, layers: Iterable[int], query_index: torch.Tensor) -> AbstractContextManager[CapturedQueries]:
+        """Context manager: while it is open, every forward pass through decoder layer i in
+        `layers` (a `decode_step`, a `LayerwisePass.run_layers`) records that layer's rotated
+        queries of tokens `query_index` and keys of all its tokens in the yielded
+        `CapturedQueries` (a later pass overwrites). Nothing is L x L."""
+        raise UnsupportedByFamily(f"{type(self).__name__} cannot capture its attention queries")
+
+    def decode_cache_kv(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) [1, kv_heads, n, D] per layer of a `new_decode_cache` cache."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not expose its decode cache")
+
+    def set_decode_cache_kv(self, cache: Any, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace one layer's entries of a decode cache (eviction: fewer entries)."""
+        raise UnsupportedByFamily(f"{type(self).__name__} cannot evict from its decode cache")
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the loaded parts (benchmarks print it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not count its parameters")

@@ -23,16 +23,16 @@ class ModelConfig:
     dtype: str = "float32"
     """Weights and activations: float32, float16 or bfloat16."""
     num_threads: int = 1
-    """torch intra-op threads in this process. On small machines one thread per process is much
-    faster than two (the services already run in parallel processes)."""
+    """torch intra-op threads per model call in this process; 0 ("auto", `epd.model_runtime.threads`):
+    every core for a call that serves one request with nothing else waiting, one otherwise."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 1, or 0 for auto; got {self.num_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -9,6 +9,7 @@ This module imports torch only inside `load_adapter`: the launcher imports it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from epd.model_runtime.default_model import default_model_path
+from epd.model_runtime.threads import num_cores
 
 if TYPE_CHECKING:
     from epd.model_runtime.adapter import VLMAdapter
@@ -24,9 +26,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# model_type in config.json -> adapter class; a new family is one entry here plus its file.
-_FAMILIES = {"qwen2_vl", "qwen2_5_vl"}
-SUPPORTED = "Qwen2-VL and Qwen2.5-VL checkpoints (model_type qwen2_vl or qwen2_5_vl)"
+# model_type in config.json -> (module epd.model_runtime.<module>, its adapter class); a new family
+# is one entry here plus its file (which also defines STAGE_PARTS: the parts each stage loads).
+_FAMILIES = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLAdapter"),
+    "qwen2_5_vl": ("qwen2_vl", "Qwen2VLAdapter"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLAdapter"),
+    "qwen3_5": ("qwen3_5", "Qwen3_5Adapter"),
+    "llava_onevision": ("llava_onevision", "LlavaOnevisionAdapter"),
+}
+SUPPORTED = (
+    "Qwen2-VL and Qwen2.5-VL checkpoints (model_type qwen2_vl or qwen2_5_vl) "
+    "and Qwen3-VL dense ones (model_type qwen3_vl)"
+    ", Qwen3.5 (model_type qwen3_5)"
+    ", LLaVA-OneVision (model_type llava_onevision)"
+)
 
 # safetensors refuses headers above 100 MB; a bigger length means the first bytes are not a header.
 _MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
@@ -128,10 +142,7 @@ def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
     model_type = check_model_dir(path)  # before torch: a broken checkpoint fails in milliseconds
     import torch
 
-    from epd.model_runtime.qwen2_vl import STAGE_PARTS, Qwen2VLAdapter
-
-    torch.set_num_threads(config.num_threads)
-    parts = {"vision", "language"} if stage == "all" else STAGE_PARTS[stage]
+    torch.set_num_threads(config.num_threads or num_cores())  # 0: auto, cores until a step says less
     try:
         if model_type is None:  # a hub id: its config.json arrives with the download
             from transformers import AutoConfig
@@ -140,7 +151,10 @@ def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
             if model_type not in _FAMILIES:
                 raise ModelLoadError(path, f"model_type {model_type!r} is not supported; epd serves {SUPPORTED}")
         log.info("loading %s (%s) for %s on %s", path, model_type, stage, config.device)
-        return Qwen2VLAdapter(path, config, parts)
+        module_name, class_name = _FAMILIES[model_type]
+        module = importlib.import_module(f"epd.model_runtime.{module_name}")
+        parts = {"vision", "language"} if stage == "all" else module.STAGE_PARTS[stage]
+        return getattr(module, class_name)(path, config, parts)
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever transformers/torch raise, the model cannot be served

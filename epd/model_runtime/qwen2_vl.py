@@ -15,14 +15,36 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from epd.model_runtime.adapter import PrefillState, Prompt, VisionInputs, VisualMeta, VLMAdapter
+from epd.model_runtime.adapter import (
+    CapturedQueries,
+    ChunkResult,
+    LayerwisePass,
+    PrefillChunk,
+    PrefillState,
+    Prompt,
+    TextDims,
+    VisionInputs,
+    VisualMeta,
+    VLMAdapter,
+)
+from epd.model_runtime.batch_kv import BatchKv
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.qwen_text_layers import (
+    QueryCapture,
+    QwenLayerwisePass,
+    count_parameters,
+    dims_of,
+    dynamic_cache_kv,
+    set_dynamic_cache_kv,
+)
 from epd.video.types import DecodedVideo
 
 log = logging.getLogger(__name__)
@@ -93,6 +115,21 @@ class Qwen2VLAdapter(VLMAdapter):
         pixels = inputs.pixel_values.to(self.device, self.visual.dtype)
         out = self.visual(pixels, grid_thw=grid)
         return out.pooler_output  # [t * h/2 * w/2, hidden]
+
+    @torch.inference_mode()
+    def encode_batch(self, inputs: list[VisionInputs]) -> list[torch.Tensor]:
+        """One tower call: patches concatenated [sum patches, patch_dim], one grid row each
+        ([N, 3]); the tower builds per-image (per temporal group) attention boundaries from the
+        rows, so nothing attends across inputs. Images and videos mix (an image is one temporal
+        patch). Output [sum tokens, hidden] split back in input order."""
+        if len(inputs) == 1:
+            return [self.encode(inputs[0])]
+        if self.visual is None:
+            raise RuntimeError("this adapter was loaded without the vision tower")
+        grid = torch.tensor([i.grid_thw for i in inputs], dtype=torch.long, device=self.device)
+        pixels = torch.cat([i.pixel_values for i in inputs]).to(self.device, self.visual.dtype)
+        out = self.visual(pixels, grid_thw=grid).pooler_output
+        return list(out.split([self.num_visual_tokens(i.grid_thw) for i in inputs]))
 
     def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         t, h, w = grid_thw
@@ -184,6 +221,87 @@ class Qwen2VLAdapter(VLMAdapter):
             num_prompt_tokens=length,
         )
 
+    supports_chunked_prefill = True
+
+    @torch.inference_mode()
+    def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """Rows without a cache (whole prompts, first chunks) share one right-padded forward; a row
+        that continues its cache runs alone over its chunk (caches of different lengths would
+        need padding inside the cache). Every row keeps its own M-RoPE positions."""
+        results: list[ChunkResult | None] = [None] * len(rows)
+        fresh = [i for i, row in enumerate(rows) if row.cache is None]
+        if fresh:
+            for i, result in zip(fresh, self._prefill_padded([rows[i] for i in fresh]), strict=True):
+                results[i] = result
+        for i, row in enumerate(rows):
+            if row.cache is not None:
+                results[i] = self._prefill_continue(row)
+        return [r for r in results if r is not None]
+
+    def chunk_cache_to_kv(self, cache) -> KvCache:
+        return KvCache.from_dynamic(cache)
+
+    def _chunk_embeds(self, row: PrefillChunk) -> torch.Tensor:
+        """[1, end - start, hidden]: token embeddings of the chunk, its visual placeholders filled."""
+        lm = self._language_model()
+        embeds = lm.embed_tokens(row.prompt.input_ids[:, row.start : row.end].to(self.device))
+        visual = row.prompt.visual_mask[row.start : row.end]  # [n] bool
+        first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens in earlier chunks
+        if num := int(visual.sum()):
+            chunk_visual = row.visual_embeds[first : first + num]  # [num, hidden]
+            embeds[0, visual.to(self.device)] = chunk_visual.to(self.device, embeds.dtype)
+        return embeds
+
+    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """Rows starting at token 0, right-padded to the longest: [B, L]. No padding mask is needed:
+        attention is causal and the padding comes after every valid token of its row, so no valid
+        token sees it (what a valid row computes is what it computes alone, up to rounding; the
+        padded positions just continue the row's own, and their outputs are cut off)."""
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        lengths = [row.end for row in rows]
+        batch, longest = len(rows), max(lengths)
+        dtype = lm.embed_tokens.weight.dtype
+        embeds = torch.zeros(batch, longest, self.hidden_size, dtype=dtype, device=self.device)  # [B, L, H]
+        positions = torch.zeros(4, batch, longest, dtype=torch.long)  # [4, B, L]
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            embeds[i, :n] = self._chunk_embeds(row)[0]
+            positions[:, i, :n] = row.prompt.position_ids[:, 0, :n]
+            positions[:, i, n:] = positions[:, i, n - 1 : n] + torch.arange(1, longest - n + 1)
+        cache = DynamicCache(config=self.hf_config.text_config)
+        out = lm(
+            inputs_embeds=embeds,
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
+        logits = self.lm_head(last[:, None])[:, 0]  # [B, vocab]
+        if batch == 1 and lengths[0] == longest:
+            return [ChunkResult(cache, logits[0])]
+        kv = KvCache.from_dynamic(cache)  # [B, kv_heads, L, head_dim] per layer
+        results = []
+        for i, n in enumerate(lengths):  # each row's own cache, padding cut off (to_dynamic copies)
+            row_kv = KvCache([k[i : i + 1, :, :n] for k in kv.keys], [v[i : i + 1, :, :n] for v in kv.values])
+            results.append(ChunkResult(row_kv.to_dynamic(self.hf_config.text_config), logits[i]))
+        return results
+
+    def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
+        """Tokens [start, end) after the row's cache of [0, start), which grows in place."""
+        past = row.cache.get_seq_length()
+        if past != row.start:
+            raise ValueError(f"the chunk starts at token {row.start} but its cache holds {past}")
+        lm = self._language_model()
+        out = lm(
+            inputs_embeds=self._chunk_embeds(row),
+            position_ids=row.prompt.position_ids[:, :, row.start : row.end].to(self.device),
+            attention_mask=torch.ones(1, row.end, dtype=torch.long, device=self.device),
+            past_key_values=row.cache,
+            use_cache=True,
+        )
+        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
+
     # -- decode ------------------------------------------------------------------------------
 
     def new_decode_cache(self, cache: KvCache):
@@ -206,8 +324,67 @@ class Qwen2VLAdapter(VLMAdapter):
         )
         return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
 
+    supports_batched_decode = True
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.hf_config.text_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        dtype = self._language_model().embed_tokens.weight.dtype
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype.itemsize
+
+    def new_batch_kv(self) -> BatchKv:
+        c = self.hf_config.text_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        dtype = self._language_model().embed_tokens.weight.dtype
+        return BatchKv(c.num_hidden_layers, c.num_key_value_heads, head_dim, dtype, self.device)
+
+    @torch.inference_mode()
+    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
+        lm = self._language_model()
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=position_ids[:, :, None].to(self.device),  # [4, B, 1]
+            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.advance()
+        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
+
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- pruning interface -------------------------------------------------------------------
+
+    @property
+    def text_dims(self) -> TextDims:
+        return dims_of(self.hf_config.text_config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._language_model().embed_tokens(input_ids.to(self.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
+        return QwenLayerwisePass(self._language_model(), inputs_embeds, position_ids)
+
+    @contextmanager
+    def capture_queries(self, layers: Iterable[int], query_index: torch.Tensor) -> Iterator[CapturedQueries]:
+        with QueryCapture(self._language_model().layers, layers, query_index, with_keys=False) as cap:
+            yield CapturedQueries(cap.queries, cap.keys)
+
+    def decode_cache_kv(self, cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return dynamic_cache_kv(cache)
+
+    def set_decode_cache_kv(self, cache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        set_dynamic_cache_kv(cache, layer, keys, values)
+
+    @property
+    def num_parameters(self) -> int:
+        return count_parameters(self.model, self.visual)
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -48,6 +48,29 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen3-VL-Instruct's chat template, reduced the same way: no default system message, and the
+# media placeholder inside <|vision_start|>...<|vision_end|> as the real template writes it (its
+# processor adds a pair per temporal group as well, so video prompts carry both, as on the hub).
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3.5's chat template, reduced the same way: Qwen3-VL's, and a generation prompt that opens a
+# thinking block as the real template does (an empty one when `enable_thinking=False`).
+QWEN3_5_CHAT_TEMPLATE = QWEN3_VL_CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}",
+)
+
 # Words the tokenizer is trained on: the vocabulary of questions and answers about short clips.
 _CORPUS_WORDS = (
     "what colour color is the shape object circle square triangle star red green blue yellow "
@@ -64,7 +87,7 @@ _CORPUS_WORDS = (
 class TinyVLMSpec:
     """Sizes of a built checkpoint. Defaults give a ~1M-parameter model that runs fast on a CPU."""
 
-    family: str = "qwen2_vl"  # "qwen2_vl" or "qwen2_5_vl"
+    family: str = "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_5"
     vocab_size: int = 512  # BPE vocabulary incl. special tokens (rounded up with unused ids)
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -85,6 +108,11 @@ class TinyVLMSpec:
     extra_words: tuple[str, ...] = ()
     """Words added to the tokenizer's training corpus (e.g. `epd.synth.questions.tokenizer_words()`),
     so that they tokenize as whole words."""
+    deepstack_visual_indexes: tuple[int, ...] = (0, 1)
+    """Qwen3-VL only: the tower layers whose features are added after language layers 0, 1, ..."""
+    qwen3_5_full_attention_interval: int = 2
+    """Qwen3.5 only: every n-th language layer is full attention, the others Gated DeltaNet (the
+    hub's models use 4; with 2, layers alternate linear, full, linear, full, ...)."""
 
 
 def _train_tokenizer(vocab_size: int, extra_words: tuple[str, ...] = ()):
@@ -115,12 +143,21 @@ def build_processor(spec: TinyVLMSpec):
         Qwen2VLVideoProcessor,
     )
 
+    if spec.family == "llava_onevision":
+        return _build_llava_onevision_processor(spec)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:],
     )
+    if spec.family == "qwen3_vl":
+        return _build_qwen3_vl_processor(spec, tokenizer)
+    if spec.family == "qwen3_5":  # Qwen3-VL's processor (what AutoProcessor maps qwen3_5 to)
+        tokenizer.add_tokens(["<think>", "</think>"])
+        processor = _build_qwen3_vl_processor(spec, tokenizer)
+        processor.chat_template = processor.tokenizer.chat_template = QWEN3_5_CHAT_TEMPLATE
+        return processor
     tokenizer.chat_template = CHAT_TEMPLATE
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
     image_processor = Qwen2VLImageProcessor(size=size)
@@ -134,8 +171,30 @@ def build_processor(spec: TinyVLMSpec):
     )
 
 
+def _build_qwen3_vl_processor(spec: TinyVLMSpec, tokenizer):
+    """Qwen3-VL's processors: patch 16 (merge 2, so sizes are multiples of 32); the video
+    processor's pixel bounds are over all frames together, not per frame."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    image_size = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
+    image_processor = Qwen2VLImageProcessor(size=image_size, patch_size=16, merge_size=2)
+    video_size = {"shortest_edge": 64 * 64 * 2, "longest_edge": 128 * 128 * 64}
+    video_processor = Qwen3VLVideoProcessor(
+        size=video_size, patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    return Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    )
+
+
 def build_model(spec: TinyVLMSpec, tokenizer):
     """A randomly initialised model of the real class, its special token ids taken from `tokenizer`."""
+    if spec.family == "llava_onevision":
+        return _build_llava_onevision_model(spec, tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = max(len(tokenizer), spec.vocab_size)
     text = dict(
@@ -186,8 +245,39 @@ def build_model(spec: TinyVLMSpec, tokenizer):
         )
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)  # type: ignore[assignment]
         cls = Qwen2_5_VLForConditionalGeneration  # type: ignore[assignment]
+    elif spec.family == "qwen3_vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        head_dim = spec.hidden_size // spec.num_attention_heads
+        # rotary frequencies per head, interleaved t,h,w,t,h,w,... ([24, 20, 20] of 64 on the hub)
+        half = head_dim // 2
+        text["head_dim"] = head_dim
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [half - 2 * (half * 20 // 64), half * 20 // 64, half * 20 // 64],
+            "mrope_interleaved": True,
+        }
+        vision = dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_embed_dim,
+            intermediate_size=spec.vision_embed_dim * 2,
+            num_heads=spec.vision_num_heads,
+            out_hidden_size=spec.hidden_size,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,  # an 8 x 8 learned grid, resampled to each frame's grid
+            deepstack_visual_indexes=list(spec.deepstack_visual_indexes),
+        )
+        config = Qwen3VLConfig(text_config=text, vision_config=vision, **common)  # type: ignore[assignment]
+        cls = Qwen3VLForConditionalGeneration  # type: ignore[assignment]
+    elif spec.family == "qwen3_5":
+        config, cls = _qwen3_5_config(spec, text, common)
     else:
-        raise ValueError(f"unknown model family {spec.family!r}; use 'qwen2_vl' or 'qwen2_5_vl'")
+        raise ValueError(
+            f"unknown model family {spec.family!r}; use 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl' or 'qwen3_5'"
+        )
     config.eos_token_id = ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
     if spec.init not in ("scaled", "hf"):
@@ -201,6 +291,49 @@ def build_model(spec: TinyVLMSpec, tokenizer):
             if param.dim() >= 2:
                 param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
     return model
+
+
+def _qwen3_5_config(spec: TinyVLMSpec, text: dict[str, Any], common: dict[str, Any]):
+    """Qwen3.5: Gated DeltaNet (linear attention) layers and gated full-attention layers, one
+    full-attention layer every `qwen3_5_full_attention_interval`; rotary on a quarter of each head
+    (partial_rotary_factor 0.25, as the hub's), interleaved M-RoPE; Qwen3-VL's tower, no DeepStack."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    head_dim = 2 * spec.hidden_size // spec.num_attention_heads
+    half = head_dim // 4 // 2  # rotary frequencies per head: a quarter of head_dim rotates
+    interval = spec.qwen3_5_full_attention_interval
+    text = dict(
+        text,
+        head_dim=head_dim,
+        layer_types=[
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(spec.num_hidden_layers)
+        ],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [half - 2 * (half // 4), half // 4, half // 4],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_embed_dim,
+        intermediate_size=spec.vision_embed_dim * 2,
+        num_heads=spec.vision_num_heads,
+        out_hidden_size=spec.hidden_size,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+    )
+    return Qwen3_5Config(text_config=text, vision_config=vision, **common), Qwen3_5ForConditionalGeneration
 
 
 def _mrope_section(spec: TinyVLMSpec) -> list[int]:
@@ -231,3 +364,99 @@ def build_checkpoint(path: str | os.PathLike, spec: TinyVLMSpec = TinyVLMSpec())
         )
     )
     return out
+
+
+# -- LLaVA-OneVision ------------------------------------------------------------------------------
+# llava-hf's template (transformers' convert_llava_onevision_weights_to_hf.py): media first, then
+# the text parts; no default system message. Special tokens: Qwen2's plus <image> and <video>.
+LLAVA_ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
+    "{{'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAVA_ONEVISION_IMAGE_SIZE = 70  # SigLIP frames/crops of 70 px, patch 14: 5 x 5 patches (odd, like 27 x 27)
+LLAVA_ONEVISION_PINPOINTS = [[70, 70], [70, 140], [140, 70], [140, 140], [70, 210], [210, 70]]
+
+
+def _build_llava_onevision_processor(spec: TinyVLMSpec):
+    from transformers import (
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[*SPECIAL_TOKENS[1:], "<image>", "<video>"],
+    )
+    tokenizer.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE
+    side = LLAVA_ONEVISION_IMAGE_SIZE
+    size = {"height": side, "width": side}
+    return LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=LLAVA_ONEVISION_PINPOINTS),
+        tokenizer=tokenizer,
+        video_processor=LlavaOnevisionVideoProcessor(size=size),
+        num_image_tokens=(side // 14) ** 2,
+        vision_feature_select_strategy="full",
+        chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE,
+    )
+
+
+def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
+    """SigLIP tower + projector + Qwen2 language model, as llava-onevision-qwen2-*-ov-hf, tiny."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = dict(
+        model_type="qwen2",
+        vocab_size=max(len(tokenizer), spec.vocab_size),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=32768,
+        eos_token_id=eos,
+        bos_token_id=pad,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=spec.vision_embed_dim,
+        intermediate_size=spec.vision_embed_dim * 2,
+        num_hidden_layers=spec.vision_depth,
+        num_attention_heads=spec.vision_num_heads,
+        image_size=LLAVA_ONEVISION_IMAGE_SIZE,
+        patch_size=14,
+        vision_use_head=False,
+    )
+    config = LlavaOnevisionConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        image_grid_pinpoints=LLAVA_ONEVISION_PINPOINTS,
+        tie_word_embeddings=False,
+    )
+    config.eos_token_id = eos
+    config.pad_token_id = pad
+    torch.manual_seed(spec.seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    if spec.init == "hf":
+        return model
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
+            elif param.shape == model.model.image_newline.shape and param is model.model.image_newline:
+                param.normal_(0.0, 1.0)
+    return model

@@ -93,12 +93,14 @@ class MediaRecord(Generic[T]):
     The keys of `fields` are the field names of the wire's `epd.v1.EncodeResult` (with
     `pruning` the fields of `epd.v1.PruningReport`), so the proto converter is
     `EncodeResult(**record.fields)` and its inverse; the encoder's token cache stores the same
-    record (tensors in a safetensors file, `fields` in its JSON sidecar). The embeddings travel
-    on the wire as tensor chunks beside the EncodeResult.
+    record (tensors in a safetensors file, `fields` in its JSON sidecar). Its tensors (the
+    embeddings and any DeepStack features) travel on the wire as named tensor chunks beside the
+    EncodeResult, through the same byte-budgeted assembler.
     """
 
     tensors: dict[str, T]
-    """{"visual_embeds": [num_visual_tokens, hidden_size]}."""
+    """{"visual_embeds": [num_visual_tokens, hidden_size]} plus, for DeepStack families
+    (Qwen3-VL), {"deepstack.{k}": [num_visual_tokens, hidden_size]} for k < num_deepstack_features."""
     fields: dict[str, Any]
 
 
@@ -123,11 +125,17 @@ class EncodedMedia(Generic[T]):
     key_mask: T | None = None
     """[N'] bool: key tokens, which no later stage drops (None: none)."""
     pruning: PruningStats = field(default_factory=PruningStats)
+    deepstack: list[T] = field(default_factory=list)
+    """DeepStack features (Qwen3-VL): one [N', hidden_size] per DeepStack layer, row i belonging to
+    embedding i, so every stage that drops or keeps visual tokens keeps the same rows of each;
+    empty for families without DeepStack."""
 
     def to_record(self) -> MediaRecord[T]:
         """The one plain-data form of this object (see `MediaRecord`); `from_record` inverts it."""
+        tensors = {"visual_embeds": self.embeds}
+        tensors.update({deepstack_tensor_name(k): d for k, d in enumerate(self.deepstack)})
         return MediaRecord(
-            tensors={"visual_embeds": self.embeds},
+            tensors=tensors,
             fields={
                 "modality": self.meta.modality,
                 "grid_thw": list(self.meta.grid_thw),
@@ -145,14 +153,16 @@ class EncodedMedia(Generic[T]):
                     i for i, key in enumerate(self.key_mask.tolist()) if key
                 ],
                 "pruning": pruning_stats_to_record(self.pruning),
+                "num_deepstack_features": len(self.deepstack),
+                "group_timestamps_s": list(self.meta.group_timestamps_s),
             },
         )
 
     @classmethod
     def from_record(cls, record: MediaRecord[T], from_list: IndexFromList = torch_from_list) -> EncodedMedia[T]:
         """The inverse of `to_record`. The record may come from a client (a proto) or from disk
-        (the token cache): InvalidRequest when its metadata is malformed, KeyError when a field
-        or the embeddings tensor is missing. `from_list` builds token_index and key_mask in the
+        (the token cache): InvalidRequest when its metadata is malformed or a DeepStack feature it
+        names is missing or misshapen, KeyError when a field or the embeddings tensor is missing. `from_list` builds token_index and key_mask in the
         embeddings' form (torch by default; `WireTensor.from_list` in the gateway)."""
         f = record.fields
         embeds = record.tensors["visual_embeds"]  # [N', hidden_size]
@@ -169,10 +179,21 @@ class EncodedMedia(Generic[T]):
                 mask[i] = True
             key_mask = from_list(mask, "bool")
         kept = list(f["kept_token_index"])
+        num_deepstack = int(f["num_deepstack_features"])
+        names = [deepstack_tensor_name(k) for k in range(max(num_deepstack, 0))]
+        if num_deepstack < 0 or any(n not in record.tensors for n in names):
+            raise InvalidRequest(
+                f"the media names {num_deepstack} DeepStack features but "
+                f"{sum(n in record.tensors for n in names)} were sent"
+            )
+        deepstack = [record.tensors[n] for n in names]
+        if any(tuple(d.shape) != tuple(embeds.shape) for d in deepstack):
+            raise InvalidRequest("each DeepStack feature must have the visual embeddings' shape, row for row")
+        times = tuple(float(t) for t in f["group_timestamps_s"])
         return cls(
             embeds=embeds,
             meta=VisualMeta(str(f["modality"]), (grid[0], grid[1], grid[2]), float(f["second_per_grid_t"]),
-                            int(f["num_visual_tokens"])),
+                            int(f["num_visual_tokens"]), times),
             num_frames=int(f["num_frames"]),
             frame_timestamps_s=[float(t) for t in f["frame_timestamps_s"]],
             decode_ms=float(f["decode_ms"]),
@@ -182,7 +203,13 @@ class EncodedMedia(Generic[T]):
             token_index=from_list([int(i) for i in kept], "int64") if kept else None,
             key_mask=key_mask,
             pruning=pruning_stats_from_record(f["pruning"]),
+            deepstack=deepstack,
         )
+
+
+def deepstack_tensor_name(k: int) -> str:
+    """Name of DeepStack feature k in a `MediaRecord` and on the wire (a TensorChunk's name)."""
+    return f"deepstack.{k}"
 
 
 def pruning_stats_to_record(stats: PruningStats) -> dict[str, Any]:
@@ -245,6 +272,34 @@ class PrefillHandle(Generic[T]):
     """The cache's name in the prefill stage's KvStore ("" until the stage stored it)."""
     kv_address: str = ""
     """host:port of the prefill server a decoder pulls the cache from ("" for an in-process store)."""
+
+
+UNALIGNED_PRUNING_STAGES = {
+    "spatial_merge": "encoder",
+    "prefill_drop": "prefill",
+    "kv_compress": "prefill",
+    "decode_evict": "decode",
+}
+"""The pruning stages that cannot keep DeepStack features (Qwen3-VL) aligned with the visual
+tokens they touch, by knob, with the service each runs in: spatial merging averages tokens (the
+features would need the same merge); the prefill drop, KV compression and decode eviction run the
+language model's layers through code that does not add the features."""
+
+
+def refuse_unaligned_pruning(family: str, num_deepstack_layers: int, pruning: PruningConfig) -> None:
+    """InvalidRequest naming each stage of `pruning` that a DeepStack family cannot run, and the
+    family; nothing for families without DeepStack. The encoder asks at the start of every
+    request (so a refused prefill stage costs no decoding), prefill again before it queues."""
+    if not num_deepstack_layers:
+        return
+    refused = [name for name in UNALIGNED_PRUNING_STAGES if getattr(pruning, name)]
+    if refused:
+        stages = ", ".join(f"{name} ({UNALIGNED_PRUNING_STAGES[name]} stage)" for name in refused)
+        raise InvalidRequest(
+            f"pruning {stages} is not supported for model family {family}: it cannot keep the "
+            "DeepStack features aligned with the visual tokens; turn it off (temporal_drop, "
+            "key_token_ratio and kv_dtype work)"
+        )
 
 
 def check_generation_limits(generation: GenerationConfig, max_new_tokens_limit: int) -> None:

@@ -20,6 +20,16 @@ class ResourceExhausted(EpdError):
     """A limit was reached: smaller input, or retry later (RESOURCE_EXHAUSTED)."""
 
 
+class Busy(ResourceExhausted):
+    """A queue or budget is full *now*: the same request may succeed later (RESOURCE_EXHAUSTED,
+    marked for retry: HTTP 429 + Retry-After, where any other ResourceExhausted is a 413, send
+    less). The message names the flags that raise the limit."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NotFound(EpdError):
     """Something the request names does not exist (any more) (NOT_FOUND)."""
 

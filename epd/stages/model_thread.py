@@ -15,13 +15,19 @@ import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from epd.model_runtime.threads import StepThreads
 
 T = TypeVar("T")
 
 
 class ModelThread:
-    def __init__(self) -> None:
+    def __init__(self, threads: StepThreads | None = None) -> None:
+        """threads: the torch-threads policy the engine cores apply before each batched step
+        (`--num-threads auto` in a service process); None: keep what the loader set."""
+        self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._thread_ident: int | None = None
         self._pool.submit(self._remember_thread).result()

@@ -4,7 +4,7 @@ frames), so neither the event loop nor the model thread ever waits on one reques
     await pool.run(drive)   # drive(cancel: threading.Event) -> T, on a pool thread
 
 Admission: at most `max_running` drivers run at once; up to `max_waiting` more wait in FIFO
-order for a thread; beyond that `run` raises ResourceExhausted with the caller's message (which
+order for a thread; beyond that `run` raises Busy (RESOURCE_EXHAUSTED, retry later) with the caller's message (which
 names the flags that raise the limits), before any work starts.
 
 Cancellation: when the awaiting task is cancelled (its client went away), `run` sets the
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from epd.stages.errors import ResourceExhausted
+from epd.stages.errors import Busy
 
 T = TypeVar("T")
 
@@ -59,7 +59,7 @@ class RequestPool:
         with self._lock:
             if self._num_admitted >= self.max_running + self.max_waiting:
                 running = min(self._num_admitted, self.max_running)
-                raise ResourceExhausted(self._refusal(running, self._num_admitted - running))
+                raise Busy(self._refusal(running, self._num_admitted - running))
             self._num_admitted += 1
         cancel = threading.Event()
         call = functools.partial(contextvars.copy_context().run, drive, cancel)

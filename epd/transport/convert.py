@@ -5,6 +5,7 @@ lives in one place: one converter each way per boundary type. Zero in a proto fi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport.message_convert import messages_from_proto as messages_from_proto  # re-exported
 from epd.transport.message_convert import messages_to_proto as messages_to_proto  # re-exported
-from epd.transport.tensor_wire import WireTensor, tensor_bytes
+from epd.transport.tensor_wire import WireTensor, tensor_bytes, tensor_to_chunks
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2
 from epd.video.types import MediaError, SamplingOptions
 
@@ -141,17 +142,30 @@ def message_fields(msg: Message) -> dict[str, Any]:
 
 
 def encode_result_to_proto(media: EncodedMedia) -> encoder_pb2.EncodeResult:
-    """Everything but the embeddings, which go as tensor chunks (`tensor_to_chunks`)."""
+    """Everything but the tensors, which go as tensor chunks (`encoded_media_chunks`)."""
     return encoder_pb2.EncodeResult(**media.to_record().fields)
 
 
+def encoded_media_chunks(media: EncodedMedia) -> Iterator[common_pb2.TensorChunk]:
+    """Every tensor of the media as named chunks: "visual_embeds", then any DeepStack features
+    ("deepstack.{k}"), all through the receiver's one byte-budgeted `TensorAssembler`."""
+    for name, tensor in media.to_record().tensors.items():
+        yield from tensor_to_chunks(name, tensor)
+
+
 def encoded_media_from_proto(
-    msg: encoder_pb2.EncodeResult, embeds: torch.Tensor | WireTensor
+    msg: encoder_pb2.EncodeResult,
+    tensors: Mapping[str, torch.Tensor] | Mapping[str, WireTensor] | torch.Tensor | WireTensor,
 ) -> EncodedMedia:
-    """embeds: [num_visual_tokens, hidden_size], reassembled from the chunks beside `msg`. A
-    WireTensor (the gateway, relaying) gives the media's index tensors in wire form too."""
-    record = MediaRecord({"visual_embeds": embeds}, message_fields(msg))
-    if isinstance(embeds, WireTensor):
+    """tensors: the named tensors reassembled from the chunks beside `msg` ("visual_embeds"
+    [num_visual_tokens, hidden_size] and the DeepStack features `msg` names), or the embeddings
+    alone. WireTensors (the gateway, relaying) give the media's index tensors in wire form too.
+    InvalidRequest when the embeddings or a named DeepStack feature is missing."""
+    named = dict(tensors) if isinstance(tensors, Mapping) else {"visual_embeds": tensors}
+    if "visual_embeds" not in named:
+        raise InvalidRequest("no visual_embeds tensor was sent")
+    record: MediaRecord[Any] = MediaRecord(named, message_fields(msg))
+    if isinstance(named["visual_embeds"], WireTensor):
         return EncodedMedia.from_record(record, WireTensor.from_list)
     return EncodedMedia.from_record(record)
 

@@ -45,12 +45,19 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+RETRY_AFTER_KEY = "epd-retry-after-s"
+"""Trailing metadata that marks a RESOURCE_EXHAUSTED as `Busy` (retry later, in seconds), so the
+mark survives every hop: stage -> gateway -> client (HTTP 429 + Retry-After)."""
+
+
 class UpstreamError(EpdError):
     """A downstream service answered with a status; the gateway passes it on (see `stage_error`)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
+        """Set when the stage said it was busy (`Busy`): the same request may succeed later."""
 
 
 # Statuses that gRPC itself raises (no connection, deadline, transport faults) or that our
@@ -74,11 +81,24 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> Upstr
     code = exc.code()
     what = _SANITISED.get(code)
     if what is None:
-        return UpstreamError(code, exc.details() or f"{stage} stage failed (request id {request_id})")
+        return UpstreamError(code, exc.details() or f"{stage} stage failed (request id {request_id})",
+                             retry_after_of(exc))
     log.warning(
         "request %s: %s stage -> %s: %s | %s", request_id, stage, code.name, exc.details(), exc.debug_error_string()
     )
     return UpstreamError(code, f"{stage} stage {what} (request id {request_id})")
+
+
+def retry_after_of(exc: BaseException) -> int | None:
+    """Seconds to wait before retrying, when `exc` says its service was busy (None otherwise)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return None
+        for key, value in exc.trailing_metadata() or ():
+            if key == RETRY_AFTER_KEY and str(value).isdigit():
+                return int(value)
+        return None
+    return getattr(exc, "retry_after_s", None)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -109,7 +129,9 @@ def rpc_errors(method):
             log.exception("internal error in %s", method.__qualname__)
         else:
             log.info("%s -> %s: %s", method.__qualname__, code.name, message)
-        await context.abort(code, message)
+        retry_after_s = retry_after_of(exc)
+        metadata = ((RETRY_AFTER_KEY, str(retry_after_s)),) if retry_after_s is not None else ()
+        await context.abort(code, message, trailing_metadata=metadata)
 
     if inspect.isasyncgenfunction(method):
 

@@ -37,7 +37,7 @@ from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.errors import UpstreamError, stage_error
 from epd.transport.server import RECONNECT_OPTIONS, channel_options
-from epd.transport.tensor_wire import TensorAssembler, tensor_to_chunks
+from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -55,6 +55,7 @@ class ReplicaPool:
     def __init__(self, addresses: list[str]) -> None:
         if not addresses:
             raise ValueError("a stage needs at least one address")
+        self.addresses = list(addresses)
         # round_robin: a `dns:///name-headless:port` target spreads calls over every replica
         # behind the name (gRPC's default pick_first would send all of them to one).
         options = [*channel_options(), *RECONNECT_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
@@ -114,8 +115,9 @@ class RemoteEncodeStage(EncodeStage):
             raise stage_error(exc, "encode", request_id) from None
         if result is None:
             raise UpstreamError(grpc.StatusCode.INTERNAL, "the encoder ended without a result")
-        # Relayed to prefill as received: wire form, no torch in the gateway.
-        return convert.encoded_media_from_proto(result, asm.wire_tensors()["visual_embeds"])
+        # Relayed to prefill as received (embeddings and any DeepStack features, all counted
+        # against max_transfer_bytes): wire form, no torch in the gateway.
+        return convert.encoded_media_from_proto(result, asm.wire_tensors())
 
 
 class RemotePrefillStage(PrefillStage):
@@ -142,7 +144,7 @@ class RemotePrefillStage(PrefillStage):
                     pruning=convert.pruning_to_proto(pruning),
                 )
             )
-            for chunk in tensor_to_chunks("visual_embeds", media.embeds):
+            for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
                 yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
         stub = prefill_pb2_grpc.PrefillServiceStub(self.pool.pick())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.stack import ROOT, child_env, epd_command
 
 
@@ -12,11 +14,33 @@ def test_bench_serve_against_a_stack(shared_stack, tiny_models, media_files, tmp
     out = tmp_path / "serve.json"
     # the session's plain stack (tests/conftest.py)
     proc = subprocess.run(
-        epd_command("bench", "serve", "--endpoint", shared_stack.gateway, "--model", str(tiny_models["qwen2_vl"]),
-                    "--videos", str(media_files["mp4"]), str(media_files["mp4_b"]), "--num-requests", "4",
-                    "--concurrency", "2", "--num-frames", "4", "--max-new-tokens", "6", "--ignore-eos",
-                    "--output-json", str(out)),
-        capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=600,
+        epd_command(
+            "bench",
+            "serve",
+            "--endpoint",
+            shared_stack.gateway,
+            "--model",
+            str(tiny_models["qwen2_vl"]),
+            "--videos",
+            str(media_files["mp4"]),
+            str(media_files["mp4_b"]),
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--num-frames",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--output-json",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -31,3 +55,92 @@ def test_bench_serve_against_a_stack(shared_stack, tiny_models, media_files, tmp
         assert s["num_good"] <= s["num_completed"]
     assert all(r["num_output_tokens"] == 6 and len(r["itl_ms"]) == 5 for r in report["stack_requests"])
     assert "| ttft_ms |" in proc.stdout and "ratio (stack vs baseline)" in proc.stdout
+
+
+def _sweep(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        epd_command("bench", "serve", *args),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def test_bench_serve_concurrency_sweep_and_plot(shared_stack, media_files, tmp_path):
+    """`--concurrency 1,2`: both levels run, one table row each, in the JSON; `--plot` writes a PNG
+    (when matplotlib, the `bench` extra, is installed). No timing assertions."""
+    import importlib.util
+
+    have_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    proc = _sweep(
+        [
+            "--endpoint",
+            shared_stack.gateway,
+            "--videos",
+            str(media_files["mp4"]),
+            str(media_files["mp4_b"]),
+            "--num-requests",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--num-frames",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+            "--no-baselines",
+            "--output-json",
+            str(out),
+            *(["--plot", str(png)] if have_matplotlib else []),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [level["concurrency"] for level in report["sweep"]] == [1, 2]
+    for level in report["sweep"]:
+        s = level["summary"]
+        assert s["num_completed"] == 2 and s["num_failed"] == 0 and s["num_output_tokens"] == 2 * 4
+    assert report["stack"] == report["sweep"][0]["summary"]  # the single-level names still hold
+    table = proc.stdout[proc.stdout.index("== concurrency sweep") :]
+    assert "| in flight | ok | req/s | output tok/s | TTFT p50 ms |" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"] and all("| 2/2 |" in r for r in rows), table
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_bench_serve_openai_sweep(shared_stack, media_files, tmp_path):
+    """The same load over the OpenAI-compatible HTTP API (streaming SSE), 2 levels."""
+    out = tmp_path / "openai.json"
+    proc = _sweep(
+        [
+            "--openai",
+            f"http://127.0.0.1:{shared_stack.http_port}",
+            "--videos",
+            str(media_files["mp4"]),
+            "--num-requests",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--num-frames",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+            "--no-baselines",
+            "--output-json",
+            str(out),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [level["concurrency"] for level in report["sweep"]] == [1, 2]
+    for level in report["sweep"]:
+        assert level["summary"]["num_failed"] == 0 and level["summary"]["num_output_tokens"] == 2 * 4
+        for r in level["requests"]:  # usage and epd's per-chunk token_ids agree; every gap is measured
+            assert r["num_output_tokens"] == 4 and len(r["itl_ms"]) == 3 and r["num_prompt_tokens"] > 0
+            assert 0 < r["ttft_ms"] <= r["e2e_ms"]
+    assert "OpenAI API" in proc.stdout

@@ -109,6 +109,49 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
     assert not any(is_serving(f"127.0.0.1:{p}", timeout_s=0.5) for p in ports)
 
 
+def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_models, media_files, expected):
+    """`epd serve --colocate`: the front door and the three stages in one process, on the stack's
+    ports; answers equal generate()'s; /metrics shows the three in-process cores."""
+    import time
+    import urllib.request
+
+    import psutil
+
+    grpc_port, http_port = free_port(), free_port()
+    serve = subprocess.Popen(
+        epd_command("serve", "--colocate", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port",
+                    str(grpc_port), "--http-port", str(http_port)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not is_serving(f"127.0.0.1:{grpc_port}", timeout_s=1.0):
+            assert serve.poll() is None and time.monotonic() < deadline, "epd serve --colocate did not start"
+            time.sleep(0.2)
+        assert psutil.Process(serve.pid).children(recursive=True) == [], "one process, no services"
+        proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{grpc_port}",
+                       "--num-frames", "8", "--max-new-tokens", "12", "--json")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["token_ids"] == expected
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        from prometheus_client.parser import text_string_to_metric_families
+
+        steps = {
+            (s.labels["stage"], s.labels["replica"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "epd_engine_steps_total"
+        }
+        assert set(steps) == {(stage, "local") for stage in ("encoder", "prefill", "decode")}
+        assert all(v > 0 for v in steps.values()), steps
+    finally:
+        serve.send_signal(signal.SIGINT)
+        code = serve.wait(timeout=60)
+    assert code == 0
+    assert not is_serving(f"127.0.0.1:{grpc_port}", timeout_s=0.5)
+
+
 def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files):
     common = ["ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
               "--num-frames", "8", "--max-new-tokens", "6", "--json"]

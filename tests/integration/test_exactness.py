@@ -32,9 +32,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def stacks(tiny_models, tmp_path_factory):
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_q2")) as a, Stack(
-        tiny_models["qwen2_5_vl"], tmp_path_factory.mktemp("logs_q25")
-    ) as b:
+    with (
+        Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_q2")) as a,
+        Stack(tiny_models["qwen2_5_vl"], tmp_path_factory.mktemp("logs_q25")) as b,
+    ):
         yield {"qwen2_vl": a, "qwen2_5_vl": b}
 
 
@@ -43,7 +44,9 @@ def references(tiny_models, media_files):
     out = {}
     for family, media, num_frames in CASES:
         video = decode_for_test(media_files[media], num_frames)
-        out[(family, media, num_frames)] = reference_tokens(tiny_models[family], video, QUESTION, MAX_NEW_TOKENS)
+        out[(family, media, num_frames)] = reference_tokens(
+            tiny_models[family], video, QUESTION, MAX_NEW_TOKENS
+        )
     return out
 
 
@@ -83,7 +86,9 @@ def test_in_process_split_equals_generate(tiny_models, media_files, references, 
 @pytest.mark.parametrize("family,media,num_frames", CASES)
 def test_three_services_equal_generate(stacks, media_files, references, family, media, num_frames):
     with EpdClient(stacks[family].gateway) as client:
-        result = client.ask(media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS)
+        result = client.ask(
+            media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS
+        )
     assert result.token_ids == references[(family, media, num_frames)]
     expected_frames = 1 if media == "png" else num_frames
     assert result.num_frames == expected_frames
@@ -101,3 +106,40 @@ def test_wrong_positions_break_equality(tiny_models, media_files, references):
 
     got = embedded_tokens(tiny_models["qwen2_vl"], media_files["mp4"], 8, positions_override=flat_positions)
     assert got != references[("qwen2_vl", "mp4", 8)]
+
+
+# Requests that run in one decode batch: different frame counts (prompt lengths) and media, joining
+# while others run (staggered starts) and leaving mid-batch (different max_new_tokens).
+BATCH = [("mp4", 64, 20, 0.0), ("mp4", 8, 7, 0.0), ("png", 1, 13, 0.05), ("mp4", 8, 20, 0.3)]
+NEAR_TIE_LOGITS = 1e-3
+"""Largest logit margin between generate()'s token and ours that counts as a rounding near-tie."""
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_batch_of_different_requests_equals_generate_request_by_request(
+    stacks, tiny_models, media_files, references, family
+):
+    """Each request's greedy tokens inside the decode batch equal generate()'s for it alone; where
+    one differs, it must be a near-tie of the reference model (shown, not hidden)."""
+    from epd.client import AsyncEpdClient
+    from tests.reference import divergence_margin
+
+    async def one(client, media, num_frames, max_new, delay_s):
+        await asyncio.sleep(delay_s)
+        r = await client.ask(media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=max_new)
+        return r.token_ids
+
+    async def run():
+        async with AsyncEpdClient(stacks[family].gateway) as client:
+            return await asyncio.gather(*(one(client, *case) for case in BATCH))
+
+    got = asyncio.run(run())
+    for (media, num_frames, max_new, _), tokens in zip(BATCH, got):
+        want = references[(family, media, num_frames)][:max_new]
+        margin = divergence_margin(
+            tiny_models[family], decode_for_test(media_files[media], num_frames), QUESTION, want, tokens
+        )
+        assert margin is None or margin[1] <= NEAR_TIE_LOGITS, (
+            f"{media} x {num_frames} frames: token {margin and margin[0]} differs from generate()'s by a "
+            f"logit margin of {margin and margin[1]}: not a rounding near-tie"
+        )

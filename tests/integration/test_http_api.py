@@ -14,6 +14,7 @@ import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import VIDEO, EpdClient, Message
 from tests.stack import Stack, free_port
@@ -256,8 +257,13 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 def _sample(metrics_text: str, name: str, labels: str = "") -> float:
-    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", metrics_text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    """One sample's value (0 when absent); `labels` in any order, as written in the exposition."""
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == wanted:
+                return sample.value
+    return 0.0
 
 
 def test_metrics_move_after_a_request(stack, client, media_files):

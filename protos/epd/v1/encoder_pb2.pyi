@@ -30,7 +30,7 @@ class EncodeRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[EncodeHeader, _Mapping]] = ..., media_chunk: _Optional[bytes] = ...) -> None: ...
 
 class EncodeResult(_message.Message):
-    __slots__ = ("modality", "grid_thw", "num_visual_tokens", "num_frames", "frame_timestamps_s", "second_per_grid_t", "decode_ms", "encode_ms", "cache_hit", "media_sha256", "kept_token_index", "key_token_index", "pruning")
+    __slots__ = ("modality", "grid_thw", "num_visual_tokens", "num_frames", "frame_timestamps_s", "second_per_grid_t", "decode_ms", "encode_ms", "cache_hit", "media_sha256", "kept_token_index", "key_token_index", "pruning", "num_deepstack_features", "group_timestamps_s")
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_VISUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class EncodeResult(_message.Message):
     KEPT_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
     KEY_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEEPSTACK_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
     modality: str
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_visual_tokens: int
@@ -57,7 +59,9 @@ class EncodeResult(_message.Message):
     kept_token_index: _containers.RepeatedScalarFieldContainer[int]
     key_token_index: _containers.RepeatedScalarFieldContainer[int]
     pruning: _common_pb2.PruningReport
-    def __init__(self, modality: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_visual_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., second_per_grid_t: _Optional[float] = ..., decode_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., kept_token_index: _Optional[_Iterable[int]] = ..., key_token_index: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ...) -> None: ...
+    num_deepstack_features: int
+    group_timestamps_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, modality: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_visual_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., second_per_grid_t: _Optional[float] = ..., decode_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., kept_token_index: _Optional[_Iterable[int]] = ..., key_token_index: _Optional[_Iterable[int]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., num_deepstack_features: _Optional[int] = ..., group_timestamps_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("event", "embeddings", "result")

@@ -47,7 +47,7 @@ def test_body_over_the_limit_is_413_json():
     (status, body), metrics = asyncio.run(_requests("", post_big))
     assert status == 413
     assert body["error"]["type"] == "request_too_large"
-    assert metrics.http_responses.get(route="/v1/chat/completions", code="413") == 1
+    assert metrics.value("epd_http_responses_total", route="/v1/chat/completions", code="413") == 1
 
 
 def test_api_key_guards_v1_only():

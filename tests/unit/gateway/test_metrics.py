@@ -1,80 +1,64 @@
-"""The hand-written Prometheus exposition, and what `GatewayMetrics.track` records for one run."""
+"""The Prometheus exposition (prometheus_client, one registry per gateway), and what `GatewayMetrics.track` records for one run."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 
 import pytest
 
-from epd.gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry, format_value
+from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskSummary
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.stages.names import Stage
 
-
-def test_exposition_text():
-    r = Registry()
-    c = r.add(Counter("demo_requests_total", "Requests.\nBy code.", ["code"]))
-    g = r.add(Gauge("demo_in_flight", "In flight."))
-    h = r.add(Histogram("demo_latency_seconds", "Latency.", [0.1, 1]))
-    c.inc(code="200")
-    c.inc(2, code="200")
-    c.inc(code='we"ird\\\n')
-    g.inc()
-    g.inc()
-    g.dec()
-    for v in (0.05, 0.1, 0.5, 3.0):
-        h.observe(v)
-    assert r.render() == (
-        "# HELP demo_requests_total Requests.\\nBy code.\n"
-        "# TYPE demo_requests_total counter\n"
-        'demo_requests_total{code="200"} 3\n'
-        'demo_requests_total{code="we\\"ird\\\\\\n"} 1\n'
-        "# HELP demo_in_flight In flight.\n"
-        "# TYPE demo_in_flight gauge\n"
-        "demo_in_flight 1\n"
-        "# HELP demo_latency_seconds Latency.\n"
-        "# TYPE demo_latency_seconds histogram\n"
-        'demo_latency_seconds_bucket{le="0.1"} 2\n'
-        'demo_latency_seconds_bucket{le="1"} 3\n'
-        'demo_latency_seconds_bucket{le="+Inf"} 4\n'
-        "demo_latency_seconds_sum 3.65\n"
-        "demo_latency_seconds_count 4\n"
-    )
+TTFT = "epd_time_to_first_token_seconds"
+TPOT = "epd_time_per_output_token_seconds"
+E2E = "epd_e2e_request_latency_seconds"
 
 
-def test_labelled_histogram_and_empty_series():
-    h = Histogram("lat_seconds", "x", [1], ["route"])
-    assert h.lines() == []  # no series until observed
-    h.observe(2, route="/a")
-    assert h.lines() == [
-        'lat_seconds_bucket{route="/a",le="1"} 0',
-        'lat_seconds_bucket{route="/a",le="+Inf"} 1',
-        'lat_seconds_sum{route="/a"} 2',
-        'lat_seconds_count{route="/a"} 1',
-    ]
+def test_exposition_keeps_every_name_label_and_type():
+    m = GatewayMetrics()
+    m.requests.labels(status="OK").inc()
+    m.http_responses.labels(route="/v1/models", code="200").inc(2)
+    m.ttft.observe(0.02)
+    text = m.render()
+    for line in (
+        "# TYPE epd_requests_total counter",
+        'epd_requests_total{status="OK"} 1.0',
+        "# TYPE epd_requests_in_flight gauge",
+        "epd_requests_in_flight 0.0",
+        'epd_stage_requests{stage="encoder"} 0.0',
+        "# TYPE epd_time_to_first_token_seconds histogram",
+        'epd_time_to_first_token_seconds_bucket{le="0.01"} 0.0',
+        'epd_time_to_first_token_seconds_bucket{le="0.025"} 1.0',
+        'epd_time_to_first_token_seconds_bucket{le="+Inf"} 1.0',
+        "epd_time_to_first_token_seconds_count 1.0",
+        "# TYPE epd_time_per_output_token_seconds histogram",
+        "# TYPE epd_e2e_request_latency_seconds histogram",
+        "# TYPE epd_request_visual_tokens histogram",
+        "epd_prompt_tokens_total 0.0",
+        "epd_generation_tokens_total 0.0",
+        "epd_encoder_cache_hits_total 0.0",
+        'epd_http_responses_total{code="200",route="/v1/models"} 2.0',
+    ):
+        assert line in text.splitlines(), line
+
+
+def test_each_gateway_has_its_own_registry():
+    a, b = GatewayMetrics(), GatewayMetrics()
+    a.requests.labels(status="OK").inc()
+    assert a.value("epd_requests_total", status="OK") == 1
+    assert b.value("epd_requests_total", status="OK") == 0
+    assert 'epd_requests_total{status="OK"}' not in b.render()
 
 
 def test_misuse_is_refused():
-    c = Counter("x_total", "x", ["code"])
-    with pytest.raises(ValueError, match="takes labels"):
-        c.inc(route="/")
-    with pytest.raises(ValueError, match="cannot go down"):
-        c.inc(-1, code="200")
-    with pytest.raises(ValueError, match="increasing and distinct"):
-        Histogram("h", "x", [1, 0.5])
-    r = Registry()
-    r.add(Gauge("g", "x"))
-    with pytest.raises(ValueError, match="registered twice"):
-        r.add(Gauge("g", "x"))
-
-
-def test_format_value():
-    assert [format_value(v) for v in (3.0, 0.25, math.inf, -math.inf, math.nan, 1e20)] == [
-        "3", "0.25", "+Inf", "-Inf", "NaN", "1e+20",
-    ]  # fmt: skip
+    m = GatewayMetrics()
+    with pytest.raises(ValueError, match="Incorrect label names"):
+        m.requests.labels(route="/")
+    with pytest.raises(ValueError, match="negative"):
+        m.prompt_tokens.inc(-1)
 
 
 def _summary(num_tokens: int, cache_hit: bool) -> AskSummary:
@@ -102,20 +86,20 @@ def test_track_records_a_successful_run():
     m = GatewayMetrics()
     items = asyncio.run(_drain(m, _events(3, cache_hit=True)))
     assert len(items) == 5  # passed through unchanged
-    assert m.requests.get(status="OK") == 1
-    assert m.ttft.count() == m.e2e.count() == m.tpot.count() == 1
-    assert m.generation_tokens.get() == 3
-    assert m.prompt_tokens.get() == 60
-    assert m.visual_tokens.count() == 1
-    assert m.cache_hits.get() == 1
-    assert m.in_flight.get() == 0
+    assert m.value("epd_requests_total", status="OK") == 1
+    assert [m.value(f"{h}_count") for h in (TTFT, E2E, TPOT)] == [1, 1, 1]
+    assert m.value("epd_generation_tokens_total") == 3
+    assert m.value("epd_prompt_tokens_total") == 60
+    assert m.value("epd_request_visual_tokens_count") == 1
+    assert m.value("epd_encoder_cache_hits_total") == 1
+    assert m.value("epd_requests_in_flight") == 0
 
 
 def test_track_records_failures_and_cancellations():
     m = GatewayMetrics()
     with pytest.raises(InvalidRequest, match="bad"):
         asyncio.run(_drain(m, _events(3, fail=InvalidRequest("bad"))))
-    assert m.requests.get(status="INVALID_ARGUMENT") == 1
+    assert m.value("epd_requests_total", status="INVALID_ARGUMENT") == 1
 
     async def stop_after_first_token():
         gen = m.track(_events(5))
@@ -125,9 +109,9 @@ def test_track_records_failures_and_cancellations():
         await gen.aclose()
 
     asyncio.run(stop_after_first_token())
-    assert m.requests.get(status="CANCELLED") == 1
-    assert m.e2e.count() == 0  # only successful runs
-    assert m.in_flight.get() == 0
+    assert m.value("epd_requests_total", status="CANCELLED") == 1
+    assert m.value(f"{E2E}_count") == 0  # only successful runs
+    assert m.value("epd_requests_in_flight") == 0
 
 
 def test_closing_after_the_summary_counts_as_ok():
@@ -141,7 +125,7 @@ def test_closing_after_the_summary_counts_as_ok():
         await gen.aclose()
 
     asyncio.run(read_until_summary())
-    assert m.requests.get(status="OK") == 1
+    assert m.value("epd_requests_total", status="OK") == 1
     assert "epd_requests_total" in m.render()
 
 
@@ -155,14 +139,17 @@ def test_stage_queue_gauges_follow_a_request():
     metrics = GatewayMetrics()
     seen = []
 
+    def queues() -> dict[str, float]:
+        return {s: metrics.value("epd_stage_requests", stage=s) for s in ("encoder", "prefill", "decode")}
+
     async def events():
         yield StageEvent(Stage.VIDEO_DECODE, "started")
-        seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
+        seen.append(queues())
         yield StageEvent(Stage.PREFILL, "started")
-        seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
+        seen.append(queues())
         yield StageEvent(Stage.PREFILL, "finished")
         yield TokenStep([5], "a")
-        seen.append({s: metrics.stage_queue.get(stage=s) for s in ("encoder", "prefill", "decode")})
+        seen.append(queues())
         yield AskSummary("r", "a", [5], "stop", 1, 4, 9, {}, 0, False, "", [], kept_visual_token_index=[0, 2])
 
     async def run():
@@ -175,6 +162,6 @@ def test_stage_queue_gauges_follow_a_request():
         {"encoder": 0, "prefill": 1, "decode": 0},
         {"encoder": 0, "prefill": 0, "decode": 1},
     ]
-    assert all(metrics.stage_queue.get(stage=s) == 0 for s in ("encoder", "prefill", "decode"))
-    assert 'epd_stage_requests{stage="decode"} 0' in metrics.render()
-    assert "epd_request_visual_tokens_sum 2" in metrics.render()
+    assert all(metrics.value("epd_stage_requests", stage=s) == 0 for s in ("encoder", "prefill", "decode"))
+    assert 'epd_stage_requests{stage="decode"} 0.0' in metrics.render()
+    assert "epd_request_visual_tokens_sum 2.0" in metrics.render()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,13 +32,18 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport import convert
+from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import common_pb2, encoder_pb2, prefill_pb2
 
 
 def _stats() -> PruningStats:
     stats = PruningStats(
-        num_key_tokens=2, prefill_flops_full=10**12, prefill_flops_pruned=4 * 10**11, kv_bytes_before=4096,
-        kv_bytes_after=1024, transfer_bytes=77,
+        num_key_tokens=2,
+        prefill_flops_full=10**12,
+        prefill_flops_pruned=4 * 10**11,
+        kv_bytes_before=4096,
+        kv_bytes_after=1024,
+        transfer_bytes=77,
     )
     stats.record("temporal", 12, 9)
     stats.record("spatial_merge", 9, 6)
@@ -48,7 +54,7 @@ def _media() -> EncodedMedia:
     embeds = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     return EncodedMedia(
         embeds=embeds,
-        meta=VisualMeta("video", (2, 4, 6), 1.5, 6),
+        meta=VisualMeta("video", (2, 4, 6), 1.5, 6, (0.25, 1.625)),
         num_frames=4,
         frame_timestamps_s=[0.0, 0.5, 1.25, 2.0],
         decode_ms=12.5,
@@ -58,6 +64,7 @@ def _media() -> EncodedMedia:
         token_index=torch.tensor([0, 2, 3, 7, 8, 11]),
         key_mask=torch.tensor([False, True, False, False, True, False]),
         pruning=_stats(),
+        deepstack=[torch.randn(6, 8, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for k in (2, 3)],
     )
 
 
@@ -106,6 +113,8 @@ def _assert_same(a: Any, b: Any, skip: tuple[str, ...] = ()) -> None:
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), f.name
+        elif isinstance(x, list) and x and isinstance(x[0], torch.Tensor):  # EncodedMedia.deepstack
+            assert len(x) == len(y) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(x, y)), f.name
         else:
             assert x == y, f.name
 
@@ -126,7 +135,12 @@ def test_encoded_media_round_trips_through_its_record_and_the_proto():
     # transfer_bytes is the gateway's own count; it never crosses a boundary.
     _assert_same(EncodedMedia.from_record(record), media, skip=("pruning",))
     msg = convert.encode_result_to_proto(media)
-    back = convert.encoded_media_from_proto(encoder_pb2.EncodeResult.FromString(msg.SerializeToString()), media.embeds)
+    wire = TensorAssembler(1 << 20)  # every tensor (embeddings, DeepStack features) as chunks
+    for chunk in convert.encoded_media_chunks(media):
+        wire.add(common_pb2.TensorChunk.FromString(chunk.SerializeToString()))
+    back = convert.encoded_media_from_proto(
+        encoder_pb2.EncodeResult.FromString(msg.SerializeToString()), wire.tensors()
+    )
     _assert_same(back, media, skip=("pruning",))
     _assert_same(back.pruning, media.pruning, skip=("transfer_bytes",))
     _assert_same(EncodedMedia.from_record(record).pruning, media.pruning, skip=("transfer_bytes",))
@@ -134,7 +148,7 @@ def test_encoded_media_round_trips_through_its_record_and_the_proto():
 
 def test_encoded_media_without_pruning_round_trips_as_none():
     media = dataclasses.replace(_media(), token_index=None, key_mask=None, pruning=PruningStats())
-    back = convert.encoded_media_from_proto(convert.encode_result_to_proto(media), media.embeds)
+    back = convert.encoded_media_from_proto(convert.encode_result_to_proto(media), media.to_record().tensors)
     assert back.token_index is None and back.key_mask is None and back.pruning == PruningStats()
 
 
@@ -146,13 +160,15 @@ def test_encoded_media_without_pruning_round_trips_as_none():
         ({"grid_thw": [0, 2, 2]}, "3-value grid_thw"),
         ({"key_token_index": [6]}, "key_token_index points outside"),
         ({"key_token_index": [-1]}, "key_token_index points outside"),
+        ({"num_deepstack_features": 3}, "names 3 DeepStack features but 2 were sent"),
+        ({"num_deepstack_features": -1}, "names -1 DeepStack features"),
     ],
 )
 def test_a_malformed_encode_result_is_an_invalid_request(change, match):
     fields = {**_media().to_record().fields, **change}
     msg = encoder_pb2.EncodeResult(**fields)
     with pytest.raises(InvalidRequest, match=match):
-        convert.encoded_media_from_proto(msg, _media().embeds)
+        convert.encoded_media_from_proto(msg, _media().to_record().tensors)
 
 
 @pytest.mark.parametrize("disk", [False, True])
@@ -195,12 +211,31 @@ def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
 
 def _every_knob_off_default() -> PruningConfig:
     return PruningConfig(
-        temporal_drop=True, temporal_threshold=0.07, temporal_before_tower=False, spatial_merge=True,
-        spatial_merge_threshold=0.8, spatial_merge_window=3, key_token_ratio=0.1, key_token_score="norm",
-        prefill_drop=True, prefill_drop_layer=3, prefill_drop_layers=(1, 3), prefill_keep_ratio=0.5,
-        prefill_keep_count=17, prefill_keep_basis="video", prefill_query_window=5, kv_compress=True,
-        kv_keep_ratio=0.6, kv_budget_bytes=1 << 20, kv_merge="pivotal", kv_query_window=4, kv_dtype="float16",
-        decode_evict=True, decode_keep_ratio=0.7, decode_ema_decay=0.5, decode_min_steps=2,
+        temporal_drop=True,
+        temporal_threshold=0.07,
+        temporal_before_tower=False,
+        spatial_merge=True,
+        spatial_merge_threshold=0.8,
+        spatial_merge_window=3,
+        key_token_ratio=0.1,
+        key_token_score="norm",
+        prefill_drop=True,
+        prefill_drop_layer=3,
+        prefill_drop_layers=(1, 3),
+        prefill_keep_ratio=0.5,
+        prefill_keep_count=17,
+        prefill_keep_basis="video",
+        prefill_query_window=5,
+        kv_compress=True,
+        kv_keep_ratio=0.6,
+        kv_budget_bytes=1 << 20,
+        kv_merge="pivotal",
+        kv_query_window=4,
+        kv_dtype="float16",
+        decode_evict=True,
+        decode_keep_ratio=0.7,
+        decode_ema_decay=0.5,
+        decode_min_steps=2,
         decode_evict_interval=3,
     )
 
@@ -213,8 +248,9 @@ def test_every_pruning_knob_parses_from_its_text_by_its_declared_type():
     assert PruningConfig.from_knobs(knobs) == cfg
     assert convert.pruning_from_proto(convert.pruning_to_proto(cfg)) == cfg
     assert PruningConfig().to_knobs() == {}
-    parsed = PruningConfig.from_knobs({"prefill_keep_count": "none", "decode_evict": "1", "kv_merge": "none"},
-                                      "balanced")
+    parsed = PruningConfig.from_knobs(
+        {"prefill_keep_count": "none", "decode_evict": "1", "kv_merge": "none"}, "balanced"
+    )
     assert (parsed.prefill_keep_count, parsed.decode_evict, parsed.kv_merge) == (None, True, "none")
     assert parsed.kv_compress, "the preset's other knobs stay"
 
@@ -269,7 +305,8 @@ def test_decode_refuses_over_limit_generation_before_any_cache_moves():
 
     try:
         for source in (take_from_store(store), take_kv):
-            stage = LocalDecodeStage(DecodeEngine(adapter=None), source, thread, limits)  # type: ignore[arg-type]
+            no_model = SimpleNamespace(kv_bytes_per_token=1024)  # the refusal comes before any model call
+            stage = LocalDecodeStage(DecodeEngine(no_model), source, thread, limits)  # type: ignore[arg-type]
             with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 16"):
                 asyncio.run(first_step(stage))
     finally:

@@ -1,0 +1,547 @@
+"""epd against Hugging Face `transformers serve`: the same streaming OpenAI-API load at several concurrencies.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_vs_transformers_serve.py                 # 1,4 in flight, 8 requests
+    PYTHONPATH=. .venv/bin/python bench/bench_vs_transformers_serve.py --concurrency 1,4,16 \\
+        --num-requests 32 --num-clips 32 --num-frames 8 --max-tokens 32 --plot vs.png   # issue #13's first setting
+    ... --concurrency 1,16 --num-frames 4 --max-tokens 64 --ignore-eos                  # its second
+
+Needs the `bench` extra (`pip install -e .[bench]`: transformers[serving], matplotlib for --plot),
+psutil and torchcodec (`pip install torchcodec`; see "torchcodec" below).
+
+What it does, in one run on one machine:
+  * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (randomly initialised; built once
+    into --work-dir), or --model DIR;
+  * clips: --num-clips different synthetic clips (epd.synth scenes, --clip-size square, 8 fps,
+    --clip-seconds long), each request about one of them (cycled), with one of four questions;
+  * servers, one after the other, each started fresh as plain processes on free loopback ports:
+      epd           `epd serve` (launcher, encoder, prefill, decode, gateway with --http-port), torch
+                    threads per service --epd-threads (epd's default, 1);
+      transformers  `transformers serve MODEL --device cpu` through bench/transformers_serve_launcher.py
+                    (the patch it applies is explained there), torch's default threads unless
+                    --peer-threads;
+  * per server: wait until one request succeeds (start-up), --warmup more requests, PSS summed over
+    the server's process tree (psutil `memory_full_info().pss`) at idle, then the same N requests
+    at each --concurrency level (streaming /v1/chat/completions, greedy, the same bodies in the
+    same order; TTFT = first text chunk, TPOT = (end - first) / (tokens - 1) with the server's own
+    usage.completion_tokens), the PSS peak sampled every second during the load and the PSS after;
+  * printed: each server's sweep table, the side-by-side with ratios epd / transformers (req/s and
+    output tok/s: higher is better for epd; TTFT and TPOT: lower is better), the memory table, and
+    the prompt tokens each server reported (the same input must make the same prompt).
+
+Quirks of stock `transformers serve` 5.23 handled here:
+  * Qwen2-VL video without an audio track fails (it loads audio from every video of a model it
+    classes as "multimodal"): the launcher makes it treat Qwen2-VL as image/video + text;
+  * it rejects `data:` video URLs: it gets absolute file paths (epd gets data: URLs, as clients send);
+  * frames: its default is 32 a video; it gets `chat_template_kwargs: {"num_frames": N}`, epd
+    `media: {"num_frames": N}`;
+  * `ignore_eos` is answered with 422: with --ignore-eos both servers serve a copy of the model
+    directory whose generation_config.json sets `min_new_tokens` = --max-tokens, and epd also gets
+    its own `ignore_eos: true`;
+  * it reads mp4 with torchcodec, which needs FFmpeg's shared libraries; without a system FFmpeg
+    the transformers process gets LD_LIBRARY_PATH to a directory of symlinks (libavutil.so.60, ...)
+    to the FFmpeg 8 libraries bundled in PyAV's wheel (av.libs), and the run stops with a message
+    if torchcodec still cannot decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.serve import (  # noqa: E402
+    DEFAULT_QUESTIONS,
+    OpenAITarget,
+    openai_bodies,
+    parse_levels,
+    run_openai,
+    summarize,
+    sweep_table,
+    write_plot,
+)
+
+SERVERS = ("epd", "epd-t1", "epd-colocate", "transformers")
+"""epd: the four-process stack (`epd serve`, --epd-threads); epd-t1: the same with one torch thread
+per model call; epd-colocate: one process (`epd serve --colocate`, --epd-threads)."""
+MiB = 1 << 20
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def build_model(model_dir: Path) -> None:
+    """bench/bench_pruning.py's 27M Qwen2-VL, in a child process (no torch in this load client)."""
+    code = (
+        "import sys; from bench.bench_pruning import SPEC; "
+        "from epd.model_runtime.tiny_model import build_checkpoint; build_checkpoint(sys.argv[1], SPEC)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL
+    )
+
+
+def min_tokens_copy(model_dir: Path, out: Path, min_new_tokens: int) -> Path:
+    """A copy of `model_dir` (files symlinked) whose generation_config.json forces the length."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f.resolve())
+    config_path = model_dir / "generation_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config["min_new_tokens"] = min_new_tokens
+    (out / "generation_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def make_clips(out: Path, num_clips: int, size: int, seconds: float) -> list[Path]:
+    """`num_clips` different synthetic clips (epd.synth scenes, seeds 0..n-1), made once."""
+    from epd.synth.render import encode_mp4, render_frames
+    from epd.synth.scene import SceneConfig, generate_scene
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = SceneConfig(width_px=size, height_px=size, fps=8, duration_s=seconds)
+    paths = []
+    for seed in range(num_clips):
+        path = out / f"clip{seed:03d}.mp4"
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(encode_mp4(render_frames(generate_scene(seed, config)), config.fps))
+            tmp.rename(path)
+        paths.append(path)
+    return paths
+
+
+def torchcodec_env(work: Path, clip: Path) -> dict[str, str]:
+    """Environment additions under which torchcodec decodes `clip` (see the module docstring)."""
+    probe = "import sys; from torchcodec.decoders import VideoDecoder; VideoDecoder(sys.argv[1])[0]"
+
+    def works(extra: dict[str, str]) -> bool:
+        env = {**os.environ, **extra}
+        return (
+            subprocess.run([sys.executable, "-c", probe, str(clip)], env=env, capture_output=True).returncode
+            == 0
+        )
+
+    if works({}):
+        return {}
+    try:
+        import av
+    except ImportError:
+        av = None
+    if av is not None:
+        libs = Path(av.__file__).resolve().parent.parent / "av.libs"
+        shim = work / "ffmpeg-shim"
+        shim.mkdir(parents=True, exist_ok=True)
+        for lib in sorted(libs.glob("lib*.so*")):
+            stem, _, rest = lib.name.partition("-")  # libavutil-5809ad29.so.60.26.102
+            if not stem.startswith(("libav", "libsw", "libpostproc")) or ".so." not in rest:
+                continue
+            link = shim / f"{stem}.so.{rest.split('.so.')[1].split('.')[0]}"
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(lib)
+        extra = {
+            "LD_LIBRARY_PATH": os.pathsep.join(
+                filter(None, [str(shim), str(libs), os.environ.get("LD_LIBRARY_PATH", "")])
+            )
+        }
+        if works(extra):
+            return extra
+    raise SystemExit(
+        "torchcodec cannot decode mp4 here (transformers serve needs it for video): "
+        "`pip install torchcodec` and an FFmpeg it supports (4-9) with shared libraries"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# servers
+
+
+def tree_pss(pid: int) -> tuple[int, int]:
+    """(PSS bytes summed over the process and its descendants, number of processes)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    total = count = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+            count += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total, count
+
+
+class PeakPss:
+    """Samples tree_pss(pid) every `interval_s` in a thread; .peak is the largest seen."""
+
+    def __init__(self, pid: int, interval_s: float = 1.0):
+        self.pid, self.interval_s, self.peak = pid, interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_pss(self.pid)[0])
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakPss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, str], str]:
+    """(command, environment, base URL) of one server on free loopback ports."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if name.startswith("epd"):
+        ports = {k: free_port() for k in ("gateway", "encoder", "prefill", "decode", "http")}
+        cmd = [
+            sys.executable,
+            "-m",
+            "epd.cli.main",
+            "serve",
+            "--model",
+            str(model),
+            "--num-threads",
+            "1" if name == "epd-t1" else str(args.epd_threads),
+            "--gateway-port",
+            str(ports["gateway"]),
+            "--encoder-port",
+            str(ports["encoder"]),
+            "--prefill-port",
+            str(ports["prefill"]),
+            "--decode-port",
+            str(ports["decode"]),
+            "--http-port",
+            str(ports["http"]),
+            *(["--colocate"] if name == "epd-colocate" else []),
+            *args.epd_arg,
+        ]
+        env.pop("OMP_NUM_THREADS", None)
+        threads = "1" if name == "epd-t1" else args.epd_threads
+        if threads.isdigit():
+            env["OMP_NUM_THREADS"] = threads
+        return cmd, env, f"http://127.0.0.1:{ports['http']}"
+    port = free_port()
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "transformers_serve_launcher.py"),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        *args.peer_arg,
+    ]
+    env.pop("OMP_NUM_THREADS", None)
+    if args.peer_threads > 0:
+        env["OMP_NUM_THREADS"] = str(args.peer_threads)
+    env.update(args.torchcodec_env)
+    return cmd, env, f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def wait_ready(
+    proc: subprocess.Popen, target: OpenAITarget, body: bytes, timeout_s: float, log_path: Path
+) -> float:
+    """Seconds until one request succeeds; the server's log tail if it exits or never answers."""
+    t0 = time.perf_counter()
+    last = ""
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise SystemExit(
+                f"the server exited with {proc.returncode} before answering ({last}); log:\n{tail}"
+            )
+        results, _ = asyncio.run(run_openai(target, [body], 1, timeout_s=timeout_s))
+        if results[0].ok:
+            return time.perf_counter() - t0
+        last = results[0].error
+        if "HTTP 4" in last and "HTTP 429" not in last:  # a refused request will not start working
+            raise SystemExit(f"the server refused the request: {last}")
+        time.sleep(0.5)
+    tail = log_path.read_text(errors="replace")[-3000:]
+    raise SystemExit(f"no answer within {timeout_s:.0f} s ({last}); log:\n{tail}")
+
+
+def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
+    """Start one server, load it at every level, stop it: its sweep, memory and start-up."""
+    dialect = "epd" if name.startswith("epd") else "transformers"
+    cmd, env, base_url = server_command(name, model, args)
+    target = OpenAITarget(base_url, dialect=dialect, media_as="data" if name.startswith("epd") else "path")
+    bodies = openai_bodies(
+        target,
+        [str(c) for c in clips],
+        DEFAULT_QUESTIONS,
+        args.num_requests,
+        args.num_frames,
+        args.max_tokens,
+        args.ignore_eos and name.startswith("epd"),
+    )
+    log_path = args.work / f"{name}.log"
+    log(f"{name}: starting ({' '.join(cmd[:6])} ...; log {log_path})")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    out: dict = {"name": name, "command": cmd, "url": target.url, "sweep": []}
+    try:
+        out["startup_s"] = wait_ready(proc, target, bodies[0], args.timeout_s, log_path)
+        log(f"{name}: answered after {out['startup_s']:.1f} s; {args.warmup} warm-up request(s)")
+        if args.warmup:
+            asyncio.run(run_openai(target, bodies[: args.warmup], 1, timeout_s=args.timeout_s))
+        time.sleep(2.0)
+        out["pss_idle"], out["num_processes"] = tree_pss(proc.pid)
+        log(f"{name}: idle PSS {out['pss_idle'] / MiB:.0f} MiB over {out['num_processes']} processes")
+        with PeakPss(proc.pid) as peak:
+            for c in args.concurrency:
+                t0 = time.perf_counter()
+                results, duration = asyncio.run(run_openai(target, bodies, c, timeout_s=args.timeout_s))
+                s = summarize(results, duration, float("inf"), float("inf"))
+                prompt = [r.num_prompt_tokens for r in results if r.ok and r.num_prompt_tokens]
+                out["sweep"].append(
+                    {
+                        "concurrency": c,
+                        "summary": s,
+                        "prompt_tokens": statistics.median(prompt) if prompt else 0,
+                    }
+                )
+                log(
+                    f"{name}: {c} in flight: {s['num_completed']}/{s['num_requests']} ok in "
+                    f"{time.perf_counter() - t0:.1f} s, {s['request_throughput_rps']:.2f} req/s, "
+                    f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.1f} ms"
+                    + (f"; errors: {s['errors'][:2]}" if s["errors"] else "")
+                )
+        out["pss_peak"] = peak.peak
+        out["pss_after"], _ = tree_pss(proc.pid)
+        log(
+            f"{name}: PSS after the load {out['pss_after'] / MiB:.0f} MiB (peak {out['pss_peak'] / MiB:.0f} MiB)"
+        )
+    finally:
+        stop(proc)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
+
+
+def side_by_side(runs: dict[str, dict]) -> list[str]:
+    """Each epd variant against transformers serve, level by level (ratio = epd / transformers)."""
+    t = runs["transformers"]
+    rows = [
+        "| server | in flight | epd req/s | transformers req/s | ratio | epd out tok/s | transformers out tok/s | "
+        "ratio | epd TTFT p50 ms | transformers TTFT p50 ms | ratio | epd TPOT p50 ms | transformers TPOT p50 ms | "
+        "ratio | errors epd / transformers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in runs.items():
+        if name == "transformers":
+            continue
+        for le, lt in zip(e["sweep"], t["sweep"]):
+            a, b = le["summary"], lt["summary"]
+            rows.append(
+                f"| {name} | {le['concurrency'] or 'all'} | {a['request_throughput_rps']:.2f} | "
+                f"{b['request_throughput_rps']:.2f} | "
+                f"{_ratio(a['request_throughput_rps'], b['request_throughput_rps'])} | "
+                f"{a['output_token_throughput_tps']:.1f} | {b['output_token_throughput_tps']:.1f} | "
+                f"{_ratio(a['output_token_throughput_tps'], b['output_token_throughput_tps'])} | "
+                f"{a['ttft_ms']['p50']:.0f} | {b['ttft_ms']['p50']:.0f} | "
+                f"{_ratio(a['ttft_ms']['p50'], b['ttft_ms']['p50'])} | "
+                f"{a['tpot_ms']['p50']:.1f} | {b['tpot_ms']['p50']:.1f} | "
+                f"{_ratio(a['tpot_ms']['p50'], b['tpot_ms']['p50'])} | "
+                f"{a['num_failed']} / {b['num_failed']} |"
+            )
+    return rows
+
+
+def memory_table(runs: dict[str, dict]) -> list[str]:
+    rows = [
+        "| server | processes | PSS idle MiB | PSS peak during load MiB | PSS after load MiB | start-up s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in runs.items():
+        rows.append(
+            f"| {name} | {r['num_processes']} | {r['pss_idle'] / MiB:.0f} | {r['pss_peak'] / MiB:.0f} | "
+            f"{r['pss_after'] / MiB:.0f} | {r['startup_s']:.1f} |"
+        )
+    t = runs.get("transformers")
+    for name, e in runs.items():
+        if t is None or name == "transformers":
+            continue
+        rows.append(
+            f"| ratio {name} / transformers | | {_ratio(e['pss_idle'], t['pss_idle'])} | "
+            f"{_ratio(e['pss_peak'], t['pss_peak'])} | {_ratio(e['pss_after'], t['pss_after'])} | "
+            f"{_ratio(e['startup_s'], t['startup_s'])} |"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--concurrency", type=parse_levels, default=[1, 4], help="comma list of requests in flight"
+    )
+    ap.add_argument("--num-requests", type=int, default=8, help="requests at each level")
+    ap.add_argument("--num-clips", type=int, default=8, help="different clips, cycled over the requests")
+    ap.add_argument("--num-frames", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every answer --max-tokens long (min_new_tokens in a copy of the model dir; epd: ignore_eos)",
+    )
+    ap.add_argument("--clip-size", type=int, default=224, help="clip width = height in pixels")
+    ap.add_argument("--clip-seconds", type=float, default=4.0)
+    ap.add_argument("--model", default="", help="a Qwen2-VL directory (default: bench_pruning's 27M model)")
+    ap.add_argument("--servers", default="epd,transformers", help="comma list of epd, transformers")
+    ap.add_argument(
+        "--epd-threads", default="1", help="torch threads per epd model call (--num-threads: N or auto)"
+    )
+    ap.add_argument(
+        "--peer-threads", type=int, default=0, help="OMP_NUM_THREADS of transformers serve (0 = its default)"
+    )
+    ap.add_argument("--epd-arg", action="append", default=[], help="extra `epd serve` argument (repeatable)")
+    ap.add_argument(
+        "--peer-arg", action="append", default=[], help="extra `transformers serve` argument (repeatable)"
+    )
+    ap.add_argument("--warmup", type=int, default=2, help="requests after start-up, before measuring")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="start-up and per-request limit")
+    ap.add_argument("--work-dir", default="/tmp/epd-bench-vs-transformers", help="model, clips, logs")
+    ap.add_argument("--output-json", default="")
+    ap.add_argument(
+        "--plot", default="", metavar="FILE.png", help="throughput, TTFT, TPOT of both against concurrency"
+    )
+    args = ap.parse_args(argv)
+    servers = [s for s in args.servers.split(",") if s]
+    if not servers or any(s not in SERVERS for s in servers):
+        ap.error(f"--servers takes a comma list of {', '.join(SERVERS)}")
+    args.work = Path(args.work_dir)
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    if args.model:
+        model = Path(args.model).resolve()
+    else:
+        model = args.work / "model-27m"
+        if not (model / "config.json").exists():
+            log(f"building bench_pruning's 27M Qwen2-VL in {model}")
+            build_model(model)
+    if args.ignore_eos:
+        model = min_tokens_copy(model, args.work / f"{model.name}-min{args.max_tokens}", args.max_tokens)
+    clips = make_clips(
+        args.work / f"clips-{args.clip_size}px-{args.clip_seconds:g}s",
+        args.num_clips,
+        args.clip_size,
+        args.clip_seconds,
+    )
+    args.torchcodec_env = torchcodec_env(args.work, clips[0]) if "transformers" in servers else {}
+    log(
+        f"model {model}; {len(clips)} clips {args.clip_size}x{args.clip_size}, {args.clip_seconds:g} s; "
+        f"{args.num_requests} requests at each of {args.concurrency} in flight; {args.num_frames} frames, "
+        f"{args.max_tokens} tokens{' (ignore_eos)' if args.ignore_eos else ''}; {os.cpu_count()} CPUs"
+        + (
+            f"; torchcodec via {args.torchcodec_env['LD_LIBRARY_PATH'].split(os.pathsep)[0]}"
+            if args.torchcodec_env
+            else ""
+        )
+    )
+
+    runs = {name: run_server(name, model, clips, args) for name in servers}
+
+    print(
+        f"\n# epd vs transformers serve: {args.num_requests} requests a level, {len(clips)} clips "
+        f"{args.clip_size}x{args.clip_size}, {args.num_frames} frames, {args.max_tokens} tokens"
+        f"{', ignore_eos' if args.ignore_eos else ''}; epd {args.epd_threads} thread(s) per service, "
+        f"transformers {args.peer_threads or 'default'} thread(s); {os.cpu_count()} CPUs; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    for name, r in runs.items():
+        prompt = sorted({lv["prompt_tokens"] for lv in r["sweep"]})
+        print(f"\n## {name} (prompt tokens per request, median: {prompt})")
+        print("\n".join(sweep_table(r["sweep"])))
+        errors = sorted({e for lv in r["sweep"] for e in lv["summary"]["errors"]})
+        for err in errors:
+            print(f"  error: {err}")
+    if "transformers" in runs and len(runs) >= 2:
+        print(
+            "\n## side by side (ratio = epd / transformers; req/s, tok/s: higher is better; TTFT, TPOT: lower)"
+        )
+        print("\n".join(side_by_side(runs)))
+    print("\n## memory (PSS summed over each server's processes)")
+    print("\n".join(memory_table(runs)))
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    if args.plot:
+        write_plot(
+            args.plot,
+            {name: r["sweep"] for name, r in runs.items()},
+            title=f"epd vs transformers serve: {args.num_frames} frames, {args.max_tokens} tokens",
+        )
+        print(f"plot: {args.plot}")
+    if args.output_json:
+        Path(args.output_json).write_text(
+            json.dumps(
+                {"config": {k: v for k, v in vars(args).items() if k != "work"}, "runs": runs},
+                indent=2,
+                default=str,
+            )
+        )
+    failed = sum(lv["summary"]["num_failed"] for r in runs.values() for lv in r["sweep"])
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The decode core's model runner: one forward pass advances every running request by one token.
+
+`execute(batch)` runs on the model thread:
+  1. requests that just arrived join: their Generation starts from the prefill's token (that token
+     is their first output), and their transferred cache is copied into a new row of the batch
+     cache (`BatchKv`); the transferred tensors are dropped right after;
+  2. one `decode_batch` forward over all rows: token ids [B], positions [4, B] -> logits [B, vocab];
+     each Generation samples from its own row with its own sampler (so greedy, seeded sampling,
+     stop strings and limits behave exactly as when it runs alone);
+  3. requests with decode-stage eviction decode alone, one `step()` each, in the same engine step
+     (eviction shrinks their cache per layer and head, which one shared cache cannot hold), and so
+     do all requests of a family without batched decoding (`supports_batched_decode`).
+Each request's output of a step is a list of TokenSteps (two on the step it joins).
+
+`release` frees a request's row (the last row moves into its place); the batch cache is freed
+when the last request leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from epd.decode_svc.engine import DecodeEngine
+from epd.decode_svc.scheduler import DecodeRequest
+from epd.model_runtime.batch_kv import BatchKv
+from epd.stages.contracts import TokenStep
+from epd.stages.engine_core import ModelRunner
+
+
+class DecodeRunner(ModelRunner[DecodeRequest]):
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+        self.adapter = engine.adapter
+        self.batch: BatchKv | None = None
+        self.rows: list[DecodeRequest] = []  # rows[i].row == i
+
+    def execute(self, batch: Sequence[DecodeRequest]) -> list[tuple[DecodeRequest, list[TokenStep]]]:
+        outputs: dict[DecodeRequest, list[TokenStep]] = {r: [] for r in batch}
+        for r in batch:
+            if r.generation is None:
+                outputs[r].append(self._join(r))
+        if self.rows:
+            assert self.batch is not None
+            positions = torch.stack([r.generation.positions for r in self.rows], dim=1)  # [4, B]
+            logits = self.adapter.decode_batch(
+                [r.generation.last_token for r in self.rows], positions, self.batch
+            )
+            for r, row_logits in zip(self.rows, logits, strict=True):
+                step = r.generation.accept(row_logits)
+                if r in outputs:
+                    outputs[r].append(step)
+                r.finished = r.generation.done
+        for r in batch:
+            if r.row is None and not r.finished and not outputs[r]:
+                step = r.generation.step()  # alone: decode-stage eviction
+                outputs[r].append(step)
+                r.finished = r.generation.done
+        return list(outputs.items())
+
+    def _join(self, r: DecodeRequest) -> TokenStep:
+        h = r.handle
+        assert h is not None, "a decode request carries its prefill handle"
+        kv, r.kv = r.kv, None  # the runner owns the transferred cache now
+        # Alone: decode-stage eviction (its cache shrinks per layer and head) or a family that
+        # cannot batch its decode state.
+        alone = (r.pruning.decode_evict and h.visual_entry_mask is not None) or not self.adapter.supports_batched_decode
+        r.generation = self.engine.start(
+            kv,
+            h.first_token_id,
+            h.next_position_ids,
+            r.generation_config,
+            h.visual_entry_mask,
+            r.pruning,
+            own_cache=alone,
+        )
+        first = r.generation.first()
+        first.kv_transfer_ms = r.kv_transfer_ms
+        first.kv_num_bytes = r.kv_num_bytes
+        r.finished = r.generation.done
+        if not alone and not r.finished:
+            if self.batch is None:
+                self.batch = self.adapter.new_batch_kv()
+            r.row = self.batch.add(kv, max(q.final_length for q in (*self.rows, r)))
+            self.rows.append(r)
+        return first
+
+    def release(self, r: DecodeRequest) -> None:
+        if r.row is not None and self.batch is not None:
+            moved = self.batch.remove(r.row)
+            if moved is not None:
+                self.rows[r.row] = self.rows[moved]
+                self.rows[r.row].row = r.row
+            self.rows.pop()
+            r.row = None
+        if r.generation is not None:
+            r.generation.close()
+        r.kv = None

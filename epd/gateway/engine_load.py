@@ -1,0 +1,164 @@
+"""The engine cores' load on the gateway's /metrics: what each stage's scheduler is doing now.
+
+At each scrape `EngineLoadCollector.refresh()` asks every source at once, each within a short
+timeout: a remote replica over `LoadService.GetLoad` (`epd.transport.load.fetch_loads`), a local
+stage (the embedded mode) through its own `load()`. Then `collect()` (called by prometheus_client
+while it renders) turns the answers into one sample per engine core, labelled by
+
+    stage    the service, as the gateway names it: encoder, prefill, decode
+    core     the core's own name (`EngineLoad.stage`; a process may run several cores)
+    replica  the address the gateway calls ("local" in the embedded mode)
+
+A source that does not answer has no samples in that scrape, and `epd_load_scrape_errors_total`
+counts it. A replica address that is a DNS name over several pods (a headless Service) is one
+source: each scrape sees the pod its channel picks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from epd.stages.engine_core import EngineLoad
+from epd.transport.load import fetch_loads
+from epd.transport.load_servicer import stage_loads
+from epd.transport.remote_stages import ReplicaPool
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 1.0
+"""How long a scrape waits for a stage's load; /metrics must answer even when a stage is down."""
+
+LOCAL = "local"
+LABELS = ("stage", "core", "replica")
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    stage: str
+    """encoder, prefill or decode (the label `epd_stage_requests` uses too)."""
+    replica: str
+    read: Callable[[float], Awaitable[Sequence[EngineLoad]]]
+    """timeout_s -> one EngineLoad per engine core; raises when the stage does not answer."""
+
+
+def local_source(stage_name: str, stage: object) -> LoadSource:
+    """A stage in this process (the embedded mode): its `load()` read directly."""
+
+    async def read(timeout_s: float) -> Sequence[EngineLoad]:
+        return stage_loads(stage)
+
+    return LoadSource(stage_name, LOCAL, read)
+
+
+def remote_sources(stage_name: str, pool: ReplicaPool) -> list[LoadSource]:
+    """One source per replica address of a remote stage, over the channel its calls use."""
+    sources = []
+    for address, channel in zip(pool.addresses, pool.channels):
+
+        async def read(timeout_s: float, channel=channel) -> Sequence[EngineLoad]:
+            return await fetch_loads(channel, timeout_s)
+
+        sources.append(LoadSource(stage_name, address, read))
+    return sources
+
+
+def sources_of(stages: Mapping[str, object]) -> list[LoadSource]:
+    """Sources for a pipeline's stages by name: remote stages (a `pool` of replicas) over gRPC,
+    local ones that have a `load()` directly; a stage with neither has no engine load."""
+    sources: list[LoadSource] = []
+    for name, stage in stages.items():
+        pool = getattr(stage, "pool", None)
+        if isinstance(pool, ReplicaPool):
+            sources += remote_sources(name, pool)
+        elif callable(getattr(stage, "load", None)):
+            sources.append(local_source(name, stage))
+    return sources
+
+
+_GAUGES = [
+    ("epd_engine_running_requests", "Requests in the engine core's running batch.", "num_running"),
+    ("epd_engine_waiting_requests", "Requests admitted and waiting for their first step.", "num_waiting"),
+    ("epd_engine_batch_size", "Requests in the engine core's most recent batched step.", "last_batch_size"),
+    (
+        "epd_engine_memory_used_bytes",
+        "Bytes reserved for running and admitted requests (decode: KV memory).",
+        "memory_used_bytes",
+    ),
+    (
+        "epd_engine_memory_total_bytes",
+        "The engine core's memory budget (0: not budgeted).",
+        "memory_total_bytes",
+    ),
+]
+_COUNTERS = [
+    ("epd_engine_steps_total", "Batched steps the engine core has run since it started.", "num_steps"),
+    (
+        "epd_engine_queue_wait_seconds_total",
+        "Summed seconds requests waited before their first step, since the core started.",
+        "queue_wait_s_total",
+    ),
+    (
+        "epd_engine_preemptions_total",
+        "Running requests sent back to waiting to free memory, since the core started.",
+        "num_preemptions",
+    ),
+]
+
+
+class EngineLoadCollector:
+    """A prometheus_client collector over the loads read by the last `refresh()`."""
+
+    def __init__(self, registry: CollectorRegistry, timeout_s: float = LOAD_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.sources: list[LoadSource] = []
+        self.loads: list[tuple[LoadSource, EngineLoad]] = []
+        self.scrape_errors = Counter(
+            "epd_load_scrape_errors_total",
+            "Scrapes in which a stage replica did not report its engine load in time.",
+            ["stage", "replica"],
+            registry=registry,
+        )
+        registry.register(self)
+
+    def add_sources(self, sources: Sequence[LoadSource]) -> None:
+        self.sources += sources
+        for s in sources:  # a series from the start, at 0
+            self.scrape_errors.labels(stage=s.stage, replica=s.replica)
+
+    async def refresh(self) -> None:
+        """Read every source at once; a source that fails or times out is counted and left out."""
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(s.read(self.timeout_s), self.timeout_s) for s in self.sources),
+            return_exceptions=True,
+        )
+        loads = []
+        for source, answer in zip(self.sources, answers):
+            if isinstance(answer, BaseException):
+                log.debug("no engine load from %s at %s: %r", source.stage, source.replica, answer)
+                self.scrape_errors.labels(stage=source.stage, replica=source.replica).inc()
+                continue
+            loads += [(source, load) for load in answer]
+        self.loads = loads
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        for source, load in self.loads:
+            labels = [source.stage, load.stage, source.replica]
+            for family, (_, _, attr) in zip(families, _GAUGES + _COUNTERS):
+                family.add_metric(labels, float(getattr(load, attr)))
+        yield from families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
+        return [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _GAUGES] + [
+            CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _COUNTERS
+        ]

@@ -1,0 +1,551 @@
+"""LLaVA-OneVision behind `VLMAdapter`, on transformers' own `LlavaOnevisionForConditionalGeneration`.
+
+The first family here that is not Qwen-shaped: a SigLIP tower (one square image per frame or
+crop, no temporal patches, no merger), a two-layer projector, a Qwen2 language model with plain
+1-D rotary positions, and a learned `image_newline` vector. Reproduced exactly as transformers
+5.x computes it (the encoder calls the model's own `get_video_features` / `get_image_features`):
+
+  * Video: every frame -> tower -> projector -> 2x2 bilinear pooling (ceil(p/2)^2 tokens per
+    frame of p x p patches: 27 x 27 -> 14 x 14 = 196 at 384 px), all frames' tokens in order,
+    then ONE `image_newline` after the last frame. The processor expands `<video>` into
+    T * ceil(p/2)^2 + 1 placeholders.
+  * Image: "anyres": a base crop plus the tiles of the best `image_grid_pinpoints` resolution,
+    unpadded to the image's aspect ratio, reduced to at most `anyres_max_9` tiles, one
+    `image_newline` after every row of tile features (`pack_image_features`).
+
+What crosses Encode -> Prefill:
+  * video: the T * ceil(p/2)^2 pooled frame tokens, NOT the trailing newline. The newline is a
+    learned constant, not a function of the frames, so prefill (which also loads the 1 x hidden
+    `image_newline`) writes it into the video's last placeholder itself. This keeps every frame
+    group's embeddings independent of the others (the encoder encodes `frames_per_group` frames
+    at a time and concatenates, which would otherwise put one newline after every group), and
+    keeps "visual token i" = a frame token for token dropping. `Prompt.visual_mask` marks the
+    frame tokens only; the newline placeholder is the `<video>` token outside the mask.
+  * image: the whole packed sequence (base crop, tiles, row newlines): an image is encoded in one
+    call, and its newlines sit between rows, so they travel with it.
+
+`grid_thw` (what `VisualMeta` carries; `num_visual_tokens` reads it):
+  * video: (frames, patches per frame side, patches per frame side), e.g. (64, 27, 27);
+  * image: (1, image height, image width) in PIXELS of the original image: the anyres token count
+    and unpadding follow from the original size, which prefill must know to expand `<image>`.
+
+Positions: 1-D. The interface's positions are 4 rows (Qwen's text row + M-RoPE rows); this family
+fills all four with the same 1-D position and reads row 0 only: `Prompt.position_ids` is
+[4, 1, L] of arange(L) in every row, `PrefillState.next_position_ids` (the 4 ints that cross to
+decode) is [L, L, L, L], and each decode step's positions (+1 on every row, as the decode core
+does) are read from row 0. This is what `generate()` uses: positions 0..L-1, then L, L+1, ...
+No sparse (subset-of-patches) encoding: SigLIP's position embeddings are per patch of a fixed grid.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from epd.model_runtime.adapter import (
+    ChunkResult,
+    PrefillChunk,
+    PrefillState,
+    Prompt,
+    TextDims,
+    VisionInputs,
+    VisualMeta,
+    VLMAdapter,
+)
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.qwen2_vl import (
+    _fingerprint,
+    _LanguageOnly,
+    _load_full_model,
+    _read_part,
+    _safetensors_files,
+)
+from epd.video.types import DecodedVideo, MediaError
+
+if TYPE_CHECKING:
+    from epd.model_runtime.batch_kv import BatchKv
+
+log = logging.getLogger(__name__)
+
+STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
+
+NEWLINE_KEY = "image_newline"
+
+
+class LlavaOnevisionAdapter(VLMAdapter):
+    """Loads only the parts a stage needs: "vision" (SigLIP tower, projector, image_newline) and/or
+    "language" (Qwen2 embeddings, decoder layers, lm_head, and the 1 x hidden image_newline that
+    closes a video). From safetensors, a one-part stage reads only its own part's tensors; both
+    parts load transformers' whole model."""
+
+    def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
+        from transformers import AutoConfig, AutoProcessor
+
+        self.config = config
+        self.parts = frozenset(parts)
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.hf_config = AutoConfig.from_pretrained(path)
+        if self.hf_config.model_type != "llava_onevision":
+            raise ValueError(
+                f"LlavaOnevisionAdapter loads model_type llava_onevision, not {self.hf_config.model_type!r}"
+            )
+        self.family = "llava_onevision"
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        self.fingerprint = _fingerprint(path)
+        vc = self.hf_config.vision_config
+        self.patches_per_side = vc.image_size // vc.patch_size  # 27 at 384 px / 14
+        self.pooled_per_side = math.ceil(self.patches_per_side / 2)  # 14
+        self.hidden_size = self.hf_config.text_config.hidden_size
+        self.video_token_id = self.hf_config.video_token_id
+        self.image_token_id = self.hf_config.image_token_id
+        self.visual: Any = None  # has get_video_features / get_image_features (LlavaOnevisionModel's)
+        self.model: Any = None  # .model.language_model, .lm_head
+        self.image_newline: torch.Tensor | None = None  # [hidden], for the language side
+        if self.parts >= {"vision", "language"}:
+            self.model = _load_full_model(path, self.dtype, self.device)
+            self.visual = self.model.model
+            self.image_newline = self.model.model.image_newline.data
+        elif "vision" in self.parts:
+            self.visual = _load_vision_part(path, self.hf_config, self.dtype).to(self.device)
+        elif "language" in self.parts:
+            self.model, newline = _load_language_part(path, self.hf_config, self.dtype)
+            self.model = self.model.to(self.device).eval()
+            self.image_newline = newline.to(self.device)
+        eos = getattr(_generation_config(path), "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
+
+    # -- encoder -----------------------------------------------------------------------------
+
+    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+        if video.is_image:
+            frame = video.frames[0]
+            out = self.processor.image_processor(images=[frame], return_tensors="pt")
+            height, width = (int(x) for x in out["image_sizes"][0])
+            if height == width == self.patches_per_side:  # would read as a one-frame video grid
+                raise MediaError(f"an image of {height} x {width} pixels is too small for this model")
+            # [crops, C, H, W]: the base crop and the anyres tiles (the batch dimension dropped)
+            return VisionInputs("image", out["pixel_values"][0], (1, height, width), 0.0)
+        out = self.processor.video_processor(videos=[video.frames], do_sample_frames=False, return_tensors="pt")
+        pixels = out["pixel_values_videos"][0]  # [T, C, H, W]
+        side = self.patches_per_side
+        return VisionInputs("video", pixels, (int(pixels.shape[0]), side, side), 1.0 / video.sampled_fps)
+
+    @torch.inference_mode()
+    def encode(self, inputs: VisionInputs) -> torch.Tensor:
+        return self.encode_batch([inputs])[0]
+
+    @torch.inference_mode()
+    def encode_batch(self, inputs: list[VisionInputs]) -> list[torch.Tensor]:
+        """Videos: all their frames through one tower call (SigLIP attends within a frame, pooling
+        is per frame), split back per input. Images: one `get_image_features` call for all."""
+        if self.visual is None:
+            raise RuntimeError("this adapter was loaded without the vision tower")
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        dtype = self.visual.vision_tower.dtype
+        videos = [i for i, x in enumerate(inputs) if x.modality == "video"]
+        images = [i for i, x in enumerate(inputs) if x.modality != "video"]
+        if videos:
+            frames = torch.cat([inputs[i].pixel_values for i in videos]).to(self.device, dtype)
+            feats = self.visual.get_video_features(frames[None]).pooler_output[0, :-1]  # newline dropped
+            counts = [self.num_visual_tokens(inputs[i].grid_thw) for i in videos]
+            for i, f in zip(videos, feats.split(counts), strict=True):
+                out[i] = f
+        if images:
+            pixels = torch.cat([inputs[i].pixel_values for i in images]).to(self.device, dtype)
+            sizes = torch.tensor([inputs[i].grid_thw[1:] for i in images], dtype=torch.long)
+            packed = self.visual.get_image_features(pixels, sizes).pooler_output
+            for i, f in zip(images, packed, strict=True):
+                out[i] = f
+        return [f for f in out if f is not None]
+
+    def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """Tokens that cross Encode -> Prefill: video T * ceil(p/2)^2 (the closing newline is
+        prefill's); image: the processor's anyres count for an image of grid_thw[1:] pixels."""
+        t, h, w = grid_thw
+        if h == w == self.patches_per_side:
+            return t * self.pooled_per_side**2
+        return self._num_image_tokens(h, w)
+
+    def _num_image_tokens(self, height: int, width: int) -> int:
+        proc = self.processor
+        size = proc.image_processor.size
+        n = proc._get_number_of_features(height, width, size["height"], size["width"])
+        return n - 1 if proc.vision_feature_select_strategy == "default" else n
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+        proc = self.processor
+        if any(
+            token in part.get("text", "")
+            for m in conversation
+            for part in m["content"]
+            for token in (proc.video_token, proc.image_token)
+        ):
+            raise ValueError("a text part contains the model's visual placeholder token; remove it")
+        text = proc.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        pad = proc.video_token if visual.modality == "video" else proc.image_token
+        if text.count(pad) != 1 or text.count(proc.video_token) + text.count(proc.image_token) != 1:
+            raise ValueError(
+                f"the chat template rendered {text.count(pad)} {visual.modality} placeholders; "
+                "send exactly one video or image part"
+            )
+        # Expanded by the processor's own code, as its __call__ does.
+        t, h, w = visual.grid_thw
+        if visual.modality == "video":
+            expanded = proc.replace_video_token({"pixel_values_videos": [[None] * t]}, video_idx=0)
+        else:
+            side = proc.image_processor.size["height"]
+            expanded = proc.replace_image_token(
+                {
+                    "batch_num_images": [1],
+                    "image_sizes": [[h, w]],
+                    "pixel_values": [[torch.empty(0, side, side)]],  # only its shape is read
+                },
+                image_idx=0,
+            )
+        text = text.replace(pad, expanded, 1)
+        input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        placeholders = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
+        visual_mask = placeholders.clone()
+        if visual.modality == "video":  # the last placeholder is the newline prefill writes
+            visual_mask[int(placeholders.nonzero()[-1])] = False
+        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
+            raise ValueError("the prompt's visual placeholders do not match the grid; the tokenizer split them")
+        length = input_ids.shape[1]
+        positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
+        return Prompt(input_ids, positions, visual_mask)
+
+    def _embed(self, input_ids: torch.Tensor, visual_mask: torch.Tensor, visual: torch.Tensor | None,
+               newline: bool = True) -> torch.Tensor:
+        """[1, n, hidden]: token embeddings of `input_ids` [1, n], the visual positions filled with
+        `visual` (in order), a video's closing placeholder with `image_newline`."""
+        lm = self._language_model()
+        embeds = lm.embed_tokens(input_ids.to(self.device))
+        mask = visual_mask.to(self.device)
+        if visual is not None and int(mask.sum()):
+            embeds[0, mask] = visual.to(self.device, embeds.dtype)
+        closing = (input_ids[0].to(self.device) == self.video_token_id) & ~mask
+        if newline and bool(closing.any()):
+            assert self.image_newline is not None
+            embeds[0, closing] = self.image_newline.to(embeds.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor, video_newline: bool = True) -> PrefillState:
+        """video_newline=False leaves the video's closing placeholder as its own token embedding:
+        not what generate() computes (the tests' negative control)."""
+        from transformers import DynamicCache
+
+        num_visual = int(prompt.visual_mask.sum())
+        if visual_embeds.shape[0] != num_visual:
+            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+        embeds = self._embed(prompt.input_ids, prompt.visual_mask, visual_embeds, video_newline)
+        cache = DynamicCache(config=self.hf_config.text_config)
+        length = prompt.num_tokens
+        out = self._language_model()(
+            inputs_embeds=embeds,
+            position_ids=prompt.position_ids[0].to(self.device),  # [1, L]: the 1-D row
+            attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = self.lm_head(out.last_hidden_state[:, -1:])
+        return PrefillState(
+            cache=KvCache.from_dynamic(cache),
+            last_logits=logits[0, -1],
+            next_position_ids=prompt.position_ids[:, 0, -1] + 1,  # [L, L, L, L]
+            num_prompt_tokens=length,
+        )
+
+    supports_chunked_prefill = True
+
+    @torch.inference_mode()
+    def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """Rows without a cache share one right-padded forward (causal attention: the padding after
+        a row's last token is never seen by it); a row continuing its cache runs alone."""
+        results: list[ChunkResult | None] = [None] * len(rows)
+        fresh = [i for i, row in enumerate(rows) if row.cache is None]
+        if fresh:
+            for i, result in zip(fresh, self._prefill_padded([rows[i] for i in fresh]), strict=True):
+                results[i] = result
+        for i, row in enumerate(rows):
+            if row.cache is not None:
+                results[i] = self._prefill_continue(row)
+        return [r for r in results if r is not None]
+
+    def chunk_cache_to_kv(self, cache) -> KvCache:
+        return KvCache.from_dynamic(cache)
+
+    def _chunk_embeds(self, row: PrefillChunk) -> torch.Tensor:
+        first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens of earlier chunks
+        mask = row.prompt.visual_mask[row.start : row.end]
+        return self._embed(
+            row.prompt.input_ids[:, row.start : row.end], mask, row.visual_embeds[first : first + int(mask.sum())]
+        )
+
+    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        lengths = [row.end for row in rows]
+        batch, longest = len(rows), max(lengths)
+        dtype = lm.embed_tokens.weight.dtype
+        embeds = torch.zeros(batch, longest, self.hidden_size, dtype=dtype, device=self.device)
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            embeds[i, :n] = self._chunk_embeds(row)[0]
+        positions = torch.arange(longest, dtype=torch.long, device=self.device).expand(batch, longest)
+        cache = DynamicCache(config=self.hf_config.text_config)
+        out = lm(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+        last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
+        logits = self.lm_head(last[:, None])[:, 0]
+        if batch == 1 and lengths[0] == longest:
+            return [ChunkResult(cache, logits[0])]
+        kv = KvCache.from_dynamic(cache)
+        results = []
+        for i, n in enumerate(lengths):
+            row_kv = KvCache([k[i : i + 1, :, :n] for k in kv.keys], [v[i : i + 1, :, :n] for v in kv.values])
+            results.append(ChunkResult(row_kv.to_dynamic(self.hf_config.text_config), logits[i]))
+        return results
+
+    def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
+        past = row.cache.get_seq_length()
+        if past != row.start:
+            raise ValueError(f"the chunk starts at token {row.start} but its cache holds {past}")
+        out = self._language_model()(
+            inputs_embeds=self._chunk_embeds(row),
+            position_ids=row.prompt.position_ids[0, :, row.start : row.end].to(self.device),
+            attention_mask=torch.ones(1, row.end, dtype=torch.long, device=self.device),
+            past_key_values=row.cache,
+            use_cache=True,
+        )
+        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
+
+    @property
+    def language_model(self):
+        return self._language_model()
+
+    @property
+    def lm_head(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.lm_head
+
+    @property
+    def text_config(self):
+        return self.hf_config.text_config
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def new_decode_cache(self, cache: KvCache):
+        dtype = self._language_model().embed_tokens.weight.dtype
+        kv = KvCache([k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values])
+        return kv.to_dynamic(self.hf_config.text_config)
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """position_ids: the interface's [4]; row 0 is the 1-D position (all rows are equal)."""
+        lm = self._language_model()
+        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
+        past = cache.get_seq_length()
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=position_ids.reshape(4)[:1].view(1, 1).to(self.device),
+            attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+
+    supports_batched_decode = True
+
+    def _kv_shape(self) -> tuple[int, int, int, torch.dtype]:
+        c = self.hf_config.text_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers, c.num_key_value_heads, head_dim, self._language_model().embed_tokens.weight.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        layers, heads, head_dim, dtype = self._kv_shape()
+        return 2 * layers * heads * head_dim * dtype.itemsize
+
+    def new_batch_kv(self) -> BatchKv:
+        from epd.model_runtime.batch_kv import BatchKv
+
+        layers, heads, head_dim, dtype = self._kv_shape()
+        return BatchKv(layers, heads, head_dim, dtype, self.device)
+
+    @torch.inference_mode()
+    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
+        """position_ids [4, B]: row 0 is each request's 1-D position."""
+        lm = self._language_model()
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=position_ids[0][:, None].to(self.device),  # [B, 1]
+            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.advance()
+        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- pruning interface (the parts that need no attention re-implementation) ---------------
+    # layerwise_prefill, capture_queries and the decode-cache eviction hooks keep the defaults:
+    # the prefill drop, KV compression and decode eviction are refused (UnsupportedByFamily).
+
+    @property
+    def text_dims(self) -> TextDims:
+        c = self.hf_config.text_config
+        layers, kv_heads, head_dim, _ = self._kv_shape()
+        return TextDims(layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, kv_heads, head_dim)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._language_model().embed_tokens(input_ids.to(self.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def num_parameters(self) -> int:
+        parts = [self.model] if self.model is not None else []
+        if self.visual is not None and (self.model is None or self.visual is not self.model.model):
+            parts.append(self.visual)
+        return sum(p.numel() for m in parts for p in m.parameters())
+
+    def _language_model(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.model.language_model
+
+
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+# -- stage loading ----------------------------------------------------------------------------
+# Checkpoint keys: `save_pretrained` in transformers 5 writes the hub's layout back ("vision_tower.*",
+# "multi_modal_projector.*", "image_newline", "language_model.model.*", "language_model.lm_head.*");
+# the llava-hf hub checkpoints nest SigLIP once more ("vision_tower.vision_model.*"); the module
+# names are "model.vision_tower.*", "model.language_model.*", "lm_head.*". All are read.
+
+
+def vision_key(key: str) -> str | None:
+    """A checkpoint key -> its name in `_VisionPart` (tower, projector, image_newline), else None."""
+    for prefix in ("model.", ""):
+        rest = key[len(prefix) :] if key.startswith(prefix) else None
+        if rest is not None and rest.startswith("vision_tower.vision_model."):  # the hub's SigLIP nesting
+            return "vision_tower." + rest[len("vision_tower.vision_model.") :]
+        if rest is not None and rest.startswith(("vision_tower.", "multi_modal_projector.")):
+            return rest
+        if rest == NEWLINE_KEY:
+            return NEWLINE_KEY
+    return None
+
+
+def language_key(key: str) -> str | None:
+    """A checkpoint key -> its name in `_LanguageOnly` ("model.language_model.*", "lm_head.*"), or
+    "image_newline" (the video's closing embedding), else None (the tower's are never read)."""
+    if key in ("image_newline", "model.image_newline"):
+        return NEWLINE_KEY
+    for prefix in ("lm_head.", "language_model.lm_head."):
+        if key.startswith(prefix):
+            return "lm_head." + key[len(prefix) :]
+    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+        if key.startswith(prefix):
+            return "model.language_model." + key[len(prefix) :]
+    return None
+
+
+def _vision_part_class():
+    from transformers.models.llava_onevision.modeling_llava_onevision import (
+        LlavaOnevisionModel,
+        LlavaOnevisionMultiModalProjector,
+    )
+
+    class _VisionPart(torch.nn.Module):
+        """The encoder's part of `LlavaOnevisionModel` at its attribute names, with its own
+        `get_video_features` / `get_image_features` (which read only these and `config`)."""
+
+        def __init__(self, config) -> None:
+            from transformers import AutoModel
+
+            super().__init__()
+            self.config = config
+            self.vision_tower = AutoModel.from_config(config.vision_config)
+            self.multi_modal_projector = LlavaOnevisionMultiModalProjector(config)
+            self.image_newline = torch.nn.Parameter(torch.empty(config.text_config.hidden_size))
+
+        get_video_features = LlavaOnevisionModel.get_video_features
+        get_image_features = LlavaOnevisionModel.get_image_features
+        apply_pooling = LlavaOnevisionModel.apply_pooling
+        pack_image_features = LlavaOnevisionModel.pack_image_features
+
+    return _VisionPart
+
+
+def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
+    from transformers.initialization import no_init_weights
+
+    root, files = _safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its vision part", root)
+        return _load_full_model(str(root), dtype, torch.device("cpu")).model
+    with no_init_weights():  # every weight is loaded below
+        part = _vision_part_class()(hf_config)
+    missing, unexpected = part.load_state_dict(_read_part(root, files, vision_key), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the vision part: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    return part.to(dtype).eval()
+
+
+def _load_language_part(path: str, hf_config, dtype: torch.dtype):
+    """(`_LanguageOnly` with the Qwen2 text model and lm_head, image_newline [hidden])."""
+    from transformers import AutoModel
+    from transformers.initialization import no_init_weights
+
+    root, files = _safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its language model", root)
+        model = _load_full_model(str(root), dtype, torch.device("cpu"))
+        newline = model.model.image_newline.data
+        model.model.vision_tower = model.model.multi_modal_projector = None
+        return model, newline
+    text_config = hf_config.text_config
+    with no_init_weights():  # every weight is loaded below
+        lm = AutoModel.from_config(text_config, dtype=dtype)
+        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+    model = _LanguageOnly(lm, head)
+    state = _read_part(root, files, language_key)
+    newline = state.pop(NEWLINE_KEY, None)
+    if newline is None:
+        raise ValueError(f"checkpoint {path} has no image_newline")
+    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
+    if "lm_head.weight" not in state and tied:  # the 0.5B checkpoints tie the head to the embeddings
+        head.weight = lm.embed_tokens.weight
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    return model, newline.to(dtype)

@@ -1,0 +1,474 @@
+"""Qwen3.5 behind `VLMAdapter`, on transformers' own `Qwen3_5ForConditionalGeneration`.
+
+What differs from Qwen3-VL (`qwen3_vl.py`), and is reproduced here exactly as transformers 5.x does:
+  * The language model is hybrid: `text_config.layer_types` mixes "linear_attention" layers
+    (Gated DeltaNet) with gated "full_attention" layers (one in four on the hub). A linear layer
+    keeps no per-token KV but two fixed-size states: a convolution state (the last
+    `linear_conv_kernel_dim` projected inputs, [1, 2 * key_dim + value_dim, kernel], model dtype)
+    and a recurrent state ([1, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim],
+    float32: the delta rule accumulates in float32). Prefill hands decode both states of every
+    linear layer beside the attention layers' keys and values (`KvCache.conv_states` /
+    `recurrent_states`, wire names `layer.{i}.conv` / `layer.{i}.recurrent`), and decode rebuilds
+    transformers' own cache (`DynamicCache(config)` makes a `LinearAttentionLayer` for each linear
+    layer) with them, so its next step is the one generate() takes.
+  * No DeepStack: the tower (Qwen3-VL's, without the DeepStack mergers) returns the visual
+    embeddings alone; `prefill_features` refuses DeepStack features.
+  * Prompts and pixels are Qwen3-VL's: the same processor class (`Qwen3VLProcessor`, timestamps per
+    temporal group), so `preprocess` and `build_prompt` are Qwen3-VL's code. Positions come from
+    `Qwen3_5Model.get_rope_index` (each temporal group placed like an image), [4, 1, L]; decode
+    continues every row from its last prompt value + 1 as generate() does.
+  * The template's generation prompt opens a thinking block (`<think>\\n`); we render whatever the
+    checkpoint's own template renders, so the answer starts where generate()'s does.
+
+Batched decode works (`_HybridBatchKv`): the attention layers use `BatchKv`'s slots, the linear
+layers every running row's states stacked along the batch axis. `kv_bytes_per_token` counts the
+attention layers' KV only; `linear_state_bytes` is the fixed size per request that the decode KV
+budget does not count.
+
+Not supported in this slice (refused, never silently wrong):
+  * Token pruning: a recurrent state cannot lose rows, and the prefill drop, KV compression and
+    decode eviction are written for attention layers. `text_dims` (the first thing every pruning
+    path asks for) raises `UnsupportedByFamily` (a ValueError), which the prefill stage reports
+    as INVALID_ARGUMENT naming the family; so do the other pruning methods (their defaults).
+    `PruningConfig.kv_dtype` alone (no pruning stage) works: keys, values and conv states are sent
+    narrower, recurrent states stay float32 (`KvCache.cast`).
+  * Chunked prefill (whole prompts only; the default `prefill_chunks`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from epd.model_runtime.adapter import (
+    PrefillState,
+    Prompt,
+    TextDims,
+    UnsupportedByFamily,
+    VisionInputs,
+    VisualFeatures,
+    VisualMeta,
+    VLMAdapter,
+)
+from epd.model_runtime.batch_kv import BatchKv
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.qwen2_vl import (
+    _fingerprint,
+    _language_key,
+    _LanguageOnly,
+    _load_full_model,
+    _read_part,
+    _safetensors_files,
+    _vision_key,
+)
+from epd.model_runtime.qwen3_vl import Qwen3VLAdapter, _generation_config
+from epd.video.types import DecodedVideo
+
+log = logging.getLogger(__name__)
+
+STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
+
+PRUNING_REFUSED = (
+    "Qwen3.5 (model_type qwen3_5) supports no token pruning yet: its Gated DeltaNet layers keep a "
+    "recurrent state that cannot drop tokens, and the prefill drop, KV compression and decode "
+    "eviction apply to attention layers only; turn pruning off for this model"
+)
+
+
+class Qwen3_5Adapter(VLMAdapter):
+    """Loads only the parts a stage needs: "vision" (the tower) and/or "language" (embeddings,
+    hybrid decoder layers, lm_head). From safetensors, a one-part stage reads only its own part's
+    tensors (never the hub's `mtp.*` multi-token-prediction weights); both parts load transformers'
+    whole model."""
+
+    supports_batched_decode = True  # `_HybridBatchKv`: slots for attention, stacked linear states
+    num_deepstack_layers = 0
+
+    def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
+        from transformers import AutoConfig, AutoProcessor
+
+        self.config = config
+        self.parts = frozenset(parts)
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.hf_config = AutoConfig.from_pretrained(path)
+        if self.hf_config.model_type != "qwen3_5":
+            raise ValueError(f"Qwen3_5Adapter loads model_type qwen3_5, not {self.hf_config.model_type!r}")
+        self.family = "qwen3_5"
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        self.fingerprint = _fingerprint(path)
+        vision_config = self.hf_config.vision_config
+        self.merge_size = vision_config.spatial_merge_size
+        self.temporal_patch_size = vision_config.temporal_patch_size
+        text = self.hf_config.text_config
+        self.hidden_size = text.hidden_size
+        self.layer_types: list[str] = list(text.layer_types)
+        self.attention_layers = [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        self.linear_layers = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+        if len(self.attention_layers) + len(self.linear_layers) != len(self.layer_types):
+            raise ValueError(f"unknown Qwen3.5 layer types {sorted(set(self.layer_types))}")
+        self.visual = None
+        self.model = None
+        if self.parts >= {"vision", "language"}:
+            self.model = _load_full_model(path, self.dtype, self.device)
+            self.visual = self.model.model.visual
+        elif "vision" in self.parts:
+            self.visual = _load_vision_tower(path, self.hf_config, self.dtype).to(self.device)
+        elif "language" in self.parts:
+            self.model = _load_language_model(path, self.hf_config, self.dtype).to(self.device).eval()
+        eos = getattr(_generation_config(path), "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
+
+    # -- encoder (Qwen3-VL's processor and tower, without DeepStack) ---------------------------
+
+    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+        return Qwen3VLAdapter.preprocess(self, video)  # type: ignore[arg-type]
+
+    def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
+        return Qwen3VLAdapter.group_timestamps(self, video)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def encode(self, inputs: VisionInputs) -> torch.Tensor:
+        if self.visual is None:
+            raise RuntimeError("this adapter was loaded without the vision tower")
+        grid = torch.tensor([inputs.grid_thw], dtype=torch.long, device=self.device)
+        out = self.visual(inputs.pixel_values.to(self.device, self.visual.dtype), grid_thw=grid)
+        return out.pooler_output  # [t * h/2 * w/2, hidden]
+
+    def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+        # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
+        return Qwen3VLAdapter.build_prompt(self, conversation, visual)  # type: ignore[arg-type]
+
+    def _timestamps_metadata(self, visual: VisualMeta):
+        return Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]
+
+    def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
+        """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+        mm_type = 2 if visual.modality == "video" else 1
+        pad_id = self.hf_config.video_token_id if mm_type == 2 else self.hf_config.image_token_id
+        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
+        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
+        kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
+        rope_index: Any = Qwen3_5Model.get_rope_index  # reads only self.config, get_vision_position_ids
+        mrope, _ = rope_index(_RopeHolder(self.hf_config), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)
+        text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
+        return torch.cat([text_row, mrope], dim=0)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        num_visual = int(prompt.visual_mask.sum())
+        if visual_embeds.shape[0] != num_visual:
+            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+        input_ids = prompt.input_ids.to(self.device)
+        embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
+        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
+        embeds = embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
+        cache = DynamicCache(config=self.hf_config.text_config)  # linear layers: LinearAttentionLayer
+        length = prompt.num_tokens
+        out = lm(
+            inputs_embeds=embeds,
+            position_ids=prompt.position_ids.to(self.device),
+            attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = self.lm_head(out.last_hidden_state[:, -1:])  # [1, 1, vocab]
+        kv = KvCache.from_dynamic(cache)  # attention layers' KV + linear layers' conv/recurrent states
+        self._check_layers(kv)
+        return PrefillState(
+            cache=kv,
+            last_logits=logits[0, -1],
+            next_position_ids=prompt.position_ids[:, 0, -1] + 1,
+            num_prompt_tokens=length,
+        )
+
+    @property
+    def text_dims(self) -> TextDims:
+        """The first thing every pruning stage asks for (`pruned_prefill`, budgets): refused here,
+        so a request with any pruning stage gets INVALID_ARGUMENT saying why (PRUNING_REFUSED)."""
+        raise UnsupportedByFamily(PRUNING_REFUSED)
+
+    @property
+    def language_model(self):
+        """The handle the pruning code used before `text_dims`; refused the same way."""
+        raise UnsupportedByFamily(PRUNING_REFUSED)
+
+    @property
+    def lm_head(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.lm_head
+
+    @property
+    def text_config(self):
+        return self.hf_config.text_config
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def new_decode_cache(self, cache: KvCache):
+        """transformers' own hybrid cache, as prefill left it: keys/values (and conv states) back in
+        the model's dtype (they may arrive narrower, `PruningConfig.kv_dtype`), recurrent states in
+        float32 as the delta rule keeps them."""
+        self._check_layers(cache)
+        dtype = self._language_model().embed_tokens.weight.dtype
+        kv = KvCache(
+            [k.to(self.device, dtype) for k in cache.keys],
+            [v.to(self.device, dtype) for v in cache.values],
+            list(cache.layer_ids),
+            {i: s.to(self.device, dtype) for i, s in cache.conv_states.items()},
+            {i: s.to(self.device, torch.float32) for i, s in cache.recurrent_states.items()},
+        )
+        return kv.to_dynamic(self.hf_config.text_config)
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        lm = self._language_model()
+        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
+        past = cache.get_seq_length()  # the attention layers' length
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=position_ids.view(4, 1, 1).to(self.device),
+            attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values one token adds: the full-attention layers only (linear layers add none)."""
+        c = self.hf_config.text_config
+        dtype = self._language_model().embed_tokens.weight.dtype
+        return 2 * len(self.attention_layers) * c.num_key_value_heads * c.head_dim * dtype.itemsize
+
+    def new_batch_kv(self) -> BatchKv:
+        c = self.hf_config.text_config
+        dtype = self._language_model().embed_tokens.weight.dtype
+        return _HybridBatchKv(self.layer_types, c.num_key_value_heads, c.head_dim, dtype, self.device)
+
+    @torch.inference_mode()
+    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
+        """One token per row: the attention layers read their slots with each row's padding mask;
+        the linear layers step every row's own states (no mask is needed: one token per row, and
+        a row's conv and delta-rule update never mixes rows)."""
+        lm = self._language_model()
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=position_ids[:, :, None].to(self.device),  # [4, B, 1]
+            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.advance()
+        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
+
+    @property
+    def decode_state_bytes(self) -> int:
+        return self.linear_state_bytes
+
+    @property
+    def linear_state_bytes(self) -> int:
+        """Bytes of every linear layer's conv state (model dtype) and recurrent state (float32):
+        the same for every request, whatever its length."""
+        c = self.hf_config.text_config
+        dtype = self._language_model().embed_tokens.weight.dtype
+        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+        conv = (2 * key_dim + value_dim) * c.linear_conv_kernel_dim * dtype.itemsize
+        recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        return len(self.linear_layers) * (conv + recurrent)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def prefill_features(self, prompt: Prompt, features: VisualFeatures) -> PrefillState:
+        if features.deepstack:
+            raise ValueError("Qwen3_5Adapter has no DeepStack layers; it takes no DeepStack features")
+        return self.prefill(prompt, features.embeds)
+
+    def _check_layers(self, cache: KvCache) -> None:
+        """The cache has KV for exactly the full-attention layers and both states for exactly the
+        linear ones: a cache of another model (or one that lost its linear states) is refused."""
+        if cache.layer_ids != self.attention_layers:
+            raise ValueError(
+                f"the cache has KV for layers {cache.layer_ids}; this model's attention layers are "
+                f"{self.attention_layers}"
+            )
+        for name, states in (("conv", cache.conv_states), ("recurrent", cache.recurrent_states)):
+            if sorted(states) != self.linear_layers:
+                raise ValueError(
+                    f"the cache has {name} states for layers {sorted(states)}; this model's linear-attention "
+                    f"layers are {self.linear_layers}"
+                )
+
+    def _language_model(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.model.language_model
+
+
+class _HybridBatchKv(BatchKv):
+    """The decode batch for a hybrid model. The attention layers keep `BatchKv`'s slots (indexed
+    by attention layer: slot j = the j-th full-attention layer). Each linear layer is transformers'
+    own `LinearAttentionLayer` holding every running row's states stacked along the batch axis,
+    conv [B, conv_dim, kernel] and recurrent [B, heads, k, v] (row r = request r, as in the slots);
+    the model's Gated DeltaNet updates them in place at each step. A request joins by appending its
+    states, leaves by moving the last row into its place, like the slots. These states are a fixed
+    size per request; the KV budget (`kv_bytes_per_token`) does not count them."""
+
+    def __init__(self, layer_types: list[str], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        from transformers.cache_utils import Cache, LinearAttentionLayer
+
+        attention = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        super().__init__(len(attention), num_kv_heads, head_dim, dtype, device)
+        self.linear_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
+        self.linear = {i: LinearAttentionLayer() for i in self.linear_layers}
+        slots = iter(self.cache.layers)  # one `_SlotLayer` per attention layer, in layer order
+        self.cache = Cache(layers=[self.linear[i] if i in self.linear else next(slots)
+                                   for i in range(len(layer_types))])
+
+    @property
+    def num_bytes(self) -> int:
+        states = [t for layer in self.linear.values()
+                  for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None]
+        return super().num_bytes + sum(t.numel() * t.element_size() for t in states)
+
+    def add(self, kv: KvCache, columns: int) -> int:
+        missing = [i for i in self.linear_layers if i not in kv.conv_states or i not in kv.recurrent_states]
+        if missing or kv.linear_layers != self.linear_layers:
+            raise ValueError(f"the cache lacks the linear-attention states of layers {missing or kv.linear_layers}")
+        row = super().add(kv, columns)
+        for i, layer in self.linear.items():
+            conv = kv.conv_states[i].to(self.device, self.dtype)
+            recurrent = kv.recurrent_states[i].to(self.device, torch.float32)
+            if row > 0:  # rows 0..row-1 are the running ones
+                running_conv, running_recurrent = layer.conv_states[0], layer.recurrent_states[0]
+                if running_conv is None or running_recurrent is None:
+                    raise RuntimeError(f"linear layer {i} lost the states of the running rows")
+                conv = torch.cat([running_conv[:row], conv])
+                recurrent = torch.cat([running_recurrent[:row], recurrent])
+            _set_linear_states(layer, conv, recurrent)
+        return row
+
+    def remove(self, row: int) -> int | None:
+        last = self.num_rows - 1
+        moved = super().remove(row)
+        for layer in self.linear.values():
+            for states in (layer.conv_states, layer.recurrent_states):
+                t = states[0]
+                assert t is not None
+                if row != last:
+                    t[row] = t[last]
+                states[0] = t[:last] if last else None
+            if not last:  # an idle decoder holds no state
+                _set_linear_states(layer, None, None)
+        return moved
+
+    def row_cache(self, row: int) -> KvCache:
+        kv = super().row_cache(row)
+        kv.attention_layers = [i for i in range(len(self.cache.layers)) if i not in self.linear]
+        for i, layer in self.linear.items():
+            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+            assert conv is not None and recurrent is not None
+            kv.conv_states[i] = conv[row : row + 1].clone()
+            kv.recurrent_states[i] = recurrent[row : row + 1].clone()
+        return kv
+
+
+def _set_linear_states(layer, conv: torch.Tensor | None, recurrent: torch.Tensor | None) -> None:
+    """A `LinearAttentionLayer` (state 0) as a prefill leaves it: states present, `has_previous_state`
+    set (so the next token takes the single-step conv and recurrent path); None empties it."""
+    present = conv is not None
+    layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
+    layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = present
+    layer.has_previous_state[0] = present
+    layer.conv_kernel_size[0] = int(conv.shape[-1]) if conv is not None else None
+    if conv is not None:
+        layer.dtype, layer.device = conv.dtype, conv.device
+
+
+class _RopeHolder:
+    """Stands in for `Qwen3_5Model` in its `get_rope_index`, which reads only these two."""
+
+    def __init__(self, config) -> None:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+        self.config = config
+        self._get_vision_position_ids = Qwen3_5Model.get_vision_position_ids
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self._get_vision_position_ids(self, *args, **kwargs)
+
+
+def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
+    """The tower (patch embedding, blocks, merger) alone, only its tensors read."""
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    root, files = _safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its vision tower", root)
+        return _load_full_model(str(root), dtype, torch.device("cpu")).model.visual
+    with no_init_weights():  # every weight is loaded below
+        tower = Qwen3_5VisionModel._from_config(hf_config.vision_config, dtype=dtype)
+    missing, unexpected = tower.load_state_dict(_read_part(root, files, _vision_key), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the vision tower: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    return tower.to(dtype).eval()
+
+
+def _load_language_model(path: str, hf_config, dtype: torch.dtype):
+    """The hybrid text model and lm_head alone, at the whole model's attribute paths; the tower's
+    tensors (and the hub's `mtp.*`) are never read."""
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+    root, files = _safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its language model", root)
+        model = _load_full_model(str(root), dtype, torch.device("cpu"))
+        model.model.visual = None  # this stage never runs the tower
+        return model
+    text_config = hf_config.text_config
+    with no_init_weights():  # every weight is loaded below
+        lm = Qwen3_5TextModel._from_config(text_config, dtype=dtype)
+        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+    model = _LanguageOnly(lm, head)
+    state = _read_part(root, files, _language_key)
+    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(
+        text_config, "tie_word_embeddings", False
+    )
+    if "lm_head.weight" not in state and tied:  # the small checkpoints tie the head to the embeddings
+        head.weight = lm.embed_tokens.weight
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    return model

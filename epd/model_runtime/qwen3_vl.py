@@ -1,0 +1,585 @@
+"""Qwen3-VL (dense) behind `VLMAdapter`, on transformers' own `Qwen3VLForConditionalGeneration`.
+
+What differs from Qwen2-VL (`qwen2_vl.py`), and is reproduced here exactly as transformers 5.x does:
+  * DeepStack: the tower also returns one feature tensor per `deepstack_visual_indexes` layer
+    ([num_visual_tokens, hidden] each, row i = visual token i). Language layer k adds feature k to
+    its output at the visual positions, for the first len(deepstack) layers. So the encoder's
+    output is `VisualFeatures(embeds, deepstack)`, not one tensor; `encode` alone would lose them
+    and refuses (use `encode_features`).
+  * Video prompts: the processor expands the one video placeholder into one
+    `<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>` group per temporal patch, t the
+    mean time of the group's first and last frame. The template's own
+    `<|vision_start|>`/`<|vision_end|>` stay around all of it (both pairs are in the processor's
+    output). We expand with the processor's own `replace_video_token` on the frames' times.
+  * Positions: `get_rope_index` places each temporal group like a separate image (t = 1) between
+    the timestamp texts; the rotary embedding interleaves the (t, h, w) frequencies. Prefill
+    positions are [4, 1, L] (text row + 3 M-RoPE rows); each decode step continues every row from
+    its last prompt value + 1, as generate() does.
+No sparse (subset-of-patches) encoding: the tower resamples learned position embeddings per grid.
+Batching: `encode_features_batch` runs one tower call for several frame groups and splits the
+embeddings and every DeepStack feature back per group; `prefill_chunks` batches and chunks prompts,
+each chunk adding the DeepStack rows of its own visual positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from epd.model_runtime.adapter import (
+    CapturedQueries,
+    ChunkResult,
+    LayerwisePass,
+    PrefillChunk,
+    PrefillState,
+    Prompt,
+    TextDims,
+    UnsupportedByFamily,
+    VisionInputs,
+    VisualFeatures,
+    VisualMeta,
+    VLMAdapter,
+)
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.qwen2_vl import (
+    _fingerprint,
+    _language_key,
+    _LanguageOnly,
+    _load_full_model,
+    _read_part,
+    _safetensors_files,
+    _vision_key,
+)
+from epd.model_runtime.qwen_text_layers import (
+    QueryCapture,
+    count_parameters,
+    dims_of,
+    dynamic_cache_kv,
+    set_dynamic_cache_kv,
+)
+from epd.video.types import DecodedVideo
+
+if TYPE_CHECKING:
+    from epd.model_runtime.batch_kv import BatchKv
+
+log = logging.getLogger(__name__)
+
+STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
+
+
+class Qwen3VLAdapter(VLMAdapter):
+    """Loads only the parts a stage needs: "vision" (the tower with its DeepStack mergers) and/or
+    "language" (embeddings, decoder layers, lm_head). From safetensors, a one-part stage reads only
+    its own part's tensors; both parts load transformers' whole model."""
+
+    def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
+        from transformers import AutoConfig, AutoProcessor
+
+        self.config = config
+        self.parts = frozenset(parts)
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.hf_config = AutoConfig.from_pretrained(path)
+        if self.hf_config.model_type != "qwen3_vl":
+            raise ValueError(f"Qwen3VLAdapter loads model_type qwen3_vl, not {self.hf_config.model_type!r}")
+        self.family = "qwen3_vl"
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        self.fingerprint = _fingerprint(path)
+        vision_config = self.hf_config.vision_config
+        self.merge_size = vision_config.spatial_merge_size
+        self.temporal_patch_size = vision_config.temporal_patch_size
+        self.num_deepstack_layers = len(vision_config.deepstack_visual_indexes)
+        self.hidden_size = self.hf_config.text_config.hidden_size
+        self.visual = None
+        self.model = None
+        if self.parts >= {"vision", "language"}:
+            self.model = _load_full_model(path, self.dtype, self.device)
+            self.visual = self.model.model.visual
+        elif "vision" in self.parts:
+            self.visual = _load_vision_tower(path, self.hf_config, self.dtype).to(self.device)
+        elif "language" in self.parts:
+            self.model = _load_language_model(path, self.hf_config, self.dtype).to(self.device).eval()
+        eos = getattr(_generation_config(path), "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
+
+    # -- encoder -----------------------------------------------------------------------------
+
+    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+        if video.is_image:
+            out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            return VisionInputs("image", out["pixel_values"], grid, 0.0)  # type: ignore[arg-type]
+        vp = self.processor.video_processor
+        out = vp(
+            videos=[video.frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt"
+        )
+        grid = tuple(int(x) for x in out["video_grid_thw"][0])
+        return VisionInputs(
+            "video",
+            out["pixel_values_videos"],
+            grid,  # type: ignore[arg-type]
+            second_per_grid_t=self.temporal_patch_size / video.sampled_fps,
+            group_timestamps_s=self.group_timestamps(video),
+        )
+
+    def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
+        """Seconds of each temporal group as the processor computes them from video metadata
+        (fps = the source's, frames_indices = the decoded frames' indices in the source): what
+        `processor(videos=..., video_metadata=...)` writes for these frames."""
+        fps = video.source_fps if video.source_fps > 0 else video.sampled_fps
+        indices = [round(t * fps) for t in video.timestamps_s]
+        times = self.processor._calculate_timestamps(indices, fps, self.temporal_patch_size)
+        return tuple(float(t) for t in times)
+
+    def encode(self, inputs: VisionInputs) -> torch.Tensor:
+        raise NotImplementedError(
+            "Qwen3-VL's tower also yields DeepStack features that prefill needs; call encode_features"
+        )
+
+    @torch.inference_mode()
+    def encode_features(self, inputs: VisionInputs) -> VisualFeatures:
+        if self.visual is None:
+            raise RuntimeError("this adapter was loaded without the vision tower")
+        grid = torch.tensor([inputs.grid_thw], dtype=torch.long, device=self.device)
+        out = self.visual(inputs.pixel_values.to(self.device, self.visual.dtype), grid_thw=grid)
+        # pooler_output [t * h/2 * w/2, hidden]; deepstack_features: one of the same shape per layer
+        return VisualFeatures(out.pooler_output, list(out.deepstack_features))
+
+    @torch.inference_mode()
+    def encode_features_batch(self, inputs: list[VisionInputs]) -> list[VisualFeatures]:
+        """One tower call for several frame groups / images: patches concatenated, one grid row
+        each (the tower attends within each row's temporal groups and interpolates its position
+        embeddings per row, as for one input); the embeddings and every DeepStack feature are
+        split back per input, row i of each still visual token i of that input."""
+        if len(inputs) == 1:
+            return [self.encode_features(inputs[0])]
+        if self.visual is None:
+            raise RuntimeError("this adapter was loaded without the vision tower")
+        grid = torch.tensor([i.grid_thw for i in inputs], dtype=torch.long, device=self.device)
+        pixels = torch.cat([i.pixel_values for i in inputs]).to(self.device, self.visual.dtype)
+        out = self.visual(pixels, grid_thw=grid)
+        sizes = [self.num_visual_tokens(i.grid_thw) for i in inputs]
+        embeds = out.pooler_output.split(sizes)  # per input [tokens_j, hidden]
+        deepstack = [feature.split(sizes) for feature in out.deepstack_features]  # [layer][input]
+        return [VisualFeatures(embeds[j], [d[j] for d in deepstack]) for j in range(len(inputs))]
+
+    def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+        proc = self.processor
+        if any(
+            token in part.get("text", "")
+            for m in conversation
+            for part in m["content"]
+            for token in (proc.video_token, proc.image_token)
+        ):
+            raise ValueError("a text part contains the model's visual placeholder token; remove it")
+        text = proc.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        pad = proc.video_token if visual.modality == "video" else proc.image_token
+        if text.count(pad) != 1:
+            raise ValueError(
+                f"the chat template rendered {text.count(pad)} {visual.modality} placeholders; "
+                "send exactly one video or image part"
+            )
+        # Expanded by the processor's own code, as its __call__ does (timestamps included).
+        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
+        if visual.modality == "video":
+            expanded = proc.replace_video_token(
+                {"video_grid_thw": grid, "video_metadata": [self._timestamps_metadata(visual)]}, video_idx=0
+            )
+        else:
+            expanded = proc.replace_image_token({"image_grid_thw": grid}, image_idx=0)
+        text = text.replace(pad, expanded, 1)
+        input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        visual_mask = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
+        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
+            raise ValueError(
+                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
+            )
+        return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
+
+    def _timestamps_metadata(self, visual: VisualMeta):
+        """VideoMetadata whose frame times give `visual.group_timestamps_s` back through the
+        processor's averaging: each group's time repeated over its frames at fps 1. Without times,
+        evenly spaced frames from 0 s at `second_per_grid_t` seconds per group."""
+        from transformers.video_utils import VideoMetadata
+
+        num_groups = visual.grid_thw[0]
+        tp = self.temporal_patch_size
+        if visual.group_timestamps_s:
+            if len(visual.group_timestamps_s) != num_groups:
+                raise ValueError(
+                    f"{len(visual.group_timestamps_s)} group timestamps for {num_groups} temporal groups"
+                )
+            # "frame indices" in seconds at 1 frame/s: the processor's idx / fps is then the time itself
+            times = [t for t in visual.group_timestamps_s for _ in range(tp)]
+            return VideoMetadata(total_num_frames=len(times), fps=1.0, frames_indices=times)  # type: ignore[arg-type]
+        fps = tp / visual.second_per_grid_t
+        return VideoMetadata(
+            total_num_frames=num_groups * tp, fps=fps, frames_indices=list(range(num_groups * tp))
+        )
+
+    def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
+        """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+        mm_type = 2 if visual.modality == "video" else 1
+        pad_id = self.hf_config.video_token_id if mm_type == 2 else self.hf_config.image_token_id
+        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
+        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
+        kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
+        # get_rope_index reads only self.config and self.get_vision_position_ids: no model needed.
+        rope_index: Any = Qwen3VLModel.get_rope_index
+        mrope, _ = rope_index(
+            _RopeHolder(self.hf_config), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
+        )
+        text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
+        return torch.cat([text_row, mrope], dim=0)
+
+    @torch.inference_mode()
+    def prefill(
+        self, prompt: Prompt, visual_embeds: torch.Tensor, deepstack: list[torch.Tensor] | None = None
+    ) -> PrefillState:
+        """deepstack: `encode_features`' DeepStack features, rows aligned with `visual_embeds`.
+        None runs the language model without them: not what generate() computes (the tests'
+        negative control); the stages pass them through `prefill_features`."""
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        num_visual = int(prompt.visual_mask.sum())
+        if visual_embeds.shape[0] != num_visual:
+            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+        extra: dict[str, Any] = {}
+        if deepstack is not None:
+            if len(deepstack) != self.num_deepstack_layers:
+                raise ValueError(
+                    f"{len(deepstack)} DeepStack features; this model adds {self.num_deepstack_layers}"
+                )
+            if any(d.shape != visual_embeds.shape for d in deepstack):
+                raise ValueError("DeepStack features must have the visual embeddings' shape, row for row")
+            extra = {
+                "visual_pos_masks": prompt.visual_mask.to(self.device)[None],  # [1, L]
+                "deepstack_visual_embeds": [d.to(self.device) for d in deepstack],
+            }
+        input_ids = prompt.input_ids.to(self.device)
+        embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
+        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
+        embeds = embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
+        cache = DynamicCache(config=self.hf_config.text_config)
+        length = prompt.num_tokens
+        out = lm(
+            inputs_embeds=embeds,
+            position_ids=prompt.position_ids.to(self.device),
+            attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+        logits = self.lm_head(out.last_hidden_state[:, -1:])  # [1, 1, vocab]
+        return PrefillState(
+            cache=KvCache.from_dynamic(cache),
+            last_logits=logits[0, -1],
+            next_position_ids=prompt.position_ids[:, 0, -1] + 1,
+            num_prompt_tokens=length,
+        )
+
+    def prefill_features(self, prompt: Prompt, features: VisualFeatures) -> PrefillState:
+        if features.deepstack is None:
+            raise ValueError("Qwen3-VL needs the tower's DeepStack features beside the visual embeddings")
+        return self.prefill(prompt, features.embeds, features.deepstack)
+
+    supports_chunked_prefill = True
+
+    @torch.inference_mode()
+    def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """As Qwen2-VL's (rows without a cache share one right-padded forward, a continuing chunk
+        runs alone after its cache), with DeepStack: each row's features for the visual positions
+        of its own chunk are added, in the order the model indexes them ([B, L] mask, row-major)."""
+        for row in rows:
+            if row.deepstack is None or len(row.deepstack) != self.num_deepstack_layers:
+                raise ValueError(
+                    f"Qwen3-VL's prefill needs DeepStack features ({self.num_deepstack_layers} per row); "
+                    f"a row has {0 if row.deepstack is None else len(row.deepstack)}"
+                )
+        results: list[ChunkResult | None] = [None] * len(rows)
+        fresh = [i for i, row in enumerate(rows) if row.cache is None]
+        if fresh:
+            for i, result in zip(fresh, self._prefill_padded([rows[i] for i in fresh]), strict=True):
+                results[i] = result
+        for i, row in enumerate(rows):
+            if row.cache is not None:
+                results[i] = self._prefill_continue(row)
+        return [r for r in results if r is not None]
+
+    def chunk_cache_to_kv(self, cache) -> KvCache:
+        return KvCache.from_dynamic(cache)
+
+    def _chunk_inputs(self, row: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Tokens [start, end) of the row: embeddings [n, hidden] with the visual placeholders
+        filled, the visual mask [n] bool, and each DeepStack feature's rows of those placeholders."""
+        lm = self._language_model()
+        embeds = lm.embed_tokens(row.prompt.input_ids[0, row.start : row.end].to(self.device))  # [n, H]
+        visual = row.prompt.visual_mask[row.start : row.end]  # [n] bool
+        first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens of earlier chunks
+        num = int(visual.sum())
+        if num:
+            embeds[visual.to(self.device)] = row.visual_embeds[first : first + num].to(self.device, embeds.dtype)
+        assert row.deepstack is not None
+        return embeds, visual, [d[first : first + num].to(self.device) for d in row.deepstack]
+
+    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """Rows from token 0, right-padded to the longest ([B, L]); causal attention keeps the
+        padding (after each row's tokens) out of every valid token's view."""
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        lengths = [row.end for row in rows]
+        batch, longest = len(rows), max(lengths)
+        dtype = lm.embed_tokens.weight.dtype
+        embeds = torch.zeros(batch, longest, self.hidden_size, dtype=dtype, device=self.device)  # [B, L, H]
+        visual_mask = torch.zeros(batch, longest, dtype=torch.bool)  # [B, L]
+        positions = torch.zeros(4, batch, longest, dtype=torch.long)  # [4, B, L]
+        deepstack: list[list[torch.Tensor]] = [[] for _ in range(self.num_deepstack_layers)]
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            row_embeds, row_visual, row_deepstack = self._chunk_inputs(row)
+            embeds[i, :n] = row_embeds
+            visual_mask[i, :n] = row_visual
+            for layer, rows_of_layer in zip(deepstack, row_deepstack, strict=True):
+                layer.append(rows_of_layer)  # row-major: the order of embeds[visual_mask]
+            positions[:, i, :n] = row.prompt.position_ids[:, 0, :n]
+            positions[:, i, n:] = positions[:, i, n - 1 : n] + torch.arange(1, longest - n + 1)
+        cache = DynamicCache(config=self.hf_config.text_config)
+        out = self._language_model()(
+            inputs_embeds=embeds,
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            visual_pos_masks=visual_mask.to(self.device),
+            deepstack_visual_embeds=[torch.cat(layer) for layer in deepstack],
+        )
+        last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
+        logits = self.lm_head(last[:, None])[:, 0]  # [B, vocab]
+        if batch == 1 and lengths[0] == longest:
+            return [ChunkResult(cache, logits[0])]
+        kv = KvCache.from_dynamic(cache)  # [B, kv_heads, L, head_dim] per layer
+        results = []
+        for i, n in enumerate(lengths):  # each row's own cache, padding cut off (to_dynamic copies)
+            row_kv = KvCache([k[i : i + 1, :, :n] for k in kv.keys], [v[i : i + 1, :, :n] for v in kv.values])
+            results.append(ChunkResult(row_kv.to_dynamic(self.hf_config.text_config), logits[i]))
+        return results
+
+    def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
+        """Tokens [start, end) after the row's cache of [0, start), which grows in place."""
+        past = row.cache.get_seq_length()
+        if past != row.start:
+            raise ValueError(f"the chunk starts at token {row.start} but its cache holds {past}")
+        embeds, visual, deepstack = self._chunk_inputs(row)
+        out = self._language_model()(
+            inputs_embeds=embeds[None],
+            position_ids=row.prompt.position_ids[:, :, row.start : row.end].to(self.device),
+            attention_mask=torch.ones(1, row.end, dtype=torch.long, device=self.device),
+            past_key_values=row.cache,
+            use_cache=True,
+            visual_pos_masks=visual[None].to(self.device),
+            deepstack_visual_embeds=deepstack,
+        )
+        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
+
+    @property
+    def language_model(self):
+        return self._language_model()
+
+    @property
+    def lm_head(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.lm_head
+
+    @property
+    def text_config(self):
+        return self.hf_config.text_config
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def new_decode_cache(self, cache: KvCache):
+        dtype = self._language_model().embed_tokens.weight.dtype
+        kv = KvCache(
+            [k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values]
+        )
+        return kv.to_dynamic(self.hf_config.text_config)
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        # Generated tokens are text: DeepStack touches only the prompt's visual positions.
+        lm = self._language_model()
+        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
+        past = cache.get_seq_length()
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=position_ids.view(4, 1, 1).to(self.device),
+            attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+
+    supports_batched_decode = True
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.hf_config.text_config
+        dtype = self._language_model().embed_tokens.weight.dtype
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize
+
+    def new_batch_kv(self) -> BatchKv:
+        from epd.model_runtime.batch_kv import BatchKv
+
+        c = self.hf_config.text_config
+        dtype = self._language_model().embed_tokens.weight.dtype
+        return BatchKv(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype, self.device)
+
+    @torch.inference_mode()
+    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
+        lm = self._language_model()
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=position_ids[:, :, None].to(self.device),  # [4, B, 1]
+            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.advance()
+        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- pruning interface -------------------------------------------------------------------
+    # Query capture works (the shared hooks apply the attention's q/k norm). The layer-by-layer
+    # prefill (prefill drop, KV compression) is refused: it would have to add the DeepStack
+    # features to the survivors at the first layers, and the pruned prefill does not carry them.
+    # (Encode-stage dropping runs whole through `prefill_features`, prefill_svc/engine.py.)
+
+    @property
+    def text_dims(self) -> TextDims:
+        return dims_of(self.hf_config.text_config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._language_model().embed_tokens(input_ids.to(self.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
+        raise UnsupportedByFamily(
+            "Qwen3-VL (qwen3_vl) cannot run the prefill drop or KV compression: its layer-by-layer "
+            "prefill does not add DeepStack features yet"
+        )
+
+    @contextmanager
+    def capture_queries(self, layers: Iterable[int], query_index: torch.Tensor) -> Iterator[CapturedQueries]:
+        with QueryCapture(self._language_model().layers, layers, query_index, with_keys=False) as cap:
+            yield CapturedQueries(cap.queries, cap.keys)
+
+    def decode_cache_kv(self, cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return dynamic_cache_kv(cache)
+
+    def set_decode_cache_kv(self, cache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        set_dynamic_cache_kv(cache, layer, keys, values)
+
+    @property
+    def num_parameters(self) -> int:
+        return count_parameters(self.model, self.visual)
+
+    def _language_model(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.model.language_model
+
+
+class _RopeHolder:
+    """Stands in for `Qwen3VLModel` in its `get_rope_index`, which reads only these two."""
+
+    def __init__(self, config) -> None:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+        self.config = config
+        self._get_vision_position_ids = Qwen3VLModel.get_vision_position_ids
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self._get_vision_position_ids(self, *args, **kwargs)
+
+
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
+    """The tower (with its merger and DeepStack mergers) alone, only its tensors read."""
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    root, files = _safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its vision tower", root)
+        return _load_full_model(str(root), dtype, torch.device("cpu")).model.visual
+    with no_init_weights():  # every weight is loaded below
+        tower = Qwen3VLVisionModel._from_config(hf_config.vision_config, dtype=dtype)
+    missing, unexpected = tower.load_state_dict(_read_part(root, files, _vision_key), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the vision tower: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    return tower.to(dtype).eval()
+
+
+def _load_language_model(path: str, hf_config, dtype: torch.dtype):
+    """The text model and lm_head alone, at the whole model's attribute paths; the tower's tensors
+    are never read."""
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+    root, files = _safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its language model", root)
+        model = _load_full_model(str(root), dtype, torch.device("cpu"))
+        model.model.visual = None  # this stage never runs the tower
+        return model
+    text_config = hf_config.text_config
+    with no_init_weights():  # every weight is loaded below
+        lm = Qwen3VLTextModel._from_config(text_config, dtype=dtype)
+        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+    model = _LanguageOnly(lm, head)
+    state = _read_part(root, files, _language_key)
+    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(
+        text_config, "tie_word_embeddings", False
+    )
+    if "lm_head.weight" not in state and tied:  # the 2B/4B checkpoints tie the head to the embeddings
+        head.weight = lm.embed_tokens.weight
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    return model

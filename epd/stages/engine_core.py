@@ -1,0 +1,291 @@
+"""The one engine-core shape of every service: a scheduler, a model runner, explicit requests.
+
+    core = EngineCore(scheduler, runner, model_thread)
+    async for output in core.submit(request):   # from the service's event loop
+        ...
+
+- The **scheduler** (`Scheduler`) owns the waiting queue and the running batch. It is touched only
+  on the event loop: `add` admits a request (or raises ResourceExhausted when a bounded queue is
+  full, before any work starts), `schedule` picks what runs in the next step, `remove` forgets a
+  finished or cancelled request and frees its room.
+- The **runner** (`ModelRunner`) owns the model and every request's model state (cache rows,
+  positions, samplers). It is touched only on the model thread: `execute(batch)` runs *one batched
+  step* for everything scheduled and returns each request's output of that step; `release` frees
+  a request's state.
+- The **core** loop alternates the two (vLLM v1's `EngineCore.step()`, nano-vllm's
+  `LLMEngine.step`): schedule, execute on the model thread, hand outputs to each request's
+  queue, remove the finished. New requests are admitted while a step runs; they join at the
+  next step. A request whose reader goes away (client gone, task cancelled) is removed at once
+  when it is waiting, and before the next step when it is running: its room and state are freed
+  then, never after garbage collection.
+
+No gRPC here: servicers submit to a stage, the stage submits to its core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from epd.stages.errors import DeadlineExceeded
+from epd.stages.model_thread import ModelThread
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+@dataclass(eq=False)
+class CoreRequest:
+    """Per-request bookkeeping every core shares. Services subclass it with their own state."""
+
+    request_id: str
+    deadline_s: float | None = None
+    """time.monotonic() by which the request must finish; None: no deadline."""
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_scheduled_s: float | None = None
+    finished: bool = False
+    cancelled: bool = False
+    released: bool = False
+    """The runner has freed its state (set by the core, once)."""
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
+
+    @property
+    def queue_wait_s(self) -> float:
+        return (self.first_scheduled_s or time.monotonic()) - self.arrival_s
+
+
+R = TypeVar("R", bound=CoreRequest)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a service's core is doing now (its /metrics gauges and the router's load signal)."""
+
+    stage: str
+    num_running: int = 0
+    num_waiting: int = 0
+    last_batch_size: int = 0
+    """Requests in the most recent batched step."""
+    num_steps: int = 0
+    queue_wait_s_total: float = 0.0
+    """Summed time requests waited before their first step."""
+    num_preemptions: int = 0
+    memory_used_bytes: int = 0
+    """Bytes reserved for running and admitted requests (decode: KV memory)."""
+    memory_total_bytes: int = 0
+    """The budget (0: not budgeted)."""
+
+
+class Scheduler(ABC, Generic[R]):
+    """Waiting queue + running batch. Event-loop only."""
+
+    @abstractmethod
+    def add(self, request: R) -> None:
+        """Admit `request` (it waits until `schedule` picks it); ResourceExhausted when full."""
+
+    @abstractmethod
+    def schedule(self) -> list[R]:
+        """The requests the next step runs ([]: nothing can run now)."""
+
+    @abstractmethod
+    def remove(self, request: R) -> None:
+        """Forget a finished or cancelled request (waiting or running) and free its room."""
+
+    @abstractmethod
+    def requests(self) -> list[R]:
+        """Every admitted request not yet removed, waiting or running."""
+
+    @abstractmethod
+    def load(self) -> EngineLoad: ...
+
+
+class ModelRunner(ABC, Generic[R]):
+    """The model and the per-request model state. Model-thread only."""
+
+    @abstractmethod
+    def execute(self, batch: Sequence[R]) -> list[tuple[R, Any]]:
+        """One batched step; each request's output of this step (a request may have none, e.g.
+        mid-way through a chunked prefill). Sets `request.finished` on the ones that are done.
+        An exception fails the whole batch; `request_error` is the per-request way."""
+
+    @abstractmethod
+    def release(self, request: R) -> None:
+        """Free the model state of a request that left (finished, cancelled or failed)."""
+
+
+class RequestFailed:
+    """An output that ends one request with an error (the others in the step go on)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class EngineCore(Generic[R]):
+    def __init__(self, scheduler: Scheduler[R], runner: ModelRunner[R], model_thread: ModelThread) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.model_thread = model_thread
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._to_release: list[R] = []  # left while running; released on the model thread
+        self.num_steps = 0
+        self.last_batch_size = 0
+        self.queue_wait_s_total = 0.0
+
+    async def submit(self, request: R) -> AsyncGenerator[Any, None]:
+        """Admit `request` and yield its outputs until it is finished. Raises ResourceExhausted
+        (before anything runs) when the scheduler is full. Closing the iterator early, or
+        cancelling its reader, removes the request."""
+        self.scheduler.add(request)
+        self._ensure_loop()
+        self._wake.set()
+        try:
+            while (item := await request.outputs.get()) is not _END:
+                if isinstance(item, RequestFailed):
+                    raise item.error
+                yield item
+        finally:
+            if not request.finished:
+                request.cancelled = True
+                self._leave(request)
+
+    def load(self) -> EngineLoad:
+        base = self.scheduler.load()
+        return EngineLoad(
+            stage=base.stage,
+            num_running=base.num_running,
+            num_waiting=base.num_waiting,
+            last_batch_size=self.last_batch_size,
+            num_steps=self.num_steps,
+            queue_wait_s_total=self.queue_wait_s_total,
+            num_preemptions=base.num_preemptions,
+            memory_used_bytes=base.memory_used_bytes,
+            memory_total_bytes=base.memory_total_bytes,
+        )
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop_task is not None and self._loop_task.get_loop() is not loop:
+            # A core built once and used under a new event loop (the embedded pipeline, one
+            # asyncio.run per call): the old loop cancelled its task; its wake event is bound there.
+            self._loop_task = None
+            self._wake = asyncio.Event()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = loop.create_task(self._run(), name="engine-core")
+
+    def _leave(self, request: R) -> None:
+        """The request is over for its reader: free its room now, its model state before the
+        next step (the model thread may be running it right now)."""
+        self.scheduler.remove(request)
+        self._to_release.append(request)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()  # before looking for work: a request added from now on wakes us
+            self._expire_deadlines()
+            batch = [r for r in self.scheduler.schedule() if not r.cancelled]
+            if not batch:
+                if self._to_release:
+                    await self._release_left()  # nothing to step: free the leavers' state now
+                else:
+                    await self._wake.wait()
+                continue
+            now = time.monotonic()
+            for r in batch:
+                if r.first_scheduled_s is None:
+                    r.first_scheduled_s = now
+                    self.queue_wait_s_total += r.queue_wait_s
+            self.last_batch_size = len(batch)
+            self.num_steps += 1
+            left = self._take_left()
+            num_waiting = len(self.scheduler.requests()) - len(batch)
+            try:
+                # One model-thread call per step: free who left, step the batch, free who finished.
+                outputs = await self.model_thread.run(self._step, left, batch, num_waiting)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one failed step fails its batch, not the service
+                log.exception("a batched step of %d requests failed", len(batch))
+                outputs = [(r, RequestFailed(exc)) for r in batch]
+                for r in batch:
+                    r.finished = True
+                self._to_release += [r for r in batch if not r.released]
+            # A finished request's state was freed (in `_step`) before its reader sees the end, so
+            # a caller that has read everything finds the service's memory already given back.
+            last: dict[R, Any] = {}
+            for r, out in outputs:
+                if r.cancelled:
+                    continue
+                if r.finished:
+                    last[r] = out
+                else:
+                    r.outputs.put_nowait(out)
+            for r in batch:
+                if r.finished and not r.cancelled:
+                    self._finish(r, last.get(r))
+
+    def _step(self, left: list[R], batch: list[R], num_waiting: int) -> list[tuple[R, Any]]:
+        """On the model thread: release, execute, release the finished."""
+        self._release(left)
+        if self.model_thread.threads is not None:
+            self.model_thread.threads.apply(len(batch), num_waiting)
+        outputs = self.runner.execute(batch)
+        for r, out in outputs:
+            if isinstance(out, RequestFailed):
+                r.finished = True
+        self._release([r for r in batch if r.finished])
+        return outputs
+
+    def _release(self, requests: list[R]) -> None:
+        for r in requests:
+            if not r.released:
+                r.released = True
+                self.runner.release(r)
+
+    def _take_left(self) -> list[R]:
+        left, self._to_release = self._to_release, []
+        return left
+
+    def _finish(self, request: R, last: Any = None) -> None:
+        """Deliver the request's last output and the end; its room and state are freed (now, or
+        already by the caller)."""
+        request.finished = True
+        if last is not None:
+            request.outputs.put_nowait(last)
+        request.outputs.put_nowait(_END)
+        self.scheduler.remove(request)
+        if not request.released and request not in self._to_release:
+            self._to_release.append(request)
+
+    async def _release_left(self) -> None:
+        left = [r for r in self._take_left() if not r.released]
+        if left:
+            await self.model_thread.run(self._release, left)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for r in self.scheduler.requests():
+            if r.deadline_s is not None and now > r.deadline_s and not r.finished:
+                self._finish(
+                    r,
+                    RequestFailed(
+                        DeadlineExceeded(
+                            f"request {r.request_id} passed its deadline after {now - r.arrival_s:.1f} s; "
+                            "raise the deadline or retry when the service is less busy"
+                        )
+                    ),
+                )

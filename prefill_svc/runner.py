@@ -1,0 +1,90 @@
+"""One prefill step on the model thread: what `PrefillScheduler.schedule` picked, in one batch.
+
+    step = [whole prompts] + [first chunks] + [next chunks of prompts already started]
+        rows without a cache  -> one right-padded forward (adapter.prefill_chunks)
+        rows with a cache     -> the chunk after the row's own cache
+    a request whose last token is computed -> first token + handle (PrefillEngine.finish)
+
+A request with token dropping or KV compression (`exclusive`) is always alone in its step and runs
+`pruned_prefill` whole, exactly as before batching. The runner owns each part-way request's cache
+between its chunks and frees it in `release`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from epd.model_runtime.adapter import PrefillChunk
+from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
+from epd.prefill_svc.scheduler import PrefillRequest
+from epd.stages.engine_core import ModelRunner, RequestFailed
+from epd.stages.errors import EpdError
+
+
+class PrefillRunner(ModelRunner[PrefillRequest]):
+    def __init__(self, engine: PrefillEngine) -> None:
+        self.engine = engine
+        self.adapter = engine.adapter
+        self._caches: dict[PrefillRequest, Any] = {}
+        """The adapter's cache of each chunked request part-way through (tokens [0, num_computed))."""
+
+    def execute(self, batch: Sequence[PrefillRequest]) -> list[tuple[PrefillRequest, Any]]:
+        if len(batch) == 1 and batch[0].exclusive:
+            return [(batch[0], self._run_exclusive(batch[0]))]
+        rows = []
+        for r in batch:
+            assert r.prompt is not None and r.media is not None
+            start = r.num_computed_tokens
+            rows.append(
+                PrefillChunk(
+                    r.prompt,
+                    r.media.embeds,
+                    start,
+                    start + r.num_scheduled_tokens,
+                    self._caches.get(r),
+                    deepstack=list(r.media.deepstack) or None,  # Qwen3-VL's, row for row
+                )
+            )
+        results = self.adapter.prefill_chunks(rows)
+        outputs: list[tuple[PrefillRequest, Any]] = []
+        for r, result in zip(batch, results, strict=True):
+            r.step_done()
+            if not r.is_prefilled:
+                self._caches[r] = result.cache
+                continue
+            self._caches.pop(r, None)
+            r.finished = True
+            cache = self.adapter.chunk_cache_to_kv(result.cache)
+            try:
+                out: PrefillOutput | RequestFailed = self.engine.finish(
+                    r, cache, result.last_logits, _ms_since(r.first_scheduled_s)
+                )
+            except EpdError as exc:  # this request's own settings: it fails alone
+                out = RequestFailed(exc)
+            outputs.append((r, out))
+        return outputs
+
+    def release(self, request: PrefillRequest) -> None:
+        self._caches.pop(request, None)
+
+    @property
+    def num_partial(self) -> int:
+        """Requests part-way through a chunked prefill (their caches are held here)."""
+        return len(self._caches)
+
+    def _run_exclusive(self, request: PrefillRequest) -> PrefillOutput | RequestFailed:
+        """Whole and alone; a refusal (e.g. a budget its key tokens cannot meet) fails it alone."""
+        request.finished = True
+        try:
+            out = self.engine.prefill_pruned(request)
+        except EpdError as exc:
+            return RequestFailed(exc)
+        request.num_scheduled_tokens = request.num_remaining_tokens
+        request.step_done()
+        return out
+
+
+def _ms_since(monotonic_s: float | None) -> float:
+    return 0.0 if monotonic_s is None else (time.monotonic() - monotonic_s) * 1e3

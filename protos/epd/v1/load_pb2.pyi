@@ -1,0 +1,39 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("stage", "num_running", "num_waiting", "last_batch_size", "num_steps", "queue_wait_s_total", "num_preemptions", "memory_used_bytes", "memory_total_bytes")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    LAST_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    num_running: int
+    num_waiting: int
+    last_batch_size: int
+    num_steps: int
+    queue_wait_s_total: float
+    num_preemptions: int
+    memory_used_bytes: int
+    memory_total_bytes: int
+    def __init__(self, stage: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., queue_wait_s_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+
+class GetLoadResponse(_message.Message):
+    __slots__ = ("cores",)
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    cores: _containers.RepeatedCompositeFieldContainer[EngineLoad]
+    def __init__(self, cores: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,402 @@
+"""LLaVA-OneVision through `LlavaOnevisionAdapter` split in one process: the encoder's adapter
+(SigLIP tower + projector + image_newline only) -> `encode`, the language adapter (Qwen2 + lm_head
++ image_newline) -> `build_prompt` + `prefill` + a greedy `decode_step` loop, equals
+`model.generate(do_sample=False)` token for token on a tiny checkpoint of the real transformers
+classes, for 8 and 32 frames and an (anyres-tiled) image. The prompt and pixels are the
+processor's own; positions are 1-D (all four interface rows equal); skipping the video pooling's
+bilinear interpolation or the video's closing newline changes the answer; frame groups encode
+independently (what the encoder's `frames_per_group` relies on); chunked and batched prefill and
+batched decode equal the plain paths; each one-part adapter reads only its own part's tensors."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors
+import torch
+
+from epd.model_runtime.adapter import PrefillChunk, VisionInputs, VisualMeta
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter, language_key, vision_key
+from epd.model_runtime.loader import check_model_dir, load_adapter
+from epd.model_runtime.qwen2_vl import _safetensors_files
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from tests.reference import decode_for_test
+
+QUESTION = "what colour is the moving square?"
+MAX_NEW_TOKENS = 20
+CASES = [("mp4", 8), ("mp4", 32), ("png", 1)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(
+        tmp_path_factory.mktemp("llava_onevision") / "m", TinyVLMSpec(family="llava_onevision")
+    )
+
+
+@pytest.fixture(scope="module")
+def vision(checkpoint):
+    return LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"vision"})  # the encoder's
+
+
+@pytest.fixture(scope="module")
+def language(checkpoint):
+    return LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"language"})  # prefill's and decode's
+
+
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def _conversation(video) -> list[dict]:
+    kind = "image" if video.is_image else "video"
+    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
+
+
+def _processor_inputs(processor, video):
+    text = processor.apply_chat_template(_conversation(video), add_generation_prompt=True, tokenize=False)
+    if video.is_image:
+        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
+    return processor(
+        text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False}
+    )
+
+
+def _meta(adapter, inputs) -> VisualMeta:
+    return VisualMeta(
+        inputs.modality, inputs.grid_thw, inputs.second_per_grid_t, adapter.num_visual_tokens(inputs.grid_thw)
+    )
+
+
+def _video(media_files, media, num_frames):
+    return decode_for_test(media_files[media], num_frames)
+
+
+def _greedy(language, state) -> list[int]:
+    cache = language.new_decode_cache(state.cache)
+    logits, positions, tokens = state.last_logits, state.next_position_ids, []
+    for _ in range(MAX_NEW_TOKENS):
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in language.eos_token_ids:
+            break
+        logits = language.decode_step(token, positions, cache)
+        positions = positions + 1  # every row, as the decode core does
+    return tokens
+
+
+def _split(vision, language, video, embeds=None, video_newline=True):
+    """Encoder adapter -> language adapter, greedy; returns (tokens, the prefill's last logits)."""
+    inputs = vision.preprocess(video)
+    if embeds is None:
+        embeds = vision.encode(inputs)
+    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    state = language.prefill(prompt, embeds, video_newline=video_newline)
+    return _greedy(language, state), state.last_logits
+
+
+@pytest.fixture(scope="module")
+def references(whole, media_files):
+    model, processor = whole
+    out = {}
+    for media, num_frames in CASES:
+        inputs = _processor_inputs(processor, _video(media_files, media, num_frames))
+        with torch.inference_mode():
+            generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+        out[(media, num_frames)] = generated[0, inputs["input_ids"].shape[1] :].tolist()
+    return out
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_reference_output_varies(references, media, num_frames):
+    ref = references[(media, num_frames)]
+    assert len(ref) == MAX_NEW_TOKENS, "the reference stopped early; the comparison would prove little"
+    assert len(set(ref)) > 4, "the tiny model repeats one token; raise its weight scale"
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_prompt_pixels_and_positions_are_the_processors_and_1d(
+    vision, language, whole, media_files, media, num_frames
+):
+    model, processor = whole
+    video = _video(media_files, media, num_frames)
+    ref = _processor_inputs(processor, video)
+    inputs = vision.preprocess(video)
+    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+
+    assert torch.equal(prompt.input_ids, ref["input_ids"])
+    if video.is_image:  # anyres: the base crop and at least one tile; grid = the image's pixels
+        assert torch.equal(inputs.pixel_values, ref["pixel_values"][0]) and inputs.pixel_values.shape[0] > 2
+        assert inputs.grid_thw == (1, *ref["image_sizes"][0].tolist())
+        placeholders = prompt.input_ids[0] == model.config.image_token_id
+        assert torch.equal(prompt.visual_mask, placeholders)
+    else:  # one pooled grid per frame, then ONE closing newline placeholder outside the mask
+        assert torch.equal(inputs.pixel_values, ref["pixel_values_videos"][0])
+        assert inputs.grid_thw == (num_frames, 5, 5)
+        placeholders = prompt.input_ids[0] == model.config.video_token_id
+        assert int(placeholders.sum()) == num_frames * 3 * 3 + 1
+        assert int(prompt.visual_mask.sum()) == num_frames * 9 == vision.num_visual_tokens(inputs.grid_thw)
+        closing = placeholders & ~prompt.visual_mask
+        assert closing.nonzero().flatten().tolist() == [int(placeholders.nonzero()[-1])]
+    length = prompt.num_tokens
+    assert prompt.position_ids.shape == (4, 1, length)
+    assert all(torch.equal(row[0], torch.arange(length)) for row in prompt.position_ids)
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_in_process_split_equals_generate(vision, language, media_files, references, media, num_frames):
+    tokens, _ = _split(vision, language, _video(media_files, media, num_frames))
+    assert tokens == references[(media, num_frames)]
+
+
+def test_next_positions_cross_as_four_equal_ints(vision, language, media_files):
+    video = _video(media_files, "mp4", 8)
+    inputs = vision.preprocess(video)
+    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    state = language.prefill(prompt, vision.encode(inputs))
+    assert state.next_position_ids.tolist() == [prompt.num_tokens] * 4
+
+
+def _unpooled_video_embeds(vision, inputs) -> torch.Tensor:
+    """Tower -> projector -> 2x2 AVERAGE pooling (not the model's bilinear interpolation)."""
+    part = vision.visual
+    with torch.inference_mode():
+        hidden = part.vision_tower(inputs.pixel_values, output_hidden_states=True).hidden_states[-1]
+        feats = part.multi_modal_projector(hidden)  # [T, p*p, hidden]
+        t, n, d = feats.shape
+        side = int(n**0.5)
+        grid = feats.view(t, side, side, d).permute(0, 3, 1, 2)
+        pooled = torch.nn.functional.avg_pool2d(grid, 2, ceil_mode=True)
+        return pooled.permute(0, 2, 3, 1).reshape(-1, d)
+
+
+def test_negative_controls_change_the_answer(vision, language, media_files, references):
+    video = _video(media_files, "mp4", 8)
+    inputs = vision.preprocess(video)
+    tokens, logits = _split(vision, language, video)
+    assert tokens == references[("mp4", 8)]
+
+    other = _unpooled_video_embeds(vision, inputs)
+    assert other.shape == vision.encode(inputs).shape  # same count, another pooling
+    pooled_tokens, pooled_logits = _split(vision, language, video, embeds=other)
+    assert not torch.allclose(logits, pooled_logits, atol=1e-3) and pooled_tokens != tokens
+
+    no_newline_tokens, no_newline_logits = _split(vision, language, video, video_newline=False)
+    assert not torch.allclose(logits, no_newline_logits, atol=1e-3) and no_newline_tokens != tokens
+
+
+def test_frame_groups_encode_independently_and_encode_batch_equals_encode(vision, media_files):
+    """The encoder encodes `frames_per_group` frames at a time and concatenates: exact here
+    because the closing newline is prefill's, not the encoder's."""
+    video = _video(media_files, "mp4", 8)
+    inputs = vision.preprocess(video)
+    whole = vision.encode(inputs)
+    groups = [
+        VisionInputs("video", inputs.pixel_values[i : i + 2], (2, 5, 5), inputs.second_per_grid_t)
+        for i in range(0, 8, 2)
+    ]
+    assert torch.allclose(torch.cat([vision.encode(g) for g in groups]), whole, atol=1e-5)
+    image = vision.preprocess(_video(media_files, "png", 1))
+    batched = vision.encode_batch([groups[0], image, inputs])
+    alone = [vision.encode(groups[0]), vision.encode(image), whole]
+    assert [b.shape for b in batched] == [a.shape for a in alone]
+    assert all(torch.allclose(b, a, atol=1e-5) for b, a in zip(batched, alone, strict=True))
+
+
+def _prompt_and_embeds(vision, language, media_files, media, num_frames):
+    video = _video(media_files, media, num_frames)
+    inputs = vision.preprocess(video)
+    return language.build_prompt(_conversation(video), _meta(vision, inputs)), vision.encode(inputs)
+
+
+def test_chunked_and_batched_prefill_equal_prefill_alone(vision, language, media_files):
+    (p1, e1), (p2, e2) = (_prompt_and_embeds(vision, language, media_files, m, n) for m, n in (("mp4", 8), ("png", 1)))
+    alone = [language.prefill(p, e) for p, e in ((p1, e1), (p2, e2))]
+    # both prompts in one padded forward
+    rows = language.prefill_chunks([PrefillChunk(p1, e1, 0, p1.num_tokens), PrefillChunk(p2, e2, 0, p2.num_tokens)])
+    for got, want in zip(rows, alone, strict=True):
+        assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)
+        kv = language.chunk_cache_to_kv(got.cache)
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(kv.keys, want.cache.keys, strict=True))
+    # the video prompt in three chunks that cut through its visual tokens and its closing newline
+    cuts = [0, 30, int(p1.visual_mask.nonzero()[-1]) + 1, p1.num_tokens]
+    cache = None
+    for start, end in zip(cuts, cuts[1:], strict=False):
+        (result,) = language.prefill_chunks([PrefillChunk(p1, e1, start, end, cache)])
+        cache = result.cache
+    assert torch.allclose(result.last_logits, alone[0].last_logits, atol=1e-4)
+    assert _greedy(language, type(alone[0])(language.chunk_cache_to_kv(cache), result.last_logits,
+                                            alone[0].next_position_ids, p1.num_tokens)) == _greedy(language, alone[0])
+
+
+def _decode_alone(language, state, steps: int) -> torch.Tensor:
+    cache, positions, seen = language.new_decode_cache(state.cache), state.next_position_ids, []
+    token = int(state.last_logits.argmax())
+    for _ in range(steps):
+        seen.append(language.decode_step(token, positions, cache))
+        token, positions = int(seen[-1].argmax()), positions + 1
+    return torch.stack(seen)
+
+
+def test_batched_decode_equals_decoding_each_request_alone(vision, language, media_files):
+    states = [
+        language.prefill(*_prompt_and_embeds(vision, language, media_files, media, n))
+        for media, n in (("mp4", 8), ("png", 1), ("mp4", 32))  # prompts of different lengths
+    ]
+    steps = 6
+    alone = [_decode_alone(language, state, steps) for state in states]
+
+    batch = language.new_batch_kv()
+    for state in states:
+        batch.add(state.cache, max(s.num_prompt_tokens for s in states) + steps)
+    assert language.kv_bytes_per_token * states[0].num_prompt_tokens == states[0].cache.num_bytes
+    tokens = [int(s.last_logits.argmax()) for s in states]
+    positions = torch.stack([s.next_position_ids for s in states], dim=1)  # [4, B]
+    batched = []
+    for _ in range(steps):
+        batched.append(language.decode_batch(tokens, positions, batch))  # [B, vocab]
+        tokens, positions = batched[-1].argmax(-1).tolist(), positions + 1
+    for row, expected in enumerate(alone):
+        got = torch.stack([step[row] for step in batched])
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def _tensors_read(monkeypatch) -> list[str]:
+    """Records every tensor the adapters read from safetensors (they read through `safe_open`)."""
+    read: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self._file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self._inner.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    return read
+
+
+def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
+    checkpoint, whole, monkeypatch
+):
+    model, _ = whole
+    root, files = _safetensors_files(str(checkpoint))
+    with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
+        keys = set(f.keys())
+    vision_keys = {k for k in keys if vision_key(k) is not None}
+    language_keys = {k for k in keys if language_key(k) is not None}
+    # only the 1 x hidden image_newline is read by both (the encoder packs image rows with it,
+    # prefill closes a video with it)
+    assert vision_keys & language_keys == {"image_newline"}
+    assert vision_keys | language_keys == keys
+    assert all(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in vision_keys - language_keys)
+    assert all(k.startswith("language_model.") for k in language_keys - vision_keys)
+
+    read = _tensors_read(monkeypatch)
+    tower_only = LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"vision"})
+    assert set(read) == vision_keys and tower_only.model is None
+    read.clear()
+    language_only = LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"language"})
+    assert set(read) == language_keys and language_only.visual is None
+
+    expected = {vision_key(k): v for k, v in model.state_dict().items() if vision_key(k)}
+    got = tower_only.visual.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    expected = {
+        k: v for k, v in model.state_dict().items() if language_key(k) and k != "model.image_newline"
+    }
+    got = language_only.model.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert torch.equal(language_only.image_newline, model.model.image_newline)
+
+
+def test_hub_key_layout_maps_to_the_same_parts():
+    """llava-hf's checkpoints (transformers 4) nest SigLIP under "vision_model."; module names
+    (a whole model's state_dict) carry "model."."""
+    assert vision_key("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") == (
+        "vision_tower.encoder.layers.0.mlp.fc1.weight"
+    )
+    assert vision_key("model.vision_tower.encoder.layers.0.mlp.fc1.weight") == (
+        "vision_tower.encoder.layers.0.mlp.fc1.weight"
+    )
+    assert language_key("model.language_model.norm.weight") == "model.language_model.norm.weight"
+    assert vision_key("multi_modal_projector.linear_1.bias") == "multi_modal_projector.linear_1.bias"
+    assert vision_key("image_newline") == language_key("image_newline") == "image_newline"
+    assert language_key("language_model.model.layers.0.self_attn.q_proj.weight") == (
+        "model.language_model.layers.0.self_attn.q_proj.weight"
+    )
+    assert language_key("language_model.lm_head.weight") == "lm_head.weight"
+    assert language_key("vision_tower.vision_model.post_layernorm.weight") is None
+    assert vision_key("language_model.model.norm.weight") is None
+
+
+def test_the_loader_detects_llava_onevision_and_loads_each_stages_part(checkpoint):
+    assert check_model_dir(str(checkpoint)) == "llava_onevision"
+    encoder = load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
+    decode = load_adapter(ModelConfig(model=str(checkpoint)), "decode")
+    assert isinstance(encoder, LlavaOnevisionAdapter) and encoder.visual is not None and encoder.model is None
+    assert isinstance(decode, LlavaOnevisionAdapter) and decode.model is not None and decode.visual is None
+    assert decode.supports_batched_decode and not decode.supports_sparse_vision
+
+
+def test_the_whole_model_adapter_equals_the_split(checkpoint, vision, media_files, references):
+    both = LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"vision", "language"})
+    for media, num_frames in (("mp4", 8), ("png", 1)):
+        video = _video(media_files, media, num_frames)
+        assert torch.allclose(both.encode(both.preprocess(video)), vision.encode(vision.preprocess(video)))
+        assert _split(both, both, video)[0] == references[(media, num_frames)]
+
+
+def test_layerwise_pruning_is_refused_by_name_and_the_sizes_are_described(language):
+    """The prefill drop, KV compression and decode eviction need `layerwise_prefill` /
+    `capture_queries`, which this family does not implement yet: refused, naming it."""
+    from epd.model_runtime.adapter import UnsupportedByFamily
+
+    dims = language.text_dims
+    c = language.hf_config.text_config
+    assert (dims.num_layers, dims.hidden_size, dims.num_kv_heads) == (
+        c.num_hidden_layers, c.hidden_size, c.num_key_value_heads
+    )
+    assert language.kv_bytes_per_token == 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4
+    embeds = language.embed(torch.tensor([[1, 2, 3]]))
+    assert embeds.shape == (1, 3, dims.hidden_size)
+    with pytest.raises(UnsupportedByFamily, match="LlavaOnevisionAdapter cannot run its decoder layer by layer"):
+        language.layerwise_prefill(embeds, torch.arange(3).view(1, 1, 3).expand(4, 1, 3))
+    with pytest.raises(UnsupportedByFamily, match="LlavaOnevisionAdapter"):
+        language.capture_queries([0], torch.tensor([2]))
+
+
+def test_three_services_equal_generate(checkpoint, media_files, references, tmp_path_factory):
+    """The unchanged engines serve this family: encoder (default 2-frame groups), prefill and
+    decode processes, each loading only its part, answer exactly as generate() does."""
+    from epd.client import EpdClient
+    from tests.stack import Stack
+
+    with Stack(checkpoint, tmp_path_factory.mktemp("logs_llava_onevision")) as stack:
+        with EpdClient(stack.gateway) as client:
+            for media, num_frames in CASES:
+                result = client.ask(
+                    media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS
+                )
+                assert result.token_ids == references[(media, num_frames)], (media, num_frames)
+                visual = 9 * num_frames if media == "mp4" else None
+                assert visual is None or result.num_visual_tokens == visual

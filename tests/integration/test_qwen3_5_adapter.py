@@ -1,0 +1,405 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + full attention) through `Qwen3_5Adapter` split in one process:
+the encoder's adapter (tower only) -> `encode`, the language adapter -> `build_prompt` + `prefill`,
+the cache through its wire form (`KvCache.named_tensors()` -> `from_named_tensors()`) ->
+`new_decode_cache` -> a greedy `decode_step` loop, equals `model.generate(do_sample=False)` token for
+token on a tiny checkpoint of the real transformers classes, for 8 and 32 frames and an image. The
+linear layers' conv and recurrent states cross the boundary (zeroing them changes the answer;
+losing them is refused); batched decode equals decoding alone; KV budget and pruning refusal;
+each one-part adapter reads only its own part's tensors."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors
+import torch
+from transformers.video_utils import VideoMetadata
+
+from epd.model_runtime.adapter import VisualFeatures, VisualMeta
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.loader import check_model_dir, load_adapter
+from epd.model_runtime.qwen2_vl import _language_key, _safetensors_files, _vision_key
+from epd.model_runtime.qwen3_5 import Qwen3_5Adapter
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from tests.reference import decode_for_test
+
+QUESTION = "what colour is the moving square?"
+MAX_NEW_TOKENS = 20
+CASES = [("mp4", 8), ("mp4", 32), ("png", 1)]
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    spec = TinyVLMSpec(family="qwen3_5", num_hidden_layers=4)
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "m", spec)
+
+
+@pytest.fixture(scope="module")
+def vision(checkpoint):
+    return Qwen3_5Adapter(str(checkpoint), ModelConfig(), {"vision"})  # the encoder's
+
+
+@pytest.fixture(scope="module")
+def language(checkpoint):
+    return Qwen3_5Adapter(str(checkpoint), ModelConfig(), {"language"})  # prefill's and decode's
+
+
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def _conversation(video) -> list[dict]:
+    kind = "image" if video.is_image else "video"
+    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
+
+
+def _processor_inputs(processor, video):
+    """The processor's own __call__ on the same frames, with the video's real metadata."""
+    text = processor.apply_chat_template(_conversation(video), add_generation_prompt=True, tokenize=False)
+    if video.is_image:
+        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
+    fps = video.source_fps
+    indices = [round(t * fps) for t in video.timestamps_s]
+    metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
+    kwargs = {"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [metadata]}
+    return processor(text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs=kwargs)
+
+
+def _meta(adapter, inputs) -> VisualMeta:
+    return VisualMeta(
+        inputs.modality,
+        inputs.grid_thw,
+        inputs.second_per_grid_t,
+        adapter.num_visual_tokens(inputs.grid_thw),
+        inputs.group_timestamps_s,
+    )
+
+
+def _video(media_files, media, num_frames):
+    return decode_for_test(media_files[media], num_frames)
+
+
+def _over_the_wire(cache: KvCache) -> KvCache:
+    """What the decode pull reassembles: the named tensors, copied, by name."""
+    return KvCache.from_named_tensors({name: t.clone() for name, t in cache.named_tensors()})
+
+
+def _prefill(vision, language, video):
+    inputs = vision.preprocess(video)
+    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    return language.prefill_features(prompt, vision.encode_features(inputs))
+
+
+def _split(vision, language, video, zero_linear_states=False):
+    """Encoder adapter -> language adapter -> wire -> decode, greedy; returns the tokens."""
+    state = _prefill(vision, language, video)
+    wire = _over_the_wire(state.cache)
+    if zero_linear_states:
+        wire.conv_states = {i: torch.zeros_like(s) for i, s in wire.conv_states.items()}
+        wire.recurrent_states = {i: torch.zeros_like(s) for i, s in wire.recurrent_states.items()}
+    cache = language.new_decode_cache(wire)
+    logits, positions, tokens = state.last_logits, state.next_position_ids, []
+    for _ in range(MAX_NEW_TOKENS):
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in language.eos_token_ids:
+            break
+        logits = language.decode_step(token, positions, cache)
+        positions = positions + 1
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def references(whole, media_files):
+    model, processor = whole
+    out = {}
+    for media, num_frames in CASES:
+        inputs = _processor_inputs(processor, _video(media_files, media, num_frames))
+        with torch.inference_mode():
+            generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+        out[(media, num_frames)] = generated[0, inputs["input_ids"].shape[1] :].tolist()
+    return out
+
+
+def test_the_tiny_model_is_hybrid_without_deepstack(language, whole):
+    model, _ = whole
+    assert language.layer_types == LAYER_TYPES == model.config.text_config.layer_types
+    assert language.attention_layers == [1, 3] and language.linear_layers == [0, 2]
+    assert language.num_deepstack_layers == 0
+    assert not hasattr(model.model.visual, "deepstack_merger_list")
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_reference_output_varies(references, media, num_frames):
+    ref = references[(media, num_frames)]
+    assert len(ref) == MAX_NEW_TOKENS, "the reference stopped early; the comparison would prove little"
+    assert len(set(ref)) > 4, "the tiny model repeats one token; raise its weight scale"
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_prompt_pixels_and_positions_are_the_processors_and_generates(
+    vision, language, whole, media_files, media, num_frames
+):
+    model, processor = whole
+    video = _video(media_files, media, num_frames)
+    ref = _processor_inputs(processor, video)
+    inputs = vision.preprocess(video)
+    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+
+    assert torch.equal(prompt.input_ids, ref["input_ids"])
+    text = processor.tokenizer.decode(prompt.input_ids[0])
+    assert text.endswith("<|im_start|>assistant\n<think>\n")  # the template's own generation prompt
+    pixels, grid = (
+        ("pixel_values", "image_grid_thw") if video.is_image else ("pixel_values_videos", "video_grid_thw")
+    )
+    assert torch.equal(inputs.pixel_values, ref[pixels]) and inputs.grid_thw == tuple(ref[grid][0].tolist())
+    expected = model._prepare_position_ids_for_generation(ref["input_ids"], dict(ref))  # what generate() uses
+    assert torch.equal(prompt.position_ids, expected)
+    if not video.is_image:
+        assert text.count(" seconds>") == inputs.grid_thw[0] == num_frames // 2
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_in_process_split_through_the_wire_equals_generate(
+    vision, language, media_files, references, media, num_frames
+):
+    assert _split(vision, language, _video(media_files, media, num_frames)) == references[(media, num_frames)]
+
+
+@pytest.mark.parametrize("media,num_frames", [("mp4", 8), ("png", 1)])
+def test_zeroing_the_linear_states_on_the_way_changes_the_answer(
+    vision, language, media_files, references, media, num_frames
+):
+    video = _video(media_files, media, num_frames)
+    assert _split(vision, language, video, zero_linear_states=True) != references[(media, num_frames)]
+
+
+def test_the_cache_carries_attention_kv_and_fixed_size_linear_states(vision, language, media_files):
+    short = _prefill(vision, language, _video(media_files, "png", 1)).cache
+    long = _prefill(vision, language, _video(media_files, "mp4", 32)).cache
+    for cache in (short, long):
+        assert cache.layer_ids == [1, 3] and cache.linear_layers == [0, 2]
+        assert all(s.dtype == torch.float32 for s in cache.recurrent_states.values())
+        assert cache.kv_num_bytes == language.kv_bytes_per_token * cache.num_cached_tokens
+        assert cache.linear_state_num_bytes == language.linear_state_bytes
+        assert cache.num_bytes == cache.kv_num_bytes + cache.linear_state_num_bytes
+    assert long.num_cached_tokens > short.num_cached_tokens  # KV grows with the prompt, states do not
+    assert long.linear_state_num_bytes == short.linear_state_num_bytes
+    names = [name for name, _ in long.named_tensors()]
+    assert names == [
+        "layer.0.conv", "layer.0.recurrent", "layer.1.key", "layer.1.value",
+        "layer.2.conv", "layer.2.recurrent", "layer.3.key", "layer.3.value",
+    ]
+    back = _over_the_wire(long)
+    assert back.layer_ids == [1, 3] and back.num_bytes == long.num_bytes
+    assert back.num_cached_tokens == long.num_cached_tokens
+    narrow = long.cast(torch.bfloat16)  # PruningConfig.kv_dtype: recurrent states stay float32
+    assert all(k.dtype == torch.bfloat16 for k in narrow.keys)
+    assert all(s.dtype == torch.bfloat16 for s in narrow.conv_states.values())
+    assert all(s.dtype == torch.float32 for s in narrow.recurrent_states.values())
+    assert language.new_decode_cache(narrow).get_seq_length() == long.num_cached_tokens
+
+
+def test_a_cache_without_its_linear_states_is_refused(vision, language, media_files):
+    cache = _prefill(vision, language, _video(media_files, "png", 1)).cache
+    named = dict(cache.named_tensors())
+    del named["layer.2.recurrent"]
+    with pytest.raises(ValueError, match="missing tensor 'layer.2.recurrent'"):
+        KvCache.from_named_tensors(named)
+    keys_only = KvCache(cache.keys, cache.values, cache.attention_layers)  # e.g. rebuilt from keys alone
+    with pytest.raises(ValueError, match="conv states for layers \\[\\]"):
+        language.new_decode_cache(keys_only)
+    plain = KvCache(cache.keys, cache.values)  # an attention-only model's cache
+    with pytest.raises(ValueError, match="attention layers are \\[1, 3\\]"):
+        language.new_decode_cache(plain)
+
+
+def test_pruning_and_deepstack_are_refused(vision, language, media_files):
+    with pytest.raises(ValueError, match="Qwen3.5 .* supports no token pruning"):
+        language.text_dims  # noqa: B018 - what every pruning stage asks for first
+    with pytest.raises(ValueError, match="Qwen3.5 .* supports no token pruning"):
+        language.num_layers  # noqa: B018
+    video = _video(media_files, "png", 1)
+    inputs = vision.preprocess(video)
+    embeds = vision.encode(inputs)
+    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    with pytest.raises(ValueError, match="no DeepStack layers"):
+        language.prefill_features(prompt, VisualFeatures(embeds, [embeds]))
+
+
+def _decode_alone(language, state, steps: int) -> torch.Tensor:
+    """[steps, vocab]: the logits of `steps` greedy decode_step calls after `state`."""
+    cache, positions, seen = language.new_decode_cache(state.cache), state.next_position_ids, []
+    token = int(state.last_logits.argmax())
+    for _ in range(steps):
+        seen.append(language.decode_step(token, positions, cache))
+        token, positions = int(seen[-1].argmax()), positions + 1
+    return torch.stack(seen)
+
+
+def test_batched_decode_equals_decoding_each_request_alone_through_joins_and_leaves(
+    vision, language, media_files
+):
+    """Two requests of different lengths share decode steps; the first leaves mid-way (the
+    second's slot and linear states move into row 0) and the second goes on alone in the batch."""
+    states = [_prefill(vision, language, _video(media_files, m, n)) for m, n in (("mp4", 8), ("png", 1))]
+    together, after = 4, 3
+    alone = [_decode_alone(language, state, together + after) for state in states]
+
+    assert language.supports_batched_decode
+    batch = language.new_batch_kv()
+    columns = max(s.num_prompt_tokens for s in states) + together + after + 1
+    for state in states:
+        batch.add(_over_the_wire(state.cache), columns)
+    tokens = [int(s.last_logits.argmax()) for s in states]
+    positions = torch.stack([s.next_position_ids for s in states], dim=1)  # [4, B]
+    got: list[list[torch.Tensor]] = [[], []]
+    for _ in range(together):
+        logits = language.decode_batch(tokens, positions, batch)  # [B, vocab]
+        for row in range(2):
+            got[row].append(logits[row])
+        tokens, positions = logits.argmax(-1).tolist(), positions + 1
+    row_cache = batch.row_cache(1)
+    assert row_cache.linear_layers == [0, 2] and row_cache.layer_ids == [1, 3]
+    assert batch.remove(0) == 1  # the second request moves into row 0
+    tokens, positions = tokens[1:], positions[:, 1:]
+    for _ in range(after):
+        logits = language.decode_batch(tokens, positions, batch)
+        got[1].append(logits[0])
+        tokens, positions = logits.argmax(-1).tolist(), positions + 1
+    batch.remove(0)
+    assert batch.num_rows == 0 and batch.num_bytes == 0
+    for row, expected in enumerate(alone):
+        seen = torch.stack(got[row])
+        assert torch.equal(seen.argmax(-1), expected[: len(seen)].argmax(-1))
+        assert torch.allclose(seen, expected[: len(seen)], atol=1e-4), (seen - expected[: len(seen)]).abs().max()
+
+
+def test_a_batch_refuses_a_cache_without_linear_states(vision, language, media_files):
+    state = _prefill(vision, language, _video(media_files, "png", 1))
+    keys_only = KvCache(state.cache.keys, state.cache.values, state.cache.attention_layers)
+    with pytest.raises(ValueError, match="linear-attention states of layers \\[0, 2\\]"):
+        language.new_batch_kv().add(keys_only, state.num_prompt_tokens + 4)
+
+
+def _tensors_read(monkeypatch) -> list[str]:
+    """Records every tensor the adapters read from safetensors (they read through `safe_open`)."""
+    read: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self._file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self._inner.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    return read
+
+
+def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
+    checkpoint, whole, monkeypatch
+):
+    model, _ = whole
+    root, files = _safetensors_files(str(checkpoint))
+    with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
+        keys = set(f.keys())
+    vision_keys = {k for k in keys if _vision_key(k) is not None}
+    language_keys = {k for k in keys if _language_key(k) is not None}
+    assert vision_keys and language_keys and not vision_keys & language_keys
+    assert vision_keys | language_keys == keys
+    assert any("linear_attn" in k for k in language_keys)
+
+    read = _tensors_read(monkeypatch)
+    tower_only = Qwen3_5Adapter(str(checkpoint), ModelConfig(), {"vision"})
+    assert set(read) == vision_keys and tower_only.model is None
+    read.clear()
+    language_only = Qwen3_5Adapter(str(checkpoint), ModelConfig(), {"language"})
+    assert set(read) == language_keys and language_only.visual is None
+
+    tower = tower_only.visual.state_dict()
+    assert tower.keys() == model.model.visual.state_dict().keys()
+    assert all(torch.equal(tower[k], v) for k, v in model.model.visual.state_dict().items())
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith("model.visual.")}
+    got = language_only.model.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_the_loader_detects_qwen3_5_and_loads_each_stages_part(checkpoint):
+    assert check_model_dir(str(checkpoint)) == "qwen3_5"
+    encoder = load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
+    decode = load_adapter(ModelConfig(model=str(checkpoint)), "decode")
+    assert isinstance(encoder, Qwen3_5Adapter) and encoder.visual is not None and encoder.model is None
+    assert isinstance(decode, Qwen3_5Adapter) and decode.model is not None and decode.visual is None
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoint):
+    from epd.gateway.embedded import build_embedded_pipeline
+
+    return build_embedded_pipeline(ModelConfig(model=str(checkpoint)))
+
+
+def _ask(pipeline, media_files, cases, pruning=None):
+    """The pipeline's summaries of several questions asked at once (their decoding shares steps)."""
+    import asyncio
+
+    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.stages.contracts import MediaInput
+    from epd.stages.messages import question_messages
+    from epd.token_pruning import PruningConfig
+    from epd.video.types import SamplingOptions
+
+    async def one(media, num_frames):
+        request = AskRequest(
+            messages=question_messages(QUESTION),
+            media=MediaInput(media_files[media].read_bytes()),
+            sampling=SamplingOptions(num_frames=num_frames),
+            generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+            pruning=pruning or PruningConfig(),
+        )
+        async for item in pipeline.ask(request):
+            if isinstance(item, AskSummary):
+                return item
+        raise AssertionError("no summary")
+
+    async def run():
+        return await asyncio.gather(*(one(m, n) for m, n in cases))
+
+    return asyncio.run(run())
+
+
+def test_the_stages_in_one_process_equal_generate_and_refuse_pruning(
+    pipeline, language, media_files, references
+):
+    """The real encoder, prefill and decode stages, two requests at once; the cache they hand
+    over counts the linear states beside the KV."""
+    from epd.stages.errors import InvalidRequest
+    from epd.token_pruning import PruningConfig
+
+    cases = [("mp4", 8), ("png", 1)]
+    for (media, num_frames), summary in zip(cases, _ask(pipeline, media_files, cases), strict=True):
+        assert summary.token_ids == references[(media, num_frames)]
+        kv = language.kv_bytes_per_token * summary.num_prompt_tokens
+        assert summary.kv_num_bytes == kv + language.linear_state_bytes
+    with pytest.raises(InvalidRequest, match="Qwen3.5 .* supports no token pruning"):
+        _ask(pipeline, media_files, [("mp4", 8)], PruningConfig.from_preset("light"))

@@ -1,0 +1,295 @@
+"""The decode core with the real tiny Qwen2-VL, in one process (`LocalDecodeStage` taking caches
+from a `KvStore`): every batched step runs on the model thread, requests join and leave a running
+batch, each one's tokens equal its tokens decoded alone, the first step carries the transfer
+figures, and however a request ends (to the end, closed early, its reader cancelled, a step
+failing) its row, its KV memory and its transferred cache are freed and no step runs for it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+from contextlib import aclosing
+
+import pytest
+import torch
+
+from epd.decode_svc.config import DecodeConfig
+from epd.decode_svc.engine import DecodeEngine
+from epd.decode_svc.stage import LocalDecodeStage, take_from_store
+from epd.model_runtime.adapter import VisualMeta
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.loader import load_adapter
+from epd.model_runtime.sampling import GenerationConfig
+from epd.prefill_svc.kv_store import KvStore
+from epd.stages.contracts import PrefillHandle, TokenStep
+from epd.stages.errors import ResourceExhausted
+from epd.stages.messages import question_messages, to_chat_template
+from epd.stages.model_thread import ModelThread
+
+HANG_GUARD_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_models):
+    return load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "decode")
+
+
+@pytest.fixture
+def thread():
+    model_thread = ModelThread()
+    yield model_thread
+    model_thread.close()
+
+
+class Calls:
+    """Counts the batched decode steps, their batch sizes and the threads they ran on."""
+
+    def __init__(self, adapter, monkeypatch, fail_at: int | None = None) -> None:
+        self.threads: list[int] = []
+        self.batch_sizes: list[int] = []
+        step = adapter.decode_batch
+
+        def decode_batch(token_ids, positions, batch):
+            self.threads.append(threading.get_ident())
+            self.batch_sizes.append(len(token_ids))
+            if fail_at is not None and len(self.threads) == fail_at:
+                raise RuntimeError("step failed")
+            return step(token_ids, positions, batch)
+
+        monkeypatch.setattr(adapter, "decode_batch", decode_batch)
+
+
+def _prefilled(adapter, store: KvStore, question: str, grid=(1, 4, 4), seed: int = 0):
+    """A real prefill of a one-image prompt, its cache put in `store`; returns the handle and a
+    weak reference to the cache (the store holds the only strong one)."""
+    n = adapter.num_visual_tokens(grid)
+    messages = to_chat_template(question_messages(question), "image")
+    prompt = adapter.build_prompt(messages, VisualMeta("image", grid, 0.0, n))
+    embeds = torch.randn(n, adapter.hidden_size, generator=torch.Generator().manual_seed(seed))
+    state = adapter.prefill(prompt, embeds)
+    cache = state.cache
+    handle = PrefillHandle(
+        kv_handle=store.put(cache),
+        first_token_id=int(state.last_logits.argmax()),
+        num_prompt_tokens=state.num_prompt_tokens,
+        num_cached_tokens=cache.num_cached_tokens,
+        next_position_ids=[int(x) for x in state.next_position_ids],
+        kv_num_bytes=cache.num_bytes,
+        prefill_ms=0.0,
+    )
+    return handle, weakref.ref(cache)
+
+
+def _alone(adapter, store, question, max_new, grid=(1, 4, 4), seed=0) -> list[int]:
+    """The request's greedy tokens decoded alone, step by step (no batch)."""
+    handle, _ = _prefilled(adapter, store, question, grid, seed)
+    gen = DecodeEngine(adapter).start(
+        store.take(handle.kv_handle),
+        handle.first_token_id,
+        handle.next_position_ids,
+        GenerationConfig(max_new_tokens=max_new, ignore_eos=True),
+    )
+    tokens = [gen.first().token_ids[0]]
+    while not gen.done:
+        tokens += gen.step().token_ids
+    return tokens
+
+
+def _stage(adapter, store, thread, **config) -> LocalDecodeStage:
+    return LocalDecodeStage(DecodeEngine(adapter), take_from_store(store), thread, DecodeConfig(**config))
+
+
+def _assert_idle(stage: LocalDecodeStage, *cache_refs) -> None:
+    runner = stage.core.runner
+    assert runner.rows == [] and stage.memory.num_holding == 0 and stage.memory.num_waiting == 0
+    assert runner.batch is None or runner.batch.num_bytes == 0, "an idle decoder holds no KV memory"
+    gc.collect()
+    assert all(ref() is None for ref in cache_refs), "the transferred caches are no longer referenced"
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
+
+
+def test_to_the_end_every_step_on_the_model_thread_and_everything_freed(adapter, thread, monkeypatch):
+    calls = Calls(adapter, monkeypatch)
+    store = KvStore(1 << 30, 60.0)
+    handle, cache_ref = _prefilled(adapter, store, "what colour is the square?")
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        steps = [
+            s async for s in stage.generate(handle, GenerationConfig(max_new_tokens=5, ignore_eos=True), "r")
+        ]
+        return steps, await thread.run(threading.get_ident)
+
+    steps, model_ident = _run(scenario())
+    assert all(isinstance(s, TokenStep) and len(s.token_ids) == 1 for s in steps)
+    assert [s.finish_reason for s in steps] == ["", "", "", "", "length"]
+    assert steps[0].kv_num_bytes == handle.kv_num_bytes and steps[0].kv_transfer_ms >= 0
+    assert [(s.kv_transfer_ms, s.kv_num_bytes) for s in steps[1:]] == [(0.0, 0)] * 4
+    assert calls.threads == [model_ident] * 4, (
+        "the first token is prefill's; 4 steps, all on the model thread"
+    )
+    assert stage.load().num_steps == 4 and stage.load().last_batch_size == 1
+    _assert_idle(stage, cache_ref)
+
+
+def test_requests_join_and_leave_a_running_batch_with_their_own_tokens(adapter, thread, monkeypatch):
+    """Three prompts of different lengths: B starts while A runs, C after A has left; each
+    one's greedy tokens equal its tokens decoded alone, and the batch really was shared."""
+    store = KvStore(1 << 30, 60.0)
+    specs = {  # name: (question, grid, max_new_tokens)
+        "a": ("what colour is the square?", (1, 4, 4), 6),
+        "b": ("how many squares move from the left to the right of the frame?", (1, 8, 8), 14),
+        "c": ("which one?", (1, 4, 6), 8),
+    }
+    want = {k: _alone(adapter, store, q, n, g, seed=i) for i, (k, (q, g, n)) in enumerate(specs.items())}
+    calls = Calls(adapter, monkeypatch)
+    stage = _stage(adapter, store, thread)
+    handles, refs = {}, []
+    for i, (k, (q, g, _)) in enumerate(specs.items()):
+        handles[k], ref = _prefilled(adapter, store, q, g, seed=i)
+        refs.append(ref)
+
+    async def consume(k, started: asyncio.Event | None = None, after: asyncio.Event | None = None):
+        if after is not None:
+            await after.wait()
+        out = []
+        gen = GenerationConfig(max_new_tokens=specs[k][2], ignore_eos=True)
+        async for step in stage.generate(handles[k], gen, k):
+            out += step.token_ids
+            if started is not None and len(out) == 3:
+                started.set()
+        return out
+
+    async def scenario():
+        a_running, a_done = asyncio.Event(), asyncio.Event()
+
+        async def a():
+            out = await consume("a", started=a_running)
+            a_done.set()
+            return out
+
+        return await asyncio.gather(a(), consume("b", after=a_running), consume("c", after=a_done))
+
+    got = dict(zip("abc", _run(scenario())))
+    assert got == want
+    assert max(calls.batch_sizes) >= 2, f"the requests shared steps: batch sizes {calls.batch_sizes}"
+    _assert_idle(stage, *refs)
+
+
+def test_closing_early_frees_the_row_and_stops_stepping(adapter, thread, monkeypatch):
+    calls = Calls(adapter, monkeypatch)
+    store = KvStore(1 << 30, 60.0)
+    handle, cache_ref = _prefilled(adapter, store, "what colour is the square?")
+    stage = _stage(adapter, store, thread)
+    release = threading.Event()
+
+    async def scenario():
+        tokens = stage.generate(handle, GenerationConfig(max_new_tokens=50, ignore_eos=True), "r")
+        async with aclosing(tokens):
+            async for _ in tokens:
+                # Hold the model thread, so no step can run while the reader leaves.
+                blocked = asyncio.ensure_future(thread.run(release.wait, HANG_GUARD_S))
+                break
+        assert stage.memory.num_holding == 0, "the reservation goes the moment the reader leaves"
+        steps_when_left = len(calls.threads)
+        release.set()
+        await blocked
+        await asyncio.sleep(0.05)
+        await thread.run(lambda: None)
+        return steps_when_left
+
+    steps_when_left = _run(scenario())
+    # The core queues its next step as soon as it has handed out the last one's tokens: that step
+    # may still run; none after it.
+    assert len(calls.threads) <= steps_when_left + 1 <= 3, "no step ran after the one in flight"
+    _assert_idle(stage, cache_ref)
+
+
+def test_cancelling_the_reader_frees_everything(adapter, thread, monkeypatch):
+    calls = Calls(adapter, monkeypatch)
+    store = KvStore(1 << 30, 60.0)
+    handle, cache_ref = _prefilled(adapter, store, "what colour is the square?")
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        got_two = asyncio.Event()
+
+        async def reader():
+            n = 0
+            async for _ in stage.generate(handle, GenerationConfig(max_new_tokens=400, ignore_eos=True), "r"):
+                n += 1
+                if n == 2:
+                    got_two.set()
+
+        task = asyncio.ensure_future(reader())
+        await got_two.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        await thread.run(lambda: None)
+
+    _run(scenario())
+    assert 1 <= len(calls.threads) < 399, "it stopped early"
+    _assert_idle(stage, cache_ref)
+
+
+def test_a_failing_step_reaches_the_reader_and_frees_everything(adapter, thread, monkeypatch):
+    Calls(adapter, monkeypatch, fail_at=2)
+    store = KvStore(1 << 30, 60.0)
+    handle, cache_ref = _prefilled(adapter, store, "what colour is the square?")
+    stage = _stage(adapter, store, thread)
+    read: list[TokenStep] = []
+
+    async def scenario():
+        try:
+            async for step in stage.generate(
+                handle, GenerationConfig(max_new_tokens=20, ignore_eos=True), "r"
+            ):
+                read.append(step)
+        except RuntimeError as exc:
+            error = str(exc)  # only the message: the traceback holds the failed call's frames
+        await asyncio.sleep(0.05)
+        await thread.run(lambda: None)
+        return error
+
+    assert _run(scenario()) == "step failed"
+    assert len(read) == 2, "prefill's token and the first step's"
+    _assert_idle(stage, cache_ref)
+
+
+def test_requests_beyond_the_kv_budget_wait_for_room_and_all_finish(adapter, thread, monkeypatch):
+    """A budget for two requests: the third waits (its cache is not taken from the store until
+    there is room) and runs once one has left; a fourth finds the wait queue full."""
+    calls = Calls(adapter, monkeypatch)
+    store = KvStore(1 << 30, 60.0)
+    handles = [_prefilled(adapter, store, "what colour is the square?", seed=i)[0] for i in range(4)]
+    max_new = 6
+    final = handles[0].num_cached_tokens + max_new
+    budget = 2 * final * adapter.kv_bytes_per_token
+    stage = _stage(adapter, store, thread, kv_budget_bytes=budget, max_waiting_requests=1)
+    gen = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
+
+    async def run(h):
+        return [t for s in [s async for s in stage.generate(h, gen, "r")] for t in s.token_ids]
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(run(h)) for h in handles[:3]]
+        while stage.memory.num_waiting == 0:
+            await asyncio.sleep(0.001)
+        assert len(store) >= 1, "the waiting request's cache is still in the store"
+        with pytest.raises(ResourceExhausted, match="--kv-budget-bytes"):
+            await run(handles[3])
+        return await asyncio.gather(*tasks)
+
+    outs = _run(scenario())
+    assert [len(o) for o in outs] == [max_new] * 3
+    assert max(calls.batch_sizes) == 2, "never more rows than the budget holds"
+    assert len(store) == 1, "the refused request's cache was never taken"
+    _assert_idle(stage)

@@ -1,0 +1,185 @@
+"""The engine cores' load on the gateway's /metrics, with fake stages (no model): local stages
+read directly, remote replicas over a real in-process LoadService, and stages that do not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+
+from epd.gateway.engine_load import LoadSource
+from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
+from epd.gateway.pipeline import Pipeline
+from epd.stages.engine_core import EngineLoad
+from epd.transport.load_servicer import stage_loads, with_load_service
+from epd.transport.remote_stages import RemoteDecodeStage, RemoteEncodeStage, RemotePrefillStage, ReplicaPool
+
+ENGINE_METRICS = {
+    "epd_engine_running_requests": ("gauge", "num_running"),
+    "epd_engine_waiting_requests": ("gauge", "num_waiting"),
+    "epd_engine_batch_size": ("gauge", "last_batch_size"),
+    "epd_engine_steps_total": ("counter", "num_steps"),
+    "epd_engine_queue_wait_seconds_total": ("counter", "queue_wait_s_total"),
+    "epd_engine_preemptions_total": ("counter", "num_preemptions"),
+    "epd_engine_memory_used_bytes": ("gauge", "memory_used_bytes"),
+    "epd_engine_memory_total_bytes": ("gauge", "memory_total_bytes"),
+}
+SHORT_TIMEOUT_S = 0.2  # only how long a scrape waits for the stage that never answers
+
+
+class FakeStage:
+    """A stage whose engine core reports `self.loads` (or raises / hangs when told to)."""
+
+    def __init__(self, *loads: EngineLoad, fail: bool = False) -> None:
+        self.loads = list(loads)
+        self.fail = fail
+
+    def load(self) -> list[EngineLoad]:
+        if self.fail:
+            raise RuntimeError("the scheduler is gone")
+        return self.loads
+
+
+class NoCoreStage:
+    """A stage without an engine core (no `load`)."""
+
+
+def _metered(encoder, prefill, decoder, timeout_s: float = 5.0) -> GatewayMetrics:
+    metrics = GatewayMetrics(load_timeout_s=timeout_s)
+    MeteredPipeline(Pipeline(encoder, prefill, decoder), metrics)
+    return metrics
+
+
+def _scrape(metrics: GatewayMetrics) -> str:
+    return asyncio.run(metrics.scrape()).decode()
+
+
+def _engine(
+    metrics: GatewayMetrics, name: str, stage: str, core: str, replica: str = "local"
+) -> float | None:
+    return metrics.registry.get_sample_value(name, {"stage": stage, "core": core, "replica": replica})
+
+
+def test_local_stage_loads_become_one_sample_per_metric():
+    busy = EngineLoad(
+        "prefill", num_running=2, num_waiting=5, last_batch_size=2, num_steps=17, queue_wait_s_total=0.75,
+        num_preemptions=3, memory_used_bytes=1000, memory_total_bytes=8000,
+    )  # fmt: skip
+    metrics = _metered(
+        FakeStage(EngineLoad("encoder", num_steps=1)), FakeStage(busy), FakeStage(EngineLoad("decode"))
+    )
+    text = _scrape(metrics)
+    for name, (kind, attr) in ENGINE_METRICS.items():
+        assert f"# TYPE {name} {kind}" in text, name
+        assert _engine(metrics, name, "prefill", "prefill") == getattr(busy, attr), name
+        assert _engine(metrics, name, "decode", "decode") == 0, name
+    assert _engine(metrics, "epd_engine_steps_total", "encoder", "encoder") == 1
+    assert 'epd_engine_steps_total{core="prefill",replica="local",stage="prefill"} 17.0' in text.splitlines()
+
+
+def test_each_scrape_reads_the_load_afresh():
+    decode = FakeStage(EngineLoad("decode", num_steps=1, num_running=1))
+    metrics = _metered(NoCoreStage(), NoCoreStage(), decode)
+    _scrape(metrics)
+    assert _engine(metrics, "epd_engine_steps_total", "decode", "decode") == 1
+    decode.loads = [EngineLoad("decode", num_steps=9, num_running=0)]
+    assert _engine(metrics, "epd_engine_steps_total", "decode", "decode") == 1  # until the next scrape
+    _scrape(metrics)
+    assert _engine(metrics, "epd_engine_steps_total", "decode", "decode") == 9
+    assert _engine(metrics, "epd_engine_running_requests", "decode", "decode") == 0
+    # stages without an engine core have no samples and no scrape errors
+    assert _engine(metrics, "epd_engine_steps_total", "encoder", "encoder") is None
+    assert 'stage="encoder"' not in "".join(
+        line for line in _scrape(metrics).splitlines() if "epd_load" in line
+    )
+
+
+def test_a_process_with_two_cores_has_one_sample_per_core():
+    encoder = FakeStage(EngineLoad("video_decode", num_waiting=4), EngineLoad("encoder", num_waiting=1))
+    metrics = _metered(encoder, NoCoreStage(), NoCoreStage())
+    _scrape(metrics)
+    assert _engine(metrics, "epd_engine_waiting_requests", "encoder", "video_decode") == 4
+    assert _engine(metrics, "epd_engine_waiting_requests", "encoder", "encoder") == 1
+
+
+def test_a_stage_that_fails_or_hangs_has_no_samples_and_counts_an_error():
+    decode = FakeStage(EngineLoad("decode", num_steps=2))
+    metrics = _metered(FakeStage(fail=True), NoCoreStage(), decode, SHORT_TIMEOUT_S)
+
+    async def never_answers(timeout_s: float) -> list[EngineLoad]:
+        await asyncio.Event().wait()
+        return []
+
+    metrics.engine_load.add_sources([LoadSource("prefill", "10.0.0.9:50052", never_answers)])
+    errors = "epd_load_scrape_errors_total"
+    assert metrics.value(errors, stage="encoder", replica="local") == 0  # the series exists from the start
+    for scrape in (1, 2):
+        _scrape(metrics)
+        assert metrics.value(errors, stage="encoder", replica="local") == scrape
+        assert metrics.value(errors, stage="prefill", replica="10.0.0.9:50052") == scrape
+        assert metrics.value(errors, stage="decode", replica="local") == 0
+    assert _engine(metrics, "epd_engine_steps_total", "encoder", "encoder") is None
+    assert _engine(metrics, "epd_engine_steps_total", "prefill", "prefill", "10.0.0.9:50052") is None
+    assert _engine(metrics, "epd_engine_steps_total", "decode", "decode") == 2
+    # a stage that answered before and fails now loses its samples
+    decode.fail = True
+    _scrape(metrics)
+    assert _engine(metrics, "epd_engine_steps_total", "decode", "decode") is None
+    assert metrics.value(errors, stage="decode", replica="local") == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_remote_replicas_are_read_over_load_service():
+    """Two encoder replicas (one up, one down), one prefill and one decode replica: every
+    replica is asked, by the address the gateway calls."""
+
+    async def scenario():
+        servers, addresses = [], {}
+        for name in ("encoder", "prefill", "decode"):
+            stage = FakeStage(EngineLoad(name, num_steps=len(name), memory_total_bytes=64))
+            server = grpc.aio.server()
+            with_load_service(lambda s: None, lambda stage=stage: stage_loads(stage))(server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            assert port
+            await server.start()
+            servers.append(server)
+            addresses[name] = f"127.0.0.1:{port}"
+        down = f"127.0.0.1:{_free_port()}"
+        pools = [ReplicaPool([addresses["encoder"], down]), ReplicaPool([addresses["prefill"]])]
+        pools.append(ReplicaPool([addresses["decode"]]))
+        pipeline = Pipeline(
+            RemoteEncodeStage(pools[0], 5.0, 1 << 20),
+            RemotePrefillStage(pools[1], 5.0),
+            RemoteDecodeStage(pools[2], 5.0),
+        )
+        metrics = GatewayMetrics(load_timeout_s=SHORT_TIMEOUT_S)
+        MeteredPipeline(pipeline, metrics)
+        try:
+            await metrics.scrape()
+        finally:
+            for pool in pools:
+                await pool.close()
+            for server in servers:
+                await server.stop(0)
+        return metrics, addresses, down
+
+    metrics, addresses, down = asyncio.run(scenario())
+    for name, address in addresses.items():
+        assert _engine(metrics, "epd_engine_steps_total", name, name, address) == len(name)
+        assert _engine(metrics, "epd_engine_memory_total_bytes", name, name, address) == 64
+        assert metrics.value("epd_load_scrape_errors_total", stage=name, replica=address) == 0
+    assert _engine(metrics, "epd_engine_steps_total", "encoder", "encoder", down) is None
+    assert metrics.value("epd_load_scrape_errors_total", stage="encoder", replica=down) == 1
+
+
+def test_gauges_are_empty_before_the_first_scrape():
+    metrics = _metered(FakeStage(EngineLoad("encoder", num_steps=3)), NoCoreStage(), NoCoreStage())
+    text = metrics.render()
+    assert "# TYPE epd_engine_steps_total counter" in text
+    assert "epd_engine_steps_total{" not in text

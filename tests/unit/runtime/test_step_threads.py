@@ -1,0 +1,41 @@
+"""--num-threads auto: every core for a call that serves one request with nothing else waiting,
+one thread otherwise; a fixed count stays fixed. And the flag's parsing."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from epd.cli.main import _num_threads
+from epd.model_runtime.threads import AUTO, StepThreads
+
+
+def test_auto_follows_the_load():
+    t = StepThreads(AUTO)
+    t.cores = 8
+    assert t.for_step(1, 0) == 8
+    assert t.for_step(1, 3) == 1, "others wait: the other processes are busy too"
+    assert t.for_step(4, 0) == 1
+
+
+def test_a_fixed_count_stays_and_apply_sets_torch_only_on_change():
+    before = torch.get_num_threads()
+    try:
+        assert StepThreads(3).for_step(16, 9) == 3
+        t = StepThreads(AUTO)
+        t.cores = 2
+        t.apply(1, 0)
+        assert torch.get_num_threads() == 2 and t.current == 2
+        t.apply(5, 0)
+        assert torch.get_num_threads() == 1 and t.current == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_flag_takes_a_count_or_auto():
+    assert _num_threads("auto") == AUTO and _num_threads("4") == 4
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number or auto"):
+            _num_threads(bad)

@@ -1,0 +1,183 @@
+"""The engine core's loop without a model: a counting runner stands in for the model (the core is
+what is tested here). Requests admitted while a step runs join the next one; outputs reach only
+their own request; a finished request is released before its reader sees the end; a reader that
+leaves is removed and released; a failed step fails only its batch; deadlines end requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from epd.stages.engine_core import CoreRequest, EngineCore, EngineLoad, ModelRunner, Scheduler
+from epd.stages.errors import DeadlineExceeded, ResourceExhausted
+from epd.stages.model_thread import ModelThread
+
+
+@dataclass(eq=False)
+class CountRequest(CoreRequest):
+    steps: int = 3  # outputs to produce
+    done: int = 0
+
+
+class FifoScheduler(Scheduler[CountRequest]):
+    def __init__(self, max_running: int = 8, max_waiting: int = 8) -> None:
+        self.waiting: list[CountRequest] = []
+        self.running: list[CountRequest] = []
+        self.max_running, self.max_waiting = max_running, max_waiting
+
+    def add(self, r):
+        if len(self.waiting) >= self.max_waiting:
+            raise ResourceExhausted("full")
+        self.waiting.append(r)
+
+    def schedule(self):
+        while self.waiting and len(self.running) < self.max_running:
+            self.running.append(self.waiting.pop(0))
+        return list(self.running)
+
+    def remove(self, r):
+        for q in (self.waiting, self.running):
+            if r in q:
+                q.remove(r)
+
+    def requests(self):
+        return [*self.running, *self.waiting]
+
+    def load(self):
+        return EngineLoad("test", len(self.running), len(self.waiting))
+
+
+class CountRunner(ModelRunner[CountRequest]):
+    def __init__(self, fail_on_step: int | None = None, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.batches: list[list[str]] = []
+        self.released: list[str] = []
+        self.fail_on_step = fail_on_step
+
+    def execute(self, batch):
+        self.batches.append([r.request_id for r in batch])
+        if self.fail_on_step == len(self.batches):
+            raise RuntimeError("step failed")
+        time.sleep(self.step_s)
+        out = []
+        for r in batch:
+            r.done += 1
+            r.finished = r.done == r.steps
+            out.append((r, f"{r.request_id}{r.done}"))
+        return out
+
+    def release(self, r):
+        self.released.append(r.request_id)
+
+
+def _core(runner=None, scheduler=None):
+    thread = ModelThread()
+    return EngineCore(scheduler or FifoScheduler(), runner or CountRunner(), thread), thread
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+async def _collect(core, r):
+    return [x async for x in core.submit(r)]
+
+
+def test_requests_share_steps_and_get_only_their_own_outputs():
+    core, thread = _core()
+
+    async def scenario():
+        a, b = CountRequest("a", steps=3), CountRequest("b", steps=1)
+        return await asyncio.gather(_collect(core, a), _collect(core, b))
+
+    try:
+        assert _run(scenario()) == [["a1", "a2", "a3"], ["b1"]]
+        assert core.runner.batches[0] == ["a", "b"], "both joined the first step"
+        assert sorted(core.runner.released) == ["a", "b"]
+        assert core.load().num_steps == 3
+    finally:
+        thread.close()
+
+
+def test_a_finished_request_is_released_before_its_reader_sees_the_end():
+    core, thread = _core()
+
+    async def scenario():
+        out = await _collect(core, CountRequest("a", steps=2))
+        return out, list(core.runner.released)
+
+    try:
+        assert _run(scenario()) == (["a1", "a2"], ["a"])
+    finally:
+        thread.close()
+
+
+def test_a_reader_that_leaves_is_removed_and_released():
+    core, thread = _core()
+
+    async def scenario():
+        r = CountRequest("a", steps=10**6)
+        stream = core.submit(r)
+        first = await stream.__anext__()
+        await stream.aclose()
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            if core.runner.released:
+                break
+        return first, r.cancelled, core.scheduler.requests(), core.runner.released
+
+    try:
+        assert _run(scenario()) == ("a1", True, [], ["a"])
+    finally:
+        thread.close()
+
+
+def test_a_full_scheduler_refuses_before_anything_runs():
+    core, thread = _core(scheduler=FifoScheduler(max_running=1, max_waiting=0))
+
+    async def scenario():
+        with pytest.raises(ResourceExhausted, match="full"):
+            await _collect(core, CountRequest("a"))
+
+    try:
+        _run(scenario())
+        assert core.runner.batches == []
+    finally:
+        thread.close()
+
+
+def test_a_failed_step_fails_its_batch_and_the_core_keeps_serving():
+    core, thread = _core(runner=CountRunner(fail_on_step=1))
+
+    async def scenario():
+        with pytest.raises(RuntimeError, match="step failed"):
+            await _collect(core, CountRequest("a"))
+        return await _collect(core, CountRequest("b", steps=2))
+
+    try:
+        assert _run(scenario()) == ["b1", "b2"]
+        assert "a" in core.runner.released
+    finally:
+        thread.close()
+
+
+def test_a_request_past_its_deadline_ends_with_deadline_exceeded():
+    core, thread = _core(runner=CountRunner(step_s=0.005), scheduler=FifoScheduler(max_running=1))
+
+    async def scenario():
+        slow = asyncio.ensure_future(_collect(core, CountRequest("slow", steps=50)))
+        while not core.runner.batches:
+            await asyncio.sleep(0.001)
+        late = CountRequest("late", deadline_s=time.monotonic() + 0.02)  # waits behind "slow" (0.25 s)
+        with pytest.raises(DeadlineExceeded, match="passed its deadline"):
+            await _collect(core, late)
+        return await slow
+
+    try:
+        assert len(_run(scenario())) == 50
+        assert not any("late" in b for b in core.runner.batches), "it never ran"
+    finally:
+        thread.close()
