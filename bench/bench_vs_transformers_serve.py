@@ -249,6 +249,9 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
             str(ports["decode"]),
             "--http-port",
             str(ports["http"]),
+            # One load client sends every request: lift the per-client limit above the sweep's top level.
+            "--max-requests-per-client",
+            str(max([*args.concurrency, 0]) + 1 if 0 not in args.concurrency else args.num_requests + 1),
             *(["--colocate"] if name == "epd-colocate" else []),
             *args.epd_arg,
         ]

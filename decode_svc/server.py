@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 async def start(config: DecodeConfig) -> HealthyServer:
-    model_thread = ModelThread(StepThreads(config.model.num_threads))
+    model_thread = ModelThread(StepThreads(config.model.num_threads, "decode"))
     puller = KvPuller(config.allow_kv_from, config.max_transfer_bytes, config.pull_timeout_s)
     servicer = DecodeServicer()
     hs = await create_server(

@@ -71,7 +71,7 @@ class LocalDecodeStage(DecodeStage):
             engine.adapter.kv_bytes_per_token,
             c.max_running_requests,
             c.max_waiting_requests,
-            getattr(engine.adapter, "decode_state_bytes", 0),  # fixed state per request (hybrid models)
+            engine.adapter.decode_state_bytes,  # fixed state per request (hybrid models: linear states)
         )
         self.core = EngineCore(DecodeScheduler(self.memory), DecodeRunner(engine), model_thread)
 

@@ -22,7 +22,7 @@ request's *driver*):
      (the concatenated embeddings [num_visual_tokens, hidden], for Qwen3-VL the DeepStack
      features of the same rows and each temporal group's time, and what prefill needs to place
      them), is what the cache stores and what the stage returns. Pruning stages that would lose
-     the DeepStack alignment are refused before step 1 (`refuse_unaligned_pruning`).
+     the DeepStack alignment are refused before step 1 (`refuse_unsupported_pruning`).
 
 Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The
 decoder watches it too: the demux pass stops within a few hundred packets, its workers at their
@@ -56,7 +56,7 @@ from epd.stages.contracts import (
     MediaInput,
     RequestCancelled,
     StageEvent,
-    refuse_unaligned_pruning,
+    refuse_unsupported_pruning,
 )
 from epd.stages.errors import NotFound, ResourceExhausted
 from epd.stages.names import Stage
@@ -177,7 +177,9 @@ class EncoderEngine:
     ) -> EncodedMedia:
         """Blocks until the media is encoded. Raises RequestCancelled once `cancel` is set."""
         # Before any work, cached or not: a stage (of any service) that would lose DeepStack.
-        refuse_unaligned_pruning(self.adapter.family, self.adapter.num_deepstack_layers, pruning)
+        refuse_unsupported_pruning(
+            self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
+        )
         req = _Request(run_model, run_tower, cancel or threading.Event())
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256

@@ -29,7 +29,7 @@ async def start(config: EncoderConfig) -> HealthyServer:
         ),
         [SERVICE_NAME],
     )
-    model_thread = ModelThread(StepThreads(config.model.num_threads))
+    model_thread = ModelThread(StepThreads(config.model.num_threads, "encoder"))
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "encoder")

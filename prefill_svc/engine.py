@@ -22,7 +22,7 @@ from epd.stages.contracts import (
     EncodedMedia,
     PrefillHandle,
     check_generation_limits,
-    refuse_unaligned_pruning,
+    refuse_unsupported_pruning,
 )
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import Message, check_messages, to_chat_template
@@ -105,7 +105,9 @@ class PrefillEngine:
         """Validate the request and build its prompt: everything that can refuse it, before it
         queues (a bad request never takes a queue place)."""
         self.validate(messages, media.meta, generation)
-        refuse_unaligned_pruning(self.adapter.family, self.adapter.num_deepstack_layers, pruning)
+        refuse_unsupported_pruning(
+            self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
+        )
         self._check_visual(media)
         try:
             # Rendered by the model's own chat template, parts in the user's order; the media
@@ -173,7 +175,7 @@ class PrefillEngine:
 
     def _prefill_kept_tokens(self, request: PrefillRequest) -> PrefillOutput:
         """A DeepStack family's request whose encoder dropped tokens (the only pruning it has
-        before decode, `refuse_unaligned_pruning`): the prompt without the dropped placeholders,
+        before decode, `refuse_unsupported_pruning`): the prompt without the dropped placeholders,
         every kept token at its full-prompt position, and the DeepStack features' rows of the kept
         tokens (the encoder kept the same rows), run whole through `prefill_features`."""
         prompt, media, _ = _parts(request)

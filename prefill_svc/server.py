@@ -31,7 +31,7 @@ async def start(config: PrefillConfig) -> HealthyServer:
         [SERVICE_NAME],
     )
     kv_address = config.advertise_address or f"{config.server.host}:{hs.port}"
-    model_thread = ModelThread(StepThreads(config.model.num_threads))
+    model_thread = ModelThread(StepThreads(config.model.num_threads, "prefill"))
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "prefill")

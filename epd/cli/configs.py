@@ -20,7 +20,9 @@ from epd.video.types import DecodeLimits, SamplingOptions
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.num_threads)
+    # No --num-threads: one thread per model call (a stack's services, epd ask); --colocate picks auto.
+    threads = 1 if args.num_threads is None else args.num_threads
+    return ModelConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=threads)
 
 
 def sampling_options(args: argparse.Namespace) -> SamplingOptions:
@@ -105,7 +107,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages."""
     return GatewayConfig(server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period),
-                         http=HttpApiConfig(port=args.http_port))
+                         http=HttpApiConfig(port=args.http_port), max_requests_per_client=args.max_requests_per_client)
 
 
 def http_api_config(args: argparse.Namespace) -> HttpApiConfig:

@@ -42,9 +42,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint (default: embedded model)")
     g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--num-threads", type=_num_threads, default=_num_threads(_env("EPD_NUM_THREADS", "1")),
-                   help="torch threads per model call: N, or auto (every core for a call that serves one "
-                        "request with nothing else waiting, one otherwise; in --colocate, every core)")
+    env_threads = _env("EPD_NUM_THREADS", "")
+    g.add_argument("--num-threads", type=_num_threads, default=_num_threads(env_threads) if env_threads else None,
+                   help="torch threads per model call: N, or auto (the cores the other stages leave idle at "
+                        "that moment; in one process, every core). Default: 1 per service of a stack "
+                        "(the fastest under load, docs/benchmarks.md), every core in --colocate")
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -277,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-port", type=int, default=DECODE_PORT)
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
+    serve.add_argument("--max-requests-per-client", type=int, default=8,
+                       help="requests one client (peer IP) may have in flight (the gateway's limit)")
     serve.add_argument("--colocate", action="store_true",
                        help="one process instead of four: the front door and the three stages share one "
                             "model and the machine's cores (same ports and APIs); for a single machine")

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import NoReturn
 
 from epd.cli.health import is_serving
@@ -98,8 +99,12 @@ async def _colocated(args: argparse.Namespace, config) -> None:
     from epd.cli import configs
     from epd.gateway import server as gateway
     from epd.gateway.embedded import build_embedded_pipeline
+    from epd.model_runtime.threads import AUTO
 
-    await gateway.main(config, local=build_embedded_pipeline(configs.model_config(args)))
+    model = configs.model_config(args)
+    if args.num_threads is None:  # one model call at a time: every call may use every core
+        model = replace(model, num_threads=AUTO)
+    await gateway.main(config, local=build_embedded_pipeline(model))
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -123,8 +128,8 @@ def _die_with_parent() -> None:
 def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack."""
     base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, "serve"]
-    model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-             "--num-threads", str(args.num_threads or "auto")]
+    threads = [] if args.num_threads is None else ["--num-threads", str(args.num_threads or "auto")]
+    model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads]
     grace = ["--grace-period", str(args.grace_period)]
     e, p, d = args.encoder_port, args.prefill_port, args.decode_port
     return {
@@ -133,7 +138,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "decode": [*base, "decode", "--port", str(d), *grace, *model],
         "gateway": [*base, "gateway", "--port", str(args.gateway_port), *grace, "--encoder", f"127.0.0.1:{e}",
                     "--prefill", f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}",
-                    "--http-port", str(args.http_port)],
+                    "--http-port", str(args.http_port), "--max-requests-per-client", str(args.max_requests_per_client)],
     }
 
 
@@ -154,6 +159,7 @@ class _Signals:
 
 def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int:
     from epd.model_runtime.loader import ModelLoadError, check_model_dir, resolve_model_path
+    from epd.model_runtime.threads import BOARD_ENV, new_board_path, remove_board
 
     signals = _Signals()
     try:
@@ -165,14 +171,19 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         print(f"epd: {exc}", file=sys.stderr)
         return EXIT_MODEL
     procs: dict[str, subprocess.Popen] = {}
+    # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
+    # other stages are not using at that moment (epd/model_runtime/threads.py).
+    board = new_board_path()
+    env = {**os.environ, BOARD_ENV: board}
     try:
         for name, command in stack_commands(args).items():
             # Own process group: a terminal's Ctrl-C reaches only this launcher, which stops the
             # services in order (_STOP_ORDER); PDEATHSIG still ends them if it is killed.
-            procs[name] = subprocess.Popen(command, preexec_fn=_die_with_parent, process_group=0)
+            procs[name] = subprocess.Popen(command, preexec_fn=_die_with_parent, process_group=0, env=env)
         return _supervise(args, procs, signals, ready_timeout_s)
     finally:
         _stop_all(procs, args.grace_period + _EXIT_MARGIN_S, signals)
+        remove_board(board)
 
 
 def _supervise(args: argparse.Namespace, procs: dict[str, subprocess.Popen], signals: _Signals,

@@ -301,6 +301,12 @@ class VLMAdapter(ABC):
     # unimplemented: the core then steps each of its requests alone (`decode_step`).
     supports_batched_decode: bool = False
 
+    # Token dropping / KV compression: the stages (`epd.stages.contracts.PRUNING_STAGES` names) this
+    # family runs; the others are refused with INVALID_ARGUMENT naming stage and family, before any
+    # work (`refuse_unsupported_pruning`). `pruning_refusal_reason` says why, for the message.
+    supported_pruning: frozenset[str] = frozenset()
+    pruning_refusal_reason: str = ""
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token adds to the cache, in the model's dtype."""

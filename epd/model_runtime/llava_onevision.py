@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -53,21 +53,21 @@ from epd.model_runtime.adapter import (
     TextDims,
     VisionInputs,
     VisualMeta,
-    VLMAdapter,
 )
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.kv_cache import KvCache
-from epd.model_runtime.qwen2_vl import (
-    _fingerprint,
-    _LanguageOnly,
-    _load_full_model,
-    _read_part,
-    _safetensors_files,
+from epd.model_runtime.hf_loading import (
+    build_language_only,
+    eos_token_ids,
+    fingerprint,
+    load_full_model,
+    load_language_state,
+    load_vision_part,
+    read_part,
+    safetensors_files,
 )
+from epd.model_runtime.hf_text import HfTextAdapter
+from epd.model_runtime.kv_cache import KvCache
 from epd.video.types import DecodedVideo, MediaError
-
-if TYPE_CHECKING:
-    from epd.model_runtime.batch_kv import BatchKv
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,14 @@ STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"langu
 NEWLINE_KEY = "image_newline"
 
 
-class LlavaOnevisionAdapter(VLMAdapter):
+class LlavaOnevisionAdapter(HfTextAdapter):
     """Loads only the parts a stage needs: "vision" (SigLIP tower, projector, image_newline) and/or
     "language" (Qwen2 embeddings, decoder layers, lm_head, and the 1 x hidden image_newline that
     closes a video). From safetensors, a one-part stage reads only its own part's tensors; both
     parts load transformers' whole model."""
+
+    supported_pruning = frozenset()
+    pruning_refusal_reason = "the encoder stages assume Qwen's patch rows and 2x2 merge, and the layer-by-layer prefill is not written for it yet"
 
     def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
         from transformers import AutoConfig, AutoProcessor
@@ -97,7 +100,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
         self.family = "llava_onevision"
         self.processor = AutoProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
-        self.fingerprint = _fingerprint(path)
+        self.fingerprint = fingerprint(path)
         vc = self.hf_config.vision_config
         self.patches_per_side = vc.image_size // vc.patch_size  # 27 at 384 px / 14
         self.pooled_per_side = math.ceil(self.patches_per_side / 2)  # 14
@@ -108,7 +111,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
         self.model: Any = None  # .model.language_model, .lm_head
         self.image_newline: torch.Tensor | None = None  # [hidden], for the language side
         if self.parts >= {"vision", "language"}:
-            self.model = _load_full_model(path, self.dtype, self.device)
+            self.model = load_full_model(path, self.dtype, self.device)
             self.visual = self.model.model
             self.image_newline = self.model.model.image_newline.data
         elif "vision" in self.parts:
@@ -117,10 +120,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
             self.model, newline = _load_language_part(path, self.hf_config, self.dtype)
             self.model = self.model.to(self.device).eval()
             self.image_newline = newline.to(self.device)
-        eos = getattr(_generation_config(path), "eos_token_id", None)
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
+        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
 
     # -- encoder -----------------------------------------------------------------------------
 
@@ -266,24 +266,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
             num_prompt_tokens=length,
         )
 
-    supports_chunked_prefill = True
-
-    @torch.inference_mode()
-    def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        """Rows without a cache share one right-padded forward (causal attention: the padding after
-        a row's last token is never seen by it); a row continuing its cache runs alone."""
-        results: list[ChunkResult | None] = [None] * len(rows)
-        fresh = [i for i, row in enumerate(rows) if row.cache is None]
-        if fresh:
-            for i, result in zip(fresh, self._prefill_padded([rows[i] for i in fresh]), strict=True):
-                results[i] = result
-        for i, row in enumerate(rows):
-            if row.cache is not None:
-                results[i] = self._prefill_continue(row)
-        return [r for r in results if r is not None]
-
-    def chunk_cache_to_kv(self, cache) -> KvCache:
-        return KvCache.from_dynamic(cache)
+    supports_chunked_prefill = True  # `HfTextAdapter.prefill_chunks` over the two below
 
     def _chunk_embeds(self, row: PrefillChunk) -> torch.Tensor:
         first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens of earlier chunks
@@ -307,19 +290,10 @@ class LlavaOnevisionAdapter(VLMAdapter):
         out = lm(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
         last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
         logits = self.lm_head(last[:, None])[:, 0]
-        if batch == 1 and lengths[0] == longest:
-            return [ChunkResult(cache, logits[0])]
-        kv = KvCache.from_dynamic(cache)
-        results = []
-        for i, n in enumerate(lengths):
-            row_kv = KvCache([k[i : i + 1, :, :n] for k in kv.keys], [v[i : i + 1, :, :n] for v in kv.values])
-            results.append(ChunkResult(row_kv.to_dynamic(self.hf_config.text_config), logits[i]))
-        return results
+        return self._split_padded(cache, logits, lengths)
 
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
-        past = row.cache.get_seq_length()
-        if past != row.start:
-            raise ValueError(f"the chunk starts at token {row.start} but its cache holds {past}")
+        self._check_continues(row)
         out = self._language_model()(
             inputs_embeds=self._chunk_embeds(row),
             position_ids=row.prompt.position_ids[0, :, row.start : row.end].to(self.device),
@@ -329,77 +303,15 @@ class LlavaOnevisionAdapter(VLMAdapter):
         )
         return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
 
-    @property
-    def language_model(self):
-        return self._language_model()
+    # -- decode (`HfTextAdapter`'s, on the 1-D position) ---------------------------------------
 
-    @property
-    def lm_head(self):
-        if self.model is None:
-            raise RuntimeError("this adapter was loaded without the language model")
-        return self.model.lm_head
-
-    @property
-    def text_config(self):
-        return self.hf_config.text_config
-
-    # -- decode ------------------------------------------------------------------------------
-
-    def new_decode_cache(self, cache: KvCache):
-        dtype = self._language_model().embed_tokens.weight.dtype
-        kv = KvCache([k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values])
-        return kv.to_dynamic(self.hf_config.text_config)
-
-    @torch.inference_mode()
-    def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
+    def _step_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """position_ids: the interface's [4]; row 0 is the 1-D position (all rows are equal)."""
-        lm = self._language_model()
-        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        past = cache.get_seq_length()
-        out = lm(
-            inputs_embeds=lm.embed_tokens(ids),
-            position_ids=position_ids.reshape(4)[:1].view(1, 1).to(self.device),
-            attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+        return position_ids.reshape(4)[:1].view(1, 1)
 
-    supports_batched_decode = True
-
-    def _kv_shape(self) -> tuple[int, int, int, torch.dtype]:
-        c = self.hf_config.text_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_hidden_layers, c.num_key_value_heads, head_dim, self._language_model().embed_tokens.weight.dtype
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        layers, heads, head_dim, dtype = self._kv_shape()
-        return 2 * layers * heads * head_dim * dtype.itemsize
-
-    def new_batch_kv(self) -> BatchKv:
-        from epd.model_runtime.batch_kv import BatchKv
-
-        layers, heads, head_dim, dtype = self._kv_shape()
-        return BatchKv(layers, heads, head_dim, dtype, self.device)
-
-    @torch.inference_mode()
-    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
-        """position_ids [4, B]: row 0 is each request's 1-D position."""
-        lm = self._language_model()
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
-        out = lm(
-            inputs_embeds=lm.embed_tokens(ids),
-            position_ids=position_ids[0][:, None].to(self.device),  # [B, 1]
-            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        batch.advance()
-        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _batch_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """position_ids [4, B]: row 0 is each request's 1-D position -> [B, 1]."""
+        return position_ids[0][:, None]
 
     # -- pruning interface (the parts that need no attention re-implementation) ---------------
     # layerwise_prefill, capture_queries and the decode-cache eviction hooks keep the defaults:
@@ -411,32 +323,12 @@ class LlavaOnevisionAdapter(VLMAdapter):
         layers, kv_heads, head_dim, _ = self._kv_shape()
         return TextDims(layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, kv_heads, head_dim)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._language_model().embed_tokens(input_ids.to(self.device))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     @property
     def num_parameters(self) -> int:
         parts = [self.model] if self.model is not None else []
         if self.visual is not None and (self.model is None or self.visual is not self.model.model):
             parts.append(self.visual)
         return sum(p.numel() for m in parts for p in m.parameters())
-
-    def _language_model(self):
-        if self.model is None:
-            raise RuntimeError("this adapter was loaded without the language model")
-        return self.model.model.language_model
-
-
-def _generation_config(path: str):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:
-        return None
 
 
 # -- stage loading ----------------------------------------------------------------------------
@@ -460,7 +352,7 @@ def vision_key(key: str) -> str | None:
 
 
 def language_key(key: str) -> str | None:
-    """A checkpoint key -> its name in `_LanguageOnly` ("model.language_model.*", "lm_head.*"), or
+    """A checkpoint key -> its name in `LanguageOnly` ("model.language_model.*", "lm_head.*"), or
     "image_newline" (the video's closing embedding), else None (the tower's are never read)."""
     if key in ("image_newline", "model.image_newline"):
         return NEWLINE_KEY
@@ -501,51 +393,28 @@ def _vision_part_class():
 
 
 def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
-    from transformers.initialization import no_init_weights
-
-    root, files = _safetensors_files(path)
-    if not files:
-        log.info("no safetensors in %s; loading the full model for its vision part", root)
-        return _load_full_model(str(root), dtype, torch.device("cpu")).model
-    with no_init_weights():  # every weight is loaded below
-        part = _vision_part_class()(hf_config)
-    missing, unexpected = part.load_state_dict(_read_part(root, files, vision_key), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match the vision part: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    return part.to(dtype).eval()
+    return load_vision_part(
+        path, hf_config, dtype, lambda: _vision_part_class()(hf_config), rename=vision_key,
+        full_part=lambda model: model.model, what="vision part",
+    )
 
 
 def _load_language_part(path: str, hf_config, dtype: torch.dtype):
-    """(`_LanguageOnly` with the Qwen2 text model and lm_head, image_newline [hidden])."""
+    """(`LanguageOnly` with the Qwen2 text model and lm_head, image_newline [hidden])."""
     from transformers import AutoModel
-    from transformers.initialization import no_init_weights
 
-    root, files = _safetensors_files(path)
+    root, files = safetensors_files(path)
     if not files:
         log.info("no safetensors in %s; loading the full model for its language model", root)
-        model = _load_full_model(str(root), dtype, torch.device("cpu"))
+        model = load_full_model(str(root), dtype, torch.device("cpu"))
         newline = model.model.image_newline.data
         model.model.vision_tower = model.model.multi_modal_projector = None
         return model, newline
     text_config = hf_config.text_config
-    with no_init_weights():  # every weight is loaded below
-        lm = AutoModel.from_config(text_config, dtype=dtype)
-        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-    model = _LanguageOnly(lm, head)
-    state = _read_part(root, files, language_key)
+    model = build_language_only(text_config, dtype, lambda: AutoModel.from_config(text_config, dtype=dtype))
+    state = read_part(root, files, language_key)
     newline = state.pop(NEWLINE_KEY, None)
     if newline is None:
         raise ValueError(f"checkpoint {path} has no image_newline")
-    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
-    if "lm_head.weight" not in state and tied:  # the 0.5B checkpoints tie the head to the embeddings
-        head.weight = lm.embed_tokens.weight
-        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
+    load_language_state(model, state, hf_config, path)  # the 0.5B checkpoints tie the head
     return model, newline.to(dtype)

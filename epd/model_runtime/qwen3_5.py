@@ -54,17 +54,15 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.batch_kv import BatchKv
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.kv_cache import KvCache
-from epd.model_runtime.qwen2_vl import (
-    _fingerprint,
-    _language_key,
-    _LanguageOnly,
-    _load_full_model,
-    _read_part,
-    _safetensors_files,
-    _vision_key,
+from epd.model_runtime.hf_loading import (
+    eos_token_ids,
+    fingerprint,
+    load_language_model,
+    load_vision_part,
 )
-from epd.model_runtime.qwen3_vl import Qwen3VLAdapter, _generation_config
+from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.video.types import DecodedVideo
 
 log = logging.getLogger(__name__)
@@ -78,14 +76,23 @@ PRUNING_REFUSED = (
 )
 
 
-class Qwen3_5Adapter(VLMAdapter):
+class Qwen3_5Adapter(HfTextAdapter):
     """Loads only the parts a stage needs: "vision" (the tower) and/or "language" (embeddings,
     hybrid decoder layers, lm_head). From safetensors, a one-part stage reads only its own part's
     tensors (never the hub's `mtp.*` multi-token-prediction weights); both parts load transformers'
     whole model."""
 
+    supported_pruning = frozenset()
+    pruning_refusal_reason = "its Gated DeltaNet layers keep a recurrent state with no per-token entries to drop; KV compression and decode eviction would cover its attention layers only"
+
     supports_batched_decode = True  # `_HybridBatchKv`: slots for attention, stacked linear states
     num_deepstack_layers = 0
+    # Kept at the interface's defaults, not `HfTextAdapter`'s: whole prompts only (one-by-one
+    # `prefill`, no chunked rows), and no embeddings or lm head for the (refused) pruning stages.
+    prefill_chunks = VLMAdapter.prefill_chunks
+    chunk_cache_to_kv = VLMAdapter.chunk_cache_to_kv
+    embed = VLMAdapter.embed
+    logits = VLMAdapter.logits
 
     def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
         from transformers import AutoConfig, AutoProcessor
@@ -100,7 +107,7 @@ class Qwen3_5Adapter(VLMAdapter):
         self.family = "qwen3_5"
         self.processor = AutoProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
-        self.fingerprint = _fingerprint(path)
+        self.fingerprint = fingerprint(path)
         vision_config = self.hf_config.vision_config
         self.merge_size = vision_config.spatial_merge_size
         self.temporal_patch_size = vision_config.temporal_patch_size
@@ -111,19 +118,8 @@ class Qwen3_5Adapter(VLMAdapter):
         self.linear_layers = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
         if len(self.attention_layers) + len(self.linear_layers) != len(self.layer_types):
             raise ValueError(f"unknown Qwen3.5 layer types {sorted(set(self.layer_types))}")
-        self.visual = None
-        self.model = None
-        if self.parts >= {"vision", "language"}:
-            self.model = _load_full_model(path, self.dtype, self.device)
-            self.visual = self.model.model.visual
-        elif "vision" in self.parts:
-            self.visual = _load_vision_tower(path, self.hf_config, self.dtype).to(self.device)
-        elif "language" in self.parts:
-            self.model = _load_language_model(path, self.hf_config, self.dtype).to(self.device).eval()
-        eos = getattr(_generation_config(path), "eos_token_id", None)
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
+        self._load_parts(path, _load_vision_tower, _load_language_model)
+        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
 
     # -- encoder (Qwen3-VL's processor and tower, without DeepStack) ---------------------------
 
@@ -164,40 +160,18 @@ class Qwen3_5Adapter(VLMAdapter):
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)
         kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
         rope_index: Any = Qwen3_5Model.get_rope_index  # reads only self.config, get_vision_position_ids
-        mrope, _ = rope_index(_RopeHolder(self.hf_config), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)
+        mrope, _ = rope_index(RopeHolder(self.hf_config, Qwen3_5Model), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)
         text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
         return torch.cat([text_row, mrope], dim=0)
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        from transformers import DynamicCache
-
-        lm = self._language_model()
         num_visual = int(prompt.visual_mask.sum())
         if visual_embeds.shape[0] != num_visual:
             raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
-        input_ids = prompt.input_ids.to(self.device)
-        embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
-        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
-        embeds = embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
-        cache = DynamicCache(config=self.hf_config.text_config)  # linear layers: LinearAttentionLayer
-        length = prompt.num_tokens
-        out = lm(
-            inputs_embeds=embeds,
-            position_ids=prompt.position_ids.to(self.device),
-            attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = self.lm_head(out.last_hidden_state[:, -1:])  # [1, 1, vocab]
-        kv = KvCache.from_dynamic(cache)  # attention layers' KV + linear layers' conv/recurrent states
-        self._check_layers(kv)
-        return PrefillState(
-            cache=kv,
-            last_logits=logits[0, -1],
-            next_position_ids=prompt.position_ids[:, 0, -1] + 1,
-            num_prompt_tokens=length,
-        )
+        state = self._prefill_whole(prompt, visual_embeds)
+        self._check_layers(state.cache)  # attention layers' KV + linear layers' conv/recurrent states
+        return state
 
     @property
     def text_dims(self) -> TextDims:
@@ -209,16 +183,6 @@ class Qwen3_5Adapter(VLMAdapter):
     def language_model(self):
         """The handle the pruning code used before `text_dims`; refused the same way."""
         raise UnsupportedByFamily(PRUNING_REFUSED)
-
-    @property
-    def lm_head(self):
-        if self.model is None:
-            raise RuntimeError("this adapter was loaded without the language model")
-        return self.model.lm_head
-
-    @property
-    def text_config(self):
-        return self.hf_config.text_config
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -237,48 +201,18 @@ class Qwen3_5Adapter(VLMAdapter):
         )
         return kv.to_dynamic(self.hf_config.text_config)
 
-    @torch.inference_mode()
-    def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
-        lm = self._language_model()
-        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        past = cache.get_seq_length()  # the attention layers' length
-        out = lm(
-            inputs_embeds=lm.embed_tokens(ids),
-            position_ids=position_ids.view(4, 1, 1).to(self.device),
-            attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+    # decode_step and decode_batch are `HfTextAdapter`'s: in a batch the attention layers read
+    # their slots with each row's padding mask; the linear layers step every row's own states (no
+    # mask is needed: one token per row, and a row's conv and delta-rule update never mixes rows).
 
-    @property
-    def kv_bytes_per_token(self) -> int:
+    def _kv_shape(self) -> tuple[int, int, int, torch.dtype]:
         """Keys and values one token adds: the full-attention layers only (linear layers add none)."""
         c = self.hf_config.text_config
-        dtype = self._language_model().embed_tokens.weight.dtype
-        return 2 * len(self.attention_layers) * c.num_key_value_heads * c.head_dim * dtype.itemsize
+        return len(self.attention_layers), c.num_key_value_heads, c.head_dim, self._model_dtype()
 
     def new_batch_kv(self) -> BatchKv:
-        c = self.hf_config.text_config
-        dtype = self._language_model().embed_tokens.weight.dtype
-        return _HybridBatchKv(self.layer_types, c.num_key_value_heads, c.head_dim, dtype, self.device)
-
-    @torch.inference_mode()
-    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
-        """One token per row: the attention layers read their slots with each row's padding mask;
-        the linear layers step every row's own states (no mask is needed: one token per row, and
-        a row's conv and delta-rule update never mixes rows)."""
-        lm = self._language_model()
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
-        out = lm(
-            inputs_embeds=lm.embed_tokens(ids),
-            position_ids=position_ids[:, :, None].to(self.device),  # [4, B, 1]
-            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        batch.advance()
-        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
+        _, heads, head_dim, dtype = self._kv_shape()
+        return _HybridBatchKv(self.layer_types, heads, head_dim, dtype, self.device)
 
     @property
     def decode_state_bytes(self) -> int:
@@ -295,9 +229,6 @@ class Qwen3_5Adapter(VLMAdapter):
         conv = (2 * key_dim + value_dim) * c.linear_conv_kernel_dim * dtype.itemsize
         recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
         return len(self.linear_layers) * (conv + recurrent)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -320,11 +251,6 @@ class Qwen3_5Adapter(VLMAdapter):
                     f"the cache has {name} states for layers {sorted(states)}; this model's linear-attention "
                     f"layers are {self.linear_layers}"
                 )
-
-    def _language_model(self):
-        if self.model is None:
-            raise RuntimeError("this adapter was loaded without the language model")
-        return self.model.model.language_model
 
 
 class _HybridBatchKv(BatchKv):
@@ -408,67 +334,16 @@ def _set_linear_states(layer, conv: torch.Tensor | None, recurrent: torch.Tensor
         layer.dtype, layer.device = conv.dtype, conv.device
 
 
-class _RopeHolder:
-    """Stands in for `Qwen3_5Model` in its `get_rope_index`, which reads only these two."""
-
-    def __init__(self, config) -> None:
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
-
-        self.config = config
-        self._get_vision_position_ids = Qwen3_5Model.get_vision_position_ids
-
-    def get_vision_position_ids(self, *args, **kwargs):
-        return self._get_vision_position_ids(self, *args, **kwargs)
-
-
 def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
     """The tower (patch embedding, blocks, merger) alone, only its tensors read."""
-    from transformers.initialization import no_init_weights
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-    root, files = _safetensors_files(path)
-    if not files:
-        log.info("no safetensors in %s; loading the full model for its vision tower", root)
-        return _load_full_model(str(root), dtype, torch.device("cpu")).model.visual
-    with no_init_weights():  # every weight is loaded below
-        tower = Qwen3_5VisionModel._from_config(hf_config.vision_config, dtype=dtype)
-    missing, unexpected = tower.load_state_dict(_read_part(root, files, _vision_key), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match the vision tower: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
-    return tower.to(dtype).eval()
+    return load_vision_part(path, hf_config, dtype, lambda: Qwen3_5VisionModel._from_config(hf_config.vision_config, dtype=dtype))
 
 
 def _load_language_model(path: str, hf_config, dtype: torch.dtype):
     """The hybrid text model and lm_head alone, at the whole model's attribute paths; the tower's
     tensors (and the hub's `mtp.*`) are never read."""
-    from transformers.initialization import no_init_weights
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
-    root, files = _safetensors_files(path)
-    if not files:
-        log.info("no safetensors in %s; loading the full model for its language model", root)
-        model = _load_full_model(str(root), dtype, torch.device("cpu"))
-        model.model.visual = None  # this stage never runs the tower
-        return model
-    text_config = hf_config.text_config
-    with no_init_weights():  # every weight is loaded below
-        lm = Qwen3_5TextModel._from_config(text_config, dtype=dtype)
-        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-    model = _LanguageOnly(lm, head)
-    state = _read_part(root, files, _language_key)
-    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(
-        text_config, "tie_word_embeddings", False
-    )
-    if "lm_head.weight" not in state and tied:  # the small checkpoints tie the head to the embeddings
-        head.weight = lm.embed_tokens.weight
-        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
-    return model
+    return load_language_model(path, hf_config, dtype, Qwen3_5TextModel)

@@ -24,58 +24,43 @@ each chunk adding the DeepStack rows of its own visual positions.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from epd.model_runtime.adapter import (
-    CapturedQueries,
     ChunkResult,
     LayerwisePass,
     PrefillChunk,
     PrefillState,
     Prompt,
-    TextDims,
     UnsupportedByFamily,
     VisionInputs,
     VisualFeatures,
     VisualMeta,
-    VLMAdapter,
 )
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.kv_cache import KvCache
-from epd.model_runtime.qwen2_vl import (
-    _fingerprint,
-    _language_key,
-    _LanguageOnly,
-    _load_full_model,
-    _read_part,
-    _safetensors_files,
-    _vision_key,
+from epd.model_runtime.hf_loading import (
+    eos_token_ids,
+    fingerprint,
+    load_language_model,
+    load_vision_part,
 )
-from epd.model_runtime.qwen_text_layers import (
-    QueryCapture,
-    count_parameters,
-    dims_of,
-    dynamic_cache_kv,
-    set_dynamic_cache_kv,
-)
+from epd.model_runtime.hf_text import QwenTextAdapter, RopeHolder
 from epd.video.types import DecodedVideo
-
-if TYPE_CHECKING:
-    from epd.model_runtime.batch_kv import BatchKv
 
 log = logging.getLogger(__name__)
 
 STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
 
 
-class Qwen3VLAdapter(VLMAdapter):
+class Qwen3VLAdapter(QwenTextAdapter):
     """Loads only the parts a stage needs: "vision" (the tower with its DeepStack mergers) and/or
     "language" (embeddings, decoder layers, lm_head). From safetensors, a one-part stage reads only
     its own part's tensors; both parts load transformers' whole model."""
+
+    supported_pruning = frozenset({"temporal_drop", "key_tokens"})
+    pruning_refusal_reason = "it cannot keep the DeepStack features aligned with the visual tokens those stages merge or drop"
 
     def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
         from transformers import AutoConfig, AutoProcessor
@@ -90,25 +75,14 @@ class Qwen3VLAdapter(VLMAdapter):
         self.family = "qwen3_vl"
         self.processor = AutoProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
-        self.fingerprint = _fingerprint(path)
+        self.fingerprint = fingerprint(path)
         vision_config = self.hf_config.vision_config
         self.merge_size = vision_config.spatial_merge_size
         self.temporal_patch_size = vision_config.temporal_patch_size
         self.num_deepstack_layers = len(vision_config.deepstack_visual_indexes)
         self.hidden_size = self.hf_config.text_config.hidden_size
-        self.visual = None
-        self.model = None
-        if self.parts >= {"vision", "language"}:
-            self.model = _load_full_model(path, self.dtype, self.device)
-            self.visual = self.model.model.visual
-        elif "vision" in self.parts:
-            self.visual = _load_vision_tower(path, self.hf_config, self.dtype).to(self.device)
-        elif "language" in self.parts:
-            self.model = _load_language_model(path, self.hf_config, self.dtype).to(self.device).eval()
-        eos = getattr(_generation_config(path), "eos_token_id", None)
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
+        self._load_parts(path, _load_vision_tower, _load_language_model)
+        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
 
     # -- encoder -----------------------------------------------------------------------------
 
@@ -243,7 +217,7 @@ class Qwen3VLAdapter(VLMAdapter):
         # get_rope_index reads only self.config and self.get_vision_position_ids: no model needed.
         rope_index: Any = Qwen3VLModel.get_rope_index
         mrope, _ = rope_index(
-            _RopeHolder(self.hf_config), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
+            RopeHolder(self.hf_config, Qwen3VLModel), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
         )
         text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
         return torch.cat([text_row, mrope], dim=0)
@@ -255,9 +229,6 @@ class Qwen3VLAdapter(VLMAdapter):
         """deepstack: `encode_features`' DeepStack features, rows aligned with `visual_embeds`.
         None runs the language model without them: not what generate() computes (the tests'
         negative control); the stages pass them through `prefill_features`."""
-        from transformers import DynamicCache
-
-        lm = self._language_model()
         num_visual = int(prompt.visual_mask.sum())
         if visual_embeds.shape[0] != num_visual:
             raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
@@ -273,27 +244,7 @@ class Qwen3VLAdapter(VLMAdapter):
                 "visual_pos_masks": prompt.visual_mask.to(self.device)[None],  # [1, L]
                 "deepstack_visual_embeds": [d.to(self.device) for d in deepstack],
             }
-        input_ids = prompt.input_ids.to(self.device)
-        embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
-        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
-        embeds = embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
-        cache = DynamicCache(config=self.hf_config.text_config)
-        length = prompt.num_tokens
-        out = lm(
-            inputs_embeds=embeds,
-            position_ids=prompt.position_ids.to(self.device),
-            attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-            **extra,
-        )
-        logits = self.lm_head(out.last_hidden_state[:, -1:])  # [1, 1, vocab]
-        return PrefillState(
-            cache=KvCache.from_dynamic(cache),
-            last_logits=logits[0, -1],
-            next_position_ids=prompt.position_ids[:, 0, -1] + 1,
-            num_prompt_tokens=length,
-        )
+        return self._prefill_whole(prompt, visual_embeds, **extra)
 
     def prefill_features(self, prompt: Prompt, features: VisualFeatures) -> PrefillState:
         if features.deepstack is None:
@@ -313,18 +264,7 @@ class Qwen3VLAdapter(VLMAdapter):
                     f"Qwen3-VL's prefill needs DeepStack features ({self.num_deepstack_layers} per row); "
                     f"a row has {0 if row.deepstack is None else len(row.deepstack)}"
                 )
-        results: list[ChunkResult | None] = [None] * len(rows)
-        fresh = [i for i, row in enumerate(rows) if row.cache is None]
-        if fresh:
-            for i, result in zip(fresh, self._prefill_padded([rows[i] for i in fresh]), strict=True):
-                results[i] = result
-        for i, row in enumerate(rows):
-            if row.cache is not None:
-                results[i] = self._prefill_continue(row)
-        return [r for r in results if r is not None]
-
-    def chunk_cache_to_kv(self, cache) -> KvCache:
-        return KvCache.from_dynamic(cache)
+        return super().prefill_chunks(rows)
 
     def _chunk_inputs(self, row: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Tokens [start, end) of the row: embeddings [n, hidden] with the visual placeholders
@@ -371,20 +311,11 @@ class Qwen3VLAdapter(VLMAdapter):
         )
         last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
         logits = self.lm_head(last[:, None])[:, 0]  # [B, vocab]
-        if batch == 1 and lengths[0] == longest:
-            return [ChunkResult(cache, logits[0])]
-        kv = KvCache.from_dynamic(cache)  # [B, kv_heads, L, head_dim] per layer
-        results = []
-        for i, n in enumerate(lengths):  # each row's own cache, padding cut off (to_dynamic copies)
-            row_kv = KvCache([k[i : i + 1, :, :n] for k in kv.keys], [v[i : i + 1, :, :n] for v in kv.values])
-            results.append(ChunkResult(row_kv.to_dynamic(self.hf_config.text_config), logits[i]))
-        return results
+        return self._split_padded(cache, logits, lengths)
 
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
         """Tokens [start, end) after the row's cache of [0, start), which grows in place."""
-        past = row.cache.get_seq_length()
-        if past != row.start:
-            raise ValueError(f"the chunk starts at token {row.start} but its cache holds {past}")
+        self._check_continues(row)
         embeds, visual, deepstack = self._chunk_inputs(row)
         out = self._language_model()(
             inputs_embeds=embeds[None],
@@ -397,91 +328,11 @@ class Qwen3VLAdapter(VLMAdapter):
         )
         return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
 
-    @property
-    def language_model(self):
-        return self._language_model()
-
-    @property
-    def lm_head(self):
-        if self.model is None:
-            raise RuntimeError("this adapter was loaded without the language model")
-        return self.model.lm_head
-
-    @property
-    def text_config(self):
-        return self.hf_config.text_config
-
-    # -- decode ------------------------------------------------------------------------------
-
-    def new_decode_cache(self, cache: KvCache):
-        dtype = self._language_model().embed_tokens.weight.dtype
-        kv = KvCache(
-            [k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values]
-        )
-        return kv.to_dynamic(self.hf_config.text_config)
-
-    @torch.inference_mode()
-    def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
-        # Generated tokens are text: DeepStack touches only the prompt's visual positions.
-        lm = self._language_model()
-        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        past = cache.get_seq_length()
-        out = lm(
-            inputs_embeds=lm.embed_tokens(ids),
-            position_ids=position_ids.view(4, 1, 1).to(self.device),
-            attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
-
-    supports_batched_decode = True
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        c = self.hf_config.text_config
-        dtype = self._language_model().embed_tokens.weight.dtype
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize
-
-    def new_batch_kv(self) -> BatchKv:
-        from epd.model_runtime.batch_kv import BatchKv
-
-        c = self.hf_config.text_config
-        dtype = self._language_model().embed_tokens.weight.dtype
-        return BatchKv(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype, self.device)
-
-    @torch.inference_mode()
-    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
-        lm = self._language_model()
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
-        out = lm(
-            inputs_embeds=lm.embed_tokens(ids),
-            position_ids=position_ids[:, :, None].to(self.device),  # [4, B, 1]
-            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        batch.advance()
-        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
     # -- pruning interface -------------------------------------------------------------------
     # Query capture works (the shared hooks apply the attention's q/k norm). The layer-by-layer
     # prefill (prefill drop, KV compression) is refused: it would have to add the DeepStack
     # features to the survivors at the first layers, and the pruned prefill does not carry them.
     # (Encode-stage dropping runs whole through `prefill_features`, prefill_svc/engine.py.)
-
-    @property
-    def text_dims(self) -> TextDims:
-        return dims_of(self.hf_config.text_config)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._language_model().embed_tokens(input_ids.to(self.device))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
         raise UnsupportedByFamily(
@@ -489,97 +340,17 @@ class Qwen3VLAdapter(VLMAdapter):
             "prefill does not add DeepStack features yet"
         )
 
-    @contextmanager
-    def capture_queries(self, layers: Iterable[int], query_index: torch.Tensor) -> Iterator[CapturedQueries]:
-        with QueryCapture(self._language_model().layers, layers, query_index, with_keys=False) as cap:
-            yield CapturedQueries(cap.queries, cap.keys)
-
-    def decode_cache_kv(self, cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return dynamic_cache_kv(cache)
-
-    def set_decode_cache_kv(self, cache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        set_dynamic_cache_kv(cache, layer, keys, values)
-
-    @property
-    def num_parameters(self) -> int:
-        return count_parameters(self.model, self.visual)
-
-    def _language_model(self):
-        if self.model is None:
-            raise RuntimeError("this adapter was loaded without the language model")
-        return self.model.model.language_model
-
-
-class _RopeHolder:
-    """Stands in for `Qwen3VLModel` in its `get_rope_index`, which reads only these two."""
-
-    def __init__(self, config) -> None:
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
-        self.config = config
-        self._get_vision_position_ids = Qwen3VLModel.get_vision_position_ids
-
-    def get_vision_position_ids(self, *args, **kwargs):
-        return self._get_vision_position_ids(self, *args, **kwargs)
-
-
-def _generation_config(path: str):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:
-        return None
-
 
 def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
     """The tower (with its merger and DeepStack mergers) alone, only its tensors read."""
-    from transformers.initialization import no_init_weights
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    root, files = _safetensors_files(path)
-    if not files:
-        log.info("no safetensors in %s; loading the full model for its vision tower", root)
-        return _load_full_model(str(root), dtype, torch.device("cpu")).model.visual
-    with no_init_weights():  # every weight is loaded below
-        tower = Qwen3VLVisionModel._from_config(hf_config.vision_config, dtype=dtype)
-    missing, unexpected = tower.load_state_dict(_read_part(root, files, _vision_key), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match the vision tower: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
-    return tower.to(dtype).eval()
+    return load_vision_part(path, hf_config, dtype, lambda: Qwen3VLVisionModel._from_config(hf_config.vision_config, dtype=dtype))
 
 
 def _load_language_model(path: str, hf_config, dtype: torch.dtype):
     """The text model and lm_head alone, at the whole model's attribute paths; the tower's tensors
-    are never read."""
-    from transformers.initialization import no_init_weights
+    are never read (the 2B/4B checkpoints tie the head to the embeddings)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
-    root, files = _safetensors_files(path)
-    if not files:
-        log.info("no safetensors in %s; loading the full model for its language model", root)
-        model = _load_full_model(str(root), dtype, torch.device("cpu"))
-        model.model.visual = None  # this stage never runs the tower
-        return model
-    text_config = hf_config.text_config
-    with no_init_weights():  # every weight is loaded below
-        lm = Qwen3VLTextModel._from_config(text_config, dtype=dtype)
-        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-    model = _LanguageOnly(lm, head)
-    state = _read_part(root, files, _language_key)
-    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(
-        text_config, "tie_word_embeddings", False
-    )
-    if "lm_head.weight" not in state and tied:  # the 2B/4B checkpoints tie the head to the embeddings
-        head.weight = lm.embed_tokens.weight
-        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
-    return model
+    return load_language_model(path, hf_config, dtype, Qwen3VLTextModel)

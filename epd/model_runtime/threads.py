@@ -1,19 +1,36 @@
 """torch threads per model call that follow the load (`--num-threads auto`).
 
-A stack's three model processes run at the same time only when several requests are in flight.
-With one request in flight they take turns (encode, then prefill, then decode), and one thread
-per call leaves the other cores idle while one stage works; with many in flight, every process
-is busy and more threads than cores only make them fight over the cores. So, per model call:
-every core when the call serves one request and nothing else waits in that service, one thread
-otherwise. A fixed `--num-threads N` keeps N for every call.
+A stack's three model processes share the machine's cores. With one request in flight they take
+turns (encode, then prefill, then decode): one thread per call leaves the other cores idle while
+one stage works. With many in flight every process is busy, and more threads than cores only
+make them fight over the cores (OpenMP threads spinning against each other). So each call takes
+the cores divided by the number of the stack's processes inside a model call at that moment:
+
+    threads = max(1, cores // (1 + other stages busy now))
+
+The stages learn who is busy from a tiny shared board: one byte per stage in a file the launcher
+names (`EPD_THREADS_BOARD`, in /dev/shm), set while that stage is inside a model call. A service
+started on its own (no board: compose, Kubernetes, its own machine) falls back to its own queue:
+every core for a call that serves one request with nothing else waiting, one thread otherwise.
+A fixed `--num-threads N` keeps N for every call.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 AUTO = 0
 """`ModelConfig.num_threads` value meaning "follow the load"."""
+
+BOARD_ENV = "EPD_THREADS_BOARD"
+"""Path of the busy board shared by one stack's services (set by `epd serve`)."""
+
+STAGES = ("encoder", "prefill", "decode")
 
 
 def num_cores() -> int:
@@ -23,24 +40,72 @@ def num_cores() -> int:
         return os.cpu_count() or 1
 
 
+def new_board_path() -> str:
+    """A fresh board for one stack (the launcher's; removed by `remove_board`)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    path = base / f"epd-threads-{os.getpid()}.board"
+    path.write_bytes(bytes(len(STAGES)))
+    return str(path)
+
+
+def remove_board(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class BusyBoard:
+    """One byte per stage: 1 while that stage's process is inside a model call."""
+
+    def __init__(self, path: str, stage: str) -> None:
+        self.slot = STAGES.index(stage)
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), len(STAGES))
+
+    def set_busy(self, busy: bool) -> None:
+        self._map[self.slot] = 1 if busy else 0
+
+    def others_busy(self) -> int:
+        return sum(1 for i, b in enumerate(self._map[: len(STAGES)]) if b and i != self.slot)
+
+
 class StepThreads:
     """Sets torch's intra-op threads before each batched step (on the model thread)."""
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, stage: str | None = None, board_path: str | None = None) -> None:
         self.auto = num_threads == AUTO
         self.fixed = num_threads
         self.cores = num_cores()
         self.current: int | None = None
+        self.board: BusyBoard | None = None
+        board_path = board_path if board_path is not None else os.environ.get(BOARD_ENV)
+        if self.auto and stage in STAGES and board_path:
+            try:
+                self.board = BusyBoard(board_path, stage)
+            except (OSError, ValueError) as exc:
+                log.warning("no shared threads board at %s (%s); threads follow this stage's queue only",
+                            board_path, exc)
 
     def for_step(self, num_in_step: int, num_waiting: int) -> int:
         if not self.auto:
             return self.fixed
+        if self.board is not None:
+            return max(1, self.cores // (1 + self.board.others_busy()))
         return self.cores if num_in_step <= 1 and num_waiting == 0 else 1
 
     def apply(self, num_in_step: int, num_waiting: int) -> None:
+        """Before a step: choose and set the threads, and say this stage is busy."""
+        if self.board is not None:
+            self.board.set_busy(True)
         n = self.for_step(num_in_step, num_waiting)
         if n != self.current:
             import torch
 
             torch.set_num_threads(n)
             self.current = n
+
+    def done(self) -> None:
+        """After the step: this stage is no longer busy."""
+        if self.board is not None:
+            self.board.set_busy(False)

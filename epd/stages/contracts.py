@@ -274,31 +274,43 @@ class PrefillHandle(Generic[T]):
     """host:port of the prefill server a decoder pulls the cache from ("" for an in-process store)."""
 
 
-UNALIGNED_PRUNING_STAGES = {
+PRUNING_STAGES = {
+    "temporal_drop": "encoder",
     "spatial_merge": "encoder",
+    "key_tokens": "encoder",
     "prefill_drop": "prefill",
     "kv_compress": "prefill",
     "decode_evict": "decode",
 }
-"""The pruning stages that cannot keep DeepStack features (Qwen3-VL) aligned with the visual
-tokens they touch, by knob, with the service each runs in: spatial merging averages tokens (the
-features would need the same merge); the prefill drop, KV compression and decode eviction run the
-language model's layers through code that does not add the features."""
+"""Every token-dropping / KV-compression stage, by name, with the service it runs in. A family
+declares the ones it supports (`VLMAdapter.supported_pruning`); `kv_dtype` (narrower KV on the
+wire) works for every family and is not listed."""
 
 
-def refuse_unaligned_pruning(family: str, num_deepstack_layers: int, pruning: PruningConfig) -> None:
-    """InvalidRequest naming each stage of `pruning` that a DeepStack family cannot run, and the
-    family; nothing for families without DeepStack. The encoder asks at the start of every
-    request (so a refused prefill stage costs no decoding), prefill again before it queues."""
-    if not num_deepstack_layers:
-        return
-    refused = [name for name in UNALIGNED_PRUNING_STAGES if getattr(pruning, name)]
+def pruning_stages_used(pruning: PruningConfig) -> list[str]:
+    """The stages of `PRUNING_STAGES` that `pruning` turns on."""
+    used = {
+        "temporal_drop": pruning.temporal_drop,
+        "spatial_merge": pruning.spatial_merge,
+        "key_tokens": pruning.key_token_ratio > 0,
+        "prefill_drop": pruning.prefill_drop,
+        "kv_compress": pruning.kv_compress,
+        "decode_evict": pruning.decode_evict,
+    }
+    return [name for name in PRUNING_STAGES if used[name]]
+
+
+def refuse_unsupported_pruning(family: str, supported: frozenset[str], reason: str, pruning: PruningConfig) -> None:
+    """InvalidRequest naming each stage `pruning` turns on that the model family does not support,
+    and the family. The encoder asks at the start of every request (a refused later stage costs no
+    decoding), prefill again before it queues (it may get media from elsewhere)."""
+    refused = [name for name in pruning_stages_used(pruning) if name not in supported]
     if refused:
-        stages = ", ".join(f"{name} ({UNALIGNED_PRUNING_STAGES[name]} stage)" for name in refused)
+        stages = ", ".join(f"{name} ({PRUNING_STAGES[name]} stage)" for name in refused)
+        works = ", ".join(sorted(supported)) or "none"
         raise InvalidRequest(
-            f"pruning {stages} is not supported for model family {family}: it cannot keep the "
-            "DeepStack features aligned with the visual tokens; turn it off (temporal_drop, "
-            "key_token_ratio and kv_dtype work)"
+            f"pruning {stages} is not supported for model family {family}"
+            f"{': ' + reason if reason else ''}; turn it off (this family supports: {works}; kv_dtype always works)"
         )
 
 

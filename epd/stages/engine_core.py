@@ -241,9 +241,14 @@ class EngineCore(Generic[R]):
     def _step(self, left: list[R], batch: list[R], num_waiting: int) -> list[tuple[R, Any]]:
         """On the model thread: release, execute, release the finished."""
         self._release(left)
-        if self.model_thread.threads is not None:
-            self.model_thread.threads.apply(len(batch), num_waiting)
-        outputs = self.runner.execute(batch)
+        threads = self.model_thread.threads
+        if threads is not None:
+            threads.apply(len(batch), num_waiting)
+        try:
+            outputs = self.runner.execute(batch)
+        finally:
+            if threads is not None:
+                threads.done()
         for r, out in outputs:
             if isinstance(out, RequestFailed):
                 r.finished = True

@@ -14,17 +14,27 @@ import pytest
 import safetensors
 import torch
 
-from epd.model_runtime.adapter import PrefillChunk, VisionInputs, VisualMeta
+from epd.model_runtime.adapter import PrefillChunk, VisionInputs
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_loading import safetensors_files
 from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter, language_key, vision_key
-from epd.model_runtime.loader import check_model_dir, load_adapter
-from epd.model_runtime.qwen2_vl import _safetensors_files
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
-from tests.reference import decode_for_test
-
-QUESTION = "what colour is the moving square?"
-MAX_NEW_TOKENS = 20
-CASES = [("mp4", 8), ("mp4", 32), ("png", 1)]
+from tests.families import (
+    CASES,
+    MAX_NEW_TOKENS,
+    QUESTION,
+    assert_reference_varies,
+    assert_same_state,
+    conversation,
+    decode_alone,
+    generate_references,
+    greedy,
+    load_each_part,
+    load_stage_adapters,
+    load_video,
+    visual_meta,
+    whole_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +56,11 @@ def language(checkpoint):
 
 @pytest.fixture(scope="module")
 def whole(checkpoint):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
-    return model, AutoProcessor.from_pretrained(checkpoint)
-
-
-def _conversation(video) -> list[dict]:
-    kind = "image" if video.is_image else "video"
-    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
+    return whole_model(checkpoint)
 
 
 def _processor_inputs(processor, video):
-    text = processor.apply_chat_template(_conversation(video), add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(conversation(video), add_generation_prompt=True, tokenize=False)
     if video.is_image:
         return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
     return processor(
@@ -66,56 +68,24 @@ def _processor_inputs(processor, video):
     )
 
 
-def _meta(adapter, inputs) -> VisualMeta:
-    return VisualMeta(
-        inputs.modality, inputs.grid_thw, inputs.second_per_grid_t, adapter.num_visual_tokens(inputs.grid_thw)
-    )
-
-
-def _video(media_files, media, num_frames):
-    return decode_for_test(media_files[media], num_frames)
-
-
-def _greedy(language, state) -> list[int]:
-    cache = language.new_decode_cache(state.cache)
-    logits, positions, tokens = state.last_logits, state.next_position_ids, []
-    for _ in range(MAX_NEW_TOKENS):
-        token = int(logits.argmax())
-        tokens.append(token)
-        if token in language.eos_token_ids:
-            break
-        logits = language.decode_step(token, positions, cache)
-        positions = positions + 1  # every row, as the decode core does
-    return tokens
-
-
 def _split(vision, language, video, embeds=None, video_newline=True):
     """Encoder adapter -> language adapter, greedy; returns (tokens, the prefill's last logits)."""
     inputs = vision.preprocess(video)
     if embeds is None:
         embeds = vision.encode(inputs)
-    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
     state = language.prefill(prompt, embeds, video_newline=video_newline)
-    return _greedy(language, state), state.last_logits
+    return greedy(language, state), state.last_logits
 
 
 @pytest.fixture(scope="module")
 def references(whole, media_files):
-    model, processor = whole
-    out = {}
-    for media, num_frames in CASES:
-        inputs = _processor_inputs(processor, _video(media_files, media, num_frames))
-        with torch.inference_mode():
-            generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-        out[(media, num_frames)] = generated[0, inputs["input_ids"].shape[1] :].tolist()
-    return out
+    return generate_references(whole, media_files, _processor_inputs)
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
 def test_reference_output_varies(references, media, num_frames):
-    ref = references[(media, num_frames)]
-    assert len(ref) == MAX_NEW_TOKENS, "the reference stopped early; the comparison would prove little"
-    assert len(set(ref)) > 4, "the tiny model repeats one token; raise its weight scale"
+    assert_reference_varies(references[(media, num_frames)])
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
@@ -123,10 +93,10 @@ def test_prompt_pixels_and_positions_are_the_processors_and_1d(
     vision, language, whole, media_files, media, num_frames
 ):
     model, processor = whole
-    video = _video(media_files, media, num_frames)
+    video = load_video(media_files, media, num_frames)
     ref = _processor_inputs(processor, video)
     inputs = vision.preprocess(video)
-    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
 
     assert torch.equal(prompt.input_ids, ref["input_ids"])
     if video.is_image:  # anyres: the base crop and at least one tile; grid = the image's pixels
@@ -149,14 +119,14 @@ def test_prompt_pixels_and_positions_are_the_processors_and_1d(
 
 @pytest.mark.parametrize("media,num_frames", CASES)
 def test_in_process_split_equals_generate(vision, language, media_files, references, media, num_frames):
-    tokens, _ = _split(vision, language, _video(media_files, media, num_frames))
+    tokens, _ = _split(vision, language, load_video(media_files, media, num_frames))
     assert tokens == references[(media, num_frames)]
 
 
 def test_next_positions_cross_as_four_equal_ints(vision, language, media_files):
-    video = _video(media_files, "mp4", 8)
+    video = load_video(media_files, "mp4", 8)
     inputs = vision.preprocess(video)
-    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
     state = language.prefill(prompt, vision.encode(inputs))
     assert state.next_position_ids.tolist() == [prompt.num_tokens] * 4
 
@@ -175,7 +145,7 @@ def _unpooled_video_embeds(vision, inputs) -> torch.Tensor:
 
 
 def test_negative_controls_change_the_answer(vision, language, media_files, references):
-    video = _video(media_files, "mp4", 8)
+    video = load_video(media_files, "mp4", 8)
     inputs = vision.preprocess(video)
     tokens, logits = _split(vision, language, video)
     assert tokens == references[("mp4", 8)]
@@ -192,7 +162,7 @@ def test_negative_controls_change_the_answer(vision, language, media_files, refe
 def test_frame_groups_encode_independently_and_encode_batch_equals_encode(vision, media_files):
     """The encoder encodes `frames_per_group` frames at a time and concatenates: exact here
     because the closing newline is prefill's, not the encoder's."""
-    video = _video(media_files, "mp4", 8)
+    video = load_video(media_files, "mp4", 8)
     inputs = vision.preprocess(video)
     whole = vision.encode(inputs)
     groups = [
@@ -200,7 +170,7 @@ def test_frame_groups_encode_independently_and_encode_batch_equals_encode(vision
         for i in range(0, 8, 2)
     ]
     assert torch.allclose(torch.cat([vision.encode(g) for g in groups]), whole, atol=1e-5)
-    image = vision.preprocess(_video(media_files, "png", 1))
+    image = vision.preprocess(load_video(media_files, "png", 1))
     batched = vision.encode_batch([groups[0], image, inputs])
     alone = [vision.encode(groups[0]), vision.encode(image), whole]
     assert [b.shape for b in batched] == [a.shape for a in alone]
@@ -208,9 +178,9 @@ def test_frame_groups_encode_independently_and_encode_batch_equals_encode(vision
 
 
 def _prompt_and_embeds(vision, language, media_files, media, num_frames):
-    video = _video(media_files, media, num_frames)
+    video = load_video(media_files, media, num_frames)
     inputs = vision.preprocess(video)
-    return language.build_prompt(_conversation(video), _meta(vision, inputs)), vision.encode(inputs)
+    return language.build_prompt(conversation(video), visual_meta(vision, inputs)), vision.encode(inputs)
 
 
 def test_chunked_and_batched_prefill_equal_prefill_alone(vision, language, media_files):
@@ -229,17 +199,8 @@ def test_chunked_and_batched_prefill_equal_prefill_alone(vision, language, media
         (result,) = language.prefill_chunks([PrefillChunk(p1, e1, start, end, cache)])
         cache = result.cache
     assert torch.allclose(result.last_logits, alone[0].last_logits, atol=1e-4)
-    assert _greedy(language, type(alone[0])(language.chunk_cache_to_kv(cache), result.last_logits,
-                                            alone[0].next_position_ids, p1.num_tokens)) == _greedy(language, alone[0])
-
-
-def _decode_alone(language, state, steps: int) -> torch.Tensor:
-    cache, positions, seen = language.new_decode_cache(state.cache), state.next_position_ids, []
-    token = int(state.last_logits.argmax())
-    for _ in range(steps):
-        seen.append(language.decode_step(token, positions, cache))
-        token, positions = int(seen[-1].argmax()), positions + 1
-    return torch.stack(seen)
+    assert greedy(language, type(alone[0])(language.chunk_cache_to_kv(cache), result.last_logits,
+                                            alone[0].next_position_ids, p1.num_tokens)) == greedy(language, alone[0])
 
 
 def test_batched_decode_equals_decoding_each_request_alone(vision, language, media_files):
@@ -248,7 +209,7 @@ def test_batched_decode_equals_decoding_each_request_alone(vision, language, med
         for media, n in (("mp4", 8), ("png", 1), ("mp4", 32))  # prompts of different lengths
     ]
     steps = 6
-    alone = [_decode_alone(language, state, steps) for state in states]
+    alone = [decode_alone(language, state, steps) for state in states]
 
     batch = language.new_batch_kv()
     for state in states:
@@ -266,38 +227,11 @@ def test_batched_decode_equals_decoding_each_request_alone(vision, language, med
         assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
 
 
-def _tensors_read(monkeypatch) -> list[str]:
-    """Records every tensor the adapters read from safetensors (they read through `safe_open`)."""
-    read: list[str] = []
-    real_open = safetensors.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self._file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self._inner = self._file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._file.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, key):
-            read.append(key)
-            return self._inner.get_tensor(key)
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
-    return read
-
-
 def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
     checkpoint, whole, monkeypatch
 ):
     model, _ = whole
-    root, files = _safetensors_files(str(checkpoint))
+    root, files = safetensors_files(str(checkpoint))
     with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
         keys = set(f.keys())
     vision_keys = {k for k in keys if vision_key(k) is not None}
@@ -309,23 +243,15 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
     assert all(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in vision_keys - language_keys)
     assert all(k.startswith("language_model.") for k in language_keys - vision_keys)
 
-    read = _tensors_read(monkeypatch)
-    tower_only = LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"vision"})
-    assert set(read) == vision_keys and tower_only.model is None
-    read.clear()
-    language_only = LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"language"})
-    assert set(read) == language_keys and language_only.visual is None
-
+    tower_only, language_only = load_each_part(
+        LlavaOnevisionAdapter, checkpoint, monkeypatch, vision_keys, language_keys
+    )
     expected = {vision_key(k): v for k, v in model.state_dict().items() if vision_key(k)}
-    got = tower_only.visual.state_dict()
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert_same_state(tower_only.visual.state_dict(), expected)
     expected = {
         k: v for k, v in model.state_dict().items() if language_key(k) and k != "model.image_newline"
     }
-    got = language_only.model.state_dict()
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert_same_state(language_only.model.state_dict(), expected)
     assert torch.equal(language_only.image_newline, model.model.image_newline)
 
 
@@ -350,18 +276,14 @@ def test_hub_key_layout_maps_to_the_same_parts():
 
 
 def test_the_loader_detects_llava_onevision_and_loads_each_stages_part(checkpoint):
-    assert check_model_dir(str(checkpoint)) == "llava_onevision"
-    encoder = load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
-    decode = load_adapter(ModelConfig(model=str(checkpoint)), "decode")
-    assert isinstance(encoder, LlavaOnevisionAdapter) and encoder.visual is not None and encoder.model is None
-    assert isinstance(decode, LlavaOnevisionAdapter) and decode.model is not None and decode.visual is None
+    _, decode = load_stage_adapters(checkpoint, "llava_onevision", LlavaOnevisionAdapter, "decode")
     assert decode.supports_batched_decode and not decode.supports_sparse_vision
 
 
 def test_the_whole_model_adapter_equals_the_split(checkpoint, vision, media_files, references):
     both = LlavaOnevisionAdapter(str(checkpoint), ModelConfig(), {"vision", "language"})
     for media, num_frames in (("mp4", 8), ("png", 1)):
-        video = _video(media_files, media, num_frames)
+        video = load_video(media_files, media, num_frames)
         assert torch.allclose(both.encode(both.preprocess(video)), vision.encode(vision.preprocess(video)))
         assert _split(both, both, video)[0] == references[(media, num_frames)]
 

@@ -15,16 +15,26 @@ from transformers.video_utils import VideoMetadata
 
 from epd.model_runtime.adapter import PrefillChunk, VisualFeatures, VisualMeta
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.loader import check_model_dir, load_adapter
-from epd.model_runtime.qwen2_vl import Qwen2VLAdapter, _language_key, _safetensors_files, _vision_key
+from epd.model_runtime.hf_loading import language_key, safetensors_files, vision_key
+from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.resources import demo_model_dir
-from tests.reference import decode_for_test
-
-QUESTION = "what colour is the moving square?"
-MAX_NEW_TOKENS = 20
-CASES = [("mp4", 8), ("mp4", 32), ("png", 1)]
+from tests.families import (
+    CASES,
+    assert_qwen_parts_load_exactly,
+    assert_reference_varies,
+    conversation,
+    decode_alone,
+    generate_references,
+    greedy,
+    load_each_part,
+    load_stage_adapters,
+    load_video,
+    visual_meta,
+    whole_model,
+)
+from tests.families import qwen_processor_inputs as _processor_inputs
 
 
 @pytest.fixture(scope="module")
@@ -46,83 +56,29 @@ def language(checkpoint):
 
 @pytest.fixture(scope="module")
 def whole(checkpoint):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
-    return model, AutoProcessor.from_pretrained(checkpoint)
-
-
-def _conversation(video) -> list[dict]:
-    kind = "image" if video.is_image else "video"
-    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
-
-
-def _processor_inputs(processor, video, metadata=None):
-    """The processor's own __call__ on the same frames. Video metadata as a user of transformers
-    gives it: the source's fps and the decoded frames' indices in the source."""
-    text = processor.apply_chat_template(_conversation(video), add_generation_prompt=True, tokenize=False)
-    if video.is_image:
-        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-    if metadata is None:
-        fps = video.source_fps
-        indices = [round(t * fps) for t in video.timestamps_s]
-        metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
-    kwargs = {"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [metadata]}
-    return processor(text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs=kwargs)
-
-
-def _meta(adapter, inputs) -> VisualMeta:
-    return VisualMeta(
-        inputs.modality,
-        inputs.grid_thw,
-        inputs.second_per_grid_t,
-        adapter.num_visual_tokens(inputs.grid_thw),
-        inputs.group_timestamps_s,
-    )
-
-
-def _video(media_files, media, num_frames):
-    return decode_for_test(media_files[media], num_frames)
+    return whole_model(checkpoint)
 
 
 def _split(vision, language, video, drop_deepstack=False):
     """Encoder adapter -> language adapter, greedy; returns (tokens, the prefill's last logits)."""
     inputs = vision.preprocess(video)
     features = vision.encode_features(inputs)
-    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
     if drop_deepstack:
         state = language.prefill(prompt, features.embeds, None)
     else:
         state = language.prefill_features(prompt, features)
-    cache = language.new_decode_cache(state.cache)
-    logits, positions, tokens = state.last_logits, state.next_position_ids, []
-    for _ in range(MAX_NEW_TOKENS):
-        token = int(logits.argmax())
-        tokens.append(token)
-        if token in language.eos_token_ids:
-            break
-        logits = language.decode_step(token, positions, cache)
-        positions = positions + 1
-    return tokens, state.last_logits
+    return greedy(language, state), state.last_logits
 
 
 @pytest.fixture(scope="module")
 def references(whole, media_files):
-    model, processor = whole
-    out = {}
-    for media, num_frames in CASES:
-        inputs = _processor_inputs(processor, _video(media_files, media, num_frames))
-        with torch.inference_mode():
-            generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-        out[(media, num_frames)] = generated[0, inputs["input_ids"].shape[1] :].tolist()
-    return out
+    return generate_references(whole, media_files, _processor_inputs)
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
 def test_reference_output_varies(references, media, num_frames):
-    ref = references[(media, num_frames)]
-    assert len(ref) == MAX_NEW_TOKENS, "the reference stopped early; the comparison would prove little"
-    assert len(set(ref)) > 4, "the tiny model repeats one token; raise its weight scale"
+    assert_reference_varies(references[(media, num_frames)])
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
@@ -130,10 +86,10 @@ def test_prompt_pixels_and_positions_are_the_processors_and_generates(
     vision, language, whole, media_files, media, num_frames
 ):
     model, processor = whole
-    video = _video(media_files, media, num_frames)
+    video = load_video(media_files, media, num_frames)
     ref = _processor_inputs(processor, video)
     inputs = vision.preprocess(video)
-    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
 
     assert torch.equal(prompt.input_ids, ref["input_ids"])
     pixels, grid = (
@@ -159,15 +115,15 @@ def test_without_group_times_the_prompt_assumes_evenly_spaced_frames_from_zero(
     """What prefill builds while the wire does not carry the times yet (VisualMeta without them):
     the processor's prompt for frames 0..T-1 at the sampled rate."""
     _, processor = whole
-    video = _video(media_files, "mp4", 8)
+    video = load_video(media_files, "mp4", 8)
     inputs = vision.preprocess(video)
     meta = VisualMeta(
         inputs.modality, inputs.grid_thw, inputs.second_per_grid_t, vision.num_visual_tokens(inputs.grid_thw)
     )
-    prompt = language.build_prompt(_conversation(video), meta)
+    prompt = language.build_prompt(conversation(video), meta)
     metadata = VideoMetadata(total_num_frames=8, fps=video.sampled_fps, frames_indices=list(range(8)))
     assert torch.equal(prompt.input_ids, _processor_inputs(processor, video, metadata)["input_ids"])
-    real_times = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    real_times = language.build_prompt(conversation(video), visual_meta(vision, inputs))
     assert not torch.equal(prompt.input_ids, real_times.input_ids), (
         "the clip starts after 0 s; the times must differ"
     )
@@ -175,7 +131,7 @@ def test_without_group_times_the_prompt_assumes_evenly_spaced_frames_from_zero(
 
 @pytest.mark.parametrize("media,num_frames", CASES)
 def test_in_process_split_equals_generate(vision, language, media_files, references, media, num_frames):
-    tokens, _ = _split(vision, language, _video(media_files, media, num_frames))
+    tokens, _ = _split(vision, language, load_video(media_files, media, num_frames))
     assert tokens == references[(media, num_frames)]
 
 
@@ -183,7 +139,7 @@ def test_in_process_split_equals_generate(vision, language, media_files, referen
 def test_dropping_the_deepstack_features_changes_the_answer(
     vision, language, media_files, references, media, num_frames
 ):
-    video = _video(media_files, media, num_frames)
+    video = load_video(media_files, media, num_frames)
     tokens, logits = _split(vision, language, video)
     dropped_tokens, dropped_logits = _split(vision, language, video, drop_deepstack=True)
     assert tokens == references[(media, num_frames)]
@@ -192,7 +148,7 @@ def test_dropping_the_deepstack_features_changes_the_answer(
 
 
 def test_the_tower_yields_one_deepstack_feature_per_layer_aligned_with_the_embeds(vision, media_files):
-    inputs = vision.preprocess(_video(media_files, "mp4", 8))
+    inputs = vision.preprocess(load_video(media_files, "mp4", 8))
     features = vision.encode_features(inputs)
     num_tokens = vision.num_visual_tokens(inputs.grid_thw)
     assert vision.num_deepstack_layers == len(vision.hf_config.vision_config.deepstack_visual_indexes) == 2
@@ -202,12 +158,12 @@ def test_the_tower_yields_one_deepstack_feature_per_layer_aligned_with_the_embed
 
 
 def test_the_one_tensor_paths_refuse_rather_than_drop_deepstack(vision, language, media_files):
-    video = _video(media_files, "mp4", 8)
+    video = load_video(media_files, "mp4", 8)
     inputs = vision.preprocess(video)
     with pytest.raises(NotImplementedError, match="encode_features"):
         vision.encode(inputs)
     features = vision.encode_features(inputs)
-    prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
     with pytest.raises(ValueError, match="needs the tower's DeepStack features"):
         language.prefill_features(prompt, VisualFeatures(features.embeds))
     with pytest.raises(ValueError, match="1 DeepStack features; this model adds 2"):
@@ -218,25 +174,15 @@ def test_the_one_tensor_paths_refuse_rather_than_drop_deepstack(vision, language
         language.prefill_chunks([PrefillChunk(prompt, features.embeds, 0, prompt.num_tokens)])
 
 
-def _decode_alone(language, state, steps: int) -> torch.Tensor:
-    """[steps, vocab]: the logits of `steps` greedy decode_step calls after `state`."""
-    cache, positions, seen = language.new_decode_cache(state.cache), state.next_position_ids, []
-    token = int(state.last_logits.argmax())
-    for _ in range(steps):
-        seen.append(language.decode_step(token, positions, cache))
-        token, positions = int(seen[-1].argmax()), positions + 1
-    return torch.stack(seen)
-
-
 def test_batched_decode_equals_decoding_each_request_alone(vision, language, media_files):
     states = []
     for media, num_frames in (("mp4", 8), ("png", 1)):  # prompts of different lengths
-        video = _video(media_files, media, num_frames)
+        video = load_video(media_files, media, num_frames)
         inputs = vision.preprocess(video)
-        prompt = language.build_prompt(_conversation(video), _meta(vision, inputs))
+        prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
         states.append(language.prefill_features(prompt, vision.encode_features(inputs)))
     steps = 6
-    alone = [_decode_alone(language, state, steps) for state in states]
+    alone = [decode_alone(language, state, steps) for state in states]
 
     batch = language.new_batch_kv()
     for state in states:
@@ -261,42 +207,15 @@ def test_a_family_without_deepstack_refuses_deepstack_features():
         adapter.prefill_features(None, VisualFeatures(embeds, [embeds]))  # type: ignore[arg-type]
 
 
-def _tensors_read(monkeypatch) -> list[str]:
-    """Records every tensor the adapters read from safetensors (they read through `safe_open`)."""
-    read: list[str] = []
-    real_open = safetensors.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self._file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self._inner = self._file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._file.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, key):
-            read.append(key)
-            return self._inner.get_tensor(key)
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
-    return read
-
-
 def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
     checkpoint, whole, monkeypatch
 ):
     model, _ = whole
-    root, files = _safetensors_files(str(checkpoint))
+    root, files = safetensors_files(str(checkpoint))
     with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
         keys = set(f.keys())
-    vision_keys = {k for k in keys if _vision_key(k) is not None}
-    language_keys = {k for k in keys if _language_key(k) is not None}
+    vision_keys = {k for k in keys if vision_key(k) is not None}
+    language_keys = {k for k in keys if language_key(k) is not None}
     assert (
         vision_keys
         and language_keys
@@ -305,25 +224,9 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
     )
     assert any("deepstack_merger_list" in k for k in vision_keys)
 
-    read = _tensors_read(monkeypatch)
-    tower_only = Qwen3VLAdapter(str(checkpoint), ModelConfig(), {"vision"})
-    assert set(read) == vision_keys and tower_only.model is None
-    read.clear()
-    language_only = Qwen3VLAdapter(str(checkpoint), ModelConfig(), {"language"})
-    assert set(read) == language_keys and language_only.visual is None
-
-    tower = tower_only.visual.state_dict()
-    assert tower.keys() == model.model.visual.state_dict().keys()
-    assert all(torch.equal(tower[k], v) for k, v in model.model.visual.state_dict().items())
-    expected = {k: v for k, v in model.state_dict().items() if not k.startswith("model.visual.")}
-    got = language_only.model.state_dict()
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    tower_only, language_only = load_each_part(Qwen3VLAdapter, checkpoint, monkeypatch, vision_keys, language_keys)
+    assert_qwen_parts_load_exactly(model, tower_only, language_only)
 
 
 def test_the_loader_detects_qwen3_vl_and_loads_each_stages_part(checkpoint):
-    assert check_model_dir(str(checkpoint)) == "qwen3_vl"
-    encoder = load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
-    prefill = load_adapter(ModelConfig(model=str(checkpoint)), "prefill")
-    assert isinstance(encoder, Qwen3VLAdapter) and encoder.visual is not None and encoder.model is None
-    assert isinstance(prefill, Qwen3VLAdapter) and prefill.model is not None and prefill.visual is None
+    load_stage_adapters(checkpoint, "qwen3_vl", Qwen3VLAdapter, "prefill")

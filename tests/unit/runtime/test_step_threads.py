@@ -1,5 +1,6 @@
-"""--num-threads auto: every core for a call that serves one request with nothing else waiting,
-one thread otherwise; a fixed count stays fixed. And the flag's parsing."""
+"""--num-threads auto: with the stack's shared board, a call takes the cores divided by the stages
+busy at that moment; without one, every core for a call that serves one request with nothing else
+waiting, one thread otherwise; a fixed count stays fixed. And the flag's parsing."""
 
 from __future__ import annotations
 
@@ -9,11 +10,31 @@ import pytest
 import torch
 
 from epd.cli.main import _num_threads
-from epd.model_runtime.threads import AUTO, StepThreads
+from epd.model_runtime.threads import AUTO, StepThreads, new_board_path, remove_board
 
 
-def test_auto_follows_the_load():
-    t = StepThreads(AUTO)
+def test_with_a_board_each_call_takes_the_cores_the_other_stages_leave():
+    board = new_board_path()
+    try:
+        encoder, prefill, decode = (StepThreads(AUTO, stage, board) for stage in ("encoder", "prefill", "decode"))
+        for t in (encoder, prefill, decode):
+            t.cores = 4
+        assert decode.for_step(16, 0) == 4, "nobody else busy: every core, whatever the batch"
+        encoder.board.set_busy(True)
+        assert decode.for_step(1, 0) == 2
+        prefill.board.set_busy(True)
+        assert decode.for_step(1, 0) == 1
+        encoder.done()
+        prefill.done()
+        assert decode.for_step(1, 0) == 4, "done() clears the stage's byte"
+    finally:
+        remove_board(board)
+
+
+def test_without_a_board_auto_follows_this_stage_queue(monkeypatch):
+    monkeypatch.delenv("EPD_THREADS_BOARD", raising=False)
+    t = StepThreads(AUTO, "decode")
+    assert t.board is None
     t.cores = 8
     assert t.for_step(1, 0) == 8
     assert t.for_step(1, 3) == 1, "others wait: the other processes are busy too"

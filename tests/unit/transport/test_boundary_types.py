@@ -305,7 +305,7 @@ def test_decode_refuses_over_limit_generation_before_any_cache_moves():
 
     try:
         for source in (take_from_store(store), take_kv):
-            no_model = SimpleNamespace(kv_bytes_per_token=1024)  # the refusal comes before any model call
+            no_model = SimpleNamespace(kv_bytes_per_token=1024, decode_state_bytes=0)  # the refusal comes before any model call
             stage = LocalDecodeStage(DecodeEngine(no_model), source, thread, limits)  # type: ignore[arg-type]
             with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 16"):
                 asyncio.run(first_step(stage))

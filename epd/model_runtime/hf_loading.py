@@ -1,0 +1,181 @@
+"""Loading helpers shared by the transformers-backed families (`qwen2_vl`, `qwen3_vl`, `qwen3_5`,
+`llava_onevision`): checkpoint identity, generation config, and the one-part stage loaders that
+read only their own part's tensors from a checkpoint's safetensors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(path: str) -> str:
+    """Identity of a checkpoint for cache keys: its configs' contents and its weight files'
+    names, sizes and modification times (a re-saved or re-trained model gets a new one)."""
+    import hashlib
+
+    root = Path(path)
+    h = hashlib.sha256(str(root.resolve() if root.exists() else path).encode())
+    if root.is_dir():
+        for f in sorted(root.iterdir()):
+            if f.suffix == ".json":
+                h.update(f.name.encode() + f.read_bytes())
+            elif f.suffix == ".safetensors":
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def generation_config(path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def eos_token_ids(path: str, tokenizer) -> frozenset[int]:
+    """The checkpoint's generation config's eos ids, else the tokenizer's."""
+    eos = getattr(generation_config(path), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def load_full_model(path: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def safetensors_files(path: str) -> tuple[Path, list[str]]:
+    """The checkpoint's directory and its safetensors files ([] when it has none)."""
+    root = Path(path) if Path(path).is_dir() else Path(snapshot_dir(path))
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return root, sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return root, ["model.safetensors"] if (root / "model.safetensors").exists() else []
+
+
+def read_part(root: Path, files: list[str], rename) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors that `rename(key)` maps to a name (None skips the key). Only those
+    are read: safetensors maps the file and a tensor's bytes are touched only by get_tensor."""
+    from safetensors import safe_open
+
+    state = {}
+    for name in files:
+        with safe_open(str(root / name), framework="pt") as f:
+            for key in f.keys():
+                if (new := rename(key)) is not None:
+                    state[new] = f.get_tensor(key)
+    return state
+
+
+def vision_key(key: str) -> str | None:
+    """Hub format ("visual.*") or transformers 5's ("model.visual.*") -> the tower's own names."""
+    for prefix in ("model.visual.", "visual."):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return None
+
+
+def language_key(key: str) -> str | None:
+    """Hub format ("model.layers.*", "lm_head.*") or transformers 5's ("model.language_model.*")
+    -> "model.language_model.*" / "lm_head.*" (`LanguageOnly`'s names); the tower's -> None (never read)."""
+    if key.startswith("lm_head."):
+        return key
+    if key.startswith(("visual.", "model.visual.")):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if key.startswith(prefix):
+            return "model.language_model." + key[len(prefix) :]
+    return None
+
+
+class LanguageOnly(torch.nn.Module):
+    """The language half of the model at the whole model's attribute paths (`model.language_model`,
+    `lm_head`; no `model.visual`), so prefill and decode run the same modules either way."""
+
+    def __init__(self, language_model: torch.nn.Module, lm_head: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.language_model = language_model
+        self.lm_head = lm_head
+
+
+def load_vision_part(path: str, hf_config, dtype: torch.dtype, build: Callable[[], torch.nn.Module],
+                     rename=vision_key, full_part=lambda model: model.model.visual, what: str = "vision tower"):
+    """Build the encoder's part alone (`build()`, weights uninitialised) and load only its tensors
+    (`rename` picks and renames them). Without safetensors: `full_part` of the full model."""
+    from transformers.initialization import no_init_weights
+
+    root, files = safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its %s", root, what)
+        return full_part(load_full_model(str(root), dtype, torch.device("cpu")))
+    with no_init_weights():  # every weight is loaded below; random init would only cost time
+        part = build()
+    missing, unexpected = part.load_state_dict(read_part(root, files, rename), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the {what}: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    return part.to(dtype).eval()
+
+
+def build_language_only(text_config, dtype: torch.dtype, build_lm: Callable[[], torch.nn.Module]) -> LanguageOnly:
+    """`LanguageOnly` of `build_lm()` and an lm_head, weights uninitialised (all are loaded after)."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is loaded below; random init would only cost time
+        lm = build_lm()
+        head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+    return LanguageOnly(lm, head)
+
+
+def load_language_state(model: LanguageOnly, state: dict[str, torch.Tensor], hf_config, path: str) -> None:
+    """Load `state` into `model`, tying the head to the embeddings where the checkpoint does (the
+    small checkpoints store no lm_head)."""
+    text_config = hf_config.text_config
+    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
+    lm: Any = model.model.language_model
+    if "lm_head.weight" not in state and tied:
+        model.lm_head.weight = lm.embed_tokens.weight
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+
+
+def load_language_model(path: str, hf_config, dtype: torch.dtype, text_cls):
+    """Build the text model (`text_cls`, as the whole model builds it) and lm_head alone and load
+    only their weights (prefill and decode): the tower's tensors are never read. Without
+    safetensors: the full model, tower dropped."""
+    root, files = safetensors_files(path)
+    if not files:
+        log.info("no safetensors in %s; loading the full model for its language model", root)
+        model = load_full_model(str(root), dtype, torch.device("cpu"))
+        model.model.visual = None  # frees the tower; this stage never runs it
+        return model
+    text_config = hf_config.text_config
+    model = build_language_only(text_config, dtype, lambda: text_cls._from_config(text_config, dtype=dtype))
+    load_language_state(model, read_part(root, files, language_key), hf_config, path)
+    return model
+
+
+def snapshot_dir(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"])

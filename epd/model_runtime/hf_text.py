@@ -1,0 +1,275 @@
+"""The language-model side every family runs on transformers' text models: decode (one request or
+a batch), the decode cache and KV sizes, chunked prefill's row handling, and the small accessors
+the engines and pruning code use. A family subclasses `HfTextAdapter` and overrides the hooks
+where its model differs (`_step_positions` / `_batch_positions` for 1-D rotary positions,
+`_kv_shape` for hybrid layers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from epd.model_runtime.adapter import (
+    CapturedQueries,
+    ChunkResult,
+    LayerwisePass,
+    PrefillChunk,
+    PrefillState,
+    Prompt,
+    TextDims,
+    VLMAdapter,
+)
+from epd.model_runtime.batch_kv import BatchKv
+from epd.model_runtime.hf_loading import load_full_model
+from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.qwen_text_layers import (
+    QueryCapture,
+    QwenLayerwisePass,
+    count_parameters,
+    dims_of,
+    dynamic_cache_kv,
+    set_dynamic_cache_kv,
+)
+
+
+class HfTextAdapter(VLMAdapter):
+    """`self.model` is transformers' whole model or `LanguageOnly` (`.model.language_model`,
+    `.lm_head`), None on a stage without the language part."""
+
+    device: torch.device
+    dtype: torch.dtype
+    parts: frozenset[str]
+    hf_config: Any
+    tokenizer: Any
+    model: Any
+    visual: Any
+
+    supports_batched_decode = True
+
+    def _load_parts(self, path: str, load_vision: Callable, load_language: Callable) -> None:
+        """The parts this stage needs: both -> transformers' whole model (its tower at
+        `model.visual`); one -> `load_vision` / `load_language`(path, hf_config, dtype), which read
+        only that part's tensors; none -> prompts only (build_prompt), no weights."""
+        self.visual = None
+        self.model = None
+        if self.parts >= {"vision", "language"}:
+            self.model = load_full_model(path, self.dtype, self.device)
+            self.visual = self.model.model.visual
+        elif "vision" in self.parts:
+            self.visual = load_vision(path, self.hf_config, self.dtype).to(self.device)
+        elif "language" in self.parts:
+            self.model = load_language(path, self.hf_config, self.dtype).to(self.device).eval()
+
+    # -- the language model ------------------------------------------------------------------
+
+    def _language_model(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.model.language_model
+
+    @property
+    def language_model(self):
+        """transformers' text model (embed_tokens, layers, rotary_emb, norm)."""
+        return self._language_model()
+
+    @property
+    def lm_head(self):
+        if self.model is None:
+            raise RuntimeError("this adapter was loaded without the language model")
+        return self.model.lm_head
+
+    @property
+    def text_config(self):
+        return self.hf_config.text_config
+
+    def _model_dtype(self) -> torch.dtype:
+        return self._language_model().embed_tokens.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._language_model().embed_tokens(input_ids.to(self.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
+        """One prompt in one forward (call under inference_mode): token embeddings with the visual
+        positions filled in order, the prompt's [4, 1, L] positions, `extra` passed to the text
+        model (DeepStack's); the cache transformers' `DynamicCache(config)` builds (a hybrid model's
+        linear layers: `LinearAttentionLayer`)."""
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        input_ids = prompt.input_ids.to(self.device)
+        embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
+        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
+        embeds = embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
+        cache = DynamicCache(config=self.hf_config.text_config)
+        length = prompt.num_tokens
+        out = lm(
+            inputs_embeds=embeds,
+            position_ids=prompt.position_ids.to(self.device),
+            attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+        logits = self.lm_head(out.last_hidden_state[:, -1:])  # [1, 1, vocab]
+        return PrefillState(
+            cache=KvCache.from_dynamic(cache),
+            last_logits=logits[0, -1],
+            next_position_ids=prompt.position_ids[:, 0, -1] + 1,
+            num_prompt_tokens=length,
+        )
+
+    # -- chunked prefill ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """Rows without a cache (whole prompts, first chunks) share one right-padded forward
+        (`_prefill_padded`); a row that continues its cache runs alone over its chunk
+        (`_prefill_continue`: caches of different lengths would need padding inside the cache)."""
+        results: list[ChunkResult | None] = [None] * len(rows)
+        fresh = [i for i, row in enumerate(rows) if row.cache is None]
+        if fresh:
+            for i, result in zip(fresh, self._prefill_padded([rows[i] for i in fresh]), strict=True):
+                results[i] = result
+        for i, row in enumerate(rows):
+            if row.cache is not None:
+                results[i] = self._prefill_continue(row)
+        return [r for r in results if r is not None]
+
+    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        raise NotImplementedError
+
+    def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
+        raise NotImplementedError
+
+    @staticmethod
+    def _check_continues(row: PrefillChunk) -> None:
+        """A continuing chunk [start, end) must follow its cache of exactly [0, start)."""
+        past = row.cache.get_seq_length()
+        if past != row.start:
+            raise ValueError(f"the chunk starts at token {row.start} but its cache holds {past}")
+
+    def _split_padded(self, cache, logits: torch.Tensor, lengths: list[int]) -> list[ChunkResult]:
+        """A right-padded forward's results per row: logits [B, vocab]; each row its own cache,
+        padding cut off (to_dynamic copies). One unpadded row keeps the forward's cache."""
+        if len(lengths) == 1:
+            return [ChunkResult(cache, logits[0])]
+        kv = KvCache.from_dynamic(cache)  # [B, kv_heads, L, head_dim] per layer
+        results = []
+        for i, n in enumerate(lengths):
+            row_kv = KvCache([k[i : i + 1, :, :n] for k in kv.keys], [v[i : i + 1, :, :n] for v in kv.values])
+            results.append(ChunkResult(row_kv.to_dynamic(self.hf_config.text_config), logits[i]))
+        return results
+
+    def chunk_cache_to_kv(self, cache) -> KvCache:
+        return KvCache.from_dynamic(cache)
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def new_decode_cache(self, cache: KvCache):
+        # The cache may arrive narrower than the model (PruningConfig.kv_dtype); compute in the model's.
+        dtype = self._model_dtype()
+        kv = KvCache([k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values])
+        return kv.to_dynamic(self.hf_config.text_config)
+
+    def _step_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The interface's [4] positions of one step -> the text model's: [4, 1, 1] (M-RoPE)."""
+        return position_ids.view(4, 1, 1)
+
+    def _batch_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The interface's [4, B] positions of a batch step -> the text model's: [4, B, 1]."""
+        return position_ids[:, :, None]
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        # Generated tokens are text: no visual input (nor DeepStack) touches a decode step.
+        lm = self._language_model()
+        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
+        past = cache.get_seq_length()  # a hybrid model's: the attention layers' length
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=self._step_positions(position_ids).to(self.device),
+            attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return self.lm_head(out.last_hidden_state[:, -1:])[0, -1]
+
+    def _kv_shape(self) -> tuple[int, int, int, torch.dtype]:
+        """(layers with KV, kv heads, head dim, dtype) of the decode cache."""
+        c = self.hf_config.text_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers, c.num_key_value_heads, head_dim, self._model_dtype()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        layers, heads, head_dim, dtype = self._kv_shape()
+        return 2 * layers * heads * head_dim * dtype.itemsize
+
+    def new_batch_kv(self) -> BatchKv:
+        layers, heads, head_dim, dtype = self._kv_shape()
+        return BatchKv(layers, heads, head_dim, dtype, self.device)
+
+    @torch.inference_mode()
+    def decode_batch(self, token_ids: list[int], position_ids: torch.Tensor, batch: BatchKv) -> torch.Tensor:
+        lm = self._language_model()
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        out = lm(
+            inputs_embeds=lm.embed_tokens(ids),
+            position_ids=self._batch_positions(position_ids).to(self.device),
+            attention_mask=batch.attention_mask(),  # [B, max + 1]: each row's own columns
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.advance()
+        return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
+
+
+class QwenTextAdapter(HfTextAdapter):
+    """`HfTextAdapter` with the pruning interface's hooks for Qwen attention layers
+    (`qwen_text_layers`): dims, the layer-by-layer prefill, query capture, the decode cache's
+    per-layer KV, parameter count."""
+
+    @property
+    def text_dims(self) -> TextDims:
+        return dims_of(self.hf_config.text_config)
+
+    def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
+        return QwenLayerwisePass(self._language_model(), inputs_embeds, position_ids)
+
+    @contextmanager
+    def capture_queries(self, layers: Iterable[int], query_index: torch.Tensor) -> Iterator[CapturedQueries]:
+        with QueryCapture(self._language_model().layers, layers, query_index, with_keys=False) as cap:
+            yield CapturedQueries(cap.queries, cap.keys)
+
+    def decode_cache_kv(self, cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return dynamic_cache_kv(cache)
+
+    def set_decode_cache_kv(self, cache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        set_dynamic_cache_kv(cache, layer, keys, values)
+
+    @property
+    def num_parameters(self) -> int:
+        return count_parameters(self.model, self.visual)
+
+
+class RopeHolder:
+    """Stands in for `model_cls` (`Qwen3VLModel`, `Qwen3_5Model`) in its `get_rope_index`, which
+    reads only these two."""
+
+    def __init__(self, config, model_cls) -> None:
+        self.config = config
+        self._get_vision_position_ids = model_cls.get_vision_position_ids
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self._get_vision_position_ids(self, *args, **kwargs)

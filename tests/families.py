@@ -1,0 +1,174 @@
+"""Helpers shared by the model-family adapter tests (`tests/integration/test_*_adapter.py`): the
+question, greedy decoding loops, generate() references, and the checks that each one-part stage
+adapter reads only its own part's tensors."""
+
+from __future__ import annotations
+
+import safetensors
+import torch
+
+from epd.model_runtime.adapter import VisualMeta
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.loader import check_model_dir, load_adapter
+from tests.reference import decode_for_test
+
+QUESTION = "what colour is the moving square?"
+MAX_NEW_TOKENS = 20
+CASES = [("mp4", 8), ("mp4", 32), ("png", 1)]
+
+
+QWEN3_5_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def build_qwen3_5_checkpoint(directory):
+    """The tiny hybrid Qwen3.5 checkpoint (4 layers: linear, full, linear, full) the adapter and
+    stack tests share."""
+    from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+
+    return build_checkpoint(directory, TinyVLMSpec(family="qwen3_5", num_hidden_layers=4))
+
+
+def whole_model(checkpoint):
+    """(transformers' whole model, its processor): the reference the split adapters must equal."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def conversation(video) -> list[dict]:
+    kind = "image" if video.is_image else "video"
+    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
+
+
+def qwen_processor_inputs(processor, video, metadata=None):
+    """A Qwen3-style processor's own __call__ on the same frames. Video metadata as a user of
+    transformers gives it: the source's fps and the decoded frames' indices in the source."""
+    from transformers.video_utils import VideoMetadata
+
+    text = processor.apply_chat_template(conversation(video), add_generation_prompt=True, tokenize=False)
+    if video.is_image:
+        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
+    if metadata is None:
+        fps = video.source_fps
+        indices = [round(t * fps) for t in video.timestamps_s]
+        metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
+    kwargs = {"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [metadata]}
+    return processor(text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs=kwargs)
+
+
+def visual_meta(adapter, inputs) -> VisualMeta:
+    return VisualMeta(
+        inputs.modality,
+        inputs.grid_thw,
+        inputs.second_per_grid_t,
+        adapter.num_visual_tokens(inputs.grid_thw),
+        inputs.group_timestamps_s,
+    )
+
+
+def load_video(media_files, media, num_frames):
+    return decode_for_test(media_files[media], num_frames)
+
+
+def greedy(language, state, cache=None) -> list[int]:
+    """Greedy `decode_step`s after `state` (on `cache`, else its own decode cache), to EOS or
+    MAX_NEW_TOKENS; the tokens."""
+    if cache is None:
+        cache = language.new_decode_cache(state.cache)
+    logits, positions, tokens = state.last_logits, state.next_position_ids, []
+    for _ in range(MAX_NEW_TOKENS):
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in language.eos_token_ids:
+            break
+        logits = language.decode_step(token, positions, cache)
+        positions = positions + 1  # every row, as the decode core does
+    return tokens
+
+
+def decode_alone(language, state, steps: int) -> torch.Tensor:
+    """[steps, vocab]: the logits of `steps` greedy decode_step calls after `state`."""
+    cache, positions, seen = language.new_decode_cache(state.cache), state.next_position_ids, []
+    token = int(state.last_logits.argmax())
+    for _ in range(steps):
+        seen.append(language.decode_step(token, positions, cache))
+        token, positions = int(seen[-1].argmax()), positions + 1
+    return torch.stack(seen)
+
+
+def generate_references(whole, media_files, processor_inputs, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
+    """{(media, num_frames): generate()'s greedy tokens (at most `max_new_tokens`)} for every case."""
+    model, processor = whole
+    out = {}
+    for media, num_frames in CASES:
+        inputs = processor_inputs(processor, load_video(media_files, media, num_frames))
+        with torch.inference_mode():
+            generated = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out[(media, num_frames)] = generated[0, inputs["input_ids"].shape[1] :].tolist()
+    return out
+
+
+def assert_reference_varies(ref: list[int], max_new_tokens: int = MAX_NEW_TOKENS) -> None:
+    assert len(ref) == max_new_tokens, "the reference stopped early; the comparison would prove little"
+    assert len(set(ref)) > 4, "the tiny model repeats one token; raise its weight scale"
+
+
+def tensors_read(monkeypatch) -> list[str]:
+    """Records every tensor the adapters read from safetensors (they read through `safe_open`)."""
+    read: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self._file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self._inner.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    return read
+
+
+def load_each_part(adapter_cls, checkpoint, monkeypatch, vision_keys: set[str], language_keys: set[str]):
+    """(vision-only adapter, language-only adapter), each checked to read exactly its keys."""
+    read = tensors_read(monkeypatch)
+    tower_only = adapter_cls(str(checkpoint), ModelConfig(), {"vision"})
+    assert set(read) == vision_keys and tower_only.model is None
+    read.clear()
+    language_only = adapter_cls(str(checkpoint), ModelConfig(), {"language"})
+    assert set(read) == language_keys and language_only.visual is None
+    return tower_only, language_only
+
+
+def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def assert_qwen_parts_load_exactly(model, tower_only, language_only) -> None:
+    """A Qwen-shaped model's tower ("model.visual.*") and the rest, loaded separately, equal the whole."""
+    assert_same_state(tower_only.visual.state_dict(), model.model.visual.state_dict())
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith("model.visual.")}
+    assert_same_state(language_only.model.state_dict(), expected)
+
+
+def load_stage_adapters(checkpoint, family: str, adapter_cls, language_stage: str):
+    """The loader detects `family`; the encoder gets the tower only, `language_stage` the rest."""
+    assert check_model_dir(str(checkpoint)) == family
+    encoder = load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
+    language = load_adapter(ModelConfig(model=str(checkpoint)), language_stage)
+    assert isinstance(encoder, adapter_cls) and encoder.visual is not None and encoder.model is None
+    assert isinstance(language, adapter_cls) and language.model is not None and language.visual is None
+    return encoder, language
