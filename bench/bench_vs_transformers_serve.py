@@ -251,7 +251,7 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
             str(ports["http"]),
             # One load client sends every request: lift the per-client limit above the sweep's top level.
             "--max-requests-per-client",
-            str(max([*args.concurrency, 0]) + 1 if 0 not in args.concurrency else args.num_requests + 1),
+            str(max(c or args.num_requests for c in args.concurrency) + 1),  # 0 = all at once
             *(["--colocate"] if name == "epd-colocate" else []),
             *args.epd_arg,
         ]

@@ -68,6 +68,8 @@ class BatchKv:
         self.keys: list[torch.Tensor] = [self._empty(0, 0) for _ in range(num_layers)]
         self.values: list[torch.Tensor] = [self._empty(0, 0) for _ in range(num_layers)]
         self.lengths: list[int] = []  # valid columns of each running row
+        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(rows, columns) where this step's new tokens go: computed once per step, not per layer."""
         self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(num_layers)])
 
     # -- rows ---------------------------------------------------------------------------------
@@ -105,11 +107,12 @@ class BatchKv:
         row = self.num_rows
         rows, cols = self.capacity
         if row + 1 > rows or columns > cols:
-            self._grow(row + 1, columns)
+            self._reallocate(row + 1, columns)
         for i in range(self.num_layers):
             self.keys[i][row, :, :length] = kv.keys[i][0].to(self.device, self.dtype)
             self.values[i][row, :, :length] = kv.values[i][0].to(self.device, self.dtype)
         self.lengths.append(length)
+        self._write_at = None
         return row
 
     def remove(self, row: int) -> int | None:
@@ -125,8 +128,9 @@ class BatchKv:
             self.lengths[row] = n
             moved = last
         self.lengths.pop()
+        self._write_at = None
         if not self.lengths:
-            self._grow(0, 0, keep=False)  # an idle decoder holds no KV memory
+            self._reallocate(0, 0, keep=False)  # an idle decoder holds no KV memory
         return moved
 
     # -- one step -----------------------------------------------------------------------------
@@ -141,8 +145,12 @@ class BatchKv:
         b = self.num_rows
         if key.shape[0] != b or key.shape[2] != 1:
             raise ValueError(f"a decode step writes one token for each of {b} rows, got {tuple(key.shape)}")
-        rows = torch.arange(b, device=self.device)
-        cols = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
+        if self._write_at is None:
+            self._write_at = (
+                torch.arange(b, device=self.device),
+                torch.tensor(self.lengths, dtype=torch.long, device=self.device),
+            )
+        rows, cols = self._write_at
         k, v = self.keys[layer], self.values[layer]
         if self.max_length + 1 > k.shape[2]:
             raise RuntimeError("a row outgrew the room reserved for it")
@@ -154,6 +162,7 @@ class BatchKv:
     def advance(self) -> None:
         """After a forward pass: every row holds one more token."""
         self.lengths = [n + 1 for n in self.lengths]
+        self._write_at = None
 
     def row_cache(self, row: int) -> KvCache:
         """A copy of one row's cache as it crosses boundaries (tests, debugging)."""
@@ -168,7 +177,7 @@ class BatchKv:
     def _empty(self, rows: int, cols: int) -> torch.Tensor:
         return torch.zeros(rows, self.num_kv_heads, cols, self.head_dim, dtype=self.dtype, device=self.device)
 
-    def _grow(self, rows: int, cols: int, keep: bool = True) -> None:
+    def _reallocate(self, rows: int, cols: int, keep: bool = True) -> None:
         """New buffers of exactly (rows, cols), the running rows copied in (unless `keep` is
         False). Exact, not doubled: the memory budget counts these bytes (zeros, because a masked
         column still goes through the attention product and must not hold NaN)."""
