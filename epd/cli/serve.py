@@ -20,9 +20,14 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from epd.cli.health import is_serving
+
+if TYPE_CHECKING:
+    from epd.cli.zygote import ServiceProcess
+
+    Service = subprocess.Popen | ServiceProcess
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +37,8 @@ _EXIT_MARGIN_S = 5.0
 # The gateway first: its requests in flight still need the stages to finish.
 _STOP_ORDER = (("gateway",), ("encoder", "prefill", "decode"))
 _PR_SET_PDEATHSIG = 1
+MODEL_ROLES = ("encoder", "prefill", "decode")
+_COMMAND_PREFIX = 3  # python -m epd.cli.main
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -126,7 +133,8 @@ def _die_with_parent() -> None:
 
 
 def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The command line of each service of the loopback stack."""
+    """The command line of each service of the loopback stack (the model services' are run forked,
+    without their first `_COMMAND_PREFIX` words)."""
     base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, "serve"]
     threads = [] if args.num_threads is None else ["--num-threads", str(args.num_threads or "auto")]
     model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads]
@@ -158,7 +166,8 @@ class _Signals:
 
 
 def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int:
-    from epd.model_runtime.loader import ModelLoadError, check_model_dir, resolve_model_path
+    from epd.cli.zygote import Zygote, preload_modules
+    from epd.model_runtime.loader import ModelLoadError, check_model_dir, family_module, resolve_model_path
     from epd.model_runtime.threads import BOARD_ENV, new_board_path, remove_board
 
     signals = _Signals()
@@ -166,27 +175,36 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         # Once here, not in each child: the default model is built (if it must be) once, not three
         # times racing; and a broken checkpoint is one line now, not four processes failing.
         args.model = resolve_model_path(args.model)
-        check_model_dir(args.model)
+        model_type = check_model_dir(args.model)
     except ModelLoadError as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return EXIT_MODEL
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, Service] = {}
     # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
     # other stages are not using at that moment (epd/model_runtime/threads.py).
     board = new_board_path()
     env = {**os.environ, BOARD_ENV: board}
+    # The model services are forked from one process that imported torch and the family's modules
+    # once (epd/cli/zygote.py): they share those pages and skip those imports.
+    zygote = Zygote(preload_modules(model_type, family_module(model_type)))
     try:
-        for name, command in stack_commands(args).items():
-            # Own process group: a terminal's Ctrl-C reaches only this launcher, which stops the
-            # services in order (_STOP_ORDER); PDEATHSIG still ends them if it is killed.
-            procs[name] = subprocess.Popen(command, preexec_fn=_die_with_parent, process_group=0, env=env)
+        commands = stack_commands(args)
+        # Own process group: a terminal's Ctrl-C reaches only this launcher, which stops the
+        # services in order (_STOP_ORDER); PDEATHSIG still ends them if it is killed. The gateway
+        # holds no model, so it is a plain interpreter (no torch), started first: it comes up
+        # while the zygote imports.
+        procs["gateway"] = subprocess.Popen(commands["gateway"], preexec_fn=_die_with_parent, process_group=0,
+                                            env=env)
+        for name in MODEL_ROLES:
+            procs[name] = zygote.start(name, commands[name][_COMMAND_PREFIX:], env)
         return _supervise(args, procs, signals, ready_timeout_s)
     finally:
         _stop_all(procs, args.grace_period + _EXIT_MARGIN_S, signals)
+        zygote.stop()
         remove_board(board)
 
 
-def _supervise(args: argparse.Namespace, procs: dict[str, subprocess.Popen], signals: _Signals,
+def _supervise(args: argparse.Namespace, procs: dict[str, Service], signals: _Signals,
                ready_timeout_s: float) -> int:
     """Wait for every service to serve, then until a signal or a service exits."""
     ports = {"encoder": args.encoder_port, "prefill": args.prefill_port, "decode": args.decode_port,
@@ -195,8 +213,8 @@ def _supervise(args: argparse.Namespace, procs: dict[str, subprocess.Popen], sig
     pending = set(procs)
     while pending and not signals.stop.is_set():
         for name in sorted(pending):
-            if procs[name].poll() is not None:
-                return _exited(name, procs[name].returncode)
+            if (code := procs[name].poll()) is not None:
+                return _exited(name, code)
             if is_serving(f"127.0.0.1:{ports[name]}", timeout_s=1.0):
                 pending.discard(name)
         if time.monotonic() > deadline:
@@ -207,8 +225,8 @@ def _supervise(args: argparse.Namespace, procs: dict[str, subprocess.Popen], sig
         print(f"epd: stack ready; gateway at 127.0.0.1:{args.gateway_port}", flush=True)
     while not signals.stop.wait(0.2):
         for name, proc in procs.items():
-            if proc.poll() is not None:
-                return _exited(name, proc.returncode)
+            if (code := proc.poll()) is not None:
+                return _exited(name, code)
     return EXIT_OK
 
 
@@ -219,7 +237,7 @@ def _exited(name: str, code: int) -> int:
     return EXIT_FAILED
 
 
-def _stop_all(procs: dict[str, subprocess.Popen], timeout_s: float, signals: _Signals) -> None:
+def _stop_all(procs: dict[str, Service], timeout_s: float, signals: _Signals) -> None:
     """SIGTERM group by group (_STOP_ORDER), each given `timeout_s` to drain and exit, then SIGKILL.
     A further signal to the launcher is passed on at once."""
     for group in _STOP_ORDER:

@@ -59,6 +59,12 @@ class ModelLoadError(ValueError):
         self.reason = reason
 
 
+def family_module(model_type: str | None) -> str | None:
+    """The `epd.model_runtime` module that serves `model_type` (None when unknown)."""
+    entry = _FAMILIES.get(model_type or "")
+    return entry[0] if entry else None
+
+
 def resolve_model_path(model: str) -> str:
     return str(default_model_path()) if model == "default" else model
 

@@ -105,16 +105,61 @@ def _wait_ready(proc: subprocess.Popen, what: str) -> None:
     assert "stack ready" in line, f"{what} did not start (exit {proc.poll()}): {line!r}"
 
 
-def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path):
-    ports = _stack_ports()
-    log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - closed below
+def _roles(children: list[psutil.Process]) -> dict[str, psutil.Process]:
+    """The stack's services by role, from their command lines (`epd ... serve ROLE ...`; a forked
+    service's is its process title, one string)."""
+    found = {}
+    for child in children:
+        cmdline = " ".join(child.cmdline()).split()
+        if "serve" in cmdline and len(cmdline) > cmdline.index("serve") + 1:
+            found[cmdline[cmdline.index("serve") + 1]] = child
+    return found
+
+
+def _start_stack(tiny_models, tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - the launcher's stderr; closed with the test's tmp_path
     launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
-                                            *ports), stdout=subprocess.PIPE, stderr=log, text=True,
+                                            *_stack_ports()), stdout=subprocess.PIPE, stderr=log, text=True,
                                 env=child_env(), cwd=ROOT)
     try:
         _wait_ready(launcher, "the stack")
-        children = psutil.Process(launcher.pid).children(recursive=True)
-        assert len(children) == 4
+    except BaseException:
+        launcher.kill()
+        raise
+    return launcher, psutil.Process(launcher.pid).children(recursive=True)
+
+
+def test_the_model_services_are_forked_from_one_zygote(tiny_models, tmp_path):
+    """The three model services share one parent that imported torch once (epd/cli/zygote.py), each
+    named by its role in `ps`; the gateway, which holds no model, is the launcher's own child."""
+    launcher, children = _start_stack(tiny_models, tmp_path)
+    try:
+        roles = _roles(children)
+        assert sorted(roles) == ["decode", "encoder", "gateway", "prefill"]
+        zygotes = {roles[name].ppid() for name in ("encoder", "prefill", "decode")}
+        assert len(zygotes) == 1 and zygotes != {launcher.pid}
+        assert psutil.Process(zygotes.pop()).ppid() == launcher.pid
+        assert roles["gateway"].ppid() == launcher.pid
+        assert " ".join(roles["prefill"].cmdline()).startswith("epd --log-level WARNING serve prefill --port ")
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+
+
+def test_a_killed_launcher_leaves_nothing_running(tiny_models, tmp_path):
+    """SIGKILL gives the launcher no chance to stop anything: the zygote ends when the launcher's end of
+    its pipe closes, the services when their parent ends (PR_SET_PDEATHSIG), the gateway likewise."""
+    launcher, children = _start_stack(tiny_models, tmp_path)
+    launcher.kill()
+    launcher.wait(timeout=10)
+    _, alive = psutil.wait_procs(children, timeout=20)
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
+
+
+def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path):
+    launcher, children = _start_stack(tiny_models, tmp_path)
+    try:
+        assert len(_roles(children)) == 4
         started = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         code = launcher.wait(timeout=60)
@@ -122,11 +167,12 @@ def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        log.close()
     stderr = (tmp_path / "stack.log").read_text()
     assert code == 0, stderr
     assert took_s < IDLE_STOP_BOUND_S, f"took {took_s:.2f} s"
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    # multiprocessing's resource tracker ends on its own once its last holder has gone: moments after
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
     assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr
 
 

@@ -1,0 +1,171 @@
+"""The stack's model services forked from one process that imported torch once (a zygote).
+
+`import torch` alone is ~500 MB of resident memory in the CUDA build of torch, most of it private
+to the process that imported it (relocated library data, Python objects), and transformers'
+modelling imports add more and take seconds. Three model services that each import them hold
+three copies; forked from one process that imported them already, they share those pages copy on
+write (measured: three separate interpreters 1,558 MiB PSS, a parent and three forked children
+748 MiB), and each skips the imports at start-up.
+
+The zygote is Python's `multiprocessing` fork server: the launcher (which imports no torch) starts
+it with the modules to preload, and each service is a `multiprocessing` process forked from it
+that runs `epd serve ROLE ...` as if started on its own (same argv, same exit codes). Only fork
+server's own process holds no thread when it forks, which is what makes forking after importing
+torch safe; gRPC is not imported before the fork (it is not fork-safe once initialised).
+
+Lifetimes: the launcher owns the fork server (it ends when the launcher's end of its pipe
+closes), and each service gets SIGTERM when the fork server ends (PR_SET_PDEATHSIG), so killing
+the launcher, even with SIGKILL, leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import time
+from multiprocessing.context import ForkServerContext
+from pathlib import Path
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+# Imported by the zygote before any fork, whatever the model: torch and what every model service
+# imports with it. The family's own modules are added by `preload_modules`.
+_COMMON_PRELOAD = (
+    "torch", "torchvision", "numpy", "PIL.Image", "av", "safetensors.torch", "tokenizers",
+    "transformers", "transformers.modeling_utils", "transformers.processing_utils",
+    "transformers.models.auto.modeling_auto", "transformers.models.auto.processing_auto",
+    "epd.model_runtime.loader", "epd.model_runtime.hf_loading", "epd.model_runtime.hf_text",
+)
+# transformers' per-family files that loading a checkpoint of that model_type imports (those the
+# installed transformers has).
+_FAMILY_FILES = ("configuration", "modeling", "processing", "video_processing", "image_processing",
+                 "image_processing_pil", "tokenization")
+# Families whose processor lives under another family's folder.
+_PROCESSOR_FAMILY = {"qwen2_5_vl": "qwen2_vl", "qwen3_5": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+
+
+def preload_modules(model_type: str | None, family_module: str | None) -> list[str]:
+    """What the zygote imports before forking for a checkpoint of `model_type` (None: a hub id,
+    known only once loaded; then the common part)."""
+    modules = list(_COMMON_PRELOAD)
+    spec = importlib.util.find_spec("transformers")  # where it is, without importing it (or torch)
+    if model_type and spec is not None and spec.origin is not None:
+        models = Path(spec.origin).parent / "models"
+        for folder in dict.fromkeys((model_type, _PROCESSOR_FAMILY.get(model_type, model_type))):
+            modules += [f"transformers.models.{folder}.{kind}_{folder}" for kind in _FAMILY_FILES
+                        if (models / folder / f"{kind}_{folder}.py").is_file()]
+    if family_module:
+        modules.append(f"epd.model_runtime.{family_module}")
+    return modules
+
+
+class ServiceProcess:
+    """One forked service, with the part of `subprocess.Popen` the launcher uses."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._process.join(timeout)
+        return self._process.exitcode
+
+
+class Zygote:
+    """The fork server of one launcher: `start(argv)` runs `epd ARGV` in a process forked from it."""
+
+    def __init__(self, preload: list[str]) -> None:
+        self._context: ForkServerContext = multiprocessing.get_context("forkserver")  # type: ignore[assignment]
+        self._context.set_forkserver_preload(preload)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> ServiceProcess:
+        """Fork `epd ARGV` (its environment `env`). The first call starts the zygote and waits for
+        its imports (seconds); the later ones fork at once."""
+        process = self._context.Process(target=_run_service, args=(argv, env), name=f"epd-{name}", daemon=False)
+        process.start()
+        return ServiceProcess(process)
+
+    def stop(self) -> None:
+        """End the fork server (the services it forked are stopped by the launcher first)."""
+        server = _fork_server()
+        pid = server._forkserver_pid
+        if pid is None:
+            return
+        # Not its own `_stop()`: that waits for the fork server to notice, which it does only after
+        # its imports (seconds, when the stack is stopped while starting).
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        server._forkserver_pid = None
+
+
+def _run_service(argv: list[str], env: dict[str, str]) -> None:
+    """In the forked child: become a service as if started as `epd ARGV`."""
+    # The fork server lets its children keep it alive (they hold its "alive" pipe); ours must not,
+    # or a killed launcher would leave the fork server and, through it, the services running.
+    server = _fork_server()
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    # The preloaded objects never die: keep the collector off their pages, or its first full pass
+    # writes to every one of them and the shared pages become private copies.
+    gc.freeze()
+    _set_title(argv)  # before the environment changes: setproctitle borrows the space after argv
+    os.environ.clear()
+    os.environ.update(env)
+    os.setpgid(0, 0)  # its own process group, as the launcher's other children: Ctrl-C reaches only the launcher
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    from epd.cli.main import main
+
+    raise SystemExit(main(argv))
+
+
+def _fork_server() -> Any:
+    """This process's `multiprocessing` fork server record. Its alive pipe and pid are private to
+    `multiprocessing` (3.9-3.14 keep them under these names); `test_lifecycle` fails if they move."""
+    return multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+
+
+def _set_title(argv: list[str]) -> None:
+    """`ps` shows `epd serve encoder --port ...`, not the fork server's command line."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(["epd", *argv]))

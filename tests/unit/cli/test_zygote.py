@@ -1,0 +1,43 @@
+"""What the stack's zygote imports before it forks the model services (epd/cli/zygote.py).
+
+A preload that does not import is skipped silently by the fork server, and the services would then
+each import it again, unshared: so every name must import, and each family's modelling file must be
+among them. The forked process tree itself is tested in tests/integration/test_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from epd.cli.zygote import preload_modules
+from epd.model_runtime.loader import _FAMILIES, family_module
+from tests.stack import ROOT, child_env
+
+
+@pytest.mark.parametrize("model_type", sorted(_FAMILIES))
+def test_every_preloaded_module_imports(model_type):
+    modules = preload_modules(model_type, family_module(model_type))
+    assert f"transformers.models.{model_type}.modeling_{model_type}" in modules
+    assert f"epd.model_runtime.{_FAMILIES[model_type][0]}" in modules
+    assert modules[0] == "torch"
+    for name in modules:
+        importlib.import_module(name)
+
+
+def test_a_hub_id_preloads_the_common_part_only():
+    modules = preload_modules(None, None)
+    assert "torch" in modules and "transformers" in modules
+    assert not [m for m in modules if m.startswith(("transformers.models.qwen", "epd.model_runtime.qwen"))]
+
+
+def test_listing_the_preload_imports_no_torch():
+    """The launcher computes the list: it must not import what it lists."""
+    code = ("import sys; from epd.cli.zygote import preload_modules; preload_modules('qwen2_vl', 'qwen2_vl'); "
+            "sys.exit(sorted(m for m in ('torch', 'transformers') if m in sys.modules) != [])")
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
