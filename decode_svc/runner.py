@@ -10,7 +10,9 @@
   3. requests with decode-stage eviction decode alone, one `step()` each, in the same engine step
      (eviction shrinks their cache per layer and head, which one shared cache cannot hold), and so
      do all requests of a family without batched decoding (`supports_batched_decode`).
-Each request's output of a step is a list of TokenSteps (two on the step it joins).
+Each request's output of a step is a list of TokenSteps. Joining (1.) happens in `admit`, a
+model-thread call of its own before the step, so the prefill's token reaches the client without
+waiting for the step's forward pass.
 
 `release` frees a request's row (the last row moves into its place); the batch cache is freed
 when the last request leaves.
@@ -19,6 +21,7 @@ when the last request leaves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,20 +29,34 @@ from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.scheduler import DecodeRequest
 from epd.model_runtime.batch_kv import BatchKv
 from epd.stages.contracts import TokenStep
-from epd.stages.engine_core import ModelRunner
+from epd.stages.engine_core import ModelRunner, RequestFailed
 
 
 class DecodeRunner(ModelRunner[DecodeRequest]):
+    admits_first = True  # a joining request's first token (the prefill's) needs no forward pass
+
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
         self.adapter = engine.adapter
         self.batch: BatchKv | None = None
         self.rows: list[DecodeRequest] = []  # rows[i].row == i
 
+    def admit(self, requests: Sequence[DecodeRequest]) -> list[tuple[DecodeRequest, Any]]:
+        """Join the requests whose KV cache has arrived: their first output is the prefill's token,
+        sent before the next batched forward (which then gives their second). A request whose
+        cache cannot join fails alone."""
+        outputs: list[tuple[DecodeRequest, Any]] = []
+        for r in requests:
+            try:
+                outputs.append((r, [self._join(r)]))
+            except Exception as exc:  # noqa: BLE001 - e.g. a cache that does not fit the model
+                outputs.append((r, RequestFailed(exc)))
+        return outputs
+
     def execute(self, batch: Sequence[DecodeRequest]) -> list[tuple[DecodeRequest, list[TokenStep]]]:
         outputs: dict[DecodeRequest, list[TokenStep]] = {r: [] for r in batch}
         for r in batch:
-            if r.generation is None:
+            if r.generation is None:  # not admitted first (a caller driving the runner directly)
                 outputs[r].append(self._join(r))
         if self.rows:
             assert self.batch is not None

@@ -46,6 +46,12 @@ class EncoderConfig:
     max_queued_decodes: int = 16
     """Requests that may wait (FIFO, holding their upload) for one of `max_concurrent_decodes`;
     past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
+    max_tower_jobs_per_request: int = 4
+    """Frame groups one request may have queued for the vision tower at once
+    (`--max-tower-jobs-per-request`): its driver preprocesses the next groups while the tower
+    encodes earlier ones, and a step takes every group waiting (within the patch budget) in one
+    call, so groups grow with the load instead of one tower call per temporal pair. 1: the driver
+    waits for each group's embeddings before it preprocesses the next."""
     max_tower_patches_per_step: int = 8192
     """Patches one batched vision-tower call may take (`--max-tower-patches-per-step`): each
     step encodes the oldest waiting frame groups, of any requests, while their patches fit (a
@@ -62,6 +68,9 @@ class EncoderConfig:
         if self.max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes (--max-concurrent-decodes) must be >= 1, "
                              f"got {self.max_concurrent_decodes}")
+        if self.max_tower_jobs_per_request < 1:
+            raise ValueError(f"max_tower_jobs_per_request (--max-tower-jobs-per-request) must be >= 1, "
+                             f"got {self.max_tower_jobs_per_request}")
         if self.max_tower_patches_per_step < 1:
             raise ValueError(f"max_tower_patches_per_step (--max-tower-patches-per-step) must be >= 1, "
                              f"got {self.max_tower_patches_per_step}")

@@ -9,14 +9,16 @@ request's *driver*):
   2. On a miss, the parallel decoder builds the demux index (on this request's thread) and plans
      keyframe-aligned intervals for its shared decode threads; frames come back in temporal
      order, `frames_per_group` at a time.
-  3. Each group is preprocessed into patches on the driver, then handed to `run_tower`, which
-     blocks until the vision tower has encoded it: the stage (`encoder_svc/stage.py`) queues it
-     as a tower job in the encoder's engine core, whose steps encode the waiting groups of
-     several requests in one tower call (`encoder_svc/scheduler.py`, `encoder_svc/runner.py`),
-     so a request still waiting for its frames holds no model time. Later groups keep decoding
-     meanwhile (the vision tower attends within one temporal patch only, so encoding group by
-     group, alone or beside other requests' groups, gives the same tokens as encoding the whole
-     sample, up to float rounding). Without `run_tower` (tests, benchmarks) the group is
+  3. Each group is preprocessed into patches on the driver, then handed to `run_tower`: the
+     stage (`encoder_svc/stage.py`) queues it as a tower job in the encoder's engine core, whose
+     steps encode the waiting groups of several requests in one tower call
+     (`encoder_svc/scheduler.py`, `encoder_svc/runner.py`), so a request still waiting for its
+     frames holds no model time. The driver does not wait for the group: it preprocesses the
+     next ones, up to `max_tower_jobs_per_request` queued, and a step takes all that wait, so
+     with an idle tower one request's groups merge into fewer, larger calls. Later groups keep
+     decoding meanwhile (the vision tower attends within one temporal patch only, so encoding
+     group by group, alone or beside other groups, gives the same tokens as encoding the whole
+     sample, up to float rounding). Without `run_tower` (tests, benchmarks) each group is
      encoded alone through `run_model`.
   4. Encode-stage pruning (when asked for) is one more model call; the result, an EncodedMedia
      (the concatenated embeddings [num_visual_tokens, hidden], for Qwen3-VL the DeepStack
@@ -40,6 +42,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -73,11 +76,33 @@ RunModel = Callable[..., Any]
 """run_model(fn, *args) -> fn(*args), run where this process runs model work (the model thread),
 blocking the caller until it is done."""
 
-RunTower = Callable[[VisionInputs, int], VisualFeatures]
-"""run_tower(inputs, group_index) -> the group's features (embeddings [group_tokens, hidden] and
-any DeepStack features of the same shape), blocking the driver until the vision tower has encoded
-them (queued with other requests' groups); raises RequestCancelled when the request is cancelled
-while it waits."""
+class PendingFeatures(Protocol):
+    """A frame group submitted to the vision tower: `result()` blocks the driver until its
+    features are back (raises RequestCancelled when the request is cancelled meanwhile);
+    `cancel()` takes it out of the tower's queue."""
+
+    def result(self) -> VisualFeatures: ...
+
+    def cancel(self) -> None: ...
+
+
+RunTower = Callable[[VisionInputs, int], PendingFeatures]
+"""run_tower(inputs, group_index) -> the group's pending features (embeddings [group_tokens,
+hidden] and any DeepStack features of the same shape): queued with other requests' groups (and
+this request's earlier ones) for the vision tower, without waiting."""
+
+
+@dataclass
+class _Done:
+    """Features computed already (no engine core: tests, benchmarks)."""
+
+    features: VisualFeatures
+
+    def result(self) -> VisualFeatures:
+        return self.features
+
+    def cancel(self) -> None:
+        pass
 
 
 def run_here(fn: Callable[..., T], *args: Any) -> T:
@@ -126,14 +151,18 @@ class _Request:
         finally:
             self.model_s += time.perf_counter() - t0
 
-    def tower(self, adapter: VLMAdapter, inputs: VisionInputs) -> VisualFeatures:
-        """The group's features: a tower job of the stage's core, or alone on `run_model`."""
+    def submit_tower(self, adapter: VLMAdapter, inputs: VisionInputs) -> PendingFeatures:
+        """Queue the group for the tower (a tower job of the stage's core), or encode it now, alone,
+        on `run_model`."""
         if self.run_tower is None:
-            return self.model(adapter.encode_features, inputs)
+            return _Done(self.model(adapter.encode_features, inputs))
         self.check_cancelled()
+        return self.run_tower(inputs, self.num_groups_done)
+
+    def wait(self, pending: PendingFeatures) -> VisualFeatures:
         t0 = time.perf_counter()
         try:
-            return self.run_tower(inputs, self.num_groups_done)
+            return pending.result()
         finally:
             self.model_s += time.perf_counter() - t0
 
@@ -247,23 +276,39 @@ class EncoderEngine:
         pixels: list[torch.Tensor] = []  # per group: [group_patches, patch_dim]
         grids: list[tuple[int, int, int]] = []
         frames_done = 0
+        # Groups queued for the tower, oldest first: at most `max_tower_jobs_per_request`, so the
+        # driver preprocesses the next group while the tower encodes earlier ones, and a step
+        # encodes all that wait in one call.
+        pending: deque[PendingFeatures] = deque()
+
+        def collect_oldest() -> None:
+            group = req.wait(pending.popleft())
+            embeds.append(group.embeds)
+            deepstack.append(list(group.deepstack or []))
+
         # closing(): leaving early (cancel, error) closes the stream, which stops its decoding.
         with contextlib.closing(groups):
-            req.check_cancelled()  # cancelled during the index pass: wait for no frame at all
-            for video in groups:  # decoding of later groups continues while this one encodes
-                inputs = self._preprocess(req, video, meta.num_frames)
-                if pruning.temporal_drop:
-                    pixels.append(inputs.pixel_values)
-                if not sparse:  # sparse: the tower waits for every group's patches (pruning below)
-                    group = req.tower(self.adapter, inputs)
-                    embeds.append(group.embeds)
-                    deepstack.append(list(group.deepstack or []))
-                grids.append(inputs.grid_thw)
-                times.extend(inputs.group_timestamps_s)
-                frames_done += video.num_frames
-                req.num_groups_done += 1
-                on_event(StageEvent(Stage.ENCODE, "progress", 0.0, {"frames_done": str(frames_done)}))
-                req.check_cancelled()  # before waiting for the next group
+            try:
+                req.check_cancelled()  # cancelled during the index pass: wait for no frame at all
+                for video in groups:  # decoding of later groups continues while earlier ones encode
+                    inputs = self._preprocess(req, video, meta.num_frames)
+                    if pruning.temporal_drop:
+                        pixels.append(inputs.pixel_values)
+                    if not sparse:  # sparse: the tower waits for every group's patches (pruning below)
+                        pending.append(req.submit_tower(self.adapter, inputs))
+                        while len(pending) > self.config.max_tower_jobs_per_request - 1:
+                            collect_oldest()
+                    grids.append(inputs.grid_thw)
+                    times.extend(inputs.group_timestamps_s)
+                    frames_done += video.num_frames
+                    req.num_groups_done += 1
+                    on_event(StageEvent(Stage.ENCODE, "progress", 0.0, {"frames_done": str(frames_done)}))
+                    req.check_cancelled()  # before waiting for the next group
+                while pending:
+                    collect_oldest()
+            finally:
+                for job in pending:  # left early: nobody wants them encoded
+                    job.cancel()
         grid = (sum(g[0] for g in grids), grids[0][1], grids[0][2])
         token_index = key_mask = None
         # [N, hidden] per DeepStack layer, all groups (none for families without DeepStack)

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 
-from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.engine import EncoderEngine, PendingFeatures
 from epd.encoder_svc.runner import EncodeRunner
 from epd.encoder_svc.scheduler import EncodeScheduler, TowerJob
 from epd.model_runtime.adapter import VisionInputs, VisualFeatures
@@ -50,8 +50,10 @@ def _decodes_full(num_running: int, num_waiting: int) -> str:
 def build_encode_core(engine: EncoderEngine, model_thread: ModelThread) -> EngineCore[TowerJob]:
     """The encoder's engine core: tower jobs, batched up to `max_tower_patches_per_step`."""
     config = engine.config
-    # Each running driver has at most one tower job queued: the queue never refuses one.
-    scheduler = EncodeScheduler(config.max_tower_patches_per_step, config.max_concurrent_decodes)
+    # Each running driver has at most `max_tower_jobs_per_request` tower jobs queued: the queue
+    # never refuses one.
+    scheduler = EncodeScheduler(config.max_tower_patches_per_step,
+                                config.max_concurrent_decodes * config.max_tower_jobs_per_request)
     return EngineCore(scheduler, EncodeRunner(engine.adapter), model_thread)
 
 
@@ -100,7 +102,7 @@ class LocalEncodeStage(EncodeStage):
                     threadsafe,
                     pruning,
                     run_model=self.model_thread.call,
-                    run_tower=towers.encode,
+                    run_tower=towers.submit,
                     cancel=cancel,
                 )
             except RequestCancelled as exc:
@@ -116,9 +118,9 @@ class LocalEncodeStage(EncodeStage):
 
 
 class _TowerJobs:
-    """One media request's way into the core from its driver thread: `encode` submits a frame
-    group as a tower job on the event loop and blocks the driver until its embeddings are back;
-    `cancel` (on the loop) takes a queued job out of the queue and refuses later ones."""
+    """One media request's way into the core from its driver thread: `submit` queues a frame group
+    as a tower job on the event loop and returns at once (the driver goes on preprocessing);
+    `cancel` (on the loop) takes its queued jobs out of the queue and refuses later ones."""
 
     def __init__(self, core: EngineCore[TowerJob], request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.core = core
@@ -127,16 +129,14 @@ class _TowerJobs:
         self._tasks: set[asyncio.Task] = set()  # loop only
         self._cancelled = False  # loop only
 
-    def encode(self, inputs: VisionInputs, group_index: int) -> VisualFeatures:  # driver thread
+    def submit(self, inputs: VisionInputs, group_index: int) -> PendingFeatures:  # driver thread
         try:
             future = asyncio.run_coroutine_threadsafe(self._run(inputs, group_index), self.loop)
-            return future.result()
-        except (concurrent.futures.CancelledError, RuntimeError) as exc:  # RuntimeError: the loop closed
-            if isinstance(exc, RuntimeError) and not self.loop.is_closed():
+        except RuntimeError:  # the loop closed: the stage is stopping
+            if not self.loop.is_closed():
                 raise
-            raise RequestCancelled(
-                f"cancelled while frame group {group_index} waited for the tower"
-            ) from None
+            raise RequestCancelled(f"cancelled before frame group {group_index} reached the tower") from None
+        return _PendingGroup(future, group_index, self.loop)
 
     async def _run(self, inputs: VisionInputs, group_index: int) -> VisualFeatures:
         if self._cancelled:
@@ -162,3 +162,26 @@ class _TowerJobs:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _PendingGroup:
+    """A submitted frame group's features, waited for on the driver thread."""
+
+    def __init__(self, future: concurrent.futures.Future[VisualFeatures], group_index: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.future = future
+        self.group_index = group_index
+        self.loop = loop
+
+    def result(self) -> VisualFeatures:
+        try:
+            return self.future.result()
+        except (concurrent.futures.CancelledError, RuntimeError) as exc:  # RuntimeError: the loop closed
+            if isinstance(exc, RuntimeError) and not self.loop.is_closed():
+                raise
+            raise RequestCancelled(
+                f"cancelled while frame group {self.group_index} waited for the tower"
+            ) from None
+
+    def cancel(self) -> None:
+        self.future.cancel()  # cancels its task on the loop, which takes the job out of the queue

@@ -28,6 +28,52 @@ def build_qwen3_5_checkpoint(directory):
     return build_checkpoint(directory, TinyVLMSpec(family="qwen3_5", num_hidden_layers=4))
 
 
+# The tiny Qwen3-VL MoE text model: 4 experts, 2 per token, expert width 48 (so an expert's
+# [2 * 48, 64] gate/up matrix is not square and the hub's transposed layout cannot pass unnoticed).
+QWEN3_VL_MOE_TEXT = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+
+
+def build_qwen3_vl_moe_checkpoint(directory):
+    """The tiny Qwen3-VL MoE checkpoint the adapter and stack tests share: dense Qwen3-VL's tiny
+    config (processor, tower with DeepStack, interleaved M-RoPE) with every language layer's MLP
+    a sparse MoE block (`QWEN3_VL_MOE_TEXT`), saved as `build_checkpoint` saves the others."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from epd.model_runtime.tiny_model import TinyVLMSpec, build_model, build_processor
+
+    spec = TinyVLMSpec(family="qwen3_vl")
+    processor = build_processor(spec)
+    tokenizer = processor.tokenizer
+    dense = build_model(spec, tokenizer).config  # the sizes, token ids and rope of the dense tiny model
+    text_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters",
+                 "eos_token_id", "bos_token_id", "pad_token_id")
+    vision_keys = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
+                   "spatial_merge_size", "temporal_patch_size", "num_position_embeddings", "deepstack_visual_indexes")
+    config = Qwen3VLMoeConfig(
+        text_config={**{k: getattr(dense.text_config, k) for k in text_keys}, **QWEN3_VL_MOE_TEXT,
+                     "tie_word_embeddings": False},
+        vision_config={k: getattr(dense.vision_config, k) for k in vision_keys},
+        image_token_id=dense.image_token_id,
+        video_token_id=dense.video_token_id,
+        vision_start_token_id=dense.vision_start_token_id,
+        vision_end_token_id=dense.vision_end_token_id,
+        tie_word_embeddings=False,
+    )
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config.eos_token_id, config.pad_token_id = eos, pad
+    torch.manual_seed(spec.seed)
+    model = Qwen3VLMoeForConditionalGeneration(config).eval()
+    with torch.no_grad():  # tiny_model's scaled init (varied greedy output), router and experts included
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
 def whole_model(checkpoint):
     """(transformers' whole model, its processor): the reference the split adapters must equal."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -95,6 +141,38 @@ def decode_alone(language, state, steps: int) -> torch.Tensor:
         seen.append(language.decode_step(token, positions, cache))
         token, positions = int(seen[-1].argmax()), positions + 1
     return torch.stack(seen)
+
+
+def checkpoint_keys(checkpoint, vision_key, language_key) -> tuple[set[str], set[str], set[str]]:
+    """(every tensor name of the one-file checkpoint, the vision part's, the language part's), the
+    parts by the family's own `vision_key` / `language_key`."""
+    import safetensors
+
+    from epd.model_runtime.hf_loading import safetensors_files
+
+    root, files = safetensors_files(str(checkpoint))
+    with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
+        keys = set(f.keys())
+    return keys, {k for k in keys if vision_key(k) is not None}, {k for k in keys if language_key(k) is not None}
+
+
+def assert_batched_decode_equals_alone(language, states, steps: int = 6) -> None:
+    """`steps` greedy `decode_batch` steps over the prefill `states` in one `BatchKv` give each row
+    the argmax tokens, and the logits within 1e-4, of `decode_alone`."""
+    alone = [decode_alone(language, state, steps) for state in states]
+    batch = language.new_batch_kv()
+    for state in states:
+        batch.add(state.cache, max(s.num_prompt_tokens for s in states) + steps)
+    tokens = [int(s.last_logits.argmax()) for s in states]
+    positions = torch.stack([s.next_position_ids for s in states], dim=1)  # [4, B]
+    batched = []
+    for _ in range(steps):
+        batched.append(language.decode_batch(tokens, positions, batch))  # [B, vocab]
+        tokens, positions = batched[-1].argmax(-1).tolist(), positions + 1
+    for row, expected in enumerate(alone):
+        got = torch.stack([step[row] for step in batched])  # [steps, vocab]
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def generate_references(whole, media_files, processor_inputs, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:

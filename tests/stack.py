@@ -1,5 +1,9 @@
 """A real epd stack on loopback for tests: encoder, prefill, decode and gateway, each its own
-process started with the same `epd serve ROLE` command a user or compose runs."""
+process running the same `epd serve ROLE` command a user or compose runs.
+
+As `epd serve` does, the three model services are forked from a zygote that imported torch and the
+families' modules (epd/cli/zygote.py): one per test session, so a stack starts in the time its
+services take to load their weights, not to import torch three times on two cores."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import time
 from pathlib import Path
 
 from epd.cli.health import is_serving
+from epd.cli.zygote import ServiceProcess, Zygote, preload_modules
+from epd.model_runtime.loader import _FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,6 +39,20 @@ def child_env() -> dict[str, str]:
     return env
 
 
+_zygote: Zygote | None = None
+
+
+def zygote() -> Zygote:
+    """The session's zygote, preloaded for every family the tests serve."""
+    global _zygote
+    if _zygote is None:
+        modules: dict[str, None] = {}
+        for model_type, (module, _) in sorted(_FAMILIES.items()):
+            modules.update(dict.fromkeys(preload_modules(model_type, module)))
+        _zygote = Zygote(list(modules))
+    return _zygote
+
+
 class Stack:
     """Context manager; `.gateway` is the front door's address."""
 
@@ -41,7 +61,7 @@ class Stack:
         self.log_dir = log_dir
         self.extra = extra or {}
         self.ports = {name: free_port() for name in ("encoder", "prefill", "decode", "gateway")}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ServiceProcess] = {}
 
     @property
     def gateway(self) -> str:
@@ -62,9 +82,14 @@ class Stack:
     def __enter__(self) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for name in self.ports:
-            log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT,
-                                                env=child_env(), cwd=ROOT)
+            log_path = self.log_dir / f"{name}.log"
+            if name == "gateway":  # no model, no torch: a plain interpreter, as `epd serve` starts it
+                with open(log_path, "w") as log:
+                    self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT,
+                                                        env=child_env(), cwd=ROOT)
+            else:
+                log_path.write_text("")
+                self.procs[name] = zygote().start(name, self.command(name)[3:], child_env(), str(log_path))
         deadline = time.monotonic() + 180
         for name in self.ports:
             while not is_serving(self.address(name), timeout_s=1.0):

@@ -70,7 +70,8 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
                          cache=cache, decode_backend=args.decode_backend,
                          max_concurrent_decodes=args.max_concurrent_decodes,
                          max_queued_decodes=args.max_queued_decodes, max_visual_tokens=args.max_visual_tokens,
-                         max_tower_patches_per_step=args.max_tower_patches_per_step)
+                         max_tower_patches_per_step=args.max_tower_patches_per_step,
+                         max_tower_jobs_per_request=args.max_tower_jobs_per_request)
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:

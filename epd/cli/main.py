@@ -108,6 +108,9 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrent-decodes", type=int, default=4,
                    help="requests decoded at once, each on its own driver thread (their frame groups "
                         "share batched vision-tower calls on the one model thread)")
+    g.add_argument("--max-tower-jobs-per-request", type=int, default=4,
+                   help="frame groups one request may have queued for the vision tower: the next are "
+                        "preprocessed while the tower encodes, and one step encodes all waiting (1 = wait each)")
     g.add_argument("--max-tower-patches-per-step", type=int, default=8192,
                    help="patches one batched vision-tower call may take (frame groups of several "
                         "requests; a larger group runs alone)")

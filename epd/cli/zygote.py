@@ -27,6 +27,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import subprocess
 import time
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
@@ -90,8 +91,11 @@ class ServiceProcess:
     def kill(self) -> None:
         self._process.kill()
 
-    def wait(self, timeout: float | None = None) -> int | None:
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; `subprocess.TimeoutExpired` if it is still running after `timeout` s."""
         self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
         return self._process.exitcode
 
 
@@ -102,10 +106,12 @@ class Zygote:
         self._context: ForkServerContext = multiprocessing.get_context("forkserver")  # type: ignore[assignment]
         self._context.set_forkserver_preload(preload)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> ServiceProcess:
-        """Fork `epd ARGV` (its environment `env`). The first call starts the zygote and waits for
-        its imports (seconds); the later ones fork at once."""
-        process = self._context.Process(target=_run_service, args=(argv, env), name=f"epd-{name}", daemon=False)
+    def start(self, name: str, argv: list[str], env: dict[str, str], log_path: str | None = None) -> ServiceProcess:
+        """Fork `epd ARGV` (its environment `env`; its stdout and stderr appended to `log_path`, or
+        the launcher's). The first call starts the zygote and waits for its imports (seconds); the
+        later ones fork at once."""
+        process = self._context.Process(target=_run_service, args=(argv, env, log_path), name=f"epd-{name}",
+                                        daemon=False)
         process.start()
         return ServiceProcess(process)
 
@@ -132,8 +138,13 @@ class Zygote:
         server._forkserver_pid = None
 
 
-def _run_service(argv: list[str], env: dict[str, str]) -> None:
+def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> None:
     """In the forked child: become a service as if started as `epd ARGV`."""
+    if log_path is not None:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
     # The fork server lets its children keep it alive (they hold its "alive" pipe); ours must not,
     # or a killed launcher would leave the fork server and, through it, the services running.
     server = _fork_server()

@@ -146,11 +146,65 @@ class HfTextAdapter(VLMAdapter):
                 results[i] = self._prefill_continue(row)
         return [r for r in results if r is not None]
 
+    def _chunk_embeds(self, row: PrefillChunk) -> torch.Tensor:
+        """[1, end - start, hidden]: token embeddings of the chunk, its visual placeholders filled
+        with the visual embeddings of its own positions (in placeholder order)."""
+        lm = self._language_model()
+        embeds = lm.embed_tokens(row.prompt.input_ids[:, row.start : row.end].to(self.device))
+        visual = row.prompt.visual_mask[row.start : row.end]  # [n] bool
+        first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens in earlier chunks
+        if num := int(visual.sum()):
+            chunk_visual = row.visual_embeds[first : first + num]  # [num, hidden]
+            embeds[0, visual.to(self.device)] = chunk_visual.to(self.device, embeds.dtype)
+        return embeds
+
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
         raise NotImplementedError
 
+    # What every family's `_prefill_padded` shares. Rows start at token 0 and are right-padded to
+    # the longest, [B, L]. No padding mask is needed: attention is causal and the padding comes
+    # after every valid token of its row, so no valid token sees it (a valid row computes what it
+    # computes alone, up to rounding; the padded positions continue the row's own, and their
+    # outputs are cut off).
+
+    def _padded_embeds(self, row_embeds: list[torch.Tensor]) -> torch.Tensor:
+        """Each row's embeddings [n_i, hidden], zero-padded after its tokens: [B, L, hidden]."""
+        longest = max(int(e.shape[0]) for e in row_embeds)
+        dtype = self._language_model().embed_tokens.weight.dtype
+        embeds = torch.zeros(len(row_embeds), longest, self.hidden_size, dtype=dtype, device=self.device)
+        for i, e in enumerate(row_embeds):
+            embeds[i, : e.shape[0]] = e
+        return embeds
+
+    @staticmethod
+    def _padded_mrope_positions(rows: list[PrefillChunk]) -> torch.Tensor:
+        """M-RoPE positions [4, B, L] of rows from token 0 to `end`; a row's padding continues its
+        last position one by one."""
+        lengths = [row.end for row in rows]
+        longest = max(lengths)
+        positions = torch.zeros(4, len(rows), longest, dtype=torch.long)
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            positions[:, i, :n] = row.prompt.position_ids[:, 0, :n]
+            positions[:, i, n:] = positions[:, i, n - 1 : n] + torch.arange(1, longest - n + 1)
+        return positions
+
+    def _last_logits(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The logits [B, vocab] of each row's last valid token (hidden: [B, L, hidden])."""
+        last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, hidden]
+        return self.lm_head(last[:, None])[:, 0]
+
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
-        raise NotImplementedError
+        """Tokens [start, end) after the row's cache of [0, start), which grows in place (M-RoPE
+        positions [4, 1, n]; a hybrid model's linear layers continue from their states)."""
+        self._check_continues(row)
+        out = self._language_model()(
+            inputs_embeds=self._chunk_embeds(row),
+            position_ids=row.prompt.position_ids[:, :, row.start : row.end].to(self.device),
+            attention_mask=torch.ones(1, row.end, dtype=torch.long, device=self.device),
+            past_key_values=row.cache,
+            use_cache=True,
+        )
+        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
 
     @staticmethod
     def _check_continues(row: PrefillChunk) -> None:

@@ -278,19 +278,13 @@ class LlavaOnevisionAdapter(HfTextAdapter):
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
         from transformers import DynamicCache
 
-        lm = self._language_model()
         lengths = [row.end for row in rows]
-        batch, longest = len(rows), max(lengths)
-        dtype = lm.embed_tokens.weight.dtype
-        embeds = torch.zeros(batch, longest, self.hidden_size, dtype=dtype, device=self.device)
-        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-            embeds[i, :n] = self._chunk_embeds(row)[0]
-        positions = torch.arange(longest, dtype=torch.long, device=self.device).expand(batch, longest)
+        embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
+        positions = torch.arange(embeds.shape[1], dtype=torch.long, device=self.device).expand(len(rows), -1)
         cache = DynamicCache(config=self.hf_config.text_config)
-        out = lm(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
-        last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
-        logits = self.lm_head(last[:, None])[:, 0]
-        return self._split_padded(cache, logits, lengths)
+        out = self._language_model()(inputs_embeds=embeds, position_ids=positions, past_key_values=cache,
+                                     use_cache=True)
+        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
 
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
         self._check_continues(row)

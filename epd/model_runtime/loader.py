@@ -32,12 +32,13 @@ _FAMILIES = {
     "qwen2_vl": ("qwen2_vl", "Qwen2VLAdapter"),
     "qwen2_5_vl": ("qwen2_vl", "Qwen2VLAdapter"),
     "qwen3_vl": ("qwen3_vl", "Qwen3VLAdapter"),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeAdapter"),
     "qwen3_5": ("qwen3_5", "Qwen3_5Adapter"),
     "llava_onevision": ("llava_onevision", "LlavaOnevisionAdapter"),
 }
 SUPPORTED = (
     "Qwen2-VL and Qwen2.5-VL checkpoints (model_type qwen2_vl or qwen2_5_vl) "
-    "and Qwen3-VL dense ones (model_type qwen3_vl)"
+    "and Qwen3-VL dense and MoE ones (model_type qwen3_vl or qwen3_vl_moe)"
     ", Qwen3.5 (model_type qwen3_5)"
     ", LLaVA-OneVision (model_type llava_onevision)"
 )

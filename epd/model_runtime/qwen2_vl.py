@@ -165,57 +165,19 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
     supports_chunked_prefill = True  # `HfTextAdapter.prefill_chunks` over the two below
 
-    def _chunk_embeds(self, row: PrefillChunk) -> torch.Tensor:
-        """[1, end - start, hidden]: token embeddings of the chunk, its visual placeholders filled."""
-        lm = self._language_model()
-        embeds = lm.embed_tokens(row.prompt.input_ids[:, row.start : row.end].to(self.device))
-        visual = row.prompt.visual_mask[row.start : row.end]  # [n] bool
-        first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens in earlier chunks
-        if num := int(visual.sum()):
-            chunk_visual = row.visual_embeds[first : first + num]  # [num, hidden]
-            embeds[0, visual.to(self.device)] = chunk_visual.to(self.device, embeds.dtype)
-        return embeds
-
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        """Rows starting at token 0, right-padded to the longest: [B, L]. No padding mask is needed:
-        attention is causal and the padding comes after every valid token of its row, so no valid
-        token sees it (what a valid row computes is what it computes alone, up to rounding; the
-        padded positions just continue the row's own, and their outputs are cut off)."""
+        """Rows from token 0 in one right-padded forward (`HfTextAdapter._padded_embeds`)."""
         from transformers import DynamicCache
 
-        lm = self._language_model()
         lengths = [row.end for row in rows]
-        batch, longest = len(rows), max(lengths)
-        dtype = lm.embed_tokens.weight.dtype
-        embeds = torch.zeros(batch, longest, self.hidden_size, dtype=dtype, device=self.device)  # [B, L, H]
-        positions = torch.zeros(4, batch, longest, dtype=torch.long)  # [4, B, L]
-        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-            embeds[i, :n] = self._chunk_embeds(row)[0]
-            positions[:, i, :n] = row.prompt.position_ids[:, 0, :n]
-            positions[:, i, n:] = positions[:, i, n - 1 : n] + torch.arange(1, longest - n + 1)
         cache = DynamicCache(config=self.hf_config.text_config)
-        out = lm(
-            inputs_embeds=embeds,
-            position_ids=positions.to(self.device),
+        out = self._language_model()(
+            inputs_embeds=self._padded_embeds([self._chunk_embeds(row)[0] for row in rows]),  # [B, L, H]
+            position_ids=self._padded_mrope_positions(rows).to(self.device),  # [4, B, L]
             past_key_values=cache,
             use_cache=True,
         )
-        last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
-        logits = self.lm_head(last[:, None])[:, 0]  # [B, vocab]
-        return self._split_padded(cache, logits, lengths)
-
-    def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
-        """Tokens [start, end) after the row's cache of [0, start), which grows in place."""
-        self._check_continues(row)
-        lm = self._language_model()
-        out = lm(
-            inputs_embeds=self._chunk_embeds(row),
-            position_ids=row.prompt.position_ids[:, :, row.start : row.end].to(self.device),
-            attention_mask=torch.ones(1, row.end, dtype=torch.long, device=self.device),
-            past_key_values=row.cache,
-            use_cache=True,
-        )
-        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
+        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
 
 
 def _rope_index_fn(hf_config):

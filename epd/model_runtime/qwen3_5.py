@@ -25,6 +25,24 @@ layers every running row's states stacked along the batch axis. `kv_bytes_per_to
 attention layers' KV only; `linear_state_bytes` is the fixed size per request that the decode KV
 budget does not count.
 
+Chunked and batched prefill (`prefill_chunks`: the prefill core's `--prefill-chunk-tokens` and
+`--max-prefill-tokens-per-step`) work, each row equal to its whole prompt prefilled alone up to
+float rounding:
+  * A chunk continues its cache. transformers' Gated DeltaNet (5.x) takes a cache whose linear
+    layer already has a state as the left context of a multi-token forward too, not only of a
+    one-token step: the conv state's inputs are prepended to the chunk's
+    (`LinearAttentionLayer.update_conv_state`) and the recurrent state is the chunked delta rule's
+    `initial_state`. The attention layers extend their KV as every family's do, and a chunk's
+    positions are its slice of the prompt's [4, 1, L] M-RoPE positions, as Qwen3-VL's.
+  * Several prompts from token 0 share one right-padded forward. Causal attention keeps the
+    padding out of every valid token's view, but a linear layer would run its states on through
+    the padding after the row's last token. `_NeutralPadding` makes every padded position a no-op
+    for the states: decay g = 0 (the state is multiplied by exp(0) = 1) and write strength
+    beta = 0 (nothing is written), so a row's recurrent state after its padding is exactly its
+    state after its last token; and each row's conv state is set to its own last `kernel` inputs.
+    Exact in exact arithmetic, and the delta rule's chunk grouping starts at token 0 in every row,
+    as alone: only the batched matrix products round differently.
+
 Not supported in this slice (refused, never silently wrong):
   * Token pruning: a recurrent state cannot lose rows, and the prefill drop, KV compression and
     decode eviction are written for attention layers. `text_dims` (the first thing every pruning
@@ -32,17 +50,19 @@ Not supported in this slice (refused, never silently wrong):
     as INVALID_ARGUMENT naming the family; so do the other pruning methods (their defaults).
     `PruningConfig.kv_dtype` alone (no pruning stage) works: keys, values and conv states are sent
     narrower, recurrent states stay float32 (`KvCache.cast`).
-  * Chunked prefill (whole prompts only; the default `prefill_chunks`).
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from epd.model_runtime.adapter import (
+    ChunkResult,
+    PrefillChunk,
     PrefillState,
     Prompt,
     TextDims,
@@ -86,11 +106,10 @@ class Qwen3_5Adapter(HfTextAdapter):
     pruning_refusal_reason = "its Gated DeltaNet layers keep a recurrent state with no per-token entries to drop; KV compression and decode eviction would cover its attention layers only"
 
     supports_batched_decode = True  # `_HybridBatchKv`: slots for attention, stacked linear states
+    supports_chunked_prefill = True  # chunks continue the linear states; padding leaves them as they are
     num_deepstack_layers = 0
-    # Kept at the interface's defaults, not `HfTextAdapter`'s: whole prompts only (one-by-one
-    # `prefill`, no chunked rows), and no embeddings or lm head for the (refused) pruning stages.
-    prefill_chunks = VLMAdapter.prefill_chunks
-    chunk_cache_to_kv = VLMAdapter.chunk_cache_to_kv
+    # Kept at the interface's defaults, not `HfTextAdapter`'s: no embeddings or lm head for the
+    # (refused) pruning stages.
     embed = VLMAdapter.embed
     logits = VLMAdapter.logits
 
@@ -172,6 +191,75 @@ class Qwen3_5Adapter(HfTextAdapter):
         state = self._prefill_whole(prompt, visual_embeds)
         self._check_layers(state.cache)  # attention layers' KV + linear layers' conv/recurrent states
         return state
+
+    # -- chunked and batched prefill (module docstring) --------------------------------------
+
+    @torch.inference_mode()
+    def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """`HfTextAdapter`'s: rows from token 0 share one right-padded forward (`_prefill_padded`),
+        a continuing chunk runs alone after its own cache (`_prefill_continue`). DeepStack
+        features are refused, as `prefill_features` refuses them."""
+        for row in rows:
+            if row.deepstack:
+                raise ValueError("Qwen3_5Adapter has no DeepStack layers; it takes no DeepStack features")
+            num_visual = int(row.prompt.visual_mask.sum())
+            if row.visual_embeds.shape[0] != num_visual:
+                raise ValueError(f"{row.visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+        return super().prefill_chunks(rows)
+
+    def _prefill_padded(self, rows: list[PrefillChunk], neutral_padding: bool = True) -> list[ChunkResult]:
+        """Rows from token 0, right-padded to the longest: [B, L]. The attention layers need no
+        padding mask (causal; the padding follows every valid token of its row). The linear layers
+        would carry their states on through a row's padding; `_NeutralPadding` keeps them as the
+        row's last token left them. `neutral_padding=False` only for the tests' negative control."""
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        lengths = [row.end for row in rows]
+        longest = max(lengths)
+        embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
+        positions = self._padded_mrope_positions(rows)  # [4, B, L]
+        cache = DynamicCache(config=self.hf_config.text_config)
+        valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # [B, L] bool
+        neutral = None
+        if neutral_padding and not bool(valid.all()):
+            kernel = self.hf_config.text_config.linear_conv_kernel_dim
+            neutral = _NeutralPadding(lm, self.linear_layers, valid.to(self.device), kernel)
+        with neutral if neutral is not None else nullcontext():
+            out = lm(
+                inputs_embeds=embeds,
+                position_ids=positions.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+        if neutral is not None:
+            neutral.set_conv_states(cache)
+        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
+
+    def _split_padded(self, cache, logits: torch.Tensor, lengths: list[int]) -> list[ChunkResult]:
+        """Each row its own hybrid cache: attention KV [1, kv_heads, n, head_dim] (padding cut off),
+        the row's conv [1, conv_dim, kernel] and recurrent [1, heads, k, v] states; `to_dynamic`
+        copies them into a `DynamicCache` that the row's next chunk continues. One row keeps the
+        forward's cache."""
+        if len(lengths) == 1:
+            return [ChunkResult(cache, logits[0])]
+        kv = KvCache.from_dynamic(cache)
+        results = []
+        for i, n in enumerate(lengths):
+            row_kv = KvCache(
+                [k[i : i + 1, :, :n] for k in kv.keys],
+                [v[i : i + 1, :, :n] for v in kv.values],
+                kv.attention_layers,
+                {j: s[i : i + 1] for j, s in kv.conv_states.items()},
+                {j: s[i : i + 1] for j, s in kv.recurrent_states.items()},
+            )
+            results.append(ChunkResult(row_kv.to_dynamic(self.hf_config.text_config), logits[i]))
+        return results
+
+    def chunk_cache_to_kv(self, cache) -> KvCache:
+        kv = KvCache.from_dynamic(cache)
+        self._check_layers(kv)
+        return kv
 
     @property
     def text_dims(self) -> TextDims:
@@ -320,6 +408,71 @@ class _HybridBatchKv(BatchKv):
             kv.conv_states[i] = conv[row : row + 1].clone()
             kv.recurrent_states[i] = recurrent[row : row + 1].clone()
         return kv
+
+
+class _NeutralPadding:
+    """While open (a `with` block around one right-padded forward), every padded position (`valid`
+    [B, L] False) is a no-op for each Gated DeltaNet layer's states, through hooks on the layer's
+    own projections:
+      * `in_proj_a` -> -inf there: g = -exp(A_log) * softplus(-inf + dt_bias) = 0, so the step
+        multiplies the recurrent state by exp(0) = 1 (no decay; a finite a would decay it);
+      * `in_proj_b` -> -inf there: beta = sigmoid(-inf) = 0, so the delta rule writes nothing
+        (its update is k * beta * (v - S^T k) = 0, and in the chunked form k_beta = v_beta = 0).
+    The padding follows each row's last token, so the valid tokens' outputs never see it (causal
+    conv and delta rule), and the recurrent state after the padding is exactly the row's.
+    The conv state transformers keeps is the last `kernel` inputs of the padded row (padding
+    included); `in_proj_qkv`'s output (the conv's inputs, [B, L, conv_dim]) is recorded instead at
+    each row's own last `kernel` tokens, and `set_conv_states` writes it over the cache's after the
+    forward. A hook that did not run (e.g. a hub kernel replacing the layer's forward) is an error,
+    never a silently wrong state."""
+
+    def __init__(self, lm, linear_layers: list[int], valid: torch.Tensor, kernel: int) -> None:
+        self.modules = {i: lm.layers[i].linear_attn for i in linear_layers}
+        self.valid = valid  # [B, L] bool, on the model's device
+        self.kernel = kernel
+        self.handles: list[Any] = []
+        self.num_neutralised = 0
+        self.windows: dict[int, torch.Tensor] = {}  # layer -> [B, conv_dim, kernel]
+
+    def __enter__(self) -> _NeutralPadding:
+        for i, module in self.modules.items():
+            self.handles += [
+                module.in_proj_a.register_forward_hook(self._neutral),
+                module.in_proj_b.register_forward_hook(self._neutral),
+                module.in_proj_qkv.register_forward_hook(lambda _m, _args, out, i=i: self._record(i, out)),
+            ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _neutral(self, _module, _args, out: torch.Tensor) -> torch.Tensor:
+        self.num_neutralised += 1
+        return out.masked_fill(~self.valid[:, :, None], float("-inf"))  # [B, L, heads]
+
+    def _record(self, layer: int, out: torch.Tensor) -> None:
+        """The conv state row r would have alone: inputs [n_r - kernel, n_r) as [conv_dim, kernel],
+        zeros on the left where n_r < kernel (as `update_conv_state` pads a short prompt)."""
+        batch, _, _ = out.shape
+        padded = torch.nn.functional.pad(out, (0, 0, self.kernel, 0))  # [B, kernel + L, conv_dim]
+        lengths = self.valid.sum(dim=1)  # [B]
+        index = lengths[:, None] + torch.arange(self.kernel, device=out.device)[None, :]  # [B, kernel]
+        rows = torch.arange(batch, device=out.device)[:, None]
+        self.windows[layer] = padded[rows, index].transpose(1, 2)  # [B, conv_dim, kernel]
+
+    def set_conv_states(self, cache) -> None:
+        if self.num_neutralised != 2 * len(self.modules) or self.windows.keys() != self.modules.keys():
+            raise RuntimeError(
+                "the Gated DeltaNet layers did not run their projections as modules (a hub kernel?): "
+                "the padding of a batched prefill would reach their states"
+            )
+        for i, window in self.windows.items():
+            state = cache.layers[i].conv_states[0]  # [B, conv_dim, kernel]
+            if state is None or state.shape != window.shape:
+                raise RuntimeError(f"linear layer {i} kept no conv state of shape {tuple(window.shape)}")
+            state.copy_(window)
 
 
 def _set_linear_states(layer, conv: torch.Tensor | None, recurrent: torch.Tensor | None) -> None:

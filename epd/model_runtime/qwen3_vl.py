@@ -1,4 +1,5 @@
-"""Qwen3-VL (dense) behind `VLMAdapter`, on transformers' own `Qwen3VLForConditionalGeneration`.
+"""Qwen3-VL (dense) behind `VLMAdapter`, on transformers' own `Qwen3VLForConditionalGeneration`;
+the MoE family (`qwen3_vl_moe.py`) subclasses it and differs only in its language model's MLPs.
 
 What differs from Qwen2-VL (`qwen2_vl.py`), and is reproduced here exactly as transformers 5.x does:
   * DeepStack: the tower also returns one feature tensor per `deepstack_visual_indexes` layer
@@ -59,6 +60,8 @@ class Qwen3VLAdapter(QwenTextAdapter):
     "language" (embeddings, decoder layers, lm_head). From safetensors, a one-part stage reads only
     its own part's tensors; both parts load transformers' whole model."""
 
+    family = "qwen3_vl"  # the config.json model_type this class loads (a subclass names its own)
+    family_label = "Qwen3-VL"  # the family in messages
     supported_pruning = frozenset({"temporal_drop", "key_tokens"})
     pruning_refusal_reason = "it cannot keep the DeepStack features aligned with the visual tokens those stages merge or drop"
 
@@ -70,9 +73,10 @@ class Qwen3VLAdapter(QwenTextAdapter):
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.hf_config = AutoConfig.from_pretrained(path)
-        if self.hf_config.model_type != "qwen3_vl":
-            raise ValueError(f"Qwen3VLAdapter loads model_type qwen3_vl, not {self.hf_config.model_type!r}")
-        self.family = "qwen3_vl"
+        if self.hf_config.model_type != self.family:
+            raise ValueError(
+                f"{type(self).__name__} loads model_type {self.family}, not {self.hf_config.model_type!r}"
+            )
         self.processor = AutoProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
         self.fingerprint = fingerprint(path)
@@ -81,8 +85,31 @@ class Qwen3VLAdapter(QwenTextAdapter):
         self.temporal_patch_size = vision_config.temporal_patch_size
         self.num_deepstack_layers = len(vision_config.deepstack_visual_indexes)
         self.hidden_size = self.hf_config.text_config.hidden_size
-        self._load_parts(path, _load_vision_tower, _load_language_model)
+        self._load_parts(path, self._load_vision_tower, self._load_language_model)
         self.eos_token_ids = eos_token_ids(path, self.tokenizer)
+
+    def _hf_classes(self) -> tuple[Any, Any, Any]:
+        """transformers' (model, vision tower, text model) classes of this family: the owner of
+        `get_rope_index` and what the one-part stages build."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+            Qwen3VLModel,
+            Qwen3VLTextModel,
+            Qwen3VLVisionModel,
+        )
+
+        return Qwen3VLModel, Qwen3VLVisionModel, Qwen3VLTextModel
+
+    def _load_vision_tower(self, path: str, hf_config, dtype: torch.dtype):
+        """The tower (with its merger and DeepStack mergers) alone, only its tensors read."""
+        vision_cls = self._hf_classes()[1]
+        return load_vision_part(
+            path, hf_config, dtype, lambda: vision_cls._from_config(hf_config.vision_config, dtype=dtype)
+        )
+
+    def _load_language_model(self, path: str, hf_config, dtype: torch.dtype):
+        """The text model and lm_head alone, at the whole model's attribute paths; the tower's tensors
+        are never read (the 2B/4B checkpoints tie the head to the embeddings)."""
+        return load_language_model(path, hf_config, dtype, self._hf_classes()[2])
 
     # -- encoder -----------------------------------------------------------------------------
 
@@ -207,17 +234,16 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
+        model_cls = self._hf_classes()[0]
         mm_type = 2 if visual.modality == "video" else 1
         pad_id = self.hf_config.video_token_id if mm_type == 2 else self.hf_config.image_token_id
         mm_token_type_ids = (input_ids == pad_id).long() * mm_type
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)
         kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
         # get_rope_index reads only self.config and self.get_vision_position_ids: no model needed.
-        rope_index: Any = Qwen3VLModel.get_rope_index
+        rope_index: Any = model_cls.get_rope_index
         mrope, _ = rope_index(
-            RopeHolder(self.hf_config, Qwen3VLModel), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
+            RopeHolder(self.hf_config, model_cls), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
         )
         text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
         return torch.cat([text_row, mrope], dim=0)
@@ -284,34 +310,26 @@ class Qwen3VLAdapter(QwenTextAdapter):
         padding (after each row's tokens) out of every valid token's view."""
         from transformers import DynamicCache
 
-        lm = self._language_model()
         lengths = [row.end for row in rows]
-        batch, longest = len(rows), max(lengths)
-        dtype = lm.embed_tokens.weight.dtype
-        embeds = torch.zeros(batch, longest, self.hidden_size, dtype=dtype, device=self.device)  # [B, L, H]
-        visual_mask = torch.zeros(batch, longest, dtype=torch.bool)  # [B, L]
-        positions = torch.zeros(4, batch, longest, dtype=torch.long)  # [4, B, L]
+        visual_mask = torch.zeros(len(rows), max(lengths), dtype=torch.bool)  # [B, L]
+        row_embeds: list[torch.Tensor] = []  # [n_i, H] each
         deepstack: list[list[torch.Tensor]] = [[] for _ in range(self.num_deepstack_layers)]
         for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-            row_embeds, row_visual, row_deepstack = self._chunk_inputs(row)
-            embeds[i, :n] = row_embeds
+            embeds, row_visual, row_deepstack = self._chunk_inputs(row)
+            row_embeds.append(embeds)
             visual_mask[i, :n] = row_visual
             for layer, rows_of_layer in zip(deepstack, row_deepstack, strict=True):
                 layer.append(rows_of_layer)  # row-major: the order of embeds[visual_mask]
-            positions[:, i, :n] = row.prompt.position_ids[:, 0, :n]
-            positions[:, i, n:] = positions[:, i, n - 1 : n] + torch.arange(1, longest - n + 1)
         cache = DynamicCache(config=self.hf_config.text_config)
         out = self._language_model()(
-            inputs_embeds=embeds,
-            position_ids=positions.to(self.device),
+            inputs_embeds=self._padded_embeds(row_embeds),  # [B, L, H]
+            position_ids=self._padded_mrope_positions(rows).to(self.device),  # [4, B, L]
             past_key_values=cache,
             use_cache=True,
             visual_pos_masks=visual_mask.to(self.device),
             deepstack_visual_embeds=[torch.cat(layer) for layer in deepstack],
         )
-        last = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, hidden]
-        logits = self.lm_head(last[:, None])[:, 0]  # [B, vocab]
-        return self._split_padded(cache, logits, lengths)
+        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
 
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
         """Tokens [start, end) after the row's cache of [0, start), which grows in place."""
@@ -336,21 +354,6 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
         raise UnsupportedByFamily(
-            "Qwen3-VL (qwen3_vl) cannot run the prefill drop or KV compression: its layer-by-layer "
-            "prefill does not add DeepStack features yet"
+            f"{self.family_label} ({self.family}) cannot run the prefill drop or KV compression: its "
+            "layer-by-layer prefill does not add DeepStack features yet"
         )
-
-
-def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
-    """The tower (with its merger and DeepStack mergers) alone, only its tensors read."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    return load_vision_part(path, hf_config, dtype, lambda: Qwen3VLVisionModel._from_config(hf_config.vision_config, dtype=dtype))
-
-
-def _load_language_model(path: str, hf_config, dtype: torch.dtype):
-    """The text model and lm_head alone, at the whole model's attribute paths; the tower's tensors
-    are never read (the 2B/4B checkpoints tie the head to the embeddings)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
-
-    return load_language_model(path, hf_config, dtype, Qwen3VLTextModel)

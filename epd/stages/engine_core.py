@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -107,6 +107,15 @@ class Scheduler(ABC, Generic[R]):
 
 class ModelRunner(ABC, Generic[R]):
     """The model and the per-request model state. Model-thread only."""
+
+    admits_first: bool = False
+    """True: a request scheduled for the first time goes through `admit` in a model-thread call of
+    its own, and its outputs reach its reader before the batched step it then joins runs."""
+
+    def admit(self, requests: Sequence[R]) -> list[tuple[R, Any]]:
+        """Set up requests scheduled for the first time; each one's output that needs no batched
+        step (decode: the prefill's token). Only called when `admits_first`."""
+        return []
 
     @abstractmethod
     def execute(self, batch: Sequence[R]) -> list[tuple[R, Any]]:
@@ -209,34 +218,57 @@ class EngineCore(Generic[R]):
                 if r.first_scheduled_s is None:
                     r.first_scheduled_s = now
                     self.queue_wait_s_total += r.queue_wait_s
+            new = [r for r in batch if r.first_scheduled_s == now]
+            left = self._take_left()
+            if new and self.runner.admits_first:
+                # Their first outputs go out now, not after a batched step (decode: the prefill's
+                # token reaches the client one forward pass earlier).
+                await self._model_call(new, self._admit, left, new)
+                left = []
+                batch = [r for r in batch if not r.finished and not r.cancelled]
+                if not batch:
+                    continue
             self.last_batch_size = len(batch)
             self.num_steps += 1
-            left = self._take_left()
             num_waiting = len(self.scheduler.requests()) - len(batch)
-            try:
-                # One model-thread call per step: free who left, step the batch, free who finished.
-                outputs = await self.model_thread.run(self._step, left, batch, num_waiting)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - one failed step fails its batch, not the service
-                log.exception("a batched step of %d requests failed", len(batch))
-                outputs = [(r, RequestFailed(exc)) for r in batch]
-                for r in batch:
-                    r.finished = True
-                self._to_release += [r for r in batch if not r.released]
-            # A finished request's state was freed (in `_step`) before its reader sees the end, so
-            # a caller that has read everything finds the service's memory already given back.
-            last: dict[R, Any] = {}
-            for r, out in outputs:
-                if r.cancelled:
-                    continue
-                if r.finished:
-                    last[r] = out
-                else:
-                    r.outputs.put_nowait(out)
+            # One model-thread call per step: free who left, step the batch, free who finished.
+            await self._model_call(batch, self._step, left, batch, num_waiting)
+
+    async def _model_call(self, batch: list[R], fn: Callable[..., list[tuple[R, Any]]], *args: Any) -> None:
+        """Run `fn(*args)` on the model thread and deliver the outputs it gives `batch`'s requests."""
+        try:
+            outputs = await self.model_thread.run(fn, *args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed step fails its batch, not the service
+            log.exception("a batched step of %d requests failed", len(batch))
+            outputs = [(r, RequestFailed(exc)) for r in batch]
             for r in batch:
-                if r.finished and not r.cancelled:
-                    self._finish(r, last.get(r))
+                r.finished = True
+            self._to_release += [r for r in batch if not r.released]
+        # A finished request's state was freed (in `_step`) before its reader sees the end, so
+        # a caller that has read everything finds the service's memory already given back.
+        last: dict[R, Any] = {}
+        for r, out in outputs:
+            if r.cancelled:
+                continue
+            if r.finished:
+                last[r] = out
+            else:
+                r.outputs.put_nowait(out)
+        for r in batch:
+            if r.finished and not r.cancelled:
+                self._finish(r, last.get(r))
+
+    def _admit(self, left: list[R], new: list[R]) -> list[tuple[R, Any]]:
+        """On the model thread: release, admit the new requests, release any already finished."""
+        self._release(left)
+        outputs = self.runner.admit(new)
+        for r, out in outputs:
+            if isinstance(out, RequestFailed):
+                r.finished = True
+        self._release([r for r in new if r.finished])
+        return outputs
 
     def _step(self, left: list[R], batch: list[R], num_waiting: int) -> list[tuple[R, Any]]:
         """On the model thread: release, execute, release the finished."""

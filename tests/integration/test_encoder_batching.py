@@ -5,7 +5,9 @@
 - through the stage, the first frame groups of several concurrent requests (held back behind a
   step in progress, so they are all waiting) go through the tower in one step, and every
   request's embeddings equal those of an unbatched encode;
-- a cancelled request's queued tower job leaves the queue at once and never reaches the tower;
+- one request's groups queued behind a busy tower (`max_tower_jobs_per_request`) go through it
+  in one call, with the embeddings of encoding group by group;
+- a cancelled request's queued tower jobs leave the queue at once and never reach the tower;
 - end to end (embedded pipeline), the greedy tokens of concurrent requests whose groups were
   batched equal those of the same requests sent one at a time and `generate()`'s. Where a token
   differs, the test passes only if `generate()`'s top-2 logits at that step were within
@@ -107,7 +109,7 @@ async def _until(predicate, what: str) -> None:
 
 
 def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adapter, media_files):
-    stage, release = _stage(adapter)
+    stage, release = _stage(adapter, max_tower_jobs_per_request=1)  # one group each in the queue
     datas = {name: media_files[name].read_bytes() for name in ("mp4", "mp4_b", "png")}
 
     async def scenario() -> list[EncodedMedia]:
@@ -118,18 +120,20 @@ def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adap
             for i, (m, n) in enumerate(REQUESTS)
         ]
         # One first group is in the held step, the other requests' first groups wait for the next.
-        await _until(
-            lambda: stage.load().num_running == 1 and stage.load().num_waiting == len(REQUESTS) - 1,
-            "every request's first frame group to be queued",
-        )
+        # Each request's first group is in the held step or waiting for the next (two that arrive
+        # in the same loop turn may share the held step).
+        await _until(lambda: stage.load().num_running + stage.load().num_waiting == len(REQUESTS),
+                     "every request's first frame group to be queued")
+        first_step.append(stage.load().num_running)
         release.set()
         return list(await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S))
 
+    first_step: list[int] = []
     try:
         outs = asyncio.run(scenario())
     finally:
         stage.model_thread.close()
-    assert stage.runner.max_batch_size >= len(REQUESTS) - 1, (
+    assert stage.runner.max_batch_size >= len(REQUESTS) - first_step[0], (
         "the waiting groups went through the tower together"
     )
     load = stage.load()
@@ -142,8 +146,34 @@ def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adap
         torch.testing.assert_close(out.embeds, ref.embeds, rtol=RTOL, atol=ATOL)
 
 
-def test_a_cancelled_requests_queued_job_leaves_at_once_and_is_never_encoded(adapter, media_files):
-    stage, release = _stage(adapter)
+def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_files):
+    """While the tower is busy, the driver preprocesses and queues the request's next groups (up to
+    `max_tower_jobs_per_request`); the next step encodes them all at once. The embeddings equal
+    those of encoding group by group."""
+    stage, release = _stage(adapter, max_tower_jobs_per_request=4)
+    data = media_files["mp4"].read_bytes()
+
+    async def scenario() -> EncodedMedia:
+        task = asyncio.ensure_future(stage.encode(MediaInput(data), SamplingOptions(num_frames=8), lambda e: None, "r"))
+        # Group 1 is in the held step; groups 2-4 (8 frames, 2 a group) queue behind it.
+        await _until(lambda: stage.load().num_running == 1 and stage.load().num_waiting == 3,
+                     "the request's other three groups to be queued")
+        release.set()
+        return await asyncio.wait_for(task, HANG_GUARD_S)
+
+    try:
+        out = asyncio.run(scenario())
+    finally:
+        stage.model_thread.close()
+    assert stage.load().num_steps == 2 and stage.runner.max_batch_size == 3, "groups 2-4 went in one call"
+    ref = EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter).encode(
+        MediaInput(data), SamplingOptions(num_frames=8), lambda e: None)
+    assert out.meta == ref.meta
+    torch.testing.assert_close(out.embeds, ref.embeds, rtol=RTOL, atol=ATOL)
+
+
+def test_a_cancelled_requests_queued_jobs_leave_at_once_and_are_never_encoded(adapter, media_files):
+    stage, release = _stage(adapter, max_tower_jobs_per_request=4)
     image, video = media_files["png"].read_bytes(), media_files["mp4"].read_bytes()
 
     async def scenario() -> EncodedMedia:
@@ -154,11 +184,11 @@ def test_a_cancelled_requests_queued_job_leaves_at_once_and_is_never_encoded(ada
         gone = asyncio.ensure_future(
             stage.encode(MediaInput(video), SamplingOptions(num_frames=8), lambda e: None, "gone")
         )
-        await _until(lambda: stage.load().num_waiting == 1, "the video's first group to be queued")
+        await _until(lambda: stage.load().num_waiting == 4, "the video's four groups to be queued")
         gone.cancel()  # what gRPC does when the client goes away
         with pytest.raises(asyncio.CancelledError):
             await gone
-        assert stage.load().num_waiting == 0, "the cancelled request's job left the queue at once"
+        assert stage.load().num_waiting == 0, "the cancelled request's jobs left the queue at once"
         release.set()
         out = await asyncio.wait_for(kept, HANG_GUARD_S)
         await _until(lambda: stage.drivers.num_admitted == 0, "the cancelled driver to stop")
@@ -232,7 +262,10 @@ def test_batched_answers_equal_one_at_a_time_and_generate(tiny_models, media_fil
 
     model_dir = tiny_models[family]
     model = ModelConfig(model=str(model_dir))
-    pipeline = build_embedded_pipeline(model, encoder=EncoderConfig(model=model, cache=NO_CACHE))
+    # One group queued per request: alone, each group is its own tower call; together, the first
+    # groups of all requests wait for the held step.
+    pipeline = build_embedded_pipeline(
+        model, encoder=EncoderConfig(model=model, cache=NO_CACHE, max_tower_jobs_per_request=1))
     stage = pipeline.encoder
     assert isinstance(stage, LocalEncodeStage)
     requests = [_ask_request(media_files, m, n) for m, n in REQUESTS]
@@ -245,16 +278,16 @@ def test_batched_answers_equal_one_at_a_time_and_generate(tiny_models, media_fil
         # Hold the shared model thread so that every request's first group queues, then let go.
         held = asyncio.ensure_future(stage.model_thread.run(release.wait, HANG_GUARD_S))
         tasks = [asyncio.ensure_future(_tokens(pipeline, r)) for r in requests]
-        await _until(
-            lambda: stage.load().num_running == 1 and stage.load().num_waiting == len(requests) - 1,
-            "every request's first frame group to be queued",
-        )
+        await _until(lambda: stage.load().num_running + stage.load().num_waiting == len(requests),
+                     "every request's first frame group to be queued")
+        first_step.append(stage.load().num_running)  # the step waiting for the model thread
         release.set()
         await held
         return list(await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S))
 
+    first_step: list[int] = []
     batched = asyncio.run(concurrently())
-    assert stage.runner.max_batch_size >= len(requests) - 1
+    assert stage.runner.max_batch_size >= len(requests) - first_step[0]
 
     hf = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     processor = AutoProcessor.from_pretrained(model_dir)

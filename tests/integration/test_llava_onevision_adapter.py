@@ -11,22 +11,21 @@ batched decode equal the plain paths; each one-part adapter reads only its own p
 from __future__ import annotations
 
 import pytest
-import safetensors
 import torch
 
 from epd.model_runtime.adapter import PrefillChunk, VisionInputs
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_loading import safetensors_files
 from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter, language_key, vision_key
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.families import (
     CASES,
     MAX_NEW_TOKENS,
     QUESTION,
+    assert_batched_decode_equals_alone,
     assert_reference_varies,
     assert_same_state,
+    checkpoint_keys,
     conversation,
-    decode_alone,
     generate_references,
     greedy,
     load_each_part,
@@ -208,34 +207,15 @@ def test_batched_decode_equals_decoding_each_request_alone(vision, language, med
         language.prefill(*_prompt_and_embeds(vision, language, media_files, media, n))
         for media, n in (("mp4", 8), ("png", 1), ("mp4", 32))  # prompts of different lengths
     ]
-    steps = 6
-    alone = [decode_alone(language, state, steps) for state in states]
-
-    batch = language.new_batch_kv()
-    for state in states:
-        batch.add(state.cache, max(s.num_prompt_tokens for s in states) + steps)
     assert language.kv_bytes_per_token * states[0].num_prompt_tokens == states[0].cache.num_bytes
-    tokens = [int(s.last_logits.argmax()) for s in states]
-    positions = torch.stack([s.next_position_ids for s in states], dim=1)  # [4, B]
-    batched = []
-    for _ in range(steps):
-        batched.append(language.decode_batch(tokens, positions, batch))  # [B, vocab]
-        tokens, positions = batched[-1].argmax(-1).tolist(), positions + 1
-    for row, expected in enumerate(alone):
-        got = torch.stack([step[row] for step in batched])
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
-        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    assert_batched_decode_equals_alone(language, states)
 
 
 def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
     checkpoint, whole, monkeypatch
 ):
     model, _ = whole
-    root, files = safetensors_files(str(checkpoint))
-    with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
-        keys = set(f.keys())
-    vision_keys = {k for k in keys if vision_key(k) is not None}
-    language_keys = {k for k in keys if language_key(k) is not None}
+    keys, vision_keys, language_keys = checkpoint_keys(checkpoint, vision_key, language_key)
     # only the 1 x hidden image_newline is read by both (the encoder packs image rows with it,
     # prefill closes a video with it)
     assert vision_keys & language_keys == {"image_newline"}

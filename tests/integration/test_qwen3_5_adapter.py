@@ -5,17 +5,22 @@ the cache through its wire form (`KvCache.named_tensors()` -> `from_named_tensor
 token on a tiny checkpoint of the real transformers classes, for 8 and 32 frames and an image. The
 linear layers' conv and recurrent states cross the boundary (zeroing them changes the answer;
 losing them is refused); batched decode equals decoding alone; KV budget and pruning refusal;
-each one-part adapter reads only its own part's tensors."""
+each one-part adapter reads only its own part's tensors.
+
+Chunked prefill (`prefill_chunks`, chunks of 1, 7 and 64 tokens, boundaries inside the visual
+tokens) carries the linear states from chunk to chunk and equals generate() (dropping them between
+chunks changes the answer); several prompts in one right-padded forward equal each prompt alone
+and generate() (without the neutral padding, the shorter rows' states and answers go wrong); the
+prefill core chunking three requests at once equals generate()."""
 
 from __future__ import annotations
 
 import pytest
-import safetensors
 import torch
 
-from epd.model_runtime.adapter import VisualFeatures
+from epd.model_runtime.adapter import PrefillChunk, PrefillState, VisualFeatures
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_loading import language_key, safetensors_files, vision_key
+from epd.model_runtime.hf_loading import language_key, vision_key
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.qwen3_5 import Qwen3_5Adapter
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
@@ -25,6 +30,7 @@ from tests.families import (
     QUESTION,
     assert_qwen_parts_load_exactly,
     assert_reference_varies,
+    checkpoint_keys,
     conversation,
     decode_alone,
     generate_references,
@@ -240,11 +246,7 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
     checkpoint, whole, monkeypatch
 ):
     model, _ = whole
-    root, files = safetensors_files(str(checkpoint))
-    with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
-        keys = set(f.keys())
-    vision_keys = {k for k in keys if vision_key(k) is not None}
-    language_keys = {k for k in keys if language_key(k) is not None}
+    keys, vision_keys, language_keys = checkpoint_keys(checkpoint, vision_key, language_key)
     assert vision_keys and language_keys and not vision_keys & language_keys
     assert vision_keys | language_keys == keys
     assert any("linear_attn" in k for k in language_keys)
@@ -309,3 +311,161 @@ def test_the_stages_in_one_process_equal_generate_and_refuse_pruning(
         assert summary.kv_num_bytes == kv + language.linear_state_bytes
     with pytest.raises(InvalidRequest, match="is not supported for model family qwen3_5"):
         _ask(pipeline, media_files, [("mp4", 8)], PruningConfig.from_preset("light"))
+
+
+# -- chunked and batched prefill --------------------------------------------------------------
+
+# (media, frames, chunk tokens): each prompt has a chunk boundary inside its visual tokens (the
+# 8-frame prompt's visual tokens are 17..103, the 32-frame one's 17..403, the image's 5..10);
+# chunks of 1 token take the model's one-token path (the decode kernels) from the second on.
+CHUNK_CASES = [("mp4", 8, 7), ("mp4", 8, 64), ("mp4", 32, 7), ("mp4", 32, 64), ("png", 1, 7), ("png", 1, 1)]
+
+
+def _prompt_and_embeds(vision, language, media_files, media, num_frames):
+    video = load_video(media_files, media, num_frames)
+    inputs = vision.preprocess(video)
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
+    return prompt, vision.encode(inputs)
+
+
+def _state(language, prompt, cache, last_logits) -> PrefillState:
+    """A finished row as the prefill core hands it on (`chunk_cache_to_kv`, positions after the prompt)."""
+    kv = language.chunk_cache_to_kv(cache)
+    return PrefillState(kv, last_logits, prompt.position_ids[:, 0, -1] + 1, prompt.num_tokens)
+
+
+def _prefill_in_chunks(language, prompt, embeds, chunk_tokens, drop_linear_states=False) -> PrefillState:
+    """One `prefill_chunks` call per chunk, each continuing the cache the last one returned.
+    drop_linear_states: every linear layer starts each chunk from zero states, as a model that
+    ignored its cache for a multi-token forward would (the negative control)."""
+    cache, starts = None, range(0, prompt.num_tokens, chunk_tokens)
+    for start in starts:
+        if drop_linear_states and cache is not None:
+            with torch.inference_mode():  # the cache's tensors are inference tensors
+                for i in language.linear_layers:
+                    cache.layers[i].reset()  # zero states, no previous state: the next chunk starts afresh
+        row = PrefillChunk(prompt, embeds, start, min(start + chunk_tokens, prompt.num_tokens), cache)
+        [result] = language.prefill_chunks([row])
+        cache = result.cache
+    return _state(language, prompt, cache, result.last_logits)
+
+
+def _assert_same_prefill(got: PrefillState, expected: PrefillState, rel: float = 1e-4) -> None:
+    """Logits, attention KV and both linear states equal up to float rounding: within `rel` of each
+    tensor's largest magnitude (at least 1). Chunks and padded batches group the same sums
+    differently; through this tiny model's large weights (std 0.3, keys up to ~10) float32 rounding
+    reaches ~1e-5 of that scale. The negative controls differ by more than 1e-2."""
+    assert torch.equal(got.next_position_ids, expected.next_position_ids)
+    assert int(got.last_logits.argmax()) == int(expected.last_logits.argmax())
+    pairs = [(got.last_logits, expected.last_logits)]
+    pairs += list(zip(got.cache.keys + got.cache.values, expected.cache.keys + expected.cache.values, strict=True))
+    for states in ("conv_states", "recurrent_states"):
+        a, b = getattr(got.cache, states), getattr(expected.cache, states)
+        assert a.keys() == b.keys()
+        pairs += [(a[i], b[i]) for i in a]
+    for a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype
+        err, scale = float((a - b).abs().max()), max(1.0, float(b.abs().max()))
+        assert err <= rel * scale, f"{tuple(a.shape)}: differs by {err:.2e}, scale {scale:.2f}"
+
+
+def test_qwen3_5_prefills_in_chunks():
+    assert Qwen3_5Adapter.supports_chunked_prefill  # the prefill core keeps --prefill-chunk-tokens
+
+
+@pytest.mark.parametrize("media,num_frames,chunk_tokens", CHUNK_CASES)
+def test_chunked_prefill_then_decode_equals_generate(
+    vision, language, media_files, references, media, num_frames, chunk_tokens
+):
+    prompt, embeds = _prompt_and_embeds(vision, language, media_files, media, num_frames)
+    visual = prompt.visual_mask.nonzero()[:, 0]
+    starts = range(chunk_tokens, prompt.num_tokens, chunk_tokens)
+    assert any(visual[0] < s <= visual[-1] for s in starts), "no chunk boundary inside the visual tokens"
+
+    chunked = _prefill_in_chunks(language, prompt, embeds, chunk_tokens)
+    _assert_same_prefill(chunked, language.prefill(prompt, embeds))
+    cache = language.new_decode_cache(_over_the_wire(chunked.cache))
+    assert greedy(language, chunked, cache) == references[(media, num_frames)]
+
+
+@pytest.mark.parametrize("media,num_frames,chunk_tokens", [("mp4", 8, 64), ("png", 1, 7)])
+def test_dropping_the_linear_states_between_chunks_changes_the_answer(
+    vision, language, media_files, references, media, num_frames, chunk_tokens
+):
+    prompt, embeds = _prompt_and_embeds(vision, language, media_files, media, num_frames)
+    dropped = _prefill_in_chunks(language, prompt, embeds, chunk_tokens, drop_linear_states=True)
+    whole = language.prefill(prompt, embeds)
+    assert not torch.allclose(dropped.last_logits, whole.last_logits, atol=1e-2)
+    assert greedy(language, dropped) != references[(media, num_frames)]
+
+
+def _batched_then_chunked(language, prompts, chunk_tokens, neutral_padding=True) -> list[PrefillState]:
+    """Step 1: every prompt from token 0 in one right-padded forward, whole or (longer than
+    `chunk_tokens`) its first chunk; then each unfinished one continues in chunks, as the
+    prefill core schedules them."""
+    rows = [PrefillChunk(p, e, 0, min(p.num_tokens, chunk_tokens)) for p, e in prompts]
+    with torch.inference_mode():  # as `prefill_chunks` runs it
+        results = language._prefill_padded(rows, neutral_padding=neutral_padding)
+    states = []
+    for (prompt, embeds), row, result in zip(prompts, rows, results, strict=True):
+        cache, logits = result.cache, result.last_logits
+        for start in range(row.end, prompt.num_tokens, chunk_tokens):
+            chunk = PrefillChunk(prompt, embeds, start, min(start + chunk_tokens, prompt.num_tokens), cache)
+            [result] = language.prefill_chunks([chunk])
+            cache, logits = result.cache, result.last_logits
+        states.append(_state(language, prompt, cache, logits))
+    return states
+
+
+def test_prompts_batched_in_one_padded_forward_equal_each_alone_and_generate(
+    vision, language, media_files, references
+):
+    """Three prompts of 133, 39 and 433 tokens share the first step (the longest with its first
+    256 tokens), so the shorter two are padded by 123 and 217 positions, then the longest goes
+    on in chunks. Each row's KV, linear states and logits equal its prompt prefilled alone, and
+    its answer generate()'s; the same step through `prefill_chunks` too."""
+    cases = [("mp4", 8), ("png", 1), ("mp4", 32)]
+    prompts = [_prompt_and_embeds(vision, language, media_files, m, n) for m, n in cases]
+    alone = [language.prefill(prompt, embeds) for prompt, embeds in prompts]
+    batched = _batched_then_chunked(language, prompts, chunk_tokens=256)
+    for case, got, expected in zip(cases, batched, alone, strict=True):
+        _assert_same_prefill(got, expected)
+        assert greedy(language, got, language.new_decode_cache(_over_the_wire(got.cache))) == references[case]
+
+    rows = [PrefillChunk(p, e, 0, p.num_tokens) for p, e in prompts]  # whole prompts, one step
+    for row, result, expected in zip(rows, language.prefill_chunks(rows), alone, strict=True):
+        _assert_same_prefill(_state(language, row.prompt, result.cache, result.last_logits), expected)
+
+
+def test_without_neutral_padding_the_shorter_rows_states_go_wrong(vision, language, media_files, references):
+    """Negative control: the same padded forward with the padding feeding the linear layers'
+    states. The logits of each row's last token are still right (causal), but the shorter rows'
+    conv and recurrent states ran on through their padding, and their answers change; the
+    longest row (no padding) is unaffected."""
+    cases = [("mp4", 8), ("png", 1), ("mp4", 32)]
+    prompts = [_prompt_and_embeds(vision, language, media_files, m, n) for m, n in cases]
+    padded = _batched_then_chunked(language, prompts, chunk_tokens=1000, neutral_padding=False)
+    for case, got, (prompt, embeds) in zip(cases[:2], padded[:2], prompts[:2], strict=True):
+        expected = language.prefill(prompt, embeds)
+        assert torch.allclose(got.last_logits, expected.last_logits, atol=1e-4)
+        for i in language.linear_layers:
+            assert not torch.allclose(got.cache.recurrent_states[i], expected.cache.recurrent_states[i], atol=1e-2)
+            assert not torch.allclose(got.cache.conv_states[i], expected.cache.conv_states[i], atol=1e-2)
+        assert greedy(language, got) != references[case], case
+    assert greedy(language, padded[2]) == references[cases[2]]
+
+
+def test_the_prefill_core_chunks_and_batches_three_requests_at_once(checkpoint, media_files, references):
+    """The real prefill stage (scheduler + runner) with `--prefill-chunk-tokens 64` and a step
+    budget of 96 tokens: the prompts are cut into chunks interleaved with each other's (a step
+    mixes a continuing chunk with first chunks of others). Each answer equals generate()'s."""
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
+
+    scheduler = PrefillSchedulerConfig(max_prefill_tokens_per_step=96, prefill_chunk_tokens=64)
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(checkpoint)), prefill=PrefillConfig(scheduler=scheduler))
+    cases = [("mp4", 32), ("mp4", 8), ("png", 1)]
+    summaries = _ask(pipeline, media_files, cases)
+    for case, summary in zip(cases, summaries, strict=True):
+        assert summary.token_ids == references[case], case
+    assert pipeline.prefill.load().num_steps >= summaries[0].num_prompt_tokens // 64, "it was not chunked"

@@ -4,7 +4,9 @@ equals `model.generate(do_sample=False)` token for token for 8 and 32 frames and
 tiny checkpoint of the real transformers classes that the adapter test uses. The reported KV size
 counts the linear layers' conv and recurrent states that cross Prefill -> Decode beside the
 attention KV; two requests at once (sharing the decode batch, linear states included) each equal
-their own reference; a pruning knob is refused with INVALID_ARGUMENT naming the family."""
+their own reference; a pruning knob is refused with INVALID_ARGUMENT naming the family. The
+prefill service runs with `--prefill-chunk-tokens 64`: the 8- and 32-frame prompts (133 and 433
+tokens) are prefilled in chunks that carry the linear states from one to the next."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from tests.families import (
 from tests.stack import Stack
 
 MAX_NEW_TOKENS = 12  # short answers: every token still has to match, and CI time matters
+CHUNK_TOKENS = 64  # the video prompts run in several chunks, with boundaries inside the video tokens
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(checkpoint, tmp_path_factory):
-    with Stack(checkpoint, tmp_path_factory.mktemp("logs_q35")) as s:
+    extra = {"prefill": ["--prefill-chunk-tokens", str(CHUNK_TOKENS)]}
+    with Stack(checkpoint, tmp_path_factory.mktemp("logs_q35"), extra=extra) as s:
         yield s
 
 

@@ -5,13 +5,17 @@ checkpoint of the real transformers classes. Negative control: the same pipeline
 DeepStack features zeroed on the way gives other tokens. Batched and chunked prefill and batched
 tower steps keep DeepStack aligned (same tokens); the token cache never serves one family's entry
 to another; pruning stages that cannot keep DeepStack aligned are INVALID_ARGUMENT naming the
-stage and the family, and the encoder stages that can are exact when they drop nothing."""
+stage and the family, and the encoder stages that can are exact when they drop nothing.
+Qwen3-VL MoE (model_type qwen3_vl_moe, the same adapter on the MoE classes) gets one stack of its
+own: its 8-frame and image answers, asked together, equal generate()'s, and it refuses the same
+pruning stages naming its family."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -39,12 +43,14 @@ from epd.transport import convert
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import encoder_pb2
 from epd.video.types import SamplingOptions
+from tests.families import assert_reference_varies, build_qwen3_vl_moe_checkpoint
 from tests.reference import decode_for_test
 from tests.stack import Stack
 
 QUESTION = "what colour is the moving square?"
 MAX_NEW_TOKENS = 20
 CASES = [("mp4", 8), ("mp4", 32), ("png", 1)]
+MOE_CASES = [("mp4", 8), ("png", 1)]
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +87,32 @@ def _reference(model, processor, video) -> list[int]:
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-@pytest.fixture(scope="module")
-def references(checkpoint, media_files):
+def _references(checkpoint, media_files, cases) -> dict:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
     processor = AutoProcessor.from_pretrained(checkpoint)
     return {
-        (media, n): _reference(model, processor, decode_for_test(media_files[media], n)) for media, n in CASES
+        (media, n): _reference(model, processor, decode_for_test(media_files[media], n)) for media, n in cases
     }
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint, media_files):
+    return _references(checkpoint, media_files, CASES)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    return build_qwen3_vl_moe_checkpoint(tmp_path_factory.mktemp("qwen3_vl_moe") / "m")
+
+
+@pytest.fixture(scope="module")
+def moe_stack(moe_checkpoint, tmp_path_factory):
+    """Prefill chunks prompts over 64 tokens, so the 8-frame prompt runs in several chunks."""
+    extra = {"prefill": ["--prefill-chunk-tokens", "64"]}
+    with Stack(moe_checkpoint, tmp_path_factory.mktemp("logs_q3moe"), extra=extra) as s:
+        yield s
 
 
 def _request(
@@ -338,3 +361,30 @@ def test_prefill_features_without_deepstack_is_refused_by_the_adapter(pipeline, 
     adapter = pipeline.prefill.engine.adapter
     with pytest.raises(ValueError, match="needs the tower's DeepStack features"):
         adapter.prefill_features(None, VisualFeatures(torch.zeros(1, adapter.hidden_size)))
+
+
+def test_qwen3_vl_moe_three_services_equal_generate(moe_stack, moe_checkpoint, media_files):
+    """The MoE family over gRPC between the three services: the 8-frame and image questions, sent
+    together (so they may share prefill steps and the decode batch; the 8-frame prompt is
+    chunked), each equal generate()'s tokens."""
+    references = _references(moe_checkpoint, media_files, MOE_CASES)
+
+    def ask(case):
+        media, num_frames = case
+        with EpdClient(moe_stack.gateway) as client:
+            return client.ask(media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS)
+
+    with ThreadPoolExecutor(len(MOE_CASES)) as pool:
+        results = list(pool.map(ask, MOE_CASES))
+    for case, result in zip(MOE_CASES, results, strict=True):
+        assert_reference_varies(references[case], MAX_NEW_TOKENS)
+        assert result.token_ids == references[case], case
+        assert result.kv_num_bytes > 0
+    assert results[0].num_prompt_tokens > 2 * 64, "the 8-frame prompt should have run in several chunks"
+
+
+def test_qwen3_vl_moe_refuses_the_pruning_stages_dense_refuses_naming_its_family(moe_stack, media_files):
+    with EpdClient(moe_stack.gateway) as client, pytest.raises(EpdError) as err:
+        client.ask(media_files["png"], QUESTION, max_new_tokens=4, pruning_knobs={"prefill_drop": True})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prefill_drop (prefill stage)" in err.value.message and "qwen3_vl_moe" in err.value.message

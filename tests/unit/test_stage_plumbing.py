@@ -149,7 +149,8 @@ def test_a_blocked_decode_does_not_stop_another_requests_encode(adapter, videos)
 
 
 def test_cancel_sets_the_flag_stops_tower_calls_and_closes_the_stream(adapter, videos, monkeypatch):
-    engine = _engine(adapter, GatedEngine, max_concurrent_decodes=1, max_queued_decodes=1)
+    # One group queued at a time, so the tower calls are countable: A 1, B one per group.
+    engine = _engine(adapter, GatedEngine, max_concurrent_decodes=1, max_queued_decodes=1, max_tower_jobs_per_request=1)
     gate = engine.gates[_sha(videos["mp4"])] = Gate()
     tower_calls: list[str] = []
     encode = adapter.encode

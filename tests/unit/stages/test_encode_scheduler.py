@@ -87,6 +87,17 @@ def test_config_refuses_a_zero_patch_budget():
         EncoderConfig(max_tower_patches_per_step=0)
 
 
+def test_config_refuses_no_tower_job_per_request_and_the_flag_reaches_it():
+    with pytest.raises(ValueError, match="--max-tower-jobs-per-request"):
+        EncoderConfig(max_tower_jobs_per_request=0)
+    from epd.cli import configs
+    from epd.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "encoder", "--max-tower-jobs-per-request", "2"])
+    assert configs.encoder_config(args).max_tower_jobs_per_request == 2
+    assert configs.encoder_config(build_parser().parse_args(["serve", "encoder"])).max_tower_jobs_per_request == 4
+
+
 class RecordingRunner(ModelRunner[TowerJob]):
     """Stands in for the vision tower: each job's output is its own name, steps are recorded.
     `hold` keeps the first step on the model thread until the test opens it."""

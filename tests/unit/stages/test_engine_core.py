@@ -181,3 +181,66 @@ def test_a_request_past_its_deadline_ends_with_deadline_exceeded():
         assert not any("late" in b for b in core.runner.batches), "it never ran"
     finally:
         thread.close()
+
+
+class AdmittingRunner(CountRunner):
+    """Admits first: its output "<id>0" must reach the reader before the request's first step runs;
+    `steps=0` requests are done at admission; "bad" fails there, alone."""
+
+    admits_first = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen_before_step: list[list[str]] = []  # what readers had received when each step began
+        self.received: dict[str, list[str]] = {}
+
+    def admit(self, requests):
+        out = []
+        for r in requests:
+            if r.request_id == "bad":
+                from epd.stages.engine_core import RequestFailed
+
+                out.append((r, RequestFailed(ValueError("cannot join"))))
+                continue
+            r.finished = r.steps == 0
+            out.append((r, f"{r.request_id}0"))
+        return out
+
+    def execute(self, batch):
+        # The readers run on the event loop, free while this step runs: what was delivered before
+        # the step reaches them now; what would be delivered with the step's outputs cannot.
+        deadline = time.monotonic() + 2.0
+        while len(self._seen()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.seen_before_step.append(self._seen())
+        return super().execute(batch)
+
+    def _seen(self) -> list[str]:
+        return sorted(x for xs in list(self.received.values()) for x in list(xs))
+
+
+def test_a_runner_that_admits_first_delivers_those_outputs_before_the_step():
+    runner = AdmittingRunner()
+    core, thread = _core(runner)
+
+    async def read(r):
+        got = runner.received.setdefault(r.request_id, [])
+        try:
+            async for x in core.submit(r):
+                got.append(x)
+        except ValueError as exc:
+            got.append(f"error: {exc}")
+        return got
+
+    async def scenario():
+        return await asyncio.gather(read(CountRequest("a", steps=2)), read(CountRequest("z", steps=0)),
+                                    read(CountRequest("bad", steps=1)))
+
+    try:
+        assert _run(scenario()) == [["a0", "a1", "a2"], ["z0"], ["error: cannot join"]]
+        assert runner.seen_before_step[0] == ["a0", "error: cannot join", "z0"], (
+            "the admitted outputs (and the failure) reached their readers before the first step ran")
+        assert runner.batches == [["a"], ["a"]], "only the request still running went on to steps"
+        assert sorted(runner.released) == ["a", "bad", "z"]
+    finally:
+        thread.close()
