@@ -48,15 +48,26 @@ RETENTION_SETTINGS: dict[str, dict] = {
     "keep10": {**_STAGED, "prefill_keep_ratio": 0.1},
     "keep25-kvbf16": {**_STAGED, "prefill_keep_ratio": 0.25, "kv_dtype": "bfloat16"},
 }
-ALL_PRESETS: tuple[str, ...] = (*PRESET_NAMES, *RETENTION_SETTINGS)
+# The encoder stages Qwen3-VL supports (temporal drop + key tokens; it refuses the spatial merge
+# and every prefill / KV / decode stage): the encoder stages of light, balanced and aggressive
+# without the spatial merge. Not run by default; `--presets off,temporal03-keys05,...`.
+ENCODER_ONLY_SETTINGS: dict[str, dict] = {
+    "temporal03-keys05": {"temporal_drop": True, "temporal_threshold": 0.03, "key_token_ratio": 0.05},
+    "temporal05-keys05": {"temporal_drop": True, "temporal_threshold": 0.05, "key_token_ratio": 0.05},
+    "temporal08-keys03": {"temporal_drop": True, "temporal_threshold": 0.08, "key_token_ratio": 0.03},
+}
+DEFAULT_PRESETS: tuple[str, ...] = (*PRESET_NAMES, *RETENTION_SETTINGS)
+ALL_PRESETS: tuple[str, ...] = (*DEFAULT_PRESETS, *ENCODER_ONLY_SETTINGS)
 
 
 def pruning_for(name: str):
-    """The PruningConfig of a preset or of a retention setting."""
+    """The PruningConfig of a preset or of a fixed setting."""
     from epd.token_pruning import PruningConfig
 
     if name in RETENTION_SETTINGS:
         return PruningConfig(**RETENTION_SETTINGS[name])
+    if name in ENCODER_ONLY_SETTINGS:
+        return PruningConfig(**ENCODER_ONLY_SETTINGS[name])
     return PruningConfig.from_preset(name)
 CSV_FIELDS = ["preset", "question_type", "num_questions", "num_correct", "accuracy",
               "mean_visual_tokens", "mean_full_visual_tokens", "retained_ratio", "mean_kv_bytes",
@@ -69,7 +80,7 @@ class QualityConfig:
 
     model: str = "default"
     """Checkpoint directory, or "default" (epd's default model)."""
-    presets: tuple[str, ...] = ALL_PRESETS
+    presets: tuple[str, ...] = DEFAULT_PRESETS
     """Pruning presets to evaluate, in order; "off" is the full model."""
     num_test_clips: int = 500
     """Test clips to generate (plus one still image per ten clips); the i-th is always the same."""
@@ -110,9 +121,14 @@ class Answer:
 class PresetResult:
     preset: str
     answers: list[Answer] = field(default_factory=list)
+    refused: str = ""
+    """The pipeline's INVALID_ARGUMENT message when the model's family refuses a stage the preset
+    turns on (then no question is answered under it); empty when it ran."""
 
     def rows(self) -> list[dict]:
-        """CSV rows: one per question type (sorted), then "overall"."""
+        """CSV rows: one per question type (sorted), then "overall"; none for a refused preset."""
+        if self.refused:
+            return []
         by_type: dict[str, list[Answer]] = defaultdict(list)
         for a in self.answers:
             by_type[a.question_type].append(a)
@@ -179,6 +195,7 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
     from epd.gateway.pipeline import AskRequest, AskSummary
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput
+    from epd.stages.errors import InvalidRequest
     from epd.stages.messages import question_messages
     from epd.video.types import SamplingOptions
 
@@ -194,9 +211,16 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
         request = AskRequest(messages=question_messages(r.question), media=MediaInput(data), sampling=SamplingOptions(),
                              generation=generation, **extra)
         summary = None
-        async for item in pipeline.ask(request):
-            if isinstance(item, AskSummary):
-                summary = item
+        try:
+            async for item in pipeline.ask(request):
+                if isinstance(item, AskSummary):
+                    summary = item
+        except InvalidRequest as exc:
+            if not extra or not pruning_for(preset).any_enabled:
+                raise
+            # The family refuses a stage of this preset (the same for every question): report it.
+            result.answers, result.refused = [], str(exc)
+            return result
         assert summary is not None
         answer = summary.answer.strip().lower()
         kept, full = _retained_tokens(summary)
@@ -245,13 +269,14 @@ def format_table(results: list[PresetResult]) -> str:
         for r in results:
             row = rows[r.preset].get(t)
             cells.append(f"{row['accuracy']:>7.1%} {row['num_correct']:>4}/{row['num_questions']:<5}" if row
-                         else f"{'-':>18}")
+                         else "refused" if r.refused else "-")
         lines.append(f"{t:<14}" + "".join(f"{c:>18}" for c in cells))
     lines.append("-" * len(head))
     lines.append(f"{'visual tokens':<14}" + "".join(
-        f"{rows[r.preset]['overall']['mean_visual_tokens']:>18.1f}" for r in results))
+        f"{'-':>18}" if r.refused else f"{rows[r.preset]['overall']['mean_visual_tokens']:>18.1f}" for r in results))
     lines.append(f"{'kept':<14}" + "".join(
-        f"{rows[r.preset]['overall']['retained_ratio']:>18.1%}" for r in results))
+        f"{'-':>18}" if r.refused else f"{rows[r.preset]['overall']['retained_ratio']:>18.1%}" for r in results))
+    lines += [f"refused {r.preset}: {r.refused}" for r in results if r.refused]
     return "\n".join(lines)
 
 
@@ -273,6 +298,10 @@ def write_outputs(results: list[PresetResult], out_dir: Path, info: dict) -> dic
         w.writerows(dataclasses.asdict(a) for r in results for a in r.answers)
     paths["json"].write_text(json.dumps({**info, "rows": all_rows}, indent=1) + "\n")
     # One line per question type plus overall; x = mean visual tokens kept under each preset.
+    results = [r for r in results if not r.refused]
+    if not results:
+        paths.pop("png")
+        return paths
     overall_rows = {r.preset: r.rows()[-1] for r in results}
     series = [Series("overall", [overall_rows[r.preset]["mean_visual_tokens"] for r in results],
                      [overall_rows[r.preset]["accuracy"] for r in results], markers=True,
@@ -347,11 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": round(elapsed_s, 1),
         "date": time.strftime("%Y-%m-%d"),
         "answer_counts": {r.preset: dict(Counter(a.answer for a in r.answers).most_common(30)) for r in results},
+        "refused_presets": {r.preset: r.refused for r in results if r.refused},
     }
     paths = write_outputs(results, Path(config.out_dir), info)
     print(format_table(results))
     print(f"\n{sum(len(r.answers) for r in results)} answers in {elapsed_s:.0f} s; "
-          f"wrote {paths['csv']}, {paths['answers']}, {paths['json']}, {paths['png']}")
+          f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
 
 

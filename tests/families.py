@@ -187,6 +187,21 @@ def generate_references(whole, media_files, processor_inputs, max_new_tokens: in
     return out
 
 
+def assert_epd_ask_equals_references(checkpoint, media_files, references, capsys) -> None:
+    """`epd ask MEDIA QUESTION --model CHECKPOINT --json` (the CLI, embedded: the user's path from
+    a checkpoint directory to an answer) gives generate()'s greedy tokens for 8 frames and the image."""
+    import json
+
+    from epd.cli.main import main
+
+    for media, num_frames in (("mp4", 8), ("png", 1)):
+        code = main(["ask", str(media_files[media]), QUESTION, "--model", str(checkpoint), "--json",
+                     "--num-frames", str(num_frames), "--max-new-tokens", str(MAX_NEW_TOKENS)])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert json.loads(out.strip().splitlines()[-1])["token_ids"] == references[(media, num_frames)], media
+
+
 def assert_reference_varies(ref: list[int], max_new_tokens: int = MAX_NEW_TOKENS) -> None:
     assert len(ref) == max_new_tokens, "the reference stopped early; the comparison would prove little"
     assert len(set(ref)) > 4, "the tiny model repeats one token; raise its weight scale"

@@ -20,6 +20,9 @@ Accuracy here is greedy exact match computed in one teacher-forced forward pass:
 produces exactly "answer<|im_end|>" if and only if every one of those tokens is the argmax given
 the ones before it. `epd bench quality` measures the same thing through the serving pipeline.
 
+`--family qwen3_vl` builds and trains a Qwen3-VL of the same sizes the same way instead (inputs
+from `Qwen3VLAdapter`; `--out` required); see epd/train/README.md, "Other families".
+
 Reproducible: the same seed, sizes and thread count give the same weights (CPU float32).
 """
 
@@ -83,6 +86,9 @@ class ModelSize:
 class TrainConfig:
     """One training run. The defaults are the run that made models/epd-tiny-videoqa."""
 
+    family: str = "qwen2_vl"
+    """Model family: "qwen2_vl" (the default model) or "qwen3_vl" (a Qwen3-VL of the same sizes,
+    trained the same way; see epd/train/README.md, "Other families")."""
     seed: int = 0
     """Seeds the weights and the order of training examples."""
     num_train_clips: int = 8000
@@ -256,11 +262,8 @@ def load_split(data_dir: Path, split: str, adapter, progress: bool = True, with_
 def _prepare_part(records: list, data_dir: Path, model_dir: Path, out: Path, progress: bool,
                   with_aux: bool, compact: bool, desc: str) -> Path:
     """One process's part of `load_split`: prepared with its own adapter, saved to `out`."""
-    from epd.model_runtime.config import ModelConfig
-    from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
-
     torch.set_num_threads(1)
-    adapter = Qwen2VLAdapter(str(model_dir), ModelConfig(), {"vision"})
+    adapter = serving_adapter(model_dir)
     torch.save(_to_plain(_prepare_records(records, data_dir, adapter, progress, with_aux, compact, desc)), out)
     return out
 
@@ -300,7 +303,7 @@ def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, wit
             video = decode(r.media_path(data_dir).read_bytes(), sampling)
             inputs = adapter.preprocess(video)
             meta = VisualMeta(inputs.modality, inputs.grid_thw, inputs.second_per_grid_t,
-                              adapter.num_visual_tokens(inputs.grid_thw))
+                              adapter.num_visual_tokens(inputs.grid_thw), inputs.group_timestamps_s)
             aux = None
             if scenes is not None:
                 if r.media_type == "video":
@@ -405,9 +408,15 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
     else:
         pixels = torch.cat([media[i].pixel_values() for i in distinct])
         grids = torch.tensor([media[i].grid_thw for i in distinct], dtype=torch.long)
-        visual = model.model.visual(pixels, grid_thw=grids).pooler_output  # [sum tokens, hidden]
+        out = model.model.visual(pixels, grid_thw=grids)
+        visual = out.pooler_output  # [sum tokens, hidden]
         sizes = [int(t * h * w) // 4 for t, h, w in grids.tolist()]
         per_media = dict(zip(distinct, torch.split(visual, sizes)))
+        deepstack = getattr(out, "deepstack_features", None)  # Qwen3-VL only
+        if deepstack:
+            inputs.update(_deepstack_inputs(batch, media, per_media, [
+                dict(zip(distinct, torch.split(d, sizes))) for d in deepstack]))
+            return inputs, visual, distinct
     input_ids = inputs.pop("input_ids")
     embeds = model.model.get_input_embeddings()(input_ids)  # [B, L, hidden]
     cfg = model.config
@@ -415,6 +424,24 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
     fill = torch.cat([per_media[e.media_index] for e in batch])
     inputs["inputs_embeds"] = embeds.masked_scatter(mask[..., None].expand_as(embeds), fill)
     return inputs, visual, distinct
+
+
+def _deepstack_inputs(batch: list[Example], media: list[MediaItem], per_media: dict[int, torch.Tensor],
+                     deepstack: list[dict[int, torch.Tensor]]) -> dict:
+    """Qwen3-VL's part of `shared_vision_inputs`: the tower's output and its DeepStack features
+    (one per `deepstack_visual_indexes` layer, row for row with the output) given to the model as
+    `mm_encoder_outputs`, one entry per question in batch order, per modality, as its own forward
+    would have computed them; the model puts them in place (embeddings into the placeholders,
+    DeepStack features added after its first language layers)."""
+    from types import SimpleNamespace
+
+    out = {}
+    for modality in ("video", "image"):
+        rows = [e.media_index for e in batch if media[e.media_index].modality == modality]
+        if rows:
+            out[modality] = SimpleNamespace(pooler_output=[per_media[i] for i in rows],
+                                       deepstack_features=[[d[i] for i in rows] for d in deepstack])
+    return {"mm_encoder_outputs": out}
 
 
 @torch.no_grad()
@@ -454,13 +481,27 @@ def format_accuracy(by_type: dict[str, tuple[int, int]]) -> str:
 # -- model ---------------------------------------------------------------------------------------
 
 
+TRAINABLE_FAMILIES = ("qwen2_vl", "qwen3_vl")
+_FAMILY_NAMES = {"qwen2_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL"}
+
+
+def deepstack_layers(config: TrainConfig) -> tuple[int, ...]:
+    """Qwen3-VL: the tower layers whose features DeepStack adds to the first language layers: the
+    layers just before the last, one per language layer (at most 3, as the hub's models)."""
+    n = min(config.size.num_hidden_layers, 3, config.size.vision_depth - 1)
+    return tuple(range(config.size.vision_depth - 1 - n, config.size.vision_depth - 1))
+
+
 def model_spec(config: TrainConfig):
     from epd.model_runtime.tiny_model import TinyVLMSpec
     from epd.synth.questions import tokenizer_words
 
+    if config.family not in TRAINABLE_FAMILIES:
+        raise ValueError(f"the trainer builds {' or '.join(TRAINABLE_FAMILIES)}, not {config.family!r}")
     s = config.size
+    extra = {"deepstack_visual_indexes": deepstack_layers(config)} if config.family == "qwen3_vl" else {}
     return TinyVLMSpec(
-        family="qwen2_vl",
+        family=config.family,
         hidden_size=s.hidden_size,
         intermediate_size=s.intermediate_size,
         num_hidden_layers=s.num_hidden_layers,
@@ -473,7 +514,21 @@ def model_spec(config: TrainConfig):
         init=s.init,
         weight_std=s.weight_std,
         extra_words=tuple(tokenizer_words()),
+        **extra,
     )
+
+
+def serving_adapter(model_dir: Path):
+    """The serving adapter of the checkpoint's family (vision part only): it prepares every input."""
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.loader import check_model_dir
+
+    adapter_cls: type
+    if check_model_dir(str(model_dir)) == "qwen3_vl":
+        from epd.model_runtime.qwen3_vl import Qwen3VLAdapter as adapter_cls
+    else:
+        from epd.model_runtime.qwen2_vl import Qwen2VLAdapter as adapter_cls
+    return adapter_cls(str(model_dir), ModelConfig(), {"vision"})
 
 
 def save_model(model, processor, out_dir: Path) -> None:
@@ -625,8 +680,6 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     reused only if the dataset, tokenizer and model sizes match)."""
     from tqdm import tqdm
 
-    from epd.model_runtime.config import ModelConfig
-    from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
     from epd.model_runtime.tiny_model import build_model, build_processor
     from epd.train.png_plot import Series, line_plot
 
@@ -640,7 +693,7 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     # The serving adapter, loaded from the untrained checkpoint, prepares every input.
     with tempfile.TemporaryDirectory(prefix="epd-init-") as init_dir:
         save_model(model, processor, Path(init_dir))
-        adapter = Qwen2VLAdapter(init_dir, ModelConfig(), {"vision"})
+        adapter = serving_adapter(Path(init_dir))
         check_chat_template(adapter)
         t0 = time.perf_counter()
         key = json.dumps({"data": (data_dir / "dataset_info.json").read_text(),
@@ -679,6 +732,8 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     frozen = None
     answer_ids = mirrored_answer_ids(processor.tokenizer)
     if config.vision_lr_scale == 0:
+        if config.family != "qwen2_vl":
+            raise ValueError("a frozen vision tower (vision_lr_scale 0) is implemented for qwen2_vl only")
         if config.mirror_prob > 0:
             raise ValueError("mirror_prob needs a trainable vision tower (vision_lr_scale > 0)")
         model.model.visual.requires_grad_(False)
@@ -760,10 +815,10 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     }
     (out_dir / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     card = {
-        "name": "epd-tiny-videoqa",
+        "name": "epd-tiny-videoqa" if config.family == "qwen2_vl" else f"epd-tiny-videoqa-{config.family}",
         "built_by": "epd.train.train_default_model",
-        "note": ("a tiny Qwen2-VL trained from scratch on epd's synthetic video-QA data (synth/); "
-                 "it answers questions about coloured shapes in short clips with one word"),
+        "note": (f"a tiny {_FAMILY_NAMES[config.family]} trained from scratch on epd's synthetic video-QA "
+                 "data (synth/); it answers questions about coloured shapes in short clips with one word"),
         "command": command,
         "seed": config.seed,
         "num_threads": config.num_threads,
@@ -801,7 +856,10 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m epd.train.train_default_model", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="directory to save the model into")
+    p.add_argument("--out", default="", help=f"directory to save the model into (default for qwen2_vl: "
+                   f"{DEFAULT_OUT}; other families must name one)")
+    p.add_argument("--family", default=d.family, choices=TRAINABLE_FAMILIES,
+                   help="model family to build and train (qwen3_vl: a Qwen3-VL of the same sizes)")
     p.add_argument("--data", default="", help="a dataset built by epd.synth.dataset with the same sizes "
                    "(default: build one in a temporary directory)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -842,8 +900,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
                      num_hidden_layers=a.layers, vision_depth=a.vision_depth,
                      vision_embed_dim=a.vision_dim, vision_num_heads=a.vision_heads, init=a.init, weight_std=a.weight_std,
                      num_attention_heads=a.heads)
+    if not a.out:
+        if a.family != "qwen2_vl":
+            p.error(f"--family {a.family} needs --out (the default directory holds the shipped Qwen2-VL model)")
+        a.out = str(DEFAULT_OUT)
     config = TrainConfig(
-        seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, aux_weight=a.aux_weight,
+        family=a.family, seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, aux_weight=a.aux_weight,
         vision_pretrain_steps=a.vision_pretrain_steps, vision_pretrain_lr=a.vision_pretrain_lr,
         vision_lr_scale=a.vision_lr_scale, mirror_prob=a.mirror_prob, num_train_clips=a.num_train,
         num_validation_clips=a.num_validation, num_test_clips=a.num_test,

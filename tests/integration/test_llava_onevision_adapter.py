@@ -22,6 +22,7 @@ from tests.families import (
     MAX_NEW_TOKENS,
     QUESTION,
     assert_batched_decode_equals_alone,
+    assert_epd_ask_equals_references,
     assert_reference_varies,
     assert_same_state,
     checkpoint_keys,
@@ -302,3 +303,7 @@ def test_three_services_equal_generate(checkpoint, media_files, references, tmp_
                 assert result.token_ids == references[(media, num_frames)], (media, num_frames)
                 visual = 9 * num_frames if media == "mp4" else None
                 assert visual is None or result.num_visual_tokens == visual
+
+
+def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):
+    assert_epd_ask_equals_references(checkpoint, media_files, references, capsys)

@@ -28,6 +28,7 @@ from tests.families import (
     CASES,
     MAX_NEW_TOKENS,
     QUESTION,
+    assert_epd_ask_equals_references,
     assert_qwen_parts_load_exactly,
     assert_reference_varies,
     checkpoint_keys,
@@ -469,3 +470,7 @@ def test_the_prefill_core_chunks_and_batches_three_requests_at_once(checkpoint, 
     for case, summary in zip(cases, summaries, strict=True):
         assert summary.token_ids == references[case], case
     assert pipeline.prefill.load().num_steps >= summaries[0].num_prompt_tokens // 64, "it was not chunked"
+
+
+def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):
+    assert_epd_ask_equals_references(checkpoint, media_files, references, capsys)

@@ -22,6 +22,7 @@ from epd.resources import demo_model_dir
 from tests.families import (
     CASES,
     assert_batched_decode_equals_alone,
+    assert_epd_ask_equals_references,
     assert_qwen_parts_load_exactly,
     assert_reference_varies,
     checkpoint_keys,
@@ -211,3 +212,7 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
 
 def test_the_loader_detects_qwen3_vl_and_loads_each_stages_part(checkpoint):
     load_stage_adapters(checkpoint, "qwen3_vl", Qwen3VLAdapter, "prefill")
+
+
+def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):
+    assert_epd_ask_equals_references(checkpoint, media_files, references, capsys)

@@ -29,6 +29,7 @@ from tests.families import (
     CASES,
     QWEN3_VL_MOE_TEXT,
     assert_batched_decode_equals_alone,
+    assert_epd_ask_equals_references,
     assert_qwen_parts_load_exactly,
     assert_reference_varies,
     build_qwen3_vl_moe_checkpoint,
@@ -188,3 +189,7 @@ def test_pruning_is_declared_as_for_dense_qwen3_vl(adapters):
     assert language.text_dims.intermediate_size == (
         QWEN3_VL_MOE_TEXT["num_experts_per_tok"] * QWEN3_VL_MOE_TEXT["moe_intermediate_size"]
     )
+
+
+def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):
+    assert_epd_ask_equals_references(checkpoint, media_files, references, capsys)
