@@ -11,8 +11,10 @@ psutil and torchcodec (`pip install torchcodec`; see "torchcodec" below).
 What it does, in one run on one machine:
   * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (randomly initialised; built once
     into --work-dir), or --model DIR;
-  * clips: --num-clips different synthetic clips (epd.synth scenes, --clip-size square, 8 fps,
-    --clip-seconds long), each request about one of them (cycled), with one of four questions;
+  * clips: --num-clips different synthetic clips per concurrency level (epd.synth scenes,
+    --clip-size square, 8 fps, --clip-seconds long; no clip is used at two levels, so epd's token
+    cache never answers a level from an earlier one), each request about one of them (cycled),
+    with one of four questions;
   * servers, one after the other, each started fresh as plain processes on free loopback ports:
       epd           `epd serve` (launcher, encoder, prefill, decode, gateway with --http-port), torch
                     threads per service --epd-threads (epd's default, 1);
@@ -20,9 +22,9 @@ What it does, in one run on one machine:
                     (the patch it applies is explained there), torch's default threads unless
                     --peer-threads;
   * per server: wait until one request succeeds (start-up), --warmup more requests, PSS summed over
-    the server's process tree (psutil `memory_full_info().pss`) at idle, then the same N requests
-    at each --concurrency level (streaming /v1/chat/completions, greedy, the same bodies in the
-    same order; TTFT = first text chunk, TPOT = (end - first) / (tokens - 1) with the server's own
+    the server's process tree (psutil `memory_full_info().pss`) at idle, then N requests at each
+    --concurrency level (streaming /v1/chat/completions, greedy, the same bodies in the same order
+    for every server; TTFT = first text chunk, TPOT = (end - first) / (tokens - 1) with the server's own
     usage.completion_tokens), the PSS peak sampled every second during the load and the PSS after;
   * printed: each server's sweep table, the side-by-side with ratios epd / transformers (req/s and
     output tok/s: higher is better for epd; TTFT and TPOT: lower is better), the memory table, and
@@ -118,6 +120,13 @@ def min_tokens_copy(model_dir: Path, out: Path, min_new_tokens: int) -> Path:
     config["min_new_tokens"] = min_new_tokens
     (out / "generation_config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def clips_per_level(clips: list[Path], args) -> list[list[Path]]:
+    """--num-clips clips for each --concurrency level, none shared between levels (`clips` holds
+    `num_clips * levels + 1`; the last is start-up's and warm-up's)."""
+    n = args.num_clips
+    return [clips[i * n : (i + 1) * n] for i in range(len(args.concurrency))]
 
 
 def make_clips(out: Path, num_clips: int, size: int, seconds: float) -> list[Path]:
@@ -321,15 +330,16 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
     dialect = "epd" if name.startswith("epd") else "transformers"
     cmd, env, base_url = server_command(name, model, args)
     target = OpenAITarget(base_url, dialect=dialect, media_as="data" if name.startswith("epd") else "path")
-    bodies = openai_bodies(
-        target,
-        [str(c) for c in clips],
-        DEFAULT_QUESTIONS,
-        args.num_requests,
-        args.num_frames,
-        args.max_tokens,
-        args.ignore_eos and name.startswith("epd"),
-    )
+
+    def bodies_of(level_clips: list[Path], num_requests: int) -> list[dict]:
+        return openai_bodies(target, [str(c) for c in level_clips], DEFAULT_QUESTIONS, num_requests,
+                             args.num_frames, args.max_tokens, args.ignore_eos and name.startswith("epd"))
+
+    # Every level gets clips no server has seen, and start-up and warm-up a clip of their own: epd's
+    # token cache would otherwise answer a level's videos from memory (a repeated video is a cache
+    # hit, which `transformers serve` does not have); the same bodies go to every server.
+    per_level = clips_per_level(clips, args)
+    warm_bodies = bodies_of(clips[-1:], max(args.warmup, 1))
     log_path = args.work / f"{name}.log"
     log(f"{name}: starting ({' '.join(cmd[:6])} ...; log {log_path})")
     with open(log_path, "w") as log_file:
@@ -338,16 +348,17 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
         )
     out: dict = {"name": name, "command": cmd, "url": target.url, "sweep": []}
     try:
-        out["startup_s"] = wait_ready(proc, target, bodies[0], args.timeout_s, log_path)
+        out["startup_s"] = wait_ready(proc, target, warm_bodies[0], args.timeout_s, log_path)
         log(f"{name}: answered after {out['startup_s']:.1f} s; {args.warmup} warm-up request(s)")
         if args.warmup:
-            asyncio.run(run_openai(target, bodies[: args.warmup], 1, timeout_s=args.timeout_s))
+            asyncio.run(run_openai(target, warm_bodies[: args.warmup], 1, timeout_s=args.timeout_s))
         time.sleep(2.0)
         out["pss_idle"], out["num_processes"] = tree_pss(proc.pid)
         log(f"{name}: idle PSS {out['pss_idle'] / MiB:.0f} MiB over {out['num_processes']} processes")
         with PeakPss(proc.pid) as peak:
-            for c in args.concurrency:
+            for c, level_clips in zip(args.concurrency, per_level, strict=True):
                 t0 = time.perf_counter()
+                bodies = bodies_of(level_clips, args.num_requests)
                 results, duration = asyncio.run(run_openai(target, bodies, c, timeout_s=args.timeout_s))
                 s = summarize(results, duration, float("inf"), float("inf"))
                 prompt = [r.num_prompt_tokens for r in results if r.ok and r.num_prompt_tokens]
@@ -439,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", type=parse_levels, default=[1, 4], help="comma list of requests in flight"
     )
     ap.add_argument("--num-requests", type=int, default=8, help="requests at each level")
-    ap.add_argument("--num-clips", type=int, default=8, help="different clips, cycled over the requests")
+    ap.add_argument("--num-clips", type=int, default=8,
+                    help="different clips per concurrency level, cycled over its requests (no clip is "
+                         "used by two levels, so a token cache never answers a level from an earlier one)")
     ap.add_argument("--num-frames", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument(
@@ -487,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         model = min_tokens_copy(model, args.work / f"{model.name}-min{args.max_tokens}", args.max_tokens)
     clips = make_clips(
         args.work / f"clips-{args.clip_size}px-{args.clip_seconds:g}s",
-        args.num_clips,
+        args.num_clips * len(args.concurrency) + 1,  # fresh clips per level, one for warming up
         args.clip_size,
         args.clip_seconds,
     )
