@@ -65,6 +65,11 @@ class PrefillConfig:
     """Largest visual-embedding upload accepted."""
     scheduler: PrefillSchedulerConfig = field(default_factory=lambda: PrefillSchedulerConfig())
     """The prefill core's queue bounds, token budget per step and chunk size."""
+    prefix_cache_bytes: int = 1 << 30
+    """Prompt KV caches kept for follow-up questions about the same media (`prefill_svc/prefix_cache.py`)
+    hold at most this many bytes, least recently used leaving first (--prefix-cache-bytes; 0: off)."""
+    prefix_cache_ttl_s: float = 600.0
+    """A prefix-cache entry unused for this long is dropped (--prefix-cache-ttl)."""
 
     def __post_init__(self) -> None:
         if self.scheduler.max_waiting_prompt_tokens < self.max_prompt_tokens:
@@ -76,3 +81,7 @@ class PrefillConfig:
             raise ValueError(f"kv_store_bytes (--kv-store-bytes) must be >= 0, got {self.kv_store_bytes}")
         if self.kv_ttl_s <= 0:
             raise ValueError(f"kv_ttl_s (--kv-ttl) must be > 0 seconds, got {self.kv_ttl_s}")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes (--prefix-cache-bytes) must be >= 0, got {self.prefix_cache_bytes}")
+        if self.prefix_cache_ttl_s <= 0:
+            raise ValueError(f"prefix_cache_ttl_s (--prefix-cache-ttl) must be > 0 seconds, got {self.prefix_cache_ttl_s}")

@@ -6,16 +6,24 @@ which the stage that stores the cache fills in), next to the cache itself."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from epd.model_runtime.adapter import Prompt, UnsupportedByFamily, VisualFeatures, VisualMeta, VLMAdapter
+from epd.model_runtime.adapter import (
+    Prompt,
+    UnsupportedByFamily,
+    VisualFeatures,
+    VisualMeta,
+    VLMAdapter,
+)
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.prefix_cache import PrefixCache
 from epd.prefill_svc.pruned_prefill import PrunedPrefill, pruned_prefill
 from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.contracts import (
@@ -53,6 +61,12 @@ class PrefillEngine:
     def __init__(self, config: PrefillConfig, adapter: VLMAdapter) -> None:
         self.config = config
         self.adapter = adapter
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_ttl_s)
+        # Families whose cache is attention-only and that continue a cache in chunks. A hybrid
+        # model's linear states (Qwen3.5) hold the whole prompt in a fixed-size state that cannot
+        # be cut back to a shorter prefix; they would be reusable only when a follow-up extends
+        # the stored prompt exactly, which is left for later.
+        self.prefix_caching = adapter.supports_chunked_prefill and not getattr(adapter, "linear_layers", None)
 
     def validate(self, messages: Sequence[Message], meta: VisualMeta, generation: GenerationConfig) -> None:
         check_messages(messages, self.config.max_question_chars)
@@ -101,6 +115,7 @@ class PrefillEngine:
         generation: GenerationConfig,
         pruning: PruningConfig = PruningConfig(),
         request_id: str = "",
+        use_prefix_cache: bool = True,
     ) -> PrefillRequest:
         """Validate the request and build its prompt: everything that can refuse it, before it
         queues (a bad request never takes a queue place)."""
@@ -126,7 +141,7 @@ class PrefillEngine:
             or pruning.kv_compress
             or pruning.decode_evict
         )
-        return PrefillRequest(
+        request = PrefillRequest(
             request_id,
             num_prompt_tokens=prompt.num_tokens,
             exclusive=exclusive,
@@ -135,6 +150,58 @@ class PrefillEngine:
             generation=generation,
             pruning=pruning,
         )
+        # Pruned requests neither store nor reuse: their cache depends on the question (prefill
+        # drop, KV compression, decode eviction's mask) or is built on a gathered prompt.
+        if use_prefix_cache and not exclusive and self.prefix_caching and self.prefix_cache.enabled:
+            request.prefix_key = self._prefix_key(media, pruning)
+            visual = prompt.visual_mask.nonzero()
+            visual_end = int(visual[-1]) + 1 if visual.numel() else 0  # the reuse must cover them all
+            hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end)
+            if hit is not None:
+                request.prefix = hit
+                request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
+        return request
+
+    def _prefix_key(self, media: EncodedMedia, pruning: PruningConfig) -> tuple:
+        """What makes two prompts with the same token ids have different KV: the model, the media
+        as encoded (hash, grid, frames sampled, encoder pruning, and a digest of the embeddings
+        themselves, so that different encodes never match) and how the cache is kept (kv_dtype)."""
+        digest = hashlib.sha256()
+        for tensor in (media.embeds, *media.deepstack):  # ~5 ms per 7 MB
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        meta = media.meta
+        return (
+            self.adapter.fingerprint,
+            media.sha256,
+            meta.modality,
+            tuple(meta.grid_thw),
+            meta.second_per_grid_t,
+            tuple(meta.group_timestamps_s),
+            meta.num_visual_tokens,
+            tuple(media.frame_timestamps_s),
+            None if media.token_index is None else tuple(media.token_index.tolist()),
+            tuple((s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out) for s in media.pruning.stages),
+            pruning.kv_dtype,
+            digest.hexdigest(),
+        )
+
+    def prefix_start_cache(self, request: PrefillRequest):
+        """The adapter's cache of tokens [0, num_reused_tokens) for a prefix-cache hit's first
+        chunk: a copy of the stored entry's KV [:, :, :reused] (the entry is never written)."""
+        hit = request.prefix
+        assert hit is not None
+        n = hit.num_reused_tokens
+        kv: KvCache = hit.entry.cache
+        # [1, kv_heads, n, head_dim] views; new_decode_cache builds a DynamicCache, whose update
+        # concatenates them into new tensors, so later chunks grow the copy, not the entry.
+        return self.adapter.new_decode_cache(KvCache([k[:, :, :n] for k in kv.keys], [v[:, :, :n] for v in kv.values]))
+
+    def remember(self, request: PrefillRequest, cache: KvCache) -> None:
+        """Keep a finished prompt's KV (in the model's dtype, before any kv_dtype cast) for the
+        follow-ups of its conversation."""
+        if request.prefix_key is None or cache.linear_layers or request.prompt is None:
+            return
+        self.prefix_cache.put(request.prefix_key, request.prompt.input_ids[0], cache, cache.num_bytes)
 
     def prefill(
         self,
@@ -143,8 +210,9 @@ class PrefillEngine:
         generation: GenerationConfig,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillOutput:
-        """One request, whole and alone (benchmarks and tools; the service runs `PrefillRunner`)."""
-        request = self.prepare(messages, media, generation, pruning)
+        """One request, whole and alone (benchmarks and tools; the service runs `PrefillRunner`).
+        The prefix cache is left alone: a benchmark repeating a prompt times the whole prefill."""
+        request = self.prepare(messages, media, generation, pruning, use_prefix_cache=False)
         t0 = time.perf_counter()
         if request.exclusive:
             return self.prefill_pruned(request)
@@ -248,6 +316,7 @@ class PrefillEngine:
             # [layers, kv_heads, cached] bool; sent only when decode-stage eviction will use it.
             visual_entry_mask=mask if pruning.decode_evict else None,
             kept_visual_token_index=kept,
+            num_reused_prompt_tokens=request.num_reused_tokens,
         )
         return PrefillOutput(handle, cache)
 

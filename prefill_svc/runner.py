@@ -8,6 +8,11 @@
 A request with token dropping or KV compression (`exclusive`) is always alone in its step and runs
 `pruned_prefill` whole, exactly as before batching. The runner owns each part-way request's cache
 between its chunks and frees it in `release`.
+
+A prefix-cache hit starts part-way: its first chunk continues from a copy of the stored entry's KV
+[0, reused) (`PrefillEngine.prefix_start_cache`), built at its first step, so a waiting hit holds
+no copy. A finished prompt's KV goes into the prefix cache (`PrefillEngine.remember`) before
+`finish` casts it to the request's kv_dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
         for r in batch:
             assert r.prompt is not None and r.media is not None
             start = r.num_computed_tokens
+            if r not in self._caches and r.prefix is not None:  # a prefix-cache hit's first step
+                self._caches[r] = self.engine.prefix_start_cache(r)
+                r.prefix = None  # the copy is made: an eviction may now free the entry
             rows.append(
                 PrefillChunk(
                     r.prompt,
@@ -57,6 +65,7 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
             self._caches.pop(r, None)
             r.finished = True
             cache = self.adapter.chunk_cache_to_kv(result.cache)
+            self.engine.remember(r, cache)
             try:
                 out: PrefillOutput | RequestFailed = self.engine.finish(
                     r, cache, result.last_logits, _ms_since(r.first_scheduled_s)

@@ -13,13 +13,18 @@ of that step. A longer one (a long video) runs in chunks of at most that many to
 step (Sarathi-Serve's chunked prefill), so the rest of each step's budget goes to the prompts
 behind it instead of waiting for its whole prefill. A request with `exclusive` set (token dropping
 or KV compression: `prefill_svc/pruned_prefill.py`) runs whole and alone in a step of its own.
+
+A prefix-cache hit (`prefill_svc/prefix_cache.py`) arrives with `num_computed_tokens` =
+`num_reused_tokens` > 0: it is scheduled like a chunked prompt part-way through, and the queue
+bound and the step budget count only its new tokens.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from epd.prefill_svc.config import PrefillSchedulerConfig
 from epd.stages.engine_core import CoreRequest, EngineLoad, Scheduler
@@ -43,6 +48,12 @@ class PrefillRequest(CoreRequest):
     """Prompt tokens whose KV is computed (the runner's `step_done` advances it)."""
     num_scheduled_tokens: int = 0
     """Tokens the step now running computes for it: [num_computed_tokens, + this)."""
+    num_reused_tokens: int = 0
+    """Prompt tokens [0, this) whose KV comes from the prefix cache (`num_computed_tokens` starts here)."""
+    prefix: Any = field(default=None, repr=False)
+    """The prefix-cache hit (`PrefixHit`) the runner builds this request's first cache from."""
+    prefix_key: Hashable | None = field(default=None, repr=False)
+    """Key under which the finished prompt's KV goes into the prefix cache (None: not cached)."""
     prompt: Prompt | None = field(default=None, repr=False)
     media: EncodedMedia | None = field(default=None, repr=False)
     generation: GenerationConfig | None = field(default=None, repr=False)
@@ -51,6 +62,11 @@ class PrefillRequest(CoreRequest):
     @property
     def num_remaining_tokens(self) -> int:
         return self.num_prompt_tokens - self.num_computed_tokens
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Prompt tokens this request computes (what the queue bound counts)."""
+        return self.num_prompt_tokens - self.num_reused_tokens
 
     @property
     def is_prefilled(self) -> bool:
@@ -80,14 +96,14 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
                 f"the prefill queue is full: {cfg.max_waiting_prefills} requests are waiting for their "
                 "prefill (--max-waiting-prefills); retry shortly or add prefill capacity"
             )
-        if self.num_queued_tokens + request.num_prompt_tokens > cfg.max_waiting_prompt_tokens:
+        if self.num_queued_tokens + request.num_new_tokens > cfg.max_waiting_prompt_tokens:
             raise Busy(
                 f"the prefill queue is full: {self.num_queued_tokens} prompt tokens are waiting and this "
-                f"prompt adds {request.num_prompt_tokens}, over the limit of {cfg.max_waiting_prompt_tokens} "
+                f"prompt adds {request.num_new_tokens}, over the limit of {cfg.max_waiting_prompt_tokens} "
                 "(--max-waiting-prompt-tokens); retry shortly, send fewer frames, or add prefill capacity"
             )
         self.waiting.append(request)
-        self.num_queued_tokens += request.num_prompt_tokens
+        self.num_queued_tokens += request.num_new_tokens
 
     def schedule(self) -> list[PrefillRequest]:
         budget = self.config.max_prefill_tokens_per_step
@@ -107,10 +123,10 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
                 if batch:  # it gets a step of its own, the next one
                     break
                 r.num_scheduled_tokens = r.num_prompt_tokens
-            elif chunk is not None and r.num_prompt_tokens > chunk:
+            elif chunk is not None and r.num_remaining_tokens > chunk:
                 r.num_scheduled_tokens = min(chunk, budget)
-            elif r.num_prompt_tokens <= budget or not batch:  # (over the whole budget, unchunked: alone)
-                r.num_scheduled_tokens = r.num_prompt_tokens
+            elif r.num_remaining_tokens <= budget or not batch:  # (over the whole budget, unchunked: alone)
+                r.num_scheduled_tokens = r.num_remaining_tokens
             else:  # a whole prompt that does not fit what is left: first in the next step (FIFO)
                 break
             self.running.append(self.waiting.popleft())
@@ -127,7 +143,7 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
             self.running.remove(request)
         else:
             return  # already removed (finished and cancelled in the same step, or removed twice)
-        self.num_queued_tokens -= request.num_prompt_tokens
+        self.num_queued_tokens -= request.num_new_tokens
 
     def requests(self) -> list[PrefillRequest]:
         return [*self.running, *self.waiting]

@@ -84,8 +84,17 @@ class LocalPrefillStage(PrefillStage):
             log.info("released the KV cache of request %s: it ended before a decoder took it", request_id)
 
     def load(self) -> EngineLoad:
-        """What the prefill core is doing now (running/waiting requests, last batch size, steps)."""
-        return self.core.load()
+        """What the prefill core is doing now (running/waiting requests, last batch size, steps)
+        and its prefix cache (hits, misses, evictions, entries, bytes)."""
+        prefix = self.engine.prefix_cache.stats()
+        return replace(
+            self.core.load(),
+            prefix_cache_hits=prefix.num_hits,
+            prefix_cache_misses=prefix.num_misses,
+            prefix_cache_evictions=prefix.num_evictions,
+            prefix_cache_entries=prefix.num_entries,
+            prefix_cache_bytes=prefix.num_bytes,
+        )
 
     async def close(self) -> None:
         await self.core.close()

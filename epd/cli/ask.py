@@ -2,9 +2,16 @@
 ports) or against --endpoint. Both send the same messages (`epd.stages.messages`): QUESTION is one
 user message [media, QUESTION]; FILE holds the processor's chat form, parts in your order.
 
+Follow-ups: `--question Q` (repeatable, after QUESTION if given) and `--interactive` (questions
+read from stdin, one a line, until EOF or an empty line) ask in turn as one conversation: each
+turn sends the earlier questions and answers too (`epd.client.conversation.History`, the SDK's
+`client.conversation`). Embedded mode keeps its one pipeline across turns, so the servers' caches
+(the encoder's, prefill's prefix cache) serve the follow-ups as they would behind a gateway.
+
 Both modes print the SDK's typed result (`epd.client.AskResult`): the answer as it streams, stage
-progress on stderr, then a timings line; with --json one object, `AskResult.to_dict()` (the
-field names of the HTTP API's `epd` object), plus `notice` for the demo model.
+progress on stderr, then a timings line; with --json one object per turn and line,
+`AskResult.to_dict()` (the field names of the HTTP API's `epd` object), plus `notice` for the
+demo model and, in a conversation, `turn` (from 1) and `question`.
 """
 
 from __future__ import annotations
@@ -14,13 +21,14 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from epd.client import AskResult
+    from epd.client import AskResult, StreamEvent
     from epd.client import StageEvent as ClientStageEvent
-    from epd.gateway.pipeline import AskSummary
+    from epd.gateway.pipeline import AskSummary, Pipeline
     from epd.stages.messages import Message
 
 
@@ -37,11 +45,11 @@ def run_ask(args: argparse.Namespace) -> int:
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
-    notice: list[str] = []
     try:
-        result = asyncio.run(
-            _ask_remote(args, path, messages) if args.endpoint else _ask_embedded(args, path, messages, notice)
-        )
+        asyncio.run(_ask_remote(args, path, messages) if args.endpoint else _ask_embedded(args, path, messages))
+    except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
+        print(file=sys.stderr)
+        return 130
     except EpdError as exc:  # the server's status and message
         print(f"epd: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
@@ -52,11 +60,81 @@ def run_ask(args: argparse.Namespace) -> int:
         code, message = status_of(exc)
         print(f"epd: {code.name}: {message}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps({**result.to_dict(), **({"notice": notice[0]} if notice else {})}))
-    else:
-        _print_summary(result)
     return 0
+
+
+def _conversational(args: argparse.Namespace) -> bool:
+    return bool(args.questions) or args.interactive
+
+
+def _messages(args: argparse.Namespace) -> list[Message] | None:
+    """The one-shot conversation (QUESTION as [media, QUESTION], or --messages FILE, - for
+    stdin); None when the questions are asked in turn (--question / --interactive)."""
+    from epd.stages.messages import check_messages, from_chat_template, question_messages
+
+    if args.messages and _conversational(args):
+        raise ValueError("--messages FILE cannot be combined with --question or --interactive")
+    if _conversational(args):
+        if any(not q.strip() for q in args.questions) or (args.question is not None and not args.question.strip()):
+            raise ValueError("a question is empty; ask something about the video")
+        return None
+    if (args.question is None) == (not args.messages):
+        raise ValueError("give a QUESTION or --messages FILE (one of them)")
+    if not args.messages:
+        return question_messages(args.question)
+    source = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
+    messages = from_chat_template(json.loads(source))
+    check_messages(messages)
+    return messages
+
+
+async def _questions(args: argparse.Namespace) -> AsyncIterator[str]:
+    """QUESTION, each --question, then (--interactive) stdin's lines until EOF or an empty one."""
+    for question in ([args.question] if args.question is not None else []) + list(args.questions):
+        if not args.json:
+            print(f"> {question}", file=sys.stderr, flush=True)
+        yield question
+    if not args.interactive:
+        return
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            print("question (empty line to end)> ", end="", file=sys.stderr, flush=True)
+        # In a thread: the event loop keeps serving the channel (or the embedded engines) meanwhile.
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line.strip():
+            return
+        if not tty and not args.json:
+            print(f"> {line.strip()}", file=sys.stderr, flush=True)
+        yield line.strip()
+
+
+async def _print_turns(
+    args: argparse.Namespace, turns: AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]], notice: str
+) -> None:
+    """Run each turn's stream, showing it as it comes, then print its result."""
+    from epd.client import AskResult, StageEvent, TokenDelta
+
+    number = 0
+    async for question, stream in turns:
+        number += 1
+        result = None
+        async for item in stream:
+            if isinstance(item, StageEvent):
+                _progress(item.stage, item.state, item.duration_ms, args.json)
+            elif isinstance(item, TokenDelta):
+                _emit_text(item.text, args.json)
+            elif isinstance(item, AskResult):
+                result = item
+        if result is None:
+            raise RuntimeError("the stream ended without a result")
+        if args.json:
+            extra: dict[str, Any] = {"notice": notice} if notice else {}
+            if _conversational(args):
+                extra.update(turn=number, question=question)
+            print(json.dumps({**result.to_dict(), **extra}), flush=True)
+        else:
+            _print_summary(result)
 
 
 def _progress(stage: str, state: str, duration_ms: float, quiet: bool) -> None:
@@ -77,66 +155,80 @@ def _emit_text(text: str, quiet: bool) -> None:
 def _print_summary(result: AskResult) -> None:
     from epd.stages.names import TIMING_NAMES
 
-    print(file=sys.stdout)
+    print(file=sys.stdout, flush=True)
     timings = ", ".join(f"{name} {getattr(result.timings_ms, f'{name}_ms'):.0f} ms" for name in TIMING_NAMES)
+    reused = result.num_reused_prompt_tokens
+    reused_text = f", {reused} of them reused from the prefix cache" if reused else ""
     print(f"epd: {result.num_frames} frames, {result.num_visual_tokens} visual tokens, "
-          f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}", file=sys.stderr)
+          f"{result.num_prompt_tokens} prompt tokens{reused_text}, "
+          f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}", file=sys.stderr, flush=True)
 
 
-def _messages(args: argparse.Namespace) -> list[Message]:
-    """The conversation: QUESTION as [media, QUESTION], or --messages FILE (- for stdin)."""
-    from epd.stages.messages import check_messages, from_chat_template, question_messages
-
-    if (args.question is None) == (not args.messages):
-        raise ValueError("give a QUESTION or --messages FILE (one of them)")
-    if not args.messages:
-        return question_messages(args.question)
-    source = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
-    messages = from_chat_template(json.loads(source))
-    check_messages(messages)
-    return messages
-
-
-async def _ask_embedded(
-    args: argparse.Namespace, path: Path, messages: list[Message], notice: list[str]
-) -> AskResult:
+async def _ask_embedded(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:
     from epd.cli import configs
-    from epd.client import StageEvent as ClientStageEvent
+    from epd.client.conversation import History
     from epd.gateway.embedded import build_embedded_pipeline
-    from epd.gateway.pipeline import AskRequest, AskSummary
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
     from epd.model_runtime.loader import resolve_model_path
-    from epd.stages.contracts import MediaInput, StageEvent
-    from epd.stages.names import Stage
 
     model = configs.model_config(args)
     model_path = resolve_model_path(model.model)
-    text = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
-    notice += [text] if text else []
+    notice = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
     if not args.json:
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
+    # One pipeline for every turn: its encoder and prefix caches serve the follow-ups.
     pipeline = build_embedded_pipeline(model)
+    media = path.read_bytes()
+
+    async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
+        if messages is not None:
+            yield "", _embedded_stream(args, pipeline, media, messages)
+            return
+        history = History()
+        async for question in _questions(args):
+            answer: list[str] = []
+            yield question, _embedded_stream(args, pipeline, media, history.messages_for(question), answer)
+            history.add(question, answer[0])
+
+    await _print_turns(args, turns(), notice)
+
+
+async def _embedded_stream(
+    args: argparse.Namespace, pipeline: Pipeline, media: bytes, messages: list[Message],
+    answer: list[str] | None = None,
+) -> AsyncIterator[StreamEvent]:
+    """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
+    the answer's text is appended to `answer` for the caller's history."""
+    from epd.cli import configs
+    from epd.client import StageEvent as ClientStageEvent
+    from epd.client import TokenDelta
+    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.stages.contracts import MediaInput, StageEvent
+    from epd.stages.names import Stage
+
     request = AskRequest(
         messages=messages,
-        media=MediaInput(path.read_bytes()),
+        media=MediaInput(media),
         sampling=configs.sampling_options(args),
         generation=configs.generation_config(args),
         pruning=configs.pruning_config(args),
     )
     started = time.perf_counter()
     events: list[ClientStageEvent] = []
-    summary = None
     async for item in pipeline.ask(request):
         if isinstance(item, StageEvent):
             at_ms = (time.perf_counter() - started) * 1e3
-            events.append(ClientStageEvent(Stage.of(item.stage), item.state, at_ms, item.duration_ms, item.details))
-            _progress(item.stage, item.state, item.duration_ms, args.json)
+            event = ClientStageEvent(Stage.of(item.stage), item.state, at_ms, item.duration_ms, item.details)
+            events.append(event)
+            yield event
         elif isinstance(item, AskSummary):
-            summary = item
+            result = _result_of(item, events)
+            if answer is not None:
+                answer.append(result.answer)
+            yield result
+            return
         else:
-            _emit_text(item.text, args.json)
-    assert summary is not None
-    return _result_of(summary, events)
+            yield TokenDelta(list(item.token_ids), item.text)
 
 
 def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult:
@@ -148,8 +240,8 @@ def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult
     return result_from_proto(summary_to_proto(summary), events)
 
 
-async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Message]) -> AskResult:
-    from epd.client import AskResult, AsyncEpdClient, StageEvent, TokenDelta
+async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:
+    from epd.client import AsyncEpdClient
 
     # Zero and empty mean "the server's default"; the server checks and parses every option.
     options: dict = dict(
@@ -158,14 +250,17 @@ async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Messa
         seed=args.seed, stop=list(args.stop), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
     )  # fmt: skip
     async with AsyncEpdClient(args.endpoint, api_key=args.api_key) as client:
-        async for item in client.stream(path, messages=messages, **options):
-            if isinstance(item, StageEvent):
-                _progress(item.stage, item.state, item.duration_ms, args.json)
-            elif isinstance(item, TokenDelta):
-                _emit_text(item.text, args.json)
-            elif isinstance(item, AskResult):
-                return item
-    raise RuntimeError("unreachable: the SDK's stream ends with an AskResult or raises EpdError")
+
+        async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
+            if messages is not None:
+                yield "", client.stream(path, messages=messages, **options)
+                return
+            # The SDK's conversation: the video goes up once, later turns send its sha256.
+            chat = client.conversation(path, **options)
+            async for question in _questions(args):
+                yield question, chat.stream(question)
+
+        await _print_turns(args, turns(), "")
 
 
 def _say(text: str, quiet: bool) -> str:

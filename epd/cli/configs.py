@@ -77,7 +77,8 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=model_config(args), server=server_config(args),
                          advertise_address=args.advertise_address, kv_store_bytes=args.kv_store_bytes,
-                         kv_ttl_s=args.kv_ttl,
+                         kv_ttl_s=args.kv_ttl, prefix_cache_bytes=args.prefix_cache_bytes,
+                         prefix_cache_ttl_s=args.prefix_cache_ttl,
                          scheduler=PrefillSchedulerConfig(
                              max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
                              prefill_chunk_tokens=args.prefill_chunk_tokens or None,

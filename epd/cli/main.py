@@ -1,6 +1,7 @@
 """`epd`: ask a question about a video, or serve the stack.
 
     epd ask VIDEO (QUESTION | --messages FILE) [--endpoint HOST:PORT] [--json]
+    epd ask VIDEO [QUESTION] --question Q2 ... [--interactive]   # one conversation, in turns
     epd serve                     # the whole stack on loopback, one process per service
     epd serve encoder|prefill|decode|gateway
     epd health HOST:PORT          # exit 0 when the service reports SERVING
@@ -34,6 +35,15 @@ def _num_threads(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number or auto, got {text!r}")
     return n
+
+
+def add_prefix_cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                   help="prompt KV kept for follow-up questions about the same media (the "
+                        "conversation's earlier turns are not prefilled again), least recently "
+                        "used leaving first (default: 1 GiB; 0: off)")
+    p.add_argument("--prefix-cache-ttl", type=float, default=600.0,
+                   help="seconds a prefix-cache entry is kept unused (default: 600)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -206,7 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="ask a question about a video or image")
     ask.add_argument("video", help="path of a video (MP4, MKV, WebM, MOV, AVI) or image")
     ask.add_argument("question", nargs="?", default=None,
-                     help="the question (one user message: the media, then this text)")
+                     help="the question (one user message: the media, then this text); with --question "
+                          "or --interactive, the conversation's first question")
+    ask.add_argument("--question", dest="questions", action="append", default=[], metavar="Q",
+                     help="a question asked in turn (repeatable): one conversation, each turn sending the "
+                          "earlier questions and answers too; one answer (--json: one object) per turn")
+    ask.add_argument("--interactive", action="store_true",
+                     help="then read questions from stdin, one a line, until EOF or an empty line, "
+                          "continuing the same conversation")
     ask.add_argument("--messages", default="", metavar="FILE",
                      help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
                           '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
@@ -237,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "prefills get RESOURCE_EXHAUSTED")
             r.add_argument("--kv-ttl", type=float, default=120.0,
                            help="seconds a KV cache waits for a decoder before it is dropped")
+            add_prefix_cache_flags(r)
             sched = PrefillSchedulerConfig()
             r.add_argument("--max-prefill-tokens-per-step", type=int, default=sched.max_prefill_tokens_per_step,
                            help="prompt tokens one batched prefill step computes at most")
@@ -288,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one process instead of four: the front door and the three stages share one "
                             "model and the machine's cores (same ports and APIs); for a single machine")
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
+    add_prefix_cache_flags(serve)  # passed to prefill (or the colocated one)
     add_model_flags(serve)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (latency/throughput), quality (accuracy)")

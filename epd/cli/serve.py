@@ -107,11 +107,14 @@ async def _colocated(args: argparse.Namespace, config) -> None:
     from epd.gateway import server as gateway
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.threads import AUTO
+    from epd.prefill_svc.config import PrefillConfig
 
     model = configs.model_config(args)
     if args.num_threads is None:  # one model call at a time: every call may use every core
         model = replace(model, num_threads=AUTO)
-    await gateway.main(config, local=build_embedded_pipeline(model))
+    prefill = PrefillConfig(model=model, prefix_cache_bytes=args.prefix_cache_bytes,
+                            prefix_cache_ttl_s=args.prefix_cache_ttl)
+    await gateway.main(config, local=build_embedded_pipeline(model, prefill=prefill))
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -142,7 +145,8 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     e, p, d = args.encoder_port, args.prefill_port, args.decode_port
     return {
         "encoder": [*base, "encoder", "--port", str(e), *grace, *model],
-        "prefill": [*base, "prefill", "--port", str(p), *grace, *model],
+        "prefill": [*base, "prefill", "--port", str(p), *grace, *model, "--prefix-cache-bytes",
+                    str(args.prefix_cache_bytes), "--prefix-cache-ttl", str(args.prefix_cache_ttl)],
         "decode": [*base, "decode", "--port", str(d), *grace, *model],
         "gateway": [*base, "gateway", "--port", str(args.gateway_port), *grace, "--encoder", f"127.0.0.1:{e}",
                     "--prefill", f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}",

@@ -9,9 +9,11 @@ write (measured: three separate interpreters 1,558 MiB PSS, a parent and three f
 
 The zygote is Python's `multiprocessing` fork server: the launcher (which imports no torch) starts
 it with the modules to preload, and each service is a `multiprocessing` process forked from it
-that runs `epd serve ROLE ...` as if started on its own (same argv, same exit codes). Only fork
-server's own process holds no thread when it forks, which is what makes forking after importing
-torch safe; gRPC is not imported before the fork (it is not fork-safe once initialised).
+that runs `epd serve ROLE ...` as if started on its own (same argv, same exit codes). The fork
+server runs no thread of its own when it forks (torch starts its OpenMP threads at the first
+parallel op, not at import), so no child inherits a lock held by a thread that does not exist in
+it: that is what makes forking after importing torch safe. gRPC is not imported before the fork
+(it is not fork-safe once initialised).
 
 Lifetimes: the launcher owns the fork server (it ends when the launcher's end of its pipe
 closes), and each service gets SIGTERM when the fork server ends (PR_SET_PDEATHSIG), so killing
@@ -140,6 +142,7 @@ class Zygote:
 
 def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> None:
     """In the forked child: become a service as if started as `epd ARGV`."""
+    zygote_pid = os.getppid()
     if log_path is not None:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log_fd, 1)
@@ -162,6 +165,8 @@ def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+    if os.getppid() != zygote_pid:  # the zygote died before PDEATHSIG was armed: nobody will signal us
+        os._exit(1)
     from epd.cli.main import main
 
     raise SystemExit(main(argv))

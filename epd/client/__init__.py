@@ -1,9 +1,11 @@
 """Python client SDK of an epd front door (gRPC): sync and asyncio clients, typed stream events
 and results (no protobuf in user code), chunked uploads or reuse by sha256, deadlines, retries of
 UNAVAILABLE, TLS and an API key. A call carries a conversation (`Message`s of text / VIDEO /
-IMAGE parts in your order, `epd.stages.messages`) or, the 0.1 form kept until 0.3, one question. Result fields and the 0.2 renames: `epd.client.types`."""
+IMAGE parts in your order, `epd.stages.messages`) or, the 0.1 form kept until 0.3, one question. Result fields and the 0.2 renames: `epd.client.types`. Follow-up questions that see the earlier
+answers: `client.conversation(video)` (`epd.client.conversation`)."""
 
 from epd.client.client import AsyncEpdClient, EpdClient, build_header
+from epd.client.conversation import AsyncConversation, Conversation
 from epd.client.media import MediaSource
 from epd.client.retry import NO_RETRY, RetryPolicy
 from epd.client.types import (
@@ -25,8 +27,10 @@ __all__ = [
     "NO_RETRY",
     "VIDEO",
     "AskResult",
+    "AsyncConversation",
     "AsyncEpdClient",
     "ContentPart",
+    "Conversation",
     "EpdClient",
     "EpdError",
     "GridTHW",

@@ -11,6 +11,11 @@
             if isinstance(event, StageEvent) and event.stage == Stage.VIDEO_DECODE:
                 ...
 
+        # Follow-ups that see the earlier answers (`epd.client.conversation`).
+        chat = client.conversation("clip.mp4", num_frames=8)
+        chat.ask("how many objects are there?")
+        chat.ask("which appears first?")
+
 One call = one `GatewayService.Ask` stream: a header, the media in 1 MiB chunks (or only its
 sha256 when the servers have it), then stage events, token deltas and a summary come back.
 Every call has a deadline (`timeout_s`, per client or per call, covering retries); UNAVAILABLE
@@ -30,6 +35,7 @@ from typing import Any
 import grpc
 
 from epd.client.channel import ChannelSettings, open_channel
+from epd.client.conversation import AsyncConversation, Conversation
 from epd.client.media import CHUNK_BYTES, Media, MediaSource
 from epd.client.retry import RetryPolicy
 from epd.client.types import (
@@ -119,6 +125,12 @@ def build_header(
         generation=generation,
         pruning=pruning,
     )
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Raise TypeError on an unknown option now rather than at a conversation's first turn."""
+    build_header(None, 0, "", {k: v for k, v in options.items() if k != "timeout_s"},
+                 [Message.user(VIDEO, "?")])  # fmt: skip
 
 
 class AsyncEpdClient:
@@ -215,6 +227,19 @@ class AsyncEpdClient:
             if isinstance(item, AskResult):
                 return item
         raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
+
+    def conversation(self, video: Media, *, system: str = "", **options) -> AsyncConversation:
+        """A conversation about `video`: each `await conv.ask(question)` sends the history (the
+        video and first question, the earlier answers, then the new question) and appends its
+        answer. `options` are `ask`'s (`timeout_s` included), for every turn; `system`: an
+        optional system message first. See `epd.client.conversation`.
+
+            chat = client.conversation("clip.mp4", num_frames=8)
+            first = await chat.ask("how many objects are there?")
+            second = await chat.ask("which appears first?")
+        """
+        _check_options(options)
+        return AsyncConversation(self, video, system=system, **options)
 
     async def upload_or_reuse(
         self,
@@ -324,6 +349,15 @@ class EpdClient:
     def ask(self, video: Media | None, question: str | None = None, **options) -> AskResult:
         """See `AsyncEpdClient.ask`; `messages=[...]` instead of a question for a conversation."""
         return self._run(self._client.ask(video, question, **options))
+
+    def conversation(self, video: Media, *, system: str = "", **options) -> Conversation:
+        """A conversation about `video` (see `AsyncEpdClient.conversation`):
+
+            chat = client.conversation("clip.mp4", num_frames=8)
+            print(chat.ask("how many objects are there?").answer)
+            print(chat.ask("which appears first?").answer)   # sees the first answer
+        """
+        return Conversation(self, self._client.conversation(video, system=system, **options))
 
     def upload_or_reuse(self, video: Media, question: str | None = None, **options) -> AskResult:
         return self._run(self._client.upload_or_reuse(video, question, **options))

@@ -229,6 +229,9 @@ class AskResult:
     kept_visual_token_index: list[int] = field(default_factory=list)
     """Index, in the full list of visual tokens, of each one that reached the KV cache; empty
     when every token did."""
+    num_reused_prompt_tokens: int = 0
+    """Prompt tokens whose KV the server's prefill took from its prefix cache (earlier turns of
+    the same conversation about the same media) instead of computing them; 0 when none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.timings_ms, Timings):  # a 0.1 caller's dict
@@ -252,6 +255,7 @@ class AskResult:
             "pruning": self.pruning.to_dict(),
             "grid_thw": list(self.grid_thw),
             "kept_visual_token_index": list(self.kept_visual_token_index),
+            "num_reused_prompt_tokens": self.num_reused_prompt_tokens,
             "events": [e.to_dict() for e in self.events],
             "num_attempts": self.num_attempts,
             "media_num_bytes_sent": self.media_num_bytes_sent,
@@ -309,4 +313,5 @@ def result_from_proto(s: gateway_pb2.AskSummary, events: list[StageEvent]) -> As
         # An older server sends no grid: zeros, like every other field it did not send.
         grid_thw=GridTHW(*grid) if len(grid) == 3 else GridTHW(0, 0, 0),
         kept_visual_token_index=list(s.kept_visual_token_index),
+        num_reused_prompt_tokens=s.num_reused_prompt_tokens,
     )

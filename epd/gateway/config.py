@@ -54,7 +54,8 @@ class HttpApiConfig:
 class GatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
     encoder_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
-    """Replicas of the Encode service (round-robin)."""
+    """Replicas of the Encode service: a video goes to the one its sha256 picks (rendezvous
+    hashing, `epd.transport.affinity`), so it finds its visual tokens cached; likewise prefill."""
     prefill_addresses: tuple[str, ...] = ("127.0.0.1:50052",)
     decode_addresses: tuple[str, ...] = ("127.0.0.1:50053",)
     max_upload_bytes: int = 256 * 1024 * 1024

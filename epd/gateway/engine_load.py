@@ -111,6 +111,27 @@ _COUNTERS = [
 ]
 
 
+# Prefill's prefix cache (`prefill_svc/prefix_cache.py`), on the prefill cores' samples only.
+_PREFIX_GAUGES = [
+    ("epd_prefix_cache_entries", "Prompt KV caches prefill's prefix cache holds now.", "prefix_cache_entries"),
+    ("epd_prefix_cache_bytes", "Bytes of KV prefill's prefix cache holds now.", "prefix_cache_bytes"),
+]
+_PREFIX_COUNTERS = [
+    ("epd_prefix_cache_hits_total", "Prompts that reused a cached prefix's KV, since start.", "prefix_cache_hits"),
+    (
+        "epd_prefix_cache_misses_total",
+        "Prompts eligible for the prefix cache that found no usable prefix, since start.",
+        "prefix_cache_misses",
+    ),
+    (
+        "epd_prefix_cache_evictions_total",
+        "Prefix-cache entries dropped for room (LRU) or age (TTL), since start.",
+        "prefix_cache_evictions",
+    ),
+]
+_PREFIX_STAGE = "prefill"
+
+
 class EngineLoadCollector:
     """A prometheus_client collector over the loads read by the last `refresh()`."""
 
@@ -151,14 +172,21 @@ class EngineLoadCollector:
 
     def collect(self) -> Iterator[Metric]:
         families = self._families()
+        engine, prefix = families[: len(_GAUGES + _COUNTERS)], families[len(_GAUGES + _COUNTERS) :]
         for source, load in self.loads:
             labels = [source.stage, load.stage, source.replica]
-            for family, (_, _, attr) in zip(families, _GAUGES + _COUNTERS):
+            for family, (_, _, attr) in zip(engine, _GAUGES + _COUNTERS):
                 family.add_metric(labels, float(getattr(load, attr)))
+            if source.stage == _PREFIX_STAGE:
+                for family, (_, _, attr) in zip(prefix, _PREFIX_GAUGES + _PREFIX_COUNTERS):
+                    family.add_metric(labels, float(getattr(load, attr)))
         yield from families
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
-        return [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _GAUGES] + [
-            CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _COUNTERS
-        ]
+        return (
+            [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _GAUGES]
+            + [CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _COUNTERS]
+            + [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _PREFIX_GAUGES]
+            + [CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _PREFIX_COUNTERS]
+        )

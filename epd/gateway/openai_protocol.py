@@ -337,12 +337,15 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
 # -- responses ----------------------------------------------------------------------------------
 
 
-def usage(summary: AskSummary) -> dict[str, int]:
+def usage(summary: AskSummary) -> dict[str, Any]:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens` are the prompt tokens whose KV came
+    from prefill's prefix cache (as OpenAI and vLLM report prompt caching)."""
     completion = len(summary.token_ids)
     return {
         "prompt_tokens": summary.num_prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": summary.num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": summary.num_reused_prompt_tokens},
     }
 
 
@@ -358,6 +361,7 @@ def epd_details(summary: AskSummary) -> dict[str, Any]:
         "num_frames": summary.num_frames,
         "num_visual_tokens": summary.num_visual_tokens,
         "num_prompt_tokens": summary.num_prompt_tokens,
+        "num_reused_prompt_tokens": summary.num_reused_prompt_tokens,
         "frame_timestamps_s": summary.frame_timestamps_s,
         "timings_ms": timings_with_legacy_names(summary.timings_ms),
         "kv_num_bytes": summary.kv_num_bytes,

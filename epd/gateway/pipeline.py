@@ -71,6 +71,8 @@ class AskSummary:
     pruning: PruningStats = field(default_factory=PruningStats)
     grid_thw: tuple[int, int, int] = (0, 0, 0)
     kept_visual_token_index: list[int] = field(default_factory=list)
+    num_reused_prompt_tokens: int = 0
+    """Prompt tokens whose KV prefill took from its prefix cache (earlier turns about the same media)."""
 
 
 PipelineEvent = StageEvent | TokenStep | AskSummary
@@ -115,7 +117,12 @@ class Pipeline:
                 Stage.PREFILL,
                 "finished",
                 (time.perf_counter() - t_prefill) * 1e3,
-                {"num_prompt_tokens": str(handle.num_prompt_tokens), "kv_num_bytes": str(handle.kv_num_bytes)},
+                {
+                    "num_prompt_tokens": str(handle.num_prompt_tokens),
+                    "kv_num_bytes": str(handle.kv_num_bytes),
+                    "prefix_cache": "hit" if handle.num_reused_prompt_tokens else "miss",
+                    "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
+                },
             ))
             token_ids: list[int] = []
             text_parts: list[str] = []
@@ -161,6 +168,7 @@ class Pipeline:
             kept_visual_token_index=handle.kept_visual_token_index or (
                 [] if media.token_index is None else media.token_index.tolist()
             ),
+            num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
         )
 
     async def _release(self, handle: PrefillHandle, request_id: str) -> None:

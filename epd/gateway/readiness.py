@@ -3,18 +3,21 @@ answers SERVING, so a client (or compose's `service_healthy`, or a load balancer
 a front door whose stages are still loading their models, or have died since.
 
 `StageHealth` checks the stages on demand (HTTP `GET /health`); `watch_stages` re-checks them
-every `stage_check_interval_s` and flips the gateway's grpc.health status when they change.
+every `stage_check_interval_s` and flips the gateway's grpc.health status when they change. Each
+check also tells the stages' replica pools which replicas serve: requests are routed over those.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig
+from epd.transport.remote_stages import ReplicaPool
 from epd.transport.server import RECONNECT_OPTIONS, HealthyServer, channel_options
 
 log = logging.getLogger(__name__)
@@ -27,8 +30,13 @@ STARTUP_POLL_S = 0.25
 class StageHealth:
     """grpc.health checks of every configured stage replica."""
 
-    def __init__(self, config: GatewayConfig, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, config: GatewayConfig, timeout_s: float = 2.0, pools: Mapping[str, ReplicaPool] | None = None
+    ) -> None:
         self.timeout_s = timeout_s
+        self.pools = dict(pools or {})
+        """By stage name: each check's answers also tell that stage's pool which replicas serve,
+        so that media affinity routes over the healthy ones (epd/transport/affinity.py)."""
         self.addresses = [
             (stage, address)
             for stage, addresses in (
@@ -43,6 +51,10 @@ class StageHealth:
     async def down(self) -> list[str]:
         """"STAGE ADDRESS" of each replica that is not serving: for the server log only."""
         results = await asyncio.gather(*(self._serving(address) for _, address in self.addresses))
+        for (stage, address), ok in zip(self.addresses, results):
+            pool = self.pools.get(stage)
+            if pool is not None:
+                pool.set_serving(address, ok)
         return [f"{stage} {address}" for (stage, address), ok in zip(self.addresses, results) if not ok]
 
     async def not_serving(self) -> list[str]:

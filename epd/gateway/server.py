@@ -38,13 +38,20 @@ def remote_pipeline(config: GatewayConfig) -> Pipeline:
     )
 
 
+def stage_pools(pipeline: Pipeline) -> dict[str, ReplicaPool]:
+    """The replica pools of a pipeline's remote stages, by stage name (none for local stages)."""
+    stages = {"encoder": pipeline.encoder, "prefill": pipeline.prefill, "decode": pipeline.decoder}
+    return {name: pool for name, stage in stages.items() if isinstance(pool := getattr(stage, "pool", None), ReplicaPool)}
+
+
 async def start(
     config: GatewayConfig,
     pipeline: Pipeline | None = None,
     admission: Admission | None = None,
     health: StageHealth | InProcessHealth | None = None,
 ) -> HealthyServer:
-    servicer = GatewayServicer(config, pipeline or remote_pipeline(config), admission)
+    pipeline = pipeline or remote_pipeline(config)
+    servicer = GatewayServicer(config, pipeline, admission)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
     interceptors = [ApiKeyInterceptor(config.http.api_key, (f"/{SERVICE_NAME}/",))] if config.http.api_key else []
     hs = await create_server(
@@ -53,8 +60,10 @@ async def start(
         [SERVICE_NAME],
         interceptors,
     )
-    # NOT_SERVING until every stage serves, and again whenever one stops (epd/gateway/readiness.py).
-    watch = watch_stages(hs, health or StageHealth(config), config.stage_check_interval_s)
+    # NOT_SERVING until every stage serves, and again whenever one stops (epd/gateway/readiness.py);
+    # the same checks tell the replica pools which replicas to route to.
+    health = health or StageHealth(config, pools=stage_pools(pipeline))
+    watch = watch_stages(hs, health, config.stage_check_interval_s)
     hs.background_tasks.append(asyncio.ensure_future(watch))
     return hs
 
@@ -105,7 +114,8 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
         if config.http.port:
             from epd.gateway.http_api import start_http_api  # aiohttp only when asked for
 
-            http = await start_http_api(config, pipeline, metrics, health or StageHealth(config), admission)
+            stage_health = health or StageHealth(config, pools=stage_pools(pipeline))
+            http = await start_http_api(config, pipeline, metrics, stage_health, admission)
         hs = await start(config, pipeline, admission, health)
         # HTTP drains alongside gRPC, each for up to the grace period (its runner's shutdown_timeout).
         await serve_until_signal(hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None)

@@ -90,4 +90,5 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         pruning=convert.stats_to_proto(s.pruning),
         grid_thw=list(s.grid_thw),
         kept_visual_token_index=s.kept_visual_token_index,
+        num_reused_prompt_tokens=s.num_reused_prompt_tokens,
     )

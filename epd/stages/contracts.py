@@ -272,6 +272,9 @@ class PrefillHandle(Generic[T]):
     """The cache's name in the prefill stage's KvStore ("" until the stage stored it)."""
     kv_address: str = ""
     """host:port of the prefill server a decoder pulls the cache from ("" for an in-process store)."""
+    num_reused_prompt_tokens: int = 0
+    """Prompt tokens [0, this) whose KV came from prefill's prefix cache instead of being computed
+    (a follow-up question about the same media; 0: none)."""
 
 
 PRUNING_STAGES = {

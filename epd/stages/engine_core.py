@@ -80,6 +80,15 @@ class EngineLoad:
     """Bytes reserved for running and admitted requests (decode: KV memory)."""
     memory_total_bytes: int = 0
     """The budget (0: not budgeted)."""
+    prefix_cache_hits: int = 0
+    """Prefill's prefix cache (0 elsewhere): prompts that reused a cached prefix, since start."""
+    prefix_cache_misses: int = 0
+    """Prompts eligible for the prefix cache that found no usable prefix, since start."""
+    prefix_cache_evictions: int = 0
+    """Prefix-cache entries dropped for room (LRU) or age (TTL), since start."""
+    prefix_cache_entries: int = 0
+    prefix_cache_bytes: int = 0
+    """Bytes of KV the prefix cache holds now."""
 
 
 class Scheduler(ABC, Generic[R]):

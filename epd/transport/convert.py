@@ -186,6 +186,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         pruning=stats_to_proto(h.pruning),
         visual_entry_mask=b"" if h.visual_entry_mask is None else tensor_bytes(h.visual_entry_mask),
         kept_visual_token_index=h.kept_visual_token_index,
+        num_reused_prompt_tokens=h.num_reused_prompt_tokens,
     )
 
 
@@ -209,6 +210,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         # Flat here; the decoder shapes it [layers, kv_heads, cached] once it has the cache.
         visual_entry_mask=_flat_mask(msg.visual_entry_mask, relay) if msg.visual_entry_mask else None,
         kept_visual_token_index=list(msg.kept_visual_token_index),
+        num_reused_prompt_tokens=msg.num_reused_prompt_tokens,
     )
 
 

@@ -1,7 +1,12 @@
 """Stages that call the gRPC services: the gateway's view of the disaggregated stack.
 
-Each stage holds one channel per replica address and picks replicas round-robin (client-side
-load balancing; in Kubernetes the addresses come from a headless Service).
+Each stage holds one channel per replica address (client-side load balancing; in Kubernetes the
+addresses come from a headless Service). A call about media goes to the replica that rendezvous
+hashing of the media's sha256 picks among the healthy ones (`epd.transport.affinity`), so the
+encoder replica whose token cache holds a video and the prefill replica whose prefix cache holds
+its conversation get every request about it; a call without media goes round robin. A call that
+fails with UNAVAILABLE (replica gone, draining or not reachable) is tried once more on the next
+replica in that order: a cache miss there, the same answer.
 
 Tensors pass through in wire form (`epd.transport.tensor_wire.WireTensor`): the gateway relays the
 encoder's embeddings to prefill and prefill's visual-entry mask to decode without torch.
@@ -14,8 +19,11 @@ replica pool's channel may balance a call to another replica.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -35,6 +43,7 @@ from epd.stages.messages import Message
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
+from epd.transport.affinity import FAILURE_HOLD_S, ReplicaChooser
 from epd.transport.errors import UpstreamError, stage_error
 from epd.transport.server import RECONNECT_OPTIONS, channel_options
 from epd.transport.tensor_wire import TensorAssembler
@@ -48,11 +57,22 @@ from epd.v1 import (
 )
 from epd.video.types import SamplingOptions
 
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_TRIES = 2
+"""Replicas one call tries: its first choice, then once the next one if the first was UNAVAILABLE."""
+
+HASH_IN_THREAD_BYTES = 1 << 20
+"""Uploads at least this large are hashed (for routing) off the event loop."""
+
 
 class ReplicaPool:
-    """Round-robin over channels to the replicas of one stage."""
+    """Channels to the replicas of one stage and the order a call tries them in
+    (`epd.transport.affinity.ReplicaChooser`: by media sha256, else round robin)."""
 
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], failure_hold_s: float = FAILURE_HOLD_S) -> None:
         if not addresses:
             raise ValueError("a stage needs at least one address")
         self.addresses = list(addresses)
@@ -60,14 +80,62 @@ class ReplicaPool:
         # behind the name (gRPC's default pick_first would send all of them to one).
         options = [*channel_options(), *RECONNECT_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
         self.channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
-        self._next = itertools.cycle(range(len(self.channels)))
+        self._by_address = dict(zip(self.addresses, self.channels))
+        self.chooser = ReplicaChooser(self.addresses, failure_hold_s)
 
-    def pick(self) -> grpc.aio.Channel:
-        return self.channels[next(self._next)]
+    def pick(self, key: str = "") -> grpc.aio.Channel:
+        """The channel a call with affinity `key` ("" = none) goes to first."""
+        return self._by_address[self.chooser.order(key)[0]]
+
+    def candidates(self, key: str = "", max_tries: int = MAX_TRIES) -> list[tuple[str, grpc.aio.Channel]]:
+        """(address, channel) of the replicas one call may try, best first."""
+        return [(a, self._by_address[a]) for a in self.chooser.order(key)[:max_tries]]
+
+    def set_serving(self, address: str, serving: bool) -> None:
+        """A health check's answer (the gateway's stage checks, epd/gateway/readiness.py)."""
+        self.chooser.set_serving(address, serving)
+
+    def mark_failed(self, address: str) -> None:
+        self.chooser.mark_failed(address)
+
+    async def call(
+        self,
+        key: str,
+        attempt: Callable[[grpc.aio.Channel], Awaitable[T]],
+        stage: str,
+        request_id: str,
+    ) -> T:
+        """`attempt(channel)` on the first choice for `key`; when it fails with UNAVAILABLE, once
+        more on the next replica (a fresh attempt: the caller rebuilds its request stream). Any
+        other failure, or the last try's, is the stage's error."""
+        tries = self.candidates(key)
+        for i, (address, channel) in enumerate(tries):
+            try:
+                return await attempt(channel)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise stage_error(exc, stage, request_id) from None
+                self.mark_failed(address)
+                if i + 1 == len(tries):
+                    raise stage_error(exc, stage, request_id) from None
+                log.warning("%s replica %s unavailable for request %s (%s); trying %s",
+                            stage, address, request_id, exc.details(), tries[i + 1][0])
+        raise AssertionError("unreachable: a pool has at least one replica")
 
     async def close(self) -> None:
         for ch in self.channels:
             await ch.close()
+
+
+async def media_key(media: MediaInput, pool: ReplicaPool) -> str:
+    """The affinity key of a media upload: its sha256 (hashed here when the client sent none and
+    there is a choice to make; the encoder's token cache is keyed by the same hash)."""
+    if media.sha256 or not media.data or len(pool.addresses) < 2:
+        return media.sha256
+    data = media.data
+    if len(data) < HASH_IN_THREAD_BYTES:
+        return hashlib.sha256(data).hexdigest()
+    return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
 
 
 class RemoteEncodeStage(EncodeStage):
@@ -99,10 +167,10 @@ class RemoteEncodeStage(EncodeStage):
             for i in range(0, len(data), CHUNK_BYTES):
                 yield encoder_pb2.EncodeRequest(media_chunk=data[i : i + CHUNK_BYTES])
 
-        stub = encoder_pb2_grpc.EncoderServiceStub(self.pool.pick())
-        asm = TensorAssembler(self.max_transfer_bytes)
-        result = None
-        try:
+        async def attempt(channel: grpc.aio.Channel) -> tuple[encoder_pb2.EncodeResult, TensorAssembler]:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            asm = TensorAssembler(self.max_transfer_bytes)
+            result = None
             async for msg in stub.Encode(requests(), timeout=self.timeout_s):
                 kind = msg.WhichOneof("kind")
                 if kind == "event":
@@ -111,10 +179,12 @@ class RemoteEncodeStage(EncodeStage):
                     asm.add(msg.embeddings)
                 else:
                     result = msg.result
-        except grpc.aio.AioRpcError as exc:
-            raise stage_error(exc, "encode", request_id) from None
-        if result is None:
-            raise UpstreamError(grpc.StatusCode.INTERNAL, "the encoder ended without a result")
+            if result is None:
+                raise UpstreamError(grpc.StatusCode.INTERNAL, "the encoder ended without a result")
+            return result, asm
+
+        key = await media_key(media, self.pool)
+        result, asm = await self.pool.call(key, attempt, "encode", request_id)
         # Relayed to prefill as received (embeddings and any DeepStack features, all counted
         # against max_transfer_bytes): wire form, no torch in the gateway.
         return convert.encoded_media_from_proto(result, asm.wire_tensors())
@@ -147,11 +217,12 @@ class RemotePrefillStage(PrefillStage):
             for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
                 yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
-        stub = prefill_pb2_grpc.PrefillServiceStub(self.pool.pick())
-        try:
-            result = await stub.Prefill(requests(), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise stage_error(exc, "prefill", request_id) from None
+        async def attempt(channel: grpc.aio.Channel) -> prefill_pb2.PrefillResult:
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            return await stub.Prefill(requests(), timeout=self.timeout_s)
+
+        # The replica whose prefix cache holds this video's conversation (rendezvous on its sha256).
+        result = await self.pool.call(media.sha256, attempt, "prefill", request_id)
         return convert.handle_from_proto(result, relay=True)
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:

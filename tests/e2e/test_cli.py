@@ -169,3 +169,67 @@ def test_ask_with_bad_pruning_knob_fails_clearly(tiny_models, media_files):
                    "--pruning-knob", "kv_keep_ratio=2")
     assert proc.returncode == 1
     assert "INVALID_ARGUMENT" in proc.stderr and "kv_keep_ratio must be in (0, 1]" in proc.stderr
+
+
+# -- conversations: --question in turns, --interactive --------------------------------------------
+
+FOLLOW_UP = "which appears first?"
+
+
+def _conversation_reference(model_dir, media_path, questions: list[str]) -> tuple[list[list[int]], list[str]]:
+    """generate()'s tokens and text for each turn of `questions` asked in turn, each prompted with
+    the earlier questions and answers (the processor's chat form), as epd sends them."""
+    from transformers import AutoProcessor
+
+    tokenizer = AutoProcessor.from_pretrained(model_dir).tokenizer
+    video = decode_for_test(media_path, 8)
+    ids: list[list[int]] = []
+    answers: list[str] = []
+    messages: list[dict] = []
+    for i, question in enumerate(questions):
+        content = [{"type": "text", "text": question}]
+        messages.append({"role": "user", "content": ([{"type": "video"}] if i == 0 else []) + content})
+        ids.append(reference_tokens_for_messages(model_dir, video, messages, 12))
+        answers.append(tokenizer.decode(ids[-1], skip_special_tokens=True))
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": answers[-1]}]})
+    return ids, answers
+
+
+@pytest.fixture(scope="module")
+def conversation_reference(tiny_models, media_files):
+    return _conversation_reference(tiny_models["qwen2_vl"], media_files["mp4"], [QUESTION, FOLLOW_UP])
+
+
+def test_ask_embedded_questions_in_turns_are_one_conversation(tiny_models, media_files, conversation_reference):
+    """--question twice: one process, one pipeline; the second turn carries the first answer."""
+    ids, answers = conversation_reference
+    proc = run_epd("ask", str(media_files["mp4"]), "--question", QUESTION, "--question", FOLLOW_UP,
+                   "--model", str(tiny_models["qwen2_vl"]), "--num-frames", "8", "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    turns = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2] and [t["question"] for t in turns] == [QUESTION, FOLLOW_UP]
+    assert [t["token_ids"] for t in turns] == ids
+    assert [t["answer"] for t in turns] == answers
+    assert turns[1]["encoder_cache_hit"], "the pipeline (and its caches) outlived the first turn"
+    assert turns[1]["num_prompt_tokens"] > turns[0]["num_prompt_tokens"]
+
+
+def test_ask_interactive_reads_questions_until_an_empty_line(tiny_models, media_files, conversation_reference):
+    _, answers = conversation_reference
+    proc = subprocess.run(
+        epd_command("ask", str(media_files["mp4"]), "--interactive", "--model", str(tiny_models["qwen2_vl"]),
+                    "--num-frames", "8", "--max-new-tokens", "12"),
+        input=f"{QUESTION}\n{FOLLOW_UP}\n\nnot asked: after the empty line\n",
+        capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "".join(f"{a}\n" for a in answers)
+    assert sum(line.startswith("epd: 8 frames") for line in proc.stderr.splitlines()) == 2
+    assert "not asked" not in proc.stderr
+
+
+def test_ask_messages_cannot_be_combined_with_turns(media_files, tmp_path):
+    path = tmp_path / "messages.json"
+    path.write_text("[]")
+    proc = run_epd("ask", str(media_files["mp4"]), "--messages", str(path), "--question", QUESTION)
+    assert proc.returncode == 2 and "cannot be combined" in proc.stderr

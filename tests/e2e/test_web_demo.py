@@ -161,3 +161,50 @@ def test_a_wrong_api_key_shows_the_servers_message(page, media_files):
     page.set_input_files("#file-input", str(media_files["mp4"]))
     page.wait_for_selector("#error:not([hidden])")
     assert "missing or wrong API key" in page.text_content("#error")
+
+
+def test_a_follow_up_sends_the_conversation_and_new_conversation_starts_over(page, media_files):
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    page.set_input_files("#file-input", str(media_files["mp4"]))
+    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    first = _ask(page, QUESTION)
+    second = _ask(page, "and which appears first?")
+    assert page.locator("#answers .answer").count() == 2
+    assert {b.split()[0] for b in second["badges"]} >= {"TTFT", "total"}
+
+    # The second request carries the first question and its answer, then the new question.
+    assert [len(b["messages"]) for b in bodies] == [1, 3]
+    user1, assistant, user2 = bodies[1]["messages"]
+    assert user1["role"] == "user" and [p["type"] for p in user1["content"]] == ["video_url", "text"]
+    assert user1["content"][1]["text"] == QUESTION
+    assert user1["content"][0]["video_url"]["url"] == bodies[0]["messages"][0]["content"][0]["video_url"]["url"]
+    assert assistant == {"role": "assistant", "content": first["text"]}
+    assert user2 == {"role": "user", "content": [{"type": "text", "text": "and which appears first?"}]}
+    assert bodies[1]["stream_options"] == {"include_usage": True}
+    assert "2 earlier questions" in page.text_content("#conversation-info")
+
+    page.click("#new-conversation")
+    assert page.locator("#answers .answer").count() == 0
+    _ask(page, "what happens at the end?")
+    assert len(bodies[2]["messages"]) == 1 and bodies[2]["messages"][0]["content"][0]["type"] == "video_url"
+
+
+def test_the_reused_prefix_badge(page):
+    """The prefix cache's count comes as usage.prompt_tokens_details.cached_tokens (OpenAI's
+    name) or in the `epd` object; a turn with none shows no badge."""
+    reused = page.evaluate("""() => [
+        reusedPromptTokens({prompt_tokens_details: {cached_tokens: 42}}, {}),
+        reusedPromptTokens(null, {num_reused_prompt_tokens: 7}),
+        reusedPromptTokens({prompt_tokens: 9}, {}),
+    ]""")
+    assert reused == [42, 7, 0]
+    badges = page.evaluate("""() => {
+        const box = document.createElement('div');
+        renderBadges(box, {num_frames: 4, num_visual_tokens: 8, timings_ms: {ttft: 12.3, total: 45.6}}, 42);
+        const none = document.createElement('div');
+        renderBadges(none, {num_frames: 4, num_visual_tokens: 8, timings_ms: {}}, 0);
+        return [[...box.children].map(b => b.textContent), none.textContent];
+    }""")
+    assert "reused prefix: 42 tokens" in badges[0] and "TTFT 12 ms" in badges[0] and "total 46 ms" in badges[0]
+    assert "reused prefix" not in badges[1]

@@ -15,7 +15,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
-from tests.reference import decode_for_test, reference_tokens
+from tests.reference import decode_for_test, reference_tokens, reference_tokens_for_messages
 from tests.stack import Stack
 
 QUESTION = "what colour is the moving square?"
@@ -143,3 +143,44 @@ def test_a_batch_of_different_requests_equals_generate_request_by_request(
             f"{media} x {num_frames} frames: token {margin and margin[0]} differs from generate()'s by a "
             f"logit margin of {margin and margin[1]}: not a rounding near-tie"
         )
+
+
+# -- conversations: a prefix-cache hit and a forced miss through three processes (issue #15) ----
+
+TURNS = ["describe the clip", "what moves?", "in which direction?"]
+CONVERSATION_FRAMES = 8
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_three_turn_conversation_equals_generate_on_a_hit_and_on_a_forced_miss(
+    stacks, tiny_models, media_files, tmp_path, family
+):
+    """The SDK's conversation sends each turn's whole history: turns 2-3 reuse the earlier turns'
+    prefill (prefix-cache hits) and each equals generate() on that history. The same last turn about
+    a byte-different copy of the clip (same frames, another sha256: nothing cached) gives the same
+    tokens: a hit and a miss agree."""
+    from epd.bench.bench_conversation import remux_copy
+
+    video = decode_for_test(media_files["mp4"], CONVERSATION_FRAMES)
+    history: list[dict] = []
+    prompt_tokens: list[int] = []  # each turn's
+    with EpdClient(stacks[family].gateway, timeout_s=120) as client:
+        chat = client.conversation(media_files["mp4"], num_frames=CONVERSATION_FRAMES, max_new_tokens=MAX_NEW_TOKENS)
+        for turn, question in enumerate(TURNS):
+            result = chat.ask(question)
+            history.append({"role": "user", "content": [*([{"type": "video"}] if turn == 0 else []),
+                                                        {"type": "text", "text": question}]})  # fmt: skip
+            want = reference_tokens_for_messages(tiny_models[family], video, history, MAX_NEW_TOKENS)
+            assert result.token_ids == want, f"turn {turn + 1}"
+            if turn > 0:  # the whole earlier prompt is reused (turn 1 may reuse the video's part of
+                # another question's prompt asked before in this module: prefixes are shared)
+                assert result.num_reused_prompt_tokens == prompt_tokens[-1], f"turn {turn + 1}"
+                assert result.num_reused_prompt_tokens > result.num_visual_tokens
+            prompt_tokens.append(result.num_prompt_tokens)
+            history.append({"role": "assistant", "content": result.answer})
+        copy = remux_copy(media_files["mp4"], tmp_path / "copy.mp4", tag="forced miss")
+        assert copy.read_bytes() != media_files["mp4"].read_bytes()
+        missed = client.ask(copy, messages=history[:-1], num_frames=CONVERSATION_FRAMES,
+                            max_new_tokens=MAX_NEW_TOKENS)
+    assert missed.num_reused_prompt_tokens == 0 and not missed.encoder_cache_hit
+    assert missed.token_ids == result.token_ids

@@ -153,6 +153,29 @@ def test_the_deprecated_question_is_the_video_text_shape(grpc_client, media_file
     assert result.token_ids == references["video_text"]
 
 
+def test_a_conversation_over_http_reuses_its_history_prefill(http, tiny_models, media_files):
+    """Three turns over the OpenAI API across the three processes, the whole history sent each
+    turn (assistant turns = the earlier answers): each equals generate() on that history, and
+    turns 2-3 report the earlier turns' tokens (more than the video's) as cached_tokens."""
+    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+    video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+    history: list[dict] = []
+    for turn, question in enumerate(["describe the clip", "what moves?", "in which direction?"]):
+        history.append({"role": "user", "content": [*([{"type": "video"}] if turn == 0 else []),
+                                                    {"type": "text", "text": question}]})  # fmt: skip
+        reply = http.chat.completions.create(model=MODEL, messages=openai_messages(history, url),
+                                             max_tokens=MAX_NEW_TOKENS,
+                                             extra_body={"media": {"num_frames": NUM_FRAMES}})  # fmt: skip
+        epd = reply.model_extra["epd"]
+        assert epd["token_ids"] == reference_tokens_for_messages(tiny_models[FAMILY], video, history, MAX_NEW_TOKENS)
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        assert cached == epd["num_reused_prompt_tokens"]
+        if turn > 0:
+            assert epd["num_visual_tokens"] < cached < reply.usage.prompt_tokens, f"turn {turn + 1}"
+        history.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+
+
 def test_one_media_per_request_and_other_refusals(http, grpc_client, media_files):
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
     two = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "and?"}, {"type": "video"}]}]

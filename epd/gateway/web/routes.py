@@ -12,7 +12,9 @@
 The page asks its questions through the streaming `/v1/chat/completions` (SSE) and draws the
 final chunk's `epd` object (the SDK's `AskResult` fields under the same names, see
 `openai_protocol.epd_details`): `timings_ms` by `epd.stages.names` stage (timeline), frames,
-cache hit, and `kept_tokens`.
+cache hit, and `kept_tokens`. Questions about one clip are a conversation kept by the page: each
+request's `messages` carry the earlier questions and answers (nothing is stored here), and the
+usage chunk's `prompt_tokens_details.cached_tokens` shows what prefill's prefix cache reused.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class AskSummary(_message.Message):
-    __slots__ = ("request_id", "answer", "token_ids", "finish_reason", "num_frames", "num_visual_tokens", "num_prompt_tokens", "timings_ms", "kv_num_bytes", "encoder_cache_hit", "media_sha256", "frame_timestamps_s", "pruning", "grid_thw", "kept_visual_token_index")
+    __slots__ = ("request_id", "answer", "token_ids", "finish_reason", "num_frames", "num_visual_tokens", "num_prompt_tokens", "timings_ms", "kv_num_bytes", "encoder_cache_hit", "media_sha256", "frame_timestamps_s", "pruning", "grid_thw", "kept_visual_token_index", "num_reused_prompt_tokens")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class AskSummary(_message.Message):
     PRUNING_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     KEPT_VISUAL_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_REUSED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     answer: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -83,7 +84,8 @@ class AskSummary(_message.Message):
     pruning: _common_pb2.PruningReport
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     kept_visual_token_index: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_frames: _Optional[int] = ..., num_visual_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., kv_num_bytes: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_reused_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_frames: _Optional[int] = ..., num_visual_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., kv_num_bytes: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AskResponse(_message.Message):
     __slots__ = ("event", "delta", "summary")

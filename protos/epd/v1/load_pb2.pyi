@@ -11,7 +11,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("stage", "num_running", "num_waiting", "last_batch_size", "num_steps", "queue_wait_s_total", "num_preemptions", "memory_used_bytes", "memory_total_bytes")
+    __slots__ = ("stage", "num_running", "num_waiting", "last_batch_size", "num_steps", "queue_wait_s_total", "num_preemptions", "memory_used_bytes", "memory_total_bytes", "prefix_cache_hits", "prefix_cache_misses", "prefix_cache_evictions", "prefix_cache_entries", "prefix_cache_bytes")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,11 @@ class EngineLoad(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     stage: str
     num_running: int
     num_waiting: int
@@ -30,7 +35,12 @@ class EngineLoad(_message.Message):
     num_preemptions: int
     memory_used_bytes: int
     memory_total_bytes: int
-    def __init__(self, stage: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., queue_wait_s_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+    prefix_cache_hits: int
+    prefix_cache_misses: int
+    prefix_cache_evictions: int
+    prefix_cache_entries: int
+    prefix_cache_bytes: int
+    def __init__(self, stage: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., queue_wait_s_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_misses: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
     __slots__ = ("cores",)

@@ -94,6 +94,16 @@ def test_grace_period_reaches_every_service():
     assert build_parser().parse_args(["serve", "decode"]).grace_period == 30.0
 
 
+def test_the_prefix_cache_flags_reach_the_stacks_prefill():
+    args = build_parser().parse_args(["serve", "--prefix-cache-bytes", "0", "--prefix-cache-ttl", "5"])
+    args.model = "/m"
+    command = stack_commands(args)["prefill"]
+    role = build_parser().parse_args(command[command.index("serve"):])
+    config = configs.prefill_config(role)
+    assert (config.prefix_cache_bytes, config.prefix_cache_ttl_s) == (0, 5.0)
+    assert "--prefix-cache-bytes" not in stack_commands(args)["encoder"]
+
+
 def test_a_negative_grace_period_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "encoder", "--grace-period", "-1"])

@@ -41,6 +41,7 @@ def full_summary() -> gateway_pb2.AskSummary:
         ),
         grid_thw=[2, 8, 12],
         kept_visual_token_index=[0, 2, 5],
+        num_reused_prompt_tokens=7,
     )  # fmt: skip
     return summary
 

@@ -76,7 +76,7 @@ def domain_summary() -> AskSummary:
         request_id="r", answer="a", token_ids=[1, 2], finish_reason="stop", num_frames=4, num_visual_tokens=48,
         num_prompt_tokens=60, timings_ms={name: 1.0 + i for i, name in enumerate(TIMING_NAMES)},
         kv_num_bytes=9, encoder_cache_hit=True, media_sha256="cd" * 32, frame_timestamps_s=[0.0, 1.0],
-        pruning=stats, grid_thw=(2, 4, 6), kept_visual_token_index=[0, 3],
+        pruning=stats, grid_thw=(2, 4, 6), kept_visual_token_index=[0, 3], num_reused_prompt_tokens=52,
     )  # fmt: skip
 
 
@@ -87,6 +87,7 @@ def test_the_grpc_summary_carries_every_field_of_the_pipelines_summary():
     assert wire.timings_ms["decode"] == wire.timings_ms["video_decode"] == 1.0
     result = result_from_proto(wire, [])
     assert result.grid_thw == (2, 4, 6) and result.kept_visual_token_index == [0, 3]
+    assert result.num_reused_prompt_tokens == 52
     assert result.timings_ms.video_decode_ms == 1.0 and result.timings_ms.total_ms == 1.0 + len(TIMING_NAMES) - 1
 
 

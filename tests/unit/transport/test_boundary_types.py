@@ -82,6 +82,7 @@ def _handle() -> PrefillHandle:
         pruning=_stats(),
         visual_entry_mask=torch.rand(2, 1, 70, generator=torch.Generator().manual_seed(1)) > 0.5,
         kept_visual_token_index=[1, 4, 9],
+        num_reused_prompt_tokens=50,
         kv_handle="abc123",
         kv_address="prefill-0:50052",
     )

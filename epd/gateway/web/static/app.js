@@ -2,6 +2,12 @@
 // streaming OpenAI API (/v1/chat/completions, SSE) and draw what the final chunk's `epd` object
 // says: stage timings, frames, encoder cache hit, and which visual tokens token dropping kept.
 //
+// Questions about one clip form a conversation: each request carries the earlier questions and
+// answers as OpenAI `messages` (the server keeps no state), the first user turn holding the
+// media. "New conversation" (or another clip) starts over. The usage chunk's
+// `prompt_tokens_details.cached_tokens` (or `epd.num_reused_prompt_tokens`) says how much of the
+// prompt prefill's prefix cache reused.
+//
 // `epd.kept_tokens` (present only when token dropping ran): kept[t][row][col], 0/1 or booleans,
 //   t   = temporal group of the vision tower (Qwen2-VL merges 2 consecutive frames into one group,
 //         so frame i belongs to group floor(i * T / num_frames)),
@@ -23,6 +29,7 @@ const state = {
   sha256: "",
   frames: null,    // {frames: [{timestamp_s, jpeg_base64}], width, height}
   framesKey: "",   // sampling options the frames were fetched with
+  turns: [],       // the conversation so far: [{question, answer}], oldest first
   busy: false,
 };
 
@@ -77,7 +84,7 @@ async function useMedia(blob, name, questions) {
   state.sha256 = await sha256Hex(blob);
   state.frames = null;
   state.framesKey = "";
-  $("answers").innerHTML = "";
+  newConversation();
   const sha = state.sha256 ? ` · sha256 ${state.sha256.slice(0, 12)}…` : "";
   $("media-info").textContent = `${name} (${state.kind}, ${blob.size.toLocaleString()} bytes)${sha}`;
   showSuggestions(questions || []);
@@ -205,28 +212,53 @@ function renderFrames(epd) {
   else legend.textContent = `all ${epd.num_visual_tokens} visual tokens kept (token dropping off)`;
 }
 
+// ---- the conversation -------------------------------------------------------------------------
+
+function newConversation() {
+  state.turns = [];
+  $("answers").innerHTML = "";
+  showConversation();
+}
+
+function showConversation() {
+  const n = state.turns.length;
+  $("conversation-info").textContent = n === 0
+    ? "new conversation: the next question is the first about this clip"
+    : `follow-up: the next question is sent with the ${n} earlier question${n === 1 ? "" : "s"} and answer${n === 1 ? "" : "s"}`;
+  $("new-conversation").disabled = n === 0;
+}
+
+function conversationMessages(question) {
+  // The first user turn is [media, question]: the same prompt as `epd ask` and the SDK's
+  // ask(video, question) / client.conversation (the server keeps the parts in this order);
+  // then each earlier answer as the assistant's turn, then the new question.
+  const mediaType = state.kind === "image" ? "image_url" : "video_url";
+  const messages = [];
+  for (const [i, turn] of [...state.turns, { question, answer: null }].entries()) {
+    const content = [{ type: "text", text: turn.question }];
+    if (i === 0) content.unshift({ type: mediaType, [mediaType]: { url: state.dataUrl } });
+    messages.push({ role: "user", content });
+    if (turn.answer !== null) messages.push({ role: "assistant", content: turn.answer });
+  }
+  return messages;
+}
+
 // ---- asking: the streaming OpenAI API ---------------------------------------------------------
 
 async function ask(question) {
   const card = $("answer-template").content.firstElementChild.cloneNode(true);
-  card.querySelector(".q").textContent = question;
+  const turn = state.turns.length + 1;
+  card.dataset.turn = String(turn);
+  card.querySelector(".q").textContent = (turn > 1 ? `#${turn} · ` : "") + question;
   const text = card.querySelector(".answer-text");
   $("answers").prepend(card);
   const body = {
     model: "",  // the server's own model
     stream: true,
+    stream_options: { include_usage: true },  // the usage chunk says how much prefix was reused
     max_tokens: Math.max(1, parseInt($("max-tokens").value, 10) || 32),
     media: mediaOptions(),
-    // The page's question is one user message [media, question]: the same prompt as `epd ask`
-    // and the SDK's ask(video, question) (the server keeps the parts in this order).
-    messages: [{
-      role: "user",
-      content: [
-        { type: state.kind === "image" ? "image_url" : "video_url",
-          [state.kind === "image" ? "image_url" : "video_url"]: { url: state.dataUrl } },
-        { type: "text", text: question },
-      ],
-    }],
+    messages: conversationMessages(question),
   };
   if ($("pruning").value) body.pruning = { preset: $("pruning").value };
   const response = await fetch("/v1/chat/completions", {
@@ -237,19 +269,32 @@ async function ask(question) {
     card.remove();
     return showError(await errorMessage(response));
   }
-  let epd = null;
-  await readSse(response, (chunk) => {
-    if (chunk.error) throw new Error(chunk.error.message);
-    const choice = (chunk.choices || [])[0];
-    if (choice && choice.delta && choice.delta.content) text.textContent += choice.delta.content;
-    if (chunk.epd) epd = chunk.epd;
-  });
-  text.classList.remove("streaming");
+  let epd = null, usage = null;
+  try {
+    await readSse(response, (chunk) => {
+      if (chunk.error) throw new Error(chunk.error.message);
+      const choice = (chunk.choices || [])[0];
+      if (choice && choice.delta && choice.delta.content) text.textContent += choice.delta.content;
+      if (chunk.epd) epd = chunk.epd;
+      if (chunk.usage) usage = chunk.usage;
+    });
+  } finally {
+    text.classList.remove("streaming");
+  }
   if (epd) {
-    renderBadges(card.querySelector(".badges"), epd);
+    renderBadges(card.querySelector(".badges"), epd, reusedPromptTokens(usage, epd));
     renderTimeline(card.querySelector(".timeline"), timings(epd.timings_ms || {}));
     renderFrames(epd);
+    // Only a finished answer joins the conversation; a failed turn can be asked again.
+    state.turns.push({ question, answer: text.textContent });
+    showConversation();
   }
+}
+
+function reusedPromptTokens(usage, epd) {
+  const details = usage && usage.prompt_tokens_details;
+  if (details && details.cached_tokens) return details.cached_tokens;
+  return (epd && epd.num_reused_prompt_tokens) || 0;
 }
 
 async function readSse(response, onChunk) {
@@ -281,14 +326,17 @@ function badge(box, label, extraClass) {
   box.appendChild(span);
 }
 
-function renderBadges(box, epd) {
+function renderBadges(box, epd, reusedTokens) {
   box.innerHTML = "";
   if (epd.encoder_cache_hit) badge(box, "cache hit: video reused", "cache-hit");
   else badge(box, "cache miss: video encoded", "cache-miss");
   badge(box, `${epd.num_frames} frames`);
   badge(box, `${epd.num_visual_tokens} visual tokens`);
   if (epd.kv_num_bytes) badge(box, `KV ${(epd.kv_num_bytes / 1024).toFixed(1)} KiB moved`);
-  if (epd.timings_ms && epd.timings_ms.ttft !== undefined) badge(box, `TTFT ${epd.timings_ms.ttft.toFixed(0)} ms`);
+  if (reusedTokens > 0) badge(box, `reused prefix: ${reusedTokens} tokens`, "prefix-hit");
+  const t = epd.timings_ms || {};
+  if (t.ttft !== undefined) badge(box, `TTFT ${t.ttft.toFixed(0)} ms`, "timing");
+  if (t.total !== undefined) badge(box, `total ${t.total.toFixed(0)} ms`, "timing");
 }
 
 function timings(t) {
@@ -352,6 +400,7 @@ $("file-input").addEventListener("change", (e) => {
 });
 $("use-sample").addEventListener("click", () => useSample().catch((err) => showError(String(err))));
 $("num-frames").addEventListener("change", () => loadFrames().catch((err) => showError(String(err))));
+$("new-conversation").addEventListener("click", () => { if (!state.busy) newConversation(); });
 $("api-key").value = localStorage.getItem("epd-api-key") || "";
 $("api-key").addEventListener("change", () => localStorage.setItem("epd-api-key", $("api-key").value));
 $("ask-form").addEventListener("submit", async (e) => {
@@ -373,3 +422,4 @@ $("ask-form").addEventListener("submit", async (e) => {
 });
 loadSamples();
 renderFrames(null);
+showConversation();

@@ -1,0 +1,359 @@
+"""Follow-up questions about one video: what the prefix cache saves on a conversation's later turns.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_conversation.py                   # 8 clips, 64 frames at 448x448
+    PYTHONPATH=. .venv/bin/python bench/bench_conversation.py --colocate        # epd serve --colocate
+    PYTHONPATH=. .venv/bin/python bench/bench_conversation.py --num-clips 2 --num-frames 8 --clip-size 224
+
+What it does, in one run:
+  * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (randomly initialised; built once
+    into --work-dir by the same builder, its processor's pixel limit set to --clip-size squared so
+    that frames are not shrunk: 448x448 -> 32x32 patches, 256 tokens per temporal group, 8,192
+    visual tokens at 64 frames), or --model DIR;
+  * clips: --num-clips different synthetic clips (epd.synth scenes, --clip-size square, 8 fps,
+    --clip-seconds long; bench/bench_vs_transformers_serve.py's maker) plus one for warm-up, and of
+    each, two byte-different copies: the same packets remuxed under another metadata tag (the same
+    decoded frames, so the same visual tokens and prompt, but another sha256);
+  * server: a fresh `epd serve` (or `epd serve --colocate`) on free loopback ports, started by this
+    script and stopped at the end; --epd-arg passes flags on;
+  * per clip, one 3-turn conversation over the streaming OpenAI API (greedy, --max-tokens tokens
+    per answer, ignore_eos so every answer has that length, --num-frames frames):
+      turn 1   [video, Q1]                                   the first question (cold)
+      turn 2   [video, Q1], A1, Q2                           the follow-up (same conversation: the
+                                                             encoder's token cache and the prefill
+                                                             replica's prefix cache hold the video)
+      turn 2c  the same messages, the video being copy 1     the same follow-up asked cold
+      turn 3   ... A2, Q3 / turn 3c on copy 2                likewise for the third turn
+    "Asked cold" = the whole follow-up conversation sent in a new conversation about a video the
+    server has never seen (a fresh copy: both caches miss), on the same warm server; the answer must
+    be the same tokens as the follow-up's.
+  * printed: progress per clip, then a table of p50 TTFT (first streamed token, measured here),
+    p50 prefill_ms (the response's `epd.timings_ms.prefill`), prompt and cached tokens
+    (`usage.prompt_tokens_details.cached_tokens`, when the server reports them) per row, the ratios
+    cold / follow-up, and the number of follow-up answers whose tokens differ from the cold ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_vs_transformers_serve import make_clips, stop  # noqa: E402
+
+QUESTIONS = (
+    "what moves in the video?",
+    "and what colour is it?",
+    "where is it at the end?",
+)
+ROWS = (
+    ("turn 1: first question (cold)", 1, False),
+    ("turn 2: follow-up", 2, False),
+    ("turn 2: same, asked cold", 2, True),
+    ("turn 3: follow-up", 3, False),
+    ("turn 3: same, asked cold", 3, True),
+)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def build_model(model_dir: Path, max_pixels: int) -> None:
+    """bench/bench_pruning.py's 27M Qwen2-VL with frames kept up to `max_pixels`, in a child
+    process (no torch in this client)."""
+    code = (
+        "import sys; from dataclasses import replace; from bench.bench_pruning import SPEC; "
+        "from epd.model_runtime.tiny_model import build_checkpoint; "
+        "build_checkpoint(sys.argv[1], replace(SPEC, max_pixels=int(sys.argv[2])))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    subprocess.run([sys.executable, "-c", code, str(tmp), str(max_pixels)], cwd=REPO, env=env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    tmp.rename(model_dir)
+
+
+def remux_copy(src: Path, dst: Path, tag: str) -> Path:
+    """`src`'s packets in a new MP4 under metadata comment `tag`: the same frames, other bytes."""
+    import av
+
+    from epd.video.media_open import open_video
+
+    if dst.exists():
+        return dst
+    tmp = dst.with_suffix(".tmp")
+    with open_video(src.read_bytes()) as inp, av.open(str(tmp), "w", format="mp4") as out:
+        out.metadata["comment"] = tag
+        stream_in = inp.streams.video[0]
+        stream_out = out.add_stream_from_template(stream_in)
+        for packet in inp.demux(stream_in):
+            if packet.dts is None:
+                continue
+            packet.stream = stream_out
+            out.mux(packet)
+    tmp.rename(dst)
+    return dst
+
+
+def data_url(path: Path) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# one streaming request
+
+
+@dataclass
+class Turn:
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    answer: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    encoder_cache_hit: bool = False
+
+
+def ask(port: int, messages: list[dict], args, timeout_s: float) -> Turn:
+    """One streaming /v1/chat/completions: TTFT at the first chunk that carries tokens; the answer,
+    its token ids and timings from the final chunk's `epd` details; tokens from `usage`."""
+    body = {
+        "messages": messages,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "media": {"num_frames": args.num_frames},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    turn = Turn()
+    parts: list[str] = []
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})  # fmt: skip
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        while True:
+            raw = resp.readline()
+            if not raw:
+                break
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            if chunk.get("error"):
+                raise RuntimeError(f"error in stream: {str(chunk['error'])[:300]}")
+            for choice in chunk.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content") or ""
+                if (choice.get("token_ids") or text) and not turn.ttft_ms:
+                    turn.ttft_ms = (time.perf_counter() - t0) * 1e3
+                parts.append(text)
+            details = chunk.get("epd")
+            if details:
+                turn.token_ids = list(details.get("token_ids") or [])
+                turn.prefill_ms = float((details.get("timings_ms") or {}).get("prefill", 0.0))
+                turn.encoder_cache_hit = bool(details.get("encoder_cache_hit"))
+            usage = chunk.get("usage")
+            if usage:
+                turn.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                turn.cached_tokens = None if cached is None else int(cached)
+    finally:
+        conn.close()
+    if not turn.ttft_ms:
+        raise RuntimeError("the stream carried no tokens")
+    turn.answer = "".join(parts)
+    return turn
+
+
+def user(text: str, video_url: str | None = None) -> dict:
+    if video_url is None:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_url}},
+                                        {"type": "text", "text": text}]}  # fmt: skip
+
+
+def conversation(port: int, clip: Path, copies: list[Path], args, label: str) -> dict[tuple[int, bool], Turn]:
+    """The 3-turn conversation about `clip`, each later turn also asked cold (about copies[k])."""
+    url = data_url(clip)
+    copy_urls = [data_url(c) for c in copies]
+    out: dict[tuple[int, bool], Turn] = {}
+    history: list[dict] = []  # the messages after the first user message (answers, later questions)
+    for n, question in enumerate(QUESTIONS, start=1):
+        if n == 1:
+            history = []
+        else:
+            history += [{"role": "assistant", "content": out[(n - 1, False)].answer}, user(question)]
+        first = QUESTIONS[0]
+        out[(n, False)] = ask(port, [user(first, url), *history], args, args.timeout_s)
+        if n > 1:
+            out[(n, True)] = ask(port, [user(first, copy_urls[n - 2]), *history], args, args.timeout_s)
+    line = "; ".join(
+        f"turn {n}{' cold' if cold else ''} {t.ttft_ms:.0f} ms (prefill {t.prefill_ms:.0f}"
+        + (f", cached {t.cached_tokens}/{t.prompt_tokens}" if t.cached_tokens is not None else f", {t.prompt_tokens} tok")
+        + ")"
+        for (n, cold), t in out.items()
+    )
+    log(f"{label}: TTFT {line}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# server
+
+
+def server_command(model: Path, args) -> tuple[list[str], dict[str, str], int]:
+    ports = {k: free_port() for k in ("gateway", "encoder", "prefill", "decode", "http")}
+    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model),
+           "--gateway-port", str(ports["gateway"]), "--encoder-port", str(ports["encoder"]),
+           "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
+           "--http-port", str(ports["http"]),
+           *(["--num-threads", args.threads] if args.threads else []),
+           *(["--colocate"] if args.colocate else []), *args.epd_arg]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if args.threads.isdigit():
+        env["OMP_NUM_THREADS"] = args.threads
+    return cmd, env, ports["http"]
+
+
+def wait_ready(proc: subprocess.Popen, port: int, timeout_s: float, log_path: Path) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"the server exited with {proc.returncode} before serving; log:\n{tail}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"the server did not serve within {timeout_s:.0f} s; log: {log_path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def table(results: list[dict[tuple[int, bool], Turn]]) -> list[str]:
+    lines = [f"{'':34} {'n':>3} {'TTFT p50 ms':>12} {'prefill p50 ms':>15} {'prompt tok':>11} "
+             f"{'cached tok':>11} {'enc. hit':>9}"]  # fmt: skip
+    for label, n, cold in ROWS:
+        turns = [r[(n, cold)] for r in results]
+        cached = [t.cached_tokens for t in turns if t.cached_tokens is not None]
+        lines.append(
+            f"{label:34} {len(turns):>3} {p50([t.ttft_ms for t in turns]):>12.1f} "
+            f"{p50([t.prefill_ms for t in turns]):>15.1f} {p50([t.prompt_tokens for t in turns]):>11.0f} "
+            f"{(f'{p50(cached):.0f}' if cached else 'n/a'):>11} "
+            f"{sum(t.encoder_cache_hit for t in turns):>5}/{len(turns)}"
+        )
+    for n in (2, 3):
+        warm = [r[(n, False)] for r in results]
+        cold = [r[(n, True)] for r in results]
+        ttft = p50([t.ttft_ms for t in cold]) / p50([t.ttft_ms for t in warm])
+        prefill_warm = p50([t.prefill_ms for t in warm])
+        prefill = p50([t.prefill_ms for t in cold]) / prefill_warm if prefill_warm > 0 else float("nan")
+        lines.append(f"ratio cold / follow-up, turn {n}: TTFT {ttft:.2f}x, prefill {prefill:.2f}x")
+    return lines
+
+
+def mismatches(results: list[dict[tuple[int, bool], Turn]]) -> tuple[int, int]:
+    pairs = [(r[(n, False)], r[(n, True)]) for r in results for n in (2, 3)]
+    return sum(a.token_ids != b.token_ids for a, b in pairs), len(pairs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/epd-bench-conversation"))
+    p.add_argument("--model", default="", help="model directory (default: build the 27M Qwen2-VL)")
+    p.add_argument("--num-clips", type=int, default=8, help="conversations (one clip each) measured")
+    p.add_argument("--num-frames", type=int, default=64)
+    p.add_argument("--clip-size", type=int, default=448, help="clip width = height, px")
+    p.add_argument("--clip-seconds", type=float, default=8.0, help="clip length (8 fps)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
+    p.add_argument("--colocate", action="store_true", help="epd serve --colocate (one process)")
+    p.add_argument("--threads", default="", help="epd serve --num-threads (default: epd's own)")
+    p.add_argument("--epd-arg", action="append", default=[], help="a flag passed on to epd serve (repeatable)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="start-up and per-request limit")
+    p.add_argument("--output-json", default="", help="also write the per-request numbers here")
+    args = p.parse_args(argv)
+
+    work: Path = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        model = Path(args.model)
+    else:
+        model = work / f"model-27m-{args.clip_size}px"
+        if not model.exists():
+            log(f"building the 27M Qwen2-VL (frames up to {args.clip_size}x{args.clip_size}) into {model}")
+            build_model(model, args.clip_size * args.clip_size)
+    clip_dir = work / f"clips-{args.clip_size}px-{args.clip_seconds:g}s"
+    log(f"making {args.num_clips + 1} clips ({args.clip_size}x{args.clip_size}, {args.clip_seconds:g} s) and their copies")
+    clips = make_clips(clip_dir, args.num_clips + 1, args.clip_size, args.clip_seconds)
+    copies = {c: [remux_copy(c, c.with_name(f"{c.stem}-copy{k}.mp4"), f"copy {k}") for k in (1, 2)] for c in clips}
+
+    cmd, env, http_port = server_command(model, args)
+    log_path = work / "server.log"
+    log(f"starting {' '.join(cmd[3:5])} {'--colocate ' if args.colocate else ''}(log {log_path})")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    results: list[dict[tuple[int, bool], Turn]] = []
+    try:
+        log(f"serving after {wait_ready(proc, http_port, args.timeout_s, log_path):.1f} s; warm-up conversation")
+        warm_clip = clips[-1]
+        conversation(http_port, warm_clip, copies[warm_clip], args, "warm-up")
+        for i, clip in enumerate(clips[:-1]):
+            results.append(conversation(http_port, clip, copies[clip], args, f"clip {i + 1}/{args.num_clips}"))
+    finally:
+        stop(proc)
+
+    mode = "epd serve --colocate" if args.colocate else "epd serve"
+    print(f"\n{mode}: {args.num_clips} conversations, {args.num_frames} frames at {args.clip_size}x{args.clip_size}, "
+          f"{args.max_tokens} tokens per answer; model {model}")  # fmt: skip
+    for line in table(results):
+        print(line)
+    bad, total = mismatches(results)
+    print(f"answer mismatches (follow-up vs asked cold): {bad} of {total}", flush=True)
+    if args.output_json:
+        rows = [{f"turn{n}{'_cold' if cold else ''}": vars(t) for (n, cold), t in r.items()} for r in results]
+        Path(args.output_json).write_text(json.dumps({"command": cmd, "results": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""`ReplicaPool.call`: a keyed call goes to its rendezvous home, a call that fails with UNAVAILABLE
+is tried once on the next replica, other errors are not retried, and the gateway's health checks
+(`StageHealth`) steer calls around a replica that does not serve. Real grpc.aio servers in this
+process that answer with their own name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epd.gateway.config import GatewayConfig
+from epd.gateway.readiness import StageHealth
+from epd.transport.affinity import rendezvous_order
+from epd.transport.errors import UpstreamError
+from epd.transport.remote_stages import ReplicaPool
+from tests.unit.plumbing.grpc_fakes import start_server, unary
+
+TIMEOUT_S = 10.0
+KEY = "ab" * 32
+
+
+def _named(name: bytes, calls: list[bytes]) -> dict[str, grpc.RpcMethodHandler]:
+    async def who(request: bytes, context) -> bytes:
+        calls.append(name)
+        if request == b"invalid":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad")
+        return name
+
+    return {"Who": grpc.unary_unary_rpc_method_handler(who)}
+
+
+def _who(request: bytes = b""):
+    async def attempt(channel: grpc.aio.Channel) -> bytes:
+        return await unary(channel, "Who")(request, timeout=TIMEOUT_S)
+
+    return attempt
+
+
+async def _servers(names: list[bytes], calls: list[bytes]):
+    started = [await start_server(_named(name, calls)) for name in names]
+    return {address: (server, name) for (server, address), name in zip(started, names)}
+
+
+def test_a_keyed_call_goes_home_and_falls_back_once_when_home_is_gone():
+    async def scenario():
+        calls: list[bytes] = []
+        servers = await _servers([b"a", b"b", b"c"], calls)
+        pool = ReplicaPool(list(servers))
+        order = rendezvous_order(KEY, pool.addresses)
+        name = {address: servers[address][1] for address in servers}
+        try:
+            first = [await pool.call(KEY, _who(), "prefill", "r") for _ in range(3)]
+            assert first == [name[order[0]]] * 3
+            await servers[order[0]][0].stop(0)
+            calls.clear()
+            after = await pool.call(KEY, _who(), "prefill", "r")  # UNAVAILABLE at home, then the next
+            assert after == name[order[1]] and calls == [name[order[1]]]
+            # Home is now held back: the next call goes straight to the second choice.
+            assert pool.candidates(KEY)[0][0] == order[1]
+            # Not retried: an error of the request itself.
+            calls.clear()
+            with pytest.raises(UpstreamError) as err:
+                await pool.call(KEY, _who(b"invalid"), "prefill", "r")
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and calls == [name[order[1]]]
+            # Both of its tries gone: UNAVAILABLE is the stage's error.
+            await servers[order[1]][0].stop(0)
+            pool.chooser._failed_until.clear()  # noqa: SLF001 - forget the hold, try home first again
+            with pytest.raises(UpstreamError) as err:
+                await pool.call(KEY, _who(), "prefill", "r")
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await pool.close()
+            for server, _ in servers.values():
+                await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_calls_without_a_key_go_round_robin():
+    async def scenario():
+        calls: list[bytes] = []
+        servers = await _servers([b"a", b"b"], calls)
+        pool = ReplicaPool(list(servers))
+        try:
+            return [await pool.call("", _who(), "decode", "r") for _ in range(4)]
+        finally:
+            await pool.close()
+            for server, _ in servers.values():
+                await server.stop(0)
+
+    assert asyncio.run(scenario()) == [b"a", b"b", b"a", b"b"]
+
+
+async def _health_server(status) -> tuple[grpc.aio.Server, str, health.aio.HealthServicer]:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    await servicer.set("", status)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", servicer
+
+
+def test_the_health_checks_tell_the_pools_which_replicas_serve():
+    async def scenario():
+        serving, a, _ = await _health_server(health_pb2.HealthCheckResponse.SERVING)
+        loading, b, b_health = await _health_server(health_pb2.HealthCheckResponse.NOT_SERVING)
+        pool = ReplicaPool([a, b])
+        config = GatewayConfig(encoder_addresses=(a,), prefill_addresses=(a, b), decode_addresses=(a,))
+        checks = StageHealth(config, timeout_s=TIMEOUT_S, pools={"prefill": pool})
+        keys = [f"{i:064x}" for i in range(20)]
+        try:
+            assert await checks.down() == [f"prefill {b}"]
+            assert pool.chooser.healthy() == [a]
+            assert {pool.candidates(k)[0][0] for k in keys} == {a}
+            await b_health.set("", health_pb2.HealthCheckResponse.SERVING)
+            assert await checks.down() == []
+            assert pool.chooser.healthy() == [a, b]
+            assert {pool.candidates(k)[0][0] for k in keys} == {a, b}
+        finally:
+            await checks.close()
+            await pool.close()
+            await serving.stop(0)
+            await loading.stop(0)
+
+    asyncio.run(scenario())

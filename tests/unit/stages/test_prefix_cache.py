@@ -1,0 +1,169 @@
+"""The prefix cache's bookkeeping alone (`prefill_svc/prefix_cache.py`), with fake entries: the
+longest common prefix, the visual-boundary rule, the byte budget (LRU), the TTL and key isolation.
+The exactness of a hit is tests/integration/test_prefix_cache.py."""
+
+from __future__ import annotations
+
+import torch
+
+from epd.prefill_svc.prefix_cache import PrefixCache, common_prefix_length
+
+V = 7  # a visual placeholder id: every visual token has it
+TURN1 = [1, 2, V, V, V, V, 3, 4, 5]  # system, video (4 tokens, ending at index 6), question
+VISUAL_END = 6  # prompt index after the last visual token
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_common_prefix_length():
+    a = torch.tensor([1, 2, 3, 4])
+    assert common_prefix_length(a, torch.tensor([1, 2, 3, 4, 5])) == 4
+    assert common_prefix_length(a, torch.tensor([1, 2, 9, 4])) == 2
+    assert common_prefix_length(a, torch.tensor([9])) == 0
+    assert common_prefix_length(a, torch.tensor([], dtype=torch.long)) == 0
+
+
+def test_a_follow_up_reuses_the_whole_earlier_prompt():
+    cache = PrefixCache(1000, 60)
+    assert cache.lookup("k", TURN1, VISUAL_END) is None  # nothing stored yet: a miss
+    cache.put("k", TURN1, "kv1", 100)
+    turn2 = [*TURN1, 8, 9, 10, 11]  # the answer and the next question
+    hit = cache.lookup("k", turn2, VISUAL_END)
+    assert hit is not None and hit.num_reused_tokens == len(TURN1) and hit.entry.cache == "kv1"
+    stats = cache.stats()
+    assert (stats.num_hits, stats.num_misses, stats.num_entries, stats.num_bytes) == (1, 1, 1, 100)
+
+
+def test_the_longest_prefix_wins_and_a_divergent_follow_up_reuses_up_to_the_fork():
+    cache = PrefixCache(1000, 60)
+    cache.put("k", [*TURN1, 20, 21], "short", 10)
+    cache.put("k", [*TURN1, 30, 31, 32, 33], "long", 10)
+    hit = cache.lookup("k", [*TURN1, 30, 31, 32, 99], VISUAL_END)
+    assert hit is not None and hit.entry.cache == "long" and hit.num_reused_tokens == len(TURN1) + 3
+    hit = cache.lookup("k", [*TURN1, 40], VISUAL_END)  # shares only TURN1 with both
+    assert hit is not None and hit.num_reused_tokens == len(TURN1)
+
+
+def test_an_lcp_ending_inside_the_visual_tokens_is_a_miss():
+    cache = PrefixCache(1000, 60)
+    cache.put("k", TURN1, "kv", 10)
+    # Same first two visual tokens, then the prompt differs inside the video (fewer frames).
+    shorter_video = [1, 2, V, V, 3, 4, 5]
+    assert cache.lookup("k", shorter_video, min_reuse=5) is None
+    assert cache.stats().num_misses == 1
+
+
+def test_at_least_one_token_is_left_to_compute():
+    """The same prompt again reuses all but its last token: the first token needs its logits."""
+    cache = PrefixCache(1000, 60)
+    cache.put("k", TURN1, "kv", 10)
+    hit = cache.lookup("k", TURN1, VISUAL_END)
+    assert hit is not None and hit.num_reused_tokens == len(TURN1) - 1
+    # ... unless the last token is itself the last visual one: then nothing can be reused.
+    only_video = [1, V, V]
+    cache.put("k2", only_video, "kv", 10)
+    assert cache.lookup("k2", only_video, 3) is None
+
+
+def test_keys_isolate_models_media_and_settings():
+    cache = PrefixCache(1000, 60)
+    key = ("model-a", "sha-1", (2, 4, 4), "auto")
+    cache.put(key, TURN1, "kv", 10)
+    for other in [
+        ("model-b", "sha-1", (2, 4, 4), "auto"),  # another checkpoint
+        ("model-a", "sha-2", (2, 4, 4), "auto"),  # another video
+        ("model-a", "sha-1", (4, 4, 4), "auto"),  # the same video sampled otherwise
+        ("model-a", "sha-1", (2, 4, 4), "bfloat16"),  # another kv_dtype
+    ]:
+        assert cache.lookup(other, [*TURN1, 8], VISUAL_END) is None, other
+    assert cache.lookup(key, [*TURN1, 8], VISUAL_END) is not None
+
+
+def test_lru_eviction_under_the_byte_budget():
+    clock = Clock()
+    cache = PrefixCache(250, 600, clock)
+    cache.put("a", TURN1, "a", 100)
+    clock.now = 1
+    cache.put("b", TURN1, "b", 100)
+    clock.now = 2
+    assert cache.lookup("a", [*TURN1, 8], VISUAL_END) is not None  # "a" is now the most recent
+    cache.put("c", TURN1, "c", 100)  # over 250: the least recently used ("b") leaves
+    assert cache.lookup("b", [*TURN1, 8], VISUAL_END) is None
+    assert cache.lookup("a", [*TURN1, 8], VISUAL_END) is not None
+    assert cache.lookup("c", [*TURN1, 8], VISUAL_END) is not None
+    stats = cache.stats()
+    assert (stats.num_entries, stats.num_bytes, stats.num_evictions) == (2, 200, 1)
+    assert not cache.put("d", TURN1, "d", 251)  # larger than the whole budget: not kept
+    assert cache.stats().num_entries == 2
+
+
+def test_a_longer_entry_replaces_the_one_it_extends():
+    cache = PrefixCache(1000, 60)
+    cache.put("k", TURN1, "turn1", 100)
+    cache.put("k", [*TURN1, 8, 9], "turn2", 120)
+    cache.put("other", TURN1, "other", 100)  # another key is left alone
+    stats = cache.stats()
+    assert (stats.num_entries, stats.num_bytes, stats.num_evictions) == (2, 220, 0)
+    hit = cache.lookup("k", TURN1, VISUAL_END)
+    assert hit is not None and hit.entry.cache == "turn2"
+
+
+def test_ttl_drops_unused_entries():
+    clock = Clock()
+    cache = PrefixCache(1000, 10, clock)
+    cache.put("a", TURN1, "a", 100)
+    cache.put("b", TURN1, "b", 100)
+    clock.now = 8
+    assert cache.lookup("a", [*TURN1, 8], VISUAL_END) is not None  # a use renews "a"
+    clock.now = 12
+    assert cache.lookup("b", [*TURN1, 8], VISUAL_END) is None  # "b" unused for 12 s > 10
+    assert cache.lookup("a", [*TURN1, 8], VISUAL_END) is not None
+    stats = cache.stats()
+    assert (stats.num_entries, stats.num_bytes, stats.num_evictions) == (1, 100, 1)
+
+
+def test_off_keeps_nothing():
+    cache = PrefixCache(0, 60)
+    assert not cache.enabled
+    assert not cache.put("k", TURN1, "kv", 1)
+    assert len(cache) == 0
+
+
+def test_the_prefill_cores_prefix_cache_counts_reach_metrics():
+    """`EngineLoad`'s prefix-cache fields on /metrics, on the prefill stage's samples only."""
+    import asyncio
+
+    from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
+    from epd.gateway.pipeline import Pipeline
+    from epd.stages.engine_core import EngineLoad
+
+    class Stage:
+        def __init__(self, load: EngineLoad) -> None:
+            self._load = load
+
+        def load(self) -> EngineLoad:
+            return self._load
+
+    prefill = EngineLoad("prefill", prefix_cache_hits=3, prefix_cache_misses=2, prefix_cache_evictions=1,
+                         prefix_cache_entries=4, prefix_cache_bytes=4096)  # fmt: skip
+    metrics = GatewayMetrics()
+    MeteredPipeline(Pipeline(Stage(EngineLoad("encoder")), Stage(prefill), Stage(EngineLoad("decode"))), metrics)
+    text = asyncio.run(metrics.scrape()).decode()
+    expected = {
+        "epd_prefix_cache_hits_total": ("counter", 3),
+        "epd_prefix_cache_misses_total": ("counter", 2),
+        "epd_prefix_cache_evictions_total": ("counter", 1),
+        "epd_prefix_cache_entries": ("gauge", 4),
+        "epd_prefix_cache_bytes": ("gauge", 4096),
+    }
+    for name, (kind, value) in expected.items():
+        assert f"# TYPE {name} {kind}" in text, name
+        labels = {"stage": "prefill", "core": "prefill", "replica": "local"}
+        assert metrics.registry.get_sample_value(name, labels) == value, name
+        assert metrics.registry.get_sample_value(name, {**labels, "stage": "decode", "core": "decode"}) is None
