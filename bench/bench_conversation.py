@@ -39,7 +39,6 @@ import base64
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_vs_transformers_serve import make_clips, stop  # noqa: E402
+from bench.bench_vs_transformers_serve import free_port, log, make_clips, stop  # noqa: E402
 
 QUESTIONS = (
     "what moves in the video?",
@@ -64,16 +63,6 @@ ROWS = (
     ("turn 3: follow-up", 3, False),
     ("turn 3: same, asked cold", 3, True),
 )
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

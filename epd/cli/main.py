@@ -38,11 +38,13 @@ def _num_threads(text: str) -> int:
 
 
 def add_prefix_cache_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+    from epd.prefill_svc.config import PrefillConfig
+
+    p.add_argument("--prefix-cache-bytes", type=int, default=PrefillConfig.prefix_cache_bytes,
                    help="prompt KV kept for follow-up questions about the same media (the "
                         "conversation's earlier turns are not prefilled again), least recently "
                         "used leaving first (default: 1 GiB; 0: off)")
-    p.add_argument("--prefix-cache-ttl", type=float, default=600.0,
+    p.add_argument("--prefix-cache-ttl", type=float, default=PrefillConfig.prefix_cache_ttl_s,
                    help="seconds a prefix-cache entry is kept unused (default: 600)")
 
 
@@ -281,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw = roles.add_parser("gateway", help="run the front door")
     add_server_flags(gw, GATEWAY_PORT)
     gw.add_argument("--encoder", type=_addresses, default=(f"127.0.0.1:{ENCODER_PORT}",),
-                    help="comma-separated encoder replica addresses")
+                    help="comma-separated encoder replica addresses (a video goes to the one its sha256 "
+                         "picks, so its cached tokens are found)")
     gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
     gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
     gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
