@@ -212,6 +212,43 @@ def tree_pss(pid: int) -> tuple[int, int]:
     return total, count
 
 
+def tree_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the process and each descendant, by role: the
+    epd service a process runs (`serve encoder`, ... from its command line) or the first words of
+    its command line. Differences of two of these give where a level's core-seconds went."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            words = " ".join(p.cmdline()).split()  # a forked service's title is one string (setproctitle)
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        role = next((f"epd {w}" for w, prev in zip(words[1:], words) if prev == "serve"
+                     and w in ("encoder", "prefill", "decode", "gateway")), "")
+        if not role:
+            role = "epd launcher" if "serve" in words and "epd.cli.main" in " ".join(words) else (
+                "transformers serve" if "transformers_serve_launcher" in " ".join(words) else Path(
+                    words[0]).name if words else "?")
+        out[f"{role} ({p.pid})"] = t.user + t.system
+    return out
+
+
+def cpu_by_role(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Core-seconds per role between two `tree_cpu_s` snapshots (processes summed by role)."""
+    spent: dict[str, float] = {}
+    for key, t in after.items():
+        role = key.rsplit(" (", 1)[0]
+        spent[role] = spent.get(role, 0.0) + t - before.get(key, 0.0)
+    return {role: round(t, 2) for role, t in sorted(spent.items(), key=lambda x: -x[1]) if t >= 0.01}
+
+
 class PeakPss:
     """Samples tree_pss(pid) every `interval_s` in a thread; .peak is the largest seen."""
 
@@ -359,7 +396,9 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
             for c, level_clips in zip(args.concurrency, per_level, strict=True):
                 t0 = time.perf_counter()
                 bodies = bodies_of(level_clips, args.num_requests)
+                cpu_before = tree_cpu_s(proc.pid)
                 results, duration = asyncio.run(run_openai(target, bodies, c, timeout_s=args.timeout_s))
+                cpu = cpu_by_role(cpu_before, tree_cpu_s(proc.pid))
                 s = summarize(results, duration, float("inf"), float("inf"))
                 prompt = [r.num_prompt_tokens for r in results if r.ok and r.num_prompt_tokens]
                 out["sweep"].append(
@@ -367,6 +406,8 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
                         "concurrency": c,
                         "summary": s,
                         "prompt_tokens": statistics.median(prompt) if prompt else 0,
+                        "cpu_s": cpu,
+                        "duration_s": duration,
                     }
                 )
                 log(
@@ -441,6 +482,19 @@ def memory_table(runs: dict[str, dict]) -> list[str]:
             f"{_ratio(e['pss_peak'], t['pss_peak'])} | {_ratio(e['pss_after'], t['pss_after'])} | "
             f"{_ratio(e['startup_s'], t['startup_s'])} |"
         )
+    return rows
+
+
+def cpu_table(runs: dict[str, dict]) -> list[str]:
+    """Where each level's core-seconds went: per server and role, CPU seconds per request, and how
+    many cores were busy on average (all roles' CPU time / the level's wall time)."""
+    rows = ["| server | in flight | cores busy | CPU ms per request, by process |", "|---|---|---|---|"]
+    for name, r in runs.items():
+        for lv in r["sweep"]:
+            cpu, n = lv.get("cpu_s") or {}, max(lv["summary"]["num_requests"], 1)
+            busy = sum(cpu.values()) / lv["duration_s"] if lv.get("duration_s") else 0.0
+            parts = ", ".join(f"{role} {t / n * 1e3:.0f}" for role, t in cpu.items())
+            rows.append(f"| {name} | {lv['concurrency'] or 'all'} | {busy:.2f} | {parts} |")
     return rows
 
 
@@ -537,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
             "\n## side by side (ratio = epd / transformers; req/s, tok/s: higher is better; TTFT, TPOT: lower)"
         )
         print("\n".join(side_by_side(runs)))
+    print("\n## CPU (core-seconds of each server's processes during each level; the load client's are not counted)")
+    print("\n".join(cpu_table(runs)))
     print("\n## memory (PSS summed over each server's processes)")
     print("\n".join(memory_table(runs)))
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

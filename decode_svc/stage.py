@@ -9,7 +9,8 @@ this class. A request's life here:
   1. the generation-limits check (before anything is reserved or moved);
   2. `KvMemory.reserve`: room for its whole life (cached tokens + max_new_tokens), waiting FIFO
      when the budget is taken, RESOURCE_EXHAUSTED when the wait queue is full too;
-  3. the pull (`take_kv`), timed;
+  3. the pull (`take_kv`), timed: the service's pull confirms receipt only once the whole cache
+     is here, so a pull cut short leaves it at prefill for a retry (`epd.decode_svc.kv_pull`);
   4. `core.submit`: it joins the running batch at the next step and streams a token per step;
   5. however it ends (finished, client gone, error), its row and its reservation are freed.
 """
@@ -113,8 +114,9 @@ class LocalDecodeStage(DecodeStage):
                         for step in out:
                             num_tokens += len(step.token_ids)
                             yield step
-        except asyncio.CancelledError:
-            # A pull in flight is cancelled too (the prefill side has already forgotten the cache).
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled waiting, or closed at a yield
+            # A pull in flight is cancelled too: prefill keeps the cache (it was never confirmed)
+            # until the gateway releases it or its TTL, so a retry elsewhere can pull it again.
             log.info(
                 "generation of request %s cancelled by its caller after %d tokens; its KV cache is freed",
                 request_id,

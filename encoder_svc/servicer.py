@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from epd.encoder_svc.config import EncoderConfig
 from epd.stages.contracts import EncodeStage
 from epd.stages.errors import Unavailable
 from epd.stages.events import Finished, with_events
-from epd.transport import convert
+from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
 from epd.transport.upload import media_input, read_upload
 from epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 
@@ -32,9 +35,15 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         stage = self.stage
 
         pruning = convert.pruning_from_proto(header.pruning)
-        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, header.request_id, pruning)):
+        request_id = tracing.adopt_request_id(header.request_id)
+        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, request_id, pruning)):
             if isinstance(item, Finished):
                 encoded = item.value
+                tracing.stage_timings(
+                    log, "encode done", video_decode_ms=encoded.decode_ms, encode_ms=encoded.encode_ms,
+                    total_ms=(time.perf_counter() - started) * 1e3, num_frames=encoded.num_frames,
+                    num_visual_tokens=encoded.meta.num_visual_tokens, cache_hit=encoded.cache_hit,
+                )
                 for chunk in convert.encoded_media_chunks(encoded):  # embeddings + DeepStack features
                     yield encoder_pb2.EncodeResponse(embeddings=chunk)
                 yield encoder_pb2.EncodeResponse(result=convert.encode_result_to_proto(encoded))

@@ -1,8 +1,15 @@
 """KV caches waiting to be pulled by a decoder: a byte budget and a time-to-live. No gRPC here.
 
-An entry leaves by one of three doors: `take` (a decoder pulls it), `release` (its request ended
-before a decoder took it: cancelled, failed, or its decoder could not pull), or its TTL. The
-gateway releases on every exit path of a request, so the store holds only requests in flight.
+Handover over the network is two steps, so that a broken pull loses nothing: `lease` gives the
+cache to a decoder and keeps it here (a pull that breaks half way, or a decoder that dies before
+it has the whole cache, can be pulled again, by the same or another decoder); `confirm` (the
+decoder assembled all of it) drops it. In-process (the embedded mode) `take` does both at once.
+
+An entry leaves by one of four doors: `confirm` (its decoder has it), `take`, `release` (its
+request ended before a decoder had it: cancelled, failed, or its decoder could not pull), or its
+TTL, which bounds what a decoder that leased and died, or a gateway that died, can leave behind.
+The gateway releases on every exit path of a request, so the store holds only requests in flight.
+The store's bytes drop at whichever comes first; a lease changes nothing in them.
 """
 
 from __future__ import annotations
@@ -21,10 +28,13 @@ class _Entry:
     cache: KvCache
     num_bytes: int
     expires_at_s: float
+    num_leases: int = 0
+    """Pulls begun (`lease`); more than one means an earlier pull broke or was not confirmed."""
 
 
 class KvStore:
-    """put() -> handle; take(handle) hands the cache over once; release(handle) drops it. Thread-safe."""
+    """put() -> handle; lease(handle) + confirm(handle) hand the cache over (take: both at once);
+    release(handle) drops it. Thread-safe."""
 
     def __init__(self, max_bytes: int, ttl_s: float, clock=time.monotonic) -> None:
         self.max_bytes = max_bytes
@@ -35,6 +45,7 @@ class KvStore:
         self.num_bytes = 0
         self.num_expired = 0
         self.num_released = 0
+        self.num_confirmed = 0
 
     def put(self, cache: KvCache) -> str:
         size = cache.num_bytes
@@ -50,25 +61,54 @@ class KvStore:
             self.num_bytes += size
             return handle
 
-    def take(self, handle: str) -> KvCache:
+    def lease(self, handle: str) -> tuple[KvCache, int]:
+        """(the cache of `handle`, how many pulls of it began, this one included) for a decoder
+        that will `confirm` receipt; the entry stays until then, `release` or its TTL."""
         with self._lock:
             self._expire()
-            entry = self._entries.pop(handle, None)
+            entry = self._entries.get(handle)
             if entry is None:
                 raise NotFound(f"KV cache {handle!r} is unknown or expired (TTL {self.ttl_s:.0f} s)")
-            self.num_bytes -= entry.num_bytes
+            entry.num_leases += 1
+            return entry.cache, entry.num_leases
+
+    def confirm(self, handle: str) -> bool:
+        """The decoder has the whole cache of `handle`: drop it here. False when it is unknown,
+        expired or gone already (released by the gateway, or confirmed twice)."""
+        with self._lock:
+            if self._drop(handle) is None:
+                return False
+            self.num_confirmed += 1
+            return True
+
+    def is_leased(self, handle: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(handle)
+            return entry is not None and entry.num_leases > 0
+
+    def take(self, handle: str) -> KvCache:
+        """Lease and confirm at once: the in-process handover, which cannot break half way."""
+        with self._lock:
+            entry = self._drop(handle)
+            if entry is None:
+                raise NotFound(f"KV cache {handle!r} is unknown or expired (TTL {self.ttl_s:.0f} s)")
             return entry.cache
 
     def release(self, handle: str) -> bool:
         """Drop the cache of `handle`; False when it is unknown, expired or already taken."""
         with self._lock:
-            self._expire()
-            entry = self._entries.pop(handle, None)
-            if entry is None:
+            if self._drop(handle) is None:
                 return False
-            self.num_bytes -= entry.num_bytes
             self.num_released += 1
             return True
+
+    def _drop(self, handle: str) -> _Entry | None:
+        """Under the lock: remove `handle`'s entry (after expiring old ones) and its bytes."""
+        self._expire()
+        entry = self._entries.pop(handle, None)
+        if entry is not None:
+            self.num_bytes -= entry.num_bytes
+        return entry
 
     def __len__(self) -> int:
         with self._lock:

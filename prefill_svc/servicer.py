@@ -1,6 +1,13 @@
 """PrefillService over gRPC: Prefill is protobuf in (the visual embeddings' upload), a
-PrefillStage call, protobuf out (the stage's PrefillHandle); PullKv hands caches over; ReleaseKv
-drops one whose request ended before a decoder pulled it.
+PrefillStage call, protobuf out (the stage's PrefillHandle); PullKv streams a cache to a decoder;
+ReleaseKv drops one: confirmed by the decoder that has it (`received`), or released by the gateway
+because its request ended before a decoder had it.
+
+Handover in two steps (`KvStore.lease` / `confirm`): a decoder's PullKv (`keep_until_confirmed`)
+leaves the cache in the store, so a pull that breaks half way, or a decoder that dies before it
+holds the whole cache, loses nothing: the gateway's retry on another decoder pulls it again. The
+cache goes at the decoder's confirmation, the gateway's release, or the TTL (`--kv-ttl`),
+whichever comes first; the TTL bounds what dead decoders and gateways leave behind.
 
 A caller that goes away during Prefill cancels the handler: the request leaves the prefill
 core's queue at once (or stops between its chunks), and a finished one's cache is not stored
@@ -9,13 +16,14 @@ core's queue at once (or stops between its chunks), and a finished one's cache i
 from __future__ import annotations
 
 import logging
+import time
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import PrefillStage
 from epd.stages.errors import InvalidRequest, Unavailable
-from epd.transport import convert
+from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
 from epd.transport.tensor_wire import TensorAssembler, tensor_to_chunks
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
@@ -54,22 +62,43 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         generation = convert.generation_from_proto(header.generation, GenerationConfig())
         pruning = convert.pruning_from_proto(header.pruning)
         messages = convert.messages_from_proto(header.messages)
-        handle = await self.stage.prefill(messages, media, generation, header.request_id, pruning)
+        request_id = tracing.adopt_request_id(header.request_id)
+        handle = await self.stage.prefill(messages, media, generation, request_id, pruning)
+        tracing.stage_timings(
+            log, "prefill done", prefill_ms=handle.prefill_ms, num_prompt_tokens=handle.num_prompt_tokens,
+            num_reused_prompt_tokens=handle.num_reused_prompt_tokens, kv_num_bytes=handle.kv_num_bytes,
+        )
         return convert.handle_to_proto(handle)
 
     @rpc_errors
     async def PullKv(self, request, context):
-        cache = self.kv_store.take(request.kv_handle)
+        started = time.perf_counter()
+        if request.keep_until_confirmed:
+            cache, num_leases = self.kv_store.lease(request.kv_handle)
+            if num_leases > 1:
+                log.info("KV cache %s pulled again (pull %d): an earlier pull broke or was not confirmed",
+                         request.kv_handle, num_leases)
+        else:  # a decoder that will not confirm: the cache is handed over as it leaves
+            cache = self.kv_store.take(request.kv_handle)
+        num_bytes = 0
         for name, tensor in cache.named_tensors():
             for chunk in tensor_to_chunks(name, tensor):
+                num_bytes += len(chunk.data)
                 yield prefill_pb2.KvChunk(tensor=chunk)
+        tracing.stage_timings(log, "kv pull served", kv_num_bytes=num_bytes,
+                              send_ms=(time.perf_counter() - started) * 1e3)
 
     @rpc_errors
     async def ReleaseKv(self, request, context):
-        released = self.kv_store.release(request.kv_handle)
-        if released:
-            log.info("released the KV cache of request %s: it ended before a decoder pulled it",
-                     request.request_id or "?")
+        request_id = tracing.adopt_request_id(request.request_id)
+        if request.received:
+            released = self.kv_store.confirm(request.kv_handle)
+            if released:
+                log.info("KV cache of request %s handed over: its decoder confirmed receipt", request_id)
+        else:
+            released = self.kv_store.release(request.kv_handle)
+            if released:
+                log.info("released the KV cache of request %s: it ended before a decoder pulled it", request_id)
         return prefill_pb2.ReleaseKvResult(
             released=released, num_kv_caches_held=len(self.kv_store), kv_bytes_held=self.kv_store.num_bytes
         )

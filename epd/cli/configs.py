@@ -102,6 +102,10 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         max_requests_per_client=args.max_requests_per_client,
         max_inflight_body_bytes=args.max_inflight_body_bytes,
         stage_check_interval_s=args.stage_check_interval,
+        replicas_file=args.replicas_file,
+        routing=args.routing,
+        stage_attempt_timeout_s=args.stage_attempt_timeout,
+        load_refresh_interval_s=args.load_refresh_interval,
         http=http_api_config(args),
     )
 

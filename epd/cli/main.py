@@ -15,9 +15,13 @@ default of the gateway's --api-key.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
+
+# `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
+# that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
+REPLICA_PORT_STEP = 10
+MAX_REPLICAS = 64
 
 
 def _env(name: str, default: str) -> str:
@@ -140,6 +144,23 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def _replicas(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of replicas, got {text!r}") from None
+    if not 1 <= value <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPLICAS} replicas, got {text!r}")
+    return value
+
+
 def add_grace_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, requests in flight get this long to finish before they are "
@@ -213,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="epd", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="text: one line per record ending in request_id=ID when it is about a request; "
+                             "json: one JSON object per line (ts, level, logger, message, request_id)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     ask = sub.add_parser("ask", help="ask a question about a video or image")
@@ -239,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(ask)
     add_pruning_flags(ask)
 
-    serve = sub.add_parser("serve", help="run the stack (default) or one service")
+    # No abbreviations: the roles' own flags (`serve gateway --encoder A`) would read as ambiguous
+    # abbreviations of the stack's (--encoder-port, --encoders) before the role's parser sees them.
+    serve = sub.add_parser("serve", help="run the stack (default) or one service", allow_abbrev=False)
     roles = serve.add_subparsers(dest="role")
     for role, port in (("encoder", ENCODER_PORT), ("prefill", PREFILL_PORT), ("decode", DECODE_PORT)):
         r = roles.add_parser(role, help=f"run the {role} service")
@@ -292,9 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
     gw.add_argument("--max-inflight-body-bytes", type=int, default=0,
                     help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
-    gw.add_argument("--stage-check-interval", type=float, default=5.0,
-                    help="seconds between stage health checks; gateway health is NOT_SERVING while a stage "
-                         "is down (0 = check only at start-up)")
+    gw.add_argument("--stage-check-interval", type=float, default=1.0,
+                    help="seconds between stage replica health checks: a replica not serving leaves routing "
+                         "until it serves again; gateway health is NOT_SERVING while a stage has no replica "
+                         "serving (0 = check only at start-up)")
+    gw.add_argument("--replicas-file", default="", metavar="PATH",
+                    help='JSON/YAML {"encoder": [...], "prefill": [...], "decode": [...]} replacing the '
+                         "address flags for the stages it names; re-read when it changes and on SIGHUP")
+    gw.add_argument("--routing", choices=("affinity", "round-robin"), default="affinity",
+                    help="affinity: a video's calls go to the replicas holding its caches (unless "
+                         "overloaded), others to the least loaded; round-robin: every call in turn")
+    gw.add_argument("--stage-attempt-timeout", type=float, default=120.0, metavar="SECONDS",
+                    help="longest one try of a stage call may take (decode: until its first token) before "
+                         "the next replica is tried (0 = only the stage deadline)")
+    gw.add_argument("--load-refresh-interval", type=float, default=0.5, metavar="SECONDS",
+                    help="seconds between reads of the replicas' loads for routing (0 = off)")
     add_http_api_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
     serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
@@ -305,6 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
     serve.add_argument("--max-requests-per-client", type=int, default=8,
                        help="requests one client (peer IP) may have in flight (the gateway's limit)")
+    g = serve.add_argument_group("replicas and supervision (the stack on loopback)")
+    for role in ("encoder", "prefill", "decode"):
+        g.add_argument(f"--{role}s", type=_replicas, default=1, metavar="N",
+                       help=f"{role} replicas: replica i listens on --{role}-port + {REPLICA_PORT_STEP} * i")
+    g.add_argument("--health-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
+                   help="a service that stops answering its gRPC health check this long is killed and "
+                        "restarted (a service that exits is restarted too, with backoff; one that "
+                        "crash-loops is given up on)")
     serve.add_argument("--colocate", action="store_true",
                        help="one process instead of four: the front door and the three stages share one "
                             "model and the machine's cores (same ports and APIs); for a single machine")
@@ -325,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from epd.transport.tracing import configure_logging
+
+    configure_logging(args.log_level, args.log_format)  # the request id in every line about a request
     if args.command == "ask":
         from epd.cli.ask import run_ask
 

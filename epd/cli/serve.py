@@ -1,10 +1,16 @@
 """`epd serve [ROLE]`: one service in this process, or the whole stack as child processes.
 
 Exit codes (the launcher passes a child's on): 0 stopped by SIGTERM/SIGINT, after draining;
-1 a service failed or could not start (port in use, ...); 2 a bad flag value; 3 the model cannot
-be loaded. Every failure to start is one line on stderr saying why (tracebacks go to the log, at
-DEBUG). The launcher checks the model directory before it starts any service and imports no
-torch: only the services load the model.
+1 a service failed or could not start (port in use, ...), or every replica of a stage was given
+up on; 2 a bad flag value; 3 the model cannot be loaded. Every failure to start is one line on
+stderr saying why (tracebacks go to the log, at DEBUG). The launcher checks the model directory
+before it starts any service and imports no torch: only the services load the model.
+
+The stack (`epd serve [--encoders N --prefills N --decodes N]`) is supervised once it has come
+up: a service that exits, or stops answering its gRPC health for --health-timeout, is restarted
+with backoff while the others keep serving, and one that crash-loops is given up on
+(epd/cli/supervisor.py); only SIGTERM/SIGINT stops the stack. Before it has come up, and at any
+time for exit codes 2 and 3 (a restart would fail the same way), a service that exits stops it.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NoReturn
 
-from epd.cli.health import is_serving
+from epd.cli.health import health_answer, is_serving
+from epd.cli.supervisor import Replica, RestartPolicy, State, stage_lost
 
 if TYPE_CHECKING:
     from epd.cli.zygote import ServiceProcess
@@ -37,13 +46,27 @@ _EXIT_MARGIN_S = 5.0
 # The gateway first: its requests in flight still need the stages to finish.
 _STOP_ORDER = (("gateway",), ("encoder", "prefill", "decode"))
 _PR_SET_PDEATHSIG = 1
+_LAUNCHER_ENV = "EPD_LAUNCHER_PID"  # set for the stack's gateway: the pid it must not outlive
 MODEL_ROLES = ("encoder", "prefill", "decode")
 _COMMAND_PREFIX = 3  # python -m epd.cli.main
+# Supervision (epd/cli/supervisor.py): how often the launcher looks at its children's exits, and
+# asks each for its gRPC health (each check waits this long for an answer).
+_POLL_S = 0.2
+_HEALTH_INTERVAL_S = 1.0
+_HEALTH_CHECK_TIMEOUT_S = 2.0
+_GATEWAY_STAGE_CHECK_S = 1.0
 
 
 def run_serve(args: argparse.Namespace) -> int:
     if args.role is None and not args.colocate:
         return serve_stack(args)
+    if _LAUNCHER_ENV in os.environ:  # the stack's gateway: end with the launcher
+        _die_with_parent(int(os.environ.pop(_LAUNCHER_ENV)))
+    if max(args.encoders, args.prefills, args.decodes) > 1:
+        where = f"epd serve {args.role}" if args.role else "--colocate"
+        print(f"epd serve: --encoders/--prefills/--decodes start replicas of the stack; {where} runs one "
+              "service (start more of it on other ports, or run the stack)", file=sys.stderr)
+        return EXIT_USAGE
     _exit_now(serve_role(args))
 
 
@@ -127,31 +150,94 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `epd serve` dies, so no service outlives it."""
+def _die_with_parent(launcher_pid: int) -> None:
+    """In a child of the launcher: get SIGTERM if `epd serve` dies, so no service outlives it. Armed
+    here, not in a `preexec_fn`: the launcher runs threads (gRPC, the health checks) by the time it
+    restarts a child, and code run between fork and exec in a threaded process can deadlock."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+    if os.getppid() != launcher_pid:  # the launcher died before PDEATHSIG was armed: nobody will signal us
+        os._exit(EXIT_FAILED)
+
+
+def replica_ports(args: argparse.Namespace) -> dict[str, list[int]]:
+    """Each stage's replicas' ports: replica i on the stage's port + REPLICA_PORT_STEP * i (so with
+    one replica, the stage's port)."""
+    from epd.cli.main import REPLICA_PORT_STEP
+
+    return {role: [getattr(args, f"{role}_port") + REPLICA_PORT_STEP * i for i in range(getattr(args, f"{role}s"))]
+            for role in MODEL_ROLES}
+
+
+def replica_name(role: str, index: int) -> str:
+    return f"{role}[{index}]"
+
+
+def port_clash(args: argparse.Namespace) -> str | None:
+    """Why the stack's ports cannot all be bound as asked (two services on one port, one beyond
+    65535), or None."""
+    from epd.cli.main import REPLICA_PORT_STEP
+
+    taken: dict[int, str] = {args.gateway_port: "gateway"}
+    if args.http_port:
+        if args.http_port in taken:
+            return f"--http-port {args.http_port} is also --gateway-port"
+        taken[args.http_port] = "the gateway's HTTP API"
+    for role, ports in replica_ports(args).items():
+        for i, port in enumerate(ports):
+            name = replica_name(role, i)
+            if port > 65535:
+                return f"{name} would listen on port {port} (--{role}-port + {REPLICA_PORT_STEP} * {i}), beyond 65535"
+            if port in taken:
+                return (f"{name} would listen on port {port}, which {taken[port]} uses (replica i listens on "
+                        f"--{role}-port + {REPLICA_PORT_STEP} * i): choose other ports or fewer replicas")
+            taken[port] = name
+    return None
 
 
 def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The command line of each service of the loopback stack (the model services' are run forked,
-    without their first `_COMMAND_PREFIX` words)."""
-    base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, "serve"]
+    """The command line of each service of the loopback stack, by name ("gateway", "encoder[0]",
+    "encoder[1]", ...; the model services' are run forked, without their first `_COMMAND_PREFIX`
+    words)."""
+    log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
+    base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, *log_format, "serve"]
     threads = [] if args.num_threads is None else ["--num-threads", str(args.num_threads or "auto")]
     model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads]
     grace = ["--grace-period", str(args.grace_period)]
-    e, p, d = args.encoder_port, args.prefill_port, args.decode_port
-    return {
-        "encoder": [*base, "encoder", "--port", str(e), *grace, *model],
-        "prefill": [*base, "prefill", "--port", str(p), *grace, *model, "--prefix-cache-bytes",
-                    str(args.prefix_cache_bytes), "--prefix-cache-ttl", str(args.prefix_cache_ttl)],
-        "decode": [*base, "decode", "--port", str(d), *grace, *model],
-        "gateway": [*base, "gateway", "--port", str(args.gateway_port), *grace, "--encoder", f"127.0.0.1:{e}",
-                    "--prefill", f"127.0.0.1:{p}", "--decode", f"127.0.0.1:{d}",
-                    "--http-port", str(args.http_port), "--max-requests-per-client", str(args.max_requests_per_client)],
-    }
+    own = {"prefill": ["--prefix-cache-bytes", str(args.prefix_cache_bytes), "--prefix-cache-ttl",
+                       str(args.prefix_cache_ttl)]}
+    ports = replica_ports(args)
+    commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own.get(role, [])]
+                for role in MODEL_ROLES for i, port in enumerate(ports[role])}
+    # Every replica's address: the gateway routes among the healthy ones (by media affinity). Decode
+    # needs no list of prefills: its default --allow-kv-from admits every loopback port.
+    stages = [flag for role in MODEL_ROLES
+              for flag in (f"--{role}", ",".join(f"127.0.0.1:{port}" for port in ports[role]))]
+    # Stage checks every second (cheap on loopback): a restarted replica is back in routing within
+    # a second of serving again.
+    commands["gateway"] = [*base, "gateway", "--port", str(args.gateway_port), *grace, *stages,
+                           "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S),
+                           "--http-port", str(args.http_port), "--max-requests-per-client",
+                           str(args.max_requests_per_client)]
+    return commands
+
+
+@dataclass
+class _Slot:
+    """One process of the stack (the gateway, or one replica of a stage) and its restart bookkeeping."""
+
+    name: str
+    role: str
+    port: int
+    command: list[str]
+    replica: Replica
+    proc: Service | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
 
 class _Signals:
@@ -175,6 +261,9 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     from epd.model_runtime.threads import BOARD_ENV, new_board_path, remove_board
 
     signals = _Signals()
+    if (clash := port_clash(args)) is not None:
+        print(f"epd serve: {clash}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         # Once here, not in each child: the default model is built (if it must be) once, not three
         # times racing; and a broken checkpoint is one line now, not four processes failing.
@@ -183,7 +272,14 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     except ModelLoadError as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return EXIT_MODEL
-    procs: dict[str, Service] = {}
+    policy = RestartPolicy(health_timeout_s=args.health_timeout, start_timeout_s=ready_timeout_s)
+    commands = stack_commands(args)
+    ports = {"gateway": args.gateway_port} | {replica_name(role, i): port
+                                              for role, role_ports in replica_ports(args).items()
+                                              for i, port in enumerate(role_ports)}
+    now = time.monotonic()
+    slots = [_Slot(name, name.partition("[")[0], ports[name], commands[name], Replica(name, policy, now))
+             for name in ["gateway", *(n for n in commands if n != "gateway")]]
     # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
     # other stages are not using at that moment (epd/model_runtime/threads.py).
     board = new_board_path()
@@ -191,61 +287,156 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     # The model services are forked from one process that imported torch and the family's modules
     # once (epd/cli/zygote.py): they share those pages and skip those imports.
     zygote = Zygote(preload_modules(model_type, family_module(model_type)))
-    try:
-        commands = stack_commands(args)
+
+    def start(slot: _Slot) -> Service:
         # Own process group: a terminal's Ctrl-C reaches only this launcher, which stops the
-        # services in order (_STOP_ORDER); PDEATHSIG still ends them if it is killed. The gateway
-        # holds no model, so it is a plain interpreter (no torch), started first: it comes up
-        # while the zygote imports.
-        procs["gateway"] = subprocess.Popen(commands["gateway"], preexec_fn=_die_with_parent, process_group=0,
-                                            env=env)
-        for name in MODEL_ROLES:
-            procs[name] = zygote.start(name, commands[name][_COMMAND_PREFIX:], env)
-        return _supervise(args, procs, signals, ready_timeout_s)
+        # services in order (_STOP_ORDER); PDEATHSIG still ends them if it is killed (the gateway
+        # arms it itself, told the launcher's pid). The gateway holds no model, so it is a plain
+        # interpreter (no torch).
+        if slot.role == "gateway":
+            return subprocess.Popen(slot.command, process_group=0, env={**env, _LAUNCHER_ENV: str(os.getpid())})
+        return zygote.start(slot.name, slot.command[_COMMAND_PREFIX:], env)
+
+    # With one replica per stage the gateway is started first: it comes up while the zygote imports,
+    # and turns SERVING when every stage does. With more, it would turn SERVING once one replica of
+    # each stage serves, and route to the others only from its next stage check: it is started
+    # once they all serve (`_wait_ready`), so that "ready" means every replica is in routing.
+    staggered = max(args.encoders, args.prefills, args.decodes) > 1
+    try:
+        for slot in slots:
+            if not (staggered and slot.role == "gateway"):
+                slot.proc = start(slot)
+        return _supervise(slots, start, signals, policy, ready_timeout_s)
     finally:
-        _stop_all(procs, args.grace_period + _EXIT_MARGIN_S, signals)
+        _stop_all(slots, args.grace_period + _EXIT_MARGIN_S, signals)
         zygote.stop()
         remove_board(board)
 
 
-def _supervise(args: argparse.Namespace, procs: dict[str, Service], signals: _Signals,
+def _supervise(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _Signals, policy: RestartPolicy,
                ready_timeout_s: float) -> int:
-    """Wait for every service to serve, then until a signal or a service exits."""
-    ports = {"encoder": args.encoder_port, "prefill": args.prefill_port, "decode": args.decode_port,
-             "gateway": args.gateway_port}
+    """Wait for every service to serve (one that exits meanwhile stops the stack: a bad port or
+    flag would only fail again), then keep them running until a signal (epd/cli/supervisor.py):
+    restart what exits or stops answering, give up on what crash-loops."""
+    if (code := _wait_ready(slots, start, signals, ready_timeout_s)) is not None or signals.stop.is_set():
+        return code or EXIT_OK
+    by_role: dict[str, list[str]] = {}
+    for slot in slots:
+        by_role.setdefault(slot.role, []).append(slot.address)
+    print("epd: stack ready; " + "; ".join(f"{role} at {','.join(addresses)}" for role, addresses in by_role.items()),
+          flush=True)
+    checks: dict[int, Future[bool | None]] = {}  # slot index -> its health check in flight
+    next_check_at = 0.0
+    # Not waited for on the way out: a check of a silent service would hold a signal up.
+    pool = ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="epd-health")
+    try:
+        while not signals.stop.wait(_POLL_S):
+            now = time.monotonic()
+            for slot in slots:
+                if slot.replica.running and slot.proc is not None and (code := slot.proc.poll()) is not None:
+                    if code in (EXIT_MODEL, EXIT_USAGE):  # the model or a flag: a restart fails the same way
+                        return _exited(slot.name, code)
+                    if (stop := _on_exit(slot, slots, f"exited with code {code}", now)) is not None:
+                        return stop
+            if not checks and now >= next_check_at:
+                next_check_at = now + _HEALTH_INTERVAL_S
+                checks = {i: pool.submit(health_answer, s.address, timeout_s=_HEALTH_CHECK_TIMEOUT_S)
+                          for i, s in enumerate(slots) if s.replica.running}
+            if checks and all(f.done() for f in checks.values()):
+                if (stop := _on_health(slots, checks, time.monotonic())) is not None:
+                    return stop
+                checks = {}
+            for slot in slots:
+                if slot.replica.restart_due(now):
+                    slot.proc = start(slot)
+                    slot.replica.restarted(now)
+                    print(f"epd: {slot.name} restarted (pid {slot.proc.pid}, restart {slot.replica.restarts})",
+                          file=sys.stderr, flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return EXIT_OK
+
+
+def _wait_ready(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _Signals,
+                ready_timeout_s: float) -> int | None:
+    """None once every service serves (or a signal came); else the stack's exit code. A service not
+    started yet (the gateway, with replicas) is started once all the others serve."""
     deadline = time.monotonic() + ready_timeout_s
-    pending = set(procs)
+    pending = list(slots)
     while pending and not signals.stop.is_set():
-        for name in sorted(pending):
-            if (code := procs[name].poll()) is not None:
-                return _exited(name, code)
-            if is_serving(f"127.0.0.1:{ports[name]}", timeout_s=1.0):
-                pending.discard(name)
+        if all(slot.proc is None for slot in pending):
+            for slot in pending:
+                slot.proc = start(slot)
+        for slot in list(pending):
+            if slot.proc is None:
+                continue
+            if (code := slot.proc.poll()) is not None:
+                return _exited(slot.name, code)
+            if is_serving(slot.address, timeout_s=1.0):
+                slot.replica.answered(time.monotonic(), serving=True)
+                pending.remove(slot)
         if time.monotonic() > deadline:
-            print(f"epd: not ready after {ready_timeout_s:.0f} s: {sorted(pending)}", file=sys.stderr)
+            print(f"epd: not ready after {ready_timeout_s:.0f} s: {[s.name for s in pending]}", file=sys.stderr)
             return EXIT_FAILED
         signals.stop.wait(0.2)
-    if not signals.stop.is_set():
-        print(f"epd: stack ready; gateway at 127.0.0.1:{args.gateway_port}", flush=True)
-    while not signals.stop.wait(0.2):
-        for name, proc in procs.items():
-            if (code := proc.poll()) is not None:
-                return _exited(name, code)
-    return EXIT_OK
+    return None
+
+
+def _on_health(slots: list[_Slot], checks: dict[int, Future[bool | None]], now: float) -> int | None:
+    """Record the health answers; kill a service silent for too long (it is restarted like one that
+    exited). The stack's exit code if that lost a stage, else None."""
+    for i, check in checks.items():
+        slot, answer = slots[i], check.result()
+        if not slot.replica.running:  # it exited while its check was in flight
+            continue
+        was_starting = slot.replica.state is State.STARTING
+        if answer is not None:
+            slot.replica.answered(now, serving=answer)
+            if was_starting and slot.replica.state is State.SERVING:
+                print(f"epd: {slot.name} serving again at {slot.address}", file=sys.stderr, flush=True)
+        if (silent_s := slot.replica.unresponsive_s(now)) is None:
+            continue
+        assert slot.proc is not None
+        pid = slot.proc.pid
+        slot.proc.kill()  # SIGKILL: also ends a stopped (SIGSTOP) or hung process
+        slot.proc.wait()
+        why = ("did not answer its health check for" if not was_starting else "was not serving after")
+        if (stop := _on_exit(slot, slots, f"{why} {silent_s:.0f} s; killed it", now, pid)) is not None:
+            return stop
+    return None
+
+
+def _on_exit(slot: _Slot, slots: list[_Slot], why: str, now: float, pid: int | None = None) -> int | None:
+    """One line on stderr about a service that went away, and its restart or crash loop; the stack's
+    exit code if none of its role is left, else None."""
+    assert slot.proc is not None
+    pid = slot.proc.pid if pid is None else pid
+    decision = slot.replica.exited(now)
+    if not decision.given_up:
+        print(f"epd: {slot.name} (pid {pid}) {why}; restarting in {decision.delay_s:g} s", file=sys.stderr,
+              flush=True)
+        return None
+    window_s = slot.replica.policy.crash_loop_window_s
+    print(f"epd: {slot.name} (pid {pid}) {why}; crash-looping ({decision.recent_exits} exits in {window_s:.0f} s); "
+          "giving up on it", file=sys.stderr, flush=True)
+    if stage_lost([s.replica for s in slots if s.role == slot.role]):
+        print(f"epd: no {slot.role} left; stopping the stack", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return None
 
 
 def _exited(name: str, code: int) -> int:
     if code == EXIT_MODEL:
         return EXIT_MODEL  # it said why, in one line, on the stderr we share
     print(f"epd: {name} exited with code {code}; stopping the stack", file=sys.stderr)
-    return EXIT_FAILED
+    return EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
 
 
-def _stop_all(procs: dict[str, Service], timeout_s: float, signals: _Signals) -> None:
+def _stop_all(slots: list[_Slot], timeout_s: float, signals: _Signals) -> None:
     """SIGTERM group by group (_STOP_ORDER), each given `timeout_s` to drain and exit, then SIGKILL.
     A further signal to the launcher is passed on at once."""
     for group in _STOP_ORDER:
-        running = [procs[name] for name in group if name in procs and procs[name].poll() is None]
+        running = [s.proc for s in slots if s.role in group and s.proc is not None and s.proc.poll() is None]
         for proc in running:
             proc.send_signal(signal.SIGTERM)
         passed_on = min(signals.count, 1)  # our SIGTERM stands for the first (graceful) one

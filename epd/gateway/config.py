@@ -67,11 +67,31 @@ class GatewayConfig:
     max_inflight_body_bytes: int = 0
     """Request-body bytes (HTTP bodies, gRPC uploads) the process holds at once over all
     requests; more get HTTP 429 / RESOURCE_EXHAUSTED. 0 = twice the largest HTTP body."""
+    replicas_file: str = ""
+    """A JSON/YAML file {"encoder": [...], "prefill": [...], "decode": [...]} whose lists replace
+    the addresses above for the stages it names, re-read when it changes and on SIGHUP
+    (`epd.gateway.replica_list`); "" = the addresses above, fixed."""
+    replicas_poll_interval_s: float = 1.0
+    """How often the replica file's modification time is looked at."""
+    routing: str = "affinity"
+    """"affinity": media calls to their rendezvous home unless it is overloaded, other calls to
+    the least loaded replica; "round-robin": every call in turn (a baseline for benchmarks)."""
+    affinity_max_excess_load: int = 4
+    """Requests a media call's home replica may have beyond the least loaded replica before the
+    call goes to its next choice (`epd.transport.affinity.MAX_EXCESS_LOAD`)."""
+    load_refresh_interval_s: float = 0.5
+    """Seconds between reads of every replica's load (LoadService.GetLoad) for routing; 0 = only
+    the gateway's own calls in flight count."""
     stage_timeout_s: float = 600.0
-    """Deadline of each call to a stage."""
-    stage_check_interval_s: float = 5.0
-    """Seconds between health checks of the stages; the gateway's grpc.health follows them
-    (NOT_SERVING while one is unreachable). 0 checks only until they first serve."""
+    """Deadline of each call to a stage, retries on other replicas included."""
+    stage_attempt_timeout_s: float = 120.0
+    """Longest one try of a stage call may take (decode: until its first token) before the next
+    healthy replica is tried; 0 = no limit but `stage_timeout_s`. Encode and prefill are retried
+    whole; decode only before its first token."""
+    stage_check_interval_s: float = 1.0
+    """Seconds between health checks of the stage replicas: a replica that stops serving leaves
+    routing, one that serves again rejoins. The gateway's grpc.health is NOT_SERVING only while
+    a stage has no replica serving. 0 checks only until they first serve."""
     max_transfer_bytes: int = 1 << 30
     """Largest visual-embedding tensor accepted from an encoder."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)

@@ -9,6 +9,10 @@ while it renders) turns the answers into one sample per engine core, labelled by
     core     the core's own name (`EngineLoad.stage`; a process may run several cores)
     replica  the address the gateway calls ("local" in the embedded mode)
 
+`watch_loads` reads the same loads in the background for routing: every replica's running +
+waiting requests go to its pool's chooser, so that calls without media affinity go to the least
+loaded replica and a keyed call avoids an overloaded home (`epd.transport.affinity`).
+
 A source that does not answer has no samples in that scrape, and `epd_load_scrape_errors_total`
 counts it. A replica address that is a DNS name over several pods (a headless Service) is one
 source: each scrape sees the pod its channel picks.
@@ -33,6 +37,9 @@ log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 1.0
 """How long a scrape waits for a stage's load; /metrics must answer even when a stage is down."""
+
+ROUTING_LOAD_INTERVAL_S = 0.5
+"""How often the gateway reads its replicas' loads for routing (one small RPC per replica)."""
 
 LOCAL = "local"
 LABELS = ("stage", "core", "replica")
@@ -59,7 +66,7 @@ def local_source(stage_name: str, stage: object) -> LoadSource:
 def remote_sources(stage_name: str, pool: ReplicaPool) -> list[LoadSource]:
     """One source per replica address of a remote stage, over the channel its calls use."""
     sources = []
-    for address, channel in zip(pool.addresses, pool.channels):
+    for address, channel in zip(pool.addresses, pool.channels):  # the replicas listed at start
 
         async def read(timeout_s: float, channel=channel) -> Sequence[EngineLoad]:
             return await fetch_loads(channel, timeout_s)
@@ -79,6 +86,36 @@ def sources_of(stages: Mapping[str, object]) -> list[LoadSource]:
         elif callable(getattr(stage, "load", None)):
             sources.append(local_source(name, stage))
     return sources
+
+
+def queued(loads: Sequence[EngineLoad]) -> int:
+    """A replica's load for routing: requests running or waiting over its engine cores."""
+    return sum(load.num_running + load.num_waiting for load in loads)
+
+
+async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: float) -> None:
+    """Read every replica's load once and tell its pool (no answer: only our own calls count)."""
+    targets = [(pool, address) for pool in pools.values() for address in pool.addresses]
+
+    async def read(pool: ReplicaPool, address: str) -> int | None:
+        try:
+            return queued(await asyncio.wait_for(fetch_loads(pool.channel(address), timeout_s), timeout_s))
+        except Exception as exc:  # noqa: BLE001 - down, starting, or too old to answer GetLoad
+            log.debug("no load for routing from %s: %r", address, exc)
+            return None
+
+    answers = await asyncio.gather(*(read(pool, address) for pool, address in targets))
+    for (pool, address), load in zip(targets, answers):
+        pool.chooser.set_load(address, load)
+
+
+async def watch_loads(pools: Mapping[str, ReplicaPool], interval_s: float = ROUTING_LOAD_INTERVAL_S) -> None:
+    """`refresh_routing_loads` every `interval_s` until cancelled (0: never)."""
+    if interval_s <= 0 or not pools:
+        return
+    while True:
+        await refresh_routing_loads(pools, min(interval_s, LOAD_TIMEOUT_S))
+        await asyncio.sleep(interval_s)
 
 
 _GAUGES = [

@@ -18,6 +18,10 @@ Bodies are read under limits (epd/gateway/http_body.py): 413 past the body limit
 --max-upload-bytes) without reading the rest, 429 + Retry-After when the client already has
 --max-requests-per-client requests in flight or the process holds --max-inflight-body-bytes of
 bodies (epd/gateway/admission.py, shared with the gRPC API).
+
+Every request runs under a request id (epd/transport/tracing.py): the client's `x-request-id`
+header when usable, else a new one. It is the pipeline's request id (so every stage logs it), it
+comes back in the `x-request-id` response header, and every error message ends with it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -60,6 +63,7 @@ from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest
+from epd.transport import tracing
 from epd.transport.auth import bearer_token, key_matches
 
 log = logging.getLogger(__name__)
@@ -68,7 +72,8 @@ NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
 
 def json_error(status: int, message: str, error_type: str) -> web.Response:
-    response = web.json_response(error_body(message, error_type), status=status)
+    """An OpenAI-style error; its message names the request id (`tracing.with_request_id`)."""
+    response = web.json_response(error_body(tracing.with_request_id(message), error_type), status=status)
     if status == 429:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
@@ -112,6 +117,9 @@ class HttpApi:
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
+        request_id = tracing.begin_request(request.headers.get(tracing.REQUEST_ID_KEY, ""))
+        span = tracing.RequestSpan(f"{request.method} {route}", request.headers)
+        started = time.perf_counter()
         ticket = None
         try:
             if self.config.http.api_key and request.path.startswith("/v1/") and not self._authorized(request):
@@ -134,6 +142,12 @@ class HttpApi:
         finally:
             if ticket is not None:
                 ticket.close()
+        if not response.prepared:  # a streamed answer has it already (`_stream`)
+            response.headers[tracing.REQUEST_ID_KEY] = request_id
+        if request.method == "POST":
+            log.info("http %s %s %d total_ms=%.1f", request.method, route, response.status,
+                     (time.perf_counter() - started) * 1e3)
+        span.end("" if response.status < 400 else str(response.status))
         if not response.prepared and request.can_read_body:
             # Refused before its body was read: the connection cannot carry another request
             # (aiohttp drops what is still arriving for a few seconds, then closes it).
@@ -180,7 +194,7 @@ class HttpApi:
                 media=MediaInput(data, hashlib.sha256(data).hexdigest()),
                 sampling=chat.sampling,
                 generation=chat.generation,
-                request_id=uuid.uuid4().hex,
+                request_id=tracing.current_request_id() or tracing.new_request_id(),
                 pruning=chat.pruning,
             )
             events = self.pipeline.ask(ask)
@@ -189,6 +203,7 @@ class HttpApi:
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
                     if isinstance(item, AskSummary):
+                        log_summary(item)
                         return web.json_response(completion_body(item, chat.model))
             raise RuntimeError("the pipeline ended without a summary")
         except web.HTTPException:
@@ -215,7 +230,8 @@ class HttpApi:
                         continue  # stage events have no place in OpenAI's format
                     if response is None:
                         response = web.StreamResponse(
-                            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                     tracing.REQUEST_ID_KEY: request_id}
                         )
                         await response.prepare(request)
                         await send(
@@ -233,6 +249,7 @@ class HttpApi:
                                 )
                             )
                         continue
+                    log_summary(item)
                     final = chunk_body(request_id, chat.model, created, {}, item.finish_reason or "stop")
                     final["epd"] = epd_details(item)
                     await send(final)
@@ -253,14 +270,20 @@ class HttpApi:
             status, error_type, message = http_error_of(exc)
             if status == 500:
                 log.exception("internal error mid-stream in %s", request_id)
-            await response.write(
-                b"data: " + json.dumps(error_body(message, error_type, str(status))).encode() + b"\n\n"
-            )
+            body = error_body(tracing.with_request_id(message, request_id), error_type, str(status))
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         if response is None:
             raise RuntimeError("the pipeline ended without a token")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def log_summary(summary: AskSummary) -> None:
+    """The request's per-stage timings, one INFO line (its request id added by the log filter)."""
+    timings = {f"{name}_ms": float(ms) for name, ms in summary.timings_ms.items()}
+    tracing.stage_timings(log, "request done", **timings, num_tokens=len(summary.token_ids),
+                          finish_reason=summary.finish_reason)
 
 
 def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:

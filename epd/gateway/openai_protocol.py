@@ -44,6 +44,7 @@ _HTTP_OF_STATUS = {
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (413, "request_too_large"),
     grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
+    grpc.StatusCode.ABORTED: (502, "server_error"),  # a stage failed mid-answer (after its first token)
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }

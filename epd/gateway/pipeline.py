@@ -35,6 +35,7 @@ from epd.stages.events import Finished, with_events
 from epd.stages.messages import Message, check_messages
 from epd.stages.names import TOTAL, TTFT, Stage
 from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport import tracing
 from epd.video.types import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Pipeline:
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
-        request_id = req.request_id or uuid.uuid4().hex
+        request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex
 
         async def run(emit: Emit) -> AskSummary:
             return await self._run(req, request_id, emit)

@@ -1,10 +1,14 @@
-"""The gateway's health follows its stages: SERVING only while every stage replica it calls
-answers SERVING, so a client (or compose's `service_healthy`, or a load balancer) never reaches
-a front door whose stages are still loading their models, or have died since.
+"""The gateway's health follows its stages: SERVING while every stage has at least one replica
+that answers SERVING, so a client (or compose's `service_healthy`, or a load balancer) never
+reaches a front door whose stages are still loading their models, or have all died since; one
+replica of several going away only takes it out of routing.
 
 `StageHealth` checks the stages on demand (HTTP `GET /health`); `watch_stages` re-checks them
 every `stage_check_interval_s` and flips the gateway's grpc.health status when they change. Each
-check also tells the stages' replica pools which replicas serve: requests are routed over those.
+check also tells the stages' replica pools which replicas serve: requests are routed over those
+(a replica that stopped serving leaves routing at the check, one whose call failed at once; either
+comes back when a check finds it SERVING). The replicas checked are the pools' current ones, so a
+reloaded replica list (`epd.gateway.replica_list`) is followed.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ STARTUP_POLL_S = 0.25
 """Check interval until the stages first serve: the gateway comes up as soon as they do."""
 
 
-
 class StageHealth:
     """grpc.health checks of every configured stage replica."""
 
@@ -37,33 +40,61 @@ class StageHealth:
         self.pools = dict(pools or {})
         """By stage name: each check's answers also tell that stage's pool which replicas serve,
         so that media affinity routes over the healthy ones (epd/transport/affinity.py)."""
-        self.addresses = [
-            (stage, address)
-            for stage, addresses in (
-                ("encoder", config.encoder_addresses),
-                ("prefill", config.prefill_addresses),
-                ("decode", config.decode_addresses),
-            )
-            for address in addresses
-        ]
+        self._configured = {
+            "encoder": list(config.encoder_addresses),
+            "prefill": list(config.prefill_addresses),
+            "decode": list(config.decode_addresses),
+        }
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._last_down: set[str] = set()
+        self._ever_served = False
 
-    async def down(self) -> list[str]:
-        """"STAGE ADDRESS" of each replica that is not serving: for the server log only."""
-        results = await asyncio.gather(*(self._serving(address) for _, address in self.addresses))
-        for (stage, address), ok in zip(self.addresses, results):
+    @property
+    def addresses(self) -> list[tuple[str, str]]:
+        """(stage, address) of every replica: a pool's current list, else the configured one."""
+        return [
+            (stage, address)
+            for stage, configured in self._configured.items()
+            for address in (self.pools[stage].addresses if stage in self.pools else configured)
+        ]
+
+    async def status(self) -> tuple[list[str], list[str]]:
+        """Check every replica once: (stages with no replica serving, "STAGE ADDRESS" of each
+        replica not serving). The pools learn each answer."""
+        addresses = self.addresses
+        results = await asyncio.gather(*(self._serving(address) for _, address in addresses))
+        serving_stages = set()
+        for (stage, address), ok in zip(addresses, results):
             pool = self.pools.get(stage)
             if pool is not None:
                 pool.set_serving(address, ok)
-        return [f"{stage} {address}" for (stage, address), ok in zip(self.addresses, results) if not ok]
+            if ok:
+                serving_stages.add(stage)
+        down = [f"{stage} {address}" for (stage, address), ok in zip(addresses, results) if not ok]
+        stages_down = sorted({stage for stage, _ in addresses} - serving_stages)
+        self._log_changes(down, stages_down)
+        return stages_down, down
+
+    def _log_changes(self, down: list[str], stages_down: list[str]) -> None:
+        if not self._ever_served:  # starting: quiet until every stage has a replica serving
+            if stages_down:
+                return
+            self._ever_served = True
+        now = set(down)
+        if now - self._last_down:
+            log.warning("stage replicas not serving (out of routing): %s", ", ".join(sorted(now - self._last_down)))
+        if self._last_down - now:
+            log.info("stage replicas serving again: %s", ", ".join(sorted(self._last_down - now)))
+        self._last_down = now
+
+    async def down(self) -> list[str]:
+        """"STAGE ADDRESS" of each replica that is not serving: for the server log only."""
+        return (await self.status())[1]
 
     async def not_serving(self) -> list[str]:
-        """Names of the stages with a replica not serving ([] = healthy), as HTTP /health shows
-        them to anyone: the addresses go to the server log, not to the client."""
-        down = await self.down()
-        if down:
-            log.warning("stage replicas not serving: %s", ", ".join(down))
-        return sorted({entry.split(" ", 1)[0] for entry in down})
+        """Names of the stages with no replica serving ([] = healthy), as HTTP /health shows them
+        to anyone: the addresses go to the server log, not to the client."""
+        return (await self.status())[0]
 
     async def _serving(self, address: str) -> bool:
         channel = self._channels.get(address)
@@ -87,6 +118,9 @@ class InProcessHealth:
     """The stages of a colocated server (`epd serve --colocate`): they live in this process and
     serve as soon as it does."""
 
+    async def status(self) -> tuple[list[str], list[str]]:
+        return [], []
+
     async def down(self) -> list[str]:
         return []
 
@@ -98,22 +132,23 @@ class InProcessHealth:
 
 
 async def watch_stages(hs: HealthyServer, health: StageHealth | InProcessHealth, interval_s: float) -> None:
-    """Set `hs` SERVING once every stage serves, then keep its status in step with the stages,
-    checked every `interval_s` (0: never again after the first SERVING). Runs until cancelled."""
+    """Set `hs` SERVING once every stage has a replica serving, then keep its status in step with
+    the stages, checked every `interval_s` (0: never again after the first SERVING). Runs until
+    cancelled."""
     serving: bool | None = None
     try:
         while True:
-            down = await health.down()
-            if serving is None and down:
+            stages_down, _ = await health.status()
+            if serving is None and stages_down:
                 await asyncio.sleep(STARTUP_POLL_S)  # still starting: stay NOT_SERVING, quietly
                 continue
-            if serving != (not down):
-                serving = not down
+            if serving != (not stages_down):
+                serving = not stages_down
                 await hs.set_serving(serving)
                 if serving:
-                    log.info("all stages serving: gateway SERVING on port %d", hs.port)
+                    log.info("every stage has a replica serving: gateway SERVING on port %d", hs.port)
                 else:
-                    log.warning("gateway NOT_SERVING: not serving: %s", ", ".join(down))
+                    log.warning("gateway NOT_SERVING: no replica serving: %s", ", ".join(stages_down))
             if interval_s <= 0:
                 return
             await asyncio.sleep(interval_s)

@@ -12,9 +12,11 @@ import logging
 
 from epd.gateway.admission import Admission
 from epd.gateway.config import GatewayConfig
+from epd.gateway.engine_load import watch_loads
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import InProcessHealth, StageHealth, watch_stages
+from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, read_replicas
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
 from epd.transport.auth import ApiKeyInterceptor
 from epd.transport.remote_stages import (
@@ -29,12 +31,35 @@ from epd.v1 import gateway_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+def stage_addresses(config: GatewayConfig) -> dict[str, tuple[str, ...]]:
+    """Each stage's replicas at start: the replica file's list where it names the stage, else
+    the flag's. ReplicaFileError when the file is unusable."""
+    addresses = {
+        "encoder": config.encoder_addresses,
+        "prefill": config.prefill_addresses,
+        "decode": config.decode_addresses,
+    }
+    if config.replicas_file:
+        addresses.update(read_replicas(config.replicas_file))
+    return addresses
+
+
 def remote_pipeline(config: GatewayConfig) -> Pipeline:
     t = config.stage_timeout_s
+    addresses = stage_addresses(config)
+
+    def pool(stage: str) -> ReplicaPool:
+        return ReplicaPool(
+            addresses[stage],
+            routing=config.routing,
+            attempt_timeout_s=config.stage_attempt_timeout_s,
+            max_excess_load=config.affinity_max_excess_load,
+        )
+
     return Pipeline(
-        RemoteEncodeStage(ReplicaPool(list(config.encoder_addresses)), t, config.max_transfer_bytes),
-        RemotePrefillStage(ReplicaPool(list(config.prefill_addresses)), t),
-        RemoteDecodeStage(ReplicaPool(list(config.decode_addresses)), t),
+        RemoteEncodeStage(pool("encoder"), t, config.max_transfer_bytes),
+        RemotePrefillStage(pool("prefill"), t),
+        RemoteDecodeStage(pool("decode"), t),
     )
 
 
@@ -60,11 +85,19 @@ async def start(
         [SERVICE_NAME],
         interceptors,
     )
-    # NOT_SERVING until every stage serves, and again whenever one stops (epd/gateway/readiness.py);
-    # the same checks tell the replica pools which replicas to route to.
-    health = health or StageHealth(config, pools=stage_pools(pipeline))
+    # NOT_SERVING until every stage has a replica serving, and again whenever a stage has none
+    # (epd/gateway/readiness.py); the same checks tell the replica pools which replicas to route to.
+    pools = stage_pools(pipeline)
+    health = health or StageHealth(config, pools=pools)
     watch = watch_stages(hs, health, config.stage_check_interval_s)
     hs.background_tasks.append(asyncio.ensure_future(watch))
+    # Routing's inputs besides health: the replicas' loads, and the replica file when there is one.
+    if pools and config.routing == "affinity":
+        hs.background_tasks.append(asyncio.ensure_future(watch_loads(pools, config.load_refresh_interval_s)))
+    if pools and config.replicas_file:
+        watcher = ReplicaListWatcher(config.replicas_file, pools, config.replicas_poll_interval_s)
+        watcher.reload()  # the file as it is now (it may have changed since the pools were built)
+        hs.background_tasks.append(asyncio.ensure_future(watcher.run()))
     return hs
 
 
@@ -106,7 +139,11 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
         raise SystemExit(f"epd serve gateway: {problem}")
     signals = StopSignals()  # first: a signal while the servers start stops them cleanly
     metrics = GatewayMetrics()
-    pipeline = MeteredPipeline(local or remote_pipeline(config), metrics)
+    try:
+        stages = local or remote_pipeline(config)
+    except ReplicaFileError as exc:
+        raise SystemExit(f"epd serve gateway: {exc}") from None
+    pipeline = MeteredPipeline(stages, metrics)
     health = InProcessHealth() if local is not None else None
     admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
     http = None

@@ -13,7 +13,7 @@ from epd.stages.contracts import StageEvent
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
-from epd.transport import convert
+from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
 from epd.transport.upload import drain, media_input, read_upload
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -46,7 +46,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
                 generation=convert.generation_from_proto(header.generation, self.config.generation),
-                request_id=header.request_id,
+                request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),
             )
             # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call

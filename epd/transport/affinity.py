@@ -1,18 +1,39 @@
-"""Which replica of a stage gets a call: media affinity by rendezvous hashing, round robin without
-media. Pure bookkeeping (no gRPC); `epd.transport.remote_stages.ReplicaPool` holds one per stage.
+"""Which replica of a stage gets a call: media affinity by rendezvous hashing, the least loaded
+replica without media. Pure bookkeeping (no gRPC); `epd.transport.remote_stages.ReplicaPool` holds
+one per stage.
 
-A request about media with sha256 S goes to the replica with the highest score hash(S, replica)
-among the replicas currently believed healthy (rendezvous, or highest-random-weight, hashing). Every
-request about the same video therefore reaches the same encoder replica (its token cache holds the
-video's visual tokens) and the same prefill replica (its prefix cache holds the conversation's KV).
-Each replica's score for a key is independent of the others, so adding a replica moves only the
-keys it now wins, and losing one moves only the keys it held: each to the replica that was second
-in its order, which is also where a failed call is retried (`order(key)[1]`).
+Affinity. A request about media with sha256 S goes to the replica with the highest score
+hash(S, replica) among the replicas currently believed healthy (rendezvous, or highest-random-weight,
+hashing). Every request about the same video therefore reaches the same encoder replica (its token
+cache holds the video's visual tokens) and the same prefill replica (its prefix cache holds the
+conversation's KV), from any gateway and across gateway restarts: the score depends on nothing
+but the key and the replica's address. Each replica's score for a key is independent of the
+others, so adding a replica moves only the keys it now wins, and losing one moves only the keys it
+held: each to the replica that was second in its order, which is also where a failed call is
+retried.
+
+Load. A call without a key (decode; media the gateway could not hash) goes to the healthy replica
+with the least work: the larger of what the replica last reported (`set_load`: running + waiting
+requests over its engine cores, `LoadService.GetLoad`, refreshed in the background) and the calls
+this gateway has in flight to it (`begin`/`end`; exact and immediate, so a burst between two load
+reports spreads instead of piling onto the replica that was idle at the last report). Ties go
+round robin. A keyed call leaves its home replica only when that replica is overloaded: its load
+exceeds the least loaded healthy replica's by more than `max_excess_load` requests. Reasoning: a
+cache hit saves a whole encode (or a prompt's prefill), a miss elsewhere costs that work once and
+copies the video into a second cache, while waiting behind `max_excess_load` more requests than
+elsewhere costs about that many service times; a few requests of slack keeps the hit rate, a
+bounded queue keeps a hot video from starving the others behind one replica. The overloaded home
+is tried after the others, in rendezvous order (so the spill is itself stable: the second choice).
 
 Health has two sources: the gateway's grpc.health checks (`set_serving`: down until a later check
-says serving) and calls that failed with UNAVAILABLE (`mark_failed`: down for `failure_hold_s`,
-then tried again). Replicas believed down are not dropped from `order`, only put last, so that a
-stale belief costs one failed try, never a refused request.
+says serving) and calls that failed (`mark_failed`: held back for `failure_hold_s`; a call that
+found the replica unreachable is let back as soon as a check says SERVING, one that hung is not,
+since answering health checks says nothing about answering calls). Replicas believed down are not
+dropped from `order`, only put last, so that a stale belief costs one failed try, never a refused
+request.
+
+`routing="round-robin"` turns affinity and load off (every call in turn over the healthy
+replicas): the baseline of bench/bench_routing.py.
 """
 
 from __future__ import annotations
@@ -22,8 +43,14 @@ import time
 from collections.abc import Callable, Sequence
 
 FAILURE_HOLD_S = 5.0
-"""How long a replica whose call failed with UNAVAILABLE gets no calls first (it is still tried
-last, and the health checks may keep it down longer)."""
+"""How long a replica whose call failed gets no calls first (it is still tried last, and the
+health checks may keep it down longer)."""
+
+MAX_EXCESS_LOAD = 4
+"""Requests a keyed call's home replica may have beyond the least loaded healthy replica before
+the call goes to its next choice (see the module doc for why a few)."""
+
+ROUTINGS = ("affinity", "round-robin")
 
 
 def rendezvous_score(key: str, replica: str) -> int:
@@ -41,9 +68,9 @@ def rendezvous_order(key: str, replicas: Sequence[str]) -> list[str]:
 class ReplicaChooser:
     """The order in which one call tries the replicas of a stage.
 
-    `order(key)`: with a key (a media sha256), the replicas believed healthy in rendezvous order
-    for the key, then those believed down in the same order; without one, the healthy replicas in
-    turn (round robin, each call starting one further), then the down ones.
+    `order(key)`: the replicas believed healthy, best first, then those believed down. With a key
+    (a media sha256): rendezvous order, an overloaded home moved after the others. Without one:
+    least loaded first, ties in turn (each call starting one further).
     """
 
     def __init__(
@@ -51,51 +78,117 @@ class ReplicaChooser:
         replicas: Sequence[str],
         failure_hold_s: float = FAILURE_HOLD_S,
         clock: Callable[[], float] = time.monotonic,
+        routing: str = "affinity",
+        max_excess_load: int = MAX_EXCESS_LOAD,
     ) -> None:
         if not replicas:
             raise ValueError("a stage needs at least one address")
-        self.replicas = list(replicas)
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+        self.replicas: list[str] = list(dict.fromkeys(replicas))
         self.failure_hold_s = failure_hold_s
+        self.routing = routing
+        self.max_excess_load = max_excess_load
         self._clock = clock
         self._down: set[str] = set()  # by the health checks
-        self._failed_until: dict[str, float] = {}  # by calls that failed with UNAVAILABLE
+        self._failed_until: dict[str, tuple[float, bool]] = {}  # by failed calls: (until, hung)
+        self._reported: dict[str, int] = {}  # running + waiting, from the replica's GetLoad
+        self._in_flight: dict[str, int] = {}  # calls this gateway has open to the replica
         self._turn = 0
 
+    def set_replicas(self, replicas: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Replace the replica list (a reloaded replica file); returns (added, removed). What is
+        known about a replica that stays is kept; a new one starts healthy with no load."""
+        if not replicas:
+            raise ValueError("a stage needs at least one address")
+        new = list(dict.fromkeys(replicas))
+        added = [r for r in new if r not in self.replicas]
+        removed = [r for r in self.replicas if r not in new]
+        self.replicas = new
+        for r in removed:
+            self._down.discard(r)
+            self._failed_until.pop(r, None)
+            self._reported.pop(r, None)
+        return added, removed
+
     def set_serving(self, replica: str, serving: bool) -> None:
-        """A health check's answer for `replica` (unknown replicas are ignored)."""
+        """A health check's answer for `replica` (unknown replicas are ignored). SERVING also ends
+        the hold of a call that found the replica unreachable: it is back."""
         if replica not in self.replicas:
             return
         if serving:
             self._down.discard(replica)
+            held = self._failed_until.get(replica)
+            if held is not None and not held[1]:
+                del self._failed_until[replica]
         else:
             self._down.add(replica)
 
-    def mark_failed(self, replica: str) -> None:
-        """A call to `replica` failed with UNAVAILABLE: it gets calls only after the others for
-        `failure_hold_s`."""
+    def mark_failed(self, replica: str, hung: bool = False) -> None:
+        """A call to `replica` failed with UNAVAILABLE (or, `hung`, did not answer in its attempt
+        timeout): it gets calls only after the others for `failure_hold_s`."""
         if replica in self.replicas:
-            self._failed_until[replica] = self._clock() + self.failure_hold_s
+            self._failed_until[replica] = (self._clock() + self.failure_hold_s, hung)
+
+    def set_load(self, replica: str, load: int | None) -> None:
+        """The replica's reported running + waiting requests (None: it did not answer; its load is
+        then this gateway's own calls to it only)."""
+        if load is None:
+            self._reported.pop(replica, None)
+        elif replica in self.replicas:
+            self._reported[replica] = load
+
+    def begin(self, replica: str) -> None:
+        """A call to `replica` starts (counted in its load until `end`)."""
+        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+
+    def end(self, replica: str) -> None:
+        n = self._in_flight.get(replica, 0) - 1
+        if n > 0:
+            self._in_flight[replica] = n
+        else:
+            self._in_flight.pop(replica, None)
+
+    def in_flight(self, replica: str) -> int:
+        return self._in_flight.get(replica, 0)
+
+    def load(self, replica: str) -> int:
+        """Work at `replica` as this gateway sees it: the larger of its report and our calls."""
+        return max(self._reported.get(replica, 0), self._in_flight.get(replica, 0))
 
     def is_healthy(self, replica: str) -> bool:
         if replica in self._down:
             return False
-        until = self._failed_until.get(replica)
-        if until is not None and self._clock() >= until:
+        held = self._failed_until.get(replica)
+        if held is not None and self._clock() >= held[0]:
             del self._failed_until[replica]
-            until = None
-        return until is None
+            held = None
+        return held is None
 
     def healthy(self) -> list[str]:
         return [r for r in self.replicas if self.is_healthy(r)]
 
     def order(self, key: str = "") -> list[str]:
         healthy = self.healthy()
+        up = set(healthy)
+        if self.routing == "round-robin":
+            turn = self._in_turn(healthy or self.replicas)
+            return turn + [r for r in self.replicas if r not in turn]
         if key:
             ranked = rendezvous_order(key, self.replicas)
-            up = set(healthy)
-            return [r for r in ranked if r in up] + [r for r in ranked if r not in up]
-        turn = healthy or self.replicas  # all believed down: round robin over all of them
-        start = self._turn % len(turn)
+            first = [r for r in ranked if r in up]
+            if len(first) > 1:
+                bound = min(self.load(r) for r in first) + self.max_excess_load
+                first = [r for r in first if self.load(r) <= bound] + [r for r in first if self.load(r) > bound]
+            return first + [r for r in ranked if r not in up]
+        if not healthy:  # all believed down: in turn over all of them, a stale belief costs a try
+            return self._in_turn(self.replicas)
+        by_load = sorted(self._in_turn(healthy), key=self.load)  # stable: ties stay in turn
+        return by_load + [r for r in self.replicas if r not in up]
+
+    def _in_turn(self, replicas: list[str]) -> list[str]:
+        if not replicas:
+            return []
+        start = self._turn % len(replicas)
         self._turn += 1
-        rotated = turn[start:] + turn[:start]
-        return rotated + [r for r in self.replicas if r not in rotated]
+        return replicas[start:] + replicas[:start]

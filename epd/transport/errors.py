@@ -89,6 +89,27 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> Upstr
     return UpstreamError(code, f"{stage} stage {what} (request id {request_id})")
 
 
+def broken_stream(stage: str, num_tokens: int, request_id: str) -> UpstreamError:
+    """A stage's replica failed after `num_tokens` tokens had gone to the client: nothing can be
+    retried under the client (it holds part of an answer), so ABORTED (retry the whole request at
+    a higher level), not UNAVAILABLE (which clients and proxies may retry as if nothing had
+    happened). The replica's address goes to the server log, not to the client."""
+    return UpstreamError(
+        grpc.StatusCode.ABORTED,
+        f"the {stage} replica failed after {num_tokens} tokens; the answer is incomplete; retry the "
+        f"request (request id {request_id})",
+    )
+
+
+def failed_after_retry(err: UpstreamError, stage: str) -> UpstreamError:
+    """`err` of a try that came after another replica of `stage` had failed (before any answer):
+    says so, since e.g. a KV cache the first replica took may be gone for the second."""
+    return UpstreamError(
+        err.code, f"{err} (after a {stage} replica failed before answering and the request was retried)",
+        err.retry_after_s,
+    )
+
+
 def retry_after_of(exc: BaseException) -> int | None:
     """Seconds to wait before retrying, when `exc` says its service was busy (None otherwise)."""
     if isinstance(exc, grpc.aio.AioRpcError):

@@ -1,12 +1,19 @@
 """Stages that call the gRPC services: the gateway's view of the disaggregated stack.
 
 Each stage holds one channel per replica address (client-side load balancing; in Kubernetes the
-addresses come from a headless Service). A call about media goes to the replica that rendezvous
-hashing of the media's sha256 picks among the healthy ones (`epd.transport.affinity`), so the
-encoder replica whose token cache holds a video and the prefill replica whose prefix cache holds
-its conversation get every request about it; a call without media goes round robin. A call that
-fails with UNAVAILABLE (replica gone, draining or not reachable) is tried once more on the next
-replica in that order: a cache miss there, the same answer.
+addresses come from a headless Service, or from a replica file the gateway reloads,
+`epd.gateway.replica_list`). A call about media goes to the replica that rendezvous hashing of
+the media's sha256 picks among the healthy ones, unless that replica is overloaded; a call without
+media goes to the least loaded healthy replica (`epd.transport.affinity`).
+
+Retries, before anything reached the client only. Encode and prefill are idempotent (a cache miss
+on another replica, the same answer): a try that fails with UNAVAILABLE (replica gone, draining or
+not reachable), or that hangs past `attempt_timeout_s`, is made again on the next healthy replica
+in the call's order, each healthy replica at most once, while the call's deadline allows. A decode
+stream that fails the same ways before its first token is retried the same way (the new replica
+pulls the KV cache from prefill again; if that cache is gone the retry fails and says so). After
+the first token nothing is retried: the client has part of an answer, and gets ABORTED saying so
+(`epd.transport.errors.broken_stream`). Every other status is the request's own and passes on.
 
 Tensors pass through in wire form (`epd.transport.tensor_wire.WireTensor`): the gateway relays the
 encoder's embeddings to prefill and prefill's visual-entry mask to decode without torch.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -43,9 +51,9 @@ from epd.stages.messages import Message
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
-from epd.transport.affinity import FAILURE_HOLD_S, ReplicaChooser
-from epd.transport.errors import UpstreamError, stage_error
-from epd.transport.server import RECONNECT_OPTIONS, channel_options
+from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser
+from epd.transport.errors import UpstreamError, broken_stream, failed_after_retry, stage_error
+from epd.transport.server import RECONNECT_OPTIONS, channel_options, traced_channel
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import (
     decode_pb2,
@@ -61,70 +69,148 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_TRIES = 2
-"""Replicas one call tries: its first choice, then once the next one if the first was UNAVAILABLE."""
-
 HASH_IN_THREAD_BYTES = 1 << 20
 """Uploads at least this large are hashed (for routing) off the event loop."""
+
+HANG_SLACK_S = 0.05
+"""A try that ended in DEADLINE_EXCEEDED this close to its attempt timeout hung (ours expired);
+one that ended sooner got the status from the service itself, which is the request's own."""
 
 
 class ReplicaPool:
     """Channels to the replicas of one stage and the order a call tries them in
-    (`epd.transport.affinity.ReplicaChooser`: by media sha256, else round robin)."""
+    (`epd.transport.affinity.ReplicaChooser`: by media sha256, else least loaded)."""
 
-    def __init__(self, addresses: list[str], failure_hold_s: float = FAILURE_HOLD_S) -> None:
-        if not addresses:
-            raise ValueError("a stage needs at least one address")
-        self.addresses = list(addresses)
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        failure_hold_s: float = FAILURE_HOLD_S,
+        routing: str = "affinity",
+        attempt_timeout_s: float = 0.0,
+        max_excess_load: int = MAX_EXCESS_LOAD,
+    ) -> None:
+        self.chooser = ReplicaChooser(addresses, failure_hold_s, routing=routing, max_excess_load=max_excess_load)
+        self.attempt_timeout_s = attempt_timeout_s
+        """Longest one try may take before the next replica is tried (0: the whole deadline)."""
+        self._by_address = {a: self._open(a) for a in self.chooser.replicas}
+        self._retired: dict[str, grpc.aio.Channel] = {}  # removed replicas with calls still open
+        self._closing: set[asyncio.Future] = set()
+
+    @staticmethod
+    def _open(address: str) -> grpc.aio.Channel:
         # round_robin: a `dns:///name-headless:port` target spreads calls over every replica
         # behind the name (gRPC's default pick_first would send all of them to one).
         options = [*channel_options(), *RECONNECT_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
-        self.channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
-        self._by_address = dict(zip(self.addresses, self.channels))
-        self.chooser = ReplicaChooser(self.addresses, failure_hold_s)
+        return traced_channel(address, options)
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self.chooser.replicas)
+
+    @property
+    def channels(self) -> list[grpc.aio.Channel]:
+        return [self._by_address[a] for a in self.chooser.replicas]
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        return self._by_address[address]
+
+    def set_addresses(self, addresses: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Route over `addresses` from now on (a reloaded replica list); returns (added, removed).
+        A removed replica's channel closes once the calls open on it end."""
+        added, removed = self.chooser.set_replicas(addresses)
+        for a in added:
+            self._by_address[a] = self._retired.pop(a, None) or self._open(a)
+        for a in removed:
+            self._retired[a] = self._by_address.pop(a)
+        self._close_idle()
+        return added, removed
+
+    def _close_idle(self) -> None:
+        for address in [a for a in self._retired if self.chooser.in_flight(a) == 0]:
+            closing = asyncio.ensure_future(self._retired.pop(address).close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+
+    def begin(self, address: str) -> None:
+        self.chooser.begin(address)
+
+    def end(self, address: str) -> None:
+        self.chooser.end(address)
+        if address in self._retired:
+            self._close_idle()
 
     def pick(self, key: str = "") -> grpc.aio.Channel:
         """The channel a call with affinity `key` ("" = none) goes to first."""
         return self._by_address[self.chooser.order(key)[0]]
 
-    def candidates(self, key: str = "", max_tries: int = MAX_TRIES) -> list[tuple[str, grpc.aio.Channel]]:
-        """(address, channel) of the replicas one call may try, best first."""
-        return [(a, self._by_address[a]) for a in self.chooser.order(key)[:max_tries]]
+    def candidates(self, key: str = "") -> list[tuple[str, grpc.aio.Channel]]:
+        """(address, channel) of the replicas one call may try, best first: the healthy ones, or
+        every replica when none is believed healthy (a stale belief costs a try, not the request)."""
+        order = self.chooser.order(key)
+        healthy = set(self.chooser.healthy())
+        return [(a, self._by_address[a]) for a in ([a for a in order if a in healthy] or order)]
 
     def set_serving(self, address: str, serving: bool) -> None:
         """A health check's answer (the gateway's stage checks, epd/gateway/readiness.py)."""
         self.chooser.set_serving(address, serving)
 
-    def mark_failed(self, address: str) -> None:
-        self.chooser.mark_failed(address)
+    def mark_failed(self, address: str, hung: bool = False) -> None:
+        self.chooser.mark_failed(address, hung)
+
+    def try_timeout_s(self, remaining_s: float) -> float:
+        """The timeout of one try with `remaining_s` left of the call's deadline."""
+        if self.attempt_timeout_s > 0:
+            return min(remaining_s, self.attempt_timeout_s)
+        return remaining_s
 
     async def call(
         self,
         key: str,
-        attempt: Callable[[grpc.aio.Channel], Awaitable[T]],
+        attempt: Callable[[grpc.aio.Channel, float], Awaitable[T]],
         stage: str,
         request_id: str,
+        deadline_s: float,
     ) -> T:
-        """`attempt(channel)` on the first choice for `key`; when it fails with UNAVAILABLE, once
-        more on the next replica (a fresh attempt: the caller rebuilds its request stream). Any
-        other failure, or the last try's, is the stage's error."""
+        """`attempt(channel, timeout_s)` on the first choice for `key`; when a try fails with
+        UNAVAILABLE or hangs past `attempt_timeout_s`, again on the next healthy replica (a fresh
+        attempt: the caller rebuilds its request stream), each at most once, within `deadline_s`
+        in all. Any other failure, or the last try's, is the stage's error."""
+        loop = asyncio.get_running_loop()
+        end_at = loop.time() + deadline_s
         tries = self.candidates(key)
         for i, (address, channel) in enumerate(tries):
+            remaining = end_at - loop.time()
+            timeout_s = self.try_timeout_s(remaining)
+            started = loop.time()
+            self.begin(address)
             try:
-                return await attempt(channel)
+                return await attempt(channel, timeout_s)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                hung = (
+                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    and timeout_s < remaining
+                    and loop.time() - started >= timeout_s - HANG_SLACK_S
+                )
+                if exc.code() != grpc.StatusCode.UNAVAILABLE and not hung:
                     raise stage_error(exc, stage, request_id) from None
-                self.mark_failed(address)
-                if i + 1 == len(tries):
+                self.mark_failed(address, hung)
+                what = f"did not answer in {timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
+                if i + 1 == len(tries) or end_at - loop.time() <= 0:
+                    log.warning("%s replica %s %s for request %s; no replica left to try",
+                                stage, address, what, request_id)
                     raise stage_error(exc, stage, request_id) from None
-                log.warning("%s replica %s unavailable for request %s (%s); trying %s",
-                            stage, address, request_id, exc.details(), tries[i + 1][0])
+                log.warning("%s replica %s %s for request %s; trying %s",
+                            stage, address, what, request_id, tries[i + 1][0])
+            finally:
+                self.end(address)
         raise AssertionError("unreachable: a pool has at least one replica")
 
     async def close(self) -> None:
-        for ch in self.channels:
+        for ch in [*self._by_address.values(), *self._retired.values()]:
             await ch.close()
+        self._retired.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 async def media_key(media: MediaInput, pool: ReplicaPool) -> str:
@@ -167,11 +253,13 @@ class RemoteEncodeStage(EncodeStage):
             for i in range(0, len(data), CHUNK_BYTES):
                 yield encoder_pb2.EncodeRequest(media_chunk=data[i : i + CHUNK_BYTES])
 
-        async def attempt(channel: grpc.aio.Channel) -> tuple[encoder_pb2.EncodeResult, TensorAssembler]:
+        async def attempt(
+            channel: grpc.aio.Channel, timeout_s: float
+        ) -> tuple[encoder_pb2.EncodeResult, TensorAssembler]:
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
             asm = TensorAssembler(self.max_transfer_bytes)
             result = None
-            async for msg in stub.Encode(requests(), timeout=self.timeout_s):
+            async for msg in stub.Encode(requests(), timeout=timeout_s):
                 kind = msg.WhichOneof("kind")
                 if kind == "event":
                     on_event(convert.event_from_proto(msg.event))
@@ -184,7 +272,7 @@ class RemoteEncodeStage(EncodeStage):
             return result, asm
 
         key = await media_key(media, self.pool)
-        result, asm = await self.pool.call(key, attempt, "encode", request_id)
+        result, asm = await self.pool.call(key, attempt, "encode", request_id, self.timeout_s)
         # Relayed to prefill as received (embeddings and any DeepStack features, all counted
         # against max_transfer_bytes): wire form, no torch in the gateway.
         return convert.encoded_media_from_proto(result, asm.wire_tensors())
@@ -217,12 +305,12 @@ class RemotePrefillStage(PrefillStage):
             for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
                 yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
-        async def attempt(channel: grpc.aio.Channel) -> prefill_pb2.PrefillResult:
+        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> prefill_pb2.PrefillResult:
             stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-            return await stub.Prefill(requests(), timeout=self.timeout_s)
+            return await stub.Prefill(requests(), timeout=timeout_s)
 
         # The replica whose prefix cache holds this video's conversation (rendezvous on its sha256).
-        result = await self.pool.call(media.sha256, attempt, "prefill", request_id)
+        result = await self.pool.call(media.sha256, attempt, "prefill", request_id, self.timeout_s)
         return convert.handle_from_proto(result, relay=True)
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
@@ -231,7 +319,7 @@ class RemotePrefillStage(PrefillStage):
         channel = self._kv_channels.get(handle.kv_address)
         if channel is None:
             # The address came from our own prefill server's answer, never from a client.
-            channel = grpc.aio.insecure_channel(handle.kv_address, options=channel_options())
+            channel = traced_channel(handle.kv_address)
             self._kv_channels[handle.kv_address] = channel
         stub = prefill_pb2_grpc.PrefillServiceStub(channel)
         try:
@@ -253,17 +341,82 @@ class RemoteDecodeStage(DecodeStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
+        """Tokens from the least loaded decode replica. One that fails (UNAVAILABLE) or hangs past
+        the pool's attempt timeout before its first token is left for the next healthy replica,
+        each at most once within `timeout_s`; after the first token a failure is ABORTED."""
         if not handle.kv_address:
             raise InvalidRequest("a remote decoder needs the prefill server's kv_address")
-        stub = decode_pb2_grpc.DecodeServiceStub(self.pool.pick())
         request = decode_pb2.GenerateRequest(
             request_id=request_id,
             prefill=convert.handle_to_proto(handle),
             generation=convert.generation_to_proto(generation),
             pruning=convert.pruning_to_proto(pruning),
         )
-        try:
-            async for msg in stub.Generate(request, timeout=self.timeout_s):
-                yield convert.token_step_from_proto(msg)
-        except grpc.aio.AioRpcError as exc:
-            raise stage_error(exc, "decode", request_id) from None
+        end_at = time.monotonic() + self.timeout_s
+        tries = self.pool.candidates()
+        failed: list[str] = []  # "ADDRESS: what happened", for the log and the last error
+        for i, (address, channel) in enumerate(tries):
+            remaining = end_at - time.monotonic()
+            first_timeout_s = self.pool.try_timeout_s(remaining)
+            call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(request, timeout=remaining)
+            num_tokens = 0
+            self.pool.begin(address)
+            try:
+                stream = call.__aiter__()
+                try:
+                    first = await asyncio.wait_for(stream.__anext__(), first_timeout_s)
+                except asyncio.TimeoutError:
+                    if first_timeout_s >= remaining:  # the call's own deadline, not a hang
+                        raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            f"decode stage did not answer in time (request id {request_id})") from None
+                    self.pool.mark_failed(address, hung=True)
+                    failed.append(f"{address}: no first token in {first_timeout_s:.1f} s")
+                    if i + 1 == len(tries):
+                        raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            f"decode stage did not answer in time (request id {request_id})") from None
+                    log.warning("decode replica %s gave no first token in %.1f s for request %s; trying %s",
+                                address, first_timeout_s, request_id, tries[i + 1][0])
+                    continue
+                except StopAsyncIteration:
+                    return
+                step = convert.token_step_from_proto(first)
+                num_tokens += len(step.token_ids)
+                yield step
+                async for msg in stream:
+                    step = convert.token_step_from_proto(msg)
+                    num_tokens += len(step.token_ids)
+                    yield step
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if num_tokens or code not in (grpc.StatusCode.UNAVAILABLE,):
+                    if num_tokens and code in BROKEN_STREAM_CODES:
+                        log.warning("request %s: decode replica %s failed after %d tokens: %s %s",
+                                    request_id, address, num_tokens, code.name, exc.details())
+                        raise broken_stream("decode", num_tokens, request_id) from None
+                    if failed:
+                        log.warning("request %s: decode retried after %s; then %s: %s %s",
+                                    request_id, "; ".join(failed), address, code.name, exc.details())
+                        raise failed_after_retry(stage_error(exc, "decode", request_id), "decode") from None
+                    raise stage_error(exc, "decode", request_id) from None
+                self.pool.mark_failed(address)
+                failed.append(f"{address}: unavailable ({exc.details()})")
+                if i + 1 == len(tries) or end_at - time.monotonic() <= 0:
+                    raise stage_error(exc, "decode", request_id) from None
+                log.warning("decode replica %s unavailable before the first token of request %s (%s); trying %s",
+                            address, request_id, exc.details(), tries[i + 1][0])
+            finally:
+                call.cancel()  # no-op once it ended; stops the replica when the consumer went away
+                self.pool.end(address)
+
+
+BROKEN_STREAM_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.CANCELLED,
+})
+"""How a decode replica that died (or was stopped) mid-answer ends its stream; after the first token
+these become ABORTED (`broken_stream`): the answer is incomplete and only the whole request can be
+retried. Other codes (the deadline, the request's own errors) pass on as they are."""

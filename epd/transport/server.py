@@ -9,12 +9,14 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from epd.stages.server_config import MAX_MESSAGE_BYTES, ServerConfig
+from epd.transport import tracing
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,15 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 # A restarted peer is found within seconds rather than after gRPC's default reconnect backoff
 # (growing to 120 s): for the gateway's channels to its stages and its health checks of them.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def traced_channel(target: str, options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+    """A channel to a stage whose calls carry the caller's request id (`x-request-id`) and, with
+    OpenTelemetry on, its trace context (`epd.transport.tracing`)."""
+    return grpc.aio.insecure_channel(
+        target, options=channel_options() if options is None else options,
+        interceptors=tracing.client_interceptors(),
+    )
 
 
 class HealthyServer:
@@ -81,11 +92,13 @@ async def create_server(
     service_names: list[str],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> HealthyServer:
-    """Build and start a server; `register(server)` adds the service's servicers."""
+    """Build and start a server; `register(server)` adds the service's servicers. Every call it
+    serves runs under its request id, and every error it answers names it (`tracing.ServerTracing`)."""
     # so_reuseport off: gRPC enables it by default on Linux, which lets a second server bind a
     # port already in use and silently share its connections (two models behind one address).
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    tracing.setup_otel_from_env("epd-" + (service_names[0].rsplit(".", 1)[-1] if service_names else "server"))
+    server = grpc.aio.server(options=options, interceptors=[tracing.ServerTracing(), *interceptors])
     register(server)
     try:
         port = server.add_insecure_port(config.address)

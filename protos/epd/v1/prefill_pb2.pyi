@@ -66,10 +66,12 @@ class PrefillResult(_message.Message):
     def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., visual_entry_mask: _Optional[bytes] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("kv_handle",)
+    __slots__ = ("kv_handle", "keep_until_confirmed")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_UNTIL_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
-    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+    keep_until_confirmed: bool
+    def __init__(self, kv_handle: _Optional[str] = ..., keep_until_confirmed: _Optional[bool] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("tensor",)
@@ -78,12 +80,14 @@ class KvChunk(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
-    __slots__ = ("kv_handle", "request_id")
+    __slots__ = ("kv_handle", "request_id", "received")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
     request_id: str
-    def __init__(self, kv_handle: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    received: bool
+    def __init__(self, kv_handle: _Optional[str] = ..., request_id: _Optional[str] = ..., received: _Optional[bool] = ...) -> None: ...
 
 class ReleaseKvResult(_message.Message):
     __slots__ = ("released", "num_kv_caches_held", "kv_bytes_held")

@@ -67,7 +67,11 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullKv(self, request, context):
-        """Streams the KV cache named by a handle, layer by layer, then forgets it.
+        """Streams the KV cache named by a handle, layer by layer. With keep_until_confirmed (what
+        decoders send) the cache stays until the decoder confirms receipt (ReleaseKv with received),
+        the gateway releases it, or its TTL: a pull that breaks half way can be made again, by the
+        same or another decoder. Without it the cache is forgotten once streamed (what a
+        decoder of 0.1 expects). NOT_FOUND: the handle is unknown, expired, confirmed or released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,7 +81,8 @@ class PrefillServiceServicer:
         """Drops the KV cache named by a handle that no decoder will pull: the gateway calls it when a
         request ends (cancelled by its client, failed, or its decoder could not pull) after Prefill
         answered and before a decoder took the cache. Idempotent: an unknown, expired or already
-        pulled handle is not an error.
+        pulled handle is not an error. The decoder that pulled a cache calls it too, with received,
+        once it holds the whole cache: the handover's confirmation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

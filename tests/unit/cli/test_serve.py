@@ -7,6 +7,7 @@ import json
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -14,7 +15,7 @@ import pytest
 
 from epd.cli import configs
 from epd.cli.main import build_parser
-from epd.cli.serve import stack_commands
+from epd.cli.serve import EXIT_USAGE, port_clash, replica_ports, stack_commands
 from epd.model_runtime.loader import ModelLoadError, check_model_dir
 from epd.resources import demo_model_dir
 from epd.transport.errors import status_of
@@ -97,11 +98,91 @@ def test_grace_period_reaches_every_service():
 def test_the_prefix_cache_flags_reach_the_stacks_prefill():
     args = build_parser().parse_args(["serve", "--prefix-cache-bytes", "0", "--prefix-cache-ttl", "5"])
     args.model = "/m"
-    command = stack_commands(args)["prefill"]
+    command = stack_commands(args)["prefill[0]"]
     role = build_parser().parse_args(command[command.index("serve"):])
     config = configs.prefill_config(role)
     assert (config.prefix_cache_bytes, config.prefix_cache_ttl_s) == (0, 5.0)
-    assert "--prefix-cache-bytes" not in stack_commands(args)["encoder"]
+    assert "--prefix-cache-bytes" not in stack_commands(args)["encoder[0]"]
+
+
+def test_the_log_format_reaches_every_service():
+    args = build_parser().parse_args(["--log-format", "json", "serve"])
+    args.model = "/m"
+    for name, command in stack_commands(args).items():
+        assert build_parser().parse_args(command[3:]).log_format == "json", name
+    text = build_parser().parse_args(["serve"])
+    text.model = "/m"
+    assert all("--log-format" not in c for c in stack_commands(text).values())  # the default, titles stay short
+
+
+def _parsed(command: list[str]):
+    return build_parser().parse_args(command[command.index("serve"):])
+
+
+def test_one_replica_per_stage_keeps_the_stage_ports():
+    args = build_parser().parse_args(["serve"])
+    args.model = "/m"
+    commands = stack_commands(args)
+    assert sorted(commands) == ["decode[0]", "encoder[0]", "gateway", "prefill[0]"]
+    assert [_parsed(commands[f"{r}[0]"]).port for r in ("encoder", "prefill", "decode")] == [50051, 50052, 50053]
+    gateway = configs.gateway_config(_parsed(commands["gateway"]))
+    assert (gateway.encoder_addresses, gateway.prefill_addresses, gateway.decode_addresses) == (
+        ("127.0.0.1:50051",), ("127.0.0.1:50052",), ("127.0.0.1:50053",))
+
+
+def test_replicas_get_their_own_ports_and_the_gateway_lists_them_all():
+    args = build_parser().parse_args(["serve", "--encoders", "3", "--prefills", "2", "--decodes", "2",
+                                      "--decode-port", "6000"])
+    args.model = "/m"
+    commands = stack_commands(args)
+    assert replica_ports(args) == {"encoder": [50051, 50061, 50071], "prefill": [50052, 50062],
+                                   "decode": [6000, 6010]}
+    assert port_clash(args) is None
+    gateway = configs.gateway_config(_parsed(commands["gateway"]))
+    assert gateway.encoder_addresses == ("127.0.0.1:50051", "127.0.0.1:50061", "127.0.0.1:50071")
+    assert gateway.prefill_addresses == ("127.0.0.1:50052", "127.0.0.1:50062")
+    assert gateway.decode_addresses == ("127.0.0.1:6000", "127.0.0.1:6010")
+    for role, ports in replica_ports(args).items():
+        for i, port in enumerate(ports):
+            replica = _parsed(commands[f"{role}[{i}]"])
+            assert (replica.role, replica.port) == (role, port)
+            if role == "prefill":  # advertises its own address: decoders pull from the replica that prefilled
+                assert configs.prefill_config(replica).advertise_address == ""
+            if role == "decode":  # the default allow-list admits every loopback prefill replica
+                allowed = configs.decode_config(replica).allow_kv_from
+                assert "127.0.0.1:*" in allowed
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--encoders", "2", "--encoder-port", "50042"], "prefill[0] would listen on port 50052, which encoder[1] uses"),
+    (["--decodes", "3", "--decode-port", "65530"], "decode[1] would listen on port 65540"),
+    (["--http-port", "50050"], "--http-port 50050 is also --gateway-port"),
+    (["--http-port", "50061", "--encoders", "2"], "which the gateway's HTTP API uses"),
+])
+def test_ports_that_clash_are_a_usage_error_before_anything_starts(argv, problem, capsys):
+    args = build_parser().parse_args(["serve", *argv])
+    assert problem in (port_clash(args) or "")
+    from epd.cli.serve import serve_stack
+
+    assert serve_stack(args) == EXIT_USAGE
+    assert problem in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--encoders", "0"], "must be 1 to 64 replicas"),
+    (["--decodes", "two"], "expected a number of replicas"),
+    (["--health-timeout", "0"], "must be > 0 seconds"),
+    (["--health-timeout", "-3"], "must be >= 0 seconds"),
+])
+def test_bad_replica_and_health_flags_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_replica_and_health_defaults():
+    args = build_parser().parse_args(["serve"])
+    assert (args.encoders, args.prefills, args.decodes, args.health_timeout) == (1, 1, 1, 10.0)
 
 
 def test_a_negative_grace_period_is_a_usage_error(capsys):
@@ -129,3 +210,135 @@ print(args.model, sorted(m for m in ("torch", "transformers") if m in sys.module
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(demo_model_dir()), "[]"]
+
+
+class _Process:
+    """A child as the launcher sees it (`poll`, `pid`, `kill`, ...), that exits with `code` after
+    being polled `polls` times: the supervision loop's processes, without starting any."""
+
+    pids = iter(range(1000, 2000))
+
+    def __init__(self, code: int | None = None, polls: int = 0) -> None:
+        self.pid, self._code, self._polls, self.returncode = next(self.pids), code, polls, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._code is not None:
+            self._polls -= 1
+            if self._polls < 0:
+                self.returncode = self._code
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+    def send_signal(self, signum: int) -> None:
+        self.returncode = -signum
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+
+@pytest.fixture
+def health_servers():
+    """Real grpc.health servers answering SERVING on free loopback ports: what the supervisor asks."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servers = []
+
+    def serve() -> int:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        servicer = health.HealthServicer()
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return port
+
+    yield serve
+    for server in servers:
+        server.stop(None)
+
+
+@pytest.fixture
+def launcher_signals():
+    import signal
+
+    from epd.cli.serve import _Signals
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signals = _Signals()
+    # A supervisor that never decides is stopped as Ctrl-C would (and the test then fails on EXIT_OK).
+    timer = threading.Timer(30.0, signals.stop.set)
+    timer.start()
+    yield signals
+    timer.cancel()
+    signal.signal(signal.SIGINT, handlers[0])
+    signal.signal(signal.SIGTERM, handlers[1])
+
+
+def _slots(serve, names: list[str], policy):
+    import time
+
+    from epd.cli.serve import _Slot
+    from epd.cli.supervisor import Replica
+
+    return [_Slot(name, name.partition("[")[0], serve(), [], Replica(name, policy, time.monotonic()))
+            for name in names]
+
+
+def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_one(
+        health_servers, launcher_signals, capsys):
+    from epd.cli.serve import EXIT_FAILED, _supervise
+    from epd.cli.supervisor import RestartPolicy, State
+
+    policy = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.01, crash_loop_exits=2)
+    slots = _slots(health_servers, ["gateway", "encoder[0]", "encoder[1]"], policy)
+    started: list[str] = []
+
+    def start(slot):
+        started.append(slot.name)
+        # The gateway runs; each encoder process dies (code 1) soon after it starts, encoder[0]'s later.
+        return _Process() if slot.role == "gateway" else _Process(1, polls=2 if slot.name == "encoder[1]" else 7)
+
+    for slot in slots:
+        slot.proc = start(slot)
+    assert _supervise(slots, start, launcher_signals, policy, ready_timeout_s=30) == EXIT_FAILED
+    err = capsys.readouterr().err.splitlines()
+    exits = [line.split(") ", 1)[1] for line in err if line.startswith("epd: encoder[1] (pid ")]
+    assert exits == ["exited with code 1; restarting in 0.01 s",
+                     "exited with code 1; crash-looping (2 exits in 60 s); giving up on it"], err
+    assert "epd: encoder[1] restarted (pid " in "\n".join(err)
+    assert err[-1] == "epd: no encoder left; stopping the stack", err
+    assert [s.replica.state for s in slots] == [State.SERVING, State.GIVEN_UP, State.GIVEN_UP]
+    assert started.count("encoder[0]") == started.count("encoder[1]") == 2 and started.count("gateway") == 1
+
+
+@pytest.mark.parametrize("code", [3, 2])  # EXIT_MODEL, EXIT_USAGE: a restart would fail the same way
+def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
+        health_servers, launcher_signals, code):
+    from epd.cli.serve import _supervise
+    from epd.cli.supervisor import RestartPolicy
+
+    policy = RestartPolicy(backoff_initial_s=0.01)
+    slots = _slots(health_servers, ["gateway", "decode[0]"], policy)
+    started: list[str] = []
+
+    def start(slot):
+        started.append(slot.name)
+        return _Process() if slot.role == "gateway" else _Process(code, polls=3)
+
+    for slot in slots:
+        slot.proc = start(slot)
+    assert _supervise(slots, start, launcher_signals, policy, ready_timeout_s=30) == code
+    assert started == ["gateway", "decode[0]"]
+
+
+@pytest.mark.parametrize("argv", [["--encoders", "2", "--colocate"], ["--decodes", "3", "decode"]])
+def test_replica_counts_outside_the_stack_are_a_usage_error(argv, capsys):
+    from epd.cli.serve import run_serve
+
+    assert run_serve(build_parser().parse_args(["serve", *argv])) == EXIT_USAGE
+    assert "start replicas of the stack" in capsys.readouterr().err

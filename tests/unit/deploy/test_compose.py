@@ -123,7 +123,29 @@ def check_stack(doc: dict) -> list[str]:
         volumes.update(names)
     if len(volumes) > 1 or not volumes <= set(doc.get("volumes") or {}):
         problems.append(f"stages must share one declared named volume for the model cache, mount {sorted(volumes)}")
-    return problems + api_key_problems(cfgs["gateway"], KEY)
+    return problems + api_key_problems(cfgs["gateway"], KEY) + check_supervision(doc)
+
+
+def replicas_of(svc: dict) -> int:
+    """`deploy.replicas` as compose reads it (a string after interpolation; 1 when absent)."""
+    return int((svc.get("deploy") or {}).get("replicas", 1))
+
+
+def check_supervision(doc: dict) -> list[str]:
+    """Every service is restarted when it exits; replica counts are >= 1; prefill, which advertises
+    its service name to the decoders, runs once under that name."""
+    problems = []
+    for name, svc in doc["services"].items():
+        if svc.get("restart") not in ("unless-stopped", "always"):
+            problems.append(f"{name}: restart is {svc.get('restart')!r}; a container that exits must be restarted")
+        if replicas_of(svc) < 1:
+            problems.append(f"{name}: {replicas_of(svc)} replicas; at least 1")
+    prefill = doc["services"]["prefill"]
+    argv = as_argv(prefill.get("command", []))
+    advertised = argv[argv.index("--advertise-address") + 1] if "--advertise-address" in argv else ""
+    if replicas_of(prefill) > 1 and advertised.rpartition(":")[0] == "prefill":
+        problems.append(f"prefill: {replicas_of(prefill)} replicas would all advertise {advertised}")
+    return problems
 
 
 def check_gpu(doc: dict) -> list[str]:
@@ -201,6 +223,19 @@ def test_shell_settings_reach_epd_in_every_service():
     assert published == {"6000": str(gw.server.port), "6001": str(gw.http.port)}
 
 
+def test_replica_counts_come_from_the_shell_as_epd_serves_flags():
+    """EPD_ENCODERS / EPD_DECODES are `epd serve --encoders / --decodes` for compose; every replica
+    is reached through its service's name (check_stack: the gateway's addresses are the names)."""
+    default = interpolate(raw(), {"EPD_API_KEY": KEY})["services"]
+    assert {name: replicas_of(svc) for name, svc in default.items()} == {
+        "encoder": 1, "prefill": 1, "decode": 1, "gateway": 1}
+    env = {"EPD_API_KEY": KEY, "EPD_ENCODERS": "3", "EPD_DECODES": "2"}
+    for files in (("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")):
+        doc = interpolate(raw(*files), env)
+        assert [replicas_of(doc["services"][s]) for s in STAGES] == [3, 1, 2], files
+        assert check_stack(doc) == []
+
+
 def _cmd(service: str, old: str, new: str | None):
     """Replace (None: remove) one argument of a service's command."""
     def mutate(doc):
@@ -241,6 +276,11 @@ MUTATIONS = [
     ("key inlined", _set("gateway", "environment", "EPD_API_KEY", value="hunter2"), "does not take its API key"),
     ("key opt-out", lambda d: d["services"]["gateway"]["command"].append("--no-api-key"), "does not take its API"),
     ("no key at all", _set("gateway", "environment", "EPD_API_KEY"), "refusing to serve"),
+    ("not restarted", _set("decode", "restart", value="no"), "decode: restart is 'no'"),
+    ("restart dropped", _set("gateway", "restart"), "gateway: restart is None"),
+    ("no replicas", _set("encoder", "deploy", "replicas", value="0"), "encoder: 0 replicas"),
+    ("prefill replicas", _set("prefill", "deploy", "replicas", value="2"),
+     "prefill: 2 replicas would all advertise prefill:50052"),
 ]
 
 

@@ -80,6 +80,13 @@ def check_manifests(objs: list[dict]) -> list[str]:
             probe = c.get(kind) or ({} if kind != "startupProbe" else {"grpc": {"port": ports.get("grpc")}})
             if probe.get("grpc", {}).get("port") != ports.get("grpc"):
                 problems.append(f"{name}: {kind} must be a grpc probe on port {ports.get('grpc')}, is {c.get(kind)}")
+        # Supervision, as `epd serve` does it on one host: N replicas, a container that exits is
+        # restarted (kubelet's back-off), one that stops answering is killed (livenessProbe above).
+        replicas = dep["spec"].get("replicas")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            problems.append(f"{name}: replicas must be a count >= 1, is {replicas!r}")
+        if pod(dep)["spec"].get("restartPolicy", "Always") != "Always":
+            problems.append(f"{name}: restartPolicy must be Always, is {pod(dep)['spec']['restartPolicy']!r}")
         labels, selector = pod(dep)["metadata"].get("labels", {}), dep["spec"]["selector"]["matchLabels"]
         if labels.get(COMPONENT) != role or not selects(selector, labels) or any(
                 selects(selector, pod(d)["metadata"]["labels"]) for d in all_deps if d is not dep):
@@ -145,6 +152,22 @@ def test_kustomization_applies_every_manifest_and_they_have_no_problems():
     assert check_manifests(load_objects()) == []
 
 
+def test_the_readme_gives_each_deployments_replica_count():
+    """deploy/README.md's table says how many replicas each role runs: the manifests' counts."""
+    rows = re.findall(r"^\| (\w+) \| (\d+) \|", (ROOT / "deploy" / "README.md").read_text(), re.M)
+    counts = {d["metadata"]["name"]: d["spec"]["replicas"] for d in of_kind(load_objects(), "Deployment")}
+    assert {role: int(n) for role, n in rows} == counts
+
+
+def test_every_stage_reaches_all_its_pods_through_a_headless_service():
+    """A ClusterIP Service would pin the gateway's connection to one pod: each stage the gateway
+    calls is a headless Service (clusterIP None) selecting that stage's pods."""
+    objs = load_objects()
+    headless = {s["spec"]["selector"][COMPONENT] for s in of_kind(objs, "Service") if s["spec"].get("clusterIP") == "None"}
+    assert headless == {"encoder", "prefill", "decode"}
+    assert all(d["spec"]["replicas"] >= 1 for d in of_kind(objs, "Deployment"))
+
+
 def _find(objs, kind, name):
     return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
 
@@ -197,6 +220,13 @@ MUTATIONS = [
     ("opt-out", _c("gateway", lambda c: c["args"].append("--no-api-key")), "does not take its API key"),
     ("secret in manifests", lambda o: o.append({"kind": "Secret", "metadata": {"name": "epd-api-key"}}),
      "a Secret is in the manifests"),
+    ("no replicas", lambda o: _find(o, "Deployment", "encoder")["spec"].pop("replicas"),
+     "encoder: replicas must be a count >= 1, is None"),
+    ("zero replicas", lambda o: _find(o, "Deployment", "decode")["spec"].update(replicas=0),
+     "decode: replicas must be a count >= 1, is 0"),
+    ("never restarted", lambda o: pod(_find(o, "Deployment", "prefill"))["spec"].update(restartPolicy="Never"),
+     "prefill: restartPolicy must be Always"),
+    ("no liveness probe", _c("gateway", lambda c: c.pop("livenessProbe")), "gateway: livenessProbe must be a grpc"),
     ("no egress policy", _drop("NetworkPolicy", "decode-egress"), "no NetworkPolicy limits decode's egress"),
     ("egress open", lambda o: _find(o, "NetworkPolicy", "decode-egress")["spec"]["egress"][0].pop("to"),
      "decode may reach port 50052 beyond prefill"),

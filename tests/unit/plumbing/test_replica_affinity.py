@@ -1,5 +1,5 @@
 """`ReplicaPool.call`: a keyed call goes to its rendezvous home, a call that fails with UNAVAILABLE
-is tried once on the next replica, other errors are not retried, and the gateway's health checks
+is tried on the next replica (each healthy one once), other errors are not retried, and the gateway's health checks
 (`StageHealth`) steer calls around a replica that does not serve. Real grpc.aio servers in this
 process that answer with their own name."""
 
@@ -33,8 +33,8 @@ def _named(name: bytes, calls: list[bytes]) -> dict[str, grpc.RpcMethodHandler]:
 
 
 def _who(request: bytes = b""):
-    async def attempt(channel: grpc.aio.Channel) -> bytes:
-        return await unary(channel, "Who")(request, timeout=TIMEOUT_S)
+    async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> bytes:
+        return await unary(channel, "Who")(request, timeout=timeout_s)
 
     return attempt
 
@@ -44,7 +44,7 @@ async def _servers(names: list[bytes], calls: list[bytes]):
     return {address: (server, name) for (server, address), name in zip(started, names)}
 
 
-def test_a_keyed_call_goes_home_and_falls_back_once_when_home_is_gone():
+def test_a_keyed_call_goes_home_and_falls_back_in_order_when_replicas_are_gone():
     async def scenario():
         calls: list[bytes] = []
         servers = await _servers([b"a", b"b", b"c"], calls)
@@ -52,24 +52,30 @@ def test_a_keyed_call_goes_home_and_falls_back_once_when_home_is_gone():
         order = rendezvous_order(KEY, pool.addresses)
         name = {address: servers[address][1] for address in servers}
         try:
-            first = [await pool.call(KEY, _who(), "prefill", "r") for _ in range(3)]
+            first = [await pool.call(KEY, _who(), "prefill", "r", TIMEOUT_S) for _ in range(3)]
             assert first == [name[order[0]]] * 3
             await servers[order[0]][0].stop(0)
             calls.clear()
-            after = await pool.call(KEY, _who(), "prefill", "r")  # UNAVAILABLE at home, then the next
+            after = await pool.call(KEY, _who(), "prefill", "r", TIMEOUT_S)  # UNAVAILABLE at home, next
             assert after == name[order[1]] and calls == [name[order[1]]]
             # Home is now held back: the next call goes straight to the second choice.
             assert pool.candidates(KEY)[0][0] == order[1]
             # Not retried: an error of the request itself.
             calls.clear()
             with pytest.raises(UpstreamError) as err:
-                await pool.call(KEY, _who(b"invalid"), "prefill", "r")
+                await pool.call(KEY, _who(b"invalid"), "prefill", "r", TIMEOUT_S)
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and calls == [name[order[1]]]
-            # Both of its tries gone: UNAVAILABLE is the stage's error.
+            # Every healthy replica is tried once: with home and its second gone, the third answers.
             await servers[order[1]][0].stop(0)
             pool.chooser._failed_until.clear()  # noqa: SLF001 - forget the hold, try home first again
+            calls.clear()
+            assert await pool.call(KEY, _who(), "prefill", "r", TIMEOUT_S) == name[order[2]]
+            assert calls == [name[order[2]]]
+            # All gone: UNAVAILABLE is the stage's error.
+            await servers[order[2]][0].stop(0)
+            pool.chooser._failed_until.clear()  # noqa: SLF001
             with pytest.raises(UpstreamError) as err:
-                await pool.call(KEY, _who(), "prefill", "r")
+                await pool.call(KEY, _who(), "prefill", "r", TIMEOUT_S)
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
         finally:
             await pool.close()
@@ -85,7 +91,7 @@ def test_calls_without_a_key_go_round_robin():
         servers = await _servers([b"a", b"b"], calls)
         pool = ReplicaPool(list(servers))
         try:
-            return [await pool.call("", _who(), "decode", "r") for _ in range(4)]
+            return [await pool.call("", _who(), "decode", "r", TIMEOUT_S) for _ in range(4)]
         finally:
             await pool.close()
             for server, _ in servers.values():
@@ -114,12 +120,20 @@ def test_the_health_checks_tell_the_pools_which_replicas_serve():
         keys = [f"{i:064x}" for i in range(20)]
         try:
             assert await checks.down() == [f"prefill {b}"]
+            assert await checks.not_serving() == []  # one prefill replica serves: the stage does
             assert pool.chooser.healthy() == [a]
             assert {pool.candidates(k)[0][0] for k in keys} == {a}
             await b_health.set("", health_pb2.HealthCheckResponse.SERVING)
             assert await checks.down() == []
             assert pool.chooser.healthy() == [a, b]
             assert {pool.candidates(k)[0][0] for k in keys} == {a, b}
+            # Every replica of a stage down: that stage is not serving (and the gateway NOT_SERVING).
+            await b_health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await serving.stop(0)
+            assert await checks.not_serving() == ["decode", "encoder", "prefill"]
+            # A reloaded replica list is what the checks follow.
+            pool.set_addresses([b])
+            assert [address for stage, address in checks.addresses if stage == "prefill"] == [b]
         finally:
             await checks.close()
             await pool.close()

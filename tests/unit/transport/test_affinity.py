@@ -1,5 +1,6 @@
 """Media affinity (`epd.transport.affinity`): rendezvous order by media sha256 over the healthy
-replicas, round robin without one; pure bookkeeping, no gRPC."""
+replicas (an overloaded home last), the least loaded replica without one (ties in turn),
+replicas added and removed; pure bookkeeping, no gRPC."""
 
 from __future__ import annotations
 
@@ -80,11 +81,17 @@ def test_a_failed_call_holds_a_replica_back_for_a_while():
     assert chooser.order(key)[0] == order[1]
     now[0] += 0.2
     assert chooser.order(key) == order
-    # A health check that says serving does not cut a failure's hold short, nor the reverse.
+    # A replica that was unreachable rejoins as soon as a health check finds it SERVING ...
     chooser.mark_failed(order[0])
     chooser.set_serving(order[0], True)
+    assert chooser.order(key) == order
+    # ... one that hung does not (answering health checks says nothing about answering calls).
+    chooser.mark_failed(order[0], hung=True)
+    chooser.set_serving(order[0], True)
     assert chooser.order(key)[0] == order[1]
-    now[0] += 6
+    now[0] += 5.1
+    assert chooser.order(key) == order
+    # A check that says not serving keeps it down whatever the hold.
     chooser.set_serving(order[0], False)
     assert chooser.order(key)[0] == order[1]
 
@@ -100,6 +107,77 @@ def test_without_a_key_calls_go_round_robin_over_the_healthy_replicas():
     for r in ("a", "c"):
         chooser.set_serving(r, False)
     assert {chooser.order()[0] for _ in range(3)} == {"a", "b", "c"}  # all down: still all tried
+
+
+def test_without_a_key_the_least_loaded_healthy_replica_goes_first_ties_in_turn():
+    chooser = ReplicaChooser(["a", "b", "c"])
+    chooser.set_load("a", 3)
+    chooser.set_load("b", 0)
+    chooser.set_load("c", 1)
+    assert [chooser.order()[0] for _ in range(3)] == ["b", "b", "b"]
+    assert chooser.order() == ["b", "c", "a"]
+    chooser.set_load("c", 0)
+    assert {chooser.order()[0] for _ in range(4)} == {"b", "c"}  # a tie: in turn
+    # Our own calls in flight count as soon as they start, before the next load report.
+    for _ in range(2):
+        chooser.begin("b")
+    assert [chooser.order()[0] for _ in range(3)] == ["c", "c", "c"]
+    assert chooser.load("b") == 2 and chooser.in_flight("b") == 2
+    chooser.end("b")
+    chooser.end("b")
+    assert chooser.load("b") == 0 and chooser.in_flight("b") == 0
+    # A report larger than our calls wins (another gateway's work); no report: our calls only.
+    chooser.set_load("c", 9)
+    chooser.set_load("a", None)
+    assert chooser.order()[0] in {"a", "b"} and chooser.order()[-1] == "c"
+    # A replica down is last whatever its load.
+    chooser.set_serving("a", False)
+    chooser.set_serving("b", False)
+    assert chooser.order() == ["c", "a", "b"] or chooser.order() == ["c", "b", "a"]
+
+
+def test_a_keyed_call_stays_home_under_some_load_and_leaves_an_overloaded_home():
+    chooser = ReplicaChooser(REPLICAS, max_excess_load=4)
+    key = KEYS[5]
+    order = rendezvous_order(key, REPLICAS)
+    chooser.set_load(order[0], 4)  # 4 more than the idle others: still home (the cache is there)
+    assert chooser.order(key) == order
+    chooser.set_load(order[0], 5)  # beyond the slack: the next choice, home tried last
+    assert chooser.order(key) == [order[1], order[2], order[0]]
+    chooser.set_load(order[1], 3)  # the spill goes by rendezvous order, not by load
+    assert chooser.order(key) == [order[1], order[2], order[0]]
+    chooser.set_load(order[1], 5)
+    chooser.set_load(order[2], 5)  # all equally busy: home again
+    assert chooser.order(key) == order
+
+
+def test_round_robin_routing_ignores_keys_and_loads():
+    chooser = ReplicaChooser(["a", "b"], routing="round-robin")
+    chooser.set_load("a", 50)
+    assert [chooser.order(KEYS[0])[0] for _ in range(4)] == ["a", "b", "a", "b"]
+    chooser.set_serving("a", False)
+    assert [chooser.order(KEYS[0]) for _ in range(2)] == [["b", "a"], ["b", "a"]]
+    with pytest.raises(ValueError, match="routing must be one of"):
+        ReplicaChooser(["a"], routing="random")
+
+
+def test_replicas_come_and_go_and_keys_move_only_to_or_from_them():
+    chooser = ReplicaChooser(REPLICAS[:2])
+    homes = {k: chooser.order(k)[0] for k in KEYS}
+    chooser.mark_failed(REPLICAS[1])
+    chooser.set_load(REPLICAS[1], 7)
+    added, removed = chooser.set_replicas(REPLICAS)
+    assert (added, removed) == ([REPLICAS[2]], [])
+    assert not chooser.is_healthy(REPLICAS[1]) and chooser.load(REPLICAS[1]) == 7  # kept
+    chooser.set_serving(REPLICAS[1], True)
+    chooser.set_load(REPLICAS[1], 0)
+    moved = {k for k in KEYS if chooser.order(k)[0] != homes[k]}
+    assert moved and all(chooser.order(k)[0] == REPLICAS[2] for k in moved)
+    added, removed = chooser.set_replicas([REPLICAS[0], REPLICAS[2]])
+    assert (added, removed) == ([], [REPLICAS[1]])
+    assert REPLICAS[1] not in chooser.order() and chooser.load(REPLICAS[1]) == 0
+    with pytest.raises(ValueError, match="at least one address"):
+        chooser.set_replicas([])
 
 
 def test_a_stage_needs_a_replica():

@@ -1,0 +1,182 @@
+"""`epd serve --encoders N ...`: one-host scale-out and supervision with real processes (issue #16
+item 1). A replica (or the gateway) killed with SIGKILL, or stopped (SIGSTOP) so that it no
+longer answers its health checks, is restarted, forked again from the zygote on its own port, while the others keep
+serving; questions through the gateway get the same answer before and after; SIGTERM to the
+launcher still stops everything. The restart bookkeeping itself (backoff, crash loops) is unit
+tested in tests/unit/cli/test_supervisor.py."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from epd.cli.health import is_serving
+from epd.cli.main import REPLICA_PORT_STEP
+from epd.transport.affinity import rendezvous_order
+from tests.stack import ROOT, child_env, epd_command, free_port
+
+FRAMES = 4
+TOKENS = 6
+RESTART_WAIT_S = 90.0  # a deadline for a restart to be seen, not a timing assertion
+
+
+def _port_with_replicas(count: int, taken: set[int]) -> int:
+    """A free port p such that p + REPLICA_PORT_STEP * i is free too, for i < count."""
+    while True:
+        port = free_port()
+        wanted = [port + REPLICA_PORT_STEP * i for i in range(count)]
+        if taken.isdisjoint(wanted) and all(_free(p) for p in wanted):
+            taken.update(wanted)
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _chat(http_port: int, url: str) -> list[int]:
+    body = {"model": "epd", "max_tokens": TOKENS, "temperature": 0, "media": {"num_frames": FRAMES},
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": "what moves?"}]}]}
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.loads(reply.read())["epd"]["token_ids"]
+    except urllib.error.HTTPError as exc:
+        exc.msg = f"{exc.msg}: {exc.read().decode(errors='replace')}"  # the gateway's reason, in the report
+        raise
+
+
+def _chat_once_back(http_port: int, url: str, launcher: subprocess.Popen, log: Path) -> list[int]:
+    """The answer once the stack answers again (the gateway learns that a restarted stage serves at
+    its next stage check; a restarted gateway opens its HTTP port after its gRPC one)."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+        try:
+            return _chat(http_port, url)
+        except urllib.error.HTTPError as exc:
+            assert exc.code in (502, 503, 504), exc.msg
+        except urllib.error.URLError:  # connection refused: the HTTP API is not listening yet
+            pass
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+
+
+def _serving_pid(port: int) -> int | None:
+    """The pid of the live process whose command line serves `--port PORT`."""
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        words = " ".join(proc.info["cmdline"] or []).split()
+        serves = "serve" in words and any(pair == ("--port", str(port)) for pair in zip(words, words[1:]))
+        if serves and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return proc.pid
+    return None
+
+
+def _back(port: int, old_pid: int, launcher: subprocess.Popen, log: Path) -> int:
+    """Wait for a new process to serve on `port`; its pid."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+        pid = _serving_pid(port)
+        if pid not in (None, old_pid) and is_serving(f"127.0.0.1:{port}", timeout_s=1.0):
+            return pid
+        assert launcher.poll() is None, f"the stack stopped (exit {launcher.poll()}):\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"port {port} not served by a new process:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_models, media_files, tmp_path):
+    """Two encoders and two prefills (each prefill advertises its own port; decode's default
+    allow-list admits every loopback port), one decode."""
+    taken: set[int] = set()
+    encoder_port = _port_with_replicas(2, taken)
+    ports = {"gateway": _port_with_replicas(1, taken), "prefill": _port_with_replicas(2, taken),
+             "decode": _port_with_replicas(1, taken), "http": _port_with_replicas(1, taken)}
+    encoders = [encoder_port, encoder_port + REPLICA_PORT_STEP]
+    log = tmp_path / "stack.log"
+    with open(log, "w") as stderr:
+        launcher = subprocess.Popen(
+            epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--encoders", "2", "--prefills", "2",
+                        "--encoder-port", str(encoder_port), "--prefill-port", str(ports["prefill"]),
+                        "--decode-port", str(ports["decode"]), "--gateway-port", str(ports["gateway"]),
+                        "--http-port", str(ports["http"]), "--health-timeout", "2"),
+            stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT)
+    children: list[psutil.Process] = []
+    try:
+        ready = launcher.stdout.readline() if launcher.stdout else ""
+        assert "stack ready" in ready, f"exit {launcher.poll()}: {ready!r}\n{log.read_text()}"
+        assert f"encoder at 127.0.0.1:{encoders[0]},127.0.0.1:{encoders[1]}" in ready, ready
+        prefills = f"127.0.0.1:{ports['prefill']},127.0.0.1:{ports['prefill'] + REPLICA_PORT_STEP}"
+        assert f"prefill at {prefills}; decode at 127.0.0.1:{ports['decode']}" in ready, ready
+        video = media_files["mp4"].read_bytes()
+        url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+        answer = _chat(ports["http"], url)
+
+        # The encoder replica the video goes to dies: the gateway retries on the other one, and the
+        # launcher forks the dead one again on its port.
+        home = int(rendezvous_order(hashlib.sha256(video).hexdigest(),
+                                    [f"127.0.0.1:{p}" for p in encoders])[0].rsplit(":", 1)[1])
+        other = encoders[1 - encoders.index(home)]
+        killed = encoder_killed = _serving_pid(home)
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        assert _chat(ports["http"], url) == answer
+        assert _back(home, killed, launcher, log) != killed
+        assert _chat(ports["http"], url) == answer
+
+        # The only decode dies: the stack cannot answer until it is back, then answers the same.
+        killed = _serving_pid(ports["decode"])
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        _back(ports["decode"], killed, launcher, log)
+        assert _chat_once_back(ports["http"], url, launcher, log) == answer
+
+        # A replica that stops answering (SIGSTOP) is killed after --health-timeout and restarted.
+        stopped = _serving_pid(other)
+        assert stopped is not None
+        os.kill(stopped, signal.SIGSTOP)
+        _back(other, stopped, launcher, log)
+        assert not psutil.pid_exists(stopped) or psutil.Process(stopped).status() == psutil.STATUS_ZOMBIE
+        assert _chat(ports["http"], url) == answer
+
+        # The gateway too (a plain process, started again by the launcher).
+        killed = _serving_pid(ports["gateway"])
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        _back(ports["gateway"], killed, launcher, log)
+        assert _chat_once_back(ports["http"], url, launcher, log) == answer
+
+        stderr_text = log.read_text()
+        name = f"encoder[{encoders.index(home)}]"
+        assert f"epd: {name} (pid {encoder_killed}) exited with code -9; restarting in 1 s" in stderr_text, stderr_text
+        assert f"epd: {name} serving again at 127.0.0.1:{home}" in stderr_text, stderr_text
+        assert "did not answer its health check for" in stderr_text, stderr_text
+        assert "epd: decode[0] restarted" in stderr_text and "Traceback" not in stderr_text, stderr_text
+        children = psutil.Process(launcher.pid).children(recursive=True)
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            code = launcher.wait(timeout=60)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    assert code == 0, log.read_text()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:8] for c in alive]
+    assert all(_serving_pid(p) is None for p in [*encoders, ports["prefill"] + REPLICA_PORT_STEP, *ports.values()])

@@ -1,0 +1,79 @@
+"""The gateway's replica file (`epd.gateway.replica_list`): parsed from JSON or YAML, refused as a
+whole with a message saying what to change, and applied to the replica pools when it changes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from epd.gateway.config import GatewayConfig
+from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, parse_replicas
+from epd.gateway.server import stage_addresses
+from epd.transport.remote_stages import ReplicaPool
+
+
+def test_json_and_yaml_lists_parse_and_a_stage_left_out_is_absent():
+    assert parse_replicas('{"encoder": ["a:1", "b:1", "a:1"], "decode": "c:3, d:3"}') == {
+        "encoder": ("a:1", "b:1"), "decode": ("c:3", "d:3")}  # fmt: skip
+    assert parse_replicas("prefill:\n  - p:2\n  - dns:///prefill-headless:50052\n") == {
+        "prefill": ("p:2", "dns:///prefill-headless:50052")}  # fmt: skip
+    assert parse_replicas("") == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"encoder": [', "not valid JSON or YAML"),
+        ('["a:1"]', "must be a mapping"),
+        ('{"encoders": ["a:1"]}', "unknown stage 'encoders'"),
+        ('{"encoder": [1, 2]}', "list of \"HOST:PORT\" strings"),
+        ('{"encoder": []}', "needs at least one address"),
+    ],
+)
+def test_an_unusable_file_says_what_to_change(text, message):
+    with pytest.raises(ReplicaFileError, match=message):
+        parse_replicas(text)
+
+
+def test_the_file_replaces_the_flags_for_the_stages_it_names(tmp_path):
+    path = tmp_path / "replicas.json"
+    path.write_text(json.dumps({"encoder": ["e1:1", "e2:1"]}))
+    config = GatewayConfig(replicas_file=str(path), prefill_addresses=("p:2",))
+    assert stage_addresses(config) == {"encoder": ("e1:1", "e2:1"), "prefill": ("p:2",),
+                                       "decode": GatewayConfig().decode_addresses}  # fmt: skip
+    with pytest.raises(ReplicaFileError, match="cannot read the replica file"):
+        stage_addresses(GatewayConfig(replicas_file=str(tmp_path / "missing.json")))
+
+
+def test_the_watcher_applies_changes_and_keeps_routing_on_a_bad_file(tmp_path):
+    path = tmp_path / "replicas.yaml"
+    path.write_text("encoder: [e1:1]\n")
+
+    async def scenario():
+        pools = {"encoder": ReplicaPool(["e1:1"]), "decode": ReplicaPool(["d1:3"])}
+        watcher = ReplicaListWatcher(path, pools, poll_interval_s=0.05)
+        try:
+            assert watcher.reload() and not watcher.changed()
+            task = asyncio.ensure_future(watcher.run(install_sighup=False))
+            path.write_text("encoder: [e1:1, e2:1]\ndecode: [d2:3]\n")
+            os.utime(path, ns=(1, 10**18))  # a new mtime even on a coarse clock
+            for _ in range(100):
+                if pools["decode"].addresses == ["d2:3"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert pools["encoder"].addresses == ["e1:1", "e2:1"] and pools["decode"].addresses == ["d2:3"]
+            path.write_text("encoder: []\n")
+            os.utime(path, ns=(1, 2 * 10**18))
+            await asyncio.sleep(0.3)
+            assert not watcher.changed()  # seen, refused, not retried until it changes again
+            assert pools["encoder"].addresses == ["e1:1", "e2:1"]
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            for pool in pools.values():
+                await pool.close()
+
+    asyncio.run(scenario())
