@@ -7,10 +7,10 @@ encoder replicas, half of the requests repeating an earlier video.
 What it does, in one run:
   * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (built once into --work-dir by
     bench/bench_conversation.py's builder), or --model DIR;
-  * requests: --num-requests questions, each about one video; a request repeats a video already
-    asked about with probability --repeat-fraction (default 0.5, the earlier video drawn uniformly),
-    else it is about a new synthetic clip (bench/bench_vs_transformers_serve.py's maker). The same
-    sequence (--seed) is sent to both setups;
+  * requests: --num-requests questions, each about one video; --repeat-fraction of them (default
+    0.5) repeat a video asked about earlier, each video at most twice, at random distances (see
+    `request_sequence` for why), the others are about new synthetic clips
+    (bench/bench_vs_transformers_serve.py's maker). The same sequence (--seed) goes to both setups;
   * setups, each a fresh stack of plain processes on loopback (caches cold), stopped afterwards:
     two `epd serve encoder` replicas, one prefill, one decode, and `epd serve gateway --encoder
     A,B --routing affinity|round-robin` with the HTTP API;
@@ -50,17 +50,22 @@ ROUTINGS = ("affinity", "round-robin")
 
 
 def request_sequence(num_requests: int, repeat_fraction: float, seed: int) -> list[int]:
-    """Clip index per request: a repeat of an earlier clip with probability `repeat_fraction`."""
+    """Clip index per request (clips numbered by first appearance): `repeat_fraction` of the
+    requests repeat an earlier clip, each repeated clip exactly once, at a random distance.
+
+    Each clip is asked about at most twice on purpose: under round robin a clip asked about a
+    third time is a hit on either encoder once both have encoded it, so clips repeated many times
+    measure how soon both replicas hold every popular clip (and spend the memory twice), not
+    whether a repeat reaches the replica that holds it."""
+    if not 0.0 <= repeat_fraction <= 0.5:
+        raise SystemExit("--repeat-fraction must be within [0, 0.5]: each clip is repeated at most once")
     rng = random.Random(seed)
-    seq: list[int] = []
-    new = 0
-    for _ in range(num_requests):
-        if seq and rng.random() < repeat_fraction:
-            seq.append(rng.choice(seq[: len(seq)]))
-        else:
-            seq.append(new)
-            new += 1
-    return seq
+    num_repeats = round(num_requests * repeat_fraction)
+    num_clips = num_requests - num_repeats
+    draws = list(range(num_clips)) + rng.sample(range(num_clips), num_repeats)
+    rng.shuffle(draws)
+    first_seen: dict[int, int] = {}
+    return [first_seen.setdefault(d, len(first_seen)) for d in draws]
 
 
 def start_stack(model: Path, routing: str, args, log_dir: Path) -> tuple[list[subprocess.Popen], dict]:

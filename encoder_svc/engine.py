@@ -51,6 +51,7 @@ import torch
 
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.pruning import encode_stage_pruning
+from epd.encoder_svc.single_flight import SingleFlight
 from epd.encoder_svc.token_cache import TokenCache, make_cache_key
 from epd.model_runtime.adapter import VisionInputs, VisualFeatures, VisualMeta, VLMAdapter
 from epd.stages.contracts import (
@@ -177,6 +178,8 @@ class EncoderEngine:
         self.adapter = adapter
         self.decoder = ParallelDecoder(config.decode)
         self.cache = TokenCache(config.cache)
+        self.flights: SingleFlight[EncodedMedia] = SingleFlight()
+        """One decode and encode per cache key at a time (`encoder_svc/single_flight.py`)."""
         self._decord: DecordDecoder | None = None  # started on first use with decode_backend="decord"
         self._decord_lock = threading.Lock()
 
@@ -213,18 +216,37 @@ class EncoderEngine:
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         key = self.cache_key(sha256, sampling, pruning)
-        cached = self.cache.get(key)
-        if cached is not None:
-            on_event(StageEvent(Stage.ENCODE, "finished", 0.0, {"cache": "hit"}))
-            # Stored as it was made; this request decoded and encoded nothing.
-            return replace(cached, cache_hit=True, decode_ms=0.0, encode_ms=0.0, sha256=sha256)
-        if media.data is None:
-            raise NotFound(
-                f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
-            )
-        out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning)
-        self.cache.put(key, out)
-        return out
+        if (cached := self.cache.get(key)) is not None:
+            return self._hit(cached, sha256, on_event)
+        # A request already encoding this media with these options: wait for its result.
+        flight, shared = self.flights.join(key, req.check_cancelled)
+        if flight is None:
+            assert shared is not None
+            return self._hit(shared, sha256, on_event, shared=True)
+        out: EncodedMedia | None = None
+        try:
+            # A flight that landed since our first look (`in`: a miss is counted once per request).
+            if key in self.cache and (cached := self.cache.get(key)) is not None:
+                out = cached
+                return self._hit(cached, sha256, on_event)
+            if media.data is None:
+                raise NotFound(
+                    f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
+                )
+            out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning)
+            self.cache.put(key, out)
+            return out
+        finally:
+            flight.land(out)
+
+    @staticmethod
+    def _hit(cached: EncodedMedia, sha256: str, on_event: EventSink, shared: bool = False) -> EncodedMedia:
+        """A request answered without decoding or encoding: from the token cache, or `shared` by
+        the request that was encoding the same media at the same time."""
+        on_event(StageEvent(Stage.ENCODE, "finished", 0.0,
+                            {"cache": "hit", **({"shared_with": "in-flight request"} if shared else {})}))
+        # Stored as it was made; this request decoded and encoded nothing.
+        return replace(cached, cache_hit=True, decode_ms=0.0, encode_ms=0.0, sha256=sha256)
 
     def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions,
                     cancel: threading.Event | None = None,

@@ -8,6 +8,13 @@ the cores divided by the number of the stack's processes inside a model call at 
 
     threads = max(1, cores // (1 + other stages busy now))
 
+Decode is the exception while the stages share a host (a board exists): its steps take one thread.
+A decode step advances each running request by one token: a few small matrix products per layer,
+bound by reading the weights, not by arithmetic. Measured on the 2-core bench machine (the 27M
+Qwen2-VL, one request in flight, docs/benchmarks.md): a second thread left the step time as it was
+(TPOT 14.0-14.4 ms with one thread, 14.5-16.2 ms with two) and doubled decode's CPU time per
+request (443-476 ms against 862-1016 ms): cycles the next requests' encode and prefill need.
+
 The stages learn who is busy from a tiny shared board: one byte per stage in a file the launcher
 names (`EPD_THREADS_BOARD`, in /dev/shm), set while that stage is inside a model call. A service
 started on its own (no board: compose, Kubernetes, its own machine) falls back to its own queue:
@@ -31,6 +38,9 @@ BOARD_ENV = "EPD_THREADS_BOARD"
 """Path of the busy board shared by one stack's services (set by `epd serve`)."""
 
 STAGES = ("encoder", "prefill", "decode")
+
+SHARED_HOST_MAX_THREADS = {"decode": 1}
+"""Threads per call of a stage whatever the board says, while the stages share a host (above)."""
 
 
 def num_cores() -> int:
@@ -79,6 +89,7 @@ class StepThreads:
         self.cores = num_cores()
         self.current: int | None = None
         self.board: BusyBoard | None = None
+        self.max_shared: int | None = SHARED_HOST_MAX_THREADS.get(stage or "")
         board_path = board_path if board_path is not None else os.environ.get(BOARD_ENV)
         if self.auto and stage in STAGES and board_path:
             try:
@@ -91,7 +102,8 @@ class StepThreads:
         if not self.auto:
             return self.fixed
         if self.board is not None:
-            return max(1, self.cores // (1 + self.board.others_busy()))
+            share = max(1, self.cores // (1 + self.board.others_busy()))
+            return share if self.max_shared is None else min(share, self.max_shared)
         return self.cores if num_in_step <= 1 and num_waiting == 0 else 1
 
     def apply(self, num_in_step: int, num_waiting: int) -> None:

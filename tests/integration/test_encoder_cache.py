@@ -5,6 +5,8 @@ the disk tier survives a restart."""
 from __future__ import annotations
 
 import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -73,6 +75,68 @@ def test_cache_key_changes_with_sampling(adapter, media_files, change):
     _encode(engine, data, SamplingOptions(num_frames=8))
     out, _ = _encode(engine, data, SamplingOptions(**change))
     assert not out.cache_hit
+
+
+@pytest.mark.parametrize("budget_bytes", [None, 0], ids=["cache-on", "cache-off"])
+def test_a_video_asked_about_twice_at_once_is_decoded_and_encoded_once(adapter, media_files, budget_bytes):
+    """Two requests about the same new video at the same time: the second waits for the first's
+    encode (encoder_svc/single_flight.py) and gets its tokens as a hit, even with the token cache
+    off; by-hash too. The first is held in its decode until the others wait, so the overlap is
+    certain, not a race."""
+    cache = TokenCacheConfig() if budget_bytes is None else TokenCacheConfig(memory_budget_bytes=budget_bytes)
+    engine = EncoderEngine(EncoderConfig(cache=cache), adapter)
+    data = media_files["mp4"].read_bytes()
+    sampling = SamplingOptions(num_frames=8)
+    key = engine.cache_key(hashlib.sha256(data).hexdigest(), sampling)
+    real, decodes = engine._decode_and_encode, []
+
+    def held(*args, **kwargs):
+        decodes.append(1)
+        deadline = time.monotonic() + 10
+        while engine.flights.num_waiting(key) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real(*args, **kwargs)
+
+    engine._decode_and_encode = held
+    sha = hashlib.sha256(data).hexdigest()
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_encode, engine, data, sampling)
+        while engine.flights.num_waiting(key) == 0 and not decodes:
+            time.sleep(0.005)
+        second = pool.submit(_encode, engine, data, sampling)
+        by_hash = pool.submit(_encode, engine, None, sampling, sha)
+        (a, _), (b, events), (c, _) = first.result(30), second.result(30), by_hash.result(30)
+    assert len(decodes) == 1 and engine.flights.num_shared == 2
+    assert not a.cache_hit and b.cache_hit and c.cache_hit
+    assert torch.equal(a.embeds, b.embeds) and torch.equal(a.embeds, c.embeds) and b.meta == a.meta
+    assert [e.stage for e in events] == ["encode"] and events[0].details["shared_with"] == "in-flight request"
+
+
+def test_a_request_waiting_on_a_failed_encode_does_the_work_itself(adapter, media_files):
+    engine = EncoderEngine(EncoderConfig(), adapter)
+    data = media_files["mp4"].read_bytes()
+    sampling = SamplingOptions(num_frames=4)
+    key = engine.cache_key(hashlib.sha256(data).hexdigest(), sampling)
+    real, calls = engine._decode_and_encode, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            while engine.flights.num_waiting(key) < 1:
+                time.sleep(0.01)
+            raise RuntimeError("the first request's decode failed")
+        return real(*args, **kwargs)
+
+    engine._decode_and_encode = first_fails
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_encode, engine, data, sampling)
+        while not calls:
+            time.sleep(0.005)
+        second = pool.submit(_encode, engine, data, sampling)
+        with pytest.raises(RuntimeError, match="decode failed"):
+            first.result(30)
+        out, _ = second.result(30)
+    assert len(calls) == 2 and not out.cache_hit and engine.flights.num_shared == 0
 
 
 def test_unknown_hash_is_not_found(adapter):
