@@ -53,11 +53,26 @@ import grpc  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.bench_vs_transformers_serve import build_model, free_port, log, make_clips  # noqa: E402
-from epd.cli.health import is_serving  # noqa: E402
-from epd.cli.main import REPLICA_PORT_STEP  # noqa: E402
 from epd.client import AsyncEpdClient, EpdError, TokenDelta  # noqa: E402
 from epd.client.retry import NO_RETRY, RetryPolicy  # noqa: E402
 from epd.transport.affinity import rendezvous_order  # noqa: E402
+
+REPLICA_PORT_STEP = 10
+"""`epd serve --encoders N ...` puts replica i of a stage on the stage's port + 10 i (README,
+"One-host scale-out"). Not imported from epd.cli: bench/ sits below the CLI (`epd bench`)."""
+
+
+def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether `address` answers grpc.health SERVING (health needs no internal secret)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 STAGES = ("encoder", "prefill", "decode")
 QUESTIONS = ("what moves in the video?", "what colour is the largest object?", "describe the scene.",

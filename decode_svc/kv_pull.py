@@ -5,13 +5,15 @@ decoder never receives bytes it cannot hold, and a decoder that fails simply nev
 gateway releases the cache, or the prefill side drops it at its TTL). The gateway never touches
 KV bytes.
 
-Then confirm: the pull asks prefill to keep the cache (`keep_until_confirmed`), and only once all
-of it is here and assembled does the decoder confirm receipt (`ReleaseKv` with `received`), which
-drops it there. A pull that breaks half way (this decoder dies, the stream is cut, the call is
-cancelled) leaves the cache at prefill, so the gateway's retry on another decoder can pull it
-again; a decoder that dies after pulling and before confirming leaks nothing for longer than
-the TTL (and the gateway's release on the request's way out drops it sooner). A confirmation that
-fails is logged and left to the TTL: this decoder has the cache, the request goes on.
+Then confirm: the pull asks prefill to keep the cache (`keep_until_confirmed`), and the decoder
+confirms (`ReleaseKv` with `received`, which drops it there) only once the request's first token
+has gone out (`epd.decode_svc.stage`): until then the gateway may still retry the request on
+another decoder, which must find the cache. So a pull that breaks half way, or a decoder that
+dies between its pull and its first token, leaves the cache at prefill for that retry; after the
+first token nothing retries, and the copy goes. A decoder that dies in between leaks nothing for
+longer than the TTL (and the gateway's release on the request's way out drops it sooner). A
+confirmation that fails is logged and left to the TTL: this decoder has the cache, the request
+goes on.
 
 The address comes from the request, so it is parsed and checked against `--allow-kv-from`
 (`decode_svc/kv_sources.py`), and the channel is opened to the target built from the parsed
@@ -27,13 +29,21 @@ import grpc
 from epd.decode_svc.kv_sources import KvSource, parse_allow_list, parse_source
 from epd.model_runtime.kv_cache import KvCache
 from epd.stages.contracts import PrefillHandle
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.transport import tracing
+from epd.transport.errors import replica_lost
 from epd.transport.server import traced_channel
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def source_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """The pull failed because its prefill server is gone (stopped, killed, unreachable), not
+    because of the request: gRPC's own UNAVAILABLE, or INTERNAL "Internal error from Core" (a
+    connection cut mid-stream), or a hang past the pull's timeout."""
+    return replica_lost(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class KvPuller:
@@ -58,24 +68,40 @@ class KvPuller:
             )
         return source
 
-    async def pull(self, address: str, handle: str) -> KvCache:
-        """The cache, whole; prefill keeps it until this returns (then it is confirmed)."""
+    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         target = self.check_allowed(address).grpc_target
         channel = self._channels.get(target)
         if channel is None:
             channel = traced_channel(target)  # the request id goes with the pull and the confirmation
             self._channels[target] = channel
-        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        return prefill_pb2_grpc.PrefillServiceStub(channel)
+
+    async def pull(self, address: str, handle: str) -> KvCache:
+        """The cache, whole; prefill keeps its copy until `confirm`."""
+        stub = self._stub(address)
         asm = TensorAssembler(self.max_transfer_bytes)
         request = prefill_pb2.PullKvRequest(kv_handle=handle, keep_until_confirmed=True)
-        async for msg in stub.PullKv(request, timeout=self.timeout_s):
-            asm.add(msg.tensor)
-        cache = KvCache.from_named_tensors(asm.tensors())
-        await self.confirm(stub, handle)
-        return cache
+        try:
+            async for msg in stub.PullKv(request, timeout=self.timeout_s):
+                asm.add(msg.tensor)
+        except grpc.aio.AioRpcError as exc:
+            # NOT_FOUND too: a prefill replica restarted on the same address has an empty store.
+            if not (source_lost(exc) or exc.code() == grpc.StatusCode.NOT_FOUND):
+                raise
+            # Not this decoder's failure: an UNAVAILABLE from here would make the gateway retry on
+            # (and hold back) other decoders, which cannot reach the cache either.
+            log.warning("KV cache %s: not at its prefill server %s any more (%s %s)", handle, address,
+                        exc.code().name, exc.details())
+            raise KvSourceLost(
+                "the request's KV cache is no longer at the prefill replica that made it (the replica "
+                "failed or restarted, or the cache expired) and the decoder does not have it; the "
+                "request must be prefilled again"
+            ) from None
+        return KvCache.from_named_tensors(asm.tensors())
 
-    async def confirm(self, stub: prefill_pb2_grpc.PrefillServiceStub, handle: str) -> None:
-        """Tell prefill this decoder holds the whole cache of `handle`, so it drops its copy."""
+    async def confirm(self, address: str, handle: str) -> None:
+        """Tell prefill this decoder no longer needs its copy of `handle`, which it drops."""
+        stub = self._stub(address)
         request_id = tracing.current_request_id()
         try:
             answer = await stub.ReleaseKv(
@@ -93,6 +119,10 @@ class KvPuller:
         """The decode service's `TakeKv` (`epd.decode_svc.stage`): pull the cache from the prefill
         server that advertised it."""
         return await self.pull(handle.kv_address, handle.kv_handle)
+
+    async def confirm_kv(self, handle: PrefillHandle) -> None:
+        """The decode service's `ConfirmKv`: the request's first token has gone out."""
+        await self.confirm(handle.kv_address, handle.kv_handle)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -32,6 +32,8 @@ class DecodeRequest(CoreRequest):
     kv: Any = None  # KvCache, until the runner takes it
     kv_transfer_ms: float = 0.0
     kv_num_bytes: int = 0
+    kv_confirmed: bool = False
+    """Prefill was told it may drop its copy of the cache (after the first token; decode_svc/stage.py)."""
     generation: Any = None  # decode_svc.engine.Generation, owned by the runner
     row: int | None = None
     """Its row in the runner's BatchKv (None: not joined, or decoding alone)."""

@@ -34,7 +34,8 @@ async def start(config: DecodeConfig) -> HealthyServer:
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "decode")
-        servicer.stage = LocalDecodeStage(DecodeEngine(adapter), puller.take_kv, model_thread, config)
+        servicer.stage = LocalDecodeStage(DecodeEngine(adapter), puller.take_kv, model_thread, config,
+                                          confirm_kv=puller.confirm_kv)
         await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
     return hs

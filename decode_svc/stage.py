@@ -9,8 +9,9 @@ this class. A request's life here:
   1. the generation-limits check (before anything is reserved or moved);
   2. `KvMemory.reserve`: room for its whole life (cached tokens + max_new_tokens), waiting FIFO
      when the budget is taken, RESOURCE_EXHAUSTED when the wait queue is full too;
-  3. the pull (`take_kv`), timed: the service's pull confirms receipt only once the whole cache
-     is here, so a pull cut short leaves it at prefill for a retry (`epd.decode_svc.kv_pull`);
+  3. the pull (`take_kv`), timed; prefill keeps its copy until the first token is out
+     (`confirm_kv`), so a pull cut short, or a decoder lost before its first token, leaves it there
+     for the gateway's retry on another decoder (`epd.decode_svc.kv_pull`);
   4. `core.submit`: it joins the running batch at the next step and streams a token per step;
   5. however it ends (finished, client gone, error), its row and its reservation are freed.
 """
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 TakeKv = Callable[[PrefillHandle], Awaitable[KvCache]]
 """take_kv(handle) -> the KV cache of `handle`, handed over once: the caller owns it then."""
 
+ConfirmKv = Callable[[PrefillHandle], Awaitable[None]]
+"""confirm_kv(handle): the request's first token is out, prefill may drop its copy of the cache
+(the service's `KvPuller.confirm_kv`; in-process, `take` already removed it)."""
+
 
 def take_from_store(kv_store: KvStore) -> TakeKv:
     """The in-process 'transfer': take the cache out of the prefill stage's store."""
@@ -59,11 +64,15 @@ class LocalDecodeStage(DecodeStage):
         take_kv: TakeKv,
         model_thread: ModelThread,
         config: DecodeConfig | None = None,
+        confirm_kv: ConfirmKv | None = None,
     ) -> None:
-        """take_kv: `take_from_store(kv_store)` in-process, `KvPuller.take_kv` in the service.
-        `config` gives the generation limits and the KV memory budget (default: DecodeConfig's)."""
+        """take_kv: `take_from_store(kv_store)` in-process, `KvPuller.take_kv` in the service, with
+        `KvPuller.confirm_kv` as `confirm_kv`. `config` gives the generation limits and the KV
+        memory budget (default: DecodeConfig's)."""
         self.engine = engine
         self.take_kv = take_kv
+        self.confirm_kv = confirm_kv
+        self._confirming: set[asyncio.Task] = set()
         self.model_thread = model_thread
         self.config = config or DecodeConfig()
         c = self.config
@@ -78,6 +87,15 @@ class LocalDecodeStage(DecodeStage):
 
     def load(self) -> EngineLoad:
         return self.core.load()
+
+    def _confirm(self, request: DecodeRequest, handle: PrefillHandle) -> None:
+        """The first token is out: nothing retries this request any more, so prefill's copy of its
+        cache can go. In the background: the next token does not wait for prefill's answer."""
+        assert self.confirm_kv is not None
+        request.kv_confirmed = True
+        task = asyncio.ensure_future(self.confirm_kv(handle))
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
 
     async def generate(
         self,
@@ -114,6 +132,8 @@ class LocalDecodeStage(DecodeStage):
                         for step in out:
                             num_tokens += len(step.token_ids)
                             yield step
+                            if num_tokens and self.confirm_kv is not None and not request.kv_confirmed:
+                                self._confirm(request, handle)
         except (asyncio.CancelledError, GeneratorExit):  # cancelled waiting, or closed at a yield
             # A pull in flight is cancelled too: prefill keeps the cache (it was never confirmed)
             # until the gateway releases it or its TTL, so a retry elsewhere can pull it again.
@@ -124,4 +144,6 @@ class LocalDecodeStage(DecodeStage):
             )
             raise
         finally:
+            if num_tokens and self.confirm_kv is not None and not request.kv_confirmed:
+                self._confirm(request, handle)  # ended (or its client left) right at its first token
             request.kv = None

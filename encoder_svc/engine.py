@@ -183,7 +183,11 @@ class EncoderEngine:
         self._decord: DecordDecoder | None = None  # started on first use with decode_backend="decord"
         self._decord_lock = threading.Lock()
 
-    def cache_key(self, sha256: str, sampling: SamplingOptions, pruning: PruningConfig = PruningConfig()) -> str:
+    def cache_key(
+        self, sha256: str, sampling: SamplingOptions, pruning: PruningConfig = PruningConfig(), cache_salt: str = ""
+    ) -> str:
+        """The token-cache key, and so the single-flight key: the salt (tenant) is part of both,
+        so a by-hash request of another tenant misses exactly like unknown media."""
         params = {
             "sampling": asdict(sampling),
             "model": self.adapter.fingerprint,
@@ -194,7 +198,9 @@ class EncoderEngine:
             # its features (and the group times), another family's never do.
             "parts": {"deepstack_features": self.adapter.num_deepstack_layers, "group_timestamps": True},
         }
-        return make_cache_key(sha256, params, family=self.adapter.family or type(self.adapter).__name__)
+        return make_cache_key(
+            sha256, params, family=self.adapter.family or type(self.adapter).__name__, cache_salt=cache_salt
+        )
 
     def encode(
         self,
@@ -206,8 +212,10 @@ class EncoderEngine:
         run_model: RunModel = run_here,
         run_tower: RunTower | None = None,
         cancel: threading.Event | None = None,
+        cache_salt: str = "",
     ) -> EncodedMedia:
-        """Blocks until the media is encoded. Raises RequestCancelled once `cancel` is set."""
+        """Blocks until the media is encoded. Raises RequestCancelled once `cancel` is set.
+        `cache_salt`: the request's tenant, part of the cache key (`cache_key`)."""
         # Before any work, cached or not: a stage (of any service) that would lose DeepStack.
         refuse_unsupported_pruning(
             self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
@@ -215,7 +223,7 @@ class EncoderEngine:
         req = _Request(run_model, run_tower, cancel or threading.Event())
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
-        key = self.cache_key(sha256, sampling, pruning)
+        key = self.cache_key(sha256, sampling, pruning, cache_salt)
         if (cached := self.cache.get(key)) is not None:
             return self._hit(cached, sha256, on_event)
         # A request already encoding this media with these options: wait for its result.

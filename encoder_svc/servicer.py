@@ -6,7 +6,7 @@ import logging
 import time
 
 from epd.encoder_svc.config import EncoderConfig
-from epd.stages.contracts import EncodeStage
+from epd.stages.contracts import EncodeStage, check_cache_salt
 from epd.stages.errors import Unavailable
 from epd.stages.events import Finished, with_events
 from epd.transport import convert, tracing
@@ -36,7 +36,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
         pruning = convert.pruning_from_proto(header.pruning)
         request_id = tracing.adopt_request_id(header.request_id)
-        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, request_id, pruning)):
+        cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
+        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, request_id, pruning, cache_salt)):
             if isinstance(item, Finished):
                 encoded = item.value
                 tracing.stage_timings(

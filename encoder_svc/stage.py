@@ -86,6 +86,7 @@ class LocalEncodeStage(EncodeStage):
         on_event: EventSink,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> EncodedMedia:
         loop = asyncio.get_running_loop()
         towers = _TowerJobs(self.core, request_id, loop)
@@ -104,6 +105,7 @@ class LocalEncodeStage(EncodeStage):
                     run_model=self.model_thread.call,
                     run_tower=towers.submit,
                     cancel=cancel,
+                    cache_salt=cache_salt,
                 )
             except RequestCancelled as exc:
                 log.info("encode of request %s stopped: %s", request_id, exc)

@@ -4,6 +4,7 @@ EPD's "cache multimedia tokens": a request whose key is cached skips decoding an
 The key is a sha256 over a canonical JSON of
     {"v": <format version>, "family": <model_type>, "content_sha256": <sha256 of the media bytes>,
      "params": {...}}
+(plus "salt": the request's `cache_salt`, its tenant, when not empty)
 where `params` must hold everything else that changes the output: sampling (fps, max/min/num
 frames, start/end), preprocessing (max_pixels, resize rule), the model id and its revision, and
 the token-dropping settings. `make_cache_key` hashes any JSON-able dict canonically (sorted keys,
@@ -93,14 +94,19 @@ def _canonical(value: Any) -> Any:
     raise TypeError(f"cache key parameter of type {type(value).__name__} is not JSON-able")
 
 
-def make_cache_key(content_sha256: str, params: dict[str, Any], family: str = "") -> str:
+def make_cache_key(content_sha256: str, params: dict[str, Any], family: str = "", cache_salt: str = "") -> str:
     """Hex sha256 of the media hash plus every parameter that changes the encoder's output.
     `family` (the model's `model_type`, e.g. "qwen3_vl") is its own part of the key: families
     put different things in an entry (Qwen3-VL's DeepStack features), so an entry made by one
-    family is never served to another, whatever else the parameters say."""
+    family is never served to another, whatever else the parameters say. `cache_salt` is the
+    request's tenant: another salt is another key, so a tenant neither hits nor learns of (by
+    hash) what another cached. The empty salt adds nothing: the shared tenant keeps the keys it
+    had before salts existed (and its disk entries)."""
     if len(content_sha256) != 64 or any(c not in "0123456789abcdef" for c in content_sha256):
         raise ValueError("content_sha256 must be a lower-case hex sha256 digest of the media bytes")
     doc = {"v": _KEY_VERSION, "family": family, "content_sha256": content_sha256, "params": _canonical(params)}
+    if cache_salt:
+        doc["salt"] = cache_salt
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -116,9 +116,11 @@ class PrefillEngine:
         pruning: PruningConfig = PruningConfig(),
         request_id: str = "",
         use_prefix_cache: bool = True,
+        cache_salt: str = "",
     ) -> PrefillRequest:
         """Validate the request and build its prompt: everything that can refuse it, before it
-        queues (a bad request never takes a queue place)."""
+        queues (a bad request never takes a queue place). `cache_salt` (the tenant) is part of
+        the prefix-cache key: KV is reused only within one salt."""
         self.validate(messages, media.meta, generation)
         refuse_unsupported_pruning(
             self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
@@ -153,7 +155,7 @@ class PrefillEngine:
         # Pruned requests neither store nor reuse: their cache depends on the question (prefill
         # drop, KV compression, decode eviction's mask) or is built on a gathered prompt.
         if use_prefix_cache and not exclusive and self.prefix_caching and self.prefix_cache.enabled:
-            request.prefix_key = self._prefix_key(media, pruning)
+            request.prefix_key = self._prefix_key(media, pruning, cache_salt)
             visual = prompt.visual_mask.nonzero()
             visual_end = int(visual[-1]) + 1 if visual.numel() else 0  # the reuse must cover them all
             hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end)
@@ -162,10 +164,12 @@ class PrefillEngine:
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
 
-    def _prefix_key(self, media: EncodedMedia, pruning: PruningConfig) -> tuple:
+    def _prefix_key(self, media: EncodedMedia, pruning: PruningConfig, cache_salt: str = "") -> tuple:
         """What makes two prompts with the same token ids have different KV: the model, the media
         as encoded (hash, grid, frames sampled, encoder pruning, and a digest of the embeddings
-        themselves, so that different encodes never match) and how the cache is kept (kv_dtype)."""
+        themselves, so that different encodes never match) and how the cache is kept (kv_dtype);
+        and whose it is (`cache_salt`, the tenant: the same video's embeddings are equal for
+        every tenant, so without it one tenant's follow-up would reuse another's KV)."""
         digest = hashlib.sha256()
         for tensor in (media.embeds, *media.deepstack):  # ~5 ms per 7 MB
             digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
@@ -183,6 +187,7 @@ class PrefillEngine:
             tuple((s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out) for s in media.pruning.stages),
             pruning.kv_dtype,
             digest.hexdigest(),
+            cache_salt,
         )
 
     def prefix_start_cache(self, request: PrefillRequest):

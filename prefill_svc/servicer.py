@@ -21,7 +21,7 @@ import time
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore
-from epd.stages.contracts import PrefillStage
+from epd.stages.contracts import PrefillStage, check_cache_salt
 from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
@@ -63,7 +63,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         pruning = convert.pruning_from_proto(header.pruning)
         messages = convert.messages_from_proto(header.messages)
         request_id = tracing.adopt_request_id(header.request_id)
-        handle = await self.stage.prefill(messages, media, generation, request_id, pruning)
+        cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
+        handle = await self.stage.prefill(messages, media, generation, request_id, pruning, cache_salt)
         tracing.stage_timings(
             log, "prefill done", prefill_ms=handle.prefill_ms, num_prompt_tokens=handle.num_prompt_tokens,
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens, kv_num_bytes=handle.kv_num_bytes,

@@ -62,11 +62,12 @@ class LocalPrefillStage(PrefillStage):
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> PrefillHandle:
         out: PrefillOutput | None = None
         try:
             request = await self.model_thread.run(
-                self.engine.prepare, messages, media, generation, pruning, request_id
+                self.engine.prepare, messages, media, generation, pruning, request_id, cache_salt=cache_salt
             )
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache

@@ -8,6 +8,7 @@ services take to load their weights, not to import torch three times on two core
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,10 +33,19 @@ def epd_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "epd.cli.main", *args]
 
 
-def child_env() -> dict[str, str]:
+TEST_INTERNAL_SECRET = secrets.token_hex(32)
+"""An internal secret for tests that start services with it (`child_env(internal_secret=True)`):
+the gateway presents it to the stages, decode to prefill; the test presents it with
+`INTERNAL_AUTH_METADATA` when it calls a stage itself."""
+INTERNAL_AUTH_METADATA = (("x-epd-internal-auth", TEST_INTERNAL_SECRET),)
+
+
+def child_env(internal_secret: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    if internal_secret:
+        env["EPD_INTERNAL_SECRET"] = TEST_INTERNAL_SECRET
     return env
 
 
@@ -56,10 +66,12 @@ def zygote() -> Zygote:
 class Stack:
     """Context manager; `.gateway` is the front door's address."""
 
-    def __init__(self, model: Path, log_dir: Path, extra: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, model: Path, log_dir: Path, extra: dict[str, list[str]] | None = None,
+                 internal_secret: bool = False) -> None:
         self.model = str(model)
         self.log_dir = log_dir
         self.extra = extra or {}
+        self.env = child_env(internal_secret)  # with the secret: see TEST_INTERNAL_SECRET
         self.ports = {name: free_port() for name in ("encoder", "prefill", "decode", "gateway")}
         self.procs: dict[str, subprocess.Popen | ServiceProcess] = {}
 
@@ -86,10 +98,10 @@ class Stack:
             if name == "gateway":  # no model, no torch: a plain interpreter, as `epd serve` starts it
                 with open(log_path, "w") as log:
                     self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT,
-                                                        env=child_env(), cwd=ROOT)
+                                                        env=self.env, cwd=ROOT)
             else:
                 log_path.write_text("")
-                self.procs[name] = zygote().start(name, self.command(name)[3:], child_env(), str(log_path))
+                self.procs[name] = zygote().start(name, self.command(name)[3:], self.env, str(log_path))
         deadline = time.monotonic() + 180
         for name in self.ports:
             while not is_serving(self.address(name), timeout_s=1.0):

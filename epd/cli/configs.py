@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from dataclasses import replace
 
 from epd.decode_svc.config import DecodeConfig
@@ -13,7 +14,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.errors import InvalidRequest
-from epd.stages.server_config import ServerConfig
+from epd.stages.server_config import ServerConfig, TransportSecurity, check_secret, read_secret
 from epd.token_pruning import PruningConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -56,7 +57,53 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_period)
+    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_period, security=transport_security(args))
+
+
+def transport_security(args: argparse.Namespace) -> TransportSecurity:
+    """--tls-* and the internal secret (read from --internal-secret-file, else $EPD_INTERNAL_SECRET;
+    none with --insecure-no-internal-auth). ValueError: a file that cannot be used, one line."""
+    secret = ""
+    if getattr(args, "insecure_no_internal_auth", False):
+        if getattr(args, "internal_secret_file", ""):
+            raise ValueError("both --internal-secret-file and --insecure-no-internal-auth are set; pass one of them")
+    elif getattr(args, "internal_secret_file", ""):
+        secret = read_secret(args.internal_secret_file)
+    elif getattr(args, "internal_secret_env", ""):
+        secret = check_secret(args.internal_secret_env, "$EPD_INTERNAL_SECRET")
+    return TransportSecurity(tls_cert=getattr(args, "tls_cert", ""), tls_key=getattr(args, "tls_key", ""),
+                             tls_client_ca=getattr(args, "tls_client_ca", ""), tls_ca=getattr(args, "tls_ca", ""),
+                             internal_secret=secret)
+
+
+def health_security(args: argparse.Namespace) -> TransportSecurity:
+    """`epd health`'s channel: TLS only (health needs no secret)."""
+    return TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+
+
+def internal_auth_problem(args: argparse.Namespace, security: TransportSecurity) -> str | None:
+    """Why a stage (`epd serve encoder|prefill|decode`) must not start with these flags: it would
+    listen beyond loopback and serve anyone who reaches its port, bypassing the gateway's API key
+    and limits. Secure by default across the network; the opt-out is explicit. On loopback (a
+    developer's machine, the tests) a stage without a secret is allowed; `epd serve` gives its
+    stages one anyway."""
+    if args.role not in ("encoder", "prefill", "decode") or _is_loopback(args.host):
+        return None
+    if security.internal_secret or security.verifies_clients or args.insecure_no_internal_auth:
+        return None
+    return (f"refusing to serve on {args.host or '*'} (--host) without the internal secret: a stage is not a "
+            "public endpoint; give it the secret the gateway presents (--internal-secret-file PATH or "
+            "$EPD_INTERNAL_SECRET), or require client certificates (--tls-client-ca, mTLS); "
+            "--insecure-no-internal-auth on a closed network for development only")
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # "" (every interface), 0.0.0.0, or a name that may resolve anywhere
 
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:

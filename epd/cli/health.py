@@ -8,6 +8,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epd.transport.security import blocking_channel
+
 # No answer came back: the server is not there, or does not respond (stopped, hung).
 _NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -15,7 +17,7 @@ _NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 def health_answer(address: str, service: str = "", timeout_s: float = 3.0) -> bool | None:
     """True: SERVING; False: the server answered, but not SERVING (loading its model, draining,
     a stage behind it down, an unknown service); None: no answer within `timeout_s`."""
-    with grpc.insecure_channel(address) as channel:
+    with blocking_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

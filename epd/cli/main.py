@@ -9,7 +9,8 @@
 
 Environment variables are read here and nowhere else: EPD_MODEL, EPD_DEVICE, EPD_DTYPE,
 EPD_NUM_THREADS give the defaults of --model, --device, --dtype, --num-threads; EPD_API_KEY the
-default of the gateway's --api-key.
+default of the gateway's --api-key; EPD_INTERNAL_SECRET_FILE of --internal-secret-file, and
+EPD_INTERNAL_SECRET the internal secret itself when no file is given.
 """
 
 from __future__ import annotations
@@ -171,6 +172,32 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port)
     add_grace_flag(p)
+    add_security_flags(p)
+
+
+def add_tls_client_flags(g) -> None:
+    g.add_argument("--tls-ca", default="", metavar="PATH",
+                   help="PEM CA bundle verifying the stage servers this service calls: set, its channels to "
+                        "them use TLS, presenting --tls-cert/--tls-key as client certificate (mTLS)")
+    g.add_argument("--tls-cert", default="", metavar="PATH",
+                   help="PEM certificate chain this service presents (its gRPC and HTTP ports; and to stages)")
+    g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transport security (docs/security.md)")
+    add_tls_client_flags(g)
+    g.add_argument("--tls-client-ca", default="", metavar="PATH",
+                   help="PEM CA bundle client certificates must chain to: every client then needs one (mTLS)")
+    g.add_argument("--internal-secret-file", default=_env("EPD_INTERNAL_SECRET_FILE", ""), metavar="PATH",
+                   help="file holding the shared secret stages require on every call but health (the gateway "
+                        "and decode present it); default: $EPD_INTERNAL_SECRET_FILE, else the secret "
+                        "itself in $EPD_INTERNAL_SECRET. A stage beyond loopback refuses to start without one "
+                        "unless --tls-client-ca (mTLS) or --insecure-no-internal-auth")
+    g.add_argument("--insecure-no-internal-auth", action="store_true",
+                   help="serve a stage beyond loopback to any caller that reaches it, without the "
+                        "internal secret: closed development networks only")
+    p.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -335,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between reads of the replicas' loads for routing (0 = off)")
     add_http_api_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
+    serve.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))  # else the stack makes one
     serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
     serve.add_argument("--encoder-port", type=int, default=ENCODER_PORT)
     serve.add_argument("--prefill-port", type=int, default=PREFILL_PORT)
@@ -366,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("address", help="HOST:PORT")
     health.add_argument("--service", default="", help="service name; default: the whole server")
     health.add_argument("--timeout", type=float, default=3.0)
+    add_tls_client_flags(health.add_argument_group("TLS (a service started with --tls-cert)"))
     return parser
 
 
@@ -385,8 +414,15 @@ def main(argv: list[str] | None = None) -> int:
             from epd.bench.quality import main as bench_main
         return bench_main(args.bench_args)
     if args.command == "health":
+        from epd.cli.configs import health_security
         from epd.cli.health import check_health
+        from epd.transport import security
 
+        try:
+            security.configure(health_security(args))
+        except ValueError as exc:
+            print(f"epd health: {exc}", file=sys.stderr)
+            return 2
         return check_health(args.address, args.service, args.timeout)
     from epd.cli.serve import run_serve
 

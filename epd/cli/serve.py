@@ -11,12 +11,15 @@ up: a service that exits, or stops answering its gRPC health for --health-timeou
 with backoff while the others keep serving, and one that crash-loops is given up on
 (epd/cli/supervisor.py); only SIGTERM/SIGINT stops the stack. Before it has come up, and at any
 time for exit codes 2 and 3 (a restart would fail the same way), a service that exits stops it.
+Its services share an internal secret the launcher makes (`_internal_secret_file`): the stages
+refuse calls without it (docs/security.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -80,6 +83,7 @@ def serve_role(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         try:
+            _secure_transport(args)
             service = _service(args)  # imports torch: seconds in which a signal may come
         except ValueError as exc:  # a config's own check of a flag value
             print(f"epd serve {name}: {exc}", file=sys.stderr)
@@ -96,6 +100,39 @@ def serve_role(args: argparse.Namespace) -> int:
         print(f"epd: {name}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _secure_transport(args: argparse.Namespace) -> None:
+    """TLS and the internal secret of this process's channels to stages, before any is opened;
+    ValueError (exit 2) for an unusable file, or a stage that would serve anyone on the network
+    (`configs.internal_auth_problem`)."""
+    from epd.cli import configs
+    from epd.transport import security
+
+    transport = configs.transport_security(args)
+    if (problem := configs.internal_auth_problem(args, transport)) is not None:
+        raise ValueError(problem)
+    security.configure(transport)
+
+
+def _internal_secret_file() -> str:
+    """A fresh internal secret for the stack's services, in a file only this user can read (0600,
+    in a 0700 directory): its path goes on their command lines, the secret itself appears in no
+    command line or environment (and so reaches no grandchild process). Removed with the stack."""
+    import secrets
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="epd-stack-"), "internal-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def _remove_secret_file(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))
 
 
 def _service(args: argparse.Namespace):
@@ -273,7 +310,12 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         print(f"epd: {exc}", file=sys.stderr)
         return EXIT_MODEL
     policy = RestartPolicy(health_timeout_s=args.health_timeout, start_timeout_s=ready_timeout_s)
-    commands = stack_commands(args)
+    # The stages refuse calls without the stack's own secret: any local user could otherwise call
+    # them directly, past the gateway's API key and limits. One given to `epd serve`
+    # ($EPD_INTERNAL_SECRET, inherited by the services) is used instead: a tool can present it.
+    secret_file = "" if args.internal_secret_env else _internal_secret_file()
+    commands = {name: [*command, *(["--internal-secret-file", secret_file] if secret_file else [])]
+                for name, command in stack_commands(args).items()}
     ports = {"gateway": args.gateway_port} | {replica_name(role, i): port
                                               for role, role_ports in replica_ports(args).items()
                                               for i, port in enumerate(role_ports)}
@@ -311,6 +353,8 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         _stop_all(slots, args.grace_period + _EXIT_MARGIN_S, signals)
         zygote.stop()
         remove_board(board)
+        if secret_file:
+            _remove_secret_file(secret_file)
 
 
 def _supervise(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _Signals, policy: RestartPolicy,

@@ -94,7 +94,9 @@ def build_header(
 
     Sampling: fps, max_frames, min_frames, num_frames, start_time_s, end_time_s, max_pixels.
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos.
-    Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id.
+    Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
+    cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
+    API key; at most 256 printable characters).
     Unset or zero values take the server's defaults.
     """
     options = dict(options)
@@ -110,8 +112,11 @@ def build_header(
         knobs={k: str(v) for k, v in (options.pop("pruning_knobs", None) or {}).items()},
     )
     request_id = options.pop("request_id", "") or ""
+    cache_salt = options.pop("cache_salt", "") or ""
     if options:
-        known = sorted((*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id"))
+        known = sorted(
+            (*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id", "cache_salt")
+        )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
     if (question is None) == (messages is None):
         raise TypeError("pass a question or messages=[...], not both (and not neither)")
@@ -124,6 +129,7 @@ def build_header(
         sampling=sampling,
         generation=generation,
         pruning=pruning,
+        cache_salt=cache_salt,
     )
 
 

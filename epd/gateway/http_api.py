@@ -64,7 +64,8 @@ from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.transport import tracing
-from epd.transport.auth import bearer_token, key_matches
+from epd.transport.auth import bearer_token, key_matches, request_cache_salt
+from epd.transport.security import server_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,12 @@ class HttpApi:
                 generation=chat.generation,
                 request_id=tracing.current_request_id() or tracing.new_request_id(),
                 pruning=chat.pruning,
+                cache_salt=request_cache_salt(
+                    self.config.http.api_key,
+                    bearer_token([("authorization", request.headers.get("Authorization", ""))]),
+                    chat.cache_salt,
+                    self.config.server.security.internal_secret,
+                ),
             )
             events = self.pipeline.ask(ask)
             if chat.stream:
@@ -324,7 +331,9 @@ async def start_http_api(
     runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True,
                            shutdown_timeout=config.server.grace_s)  # drain for the grace period
     await runner.setup()
-    site = web.TCPSite(runner, config.http.host or config.server.host, config.http.port)
+    # TLS with the gateway's --tls-cert/--tls-key (client certificates with --tls-client-ca).
+    site = web.TCPSite(runner, config.http.host or config.server.host, config.http.port,
+                       ssl_context=server_ssl_context(config.server.security))
     await site.start()
     port = runner.addresses[0][1]
     log.info("OpenAI-compatible HTTP API on port %d", port)

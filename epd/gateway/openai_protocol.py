@@ -24,6 +24,7 @@ import grpc
 
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import Busy, InvalidRequest, NotFound
 from epd.stages.messages import ROLES, ContentPart, Message, check_messages
 from epd.stages.messages import text as text_part
@@ -123,6 +124,9 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     pruning: PruningConfig = PruningConfig()
+    cache_salt: str = ""
+    """vLLM's `cache_salt`: requests share cached visual tokens and prefix KV only when their salts
+    (and API keys) are equal."""
 
 
 def parse_chat_request(
@@ -152,6 +156,7 @@ def parse_chat_request(
         stream=stream,
         include_usage=_boolean(stream_options, "include_usage", False, "stream_options.include_usage"),
         pruning=_pruning(body.get("pruning")),
+        cache_salt=check_cache_salt(_text(body.get("cache_salt"), "cache_salt")),
     )
     check_messages(messages)  # the message model's own rules (the last message is the user's, ...)
     return request

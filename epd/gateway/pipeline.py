@@ -31,6 +31,7 @@ from epd.stages.contracts import (
     StageEvent,
     TokenStep,
 )
+from epd.stages.errors import KvSourceLost
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import Message, check_messages
 from epd.stages.names import TOTAL, TTFT, Stage
@@ -52,6 +53,9 @@ class AskRequest:
     request_id: str = ""
     pruning: PruningConfig = field(default_factory=PruningConfig)
     """Token dropping and KV compression; all off by default (exact tokens)."""
+    cache_salt: str = ""
+    """The tenant (`epd.transport.auth.tenant_cache_salt`): part of the encoder's token-cache key
+    and prefill's prefix-cache key; "" = the shared tenant."""
 
 
 @dataclass
@@ -104,49 +108,63 @@ class Pipeline:
         def elapsed_ms() -> float:
             return (time.perf_counter() - t0) * 1e3
 
-        media = await self.encoder.encode(req.media, req.sampling, emit, request_id, req.pruning)
+        media = await self.encoder.encode(
+            req.media, req.sampling, emit, request_id, req.pruning, req.cache_salt
+        )
         timings[Stage.VIDEO_DECODE.value] = media.decode_ms
         timings[Stage.ENCODE.value] = media.encode_ms
 
-        emit(StageEvent(Stage.PREFILL, "started"))
-        t_prefill = time.perf_counter()
-        handle = await self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning)
-        taken = False  # by the decoder: its first step comes only after it pulled the cache
-        try:
-            timings[Stage.PREFILL.value] = handle.prefill_ms
-            emit(StageEvent(
-                Stage.PREFILL,
-                "finished",
-                (time.perf_counter() - t_prefill) * 1e3,
-                {
-                    "num_prompt_tokens": str(handle.num_prompt_tokens),
-                    "kv_num_bytes": str(handle.kv_num_bytes),
-                    "prefix_cache": "hit" if handle.num_reused_prompt_tokens else "miss",
-                    "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
-                },
-            ))
-            token_ids: list[int] = []
-            text_parts: list[str] = []
-            finish_reason = ""
-            t_gen = time.perf_counter()
-            pruning = handle.pruning
-            emit(StageEvent(Stage.GENERATE, "started"))
-            async for step in self.decoder.generate(handle, req.generation, request_id, req.pruning):
+        # Prefill, then decode. If the prefill replica that holds the KV cache is lost before any
+        # decoder has it (KvSourceLost, nothing sent to the client yet), prefill again, once: on
+        # another replica when that one is gone (prefill is idempotent, its cache is lost).
+        for attempt in range(2):
+            emit(StageEvent(Stage.PREFILL, "started"))
+            t_prefill = time.perf_counter()
+            handle = await self.prefill.prefill(
+                req.messages, media, req.generation, request_id, req.pruning, req.cache_salt
+            )
+            taken = False  # by the decoder: its first step comes only after it pulled the cache
+            try:
+                timings[Stage.PREFILL.value] = handle.prefill_ms
+                emit(StageEvent(
+                    Stage.PREFILL,
+                    "finished",
+                    (time.perf_counter() - t_prefill) * 1e3,
+                    {
+                        "num_prompt_tokens": str(handle.num_prompt_tokens),
+                        "kv_num_bytes": str(handle.kv_num_bytes),
+                        "prefix_cache": "hit" if handle.num_reused_prompt_tokens else "miss",
+                        "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
+                    },
+                ))
+                token_ids: list[int] = []
+                text_parts: list[str] = []
+                finish_reason = ""
+                t_gen = time.perf_counter()
+                pruning = handle.pruning
+                emit(StageEvent(Stage.GENERATE, "started"))
+                async for step in self.decoder.generate(handle, req.generation, request_id, req.pruning):
+                    if not taken:
+                        taken = True
+                        timings[TTFT] = elapsed_ms()
+                        timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
+                        emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
+                                        {"kv_num_bytes": str(step.kv_num_bytes)}))
+                    token_ids += step.token_ids
+                    text_parts.append(step.text)
+                    finish_reason = step.finish_reason or finish_reason
+                    if step.decode_evict is not None:
+                        pruning.record("decode_evict", *step.decode_evict)
+                    emit(step)
+            except KvSourceLost as exc:
+                if taken or attempt:
+                    raise
+                log.warning("request %s: %s; prefilling it again", request_id, exc)
+                continue
+            finally:
                 if not taken:
-                    taken = True
-                    timings[TTFT] = elapsed_ms()
-                    timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
-                    emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
-                                    {"kv_num_bytes": str(step.kv_num_bytes)}))
-                token_ids += step.token_ids
-                text_parts.append(step.text)
-                finish_reason = step.finish_reason or finish_reason
-                if step.decode_evict is not None:
-                    pruning.record("decode_evict", *step.decode_evict)
-                emit(step)
-        finally:
-            if not taken:
-                await self._release(handle, request_id)
+                    await self._release(handle, request_id)
+            break
         timings[Stage.GENERATE.value] = (time.perf_counter() - t_gen) * 1e3
         emit(StageEvent(Stage.GENERATE, "finished", timings[Stage.GENERATE.value],
                         {"num_tokens": str(len(token_ids)), "finish_reason": finish_reason}))

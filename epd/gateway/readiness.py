@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig
 from epd.transport.remote_stages import ReplicaPool
+from epd.transport.security import stage_channel
 from epd.transport.server import RECONNECT_OPTIONS, HealthyServer, channel_options
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class StageHealth:
         channel = self._channels.get(address)
         if channel is None:
             options = [*channel_options(), *RECONNECT_OPTIONS]
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+            channel = self._channels[address] = stage_channel(address, options)
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=self.timeout_s

@@ -84,6 +84,7 @@ async def start(
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],
         interceptors,
+        public=True,  # the front door: its internal secret is only presented to the stages
     )
     # NOT_SERVING until every stage has a replica serving, and again whenever a stage has none
     # (epd/gateway/readiness.py); the same checks tell the replica pools which replicas to route to.
@@ -153,6 +154,9 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
 
             stage_health = health or StageHealth(config, pools=stage_pools(pipeline))
             http = await start_http_api(config, pipeline, metrics, stage_health, admission)
+            if config.server.security.tls_cert and any(not site.name.startswith("https") for site in http.runner.sites):
+                raise SystemExit("epd serve gateway: --tls-cert was given but the HTTP API (--http-port) serves "
+                                 "plain HTTP: refusing to expose it unencrypted")
         hs = await start(config, pipeline, admission, health)
         # HTTP drains alongside gRPC, each for up to the grace period (its runner's shutdown_timeout).
         await serve_until_signal(hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None)

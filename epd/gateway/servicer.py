@@ -9,11 +9,12 @@ from contextlib import aclosing
 from epd.gateway.admission import Admission, Overloaded, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
-from epd.stages.contracts import StageEvent
+from epd.stages.contracts import StageEvent, check_cache_salt
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
 from epd.transport import convert, tracing
+from epd.transport.auth import bearer_token, request_cache_salt
 from epd.transport.errors import rpc_errors
 from epd.transport.upload import drain, media_input, read_upload
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -48,6 +49,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 generation=convert.generation_from_proto(header.generation, self.config.generation),
                 request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),
+                cache_salt=request_cache_salt(
+                    self.config.http.api_key,
+                    bearer_token(context.invocation_metadata()),
+                    check_cache_salt(header.cache_salt),
+                    self.config.server.security.internal_secret,
+                ),
             )
             # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
             # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.

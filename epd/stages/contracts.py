@@ -5,6 +5,8 @@
     DecodeStage.generate(PrefillHandle, GenerationConfig, ..., PruningConfig) -> async iter of TokenStep
 
 Every stage takes the request's PruningConfig; with its default (all off) the stages are exact.
+Encode and prefill take the request's `cache_salt` (its tenant): part of every cache key, so one
+tenant never reads what another cached ("" = one shared tenant, the default without API keys).
 
 One type per boundary result, like vLLM v1's EngineCoreRequest/EngineCoreOutput: the engines
 build these types themselves, `epd.transport.convert` turns each into protobuf and back in one
@@ -58,6 +60,21 @@ class MediaInput:
 
     data: bytes | None
     sha256: str = ""
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: str) -> str:
+    """A request's `cache_salt` (vLLM's name): any printable text up to 256 characters; requests
+    share cached tokens and prefix KV only when their salts are equal ("" = the shared tenant)."""
+    if not isinstance(salt, str):
+        raise InvalidRequest("cache_salt must be a string")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt has {len(salt)} characters, over the limit of {MAX_CACHE_SALT_CHARS}")
+    if not salt.isprintable():
+        raise InvalidRequest("cache_salt must be printable text (no control characters or line breaks)")
+    return salt
 
 
 class TensorLike(Protocol):
@@ -352,8 +369,11 @@ class EncodeStage(ABC):
         on_event: EventSink,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> EncodedMedia:
-        """Decode and encode the media. Raises MediaError / EpdError with a client-safe message."""
+        """Decode and encode the media. Raises MediaError / EpdError with a client-safe message.
+        `cache_salt` (the tenant, `check_cache_salt`) is part of the token-cache key: a by-hash
+        request (no bytes) finds only what the same salt cached, else NotFound."""
 
 
 class PrefillStage(ABC):
@@ -365,11 +385,13 @@ class PrefillStage(ABC):
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> PrefillHandle:
         """Render `messages` (`epd.stages.messages`: one media part, the user's message last) with
         the model's chat template around `media` and run the prompt; the KV cache stays with the
         stage until a decoder takes it (or its TTL passes). Cancelled before it returns, the stage
-        stores no cache."""
+        stores no cache. `cache_salt` (the tenant) is part of the prefix-cache key: a prompt reuses
+        only KV that a request of the same salt stored."""
 
     @abstractmethod
     async def release(self, handle: PrefillHandle, request_id: str) -> None:

@@ -42,5 +42,11 @@ class DeadlineExceeded(EpdError):
     """The work did not finish within its time limit (DEADLINE_EXCEEDED)."""
 
 
+class KvSourceLost(EpdError):
+    """The prefill replica that held a request's KV cache went away before a decoder had the cache
+    (ABORTED): the decoders are fine, the request must be prefilled again (the gateway does that
+    once, `epd.gateway.pipeline`)."""
+
+
 class PermissionDenied(EpdError):
     """The server's policy does not allow what the request asks for (PERMISSION_DENIED)."""

@@ -1,16 +1,50 @@
-"""Where a service listens and the message sizes every server and channel agrees on. No gRPC here:
+"""Where a service listens, how it is secured (TLS files, the internal secret), and the message
+sizes every server and channel agrees on. No gRPC here:
 service configs (encoder_svc.config, ...) embed `ServerConfig`, and engines read those configs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 CHUNK_BYTES = 1 << 20
 """Payload per message. With the 4 MiB channel limit this leaves room for headers and lets the
 receiver start copying early."""
 MAX_MESSAGE_BYTES = 4 << 20
 """gRPC receive/send limit we set on purpose on every server and channel."""
+
+
+@dataclass(frozen=True)
+class TransportSecurity:
+    """TLS and internal authentication of a service: of its server, and of the channels it opens
+    to other stages (gateway -> stages, decode -> prefill). Paths only: the gRPC side
+    (`epd.transport.security`) reads and checks the files at start-up. The default is what
+    in-process tests use: plaintext, no secret."""
+
+    tls_cert: str = ""
+    """PEM certificate chain this service presents: as a server, and as a client to other stages
+    when `tls_ca` is set (mTLS). Needs `tls_key`."""
+    tls_key: str = ""
+    """PEM private key of `tls_cert`."""
+    tls_client_ca: str = ""
+    """PEM CA bundle client certificates must chain to: set, every client needs a valid one (mTLS)."""
+    tls_ca: str = ""
+    """PEM CA bundle verifying the stage servers this service calls; set, its stage channels use TLS."""
+    internal_secret: str = field(default="", repr=False)
+    """Shared secret the stages require on every call but health and reflection (metadata
+    `x-epd-internal-auth`), and that this service presents on its calls to stages; "" = none."""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: pass both (PEM certificate chain and its key)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mTLS is TLS first")
+
+    @property
+    def verifies_clients(self) -> bool:
+        """mTLS on the server: a client without a certificate from `tls_client_ca` cannot connect."""
+        return bool(self.tls_client_ca)
 
 
 @dataclass(frozen=True)
@@ -25,6 +59,8 @@ class ServerConfig:
     """Largest gRPC message sent or received; tensors are chunked below it."""
     grace_s: float = 5.0
     """On shutdown, in-flight calls get this long to finish."""
+    security: TransportSecurity = field(default_factory=TransportSecurity)
+    """TLS (mTLS) and the internal secret, of this server and of its channels to stages."""
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
@@ -41,3 +77,28 @@ class ServerConfig:
 MIN_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 """Smallest workable message limit: every stream (uploads, tensors, KV caches) is cut into
 CHUNK_BYTES pieces, and a piece travels with a small header (tensor name, shape, offsets)."""
+
+
+MAX_SECRET_BYTES = 4096
+MIN_SECRET_CHARS = 16
+"""A shorter internal secret is guessable; `openssl rand -hex 32` (64 chars) is what the docs use."""
+
+
+def read_secret(path: str) -> str:
+    """The internal secret in `path` (surrounding whitespace dropped); ValueError if unusable."""
+    try:
+        data = Path(path).read_bytes()[: MAX_SECRET_BYTES + 1]
+    except OSError as exc:
+        raise ValueError(f"--internal-secret-file {path}: cannot read it ({exc.strerror or exc})") from None
+    return check_secret(data.decode("utf-8", "replace").strip(), f"--internal-secret-file {path}")
+
+
+def check_secret(secret: str, where: str) -> str:
+    if len(secret) > MAX_SECRET_BYTES:
+        raise ValueError(f"{where}: the internal secret is longer than {MAX_SECRET_BYTES} bytes")
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"{where}: the internal secret must be at least {MIN_SECRET_CHARS} characters "
+                         "(e.g. `openssl rand -hex 32`)")
+    if not secret.isprintable() or not secret.isascii():
+        raise ValueError(f"{where}: the internal secret must be printable ASCII (gRPC metadata)")
+    return secret

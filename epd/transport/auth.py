@@ -1,12 +1,19 @@
-"""An optional API key on gRPC services: `authorization: Bearer <key>` metadata, the same header
-the HTTP API checks, so one key (`--api-key` / `EPD_API_KEY`) guards both front-door APIs.
+"""Who may call a gRPC service.
 
-Only the methods under `protected_prefixes` are checked: health and reflection stay open, so
-probes (compose, Kubernetes, `epd health`) need no key.
+- The front door: an optional API key, `authorization: Bearer <key>` metadata, the same header
+  the HTTP API checks, so one key (`--api-key` / `EPD_API_KEY`) guards both front-door APIs.
+  Only the methods under `protected_prefixes` are checked.
+- The stages: the internal secret (`--internal-secret-file` / `EPD_INTERNAL_SECRET`), metadata
+  `x-epd-internal-auth`, that the gateway and decode (pulling KV from prefill) present
+  (`InternalSecretInterceptor`, `epd.transport.security.stage_channel`).
+
+Health and reflection stay open either way, so probes (compose, Kubernetes, `epd health`) need
+neither key nor secret.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 import grpc
@@ -33,6 +40,40 @@ def key_matches(token: str, api_key: str) -> bool:
     return hmac.compare_digest(token.encode("utf-8", "surrogatepass"), api_key.encode("utf-8", "surrogatepass"))
 
 
+INTERNAL_AUTH_KEY = "x-epd-internal-auth"
+"""Metadata key of the internal secret."""
+MISSING_SECRET_MESSAGE = (
+    "this stage requires the internal secret (--internal-secret-file); it is not a public endpoint"
+)
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+"""Methods every caller may use: probes and tooling."""
+
+
+def metadata_value(metadata, key: str) -> str:
+    for k, value in metadata or ():
+        if k.lower() == key:
+            return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+    return ""
+
+
+class InternalSecretInterceptor(grpc.aio.ServerInterceptor):
+    """A stage's check of the internal secret on every call but health and reflection; a call
+    without it (or with another) is refused UNAUTHENTICATED before the servicer reads it."""
+
+    def __init__(self, secret: str) -> None:
+        if not secret:
+            raise ValueError("InternalSecretInterceptor needs a non-empty secret")
+        self.secret = secret
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
+            return handler
+        if key_matches(metadata_value(handler_call_details.invocation_metadata, INTERNAL_AUTH_KEY), self.secret):
+            return handler
+        return _denying_handler(handler, MISSING_SECRET_MESSAGE)
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str, protected_prefixes: tuple[str, ...]) -> None:
         if not api_key:
@@ -53,7 +94,7 @@ MAX_DRAINED_MESSAGES = 512
 """Request messages read and dropped before refusing a client-streaming call (see `_deny`)."""
 
 
-async def _deny(request_or_iterator, context) -> None:
+async def _deny(request_or_iterator, context, message: str) -> None:
     if hasattr(request_or_iterator, "__aiter__"):
         # Aborting while the client is still sending makes its side fail with INTERNAL "Internal
         # error from Core" instead of our status (grpc.aio race), so read what it sends first:
@@ -63,10 +104,10 @@ async def _deny(request_or_iterator, context) -> None:
             num_messages += 1
             if num_messages >= MAX_DRAINED_MESSAGES:
                 break
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY_MESSAGE)
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _denying_handler(handler: grpc.RpcMethodHandler, message: str = MISSING_KEY_MESSAGE) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call before reading it."""
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -74,4 +115,42 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(handler.request_streaming, handler.response_streaming)]
-    return make(_deny, handler.request_deserializer, handler.response_serializer)
+
+    async def deny(request_or_iterator, context) -> None:
+        await _deny(request_or_iterator, context, message)
+
+    return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+# -- Cache tenancy: the default cache_salt of a request ------------------------------------------
+
+_CACHE_SALT_DOMAIN = b"epd cache_salt v1\0"
+"""Separates this use of a secret from any other (the internal secret authenticates stages)."""
+
+
+def api_key_cache_salt(api_key: str, secret: str = "") -> str:
+    """The tenant of requests made with `api_key`: "key-" + HMAC-SHA256(secret, key) in hex, never
+    the key itself (the salt travels to the stages and into cache keys). "" without a key: the
+    shared tenant. With no `secret` the HMAC key is empty: still one-way, but a low-entropy API key
+    could be guessed from its salt by whoever reads the stage traffic; a secret closes that."""
+    if not api_key:
+        return ""
+    mac = hmac.new(secret.encode("utf-8", "surrogatepass"), _CACHE_SALT_DOMAIN, hashlib.sha256)
+    mac.update(api_key.encode("utf-8", "surrogatepass"))
+    return "key-" + mac.hexdigest()
+
+
+def tenant_cache_salt(key_salt: str, request_salt: str) -> str:
+    """The salt a request's caches are keyed by: its API key's (`api_key_cache_salt`) refined by
+    the salt the request names (vLLM's per-request `cache_salt`). Both given: a hash of the pair,
+    so a caller can split its own key's tenant further but never name another key's tenant."""
+    if not key_salt or not request_salt:
+        return key_salt or request_salt
+    return "key+req-" + hashlib.sha256(f"{key_salt}\0{request_salt}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def request_cache_salt(api_key: str, presented_key: str, request_salt: str, secret: str = "") -> str:
+    """A front-door request's tenant: with an API key configured (`api_key`), the key it presented
+    (already checked) refined by its own `request_salt`; with none, `request_salt` alone ("" = the
+    one shared tenant)."""
+    return tenant_cache_salt(api_key_cache_salt(presented_key, secret) if api_key else "", request_salt)

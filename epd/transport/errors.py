@@ -20,6 +20,7 @@ from epd.stages.errors import (
     DeadlineExceeded,
     EpdError,
     InvalidRequest,
+    KvSourceLost,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -38,6 +39,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (KvSourceLost, grpc.StatusCode.ABORTED),
     (MediaLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (MediaError, grpc.StatusCode.INVALID_ARGUMENT),
     # The server's model, not the request, is wrong: its message says why and what epd serves.
@@ -72,6 +74,21 @@ _SANITISED = {
     grpc.StatusCode.UNIMPLEMENTED: "failed",
     grpc.StatusCode.DATA_LOSS: "failed",
 }
+
+
+LOST_WHILE_SENDING = "Internal error from Core"
+"""How grpc.aio words the INTERNAL it raises itself when a request stream is being sent on a
+connection that has just broken (the replica was killed mid-upload): gRPC's text, never one of our
+services' (theirs is `epd.transport.errors.status_of`'s), so the replica is gone, as UNAVAILABLE."""
+
+
+def replica_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed try says its replica is gone (not the request's own failure): UNAVAILABLE,
+    or gRPC's INTERNAL for a send on a broken connection."""
+    code = exc.code()
+    return code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.INTERNAL and (exc.details() or "").startswith(LOST_WHILE_SENDING)
+    )
 
 
 def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> UpstreamError:

@@ -46,13 +46,13 @@ from epd.stages.contracts import (
     PrefillStage,
     TokenStep,
 )
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.messages import Message
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser
-from epd.transport.errors import UpstreamError, broken_stream, failed_after_retry, stage_error
+from epd.transport.errors import UpstreamError, broken_stream, failed_after_retry, replica_lost, stage_error
 from epd.transport.server import RECONNECT_OPTIONS, channel_options, traced_channel
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import (
@@ -191,7 +191,7 @@ class ReplicaPool:
                     and timeout_s < remaining
                     and loop.time() - started >= timeout_s - HANG_SLACK_S
                 )
-                if exc.code() != grpc.StatusCode.UNAVAILABLE and not hung:
+                if not replica_lost(exc) and not hung:
                     raise stage_error(exc, stage, request_id) from None
                 self.mark_failed(address, hung)
                 what = f"did not answer in {timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
@@ -237,6 +237,7 @@ class RemoteEncodeStage(EncodeStage):
         on_event: EventSink,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> EncodedMedia:
         data = media.data or b""
 
@@ -248,6 +249,7 @@ class RemoteEncodeStage(EncodeStage):
                     sampling=convert.sampling_to_proto(sampling),
                     media_sha256=media.sha256,
                     pruning=convert.pruning_to_proto(pruning),
+                    cache_salt=cache_salt,
                 )
             )
             for i in range(0, len(data), CHUNK_BYTES):
@@ -291,6 +293,7 @@ class RemotePrefillStage(PrefillStage):
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> PrefillHandle:
         async def requests():
             yield prefill_pb2.PrefillRequest(
@@ -300,6 +303,7 @@ class RemotePrefillStage(PrefillStage):
                     visual=convert.encode_result_to_proto(media),
                     generation=convert.generation_to_proto(generation),
                     pruning=convert.pruning_to_proto(pruning),
+                    cache_salt=cache_salt,
                 )
             )
             for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
@@ -389,11 +393,13 @@ class RemoteDecodeStage(DecodeStage):
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if num_tokens or code not in (grpc.StatusCode.UNAVAILABLE,):
+                if num_tokens or not replica_lost(exc):
                     if num_tokens and code in BROKEN_STREAM_CODES:
                         log.warning("request %s: decode replica %s failed after %d tokens: %s %s",
                                     request_id, address, num_tokens, code.name, exc.details())
                         raise broken_stream("decode", num_tokens, request_id) from None
+                    if not num_tokens and code == grpc.StatusCode.ABORTED:  # its prefill replica is gone
+                        raise KvSourceLost(exc.details() or "the request's KV cache was lost") from None
                     if failed:
                         log.warning("request %s: decode retried after %s; then %s: %s %s",
                                     request_id, "; ".join(failed), address, code.name, exc.details())

@@ -16,7 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from epd.stages.server_config import MAX_MESSAGE_BYTES, ServerConfig
-from epd.transport import tracing
+from epd.transport import security, tracing
+from epd.transport.auth import InternalSecretInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,10 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reco
 
 def traced_channel(target: str, options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
     """A channel to a stage whose calls carry the caller's request id (`x-request-id`) and, with
-    OpenTelemetry on, its trace context (`epd.transport.tracing`)."""
-    return grpc.aio.insecure_channel(
-        target, options=channel_options() if options is None else options,
-        interceptors=tracing.client_interceptors(),
+    OpenTelemetry on, its trace context (`epd.transport.tracing`); TLS and the internal secret
+    as this process was configured (`epd.transport.security.configure`)."""
+    return security.stage_channel(
+        target, channel_options() if options is None else options, tracing.client_interceptors()
     )
 
 
@@ -91,17 +92,26 @@ async def create_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: list[str],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    public: bool = False,
 ) -> HealthyServer:
     """Build and start a server; `register(server)` adds the service's servicers. Every call it
-    serves runs under its request id, and every error it answers names it (`tracing.ServerTracing`)."""
+    serves runs under its request id, and every error it answers names it (`tracing.ServerTracing`).
+    TLS (mTLS with a client CA) as `config.security` says; a stage (not `public`, unlike the
+    gateway) with an internal secret refuses calls without it, health and reflection aside."""
     # so_reuseport off: gRPC enables it by default on Linux, which lets a second server bind a
     # port already in use and silently share its connections (two models behind one address).
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
     tracing.setup_otel_from_env("epd-" + (service_names[0].rsplit(".", 1)[-1] if service_names else "server"))
-    server = grpc.aio.server(options=options, interceptors=[tracing.ServerTracing(), *interceptors])
+    secret = config.security.internal_secret
+    guard = [InternalSecretInterceptor(secret)] if secret and not public else []
+    credentials = security.server_credentials(config.security)
+    server = grpc.aio.server(options=options, interceptors=[tracing.ServerTracing(), *guard, *interceptors])
     register(server)
     try:
-        port = server.add_insecure_port(config.address)
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
     except RuntimeError:
         port = 0
     if port == 0:

@@ -46,6 +46,7 @@ from epd.cli.main import REPLICA_PORT_STEP
 from epd.client import AsyncEpdClient, EpdError, TokenDelta
 from epd.client.retry import NO_RETRY
 from epd.transport.affinity import rendezvous_order
+from epd.transport.auth import INTERNAL_AUTH_KEY
 from epd.v1 import load_pb2, load_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.stack import ROOT, child_env, epd_command, free_port
 
@@ -100,6 +101,17 @@ def png(seed: int) -> bytes:
     return out.getvalue()
 
 
+def internal_auth(launcher: subprocess.Popen) -> tuple[tuple[str, str], ...]:
+    """The metadata that lets this test call a stage directly (LoadService, ReleaseKv): the secret
+    `epd serve` made for its services, read from the file its gateway was given (none without one)."""
+    gateway = next(p for p in psutil.Process(launcher.pid).children() if "gateway" in p.cmdline())
+    cmdline = gateway.cmdline()
+    if "--internal-secret-file" not in cmdline:
+        return ()
+    with open(cmdline[cmdline.index("--internal-secret-file") + 1]) as f:
+        return ((INTERNAL_AUTH_KEY, f.read().strip()),)
+
+
 def home(media: bytes, replicas: list[str]) -> str:
     return rendezvous_order(hashlib.sha256(media).hexdigest(), replicas)[0]
 
@@ -110,6 +122,7 @@ class FaultStack:
     log: Path
     gateway: str
     replicas: dict[str, list[str]]  # role -> addresses
+    auth: tuple[tuple[str, str], ...]  # the internal secret's metadata, for calls straight to a stage
 
     def log_text(self) -> str:
         return self.log.read_text()
@@ -151,7 +164,7 @@ def stack(tiny_models, tmp_path_factory):
         assert "stack ready" in ready, f"exit {launcher.poll()}: {ready!r}\n{log.read_text()}"
         replicas = {role: [f"127.0.0.1:{port + REPLICA_PORT_STEP * i}" for i in range(2)]
                     for role, port in ports.items()}  # fmt: skip
-        yield FaultStack(launcher, log, f"127.0.0.1:{gateway_port}", replicas)
+        yield FaultStack(launcher, log, f"127.0.0.1:{gateway_port}", replicas, internal_auth(launcher))
     finally:
         launcher.send_signal(signal.SIGTERM)
         try:
@@ -216,14 +229,15 @@ async def run_batch(stack: FaultStack, media: list[bytes], fault=None) -> list[O
     return outcomes
 
 
-async def replica_load(address: str) -> tuple[int, int]:
+async def replica_load(stack: FaultStack, address: str) -> tuple[int, int]:
     """(running + waiting requests, steps so far) over the replica's engine cores (its LoadService)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5)
+        reply = await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5,
+                                                                     metadata=stack.auth)
     return (sum(c.num_running + c.num_waiting for c in reply.cores), sum(c.num_steps for c in reply.cores))
 
 
-def kill_when_busy(address: str, trigger: str, killed: list[int]):
+def kill_when_busy(stack: FaultStack, address: str, trigger: str, killed: list[int]):
     """A fault: SIGKILL the replica at `address` once it has work (or, whichever comes first, once
     the requests' progress counter `trigger` has moved), recording its pid in `killed`."""
 
@@ -233,7 +247,7 @@ def kill_when_busy(address: str, trigger: str, killed: list[int]):
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline and progress[trigger] == 0:
             try:
-                if (await replica_load(address))[0] > 0:
+                if (await replica_load(stack, address))[0] > 0:
                     break
             except grpc.aio.AioRpcError:
                 pass
@@ -244,11 +258,11 @@ def kill_when_busy(address: str, trigger: str, killed: list[int]):
     return fault
 
 
-def kv_held(address: str) -> tuple[int, int]:
+def kv_held(stack: FaultStack, address: str) -> tuple[int, int]:
     """(KV caches, bytes) the prefill replica at `address` holds for decoders."""
     with grpc.insecure_channel(address) as channel:
         answer = prefill_pb2_grpc.PrefillServiceStub(channel).ReleaseKv(
-            prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"), timeout=10
+            prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"), timeout=10, metadata=stack.auth
         )
     return answer.num_kv_caches_held, answer.kv_bytes_held
 
@@ -308,12 +322,12 @@ def check_outcomes(stage: str, outcomes: list[Outcome], reference: dict) -> None
 async def steps_after_requests(stack: FaultStack, address: str, media: list[bytes], keys: list[tuple[int, int]],
                                reference: dict) -> bool:
     """Whether `address` took a step while these requests (each with its reference answer) ran."""
-    _, before = await replica_load(address)
+    _, before = await replica_load(stack, address)
     async with AsyncEpdClient(stack.gateway, timeout_s=DEADLINE_S, retry=NO_RETRY) as client:
         for key in keys:
             outcome = await one_request(client, media, key, Counter())
             assert outcome.tokens == reference[key], outcome.describe()
-    _, after = await replica_load(address)
+    _, after = await replica_load(stack, address)
     return after > before
 
 
@@ -328,7 +342,7 @@ def test_a_replica_killed_under_load_fails_no_request_silently_and_comes_back(st
         victim = homes.most_common(1)[0][0]
         trigger = "events"
     killed: list[int] = []
-    outcomes = asyncio.run(run_batch(stack, media, kill_when_busy(victim, trigger, killed)))
+    outcomes = asyncio.run(run_batch(stack, media, kill_when_busy(stack, victim, trigger, killed)))
     check_outcomes(stage, outcomes, reference)
     assert killed, "the fault never ran"
 
@@ -349,7 +363,7 @@ def test_no_kv_cache_is_left_at_prefill(stack, media, reference):
     outcomes = asyncio.run(run_batch(stack, media))
     assert all(o.tokens == reference[o.key] for o in outcomes), [o.describe() for o in outcomes]
     for address in stack.replicas["prefill"]:
-        wait_until(lambda a=address: kv_held(a) == (0, 0), f"prefill {address}'s KV store emptying", stack)
+        wait_until(lambda a=address: kv_held(stack, a) == (0, 0), f"prefill {address}'s KV store emptying", stack)
 
 
 def test_a_stopped_encoder_is_routed_around(stack, media, reference):

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeHeader(_message.Message):
-    __slots__ = ("request_id", "media_num_bytes", "sampling", "pruning", "media_sha256")
+    __slots__ = ("request_id", "media_num_bytes", "sampling", "pruning", "media_sha256", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MEDIA_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
     MEDIA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     media_num_bytes: int
     sampling: _common_pb2.VideoSampling
     pruning: _common_pb2.PruningOptions
     media_sha256: str
-    def __init__(self, request_id: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., media_sha256: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., media_sha256: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("header", "media_chunk")

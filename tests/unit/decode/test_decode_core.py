@@ -293,3 +293,49 @@ def test_requests_beyond_the_kv_budget_wait_for_room_and_all_finish(adapter, thr
     assert max(calls.batch_sizes) == 2, "never more rows than the budget holds"
     assert len(store) == 1, "the refused request's cache was never taken"
     _assert_idle(stage)
+
+
+def _leasing_stage(adapter, store, thread) -> LocalDecodeStage:
+    """As the decode service does over the network: the pull leases the cache (prefill keeps a copy)
+    and `confirm_kv` drops that copy."""
+
+    async def take_kv(handle):
+        return store.lease(handle.kv_handle)[0]
+
+    async def confirm_kv(handle):
+        store.confirm(handle.kv_handle)
+
+    return LocalDecodeStage(DecodeEngine(adapter), take_kv, thread, DecodeConfig(), confirm_kv=confirm_kv)
+
+
+def test_prefill_keeps_its_copy_until_the_first_token_is_out(adapter, thread):
+    """A decoder lost between its pull and its first token must leave the cache for the gateway's
+    retry on another decoder; once the first token is out nothing retries, and the copy goes."""
+    store = KvStore(1 << 30, 60.0)
+    handle, _ = _prefilled(adapter, store, "what colour is the square?")
+    stage = _leasing_stage(adapter, store, thread)
+    release = threading.Event()
+
+    async def lost_before_the_first_token():
+        blocked = asyncio.ensure_future(thread.run(release.wait, HANG_GUARD_S))  # no token can come
+        reader = asyncio.ensure_future(anext(stage.generate(handle, GenerationConfig(max_new_tokens=4), "r")))
+        while not store.is_leased(handle.kv_handle):
+            await asyncio.sleep(0.01)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        release.set()
+        await blocked
+
+    _run(lost_before_the_first_token())
+    assert store.is_leased(handle.kv_handle) and len(store) == 1, "still there for a retry"
+
+    async def first_token_then_gone():
+        tokens = stage.generate(handle, GenerationConfig(max_new_tokens=4, ignore_eos=True), "r")
+        async with aclosing(tokens):
+            first = await anext(tokens)
+        await asyncio.sleep(0.05)  # the confirmation runs in the background
+        return first
+
+    first = _run(first_token_then_gone())
+    assert first.token_ids == [handle.first_token_id]
+    assert len(store) == 0 and store.num_confirmed == 1, "confirmed once the first token was out"

@@ -37,12 +37,38 @@ def parse_epd(argv: list[str], env: dict[str, str] | None = None):
             raise ValueError(f"`epd {' '.join(argv)}` is not a valid command: {err.getvalue().strip()}") from None
 
 
+SECRET_FROM = "internal secret read from "
+"""The secret files are not here: their path stands in for the secret (see `secret_file`)."""
+
+
 def serve_config(argv: list[str], env: dict[str, str] | None = None):
     """(role, typed config) that `epd serve ROLE ...` builds."""
     args = parse_epd(argv, env)
     if args.command != "serve" or args.role not in BUILDERS:
         raise ValueError(f"`epd {' '.join(argv)}` is not `epd serve ROLE`")
-    return args.role, BUILDERS[args.role](args)
+    with patch.object(configs, "read_secret", lambda path: SECRET_FROM + path):
+        return args.role, BUILDERS[args.role](args)
+
+
+def secret_file(cfg) -> str:
+    """The file a service reads its internal secret from ("" if it has none from a file)."""
+    secret = cfg.server.security.internal_secret
+    return secret.removeprefix(SECRET_FROM) if secret.startswith(SECRET_FROM) else ""
+
+
+def internal_secret_problems(cfgs: dict, mounted: dict[str, str]) -> list[str]:
+    """Every service reads the internal secret from a file where the shared secret is mounted
+    (`mounted`: role -> the path of the mounted secret in its container); the stages, which refuse
+    calls without it, and the gateway and decode, which present it."""
+    problems = []
+    for role, cfg in cfgs.items():
+        path = secret_file(cfg)
+        if not path:
+            problems.append(f"{role}: no --internal-secret-file (the stages refuse calls without the secret)")
+        elif path != mounted.get(role):
+            problems.append(f"{role}: --internal-secret-file {path} is not where the secret is mounted "
+                            f"({mounted.get(role) or 'nowhere'})")
+    return problems
 
 
 def kv_source_problems(allow_kv_from, advertised: str) -> list[str]:

@@ -18,6 +18,7 @@ from tests.unit.deploy.epd_commands import (
     ROOT,
     STAGES,
     api_key_problems,
+    internal_secret_problems,
     kv_source_problems,
     parse_epd,
     serve_config,
@@ -25,6 +26,8 @@ from tests.unit.deploy.epd_commands import (
 
 COMPOSE = ROOT / "compose"
 KEY = "key-from-the-shell"
+SECRET = "internal-secret"
+"""The compose secret holding the stages' internal secret."""
 _VAR = re.compile(r"\$\{(\w+)(?:(:?)([-?])([^}]*))?\}")
 
 
@@ -123,6 +126,10 @@ def check_stack(doc: dict) -> list[str]:
         volumes.update(names)
     if len(volumes) > 1 or not volumes <= set(doc.get("volumes") or {}):
         problems.append(f"stages must share one declared named volume for the model cache, mount {sorted(volumes)}")
+    declared = doc.get("secrets") or {}
+    mounted = {role: f"/run/secrets/{SECRET}" for role in cfgs
+               if SECRET in services[role].get("secrets", []) and SECRET in declared}
+    problems += internal_secret_problems(cfgs, mounted)
     return problems + api_key_problems(cfgs["gateway"], KEY) + check_supervision(doc)
 
 
@@ -204,6 +211,36 @@ def test_the_stack_the_gpu_overlay_and_the_image_have_no_problems():
     assert check_image(interpolate(raw(), env), (COMPOSE / "Dockerfile").read_text()) == []
 
 
+def check_tls(doc: dict) -> list[str]:
+    """mTLS between the services: every one serves TLS with a mounted certificate, the stages
+    require client certificates, the gateway and decode verify the stages they call, and the
+    health checks speak TLS (with a client certificate where one is required)."""
+    problems, declared = [], doc.get("secrets") or {}
+    for name, svc in doc["services"].items():
+        _, cfg = serve_config(as_argv(svc["command"]), env_of(svc))
+        tls, mounted = cfg.server.security, {f"/run/secrets/{s}" for s in svc.get("secrets", []) if s in declared}
+        paths = {"--tls-cert": tls.tls_cert, "--tls-key": tls.tls_key, "--tls-ca": tls.tls_ca}
+        if name != "gateway":
+            paths["--tls-client-ca"] = tls.tls_client_ca
+        problems += [f"{name}: {flag} {path or '(none)'} is not a mounted secret"
+                     for flag, path in paths.items() if path not in mounted]
+        probe = vars(parse_epd(as_argv(svc["healthcheck"]["test"])[2:]))
+        if not probe.get("tls_ca") or (tls.tls_client_ca and not probe.get("tls_cert")):
+            problems.append(f"{name}: its healthcheck does not speak {'m' if tls.tls_client_ca else ''}TLS")
+    return problems
+
+
+def test_the_tls_overlay_secures_every_service():
+    env = {"EPD_API_KEY": KEY}
+    doc = interpolate(raw("docker-compose.yml", "docker-compose.tls.yml"), env)
+    assert check_stack(doc) == [] and check_tls(doc) == []
+    assert check_stack(interpolate(raw("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.tls.yml"),
+                                   env)) == []
+    assert len(check_tls(interpolate(raw(), env))) >= 4  # the base file: plaintext
+    doc["services"]["prefill"]["healthcheck"]["test"] = ["CMD", "epd", "health", "localhost:50052"]
+    assert check_tls(doc) == ["prefill: its healthcheck does not speak mTLS"]
+
+
 @pytest.mark.parametrize("env", [{}, {"EPD_API_KEY": ""}])
 def test_compose_refuses_to_start_without_an_api_key(env):
     with pytest.raises(ValueError, match="EPD_API_KEY is missing a value"):
@@ -276,6 +313,10 @@ MUTATIONS = [
     ("key inlined", _set("gateway", "environment", "EPD_API_KEY", value="hunter2"), "does not take its API key"),
     ("key opt-out", lambda d: d["services"]["gateway"]["command"].append("--no-api-key"), "does not take its API"),
     ("no key at all", _set("gateway", "environment", "EPD_API_KEY"), "refusing to serve"),
+    ("secret flag dropped", lambda d: d["services"]["prefill"].__setitem__("command", d["services"]["prefill"][
+        "command"][:-2]), "prefill: no --internal-secret-file"),
+    ("secret not mounted", _set("decode", "secrets"), "decode: --internal-secret-file /run/secrets/internal-secret is not"),
+    ("secret undeclared", lambda d: d.pop("secrets"), "gateway: --internal-secret-file"),
     ("not restarted", _set("decode", "restart", value="no"), "decode: restart is 'no'"),
     ("restart dropped", _set("gateway", "restart"), "gateway: restart is None"),
     ("no replicas", _set("encoder", "deploy", "replicas", value="0"), "encoder: 0 replicas"),

@@ -10,12 +10,21 @@ import re
 import pytest
 import yaml
 
-from tests.unit.deploy.epd_commands import BUILDERS, ROOT, api_key_problems, kv_source_problems, serve_config
+from tests.unit.deploy.epd_commands import (
+    BUILDERS,
+    ROOT,
+    api_key_problems,
+    internal_secret_problems,
+    kv_source_problems,
+    serve_config,
+)
 
 K8S = ROOT / "deploy" / "k8s"
 COMPONENT = "app.kubernetes.io/component"
 POD_IP = "10.244.3.17"  # what the kubelet puts in an env var from fieldRef status.podIP
 KEY = "key-from-the-secret"
+INTERNAL_SECRET = "epd-internal-secret"
+"""The Secret (created out of band, key `secret`) the four Deployments mount."""
 
 
 def load_objects() -> list[dict]:
@@ -124,7 +133,19 @@ def check_manifests(objs: list[dict]) -> list[str]:
     problems += kv_source_problems(cfgs["decode"].allow_kv_from, own)
     if of_kind(objs, "Secret"):
         problems.append("a Secret is in the manifests: the API key must be created out of band")
+    problems += internal_secret_problems(cfgs, {role: secret_mount(dep) for role, dep in deps.items()})
     return problems + api_key_problems(cfgs["gateway"], KEY) + check_decode_egress(objs, cfgs["prefill"].server.port)
+
+
+def secret_mount(dep: dict) -> str:
+    """Where the pod's container finds the internal secret: the `secret` key of the Secret
+    INTERNAL_SECRET, mounted as a volume (not optional: no Secret, no pod)."""
+    volumes = {v["name"]: v.get("secret") or {} for v in pod(dep)["spec"].get("volumes", [])}
+    for mount in container(dep).get("volumeMounts", []):
+        source = volumes.get(mount["name"], {})
+        if source.get("secretName") == INTERNAL_SECRET and not source.get("optional"):
+            return f"{mount['mountPath']}/secret"
+    return ""
 
 
 def check_decode_egress(objs: list[dict], port: int) -> list[str]:
@@ -220,6 +241,11 @@ MUTATIONS = [
     ("opt-out", _c("gateway", lambda c: c["args"].append("--no-api-key")), "does not take its API key"),
     ("secret in manifests", lambda o: o.append({"kind": "Secret", "metadata": {"name": "epd-api-key"}}),
      "a Secret is in the manifests"),
+    ("secret flag dropped", _c("encoder", lambda c: c.update(args=c["args"][:-2])),
+     "encoder: no --internal-secret-file"),
+    ("secret not mounted", _c("decode", lambda c: c["volumeMounts"].pop()), "decode: --internal-secret-file"),
+    ("optional secret", lambda o: pod(_find(o, "Deployment", "gateway"))["spec"]["volumes"][0]["secret"].update(
+        optional=True), "gateway: --internal-secret-file"),
     ("no replicas", lambda o: _find(o, "Deployment", "encoder")["spec"].pop("replicas"),
      "encoder: replicas must be a count >= 1, is None"),
     ("zero replicas", lambda o: _find(o, "Deployment", "decode")["spec"].update(replicas=0),

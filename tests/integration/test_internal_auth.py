@@ -1,0 +1,141 @@
+"""The internal secret: stages started with one refuse every call without it (UNAUTHENTICATED,
+saying what to configure) while their health still answers; the gateway presents it to the
+stages and decode to prefill (its KV pulls), so the stack answers; `epd serve` makes its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epd.client import EpdClient
+from epd.transport.auth import MISSING_SECRET_MESSAGE
+from epd.v1 import load_pb2, load_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.stack import INTERNAL_AUTH_METADATA, ROOT, Stack, child_env, epd_command, free_port
+
+QUESTION = "what colour is the moving square?"
+OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models, tmp_path_factory):
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_auth"), internal_secret=True) as s:
+        yield s
+
+
+def _get_load(address: str, metadata=()) -> grpc.StatusCode | str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=10, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.details() if exc.code() == grpc.StatusCode.UNAUTHENTICATED else exc.code()
+    return grpc.StatusCode.OK
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_stack_answers_with_the_secret_presented_inside(stack, media_files):
+    with EpdClient(stack.gateway, timeout_s=120) as client:
+        result = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+    assert result.token_ids and result.kv_num_bytes > 0  # decode pulled the KV from prefill
+
+
+@pytest.mark.parametrize("stage", ["encoder", "prefill", "decode"])
+def test_a_stage_refuses_a_call_without_the_secret_but_answers_health(stack, stage):
+    address = stack.address(stage)
+    assert MISSING_SECRET_MESSAGE in _get_load(address)
+    assert MISSING_SECRET_MESSAGE in _get_load(address, (("x-epd-internal-auth", "not-the-secret-at-all"),))
+    assert _serving(address)  # probes need no secret
+    assert _get_load(address, INTERNAL_AUTH_METADATA) == grpc.StatusCode.OK
+
+
+def test_prefill_refuses_kv_pulls_and_releases_without_the_secret(stack):
+    """What a decoder calls: without the secret nobody can read or drop another request's KV."""
+    with grpc.insecure_channel(stack.address("prefill")) as channel:
+        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as release:
+            stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"), timeout=10)
+        with pytest.raises(grpc.RpcError) as pull:
+            list(stub.PullKv(prefill_pb2.PullKvRequest(kv_handle="no-such-handle"), timeout=10))
+        answer = stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"), timeout=10,
+                                metadata=INTERNAL_AUTH_METADATA)
+    for refused in (release.value, pull.value):
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert MISSING_SECRET_MESSAGE in refused.details()
+    assert not answer.released
+
+
+def test_a_gateway_without_the_secret_gets_its_stage_calls_refused(stack, media_files, tmp_path):
+    """The other side: a front door that does not know the secret cannot use the stages."""
+    port = free_port()
+    env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
+    cmd = epd_command("serve", "gateway", "--port", str(port), "--encoder", stack.address("encoder"),
+                      "--prefill", stack.address("prefill"), "--decode", stack.address("decode"))
+    with open(tmp_path / "gateway.log", "w") as log:
+        gateway = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not _serving_or_none(f"127.0.0.1:{port}"):
+            assert gateway.poll() is None and time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
+            time.sleep(0.2)
+        with EpdClient(f"127.0.0.1:{port}", timeout_s=60) as client, pytest.raises(Exception) as failed:
+            client.ask(media_files["png"], QUESTION, **OPTIONS)
+        assert "internal secret" in str(failed.value)
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=30)
+
+
+def _serving_or_none(address: str) -> bool:
+    try:
+        return _serving(address)
+    except grpc.RpcError:
+        return False
+
+
+def test_epd_serve_makes_its_own_secret_and_removes_it(tiny_models, tmp_path):
+    ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode")}
+    flags = [f for name, port in ports.items() for f in (f"--{name}-port", str(port))]
+    env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
+    with open(tmp_path / "stack.log", "w") as log:
+        launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
+                                                *flags), stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                    cwd=ROOT)
+    try:
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()
+        assert line.startswith("epd: stack ready"), (tmp_path / "stack.log").read_text()
+        # The gateway is a plain child process (the stages are forked, titled by setproctitle).
+        gateway = next(p for p in psutil.Process(launcher.pid).children() if "gateway" in p.cmdline())
+        cmdline = gateway.cmdline()
+        secret_file = cmdline[cmdline.index("--internal-secret-file") + 1]
+        assert os.stat(secret_file).st_mode & 0o077 == 0  # only this user may read it
+        secret = open(secret_file).read().strip()
+        assert secret not in " ".join(cmdline)
+        address = f"127.0.0.1:{ports['prefill']}"
+        assert MISSING_SECRET_MESSAGE in _get_load(address)
+        assert _get_load(address, (("x-epd-internal-auth", secret),)) == grpc.StatusCode.OK
+        assert _serving(address)
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+    assert not os.path.exists(secret_file) and not os.path.exists(os.path.dirname(secret_file))
+
+
+def test_a_stage_beyond_loopback_without_the_secret_does_not_start():
+    env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
+    proc = subprocess.run(epd_command("serve", "decode", "--host", "0.0.0.0", "--port", str(free_port())),
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("epd serve decode: refusing to serve on 0.0.0.0 (--host) without the internal secret")

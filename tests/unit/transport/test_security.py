@@ -1,0 +1,154 @@
+"""Transport security settings: the flags' checks and precedence, the files' start-up checks, and
+the internal secret on an in-process server (a real gRPC server on loopback, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epd.cli import configs
+from epd.cli.main import build_parser
+from epd.stages.server_config import ServerConfig, TransportSecurity, read_secret
+from epd.transport import security
+from epd.transport.auth import MISSING_SECRET_MESSAGE
+from epd.transport.load_servicer import with_load_service
+from epd.transport.server import create_server
+from epd.v1 import load_pb2, load_pb2_grpc
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_certificate_needs_its_key_and_mtls_needs_a_certificate():
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
+        TransportSecurity(tls_cert="a.pem")
+    with pytest.raises(ValueError, match="--tls-client-ca needs --tls-cert"):
+        TransportSecurity(tls_client_ca="ca.pem")
+    assert "internal_secret" not in repr(TransportSecurity(internal_secret=SECRET))  # never logged
+
+
+def test_the_secret_file_is_checked(tmp_path):
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        read_secret(str(short))
+    with pytest.raises(ValueError, match="cannot read it"):
+        read_secret(str(tmp_path / "missing"))
+    good = tmp_path / "good"
+    good.write_text(SECRET + "\n")
+    assert read_secret(str(good)) == SECRET
+
+
+def _serve_args(argv: list[str], monkeypatch, env_secret: str = ""):
+    monkeypatch.delenv("EPD_INTERNAL_SECRET_FILE", raising=False)
+    if env_secret:
+        monkeypatch.setenv("EPD_INTERNAL_SECRET", env_secret)
+    else:
+        monkeypatch.delenv("EPD_INTERNAL_SECRET", raising=False)
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_the_file_beats_the_environment_and_the_opt_out_is_explicit(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    path.write_text("f" * 32)
+    args = _serve_args(["prefill", "--internal-secret-file", str(path)], monkeypatch, env_secret=SECRET)
+    assert configs.server_config(args).security.internal_secret == "f" * 32
+    assert configs.transport_security(_serve_args(["prefill"], monkeypatch, SECRET)).internal_secret == SECRET
+    opted_out = _serve_args(["prefill", "--insecure-no-internal-auth"], monkeypatch, SECRET)
+    assert configs.transport_security(opted_out).internal_secret == ""
+    both = _serve_args(["prefill", "--insecure-no-internal-auth", "--internal-secret-file", str(path)], monkeypatch)
+    with pytest.raises(ValueError, match="pass one of them"):
+        configs.transport_security(both)
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["encoder", "--host", "0.0.0.0"], True),
+    (["decode", "--host", "10.1.2.3"], True),
+    (["encoder"], False),  # loopback: a developer's machine
+    (["prefill", "--host", "::1"], False),
+    (["encoder", "--host", "0.0.0.0", "--insecure-no-internal-auth"], False),
+    (["gateway", "--host", "0.0.0.0"], False),  # the front door has its API key
+])
+def test_a_stage_beyond_loopback_needs_the_secret_or_mtls(monkeypatch, argv, refused):
+    args = _serve_args(argv, monkeypatch)
+    problem = configs.internal_auth_problem(args, configs.transport_security(args))
+    assert (problem is not None) == refused
+    if refused:
+        assert "without the internal secret" in problem and "--internal-secret-file" in problem
+    with_secret = _serve_args(argv, monkeypatch, env_secret=SECRET)
+    assert configs.internal_auth_problem(with_secret, configs.transport_security(with_secret)) is None
+
+
+def test_mtls_alone_is_enough(monkeypatch):
+    args = _serve_args(["prefill", "--host", "0.0.0.0", "--tls-cert", "c", "--tls-key", "k", "--tls-client-ca", "ca"],
+                       monkeypatch)
+    assert configs.internal_auth_problem(args, configs.transport_security(args)) is None
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    leaf, other = ca.issue_cert("localhost"), ca.issue_cert("other")
+    leaf.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+    leaf.private_key_pem.write_to_path(str(d / "key.pem"))
+    other.private_key_pem.write_to_path(str(d / "other.key"))
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    (d / "not.pem").write_text("hello")
+    return d
+
+
+def test_unusable_tls_files_are_one_line_errors(pki):
+    mismatched = TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "other.key"))
+    with pytest.raises(ValueError, match="not a certificate and its matching key"):
+        security.check_files(mismatched)
+    with pytest.raises(ValueError, match="--tls-ca .*not a PEM CA bundle"):
+        security.check_files(TransportSecurity(tls_ca=str(pki / "not.pem")))
+    with pytest.raises(ValueError, match=r"--tls-key .*not a PEM file"):
+        security.server_credentials(TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "not.pem")))
+    good = TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "key.pem"),
+                             tls_client_ca=str(pki / "ca.pem"))
+    security.check_files(good)
+    assert security.server_ssl_context(good) is not None  # the HTTP port's context
+
+
+def test_a_stage_with_a_secret_refuses_calls_without_it_but_answers_health():
+    async def run():
+        config = ServerConfig(security=TransportSecurity(internal_secret=SECRET))
+        hs = await create_server(config, with_load_service(lambda s: None, lambda: []), ["epd.v1.Test"])
+        await hs.set_serving()
+        address = f"127.0.0.1:{hs.port}"
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5)
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            security.configure(TransportSecurity(internal_secret=SECRET))  # what a gateway does
+            try:
+                async with security.stage_channel(address) as channel:
+                    await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5)
+            finally:
+                security.configure(TransportSecurity())
+        finally:
+            await hs.stop(0)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert refused.value.details().startswith(MISSING_SECRET_MESSAGE)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+    asyncio.run(run())
+
+
+def test_the_gateway_does_not_ask_its_clients_for_the_secret():
+    async def run():
+        config = ServerConfig(security=TransportSecurity(internal_secret=SECRET))
+        hs = await create_server(config, with_load_service(lambda s: None, lambda: []), [], public=True)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
+                await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5)
+        finally:
+            await hs.stop(0)
+
+    asyncio.run(run())
