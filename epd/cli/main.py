@@ -379,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a service that stops answering its gRPC health check this long is killed and "
                         "restarted (a service that exits is restarted too, with backoff; one that "
                         "crash-loops is given up on)")
+    g.add_argument("--kv-ttl", type=float, default=120.0, metavar="SECONDS",
+                   help="passed to prefill: seconds a KV cache waits for a decoder before it is dropped")
+    g.add_argument("--stage-attempt-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="passed to the gateway: longest one try of a stage call may take (decode: until "
+                        "its first token) before the next replica is tried")
     serve.add_argument("--colocate", action="store_true",
                        help="one process instead of four: the front door and the three stages share one "
                             "model and the machine's cores (same ports and APIs); for a single machine")

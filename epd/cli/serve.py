@@ -244,7 +244,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads]
     grace = ["--grace-period", str(args.grace_period)]
     own = {"prefill": ["--prefix-cache-bytes", str(args.prefix_cache_bytes), "--prefix-cache-ttl",
-                       str(args.prefix_cache_ttl)]}
+                       str(args.prefix_cache_ttl), "--kv-ttl", str(args.kv_ttl)]}
     ports = replica_ports(args)
     commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own.get(role, [])]
                 for role in MODEL_ROLES for i, port in enumerate(ports[role])}
@@ -256,6 +256,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     # a second of serving again.
     commands["gateway"] = [*base, "gateway", "--port", str(args.gateway_port), *grace, *stages,
                            "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S),
+                           "--stage-attempt-timeout", str(args.stage_attempt_timeout),
                            "--http-port", str(args.http_port), "--max-requests-per-client",
                            str(args.max_requests_per_client)]
     return commands

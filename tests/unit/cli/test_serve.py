@@ -115,6 +115,17 @@ def test_the_log_format_reaches_every_service():
     assert all("--log-format" not in c for c in stack_commands(text).values())  # the default, titles stay short
 
 
+def test_the_kv_ttl_and_the_attempt_timeout_reach_prefill_and_the_gateway():
+    args = build_parser().parse_args(["serve", "--prefills", "2", "--kv-ttl", "7", "--stage-attempt-timeout", "3"])
+    args.model = "/m"
+    commands = stack_commands(args)
+    for name in ("prefill[0]", "prefill[1]"):
+        assert configs.prefill_config(_parsed(commands[name])).kv_ttl_s == 7.0
+    gateway = _parsed(commands["gateway"])
+    assert configs.gateway_config(gateway).stage_attempt_timeout_s == 3.0
+    assert "--kv-ttl" not in commands["encoder[0]"]
+
+
 def _parsed(command: list[str]):
     return build_parser().parse_args(command[command.index("serve"):])
 
