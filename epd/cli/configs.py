@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 from dataclasses import replace
+from pathlib import Path
 
 from epd.decode_svc.config import DecodeConfig
 from epd.encoder_svc.config import EncoderConfig
@@ -163,11 +164,23 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          http=HttpApiConfig(port=args.http_port), max_requests_per_client=args.max_requests_per_client)
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The gateway's API keys: every --api-key, else $EPD_API_KEY, plus --api-key-file's lines."""
+    keys = list(args.api_key or ([args.api_key_env] if args.api_key_env else []))
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return tuple(dict.fromkeys(keys))
+
+
 def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
     media = MediaFetchConfig(
         allowed_local_dir=args.allowed_local_media_path,
         allowed_domains=tuple(args.allowed_media_domains),
         fetch_timeout_s=args.media_fetch_timeout,
     )
-    return HttpApiConfig(port=args.http_port, host=args.http_host, api_key=args.api_key,
+    return HttpApiConfig(port=args.http_port, host=args.http_host, api_keys=api_keys(args),
                          no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media)

@@ -219,9 +219,13 @@ def add_http_api_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("OpenAI-compatible HTTP API")
     g.add_argument("--http-port", type=int, default=0, help="port of the HTTP API (0 = off)")
     g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
-    g.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: $EPD_API_KEY); "
+                        "repeat it (or use --api-key-file) for several keys, each its own cache tenant; "
                         "needed to listen beyond loopback unless --no-api-key")
+    g.add_argument("--api-key-file", default="", metavar="PATH",
+                   help="more API keys, one per line ('#' starts a comment)")
+    p.set_defaults(api_key_env=_env("EPD_API_KEY", ""))
     g.add_argument("--no-api-key", action="store_true",
                    help="serve a non-loopback --host/--http-host with no API key: closed, trusted networks only")
     g.add_argument("--served-model-name", default="epd", help="model id listed by /v1/models")

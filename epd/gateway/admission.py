@@ -4,7 +4,8 @@ both front doors (epd/gateway/http_api.py, epd/gateway/servicer.py) share one `A
 
 A request's life here:
 
-    ticket = admission.admit(client)      # Overloaded if the client has its maximum in flight
+    ticket = admission.admit(client, key) # Overloaded if the client (peer IP) or its API key has
+                                          # its maximum in flight
     ticket.reserve_bytes(n)               # Overloaded if the process budget cannot take n more
     ...                                   # read the body, run the pipeline
     ticket.close()                        # gives back the slot and every byte reserved
@@ -15,6 +16,7 @@ bytes, then as the pipeline's input) for that long.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,16 +56,22 @@ class AdmissionLimits:
     """Requests one client (peer IP) may have in flight on both front doors together."""
     max_inflight_body_bytes: int
     """Request-body bytes the process holds at once, over all requests."""
+    max_requests_per_api_key: int = 0
+    """Requests made with one API key may have in flight, whatever their peer addresses (a tenant
+    spread over many IPs); 0 = no per-key limit beyond the per-IP one."""
 
     def __post_init__(self) -> None:
         if self.max_requests_per_client < 1:
             raise ValueError(f"--max-requests-per-client must be >= 1, got {self.max_requests_per_client}")
+        if self.max_requests_per_api_key < 0:
+            raise ValueError(f"--max-requests-per-api-key must be >= 0 (0 = no limit), got {self.max_requests_per_api_key}")
         if self.max_inflight_body_bytes < 1:
             raise ValueError(f"--max-inflight-body-bytes must be >= 1, got {self.max_inflight_body_bytes}")
 
     @classmethod
     def for_gateway(
-        cls, max_upload_bytes: int, max_requests_per_client: int, max_inflight_body_bytes: int
+        cls, max_upload_bytes: int, max_requests_per_client: int, max_inflight_body_bytes: int,
+        max_requests_per_api_key: int = 0,
     ) -> AdmissionLimits:
         """The gateway's limits; `max_inflight_body_bytes` 0 means two of the largest bodies.
         A budget below one largest body would refuse some valid requests forever."""
@@ -74,7 +82,7 @@ class AdmissionLimits:
                 f"--max-inflight-body-bytes {budget} is below the largest request body ({largest} bytes "
                 "for --max-upload-bytes); raise it or lower --max-upload-bytes"
             )
-        return cls(max_requests_per_client, budget)
+        return cls(max_requests_per_client, budget, max_requests_per_api_key)
 
 
 class Admission:
@@ -84,24 +92,38 @@ class Admission:
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.num_requests_of: Counter[str] = Counter()
+        self.num_requests_of_key: Counter[str] = Counter()
+        """Requests in flight per API key, keyed by a digest of the key (never the key itself,
+        so a memory dump or a debugger shows no secret)."""
         self.num_reserved_bytes = 0
 
     @classmethod
     def of_gateway(cls, config: GatewayConfig) -> Admission:
         """From the gateway's flags; one per process, shared by the HTTP and gRPC APIs."""
         limits = AdmissionLimits.for_gateway(
-            config.max_upload_bytes, config.max_requests_per_client, config.max_inflight_body_bytes
+            config.max_upload_bytes, config.max_requests_per_client, config.max_inflight_body_bytes,
+            config.max_requests_per_api_key,
         )
         return cls(limits)
 
-    def admit(self, client: str) -> Ticket:
+    def admit(self, client: str, api_key: str = "") -> Ticket:
+        """A slot for one request of `client` (peer IP) made with `api_key` ("" = none presented,
+        or keys not required: then only the per-IP limit applies)."""
         if self.num_requests_of[client] >= self.limits.max_requests_per_client:
             raise Overloaded(
                 f"this client already has {self.limits.max_requests_per_client} requests in flight; "
                 "wait for one to finish (the server's limit is --max-requests-per-client)"
             )
+        key_id = _key_id(api_key) if api_key and self.limits.max_requests_per_api_key else ""
+        if key_id and self.num_requests_of_key[key_id] >= self.limits.max_requests_per_api_key:
+            raise Overloaded(
+                f"this API key already has {self.limits.max_requests_per_api_key} requests in flight; "
+                "wait for one to finish (the server's limit is --max-requests-per-api-key)"
+            )
         self.num_requests_of[client] += 1
-        return Ticket(self, client)
+        if key_id:
+            self.num_requests_of_key[key_id] += 1
+        return Ticket(self, client, key_id)
 
     @property
     def num_requests(self) -> int:
@@ -116,19 +138,29 @@ class Admission:
             )
         self.num_reserved_bytes += num_bytes
 
-    def _release(self, client: str, num_bytes: int) -> None:
+    def _release(self, client: str, num_bytes: int, key_id: str = "") -> None:
         self.num_reserved_bytes -= num_bytes
         self.num_requests_of[client] -= 1
         if self.num_requests_of[client] <= 0:
             del self.num_requests_of[client]  # the map holds only clients with requests in flight
+        if key_id:
+            self.num_requests_of_key[key_id] -= 1
+            if self.num_requests_of_key[key_id] <= 0:
+                del self.num_requests_of_key[key_id]
+
+
+def _key_id(api_key: str) -> str:
+    """What the per-key counter is keyed by: a digest, so the counter map holds no secret."""
+    return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class Ticket:
     """One admitted request: its client slot and the body bytes it reserved."""
 
-    def __init__(self, admission: Admission, client: str) -> None:
+    def __init__(self, admission: Admission, client: str, key_id: str = "") -> None:
         self._admission = admission
         self.client = client
+        self.key_id = key_id
         self.num_reserved_bytes = 0
         self._closed = False
 
@@ -143,7 +175,7 @@ class Ticket:
         """Give back the slot and the bytes; later calls do nothing."""
         if not self._closed:
             self._closed = True
-            self._admission._release(self.client, self.num_reserved_bytes)
+            self._admission._release(self.client, self.num_reserved_bytes, self.key_id)
 
     def __enter__(self) -> Ticket:
         return self

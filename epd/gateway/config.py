@@ -37,10 +37,11 @@ class HttpApiConfig:
     """TCP port of the HTTP API; 0 turns it off."""
     host: str = ""
     """Interface to bind; "" means the gRPC server's host."""
-    api_key: str = ""
-    """When set, /v1/* and the gRPC GatewayService need `Authorization: Bearer <api_key>`
-    (HTTP /health and /metrics and the gRPC health service stay open for probes). Required when
-    the gRPC or HTTP API listens on a non-loopback interface, unless `no_api_key`."""
+    api_keys: tuple[str, ...] = ()
+    """When any is set, /v1/* and the gRPC GatewayService need `Authorization: Bearer <key>` with
+    one of them (HTTP /health and /metrics and the gRPC health service stay open for probes). Each
+    key is its own cache tenant (`epd.transport.auth.request_cache_salt`). Required when the gRPC
+    or HTTP API listens on a non-loopback interface, unless `no_api_key`."""
     no_api_key: bool = False
     """Serve a non-loopback interface with no API key (`--no-api-key`): for closed, trusted
     networks only. Without it the gateway refuses to start open beyond loopback."""
@@ -64,6 +65,10 @@ class GatewayConfig:
     max_requests_per_client: int = 8
     """Requests one client (peer IP) may have in flight on the HTTP and gRPC APIs together;
     more get HTTP 429 / RESOURCE_EXHAUSTED."""
+    max_requests_per_api_key: int = 0
+    """Requests made with one API key may have in flight over all its clients (both APIs
+    together); more get HTTP 429 / RESOURCE_EXHAUSTED. 0 = no per-key limit. Applies only when
+    API keys are required (--api-key)."""
     max_inflight_body_bytes: int = 0
     """Request-body bytes (HTTP bodies, gRPC uploads) the process holds at once over all
     requests; more get HTTP 429 / RESOURCE_EXHAUSTED. 0 = twice the largest HTTP body."""

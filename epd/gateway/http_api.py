@@ -64,7 +64,7 @@ from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.transport import tracing
-from epd.transport.auth import bearer_token, key_matches, request_cache_salt
+from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.security import server_ssl_context
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class HttpApi:
         started = time.perf_counter()
         ticket = None
         try:
-            if self.config.http.api_key and request.path.startswith("/v1/") and not self._authorized(request):
+            if self.config.http.api_keys and request.path.startswith("/v1/") and not self._authorized(request):
                 response: web.StreamResponse = json_error(
                     401,
                     "missing or wrong API key; send 'Authorization: Bearer <key>'",
@@ -158,7 +158,7 @@ class HttpApi:
 
     def _authorized(self, request: web.Request) -> bool:
         token = bearer_token([("authorization", request.headers.get("Authorization", ""))])
-        return key_matches(token, self.config.http.api_key)
+        return any_key_matches(token, self.config.http.api_keys)
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.config.http.served_model_name
@@ -198,7 +198,7 @@ class HttpApi:
                 request_id=tracing.current_request_id() or tracing.new_request_id(),
                 pruning=chat.pruning,
                 cache_salt=request_cache_salt(
-                    self.config.http.api_key,
+                    bool(self.config.http.api_keys),
                     bearer_token([("authorization", request.headers.get("Authorization", ""))]),
                     chat.cache_salt,
                     self.config.server.security.internal_secret,

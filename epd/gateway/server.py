@@ -78,7 +78,7 @@ async def start(
     pipeline = pipeline or remote_pipeline(config)
     servicer = GatewayServicer(config, pipeline, admission)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
-    interceptors = [ApiKeyInterceptor(config.http.api_key, (f"/{SERVICE_NAME}/",))] if config.http.api_key else []
+    interceptors = [ApiKeyInterceptor(config.http.api_keys, (f"/{SERVICE_NAME}/",))] if config.http.api_keys else []
     hs = await create_server(
         config.server,
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
@@ -115,9 +115,9 @@ def open_without_key(config: GatewayConfig) -> str | None:
     """Why the gateway must not start with this config (None when it may): a non-loopback
     interface with no API key needs the explicit --no-api-key opt-out."""
     http = config.http
-    if http.api_key and http.no_api_key:
+    if http.api_keys and http.no_api_key:
         return "both an API key (--api-key or $EPD_API_KEY) and --no-api-key are set; pass one of them"
-    if http.api_key or http.no_api_key:
+    if http.api_keys or http.no_api_key:
         return None
     exposed = [] if _is_loopback(config.server.host) else [f"gRPC on {config.server.host or '*'} (--host)"]
     http_host = http.host or config.server.host

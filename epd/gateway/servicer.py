@@ -50,7 +50,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),
                 cache_salt=request_cache_salt(
-                    self.config.http.api_key,
+                    bool(self.config.http.api_keys),
                     bearer_token(context.invocation_metadata()),
                     check_cache_salt(header.cache_salt),
                     self.config.server.security.internal_secret,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 import grpc
 
@@ -38,6 +39,15 @@ def key_matches(token: str, api_key: str) -> bool:
     refuses non-ASCII str, and aiohttp hands header bytes that are not UTF-8 over as lone
     surrogates, which "surrogatepass" encodes instead of raising."""
     return hmac.compare_digest(token.encode("utf-8", "surrogatepass"), api_key.encode("utf-8", "surrogatepass"))
+
+
+def any_key_matches(token: str, api_keys: Sequence[str]) -> bool:
+    """Whether `token` is one of `api_keys`, comparing with every key (constant time each, no early
+    exit), so the time says nothing about which key, or how many, came close."""
+    found = False
+    for key in api_keys:
+        found |= key_matches(token, key)
+    return found
 
 
 INTERNAL_AUTH_KEY = "x-epd-internal-auth"
@@ -75,17 +85,17 @@ class InternalSecretInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, api_key: str, protected_prefixes: tuple[str, ...]) -> None:
-        if not api_key:
-            raise ValueError("ApiKeyInterceptor needs a non-empty api_key")
-        self.api_key = api_key
+    def __init__(self, api_keys: Sequence[str], protected_prefixes: tuple[str, ...]) -> None:
+        if not api_keys or not all(api_keys):
+            raise ValueError("ApiKeyInterceptor needs non-empty API keys")
+        self.api_keys = tuple(api_keys)
         self.protected_prefixes = protected_prefixes
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(self.protected_prefixes):
             return handler
-        if key_matches(bearer_token(handler_call_details.invocation_metadata), self.api_key):
+        if any_key_matches(bearer_token(handler_call_details.invocation_metadata), self.api_keys):
             return handler
         return _denying_handler(handler)
 
@@ -149,8 +159,8 @@ def tenant_cache_salt(key_salt: str, request_salt: str) -> str:
     return "key+req-" + hashlib.sha256(f"{key_salt}\0{request_salt}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def request_cache_salt(api_key: str, presented_key: str, request_salt: str, secret: str = "") -> str:
-    """A front-door request's tenant: with an API key configured (`api_key`), the key it presented
-    (already checked) refined by its own `request_salt`; with none, `request_salt` alone ("" = the
-    one shared tenant)."""
-    return tenant_cache_salt(api_key_cache_salt(presented_key, secret) if api_key else "", request_salt)
+def request_cache_salt(keys_required: bool, presented_key: str, request_salt: str, secret: str = "") -> str:
+    """A front-door request's tenant: with API keys configured (`keys_required`), the key it
+    presented (already checked: one tenant per key) refined by its own `request_salt`; with none,
+    `request_salt` alone ("" = the one shared tenant)."""
+    return tenant_cache_salt(api_key_cache_salt(presented_key, secret) if keys_required else "", request_salt)

@@ -32,6 +32,7 @@ from tests.stack import Stack, free_port
 NUM_FRAMES = 4
 QUESTION = "what colour is the moving square?"
 API_KEY = "tenant-test-key"
+OTHER_KEY = "tenant-isolation-other-key"
 
 
 # -- the encoder's token cache ---------------------------------------------------------------------
@@ -114,14 +115,14 @@ def test_another_salt_reuses_no_prefix_kv(tiny_models, media_files):
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
     http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY]}
+    extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY, "--api-key", OTHER_KEY]}
     with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_tenants"), extra=extra) as s:
         s.http_port = http_port
         yield s
 
 
-def _chat(stack, video: bytes, salt: str | None, question: str = QUESTION) -> dict:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=API_KEY, max_retries=0)
+def _chat(stack, video: bytes, salt: str | None, question: str = QUESTION, key: str = API_KEY) -> dict:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=key, max_retries=0)
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
     body = {"media": {"num_frames": NUM_FRAMES}, **({"cache_salt": salt} if salt is not None else {})}
     completion = client.chat.completions.create(
@@ -166,3 +167,19 @@ def test_tenants_share_nothing_across_and_everything_within(stack, media_files):
         with pytest.raises(EpdError, match="over the limit of 256") as bad:
             client.ask(None, messages=messages, media_sha256=sha, cache_salt="x" * 300, **options)
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_each_api_key_is_its_own_tenant(stack, media_files):
+    """Two keys of one gateway: a video one key's caller sent is no hit for the other's, by bytes
+    or by hash, while each key's own repeat hits; a key the gateway does not hold is refused."""
+    video = media_files["mp4"].read_bytes()
+    sha = hashlib.sha256(video).hexdigest()
+    assert not _chat(stack, video, None, key=API_KEY)["encoder_cache_hit"]
+    assert not _chat(stack, video, None, key=OTHER_KEY)["encoder_cache_hit"], "no hit across keys"
+    assert _chat(stack, video, None, "and which way does it move?", key=OTHER_KEY)["encoder_cache_hit"]
+    messages = [Message.user(VIDEO, QUESTION)]
+    options = {"num_frames": NUM_FRAMES, "max_new_tokens": 4}
+    with EpdClient(stack.gateway, timeout_s=120, api_key=OTHER_KEY) as client:
+        assert client.ask(None, messages=messages, media_sha256=sha, **options).encoder_cache_hit
+    with pytest.raises(openai.AuthenticationError):
+        _chat(stack, video, None, key="not-a-key-of-this-gateway")

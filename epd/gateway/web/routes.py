@@ -37,7 +37,7 @@ from epd.gateway.media_fetch import load_media
 from epd.gateway.openai_protocol import error_body, parse_chat_request
 from epd.resources import shipped
 from epd.stages.errors import InvalidRequest
-from epd.transport.auth import bearer_token, key_matches
+from epd.transport.auth import any_key_matches, bearer_token
 from epd.video.simple_decoder import decode
 from epd.video.types import DecodeLimits, SamplingOptions
 
@@ -86,9 +86,9 @@ class WebDemo:
         return web.FileResponse(self.samples_dir / name)
 
     async def frames(self, request: web.Request) -> web.Response:
-        if self.config.http.api_key and not key_matches(
+        if self.config.http.api_keys and not any_key_matches(
             bearer_token([("authorization", request.headers.get("Authorization", ""))]),
-            self.config.http.api_key,
+            self.config.http.api_keys,
         ):
             return web.json_response(
                 error_body(

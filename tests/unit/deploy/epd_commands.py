@@ -92,6 +92,6 @@ def api_key_problems(gateway_cfg, key: str) -> list[str]:
     """The gateway runs with exactly the key its environment gives, and would refuse to start
     open without it."""
     problems = []
-    if gateway_cfg.http.api_key != key or gateway_cfg.http.no_api_key:
+    if gateway_cfg.http.api_keys != (key,) or gateway_cfg.http.no_api_key:
         problems.append(f"gateway: does not take its API key from EPD_API_KEY (no_api_key={gateway_cfg.http.no_api_key})")
     return problems + [f"gateway: {p}" for p in [open_without_key(gateway_cfg)] if p]

@@ -51,12 +51,12 @@ def _config(host: str, http_port: int = 0, http_host: str = "", **key) -> Gatewa
         (_config("::"), "gRPC on ::"),
         (_config("127.0.0.1", http_port=8000, http_host="0.0.0.0"), "HTTP on 0.0.0.0"),
         (_config("0.0.0.0", http_port=8000), "gRPC on 0.0.0.0 (--host) and HTTP on 0.0.0.0"),
-        (_config("0.0.0.0", api_key="k", no_api_key=True), "pass one of them"),
+        (_config("0.0.0.0", api_keys=("k",), no_api_key=True), "pass one of them"),
         # loopback, a key, or the explicit opt-out: starts
         (_config("127.0.0.1", http_port=8000), None),
         (_config("localhost", http_port=8000, http_host="::1"), None),
         (_config("[::1]"), None),
-        (_config("0.0.0.0", http_port=8000, api_key="k"), None),
+        (_config("0.0.0.0", http_port=8000, api_keys=("k",)), None),
         (_config("0.0.0.0", http_port=8000, no_api_key=True), None),
         (_config("127.0.0.1", http_port=0, http_host="0.0.0.0"), None),  # HTTP off
     ],

@@ -21,7 +21,7 @@ async def _not_serving_decode() -> list[str]:
 
 
 async def _requests(api_key: str, fn, not_serving=None):
-    config = GatewayConfig(max_upload_bytes=UPLOAD_LIMIT_BYTES, http=HttpApiConfig(port=0, api_key=api_key))
+    config = GatewayConfig(max_upload_bytes=UPLOAD_LIMIT_BYTES, http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else ()))
     metrics = GatewayMetrics()
     api = HttpApi(config, Pipeline(None, None, None), metrics, not_serving)  # type: ignore[arg-type]
     runner = web.AppRunner(api.app())

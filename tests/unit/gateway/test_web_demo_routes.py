@@ -22,7 +22,7 @@ from tests.media import make_video
 
 
 async def _session(api_key: str, fn):
-    config = GatewayConfig(http=HttpApiConfig(port=0, api_key=api_key))
+    config = GatewayConfig(http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else ()))
     api = HttpApi(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
     runner = web.AppRunner(api.app())
     await runner.setup()

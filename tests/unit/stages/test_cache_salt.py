@@ -53,12 +53,29 @@ def test_a_request_salt_refines_its_keys_tenant_but_cannot_name_another():
 
 def test_the_front_doors_salt_follows_the_configured_key():
     # No API key configured: a bearer token means nothing, the request's salt is the tenant.
-    assert request_cache_salt("", "anything", "") == ""
-    assert request_cache_salt("", "anything", "s") == "s"
-    # Configured: the presented (checked) key is the default tenant, refined by the request's salt.
-    assert request_cache_salt("k1", "k1", "") == api_key_cache_salt("k1")
-    assert request_cache_salt("k1", "k1", "s") == tenant_cache_salt(api_key_cache_salt("k1"), "s")
-    assert request_cache_salt("k1", "k1", "", "sec") == api_key_cache_salt("k1", "sec")
+    assert request_cache_salt(False, "anything", "") == ""
+    assert request_cache_salt(False, "anything", "s") == "s"
+    # Keys configured: the presented (checked) key is the default tenant, refined by the request's salt.
+    assert request_cache_salt(True, "k1", "") == api_key_cache_salt("k1")
+    assert request_cache_salt(True, "k1", "s") == tenant_cache_salt(api_key_cache_salt("k1"), "s")
+    assert request_cache_salt(True, "k1", "", "sec") == api_key_cache_salt("k1", "sec")
+    assert request_cache_salt(True, "k2", "") != request_cache_salt(True, "k1", ""), "one tenant per key"
+
+
+def test_several_api_keys_each_accepted_and_others_refused(tmp_path):
+    from epd.cli import configs
+    from epd.cli.main import build_parser
+    from epd.transport.auth import any_key_matches
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team keys\nkey-c\n\n  key-d  \nkey-a\n")
+    args = build_parser().parse_args(["serve", "gateway", "--api-key", "key-a", "--api-key", "key-b",
+                                      "--api-key-file", str(key_file)])
+    keys = configs.gateway_config(args).http.api_keys
+    assert keys == ("key-a", "key-b", "key-c", "key-d")
+    assert all(any_key_matches(k, keys) for k in keys)
+    assert not any_key_matches("key-e", keys) and not any_key_matches("", keys)
+    assert not any_key_matches("key-a", ())
 
 
 @pytest.mark.parametrize(
