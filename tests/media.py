@@ -48,7 +48,10 @@ def encoder_available(codec: str) -> bool:
 def frame_pattern(i: int, width: int, height: int, pattern: str = "moving", seed: int = 0) -> np.ndarray:
     """Frame `i` as [H, W, 3] uint8 RGB. "moving": smooth, cheap to decode; "texture": a fixed
     random texture panning 2 px per frame (camera-like bitrate and decode cost); "noise": new noise
-    every frame (worst case)."""
+    every frame (worst case); "solid": one colour, every frame the same (static content: a huge
+    resolution or hours of it compress to a tiny file, for the work-limit tests)."""
+    if pattern == "solid":
+        return np.full((height, width, 3), (200, 40, 40), np.uint8)
     if pattern == "texture":
         rng = np.random.default_rng(seed)
         tex = rng.integers(0, 256, size=(height // 8 + 2, width // 8 + 2, 3), dtype=np.uint8)

@@ -227,7 +227,8 @@ def check_duration(duration_s: float, limits: DecodeLimits) -> None:
     if duration_s > limits.max_duration_s:
         raise MediaLimitError(
             f"the video lasts {duration_s:.0f} s, over this server's limit of "
-            f"{limits.max_duration_s:.0f} s; trim it or send a clip with start/end times"
+            f"{limits.max_duration_s:.0f} s (encoder flag --max-duration-s); trim it or send a clip with "
+            "start/end times"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,7 +110,8 @@ def _is_loopback(host: str) -> bool:
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes, max_source_pixels=args.max_source_pixels,
-                     max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s)
+                     max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
+                     max_duration_s=args.max_duration_s)
     decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
                      **({"num_workers": args.decode_workers} if args.decode_workers else {}))
     cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
@@ -149,6 +151,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         max_upload_bytes=args.max_upload_bytes,
         max_requests_per_client=args.max_requests_per_client,
         max_inflight_body_bytes=args.max_inflight_body_bytes,
+        max_requests_per_api_key=args.max_requests_per_api_key,
         stage_check_interval_s=args.stage_check_interval,
         replicas_file=args.replicas_file,
         routing=args.routing,
@@ -161,7 +164,10 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages."""
     return GatewayConfig(server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period),
-                         http=HttpApiConfig(port=args.http_port), max_requests_per_client=args.max_requests_per_client)
+                         # $EPD_API_KEY as the stack's gateway child would read it
+                         http=HttpApiConfig(port=args.http_port,
+                                            api_keys=tuple(k for k in [os.environ.get("EPD_API_KEY", "")] if k)),
+                         max_requests_per_client=args.max_requests_per_client)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -110,6 +110,8 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
                    help="visual tokens one request may produce; checked after its first frame group")
     g.add_argument("--max-decoded-pixels", type=int, default=DecodeLimits.max_decoded_pixels,
                    help="pixels one request may decode, every frame counted (at least 256x256 each)")
+    g.add_argument("--max-duration-s", type=float, default=DecodeLimits.max_duration_s,
+                   help="longest video accepted, in seconds of its own timeline (clips are cut first)")
     g.add_argument("--max-demux-s", type=float, default=DecodeLimits.max_demux_s,
                    help="seconds the demux (index) pass of one video may take")
     g.add_argument("--index-cache-bytes", type=int, default=ParallelDecodeConfig.index_cache_bytes,
@@ -347,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
     gw.add_argument("--max-requests-per-client", type=int, default=8,
                     help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
+    gw.add_argument("--max-requests-per-api-key", type=int, default=0,
+                    help="requests one API key may have in flight over all its clients (0 = no limit; "
+                         "only with --api-key)")
     gw.add_argument("--max-inflight-body-bytes", type=int, default=0,
                     help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
     gw.add_argument("--stage-check-interval", type=float, default=1.0,

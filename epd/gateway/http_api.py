@@ -130,7 +130,10 @@ class HttpApi:
                     "authentication_error",
                 )
             elif request.method == "POST" and route in BODY_ROUTES:
-                ticket = request[TICKET_KEY] = self.admission.admit(peer_host(request.remote or "unknown"))
+                # With API keys, also counted per key (checked just above): a tenant on many IPs.
+                key = bearer_token([("authorization", request.headers.get("Authorization", ""))])
+                ticket = request[TICKET_KEY] = self.admission.admit(
+                    peer_host(request.remote or "unknown"), key if self.config.http.api_keys else "")
                 response = await handler(request)
             else:
                 response = await handler(request)

@@ -33,7 +33,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Ask(self, request_iterator, context):
         started = time.perf_counter()
         try:
-            ticket = self.admission.admit(peer_host(context.peer()))
+            key = bearer_token(context.invocation_metadata()) if self.config.http.api_keys else ""
+            ticket = self.admission.admit(peer_host(context.peer()), key)  # the key was checked by the interceptor
         except Overloaded:
             await drain(request_iterator)  # so that the client sees our status, not INTERNAL
             raise

@@ -1,0 +1,256 @@
+"""Property-based fuzzing (Hypothesis) of the gateway's two front doors against one real stack:
+random JSON bodies on the HTTP API (/v1/chat/completions) and random message streams on the gRPC
+Ask stream. Properties: every answer is a success or a documented error (HTTP 4xx JSON / a gRPC
+status from DOCUMENTED_CODES, never 5xx, UNKNOWN or INTERNAL), no message leaks a traceback or an
+internal path, every call ends within its timeout, and afterwards the stack is healthy and answers
+a normal request.
+
+Seeded (derandomize) and bounded so CI stays fast; for a longer local run raise the number of
+examples: EPD_FUZZ_EXAMPLES=2000 pytest tests/integration/test_fuzz_front_doors.py"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from google.protobuf.message_factory import GetMessageClass as message_class
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from epd.client import EpdClient
+from epd.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from tests.raw_http import request
+from tests.stack import Stack, free_port
+
+API_KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = "/v1/chat/completions"
+CALL_TIMEOUT_S = 60.0
+MAX_EXAMPLES = int(os.environ.get("EPD_FUZZ_EXAMPLES", "40"))
+FUZZ = settings(
+    max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)  # fmt: skip
+DOCUMENTED_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+}  # fmt: skip
+LEAKS = ("Traceback", 'File "', "/work/", "site-packages", "Error(", "Exception(")
+
+
+def assert_no_leak(text: str) -> None:
+    for leak in LEAKS:
+        assert leak not in text, text[:1000]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models, tmp_path_factory):
+    http_port = free_port()
+    extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY, "--max-upload-bytes", "200000"]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_fuzz"), extra=extra) as s:
+        s.http_port = http_port
+        yield s
+
+
+@pytest.fixture(scope="module")
+def video_bytes(media_files) -> bytes:
+    return media_files["mp4"].read_bytes()
+
+
+JSON_LEAF = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40),
+)  # fmt: skip
+JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=20)  # noqa: E501
+FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "media",
+          "pruning", "stop", "n", "cache_salt", "stream_options")  # fmt: skip
+URLS = st.sampled_from(["data:video/mp4;base64,", "data:video/mp4;base64,!!!!", "data:,", "data:video/mp4,raw",
+                        "file:///etc/passwd", "http://127.0.0.1:1/x.mp4", "data:video/mp4;base64,AAAA", ""])  # fmt: skip
+
+
+@st.composite
+def chat_bodies(draw, video_url: str) -> bytes:
+    kind = draw(st.integers(0, 3))
+    if kind == 0:  # any JSON at all
+        return json.dumps(draw(JSON)).encode()
+    if kind == 1:  # raw junk bytes
+        return draw(st.binary(max_size=200))
+    url = video_url if kind == 2 else draw(URLS)
+    content: Any = [{"type": "text", "text": draw(st.text(max_size=30))},
+                    {"type": "video_url", "video_url": {"url": url}}]  # fmt: skip
+    body: dict[str, Any] = {"messages": [{"role": draw(st.sampled_from(["user", "system", "x", ""])), "content": content}]}
+    body["max_tokens"] = 2
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
+        body[name] = draw(JSON)
+    return json.dumps(body).encode()
+
+
+def test_fuzz_http_chat_completions(stack, video_bytes):
+    video_url = "data:video/mp4;base64," + base64.b64encode(video_bytes).decode()
+
+    @FUZZ
+    @given(body=chat_bodies(video_url))
+    def run(body: bytes) -> None:
+        response = asyncio.run(asyncio.wait_for(request(stack.http_port, "POST", CHAT, body, AUTH), CALL_TIMEOUT_S))
+        text = response.body.decode("utf-8", "replace")
+        assert response.status < 500, (response.status, text[:1000])
+        assert_no_leak(text)
+        if response.status >= 400:
+            assert response.json()["error"]["message"]
+
+    run()
+
+
+HEADERS = st.builds(
+    gateway_pb2.AskHeader,
+    question=st.text(max_size=30),
+    media_num_bytes=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    media_sha256=st.one_of(st.just(""), st.text(max_size=70), st.text("0123456789abcdef", min_size=64, max_size=64)),
+    sampling=st.builds(common_pb2.VideoSampling, fps=st.floats(width=32), num_frames=st.integers(-(2**31), 2**31 - 1)),
+    generation=st.builds(common_pb2.GenerationParams, max_new_tokens=st.integers(-(2**31), 2**31 - 1),
+                         temperature=st.floats(width=32), top_p=st.floats(width=32)),
+)  # fmt: skip
+
+
+ASK_STEPS = st.lists(
+    st.one_of(HEADERS, st.binary(max_size=100), st.integers(0, 1 << 20)), max_size=5
+)
+"""An Ask stream in any order: a header, a junk chunk, or (an int n) the test video's first n bytes."""
+
+
+def ask_messages(steps: list, video_bytes: bytes) -> list[gateway_pb2.AskRequest]:
+    return [gateway_pb2.AskRequest(header=step) if isinstance(step, gateway_pb2.AskHeader)
+            else gateway_pb2.AskRequest(media_chunk=step if isinstance(step, bytes) else video_bytes[:step])
+            for step in steps]  # fmt: skip
+
+
+def test_fuzz_grpc_ask_stream(stack, video_bytes):
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+
+        @FUZZ
+        @given(steps=ASK_STEPS, with_key=st.booleans())
+        def run(steps: list, with_key: bool) -> None:
+            messages = ask_messages(steps, video_bytes)
+            metadata = [("authorization", f"Bearer {API_KEY}")] if with_key else []
+            try:
+                for _ in stub.Ask(iter(messages), metadata=metadata, timeout=CALL_TIMEOUT_S):
+                    pass
+            except grpc.RpcError as error:
+                assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
+                    error.code(), error.details())
+                assert_no_leak(error.details() or "")
+
+        run()
+
+
+def test_healthy_and_answering_after_fuzzing(stack, media_files):
+    assert stack.alive()
+    response = asyncio.run(request(stack.http_port, "GET", "/health"))
+    assert response.status == 200 and response.json() == {"status": "ok"}
+    with EpdClient(stack.gateway, timeout_s=120, api_key=API_KEY) as client:
+        result = client.ask(media_files["mp4"], "what colour is the moving square?", num_frames=4, max_new_tokens=4)
+    assert result.token_ids
+
+
+# --- each stage's own request stream, called directly (as the gateway would, with junk) ---
+
+_SCALARS = {
+    FieldDescriptor.TYPE_BOOL: st.booleans(),
+    FieldDescriptor.TYPE_STRING: st.text(max_size=20),
+    FieldDescriptor.TYPE_BYTES: st.binary(max_size=64),
+    FieldDescriptor.TYPE_FLOAT: st.floats(width=32),
+    FieldDescriptor.TYPE_DOUBLE: st.floats(),
+    FieldDescriptor.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: st.integers(-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_INT64: st.integers(-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: st.integers(-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT32: st.integers(0, 2**32 - 1),
+    FieldDescriptor.TYPE_UINT64: st.integers(0, 2**64 - 1),
+}
+
+
+def _value(field: FieldDescriptor, depth: int) -> st.SearchStrategy:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return protos(message_class(field.message_type), depth + 1)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return st.sampled_from([v.number for v in field.enum_type.values] + [999])
+    return _SCALARS.get(field.type, st.integers(0, 100))
+
+
+@st.composite
+def protos(draw, cls, depth: int = 0):
+    """Any message of `cls`: each field set or not, to any value of its type (huge, negative,
+    NaN), nested messages likewise up to a depth. Oneofs keep whichever member is set last."""
+    message = cls()
+    if depth > 3:
+        return message
+    for field in cls.DESCRIPTOR.fields:
+        if not draw(st.booleans()):
+            continue
+        entry = field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None
+        if entry is not None and entry.GetOptions().map_entry:  # map<string, string> (knobs): junk text
+            key, val = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            if key.type == val.type == FieldDescriptor.TYPE_STRING:
+                getattr(message, field.name).update(draw(st.dictionaries(st.text(max_size=15), st.text(max_size=15), max_size=3)))
+        elif field.is_repeated:
+            values = draw(st.lists(_value(field, depth), max_size=3))
+            getattr(message, field.name).extend(values)
+        else:
+            value = draw(_value(field, depth))
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                getattr(message, field.name).CopyFrom(value)
+            else:
+                setattr(message, field.name, value)
+    return message
+
+
+STAGE_CALLS = [
+    # stage, stub class, method, request class, client-streaming?
+    ("encoder", encoder_pb2_grpc.EncoderServiceStub, "Encode", encoder_pb2.EncodeRequest, True),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "Prefill", prefill_pb2.PrefillRequest, True),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "PullKv", prefill_pb2.PullKvRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "ReleaseKv", prefill_pb2.ReleaseKvRequest, False),
+    ("decode", decode_pb2_grpc.DecodeServiceStub, "Generate", decode_pb2.GenerateRequest, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stage,stub_class,method,request_class,streaming", STAGE_CALLS,
+                         ids=[f"{c[0]}.{c[2]}" for c in STAGE_CALLS])  # fmt: skip
+def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_class, streaming):
+    with grpc.insecure_channel(stack.address(stage)) as channel:
+        call = getattr(stub_class(channel), method)
+
+        @settings(FUZZ, max_examples=max(MAX_EXAMPLES // 2, 5))
+        @given(messages=st.lists(protos(request_class), min_size=1, max_size=4))
+        def run(messages: list) -> None:
+            try:
+                answer = call(iter(messages) if streaming else messages[0], timeout=CALL_TIMEOUT_S)
+                if not isinstance(answer, Message):
+                    for _ in answer:
+                        pass
+            except grpc.RpcError as error:
+                assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
+                    error.code(), error.details())
+                assert_no_leak(error.details() or "")
+
+        run()
+    assert stack.alive()
