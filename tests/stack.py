@@ -29,6 +29,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def port_with_replicas(count: int, taken: set[int]) -> int:
+    """A free port p with p + REPLICA_PORT_STEP * i free too, for i < count (`epd serve --encoders N`
+    puts replica i there); the ports are added to `taken`."""
+    from epd.cli.main import REPLICA_PORT_STEP
+
+    while True:
+        port = free_port()
+        wanted = [port + REPLICA_PORT_STEP * i for i in range(count)]
+        if taken.isdisjoint(wanted) and all(port_is_free(p) for p in wanted):
+            taken.update(wanted)
+            return port
+
+
+def serving_pid(port: int) -> int | None:
+    """The pid of the live process whose command line serves `--port PORT`."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        words = " ".join(proc.info["cmdline"] or []).split()
+        serves = "serve" in words and any(pair == ("--port", str(port)) for pair in zip(words, words[1:]))
+        if serves and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return proc.pid
+    return None
+
+
 def epd_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "epd.cli.main", *args]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +15,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.errors import InvalidRequest
-from epd.stages.server_config import ServerConfig, TransportSecurity, check_secret, read_secret
+from epd.stages.server_config import ServerConfig, TransportSecurity, check_secret, is_loopback, read_secret
 from epd.token_pruning import PruningConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -89,7 +88,7 @@ def internal_auth_problem(args: argparse.Namespace, security: TransportSecurity)
     and limits. Secure by default across the network; the opt-out is explicit. On loopback (a
     developer's machine, the tests) a stage without a secret is allowed; `epd serve` gives its
     stages one anyway."""
-    if args.role not in ("encoder", "prefill", "decode") or _is_loopback(args.host):
+    if args.role not in ("encoder", "prefill", "decode") or is_loopback(args.host):
         return None
     if security.internal_secret or security.verifies_clients or args.insecure_no_internal_auth:
         return None
@@ -97,15 +96,6 @@ def internal_auth_problem(args: argparse.Namespace, security: TransportSecurity)
             "public endpoint; give it the secret the gateway presents (--internal-secret-file PATH or "
             "$EPD_INTERNAL_SECRET), or require client certificates (--tls-client-ca, mTLS); "
             "--insecure-no-internal-auth on a closed network for development only")
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # "" (every interface), 0.0.0.0, or a name that may resolve anywhere
 
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:

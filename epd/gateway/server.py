@@ -7,7 +7,6 @@ same event loop, both over one metered pipeline.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 
 from epd.gateway.admission import Admission
@@ -18,6 +17,7 @@ from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import InProcessHealth, StageHealth, watch_stages
 from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, read_replicas
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
+from epd.stages.server_config import is_loopback
 from epd.transport.auth import ApiKeyInterceptor
 from epd.transport.remote_stages import (
     RemoteDecodeStage,
@@ -102,15 +102,6 @@ async def start(
     return hs
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # "" (every interface), 0.0.0.0, or a name that may resolve anywhere
-
-
 def open_without_key(config: GatewayConfig) -> str | None:
     """Why the gateway must not start with this config (None when it may): a non-loopback
     interface with no API key needs the explicit --no-api-key opt-out."""
@@ -119,9 +110,9 @@ def open_without_key(config: GatewayConfig) -> str | None:
         return "both an API key (--api-key or $EPD_API_KEY) and --no-api-key are set; pass one of them"
     if http.api_keys or http.no_api_key:
         return None
-    exposed = [] if _is_loopback(config.server.host) else [f"gRPC on {config.server.host or '*'} (--host)"]
+    exposed = [] if is_loopback(config.server.host) else [f"gRPC on {config.server.host or '*'} (--host)"]
     http_host = http.host or config.server.host
-    if http.port and not _is_loopback(http_host):
+    if http.port and not is_loopback(http_host):
         exposed.append(f"HTTP on {http_host or '*'} (--http-host/--host)")
     if not exposed:
         return None

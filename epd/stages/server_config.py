@@ -5,6 +5,7 @@ service configs (encoder_svc.config, ...) embed `ServerConfig`, and engines read
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,3 +103,14 @@ def check_secret(secret: str, where: str) -> str:
     if not secret.isprintable() or not secret.isascii():
         raise ValueError(f"{where}: the internal secret must be printable ASCII (gRPC metadata)")
     return secret
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` can be reached only from this machine (the gateway's API
+    key and a stage's internal secret may then be left off)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # "" (every interface), 0.0.0.0, or a name that may resolve anywhere

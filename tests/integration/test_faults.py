@@ -28,7 +28,6 @@ import hashlib
 import io
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -48,7 +47,7 @@ from epd.client.retry import NO_RETRY
 from epd.transport.affinity import rendezvous_order
 from epd.transport.auth import INTERNAL_AUTH_KEY
 from epd.v1 import load_pb2, load_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.stack import ROOT, child_env, epd_command, free_port
+from tests.stack import ROOT, child_env, epd_command, port_with_replicas, serving_pid
 
 FRAMES = 4
 TOKENS = 12
@@ -58,40 +57,11 @@ DEADLINE_S = 60.0  # each request's deadline (the client's); a hang ends in DEAD
 HANG_MARGIN_S = 15.0  # and if even that does not end it, the test's own limit does
 WAIT_S = 90.0  # for a restart, a rejoin, the stores to empty: a broken build fails, no timing claim
 CLEAR_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-# A decoder confirms receipt of a KV cache (prefill drops it) as soon as it has pulled it, before
-# its first token: one killed in between leaves the gateway's retry on the other decoder nothing to
-# pull, and the request ends NOT_FOUND with this text (tests/unit/plumbing/test_stage_retries.py).
-# Clear, but a request lost that a confirmation at the first token would have saved.
+# A decode retry that finds the KV cache gone ends NOT_FOUND with this text
+# (tests/unit/plumbing/test_stage_retries.py). Decoders now confirm a cache only once the first
+# token is out, so a killed decoder should leave it for the retry; the text stays accepted as a
+# clear failure (the gateway may have released the cache meanwhile).
 KV_GONE_ON_RETRY = "after a decode replica failed before answering and the request was retried"
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def port_with_replicas(count: int, taken: set[int]) -> int:
-    """A free port p with p + REPLICA_PORT_STEP * i free too, for i < count."""
-    while True:
-        port = free_port()
-        wanted = [port + REPLICA_PORT_STEP * i for i in range(count)]
-        if taken.isdisjoint(wanted) and all(_free(p) for p in wanted):
-            taken.update(wanted)
-            return port
-
-
-def serving_pid(port: int) -> int | None:
-    """The pid of the live process whose command line serves `--port PORT`."""
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        words = " ".join(proc.info["cmdline"] or []).split()
-        serves = "serve" in words and any(pair == ("--port", str(port)) for pair in zip(words, words[1:]))
-        if serves and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return proc.pid
-    return None
 
 
 def png(seed: int) -> bytes:

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -24,30 +23,11 @@ import psutil
 from epd.cli.health import is_serving
 from epd.cli.main import REPLICA_PORT_STEP
 from epd.transport.affinity import rendezvous_order
-from tests.stack import ROOT, child_env, epd_command, free_port
+from tests.stack import ROOT, child_env, epd_command, port_with_replicas, serving_pid
 
 FRAMES = 4
 TOKENS = 6
 RESTART_WAIT_S = 90.0  # a deadline for a restart to be seen, not a timing assertion
-
-
-def _port_with_replicas(count: int, taken: set[int]) -> int:
-    """A free port p such that p + REPLICA_PORT_STEP * i is free too, for i < count."""
-    while True:
-        port = free_port()
-        wanted = [port + REPLICA_PORT_STEP * i for i in range(count)]
-        if taken.isdisjoint(wanted) and all(_free(p) for p in wanted):
-            taken.update(wanted)
-            return port
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _chat(http_port: int, url: str) -> list[int]:
@@ -79,21 +59,11 @@ def _chat_once_back(http_port: int, url: str, launcher: subprocess.Popen, log: P
         time.sleep(0.5)
 
 
-def _serving_pid(port: int) -> int | None:
-    """The pid of the live process whose command line serves `--port PORT`."""
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        words = " ".join(proc.info["cmdline"] or []).split()
-        serves = "serve" in words and any(pair == ("--port", str(port)) for pair in zip(words, words[1:]))
-        if serves and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return proc.pid
-    return None
-
-
 def _back(port: int, old_pid: int, launcher: subprocess.Popen, log: Path) -> int:
     """Wait for a new process to serve on `port`; its pid."""
     deadline = time.monotonic() + RESTART_WAIT_S
     while True:
-        pid = _serving_pid(port)
+        pid = serving_pid(port)
         if pid not in (None, old_pid) and is_serving(f"127.0.0.1:{port}", timeout_s=1.0):
             return pid
         assert launcher.poll() is None, f"the stack stopped (exit {launcher.poll()}):\n{log.read_text()}"
@@ -105,9 +75,9 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
     """Two encoders and two prefills (each prefill advertises its own port; decode's default
     allow-list admits every loopback port), one decode."""
     taken: set[int] = set()
-    encoder_port = _port_with_replicas(2, taken)
-    ports = {"gateway": _port_with_replicas(1, taken), "prefill": _port_with_replicas(2, taken),
-             "decode": _port_with_replicas(1, taken), "http": _port_with_replicas(1, taken)}
+    encoder_port = port_with_replicas(2, taken)
+    ports = {"gateway": port_with_replicas(1, taken), "prefill": port_with_replicas(2, taken),
+             "decode": port_with_replicas(1, taken), "http": port_with_replicas(1, taken)}
     encoders = [encoder_port, encoder_port + REPLICA_PORT_STEP]
     log = tmp_path / "stack.log"
     with open(log, "w") as stderr:
@@ -133,7 +103,7 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
         home = int(rendezvous_order(hashlib.sha256(video).hexdigest(),
                                     [f"127.0.0.1:{p}" for p in encoders])[0].rsplit(":", 1)[1])
         other = encoders[1 - encoders.index(home)]
-        killed = encoder_killed = _serving_pid(home)
+        killed = encoder_killed = serving_pid(home)
         assert killed is not None
         os.kill(killed, signal.SIGKILL)
         assert _chat(ports["http"], url) == answer
@@ -141,14 +111,14 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
         assert _chat(ports["http"], url) == answer
 
         # The only decode dies: the stack cannot answer until it is back, then answers the same.
-        killed = _serving_pid(ports["decode"])
+        killed = serving_pid(ports["decode"])
         assert killed is not None
         os.kill(killed, signal.SIGKILL)
         _back(ports["decode"], killed, launcher, log)
         assert _chat_once_back(ports["http"], url, launcher, log) == answer
 
         # A replica that stops answering (SIGSTOP) is killed after --health-timeout and restarted.
-        stopped = _serving_pid(other)
+        stopped = serving_pid(other)
         assert stopped is not None
         os.kill(stopped, signal.SIGSTOP)
         _back(other, stopped, launcher, log)
@@ -156,7 +126,7 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
         assert _chat(ports["http"], url) == answer
 
         # The gateway too (a plain process, started again by the launcher).
-        killed = _serving_pid(ports["gateway"])
+        killed = serving_pid(ports["gateway"])
         assert killed is not None
         os.kill(killed, signal.SIGKILL)
         _back(ports["gateway"], killed, launcher, log)
@@ -179,4 +149,4 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
     assert code == 0, log.read_text()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:8] for c in alive]
-    assert all(_serving_pid(p) is None for p in [*encoders, ports["prefill"] + REPLICA_PORT_STEP, *ports.values()])
+    assert all(serving_pid(p) is None for p in [*encoders, ports["prefill"] + REPLICA_PORT_STEP, *ports.values()])
