@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.decode_svc.config import DecodeConfig
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
     from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
+    from epd.gateway.config import SCHEDULES, SharedModelSchedule
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
     from epd.prefill_svc.config import PrefillSchedulerConfig
 
@@ -396,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--colocate", action="store_true",
                        help="one process instead of four: the front door and the three stages share one "
                             "model and the machine's cores (same ports and APIs); for a single machine")
+    shared = SharedModelSchedule()
+    serve.add_argument("--schedule", choices=SCHEDULES, default=shared.policy,
+                       help="--colocate: how the stages' steps share the model: ttft-first (encode and prefill "
+                            "before a waiting decode step, up to --decode-max-wait-s) or fifo (in turn)")
+    serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
+                       metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
+                                               "waits while encode and prefill steps go first")
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     add_prefix_cache_flags(serve)  # passed to prefill (or the colocated one)
     add_model_flags(serve)

@@ -160,11 +160,12 @@ def _service(args: argparse.Namespace):
 
 async def _colocated(args: argparse.Namespace, config) -> None:
     """`epd serve --colocate`: one process, one model (vision + language), the three stages local
-    and sharing its cores (their model calls take turns on one model thread: the decode batch
-    steps between encode and prefill calls, as in vLLM's single engine), the same gRPC and HTTP
-    front door on the same ports."""
+    and sharing its cores (their model calls take turns on one model thread, encode and prefill
+    before decode unless decode has waited `--decode-max-wait-s`: `--schedule`), the same gRPC and
+    HTTP front door on the same ports."""
     from epd.cli import configs
     from epd.gateway import server as gateway
+    from epd.gateway.config import SharedModelSchedule
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.threads import AUTO
     from epd.prefill_svc.config import PrefillConfig
@@ -174,7 +175,8 @@ async def _colocated(args: argparse.Namespace, config) -> None:
         model = replace(model, num_threads=AUTO)
     prefill = PrefillConfig(model=model, prefix_cache_bytes=args.prefix_cache_bytes,
                             prefix_cache_ttl_s=args.prefix_cache_ttl)
-    await gateway.main(config, local=build_embedded_pipeline(model, prefill=prefill))
+    schedule = SharedModelSchedule(args.schedule, args.decode_max_wait_s)
+    await gateway.main(config, local=build_embedded_pipeline(model, prefill=prefill, schedule=schedule))
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -7,6 +7,7 @@ from epd.decode_svc.stage import LocalDecodeStage, take_from_store
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.stage import LocalEncodeStage
+from epd.gateway.config import SharedModelSchedule
 from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.config import ModelConfig
@@ -23,12 +24,13 @@ def build_embedded_pipeline(
     encoder: EncoderConfig | None = None,
     prefill: PrefillConfig | None = None,
     adapter: VLMAdapter | None = None,
+    schedule: SharedModelSchedule = SharedModelSchedule(),
 ) -> Pipeline:
     """Loads the model once (vision + language) and wires the three local stages to it."""
     encoder = encoder or EncoderConfig(model=model)
     prefill = prefill or PrefillConfig(model=model)
     adapter = adapter or load_adapter(model, "all")
-    thread = ModelThread()
+    thread = ModelThread(deferred_lanes=schedule.deferred_lanes())
     kv_store = KvStore(prefill.kv_store_bytes, prefill.kv_ttl_s)
     return Pipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),

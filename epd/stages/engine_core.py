@@ -149,6 +149,7 @@ class EngineCore(Generic[R]):
         self.scheduler = scheduler
         self.runner = runner
         self.model_thread = model_thread
+        self.lane = scheduler.load().stage  # this core's calls on a shared model thread
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._to_release: list[R] = []  # left while running; released on the model thread
@@ -246,7 +247,7 @@ class EngineCore(Generic[R]):
     async def _model_call(self, batch: list[R], fn: Callable[..., list[tuple[R, Any]]], *args: Any) -> None:
         """Run `fn(*args)` on the model thread and deliver the outputs it gives `batch`'s requests."""
         try:
-            outputs = await self.model_thread.run(fn, *args)
+            outputs = await self.model_thread.run_in(self.lane, fn, *args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed step fails its batch, not the service
@@ -320,7 +321,7 @@ class EngineCore(Generic[R]):
     async def _release_left(self) -> None:
         left = [r for r in self._take_left() if not r.released]
         if left:
-            await self.model_thread.run(self._release, left)
+            await self.model_thread.run_in(self.lane, self._release, left)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()

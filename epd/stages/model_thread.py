@@ -1,10 +1,17 @@
 """One thread per process runs every model call, so asyncio code never blocks on torch and
 requests interleave call by call (torch itself uses `num_threads` inside each call).
 
-Two ways in, one FIFO queue: `await run(fn, ...)` from the event loop, and `call(fn, ...)` from
-a request's own driver thread (the encoder's per-request decode driver, `epd.stages.request_pool`),
+Two ways in, one queue: `await run(fn, ...)` from the event loop, and `call(fn, ...)` from a
+request's own driver thread (the encoder's per-request decode driver, `epd.stages.request_pool`),
 which blocks that thread, never the loop. A call whose caller was cancelled before the thread
 reached it is dropped from the queue, so a gone client costs no further model time.
+
+Calls run in the order they were asked for, except in a lane the owner chose to defer
+(`deferred_lanes`, the colocated server's `--schedule ttft-first`): a deferred call waits while
+calls of other lanes are queued, for at most its lane's limit, and then goes ahead of them. One
+model serving all three stages (`epd serve --colocate`) uses it to run encode and prefill steps
+before decode steps: first tokens come sooner, decode batches grow, and each decode step waits at
+most the limit (so TPOT is bounded) — the trade vLLM and SGLang expose as a scheduling policy.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ import asyncio
 import contextvars
 import functools
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -22,31 +31,91 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+THREAD_NAME = "model_0"
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future
+    lane: str
+    queued_s: float = field(default_factory=time.monotonic)
+
 
 class ModelThread:
-    def __init__(self, threads: StepThreads | None = None) -> None:
+    def __init__(
+        self, threads: StepThreads | None = None, deferred_lanes: Mapping[str, float] | None = None
+    ) -> None:
         """threads: the torch-threads policy the engine cores apply before each batched step
-        (`--num-threads auto` in a service process); None: keep what the loader set."""
+        (`--num-threads auto` in a service process); None: keep what the loader set.
+        deferred_lanes: lane -> longest seconds a call of that lane lets other lanes' calls go
+        first (see the module docstring); empty: strict arrival order."""
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self._thread_ident: int | None = None
-        self._pool.submit(self._remember_thread).result()
-
-    def _remember_thread(self) -> None:
-        self._thread_ident = threading.get_ident()
+        self.deferred_lanes = dict(deferred_lanes or {})
+        self._queue: list[_Call] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=THREAD_NAME, daemon=True)
+        self._thread.start()
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the model thread; cancelling the await drops the call if it has not started."""
-        loop = asyncio.get_running_loop()
-        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return await loop.run_in_executor(self._pool, call)
+        return await self.run_in("", fn, *args, **kwargs)
+
+    async def run_in(self, lane: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`run`, as a call of `lane` (an engine core's stage name)."""
+        future = self._submit(lane, fn, args, kwargs)
+        return await asyncio.wrap_future(future)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the model thread and wait for it, from any other (non-loop) thread."""
-        if threading.get_ident() == self._thread_ident:
+        if threading.get_ident() == self._thread.ident:
             raise RuntimeError("ModelThread.call from the model thread itself would wait forever")
-        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return self._pool.submit(call).result()
+        return self._submit("", fn, args, kwargs).result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the thread after the call it is running; calls still queued are cancelled."""
+        with self._wake:
+            self._closed = True
+            dropped, self._queue = self._queue, []
+            self._wake.notify()
+        for c in dropped:
+            c.future.cancel()
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _submit(self, lane: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> Future:
+        future: Future = Future()
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the model thread is closed")
+            self._queue.append(_Call(call, future, lane))
+            self._wake.notify()
+        return future
+
+    def _next(self) -> _Call | None:
+        """The call to run now (under the lock): the oldest not deferred, else the oldest."""
+        if not self.deferred_lanes:
+            return self._queue.pop(0)
+        now = time.monotonic()
+        for i, c in enumerate(self._queue):
+            limit_s = self.deferred_lanes.get(c.lane)
+            if limit_s is None or now - c.queued_s >= limit_s:
+                return self._queue.pop(i)
+        return self._queue.pop(0)
+
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                call = self._next()
+            if call is None or not call.future.set_running_or_notify_cancel():
+                continue  # its caller was cancelled while it waited
+            try:
+                call.future.set_result(call.fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it; the thread serves on
+                call.future.set_exception(exc)

@@ -169,3 +169,42 @@ def test_close_stops_the_thread_and_drops_queued_calls():
     assert ran == []
     with pytest.raises(RuntimeError):
         thread.call(ran.append, "after close")
+
+
+def test_a_deferred_lane_lets_other_lanes_go_first_until_its_wait_runs_out():
+    """`deferred_lanes` (the colocated server's ttft-first schedule): a decode call queued before
+    an encode and a prefill call runs after them; with a wait limit already used up (0 s) it
+    keeps its place in the arrival order; without deferred lanes the order is strict FIFO."""
+
+    def order_of(deferred_lanes: dict[str, float]) -> list[str]:
+        thread = ModelThread(deferred_lanes=deferred_lanes)
+        ran: list[str] = []
+
+        async def scenario():
+            blocker = Blocker()
+            held = asyncio.ensure_future(thread.run_in("prefill", blocker))
+            await blocker.wait_started()
+            calls = [asyncio.ensure_future(thread.run_in(lane, ran.append, lane))
+                     for lane in ("decode", "encode", "prefill", "decode")]
+            await asyncio.sleep(0)  # all four queued behind the blocker
+            blocker.release.set()
+            await held
+            await asyncio.gather(*calls)
+
+        try:
+            _run(scenario())
+        finally:
+            thread.close()
+        return ran
+
+    assert order_of({"decode": HANG_GUARD_S}) == ["encode", "prefill", "decode", "decode"]
+    assert order_of({"decode": 0.0}) == ["decode", "encode", "prefill", "decode"]
+    assert order_of({}) == ["decode", "encode", "prefill", "decode"]
+
+
+def test_a_deferred_call_alone_in_the_queue_runs_at_once():
+    thread = ModelThread(deferred_lanes={"decode": HANG_GUARD_S})
+    try:
+        assert _run(thread.run_in("decode", lambda: "stepped")) == "stepped"
+    finally:
+        thread.close()
