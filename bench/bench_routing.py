@@ -76,7 +76,8 @@ def start_stack(model: Path, routing: str, args, log_dir: Path) -> tuple[list[su
         env["OMP_NUM_THREADS"] = args.threads
     addr = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
     commands = {
-        name: ["serve", name.split("-")[0], "--port", str(ports[name]), "--model", str(model)]
+        name: ["serve", name.split("-")[0], "--port", str(ports[name]), "--model", str(model),
+               "--insecure-no-internal-auth"]  # loopback, one user
         for name in ("encoder-1", "encoder-2", "prefill", "decode")
     }
     commands["gateway"] = ["serve", "gateway", "--port", str(ports["gateway"]), "--http-port", str(ports["http"]),

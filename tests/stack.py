@@ -72,6 +72,8 @@ TEST_INTERNAL_SECRET = secrets.token_hex(32)
 the gateway presents it to the stages, decode to prefill; the test presents it with
 `INTERNAL_AUTH_METADATA` when it calls a stage itself."""
 INTERNAL_AUTH_METADATA = (("x-epd-internal-auth", TEST_INTERNAL_SECRET),)
+INSECURE_STAGE = ("--insecure-no-internal-auth",)
+"""What a stage started alone without the secret needs (tests call such stages directly)."""
 
 
 def child_env(internal_secret: bool = False) -> dict[str, str]:
@@ -106,6 +108,7 @@ class Stack:
         self.log_dir = log_dir
         self.extra = extra or {}
         self.env = child_env(internal_secret)  # with the secret: see TEST_INTERNAL_SECRET
+        self.internal_secret = internal_secret
         self.ports = {name: free_port() for name in ("encoder", "prefill", "decode", "gateway")}
         self.procs: dict[str, subprocess.Popen | ServiceProcess] = {}
 
@@ -123,6 +126,8 @@ class Stack:
                     "--prefill", self.address("prefill"), "--decode", self.address("decode")]
         else:
             args = ["serve", name, "--port", str(p[name]), "--model", self.model]
+            if not self.internal_secret and not {"--tls-client-ca", "--internal-secret-file"} & set(self.extra.get(name, [])):
+                args += INSECURE_STAGE
         return epd_command(*args, *self.extra.get(name, []))
 
     def __enter__(self) -> Stack:

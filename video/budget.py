@@ -8,7 +8,9 @@ in-band, a 7 KB file may hold one 1080p frame or a million 16x16 ones. So:
     `max_decoded_pixels`. `check_decoder_size` turns an FFmpeg error
     raised because a frame was over FFmpeg's own `max_pixels` guard (epd.video.media_open) into the
     same MediaLimitError.
-  - `DemuxDeadline` bounds the demux (index) pass in wall time: `max_demux_s`.
+  - `DemuxDeadline` bounds the demux (index) pass in wall time: `max_demux_s`; `DecodeBudget`
+    bounds the request's frame decoding in wall time too: `max_decode_s`, from the budget's
+    creation (the start of that request's decode), checked at every decoded frame.
 Every message names the limit and the encoder flag that tunes it.
 """
 
@@ -43,6 +45,7 @@ class DecodeBudget:
 
     def __init__(self, limits: DecodeLimits) -> None:
         self.limits = limits
+        self._deadline_s = time.monotonic() + limits.max_decode_s
         self.num_decoded_frames = 0
         self.num_decoded_pixels = 0
         """Pixels charged so far: width x height of each frame, at least MIN_PIXELS_PER_FRAME."""
@@ -63,6 +66,11 @@ class DecodeBudget:
                 f"{self.limits.max_decoded_pixels} decoded pixels (every frame decoded, targets and "
                 "the frames on the way to them; encoder flag --max-decoded-pixels); send a shorter "
                 "clip, a lower resolution, or ask for fewer frames"
+            )
+        if time.monotonic() > self._deadline_s:
+            raise MediaLimitError(
+                f"decoding this video took longer than this server's limit of {self.limits.max_decode_s:g} s "
+                "(encoder flag --max-decode-s); send a shorter clip, a lower resolution, or ask for fewer frames"
             )
 
     def check_decoder_size(self, codec_context) -> None:

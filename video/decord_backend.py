@@ -169,8 +169,15 @@ class DecordDecoder:
                 self._conn.send(
                     (data, positions, size, index.frames.pts_s.tolist(), shm.name, self.config.num_threads)
                 )
-                if not self._conn.poll(self.config.timeout_s):
+                # The request's decode wall-time limit binds here too (the child decodes all at once).
+                if not self._conn.poll(min(self.config.timeout_s, limits.max_decode_s)):
                     self._kill_child()
+                    if limits.max_decode_s <= self.config.timeout_s:
+                        raise MediaLimitError(
+                            f"decoding this video took longer than this server's limit of {limits.max_decode_s:g} s "
+                            "(encoder flag --max-decode-s); send a shorter clip, a lower resolution, or ask "
+                            "for fewer frames"
+                        )
                     raise MediaError(
                         f"the decord backend did not answer within {self.config.timeout_s:.0f} s "
                         "and was restarted; use the default PyAV backend"

@@ -87,7 +87,7 @@ class DecodeLimits:
 
     The header-level ones (bytes, duration, frame size) are checked before any frame is decoded;
     the work budgets (`max_source_pixels` again, on every decoded frame; `max_decoded_pixels`;
-    `max_demux_s`) are charged while the decoder runs, since a header says nothing binding about
+    `max_demux_s`; `max_decode_s`) are charged while the decoder runs, since a header says nothing binding about
     the frames that follow it. Each message that refuses a request names its flag.
     """
 
@@ -111,10 +111,14 @@ class DecodeLimits:
     max_demux_s: float = 10.0
     """Wall time the demux (index) pass may take, in seconds (--max-demux-s). A legitimate
     one-hour file demuxes in about a second; a file of millions of tiny packets would not."""
+    max_decode_s: float = 120.0
+    """Wall time one request's frame decoding may take, in seconds, from its first frame decoded
+    to its last, over all its decode workers (--max-decode-s): what bounds a decode the pixel
+    budget allows but the machine makes slow (many requests at once, a slow codec)."""
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_duration_s", "max_source_pixels", "max_frames",
-                     "max_decoded_pixels", "max_demux_s"):  # fmt: skip
+                     "max_decoded_pixels", "max_demux_s", "max_decode_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -42,6 +42,7 @@ def run_ask(args: argparse.Namespace) -> int:
         return 2
     try:
         messages = _messages(args)
+        _check_tls_flags(args)
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
@@ -165,6 +166,10 @@ def _print_summary(result: AskResult) -> None:
 
 
 async def _ask_embedded(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:
+    from epd.video.media_open import sniff_container
+
+    media = path.read_bytes()
+    sniff_container(media)  # an unsupported file is refused now, before the model loads (seconds)
     from epd.cli import configs
     from epd.client.conversation import History
     from epd.gateway.embedded import build_embedded_pipeline
@@ -178,7 +183,6 @@ async def _ask_embedded(args: argparse.Namespace, path: Path, messages: list[Mes
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
     # One pipeline for every turn: its encoder and prefix caches serve the follow-ups.
     pipeline = build_embedded_pipeline(model)
-    media = path.read_bytes()
 
     async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
         if messages is not None:
@@ -212,6 +216,7 @@ async def _embedded_stream(
         sampling=configs.sampling_options(args),
         generation=configs.generation_config(args),
         pruning=configs.pruning_config(args),
+        cache_salt=args.cache_salt,
     )
     started = time.perf_counter()
     events: list[ClientStageEvent] = []
@@ -240,6 +245,16 @@ def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult
     return result_from_proto(summary_to_proto(summary), events)
 
 
+def _check_tls_flags(args: argparse.Namespace) -> None:
+    tls = {"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key,
+           "--tls-server-name": args.tls_server_name}
+    given = [flag for flag, value in tls.items() if value]
+    if given and not args.endpoint:
+        raise ValueError(f"{', '.join(given)} only with --endpoint (a gateway's TLS port); embedded mode has no port")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together: pass both (the client certificate and its key)")
+
+
 async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:
     from epd.client import AsyncEpdClient
 
@@ -248,8 +263,11 @@ async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Messa
         fps=args.fps, max_frames=args.max_frames, num_frames=args.num_frames, max_pixels=args.max_pixels,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=list(args.stop), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
+        cache_salt=args.cache_salt,
     )  # fmt: skip
-    async with AsyncEpdClient(args.endpoint, api_key=args.api_key) as client:
+    tls = dict(root_certificates_path=args.tls_ca, client_certificate_path=args.tls_cert,
+               client_key_path=args.tls_key, server_name_override=args.tls_server_name)
+    async with AsyncEpdClient(args.endpoint, api_key=args.api_key, tls=bool(args.tls_ca), **tls) as client:
 
         async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
             if messages is not None:

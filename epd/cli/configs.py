@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,33 +73,37 @@ def transport_security(args: argparse.Namespace) -> TransportSecurity:
         secret = check_secret(args.internal_secret_env, "$EPD_INTERNAL_SECRET")
     return TransportSecurity(tls_cert=getattr(args, "tls_cert", ""), tls_key=getattr(args, "tls_key", ""),
                              tls_client_ca=getattr(args, "tls_client_ca", ""), tls_ca=getattr(args, "tls_ca", ""),
+                             tls_server_name=getattr(args, "tls_server_name", ""),
                              internal_secret=secret)
 
 
 def health_security(args: argparse.Namespace) -> TransportSecurity:
     """`epd health`'s channel: TLS only (health needs no secret)."""
-    return TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+    return TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                             tls_server_name=args.tls_server_name)
 
 
 def internal_auth_problem(args: argparse.Namespace, security: TransportSecurity) -> str | None:
     """Why a stage (`epd serve encoder|prefill|decode`) must not start with these flags: it would
-    listen beyond loopback and serve anyone who reaches its port, bypassing the gateway's API key
-    and limits. Secure by default across the network; the opt-out is explicit. On loopback (a
-    developer's machine, the tests) a stage without a secret is allowed; `epd serve` gives its
-    stages one anyway."""
-    if args.role not in ("encoder", "prefill", "decode") or is_loopback(args.host):
+    serve anyone who reaches its port, bypassing the gateway's API key and limits; on loopback,
+    any local user or any process a browser page can make talk to localhost. Secure by default;
+    the opt-out is explicit, wherever it binds. `epd serve` (the stack) gives its stages a
+    secret of its own."""
+    if args.role not in ("encoder", "prefill", "decode"):
         return None
     if security.internal_secret or security.verifies_clients or args.insecure_no_internal_auth:
         return None
-    return (f"refusing to serve on {args.host or '*'} (--host) without the internal secret: a stage is not a "
-            "public endpoint; give it the secret the gateway presents (--internal-secret-file PATH or "
-            "$EPD_INTERNAL_SECRET), or require client certificates (--tls-client-ca, mTLS); "
-            "--insecure-no-internal-auth on a closed network for development only")
+    where = "on loopback" if is_loopback(args.host) else f"on {args.host or '*'} (--host)"
+    return (f"refusing to serve {where} without the internal secret: a stage is not a public endpoint; "
+            "give it the secret the gateway presents (--internal-secret-file PATH or $EPD_INTERNAL_SECRET), "
+            "or require client certificates (--tls-client-ca, mTLS); --insecure-no-internal-auth for "
+            "development on a closed machine or network only")
 
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes, max_source_pixels=args.max_source_pixels,
                      max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
+                     max_decode_s=args.max_decode_s,
                      max_duration_s=args.max_duration_s)
     decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
                      **({"num_workers": args.decode_workers} if args.decode_workers else {}))
@@ -153,11 +156,11 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages."""
-    return GatewayConfig(server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period),
-                         # $EPD_API_KEY as the stack's gateway child would read it
-                         http=HttpApiConfig(port=args.http_port,
-                                            api_keys=tuple(k for k in [os.environ.get("EPD_API_KEY", "")] if k)),
-                         max_requests_per_client=args.max_requests_per_client)
+    security = TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    return GatewayConfig(server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
+                         http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args)),
+                         max_requests_per_client=args.max_requests_per_client,
+                         max_requests_per_api_key=args.max_requests_per_api_key)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

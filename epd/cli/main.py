@@ -114,6 +114,8 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
                    help="longest video accepted, in seconds of its own timeline (clips are cut first)")
     g.add_argument("--max-demux-s", type=float, default=DecodeLimits.max_demux_s,
                    help="seconds the demux (index) pass of one video may take")
+    g.add_argument("--max-decode-s", type=float, default=DecodeLimits.max_decode_s,
+                   help="seconds the frame decoding of one request may take (all its decode workers)")
     g.add_argument("--index-cache-bytes", type=int, default=ParallelDecodeConfig.index_cache_bytes,
                    help="memory of the cached keyframe indexes (LRU)")
     g.add_argument("--decode-workers", type=int, default=0, help="video decode threads (0 = one per core)")
@@ -184,6 +186,9 @@ def add_tls_client_flags(g) -> None:
     g.add_argument("--tls-cert", default="", metavar="PATH",
                    help="PEM certificate chain this service presents (its gRPC and HTTP ports; and to stages)")
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-server-name", default="", metavar="NAME",
+                   help="name the called servers' certificates are checked against instead of the host dialed "
+                        "(decode reaching prefill pods by IP: the name their certificate carries)")
 
 
 def add_security_flags(p: argparse.ArgumentParser) -> None:
@@ -194,12 +199,32 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--internal-secret-file", default=_env("EPD_INTERNAL_SECRET_FILE", ""), metavar="PATH",
                    help="file holding the shared secret stages require on every call but health (the gateway "
                         "and decode present it); default: $EPD_INTERNAL_SECRET_FILE, else the secret "
-                        "itself in $EPD_INTERNAL_SECRET. A stage beyond loopback refuses to start without one "
-                        "unless --tls-client-ca (mTLS) or --insecure-no-internal-auth")
+                        "itself in $EPD_INTERNAL_SECRET. A stage refuses to start without one unless "
+                        "--tls-client-ca (mTLS) or --insecure-no-internal-auth (`epd serve` gives its own one)")
     g.add_argument("--insecure-no-internal-auth", action="store_true",
-                   help="serve a stage beyond loopback to any caller that reaches it, without the "
-                        "internal secret: closed development networks only")
+                   help="serve a stage to any caller that reaches its port, without the internal secret: "
+                        "development on a closed machine or network only")
     p.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))
+
+
+def add_stack_security_flags(p: argparse.ArgumentParser) -> None:
+    """`epd serve` (the stack, or --colocate): the front door's keys and limits, and TLS."""
+    g = p.add_argument_group("front door and TLS (the stack or --colocate; docs/security.md)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the gateway (default: $EPD_API_KEY); repeatable, "
+                        "each key its own cache tenant (handed to the gateway in a 0600 file, not its command line)")
+    g.add_argument("--api-key-file", default="", metavar="PATH", help="more API keys, one per line")
+    g.add_argument("--max-requests-per-api-key", type=int, default=0,
+                   help="requests one API key may have in flight over all its clients (0 = no limit)")
+    g.add_argument("--tls-cert", default="", metavar="PATH",
+                   help="PEM certificate (valid for 127.0.0.1) every service serves: the gateway's gRPC and "
+                        "HTTP ports become TLS/HTTPS, and the stages take only the stack's own calls (mTLS)")
+    g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default="", metavar="PATH",
+                   help="PEM CA that signed --tls-cert (a self-signed certificate is its own CA); needed with it")
+    g.add_argument("--tls-client-ca", default="", metavar="PATH",
+                   help="PEM CA bundle clients of the gateway must present a certificate of (mTLS at the front door)")
+    p.set_defaults(api_key_env=_env("EPD_API_KEY", ""))
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -292,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
                      help="key of a gateway started with --api-key (default: $EPD_API_KEY)")
+    ask.add_argument("--cache-salt", default="", metavar="SALT",
+                     help="share cached video tokens and prompt prefixes only with requests of the same salt "
+                          "(vLLM's cache_salt; a gateway with API keys adds the key's own)")
+    g = ask.add_argument_group("TLS (--endpoint of a gateway started with --tls-cert)")
+    g.add_argument("--tls-ca", default="", metavar="PATH", help="PEM CA that signed the gateway's certificate")
+    g.add_argument("--tls-cert", default="", metavar="PATH",
+                   help="PEM client certificate, for a gateway started with --tls-client-ca (mTLS)")
+    g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-server-name", default="", metavar="NAME",
+                   help="name to check the gateway's certificate against, when not the --endpoint host")
     add_model_flags(ask)
     add_generation_flags(ask)
     add_sampling_flags(ask)
@@ -404,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
                        metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
                                                "waits while encode and prefill steps go first")
+    add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     add_prefix_cache_flags(serve)  # passed to prefill (or the colocated one)
     add_model_flags(serve)

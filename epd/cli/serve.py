@@ -11,15 +11,15 @@ up: a service that exits, or stops answering its gRPC health for --health-timeou
 with backoff while the others keep serving, and one that crash-loops is given up on
 (epd/cli/supervisor.py); only SIGTERM/SIGINT stops the stack. Before it has come up, and at any
 time for exit codes 2 and 3 (a restart would fail the same way), a service that exits stops it.
-Its services share an internal secret the launcher makes (`_internal_secret_file`): the stages
-refuse calls without it (docs/security.md).
+Its services share an internal secret the launcher makes (`stack_security_flags`): the stages
+refuse calls without it; with --tls-cert every port is TLS and the stages take only the stack's
+own certificate (docs/security.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ctypes
 import logging
 import os
@@ -115,24 +115,80 @@ def _secure_transport(args: argparse.Namespace) -> None:
     security.configure(transport)
 
 
-def _internal_secret_file() -> str:
-    """A fresh internal secret for the stack's services, in a file only this user can read (0600,
-    in a 0700 directory): its path goes on their command lines, the secret itself appears in no
-    command line or environment (and so reaches no grandchild process). Removed with the stack."""
+class _StackFiles:
+    """What the launcher hands its services in files rather than on command lines or in the
+    environment (so no grandchild or `ps` sees it): a fresh internal secret, the API keys, and
+    the gateway's client-CA bundle. One 0700 directory of 0600 files, removed with the stack."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="epd-stack-")
+
+    def write(self, name: str, data: bytes) -> str:
+        path = os.path.join(self.dir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return path
+
+    def remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def stack_security_flags(args: argparse.Namespace, files: _StackFiles) -> dict[str, list[str]]:
+    """The flags each kind of service of the stack gets ("stage", "gateway") for the internal
+    secret, the API keys, the per-key limit and TLS. ValueError: an unusable combination or file.
+
+    With --tls-cert every port serves TLS; the stages require client certificates of --tls-ca
+    (mTLS: only the stack's gateway and decoders, which present --tls-cert, get in); the gateway
+    requires them of --tls-client-ca when given, trusting --tls-ca too so that the launcher's own
+    health checks (which present --tls-cert) still reach it."""
     import secrets
-    import tempfile
 
-    path = os.path.join(tempfile.mkdtemp(prefix="epd-stack-"), "internal-secret")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return path
+    from epd.cli import configs
+    from epd.transport import security
+
+    stage: list[str] = []
+    gateway: list[str] = []
+    if not args.internal_secret_env:  # else the services read $EPD_INTERNAL_SECRET themselves
+        secret = files.write("internal-secret", secrets.token_hex(32).encode())
+        stage += ["--internal-secret-file", secret]
+        gateway += ["--internal-secret-file", secret]
+    if keys := configs.api_keys(args):
+        gateway += ["--api-key-file", files.write("api-keys", "\n".join(keys).encode() + b"\n")]
+    if args.max_requests_per_api_key:
+        gateway += ["--max-requests-per-api-key", str(args.max_requests_per_api_key)]
+    tls = stack_transport(args)
+    if tls.tls_cert:
+        security.check_files(replace(tls, tls_client_ca=args.tls_client_ca))
+        own = ["--tls-cert", tls.tls_cert, "--tls-key", tls.tls_key, "--tls-ca", tls.tls_ca]
+        stage += [*own, "--tls-client-ca", tls.tls_ca]
+        gateway += own
+        if args.tls_client_ca:
+            bundle = security.read_pem(args.tls_client_ca, "--tls-client-ca").rstrip(b"\n") + b"\n"
+            bundle += security.read_pem(tls.tls_ca, "--tls-ca")
+            gateway += ["--tls-client-ca", files.write("gateway-client-ca.pem", bundle)]
+    return {"stage": stage, "gateway": gateway}
 
 
-def _remove_secret_file(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
-        os.rmdir(os.path.dirname(path))
+def stack_transport(args: argparse.Namespace):
+    """The launcher's own channels (its health checks): TLS with the stack's certificate as the
+    client certificate when --tls-cert is given. ValueError for flags that do not go together."""
+    from epd.stages.server_config import TransportSecurity
+
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert, --tls-key and --tls-ca: mTLS is TLS first")
+    if args.tls_cert and not args.tls_ca:
+        raise ValueError("--tls-cert needs --tls-ca, the CA that signed it (the stack's services verify each "
+                         "other with it; for a self-signed certificate, pass the certificate itself)")
+    if args.tls_ca and not args.tls_cert:
+        raise ValueError("--tls-ca without --tls-cert: pass the certificate and key the stack serves too")
+    absolute = {name: os.path.abspath(path) if path else "" for name, path in
+                (("tls_cert", args.tls_cert), ("tls_key", args.tls_key), ("tls_ca", args.tls_ca))}
+    return TransportSecurity(**absolute)  # the services may not share the launcher's directory
 
 
 def _service(args: argparse.Namespace):
@@ -299,6 +355,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     from epd.cli.zygote import Zygote, preload_modules
     from epd.model_runtime.loader import ModelLoadError, check_model_dir, family_module, resolve_model_path
     from epd.model_runtime.threads import BOARD_ENV, new_board_path, remove_board
+    from epd.transport import security
 
     signals = _Signals()
     if (clash := port_clash(args)) is not None:
@@ -316,8 +373,15 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     # The stages refuse calls without the stack's own secret: any local user could otherwise call
     # them directly, past the gateway's API key and limits. One given to `epd serve`
     # ($EPD_INTERNAL_SECRET, inherited by the services) is used instead: a tool can present it.
-    secret_file = "" if args.internal_secret_env else _internal_secret_file()
-    commands = {name: [*command, *(["--internal-secret-file", secret_file] if secret_file else [])]
+    files = _StackFiles()
+    try:
+        flags = stack_security_flags(args, files)
+        security.configure(stack_transport(args))  # the health checks below speak TLS when the stack does
+    except ValueError as exc:
+        files.remove()
+        print(f"epd serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    commands = {name: [*command, *flags["gateway" if name == "gateway" else "stage"]]
                 for name, command in stack_commands(args).items()}
     ports = {"gateway": args.gateway_port} | {replica_name(role, i): port
                                               for role, role_ports in replica_ports(args).items()
@@ -356,8 +420,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         _stop_all(slots, args.grace_period + _EXIT_MARGIN_S, signals)
         zygote.stop()
         remove_board(board)
-        if secret_file:
-            _remove_secret_file(secret_file)
+        files.remove()
 
 
 def _supervise(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _Signals, policy: RestartPolicy,

@@ -25,6 +25,20 @@ class ChannelSettings:
     """Sent as `authorization: Bearer <api_key>` metadata (the gateway's --api-key)."""
     metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """Extra metadata sent with every call."""
+    client_certificate_path: str = ""
+    """PEM certificate chain presented to a gateway that requires client certificates (its
+    --tls-client-ca, mTLS); with `client_key_path`. Turns TLS on."""
+    client_key_path: str = ""
+    """PEM private key of `client_certificate_path`."""
+
+    def __post_init__(self) -> None:
+        if bool(self.client_certificate_path) != bool(self.client_key_path):
+            raise ValueError("client_certificate_path and client_key_path go together: pass both "
+                             "(the PEM certificate and its private key)")
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls or self.root_certificates_path or self.client_certificate_path)
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
@@ -43,14 +57,19 @@ def open_channel(endpoint: str, settings: ChannelSettings, retry: RetryPolicy) -
     ]
     if settings.server_name_override:
         options.append(("grpc.ssl_target_name_override", settings.server_name_override))
-    if not (settings.tls or settings.root_certificates_path):
+    if not settings.uses_tls:
         return grpc.aio.insecure_channel(endpoint, options=options)
-    roots = None
-    if settings.root_certificates_path:
-        path = Path(settings.root_certificates_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"root certificates file not found: {path}")
-        roots = path.read_bytes()
-    return grpc.aio.secure_channel(
-        endpoint, grpc.ssl_channel_credentials(root_certificates=roots), options=options
-    )
+    roots = _read(settings.root_certificates_path, "root certificates") if settings.root_certificates_path else None
+    key = chain = None
+    if settings.client_certificate_path:
+        chain = _read(settings.client_certificate_path, "client certificate")
+        key = _read(settings.client_key_path, "client key")
+    credentials = grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=chain)
+    return grpc.aio.secure_channel(endpoint, credentials, options=options)
+
+
+def _read(path_text: str, what: str) -> bytes:
+    path = Path(path_text)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file not found: {path}")
+    return path.read_bytes()

@@ -144,7 +144,9 @@ class AsyncEpdClient:
 
     endpoint: "HOST:PORT" of the gateway. timeout_s: default deadline of one call (retries
     included). api_key: sent as `authorization: Bearer ...`. tls / root_certificates_path /
-    server_name_override: a TLS channel. retry: when UNAVAILABLE is tried again.
+    server_name_override: a TLS channel; client_certificate_path / client_key_path: the
+    certificate it presents to a gateway that requires one (mTLS). retry: when UNAVAILABLE is
+    tried again.
     """
 
     def __init__(
@@ -156,6 +158,8 @@ class AsyncEpdClient:
         tls: bool = False,
         root_certificates_path: str = "",
         server_name_override: str = "",
+        client_certificate_path: str = "",
+        client_key_path: str = "",
         metadata: tuple[tuple[str, str], ...] = (),
         retry: RetryPolicy | None = None,
         chunk_bytes: int = CHUNK_BYTES,
@@ -165,7 +169,8 @@ class AsyncEpdClient:
         self.retry = retry or RetryPolicy()
         self.chunk_bytes = chunk_bytes
         self.settings = ChannelSettings(
-            tls, root_certificates_path, server_name_override, api_key, tuple(metadata)
+            tls, root_certificates_path, server_name_override, api_key, tuple(metadata),
+            client_certificate_path, client_key_path,
         )
         self._channel = open_channel(endpoint, self.settings, self.retry)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)

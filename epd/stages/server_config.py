@@ -32,6 +32,9 @@ class TransportSecurity:
     """PEM CA bundle client certificates must chain to: set, every client needs a valid one (mTLS)."""
     tls_ca: str = ""
     """PEM CA bundle verifying the stage servers this service calls; set, its stage channels use TLS."""
+    tls_server_name: str = ""
+    """Name the stage servers' certificates are checked against instead of the host dialed: for
+    servers reached by address, e.g. decode pulling KV caches from prefill pods by pod IP."""
     internal_secret: str = field(default="", repr=False)
     """Shared secret the stages require on every call but health and reflection (metadata
     `x-epd-internal-auth`), and that this service presents on its calls to stages; "" = none."""

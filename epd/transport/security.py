@@ -78,6 +78,7 @@ def server_ssl_context(security: TransportSecurity) -> ssl.SSLContext | None:
 class _ClientSecurity:
     credentials: grpc.ChannelCredentials | None  # None: plaintext channels
     secret: str
+    server_name: str = ""  # TransportSecurity.tls_server_name
 
 
 _client = _ClientSecurity(None, "")
@@ -97,7 +98,7 @@ def configure(security: TransportSecurity) -> None:
     """This process's channels to stages from now on (call it before opening any)."""
     global _client
     check_files(security)
-    _client = _ClientSecurity(client_credentials(security), security.internal_secret)
+    _client = _ClientSecurity(client_credentials(security), security.internal_secret, security.tls_server_name)
 
 
 def _with_secret(details: grpc.aio.ClientCallDetails, secret: str) -> grpc.aio.ClientCallDetails:
@@ -143,6 +144,8 @@ def stage_channel(
         interceptors = [*interceptors, _SecretUnaryUnary(secret), _SecretUnaryStream(secret),
                         _SecretStreamUnary(secret), _SecretStreamStream(secret)]
     opts = list(options or ())
+    if client.server_name:
+        opts.append(("grpc.ssl_target_name_override", client.server_name))
     if client.credentials is None:
         return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
     return grpc.aio.secure_channel(target, client.credentials, options=opts, interceptors=interceptors)
@@ -153,4 +156,5 @@ def blocking_channel(target: str) -> grpc.Channel:
     supervisor); health needs no secret, so none is sent."""
     if _client.credentials is None:
         return grpc.insecure_channel(target)
-    return grpc.secure_channel(target, _client.credentials)
+    options = [("grpc.ssl_target_name_override", _client.server_name)] if _client.server_name else []
+    return grpc.secure_channel(target, _client.credentials, options=options)

@@ -4,23 +4,27 @@ stages and decode to prefill (its KV pulls), so the stack answers; `epd serve` m
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epd.client import EpdClient
+from epd.client import EpdClient, EpdError
 from epd.transport.auth import MISSING_SECRET_MESSAGE
 from epd.v1 import load_pb2, load_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.pki import make_pki
 from tests.stack import INTERNAL_AUTH_METADATA, ROOT, Stack, child_env, epd_command, free_port
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
+API_KEY = "key-of-the-tls-stack"
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +33,12 @@ def stack(tiny_models, tmp_path_factory):
         yield s
 
 
-def _get_load(address: str, metadata=()) -> grpc.StatusCode | str:
-    with grpc.insecure_channel(address) as channel:
+def _channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    return grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+
+
+def _get_load(address: str, metadata=(), credentials=None) -> grpc.StatusCode | str:
+    with _channel(address, credentials) as channel:
         try:
             load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=10, metadata=metadata)
         except grpc.RpcError as exc:
@@ -38,10 +46,17 @@ def _get_load(address: str, metadata=()) -> grpc.StatusCode | str:
     return grpc.StatusCode.OK
 
 
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _serving(address: str, credentials=None) -> bool:
+    with _channel(address, credentials) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _credentials(pki: dict, pair: str | None) -> grpc.ChannelCredentials:
+    key = chain = None
+    if pair:
+        chain, key = (Path(p).read_bytes() for p in pki[pair])
+    return grpc.ssl_channel_credentials(Path(pki["ca"]).read_bytes(), key, chain)
 
 
 def test_the_stack_answers_with_the_secret_presented_inside(stack, media_files):
@@ -103,12 +118,22 @@ def _serving_or_none(address: str) -> bool:
         return False
 
 
-def test_epd_serve_makes_its_own_secret_and_removes_it(tiny_models, tmp_path):
+def test_epd_serve_makes_its_own_secret_and_serves_tls_keys_and_limits(tiny_models, tmp_path, media_files):
+    """One `epd serve` (the stack) with --tls-cert/--tls-key/--tls-ca/--tls-client-ca, --api-key and
+    --max-requests-per-api-key: its stages take only mTLS calls carrying the stack's own secret
+    (made in a 0600 file, on no command line); its gateway is TLS, takes client certificates of
+    --tls-client-ca (here another CA than the stack's), the key and the per-key limit; the SDK
+    and `epd ask` reach it with a client certificate, a client without one is refused; the
+    launcher removes its files when it stops."""
+    pki = make_pki(tmp_path)
+    cert, key = pki["service"]
     ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode")}
     flags = [f for name, port in ports.items() for f in (f"--{name}-port", str(port))]
-    env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
+    tls = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", pki["ca"], "--tls-client-ca", pki["stranger_ca"]]
+    env = {k: v for k, v in child_env().items() if k not in ("EPD_INTERNAL_SECRET", "EPD_API_KEY")}
     with open(tmp_path / "stack.log", "w") as log:
         launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
+                                                "--api-key", API_KEY, "--max-requests-per-api-key", "3", *tls,
                                                 *flags), stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                                     cwd=ROOT)
     try:
@@ -118,24 +143,54 @@ def test_epd_serve_makes_its_own_secret_and_removes_it(tiny_models, tmp_path):
         # The gateway is a plain child process (the stages are forked, titled by setproctitle).
         gateway = next(p for p in psutil.Process(launcher.pid).children() if "gateway" in p.cmdline())
         cmdline = gateway.cmdline()
+        assert API_KEY not in " ".join(cmdline)
+        assert cmdline[cmdline.index("--max-requests-per-api-key") + 1] == "3"
         secret_file = cmdline[cmdline.index("--internal-secret-file") + 1]
         assert os.stat(secret_file).st_mode & 0o077 == 0  # only this user may read it
         secret = open(secret_file).read().strip()
         assert secret not in " ".join(cmdline)
-        address = f"127.0.0.1:{ports['prefill']}"
-        assert MISSING_SECRET_MESSAGE in _get_load(address)
-        assert _get_load(address, (("x-epd-internal-auth", secret),)) == grpc.StatusCode.OK
-        assert _serving(address)
+        # A stage: mTLS with a certificate of the stack's CA, and then the secret.
+        stage = f"127.0.0.1:{ports['prefill']}"
+        assert _get_load(stage) == grpc.StatusCode.UNAVAILABLE  # plaintext: no handshake
+        assert _get_load(stage, credentials=_credentials(pki, None)) == grpc.StatusCode.UNAVAILABLE  # no cert
+        client_cert = _credentials(pki, "client")
+        assert MISSING_SECRET_MESSAGE in _get_load(stage, credentials=client_cert)
+        assert _get_load(stage, (("x-epd-internal-auth", secret),), client_cert) == grpc.StatusCode.OK
+        # The gateway: TLS, a client certificate of --tls-client-ca, then the API key.
+        gateway_address = f"127.0.0.1:{ports['gateway']}"
+        assert _serving(gateway_address, _credentials(pki, "stranger"))
+        with pytest.raises(grpc.RpcError) as refused:
+            _serving(gateway_address, _credentials(pki, None))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        stranger_cert, stranger_key = pki["stranger"]
+        sdk = {"root_certificates_path": pki["ca"], "client_certificate_path": stranger_cert,
+               "client_key_path": stranger_key}
+        with EpdClient(gateway_address, api_key=API_KEY, **sdk) as client:
+            answer = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+        with EpdClient(gateway_address, api_key="not-the-key", **sdk) as client, pytest.raises(EpdError) as denied:
+            client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+        assert denied.value.code == grpc.StatusCode.UNAUTHENTICATED
+        ask = ["ask", str(media_files["mp4"]), QUESTION, "--endpoint", gateway_address, "--api-key", API_KEY,
+               "--num-frames", "4", "--max-new-tokens", "6", "--json", "--tls-ca", pki["ca"]]
+        cli = subprocess.run(epd_command(*ask, "--tls-cert", stranger_cert, "--tls-key", stranger_key),
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["token_ids"] == list(answer.token_ids)
+        no_cert = subprocess.run(epd_command(*ask), capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert no_cert.returncode == 1 and "UNAVAILABLE" in no_cert.stderr and "Traceback" not in no_cert.stderr
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)
     assert not os.path.exists(secret_file) and not os.path.exists(os.path.dirname(secret_file))
 
 
-def test_a_stage_beyond_loopback_without_the_secret_does_not_start():
+@pytest.mark.parametrize("host,where", [("0.0.0.0", "on 0.0.0.0 (--host)"), ("127.0.0.1", "on loopback")])
+def test_a_stage_without_the_secret_does_not_start_wherever_it_binds(host, where):
+    """Off only by an explicit flag (--insecure-no-internal-auth), on loopback too."""
     env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
-    proc = subprocess.run(epd_command("serve", "decode", "--host", "0.0.0.0", "--port", str(free_port())),
+    proc = subprocess.run(epd_command("serve", "decode", "--host", host, "--port", str(free_port())),
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
-    assert line.startswith("epd serve decode: refusing to serve on 0.0.0.0 (--host) without the internal secret")
+    assert line.startswith(f"epd serve decode: refusing to serve {where} without the internal secret")
+    assert "--insecure-no-internal-auth" in line

@@ -17,7 +17,7 @@ import urllib.request
 
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
-from tests.stack import Stack, child_env, free_port, zygote
+from tests.stack import INSECURE_STAGE, Stack, child_env, free_port, zygote
 
 FRAMES = 4
 
@@ -62,7 +62,7 @@ def test_a_cache_lost_with_its_prefill_replica_is_prefilled_again(tiny_models, m
     stack.extra["gateway"] = ["--prefill", ",".join(prefills), "--http-port", str(http_port)]
     stack.extra["decode"] = ["--max-running-requests", "1"]  # the second request waits for the first
     (tmp_path / "logs").mkdir(parents=True)
-    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"])]
+    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
     replica = zygote().start("prefill-2", argv, child_env(), str(tmp_path / "logs" / "prefill-2.log"))
     try:
         with stack:

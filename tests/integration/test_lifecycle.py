@@ -24,7 +24,7 @@ from epd.cli.serve import EXIT_MODEL
 from epd.stages.contracts import MediaInput
 from epd.transport.remote_stages import RemoteEncodeStage, ReplicaPool
 from epd.video.types import SamplingOptions
-from tests.stack import ROOT, child_env, epd_command, free_port
+from tests.stack import INSECURE_STAGE, ROOT, child_env, epd_command, free_port
 
 REPORT_BOUND_S = 20.0  # the issue: a broken model is reported "within seconds"
 IDLE_STOP_BOUND_S = 2.0  # the issue: SIGTERM on an idle stack
@@ -84,7 +84,8 @@ def test_serve_on_a_broken_model_says_why_in_one_line(tiny_models, tmp_path, how
 def test_one_service_reports_its_model_and_closes_cleanly(tiny_models, tmp_path):
     """The service checks too (it may be started alone, by compose or Kubernetes)."""
     model = _break(tiny_models["qwen2_vl"], "truncated weights", tmp_path)
-    proc = subprocess.run(epd_command("serve", "prefill", "--port", str(free_port()), "--model", str(model)),
+    proc = subprocess.run(epd_command("serve", "prefill", "--port", str(free_port()), "--model", str(model),
+                                      *INSECURE_STAGE),
                           capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
     assert proc.returncode == EXIT_MODEL, proc.stderr
     assert proc.stderr.strip() == f"epd: prefill cannot load {model}: model.safetensors is truncated or corrupt"
@@ -182,7 +183,8 @@ def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path
     port = free_port()
     log = open(tmp_path / "encoder.log", "w")  # noqa: SIM115 - closed below
     encoder = subprocess.Popen(epd_command("serve", "encoder", "--port", str(port), "--grace-period", "30",
-                                           "--model", str(tiny_models["qwen2_vl"]), "--decode-workers", "1"),
+                                           "--model", str(tiny_models["qwen2_vl"]), "--decode-workers", "1",
+                                           *INSECURE_STAGE),
                                stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
     signalled: list[str] = []
 

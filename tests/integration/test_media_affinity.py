@@ -16,7 +16,7 @@ import grpc
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from epd.v1 import load_pb2, load_pb2_grpc
-from tests.stack import Stack, child_env, free_port, zygote
+from tests.stack import INSECURE_STAGE, Stack, child_env, free_port, zygote
 
 FRAMES = 4
 TOKENS = 6
@@ -51,7 +51,7 @@ def test_turns_about_a_video_stay_on_its_prefill_replica_and_survive_its_loss(ti
     stack.extra["gateway"] = ["--prefill", ",".join(prefills), "--http-port", str(http_port),
                               "--stage-check-interval", "0"]  # fmt: skip
     (tmp_path / "logs").mkdir(parents=True)
-    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"])]
+    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
     replica = zygote().start("prefill-2", argv, child_env(), str(tmp_path / "logs" / "prefill-2.log"))
     try:
         with stack:

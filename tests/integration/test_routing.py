@@ -22,7 +22,7 @@ from PIL import Image
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from epd.v1 import load_pb2, load_pb2_grpc
-from tests.stack import Stack, child_env, free_port, zygote
+from tests.stack import INSECURE_STAGE, Stack, child_env, free_port, zygote
 
 TOKENS = 4
 WAIT_S = 30.0
@@ -82,7 +82,7 @@ def test_an_encoder_added_to_the_replica_file_gets_traffic_and_one_lost_keeps_th
     replicas_file.write_text(json.dumps({"encoder": [first]}))
     stack.extra["gateway"] = ["--replicas-file", str(replicas_file), "--http-port", str(http_port),
                               "--stage-check-interval", "0.3"]  # fmt: skip
-    argv = ["serve", "encoder", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"])]
+    argv = ["serve", "encoder", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
     replica = zygote().start("encoder-2", argv, child_env(), str(logs / "encoder-2.log"))
     gateway_log = logs / "gateway.log"
     try:
@@ -131,7 +131,7 @@ def test_a_decode_replica_gone_before_the_first_token_is_retried_on_the_other(ti
     # itself (the retry path), not from a health check.
     stack.extra["gateway"] = ["--decode", f"{stack.address('decode')},{second}", "--http-port", str(http_port),
                               "--stage-check-interval", "0", "--load-refresh-interval", "0"]  # fmt: skip
-    argv = ["serve", "decode", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"])]
+    argv = ["serve", "decode", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
     replica = zygote().start("decode-2", argv, child_env(), str(logs / "decode-2.log"))
     try:
         with stack:

@@ -7,42 +7,23 @@ import subprocess
 
 import grpc
 import pytest
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.client import EpdClient
 from epd.stages.server_config import TransportSecurity
 from epd.transport import security
+from tests.pki import make_pki
 from tests.stack import ROOT, Stack, child_env, epd_command, free_port
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
 
 
-def write_pair(cert: trustme.LeafCert, directory, name: str) -> tuple[str, str]:
-    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
-    cert.cert_chain_pems[0].write_to_path(str(cert_path))
-    for blob in cert.cert_chain_pems[1:]:
-        blob.write_to_path(str(cert_path), append=True)
-    cert.private_key_pem.write_to_path(str(key_path))
-    return str(cert_path), str(key_path)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """One CA the stack trusts; a certificate for the services (localhost, 127.0.0.1); one for a
-    client; and a certificate of another CA, which the stack must not accept."""
-    d = tmp_path_factory.mktemp("pki")
-    ca, stranger = trustme.CA(), trustme.CA()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    stranger.cert_pem.write_to_path(str(d / "stranger-ca.pem"))
-    return {
-        "ca": str(d / "ca.pem"),
-        "stranger_ca": str(d / "stranger-ca.pem"),
-        "service": write_pair(ca.issue_cert("localhost", "127.0.0.1"), d, "service"),
-        "client": write_pair(ca.issue_cert("client.epd.test"), d, "client"),
-        "stranger": write_pair(stranger.issue_cert("localhost", "127.0.0.1"), d, "stranger"),
-    }
+    """One CA the stack trusts; a certificate for the services; one for a client; and a
+    certificate of another CA, which the stack must not accept (tests/pki.py)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 HTTP_PORT = free_port()

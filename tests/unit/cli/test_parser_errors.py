@@ -26,3 +26,30 @@ def test_unknown_flags_are_named(capsys, argv, expected):
 def test_known_flags_still_parse():
     args = build_parser().parse_args(["serve", "encoder", "--port", "0", "--max-demux-s", "2.5"])
     assert (args.role, args.port, args.max_demux_s) == ("encoder", 0, 2.5)
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--tls-ca", "ca.pem"], "--tls-ca only with --endpoint"),
+        (["--endpoint", "h:1", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_epd_ask_tls_flags_are_checked_before_anything_loads(tmp_path, capsys, extra, expected):
+    from epd.cli.ask import run_ask
+
+    video = tmp_path / "v.mp4"
+    video.write_bytes(b"\x00")
+    assert run_ask(build_parser().parse_args(["ask", str(video), "q?", *extra])) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_epd_serve_tls_flags_that_do_not_go_together_are_named():
+    from epd.cli.serve import stack_transport
+
+    parser = build_parser()
+    for argv, expected in [(["--tls-cert", "c", "--tls-key", "k"], "--tls-cert needs --tls-ca"),
+                           (["--tls-client-ca", "x"], "--tls-client-ca needs --tls-cert"),
+                           (["--tls-ca", "x"], "--tls-ca without --tls-cert")]:
+        with pytest.raises(ValueError, match=expected):
+            stack_transport(parser.parse_args(["serve", *argv]))

@@ -116,3 +116,15 @@ def test_tls_needs_an_existing_root_certificate_file(tmp_path):
         open_channel(
             "127.0.0.1:1", ChannelSettings(root_certificates_path=str(tmp_path / "ca.pem")), Policy()
         )
+
+
+def test_a_client_certificate_needs_its_key_and_existing_files(tmp_path):
+    from epd.client import RetryPolicy as Policy
+
+    with pytest.raises(ValueError, match="client_certificate_path and client_key_path go together"):
+        ChannelSettings(client_certificate_path=str(tmp_path / "client.pem"))
+    settings = ChannelSettings(client_certificate_path=str(tmp_path / "client.pem"),
+                               client_key_path=str(tmp_path / "client.key"))
+    assert settings.uses_tls  # a client certificate is TLS even without a CA given
+    with pytest.raises(FileNotFoundError, match="client certificate file not found"):
+        open_channel("127.0.0.1:1", settings, Policy())

@@ -324,6 +324,23 @@ def test_decoded_pixel_budget_counts_every_decoded_frame(video_factory, decoder)
     assert got.stats["num_decoded_pixels"] == got.stats["num_decoded_frames"] * 65536
 
 
+def test_decode_wall_time_limit_stops_every_decode_path(video_factory, decoder):
+    """--max-decode-s: a limit any decode exceeds (1 ns) refuses the request in the simple and
+    the parallel decoder alike, naming the flag; the same decoder then serves within the default."""
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    opts = SamplingOptions(num_frames=3)
+    limits = DecodeLimits(max_decode_s=1e-9)
+    match = r"took longer than this server's limit of 1e-09 s \(encoder flag --max-decode-s\)"
+    with pytest.raises(MediaLimitError, match=match):
+        simple_decoder.decode(data, opts, limits)
+    with ParallelDecoder(ParallelDecodeConfig(num_workers=2)) as dec:
+        with pytest.raises(MediaLimitError, match=match):
+            dec.decode(data, opts, limits)
+        assert dec.decode(data, opts).frames.shape[0] == 3  # within the default limit
+    with pytest.raises(ValueError, match="max_decode_s must be > 0"):
+        DecodeLimits(max_decode_s=0)
+
+
 def test_index_cache_is_bounded_in_bytes(video_factory):
     datas = [video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=s, gop=10) for s in (1.0, 2.0, 3.0)]
     sizes = [build_video_index(d).num_bytes for d in datas]
@@ -364,11 +381,13 @@ def test_cli_flags_reach_the_encoder_config():
     from epd.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "encoder", "--max-source-pixels", "1000000", "--max-decoded-pixels",
-                                      "123456789", "--max-demux-s", "2.5", "--index-cache-bytes", "4096"])  # fmt: skip
+                                      "123456789", "--max-demux-s", "2.5", "--index-cache-bytes", "4096",
+                                      "--max-decode-s", "7.5"])  # fmt: skip
     config = encoder_config(args)
     assert config.limits.max_source_pixels == 1_000_000
     assert config.limits.max_decoded_pixels == 123_456_789
     assert config.limits.max_demux_s == 2.5
+    assert config.limits.max_decode_s == 7.5
     assert config.decode.index_cache_bytes == 4096
     defaults = encoder_config(build_parser().parse_args(["serve", "encoder"]))
     assert defaults.limits == DecodeLimits() and defaults.decode.index_cache_bytes == 64 << 20

@@ -1,0 +1,126 @@
+"""deploy/k8s/tls/: the TLS overlay, merged onto the base manifests as kustomize would (a
+strategic merge of each Deployment patch) and read as the real `epd` reads its flags: every
+service serves TLS from the Secret epd-tls, the stages require client certificates of its CA,
+the gateway and decode present their certificate to the stages, decode checks prefill pods'
+certificates against the name the certificate carries, and every probe is an `epd health`
+exec probe speaking the same TLS on the container's own port."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from epd.cli.main import build_parser
+from tests.unit.deploy.epd_commands import serve_config
+from tests.unit.deploy.test_k8s import K8S, container, container_env, expand, load_objects, of_kind, pod
+
+TLS = K8S / "tls"
+SECRET = "epd-tls"
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def _merge(base: dict, patch: dict) -> dict:
+    """Strategic merge of one Deployment patch: the container (by name) takes the patch's
+    fields (a null one is deleted), volumeMounts/volumes are merged by name."""
+    out = copy.deepcopy(base)
+    spec, patch_spec = pod(out)["spec"], patch["spec"]["template"]["spec"]
+    for pc in patch_spec.get("containers", []):
+        c = next(c for c in spec["containers"] if c["name"] == pc["name"])
+        for field, value in pc.items():
+            if field == "volumeMounts":
+                c[field] = [m for m in c.get(field, []) if m["name"] not in {v["name"] for v in value}] + value
+            elif isinstance(value, dict) and isinstance(c.get(field), dict):
+                c[field] = {**c[field], **value}
+                c[field] = {k: v for k, v in c[field].items() if v is not None}
+            else:
+                c[field] = value
+    if "volumes" in patch_spec:
+        names = {v["name"] for v in patch_spec["volumes"]}
+        spec["volumes"] = [v for v in spec.get("volumes", []) if v["name"] not in names] + patch_spec["volumes"]
+    return out
+
+
+def tls_objects() -> list[dict]:
+    kust = yaml.safe_load((TLS / "kustomization.yaml").read_text())
+    assert kust["resources"] == [".."]
+    objs = load_objects()
+    for entry in kust["patches"]:
+        patch = yaml.safe_load((TLS / entry["path"]).read_text())
+        i = next(i for i, o in enumerate(objs)
+                 if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"])
+        objs[i] = _merge(objs[i], patch)
+    return objs
+
+
+def check_tls(objs: list[dict]) -> list[str]:
+    problems = []
+    for dep in of_kind(objs, "Deployment"):
+        name, c = dep["metadata"]["name"], container(dep)
+        env = container_env(c, objs)
+        role, cfg = serve_config([expand(str(a), env) for a in c.get("args", [])], env)
+        sec = cfg.server.security
+        def from_secret(path: str, key: str, dep: dict = dep, c: dict = c) -> bool:
+            """`path` is file `key` of Secret epd-tls, mounted in the container."""
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            volumes = {v["name"]: v for v in pod(dep)["spec"].get("volumes", [])}
+            directory, _, file = path.rpartition("/")
+            volume = volumes.get(mounts.get(directory, ""), {})
+            return volume.get("secret", {}).get("secretName") == SECRET and file == key
+
+        if not (from_secret(sec.tls_cert, "tls.crt") and from_secret(sec.tls_key, "tls.key")
+                and from_secret(sec.tls_ca, "ca.crt")):
+            problems.append(f"{name}: --tls-cert/--tls-key/--tls-ca are not tls.crt/tls.key/ca.crt of Secret {SECRET}")
+        if role != "gateway" and not from_secret(sec.tls_client_ca, "ca.crt"):
+            problems.append(f"{name}: a stage must require client certificates of ca.crt (--tls-client-ca)")
+        if role == "decode" and sec.tls_server_name != "prefill-headless":
+            problems.append(f"decode: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
+                            f"is {sec.tls_server_name!r}")
+        port = cfg.server.port
+        for kind in PROBES:
+            probe = c.get(kind)
+            if probe is None:
+                continue
+            command = probe.get("exec", {}).get("command", [])
+            if "grpc" in probe or command[:1] != ["epd"]:
+                problems.append(f"{name}: {kind} must be an exec probe running epd health (kubelet's grpc probe "
+                                f"speaks no TLS), is {probe}")
+                continue
+            args = build_parser().parse_args(command[1:])
+            if args.command != "health" or args.address != f"localhost:{port}":
+                problems.append(f"{name}: {kind} does not check localhost:{port}: {command}")
+            elif args.tls_ca != sec.tls_ca or (role != "gateway" and (args.tls_cert, args.tls_key) != (sec.tls_cert, sec.tls_key)):
+                problems.append(f"{name}: {kind} does not present the TLS its port requires: {command}")
+    return problems
+
+
+def test_the_tls_overlay_secures_every_service_and_probe():
+    objs = tls_objects()
+    assert len(of_kind(objs, "Deployment")) == 4
+    assert check_tls(objs) == []
+    assert "prefill-headless" in (TLS / "kustomization.yaml").read_text()  # the SAN decode checks
+    assert check_tls(load_objects()), "the plain manifests must not pass as TLS"
+
+
+def _patch(name: str, fn):
+    def mutate(objs):
+        fn(container(next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == name)))
+    return mutate
+
+
+@pytest.mark.parametrize("mutate,problem", [
+    (_patch("encoder", lambda c: c["args"].__setitem__(slice(-2, None), [])), "require client certificates"),
+    (_patch("decode", lambda c: c["args"].__setitem__(slice(-2, None), [])), "--tls-server-name must be"),
+    (_patch("prefill", lambda c: c.__setitem__("readinessProbe", {"grpc": {"port": 50052}})), "exec probe"),
+    (_patch("gateway", lambda c: c["livenessProbe"]["exec"]["command"].__setitem__(2, "localhost:50051")),
+     "does not check localhost:50050"),
+    (_patch("encoder", lambda c: c["startupProbe"]["exec"]["command"].__setitem__(slice(5, None), [])),
+     "does not present the TLS"),
+    (_patch("gateway", lambda c: c.__setitem__("volumeMounts", [m for m in c["volumeMounts"] if m["name"] != "tls"])),
+     "are not tls.crt"),
+])
+def test_check_tls_catches_a_broken_overlay(mutate, problem):
+    objs = tls_objects()
+    mutate(objs)
+    assert any(problem in p for p in check_tls(objs)), check_tls(objs)
