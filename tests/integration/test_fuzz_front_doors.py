@@ -37,7 +37,7 @@ from epd.v1 import (
     prefill_pb2_grpc,
 )
 from tests.raw_http import request
-from tests.stack import Stack, free_port
+from tests.stack import INTERNAL_AUTH_METADATA, Stack, free_port
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -65,7 +65,9 @@ def assert_no_leak(text: str) -> None:
 def stack(tiny_models, tmp_path_factory):
     http_port = free_port()
     extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY, "--max-upload-bytes", "200000"]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_fuzz"), extra=extra) as s:
+    # With the internal secret, as deployed: the stage fuzzers present it (and check that calls
+    # without it get UNAUTHENTICATED only), so the junk reaches the servicers behind the check.
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_fuzz"), extra=extra, internal_secret=True) as s:
         s.http_port = http_port
         yield s
 
@@ -240,14 +242,18 @@ def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_cl
         call = getattr(stub_class(channel), method)
 
         @settings(FUZZ, max_examples=max(MAX_EXAMPLES // 2, 5))
-        @given(messages=st.lists(protos(request_class), min_size=1, max_size=4))
-        def run(messages: list) -> None:
+        @given(messages=st.lists(protos(request_class), min_size=1, max_size=4), authed=st.integers(0, 3).map(bool))
+        def run(messages: list, authed: bool) -> None:
+            metadata = INTERNAL_AUTH_METADATA if authed else ()
             try:
-                answer = call(iter(messages) if streaming else messages[0], timeout=CALL_TIMEOUT_S)
+                answer = call(iter(messages) if streaming else messages[0], timeout=CALL_TIMEOUT_S, metadata=metadata)
                 if not isinstance(answer, Message):
                     for _ in answer:
                         pass
+                assert authed, "a call without the internal secret was answered"
             except grpc.RpcError as error:
+                if not authed:  # refused before the servicer reads anything
+                    assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (error.code(), error.details())
                 assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
                     error.code(), error.details())
                 assert_no_leak(error.details() or "")
