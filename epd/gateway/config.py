@@ -10,20 +10,21 @@ from epd.video.types import SamplingOptions
 
 DEFAULT_PORT = 50050
 
-SCHEDULES = ("ttft-first", "fifo")
+SCHEDULES = ("fifo", "ttft-first")
 
 
 @dataclass(frozen=True)
 class SharedModelSchedule:
     """How the three stages' steps take turns on the one model thread (`epd serve --colocate`).
 
-    ttft-first (default): encode and prefill steps go before a waiting decode step, which waits at
-    most `decode_max_wait_s` (so every running request still gets a token at least that often).
-    Measured at 16 in flight (docs/benchmarks.md): lower TTFT and more requests/s, as the decode
-    steps that do run carry more rows; TPOT p50 about the same, its worst case bounded by the wait.
-    fifo: in the order they are asked for (a decode step between any two encode/prefill steps)."""
+    fifo (default): in the order they are asked for (a decode step between any two others).
+    ttft-first: encode and prefill steps go before a waiting decode step, which waits at most
+    `decode_max_wait_s` (so every running request still gets a token at least that often): the
+    prefill-first policy of vLLM's and SGLang's schedulers. Measured on the 2-core bench machine
+    at 16 in flight (docs/benchmarks.md), it changed neither requests/s nor TTFT beyond the run-to-run
+    noise, so it is not the default."""
 
-    policy: str = "ttft-first"
+    policy: str = "fifo"
     decode_max_wait_s: float = 0.3
 
     def __post_init__(self) -> None:
