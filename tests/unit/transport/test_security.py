@@ -67,12 +67,13 @@ def test_the_file_beats_the_environment_and_the_opt_out_is_explicit(tmp_path, mo
 @pytest.mark.parametrize("argv, refused", [
     (["encoder", "--host", "0.0.0.0"], True),
     (["decode", "--host", "10.1.2.3"], True),
-    (["encoder"], False),  # loopback: a developer's machine
-    (["prefill", "--host", "::1"], False),
+    (["encoder"], True),  # loopback too: every local user reaches it
+    (["prefill", "--host", "::1"], True),
+    (["encoder", "--insecure-no-internal-auth"], False),  # the explicit opt-out
     (["encoder", "--host", "0.0.0.0", "--insecure-no-internal-auth"], False),
     (["gateway", "--host", "0.0.0.0"], False),  # the front door has its API key
 ])
-def test_a_stage_beyond_loopback_needs_the_secret_or_mtls(monkeypatch, argv, refused):
+def test_a_stage_needs_the_secret_or_mtls_wherever_it_binds(monkeypatch, argv, refused):
     args = _serve_args(argv, monkeypatch)
     problem = configs.internal_auth_problem(args, configs.transport_security(args))
     assert (problem is not None) == refused
