@@ -9,8 +9,11 @@ in-band, a 7 KB file may hold one 1080p frame or a million 16x16 ones. So:
     raised because a frame was over FFmpeg's own `max_pixels` guard (epd.video.media_open) into the
     same MediaLimitError.
   - `DemuxDeadline` bounds the demux (index) pass in wall time: `max_demux_s`; `DecodeBudget`
-    bounds the request's frame decoding in wall time too: `max_decode_s`, from the budget's
-    creation (the start of that request's decode), checked at every decoded frame.
+    bounds the request's whole decode in wall time too: `max_decode_s`, from the start of that
+    request's decode (before its demux pass; `started_s`) to its last frame converted, over all
+    its decode workers. It is checked at every decoded frame (`charge`), and by whoever waits for
+    the frames (`check_time`; the parallel decoder's consumer, the decord backend's parent), so a
+    worker stuck inside one frame does not hold the request past it either.
 Every message names the limit and the encoder flag that tunes it.
 """
 
@@ -39,13 +42,22 @@ def check_frame_size(width: int, height: int, limits: DecodeLimits, what: str = 
         raise frame_too_large(width, height, limits, what)
 
 
+def decode_too_long(limits: DecodeLimits) -> MediaLimitError:
+    return MediaLimitError(
+        f"decoding this video took longer than this server's limit of {limits.max_decode_s:g} s "
+        "(encoder flag --max-decode-s); send a shorter clip, a lower resolution, or ask for fewer frames"
+    )
+
+
 class DecodeBudget:
     """Decoded frames and pixels of one request. Thread-safe: the parallel decoder's workers all
     charge the budget of the request they work on."""
 
-    def __init__(self, limits: DecodeLimits) -> None:
+    def __init__(self, limits: DecodeLimits, started_s: float | None = None) -> None:
+        """`started_s`: time.monotonic() when the request's decode began (default: now)."""
         self.limits = limits
-        self._deadline_s = time.monotonic() + limits.max_decode_s
+        self.deadline_s = (time.monotonic() if started_s is None else started_s) + limits.max_decode_s
+        """time.monotonic() past which the request fails (`max_decode_s` after it started)."""
         self.num_decoded_frames = 0
         self.num_decoded_pixels = 0
         """Pixels charged so far: width x height of each frame, at least MIN_PIXELS_PER_FRAME."""
@@ -67,11 +79,16 @@ class DecodeBudget:
                 "the frames on the way to them; encoder flag --max-decoded-pixels); send a shorter "
                 "clip, a lower resolution, or ask for fewer frames"
             )
-        if time.monotonic() > self._deadline_s:
-            raise MediaLimitError(
-                f"decoding this video took longer than this server's limit of {self.limits.max_decode_s:g} s "
-                "(encoder flag --max-decode-s); send a shorter clip, a lower resolution, or ask for fewer frames"
-            )
+        self.check_time()
+
+    def check_time(self) -> None:
+        """MediaLimitError when the request's decode has run past `max_decode_s`."""
+        if time.monotonic() > self.deadline_s:
+            raise decode_too_long(self.limits)
+
+    def remaining_s(self) -> float:
+        """Seconds left before `max_decode_s` is reached (0 when past it)."""
+        return max(self.deadline_s - time.monotonic(), 0.0)
 
     def check_decoder_size(self, codec_context) -> None:
         """After an FFmpeg decode error: raise the size MediaLimitError if the decoder had

@@ -13,8 +13,9 @@ so the parent first vets them with `epd.video.media_open.sniff_container` (only 
 WebM, AVI and MPEG-TS reach the child) and builds the index through `open_video`. What runs
 inside decord cannot be charged frame by frame: the decoded-pixel budget is checked up front
 from the plan (keyframe to last target of each interval, at the index's frame size), and a frame
-size change mid-stream is not seen by the parent; the child's timeout and process boundary are
-what bound it there. The PyAV backend enforces both while decoding.
+size change mid-stream is not seen by the parent; the child's timeout, the request's
+`max_decode_s` (what is left of it when the child is asked: the child is killed at it) and the
+process boundary are what bound it there. The PyAV backend enforces both while decoding.
 
 Frames are chosen by the same rule as every backend: the parent builds the PyAV demux index and
 plan, and asks decord for frames by their position in presentation order (each distinct frame
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from epd.video.budget import MIN_PIXELS_PER_FRAME
+from epd.video.budget import MIN_PIXELS_PER_FRAME, DecodeBudget, decode_too_long
 from epd.video.keyframe_index import KeyframeIndexCache
 from epd.video.media_open import sniff_container
 from epd.video.plan import make_intervals
@@ -148,6 +149,7 @@ class DecordDecoder:
         sha256: str | None = None,
     ) -> DecodedVideo:
         started = time.perf_counter()
+        budget = DecodeBudget(limits)  # --max-decode-s, from here: the demux pass counts too
         check_size(len(data), limits)
         opts.validate(limits.max_frames)
         if sniff_container(data).is_image:  # nothing but an allowed container reaches decord
@@ -164,20 +166,19 @@ class DecordDecoder:
         shm = shared_memory.SharedMemory(create=True, size=len(positions) * w * h * 3)
         try:
             with self._lock:
+                budget.check_time()  # the index pass, or the wait for the child, took it all
                 self._ensure_child()
                 assert self._conn is not None
                 self._conn.send(
                     (data, positions, size, index.frames.pts_s.tolist(), shm.name, self.config.num_threads)
                 )
-                # The request's decode wall-time limit binds here too (the child decodes all at once).
-                if not self._conn.poll(min(self.config.timeout_s, limits.max_decode_s)):
+                # The request's decode wall-time limit binds here too: what is left of it (the
+                # child decodes all at once, uncharged); past it the child is killed.
+                remaining_s = budget.remaining_s()
+                if not self._conn.poll(min(self.config.timeout_s, remaining_s)):
                     self._kill_child()
-                    if limits.max_decode_s <= self.config.timeout_s:
-                        raise MediaLimitError(
-                            f"decoding this video took longer than this server's limit of {limits.max_decode_s:g} s "
-                            "(encoder flag --max-decode-s); send a shorter clip, a lower resolution, or ask "
-                            "for fewer frames"
-                        )
+                    if remaining_s <= self.config.timeout_s:
+                        raise decode_too_long(limits)
                     raise MediaError(
                         f"the decord backend did not answer within {self.config.timeout_s:.0f} s "
                         "and was restarted; use the default PyAV backend"

@@ -26,8 +26,10 @@ A request's life:
      [T, H, W, 3] array of every slot exists only if the caller asks for it (`result()`).
 
 Failure: any error fails the whole request with MediaError (decoder text goes to the log only).
-A worker that makes no progress for `stall_timeout_s`, or a request past `request_timeout_s`, is
-cancelled: the stuck threads are retired and replaced by fresh ones, so the pool keeps its size;
+A request past its `DecodeLimits.max_decode_s` (counted from the start of `iter_groups`, demux
+included; checked at every decoded frame and by the waiting consumer) fails with MediaLimitError;
+it, a worker that makes no progress for `stall_timeout_s`, or a request past `request_timeout_s`,
+is cancelled: the stuck threads are retired and replaced by fresh ones, so the pool keeps its size;
 a retired thread exits at its next frame. A thread stuck forever inside FFmpeg cannot be killed
 from Python (use the decord backend's process isolation for decoders that hang while holding the
 GIL); its container is closed when it returns. A segfault in FFmpeg kills the process: threads
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from epd.video.budget import DecodeBudget
+from epd.video.budget import DecodeBudget, decode_too_long
 from epd.video.keyframe_index import KeyframeIndexCache, VideoIndex
 from epd.video.media_open import open_video, sniff_container
 from epd.video.plan import DecodePlan, make_plan
@@ -121,6 +123,7 @@ class _Request:
         seek_cost_frames: float,
         limits: DecodeLimits = DecodeLimits(),
         caller_cancel: threading.Event | None = None,
+        started_s: float | None = None,
     ):
         self.data = data
         self.index = index
@@ -128,7 +131,9 @@ class _Request:
         self.opts = opts
         self.seek_cost_frames = seek_cost_frames
         self.limits = limits
-        self.budget = DecodeBudget(limits)
+        # --max-decode-s counts from the start of the request's decode (`started_s`, before
+        # its demux pass), not from here.
+        self.budget = DecodeBudget(limits, started_s)
         distinct = np.unique(plan.slot_pts)  # [U] sorted: the frames to decode
         self.unique_of_pts = {pts: u for u, pts in enumerate(distinct.tolist())}
         self.unique_of_slot = np.searchsorted(distinct, plan.slot_pts)  # [T] non-decreasing
@@ -410,6 +415,10 @@ class FrameGroupStream(Iterator[FrameGroup]):
                 if all(req.interval_done[p] for p in positions):
                     return
                 now = time.monotonic()
+                if now > req.budget.deadline_s:
+                    # --max-decode-s, even while every worker is inside one slow frame (the
+                    # workers check it only between frames).
+                    self._fail_and_retire(decode_too_long(req.limits))
                 if now > deadline:
                     self._fail_hung(f"did not finish within {config.request_timeout_s:g} s")
                 stalled = [
@@ -424,13 +433,18 @@ class FrameGroupStream(Iterator[FrameGroup]):
                 # The caller's flag is a plain threading.Event (set from its event loop), which
                 # cannot notify this condition: with one, look again every 50 ms.
                 poll_s = 0.05 if req.caller_cancel is not None else 0.5
-                req.cond.wait(timeout=min(poll_s, max(deadline - now, 0.01)))
+                wake_s = min(deadline, req.budget.deadline_s) - now
+                req.cond.wait(timeout=min(poll_s, max(wake_s, 0.01)))
 
     def _fail_hung(self, why: str) -> None:
-        """Fail the request and replace the workers still inside it (they may never return)."""
+        self._fail_and_retire(MediaError(f"decoding the video {why}; the file may be corrupt, or send a shorter clip"))
+
+    def _fail_and_retire(self, error: MediaError) -> None:
+        """Fail the request and replace the workers still inside it (they stop at their next
+        frame, or may never return): the pool keeps its size for the next requests."""
         req = self._request
         assert req is not None
-        req.fail(MediaError(f"decoding the video {why}; the file may be corrupt, or send a shorter clip"))
+        req.fail(error)
         for task in req.tasks:
             if task.started_at is not None and not task.done and task.worker is not None:
                 self._decoder._replace(task.worker)
@@ -550,7 +564,7 @@ class ParallelDecoder:
             )
         index = self.index_cache.get_or_build(data, limits, sha256, cancel)
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
-        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel)
+        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started)
         pts_s = index.frames.pts_s
         first_pts = float(pts_s[0])
         positions = np.searchsorted(index.frame_pts, plan.slot_pts)

@@ -112,9 +112,11 @@ class DecodeLimits:
     """Wall time the demux (index) pass may take, in seconds (--max-demux-s). A legitimate
     one-hour file demuxes in about a second; a file of millions of tiny packets would not."""
     max_decode_s: float = 120.0
-    """Wall time one request's frame decoding may take, in seconds, from its first frame decoded
-    to its last, over all its decode workers (--max-decode-s): what bounds a decode the pixel
-    budget allows but the machine makes slow (many requests at once, a slow codec)."""
+    """Wall time one request's video decoding may take, in seconds (--max-decode-s): from the
+    start of its decode (its demux pass included) to its last frame converted, over all its
+    decode workers at once (elapsed time, not their sum). What bounds a decode the pixel budget
+    allows but the machine makes slow (many requests at once, a slow codec, a frame that takes
+    FFmpeg long)."""
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_duration_s", "max_source_pixels", "max_frames",

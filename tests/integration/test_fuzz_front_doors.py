@@ -37,7 +37,7 @@ from epd.v1 import (
     prefill_pb2_grpc,
 )
 from tests.raw_http import request
-from tests.stack import INTERNAL_AUTH_METADATA, Stack, free_port
+from tests.stack import INTERNAL_AUTH_METADATA, TEST_INTERNAL_SECRET, Stack, free_port
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -225,6 +225,8 @@ def protos(draw, cls, depth: int = 0):
     return message
 
 
+WRONG_SECRET = (("x-epd-internal-auth", TEST_INTERNAL_SECRET[:-1] + ("0" if TEST_INTERNAL_SECRET[-1] != "0" else "1")),)
+
 STAGE_CALLS = [
     # stage, stub class, method, request class, client-streaming?
     ("encoder", encoder_pb2_grpc.EncoderServiceStub, "Encode", encoder_pb2.EncodeRequest, True),
@@ -241,10 +243,12 @@ def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_cl
     with grpc.insecure_channel(stack.address(stage)) as channel:
         call = getattr(stub_class(channel), method)
 
+        # Three calls in four present the secret; the others none, or one a character off.
         @settings(FUZZ, max_examples=max(MAX_EXAMPLES // 2, 5))
-        @given(messages=st.lists(protos(request_class), min_size=1, max_size=4), authed=st.integers(0, 3).map(bool))
-        def run(messages: list, authed: bool) -> None:
-            metadata = INTERNAL_AUTH_METADATA if authed else ()
+        @given(messages=st.lists(protos(request_class), min_size=1, max_size=4), auth=st.integers(0, 7))
+        def run(messages: list, auth: int) -> None:
+            authed = auth >= 2
+            metadata = INTERNAL_AUTH_METADATA if authed else () if auth == 0 else WRONG_SECRET
             try:
                 answer = call(iter(messages) if streaming else messages[0], timeout=CALL_TIMEOUT_S, metadata=metadata)
                 if not isinstance(answer, Message):
@@ -252,8 +256,9 @@ def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_cl
                         pass
                 assert authed, "a call without the internal secret was answered"
             except grpc.RpcError as error:
-                if not authed:  # refused before the servicer reads anything
+                if not authed:  # refused before the servicer reads anything, never echoing what was sent
                     assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (error.code(), error.details())
+                    assert TEST_INTERNAL_SECRET[:16] not in (error.details() or ""), error.details()
                 assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
                     error.code(), error.details())
                 assert_no_leak(error.details() or "")

@@ -2,9 +2,14 @@
 huge resolution, an hour of static content in a few kilobytes, thousands of keyframes. Each is
 refused with RESOURCE_EXHAUSTED naming the flag that allows it, or answered within its bounds;
 the per-API-key concurrency limit reaches the gateway's config from its flag; the stack keeps
-serving afterwards."""
+serving afterwards. The decode wall-time limit (--max-decode-s) is set on the stack's encoder (a
+normal request is served within it) and, so small that any video decode exceeds it, on one more
+encoder called directly: timing cannot make that refusal flaky."""
 
 from __future__ import annotations
+
+import signal
+import time
 
 import grpc
 import pytest
@@ -14,17 +19,18 @@ from epd.cli.main import build_parser
 from epd.client import EpdClient
 from epd.client.types import EpdError
 from tests.media import make_video
-from tests.stack import Stack
+from tests.stack import INTERNAL_AUTH_METADATA, Stack, child_env, free_port, zygote
 
 QUESTION = "what colour is the square?"
 MAX_SOURCE_PIXELS = 1_000_000
 MAX_DURATION_S = 600.0
+MAX_DECODE_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def client(tiny_models, tmp_path_factory):
     extra = {"encoder": ["--max-source-pixels", str(MAX_SOURCE_PIXELS), "--max-duration-s", str(MAX_DURATION_S),
-                         "--max-demux-s", "5"]}  # fmt: skip
+                         "--max-demux-s", "5", "--max-decode-s", str(MAX_DECODE_S)]}  # fmt: skip
     with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_limits"), extra=extra) as stack:
         with EpdClient(stack.gateway, timeout_s=120) as c:
             yield c
@@ -68,11 +74,59 @@ def test_still_serving_a_normal_request(client, media_files):
     assert client.ask(media_files["mp4"], QUESTION, num_frames=4, max_new_tokens=2).token_ids
 
 
+def _encode(address: str, data: bytes, **sampling) -> list:
+    """One Encode call made as the gateway makes it: a header, then the media in chunks."""
+    from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+
+    header = encoder_pb2.EncodeHeader(request_id="limits", media_num_bytes=len(data),
+                                      sampling=common_pb2.VideoSampling(**sampling))
+    messages = [encoder_pb2.EncodeRequest(header=header)]
+    messages += [encoder_pb2.EncodeRequest(media_chunk=data[i:i + 65536]) for i in range(0, len(data), 65536)]
+    with grpc.insecure_channel(address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        return list(stub.Encode(iter(messages), timeout=120, metadata=INTERNAL_AUTH_METADATA))
+
+
+def test_decode_wall_time_limit_refuses_with_its_flag_and_the_encoder_keeps_serving(tiny_models, media_files,
+                                                                                     tmp_path):
+    """An encoder with --max-decode-s 1e-06: every video decode (its demux pass alone) takes longer,
+    so the request is refused with RESOURCE_EXHAUSTED naming the flag, however fast the machine.
+    Its decode threads are stopped and replaced; it still serves an image (which no video decoder
+    touches) and stays alive."""
+    from epd.cli.health import is_serving
+
+    address = f"127.0.0.1:{free_port()}"
+    argv = ["serve", "encoder", "--port", address.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]),
+            "--max-decode-s", "1e-06", "--decode-workers", "2"]  # fmt: skip
+    encoder = zygote().start("encoder-decode-limit", argv, child_env(internal_secret=True),
+                             str(tmp_path / "encoder.log"))
+    try:
+        deadline = time.monotonic() + 120
+        while not is_serving(address, timeout_s=1.0):
+            assert encoder.poll() is None and time.monotonic() < deadline, (tmp_path / "encoder.log").read_text()[-3000:]
+            time.sleep(0.2)
+        for _ in range(2):  # the second one meets the pool that the first left behind
+            with pytest.raises(grpc.RpcError) as info:
+                _encode(address, media_files["mp4"].read_bytes(), num_frames=4)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+            assert ("decoding this video took longer than this server's limit of 1e-06 s (encoder flag "
+                    "--max-decode-s)") in info.value.details(), info.value.details()
+        result = _encode(address, media_files["png"].read_bytes())[-1].result
+        assert result.modality == "image" and result.num_visual_tokens > 0
+        assert encoder.poll() is None
+    finally:
+        if encoder.poll() is None:
+            encoder.send_signal(signal.SIGTERM)
+        encoder.wait(timeout=30)
+
+
 def test_limit_flags_reach_the_configs():
     args = build_parser().parse_args(["serve", "gateway", "--max-requests-per-api-key", "3"])
     assert gateway_config(args).max_requests_per_api_key == 3
-    args = build_parser().parse_args(["serve", "encoder", "--model", "m", "--max-duration-s", "60"])
+    args = build_parser().parse_args(["serve", "encoder", "--model", "m", "--max-duration-s", "60",
+                                      "--max-decode-s", str(MAX_DECODE_S)])  # fmt: skip
     assert encoder_config(args).limits.max_duration_s == 60
+    assert encoder_config(args).limits.max_decode_s == MAX_DECODE_S
 
 
 def test_one_api_key_over_its_limit_gets_429_while_another_key_is_served(tiny_models, media_files, tmp_path):

@@ -1,13 +1,19 @@
-"""deploy/k8s/tls/: the TLS overlay, merged onto the base manifests as kustomize would (a
-strategic merge of each Deployment patch) and read as the real `epd` reads its flags: every
-service serves TLS from the Secret epd-tls, the stages require client certificates of its CA,
-the gateway and decode present their certificate to the stages, decode checks prefill pods'
-certificates against the name the certificate carries, and every probe is an `epd health`
-exec probe speaking the same TLS on the container's own port."""
+"""deploy/k8s-tls/: the TLS overlay, applied to the base manifests as kustomize would (its JSON
+patches appending to args, mounts and volumes of the Deployments their target selects; a strategic
+merge of each probe patch) and read as the real `epd` reads its flags: every service serves TLS
+from the Secret epd-tls, the stages require client certificates of its CA, the gateway and decode
+present their certificate to the stages, decode checks prefill pods' certificates against the name
+the certificate carries, every probe is an `epd health` exec probe speaking the same TLS on the
+container's own port, and every flag of the base's args is still there. Where kubectl is
+installed, its kustomize renders the overlay and must agree."""
 
 from __future__ import annotations
 
 import copy
+import json
+import re
+import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -16,7 +22,7 @@ from epd.cli.main import build_parser
 from tests.unit.deploy.epd_commands import serve_config
 from tests.unit.deploy.test_k8s import K8S, container, container_env, expand, load_objects, of_kind, pod
 
-TLS = K8S / "tls"
+TLS = K8S.parent / "k8s-tls"
 SECRET = "epd-tls"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
@@ -42,11 +48,33 @@ def _merge(base: dict, patch: dict) -> dict:
     return out
 
 
+def _json_patch(obj: dict, ops: list[dict]) -> None:
+    """The JSON patch (RFC 6902) operations the overlay uses: `add` to the end of a list ("/-")."""
+    for op in ops:
+        assert op["op"] == "add" and op["path"].endswith("/-"), f"not emulated here: {op}"
+        node = obj
+        for key in op["path"].split("/")[1:-1]:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node.append(copy.deepcopy(op["value"]))
+
+
+def _selected(target: dict, obj: dict) -> bool:
+    """kustomize's patch target: kind, and name as an anchored regular expression."""
+    assert set(target) <= {"kind", "name"}, f"not emulated here: {target}"
+    return obj["kind"] == target.get("kind", obj["kind"]) and re.fullmatch(target.get("name", ".*"), obj["metadata"]["name"]) is not None
+
+
 def tls_objects() -> list[dict]:
     kust = yaml.safe_load((TLS / "kustomization.yaml").read_text())
-    assert kust["resources"] == [".."]
+    assert kust["resources"] == ["../k8s"]
     objs = load_objects()
     for entry in kust["patches"]:
+        if "target" in entry:
+            matched = [o for o in objs if _selected(entry["target"], o)]
+            assert matched, f"patch target {entry['target']} selects nothing"
+            for obj in matched:
+                _json_patch(obj, yaml.safe_load(entry["patch"]))
+            continue
         patch = yaml.safe_load((TLS / entry["path"]).read_text())
         i = next(i for i, o in enumerate(objs)
                  if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"])
@@ -101,6 +129,37 @@ def test_the_tls_overlay_secures_every_service_and_probe():
     assert check_tls(objs) == []
     assert "prefill-headless" in (TLS / "kustomization.yaml").read_text()  # the SAN decode checks
     assert check_tls(load_objects()), "the plain manifests must not pass as TLS"
+
+
+def test_the_overlay_keeps_every_flag_of_the_base_and_adds_only_tls():
+    """The overlay appends to the base's args (it does not restate them): a flag changed in
+    deploy/k8s holds with TLS too."""
+    base = {d["metadata"]["name"]: container(d)["args"] for d in of_kind(load_objects(), "Deployment")}
+    for dep in of_kind(tls_objects(), "Deployment"):
+        name, args = dep["metadata"]["name"], container(dep)["args"]
+        assert args[: len(base[name])] == base[name], name
+        added = args[len(base[name]):]
+        assert added and all(flag.startswith("--tls-") for flag in added[::2]), (name, added)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) is not installed")
+def test_kustomize_renders_the_overlay_as_the_emulation_does():
+    """`kubectl kustomize deploy/k8s-tls` (offline): it accepts the overlay, and its Deployments
+    are the ones checked above (lists of named items compared by name)."""
+    rendered = subprocess.run(["kubectl", "kustomize", str(TLS)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+
+    def by_name(objs) -> dict:
+        out = {}
+        for dep in of_kind(objs, "Deployment"):
+            spec = pod(dep)["spec"]
+            c = container(dep)
+            out[dep["metadata"]["name"]] = (c["args"], {k: c.get(k) for k in PROBES},
+                                            sorted(json.dumps(m, sort_keys=True) for m in c.get("volumeMounts", [])),
+                                            sorted(json.dumps(v, sort_keys=True) for v in spec.get("volumes", [])))
+        return out
+
+    assert by_name(yaml.safe_load_all(rendered.stdout)) == by_name(tls_objects())
 
 
 def _patch(name: str, fn):
