@@ -233,7 +233,7 @@ class EngineCore(Generic[R]):
             if new and self.runner.admits_first:
                 # Their first outputs go out now, not after a batched step (decode: the prefill's
                 # token reaches the client one forward pass earlier).
-                await self._model_call(new, self._admit, left, new)
+                await self._model_call(new, self._admit, left, new, first=True)
                 left = []
                 batch = [r for r in batch if not r.finished and not r.cancelled]
                 if not batch:
@@ -244,10 +244,14 @@ class EngineCore(Generic[R]):
             # One model-thread call per step: free who left, step the batch, free who finished.
             await self._model_call(batch, self._step, left, batch, num_waiting)
 
-    async def _model_call(self, batch: list[R], fn: Callable[..., list[tuple[R, Any]]], *args: Any) -> None:
-        """Run `fn(*args)` on the model thread and deliver the outputs it gives `batch`'s requests."""
+    async def _model_call(
+        self, batch: list[R], fn: Callable[..., list[tuple[R, Any]]], *args: Any, first: bool = False
+    ) -> None:
+        """Run `fn(*args)` on the model thread and deliver the outputs it gives `batch`'s requests.
+        first: ahead of the calls queued there (an admission: short, and a client waits for it)."""
+        run = self.model_thread.run_first if first else self.model_thread.run_in
         try:
-            outputs = await self.model_thread.run_in(self.lane, fn, *args)
+            outputs = await run(self.lane, fn, *args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed step fails its batch, not the service

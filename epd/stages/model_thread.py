@@ -6,7 +6,9 @@ request's own driver thread (the encoder's per-request decode driver, `epd.stage
 which blocks that thread, never the loop. A call whose caller was cancelled before the thread
 reached it is dropped from the queue, so a gone client costs no further model time.
 
-Calls run in the order they were asked for, except in a lane the owner chose to defer
+Calls run in the order they were asked for, except a call asked for with `run_first` (short and
+urgent: the decode core's admission of a request whose prefill is done, which delivers that
+request's first token) goes ahead of every queued call, and except in a lane the owner chose to defer
 (`deferred_lanes`, the colocated server's `--schedule ttft-first`): a deferred call waits while
 calls of other lanes are queued, for at most its lane's limit, and then goes ahead of them. One
 model serving all three stages (`epd serve --colocate`) uses it to run encode and prefill steps
@@ -39,6 +41,8 @@ class _Call:
     fn: Callable[[], Any]
     future: Future
     lane: str
+    first: bool = False
+    """Goes ahead of every queued call that is not `first` (`run_first`)."""
     queued_s: float = field(default_factory=time.monotonic)
 
 
@@ -67,6 +71,13 @@ class ModelThread:
         future = self._submit(lane, fn, args, kwargs)
         return await asyncio.wrap_future(future)
 
+    async def run_first(self, lane: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`run_in`, ahead of every queued call (after the one running and any other `run_first`
+        calls), whatever the lanes' deferral: for calls of a few milliseconds whose result a
+        client is waiting for (a first token), never for a model step."""
+        future = self._submit(lane, fn, args, kwargs, first=True)
+        return await asyncio.wrap_future(future)
+
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the model thread and wait for it, from any other (non-loop) thread."""
         if threading.get_ident() == self._thread.ident:
@@ -84,19 +95,23 @@ class ModelThread:
 
     # -- the thread --------------------------------------------------------------------------
 
-    def _submit(self, lane: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> Future:
+    def _submit(self, lane: str, fn: Callable[..., T], args: tuple, kwargs: dict, first: bool = False) -> Future:
         future: Future = Future()
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the model thread is closed")
-            self._queue.append(_Call(call, future, lane))
+            if first:  # behind the other first calls, ahead of the rest
+                at = next((i for i, c in enumerate(self._queue) if not c.first), len(self._queue))
+                self._queue.insert(at, _Call(call, future, lane, first=True))
+            else:
+                self._queue.append(_Call(call, future, lane))
             self._wake.notify()
         return future
 
     def _next(self) -> _Call | None:
-        """The call to run now (under the lock): the oldest not deferred, else the oldest."""
-        if not self.deferred_lanes:
+        """The call to run now (under the lock): a first call, else the oldest not deferred, else the oldest."""
+        if not self.deferred_lanes or self._queue[0].first:
             return self._queue.pop(0)
         now = time.monotonic()
         for i, c in enumerate(self._queue):

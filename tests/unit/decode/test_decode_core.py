@@ -317,7 +317,16 @@ def test_prefill_keeps_its_copy_until_the_first_token_is_out(adapter, thread):
     release = threading.Event()
 
     async def lost_before_the_first_token():
-        blocked = asyncio.ensure_future(thread.run(release.wait, HANG_GUARD_S))  # no token can come
+        started = threading.Event()
+
+        def hold() -> None:
+            started.set()
+            release.wait(HANG_GUARD_S)
+
+        # No token can come while the model thread runs `hold` (running, not queued: the admission
+        # that sends the first token would go ahead of a queued call).
+        blocked = asyncio.ensure_future(thread.run(hold))
+        assert await asyncio.to_thread(started.wait, HANG_GUARD_S)
         reader = asyncio.ensure_future(anext(stage.generate(handle, GenerationConfig(max_new_tokens=4), "r")))
         while not store.is_leased(handle.kv_handle):
             await asyncio.sleep(0.01)

@@ -171,35 +171,38 @@ def test_close_stops_the_thread_and_drops_queued_calls():
         thread.call(ran.append, "after close")
 
 
+def _queued_order(deferred_lanes: dict[str, float], calls: list[tuple[str, str]]) -> list[str]:
+    """The order in which `calls` ((lane, label); a label starting "first" goes by `run_first`)
+    run when all are queued behind a running call."""
+    thread = ModelThread(deferred_lanes=deferred_lanes)
+    ran: list[str] = []
+
+    async def scenario():
+        blocker = Blocker()
+        held = asyncio.ensure_future(thread.run_in("prefill", blocker))
+        await blocker.wait_started()
+        futures = [asyncio.ensure_future((thread.run_first if label.startswith("first") else thread.run_in)(
+            lane, ran.append, label)) for lane, label in calls]
+        await asyncio.sleep(0)  # all queued behind the blocker
+        blocker.release.set()
+        await held
+        await asyncio.gather(*futures)
+
+    try:
+        _run(scenario())
+    finally:
+        thread.close()
+    return ran
+
+
 def test_a_deferred_lane_lets_other_lanes_go_first_until_its_wait_runs_out():
     """`deferred_lanes` (the colocated server's ttft-first schedule): a decode call queued before
     an encode and a prefill call runs after them; with a wait limit already used up (0 s) it
     keeps its place in the arrival order; without deferred lanes the order is strict FIFO."""
-
-    def order_of(deferred_lanes: dict[str, float]) -> list[str]:
-        thread = ModelThread(deferred_lanes=deferred_lanes)
-        ran: list[str] = []
-
-        async def scenario():
-            blocker = Blocker()
-            held = asyncio.ensure_future(thread.run_in("prefill", blocker))
-            await blocker.wait_started()
-            calls = [asyncio.ensure_future(thread.run_in(lane, ran.append, lane))
-                     for lane in ("decode", "encode", "prefill", "decode")]
-            await asyncio.sleep(0)  # all four queued behind the blocker
-            blocker.release.set()
-            await held
-            await asyncio.gather(*calls)
-
-        try:
-            _run(scenario())
-        finally:
-            thread.close()
-        return ran
-
-    assert order_of({"decode": HANG_GUARD_S}) == ["encode", "prefill", "decode", "decode"]
-    assert order_of({"decode": 0.0}) == ["decode", "encode", "prefill", "decode"]
-    assert order_of({}) == ["decode", "encode", "prefill", "decode"]
+    calls = [(lane, lane) for lane in ("decode", "encode", "prefill", "decode")]
+    assert _queued_order({"decode": HANG_GUARD_S}, calls) == ["encode", "prefill", "decode", "decode"]
+    assert _queued_order({"decode": 0.0}, calls) == ["decode", "encode", "prefill", "decode"]
+    assert _queued_order({}, calls) == ["decode", "encode", "prefill", "decode"]
 
 
 def test_a_deferred_call_alone_in_the_queue_runs_at_once():
@@ -208,3 +211,14 @@ def test_a_deferred_call_alone_in_the_queue_runs_at_once():
         assert _run(thread.run_in("decode", lambda: "stepped")) == "stepped"
     finally:
         thread.close()
+
+
+def test_a_run_first_call_goes_ahead_of_the_queued_calls_whatever_their_lanes():
+    """`run_first` (the decode core's admission, which delivers a first token): queued after other
+    calls, it runs right after the call that is running, behind earlier `run_first` calls only,
+    and a deferred lane does not hold it back; the other calls keep their order."""
+    calls = [("encode", "encode"), ("decode", "first admit"), ("prefill", "prefill"),
+             ("decode", "first admit 2"), ("decode", "decode step")]
+    want = ["first admit", "first admit 2", "encode", "prefill", "decode step"]
+    assert _queued_order({}, calls) == want
+    assert _queued_order({"decode": HANG_GUARD_S}, calls) == want

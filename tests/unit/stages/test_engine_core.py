@@ -6,6 +6,7 @@ leaves is removed and released; a failed step fails only its batch; deadlines en
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -242,5 +243,47 @@ def test_a_runner_that_admits_first_delivers_those_outputs_before_the_step():
             "the admitted outputs (and the failure) reached their readers before the first step ran")
         assert runner.batches == [["a"], ["a"]], "only the request still running went on to steps"
         assert sorted(runner.released) == ["a", "bad", "z"]
+    finally:
+        thread.close()
+
+
+def test_the_admission_goes_ahead_of_other_stages_calls_on_a_shared_model_thread():
+    """On a model thread shared with other stages (`epd serve --colocate`), a request's admission
+    (the call that delivers its first token) does not wait behind the other stages' queued calls."""
+    ran: list[str] = []
+
+    class Runner(CountRunner):
+        admits_first = True
+
+        def admit(self, requests):
+            ran.append("admit")
+            return [(r, f"{r.request_id}0") for r in requests]
+
+    core, thread = _core(Runner())
+
+    async def scenario():
+        started, release = threading.Event(), threading.Event()
+
+        def blocker():
+            started.set()
+            assert release.wait(10)
+
+        held = asyncio.ensure_future(thread.run_in("prefill", blocker))
+        assert await asyncio.to_thread(started.wait, 10)
+        others = [asyncio.ensure_future(thread.run_in("encode", ran.append, f"encode {i}")) for i in range(3)]
+        reader = asyncio.ensure_future(_collect(core, CountRequest("a", steps=1)))
+        for _ in range(500):  # until the core has queued the admission behind the blocker
+            await asyncio.sleep(0.01)
+            if len(thread._queue) == 4:
+                break
+        assert len(thread._queue) == 4, "the admission was not queued"
+        release.set()
+        await held
+        await asyncio.gather(*others)
+        return await reader
+
+    try:
+        assert _run(scenario()) == ["a0", "a1"]
+        assert ran == ["admit", "encode 0", "encode 1", "encode 2"]
     finally:
         thread.close()
