@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from epd.decode_svc.config import DecodeConfig
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.token_cache import TokenCacheConfig
-from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
+from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig, SharedModelSchedule
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.server_config import ServerConfig, TransportSecurity, check_secret, is_loopback, read_secret
@@ -161,6 +162,30 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args)),
                          max_requests_per_client=args.max_requests_per_client,
                          max_requests_per_api_key=args.max_requests_per_api_key)
+
+
+@dataclass(frozen=True)
+class ColocatedStages:
+    """`epd serve --colocate`'s stages: one model for all three, their configs, the shared schedule."""
+
+    model: ModelConfig
+    prefill: PrefillConfig
+    decode: DecodeConfig
+    schedule: SharedModelSchedule
+
+
+def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
+    """ValueError: a flag value a config refuses."""
+    model = model_config(args)
+    if args.num_threads is None:  # one model call at a time: every call may use every core
+        model = replace(model, num_threads=AUTO)
+    prefill = PrefillConfig(model=model, prefix_cache_bytes=args.prefix_cache_bytes,
+                            prefix_cache_ttl_s=args.prefix_cache_ttl,
+                            scheduler=PrefillSchedulerConfig(
+                                max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
+                                prefill_chunk_tokens=args.prefill_chunk_tokens or None))
+    decode = DecodeConfig(model=model, max_running_requests=args.max_running_requests)
+    return ColocatedStages(model, prefill, decode, SharedModelSchedule(args.schedule, args.decode_max_wait_s))
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -53,6 +53,30 @@ def add_prefix_cache_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a prefix-cache entry is kept unused (default: 600)")
 
 
+def add_prefill_step_flags(p) -> None:
+    """Prefill's step budget and chunk size (the prefill role, and `epd serve` for its prefill)."""
+    from epd.prefill_svc.config import PrefillSchedulerConfig
+
+    sched = PrefillSchedulerConfig()
+    p.add_argument("--max-prefill-tokens-per-step", type=int, default=sched.max_prefill_tokens_per_step,
+                   help="prompt tokens one batched prefill step computes at most (vLLM's "
+                        "--max-num-batched-tokens; 0: 512 on the CPU, where one prompt already fills the "
+                        "cores, 2048 on a GPU)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=sched.prefill_chunk_tokens,
+                   help="prompts longer than this are prefilled in chunks of this many tokens, one "
+                        "chunk per step, so short prompts are not held behind them (0: never chunk)")
+
+
+def add_decode_batch_flags(p) -> None:
+    """Decode's batch size (the decode role, and `epd serve` for its decode)."""
+    from epd.decode_svc.config import DecodeConfig
+
+    p.add_argument("--max-running-requests", type=int, default=DecodeConfig.max_running_requests,
+                   help="requests decoding together in one batch at most (vLLM's --max-num-seqs): fewer "
+                        "keeps each running request's time per token lower under load, at the cost of "
+                        "the first tokens of the requests that wait")
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=_env("EPD_MODEL", "default"),
@@ -353,12 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="seconds a KV cache waits for a decoder before it is dropped")
             add_prefix_cache_flags(r)
             sched = PrefillSchedulerConfig()
-            r.add_argument("--max-prefill-tokens-per-step", type=int, default=sched.max_prefill_tokens_per_step,
-                           help="prompt tokens one batched prefill step computes at most (0: 512 on the CPU, "
-                                "where one prompt already fills the cores, 2048 on a GPU)")
-            r.add_argument("--prefill-chunk-tokens", type=int, default=sched.prefill_chunk_tokens,
-                           help="prompts longer than this are prefilled in chunks of this many tokens, one "
-                                "chunk per step, so short prompts are not held behind them (0: never chunk)")
+            add_prefill_step_flags(r)
             r.add_argument("--max-waiting-prefills", type=int, default=sched.max_waiting_prefills,
                            help="requests waiting for their prefill at most; more get RESOURCE_EXHAUSTED")
             r.add_argument("--max-waiting-prompt-tokens", type=int, default=sched.max_waiting_prompt_tokens,
@@ -372,8 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--kv-budget-bytes", type=int, default=DecodeConfig.kv_budget_bytes,
                            help="KV memory of the running batch (requests x the longest final length x "
                                 "bytes per token); requests wait for room beyond it (default: 4 GiB)")
-            r.add_argument("--max-running-requests", type=int, default=DecodeConfig.max_running_requests,
-                           help="requests decoding together in one batch at most")
+            add_decode_batch_flags(r)
             r.add_argument("--max-waiting-requests", type=int, default=DecodeConfig.max_waiting_requests,
                            help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED")
     gw = roles.add_parser("gateway", help="run the front door")
@@ -443,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     add_prefix_cache_flags(serve)  # passed to prefill (or the colocated one)
+    g = serve.add_argument_group("batching (passed to the stages, or the colocated ones)")
+    add_prefill_step_flags(g)
+    add_decode_batch_flags(g)
     add_model_flags(serve)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (latency/throughput), quality (accuracy)")

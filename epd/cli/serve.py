@@ -37,6 +37,7 @@ from epd.cli.health import health_answer, is_serving
 from epd.cli.supervisor import Replica, RestartPolicy, State, stage_lost
 
 if TYPE_CHECKING:
+    from epd.cli.configs import ColocatedStages
     from epd.cli.zygote import ServiceProcess
 
     Service = subprocess.Popen | ServiceProcess
@@ -210,29 +211,21 @@ def _service(args: argparse.Namespace):
     from epd.gateway import server as gateway
 
     if args.role is None:  # --colocate: the front door and the three stages in this process
-        return _colocated(args, configs.colocated_gateway_config(args))
+        # Configs first (a bad flag value: ValueError, a usage error before anything starts).
+        return _colocated(configs.colocated_gateway_config(args), configs.colocated_stages(args))
     return gateway.main(configs.gateway_config(args))
 
 
-async def _colocated(args: argparse.Namespace, config) -> None:
+async def _colocated(config, stages: ColocatedStages) -> None:
     """`epd serve --colocate`: one process, one model (vision + language), the three stages local
     and sharing its cores (their model calls take turns on one model thread, encode and prefill
     before decode unless decode has waited `--decode-max-wait-s`: `--schedule`), the same gRPC and
     HTTP front door on the same ports."""
-    from epd.cli import configs
     from epd.gateway import server as gateway
-    from epd.gateway.config import SharedModelSchedule
     from epd.gateway.embedded import build_embedded_pipeline
-    from epd.model_runtime.threads import AUTO
-    from epd.prefill_svc.config import PrefillConfig
 
-    model = configs.model_config(args)
-    if args.num_threads is None:  # one model call at a time: every call may use every core
-        model = replace(model, num_threads=AUTO)
-    prefill = PrefillConfig(model=model, prefix_cache_bytes=args.prefix_cache_bytes,
-                            prefix_cache_ttl_s=args.prefix_cache_ttl)
-    schedule = SharedModelSchedule(args.schedule, args.decode_max_wait_s)
-    await gateway.main(config, local=build_embedded_pipeline(model, prefill=prefill, schedule=schedule))
+    await gateway.main(config, local=build_embedded_pipeline(stages.model, prefill=stages.prefill,
+                                                             decode=stages.decode, schedule=stages.schedule))
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -302,7 +295,10 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads]
     grace = ["--grace-period", str(args.grace_period)]
     own = {"prefill": ["--prefix-cache-bytes", str(args.prefix_cache_bytes), "--prefix-cache-ttl",
-                       str(args.prefix_cache_ttl), "--kv-ttl", str(args.kv_ttl)]}
+                       str(args.prefix_cache_ttl), "--kv-ttl", str(args.kv_ttl),
+                       "--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step),
+                       "--prefill-chunk-tokens", str(args.prefill_chunk_tokens or 0)],
+           "decode": ["--max-running-requests", str(args.max_running_requests)]}
     ports = replica_ports(args)
     commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own.get(role, [])]
                 for role in MODEL_ROLES for i, port in enumerate(ports[role])}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.stage import LocalDecodeStage, take_from_store
 from epd.encoder_svc.config import EncoderConfig
@@ -24,6 +25,7 @@ def build_embedded_pipeline(
     encoder: EncoderConfig | None = None,
     prefill: PrefillConfig | None = None,
     adapter: VLMAdapter | None = None,
+    decode: DecodeConfig | None = None,
     schedule: SharedModelSchedule = SharedModelSchedule(),
 ) -> Pipeline:
     """Loads the model once (vision + language) and wires the three local stages to it."""
@@ -35,5 +37,5 @@ def build_embedded_pipeline(
     return Pipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),
         LocalPrefillStage(PrefillEngine(prefill, adapter), kv_store, thread),
-        LocalDecodeStage(DecodeEngine(adapter), take_from_store(kv_store), thread),
+        LocalDecodeStage(DecodeEngine(adapter), take_from_store(kv_store), thread, decode or DecodeConfig(model=model)),
     )

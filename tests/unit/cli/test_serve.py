@@ -353,3 +353,27 @@ def test_replica_counts_outside_the_stack_are_a_usage_error(argv, capsys):
 
     assert run_serve(build_parser().parse_args(["serve", *argv])) == EXIT_USAGE
     assert "start replicas of the stack" in capsys.readouterr().err
+
+
+def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
+    """`epd serve --max-prefill-tokens-per-step/--prefill-chunk-tokens/--max-running-requests`
+    (vLLM's --max-num-batched-tokens / --max-num-seqs): the stack passes them to its prefill and
+    decode, --colocate builds its stages with them; a bad value is a usage error before start."""
+    flags = ["--max-prefill-tokens-per-step", "1024", "--prefill-chunk-tokens", "256", "--max-running-requests", "6"]
+    args = build_parser().parse_args(["serve", *flags])
+    args.model = "/m"
+    commands = stack_commands(args)
+    prefill = configs.prefill_config(build_parser().parse_args(commands["prefill[0]"][commands["prefill[0]"].index("serve"):]))
+    assert (prefill.scheduler.max_prefill_tokens_per_step, prefill.scheduler.prefill_chunk_tokens) == (1024, 256)
+    decode = configs.decode_config(build_parser().parse_args(commands["decode[0]"][commands["decode[0]"].index("serve"):]))
+    assert decode.max_running_requests == 6
+    assert "--max-running-requests" not in commands["encoder[0]"]
+
+    colocated = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", *flags]))
+    assert colocated.prefill.scheduler.max_prefill_tokens_per_step == 1024
+    assert colocated.prefill.scheduler.prefill_chunk_tokens == 256
+    assert colocated.decode.max_running_requests == 6
+    default = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate"]))
+    assert default.prefill.scheduler.for_device("cpu").max_prefill_tokens_per_step == 512
+    with pytest.raises(ValueError, match="--max-prefill-tokens-per-step"):
+        configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "-1"]))
