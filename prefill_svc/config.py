@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from epd.model_runtime.config import ModelConfig
 from epd.stages.server_config import ServerConfig
 
 DEFAULT_PORT = 50052
 
-CPU_PREFILL_TOKENS_PER_STEP = 512
-"""On the CPU one prompt of a few hundred tokens already keeps every core busy: a 307-token video
-prompt of the 27M benchmark model took 113 ms alone and 463 ms as four in one step (2 cores), so
-batching more prompts into a step saves nothing and delays the first ones' first tokens by the
-others' prefills (and the decode steps between by the whole step). 512 runs one such prompt per
-step and bounds a step at ~0.2 s (docs/benchmarks.md, "prefill budget")."""
-GPU_PREFILL_TOKENS_PER_STEP = 2048
-"""On a GPU a step of few tokens leaves the device idle; batching waiting prompts is what fills it
-(SGLang's default chunked-prefill size)."""
-
 
 @dataclass(frozen=True)
 class PrefillSchedulerConfig:
     """The prefill core's scheduler (`prefill_svc/scheduler.py`)."""
 
-    max_prefill_tokens_per_step: int = 0
-    """Prompt tokens one step computes at most, over every prompt in it (--max-prefill-tokens-per-step);
-    0: by device (`for_device`): CPU_PREFILL_TOKENS_PER_STEP on the CPU, GPU_PREFILL_TOKENS_PER_STEP
-    on a GPU."""
+    max_prefill_tokens_per_step: int = 2048
+    """Prompt tokens one step computes at most, over every prompt in it (--max-prefill-tokens-per-step)."""
     prefill_chunk_tokens: int | None = 512
     """Prompts longer than this run in chunks of at most this many tokens, one chunk per step, so a
     long video does not hold the prompts behind it for its whole prefill (--prefill-chunk-tokens;
@@ -38,13 +26,13 @@ class PrefillSchedulerConfig:
     """Prompt tokens of those requests, at most; beyond it RESOURCE_EXHAUSTED (--max-waiting-prompt-tokens)."""
 
     def __post_init__(self) -> None:
-        if self.max_prefill_tokens_per_step < 0:
+        if self.max_prefill_tokens_per_step < 1:
             raise ValueError(
-                "max_prefill_tokens_per_step (--max-prefill-tokens-per-step) must be >= 1, or 0 for the "
-                f"device's default, got {self.max_prefill_tokens_per_step}"
+                "max_prefill_tokens_per_step (--max-prefill-tokens-per-step) must be >= 1, "
+                f"got {self.max_prefill_tokens_per_step}"
             )
         if self.prefill_chunk_tokens is not None and not (
-            1 <= self.prefill_chunk_tokens <= (self.max_prefill_tokens_per_step or self.prefill_chunk_tokens)
+            1 <= self.prefill_chunk_tokens <= self.max_prefill_tokens_per_step
         ):
             raise ValueError(
                 "prefill_chunk_tokens (--prefill-chunk-tokens) must be between 1 and "
@@ -56,15 +44,6 @@ class PrefillSchedulerConfig:
                 "max_waiting_prefills (--max-waiting-prefills) and max_waiting_prompt_tokens "
                 "(--max-waiting-prompt-tokens) must be >= 1"
             )
-
-    def for_device(self, device: str) -> PrefillSchedulerConfig:
-        """This config with the step budget resolved for `device` (`max_prefill_tokens_per_step`
-        0: the device's default) and the chunk no larger than the budget."""
-        budget = self.max_prefill_tokens_per_step or (
-            CPU_PREFILL_TOKENS_PER_STEP if device == "cpu" else GPU_PREFILL_TOKENS_PER_STEP
-        )
-        chunk = None if self.prefill_chunk_tokens is None else min(self.prefill_chunk_tokens, budget)
-        return replace(self, max_prefill_tokens_per_step=budget, prefill_chunk_tokens=chunk)
 
 
 @dataclass(frozen=True)

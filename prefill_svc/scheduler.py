@@ -82,10 +82,7 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
     """`waiting`: admitted, not yet scheduled (FIFO). `running`: scheduled at least once and not yet
     removed (chunked prompts part-way through, and every prompt of the step now running)."""
 
-    def __init__(self, config: PrefillSchedulerConfig = PrefillSchedulerConfig().for_device("cpu")) -> None:
-        """config: with its step budget resolved (`PrefillSchedulerConfig.for_device`)."""
-        if config.max_prefill_tokens_per_step < 1:
-            raise ValueError("resolve the step budget for the device first: PrefillSchedulerConfig.for_device")
+    def __init__(self, config: PrefillSchedulerConfig = PrefillSchedulerConfig()) -> None:
         self.config = config
         self.waiting: deque[PrefillRequest] = deque()
         self.running: list[PrefillRequest] = []

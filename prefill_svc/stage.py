@@ -31,10 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def build_prefill_core(engine: PrefillEngine, model_thread: ModelThread) -> EngineCore[PrefillRequest]:
-    """The scheduler from `engine.config.scheduler` (its step budget resolved for the model's
-    device; chunking off for a model family that cannot prefill in chunks), the runner over
-    `engine`, both on `model_thread`."""
-    config = engine.config.scheduler.for_device(engine.config.model.device)
+    """The scheduler from `engine.config.scheduler` (chunking off for a model family that cannot
+    prefill in chunks), the runner over `engine`, both on `model_thread`."""
+    config = engine.config.scheduler
     if not engine.adapter.supports_chunked_prefill:
         config = replace(config, prefill_chunk_tokens=None)
     return EngineCore(PrefillScheduler(config), PrefillRunner(engine), model_thread)

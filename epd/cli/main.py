@@ -60,8 +60,7 @@ def add_prefill_step_flags(p) -> None:
     sched = PrefillSchedulerConfig()
     p.add_argument("--max-prefill-tokens-per-step", type=int, default=sched.max_prefill_tokens_per_step,
                    help="prompt tokens one batched prefill step computes at most (vLLM's "
-                        "--max-num-batched-tokens; 0: 512 on the CPU, where one prompt already fills the "
-                        "cores, 2048 on a GPU)")
+                        "--max-num-batched-tokens)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=sched.prefill_chunk_tokens,
                    help="prompts longer than this are prefilled in chunks of this many tokens, one "
                         "chunk per step, so short prompts are not held behind them (0: never chunk)")

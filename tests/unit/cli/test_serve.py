@@ -374,6 +374,6 @@ def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
     assert colocated.prefill.scheduler.prefill_chunk_tokens == 256
     assert colocated.decode.max_running_requests == 6
     default = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate"]))
-    assert default.prefill.scheduler.for_device("cpu").max_prefill_tokens_per_step == 512
+    assert default.prefill.scheduler.max_prefill_tokens_per_step == 2048
     with pytest.raises(ValueError, match="--max-prefill-tokens-per-step"):
-        configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "-1"]))
+        configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "0"]))

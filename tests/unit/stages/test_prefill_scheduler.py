@@ -174,7 +174,7 @@ def test_load_counts_waiting_and_running():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"max_prefill_tokens_per_step": -1}, "--max-prefill-tokens-per-step"),
+        ({"max_prefill_tokens_per_step": 0}, "--max-prefill-tokens-per-step"),
         ({"max_prefill_tokens_per_step": 100, "prefill_chunk_tokens": 101}, "--prefill-chunk-tokens"),
         ({"max_waiting_prefills": 0}, "--max-waiting-prefills"),
     ],
@@ -194,25 +194,3 @@ def test_the_scheduler_module_needs_no_torch():
 
     code = "import sys, epd.prefill_svc.scheduler; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
-
-
-def test_the_step_budget_follows_the_device_unless_set():
-    """0 (the default): 512 prompt tokens a step on the CPU (one prompt already fills the cores),
-    2048 on a GPU (batching fills the device); a set budget stays; the chunk never exceeds the
-    budget; a scheduler refuses an unresolved budget instead of scheduling nothing."""
-    from epd.prefill_svc.config import CPU_PREFILL_TOKENS_PER_STEP, GPU_PREFILL_TOKENS_PER_STEP
-
-    default = PrefillSchedulerConfig()
-    assert default.for_device("cpu").max_prefill_tokens_per_step == CPU_PREFILL_TOKENS_PER_STEP == 512
-    assert default.for_device("cuda:0").max_prefill_tokens_per_step == GPU_PREFILL_TOKENS_PER_STEP == 2048
-    set_budget = PrefillSchedulerConfig(max_prefill_tokens_per_step=96, prefill_chunk_tokens=64)
-    assert set_budget.for_device("cpu") == set_budget
-    small = PrefillSchedulerConfig(max_prefill_tokens_per_step=0, prefill_chunk_tokens=4096).for_device("cpu")
-    assert small.prefill_chunk_tokens == 512
-    assert PrefillSchedulerConfig(prefill_chunk_tokens=None).for_device("cpu").prefill_chunk_tokens is None
-    with pytest.raises(ValueError, match="for_device"):
-        PrefillScheduler(default)
-    scheduler = PrefillScheduler(default.for_device("cpu"))
-    for i in range(3):
-        scheduler.add(PrefillRequest(f"r{i}", num_prompt_tokens=307))
-    assert [r.request_id for r in scheduler.schedule()] == ["r0"], "one 307-token prompt a step on the CPU"
