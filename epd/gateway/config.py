@@ -18,11 +18,13 @@ class SharedModelSchedule:
     """How the three stages' steps take turns on the one model thread (`epd serve --colocate`).
 
     fifo (default): in the order they are asked for (a decode step between any two others).
-    ttft-first: encode and prefill steps go before a waiting decode step, which waits at most
-    `decode_max_wait_s` (so every running request still gets a token at least that often): the
-    prefill-first policy of vLLM's and SGLang's schedulers. Measured on the 2-core bench machine
-    at 16 in flight (docs/benchmarks.md), it changed neither requests/s nor TTFT beyond the run-to-run
-    noise, so it is not the default."""
+    ttft-first: the decode core's admissions (each delivers a request's first token) go ahead of
+    every queued step, and encode and prefill steps go before a waiting decode step, which waits
+    at most `decode_max_wait_s` (so every running request still gets a token at least that
+    often): the prefill-first policy of SGLang's scheduler. Measured on the 2-core bench machine
+    at 16 in flight (docs/benchmarks.md, "First tokens first"), it moves time from the first token
+    to the tokens after it at the same requests/s; fifo, which keeps the time per token lower,
+    is the default (vLLM's V1 scheduler also serves running decodes first)."""
 
     policy: str = "fifo"
     decode_max_wait_s: float = 0.3
@@ -35,6 +37,9 @@ class SharedModelSchedule:
 
     def deferred_lanes(self) -> dict[str, float]:
         return {"decode": self.decode_max_wait_s} if self.policy == "ttft-first" else {}
+
+    def first_calls_ahead(self) -> bool:
+        return self.policy == "ttft-first"
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,17 @@ request's own driver thread (the encoder's per-request decode driver, `epd.stage
 which blocks that thread, never the loop. A call whose caller was cancelled before the thread
 reached it is dropped from the queue, so a gone client costs no further model time.
 
-Calls run in the order they were asked for, except a call asked for with `run_first` (short and
-urgent: the decode core's admission of a request whose prefill is done, which delivers that
-request's first token) goes ahead of every queued call, and except in a lane the owner chose to defer
-(`deferred_lanes`, the colocated server's `--schedule ttft-first`): a deferred call waits while
-calls of other lanes are queued, for at most its lane's limit, and then goes ahead of them. One
-model serving all three stages (`epd serve --colocate`) uses it to run encode and prefill steps
-before decode steps: first tokens come sooner, decode batches grow, and each decode step waits at
-most the limit (so TPOT is bounded) — the trade vLLM and SGLang expose as a scheduling policy.
+Calls run in the order they were asked for, unless the owner chose a schedule that favours first
+tokens (the colocated server's `--schedule ttft-first`): then a call asked for with `run_first` (short
+and urgent: the decode core's admission of a request whose prefill is done, which delivers that
+request's first token) goes ahead of every queued call (`first_calls_ahead`), and a call in a
+deferred lane (`deferred_lanes`: decode steps) waits while calls of other lanes are queued, for at
+most its lane's limit, and then goes ahead of them. One model serving all three stages (`epd serve
+--colocate`) uses it to run admissions, encode and prefill steps before decode steps: first tokens
+come sooner and each decode step waits at most the limit — the trade vLLM and SGLang expose as a
+scheduling policy. With N requests in flight, time a request does not spend waiting for its first
+token it spends decoding, so the time per token rises by as much (docs/benchmarks.md, "The load's
+two latencies").
 """
 
 from __future__ import annotations
@@ -42,20 +45,26 @@ class _Call:
     future: Future
     lane: str
     first: bool = False
-    """Goes ahead of every queued call that is not `first` (`run_first`)."""
+    """Goes ahead of every queued call that is not `first` (`run_first` under `first_calls_ahead`)."""
     queued_s: float = field(default_factory=time.monotonic)
 
 
 class ModelThread:
     def __init__(
-        self, threads: StepThreads | None = None, deferred_lanes: Mapping[str, float] | None = None
+        self,
+        threads: StepThreads | None = None,
+        deferred_lanes: Mapping[str, float] | None = None,
+        first_calls_ahead: bool = False,
     ) -> None:
         """threads: the torch-threads policy the engine cores apply before each batched step
         (`--num-threads auto` in a service process); None: keep what the loader set.
         deferred_lanes: lane -> longest seconds a call of that lane lets other lanes' calls go
-        first (see the module docstring); empty: strict arrival order."""
+        first (see the module docstring); empty: none is deferred.
+        first_calls_ahead: `run_first` calls go ahead of the queued calls; False: they take their
+        place in the arrival order like any other call."""
         self.threads = threads
         self.deferred_lanes = dict(deferred_lanes or {})
+        self.first_calls_ahead = first_calls_ahead
         self._queue: list[_Call] = []
         self._wake = threading.Condition()
         self._closed = False
@@ -72,10 +81,10 @@ class ModelThread:
         return await asyncio.wrap_future(future)
 
     async def run_first(self, lane: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`run_in`, ahead of every queued call (after the one running and any other `run_first`
-        calls), whatever the lanes' deferral: for calls of a few milliseconds whose result a
-        client is waiting for (a first token), never for a model step."""
-        future = self._submit(lane, fn, args, kwargs, first=True)
+        """`run_in`, and under `first_calls_ahead` ahead of every queued call (after the one running
+        and any other `run_first` calls), whatever the lanes' deferral: for calls of a few
+        milliseconds whose result a client is waiting for (a first token), never for a model step."""
+        future = self._submit(lane, fn, args, kwargs, first=self.first_calls_ahead)
         return await asyncio.wrap_future(future)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

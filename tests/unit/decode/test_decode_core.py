@@ -324,7 +324,7 @@ def test_prefill_keeps_its_copy_until_the_first_token_is_out(adapter, thread):
             release.wait(HANG_GUARD_S)
 
         # No token can come while the model thread runs `hold` (running, not queued: the admission
-        # that sends the first token would go ahead of a queued call).
+        # that sends the first token would go ahead of a queued call under ttft-first).
         blocked = asyncio.ensure_future(thread.run(hold))
         assert await asyncio.to_thread(started.wait, HANG_GUARD_S)
         reader = asyncio.ensure_future(anext(stage.generate(handle, GenerationConfig(max_new_tokens=4), "r")))

@@ -16,6 +16,11 @@ def test_ttft_first_defers_decode_by_its_wait_and_fifo_defers_nothing():
     assert SharedModelSchedule("fifo", 0.05).deferred_lanes() == {}
 
 
+def test_only_ttft_first_puts_first_token_admissions_ahead():
+    assert not SharedModelSchedule().first_calls_ahead()
+    assert SharedModelSchedule("ttft-first").first_calls_ahead()
+
+
 @pytest.mark.parametrize("policy,wait_s,match", [("lifo", 0.3, "fifo, ttft-first"), ("fifo", 0.0, "> 0 s")])
 def test_a_bad_schedule_is_refused_naming_what_is_allowed(policy, wait_s, match):
     with pytest.raises(ValueError, match=match):

@@ -171,10 +171,12 @@ def test_close_stops_the_thread_and_drops_queued_calls():
         thread.call(ran.append, "after close")
 
 
-def _queued_order(deferred_lanes: dict[str, float], calls: list[tuple[str, str]]) -> list[str]:
+def _queued_order(
+    deferred_lanes: dict[str, float], calls: list[tuple[str, str]], first_calls_ahead: bool = False
+) -> list[str]:
     """The order in which `calls` ((lane, label); a label starting "first" goes by `run_first`)
     run when all are queued behind a running call."""
-    thread = ModelThread(deferred_lanes=deferred_lanes)
+    thread = ModelThread(deferred_lanes=deferred_lanes, first_calls_ahead=first_calls_ahead)
     ran: list[str] = []
 
     async def scenario():
@@ -214,11 +216,18 @@ def test_a_deferred_call_alone_in_the_queue_runs_at_once():
 
 
 def test_a_run_first_call_goes_ahead_of_the_queued_calls_whatever_their_lanes():
-    """`run_first` (the decode core's admission, which delivers a first token): queued after other
-    calls, it runs right after the call that is running, behind earlier `run_first` calls only,
-    and a deferred lane does not hold it back; the other calls keep their order."""
+    """`run_first` (the decode core's admission, which delivers a first token) under
+    `first_calls_ahead` (ttft-first): queued after other calls, it runs right after the call that
+    is running, behind earlier `run_first` calls only, and a deferred lane does not hold it back;
+    the other calls keep their order."""
     calls = [("encode", "encode"), ("decode", "first admit"), ("prefill", "prefill"),
              ("decode", "first admit 2"), ("decode", "decode step")]
     want = ["first admit", "first admit 2", "encode", "prefill", "decode step"]
-    assert _queued_order({}, calls) == want
-    assert _queued_order({"decode": HANG_GUARD_S}, calls) == want
+    assert _queued_order({}, calls, first_calls_ahead=True) == want
+    assert _queued_order({"decode": HANG_GUARD_S}, calls, first_calls_ahead=True) == want
+
+
+def test_without_first_calls_ahead_a_run_first_call_keeps_its_place_in_the_arrival_order():
+    """fifo (the default schedule): an admission waits behind the steps queued before it."""
+    calls = [("encode", "encode"), ("decode", "first admit"), ("prefill", "prefill"), ("decode", "decode step")]
+    assert _queued_order({}, calls) == ["encode", "first admit", "prefill", "decode step"]

@@ -74,8 +74,8 @@ class CountRunner(ModelRunner[CountRequest]):
         self.released.append(r.request_id)
 
 
-def _core(runner=None, scheduler=None):
-    thread = ModelThread()
+def _core(runner=None, scheduler=None, thread=None):
+    thread = thread or ModelThread()
     return EngineCore(scheduler or FifoScheduler(), runner or CountRunner(), thread), thread
 
 
@@ -247,9 +247,11 @@ def test_a_runner_that_admits_first_delivers_those_outputs_before_the_step():
         thread.close()
 
 
-def test_the_admission_goes_ahead_of_other_stages_calls_on_a_shared_model_thread():
-    """On a model thread shared with other stages (`epd serve --colocate`), a request's admission
-    (the call that delivers its first token) does not wait behind the other stages' queued calls."""
+@pytest.mark.parametrize("first_calls_ahead", [True, False])
+def test_the_admission_goes_ahead_of_other_stages_calls_under_ttft_first(first_calls_ahead):
+    """On a model thread shared with other stages (`epd serve --colocate`) with the ttft-first
+    schedule, a request's admission (the call that delivers its first token) does not wait behind
+    the other stages' queued calls; under fifo it takes its turn after them."""
     ran: list[str] = []
 
     class Runner(CountRunner):
@@ -259,7 +261,7 @@ def test_the_admission_goes_ahead_of_other_stages_calls_on_a_shared_model_thread
             ran.append("admit")
             return [(r, f"{r.request_id}0") for r in requests]
 
-    core, thread = _core(Runner())
+    core, thread = _core(Runner(), thread=ModelThread(first_calls_ahead=first_calls_ahead))
 
     async def scenario():
         started, release = threading.Event(), threading.Event()
@@ -284,6 +286,7 @@ def test_the_admission_goes_ahead_of_other_stages_calls_on_a_shared_model_thread
 
     try:
         assert _run(scenario()) == ["a0", "a1"]
-        assert ran == ["admit", "encode 0", "encode 1", "encode 2"]
+        encodes = ["encode 0", "encode 1", "encode 2"]
+        assert ran == (["admit", *encodes] if first_calls_ahead else [*encodes, "admit"])
     finally:
         thread.close()
