@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/bench_decode_batch.py                 # batch sizes 1, 4, 16, 32
     PYTHONPATH=. python bench/bench_decode_batch.py --batch 1 16 --steps 32 --threads 2
+    PYTHONPATH=. python bench/bench_decode_batch.py --device cuda --batch 1 4 16 32 64
 
 On bench_pruning's ~30M-parameter Qwen2-VL (8 layers, GQA 8/2 heads), with prompt caches of
 different lengths (a 8-frame video prompt is ~300 tokens; lengths here spread 240-360), one
@@ -58,17 +59,23 @@ def prompt_caches(adapter, batch: int) -> list[tuple[KvCache, torch.Tensor, int]
 
 
 def timed_steps(step, steps: int) -> float:
+    """Median ms of one `step()`, after one untimed step (on a GPU: kernels compiled and
+    allocations made); on a GPU each step is waited for before the clock is read."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    step()
+    sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
 def slots(adapter, caches, steps):
     batch = adapter.new_batch_kv()
-    columns = max(c.num_cached_tokens for c, _, _ in caches) + steps + 1
+    columns = max(c.num_cached_tokens for c, _, _ in caches) + steps + 2  # + the untimed step
     for cache, _, _ in caches:
         batch.add(cache, columns)
     positions = torch.stack([p for _, p, _ in caches], dim=1)
@@ -88,7 +95,7 @@ def gather(adapter, caches, steps):
 
     own = [adapter.new_decode_cache(c) for c, _, _ in caches]
     positions = torch.stack([p for _, p, _ in caches], dim=1)
-    ids = torch.tensor([t for _, _, t in caches])[:, None]
+    ids = torch.tensor([t for _, _, t in caches], device=adapter.device)[:, None]
     lm = adapter.language_model
 
     def step():
@@ -102,10 +109,11 @@ def gather(adapter, caches, steps):
             values = torch.cat([pad(c.layers[i].values, k) for c, k in zip(own, lengths)])
             batch.update(keys, values, i)
         mask = torch.stack([torch.cat([torch.zeros(n - k), torch.ones(k + 1)]) for k in lengths]).long()
+        mask = mask.to(adapter.device)
         with torch.inference_mode():
             out = lm(
                 inputs_embeds=lm.embed_tokens(ids),
-                position_ids=positions[:, :, None],
+                position_ids=positions[:, :, None].to(adapter.device),
                 attention_mask=mask,
                 past_key_values=batch,
                 use_cache=True,
@@ -214,12 +222,37 @@ def memory(adapter, budget_requests: int, in_flight: int, max_new: int) -> None:
     print(f"| {in_flight} | {peak:.0f} ({peak / level:.2f}x) | {peak_rows} | {finished}/{in_flight} |")
 
 
+def print_step_table(adapter, caches, batches: list[int], steps: int, where: str) -> None:
+    """The step-time table for each batch size in `batches` (caches: `prompt_caches`)."""
+    print(
+        f"Qwen2-VL ~30M, {where}, {steps} steps per point, prompt caches "
+        f"{min(c.num_cached_tokens for c, _, _ in caches)}-{max(c.num_cached_tokens for c, _, _ in caches)} tokens"
+    )
+    print(
+        "| batch | slots ms/step | ms/token | gather ms/step | sequential ms/step | slots vs sequential | "
+        "slots ms/token vs B=1 |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    base = None
+    for b in batches:
+        s = slots(adapter, caches[:b], steps)
+        g = gather(adapter, caches[:b], steps)
+        q = sequential(adapter, caches[:b], steps)
+        base = base or s / b
+        print(
+            f"| {b} | {s:.2f} | {s / b:.2f} | {g:.2f} | {q:.2f} | {q / s:.2f}x faster | "
+            f"{(s / b) / base:.2f}x |",
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work-dir", default="/tmp/epd-bench-pruning")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (bench/cuda_check.py runs it on a GPU)")
     p.add_argument("--memory", action="store_true", help="the KV budget run instead of step times")
     p.add_argument("--budget-requests", type=int, default=8)
     p.add_argument("--in-flight", type=int, default=32)
@@ -229,31 +262,12 @@ def main() -> None:
     model_dir = Path(args.work_dir) / "model"
     if not (model_dir / "config.json").exists():
         build_checkpoint(model_dir, SPEC)
-    adapter = load_adapter(ModelConfig(model=str(model_dir), num_threads=args.threads), "decode")
+    adapter = load_adapter(ModelConfig(model=str(model_dir), device=args.device, num_threads=args.threads), "decode")
     if args.memory:
         memory(adapter, args.budget_requests, args.in_flight, args.max_new_tokens)
         return
-    caches = prompt_caches(adapter, max(args.batch))
-    print(
-        f"Qwen2-VL ~30M, {args.threads} thread(s), {args.steps} steps per point, prompt caches "
-        f"{min(c.num_cached_tokens for c, _, _ in caches)}-{max(c.num_cached_tokens for c, _, _ in caches)} tokens"
-    )
-    print(
-        "| batch | slots ms/step | ms/token | gather ms/step | sequential ms/step | slots vs sequential | "
-        "slots ms/token vs B=1 |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    base = None
-    for b in args.batch:
-        s = slots(adapter, caches[:b], args.steps)
-        g = gather(adapter, caches[:b], args.steps)
-        q = sequential(adapter, caches[:b], args.steps)
-        base = base or s / b
-        print(
-            f"| {b} | {s:.2f} | {s / b:.2f} | {g:.2f} | {q:.2f} | {q / s:.2f}x faster | "
-            f"{(s / b) / base:.2f}x |",
-            flush=True,
-        )
+    print_step_table(adapter, prompt_caches(adapter, max(args.batch)), args.batch, args.steps,
+                     f"{args.threads} thread(s)" if args.device == "cpu" else args.device)
 
 
 if __name__ == "__main__":

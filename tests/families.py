@@ -74,14 +74,6 @@ def build_qwen3_vl_moe_checkpoint(directory):
     return directory
 
 
-def whole_model(checkpoint):
-    """(transformers' whole model, its processor): the reference the split adapters must equal."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
-    return model, AutoProcessor.from_pretrained(checkpoint)
-
-
 def conversation(video) -> list[dict]:
     kind = "image" if video.is_image else "video"
     return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]

@@ -15,11 +15,33 @@ def decode_for_test(path: Path, num_frames: int) -> DecodedVideo:
     return simple_decoder.decode(path.read_bytes(), SamplingOptions(num_frames=num_frames))
 
 
-def reference_tokens(model_dir: Path, video: DecodedVideo, question: str, max_new_tokens: int) -> list[int]:
+def reference_tokens(
+    model_dir: Path,
+    video: DecodedVideo,
+    question: str,
+    max_new_tokens: int,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> list[int]:
     """The reference for one question: the user message [media, question]."""
+    return reference_tokens_for_messages(
+        model_dir, video, question_message(video, question), max_new_tokens, device, dtype
+    )
+
+
+def question_message(video: DecodedVideo, question: str) -> list[dict]:
     kind = "image" if video.is_image else "video"
-    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
-    return reference_tokens_for_messages(model_dir, video, messages, max_new_tokens)
+    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
+
+
+def whole_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None):
+    """(transformers' whole model, its processor), loaded as a Hugging Face user loads them: the
+    reference the split adapters must equal."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    kwargs = {} if dtype is None else {"dtype": dtype}  # None: the checkpoint's own (float32 here)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs).to(device).eval()
+    return model, AutoProcessor.from_pretrained(model_dir)
 
 
 def reference_inputs(processor, video: DecodedVideo, messages: list[dict]):
@@ -47,22 +69,30 @@ def reference_inputs(processor, video: DecodedVideo, messages: list[dict]):
 
 
 def reference_tokens_for_messages(
-    model_dir: Path, video: DecodedVideo, messages: list[dict], max_new_tokens: int
+    model_dir: Path,
+    video: DecodedVideo,
+    messages: list[dict],
+    max_new_tokens: int,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> list[int]:
     """`model.generate(do_sample=False)` on the unsplit model, prompted by the processor's own chat
     template for `messages`."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    inputs = reference_inputs(processor, video, messages)
+    model, processor = whole_model(model_dir, device, dtype)
+    inputs = reference_inputs(processor, video, messages).to(device)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def divergence_margin(
-    model_dir: Path, video: DecodedVideo, question: str, want: list[int], got: list[int]
+    model_dir: Path,
+    video: DecodedVideo,
+    question: str,
+    want: list[int],
+    got: list[int],
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> tuple[int, float] | None:
     """Where `got` first leaves `want` (generate()'s tokens) and by how much the reference model
     preferred its own token there: (index, logit[want] - logit[got]); None when they are equal.
@@ -70,18 +100,13 @@ def divergence_margin(
     A batched forward may round differently from a single one (other matrix shapes, other
     summation order), so a token may flip where the model's top two were within rounding of each
     other: a small margin is such a near-tie; a large one is a real error."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
     if got == want:
         return None
     i = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     if i >= min(len(want), len(got)):
         return i, float("inf")  # one stopped early: not a rounding difference
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    kind = "image" if video.is_image else "video"
-    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
-    inputs = reference_inputs(processor, video, messages)
+    model, processor = whole_model(model_dir, device, dtype)
+    inputs = reference_inputs(processor, video, question_message(video, question)).to(device)
     with torch.inference_mode():
         out = model.generate(
             **inputs, do_sample=False, max_new_tokens=i + 1, output_logits=True, return_dict_in_generate=True

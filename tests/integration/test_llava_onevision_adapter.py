@@ -33,8 +33,8 @@ from tests.families import (
     load_stage_adapters,
     load_video,
     visual_meta,
-    whole_model,
 )
+from tests.reference import whole_model
 
 
 @pytest.fixture(scope="module")

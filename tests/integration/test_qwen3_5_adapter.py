@@ -40,9 +40,9 @@ from tests.families import (
     load_stage_adapters,
     load_video,
     visual_meta,
-    whole_model,
 )
 from tests.families import qwen_processor_inputs as _processor_inputs
+from tests.reference import whole_model
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 

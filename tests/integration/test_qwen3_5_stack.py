@@ -25,8 +25,8 @@ from tests.families import (
     build_qwen3_5_checkpoint,
     generate_references,
     qwen_processor_inputs,
-    whole_model,
 )
+from tests.reference import whole_model
 from tests.stack import Stack
 
 MAX_NEW_TOKENS = 12  # short answers: every token still has to match, and CI time matters

@@ -42,8 +42,8 @@ from tests.families import (
     load_video,
     qwen_processor_inputs,
     visual_meta,
-    whole_model,
 )
+from tests.reference import whole_model
 
 
 @pytest.fixture(scope="module")
