@@ -20,9 +20,13 @@ did not hold).
    between a batched and a single matrix product, so a flip at a near-tie is expected there).
 3. decode step time against batch size on the device: bench_decode_batch's KV slots against
    sequential steps, on bench_pruning's 27M model.
-4. load: --num-requests requests (8 frames, 32 tokens, different synthetic clips) through the
-   embedded pipeline at 1 and at --concurrency in flight, and the Hugging Face generate() loop one
-   request after another on the same device: requests/s, TTFT p50 and the ratios, in one run.
+4. load: 32 requests a level (8 frames, 32 tokens, a different synthetic clip each) at 1 and 16
+   in flight, through the embedded pipeline and through the stack (tests/stack.py's three model
+   processes with `--device` and the gateway), and the Hugging Face generate() loop one request
+   after another on the same device: requests/s, TTFT p50 and the ratios, in one run.
+5. the three services as separate processes on the device (tests/stack.py: encoder, prefill and
+   decode with `--device`, the gateway without a model), asked through the SDK: part 1's cases and
+   batch over gRPC, with the KV cache crossing from the prefill process to the decode process.
 """
 
 from __future__ import annotations
@@ -146,18 +150,31 @@ def check_tokens(label, model_dir, files, case, want, got, device, dtype) -> str
     return f"{verdict} at token {margin[0]} (logit margin {margin[1]:.2e})"
 
 
+def print_exactness_rows(family, model_dir, files, device, alone, batch) -> None:
+    """One table row per case: `alone` {case: tokens}, `batch` the tokens of BATCH's requests,
+    each against generate() of the unsplit model on `device` (float32)."""
+    refs = {
+        (m, f): reference_tokens(model_dir, decode_for_test(files[m], f), QUESTION, MAX_NEW_TOKENS, device)
+        for m, f in CASES
+    }
+    in_batch: dict[tuple[str, int], list[str]] = {}
+    for (m, f, max_new, _), got in zip(BATCH, batch, strict=True):
+        in_batch.setdefault((m, f), []).append(
+            f"{max_new} tokens: "
+            + check_tokens(family, model_dir, files, (m, f), refs[(m, f)][:max_new], got, device, None)
+        )
+    for c in CASES:
+        solo = check_tokens(family, model_dir, files, c, refs[c], alone[c], device, None)
+        solo += f" ({len(refs[c])} tokens, {len(set(refs[c]))} distinct)"
+        print(f"| {family} | {c[0]} x {c[1]} | {solo} | {'; '.join(in_batch.get(c, ['-']))} |", flush=True)
+
+
 @part("1. exactness on the device, float32 (alone and in one batch) against generate()")
 def exactness(work: Path, files, device: str) -> None:
     print("| family | case | alone | in the batch |")
     print("|---|---|---|---|")
     for family in ("qwen2_vl", "qwen2_5_vl"):
         model_dir = tiny(work, family)
-        refs = {
-            (m, f): reference_tokens(
-                model_dir, decode_for_test(files[m], f), QUESTION, MAX_NEW_TOKENS, device
-            )
-            for m, f in CASES
-        }
         pipeline = build_embedded_pipeline(ModelConfig(model=str(model_dir), device=device))
 
         async def run(pipeline=pipeline):
@@ -165,18 +182,46 @@ def exactness(work: Path, files, device: str) -> None:
             return alone, await asks(pipeline, files, BATCH)
 
         alone, batch = asyncio.run(run())
-        in_batch: dict[tuple[str, int], list[str]] = {}
-        for (m, f, max_new, _), got in zip(BATCH, batch, strict=True):
-            in_batch.setdefault((m, f), []).append(
-                f"{max_new} tokens: "
-                + check_tokens(family, model_dir, files, (m, f), refs[(m, f)][:max_new], got, device, None)
-            )
-        for c in CASES:
-            solo = check_tokens(family, model_dir, files, c, refs[c], alone[c], device, None)
-            solo += f" ({len(refs[c])} tokens, {len(set(refs[c]))} distinct)"
-            print(
-                f"| {family} | {c[0]} x {c[1]} | {solo} | {'; '.join(in_batch.get(c, ['-']))} |", flush=True
-            )
+        print_exactness_rows(family, model_dir, files, device, alone, batch)
+
+
+@part(
+    "5. the three services as processes on the device (gRPC, KV over the wire), float32, against generate()"
+)
+def services(work: Path, files, device: str) -> None:
+    """tests/stack.py's stack (encoder, prefill, decode with `--device`, and the gateway), asked
+    through the SDK as test_exactness asks the CPU stack."""
+    from epd.client import AsyncEpdClient
+    from tests.stack import Stack
+
+    async def ask_all(gateway: str):
+        """Each case alone, then BATCH at once; one event loop for the whole part (grpc.aio binds
+        to the first loop it runs on)."""
+
+        async def one(client, media, frames, max_new, delay_s):
+            await asyncio.sleep(delay_s)
+            return await client.ask(files[media], QUESTION, num_frames=frames, max_new_tokens=max_new)
+
+        async with AsyncEpdClient(gateway) as client:
+            alone = {c: await one(client, *c, MAX_NEW_TOKENS, 0.0) for c in CASES}
+            batch = await asyncio.gather(*(one(client, *case) for case in BATCH))
+        return alone, [r.token_ids for r in batch]
+
+    async def run() -> None:
+        flags = ["--device", device]
+        for family in ("qwen2_vl", "qwen2_5_vl"):
+            model_dir = tiny(work, family)
+            extra = {stage: flags for stage in ("encoder", "prefill", "decode")}
+            with Stack(model_dir, work / f"logs-{family}", extra=extra) as stack:
+                alone, batch = await ask_all(stack.gateway)
+            if not all(r.kv_num_bytes > 0 for r in alone.values()):
+                FAILED.append(f"services {family}: a KV cache of 0 bytes crossed prefill -> decode")
+            tokens = {c: r.token_ids for c, r in alone.items()}
+            print_exactness_rows(family, model_dir, files, device, tokens, batch)
+
+    print("| family | case | alone | in the batch |")
+    print("|---|---|---|---|")
+    asyncio.run(run())
 
 
 @part("2. bfloat16 on the device: the batch against generate() in bf16 (reported, rounding expected)")
@@ -204,13 +249,54 @@ def step_times(work: Path, device: str, batches: list[int], steps: int) -> None:
     bench_decode_batch.print_step_table(adapter, caches, batches, steps, device)
 
 
+def summary(results: list[tuple[float, int]], wall_s: float) -> tuple[float, float, int]:
+    """(req/s, TTFT p50 s, output tokens) of one level's (TTFT s, tokens) per request."""
+    return len(results) / wall_s, statistics.median(r[0] for r in results), sum(r[1] for r in results)
+
+
+def stack_levels(work, model_dir, device, warm, per_level, concurrency, max_tokens):
+    """part 4's levels through tests/stack.py's three model processes and gateway, with the
+    blocking SDK from one thread per request in flight (grpc.aio keeps to part 5's event loop)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from epd.client import EpdClient, TokenDelta
+    from tests.stack import Stack
+
+    extra = {stage: ["--device", device] for stage in ("encoder", "prefill", "decode")}
+    extra["gateway"] = ["--max-requests-per-client", str(max(concurrency, 8))]  # one client sends them all
+    with Stack(model_dir, work / "logs-load", extra=extra) as stack, EpdClient(stack.gateway) as client:
+
+        def one(path: Path) -> tuple[float, int]:
+            t0, ttft, tokens = time.perf_counter(), 0.0, 0
+            options = {"num_frames": 8, "max_new_tokens": max_tokens, "ignore_eos": True}
+            for event in client.stream(path, "what moves?", **options):
+                if isinstance(event, TokenDelta):
+                    ttft = ttft or time.perf_counter() - t0
+                    tokens += len(event.token_ids)
+            return ttft, tokens
+
+        def level(paths: list[Path], in_flight: int) -> tuple[float, float, int]:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(in_flight) as pool:
+                results = list(pool.map(one, paths))
+            return summary(results, time.perf_counter() - t0)
+
+        level(warm, 2)
+        return {c: level(paths, c) for c, paths in zip((1, concurrency), per_level, strict=True)}
+
+
 @part("4. load: requests/s at 1 and N in flight, and the generate() loop, on the device")
 def load(work: Path, device: str, num_requests: int, concurrency: int, max_tokens: int) -> None:
     model_dir = work / "bench-27m"
     if not (model_dir / "config.json").exists():
         build_checkpoint(model_dir, SPEC)
-    clips = make_clips(work / "clips", 2 * num_requests + 2, 224, 8.0)
-    warm, per_level = clips[-2:], [clips[:num_requests], clips[num_requests : 2 * num_requests]]
+    clips = make_clips(work / "clips", 4 * num_requests + 2, 224, 8.0)
+    n = num_requests
+    warm, embedded_clips, stack_clips = (
+        clips[-2:],
+        [clips[:n], clips[n : 2 * n]],
+        [clips[2 * n : 3 * n], clips[3 * n : 4 * n]],
+    )
     pipeline = build_embedded_pipeline(ModelConfig(model=str(model_dir), device=device))
     gen = GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True)
 
@@ -237,14 +323,16 @@ def load(work: Path, device: str, num_requests: int, concurrency: int, max_token
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(gated(p) for p in paths))
-        wall = time.perf_counter() - t0
-        return len(paths) / wall, statistics.median(r[0] for r in results), sum(r[1] for r in results)
+        return summary(results, time.perf_counter() - t0)
 
     async def levels() -> dict[int, tuple[float, float, int]]:
         await level(warm, 2)
-        return {c: await level(paths, c) for c, paths in zip((1, concurrency), per_level, strict=True)}
+        return {c: await level(paths, c) for c, paths in zip((1, concurrency), embedded_clips, strict=True)}
 
-    ours = asyncio.run(levels())
+    ours = {"epd embedded": asyncio.run(levels())}
+    ours["epd stack (3 processes)"] = stack_levels(
+        work, model_dir, device, warm, stack_clips, concurrency, max_tokens
+    )
 
     # The peer on the same device: the unsplit model, processor + generate(), one request at a time.
     model, processor = whole_model(model_dir, device)
@@ -258,7 +346,7 @@ def load(work: Path, device: str, num_requests: int, concurrency: int, max_token
     for p in warm:
         hf_one(p)
     t0 = time.perf_counter()
-    for p in per_level[0]:
+    for p in embedded_clips[0]:
         hf_one(p)
     hf_rps = num_requests / (time.perf_counter() - t0)
 
@@ -270,9 +358,10 @@ def load(work: Path, device: str, num_requests: int, concurrency: int, max_token
     print(
         f"| generate() loop | 1 | {hf_rps:.2f} | 1.00x | - | {hf_rps * max_tokens:.0f} | {num_requests / hf_rps:.2f} |"
     )
-    for c, (rps, ttft, tokens) in ours.items():
+    for (server, runs), c in ((x, c) for x in ours.items() for c in x[1]):
+        rps, ttft, tokens = runs[c]
         print(
-            f"| epd embedded | {c} | {rps:.2f} | {rps / hf_rps:.2f}x | {ttft * 1e3:.0f} | {rps * tokens / num_requests:.0f} | {num_requests / rps:.2f} |"
+            f"| {server} | {c} | {rps:.2f} | {rps / hf_rps:.2f}x | {ttft * 1e3:.0f} | {rps * tokens / num_requests:.0f} | {num_requests / rps:.2f} |"
         )
 
 
@@ -280,7 +369,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer requests and batch sizes (a CPU dry run)")
-    ap.add_argument("--parts", default="1,2,3,4", help="which parts to run, e.g. 1,3")
+    ap.add_argument("--parts", default="1,2,3,4,5", help="which parts to run, e.g. 1,3")
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
@@ -298,6 +387,8 @@ def main() -> int:
         bfloat16(work, files, args.device)
     if 3 in parts:
         step_times(work, args.device, [1, 4] if args.quick else [1, 4, 16, 32, 64], 8 if args.quick else 32)
+    if 5 in parts:
+        services(work, files, args.device)
     if 4 in parts:
         load(work, args.device, 4 if args.quick else 32, 2 if args.quick else 16, 8 if args.quick else 32)
     print(f"\nfailed: {', '.join(FAILED)}" if FAILED else "\nevery part ran; every float32 token check held")
