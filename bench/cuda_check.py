@@ -50,7 +50,7 @@ from bench import bench_decode_batch  # noqa: E402
 from bench.bench_pruning import SPEC  # noqa: E402
 from bench.bench_vs_transformers_serve import make_clips  # noqa: E402
 from epd.gateway.embedded import build_embedded_pipeline  # noqa: E402
-from epd.gateway.pipeline import AskRequest, AskSummary, TokenStep  # noqa: E402
+from epd.gateway.pipeline import AskRequest, TokenStep  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
 from epd.model_runtime.sampling import GenerationConfig  # noqa: E402
@@ -59,6 +59,7 @@ from epd.stages.contracts import MediaInput  # noqa: E402
 from epd.stages.messages import question_messages  # noqa: E402
 from epd.video import simple_decoder  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
+from tests.embedded import ask_tokens  # noqa: E402
 from tests.media import make_video  # noqa: E402
 from tests.reference import (  # noqa: E402
     decode_for_test,
@@ -120,21 +121,9 @@ def tiny(work: Path, family: str) -> Path:
 
 async def asks(pipeline, files, cases) -> list[list[int]]:
     """`cases` (media, frames, max_new_tokens, delay s) through `pipeline` at once: their tokens."""
-
-    async def one(media, frames, max_new, delay_s):
-        await asyncio.sleep(delay_s)
-        request = AskRequest(
-            messages=question_messages(QUESTION),
-            media=MediaInput(files[media].read_bytes()),
-            sampling=SamplingOptions(num_frames=frames),
-            generation=GenerationConfig(max_new_tokens=max_new),
-        )
-        async for item in pipeline.ask(request):
-            if isinstance(item, AskSummary):
-                return item.token_ids
-        raise RuntimeError("the pipeline ended without a summary")
-
-    return list(await asyncio.gather(*(one(*c) for c in cases)))
+    return list(
+        await asyncio.gather(*(ask_tokens(pipeline, files[m], QUESTION, f, n, d) for m, f, n, d in cases))
+    )
 
 
 def check_tokens(label, model_dir, files, case, want, got, device, dtype) -> str:

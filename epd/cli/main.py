@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
@@ -179,14 +180,19 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _replicas(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of replicas, got {text!r}") from None
-    if not 1 <= value <= MAX_REPLICAS:
-        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPLICAS} replicas, got {text!r}")
-    return value
+def _count(what: str, high: int, unit: str) -> Callable[[str], int]:
+    """An argparse type: an integer from 1 to `high` ("a number of `what`", "1 to `high` `unit`")."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {what}, got {text!r}") from None
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be 1 to {high} {unit}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_grace_flag(p: argparse.ArgumentParser) -> None:
@@ -310,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.decode_svc.config import DecodeConfig
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
     from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
-    from epd.gateway.config import SCHEDULES, SharedModelSchedule
+    from epd.gateway.config import MAX_CONCURRENT_STEPS, SCHEDULES, SharedModelSchedule
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
     from epd.prefill_svc.config import PrefillSchedulerConfig
 
@@ -436,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests one client (peer IP) may have in flight (the gateway's limit)")
     g = serve.add_argument_group("replicas and supervision (the stack on loopback)")
     for role in ("encoder", "prefill", "decode"):
-        g.add_argument(f"--{role}s", type=_replicas, default=1, metavar="N",
+        g.add_argument(f"--{role}s", type=_count("replicas", MAX_REPLICAS, "replicas"), default=1, metavar="N",
                        help=f"{role} replicas: replica i listens on --{role}-port + {REPLICA_PORT_STEP} * i")
     g.add_argument("--health-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
                    help="a service that stops answering its gRPC health check this long is killed and "
@@ -458,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
                        metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
                                                "waits while encode and prefill steps go first")
+    serve.add_argument("--concurrent-steps", type=_count("model calls", MAX_CONCURRENT_STEPS, "(one per stage)"), default=shared.concurrent_steps,
+                       metavar="N", help=f"--colocate: model calls of different stages that run at once "
+                                         f"(1: one at a time; 2: a decode step beside an encode or prefill "
+                                         f"step; at most {MAX_CONCURRENT_STEPS}, one per stage)")
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     add_prefix_cache_flags(serve)  # passed to prefill (or the colocated one)

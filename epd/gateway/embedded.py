@@ -32,7 +32,11 @@ def build_embedded_pipeline(
     encoder = encoder or EncoderConfig(model=model)
     prefill = prefill or PrefillConfig(model=model)
     adapter = adapter or load_adapter(model, "all")
-    thread = ModelThread(deferred_lanes=schedule.deferred_lanes(), first_calls_ahead=schedule.first_calls_ahead())
+    thread = ModelThread(
+        deferred_lanes=schedule.deferred_lanes(),
+        first_calls_ahead=schedule.first_calls_ahead(),
+        workers=schedule.concurrent_steps,
+    )
     kv_store = KvStore(prefill.kv_store_bytes, prefill.kv_ttl_s)
     return Pipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),

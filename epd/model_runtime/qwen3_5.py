@@ -83,6 +83,7 @@ from epd.model_runtime.hf_loading import (
 from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
+from epd.model_runtime.thread_hooks import owner_thread_only
 from epd.video.types import DecodedVideo
 
 log = logging.getLogger(__name__)
@@ -437,9 +438,11 @@ class _NeutralPadding:
     def __enter__(self) -> _NeutralPadding:
         for i, module in self.modules.items():
             self.handles += [
-                module.in_proj_a.register_forward_hook(self._neutral),
-                module.in_proj_b.register_forward_hook(self._neutral),
-                module.in_proj_qkv.register_forward_hook(lambda _m, _args, out, i=i: self._record(i, out)),
+                module.in_proj_a.register_forward_hook(owner_thread_only(self._neutral)),
+                module.in_proj_b.register_forward_hook(owner_thread_only(self._neutral)),
+                module.in_proj_qkv.register_forward_hook(
+                    owner_thread_only(lambda _m, _args, out, i=i: self._record(i, out))
+                ),
             ]
         return self
 

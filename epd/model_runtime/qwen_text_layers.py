@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from epd.model_runtime.adapter import LayerwisePass, TextDims
+from epd.model_runtime.thread_hooks import owner_thread_only
 
 
 def dims_of(text_config) -> TextDims:
@@ -107,7 +108,8 @@ class QueryCapture:
     def __enter__(self) -> QueryCapture:
         for layer in self.layers:
             attn: torch.nn.Module = self.decoder_layers[layer].self_attn  # type: ignore[assignment]
-            self._handles.append(attn.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
+            hook = owner_thread_only(self._hook(layer))
+            self._handles.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,24 +1,30 @@
-"""One thread per process runs every model call, so asyncio code never blocks on torch and
-requests interleave call by call (torch itself uses `num_threads` inside each call).
+"""The model threads of a process: they run every model call, so asyncio code never blocks on
+torch and requests interleave call by call (torch itself uses `num_threads` inside each call).
 
 Two ways in, one queue: `await run(fn, ...)` from the event loop, and `call(fn, ...)` from a
 request's own driver thread (the encoder's per-request decode driver, `epd.stages.request_pool`),
-which blocks that thread, never the loop. A call whose caller was cancelled before the thread
+which blocks that thread, never the loop. A call whose caller was cancelled before a thread
 reached it is dropped from the queue, so a gone client costs no further model time.
 
-Calls run in the order they were asked for, unless the owner chose a schedule that favours first
+A service process has one model thread: its one engine core's steps run one after another. One
+model serving all three stages (`epd serve --colocate`) has `workers` threads taking calls from
+the one queue (`--concurrent-steps`, 2 by default): each engine core awaits its own call before it
+asks for the next, so a stage never runs two steps at once, but an encode or prefill step and a
+decode step of different requests run side by side. A decode step of a few rows keeps one core
+busy with small operations while a prefill step's matrix products want both
+(docs/benchmarks.md, "Two steps at once"). Module hooks that one call registers on the shared
+model act only in the thread that registered them (`owner_thread_only`).
+
+Calls start in the order they were asked for, unless the owner chose a schedule that favours first
 tokens (the colocated server's `--schedule ttft-first`): then a call asked for with `run_first` (short
 and urgent: the decode core's admission of a request whose prefill is done, which delivers that
 request's first token) goes ahead of every queued call (`first_calls_ahead`), and a call in a
 deferred lane (`deferred_lanes`: decode steps) waits while calls of other lanes are queued, for at
-most its lane's limit, and then goes ahead of them. One model serving all three stages (`epd serve
---colocate`) uses it to run admissions, encode and prefill steps before decode steps: first tokens
-come sooner and each decode step waits at most the limit — the trade vLLM and SGLang expose as a
-scheduling policy. With N requests in flight, time a request does not spend waiting for its first
-token it spends decoding, so the time per token rises by as much (docs/benchmarks.md, "The load's
-two latencies").
+most its lane's limit, and then goes ahead of them: first tokens come sooner and each decode step
+waits at most the limit — the trade vLLM and SGLang expose as a scheduling policy. With N requests
+in flight, time a request does not spend waiting for its first token it spends decoding, so the
+time per token rises by as much (docs/benchmarks.md, "The load's two latencies").
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +42,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-THREAD_NAME = "model_0"
+THREAD_NAME = "model_{}"
+"""Worker i is named model_i (py-spy and thread dumps show which call runs where)."""
 
 
 @dataclass
@@ -55,21 +62,29 @@ class ModelThread:
         threads: StepThreads | None = None,
         deferred_lanes: Mapping[str, float] | None = None,
         first_calls_ahead: bool = False,
+        workers: int = 1,
     ) -> None:
         """threads: the torch-threads policy the engine cores apply before each batched step
         (`--num-threads auto` in a service process); None: keep what the loader set.
         deferred_lanes: lane -> longest seconds a call of that lane lets other lanes' calls go
         first (see the module docstring); empty: none is deferred.
         first_calls_ahead: `run_first` calls go ahead of the queued calls; False: they take their
-        place in the arrival order like any other call."""
+        place in the arrival order like any other call.
+        workers: threads taking calls from the queue; more than one only where the callers are
+        engine cores of different stages sharing one model (see the module docstring)."""
+        if workers < 1:
+            raise ValueError(f"a model thread pool needs at least one worker, got {workers}")
         self.threads = threads
         self.deferred_lanes = dict(deferred_lanes or {})
         self.first_calls_ahead = first_calls_ahead
         self._queue: list[_Call] = []
         self._wake = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._work, name=THREAD_NAME, daemon=True)
-        self._thread.start()
+        self._workers = [
+            threading.Thread(target=self._work, name=THREAD_NAME.format(i), daemon=True) for i in range(workers)
+        ]
+        for worker in self._workers:
+            worker.start()
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the model thread; cancelling the await drops the call if it has not started."""
@@ -88,17 +103,17 @@ class ModelThread:
         return await asyncio.wrap_future(future)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` on the model thread and wait for it, from any other (non-loop) thread."""
-        if threading.get_ident() == self._thread.ident:
-            raise RuntimeError("ModelThread.call from the model thread itself would wait forever")
+        """Run `fn` on a model thread and wait for it, from any other (non-loop) thread."""
+        if any(threading.get_ident() == worker.ident for worker in self._workers):
+            raise RuntimeError("ModelThread.call from a model thread itself could wait forever")
         return self._submit("", fn, args, kwargs).result()
 
     def close(self) -> None:
-        """Stop the thread after the call it is running; calls still queued are cancelled."""
+        """Stop the threads after the calls they are running; calls still queued are cancelled."""
         with self._wake:
             self._closed = True
             dropped, self._queue = self._queue, []
-            self._wake.notify()
+            self._wake.notify_all()
         for c in dropped:
             c.future.cancel()
 

@@ -9,13 +9,14 @@ import pytest
 
 from epd.client import EpdClient
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.sampling import GenerationConfig
-from epd.stages.contracts import MediaInput
-from epd.stages.messages import question_messages
-from epd.video.types import SamplingOptions
-from tests.reference import decode_for_test, reference_tokens, reference_tokens_for_messages
+from tests.embedded import ask_tokens
+from tests.reference import (
+    decode_for_test,
+    divergence_margin,
+    reference_tokens,
+    reference_tokens_for_messages,
+)
 from tests.stack import Stack
 
 QUESTION = "what colour is the moving square?"
@@ -55,19 +56,7 @@ def embedded_tokens(model_dir, path, num_frames: int, positions_override=None) -
     if positions_override is not None:
         adapter = pipeline.prefill.engine.adapter
         adapter._prompt_positions = positions_override.__get__(adapter)
-    request = AskRequest(
-        messages=question_messages(QUESTION),
-        media=MediaInput(path.read_bytes()),
-        sampling=SamplingOptions(num_frames=num_frames),
-        generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
-    )
-
-    async def run():
-        async for item in pipeline.ask(request):
-            if isinstance(item, AskSummary):
-                return item.token_ids
-
-    return asyncio.run(run())
+    return asyncio.run(ask_tokens(pipeline, path, QUESTION, num_frames, MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize("family,media,num_frames", CASES)
@@ -122,7 +111,6 @@ def test_a_batch_of_different_requests_equals_generate_request_by_request(
     """Each request's greedy tokens inside the decode batch equal generate()'s for it alone; where
     one differs, it must be a near-tie of the reference model (shown, not hidden)."""
     from epd.client import AsyncEpdClient
-    from tests.reference import divergence_margin
 
     async def one(client, media, num_frames, max_new, delay_s):
         await asyncio.sleep(delay_s)
@@ -133,16 +121,37 @@ def test_a_batch_of_different_requests_equals_generate_request_by_request(
         async with AsyncEpdClient(stacks[family].gateway) as client:
             return await asyncio.gather(*(one(client, *case) for case in BATCH))
 
-    got = asyncio.run(run())
-    for (media, num_frames, max_new, _), tokens in zip(BATCH, got):
+    assert_batch_equals_generate_or_near_ties(tiny_models[family], media_files, references, family, asyncio.run(run()))
+
+
+def assert_batch_equals_generate_or_near_ties(model_dir, media_files, references, family, got) -> None:
+    """Each of BATCH's requests' tokens equal generate()'s for it alone, or leave them at a near-tie."""
+    for (media, num_frames, max_new, _), tokens in zip(BATCH, got, strict=True):
         want = references[(family, media, num_frames)][:max_new]
-        margin = divergence_margin(
-            tiny_models[family], decode_for_test(media_files[media], num_frames), QUESTION, want, tokens
-        )
+        margin = divergence_margin(model_dir, decode_for_test(media_files[media], num_frames), QUESTION, want, tokens)
         assert margin is None or margin[1] <= NEAR_TIE_LOGITS, (
             f"{media} x {num_frames} frames: token {margin and margin[0]} differs from generate()'s by a "
             f"logit margin of {margin and margin[1]}: not a rounding near-tie"
         )
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_batch_in_one_process_with_steps_side_by_side_equals_generate_request_by_request(
+    tiny_models, media_files, references, family
+):
+    """The colocated server's pipeline (one model, encode/prefill and decode steps at once on two
+    model threads by default): the same batch, the same rule as through three processes."""
+    from epd.gateway.config import SharedModelSchedule
+
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models[family])))
+    assert SharedModelSchedule().concurrent_steps == 2  # what this test is about
+
+    async def run():
+        return await asyncio.gather(
+            *(ask_tokens(pipeline, media_files[m], QUESTION, f, n, delay_s) for m, f, n, delay_s in BATCH)
+        )
+
+    assert_batch_equals_generate_or_near_ties(tiny_models[family], media_files, references, family, asyncio.run(run()))
 
 
 # -- conversations: a prefix-cache hit and a forced miss through three processes (issue #15) ----

@@ -70,6 +70,24 @@ def test_captured_queries_are_the_ones_the_attention_scores_with(language):
 
 
 @torch.no_grad()
+def test_a_capture_records_its_own_threads_forward_and_not_a_concurrent_one(language):
+    """The colocated server runs a decode step beside a prefill step on the same layers: the
+    prefill drop's query capture must not record (or break on) the other thread's forward."""
+    import threading
+
+    prompt, visual = _prompt(language)
+    lm = language._language_model()
+    run = lambda: lm(inputs_embeds=_embeds(language, prompt, visual), position_ids=prompt.position_ids)  # noqa: E731
+    with language.capture_queries(range(language.num_layers), torch.tensor([LENGTH - 1])) as cap:
+        other = threading.Thread(target=run)
+        other.start()
+        other.join(60)
+        assert cap.queries == {}, "a forward in another thread went through the capture"
+        run()
+    assert sorted(cap.queries) == list(range(language.num_layers))
+
+
+@torch.no_grad()
 def test_layerwise_pass_without_a_drop_is_the_adapters_prefill(language):
     prompt, visual = _prompt(language)
     if isinstance(language, Qwen3VLAdapter):

@@ -474,3 +474,27 @@ def test_the_prefill_core_chunks_and_batches_three_requests_at_once(checkpoint, 
 
 def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):
     assert_epd_ask_equals_references(checkpoint, media_files, references, capsys)
+
+
+@torch.no_grad()
+def test_the_padding_hooks_act_on_the_registering_threads_forward_only(language):
+    """The colocated server runs a decode step beside a padded prefill on the same layers: the
+    prefill's neutral-padding hooks must leave the other thread's projections alone."""
+    import threading
+
+    from epd.model_runtime.qwen3_5 import _NeutralPadding
+
+    lm = language._language_model()
+    layer = language.linear_layers[0]
+    proj = lm.layers[layer].linear_attn.in_proj_a
+    x = torch.randn(2, 5, proj.in_features)
+    valid = torch.tensor([[True] * 5, [True, True, True, False, False]])  # [B, L]
+    plain = proj(x)
+    other: list[torch.Tensor] = []
+    with _NeutralPadding(lm, language.linear_layers, valid, kernel=4):
+        worker = threading.Thread(target=lambda: other.append(proj(x)))
+        worker.start()
+        worker.join(30)
+        own = proj(x)
+    assert torch.equal(other[0], plain), "another thread's projection went through the padding hook"
+    assert torch.isinf(own[1, 3:]).all() and torch.equal(own[0], plain[0]) and torch.equal(own[1, :3], plain[1, :3])

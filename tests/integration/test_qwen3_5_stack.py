@@ -100,3 +100,26 @@ def test_a_pruning_knob_is_invalid_argument_naming_the_family(stack, media_files
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "not supported for model family qwen3_5" in err.value.message
     assert stack.alive()
+
+
+def test_in_one_process_with_steps_side_by_side_each_request_equals_its_reference(
+    checkpoint, media_files, references
+):
+    """The colocated pipeline: a padded prefill of two prompts (its hooks neutralise the padding
+    for the linear layers) runs beside decode steps of the others on a second model thread; the
+    hooks must act on the prefill's own forward only."""
+    import asyncio
+
+    from epd.gateway.embedded import build_embedded_pipeline
+    from tests.embedded import ask_tokens
+
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(checkpoint)))
+    cases = [("png", 1, 0.0), ("mp4", 8, 0.0), ("mp4", 32, 0.0), ("png", 1, 0.2), ("mp4", 8, 0.2)]
+
+    async def run():
+        return await asyncio.gather(
+            *(ask_tokens(pipeline, media_files[m], QUESTION, f, MAX_NEW_TOKENS, delay_s) for m, f, delay_s in cases)
+        )
+
+    for (media, num_frames, _), tokens in zip(cases, asyncio.run(run()), strict=True):
+        assert tokens == references[(media, num_frames)], (media, num_frames)

@@ -231,3 +231,69 @@ def test_without_first_calls_ahead_a_run_first_call_keeps_its_place_in_the_arriv
     """fifo (the default schedule): an admission waits behind the steps queued before it."""
     calls = [("encode", "encode"), ("decode", "first admit"), ("prefill", "prefill"), ("decode", "decode step")]
     assert _queued_order({}, calls) == ["encode", "first admit", "prefill", "decode step"]
+
+
+# -- several workers: calls of different stages side by side (`epd serve --colocate --concurrent-steps`)
+
+
+def test_two_workers_run_two_calls_at_once_and_a_third_waits_for_a_free_worker():
+    pool = ModelThread(workers=2)
+    try:
+
+        async def scenario():
+            first, second = Blocker(), Blocker()
+            a = asyncio.ensure_future(pool.run_in("decode", first))
+            b = asyncio.ensure_future(pool.run_in("prefill", second))
+            await first.wait_started()
+            await second.wait_started()  # both started while neither has returned: side by side
+            third = asyncio.ensure_future(pool.run_in("encode", threading.get_ident))
+            await asyncio.sleep(0.05)
+            assert not third.done(), "a third call ran while both workers were busy"
+            second.release.set()
+            worker = await third  # it takes the worker the second call left
+            first.release.set()
+            assert await a == await b == "blocker"
+            return worker
+
+        worker = _run(scenario())
+        assert worker != threading.get_ident()
+    finally:
+        pool.close()
+
+
+def test_with_one_worker_a_second_call_waits_for_the_first():
+    pool = ModelThread(workers=1)
+    try:
+
+        async def scenario():
+            blocker = Blocker()
+            held = asyncio.ensure_future(pool.run(blocker))
+            await blocker.wait_started()
+            other = asyncio.ensure_future(pool.run(lambda: "other"))
+            await asyncio.sleep(0.05)
+            assert not other.done()
+            blocker.release.set()
+            return await held, await other
+
+        assert _run(scenario()) == ("blocker", "other")
+    finally:
+        pool.close()
+
+
+def test_call_from_any_worker_is_refused_and_close_stops_every_worker():
+    pool = ModelThread(workers=2)
+
+    async def scenario():
+        return await pool.run(lambda: pool.call(lambda: None))
+
+    with pytest.raises(RuntimeError, match="from a model thread itself"):
+        _run(scenario())
+    pool.close()
+    for worker in pool._workers:
+        worker.join(HANG_GUARD_S)
+        assert not worker.is_alive()
+
+
+def test_a_pool_needs_a_worker():
+    with pytest.raises(ValueError, match="at least one worker"):
+        ModelThread(workers=0)

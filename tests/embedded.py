@@ -1,0 +1,30 @@
+"""Asking the embedded pipeline (the three stages in one process: `build_embedded_pipeline`, what
+`epd serve --colocate` and `epd ask` without `--endpoint` run) from tests and checkout-only benches."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import MediaInput
+from epd.stages.messages import question_messages
+from epd.video.types import SamplingOptions
+
+
+async def ask_tokens(
+    pipeline: Pipeline, media: Path, question: str, num_frames: int, max_new_tokens: int, delay_s: float = 0.0
+) -> list[int]:
+    """One question about `media` (after `delay_s`): the answer's token ids."""
+    await asyncio.sleep(delay_s)
+    request = AskRequest(
+        messages=question_messages(question),
+        media=MediaInput(media.read_bytes()),
+        sampling=SamplingOptions(num_frames=num_frames),
+        generation=GenerationConfig(max_new_tokens=max_new_tokens),
+    )
+    async for item in pipeline.ask(request):
+        if isinstance(item, AskSummary):
+            return item.token_ids
+    raise RuntimeError("the pipeline ended without a summary")
