@@ -218,9 +218,8 @@ def _service(args: argparse.Namespace):
 
 async def _colocated(config, stages: ColocatedStages) -> None:
     """`epd serve --colocate`: one process, one model (vision + language), the three stages local
-    and sharing its cores (their model calls take turns on one model thread, encode and prefill
-    before decode unless decode has waited `--decode-max-wait-s`: `--schedule`), the same gRPC and
-    HTTP front door on the same ports."""
+    and sharing its cores (their model calls go through one queue to `--concurrent-steps` model
+    threads, in the order `--schedule` sets), the same gRPC and HTTP front door on the same ports."""
     from epd.gateway import server as gateway
     from epd.gateway.embedded import build_embedded_pipeline
 

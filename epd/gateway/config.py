@@ -19,7 +19,7 @@ MAX_CONCURRENT_STEPS = 3
 
 @dataclass(frozen=True)
 class SharedModelSchedule:
-    """How the three stages' steps take turns on the one model thread (`epd serve --colocate`).
+    """How the three stages' steps share the model threads of `epd serve --colocate`.
 
     fifo (default): in the order they are asked for (a decode step between any two others).
     ttft-first: the decode core's admissions (each delivers a request's first token) go ahead of

@@ -78,7 +78,10 @@ class ModelThread:
         self.deferred_lanes = dict(deferred_lanes or {})
         self.first_calls_ahead = first_calls_ahead
         self._queue: list[_Call] = []
-        self._wake = threading.Condition()
+        self._lock = threading.Lock()
+        self._idle: list[threading.Condition] = []
+        """Idle workers' wake-ups, the most recently idle last: a new call wakes that one, so at low
+        load the calls stay on one thread (and its warm OpenMP team) instead of alternating."""
         self._closed = False
         self._workers = [
             threading.Thread(target=self._work, name=THREAD_NAME.format(i), daemon=True) for i in range(workers)
@@ -110,10 +113,11 @@ class ModelThread:
 
     def close(self) -> None:
         """Stop the threads after the calls they are running; calls still queued are cancelled."""
-        with self._wake:
+        with self._lock:
             self._closed = True
             dropped, self._queue = self._queue, []
-            self._wake.notify_all()
+            for wake in self._idle:
+                wake.notify()
         for c in dropped:
             c.future.cancel()
 
@@ -122,7 +126,7 @@ class ModelThread:
     def _submit(self, lane: str, fn: Callable[..., T], args: tuple, kwargs: dict, first: bool = False) -> Future:
         future: Future = Future()
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        with self._wake:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("the model thread is closed")
             if first:  # behind the other first calls, ahead of the rest
@@ -130,7 +134,8 @@ class ModelThread:
                 self._queue.insert(at, _Call(call, future, lane, first=True))
             else:
                 self._queue.append(_Call(call, future, lane))
-            self._wake.notify()
+            if self._idle:
+                self._idle.pop().notify()
         return future
 
     def _next(self) -> _Call | None:
@@ -145,10 +150,15 @@ class ModelThread:
         return self._queue.pop(0)
 
     def _work(self) -> None:
+        wake = threading.Condition(self._lock)
         while True:
-            with self._wake:
+            with self._lock:
                 while not self._queue and not self._closed:
-                    self._wake.wait()
+                    if wake not in self._idle:  # not yet, or woken by a call another worker took
+                        self._idle.append(wake)
+                    wake.wait()
+                if wake in self._idle:
+                    self._idle.remove(wake)
                 if self._closed:
                     return
                 call = self._next()

@@ -297,3 +297,18 @@ def test_call_from_any_worker_is_refused_and_close_stops_every_worker():
 def test_a_pool_needs_a_worker():
     with pytest.raises(ValueError, match="at least one worker"):
         ModelThread(workers=0)
+
+
+def test_at_low_load_calls_stay_on_the_most_recently_idle_worker():
+    """One call at a time (one request in flight): each call wakes the worker that ran the last
+    one, not the one idle longest, so torch's thread team of that worker stays warm."""
+    pool = ModelThread(workers=3)
+    try:
+
+        async def scenario():
+            return [await pool.run(threading.get_ident) for _ in range(12)]
+
+        ran_on = _run(scenario())
+        assert len(set(ran_on[1:])) == 1, f"sequential calls moved between workers: {ran_on}"
+    finally:
+        pool.close()
