@@ -85,9 +85,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
     env_threads = _env("EPD_NUM_THREADS", "")
     g.add_argument("--num-threads", type=_num_threads, default=_num_threads(env_threads) if env_threads else None,
-                   help="torch threads per model call: N, or auto (the cores the other stages leave idle at "
-                        "that moment; in one process, every core). Default: 1 per service of a stack "
-                        "(the fastest under load, docs/benchmarks.md), every core in --colocate")
+                   help="torch threads per model call: N, or auto (the cores the other stages' calls leave "
+                        "idle at that moment). Default: 1 per service of a stack (the fastest under load, "
+                        "docs/benchmarks.md), auto in --colocate")
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
+from epd.model_runtime.threads import AUTO, CallThreads
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
@@ -36,6 +37,7 @@ def build_embedded_pipeline(
         deferred_lanes=schedule.deferred_lanes(),
         first_calls_ahead=schedule.first_calls_ahead(),
         workers=schedule.concurrent_steps,
+        call_threads=CallThreads() if model.num_threads == AUTO else None,
     )
     kv_store = KvStore(prefill.kv_store_bytes, prefill.kv_ttl_s)
     return Pipeline(

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from epd.model_runtime.threads import StepThreads
+    from epd.model_runtime.threads import CallThreads, StepThreads
 
 T = TypeVar("T")
 
@@ -63,6 +63,7 @@ class ModelThread:
         deferred_lanes: Mapping[str, float] | None = None,
         first_calls_ahead: bool = False,
         workers: int = 1,
+        call_threads: CallThreads | None = None,
     ) -> None:
         """threads: the torch-threads policy the engine cores apply before each batched step
         (`--num-threads auto` in a service process); None: keep what the loader set.
@@ -71,12 +72,16 @@ class ModelThread:
         first_calls_ahead: `run_first` calls go ahead of the queued calls; False: they take their
         place in the arrival order like any other call.
         workers: threads taking calls from the queue; more than one only where the callers are
-        engine cores of different stages sharing one model (see the module docstring)."""
+        engine cores of different stages sharing one model (see the module docstring).
+        call_threads: torch threads set before every call, from the calls running at once (the
+        colocated server under `--num-threads auto`); None: the engine cores' `threads`, or the
+        loader's setting."""
         if workers < 1:
             raise ValueError(f"a model thread pool needs at least one worker, got {workers}")
         self.threads = threads
         self.deferred_lanes = dict(deferred_lanes or {})
         self.first_calls_ahead = first_calls_ahead
+        self.call_threads = call_threads
         self._queue: list[_Call] = []
         self._lock = threading.Lock()
         self._idle: list[threading.Condition] = []
@@ -108,7 +113,7 @@ class ModelThread:
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on a model thread and wait for it, from any other (non-loop) thread."""
         if any(threading.get_ident() == worker.ident for worker in self._workers):
-            raise RuntimeError("ModelThread.call from a model thread itself could wait forever")
+            raise RuntimeError("ModelThread.call from a model thread itself would wait forever")
         return self._submit("", fn, args, kwargs).result()
 
     def close(self) -> None:
@@ -164,7 +169,15 @@ class ModelThread:
                 call = self._next()
             if call is None or not call.future.set_running_or_notify_cancel():
                 continue  # its caller was cancelled while it waited
+            if self.call_threads is not None:
+                self.call_threads.enter()
             try:
-                call.future.set_result(call.fn())
+                result, error = call.fn(), None
             except BaseException as exc:  # noqa: BLE001 - the caller gets it; the thread serves on
-                call.future.set_exception(exc)
+                result, error = None, exc
+            if self.call_threads is not None:
+                self.call_threads.exit()  # before the caller learns the call is over
+            if error is None:
+                call.future.set_result(result)
+            else:
+                call.future.set_exception(error)

@@ -286,7 +286,7 @@ def test_call_from_any_worker_is_refused_and_close_stops_every_worker():
     async def scenario():
         return await pool.run(lambda: pool.call(lambda: None))
 
-    with pytest.raises(RuntimeError, match="from a model thread itself"):
+    with pytest.raises(RuntimeError, match="from a model thread itself would wait forever"):
         _run(scenario())
     pool.close()
     for worker in pool._workers:

@@ -63,3 +63,55 @@ def test_the_flag_takes_a_count_or_auto():
     for bad in ("0", "-1", "many"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive number or auto"):
             _num_threads(bad)
+
+
+# -- one process's model threads running several calls at once (`epd serve --colocate`) ----------
+
+
+def test_each_call_takes_the_cores_divided_by_the_calls_running():
+    from epd.model_runtime.threads import CallThreads
+
+    threads = CallThreads(cores=4)
+    assert [threads.for_call(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    before = torch.get_num_threads()
+    try:
+        assert threads.enter() == 4 and torch.get_num_threads() == 4, "alone: every core"
+        assert threads.enter() == 2 and torch.get_num_threads() == 2, "a second call beside it: half"
+        threads.exit()
+        threads.exit()
+        assert threads.enter() == 4, "both left: the next call alone gets every core again"
+        threads.exit()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_model_threads_set_each_calls_threads_from_the_calls_running():
+    import asyncio
+    import threading
+
+    from epd.model_runtime.threads import CallThreads
+    from epd.stages.model_thread import ModelThread
+
+    before = torch.get_num_threads()
+    pool = ModelThread(workers=2, call_threads=CallThreads(cores=4))
+    started, release = threading.Event(), threading.Event()
+
+    def held() -> int:
+        n = torch.get_num_threads()
+        started.set()
+        assert release.wait(30)
+        return n
+
+    async def scenario():
+        first = asyncio.ensure_future(pool.run(held))
+        assert await asyncio.to_thread(started.wait, 30)
+        beside = await pool.run(torch.get_num_threads)  # runs while `held` holds the other worker
+        release.set()
+        return await first, beside, await pool.run(torch.get_num_threads)
+
+    try:
+        assert asyncio.run(asyncio.wait_for(scenario(), 30)) == (4, 2, 4)
+    finally:
+        release.set()
+        pool.close()
+        torch.set_num_threads(before)
