@@ -185,7 +185,8 @@ def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
                                 max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
                                 prefill_chunk_tokens=args.prefill_chunk_tokens or None))
     decode = DecodeConfig(model=model, max_running_requests=args.max_running_requests)
-    return ColocatedStages(model, prefill, decode, SharedModelSchedule(args.schedule, args.decode_max_wait_s, args.concurrent_steps))
+    schedule = SharedModelSchedule(args.schedule, args.decode_max_wait_s, args.concurrent_steps)
+    return ColocatedStages(model, prefill, decode, schedule)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

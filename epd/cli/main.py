@@ -464,10 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
                        metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
                                                "waits while encode and prefill steps go first")
-    serve.add_argument("--concurrent-steps", type=_count("model calls", MAX_CONCURRENT_STEPS, "(one per stage)"), default=shared.concurrent_steps,
-                       metavar="N", help=f"--colocate: model calls of different stages that run at once "
-                                         f"(1: one at a time; 2: a decode step beside an encode or prefill "
-                                         f"step; at most {MAX_CONCURRENT_STEPS}, one per stage)")
+    serve.add_argument("--concurrent-steps", type=_count("model calls", MAX_CONCURRENT_STEPS, "(one per stage)"),
+                       default=shared.concurrent_steps, metavar="N",
+                       help=f"--colocate: model calls of different stages that run at once (1: one at a time; "
+                            f"2: a decode step beside an encode or prefill step; at most {MAX_CONCURRENT_STEPS}, "
+                            "one per stage)")
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     add_prefix_cache_flags(serve)  # passed to prefill (or the colocated one)

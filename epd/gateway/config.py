@@ -33,9 +33,9 @@ class SharedModelSchedule:
     concurrent_steps: how many of the stages' model calls run at once (the model threads'
     `workers`): 1, one at a time; 2 (default), a decode step beside an encode or prefill step (each
     stage still runs its own steps one after another); 3, all three stages at once. Measured on
-    the 2-core bench machine at 16 in flight (docs/benchmarks.md, "Two steps at once"): 2 cut the
-    TTFT p50 by a quarter to a third at the same or higher requests/s, and changed nothing with
-    one request in flight."""
+    the 2-core bench machine at 16 in flight (docs/benchmarks.md, "Two steps at once"), 2 (with the
+    cores split among the calls running, `--num-threads auto`) against 1: TPOT p50 -40% and -13%,
+    TTFT p50 -5% and -35%, requests/s +2% and +4% (8 frames / 32 tokens; 4 frames / 64 tokens)."""
 
     policy: str = "fifo"
     decode_max_wait_s: float = 0.3

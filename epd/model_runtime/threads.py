@@ -26,7 +26,7 @@ step runs beside an encode or prefill step: `--concurrent-steps`) applies the sa
 calls (`CallThreads`): each call takes the cores divided by the calls running when it starts, all
 of them when it runs alone. Measured on the 2-core bench machine at 16 in flight
 (docs/benchmarks.md, "Two steps at once"): against every core for every call, the time per token
-fell by a third in the 8-frame setting and by a seventh in the 4-frame one, at the same or higher
+fell by 40% in the 8-frame setting and by a seventh in the 4-frame one, at the same or higher
 requests/s.
 """
 

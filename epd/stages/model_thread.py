@@ -25,6 +25,7 @@ waits at most the limit — the trade vLLM and SGLang expose as a scheduling pol
 in flight, time a request does not spend waiting for its first token it spends decoding, so the
 time per token rises by as much (docs/benchmarks.md, "The load's two latencies").
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -93,6 +94,10 @@ class ModelThread:
         ]
         for worker in self._workers:
             worker.start()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the model thread; cancelling the await drops the call if it has not started."""

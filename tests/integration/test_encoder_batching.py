@@ -275,8 +275,9 @@ def test_batched_answers_equal_one_at_a_time_and_generate(tiny_models, media_fil
     release = threading.Event()
 
     async def concurrently() -> list[list[int]]:
-        # Hold the shared model thread so that every request's first group queues, then let go.
-        held = asyncio.ensure_future(stage.model_thread.run(release.wait, HANG_GUARD_S))
+        # Hold every shared model thread so that every request's first group queues, then let go.
+        workers = stage.model_thread.num_workers
+        held = asyncio.gather(*(stage.model_thread.run(release.wait, HANG_GUARD_S) for _ in range(workers)))
         tasks = [asyncio.ensure_future(_tokens(pipeline, r)) for r in requests]
         await _until(lambda: stage.load().num_running + stage.load().num_waiting == len(requests),
                      "every request's first frame group to be queued")
