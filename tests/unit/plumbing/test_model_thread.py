@@ -1,6 +1,9 @@
 """`ModelThread`: one thread runs every call, in the order they were asked for; a call's error
 reaches its own caller and the thread serves on; a caller cancelled before its call started
-drops the call; `close` stops the thread and drops what was still queued.
+drops the call; `close` stops the thread and drops what was still queued. The schedules' orders
+(deferred lanes, first calls ahead). With several workers (the colocated server's
+`--concurrent-steps`): calls run side by side, a further one waits for a free worker, and one call
+at a time stays on one worker.
 
 To hold calls in the queue deterministically, a first call blocks the thread on a
 threading.Event until the test opens it. Waits carry a hang guard only.
