@@ -146,6 +146,10 @@ def make_video(
         stream.codec_context.gop_size = gop
         if enc == "libx264" and single_slice:
             stream.codec_context.thread_type = "FRAME"
+        if enc == "libx264":
+            # One encoder thread: with FFmpeg's threads, a busy machine now and then got a different
+            # clip (19 of 80 frames differed in one run of the suite) and so different references.
+            stream.codec_context.thread_count = 1
         if enc in ("mpeg4",):
             stream.codec_context.max_b_frames = bframes or 0
         if rotation_deg:
