@@ -13,7 +13,7 @@ asks for the next, so a stage never runs two steps at once, but an encode or pre
 decode step of different requests run side by side. A decode step of a few rows keeps one core
 busy with small operations while a prefill step's matrix products want both
 (docs/benchmarks.md, "Two steps at once"). Module hooks that one call registers on the shared
-model act only in the thread that registered them (`owner_thread_only`).
+model act only in the thread that registered them (`epd.model_runtime.thread_hooks`).
 
 Calls start in the order they were asked for, unless the owner chose a schedule that favours first
 tokens (the colocated server's `--schedule ttft-first`): then a call asked for with `run_first` (short
