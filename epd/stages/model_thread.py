@@ -182,6 +182,13 @@ class ModelThread:
                 result, error = None, exc
             if self.call_threads is not None:
                 self.call_threads.exit()  # before the caller learns the call is over
+            with self._lock:
+                # Idle (the most recently) before the caller learns the call is over: the caller's
+                # next call, submitted at once, then wakes this thread, not one idle longer. If the
+                # next call comes before this thread waits, its wake-up finds no waiter, but the
+                # thread sees the queued call when it takes the lock again.
+                if wake not in self._idle:
+                    self._idle.append(wake)
             if error is None:
                 call.future.set_result(result)
             else:

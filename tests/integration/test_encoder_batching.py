@@ -155,17 +155,22 @@ def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_fil
 
     async def scenario() -> EncodedMedia:
         task = asyncio.ensure_future(stage.encode(MediaInput(data), SamplingOptions(num_frames=8), lambda e: None, "r"))
-        # Group 1 is in the held step; groups 2-4 (8 frames, 2 a group) queue behind it.
-        await _until(lambda: stage.load().num_running == 1 and stage.load().num_waiting == 3,
-                     "the request's other three groups to be queued")
+        # Group 1 is in the held step (with group 2 too if the driver queued it before the step
+        # was scheduled); the other groups (8 frames, 2 a group) queue behind it.
+        await _until(lambda: stage.load().num_running + stage.load().num_waiting == 4,
+                     "the request's four frame groups to be queued")
+        first_step.append(stage.load().num_running)
         release.set()
         return await asyncio.wait_for(task, HANG_GUARD_S)
 
+    first_step: list[int] = []
     try:
         out = asyncio.run(scenario())
     finally:
         stage.model_thread.close()
-    assert stage.load().num_steps == 2 and stage.runner.max_batch_size == 3, "groups 2-4 went in one call"
+    assert first_step[0] in (1, 2), f"the held step took {first_step[0]} groups"
+    assert stage.load().num_steps == 2, "the queued groups went through the tower in one call"
+    assert stage.runner.max_batch_size == max(first_step[0], 4 - first_step[0])
     ref = EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter).encode(
         MediaInput(data), SamplingOptions(num_frames=8), lambda e: None)
     assert out.meta == ref.meta
