@@ -102,6 +102,11 @@ def internal_auth_problem(args: argparse.Namespace, security: TransportSecurity)
 
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
+    return _encoder_config(args, model_config(args), server_config(args))
+
+
+def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig) -> EncoderConfig:
+    """The encoder's flags (`add_encoder_flags`, `add_sampling_flags`) over a model and a server."""
     limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes, max_source_pixels=args.max_source_pixels,
                      max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
                      max_decode_s=args.max_decode_s,
@@ -109,7 +114,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
                      **({"num_workers": args.decode_workers} if args.decode_workers else {}))
     cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
-    return EncoderConfig(model=model_config(args), server=server_config(args), limits=limits,
+    return EncoderConfig(model=model, server=server, limits=limits,
                          sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
                          cache=cache, decode_backend=args.decode_backend,
                          max_concurrent_decodes=args.max_concurrent_decodes,
@@ -161,7 +166,8 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
                          http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args)),
                          max_requests_per_client=args.max_requests_per_client,
-                         max_requests_per_api_key=args.max_requests_per_api_key)
+                         max_requests_per_api_key=args.max_requests_per_api_key,
+                         max_upload_bytes=args.max_upload_bytes)
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,7 @@ class ColocatedStages:
     """`epd serve --colocate`'s stages: one model for all three, their configs, the shared schedule."""
 
     model: ModelConfig
+    encoder: EncoderConfig
     prefill: PrefillConfig
     decode: DecodeConfig
     schedule: SharedModelSchedule
@@ -179,6 +186,7 @@ def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
     model = model_config(args)
     if args.num_threads is None:  # one model call at a time: every call may use every core
         model = replace(model, num_threads=AUTO)
+    encoder = _encoder_config(args, model, ServerConfig())  # no server of its own: it serves through the front door
     prefill = PrefillConfig(model=model, prefix_cache_bytes=args.prefix_cache_bytes,
                             prefix_cache_ttl_s=args.prefix_cache_ttl,
                             scheduler=PrefillSchedulerConfig(
@@ -186,7 +194,7 @@ def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
                                 prefill_chunk_tokens=args.prefill_chunk_tokens or None))
     decode = DecodeConfig(model=model, max_running_requests=args.max_running_requests)
     schedule = SharedModelSchedule(args.schedule, args.decode_max_wait_s, args.concurrent_steps)
-    return ColocatedStages(model, prefill, decode, schedule)
+    return ColocatedStages(model, encoder, prefill, decode, schedule)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

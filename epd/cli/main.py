@@ -475,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = serve.add_argument_group("batching (passed to the stages, or the colocated ones)")
     add_prefill_step_flags(g)
     add_decode_batch_flags(g)
+    add_encoder_flags(serve)  # passed to the encoders (and --max-upload-bytes to the gateway), or the colocated one
+    add_sampling_flags(serve)
     add_model_flags(serve)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (latency/throughput), quality (accuracy)")

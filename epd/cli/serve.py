@@ -223,8 +223,9 @@ async def _colocated(config, stages: ColocatedStages) -> None:
     from epd.gateway import server as gateway
     from epd.gateway.embedded import build_embedded_pipeline
 
-    await gateway.main(config, local=build_embedded_pipeline(stages.model, prefill=stages.prefill,
-                                                             decode=stages.decode, schedule=stages.schedule))
+    await gateway.main(config, local=build_embedded_pipeline(stages.model, encoder=stages.encoder,
+                                                             prefill=stages.prefill, decode=stages.decode,
+                                                             schedule=stages.schedule))
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -297,7 +298,8 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                        str(args.prefix_cache_ttl), "--kv-ttl", str(args.kv_ttl),
                        "--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step),
                        "--prefill-chunk-tokens", str(args.prefill_chunk_tokens or 0)],
-           "decode": ["--max-running-requests", str(args.max_running_requests)]}
+           "decode": ["--max-running-requests", str(args.max_running_requests)],
+           "encoder": encoder_flags(args)}
     ports = replica_ports(args)
     commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own.get(role, [])]
                 for role in MODEL_ROLES for i, port in enumerate(ports[role])}
@@ -311,8 +313,20 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                            "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S),
                            "--stage-attempt-timeout", str(args.stage_attempt_timeout),
                            "--http-port", str(args.http_port), "--max-requests-per-client",
-                           str(args.max_requests_per_client)]
+                           str(args.max_requests_per_client), "--max-upload-bytes", str(args.max_upload_bytes)]
     return commands
+
+
+def encoder_flags(args: argparse.Namespace) -> list[str]:
+    """The stack's encoder and frame-sampling flags as the encoders' command line: every flag
+    `add_encoder_flags` and `add_sampling_flags` define, with the value the stack was given."""
+    from epd.cli.main import add_encoder_flags, add_sampling_flags
+
+    own = argparse.ArgumentParser(add_help=False)
+    add_encoder_flags(own)
+    add_sampling_flags(own)
+    return [word for action in own._actions
+            for word in (action.option_strings[0], str(getattr(args, action.dest)))]
 
 
 @dataclass

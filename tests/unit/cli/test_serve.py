@@ -377,3 +377,35 @@ def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
     assert default.prefill.scheduler.max_prefill_tokens_per_step == 2048
     with pytest.raises(ValueError, match="--max-prefill-tokens-per-step"):
         configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "0"]))
+
+
+def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
+    """`epd serve --frames-per-group/--max-tower-patches-per-step/--decode-workers/--num-frames ...`:
+    every encoder and frame-sampling flag reaches each encoder replica (and --max-upload-bytes the
+    gateway too); --colocate builds its encoder with them. Unset, each keeps the encoder's default."""
+    flags = ["--frames-per-group", "4", "--max-tower-patches-per-step", "2048", "--decode-workers", "3",
+             "--num-frames", "6", "--max-upload-bytes", "1000000", "--cache-dir", "/tmp/tokens"]
+    args = build_parser().parse_args(["serve", "--encoders", "2", *flags])
+    args.model = "/m"
+    commands = stack_commands(args)
+    for name in ("encoder[0]", "encoder[1]"):
+        command = commands[name]
+        encoder = configs.encoder_config(build_parser().parse_args(command[command.index("serve"):]))
+        assert (encoder.frames_per_group, encoder.max_tower_patches_per_step) == (4, 2048)
+        assert encoder.decode.num_workers == 3 and encoder.sampling.num_frames == 6
+        assert encoder.limits.max_bytes == 1_000_000 and encoder.cache.disk_dir == "/tmp/tokens"
+    gateway = configs.gateway_config(build_parser().parse_args(commands["gateway"][commands["gateway"].index("serve"):]))
+    assert gateway.max_upload_bytes == 1_000_000
+    assert "--frames-per-group" not in commands["prefill[0]"] + commands["decode[0]"]
+
+    colocated = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", *flags]))
+    assert (colocated.encoder.frames_per_group, colocated.encoder.max_tower_patches_per_step) == (4, 2048)
+    assert colocated.encoder.sampling.num_frames == 6 and colocated.encoder.model == colocated.model
+    assert configs.colocated_gateway_config(
+        build_parser().parse_args(["serve", "--colocate", *flags])).max_upload_bytes == 1_000_000
+    unset = build_parser().parse_args(["serve"])
+    unset.model = "/m"
+    command = stack_commands(unset)["encoder[0]"]
+    default = configs.encoder_config(build_parser().parse_args(command[command.index("serve"):]))
+    reference = configs.encoder_config(build_parser().parse_args(["serve", "encoder", "--model", "/m"]))
+    assert default == reference
