@@ -7,9 +7,10 @@ The stages run in one task of their own (`epd.stages.events.with_events`) and `a
 that task reports. When the consumer goes (the front door's handler is cancelled because its
 client disconnected, or it closes the stream), the task is cancelled wherever it is: the stage
 call in flight is cancelled with it (encoder: demux and decoding stop within 50 ms; prefill:
-keeps no cache; decode: stops and frees the cache). A KV cache that prefill already stored and
-no decoder has taken yet is released on every way out (cancel, error, a decoder that could not
-pull it), so each request holds at most one cache and only while it is in flight.
+keeps no cache; decode: stops and frees the cache). A KV cache that prefill stored is released
+on every way out but a decode run to its end (cancel, error, a decoder that could not pull it, a
+decoder lost after the first token but before it confirmed receipt), so each request holds at
+most one cache and only while it is in flight.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Pipeline:
                 req.messages, media, req.generation, request_id, req.pruning, req.cache_salt
             )
             taken = False  # by the decoder: its first step comes only after it pulled the cache
+            ended = False  # the decoder's stream ran to its end
             try:
                 timings[Stage.PREFILL.value] = handle.prefill_ms
                 emit(StageEvent(
@@ -156,13 +158,18 @@ class Pipeline:
                     if step.decode_evict is not None:
                         pruning.record("decode_evict", *step.decode_evict)
                     emit(step)
+                ended = True
             except KvSourceLost as exc:
                 if taken or attempt:
                     raise
                 log.warning("request %s: %s; prefilling it again", request_id, exc)
                 continue
             finally:
-                if not taken:
+                # Not taken: no decoder has the cache. Taken but cut short (a decoder lost, or the
+                # client gone): the decoder confirms receipt just after the first token, so one
+                # that died right then leaves prefill's copy behind; nothing retries after a first
+                # token, so the copy is released here (a no-op when it was confirmed).
+                if not (taken and ended):
                     await self._release(handle, request_id)
             break
         timings[Stage.GENERATE.value] = (time.perf_counter() - t_gen) * 1e3

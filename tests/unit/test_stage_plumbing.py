@@ -33,7 +33,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
-from epd.stages.contracts import MediaInput, StageEvent
+from epd.stages.contracts import DecodeStage, MediaInput, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import question_messages
@@ -337,6 +337,45 @@ def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos
         assert ("prefill", "finished") in stages_seen
         assert (len(store), store.num_bytes, store.num_released) == (0, 0, released_before + 1)
         await pipeline.decoder.pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_decoder_lost_after_its_first_token_leaves_no_kv_cache(embedded, videos):
+    """A service decoder leases the cache (prefill keeps its copy for a retry elsewhere) and confirms
+    receipt just after its first token; one lost in between (killed) left the copy at prefill until
+    its TTL. The real decode stage, pulling as the service does (lease, and here never a confirm),
+    whose stream then breaks as the gateway sees a lost replica's: the pipeline releases the copy."""
+    from epd.decode_svc.stage import LocalDecodeStage
+    from epd.gateway.pipeline import Pipeline
+    from epd.transport.errors import UpstreamError, broken_stream
+
+    store: KvStore = embedded.prefill.kv_store
+    local = embedded.decoder
+
+    async def lease_kv(handle):
+        return store.lease(handle.kv_handle)[0]
+
+    leasing = LocalDecodeStage(local.engine, lease_kv, local.model_thread, local.config)
+
+    class LostAfterFirstToken(DecodeStage):
+        async def generate(self, handle, generation, request_id, pruning=None):
+            async with aclosing(leasing.generate(handle, generation, request_id)) as steps:
+                async for step in steps:
+                    yield step
+                    raise broken_stream("decode", len(step.token_ids), request_id)
+
+    released_before = store.num_released
+
+    async def scenario():
+        pipeline = Pipeline(embedded.encoder, embedded.prefill, LostAfterFirstToken())
+        tokens = []
+        with pytest.raises(UpstreamError, match="failed after 1 tokens"):
+            async for item in pipeline.ask(_ask(videos, max_new_tokens=4)):
+                if isinstance(item, TokenStep):
+                    tokens += item.token_ids
+        assert len(tokens) == 1, "the client had the first token before the decoder was lost"
+        assert (len(store), store.num_bytes, store.num_released) == (0, 0, released_before + 1)
 
     asyncio.run(scenario())
 
