@@ -363,7 +363,7 @@ class _Signals:
 def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int:
     from epd.cli.zygote import Zygote, preload_modules
     from epd.model_runtime.loader import ModelLoadError, check_model_dir, family_module, resolve_model_path
-    from epd.model_runtime.threads import BOARD_ENV, new_board_path, remove_board
+    from epd.model_runtime.threads import BOARD_ENV, new_board_path, remove_board, shared_cores_environment
     from epd.transport import security
 
     signals = _Signals()
@@ -401,6 +401,9 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
     # other stages are not using at that moment (epd/model_runtime/threads.py).
     board = new_board_path()
+    # Here, not only in `env`: the zygote is started with the launcher's environment and loads
+    # torch's OpenMP (which reads its settings once) before it forks the services.
+    os.environ.update(shared_cores_environment(dict(os.environ)))
     env = {**os.environ, BOARD_ENV: board}
     # The model services are forked from one process that imported torch and the family's modules
     # once (epd/cli/zygote.py): they share those pages and skip those imports.

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from epd.cli.serve import EXIT_MODEL
+from epd.model_runtime.threads import OPENMP_WAIT_SETTINGS
 from epd.stages.contracts import MediaInput
 from epd.transport.remote_stages import RemoteEncodeStage, ReplicaPool
 from epd.video.types import SamplingOptions
@@ -119,9 +120,10 @@ def _roles(children: list[psutil.Process]) -> dict[str, psutil.Process]:
 
 def _start_stack(tiny_models, tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - the launcher's stderr; closed with the test's tmp_path
+    env = {name: value for name, value in child_env().items() if name not in OPENMP_WAIT_SETTINGS}
     launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
                                             *_stack_ports()), stdout=subprocess.PIPE, stderr=log, text=True,
-                                env=child_env(), cwd=ROOT)
+                                env=env, cwd=ROOT)
     try:
         _wait_ready(launcher, "the stack")
     except BaseException:
@@ -132,14 +134,18 @@ def _start_stack(tiny_models, tmp_path) -> tuple[subprocess.Popen, list[psutil.P
 
 def test_the_model_services_are_forked_from_one_zygote(tiny_models, tmp_path):
     """The three model services share one parent that imported torch once (epd/cli/zygote.py), each
-    named by its role in `ps`; the gateway, which holds no model, is the launcher's own child."""
+    named by its role in `ps`; the gateway, which holds no model, is the launcher's own child. The
+    zygote, where torch's OpenMP read its settings, ran with passive OpenMP waits (the services
+    share the cores: epd/model_runtime/threads.py)."""
     launcher, children = _start_stack(tiny_models, tmp_path)
     try:
         roles = _roles(children)
         assert sorted(roles) == ["decode", "encoder", "gateway", "prefill"]
         zygotes = {roles[name].ppid() for name in ("encoder", "prefill", "decode")}
         assert len(zygotes) == 1 and zygotes != {launcher.pid}
-        assert psutil.Process(zygotes.pop()).ppid() == launcher.pid
+        zygote = psutil.Process(zygotes.pop())
+        assert zygote.ppid() == launcher.pid
+        assert zygote.environ().get("OMP_WAIT_POLICY") == "PASSIVE"
         assert roles["gateway"].ppid() == launcher.pid
         assert " ".join(roles["prefill"].cmdline()).startswith("epd --log-level WARNING serve prefill --port ")
     finally:

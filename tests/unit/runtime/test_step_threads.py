@@ -1,6 +1,7 @@
 """--num-threads auto: with the stack's shared board, a call takes the cores divided by the stages
 busy at that moment; without one, every core for a call that serves one request with nothing else
-waiting, one thread otherwise; a fixed count stays fixed. And the flag's parsing."""
+waiting, one thread otherwise; a fixed count stays fixed. And the flag's parsing, and the OpenMP wait
+policy of processes sharing the cores."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import pytest
 import torch
 
 from epd.cli.main import _num_threads
-from epd.model_runtime.threads import AUTO, StepThreads, new_board_path, remove_board
+from epd.model_runtime.threads import (
+    AUTO,
+    StepThreads,
+    new_board_path,
+    remove_board,
+    shared_cores_environment,
+)
 
 
 def test_with_a_board_each_call_takes_the_cores_the_other_stages_leave():
@@ -115,3 +122,11 @@ def test_the_model_threads_set_each_calls_threads_from_the_calls_running():
         release.set()
         pool.close()
         torch.set_num_threads(before)
+
+
+def test_processes_sharing_the_cores_get_passive_openmp_waits_unless_the_operator_chose():
+    """The loopback stack's model processes: libgomp's idle threads sleep instead of spinning
+    (CPU the other stages need); an operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT stays."""
+    assert shared_cores_environment({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert shared_cores_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert shared_cores_environment({"GOMP_SPINCOUNT": "10000"}) == {}
