@@ -36,7 +36,8 @@ CPU taken from the other stages. So the loopback stack starts its services with
 `OMP_WAIT_POLICY=PASSIVE` (idle threads sleep at once) unless the operator set the policy
 (`shared_cores_environment`). Measured on the 2-core bench machine at 16 in flight
 (docs/benchmarks.md, "Idle OpenMP threads"): prefill's CPU per request fell by a fifth and the
-stack's requests/s rose 11-24%; the colocated server (one process) showed no difference.
+stack's requests/s rose 3-24% (11% on average); the colocated server (one process) showed no
+difference.
 """
 
 from __future__ import annotations
