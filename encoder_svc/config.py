@@ -11,6 +11,8 @@ from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
 
 DEFAULT_PORT = 50051
+SMALLEST_PATCH_PIXELS = 14 * 14
+"""The smallest vision patch of the families served (Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision: 14x14)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,31 @@ class EncoderConfig:
     step encodes the oldest waiting frame groups, of any requests, while their patches fit (a
     larger group runs alone). Bounds the tower's activation memory per call; 8192 is 8 frame
     groups of 448x448 (Qwen: 1024 patches per temporal pair), 32 of 224x224."""
+
+    merge_decoded_groups: bool = True
+    """A frame group also takes the next groups already decoded when the driver asks for it, up
+    to `merged_group_frames` and `merged_group_pixels` (`--no-merge-decoded-groups`: every group
+    `frames_per_group`). When
+    decoding runs ahead of the tower (a short clip, one keyframe interval, an idle machine) there
+    is nothing to overlap, and one preprocess and one tower call cost less than one per temporal
+    pair (8 frames of 224x224 at one request in flight: 61-64 ms of encode against 72, the same
+    as no groups at all; docs/benchmarks.md, "Frame groups that follow the decoder")."""
+
+    @property
+    def merged_group_frames(self) -> int:
+        """Most frames of a merged group: what one tower step could take from one request's queue
+        anyway (`frames_per_group` x `max_tower_jobs_per_request`); 0 = no merging."""
+        if not (self.merge_decoded_groups and self.frames_per_group):
+            return 0
+        return self.frames_per_group * self.max_tower_jobs_per_request
+
+    @property
+    def merged_group_pixels(self) -> int:
+        """Most pixels of a merged group: about the patches one tower step takes
+        (`max_tower_patches_per_step`), counted with the smallest patch of the families served,
+        so that merging never makes a group larger than one step's patches (720p frames are never
+        merged: two are more)."""
+        return self.max_tower_patches_per_step * SMALLEST_PATCH_PIXELS
 
     def __post_init__(self) -> None:
         if self.max_visual_tokens < 1:

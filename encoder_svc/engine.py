@@ -8,7 +8,8 @@ request's *driver*):
      decoded or encoded.
   2. On a miss, the parallel decoder builds the demux index (on this request's thread) and plans
      keyframe-aligned intervals for its shared decode threads; frames come back in temporal
-     order, `frames_per_group` at a time.
+     order, `frames_per_group` at a time, or more when the next groups are decoded already
+     (`merge_decoded_groups`: decoding ran ahead, so there is nothing to overlap).
   3. Each group is preprocessed into patches on the driver, then handed to `run_tower`: the
      stage (`encoder_svc/stage.py`) queues it as a tower job in the encoder's engine core, whose
      steps encode the waiting groups of several requests in one tower call
@@ -268,9 +269,11 @@ class EncoderEngine:
                 if self._decord is None:
                     self._decord = DecordDecoder()
             whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
-            return whole, (_slice(whole, i, i + group_size) for i in range(0, whole.num_frames, group_size))
+            step = self._merged_step(whole, group_size)  # every frame is decoded already
+            return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
-                                          cancel=cancel)
+                                          cancel=cancel, merge_up_to=self.config.merged_group_frames,
+                                          merge_up_to_pixels=self.config.merged_group_pixels)
 
         def groups():
             with stream:
@@ -279,6 +282,14 @@ class EncoderEngine:
                                        stream.source_fps, stream.is_image)
 
         return stream, groups()
+
+    def _merged_step(self, whole: DecodedVideo, group_size: int) -> int:
+        """Frames per group of a video decoded whole: groups merged within the config's bounds."""
+        if not self.config.merged_group_frames or whole.num_frames == 0:
+            return group_size
+        frame_pixels = max(1, whole.frames.shape[1] * whole.frames.shape[2])  # frames: [n, height, width, 3]
+        fit = min(self.config.merged_group_frames, self.config.merged_group_pixels // frame_pixels)
+        return max(group_size, fit // group_size * group_size)
 
     def _decode_and_encode(
         self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,

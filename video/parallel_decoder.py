@@ -350,6 +350,12 @@ class FrameGroupStream(Iterator[FrameGroup]):
     `is_image`) is known before the first group. Iterating to the end, or `result()`, gives the
     same frames as `simple_decoder.decode`. Breaking off early: call `close()` (or use `with`),
     which cancels the decode work still pending.
+
+    Groups hold `group_size` frames (the last one fewer). With `merge_up_to` frames set, a group
+    also takes the next whole groups that are already decoded when it is asked for, up to that many
+    frames and `merge_up_to_pixels` pixels: while decoding runs ahead of the consumer (a short
+    clip, a single keyframe interval, an idle machine) it gets fewer, larger groups; while the
+    consumer is ahead it gets `group_size`.
     """
 
     def __init__(
@@ -363,10 +369,16 @@ class FrameGroupStream(Iterator[FrameGroup]):
         source_fps: float,
         image: DecodedVideo | None = None,
         started: float = 0.0,
+        merge_up_to: int = 0,
+        merge_up_to_pixels: int = 1 << 62,
     ):
         self._decoder = decoder
         self._request = request
         self.group_size = max(1, group_size)
+        self.merge_up_to = merge_up_to
+        """Most frames of a group made of decoded groups (see the class docstring); 0: never merge."""
+        self.merge_up_to_pixels = merge_up_to_pixels
+        """Most pixels (frames x height x width) of a merged group."""
         self.timestamps_s = timestamps_s
         self.sampled_fps = sampled_fps
         self.duration_s = duration_s
@@ -395,9 +407,30 @@ class FrameGroupStream(Iterator[FrameGroup]):
         else:
             self._wait_for_slots(first, last)
             assert self._request is not None
-            frames = self._request.frames_of_slots(first, last)
+            frames = self._request.frames_of_slots(first, last)  # [n, height, width, 3]
+            if self.merge_up_to:
+                frame_pixels = max(1, frames.shape[1] * frames.shape[2])
+                merged = self._merge_decoded(first, last, min(self.merge_up_to, self.merge_up_to_pixels // frame_pixels))
+                if merged > last:
+                    last, frames = merged, self._request.frames_of_slots(first, merged)
         self._next_slot = last
         return FrameGroup(frames, self.timestamps_s[first:last], first)
+
+    def _merge_decoded(self, first: int, last: int, max_frames: int) -> int:
+        """The end of the group [first, last) grown by the next whole groups already decoded, up
+        to `max_frames` frames; it never waits."""
+        req = self._request
+        assert req is not None
+        with req.cond:
+            while last < self.num_frames:
+                end = min(last + self.group_size, self.num_frames)
+                if end - first > max_frames:
+                    break
+                intervals = {req.interval_of_pts[p] for p in req.plan.slot_pts[last:end].tolist()}
+                if not all(req.interval_done[i] for i in intervals):
+                    break
+                last = end
+        return last
 
     def _wait_for_slots(self, first: int, last: int) -> None:
         """Block until every interval holding a frame of slots [first, last) is decoded."""
@@ -536,8 +569,12 @@ class ParallelDecoder:
         group_size: int = 2,
         sha256: str | None = None,
         cancel: threading.Event | None = None,
+        merge_up_to: int = 0,
+        merge_up_to_pixels: int = 1 << 62,
     ) -> FrameGroupStream:
-        """Plan the request and start decoding; frames come back in groups of `group_size`.
+        """Plan the request and start decoding; frames come back in groups of `group_size`
+        (with `merge_up_to`, groups already decoded merge, up to that many frames and
+        `merge_up_to_pixels` pixels: `FrameGroupStream`).
 
         Raises MediaError/MediaLimitError here for bad input or limits. Pass `sha256` (hex digest
         of `data`) when you already have it, to skip hashing. When `cancel` is set (from any
@@ -578,6 +615,8 @@ class ParallelDecoder:
             index.duration_s,
             index.source_fps,
             started=started,
+            merge_up_to=merge_up_to,
+            merge_up_to_pixels=merge_up_to_pixels,
         )
         for number, share in enumerate(plan.shares):
             if share:

@@ -120,7 +120,8 @@ def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: Server
                          max_concurrent_decodes=args.max_concurrent_decodes,
                          max_queued_decodes=args.max_queued_decodes, max_visual_tokens=args.max_visual_tokens,
                          max_tower_patches_per_step=args.max_tower_patches_per_step,
-                         max_tower_jobs_per_request=args.max_tower_jobs_per_request)
+                         max_tower_jobs_per_request=args.max_tower_jobs_per_request,
+                         merge_decoded_groups=args.merge_decoded_groups)
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:

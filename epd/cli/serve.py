@@ -325,8 +325,14 @@ def encoder_flags(args: argparse.Namespace) -> list[str]:
     own = argparse.ArgumentParser(add_help=False)
     add_encoder_flags(own)
     add_sampling_flags(own)
-    return [word for action in own._actions
-            for word in (action.option_strings[0], str(getattr(args, action.dest)))]
+    words = []
+    for action in own._actions:
+        value = getattr(args, action.dest)
+        if isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag
+            words.append(action.option_strings[0 if value else 1])
+        else:
+            words += [action.option_strings[0], str(value)]
+    return words
 
 
 @dataclass

@@ -85,6 +85,8 @@ def test_one_tower_call_equals_each_group_alone(adapter, media_files):
 def _stage(adapter, **config) -> tuple[LocalEncodeStage, threading.Event]:
     """A stage whose first tower step waits on the model thread until the returned event is set,
     so that the groups submitted meanwhile are all waiting when the next step is scheduled."""
+    # Groups as decoded pairs, never merged (`merge_decoded_groups`): the tests count them.
+    config = {"merge_decoded_groups": False, **config}
     stage = LocalEncodeStage(EncoderEngine(EncoderConfig(cache=NO_CACHE, **config), adapter), ModelThread())
     release = threading.Event()
     execute = stage.runner.execute
@@ -270,7 +272,8 @@ def test_batched_answers_equal_one_at_a_time_and_generate(tiny_models, media_fil
     # One group queued per request: alone, each group is its own tower call; together, the first
     # groups of all requests wait for the held step.
     pipeline = build_embedded_pipeline(
-        model, encoder=EncoderConfig(model=model, cache=NO_CACHE, max_tower_jobs_per_request=1))
+        model, encoder=EncoderConfig(model=model, cache=NO_CACHE, max_tower_jobs_per_request=1,
+                                     merge_decoded_groups=False))
     stage = pipeline.encoder
     assert isinstance(stage, LocalEncodeStage)
     requests = [_ask_request(media_files, m, n) for m, n in REQUESTS]

@@ -40,11 +40,31 @@ def test_overlap_gives_the_same_tokens_as_whole_sample(adapter, media_files):
     data = media_files["mp4"].read_bytes()
     sampling = SamplingOptions(num_frames=16)
     whole, _ = _encode(EncoderEngine(EncoderConfig(frames_per_group=0), adapter), data, sampling)
-    grouped, events = _encode(EncoderEngine(EncoderConfig(frames_per_group=4), adapter), data, sampling)
+    grouped, events = _encode(EncoderEngine(EncoderConfig(frames_per_group=4, merge_decoded_groups=False), adapter),
+                              data, sampling)
     assert grouped.meta == whole.meta
     torch.testing.assert_close(grouped.embeds, whole.embeds, rtol=1e-5, atol=1e-6)
     progress = [e for e in events if e.stage == "encode" and e.state == "progress"]
     assert [e.details["frames_done"] for e in progress] == ["4", "8", "12", "16"]
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "pairs"])
+def test_groups_already_decoded_merge_into_fewer_groups(adapter, tmp_path, merge):
+    """One keyframe interval: every frame is decoded once the first pair is, so the encoder (by
+    default) merges the groups already decoded, up to frames_per_group x max_tower_jobs_per_request
+    frames (2 x 4): 16 frames in two groups instead of eight pairs, with the embeddings of the
+    whole sample."""
+    from tests.media import make_video
+
+    data = make_video(tmp_path / "one_keyframe.mp4", size=(112, 84), seconds=2.0, gop=1000).read_bytes()
+    sampling = SamplingOptions(num_frames=16)
+    whole, _ = _encode(EncoderEngine(EncoderConfig(frames_per_group=0), adapter), data, sampling)
+    config = EncoderConfig(frames_per_group=2, max_tower_jobs_per_request=4, merge_decoded_groups=merge)
+    got, events = _encode(EncoderEngine(config, adapter), data, sampling)
+    assert got.meta == whole.meta
+    torch.testing.assert_close(got.embeds, whole.embeds, rtol=1e-5, atol=1e-6)
+    progress = [e.details["frames_done"] for e in events if e.stage == "encode" and e.state == "progress"]
+    assert progress == (["8", "16"] if merge else [str(n) for n in range(2, 17, 2)])
 
 
 def test_cache_hit_skips_decoding_and_encoding(adapter, media_files):

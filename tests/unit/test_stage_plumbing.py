@@ -81,6 +81,7 @@ class GatedEngine(EncoderEngine):
 
 
 def _engine(adapter, cls=EncoderEngine, **config) -> EncoderEngine:
+    config = {"merge_decoded_groups": False, **config}  # groups as decoded pairs: the Gate counts them
     engine = cls(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0), **config), adapter)
     engine.gates = {}
     return engine

@@ -384,7 +384,8 @@ def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
     every encoder and frame-sampling flag reaches each encoder replica (and --max-upload-bytes the
     gateway too); --colocate builds its encoder with them. Unset, each keeps the encoder's default."""
     flags = ["--frames-per-group", "4", "--max-tower-patches-per-step", "2048", "--decode-workers", "3",
-             "--num-frames", "6", "--max-upload-bytes", "1000000", "--cache-dir", "/tmp/tokens"]
+             "--num-frames", "6", "--max-upload-bytes", "1000000", "--cache-dir", "/tmp/tokens",
+             "--no-merge-decoded-groups"]
     args = build_parser().parse_args(["serve", "--encoders", "2", *flags])
     args.model = "/m"
     commands = stack_commands(args)
@@ -394,6 +395,7 @@ def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
         assert (encoder.frames_per_group, encoder.max_tower_patches_per_step) == (4, 2048)
         assert encoder.decode.num_workers == 3 and encoder.sampling.num_frames == 6
         assert encoder.limits.max_bytes == 1_000_000 and encoder.cache.disk_dir == "/tmp/tokens"
+        assert not encoder.merge_decoded_groups
     gateway = configs.gateway_config(build_parser().parse_args(commands["gateway"][commands["gateway"].index("serve"):]))
     assert gateway.max_upload_bytes == 1_000_000
     assert "--frames-per-group" not in commands["prefill[0]"] + commands["decode[0]"]
@@ -401,6 +403,7 @@ def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
     colocated = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", *flags]))
     assert (colocated.encoder.frames_per_group, colocated.encoder.max_tower_patches_per_step) == (4, 2048)
     assert colocated.encoder.sampling.num_frames == 6 and colocated.encoder.model == colocated.model
+    assert not colocated.encoder.merge_decoded_groups
     assert configs.colocated_gateway_config(
         build_parser().parse_args(["serve", "--colocate", *flags])).max_upload_bytes == 1_000_000
     unset = build_parser().parse_args(["serve"])

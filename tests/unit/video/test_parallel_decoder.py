@@ -74,6 +74,33 @@ def test_iter_groups_yields_time_ordered_groups_with_metadata_first(video_factor
     assert stream.stats["num_decoded_frames"] > 0
 
 
+FRAME_PIXELS = SMALL["size"][0] * SMALL["size"][1]
+
+
+@pytest.mark.parametrize(
+    "merge_up_to, max_pixels, sizes",
+    [(0, 1 << 62, [2, 2, 2, 2, 2, 1]), (8, 1 << 62, [8, 3]), (4, 1 << 62, [4, 4, 3]), (3, 1 << 62, [2, 2, 2, 2, 3]),
+     (8, 5 * FRAME_PIXELS, [4, 4, 3]), (8, FRAME_PIXELS, [2, 2, 2, 2, 2, 1])],
+)
+def test_iter_groups_merges_the_groups_already_decoded(video_factory, decoder, merge_up_to, max_pixels, sizes):
+    """With `merge_up_to`, a group takes the next whole groups that are decoded when it is asked for,
+    up to that many frames and `merge_up_to_pixels` pixels (whole groups only: 3 frames merge just
+    the last, shorter group; room for 5 frames' pixels gives groups of 4; for 1, no merging). One
+    keyframe: one interval, so every frame is decoded by the time the first group is. The frames
+    are the same."""
+    data = video_factory(".mp4", codec="h264", **{**SMALL, "gop": 1000})
+    opts = SamplingOptions(num_frames=11)
+    expected = simple_decoder.decode(data, opts)
+    with decoder.iter_groups(data, opts, group_size=2, merge_up_to=merge_up_to,
+                             merge_up_to_pixels=max_pixels) as stream:
+        groups = list(stream)
+    assert stream.stats["num_intervals"] == 1
+    assert [len(g.timestamps_s) for g in groups] == sizes
+    assert [g.first_index for g in groups] == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert np.array_equal(np.concatenate([g.frames for g in groups]), expected.frames)
+    assert sum((g.timestamps_s for g in groups), []) == expected.timestamps_s
+
+
 def test_iter_groups_closed_early_leaves_pool_usable(video_factory, decoder):
     data = video_factory(".mp4", codec="h264", **SMALL)
     stream = decoder.iter_groups(data, SamplingOptions(num_frames=8), group_size=1)
