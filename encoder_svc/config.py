@@ -61,13 +61,15 @@ class EncoderConfig:
     groups of 448x448 (Qwen: 1024 patches per temporal pair), 32 of 224x224."""
 
     merge_decoded_groups: bool = True
-    """A frame group also takes the next groups already decoded when the driver asks for it, up
-    to `merged_group_frames` and `merged_group_pixels` (`--no-merge-decoded-groups`: every group
-    `frames_per_group`). When
-    decoding runs ahead of the tower (a short clip, one keyframe interval, an idle machine) there
-    is nothing to overlap, and one preprocess and one tower call cost less than one per temporal
-    pair (8 frames of 224x224 at one request in flight: 61-64 ms of encode against 72, the same
-    as no groups at all; docs/benchmarks.md, "Frame groups that follow the decoder")."""
+    """For a request that starts while no other is decoding and encoding here, a frame group also
+    takes the next groups already decoded when the driver asks for it, up to
+    `merged_group_frames` and `merged_group_pixels` (`--no-merge-decoded-groups`: every group
+    `frames_per_group`). When decoding runs ahead of the tower (a short clip, one keyframe
+    interval, an idle machine) there is nothing to overlap, and one preprocess and one tower call
+    cost less than one per temporal pair (8 frames of 224x224 at one request in flight: 61-66 ms of
+    encode against 72). With other requests encoding, pairs keep their tower steps interleaved
+    (merging then cost 3% of requests/s at 16 in flight; docs/benchmarks.md, "Frame groups that
+    follow the decoder")."""
 
     @property
     def merged_group_frames(self) -> int:

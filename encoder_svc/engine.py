@@ -8,8 +8,9 @@ request's *driver*):
      decoded or encoded.
   2. On a miss, the parallel decoder builds the demux index (on this request's thread) and plans
      keyframe-aligned intervals for its shared decode threads; frames come back in temporal
-     order, `frames_per_group` at a time, or more when the next groups are decoded already
-     (`merge_decoded_groups`: decoding ran ahead, so there is nothing to overlap).
+     order, `frames_per_group` at a time, or, for a request that starts alone, more when the next
+     groups are decoded already (`merge_decoded_groups`: decoding ran ahead, so there is nothing
+     to overlap).
   3. Each group is preprocessed into patches on the driver, then handed to `run_tower`: the
      stage (`encoder_svc/stage.py`) queues it as a tower job in the encoder's engine core, whose
      steps encode the waiting groups of several requests in one tower call
@@ -183,6 +184,8 @@ class EncoderEngine:
         """One decode and encode per cache key at a time (`encoder_svc/single_flight.py`)."""
         self._decord: DecordDecoder | None = None  # started on first use with decode_backend="decord"
         self._decord_lock = threading.Lock()
+        self._num_encoding = 0  # requests decoding and encoding now (cache misses)
+        self._num_encoding_lock = threading.Lock()
 
     def cache_key(
         self, sha256: str, sampling: SamplingOptions, pruning: PruningConfig = PruningConfig(), cache_salt: str = ""
@@ -258,21 +261,22 @@ class EncoderEngine:
         return replace(cached, cache_hit=True, decode_ms=0.0, encode_ms=0.0, sha256=sha256)
 
     def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions,
-                    cancel: threading.Event | None = None,
+                    cancel: threading.Event | None = None, merge: bool = False,
                     ) -> tuple[FrameSource, Generator[DecodedVideo, None, None]]:
         """(stream metadata, generator of DecodedVideo groups in temporal order). Closing the
         generator early cancels the decode work still pending; setting `cancel` stops the demux
-        pass and the decoding, and a wait for the next group, with DecodeCancelled."""
+        pass and the decoding, and a wait for the next group, with DecodeCancelled. `merge`: groups
+        already decoded merge (`EncoderConfig.merge_decoded_groups`)."""
         group_size = self.config.frames_per_group or (1 << 30)
         if self.config.decode_backend == "decord":
             with self._decord_lock:
                 if self._decord is None:
                     self._decord = DecordDecoder()
             whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
-            step = self._merged_step(whole, group_size)  # every frame is decoded already
+            step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
             return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
-                                          cancel=cancel, merge_up_to=self.config.merged_group_frames,
+                                          cancel=cancel, merge_up_to=self.config.merged_group_frames if merge else 0,
                                           merge_up_to_pixels=self.config.merged_group_pixels)
 
         def groups():
@@ -297,16 +301,24 @@ class EncoderEngine:
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent(Stage.VIDEO_DECODE, "started"))
+        # Groups merge only for a request that starts alone: with others encoding, pairs let their
+        # tower steps interleave and batch (docs/benchmarks.md, "Frame groups that follow the decoder").
+        with self._num_encoding_lock:
+            alone = self._num_encoding == 0
+            self._num_encoding += 1
         try:
-            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0)
+            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0, merge=alone)
         except DecodeCancelled as exc:
             raise RequestCancelled(f"{exc}, after {req.num_groups_done} frame groups") from None
+        finally:
+            with self._num_encoding_lock:
+                self._num_encoding -= 1
 
     def _encode_frames(
         self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
-        pruning: PruningConfig, t0: float,
+        pruning: PruningConfig, t0: float, merge: bool = False,
     ) -> EncodedMedia:
-        meta, groups = self.open_frames(data, sha256, sampling, req.cancel)
+        meta, groups = self.open_frames(data, sha256, sampling, req.cancel, merge)
         on_event(StageEvent(Stage.VIDEO_DECODE, "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.

@@ -5,6 +5,7 @@ the disk tier survives a restart."""
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,6 +66,46 @@ def test_groups_already_decoded_merge_into_fewer_groups(adapter, tmp_path, merge
     torch.testing.assert_close(got.embeds, whole.embeds, rtol=1e-5, atol=1e-6)
     progress = [e.details["frames_done"] for e in events if e.stage == "encode" and e.state == "progress"]
     assert progress == (["8", "16"] if merge else [str(n) for n in range(2, 17, 2)])
+
+
+def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
+    """A request that starts while another is decoding and encoding on the same engine keeps its
+    pairs, so that the two requests' tower steps interleave and batch. The first request is held
+    inside its frame stream (after its first group) while the second runs."""
+    from tests.media import make_video
+
+    data = make_video(tmp_path / "one_keyframe.mp4", size=(112, 84), seconds=2.0, gop=1000).read_bytes()
+    other = make_video(tmp_path / "other.mp4", size=(112, 84), seconds=2.0, gop=1000, pattern="noise").read_bytes()
+    sampling = SamplingOptions(num_frames=16)
+    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+    first_group_out, let_go = threading.Event(), threading.Event()
+    open_frames = engine.open_frames
+
+    def held_open_frames(data_, sha256, sampling_, cancel=None, merge=False):
+        meta, groups = open_frames(data_, sha256, sampling_, cancel, merge)
+        if data_ is not other:
+            return meta, groups
+
+        def held():
+            for i, group in enumerate(groups):
+                yield group
+                if i == 0:
+                    first_group_out.set()
+                    assert let_go.wait(60), "the test never let the first request go on"
+
+        return meta, held()
+
+    engine.open_frames = held_open_frames  # type: ignore[method-assign]
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_encode, engine, other, sampling)
+        assert first_group_out.wait(60), "the first request's first group never came"
+        _, events = _encode(engine, data, sampling)  # while the first is still encoding
+        let_go.set()
+        _, first_events = first.result(60)
+    progress = [e.details["frames_done"] for e in events if e.stage == "encode" and e.state == "progress"]
+    assert progress == [str(n) for n in range(2, 17, 2)], "the second request kept its pairs"
+    first_progress = [e.details["frames_done"] for e in first_events if e.stage == "encode" and e.state == "progress"]
+    assert first_progress == ["8", "16"], "the first request started alone and merged"
 
 
 def test_cache_hit_skips_decoding_and_encoding(adapter, media_files):

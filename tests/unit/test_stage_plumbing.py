@@ -74,8 +74,8 @@ class GatedEngine(EncoderEngine):
 
     gates: dict[str, Gate]
 
-    def open_frames(self, data, sha256, sampling, cancel=None):
-        meta, groups = super().open_frames(data, sha256, sampling, cancel)
+    def open_frames(self, data, sha256, sampling, cancel=None, merge=False):
+        meta, groups = super().open_frames(data, sha256, sampling, cancel, merge)
         gate = self.gates.get(sha256)
         return meta, (gate.wrap(groups) if gate else groups)
 
