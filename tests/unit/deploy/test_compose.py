@@ -257,6 +257,10 @@ def test_shell_settings_reach_epd_in_every_service():
             "/models/m", "cuda:1", "bfloat16", 3), role
     _, gw = serve_config(as_argv(services["gateway"]["command"]), env_of(services["gateway"]))
     published = dict(str(p).split(":") for p in services["gateway"]["ports"])
+    # The model services share the host's cores: passive OpenMP waits, as `epd serve`'s stack.
+    assert {env_of(services[role]).get("OMP_WAIT_POLICY") for role in STAGES} == {"PASSIVE"}
+    chosen = interpolate(raw(), {**env, "EPD_OMP_WAIT_POLICY": "ACTIVE"})["services"]
+    assert {env_of(chosen[role]).get("OMP_WAIT_POLICY") for role in STAGES} == {"ACTIVE"}
     assert published == {"6000": str(gw.server.port), "6001": str(gw.http.port)}
 
 
