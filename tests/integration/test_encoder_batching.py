@@ -154,25 +154,49 @@ def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_fil
     those of encoding group by group."""
     stage, release = _stage(adapter, max_tower_jobs_per_request=4)
     data = media_files["mp4"].read_bytes()
+    # Group 2 comes out of the frame stream only once the first step runs: that step holds group 1
+    # alone, however late the model thread forms its batch on a busy machine.
+    in_step = threading.Event()
+    held_execute = stage.runner.execute
+
+    def execute(batch):
+        in_step.set()
+        return held_execute(batch)
+
+    stage.runner.execute = execute  # type: ignore[method-assign]
+    open_frames = stage.engine.open_frames
+
+    def frames_after_the_first_step(data_, sha256, sampling, cancel=None, merge=False):
+        meta, groups = open_frames(data_, sha256, sampling, cancel, merge)
+
+        def gated():
+            try:
+                for i, group in enumerate(groups):
+                    if i == 1:
+                        assert in_step.wait(HANG_GUARD_S), "the first tower step never began"
+                    yield group
+            finally:
+                groups.close()
+
+        return meta, gated()
+
+    stage.engine.open_frames = frames_after_the_first_step  # type: ignore[method-assign]
 
     async def scenario() -> EncodedMedia:
-        task = asyncio.ensure_future(stage.encode(MediaInput(data), SamplingOptions(num_frames=8), lambda e: None, "r"))
-        # Group 1 is in the held step (with group 2 too if the driver queued it before the step
-        # was scheduled); the other groups (8 frames, 2 a group) queue behind it.
-        await _until(lambda: stage.load().num_running + stage.load().num_waiting == 4,
-                     "the request's four frame groups to be queued")
-        first_step.append(stage.load().num_running)
+        task = asyncio.ensure_future(
+            stage.encode(MediaInput(data), SamplingOptions(num_frames=8), lambda e: None, "r")
+        )
+        # Group 1 is in the held step; groups 2-4 (8 frames, 2 a group) queue behind it.
+        await _until(lambda: stage.load().num_running == 1 and stage.load().num_waiting == 3,
+                     "the request's other three groups to be queued")
         release.set()
         return await asyncio.wait_for(task, HANG_GUARD_S)
 
-    first_step: list[int] = []
     try:
         out = asyncio.run(scenario())
     finally:
         stage.model_thread.close()
-    assert first_step[0] in (1, 2), f"the held step took {first_step[0]} groups"
-    assert stage.load().num_steps == 2, "the queued groups went through the tower in one call"
-    assert stage.runner.max_batch_size == max(first_step[0], 4 - first_step[0])
+    assert stage.load().num_steps == 2 and stage.runner.max_batch_size == 3, "groups 2-4 went in one call"
     ref = EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter).encode(
         MediaInput(data), SamplingOptions(num_frames=8), lambda e: None)
     assert out.meta == ref.meta
