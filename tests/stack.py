@@ -19,14 +19,33 @@ from pathlib import Path
 from epd.cli.health import is_serving
 from epd.cli.zygote import ServiceProcess, Zygote, preload_modules
 from epd.model_runtime.loader import _FAMILIES
+from epd.v1 import decode_pb2, encoder_pb2, gateway_pb2, prefill_pb2
+
+ROLE_SERVICES = {
+    role: module.DESCRIPTOR.services_by_name[service].full_name
+    for role, module, service in (("encoder", encoder_pb2, "EncoderService"), ("prefill", prefill_pb2, "PrefillService"),
+                                  ("decode", decode_pb2, "DecodeService"), ("gateway", gateway_pb2, "GatewayService"))
+}
+"""Each role's gRPC service: the readiness check asks for it by name, so another server on the port
+(whatever it is) never counts as the role serving."""
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never handed out before in this test process: two stack
+    services given the same port (the kernel hands a released port out again) made the second
+    fail to bind while the first answered in its place."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def port_is_free(port: int) -> bool:
@@ -46,8 +65,9 @@ def port_with_replicas(count: int, taken: set[int]) -> int:
     while True:
         port = free_port()
         wanted = [port + REPLICA_PORT_STEP * i for i in range(count)]
-        if taken.isdisjoint(wanted) and all(port_is_free(p) for p in wanted):
+        if taken.isdisjoint(wanted) and _handed_out.isdisjoint(wanted[1:]) and all(port_is_free(p) for p in wanted):
             taken.update(wanted)
+            _handed_out.update(wanted)  # free_port() hands none of them out later
             return port
 
 
@@ -143,7 +163,7 @@ class Stack:
                 self.procs[name] = zygote().start(name, self.command(name)[3:], self.env, str(log_path))
         deadline = time.monotonic() + 180
         for name in self.ports:
-            while not is_serving(self.address(name), timeout_s=1.0):
+            while not is_serving(self.address(name), ROLE_SERVICES[name], timeout_s=1.0):
                 if self.procs[name].poll() is not None or time.monotonic() > deadline:
                     self.__exit__(None, None, None)
                     log = (self.log_dir / f"{name}.log").read_text()[-3000:]
