@@ -317,6 +317,16 @@ class AsyncEpdClient:
                 return
             except grpc.aio.AioRpcError as exc:
                 code, message = exc.code(), exc.details() or ""
+            except asyncio.CancelledError:
+                if not _cancelled_by_grpc():
+                    raise  # our caller cancelled this call
+                # grpc.aio cancels a streaming call itself when its request writer fails, as it
+                # does when the deadline passes before the request went out; reading the answer
+                # then raises CancelledError, not an AioRpcError (grpcio's aio/_call.py).
+                late = time.monotonic() >= deadline
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
+                message = ("the deadline passed before the request was sent; raise timeout_s" if late
+                           else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)")
             wait_s = self.retry.backoff_s(attempt)
             if not self.retry.should_retry(code, attempt, saw_token) or time.monotonic() + wait_s >= deadline:
                 raise EpdError(code, message) from None
@@ -330,6 +340,14 @@ class AsyncEpdClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _cancelled_by_grpc() -> bool:
+    """Whether a CancelledError just caught came from grpc.aio's own cancel of the call rather than
+    a cancel of the current task (which Python 3.11+ counts; on 3.10 it is taken as the task's)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() == 0
 
 
 async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):

@@ -121,6 +121,30 @@ def test_a_tiny_deadline_is_deadline_exceeded(client, media_files):
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def test_media_that_fails_to_read_mid_upload_is_an_epd_error_not_a_cancelled_future(client, media_files):
+    """grpc.aio cancels a streaming call itself when its request iterator fails (here the file
+    object's read during the upload; a deadline passing before the request is written takes the
+    same path), and reading its answer then raises CancelledError. The SDK turns that into an
+    EpdError with a status (the blocking client raised concurrent.futures.CancelledError)."""
+    data = media_files["mp4"].read_bytes()
+
+    class FailsOnUpload(io.BytesIO):  # hashed fine; the upload's second pass fails
+        passes = 0
+
+        def seek(self, *args):
+            FailsOnUpload.passes += 1
+            return super().seek(*args)
+
+        def read(self, *args):
+            if FailsOnUpload.passes > 1:
+                raise OSError("the disk went away")
+            return super().read(*args)
+
+    with pytest.raises(EpdError) as info:
+        client.ask(FailsOnUpload(data), QUESTION, **OPTIONS)
+    assert info.value.code == grpc.StatusCode.CANCELLED and "could not be sent" in str(info.value)
+
+
 def test_bytes_and_file_objects_upload_the_same_video(client, media_files, expected):
     data = media_files["mp4"].read_bytes()
     with open(media_files["mp4"], "rb") as f:
