@@ -406,13 +406,12 @@ class FrameGroupStream(Iterator[FrameGroup]):
             frames = self._image.frames[first:last]
         else:
             self._wait_for_slots(first, last)
-            assert self._request is not None
-            frames = self._request.frames_of_slots(first, last)  # [n, height, width, 3]
+            req = self._request
+            assert req is not None and req.out is not None  # [unique frames, height, width, 3]
             if self.merge_up_to:
-                frame_pixels = max(1, frames.shape[1] * frames.shape[2])
-                merged = self._merge_decoded(first, last, min(self.merge_up_to, self.merge_up_to_pixels // frame_pixels))
-                if merged > last:
-                    last, frames = merged, self._request.frames_of_slots(first, merged)
+                frame_pixels = max(1, req.out.shape[1] * req.out.shape[2])
+                last = self._merge_decoded(first, last, min(self.merge_up_to, self.merge_up_to_pixels // frame_pixels))
+            frames = req.frames_of_slots(first, last)  # [n, height, width, 3]
         self._next_slot = last
         return FrameGroup(frames, self.timestamps_s[first:last], first)
 

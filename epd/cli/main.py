@@ -157,8 +157,9 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
                    help="frame groups one request may have queued for the vision tower: the next are "
                         "preprocessed while the tower encodes, and one step encodes all waiting (1 = wait each)")
     g.add_argument("--merge-decoded-groups", action=argparse.BooleanOptionalAction, default=True,
-                   help="a frame group also takes the next groups already decoded (up to frames-per-group x "
-                        "max-tower-jobs-per-request frames): one tower call when decoding runs ahead")
+                   help="for a request that starts while no other is encoding, a frame group also takes the "
+                        "next groups already decoded (up to frames-per-group x max-tower-jobs-per-request "
+                        "frames): one tower call when decoding runs ahead")
     g.add_argument("--max-tower-patches-per-step", type=int, default=8192,
                    help="patches one batched vision-tower call may take (frame groups of several "
                         "requests; a larger group runs alone)")
