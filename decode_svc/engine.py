@@ -17,7 +17,7 @@ import torch
 
 from epd.decode_svc.eviction import DecodeEviction
 from epd.model_runtime.adapter import VLMAdapter
-from epd.model_runtime.detokenizer import IncrementalText
+from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.stages.contracts import TokenStep
@@ -46,7 +46,7 @@ class Generation:
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
         self.sampler = Sampler(config, seed_offset=1)
-        self.text = IncrementalText(adapter.detokenize, config.stop)
+        self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
         self.last_token = first_token_id
         self.finish_reason = ""
         self.eviction = None
@@ -88,18 +88,11 @@ class Generation:
             self.finish_reason = "cancelled"
 
     def _emit(self, token: int) -> TokenStep:
-        delta = self.text.add(token)
-        if self.text.stopped:
-            self.finish_reason = "stop"
-        elif token in self.adapter.eos_token_ids and not self.config.ignore_eos:
-            self.finish_reason = "stop"
-        elif len(self.text.token_ids) >= self.config.max_new_tokens:
-            self.finish_reason = "length"
+        delta, self.finish_reason = self.output.add(token)
         if self.finish_reason:
-            delta += self.text.flush()
             evicted = self.eviction.counts if self.eviction is not None else None
             return TokenStep([token], delta, self.finish_reason, decode_evict=evicted)
-        return TokenStep([token], delta, self.finish_reason)
+        return TokenStep([token], delta)
 
 
 class DecodeEngine:

@@ -20,6 +20,7 @@ from epd.model_runtime.adapter import (
     VisualMeta,
     VLMAdapter,
 )
+from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
@@ -307,6 +308,11 @@ class PrefillEngine:
             stats.kv_bytes_after = cache.num_bytes
         assert request.generation is not None
         first = Sampler(request.generation)(last_logits)
+        # The decoder's first step, worked out here so the first token can go out before the
+        # cache reaches a decoder; a token that ends the request is left to the decoder.
+        first_text, finish = OutputText(
+            self.adapter.detokenize, self.adapter.eos_token_ids, request.generation
+        ).add(first)
         handle = PrefillHandle(
             first_token_id=first,
             num_prompt_tokens=prompt.num_tokens,
@@ -322,6 +328,7 @@ class PrefillEngine:
             visual_entry_mask=mask if pruning.decode_evict else None,
             kept_visual_token_index=kept,
             num_reused_prompt_tokens=request.num_reused_tokens,
+            first_text=None if finish else first_text,
         )
         return PrefillOutput(handle, cache)
 

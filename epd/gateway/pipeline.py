@@ -11,6 +11,10 @@ keeps no cache; decode: stops and frees the cache). A KV cache that prefill stor
 on every way out but a decode run to its end (cancel, error, a decoder that could not pull it, a
 decoder lost after the first token but before it confirmed receipt), so each request holds at
 most one cache and only while it is in flight.
+
+The first token goes to the consumer as soon as prefill answers (`PrefillHandle.first_text`: the
+token and the text the decoder's first step will carry), not once a decoder has pulled the cache
+and admitted the request; the decoder's stream then goes on from the second token.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import (
@@ -116,8 +120,13 @@ class Pipeline:
         timings[Stage.ENCODE.value] = media.encode_ms
 
         # Prefill, then decode. If the prefill replica that holds the KV cache is lost before any
-        # decoder has it (KvSourceLost, nothing sent to the client yet), prefill again, once: on
-        # another replica when that one is gone (prefill is idempotent, its cache is lost).
+        # decoder has it (KvSourceLost, no decoder step sent to the client yet), prefill again,
+        # once: on another replica when that one is gone (prefill is idempotent, its cache is lost).
+        token_ids: list[int] = []
+        text_parts: list[str] = []
+        finish_reason = ""
+        sent: TokenStep | None = None  # the first token, sent from prefill's handle
+        lost: KvSourceLost | None = None
         for attempt in range(2):
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
@@ -127,6 +136,8 @@ class Pipeline:
             taken = False  # by the decoder: its first step comes only after it pulled the cache
             ended = False  # the decoder's stream ran to its end
             try:
+                if lost is not None and sent is not None and handle.first_token_id != sent.token_ids[0]:
+                    raise lost  # the client has the first prefill's token; this one differs (sampled)
                 timings[Stage.PREFILL.value] = handle.prefill_ms
                 emit(StageEvent(
                     Stage.PREFILL,
@@ -139,19 +150,30 @@ class Pipeline:
                         "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
                     },
                 ))
-                token_ids: list[int] = []
-                text_parts: list[str] = []
-                finish_reason = ""
                 t_gen = time.perf_counter()
                 pruning = handle.pruning
                 emit(StageEvent(Stage.GENERATE, "started"))
+                if sent is None and handle.first_text is not None:
+                    # The first token goes out now, not once a decoder has pulled the cache and
+                    # admitted the request (the KV transfer, and the admission's wait for the
+                    # model thread); the decoder's first step, the same token, is not sent again.
+                    sent = TokenStep([handle.first_token_id], handle.first_text)
+                    timings[TTFT] = elapsed_ms()
+                    token_ids += sent.token_ids
+                    text_parts.append(sent.text)
+                    emit(sent)
                 async for step in self.decoder.generate(handle, req.generation, request_id, req.pruning):
                     if not taken:
                         taken = True
-                        timings[TTFT] = elapsed_ms()
+                        timings.setdefault(TTFT, elapsed_ms())
                         timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
                         emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
                                         {"kv_num_bytes": str(step.kv_num_bytes)}))
+                        if sent is not None:
+                            rest = _after_sent(step, sent)
+                            if rest is None:
+                                continue  # it was only the token already sent
+                            step = rest
                     token_ids += step.token_ids
                     text_parts.append(step.text)
                     finish_reason = step.finish_reason or finish_reason
@@ -163,6 +185,7 @@ class Pipeline:
                 if taken or attempt:
                     raise
                 log.warning("request %s: %s; prefilling it again", request_id, exc)
+                lost = exc
                 continue
             finally:
                 # Not taken: no decoder has the cache. Taken but cut short (a decoder lost, or the
@@ -204,6 +227,21 @@ class Pipeline:
         _in_flight.add(release)
         release.add_done_callback(_release_done(request_id))
         await asyncio.wait([release])  # unlike await, neither raises its error nor cancels it
+
+
+def _after_sent(step: TokenStep, sent: TokenStep) -> TokenStep | None:
+    """The decoder's first step without the token already sent from prefill's handle (None: nothing
+    is left to send). Prefill works that token's text out with the decoder's rules (`OutputText`),
+    so the step starts with it; anything else is a bug, and the stream stops rather than show the
+    client two versions of its answer."""
+    n = len(sent.token_ids)
+    if step.token_ids[:n] != sent.token_ids or not step.text.startswith(sent.text):
+        raise RuntimeError(
+            f"the decoder's first step ({step.token_ids[:n]}, {step.text!r}) does not start with the "
+            f"token sent from prefill ({sent.token_ids}, {sent.text!r})"
+        )
+    rest = replace(step, token_ids=step.token_ids[n:], text=step.text[len(sent.text):])
+    return rest if rest.token_ids or rest.text or rest.finish_reason else None
 
 
 _in_flight: set[asyncio.Future] = set()

@@ -1,8 +1,11 @@
-"""Incremental detokenisation with stop strings, for streaming text to a client."""
+"""Incremental detokenisation with stop strings, for streaming text to a client, and the rules
+that end a generation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+
+from epd.model_runtime.sampling import GenerationConfig
 
 
 class IncrementalText:
@@ -45,3 +48,33 @@ class IncrementalText:
         delta = upto[len(self.text) :]
         self.text = upto
         return delta
+
+
+class OutputText:
+    """A request's generated tokens, one at a time -> (text delta, finish reason): `IncrementalText`
+    and the rules that end a generation: a stop string, an end-of-sequence token (unless
+    `ignore_eos`), `max_new_tokens`. Decode runs one per request; prefill runs one over the first
+    token alone, so that the gateway can stream that token before the KV cache reaches a decoder
+    (the same rules from the same state give the same text; `PrefillHandle.first_text`)."""
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], eos_token_ids: Collection[int], config: GenerationConfig
+    ) -> None:
+        self.text = IncrementalText(decode, config.stop)
+        self.eos_token_ids = eos_token_ids
+        self.config = config
+        self.finish_reason = ""
+
+    def add(self, token_id: int) -> tuple[str, str]:
+        """Append one token: (the newly released text, the finish reason: "" while going on, else
+        "stop" or "length"; what was held back is released with it)."""
+        delta = self.text.add(token_id)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif token_id in self.eos_token_ids and not self.config.ignore_eos:
+            self.finish_reason = "stop"
+        elif len(self.text.token_ids) >= self.config.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            delta += self.text.flush()
+        return delta, self.finish_reason

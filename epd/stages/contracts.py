@@ -292,6 +292,11 @@ class PrefillHandle(Generic[T]):
     num_reused_prompt_tokens: int = 0
     """Prompt tokens [0, this) whose KV came from prefill's prefix cache instead of being computed
     (a follow-up question about the same media; 0: none)."""
+    first_text: str | None = None
+    """The text the decoder's first step will stream with `first_token_id` (the same rules from the
+    same state, `OutputText`), so the pipeline can send that token as soon as prefill is done,
+    before a decoder has the cache. None when that token ends the request (its step then carries
+    the finish reason, which only the decoder sends) or when prefill did not work it out."""
 
 
 PRUNING_STAGES = {

@@ -187,6 +187,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         visual_entry_mask=b"" if h.visual_entry_mask is None else tensor_bytes(h.visual_entry_mask),
         kept_visual_token_index=h.kept_visual_token_index,
         num_reused_prompt_tokens=h.num_reused_prompt_tokens,
+        first_text=h.first_text,
     )
 
 
@@ -211,6 +212,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         visual_entry_mask=_flat_mask(msg.visual_entry_mask, relay) if msg.visual_entry_mask else None,
         kept_visual_token_index=list(msg.kept_visual_token_index),
         num_reused_prompt_tokens=msg.num_reused_prompt_tokens,
+        first_text=msg.first_text if msg.HasField("first_text") else None,
     )
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.detokenizer import IncrementalText
+from epd.model_runtime.detokenizer import IncrementalText, OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.kv_store import KvStore
@@ -80,6 +80,25 @@ def test_incremental_text_waits_for_whole_characters():
     assert text.add(2) == ""
     assert text.add(3) == "é"
     assert text.flush() == ""
+
+
+@pytest.mark.parametrize(
+    "config,tokens,expected",
+    [
+        (GenerationConfig(max_new_tokens=3), (1, 2, 3), [("Hello", ""), (" wor", ""), ("ld", "length")]),
+        (GenerationConfig(max_new_tokens=1), (1,), [("Hello", "length")]),
+        (GenerationConfig(), (1, 9), [("Hello", ""), ("", "stop")]),  # 9: end of sequence
+        (GenerationConfig(ignore_eos=True), (9,), [("", "")]),
+        (GenerationConfig(stop=("lo",)), (1,), [("Hel", "stop")]),
+        (GenerationConfig(stop=("!!",)), (1, 2), [("Hell", ""), ("o wo", "")]),  # one char held back
+    ],
+)
+def test_output_text_applies_the_rules_that_end_a_generation(config, tokens, expected):
+    """Decode's steps and prefill's first token go through these rules (`OutputText`): a finish
+    releases what was held back."""
+    words = {1: "Hello", 2: " wor", 3: "ld", 9: ""}
+    out = OutputText(lambda ids: "".join(words[i] for i in ids), {9}, config)
+    assert [out.add(t) for t in tokens] == expected
 
 
 def test_sampler_greedy_and_seeded():

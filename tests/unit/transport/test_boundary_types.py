@@ -83,6 +83,7 @@ def _handle() -> PrefillHandle:
         visual_entry_mask=torch.rand(2, 1, 70, generator=torch.Generator().manual_seed(1)) > 0.5,
         kept_visual_token_index=[1, 4, 9],
         num_reused_prompt_tokens=50,
+        first_text=" a",
         kv_handle="abc123",
         kv_address="prefill-0:50052",
     )
@@ -200,6 +201,11 @@ def test_prefill_handle_round_trips_through_the_proto():
     assert torch.equal(back.visual_entry_mask, handle.visual_entry_mask.flatten())
     _assert_same(back, handle, skip=("pruning", "visual_entry_mask"))
     _assert_same(back.pruning, handle.pruning, skip=("transfer_bytes",))
+    # The first token's text: "" (held back, e.g. half a UTF-8 character) is not "unset" (None:
+    # the token ends the request, the decoder sends it).
+    for text in ("", None):
+        msg = convert.handle_to_proto(dataclasses.replace(handle, first_text=text))
+        assert convert.handle_from_proto(prefill_pb2.PrefillResult.FromString(msg.SerializeToString())).first_text == text
 
 
 def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
