@@ -6,7 +6,9 @@
 - cancelling an encode sets its flag: no tower call follows and the frame stream is closed;
 - the request pool bounds running + waiting drivers and says which flags raise the bounds;
 - `with_events` cancels its call however the consumer leaves;
-- the embedded pipeline leaves its KV store empty however a request ends.
+- the embedded pipeline leaves its KV store empty however a request ends;
+- the first token leaves with prefill's answer (the decoder held meanwhile), never twice, and the
+  stream is the one whose first token comes from the decoder.
 
 Waits below carry a generous timeout only so that a broken build fails instead of hanging;
 nothing asserts on time.
