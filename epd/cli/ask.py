@@ -120,15 +120,27 @@ async def _print_turns(
     async for question, stream in turns:
         number += 1
         result = None
+        # Once the answer's text has begun (its first token can come before the kv_transfer
+        # event), stage lines wait for its end, so they do not cut it in two on a terminal.
+        answering = False
+        held: list[StageEvent] = []
         async for item in stream:
             if isinstance(item, StageEvent):
-                _progress(item.stage, item.state, item.duration_ms, args.json)
+                if answering:
+                    held.append(item)
+                else:
+                    _progress(item.stage, item.state, item.duration_ms, args.json)
             elif isinstance(item, TokenDelta):
+                answering = answering or bool(item.text)
                 _emit_text(item.text, args.json)
             elif isinstance(item, AskResult):
                 result = item
         if result is None:
             raise RuntimeError("the stream ended without a result")
+        if not args.json:
+            print(file=sys.stdout, flush=True)  # the answer's line ends
+        for event in held:
+            _progress(event.stage, event.state, event.duration_ms, args.json)
         if args.json:
             extra: dict[str, Any] = {"notice": notice} if notice else {}
             if _conversational(args):
@@ -156,7 +168,6 @@ def _emit_text(text: str, quiet: bool) -> None:
 def _print_summary(result: AskResult) -> None:
     from epd.stages.names import TIMING_NAMES
 
-    print(file=sys.stdout, flush=True)
     timings = ", ".join(f"{name} {getattr(result.timings_ms, f'{name}_ms'):.0f} ms" for name in TIMING_NAMES)
     reused = result.num_reused_prompt_tokens
     reused_text = f", {reused} of them reused from the prefix cache" if reused else ""

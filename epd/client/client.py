@@ -48,6 +48,7 @@ from epd.client.types import (
     stage_event_from_proto,
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template
+from epd.transport.aio_cancel import cancelled_by_grpc
 from epd.transport.message_convert import messages_to_proto
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -318,11 +319,9 @@ class AsyncEpdClient:
             except grpc.aio.AioRpcError as exc:
                 code, message = exc.code(), exc.details() or ""
             except asyncio.CancelledError:
-                if not _cancelled_by_grpc():
+                if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
-                # grpc.aio cancels a streaming call itself when its request writer fails, as it
-                # does when the deadline passes before the request went out; reading the answer
-                # then raises CancelledError, not an AioRpcError (grpcio's aio/_call.py).
+                # grpc.aio's own cancel: the request could not be written (epd.transport.aio_cancel).
                 late = time.monotonic() >= deadline
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
                 message = ("the deadline passed before the request was sent; raise timeout_s" if late
@@ -340,14 +339,6 @@ class AsyncEpdClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-def _cancelled_by_grpc() -> bool:
-    """Whether a CancelledError just caught came from grpc.aio's own cancel of the call rather than
-    a cancel of the current task (which Python 3.11+ counts; on 3.10 it is taken as the task's)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return cancelling is not None and cancelling() == 0
 
 
 async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):

@@ -52,6 +52,7 @@ from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser
+from epd.transport.aio_cancel import cancelled_by_grpc
 from epd.transport.errors import UpstreamError, broken_stream, failed_after_retry, replica_lost, stage_error
 from epd.transport.server import RECONNECT_OPTIONS, channel_options, traced_channel
 from epd.transport.tensor_wire import TensorAssembler
@@ -185,6 +186,17 @@ class ReplicaPool:
             self.begin(address)
             try:
                 return await attempt(channel, timeout_s)
+            except asyncio.CancelledError:
+                if not cancelled_by_grpc():
+                    raise  # the request's task was cancelled (its client went away)
+                # grpc.aio cancelled the call itself: its request stream could not be written
+                # (epd.transport.aio_cancel). A failure of this call, not a gone client.
+                late = loop.time() - started >= timeout_s
+                log.warning("request %s: gRPC cancelled the %s call to %s while sending its request%s",
+                            request_id, stage, address, " (past its deadline)" if late else "")
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.INTERNAL
+                what = "timed out before its request was sent" if late else "call failed while sending its request"
+                raise UpstreamError(code, f"{stage} stage {what} (request id {request_id})") from None
             except grpc.aio.AioRpcError as exc:
                 hung = (
                     exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -52,6 +52,21 @@ def test_ask_embedded_text_streams_progress(tiny_models, media_files):
     assert "video_decode" in proc.stderr.splitlines()[-1] and "ttft" in proc.stderr.splitlines()[-1]
 
 
+def test_ask_shows_the_answer_whole_on_a_terminal():
+    """README's first question on the default model, stdout and stderr on one stream as a terminal
+    shows them. The first token ("t" of "three") leaves with prefill's answer, before the
+    kv_transfer event: stage lines that come once the answer has begun wait for its end instead of
+    cutting it in two."""
+    proc = subprocess.run(epd_command("ask", "samples/sample.mp4", "how many objects are there in the video?"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert "three" in lines, proc.stdout
+    kv_done = next(i for i, line in enumerate(lines) if "[kv_transfer] done" in line)
+    assert lines.index("three") < kv_done and "epd: 6 frames" in lines[-1]
+
+
 def test_ask_embedded_messages_file_keeps_the_part_order(tiny_models, media_files, tmp_path):
     """--messages FILE: text before the video, as the model's template renders it."""
     messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "video"}]}]

@@ -1,5 +1,7 @@
 """`ReplicaPool`: calls go to the replicas in turn, each channel to its own address, checked
-with real calls to three in-process servers that answer with their own name."""
+with real calls to three in-process servers that answer with their own name; a client-streaming
+call that gRPC cancels itself (its request stream failed) is the stage's error, a cancel of the
+calling task stays a cancel."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import grpc
 import pytest
 
 from epd.transport.remote_stages import ReplicaPool
-from tests.unit.plumbing.grpc_fakes import start_server, unary
+from tests.unit.plumbing.grpc_fakes import SERVICE, start_server, unary
 
 HANG_GUARD_S = 30.0
 
@@ -54,3 +56,74 @@ def test_one_replica_gets_every_call_and_close_closes_its_channel():
 def test_a_stage_needs_an_address():
     with pytest.raises(ValueError, match="at least one address"):
         ReplicaPool([])
+
+
+def _collector(gate: asyncio.Event | None = None) -> dict[str, grpc.RpcMethodHandler]:
+    async def collect(requests, context) -> bytes:
+        got = [r async for r in requests]
+        if gate is not None:
+            await gate.wait()
+        return b"".join(got)
+
+    return {"Collect": grpc.stream_unary_rpc_method_handler(collect)}
+
+
+def test_grpcs_own_cancel_of_a_call_whose_request_failed_is_the_stages_error_not_a_cancelled_task():
+    """grpc.aio cancels a client-streaming call itself when its request stream fails (as when the
+    deadline passes before the request is written), and reading the answer raises CancelledError:
+    the gateway's stage call turns it into an INTERNAL naming the stage and the request, not a
+    cancel of the request's task (which its front door would take for a client gone)."""
+    from epd.transport.errors import UpstreamError
+
+    async def scenario():
+        server, address = await start_server(_collector())
+        pool = ReplicaPool([address])
+
+        async def failing_requests():
+            yield b"header"
+            raise OSError("the embeddings could not be read")
+
+        async def attempt(channel, timeout_s):
+            call = channel.stream_unary(f"/{SERVICE}/Collect")
+            return await call(failing_requests(), timeout=timeout_s)
+
+        try:
+            with pytest.raises(UpstreamError) as err:
+                await pool.call("", attempt, "prefill", "req-7", HANG_GUARD_S)
+            return err.value
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    err = asyncio.run(scenario())
+    assert err.code == grpc.StatusCode.INTERNAL
+    assert str(err) == "prefill stage call failed while sending its request (request id req-7)"
+
+
+def test_a_cancel_of_the_calling_task_still_cancels_it():
+    """The other CancelledError: the request's own task cancelled (its client went away) while the
+    stage holds the call. It stays a cancel."""
+
+    async def scenario():
+        gate = asyncio.Event()
+        server, address = await start_server(_collector(gate))
+        pool = ReplicaPool([address])
+
+        async def requests():
+            yield b"all of it"
+
+        async def attempt(channel, timeout_s):
+            return await channel.stream_unary(f"/{SERVICE}/Collect")(requests(), timeout=timeout_s)
+
+        try:
+            task = asyncio.ensure_future(pool.call("", attempt, "prefill", "req-8", HANG_GUARD_S))
+            await asyncio.sleep(0.2)  # the call is open, the server holds it
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.set()
+            await pool.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
