@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     shared = SharedModelSchedule()
     serve.add_argument("--schedule", choices=SCHEDULES, default=shared.policy,
                        help="--colocate: how the stages' steps share the model: fifo (in turn) or ttft-first "
-                            "(first-token admissions ahead of every step; encode and prefill before a "
+                            "(decode admissions ahead of every step; encode and prefill before a "
                             "waiting decode step, up to --decode-max-wait-s)")
     serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
                        metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
