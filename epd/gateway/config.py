@@ -23,13 +23,14 @@ class SharedModelSchedule:
 
     fifo (default): in the order they are asked for (a decode step between any two others).
     ttft-first: the decode core's admissions (each starts a request's decoding; its first token
-    already left with prefill's answer unless that token ends it) go ahead of every queued step, and encode and prefill steps go before a waiting decode step, which waits
-    at most `decode_max_wait_s` (so every running request still gets a token at least that
-    often): the prefill-first policy of SGLang's scheduler. Measured on the 2-core bench machine
-    at 16 in flight (docs/benchmarks.md, "First tokens first", before the first token left with
-    prefill's answer), it moves time from the first token
-    to the tokens after it at the same requests/s; fifo, which keeps the time per token lower,
-    is the default (vLLM's V1 scheduler also serves running decodes first).
+    already left with prefill's answer unless that token ends it) go ahead of every queued step, and
+    encode and prefill steps go before a waiting decode step, which waits at most
+    `decode_max_wait_s` (so every running request still gets a token at least that often): the
+    prefill-first policy of SGLang's scheduler. Measured on the 2-core bench machine at 16 in flight
+    (docs/benchmarks.md, "First tokens first", before the first token left with prefill's answer),
+    it moves time from the first token to the tokens after it at the same requests/s; fifo, which
+    keeps the time per token lower, is the default (vLLM's V1 scheduler also serves running decodes
+    first).
 
     concurrent_steps: how many of the stages' model calls run at once (the model threads'
     `workers`): 1, one at a time; 2 (default), a decode step beside an encode or prefill step (each

@@ -137,7 +137,7 @@ class Pipeline:
             ended = False  # the decoder's stream ran to its end
             try:
                 if lost is not None and sent is not None and handle.first_token_id != sent.token_ids[0]:
-                    raise lost  # the client has the first prefill's token; this one differs (sampled)
+                    raise lost  # the client has the first prefill's token, and this one differs (sampled)
                 timings[Stage.PREFILL.value] = handle.prefill_ms
                 emit(StageEvent(
                     Stage.PREFILL,

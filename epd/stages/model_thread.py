@@ -16,14 +16,15 @@ busy with small operations while a prefill step's matrix products want both
 model act only in the thread that registered them (`epd.model_runtime.thread_hooks`).
 
 Calls start in the order they were asked for, unless the owner chose a schedule that favours first
-tokens (the colocated server's `--schedule ttft-first`): then a call asked for with `run_first` (short
-and urgent: the decode core's admission of a request whose prefill is done, which starts its
-decoding, and delivers its first token when prefill's answer could not) goes ahead of every queued call (`first_calls_ahead`), and a call in a
-deferred lane (`deferred_lanes`: decode steps) waits while calls of other lanes are queued, for at
-most its lane's limit, and then goes ahead of them: first tokens come sooner and each decode step
-waits at most the limit — the trade vLLM and SGLang expose as a scheduling policy. With N requests
-in flight, time a request does not spend waiting for its first token it spends decoding, so the
-time per token rises by as much (docs/benchmarks.md, "The load's two latencies").
+tokens (the colocated server's `--schedule ttft-first`): then a call asked for with `run_first`
+(short and urgent: the decode core's admission of a request whose prefill is done, which starts its
+decoding, and delivers its first token when prefill's answer could not) goes ahead of every queued
+call (`first_calls_ahead`), and a call in a deferred lane (`deferred_lanes`: decode steps) waits
+while calls of other lanes are queued, for at most its lane's limit, and then goes ahead of them:
+first tokens come sooner and each decode step waits at most the limit — the trade vLLM and SGLang
+expose as a scheduling policy. With N requests in flight, time a request does not spend waiting for
+its first token it spends decoding, so the time per token rises by as much (docs/benchmarks.md, "The
+load's two latencies").
 """
 
 from __future__ import annotations
