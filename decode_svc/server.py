@@ -10,7 +10,7 @@ from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.servicer import SERVICE_NAME, DecodeServicer
 from epd.decode_svc.stage import LocalDecodeStage
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.threads import StepThreads
+from epd.model_runtime.threads import StepThreads, pin_torch_threads
 from epd.stages.model_thread import ModelThread
 from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
@@ -34,6 +34,7 @@ async def start(config: DecodeConfig) -> HealthyServer:
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "decode")
+        pin_torch_threads(1)  # the event loop's thread: tensors in and out, never a second OpenMP team
         servicer.stage = LocalDecodeStage(DecodeEngine(adapter), puller.take_kv, model_thread, config,
                                           confirm_kv=puller.confirm_kv)
         await hs.set_serving(True)

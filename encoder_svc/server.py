@@ -9,7 +9,7 @@ from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.servicer import SERVICE_NAME, EncoderServicer
 from epd.encoder_svc.stage import LocalEncodeStage, build_encode_core
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.threads import StepThreads
+from epd.model_runtime.threads import StepThreads, pin_torch_threads
 from epd.stages.model_thread import ModelThread
 from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
@@ -33,6 +33,7 @@ async def start(config: EncoderConfig) -> HealthyServer:
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "encoder")
+        pin_torch_threads(1)  # the event loop's thread: tensors in and out, never a second OpenMP team
         engine = EncoderEngine(config, adapter)
         core = build_encode_core(engine, model_thread)  # tower jobs of all requests, batched per step
         servicer.stage = LocalEncodeStage(engine, model_thread, core=core)

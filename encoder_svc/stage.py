@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 
@@ -22,6 +23,7 @@ from epd.encoder_svc.engine import EncoderEngine, PendingFeatures
 from epd.encoder_svc.runner import EncodeRunner
 from epd.encoder_svc.scheduler import EncodeScheduler, TowerJob
 from epd.model_runtime.adapter import VisionInputs, VisualFeatures
+from epd.model_runtime.threads import pin_torch_threads
 from epd.stages.contracts import (
     EncodedMedia,
     EncodeStage,
@@ -70,6 +72,9 @@ class LocalEncodeStage(EncodeStage):
             config.max_queued_decodes,
             _decodes_full,
             thread_name="encode-driver",
+            # A driver preprocesses its frame groups on one torch thread: the model thread keeps
+            # the process's one OpenMP team (epd.model_runtime.threads).
+            thread_initializer=functools.partial(pin_torch_threads, 1),
         )
         self.core = core or build_encode_core(engine, model_thread)
         assert isinstance(self.core.scheduler, EncodeScheduler) and isinstance(self.core.runner, EncodeRunner)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.threads import StepThreads
+from epd.model_runtime.threads import StepThreads, pin_torch_threads
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
@@ -35,6 +35,7 @@ async def start(config: PrefillConfig) -> HealthyServer:
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "prefill")
+        pin_torch_threads(1)  # the event loop's thread: tensors in and out, never a second OpenMP team
         engine = PrefillEngine(config, adapter)
         core = build_prefill_core(engine, model_thread)  # scheduler + batched runner on the model thread
         servicer.stage = LocalPrefillStage(engine, kv_store, model_thread, kv_address, core=core)

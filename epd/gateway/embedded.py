@@ -13,7 +13,7 @@ from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.threads import AUTO, CallThreads
+from epd.model_runtime.threads import AUTO, CallThreads, pin_torch_threads
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
@@ -29,16 +29,23 @@ def build_embedded_pipeline(
     decode: DecodeConfig | None = None,
     schedule: SharedModelSchedule = SharedModelSchedule(),
 ) -> Pipeline:
-    """Loads the model once (vision + language) and wires the three local stages to it."""
+    """Loads the model once (vision + language) on the first model thread and wires the three
+    local stages to it. The calling thread, which runs no model call, is left one torch thread
+    (so it never starts an OpenMP team of its own: epd.model_runtime.threads)."""
     encoder = encoder or EncoderConfig(model=model)
     prefill = prefill or PrefillConfig(model=model)
-    adapter = adapter or load_adapter(model, "all")
     thread = ModelThread(
         deferred_lanes=schedule.deferred_lanes(),
         first_calls_ahead=schedule.first_calls_ahead(),
         workers=schedule.concurrent_steps,
         call_threads=CallThreads() if model.num_threads == AUTO else None,
     )
+    try:
+        adapter = adapter or thread.call(load_adapter, model, "all")
+    except BaseException:
+        thread.close()
+        raise
+    pin_torch_threads(1)
     kv_store = KvStore(prefill.kv_store_bytes, prefill.kv_ttl_s)
     return Pipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),

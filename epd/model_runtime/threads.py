@@ -29,6 +29,23 @@ of them when it runs alone. Measured on the 2-core bench machine at 16 in flight
 fell by 40% in the 8-frame setting and by a seventh in the 4-frame one, at the same or higher
 requests/s.
 
+One OpenMP team per process: libgomp (torch's OpenMP on Linux) gives every OS thread that runs a
+multi-threaded torch operation its own team of worker threads, kept for the thread's life, and once
+a process holds more such threads than the machine has cores, every team's idle workers stop
+spinning and sleep at once, whatever the wait policy (libgomp's "throttled" spin). Each later
+parallel operation then wakes a sleeping worker first: ~40-80 us on the 2-core bench VM, paid by
+each of the few hundred operations of a prefill or tower call. A second team came from threads
+that only move tensors: the event loop's (the tensors of a request or a KV cache, copied in
+parallel) and the encoder's per-request drivers (each frame group's preprocessing). So in a
+serving process only the model threads run torch on more than one thread: every other thread is
+pinned to one (`pin_torch_threads(1)`: the event loop's once the model is loaded, the drivers'
+when they start), and of a colocated server's model threads only the first runs a call on more
+than one (`CallThreads`; the model threads give a call to the first whenever it is idle). Measured
+on the 2-core bench machine (docs/benchmarks.md, "One OpenMP team per process"): the colocated
+server's first token at one request in flight 7-14% sooner, its requests/s at 16 in flight with 4
+frames 8% higher; the stack's tower and prefill calls as fast as in a process of their own once
+its workers may spin (`GOMP_SPINCOUNT`; its default stays passive, below).
+
 Idle OpenMP threads: libgomp (torch's OpenMP on Linux) lets a team's threads spin for a while
 after each parallel region (300,000 iterations unless told otherwise), waiting for the next
 region. In one process that is cheap; in a stack's three model processes on the same cores it is
@@ -37,7 +54,9 @@ CPU taken from the other stages. So the loopback stack starts its services with
 (`shared_cores_environment`). Measured on the 2-core bench machine at 16 in flight
 (docs/benchmarks.md, "Idle OpenMP threads"): prefill's CPU per request fell by a fifth and the
 stack's requests/s rose 3-24% (11% on average); the colocated server (one process) showed no
-difference.
+difference (its several teams throttled every wait then, above). With one team per process, a short
+spin (`GOMP_SPINCOUNT=20000`) takes a fifth off the stack's first token at one request in flight
+with 4 frames but costs 2-6% of its requests/s at 16 in flight: passive waits stay its default.
 """
 
 from __future__ import annotations
@@ -73,6 +92,17 @@ def shared_cores_environment(environ: dict[str, str]) -> dict[str, str]:
     if any(name in environ for name in OPENMP_WAIT_SETTINGS):
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def pin_torch_threads(num_threads: int) -> None:
+    """Set this OS thread's torch threads for good. torch sets a thread's count at the thread's
+    first parallel operation from the count last set by any thread (`torch.set_num_threads` sets
+    both), which would undo a count set earlier in this thread by another thread's later call:
+    `get_num_threads()` makes torch take that first step now."""
+    import torch
+
+    torch.get_num_threads()
+    torch.set_num_threads(num_threads)
 
 
 def num_cores() -> int:
@@ -154,9 +184,17 @@ class StepThreads:
         if self.board is not None:
             self.board.set_busy(False)
 
+    def worker_started(self, index: int) -> None:
+        """On the model thread, before its first call: torch's count for this thread is taken now
+        (`pin_torch_threads`), so the steps' own counts are the ones that hold."""
+        pin_torch_threads(self.fixed or self.cores)
+
 
 class CallThreads:
-    """torch threads for the calls of one process's model threads: cores // calls running."""
+    """torch threads for the calls of one process's model threads: cores // calls running, on the
+    first model thread; one on the others, so that the process keeps one OpenMP team (the module
+    docstring). The model threads give a call to the first whenever it is idle, so a call that
+    runs alone runs there."""
 
     def __init__(self, cores: int | None = None) -> None:
         self.cores = cores or num_cores()
@@ -166,17 +204,21 @@ class CallThreads:
     def for_call(self, num_running: int) -> int:
         return max(1, self.cores // max(1, num_running))
 
-    def enter(self) -> int:
-        """Before a call, on its model thread: count it and set its threads (returned). Set on
+    def enter(self, worker: int = 0) -> int:
+        """Before a call, on model thread `worker`: count it and set its threads (returned). Set on
         every call: MKL's count is process-wide, and another thread's call may have changed it."""
         import torch
 
         with self._lock:
             self._running += 1
-            n = self.for_call(self._running)
+            n = self.for_call(self._running) if worker == 0 else 1
         torch.set_num_threads(n)
         return n
 
     def exit(self) -> None:
         with self._lock:
             self._running -= 1
+
+    def worker_started(self, index: int) -> None:
+        """On model thread `index`, before its first call (`StepThreads.worker_started`)."""
+        pin_torch_threads(self.cores if index == 0 else 1)

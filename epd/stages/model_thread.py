@@ -86,12 +86,14 @@ class ModelThread:
         self.call_threads = call_threads
         self._queue: list[_Call] = []
         self._lock = threading.Lock()
-        self._idle: list[threading.Condition] = []
-        """Idle workers' wake-ups, the most recently idle last: a new call wakes that one, so at low
-        load the calls stay on one thread (and its warm OpenMP team) instead of alternating."""
+        self._idle: dict[int, threading.Condition] = {}
+        """Idle workers' wake-ups by worker index: a new call wakes the lowest, so a call that runs
+        alone runs on the first worker (and its warm OpenMP team: the only one that runs calls on
+        more than one thread, `CallThreads`)."""
         self._closed = False
         self._workers = [
-            threading.Thread(target=self._work, name=THREAD_NAME.format(i), daemon=True) for i in range(workers)
+            threading.Thread(target=self._work, args=(i,), name=THREAD_NAME.format(i), daemon=True)
+            for i in range(workers)
         ]
         for worker in self._workers:
             worker.start()
@@ -127,7 +129,7 @@ class ModelThread:
         with self._lock:
             self._closed = True
             dropped, self._queue = self._queue, []
-            for wake in self._idle:
+            for wake in self._idle.values():
                 wake.notify()
         for c in dropped:
             c.future.cancel()
@@ -146,7 +148,7 @@ class ModelThread:
             else:
                 self._queue.append(_Call(call, future, lane))
             if self._idle:
-                self._idle.pop().notify()
+                self._idle.pop(min(self._idle)).notify()
         return future
 
     def _next(self) -> _Call | None:
@@ -160,23 +162,24 @@ class ModelThread:
                 return self._queue.pop(i)
         return self._queue.pop(0)
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
+        policy = self.call_threads or self.threads
+        if policy is not None:
+            policy.worker_started(index)
         wake = threading.Condition(self._lock)
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
-                    if wake not in self._idle:  # not yet, or woken by a call another worker took
-                        self._idle.append(wake)
+                    self._idle[index] = wake  # not yet idle, or woken by a call another worker took
                     wake.wait()
-                if wake in self._idle:
-                    self._idle.remove(wake)
+                self._idle.pop(index, None)
                 if self._closed:
                     return
                 call = self._next()
             if call is None or not call.future.set_running_or_notify_cancel():
                 continue  # its caller was cancelled while it waited
             if self.call_threads is not None:
-                self.call_threads.enter()
+                self.call_threads.enter(index)
             try:
                 result, error = call.fn(), None
             except BaseException as exc:  # noqa: BLE001 - the caller gets it; the thread serves on
@@ -184,12 +187,11 @@ class ModelThread:
             if self.call_threads is not None:
                 self.call_threads.exit()  # before the caller learns the call is over
             with self._lock:
-                # Idle (the most recently) before the caller learns the call is over: the caller's
-                # next call, submitted at once, then wakes this thread, not one idle longer. If the
-                # next call comes before this thread waits, its wake-up finds no waiter, but the
-                # thread sees the queued call when it takes the lock again.
-                if wake not in self._idle:
-                    self._idle.append(wake)
+                # Idle before the caller learns the call is over: the caller's next call, submitted
+                # at once, may then wake this thread. If the next call comes before this thread
+                # waits, its wake-up finds no waiter, but the thread sees the queued call when it
+                # takes the lock again.
+                self._idle[index] = wake
             if error is None:
                 call.future.set_result(result)
             else:

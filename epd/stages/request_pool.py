@@ -35,9 +35,11 @@ class RequestPool:
         max_waiting: int,
         refusal: Callable[[int, int], str],
         thread_name: str = "request",
+        thread_initializer: Callable[[], None] | None = None,
     ) -> None:
         """`refusal(num_running, num_waiting)` is the message of the ResourceExhausted raised
-        when the pool is full: it should say which flags raise the limits."""
+        when the pool is full: it should say which flags raise the limits. `thread_initializer`
+        runs first on each of the pool's threads."""
         if max_running < 1 or max_waiting < 0:
             raise ValueError(
                 f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}"
@@ -45,7 +47,9 @@ class RequestPool:
         self.max_running = max_running
         self.max_waiting = max_waiting
         self._refusal = refusal
-        self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix=thread_name)
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_running, thread_name_prefix=thread_name, initializer=thread_initializer
+        )
         self._lock = threading.Lock()
         self._num_admitted = 0  # running + waiting; a slot is freed when its driver returns
         self.num_cancelled = 0

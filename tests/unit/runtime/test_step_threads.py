@@ -1,7 +1,8 @@
 """--num-threads auto: with the stack's shared board, a call takes the cores divided by the stages
 busy at that moment; without one, every core for a call that serves one request with nothing else
-waiting, one thread otherwise; a fixed count stays fixed. And the flag's parsing, and the OpenMP wait
-policy of processes sharing the cores."""
+waiting, one thread otherwise; a fixed count stays fixed. One OpenMP team a process: only the model
+threads (the first of a colocated server's) run torch on more than one thread. And the flag's
+parsing, and the OpenMP wait policy of processes sharing the cores."""
 
 from __future__ import annotations
 
@@ -117,10 +118,100 @@ def test_the_model_threads_set_each_calls_threads_from_the_calls_running():
         return await first, beside, await pool.run(torch.get_num_threads)
 
     try:
-        assert asyncio.run(asyncio.wait_for(scenario(), 30)) == (4, 2, 4)
+        # the call beside it runs on the second model thread: one torch thread (one OpenMP team a process)
+        assert asyncio.run(asyncio.wait_for(scenario(), 30)) == (4, 1, 4)
     finally:
         release.set()
         pool.close()
+        torch.set_num_threads(before)
+
+
+def test_only_the_first_model_thread_runs_a_call_on_more_than_one_torch_thread():
+    """libgomp keeps one team of workers per OS thread that runs a parallel operation; with more
+    workers than cores every idle worker sleeps (threads.py): the second model thread stays on one."""
+    from epd.model_runtime.threads import CallThreads
+
+    threads = CallThreads(cores=4)
+    before = torch.get_num_threads()
+    try:
+        assert threads.enter(1) == 1, "alone on the second model thread: still one"
+        assert threads.enter(0) == 2, "the first beside it: the cores divided by the calls running"
+        threads.exit()
+        threads.exit()
+        assert threads.enter(0) == 4
+        threads.exit()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_call_that_runs_alone_runs_on_the_first_model_thread():
+    import asyncio
+    import threading
+
+    from epd.stages.model_thread import ModelThread
+
+    pool = ModelThread(workers=3)
+
+    async def one_at_a_time() -> list[str]:
+        return [await pool.run(lambda: threading.current_thread().name) for _ in range(6)]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(one_at_a_time(), 30)) == ["model_0"] * 6
+    finally:
+        pool.close()
+
+
+def test_a_pinned_thread_keeps_its_count_when_another_thread_sets_one_later():
+    """torch sets a thread's count at its first parallel operation from the count another thread
+    set last; a pinned thread has taken that step already."""
+    import threading
+
+    from epd.model_runtime.threads import pin_torch_threads
+
+    before = torch.get_num_threads()
+    pinned, other_set, seen = threading.Event(), threading.Event(), []
+
+    def model_thread() -> None:
+        pin_torch_threads(3)
+        pinned.set()
+        assert other_set.wait(30)
+        torch.ones(1 << 17).add_(1)  # a parallel operation, as a model call's first
+        seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=model_thread)
+    try:
+        worker.start()
+        assert pinned.wait(30)
+        torch.set_num_threads(1)  # e.g. the event loop's own pin, after the model thread's
+        other_set.set()
+        worker.join(30)
+        assert seen == [3]
+    finally:
+        other_set.set()
+        torch.set_num_threads(before)
+
+
+def test_the_encoders_request_drivers_run_torch_on_one_thread(tiny_models):
+    """Each frame group's preprocessing runs on a driver thread: one torch thread there, so the
+    encoder's only OpenMP team is its model thread's."""
+    import asyncio
+
+    from epd.encoder_svc.config import EncoderConfig
+    from epd.encoder_svc.engine import EncoderEngine
+    from epd.encoder_svc.stage import LocalEncodeStage
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.loader import load_adapter
+    from epd.stages.model_thread import ModelThread
+
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    before = torch.get_num_threads()
+    stage = LocalEncodeStage(EncoderEngine(EncoderConfig(model=model), load_adapter(model, "encoder")), ModelThread())
+    try:
+        torch.set_num_threads(2)  # the count new threads would take from the last one set
+        assert asyncio.run(stage.drivers.run(lambda cancel: torch.get_num_threads())) == 1
+    finally:
+        stage.drivers.close()
+        stage.model_thread.close()
         torch.set_num_threads(before)
 
 
@@ -130,3 +221,58 @@ def test_processes_sharing_the_cores_get_passive_openmp_waits_unless_the_operato
     assert shared_cores_environment({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert shared_cores_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
     assert shared_cores_environment({"GOMP_SPINCOUNT": "10000"}) == {}
+
+
+@pytest.mark.parametrize("role", ["encoder", "prefill", "decode"])
+def test_a_model_service_leaves_its_event_loop_thread_one_torch_thread(tiny_models, role):
+    """The event loop's thread moves tensors (requests, KV caches) and runs no model call: one
+    torch thread, so it never starts a second OpenMP team beside the model thread's."""
+    import asyncio
+    import importlib
+    from dataclasses import replace
+
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.threads import AUTO
+    from epd.stages.server_config import ServerConfig
+
+    server = importlib.import_module(f"epd.{role}_svc.server")
+    config_module = importlib.import_module(f"epd.{role}_svc.config")
+    config_class = next(getattr(config_module, n) for n in dir(config_module)
+                        if n.lower() == f"{role}config")
+    config = replace(config_class(), model=ModelConfig(model=str(tiny_models["qwen2_vl"]), num_threads=AUTO),
+                     server=ServerConfig(port=0))
+
+    async def scenario() -> int:
+        torch.set_num_threads(2)
+        hs = await server.start(config)
+        try:
+            return torch.get_num_threads()
+        finally:
+            await hs.stop(0)
+
+    before = torch.get_num_threads()
+    try:
+        assert asyncio.run(asyncio.wait_for(scenario(), 120)) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_colocated_pipeline_leaves_its_caller_one_torch_thread(tiny_models):
+    """`epd serve --colocate` builds the pipeline on its event loop's thread: the model loads on the
+    first model thread, and the caller keeps one torch thread (no OpenMP team of its own)."""
+    import asyncio
+
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.threads import AUTO, num_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]), num_threads=AUTO))
+    thread = pipeline.encoder.model_thread
+    try:
+        assert torch.get_num_threads() == 1
+        assert asyncio.run(thread.run(torch.get_num_threads)) == num_cores(), "a call alone: every core"
+    finally:
+        thread.close()
+        torch.set_num_threads(before)
