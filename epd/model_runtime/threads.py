@@ -24,7 +24,7 @@ A fixed `--num-threads N` keeps N for every call.
 One process whose model threads run several calls at once (`epd serve --colocate`, where a decode
 step runs beside an encode or prefill step: `--concurrent-steps`) applies the same rule to its own
 calls (`CallThreads`): each call takes the cores divided by the calls running when it starts, all
-of them when it runs alone. Measured on the 2-core bench machine at 16 in flight
+of them when it runs alone, except a decode step of a few rows (`ONE_THREAD_BELOW_ROWS`). Measured on the 2-core bench machine at 16 in flight
 (docs/benchmarks.md, "Two steps at once"): against every core for every call, the time per token
 fell by 40% in the 8-frame setting and by a seventh in the 4-frame one, at the same or higher
 requests/s.
@@ -79,6 +79,14 @@ STAGES = ("encoder", "prefill", "decode")
 
 SHARED_HOST_MAX_THREADS = {"decode": 1}
 """Threads per call of a stage whatever the board says, while the stages share a host (above)."""
+
+ONE_THREAD_BELOW_ROWS = {"decode": 4}
+"""A colocated server's step of a stage with fewer rows than this runs on one thread: a second
+thread took 6% off a one-row decode step and 9% off two rows, 26-30% off 8-16 rows
+(`bench/bench_decode_batch.py`, docs/benchmarks.md "One OpenMP team per process"), and a team
+spinning through every step at one request in flight doubled the server's CPU per request. Such a
+step goes to the last idle model thread (`ModelThread.run_single`), leaving the first, the one that
+runs calls on more than one thread, to the next encode or prefill step."""
 
 
 OPENMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -218,6 +226,20 @@ class CallThreads:
     def exit(self) -> None:
         with self._lock:
             self._running -= 1
+
+    @staticmethod
+    def narrows(lane: str, num_rows: int) -> bool:
+        """Whether a step of `lane` (its stage) with `num_rows` rows runs on one thread
+        (`ONE_THREAD_BELOW_ROWS`)."""
+        return num_rows < ONE_THREAD_BELOW_ROWS.get(lane, 0)
+
+    def narrow_step(self, lane: str, num_rows: int) -> None:
+        """Inside a call, on its model thread: a step that `narrows` runs on one thread, on any
+        model thread it landed on (the next call's `enter` sets its own)."""
+        if self.narrows(lane, num_rows):
+            import torch
+
+            torch.set_num_threads(1)
 
     def worker_started(self, index: int) -> None:
         """On model thread `index`, before its first call (`StepThreads.worker_started`)."""

@@ -242,14 +242,23 @@ class EngineCore(Generic[R]):
             self.num_steps += 1
             num_waiting = len(self.scheduler.requests()) - len(batch)
             # One model-thread call per step: free who left, step the batch, free who finished.
-            await self._model_call(batch, self._step, left, batch, num_waiting)
+            calls = self.model_thread.call_threads
+            single = calls is not None and calls.narrows(self.lane, len(batch))
+            await self._model_call(batch, self._step, left, batch, num_waiting, single=single)
 
     async def _model_call(
-        self, batch: list[R], fn: Callable[..., list[tuple[R, Any]]], *args: Any, first: bool = False
+        self,
+        batch: list[R],
+        fn: Callable[..., list[tuple[R, Any]]],
+        *args: Any,
+        first: bool = False,
+        single: bool = False,
     ) -> None:
         """Run `fn(*args)` on the model thread and deliver the outputs it gives `batch`'s requests.
-        first: ahead of the calls queued there (an admission: short, and a client waits for it)."""
-        run = self.model_thread.run_first if first else self.model_thread.run_in
+        first: ahead of the calls queued there (an admission: short, and a client waits for it).
+        single: a step on one torch thread (`CallThreads.narrows`), on the last idle model thread."""
+        thread = self.model_thread
+        run = thread.run_first if first else thread.run_single if single else thread.run_in
         try:
             outputs = await run(self.lane, fn, *args)
         except asyncio.CancelledError:
@@ -290,6 +299,8 @@ class EngineCore(Generic[R]):
         threads = self.model_thread.threads
         if threads is not None:
             threads.apply(len(batch), num_waiting)
+        elif self.model_thread.call_threads is not None:
+            self.model_thread.call_threads.narrow_step(self.lane, len(batch))
         try:
             outputs = self.runner.execute(batch)
         finally:

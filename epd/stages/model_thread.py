@@ -89,7 +89,7 @@ class ModelThread:
         self._idle: dict[int, threading.Condition] = {}
         """Idle workers' wake-ups by worker index: a new call wakes the lowest, so a call that runs
         alone runs on the first worker (and its warm OpenMP team: the only one that runs calls on
-        more than one thread, `CallThreads`)."""
+        more than one thread, `CallThreads`); a `run_single` call wakes the highest."""
         self._closed = False
         self._workers = [
             threading.Thread(target=self._work, args=(i,), name=THREAD_NAME.format(i), daemon=True)
@@ -118,6 +118,12 @@ class ModelThread:
         future = self._submit(lane, fn, args, kwargs, first=self.first_calls_ahead)
         return await asyncio.wrap_future(future)
 
+    async def run_single(self, lane: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`run_in`, for a call that runs on one torch thread (`CallThreads.narrows`): it takes the
+        last idle model thread, which leaves the first free for a call that uses more."""
+        future = self._submit(lane, fn, args, kwargs, last_worker=True)
+        return await asyncio.wrap_future(future)
+
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on a model thread and wait for it, from any other (non-loop) thread."""
         if any(threading.get_ident() == worker.ident for worker in self._workers):
@@ -136,7 +142,9 @@ class ModelThread:
 
     # -- the thread --------------------------------------------------------------------------
 
-    def _submit(self, lane: str, fn: Callable[..., T], args: tuple, kwargs: dict, first: bool = False) -> Future:
+    def _submit(
+        self, lane: str, fn: Callable[..., T], args: tuple, kwargs: dict, first: bool = False, last_worker: bool = False
+    ) -> Future:
         future: Future = Future()
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         with self._lock:
@@ -148,7 +156,7 @@ class ModelThread:
             else:
                 self._queue.append(_Call(call, future, lane))
             if self._idle:
-                self._idle.pop(min(self._idle)).notify()
+                self._idle.pop(max(self._idle) if last_worker else min(self._idle)).notify()
         return future
 
     def _next(self) -> _Call | None:

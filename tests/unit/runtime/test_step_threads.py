@@ -155,8 +155,12 @@ def test_a_call_that_runs_alone_runs_on_the_first_model_thread():
     async def one_at_a_time() -> list[str]:
         return [await pool.run(lambda: threading.current_thread().name) for _ in range(6)]
 
+    async def single_ones() -> list[str]:  # steps on one torch thread leave the first free
+        return [await pool.run_single("decode", lambda: threading.current_thread().name) for _ in range(3)]
+
     try:
         assert asyncio.run(asyncio.wait_for(one_at_a_time(), 30)) == ["model_0"] * 6
+        assert asyncio.run(asyncio.wait_for(single_ones(), 30)) == ["model_2"] * 3
     finally:
         pool.close()
 

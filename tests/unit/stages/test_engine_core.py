@@ -290,3 +290,43 @@ def test_the_admission_goes_ahead_of_other_stages_calls_under_ttft_first(first_c
         assert ran == (["admit", *encodes] if first_calls_ahead else [*encodes, "admit"])
     finally:
         thread.close()
+
+
+def test_a_colocated_decode_step_of_few_rows_runs_on_one_torch_thread():
+    """Under `CallThreads` (one model serving every stage), a decode step of fewer than 4 rows
+    takes one thread (a second gains little there and spins through every step); a wider one,
+    or another stage's, the cores the running calls leave."""
+    import torch
+
+    from epd.model_runtime.threads import CallThreads
+
+    class ThreadsRunner(CountRunner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[int, int]] = []  # (rows, torch threads) per step
+
+        def execute(self, batch):
+            self.seen.append((len(batch), torch.get_num_threads()))
+            return super().execute(batch)
+
+    def core_of(stage: str, thread: ModelThread) -> EngineCore:
+        scheduler = FifoScheduler()
+        scheduler.load = lambda: EngineLoad(stage, 0, 0)  # type: ignore[method-assign]
+        return EngineCore(scheduler, ThreadsRunner(), thread)
+
+    before = torch.get_num_threads()
+    thread = ModelThread(call_threads=CallThreads(cores=4))
+    decode, prefill = core_of("decode", thread), core_of("prefill", thread)
+
+    async def scenario():
+        await _collect(decode, CountRequest("a", steps=2))
+        await asyncio.gather(*(_collect(decode, CountRequest(f"b{i}", steps=1)) for i in range(4)))
+        await _collect(prefill, CountRequest("p", steps=1))
+
+    try:
+        _run(scenario())
+        assert decode.runner.seen == [(1, 1), (1, 1), (4, 4)]
+        assert prefill.runner.seen == [(1, 4)]
+    finally:
+        thread.close()
+        torch.set_num_threads(before)
