@@ -24,7 +24,8 @@ from epd.video.types import DecodeLimits, SamplingOptions
 def model_config(args: argparse.Namespace) -> ModelConfig:
     # No --num-threads: one thread per model call (a stack's services, epd ask); --colocate picks auto.
     threads = 1 if args.num_threads is None else args.num_threads
-    return ModelConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=threads)
+    return ModelConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=threads,
+                       linear_kernel=getattr(args, "linear_kernel", "torch"))
 
 
 def sampling_options(args: argparse.Namespace) -> SamplingOptions:

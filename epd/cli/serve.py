@@ -292,7 +292,8 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
     base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, *log_format, "serve"]
     threads = [] if args.num_threads is None else ["--num-threads", str(args.num_threads or "auto")]
-    model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads]
+    model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads,
+             "--linear-kernel", args.linear_kernel]
     grace = ["--grace-period", str(args.grace_period)]
     own = {"prefill": ["--prefix-cache-bytes", str(args.prefix_cache_bytes), "--prefix-cache-ttl",
                        str(args.prefix_cache_ttl), "--kv-ttl", str(args.kv_ttl),

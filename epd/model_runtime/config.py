@@ -25,12 +25,19 @@ class ModelConfig:
     num_threads: int = 1
     """torch intra-op threads per model call in this process; 0 ("auto", `epd.model_runtime.threads`):
     every core for a call that serves one request with nothing else waiting, one otherwise."""
+    linear_kernel: str = "torch"
+    """"torch" (torch's own linear: MKL on x86) or "onednn" (calls of many rows through oneDNN:
+    faster on CPUs where MKL is slow, not bit-identical to `generate()`; `epd.model_runtime.onednn_linear`)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.linear_kernel not in ("torch", "onednn"):
+            raise ValueError(f"linear_kernel must be 'torch' or 'onednn', got {self.linear_kernel!r}")
+        if self.linear_kernel == "onednn" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("linear_kernel 'onednn' is for --device cpu with --dtype float32")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 1, or 0 for auto; got {self.num_threads}")
 

@@ -161,12 +161,27 @@ def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
         module_name, class_name = _FAMILIES[model_type]
         module = importlib.import_module(f"epd.model_runtime.{module_name}")
         parts = {"vision", "language"} if stage == "all" else module.STAGE_PARTS[stage]
-        return getattr(module, class_name)(path, config, parts)
+        adapter = getattr(module, class_name)(path, config, parts)
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever transformers/torch raise, the model cannot be served
         log.debug("loading %s failed", path, exc_info=True)
         raise ModelLoadError(path, f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    if config.linear_kernel == "onednn":
+        _use_onednn(adapter, path)
+    return adapter
+
+
+def _use_onednn(adapter: VLMAdapter, path: str) -> None:
+    """`--linear-kernel onednn`: the linear layers of every model part the adapter holds."""
+    import torch
+
+    from epd.model_runtime.onednn_linear import onednn_available, use_onednn_linear
+
+    if not onednn_available():
+        raise ModelLoadError(path, "--linear-kernel onednn: this torch build has no oneDNN linear kernel")
+    parts = [v for v in vars(adapter).values() if isinstance(v, torch.nn.Module)]
+    log.info("linear kernel: oneDNN for calls of many rows (%d linear layers)", use_onednn_linear(parts))
 
 
 def _first_line(exc: BaseException) -> str:

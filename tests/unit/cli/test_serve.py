@@ -105,6 +105,19 @@ def test_the_prefix_cache_flags_reach_the_stacks_prefill():
     assert "--prefix-cache-bytes" not in stack_commands(args)["encoder[0]"]
 
 
+def test_the_linear_kernel_reaches_every_model_service():
+    args = build_parser().parse_args(["serve", "--linear-kernel", "onednn"])
+    args.model = "/m"
+    makers = {"encoder": configs.encoder_config, "prefill": configs.prefill_config, "decode": configs.decode_config}
+    for name, command in stack_commands(args).items():
+        role = name.split("[")[0]
+        if role in makers:
+            assert makers[role](_parsed(command)).model.linear_kernel == "onednn", name
+    plain = build_parser().parse_args(["serve", "--colocate"])
+    plain.model = "/m"
+    assert configs.model_config(plain).linear_kernel == "torch"
+
+
 def test_the_log_format_reaches_every_service():
     args = build_parser().parse_args(["--log-format", "json", "serve"])
     args.model = "/m"
