@@ -94,6 +94,8 @@ class QualityConfig:
     """Generation cap: answers are one word, so a few tokens suffice."""
     num_threads: int = 1
     """torch threads of the embedded pipeline."""
+    linear_kernel: str = "torch"
+    """The model's linear layers: "torch" or "onednn" (`epd.model_runtime.onednn_linear`)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -245,7 +247,7 @@ def evaluate(config: QualityConfig, data_dir: Path, presets: list[str]) -> list[
         records = records[: config.max_questions]
     if not records:
         raise ValueError(f"{data_dir} has no test questions")
-    model = ModelConfig(model=config.model, num_threads=config.num_threads)
+    model = ModelConfig(model=config.model, num_threads=config.num_threads, linear_kernel=config.linear_kernel)
     adapter = load_adapter(model, "all")
     results = []
     for preset in presets:
@@ -330,12 +332,15 @@ def parse_args(argv: list[str] | None) -> QualityConfig:
     p.add_argument("--out", default=d.out_dir, help="output directory")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
+    p.add_argument("--linear-kernel", default=d.linear_kernel, choices=["torch", "onednn"],
+                   help="the model's linear layers (epd serve's --linear-kernel)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     return QualityConfig(
         model=a.model, presets=tuple(x.strip() for x in a.presets.split(",") if x.strip()),
         num_test_clips=a.num_test, data_dir=a.data, max_questions=a.max_questions, out_dir=a.out,
         max_new_tokens=a.max_new_tokens, num_threads=a.threads, progress=not a.no_progress,
+        linear_kernel=a.linear_kernel,
     )
 
 

@@ -164,6 +164,29 @@ def test_bench_quality_writes_consistent_outputs(tmp_path, test_clips):
         (r["question_type"], int(r["num_questions"]), int(r["num_correct"])) for r in rows]
 
 
+def test_bench_quality_measures_the_onednn_linear_kernel_against_torchs(tmp_path, test_clips, monkeypatch):
+    """The quality of `--linear-kernel onednn` is measured, not assumed: the same questions through
+    both kernels, oneDNN's kernel called only in its run (docs/benchmarks.md, "oneDNN linear
+    layers", for 1,000 questions)."""
+    from epd.bench.quality import main
+    from epd.model_runtime import onednn_linear
+
+    kernel_calls = []
+    real = onednn_linear._onednn_linear
+    monkeypatch.setattr(onednn_linear, "_onednn_linear",
+                        lambda *a: kernel_calls.append(1) or real(*a))
+    answers = {}
+    for kernel in ("torch", "onednn"):
+        kernel_calls.clear()
+        out = tmp_path / kernel
+        assert main(["--model", str(SHIPPED), "--data", str(test_clips), "--max-questions", "12", "--presets",
+                     "off", "--out", str(out), "--no-progress", "--linear-kernel", kernel]) == 0
+        answers[kernel] = [(a["id"], a["answer"]) for a in csv.DictReader(open(out / "quality_answers.csv"))]
+        assert bool(kernel_calls) == (kernel == "onednn"), kernel
+    assert len(answers["torch"]) == 12
+    assert [i for i, _ in answers["onednn"]] == [i for i, _ in answers["torch"]]
+
+
 def test_bench_quality_refuses_an_unknown_preset(tmp_path, capsys):
     from epd.bench.quality import main
 
