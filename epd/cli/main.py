@@ -86,7 +86,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-kernel", default="torch", choices=["torch", "onednn"],
                    help="linear layers: torch's own (MKL on x86; the default, bit-identical to generate()), "
                         "or onednn for calls of 16 rows or more (prefill, vision tower, wide decode steps): "
-                        "2.1x faster products on the bench CPU, results within float32 rounding "
+                        "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "
                         "(docs/benchmarks.md, 'oneDNN linear layers')")
     env_threads = _env("EPD_NUM_THREADS", "")
     g.add_argument("--num-threads", type=_num_threads, default=_num_threads(env_threads) if env_threads else None,

@@ -8,7 +8,9 @@ a call of at least `MIN_ROWS` rows to oneDNN (`torch.ops.mkldnn._linear_pointwis
 torch.compile uses on CPU, on the module's own dense weight: no copy), and a smaller one to
 `F.linear` as before.
 
-Off by default: oneDNN sums in another order than MKL, so its float32 results differ in the last
+It is for CPUs whose MKL runs below their vector width: on an Intel Xeon with AVX-512 MKL matched
+or beat oneDNN (0.81-0.99x), so there the option costs time. Off by default: oneDNN sums in
+another order than MKL, so its float32 results differ in the last
 bits (~5e-6 relative) and a greedy token can differ from `generate()`'s where the top two logits
 are within that of each other. With it on, the tests hold each token to `generate()`'s or to a near
 tie (tests/integration/test_onednn_linear.py), as vLLM's CPU backend (oneDNN) is held.
