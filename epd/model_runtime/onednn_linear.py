@@ -10,23 +10,16 @@ torch.compile uses on CPU, on the module's own dense weight: no copy), and a sma
 
 It is for CPUs whose MKL runs below their vector width: on an Intel Xeon with AVX-512 MKL matched
 or beat oneDNN (0.81-0.99x), so there the option costs time. Off by default: oneDNN sums in
-another order than MKL, so its float32 results differ in the last
-bits (~5e-6 relative) and a greedy token can differ from `generate()`'s where the top two logits
-are within that of each other. With it on, the tests hold each token to `generate()`'s or to a near
-tie (tests/integration/test_onednn_linear.py), as vLLM's CPU backend (oneDNN) is held.
+another order than MKL, so its float32 results differ in the last bits (~5e-6 relative) and a
+greedy token can differ from `generate()`'s where the top two logits are within that of each
+other. With it on, the tests hold each token to `generate()`'s or to a near tie
+(tests/integration/test_onednn_linear.py), as vLLM's CPU backend (oneDNN) is held.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
-
-KERNELS = ("torch", "onednn")
-"""--linear-kernel choices: "torch" (torch's own, MKL on x86: the default), "onednn"."""
 
 MIN_ROWS = 16
 """Rows (tokens or patches) from which a call goes to oneDNN; 16 rows: 1.3x faster, 4: 0.9x,

@@ -24,10 +24,10 @@ A fixed `--num-threads N` keeps N for every call.
 One process whose model threads run several calls at once (`epd serve --colocate`, where a decode
 step runs beside an encode or prefill step: `--concurrent-steps`) applies the same rule to its own
 calls (`CallThreads`): each call takes the cores divided by the calls running when it starts, all
-of them when it runs alone, except a decode step of a few rows (`ONE_THREAD_BELOW_ROWS`). Measured on the 2-core bench machine at 16 in flight
-(docs/benchmarks.md, "Two steps at once"): against every core for every call, the time per token
-fell by 40% in the 8-frame setting and by a seventh in the 4-frame one, at the same or higher
-requests/s.
+of them when it runs alone, except a decode step of a few rows (`ONE_THREAD_BELOW_ROWS`). Measured
+on the 2-core bench machine at 16 in flight (docs/benchmarks.md, "Two steps at once"): against
+every core for every call, the time per token fell by 40% in the 8-frame setting and by a seventh
+in the 4-frame one, at the same or higher requests/s.
 
 One OpenMP team per process: libgomp (torch's OpenMP on Linux) gives every OS thread that runs a
 multi-threaded torch operation its own team of worker threads, kept for the thread's life, and once
