@@ -42,7 +42,7 @@ pinned to one (`pin_torch_threads(1)`: the event loop's once the model is loaded
 when they start), and of a colocated server's model threads only the first runs a call on more
 than one (`CallThreads`; the model threads give a call to the first whenever it is idle). Measured
 on the 2-core bench machine (docs/benchmarks.md, "One OpenMP team per process"): the colocated
-server's first token at one request in flight 7-14% sooner, its requests/s at 16 in flight with 4
+server's first token at one request in flight 4-14% sooner, its requests/s at 16 in flight with 4
 frames 8% higher; the stack's tower and prefill calls as fast as in a process of their own once
 its workers may spin (`GOMP_SPINCOUNT`; its default stays passive, below).
 
