@@ -13,7 +13,7 @@ from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.threads import AUTO, CallThreads, pin_torch_threads
+from epd.model_runtime.threads import AUTO, CallThreads, StepThreads, pin_torch_threads
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
@@ -34,11 +34,13 @@ def build_embedded_pipeline(
     (so it never starts an OpenMP team of its own: epd.model_runtime.threads)."""
     encoder = encoder or EncoderConfig(model=model)
     prefill = prefill or PrefillConfig(model=model)
+    auto = model.num_threads == AUTO
     thread = ModelThread(
+        threads=None if auto else StepThreads(model.num_threads),  # a fixed count on every model thread
         deferred_lanes=schedule.deferred_lanes(),
         first_calls_ahead=schedule.first_calls_ahead(),
         workers=schedule.concurrent_steps,
-        call_threads=CallThreads() if model.num_threads == AUTO else None,
+        call_threads=CallThreads() if auto else None,
     )
     try:
         adapter = adapter or thread.call(load_adapter, model, "all")

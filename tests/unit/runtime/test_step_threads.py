@@ -280,3 +280,23 @@ def test_the_colocated_pipeline_leaves_its_caller_one_torch_thread(tiny_models):
     finally:
         thread.close()
         torch.set_num_threads(before)
+
+
+def test_a_fixed_count_holds_on_every_model_thread_of_the_colocated_pipeline(tiny_models):
+    """`--num-threads N` keeps N for every call, also on the second model thread, which takes its
+    count when it starts (not from the caller's one thread, set after the model loads)."""
+    import asyncio
+
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.model_runtime.config import ModelConfig
+
+    before = torch.get_num_threads()
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]), num_threads=2))
+    thread = pipeline.encoder.model_thread
+    try:
+        assert torch.get_num_threads() == 1, "the caller runs no model call"
+        assert asyncio.run(thread.run_single("decode", torch.get_num_threads)) == 2, "the last model thread"
+        assert asyncio.run(thread.run(torch.get_num_threads)) == 2, "the first"
+    finally:
+        thread.close()
+        torch.set_num_threads(before)
