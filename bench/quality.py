@@ -321,6 +321,8 @@ def write_outputs(results: list[PresetResult], out_dir: Path, info: dict) -> dic
 
 
 def parse_args(argv: list[str] | None) -> QualityConfig:
+    from epd.model_runtime.config import LINEAR_KERNELS
+
     d = QualityConfig()
     p = argparse.ArgumentParser(prog="epd bench quality", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=d.model, help="checkpoint directory or 'default'")
@@ -332,7 +334,7 @@ def parse_args(argv: list[str] | None) -> QualityConfig:
     p.add_argument("--out", default=d.out_dir, help="output directory")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
-    p.add_argument("--linear-kernel", default=d.linear_kernel, choices=["torch", "onednn"],
+    p.add_argument("--linear-kernel", default=d.linear_kernel, choices=LINEAR_KERNELS,
                    help="the model's linear layers (epd serve's --linear-kernel)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)

@@ -83,7 +83,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint (default: embedded model)")
     g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--linear-kernel", default="torch", choices=["torch", "onednn"],
+    from epd.model_runtime.config import LINEAR_KERNELS
+
+    g.add_argument("--linear-kernel", default="torch", choices=LINEAR_KERNELS,
                    help="linear layers: torch's own (MKL on x86; the default, bit-identical to generate()), "
                         "or onednn for calls of 16 rows or more (prefill, vision tower, wide decode steps): "
                         "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "

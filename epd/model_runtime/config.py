@@ -9,6 +9,8 @@ if TYPE_CHECKING:
     import torch  # lazy: the launcher and the gateway read ModelConfig without torch
 
 _DTYPES = ("float32", "float16", "bfloat16")
+LINEAR_KERNELS = ("torch", "onednn")
+"""`linear_kernel` values (`--linear-kernel`): torch's own linear, or oneDNN's for calls of many rows."""
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.linear_kernel not in ("torch", "onednn"):
-            raise ValueError(f"linear_kernel must be 'torch' or 'onednn', got {self.linear_kernel!r}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel must be one of {list(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
         if self.linear_kernel == "onednn" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("linear_kernel 'onednn' is for --device cpu with --dtype float32")
         if self.num_threads < 0:

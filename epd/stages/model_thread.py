@@ -12,8 +12,10 @@ the one queue (`--concurrent-steps`, 2 by default): each engine core awaits its 
 asks for the next, so a stage never runs two steps at once, but an encode or prefill step and a
 decode step of different requests run side by side. A decode step of a few rows keeps one core
 busy with small operations while a prefill step's matrix products want both
-(docs/benchmarks.md, "Two steps at once"). Module hooks that one call registers on the shared
-model act only in the thread that registered them (`epd.model_runtime.thread_hooks`).
+(docs/benchmarks.md, "Two steps at once"). A call goes to the first idle worker, the only one
+whose calls use more than one torch thread (one OpenMP team a process, `epd.model_runtime.threads`);
+a step that runs on one thread (`run_single`) goes to the last. Module hooks that one call registers
+on the shared model act only in the thread that registered them (`epd.model_runtime.thread_hooks`).
 
 Calls start in the order they were asked for, unless the owner chose a schedule that favours first
 tokens (the colocated server's `--schedule ttft-first`): then a call asked for with `run_first`
