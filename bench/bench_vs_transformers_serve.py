@@ -212,6 +212,19 @@ def tree_pss(pid: int) -> tuple[int, int]:
     return total, count
 
 
+def tree_on_tcmalloc(pid: int) -> int:
+    """How many of the process and its descendants run on tcmalloc (epd serve's --allocator)."""
+    import psutil
+
+    from epd.cli.allocator import uses_tcmalloc
+
+    try:
+        root = psutil.Process(pid)
+        return sum(uses_tcmalloc(p.pid) for p in [root, *root.children(recursive=True)])
+    except psutil.NoSuchProcess:
+        return 0
+
+
 def tree_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the process and each descendant, by role: the
     epd service a process runs (`serve encoder`, ... from its command line) or the first words of
@@ -391,6 +404,7 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
             asyncio.run(run_openai(target, warm_bodies[: args.warmup], 1, timeout_s=args.timeout_s))
         time.sleep(2.0)
         out["pss_idle"], out["num_processes"] = tree_pss(proc.pid)
+        out["num_on_tcmalloc"] = tree_on_tcmalloc(proc.pid)
         log(f"{name}: idle PSS {out['pss_idle'] / MiB:.0f} MiB over {out['num_processes']} processes")
         with PeakPss(proc.pid) as peak:
             for c, level_clips in zip(args.concurrency, per_level, strict=True):
@@ -465,13 +479,14 @@ def side_by_side(runs: dict[str, dict]) -> list[str]:
 
 def memory_table(runs: dict[str, dict]) -> list[str]:
     rows = [
-        "| server | processes | PSS idle MiB | PSS peak during load MiB | PSS after load MiB | start-up s |",
+        "| server | processes (on tcmalloc) | PSS idle MiB | PSS peak during load MiB | PSS after load MiB | "
+        "start-up s |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in runs.items():
         rows.append(
-            f"| {name} | {r['num_processes']} | {r['pss_idle'] / MiB:.0f} | {r['pss_peak'] / MiB:.0f} | "
-            f"{r['pss_after'] / MiB:.0f} | {r['startup_s']:.1f} |"
+            f"| {name} | {r['num_processes']} ({r.get('num_on_tcmalloc', 0)}) | {r['pss_idle'] / MiB:.0f} | "
+            f"{r['pss_peak'] / MiB:.0f} | {r['pss_after'] / MiB:.0f} | {r['startup_s']:.1f} |"
         )
     t = runs.get("transformers")
     for name, e in runs.items():

@@ -97,6 +97,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "docs/benchmarks.md), auto in --colocate")
 
 
+def add_allocator_flag(p: argparse.ArgumentParser) -> None:
+    from epd.cli.allocator import ALLOCATORS
+
+    p.add_argument("--allocator", default="auto", choices=ALLOCATORS,
+                   help="memory allocator of the model processes: auto (tcmalloc when installed, else glibc's "
+                        "malloc), tcmalloc (or exit 2), system (as started). tcmalloc lowers the peak memory "
+                        "under load by a sixth at the same speed (docs/benchmarks.md, 'Memory allocator')")
+
+
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=32)
@@ -380,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         r = roles.add_parser(role, help=f"run the {role} service")
         add_server_flags(r, port)
         add_model_flags(r)
+        add_allocator_flag(r)
         if role == "encoder":
             add_sampling_flags(r)
             add_encoder_flags(r)
@@ -489,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_encoder_flags(serve)  # passed to the encoders (and --max-upload-bytes to the gateway), or the colocated one
     add_sampling_flags(serve)
     add_model_flags(serve)
+    add_allocator_flag(serve)  # the launcher's choice; the stack's services inherit it (LD_PRELOAD)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (latency/throughput), quality (accuracy)")
     bench.add_argument("suite", choices=["serve", "quality"])
@@ -528,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"epd health: {exc}", file=sys.stderr)
             return 2
         return check_health(args.address, args.service, args.timeout)
+    if argv is None and (allocator := getattr(args, "allocator", None)) is not None:
+        from epd.cli.allocator import ensure_allocator
+
+        if (error := ensure_allocator(allocator)) is not None:  # may run this command again, with tcmalloc
+            print(f"epd serve: {error}", file=sys.stderr)
+            return 2
     from epd.cli.serve import run_serve
 
     return run_serve(args)

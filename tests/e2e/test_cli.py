@@ -8,9 +8,10 @@ import subprocess
 
 import pytest
 
+from epd.cli.allocator import find_tcmalloc, uses_tcmalloc
 from epd.cli.health import is_serving
 from tests.reference import decode_for_test, reference_tokens, reference_tokens_for_messages
-from tests.stack import ROOT, child_env, epd_command, free_port
+from tests.stack import ROOT, child_env, epd_command, free_port, serving_pid
 
 QUESTION = "what colour is the square?"
 
@@ -89,12 +90,16 @@ def test_ask_missing_file_fails_clearly(tmp_path):
 
 
 def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
+    """The stack as a user starts it; with the default --allocator auto its model services run on
+    tcmalloc where the machine has it (CI installs it), on glibc's malloc where not."""
     ports = [free_port() for _ in range(4)]
+    env = child_env()
+    env.pop("LD_PRELOAD", None)  # the launcher's choice, not the test runner's
     serve = subprocess.Popen(
         epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port", str(ports[0]),
                     "--encoder-port", str(ports[1]), "--prefill-port", str(ports[2]), "--decode-port", str(ports[3]),
                     "--http-port", str(free_port())),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
     )
     try:
         # `epd serve` prints its ready line once every service reports SERVING.
@@ -103,6 +108,9 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
             line = serve.stdout.readline()
         assert "stack ready" in line, "epd serve exited before it was ready"
         assert is_serving(f"127.0.0.1:{ports[0]}")
+        services = [serving_pid(port) for port in ports[1:]]
+        assert None not in services
+        assert [uses_tcmalloc(pid) for pid in services] == [find_tcmalloc() is not None] * 3
         proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{ports[0]}",
                        "--num-frames", "8", "--max-new-tokens", "12", "--json")
         assert proc.returncode == 0, proc.stderr
@@ -126,17 +134,20 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
 
 def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_models, media_files, expected):
     """`epd serve --colocate`: the front door and the three stages in one process, on the stack's
-    ports; answers equal generate()'s; /metrics shows the three in-process cores."""
+    ports; answers equal generate()'s; /metrics shows the three in-process cores. With --allocator
+    system it stays on glibc's malloc (the default's tcmalloc is tested with the stack above)."""
     import time
     import urllib.request
 
     import psutil
 
     grpc_port, http_port = free_port(), free_port()
+    env = child_env()
+    env.pop("LD_PRELOAD", None)
     serve = subprocess.Popen(
-        epd_command("serve", "--colocate", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port",
-                    str(grpc_port), "--http-port", str(http_port)),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(), cwd=ROOT,
+        epd_command("serve", "--colocate", "--allocator", "system", "--model", str(tiny_models["qwen2_vl"]),
+                    "--gateway-port", str(grpc_port), "--http-port", str(http_port)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 180
@@ -144,6 +155,7 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
             assert serve.poll() is None and time.monotonic() < deadline, "epd serve --colocate did not start"
             time.sleep(0.2)
         assert psutil.Process(serve.pid).children(recursive=True) == [], "one process, no services"
+        assert not uses_tcmalloc(serve.pid)
         proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{grpc_port}",
                        "--num-frames", "8", "--max-new-tokens", "12", "--json")  # fmt: skip
         assert proc.returncode == 0, proc.stderr

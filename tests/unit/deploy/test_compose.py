@@ -199,6 +199,8 @@ def check_image(doc: dict, dockerfile: str) -> list[str]:
     runs = " ; ".join(v for k, v in ins if k == "RUN")
     if not re.search(r"pip install (\S+ )*(-e )?\.(\s|$)", runs):
         problems.append("the repository itself is not pip-installed (no `epd` command)")
+    if not re.search(r"apt-get install (\S+ )*libtcmalloc-minimal4(\s|;|$)", runs):
+        problems.append("no libtcmalloc-minimal4: the services' --allocator auto falls back to glibc's malloc")
     return problems
 
 
@@ -359,8 +361,9 @@ def test_check_gpu_catches_a_missing_reservation_a_cpu_device_and_a_gpu_gateway(
         ("USER epd", "USER root", "non-root USER"),
         ("ARG TORCH_INDEX_URL", "ARG TORCH_URL", "build arg TORCH_INDEX_URL is not an ARG"),
         (re.compile(r"pip install --no-deps (-e )?\."), "pip install --no-deps epd-wheel", "not pip-installed"),
+        ("libtcmalloc-minimal4", "libjemalloc2", "no libtcmalloc-minimal4"),
     ],
-    ids=["missing file", "ignored path", "entrypoint", "root", "build arg", "not installed"],
+    ids=["missing file", "ignored path", "entrypoint", "root", "build arg", "not installed", "no tcmalloc"],
 )
 def test_check_image_catches_a_broken_dockerfile(old, new, problem):
     text = (COMPOSE / "Dockerfile").read_text()
