@@ -421,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--max-waiting-requests", type=int, default=DecodeConfig.max_waiting_requests,
                            help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED")
     gw = roles.add_parser("gateway", help="run the front door")
+    gw.set_defaults(allocator=None)  # no model, no torch: not the `serve` parser's --allocator default
     add_server_flags(gw, GATEWAY_PORT)
     gw.add_argument("--encoder", type=_addresses, default=(f"127.0.0.1:{ENCODER_PORT}",),
                     help="comma-separated encoder replica addresses (a video goes to the one its sha256 "

@@ -66,6 +66,19 @@ def test_a_preload_that_did_not_load_is_never_tried_twice(separator):
     assert explicit.exec_env is None and "not loaded" in explicit.error
 
 
+@pytest.mark.parametrize(("words", "allocator"), [
+    (["serve"], "auto"), (["serve", "--colocate", "--allocator", "system"], "system"),
+    (["serve", "prefill", "--allocator", "tcmalloc"], "tcmalloc"), (["serve", "encoder"], "auto"),
+    (["serve", "gateway"], None), (["ask", "v.mp4", "q"], None),
+])
+def test_which_commands_choose_an_allocator(words, allocator):
+    """The gateway (no model) and `epd ask` never run themselves again; a gateway the stack starts
+    inherits the launcher's LD_PRELOAD."""
+    from epd.cli.main import build_parser
+
+    assert getattr(build_parser().parse_args(words), "allocator", None) == allocator
+
+
 def test_found_library_is_one_the_loader_can_open():
     """Where the machine has tcmalloc (CI installs it), the name found loads; elsewhere None."""
     library = find_tcmalloc()
