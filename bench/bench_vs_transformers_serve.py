@@ -213,16 +213,20 @@ def tree_pss(pid: int) -> tuple[int, int]:
 
 
 def tree_on_tcmalloc(pid: int) -> int:
-    """How many of the process and its descendants run on tcmalloc (epd serve's --allocator)."""
+    """How many of the process and its descendants map tcmalloc (epd serve's --allocator)."""
     import psutil
 
-    from epd.cli.allocator import uses_tcmalloc
-
+    count = 0
     try:
-        root = psutil.Process(pid)
-        return sum(uses_tcmalloc(p.pid) for p in [root, *root.children(recursive=True)])
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0
+    for p in procs:
+        try:
+            count += any("libtcmalloc" in m.path for m in p.memory_maps())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return count
 
 
 def tree_cpu_s(pid: int) -> dict[str, float]:
