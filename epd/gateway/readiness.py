@@ -63,7 +63,7 @@ class StageHealth:
         """Check every replica once: (stages with no replica serving, "STAGE ADDRESS" of each
         replica not serving). The pools learn each answer."""
         addresses = self.addresses
-        results = await asyncio.gather(*(self._serving(address) for _, address in addresses))
+        results = await asyncio.gather(*(self._serving(stage, address) for stage, address in addresses))
         serving_stages = set()
         for (stage, address), ok in zip(addresses, results):
             pool = self.pools.get(stage)
@@ -97,11 +97,22 @@ class StageHealth:
         to anyone: the addresses go to the server log, not to the client."""
         return (await self.status())[0]
 
-    async def _serving(self, address: str) -> bool:
+    def _channel(self, stage: str, address: str) -> grpc.aio.Channel:
+        """The channel the stage's calls to `address` use, where a pool routes them: a replica is
+        "serving" only once a call can go out on it. A check on a channel of its own answered
+        SERVING as soon as a restarted replica listened, while the calls' channel still waited out
+        its reconnect backoff (up to RECONNECT_OPTIONS' 2 s), failing every call at once."""
+        pool = self.pools.get(stage)
+        if pool is not None and address in pool.addresses:
+            return pool.channel(address)
         channel = self._channels.get(address)
         if channel is None:
             options = [*channel_options(), *RECONNECT_OPTIONS]
             channel = self._channels[address] = stage_channel(address, options)
+        return channel
+
+    async def _serving(self, stage: str, address: str) -> bool:
+        channel = self._channel(stage, address)
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=self.timeout_s

@@ -16,7 +16,8 @@ from epd.gateway.readiness import StageHealth
 from epd.transport.affinity import rendezvous_order
 from epd.transport.errors import UpstreamError
 from epd.transport.remote_stages import ReplicaPool
-from tests.unit.plumbing.grpc_fakes import start_server, unary
+from tests.stack import free_port
+from tests.unit.plumbing.grpc_fakes import SERVICE, start_server, unary
 
 TIMEOUT_S = 10.0
 KEY = "ab" * 32
@@ -139,5 +140,49 @@ def test_the_health_checks_tell_the_pools_which_replicas_serve():
             await pool.close()
             await serving.stop(0)
             await loading.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
+    """A replica down long enough that the channel its calls use backs off (up to 2 s between
+    reconnects), then listening again: the checks call it serving only once that channel has
+    reconnected, so the first call routed to it after that is answered (a check on a channel of
+    its own said SERVING at once, and calls failed UNAVAILABLE for the rest of the backoff)."""
+
+    async def scenario():
+        port = free_port()  # nothing listening on it yet
+        address = f"127.0.0.1:{port}"
+        pool = ReplicaPool([address])
+        config = GatewayConfig(encoder_addresses=(address,), prefill_addresses=(address,), decode_addresses=(address,))
+        checks = StageHealth(config, timeout_s=TIMEOUT_S, pools={"decode": pool})
+        loop = asyncio.get_running_loop()
+        server = None
+        try:
+            down_until = loop.time() + 3.0
+            while loop.time() < down_until:
+                with pytest.raises(UpstreamError) as err:
+                    await pool.call("", _who(), "decode", "r", TIMEOUT_S)
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                pool.chooser._failed_until.clear()  # noqa: SLF001 - keep trying the one replica
+                await asyncio.sleep(0.1)
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, _named(b"back", [])),))
+            servicer = health.aio.HealthServicer()
+            await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+            assert server.add_insecure_port(address) == port
+            await server.start()
+            serving_by = loop.time() + TIMEOUT_S
+            while f"decode {address}" in await checks.down():
+                assert loop.time() < serving_by, "never serving again"
+                await asyncio.sleep(0.02)
+            pool.chooser._failed_until.clear()  # noqa: SLF001
+            assert await pool.call("", _who(), "decode", "r", TIMEOUT_S) == b"back"
+        finally:
+            await checks.close()
+            await pool.close()
+            if server is not None:
+                await server.stop(0)
 
     asyncio.run(scenario())
