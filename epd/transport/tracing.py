@@ -306,7 +306,10 @@ class _ClientTracing:
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> tuple[grpc.aio.ClientCallDetails, Any]:
         metadata = outgoing_metadata(details.metadata)
-        span = _start_span(_method_name(details.method), "CLIENT")
+        method = _method_name(details.method)
+        # As the server side: no span for the gateway's health and load polls of each replica,
+        # every second on the calls' own channels.
+        span = None if method.startswith(UNTRACED_PREFIXES) else _start_span(method, "CLIENT")
         if span is not None:
             extra: list[tuple[str, str]] = []
             _inject(span, extra)

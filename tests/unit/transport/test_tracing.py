@@ -10,6 +10,7 @@ import logging
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.stages.server_config import ServerConfig
 from epd.transport import tracing
@@ -246,6 +247,10 @@ def test_otel_spans_per_call_when_enabled():
                     await channel.unary_unary(f"/{SERVICE}/Relay")(
                         b"", metadata=((tracing.REQUEST_ID_KEY, "otel-1"),), timeout=10
                     )
+                # The gateway's health polls go over the stages' traced channels: no span either side.
+                async with traced_channel(f"127.0.0.1:{back.port}") as channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING  # nothing set it serving
                 await asyncio.sleep(0.1)  # the client span ends from the call's done callback
             finally:
                 await front.stop(0)
