@@ -16,7 +16,8 @@ from its launcher. Only the command line's own `main()` does this (`argv` None):
 zygote calling `main(argv)` in its process is never replaced.
 
     auto      tcmalloc if found (Debian/Ubuntu: libtcmalloc-minimal4; conda: gperftools), else
-              glibc's malloc, saying so once at INFO
+              glibc's malloc, saying so once at INFO; a jemalloc or mimalloc the process was
+              started with (LD_PRELOAD) is kept
     tcmalloc  tcmalloc, or exit 2 saying what to install
     system    the process's allocator as started (LD_PRELOAD left as it is)
 
@@ -40,6 +41,8 @@ ALLOCATORS = ("auto", "tcmalloc", "system")
 # The minimal build first: the full one adds a heap profiler and checker that serving never uses.
 _LIBRARY_NAMES = ("tcmalloc_minimal", "tcmalloc")
 _INSTALL_HINT = "install libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools (conda)"
+# Another malloc the operator preloaded on purpose: `auto` keeps it (`tcmalloc` still replaces it).
+_OTHER_ALLOCATORS = ("libjemalloc", "libmimalloc")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ def plan_allocator(choice: str, environ: Mapping[str, str], mapped: str, library
     none). Pure, so every case is unit-tested without starting a process."""
     if choice == "system" or "libtcmalloc" in mapped:
         return AllocatorPlan()
+    if choice == "auto" and (other := next((lib for lib in _OTHER_ALLOCATORS if lib in mapped), None)):
+        return AllocatorPlan(note=f"memory allocator: {other}, as the process was started (LD_PRELOAD)")
     if library is None:
         if choice == "tcmalloc":
             return AllocatorPlan(error=f"--allocator tcmalloc: no tcmalloc library found; {_INSTALL_HINT}, "

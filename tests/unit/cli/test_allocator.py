@@ -38,6 +38,14 @@ def test_a_process_already_on_tcmalloc_goes_on(choice):
     assert plan.exec_env is None and plan.error is None and plan.note is None
 
 
+def test_auto_keeps_another_malloc_the_operator_preloaded_and_tcmalloc_replaces_it():
+    jemalloc_map = GLIBC_ONLY_MAP + "7f04-7f05 r-xp 0 08:01 3 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n"
+    env = {"LD_PRELOAD": "libjemalloc.so.2"}
+    auto = plan_allocator("auto", env, jemalloc_map, LIB)
+    assert auto.exec_env is None and auto.error is None and "libjemalloc" in auto.note
+    assert plan_allocator("tcmalloc", env, jemalloc_map, LIB).exec_env == {"LD_PRELOAD": f"{LIB}:libjemalloc.so.2"}
+
+
 def test_system_leaves_the_process_as_started():
     plan = plan_allocator("system", {"LD_PRELOAD": "libother.so"}, GLIBC_ONLY_MAP, LIB)
     assert plan.exec_env is None and plan.error is None and plan.note is None
