@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from epd.stages.server_config import MAX_MESSAGE_BYTES, ServerConfig
 from epd.transport import security, tracing
 from epd.transport.auth import InternalSecretInterceptor
+from epd.transport.idle_memory import release_when_idle
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,10 @@ async def serve_until_signal(
     signals = signals or StopSignals()
     waiter = asyncio.ensure_future(hs.server.wait_for_termination())
     stopper = asyncio.ensure_future(signals.stop.wait())
+    # Memory back to its idle level once the process goes idle (epd/transport/idle_memory.py).
+    releaser = asyncio.ensure_future(release_when_idle())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    releaser.cancel()
     log.info("shutting down (grace %.1f s)", grace_s)
 
     async def drain() -> None:
