@@ -47,11 +47,13 @@ def test_the_idle_line_is_a_fraction_of_one_core():
 def test_the_loop_releases_through_the_given_call():
     async def scenario() -> int:
         released: list[int] = []
-        cpu = iter([0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+        readings = [0.0, 1.0]  # busy for the first tick, idle (no more CPU) from then on
         task = asyncio.ensure_future(release_when_idle(lambda: released.append(1), tick_s=0.01,
-                                                       cpu_s=lambda: next(cpu)))
+                                                       cpu_s=lambda: readings.pop(0) if len(readings) > 1 else readings[0]))
         await asyncio.sleep(0.2)
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled(), "the loop ended on its own"
         return len(released)
 
     assert asyncio.run(scenario()) == 1  # busy (0 -> 1 s), then idle: once
