@@ -22,6 +22,8 @@ zygote calling `main(argv)` in its process is never replaced.
     system    the process's allocator as started (LD_PRELOAD left as it is)
 
 No PyPI package ships tcmalloc: the container image installs it (compose/Dockerfile), CI too.
+tcmalloc keeps freed memory for reuse; a serving process gives it back once idle
+(`epd.transport.idle_memory`, which also calls glibc's `malloc_trim` when tcmalloc is not there).
 """
 
 from __future__ import annotations
