@@ -87,18 +87,26 @@ class ModelThread:
         self.first_calls_ahead = first_calls_ahead
         self.call_threads = call_threads
         self._queue: list[_Call] = []
+        """Calls that came while every worker was busy; the next worker to finish takes one."""
         self._lock = threading.Lock()
         self._idle: dict[int, threading.Condition] = {}
-        """Idle workers' wake-ups by worker index: a new call wakes the lowest, so a call that runs
-        alone runs on the first worker (and its warm OpenMP team: the only one that runs calls on
-        more than one thread, `CallThreads`); a `run_single` call wakes the highest."""
+        """Idle workers' wake-ups by worker index: a new call is handed to the lowest, so a call
+        that runs alone runs on the first worker (and its warm OpenMP team: the only one that runs
+        calls on more than one thread, `CallThreads`); a `run_single` call to the highest."""
+        self._handed: dict[int, _Call] = {}
+        """Calls handed to an idle worker, by its index: only that worker takes it. A shared queue
+        alone let another worker that had just finished a call, and was not yet waiting, take the
+        call meant for the first worker: a call that ran alone then ran on one torch thread."""
         self._closed = False
         self._workers = [
             threading.Thread(target=self._work, args=(i,), name=THREAD_NAME.format(i), daemon=True)
             for i in range(workers)
         ]
+        self._started = threading.Semaphore(0)
         for worker in self._workers:
             worker.start()
+        for _ in self._workers:  # every worker idle (its torch threads set): the first call goes to the first
+            self._started.acquire()
 
     @property
     def num_workers(self) -> int:
@@ -136,7 +144,8 @@ class ModelThread:
         """Stop the threads after the calls they are running; calls still queued are cancelled."""
         with self._lock:
             self._closed = True
-            dropped, self._queue = self._queue, []
+            dropped, self._queue = [*self._queue, *self._handed.values()], []
+            self._handed.clear()
             for wake in self._idle.values():
                 wake.notify()
         for c in dropped:
@@ -152,13 +161,15 @@ class ModelThread:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the model thread is closed")
-            if first:  # behind the other first calls, ahead of the rest
+            if self._idle:  # the queue is empty: a worker is idle only while there is no call
+                index = max(self._idle) if last_worker else min(self._idle)
+                self._handed[index] = _Call(call, future, lane, first=first)
+                self._idle.pop(index).notify()
+            elif first:  # behind the other first calls, ahead of the rest
                 at = next((i for i, c in enumerate(self._queue) if not c.first), len(self._queue))
                 self._queue.insert(at, _Call(call, future, lane, first=True))
             else:
                 self._queue.append(_Call(call, future, lane))
-            if self._idle:
-                self._idle.pop(max(self._idle) if last_worker else min(self._idle)).notify()
         return future
 
     def _next(self) -> _Call | None:
@@ -177,15 +188,18 @@ class ModelThread:
         if policy is not None:
             policy.worker_started(index)
         wake = threading.Condition(self._lock)
+        with self._lock:
+            self._idle[index] = wake
+        self._started.release()
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
-                    self._idle[index] = wake  # not yet idle, or woken by a call another worker took
+                while index not in self._handed and not self._queue and not self._closed:
+                    self._idle[index] = wake
                     wake.wait()
                 self._idle.pop(index, None)
                 if self._closed:
                     return
-                call = self._next()
+                call = self._handed.pop(index, None) or self._next()
             if call is None or not call.future.set_running_or_notify_cancel():
                 continue  # its caller was cancelled while it waited
             if self.call_threads is not None:
@@ -197,11 +211,12 @@ class ModelThread:
             if self.call_threads is not None:
                 self.call_threads.exit()  # before the caller learns the call is over
             with self._lock:
-                # Idle before the caller learns the call is over: the caller's next call, submitted
-                # at once, may then wake this thread. If the next call comes before this thread
-                # waits, its wake-up finds no waiter, but the thread sees the queued call when it
-                # takes the lock again.
-                self._idle[index] = wake
+                # Idle before the caller learns the call is over (unless calls are queued: this
+                # thread takes the next), so that the caller's next call, submitted at once, is
+                # handed to this thread. If it comes before this thread waits, its wake-up finds no
+                # waiter, but the thread sees the handed call when it takes the lock again.
+                if not self._queue:
+                    self._idle[index] = wake
             if error is None:
                 call.future.set_result(result)
             else:

@@ -12,6 +12,7 @@ threading.Event until the test opens it. Waits carry a hang guard only.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 import pytest
@@ -314,4 +315,39 @@ def test_at_low_load_calls_stay_on_the_most_recently_idle_worker():
         ran_on = _run(scenario())
         assert len(set(ran_on[1:])) == 1, f"sequential calls moved between workers: {ran_on}"
     finally:
+        pool.close()
+
+
+def test_a_call_goes_to_the_first_idle_worker_though_another_worker_comes_back_first():
+    """Between setting a call's result and waiting again, a worker is already idle. A call
+    submitted then belongs to the first idle worker, not to whichever worker takes the lock first:
+    with one shared queue, the second worker, coming back from its own call, took it, and a call
+    that ran alone ran on one torch thread beside an idle first worker (`CallThreads`)."""
+    pool = ModelThread(workers=2)
+    name = lambda: threading.current_thread().name  # noqa: E731
+    back = {0: threading.Event(), 1: threading.Event()}  # set: worker i may go back to its loop
+    blocker, registered = Blocker(), threading.Event()
+
+    def held_back(worker: int):
+        return lambda _future: back[worker].wait(HANG_GUARD_S)  # runs on the worker, after set_result
+
+    try:
+        first = pool._submit("", blocker, (), {})
+        assert blocker.started.wait(HANG_GUARD_S)
+        second = pool._submit("", lambda: (registered.wait(HANG_GUARD_S), name())[1], (), {})
+        second.add_done_callback(held_back(1))
+        first.add_done_callback(held_back(0))
+        registered.set()
+        assert second.result(HANG_GUARD_S) == "model_1"
+        blocker.release.set()
+        assert first.result(HANG_GUARD_S) == "blocker"  # both workers now idle, neither waiting yet
+        third = pool._submit("", name, (), {})
+        back[1].set()  # the second worker comes back first; it must leave the call alone
+        concurrent.futures.wait([third], timeout=0.5)  # time to take it (it did, with one queue)
+        back[0].set()
+        assert third.result(HANG_GUARD_S) == "model_0"
+    finally:
+        for event in back.values():
+            event.set()
+        blocker.release.set()
         pool.close()
