@@ -25,6 +25,14 @@ _ENCODERS = {
     "mpeg4": ("mpeg4",),
     "mjpeg": ("mjpeg",),
 }
+X264_SAME_BYTES = "mbtree=0"
+"""The x264 setting under which the same frames make the same clip every time. x264's macroblock
+tree (on under CRF, its default rate control) reads some of its heap memory before writing it, in
+its AVX-512 code (capped at AVX2, `asm=avx2`, it does not): with glibc's MALLOC_PERTURB_ set to 0, 1,
+85 or 170 one clip came out four different ways (frames 3-19 of the first GOP differed), and in a
+long test session, whose heap holds what earlier tests left, now and then a different one, with
+different test references (tests/unit/video/test_media_clips.py). Without the tree every value
+gives the same clip. Constant-QP encodes (`epd.synth.render`) and the ultrafast preset have none."""
 _CONTAINER_FORMATS = {".mp4": "mp4", ".mkv": "matroska", ".webm": "webm", ".mov": "mov", ".avi": "avi"}
 
 
@@ -127,7 +135,7 @@ def make_video(
     with av.open(str(path), mode="w", format=fmt) as out:
         options: dict[str, str] = {}
         if enc == "libx264":
-            params = f"keyint={gop}:min-keyint={gop}:scenecut=0"
+            params = f"keyint={gop}:min-keyint={gop}:scenecut=0:{X264_SAME_BYTES}"
             if bframes is not None:
                 params += f":bframes={bframes}"
             options = {"x264-params": params, "preset": "veryfast", "crf": str(crf or 23)}
@@ -147,9 +155,7 @@ def make_video(
         if enc == "libx264" and single_slice:
             stream.codec_context.thread_type = "FRAME"
         if enc == "libx264":
-            # One encoder thread: with FFmpeg's threads, a busy machine now and then got a different
-            # clip (19 of 80 frames differed in one run of the suite) and so different references.
-            stream.codec_context.thread_count = 1
+            stream.codec_context.thread_count = 1  # one slice a frame (see X264_SAME_BYTES for same bytes)
         if enc in ("mpeg4",):
             stream.codec_context.max_b_frames = bframes or 0
         if rotation_deg:

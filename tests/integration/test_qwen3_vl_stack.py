@@ -165,7 +165,9 @@ def test_zeroing_the_deepstack_features_on_the_way_changes_the_answer(
     pipeline, media_files, references, monkeypatch
 ):
     """Negative control: the same in-process pipeline, with the features that cross Encode ->
-    Prefill zeroed (what dropping them would do), no longer equals generate()."""
+    Prefill zeroed (what dropping them would do), no longer equals generate(): for most cases (a
+    tiny random model's greedy answer to one input can survive it; the 8-frame clip's did once the
+    test clip changed)."""
     engine = pipeline.encoder.engine
     real = engine._encode_frames
 
@@ -177,7 +179,8 @@ def test_zeroing_the_deepstack_features_on_the_way_changes_the_answer(
     monkeypatch.setattr(engine, "_encode_frames", without_deepstack)
     monkeypatch.setattr(engine.cache, "get", lambda key: None)  # encode afresh
     monkeypatch.setattr(engine.cache, "put", lambda key, media: None)  # and store nothing
-    assert _tokens(pipeline, _request(media_files, "mp4", 8)) != references[("mp4", 8)]
+    kept = sum(_tokens(pipeline, _request(media_files, m, n)) == references[(m, n)] for m, n in CASES)
+    assert kept < len(CASES) / 2, f"{kept} of {len(CASES)} answers unchanged with the DeepStack features zeroed"
 
 
 def test_chunked_prefill_keeps_deepstack_aligned(checkpoint, media_files, references):

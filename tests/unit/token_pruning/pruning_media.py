@@ -6,6 +6,8 @@ import av
 import numpy as np
 import torch
 
+from tests.media import X264_SAME_BYTES
+
 
 def encode_video(path, frames: np.ndarray, fps: int = 8) -> None:
     """Write [T, H, W, 3] uint8 frames as an H.264 MP4 with PyAV."""
@@ -13,7 +15,7 @@ def encode_video(path, frames: np.ndarray, fps: int = 8) -> None:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18"}
+        stream.options = {"crf": "18", "x264-params": X264_SAME_BYTES}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
