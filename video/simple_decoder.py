@@ -175,7 +175,7 @@ def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> De
             rgb = img.convert("RGB")
             if (w, h) != rgb.size:
                 rgb = rgb.resize((w, h), Image.Resampling.BICUBIC)
-            frame = np.asarray(rgb, dtype=np.uint8)[None]
+            frame = np.array(rgb, dtype=np.uint8)[None]  # writable (np.asarray of a PIL image is not)
     except MediaError:
         raise
     except (OSError, ValueError, SyntaxError) as exc:  # UnidentifiedImageError is an OSError

@@ -214,8 +214,12 @@ def test_image_is_one_frame(decoder):
     Image.fromarray(np.full((20, 30, 3), 200, np.uint8)).save(buf, format="PNG")
     got = decoder.decode(buf.getvalue(), SamplingOptions())
     assert got.is_image and got.frames.shape == (1, 20, 30, 3)
+    # Writable like a video's frames: transformers' processors warn on a read-only array (writing
+    # into one is undefined behaviour), and Pillow's `np.asarray(image)` is read-only.
+    assert got.frames.flags.writeable
     groups = list(decoder.iter_groups(buf.getvalue(), SamplingOptions(), group_size=2))
     assert len(groups) == 1 and groups[0].frames.shape == (1, 20, 30, 3)
+    assert groups[0].frames.flags.writeable
 
 
 def test_index_cache_hits_on_same_bytes(video_factory, decoder):
