@@ -251,12 +251,8 @@ def evaluate(config: QualityConfig, data_dir: Path, presets: list[str]) -> list[
     adapter = load_adapter(model, "all")
     results = []
     for preset in presets:
-        pipeline = build_embedded_pipeline(model, adapter=adapter)  # fresh encoder cache per preset
-        try:
+        with build_embedded_pipeline(model, adapter=adapter) as pipeline:  # fresh encoder cache per preset
             results.append(asyncio.run(_run_preset(pipeline, preset, records, data_dir, config)))
-        finally:
-            pipeline.encoder.model_thread.close()
-            pipeline.encoder.engine.close()
     return results
 
 

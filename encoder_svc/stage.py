@@ -84,6 +84,11 @@ class LocalEncodeStage(EncodeStage):
     def load(self) -> EngineLoad:
         return self.core.load()
 
+    def close(self) -> None:
+        """Stop the request drivers and the decode workers (not the model thread: its owner's)."""
+        self.drivers.close()
+        self.engine.close()
+
     async def encode(
         self,
         media: MediaInput,

@@ -21,6 +21,34 @@ from epd.prefill_svc.stage import LocalPrefillStage
 from epd.stages.model_thread import ModelThread
 
 
+class EmbeddedPipeline(Pipeline):
+    """The three local stages on one model thread pool. `close()` (or leaving a `with` block)
+    stops the threads they started: the model threads, the encoder's decode workers and request
+    drivers. A process that builds one pipeline for its life needs no close; one that builds many
+    (tests, `epd bench quality` per preset) would otherwise keep every pipeline's threads."""
+
+    def __init__(
+        self, encoder: LocalEncodeStage, prefill: LocalPrefillStage, decoder: LocalDecodeStage, thread: ModelThread
+    ) -> None:
+        super().__init__(encoder, prefill, decoder)
+        self.encoder: LocalEncodeStage = encoder
+        self.prefill: LocalPrefillStage = prefill
+        self.decoder: LocalDecodeStage = decoder
+        self.model_thread = thread
+
+    def close(self) -> None:
+        """Stop the stages' threads (calls running finish; queued ones are cancelled). The
+        pipeline takes no request after it."""
+        self.encoder.close()
+        self.model_thread.close()
+
+    def __enter__(self) -> EmbeddedPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def build_embedded_pipeline(
     model: ModelConfig,
     encoder: EncoderConfig | None = None,
@@ -28,7 +56,7 @@ def build_embedded_pipeline(
     adapter: VLMAdapter | None = None,
     decode: DecodeConfig | None = None,
     schedule: SharedModelSchedule = SharedModelSchedule(),
-) -> Pipeline:
+) -> EmbeddedPipeline:
     """Loads the model once (vision + language) on the first model thread and wires the three
     local stages to it. The calling thread, which runs no model call, is left one torch thread
     (so it never starts an OpenMP team of its own: epd.model_runtime.threads)."""
@@ -49,8 +77,9 @@ def build_embedded_pipeline(
         raise
     pin_torch_threads(1)
     kv_store = KvStore(prefill.kv_store_bytes, prefill.kv_ttl_s)
-    return Pipeline(
+    return EmbeddedPipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),
         LocalPrefillStage(PrefillEngine(prefill, adapter), kv_store, thread),
         LocalDecodeStage(DecodeEngine(adapter), take_from_store(kv_store), thread, decode or DecodeConfig(model=model)),
+        thread,
     )

@@ -55,8 +55,7 @@ def pipeline_answers(test_clips) -> list[tuple[object, str]]:
     try:
         return asyncio.run(ask_all())
     finally:
-        pipeline.encoder.model_thread.close()
-        pipeline.encoder.engine.close()
+        pipeline.close()
 
 
 def test_shipped_model_is_the_default_and_is_trained():

@@ -298,29 +298,32 @@ def test_batched_answers_equal_one_at_a_time_and_generate(tiny_models, media_fil
     pipeline = build_embedded_pipeline(
         model, encoder=EncoderConfig(model=model, cache=NO_CACHE, max_tower_jobs_per_request=1,
                                      merge_decoded_groups=False))
-    stage = pipeline.encoder
-    assert isinstance(stage, LocalEncodeStage)
-    requests = [_ask_request(media_files, m, n) for m, n in REQUESTS]
-    one_at_a_time = [asyncio.run(_tokens(pipeline, r)) for r in requests]
-    assert stage.runner.max_batch_size == 1
+    try:
+        stage = pipeline.encoder
+        assert isinstance(stage, LocalEncodeStage)
+        requests = [_ask_request(media_files, m, n) for m, n in REQUESTS]
+        one_at_a_time = [asyncio.run(_tokens(pipeline, r)) for r in requests]
+        assert stage.runner.max_batch_size == 1
 
-    release = threading.Event()
+        release = threading.Event()
 
-    async def concurrently() -> list[list[int]]:
-        # Hold every shared model thread so that every request's first group queues, then let go.
-        workers = stage.model_thread.num_workers
-        held = asyncio.gather(*(stage.model_thread.run(release.wait, HANG_GUARD_S) for _ in range(workers)))
-        tasks = [asyncio.ensure_future(_tokens(pipeline, r)) for r in requests]
-        await _until(lambda: stage.load().num_running + stage.load().num_waiting == len(requests),
-                     "every request's first frame group to be queued")
-        first_step.append(stage.load().num_running)  # the step waiting for the model thread
-        release.set()
-        await held
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S))
+        async def concurrently() -> list[list[int]]:
+            # Hold every shared model thread so that every request's first group queues, then let go.
+            workers = stage.model_thread.num_workers
+            held = asyncio.gather(*(stage.model_thread.run(release.wait, HANG_GUARD_S) for _ in range(workers)))
+            tasks = [asyncio.ensure_future(_tokens(pipeline, r)) for r in requests]
+            await _until(lambda: stage.load().num_running + stage.load().num_waiting == len(requests),
+                         "every request's first frame group to be queued")
+            first_step.append(stage.load().num_running)  # the step waiting for the model thread
+            release.set()
+            await held
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S))
 
-    first_step: list[int] = []
-    batched = asyncio.run(concurrently())
-    assert stage.runner.max_batch_size >= len(requests) - first_step[0]
+        first_step: list[int] = []
+        batched = asyncio.run(concurrently())
+        assert stage.runner.max_batch_size >= len(requests) - first_step[0]
+    finally:
+        pipeline.close()
 
     hf = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     processor = AutoProcessor.from_pretrained(model_dir)

@@ -52,11 +52,11 @@ def references(tiny_models, media_files):
 
 
 def embedded_tokens(model_dir, path, num_frames: int, positions_override=None) -> list[int]:
-    pipeline = build_embedded_pipeline(ModelConfig(model=str(model_dir)))
-    if positions_override is not None:
-        adapter = pipeline.prefill.engine.adapter
-        adapter._prompt_positions = positions_override.__get__(adapter)
-    return asyncio.run(ask_tokens(pipeline, path, QUESTION, num_frames, MAX_NEW_TOKENS))
+    with build_embedded_pipeline(ModelConfig(model=str(model_dir))) as pipeline:
+        if positions_override is not None:
+            adapter = pipeline.prefill.engine.adapter
+            adapter._prompt_positions = positions_override.__get__(adapter)
+        return asyncio.run(ask_tokens(pipeline, path, QUESTION, num_frames, MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize("family,media,num_frames", CASES)
@@ -143,15 +143,16 @@ def test_a_batch_in_one_process_with_steps_side_by_side_equals_generate_request_
     model threads by default): the same batch, the same rule as through three processes."""
     from epd.gateway.config import SharedModelSchedule
 
-    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models[family])))
     assert SharedModelSchedule().concurrent_steps == 2  # what this test is about
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models[family]))) as pipeline:
 
-    async def run():
-        return await asyncio.gather(
-            *(ask_tokens(pipeline, media_files[m], QUESTION, f, n, delay_s) for m, f, n, delay_s in BATCH)
-        )
+        async def run():
+            return await asyncio.gather(
+                *(ask_tokens(pipeline, media_files[m], QUESTION, f, n, delay_s) for m, f, n, delay_s in BATCH)
+            )
 
-    assert_batch_equals_generate_or_near_ties(tiny_models[family], media_files, references, family, asyncio.run(run()))
+        got = asyncio.run(run())
+    assert_batch_equals_generate_or_near_ties(tiny_models[family], media_files, references, family, got)
 
 
 # -- conversations: a prefix-cache hit and a forced miss through three processes (issue #15) ----

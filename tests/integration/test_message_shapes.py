@@ -89,7 +89,7 @@ def grpc_client(stack):
 def embedded(tiny_models):
     pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models[FAMILY])))
     yield pipeline
-    pipeline.encoder.model_thread.close()
+    pipeline.close()
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,7 @@ def test_greedy_tokens_equal_generate_or_differ_first_at_a_near_tie(tiny_models,
     try:
         got = [asyncio.run(ask_tokens(pipeline, media_files[m], QUESTION, n, MAX_NEW_TOKENS)) for m, n in REQUESTS]
     finally:
-        pipeline.encoder.model_thread.close()
+        pipeline.close()
     for (media, num_frames), tokens in zip(REQUESTS, got, strict=True):
         video = decode_for_test(media_files[media], num_frames)
         want = reference_tokens(model_dir, video, QUESTION, MAX_NEW_TOKENS)  # stock torch linear

@@ -56,7 +56,7 @@ def user(text: str, video: bool = False) -> dict:
 def family(request, tiny_models):
     pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models[request.param])))
     yield request.param, pipeline
-    pipeline.encoder.model_thread.close()
+    pipeline.close()
 
 
 @pytest.fixture(scope="module")

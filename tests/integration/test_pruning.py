@@ -25,7 +25,8 @@ QUESTION = "what colour is the square?"
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_models):
-    return build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"])))
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        yield pipeline
 
 
 @pytest.fixture(scope="module")

@@ -264,7 +264,8 @@ def test_the_loader_detects_qwen3_5_and_loads_each_stages_part(checkpoint):
 def pipeline(checkpoint):
     from epd.gateway.embedded import build_embedded_pipeline
 
-    return build_embedded_pipeline(ModelConfig(model=str(checkpoint)))
+    with build_embedded_pipeline(ModelConfig(model=str(checkpoint))) as pipeline:
+        yield pipeline
 
 
 def _ask(pipeline, media_files, cases, pruning=None):
@@ -464,12 +465,13 @@ def test_the_prefill_core_chunks_and_batches_three_requests_at_once(checkpoint, 
     from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 
     scheduler = PrefillSchedulerConfig(max_prefill_tokens_per_step=96, prefill_chunk_tokens=64)
-    pipeline = build_embedded_pipeline(ModelConfig(model=str(checkpoint)), prefill=PrefillConfig(scheduler=scheduler))
     cases = [("mp4", 32), ("mp4", 8), ("png", 1)]
-    summaries = _ask(pipeline, media_files, cases)
+    with build_embedded_pipeline(ModelConfig(model=str(checkpoint)), prefill=PrefillConfig(scheduler=scheduler)) as pipeline:
+        summaries = _ask(pipeline, media_files, cases)
+        num_steps = pipeline.prefill.load().num_steps
     for case, summary in zip(cases, summaries, strict=True):
         assert summary.token_ids == references[case], case
-    assert pipeline.prefill.load().num_steps >= summaries[0].num_prompt_tokens // 64, "it was not chunked"
+    assert num_steps >= summaries[0].num_prompt_tokens // 64, "it was not chunked"
 
 
 def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):

@@ -113,13 +113,14 @@ def test_in_one_process_with_steps_side_by_side_each_request_equals_its_referenc
     from epd.gateway.embedded import build_embedded_pipeline
     from tests.embedded import ask_tokens
 
-    pipeline = build_embedded_pipeline(ModelConfig(model=str(checkpoint)))
     cases = [("png", 1, 0.0), ("mp4", 8, 0.0), ("mp4", 32, 0.0), ("png", 1, 0.2), ("mp4", 8, 0.2)]
+    with build_embedded_pipeline(ModelConfig(model=str(checkpoint))) as pipeline:
 
-    async def run():
-        return await asyncio.gather(
-            *(ask_tokens(pipeline, media_files[m], QUESTION, f, MAX_NEW_TOKENS, delay_s) for m, f, delay_s in cases)
-        )
+        async def run():
+            return await asyncio.gather(
+                *(ask_tokens(pipeline, media_files[m], QUESTION, f, MAX_NEW_TOKENS, delay_s) for m, f, delay_s in cases)
+            )
 
-    for (media, num_frames, _), tokens in zip(cases, asyncio.run(run()), strict=True):
+        got = asyncio.run(run())
+    for (media, num_frames, _), tokens in zip(cases, got, strict=True):
         assert tokens == references[(media, num_frames)], (media, num_frames)

@@ -66,7 +66,8 @@ def stack(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline(checkpoint):
-    return build_embedded_pipeline(ModelConfig(model=str(checkpoint)))
+    with build_embedded_pipeline(ModelConfig(model=str(checkpoint))) as pipeline:
+        yield pipeline
 
 
 def _reference(model, processor, video) -> list[int]:
@@ -187,16 +188,17 @@ def test_chunked_prefill_keeps_deepstack_aligned(checkpoint, media_files, refere
     """Three requests at once through a prefill core that chunks prompts over 64 tokens (each
     chunk adds the DeepStack rows of its own visual positions). Each answer equals generate()'s."""
     prefill = PrefillConfig(scheduler=PrefillSchedulerConfig(prefill_chunk_tokens=64))
-    pipeline = build_embedded_pipeline(ModelConfig(model=str(checkpoint)), prefill=prefill)
+    with build_embedded_pipeline(ModelConfig(model=str(checkpoint)), prefill=prefill) as pipeline:
 
-    async def run():
-        return await asyncio.gather(*(_summary(pipeline, _request(media_files, m, n)) for m, n in CASES))
+        async def run():
+            return await asyncio.gather(*(_summary(pipeline, _request(media_files, m, n)) for m, n in CASES))
 
-    summaries = asyncio.run(run())
+        summaries = asyncio.run(run())
+        num_steps = pipeline.prefill.load().num_steps
     for (media, num_frames), summary in zip(CASES, summaries, strict=True):
         assert summary.token_ids == references[(media, num_frames)], (media, num_frames)
     assert summaries[1].num_prompt_tokens > 64 * 3, "the 32-frame prompt should have run in several chunks"
-    assert pipeline.prefill.load().num_steps >= summaries[1].num_prompt_tokens // 64, "it was not chunked"
+    assert num_steps >= summaries[1].num_prompt_tokens // 64, "it was not chunked"
 
 
 def test_batched_tower_calls_and_prefill_rows_equal_each_alone(pipeline, media_files):

@@ -106,7 +106,7 @@ def test_another_salt_reuses_no_prefix_kv(tiny_models, media_files):
         assert alice.num_reused_prompt_tokens >= turn1.num_prompt_tokens and alice.encoder_cache_hit
         assert alice.token_ids == bob.token_ids  # isolation changes what is shared, never the answer
     finally:
-        pipeline.encoder.model_thread.close()
+        pipeline.close()
 
 
 # -- a real stack behind an API key ----------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import re
 import threading
 from collections.abc import Generator
 from contextlib import aclosing
@@ -287,7 +288,7 @@ def test_kv_store_release_is_idempotent():
 def embedded(tiny_models):
     pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"])))
     yield pipeline
-    pipeline.encoder.model_thread.close()
+    pipeline.close()
 
 
 def _ask(videos, **generation) -> AskRequest:
@@ -297,6 +298,24 @@ def _ask(videos, **generation) -> AskRequest:
         sampling=SamplingOptions(num_frames=4),
         generation=GenerationConfig(**generation),
     )
+
+
+def test_closing_an_embedded_pipeline_stops_every_thread_it_started(tiny_models, videos):
+    before = set(threading.enumerate())
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+
+        async def ask():
+            return [item async for item in pipeline.ask(_ask(videos, max_new_tokens=2))]
+
+        assert isinstance(asyncio.run(ask())[-1], AskSummary)
+        started = [t for t in threading.enumerate() if t not in before]
+    kinds = {re.sub(r"[-_]\d+$", "", t.name) for t in started}  # model_0, video-decode-1, encode-driver_0
+    assert {"model", "video-decode", "encode-driver"} <= kinds, kinds
+    for thread in started:
+        thread.join(10)
+    assert [t.name for t in started if t.is_alive()] == []
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(pipeline.prefill.model_thread.run(lambda: None))
 
 
 @pytest.mark.parametrize(

@@ -278,7 +278,7 @@ def test_the_colocated_pipeline_leaves_its_caller_one_torch_thread(tiny_models):
         assert torch.get_num_threads() == 1
         assert asyncio.run(thread.run(torch.get_num_threads)) == num_cores(), "a call alone: every core"
     finally:
-        thread.close()
+        pipeline.close()
         torch.set_num_threads(before)
 
 
@@ -298,5 +298,5 @@ def test_a_fixed_count_holds_on_every_model_thread_of_the_colocated_pipeline(tin
         assert asyncio.run(thread.run_single("decode", torch.get_num_threads)) == 2, "the last model thread"
         assert asyncio.run(thread.run(torch.get_num_threads)) == 2, "the first"
     finally:
-        thread.close()
+        pipeline.close()
         torch.set_num_threads(before)
