@@ -103,10 +103,14 @@ class ModelThread:
             for i in range(workers)
         ]
         self._started = threading.Semaphore(0)
+        self._start_error: BaseException | None = None
         for worker in self._workers:
             worker.start()
         for _ in self._workers:  # every worker idle (its torch threads set): the first call goes to the first
             self._started.acquire()
+        if self._start_error is not None:
+            self.close()
+            raise RuntimeError(f"a model thread failed to start: {self._start_error!r}") from self._start_error
 
     @property
     def num_workers(self) -> int:
@@ -185,8 +189,13 @@ class ModelThread:
 
     def _work(self, index: int) -> None:
         policy = self.call_threads or self.threads
-        if policy is not None:
-            policy.worker_started(index)
+        try:
+            if policy is not None:
+                policy.worker_started(index)
+        except BaseException as exc:  # noqa: BLE001 - the constructor raises it; no call may wait for this thread
+            self._start_error = exc
+            self._started.release()
+            return
         wake = threading.Condition(self._lock)
         with self._lock:
             self._idle[index] = wake

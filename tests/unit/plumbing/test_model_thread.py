@@ -351,3 +351,27 @@ def test_a_call_goes_to_the_first_idle_worker_though_another_worker_comes_back_f
             event.set()
         blocker.release.set()
         pool.close()
+
+
+def test_a_worker_that_fails_to_start_fails_the_pool_instead_of_hanging_it():
+    from epd.model_runtime.threads import CallThreads
+
+    class Broken(CallThreads):
+        def worker_started(self, index: int) -> None:
+            if index == 1:
+                raise OSError("no such thread setting")
+            super().worker_started(index)
+
+    raised: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            ModelThread(workers=2, call_threads=Broken(cores=1))
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    builder.join(HANG_GUARD_S)
+    assert not builder.is_alive(), "the constructor waited for a worker that had died"
+    assert len(raised) == 1 and "a model thread failed to start: OSError" in str(raised[0])
