@@ -155,7 +155,7 @@ def make_video(
         if enc == "libx264" and single_slice:
             stream.codec_context.thread_type = "FRAME"
         if enc == "libx264":
-            stream.codec_context.thread_count = 1  # one slice a frame (see X264_SAME_BYTES for same bytes)
+            stream.codec_context.thread_count = 1  # one encoder thread (same bytes need X264_SAME_BYTES too)
         if enc in ("mpeg4",):
             stream.codec_context.max_b_frames = bframes or 0
         if rotation_deg:
