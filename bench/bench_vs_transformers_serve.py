@@ -297,6 +297,8 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
             sys.executable,
             "-m",
             "epd.cli.main",
+            "--log-level",  # INFO: a `request done` line per request with its stage timings, in the log
+            args.epd_log_level,
             "serve",
             "--model",
             str(model),
@@ -544,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-threads", type=int, default=0, help="OMP_NUM_THREADS of transformers serve (0 = its default)"
     )
     ap.add_argument("--epd-arg", action="append", default=[], help="extra `epd serve` argument (repeatable)")
+    ap.add_argument("--epd-log-level", default="WARNING",
+                    help="epd's --log-level; INFO logs each request's stage timings (`request done`) in "
+                         "<work-dir>/<server>.log")
     ap.add_argument(
         "--peer-arg", action="append", default=[], help="extra `transformers serve` argument (repeatable)"
     )

@@ -10,7 +10,7 @@ from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.servicer import SERVICE_NAME, DecodeServicer
 from epd.decode_svc.stage import LocalDecodeStage
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.threads import StepThreads, pin_torch_threads
+from epd.model_runtime.threads import StepThreads, lower_cpu_priority, pin_torch_threads
 from epd.stages.model_thread import ModelThread
 from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
@@ -43,4 +43,7 @@ async def start(config: DecodeConfig) -> HealthyServer:
 
 
 async def main(config: DecodeConfig) -> None:
+    # Here, not in `start`: a test that starts a decoder in its own process must not lower its own
+    # priority for good. Before the model thread and gRPC's threads start, which inherit it.
+    lower_cpu_priority(config.nice)
     await run_service(start(config), config.server.grace_s)

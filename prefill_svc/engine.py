@@ -134,9 +134,20 @@ class PrefillEngine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if prompt.num_tokens > self.config.max_prompt_tokens:
+            # Advice for what made it long: the media's tokens, or the conversation's text.
+            mostly_media = 2 * media.meta.num_visual_tokens >= prompt.num_tokens
             raise ResourceExhausted(
-                f"the prompt has {prompt.num_tokens} tokens, over the limit of "
-                f"{self.config.max_prompt_tokens}; lower max_frames, fps or max_pixels"
+                f"the prompt has {prompt.num_tokens} tokens ({media.meta.num_visual_tokens} of them the "
+                f"media's), over the limit of {self.config.max_prompt_tokens}; "
+                + ("lower max_frames, fps or max_pixels" if mostly_media else "send a shorter conversation")
+            )
+        context = self.adapter.context_tokens
+        if context is not None and prompt.num_tokens + generation.max_new_tokens > context:
+            raise InvalidRequest(  # vLLM's 400 for the same request
+                f"this model's context is {context} tokens, but the request needs "
+                f"{prompt.num_tokens + generation.max_new_tokens}: {prompt.num_tokens} in the prompt and up to "
+                f"{generation.max_new_tokens} to generate (max_tokens); send a shorter conversation or fewer "
+                "frames, or ask for fewer tokens"
             )
         exclusive = (
             media.token_index is not None

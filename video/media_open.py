@@ -27,6 +27,7 @@ import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from epd.video.mp4_boxes import check_declared_samples
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError
 
 if TYPE_CHECKING:
@@ -50,6 +51,16 @@ _FFMPEG_MAX_PIXELS_FACTOR = 2
 alignment (up to 64), so its guard is set to twice the limit: frames between the limit and the
 guard are decoded and then refused by the per-frame check (epd.video.budget), frames past the guard
 are never allocated."""
+
+
+_JPEG_START_OF_SCAN = b"\xff\xda"
+MAX_JPEG_SCANS = 256
+"""A progressive JPEG refines the whole image once per scan, and Pillow (libjpeg) decodes it in one
+uninterruptible call: 30,000 scans of 20 bytes each (a 631 KB file) kept a core busy for 25 s, past
+any decode deadline or cancellation. A baseline JPEG has one scan, libjpeg's progressive about ten.
+Counted as SOS markers in the bytes: inside entropy-coded data a 0xFF byte is always followed by
+0x00 or a restart marker, so each FF DA is a scan (or one in an embedded thumbnail, or metadata
+bytes that happen to read so: an overcount only)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,8 @@ def open_video(data: bytes, limits: DecodeLimits = DecodeLimits()) -> InputConta
     container = sniff_container(data)
     if container.demuxer is None:
         raise MediaError(f"expected a video here but got a {container.name.upper()} image; {SEND_SUPPORTED}")
+    if container is MP4:  # FFmpeg would allocate what the sample tables declare, inside av.open
+        check_declared_samples(data)
     return _open_av(data, container.demuxer, limits)
 
 
@@ -134,8 +147,12 @@ def _open_av(data: bytes, demuxer: str, limits: DecodeLimits) -> InputContainer:
     )
     try:
         if container.streams.video:
+            stream = container.streams.video[0]
+            if stream.codec_context is None:  # FFmpeg has no decoder for this codec
+                raise MediaError("the video's codec is not one this server decodes; send H.264, H.265, VP8, VP9, "
+                                 "AV1, MPEG-2, MPEG-4 Part 2 or MJPEG video")
             # The decoder the caller will use opens on its first packet, with these options.
-            container.streams.video[0].codec_context.options = {"max_pixels": guard}
+            stream.codec_context.options = {"max_pixels": guard}
     except BaseException:
         container.close()
         raise
@@ -150,6 +167,9 @@ def open_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image:
     container = sniff_container(data)
     if container.pillow_format is None:
         raise MediaError(f"expected an image here but got {container.name} video; {SEND_SUPPORTED}")
+    if container is JPEG and (num_scans := data.count(_JPEG_START_OF_SCAN)) > MAX_JPEG_SCANS:
+        raise MediaLimitError(f"the JPEG has {num_scans} scans, over this server's limit of {MAX_JPEG_SCANS}; "
+                              "send it re-encoded (a baseline JPEG has one scan, a progressive one about ten)")
     try:
         img = PILImage.open(io.BytesIO(data), formats=[container.pillow_format])
     except PILImage.DecompressionBombError:

@@ -171,8 +171,8 @@ def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> De
 
     try:
         with open_image(data, limits) as img:  # only its sniffed format, size checked
-            w, h = scaled_size(img.width, img.height, opts.max_pixels)
-            rgb = img.convert("RGB")
+            rgb = _upright_rgb(img)
+            w, h = scaled_size(rgb.width, rgb.height, opts.max_pixels)
             if (w, h) != rgb.size:
                 rgb = rgb.resize((w, h), Image.Resampling.BICUBIC)
             frame = np.array(rgb, dtype=np.uint8)[None]  # writable (np.asarray of a PIL image is not)
@@ -182,6 +182,26 @@ def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> De
         log.info("image decode failed: %r", exc)  # detail stays in the server log
         raise MediaError(_CORRUPT) from None
     return DecodedVideo(frame, [0.0], sampled_fps=1.0, duration_s=0.0, source_fps=0.0, is_image=True)
+
+
+_EXIF_ORIENTATION = 0x0112
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+"""Pillow's modes of 16-bit greyscale (a 16-bit PNG): `convert("RGB")` clips their values at 255
+instead of scaling them, so a mid-grey 32768 became white."""
+
+
+def _upright_rgb(img):
+    """8-bit RGB, turned upright as its EXIF orientation says (as a video's display matrix turns
+    its frames: `epd.video.rotation`); 16-bit greyscale scaled to 8 bits (its top byte, as FFmpeg's
+    gray16 -> rgb24 does)."""
+    from PIL import Image, ImageOps
+
+    if img.getexif().get(_EXIF_ORIENTATION, 1) != 1:  # else exif_transpose would copy it as it is
+        img = ImageOps.exif_transpose(img)
+    if img.mode in _SIXTEEN_BIT_MODES:
+        top_byte = (np.asarray(img, dtype=np.int64).clip(0, 65535) >> 8).astype(np.uint8)
+        return Image.fromarray(top_byte).convert("RGB")
+    return img.convert("RGB")
 
 
 def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits()) -> DecodedVideo:
@@ -227,8 +247,8 @@ def check_duration(duration_s: float, limits: DecodeLimits) -> None:
     if duration_s > limits.max_duration_s:
         raise MediaLimitError(
             f"the video lasts {duration_s:.0f} s, over this server's limit of "
-            f"{limits.max_duration_s:.0f} s (encoder flag --max-duration-s); trim it or send a clip with "
-            "start/end times"
+            f"{limits.max_duration_s:.0f} s (encoder flag --max-duration-s); cut the file shorter (the limit is "
+            "on the whole file, whatever part start/end times ask for)"
         )
 
 

@@ -140,7 +140,7 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(model=model_config(args), server=server_config(args), allow_kv_from=tuple(args.allow_kv_from),
                         kv_budget_bytes=args.kv_budget_bytes, max_running_requests=args.max_running_requests,
-                        max_waiting_requests=args.max_waiting_requests)
+                        max_waiting_requests=args.max_waiting_requests, nice=args.nice)
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:

@@ -80,7 +80,8 @@ def add_decode_batch_flags(p) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=_env("EPD_MODEL", "default"),
-                   help="local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint (default: embedded model)")
+                   help="local directory or hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, "
+                        "Qwen3-VL, Qwen3.5, LLaVA-OneVision; default: the embedded model)")
     g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
     from epd.model_runtime.config import LINEAR_KERNELS
@@ -333,7 +334,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from epd.decode_svc.config import DEFAULT_PORT as DECODE_PORT
-    from epd.decode_svc.config import DecodeConfig
+    from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE, DecodeConfig
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
     from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
     from epd.gateway.config import MAX_CONCURRENT_STEPS, SCHEDULES, SharedModelSchedule
@@ -420,6 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
             add_decode_batch_flags(r)
             r.add_argument("--max-waiting-requests", type=int, default=DecodeConfig.max_waiting_requests,
                            help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED")
+            r.add_argument("--nice", type=int, default=DecodeConfig.nice, metavar="N",
+                           help="add N (0-19) to this process's nice value: a lower CPU priority, so that "
+                                "encode and prefill sharing its cores go first (first tokens sooner, the "
+                                f"tokens after them later; the stack's --schedule ttft-first gives "
+                                f"{TTFT_FIRST_DECODE_NICE})")
     gw = roles.add_parser("gateway", help="run the front door")
     gw.set_defaults(allocator=None)  # no model, no torch: not the `serve` parser's --allocator default
     add_server_flags(gw, GATEWAY_PORT)
@@ -477,12 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "its first token) before the next replica is tried")
     serve.add_argument("--colocate", action="store_true",
                        help="one process instead of four: the front door and the three stages share one "
-                            "model and the machine's cores (same ports and APIs); for a single machine")
+                            "model and the machine's cores (the same front door: --gateway-port and --http-port, "
+                            "same APIs); for a single machine")
     shared = SharedModelSchedule()
     serve.add_argument("--schedule", choices=SCHEDULES, default=shared.policy,
-                       help="--colocate: how the stages' steps share the model: fifo (in turn) or ttft-first "
-                            "(decode admissions ahead of every step; encode and prefill before a "
-                            "waiting decode step, up to --decode-max-wait-s)")
+                       help="how the stages' steps share the cores: fifo (in turn) or ttft-first (first "
+                            "tokens sooner, the tokens after them later). --colocate: decode admissions "
+                            "ahead of every step, encode and prefill before a waiting decode step, up to "
+                            "--decode-max-wait-s; the stack: its decoders run at a lower CPU priority "
+                            f"(decode's --nice {TTFT_FIRST_DECODE_NICE})")
     serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
                        metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
                                                "waits while encode and prefill steps go first")

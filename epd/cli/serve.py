@@ -289,6 +289,8 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack, by name ("gateway", "encoder[0]",
     "encoder[1]", ...; the model services' are run forked, without their first `_COMMAND_PREFIX`
     words)."""
+    from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE
+
     log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
     base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, *log_format, "serve"]
     threads = [] if args.num_threads is None else ["--num-threads", str(args.num_threads or "auto")]
@@ -299,7 +301,8 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                        str(args.prefix_cache_ttl), "--kv-ttl", str(args.kv_ttl),
                        "--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step),
                        "--prefill-chunk-tokens", str(args.prefill_chunk_tokens or 0)],
-           "decode": ["--max-running-requests", str(args.max_running_requests)],
+           "decode": ["--max-running-requests", str(args.max_running_requests),
+                      *(["--nice", str(TTFT_FIRST_DECODE_NICE)] if args.schedule == "ttft-first" else [])],
            "encoder": encoder_flags(args)}
     ports = replica_ports(args)
     commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own.get(role, [])]

@@ -45,7 +45,7 @@ from epd.gateway.admission import (
     peer_host,
 )
 from epd.gateway.config import GatewayConfig
-from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body
+from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body, unsupported_expect
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from epd.gateway.openai_protocol import (
@@ -108,9 +108,9 @@ class HttpApi:
         # client_max_size only backs up read_json_body for any route that calls request.read().
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware])
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/models", self.models, expect_handler=defer_continue)
+        app.router.add_get("/health", self.health, expect_handler=defer_continue)
+        app.router.add_get("/metrics", self.prometheus, expect_handler=defer_continue)
         add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
         return app
 
@@ -123,8 +123,11 @@ class HttpApi:
         started = time.perf_counter()
         ticket = None
         try:
-            if self.config.http.api_keys and request.path.startswith("/v1/") and not self._authorized(request):
+            if unsupported_expect(request):
                 response: web.StreamResponse = json_error(
+                    417, "the only Expect this server supports is 100-continue", "invalid_request_error")
+            elif self.config.http.api_keys and request.path.startswith("/v1/") and not self._authorized(request):
+                response = json_error(
                     401,
                     "missing or wrong API key; send 'Authorization: Bearer <key>'",
                     "authentication_error",

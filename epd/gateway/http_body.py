@@ -19,9 +19,9 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
+from aiohttp.web_protocol import RequestPayloadError
 
 from epd.gateway.admission import Ticket
-from epd.gateway.openai_protocol import error_body
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 
 TICKET_KEY = web.RequestKey("epd_admission_ticket", Ticket)
@@ -58,15 +58,23 @@ async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
     # large body and sends nothing costs no memory. Bytes past the reservation (a chunked body,
     # or a compressed one that aiohttp inflates) are reserved as they come.
     body = bytearray()
-    async for chunk in request.content.iter_any():
-        num_bytes = len(body) + len(chunk)
-        if num_bytes > max_body_bytes:
-            raise body_too_large(f"more than {max_body_bytes}", max_body_bytes)
-        if num_bytes > num_reserved:
-            if ticket is not None:
-                ticket.reserve_bytes(num_bytes - num_reserved)
-            num_reserved = num_bytes
-        body += chunk
+    try:
+        async for chunk in request.content.iter_any():
+            num_bytes = len(body) + len(chunk)
+            if num_bytes > max_body_bytes:
+                raise body_too_large(f"more than {max_body_bytes}", max_body_bytes)
+            if num_bytes > num_reserved:
+                if ticket is not None:
+                    ticket.reserve_bytes(num_bytes - num_reserved)
+                num_reserved = num_bytes
+            body += chunk
+    except RequestPayloadError:  # aiohttp could not inflate or de-chunk what arrived
+        encoding = request.headers.get("Content-Encoding", "")
+        why = f"it is not valid {encoding} data" if encoding else "its chunked transfer encoding is broken"
+        raise InvalidRequest(
+            f"the request body could not be read: {why}; send the JSON as it is, or compressed as its "
+            "Content-Encoding says (gzip or deflate)"
+        ) from None
     return parse_json(body)
 
 
@@ -85,10 +93,15 @@ def parse_json(body: bytes | bytearray) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON{where}") from None
 
 
-async def defer_continue(request: web.Request) -> web.StreamResponse | None:
-    """Expect handler of the routes that read a body with `read_json_body`: it sends no
-    "100 Continue" (aiohttp's default sends it before any check), `read_json_body` does."""
-    if request.headers.get("Expect", "").lower() != "100-continue":
-        body = error_body("the only Expect this server supports is 100-continue", "invalid_request_error")
-        return web.json_response(body, status=417)
+async def defer_continue(request: web.Request) -> None:
+    """Expect handler of every route: it sends nothing and refuses nothing. aiohttp's default sends
+    "100 Continue" before any check, and answers any other Expect with a plain-text 417 outside
+    the middleware (no request id, not OpenAI's error shape). `read_json_body` sends the 100 after
+    its checks; the HTTP API's middleware answers `unsupported_expect`."""
     return None
+
+
+def unsupported_expect(request: web.Request) -> bool:
+    """An Expect header other than 100-continue (HTTP/1.1's only one): answered 417."""
+    expect = request.headers.get("Expect")
+    return expect is not None and expect.lower() != "100-continue"

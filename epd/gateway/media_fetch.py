@@ -24,7 +24,7 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -49,7 +49,7 @@ async def load_media(url: str, config: MediaFetchConfig, max_bytes: int) -> byte
         raise InvalidRequest("the media part needs a non-empty 'url'")
     if url.startswith("data:"):
         return decode_data_url(url, max_bytes)
-    scheme = urlsplit(url).scheme.lower()
+    scheme = _split(url).scheme.lower()
     if scheme in ("http", "https"):
         return await fetch_url(url, config, max_bytes)
     if scheme == "file" or url.startswith("/"):
@@ -59,6 +59,13 @@ async def load_media(url: str, config: MediaFetchConfig, max_bytes: int) -> byte
         "media url must be a data: URL (data:video/mp4;base64,...), an http(s) URL, or an absolute "
         "local path / file:// URL"
     )
+
+
+def _split(url: str) -> SplitResult:
+    try:
+        return urlsplit(url)
+    except ValueError:  # e.g. an unclosed "[" of an IPv6 host
+        raise InvalidRequest("the media URL is malformed (an IPv6 host must be in brackets: http://[::1]:80/)") from None
 
 
 # -- data: URLs ---------------------------------------------------------------------------------
@@ -118,7 +125,7 @@ def local_media_path(url: str, allowed_dir: str) -> Path:
             "start the gateway with --allowed-local-media-path DIR"
         )
     if url.startswith("file:"):
-        parts = urlsplit(url)
+        parts = _split(url)
         if parts.netloc not in ("", "localhost"):
             raise InvalidRequest("file:// URLs must name a local file (file:///abs/path)")
         raw = unquote(parts.path)
@@ -126,6 +133,8 @@ def local_media_path(url: str, allowed_dir: str) -> Path:
         raw = url
     if not os.path.isabs(raw):
         raise InvalidRequest("local media paths must be absolute")
+    if "\x00" in raw:  # no file name holds one (os.path would raise ValueError)
+        raise InvalidRequest("local media paths must not contain a NUL character")
     root = os.path.realpath(allowed_dir)
     real = os.path.realpath(raw)  # resolves symlinks and "..": what would really be opened
     if os.path.commonpath([real, root]) != root:
@@ -197,7 +206,7 @@ class UrlTarget:
 
 def check_url(url: str, config: MediaFetchConfig) -> UrlTarget:
     """Scheme, host and port of an http(s) URL the policy allows (DNS not consulted yet)."""
-    parts = urlsplit(url)
+    parts = _split(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
         raise InvalidRequest("media URLs must be http or https")
@@ -291,7 +300,10 @@ def _same_origin_redirect(url: str, location: str, target: UrlTarget, config: Me
     """Redirects keep scheme, host and port: another port on the same host is another service."""
     if not location:
         raise InvalidRequest("the media URL redirected without a Location")
-    new_url = urljoin(url, location)
+    try:
+        new_url = urljoin(url, location)
+    except ValueError:  # the server's Location is malformed
+        raise InvalidRequest("the media URL redirected to a malformed URL") from None
     new = check_url(new_url, config)
     if new != target:
         raise MediaRefused(

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from epd.gateway.pipeline import AskSummary
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, check_stop_strings
 from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import Busy, InvalidRequest, NotFound
 from epd.stages.messages import ROLES, ContentPart, Message, check_messages
@@ -141,6 +141,10 @@ def parse_chat_request(
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise InvalidRequest("only n=1 is supported")
+    if _boolean(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
+        # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
+        raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset or false and "
+                             "'top_logprobs' unset")
     messages, media_url, modality = _parse_messages(body.get("messages"))
     stream = _boolean(body, "stream", False)
     stream_options = body.get("stream_options") or {}
@@ -325,6 +329,10 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         stops = tuple(_text(s, "stop") for s in stop)
     else:
         raise InvalidRequest("'stop' must be a string or a list of strings")
+    try:
+        check_stop_strings(stops)
+    except ValueError as exc:
+        raise InvalidRequest(f"'stop': {exc}") from None
 
     def given(name: str, default: Any) -> Any:
         return v[name] if v[name] is not None else default

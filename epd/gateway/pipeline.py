@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, check_stop_strings
 from epd.stages.contracts import (
     DecodeStage,
     EncodeStage,
@@ -36,7 +36,7 @@ from epd.stages.contracts import (
     StageEvent,
     TokenStep,
 )
-from epd.stages.errors import KvSourceLost
+from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import Message, check_messages
 from epd.stages.names import TOTAL, TTFT, Stage
@@ -98,6 +98,10 @@ class Pipeline:
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
+        try:  # before the request is sent on: a list of megabytes would be too large for one message
+            check_stop_strings(req.generation.stop)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex
 
         async def run(emit: Emit) -> AskSummary:

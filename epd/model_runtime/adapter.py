@@ -205,6 +205,12 @@ class VLMAdapter(ABC):
     supports_sparse_vision: bool = False  # the tower can run on a subset of patches
     num_deepstack_layers: int = 0  # len(VisualFeatures.deepstack) the language model expects
 
+    @property
+    def context_tokens(self) -> int | None:
+        """Prompt plus generated tokens at most (the checkpoint's max_position_embeddings, vLLM's
+        default max_model_len); None: not known."""
+        return None
+
     def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
                       position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """The tower on kept patches only (temporal dropping before the tower)."""

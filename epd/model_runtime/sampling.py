@@ -10,6 +10,21 @@ if TYPE_CHECKING:
     import torch  # imported where sampling runs: the gateway reads GenerationConfig without torch
 
 
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+"""At most this many stop strings of at most this many characters each: each is compared with the
+end of the answer after every token (OpenAI takes 4; vLLM has no bound, and a list of megabytes
+would pass its way to every stage)."""
+
+
+def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
+    """ValueError naming the bound a request's stop strings pass."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
+    if (longest := max((len(s) for s in stop), default=0)) > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are accepted")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How tokens are generated. The defaults are greedy and match `generate(do_sample=False)`."""
@@ -32,9 +47,10 @@ class GenerationConfig:
     def validate(self, max_new_tokens_limit: int) -> None:
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
-                f"max_new_tokens must be between 1 and {max_new_tokens_limit}, "
-                f"got {self.max_new_tokens}"
+                f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "
+                f"or max_completion_tokens), got {self.max_new_tokens}"
             )
+        check_stop_strings(self.stop)
         # A NaN temperature passes `< 0` (every comparison with NaN is false).
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")

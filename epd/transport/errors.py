@@ -26,6 +26,7 @@ from epd.stages.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from epd.stages.server_config import MAX_MESSAGE_BYTES
 from epd.video.types import MediaError, MediaLimitError
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ _SANITISED = {
 }
 
 
+GRPC_MESSAGE_TOO_LARGE = "message larger than max"
+"""In the RESOURCE_EXHAUSTED that gRPC raises itself for a message over a channel's limit ("Sent
+message larger than max (5339167 vs. 4194304)"): gRPC's text, never one of our services'."""
+
 LOST_WHILE_SENDING = "Internal error from Core"
 """How grpc.aio words the INTERNAL it raises itself when a request stream is being sent on a
 connection that has just broken (the replica was killed mid-upload): gRPC's text, never one of our
@@ -97,6 +102,11 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> Upstr
     id (the detail goes to the server log under that id); our stage's own messages pass on."""
     code = exc.code()
     what = _SANITISED.get(code)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and GRPC_MESSAGE_TOO_LARGE in (exc.details() or ""):
+        log.warning("request %s: %s stage -> %s: %s", request_id, stage, code.name, exc.details())
+        return UpstreamError(code, f"the request is larger than the {stage} stage takes in one message "
+                                   f"({MAX_MESSAGE_BYTES >> 20} MiB of conversation text and settings); send a "
+                                   f"shorter conversation (request id {request_id})")
     if what is None:
         return UpstreamError(code, exc.details() or f"{stage} stage failed (request id {request_id})",
                              retry_after_of(exc))

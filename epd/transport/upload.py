@@ -33,6 +33,10 @@ async def read_upload(request_iterator, max_bytes: int, reserve_bytes: Callable[
             if kind != "header":
                 raise InvalidRequest("the first message of the stream must be the header")
             header = msg.header
+            if header.media_num_bytes < 0:
+                await drain(request_iterator)
+                raise InvalidRequest(f"media_num_bytes must be the upload's size (or 0: not announced), "
+                                     f"got {header.media_num_bytes}")
             if header.media_num_bytes > max_bytes:
                 await drain(request_iterator)
                 raise ResourceExhausted(_too_big(header.media_num_bytes, max_bytes))
@@ -40,6 +44,10 @@ async def read_upload(request_iterator, max_bytes: int, reserve_bytes: Callable[
         if kind != "media_chunk":
             raise InvalidRequest("only media_chunk messages may follow the header")
         received += len(msg.media_chunk)
+        if header.media_num_bytes and received > header.media_num_bytes:
+            await drain(request_iterator)
+            raise InvalidRequest(f"the header announced {header.media_num_bytes} bytes but more arrived; "
+                                 "set media_num_bytes to the file's size, or 0")
         if received > max_bytes:
             await drain(request_iterator)
             raise ResourceExhausted(_too_big(received, max_bytes))

@@ -101,3 +101,84 @@ def test_decode_refuses_unlisted_kv_source(stack):
             list(stub.Generate(req, timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "allow-kv-from" in info.value.details()
+
+
+def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(tiny_models, media_files, tmp_path):
+    """The checkpoint's max_position_embeddings bounds prompt + generated tokens (vLLM's
+    max_model_len): a request that would pass it is refused before its prefill, as vLLM's 400,
+    naming both counts; one within it is answered. Here a copy of the tiny model whose config
+    says 100 (its weights do not depend on it)."""
+    import asyncio
+    import json
+    import shutil
+
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.stages.contracts import MediaInput
+    from epd.stages.errors import InvalidRequest
+    from epd.stages.messages import question_messages
+    from epd.video.types import SamplingOptions
+
+    short = shutil.copytree(tiny_models["qwen2_vl"], tmp_path / "short-context")
+    config = json.loads((short / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 100
+    (short / "config.json").write_text(json.dumps(config))
+
+    def ask(pipeline, max_new_tokens: int) -> AskSummary:
+        request = AskRequest(question_messages("what happens?"), MediaInput(media_files["mp4"].read_bytes()),
+                             SamplingOptions(num_frames=2), GenerationConfig(max_new_tokens=max_new_tokens))
+
+        async def run():
+            return [item async for item in pipeline.ask(request)][-1]
+
+        return asyncio.run(run())
+
+    with build_embedded_pipeline(ModelConfig(model=str(short))) as pipeline:
+        answered = ask(pipeline, 4)
+        assert isinstance(answered, AskSummary) and answered.token_ids
+        prompt = answered.num_prompt_tokens
+        assert prompt + 4 <= 100 < prompt + 100
+        with pytest.raises(InvalidRequest) as refused:
+            ask(pipeline, 100)
+        assert str(refused.value) == (
+            f"this model's context is 100 tokens, but the request needs {prompt + 100}: {prompt} in the prompt "
+            "and up to 100 to generate (max_tokens); send a shorter conversation or fewer frames, or ask for "
+            "fewer tokens")
+        assert ask(pipeline, 4).token_ids == answered.token_ids  # and it keeps serving
+
+
+def test_a_prompt_over_the_limit_is_told_what_made_it_long(tiny_models, media_files):
+    """RESOURCE_EXHAUSTED over --max-prompt-tokens: fewer frames when the media's tokens fill the
+    prompt, a shorter conversation when its text does (it used to say fewer frames either way)."""
+    import asyncio
+
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.gateway.pipeline import AskRequest
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
+    from epd.stages.contracts import MediaInput
+    from epd.stages.errors import ResourceExhausted
+    from epd.stages.messages import question_messages
+    from epd.video.types import SamplingOptions
+
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    prefill = PrefillConfig(model=model, max_prompt_tokens=60,
+                            scheduler=PrefillSchedulerConfig(max_waiting_prompt_tokens=60))
+
+    def refusal(question: str, num_frames: int) -> str:
+        request = AskRequest(question_messages(question), MediaInput(media_files["mp4"].read_bytes()),
+                             SamplingOptions(num_frames=num_frames), GenerationConfig(max_new_tokens=2))
+
+        async def run():
+            return [item async for item in pipeline.ask(request)]
+
+        with pytest.raises(ResourceExhausted) as refused:
+            asyncio.run(run())
+        return str(refused.value)
+
+    with build_embedded_pipeline(model, prefill=prefill) as pipeline:
+        assert refusal("what happens? " * 40, 2).endswith("over the limit of 60; send a shorter conversation")
+        assert refusal("what happens?", 8).endswith("over the limit of 60; lower max_frames, fps or max_pixels")

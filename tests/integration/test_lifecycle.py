@@ -118,11 +118,11 @@ def _roles(children: list[psutil.Process]) -> dict[str, psutil.Process]:
     return found
 
 
-def _start_stack(tiny_models, tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+def _start_stack(tiny_models, tmp_path, *flags: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
     log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - the launcher's stderr; closed with the test's tmp_path
     env = {name: value for name, value in child_env().items() if name not in OPENMP_WAIT_SETTINGS}
     launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
-                                            *_stack_ports()), stdout=subprocess.PIPE, stderr=log, text=True,
+                                            *_stack_ports(), *flags), stdout=subprocess.PIPE, stderr=log, text=True,
                                 env=env, cwd=ROOT)
     try:
         _wait_ready(launcher, "the stack")
@@ -148,6 +148,34 @@ def test_the_model_services_are_forked_from_one_zygote(tiny_models, tmp_path):
         assert zygote.environ().get("OMP_WAIT_POLICY") == "PASSIVE"
         assert roles["gateway"].ppid() == launcher.pid
         assert " ".join(roles["prefill"].cmdline()).startswith("epd --log-level WARNING serve prefill --port ")
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+
+
+def _thread_nices(proc: psutil.Process) -> set[int]:
+    """The nice values of every thread of `proc` (Linux keeps one per thread)."""
+    nices = set()
+    for thread in proc.threads():
+        try:
+            nices.add(os.getpriority(os.PRIO_PROCESS, thread.id))
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    return nices
+
+
+def test_ttft_first_runs_the_stacks_decoder_at_a_lower_cpu_priority(tiny_models, tmp_path):
+    """`epd serve --schedule ttft-first`: every thread of the decode service (its model thread,
+    gRPC's, OpenMP's) runs at nice 5 above the launcher's, so that on shared cores the encode and
+    prefill steps go first; the other services keep the launcher's priority."""
+    launcher, children = _start_stack(tiny_models, tmp_path, "--schedule", "ttft-first")
+    try:
+        roles = _roles(children)
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert len(roles["decode"].threads()) > 2  # the model thread and gRPC's are running
+        assert _thread_nices(roles["decode"]) == {min(base + 5, 19)}
+        for role in ("encoder", "prefill", "gateway"):
+            assert _thread_nices(roles[role]) == {base}, role
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)

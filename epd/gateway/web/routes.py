@@ -59,10 +59,10 @@ def add_demo_routes(
     samples_dir: Path = SAMPLES_DIR,
 ) -> None:
     demo = WebDemo(config, samples_dir, max_body_bytes or gateway_max_body_bytes(config.max_upload_bytes))
-    app.router.add_get("/", demo.index)
-    app.router.add_static("/static/", STATIC_DIR)
-    app.router.add_get("/demo/samples", demo.samples)
-    app.router.add_get("/demo/samples/{name}", demo.sample)
+    app.router.add_get("/", demo.index, expect_handler=defer_continue)
+    app.router.add_static("/static/", STATIC_DIR, expect_handler=defer_continue)
+    app.router.add_get("/demo/samples", demo.samples, expect_handler=defer_continue)
+    app.router.add_get("/demo/samples/{name}", demo.sample, expect_handler=defer_continue)
     app.router.add_post("/demo/frames", demo.frames, expect_handler=defer_continue)
 
 

@@ -392,6 +392,24 @@ def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
         configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "0"]))
 
 
+def test_ttft_first_gives_the_stacks_decoders_a_lower_cpu_priority():
+    """The stack's `--schedule ttft-first` is decode's `--nice 5` (the colocated server orders its
+    own steps instead); fifo, the default, leaves every service at the launcher's priority."""
+    def nice_of(argv: list[str]) -> dict[str, int]:
+        args = build_parser().parse_args(["serve", *argv])
+        args.model = "/m"
+        commands = stack_commands(args)
+        assert all("--nice" not in command for name, command in commands.items() if not name.startswith("decode"))
+        return {name: configs.decode_config(build_parser().parse_args(command[command.index("serve"):])).nice
+                for name, command in commands.items() if name.startswith("decode")}
+
+    assert nice_of(["--schedule", "ttft-first", "--decodes", "2"]) == {"decode[0]": 5, "decode[1]": 5}
+    assert nice_of([]) == {"decode[0]": 0}
+    for bad in ("-1", "20"):
+        with pytest.raises(ValueError, match="--nice must be 0-19"):
+            configs.decode_config(build_parser().parse_args(["serve", "decode", "--nice", bad]))
+
+
 def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
     """`epd serve --frames-per-group/--max-tower-patches-per-step/--decode-workers/--num-frames ...`:
     every encoder and frame-sampling flag reaches each encoder replica (and --max-upload-bytes the

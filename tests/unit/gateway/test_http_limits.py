@@ -208,6 +208,10 @@ def test_many_concurrent_large_bodies_get_429s_or_answers_and_the_server_stays_u
         (b"[]", {"Authorization": "Bearer cl\xc3\xa9"}, 401, "missing or wrong API key"),
         (b"[]", {"Authorization": b"Bearer \xff\xfe"}, 401, "missing or wrong API key"),
         (b"[]", {"Authorization": f"Bearer {API_KEY}"}, 400, "must be a JSON object"),
+        (b"not gzip", {"Content-Encoding": "gzip", "Authorization": f"Bearer {API_KEY}"}, 400,
+         "not valid gzip data"),
+        (b"not deflate", {"Content-Encoding": "deflate", "Authorization": f"Bearer {API_KEY}"}, 400,
+         "not valid deflate data"),
     ],
 )  # fmt: skip
 def test_malformed_bodies_and_headers_get_4xx_json(body, headers, status, match):
@@ -251,3 +255,16 @@ def test_a_compressed_body_is_limited_by_its_inflated_size():
     response, reserved_after = asyncio.run(_serve(run))
     _assert_json_error(response, 413, f"accepts at most {MAX_BODY_BYTES}")
     assert reserved_after == 0
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                                              ("POST", "/demo/frames"), ("GET", "/health")])
+def test_an_unsupported_expect_is_417_json_with_the_request_id_on_every_route(method, path):
+    """It was answered outside the middleware: aiohttp's plain text on GET routes, and no request id
+    (neither in the message nor as x-request-id) anywhere."""
+    async def run(port, admission):
+        return await request(port, method, path, b"{}", {"Expect": "foo", "x-request-id": "expect-test-1"})
+
+    response = asyncio.run(_serve(run))
+    _assert_json_error(response, 417, "the only Expect this server supports is 100-continue (request id expect-test-1)")
+    assert response.headers["x-request-id"] == "expect-test-1"

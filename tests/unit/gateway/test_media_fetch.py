@@ -109,6 +109,21 @@ def test_local_path_errors(media_dir):
         asyncio.run(load_media("clip.mp4", config, 100))
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "https://[zz]/a.mp4", "file://[x", "//[", "http://[::1/x.mp4"])
+def test_a_malformed_url_is_a_bad_request_whatever_the_policy(media_dir, url):
+    """urlsplit raises ValueError on an unclosed or invalid IPv6 host; that is the client's error
+    (it was an internal error, HTTP 500), whether URLs and local paths are allowed or not."""
+    for config in (MediaFetchConfig(), MediaFetchConfig(allowed_local_dir=str(media_dir), allowed_domains=("a.com",))):
+        with pytest.raises(InvalidRequest, match="malformed"):
+            asyncio.run(load_media(url, config, 100))
+
+
+def test_a_nul_character_in_a_local_path_is_a_bad_request(media_dir):
+    for url in (str(media_dir / "clip\x00.mp4"), f"file://{media_dir}/clip%00.mp4"):
+        with pytest.raises(InvalidRequest, match="NUL character"):
+            local_media_path(url, str(media_dir))
+
+
 # -- addresses and domains
 
 
@@ -271,6 +286,14 @@ def test_fetch_and_same_host_redirect():
 def test_redirect_to_another_host_is_refused():
     with pytest.raises(MediaRefused, match="another scheme, host or port"):
         _run_fetch(ROUTES, "/other")
+
+
+def test_a_redirect_to_a_malformed_url_is_a_bad_request():
+    async def redirect(request):  # web.HTTPFound would check the URL itself
+        return web.Response(status=302, headers={"Location": "http://[::1/elsewhere"})
+
+    with pytest.raises(InvalidRequest, match="redirected to a malformed URL"):
+        _run_fetch({"/redirect": redirect}, "/redirect")
 
 
 def test_redirect_to_another_port_on_the_same_host_is_refused():

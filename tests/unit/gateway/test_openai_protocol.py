@@ -93,7 +93,12 @@ def test_image_part_and_string_url():
         ({"max_tokens": 0}, "'max_tokens' must be an integer from 1 to 2147483647, got 0"),
         ({"top_p": 0}, "'top_p' must be a finite number > 0 and <= 1, got 0"),
         ({"stop": [1]}, "list of strings"),
+        ({"stop": [str(i) for i in range(33)]}, "'stop': stop has 33 strings; at most 32 are accepted"),
+        ({"stop": "x" * 513}, "'stop': a stop string has 513 characters; at most 512 are accepted"),
         ({"n": 2}, "only n=1"),
+        ({"logprobs": True}, "logprobs are not supported by this server"),
+        ({"logprobs": False, "top_logprobs": 3}, "logprobs are not supported by this server"),
+        ({"logprobs": "yes"}, "'logprobs' must be"),
     ],
 )
 def test_invalid_bodies(change, match):

@@ -117,7 +117,12 @@ def test_sampler_greedy_and_seeded():
 def test_configs_validate():
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelConfig(dtype="float8")
-    with pytest.raises(ValueError, match="max_new_tokens must be between 1 and 10"):
+    with pytest.raises(ValueError, match="max_new_tokens must be between 1 and 10 .the OpenAI API's max_tokens"):
         GenerationConfig(max_new_tokens=11).validate(10)
+    GenerationConfig(stop=("s" * 512,) * 32).validate(100)  # at the bounds
+    with pytest.raises(ValueError, match="stop has 33 strings"):
+        GenerationConfig(stop=("s",) * 33).validate(100)
+    with pytest.raises(ValueError, match="a stop string has 513 characters"):
+        GenerationConfig(stop=("s" * 513,)).validate(100)
     with pytest.raises(ValueError, match="top_p"):
         GenerationConfig(top_p=0).validate(100)

@@ -7,6 +7,7 @@ parsing, and the OpenMP wait policy of processes sharing the cores."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -225,6 +226,33 @@ def test_processes_sharing_the_cores_get_passive_openmp_waits_unless_the_operato
     assert shared_cores_environment({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert shared_cores_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
     assert shared_cores_environment({"GOMP_SPINCOUNT": "10000"}) == {}
+
+
+_RENICE_SCRIPT = """
+import os, threading
+from epd.model_runtime.threads import lower_cpu_priority
+started, stop = threading.Event(), threading.Event()
+before = threading.Thread(target=lambda: (started.set(), stop.wait()))
+before.start(); started.wait()
+lower_cpu_priority(3)
+after = threading.Thread(target=stop.wait); after.start()
+print(sorted(os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")))
+stop.set()
+"""
+
+
+def test_a_lower_cpu_priority_reaches_the_threads_already_running_and_those_started_later():
+    """Linux keeps a nice value per thread: `os.nice` would leave a thread started before it (gRPC's,
+    OpenMP's) at the old priority. Run in a child process: a process cannot raise its priority back."""
+    import subprocess
+    import sys
+
+    from tests.stack import ROOT, child_env
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    out = subprocess.run([sys.executable, "-c", _RENICE_SCRIPT], capture_output=True, text=True, check=True,
+                         env=child_env(), cwd=ROOT, timeout=60).stdout
+    assert out.strip() == str([min(base + 3, 19)] * 3)  # the main thread, one before, one after
 
 
 @pytest.mark.parametrize("role", ["encoder", "prefill", "decode"])

@@ -282,7 +282,7 @@ def test_bad_knobs_name_the_knob_and_the_type(knobs, match):
 
 def test_generation_limits_are_checked_in_one_place():
     check_generation_limits(GenerationConfig(max_new_tokens=8), 8)
-    with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 8, got 9"):
+    with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 8 .the OpenAI API.s max_tokens or max_completion_tokens., got 9"):
         check_generation_limits(GenerationConfig(max_new_tokens=9), 8)
     with pytest.raises(InvalidRequest, match="top_p must be in"):
         check_generation_limits(GenerationConfig(max_new_tokens=8, top_p=0.0), 8)

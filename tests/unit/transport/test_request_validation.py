@@ -125,7 +125,40 @@ def test_upload_over_the_limit_names_the_flag():
         asyncio.run(read_upload(_stream(header), 100))
 
 
+@pytest.mark.parametrize(
+    "announced,match",
+    [
+        (-5, "media_num_bytes must be the upload's size .or 0: not announced., got -5"),
+        (10, "the header announced 10 bytes but more arrived; set media_num_bytes to the file's size, or 0"),
+        (40, "the header announced 40 bytes but 30 arrived; the upload was cut short"),
+    ],
+)
+def test_an_upload_that_does_not_match_its_announced_size_says_which_way(announced, match):
+    header = gateway_pb2.AskRequest(header=gateway_pb2.AskHeader(media_num_bytes=announced))
+    chunks = [gateway_pb2.AskRequest(media_chunk=b"x" * 10) for _ in range(3)]
+    with pytest.raises(InvalidRequest, match=match):
+        asyncio.run(read_upload(_stream(header, *chunks), 100))
+
+
 def test_message_limit_holds_a_chunk_and_its_header():
     assert MAX_MESSAGE_BYTES >= MIN_MESSAGE_BYTES > CHUNK_BYTES
     with pytest.raises(ValueError, match="max_message_bytes must be at least"):
         ServerConfig(max_message_bytes=CHUNK_BYTES)
+
+
+def test_the_gateway_refuses_too_many_stop_strings_before_any_stage_is_called():
+    """Over gRPC as over HTTP: a stop list of megabytes would pass the gateway's own limits and be
+    refused by gRPC itself on the way to a stage (its text, not ours). No stage exists here: the
+    refusal comes before the first call."""
+    from epd.gateway.pipeline import AskRequest, Pipeline
+    from epd.stages.contracts import MediaInput
+    from epd.stages.messages import question_messages
+
+    request = AskRequest(question_messages("what?"), MediaInput(b"video"),
+                         generation=GenerationConfig(stop=tuple("s" * 100 + str(i) for i in range(50_000))))
+
+    async def first_event():
+        return await anext(Pipeline(None, None, None).ask(request))  # type: ignore[arg-type]
+
+    with pytest.raises(InvalidRequest, match="stop has 50000 strings; at most 32 are accepted"):
+        asyncio.run(first_event())

@@ -391,3 +391,125 @@ def test_cli_flags_reach_the_encoder_config():
     assert config.decode.index_cache_bytes == 4096
     defaults = encoder_config(build_parser().parse_args(["serve", "encoder"]))
     assert defaults.limits == DecodeLimits() and defaults.decode.index_cache_bytes == 64 << 20
+
+
+# -- what the bytes declare: codecs FFmpeg cannot decode, sample tables, compressed headers, scans
+
+
+def _mp4_with_sample_count(data: bytes, box: bytes, count: int) -> bytes:
+    """`data` with its first `box` (stsz: constant sample size 1; trun) declaring `count` samples,
+    in place: the box keeps its size, so no parent box changes. FFmpeg sizes its index by it."""
+    out = bytearray(data)
+    payload = out.index(box) + 4  # after the type: version/flags first
+    if box == b"stsz":
+        out[payload + 4 : payload + 8] = (1).to_bytes(4, "big")  # one constant size: no table to read
+        out[payload + 8 : payload + 12] = count.to_bytes(4, "big")
+    else:
+        out[payload + 4 : payload + 8] = count.to_bytes(4, "big")
+    return bytes(out)
+
+
+def _fragmented(data: bytes) -> bytes:
+    """`data` remuxed as fragmented MP4 (moof/traf/trun per keyframe), as a live stream writes it."""
+    import av
+
+    out = io.BytesIO()
+    with open_video(data) as src, av.open(out, "w", format="mp4",
+                                          options={"movflags": "frag_keyframe+empty_moov"}) as dst:
+        stream = dst.add_stream_from_template(src.streams.video[0])
+        for packet in src.demux(src.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                dst.mux(packet)
+    return out.getvalue()
+
+
+def test_sample_tables_that_declare_millions_of_samples_are_refused_before_ffmpeg_reads_them(video_factory, decoder):
+    """A 2 KB file declaring 60 million samples made FFmpeg's demuxer allocate 3 GB inside av.open
+    (run-length coded tables cost no bytes per sample); a fragmented file does it with a track run.
+    Refused by every entry point, before FFmpeg allocates; the same files as they were still decode."""
+    from epd.video.mp4_boxes import MAX_DECLARED_SAMPLES
+
+    plain = video_factory(".mp4", codec="h264", **SMALL)
+    fragmented = _fragmented(plain)
+    assert b"trun" in fragmented
+    for data, box in ((plain, b"stsz"), (fragmented, b"trun")):
+        assert simple_decoder.decode(data, SamplingOptions(num_frames=2)).frames.shape[0] == 2
+        bomb = _mp4_with_sample_count(data, box, MAX_DECLARED_SAMPLES + 1)
+        for entry in _entry_points(decoder).values():
+            with pytest.raises(MediaLimitError, match=rf"declare \d+ frames and audio packets, over this "
+                                                      rf"server's limit of {MAX_DECLARED_SAMPLES}"):
+                entry(bomb)
+
+
+def test_a_compressed_movie_header_is_refused(video_factory, decoder):
+    """QuickTime's cmov is inflated into a buffer of the size it declares; no current file has one."""
+    data = video_factory(".mp4", codec="h264", **SMALL).replace(b"mvhd", b"cmov", 1)
+    for entry in _entry_points(decoder).values():
+        with pytest.raises(MediaError, match=r"compressed movie headers \(QuickTime cmov\) are not supported"):
+            entry(data)
+
+
+@pytest.mark.parametrize(("suffix", "name", "unknown"), [(".mp4", b"avc1", b"zzz1"),
+                                                         (".mkv", b"V_MPEG4/ISO/AVC", b"V_ZZZZZ/ISO/ZZZ")])
+def test_a_codec_ffmpeg_cannot_decode_is_invalid_argument_not_an_internal_error(video_factory, decoder, suffix, name,
+                                                                                 unknown):
+    """FFmpeg opens the stream with no decoder (codec_context None); it was an AttributeError, HTTP 500."""
+    data = video_factory(suffix, codec="h264", **SMALL).replace(name, unknown)
+    for entry_name, entry in _entry_points(decoder).items():
+        if entry_name == "probe_rotation":
+            continue  # reads the display matrix only, no decoder
+        with pytest.raises(MediaError, match="the video's codec is not one this server decodes; send H.264"):
+            entry(data)
+
+
+def _jpeg(img, **save) -> bytes:
+    out = io.BytesIO()
+    img.save(out, "JPEG", **save)
+    return out.getvalue()
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_pillow_decodes_it(decoder):
+    """Each scan of a progressive JPEG refines the whole image in one uninterruptible libjpeg call:
+    30,000 tiny scans (631 KB) took 25 s of CPU past every deadline. A progressive JPEG as encoders
+    write it (about ten scans) decodes."""
+    from PIL import Image
+
+    from epd.video.media_open import MAX_JPEG_SCANS
+
+    progressive = _jpeg(Image.new("RGB", (64, 48), (200, 30, 30)), progressive=True)
+    assert 1 < progressive.count(b"\xff\xda") < 20
+    assert simple_decoder.decode(progressive, SamplingOptions()).frames.shape == (1, 48, 64, 3)
+    scan = b"\xff\xda\x00\x08\x01\x01\x00\x01\x3f\x00" + b"\x00" * 20  # an AC refinement scan header + data
+    bomb = progressive[:-2] + scan * MAX_JPEG_SCANS + progressive[-2:]
+    entries = {"simple": lambda d: simple_decoder.decode(d, SamplingOptions()),
+               "parallel": lambda d: list(decoder.iter_groups(d, SamplingOptions(), group_size=2))}
+    num_scans = bomb.count(b"\xff\xda")
+    for entry in entries.values():
+        with pytest.raises(MediaLimitError, match=f"the JPEG has {num_scans} scans, over this server's limit of "
+                                                  f"{MAX_JPEG_SCANS}"):
+            entry(bomb)
+
+
+def test_a_16_bit_greyscale_png_is_scaled_to_8_bits_as_ffmpeg_does_not_clipped_to_white():
+    from PIL import Image
+
+    levels = np.array([[0, 1000, 32768, 65535]], dtype=np.uint16).repeat(4, axis=0)  # [4, 4]
+    out = io.BytesIO()
+    Image.fromarray(levels).save(out, "PNG")
+    frame = simple_decoder.decode(out.getvalue(), SamplingOptions()).frames[0]  # [4, 4, 3]
+    assert frame[0, :, 0].tolist() == [0, 3, 128, 255]  # the top byte: 1000 >> 8 = 3
+    assert (frame == frame[..., :1]).all()  # grey
+
+
+def test_an_image_is_turned_upright_as_its_exif_orientation_says():
+    """As a video's display matrix turns its frames: a photo taken upright on its side."""
+    from PIL import Image
+
+    img = Image.new("RGB", (80, 40), (0, 0, 255))
+    img.paste((255, 0, 0), (0, 0, 10, 40))  # a red band on the left
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored rotated: show it turned 90 degrees clockwise
+    frame = simple_decoder.decode(_jpeg(img, exif=exif, quality=95), SamplingOptions()).frames[0]
+    assert frame.shape == (80, 40, 3)
+    assert frame[2, 20, 0] > 200 and frame[-3, 20, 2] > 200  # the left band now on top
