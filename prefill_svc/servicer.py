@@ -11,7 +11,8 @@ whichever comes first; the TTL bounds what dead decoders and gateways leave behi
 
 A caller that goes away during Prefill cancels the handler: the request leaves the prefill
 core's queue at once (or stops between its chunks), and a finished one's cache is not stored
-(`LocalPrefillStage`)."""
+(`LocalPrefillStage`); one that goes away as the answer leaves gets its stored cache released
+when the RPC ends cancelled."""
 
 from __future__ import annotations
 
@@ -65,11 +66,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
         handle = await self.stage.prefill(messages, media, generation, request_id, pruning, cache_salt)
+        # A caller that goes away as the prefill finishes never gets the handle (the handler has
+        # no await left to be cancelled at), so nobody would release the stored cache before its
+        # TTL: the RPC's end says whether the answer got out.
+        context.add_done_callback(self._release_unless_answered(handle.kv_handle, request_id))
         tracing.stage_timings(
             log, "prefill done", prefill_ms=handle.prefill_ms, num_prompt_tokens=handle.num_prompt_tokens,
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens, kv_num_bytes=handle.kv_num_bytes,
         )
         return convert.handle_to_proto(handle)
+
+    def _release_unless_answered(self, kv_handle: str, request_id: str):
+        def done(context) -> None:
+            if context.cancelled() and self.kv_store.release(kv_handle):
+                log.info("released the KV cache of request %s: its caller went away before the answer", request_id)
+
+        return done
 
     @rpc_errors
     async def PullKv(self, request, context):

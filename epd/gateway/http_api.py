@@ -26,6 +26,7 @@ comes back in the `x-request-id` response header, and every error message ends w
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -103,6 +104,8 @@ class HttpApi:
         self.admission = admission or Admission.of_gateway(config)
         self.max_body_bytes = max_body_bytes(config.max_upload_bytes)
         self.started_s = int(time.time())
+        self._in_flight: set[asyncio.Task] = set()
+        """The tasks answering a request now (aiohttp's per-connection tasks), to cut at shutdown."""
 
     def app(self) -> web.Application:
         # client_max_size only backs up read_json_body for any route that calls request.read().
@@ -114,8 +117,23 @@ class HttpApi:
         add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
         return app
 
+    def cut_requests_in_flight(self) -> None:
+        """Cancel every request still being answered (the grace period is over): its pipeline run
+        is cancelled with it, and a streamed answer ends where it is."""
+        for task in list(self._in_flight):
+            task.cancel()
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        task = asyncio.current_task()
+        if task is not None:
+            self._in_flight.add(task)
+        try:
+            return await self._answer(request, handler)
+        finally:
+            self._in_flight.discard(task)  # type: ignore[arg-type]
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         request_id = tracing.begin_request(request.headers.get(tracing.REQUEST_ID_KEY, ""))
@@ -315,10 +333,24 @@ def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:
 class HttpServer:
     runner: web.AppRunner
     port: int
+    api: HttpApi
     stage_health: StageHealth | InProcessHealth | None = None
 
-    async def stop(self) -> None:
-        await self.runner.cleanup()
+    async def stop(self, grace_s: float = 0.0, hurry: asyncio.Event | None = None) -> None:
+        """Stop listening, give the requests in flight `grace_s` (until `hurry` is set, the second
+        signal), then cut the rest. aiohttp's own drain (`shutdown_timeout`) waits that long, then
+        only cancels a request's body reading and waits as long again: a streamed answer ran on
+        for twice the grace period, and a second signal did not shorten it."""
+        cleanup = asyncio.ensure_future(self.runner.cleanup())
+        waits: list[asyncio.Future] = [cleanup]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        if not cleanup.done():
+            self.api.cut_requests_in_flight()
+        await cleanup
+        for wait in waits[1:]:
+            wait.cancel()
         if self.stage_health is not None:
             await self.stage_health.close()
 
@@ -335,7 +367,7 @@ async def start_http_api(
     api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
     # handler_cancellation: a client that disconnects stops its pipeline run.
     runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=config.server.grace_s)  # drain for the grace period
+                           shutdown_timeout=config.server.grace_s)  # `HttpServer.stop` cuts it short
     await runner.setup()
     # TLS with the gateway's --tls-cert/--tls-key (client certificates with --tls-client-ca).
     site = web.TCPSite(runner, config.http.host or config.server.host, config.http.port,
@@ -343,4 +375,4 @@ async def start_http_api(
     await site.start()
     port = runner.addresses[0][1]
     log.info("OpenAI-compatible HTTP API on port %d", port)
-    return HttpServer(runner, port, stage_health)
+    return HttpServer(runner, port, api, stage_health)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from epd.model_runtime.sampling import GenerationConfig, check_stop_strings
 from epd.stages.contracts import (
     DecodeStage,
+    EncodedMedia,
     EncodeStage,
     MediaInput,
     PrefillHandle,
@@ -134,9 +135,7 @@ class Pipeline:
         for attempt in range(2):
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
-            handle = await self.prefill.prefill(
-                req.messages, media, req.generation, request_id, req.pruning, req.cache_salt
-            )
+            handle = await self._prefill(req, media, request_id)
             taken = False  # by the decoder: its first step comes only after it pulled the cache
             ended = False  # the decoder's stream ran to its end
             try:
@@ -223,6 +222,31 @@ class Pipeline:
             ),
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
         )
+
+    async def _prefill(self, req: AskRequest, media: EncodedMedia, request_id: str) -> PrefillHandle:
+        """Prefill's handle. The call runs in a task of its own: a cancel that lands as it completes
+        (the answer is in, this task not yet resumed) would lose the handle with this task, and
+        its cache would stay stored until --kv-ttl; so the call's outcome is released instead.
+        A call still running is cancelled (prefill then stores nothing, or releases what the RPC's
+        cancel left stored)."""
+        call = asyncio.ensure_future(
+            self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning, req.cache_salt)
+        )
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.cancel()
+            call.add_done_callback(self._release_outcome(request_id))
+            raise
+
+    def _release_outcome(self, request_id: str) -> Callable[[asyncio.Future], None]:
+        def done(call: asyncio.Future) -> None:
+            if not call.cancelled() and call.exception() is None:
+                release = asyncio.ensure_future(self.prefill.release(call.result(), request_id))
+                _in_flight.add(release)
+                release.add_done_callback(_release_done(request_id))
+
+        return done
 
     async def _release(self, handle: PrefillHandle, request_id: str) -> None:
         """Tell prefill to drop a cache no decoder took. Runs to the end even if this task is

@@ -149,7 +149,7 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
                 raise SystemExit("epd serve gateway: --tls-cert was given but the HTTP API (--http-port) serves "
                                  "plain HTTP: refusing to expose it unencrypted")
         hs = await start(config, pipeline, admission, health)
-        # HTTP drains alongside gRPC, each for up to the grace period (its runner's shutdown_timeout).
+        # HTTP drains alongside gRPC, each for up to the grace period; a second signal cuts both.
         await serve_until_signal(hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None)
         http = None
     finally:

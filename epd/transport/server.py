@@ -171,11 +171,12 @@ async def serve_until_signal(
     grace_s: float,
     on_stop: Callable[[], None] | None = None,
     signals: StopSignals | None = None,
-    drain_too: Callable[[], Awaitable[None]] | None = None,
+    drain_too: Callable[[float, asyncio.Event], Awaitable[None]] | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM, then drain in-flight calls (at most `grace_s`; a second signal
     cuts it short) and stop. An idle server stops at once: gRPC waits only for open calls.
-    `drain_too` stops another server of the process (the gateway's HTTP API) at the same time."""
+    `drain_too(grace_s, hurry)` stops another server of the process (the gateway's HTTP API) at
+    the same time, cutting its calls short once `hurry` (the second signal) is set."""
     signals = signals or StopSignals()
     waiter = asyncio.ensure_future(hs.server.wait_for_termination())
     stopper = asyncio.ensure_future(signals.stop.wait())
@@ -186,7 +187,7 @@ async def serve_until_signal(
     log.info("shutting down (grace %.1f s)", grace_s)
 
     async def drain() -> None:
-        await asyncio.gather(hs.stop(grace_s), *([drain_too()] if drain_too else []))
+        await asyncio.gather(hs.stop(grace_s), *([drain_too(grace_s, signals.hurry)] if drain_too else []))
 
     draining = asyncio.ensure_future(drain())
     hurry = asyncio.ensure_future(signals.hurry.wait())

@@ -37,7 +37,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
-from epd.stages.contracts import DecodeStage, MediaInput, StageEvent, TokenStep
+from epd.stages.contracts import DecodeStage, MediaInput, PrefillStage, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest, KvSourceLost, ResourceExhausted
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import question_messages
@@ -336,6 +336,97 @@ def test_embedded_pipeline_leaves_no_kv_cache_however_the_request_ends(embedded,
         assert (len(store), store.num_bytes) == (0, 0)
 
     asyncio.run(scenario())
+
+
+def test_a_cancel_that_lands_as_prefills_answer_arrives_leaves_no_kv_cache(embedded, videos):
+    """The race the stack showed (5 of 51 clients that left 5-30 ms in): prefill's answer, with its
+    stored cache's handle, is in, and the request's task is cancelled before it resumes; asyncio
+    then throws the cancel in at that await and the handle is lost with the task, the cache kept
+    until --kv-ttl. Reproduced exactly: the real stage answers through a future that completes
+    in the same loop turn as the cancel of the pipeline's task."""
+    from epd.gateway.pipeline import Pipeline
+
+    store: KvStore = embedded.prefill.kv_store
+    real = embedded.prefill
+
+    class AnswerWithTheCancel(PrefillStage):
+        async def prefill(self, *args, **kwargs):
+            handle = await real.prefill(*args, **kwargs)
+            assert len(store) == 1  # stored: the answer carries its handle
+            loop = asyncio.get_running_loop()
+            answer = loop.create_future()
+            loop.call_soon(answer.set_result, handle)
+            loop.call_soon(_pipeline_task().cancel)  # before that task resumes with the answer
+            return await answer
+
+        async def release(self, handle, request_id):
+            await real.release(handle, request_id)
+
+    def _pipeline_task() -> asyncio.Task:
+        (task,) = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Pipeline.ask.<locals>.run"]
+        return task
+
+    pipeline = Pipeline(embedded.encoder, AnswerWithTheCancel(), embedded.decoder)
+
+    async def scenario():
+        with pytest.raises(asyncio.CancelledError):
+            [item async for item in pipeline.ask(_ask(videos, max_new_tokens=4))]
+        for _ in range(100):  # the release runs as a task of its own
+            if not len(store):
+                break
+            await asyncio.sleep(0.01)
+        return len(store), store.num_bytes
+
+    assert asyncio.run(scenario()) == (0, 0)
+
+
+@pytest.mark.parametrize("rpc_cancelled", [True, False])
+def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, videos, rpc_cancelled):
+    """The server's half of that race: the handler has no await left after storing the cache, so a
+    caller that goes away then is seen only in how the RPC ends. Ended cancelled, the answer never
+    got out: the cache is released; ended OK, the caller has the handle: it stays."""
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.prefill_svc.servicer import PrefillServicer
+    from epd.transport import convert
+    from epd.v1 import prefill_pb2
+
+    store: KvStore = embedded.prefill.kv_store
+    servicer = PrefillServicer(PrefillConfig(), store)
+    servicer.stage = embedded.prefill
+
+    class RpcEnd:
+        """The end-of-RPC part of grpc.aio.ServicerContext."""
+
+        def __init__(self) -> None:
+            self.callbacks: list = []
+
+        def add_done_callback(self, callback) -> None:
+            self.callbacks.append(callback)
+
+        def cancelled(self) -> bool:
+            return rpc_cancelled
+
+    async def scenario():
+        request = _ask(videos, max_new_tokens=4)
+        media = await embedded.encoder.encode(request.media, request.sampling, lambda event: None, "rpc-end")
+
+        async def messages():
+            yield prefill_pb2.PrefillRequest(header=prefill_pb2.PrefillHeader(
+                request_id="rpc-end", messages=convert.messages_to_proto(request.messages),
+                visual=convert.encode_result_to_proto(media), generation=convert.generation_to_proto(request.generation)))
+            for chunk in convert.encoded_media_chunks(media):
+                yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
+
+        context = RpcEnd()
+        result = await servicer.Prefill(messages(), context)
+        assert len(store) == 1
+        for callback in context.callbacks:  # the RPC ends
+            callback(context)
+        return result.kv_handle
+
+    kv_handle = asyncio.run(scenario())
+    assert len(store) == (0 if rpc_cancelled else 1)
+    store.release(kv_handle)
 
 
 def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos):
