@@ -192,7 +192,7 @@ instead of scaling them, so a mid-grey 32768 became white."""
 
 def _upright_rgb(img):
     """8-bit RGB, turned upright as its EXIF orientation says (as a video's display matrix turns
-    its frames: `epd.video.rotation`); 16-bit greyscale scaled to 8 bits (its top byte, as FFmpeg's
+    its frames: `epd.video.keyframe_index.probe_rotation`); 16-bit greyscale scaled to 8 bits (its top byte, as FFmpeg's
     gray16 -> rgb24 does)."""
     from PIL import Image, ImageOps
 

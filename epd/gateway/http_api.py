@@ -126,12 +126,13 @@ class HttpApi:
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         task = asyncio.current_task()
-        if task is not None:
-            self._in_flight.add(task)
+        if task is None:
+            return await self._answer(request, handler)
+        self._in_flight.add(task)
         try:
             return await self._answer(request, handler)
         finally:
-            self._in_flight.discard(task)  # type: ignore[arg-type]
+            self._in_flight.discard(task)
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource

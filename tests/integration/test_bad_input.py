@@ -3,10 +3,23 @@ the stack keeps serving the next good request."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import shutil
+
 import grpc
 import pytest
 
 from epd.client import EpdClient, EpdError
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest, AskSummary
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
+from epd.stages.contracts import MediaInput
+from epd.stages.errors import InvalidRequest, ResourceExhausted
+from epd.stages.messages import question_messages
+from epd.video.types import SamplingOptions
 from tests.stack import Stack
 
 UPLOAD_LIMIT_BYTES = 200_000
@@ -108,19 +121,6 @@ def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(tin
     max_model_len): a request that would pass it is refused before its prefill, as vLLM's 400,
     naming both counts; one within it is answered. Here a copy of the tiny model whose config
     says 100 (its weights do not depend on it)."""
-    import asyncio
-    import json
-    import shutil
-
-    from epd.gateway.embedded import build_embedded_pipeline
-    from epd.gateway.pipeline import AskRequest, AskSummary
-    from epd.model_runtime.config import ModelConfig
-    from epd.model_runtime.sampling import GenerationConfig
-    from epd.stages.contracts import MediaInput
-    from epd.stages.errors import InvalidRequest
-    from epd.stages.messages import question_messages
-    from epd.video.types import SamplingOptions
-
     short = shutil.copytree(tiny_models["qwen2_vl"], tmp_path / "short-context")
     config = json.loads((short / "config.json").read_text())
     config["text_config"]["max_position_embeddings"] = 100
@@ -152,18 +152,6 @@ def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(tin
 def test_a_prompt_over_the_limit_is_told_what_made_it_long(tiny_models, media_files):
     """RESOURCE_EXHAUSTED over --max-prompt-tokens: fewer frames when the media's tokens fill the
     prompt, a shorter conversation when its text does (it used to say fewer frames either way)."""
-    import asyncio
-
-    from epd.gateway.embedded import build_embedded_pipeline
-    from epd.gateway.pipeline import AskRequest
-    from epd.model_runtime.config import ModelConfig
-    from epd.model_runtime.sampling import GenerationConfig
-    from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
-    from epd.stages.contracts import MediaInput
-    from epd.stages.errors import ResourceExhausted
-    from epd.stages.messages import question_messages
-    from epd.video.types import SamplingOptions
-
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     prefill = PrefillConfig(model=model, max_prompt_tokens=60,
                             scheduler=PrefillSchedulerConfig(max_waiting_prompt_tokens=60))
