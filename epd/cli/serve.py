@@ -116,15 +116,19 @@ def _secure_transport(args: argparse.Namespace) -> None:
     security.configure(transport)
 
 
+STACK_DIR_PREFIX = "epd-stack-"
+
+
 class _StackFiles:
     """What the launcher hands its services in files rather than on command lines or in the
     environment (so no grandchild or `ps` sees it): a fresh internal secret, the API keys, and
-    the gateway's client-CA bundle. One 0700 directory of 0600 files, removed with the stack."""
+    the gateway's client-CA bundle. One 0700 directory of 0600 files, removed with the stack (or,
+    when the launcher was killed, by the next one: its pid is in the name, epd/cli/leftovers.py)."""
 
     def __init__(self) -> None:
         import tempfile
 
-        self.dir = tempfile.mkdtemp(prefix="epd-stack-")
+        self.dir = tempfile.mkdtemp(prefix=f"{STACK_DIR_PREFIX}{os.getpid()}-")
 
     def write(self, name: str, data: bytes) -> str:
         path = os.path.join(self.dir, name)
@@ -371,12 +375,24 @@ class _Signals:
 
 
 def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int:
+    import tempfile
+
+    from epd.cli.leftovers import remove_dead_launchers_entries
     from epd.cli.zygote import Zygote, preload_modules
     from epd.model_runtime.loader import ModelLoadError, check_model_dir, family_module, resolve_model_path
-    from epd.model_runtime.threads import BOARD_ENV, new_board_path, remove_board, shared_cores_environment
+    from epd.model_runtime.threads import (
+        BOARD_ENV,
+        BOARD_PREFIX,
+        board_directory,
+        new_board_path,
+        remove_board,
+        shared_cores_environment,
+    )
     from epd.transport import security
 
     signals = _Signals()
+    remove_dead_launchers_entries(tempfile.gettempdir(), STACK_DIR_PREFIX)
+    remove_dead_launchers_entries(str(board_directory()), BOARD_PREFIX)
     if (clash := port_clash(args)) is not None:
         print(f"epd serve: {clash}", file=sys.stderr)
         return EXIT_USAGE

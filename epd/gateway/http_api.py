@@ -10,7 +10,9 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
     GET  /metrics               Prometheus text format (epd/gateway/metrics.py)
 
 Request format and options: epd/gateway/openai_protocol.py. Media URL policy: epd/gateway/media_fetch.py.
-Errors are OpenAI-style JSON bodies; pipeline errors go through `epd.transport.errors.status_of`,
+Errors are OpenAI-style JSON bodies, aiohttp's own too (an unknown path's 404, a wrong method's
+405 with its Allow header, an unsupported Expect's 417: a catch-all route keeps every request
+inside the middleware); pipeline errors go through `epd.transport.errors.status_of`,
 so a status means the same thing on both APIs. A streamed answer sends its 200 only with the
 first token: bad media, limits and refusals still get their own HTTP status.
 
@@ -70,6 +72,9 @@ from epd.transport.security import server_ssl_context
 
 log = logging.getLogger(__name__)
 
+UNROUTED = "unmatched"
+"""Name of the catch-all route, and the route label of requests it answers (metrics, logs)."""
+
 NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
 
@@ -115,6 +120,9 @@ class HttpApi:
         app.router.add_get("/health", self.health, expect_handler=defer_continue)
         app.router.add_get("/metrics", self.prometheus, expect_handler=defer_continue)
         add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
+        # Last: every other path. aiohttp answers an unrouted request's Expect header itself, before
+        # any middleware (plain text, no request id); a route of ours keeps it in the middleware.
+        app.router.add_route("*", "/{path:.*}", self._unrouted, name=UNROUTED, expect_handler=defer_continue)
         return app
 
     def cut_requests_in_flight(self) -> None:
@@ -136,7 +144,7 @@ class HttpApi:
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
+        route = resource.canonical if resource is not None and resource.name != UNROUTED else UNROUTED
         request_id = tracing.begin_request(request.headers.get(tracing.REQUEST_ID_KEY, ""))
         span = tracing.RequestSpan(f"{request.method} {route}", request.headers)
         started = time.perf_counter()
@@ -165,6 +173,8 @@ class HttpApi:
             error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
             message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
             response = json_error(exc.status, message, error_type)
+            if "Allow" in exc.headers:  # a 405 names the methods the path takes
+                response.headers["Allow"] = exc.headers["Allow"]
         finally:
             if ticket is not None:
                 ticket.close()
@@ -180,6 +190,17 @@ class HttpApi:
             response.force_close()
         self.metrics.http_responses.labels(route=route, code=str(response.status)).inc()
         return response
+
+    async def _unrouted(self, request: web.Request) -> web.StreamResponse:
+        """A path no route of ours takes with this method: 405 where another method would be taken
+        (the router passed over that route to reach this one), else 404."""
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource.name != UNROUTED:
+                allowed |= (await resource.resolve(request))[1]
+        if allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()
 
     def _authorized(self, request: web.Request) -> bool:
         token = bearer_token([("authorization", request.headers.get("Authorization", ""))])

@@ -140,10 +140,18 @@ def num_cores() -> int:
         return os.cpu_count() or 1
 
 
+BOARD_PREFIX = "epd-threads-"
+"""A board is `BOARD_PREFIX<launcher pid>.board` in `board_directory()`."""
+
+
+def board_directory() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
 def new_board_path() -> str:
-    """A fresh board for one stack (the launcher's; removed by `remove_board`)."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    path = base / f"epd-threads-{os.getpid()}.board"
+    """A fresh board for one stack (the launcher's; removed by `remove_board`, or by the next
+    launcher when this one was killed: epd/cli/leftovers.py)."""
+    path = board_directory() / f"{BOARD_PREFIX}{os.getpid()}.board"
     path.write_bytes(bytes(len(STAGES)))
     return str(path)
 

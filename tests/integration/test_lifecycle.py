@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from epd.cli.serve import EXIT_MODEL
-from epd.model_runtime.threads import OPENMP_WAIT_SETTINGS
+from epd.model_runtime.threads import OPENMP_WAIT_SETTINGS, board_directory
 from epd.stages.contracts import MediaInput
 from epd.transport.remote_stages import RemoteEncodeStage, ReplicaPool
 from epd.video.types import SamplingOptions
@@ -118,9 +118,12 @@ def _roles(children: list[psutil.Process]) -> dict[str, psutil.Process]:
     return found
 
 
-def _start_stack(tiny_models, tmp_path, *flags: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+def _start_stack(tiny_models, tmp_path, *flags: str, tmpdir: Path | None = None,
+                 ) -> tuple[subprocess.Popen, list[psutil.Process]]:
     log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - the launcher's stderr; closed with the test's tmp_path
     env = {name: value for name, value in child_env().items() if name not in OPENMP_WAIT_SETTINGS}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
                                             *_stack_ports(), *flags), stdout=subprocess.PIPE, stderr=log, text=True,
                                 env=env, cwd=ROOT)
@@ -189,6 +192,31 @@ def test_a_killed_launcher_leaves_nothing_running(tiny_models, tmp_path):
     launcher.wait(timeout=10)
     _, alive = psutil.wait_procs(children, timeout=20)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
+
+
+def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, tmp_path):
+    """A killed launcher leaves its files directory (the internal secret) and its /dev/shm threads
+    board; the next launcher removes them (their launcher pid no longer runs), and its own go with
+    it when it stops."""
+    files_dir = tmp_path / "tmp"
+    files_dir.mkdir()
+    first, children = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
+    first.kill()
+    first.wait(timeout=10)
+    psutil.wait_procs(children, timeout=20)
+    left = [*files_dir.glob(f"epd-stack-{first.pid}-*"), board_directory() / f"epd-threads-{first.pid}.board"]
+    assert len(left) == 2 and all(path.exists() for path in left), left
+    assert (left[0] / "internal-secret").exists()
+
+    second, _ = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
+    try:
+        assert not [path for path in left if path.exists()]
+        own = [*files_dir.glob(f"epd-stack-{second.pid}-*"), board_directory() / f"epd-threads-{second.pid}.board"]
+        assert len(own) == 2 and all(path.exists() for path in own), own
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    assert not [path for path in own if path.exists()]
 
 
 def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path):

@@ -258,13 +258,29 @@ def test_a_compressed_body_is_limited_by_its_inflated_size():
 
 
 @pytest.mark.parametrize(("method", "path"), [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                                              ("POST", "/demo/frames"), ("GET", "/health")])
+                                              ("POST", "/demo/frames"), ("GET", "/health"),
+                                              ("POST", "/v2/nothing"), ("POST", "/v1/models")])
 def test_an_unsupported_expect_is_417_json_with_the_request_id_on_every_route(method, path):
-    """It was answered outside the middleware: aiohttp's plain text on GET routes, and no request id
-    (neither in the message nor as x-request-id) anywhere."""
+    """It was answered outside the middleware: aiohttp's plain text on GET routes and on paths (or
+    methods) no route takes, and no request id (neither in the message nor as x-request-id)."""
     async def run(port, admission):
         return await request(port, method, path, b"{}", {"Expect": "foo", "x-request-id": "expect-test-1"})
 
     response = asyncio.run(_serve(run))
     _assert_json_error(response, 417, "the only Expect this server supports is 100-continue (request id expect-test-1)")
     assert response.headers["x-request-id"] == "expect-test-1"
+
+
+def test_a_wrong_method_is_405_json_naming_the_methods_and_an_unknown_path_404():
+    async def run(port, admission):
+        return [await request(port, "POST", "/v1/models", b"{}"),
+                await request(port, "GET", "/v1/chat/completions", b""),
+                await request(port, "DELETE", "/static/app.js", b""),
+                await request(port, "GET", "/v2/nothing", b"")]
+
+    post_models, get_chat, delete_static, unknown = asyncio.run(_serve(run))
+    _assert_json_error(post_models, 405, "Method Not Allowed")
+    assert set(post_models.headers["allow"].split(",")) == {"GET", "HEAD"}
+    assert get_chat.status == 405 and get_chat.headers["allow"] == "POST"
+    assert delete_static.status == 405 and set(delete_static.headers["allow"].split(",")) == {"GET", "HEAD"}
+    _assert_json_error(unknown, 404, "Not Found")
