@@ -45,7 +45,7 @@ class Generation:
         self.config = config
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
-        self.sampler = Sampler(config, seed_offset=1)
+        self.sampler = Sampler(config, stream=1)
         self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
         self.last_token = first_token_id
         self.finish_reason = ""

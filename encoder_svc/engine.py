@@ -195,6 +195,11 @@ class EncoderEngine:
         params = {
             "sampling": asdict(sampling),
             "model": self.adapter.fingerprint,
+            # The same weights compute other numbers in another dtype, on another device type or
+            # through another linear kernel: entries of the disk tier (which outlives the process
+            # and may be shared) must not cross them.
+            "numerics": {"dtype": self.config.model.dtype, "device": self.config.model.device.partition(":")[0],
+                         "linear_kernel": self.config.model.linear_kernel},
             "limits_max_source_pixels": self.config.limits.max_source_pixels,
             "decode_backend": self.config.decode_backend,
             "pruning": pruning.encode_cache_key(),

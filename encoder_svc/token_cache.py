@@ -41,10 +41,11 @@ from epd.stages.contracts import EncodedMedia, MediaRecord
 
 log = logging.getLogger(__name__)
 
-_KEY_VERSION = 3  # bump when the meaning or the format of cached values changes
+_KEY_VERSION = 4  # bump when the meaning or the format of cached values changes
 """2: values are `EncodedMedia.to_record()`. 3: the record also holds DeepStack features
 ("deepstack.{k}" tensors, `num_deepstack_features`) and `group_timestamps_s`, and the key names the
-model family. Entries of an older version are never looked up (their keys differ): a miss, and
+model family. 4: the key holds the model's dtype, device type and linear kernel, and a hub model's
+snapshot (version 3's could hand a bfloat16 encoder float32 embeddings, or the reverse). Entries of an older version are never looked up (their keys differ): a miss, and
 the disk tier's LRU deletes their files in time."""
 
 

@@ -32,7 +32,9 @@ def main() -> None:
         messages=[
             {
                 "role": "user",
-                "content": [{"type": "text", "text": args.question}, {"type": part, part: {"url": url}}],
+                # Video first, as `epd ask` and the SDK's question form send it (the default model
+                # was trained on that order; the chat template renders the parts as given).
+                "content": [{"type": part, part: {"url": url}}, {"type": "text", "text": args.question}],
             }
         ],
         max_tokens=32,

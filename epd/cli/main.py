@@ -113,7 +113,7 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None, help="sampling's seed (default: a random one)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 

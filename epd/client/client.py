@@ -98,15 +98,21 @@ def build_header(
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters).
-    Unset or zero values take the server's defaults.
+    Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
+    ValueError: max_new_tokens < 1 or top_p outside (0, 1], which the wire cannot tell from unset.
     """
     options = dict(options)
     stop = options.pop("stop", None) or ()
     options["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    # Unset, None and zero all mean "the server's default" (proto3 has no presence for scalars).
+    # Zero is also "the server's default" on the wire (proto3 scalars have no presence; the seed
+    # has): so a zero that would mean something else is refused here, not sent as the default.
+    if (max_new := options.get("max_new_tokens")) is not None and max_new < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (None: the server's default), got {max_new}")
+    if (top_p := options.get("top_p")) is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (None: 1, all tokens), got {top_p}")
     sampling = common_pb2.VideoSampling(**{k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None))})
     generation = common_pb2.GenerationParams(
-        **{k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None))}
+        **{k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None)) or (k == "seed" and v is not None)}
     )
     pruning = common_pb2.PruningOptions(
         preset=options.pop("pruning", "") or "",

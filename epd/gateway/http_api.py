@@ -5,7 +5,7 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
                                 and one video_url / image_url part
                                 -> `chat.completion`, or with "stream": true SSE
                                    `chat.completion.chunk`s ending in `data: [DONE]`
-    GET  /v1/models             the served model id
+    GET  /v1/models             the served model id (and /v1/models/{id}: it alone, or 404)
     GET  /health                200 when every configured stage answers SERVING on grpc.health
     GET  /metrics               Prometheus text format (epd/gateway/metrics.py)
 
@@ -117,6 +117,7 @@ class HttpApi:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware])
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
         app.router.add_get("/v1/models", self.models, expect_handler=defer_continue)
+        app.router.add_get("/v1/models/{model:.+}", self.model, expect_handler=defer_continue)
         app.router.add_get("/health", self.health, expect_handler=defer_continue)
         app.router.add_get("/metrics", self.prometheus, expect_handler=defer_continue)
         add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
@@ -206,14 +207,19 @@ class HttpApi:
         token = bearer_token([("authorization", request.headers.get("Authorization", ""))])
         return any_key_matches(token, self.config.http.api_keys)
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_object(self) -> dict[str, Any]:
         name = self.config.http.served_model_name
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [{"id": name, "object": "model", "created": self.started_s, "owned_by": "epd"}],
-            }
-        )
+        return {"id": name, "object": "model", "created": self.started_s, "owned_by": "epd"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve-model: the served model, or 404 as for a request naming another."""
+        if request.match_info["model"] != self.config.http.served_model_name:
+            return json_error(404, f"model '{request.match_info['model'][:200]}' is not served here; GET "
+                                   f"/v1/models lists '{self.config.http.served_model_name}'", "not_found_error")
+        return web.json_response(self._model_object())
 
     async def health(self, request: web.Request) -> web.Response:
         down = await self.not_serving() if self.not_serving else []

@@ -10,11 +10,14 @@ one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "m
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
 Fields left out take the server's defaults, which are greedy: unlike OpenAI, a missing
-`temperature` means 0.
+`temperature` means 0. A field of OpenAI's or vLLM's that this server does not implement is
+refused with a 400 unless it asks for nothing (`_UNSUPPORTED`); one it does not know is logged.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -34,6 +37,8 @@ from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
 from epd.transport.errors import status_of
 from epd.v1 import common_pb2
 from epd.video.types import SamplingOptions
+
+log = logging.getLogger(__name__)
 
 # gRPC status (from epd.transport.errors.status_of) -> HTTP status and OpenAI error type.
 _HTTP_OF_STATUS = {
@@ -85,9 +90,50 @@ _GENERATION_OPTIONS = {
     "max_tokens": _Number(int, 1, INT32_MAX),
     "temperature": _Number(float, 0.0, math.inf),
     "top_p": _Number(float, 0.0, 1.0, low_open=True),
-    "top_k": _Number(int, 0, INT32_MAX),
+    "top_k": _Number(int, -1, INT32_MAX),  # -1 (vLLM's) and 0: off
     "seed": _Number(int, INT64_MIN, INT64_MAX),
 }
+
+_UNSUPPORTED = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "min_p": (0,),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "include_stop_str_in_output": (False,),
+    "stop_token_ids": ([],),
+    "bad_words": ([],),
+    "allowed_token_ids": ([],),
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "prompt_logprobs": (0,),
+    "echo": (False,),
+    "continue_final_message": (False,),
+    "add_generation_prompt": (True,),
+    "audio": (),
+    "modalities": (["text"],),
+}
+"""Fields of OpenAI's or vLLM's request that this server does not implement, with the values that
+ask for nothing (null always does). Any other value is refused with a 400 that names the field,
+rather than answered as if it had not been sent (vLLM honours most of them)."""
+
+_KNOWN = {"model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop",
+          "ignore_eos", "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
+          "parallel_tool_calls", "request_id", "skip_special_tokens", "spaces_between_special_tokens",
+          *_GENERATION_OPTIONS, *_UNSUPPORTED}  # fmt: skip
+"""Every field this server reads or refuses; others are ignored and logged, as vLLM does."""
 
 
 def http_status_of(code: grpc.StatusCode) -> tuple[int, str]:
@@ -145,9 +191,13 @@ def parse_chat_request(
         # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
         raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset or false and "
                              "'top_logprobs' unset")
+    _refuse_unsupported(body)
     messages, media_url, modality = _parse_messages(body.get("messages"))
     stream = _boolean(body, "stream", False)
-    stream_options = body.get("stream_options") or {}
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise InvalidRequest("stream_options only goes with \"stream\": true")  # as vLLM
+    stream_options = stream_options or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
     request = ChatRequest(
@@ -164,6 +214,20 @@ def parse_chat_request(
     )
     check_messages(messages)  # the message model's own rules (the last message is the user's, ...)
     return request
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """InvalidRequest for a field this server does not implement, set to anything but a value
+    that asks for nothing; a field it does not know is logged (the request goes on)."""
+    for name, neutral in _UNSUPPORTED.items():
+        value = body.get(name)
+        # Equal and both bools or neither (False == 0 in Python; 0 == 0.0 is meant).
+        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                         for v in neutral):
+            raise InvalidRequest(f"'{name}' is not supported by this server; leave it unset"
+                                 + (f" (or {json.dumps(neutral[0])})" if neutral else ""))
+    if unknown := sorted(str(name)[:64] for name in body if name not in _KNOWN):
+        log.warning("ignored request fields %s", unknown[:16])
 
 
 def _pruning(value: Any) -> PruningConfig:
@@ -194,7 +258,9 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     client's order; exactly one media part, in a user message, and the last message the user's."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
-    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    # OpenAI's newer name of the system role (its models take developer messages in its place).
+    roles = [_ROLE_ALIASES.get(r, r) if isinstance(r := m.get("role") if isinstance(m, dict) else None, str) else r
+             for m in messages]
     if any(r not in ROLES for r in roles):
         shown = [r[:32] if isinstance(r, str) else None for r in roles[:8]]
         raise InvalidRequest(
@@ -204,6 +270,8 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     media: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
         content = message.get("content")
+        if content is None and roles[i] == "assistant":  # OpenAI's own history (its tool calls aside)
+            content = ""
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list) or not content:
@@ -238,6 +306,9 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     if not media:
         raise InvalidRequest("the messages must have exactly one video_url or image_url part (in a user message), got 0")
     return out, media[0][0], media[0][1]
+
+
+_ROLE_ALIASES = {"developer": "system"}
 
 
 def _text(value: Any, name: str) -> str:
@@ -341,7 +412,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         max_new_tokens=max_tokens if max_tokens is not None else defaults.max_new_tokens,
         temperature=given("temperature", defaults.temperature),
         top_p=given("top_p", defaults.top_p),
-        top_k=given("top_k", defaults.top_k),
+        top_k=max(0, given("top_k", defaults.top_k)),
         seed=given("seed", defaults.seed),
         stop=stops,
         ignore_eos=_boolean(body, "ignore_eos", defaults.ignore_eos),

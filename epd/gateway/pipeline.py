@@ -104,6 +104,7 @@ class Pipeline:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex
+        req = replace(req, generation=req.generation.with_drawn_seed())  # a sampled request without a seed
 
         async def run(emit: Emit) -> AskSummary:
             return await self._run(req, request_id, emit)

@@ -27,11 +27,12 @@ class IncrementalText:
         """Append one token; returns the newly released text."""
         self.token_ids.append(token_id)
         full = self._decode(self.token_ids)
-        for s in self._stop:
-            at = full.find(s, max(0, len(self.text) - len(s)))
-            if at != -1:
-                self.stopped = True
-                return self._release(full[:at])
+        # The earliest match, not the first stop string's: one token can complete two, and the
+        # answer must hold neither ("ye" with stop ["llow", "e"] is "y").
+        found = [at for s in self._stop if (at := full.find(s, max(0, len(self.text) - len(s)))) != -1]
+        if found:
+            self.stopped = True
+            return self._release(full[: min(found)])
         if full.endswith("\ufffd"):
             return ""
         return self._release(full[: len(full) - self._hold] if self._hold else full)

@@ -17,10 +17,14 @@ log = logging.getLogger(__name__)
 
 def fingerprint(path: str) -> str:
     """Identity of a checkpoint for cache keys: its configs' contents and its weight files'
-    names, sizes and modification times (a re-saved or re-trained model gets a new one)."""
+    names, sizes and modification times (a re-saved or re-trained model gets a new one). A hub
+    id is read where transformers downloaded it (its snapshot directory, named by the commit):
+    the id alone stayed the same when the hub's model changed."""
     import hashlib
 
     root = Path(path)
+    if not root.exists() and (snapshot := _hub_snapshot(path)) is not None:
+        root = snapshot
     h = hashlib.sha256(str(root.resolve() if root.exists() else path).encode())
     if root.is_dir():
         for f in sorted(root.iterdir()):
@@ -30,6 +34,18 @@ def fingerprint(path: str) -> str:
                 st = f.stat()
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot directory of a hub model transformers has downloaded, or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(repo_id, "config.json")
+    except Exception as exc:  # not a valid repo id, no cache: the id is all there is
+        log.debug("no local snapshot of %s: %s", repo_id, exc)
+        return None
+    return Path(config).parent if isinstance(config, str) else None
 
 
 def generation_config(path: str):

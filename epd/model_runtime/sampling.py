@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass, field
+import secrets
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,13 +34,16 @@ class GenerationConfig:
     max_new_tokens: int = 32
     """Most tokens to generate, the first token (made by prefill) included."""
     temperature: float = 0.0
-    """0 is greedy; > 0 samples from softmax(logits / temperature)."""
+    """0 is greedy, and so is anything below `GREEDY_BELOW_TEMPERATURE`; above it samples from
+    softmax(logits / temperature)."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 is off."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 is off."""
-    seed: int = 0
-    """Seed of the sampler; prefill uses it for the first token and decode uses seed + 1."""
+    seed: int | None = None
+    """Seed of the sampler (prefill's for the first token, decode's for the rest: two streams of
+    it, `stream_seed`); None is a fresh random draw for each request, as OpenAI's and vLLM's
+    (the front door draws it once, `with_drawn_seed`, so a repeated prefill draws the same)."""
     stop: tuple[str, ...] = field(default_factory=tuple)
     """Stop when the text ends with one of these strings (the string is cut from the answer)."""
     ignore_eos: bool = False
@@ -60,17 +65,43 @@ class GenerationConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
+    def with_drawn_seed(self) -> GenerationConfig:
+        """This config with a random seed in place of None, when it samples (drawn once where a
+        request comes in: prefill and decode, and a prefill repeated on another replica, then
+        sample from the same seed)."""
+        if self.seed is not None or self.temperature < GREEDY_BELOW_TEMPERATURE:
+            return self
+        return replace(self, seed=secrets.randbits(63))
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""vLLM's `_SAMPLING_EPS`: a temperature this small is greedy. Dividing by a tinier one (1e-45
+passes every check of a finite number >= 0) sends the logits to inf and the sampler to NaN."""
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """The generator seed of one sampling stream (0: prefill's first token, 1: decode's tokens)
+    of a request's seed. torch's CPU generator (mt19937) keeps only the low 32 bits of its seed,
+    so `seed + stream` made seeds 7 and 2**32 + 7 draw the same tokens, and seed s's decode stream
+    seed s + 1's prefill stream; a hash of both spreads every pair over those 32 bits."""
+    digest = hashlib.blake2b(f"{seed}/{stream}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
 class Sampler:
     """Chooses the next token from logits. One sampler per request (it owns the RNG state)."""
 
-    def __init__(self, config: GenerationConfig, seed_offset: int = 0) -> None:
+    def __init__(self, config: GenerationConfig, stream: int = 0) -> None:
         import torch
 
         self.config = config
         self._generator: torch.Generator | None = None
-        if config.temperature > 0:
+        if config.temperature >= GREEDY_BELOW_TEMPERATURE:
             self._generator = torch.Generator(device="cpu")
-            self._generator.manual_seed(config.seed + seed_offset)
+            if config.seed is None:  # a stage called without the front door's draw
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(stream_seed(config.seed, stream))
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (any float dtype) -> token id."""
@@ -79,7 +110,8 @@ class Sampler:
         logits = logits.float()
         if self._generator is None:
             return int(torch.argmax(logits))
-        logits = logits / self.config.temperature
+        # Shifted first, so the largest is 0 and nothing overflows whatever the temperature.
+        logits = (logits - logits.max()) / self.config.temperature
         if self.config.top_k > 0:
             k = min(self.config.top_k, logits.shape[-1])
             kth = torch.topk(logits, k).values[-1]

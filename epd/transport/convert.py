@@ -99,7 +99,7 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
         top_k=msg.top_k,
-        seed=msg.seed,
+        seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
     )
@@ -111,7 +111,7 @@ def generation_to_proto(cfg: GenerationConfig) -> common_pb2.GenerationParams:
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
-        seed=cfg.seed,
+        seed=cfg.seed,  # None: unset
         stop=list(cfg.stop),
         ignore_eos=cfg.ignore_eos,
     )

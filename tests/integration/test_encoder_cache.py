@@ -247,3 +247,35 @@ def test_decord_backend_gives_the_same_tokens(adapter, media_files):
         engine.close()
     assert dec.meta == pyav.meta and dec.frame_timestamps_s == pyav.frame_timestamps_s
     assert torch.equal(dec.embeds, pyav.embeds)
+
+
+@pytest.mark.parametrize("change", [{"dtype": "bfloat16"}, {"device": "cuda"}, {"linear_kernel": "onednn"}])
+def test_the_key_holds_the_numerics_the_tower_runs_in(adapter, change):
+    """The disk tier outlives the process and may be shared: a bfloat16 encoder was handed a float32
+    encoder's embeddings (and the reverse, so a lossless float32 answer was no longer generate()'s)."""
+    sha, sampling = "ab" * 32, SamplingOptions(num_frames=8)
+    float32 = EncoderEngine(EncoderConfig(), adapter).cache_key(sha, sampling)
+    other = EncoderEngine(EncoderConfig(model=ModelConfig(**change)), adapter).cache_key(sha, sampling)
+    assert other != float32
+    same_kind = EncoderEngine(EncoderConfig(model=ModelConfig(device="cpu")), adapter).cache_key(sha, sampling)
+    assert same_kind == float32
+
+
+def test_a_hub_model_s_identity_is_its_downloaded_snapshot(tmp_path, monkeypatch):
+    """The id alone ("org/name") stayed the same when the hub's model changed under it."""
+    import huggingface_hub.constants
+
+    from epd.model_runtime.hf_loading import fingerprint
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--tiny-vlm"
+    for commit, hidden in (("a" * 40, 64), ("b" * 40, 128)):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text(f'{{"hidden_size": {hidden}}}')
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    first = fingerprint("org/tiny-vlm")
+    assert fingerprint("org/tiny-vlm") == first
+    (repo / "refs" / "main").write_text("b" * 40)  # the hub's model changed; transformers fetched it
+    assert fingerprint("org/tiny-vlm") != first
+    assert fingerprint("org/not-downloaded") != first  # no snapshot: the id is all there is

@@ -20,7 +20,7 @@ from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
-from epd.stages.messages import from_chat_template
+from epd.stages.messages import VIDEO, Message, from_chat_template
 from epd.video.types import SamplingOptions
 from tests.reference import decode_for_test, reference_inputs, reference_tokens_for_messages
 from tests.stack import Stack, free_port
@@ -278,3 +278,24 @@ def test_prompt_ids_are_the_processors(tiny_models, media_files, family, templat
         meta = VisualMeta("image" if video.is_image else "video", grid, 0.5, adapter.num_visual_tokens(grid))  # type: ignore[arg-type]
         prompt = adapter.build_prompt(to_chat_template(from_chat_template(messages), meta.modality), meta)
         assert prompt.input_ids.tolist() == expected["input_ids"].tolist(), name
+
+
+def test_sampled_answers_without_a_seed_differ_and_a_seed_repeats_on_both_doors(http, grpc_client, media_files):
+    """A sampled request without a seed took seed 0: every "random" answer was the same one. Now
+    the gateway draws a seed per request; a given seed still gives the same tokens on HTTP and gRPC."""
+    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "what happens?"}]}]
+
+    def http_tokens(**generation):
+        answer = http.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=5.0,
+                                              extra_body={"media": {"num_frames": NUM_FRAMES}, **generation})
+        return tuple(answer.model_extra["epd"]["token_ids"])
+
+    unseeded = {http_tokens() for _ in range(3)}
+    assert len(unseeded) == 3, unseeded
+    seeded = http_tokens(seed=5)
+    assert http_tokens(seed=5) == seeded
+    over_grpc = grpc_client.ask(media_files["mp4"], messages=[Message.user(VIDEO, "what happens?")],
+                                num_frames=NUM_FRAMES, max_new_tokens=12, temperature=5.0, seed=5)
+    assert tuple(over_grpc.token_ids) == seeded

@@ -99,6 +99,18 @@ def test_header_carries_options_and_leaves_zeros_to_the_server():
     assert h.pruning.preset == "light" and dict(h.pruning.knobs) == {"keep": "0.5"}
     with pytest.raises(TypeError, match=r"unknown options: \['frames'\]"):
         build_header("q?", 0, "", {"frames": 3})
+    assert not h.generation.HasField("seed")  # unset: the gateway draws one for a sampled request
+
+
+def test_a_zero_seed_is_sent_and_zeros_that_mean_something_else_are_refused():
+    """seed=0 went out as unset; top_p=0 and max_new_tokens=0 silently became the server's
+    defaults (all tokens; 32 tokens)."""
+    h = build_header("q?", 0, "", {"seed": 0, "temperature": 1.0})
+    assert h.generation.HasField("seed") and h.generation.seed == 0
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        build_header("q?", 0, "", {"top_p": 0})
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        build_header("q?", 0, "", {"max_new_tokens": 0})
 
 
 def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():

@@ -87,3 +87,17 @@ def test_health_names_the_stages_not_serving():
     assert (status, body) == (503, {"status": "unavailable", "not_serving": ["decode"]})
     (status, body), _ = asyncio.run(_requests("k1", health))
     assert (status, body) == (200, {"status": "ok"})
+
+
+def test_retrieve_model_names_the_served_model_or_404():
+    async def calls(session):
+        out = []
+        for path in ("/v1/models/epd", "/v1/models/other", "/v1/models/org/name"):
+            async with session.get(path) as resp:
+                out.append(await _status_and_json(resp))
+        return out
+
+    (served, other, slashed), _ = asyncio.run(_requests("", calls))
+    assert served[0] == 200 and served[1]["id"] == "epd" and served[1]["object"] == "model"
+    assert other[0] == 404 and "model 'other' is not served here" in other[1]["error"]["message"]
+    assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]

@@ -153,11 +153,11 @@ NAN, INF = float("nan"), float("inf")
         ({"top_p": NAN}, "'top_p' must be a finite number > 0 and <= 1"),
         ({"max_tokens": 2**40}, "'max_tokens' must be an integer from 1 to 2147483647"),
         ({"max_completion_tokens": 2**31}, "'max_completion_tokens' must be an integer"),
-        ({"top_k": 2**40}, "'top_k' must be an integer from 0 to 2147483647"),
+        ({"top_k": 2**40}, "'top_k' must be an integer from -1 to 2147483647"),
         ({"seed": 2**63}, "'seed' must be an integer from -9223372036854775808 to 9223372036854775807"),
         ({"seed": 10**100}, "got a huge integer"),
         ({"stream": "yes"}, "'stream' must be true or false"),
-        ({"stream_options": {"include_usage": 1}}, "'stream_options.include_usage' must be true or false"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "'stream_options.include_usage' must be true or false"),
         ({"ignore_eos": 0}, "'ignore_eos' must be true or false"),
         ({"n": True}, "only n=1"),
         ({"model": ["epd"]}, "'model' must be a string"),
@@ -232,3 +232,45 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
         {"type": "text", "text": "look:"}, {"type": "video_url", "video_url": url}, {"type": "text", "text": "why?"},
     ]}]))  # fmt: skip
     assert req.messages == [Message.user("look:", VIDEO, "why?")]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("frequency_penalty", 0.5), ("presence_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"5": 100}),
+    ("min_tokens", 4), ("min_p", 0.1), ("best_of", 2), ("use_beam_search", True), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"), ("guided_json", {}),
+    ("include_stop_str_in_output", True), ("stop_token_ids", [5]), ("min_tokens", False),
+])  # fmt: skip
+def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, value):
+    """They were answered 200 as if they had not been sent (the biased tokens still came)."""
+    with pytest.raises(InvalidRequest, match=f"'{field}' is not supported by this server; leave it unset"):
+        parse(body(**{field: value}))
+
+
+def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
+    neutral = dict(frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1, logit_bias={}, min_tokens=0,
+                   best_of=1, response_format={"type": "text"}, tools=[], tool_choice="none", guided_json=None)
+    assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32)
+    with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
+        parse(body(medias={"num_frames": 4}, user="u1"))
+    assert "ignored request fields ['medias']" in caplog.text  # a typo is logged; OpenAI's `user` is known
+
+
+def test_vllm_and_openai_spellings_are_understood():
+    """top_k -1 is vLLM's "off"; `developer` is OpenAI's newer system role; an assistant message of
+    its own history may have null content. They were 400s."""
+    b = body(top_k=-1)
+    b["messages"] = [{"role": "developer", "content": "be brief"}, *b["messages"],
+                     {"role": "assistant", "content": None}, {"role": "user", "content": "and then?"}]
+    req = parse(b)
+    assert req.generation.top_k == 0
+    assert [m.role for m in req.messages] == ["system", "user", "assistant", "user"]
+    assert req.messages[2] == Message.assistant("")
+    with pytest.raises(InvalidRequest, match="must be an integer from -1"):
+        parse(body(top_k=-2))
+    with pytest.raises(InvalidRequest, match='stream_options only goes with "stream": true'):
+        parse(body(stream_options={"include_usage": True}))
+
+
+def test_no_seed_is_left_for_the_pipeline_to_draw():
+    assert parse(body(temperature=1.0)).generation.seed is None
+    assert parse(body(temperature=1.0, seed=0)).generation.seed == 0

@@ -68,6 +68,17 @@ def test_incremental_text_holds_back_stop_prefix():
     assert text.stopped
 
 
+@pytest.mark.parametrize("stop", [("llow", "e"), ("e", "llow")])
+def test_incremental_text_cuts_at_the_earliest_stop_string_whatever_their_order(stop):
+    """One token completes two stop strings: the answer holds neither (it was cut at the first
+    string of the list: "ye" with ("llow", "e"))."""
+    words = {1: "y", 2: "ellow"}
+    text = IncrementalText(lambda ids: "".join(words[i] for i in ids), stop=stop)
+    assert text.add(1) == ""  # "y" could start neither, but one character is held back ("llow")
+    assert text.add(2) == "y"
+    assert text.stopped and text.text == "y"
+
+
 def test_incremental_text_waits_for_whole_characters():
     pieces = {1: "a", 2: "\ufffd", 3: "é"}
 
@@ -126,3 +137,45 @@ def test_configs_validate():
         GenerationConfig(stop=("s" * 513,)).validate(100)
     with pytest.raises(ValueError, match="top_p"):
         GenerationConfig(top_p=0).validate(100)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-38, 1e-6])
+def test_a_tiny_temperature_is_greedy_and_never_nan(temperature):
+    """Dividing by 1e-45 sent the logits to inf and torch.multinomial to an error that failed
+    every request of the batch; below 1e-5 (vLLM's bound) it is greedy."""
+    logits = torch.tensor([0.1, 2.0, 0.3, 1.9])
+    assert Sampler(GenerationConfig(temperature=temperature, seed=1))(logits) == 1
+
+
+def test_a_small_temperature_samples_without_overflow():
+    logits = torch.tensor([-3e38, 3e38, 0.0])  # (logits / 1e-5) alone would overflow to inf - inf
+    assert Sampler(GenerationConfig(temperature=1e-5, seed=1))(logits) == 1
+
+
+def test_seeds_that_share_their_low_32_bits_or_neighbour_draw_different_streams():
+    """torch's CPU generator keeps 32 bits of its seed: seed 7 and 2**32 + 7 drew the same tokens,
+    and seed s's decode stream (seed + 1) was seed s + 1's prefill stream."""
+    logits = torch.zeros(1000)
+
+    def draws(seed, stream=0):
+        sampler = Sampler(GenerationConfig(temperature=1.0, seed=seed), stream=stream)
+        return [sampler(logits) for _ in range(8)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(7 + 2**32)
+    assert draws(-1) != draws(2**32 - 1)
+    assert draws(5, stream=1) != draws(6, stream=0)
+    assert draws(5, stream=1) != draws(5, stream=0)
+
+
+def test_no_seed_draws_a_fresh_one_per_request_once():
+    config = GenerationConfig(temperature=1.0)
+    drawn = {config.with_drawn_seed().seed for _ in range(4)}
+    assert None not in drawn and len(drawn) == 4
+    once = config.with_drawn_seed()
+    assert once.with_drawn_seed() == once  # a seed, once drawn, stays
+    assert GenerationConfig(temperature=0.0).with_drawn_seed().seed is None  # greedy needs none
+    assert GenerationConfig(temperature=1.0, seed=0).with_drawn_seed().seed == 0
+    logits = torch.zeros(1000)
+    unseeded = [tuple(Sampler(config)(logits) for _ in range(8)) for _ in range(3)]
+    assert len(set(unseeded)) == 3  # a stage called without a seed samples afresh
