@@ -360,14 +360,16 @@ class _Slot:
 
 
 class _Signals:
-    """SIGINT/SIGTERM in the launcher: the first stops the stack gracefully, a later one is passed
-    on, which makes the services cut their calls in flight short."""
+    """`stop_signals()` (SIGINT, SIGTERM, SIGHUP) in the launcher: the first stops the stack
+    gracefully, a later one is passed on, which makes the services cut their calls in flight short."""
 
     def __init__(self) -> None:
+        from epd.transport.server import stop_signals
+
         self.stop = threading.Event()
         self.count = 0
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        for sig in stop_signals():
+            signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.count += 1

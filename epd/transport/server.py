@@ -128,8 +128,19 @@ async def create_server(
     return hs
 
 
+def stop_signals() -> list[signal.Signals]:
+    """The signals that stop a service or the stack gracefully: SIGINT, SIGTERM, and SIGHUP (a
+    closed terminal or dropped ssh session, whose default would end the process on the spot: no
+    drain, no ordered stop, the launcher's files left) unless it is ignored (`nohup`: then the
+    process is meant to outlive its terminal)."""
+    out = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        out.append(signal.SIGHUP)
+    return out
+
+
 class StopSignals:
-    """SIGINT/SIGTERM as events: the first asks for a graceful stop (drain in-flight calls for up
+    """`stop_signals()` as events: the first asks for a graceful stop (drain in-flight calls for up
     to the grace period), a second one for an immediate stop. Installed before the model loads,
     so a signal during start-up stops the service at once instead of killing it half-built
     (SIGINT would otherwise end it with a KeyboardInterrupt traceback)."""
@@ -138,7 +149,7 @@ class StopSignals:
         self.stop = asyncio.Event()
         self.hurry = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals():
             loop.add_signal_handler(sig, self._on_signal)
 
     def _on_signal(self) -> None:

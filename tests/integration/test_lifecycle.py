@@ -219,12 +219,19 @@ def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, tmp_path)
     assert not [path for path in own if path.exists()]
 
 
-def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path):
-    launcher, children = _start_stack(tiny_models, tmp_path)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path, signum):
+    """SIGHUP (a closed terminal) too: it ended the launcher on the spot, its files left behind and
+    its services stopped only by PDEATHSIG, all at once instead of the gateway first."""
+    if signum == signal.SIGHUP and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        pytest.skip("run under nohup: the launcher inherits SIGHUP ignored, and keeps it so by design")
+    files_dir = tmp_path / "tmp"
+    files_dir.mkdir()
+    launcher, children = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
     try:
         assert len(_roles(children)) == 4
         started = time.monotonic()
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signum)
         code = launcher.wait(timeout=60)
         took_s = time.monotonic() - started
     finally:
@@ -237,6 +244,7 @@ def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path):
     _, alive = psutil.wait_procs(children, timeout=5)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
     assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr
+    assert not list(files_dir.iterdir()) and not (board_directory() / f"epd-threads-{launcher.pid}.board").exists()
 
 
 def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path):
