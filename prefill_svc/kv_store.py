@@ -14,13 +14,28 @@ The store's bytes drop at whichever comes first; a lease changes nothing in them
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
 from epd.model_runtime.kv_cache import KvCache
-from epd.stages.errors import Busy, NotFound
+from epd.stages.errors import Busy, InvalidRequest, NotFound
+
+_HANDLE = re.compile(r"[0-9a-f]{32}")
+
+
+def new_handle() -> str:
+    return uuid.uuid4().hex
+
+
+def check_handle(handle: str) -> str:
+    """A caller's handle ("" = the store picks one): 32 lowercase hex digits, as `new_handle`'s
+    (a random 128 bits: it is what lets a decoder pull the cache)."""
+    if handle and not _HANDLE.fullmatch(handle):
+        raise InvalidRequest("kv_handle must be 32 lowercase hex digits (a random 128-bit id), or empty")
+    return handle
 
 
 @dataclass
@@ -47,16 +62,19 @@ class KvStore:
         self.num_released = 0
         self.num_confirmed = 0
 
-    def put(self, cache: KvCache) -> str:
+    def put(self, cache: KvCache, handle: str = "") -> str:
+        """Store `cache` under `handle` (the caller's, `check_handle`) or a new one; returns it."""
         size = cache.num_bytes
         with self._lock:
             self._expire()
+            if handle in self._entries:
+                raise InvalidRequest("that kv_handle already names a stored KV cache; send a new random one")
             if self.num_bytes + size > self.max_bytes:
                 raise Busy(
                     f"prefill holds {self.num_bytes} bytes of KV caches waiting for decoders and this "
                     f"one needs {size} more (limit {self.max_bytes}); retry shortly or add decode capacity"
                 )
-            handle = uuid.uuid4().hex
+            handle = handle or new_handle()
             self._entries[handle] = _Entry(cache, size, self._clock() + self.ttl_s)
             self.num_bytes += size
             return handle

@@ -21,8 +21,9 @@ import time
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
-from epd.prefill_svc.kv_store import KvStore
-from epd.stages.contracts import PrefillStage, check_cache_salt
+from epd.prefill_svc.kv_store import KvStore, check_handle
+from epd.prefill_svc.stage import LocalPrefillStage
+from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
@@ -38,7 +39,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, config: PrefillConfig, kv_store: KvStore) -> None:
         self.config = config
         self.kv_store = kv_store
-        self.stage: PrefillStage | None = None  # set once the model is loaded
+        self.stage: LocalPrefillStage | None = None  # set once the model is loaded
 
     @rpc_errors
     async def Prefill(self, request_iterator, context):
@@ -65,7 +66,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         messages = convert.messages_from_proto(header.messages)
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
-        handle = await self.stage.prefill(messages, media, generation, request_id, pruning, cache_salt)
+        kv_handle = check_handle(header.kv_handle)
+        handle = await self.stage.prefill(messages, media, generation, request_id, pruning, cache_salt, kv_handle)
         # A caller that goes away as the prefill finishes never gets the handle (the handler has
         # no await left to be cancelled at), so nobody would release the stored cache before its
         # TTL: the RPC's end says whether the answer got out.

@@ -63,7 +63,10 @@ class LocalPrefillStage(PrefillStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
+        kv_handle: str = "",
     ) -> PrefillHandle:
+        """`kv_handle`: the caller's handle for the stored cache (`kv_store.check_handle`), so that
+        it can release a cache whose answer it never got; "" = a new one."""
         out: PrefillOutput | None = None
         try:
             request = await self.model_thread.run(
@@ -78,7 +81,7 @@ class LocalPrefillStage(PrefillStage):
             raise
         if out is None:
             raise RuntimeError(f"the prefill core ended request {request_id} without an output")
-        return replace(out.handle, kv_handle=self.kv_store.put(out.cache), kv_address=self.kv_address)
+        return replace(out.handle, kv_handle=self.kv_store.put(out.cache, kv_handle), kv_address=self.kv_address)
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if self.kv_store.release(handle.kv_handle):

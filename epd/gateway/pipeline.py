@@ -229,7 +229,8 @@ class Pipeline:
         (the answer is in, this task not yet resumed) would lose the handle with this task, and
         its cache would stay stored until --kv-ttl; so the call's outcome is released instead.
         A call still running is cancelled (prefill then stores nothing, or releases what the RPC's
-        cancel left stored)."""
+        cancel left stored, and the remote stage releases the handle it chose, in case the answer
+        was already on its way)."""
         call = asyncio.ensure_future(
             self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning, req.cache_salt)
         )

@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -292,6 +293,24 @@ class RemoteEncodeStage(EncodeStage):
         return convert.encoded_media_from_proto(result, asm.wire_tensors())
 
 
+_cancelled_releases: set[asyncio.Future] = set()
+"""ReleaseKv calls of cancelled prefill calls, running on their own (held so they are not collected)."""
+
+
+def _released_after_cancel(request_id: str) -> Callable[[asyncio.Future], None]:
+    def done(release: asyncio.Future) -> None:
+        _cancelled_releases.discard(release)
+        if release.cancelled():
+            return
+        if (exc := release.exception()) is not None:
+            log.warning("request %s: releasing the KV cache of its cancelled prefill call failed: %s", request_id, exc)
+        elif release.result().released:
+            log.info("released the KV cache of request %s: its prefill call was cancelled as it was answered",
+                     request_id)
+
+    return done
+
+
 class RemotePrefillStage(PrefillStage):
     def __init__(self, pool: ReplicaPool, timeout_s: float) -> None:
         self.pool = pool
@@ -307,6 +326,11 @@ class RemotePrefillStage(PrefillStage):
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
     ) -> PrefillHandle:
+        # Ours, not the server's: a call cancelled here may have been answered (the server then saw
+        # it end well and keeps the cache for its decoder); released by this handle, it does not
+        # stay stored until --kv-ttl.
+        kv_handle = uuid.uuid4().hex
+
         async def requests():
             yield prefill_pb2.PrefillRequest(
                 header=prefill_pb2.PrefillHeader(
@@ -316,6 +340,7 @@ class RemotePrefillStage(PrefillStage):
                     generation=convert.generation_to_proto(generation),
                     pruning=convert.pruning_to_proto(pruning),
                     cache_salt=cache_salt,
+                    kv_handle=kv_handle,
                 )
             )
             for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
@@ -323,7 +348,14 @@ class RemotePrefillStage(PrefillStage):
 
         async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> prefill_pb2.PrefillResult:
             stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-            return await stub.Prefill(requests(), timeout=timeout_s)
+            try:
+                return await stub.Prefill(requests(), timeout=timeout_s)
+            except asyncio.CancelledError:
+                release = asyncio.ensure_future(stub.ReleaseKv(
+                    prefill_pb2.ReleaseKvRequest(kv_handle=kv_handle, request_id=request_id), timeout=self.timeout_s))
+                _cancelled_releases.add(release)
+                release.add_done_callback(_released_after_cancel(request_id))
+                raise
 
         # The replica whose prefix cache holds this video's conversation (rendezvous on its sha256).
         result = await self.pool.call(media.sha256, attempt, "prefill", request_id, self.timeout_s)

@@ -429,6 +429,76 @@ def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, vid
     store.release(kv_handle)
 
 
+def test_a_prefill_call_cancelled_as_its_answer_goes_out_is_released_by_the_callers_handle(embedded, videos):
+    """The third side of that race (the audit's stack left 1-2 caches of 36-48 clients cut 0.1-0.6 s
+    in): the server sent its answer, so its RPC ended well and it keeps the cache, and the caller's
+    call was cancelled before the answer arrived, so the caller never had the handle. The remote
+    stage now picks the handle itself and releases it when its call is cancelled. Through a real
+    gRPC server and channel; the server's own release is off (its RPC ended OK)."""
+    import grpc
+
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.prefill_svc.servicer import PrefillServicer
+    from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+    from epd.v1 import prefill_pb2_grpc
+
+    store: KvStore = embedded.prefill.kv_store
+    real = embedded.prefill
+    caller: list[asyncio.Task] = []
+    stored_under: list[str] = []
+
+    class CancelTheCallerOnceStored:
+        async def prefill(self, *args):
+            handle = await real.prefill(*args)
+            stored_under.append(handle.kv_handle)
+            caller[0].cancel()  # the caller leaves as the answer goes out
+            return handle
+
+    servicer = PrefillServicer(PrefillConfig(), store)
+    servicer.stage = CancelTheCallerOnceStored()  # type: ignore[assignment]
+    servicer._release_unless_answered = lambda kv_handle, request_id: lambda context: None  # type: ignore[method-assign]
+
+    async def scenario():
+        server = grpc.aio.server()
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = ReplicaPool([f"127.0.0.1:{port}"])
+        try:
+            request = _ask(videos, max_new_tokens=4)
+            media = await embedded.encoder.encode(request.media, request.sampling, lambda event: None, "race")
+            stage = RemotePrefillStage(pool, timeout_s=60)
+            caller.append(asyncio.ensure_future(stage.prefill(request.messages, media, request.generation, "race")))
+            with pytest.raises(asyncio.CancelledError):
+                await caller[0]
+            for _ in range(300):  # the release runs on its own
+                if not len(store):
+                    break
+                await asyncio.sleep(0.01)
+            return len(store), store.num_bytes
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert asyncio.run(scenario()) == (0, 0)
+    assert len(stored_under) == 1 and re.fullmatch(r"[0-9a-f]{32}", stored_under[0])
+
+
+def test_a_callers_kv_handle_must_be_a_new_random_id():
+    from epd.model_runtime.kv_cache import KvCache
+    from epd.prefill_svc.kv_store import check_handle
+
+    assert check_handle("") == "" and check_handle("ab" * 16) == "ab" * 16
+    for bad in ("x", "AB" * 16, "ab" * 17, "../" * 11):
+        with pytest.raises(InvalidRequest, match="32 lowercase hex digits"):
+            check_handle(bad)
+    store = KvStore(max_bytes=10_000, ttl_s=10)
+    k = torch.zeros(1, 2, 3, 4)
+    assert store.put(KvCache([k], [k.clone()]), "ab" * 16) == "ab" * 16
+    with pytest.raises(InvalidRequest, match="already names a stored KV cache"):
+        store.put(KvCache([k], [k.clone()]), "ab" * 16)
+
+
 def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos):
     """A real remote decode stage refuses the in-process handle (it has no kv_address) before
     pulling: the pipeline must release the cache prefill stored."""

@@ -10,20 +10,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "visual", "generation", "pruning", "messages", "cache_salt")
+    __slots__ = ("request_id", "visual", "generation", "pruning", "messages", "cache_salt", "kv_handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     VISUAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     visual: _encoder_pb2.EncodeResult
     generation: _common_pb2.GenerationParams
     pruning: _common_pb2.PruningOptions
     messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    kv_handle: str
+    def __init__(self, request_id: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "visual_embeds")
