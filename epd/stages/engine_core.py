@@ -25,6 +25,7 @@ No gRPC here: servicers submit to a stage, the stage submits to its core.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -32,7 +33,6 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from epd.stages.errors import DeadlineExceeded
 from epd.stages.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,6 @@ class CoreRequest:
     """Per-request bookkeeping every core shares. Services subclass it with their own state."""
 
     request_id: str
-    deadline_s: float | None = None
-    """time.monotonic() by which the request must finish; None: no deadline."""
     arrival_s: float = field(default_factory=time.monotonic)
     first_scheduled_s: float | None = None
     finished: bool = False
@@ -203,7 +201,9 @@ class EngineCore(Generic[R]):
             self._loop_task = None
             self._wake = asyncio.Event()
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = loop.create_task(self._run(), name="engine-core")
+            # In a context of its own: created from the first request's task, it would log every
+            # later step under that request's id (tracing's context variables).
+            self._loop_task = loop.create_task(self._run(), name="engine-core", context=contextvars.Context())
 
     def _leave(self, request: R) -> None:
         """The request is over for its reader: free its room now, its model state before the
@@ -215,7 +215,6 @@ class EngineCore(Generic[R]):
     async def _run(self) -> None:
         while True:
             self._wake.clear()  # before looking for work: a request added from now on wakes us
-            self._expire_deadlines()
             batch = [r for r in self.scheduler.schedule() if not r.cancelled]
             if not batch:
                 if self._to_release:
@@ -264,7 +263,8 @@ class EngineCore(Generic[R]):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed step fails its batch, not the service
-            log.exception("a batched step of %d requests failed", len(batch))
+            log.exception("a batched step of %d requests failed (request ids %s)", len(batch),
+                          ", ".join(r.request_id for r in batch))
             outputs = [(r, RequestFailed(exc)) for r in batch]
             for r in batch:
                 r.finished = True
@@ -337,17 +337,3 @@ class EngineCore(Generic[R]):
         left = [r for r in self._take_left() if not r.released]
         if left:
             await self.model_thread.run_in(self.lane, self._release, left)
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        for r in self.scheduler.requests():
-            if r.deadline_s is not None and now > r.deadline_s and not r.finished:
-                self._finish(
-                    r,
-                    RequestFailed(
-                        DeadlineExceeded(
-                            f"request {r.request_id} passed its deadline after {now - r.arrival_s:.1f} s; "
-                            "raise the deadline or retry when the service is less busy"
-                        )
-                    ),
-                )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from epd.stages.engine_core import CoreRequest, EngineCore, EngineLoad, ModelRunner, Scheduler
-from epd.stages.errors import DeadlineExceeded, ResourceExhausted
+from epd.stages.errors import ResourceExhausted
 from epd.stages.model_thread import ModelThread
 
 
@@ -165,25 +165,6 @@ def test_a_failed_step_fails_its_batch_and_the_core_keeps_serving():
         thread.close()
 
 
-def test_a_request_past_its_deadline_ends_with_deadline_exceeded():
-    core, thread = _core(runner=CountRunner(step_s=0.005), scheduler=FifoScheduler(max_running=1))
-
-    async def scenario():
-        slow = asyncio.ensure_future(_collect(core, CountRequest("slow", steps=50)))
-        while not core.runner.batches:
-            await asyncio.sleep(0.001)
-        late = CountRequest("late", deadline_s=time.monotonic() + 0.02)  # waits behind "slow" (0.25 s)
-        with pytest.raises(DeadlineExceeded, match="passed its deadline"):
-            await _collect(core, late)
-        return await slow
-
-    try:
-        assert len(_run(scenario())) == 50
-        assert not any("late" in b for b in core.runner.batches), "it never ran"
-    finally:
-        thread.close()
-
-
 class AdmittingRunner(CountRunner):
     """Admits first: its output "<id>0" must reach the reader before the request's first step runs;
     `steps=0` requests are done at admission; "bad" fails there, alone."""
@@ -330,3 +311,30 @@ def test_a_colocated_decode_step_of_few_rows_runs_on_one_torch_thread():
     finally:
         thread.close()
         torch.set_num_threads(before)
+
+
+def test_the_loop_logs_under_no_request_s_id_and_a_failed_step_names_its_requests(caplog):
+    """The loop task was created from the first request's task and kept its context: every later
+    step's log line carried that first request's id (grep ID *.log found other requests' failures)."""
+    from epd.transport import tracing
+
+    core, thread = _core(runner=CountRunner(fail_on_step=2), scheduler=FifoScheduler(max_running=1))
+
+    async def first():
+        tracing.begin_request("first-request")
+        return await _collect(core, CountRequest("first", steps=1))
+
+    async def scenario():
+        await asyncio.ensure_future(first())  # starts the loop from its own context
+        with pytest.raises(RuntimeError, match="step failed"):
+            await _collect(core, CountRequest("second", steps=1))
+
+    caplog.handler.addFilter(tracing.RequestIdFilter())
+    try:
+        with caplog.at_level("ERROR", logger="epd.stages.engine_core"):
+            _run(scenario())
+    finally:
+        thread.close()
+    (record,) = [r for r in caplog.records if "batched step" in r.getMessage()]
+    assert record.getMessage() == "a batched step of 1 requests failed (request ids second)"
+    assert record.request_id == ""
