@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from epd.decode_svc.kv_sources import parse_allow_list
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import MAX_NEW_TOKENS
 from epd.stages.server_config import ServerConfig
 
 DEFAULT_PORT = 50053
@@ -20,7 +21,7 @@ first in the stack")."""
 class DecodeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int = MAX_NEW_TOKENS
     max_transfer_bytes: int = 2 << 30
     """Largest single KV cache accepted from prefill."""
     kv_budget_bytes: int = 4 << 30

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import MAX_NEW_TOKENS
 from epd.stages.server_config import ServerConfig
 
 DEFAULT_PORT = 50052
@@ -54,13 +55,16 @@ class PrefillConfig:
     """host:port the decode service pulls KV caches from; default host:port of `server`."""
     max_prompt_tokens: int = 32768
     """Prompts longer than this (text + visual tokens) are refused."""
-    max_question_chars: int = 4096
+    max_text_chars: int = 262_144
+    """Characters of text in the whole conversation (history included) at most: a bound on what
+    the tokenizer is given before the prompt's tokens are counted (`max_prompt_tokens` is the
+    bound that matters; 4,096 refused a follow-up at its 29th turn, at 2,730 tokens)."""
     kv_store_bytes: int = 4 << 30
     """KV caches waiting to be pulled may hold at most this many bytes; beyond it new prefills are
     refused with RESOURCE_EXHAUSTED until decoders catch up."""
     kv_ttl_s: float = 120.0
     """A KV cache nobody pulls within this time is dropped."""
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int = MAX_NEW_TOKENS
     max_transfer_bytes: int = 1 << 30
     """Largest visual-embedding upload accepted."""
     scheduler: PrefillSchedulerConfig = field(default_factory=lambda: PrefillSchedulerConfig())

@@ -70,7 +70,7 @@ class PrefillEngine:
         self.prefix_caching = adapter.supports_chunked_prefill and not getattr(adapter, "linear_layers", None)
 
     def validate(self, messages: Sequence[Message], meta: VisualMeta, generation: GenerationConfig) -> None:
-        check_messages(messages, self.config.max_question_chars)
+        check_messages(messages, self.config.max_text_chars)
         check_generation_limits(generation, self.config.max_new_tokens_limit)
         if meta.num_visual_tokens > self.config.max_prompt_tokens:
             raise ResourceExhausted(

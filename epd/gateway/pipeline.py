@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-from epd.model_runtime.sampling import GenerationConfig, check_stop_strings
+from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.stages.contracts import (
     DecodeStage,
     EncodedMedia,
@@ -99,8 +99,10 @@ class Pipeline:
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
-        try:  # before the request is sent on: a list of megabytes would be too large for one message
-            check_stop_strings(req.generation.stop)
+        try:  # before the request is sent on (a stop list of megabytes would be too large for one
+            # message) and before the media costs an encode: the stages' default bounds (each
+            # checks its own too)
+            req.generation.validate(MAX_NEW_TOKENS)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex

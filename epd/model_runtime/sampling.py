@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     import torch  # imported where sampling runs: the gateway reads GenerationConfig without torch
 
 
+MAX_NEW_TOKENS = 4096
+"""The stages' default bound on a request's max_new_tokens (OpenAI's max_tokens): decode reserves
+KV room for the prompt plus all of them before it pulls the cache, so one request asking for the
+whole context would hold that room for its whole life (vLLM's paged cache grows as tokens come)."""
+
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 """At most this many stop strings of at most this many characters each: each is compared with the

@@ -127,7 +127,8 @@ def check_messages(messages: Sequence[Message], max_text_chars: int | None = Non
     if not any(p.text.strip() for m in messages for p in m.parts):
         raise InvalidRequest("the question is empty; ask something about the video")
     if max_text_chars is not None and (n := num_text_chars(messages)) > max_text_chars:
-        raise InvalidRequest(f"the messages have {n} characters of text; the limit is {max_text_chars}")
+        raise InvalidRequest(f"the messages have {n} characters of text; the limit is {max_text_chars}: send a "
+                             "shorter conversation (or start a new one without the oldest turns)")
 
 
 def media_type(messages: Iterable[Message]) -> str:

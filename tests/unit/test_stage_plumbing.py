@@ -40,7 +40,7 @@ from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import DecodeStage, MediaInput, PrefillStage, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest, KvSourceLost, ResourceExhausted
 from epd.stages.events import Finished, with_events
-from epd.stages.messages import question_messages
+from epd.stages.messages import Message, question_messages
 from epd.stages.model_thread import ModelThread
 from epd.stages.request_pool import RequestPool
 from epd.video.types import DecodedVideo, SamplingOptions
@@ -767,3 +767,30 @@ def test_a_second_prefill_after_a_lost_cache_goes_on_only_from_the_token_sent(em
             _run(pipeline, request, lambda step: tokens.extend(step.token_ids))
         assert len(tokens) == 1
     assert (len(store), store.num_bytes) == (0, 0)
+
+
+def test_max_tokens_over_the_stages_bound_is_refused_before_the_media_is_encoded(embedded, videos):
+    """It was refused by prefill, after the encoder had decoded and encoded the video (whose
+    stage events came first)."""
+
+    async def scenario():
+        events = []
+        with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 4096"):
+            async for item in embedded.ask(_ask(videos, max_new_tokens=4097)):
+                events.append(item)
+        return events
+
+    assert asyncio.run(scenario()) == []
+
+
+def test_a_long_conversation_is_bounded_by_its_tokens_not_4096_characters(embedded, videos):
+    """A follow-up was refused at its 29th turn (4,197 characters, 2,730 prompt tokens of 32,768)."""
+    request = _ask(videos, max_new_tokens=2)
+    history = [Message.system("Answer briefly. " * 300)]  # 4,800 characters
+    request = dataclasses.replace(request, messages=history + request.messages)
+
+    async def scenario():
+        return [item async for item in embedded.ask(request) if isinstance(item, AskSummary)][0]
+
+    summary = asyncio.run(scenario())
+    assert summary.num_prompt_tokens > 1000 and len(summary.token_ids) == 2
