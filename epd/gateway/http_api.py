@@ -63,12 +63,14 @@ from epd.gateway.openai_protocol import (
 )
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.gateway.readiness import InProcessHealth, StageHealth
+from epd.gateway.shutdown import CallsInFlight, shutdown_error
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.security import server_ssl_context
+from epd.transport.server import CUT_MARGIN_S
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +111,8 @@ class HttpApi:
         self.admission = admission or Admission.of_gateway(config)
         self.max_body_bytes = max_body_bytes(config.max_upload_bytes)
         self.started_s = int(time.time())
-        self._in_flight: set[asyncio.Task] = set()
-        """The tasks answering a request now (aiohttp's per-connection tasks), to cut at shutdown."""
+        self.in_flight = CallsInFlight()
+        """The requests answering now, ended with their own status at shutdown (`epd/gateway/shutdown.py`)."""
 
     def app(self) -> web.Application:
         # client_max_size only backs up read_json_body for any route that calls request.read().
@@ -126,22 +128,15 @@ class HttpApi:
         app.router.add_route("*", "/{path:.*}", self._unrouted, name=UNROUTED, expect_handler=defer_continue)
         return app
 
-    def cut_requests_in_flight(self) -> None:
-        """Cancel every request still being answered (the grace period is over): its pipeline run
-        is cancelled with it, and a streamed answer ends where it is."""
-        for task in list(self._in_flight):
-            task.cancel()
+    async def cut_requests_in_flight(self, timeout_s: float) -> None:
+        """End every request still being answered (the grace period is over): its pipeline run is
+        cancelled, and it answers 503, or a streamed answer ends with an error event and [DONE]."""
+        await self.in_flight.cut_and_wait(timeout_s)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        task = asyncio.current_task()
-        if task is None:
+        with self.in_flight.tracking():
             return await self._answer(request, handler)
-        self._in_flight.add(task)
-        try:
-            return await self._answer(request, handler)
-        finally:
-            self._in_flight.discard(task)
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
@@ -265,6 +260,10 @@ class HttpApi:
                         log_summary(item)
                         return web.json_response(completion_body(item, chat.model))
             raise RuntimeError("the pipeline ended without a summary")
+        except asyncio.CancelledError:
+            if not self.in_flight.cutting:
+                raise  # its client went away
+            return _exception_response(shutdown_error(0, tracing.current_request_id()))
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
@@ -275,6 +274,7 @@ class HttpApi:
     ) -> web.StreamResponse:
         created = int(time.time())
         response: web.StreamResponse | None = None
+        num_tokens = 0
 
         async def send(body: dict[str, Any]) -> None:
             assert response is not None
@@ -297,6 +297,7 @@ class HttpApi:
                             chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
                         )
                     if isinstance(item, TokenStep):
+                        num_tokens += len(item.token_ids)
                         if item.token_ids or item.text:
                             await send(
                                 chunk_body(
@@ -323,9 +324,13 @@ class HttpApi:
         except ConnectionResetError:
             log.info("client of %s went away mid-stream", request_id)
             return response or web.Response(status=499)
-        except Exception as exc:  # noqa: BLE001 - mapped in status_of
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
+            if isinstance(exc, asyncio.CancelledError):
+                if not self.in_flight.cutting:
+                    raise  # its client went away
+                exc = shutdown_error(num_tokens, request_id)
             if response is None:
-                raise  # nothing sent yet: the caller answers with the error's own status
+                raise exc  # nothing sent yet: the caller answers with the error's own status
             status, error_type, message = http_error_of(exc)
             if status == 500:
                 log.exception("internal error mid-stream in %s", request_id)
@@ -375,7 +380,7 @@ class HttpServer:
             waits.append(asyncio.ensure_future(hurry.wait()))
         await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
         if not cleanup.done():
-            self.api.cut_requests_in_flight()
+            await self.api.cut_requests_in_flight(CUT_MARGIN_S)
         await cleanup
         for wait in waits[1:]:
             wait.cancel()

@@ -86,6 +86,7 @@ async def start(
         interceptors,
         public=True,  # the front door: its internal secret is only presented to the stages
     )
+    hs.cut_calls = servicer.cut_calls_in_flight  # at the end of the grace period: each call's own status
     # NOT_SERVING until every stage has a replica serving, and again whenever a stage has none
     # (epd/gateway/readiness.py); the same checks tell the replica pools which replicas to route to.
     pools = stage_pools(pipeline)

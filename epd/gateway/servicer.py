@@ -3,12 +3,14 @@ events and tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import aclosing
 
 from epd.gateway.admission import Admission, Overloaded, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.gateway.shutdown import CallsInFlight, shutdown_error
 from epd.stages.contracts import StageEvent, check_cache_salt
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message, question_messages
@@ -16,6 +18,7 @@ from epd.stages.names import Stage, timings_with_legacy_names
 from epd.transport import convert, tracing
 from epd.transport.auth import bearer_token, request_cache_salt
 from epd.transport.errors import rpc_errors
+from epd.transport.server import CUT_MARGIN_S
 from epd.transport.upload import drain, media_input, read_upload
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -28,9 +31,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.pipeline = pipeline
         # Shared with the HTTP API when both run (epd.gateway.server.main): a client's limit counts both.
         self.admission = admission or Admission.of_gateway(config)
+        self.in_flight = CallsInFlight()
+        """The Ask calls answering now, ended with their own status at shutdown (`epd/gateway/shutdown.py`)."""
+
+    async def cut_calls_in_flight(self) -> None:
+        await self.in_flight.cut_and_wait(CUT_MARGIN_S)
 
     @rpc_errors
     async def Ask(self, request_iterator, context):
+        with self.in_flight.tracking():
+            async for response in self._ask(request_iterator, context):
+                yield response
+
+    async def _ask(self, request_iterator, context):
         started = time.perf_counter()
         try:
             key = bearer_token(context.invocation_metadata()) if self.config.http.api_keys else ""
@@ -60,16 +73,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
             # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.
             events = self.pipeline.ask(request)
-            async with aclosing(events):  # type: ignore[type-var]
-                async for item in events:
-                    if isinstance(item, StageEvent):
-                        at_ms = (time.perf_counter() - started) * 1e3
-                        yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
-                    elif isinstance(item, AskSummary):
-                        yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
-                    else:
-                        delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
-                        yield gateway_pb2.AskResponse(delta=delta)
+            num_tokens = 0
+            try:
+                async with aclosing(events):  # type: ignore[type-var]
+                    async for item in events:
+                        if isinstance(item, StageEvent):
+                            at_ms = (time.perf_counter() - started) * 1e3
+                            yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
+                        elif isinstance(item, AskSummary):
+                            yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
+                        else:
+                            num_tokens += len(item.token_ids)
+                            delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
+                            yield gateway_pb2.AskResponse(delta=delta)
+            except asyncio.CancelledError:
+                if not self.in_flight.cutting:
+                    raise  # its client went away
+                raise shutdown_error(num_tokens, request.request_id) from None
 
 
 def messages_of(header: gateway_pb2.AskHeader) -> list[Message]:

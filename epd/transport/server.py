@@ -59,6 +59,10 @@ class HealthyServer:
         self.service_names = service_names
         self.health = health.aio.HealthServicer()
         self.background_tasks: list[asyncio.Task] = []  # e.g. waiting for downstream readiness
+        self.cut_calls: Callable[[], Awaitable[None]] | None = None
+        """Ends the calls still in flight when the grace period is over (or at the second signal),
+        each with a status of the service's own (the gateway's: ABORTED after tokens, UNAVAILABLE
+        before), before gRPC's own stop would cancel them as UNAVAILABLE "Cancelling all calls"."""
 
     async def set_serving(self, serving: bool = True) -> None:
         status = (
@@ -126,6 +130,11 @@ async def create_server(
     await hs.set_serving(False)
     await server.start()
     return hs
+
+
+CUT_MARGIN_S = 2.0
+"""After a service ends its calls at the end of the grace period (`HealthyServer.cut_calls`), how
+long their statuses have to go out before gRPC cancels what is left."""
 
 
 def stop_signals() -> list[signal.Signals]:
@@ -197,15 +206,25 @@ async def serve_until_signal(
     releaser.cancel()
     log.info("shutting down (grace %.1f s)", grace_s)
 
+    # With cut_calls gRPC's own grace runs a little longer than ours: the calls are ended by the
+    # service first, at grace_s, each with its own status.
+    grpc_grace_s = grace_s + (CUT_MARGIN_S if hs.cut_calls else 0.0)
+
     async def drain() -> None:
-        await asyncio.gather(hs.stop(grace_s), *([drain_too(grace_s, signals.hurry)] if drain_too else []))
+        await asyncio.gather(hs.stop(grpc_grace_s), *([drain_too(grace_s, signals.hurry)] if drain_too else []))
 
     draining = asyncio.ensure_future(drain())
     hurry = asyncio.ensure_future(signals.hurry.wait())
-    await asyncio.wait([draining, hurry], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([draining, hurry], timeout=grace_s if hs.cut_calls else None,
+                       return_when=asyncio.FIRST_COMPLETED)
     if not draining.done():
-        log.info("second signal: aborting the calls still in flight")
-        await hs.server.stop(None)  # a shorter grace overrides the pending one
+        if hs.cut_calls is not None:
+            log.info("%s: ending the calls still in flight", "second signal" if hurry.done() else "grace period over")
+            await hs.cut_calls()
+            await asyncio.wait([draining, hurry], timeout=CUT_MARGIN_S, return_when=asyncio.FIRST_COMPLETED)
+        if not draining.done():
+            log.info("aborting the calls still in flight")
+            await hs.server.stop(None)  # a shorter grace overrides the pending one
         await draining
     hurry.cancel()
     if on_stop:

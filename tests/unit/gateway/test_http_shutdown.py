@@ -47,9 +47,9 @@ BODY = json.dumps({
 }).encode()
 
 
-async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> tuple[float, bool, bool]:
-    """(seconds `stop` took, whether the stream was cut before its end, whether the pipeline run was
-    cancelled), with one streamed answer in flight when the stop begins."""
+async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> tuple[float, str, bool]:
+    """(seconds `stop` took, the rest of the stream, whether the pipeline run was cancelled), with
+    one streamed answer in flight when the stop begins."""
     pipeline = EndlessAnswer()
     config = GatewayConfig(server=ServerConfig(port=0, grace_s=grace_s), http=HttpApiConfig(port=0))
     http = await start_http_api(config, pipeline, GatewayMetrics())
@@ -66,20 +66,88 @@ async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> 
             await asyncio.wait_for(stopping, timeout=60)
             took_s = time.monotonic() - started
             try:
-                rest = await resp.content.read()
-                cut = b"[DONE]" not in rest
-            except aiohttp.ClientPayloadError:  # the connection closed mid-answer
-                cut = True
-    return took_s, cut, pipeline.cancelled.is_set()
+                rest = (await resp.content.read()).decode()
+            except aiohttp.ClientPayloadError:  # the connection closed mid-answer (it did)
+                rest = "<the connection closed mid-chunk>"
+    return took_s, rest, pipeline.cancelled.is_set()
+
+
+def _ends_with_the_shutdown_error(rest: str) -> None:
+    """The answer ends with an error event saying what happened and [DONE], not a cut chunk (the
+    client could not tell a shutdown from a network fault)."""
+    events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", rest[-300:]
+    error = json.loads(events[-2])["error"]
+    assert error["message"].startswith("the server shut down after ") and "tokens (its grace period was over)" in \
+        error["message"] and "request id " in error["message"], error
+    assert error["code"] == "502"
 
 
 def test_a_streamed_answer_is_cut_at_the_end_of_the_grace_period_not_twice_it():
-    took_s, cut, cancelled = asyncio.run(_stop_while_streaming(grace_s=4.0, hurry_after_s=None))
-    assert cut and cancelled
+    took_s, rest, cancelled = asyncio.run(_stop_while_streaming(grace_s=4.0, hurry_after_s=None))
+    assert cancelled
+    _ends_with_the_shutdown_error(rest)
     assert 4.0 <= took_s < 6.0, took_s  # aiohttp's own drain: 8 s and more
 
 
 def test_a_second_signal_cuts_a_streamed_answer_at_once():
-    took_s, cut, cancelled = asyncio.run(_stop_while_streaming(grace_s=30.0, hurry_after_s=0.3))
-    assert cut and cancelled
+    took_s, rest, cancelled = asyncio.run(_stop_while_streaming(grace_s=30.0, hurry_after_s=0.3))
+    assert cancelled
+    _ends_with_the_shutdown_error(rest)
     assert took_s < 10.0, took_s  # it waited out the 30 s grace period
+
+
+def test_an_answer_not_yet_begun_at_the_cut_is_a_503_to_retry():
+    """It was a dropped connection (ServerDisconnectedError)."""
+
+    async def scenario():
+        config = GatewayConfig(server=ServerConfig(port=0, grace_s=0.5), http=HttpApiConfig(port=0))
+        http = await start_http_api(config, EndlessAnswer(), GatewayMetrics())
+        whole = json.dumps({**json.loads(BODY), "stream": False}).encode()
+        async with aiohttp.ClientSession() as session:
+            answer = asyncio.ensure_future(session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=whole))
+            await asyncio.sleep(0.3)  # it is being answered (the endless pipeline never ends it)
+            await asyncio.wait_for(http.stop(0.5), timeout=30)
+            async with await answer as resp:
+                return resp.status, await resp.json()
+
+    status, body = asyncio.run(scenario())
+    assert status == 503, body
+    assert body["error"]["message"].startswith("the server is shutting down (its grace period is over); retry")
+
+
+def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_request_id():
+    """gRPC's own stop cancelled it as UNAVAILABLE "Cancelling all calls" (after 955 tokens in the
+    audit's run): a status clients and proxies retry as if nothing had happened, without the
+    request id. The gateway now ends it itself, ABORTED after tokens."""
+    import grpc
+
+    from epd.gateway.server import start
+    from epd.transport.server import StopSignals, serve_until_signal
+    from epd.v1 import gateway_pb2, gateway_pb2_grpc
+
+    async def scenario():
+        config = GatewayConfig(server=ServerConfig(host="127.0.0.1", port=0, grace_s=0.5))
+        hs = await start(config, EndlessAnswer())
+        await hs.set_serving()
+        signals = StopSignals()
+        serving = asyncio.ensure_future(serve_until_signal(hs, config.server.grace_s, signals=signals))
+        header = gateway_pb2.AskHeader(request_id="cut-at-grace", question="what happens?", media_num_bytes=64)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
+            call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(
+                iter([gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=b"v" * 64)]))
+            tokens = 0
+            try:
+                async for response in call:
+                    tokens += len(response.delta.token_ids)
+                    if tokens == 3:
+                        signals.stop.set()  # SIGTERM with the answer streaming
+            except grpc.aio.AioRpcError as exc:
+                error = exc
+        await asyncio.wait_for(serving, timeout=30)
+        return tokens, error.code(), error.details()
+
+    tokens, code, details = asyncio.run(scenario())
+    assert code == grpc.StatusCode.ABORTED, (code, details)
+    assert details == (f"the server shut down after {tokens} tokens (its grace period was over); the answer is "
+                       "incomplete; retry the request (request id cut-at-grace)")
