@@ -29,7 +29,8 @@ import asyncio
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -191,12 +192,13 @@ class AsyncEpdClient:
         media_sha256: str = "",
         timeout_s: float | None = None,
         **options,
-    ) -> AsyncIterator[gateway_pb2.AskResponse]:
+    ) -> AsyncGenerator[gateway_pb2.AskResponse, None]:
         """Deprecated (removed in 0.3): the raw AskResponse protos (events, token deltas, then
         the summary). Use `stream`, which yields the same as typed SDK objects."""
         warnings.warn("ask_stream is deprecated (removed in 0.3); use stream()", DeprecationWarning, stacklevel=2)
-        async for msg, _ in self._responses(video, question, messages, media_sha256, timeout_s, options):
-            yield msg
+        async with aclosing(self._responses(video, question, messages, media_sha256, timeout_s, options)) as msgs:
+            async for msg, _ in msgs:
+                yield msg
 
     async def stream(
         self,
@@ -207,25 +209,30 @@ class AsyncEpdClient:
         media_sha256: str = "",
         timeout_s: float | None = None,
         **options,
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Yields `StageEvent`s and `TokenDelta`s as they happen, then one `AskResult`.
 
         video: a path, bytes or binary file object; None with `media_sha256` to reuse media the
-        servers have seen (NOT_FOUND when they have not). Options: see `build_header`."""
+        servers have seen (NOT_FOUND when they have not). Options: see `build_header`.
+        Leaving early (`aclose()`, or `async with contextlib.aclosing(...)` around a loop that
+        breaks) cancels the call on the server."""
         events: list[StageEvent] = []
-        async for msg, meta in self._responses(video, question, messages, media_sha256, timeout_s, options):
-            kind = msg.WhichOneof("kind")
-            if kind == "event":
-                event = stage_event_from_proto(msg.event)
-                events.append(event)
-                yield event
-            elif kind == "delta":
-                yield TokenDelta(list(msg.delta.token_ids), msg.delta.text)
-            elif kind == "summary":
-                result = result_from_proto(msg.summary, events)
-                result.num_attempts, result.media_num_bytes_sent = meta
-                yield result
-                return
+        # aclosing: when this generator is closed early, the call is cancelled now (`_responses`'s
+        # finally), not whenever the garbage collector gets to the inner generator.
+        async with aclosing(self._responses(video, question, messages, media_sha256, timeout_s, options)) as msgs:
+            async for msg, meta in msgs:
+                kind = msg.WhichOneof("kind")
+                if kind == "event":
+                    event = stage_event_from_proto(msg.event)
+                    events.append(event)
+                    yield event
+                elif kind == "delta":
+                    yield TokenDelta(list(msg.delta.token_ids), msg.delta.text)
+                elif kind == "summary":
+                    result = result_from_proto(msg.summary, events)
+                    result.num_attempts, result.media_num_bytes_sent = meta
+                    yield result
+                    return
         raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
 
     async def ask(
@@ -239,11 +246,12 @@ class AsyncEpdClient:
         **options,
     ) -> AskResult:
         """The whole answer at once (see `stream` for the options)."""
-        async for item in self.stream(
-            video, question, messages=messages, media_sha256=media_sha256, timeout_s=timeout_s, **options
-        ):
-            if isinstance(item, AskResult):
-                return item
+        items = self.stream(video, question, messages=messages, media_sha256=media_sha256, timeout_s=timeout_s,
+                            **options)  # fmt: skip
+        async with aclosing(items):  # a cancelled `ask` cancels its call now
+            async for item in items:
+                if isinstance(item, AskResult):
+                    return item
         raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
 
     def conversation(self, video: Media, *, system: str = "", **options) -> AsyncConversation:
@@ -291,7 +299,7 @@ class AsyncEpdClient:
         media_sha256: str,
         timeout_s: float | None,
         options: dict[str, Any],
-    ) -> AsyncIterator[tuple[gateway_pb2.AskResponse, tuple[int, int]]]:
+    ) -> AsyncGenerator[tuple[gateway_pb2.AskResponse, tuple[int, int]], None]:
         """The call with its retries; yields (message, (attempt number, media bytes sent))."""
         source = None
         if video is not None:
@@ -312,6 +320,7 @@ class AsyncEpdClient:
         while True:
             attempt += 1
             saw_token = False
+            call = None
             try:
                 call = self._stub.Ask(
                     _requests(header, source),
@@ -332,6 +341,12 @@ class AsyncEpdClient:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
                 message = ("the deadline passed before the request was sent; raise timeout_s" if late
                            else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)")
+            finally:
+                # A consumer that stops reading (a `break`, `aclose()`, its task cancelled) leaves
+                # this generator at the yield: grpc.aio would go on receiving the answer, and the
+                # servers go on generating it, until it completes. Cancelling ends it there now.
+                if call is not None and not call.done():
+                    call.cancel()
             wait_s = self.retry.backoff_s(attempt)
             if not self.retry.should_retry(code, attempt, saw_token) or time.monotonic() + wait_s >= deadline:
                 raise EpdError(code, message) from None
@@ -360,12 +375,22 @@ class EpdClient:
     (Jupyter, other async frameworks' threads)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, **settings) -> None:
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="epd-client", daemon=True)
         self._thread.start()
-        self._client: AsyncEpdClient = self._run(_make(endpoint, timeout_s, settings))
+        try:
+            self._client: AsyncEpdClient = self._run(_make(endpoint, timeout_s, settings))
+        except BaseException:
+            # No one can close a client that was never made: each failed construction (a missing
+            # certificate file, a bad option) would leave its thread and loop running.
+            self._stop_loop()
+            raise
 
     def _run(self, coro):
+        if self._closed:
+            coro.close()  # never to be awaited: closed now, or Python warns about it later
+            raise RuntimeError("the client is closed; make a new EpdClient")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
@@ -398,7 +423,9 @@ class EpdClient:
         """Deprecated (removed in 0.3): raw protos; use `stream`."""
         return self._iterate(self._client.ask_stream(video, question, **options))
 
-    def _iterate(self, agen: AsyncIterator) -> Iterator:
+    def _iterate(self, agen: AsyncGenerator) -> Iterator:
+        if self._closed:  # before the generator starts on a loop that is gone
+            raise RuntimeError("the client is closed; make a new EpdClient")
         try:
             while True:
                 try:
@@ -406,13 +433,21 @@ class EpdClient:
                 except StopAsyncIteration:
                     return
         finally:
-            # Breaking out early cancels the call on the server.
-            self._run(agen.aclose())  # type: ignore[attr-defined]
+            # Breaking out early cancels the call on the server (the async generators close
+            # theirs in turn, down to `_responses`). A client closed meanwhile cancelled it already.
+            if not self._closed:
+                self._run(agen.aclose())
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._closed:
             return
-        self._run(self._client.close())
+        try:
+            self._run(self._client.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._closed = True  # first: a call made from now on is refused, not queued on a stopped loop
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

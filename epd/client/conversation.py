@@ -29,7 +29,8 @@ changed the sampling options). One turn at a time per conversation.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -117,12 +118,14 @@ class AsyncConversation:
         self._results = []
 
     async def ask(self, question: str, **overrides: Any) -> AskResult:
-        async for item in self.stream(question, **overrides):
-            if isinstance(item, AskResult):
-                return item
+        items = self.stream(question, **overrides)
+        async with aclosing(items):  # a cancelled turn cancels its call now
+            async for item in items:
+                if isinstance(item, AskResult):
+                    return item
         raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
 
-    async def stream(self, question: str, **overrides: Any) -> AsyncIterator[StreamEvent]:
+    async def stream(self, question: str, **overrides: Any) -> AsyncGenerator[StreamEvent, None]:
         if self._busy:
             raise RuntimeError("a turn of this conversation is still running; ask one question at a time")
         messages = self._history.messages_for(question)
@@ -131,22 +134,26 @@ class AsyncConversation:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._client.timeout_s)
         self._busy = True
         try:
+            # aclosing: a consumer that leaves this stream early closes the client's stream now,
+            # which cancels the call on the server.
             if self._uploaded:
                 try:
-                    async for item in self._turn(None, messages, deadline, options):
-                        if isinstance(item, AskResult):
-                            self._finish(question, item)
-                        yield item
+                    async with aclosing(self._turn(None, messages, deadline, options)) as items:
+                        async for item in items:
+                            if isinstance(item, AskResult):
+                                self._finish(question, item)
+                            yield item
                     return
                 except EpdError as exc:
                     # By hash first: NOT_FOUND comes before any token, so uploading now is safe.
                     if exc.code != grpc.StatusCode.NOT_FOUND:
                         raise
-            async for item in self._turn(self._media, messages, deadline, options):
-                if isinstance(item, AskResult):
-                    self._uploaded = True
-                    self._finish(question, item)
-                yield item
+            async with aclosing(self._turn(self._media, messages, deadline, options)) as items:
+                async for item in items:
+                    if isinstance(item, AskResult):
+                        self._uploaded = True
+                        self._finish(question, item)
+                    yield item
         finally:
             self._busy = False
 
@@ -159,7 +166,7 @@ class AsyncConversation:
 
     def _turn(
         self, media: MediaSource | None, messages: list[Message], deadline: float, options: dict[str, Any]
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         return self._client.stream(
             media,
             messages=messages,

@@ -40,6 +40,8 @@ class MediaSource:
             self._data = bytes(media)
         elif isinstance(media, (str, Path)):
             self._path = Path(media)
+            if self._path.is_dir():  # "no such file" would send the user looking for a missing one
+                raise IsADirectoryError(f"{self._path} is a directory; pass a video or image file")
             if not self._path.is_file():
                 raise FileNotFoundError(f"no such video file: {self._path}")
         elif hasattr(media, "read"):

@@ -4,9 +4,10 @@
 names as the HTTP API's `epd` object and `epd ask --json` (`AskResult.to_dict()` is that JSON):
 
     answer, token_ids, finish_reason, request_id, num_frames, frame_timestamps_s,
-    num_visual_tokens, num_prompt_tokens, kv_num_bytes, encoder_cache_hit, media_sha256,
-    timings_ms (Timings), pruning (PruningReport), grid_thw (GridTHW), kept_visual_token_index,
-    events (StageEvent), and, from the SDK itself, num_attempts and media_num_bytes_sent.
+    num_visual_tokens, num_prompt_tokens, num_reused_prompt_tokens, kv_num_bytes,
+    encoder_cache_hit, media_sha256, timings_ms (Timings), pruning (PruningReport), grid_thw
+    (GridTHW), kept_visual_token_index, events (StageEvent), and, from the SDK itself,
+    num_attempts and media_num_bytes_sent.
 
 Stage names are `epd.stages.names.Stage`: "video_decode" is decoding the video's frames,
 "generate" is token generation. An older server's "decode" arrives as Stage.VIDEO_DECODE.
@@ -163,6 +164,9 @@ class PruningReport:
     """KV cache bytes after prefill, before compression."""
     kv_bytes_after: int = 0
     """KV cache bytes sent to Decode."""
+    transfer_bytes: int = 0
+    """Bytes moved between the services for the request: a field of the HTTP API's `epd.pruning`,
+    which the gRPC summary does not carry (0 here)."""
 
     @property
     def prefill_flops_saved(self) -> int:
@@ -181,6 +185,7 @@ class PruningReport:
             "prefill_flops_pruned": self.prefill_flops_pruned,
             "kv_bytes_before": self.kv_bytes_before,
             "kv_bytes_after": self.kv_bytes_after,
+            "transfer_bytes": self.transfer_bytes,
             "prefill_flops_saved": self.prefill_flops_saved,
         }  # fmt: skip
 

@@ -208,3 +208,39 @@ def test_the_reused_prefix_badge(page):
     }""")
     assert "reused prefix: 42 tokens" in badges[0] and "TTFT 12 ms" in badges[0] and "total 46 ms" in badges[0]
     assert "reused prefix" not in badges[1]
+
+
+def test_another_clip_chosen_while_an_answer_streams_starts_a_clean_conversation(page, media_files):
+    """The old clip's answer, finishing after the new clip was chosen, joined the new clip's
+    conversation: its next question went out with the old question and answer under the new
+    clip. The page's fetch holds the answer back until the new clip is in, so the race is certain."""
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    page.set_input_files("#file-input", str(media_files["mp4"]))
+    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    page.evaluate(
+        """() => {
+            const realFetch = window.fetch;
+            const released = new Promise((resolve) => { window.__release = resolve; });
+            window.fetch = async (url, options) => {
+                const response = await realFetch(url, options);
+                if (url === '/v1/chat/completions') { window.__held = true; await released; }
+                return response;
+            };
+        }"""
+    )
+    page.fill("#question", QUESTION)
+    page.click("#ask")
+    page.wait_for_function("window.__held === true")
+    page.set_input_files("#file-input", str(media_files["mp4_b"]))
+    page.wait_for_function("document.getElementById('media-info').textContent.includes('clip_b.mp4')")
+    page.wait_for_function("state.framesKey !== ''")  # the new clip's frames are in
+    page.evaluate("window.__release()")
+    page.wait_for_function("!state.busy")  # the old answer has ended
+    assert page.evaluate("state.turns") == []
+    assert "new conversation" in page.text_content("#conversation-info")
+
+    _ask(page, "what happens at the end?")
+    assert len(bodies) == 2 and len(bodies[1]["messages"]) == 1  # no turn of the old clip's
+    new_clip = bodies[1]["messages"][0]["content"][0]["video_url"]["url"]
+    assert new_clip != bodies[0]["messages"][0]["content"][0]["video_url"]["url"]

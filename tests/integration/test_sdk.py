@@ -1,10 +1,12 @@
 """The client SDK (`epd_client`) against a real stack on loopback: typed streams in order, the
 sync and asyncio clients agree, errors carry their status, deadlines, uploads by path / bytes /
-file object / hash, the API key on gRPC, and retries of UNAVAILABLE while a gateway starts."""
+file object / hash, the API key on gRPC, retries of UNAVAILABLE while a gateway starts, and a
+stream left early cancelled on the server."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import io
 import shutil
@@ -12,9 +14,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd.cli.health import is_serving
 from epd.client import (
@@ -26,6 +30,7 @@ from epd.client import (
     RetryPolicy,
     Stage,
     StageEvent,
+    StreamEvent,
     TokenDelta,
 )
 from epd.gateway.config import GatewayConfig
@@ -37,6 +42,9 @@ from tests.stack import ROOT, Stack, child_env, epd_command, free_port
 API_KEY = "sdk-test-key"
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
+LONG_ANSWER = {"num_frames": 4, "max_new_tokens": 4000, "ignore_eos": True}
+"""Thousands of tokens: still being generated long after a client that reads three leaves."""
+WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +299,94 @@ def test_tls_with_a_root_certificate(stack, media_files, expected, tmp_path):
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
+
+
+def _metric(stack: Stack, name: str, **labels: str) -> float:
+    """A sample of the gateway's /metrics, summed over the series that carry `labels`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())  # fmt: skip
+
+
+def _wait_until_idle(stack: Stack) -> None:
+    """No request in flight at the gateway and none running in decode's batch. The bound only
+    makes a broken build fail instead of hanging."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        gateway = _metric(stack, "epd_requests_in_flight")
+        decode = _metric(stack, "epd_engine_running_requests", stage="decode")
+        if not gateway and not decode:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"{WAIT_S:.0f} s after its client left, the gateway has {gateway:.0f} request(s) in "
+                        f"flight and decode runs {decode:.0f}")  # fmt: skip
+        time.sleep(0.1)
+
+
+def _read_three_tokens(items) -> list[StreamEvent]:
+    seen = []
+    for item in items:
+        seen.append(item)
+        if sum(isinstance(i, TokenDelta) for i in seen) == 3:
+            break
+    return seen
+
+
+def _leave_a_blocking_stream(stack, client, media) -> list[StreamEvent]:
+    return _read_three_tokens(client.stream(media, QUESTION, **LONG_ANSWER))  # then `break`
+
+
+def _leave_a_blocking_conversation(stack, client, media) -> list[StreamEvent]:
+    return _read_three_tokens(client.conversation(media, **LONG_ANSWER).stream(QUESTION))
+
+
+def _leave_an_async_stream(stack, client, media) -> list[StreamEvent]:
+    async def run() -> list[StreamEvent]:
+        async with AsyncEpdClient(stack.gateway, timeout_s=WAIT_S, api_key=API_KEY) as c:
+            stream = c.stream(media, QUESTION, **LONG_ANSWER)
+            seen = []
+            async for item in stream:
+                seen.append(item)
+                if sum(isinstance(i, TokenDelta) for i in seen) == 3:
+                    break
+            await stream.aclose()
+            # Still connected: closing the client would cancel its calls whatever the stream did.
+            await asyncio.to_thread(_wait_until_idle, stack)
+            return seen
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("leave", [_leave_a_blocking_stream, _leave_a_blocking_conversation, _leave_an_async_stream],
+                         ids=["blocking_break", "conversation_break", "async_aclose"])  # fmt: skip
+def test_a_stream_left_early_is_cancelled_on_the_server(stack, client, media_files, expected, leave):
+    """The request a client stops reading ends on the server at once (the answer would have run
+    on for thousands of tokens): the gateway counts it CANCELLED, never answered, and the stack
+    answers the next request."""
+    ok_before = _metric(stack, "epd_requests_total", status="OK")
+    cancelled_before = _metric(stack, "epd_requests_total", status="CANCELLED")
+    seen = leave(stack, client, media_files["mp4"])
+    assert not any(isinstance(item, AskResult) for item in seen)
+    _wait_until_idle(stack)
+    assert _metric(stack, "epd_requests_total", status="CANCELLED") == cancelled_before + 1
+    assert _metric(stack, "epd_requests_total", status="OK") == ok_before  # no summary was sent
+    assert client.ask(media_files["mp4"], QUESTION, **OPTIONS).token_ids == expected.token_ids
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_client_closed_in_the_middle_of_a_stream_cancels_it(stack, media_files):
+    """close() while a stream is being read, then `break`: the call is cancelled on the server,
+    and leaving the stream does not fail on the closed loop ("Event loop is closed", raised where
+    no one could catch it, and a coroutine never awaited)."""
+    cancelled_before = _metric(stack, "epd_requests_total", status="CANCELLED")
+    client = EpdClient(stack.gateway, timeout_s=WAIT_S, api_key=API_KEY)
+    num_deltas = 0
+    for item in client.stream(media_files["mp4"], QUESTION, **LONG_ANSWER):
+        num_deltas += isinstance(item, TokenDelta)
+        if num_deltas == 3:
+            client.close()
+            break
+    gc.collect()
+    _wait_until_idle(stack)
+    assert _metric(stack, "epd_requests_total", status="CANCELLED") == cancelled_before + 1

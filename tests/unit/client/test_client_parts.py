@@ -1,15 +1,19 @@
 """The SDK's bookkeeping without a server: retry decisions and backoff, media sources (path,
-bytes, seekable and one-shot file objects) and request headers; the gRPC API-key check."""
+bytes, seekable and one-shot file objects) and request headers; the gRPC API-key check; the
+blocking client's thread and loop when it fails to start or is used after close()."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
+import threading
+import warnings
 
 import grpc
 import pytest
 
-from epd.client import MediaSource, RetryPolicy, build_header
+from epd.client import EpdClient, MediaSource, RetryPolicy, build_header
 from epd.client.channel import ChannelSettings, open_channel
 from epd.transport.auth import bearer_token, key_matches
 
@@ -75,6 +79,8 @@ def test_every_media_source_gives_the_same_chunks_twice(tmp_path, kind):
 def test_media_source_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such video file"):
         MediaSource(tmp_path / "missing.mp4")
+    with pytest.raises(IsADirectoryError, match="is a directory; pass a video or image file"):
+        MediaSource(tmp_path)  # was "no such video file", of a directory that is there
     with pytest.raises(TypeError, match="must be a path, bytes or a binary file object, not int"):
         MediaSource(3)  # type: ignore[arg-type]
 
@@ -140,3 +146,37 @@ def test_a_client_certificate_needs_its_key_and_existing_files(tmp_path):
     assert settings.uses_tls  # a client certificate is TLS even without a CA given
     with pytest.raises(FileNotFoundError, match="client certificate file not found"):
         open_channel("127.0.0.1:1", settings, Policy())
+
+
+def _client_threads() -> int:
+    return sum(t.name == "epd-client" for t in threading.enumerate())
+
+
+def test_a_client_that_fails_to_start_leaves_no_thread_running(tmp_path):
+    before = _client_threads()
+    for _ in range(3):
+        with pytest.raises(FileNotFoundError, match="root certificates file not found"):
+            EpdClient("127.0.0.1:1", root_certificates_path=str(tmp_path / "ca.pem"))
+        with pytest.raises(ValueError, match="client_certificate_path and client_key_path go together"):
+            EpdClient("127.0.0.1:1", client_certificate_path=str(tmp_path / "client.pem"))
+    assert _client_threads() == before  # each failure left an event loop running in its thread
+
+
+def test_a_closed_client_says_so_without_a_warning(tmp_path):
+    client = EpdClient("127.0.0.1:1")
+    chat = client.conversation(b"some video bytes")
+    client.close()
+    client.close()  # again: nothing to do
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in (lambda: client.ask(b"some video bytes", "q?"), lambda: list(client.stream(b"v", "q?")),
+                     lambda: client.upload_or_reuse(b"v", "q?"), lambda: chat.ask("q?")):  # fmt: skip
+            with pytest.raises(RuntimeError, match="the client is closed"):
+                call()
+        gc.collect()  # a coroutine never awaited warns when it is collected
+    assert [str(w.message) for w in caught] == []
+
+
+def test_asking_about_a_directory_says_it_is_one(tmp_path):
+    with EpdClient("127.0.0.1:1") as client, pytest.raises(IsADirectoryError, match="is a directory"):
+        client.ask(tmp_path, "q?")

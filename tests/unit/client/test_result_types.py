@@ -13,7 +13,11 @@ from google.protobuf.message import Message
 
 from epd.client import AskResult, GridTHW, PruningReport, PruningStageCount, Stage, StageEvent, Timings
 from epd.client.types import result_from_proto, stage_event_from_proto
+from epd.gateway import pipeline
+from epd.gateway.openai_protocol import epd_details
+from epd.gateway.servicer import summary_to_proto
 from epd.stages.names import TIMING_NAMES
+from epd.token_pruning import PruningStats
 from epd.v1 import common_pb2, gateway_pb2
 
 
@@ -155,3 +159,26 @@ def test_the_sdk_and_the_stage_names_import_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_to_dict_has_every_name_and_value_of_the_http_apis_epd_object():
+    """The same summary, through the gRPC answer into the SDK and through the HTTP API's `epd`
+    object, gives the same value under each of the HTTP object's names (`pruning.transfer_bytes`
+    was missing from the SDK's)."""
+    stats = PruningStats(num_key_tokens=3, prefill_flops_full=1000, prefill_flops_pruned=600,
+                         kv_bytes_before=8192, kv_bytes_after=4096)  # fmt: skip
+    stats.record("prefill_drop", 48, 24)
+    summary = pipeline.AskSummary(
+        request_id="r-1", answer="a red circle", token_ids=[5, 6, 7], finish_reason="length", num_frames=4,
+        num_visual_tokens=48, num_prompt_tokens=70,
+        timings_ms={"video_decode": 1.5, "encode": 2.0, "prefill": 3.0, "kv_transfer": 0.5, "generate": 4.0,
+                    "ttft": 6.0, "total": 11.0},
+        kv_num_bytes=4096, encoder_cache_hit=True, media_sha256="ab" * 32, frame_timestamps_s=[0.0, 0.5, 1.0, 1.5],
+        pruning=stats, grid_thw=(2, 8, 12), kept_visual_token_index=[0, 2, 5], num_reused_prompt_tokens=7,
+    )  # fmt: skip
+    http = epd_details(summary)
+    del http["kept_tokens"]  # the web demo's grid, drawn from kept_visual_token_index
+    sdk = result_from_proto(summary_to_proto(summary), []).to_dict()
+    assert set(http["pruning"]) == set(sdk["pruning"])
+    assert set(http) <= set(sdk)
+    assert {name: sdk[name] for name in http} == json.loads(json.dumps(http))

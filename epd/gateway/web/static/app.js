@@ -30,6 +30,7 @@ const state = {
   frames: null,    // {frames: [{timestamp_s, jpeg_base64}], width, height}
   framesKey: "",   // sampling options the frames were fetched with
   turns: [],       // the conversation so far: [{question, answer}], oldest first
+  conversation: 0, // bumped by newConversation(): an answer that ends after it was the old one's
   busy: false,
 };
 
@@ -215,6 +216,7 @@ function renderFrames(epd) {
 // ---- the conversation -------------------------------------------------------------------------
 
 function newConversation() {
+  state.conversation += 1;
   state.turns = [];
   $("answers").innerHTML = "";
   showConversation();
@@ -246,6 +248,9 @@ function conversationMessages(question) {
 // ---- asking: the streaming OpenAI API ---------------------------------------------------------
 
 async function ask(question) {
+  // Another clip can be chosen while this answer streams (it starts a new conversation): the
+  // answer must then not join the new clip's turns nor draw on its frames.
+  const conversation = state.conversation;
   const card = $("answer-template").content.firstElementChild.cloneNode(true);
   const turn = state.turns.length + 1;
   card.dataset.turn = String(turn);
@@ -281,6 +286,7 @@ async function ask(question) {
   } finally {
     text.classList.remove("streaming");
   }
+  if (conversation !== state.conversation) return;
   if (epd) {
     renderBadges(card.querySelector(".badges"), epd, reusedPromptTokens(usage, epd));
     renderTimeline(card.querySelector(".timeline"), timings(epd.timings_ms || {}));
