@@ -39,9 +39,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @rpc_errors
     async def Ask(self, request_iterator, context):
+        # aclosing: a client that goes away closes this generator at its yield; `_ask`'s own
+        # cleanup must run then too, not when the GC finds it.
         with self.in_flight.tracking():
-            async for response in self._ask(request_iterator, context):
-                yield response
+            async with aclosing(self._ask(request_iterator, context)) as responses:
+                async for response in responses:
+                    yield response
 
     async def _ask(self, request_iterator, context):
         started = time.perf_counter()
