@@ -29,31 +29,40 @@ if TYPE_CHECKING:
     from epd.client import AskResult, StreamEvent
     from epd.client import StageEvent as ClientStageEvent
     from epd.gateway.pipeline import AskSummary, Pipeline
+    from epd.model_runtime.config import ModelConfig
     from epd.stages.messages import Message
 
 
 def run_ask(args: argparse.Namespace) -> int:
+    from epd.cli import configs
     from epd.client import EpdError
+    from epd.model_runtime.loader import ModelLoadError
     from epd.stages.errors import InvalidRequest
 
     path = Path(args.video)
     if not path.is_file():
-        print(f"epd: no such file: {path}", file=sys.stderr)
+        print(f"epd: {_not_a_file(path)}", file=sys.stderr)
         return 2
     try:
         messages = _messages(args)
         _check_tls_flags(args)
+        # Embedded mode's model config now: a bad --device or --dtype is the user's to fix (exit 2),
+        # not a server error out of the event loop (INTERNAL, exit 1).
+        model = None if args.endpoint else configs.model_config(args)
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_ask_remote(args, path, messages) if args.endpoint else _ask_embedded(args, path, messages))
+        asyncio.run(_ask_remote(args, path, messages) if model is None else _ask_embedded(args, path, messages, model))
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
         return 130
     except EpdError as exc:  # the server's status and message
         print(f"epd: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
+    except ModelLoadError as exc:  # embedded mode: the model cannot be loaded, as `epd serve` says it (exit 3)
+        print(f"epd: {exc}", file=sys.stderr)
+        return 3
     except Exception as exc:  # noqa: BLE001 - one message per failure for a CLI user
         # Embedded mode ran the servers' code in this process: name its error as they would.
         from epd.transport.errors import status_of
@@ -62,6 +71,15 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {code.name}: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _not_a_file(path: Path) -> str:
+    """What is wrong with VIDEO when it is not a regular file."""
+    if path.is_dir():
+        return f"{path} is a directory; give the path of a video or image file"
+    if path.exists():
+        return f"{path} is not a regular file; give the path of a video or image file"
+    return f"no such file: {path}"
 
 
 def _conversational(args: argparse.Namespace) -> bool:
@@ -176,18 +194,18 @@ def _print_summary(result: AskResult) -> None:
           f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}", file=sys.stderr, flush=True)
 
 
-async def _ask_embedded(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:
+async def _ask_embedded(
+    args: argparse.Namespace, path: Path, messages: list[Message] | None, model: ModelConfig
+) -> None:
     from epd.video.media_open import sniff_container
 
     media = path.read_bytes()
     sniff_container(media)  # an unsupported file is refused now, before the model loads (seconds)
-    from epd.cli import configs
     from epd.client.conversation import History
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
     from epd.model_runtime.loader import resolve_model_path
 
-    model = configs.model_config(args)
     model_path = resolve_model_path(model.model)
     notice = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
     if not args.json:
@@ -264,6 +282,23 @@ def _check_tls_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(given)} only with --endpoint (a gateway's TLS port); embedded mode has no port")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together: pass both (the client certificate and its key)")
+    # Read them now: the client reads them inside the event loop, where a missing file would be
+    # reported as a server's INTERNAL error rather than as this flag's.
+    for flag in ("--tls-ca", "--tls-cert", "--tls-key"):
+        if path := tls[flag]:
+            try:
+                pem = Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+            if b"-----BEGIN " not in pem:
+                raise ValueError(f"{flag} {path}: not a PEM file (expected -----BEGIN ...-----)")
+    if args.tls_cert:  # a key not of the certificate fails every handshake, as UNAVAILABLE
+        import ssl
+
+        try:
+            ssl.create_default_context().load_cert_chain(args.tls_cert, args.tls_key)
+        except ssl.SSLError as exc:
+            raise ValueError(f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})") from None
 
 
 async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:

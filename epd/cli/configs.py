@@ -9,6 +9,7 @@ from pathlib import Path
 from epd.decode_svc.config import DecodeConfig
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.token_cache import TokenCacheConfig
+from epd.gateway.admission import Admission
 from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig, SharedModelSchedule
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
@@ -80,7 +81,14 @@ def transport_security(args: argparse.Namespace) -> TransportSecurity:
 
 
 def health_security(args: argparse.Namespace) -> TransportSecurity:
-    """`epd health`'s channel: TLS only (health needs no secret)."""
+    """`epd health`'s channel: TLS only (health needs no secret), with --tls-cert/--tls-key as the
+    client certificate of a server started with --tls-client-ca. ValueError: flags that do not go
+    together (without --tls-ca the channel is plaintext, and a certificate would not be sent)."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together: pass both (the client certificate and its key)")
+    if args.tls_cert and not args.tls_ca:
+        raise ValueError("--tls-cert needs --tls-ca, the CA that signed the server's certificate (a client "
+                         "certificate is presented over TLS only)")
     return TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                              tls_server_name=args.tls_server_name)
 
@@ -144,7 +152,8 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(
+    """ValueError: a limit the gateway refuses (`checked_gateway`)."""
+    return checked_gateway(GatewayConfig(
         server=server_config(args),
         encoder_addresses=tuple(args.encoder),
         prefill_addresses=tuple(args.prefill),
@@ -159,17 +168,29 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         stage_attempt_timeout_s=args.stage_attempt_timeout,
         load_refresh_interval_s=args.load_refresh_interval,
         http=http_api_config(args),
-    )
+    ))
 
 
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages."""
+    """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages.
+    ValueError: a limit the gateway refuses (`checked_gateway`)."""
     security = TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
-    return GatewayConfig(server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
-                         http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args)),
-                         max_requests_per_client=args.max_requests_per_client,
-                         max_requests_per_api_key=args.max_requests_per_api_key,
-                         max_upload_bytes=args.max_upload_bytes)
+    return checked_gateway(GatewayConfig(
+        server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
+        http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args)),
+        max_requests_per_client=args.max_requests_per_client,
+        max_requests_per_api_key=args.max_requests_per_api_key,
+        max_upload_bytes=args.max_upload_bytes))
+
+
+def checked_gateway(config: GatewayConfig) -> GatewayConfig:
+    """`config`, once its admission limits pass their own checks (ValueError, naming the flag).
+    The gateway builds them again inside its event loop, where a bad value would end in a
+    traceback and exit 1; here, before it starts, it is one line and a usage error (exit 2)."""
+    if config.max_upload_bytes < 1:  # else every upload would be refused, the service up but useless
+        raise ValueError(f"--max-upload-bytes must be >= 1, got {config.max_upload_bytes}")
+    Admission.of_gateway(config)
+    return config
 
 
 @dataclass(frozen=True)

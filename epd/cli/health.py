@@ -17,13 +17,21 @@ _NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 def health_answer(address: str, service: str = "", timeout_s: float = 3.0) -> bool | None:
     """True: SERVING; False: the server answered, but not SERVING (loading its model, draining,
     a stage behind it down, an unknown service); None: no answer within `timeout_s`."""
+    return _check(address, service, timeout_s)[0]
+
+
+def _check(address: str, service: str, timeout_s: float) -> tuple[bool | None, str]:
+    """`health_answer`'s answer, and what came back: the serving status's name, or the gRPC
+    status and its details (for no answer, gRPC's reason: connection refused, TLS handshake...)."""
     with blocking_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as exc:
-            return None if exc.code() in _NO_ANSWER else False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+            code = exc.code()
+            return (None if code in _NO_ANSWER else False), f"{code.name}: {exc.details()}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
 
 
 def is_serving(address: str, service: str = "", timeout_s: float = 3.0) -> bool:
@@ -31,6 +39,16 @@ def is_serving(address: str, service: str = "", timeout_s: float = 3.0) -> bool:
 
 
 def check_health(address: str, service: str, timeout_s: float) -> int:
-    ok = is_serving(address, service, timeout_s)
-    print("SERVING" if ok else "NOT_SERVING", file=sys.stderr)
-    return 0 if ok else 1
+    """Exit 0 when SERVING; 1 otherwise, with one line saying which: the server's answer
+    (NOT_SERVING while it loads, drains or misses a stage), or no answer at all. A probe retries
+    either way, but a person reading the line needs to know whether anything is listening."""
+    answer, what = _check(address, service, timeout_s)
+    if answer is None:
+        # gRPC's reason says which: nothing listening (connection refused), the TLS handshake
+        # (a client certificate the server wants, a CA that does not verify it), or a hung server.
+        print(f"no answer from {address} within {timeout_s:g} s ({what})", file=sys.stderr)
+    elif answer:
+        print("SERVING", file=sys.stderr)
+    else:  # an answer: a status other than SERVING, or an error such as an unknown --service
+        print("NOT_SERVING" if what == "NOT_SERVING" else f"NOT_SERVING ({what})", file=sys.stderr)
+    return 0 if answer else 1

@@ -4,7 +4,7 @@
     epd ask VIDEO [QUESTION] --question Q2 ... [--interactive]   # one conversation, in turns
     epd serve                     # the whole stack on loopback, one process per service
     epd serve encoder|prefill|decode|gateway
-    epd health HOST:PORT          # exit 0 when the service reports SERVING
+    epd health HOST:PORT          # exit 0 when the service reports SERVING; 1 when it does not, or no answer
     epd bench serve|quality ...  # latency/throughput vs baselines; accuracy on the test split
 
 Environment variables are read here and nowhere else: EPD_MODEL, EPD_DEVICE, EPD_DTYPE,
@@ -24,6 +24,7 @@ from collections.abc import Callable
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
 REPLICA_PORT_STEP = 10
 MAX_REPLICAS = 64
+MAX_PORT = 65535
 
 
 def _env(name: str, default: str) -> str:
@@ -201,19 +202,24 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _count(what: str, high: int, unit: str) -> Callable[[str], int]:
-    """An argparse type: an integer from 1 to `high` ("a number of `what`", "1 to `high` `unit`")."""
+def _count(what: str, high: int, unit: str, low: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` ("expected `what`", "`low` to `high` `unit`")."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of {what}, got {text!r}") from None
-        if not 1 <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be 1 to {high} {unit}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low} to {high} {unit}, got {text!r}")
         return value
 
     return parse
+
+
+# Every port flag (0: the flag's own meaning, off or any free port). Left to the socket, 70001
+# would be served as 70001 - 65536, and -5 would fail deep in bind, with a traceback.
+_port = _count("a port number", MAX_PORT, "(a TCP port)", low=0)
 
 
 def add_grace_flag(p: argparse.ArgumentParser) -> None:
@@ -224,7 +230,7 @@ def add_grace_flag(p: argparse.ArgumentParser) -> None:
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--port", type=_port, default=default_port)
     add_grace_flag(p)
     add_security_flags(p)
 
@@ -294,7 +300,7 @@ def _kv_sources(value: str) -> tuple[str, ...]:
 
 def add_http_api_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("OpenAI-compatible HTTP API")
-    g.add_argument("--http-port", type=int, default=0, help="port of the HTTP API (0 = off)")
+    g.add_argument("--http-port", type=_port, default=0, help="port of the HTTP API (0 = off)")
     g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: $EPD_API_KEY); "
@@ -311,7 +317,7 @@ def add_http_api_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-media-domains", type=_addresses, default=(),
                    help="comma-separated domains http(s) media URLs may be fetched from (default: none); "
                         "private addresses are refused regardless")
-    g.add_argument("--media-fetch-timeout", type=float, default=30.0, help="seconds to fetch one media URL")
+    g.add_argument("--media-fetch-timeout", type=_positive_seconds, default=30.0, help="seconds to fetch one media URL")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -442,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "only with --api-key)")
     gw.add_argument("--max-inflight-body-bytes", type=int, default=0,
                     help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
-    gw.add_argument("--stage-check-interval", type=float, default=1.0,
+    gw.add_argument("--stage-check-interval", type=_seconds, default=1.0,
                     help="seconds between stage replica health checks: a replica not serving leaves routing "
                          "until it serves again; gateway health is NOT_SERVING while a stage has no replica "
                          "serving (0 = check only at start-up)")
@@ -452,25 +458,26 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--routing", choices=("affinity", "round-robin"), default="affinity",
                     help="affinity: a video's calls go to the replicas holding its caches (unless "
                          "overloaded), others to the least loaded; round-robin: every call in turn")
-    gw.add_argument("--stage-attempt-timeout", type=float, default=120.0, metavar="SECONDS",
+    gw.add_argument("--stage-attempt-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                     help="longest one try of a stage call may take (decode: until its first token) before "
                          "the next replica is tried (0 = only the stage deadline)")
-    gw.add_argument("--load-refresh-interval", type=float, default=0.5, metavar="SECONDS",
+    gw.add_argument("--load-refresh-interval", type=_seconds, default=0.5, metavar="SECONDS",
                     help="seconds between reads of the replicas' loads for routing (0 = off)")
     add_http_api_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
     serve.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))  # else the stack makes one
-    serve.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
-    serve.add_argument("--encoder-port", type=int, default=ENCODER_PORT)
-    serve.add_argument("--prefill-port", type=int, default=PREFILL_PORT)
-    serve.add_argument("--decode-port", type=int, default=DECODE_PORT)
-    serve.add_argument("--http-port", type=int, default=8000,
+    serve.add_argument("--gateway-port", type=_port, default=GATEWAY_PORT)
+    serve.add_argument("--encoder-port", type=_port, default=ENCODER_PORT)
+    serve.add_argument("--prefill-port", type=_port, default=PREFILL_PORT)
+    serve.add_argument("--decode-port", type=_port, default=DECODE_PORT)
+    serve.add_argument("--http-port", type=_port, default=8000,
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
     serve.add_argument("--max-requests-per-client", type=int, default=8,
                        help="requests one client (peer IP) may have in flight (the gateway's limit)")
     g = serve.add_argument_group("replicas and supervision (the stack on loopback)")
+    replicas = _count("a number of replicas", MAX_REPLICAS, "replicas")
     for role in ("encoder", "prefill", "decode"):
-        g.add_argument(f"--{role}s", type=_count("replicas", MAX_REPLICAS, "replicas"), default=1, metavar="N",
+        g.add_argument(f"--{role}s", type=replicas, default=1, metavar="N",
                        help=f"{role} replicas: replica i listens on --{role}-port + {REPLICA_PORT_STEP} * i")
     g.add_argument("--health-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
                    help="a service that stops answering its gRPC health check this long is killed and "
@@ -478,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "crash-loops is given up on)")
     g.add_argument("--kv-ttl", type=float, default=120.0, metavar="SECONDS",
                    help="passed to prefill: seconds a KV cache waits for a decoder before it is dropped")
-    g.add_argument("--stage-attempt-timeout", type=float, default=120.0, metavar="SECONDS",
+    g.add_argument("--stage-attempt-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="passed to the gateway: longest one try of a stage call may take (decode: until "
                         "its first token) before the next replica is tried")
     serve.add_argument("--colocate", action="store_true",
@@ -495,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
                        metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
                                                "waits while encode and prefill steps go first")
-    serve.add_argument("--concurrent-steps", type=_count("model calls", MAX_CONCURRENT_STEPS, "(one per stage)"),
+    steps = _count("a number of model calls", MAX_CONCURRENT_STEPS, "(one per stage)")
+    serve.add_argument("--concurrent-steps", type=steps,
                        default=shared.concurrent_steps, metavar="N",
                        help=f"--colocate: model calls of different stages that run at once (1: one at a time; "
                             f"2: a decode step beside an encode or prefill step; at most {MAX_CONCURRENT_STEPS}, "
@@ -518,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
     health.add_argument("address", help="HOST:PORT")
     health.add_argument("--service", default="", help="service name; default: the whole server")
-    health.add_argument("--timeout", type=float, default=3.0)
+    health.add_argument("--timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
+                        help="seconds to wait for the answer")
     add_tls_client_flags(health.add_argument_group("TLS (a service started with --tls-cert)"))
     return parser
 

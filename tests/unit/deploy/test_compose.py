@@ -216,7 +216,9 @@ def test_the_stack_the_gpu_overlay_and_the_image_have_no_problems():
 def check_tls(doc: dict) -> list[str]:
     """mTLS between the services: every one serves TLS with a mounted certificate, the stages
     require client certificates, the gateway and decode verify the stages they call, and the
-    health checks speak TLS (with a client certificate where one is required)."""
+    health checks speak TLS presenting the container's own certificate: the gateway's too, though
+    its port does not require one, so that it still passes once --tls-client-ca is added as the
+    file advises."""
     problems, declared = [], doc.get("secrets") or {}
     for name, svc in doc["services"].items():
         _, cfg = serve_config(as_argv(svc["command"]), env_of(svc))
@@ -227,8 +229,8 @@ def check_tls(doc: dict) -> list[str]:
         problems += [f"{name}: {flag} {path or '(none)'} is not a mounted secret"
                      for flag, path in paths.items() if path not in mounted]
         probe = vars(parse_epd(as_argv(svc["healthcheck"]["test"])[2:]))
-        if not probe.get("tls_ca") or (tls.tls_client_ca and not probe.get("tls_cert")):
-            problems.append(f"{name}: its healthcheck does not speak {'m' if tls.tls_client_ca else ''}TLS")
+        if not probe.get("tls_ca") or (probe.get("tls_cert"), probe.get("tls_key")) != (tls.tls_cert, tls.tls_key):
+            problems.append(f"{name}: its healthcheck does not speak mTLS")
     return problems
 
 
@@ -241,6 +243,18 @@ def test_the_tls_overlay_secures_every_service():
     assert len(check_tls(interpolate(raw(), env))) >= 4  # the base file: plaintext
     doc["services"]["prefill"]["healthcheck"]["test"] = ["CMD", "epd", "health", "localhost:50052"]
     assert check_tls(doc) == ["prefill: its healthcheck does not speak mTLS"]
+    # The gateway's port takes clients without certificates, but its healthcheck must present one:
+    # with --tls-client-ca added (the file's advice), one without would fail its handshake.
+    doc["services"]["gateway"]["healthcheck"]["test"] = ["CMD", "epd", "health", "localhost:50050",
+                                                         "--tls-ca", "/run/secrets/tls-ca"]
+    assert check_tls(doc) == ["prefill: its healthcheck does not speak mTLS",
+                              "gateway: its healthcheck does not speak mTLS"]
+
+
+def test_the_advice_to_require_client_certificates_keeps_the_healthcheck_trusted():
+    """The gateway's healthcheck presents service.pem: a --tls-client-ca bundle must hold ca.pem."""
+    for text in ((COMPOSE / "docker-compose.tls.yml").read_text(), (COMPOSE / "README.md").read_text()):
+        assert "--tls-client-ca" in text and "cat clients-ca.pem certs/ca.pem > certs/client-ca.pem" in text
 
 
 @pytest.mark.parametrize("env", [{}, {"EPD_API_KEY": ""}])

@@ -118,7 +118,10 @@ def check_tls(objs: list[dict]) -> list[str]:
             args = build_parser().parse_args(command[1:])
             if args.command != "health" or args.address != f"localhost:{port}":
                 problems.append(f"{name}: {kind} does not check localhost:{port}: {command}")
-            elif args.tls_ca != sec.tls_ca or (role != "gateway" and (args.tls_cert, args.tls_key) != (sec.tls_cert, sec.tls_key)):
+            # The pod's own certificate on every probe, the gateway's too though its port does not
+            # require one: with --tls-client-ca added (the overlay's advice), a probe without one
+            # would fail and the kubelet would restart the gateway in a loop.
+            elif args.tls_ca != sec.tls_ca or (args.tls_cert, args.tls_key) != (sec.tls_cert, sec.tls_key):
                 problems.append(f"{name}: {kind} does not present the TLS its port requires: {command}")
     return problems
 
@@ -176,6 +179,8 @@ def _patch(name: str, fn):
      "does not check localhost:50050"),
     (_patch("encoder", lambda c: c["startupProbe"]["exec"]["command"].__setitem__(slice(5, None), [])),
      "does not present the TLS"),
+    (_patch("gateway", lambda c: c["livenessProbe"]["exec"]["command"].__setitem__(slice(5, None), [])),
+     "does not present the TLS"),
     (_patch("gateway", lambda c: c.__setitem__("volumeMounts", [m for m in c["volumeMounts"] if m["name"] != "tls"])),
      "are not tls.crt"),
 ])
@@ -183,3 +188,9 @@ def test_check_tls_catches_a_broken_overlay(mutate, problem):
     objs = tls_objects()
     mutate(objs)
     assert any(problem in p for p in check_tls(objs)), check_tls(objs)
+
+
+def test_the_advice_to_require_client_certificates_keeps_the_probes_trusted():
+    """The gateway's probes present tls.crt: a --tls-client-ca bundle must hold ca.crt."""
+    for text in ((TLS / "kustomization.yaml").read_text(), (K8S.parent / "README.md").read_text()):
+        assert "--tls-client-ca" in text and "client-ca.crt=<(cat clients-ca.pem ca.pem)" in text

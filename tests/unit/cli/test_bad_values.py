@@ -1,0 +1,241 @@
+"""Bad input to `epd` is one line saying what to change and the right exit code (2 for a flag
+value), never a traceback nor a server's INTERNAL error; and `epd health` tells an answer of
+NOT_SERVING from no answer at all."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epd.cli import configs
+from epd.cli.ask import run_ask
+from epd.cli.health import check_health
+from epd.cli.main import build_parser
+from epd.cli.serve import EXIT_USAGE, serve_role
+from epd.stages.server_config import TransportSecurity
+from epd.transport import security
+from tests.pki import make_pki
+from tests.stack import ROOT
+
+VIDEO = str(ROOT / "samples" / "sample.mp4")
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """argparse's exit 2 for `argv`, and its message."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "encoder", "--port", "70001"],
+    ["serve", "gateway", "--port", "65536"],
+    ["serve", "gateway", "--http-port", "-5"],
+    ["serve", "--gateway-port", "70001"],
+    ["serve", "--encoder-port", "-1"],
+    ["serve", "--prefill-port", "65536"],
+    ["serve", "--decode-port", "100000"],
+    ["serve", "--http-port", "70001"],
+])
+def test_a_port_beyond_65535_or_below_0_is_refused(capsys, argv):
+    err = _usage_error(capsys, argv)
+    assert f"argument {argv[-2]}: must be 0 to 65535 (a TCP port), got '{argv[-1]}'" in err
+
+
+def test_ports_at_the_ends_of_the_range_are_taken(capsys):
+    args = build_parser().parse_args(["serve", "gateway", "--port", "65535", "--http-port", "0"])
+    assert (args.port, args.http_port) == (65535, 0)
+    assert "expected a port number, got 'http'" in _usage_error(capsys, ["serve", "encoder", "--port", "http"])
+
+
+@pytest.fixture
+def restored_process():
+    """serve_role sets SIGTERM's handler and this process's transport security: put them back."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+    security.configure(TransportSecurity())
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--max-requests-per-client", "-1"], "epd serve gateway: --max-requests-per-client must be >= 1, got -1"),
+    (["--max-requests-per-api-key", "-2"], "--max-requests-per-api-key must be >= 0"),
+    (["--max-inflight-body-bytes", "5"], "--max-inflight-body-bytes 5 is below the largest request body"),
+])
+def test_a_gateway_limit_it_refuses_is_one_line_and_exit_2(capsys, restored_process, flags, expected):
+    """Checked before the event loop starts: there it was a traceback and exit 1."""
+    args = build_parser().parse_args(["serve", "gateway", "--port", "0", *flags])
+    assert serve_role(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_gateway_upload_limit_below_1_is_refused():
+    """(Not through serve_role: unchecked, the gateway would start and serve, refusing every upload.)"""
+    args = build_parser().parse_args(["serve", "gateway", "--max-upload-bytes", "-1"])
+    with pytest.raises(ValueError, match="--max-upload-bytes must be >= 1, got -1"):
+        configs.gateway_config(args)
+
+
+def test_the_colocated_front_door_checks_its_limits_too():
+    args = build_parser().parse_args(["serve", "--colocate", "--max-requests-per-client", "0"])
+    with pytest.raises(ValueError, match="--max-requests-per-client must be >= 1, got 0"):
+        configs.colocated_gateway_config(args)
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--stage-check-interval", "-1", "must be >= 0 seconds"),
+    ("--stage-attempt-timeout", "-1", "must be >= 0 seconds"),
+    ("--load-refresh-interval", "-0.5", "must be >= 0 seconds"),
+    ("--media-fetch-timeout", "0", "must be > 0 seconds"),
+])
+def test_a_gateway_interval_below_0_is_refused(capsys, flag, value, expected):
+    assert f"argument {flag}: {expected}" in _usage_error(capsys, ["serve", "gateway", flag, value])
+
+
+def test_the_gateway_intervals_0_still_mean_off():
+    args = build_parser().parse_args(["serve", "gateway", "--stage-check-interval", "0",
+                                      "--stage-attempt-timeout", "0", "--load-refresh-interval", "0"])
+    config = configs.gateway_config(args)
+    assert (config.stage_check_interval_s, config.stage_attempt_timeout_s, config.load_refresh_interval_s) == (0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _ask(*argv: str) -> int:
+    return run_ask(build_parser().parse_args(["ask", *argv]))
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--tls-ca", "/missing.pem"], "epd: --tls-ca /missing.pem: cannot read it (No such file or directory)"),
+    (["--tls-ca", VIDEO], f"epd: --tls-ca {VIDEO}: not a PEM file"),
+    (["--tls-ca", "CA", "--tls-cert", "/missing.pem", "--tls-key", "KEY"],
+     "epd: --tls-cert /missing.pem: cannot read it"),
+    (["--tls-ca", "CA", "--tls-cert", "CERT", "--tls-key", "/missing.key"],
+     "epd: --tls-key /missing.key: cannot read it"),
+    (["--tls-ca", "CA", "--tls-cert", "CERT", "--tls-key", "STRANGER_KEY"],
+     "epd: --tls-cert/--tls-key: not a certificate and its matching key"),
+])
+def test_epd_ask_names_a_tls_file_it_cannot_use(capsys, pki, flags, expected):
+    """The client's own files: exit 2 naming the flag, not the server's "INTERNAL" (exit 1)."""
+    paths = {"CA": pki["ca"], "CERT": pki["client"][0], "KEY": pki["client"][1], "STRANGER_KEY": pki["stranger"][1]}
+    assert _ask(VIDEO, "q?", "--endpoint", "127.0.0.1:1", *(paths.get(f, f) for f in flags)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and len(err.strip().splitlines()) == 1
+
+
+def test_epd_ask_with_a_bad_device_is_a_usage_error(capsys):
+    """Embedded mode's model config is built before the event loop: its ValueError is exit 2."""
+    assert _ask(VIDEO, "q?", "--device", "bogus") == 2
+    assert capsys.readouterr().err.strip() == "epd: device must be 'cpu' or 'cuda[:N]', got 'bogus'"
+
+
+@pytest.mark.parametrize("where,expected", [
+    ("directory", "is a directory; give the path of a video or image file"),
+    ("missing", "no such file: "),
+    ("/dev/null", "/dev/null is not a regular file"),
+])
+def test_epd_ask_says_what_its_video_path_is(capsys, tmp_path, where, expected):
+    path = {"directory": str(tmp_path), "missing": str(tmp_path / "nope.mp4")}.get(where, where)
+    assert _ask(path, "q?") == 2
+    err = capsys.readouterr().err
+    assert expected in err and path in err
+
+
+def _free_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health_server(credentials: grpc.ServerCredentials | None = None):
+    """A gRPC server on loopback whose health answers NOT_SERVING (plaintext, or `credentials`),
+    its address and its health servicer."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0") if credentials is None else server.add_secure_port(
+        "127.0.0.1:0", credentials)
+    server.start()
+    return server, f"127.0.0.1:{port}", servicer
+
+
+def _health(*argv: str) -> int:
+    """`epd health ARGV` as main runs it (its TLS flags, then the check), without main's logging set-up."""
+    args = build_parser().parse_args(["health", *argv])
+    security.configure(configs.health_security(args))
+    return check_health(args.address, args.service, args.timeout)
+
+
+@pytest.fixture
+def plain_security():
+    yield
+    security.configure(TransportSecurity())
+
+
+def test_epd_health_tells_not_serving_from_no_answer(capsys, plain_security):
+    server, address, servicer = _health_server()
+    try:
+        assert _health(address) == 1
+        assert capsys.readouterr().err.strip() == "NOT_SERVING"
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert _health(address) == 0
+        assert capsys.readouterr().err.strip() == "SERVING"
+        assert _health(address, "--service", "no.such.Service") == 1
+        assert capsys.readouterr().err.startswith("NOT_SERVING (NOT_FOUND")
+    finally:
+        server.stop(None)
+    nobody = f"127.0.0.1:{_free_port()}"
+    assert _health(nobody, "--timeout", "5") == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"no answer from {nobody} within 5 s (UNAVAILABLE") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "soon"])
+def test_epd_health_timeout_must_be_positive(capsys, timeout):
+    assert "argument --timeout:" in _usage_error(capsys, ["health", "127.0.0.1:1", "--timeout", timeout])
+
+
+def test_epd_health_refuses_tls_flags_that_do_not_go_together(pki):
+    cert, key = pki["client"]
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
+        configs.health_security(parse(["health", "127.0.0.1:1", "--tls-ca", pki["ca"], "--tls-cert", cert]))
+    with pytest.raises(ValueError, match="--tls-cert needs --tls-ca"):  # else plaintext, the certificate unsent
+        configs.health_security(parse(["health", "127.0.0.1:1", "--tls-cert", cert, "--tls-key", key]))
+
+
+def test_epd_health_presents_a_client_certificate_to_an_mtls_port(capsys, pki, plain_security):
+    """What the gateway's probes run once --tls-client-ca is added (deploy/k8s-tls, compose): with
+    the pod's own certificate the handshake passes; without one there is no answer, said so."""
+    cert, key = pki["service"]
+    with open(cert, "rb") as c, open(key, "rb") as k, open(pki["ca"], "rb") as ca:
+        mtls = grpc.ssl_server_credentials([(k.read(), c.read())], root_certificates=ca.read(),
+                                           require_client_auth=True)
+    server, address, servicer = _health_server(mtls)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    try:
+        assert _health(address, "--tls-ca", pki["ca"], "--tls-cert", cert, "--tls-key", key) == 0
+        assert capsys.readouterr().err.strip() == "SERVING"
+        assert _health(address, "--tls-ca", pki["ca"]) == 1
+        assert capsys.readouterr().err.startswith(f"no answer from {address}")
+    finally:
+        server.stop(None)
+
+
+def test_epd_ask_embedded_says_a_model_it_cannot_load_with_exit_3(capsys, tmp_path):
+    """As `epd serve` does: exit 3 and the loader's line, not the server's FAILED_PRECONDITION (exit 1)."""
+    missing = tmp_path / "no-model"
+    assert _ask(VIDEO, "q?", "--model", str(missing)) == 3
+    assert capsys.readouterr().err.strip().endswith(f"epd: cannot load {missing}: no such directory")
