@@ -96,9 +96,9 @@ def test_ask_embedded_on_an_unsupported_model_prints_the_reason(tiny_models, med
     model = _break(tiny_models["qwen2_vl"], "unsupported model_type", tmp_path)
     proc = subprocess.run(epd_command("ask", str(media_files["png"]), "what is it?", "--model", str(model)),
                           capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180)
-    assert proc.returncode != 0
+    assert proc.returncode == EXIT_MODEL, proc.stderr  # as `epd serve`'s (it was 1, "FAILED_PRECONDITION")
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("epd: FAILED_PRECONDITION: cannot load"), proc.stderr
+    assert last.startswith(f"epd: cannot load {model}: "), proc.stderr
     assert REASONS["unsupported model_type"] in last and "Traceback" not in proc.stderr
 
 
