@@ -26,13 +26,9 @@ from epd.stages.errors import Busy, InvalidRequest, NotFound
 _HANDLE = re.compile(r"[0-9a-f]{32}")
 
 
-def new_handle() -> str:
-    return uuid.uuid4().hex
-
-
 def check_handle(handle: str) -> str:
-    """A caller's handle ("" = the store picks one): 32 lowercase hex digits, as `new_handle`'s
-    (a random 128 bits: it is what lets a decoder pull the cache)."""
+    """A caller's handle ("" = the store picks one): 32 lowercase hex digits, as the store's
+    own (a random 128 bits, uuid4: it is what lets a decoder pull the cache)."""
     if handle and not _HANDLE.fullmatch(handle):
         raise InvalidRequest("kv_handle must be 32 lowercase hex digits (a random 128-bit id), or empty")
     return handle
@@ -74,7 +70,7 @@ class KvStore:
                     f"prefill holds {self.num_bytes} bytes of KV caches waiting for decoders and this "
                     f"one needs {size} more (limit {self.max_bytes}); retry shortly or add decode capacity"
                 )
-            handle = handle or new_handle()
+            handle = handle or uuid.uuid4().hex
             self._entries[handle] = _Entry(cache, size, self._clock() + self.ttl_s)
             self.num_bytes += size
             return handle

@@ -17,6 +17,10 @@ MAX_NEW_TOKENS = 4096
 KV room for the prompt plus all of them before it pulls the cache, so one request asking for the
 whole context would hold that room for its whole life (vLLM's paged cache grows as tokens come)."""
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""vLLM's `_SAMPLING_EPS`: a temperature this small is greedy. Dividing by a tinier one (1e-45
+passes every check of a finite number >= 0) sends the logits to inf and the sampler to NaN."""
+
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 """At most this many stop strings of at most this many characters each: each is compared with the
@@ -69,7 +73,6 @@ class GenerationConfig:
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
-
     def with_drawn_seed(self) -> GenerationConfig:
         """This config with a random seed in place of None, when it samples (drawn once where a
         request comes in: prefill and decode, and a prefill repeated on another replica, then
@@ -77,11 +80,6 @@ class GenerationConfig:
         if self.seed is not None or self.temperature < GREEDY_BELOW_TEMPERATURE:
             return self
         return replace(self, seed=secrets.randbits(63))
-
-
-GREEDY_BELOW_TEMPERATURE = 1e-5
-"""vLLM's `_SAMPLING_EPS`: a temperature this small is greedy. Dividing by a tinier one (1e-45
-passes every check of a finite number >= 0) sends the logits to inf and the sampler to NaN."""
 
 
 def stream_seed(seed: int, stream: int) -> int:
