@@ -10,7 +10,13 @@ from epd.decode_svc.config import DecodeConfig
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.gateway.admission import Admission
-from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig, SharedModelSchedule
+from epd.gateway.config import (
+    GatewayConfig,
+    HttpApiConfig,
+    MediaFetchConfig,
+    SharedModelSchedule,
+    open_without_key,
+)
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.threads import AUTO
@@ -184,9 +190,12 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
 
 def checked_gateway(config: GatewayConfig) -> GatewayConfig:
-    """`config`, once its admission limits pass their own checks (ValueError, naming the flag).
-    The gateway builds them again inside its event loop, where a bad value would end in a
-    traceback and exit 1; here, before it starts, it is one line and a usage error (exit 2)."""
+    """`config`, once its admission limits pass their own checks and it is not open beyond
+    loopback without a key (ValueError, naming the flag). The gateway checks them again inside its
+    event loop, where a bad value would end in a traceback or exit 1; here, before it starts, it is
+    one line and a usage error (exit 2)."""
+    if problem := open_without_key(config):
+        raise ValueError(problem)
     if config.max_upload_bytes < 1:  # else every upload would be refused, the service up but useless
         raise ValueError(f"--max-upload-bytes must be >= 1, got {config.max_upload_bytes}")
     Admission.of_gateway(config)

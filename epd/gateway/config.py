@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.model_runtime.sampling import GenerationConfig
-from epd.stages.server_config import ServerConfig
+from epd.stages.server_config import ServerConfig, is_loopback
 from epd.video.types import SamplingOptions
 
 DEFAULT_PORT = 50050
@@ -154,3 +154,23 @@ class GatewayConfig:
     """Defaults for generation fields a request leaves unset."""
     http: HttpApiConfig = field(default_factory=HttpApiConfig)
     """The OpenAI-compatible HTTP API (off unless `http.port` is set)."""
+
+
+def open_without_key(config: GatewayConfig) -> str | None:
+    """Why the gateway must not start with this config (None when it may): a non-loopback
+    interface with no API key needs the explicit --no-api-key opt-out."""
+    http = config.http
+    if http.api_keys and http.no_api_key:
+        return "both an API key (--api-key or $EPD_API_KEY) and --no-api-key are set; pass one of them"
+    if http.api_keys or http.no_api_key:
+        return None
+    exposed = [] if is_loopback(config.server.host) else [f"gRPC on {config.server.host or '*'} (--host)"]
+    http_host = http.host or config.server.host
+    if http.port and not is_loopback(http_host):
+        exposed.append(f"HTTP on {http_host or '*'} (--http-host/--host)")
+    if not exposed:
+        return None
+    return (
+        f"refusing to serve {' and '.join(exposed)} without an API key: set --api-key KEY (or "
+        "$EPD_API_KEY), bind 127.0.0.1, or pass --no-api-key on a closed, trusted network"
+    )

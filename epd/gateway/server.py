@@ -10,14 +10,13 @@ import asyncio
 import logging
 
 from epd.gateway.admission import Admission
-from epd.gateway.config import GatewayConfig
+from epd.gateway.config import GatewayConfig, open_without_key
 from epd.gateway.engine_load import watch_loads
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import InProcessHealth, StageHealth, watch_stages
 from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, read_replicas
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
-from epd.stages.server_config import is_loopback
 from epd.transport.auth import ApiKeyInterceptor
 from epd.transport.remote_stages import (
     RemoteDecodeStage,
@@ -101,26 +100,6 @@ async def start(
         watcher.reload()  # the file as it is now (it may have changed since the pools were built)
         hs.background_tasks.append(asyncio.ensure_future(watcher.run()))
     return hs
-
-
-def open_without_key(config: GatewayConfig) -> str | None:
-    """Why the gateway must not start with this config (None when it may): a non-loopback
-    interface with no API key needs the explicit --no-api-key opt-out."""
-    http = config.http
-    if http.api_keys and http.no_api_key:
-        return "both an API key (--api-key or $EPD_API_KEY) and --no-api-key are set; pass one of them"
-    if http.api_keys or http.no_api_key:
-        return None
-    exposed = [] if is_loopback(config.server.host) else [f"gRPC on {config.server.host or '*'} (--host)"]
-    http_host = http.host or config.server.host
-    if http.port and not is_loopback(http_host):
-        exposed.append(f"HTTP on {http_host or '*'} (--http-host/--host)")
-    if not exposed:
-        return None
-    return (
-        f"refusing to serve {' and '.join(exposed)} without an API key: set --api-key KEY (or "
-        "$EPD_API_KEY), bind 127.0.0.1, or pass --no-api-key on a closed, trusted network"
-    )
 
 
 async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:

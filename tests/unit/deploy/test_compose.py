@@ -331,7 +331,7 @@ MUTATIONS = [
     ("cache not mounted", _set("prefill", "volumes", value=[]), "prefill: no volume mounted"),
     ("two caches", _set("decode", "volumes", value=["other-cache:/cache"]), "share one declared named volume"),
     ("key inlined", _set("gateway", "environment", "EPD_API_KEY", value="hunter2"), "does not take its API key"),
-    ("key opt-out", lambda d: d["services"]["gateway"]["command"].append("--no-api-key"), "does not take its API"),
+    ("key opt-out", lambda d: d["services"]["gateway"]["command"].append("--no-api-key"), "and --no-api-key are set"),
     ("no key at all", _set("gateway", "environment", "EPD_API_KEY"), "refusing to serve"),
     ("secret flag dropped", lambda d: d["services"]["prefill"].__setitem__("command", d["services"]["prefill"][
         "command"][:-2]), "prefill: no --internal-secret-file"),

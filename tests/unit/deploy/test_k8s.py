@@ -238,7 +238,7 @@ MUTATIONS = [
      "refusing to serve"),
     ("key inlined", _c("gateway", lambda c: c["env"].__setitem__(0, {"name": "EPD_API_KEY", "value": "hunter2"})),
      "does not take its API key"),
-    ("opt-out", _c("gateway", lambda c: c["args"].append("--no-api-key")), "does not take its API key"),
+    ("opt-out", _c("gateway", lambda c: c["args"].append("--no-api-key")), "both an API key (--api-key or $EPD_API_KEY) and --no-api-key are set"),
     ("secret in manifests", lambda o: o.append({"kind": "Secret", "metadata": {"name": "epd-api-key"}}),
      "a Secret is in the manifests"),
     ("secret flag dropped", _c("encoder", lambda c: c.update(args=c["args"][:-2])),
