@@ -23,6 +23,8 @@ from epd.transport.auth import INTERNAL_AUTH_KEY
 
 MAX_PEM_BYTES = 1 << 20
 """A certificate bundle or key larger than this is not one (a wrong path, e.g. a model file)."""
+
+
 def read_pem(path: str, flag: str) -> bytes:
     """The PEM file of `flag`; ValueError with one line saying what is wrong with it."""
     try:
@@ -46,6 +48,7 @@ def check_files(security: TransportSecurity) -> None:
             raise ValueError(f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})") from None
     for path, flag in ((security.tls_client_ca, "--tls-client-ca"), (security.tls_ca, "--tls-ca")):
         if path:
+            read_pem(path, flag)  # a missing or unreadable file says so, as for the certificate
             try:
                 ssl.create_default_context(cafile=path)
             except (ssl.SSLError, OSError) as exc:

@@ -106,8 +106,14 @@ def test_unusable_tls_files_are_one_line_errors(pki):
     mismatched = TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "other.key"))
     with pytest.raises(ValueError, match="not a certificate and its matching key"):
         security.check_files(mismatched)
-    with pytest.raises(ValueError, match="--tls-ca .*not a PEM CA bundle"):
+    with pytest.raises(ValueError, match="--tls-ca .*not a PEM file"):
         security.check_files(TransportSecurity(tls_ca=str(pki / "not.pem")))
+    (pki / "broken-ca.pem").write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="--tls-ca .*not a PEM CA bundle"):
+        security.check_files(TransportSecurity(tls_ca=str(pki / "broken-ca.pem")))
+    # A missing CA file is named as missing, as a missing certificate is (not "not a PEM CA bundle").
+    with pytest.raises(ValueError, match=r"^--tls-ca /missing/ca\.pem: cannot read it \(No such file or directory\)$"):
+        security.check_files(TransportSecurity(tls_ca="/missing/ca.pem"))
     with pytest.raises(ValueError, match=r"--tls-key .*not a PEM file"):
         security.server_credentials(TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "not.pem")))
     good = TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "key.pem"),
