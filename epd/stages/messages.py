@@ -79,7 +79,10 @@ class Message:
 
 def question_messages(question: str, media: str = "video") -> list[Message]:
     """The 0.1 form, one question about one media: one user message [media, question] (what
-    gRPC's `AskHeader.question` and the SDK's `ask(video, question)` mean)."""
+    gRPC's `AskHeader.question` and the SDK's `ask(video, question)` mean). This form asks a
+    question, so a blank one is refused (InvalidRequest); messages may hold the media alone."""
+    if not question.strip():
+        raise InvalidRequest("the question is empty; ask something about the video")
     return [Message.user(ContentPart(media), question)]
 
 
@@ -90,7 +93,10 @@ def num_text_chars(messages: Sequence[Message]) -> int:
 def check_messages(messages: Sequence[Message], max_text_chars: int | None = None) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
     answer: known roles and part types, text only in text parts, exactly one media part (in a
-    user message), some text, the last message the user's, at most `max_text_chars` of text."""
+    user message), the last message the user's, at most `max_text_chars` of text. A message may be
+    the media alone, with no text at all (as in vLLM and OpenAI's API: the model then answers the
+    video as its chat template frames it; the text-guided prefill drop then scores the visual
+    tokens by the template's own tokens after the video)."""
     if not messages:
         raise InvalidRequest("the request has no messages; send a user message with a video and a question")
     media = 0
@@ -124,8 +130,6 @@ def check_messages(messages: Sequence[Message], max_text_chars: int | None = Non
             f"the last message is the {messages[-1].role}'s; end with the user's message (the answer is "
             "generated as the assistant's next message)"
         )
-    if not any(p.text.strip() for m in messages for p in m.parts):
-        raise InvalidRequest("the question is empty; ask something about the video")
     if max_text_chars is not None and (n := num_text_chars(messages)) > max_text_chars:
         raise InvalidRequest(f"the messages have {n} characters of text; the limit is {max_text_chars}: send a "
                              "shorter conversation (or start a new one without the oldest turns)")

@@ -39,6 +39,8 @@ SHAPES = {
     "text_video_text": ("mp4", [{"role": "user", "content": [
         {"type": "text", "text": "look at this clip:"}, {"type": "video"},
         {"type": "text", "text": "which direction does it move?"}]}]),
+    # The video alone, no text (vLLM and OpenAI accept it): the template's own tokens follow it.
+    "video_only": ("mp4", [{"role": "user", "content": [{"type": "video"}]}]),
     "image": ("png", [{"role": "user", "content": [
         {"type": "text", "text": "describe this image"}, {"type": "image"}]}]),
     "history": ("mp4", [

@@ -48,12 +48,23 @@ def test_the_wire_form_round_trips():
         ([Message.user(VIDEO, "q"), Message.assistant("a")], "end with the user's message"),
         ([Message("bot", (VIDEO,))], "role 'bot'"),
         ([Message("assistant", (VIDEO,)), Message.user("q")], "media go in user messages"),
-        ([Message.user(VIDEO, "  ")], "the question is empty"),
     ],
 )
 def test_check_messages_says_what_to_change(messages, match):
     with pytest.raises(InvalidRequest, match=match):
         check_messages(messages)
+
+
+def test_a_conversation_may_be_the_media_alone_but_a_question_may_not_be_blank():
+    """As in vLLM and OpenAI's API, a user message may hold only the video; the question form
+    (gRPC's deprecated `question`, the SDK's `ask(video, question)`) asks a question."""
+    check_messages([Message.user(VIDEO)])
+    check_messages([Message.system("describe what you see"), Message.user(VIDEO, "  ")])
+    for blank in ("", "  \n"):
+        with pytest.raises(InvalidRequest, match="the question is empty; ask something about the video"):
+            question_messages(blank)
+        with pytest.raises(InvalidRequest, match="the question is empty"):
+            messages_of(gateway_pb2.AskHeader(question=blank))
 
 
 def test_check_messages_limits_the_text():
