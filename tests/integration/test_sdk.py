@@ -374,6 +374,30 @@ def test_a_stream_left_early_is_cancelled_on_the_server(stack, client, media_fil
     assert client.ask(media_files["mp4"], QUESTION, **OPTIONS).token_ids == expected.token_ids
 
 
+def test_a_conversation_turn_left_early_closes_its_call_at_once(stack, media_files):
+    """aclose() on a turn's stream closes the client stream under it before returning (its call is
+    cancelled then), not when the garbage collector's finalizer gets to it; the test above cannot
+    tell the two apart, as it waits for the server to go idle."""
+
+    async def run() -> None:
+        async with AsyncEpdClient(stack.gateway, timeout_s=WAIT_S, api_key=API_KEY) as c:
+            conv = c.conversation(media_files["mp4"], **LONG_ANSWER)
+            calls = []  # the real client streams the turn reads (held here, so no finalizer closes them)
+            turn = conv._turn
+            conv._turn = lambda *args: calls.append(turn(*args)) or calls[-1]
+            stream = conv.stream(QUESTION)
+            num_deltas = 0
+            async for item in stream:
+                num_deltas += isinstance(item, TokenDelta)
+                if num_deltas == 3:
+                    break
+            await stream.aclose()
+            assert len(calls) == 1 and calls[0].ag_frame is None, "the turn's client stream is still open"
+            await asyncio.to_thread(_wait_until_idle, stack)
+
+    asyncio.run(run())
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_a_client_closed_in_the_middle_of_a_stream_cancels_it(stack, media_files):
     """close() while a stream is being read, then `break`: the call is cancelled on the server,
