@@ -165,8 +165,9 @@ class PruningReport:
     kv_bytes_after: int = 0
     """KV cache bytes sent to Decode."""
     transfer_bytes: int = 0
-    """Bytes moved between the services for the request: a field of the HTTP API's `epd.pruning`,
-    which the gRPC summary does not carry (0 here)."""
+    """Tensor bytes that crossed a process boundary for the request, summed over its hops (visual
+    embeddings encoder -> gateway -> prefill, the KV cache prefill -> decode; docs/architecture.md,
+    "Bytes moved per request"); 0 from an embedded or colocated server, where nothing crosses."""
 
     @property
     def prefill_flops_saved(self) -> int:
@@ -295,6 +296,7 @@ def pruning_from_proto(p: common_pb2.PruningReport) -> PruningReport:
         prefill_flops_pruned=p.prefill_flops_pruned,
         kv_bytes_before=p.kv_bytes_before,
         kv_bytes_after=p.kv_bytes_after,
+        transfer_bytes=p.transfer_bytes,
     )
 
 

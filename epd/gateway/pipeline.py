@@ -126,6 +126,9 @@ class Pipeline:
         )
         timings[Stage.VIDEO_DECODE.value] = media.decode_ms
         timings[Stage.ENCODE.value] = media.encode_ms
+        # The request's transfer_bytes, hop by hop as the remote stages count them (0 in one
+        # process): encoder -> gateway here, each prefill call's, then the decoder's KV pull.
+        transfer_bytes = media.pruning.transfer_bytes
 
         # Prefill, then decode. If the prefill replica that holds the KV cache is lost before any
         # decoder has it (KvSourceLost, no decoder step sent to the client yet), prefill again,
@@ -139,6 +142,7 @@ class Pipeline:
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
             handle = await self._prefill(req, media, request_id)
+            transfer_bytes += handle.pruning.transfer_bytes  # a prefill again sends the media again
             taken = False  # by the decoder: its first step comes only after it pulled the cache
             ended = False  # the decoder's stream ran to its end
             try:
@@ -175,6 +179,8 @@ class Pipeline:
                         timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
                         emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
                                         {"kv_num_bytes": str(step.kv_num_bytes)}))
+                        if handle.kv_address:  # pulled from a prefill server; not an in-process store's
+                            transfer_bytes += step.kv_num_bytes
                         if sent is not None:
                             rest = _after_sent(step, sent)
                             if rest is None:
@@ -205,6 +211,7 @@ class Pipeline:
         emit(StageEvent(Stage.GENERATE, "finished", timings[Stage.GENERATE.value],
                         {"num_tokens": str(len(token_ids)), "finish_reason": finish_reason}))
         timings[TOTAL] = elapsed_ms()
+        pruning.transfer_bytes = transfer_bytes
         return AskSummary(
             request_id=request_id,
             answer="".join(text_parts),

@@ -105,6 +105,9 @@ def messages_of(header: gateway_pb2.AskHeader) -> list[Message]:
 
 
 def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
+    pruning = convert.stats_to_proto(s.pruning)
+    # The gateway's own count (the stages' reports leave it out): in this answer only.
+    pruning.transfer_bytes = s.pruning.transfer_bytes
     return gateway_pb2.AskSummary(
         request_id=s.request_id,
         answer=s.answer,
@@ -118,7 +121,7 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         encoder_cache_hit=s.encoder_cache_hit,
         media_sha256=s.media_sha256,
         frame_timestamps_s=s.frame_timestamps_s,
-        pruning=convert.stats_to_proto(s.pruning),
+        pruning=pruning,
         grid_thw=list(s.grid_thw),
         kept_visual_token_index=s.kept_visual_token_index,
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,

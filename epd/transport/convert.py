@@ -25,7 +25,7 @@ from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport.message_convert import messages_from_proto as messages_from_proto  # re-exported
 from epd.transport.message_convert import messages_to_proto as messages_to_proto  # re-exported
-from epd.transport.tensor_wire import WireTensor, tensor_bytes, tensor_to_chunks
+from epd.transport.tensor_wire import WireTensor, tensor_bytes, tensor_num_bytes, tensor_to_chunks
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2
 from epd.video.types import MediaError, SamplingOptions
 
@@ -151,6 +151,11 @@ def encoded_media_chunks(media: EncodedMedia) -> Iterator[common_pb2.TensorChunk
     ("deepstack.{k}"), all through the receiver's one byte-budgeted `TensorAssembler`."""
     for name, tensor in media.to_record().tensors.items():
         yield from tensor_to_chunks(name, tensor)
+
+
+def encoded_media_num_bytes(media: EncodedMedia) -> int:
+    """Payload bytes of the tensors `encoded_media_chunks` sends (embeddings + DeepStack features)."""
+    return sum(tensor_num_bytes(t) for t in media.to_record().tensors.values())
 
 
 def encoded_media_from_proto(

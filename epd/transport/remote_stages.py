@@ -290,7 +290,10 @@ class RemoteEncodeStage(EncodeStage):
         result, asm = await self.pool.call(key, attempt, "encode", request_id, self.timeout_s)
         # Relayed to prefill as received (embeddings and any DeepStack features, all counted
         # against max_transfer_bytes): wire form, no torch in the gateway.
-        return convert.encoded_media_from_proto(result, asm.wire_tensors())
+        encoded = convert.encoded_media_from_proto(result, asm.wire_tensors())
+        # Hop encoder -> gateway of the request's transfer_bytes (a token-cache hit sends them too).
+        encoded.pruning.transfer_bytes = asm.total_bytes
+        return encoded
 
 
 _cancelled_releases: set[asyncio.Future] = set()
@@ -359,7 +362,13 @@ class RemotePrefillStage(PrefillStage):
 
         # The replica whose prefix cache holds this video's conversation (rendezvous on its sha256).
         result = await self.pool.call(media.sha256, attempt, "prefill", request_id, self.timeout_s)
-        return convert.handle_from_proto(result, relay=True)
+        handle = convert.handle_from_proto(result, relay=True)
+        # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill
+        # (sent whole, prefix-cache hit or not: prefill hashes them for its key), and the
+        # visual-entry mask (decode eviction only) prefill -> gateway, then gateway -> decode in
+        # the GenerateRequest.
+        handle.pruning.transfer_bytes = convert.encoded_media_num_bytes(media) + 2 * len(result.visual_entry_mask)
+        return handle
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if not handle.kv_address:

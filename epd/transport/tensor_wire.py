@@ -108,6 +108,11 @@ def tensor_bytes(tensor: AnyTensor) -> bytes:
     return bytes(tensor.data) if isinstance(tensor, WireTensor) else _tensor_bytes(tensor).tobytes()
 
 
+def tensor_num_bytes(tensor: AnyTensor) -> int:
+    """Payload bytes of a torch.Tensor or a WireTensor: what `tensor_to_chunks` sends of it."""
+    return tensor.num_bytes if isinstance(tensor, WireTensor) else tensor.numel() * tensor.element_size()
+
+
 def tensor_to_chunks(
     name: str, tensor: AnyTensor, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[common_pb2.TensorChunk]:

@@ -105,17 +105,19 @@ class PruningStageCount(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ...) -> None: ...
 
 class PruningReport(_message.Message):
-    __slots__ = ("stages", "num_key_tokens", "prefill_flops_full", "prefill_flops_pruned", "kv_bytes_before", "kv_bytes_after")
+    __slots__ = ("stages", "num_key_tokens", "prefill_flops_full", "prefill_flops_pruned", "kv_bytes_before", "kv_bytes_after", "transfer_bytes")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_KEY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FLOPS_FULL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FLOPS_PRUNED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_BEFORE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[PruningStageCount]
     num_key_tokens: int
     prefill_flops_full: int
     prefill_flops_pruned: int
     kv_bytes_before: int
     kv_bytes_after: int
-    def __init__(self, stages: _Optional[_Iterable[_Union[PruningStageCount, _Mapping]]] = ..., num_key_tokens: _Optional[int] = ..., prefill_flops_full: _Optional[int] = ..., prefill_flops_pruned: _Optional[int] = ..., kv_bytes_before: _Optional[int] = ..., kv_bytes_after: _Optional[int] = ...) -> None: ...
+    transfer_bytes: int
+    def __init__(self, stages: _Optional[_Iterable[_Union[PruningStageCount, _Mapping]]] = ..., num_key_tokens: _Optional[int] = ..., prefill_flops_full: _Optional[int] = ..., prefill_flops_pruned: _Optional[int] = ..., kv_bytes_before: _Optional[int] = ..., kv_bytes_after: _Optional[int] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...

@@ -41,7 +41,7 @@ def full_summary() -> gateway_pb2.AskSummary:
             stages=[common_pb2.PruningStageCount(stage="prefill_drop", num_visual_tokens_in=48,
                                                  num_visual_tokens_out=24)],
             num_key_tokens=3, prefill_flops_full=1000, prefill_flops_pruned=600, kv_bytes_before=8192,
-            kv_bytes_after=4096,
+            kv_bytes_after=4096, transfer_bytes=45056,
         ),
         grid_thw=[2, 8, 12],
         kept_visual_token_index=[0, 2, 5],
@@ -91,7 +91,7 @@ def test_every_value_of_the_summary_arrives_typed():
     assert result.timings_ms == Timings(1.5, 2.0, 3.0, 0.5, 4.0, 6.0, 11.0)
     assert out["timings_ms"] == dict(summary.timings_ms)
     assert result.pruning == PruningReport(
-        (PruningStageCount("prefill_drop", 48, 24),), 3, 1000, 600, 8192, 4096
+        (PruningStageCount("prefill_drop", 48, 24),), 3, 1000, 600, 8192, 4096, 45056
     )
     assert result.pruning.prefill_flops_saved == 400
     assert result.grid_thw == GridTHW(temporal=2, height=8, width=12)
@@ -164,9 +164,9 @@ def test_the_sdk_and_the_stage_names_import_no_torch():
 def test_to_dict_has_every_name_and_value_of_the_http_apis_epd_object():
     """The same summary, through the gRPC answer into the SDK and through the HTTP API's `epd`
     object, gives the same value under each of the HTTP object's names (`pruning.transfer_bytes`
-    was missing from the SDK's)."""
+    was missing from the SDK's, then 0 there: the gRPC summary did not carry it)."""
     stats = PruningStats(num_key_tokens=3, prefill_flops_full=1000, prefill_flops_pruned=600,
-                         kv_bytes_before=8192, kv_bytes_after=4096)  # fmt: skip
+                         kv_bytes_before=8192, kv_bytes_after=4096, transfer_bytes=45056)  # fmt: skip
     stats.record("prefill_drop", 48, 24)
     summary = pipeline.AskSummary(
         request_id="r-1", answer="a red circle", token_ids=[5, 6, 7], finish_reason="length", num_frames=4,

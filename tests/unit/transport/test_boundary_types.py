@@ -133,13 +133,20 @@ def test_encoded_media_round_trips_through_its_record_and_the_proto():
     assert set(record.fields) == set(encoder_pb2.EncodeResult.DESCRIPTOR.fields_by_name), (
         "the record is keyed like the wire's EncodeResult"
     )
-    assert set(record.fields["pruning"]) == set(common_pb2.PruningReport.DESCRIPTOR.fields_by_name)
-    # transfer_bytes is the gateway's own count; it never crosses a boundary.
+    # transfer_bytes is the gateway's own count, carried in its AskSummary only: it never crosses
+    # a stage boundary (nor goes into the token cache).
+    assert set(record.fields["pruning"]) == set(common_pb2.PruningReport.DESCRIPTOR.fields_by_name) - {
+        "transfer_bytes"
+    }
     _assert_same(EncodedMedia.from_record(record), media, skip=("pruning",))
     msg = convert.encode_result_to_proto(media)
     wire = TensorAssembler(1 << 20)  # every tensor (embeddings, DeepStack features) as chunks
+    num_bytes_sent = 0
     for chunk in convert.encoded_media_chunks(media):
+        num_bytes_sent += len(chunk.data)
         wire.add(common_pb2.TensorChunk.FromString(chunk.SerializeToString()))
+    # What the gateway counts of this hop in the request's transfer_bytes: all of the tensors' bytes.
+    assert convert.encoded_media_num_bytes(media) == num_bytes_sent == wire.total_bytes == 3 * 6 * 8 * 2
     back = convert.encoded_media_from_proto(
         encoder_pb2.EncodeResult.FromString(msg.SerializeToString()), wire.tensors()
     )
