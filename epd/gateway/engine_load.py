@@ -9,6 +9,10 @@ while it renders) turns the answers into one sample per engine core, labelled by
     core     the core's own name (`EngineLoad.stage`; a process may run several cores)
     replica  the address the gateway calls ("local" in the embedded mode)
 
+The prefill cores' samples also carry prefill's prefix cache (`epd_prefix_cache_*`) and its KV
+store, the caches waiting for a decoder to pull them (`epd_kv_store_*`, the drops with a `reason`
+label too).
+
 `watch_loads` reads the same loads in the background for routing: every replica's running +
 waiting requests go to its pool's chooser, so that calls without media affinity go to the least
 loaded replica and a keyed call avoids an overloaded home (`epd.transport.affinity`).
@@ -183,7 +187,23 @@ _PREFIX_COUNTERS = [
         "prefix_cache_evictions",
     ),
 ]
-_PREFIX_STAGE = "prefill"
+# Prefill's KV store (`prefill_svc/kv_store.py`): the caches it holds until a decoder pulls them,
+# beside decode's KV memory (epd_engine_memory_*_bytes), on the prefill cores' samples only.
+_KV_STORE_GAUGES = [
+    ("epd_kv_store_caches", "KV caches prefill holds for a decoder to pull, now.", "kv_store_caches"),
+    ("epd_kv_store_used_bytes", "Bytes of the KV caches prefill holds for decoders, now.", "kv_store_used_bytes"),
+    ("epd_kv_store_total_bytes", "Prefill's KV store budget (--kv-store-bytes).", "kv_store_total_bytes"),
+]
+_KV_STORE_DROPPED = (
+    "epd_kv_store_dropped_total",
+    "KV caches prefill dropped before a decoder confirmed them, since start, by reason: expired "
+    "(--kv-ttl: a decoder or gateway died, or decode is too slow to pull) or released (the request ended).",
+)
+_KV_STORE_DROP_REASONS = [("expired", "kv_store_expired"), ("released", "kv_store_released")]
+_PREFILL_STAGE = "prefill"
+_PREFILL_GAUGES = _PREFIX_GAUGES + _KV_STORE_GAUGES
+
+Family = GaugeMetricFamily | CounterMetricFamily
 
 
 class EngineLoadCollector:
@@ -237,25 +257,31 @@ class EngineLoadCollector:
         self.loads = loads
 
     def describe(self) -> Iterator[Metric]:
-        yield from self._families()
+        engine, prefill, dropped = self._families()
+        yield from [family for family, _ in engine + prefill] + [dropped]
 
     def collect(self) -> Iterator[Metric]:
-        families = self._families()
-        engine, prefix = families[: len(_GAUGES + _COUNTERS)], families[len(_GAUGES + _COUNTERS) :]
+        engine, prefill, dropped = self._families()
         for source, load in self.loads:
             labels = [source.stage, load.stage, source.replica]
-            for family, (_, _, attr) in zip(engine, _GAUGES + _COUNTERS):
+            for family, attr in engine:
                 family.add_metric(labels, float(getattr(load, attr)))
-            if source.stage == _PREFIX_STAGE:
-                for family, (_, _, attr) in zip(prefix, _PREFIX_GAUGES + _PREFIX_COUNTERS):
+            if source.stage == _PREFILL_STAGE:
+                for family, attr in prefill:
                     family.add_metric(labels, float(getattr(load, attr)))
-        yield from families
+                for reason, attr in _KV_STORE_DROP_REASONS:
+                    dropped.add_metric([*labels, reason], float(getattr(load, attr)))
+        yield from [family for family, _ in engine + prefill] + [dropped]
 
     @staticmethod
-    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
-        return (
-            [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _GAUGES]
-            + [CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _COUNTERS]
-            + [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _PREFIX_GAUGES]
-            + [CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _PREFIX_COUNTERS]
-        )
+    def _families() -> tuple[list[tuple[Family, str]], list[tuple[Family, str]], CounterMetricFamily]:
+        """(every core's families, the prefill cores' own, the KV store's drops by reason), each
+        family with the `EngineLoad` field it shows; empty, filled by `collect`."""
+
+        def of(gauges: list[tuple[str, str, str]], counters: list[tuple[str, str, str]]) -> list[tuple[Family, str]]:
+            return [(GaugeMetricFamily(name, doc, labels=LABELS), attr) for name, doc, attr in gauges] + [
+                (CounterMetricFamily(name, doc, labels=LABELS), attr) for name, doc, attr in counters
+            ]
+
+        dropped = CounterMetricFamily(*_KV_STORE_DROPPED, labels=[*LABELS, "reason"])
+        return of(_GAUGES, _COUNTERS), of(_PREFILL_GAUGES, _PREFIX_COUNTERS), dropped

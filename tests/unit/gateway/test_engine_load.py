@@ -216,6 +216,32 @@ def test_the_replicas_read_follow_the_pool_when_the_replica_file_changes_it():
     asyncio.run(scenario())
 
 
+def test_prefills_kv_store_is_on_the_prefill_samples_only():
+    """Held now (caches, bytes, budget) as gauges, drops by reason as one counter; the other
+    stages' samples have none (their cores have no KV store)."""
+    prefill = EngineLoad(
+        "prefill", kv_store_caches=2, kv_store_used_bytes=3000, kv_store_total_bytes=8000,
+        kv_store_expired=4, kv_store_released=5,
+    )  # fmt: skip
+    decode = EngineLoad("decode", memory_used_bytes=3000, memory_total_bytes=9000)
+    metrics = _metered(FakeStage(EngineLoad("encoder")), FakeStage(prefill), FakeStage(decode))
+    text = _scrape(metrics)
+    expected = {
+        ("epd_kv_store_caches", ""): ("gauge", 2),
+        ("epd_kv_store_used_bytes", ""): ("gauge", 3000),
+        ("epd_kv_store_total_bytes", ""): ("gauge", 8000),
+        ("epd_kv_store_dropped_total", "expired"): ("counter", 4),
+        ("epd_kv_store_dropped_total", "released"): ("counter", 5),
+    }
+    for (name, reason), (kind, value) in expected.items():
+        assert f"# TYPE {name} {kind}" in text, name
+        labels = {"stage": "prefill", "core": "prefill", "replica": "local"} | ({"reason": reason} if reason else {})
+        assert metrics.registry.get_sample_value(name, labels) == value, name
+        for stage in ("encoder", "decode"):
+            assert metrics.registry.get_sample_value(name, labels | {"stage": stage, "core": stage}) is None, name
+    assert _engine(metrics, "epd_engine_memory_used_bytes", "decode", "decode") == 3000
+
+
 def test_gauges_are_empty_before_the_first_scrape():
     metrics = _metered(FakeStage(EngineLoad("encoder", num_steps=3)), NoCoreStage(), NoCoreStage())
     text = metrics.render()
