@@ -199,7 +199,6 @@ def test_the_replicas_read_follow_the_pool_when_the_replica_file_changes_it():
         try:
             for replicas in ([first], [first, second], [second], [first, second]):
                 pool.set_addresses(replicas)
-                await asyncio.sleep(0.05)  # a removed replica's idle channel closes
                 await metrics.scrape()
                 for address in (first, second):
                     steps = _engine(metrics, "epd_engine_steps_total", "encoder", "encoder", address)
