@@ -34,6 +34,20 @@ def check_handle(handle: str) -> str:
     return handle
 
 
+@dataclass(frozen=True)
+class KvStoreStats:
+    """What the store holds now (caches, bytes, budget) and the caches it dropped before a
+    decoder confirmed them, since start (its /metrics, `EngineLoad.kv_store_*`)."""
+
+    num_caches: int
+    num_bytes: int
+    max_bytes: int
+    num_expired: int
+    """At their TTL: a decoder or gateway died, or decode did not pull in time."""
+    num_released: int
+    """Their request ended first (cancelled, failed, or its decoder could not pull)."""
+
+
 @dataclass
 class _Entry:
     cache: KvCache
@@ -123,6 +137,15 @@ class KvStore:
         if entry is not None:
             self.num_bytes -= entry.num_bytes
         return entry
+
+    def stats(self) -> KvStoreStats:
+        with self._lock:
+            # Expiry is otherwise lazy (at the next put or pull): an idle store would go on
+            # showing caches whose TTL has passed, and not count them as expired.
+            self._expire()
+            return KvStoreStats(
+                len(self._entries), self.num_bytes, self.max_bytes, self.num_expired, self.num_released
+            )
 
     def __len__(self) -> int:
         with self._lock:

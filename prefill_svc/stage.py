@@ -88,9 +88,11 @@ class LocalPrefillStage(PrefillStage):
             log.info("released the KV cache of request %s: it ended before a decoder took it", request_id)
 
     def load(self) -> EngineLoad:
-        """What the prefill core is doing now (running/waiting requests, last batch size, steps)
-        and its prefix cache (hits, misses, evictions, entries, bytes)."""
+        """What the prefill core is doing now (running/waiting requests, last batch size, steps),
+        its prefix cache (hits, misses, evictions, entries, bytes) and its KV store (caches
+        waiting for decoders, bytes, budget, caches dropped unpulled)."""
         prefix = self.engine.prefix_cache.stats()
+        kv = self.kv_store.stats()
         return replace(
             self.core.load(),
             prefix_cache_hits=prefix.num_hits,
@@ -98,6 +100,11 @@ class LocalPrefillStage(PrefillStage):
             prefix_cache_evictions=prefix.num_evictions,
             prefix_cache_entries=prefix.num_entries,
             prefix_cache_bytes=prefix.num_bytes,
+            kv_store_caches=kv.num_caches,
+            kv_store_used_bytes=kv.num_bytes,
+            kv_store_total_bytes=kv.max_bytes,
+            kv_store_expired=kv.num_expired,
+            kv_store_released=kv.num_released,
         )
 
     async def close(self) -> None:

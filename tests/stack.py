@@ -7,6 +7,8 @@ services take to load their weights, not to import torch three times on two core
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import signal
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from epd.cli.health import is_serving
@@ -119,6 +122,32 @@ def zygote() -> Zygote:
     return _zygote
 
 
+@contextlib.contextmanager
+def stage_replica(role: str, model: Path, log_dir: Path) -> Iterator[tuple[str, ServiceProcess]]:
+    """One more `role` replica beside a Stack's (forked from the session's zygote, on a loopback
+    port of its own, without the internal secret like a Stack's stages; its log `ROLE-2.log`):
+    (address, process), stopped with SIGTERM on exit. It may still be loading:
+    `wait_until_serving`."""
+    port = free_port()
+    argv = ["serve", role, "--port", str(port), "--model", str(model), *INSECURE_STAGE]
+    proc = zygote().start(f"{role}-2", argv, child_env(), str(log_dir / f"{role}-2.log"))
+    try:
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def wait_until_serving(address: str, proc: ServiceProcess, timeout_s: float = 120.0) -> None:
+    """Until the replica at `address` answers SERVING; fails if it exits or takes `timeout_s`
+    (a deadline for a start-up, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not is_serving(address, timeout_s=1.0):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the replica at {address} did not start"
+        time.sleep(0.2)
+
+
 class Stack:
     """Context manager; `.gateway` is the front door's address."""
 
@@ -184,3 +213,17 @@ class Stack:
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
+
+
+def replica_file_stack(model: Path, tmp_path: Path, stage: str, *gateway_flags: str) -> tuple[Stack, Path, int]:
+    """A Stack (logs in tmp_path/logs) whose gateway takes `stage`'s replicas from a replica file
+    (`--replicas-file`, at first the stack's own replica) and serves HTTP: (the stack, the file,
+    the HTTP port)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    http_port = free_port()
+    stack = Stack(model, logs)
+    replicas_file = tmp_path / "replicas.json"
+    replicas_file.write_text(json.dumps({stage: [stack.address(stage)]}))
+    stack.extra["gateway"] = ["--replicas-file", str(replicas_file), "--http-port", str(http_port), *gateway_flags]
+    return stack, replicas_file, http_port

@@ -9,13 +9,23 @@ while it renders) turns the answers into one sample per engine core, labelled by
     core     the core's own name (`EngineLoad.stage`; a process may run several cores)
     replica  the address the gateway calls ("local" in the embedded mode)
 
+The prefill cores' samples also carry prefill's prefix cache (`epd_prefix_cache_*`) and its KV
+store, the caches waiting for a decoder to pull them (`epd_kv_store_*`, the drops with a `reason`
+label too).
+
 `watch_loads` reads the same loads in the background for routing: every replica's running +
 waiting requests go to its pool's chooser, so that calls without media affinity go to the least
 loaded replica and a keyed call avoids an overloaded home (`epd.transport.affinity`).
 
+The sources are listed again at each scrape: a remote stage's are its pool's replicas at that
+moment, each over the channel its calls use, so they follow the replica file (`--replicas-file`):
+an added replica has samples from the next scrape, a removed one none, and one taken out and put
+back is read over its new channel (the channel of its first listing closed when it was taken out).
+
 A source that does not answer has no samples in that scrape, and `epd_load_scrape_errors_total`
-counts it. A replica address that is a DNS name over several pods (a headless Service) is one
-source: each scrape sees the pod its channel picks.
+counts it; a replica's error series goes when the replica leaves its pool. A replica address that
+is a DNS name over several pods (a headless Service) is one source: each scrape sees the pod its
+channel picks.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -54,35 +65,45 @@ class LoadSource:
     """timeout_s -> one EngineLoad per engine core; raises when the stage does not answer."""
 
 
-def local_source(stage_name: str, stage: object) -> LoadSource:
+Sources = Callable[[], Sequence[LoadSource]]
+"""The sources of one stage as they are now; called at every scrape."""
+
+
+def local_source(stage_name: str, stage: object) -> Sources:
     """A stage in this process (the embedded mode): its `load()` read directly."""
 
     async def read(timeout_s: float) -> Sequence[EngineLoad]:
         return stage_loads(stage)
 
-    return LoadSource(stage_name, LOCAL, read)
+    source = LoadSource(stage_name, LOCAL, read)
+    return lambda: [source]
 
 
-def remote_sources(stage_name: str, pool: ReplicaPool) -> list[LoadSource]:
-    """One source per replica address of a remote stage, over the channel its calls use."""
-    sources = []
-    for address, channel in zip(pool.addresses, pool.channels):  # the replicas listed at start
+def remote_sources(stage_name: str, pool: ReplicaPool) -> Sources:
+    """One source per replica of a remote stage now (the replica file changes them), each over
+    the channel its calls use now."""
 
-        async def read(timeout_s: float, channel=channel) -> Sequence[EngineLoad]:
-            return await fetch_loads(channel, timeout_s)
+    def now() -> list[LoadSource]:
+        return [LoadSource(stage_name, address, _reader(pool.channel(address))) for address in pool.addresses]
 
-        sources.append(LoadSource(stage_name, address, read))
-    return sources
+    return now
 
 
-def sources_of(stages: Mapping[str, object]) -> list[LoadSource]:
+def _reader(channel: grpc.aio.Channel) -> Callable[[float], Awaitable[Sequence[EngineLoad]]]:
+    async def read(timeout_s: float) -> Sequence[EngineLoad]:
+        return await fetch_loads(channel, timeout_s)
+
+    return read
+
+
+def sources_of(stages: Mapping[str, object]) -> list[Sources]:
     """Sources for a pipeline's stages by name: remote stages (a `pool` of replicas) over gRPC,
     local ones that have a `load()` directly; a stage with neither has no engine load."""
-    sources: list[LoadSource] = []
+    sources: list[Sources] = []
     for name, stage in stages.items():
         pool = getattr(stage, "pool", None)
         if isinstance(pool, ReplicaPool):
-            sources += remote_sources(name, pool)
+            sources.append(remote_sources(name, pool))
         elif callable(getattr(stage, "load", None)):
             sources.append(local_source(name, stage))
     return sources
@@ -166,7 +187,23 @@ _PREFIX_COUNTERS = [
         "prefix_cache_evictions",
     ),
 ]
-_PREFIX_STAGE = "prefill"
+# Prefill's KV store (`prefill_svc/kv_store.py`): the caches it holds until a decoder pulls them,
+# beside decode's KV memory (epd_engine_memory_*_bytes), on the prefill cores' samples only.
+_KV_STORE_GAUGES = [
+    ("epd_kv_store_caches", "KV caches prefill holds for a decoder to pull, now.", "kv_store_caches"),
+    ("epd_kv_store_used_bytes", "Bytes of the KV caches prefill holds for decoders, now.", "kv_store_used_bytes"),
+    ("epd_kv_store_total_bytes", "Prefill's KV store budget (--kv-store-bytes).", "kv_store_total_bytes"),
+]
+_KV_STORE_DROPPED = (
+    "epd_kv_store_dropped_total",
+    "KV caches prefill dropped before a decoder confirmed them, since start, by reason: expired "
+    "(--kv-ttl: a decoder or gateway died, or decode is too slow to pull) or released (the request ended).",
+)
+_KV_STORE_DROP_REASONS = [("expired", "kv_store_expired"), ("released", "kv_store_released")]
+_PREFILL_STAGE = "prefill"
+_PREFILL_GAUGES = _PREFIX_GAUGES + _KV_STORE_GAUGES
+
+Family = GaugeMetricFamily | CounterMetricFamily
 
 
 class EngineLoadCollector:
@@ -174,7 +211,8 @@ class EngineLoadCollector:
 
     def __init__(self, registry: CollectorRegistry, timeout_s: float = LOAD_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
-        self.sources: list[LoadSource] = []
+        self._stages: list[Sources] = []
+        self._error_series: set[tuple[str, str]] = set()  # (stage, replica) of the sources listed last
         self.loads: list[tuple[LoadSource, EngineLoad]] = []
         self.scrape_errors = Counter(
             "epd_load_scrape_errors_total",
@@ -184,46 +222,66 @@ class EngineLoadCollector:
         )
         registry.register(self)
 
-    def add_sources(self, sources: Sequence[LoadSource]) -> None:
-        self.sources += sources
-        for s in sources:  # a series from the start, at 0
-            self.scrape_errors.labels(stage=s.stage, replica=s.replica)
+    def add_sources(self, stages: Sequence[Sources]) -> None:
+        self._stages += stages
+        self.sources()  # an error series for each from the start, at 0
+
+    def sources(self) -> list[LoadSource]:
+        """Every stage's sources now. Each has an error series; a replica gone from its pool
+        loses its own (a gateway whose replica file moves over many addresses keeps no
+        series of the departed)."""
+        sources = [source for stage in self._stages for source in stage()]
+        series = {(s.stage, s.replica) for s in sources}
+        for stage, replica in self._error_series - series:
+            self.scrape_errors.remove(stage, replica)
+        for stage, replica in series - self._error_series:
+            self.scrape_errors.labels(stage=stage, replica=replica)
+        self._error_series = series
+        return sources
 
     async def refresh(self) -> None:
         """Read every source at once; a source that fails or times out is counted and left out."""
+        sources = self.sources()
         answers = await asyncio.gather(
-            *(asyncio.wait_for(s.read(self.timeout_s), self.timeout_s) for s in self.sources),
+            *(asyncio.wait_for(s.read(self.timeout_s), self.timeout_s) for s in sources),
             return_exceptions=True,
         )
         loads = []
-        for source, answer in zip(self.sources, answers):
+        for source, answer in zip(sources, answers):
             if isinstance(answer, BaseException):
                 log.debug("no engine load from %s at %s: %r", source.stage, source.replica, answer)
-                self.scrape_errors.labels(stage=source.stage, replica=source.replica).inc()
+                if (source.stage, source.replica) in self._error_series:  # not removed meanwhile
+                    self.scrape_errors.labels(stage=source.stage, replica=source.replica).inc()
                 continue
             loads += [(source, load) for load in answer]
         self.loads = loads
 
     def describe(self) -> Iterator[Metric]:
-        yield from self._families()
+        engine, prefill, dropped = self._families()
+        yield from [family for family, _ in engine + prefill] + [dropped]
 
     def collect(self) -> Iterator[Metric]:
-        families = self._families()
-        engine, prefix = families[: len(_GAUGES + _COUNTERS)], families[len(_GAUGES + _COUNTERS) :]
+        engine, prefill, dropped = self._families()
         for source, load in self.loads:
             labels = [source.stage, load.stage, source.replica]
-            for family, (_, _, attr) in zip(engine, _GAUGES + _COUNTERS):
+            for family, attr in engine:
                 family.add_metric(labels, float(getattr(load, attr)))
-            if source.stage == _PREFIX_STAGE:
-                for family, (_, _, attr) in zip(prefix, _PREFIX_GAUGES + _PREFIX_COUNTERS):
+            if source.stage == _PREFILL_STAGE:
+                for family, attr in prefill:
                     family.add_metric(labels, float(getattr(load, attr)))
-        yield from families
+                for reason, attr in _KV_STORE_DROP_REASONS:
+                    dropped.add_metric([*labels, reason], float(getattr(load, attr)))
+        yield from [family for family, _ in engine + prefill] + [dropped]
 
     @staticmethod
-    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
-        return (
-            [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _GAUGES]
-            + [CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _COUNTERS]
-            + [GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _PREFIX_GAUGES]
-            + [CounterMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _PREFIX_COUNTERS]
-        )
+    def _families() -> tuple[list[tuple[Family, str]], list[tuple[Family, str]], CounterMetricFamily]:
+        """(every core's families, the prefill cores' own, the KV store's drops by reason), each
+        family with the `EngineLoad` field it shows; empty, filled by `collect`."""
+
+        def of(gauges: list[tuple[str, str, str]], counters: list[tuple[str, str, str]]) -> list[tuple[Family, str]]:
+            return [(GaugeMetricFamily(name, doc, labels=LABELS), attr) for name, doc, attr in gauges] + [
+                (CounterMetricFamily(name, doc, labels=LABELS), attr) for name, doc, attr in counters
+            ]
+
+        dropped = CounterMetricFamily(*_KV_STORE_DROPPED, labels=[*LABELS, "reason"])
+        return of(_GAUGES, _COUNTERS), of(_PREFILL_GAUGES, _PREFIX_COUNTERS), dropped

@@ -87,6 +87,16 @@ class EngineLoad:
     prefix_cache_entries: int = 0
     prefix_cache_bytes: int = 0
     """Bytes of KV the prefix cache holds now."""
+    kv_store_caches: int = 0
+    """Prefill's KV store (0 elsewhere): caches held now for a decoder to pull."""
+    kv_store_used_bytes: int = 0
+    """Their bytes (decode's side of the handover is `memory_used_bytes`)."""
+    kv_store_total_bytes: int = 0
+    """The store's budget (--kv-store-bytes)."""
+    kv_store_expired: int = 0
+    """Caches dropped at their TTL (--kv-ttl) before a decoder confirmed them, since start."""
+    kv_store_released: int = 0
+    """Caches released (their request ended) before a decoder confirmed them, since start."""
 
 
 class Scheduler(ABC, Generic[R]):

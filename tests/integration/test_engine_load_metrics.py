@@ -3,11 +3,16 @@ service over LoadService at every scrape, and a request moves every stage's step
 
 from __future__ import annotations
 
+import json
+import os
+import time
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import EpdClient
+from tests.stack import replica_file_stack, stage_replica, wait_until_serving
 
 ENGINE_METRICS = (
     "epd_engine_running_requests",
@@ -20,6 +25,7 @@ ENGINE_METRICS = (
     "epd_engine_memory_total_bytes",
 )
 STAGES = ("encoder", "prefill", "decode")
+WAIT_S = 30.0  # a deadline for the gateway to see a change, not a timing assertion
 
 
 def _metrics(port: int) -> str:
@@ -63,3 +69,45 @@ def test_every_stage_reports_its_engine_load_and_steps_grow(shared_stack, tmp_pa
     for stage in STAGES:
         assert steps_after[stage] > steps_before[stage], stage
     assert all(size >= 1 for size in _by_stage(after, "epd_engine_batch_size").values())
+
+
+def _replicas_with_samples(text: str, stage: str) -> set[str]:
+    """The replica labels of `stage` that have an `epd_engine_steps_total` sample."""
+    return {
+        sample.labels["replica"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "epd_engine_steps_total" and sample.labels["stage"] == stage
+    }
+
+
+def _replicas_now(port: int, stage: str, expected: set[str]) -> set[str]:
+    """The replicas of `stage` with engine samples once they are `expected` (a replica just
+    added may not have connected yet; the deadline is for that, not a timing assertion)."""
+    deadline = time.monotonic() + WAIT_S
+    while (seen := _replicas_with_samples(_metrics(port), stage)) != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return seen
+
+
+def _wait_for_log(path: Path, text: str, times: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while path.read_text().count(text) < times:
+        assert time.monotonic() < deadline, f"the gateway never logged {text!r} {times} times"
+        time.sleep(0.1)
+
+
+def test_engine_samples_follow_the_replica_file(tiny_models, tmp_path):
+    """The replicas of the file at start keep their samples across its changes (also when one is
+    taken out and put back), a replica the file adds gets samples, a removed one has none."""
+    stack, replicas_file, http_port = replica_file_stack(tiny_models["qwen2_vl"], tmp_path, "encoder")
+    first, gateway_log = stack.address("encoder"), stack.log_dir / "gateway.log"
+    with stage_replica("encoder", tiny_models["qwen2_vl"], stack.log_dir) as (second, replica), stack:
+        wait_until_serving(second, replica)
+        assert _replicas_with_samples(_metrics(http_port), "encoder") == {first}
+
+        for step, replicas in enumerate(([first, second], [second], [first, second])):
+            replicas_file.write_text(json.dumps({"encoder": replicas}))
+            os.utime(replicas_file, ns=(1, (step + 1) * 10**18))  # a new mtime even on a coarse clock
+            _wait_for_log(gateway_log, f"encoder replicas now {', '.join(replicas)} ", times=1 + (step == 2))
+            assert _replicas_now(http_port, "encoder", set(replicas)) == set(replicas), replicas

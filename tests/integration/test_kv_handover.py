@@ -5,6 +5,8 @@
   and a decoder given the handle afterwards answers the same tokens as for an untouched handle;
   the decoder's confirmation drops the cache (NOT_FOUND afterwards, the store empty);
 - a cache leased and never confirmed (its decoder died) is gone after the TTL (--kv-ttl);
+- the store on the gateway's /metrics: caches held, their bytes and the budget, and the caches
+  dropped before a decoder had them, released or expired (seen at the TTL by the scrape itself);
 - a gateway killed (SIGKILL) mid-answer: its client gets UNAVAILABLE, the decoder's running count
   returns to 0 (its call was cancelled when the connection dropped), nothing stays at prefill,
   and a gateway restarted on the same port serves again.
@@ -17,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd.cli.health import is_serving
 from epd.client import EpdClient, EpdError, TokenDelta
@@ -31,10 +35,11 @@ from epd.transport.load import fetch_loads
 from epd.transport.remote_stages import RemoteEncodeStage, RemotePrefillStage, ReplicaPool
 from epd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from epd.video.types import SamplingOptions
-from tests.stack import ROOT, Stack, child_env
+from tests.stack import ROOT, Stack, child_env, free_port
 
 QUESTION = "what colour is the square?"
 KV_TTL_S = 5.0
+KV_STORE_BYTES = 256 << 20
 WAIT_S = 120.0
 MAX_TRANSFER_BYTES = 1 << 30
 
@@ -51,8 +56,11 @@ class VerboseStack(Stack):
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
     # No prefix cache: the two prefills of one question below must compute the same KV afresh.
-    extra = {"prefill": ["--kv-ttl", str(KV_TTL_S), "--prefix-cache-bytes", "0"]}
+    http_port = free_port()
+    extra = {"prefill": ["--kv-ttl", str(KV_TTL_S), "--prefix-cache-bytes", "0", "--kv-store-bytes", str(KV_STORE_BYTES)],
+             "gateway": ["--http-port", str(http_port)]}  # fmt: skip
     with VerboseStack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_kv"), extra=extra) as s:
+        s.http_port = http_port
         yield s
 
 
@@ -64,12 +72,27 @@ def wait_until(predicate, what: str) -> None:
         time.sleep(0.1)
 
 
-def kv_caches_held(stack: Stack) -> int:
+def kv_caches_held(stack: Stack, release: str = "no-such-handle") -> int:
+    """The caches prefill holds, once it released `release` (as the gateway does when a request
+    ends; by default a handle no cache has)."""
     with grpc.insecure_channel(stack.address("prefill")) as channel:
         answer = prefill_pb2_grpc.PrefillServiceStub(channel).ReleaseKv(
-            prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"), timeout=30
+            prefill_pb2.ReleaseKvRequest(kv_handle=release), timeout=30
         )
     return answer.num_kv_caches_held
+
+
+def kv_store_metrics(stack: Stack) -> dict[str, float]:
+    """Prefill's KV store series on the gateway's /metrics (where an operator scrapes them):
+    name (with `:reason` for the drops) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {
+        sample.name + (f":{sample.labels['reason']}" if "reason" in sample.labels else ""): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("epd_kv_store_") and sample.labels["replica"] == stack.address("prefill")
+    }
 
 
 async def prefilled(stack: Stack, video: bytes, request_id: str) -> PrefillHandle:
@@ -173,6 +196,38 @@ def test_a_leased_cache_never_confirmed_expires(stack, media_files):
         asyncio.run(pull_chunks(stack, handle.kv_handle))
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
     assert "unknown or expired" in gone.value.details()
+
+
+def test_the_kv_store_is_on_the_gateways_metrics(stack, media_files):
+    """Caches no decoder pulls: held (count, bytes, against the budget), then one released by
+    its request's end and one dropped at its TTL, each counted by reason."""
+    video = media_files["mp4"].read_bytes()
+    before = kv_store_metrics(stack)
+    assert before["epd_kv_store_total_bytes"] == KV_STORE_BYTES
+    assert before["epd_kv_store_caches"] == 0 and before["epd_kv_store_used_bytes"] == 0
+
+    async def two() -> list[PrefillHandle]:
+        return [await prefilled(stack, video, f"kv-metrics-{i}") for i in range(2)]
+
+    released, expiring = asyncio.run(two())
+    held = kv_store_metrics(stack)
+    assert held["epd_kv_store_caches"] == 2
+    assert held["epd_kv_store_used_bytes"] == released.kv_num_bytes + expiring.kv_num_bytes > 0
+
+    assert kv_caches_held(stack, release=released.kv_handle) == 1
+    after_release = kv_store_metrics(stack)
+    assert after_release["epd_kv_store_caches"] == 1
+    assert after_release["epd_kv_store_used_bytes"] == expiring.kv_num_bytes
+    dropped = "epd_kv_store_dropped_total:"
+    assert after_release[dropped + "released"] == before[dropped + "released"] + 1
+    assert after_release[dropped + "expired"] == before[dropped + "expired"]
+
+    # Nothing else touches the store meanwhile: the scrape itself must see the TTL pass.
+    wait_until(lambda: kv_store_metrics(stack)["epd_kv_store_caches"] == 0, "the unpulled cache's expiry")
+    expired = kv_store_metrics(stack)
+    assert expired["epd_kv_store_used_bytes"] == 0
+    assert expired[dropped + "expired"] == before[dropped + "expired"] + 1
+    assert expired[dropped + "released"] == after_release[dropped + "released"]
 
 
 def decode_running(stack: Stack) -> int:

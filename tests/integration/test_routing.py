@@ -22,7 +22,7 @@ from PIL import Image
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from epd.v1 import load_pb2, load_pb2_grpc
-from tests.stack import INSECURE_STAGE, Stack, child_env, free_port, zygote
+from tests.stack import Stack, free_port, replica_file_stack, stage_replica, wait_until_serving
 
 TOKENS = 4
 WAIT_S = 30.0
@@ -73,52 +73,36 @@ def wait_for_log(path, text: str) -> None:
 def test_an_encoder_added_to_the_replica_file_gets_traffic_and_one_lost_keeps_the_gateway_serving(
     tiny_models, tmp_path
 ):
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    http_port = free_port()
-    stack = Stack(tiny_models["qwen2_vl"], logs)
-    first, second = stack.address("encoder"), f"127.0.0.1:{free_port()}"
-    replicas_file = tmp_path / "replicas.json"
-    replicas_file.write_text(json.dumps({"encoder": [first]}))
-    stack.extra["gateway"] = ["--replicas-file", str(replicas_file), "--http-port", str(http_port),
-                              "--stage-check-interval", "0.3"]  # fmt: skip
-    argv = ["serve", "encoder", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
-    replica = zygote().start("encoder-2", argv, child_env(), str(logs / "encoder-2.log"))
-    gateway_log = logs / "gateway.log"
-    try:
-        with stack:
-            deadline = time.monotonic() + 120
-            while not is_serving(second, timeout_s=1.0):
-                assert replica.poll() is None and time.monotonic() < deadline, "the second encoder did not start"
-                time.sleep(0.2)
-            at_second = image_homed_at(second, [first, second])
-            at_first = image_homed_at(first, [first, second])
+    stack, replicas_file, http_port = replica_file_stack(
+        tiny_models["qwen2_vl"], tmp_path, "encoder", "--stage-check-interval", "0.3"
+    )
+    first, gateway_log = stack.address("encoder"), stack.log_dir / "gateway.log"
+    with stage_replica("encoder", tiny_models["qwen2_vl"], stack.log_dir) as (second, replica), stack:
+        wait_until_serving(second, replica)
+        at_second = image_homed_at(second, [first, second])
+        at_first = image_homed_at(first, [first, second])
 
-            # Not in the file yet: the second replica gets nothing, even for media it would own.
-            before = {a: encoder_steps(a) for a in (first, second)}
-            assert chat(http_port, at_second)["usage"]["completion_tokens"] > 0
-            assert encoder_steps(first) > before[first] and encoder_steps(second) == before[second]
+        # Not in the file yet: the second replica gets nothing, even for media it would own.
+        before = {a: encoder_steps(a) for a in (first, second)}
+        assert chat(http_port, at_second)["usage"]["completion_tokens"] > 0
+        assert encoder_steps(first) > before[first] and encoder_steps(second) == before[second]
 
-            # Named in the file: its media go to it from then on, no restart.
-            replicas_file.write_text(json.dumps({"encoder": [first, second]}))
-            wait_for_log(gateway_log, f"encoder replicas now {first}, {second}")
-            before = {a: encoder_steps(a) for a in (first, second)}
-            assert chat(http_port, at_second)["usage"]["completion_tokens"] > 0
-            assert encoder_steps(second) > before[second] and encoder_steps(first) == before[first]
+        # Named in the file: its media go to it from then on, no restart.
+        replicas_file.write_text(json.dumps({"encoder": [first, second]}))
+        wait_for_log(gateway_log, f"encoder replicas now {first}, {second}")
+        before = {a: encoder_steps(a) for a in (first, second)}
+        assert chat(http_port, at_second)["usage"]["completion_tokens"] > 0
+        assert encoder_steps(second) > before[second] and encoder_steps(first) == before[first]
 
-            # The first replica goes: out of routing at the next check, the gateway still SERVING.
-            stack.procs["encoder"].send_signal(signal.SIGTERM)
-            stack.procs["encoder"].wait(timeout=30)
-            wait_for_log(gateway_log, f"not serving (out of routing): encoder {first}")
-            assert is_serving(stack.gateway, timeout_s=5.0)
-            before_second = encoder_steps(second)
-            assert chat(http_port, at_first)["usage"]["completion_tokens"] > 0  # its home is gone
-            assert encoder_steps(second) > before_second
-            assert "NOT_SERVING" not in gateway_log.read_text()
-    finally:
-        if replica.poll() is None:
-            replica.send_signal(signal.SIGTERM)
-        replica.wait(timeout=30)
+        # The first replica goes: out of routing at the next check, the gateway still SERVING.
+        stack.procs["encoder"].send_signal(signal.SIGTERM)
+        stack.procs["encoder"].wait(timeout=30)
+        wait_for_log(gateway_log, f"not serving (out of routing): encoder {first}")
+        assert is_serving(stack.gateway, timeout_s=5.0)
+        before_second = encoder_steps(second)
+        assert chat(http_port, at_first)["usage"]["completion_tokens"] > 0  # its home is gone
+        assert encoder_steps(second) > before_second
+        assert "NOT_SERVING" not in gateway_log.read_text()
 
 
 def test_a_decode_replica_gone_before_the_first_token_is_retried_on_the_other(tiny_models, tmp_path):
@@ -126,19 +110,13 @@ def test_a_decode_replica_gone_before_the_first_token_is_retried_on_the_other(ti
     logs.mkdir()
     http_port = free_port()
     stack = Stack(tiny_models["qwen2_vl"], logs)
-    second = f"127.0.0.1:{free_port()}"
-    # --stage-check-interval 0: the gateway learns that the replica is gone from the failed call
-    # itself (the retry path), not from a health check.
-    stack.extra["gateway"] = ["--decode", f"{stack.address('decode')},{second}", "--http-port", str(http_port),
-                              "--stage-check-interval", "0", "--load-refresh-interval", "0"]  # fmt: skip
-    argv = ["serve", "decode", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
-    replica = zygote().start("decode-2", argv, child_env(), str(logs / "decode-2.log"))
-    try:
+    with stage_replica("decode", tiny_models["qwen2_vl"], logs) as (second, replica):
+        # --stage-check-interval 0: the gateway learns that the replica is gone from the failed call
+        # itself (the retry path), not from a health check.
+        stack.extra["gateway"] = ["--decode", f"{stack.address('decode')},{second}", "--http-port", str(http_port),
+                                  "--stage-check-interval", "0", "--load-refresh-interval", "0"]  # fmt: skip
         with stack:
-            deadline = time.monotonic() + 120
-            while not is_serving(second, timeout_s=1.0):
-                assert replica.poll() is None and time.monotonic() < deadline, "the second decoder did not start"
-                time.sleep(0.2)
+            wait_until_serving(second, replica)
             image = png(7)
             answer = chat(http_port, image)
             replica.send_signal(signal.SIGKILL)  # dies: no draining, no goodbye
@@ -150,7 +128,3 @@ def test_a_decode_replica_gone_before_the_first_token_is_retried_on_the_other(ti
                 assert again["epd"]["token_ids"] == answer["epd"]["token_ids"]
             log = (logs / "gateway.log").read_text()
             assert f"decode replica {second} unavailable before the first token" in log
-    finally:
-        if replica.poll() is None:
-            replica.send_signal(signal.SIGTERM)
-        replica.wait(timeout=30)

@@ -111,7 +111,8 @@ def test_a_stage_that_fails_or_hangs_has_no_samples_and_counts_an_error():
         await asyncio.Event().wait()
         return []
 
-    metrics.engine_load.add_sources([LoadSource("prefill", "10.0.0.9:50052", never_answers)])
+    hung = LoadSource("prefill", "10.0.0.9:50052", never_answers)
+    metrics.engine_load.add_sources([lambda: [hung]])
     errors = "epd_load_scrape_errors_total"
     assert metrics.value(errors, stage="encoder", replica="local") == 0  # the series exists from the start
     for scrape in (1, 2):
@@ -135,21 +136,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _load_servers(*names: str) -> tuple[list[grpc.aio.Server], list[str]]:
+    """One in-process LoadService per name, reporting an engine core of that name."""
+    servers, addresses = [], []
+    for name in names:
+        stage = FakeStage(EngineLoad(name, num_steps=len(name), memory_total_bytes=64))
+        server = grpc.aio.server()
+        with_load_service(lambda s: None, lambda stage=stage: stage_loads(stage))(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        assert port
+        await server.start()
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    return servers, addresses
+
+
 def test_remote_replicas_are_read_over_load_service():
     """Two encoder replicas (one up, one down), one prefill and one decode replica: every
     replica is asked, by the address the gateway calls."""
 
     async def scenario():
-        servers, addresses = [], {}
-        for name in ("encoder", "prefill", "decode"):
-            stage = FakeStage(EngineLoad(name, num_steps=len(name), memory_total_bytes=64))
-            server = grpc.aio.server()
-            with_load_service(lambda s: None, lambda stage=stage: stage_loads(stage))(server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            assert port
-            await server.start()
-            servers.append(server)
-            addresses[name] = f"127.0.0.1:{port}"
+        servers, listed = await _load_servers("encoder", "prefill", "decode")
+        addresses = dict(zip(("encoder", "prefill", "decode"), listed))
         down = f"127.0.0.1:{_free_port()}"
         pools = [ReplicaPool([addresses["encoder"], down]), ReplicaPool([addresses["prefill"]])]
         pools.append(ReplicaPool([addresses["decode"]]))
@@ -176,6 +184,61 @@ def test_remote_replicas_are_read_over_load_service():
         assert metrics.value("epd_load_scrape_errors_total", stage=name, replica=address) == 0
     assert _engine(metrics, "epd_engine_steps_total", "encoder", "encoder", down) is None
     assert metrics.value("epd_load_scrape_errors_total", stage="encoder", replica=down) == 1
+
+
+def test_the_replicas_read_follow_the_pool_when_the_replica_file_changes_it():
+    """The replica file changes a pool (`ReplicaPool.set_addresses`): an added replica has samples
+    from the next scrape, a removed one has none and loses its error series, and one put back is
+    read again (over its new channel: its first one closed when it was taken out)."""
+
+    async def scenario() -> None:
+        servers, (first, second) = await _load_servers("encoder", "encoder")
+        pool = ReplicaPool([first])
+        metrics = GatewayMetrics(load_timeout_s=5.0)
+        MeteredPipeline(Pipeline(RemoteEncodeStage(pool, 5.0, 1 << 20), NoCoreStage(), NoCoreStage()), metrics)
+        try:
+            for replicas in ([first], [first, second], [second], [first, second]):
+                pool.set_addresses(replicas)
+                await metrics.scrape()
+                for address in (first, second):
+                    steps = _engine(metrics, "epd_engine_steps_total", "encoder", "encoder", address)
+                    errors = metrics.registry.get_sample_value(
+                        "epd_load_scrape_errors_total", {"stage": "encoder", "replica": address}
+                    )
+                    listed = address in replicas
+                    assert (steps, errors) == ((7, 0) if listed else (None, None)), (replicas, address)
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_prefills_kv_store_is_on_the_prefill_samples_only():
+    """Held now (caches, bytes, budget) as gauges, drops by reason as one counter; the other
+    stages' samples have none (their cores have no KV store)."""
+    prefill = EngineLoad(
+        "prefill", kv_store_caches=2, kv_store_used_bytes=3000, kv_store_total_bytes=8000,
+        kv_store_expired=4, kv_store_released=5,
+    )  # fmt: skip
+    decode = EngineLoad("decode", memory_used_bytes=3000, memory_total_bytes=9000)
+    metrics = _metered(FakeStage(EngineLoad("encoder")), FakeStage(prefill), FakeStage(decode))
+    text = _scrape(metrics)
+    expected = {
+        ("epd_kv_store_caches", ""): ("gauge", 2),
+        ("epd_kv_store_used_bytes", ""): ("gauge", 3000),
+        ("epd_kv_store_total_bytes", ""): ("gauge", 8000),
+        ("epd_kv_store_dropped_total", "expired"): ("counter", 4),
+        ("epd_kv_store_dropped_total", "released"): ("counter", 5),
+    }
+    for (name, reason), (kind, value) in expected.items():
+        assert f"# TYPE {name} {kind}" in text, name
+        labels = {"stage": "prefill", "core": "prefill", "replica": "local"} | ({"reason": reason} if reason else {})
+        assert metrics.registry.get_sample_value(name, labels) == value, name
+        for stage in ("encoder", "decode"):
+            assert metrics.registry.get_sample_value(name, labels | {"stage": stage, "core": stage}) is None, name
+    assert _engine(metrics, "epd_engine_memory_used_bytes", "decode", "decode") == 3000
 
 
 def test_gauges_are_empty_before_the_first_scrape():

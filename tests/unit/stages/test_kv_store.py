@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from epd.model_runtime.kv_cache import KvCache
-from epd.prefill_svc.kv_store import KvStore
+from epd.prefill_svc.kv_store import KvStore, KvStoreStats
 from epd.stages.errors import NotFound
 
 
@@ -84,3 +84,24 @@ def test_take_is_lease_and_confirm_at_once():
     assert (len(store), store.num_bytes) == (0, 0)
     with pytest.raises(NotFound):
         store.lease(handle)
+
+
+def test_stats_count_what_is_held_and_what_was_dropped_before_a_decoder_had_it():
+    """Its /metrics: held now (caches, bytes, budget); dropped unpulled by reason. A cache whose
+    TTL passed counts as expired at the next look, with no put or pull in between."""
+    clock = FakeClock()
+    size = _cache().num_bytes
+    store = KvStore(max_bytes=10 * size, ttl_s=5, clock=clock)
+    assert store.stats() == KvStoreStats(num_caches=0, num_bytes=0, max_bytes=10 * size, num_expired=0, num_released=0)
+    confirmed, released, taken, expiring = (store.put(_cache()) for _ in range(4))
+    assert store.stats() == KvStoreStats(4, 4 * size, 10 * size, 0, 0)
+    store.lease(confirmed)
+    store.confirm(confirmed)  # pulled: not a drop
+    store.take(taken)  # pulled in-process: not a drop
+    store.lease(released)
+    store.release(released)  # its request ended before its decoder confirmed
+    assert store.stats() == KvStoreStats(1, size, 10 * size, 0, 1)
+    clock.now = 5.0
+    assert store.stats() == KvStoreStats(0, 0, 10 * size, 1, 1)
+    assert store.release(expiring) is False  # already counted as expired, not again as released
+    assert store.stats() == KvStoreStats(0, 0, 10 * size, 1, 1)

@@ -25,6 +25,9 @@ def test_every_field_survives_the_wire():
     assert {f.name for f in dataclasses.fields(EngineLoad)} == wire_fields
     assert load_from_proto(load_to_proto(BUSY)) == BUSY
     assert load_from_proto(load_to_proto(EngineLoad("encoder"))) == EngineLoad("encoder")
+    numbers = [f.name for f in dataclasses.fields(EngineLoad) if f.name != "stage"]
+    every = EngineLoad("prefill", **{name: i + 1 for i, name in enumerate(numbers)})  # none left at 0
+    assert load_from_proto(load_to_proto(every)) == every
 
 
 class _Stage:
