@@ -57,7 +57,15 @@ def frame_pattern(i: int, width: int, height: int, pattern: str = "moving", seed
     """Frame `i` as [H, W, 3] uint8 RGB. "moving": smooth, cheap to decode; "texture": a fixed
     random texture panning 2 px per frame (camera-like bitrate and decode cost); "noise": new noise
     every frame (worst case); "solid": one colour, every frame the same (static content: a huge
-    resolution or hours of it compress to a tiny file, for the work-limit tests)."""
+    resolution or hours of it compress to a tiny file, for the work-limit tests); "number": `i` in
+    binary as 8 full-height black/white stripes on grey, which `read_frame_number` reads back after
+    lossy coding (tests that check which frame came back for a timestamp)."""
+    if pattern == "number":
+        img = np.full((height, width, 3), 128, np.uint8)
+        stripe_w = width // 8
+        for bit in range(8):
+            img[:, bit * stripe_w : (bit + 1) * stripe_w] = 255 if (i >> bit) & 1 else 0
+        return img
     if pattern == "solid":
         return np.full((height, width, 3), (200, 40, 40), np.uint8)
     if pattern == "texture":
@@ -84,6 +92,14 @@ def frame_pattern(i: int, width: int, height: int, pattern: str = "moving", seed
     img[by : by + side, bx : bx + side] = (255, 255, 255)
     _draw_frame_number(img, i)
     return img
+
+
+def read_frame_number(rgb: np.ndarray) -> int:
+    """The number a frame of pattern "number" shows ([H, W, 3] RGB at its encoded size): the
+    middle of each stripe, so coding noise at the stripe edges does not matter."""
+    stripe_w = rgb.shape[1] // 8
+    margin = stripe_w // 4
+    return sum(1 << bit for bit in range(8) if rgb[:, bit * stripe_w + margin : (bit + 1) * stripe_w - margin].mean() > 128)
 
 
 def _draw_frame_number(img: np.ndarray, i: int) -> None:
@@ -246,3 +262,50 @@ def make_packet_flood(num_packets: int) -> bytes:
             packet.stream = stream
             out.mux(packet)
     return buf.getvalue()
+
+
+def cut_with_edit_list(data: bytes, fps: float, first_kept: int, first_shown: int) -> bytes:
+    """What `ffmpeg -ss T -c copy -f mp4` makes of `data` (a constant-rate video at `fps`): the
+    packets of frames from `first_kept` on (a keyframe), with frame `first_shown` presented at 0;
+    the frames before it get negative pts, which the MP4 muxer writes as an edit list, and the
+    demuxer reads back as packets flagged discard."""
+    import io
+
+    import av
+
+    out_buf = io.BytesIO()
+    with av.open(io.BytesIO(data)) as inp, av.open(out_buf, "w", format="mp4") as out:
+        src = inp.streams.video[0]
+        dst = out.add_stream_from_template(src)
+        frame_units = round(1 / (fps * src.time_base))  # pts units per frame
+        start = inp.start_time or 0  # x264 B-frames: MKV's first pts may be above 0
+        first_pts = round(start / 1_000_000 / src.time_base)
+        for packet in inp.demux(src):
+            if packet.size == 0 or packet.pts is None:
+                continue
+            if (packet.pts - first_pts) // frame_units < first_kept:
+                continue
+            shift = first_pts + first_shown * frame_units
+            packet.pts -= shift
+            packet.dts -= shift
+            packet.stream = dst
+            out.mux(packet)
+    return out_buf.getvalue()
+
+
+def drop_first_packets(data: bytes, num_packets: int, container: str) -> bytes:
+    """`data` remuxed into `container` without its first `num_packets` packets (decode order): a
+    stream cut mid-GOP, whose first frames reference frames that are not there."""
+    import io
+
+    import av
+
+    out_buf = io.BytesIO()
+    with av.open(io.BytesIO(data)) as inp, av.open(out_buf, "w", format=container) as out:
+        src = inp.streams.video[0]
+        dst = out.add_stream_from_template(src)
+        for position, packet in enumerate(p for p in inp.demux(src) if p.size):
+            if position >= num_packets:
+                packet.stream = dst
+                out.mux(packet)
+    return out_buf.getvalue()

@@ -51,20 +51,38 @@ class FrameIndex:
 
 
 def demux_pts(container, stream, stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """One pass over the packets of `stream`, decoding none: (every frame's pts, the keyframes'
-    pts), int64, sorted. `stop` is called before the first packet and every 256 after it: when it
-    returns True the pass ends with DemuxStopped; it may also raise (a DemuxDeadline)."""
+    """One pass over the packets of `stream`, decoding none: (the pts of every frame the decoder
+    outputs, the keyframes among them), int64, sorted. `stop` is called before the first packet
+    and every 256 after it: when it returns True the pass ends with DemuxStopped; it may also raise
+    (a DemuxDeadline).
+
+    Two kinds of packet carry frames that no decoder outputs, and are left out:
+      - packets flagged discard: an MP4 edit list starts presentation after them (what
+        `ffmpeg -ss T -c copy` writes: the GOP from the keyframe before T, presented from T);
+        the decoder decodes them as references but drops their frames.
+      - frames presented before the first keyframe: a stream cut mid-GOP starts with frames whose
+        references were cut away; decoders drop or garble them. Without any keyframe flag (some
+        containers set none) every frame is kept: the start is the only place to begin.
+    """
     pts, key = array("q"), array("q")
+    first_keyframe_pts: int | None = None  # of any packet, discard ones too (an edit list's keyframe)
     for num_packets, packet in enumerate(container.demux(stream)):
         if stop is not None and num_packets % _DEMUX_CHECK_PACKETS == 0 and stop():
             raise DemuxStopped
         p = packet.pts
         if p is None or packet.size == 0:
             continue
+        if packet.is_keyframe and first_keyframe_pts is None:
+            first_keyframe_pts = p
+        if packet.is_discard:
+            continue
         pts.append(p)
         if packet.is_keyframe:
             key.append(p)
-    return np.sort(np.frombuffer(pts, np.int64)), np.sort(np.frombuffer(key, np.int64))
+    frame_pts = np.sort(np.frombuffer(pts, np.int64))
+    if first_keyframe_pts is not None:
+        frame_pts = frame_pts[frame_pts >= first_keyframe_pts]
+    return frame_pts, np.sort(np.frombuffer(key, np.int64))
 
 
 class DemuxStopped(Exception):
