@@ -110,7 +110,7 @@ def build_video_index(
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             check_frame_size(width, height, limits)
-            frame_pts, keyframe_pts = demux_pts(container, stream, stop_or_deadline)
+            frame_pts, keyframe_pts, in_decode_order = demux_pts(container, stream, stop_or_deadline)
             tb = float(stream.time_base)  # type: ignore[arg-type]  # set for every demuxed stream
             codec_name = stream.codec_context.name
             container_format = container.format.name
@@ -130,7 +130,7 @@ def build_video_index(
         # No index, or leading frames before the first flagged keyframe: the start of the stream
         # is always a valid place to begin decoding.
         keyframe_pts = np.concatenate([frame_pts[:1], keyframe_pts])
-    frames = FrameIndex(pts_s, np.asarray([int(p) * tb for p in keyframe_pts]), rate or 1.0)
+    frames = FrameIndex(pts_s, np.asarray([int(p) * tb for p in keyframe_pts]), rate or 1.0, in_decode_order)
     check_duration(frames.duration_s, limits)
     return VideoIndex(
         content_sha256=sha256 or content_sha256(data),

@@ -55,7 +55,14 @@ from epd.video.budget import DecodeBudget, decode_too_long
 from epd.video.keyframe_index import KeyframeIndexCache, VideoIndex
 from epd.video.media_open import open_video, sniff_container
 from epd.video.plan import DecodePlan, make_plan
-from epd.video.simple_decoder import _CORRUPT, check_size, decode_image, frame_to_rgb, gather_slots
+from epd.video.simple_decoder import (
+    _CORRUPT,
+    check_size,
+    decode_image,
+    frame_to_rgb,
+    gather_slots,
+    in_presentation_order,
+)
 from epd.video.types import DecodeCancelled, DecodedVideo, DecodeLimits, MediaError, SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -261,7 +268,9 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
         stream = container.streams.video[0]
         stream.codec_context.thread_count = 1  # parallelism is across workers, not inside one
         keep: frozenset[int] | None = None  # packets to decode in full; None: every packet
-        if skip_nonref and stream.codec_context.name in _NONREF_SKIP_CODECS:
+        # Frames matched by output order (decode-order pts) must all come out: no skipping.
+        order_pts = frame_pts if index.frames.pts_in_decode_order else None
+        if skip_nonref and order_pts is None and stream.codec_context.name in _NONREF_SKIP_CODECS:
             # Every target of the request, not only the current interval's: the decoder's reorder
             # delay means packets of the next interval are sent before this one's last frame is out.
             keep = req.target_pts
@@ -275,7 +284,7 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
             first_target = interval.target_pts[0]
             if frames is None:
                 if interval.keyframe_pts <= frame_pts[0]:
-                    frames = _decode_iter(container, stream, keep, budget)
+                    frames = _decode_iter(container, stream, keep, budget, order_pts)
                 else:
                     frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
             else:
@@ -301,11 +310,19 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
             req.finish_interval(position)
 
 
-def _decode_iter(container, stream, keep: frozenset[int] | None, budget: DecodeBudget) -> Iterator:
+def _decode_iter(
+    container, stream, keep: frozenset[int] | None, budget: DecodeBudget, order_pts: np.ndarray | None = None
+) -> Iterator:
     """Decoded frames from the container's current position, each charged to `budget` (frames
     without a pts too). With `keep`, a packet whose pts is not in it is decoded with
     skip_frame=NONREF (FFmpeg decodes each packet as it is sent when frame threading is off, so
-    the setting applies to exactly that packet)."""
+    the setting applies to exactly that packet). With `order_pts` (the index's [N] frame pts, for
+    a stream whose packets carry decode-order pts), frames get their pts by output order."""
+    frames = _decode_packets(container, stream, keep, budget)
+    return frames if order_pts is None else in_presentation_order(frames, order_pts)
+
+
+def _decode_packets(container, stream, keep: frozenset[int] | None, budget: DecodeBudget) -> Iterator:
     import av
 
     ctx = stream.codec_context
@@ -332,7 +349,8 @@ def _seek(container, stream, index: VideoIndex, keyframe_pts: int, first_target:
     while True:
         key = int(keys[k]) if k >= 0 else int(index.frame_pts[0])
         container.seek(key, stream=stream, backward=True, any_frame=False)
-        frames = _decode_iter(container, stream, keep, budget)
+        order_pts = index.frame_pts if index.frames.pts_in_decode_order else None
+        frames = _decode_iter(container, stream, keep, budget, order_pts)
         first = next(frames, None)
         if first is not None and first.pts <= first_target:
             return itertools.chain([first], frames)

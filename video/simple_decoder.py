@@ -16,8 +16,9 @@ import math
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,6 +43,9 @@ class FrameIndex:
     pts_s: np.ndarray  # [N] float64, sorted
     keyframe_pts_s: np.ndarray  # [K] float64, sorted
     source_fps: float
+    pts_in_decode_order: bool = False
+    """The packets' pts follow decode order though the codec reorders frames (H.264 with B-frames
+    in AVI): decoded frames must be matched by output order (`in_presentation_order`)."""
 
     @property
     def duration_s(self) -> float:
@@ -50,9 +54,19 @@ class FrameIndex:
         return float(self.pts_s[-1] - self.pts_s[0]) + 1.0 / max(self.source_fps, 1e-6)
 
 
-def demux_pts(container, stream, stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """One pass over the packets of `stream`, decoding none: (the pts of every frame the decoder
-    outputs, the keyframes among them), int64, sorted. `stop` is called before the first packet
+class DemuxedPts(NamedTuple):
+    frame_pts: np.ndarray
+    """[N] int64 sorted pts of every frame the decoder outputs."""
+    keyframe_pts: np.ndarray
+    """[K] int64 sorted pts of the keyframes among them."""
+    in_decode_order: bool
+    """The codec reorders frames (it has B-frames) but the packets' pts never go back: they are
+    decode order (AVI has no presentation timestamps; FFmpeg numbers its packets in file order)."""
+
+
+def demux_pts(container, stream, stop: Callable[[], bool] | None = None) -> DemuxedPts:
+    """One pass over the packets of `stream`, decoding none: the pts of every frame the decoder
+    outputs and of the keyframes among them. `stop` is called before the first packet
     and every 256 after it: when it returns True the pass ends with DemuxStopped; it may also raise
     (a DemuxDeadline).
 
@@ -65,6 +79,7 @@ def demux_pts(container, stream, stop: Callable[[], bool] | None = None) -> tupl
         containers set none) every frame is kept: the start is the only place to begin.
     """
     pts, key = array("q"), array("q")
+    num_backward = 0  # packets whose pts is below the one before: the container has real pts
     first_keyframe_pts: int | None = None  # of any packet, discard ones too (an edit list's keyframe)
     for num_packets, packet in enumerate(container.demux(stream)):
         if stop is not None and num_packets % _DEMUX_CHECK_PACKETS == 0 and stop():
@@ -76,13 +91,41 @@ def demux_pts(container, stream, stop: Callable[[], bool] | None = None) -> tupl
             first_keyframe_pts = p
         if packet.is_discard:
             continue
+        if pts and p < pts[-1]:
+            num_backward += 1
         pts.append(p)
         if packet.is_keyframe:
             key.append(p)
     frame_pts = np.sort(np.frombuffer(pts, np.int64))
     if first_keyframe_pts is not None:
         frame_pts = frame_pts[frame_pts >= first_keyframe_pts]
-    return frame_pts, np.sort(np.frombuffer(key, np.int64))
+    in_decode_order = bool(stream.codec_context.has_b_frames) and num_backward == 0
+    return DemuxedPts(frame_pts, np.sort(np.frombuffer(key, np.int64)), in_decode_order)
+
+
+def in_presentation_order(frames: Iterable, frame_pts: np.ndarray) -> Iterator:
+    """Decoded frames from one (re)start of the decoder, each with `frame.pts` set to its
+    presentation pts, for a stream whose packets carry decode-order pts (`DemuxedPts.in_decode_order`).
+
+    The decoder gives each frame the pts of the packet that carried it, which there is the frame's
+    place in decode order. But frames come out in presentation order, and `frame_pts` ([N] sorted)
+    lists the presentation times in that order: the first frame after a (re)start is the keyframe
+    the decoder started at, first of its (closed) GOP in decode and in presentation order, so its
+    pts is right; each later frame takes the next pts of the index. Every frame must come out
+    (no skip_frame). Open GOPs, whose leading frames come after their keyframe, are not handled.
+    """
+    position: int | None = None
+    for frame in frames:
+        if position is None:
+            if frame.pts is None:
+                yield frame
+                continue
+            position = int(np.searchsorted(frame_pts, frame.pts))
+        else:
+            position += 1
+        if position < len(frame_pts):  # else a frame the index has not got: no target
+            frame.pts = int(frame_pts[position])
+            yield frame
 
 
 class DemuxStopped(Exception):
@@ -100,7 +143,7 @@ def build_frame_index(container, limits: DecodeLimits = DecodeLimits()) -> Frame
         deadline.check()  # raises MediaLimitError
         return False
 
-    frame_pts, keyframe_pts = demux_pts(container, stream, past_deadline)
+    frame_pts, keyframe_pts, in_decode_order = demux_pts(container, stream, past_deadline)
     if len(frame_pts) == 0:
         raise MediaError(_CORRUPT)
     # int * float per element: keyframe_index.build_video_index does the same, so floats compare equal.
@@ -108,7 +151,8 @@ def build_frame_index(container, limits: DecodeLimits = DecodeLimits()) -> Frame
     rate = float(stream.average_rate) if stream.average_rate else 0.0
     if rate <= 0 and len(pts_arr) > 1:
         rate = (len(pts_arr) - 1) / max(pts_arr[-1] - pts_arr[0], 1e-6)
-    return FrameIndex(pts_arr, np.asarray([p * tb for p in keyframe_pts.tolist()], dtype=np.float64), rate or 1.0)
+    keyframe_pts_s = np.asarray([p * tb for p in keyframe_pts.tolist()], dtype=np.float64)
+    return FrameIndex(pts_arr, keyframe_pts_s, rate or 1.0, in_decode_order)
 
 
 def select_frames(index: FrameIndex, opts: SamplingOptions) -> tuple[np.ndarray, float]:
@@ -241,7 +285,7 @@ def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimi
             index = build_frame_index(container, limits)
             check_duration(index.duration_s, limits)
             chosen, sampled_fps = select_frames(index, opts)
-            frames = _decode_chosen(container, chosen, opts, budget)
+            frames = _decode_chosen(container, index, chosen, opts, budget)
     except MediaError:
         raise
     except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:
@@ -281,7 +325,9 @@ def gather_slots(unique: np.ndarray, unique_of_slot: np.ndarray) -> np.ndarray:
     return unique[u]
 
 
-def _decode_chosen(container, chosen_pts: np.ndarray, opts: SamplingOptions, budget: DecodeBudget) -> np.ndarray:
+def _decode_chosen(
+    container, index: FrameIndex, chosen_pts: np.ndarray, opts: SamplingOptions, budget: DecodeBudget
+) -> np.ndarray:
     """Decode every frame in order, charging each to `budget`, and keep those whose pts was
     chosen: each distinct one converted once, then repeated per slot. [T, H, W, 3]."""
     import av
@@ -294,8 +340,12 @@ def _decode_chosen(container, chosen_pts: np.ndarray, opts: SamplingOptions, bud
     tb = float(stream.time_base)
     kept: dict[float, np.ndarray] = {}
     last_needed = float(distinct[-1])
+    frames = container.decode(stream)
+    if index.pts_in_decode_order:
+        # [N] int64 stream pts of the index (index.pts_s are p * tb: rint gives p back).
+        frames = in_presentation_order(frames, np.rint(index.pts_s / tb).astype(np.int64))
     try:
-        for frame in container.decode(stream):
+        for frame in frames:
             budget.charge(frame)
             if frame.pts is None:
                 continue
