@@ -29,8 +29,8 @@ request's *driver*):
      the DeepStack alignment are refused before step 1 (`refuse_unsupported_pruning`).
 
 Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The
-decoder watches it too: the demux pass stops within a few hundred packets, its workers at their
-next frame, and a wait for the next group within 50 ms. The driver checks it after every frame
+decoder watches it too: the demux pass stops within a few hundred packets or 32 KiB of the file,
+its workers at their next frame or read, and a wait for the next group within 50 ms. The driver checks it after every frame
 group and before each model call or tower job (a call already queued on the model thread checks
 it again before it starts; the stage takes a queued tower job out of the core's queue at once),
 then closes the frame stream and raises RequestCancelled. (The decord backend

@@ -235,6 +235,33 @@ def make_resolution_change(
     return path
 
 
+def _tiny_idr_frame(stream) -> bytes:
+    """One 16x16 H.264 IDR frame (14 bytes, without x264's SEI) from `stream`'s encoder, which
+    this sets to 16x16; the frames it encodes are not muxed."""
+    import av
+
+    stream.width = stream.height = 16
+    stream.pix_fmt = "yuv420p"
+    frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
+    packets = []
+    for i in range(3):
+        frame.pts = i
+        packets += list(stream.encode(frame))
+    packets += list(stream.encode(None))
+    return bytes(packets[-1])
+
+
+def _mux_keyframe(out, stream, payload: bytes, pts_ms: int) -> None:
+    import av
+
+    packet = av.Packet(payload)
+    packet.pts = packet.dts = pts_ms
+    packet.time_base = Fraction(1, 1000)
+    packet.is_keyframe = True
+    packet.stream = stream
+    out.mux(packet)
+
+
 def make_packet_flood(num_packets: int) -> bytes:
     """Matroska holding one 14-byte 16x16 H.264 frame `num_packets` times at 1000 fps: a valid
     file that is only long to demux (about 25 bytes a packet)."""
@@ -245,22 +272,9 @@ def make_packet_flood(num_packets: int) -> bytes:
     buf = io.BytesIO()
     with av.open(buf, "w", format="matroska") as out:
         stream = out.add_stream("libx264", rate=1000, options={"x264-params": "keyint=1", "preset": "ultrafast"})
-        stream.width = stream.height = 16
-        stream.pix_fmt = "yuv420p"
-        frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
-        packets = []
-        for i in range(3):
-            frame.pts = i
-            packets += list(stream.encode(frame))
-        packets += list(stream.encode(None))
-        payload = bytes(packets[-1])  # an IDR frame without x264's SEI
+        payload = _tiny_idr_frame(stream)
         for i in range(num_packets):
-            packet = av.Packet(payload)
-            packet.pts = packet.dts = i
-            packet.time_base = Fraction(1, 1000)
-            packet.is_keyframe = True
-            packet.stream = stream
-            out.mux(packet)
+            _mux_keyframe(out, stream, payload, pts_ms=i)
     return buf.getvalue()
 
 
@@ -309,3 +323,28 @@ def drop_first_packets(data: bytes, num_packets: int, container: str) -> bytes:
                 packet.stream = dst
                 out.mux(packet)
     return out_buf.getvalue()
+
+
+def make_audio_flood(num_audio_packets: int) -> bytes:
+    """Matroska holding two 16x16 H.264 frames with `num_audio_packets` 2-byte PCM packets between
+    them (about 8 bytes a packet): a demux loop that asks for the video stream sees two packets,
+    while FFmpeg reads every audio packet between them inside one call."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as out:
+        video = out.add_stream("libx264", rate=10, options={"x264-params": "keyint=1", "preset": "ultrafast"})
+        payload = _tiny_idr_frame(video)
+        audio = out.add_stream("pcm_s16le", rate=48000)
+        audio.layout = "mono"
+        _mux_keyframe(out, video, payload, pts_ms=0)
+        for i in range(num_audio_packets):
+            packet = av.Packet(b"\0\0")
+            packet.pts = packet.dts = i
+            packet.time_base = Fraction(1, 48000)
+            packet.stream = audio
+            out.mux(packet)
+        _mux_keyframe(out, video, payload, pts_ms=num_audio_packets * 1000 // 48000)
+    return buf.getvalue()

@@ -98,7 +98,8 @@ class DecodeBudget:
 
 
 class DemuxDeadline:
-    """Wall-time bound of one demux pass; `check()` every few hundred packets."""
+    """Wall-time bound of one demux pass; `check()` every few hundred packets and before every
+    read of the file (`epd.video.media_open.ReadGuard`)."""
 
     def __init__(self, limits: DecodeLimits) -> None:
         self.limits = limits

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from epd.video.budget import DecodeBudget, DemuxDeadline, check_frame_size
-from epd.video.media_open import open_video
+from epd.video.media_open import ReadGuard, open_video
 from epd.video.simple_decoder import _CORRUPT, DemuxStopped, FrameIndex, check_duration, check_size, demux_pts
 from epd.video.types import DecodeCancelled, DecodeLimits, MediaError
 
@@ -92,8 +92,9 @@ def build_video_index(
     stop: Callable[[], bool] | None = None,
 ) -> VideoIndex:
     """Demux every packet of the first video stream of `data`; raise MediaError if unusable.
-    stop: checked every few hundred packets; when it returns True the pass ends with DemuxStopped.
-    The pass ends with MediaLimitError after `limits.max_demux_s`."""
+    stop: checked every few hundred video packets and before every read of the file (32 KiB,
+    whatever streams it holds; `ReadGuard`); when it returns True the pass ends with DemuxStopped.
+    The pass, av.open's probe included, ends with MediaLimitError after `limits.max_demux_s`."""
     import av
 
     check_size(len(data), limits)
@@ -103,14 +104,20 @@ def build_video_index(
         deadline.check()  # raises MediaLimitError
         return stop is not None and stop()
 
+    def check_read() -> None:
+        if stop_or_deadline():
+            raise DemuxStopped
+
+    guard = ReadGuard(check_read)
     try:
-        with open_video(data, limits) as container:
+        with open_video(data, limits, guard) as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream; send a video or an image")
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             check_frame_size(width, height, limits)
             frame_pts, keyframe_pts, in_decode_order = demux_pts(container, stream, stop_or_deadline)
+            guard.raise_if_stopped()  # else the pass ended where the guard cut the file short
             tb = float(stream.time_base)  # type: ignore[arg-type]  # set for every demuxed stream
             codec_name = stream.codec_context.name
             container_format = container.format.name
@@ -118,8 +125,11 @@ def build_video_index(
     except MediaError:
         raise
     except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:
+        guard.raise_if_stopped()  # FFmpeg failed on a file the guard cut short
         log.info("video index failed: %r", exc)  # decoder text stays in the server log
         raise MediaError(_CORRUPT) from None
+    finally:
+        guard.release()
     if len(frame_pts) == 0:
         raise MediaError(_CORRUPT)
     # Same arithmetic as simple_decoder.build_frame_index (int * float), so floats compare equal.
@@ -191,7 +201,7 @@ class KeyframeIndexCache:
         hashed on a helper thread while this one demuxes (hashlib and FFmpeg's demuxer release
         the GIL): on a miss the hash (~20 ms for 50 MB) costs no wall time, and on a hit the
         demux pass stops as soon as the hash names a cached index. When `cancel` is set during the
-        demux pass, the pass stops within a few hundred packets with DecodeCancelled."""
+        demux pass, the pass stops within a few hundred packets or 32 KiB of the file with DecodeCancelled."""
         if sha256 is None:
             return self._build_while_hashing(data, limits, cancel)
         index = self._lookup(sha256)

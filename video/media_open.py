@@ -15,6 +15,10 @@ the `tty` demuxer, and `image2`/`subfile`/`data` name what to read. So nothing i
      `DecodeLimits.max_source_pixels` is refused before FFmpeg allocates it.
   3. `open_image` opens the bytes with Pillow restricted to the one sniffed format.
 
+`open_video` can also be given a `ReadGuard`: FFmpeg reads the bytes through it, one AVIO buffer
+(32 KiB) at a time, and it checks the caller's deadline and cancel flag before each read, however
+many packets of whichever streams the buffer holds.
+
 Every decode path (simple decoder, keyframe index, parallel decoder workers, rotation probe,
 synth and bench readers) opens media through here, and the decord backend vets the bytes with
 `sniff_container` before its child process sees them; tests/unit/video/test_untrusted_media.py
@@ -24,6 +28,7 @@ fails if another `av.open` reads bytes anywhere else.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,42 +122,110 @@ def _is_mpegts(data: bytes, packet_bytes: int, offset: int) -> bool:
     )
 
 
-def open_video(data: bytes, limits: DecodeLimits = DecodeLimits()) -> InputContainer:
+class ReadGuard:
+    """Stops FFmpeg between two reads of the file, whichever stream the bytes belong to.
+
+    A decoder's demux loop sees only the packets of the stream it asks for: the demuxer skips the
+    others inside one call, and av.open's probe reads on until its stream info is complete, so a
+    check in that loop is blind while FFmpeg works through other streams (2 video frames around
+    4 M tiny audio packets, 32 MB: 30 s in one call, 15 s of it inside av.open). FFmpeg reads the
+    bytes in AVIO buffers of 32 KiB; before each read the guard calls `check`, which raises to stop
+    (a deadline's MediaLimitError, a cancel). FFmpeg then sees the end of the file: PyAV does not
+    pass an exception raised in its read callback on from a demux loop. So wherever such a loop
+    ends, and before reporting a short or corrupt file, the caller calls `raise_if_stopped()`.
+    """
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self.check = check
+        """Called before every read; raises to stop. Callers may swap it between phases."""
+        self.error: Exception | None = None
+        """What `check` raised; from then on every read returns end of file."""
+        self.num_reads = 0
+
+    def allow_read(self) -> bool:
+        if self.error is None:
+            self.num_reads += 1
+            try:
+                self.check()
+            except Exception as exc:  # kept for raise_if_stopped: FFmpeg cannot carry it
+                self.error = exc
+        return self.error is None
+
+    def raise_if_stopped(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def release(self) -> None:
+        """Drop the check and what it raised, when the caller is done with the container: PyAV
+        frees a container only by the cyclic GC, and the container holds this guard, which must
+        not keep the caller's request (and its decoded frames) alive until then."""
+        self.check = _no_check
+        self.error = None
+
+
+def _no_check() -> None:
+    pass
+
+
+class _GuardedBytes(io.BytesIO):
+    """The file as FFmpeg reads it when a `ReadGuard` is given: end of file once it stops."""
+
+    def __init__(self, data: bytes, guard: ReadGuard) -> None:
+        super().__init__(data)
+        self.guard = guard
+
+    def read(self, size: int | None = -1) -> bytes:
+        return super().read(size) if self.guard.allow_read() else b""
+
+
+def open_video(
+    data: bytes, limits: DecodeLimits = DecodeLimits(), guard: ReadGuard | None = None
+) -> InputContainer:
     """`data` opened with the demuxer its magic bytes name, and nothing else; use as a context
     manager. Raises MediaError(UNSUPPORTED) for anything but the allowed video containers; FFmpeg
-    errors (a corrupt file) propagate as av.FFmpegError for the caller to map."""
+    errors (a corrupt file) propagate as av.FFmpegError for the caller to map. With `guard`, every
+    read FFmpeg makes, av.open's probe included, first passes its check (`ReadGuard`)."""
     container = sniff_container(data)
     if container.demuxer is None:
         raise MediaError(f"expected a video here but got a {container.name.upper()} image; {SEND_SUPPORTED}")
     if container is MP4:  # FFmpeg would allocate what the sample tables declare, inside av.open
         check_declared_samples(data)
-    return _open_av(data, container.demuxer, limits)
+    return _open_av(data, container.demuxer, limits, guard)
 
 
-def _open_av(data: bytes, demuxer: str, limits: DecodeLimits) -> InputContainer:
+def _open_av(
+    data: bytes, demuxer: str, limits: DecodeLimits, guard: ReadGuard | None = None
+) -> InputContainer:
     """av.open with `demuxer` forced and no nested I/O (tests call this with other demuxers to
     show the whitelists hold)."""
     import av
 
-    guard = str(limits.max_source_pixels * _FFMPEG_MAX_PIXELS_FACTOR)
-    container = av.open(
-        io.BytesIO(data),
-        mode="r",
-        format=demuxer,
-        # Nested opens (a playlist entry, an MP4 data reference) may use no protocol and no
-        # other demuxer. An empty protocol_whitelist refuses every protocol, file included.
-        container_options={"format_whitelist": demuxer, "protocol_whitelist": ""},
-        # Codec options of the decoders avformat_find_stream_info opens to probe the streams.
-        options={"max_pixels": guard},
-    )
+    max_pixels = str(limits.max_source_pixels * _FFMPEG_MAX_PIXELS_FACTOR)
     try:
+        container = av.open(
+            io.BytesIO(data) if guard is None else _GuardedBytes(data, guard),
+            mode="r",
+            format=demuxer,
+            # Nested opens (a playlist entry, an MP4 data reference) may use no protocol and no
+            # other demuxer. An empty protocol_whitelist refuses every protocol, file included.
+            container_options={"format_whitelist": demuxer, "protocol_whitelist": ""},
+            # Codec options of the decoders avformat_find_stream_info opens to probe the streams.
+            options={"max_pixels": max_pixels},
+        )
+    except Exception:
+        if guard is not None:
+            guard.raise_if_stopped()  # the probe failed because the guard stopped it
+        raise
+    try:
+        if guard is not None:
+            guard.raise_if_stopped()  # the probe saw a short file: do not go on with it
         if container.streams.video:
             stream = container.streams.video[0]
             if stream.codec_context is None:  # FFmpeg has no decoder for this codec
                 raise MediaError("the video's codec is not one this server decodes; send H.264, H.265, VP8, VP9, "
                                  "AV1, MPEG-2, MPEG-4 Part 2 or MJPEG video")
             # The decoder the caller will use opens on its first packet, with these options.
-            stream.codec_context.options = {"max_pixels": guard}
+            stream.codec_context.options = {"max_pixels": max_pixels}
     except BaseException:
         container.close()
         raise

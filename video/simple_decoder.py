@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from epd.video.budget import DecodeBudget, DemuxDeadline, check_frame_size
-from epd.video.media_open import SEND_SUPPORTED, open_image, open_video, sniff_container
+from epd.video.media_open import SEND_SUPPORTED, ReadGuard, open_image, open_video, sniff_container
 from epd.video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -276,21 +276,29 @@ def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimi
         return decode_image(data, opts, limits)
     started = time.perf_counter()
     budget = DecodeBudget(limits)
+    # Every read of the file checks the time limit of the phase it is in: av.open and the demux
+    # pass --max-demux-s, the decode --max-decode-s (`ReadGuard`).
+    guard = ReadGuard(DemuxDeadline(limits).check)
     try:
-        with open_video(data, limits) as container:
+        with open_video(data, limits, guard) as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream; send a video or an image")
             stream = container.streams.video[0]
             check_frame_size(stream.codec_context.width, stream.codec_context.height, limits)
             index = build_frame_index(container, limits)
+            guard.raise_if_stopped()  # else the index ends where the guard cut the file short
             check_duration(index.duration_s, limits)
             chosen, sampled_fps = select_frames(index, opts)
+            guard.check = budget.check_time
             frames = _decode_chosen(container, index, chosen, opts, budget)
-    except MediaError:
-        raise
-    except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:
+    except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:  # MediaError too
+        guard.raise_if_stopped()  # the file was cut short by a limit: that is the reason
+        if isinstance(exc, MediaError):
+            raise
         log.info("video decode failed: %r", exc)  # never forwarded to the client
         raise MediaError(_CORRUPT) from None
+    finally:
+        guard.release()
     return DecodedVideo(
         frames=frames,
         timestamps_s=[float(t - index.pts_s[0]) for t in chosen],

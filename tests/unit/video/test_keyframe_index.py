@@ -75,7 +75,7 @@ def test_index_built_while_hashing_equals_the_plain_one_and_hits_stop_early(vide
     monkeypatch.setattr(keyframe_index, "demux_pts", demux_after_the_hash)
     assert cache.get_or_build(data, DecodeLimits()) is built
     assert (cache.num_hits, cache.num_misses) == (1, 1)
-    assert len(checks) == 1  # stopped at the first check, before reading on
+    assert len(checks) <= 1  # stopped at its first check, or before it: at a read (ReadGuard)
     with pytest.raises(MediaLimitError, match="lasts 60 s"):
         cache.get_or_build(data, DecodeLimits(max_duration_s=10))  # a hit still obeys limits
     with pytest.raises(MediaError):

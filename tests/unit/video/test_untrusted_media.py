@@ -7,18 +7,19 @@ import ast
 import io
 import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from epd.video import simple_decoder
+from epd.video import budget, simple_decoder
 from epd.video.decord_backend import DecordDecoder
 from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, probe_rotation
 from epd.video.media_open import _open_av, open_video, sniff_container
 from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 from tests.local_http import recording_server
-from tests.media import make_packet_flood, make_resolution_change, make_video
+from tests.media import make_audio_flood, make_packet_flood, make_resolution_change, make_video
 
 ROOT = Path(__file__).resolve().parents[3]
 SECRET = "EPD-UNIT-SECRET-7f3a"
@@ -303,6 +304,55 @@ def test_packet_flood_stops_at_the_demux_time_limit(decoder):
         simple_decoder.decode(data, SamplingOptions(num_frames=2), limits)
     with pytest.raises(MediaLimitError, match=match):
         decoder.iter_groups(data, SamplingOptions(num_frames=2), limits)
+
+
+AUDIO_FLOOD_PACKETS = 30_000
+"""Tiny audio packets between the 2 video frames of `make_audio_flood`: ~240 KB, ~8 reads of
+32 KiB, every one of them inside av.open's probe and inside one step of a video-only demux loop."""
+
+
+def test_cancel_is_seen_between_packets_of_other_streams():
+    """The demux pass asked the stop callback (the request's cancel flag, or "this file's index is
+    cached after all") only every 256 video packets: here it asked once, at the first, and read
+    the whole file. Now FFmpeg's every read of the file asks first (`ReadGuard`)."""
+    data = make_audio_flood(AUDIO_FLOOD_PACKETS)
+    assert build_video_index(data).num_frames == 2  # a valid file
+    num_calls = 0
+
+    def stop_at_second_call() -> bool:
+        nonlocal num_calls
+        num_calls += 1
+        return num_calls >= 2
+
+    with pytest.raises(simple_decoder.DemuxStopped):
+        build_video_index(data, stop=stop_at_second_call)
+    assert num_calls == 2  # stopped where it was told to, not at the end of the file
+
+
+def test_demux_deadline_is_checked_between_packets_of_other_streams(monkeypatch, decoder):
+    """A clock that moves 1 s each time it is read: with --max-demux-s 3, the pass must be refused
+    at the first check past 3 s. It was checked at the first video packet only, and the index of
+    this file was built, however long its audio took to read."""
+    data = make_audio_flood(AUDIO_FLOOD_PACKETS)
+    limits = DecodeLimits(max_demux_s=3.0)
+    match = r"limit of 3 s \(encoder flag --max-demux-s\)"
+    for demux in (
+        lambda: build_video_index(data, limits),
+        lambda: simple_decoder.decode(data, SamplingOptions(num_frames=2), limits),
+        lambda: decoder.iter_groups(data, SamplingOptions(num_frames=2), limits),
+    ):
+        num_reads = 0
+
+        def one_second_per_read() -> float:
+            nonlocal num_reads
+            num_reads += 1
+            return float(num_reads)
+
+        monkeypatch.setattr(budget, "time", SimpleNamespace(monotonic=one_second_per_read))
+        with pytest.raises(MediaLimitError, match=match):
+            demux()
+        # Read at the start (deadline = 1 + 3 s, and the decode budget's start), then once per check.
+        assert num_reads <= 6
 
 
 def test_decoded_pixel_budget_counts_every_decoded_frame(video_factory, decoder):
