@@ -127,6 +127,7 @@ def make_video(
     vfr: bool = False,
     single_slice: bool = True,
     crf: int | None = None,
+    open_gop: bool = False,
 ) -> Path:
     """Encode a synthetic video and return its path.
 
@@ -154,6 +155,8 @@ def make_video(
             params = f"keyint={gop}:min-keyint={gop}:scenecut=0:{X264_SAME_BYTES}"
             if bframes is not None:
                 params += f":bframes={bframes}"
+            if open_gop:  # keyframes are I frames that B-frames after them in decode order precede
+                params += ":open-gop=1"
             options = {"x264-params": params, "preset": "veryfast", "crf": str(crf or 23)}
         elif enc == "libx265":
             params = f"keyint={gop}:min-keyint={gop}:scenecut=0:log-level=none"

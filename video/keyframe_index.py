@@ -140,6 +140,13 @@ def build_video_index(
         # No index, or leading frames before the first flagged keyframe: the start of the stream
         # is always a valid place to begin decoding.
         keyframe_pts = np.concatenate([frame_pts[:1], keyframe_pts])
+    if in_decode_order:
+        # Frames are matched by output order (`in_presentation_order`), which only holds from
+        # the start: after a seek into an open GOP the decoder drops the leading frames of the
+        # keyframe's GOP, and where the count starts cannot be told (an AVI packet's pts is its
+        # place in decode order). One seek point, the start: the plan is one sequential decode,
+        # the reference decoder's.
+        keyframe_pts = frame_pts[:1]
     frames = FrameIndex(pts_s, np.asarray([int(p) * tb for p in keyframe_pts]), rate or 1.0, in_decode_order)
     check_duration(frames.duration_s, limits)
     return VideoIndex(

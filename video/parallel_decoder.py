@@ -369,8 +369,7 @@ def _seek(container, stream, index: VideoIndex, keyframe_pts: int, first_target:
     while True:
         key = int(keys[k]) if k >= 0 else int(index.frame_pts[0])
         container.seek(key, stream=stream, backward=True, any_frame=False)
-        order_pts = index.frame_pts if index.frames.pts_in_decode_order else None
-        frames = _decode_iter(container, stream, keep, budget, order_pts)
+        frames = _decode_iter(container, stream, keep, budget)  # never with decode-order pts: no seek
         first = next(frames, None)
         if first is not None and first.pts <= first_target:
             return itertools.chain([first], frames)

@@ -109,10 +109,11 @@ def in_presentation_order(frames: Iterable, frame_pts: np.ndarray) -> Iterator:
 
     The decoder gives each frame the pts of the packet that carried it, which there is the frame's
     place in decode order. But frames come out in presentation order, and `frame_pts` ([N] sorted)
-    lists the presentation times in that order: the first frame after a (re)start is the keyframe
-    the decoder started at, first of its (closed) GOP in decode and in presentation order, so its
-    pts is right; each later frame takes the next pts of the index. Every frame must come out
-    (no skip_frame). Open GOPs, whose leading frames come after their keyframe, are not handled.
+    lists the presentation times in that order: the first frame out of the start of the stream is
+    its first keyframe, first in decode and in presentation order, so its pts is right; each later
+    frame takes the next pts of the index. Every frame must come out (no skip_frame), and only
+    from the start: after a seek into an open GOP the decoder drops the B-frames shown before the
+    keyframe, so a count from there is off (the keyframe index gives such streams no seek point).
     """
     position: int | None = None
     for frame in frames:

@@ -54,7 +54,8 @@ def test_frames_identical_to_reference(video_factory, decoder, codec, suffix):
         got = decoder.decode(data, opts)
         assert_same(simple_decoder.decode(data, opts), got)
         # The targets span 3 GOPs; mjpeg (all keyframes) gets one interval per distinct target.
-        assert got.stats["num_intervals"] >= 2
+        # H.264 with B-frames in AVI (decode-order pts) is one sequential decode: test_presented_frames.
+        assert got.stats["num_intervals"] >= 2 or (codec, suffix) == ("h264", ".avi")
 
 
 def test_iter_groups_yields_time_ordered_groups_with_metadata_first(video_factory, decoder):
