@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import io
+import time
 import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ import pytest
 
 from epd.video import budget, simple_decoder
 from epd.video.decord_backend import DecordDecoder
-from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, probe_rotation
+from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256, probe_rotation
 from epd.video.media_open import _open_av, open_video, sniff_container
 from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
@@ -353,6 +354,28 @@ def test_demux_deadline_is_checked_between_packets_of_other_streams(monkeypatch,
             demux()
         # Read at the start (deadline = 1 + 3 s, and the decode budget's start), then once per check.
         assert num_reads <= 6
+
+
+def test_decode_workers_check_the_time_limit_between_packets_of_other_streams(monkeypatch, decoder):
+    """A parallel worker opens the file again (av.open's probe reads all of it here) and reads the
+    audio between the two frames inside one demux call. It looked at --max-decode-s only at each
+    decoded frame: 2 looks, and the request was served however long the reads took. With a clock
+    moving 1 s per look and a 3 s limit, it is now refused at its reads."""
+    data = make_audio_flood(AUDIO_FLOOD_PACKETS)
+    sha256 = content_sha256(data)
+    decoder.index_cache.get_or_build(data, DecodeLimits(), sha256)  # indexed on the real clock
+    start_s = time.monotonic()
+    num_looks = 0
+
+    def one_second_per_look() -> float:
+        nonlocal num_looks
+        num_looks += 1
+        return start_s + num_looks
+
+    monkeypatch.setattr(budget, "time", SimpleNamespace(monotonic=one_second_per_look))
+    with pytest.raises(MediaLimitError, match=r"limit of 3 s \(encoder flag --max-decode-s\)"):
+        decoder.decode(data, SamplingOptions(num_frames=2), DecodeLimits(max_decode_s=3.0), sha256=sha256)
+    assert num_looks <= 10  # both workers, refused within a few looks past the limit
 
 
 def test_decoded_pixel_budget_counts_every_decoded_frame(video_factory, decoder):
