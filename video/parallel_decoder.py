@@ -270,8 +270,7 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
 
     guard = ReadGuard(check_read)
     try:
-        with open_video(req.data, req.limits, guard) as container:
-            _decode_intervals(task, container, retired, skip_nonref)
+        _decode_intervals(task, guard, retired, skip_nonref)
     except Exception:
         guard.raise_if_stopped()  # a limit or a cancel cut the file short: that is the reason
         raise
@@ -279,55 +278,56 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
         guard.release()
 
 
-def _decode_intervals(task: _Task, container, retired: threading.Event, skip_nonref: bool) -> None:
-    """The body of `_decode_share`, on its open container."""
+def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, skip_nonref: bool) -> None:
+    """The body of `_decode_share`: one container, opened through `guard`."""
     req = task.request
     index = req.index
     frame_pts = index.frame_pts
     budget = req.budget
-    stream = container.streams.video[0]
-    stream.codec_context.thread_count = 1  # parallelism is across workers, not inside one
-    keep: frozenset[int] | None = None  # packets to decode in full; None: every packet
-    # Frames matched by output order (decode-order pts) must all come out: no skipping.
-    order_pts = frame_pts if index.frames.pts_in_decode_order else None
-    if skip_nonref and order_pts is None and stream.codec_context.name in _NONREF_SKIP_CODECS:
-        # Every target of the request, not only the current interval's: the decoder's reorder
-        # delay means packets of the next interval are sent before this one's last frame is out.
-        keep = req.target_pts
-    frames: Iterator | None = None  # the live decode iterator
-    last_pts = int(frame_pts[0]) - 1  # pts of the last frame taken from it
-    while (position := req.take(task.share)) is not None:
-        if req.stopped() or retired.is_set():
-            raise _Cancelled
-        interval = req.plan.intervals[position]
-        wanted = set(interval.target_pts)
-        first_target = interval.target_pts[0]
-        if frames is None:
-            if interval.keyframe_pts <= frame_pts[0]:
-                frames = _decode_iter(container, stream, keep, budget, order_pts)
-            else:
-                frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
-        else:
-            ahead = int(
-                np.searchsorted(frame_pts, interval.keyframe_pts)
-                - np.searchsorted(frame_pts, last_pts, "right")
-            )
-            if last_pts >= first_target or ahead > req.seek_cost_frames:
-                frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
-        for frame in frames:
+    with open_video(req.data, req.limits, guard) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1  # parallelism is across workers, not inside one
+        keep: frozenset[int] | None = None  # packets to decode in full; None: every packet
+        # Frames matched by output order (decode-order pts) must all come out: no skipping.
+        order_pts = frame_pts if index.frames.pts_in_decode_order else None
+        if skip_nonref and order_pts is None and stream.codec_context.name in _NONREF_SKIP_CODECS:
+            # Every target of the request, not only the current interval's: the decoder's reorder
+            # delay means packets of the next interval are sent before this one's last frame is out.
+            keep = req.target_pts
+        frames: Iterator | None = None  # the live decode iterator
+        last_pts = int(frame_pts[0]) - 1  # pts of the last frame taken from it
+        while (position := req.take(task.share)) is not None:
             if req.stopped() or retired.is_set():
                 raise _Cancelled
-            task.last_progress = time.monotonic()
-            task.num_decoded_frames += 1
-            last_pts = frame.pts
-            if frame.pts in wanted:
-                req.put_frame(frame.pts, frame_to_rgb(frame, req.opts.max_pixels))
-                wanted.discard(frame.pts)
-                if not wanted:
-                    break
-        if wanted:  # the stream ended before a target: truncated or corrupt
-            raise MediaError(_CORRUPT)
-        req.finish_interval(position)
+            interval = req.plan.intervals[position]
+            wanted = set(interval.target_pts)
+            first_target = interval.target_pts[0]
+            if frames is None:
+                if interval.keyframe_pts <= frame_pts[0]:
+                    frames = _decode_iter(container, stream, keep, budget, order_pts)
+                else:
+                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
+            else:
+                ahead = int(
+                    np.searchsorted(frame_pts, interval.keyframe_pts)
+                    - np.searchsorted(frame_pts, last_pts, "right")
+                )
+                if last_pts >= first_target or ahead > req.seek_cost_frames:
+                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
+            for frame in frames:
+                if req.stopped() or retired.is_set():
+                    raise _Cancelled
+                task.last_progress = time.monotonic()
+                task.num_decoded_frames += 1
+                last_pts = frame.pts
+                if frame.pts in wanted:
+                    req.put_frame(frame.pts, frame_to_rgb(frame, req.opts.max_pixels))
+                    wanted.discard(frame.pts)
+                    if not wanted:
+                        break
+            if wanted:  # the stream ended before a target: truncated or corrupt
+                raise MediaError(_CORRUPT)
+            req.finish_interval(position)
 
 
 def _decode_iter(
