@@ -140,11 +140,9 @@ class ReadGuard:
         """Called before every read; raises to stop. Callers may swap it between phases."""
         self.error: Exception | None = None
         """What `check` raised; from then on every read returns end of file."""
-        self.num_reads = 0
 
     def allow_read(self) -> bool:
         if self.error is None:
-            self.num_reads += 1
             try:
                 self.check()
             except Exception as exc:  # kept for raise_if_stopped: FFmpeg cannot carry it
