@@ -367,7 +367,14 @@ def _seek(container, stream, index: VideoIndex, keyframe_pts: int, first_target:
     k = int(np.searchsorted(keys, keyframe_pts, "right")) - 1
     tried = 0
     while True:
-        key = int(keys[k]) if k >= 0 else int(index.frame_pts[0])
+        if k < 0 or keys[k] <= index.frame_pts[0]:
+            # The start. Not the first frame's own pts: FFmpeg's MPEG-TS seek (a binary search on
+            # timestamps) lands a GOP later for it; a time before every frame lands at the start,
+            # as the reference decoder's seek(0) does.
+            k = -1
+            key = min(0, int(index.frame_pts[0]))
+        else:
+            key = int(keys[k])
         container.seek(key, stream=stream, backward=True, any_frame=False)
         frames = _decode_iter(container, stream, keep, budget)  # never with decode-order pts: no seek
         first = next(frames, None)
