@@ -17,6 +17,7 @@ from epd.gateway.config import (
     SharedModelSchedule,
     open_without_key,
 )
+from epd.gateway.media_fetch import dns_host
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.threads import AUTO
@@ -242,6 +243,12 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
+    """ValueError: an --allowed-media-domains entry that is not a domain name (`dns_host`)."""
+    for domain in args.allowed_media_domains:
+        try:
+            dns_host(domain)
+        except ValueError as exc:
+            raise ValueError(f"--allowed-media-domains: {exc}") from None
     media = MediaFetchConfig(
         allowed_local_dir=args.allowed_local_media_path,
         allowed_domains=tuple(args.allowed_media_domains),
