@@ -69,9 +69,14 @@ from epd.stages.names import Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import ParallelDecoder
+from epd.video.simple_decoder import check_duration
 from epd.video.types import DecodeCancelled, DecodedVideo, SamplingOptions
 
 log = logging.getLogger(__name__)
+
+SOURCE_DURATION_FACT = "source_duration_s"
+"""What a token-cache entry records of its media besides the tokens: the whole video's duration
+(0 for an image), so that a hit is held to --max-duration-s as a miss is (`EncoderEngine._cached`)."""
 
 T = TypeVar("T")
 
@@ -121,6 +126,7 @@ class FrameSource(Protocol):
 
     is_image: bool
     timestamps_s: list[float]
+    duration_s: float
 
 
 @dataclass
@@ -135,6 +141,8 @@ class _Request:
     """Wall time of this request's preprocessing and model calls (tower jobs, pruning), queueing
     for the model included."""
     stats: PruningStats = field(default_factory=PruningStats)
+    source_duration_s: float = 0.0
+    """The whole video's duration (0 for an image), kept with its cache entry (`CACHE_FACTS`)."""
 
     def check_cancelled(self) -> None:
         if self.cancel.is_set():
@@ -233,7 +241,7 @@ class EncoderEngine:
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         key = self.cache_key(sha256, sampling, pruning, cache_salt)
-        if (cached := self.cache.get(key)) is not None:
+        if (cached := self._cached(key, sampling)) is not None:
             return self._hit(cached, sha256, on_event)
         # A request already encoding this media with these options: wait for its result.
         flight, shared = self.flights.join(key, req.check_cancelled)
@@ -243,7 +251,7 @@ class EncoderEngine:
         out: EncodedMedia | None = None
         try:
             # A flight that landed since our first look (`in`: a miss is counted once per request).
-            if key in self.cache and (cached := self.cache.get(key)) is not None:
+            if key in self.cache and (cached := self._cached(key, sampling)) is not None:
                 out = cached
                 return self._hit(cached, sha256, on_event)
             if media.data is None:
@@ -251,10 +259,27 @@ class EncoderEngine:
                     f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
                 )
             out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning)
-            self.cache.put(key, out)
+            self.cache.put(key, out, {SOURCE_DURATION_FACT: req.source_duration_s})
             return out
         finally:
             flight.land(out)
+
+    def _cached(self, key: str, sampling: SamplingOptions) -> EncodedMedia | None:
+        """The cached media under `key` once it passes this encoder's limits now, with the
+        message a miss would give (MediaLimitError, ResourceExhausted): a disk-tier entry may have
+        been made by an encoder started with higher --max-visual-tokens or --max-duration-s, and a
+        hit by hash must not serve what sending the bytes would be refused. An entry that does not
+        record its video's duration (written before entries did) is a miss: decoding checks it."""
+        entry = self.cache.get_entry(key)
+        if entry is None:
+            return None
+        cached, facts = entry
+        sampling.validate(self.config.limits.max_frames)
+        if SOURCE_DURATION_FACT not in facts:
+            return None
+        check_duration(float(facts[SOURCE_DURATION_FACT]), self.config.limits)
+        self._check_expected_tokens(self.adapter.num_visual_tokens(cached.meta.grid_thw))  # before pruning
+        return cached
 
     @staticmethod
     def _hit(cached: EncodedMedia, sha256: str, on_event: EventSink, shared: bool = False) -> EncodedMedia:
@@ -324,6 +349,7 @@ class EncoderEngine:
         pruning: PruningConfig, t0: float, merge: bool = False,
     ) -> EncodedMedia:
         meta, groups = self.open_frames(data, sha256, sampling, req.cancel, merge)
+        req.source_duration_s = float(meta.duration_s)
         on_event(StageEvent(Stage.VIDEO_DECODE, "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.
@@ -415,7 +441,10 @@ class EncoderEngine:
 
     def _check_token_budget(self, grid_thw: tuple[int, int, int], num_frames: int, group_frames: int) -> None:
         per_frame = self.adapter.num_visual_tokens(grid_thw) / max(group_frames, 1)
-        expected = int(per_frame * num_frames)
+        self._check_expected_tokens(int(per_frame * num_frames))
+
+    def _check_expected_tokens(self, expected: int) -> None:
+        """ResourceExhausted when a request would give more than --max-visual-tokens (before pruning)."""
         if expected > self.config.max_visual_tokens:
             raise ResourceExhausted(
                 f"this video would give about {expected} visual tokens but the encoder allows "
