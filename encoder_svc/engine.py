@@ -258,7 +258,7 @@ class EncoderEngine:
                 raise NotFound(
                     f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
                 )
-            out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning)
+            out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning, cache_salt)
             self.cache.put(key, out, {SOURCE_DURATION_FACT: req.source_duration_s})
             return out
         finally:
@@ -291,23 +291,25 @@ class EncoderEngine:
         return replace(cached, cache_hit=True, decode_ms=0.0, encode_ms=0.0, sha256=sha256)
 
     def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions,
-                    cancel: threading.Event | None = None, merge: bool = False,
+                    cancel: threading.Event | None = None, merge: bool = False, cache_salt: str = "",
                     ) -> tuple[FrameSource, Generator[DecodedVideo, None, None]]:
         """(stream metadata, generator of DecodedVideo groups in temporal order). Closing the
         generator early cancels the decode work still pending; setting `cancel` stops the demux
         pass and the decoding, and a wait for the next group, with DecodeCancelled. `merge`: groups
-        already decoded merge (`EncoderConfig.merge_decoded_groups`)."""
+        already decoded merge (`EncoderConfig.merge_decoded_groups`). `cache_salt`: the request's
+        tenant, as in the token cache's key: the decoders' keyframe-index caches are per tenant
+        too, since a hit there shortens the decode time the client is told."""
         group_size = self.config.frames_per_group or (1 << 30)
         if self.config.decode_backend == "decord":
             with self._decord_lock:
                 if self._decord is None:
                     self._decord = DecordDecoder()
-            whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
+            whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
             step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
             return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
                                           cancel=cancel, merge_up_to=self.config.merged_group_frames if merge else 0,
-                                          merge_up_to_pixels=self.config.merged_group_pixels)
+                                          merge_up_to_pixels=self.config.merged_group_pixels, cache_salt=cache_salt)
 
         def groups():
             with stream:
@@ -327,7 +329,7 @@ class EncoderEngine:
 
     def _decode_and_encode(
         self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
-        pruning: PruningConfig = PruningConfig(),
+        pruning: PruningConfig = PruningConfig(), cache_salt: str = "",
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent(Stage.VIDEO_DECODE, "started"))
@@ -337,7 +339,8 @@ class EncoderEngine:
             alone = self._num_encoding == 0
             self._num_encoding += 1
         try:
-            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0, merge=alone)
+            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0, merge=alone,
+                                       cache_salt=cache_salt)
         except DecodeCancelled as exc:
             raise RequestCancelled(f"{exc}, after {req.num_groups_done} frame groups") from None
         finally:
@@ -346,9 +349,9 @@ class EncoderEngine:
 
     def _encode_frames(
         self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
-        pruning: PruningConfig, t0: float, merge: bool = False,
+        pruning: PruningConfig, t0: float, merge: bool = False, cache_salt: str = "",
     ) -> EncodedMedia:
-        meta, groups = self.open_frames(data, sha256, sampling, req.cancel, merge)
+        meta, groups = self.open_frames(data, sha256, sampling, req.cancel, merge, cache_salt)
         req.source_duration_s = float(meta.duration_s)
         on_event(StageEvent(Stage.VIDEO_DECODE, "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference

@@ -147,14 +147,16 @@ class DecordDecoder:
         opts: SamplingOptions,
         limits: DecodeLimits = DecodeLimits(),
         sha256: str | None = None,
+        cache_salt: str = "",
     ) -> DecodedVideo:
+        """`cache_salt`: the request's tenant, whose keyframe indexes alone it may reuse."""
         started = time.perf_counter()
         budget = DecodeBudget(limits)  # --max-decode-s, from here: the demux pass counts too
         check_size(len(data), limits)
         opts.validate(limits.max_frames)
         if sniff_container(data).is_image:  # nothing but an allowed container reaches decord
             return decode_image(data, opts, limits)
-        index = self.index_cache.get_or_build(data, limits, sha256)
+        index = self.index_cache.get_or_build(data, limits, sha256, cache_salt=cache_salt)
         chosen_s, sampled_fps = select_frames(index.frames, opts)
         slot_positions = np.searchsorted(index.frames.pts_s, chosen_s)  # [T] non-decreasing
         distinct = np.unique(slot_positions)  # [U]: decord decodes each once

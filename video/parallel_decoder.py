@@ -1,7 +1,7 @@
 """Parallel keyframe-aligned video decoding with a reusable pool of decode threads.
 
 A request's life:
-  1. `iter_groups` gets the demux-only `VideoIndex` (cached per content hash; without a hash from
+  1. `iter_groups` gets the demux-only `VideoIndex` (cached per tenant and content hash; without a hash from
      the caller, the bytes are hashed beside the demux pass) and makes a `DecodePlan`:
      keyframe-aligned intervals dealt to `num_workers` shares by decode cost. Bad input and
      limits fail here, before any thread is involved. The result's shape is known now, so
@@ -570,6 +570,7 @@ class ParallelDecoder:
         cancel: threading.Event | None = None,
         merge_up_to: int = 0,
         merge_up_to_pixels: int = 1 << 62,
+        cache_salt: str = "",
     ) -> FrameGroupStream:
         """Plan the request and start decoding; frames come back in groups of `group_size`
         (with `merge_up_to`, groups already decoded merge, up to that many frames and
@@ -579,6 +580,8 @@ class ParallelDecoder:
         of `data`) when you already have it, to skip hashing. When `cancel` is set (from any
         thread), the demux pass stops within a few hundred packets, the workers at their next
         frame, and a consumer waiting for a group gets DecodeCancelled within 50 ms.
+        `cache_salt`: the request's tenant; only its own cached keyframe indexes are reused
+        (`KeyframeIndexCache`).
         """
         if self._closed:
             raise RuntimeError("ParallelDecoder is closed")
@@ -598,7 +601,7 @@ class ParallelDecoder:
                 image=image,
                 started=started,
             )
-        index = self.index_cache.get_or_build(data, limits, sha256, cancel)
+        index = self.index_cache.get_or_build(data, limits, sha256, cancel, cache_salt)
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
         req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started)
         pts_s = index.frames.pts_s

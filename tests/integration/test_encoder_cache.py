@@ -81,8 +81,8 @@ def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
     first_group_out, let_go = threading.Event(), threading.Event()
     open_frames = engine.open_frames
 
-    def held_open_frames(data_, sha256, sampling_, cancel=None, merge=False):
-        meta, groups = open_frames(data_, sha256, sampling_, cancel, merge)
+    def held_open_frames(data_, sha256, sampling_, cancel=None, merge=False, cache_salt=""):
+        meta, groups = open_frames(data_, sha256, sampling_, cancel, merge, cache_salt)
         if data_ is not other:
             return meta, groups
 

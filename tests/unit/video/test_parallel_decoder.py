@@ -134,7 +134,7 @@ def test_caller_cancel_before_the_demux_pass_builds_no_index(video_factory, deco
     sha256 = hashlib.sha256(data).hexdigest() if with_hash else None
     with pytest.raises(DecodeCancelled, match="demux pass"):
         decoder.iter_groups(data, SamplingOptions(num_frames=4), sha256=sha256, cancel=cancel)
-    assert hashlib.sha256(data).hexdigest() not in decoder.index_cache._entries
+    assert ("", hashlib.sha256(data).hexdigest()) not in decoder.index_cache._entries
 
 
 @pytest.mark.parametrize(
