@@ -71,12 +71,14 @@ class DemuxStopped(Exception):
     """The demux pass's `stop` callback asked it to end (the caller no longer needs the index)."""
 
 
-def build_frame_index(container, limits: DecodeLimits = DecodeLimits()) -> FrameIndex:
+def build_frame_index(
+    container, limits: DecodeLimits = DecodeLimits(), cancel: threading.Event | None = None
+) -> FrameIndex:
     """Demux every packet of the first video stream and record its presentation time, within
-    `limits.max_demux_s`."""
+    `limits.max_demux_s` (DecodeCancelled once `cancel` is set)."""
     stream = container.streams.video[0]
     tb = float(stream.time_base)
-    deadline = DemuxDeadline(limits)
+    deadline = DemuxDeadline(limits, cancel)
 
     def past_deadline() -> bool:
         deadline.check()  # raises MediaLimitError
@@ -204,8 +206,12 @@ def _upright_rgb(img):
     return img.convert("RGB")
 
 
-def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits()) -> DecodedVideo:
-    """Decode `data` (a whole file in memory) into sampled RGB frames."""
+def decode(
+    data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(), cancel: threading.Event | None = None
+) -> DecodedVideo:
+    """Decode `data` (a whole file in memory) into sampled RGB frames. `cancel` (set from any
+    thread: the caller went away) stops the demux pass and the decoding at their next check of the
+    limits, with DecodeCancelled."""
     import av
 
     check_size(len(data), limits)
@@ -213,14 +219,14 @@ def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimi
     if sniff_container(data).is_image:  # refuses what is neither an allowed video nor image
         return decode_image(data, opts, limits)
     started = time.perf_counter()
-    budget = DecodeBudget(limits)
+    budget = DecodeBudget(limits, cancel=cancel)
     try:
         with open_video(data, limits) as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream; send a video or an image")
             stream = container.streams.video[0]
             check_frame_size(stream.codec_context.width, stream.codec_context.height, limits)
-            index = build_frame_index(container, limits)
+            index = build_frame_index(container, limits, cancel)
             check_duration(index.duration_s, limits)
             chosen, sampled_fps = select_frames(index, opts)
             frames = _decode_chosen(container, chosen, opts, budget)

@@ -15,6 +15,7 @@ from epd.gateway.config import (
     HttpApiConfig,
     MediaFetchConfig,
     SharedModelSchedule,
+    WebDemoConfig,
     open_without_key,
 )
 from epd.gateway.media_fetch import dns_host
@@ -123,10 +124,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
 
 def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig) -> EncoderConfig:
     """The encoder's flags (`add_encoder_flags`, `add_sampling_flags`) over a model and a server."""
-    limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes, max_source_pixels=args.max_source_pixels,
-                     max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
-                     max_decode_s=args.max_decode_s,
-                     max_duration_s=args.max_duration_s)
+    limits = decode_limits(args)
     decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
                      **({"num_workers": args.decode_workers} if args.decode_workers else {}))
     cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
@@ -138,6 +136,23 @@ def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: Server
                          max_tower_patches_per_step=args.max_tower_patches_per_step,
                          max_tower_jobs_per_request=args.max_tower_jobs_per_request,
                          merge_decoded_groups=args.merge_decoded_groups)
+
+
+def decode_limits(args: argparse.Namespace, with_upload_limit: bool = True) -> DecodeLimits:
+    """`add_decode_limit_flags` (and --max-upload-bytes): the encoder's limits, and the web demo's
+    (whose byte limit the gateway sets from its own --max-upload-bytes, checked in `checked_gateway`)."""
+    return replace(DecodeLimits(), max_source_pixels=args.max_source_pixels,
+                   max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
+                   max_decode_s=args.max_decode_s, max_duration_s=args.max_duration_s,
+                   **({"max_bytes": args.max_upload_bytes} if with_upload_limit else {}))
+
+
+def web_demo_config(args: argparse.Namespace) -> WebDemoConfig:
+    """The gateway's demo decodes: its flags, or (`epd serve --colocate`) the encoder's limits."""
+    return WebDemoConfig(
+        max_concurrent_decodes=getattr(args, "demo_max_concurrent_decodes", WebDemoConfig.max_concurrent_decodes),
+        limits=decode_limits(args, with_upload_limit=False),
+    )
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
@@ -184,7 +199,7 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     security = TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
     return checked_gateway(GatewayConfig(
         server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
-        http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args)),
+        http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args), demo=web_demo_config(args)),
         max_requests_per_client=args.max_requests_per_client,
         max_requests_per_api_key=args.max_requests_per_api_key,
         max_upload_bytes=args.max_upload_bytes))
@@ -255,4 +270,5 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
         fetch_timeout_s=args.media_fetch_timeout,
     )
     return HttpApiConfig(port=args.http_port, host=args.http_host, api_keys=api_keys(args),
-                         no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media)
+                         no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media,
+                         demo=web_demo_config(args))
