@@ -371,3 +371,14 @@ def test_fetch_of_private_address_is_refused_by_default():
 
     with pytest.raises(MediaRefused, match="private, loopback or link-local"):
         asyncio.run(_with_server(ROUTES, fetch))
+
+
+def test_an_allow_list_entry_that_is_not_a_domain_name_is_refused_at_start():
+    from epd.cli import configs
+    from epd.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "gateway", "--allowed-media-domains", "a.com," + "é" * 70 + ".org"])
+    with pytest.raises(ValueError, match="--allowed-media-domains: .* not a valid internationalised domain name"):
+        configs.gateway_config(args)
+    args = build_parser().parse_args(["serve", "gateway", "--allowed-media-domains", "vidéos.example"])
+    assert configs.gateway_config(args).http.media.allowed_domains == ("vidéos.example",)  # matched by `dns_host`
