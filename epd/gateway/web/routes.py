@@ -110,7 +110,6 @@ class WebDemo:
         try:
             sampling, url = _frames_request(await read_json_body(request, self.max_body_bytes), self.config)
             data = await load_media(url, self.config.http.media, self.config.max_upload_bytes)
-            # Looked up per call (not bound at import) so that tests can stand in for it.
             thumbnails = await self.decodes.run(
                 sampled_thumbnails, data, sampling, self.limits, ticket=request.get(TICKET_KEY)
             )
