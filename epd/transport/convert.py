@@ -4,6 +4,7 @@ lives in one place: one converter each way per boundary type. Zero in a proto fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -118,23 +119,10 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
 
 
 def generation_to_proto(cfg: GenerationConfig) -> common_pb2.GenerationParams:
-    return common_pb2.GenerationParams(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        seed=cfg.seed,  # None: unset
-        stop=list(cfg.stop),
-        ignore_eos=cfg.ignore_eos,
-        repetition_penalty=cfg.repetition_penalty,
-        presence_penalty=cfg.presence_penalty,
-        frequency_penalty=cfg.frequency_penalty,
-        min_p=cfg.min_p,
-        min_tokens=cfg.min_tokens,
-        logit_bias=dict(cfg.logit_bias),
-        stop_token_ids=list(cfg.stop_token_ids),
-        include_stop_str_in_output=cfg.include_stop_str_in_output,
-    )
+    """Field for field (the message names each field of GenerationConfig; seed None is unset)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    fields["logit_bias"] = dict(cfg.logit_bias)  # (id, bias) pairs -> the proto's map
+    return common_pb2.GenerationParams(**fields)
 
 
 def event_to_proto(event: StageEvent, at_ms: float) -> common_pb2.StageEvent:
