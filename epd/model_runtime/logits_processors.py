@@ -12,9 +12,10 @@ The order is vLLM v1's sampler's:
      subtracted over the output's tokens;
   4. greedy argmax, or: temperature, then min_p (`min_p`), then top-k and top-p, then the draw.
 
-State is kept dense over the vocabulary ([vocab] tensors, made at the first step, once the
-logits say how large the vocabulary is), so a step costs a few vector operations whatever the
-length of the prompt or the output.
+State is kept sparse: the distinct ids a penalty touches (the prompt's and the output's, as
+[k] index tensors grown by one id when a new one comes out) and the output's counts, so a step
+costs a few operations over those k ids, not over the vocabulary (151,936 for Qwen2-VL),
+whatever the length of the prompt or the output.
 """
 
 from __future__ import annotations
@@ -34,44 +35,54 @@ class LogitsProcessors:
         repetition_penalty; eos_token_ids: the model's, held back by min_tokens unless ignore_eos."""
         self.config = config
         self.num_output_tokens = 0
-        self._output: list[int] = []  # tokens seen before the state exists (the first step makes it)
-        self._prompt_token_ids = list(prompt_token_ids) if config.repetition_penalty != 1.0 else []
+        self._device = torch.device("cpu")  # of the tensors below; the logits' once they are seen
         held = set(config.stop_token_ids) | (set() if config.ignore_eos else set(eos_token_ids))
-        self._held_back = torch.tensor(sorted(held), dtype=torch.long)  # [S]
-        self._bias_ids = torch.tensor([t for t, _ in config.logit_bias], dtype=torch.long)  # [N]
+        self._held_back = _ids(sorted(held))  # [S]
+        self._bias_ids = _ids([t for t, _ in config.logit_bias])  # [N]
         self._bias = torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32)  # [N]
-        self._counts: torch.Tensor | None = None  # [vocab] float32: occurrences in the output
-        self._repeated: torch.Tensor | None = None  # [vocab] bool: in the prompt or the output
+        self._output_index: dict[int, int] = {}  # distinct output id -> its place in the two below
+        self._output_ids = _ids([])  # [n] distinct output ids, first seen first
+        self._output_counts = torch.zeros(0, dtype=torch.float32)  # [n] their occurrences
+        self._repeated: set[int] | None = None  # the ids repetition_penalty covers (None: off)
+        self._repeated_ids = _ids([])  # [k] the same ids
+        if config.repetition_penalty != 1.0:
+            self._repeated = set(prompt_token_ids)
+            self._repeated_ids = _ids(sorted(self._repeated))
 
     def seen(self, token_id: int) -> None:
         """One more token of the output (chosen by this request's sampler or, for decode's, by prefill's)."""
         self.num_output_tokens += 1
-        if self._counts is None:
-            self._output.append(token_id)
+        at = self._output_index.get(token_id)
+        if at is not None:
+            self._output_counts[at] += 1
             return
-        self._counts[token_id] += 1
-        if self._repeated is not None:
-            self._repeated[token_id] = True
+        self._output_index[token_id] = len(self._output_index)
+        new = _ids([token_id], self._device)
+        self._output_ids = torch.cat([self._output_ids, new])
+        self._output_counts = torch.cat([self._output_counts, torch.ones(1, device=self._device)])
+        if self._repeated is not None and token_id not in self._repeated:
+            self._repeated.add(token_id)
+            self._repeated_ids = torch.cat([self._repeated_ids, new])
 
     def before_sampling(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] float32 -> a new [vocab] float32 tensor with steps 1-3 applied (the
         input, which may be a row of the decode batch's logits, is left as it is)."""
         c = self.config
-        if self._counts is None:
-            self._make_state(logits.shape[0], logits.device)
-        assert self._counts is not None
+        if logits.device != self._device:
+            self._move_to(logits.device)
         logits = logits.clone()
         if self._bias_ids.numel():
             logits.index_add_(0, self._bias_ids, self._bias)
         if self.num_output_tokens < c.min_tokens and self._held_back.numel():
             logits[self._held_back] = float("-inf")
-        if self._repeated is not None:
-            penalised = torch.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
-            logits = torch.where(self._repeated, penalised, logits)
-        if c.frequency_penalty:
-            logits -= c.frequency_penalty * self._counts
-        if c.presence_penalty:
-            logits -= c.presence_penalty * (self._counts > 0).float()
+        if self._repeated is not None and self._repeated_ids.numel():
+            repeated = logits[self._repeated_ids]  # [k]
+            penalty = c.repetition_penalty
+            logits[self._repeated_ids] = torch.where(repeated > 0, repeated / penalty, repeated * penalty)
+        if c.frequency_penalty and self._output_ids.numel():
+            logits.index_add_(0, self._output_ids, self._output_counts * -c.frequency_penalty)
+        if c.presence_penalty and self._output_ids.numel():
+            logits.index_add_(0, self._output_ids, torch.full_like(self._output_counts, -c.presence_penalty))
         return logits
 
     def min_p(self, logits: torch.Tensor) -> torch.Tensor:
@@ -82,18 +93,11 @@ class LogitsProcessors:
         probs = torch.softmax(logits, dim=-1)
         return logits.masked_fill(probs < self.config.min_p * probs.max(), float("-inf"))
 
-    def _make_state(self, vocab_size: int, device: torch.device) -> None:
-        ids = [*self._prompt_token_ids, *self._output]
-        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:  # the stages check first; never index out of range
-            raise ValueError(f"a prompt or output token id is outside this model's vocabulary of {vocab_size}")
-        self._held_back, self._bias_ids, self._bias = (
-            t.to(device) for t in (self._held_back, self._bias_ids, self._bias)
-        )
-        self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        output = torch.tensor(self._output, dtype=torch.long, device=device)
-        self._counts.index_add_(0, output, torch.ones(len(self._output), device=device))
-        if self.config.repetition_penalty != 1.0:
-            self._repeated = self._counts > 0
-            self._repeated[torch.tensor(self._prompt_token_ids, dtype=torch.long, device=device)] = True
-        self._output = []
-        self._prompt_token_ids = []
+    def _move_to(self, device: torch.device) -> None:
+        self._device = device
+        for name in ("_held_back", "_bias_ids", "_bias", "_output_ids", "_output_counts", "_repeated_ids"):
+            setattr(self, name, getattr(self, name).to(device))
+
+
+def _ids(ids: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
