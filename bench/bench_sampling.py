@@ -11,7 +11,8 @@
    sampler and detokeniser) on bench_pruning's ~30M-parameter Qwen2-VL given Qwen2-VL's
    151,936-token vocabulary, every request with the default settings, then every request with
    all the penalties, logit bias and min_tokens on; the median step over `--rounds` rounds of
-   `--steps` steps each, the two alternating, and the ratio against the default.
+   `--steps` steps each, the two alternating, and of it the per-request part (the B samplers and
+   detokenisers after the forward), each with its ratio against the default.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
     print(f"2. decode step, {adapter.num_parameters / 1e6:.0f}M-parameter Qwen2-VL with vocab {QWEN_VOCAB:,}, "
           f"batch {batch}, {threads} thread(s), median of {rounds} rounds x {steps} steps")
 
-    def step_ms(config: GenerationConfig) -> float:
+    def step_ms(config: GenerationConfig) -> tuple[float, float]:
+        """(median ms of a whole step, median ms of its per-request part: sampler + detokeniser)."""
         kv = adapter.new_batch_kv()
         gens = []
         for cache, positions, token in caches:
@@ -97,25 +99,31 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
                                prompt_token_ids=prompt_ids)  # fmt: skip
             kv.add(cache, cache.num_cached_tokens + steps + 4)
             gens.append(gen)
+        per_request: list[float] = []
 
         def step():
             positions = torch.stack([g.positions for g in gens], dim=1)  # [4, B]
             logits = adapter.decode_batch([g.last_token for g in gens], positions, kv)  # [B, vocab]
+            t0 = time.perf_counter()
             for g, row in zip(gens, logits, strict=True):
                 g.accept(row)
+            per_request.append(time.perf_counter() - t0)
 
-        return median_ms(step, steps)
+        whole = median_ms(step, steps)
+        return whole, statistics.median(per_request) * 1e3
 
     plain = GenerationConfig(max_new_tokens=1000, ignore_eos=True)
     penalised = replace(plain, **PENALTIES)
-    results: dict[str, list[float]] = {"default": [], "all penalties": []}
-    for _ in range(rounds):
-        results["default"].append(step_ms(plain))
-        results["all penalties"].append(step_ms(penalised))
-    base = statistics.median(results["default"])
+    results: dict[str, list[tuple[float, float]]] = {"default": [], "all penalties": []}
+    for r in range(rounds):  # alternating, each first in turn: the machine's load drifts
+        order = [("default", plain), ("all penalties", penalised)]
+        for name, config in order if r % 2 == 0 else order[::-1]:
+            results[name].append(step_ms(config))
+    base = [statistics.median(v) for v in zip(*results["default"], strict=True)]
     for name, values in results.items():
-        ms = statistics.median(values)
-        print(f"   {name:34s} {ms:8.2f} ms  x{ms / base:.3f}")
+        whole, part = (statistics.median(v) for v in zip(*values, strict=True))
+        print(f"   {name:34s} step {whole:8.2f} ms  x{whole / base[0]:.3f}   of which sampler + detokeniser "
+              f"{part:6.2f} ms  x{part / base[1]:.2f}")
 
 
 def main() -> None:
@@ -123,7 +131,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="sampler calls per case")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/epd-bench-sampling"))
     args = parser.parse_args()
