@@ -211,6 +211,12 @@ class VLMAdapter(ABC):
         default max_model_len); None: not known."""
         return None
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the lm head's logits [vocab]: the token ids a request may name (logit_bias,
+        stop_token_ids); None: not known."""
+        return None
+
     def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
                       position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """The tower on kept patches only (temporal dropping before the tower)."""
