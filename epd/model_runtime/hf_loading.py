@@ -145,7 +145,8 @@ def load_vision_part(path: str, hf_config, dtype: torch.dtype, build: Callable[[
     if not files:
         log.info("no safetensors in %s; loading the full model for its %s", root, what)
         return full_part(load_full_model(str(root), dtype, torch.device("cpu")))
-    with no_init_weights(), local_torch_dtype(dtype):  # every weight is loaded below; random init would only cost time
+    # every weight is loaded below (random init would only cost time); `dtype` as the default dtype
+    with no_init_weights(), local_torch_dtype(dtype):
         part = build()
     apply_keep_in_fp32_plan(part, dtype)
     # load_state_dict copies into the parameters, in their dtypes (as from_pretrained casts a
@@ -179,7 +180,8 @@ def apply_keep_in_fp32_plan(part: torch.nn.Module, dtype: torch.dtype) -> list[s
     changed = []
     for name, tensor in part.state_dict(keep_vars=True).items():  # parameters and persistent buffers
         if tensor.is_floating_point() and (match := pattern.search(name)) is not None:
-            tensor.data = tensor.data.to(plan[glob_of_group[str(match.lastgroup)]])  # every branch is a named group
+            # every branch of the alternation is a named group, so lastgroup names the glob matched
+            tensor.data = tensor.data.to(plan[glob_of_group[str(match.lastgroup)]])
             changed.append(name)
     return changed
 
