@@ -56,6 +56,14 @@ def prefill_keep_target(config: PruningConfig, num_entering: int, num_video: int
     return min(num_entering, resolve_keep_count(num_video, config.prefill_keep_ratio))
 
 
+def sent_kv_element_bytes(config: PruningConfig, cache: KvCache) -> int:
+    """Bytes of one KV element as the cache is sent to decode: `kv_dtype`'s (the engine casts after
+    compression) or, with "auto", the cache's own. `kv_budget_bytes` is a budget on what is sent."""
+    if config.kv_dtype == "auto":
+        return cache.keys[0].element_size()
+    return getattr(torch, config.kv_dtype).itemsize
+
+
 @torch.inference_mode()
 def pruned_prefill(
     adapter: VLMAdapter,
@@ -133,6 +141,7 @@ def pruned_prefill(
         result = compress_kv_cache(
             layer_caches, scores, kept_visual, keep_ratio=config.kv_keep_ratio,
             budget_bytes=config.kv_budget_bytes, merge=config.kv_merge, key_mask=survivor_keys,
+            sent_element_bytes=sent_kv_element_bytes(config, cache),
         )
         cache = KvCache([k for k, _ in result.caches], [v for _, v in result.caches])
         visual_set = torch.zeros(length_after, dtype=torch.bool)

@@ -83,8 +83,8 @@ class PruningConfig:
     kv_keep_ratio: float = 1.0
     """Fraction of the visual KV entries kept in every layer and KV head."""
     kv_budget_bytes: int | None = None
-    """Total KV cache size (all layers, keys + values, text included) not to exceed; overrides
-    `kv_keep_ratio`."""
+    """Total KV cache size (all layers, keys + values, text included) not to exceed, in the bytes
+    sent to Decode (counted in `kv_dtype` when it is set); overrides `kv_keep_ratio`."""
     kv_merge: str = "averaged"
     """How an evicted entry is folded into its most similar kept entry: "none", "averaged",
     "pivotal" or "weighted" (see kv_compress.py)."""

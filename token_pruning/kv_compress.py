@@ -119,6 +119,7 @@ def compress_kv_cache(
     merge: str = "averaged",
     key_mask: torch.Tensor | None = None,
     sizes: Sequence[torch.Tensor] | None = None,
+    sent_element_bytes: int | None = None,
 ) -> KVCompressionResult:
     """Evict visual entries to a budget in every layer and KV head, merging them into kept ones.
 
@@ -127,6 +128,8 @@ def compress_kv_cache(
     entries in S (the rest are text). Budget: `budget_bytes` (whole cache, all layers) if given,
     else ceil(keep_ratio * V) visual entries per layer and head. key_mask: [V] bool, never
     evicted. sizes: per layer [kv_heads, S] (default ones), for repeated compression.
+    sent_element_bytes: bytes of one entry element in the dtype the cache is sent in (2 for a
+    `kv_dtype` of bfloat16), which the budget counts; default the caches' own.
     """
     num_layers = len(caches)
     _, num_kv_heads, seq_len, head_dim = caches[0][0].shape
@@ -134,7 +137,8 @@ def compress_kv_cache(
     if len(scores) != num_layers:
         raise ValueError(f"{len(scores)} score tensors for {num_layers} layers")
     if budget_bytes is not None:
-        per_position = kv_bytes_per_position(num_layers, num_kv_heads, head_dim, caches[0][0].element_size())
+        element_bytes = sent_element_bytes or caches[0][0].element_size()
+        per_position = kv_bytes_per_position(num_layers, num_kv_heads, head_dim, element_bytes)
         num_keep = visual_keep_count_from_bytes(budget_bytes, seq_len - num_visual, num_visual, per_position)
     else:
         num_keep = resolve_keep_count(num_visual, keep_ratio)
