@@ -404,10 +404,10 @@ class EncoderEngine:
 
     def _preprocess(self, req: _Request, video: DecodedVideo, num_frames: int, frames_done: int,
                     grids_done: list[tuple[int, int, int]]) -> VisionInputs:
-        """On the driver: one group's patches [group_patches, patch_dim], sized as the clip of
-        `num_frames` frames (the plan's, known before decoding ends) is sized by the processor,
-        checked against the visual-token budget before any tower work. `frames_done` frames
-        before this group gave `grids_done`."""
+        """On the driver: one group's patches [group_patches, patch_dim], sized as the processor
+        sizes the whole clip of `num_frames` frames (the plan's count, known before decoding
+        ends), checked against the visual-token budget before any tower work. The `frames_done`
+        frames before this group gave `grids_done`."""
         t0 = time.perf_counter()
         try:
             inputs = self.adapter.preprocess(video, clip_num_frames=num_frames)
