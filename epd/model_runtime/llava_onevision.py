@@ -124,7 +124,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
+        """`clip_num_frames` is not needed: every video frame is resized to the same fixed square
+        and pooled alone, whatever the clip's length."""
         if video.is_image:
             frame = video.frames[0]
             out = self.processor.image_processor(images=[frame], return_tensors="pt")
