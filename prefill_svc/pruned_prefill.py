@@ -67,7 +67,11 @@ def pruned_prefill(
     stats: PruningStats,
 ) -> PrunedPrefill:
     """prompt: the full prompt (every placeholder). embeds: [N', hidden], one per token of
-    `token_index` ([N'] full-list indices; None = all). key_mask: [N'] bool or None."""
+    `token_index` ([N'] full-list indices; None = all). key_mask: [N'] bool or None.
+
+    Devices: the model's tensors (hidden states, queries, the cache) stay on the adapter's device
+    and the scores are computed there; the prompt's positions, the kept indices and the visual-entry
+    mask (which crosses to Decode) are bookkeeping on the CPU, with the prompt."""
     num_layers = adapter.num_layers
     full_visual = prompt.visual_mask.nonzero().flatten()  # [V] prompt indices of placeholders
     if token_index is None:
@@ -137,7 +141,8 @@ def pruned_prefill(
         cache = KvCache([k for k, _ in result.caches], [v for _, v in result.caches])
         visual_set = torch.zeros(length_after, dtype=torch.bool)
         visual_set[kept_visual] = True
-        visual_entry_mask = torch.stack([visual_set[pos] for pos in result.kept_positions])
+        # On the CPU: the mask crosses to Decode as bytes (kept_positions are on the cache's device).
+        visual_entry_mask = torch.stack([visual_set[pos.cpu()] for pos in result.kept_positions])
         stats.record("kv_compress", result.num_visual_in, result.num_visual_kept)
     stats.kv_bytes_after = cache.num_bytes
     state = PrefillState(
