@@ -41,6 +41,24 @@ def question_query_positions(seq_len: int, visual_index: torch.Tensor, window: i
     return torch.arange(start, seq_len, device=device)
 
 
+def text_query_positions(seq_len: int, visual_index: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[Q] long: the text after the last visual token, or its last `window` positions (0 = all).
+
+    The KV compression's queries: LOOK-M's scores are text-prior, what the text after the video
+    (the question) attends to. A window longer than that text is clamped to it: tokens before the
+    video see no visual entry (causal), and visual tokens are not text and may be dropped at a
+    prefill drop layer before the later layers are scored. So every query follows every visual
+    token, and after a drop of n visual tokens it sits exactly n places earlier. On
+    `visual_index`'s device.
+    """
+    start = int(visual_index.max()) + 1 if visual_index.numel() else 0
+    if start >= seq_len:
+        raise ValueError("the prompt has no text after the video to score the KV entries with")
+    if window > 0:
+        start = max(start, seq_len - window)
+    return torch.arange(start, seq_len, device=visual_index.device)
+
+
 def dual_rule_select(
     total: torch.Tensor,
     peak: torch.Tensor,
