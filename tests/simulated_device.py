@@ -87,8 +87,9 @@ def move_module(module: torch.nn.Module) -> None:
 
 def _mixes_devices(func, args: tuple, kwargs: dict) -> bool:
     checked: list[Any] = [args, kwargs]
-    if func in _INDEX_OPS and isinstance(args[0], DeviceTensor):
-        checked = [args[0], [i for i in pytree.tree_leaves(list(args[1:])) if isinstance(i, DeviceTensor)], kwargs]
+    if func in _INDEX_OPS and isinstance(args[0], DeviceTensor):  # (self, indices, [values, ...])
+        indices = [i for i in pytree.tree_leaves(args[1]) if isinstance(i, DeviceTensor)]  # CPU ones are fine
+        checked = [args[0], indices, list(args[2:]), kwargs]
     leaves = [t for t in pytree.tree_leaves(checked) if isinstance(t, torch.Tensor)]
     kinds = {isinstance(t, DeviceTensor) for t in leaves if isinstance(t, DeviceTensor) or t.dim() > 0}
     return len(kinds) > 1

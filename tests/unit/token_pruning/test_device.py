@@ -43,6 +43,8 @@ def test_the_simulated_device_refuses_what_cuda_refuses():
             x + torch.ones(6)
         with pytest.raises(RuntimeError, match="same device"):
             torch.zeros(6)[on_device(torch.tensor([1]))] = 1.0  # a CPU tensor indexed by device indices
+        with pytest.raises(RuntimeError, match="same device"):
+            x[torch.tensor([1, 2])] = torch.ones(2)  # CPU values put into a device tensor
         assert is_on_device(torch.zeros(6, device=x.device) + x)
         assert is_on_device(x[torch.tensor([1, 2])]) and is_on_device(x * torch.tensor(2.0))
         assert not is_on_device(x.cpu()) and int(x.sum()) == 15
