@@ -89,7 +89,9 @@ class PruningConfig:
     """How an evicted entry is folded into its most similar kept entry: "none", "averaged",
     "pivotal" or "weighted" (see kv_compress.py)."""
     kv_query_window: int = 0
-    """Prompt tokens whose attention scores the KV entries; 0 = all text after the video."""
+    """The last this-many tokens of the text after the video score the KV entries; 0 = all that
+    text. A longer window is clamped to it (`text_guided.text_query_positions`: the scores are
+    text-prior, and a visual token may be gone from the layers after a prefill drop)."""
     kv_dtype: str = "auto"
     """Dtype the KV cache is kept in and sent to Decode: "auto" (the model's), "bfloat16" or
     "float16". Narrower than the model's halves the bytes (and rounds every entry: lossy, measured
