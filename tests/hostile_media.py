@@ -7,6 +7,7 @@ their bytes (nothing large is stored in the repository).
                                            samples_per_chunk samples each (indexed per chunk)
     hidden_stsz(where, num_samples)        an extra sample-size box FFmpeg honours, hidden in `udta`,
                                            `dinf` or the sample description
+    edit_list(num_edits)                   a clip played num_edits times over by its edit list
     titled_video(container, title)         a clip whose title tag is the given bytes
     image_with_malformed_exif(fmt, tag)    an image rotated by EXIF whose other tag cannot be written back
 """
@@ -57,6 +58,18 @@ def insert_box(data: bytes, path: BoxPath, payload: bytes) -> bytes:
     for depth in range(1, len(path) + 1):
         parent_pos, parent_size = find_box(data, path[:depth])
         struct.pack_into(">I", out, parent_pos, parent_size + len(payload))
+    return bytes(out)
+
+
+def replace_box(data: bytes, path: BoxPath, new_box: bytes) -> bytes:
+    """The box at `path` replaced by `new_box`, every enclosing box resized (as `insert_box`)."""
+    assert find_box(data, [b"mdat"])[0] < find_box(data, [b"moov"])[0]
+    pos, size = find_box(data, path)
+    out = bytearray(data)
+    out[pos : pos + size] = new_box
+    for depth in range(1, len(path)):
+        parent_pos, parent_size = find_box(data, path[:depth])
+        struct.pack_into(">I", out, parent_pos, parent_size + len(new_box) - size)
     return bytes(out)
 
 
@@ -152,6 +165,17 @@ def hidden_stsz(tmp: Path, where: str, num_samples: int) -> bytes:
     stsd = data[stsd_pos : stsd_pos + stsd_size]
     children = data[stbl_pos + 8 : stbl_pos + stbl_size].replace(stsd, b"", 1) + stsd
     return data[: stbl_pos + 8] + children + data[stbl_pos + stbl_size :]
+
+
+def edit_list(tmp: Path, num_edits: int) -> bytes:
+    """A clip (10 frames) whose edit list plays the whole clip `num_edits` times over."""
+    data = _clip(tmp)
+    mvhd_pos, _ = find_box(data, [b"moov", b"mvhd"])
+    # mvhd v0: header(8), version/flags(4), creation(4), modification(4), timescale(4), duration(4)
+    (movie_duration,) = struct.unpack(">I", data[mvhd_pos + 24 : mvhd_pos + 28])
+    edit = struct.pack(">IiI", movie_duration, 0, 1 << 16)  # duration, media_time 0, rate 1.0
+    elst = box(b"elst", struct.pack(">II", 0, num_edits) + edit * num_edits)
+    return replace_box(data, [b"moov", b"trak", b"edts"], box(b"edts", elst))
 
 
 TITLE_MARK = b"QQQQQQQMARK"

@@ -11,7 +11,9 @@ million samples, and opening it took 3 GB. Other ways to the same allocations:
   ceil(samples_per_chunk / 1024) entries for each chunk offset in `stco`/`co64` (1/160 for GSM-like
   frames), whatever `stsz` says: 16 chunk offsets of 2^31 samples each took 768 MB in a 9 KB file;
 - a fragment's track run (`trun`) adds its samples to the index; an HEVC track with sample groups
-  unrolls its `ctts` and `sbgp` counts into arrays of their own;
+  unrolls its `ctts` and `sbgp` counts into arrays of their own; an edit list (`elst`) rebuilds
+  the index once per edit, each up to the whole track: 50,000 edits of a 10-frame clip (600 KB)
+  made 500,000 entries;
 - FFmpeg parses a table box wherever it finds one in a box it descends into (`udta`, `dinf`,
   `meta`, a sample description's trailing boxes, ...) and applies it to the last track it opened,
   so an `stsz` hidden in `udta` replaced the real one;
@@ -86,6 +88,7 @@ class _Track:
     num_chunks: int = 0  # stco/co64 entries
     num_ctts_samples: int = 0
     num_sbgp_samples: int = 0
+    num_edits: int = 0  # elst entries that are not empty (media_time != -1)
 
 
 @dataclass
@@ -113,12 +116,13 @@ def check_declared_samples(data: bytes) -> int:
 
 def _index_entries(track: _Track) -> int:
     """Entries FFmpeg allocates for `track` (mov_build_index): one per sample, or for uncompressed
-    audio (one stts entry of delta 1) its chunk pieces; or more, where an HEVC track unrolls its
-    ctts or sbgp counts."""
+    audio (one stts entry of delta 1) its chunk pieces; then once again for each edit (mov_fix_index
+    rebuilds the index edit by edit, each from the keyframe before its start to its end: at most
+    the whole track); or more, where an HEVC track unrolls its ctts or sbgp counts."""
     entries = track.num_samples
     if len(track.stts) == 1 and track.stts[0, 1] == 1 and track.num_chunks and len(track.stsc):
         entries = max(entries, _chunk_pieces(track))
-    return max(entries, track.num_ctts_samples, track.num_sbgp_samples)
+    return max(entries * max(track.num_edits, 1), track.num_ctts_samples, track.num_sbgp_samples)
 
 
 def _chunk_pieces(track: _Track) -> int:
@@ -216,8 +220,8 @@ def _read_table(data: memoryview, kind: bytes, payload: int, end: int, walk: _Wa
         walk.num_fragment_samples += _u32(data, payload + 4)
         return
     track = walk.tracks[-1] if walk.tracks else None
-    if track is None or kind == b"elst":
-        return  # FFmpeg ignores tables before the first track; edit lists are not counted
+    if track is None:
+        return  # FFmpeg ignores tables before the first track
     if kind == b"stsz":  # version/flags(4), sample_size(4), sample_count(4), [sizes if sample_size == 0]
         count = _u32(data, payload + 8) if payload + 12 <= end else 0
         if _u32(data, payload + 4) == 0:
@@ -229,6 +233,13 @@ def _read_table(data: memoryview, kind: bytes, payload: int, end: int, walk: _Wa
         if field_bits in (4, 8, 16):
             _check_holds(kind, (count * field_bits + 7) // 8, 1, payload + 12, end)
         track.num_samples = max(track.num_samples, count)
+    elif kind == b"elst":  # version/flags(4), entry_count(4), entries (duration, media_time, rate)
+        if data[payload] == 1:  # 64-bit duration and media_time: [E, 5] 32-bit fields
+            media_time = _entries(data, kind, payload + 4, end, 20)[:, 2:4]
+        else:  # [E, 3] 32-bit fields
+            media_time = _entries(data, kind, payload + 4, end, 12)[:, 1:2]
+        num_empty = int((media_time == 0xFFFFFFFF).all(axis=1).sum())  # media_time -1: an empty edit
+        track.num_edits = max(track.num_edits, len(media_time) - num_empty)
     elif kind == b"sbgp":  # version/flags(4), grouping_type(4), [parameter(4)], entry_count(4), entries
         first = payload + (12 if data[payload] == 1 else 8)
         entries = _entries(data, kind, first, end, 8)  # [E, 2] (sample_count, group_description_index)

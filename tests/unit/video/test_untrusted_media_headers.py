@@ -74,6 +74,17 @@ def test_a_sample_to_chunk_table_past_the_chunks_is_refused():
         simple_decoder.decode(bytes(data), SamplingOptions(num_frames=2))
 
 
+def test_an_edit_list_is_counted_as_often_as_ffmpeg_indexes_the_track(tmp_path, decoder):
+    """FFmpeg rebuilds a track's index once per edit: 50,000 edits of a 10-frame clip (600 KB)
+    made 500,000 index entries. Two edits decode; enough to pass the limit are refused."""
+    assert simple_decoder.decode(hostile_media.edit_list(tmp_path, 2), SamplingOptions(num_frames=2)).num_frames == 2
+    num_edits = MAX_DECLARED_SAMPLES // 10 + 1
+    bomb = hostile_media.edit_list(tmp_path, num_edits)
+    for entry in _entry_points(decoder).values():
+        with pytest.raises(MediaLimitError, match=rf"declare {num_edits * 10} frames and audio packets"):
+            entry(bomb)
+
+
 @pytest.mark.parametrize("where", ["udta", "dinf", "sample_description"])
 def test_a_sample_table_box_outside_its_track_is_refused(tmp_path, decoder, where):
     """FFmpeg parses an stsz wherever it finds one and applies it to the last track: hidden in
