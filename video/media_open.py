@@ -63,7 +63,7 @@ MAX_STREAMS = 16
 phone or camera file has 1-6 (iPhone and GoPro files add timecode and metadata tracks), a film with
 several languages a dozen. `av.open` opens a decoder for each to probe it: a one-frame 4K H.264
 track costs ~20 MB there, so 100 copies of one (80 KB of MP4) took 2 GB, 999 would take ~20 GB;
-at 16 it is ~330 MB at most, and FFmpeg allocates no 17th stream."""
+at 16 it is ~300 MB at most, and FFmpeg allocates no 17th stream."""
 
 _JPEG_START_OF_SCAN = b"\xff\xda"
 MAX_JPEG_SCANS = 256
