@@ -32,6 +32,7 @@ declares more entries than it holds, or a malformed sample-to-chunk table of a p
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,41 +62,47 @@ _TABLE_PATHS = {
     b"stts": (_STBL,), b"ctts": (_STBL,), b"stss": (_STBL,), b"stps": (_STBL,),
     b"sbgp": (_STBL, (b"moof", b"traf")), b"elst": ((b"trak", b"edts"),), b"trun": ((b"moof", b"traf"),),
 }  # fmt: skip
+_VISITED = frozenset({*_CONTAINERS, *_TABLE_PATHS, b"cmov", b"meta", b"stsd"})
+_MAYBE_MOOV = (b"hoov", b"free")
+_MAX_TRACKS_WALKED = 1024
+"""Tracks whose boxes are read; past this many the file is refused for its tracks anyway (a
+flood of empty `trak` boxes would otherwise cost a track record each)."""
 _MOOV_FIRST_CHILDREN = (b"mvhd", b"cmov")
 """A `hoov` box, or a `free` one when FFmpeg finds no `moov` and reads the file again, is a `moov`
 to FFmpeg when its first child is one of these (mov_read_default)."""
 _HDLR = int.from_bytes(b"hdlr", "big")
+_BOX_HEADER = struct.Struct(">I4s")  # size, type
+_BOX_SIZE64 = struct.Struct(">Q")
 _STSD_HEADER_BYTES = 8  # version/flags(4), entry_count(4)
-MAX_BOXES = 1 << 21
-"""Boxes walked before the file is refused: the walk is Python, about a microsecond a box, and an
-upload of 8-byte boxes would hold tens of millions. A fragmented hour (a fragment of ~7 boxes
-every frame at 30 fps) has 756,000."""
+MAX_BOXES = 1 << 20
+"""Boxes walked before the file is refused: the walk is Python (1-3 us a box, and it runs at every
+open of the file), and an upload of 8-byte boxes would hold tens of millions. A file with a
+fragment every GOP has a few per second (~8 boxes each); one with a fragment every frame at 30 fps
+(low-latency capture) 756,000 in an hour."""
 _MIN_SAMPLES_PER_INDEX_ENTRY = 160
 """Per-chunk audio: FFmpeg's index has one entry per 1024 samples of a chunk, or per frame of
 `samples_per_frame` >= 160 samples (GSM-like codecs): 160 is the fewest samples an entry covers."""
 
 
-_EMPTY_TABLE = np.zeros((0, 2), np.int64)
-
-
-@dataclass
+@dataclass(slots=True)
 class _Track:
     """What one `trak` declares (a duplicated table: the larger, as FFmpeg keeps one of them)."""
 
     num_samples: int = 0  # stsz/stz2 sample_count
-    stts: np.ndarray = field(default_factory=lambda: _EMPTY_TABLE)  # [E, 2] (sample_count, sample_delta)
-    stsc: np.ndarray = field(default_factory=lambda: _EMPTY_TABLE)  # [E, 2] (first_chunk, samples_per_chunk)
+    stts: np.ndarray | None = None  # [E, 2] (sample_count, sample_delta)
+    stsc: np.ndarray | None = None  # [E, 2] (first_chunk, samples_per_chunk)
     num_chunks: int = 0  # stco/co64 entries
     num_ctts_samples: int = 0
     num_sbgp_samples: int = 0
     num_edits: int = 0  # elst entries that are not empty (media_time != -1)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Walk:
     tracks: list[_Track] = field(default_factory=list)
     num_fragment_samples: int = 0  # trun sample counts, over every fragment
     num_boxes: int = 0
+    num_tracks: int = 0
 
 
 def check_declared_samples(data: bytes) -> int:
@@ -111,7 +118,7 @@ def check_declared_samples(data: bytes) -> int:
             f"the file's sample tables declare {total} frames and audio packets, over this server's limit of "
             f"{MAX_DECLARED_SAMPLES}; send a shorter video"
         )
-    return len(walk.tracks)
+    return walk.num_tracks
 
 
 def _index_entries(track: _Track) -> int:
@@ -120,23 +127,24 @@ def _index_entries(track: _Track) -> int:
     rebuilds the index edit by edit, each from the keyframe before its start to its end: at most
     the whole track); or more, where an HEVC track unrolls its ctts or sbgp counts."""
     entries = track.num_samples
-    if len(track.stts) == 1 and track.stts[0, 1] == 1 and track.num_chunks and len(track.stsc):
-        entries = max(entries, _chunk_pieces(track))
+    stts, stsc = track.stts, track.stsc
+    if stts is not None and len(stts) == 1 and stts[0, 1] == 1 and stsc is not None and len(stsc) and track.num_chunks:
+        entries = max(entries, _chunk_pieces(stsc, track.num_chunks))
     return max(entries * max(track.num_edits, 1), track.num_ctts_samples, track.num_sbgp_samples)
 
 
-def _chunk_pieces(track: _Track) -> int:
+def _chunk_pieces(stsc: np.ndarray, num_chunks: int) -> int:
     """Index entries of a per-chunk audio track, counted as FFmpeg does: each stsc entry covers the
     chunks up to the next entry's first chunk (the last one: up to the last chunk offset). FFmpeg
     sums these in unsigned 32-bit arithmetic, where a first chunk past the chunk offsets wraps to
     any count: such a table is refused."""
-    first_chunk, samples_per_chunk = track.stsc[:, 0], track.stsc[:, 1]  # [E] each
-    next_first = np.append(first_chunk[1:], track.num_chunks + 1)  # [E]
-    bad = (first_chunk < 1) | (next_first <= first_chunk) | (next_first > track.num_chunks + 1)
+    first_chunk, samples_per_chunk = stsc[:, 0], stsc[:, 1]  # [E] each
+    next_first = np.append(first_chunk[1:], num_chunks + 1)  # [E]
+    bad = (first_chunk < 1) | (next_first <= first_chunk) | (next_first > num_chunks + 1)
     if bad.any():
         raise MediaError(
             f"the file's sample-to-chunk table names chunk {int(first_chunk[bad.argmax()])} of a track with "
-            f"{track.num_chunks} chunks; the file is corrupt: {_REMUX}"
+            f"{num_chunks} chunks; the file is corrupt: {_REMUX}"
         )
     pieces_per_chunk = -(-samples_per_chunk // _MIN_SAMPLES_PER_INDEX_ENTRY)  # ceil; [E]
     return int(((next_first - first_chunk) * pieces_per_chunk).sum())
@@ -156,18 +164,19 @@ def _walk_boxes(data: memoryview, start: int, end: int, path: tuple[bytes, ...],
         if walk.num_boxes > MAX_BOXES:
             raise MediaLimitError(f"the file's headers hold more than {MAX_BOXES} boxes, over this server's limit; "
                                   f"{_REMUX}, or send a shorter video")  # fmt: skip
-        size = int.from_bytes(data[pos : pos + 4], "big")
-        kind = bytes(data[pos + 4 : pos + 8])
+        size, kind = _BOX_HEADER.unpack_from(data, pos)
         header = 8
         if size == 1 and pos + 16 <= end:  # a 64-bit size follows the type
-            size = int.from_bytes(data[pos + 8 : pos + 16], "big")
+            (size,) = _BOX_SIZE64.unpack_from(data, pos + 8)
             header = 16
         elif size == 0:  # to the end of the enclosing box (or file)
             size = end - pos
         if size < header:
             break  # malformed: FFmpeg stops reading this list of boxes too
-        box_end = min(pos + size, end)
-        _visit(data, kind, pos + header, box_end, path, walk)
+        if kind in _MAYBE_MOOV and bytes(data[pos + header + 4 : pos + header + 8]) in _MOOV_FIRST_CHILDREN:
+            kind = b"moov"
+        if kind in _VISITED:  # else a leaf FFmpeg reads by itself, or skips (mdat among them)
+            _visit(data, kind, pos + header, min(pos + size, end), path, walk)
         pos += size
 
 
@@ -175,9 +184,10 @@ def _visit(data: memoryview, kind: bytes, payload: int, end: int, path: tuple[by
     """One box: kind, payload data[payload:end], parents `path`."""
     if kind == b"cmov":
         raise MediaError(f"compressed movie headers (QuickTime cmov) are not supported; {_REMUX}")
-    if kind in (b"hoov", b"free") and data[payload + 4 : payload + 8] in _MOOV_FIRST_CHILDREN:
-        kind = b"moov"
     if kind == b"trak":
+        walk.num_tracks += 1
+        if walk.num_tracks > _MAX_TRACKS_WALKED:
+            return  # the caller refuses the file for its tracks: no need to read them all
         walk.tracks.append(_Track())
     if (skip := _CONTAINERS.get(kind)) is not None:
         _walk_boxes(data, payload + skip, end, path + (kind,), walk)

@@ -112,6 +112,16 @@ def test_a_table_declaring_more_entries_than_it_holds_is_refused(tmp_path):
         simple_decoder.decode(bytes(data), SamplingOptions(num_frames=2))
 
 
+def test_headers_of_more_boxes_than_the_walk_reads_are_refused(tmp_path):
+    """The walk is Python and runs at every open: an upload of 8-byte boxes is bounded in boxes."""
+    from epd.video.mp4_boxes import MAX_BOXES
+
+    stbl = [b"moov", b"trak", b"mdia", b"minf", b"stbl"]
+    data = hostile_media.insert_box(hostile_media.many_tracks_mp4(tmp_path, 1), stbl, b"\0\0\0\x08free" * MAX_BOXES)
+    with pytest.raises(MediaLimitError, match=rf"the file's headers hold more than {MAX_BOXES} boxes"):
+        simple_decoder.decode(data, SamplingOptions(num_frames=2))
+
+
 # -- metadata and EXIF: read, never a reason to refuse the pixels ------------------------------
 
 
