@@ -86,7 +86,8 @@ _MIN_SAMPLES_PER_INDEX_ENTRY = 160
 
 @dataclass(slots=True)
 class _Track:
-    """What one `trak` declares (a duplicated table: the larger, as FFmpeg keeps one of them)."""
+    """What one `trak` declares. A table given twice: FFmpeg keeps the last one read (having
+    allocated for each); the counts here keep the larger, stts and stsc the last."""
 
     num_samples: int = 0  # stsz/stz2 sample_count
     stts: np.ndarray | None = None  # [E, 2] (sample_count, sample_delta)
