@@ -25,7 +25,8 @@ class EncoderConfig:
     """Defaults for fields a request leaves unset."""
     max_visual_tokens: int = 16384
     """A request whose sampling would give more visual tokens is refused after its first frame
-    group is preprocessed, before any tower call (`--max-visual-tokens`)."""
+    group is preprocessed, before any tower call (`--max-visual-tokens`): its estimate is that
+    group's tokens per frame, and each later group's check counts the groups done exactly."""
     decode: ParallelDecodeConfig = field(default_factory=ParallelDecodeConfig)
     """The pool of decode threads (one per core by default), shared by all requests."""
     frames_per_group: int = 2

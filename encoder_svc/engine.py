@@ -378,7 +378,7 @@ class EncoderEngine:
             try:
                 req.check_cancelled()  # cancelled during the index pass: wait for no frame at all
                 for video in groups:  # decoding of later groups continues while earlier ones encode
-                    inputs = self._preprocess(req, video, meta.num_frames)
+                    inputs = self._preprocess(req, video, meta.num_frames, frames_done, grids)
                     if pruning.temporal_drop:
                         pixels.append(inputs.pixel_values)
                     if not sparse:  # sparse: the tower waits for every group's patches (pruning below)
@@ -431,20 +431,31 @@ class EncoderEngine:
             deepstack=features,
         )
 
-    def _preprocess(self, req: _Request, video: DecodedVideo, num_frames: int) -> VisionInputs:
-        """On the driver: one group's patches [group_patches, patch_dim], checked against the
-        visual-token budget before any tower work."""
+    def _preprocess(self, req: _Request, video: DecodedVideo, num_frames: int, frames_done: int,
+                    grids_done: list[tuple[int, int, int]]) -> VisionInputs:
+        """On the driver: one group's patches [group_patches, patch_dim], sized as the processor
+        sizes the whole clip of `num_frames` frames (the plan's count, known before decoding
+        ends), checked against the visual-token budget before any tower work. The `frames_done`
+        frames before this group gave `grids_done`."""
         t0 = time.perf_counter()
         try:
-            inputs = self.adapter.preprocess(video)
+            inputs = self.adapter.preprocess(video, clip_num_frames=num_frames)
         finally:
             req.model_s += time.perf_counter() - t0
-        self._check_token_budget(inputs.grid_thw, num_frames, video.num_frames)
+        tokens_done = sum(self.adapter.num_visual_tokens(g) for g in grids_done)
+        frames_left = num_frames - frames_done - video.num_frames
+        self._check_token_budget(inputs.grid_thw, video.num_frames, tokens_done, frames_left)
         return inputs
 
-    def _check_token_budget(self, grid_thw: tuple[int, int, int], num_frames: int, group_frames: int) -> None:
-        per_frame = self.adapter.num_visual_tokens(grid_thw) / max(group_frames, 1)
-        self._check_expected_tokens(int(per_frame * num_frames))
+    def _check_token_budget(self, grid_thw: tuple[int, int, int], group_frames: int, tokens_done: int,
+                            frames_left: int) -> None:
+        """The clip's visual tokens: those of the groups so far, this one's, and the frames after
+        it at this group's tokens per frame (exact at the last group, where a 1-frame tail that
+        fills a whole temporal patch would overstate the rate)."""
+        group_tokens = self.adapter.num_visual_tokens(grid_thw)
+        self._check_expected_tokens(
+            tokens_done + group_tokens + int(group_tokens / max(group_frames, 1) * max(frames_left, 0))
+        )
 
     def _check_expected_tokens(self, expected: int) -> None:
         """ResourceExhausted when a request would give more than --max-visual-tokens (before pruning)."""

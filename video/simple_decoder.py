@@ -180,13 +180,16 @@ def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> De
             frame = np.array(rgb, dtype=np.uint8)[None]  # writable (np.asarray of a PIL image is not)
     except MediaError:
         raise
-    except (OSError, ValueError, SyntaxError) as exc:  # UnidentifiedImageError is an OSError
+    except Exception as exc:  # noqa: BLE001 - hostile bytes make Pillow raise struct.error, TypeError, ...
         log.info("image decode failed: %r", exc)  # detail stays in the server log
         raise MediaError(_CORRUPT) from None
     return DecodedVideo(frame, [0.0], sampled_fps=1.0, duration_s=0.0, source_fps=0.0, is_image=True)
 
 
 _EXIF_ORIENTATION = 0x0112
+# EXIF orientation -> the transpose that turns the stored pixels upright (as ImageOps.exif_transpose).
+_UPRIGHT_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+                      7: "TRANSVERSE", 8: "ROTATE_90"}  # fmt: skip
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 """Pillow's modes of 16-bit greyscale (a 16-bit PNG): `convert("RGB")` clips their values at 255
 instead of scaling them, so a mid-grey 32768 became white."""
@@ -196,14 +199,26 @@ def _upright_rgb(img):
     """8-bit RGB, turned upright as its EXIF orientation says (as a video's display matrix turns
     its frames: `epd.video.keyframe_index.probe_rotation`); 16-bit greyscale scaled to 8 bits (its top byte, as FFmpeg's
     gray16 -> rgb24 does)."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
-    if img.getexif().get(_EXIF_ORIENTATION, 1) != 1:  # else exif_transpose would copy it as it is
-        img = ImageOps.exif_transpose(img)
+    # Not ImageOps.exif_transpose: it also rewrites the EXIF block, and malformed EXIF made that
+    # raise struct.error or TypeError (an internal error) on an image whose pixels were fine.
+    if (transpose := _UPRIGHT_TRANSPOSE.get(_exif_orientation(img))) is not None:
+        img = img.transpose(getattr(Image.Transpose, transpose))
     if img.mode in _SIXTEEN_BIT_MODES:
         top_byte = (np.asarray(img, dtype=np.int64).clip(0, 65535) >> 8).astype(np.uint8)
         return Image.fromarray(top_byte).convert("RGB")
     return img.convert("RGB")
+
+
+def _exif_orientation(img) -> int:
+    """The image's EXIF orientation (1-8); 1 (as stored) when it has none or its EXIF is
+    malformed: a bad orientation tag is no reason to refuse the pixels."""
+    try:
+        return int(img.getexif().get(_EXIF_ORIENTATION, 1))
+    except Exception as exc:  # noqa: BLE001 - Pillow's EXIF parser raises many types on hostile bytes
+        log.debug("unreadable EXIF orientation, using 1: %r", exc)
+        return 1
 
 
 def decode(

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from epd.decode_svc.config import DecodeConfig
 from epd.encoder_svc.config import EncoderConfig
@@ -64,7 +65,23 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         top_k=args.top_k,
         seed=args.seed,
         stop=tuple(args.stop),
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        logit_bias=tuple(sorted(dict(args.logit_bias).items())),
+        stop_token_ids=tuple(args.stop_token_id),
+        include_stop_str_in_output=args.include_stop_str_in_output,
     )
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The generation flags as the SDK's keyword options (`EpdClient.ask`)."""
+    generation = generation_config(args)
+    options = {f.name: getattr(generation, f.name) for f in fields(generation)}
+    options["logit_bias"] = dict(generation.logit_bias)
+    return options
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -116,6 +116,28 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None, help="sampling's seed (default: a random one)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's, over the prompt's and the output's tokens: > 1 discourages repeats (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="when sampling, drop tokens below MIN_P x the top token's probability (0 = off)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no end-of-sequence, stop token or stop string before this many tokens (0 = off)")
+    g.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to a token's logit (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="TOKEN_ID",
+                   help="stop when this token is generated (repeatable)")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string or stop token that ended the answer in it")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 1734=-100), got {text!r}") from None
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -124,7 +124,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
+        """`clip_num_frames` is not needed: every video frame is resized to the same fixed square
+        and pooled alone, whatever the clip's length."""
         if video.is_image:
             frame = video.frames[0]
             out = self.processor.image_processor(images=[frame], return_tensors="pt")
@@ -369,12 +371,14 @@ def _vision_part_class():
         """The encoder's part of `LlavaOnevisionModel` at its attribute names, with its own
         `get_video_features` / `get_image_features` (which read only these and `config`)."""
 
-        def __init__(self, config) -> None:
+        def __init__(self, config, dtype: torch.dtype) -> None:
             from transformers import AutoModel
 
             super().__init__()
             self.config = config
-            self.vision_tower = AutoModel.from_config(config.vision_config)
+            # dtype given as from_pretrained gives it to every sub-config (the vision config's own
+            # `dtype`, if a checkpoint sets one, would win over the default dtype otherwise)
+            self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
             self.multi_modal_projector = LlavaOnevisionMultiModalProjector(config)
             self.image_newline = torch.nn.Parameter(torch.empty(config.text_config.hidden_size))
 
@@ -388,7 +392,7 @@ def _vision_part_class():
 
 def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
     return load_vision_part(
-        path, hf_config, dtype, lambda: _vision_part_class()(hf_config), rename=vision_key,
+        path, hf_config, dtype, lambda: _vision_part_class()(hf_config, dtype), rename=vision_key,
         full_part=lambda model: model.model, what="vision part",
     )
 

@@ -70,7 +70,9 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
+        """`clip_num_frames` is not needed: Qwen2-VL's processor (per-frame cap off) resizes frame
+        by frame, and patchify pads a 1-frame tail group as it pads the whole clip's tail."""
         if video.is_image:
             out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
