@@ -13,9 +13,14 @@ to the number of frames the clip holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+FrameResize = Callable[[np.ndarray], np.ndarray]
+"""One decoded RGB frame [H, W, 3] uint8 -> the frame the caller keeps [h, w, 3] uint8. Must give
+every frame of a request the same size when given frames of one size."""
 
 
 class MediaError(ValueError):
