@@ -34,6 +34,12 @@ class MediaLimitError(MediaError):
     """The media is valid but exceeds a configured limit. Maps to RESOURCE_EXHAUSTED."""
 
 
+class DecoderCrashed(Exception):
+    """The decoder's process died while it worked on the request (a crash inside the decoder, the
+    OOM killer) and has been restarted: nothing is known to be wrong with the media. Maps to
+    UNAVAILABLE (retry)."""
+
+
 class DecodeCancelled(Exception):
     """The caller set its cancel flag (its client went away): the decode stopped early. Not a
     MediaError: nothing is wrong with the media."""
