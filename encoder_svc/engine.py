@@ -187,6 +187,8 @@ class EncoderEngine:
         self.config = config
         self.adapter = adapter
         self.decoder = ParallelDecoder(config.decode)
+        # [H, W, 3] -> the model's [h, w, 3], on the decode threads; None: frames kept as decoded.
+        self._frame_resize = adapter.frame_resizer() if config.frames_at_model_size else None
         self.cache = TokenCache(config.cache)
         self.flights: SingleFlight[EncodedMedia] = SingleFlight()
         """One decode and encode per cache key at a time (`encoder_svc/single_flight.py`)."""
@@ -309,7 +311,8 @@ class EncoderEngine:
             return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
                                           cancel=cancel, merge_up_to=self.config.merged_group_frames if merge else 0,
-                                          merge_up_to_pixels=self.config.merged_group_pixels, cache_salt=cache_salt)
+                                          merge_up_to_pixels=self.config.merged_group_pixels, cache_salt=cache_salt,
+                                          frame_resize=self._frame_resize)
 
         def groups():
             with stream:

@@ -158,6 +158,21 @@ def frame_to_rgb(frame, max_pixels: int | None) -> np.ndarray:
     return rgb
 
 
+def downscale_rgb(rgb: np.ndarray, max_pixels: int | None) -> np.ndarray:
+    """An upright RGB frame [H, W, 3] uint8 from another decoder, downscaled to `max_pixels` at the
+    size `frame_to_rgb` gives (`scaled_size` is the same for (W, H) and (H, W), so turning the
+    frame first does not change it), with the same swscale converter. The pixels differ a little
+    from `frame_to_rgb`'s, which scales the YUV frame before turning it upright."""
+    import av
+
+    height, width = rgb.shape[:2]
+    w, h = scaled_size(width, height, max_pixels)
+    if (w, h) == (width, height):
+        return rgb
+    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+    return _reformatter().reformat(frame, width=w, height=h, format="rgb24").to_ndarray()
+
+
 def check_size(num_bytes: int, limits: DecodeLimits) -> None:
     if num_bytes == 0:
         raise MediaError("the media is empty (0 bytes); send a video or image file")

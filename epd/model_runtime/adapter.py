@@ -5,6 +5,7 @@ call only these methods:
 
     encoder:  preprocess(frames, clip_num_frames) -> VisionInputs (a frame group, sized as its clip)
               encode(VisionInputs) -> visual embeds;
+              frame_resizer() -> what the decoder may apply to each frame (None: keep it as decoded)
               encode_batch([VisionInputs]) -> [visual embeds] (one tower call for many)
               encode_features(VisionInputs) -> VisualFeatures (embeds + DeepStack features, Qwen3-VL)
               encode_features_batch([VisionInputs]) -> [VisualFeatures] (what the encoder core runs)
@@ -41,7 +42,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from epd.video.types import DecodedVideo
+from epd.video.types import DecodedVideo, FrameResize
 
 if TYPE_CHECKING:  # VisualMeta is read by the gateway, which starts without torch
     import torch
@@ -222,6 +223,14 @@ class VLMAdapter(ABC):
                       position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """The tower on kept patches only (temporal dropping before the tower)."""
         raise NotImplementedError(f"{type(self).__name__} cannot encode a subset of patches")
+
+    def frame_resizer(self) -> FrameResize | None:
+        """What the video decoder applies to each frame as it decodes it ([H, W, 3] -> [h, w, 3]
+        uint8), so that the encoder holds a request's frames at the model's size instead of the
+        source's (a 4K frame is 24 MiB, the tower may see 0.1 MiB of it). Only where `preprocess`
+        of the resized frames equals `preprocess` of the decoded ones bit for bit (the tokens then
+        stay `generate()`'s on the decoded frames). None, the default: frames are kept as decoded."""
+        return None
 
     @abstractmethod
     def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:

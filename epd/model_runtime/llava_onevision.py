@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
@@ -67,7 +69,7 @@ from epd.model_runtime.hf_loading import (
 )
 from epd.model_runtime.hf_text import HfTextAdapter
 from epd.model_runtime.kv_cache import KvCache
-from epd.video.types import DecodedVideo, MediaError
+from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,17 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         self.eos_token_ids = eos_token_ids(path, self.tokenizer)
 
     # -- encoder -----------------------------------------------------------------------------
+
+    def frame_resizer(self) -> FrameResize | None:
+        """The video processor's own resize, one frame at a time (`resize_frame_to_size`), where it
+        resizes every frame to one fixed size (`size` = height and width: 384x384 on the hub)."""
+        from transformers import LlavaOnevisionVideoProcessor
+
+        vp = self.processor.video_processor
+        size: Any = vp.size  # a SizeDict once the processor is built
+        if type(vp) is not LlavaOnevisionVideoProcessor or not (vp.do_resize and size.height and size.width):
+            return None  # sized from each frame (shortest_edge): its own rounding, keep frames as decoded
+        return partial(resize_frame_to_size, vp)
 
     def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
         """`clip_num_frames` is not needed: every video frame is resized to the same fixed square
@@ -416,3 +429,14 @@ def _load_language_part(path: str, hf_config, dtype: torch.dtype):
         raise ValueError(f"checkpoint {path} has no image_newline")
     load_language_state(model, state, hf_config, path)  # the 0.5B checkpoints tie the head
     return model, newline.to(dtype)
+
+
+def resize_frame_to_size(vp, rgb: np.ndarray) -> np.ndarray:
+    """One decoded frame [H, W, 3] uint8 resized by LLaVA-OneVision's video processor `vp` to its
+    fixed `size` ([height, width, 3]), as its `preprocess` resizes it: the processor lays a video out
+    as [T, 3, H, W] uint8 and torchvision resizes each frame's planes on their own (bicubic,
+    antialias), so a frame alone comes out as among others, and at the target size torchvision
+    returns the tensor unchanged, so `preprocess`'s own resize is then a no-op."""
+    video = torch.from_numpy(rgb[None]).permute(0, 3, 1, 2).contiguous()  # [1, 3, H, W]
+    resized = vp.resize(video, size=vp.size, resample=vp.resample)  # [1, 3, height, width]
+    return resized[0].permute(1, 2, 0).contiguous().numpy()  # [height, width, 3]
