@@ -27,6 +27,12 @@ did not hold).
 5. the three services as separate processes on the device (tests/stack.py: encoder, prefill and
    decode with `--device`, the gateway without a model), asked through the SDK: part 1's cases and
    batch over gRPC, with the KV cache crossing from the prefill process to the decode process.
+6. token pruning on the device (CUDA only; skipped on another device): the "balanced" preset
+   (temporal dropping before the tower, key tokens, spatial merge, prefill drop, KV compression,
+   decode eviction) on the tiny Qwen2-VL, through part 1's embedded pipeline and part 5's stack.
+   Every stage must run (a tensor left on the CPU raises a device mismatch) and report its counts;
+   the tokens are compared with the same request on the CPU and reported (pruning is lossy and
+   its choices follow the scores, so a near-tie may choose differently on the GPU).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from bench import bench_decode_batch  # noqa: E402
 from bench.bench_pruning import SPEC  # noqa: E402
 from bench.bench_vs_transformers_serve import make_clips  # noqa: E402
 from epd.gateway.embedded import build_embedded_pipeline  # noqa: E402
-from epd.gateway.pipeline import AskRequest, TokenStep  # noqa: E402
+from epd.gateway.pipeline import AskRequest, AskSummary, TokenStep  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
 from epd.model_runtime.sampling import GenerationConfig  # noqa: E402
@@ -72,6 +78,10 @@ from tests.reference import (  # noqa: E402
 
 QUESTION = "what colour is the moving square?"
 MAX_NEW_TOKENS = 20
+# Part 6: every stage of the preset, and decode eviction early enough to evict within 20 tokens.
+PRUNING_PRESET = "balanced"
+PRUNING_KNOBS = {"decode_min_steps": 4, "decode_evict_interval": 4}
+PRUNING_STAGES = ["temporal", "spatial_merge", "prefill_drop", "kv_compress", "decode_evict"]
 CASES = [("mp4", 8), ("mp4", 64), ("png", 1)]
 # (media, frames, max_new_tokens, start delay s): tests/integration/test_exactness.py's batch.
 BATCH = [("mp4", 64, 20, 0.0), ("mp4", 8, 7, 0.0), ("png", 1, 13, 0.05), ("mp4", 8, 20, 0.3)]
@@ -238,6 +248,65 @@ def step_times(work: Path, device: str, batches: list[int], steps: int) -> None:
     bench_decode_batch.print_step_table(adapter, caches, batches, steps, device)
 
 
+@part("6. token pruning on the device: the balanced preset, embedded and as processes (CUDA only)")
+def pruning(work: Path, files, device: str) -> None:
+    """main() runs it on CUDA only; `pruning(work, files, "cpu")` is its dry run."""
+    from epd.client import EpdClient
+    from epd.token_pruning import PruningConfig
+    from tests.stack import Stack
+
+    model_dir = tiny(work, "qwen2_vl")
+    config = PruningConfig.from_preset(PRUNING_PRESET, **PRUNING_KNOBS)
+    cases = [("mp4", 8), ("mp4", 64)]
+
+    def embedded(on: str) -> dict[tuple[str, int], AskSummary]:
+        pipeline = build_embedded_pipeline(ModelConfig(model=str(model_dir), device=on))
+
+        async def one(media: str, frames: int) -> AskSummary:
+            request = AskRequest(
+                messages=question_messages(QUESTION),
+                media=MediaInput(files[media].read_bytes()),
+                sampling=SamplingOptions(num_frames=frames),
+                generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+                pruning=config,
+            )
+            async for item in pipeline.ask(request):
+                if isinstance(item, AskSummary):
+                    return item
+            raise RuntimeError("the pipeline ended without a summary")
+
+        async def all_cases() -> dict[tuple[str, int], AskSummary]:  # one event loop per pipeline
+            return {c: await one(*c) for c in cases}
+
+        return asyncio.run(all_cases())
+
+    def row(server: str, case, stages, tokens: list[int], cpu_tokens: list[int]) -> None:
+        """stages: the summary's StageCounts (what each stage kept)."""
+        names = [s.stage for s in stages]
+        missing = [s for s in PRUNING_STAGES if s not in names]
+        if missing:
+            FAILED.append(f"pruning {server} {case[0]} x {case[1]}: stages {missing} did not run")
+        counts = ", ".join(f"{s.stage} {s.num_visual_tokens_in}->{s.num_visual_tokens_out}" for s in stages)
+        ran = "missing " + ", ".join(missing) if missing else "all ran"
+        first = next((i for i, (a, b) in enumerate(zip(tokens, cpu_tokens)) if a != b), min(len(tokens), len(cpu_tokens)))
+        same = "equal" if tokens == cpu_tokens else f"differ from token {first}"
+        print(f"| {server} | {case[0]} x {case[1]} | {counts} | {ran} | {same} |", flush=True)
+
+    cpu = embedded("cpu")
+    print(f"preset {PRUNING_PRESET} with {PRUNING_KNOBS}, tiny Qwen2-VL, float32")
+    print("| server | case | visual tokens per stage (in -> out) | stages | tokens against the CPU's |")
+    print("|---|---|---|---|---|")
+    for case, result in embedded(device).items():
+        row("embedded", case, result.pruning.stages, result.token_ids, cpu[case].token_ids)
+
+    extra = {stage: ["--device", device] for stage in ("encoder", "prefill", "decode")}
+    with Stack(model_dir, work / "logs-pruning", extra=extra) as stack, EpdClient(stack.gateway) as client:
+        for case in cases:
+            result = client.ask(files[case[0]], QUESTION, num_frames=case[1], max_new_tokens=MAX_NEW_TOKENS,
+                                pruning=PRUNING_PRESET, pruning_knobs=PRUNING_KNOBS)
+            row("stack (3 processes)", case, result.pruning.stages, result.token_ids, cpu[case].token_ids)
+
+
 def summary(results: list[tuple[float, int]], wall_s: float) -> tuple[float, float, int]:
     """(req/s, TTFT p50 s, output tokens) of one level's (TTFT s, tokens) per request."""
     return len(results) / wall_s, statistics.median(r[0] for r in results), sum(r[1] for r in results)
@@ -358,7 +427,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer requests and batch sizes (a CPU dry run)")
-    ap.add_argument("--parts", default="1,2,3,4,5", help="which parts to run, e.g. 1,3")
+    ap.add_argument("--parts", default="1,2,3,4,5,6", help="which parts to run, e.g. 1,3 (6 needs CUDA)")
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
@@ -380,6 +449,8 @@ def main() -> int:
         services(work, files, args.device)
     if 4 in parts:
         load(work, args.device, 4 if args.quick else 32, 2 if args.quick else 16, 8 if args.quick else 32)
+    if 6 in parts and args.device.startswith("cuda"):  # another device: parts 1-5 only, as before
+        pruning(work, files, args.device)
     print(f"\nfailed: {', '.join(FAILED)}" if FAILED else "\nevery part ran; every float32 token check held")
     return 1 if FAILED else 0
 

@@ -13,6 +13,8 @@ Either way the same code samples, detects the end and builds the `TokenStep`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from epd.decode_svc.eviction import DecodeEviction
@@ -38,14 +40,17 @@ class Generation:
         visual_entry_mask: torch.Tensor | None = None,
         pruning: PruningConfig = PruningConfig(),
         own_cache: bool = True,
+        prompt_token_ids: Sequence[int] = (),
     ) -> None:
         """own_cache: keep `cache` in this Generation and advance with `step()`; False: the
-        caller keeps it (in a BatchKv) and advances with `accept(logits)`."""
+        caller keeps it (in a BatchKv) and advances with `accept(logits)`. prompt_token_ids: the
+        prompt's distinct ids, for a repetition penalty (`PrefillHandle.distinct_prompt_token_ids`)."""
         self.adapter = adapter
         self.config = config
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
-        self.sampler = Sampler(config, stream=1)
+        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids)
+        self.sampler.seen(first_token_id)  # prefill sampled it: penalties and min_tokens count it
         self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
         self.last_token = first_token_id
         self.finish_reason = ""
@@ -110,6 +115,7 @@ class DecodeEngine:
         visual_entry_mask: torch.Tensor | None = None,
         pruning: PruningConfig = PruningConfig(),
         own_cache: bool = True,
+        prompt_token_ids: Sequence[int] = (),
     ) -> Generation:
         return Generation(
             self.adapter,
@@ -120,4 +126,5 @@ class DecodeEngine:
             visual_entry_mask,
             pruning,
             own_cache,
+            prompt_token_ids,
         )

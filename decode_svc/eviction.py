@@ -16,10 +16,12 @@ from epd.token_pruning import OutputAwareEviction, PruningConfig, resolve_keep_c
 
 class DecodeEviction:
     def __init__(self, adapter: VLMAdapter, cache, visual_entry_mask: torch.Tensor, config: PruningConfig) -> None:
-        """visual_entry_mask: [num_layers, num_kv_heads, num_cached] bool, from prefill."""
+        """visual_entry_mask: [num_layers, num_kv_heads, num_cached] bool, from prefill (on the CPU)."""
         self.adapter = adapter
         self.cache = cache
-        masks = list(visual_entry_mask.unbind(0))
+        # The policy's state goes where the cache is, so each step's scores stay on the device.
+        device = adapter.decode_cache_kv(cache)[0][0].device
+        masks = list(visual_entry_mask.to(device).unbind(0))
         self.num_visual_start = int(masks[0][0].sum())
         self.policy = OutputAwareEviction.start(
             masks,

@@ -91,6 +91,7 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             h.visual_entry_mask,
             r.pruning,
             own_cache=alone,
+            prompt_token_ids=h.distinct_prompt_token_ids,
         )
         first = r.generation.first()
         first.kv_transfer_ms = r.kv_transfer_ms

@@ -57,6 +57,18 @@ def take_from_store(kv_store: KvStore) -> TakeKv:
     return take_kv
 
 
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
+    """The prompt ids a repetition penalty covers (`PrefillHandle.distinct_prompt_token_ids`): distinct
+    and in the vocabulary, so at most `vocab_size` of them, or InvalidRequest."""
+    if not token_ids or vocab_size is None:
+        return
+    if len(token_ids) > vocab_size or not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
+        raise InvalidRequest(
+            f"distinct_prompt_token_ids must be at most {vocab_size} token ids of this model's vocabulary "
+            f"(0 to {vocab_size - 1}): prefill and decode serve different models"
+        )
+
+
 class LocalDecodeStage(DecodeStage):
     def __init__(
         self,
@@ -104,7 +116,9 @@ class LocalDecodeStage(DecodeStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
-        check_generation_limits(generation, self.config.max_new_tokens_limit)
+        vocab_size = self.engine.adapter.vocab_size
+        check_generation_limits(generation, self.config.max_new_tokens_limit, vocab_size)
+        check_prompt_token_ids(handle.distinct_prompt_token_ids, vocab_size)
         request = DecodeRequest(
             request_id,
             handle=handle,

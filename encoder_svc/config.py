@@ -25,7 +25,8 @@ class EncoderConfig:
     """Defaults for fields a request leaves unset."""
     max_visual_tokens: int = 16384
     """A request whose sampling would give more visual tokens is refused after its first frame
-    group is preprocessed, before any tower call (`--max-visual-tokens`)."""
+    group is preprocessed, before any tower call (`--max-visual-tokens`): its estimate is that
+    group's tokens per frame, and each later group's check counts the groups done exactly."""
     decode: ParallelDecodeConfig = field(default_factory=ParallelDecodeConfig)
     """The pool of decode threads (one per core by default), shared by all requests."""
     frames_per_group: int = 2
@@ -34,6 +35,12 @@ class EncoderConfig:
     0 decodes the whole sample first (no overlap). 2 (one temporal pair) leaves the least
     encoding after the last frame decodes; per-group overhead was not measurable on CPU
     (docs/benchmarks.md: 1.11x of max(decode, encode) with 2, 1.25x with 8)."""
+    frames_at_model_size: bool = True
+    """The PyAV decoder resizes each frame to the size the model's processor would give it as
+    soon as it is decoded (`VLMAdapter.frame_resizer`: Qwen2-VL, Qwen2.5-VL and LLaVA-OneVision,
+    where that gives the processor's pixels bit for bit), so a request holds its frames at the model's size, not
+    the source's: 48 frames of 1080p were 285 MiB, at the tiny model's 140x84 they are 1.6 MiB.
+    Other families, and False, keep frames as decoded until `preprocess`."""
     cache: TokenCacheConfig = field(default_factory=TokenCacheConfig)
     """The multimodal token cache: a video seen before is neither decoded nor encoded again."""
     decode_backend: str = "pyav"

@@ -69,9 +69,14 @@ from epd.stages.names import Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import ParallelDecoder
+from epd.video.simple_decoder import check_duration
 from epd.video.types import DecodeCancelled, DecodedVideo, SamplingOptions
 
 log = logging.getLogger(__name__)
+
+SOURCE_DURATION_FACT = "source_duration_s"
+"""What a token-cache entry records of its media besides the tokens: the whole video's duration
+(0 for an image), so that a hit is held to --max-duration-s as a miss is (`EncoderEngine._cached`)."""
 
 T = TypeVar("T")
 
@@ -121,6 +126,7 @@ class FrameSource(Protocol):
 
     is_image: bool
     timestamps_s: list[float]
+    duration_s: float
 
 
 @dataclass
@@ -135,6 +141,8 @@ class _Request:
     """Wall time of this request's preprocessing and model calls (tower jobs, pruning), queueing
     for the model included."""
     stats: PruningStats = field(default_factory=PruningStats)
+    source_duration_s: float = 0.0
+    """The whole video's duration (0 for an image), kept with its cache entry (`CACHE_FACTS`)."""
 
     def check_cancelled(self) -> None:
         if self.cancel.is_set():
@@ -179,6 +187,8 @@ class EncoderEngine:
         self.config = config
         self.adapter = adapter
         self.decoder = ParallelDecoder(config.decode)
+        # [H, W, 3] -> the model's [h, w, 3], on the decode threads; None: frames kept as decoded.
+        self._frame_resize = adapter.frame_resizer() if config.frames_at_model_size else None
         self.cache = TokenCache(config.cache)
         self.flights: SingleFlight[EncodedMedia] = SingleFlight()
         """One decode and encode per cache key at a time (`encoder_svc/single_flight.py`)."""
@@ -233,7 +243,7 @@ class EncoderEngine:
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         key = self.cache_key(sha256, sampling, pruning, cache_salt)
-        if (cached := self.cache.get(key)) is not None:
+        if (cached := self._cached(key, sampling)) is not None:
             return self._hit(cached, sha256, on_event)
         # A request already encoding this media with these options: wait for its result.
         flight, shared = self.flights.join(key, req.check_cancelled)
@@ -243,18 +253,35 @@ class EncoderEngine:
         out: EncodedMedia | None = None
         try:
             # A flight that landed since our first look (`in`: a miss is counted once per request).
-            if key in self.cache and (cached := self.cache.get(key)) is not None:
+            if key in self.cache and (cached := self._cached(key, sampling)) is not None:
                 out = cached
                 return self._hit(cached, sha256, on_event)
             if media.data is None:
                 raise NotFound(
                     f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
                 )
-            out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning)
-            self.cache.put(key, out)
+            out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning, cache_salt)
+            self.cache.put(key, out, {SOURCE_DURATION_FACT: req.source_duration_s})
             return out
         finally:
             flight.land(out)
+
+    def _cached(self, key: str, sampling: SamplingOptions) -> EncodedMedia | None:
+        """The cached media under `key` once it passes this encoder's limits now, with the
+        message a miss would give (MediaLimitError, ResourceExhausted): a disk-tier entry may have
+        been made by an encoder started with higher --max-visual-tokens or --max-duration-s, and a
+        hit by hash must not serve what sending the bytes would be refused. An entry that does not
+        record its video's duration (written before entries did) is a miss: decoding checks it."""
+        entry = self.cache.get_entry(key)
+        if entry is None:
+            return None
+        cached, facts = entry
+        sampling.validate(self.config.limits.max_frames)
+        if SOURCE_DURATION_FACT not in facts:
+            return None
+        check_duration(float(facts[SOURCE_DURATION_FACT]), self.config.limits)
+        self._check_expected_tokens(self.adapter.num_visual_tokens(cached.meta.grid_thw))  # before pruning
+        return cached
 
     @staticmethod
     def _hit(cached: EncodedMedia, sha256: str, on_event: EventSink, shared: bool = False) -> EncodedMedia:
@@ -266,23 +293,26 @@ class EncoderEngine:
         return replace(cached, cache_hit=True, decode_ms=0.0, encode_ms=0.0, sha256=sha256)
 
     def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions,
-                    cancel: threading.Event | None = None, merge: bool = False,
+                    cancel: threading.Event | None = None, merge: bool = False, cache_salt: str = "",
                     ) -> tuple[FrameSource, Generator[DecodedVideo, None, None]]:
         """(stream metadata, generator of DecodedVideo groups in temporal order). Closing the
         generator early cancels the decode work still pending; setting `cancel` stops the demux
         pass and the decoding, and a wait for the next group, with DecodeCancelled. `merge`: groups
-        already decoded merge (`EncoderConfig.merge_decoded_groups`)."""
+        already decoded merge (`EncoderConfig.merge_decoded_groups`). `cache_salt`: the request's
+        tenant, as in the token cache's key: the decoders' keyframe-index caches are per tenant
+        too, since a hit there shortens the decode time the client is told."""
         group_size = self.config.frames_per_group or (1 << 30)
         if self.config.decode_backend == "decord":
             with self._decord_lock:
                 if self._decord is None:
                     self._decord = DecordDecoder()
-            whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256)
+            whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
             step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
             return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
                                           cancel=cancel, merge_up_to=self.config.merged_group_frames if merge else 0,
-                                          merge_up_to_pixels=self.config.merged_group_pixels)
+                                          merge_up_to_pixels=self.config.merged_group_pixels, cache_salt=cache_salt,
+                                          frame_resize=self._frame_resize)
 
         def groups():
             with stream:
@@ -302,7 +332,7 @@ class EncoderEngine:
 
     def _decode_and_encode(
         self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
-        pruning: PruningConfig = PruningConfig(),
+        pruning: PruningConfig = PruningConfig(), cache_salt: str = "",
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent(Stage.VIDEO_DECODE, "started"))
@@ -312,7 +342,8 @@ class EncoderEngine:
             alone = self._num_encoding == 0
             self._num_encoding += 1
         try:
-            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0, merge=alone)
+            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0, merge=alone,
+                                       cache_salt=cache_salt)
         except DecodeCancelled as exc:
             raise RequestCancelled(f"{exc}, after {req.num_groups_done} frame groups") from None
         finally:
@@ -321,9 +352,10 @@ class EncoderEngine:
 
     def _encode_frames(
         self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
-        pruning: PruningConfig, t0: float, merge: bool = False,
+        pruning: PruningConfig, t0: float, merge: bool = False, cache_salt: str = "",
     ) -> EncodedMedia:
-        meta, groups = self.open_frames(data, sha256, sampling, req.cancel, merge)
+        meta, groups = self.open_frames(data, sha256, sampling, req.cancel, merge, cache_salt)
+        req.source_duration_s = float(meta.duration_s)
         on_event(StageEvent(Stage.VIDEO_DECODE, "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.
@@ -349,7 +381,7 @@ class EncoderEngine:
             try:
                 req.check_cancelled()  # cancelled during the index pass: wait for no frame at all
                 for video in groups:  # decoding of later groups continues while earlier ones encode
-                    inputs = self._preprocess(req, video, meta.num_frames)
+                    inputs = self._preprocess(req, video, meta.num_frames, frames_done, grids)
                     if pruning.temporal_drop:
                         pixels.append(inputs.pixel_values)
                     if not sparse:  # sparse: the tower waits for every group's patches (pruning below)
@@ -402,20 +434,34 @@ class EncoderEngine:
             deepstack=features,
         )
 
-    def _preprocess(self, req: _Request, video: DecodedVideo, num_frames: int) -> VisionInputs:
-        """On the driver: one group's patches [group_patches, patch_dim], checked against the
-        visual-token budget before any tower work."""
+    def _preprocess(self, req: _Request, video: DecodedVideo, num_frames: int, frames_done: int,
+                    grids_done: list[tuple[int, int, int]]) -> VisionInputs:
+        """On the driver: one group's patches [group_patches, patch_dim], sized as the processor
+        sizes the whole clip of `num_frames` frames (the plan's count, known before decoding
+        ends), checked against the visual-token budget before any tower work. The `frames_done`
+        frames before this group gave `grids_done`."""
         t0 = time.perf_counter()
         try:
-            inputs = self.adapter.preprocess(video)
+            inputs = self.adapter.preprocess(video, clip_num_frames=num_frames)
         finally:
             req.model_s += time.perf_counter() - t0
-        self._check_token_budget(inputs.grid_thw, num_frames, video.num_frames)
+        tokens_done = sum(self.adapter.num_visual_tokens(g) for g in grids_done)
+        frames_left = num_frames - frames_done - video.num_frames
+        self._check_token_budget(inputs.grid_thw, video.num_frames, tokens_done, frames_left)
         return inputs
 
-    def _check_token_budget(self, grid_thw: tuple[int, int, int], num_frames: int, group_frames: int) -> None:
-        per_frame = self.adapter.num_visual_tokens(grid_thw) / max(group_frames, 1)
-        expected = int(per_frame * num_frames)
+    def _check_token_budget(self, grid_thw: tuple[int, int, int], group_frames: int, tokens_done: int,
+                            frames_left: int) -> None:
+        """The clip's visual tokens: those of the groups so far, this one's, and the frames after
+        it at this group's tokens per frame (exact at the last group, where a 1-frame tail that
+        fills a whole temporal patch would overstate the rate)."""
+        group_tokens = self.adapter.num_visual_tokens(grid_thw)
+        self._check_expected_tokens(
+            tokens_done + group_tokens + int(group_tokens / max(group_frames, 1) * max(frames_left, 0))
+        )
+
+    def _check_expected_tokens(self, expected: int) -> None:
+        """ResourceExhausted when a request would give more than --max-visual-tokens (before pruning)."""
         if expected > self.config.max_visual_tokens:
             raise ResourceExhausted(
                 f"this video would give about {expected} visual tokens but the encoder allows "

@@ -63,6 +63,18 @@ class TokenCacheConfig:
             raise ValueError("cache budgets must be >= 0 bytes")
 
 
+_FACTS_FIELD = "cache_facts"
+"""The record field (not one of `EncodedMedia.to_record`'s, which ignores it) holding `put`'s facts."""
+
+
+def _facts(record: MediaRecord) -> dict[str, float]:
+    facts = record.fields.get(_FACTS_FIELD)
+    try:
+        return {str(k): float(v) for k, v in facts.items()} if isinstance(facts, dict) else {}
+    except (TypeError, ValueError):  # a foreign sidecar: as if it recorded nothing
+        return {}
+
+
 def _nbytes(record: MediaRecord) -> int:
     return sum(t.numel() * t.element_size() for t in record.tensors.values())
 
@@ -128,12 +140,17 @@ class TokenCache:
     # -- lookups ----------------------------------------------------------------------------
     def get(self, key: str) -> EncodedMedia | None:
         """The media stored under `key`, as it was put (`cache_hit` and the timings included)."""
+        entry = self.get_entry(key)
+        return None if entry is None else entry[0]
+
+    def get_entry(self, key: str) -> tuple[EncodedMedia, dict[str, float]] | None:
+        """(the media, the facts it was put with: {} for none) stored under `key`."""
         with self._lock:
             record = self._memory.get(key)
             if record is not None:
                 self._memory.move_to_end(key)
                 self._stats.num_hits += 1
-                return EncodedMedia.from_record(record)
+                return EncodedMedia.from_record(record), _facts(record)
         loaded = self._load_from_disk(key)
         with self._lock:
             if loaded is None:
@@ -143,7 +160,7 @@ class TokenCache:
             self._stats.num_hits += 1
             self._stats.num_disk_hits += 1
             self._insert_memory(key, record)
-        return media
+        return media, _facts(record)
 
     def __contains__(self, key: str) -> bool:
         """True if `get(key)` would hit; does not touch the counters or the LRU order."""
@@ -152,13 +169,16 @@ class TokenCache:
                 return True
         return self._disk_dir is not None and self._sidecar(key).exists()
 
-    def put(self, key: str, media: EncodedMedia) -> None:
-        """Store a copy of `media` (its tensors moved to CPU, contiguous) under `key`."""
+    def put(self, key: str, media: EncodedMedia, facts: dict[str, float] | None = None) -> None:
+        """Store a copy of `media` (its tensors moved to CPU, contiguous) under `key`, with `facts`:
+        what the caller must know of the media on a later hit that the tokens do not say (the
+        encoder: its video's duration, to hold a hit to the limits of the day)."""
         record = media.to_record()
-        json.dumps(record.fields)  # fail now, not at load time, on a non-JSON-able value
+        fields = {**record.fields, _FACTS_FIELD: dict(facts or {})}
+        json.dumps(fields)  # fail now, not at load time, on a non-JSON-able value
         record = MediaRecord(
             {name: t.detach().to("cpu").contiguous().clone() for name, t in record.tensors.items()},
-            record.fields,
+            fields,
         )
         with self._lock:
             self._insert_memory(key, record)

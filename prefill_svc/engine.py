@@ -71,7 +71,7 @@ class PrefillEngine:
 
     def validate(self, messages: Sequence[Message], meta: VisualMeta, generation: GenerationConfig) -> None:
         check_messages(messages, self.config.max_text_chars)
-        check_generation_limits(generation, self.config.max_new_tokens_limit)
+        check_generation_limits(generation, self.config.max_new_tokens_limit, self.adapter.vocab_size)
         if meta.num_visual_tokens > self.config.max_prompt_tokens:
             raise ResourceExhausted(
                 f"{meta.num_visual_tokens} visual tokens exceed the prompt limit of "
@@ -318,7 +318,12 @@ class PrefillEngine:
             stats.kv_bytes_before = kv_before
             stats.kv_bytes_after = cache.num_bytes
         assert request.generation is not None
-        first = Sampler(request.generation)(last_logits)
+        # The whole prompt as generate() sees it (media placeholders included, whatever pruning
+        # dropped), for repetition_penalty only: the decoder gets these ids too, it has no prompt.
+        distinct_prompt_ids = (
+            torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
+        )
+        first = Sampler(request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids)(last_logits)
         # The decoder's first step, worked out here so the first token can go out before the
         # cache reaches a decoder; a token that ends the request is left to the decoder.
         first_text, finish = OutputText(
@@ -340,6 +345,7 @@ class PrefillEngine:
             kept_visual_token_index=kept,
             num_reused_prompt_tokens=request.num_reused_tokens,
             first_text=None if finish else first_text,
+            distinct_prompt_token_ids=distinct_prompt_ids,
         )
         return PrefillOutput(handle, cache)
 

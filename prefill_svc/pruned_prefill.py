@@ -31,10 +31,10 @@ from epd.token_pruning import (
     gather_prompt,
     prefill_flops,
     prompt_keep_indices,
-    question_query_positions,
     resolve_keep_count,
     staged_keep_counts,
     text_prior_scores,
+    text_query_positions,
 )
 from epd.token_pruning.layerwise_prefill import prefill_with_drop
 
@@ -56,6 +56,14 @@ def prefill_keep_target(config: PruningConfig, num_entering: int, num_video: int
     return min(num_entering, resolve_keep_count(num_video, config.prefill_keep_ratio))
 
 
+def sent_kv_element_bytes(config: PruningConfig, cache: KvCache) -> int:
+    """Bytes of one KV element as the cache is sent to decode: `kv_dtype`'s (the engine casts after
+    compression) or, with "auto", the cache's own. `kv_budget_bytes` is a budget on what is sent."""
+    if config.kv_dtype == "auto":
+        return cache.keys[0].element_size()
+    return getattr(torch, config.kv_dtype).itemsize
+
+
 @torch.inference_mode()
 def pruned_prefill(
     adapter: VLMAdapter,
@@ -67,7 +75,11 @@ def pruned_prefill(
     stats: PruningStats,
 ) -> PrunedPrefill:
     """prompt: the full prompt (every placeholder). embeds: [N', hidden], one per token of
-    `token_index` ([N'] full-list indices; None = all). key_mask: [N'] bool or None."""
+    `token_index` ([N'] full-list indices; None = all). key_mask: [N'] bool or None.
+
+    Devices: the model's tensors (hidden states, queries, the cache) stay on the adapter's device
+    and the scores are computed there; the prompt's positions, the kept indices and the visual-entry
+    mask (which crosses to Decode) are bookkeeping on the CPU, with the prompt."""
     num_layers = adapter.num_layers
     full_visual = prompt.visual_mask.nonzero().flatten()  # [V] prompt indices of placeholders
     if token_index is None:
@@ -90,13 +102,15 @@ def pruned_prefill(
             counts = staged_keep_counts(num_visual, num_after_drop, len(drop_layers))
     length = pruned.input_ids.shape[1]
     length_after = length - (num_visual - num_after_drop)
-    # Question queries for KV scoring, in each layer's own sequence (shorter after each drop: the
-    # dropped tokens all precede the question, so its positions shift down by their number).
-    q_before = question_query_positions(length, visual_index, config.kv_query_window)
-    q_after = q_before - (length - length_after)
     captures: list[CapturedQueries] = []
     with ExitStack() as open_captures:
         if config.kv_compress:
+            # Question queries for KV scoring: the text after the video (a window that reaches into
+            # the video is clamped, `text_query_positions`), in each layer's own sequence: shorter
+            # after each drop, and every dropped token precedes every query, so a query sits as many
+            # places earlier as tokens were dropped before its layer. [Q] each.
+            q_before = text_query_positions(length, visual_index, config.kv_query_window)
+            q_after = q_before - (length - length_after)
             bounds = [0, *drop_layers, num_layers]
             left = [num_visual, *counts]  # visual tokens present in each segment of layers
             captures = [open_captures.enter_context(adapter.capture_queries(range(a, b), q_before - (num_visual - n)))
@@ -133,11 +147,13 @@ def pruned_prefill(
         result = compress_kv_cache(
             layer_caches, scores, kept_visual, keep_ratio=config.kv_keep_ratio,
             budget_bytes=config.kv_budget_bytes, merge=config.kv_merge, key_mask=survivor_keys,
+            sent_element_bytes=sent_kv_element_bytes(config, cache),
         )
         cache = KvCache([k for k, _ in result.caches], [v for _, v in result.caches])
         visual_set = torch.zeros(length_after, dtype=torch.bool)
         visual_set[kept_visual] = True
-        visual_entry_mask = torch.stack([visual_set[pos] for pos in result.kept_positions])
+        # On the CPU: the mask crosses to Decode as bytes (kept_positions are on the cache's device).
+        visual_entry_mask = torch.stack([visual_set[pos.cpu()] for pos in result.kept_positions])
         stats.record("kv_compress", result.num_visual_in, result.num_visual_kept)
     stats.kv_bytes_after = cache.num_bytes
     state = PrefillState(

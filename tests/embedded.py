@@ -17,6 +17,14 @@ async def ask_tokens(
     pipeline: Pipeline, media: Path, question: str, num_frames: int, max_new_tokens: int, delay_s: float = 0.0
 ) -> list[int]:
     """One question about `media` (after `delay_s`): the answer's token ids."""
+    return (await ask_summary(pipeline, media, question, num_frames, max_new_tokens, delay_s)).token_ids
+
+
+async def ask_summary(
+    pipeline: Pipeline, media: Path, question: str, num_frames: int, max_new_tokens: int, delay_s: float = 0.0
+) -> AskSummary:
+    """One question about `media` (after `delay_s`): the answer's summary (tokens, prompt and
+    visual token counts)."""
     await asyncio.sleep(delay_s)
     request = AskRequest(
         messages=question_messages(question),
@@ -26,5 +34,5 @@ async def ask_tokens(
     )
     async for item in pipeline.ask(request):
         if isinstance(item, AskSummary):
-            return item.token_ids
+            return item
     raise RuntimeError("the pipeline ended without a summary")

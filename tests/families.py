@@ -4,6 +4,8 @@ adapter reads only its own part's tensors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import safetensors
 import torch
 
@@ -93,6 +95,42 @@ def qwen_processor_inputs(processor, video, metadata=None):
         metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
     kwargs = {"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [metadata]}
     return processor(text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs=kwargs)
+
+
+def make_clip_over_qwen3_size_limit(directory: Path) -> Path:
+    """A 224x192 H.264 clip, 4 s at 10 fps. The tiny Qwen3-VL video processor bounds a whole
+    clip's t x h x w by size.longest_edge (128 * 128 * 64 px): 31 or 32 of these frames (1.3 Mpx)
+    are over it, so it shrinks every frame (grid h x w 10 x 12, not 12 x 14); the 2-8 frames of
+    one of the encoder's frame groups are not."""
+    from tests.media import make_video
+
+    return make_video(directory / "big.mp4", codec="h264", size=(224, 192), fps=10.0, seconds=4.0, gop=10)
+
+
+def generate_on_whole_clip(whole, path: Path, num_frames: int,
+                           max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, int, list[int]]:
+    """generate() given `num_frames` frames of `path` as one clip (the processor's own inputs):
+    (prompt tokens, visual tokens, greedy tokens)."""
+    model, processor = whole
+    inputs = qwen_processor_inputs(processor, decode_for_test(path, num_frames))
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    prompt_ids = inputs["input_ids"]  # [1, L]
+    num_visual = int((prompt_ids == model.config.video_token_id).sum())
+    return prompt_ids.shape[1], num_visual, out[0, prompt_ids.shape[1]:].tolist()
+
+
+def assert_pipeline_answers_as_generate(pipeline, whole, path: Path, num_frames: int,
+                                        max_new_tokens: int = MAX_NEW_TOKENS) -> None:
+    """The embedded pipeline's answer on `num_frames` frames of `path` has generate()'s prompt
+    length, visual token count and greedy tokens on the whole clip."""
+    import asyncio
+
+    from tests.embedded import ask_summary
+
+    summary = asyncio.run(ask_summary(pipeline, path, QUESTION, num_frames, max_new_tokens))
+    got = (summary.num_prompt_tokens, summary.num_visual_tokens, summary.token_ids)
+    assert got == generate_on_whole_clip(whole, path, num_frames, max_new_tokens)
 
 
 def visual_meta(adapter, inputs) -> VisualMeta:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,10 +23,12 @@ def reference_tokens(
     max_new_tokens: int,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    **generate_kwargs: Any,
 ) -> list[int]:
-    """The reference for one question: the user message [media, question]."""
+    """The reference for one question: the user message [media, question]. `generate_kwargs` go to
+    `generate` (e.g. repetition_penalty, min_new_tokens, logits_processor)."""
     return reference_tokens_for_messages(
-        model_dir, video, question_message(video, question), max_new_tokens, device, dtype
+        model_dir, video, question_message(video, question), max_new_tokens, device, dtype, **generate_kwargs
     )
 
 
@@ -75,13 +78,14 @@ def reference_tokens_for_messages(
     max_new_tokens: int,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    **generate_kwargs: Any,
 ) -> list[int]:
     """`model.generate(do_sample=False)` on the unsplit model, prompted by the processor's own chat
     template for `messages`."""
     model, processor = whole_model(model_dir, device, dtype)
     inputs = reference_inputs(processor, video, messages).to(device)
     with torch.inference_mode():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **generate_kwargs)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 

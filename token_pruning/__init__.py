@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         dual_rule_select,
         question_query_positions,
         text_guided_drop,
+        text_query_positions,
     )
 
 _LAZY = {
@@ -67,6 +68,7 @@ _LAZY = {
     "temporal_redundancy_mask": "temporal",
     "PrefillDropResult": "text_guided", "dual_rule_select": "text_guided",
     "question_query_positions": "text_guided", "text_guided_drop": "text_guided",
+    "text_query_positions": "text_guided",
 }  # fmt: skip
 
 
@@ -112,6 +114,7 @@ __all__ = [
     "temporal_redundancy_mask",
     "text_guided_drop",
     "text_prior_scores",
+    "text_query_positions",
     "tokens_per_layer",
     "visual_positions",
 ]

@@ -3,11 +3,12 @@
 Prefill FLOPs are estimated from the model's sizes (multiply-add = 2 FLOPs), per decoder layer
 that runs on T tokens (causal attention, grouped-query K/V projections, SwiGLU MLP):
 
-    projections  2 * T * hidden * (2 * hidden + 2 * kv_dim)     q, o: hidden x hidden; k, v: hidden x kv_dim
+    projections  2 * T * hidden * (2 * q_dim + 2 * kv_dim)     q, o: hidden x q_dim; k, v: hidden x kv_dim
     mlp          2 * T * 3 * hidden * intermediate              gate, up, down
-    attention    2 * hidden * T * (T + 1)                       QK^T and AV over the causal half
+    attention    2 * q_dim * T * (T + 1)                        QK^T and AV over the causal half
 
-with kv_dim = hidden * num_kv_heads / num_heads. A prefill that drops tokens at layer l runs
+with q_dim = num_heads * head_dim and kv_dim = num_kv_heads * head_dim. head_dim is the config's,
+not hidden / num_heads: Qwen3-VL-4B has 32 heads x 128 = 4096 over a hidden size of 2560. A prefill that drops tokens at layer l runs
 layers < l on the full length and layers >= l on the survivors, so the estimate takes one token
 count per layer. Embeddings and the LM head (one position) are left out: pruning does not
 change them.
@@ -32,31 +33,37 @@ class ModelSizes:
     intermediate_size: int
     num_heads: int
     num_kv_heads: int
+    head_dim: int
+    """Width of one attention head (num_heads * head_dim need not be hidden_size)."""
 
     @classmethod
     def from_config(cls, text_config: Any) -> ModelSizes:
-        """From a transformers text config (Qwen2-VL's `config.text_config`)."""
+        """From a transformers text config (Qwen2-VL's `config.text_config`); a config without
+        `head_dim` means hidden_size / num_attention_heads, as transformers reads it."""
         return cls(
             num_layers=text_config.num_hidden_layers,
             hidden_size=text_config.hidden_size,
             intermediate_size=text_config.intermediate_size,
             num_heads=text_config.num_attention_heads,
             num_kv_heads=text_config.num_key_value_heads,
+            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
         )
 
     @classmethod
     def from_dims(cls, dims: TextDims) -> ModelSizes:
         """From the adapter's `VLMAdapter.text_dims`."""
-        return cls(dims.num_layers, dims.hidden_size, dims.intermediate_size, dims.num_heads, dims.num_kv_heads)
+        return cls(dims.num_layers, dims.hidden_size, dims.intermediate_size, dims.num_heads, dims.num_kv_heads,
+                   dims.head_dim)
 
 
 def layer_prefill_flops(sizes: ModelSizes, num_tokens: int) -> int:
     """Estimated FLOPs of one decoder layer over `num_tokens` prompt tokens (causal)."""
     h, t = sizes.hidden_size, num_tokens
-    kv_dim = h * sizes.num_kv_heads // sizes.num_heads
-    projections = 2 * t * h * (2 * h + 2 * kv_dim)
+    q_dim = sizes.num_heads * sizes.head_dim  # queries and the attention output, all heads
+    kv_dim = sizes.num_kv_heads * sizes.head_dim
+    projections = 2 * t * h * (2 * q_dim + 2 * kv_dim)
     mlp = 2 * t * 3 * h * sizes.intermediate_size
-    attention = 2 * h * t * (t + 1)
+    attention = 2 * q_dim * t * (t + 1)
     return projections + mlp + attention
 
 

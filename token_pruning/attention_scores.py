@@ -48,6 +48,9 @@ def received_attention(
     query_positions[q]). key_positions: [K] long (default 0..K-1; pass the survivors' original
     indices when the cache has gaps). scored_keys: [K'] long indices into K (default all).
     scaling: default D ** -0.5. Memory: heads * query_chunk * K floats at a time.
+
+    Computed on the queries' device (the model's); the positions and indices, which callers keep
+    on the CPU with the prompt, are moved there. Returns tensors on that device.
     """
     _, num_heads, num_queries, head_dim = query_states.shape
     _, num_kv_heads, num_keys, _ = key_states.shape
@@ -57,14 +60,16 @@ def received_attention(
         raise ValueError(f"{query_positions.numel()} query positions for {num_queries} queries")
     n_rep = num_heads // num_kv_heads
     scaling = head_dim**-0.5 if scaling is None else scaling
-    key_positions = torch.arange(num_keys) if key_positions is None else key_positions
-    scored_keys = torch.arange(num_keys) if scored_keys is None else scored_keys
+    device = query_states.device
+    key_positions = torch.arange(num_keys, device=device) if key_positions is None else key_positions.to(device)
+    scored_keys = torch.arange(num_keys, device=device) if scored_keys is None else scored_keys.to(device)
+    query_positions = query_positions.to(device)
 
     # [kv_heads, n_rep, Q, D] against [kv_heads, K, D]: head h = g * n_rep + r reads KV head g.
     queries = query_states[0].float().reshape(num_kv_heads, n_rep, num_queries, head_dim)
     keys = key_states[0].float()
-    total = torch.zeros(num_kv_heads, n_rep, scored_keys.numel())
-    peak = torch.zeros(num_kv_heads, n_rep, scored_keys.numel())
+    total = torch.zeros(num_kv_heads, n_rep, scored_keys.numel(), device=device)
+    peak = torch.zeros(num_kv_heads, n_rep, scored_keys.numel(), device=device)
     for start in range(0, num_queries, query_chunk):
         stop = min(start + query_chunk, num_queries)
         logits = torch.einsum("grqd,gkd->grqk", queries[:, :, start:stop], keys) * scaling

@@ -83,13 +83,15 @@ class PruningConfig:
     kv_keep_ratio: float = 1.0
     """Fraction of the visual KV entries kept in every layer and KV head."""
     kv_budget_bytes: int | None = None
-    """Total KV cache size (all layers, keys + values, text included) not to exceed; overrides
-    `kv_keep_ratio`."""
+    """Total KV cache size (all layers, keys + values, text included) not to exceed, in the bytes
+    sent to Decode (counted in `kv_dtype` when it is set); overrides `kv_keep_ratio`."""
     kv_merge: str = "averaged"
     """How an evicted entry is folded into its most similar kept entry: "none", "averaged",
     "pivotal" or "weighted" (see kv_compress.py)."""
     kv_query_window: int = 0
-    """Prompt tokens whose attention scores the KV entries; 0 = all text after the video."""
+    """The last this-many tokens of the text after the video score the KV entries; 0 = all that
+    text. A longer window is clamped to it (`text_guided.text_query_positions`: the scores are
+    text-prior, and a visual token may be gone from the layers after a prefill drop)."""
     kv_dtype: str = "auto"
     """Dtype the KV cache is kept in and sent to Decode: "auto" (the model's), "bfloat16" or
     "float16". Narrower than the model's halves the bytes (and rounds every entry: lossy, measured

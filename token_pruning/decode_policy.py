@@ -61,11 +61,14 @@ class OutputAwareEviction:
     ) -> OutputAwareEviction:
         """visual_masks: per layer [kv_heads, n] bool over the cache entries after prefill (and
         after KV compression, whose `kept_positions` tell which entries are visual).
-        positions: per layer [kv_heads, n] original sequence indices (default 0..n-1)."""
+        positions: per layer [kv_heads, n] original sequence indices (default 0..n-1).
+        The policy's state lives on the masks' device: give them on the cache's device, so that
+        observing each step's attention does not move it (`observe` moves what it is given)."""
         layers = []
         for i, mask in enumerate(visual_masks):
-            pos = torch.arange(mask.shape[1]).expand_as(mask) if positions is None else positions[i]
-            layers.append(_LayerState(torch.zeros(mask.shape), mask.clone(), pos.clone()))
+            device = mask.device
+            pos = torch.arange(mask.shape[1], device=device).expand_as(mask) if positions is None else positions[i]
+            layers.append(_LayerState(torch.zeros(mask.shape, device=device), mask.clone(), pos.to(device, copy=True)))
         counts = {int(s.visual.sum(dim=1).max()) for s in layers} | {
             int(s.visual.sum(dim=1).min()) for s in layers
         }
@@ -85,28 +88,30 @@ class OutputAwareEviction:
         """
         state = self.layers[layer]
         num_kv_heads, num_tracked = state.ema.shape
+        device = state.ema.device
         _, num_heads, _, num_cur = attn_weights.shape
         if num_cur < num_tracked:
             raise ValueError(f"layer {layer}: attention covers {num_cur} entries, {num_tracked} are tracked")
         if num_cur > num_tracked:
             extra = num_cur - num_tracked
-            state.ema = torch.cat([state.ema, torch.zeros(num_kv_heads, extra)], dim=1)
+            state.ema = torch.cat([state.ema, torch.zeros(num_kv_heads, extra, device=device)], dim=1)
             state.visual = torch.cat(
-                [state.visual, torch.zeros(num_kv_heads, extra, dtype=torch.bool)], dim=1
+                [state.visual, torch.zeros(num_kv_heads, extra, dtype=torch.bool, device=device)], dim=1
             )
             last = int(state.positions.max())
-            new_pos = torch.arange(last + 1, last + 1 + extra).expand(num_kv_heads, -1)
+            new_pos = torch.arange(last + 1, last + 1 + extra, device=device).expand(num_kv_heads, -1)
             state.positions = torch.cat([state.positions, new_pos], dim=1)
         received = (
             attn_weights[0].float().sum(dim=1).view(num_kv_heads, num_heads // num_kv_heads, num_cur).mean(1)
-        )
+        ).to(device)
         state.ema = self.ema_decay * state.ema + (1 - self.ema_decay) * received
 
     def observe_queries(self, layer: int, query_states: torch.Tensor, key_states: torch.Tensor) -> None:
         """Like `observe`, from the new token's rotated queries [1, heads, q, D] and the layer's
         keys [1, kv_heads, n_cur, D] (all visible to the new token)."""
         num_cur = key_states.shape[2]
-        scores = received_attention(query_states, key_states, torch.full((query_states.shape[2],), num_cur))
+        positions = torch.full((query_states.shape[2],), num_cur, device=query_states.device)
+        scores = received_attention(query_states, key_states, positions)
         n_rep = query_states.shape[1] // key_states.shape[1]
         # observe() wants per-head weights; received totals are already group means, so repeat.
         self.observe(layer, scores.total.repeat_interleave(n_rep, dim=0)[None, :, None, :])
@@ -137,7 +142,7 @@ class OutputAwareEviction:
             return key, value
         candidate = torch.where(state.visual, state.ema, torch.inf)
         drop = torch.sort(candidate, dim=1, stable=True).indices[:, :num_drop]
-        keep_mask = torch.ones(num_kv_heads, num_tracked, dtype=torch.bool)
+        keep_mask = torch.ones(num_kv_heads, num_tracked, dtype=torch.bool, device=state.visual.device)
         keep_mask.scatter_(1, drop, False)
         keep = keep_mask.nonzero()[:, 1].view(num_kv_heads, -1)  # [G, n'] increasing per head
         state.ema, state.visual, state.positions = (
@@ -145,5 +150,5 @@ class OutputAwareEviction:
         )
         if layer == 0:
             self.num_evicted += num_drop
-        idx = keep[None, :, :, None].expand(1, -1, -1, key.shape[3])
+        idx = keep.to(key.device)[None, :, :, None].expand(1, -1, -1, key.shape[3])
         return key.gather(2, idx), value.gather(2, idx)

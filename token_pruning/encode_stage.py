@@ -55,6 +55,9 @@ def prune_encoded_tokens(
 
     embeddings: [present.sum(), D] tower output. grid_thw: [num_videos, 3] in patches.
     present: [num_full_tokens] bool (None = all present).
+
+    The embeddings stay on their device (the tower's); `token_index`, `sizes` and `key_mask` are
+    bookkeeping on `present`'s (the CPU: the pixels it comes from are the processor's).
     """
     rows = _rows(grid_thw)
     grids = [TokenGrid.from_patch_grid(row, merge_size) for row in rows]
@@ -72,7 +75,7 @@ def prune_encoded_tokens(
         grid = TokenGrid(full.t, full.h, full.w, cells)
         emb = embeddings[emb_offset : emb_offset + grid.num_tokens]
         key = select_key_tokens(emb, grid, config.key_token_ratio, score=config.key_token_score)
-        sizes = torch.ones(grid.num_tokens)
+        sizes = torch.ones(grid.num_tokens, device=cells.device)
         index = cells + cell_offset
         if config.spatial_merge:
             merged = spatial_merge(

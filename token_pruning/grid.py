@@ -24,7 +24,9 @@ class TokenGrid:
     w: int
     """Merged-token columns."""
     flat_index: torch.Tensor
-    """[N] long, strictly increasing: the cell (t*h*w order) of each present token."""
+    """[N] long, strictly increasing: the cell (t*h*w order) of each present token. Index
+    bookkeeping, on the CPU in the encode stage (`full` makes it there); what the grid derives
+    (coordinates, neighbour pairs) is on this tensor's device."""
 
     @classmethod
     def full(cls, t: int, h: int, w: int) -> TokenGrid:
@@ -57,8 +59,9 @@ class TokenGrid:
 
     def cell_to_token(self) -> torch.Tensor:
         """[t, h, w] long: index of the present token in each cell, -1 where none is."""
-        table = torch.full((self.num_cells,), -1, dtype=torch.long)
-        table[self.flat_index] = torch.arange(self.num_tokens)
+        device = self.flat_index.device
+        table = torch.full((self.num_cells,), -1, dtype=torch.long, device=device)
+        table[self.flat_index] = torch.arange(self.num_tokens, device=device)
         return table.view(self.t, self.h, self.w)
 
     def select(self, token_index: torch.Tensor) -> TokenGrid:
@@ -79,6 +82,6 @@ class TokenGrid:
         if temporal:
             pairs.append(torch.stack([table[:-1].reshape(-1), table[1:].reshape(-1)]))
         if not pairs:
-            return torch.empty(2, 0, dtype=torch.long)
+            return torch.empty(2, 0, dtype=torch.long, device=self.flat_index.device)
         edges = torch.cat(pairs, dim=1)
         return edges[:, (edges >= 0).all(dim=0)]

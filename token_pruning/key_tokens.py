@@ -25,7 +25,7 @@ from epd.token_pruning.grid import TokenGrid
 
 
 def key_token_scores(embeddings: torch.Tensor, grid: TokenGrid, score: str = "distinct") -> torch.Tensor:
-    """[N] float saliency of each token. embeddings: [N, D] in `grid` order."""
+    """[N] float saliency of each token, on the embeddings' device. embeddings: [N, D] in `grid` order."""
     if embeddings.shape[0] != grid.num_tokens:
         raise ValueError(f"{embeddings.shape[0]} embeddings for a grid of {grid.num_tokens} tokens")
     x = embeddings.float()
@@ -33,10 +33,10 @@ def key_token_scores(embeddings: torch.Tensor, grid: TokenGrid, score: str = "di
         return x.norm(dim=-1)
     if score != "distinct":
         raise ValueError(f"key token score must be 'distinct' or 'norm', got {score!r}")
-    a, b = grid.neighbour_pairs(spatial=True, temporal=True)
+    a, b = (i.to(x.device) for i in grid.neighbour_pairs(spatial=True, temporal=True))
     unit = F.normalize(x, dim=-1)
     sim = (unit[a] * unit[b]).sum(dim=-1)  # [E]
-    best = torch.full((grid.num_tokens,), -1.0)
+    best = torch.full((grid.num_tokens,), -1.0, device=x.device)
     best.scatter_reduce_(0, a, sim, reduce="amax")
     best.scatter_reduce_(0, b, sim, reduce="amax")
     return 1.0 - best
@@ -49,12 +49,14 @@ def select_key_tokens(
     key_count: int | None = None,
     score: str = "distinct",
 ) -> torch.Tensor:
-    """[N] bool: the top ceil(key_ratio * N) (or `key_count`) tokens by `score` are key tokens."""
+    """[N] bool on the grid's device: the top ceil(key_ratio * N) (or `key_count`) tokens by
+    `score` are key tokens."""
     num_key = resolve_keep_count(grid.num_tokens, key_ratio, key_count)
-    mask = torch.zeros(grid.num_tokens, dtype=torch.bool)
+    mask = torch.zeros(grid.num_tokens, dtype=torch.bool, device=grid.flat_index.device)
     if num_key == 0:
         return mask
-    scores = key_token_scores(embeddings, grid, score)
+    # [N] scores from the embeddings' device to the grid's: the choice is index bookkeeping.
+    scores = key_token_scores(embeddings, grid, score).to(mask.device)
     # Stable descending sort: equal scores go to the earlier token.
     order = torch.sort(scores, descending=True, stable=True).indices
     mask[order[:num_key]] = True

@@ -68,8 +68,9 @@ def _merge(
     """Fold evicted visual entries into kept ones, per head.
 
     keys, values: [G, V, D] visual entries; sizes: [G, V]; kept: [G, k], evicted: [G, V - k]
-    indices into V. Returns merged (keys [G, k, D], values [G, k, D], sizes [G, k]).
+    indices into V, all on one device. Returns merged (keys [G, k, D], values [G, k, D], sizes [G, k]).
     """
+    device = keys.device
     gather = lambda x, idx: x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
     kept_k, kept_v = gather(keys, kept).double(), gather(values, kept).double()
     kept_s = sizes.gather(1, kept).double()
@@ -79,17 +80,17 @@ def _merge(
     kept_unit = F.normalize(kept_k.float(), dim=-1)
     # Weight each evicted entry contributes, and into which kept entry: [G, E].
     target = torch.empty_like(evicted)
-    similarity = torch.empty(evicted.shape, dtype=torch.float32)
+    similarity = torch.empty(evicted.shape, dtype=torch.float32, device=device)
     for start in range(0, evicted.shape[1], chunk):
         part = evicted[:, start : start + chunk]
         sim = torch.bmm(F.normalize(gather(keys, part).float(), dim=-1), kept_unit.transpose(1, 2))
         similarity[:, start : start + chunk], target[:, start : start + chunk] = sim.max(dim=-1)
     ev_k, ev_v = gather(keys, evicted).double(), gather(values, evicted).double()
     ev_s = sizes.gather(1, evicted).double()
-    flat_target = (target + torch.arange(num_heads)[:, None] * num_kept).reshape(-1)
+    flat_target = (target + torch.arange(num_heads, device=device)[:, None] * num_kept).reshape(-1)
 
     def scatter(x: torch.Tensor) -> torch.Tensor:  # [G, E, ...] -> sums per kept entry [G, k, ...]
-        out = torch.zeros(num_heads * num_kept, *x.shape[2:], dtype=x.dtype)
+        out = torch.zeros(num_heads * num_kept, *x.shape[2:], dtype=x.dtype, device=device)
         return out.index_add_(0, flat_target, x.reshape(num_heads * x.shape[1], *x.shape[2:])).view(
             num_heads, num_kept, *x.shape[2:]
         )
@@ -119,6 +120,7 @@ def compress_kv_cache(
     merge: str = "averaged",
     key_mask: torch.Tensor | None = None,
     sizes: Sequence[torch.Tensor] | None = None,
+    sent_element_bytes: int | None = None,
 ) -> KVCompressionResult:
     """Evict visual entries to a budget in every layer and KV head, merging them into kept ones.
 
@@ -127,30 +129,39 @@ def compress_kv_cache(
     entries in S (the rest are text). Budget: `budget_bytes` (whole cache, all layers) if given,
     else ceil(keep_ratio * V) visual entries per layer and head. key_mask: [V] bool, never
     evicted. sizes: per layer [kv_heads, S] (default ones), for repeated compression.
+    sent_element_bytes: bytes of one entry element in the dtype the cache is sent in (2 for a
+    `kv_dtype` of bfloat16), which the budget counts; default the caches' own.
+
+    Runs on the cache's device: the scores, visual_index and key_mask (which callers may hold on the
+    CPU) are moved there, and every tensor of the result is there (the caches are the bulk; the
+    selection's indices gather from them).
     """
     num_layers = len(caches)
     _, num_kv_heads, seq_len, head_dim = caches[0][0].shape
+    device = caches[0][0].device
+    visual_index = visual_index.to(device)
     num_visual = visual_index.numel()
     if len(scores) != num_layers:
         raise ValueError(f"{len(scores)} score tensors for {num_layers} layers")
     if budget_bytes is not None:
-        per_position = kv_bytes_per_position(num_layers, num_kv_heads, head_dim, caches[0][0].element_size())
+        element_bytes = sent_element_bytes or caches[0][0].element_size()
+        per_position = kv_bytes_per_position(num_layers, num_kv_heads, head_dim, element_bytes)
         num_keep = visual_keep_count_from_bytes(budget_bytes, seq_len - num_visual, num_visual, per_position)
     else:
         num_keep = resolve_keep_count(num_visual, keep_ratio)
-    key_mask = torch.zeros(num_visual, dtype=torch.bool) if key_mask is None else key_mask
+    key_mask = torch.zeros(num_visual, dtype=torch.bool, device=device) if key_mask is None else key_mask.to(device)
     if int(key_mask.sum()) > num_keep:
         raise ValueError(
             f"the {int(key_mask.sum())} key tokens exceed the KV budget of {num_keep} visual entries; "
             "raise kv_keep_ratio / kv_budget_bytes or lower key_token_ratio"
         )
-    is_text = torch.ones(seq_len, dtype=torch.bool)
+    is_text = torch.ones(seq_len, dtype=torch.bool, device=device)
     is_text[visual_index] = False
     text_index = is_text.nonzero().flatten()
 
     out_caches, out_positions, out_sizes = [], [], []
     for layer, (key, value) in enumerate(caches):
-        layer_scores = scores[layer].float().clone()
+        layer_scores = scores[layer].to(device, torch.float32, copy=True)
         if layer_scores.shape != (num_kv_heads, num_visual):
             raise ValueError(
                 f"layer {layer} scores are {tuple(layer_scores.shape)}, expected ({num_kv_heads}, {num_visual})"
@@ -158,7 +169,9 @@ def compress_kv_cache(
         layer_scores[:, key_mask] = float("inf")
         order = torch.sort(layer_scores, dim=1, descending=True, stable=True).indices  # [G, V]
         kept, evicted = order[:, :num_keep].sort(dim=1).values, order[:, num_keep:]
-        layer_sizes = torch.ones(num_kv_heads, seq_len) if sizes is None else sizes[layer].float()
+        layer_sizes = (
+            torch.ones(num_kv_heads, seq_len, device=device) if sizes is None else sizes[layer].to(device, torch.float32)
+        )
         vis_k, vis_v = key[0][:, visual_index], value[0][:, visual_index]  # [G, V, D]
         new_k, new_v, new_s = _merge(vis_k, vis_v, layer_sizes[:, visual_index], kept, evicted, merge)
 

@@ -91,7 +91,9 @@ def prefill_with_drop(
     num_visual = visual_index.numel()
     final = resolve_keep_count(num_visual, keep_ratio, keep_count)
     budget = dict(zip(drop_layers, staged_keep_counts(num_visual, final, len(drop_layers)))) if drop_layers else {}
-    keep = torch.arange(inputs_embeds.shape[1])
+    # Index bookkeeping stays on visual_index's device (the CPU, with the prompt); the model's
+    # tensors take those indices where they are (indexing a device tensor with CPU indices works).
+    keep = torch.arange(inputs_embeds.shape[1], device=visual_index.device)
     drop = None
     lengths: list[int] = []
     visual_per_stage: list[int] = []
@@ -105,7 +107,7 @@ def prefill_with_drop(
             drop = text_guided_drop(q, k, queries, visual_now, keep_count=budget[start], key_mask=key_now)
             here = drop.keep_indices  # [L_next] indices into the current sequence
             keep = keep[here]
-            is_visual = torch.zeros(length_now, dtype=torch.bool)
+            is_visual = torch.zeros(length_now, dtype=torch.bool, device=visual_now.device)
             is_visual[visual_now] = True
             visual_now = is_visual[here].nonzero().flatten()
             key_now = None if key_now is None else key_now[drop.kept_visual]

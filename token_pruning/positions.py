@@ -26,10 +26,11 @@ def prompt_keep_indices(seq_len: int, visual_index: torch.Tensor, keep_visual: t
     """[L'] long, increasing: every non-visual index plus the kept visual ones.
 
     visual_index: [V] sequence indices of the visual tokens. keep_visual: [V] bool, or [V'] long
-    indices into `visual_index`.
+    indices into `visual_index`. On `visual_index`'s device.
     """
-    keep = torch.ones(seq_len, dtype=torch.bool)
+    keep = torch.ones(seq_len, dtype=torch.bool, device=visual_index.device)
     keep[visual_index] = False
+    keep_visual = keep_visual.to(visual_index.device)
     if keep_visual.dtype == torch.bool:
         if keep_visual.numel() != visual_index.numel():
             raise ValueError(
@@ -67,5 +68,5 @@ def gather_prompt(
         input_ids=input_ids[:, keep_indices],
         position_ids=position_ids[..., keep_indices],
         keep_indices=keep_indices,
-        attention_mask=torch.ones(1, keep_indices.numel(), dtype=torch.long),
+        attention_mask=torch.ones(1, keep_indices.numel(), dtype=torch.long, device=input_ids.device),
     )

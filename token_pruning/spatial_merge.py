@@ -45,7 +45,7 @@ class MergeResult:
 
 def _connected_components(num_nodes: int, edges: torch.Tensor) -> torch.Tensor:
     """[num_nodes] long: the smallest node index in each node's component (min-label propagation)."""
-    labels = torch.arange(num_nodes)
+    labels = torch.arange(num_nodes, device=edges.device)
     if edges.numel() == 0:
         return labels
     a, b = edges
@@ -71,32 +71,39 @@ def spatial_merge(
 
     embeddings: [N, D] tower output in `grid` order. sizes: [N] (default all 1). key_mask: [N]
     bool, tokens never merged.
+
+    Devices: similarities and the merged embeddings are computed on the embeddings' device (the
+    tower's); which tokens link and the groups they form are index bookkeeping on the grid's
+    (the CPU), so `sizes`, `representative`, `assignment` and `key_mask` come back there.
     """
     n = grid.num_tokens
     if embeddings.shape[0] != n:
         raise ValueError(f"{embeddings.shape[0]} embeddings for a grid of {n} tokens")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    sizes = torch.ones(n) if sizes is None else sizes.float()
-    key_mask = torch.zeros(n, dtype=torch.bool) if key_mask is None else key_mask
+    device, index_device = embeddings.device, grid.flat_index.device
+    sizes = torch.ones(n, device=device) if sizes is None else sizes.to(device, torch.float32)
+    key_mask = torch.zeros(n, dtype=torch.bool, device=index_device) if key_mask is None else key_mask.to(index_device)
 
-    a, b = grid.neighbour_pairs(spatial=True, temporal=False)
+    a, b = grid.neighbour_pairs(spatial=True, temporal=False)  # [E] each, on index_device
     _, rows, cols = grid.coords()
     same_window = (rows[a] // window == rows[b] // window) & (cols[a] // window == cols[b] // window)
     unit = F.normalize(embeddings.float(), dim=-1)
-    similar = (unit[a] * unit[b]).sum(dim=-1) > threshold
+    # [E] bools back to the grid's device: the E dot products are the work, the rest is bookkeeping.
+    similar = ((unit[a.to(device)] * unit[b.to(device)]).sum(dim=-1) > threshold).to(index_device)
     linked = same_window & similar & ~key_mask[a] & ~key_mask[b]
     labels = _connected_components(n, torch.stack([a[linked], b[linked]]))
 
     representative, assignment = torch.unique(labels, sorted=True, return_inverse=True)
     num_out = representative.numel()
-    weighted = torch.zeros(num_out, embeddings.shape[1], dtype=torch.float64)
-    weighted.index_add_(0, assignment, embeddings.double() * sizes.double()[:, None])
-    out_sizes = torch.zeros(num_out, dtype=torch.float64).index_add_(0, assignment, sizes.double())
+    on_device = assignment.to(device)
+    weighted = torch.zeros(num_out, embeddings.shape[1], dtype=torch.float64, device=device)
+    weighted.index_add_(0, on_device, embeddings.double() * sizes.double()[:, None])
+    out_sizes = torch.zeros(num_out, dtype=torch.float64, device=device).index_add_(0, on_device, sizes.double())
     merged = (weighted / out_sizes[:, None]).to(embeddings.dtype)
     return MergeResult(
         embeddings=merged,
-        sizes=out_sizes.float(),
+        sizes=out_sizes.to(index_device, torch.float32),
         representative=representative,
         assignment=assignment,
         grid=grid.select(representative),

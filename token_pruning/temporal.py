@@ -75,8 +75,8 @@ def temporal_redundancy_mask(
         # [t, tokens_per_frame, unit * patch_dim]: one row per merged token.
         tokens = pixel_values[offset : offset + num_patches].reshape(t, per_frame, -1).float()
         offset += num_patches
-        keep = torch.ones(t, per_frame, dtype=torch.bool)
-        change = torch.full((t, per_frame), float("inf"))
+        keep = torch.ones(t, per_frame, dtype=torch.bool, device=pixel_values.device)
+        change = torch.full((t, per_frame), float("inf"), device=pixel_values.device)
         reference = tokens[0].clone()
         for i in range(1, t):
             change[i] = (tokens[i] - reference).abs().mean(dim=-1)
@@ -133,9 +133,10 @@ def sparse_vision_inputs(
     keep_tokens: torch.Tensor,
     merge_size: int = 2,
 ) -> SparseVisionInputs:
-    """Gather the kept tokens' patches, positions and per-group attention segments."""
+    """Gather the kept tokens' patches, positions and per-group attention segments (on the
+    pixels' device, where the tower's adapter moves them from)."""
     unit = merge_size * merge_size
-    keep_patches = keep_tokens.repeat_interleave(unit)
+    keep_patches = keep_tokens.to(pixel_values.device).repeat_interleave(unit)
     if keep_patches.numel() != pixel_values.shape[0]:
         raise ValueError(
             f"keep_tokens covers {keep_patches.numel()} patches but pixel_values has {pixel_values.shape[0]}"
@@ -143,12 +144,15 @@ def sparse_vision_inputs(
     group_lengths = []
     for t, h, w in _rows(grid_thw):
         group_lengths += [h * w] * t
-    groups = torch.repeat_interleave(torch.arange(len(group_lengths)), torch.tensor(group_lengths))
+    device = keep_patches.device
+    groups = torch.repeat_interleave(
+        torch.arange(len(group_lengths), device=device), torch.tensor(group_lengths, device=device)
+    )
     kept_per_group = torch.bincount(groups[keep_patches], minlength=len(group_lengths))
     kept_per_group = kept_per_group[kept_per_group > 0]
     cu_seqlens = torch.nn.functional.pad(kept_per_group.cumsum(0), (1, 0)).to(torch.int32)
     return SparseVisionInputs(
         pixel_values=pixel_values[keep_patches],
-        position_ids=vision_patch_positions(grid_thw, merge_size)[keep_patches],
+        position_ids=vision_patch_positions(grid_thw, merge_size).to(device)[keep_patches],
         cu_seqlens=cu_seqlens,
     )

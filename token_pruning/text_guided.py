@@ -30,13 +30,33 @@ from epd.token_pruning.positions import prompt_keep_indices
 
 
 def question_query_positions(seq_len: int, visual_index: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """[Q] long: the last `window` positions, or (window=0) every position after the last visual token."""
+    """[Q] long: the last `window` positions, or (window=0) every position after the last visual token.
+    On `visual_index`'s device."""
+    device = visual_index.device
     if window > 0:
-        return torch.arange(max(0, seq_len - window), seq_len)
+        return torch.arange(max(0, seq_len - window), seq_len, device=device)
     start = int(visual_index.max()) + 1 if visual_index.numel() else 0
     if start >= seq_len:
         raise ValueError("the prompt has no text after the video to score it with; set a query window")
-    return torch.arange(start, seq_len)
+    return torch.arange(start, seq_len, device=device)
+
+
+def text_query_positions(seq_len: int, visual_index: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[Q] long: the text after the last visual token, or its last `window` positions (0 = all).
+
+    The KV compression's queries: LOOK-M's scores are text-prior, what the text after the video
+    (the question) attends to. A window longer than that text is clamped to it: tokens before the
+    video see no visual entry (causal), and visual tokens are not text and may be dropped at a
+    prefill drop layer before the later layers are scored. So every query follows every visual
+    token, and after a drop of n visual tokens it sits exactly n places earlier. On
+    `visual_index`'s device.
+    """
+    start = int(visual_index.max()) + 1 if visual_index.numel() else 0
+    if start >= seq_len:
+        raise ValueError("the prompt has no text after the video to score the KV entries with")
+    if window > 0:
+        start = max(start, seq_len - window)
+    return torch.arange(start, seq_len, device=visual_index.device)
 
 
 def dual_rule_select(
@@ -51,7 +71,8 @@ def dual_rule_select(
     exceed num_keep.
     """
     num_tokens = total.numel()
-    key_mask = torch.zeros(num_tokens, dtype=torch.bool) if key_mask is None else key_mask
+    device = total.device
+    key_mask = torch.zeros(num_tokens, dtype=torch.bool, device=device) if key_mask is None else key_mask.to(device)
     num_key = int(key_mask.sum())
     if num_keep > num_tokens:
         raise ValueError(f"cannot keep {num_keep} of {num_tokens} tokens")
@@ -63,7 +84,7 @@ def dual_rule_select(
 
     def rank(score: torch.Tensor) -> torch.Tensor:
         order = torch.sort(score, descending=True, stable=True).indices
-        return torch.empty_like(order).scatter_(0, order, torch.arange(num_tokens))
+        return torch.empty_like(order).scatter_(0, order, torch.arange(num_tokens, device=device))
 
     rank_total, rank_peak = rank(total.float()), rank(peak.float())
     better = torch.minimum(rank_total, rank_peak)
@@ -102,13 +123,16 @@ def text_guided_drop(
     key_states: [1, kv_heads, L, D] rotated keys of the whole current sequence at that layer.
     query_positions: [Q] indices of the queries in L. visual_index: [V] indices of the visual
     tokens in L. key_mask: [V] bool, never dropped. key_positions: [L] original indices, for
-    the causal mask when earlier stages left gaps (default 0..L-1).
+    the causal mask when earlier stages left gaps (default 0..L-1). The scores are computed on the
+    queries' device; the result's tensors are on `visual_index`'s.
     Budget: exactly resolve_keep_count(V, keep_ratio, keep_count) visual tokens survive.
     """
     scores = received_attention(
         query_states, key_states, query_positions, scored_keys=visual_index, key_positions=key_positions
     )
-    total, peak = scores.per_token()
+    # [V] scores from the model's device to visual_index's (the CPU, with the prompt): choosing the
+    # survivors is index bookkeeping on the prompt's positions; V floats are cheap to move.
+    total, peak = (s.to(visual_index.device) for s in scores.per_token())
     num_keep = resolve_keep_count(visual_index.numel(), keep_ratio, keep_count)
     kept_visual = dual_rule_select(total, peak, num_keep, key_mask)
     keep_indices = prompt_keep_indices(key_states.shape[2], visual_index, kept_visual)

@@ -14,7 +14,8 @@ in-band, a 7 KB file may hold one 1080p frame or a million 16x16 ones. So:
     its decode workers. It is checked at every decoded frame (`charge`), and by whoever waits for
     the frames (`check_time`; the parallel decoder's consumer, the decord backend's parent), so a
     worker stuck inside one frame does not hold the request past it either.
-Every message names the limit and the encoder flag that tunes it.
+Every message names the limit and the encoder flag that tunes it. A caller's cancel flag, given to
+either, is looked at wherever the time is: DecodeCancelled once it is set.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 
-from epd.video.types import DecodeLimits, MediaLimitError
+from epd.video.types import DecodeCancelled, DecodeLimits, MediaLimitError
 
 MIN_PIXELS_PER_FRAME = 1 << 16
 """Each decoded frame is charged at least this many pixels (256x256): a frame has a fixed cost
@@ -53,9 +54,13 @@ class DecodeBudget:
     """Decoded frames and pixels of one request. Thread-safe: the parallel decoder's workers all
     charge the budget of the request they work on."""
 
-    def __init__(self, limits: DecodeLimits, started_s: float | None = None) -> None:
-        """`started_s`: time.monotonic() when the request's decode began (default: now)."""
+    def __init__(
+        self, limits: DecodeLimits, started_s: float | None = None, cancel: threading.Event | None = None
+    ) -> None:
+        """`started_s`: time.monotonic() when the request's decode began (default: now).
+        `cancel`: the caller's flag (its client went away), looked at with the time."""
         self.limits = limits
+        self.cancel = cancel
         self.deadline_s = (time.monotonic() if started_s is None else started_s) + limits.max_decode_s
         """time.monotonic() past which the request fails (`max_decode_s` after it started)."""
         self.num_decoded_frames = 0
@@ -82,7 +87,10 @@ class DecodeBudget:
         self.check_time()
 
     def check_time(self) -> None:
-        """MediaLimitError when the request's decode has run past `max_decode_s`."""
+        """MediaLimitError when the request's decode has run past `max_decode_s`;
+        DecodeCancelled once the caller's cancel flag is set."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise DecodeCancelled(f"cancelled after {self.num_decoded_frames} decoded frames")
         if time.monotonic() > self.deadline_s:
             raise decode_too_long(self.limits)
 
@@ -99,13 +107,16 @@ class DecodeBudget:
 
 class DemuxDeadline:
     """Wall-time bound of one demux pass; `check()` every few hundred packets and before every
-    read of the file (`epd.video.media_open.ReadGuard`)."""
+    read of the file (`epd.video.media_open.ReadGuard`); DecodeCancelled once `cancel` is set."""
 
-    def __init__(self, limits: DecodeLimits) -> None:
+    def __init__(self, limits: DecodeLimits, cancel: threading.Event | None = None) -> None:
         self.limits = limits
+        self.cancel = cancel
         self._deadline = time.monotonic() + limits.max_demux_s
 
     def check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise DecodeCancelled("cancelled during the demux pass")
         if time.monotonic() > self._deadline:
             raise MediaLimitError(
                 f"reading the video's packets took longer than this server's limit of "

@@ -6,7 +6,9 @@ libraries interpose on PyAV's (measured here: after `import decord`, PyAV's libv
 fails to open and HEVC/rotation results change). So: one long-lived child (spawned, not forked, since the parent has
 decode threads) takes requests over a pipe and writes the frames into shared memory, which the
 parent copies out. A request that takes longer than `timeout_s` kills the child; the next
-request starts a fresh one.
+request starts a fresh one. A child that dies while it works on a request (a crash in decord,
+the OOM killer) is reaped and replaced, and the request fails with `DecoderCrashed` (UNAVAILABLE:
+retry; nothing is known to be wrong with the video).
 
 Untrusted bytes: decord probes the container itself (its FFmpeg 4, every demuxer, no whitelist),
 so the parent first vets them with `epd.video.media_open.sniff_container` (only MP4/MOV, Matroska/
@@ -27,8 +29,12 @@ Measured identical to PyAV (tests/unit/video/test_decord_backend.py) for H.264 (
 (WebM) and MJPEG (AVI), rotation included (decord applies the display matrix itself). Known
 differences: decord's bundled FFmpeg cannot open AV1; for HEVC from x265 (open GOP) it returns
 wrong frames after a seek (a known decord bug); its MPEG-4 Part 2 decoder differs from FFmpeg 8's
-by +-1 in some pixels; with `max_pixels` downscaling decord's own scaler is used, whose pixels
-differ from swscale's in PyAV.
+by +-1 in some pixels. With `max_pixels`, decord decodes at the source size and the parent
+downscales the upright RGB frames with swscale (`simple_decoder.downscale_rgb`): same shapes as
+PyAV's, pixels within rounding of them (PyAV scales the YUV frame before turning it). decord's own
+scaler (`VideoReader(width=, height=)`) is not used: it takes the size after rotation (a 90/270
+degree clip came out transposed or failed) and fails outright for some widths (16, 24, 48 and 72
+px: "from_size == to_size"), which the client saw as "cannot open AV1, and some AVI files".
 """
 
 from __future__ import annotations
@@ -47,11 +53,19 @@ from epd.video.budget import MIN_PIXELS_PER_FRAME, DecodeBudget, decode_too_long
 from epd.video.keyframe_index import KeyframeIndexCache
 from epd.video.media_open import sniff_container
 from epd.video.plan import make_intervals
-from epd.video.simple_decoder import check_size, decode_image, scaled_size, select_frames
-from epd.video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitError, SamplingOptions
+from epd.video.simple_decoder import check_size, decode_image, downscale_rgb, select_frames
+from epd.video.types import (
+    DecodedVideo,
+    DecodeLimits,
+    DecoderCrashed,
+    MediaError,
+    MediaLimitError,
+    SamplingOptions,
+)
 
 log = logging.getLogger(__name__)
 
+DECODER_CRASHED = "the decoder process failed; retry the request"
 _DECORD_FAILED = (
     "the decord backend could not decode this video (it cannot open AV1, and some AVI files); "
     "use the default PyAV backend"
@@ -74,7 +88,7 @@ def decord_available() -> bool:
 
 
 def _child_main(conn) -> None:
-    """Child loop: (data, positions, size, shm name, num_threads) -> ("ok", shape) | ("error", text)."""
+    """Child loop: (data, positions, pts_s, shm name, num_threads) -> ("ok", shape) | ("error", text)."""
     import io
 
     import decord
@@ -86,12 +100,9 @@ def _child_main(conn) -> None:
             return
         if msg is None:
             return
-        data, positions, size, pts_s, shm_name, num_threads = msg
+        data, positions, pts_s, shm_name, num_threads = msg
         try:
-            kwargs = {"ctx": decord.cpu(0), "num_threads": num_threads}
-            if size is not None:
-                kwargs["width"], kwargs["height"] = size
-            reader = decord.VideoReader(io.BytesIO(data), **kwargs)
+            reader = decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=num_threads)
             if len(reader) != len(pts_s):
                 raise RuntimeError(f"decord sees {len(reader)} frames, the index {len(pts_s)}")
             ts = reader.get_frame_timestamp(np.arange(len(reader)))[:, 0]
@@ -147,35 +158,45 @@ class DecordDecoder:
         opts: SamplingOptions,
         limits: DecodeLimits = DecodeLimits(),
         sha256: str | None = None,
+        cache_salt: str = "",
     ) -> DecodedVideo:
+        """`cache_salt`: the request's tenant, whose keyframe indexes alone it may reuse."""
         started = time.perf_counter()
         budget = DecodeBudget(limits)  # --max-decode-s, from here: the demux pass counts too
         check_size(len(data), limits)
         opts.validate(limits.max_frames)
         if sniff_container(data).is_image:  # nothing but an allowed container reaches decord
             return decode_image(data, opts, limits)
-        index = self.index_cache.get_or_build(data, limits, sha256)
+        index = self.index_cache.get_or_build(data, limits, sha256, cache_salt=cache_salt)
         chosen_s, sampled_fps = select_frames(index.frames, opts)
         slot_positions = np.searchsorted(index.frames.pts_s, chosen_s)  # [T] non-decreasing
         distinct = np.unique(slot_positions)  # [U]: decord decodes each once
         _check_planned_pixels(index, distinct, limits)
         positions = distinct.tolist()
-        w, h = scaled_size(index.width, index.height, opts.max_pixels)
-        size = None if (w, h) == (index.width, index.height) else (w, h)
-        # decord applies the display rotation itself (pixel-identical to frame_to_rgb's rot90).
-        shm = shared_memory.SharedMemory(create=True, size=len(positions) * w * h * 3)
+        # decord applies the display rotation itself (pixel-identical to frame_to_rgb's rot90), at
+        # the source size: [U, H, W, 3] with H and W swapped by a 90/270 degree rotation.
+        shm = shared_memory.SharedMemory(create=True, size=len(positions) * index.width * index.height * 3)
         try:
             with self._lock:
                 budget.check_time()  # the index pass, or the wait for the child, took it all
                 self._ensure_child()
                 assert self._conn is not None
-                self._conn.send(
-                    (data, positions, size, index.frames.pts_s.tolist(), shm.name, self.config.num_threads)
-                )
                 # The request's decode wall-time limit binds here too: what is left of it (the
                 # child decodes all at once, uncharged); past it the child is killed.
                 remaining_s = budget.remaining_s()
-                if not self._conn.poll(min(self.config.timeout_s, remaining_s)):
+                try:
+                    self._conn.send((data, positions, index.frames.pts_s.tolist(), shm.name, self.config.num_threads))
+                    answered = self._conn.poll(min(self.config.timeout_s, remaining_s))
+                    if answered:
+                        status, payload = self._conn.recv()
+                except (EOFError, OSError) as exc:
+                    # The child died (a crash in decord, the OOM killer) before or while it worked
+                    # on this request (BrokenPipeError on send, EOFError on recv): say nothing
+                    # about the video, start a fresh child for the next request.
+                    log.warning("the decord child process died: %r", exc)
+                    self._kill_child()
+                    raise DecoderCrashed(DECODER_CRASHED) from None
+                if not answered:
                     self._kill_child()
                     if remaining_s <= self.config.timeout_s:
                         raise decode_too_long(limits)
@@ -183,16 +204,13 @@ class DecordDecoder:
                         f"the decord backend did not answer within {self.config.timeout_s:.0f} s "
                         "and was restarted; use the default PyAV backend"
                     )
-                try:
-                    status, payload = self._conn.recv()
-                except EOFError:  # the child died (crash in decord)
-                    self._kill_child()
-                    raise MediaError(_DECORD_FAILED) from None
             if status != "ok":
                 log.info("decord failed: %s", payload)
                 raise MediaError(_DECORD_FAILED)
-            unique = np.ndarray(payload, np.uint8, buffer=shm.buf)  # [U, H, W, 3]
-            frames = unique[np.searchsorted(distinct, slot_positions)]  # [T, H, W, 3], a copy
+            unique = np.ndarray(payload, np.uint8, buffer=shm.buf)  # [U, H, W, 3] at the source size
+            if opts.max_pixels:  # [U, h, w, 3], out of the shared buffer
+                unique = np.stack([downscale_rgb(frame, opts.max_pixels) for frame in unique])
+            frames = unique[np.searchsorted(distinct, slot_positions)]  # [T, h, w, 3], a copy
             del unique
         finally:
             shm.close()

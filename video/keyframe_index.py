@@ -187,14 +187,18 @@ def probe_rotation(data: bytes, limits: DecodeLimits = DecodeLimits()) -> int:
 
 
 class KeyframeIndexCache:
-    """LRU of VideoIndex by content hash, bounded in entries and in bytes (`VideoIndex.num_bytes`);
-    thread-safe. An index larger than the whole byte budget is used but not kept. Two racing
-    builds of one file both run."""
+    """LRU of VideoIndex by (cache salt, content hash), bounded in entries and in bytes
+    (`VideoIndex.num_bytes`); thread-safe. An index larger than the whole byte budget is used but
+    not kept. Two racing builds of one file both run.
+
+    The salt is the request's tenant (`cache_salt`, as in the token cache's key): a hit skips the
+    demux pass, which shows in the decode time a client is told, so one tenant's index must not
+    serve another's request, or its timing would tell that another tenant sent the same file."""
 
     def __init__(self, max_entries: int = 256, max_bytes: int = 64 << 20) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, VideoIndex] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], VideoIndex] = OrderedDict()  # (cache salt, sha256)
         self._lock = threading.Lock()
         self.num_bytes = 0
         """Sum of num_bytes of the cached indexes."""
@@ -202,35 +206,44 @@ class KeyframeIndexCache:
         self.num_misses = 0
 
     def get_or_build(
-        self, data: bytes, limits: DecodeLimits, sha256: str | None = None, cancel: threading.Event | None = None
+        self,
+        data: bytes,
+        limits: DecodeLimits,
+        sha256: str | None = None,
+        cancel: threading.Event | None = None,
+        cache_salt: str = "",
     ) -> VideoIndex:
         """The index of `data`, from the cache or built now. Without `sha256`, the bytes are
         hashed on a helper thread while this one demuxes (hashlib and FFmpeg's demuxer release
         the GIL): on a miss the hash (~20 ms for 50 MB) costs no wall time, and on a hit the
         demux pass stops as soon as the hash names a cached index. When `cancel` is set during the
-        demux pass, the pass stops within a few hundred packets or 32 KiB of the file with DecodeCancelled."""
+        demux pass, the pass stops within a few hundred packets or 32 KiB of the file with
+        DecodeCancelled. `cache_salt`: the request's tenant; only its own indexes are found."""
         if sha256 is None:
-            return self._build_while_hashing(data, limits, cancel)
-        index = self._lookup(sha256)
+            return self._build_while_hashing(data, limits, cancel, cache_salt)
+        index = self._lookup((cache_salt, sha256))
         if index is not None:
             # Limits may differ between callers; re-check the cheap ones.
             check_size(len(data), limits)
             _check_limits(index, limits)
             return index
         try:
-            return self._insert(build_video_index(data, limits, sha256, stop=cancel.is_set if cancel else None))
+            return self._insert(build_video_index(data, limits, sha256, stop=cancel.is_set if cancel else None),
+                                cache_salt)
         except DemuxStopped:
             raise DecodeCancelled("cancelled during the demux pass") from None
 
-    def _lookup(self, sha256: str) -> VideoIndex | None:
+    def _lookup(self, key: tuple[str, str]) -> VideoIndex | None:
         with self._lock:
-            index = self._entries.get(sha256)
+            index = self._entries.get(key)
             if index is not None:
-                self._entries.move_to_end(sha256)
+                self._entries.move_to_end(key)
                 self.num_hits += 1
         return index
 
-    def _build_while_hashing(self, data: bytes, limits: DecodeLimits, cancel: threading.Event | None) -> VideoIndex:
+    def _build_while_hashing(
+        self, data: bytes, limits: DecodeLimits, cancel: threading.Event | None, cache_salt: str
+    ) -> VideoIndex:
         check_size(len(data), limits)
         digest: list[str] = []
         hasher = threading.Thread(target=lambda: digest.append(content_sha256(data)), name="video-index-hash")
@@ -240,7 +253,7 @@ class KeyframeIndexCache:
             if cancel is not None and cancel.is_set():
                 return True
             with self._lock:
-                return bool(digest) and digest[0] in self._entries
+                return bool(digest) and (cache_salt, digest[0]) in self._entries
 
         try:
             index = build_video_index(data, limits, sha256="-", stop=known)
@@ -250,25 +263,25 @@ class KeyframeIndexCache:
             hasher.join()
         if cancel is not None and cancel.is_set():
             raise DecodeCancelled("cancelled during the demux pass")
-        cached = self._lookup(digest[0])
+        cached = self._lookup((cache_salt, digest[0]))
         if cached is not None:
             _check_limits(cached, limits)
             return cached
         if index is None:  # stopped for an entry evicted since: build it again
-            return self._insert(build_video_index(data, limits, digest[0]))
-        return self._insert(dataclasses.replace(index, content_sha256=digest[0]))
+            return self._insert(build_video_index(data, limits, digest[0]), cache_salt)
+        return self._insert(dataclasses.replace(index, content_sha256=digest[0]), cache_salt)
 
-    def _insert(self, index: VideoIndex) -> VideoIndex:
-        sha256 = index.content_sha256
+    def _insert(self, index: VideoIndex, cache_salt: str) -> VideoIndex:
+        key = (cache_salt, index.content_sha256)
         size = index.num_bytes
         with self._lock:
             self.num_misses += 1
             if size > self.max_bytes:
                 return index
-            old = self._entries.pop(sha256, None)
+            old = self._entries.pop(key, None)
             if old is not None:  # a racing build of the same file got here first
                 self.num_bytes -= old.num_bytes
-            self._entries[sha256] = index
+            self._entries[key] = index
             self.num_bytes += size
             while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
                 _, evicted = self._entries.popitem(last=False)

@@ -12,7 +12,12 @@ the `tty` demuxer, and `image2`/`subfile`/`data` name what to read. So nothing i
      `format_whitelist` naming only it (for any nested open) and an empty `protocol_whitelist`,
      so the demuxer cannot open another file or URL (an MP4 data reference, a playlist entry).
      The first video stream's decoder gets FFmpeg's `max_pixels` guard, so a frame far over
-     `DecodeLimits.max_source_pixels` is refused before FFmpeg allocates it.
+     `DecodeLimits.max_source_pixels` is refused before FFmpeg allocates it. `av.open` opens a
+     decoder for every stream to probe it, so the number of streams is bounded: counted in the
+     MP4 box tree (`mp4_boxes`, which also bounds the sample index FFmpeg builds) and the Matroska
+     header (`matroska_tracks`) before FFmpeg sees a byte, and by FFmpeg's `max_streams` for
+     everything else. Metadata that is not UTF-8 is decoded with replacement characters (PyAV
+     decodes tags strictly, and a Latin-1 title made the whole file "corrupt").
   3. `open_image` opens the bytes with Pillow restricted to the one sniffed format.
 
 `open_video` can also be given a `ReadGuard`: FFmpeg reads the bytes through it, one AVIO buffer
@@ -32,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from epd.video.matroska_tracks import count_matroska_streams
 from epd.video.mp4_boxes import check_declared_samples
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError
 
@@ -57,6 +63,12 @@ alignment (up to 64), so its guard is set to twice the limit: frames between the
 guard are decoded and then refused by the per-frame check (epd.video.budget), frames past the guard
 are never allocated."""
 
+MAX_STREAMS = 16
+"""Streams (video, audio and subtitle tracks, attached files such as fonts) a video may have: a
+phone or camera file has 1-6 (iPhone and GoPro files add timecode and metadata tracks), a film with
+several languages a dozen. `av.open` opens a decoder for each to probe it: a one-frame 4K H.264
+track costs ~20 MB there, so 100 copies of one (80 KB of MP4) took 2 GB, 999 would take ~20 GB;
+at 16 it is ~300 MB at most, and FFmpeg allocates no 17th stream."""
 
 _JPEG_START_OF_SCAN = b"\xff\xda"
 MAX_JPEG_SCANS = 256
@@ -187,8 +199,22 @@ def open_video(
     if container.demuxer is None:
         raise MediaError(f"expected a video here but got a {container.name.upper()} image; {SEND_SUPPORTED}")
     if container is MP4:  # FFmpeg would allocate what the sample tables declare, inside av.open
-        check_declared_samples(data)
+        _check_num_streams(check_declared_samples(data))
+    elif container is MATROSKA:
+        _check_num_streams(count_matroska_streams(data))
     return _open_av(data, container.demuxer, limits, guard)
+
+
+def _check_num_streams(num_streams: int) -> None:
+    if num_streams > MAX_STREAMS:
+        raise MediaLimitError(f"the file has {num_streams} tracks, over this server's limit of {MAX_STREAMS}"
+                              f"{_FEWER_STREAMS}")  # fmt: skip
+
+
+_FEWER_STREAMS = (
+    " (video, audio and subtitle tracks and attached files together); send it with fewer tracks, for example "
+    "only its video: ffmpeg -i IN -map 0:v:0 -c copy OUT.mp4"
+)
 
 
 def _open_av(
@@ -206,13 +232,19 @@ def _open_av(
             format=demuxer,
             # Nested opens (a playlist entry, an MP4 data reference) may use no protocol and no
             # other demuxer. An empty protocol_whitelist refuses every protocol, file included.
-            container_options={"format_whitelist": demuxer, "protocol_whitelist": ""},
+            # max_streams: the demuxer gets no stream past the limit (it fails with ENOMEM).
+            container_options={"format_whitelist": demuxer, "protocol_whitelist": "", "max_streams": str(MAX_STREAMS)},
             # Codec options of the decoders avformat_find_stream_info opens to probe the streams.
             options={"max_pixels": max_pixels},
+            # Tags are bytes in whatever encoding the muxer used; we never show them.
+            metadata_errors="replace",
         )
-    except Exception:
+    except Exception as exc:
         if guard is not None:
             guard.raise_if_stopped()  # the probe failed because the guard stopped it
+        if isinstance(exc, av.error.MemoryError):  # ENOMEM: a stream past max_streams (or memory ran out)
+            raise MediaLimitError(f"the file could not be opened within this server's limit of {MAX_STREAMS} tracks"
+                                  f"{_FEWER_STREAMS}") from None  # fmt: skip
         raise
     try:
         if guard is not None:

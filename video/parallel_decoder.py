@@ -1,7 +1,7 @@
 """Parallel keyframe-aligned video decoding with a reusable pool of decode threads.
 
 A request's life:
-  1. `iter_groups` gets the demux-only `VideoIndex` (cached per content hash; without a hash from
+  1. `iter_groups` gets the demux-only `VideoIndex` (cached per tenant and content hash; without a hash from
      the caller, the bytes are hashed beside the demux pass) and makes a `DecodePlan`:
      keyframe-aligned intervals dealt to `num_workers` shares by decode cost. Bad input and
      limits fail here, before any thread is involved. The result's shape is known now, so
@@ -12,7 +12,8 @@ A request's life:
      the keyframe is only a few frames ahead), decodes until it holds every target, charging
      every decoded frame to the request's `DecodeBudget`, and writes each target straight into
      the request's output array of distinct frames [U, H, W, 3] (U <= T: a frame picked for
-     several slots, when the clip has fewer frames than slots, is stored once). Non-reference
+     several slots, when the clip has fewer frames than slots, is stored once), at the size the
+     caller's `frame_resize` gives it (the model's: a 4K frame is not held at 24 MiB). Non-reference
      frames that are not targets are skipped (H.264/HEVC, per packet). PyAV releases the GIL in
      demux, decode and swscale, so threads run in parallel and nothing is pickled or copied
      between processes. A task that finishes its share while another still has intervals
@@ -63,7 +64,14 @@ from epd.video.simple_decoder import (
     gather_slots,
     in_presentation_order,
 )
-from epd.video.types import DecodeCancelled, DecodedVideo, DecodeLimits, MediaError, SamplingOptions
+from epd.video.types import (
+    DecodeCancelled,
+    DecodedVideo,
+    DecodeLimits,
+    FrameResize,
+    MediaError,
+    SamplingOptions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +139,11 @@ class _Request:
         limits: DecodeLimits = DecodeLimits(),
         caller_cancel: threading.Event | None = None,
         started_s: float | None = None,
+        frame_resize: FrameResize | None = None,
     ):
         self.data = data
+        self.frame_resize = frame_resize
+        """Applied to each target frame before it is stored (`iter_groups`)."""
         self.index = index
         self.plan = plan
         self.opts = opts
@@ -321,7 +332,9 @@ def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, s
                 task.num_decoded_frames += 1
                 last_pts = frame.pts
                 if frame.pts in wanted:
-                    req.put_frame(frame.pts, frame_to_rgb(frame, req.opts.max_pixels))
+                    rgb = frame_to_rgb(frame, req.opts.max_pixels)  # [H, W, 3] at the source size
+                    # [h, w, 3]: only this worker's one frame is ever held at the source size.
+                    req.put_frame(frame.pts, rgb if req.frame_resize is None else req.frame_resize(rgb))
                     wanted.discard(frame.pts)
                     if not wanted:
                         break
@@ -614,16 +627,24 @@ class ParallelDecoder:
         cancel: threading.Event | None = None,
         merge_up_to: int = 0,
         merge_up_to_pixels: int = 1 << 62,
+        cache_salt: str = "",
+        frame_resize: FrameResize | None = None,
     ) -> FrameGroupStream:
         """Plan the request and start decoding; frames come back in groups of `group_size`
         (with `merge_up_to`, groups already decoded merge, up to that many frames and
         `merge_up_to_pixels` pixels: `FrameGroupStream`).
 
+        `frame_resize` ([H, W, 3] -> [h, w, 3] uint8, called on the decode threads, several at once)
+        is applied to each distinct video frame as it is decoded, so the request's frames are held
+        at the size it returns, not at the source size (the model's own resize: the encoder passes
+        `VLMAdapter.frame_resizer()`). Images are returned as decoded.
+
         Raises MediaError/MediaLimitError here for bad input or limits. Pass `sha256` (hex digest
         of `data`) when you already have it, to skip hashing. When `cancel` is set (from any
         thread), the demux pass stops within a few hundred packets or 32 KiB of the file, the
         workers at their next frame or read, and a consumer waiting for a group gets
-        DecodeCancelled within 50 ms.
+        DecodeCancelled within 50 ms. `cache_salt`: the request's tenant; only its own cached
+        keyframe indexes are reused (`KeyframeIndexCache`).
         """
         if self._closed:
             raise RuntimeError("ParallelDecoder is closed")
@@ -643,9 +664,9 @@ class ParallelDecoder:
                 image=image,
                 started=started,
             )
-        index = self.index_cache.get_or_build(data, limits, sha256, cancel)
+        index = self.index_cache.get_or_build(data, limits, sha256, cancel, cache_salt)
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
-        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started)
+        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started, frame_resize)
         pts_s = index.frames.pts_s
         first_pts = float(pts_s[0])
         positions = np.searchsorted(index.frame_pts, plan.slot_pts)

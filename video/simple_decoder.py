@@ -133,12 +133,14 @@ class DemuxStopped(Exception):
     """The demux pass's `stop` callback asked it to end (the caller no longer needs the index)."""
 
 
-def build_frame_index(container, limits: DecodeLimits = DecodeLimits()) -> FrameIndex:
+def build_frame_index(
+    container, limits: DecodeLimits = DecodeLimits(), cancel: threading.Event | None = None
+) -> FrameIndex:
     """Demux every packet of the first video stream and record its presentation time, within
-    `limits.max_demux_s`."""
+    `limits.max_demux_s` (DecodeCancelled once `cancel` is set)."""
     stream = container.streams.video[0]
     tb = float(stream.time_base)
-    deadline = DemuxDeadline(limits)
+    deadline = DemuxDeadline(limits, cancel)
 
     def past_deadline() -> bool:
         deadline.check()  # raises MediaLimitError
@@ -219,6 +221,21 @@ def frame_to_rgb(frame, max_pixels: int | None) -> np.ndarray:
     return rgb
 
 
+def downscale_rgb(rgb: np.ndarray, max_pixels: int | None) -> np.ndarray:
+    """An upright RGB frame [H, W, 3] uint8 from another decoder, downscaled to `max_pixels` at the
+    size `frame_to_rgb` gives (`scaled_size` is the same for (W, H) and (H, W), so turning the
+    frame first does not change it), with the same swscale converter. The pixels differ a little
+    from `frame_to_rgb`'s, which scales the YUV frame before turning it upright."""
+    import av
+
+    height, width = rgb.shape[:2]
+    w, h = scaled_size(width, height, max_pixels)
+    if (w, h) == (width, height):
+        return rgb
+    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+    return _reformatter().reformat(frame, width=w, height=h, format="rgb24").to_ndarray()
+
+
 def check_size(num_bytes: int, limits: DecodeLimits) -> None:
     if num_bytes == 0:
         raise MediaError("the media is empty (0 bytes); send a video or image file")
@@ -241,13 +258,16 @@ def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> De
             frame = np.array(rgb, dtype=np.uint8)[None]  # writable (np.asarray of a PIL image is not)
     except MediaError:
         raise
-    except (OSError, ValueError, SyntaxError) as exc:  # UnidentifiedImageError is an OSError
+    except Exception as exc:  # noqa: BLE001 - hostile bytes make Pillow raise struct.error, TypeError, ...
         log.info("image decode failed: %r", exc)  # detail stays in the server log
         raise MediaError(_CORRUPT) from None
     return DecodedVideo(frame, [0.0], sampled_fps=1.0, duration_s=0.0, source_fps=0.0, is_image=True)
 
 
 _EXIF_ORIENTATION = 0x0112
+# EXIF orientation -> the transpose that turns the stored pixels upright (as ImageOps.exif_transpose).
+_UPRIGHT_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+                      7: "TRANSVERSE", 8: "ROTATE_90"}  # fmt: skip
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 """Pillow's modes of 16-bit greyscale (a 16-bit PNG): `convert("RGB")` clips their values at 255
 instead of scaling them, so a mid-grey 32768 became white."""
@@ -257,18 +277,34 @@ def _upright_rgb(img):
     """8-bit RGB, turned upright as its EXIF orientation says (as a video's display matrix turns
     its frames: `epd.video.keyframe_index.probe_rotation`); 16-bit greyscale scaled to 8 bits (its top byte, as FFmpeg's
     gray16 -> rgb24 does)."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
-    if img.getexif().get(_EXIF_ORIENTATION, 1) != 1:  # else exif_transpose would copy it as it is
-        img = ImageOps.exif_transpose(img)
+    # Not ImageOps.exif_transpose: it also rewrites the EXIF block, and malformed EXIF made that
+    # raise struct.error or TypeError (an internal error) on an image whose pixels were fine.
+    if (transpose := _UPRIGHT_TRANSPOSE.get(_exif_orientation(img))) is not None:
+        img = img.transpose(getattr(Image.Transpose, transpose))
     if img.mode in _SIXTEEN_BIT_MODES:
         top_byte = (np.asarray(img, dtype=np.int64).clip(0, 65535) >> 8).astype(np.uint8)
         return Image.fromarray(top_byte).convert("RGB")
     return img.convert("RGB")
 
 
-def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits()) -> DecodedVideo:
-    """Decode `data` (a whole file in memory) into sampled RGB frames."""
+def _exif_orientation(img) -> int:
+    """The image's EXIF orientation (1-8); 1 (as stored) when it has none or its EXIF is
+    malformed: a bad orientation tag is no reason to refuse the pixels."""
+    try:
+        return int(img.getexif().get(_EXIF_ORIENTATION, 1))
+    except Exception as exc:  # noqa: BLE001 - Pillow's EXIF parser raises many types on hostile bytes
+        log.debug("unreadable EXIF orientation, using 1: %r", exc)
+        return 1
+
+
+def decode(
+    data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(), cancel: threading.Event | None = None
+) -> DecodedVideo:
+    """Decode `data` (a whole file in memory) into sampled RGB frames. `cancel` (set from any
+    thread: the caller went away) stops the demux pass and the decoding at their next check of the
+    limits, with DecodeCancelled."""
     import av
 
     check_size(len(data), limits)
@@ -276,17 +312,17 @@ def decode(data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimi
     if sniff_container(data).is_image:  # refuses what is neither an allowed video nor image
         return decode_image(data, opts, limits)
     started = time.perf_counter()
-    budget = DecodeBudget(limits)
-    # Every read of the file checks the time limit of the phase it is in: av.open and the demux
-    # pass --max-demux-s, the decode --max-decode-s (`ReadGuard`).
-    guard = ReadGuard(DemuxDeadline(limits).check)
+    budget = DecodeBudget(limits, cancel=cancel)
+    # Every read of the file checks the cancel flag and the time limit of the phase it is in: av.open
+    # and the demux pass --max-demux-s, the decode --max-decode-s (`ReadGuard`).
+    guard = ReadGuard(DemuxDeadline(limits, cancel).check)
     try:
         with open_video(data, limits, guard) as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream; send a video or an image")
             stream = container.streams.video[0]
             check_frame_size(stream.codec_context.width, stream.codec_context.height, limits)
-            index = build_frame_index(container, limits)
+            index = build_frame_index(container, limits, cancel)
             guard.raise_if_stopped()  # else the index ends where the guard cut the file short
             check_duration(index.duration_s, limits)
             chosen, sampled_fps = select_frames(index, opts)

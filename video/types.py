@@ -13,9 +13,14 @@ to the number of frames the clip holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+FrameResize = Callable[[np.ndarray], np.ndarray]
+"""One decoded RGB frame [H, W, 3] uint8 -> the frame the caller keeps [h, w, 3] uint8. Must give
+every frame of a request the same size when given frames of one size."""
 
 
 class MediaError(ValueError):
@@ -27,6 +32,12 @@ class MediaError(ValueError):
 
 class MediaLimitError(MediaError):
     """The media is valid but exceeds a configured limit. Maps to RESOURCE_EXHAUSTED."""
+
+
+class DecoderCrashed(Exception):
+    """The decoder's process died while it worked on the request (a crash inside the decoder, the
+    OOM killer) and has been restarted: nothing is known to be wrong with the media. Maps to
+    UNAVAILABLE (retry)."""
 
 
 class DecodeCancelled(Exception):

@@ -302,13 +302,13 @@ def _check_tls_flags(args: argparse.Namespace) -> None:
 
 
 async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:
+    from epd.cli import configs
     from epd.client import AsyncEpdClient
 
     # Zero and empty mean "the server's default"; the server checks and parses every option.
     options: dict = dict(
         fps=args.fps, max_frames=args.max_frames, num_frames=args.num_frames, max_pixels=args.max_pixels,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=list(args.stop), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
+        **configs.generation_options(args), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
         cache_salt=args.cache_salt,
     )  # fmt: skip
     tls = dict(root_certificates_path=args.tls_ca, client_certificate_path=args.tls_cert,

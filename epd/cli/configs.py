@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from epd.decode_svc.config import DecodeConfig
 from epd.encoder_svc.config import EncoderConfig
@@ -15,8 +16,10 @@ from epd.gateway.config import (
     HttpApiConfig,
     MediaFetchConfig,
     SharedModelSchedule,
+    WebDemoConfig,
     open_without_key,
 )
+from epd.gateway.media_fetch import dns_host
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.threads import AUTO
@@ -62,7 +65,23 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         top_k=args.top_k,
         seed=args.seed,
         stop=tuple(args.stop),
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        logit_bias=tuple(sorted(dict(args.logit_bias).items())),
+        stop_token_ids=tuple(args.stop_token_id),
+        include_stop_str_in_output=args.include_stop_str_in_output,
     )
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The generation flags as the SDK's keyword options (`EpdClient.ask`)."""
+    generation = generation_config(args)
+    options = {f.name: getattr(generation, f.name) for f in fields(generation)}
+    options["logit_bias"] = dict(generation.logit_bias)
+    return options
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -122,10 +141,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
 
 def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig) -> EncoderConfig:
     """The encoder's flags (`add_encoder_flags`, `add_sampling_flags`) over a model and a server."""
-    limits = replace(DecodeLimits(), max_bytes=args.max_upload_bytes, max_source_pixels=args.max_source_pixels,
-                     max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
-                     max_decode_s=args.max_decode_s,
-                     max_duration_s=args.max_duration_s)
+    limits = decode_limits(args)
     decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
                      **({"num_workers": args.decode_workers} if args.decode_workers else {}))
     cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
@@ -137,6 +153,23 @@ def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: Server
                          max_tower_patches_per_step=args.max_tower_patches_per_step,
                          max_tower_jobs_per_request=args.max_tower_jobs_per_request,
                          merge_decoded_groups=args.merge_decoded_groups)
+
+
+def decode_limits(args: argparse.Namespace, with_upload_limit: bool = True) -> DecodeLimits:
+    """`add_decode_limit_flags` (and --max-upload-bytes): the encoder's limits, and the web demo's
+    (whose byte limit the gateway sets from its own --max-upload-bytes, checked in `checked_gateway`)."""
+    return replace(DecodeLimits(), max_source_pixels=args.max_source_pixels,
+                   max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
+                   max_decode_s=args.max_decode_s, max_duration_s=args.max_duration_s,
+                   **({"max_bytes": args.max_upload_bytes} if with_upload_limit else {}))
+
+
+def web_demo_config(args: argparse.Namespace) -> WebDemoConfig:
+    """The gateway's demo decodes: its flags, or (`epd serve --colocate`) the encoder's limits."""
+    return WebDemoConfig(
+        max_concurrent_decodes=getattr(args, "demo_max_concurrent_decodes", WebDemoConfig.max_concurrent_decodes),
+        limits=decode_limits(args, with_upload_limit=False),
+    )
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
@@ -183,7 +216,7 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     security = TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
     return checked_gateway(GatewayConfig(
         server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
-        http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args)),
+        http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args), demo=web_demo_config(args)),
         max_requests_per_client=args.max_requests_per_client,
         max_requests_per_api_key=args.max_requests_per_api_key,
         max_upload_bytes=args.max_upload_bytes))
@@ -242,10 +275,17 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
+    """ValueError: an --allowed-media-domains entry that is not a domain name (`dns_host`)."""
+    for domain in args.allowed_media_domains:
+        try:
+            dns_host(domain)
+        except ValueError as exc:
+            raise ValueError(f"--allowed-media-domains: {exc}") from None
     media = MediaFetchConfig(
         allowed_local_dir=args.allowed_local_media_path,
         allowed_domains=tuple(args.allowed_media_domains),
         fetch_timeout_s=args.media_fetch_timeout,
     )
     return HttpApiConfig(port=args.http_port, host=args.http_host, api_keys=api_keys(args),
-                         no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media)
+                         no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media,
+                         demo=web_demo_config(args))

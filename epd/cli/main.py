@@ -116,6 +116,28 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None, help="sampling's seed (default: a random one)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's, over the prompt's and the output's tokens: > 1 discourages repeats (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="when sampling, drop tokens below MIN_P x the top token's probability (0 = off)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no end-of-sequence, stop token or stop string before this many tokens (0 = off)")
+    g.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to a token's logit (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="TOKEN_ID",
+                   help="stop when this token is generated (repeatable)")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string or stop token that ended the answer in it")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 1734=-100), got {text!r}") from None
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -140,16 +162,13 @@ def add_pruning_flags(p: argparse.ArgumentParser) -> None:
                    help="override one knob of token_pruning.PruningConfig (repeatable)")
 
 
-def add_encoder_flags(p: argparse.ArgumentParser) -> None:
-    from epd.video.parallel_decoder import ParallelDecodeConfig
+def add_decode_limit_flags(g) -> None:
+    """The limits every decode of untrusted media obeys (`DecodeLimits`): the encoder's, and the
+    gateway's for its web demo's thumbnails (`epd serve` gives both the same values)."""
     from epd.video.types import DecodeLimits
 
-    g = p.add_argument_group("encoder")
-    g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
     g.add_argument("--max-source-pixels", type=int, default=DecodeLimits.max_source_pixels,
                    help="largest video frame or image, width x height, checked on every decoded frame")
-    g.add_argument("--max-visual-tokens", type=int, default=16384,
-                   help="visual tokens one request may produce; checked after its first frame group")
     g.add_argument("--max-decoded-pixels", type=int, default=DecodeLimits.max_decoded_pixels,
                    help="pixels one request may decode, every frame counted (at least 256x256 each)")
     g.add_argument("--max-duration-s", type=float, default=DecodeLimits.max_duration_s,
@@ -158,6 +177,16 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds the demux (index) pass of one video may take")
     g.add_argument("--max-decode-s", type=float, default=DecodeLimits.max_decode_s,
                    help="seconds the frame decoding of one request may take (all its decode workers)")
+
+
+def add_encoder_flags(p: argparse.ArgumentParser) -> None:
+    from epd.video.parallel_decoder import ParallelDecodeConfig
+
+    g = p.add_argument_group("encoder")
+    g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    g.add_argument("--max-visual-tokens", type=int, default=16384,
+                   help="visual tokens one request may produce; checked after its first frame group")
+    add_decode_limit_flags(g)
     g.add_argument("--index-cache-bytes", type=int, default=ParallelDecodeConfig.index_cache_bytes,
                    help="memory of the cached keyframe indexes (LRU)")
     g.add_argument("--decode-workers", type=int, default=0, help="video decode threads (0 = one per core)")
@@ -343,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE, DecodeConfig
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
     from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
-    from epd.gateway.config import MAX_CONCURRENT_STEPS, SCHEDULES, SharedModelSchedule
+    from epd.gateway.config import MAX_CONCURRENT_STEPS, SCHEDULES, SharedModelSchedule, WebDemoConfig
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
     from epd.prefill_svc.config import PrefillSchedulerConfig
 
@@ -464,6 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--load-refresh-interval", type=_seconds, default=0.5, metavar="SECONDS",
                     help="seconds between reads of the replicas' loads for routing (0 = off)")
     add_http_api_flags(gw)
+    demo = gw.add_argument_group("web demo (POST /demo/frames decodes the frames it shows in the gateway)")
+    demo.add_argument("--demo-max-concurrent-decodes", type=int, default=WebDemoConfig.max_concurrent_decodes,
+                      help="demo decodes at once, on their own threads; more get 429 (one whose client left "
+                           "counts until it has stopped)")
+    add_decode_limit_flags(demo)  # the encoder's limits, which `epd serve` passes to both
     # `epd serve` with no role: the whole stack on loopback.
     serve.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))  # else the stack makes one
     serve.add_argument("--gateway-port", type=_port, default=GATEWAY_PORT)

@@ -321,8 +321,16 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                            "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S),
                            "--stage-attempt-timeout", str(args.stage_attempt_timeout),
                            "--http-port", str(args.http_port), "--max-requests-per-client",
-                           str(args.max_requests_per_client), "--max-upload-bytes", str(args.max_upload_bytes)]
+                           str(args.max_requests_per_client), "--max-upload-bytes", str(args.max_upload_bytes),
+                           *decode_limit_flags(args)]  # the web demo decodes under the encoders' limits
     return commands
+
+
+def decode_limit_flags(args: argparse.Namespace) -> list[str]:
+    """The stack's `add_decode_limit_flags` values as command-line words."""
+    return ["--max-source-pixels", str(args.max_source_pixels), "--max-decoded-pixels", str(args.max_decoded_pixels),
+            "--max-duration-s", repr(args.max_duration_s), "--max-demux-s", repr(args.max_demux_s),
+            "--max-decode-s", repr(args.max_decode_s)]
 
 
 def encoder_flags(args: argparse.Namespace) -> list[str]:

@@ -77,7 +77,11 @@ _SAMPLING_OPTIONS = (
     "end_time_s",
     "max_pixels",
 )
-_GENERATION_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+_GENERATION_OPTIONS = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
+    "include_stop_str_in_output",
+)  # fmt: skip
 
 
 def build_header(
@@ -95,12 +99,15 @@ def build_header(
     the deprecated 0.1 form (kept until 0.3), the same as [Message.user(VIDEO, question)].
 
     Sampling: fps, max_frames, min_frames, num_frames, start_time_s, end_time_s, max_pixels.
-    Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos.
+    Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
+    repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
+    ({token id: bias}), stop_token_ids, include_stop_str_in_output (GenerationConfig's meanings).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
-    ValueError: max_new_tokens < 1 or top_p outside (0, 1], which the wire cannot tell from unset.
+    ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
+    cannot tell from unset.
     """
     options = dict(options)
     stop = options.pop("stop", None) or ()
@@ -111,6 +118,8 @@ def build_header(
         raise ValueError(f"max_new_tokens must be >= 1 (None: the server's default), got {max_new}")
     if (top_p := options.get("top_p")) is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (None: 1, all tokens), got {top_p}")
+    if (penalty := options.get("repetition_penalty")) is not None and not penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
     sampling = common_pb2.VideoSampling(**{k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None))})
     generation = common_pb2.GenerationParams(
         **{k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None)) or (k == "seed" and v is not None)}

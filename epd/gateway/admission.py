@@ -11,13 +11,17 @@ A request's life here:
     ticket.close()                        # gives back the slot and every byte reserved
 
 Body bytes stay reserved until the request ends, because the media they carry is held (as
-bytes, then as the pipeline's input) for that long.
+bytes, then as the pipeline's input) for that long. Work a request started that outlives its
+handler (a web-demo decode, whose thread runs on until it sees its cancel flag after the client
+went away) holds the ticket: `release = ticket.hold()`, and `close()` gives the slot and bytes back
+only once every hold is released, when that work has really ended.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
@@ -162,18 +166,43 @@ class Ticket:
         self.client = client
         self.key_id = key_id
         self.num_reserved_bytes = 0
+        self._num_holds = 0
+        self._close_asked = False
         self._closed = False
 
     def reserve_bytes(self, num_bytes: int) -> None:
         """Reserve `num_bytes` more for this request, or raise Overloaded (nothing reserved)."""
-        if self._closed:
+        if self._close_asked:
             raise RuntimeError("reserve_bytes on a closed ticket")
         self._admission._reserve(num_bytes)
         self.num_reserved_bytes += num_bytes
 
+    def hold(self) -> Callable[[], None]:
+        """Keep the slot and the bytes past `close()` until the returned function is called (on
+        the event loop; a second call does nothing): for work of this request that may outlive
+        its handler."""
+        if self._close_asked:
+            raise RuntimeError("hold on a closed ticket")
+        self._num_holds += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._num_holds -= 1
+                self._give_back_if_done()
+
+        return release
+
     def close(self) -> None:
-        """Give back the slot and the bytes; later calls do nothing."""
-        if not self._closed:
+        """Give back the slot and the bytes, at once or when the last hold is released; later
+        calls do nothing."""
+        self._close_asked = True
+        self._give_back_if_done()
+
+    def _give_back_if_done(self) -> None:
+        if self._close_asked and not self._num_holds and not self._closed:
             self._closed = True
             self._admission._release(self.client, self.num_reserved_bytes, self.key_id)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.server_config import ServerConfig, is_loopback
-from epd.video.types import SamplingOptions
+from epd.video.types import DecodeLimits, SamplingOptions
 
 DEFAULT_PORT = 50050
 
@@ -79,6 +79,25 @@ class MediaFetchConfig:
 
 
 @dataclass(frozen=True)
+class WebDemoConfig:
+    """The web demo's `POST /demo/frames`, the one place the gateway decodes media itself (to
+    show the frames the encoder would sample): untrusted media, so bounded like the encoder's."""
+
+    max_concurrent_decodes: int = 2
+    """Demo decodes running at once, on threads of their own; more get HTTP 429 + Retry-After.
+    A decode whose client went away counts until it has stopped (at its next frame, or within
+    256 packets of its demux pass)."""
+    limits: DecodeLimits = field(default_factory=DecodeLimits)
+    """Frame size, decoded pixels, duration, demux and decode time of one demo decode: the
+    encoder's flags of the same names (`--max-source-pixels`, ...), with the same defaults; its
+    byte limit is always the gateway's --max-upload-bytes."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_decodes < 1:
+            raise ValueError(f"--demo-max-concurrent-decodes must be >= 1, got {self.max_concurrent_decodes}")
+
+
+@dataclass(frozen=True)
 class HttpApiConfig:
     """The OpenAI-compatible HTTP API, served by the gateway process next to gRPC."""
 
@@ -98,6 +117,8 @@ class HttpApiConfig:
     """The model id that /v1/models lists and requests must name."""
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     """Which media URLs and paths requests may use."""
+    demo: WebDemoConfig = field(default_factory=WebDemoConfig)
+    """The web demo's own decodes (`POST /demo/frames`)."""
 
 
 @dataclass(frozen=True)

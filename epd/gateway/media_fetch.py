@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 import aiohttp
+import idna
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from epd.gateway.config import MediaFetchConfig
@@ -187,11 +188,33 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address] | N
     return None
 
 
+def dns_host(host: str) -> str:
+    """`host` as DNS and aiohttp spell it: lower case, no trailing dot, an internationalised name
+    in its IDNA (punycode) form, encoded as yarl encodes the URL aiohttp connects to (UTS #46
+    mapping, IDNA 2003 as its fallback), so the policy checks and pins the very name that is then
+    resolved ("vidéos.example" -> "xn--vidos-dsa.example"). ValueError when it does not encode."""
+    host = host.strip().rstrip(".").lower()
+    if host.isascii():
+        return host
+    try:
+        return idna.encode(host, uts46=True).decode("ascii")
+    except UnicodeError:  # idna.IDNAError is one
+        try:
+            return host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise ValueError(f"{host!r} is not a valid internationalised domain name") from None
+
+
 def host_allowed(host: str, allowed_domains: tuple[str, ...]) -> bool:
-    """`host` is a listed domain or a subdomain of one (IP literals must be listed exactly)."""
-    host = host.lower().rstrip(".")
-    for domain in allowed_domains:
-        domain = domain.lower().strip().rstrip(".")
+    """`host` is a listed domain or a subdomain of one (IP literals must be listed exactly).
+    Both are compared in their `dns_host` form, so either spelling of an internationalised name
+    matches either; an entry that does not encode matches nothing (the CLI refuses it at start)."""
+    host = dns_host(host)
+    for entry in allowed_domains:
+        try:
+            domain = dns_host(entry)
+        except ValueError:
+            continue
         if domain and (host == domain or host.endswith("." + domain)):
             return True
     return False
@@ -216,6 +239,11 @@ def check_url(url: str, config: MediaFetchConfig) -> UrlTarget:
         raise InvalidRequest("the media URL has an invalid port") from None
     if not host:
         raise InvalidRequest("the media URL has no host")
+    try:
+        # urlsplit leaves an internationalised name in Unicode; aiohttp resolves its punycode form.
+        host = dns_host(host)
+    except ValueError:
+        raise InvalidRequest("the media URL's host is not a valid domain name") from None
     if not config.allowed_domains:
         raise MediaRefused(
             "fetching media from URLs is turned off on this server; send the media as a data: URL, "
@@ -228,7 +256,7 @@ def check_url(url: str, config: MediaFetchConfig) -> UrlTarget:
     literal = _ip_literal(host)
     if literal is not None and not config.allow_private_addresses and not is_public_address(literal):
         raise MediaRefused(f"media URLs must not point at a private, loopback or link-local address ({host})")
-    return UrlTarget(scheme, host.lower(), port or (443 if scheme == "https" else 80))
+    return UrlTarget(scheme, host, port or (443 if scheme == "https" else 80))
 
 
 def _ip_literal(host: str) -> IpAddress | None:
@@ -336,7 +364,11 @@ class _PinnedResolver(AbstractResolver):
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
-        if host.lower().rstrip(".") != self.host.rstrip("."):
+        try:
+            asked = dns_host(host)
+        except ValueError:
+            asked = ""
+        if asked != self.host:
             raise OSError(f"{host} was not checked by the media policy")
         return [
             {

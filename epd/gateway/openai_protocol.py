@@ -5,7 +5,9 @@ the last one the user's, whose content is a string or a list of `text`, `video_u
 `image_url` parts. The parts keep the client's order: [text, video_url] is rendered text first,
 exactly as the model's chat template renders it (`epd.stages.messages`). Exactly one `video_url`
 or `image_url` part per request, in a user message. Generation options are OpenAI's own fields (max_completion_tokens or
-max_tokens, temperature, top_p, seed, stop) plus `top_k` and `ignore_eos`; frame sampling goes in
+max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias) plus
+vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
+`include_stop_str_in_output`, with vLLM's meanings; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
@@ -26,7 +28,14 @@ from typing import Any
 import grpc
 
 from epd.gateway.pipeline import AskSummary
-from epd.model_runtime.sampling import GenerationConfig, check_stop_strings
+from epd.model_runtime.sampling import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+    GenerationConfig,
+    check_stop_strings,
+)
 from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import Busy, InvalidRequest, NotFound
 from epd.stages.messages import ROLES, ContentPart, Message, check_messages
@@ -92,20 +101,19 @@ _GENERATION_OPTIONS = {
     "top_p": _Number(float, 0.0, 1.0, low_open=True),
     "top_k": _Number(int, -1, INT32_MAX),  # -1 (vLLM's) and 0: off
     "seed": _Number(int, INT64_MIN, INT64_MAX),
+    "repetition_penalty": _Number(float, 0.0, math.inf, low_open=True),
+    "presence_penalty": _Number(float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "frequency_penalty": _Number(float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "min_p": _Number(float, 0.0, 1.0),
+    "min_tokens": _Number(int, 0, INT32_MAX),
 }
+_TOKEN_ID = _Number(int, 0, INT32_MAX)  # the vocabulary's bound is checked by the stages that load it
+_LOGIT_BIAS = _Number(float, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
 
 _UNSUPPORTED = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "min_tokens": (0,),
-    "min_p": (0,),
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
-    "include_stop_str_in_output": (False,),
-    "stop_token_ids": ([],),
     "bad_words": ([],),
     "allowed_token_ids": ([],),
     "response_format": ({"type": "text"},),
@@ -132,6 +140,7 @@ rather than answered as if it had not been sent (vLLM honours most of them)."""
 _KNOWN = {"model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop",
           "ignore_eos", "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
           "parallel_tool_calls", "request_id", "skip_special_tokens", "spaces_between_special_tokens",
+          "logit_bias", "stop_token_ids", "include_stop_str_in_output",
           *_GENERATION_OPTIONS, *_UNSUPPORTED}  # fmt: skip
 """Every field this server reads or refuses; others are ignored and logged, as vLLM does."""
 
@@ -416,7 +425,51 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         seed=given("seed", defaults.seed),
         stop=stops,
         ignore_eos=_boolean(body, "ignore_eos", defaults.ignore_eos),
+        repetition_penalty=given("repetition_penalty", defaults.repetition_penalty),
+        presence_penalty=given("presence_penalty", defaults.presence_penalty),
+        frequency_penalty=given("frequency_penalty", defaults.frequency_penalty),
+        min_p=given("min_p", defaults.min_p),
+        min_tokens=given("min_tokens", defaults.min_tokens),
+        logit_bias=_logit_bias(body.get("logit_bias"), defaults.logit_bias),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), defaults.stop_token_ids),
+        include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", defaults.include_stop_str_in_output),
     )
+
+
+def _logit_bias(value: Any, default: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> (id, bias) pairs, by id."""
+    if value is None:
+        return default
+    _check_collection(value, dict, "logit_bias", 'an object of token ids to biases, such as {"1734": -100}',
+                      MAX_LOGIT_BIAS_ENTRIES)
+    pairs = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10 else -1
+        if not 0 <= token <= INT32_MAX:
+            raise InvalidRequest(f"'logit_bias' keys must be token ids ({_TOKEN_ID.describe()}), got {_shown(key)}")
+        pairs[token] = _item(bias, _LOGIT_BIAS, f"logit_bias[{token}]")
+    return tuple(sorted(pairs.items()))
+
+
+def _stop_token_ids(value: Any, default: tuple[int, ...]) -> tuple[int, ...]:
+    if value is None:
+        return default
+    _check_collection(value, list, "stop_token_ids", "a list of token ids", MAX_STOP_TOKEN_IDS)
+    return tuple(_item(v, _TOKEN_ID, "stop_token_ids[]") for v in value)
+
+
+def _check_collection(value: Any, kind: type[dict] | type[list], name: str, what: str, max_entries: int) -> None:
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"'{name}' must be {what}")
+    if len(value) > max_entries:
+        raise InvalidRequest(f"'{name}' has {len(value)} entries; at most {max_entries} are accepted")
+
+
+def _item(value: Any, spec: _Number, label: str) -> Any:
+    """One number of an object or list field (null is no default there)."""
+    if value is None:
+        raise InvalidRequest(f"'{label}' must be {spec.describe()}, got null")
+    return _number({label: value}, label, spec, None)
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 A new family (LLaVA-OneVision, SmolVLM2, ...) is one file that implements `VLMAdapter`. The stages
 call only these methods:
 
-    encoder:  preprocess(frames) -> VisionInputs;  encode(VisionInputs) -> visual embeds;
+    encoder:  preprocess(frames, clip_num_frames) -> VisionInputs (a frame group, sized as its clip)
+              encode(VisionInputs) -> visual embeds;
+              frame_resizer() -> what the decoder may apply to each frame (None: keep it as decoded)
               encode_batch([VisionInputs]) -> [visual embeds] (one tower call for many)
               encode_features(VisionInputs) -> VisualFeatures (embeds + DeepStack features, Qwen3-VL)
               encode_features_batch([VisionInputs]) -> [VisualFeatures] (what the encoder core runs)
@@ -40,7 +42,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from epd.video.types import DecodedVideo
+from epd.video.types import DecodedVideo, FrameResize
 
 if TYPE_CHECKING:  # VisualMeta is read by the gateway, which starts without torch
     import torch
@@ -211,16 +213,37 @@ class VLMAdapter(ABC):
         default max_model_len); None: not known."""
         return None
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the lm head's logits [vocab]: the token ids a request may name (logit_bias,
+        stop_token_ids); None: not known."""
+        return None
+
     def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
                       position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """The tower on kept patches only (temporal dropping before the tower)."""
         raise NotImplementedError(f"{type(self).__name__} cannot encode a subset of patches")
 
+    def frame_resizer(self) -> FrameResize | None:
+        """What the video decoder applies to each frame as it decodes it ([H, W, 3] -> [h, w, 3]
+        uint8), so that the encoder holds a request's frames at the model's size instead of the
+        source's (a 4K frame is 24 MiB, the tower may see 0.1 MiB of it). Only where `preprocess`
+        of the resized frames equals `preprocess` of the decoded ones bit for bit (the tokens then
+        stay `generate()`'s on the decoded frames). None, the default: frames are kept as decoded."""
+        return None
+
     @abstractmethod
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
         """Frames -> normalised patches, exactly as the model's own processor prepares them.
         Touches no weights: the encoder runs it on its request driver threads, several at once
-        and beside model calls."""
+        and beside model calls.
+
+        `video` may be one frame group of a longer clip (the encoder preprocesses groups as they
+        decode; every group but the last holds a whole number of temporal patches):
+        `clip_num_frames` is then the clip's total frame count, and the group's patches must be
+        the rows of the processor's output on the whole clip. A family whose resize depends on
+        the frame count (Qwen3-VL bounds t x h x w) sizes every group as the whole clip; a
+        family that resizes frame by frame ignores it. None: `video` is the whole clip."""
 
     @abstractmethod
     def encode(self, inputs: VisionInputs) -> torch.Tensor:

@@ -13,12 +13,26 @@ class IncrementalText:
 
     Text is withheld while it ends in an incomplete UTF-8 character ("\ufffd") or could still be
     the start of a stop string, so a client never sees text that is later taken back.
+
+    include_stop: keep the matched stop string in the text (vLLM's include_stop_str_in_output;
+    nothing is withheld for stop strings then, as a match is released whole). min_tokens: stop
+    strings are looked for only once more than this many tokens are in, and only where they end in
+    the text those later tokens added (vLLM's detokenizer).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._include_stop = include_stop
+        self._hold = 0 if include_stop else max((len(s) for s in self._stop), default=1) - 1
+        self._min_tokens = min_tokens
+        self._unchecked_chars = 0  # the text of the first min_tokens tokens: no stop string ends in it
         self.token_ids: list[int] = []
         self.text = ""  # text released so far
         self.stopped = False
@@ -27,12 +41,21 @@ class IncrementalText:
         """Append one token; returns the newly released text."""
         self.token_ids.append(token_id)
         full = self._decode(self.token_ids)
-        # The earliest match, not the first stop string's: one token can complete two, and the
-        # answer must hold neither ("ye" with stop ["llow", "e"] is "y").
-        found = [at for s in self._stop if (at := full.find(s, max(0, len(self.text) - len(s)))) != -1]
+        if len(self.token_ids) <= self._min_tokens:
+            self._unchecked_chars = len(full)
+            found: list[tuple[int, int]] = []
+        else:
+            # The earliest match, not the first stop string's: one token can complete two, and the
+            # answer must hold neither ("ye" with stop ["llow", "e"] is "y"); (start, end) of each.
+            found = [
+                (at, at + len(s))
+                for s in self._stop
+                if (at := full.find(s, max(0, len(self.text) - len(s), self._unchecked_chars - len(s) + 1))) != -1
+            ]
         if found:
             self.stopped = True
-            return self._release(full[: min(found)])
+            start, end = min(found)
+            return self._release(full[:end] if self._include_stop else full[:start])
         if full.endswith("\ufffd"):
             return ""
         return self._release(full[: len(full) - self._hold] if self._hold else full)
@@ -54,27 +77,36 @@ class IncrementalText:
 class OutputText:
     """A request's generated tokens, one at a time -> (text delta, finish reason): `IncrementalText`
     and the rules that end a generation: a stop string, an end-of-sequence token (unless
-    `ignore_eos`), `max_new_tokens`. Decode runs one per request; prefill runs one over the first
-    token alone, so that the gateway can stream that token before the KV cache reaches a decoder
-    (the same rules from the same state give the same text; `PrefillHandle.first_text`)."""
+    `ignore_eos`), one of `stop_token_ids` (its text left out unless `include_stop_str_in_output`),
+    `max_new_tokens`; before `min_tokens` tokens are out, only the last (as vLLM's). Decode runs one
+    per request; prefill runs one over the first token alone, so that the gateway can stream that
+    token before the KV cache reaches a decoder (the same rules from the same state give the same
+    text; `PrefillHandle.first_text`)."""
 
     def __init__(
         self, decode: Callable[[list[int]], str], eos_token_ids: Collection[int], config: GenerationConfig
     ) -> None:
-        self.text = IncrementalText(decode, config.stop)
+        self.text = IncrementalText(decode, config.stop, config.include_stop_str_in_output, config.min_tokens)
         self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = frozenset(config.stop_token_ids)
         self.config = config
+        self.num_tokens = 0
         self.finish_reason = ""
 
     def add(self, token_id: int) -> tuple[str, str]:
         """Append one token: (the newly released text, the finish reason: "" while going on, else
         "stop" or "length"; what was held back is released with it)."""
-        delta = self.text.add(token_id)
-        if self.text.stopped:
+        self.num_tokens += 1
+        may_stop = self.num_tokens >= self.config.min_tokens
+        stop_token = may_stop and token_id in self.stop_token_ids
+        # A stop token's text is not the answer's (vLLM's), unless asked for; the text held back
+        # before it is released by the flush below.
+        delta = "" if stop_token and not self.config.include_stop_str_in_output else self.text.add(token_id)
+        if self.text.stopped or stop_token:
             self.finish_reason = "stop"
-        elif token_id in self.eos_token_ids and not self.config.ignore_eos:
+        elif may_stop and token_id in self.eos_token_ids and not self.config.ignore_eos:
             self.finish_reason = "stop"
-        elif len(self.text.token_ids) >= self.config.max_new_tokens:
+        elif self.num_tokens >= self.config.max_new_tokens:
             self.finish_reason = "length"
         if self.finish_reason:
             delta += self.text.flush()

@@ -130,22 +130,60 @@ class LanguageOnly(torch.nn.Module):
 def load_vision_part(path: str, hf_config, dtype: torch.dtype, build: Callable[[], torch.nn.Module],
                      rename=vision_key, full_part=lambda model: model.model.visual, what: str = "vision tower"):
     """Build the encoder's part alone (`build()`, weights uninitialised) and load only its tensors
-    (`rename` picks and renames them). Without safetensors: `full_part` of the full model."""
+    (`rename` picks and renames them). Without safetensors: `full_part` of the full model.
+
+    Dtypes as `from_pretrained(dtype=...)` gives the whole model (what generate() and the embedded
+    mode run): the part is built with `dtype` as torch's default dtype, so parameters and buffers
+    made in that default take `dtype` while buffers a module computes in float32 on purpose (the
+    rotary `inv_freq`, [head_dim / 4] in Qwen's towers) stay float32; the model's own
+    `_keep_in_fp32_modules(_strict)` parameters are float32. A `.to(dtype)` of the whole part would
+    round `inv_freq` to bfloat16 and move every visual token's embedding away from generate()'s."""
     from transformers.initialization import no_init_weights
+    from transformers.modeling_utils import local_torch_dtype
 
     root, files = safetensors_files(path)
     if not files:
         log.info("no safetensors in %s; loading the full model for its %s", root, what)
         return full_part(load_full_model(str(root), dtype, torch.device("cpu")))
-    with no_init_weights():  # every weight is loaded below; random init would only cost time
+    # every weight is loaded below (random init would only cost time); `dtype` as the default dtype
+    with no_init_weights(), local_torch_dtype(dtype):
         part = build()
+    apply_keep_in_fp32_plan(part, dtype)
+    # load_state_dict copies into the parameters, in their dtypes (as from_pretrained casts a
+    # checkpoint tensor to its parameter's dtype)
     missing, unexpected = part.load_state_dict(read_part(root, files, rename), strict=False)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the {what}: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
-    return part.to(dtype).eval()
+    return part.eval()
+
+
+def apply_keep_in_fp32_plan(part: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """Give the checkpoint tensors that `from_pretrained(dtype=dtype)` loads in float32 their
+    float32 (before they are loaded): those under a module named in a transformers model's
+    `_keep_in_fp32_modules` (float16) or `_keep_in_fp32_modules_strict` (float16 and bfloat16),
+    matched as transformers matches them (its `_get_dtype_plan` globs searched in the tensor's
+    name). None of the supported towers names any today; a family that does keeps them. Returns
+    the names changed."""
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan: dict[str, torch.dtype] = {}
+    for module in part.modules():  # the part itself, or the transformers models inside it
+        if isinstance(module, PreTrainedModel):
+            plan.update(module._get_dtype_plan(dtype))
+    if not plan:
+        return []
+    pattern, glob_of_group, _ = build_glob_alternation(list(plan))
+    changed = []
+    for name, tensor in part.state_dict(keep_vars=True).items():  # parameters and persistent buffers
+        if tensor.is_floating_point() and (match := pattern.search(name)) is not None:
+            # every branch of the alternation is a named group, so lastgroup names the glob matched
+            tensor.data = tensor.data.to(plan[glob_of_group[str(match.lastgroup)]])
+            changed.append(name)
+    return changed
 
 
 def build_language_only(text_config, dtype: torch.dtype, build_lm: Callable[[], torch.nn.Module]) -> LanguageOnly:

@@ -53,6 +53,10 @@ class HfTextAdapter(VLMAdapter):
     def context_tokens(self) -> int | None:
         return getattr(self.hf_config.get_text_config(), "max_position_embeddings", None)
 
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.hf_config.get_text_config(), "vocab_size", None)
+
     def _load_parts(self, path: str, load_vision: Callable, load_language: Callable) -> None:
         """The parts this stage needs: both -> transformers' whole model (its tower at
         `model.visual`); one -> `load_vision` / `load_language`(path, hf_config, dtype), which read

@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
@@ -67,7 +69,7 @@ from epd.model_runtime.hf_loading import (
 )
 from epd.model_runtime.hf_text import HfTextAdapter
 from epd.model_runtime.kv_cache import KvCache
-from epd.video.types import DecodedVideo, MediaError
+from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,20 @@ class LlavaOnevisionAdapter(HfTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+    def frame_resizer(self) -> FrameResize | None:
+        """The video processor's own resize, one frame at a time (`resize_frame_to_size`), where it
+        resizes every frame to one fixed size (`size` = height and width: 384x384 on the hub)."""
+        from transformers import LlavaOnevisionVideoProcessor
+
+        vp = self.processor.video_processor
+        size: Any = vp.size  # a SizeDict once the processor is built
+        if type(vp) is not LlavaOnevisionVideoProcessor or not (vp.do_resize and size.height and size.width):
+            return None  # sized from each frame (shortest_edge): its own rounding, keep frames as decoded
+        return partial(resize_frame_to_size, vp)
+
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
+        """`clip_num_frames` is not needed: every video frame is resized to the same fixed square
+        and pooled alone, whatever the clip's length."""
         if video.is_image:
             frame = video.frames[0]
             out = self.processor.image_processor(images=[frame], return_tensors="pt")
@@ -369,12 +384,14 @@ def _vision_part_class():
         """The encoder's part of `LlavaOnevisionModel` at its attribute names, with its own
         `get_video_features` / `get_image_features` (which read only these and `config`)."""
 
-        def __init__(self, config) -> None:
+        def __init__(self, config, dtype: torch.dtype) -> None:
             from transformers import AutoModel
 
             super().__init__()
             self.config = config
-            self.vision_tower = AutoModel.from_config(config.vision_config)
+            # dtype given as from_pretrained gives it to every sub-config (the vision config's own
+            # `dtype`, if a checkpoint sets one, would win over the default dtype otherwise)
+            self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
             self.multi_modal_projector = LlavaOnevisionMultiModalProjector(config)
             self.image_newline = torch.nn.Parameter(torch.empty(config.text_config.hidden_size))
 
@@ -388,7 +405,7 @@ def _vision_part_class():
 
 def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
     return load_vision_part(
-        path, hf_config, dtype, lambda: _vision_part_class()(hf_config), rename=vision_key,
+        path, hf_config, dtype, lambda: _vision_part_class()(hf_config, dtype), rename=vision_key,
         full_part=lambda model: model.model, what="vision part",
     )
 
@@ -412,3 +429,14 @@ def _load_language_part(path: str, hf_config, dtype: torch.dtype):
         raise ValueError(f"checkpoint {path} has no image_newline")
     load_language_state(model, state, hf_config, path)  # the 0.5B checkpoints tie the head
     return model, newline.to(dtype)
+
+
+def resize_frame_to_size(vp, rgb: np.ndarray) -> np.ndarray:
+    """One decoded frame [H, W, 3] uint8 resized by LLaVA-OneVision's video processor `vp` to its
+    fixed `size` ([height, width, 3]), as its `preprocess` resizes it: the processor lays a video out
+    as [T, 3, H, W] uint8 and torchvision resizes each frame's planes on their own (bicubic,
+    antialias), so a frame alone comes out as among others, and at the target size torchvision
+    returns the tensor unchanged, so `preprocess`'s own resize is then a no-op."""
+    video = torch.from_numpy(rgb[None]).permute(0, 3, 1, 2).contiguous()  # [1, 3, H, W]
+    resized = vp.resize(video, size=vp.size, resample=vp.resample)  # [1, 3, height, width]
+    return resized[0].permute(1, 2, 0).contiguous().numpy()  # [height, width, 3]

@@ -14,8 +14,10 @@ Qwen2.5-VL also needs `second_per_grid_ts` (seconds per temporal patch group) fo
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
@@ -33,7 +35,7 @@ from epd.model_runtime.hf_loading import load_language_model as _load_text_part
 from epd.model_runtime.hf_loading import safetensors_files as _safetensors_files  # noqa: F401
 from epd.model_runtime.hf_loading import vision_key as _vision_key  # noqa: F401
 from epd.model_runtime.hf_text import QwenTextAdapter
-from epd.video.types import DecodedVideo
+from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,21 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+    def frame_resizer(self) -> FrameResize | None:
+        """The video processor's own resize, one frame at a time (`resize_frame_once`): its target
+        size depends on the frame's size alone (`cap_pixels_per_frame=False`, as `preprocess`
+        calls it), so it is the same for one frame as for a whole video."""
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        vp = self.processor.video_processor
+        size: Any = vp.size  # a SizeDict once the processor is built (the class attribute is a dict)
+        if type(vp) is not Qwen2VLVideoProcessor or not (vp.do_resize and size.shortest_edge and size.longest_edge):
+            return None  # another processor (a checkpoint's own subclass): keep frames as decoded
+        return partial(resize_frame_once, vp)
+
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
+        """`clip_num_frames` is not needed: Qwen2-VL's processor (per-frame cap off) resizes frame
+        by frame, and patchify pads a 1-frame tail group as it pads the whole clip's tail."""
         if video.is_image:
             out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
@@ -230,3 +246,34 @@ def _vision_tower_class(hf_config):
         )
     return tower
 
+
+
+def resize_frame_once(vp, rgb: np.ndarray) -> np.ndarray:
+    """One decoded frame [H, W, 3] uint8 resized by Qwen2-VL's video processor `vp` as its
+    `preprocess` would resize it ([h, w, 3], h and w from its `smart_resize`), or `rgb` itself
+    where that would not give the same pixels.
+
+    Same pixels: the processor turns frames into [1, T, 3, H, W] uint8 and resizes them with
+    torchvision (bicubic, antialias), each frame's planes on their own, so one frame alone comes
+    out as it does among others; given the resized frame, `smart_resize` returns its size again
+    and torchvision returns a tensor of the target size unchanged, so `preprocess`'s resize is
+    then a no-op. Where `smart_resize` of the target is not the target (bounds too close for its
+    rounding) or it refuses the frame (aspect ratio over 200: `preprocess` raises its own error),
+    the frame is left for `preprocess` to resize.
+    """
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
+
+    height, width = rgb.shape[:2]
+    size: Any = vp.size  # SizeDict
+    factor = vp.patch_size * vp.merge_size
+    bounds = {"factor": factor, "min_pixels": size.shortest_edge, "max_pixels": size.longest_edge}
+    try:
+        target = smart_resize(height, width, **bounds)
+    except ValueError:
+        return rgb
+    if target == (height, width) or smart_resize(*target, **bounds) != target:
+        return rgb
+    video = torch.from_numpy(rgb[None]).permute(0, 3, 1, 2).contiguous()[None]  # [1, 1, 3, H, W], as vp lays it out
+    resized = vp.resize(video, size=size, resample=vp.resample, factor=factor,
+                        temporal_factor=vp.temporal_patch_size, cap_pixels_per_frame=False)  # [1, 1, 3, h, w]
+    return resized[0, 0].permute(1, 2, 0).contiguous().numpy()  # [h, w, 3]

@@ -143,8 +143,14 @@ class Qwen3_5Adapter(HfTextAdapter):
 
     # -- encoder (Qwen3-VL's processor and tower, without DeepStack) ---------------------------
 
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
-        return Qwen3VLAdapter.preprocess(self, video)  # type: ignore[arg-type]
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
+        return Qwen3VLAdapter.preprocess(self, video, clip_num_frames)  # type: ignore[arg-type]
+
+    def clip_frame_size(self, height: int, width: int, clip_num_frames: int) -> tuple[int, int]:
+        return Qwen3VLAdapter.clip_frame_size(self, height, width, clip_num_frames)  # type: ignore[arg-type]
+
+    def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
+        return Qwen3VLAdapter._resize_as_clip(self, video, clip_num_frames)  # type: ignore[arg-type]
 
     def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
         return Qwen3VLAdapter.group_timestamps(self, video)  # type: ignore[arg-type]

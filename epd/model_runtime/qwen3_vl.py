@@ -48,7 +48,7 @@ from epd.model_runtime.hf_loading import (
     load_vision_part,
 )
 from epd.model_runtime.hf_text import QwenTextAdapter, RopeHolder
-from epd.video.types import DecodedVideo
+from epd.video.types import DecodedVideo, MediaError
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +113,18 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo) -> VisionInputs:
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
         if video.is_image:
             out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             return VisionInputs("image", out["pixel_values"], grid, 0.0)  # type: ignore[arg-type]
-        vp = self.processor.video_processor
-        out = vp(
-            videos=[video.frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt"
+        # Resized here to the whole clip's size, then the processor's own rescale, normalise and
+        # patchify: its resize would size the group alone, and its bounds are over t x h x w.
+        # A 1-frame tail group is padded by patchify repeating the frame, as the clip's tail is.
+        frames = self._resize_as_clip(video, clip_num_frames or video.num_frames)  # [t, 3, h, w] uint8
+        out = self.processor.video_processor(
+            videos=[frames], do_sample_frames=False, do_resize=False, cap_pixels_per_frame=False,
+            return_tensors="pt",
         )
         grid = tuple(int(x) for x in out["video_grid_thw"][0])
         return VisionInputs(
@@ -130,6 +134,34 @@ class Qwen3VLAdapter(QwenTextAdapter):
             second_per_grid_t=self.temporal_patch_size / video.sampled_fps,
             group_timestamps_s=self.group_timestamps(video),
         )
+
+    def clip_frame_size(self, height: int, width: int, clip_num_frames: int) -> tuple[int, int]:
+        """(height, width) the video processor gives every frame of a clip of `clip_num_frames`
+        frames of height x width: its `smart_resize` on the whole clip, which bounds
+        t x h x w by size.shortest_edge and size.longest_edge (no per-frame cap, as we call it)."""
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+        vp = self.processor.video_processor
+        if clip_num_frames < vp.temporal_patch_size:  # smart_resize refuses it (generate() too)
+            raise MediaError(
+                f"this model ({self.family}) takes videos of at least {vp.temporal_patch_size} frames; "
+                f"ask for num_frames >= {vp.temporal_patch_size}"
+            )
+        return smart_resize(
+            clip_num_frames, height, width, temporal_factor=vp.temporal_patch_size,
+            factor=vp.patch_size * vp.merge_size, min_pixels=vp.size.shortest_edge, max_pixels=vp.size.longest_edge,
+        )
+
+    def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
+        """The frames [t, H, W, 3] uint8 resized as the processor resizes the whole clip: [t, 3, h, w]
+        uint8, by the same torchvision resize (its interpolation, antialiased) its `resize` calls."""
+        from transformers.image_processing_backends import TorchvisionBackend
+        from transformers.image_utils import SizeDict
+
+        vp = self.processor.video_processor
+        height, width = self.clip_frame_size(video.frames.shape[1], video.frames.shape[2], clip_num_frames)
+        frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()  # [t, 3, H, W]
+        return TorchvisionBackend.resize(vp, frames, SizeDict(height=height, width=width), resample=vp.resample)
 
     def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
         """Seconds of each temporal group as the processor computes them from video metadata

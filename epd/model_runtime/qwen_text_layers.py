@@ -122,11 +122,13 @@ def text_model_num_layers(language_model) -> int:
     return len(language_model.layers)
 
 
-def _causal_mask(language_model, length: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """SDPA/flash kernels are causal by themselves when given no mask; eager needs one [1,1,n,n]."""
+def _causal_mask(language_model, like: torch.Tensor) -> torch.Tensor | None:
+    """SDPA/flash kernels are causal by themselves when given no mask; eager needs one [1,1,n,n],
+    in the dtype and on the device of the hidden states `like` ([1, n, hidden])."""
     if getattr(language_model.config, "_attn_implementation", "eager") != "eager":
         return None
-    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+    length, dtype = like.shape[1], like.dtype
+    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=like.device).triu(1)[None, None]
 
 
 class QwenLayerwisePass(LayerwisePass):
@@ -142,7 +144,7 @@ class QwenLayerwisePass(LayerwisePass):
         rope_rows = position_ids[1:] if position_ids.shape[0] == 4 else position_ids  # [3, 1, L]
         self.text_rows = position_ids[0] if position_ids.shape[0] == 4 else None  # [1, L]
         self.cos, self.sin = language_model.rotary_emb(inputs_embeds, rope_rows)  # each [1, L, head_dim]
-        self.mask = _causal_mask(language_model, inputs_embeds.shape[1], inputs_embeds.dtype)
+        self.mask = _causal_mask(language_model, inputs_embeds)
         self.cache = DynamicCache(config=language_model.config)
         self.num_layers_run = 0
 
@@ -182,7 +184,7 @@ class QwenLayerwisePass(LayerwisePass):
         done: Any
         for done in self.cache.layers[: self.num_layers_run]:  # DynamicLayer: keys, values [1, kv_heads, L, D]
             done.keys, done.values = done.keys[:, :, index], done.values[:, :, index]
-        self.mask = _causal_mask(self.language_model, index.numel(), self.hidden.dtype)
+        self.mask = _causal_mask(self.language_model, self.hidden)
 
     def finish(self) -> tuple[torch.Tensor, Any]:
         return self.language_model.norm(self.hidden), self.cache

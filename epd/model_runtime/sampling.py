@@ -1,15 +1,19 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; vLLM's penalties,
+logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors` when a request asks."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import secrets
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch  # imported where sampling runs: the gateway reads GenerationConfig without torch
+
+    from epd.model_runtime.logits_processors import LogitsProcessors
 
 
 MAX_NEW_TOKENS = 4096
@@ -26,6 +30,18 @@ MAX_STOP_CHARS = 512
 """At most this many stop strings of at most this many characters each: each is compared with the
 end of the answer after every token (OpenAI takes 4; vLLM has no bound, and a list of megabytes
 would pass its way to every stage)."""
+
+
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 256
+"""At most this many logit_bias entries and stop_token_ids: they travel with the request to every
+stage (the front door cannot check them against a vocabulary it does not load)."""
+
+MAX_ABS_LOGIT_BIAS = 100.0
+"""OpenAI's range of a logit_bias value: [-100, 100]."""
+
+MAX_ABS_PENALTY = 2.0
+"""OpenAI's and vLLM's range of presence_penalty and frequency_penalty: [-2, 2]."""
 
 
 def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
@@ -57,8 +73,31 @@ class GenerationConfig:
     """Stop when the text ends with one of these strings (the string is cut from the answer)."""
     ignore_eos: bool = False
     """Keep going past end-of-sequence (benchmarks)."""
+    repetition_penalty: float = 1.0
+    """vLLM's: > 1 discourages, < 1 encourages every token of the prompt and of the output so far
+    (a positive logit is divided by it, a negative one multiplied); 1 is off."""
+    presence_penalty: float = 0.0
+    """OpenAI's, in [-2, 2]: subtracted from the logit of every token the output holds; 0 is off."""
+    frequency_penalty: float = 0.0
+    """OpenAI's, in [-2, 2]: subtracted once per occurrence in the output so far; 0 is off."""
+    min_p: float = 0.0
+    """vLLM's, in [0, 1]: after temperature, drop tokens whose probability is below min_p times the
+    top token's; 0 is off, and greedy decoding ignores it."""
+    min_tokens: int = 0
+    """vLLM's: end-of-sequence and `stop_token_ids` cannot be generated, and stop strings are not
+    looked for, before this many tokens are out; at most max_new_tokens. 0 is off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's, as (token id, bias) pairs, bias in [-100, 100]: added to the token's logit before
+    anything else. Token ids are checked against the vocabulary by the stages that load it."""
+    stop_token_ids: tuple[int, ...] = ()
+    """vLLM's: stop when one of these is generated (finish reason "stop"; its text is left out
+    unless include_stop_str_in_output)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: keep the stop string (or stop token's text) that ended the answer in it."""
 
-    def validate(self, max_new_tokens_limit: int) -> None:
+    def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
+        """ValueError naming the field and its accepted range. `vocab_size`: also check the token
+        ids of logit_bias and stop_token_ids against it (None: the front door, without a model)."""
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "
@@ -72,6 +111,51 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        self._validate_processors(vocab_size)
+
+    def _validate_processors(self, vocab_size: int | None) -> None:
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:  # NaN fails both
+                raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 is off), got {value}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are accepted")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        for token, bias in self.logit_bias:
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias of token {token} must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}"
+                )
+        for field_name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+            if bad is not None:
+                upper = f"{vocab_size - 1} (this model's vocabulary)" if vocab_size is not None else "the vocabulary's last id"
+                raise ValueError(f"{field_name}: token id {bad} is outside 0 to {upper}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logits processor runs before the token is chosen (`LogitsProcessors`); off by
+        default, so the default step is the plain argmax or draw."""
+        sampled = self.temperature >= GREEDY_BELOW_TEMPERATURE
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.min_tokens
+            or (self.min_p and sampled)
+        )
 
     def with_drawn_seed(self) -> GenerationConfig:
         """This config with a random seed in place of None, when it samples (drawn once where a
@@ -92,12 +176,26 @@ def stream_seed(seed: int, stream: int) -> int:
 
 
 class Sampler:
-    """Chooses the next token from logits. One sampler per request (it owns the RNG state)."""
+    """Chooses the next token from logits. One sampler per request (it owns the RNG state, and the
+    output so far that penalties and min_tokens read: every token it chooses, and those `seen`)."""
 
-    def __init__(self, config: GenerationConfig, stream: int = 0) -> None:
+    def __init__(
+        self,
+        config: GenerationConfig,
+        stream: int = 0,
+        prompt_token_ids: Sequence[int] = (),
+        eos_token_ids: Collection[int] = (),
+    ) -> None:
+        """prompt_token_ids: the prompt's (distinct) token ids, which repetition_penalty penalises
+        (only read when it is on); eos_token_ids: the model's, which min_tokens holds back."""
         import torch
 
         self.config = config
+        self._processors: LogitsProcessors | None = None
+        if config.processes_logits:
+            from epd.model_runtime.logits_processors import LogitsProcessors
+
+            self._processors = LogitsProcessors(config, prompt_token_ids, eos_token_ids)
         self._generator: torch.Generator | None = None
         if config.temperature >= GREEDY_BELOW_TEMPERATURE:
             self._generator = torch.Generator(device="cpu")
@@ -106,15 +204,37 @@ class Sampler:
             else:
                 self._generator.manual_seed(stream_seed(config.seed, stream))
 
+    def seen(self, token_id: int) -> None:
+        """A token of the output that this sampler did not choose (decode's sampler: the first
+        token, which prefill sampled)."""
+        if self._processors is not None:
+            self._processors.seen(token_id)
+
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (any float dtype) -> token id."""
         import torch
 
         logits = logits.float()
-        if self._generator is None:
-            return int(torch.argmax(logits))
+        processors = self._processors
+        if processors is None:  # the default: nothing else runs
+            if self._generator is None:
+                return int(torch.argmax(logits))
+            return self._draw(logits)
+        # vLLM v1's order: logit bias and min_tokens, then the penalties, then greedy or the draw
+        # (min_p after temperature, then top-k and top-p).
+        logits = processors.before_sampling(logits)
+        token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
+        processors.seen(token)
+        return token
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        """A token drawn from logits [vocab] float32 at the config's temperature, min_p, top-k, top-p."""
+        import torch
+
         # Shifted first, so the largest is 0 and nothing overflows whatever the temperature.
         logits = (logits - logits.max()) / self.config.temperature
+        if self._processors is not None:
+            logits = self._processors.min_p(logits)
         if self.config.top_k > 0:
             k = min(self.config.top_k, logits.shape[-1])
             kth = torch.topk(logits, k).values[-1]

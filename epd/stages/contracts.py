@@ -297,6 +297,9 @@ class PrefillHandle(Generic[T]):
     same state, `OutputText`), so the pipeline can send that token as soon as prefill is done,
     before a decoder has the cache. None when that token ends the request (its step then carries
     the finish reason, which only the decoder sends) or when prefill did not work it out."""
+    distinct_prompt_token_ids: list[int] = field(default_factory=list)
+    """The prompt's distinct token ids, increasing, for the decoder's repetition penalty (which
+    covers the prompt, as vLLM's and generate()'s); empty unless the request's penalty is on."""
 
 
 PRUNING_STAGES = {
@@ -339,11 +342,14 @@ def refuse_unsupported_pruning(family: str, supported: frozenset[str], reason: s
         )
 
 
-def check_generation_limits(generation: GenerationConfig, max_new_tokens_limit: int) -> None:
-    """The one check of a request's generation settings against a stage's limits, made by prefill
-    (before it runs the prompt) and by decode (before it takes the KV cache)."""
+def check_generation_limits(
+    generation: GenerationConfig, max_new_tokens_limit: int, vocab_size: int | None = None
+) -> None:
+    """The one check of a request's generation settings against a stage's limits (and the token
+    ids it names against the model's vocabulary), made by prefill (before it runs the prompt) and
+    by decode (before it takes the KV cache)."""
     try:
-        generation.validate(max_new_tokens_limit)
+        generation.validate(max_new_tokens_limit, vocab_size)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 

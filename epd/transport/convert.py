@@ -4,6 +4,7 @@ lives in one place: one converter each way per boundary type. Zero in a proto fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -91,7 +92,11 @@ def sampling_to_proto(opts: SamplingOptions) -> common_pb2.VideoSampling:
 
 
 def generation_from_proto(msg: common_pb2.GenerationParams, defaults: GenerationConfig) -> GenerationConfig:
-    require_finite(temperature=msg.temperature, top_p=msg.top_p)
+    """The wire's generation settings; their ranges are checked by `GenerationConfig.validate`
+    (where each is used), NaN and infinities here."""
+    require_finite(temperature=msg.temperature, top_p=msg.top_p, repetition_penalty=msg.repetition_penalty,
+                   presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty, min_p=msg.min_p)
+    require_finite(**{f"logit_bias[{token}]": bias for token, bias in msg.logit_bias.items()})
     if msg.max_new_tokens < 0 or msg.top_k < 0 or msg.temperature < 0 or msg.top_p < 0:
         raise InvalidRequest("generation parameters must not be negative")
     return GenerationConfig(
@@ -102,19 +107,22 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        min_p=msg.min_p,
+        min_tokens=msg.min_tokens,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 
 def generation_to_proto(cfg: GenerationConfig) -> common_pb2.GenerationParams:
-    return common_pb2.GenerationParams(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        seed=cfg.seed,  # None: unset
-        stop=list(cfg.stop),
-        ignore_eos=cfg.ignore_eos,
-    )
+    """Field for field (the message names each field of GenerationConfig; seed None is unset)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    fields["logit_bias"] = dict(cfg.logit_bias)  # (id, bias) pairs -> the proto's map
+    return common_pb2.GenerationParams(**fields)
 
 
 def event_to_proto(event: StageEvent, at_ms: float) -> common_pb2.StageEvent:
@@ -193,6 +201,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         kept_visual_token_index=h.kept_visual_token_index,
         num_reused_prompt_tokens=h.num_reused_prompt_tokens,
         first_text=h.first_text,
+        distinct_prompt_token_ids=h.distinct_prompt_token_ids,
     )
 
 
@@ -218,6 +227,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         kept_visual_token_index=list(msg.kept_visual_token_index),
         num_reused_prompt_tokens=msg.num_reused_prompt_tokens,
         first_text=msg.first_text if msg.HasField("first_text") else None,
+        distinct_prompt_token_ids=list(msg.distinct_prompt_token_ids),
     )
 
 

@@ -27,7 +27,7 @@ from epd.stages.errors import (
     Unavailable,
 )
 from epd.stages.server_config import MAX_MESSAGE_BYTES
-from epd.video.types import MediaError, MediaLimitError
+from epd.video.types import DecoderCrashed, MediaError, MediaLimitError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (KvSourceLost, grpc.StatusCode.ABORTED),
+    (DecoderCrashed, grpc.StatusCode.UNAVAILABLE),
     (MediaLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (MediaError, grpc.StatusCode.INVALID_ARGUMENT),
     # The server's model, not the request, is wrong: its message says why and what epd serves.

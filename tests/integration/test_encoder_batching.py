@@ -166,8 +166,8 @@ def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_fil
     stage.runner.execute = execute  # type: ignore[method-assign]
     open_frames = stage.engine.open_frames
 
-    def frames_after_the_first_step(data_, sha256, sampling, cancel=None, merge=False):
-        meta, groups = open_frames(data_, sha256, sampling, cancel, merge)
+    def frames_after_the_first_step(data_, sha256, sampling, cancel=None, merge=False, cache_salt=""):
+        meta, groups = open_frames(data_, sha256, sampling, cancel, merge, cache_salt)
 
         def gated():
             try:

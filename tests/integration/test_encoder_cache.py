@@ -81,8 +81,8 @@ def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
     first_group_out, let_go = threading.Event(), threading.Event()
     open_frames = engine.open_frames
 
-    def held_open_frames(data_, sha256, sampling_, cancel=None, merge=False):
-        meta, groups = open_frames(data_, sha256, sampling_, cancel, merge)
+    def held_open_frames(data_, sha256, sampling_, cancel=None, merge=False, cache_salt=""):
+        meta, groups = open_frames(data_, sha256, sampling_, cancel, merge, cache_salt)
         if data_ is not other:
             return meta, groups
 
@@ -222,6 +222,57 @@ def test_stack_cache_by_bytes_and_by_hash_and_across_restart(tiny_models, media_
         with pytest.raises(EpdError, match="not cached"):
             c.ask(None, QUESTION, media_sha256=sha, num_frames=6, max_new_tokens=8)
     assert after_restart.encoder_cache_hit and after_restart.token_ids == miss.token_ids
+
+
+@pytest.mark.parametrize("limit", ["max_visual_tokens", "max_duration_s"])
+def test_a_restart_with_a_lower_limit_refuses_cached_entries_by_bytes_and_by_hash(adapter, media_files, tmp_path,
+                                                                                   limit):
+    """Disk-tier entries outlive the limits they were made under: an encoder restarted with a lower
+    --max-visual-tokens or --max-duration-s refuses them as it refuses the same request uncached
+    (a hit used to skip both checks), and serves them again under limits they fit."""
+    from dataclasses import replace
+
+    from epd.stages.errors import ResourceExhausted
+    from epd.video.types import MediaLimitError
+
+    over_limit = (ResourceExhausted, MediaLimitError)  # both RESOURCE_EXHAUSTED
+    cache = TokenCacheConfig(disk_dir=str(tmp_path / "token-cache"))
+    data = media_files["mp4"].read_bytes()  # 8 s
+    sha = hashlib.sha256(data).hexdigest()
+    sampling = SamplingOptions(num_frames=16)
+    made, _ = _encode(EncoderEngine(EncoderConfig(cache=cache), adapter), data, sampling)
+    if limit == "max_visual_tokens":
+        lower = EncoderConfig(cache=cache, max_visual_tokens=made.meta.num_visual_tokens - 1)
+    else:
+        lower = EncoderConfig(cache=cache, limits=replace(EncoderConfig().limits, max_duration_s=5.0))
+    uncached = EncoderEngine(replace(lower, cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+    with pytest.raises(over_limit) as miss:
+        _encode(uncached, data, sampling)
+    restarted = EncoderEngine(lower, adapter)
+    for media, media_sha in ((data, ""), (None, sha)):
+        with pytest.raises(over_limit) as hit:
+            _encode(restarted, media, sampling, media_sha)
+        assert str(hit.value) == str(miss.value)
+    again, _ = _encode(EncoderEngine(EncoderConfig(cache=cache), adapter), None, sampling, sha)
+    assert again.cache_hit and again.meta == made.meta
+
+
+def test_an_entry_that_does_not_record_its_duration_is_a_miss(adapter, media_files, tmp_path):
+    """An entry written before entries recorded their video's duration cannot be held to
+    --max-duration-s: it is a miss (by hash, not found; by bytes, decoded and checked again)."""
+    cache = TokenCacheConfig(disk_dir=str(tmp_path / "token-cache"))
+    data = media_files["mp4_b"].read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    sampling = SamplingOptions(num_frames=4)
+    engine = EncoderEngine(EncoderConfig(cache=cache), adapter)
+    made, _ = _encode(engine, data, sampling)
+    engine.cache.put(engine.cache_key(sha, sampling), made)  # as the encoder used to put it: no facts
+    restarted = EncoderEngine(EncoderConfig(cache=cache), adapter)
+    with pytest.raises(NotFound, match="not cached here"):
+        _encode(restarted, None, sampling, sha)
+    by_bytes, _ = _encode(restarted, data, sampling)
+    assert not by_bytes.cache_hit
+    assert _encode(restarted, None, sampling, sha)[0].cache_hit
 
 
 def test_cache_can_be_disabled(adapter, media_files):

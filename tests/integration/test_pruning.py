@@ -166,6 +166,25 @@ def test_narrow_kv_dtype_halves_the_transferred_cache(pipeline, media_files, dty
     assert both.kv_num_bytes * 2 == base.kv_num_bytes * (base.num_prompt_tokens - v + kept) // base.num_prompt_tokens
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_kv_budget_counts_the_bytes_sent_in_kv_dtype(pipeline, media_files, dtype):
+    """kv_budget_bytes bounds what is sent; with a narrower kv_dtype an entry costs half the bytes
+    (the cast comes after compression), so twice as many visual entries fit as in float32."""
+    base = ask(pipeline, media_files["mp4"], PruningConfig())  # float32
+    v = base.num_visual_tokens
+    text = base.num_prompt_tokens - v
+    sent_per_position = base.kv_num_bytes // base.num_prompt_tokens // 2
+    budget = sent_per_position * (text + v // 2) + sent_per_position // 2  # text + v/2 + half an entry
+    s = ask(pipeline, media_files["mp4"], PruningConfig(kv_compress=True, kv_budget_bytes=budget, kv_dtype=dtype))
+    assert stages(s)["kv_compress"] == (v, v // 2)  # counted in float32, the text alone was over budget
+    assert s.kv_num_bytes == sent_per_position * (text + v // 2) <= budget
+    budget = 2 * text * sent_per_position  # the text alone in float32: no visual entry fitted, counted so
+    s = ask(pipeline, media_files["mp4"], PruningConfig(kv_compress=True, kv_budget_bytes=budget, kv_dtype=dtype))
+    kept = min(v, text)
+    assert kept > 0 and stages(s)["kv_compress"] == (v, kept)
+    assert s.kv_num_bytes == sent_per_position * (text + kept) <= budget
+
+
 @pytest.mark.parametrize("merge", ["averaged", "pivotal", "weighted", "none"])
 def test_kv_compression_shrinks_the_transferred_cache(pipeline, media_files, merge):
     base = ask(pipeline, media_files["mp4"], PruningConfig())

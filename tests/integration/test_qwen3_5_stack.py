@@ -6,7 +6,10 @@ counts the linear layers' conv and recurrent states that cross Prefill -> Decode
 attention KV; two requests at once (sharing the decode batch, linear states included) each equal
 their own reference; a pruning knob is refused with INVALID_ARGUMENT naming the family. The
 prefill service runs with `--prefill-chunk-tokens 64`: the 8- and 32-frame prompts (133 and 433
-tokens) are prefilled in chunks that carry the linear states from one to the next."""
+tokens) are prefilled in chunks that carry the linear states from one to the next. In one process
+with frame groups never merged, a clip over the video processor's t x h x w bound and odd frame
+counts (a 1-frame last group) give generate()'s prompt and answer: groups are sized and padded as
+the whole clip."""
 
 from __future__ import annotations
 
@@ -16,14 +19,18 @@ import grpc
 import pytest
 
 from epd.client import EpdClient, EpdError
+from epd.encoder_svc.config import EncoderConfig
+from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.qwen3_5 import Qwen3_5Adapter
 from tests.families import (
     CASES,
     QUESTION,
+    assert_pipeline_answers_as_generate,
     assert_reference_varies,
     build_qwen3_5_checkpoint,
     generate_references,
+    make_clip_over_qwen3_size_limit,
     qwen_processor_inputs,
 )
 from tests.reference import whole_model
@@ -46,8 +53,13 @@ def stack(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(checkpoint, media_files):
-    return generate_references(whole_model(checkpoint), media_files, qwen_processor_inputs, MAX_NEW_TOKENS)
+def whole(checkpoint):
+    return whole_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def references(whole, media_files):
+    return generate_references(whole, media_files, qwen_processor_inputs, MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +122,6 @@ def test_in_one_process_with_steps_side_by_side_each_request_equals_its_referenc
     hooks must act on the prefill's own forward only."""
     import asyncio
 
-    from epd.gateway.embedded import build_embedded_pipeline
     from tests.embedded import ask_tokens
 
     cases = [("png", 1, 0.0), ("mp4", 8, 0.0), ("mp4", 32, 0.0), ("png", 1, 0.2), ("mp4", 8, 0.2)]
@@ -124,3 +135,24 @@ def test_in_one_process_with_steps_side_by_side_each_request_equals_its_referenc
         got = asyncio.run(run())
     for (media, num_frames, _), tokens in zip(cases, got, strict=True):
         assert tokens == references[(media, num_frames)], (media, num_frames)
+
+
+@pytest.fixture(scope="module")
+def big_clip(tmp_path_factory):
+    return make_clip_over_qwen3_size_limit(tmp_path_factory.mktemp("big_clip"))
+
+
+@pytest.fixture(scope="module")
+def unmerged_pipeline(checkpoint):
+    """Every frame group 2 frames, an odd count's last one 1: what a request gets under load."""
+    model = ModelConfig(model=str(checkpoint))
+    with build_embedded_pipeline(model, encoder=EncoderConfig(model=model, merge_decoded_groups=False)) as pipeline:
+        yield pipeline
+
+
+@pytest.mark.parametrize("num_frames", [32, 5, 31])
+def test_unmerged_frame_groups_are_sized_and_padded_as_the_whole_clip(unmerged_pipeline, whole, big_clip, num_frames):
+    """Qwen3-VL's processor, so its rules: 31-32 frames of the 224x192 clip are over
+    size.longest_edge and shrink (2-frame groups alone would not), and 5 and 31 frames end in a
+    1-frame group that is padded as the whole clip's last temporal patch."""
+    assert_pipeline_answers_as_generate(unmerged_pipeline, whole, big_clip, num_frames, MAX_NEW_TOKENS)

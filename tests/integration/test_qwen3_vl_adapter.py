@@ -4,7 +4,8 @@ only) -> `encode_features`, the language adapter -> `build_prompt` + `prefill` +
 of the real transformers classes, for 8 and 32 frames and an image. The prompt (timestamps per
 temporal group included) is the processor's own, id for id; dropping the DeepStack features
 changes the answer; the one-tensor paths refuse rather than drop DeepStack; batched decode equals
-decoding alone; each one-part adapter reads only its own part's tensors."""
+decoding alone; each one-part adapter reads only its own part's tensors. Frame groups told their
+clip's frame count are the processor's patches of the whole clip."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ from tests.families import (
     load_each_part,
     load_stage_adapters,
     load_video,
+    make_clip_over_qwen3_size_limit,
     visual_meta,
 )
 from tests.families import qwen_processor_inputs as _processor_inputs
-from tests.reference import whole_model
+from tests.reference import decode_for_test, whole_model
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +110,31 @@ def test_prompt_pixels_and_positions_are_the_processors_and_generates(
         fps = video.source_fps
         first = (round(video.timestamps_s[0] * fps) / fps + round(video.timestamps_s[1] * fps) / fps) / 2
         assert f"<{first:.1f} seconds>" in text and first > 0
+
+
+@pytest.mark.parametrize("num_frames", [32, 5])
+def test_frame_groups_sized_as_their_clip_are_the_processors_patches_of_the_whole_clip(
+    vision, whole, tmp_path, num_frames
+):
+    """The encoder preprocesses 2-frame groups: told the clip's frame count, they are the rows of
+    the processor's output on the whole clip, pixel for pixel (32 frames over size.longest_edge:
+    shrunk; 5 frames: the 1-frame last group padded with its frame), with the clip's group times.
+    Sized alone, the groups of the 32 frames keep larger frames."""
+    from dataclasses import replace
+
+    _, processor = whole
+    video = decode_for_test(make_clip_over_qwen3_size_limit(tmp_path), num_frames)
+    ref = _processor_inputs(processor, video)
+    slices = [slice(i, i + 2) for i in range(0, num_frames, 2)]
+    groups = [replace(video, frames=video.frames[s], timestamps_s=video.timestamps_s[s]) for s in slices]
+    inputs = [vision.preprocess(group, clip_num_frames=num_frames) for group in groups]
+
+    assert torch.equal(torch.cat([i.pixel_values for i in inputs]), ref["pixel_values_videos"])
+    (t, h, w), = ref["video_grid_thw"].tolist()
+    assert {i.grid_thw[1:] for i in inputs} == {(h, w)} and sum(i.grid_thw[0] for i in inputs) == t
+    assert sum((i.group_timestamps_s for i in inputs), ()) == vision.preprocess(video).group_timestamps_s
+    if num_frames == 32:
+        assert vision.preprocess(groups[0]).grid_thw[1:] != (h, w)
 
 
 def test_without_group_times_the_prompt_assumes_evenly_spaced_frames_from_zero(

@@ -5,7 +5,9 @@ checkpoint of the real transformers classes. Negative control: the same pipeline
 DeepStack features zeroed on the way gives other tokens. Batched and chunked prefill and batched
 tower steps keep DeepStack aligned (same tokens); the token cache never serves one family's entry
 to another; pruning stages that cannot keep DeepStack aligned are INVALID_ARGUMENT naming the
-stage and the family, and the encoder stages that can are exact when they drop nothing.
+stage and the family, and the encoder stages that can are exact when they drop nothing. Frame
+groups are sized as the whole clip (a clip over the processor's t x h x w bound shrinks, as
+generate()'s) and a 1-frame last group is padded as the clip's, merged or not.
 Qwen3-VL MoE (model_type qwen3_vl_moe, the same adapter on the MoE classes) gets one stack of its
 own: its 8-frame and image answers, asked together, equal generate()'s, and it refuses the same
 pruning stages naming its family."""
@@ -36,15 +38,21 @@ from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.resources import demo_model_dir
 from epd.stages.contracts import EncodedMedia, MediaInput
-from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.errors import InvalidRequest, NotFound, ResourceExhausted
 from epd.stages.messages import question_messages
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import encoder_pb2
 from epd.video.types import SamplingOptions
-from tests.families import assert_reference_varies, build_qwen3_vl_moe_checkpoint
-from tests.reference import decode_for_test
+from tests.families import (
+    assert_pipeline_answers_as_generate,
+    assert_reference_varies,
+    build_qwen3_vl_moe_checkpoint,
+    generate_on_whole_clip,
+    make_clip_over_qwen3_size_limit,
+)
+from tests.reference import decode_for_test, whole_model
 from tests.stack import Stack
 
 QUESTION = "what colour is the moving square?"
@@ -160,6 +168,83 @@ def test_three_services_equal_generate(stack, media_files, references, media, nu
 @pytest.mark.parametrize("media,num_frames", CASES)
 def test_in_process_split_equals_generate(pipeline, media_files, references, media, num_frames):
     assert _tokens(pipeline, _request(media_files, media, num_frames)) == references[(media, num_frames)]
+
+
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    return whole_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def clips(media_files, tmp_path_factory) -> dict:
+    """media_files and "big": a clip whose 31-32 frames are over the processor's size.longest_edge."""
+    return {**media_files, "big": make_clip_over_qwen3_size_limit(tmp_path_factory.mktemp("big_clip"))}
+
+
+@pytest.fixture(scope="module")
+def unmerged_pipeline(checkpoint):
+    """Every frame group `frames_per_group` (2) frames, an odd count's last one 1 frame: what a
+    request gets under load with the default flags (groups merge only for a request alone)."""
+    model = ModelConfig(model=str(checkpoint))
+    encoder = EncoderConfig(model=model, merge_decoded_groups=False)
+    with build_embedded_pipeline(model, encoder=encoder) as pipeline:
+        yield pipeline
+
+
+def test_the_big_clip_is_over_the_size_limit_and_one_merged_group_is_not(checkpoint, clips):
+    """What the frame-group cases below rely on: the processor shrinks 31-32 frames of the big
+    clip, but not the 8 of the largest merged group (so sizing a group alone gives another grid)."""
+    from transformers import AutoProcessor
+
+    limit_px = AutoProcessor.from_pretrained(checkpoint).video_processor.size.longest_edge
+    frame_px = 224 * 192
+    assert 8 * frame_px < limit_px < 31 * frame_px
+
+
+@pytest.mark.parametrize("media,num_frames", [("big", 32), ("mp4", 5), ("big", 31)])
+def test_frame_groups_are_sized_and_padded_as_the_whole_clip(unmerged_pipeline, whole, clips, media, num_frames):
+    """The encoder preprocesses 2-frame groups; the processor sizes the whole clip (t x h x w
+    within its bounds: the big clip's frames shrink) and pads an odd clip's last temporal patch
+    with its last frame (5 and 31 frames: a 1-frame last group). Prompt length, visual tokens and
+    answer are generate()'s."""
+    assert_pipeline_answers_as_generate(unmerged_pipeline, whole, clips[media], num_frames, MAX_NEW_TOKENS)
+
+
+def test_three_services_size_merged_frame_groups_as_the_whole_clip(stack, whole, clips):
+    """Default flags, a request alone: groups merge up to 8 frames, an odd last one included."""
+    with EpdClient(stack.gateway) as client:
+        result = client.ask(clips["big"], QUESTION, num_frames=31, max_new_tokens=MAX_NEW_TOKENS)
+    got = (result.num_prompt_tokens, result.num_visual_tokens, result.token_ids)
+    assert got == generate_on_whole_clip(whole, clips["big"], 31, MAX_NEW_TOKENS)
+
+
+def test_a_one_frame_video_is_invalid_argument_saying_what_to_ask_for(stack, media_files):
+    """The processor refuses a clip shorter than one temporal patch (generate() cannot answer it
+    either): the caller learns what to change, not an internal error."""
+    with EpdClient(stack.gateway) as client, pytest.raises(EpdError) as err:
+        client.ask(media_files["mp4"], QUESTION, num_frames=1, max_new_tokens=4)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at least 2 frames; ask for num_frames >= 2" in err.value.message
+    assert stack.alive()
+
+
+def test_the_token_budget_counts_a_one_frame_last_group_as_one_temporal_patch(checkpoint, media_files):
+    """5 frames are 3 temporal patches of 12 visual tokens: a budget of 36 takes them, 35 refuses
+    them. The last group's 1 frame fills a whole patch; taken as its rate per frame it would
+    count 60 and refuse the 36 too."""
+    adapter = load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
+    data, sampling = media_files["mp4"].read_bytes(), SamplingOptions(num_frames=5)
+
+    def encode(max_visual_tokens: int) -> EncodedMedia:
+        engine = EncoderEngine(EncoderConfig(merge_decoded_groups=False, max_visual_tokens=max_visual_tokens), adapter)
+        try:
+            return engine.encode(MediaInput(data), sampling, lambda e: None)
+        finally:
+            engine.close()
+
+    assert encode(36).meta.num_visual_tokens == 36
+    with pytest.raises(ResourceExhausted, match="about 36 visual tokens"):
+        encode(35)
 
 
 def test_zeroing_the_deepstack_features_on_the_way_changes_the_answer(

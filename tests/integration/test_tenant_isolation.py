@@ -18,6 +18,7 @@ import pytest
 from epd.client import VIDEO, EpdClient, EpdError, Message
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
+from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
@@ -58,6 +59,20 @@ def test_another_salt_encodes_again_and_the_same_salt_hits(adapter, media_files)
     assert not _encode(engine, data, "").cache_hit  # the shared tenant is a tenant of its own
     stats = engine.cache.stats()
     assert (stats.num_hits, stats.num_misses, stats.num_entries) == (2, 3, 3)
+
+
+def test_another_salt_builds_the_keyframe_index_again(adapter, media_files):
+    """A keyframe-index hit skips the demux pass, which the decode time a client is told shows:
+    the same bytes from another tenant build their index again; from the same tenant, once."""
+    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)  # no token cache
+    data = media_files["mp4"].read_bytes()
+    index_cache = engine.decoder.index_cache
+    _encode(engine, data, "alice")
+    _encode(engine, data, "bob")
+    assert (index_cache.num_misses, index_cache.num_hits) == (2, 0)
+    _encode(engine, data, "alice")
+    _encode(engine, data, "bob")
+    assert (index_cache.num_misses, index_cache.num_hits) == (2, 2)
 
 
 def test_a_by_hash_request_of_another_tenant_is_not_found_like_unknown_media(adapter, media_files):

@@ -7,7 +7,10 @@ URLs. Here every such payload goes through the OpenAI HTTP API, the gRPC API, th
 /demo/frames endpoint and `epd ask`; each must be refused as an unsupported container, no
 response may contain the secret, and the local HTTP server named by a playlist must see no
 request. A one-frame 1080p file asked for 256 frames, and a stream whose resolution grows
-mid-file, are refused or served within a stated memory bound, and the stack keeps serving.
+mid-file, are refused or served within a stated memory bound; files whose headers would make
+FFmpeg allocate before any limit (many tracks, sample tables that say more than the file holds)
+are refused with the status and words of their limit, and odd but harmless headers (a Latin-1
+title, malformed EXIF) are answered; the stack keeps serving.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import grpc
 import pytest
 
 from epd.client import EpdClient, EpdError
+from tests import hostile_media
 from tests.local_http import recording_server
 from tests.media import make_resolution_change, make_video
 from tests.stack import ROOT, child_env, epd_command
@@ -175,6 +179,55 @@ def test_resolution_growing_mid_stream(stack, client, tmp_path):
     assert "pixels" in info.value.message
     growth = _peak_rss_bytes(stack.procs["encoder"].pid) - before
     assert growth < MAX_ENCODER_RSS_GROWTH_BYTES, f"encoder peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+HEADER_CASES = {
+    # kind: (status, words of the message); None: answered
+    "many_tracks": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the file has 17 tracks, over this server's limit of 16"),
+    "chunk_bomb": (grpc.StatusCode.RESOURCE_EXHAUSTED, "frames and audio packets, over this server's limit of"),
+    "hidden_stsz": (grpc.StatusCode.INVALID_ARGUMENT, "sample table box (stsz) outside a track's sample table"),
+    "latin1_title": None,
+    "malformed_exif": None,
+}
+
+
+def _header_case(kind: str, tmp_path: Path) -> bytes:
+    return {
+        "many_tracks": lambda: hostile_media.many_tracks_mp4(tmp_path, 17),
+        "chunk_bomb": lambda: hostile_media.pcm_chunk_bomb(0x7FFFFC00),
+        "hidden_stsz": lambda: hostile_media.hidden_stsz(tmp_path, "udta", 40_000_000),
+        "latin1_title": lambda: hostile_media.titled_video("matroska", b"Caf\xe9".ljust(11, b"_")),
+        "malformed_exif": lambda: hostile_media.image_with_malformed_exif("JPEG", 0x013F),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", list(HEADER_CASES))
+def test_hostile_headers_over_grpc(stack, client, tmp_path, kind):
+    """Each was an allocation of hundreds of MB to GBs inside av.open, or an INTERNAL error, or a
+    file refused as corrupt; now: the limit's status and words, or an answer."""
+    data = _header_case(kind, tmp_path)
+    before = _peak_rss_bytes(stack.procs["encoder"].pid)
+    if HEADER_CASES[kind] is None:
+        result = client.ask(data, QUESTION, num_frames=2, max_new_tokens=2)
+        assert result.num_frames == (1 if kind == "malformed_exif" else 2)
+    else:
+        code, words = HEADER_CASES[kind]
+        with pytest.raises(EpdError) as info:
+            client.ask(data, QUESTION, num_frames=2, max_new_tokens=2)
+        assert info.value.code == code and words in info.value.message, info.value
+        assert "send" in info.value.message  # what to change
+    growth = _peak_rss_bytes(stack.procs["encoder"].pid) - before
+    assert growth < MAX_ENCODER_RSS_GROWTH_BYTES, f"encoder peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+def test_malformed_exif_is_shown_by_demo_frames(stack):
+    """/demo/frames answered HTTP 500 for it."""
+    data = hostile_media.image_with_malformed_exif("JPEG", 0x013F)
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    status, body = _post(stack, "/demo/frames", {"video_url": url})
+    assert status == 200, body
+    frames = json.loads(body)
+    assert frames["is_image"] and (frames["width"], frames["height"]) == (40, 80)  # turned upright
 
 
 def test_still_serving_after_hostile_inputs(client, media_files):

@@ -78,8 +78,8 @@ class GatedEngine(EncoderEngine):
 
     gates: dict[str, Gate]
 
-    def open_frames(self, data, sha256, sampling, cancel=None, merge=False):
-        meta, groups = super().open_frames(data, sha256, sampling, cancel, merge)
+    def open_frames(self, data, sha256, sampling, cancel=None, merge=False, cache_salt=""):
+        meta, groups = super().open_frames(data, sha256, sampling, cancel, merge, cache_salt)
         gate = self.gates.get(sha256)
         return meta, (gate.wrap(groups) if gate else groups)
 

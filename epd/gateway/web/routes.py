@@ -7,7 +7,10 @@
     POST /demo/frames             {"video_url": "data:...", "media": {...}} -> the frames the
                                   encoder samples with these options, as small base64 JPEGs
                                   with their timestamps (same parser and defaults as
-                                  /v1/chat/completions, same frame selection rule)
+                                  /v1/chat/completions, same frame selection rule), decoded
+                                  under the gateway's decode limits on the demo's own threads
+                                  (`demo_decodes.py`: a bounded number at once, stopped when
+                                  the client goes away, its admission slot held until then)
 
 The page asks its questions through the streaming `/v1/chat/completions` (SSE) and draws the
 final chunk's `epd` object (the SDK's `AskResult` fields under the same names, see
@@ -19,11 +22,11 @@ usage chunk's `prompt_tokens_details.cached_tokens` shows what prefill's prefix 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
 import mimetypes
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,14 +35,15 @@ from aiohttp import web
 
 from epd.gateway.admission import max_body_bytes as gateway_max_body_bytes
 from epd.gateway.config import GatewayConfig
-from epd.gateway.http_body import defer_continue, read_json_body
+from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body
 from epd.gateway.media_fetch import load_media
 from epd.gateway.openai_protocol import error_body, parse_chat_request
+from epd.gateway.web.demo_decodes import DemoDecodes
 from epd.resources import shipped
 from epd.stages.errors import InvalidRequest
 from epd.transport.auth import any_key_matches, bearer_token
 from epd.video.simple_decoder import decode
-from epd.video.types import DecodeLimits, SamplingOptions
+from epd.video.types import DecodeCancelled, DecodeLimits, SamplingOptions
 
 STATIC_DIR = Path(__file__).parent / "static"
 SAMPLES_DIR = shipped("samples")
@@ -65,12 +69,19 @@ def add_demo_routes(
     app.router.add_get("/demo/samples/{name}", demo.sample, expect_handler=defer_continue)
     app.router.add_post("/demo/frames", demo.frames, expect_handler=defer_continue)
 
+    async def stop_decodes(_: web.Application) -> None:
+        demo.decodes.close()
+
+    app.on_cleanup.append(stop_decodes)
+
 
 class WebDemo:
     def __init__(self, config: GatewayConfig, samples_dir: Path, max_body_bytes: int) -> None:
         self.config = config
         self.samples_dir = samples_dir
         self.max_body_bytes = max_body_bytes
+        self.decodes = DemoDecodes(config.http.demo.max_concurrent_decodes)
+        self.limits = replace(config.http.demo.limits, max_bytes=config.max_upload_bytes)
 
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
@@ -99,8 +110,10 @@ class WebDemo:
         try:
             sampling, url = _frames_request(await read_json_body(request, self.max_body_bytes), self.config)
             data = await load_media(url, self.config.http.media, self.config.max_upload_bytes)
-            limits = DecodeLimits(max_bytes=self.config.max_upload_bytes)
-            return web.json_response(await asyncio.to_thread(sampled_thumbnails, data, sampling, limits))
+            thumbnails = await self.decodes.run(
+                sampled_thumbnails, data, sampling, self.limits, ticket=request.get(TICKET_KEY)
+            )
+            return web.json_response(thumbnails)
         except Exception as exc:  # noqa: BLE001 - mapped like the OpenAI API's errors
             from epd.gateway.http_api import _exception_response
 
@@ -122,20 +135,25 @@ def _frames_request(body: Any, config: GatewayConfig) -> tuple[SamplingOptions, 
     return parsed.sampling, parsed.media_url
 
 
-def sampled_thumbnails(data: bytes, sampling: SamplingOptions, limits: DecodeLimits) -> dict[str, Any]:
-    """{"frames": [{"timestamp_s", "jpeg_base64"}], "width", "height"} of the sampled frames."""
+def sampled_thumbnails(
+    data: bytes, sampling: SamplingOptions, limits: DecodeLimits, cancel: threading.Event | None = None
+) -> dict[str, Any]:
+    """{"frames": [{"timestamp_s", "jpeg_base64"}], "width", "height"} of the sampled frames;
+    DecodeCancelled soon after `cancel` is set."""
     from PIL import Image
 
     # Decode straight to about twice the thumbnail size (same frames, same aspect): a repeated
     # frame is copied into each of the T slots, so full-size frames would cost T x H x W x 3.
     thumb_pixels = (2 * THUMBNAIL_MAX_SIDE) ** 2
     max_pixels = min(sampling.max_pixels or thumb_pixels, thumb_pixels)
-    video = decode(data, replace(sampling, max_pixels=max_pixels), limits)  # frames: [T, h, w, 3] uint8
+    video = decode(data, replace(sampling, max_pixels=max_pixels), limits, cancel)  # frames: [T, h, w, 3] uint8
     out = []
     height, width = int(video.frames.shape[1]), int(video.frames.shape[2])
     scale = min(1.0, THUMBNAIL_MAX_SIDE / max(height, width))
     size = (max(1, round(width * scale)), max(1, round(height * scale)))
     for frame, timestamp_s in zip(video.frames, video.timestamps_s):
+        if cancel is not None and cancel.is_set():
+            raise DecodeCancelled("cancelled while making thumbnails")
         buf = io.BytesIO()
         Image.fromarray(frame).resize(size, Image.Resampling.BILINEAR).save(buf, format="JPEG", quality=75)
         out.append(

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\"r\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\x96\x01\n\rVideoSampling\x12\x0b\n\x03\x66ps\x18\x01 \x01(\x01\x12\x12\n\nmax_frames\x18\x02 \x01(\x05\x12\x12\n\nmin_frames\x18\x03 \x01(\x05\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x14\n\x0cstart_time_s\x18\x05 \x01(\x01\x12\x12\n\nend_time_s\x18\x06 \x01(\x01\x12\x12\n\nmax_pixels\x18\x07 \x01(\x03\"\x9b\x01\n\x10GenerationParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x80\x01\n\x0ePruningOptions\x12\x0e\n\x06preset\x18\x01 \x01(\t\x12\x30\n\x05knobs\x18\x02 \x03(\x0b\x32!.epd.v1.PruningOptions.KnobsEntry\x1a,\n\nKnobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb0\x01\n\nStageEvent\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x61t_ms\x18\x03 \x01(\x01\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x01\x12\x30\n\x07\x64\x65tails\x18\x05 \x03(\x0b\x32\x1f.epd.v1.StageEvent.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"_\n\x11PruningStageCount\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x1c\n\x14num_visual_tokens_in\x18\x02 \x01(\x03\x12\x1d\n\x15num_visual_tokens_out\x18\x03 \x01(\x03\"\xd5\x01\n\rPruningReport\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.epd.v1.PruningStageCount\x12\x16\n\x0enum_key_tokens\x18\x02 \x01(\x03\x12\x1a\n\x12prefill_flops_full\x18\x03 \x01(\x03\x12\x1c\n\x14prefill_flops_pruned\x18\x04 \x01(\x03\x12\x17\n\x0fkv_bytes_before\x18\x05 \x01(\x03\x12\x16\n\x0ekv_bytes_after\x18\x06 \x01(\x03\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\"r\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\x96\x01\n\rVideoSampling\x12\x0b\n\x03\x66ps\x18\x01 \x01(\x01\x12\x12\n\nmax_frames\x18\x02 \x01(\x05\x12\x12\n\nmin_frames\x18\x03 \x01(\x05\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x14\n\x0cstart_time_s\x18\x05 \x01(\x01\x12\x12\n\nend_time_s\x18\x06 \x01(\x01\x12\x12\n\nmax_pixels\x18\x07 \x01(\x03\"\xba\x03\n\x10GenerationParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\r\n\x05min_p\x18\x0b \x01(\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12;\n\nlogit_bias\x18\r \x03(\x0b\x32\'.epd.v1.GenerationParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seed\"\x80\x01\n\x0ePruningOptions\x12\x0e\n\x06preset\x18\x01 \x01(\t\x12\x30\n\x05knobs\x18\x02 \x03(\x0b\x32!.epd.v1.PruningOptions.KnobsEntry\x1a,\n\nKnobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb0\x01\n\nStageEvent\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x61t_ms\x18\x03 \x01(\x01\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x01\x12\x30\n\x07\x64\x65tails\x18\x05 \x03(\x0b\x32\x1f.epd.v1.StageEvent.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"_\n\x11PruningStageCount\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x1c\n\x14num_visual_tokens_in\x18\x02 \x01(\x03\x12\x1d\n\x15num_visual_tokens_out\x18\x03 \x01(\x03\"\xd5\x01\n\rPruningReport\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.epd.v1.PruningStageCount\x12\x16\n\x0enum_key_tokens\x18\x02 \x01(\x03\x12\x1a\n\x12prefill_flops_full\x18\x03 \x01(\x03\x12\x1c\n\x14prefill_flops_pruned\x18\x04 \x01(\x03\x12\x17\n\x0fkv_bytes_before\x18\x05 \x01(\x03\x12\x16\n\x0ekv_bytes_after\x18\x06 \x01(\x03\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_PRUNINGOPTIONS_KNOBSENTRY']._loaded_options = None
   _globals['_PRUNINGOPTIONS_KNOBSENTRY']._serialized_options = b'8\001'
   _globals['_STAGEEVENT_DETAILSENTRY']._loaded_options = None
@@ -40,17 +42,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VIDEOSAMPLING']._serialized_start=148
   _globals['_VIDEOSAMPLING']._serialized_end=298
   _globals['_GENERATIONPARAMS']._serialized_start=301
-  _globals['_GENERATIONPARAMS']._serialized_end=456
-  _globals['_PRUNINGOPTIONS']._serialized_start=459
-  _globals['_PRUNINGOPTIONS']._serialized_end=587
-  _globals['_PRUNINGOPTIONS_KNOBSENTRY']._serialized_start=543
-  _globals['_PRUNINGOPTIONS_KNOBSENTRY']._serialized_end=587
-  _globals['_STAGEEVENT']._serialized_start=590
-  _globals['_STAGEEVENT']._serialized_end=766
-  _globals['_STAGEEVENT_DETAILSENTRY']._serialized_start=720
-  _globals['_STAGEEVENT_DETAILSENTRY']._serialized_end=766
-  _globals['_PRUNINGSTAGECOUNT']._serialized_start=768
-  _globals['_PRUNINGSTAGECOUNT']._serialized_end=863
-  _globals['_PRUNINGREPORT']._serialized_start=866
-  _globals['_PRUNINGREPORT']._serialized_end=1079
+  _globals['_GENERATIONPARAMS']._serialized_end=743
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=686
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=734
+  _globals['_PRUNINGOPTIONS']._serialized_start=746
+  _globals['_PRUNINGOPTIONS']._serialized_end=874
+  _globals['_PRUNINGOPTIONS_KNOBSENTRY']._serialized_start=830
+  _globals['_PRUNINGOPTIONS_KNOBSENTRY']._serialized_end=874
+  _globals['_STAGEEVENT']._serialized_start=877
+  _globals['_STAGEEVENT']._serialized_end=1053
+  _globals['_STAGEEVENT_DETAILSENTRY']._serialized_start=1007
+  _globals['_STAGEEVENT_DETAILSENTRY']._serialized_end=1053
+  _globals['_PRUNINGSTAGECOUNT']._serialized_start=1055
+  _globals['_PRUNINGSTAGECOUNT']._serialized_end=1150
+  _globals['_PRUNINGREPORT']._serialized_start=1153
+  _globals['_PRUNINGREPORT']._serialized_end=1366
 # @@protoc_insertion_point(module_scope)

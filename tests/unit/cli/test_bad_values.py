@@ -239,3 +239,19 @@ def test_epd_ask_embedded_says_a_model_it_cannot_load_with_exit_3(capsys, tmp_pa
     missing = tmp_path / "no-model"
     assert _ask(VIDEO, "q?", "--model", str(missing)) == 3
     assert capsys.readouterr().err.strip().endswith(f"epd: cannot load {missing}: no such directory")
+
+
+def test_epd_ask_reads_vllm_sampling_flags_for_both_modes(capsys):
+    """The embedded pipeline gets them as a GenerationConfig, a remote gateway as the SDK's options."""
+    args = build_parser().parse_args([
+        "ask", VIDEO, "q?", "--repetition-penalty", "1.3", "--presence-penalty", "-0.5", "--frequency-penalty",
+        "0.5", "--min-p", "0.1", "--min-tokens", "2", "--logit-bias", "17=100", "--logit-bias", "5=-2.5",
+        "--stop-token-id", "7", "--include-stop-str-in-output",
+    ])  # fmt: skip
+    generation = configs.generation_config(args)
+    assert (generation.repetition_penalty, generation.presence_penalty, generation.frequency_penalty) == (1.3, -0.5, 0.5)
+    assert (generation.min_p, generation.min_tokens, generation.stop_token_ids) == (0.1, 2, (7,))
+    assert generation.logit_bias == ((5, -2.5), (17, 100.0)) and generation.include_stop_str_in_output
+    options = configs.generation_options(args)
+    assert options["logit_bias"] == {5: -2.5, 17: 100.0} and options["min_tokens"] == 2
+    assert "expected TOKEN_ID=BIAS (e.g. 1734=-100), got 'x'" in _usage_error(capsys, ["ask", VIDEO, "q?", "--logit-bias", "x"])

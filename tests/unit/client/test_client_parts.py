@@ -117,6 +117,19 @@ def test_a_zero_seed_is_sent_and_zeros_that_mean_something_else_are_refused():
         build_header("q?", 0, "", {"top_p": 0})
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         build_header("q?", 0, "", {"max_new_tokens": 0})
+    with pytest.raises(ValueError, match=r"repetition_penalty must be > 0 \(None: 1, off\)"):
+        build_header("q?", 0, "", {"repetition_penalty": 0})
+
+
+def test_header_carries_vllm_sampling_options():
+    h = build_header("q?", 0, "", {
+        "repetition_penalty": 1.3, "presence_penalty": -0.5, "frequency_penalty": 0.5, "min_p": 0.05,
+        "min_tokens": 3, "logit_bias": {17: 100.0}, "stop_token_ids": [5, 9], "include_stop_str_in_output": True,
+    })  # fmt: skip
+    g = h.generation
+    assert (g.repetition_penalty, g.presence_penalty, g.frequency_penalty, g.min_p, g.min_tokens) == (
+        1.3, -0.5, 0.5, 0.05, 3)
+    assert dict(g.logit_bias) == {17: 100.0} and list(g.stop_token_ids) == [5, 9] and g.include_stop_str_in_output
 
 
 def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():

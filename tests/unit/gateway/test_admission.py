@@ -87,3 +87,33 @@ def test_limits_derive_from_the_upload_limit_and_are_validated():
 )
 def test_peer_host_drops_the_port(peer, host):
     assert peer_host(peer) == host
+
+
+def test_a_held_ticket_gives_back_its_slot_and_bytes_only_when_the_last_hold_is_released():
+    """Work that outlives its handler (a web-demo decode whose client went away) keeps the
+    request's slot and body bytes: `close()` (the handler ended) waits for every hold."""
+    admission = Admission(AdmissionLimits(max_requests_per_client=1, max_inflight_body_bytes=100))
+    ticket = admission.admit("a")
+    ticket.reserve_bytes(60)
+    release_one, release_two = ticket.hold(), ticket.hold()
+    ticket.close()
+    with pytest.raises(Overloaded, match="--max-requests-per-client"):
+        admission.admit("a")
+    assert admission.num_reserved_bytes == 60
+    release_one()
+    release_one()  # a second call does nothing: the other hold still counts
+    assert admission.num_requests == 1 and admission.num_reserved_bytes == 60
+    release_two()
+    assert admission.num_requests == 0 and admission.num_reserved_bytes == 0
+    admission.admit("a").close()
+    with pytest.raises(RuntimeError, match="closed ticket"):
+        ticket.hold()
+
+
+def test_a_hold_released_before_close_leaves_close_to_give_back():
+    admission = Admission(AdmissionLimits(max_requests_per_client=1, max_inflight_body_bytes=100))
+    ticket = admission.admit("a")
+    ticket.hold()()
+    assert admission.num_requests == 1
+    ticket.close()
+    assert admission.num_requests == 0

@@ -11,10 +11,12 @@ import os
 
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from epd.gateway.config import MediaFetchConfig
 from epd.gateway.media_fetch import (
     MediaRefused,
+    _PinnedResolver,
     check_url,
     decode_data_url,
     host_allowed,
@@ -185,6 +187,29 @@ def test_check_url_policy():
     assert check_url("http://8.8.8.8:8080/x", config).port == 8080
 
 
+@pytest.mark.parametrize("listed", ["vidéos.example", "xn--vidos-dsa.example", "VIDÉOS.Example."])
+@pytest.mark.parametrize("url", ["https://vidéos.example/clip.mp4", "https://xn--vidos-dsa.example/clip.mp4",
+                                 "https://cdn.Vidéos.example/clip.mp4"])
+def test_an_internationalised_domain_is_allowed_in_either_spelling(listed, url):
+    """The policy checks and pins the punycode name that aiohttp (yarl) then resolves: a Unicode
+    host used to be pinned as Unicode, and the connection's lookup of its punycode form refused."""
+    target = check_url(url, MediaFetchConfig(allowed_domains=(listed,)))
+    assert target.host.endswith("xn--vidos-dsa.example") and target.host.isascii()
+    assert target.host == URL(url).raw_host.lower()
+    resolver = _PinnedResolver(target.host, [("93.184.215.14", 2)])
+    answers = asyncio.run(resolver.resolve(URL(url).raw_host, 443))
+    assert [a["host"] for a in answers] == ["93.184.215.14"]
+    with pytest.raises(MediaRefused, match="not in --allowed-media-domains"):
+        check_url("https://videos.example/clip.mp4", MediaFetchConfig(allowed_domains=(listed,)))
+
+
+def test_a_host_that_is_not_a_domain_name_is_refused():
+    config = MediaFetchConfig(allowed_domains=("a.com",))
+    with pytest.raises(InvalidRequest, match="not a valid domain name"):
+        check_url(f"https://{'é' * 70}.a.com/x.mp4", config)  # a label of over 63 ASCII characters
+    assert not host_allowed("a.com", ("a.com" + "é" * 70,))  # an entry that does not encode matches nothing
+
+
 def test_a_name_resolving_to_loopback_is_refused():
     config = MediaFetchConfig(allowed_domains=("localhost",))
     target = check_url("http://localhost:9/x.mp4", config)
@@ -346,3 +371,14 @@ def test_fetch_of_private_address_is_refused_by_default():
 
     with pytest.raises(MediaRefused, match="private, loopback or link-local"):
         asyncio.run(_with_server(ROUTES, fetch))
+
+
+def test_an_allow_list_entry_that_is_not_a_domain_name_is_refused_at_start():
+    from epd.cli import configs
+    from epd.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "gateway", "--allowed-media-domains", "a.com," + "é" * 70 + ".org"])
+    with pytest.raises(ValueError, match="--allowed-media-domains: .* not a valid internationalised domain name"):
+        configs.gateway_config(args)
+    args = build_parser().parse_args(["serve", "gateway", "--allowed-media-domains", "vidéos.example"])
+    assert configs.gateway_config(args).http.media.allowed_domains == ("vidéos.example",)  # matched by `dns_host`

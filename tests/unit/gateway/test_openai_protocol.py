@@ -235,10 +235,9 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("frequency_penalty", 0.5), ("presence_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"5": 100}),
-    ("min_tokens", 4), ("min_p", 0.1), ("best_of", 2), ("use_beam_search", True), ("response_format", {"type": "json_object"}),
+    ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"), ("guided_json", {}),
-    ("include_stop_str_in_output", True), ("stop_token_ids", [5]), ("min_tokens", False),
+    ("bad_words", ["x"]), ("allowed_token_ids", [5]), ("prompt_logprobs", 1), ("best_of", True),
 ])  # fmt: skip
 def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, value):
     """They were answered 200 as if they had not been sent (the biased tokens still came)."""
@@ -248,11 +247,46 @@ def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, va
 
 def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
     neutral = dict(frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1, logit_bias={}, min_tokens=0,
-                   best_of=1, response_format={"type": "text"}, tools=[], tool_choice="none", guided_json=None)
+                   min_p=0, stop_token_ids=[], include_stop_str_in_output=False, best_of=1,
+                   response_format={"type": "text"}, tools=[], tool_choice="none", guided_json=None)
     assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32)
     with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
         parse(body(medias={"num_frames": 4}, user="u1"))
     assert "ignored request fields ['medias']" in caplog.text  # a typo is logged; OpenAI's `user` is known
+
+
+def test_vllm_sampling_options_are_read_with_vllm_meanings():
+    """They were 400s ('not supported'); vLLM and SGLang clients send them."""
+    req = parse(body(
+        repetition_penalty=1.2, presence_penalty=-1, frequency_penalty=0.5, min_p=0.1, min_tokens=4,
+        logit_bias={"17": 100, "5": -2.5}, stop_token_ids=[7, 3], include_stop_str_in_output=True,
+    ))  # fmt: skip
+    assert req.generation == GenerationConfig(
+        max_new_tokens=32, repetition_penalty=1.2, presence_penalty=-1.0, frequency_penalty=0.5, min_p=0.1,
+        min_tokens=4, logit_bias=((5, -2.5), (17, 100.0)), stop_token_ids=(7, 3), include_stop_str_in_output=True,
+    )
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"repetition_penalty": 0}, r"'repetition_penalty' must be a finite number > 0, got 0"),
+    ({"presence_penalty": 2.5}, r"'presence_penalty' must be a finite number >= -2 and <= 2, got 2.5"),
+    ({"frequency_penalty": "1"}, r"'frequency_penalty' must be a finite number >= -2 and <= 2"),
+    ({"min_p": -0.1}, r"'min_p' must be a finite number >= 0 and <= 1"),
+    ({"min_tokens": 1.5}, r"'min_tokens' must be an integer from 0"),
+    ({"logit_bias": [5]}, r"'logit_bias' must be an object of token ids to biases"),
+    ({"logit_bias": {"abc": 1}}, r"'logit_bias' keys must be token ids \(an integer from 0 to 2147483647\), got 'abc'"),
+    ({"logit_bias": {"-1": 1}}, r"'logit_bias' keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, r"'logit_bias\[5\]' must be a finite number >= -100 and <= 100, got 101"),
+    ({"logit_bias": {"5": None}}, r"'logit_bias\[5\]' must be a finite number >= -100 and <= 100, got null"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "'logit_bias' has 1025 entries; at most 1024"),
+    ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
+    ({"stop_token_ids": [True]}, r"'stop_token_ids\[\]' must be an integer from 0"),
+    ({"stop_token_ids": list(range(257))}, "'stop_token_ids' has 257 entries; at most 256"),
+    ({"include_stop_str_in_output": 1}, "'include_stop_str_in_output' must be true or false"),
+])  # fmt: skip
+def test_vllm_sampling_options_out_of_range_are_400s_naming_field_and_range(fields, match):
+    with pytest.raises(InvalidRequest, match=match):
+        parse(body(**fields))
 
 
 def test_vllm_and_openai_spellings_are_understood():

@@ -108,7 +108,7 @@ def test_keep_counts_are_exact():
 
 
 def test_prefill_flops_formula():
-    sizes = ModelSizes(num_layers=2, hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1)
+    sizes = ModelSizes(num_layers=2, hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=2)
     # projections 2*3*4*(8+4) = 288, mlp 2*3*3*4*8 = 576, attention 2*4*3*4 = 96
     assert layer_prefill_flops(sizes, 3) == 288 + 576 + 96
     assert prefill_flops(sizes, 3) == 2 * (288 + 576 + 96)
@@ -118,8 +118,32 @@ def test_prefill_flops_formula():
         prefill_flops(sizes, [1, 2, 3])
 
 
+def test_prefill_flops_count_head_dim_where_heads_times_head_dim_is_not_hidden():
+    """Qwen3-VL-4B's text model: hidden 2560, 32 query heads and 8 KV heads of 128 (32 x 128 =
+    4096, not 2560), MLP 9728, 36 layers; counted by hand over T = 1000 prompt tokens."""
+    from transformers import Qwen3VLTextConfig
+
+    from epd.model_runtime.adapter import TextDims
+
+    dims = TextDims(num_layers=36, hidden_size=2560, intermediate_size=9728, num_heads=32, num_kv_heads=8,
+                    head_dim=128)
+    text_config = Qwen3VLTextConfig(num_hidden_layers=36, hidden_size=2560, intermediate_size=9728,
+                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    t = 1000
+    q = 2 * t * 2560 * 4096  # q_proj [2560 -> 4096]
+    o = 2 * t * 4096 * 2560  # o_proj [4096 -> 2560]
+    k = v = 2 * t * 2560 * 1024  # k_proj, v_proj [2560 -> 8 x 128]
+    mlp = 3 * 2 * t * 2560 * 9728  # gate, up [2560 -> 9728], down [9728 -> 2560]
+    scores = values = 2 * 4096 * (t * (t + 1) // 2)  # QK^T and AV: every head's 128 over the causal half
+    by_hand = q + o + k + v + mlp + scores + values
+    for sizes in (ModelSizes.from_dims(dims), ModelSizes.from_config(text_config)):
+        assert sizes.head_dim == 128
+        assert layer_prefill_flops(sizes, t) == by_hand
+        assert prefill_flops(sizes, t) == 36 * by_hand
+
+
 def test_stats_record_and_serialise():
-    sizes = ModelSizes(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    sizes = ModelSizes(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
     stats = PruningStats()
     stats.record("temporal", 400, 220)
     stats.record("prefill_drop", 220, 55)

@@ -53,6 +53,17 @@ def test_budget_by_bytes_is_the_largest_that_fits():
         compress_kv_cache(caches, scores, VISUAL, budget_bytes=100)
 
 
+def test_budget_by_bytes_counts_the_bytes_of_the_dtype_sent():
+    """A float32 cache sent as bfloat16 (`kv_dtype`): the budget counts 2-byte elements."""
+    caches, scores = _cache(), _scores()
+    sent_per_position = kv_bytes_per_position(3, 2, 8, 2)
+    budget = sent_per_position * 17 + sent_per_position // 2  # room for 10 text + 7.5 visual positions, sent
+    out = compress_kv_cache(caches, scores, VISUAL, budget_bytes=budget, sent_element_bytes=2)
+    assert out.num_visual_kept == 7
+    assert out.caches[0][0].dtype == torch.float32  # the cast to the sent dtype is the caller's
+    assert cache_bytes(out.caches) // 2 == sent_per_position * 17 <= budget
+
+
 def test_averaged_merge_preserves_total_weight():
     caches, scores = _cache(), _scores()
     out = compress_kv_cache(caches, scores, VISUAL, keep_ratio=0.3, merge="averaged")

@@ -4,7 +4,12 @@ from torch import nn
 
 from epd.token_pruning.attention_scores import received_attention
 from epd.token_pruning.positions import gather_prompt, prompt_keep_indices, visual_positions
-from epd.token_pruning.text_guided import dual_rule_select, question_query_positions, text_guided_drop
+from epd.token_pruning.text_guided import (
+    dual_rule_select,
+    question_query_positions,
+    text_guided_drop,
+    text_query_positions,
+)
 
 
 def _qk(heads=6, kv_heads=2, seq=40, queries=5, dim=8, seed=0):
@@ -117,3 +122,17 @@ def test_prompt_keep_indices_and_errors():
         question_query_positions(6, visual)
     with pytest.raises(ValueError, match=r"must be \[1, L\]"):
         visual_positions(torch.zeros(2, 3, dtype=torch.long), 0)
+
+
+def test_kv_query_window_is_clamped_to_the_text_after_the_video():
+    """100 prompt tokens, visual at [26, 73]: the KV scores' queries are text after the video only,
+    so a window reaching into the video (60) scores with the same 26 tokens as no window."""
+    visual = torch.arange(26, 74)
+    assert text_query_positions(100, visual).tolist() == list(range(74, 100))
+    assert text_query_positions(100, visual, window=10).tolist() == list(range(90, 100))
+    assert text_query_positions(100, visual, window=26).tolist() == list(range(74, 100))
+    assert text_query_positions(100, visual, window=60).tolist() == list(range(74, 100))
+    # After a drop of 24 visual tokens every query sits 24 places earlier: still after the video.
+    assert (text_query_positions(100, visual, window=60) - 24).min().item() == 74 - 24
+    with pytest.raises(ValueError, match="no text after the video"):
+        text_query_positions(74, visual, window=10)

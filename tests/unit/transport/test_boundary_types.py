@@ -84,6 +84,7 @@ def _handle() -> PrefillHandle:
         kept_visual_token_index=[1, 4, 9],
         num_reused_prompt_tokens=50,
         first_text=" a",
+        distinct_prompt_token_ids=[3, 17, 151643],
         kv_handle="abc123",
         kv_address="prefill-0:50052",
     )
@@ -319,7 +320,7 @@ def test_decode_refuses_over_limit_generation_before_any_cache_moves():
 
     try:
         for source in (take_from_store(store), take_kv):
-            no_model = SimpleNamespace(kv_bytes_per_token=1024, decode_state_bytes=0)  # the refusal comes before any model call
+            no_model = SimpleNamespace(kv_bytes_per_token=1024, decode_state_bytes=0, vocab_size=None)  # the refusal comes before any model call
             stage = LocalDecodeStage(DecodeEngine(no_model), source, thread, limits)  # type: ignore[arg-type]
             with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 16"):
                 asyncio.run(first_step(stage))

@@ -5,6 +5,7 @@ byte-reservation hook, and the message limit's floor. Each used to end as INTERN
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 
 import pytest
@@ -15,6 +16,7 @@ from epd.stages.server_config import CHUNK_BYTES, MAX_MESSAGE_BYTES, MIN_MESSAGE
 from epd.transport.auth import bearer_token, key_matches
 from epd.transport.convert import (
     generation_from_proto,
+    generation_to_proto,
     media_sha256_from_proto,
     pruning_from_proto,
     sampling_from_proto,
@@ -43,11 +45,31 @@ def test_sampling_floats_must_be_finite(fields, match):
 
 @pytest.mark.parametrize(
     "fields,match",
-    [({"temperature": NAN}, "temperature must be a finite"), ({"top_p": INF}, "top_p must be a finite")],
+    [
+        ({"temperature": NAN}, "temperature must be a finite"),
+        ({"top_p": INF}, "top_p must be a finite"),
+        ({"repetition_penalty": NAN}, "repetition_penalty must be a finite"),
+        ({"frequency_penalty": -INF}, "frequency_penalty must be a finite"),
+        ({"logit_bias": {7: NAN}}, r"logit_bias\[7\] must be a finite"),
+    ],
 )
 def test_generation_floats_must_be_finite(fields, match):
     with pytest.raises(InvalidRequest, match=match):
         generation_from_proto(common_pb2.GenerationParams(**fields), GenerationConfig())
+
+
+def test_every_generation_setting_crosses_the_wire():
+    """vLLM's options too: a stage gets what the front door was sent (zero is 'off' for each)."""
+    config = GenerationConfig(
+        max_new_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop=("x",), ignore_eos=True,
+        repetition_penalty=1.3, presence_penalty=-0.5, frequency_penalty=0.25, min_p=0.1, min_tokens=2,
+        logit_bias=((5, -3.0), (11, 100.0)), stop_token_ids=(7, 2), include_stop_str_in_output=True,
+    )
+    defaults = GenerationConfig()
+    assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
+    assert generation_from_proto(generation_to_proto(config), defaults) == config
+    assert generation_from_proto(generation_to_proto(defaults), defaults) == defaults
+    assert generation_from_proto(common_pb2.GenerationParams(), defaults).repetition_penalty == 1.0  # unset: off
 
 
 def test_generation_config_refuses_a_nan_temperature():

@@ -137,3 +137,29 @@ def test_decord_child_is_stopped_at_the_limit(video_factory, monkeypatch):
         assert dec._proc is None and dec.num_restarts == 1  # killed
         monkeypatch.undo()
         assert np.array_equal(dec.decode(data, OPTS).frames, simple_decoder.decode(data, OPTS).frames)
+
+
+def test_a_cancel_flag_stops_the_reference_decoder_in_its_demux_pass_and_between_frames(video_factory, monkeypatch):
+    """The web demo's decode (simple_decoder.decode) stops once its client's flag is set: before
+    the demux pass, or at the next decoded frame (the flag is looked at with the decode's clock)."""
+    from epd.video.types import DecodeCancelled
+
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(DecodeCancelled, match="demux pass"):
+        simple_decoder.decode(data, OPTS, cancel=cancel)
+    cancel.clear()
+    charged = []
+    real_charge = DecodeBudget.charge
+
+    def charge_then_cancel(self, frame):  # the client leaves after the third decoded frame
+        charged.append(frame.pts)
+        if len(charged) == 3:
+            cancel.set()
+        real_charge(self, frame)
+
+    monkeypatch.setattr(DecodeBudget, "charge", charge_then_cancel)
+    with pytest.raises(DecodeCancelled, match="after 3 decoded frames"):
+        simple_decoder.decode(data, OPTS, cancel=cancel)
+    assert len(charged) == 3

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+
+import grpc
 import numpy as np
 import pytest
 
+from epd.transport.errors import status_of
 from epd.video import simple_decoder
 from epd.video.decord_backend import DecordConfig, DecordDecoder, decord_available
-from epd.video.types import MediaError, SamplingOptions
+from epd.video.types import DecoderCrashed, MediaError, SamplingOptions
 
 # Never import decord into the test process: it breaks PyAV's own codecs (see decord_backend).
 pytestmark = pytest.mark.skipif(not decord_available(), reason="decord is an optional backend")
@@ -57,3 +63,94 @@ def test_decord_hang_is_killed_and_backend_restarts(video_factory):
         dec.config = DecordConfig(timeout_s=60)
         got = dec.decode(data, SamplingOptions(num_frames=3))
     assert np.array_equal(got.frames, simple_decoder.decode(data, SamplingOptions(num_frames=3)).frames)
+
+
+@pytest.mark.parametrize("rotation_deg", [0, 90, 180, 270])
+@pytest.mark.parametrize("max_pixels", [48 * 32, 50 * 34], ids=["48x32", "50x32"])
+def test_decord_downscales_rotated_clips_to_pyavs_shapes(video_factory, decord_decoder, rotation_deg, max_pixels):
+    """max_pixels on a clip with a display rotation: the shapes PyAV gives (scaled, then turned:
+    [48, 32, 3] for a 96x64 clip turned 90 degrees at 48x32 pixels), pixels within swscale's
+    rounding of PyAV's. decord's own scaler failed here (it takes the size after rotation, and a
+    48 px wide output fails in it whatever the rotation)."""
+    data = video_factory(".mp4", codec="h264", rotation_deg=rotation_deg, **SMALL)
+    opts = SamplingOptions(num_frames=4, max_pixels=max_pixels)
+    expected = simple_decoder.decode(data, opts).frames  # [4, h, w, 3]
+    got = decord_decoder.decode(data, opts).frames
+    assert got.shape == expected.shape
+    # 2.5-3.2 here (swscale on RGB against on YUV before turning); a neighbouring frame differs by ~50
+    assert np.abs(got.astype(np.int16) - expected).mean() < 8.0
+
+
+class _ChildKiller:
+    """The decoder's pipe to its child, which SIGKILLs the child (as a crash or the OOM killer
+    would) `when` the request is sent ("send": the child is dead before it gets the request) or
+    as the parent starts waiting for the answer ("wait": the child has the request)."""
+
+    def __init__(self, decoder: DecordDecoder, when: str):
+        self.decoder, self.when, self.conn = decoder, when, decoder._conn
+
+    def _kill(self) -> None:
+        proc = self.decoder._proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=10)
+
+    def send(self, msg) -> None:
+        if self.when == "send":
+            self._kill()
+        self.conn.send(msg)
+
+    def poll(self, timeout_s: float) -> bool:
+        if self.when == "wait":
+            self._kill()
+        return self.conn.poll(timeout_s)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def _kill_in_next_request(decoder: DecordDecoder, when: str) -> None:
+    """The next request's child (the running one, or the fresh one started for it) is killed
+    `when` (see _ChildKiller); later requests run as usual."""
+    start_child = decoder._ensure_child
+
+    def start_and_arm() -> None:
+        start_child()
+        decoder._conn = _ChildKiller(decoder, when)
+        del decoder._ensure_child  # back to the class's method
+
+    decoder._ensure_child = start_and_arm  # type: ignore[method-assign]
+
+
+def _decord_children(others: set) -> set:
+    """This process's live (unreaped) decord children, but `others` (other tests' decoders)."""
+    return {p for p in multiprocessing.active_children() if p.name == "decord"} - others
+
+
+@pytest.mark.parametrize("when", ["send", "wait"])
+def test_a_decord_child_that_dies_mid_request_is_unavailable_and_replaced(video_factory, when):
+    """UNAVAILABLE ("retry"), not INVALID_ARGUMENT blaming the video (a child dead while it worked)
+    nor INTERNAL (BrokenPipeError on the send); the dead child is reaped and the next request
+    gets a fresh one and its frames, also after two such deaths in a row."""
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    opts = SamplingOptions(num_frames=3)
+    others = _decord_children(set())
+    with DecordDecoder() as dec:
+        dec.decode(data, opts)  # the child is up
+        dead = dec._proc
+        _kill_in_next_request(dec, when)
+        with pytest.raises(DecoderCrashed) as failed:
+            dec.decode(data, opts)
+        assert status_of(failed.value) == (grpc.StatusCode.UNAVAILABLE, "the decoder process failed; retry the request")
+        assert dec.num_restarts == 1 and dec._proc is None
+        assert dead is not None and not dead.is_alive() and dead not in _decord_children(others)
+
+        _kill_in_next_request(dec, when)  # the fresh child dies too
+        with pytest.raises(DecoderCrashed, match="the decoder process failed; retry the request"):
+            dec.decode(data, opts)
+        assert dec.num_restarts == 2 and _decord_children(others) == set()
+
+        got = dec.decode(data, opts)
+        assert np.array_equal(got.frames, simple_decoder.decode(data, opts).frames)
+        assert _decord_children(others) == {dec._proc}
+    assert _decord_children(others) == set()

@@ -40,6 +40,23 @@ def test_cache_hits_by_content_and_rechecks_limits(video_factory):
         cache.get_or_build(data, DecodeLimits(max_duration_s=0.5))  # a cached index still obeys limits
 
 
+@pytest.mark.parametrize("with_hash", [True, False], ids=["sha256-given", "hashed-beside-demux"])
+def test_the_cache_is_per_tenant(video_factory, with_hash):
+    """Keyed by (cache salt, content hash): another tenant's request for the same bytes builds
+    the index again (a hit would show in its decode time), the same tenant's finds it."""
+    data = video_factory(".mp4", codec="h264", size=(96, 64), seconds=1.0)
+    sha256 = content_sha256(data) if with_hash else None
+    cache = KeyframeIndexCache()
+    alice = cache.get_or_build(data, DecodeLimits(), sha256, cache_salt="alice")
+    bob = cache.get_or_build(data, DecodeLimits(), sha256, cache_salt="bob")
+    assert bob is not alice and (cache.num_hits, cache.num_misses) == (0, 2)
+    assert cache.get_or_build(data, DecodeLimits(), sha256, cache_salt="alice") is alice
+    assert cache.get_or_build(data, DecodeLimits(), sha256, cache_salt="bob") is bob
+    shared = cache.get_or_build(data, DecodeLimits(), sha256)  # the shared tenant is one of its own
+    assert shared is not alice and shared is not bob
+    assert (cache.num_hits, cache.num_misses) == (2, 3)
+
+
 def test_text_file_is_rejected():
     with pytest.raises(MediaError, match="not a supported container"):
         build_video_index(b"hello, not a video\n" * 100)

@@ -135,7 +135,7 @@ def test_caller_cancel_before_the_demux_pass_builds_no_index(video_factory, deco
     sha256 = hashlib.sha256(data).hexdigest() if with_hash else None
     with pytest.raises(DecodeCancelled, match="demux pass"):
         decoder.iter_groups(data, SamplingOptions(num_frames=4), sha256=sha256, cancel=cancel)
-    assert hashlib.sha256(data).hexdigest() not in decoder.index_cache._entries
+    assert ("", hashlib.sha256(data).hexdigest()) not in decoder.index_cache._entries
 
 
 @pytest.mark.parametrize(
@@ -330,6 +330,28 @@ def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, k
     worker.join()
     assert np.array_equal(results[0][0], frame_to_rgb(frames[0], max_pixels))
     assert _reformatter() is _reformatter() and results[0][1] is not _reformatter()  # one per thread
+
+
+def test_frame_resize_is_applied_to_each_frame_as_it_is_decoded(video_factory, decoder):
+    """With `frame_resize`, the request's frames are stored at the size it returns ([U, 32, 48, 3]
+    for a 96x64 clip halved), each one what the function gives for the reference decoder's frame;
+    every slot, a repeated frame's too, and every group come out resized."""
+    data = video_factory(".mp4", **SMALL)  # 30 frames
+    calls: list[tuple[int, ...]] = []
+
+    def halve(rgb: np.ndarray) -> np.ndarray:  # [H, W, 3] -> [H/2, W/2, 3]
+        calls.append(rgb.shape)
+        return np.ascontiguousarray(rgb[::2, ::2])
+
+    for opts in (SamplingOptions(num_frames=6), SamplingOptions(num_frames=40)):  # 40 > 30: repeats
+        expected = simple_decoder.decode(data, opts).frames  # [T, 64, 96, 3]
+        calls.clear()
+        with decoder.iter_groups(data, opts, group_size=4, frame_resize=halve) as stream:
+            groups = [g.frames for g in stream]
+        assert all(g.shape[1:] == (32, 48, 3) for g in groups)
+        assert np.array_equal(np.concatenate(groups), expected[:, ::2, ::2])
+        assert set(calls) == {(64, 96, 3)}  # called on the decoded frames
+        assert len(calls) == len(np.unique(expected.reshape(len(expected), -1), axis=0))  # once per distinct frame
 
 
 def test_a_worker_seeking_back_to_the_first_interval_lands_at_the_start(video_factory):

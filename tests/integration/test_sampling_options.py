@@ -1,0 +1,184 @@
+"""vLLM's sampling options through the disaggregated stack (three service processes and the
+gateway): greedy with a repetition penalty or min_tokens gives exactly `generate()`'s tokens on the
+unsplit model; presence and frequency penalties equal a reference computed from the unsplit
+model's logits; logit_bias and stop_token_ids work through the OpenAI HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from epd.client import EpdClient
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest, AskSummary
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import MediaInput
+from epd.stages.messages import question_messages
+from epd.video.types import SamplingOptions
+from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens, whole_model
+from tests.stack import ROOT, Stack
+
+QUESTION = "what colour is the moving square?"
+NUM_FRAMES = 4
+MAX_NEW_TOKENS = 16
+SHIPPED = ROOT / "models" / "epd-tiny-videoqa"
+SAMPLE = ROOT / "samples" / "sample.mp4"
+
+
+@pytest.fixture(scope="module")
+def video(media_files):
+    return decode_for_test(media_files["mp4"], NUM_FRAMES)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_models, video):
+    return reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS)
+
+
+def ask(stack, media, question=QUESTION, num_frames=NUM_FRAMES, **options):
+    with EpdClient(stack.gateway, timeout_s=120) as client:
+        return client.ask(media, question, num_frames=num_frames, **options)
+
+
+def test_greedy_with_repetition_penalty_equals_generate(shared_stack, tiny_models, media_files, video, greedy):
+    want = reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS, repetition_penalty=1.3)
+    assert want != greedy, "the penalty changes nothing here; the comparison would prove little"
+    result = ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=1.3)
+    assert result.token_ids == want
+    # < 1 favours repeats, over the prompt's tokens too
+    want = reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS, repetition_penalty=0.7)
+    assert ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=0.7).token_ids == want
+
+
+def test_the_penalised_prompt_ids_are_what_generate_sees(tiny_models, video, media_files):
+    """HF's repetition penalty covers the whole input_ids, the media placeholders included: the
+    distinct prompt ids prefill hands to decode are exactly those; none are sent when it is off."""
+    handles = []
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        prefill = pipeline.prefill.prefill
+
+        async def capture(*args, **kwargs):
+            handles.append(await prefill(*args, **kwargs))
+            return handles[-1]
+
+        pipeline.prefill.prefill = capture  # type: ignore[method-assign]
+
+        async def run(generation):
+            request = AskRequest(question_messages(QUESTION), MediaInput(media_files["mp4"].read_bytes()),
+                                 SamplingOptions(num_frames=NUM_FRAMES), generation)
+            return [x async for x in pipeline.ask(request) if isinstance(x, AskSummary)][0]
+
+        asyncio.run(run(GenerationConfig(max_new_tokens=2, repetition_penalty=1.3)))
+        asyncio.run(run(GenerationConfig(max_new_tokens=2)))
+    model, processor = whole_model(tiny_models["qwen2_vl"])
+    input_ids = reference_inputs(processor, video, question_message(video, QUESTION))["input_ids"][0].tolist()
+    assert handles[0].distinct_prompt_token_ids == sorted(set(input_ids))
+    assert model.config.video_token_id in handles[0].distinct_prompt_token_ids
+    assert handles[1].distinct_prompt_token_ids == []
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """The reference: OpenAI's presence and frequency penalties on the unsplit model's logits, over
+    the generated tokens only. input_ids [1, prompt + generated], scores [1, vocab]."""
+
+    def __init__(self, num_prompt_tokens: int, presence: float, frequency: float) -> None:
+        self.num_prompt_tokens, self.presence, self.frequency = num_prompt_tokens, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(input_ids[0, self.num_prompt_tokens :], minlength=scores.shape[-1]).float()
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+@pytest.mark.parametrize("presence,frequency", [(0.0, 1.5), (1.5, 0.0), (-0.5, 0.8)])
+def test_presence_and_frequency_penalties_equal_a_reference_on_the_unsplit_model(
+    shared_stack, tiny_models, media_files, video, greedy, presence, frequency
+):
+    _, processor = whole_model(tiny_models["qwen2_vl"])
+    num_prompt = reference_inputs(processor, video, question_message(video, QUESTION))["input_ids"].shape[1]
+    penalties = LogitsProcessorList([OpenAIPenalties(num_prompt, presence, frequency)])
+    want = reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS, logits_processor=penalties)
+    assert want != greedy, "the penalties change nothing here; the comparison would prove little"
+    result = ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, presence_penalty=presence,
+                 frequency_penalty=frequency)
+    assert result.token_ids == want
+
+
+@pytest.fixture(scope="module")
+def shipped_stack(tmp_path_factory):
+    """The trained default model, which ends its answers with end-of-sequence after a word or two
+    (the tiny random models never do): what min_tokens holds back."""
+    with Stack(SHIPPED, tmp_path_factory.mktemp("logs_shipped")) as s:
+        yield s
+
+
+@pytest.mark.parametrize("min_tokens", [4, 6])
+def test_greedy_with_min_tokens_equals_generate_min_new_tokens(shipped_stack, min_tokens):
+    question = "how many objects are there in the video?"
+    sample = decode_for_test(SAMPLE, 8)
+    plain = reference_tokens(SHIPPED, sample, question, 10)
+    assert len(plain) < min_tokens, "the model's own answer is long enough; min_tokens would change nothing"
+    want = reference_tokens(SHIPPED, sample, question, 10, min_new_tokens=min_tokens)
+    result = ask(shipped_stack, SAMPLE, question, num_frames=8, max_new_tokens=10, min_tokens=min_tokens)
+    assert result.token_ids == want
+    assert len(want) > min_tokens and result.finish_reason == "stop"  # end-of-sequence right after
+
+
+def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fields) -> tuple[int, dict]:
+    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+    body = {"model": "epd", "max_tokens": max_tokens, "media": {"num_frames": NUM_FRAMES}, **fields,
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": QUESTION}]}]}  # fmt: skip
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_large_logit_bias_forces_its_token_through_the_http_api(shared_stack, media_files, greedy):
+    forced = next(t for t in range(10, 500) if t not in greedy[:4])
+    status, body = chat(shared_stack.http_port, media_files, max_tokens=4, logit_bias={str(forced): 100})
+    assert status == 200, body
+    assert body["epd"]["token_ids"] == [forced] * 4
+    status, body = chat(shared_stack.http_port, media_files, max_tokens=4, logit_bias={str(greedy[0]): -100})
+    assert status == 200 and body["epd"]["token_ids"][0] != greedy[0]  # the first token too (prefill's)
+
+
+def test_stop_token_ids_end_the_answer_through_the_http_api(shared_stack, media_files, greedy):
+    """The stop token is the last token; its text is in the answer only with include_stop_str_in_output."""
+    port = shared_stack.http_port
+    i = next(k for k in range(2, 8) if greedy[k] not in greedy[:k])
+    status, body = chat(port, media_files, stop_token_ids=[greedy[i]])
+    assert status == 200, body
+    assert body["epd"]["token_ids"] == greedy[: i + 1]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["content"] == chat(port, media_files, max_tokens=i)[1]["choices"][0]["message"]["content"]
+    status, body = chat(port, media_files, stop_token_ids=[greedy[i]], include_stop_str_in_output=True)
+    with_stop = chat(port, media_files, max_tokens=i + 1)[1]["choices"][0]["message"]["content"]
+    assert body["choices"][0]["message"]["content"] == with_stop
+    # prefill's first token is a stop token: the decoder ends the answer at once
+    status, body = chat(port, media_files, stop_token_ids=[greedy[0]])
+    assert (body["epd"]["token_ids"], body["choices"][0]["message"]["content"]) == ([greedy[0]], "")
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be between 0 and max_new_tokens \(4\), got 5"),
+    ({"logit_bias": {"512": 1}}, r"logit_bias: token id 512 is outside 0 to 511 \(this model's vocabulary\)"),
+    ({"stop_token_ids": [100000]}, r"stop_token_ids: token id 100000 is outside 0 to 511"),
+    ({"repetition_penalty": -1}, r"'repetition_penalty' must be a finite number > 0"),
+])  # fmt: skip
+def test_bad_sampling_options_are_400s_naming_the_field(shared_stack, media_files, fields, message):
+    import re
+
+    status, body = chat(shared_stack.http_port, media_files, **fields)
+    assert status == 400 and re.search(message, body["error"]["message"]), body
