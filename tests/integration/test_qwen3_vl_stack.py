@@ -257,15 +257,19 @@ def test_zeroing_the_deepstack_features_on_the_way_changes_the_answer(
     engine = pipeline.encoder.engine
     real = engine._encode_frames
 
+    zeroed = []
+
     def without_deepstack(*args, **kwargs) -> EncodedMedia:
         media = real(*args, **kwargs)
+        zeroed.append(True)
         assert len(media.deepstack) == engine.adapter.num_deepstack_layers > 0
         return dataclasses.replace(media, deepstack=[torch.zeros_like(d) for d in media.deepstack])
 
     monkeypatch.setattr(engine, "_encode_frames", without_deepstack)
-    monkeypatch.setattr(engine.cache, "get", lambda key: None)  # encode afresh
-    monkeypatch.setattr(engine.cache, "put", lambda key, media: None)  # and store nothing
+    monkeypatch.setattr(engine.cache, "get_entry", lambda key: None)  # encode afresh
+    monkeypatch.setattr(engine.cache, "put", lambda key, media, facts=None: None)  # and store nothing
     kept = sum(_tokens(pipeline, _request(media_files, m, n)) == references[(m, n)] for m, n in CASES)
+    assert len(zeroed) == len(CASES), "a request was not encoded afresh (a cache hit skips the zeroing)"
     assert kept < len(CASES) / 2, f"{kept} of {len(CASES)} answers unchanged with the DeepStack features zeroed"
 
 
