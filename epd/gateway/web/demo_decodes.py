@@ -9,8 +9,8 @@ A decode's life:
         executor, which the gateway's local-file reads and upload hashing wait on), and the
         request's admission ticket is held (`Ticket.hold`) until fn has returned.
     client goes away  ->  the handler is cancelled (aiohttp's handler_cancellation): `cancel` is
-        set, the handler ends at once, fn stops at its next check (PyAV's frame loop, every 256
-        demux packets) and only then are the thread, the client's slot and its body bytes free.
+        set, the handler ends at once, fn stops at its next check (each decoded frame, and each read
+        of the file while it demuxes) and only then are the thread, the client's slot and its body bytes free.
 
 So a client that disconnects and retries cannot pile up decodes behind its back: a slot and a
 thread each stay taken for as long as their decode really runs.
