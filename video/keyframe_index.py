@@ -28,7 +28,15 @@ import numpy as np
 
 from epd.video.budget import DecodeBudget, DemuxDeadline, check_frame_size
 from epd.video.media_open import ReadGuard, open_video
-from epd.video.simple_decoder import _CORRUPT, DemuxStopped, FrameIndex, check_duration, check_size, demux_pts
+from epd.video.simple_decoder import (
+    _CORRUPT,
+    DemuxStopped,
+    FrameIndex,
+    check_duration,
+    check_size,
+    decode_failure,
+    demux_pts,
+)
 from epd.video.types import DecodeCancelled, DecodeLimits, MediaError
 
 log = logging.getLogger(__name__)
@@ -124,10 +132,10 @@ def build_video_index(
             rate = float(stream.average_rate) if stream.average_rate else 0.0
     except MediaError:
         raise
-    except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:
+    except (av.FFmpegError, ValueError, IndexError, EOFError, OSError, MemoryError) as exc:
         guard.raise_if_stopped()  # FFmpeg failed on a file the guard cut short
         log.info("video index failed: %r", exc)  # decoder text stays in the server log
-        raise MediaError(_CORRUPT) from None
+        raise decode_failure(exc) from None
     finally:
         guard.release()
     if len(frame_pts) == 0:

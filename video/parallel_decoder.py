@@ -59,6 +59,7 @@ from epd.video.plan import DecodePlan, make_plan
 from epd.video.simple_decoder import (
     _CORRUPT,
     check_size,
+    decode_failure,
     decode_image,
     frame_to_rgb,
     gather_slots,
@@ -256,7 +257,7 @@ class _Worker(threading.Thread):
             req.fail(exc)
         except Exception as exc:
             log.info("video decode worker failed: %r", exc)  # decoder text stays in the log
-            req.fail(MediaError(_CORRUPT))
+            req.fail(decode_failure(exc))
         except BaseException:
             req.fail(MediaError("a video decode worker crashed; send the request again"))
             raise  # the thread ends; _worker_exited replaces it

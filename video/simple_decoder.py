@@ -32,6 +32,21 @@ _CORRUPT = (
     "could not decode the media: the file is corrupt, truncated, or not a supported container "
     f"or codec ({SEND_SUPPORTED})"
 )
+_OUT_OF_MEMORY = (
+    "the server ran out of memory decoding this video; ask for fewer or smaller frames (num_frames or "
+    "max_frames, max_pixels), or retry later"
+)
+
+
+def decode_failure(exc: BaseException) -> MediaError:
+    """What the client is told when FFmpeg or the decode loop fails on its file (the decoder's own
+    text stays in the server's log): out of memory (FFmpeg's ENOMEM, or numpy's) is the server's
+    limit, RESOURCE_EXHAUSTED; anything else is the file's fault."""
+    if isinstance(exc, MemoryError):  # av.error.MemoryError is one too
+        return MediaLimitError(_OUT_OF_MEMORY)
+    return MediaError(_CORRUPT)
+
+
 _DEMUX_CHECK_PACKETS = 256
 """The demux pass looks at the clock (and its stop callback) once per this many packets."""
 
@@ -328,12 +343,12 @@ def decode(
             chosen, sampled_fps = select_frames(index, opts)
             guard.check = budget.check_time
             frames = _decode_chosen(container, index, chosen, opts, budget)
-    except (av.FFmpegError, ValueError, IndexError, EOFError, OSError) as exc:  # MediaError too
+    except (av.FFmpegError, ValueError, IndexError, EOFError, OSError, MemoryError) as exc:  # MediaError too
         guard.raise_if_stopped()  # the file was cut short by a limit: that is the reason
         if isinstance(exc, MediaError):
             raise
         log.info("video decode failed: %r", exc)  # never forwarded to the client
-        raise MediaError(_CORRUPT) from None
+        raise decode_failure(exc) from None
     finally:
         guard.release()
     return DecodedVideo(

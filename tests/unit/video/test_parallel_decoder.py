@@ -354,6 +354,35 @@ def test_frame_resize_is_applied_to_each_frame_as_it_is_decoded(video_factory, d
         assert len(calls) == len(np.unique(expected.reshape(len(expected), -1), axis=0))  # once per distinct frame
 
 
+def test_running_out_of_memory_is_the_servers_limit_not_a_corrupt_file(video_factory, decoder, monkeypatch):
+    """A MemoryError while decoding (numpy's, or FFmpeg's ENOMEM, av.error.MemoryError) tells the
+    client to ask for fewer or smaller frames (RESOURCE_EXHAUSTED), on the parallel decoder's
+    workers and the reference decoder; it used to say the file was corrupt (INVALID_ARGUMENT)."""
+    import av
+
+    from epd.video.types import MediaLimitError
+
+    data = video_factory(".mp4", **SMALL)
+    def raising(error: BaseException):
+        def out_of_memory(*args: object, **kwargs: object) -> np.ndarray:
+            raise error
+
+        return out_of_memory
+
+    for error in (MemoryError(), av.error.MemoryError(12, "Cannot allocate memory")):
+        out_of_memory = raising(error)
+
+        with pytest.raises(MediaLimitError, match="ran out of memory decoding this video; ask for fewer or smaller"):
+            with decoder.iter_groups(data, SamplingOptions(num_frames=6), group_size=2, frame_resize=out_of_memory) as stream:
+                list(stream)
+        monkeypatch.setattr(simple_decoder, "frame_to_rgb", out_of_memory)
+        with pytest.raises(MediaLimitError, match="ran out of memory decoding this video"):
+            simple_decoder.decode(data, SamplingOptions(num_frames=6))
+        monkeypatch.undo()
+    # The decoder still serves the next request.
+    assert decoder.decode(data, SamplingOptions(num_frames=6)).frames.shape[0] == 6
+
+
 def test_a_worker_seeking_back_to_the_first_interval_lands_at_the_start(video_factory):
     """A worker that took a later interval first (its own share, or one stolen from another) seeks
     back for the first one. Seeking to the first frame's own pts in MPEG-TS lands a GOP later, and
