@@ -167,7 +167,7 @@ def decode_limits(args: argparse.Namespace, with_upload_limit: bool = True) -> D
 def web_demo_config(args: argparse.Namespace) -> WebDemoConfig:
     """The gateway's demo decodes: its flags, or (`epd serve --colocate`) the encoder's limits."""
     return WebDemoConfig(
-        max_concurrent_decodes=getattr(args, "demo_max_concurrent_decodes", WebDemoConfig.max_concurrent_decodes),
+        max_concurrent_decodes=args.demo_max_concurrent_decodes,
         limits=decode_limits(args, with_upload_limit=False),
     )
 

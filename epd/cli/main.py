@@ -508,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
     serve.add_argument("--max-requests-per-client", type=int, default=8,
                        help="requests one client (peer IP) may have in flight (the gateway's limit)")
+    serve.add_argument("--demo-max-concurrent-decodes", type=int, default=WebDemoConfig.max_concurrent_decodes,
+                       help="web demo decodes at once in the gateway, on their own threads; more get 429")
     g = serve.add_argument_group("replicas and supervision (the stack on loopback)")
     replicas = _count("a number of replicas", MAX_REPLICAS, "replicas")
     for role in ("encoder", "prefill", "decode"):

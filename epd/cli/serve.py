@@ -322,6 +322,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                            "--stage-attempt-timeout", str(args.stage_attempt_timeout),
                            "--http-port", str(args.http_port), "--max-requests-per-client",
                            str(args.max_requests_per_client), "--max-upload-bytes", str(args.max_upload_bytes),
+                           "--demo-max-concurrent-decodes", str(args.demo_max_concurrent_decodes),
                            *decode_limit_flags(args)]  # the web demo decodes under the encoders' limits
     return commands
 

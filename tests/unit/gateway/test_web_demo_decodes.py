@@ -165,10 +165,13 @@ def test_the_gateway_flags_set_the_demo_and_the_stack_passes_the_encoders_limits
     demo = configs.gateway_config(args).http.demo
     assert demo.max_concurrent_decodes == 3
     assert (demo.limits.max_duration_s, demo.limits.max_source_pixels) == (30.0, 4096)
-    stack = build_parser().parse_args(["serve", "--max-duration-s", "30", "--max-decode-s", "7"])
+    stack = build_parser().parse_args(["serve", "--max-duration-s", "30", "--max-decode-s", "7",
+                                       "--demo-max-concurrent-decodes", "5"])
     gateway = stack_commands(stack)["gateway"]
     assert gateway[gateway.index("--max-duration-s") + 1] == "30.0"
     assert gateway[gateway.index("--max-decode-s") + 1] == "7.0"
-    colocated = configs.colocated_gateway_config(build_parser().parse_args(["serve", "--colocate",
-                                                                            "--max-duration-s", "30"]))
+    assert gateway[gateway.index("--demo-max-concurrent-decodes") + 1] == "5"
+    colocated = configs.colocated_gateway_config(build_parser().parse_args([
+        "serve", "--colocate", "--max-duration-s", "30", "--demo-max-concurrent-decodes", "4"]))
     assert colocated.http.demo.limits.max_duration_s == 30.0
+    assert colocated.http.demo.max_concurrent_decodes == 4
