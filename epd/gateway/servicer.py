@@ -10,7 +10,7 @@ from contextlib import aclosing
 from epd.gateway.admission import Admission, Overloaded, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
-from epd.gateway.shutdown import CallsInFlight, shutdown_error
+from epd.gateway.shutdown import Call, CallsInFlight, shutdown_error
 from epd.stages.contracts import StageEvent, check_cache_salt
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message, question_messages
@@ -39,14 +39,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @rpc_errors
     async def Ask(self, request_iterator, context):
-        # aclosing: a client that goes away closes this generator at its yield; `_ask`'s own
-        # cleanup must run then too, not when the GC finds it.
-        with self.in_flight.tracking():
-            async with aclosing(self._ask(request_iterator, context)) as responses:
-                async for response in responses:
-                    yield response
+        with self.in_flight.tracking() as call:
+            try:
+                # aclosing: a client that goes away closes this generator at its yield; `_ask`'s
+                # own cleanup must run then too, not when the GC finds it.
+                async with aclosing(self._ask(request_iterator, context, call)) as responses:
+                    async for response in responses:
+                        with call.sending():  # gRPC holds the task until the message is sent
+                            yield response
+            except asyncio.CancelledError:
+                if not call.was_cut:
+                    raise  # its client went away
+                raise shutdown_error(call.num_tokens, call.request_id) from None
 
-    async def _ask(self, request_iterator, context):
+    async def _ask(self, request_iterator, context, call: Call):
         started = time.perf_counter()
         try:
             key = bearer_token(context.invocation_metadata()) if self.config.http.api_keys else ""
@@ -75,24 +81,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
             # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
             # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.
+            call.request_id = request.request_id
             events = self.pipeline.ask(request)
-            num_tokens = 0
-            try:
-                async with aclosing(events):  # type: ignore[type-var]
-                    async for item in events:
-                        if isinstance(item, StageEvent):
-                            at_ms = (time.perf_counter() - started) * 1e3
-                            yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
-                        elif isinstance(item, AskSummary):
-                            yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
-                        else:
-                            num_tokens += len(item.token_ids)
-                            delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
-                            yield gateway_pb2.AskResponse(delta=delta)
-            except asyncio.CancelledError:
-                if not self.in_flight.cutting:
-                    raise  # its client went away
-                raise shutdown_error(num_tokens, request.request_id) from None
+            async with aclosing(events):  # type: ignore[type-var]
+                async for item in events:
+                    if isinstance(item, StageEvent):
+                        at_ms = (time.perf_counter() - started) * 1e3
+                        yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
+                    elif isinstance(item, AskSummary):
+                        yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
+                    else:
+                        call.num_tokens += len(item.token_ids)
+                        delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
+                        yield gateway_pb2.AskResponse(delta=delta)
 
 
 def messages_of(header: gateway_pb2.AskHeader) -> list[Message]:

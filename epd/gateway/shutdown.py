@@ -9,6 +9,9 @@ answer; UNAVAILABLE would invite a retry as if nothing had happened). Left to gR
 own stop, a gRPC client got UNAVAILABLE "Cancelling all calls" after hundreds of tokens, an HTTP
 client a dropped connection, and a streamed answer a cut chunk with no error and no [DONE].
 Both APIs use it; the statuses map to HTTP as every other error does (`http_error_of`).
+A gRPC call that gRPC itself holds at the cut (sending a message the handler yielded) is not
+cancelled there, where gRPC would swallow the cancel, but when it hands the call back
+(`Call.sending`).
 """
 
 from __future__ import annotations
@@ -23,33 +26,62 @@ from epd.stages.errors import EpdError, Unavailable
 from epd.transport.errors import UpstreamError
 
 
+class Call:
+    """One answer in flight: its task, and whether gRPC holds that task now (sending a message the
+    handler yielded)."""
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.was_cut = False
+        self._sending = False
+        self.request_id = ""
+        self.num_tokens = 0
+        """What the answer has reached so far, for its status if it is cut (`shutdown_error`)."""
+
+    @contextmanager
+    def sending(self) -> Iterator[None]:
+        """Around a gRPC handler's `yield`. A cancel that lands while gRPC sends what was yielded
+        raises CancelledError inside gRPC's own code, which swallows it: the call then ended
+        UNAVAILABLE "Cancelling all calls" at gRPC's stop, without the gateway's status. So `cut`
+        leaves such a call alone and it is cut here, when gRPC hands it back."""
+        self._sending = True
+        try:
+            yield
+        finally:
+            self._sending = False
+        if self.was_cut:
+            raise asyncio.CancelledError
+
+    def cut(self) -> None:
+        self.was_cut = True
+        if self.task is not None and not self._sending:
+            self.task.cancel()
+
+
 class CallsInFlight:
-    """The tasks answering a request now (aiohttp's per-connection tasks, gRPC's per-call ones)."""
+    """The answers being given now (aiohttp's per-connection tasks, gRPC's per-call ones)."""
 
     def __init__(self) -> None:
-        self._tasks: set[asyncio.Task] = set()
+        self._calls: set[Call] = set()
         self.cutting = False
         """Set by `cut`: a CancelledError in a handler is the shutdown's, not its client's."""
 
     @contextmanager
-    def tracking(self) -> Iterator[None]:
-        task = asyncio.current_task()
-        if task is None:
-            yield
-            return
-        self._tasks.add(task)
+    def tracking(self) -> Iterator[Call]:
+        call = Call(asyncio.current_task())
+        self._calls.add(call)
         try:
-            yield
+            yield call
         finally:
-            self._tasks.discard(task)
+            self._calls.discard(call)
 
     def cut(self) -> list[asyncio.Task]:
         """Cancel every answer still in flight; returns their tasks."""
         self.cutting = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        return tasks
+        calls = list(self._calls)
+        for call in calls:
+            call.cut()
+        return [call.task for call in calls if call.task is not None]
 
     async def cut_and_wait(self, timeout_s: float) -> None:
         """`cut`, then give the handlers `timeout_s` to send their statuses."""
@@ -58,10 +90,11 @@ class CallsInFlight:
 
 
 def shutdown_error(num_tokens: int, request_id: str) -> EpdError:
-    """What a request cut at shutdown ends with (see the module docstring)."""
+    """What a request cut at shutdown ends with (see the module docstring). `request_id` is empty
+    when the cut came before the request said it (a gRPC upload being read)."""
+    which = f" (request id {request_id})" if request_id else ""
     if not num_tokens:
-        return Unavailable(f"the server is shutting down (its grace period is over); retry the request "
-                           f"(request id {request_id})")
+        return Unavailable(f"the server is shutting down (its grace period is over); retry the request{which}")
     return UpstreamError(grpc.StatusCode.ABORTED,
                          f"the server shut down after {num_tokens} tokens (its grace period was over); the "
-                         f"answer is incomplete; retry the request (request id {request_id})")
+                         f"answer is incomplete; retry the request{which}")
