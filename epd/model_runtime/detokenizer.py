@@ -98,15 +98,19 @@ class OutputText:
         "stop" or "length"; what was held back is released with it)."""
         self.num_tokens += 1
         may_stop = self.num_tokens >= self.config.min_tokens
-        stop_token = may_stop and token_id in self.stop_token_ids
+        # vLLM v1's order (`check_stop`, then its detokenizer): the length cap first, so that an
+        # end-of-sequence or stop token drawn as the last allowed token ends the answer "length"
+        # (and a stop token's text is then kept); a stop string found in that token's text still
+        # makes it "stop".
+        length = self.num_tokens >= self.config.max_new_tokens
+        stop_token = may_stop and not length and token_id in self.stop_token_ids
+        eos = may_stop and not length and token_id in self.eos_token_ids and not self.config.ignore_eos
         # A stop token's text is not the answer's (vLLM's), unless asked for; the text held back
         # before it is released by the flush below.
         delta = "" if stop_token and not self.config.include_stop_str_in_output else self.text.add(token_id)
-        if self.text.stopped or stop_token:
+        if self.text.stopped or stop_token or eos:
             self.finish_reason = "stop"
-        elif may_stop and token_id in self.eos_token_ids and not self.config.ignore_eos:
-            self.finish_reason = "stop"
-        elif self.num_tokens >= self.config.max_new_tokens:
+        elif length:
             self.finish_reason = "length"
         if self.finish_reason:
             delta += self.text.flush()
