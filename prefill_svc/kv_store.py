@@ -46,6 +46,8 @@ class KvStoreStats:
     """At their TTL: a decoder or gateway died, or decode did not pull in time."""
     num_released: int
     """Their request ended first (cancelled, failed, or its decoder could not pull)."""
+    num_refused: int = 0
+    """Not stored: the store was full (`put` raised Busy; the request failed RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
@@ -71,6 +73,7 @@ class KvStore:
         self.num_expired = 0
         self.num_released = 0
         self.num_confirmed = 0
+        self.num_refused = 0
 
     def put(self, cache: KvCache, handle: str = "") -> str:
         """Store `cache` under `handle` (the caller's, `check_handle`) or a new one; returns it."""
@@ -80,6 +83,7 @@ class KvStore:
             if handle in self._entries:
                 raise InvalidRequest("that kv_handle already names a stored KV cache; send a new random one")
             if self.num_bytes + size > self.max_bytes:
+                self.num_refused += 1
                 raise Busy(
                     f"prefill holds {self.num_bytes} bytes of KV caches waiting for decoders and this "
                     f"one needs {size} more (limit {self.max_bytes}); retry shortly or add decode capacity"
@@ -144,7 +148,8 @@ class KvStore:
             # showing caches whose TTL has passed, and not count them as expired.
             self._expire()
             return KvStoreStats(
-                len(self._entries), self.num_bytes, self.max_bytes, self.num_expired, self.num_released
+                len(self._entries), self.num_bytes, self.max_bytes, self.num_expired, self.num_released,
+                self.num_refused,
             )
 
     def __len__(self) -> int:

@@ -105,6 +105,7 @@ class LocalPrefillStage(PrefillStage):
             kv_store_total_bytes=kv.max_bytes,
             kv_store_expired=kv.num_expired,
             kv_store_released=kv.num_released,
+            kv_store_refused=kv.num_refused,
         )
 
     async def close(self) -> None:

@@ -202,6 +202,12 @@ _KV_STORE_DROPPED = (
 _KV_STORE_DROP_REASONS = [("expired", "kv_store_expired"), ("released", "kv_store_released")]
 _PREFILL_STAGE = "prefill"
 _PREFILL_GAUGES = _PREFIX_GAUGES + _KV_STORE_GAUGES
+_PREFILL_COUNTERS = _PREFIX_COUNTERS + [(
+    "epd_kv_store_refused_total",
+    "KV caches prefill's store refused for want of room (--kv-store-bytes), since start: requests "
+    "answered RESOURCE_EXHAUSTED after their prefill, because decoders pull too slowly or too few.",
+    "kv_store_refused",
+)]
 
 Family = GaugeMetricFamily | CounterMetricFamily
 
@@ -284,4 +290,4 @@ class EngineLoadCollector:
             ]
 
         dropped = CounterMetricFamily(*_KV_STORE_DROPPED, labels=[*LABELS, "reason"])
-        return of(_GAUGES, _COUNTERS), of(_PREFILL_GAUGES, _PREFIX_COUNTERS), dropped
+        return of(_GAUGES, _COUNTERS), of(_PREFILL_GAUGES, _PREFILL_COUNTERS), dropped

@@ -87,6 +87,12 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter("epd_prompt_tokens_total", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("epd_generation_tokens_total", "Tokens generated.", registry=r)
+        self.transfer_bytes = Counter(
+            "epd_transfer_bytes_total",
+            "Tensor bytes answered requests moved between processes (embeddings, the KV cache, "
+            "eviction masks; each request's transfer_bytes, docs/architecture.md).",
+            registry=r,
+        )
         self.cache_hits = Counter(
             "epd_encoder_cache_hits_total",
             "Requests whose visual tokens came from the encoder cache.",
@@ -159,6 +165,7 @@ class GatewayMetrics:
         self.visual_tokens.observe(kept)
         self.prompt_tokens.inc(summary.num_prompt_tokens)
         self.generation_tokens.inc(num_tokens)
+        self.transfer_bytes.inc(summary.pruning.transfer_bytes)
         if summary.encoder_cache_hit:
             self.cache_hits.inc()
 

@@ -97,6 +97,8 @@ class EngineLoad:
     """Caches dropped at their TTL (--kv-ttl) before a decoder confirmed them, since start."""
     kv_store_released: int = 0
     """Caches released (their request ended) before a decoder confirmed them, since start."""
+    kv_store_refused: int = 0
+    """Caches the store refused for want of room (--kv-store-bytes), since start."""
 
 
 class Scheduler(ABC, Generic[R]):

@@ -220,7 +220,7 @@ def test_prefills_kv_store_is_on_the_prefill_samples_only():
     stages' samples have none (their cores have no KV store)."""
     prefill = EngineLoad(
         "prefill", kv_store_caches=2, kv_store_used_bytes=3000, kv_store_total_bytes=8000,
-        kv_store_expired=4, kv_store_released=5,
+        kv_store_expired=4, kv_store_released=5, kv_store_refused=6,
     )  # fmt: skip
     decode = EngineLoad("decode", memory_used_bytes=3000, memory_total_bytes=9000)
     metrics = _metered(FakeStage(EngineLoad("encoder")), FakeStage(prefill), FakeStage(decode))
@@ -231,6 +231,7 @@ def test_prefills_kv_store_is_on_the_prefill_samples_only():
         ("epd_kv_store_total_bytes", ""): ("gauge", 8000),
         ("epd_kv_store_dropped_total", "expired"): ("counter", 4),
         ("epd_kv_store_dropped_total", "released"): ("counter", 5),
+        ("epd_kv_store_refused_total", ""): ("counter", 6),
     }
     for (name, reason), (kind, value) in expected.items():
         assert f"# TYPE {name} {kind}" in text, name

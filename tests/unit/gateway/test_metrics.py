@@ -11,6 +11,7 @@ from epd.gateway.pipeline import AskSummary
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.stages.names import Stage
+from epd.token_pruning import PruningStats
 
 TTFT = "epd_time_to_first_token_seconds"
 TPOT = "epd_time_per_output_token_seconds"
@@ -40,6 +41,8 @@ def test_exposition_keeps_every_name_label_and_type():
         "epd_prompt_tokens_total 0.0",
         "epd_generation_tokens_total 0.0",
         "epd_encoder_cache_hits_total 0.0",
+        "# TYPE epd_transfer_bytes_total counter",
+        "epd_transfer_bytes_total 0.0",
         'epd_http_responses_total{code="200",route="/v1/models"} 2.0',
     ):
         assert line in text.splitlines(), line
@@ -65,7 +68,7 @@ def _summary(num_tokens: int, cache_hit: bool) -> AskSummary:
     return AskSummary(
         request_id="r", answer="abc", token_ids=list(range(num_tokens)), finish_reason="length", num_frames=4,
         num_visual_tokens=48, num_prompt_tokens=60, timings_ms={}, kv_num_bytes=0, encoder_cache_hit=cache_hit,
-        media_sha256="", frame_timestamps_s=[],
+        media_sha256="", frame_timestamps_s=[], pruning=PruningStats(transfer_bytes=1234),
     )  # fmt: skip
 
 
@@ -92,6 +95,7 @@ def test_track_records_a_successful_run():
     assert m.value("epd_prompt_tokens_total") == 60
     assert m.value("epd_request_visual_tokens_count") == 1
     assert m.value("epd_encoder_cache_hits_total") == 1
+    assert m.value("epd_transfer_bytes_total") == 1234
     assert m.value("epd_requests_in_flight") == 0
 
 

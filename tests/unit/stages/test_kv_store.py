@@ -7,7 +7,7 @@ import torch
 
 from epd.model_runtime.kv_cache import KvCache
 from epd.prefill_svc.kv_store import KvStore, KvStoreStats
-from epd.stages.errors import NotFound
+from epd.stages.errors import Busy, NotFound
 
 
 def _cache(num_tokens: int = 3) -> KvCache:
@@ -105,3 +105,16 @@ def test_stats_count_what_is_held_and_what_was_dropped_before_a_decoder_had_it()
     assert store.stats() == KvStoreStats(0, 0, 10 * size, 1, 1)
     assert store.release(expiring) is False  # already counted as expired, not again as released
     assert store.stats() == KvStoreStats(0, 0, 10 * size, 1, 1)
+
+
+def test_stats_count_the_caches_refused_for_want_of_room():
+    """Each refusal is a request that failed after its prefill ran: its own counter, so an
+    operator sees decoders pulling too slowly before users report RESOURCE_EXHAUSTED."""
+    size = _cache().num_bytes
+    store = KvStore(max_bytes=2 * size, ttl_s=5)
+    store.put(_cache())
+    store.put(_cache())
+    for _ in range(3):
+        with pytest.raises(Busy, match="limit"):
+            store.put(_cache())
+    assert store.stats() == KvStoreStats(2, 2 * size, 2 * size, 0, 0, num_refused=3)
