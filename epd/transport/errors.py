@@ -54,6 +54,19 @@ RETRY_AFTER_KEY = "epd-retry-after-s"
 mark survives every hop: stage -> gateway -> client (HTTP 429 + Retry-After)."""
 
 
+REPLICA_STAYS_KEY = "epd-replica-stays"
+"""Trailing metadata of an UNAVAILABLE that is one request's failure on a replica that goes on
+serving (`DecoderCrashed`: its decoder child died and was replaced). The gateway then neither
+counts the replica as lost nor sends the request to another replica (a video that crashes the
+decoder would crash each one in turn), and passes the stage's own message on instead of its fixed
+"unavailable" text, since it was written for the client. The client may still retry."""
+_REPLICA_STAYS: tuple[type[BaseException], ...] = (DecoderCrashed,)
+
+
+def _replica_stays(exc: grpc.aio.AioRpcError) -> bool:
+    return any(key == REPLICA_STAYS_KEY for key, _ in exc.trailing_metadata() or ())
+
+
 class UpstreamError(EpdError):
     """A downstream service answered with a status; the gateway passes it on (see `stage_error`)."""
 
@@ -92,6 +105,8 @@ def replica_lost(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed try says its replica is gone (not the request's own failure): UNAVAILABLE,
     or gRPC's INTERNAL for a send on a broken connection."""
     code = exc.code()
+    if _replica_stays(exc):
+        return False
     return code == grpc.StatusCode.UNAVAILABLE or (
         code == grpc.StatusCode.INTERNAL and (exc.details() or "").startswith(LOST_WHILE_SENDING)
     )
@@ -108,7 +123,7 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> Upstr
         return UpstreamError(code, f"the request is larger than the {stage} stage takes in one message "
                                    f"({MAX_MESSAGE_BYTES >> 20} MiB of conversation text and settings); send a "
                                    f"shorter conversation (request id {request_id})")
-    if what is None:
+    if what is None or _replica_stays(exc):
         return UpstreamError(code, exc.details() or f"{stage} stage failed (request id {request_id})",
                              retry_after_of(exc))
     log.warning(
@@ -180,6 +195,8 @@ def rpc_errors(method):
             log.info("%s -> %s: %s", method.__qualname__, code.name, message)
         retry_after_s = retry_after_of(exc)
         metadata = ((RETRY_AFTER_KEY, str(retry_after_s)),) if retry_after_s is not None else ()
+        if isinstance(exc, _REPLICA_STAYS):
+            metadata += ((REPLICA_STAYS_KEY, "1"),)
         await context.abort(code, message, trailing_metadata=metadata)
 
     if inspect.isasyncgenfunction(method):

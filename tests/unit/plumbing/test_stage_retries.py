@@ -16,19 +16,32 @@ from epd.gateway.engine_load import refresh_routing_loads
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import PrefillHandle
 from epd.stages.engine_core import EngineLoad
-from epd.transport.errors import UpstreamError
+from epd.transport.errors import UpstreamError, rpc_errors
 from epd.transport.load_servicer import with_load_service
 from epd.transport.remote_stages import RemoteDecodeStage, ReplicaPool
 from epd.v1 import decode_pb2, decode_pb2_grpc
+from epd.video.decord_backend import DECODER_CRASHED
+from epd.video.types import DecoderCrashed
 from tests.unit.plumbing.grpc_fakes import start_server, unary
 
 TIMEOUT_S = 20.0
 KEY = "cd" * 32
 
 
+class _CrashingDecoder:
+    """A service method that fails as an encoder does when its decord child dies mid-request,
+    through the real error mapping (`rpc_errors`)."""
+
+    @rpc_errors
+    async def who(self, request: bytes, context) -> bytes:
+        raise DecoderCrashed(DECODER_CRASHED)
+
+
 def _methods(name: bytes, calls: list[bytes], behaviour: str) -> dict[str, grpc.RpcMethodHandler]:
     async def who(request: bytes, context) -> bytes:
         calls.append(name)
+        if behaviour == "decoder-crashed":
+            return await _CrashingDecoder().who(request, context)
         if behaviour == "hang":
             await asyncio.sleep(TIMEOUT_S)
         if behaviour == "own-deadline":  # the service's own answer, not our attempt timeout
@@ -84,6 +97,30 @@ def test_a_services_own_deadline_status_is_the_requests_and_not_retried():
                 await pool.call("", _who, "encode", "r", TIMEOUT_S)
             assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and calls == [b"slow"]
             assert pool.chooser.healthy() == pool.addresses
+        finally:
+            await pool.close()
+            for s in servers:
+                await s.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_decoder_crash_is_the_requests_failure_not_its_replicas_and_keeps_its_message():
+    """The encoder answers UNAVAILABLE when its decord child dies (the replica serves on, with a
+    fresh child). The gateway took it for a lost replica: it held the replica back, sent the
+    request to the next one (a video that crashes decord crashed each replica's child in turn),
+    and replaced the message by "encode stage unavailable"."""
+
+    async def scenario():
+        calls: list[bytes] = []
+        names, servers = await _servers({b"crash": "decoder-crashed", b"ok": "ok"}, calls)
+        pool = ReplicaPool([names[b"crash"], names[b"ok"]], attempt_timeout_s=5.0)
+        try:
+            with pytest.raises(UpstreamError) as err:
+                await pool.call("", _who, "encode", "r", TIMEOUT_S)
+            assert (err.value.code, str(err.value)) == (grpc.StatusCode.UNAVAILABLE, DECODER_CRASHED)
+            assert calls == [b"crash"]  # not tried again on the other replica
+            assert pool.chooser.healthy() == pool.addresses  # not held back
         finally:
             await pool.close()
             for s in servers:
