@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from epd.token_pruning.text_guided import (
         PrefillDropResult,
         dual_rule_select,
-        question_query_positions,
         text_guided_drop,
         text_query_positions,
     )
@@ -67,7 +66,7 @@ _LAZY = {
     "SparseVisionInputs": "temporal", "TemporalDropResult": "temporal", "sparse_vision_inputs": "temporal",
     "temporal_redundancy_mask": "temporal",
     "PrefillDropResult": "text_guided", "dual_rule_select": "text_guided",
-    "question_query_positions": "text_guided", "text_guided_drop": "text_guided",
+    "text_guided_drop": "text_guided",
     "text_query_positions": "text_guided",
 }  # fmt: skip
 
@@ -104,7 +103,6 @@ __all__ = [
     "key_token_scores",
     "prefill_flops",
     "prompt_keep_indices",
-    "question_query_positions",
     "received_attention",
     "resolve_keep_count",
     "staged_keep_counts",

@@ -75,7 +75,8 @@ class PruningConfig:
     pipeline's budget and the prefill drop removes only what the (cheap, content-aware) encode
     stages left above it, and nothing when they already went below it."""
     prefill_query_window: int = 0
-    """Score with the last this-many prompt tokens as queries; 0 = all text after the video."""
+    """The last this-many tokens of the text after the video score the visual tokens; 0 = all
+    that text. A longer window is clamped to it (`text_guided.text_query_positions`)."""
 
     # --- KV compression after prefill (LOOK-M) ------------------------------------------------
     kv_compress: bool = False

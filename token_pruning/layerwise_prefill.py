@@ -26,7 +26,7 @@ import torch
 
 from epd.model_runtime.adapter import LayerwisePass, VLMAdapter
 from epd.token_pruning.budget import resolve_keep_count, staged_keep_counts
-from epd.token_pruning.text_guided import PrefillDropResult, question_query_positions, text_guided_drop
+from epd.token_pruning.text_guided import PrefillDropResult, text_guided_drop, text_query_positions
 
 
 @dataclass
@@ -102,7 +102,7 @@ def prefill_with_drop(
     for start, stop in zip(bounds, bounds[1:]):
         if start in budget:
             length_now = run.num_tokens
-            queries = question_query_positions(length_now, visual_now, query_window)
+            queries = text_query_positions(length_now, visual_now, query_window)
             q, k = run.layer_queries(start, queries)
             drop = text_guided_drop(q, k, queries, visual_now, keep_count=budget[start], key_mask=key_now)
             here = drop.keep_indices  # [L_next] indices into the current sequence

@@ -29,31 +29,20 @@ from epd.token_pruning.budget import resolve_keep_count
 from epd.token_pruning.positions import prompt_keep_indices
 
 
-def question_query_positions(seq_len: int, visual_index: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """[Q] long: the last `window` positions, or (window=0) every position after the last visual token.
-    On `visual_index`'s device."""
-    device = visual_index.device
-    if window > 0:
-        return torch.arange(max(0, seq_len - window), seq_len, device=device)
-    start = int(visual_index.max()) + 1 if visual_index.numel() else 0
-    if start >= seq_len:
-        raise ValueError("the prompt has no text after the video to score it with; set a query window")
-    return torch.arange(start, seq_len, device=device)
-
-
 def text_query_positions(seq_len: int, visual_index: torch.Tensor, window: int = 0) -> torch.Tensor:
     """[Q] long: the text after the last visual token, or its last `window` positions (0 = all).
 
-    The KV compression's queries: LOOK-M's scores are text-prior, what the text after the video
-    (the question) attends to. A window longer than that text is clamped to it: tokens before the
-    video see no visual entry (causal), and visual tokens are not text and may be dropped at a
-    prefill drop layer before the later layers are scored. So every query follows every visual
-    token, and after a drop of n visual tokens it sits exactly n places earlier. On
-    `visual_index`'s device.
+    The queries of the text-guided prefill drop and of the KV compression: both scores are
+    text-prior, what the text after the video (the question) attends to. A window longer than that
+    text is clamped to it: tokens before the video see no visual entry (causal); a visual token as
+    a query would score the video by what it attends to itself (only the frames before it), and
+    visual tokens may be dropped at a prefill drop layer before the later layers are scored. So
+    every query follows every visual token, and after a drop of n visual tokens it sits exactly n
+    places earlier. On `visual_index`'s device.
     """
     start = int(visual_index.max()) + 1 if visual_index.numel() else 0
     if start >= seq_len:
-        raise ValueError("the prompt has no text after the video to score the KV entries with")
+        raise ValueError("the prompt has no text after the video to score its visual tokens with")
     if window > 0:
         start = max(start, seq_len - window)
     return torch.arange(start, seq_len, device=visual_index.device)

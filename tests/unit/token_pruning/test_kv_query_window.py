@@ -59,3 +59,30 @@ def test_a_window_into_the_video_scores_with_the_text_after_it(tiny_models, medi
     for layer in range(len(caches[0].keys)):
         assert torch.equal(caches[60].keys[layer], caches[0].keys[layer])
         assert torch.equal(caches[60].values[layer], caches[0].values[layer])
+
+
+def test_a_prefill_drop_window_into_the_video_scores_with_the_text_after_it(tiny_models, media_files):
+    """The same clamp for the prefill drop's `prefill_query_window`: a window reaching into the
+    video made visual tokens queries of the text-guided drop (each scoring the video by what it
+    attends to itself, the frames before it), and so kept other tokens than the question would."""
+    adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "all")
+    video = decode_for_test(media_files["mp4"], 8)
+    inputs = adapter.preprocess(video)
+    embeds = adapter.encode(inputs)
+    meta = VisualMeta("video", inputs.grid_thw, inputs.second_per_grid_t, int(embeds.shape[0]))
+    media = EncodedMedia(embeds, meta, video.num_frames, [], 0.0, 0.0)
+    engine = PrefillEngine(PrefillConfig(), adapter)
+    kept, caches = {}, {}
+    for window in (0, 60):
+        config = PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.5,
+                               prefill_query_window=window)  # fmt: skip
+        request = engine.prepare(question_messages("what colour is the moving square?"), media,
+                                 GenerationConfig(max_new_tokens=1), config)  # fmt: skip
+        out = engine.prefill_pruned(request)
+        kept[window], caches[window] = out.handle.kept_visual_token_index, out.cache
+
+    visual = request.prompt.visual_mask.nonzero().flatten()
+    assert request.prompt.num_tokens - int(visual.max()) - 1 < 60  # the window reaches into the video
+    assert kept[60] == kept[0]
+    for layer in range(len(caches[0].keys)):
+        assert torch.equal(caches[60].keys[layer], caches[0].keys[layer])

@@ -6,7 +6,6 @@ from epd.token_pruning.attention_scores import received_attention
 from epd.token_pruning.positions import gather_prompt, prompt_keep_indices, visual_positions
 from epd.token_pruning.text_guided import (
     dual_rule_select,
-    question_query_positions,
     text_guided_drop,
     text_query_positions,
 )
@@ -91,7 +90,7 @@ def test_text_guided_drop_meets_budget_and_keeps_positions():
     input_ids = torch.tensor([[1, 2, 3, 4] + [video_id] * 24 + [5, 6, 7, 8, 9, 10]])
     visual = visual_positions(input_ids, video_id)
     q, k, _ = _qk(seq=34, queries=6)
-    qpos = question_query_positions(34, visual)
+    qpos = text_query_positions(34, visual)
     assert qpos.tolist() == list(range(28, 34))
     g = torch.Generator().manual_seed(1)
     position_ids = torch.randint(0, 50, (4, 1, 34), generator=g)
@@ -119,7 +118,7 @@ def test_prompt_keep_indices_and_errors():
     ]
     assert prompt_keep_indices(8, visual, torch.tensor([0, 2])).tolist() == [0, 1, 2, 4, 6, 7]
     with pytest.raises(ValueError, match="no text after the video"):
-        question_query_positions(6, visual)
+        text_query_positions(6, visual)
     with pytest.raises(ValueError, match=r"must be \[1, L\]"):
         visual_positions(torch.zeros(2, 3, dtype=torch.long), 0)
 

@@ -6,7 +6,7 @@ import torch
 from epd.token_pruning.attention_scores import received_attention
 from epd.token_pruning.positions import gather_prompt, visual_positions
 from epd.token_pruning.query_capture import QueryCapture
-from epd.token_pruning.text_guided import question_query_positions, text_guided_drop
+from epd.token_pruning.text_guided import text_guided_drop, text_query_positions
 
 VIDEO_ID = 60
 
@@ -93,7 +93,7 @@ def test_captured_queries_score_exactly_the_models_attention(model, prompt):
     input_ids, embeds, position_ids = prompt
     lm = model.language_model
     visual = visual_positions(input_ids, VIDEO_ID)
-    qpos = question_query_positions(input_ids.shape[1], visual)
+    qpos = text_query_positions(input_ids.shape[1], visual)
     with QueryCapture(lm.layers, layers=[1, 2], query_index=qpos) as cap:
         out = lm(inputs_embeds=embeds, position_ids=position_ids, output_attentions=True, use_cache=False)
     for layer in (1, 2):
@@ -231,7 +231,7 @@ def test_compressed_cache_decodes_and_full_budget_changes_nothing(model, prompt)
     lm = model.language_model
     seq = input_ids.shape[1]
     visual = visual_positions(input_ids, VIDEO_ID)
-    qpos = question_query_positions(seq, visual)
+    qpos = text_query_positions(seq, visual)
     with QueryCapture(lm.layers, layers=range(3), query_index=qpos) as cap:
         prefill = lm(inputs_embeds=embeds, position_ids=position_ids, use_cache=True)
     caches = [(layer.keys, layer.values) for layer in prefill.past_key_values.layers]
