@@ -23,7 +23,8 @@ from epd.token_pruning import PruningConfig, resolve_keep_count
 from tests.reference import decode_for_test
 
 
-def test_a_window_into_the_video_scores_with_the_text_after_it(tiny_models, media_files, monkeypatch):
+def _engine_and_media(tiny_models, media_files) -> tuple[PrefillEngine, EncodedMedia]:
+    """The tiny Qwen2-VL's prefill engine and the sample's 8 frames, encoded."""
     adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "all")
     video = decode_for_test(media_files["mp4"], 8)
     inputs = adapter.preprocess(video)
@@ -31,6 +32,11 @@ def test_a_window_into_the_video_scores_with_the_text_after_it(tiny_models, medi
     meta = VisualMeta("video", inputs.grid_thw, inputs.second_per_grid_t, int(embeds.shape[0]))
     media = EncodedMedia(embeds, meta, video.num_frames, [], 0.0, 0.0)
     engine = PrefillEngine(PrefillConfig(), adapter)
+    return engine, media
+
+
+def test_a_window_into_the_video_scores_with_the_text_after_it(tiny_models, media_files, monkeypatch):
+    engine, media = _engine_and_media(tiny_models, media_files)
 
     query_positions: list[torch.Tensor] = []  # [Q] per call: the scores' queries in the dropped sequence
     score = pruned_prefill_module.text_prior_scores
@@ -65,13 +71,7 @@ def test_a_prefill_drop_window_into_the_video_scores_with_the_text_after_it(tiny
     """The same clamp for the prefill drop's `prefill_query_window`: a window reaching into the
     video made visual tokens queries of the text-guided drop (each scoring the video by what it
     attends to itself, the frames before it), and so kept other tokens than the question would."""
-    adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "all")
-    video = decode_for_test(media_files["mp4"], 8)
-    inputs = adapter.preprocess(video)
-    embeds = adapter.encode(inputs)
-    meta = VisualMeta("video", inputs.grid_thw, inputs.second_per_grid_t, int(embeds.shape[0]))
-    media = EncodedMedia(embeds, meta, video.num_frames, [], 0.0, 0.0)
-    engine = PrefillEngine(PrefillConfig(), adapter)
+    engine, media = _engine_and_media(tiny_models, media_files)
     kept, caches = {}, {}
     for window in (0, 60):
         config = PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.5,
