@@ -113,6 +113,30 @@ def many_tracks_mkv(num_tracks: int) -> bytes:
     return buf.getvalue()
 
 
+def many_streams_ts(num_streams: int) -> bytes:
+    """MPEG-TS with one MPEG-2 video stream (25 frames of 64x64) and `num_streams` - 1 MP2 audio
+    streams, all declared in its PMT (which the demuxer reads as it meets it, not in a header)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mpegts") as out:
+        video = out.add_stream("mpeg2video", rate=25)
+        video.width = video.height = 64
+        video.pix_fmt = "yuv420p"
+        audio = [out.add_stream("mp2", rate=48000) for _ in range(num_streams - 1)]
+        for i in range(25):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 8 * i, np.uint8), format="rgb24")
+            frame.pts = i
+            out.mux(video.encode(frame))
+        for stream in audio:
+            silence = av.AudioFrame.from_ndarray(np.zeros((1, 1152), np.int16), format="s16", layout="mono")
+            silence.sample_rate, silence.pts = 48000, 0
+            out.mux(stream.encode(silence))
+        for stream in [video, *audio]:
+            out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
 def pcm_mov(num_audio_packets: int = 4) -> bytes:
     """MOV with a 64x48 H.264 track (10 frames) and an 8 kHz mono s16 PCM track, which FFmpeg
     indexes per chunk (its time-to-sample table is one entry of delta 1)."""

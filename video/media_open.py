@@ -232,8 +232,12 @@ def _open_av(
             format=demuxer,
             # Nested opens (a playlist entry, an MP4 data reference) may use no protocol and no
             # other demuxer. An empty protocol_whitelist refuses every protocol, file included.
-            # max_streams: the demuxer gets no stream past the limit (it fails with ENOMEM).
-            container_options={"format_whitelist": demuxer, "protocol_whitelist": "", "max_streams": str(MAX_STREAMS)},
+            # max_streams: the demuxer gets no stream past one over the limit (it fails with ENOMEM,
+            # or, where it declares streams as it meets them, as MPEG-TS does from its PMT, goes on
+            # without them); one over, so that a file over the limit shows it (below).
+            container_options={
+                "format_whitelist": demuxer, "protocol_whitelist": "", "max_streams": str(MAX_STREAMS + 1)
+            },
             # Codec options of the decoders avformat_find_stream_info opens to probe the streams.
             options={"max_pixels": max_pixels},
             # Tags are bytes in whatever encoding the muxer used; we never show them.
@@ -249,6 +253,9 @@ def _open_av(
     try:
         if guard is not None:
             guard.raise_if_stopped()  # the probe saw a short file: do not go on with it
+        if len(container.streams) > MAX_STREAMS:  # an MPEG-TS with 40 streams failed later, "out of memory"
+            raise MediaLimitError(f"the file has more than {MAX_STREAMS} tracks, over this server's limit"
+                                  f"{_FEWER_STREAMS}")  # fmt: skip
         if container.streams.video:
             stream = container.streams.video[0]
             if stream.codec_context is None:  # FFmpeg has no decoder for this codec

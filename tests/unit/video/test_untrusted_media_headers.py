@@ -37,10 +37,27 @@ def test_a_file_of_more_tracks_than_the_limit_is_refused_before_ffmpeg_opens_it(
 
 def test_ffmpeg_itself_creates_no_stream_past_the_limit(tmp_path):
     """For what the header walks do not count (AVI, MPEG-TS, streams made from metadata), FFmpeg's
-    own max_streams stops the demuxer at its first stream past the limit."""
+    own max_streams stops the demuxer one stream past the limit: a file that shows that stream is
+    refused as over the limit, one that fails to open for it (ENOMEM) too."""
+    over = rf"the file has more than {MAX_STREAMS} tracks, over this server's limit .* -map 0:v:0"
+    with pytest.raises(MediaLimitError, match=over):
+        _open_av(hostile_media.many_tracks_mp4(tmp_path, MAX_STREAMS + 1), "mp4", DecodeLimits())
     with pytest.raises(MediaLimitError, match=rf"could not be opened within this server's limit of {MAX_STREAMS} "
                                               r"tracks .* -map 0:v:0"):  # fmt: skip
-        _open_av(hostile_media.many_tracks_mp4(tmp_path, MAX_STREAMS + 1), "mp4", DecodeLimits())
+        _open_av(hostile_media.many_tracks_mp4(tmp_path, MAX_STREAMS + 2), "mp4", DecodeLimits())
+
+
+def test_an_mpeg_ts_of_more_streams_than_the_limit_is_refused_as_such(decoder):
+    """MPEG-TS declares its streams in a PMT that FFmpeg reads as it demuxes: 40 streams failed the
+    demux pass with ENOMEM, answered "the server ran out of memory" (retry later, fewer frames),
+    which cannot help. At the limit it decodes."""
+    assert simple_decoder.decode(hostile_media.many_streams_ts(MAX_STREAMS), SamplingOptions(num_frames=2)) \
+        .frames.shape[0] == 2
+    data = hostile_media.many_streams_ts(40)
+    for entry in _entry_points(decoder).values():
+        with pytest.raises(MediaLimitError, match=rf"more than {MAX_STREAMS} tracks, over this server's limit .* "
+                                                  r"-map 0:v:0"):  # fmt: skip
+            entry(data)
 
 
 # -- sample tables: what FFmpeg indexes inside av.open -----------------------------------------
