@@ -146,6 +146,8 @@ class _Request:
         self.data = data
         self.frame_resize = frame_resize
         """Applied to each target frame before it is stored (`iter_groups`)."""
+        self.decoded_shape: tuple[int, ...] | None = None
+        """[H, W, 3] of the first target frame as decoded, before `frame_resize`."""
         self.index = index
         self.plan = plan
         self.opts = opts
@@ -179,12 +181,18 @@ class _Request:
     def put_frame(self, pts: int, rgb: np.ndarray) -> None:
         """Store the target frame `rgb` [H, W, 3] as decoded, resized by `frame_resize` (on the
         calling worker: only its one frame is ever held at the source size)."""
+        with self.cond:
+            if self.decoded_shape is None:
+                self.decoded_shape = rgb.shape
+        # Compared as decoded, not as resized: two sizes may resize to one (a fixed-size resize
+        # always does), and the reference decoder fails the same way (np.stack of unequal frames).
+        if rgb.shape != self.decoded_shape:
+            raise MediaError(_CORRUPT)
         kept = rgb if self.frame_resize is None else self.frame_resize(rgb)  # [h, w, 3]
         with self.cond:
             if self.out is None:
                 self.out = np.empty((len(self.unique_of_pts), *kept.shape), np.uint8)
         if kept.shape != self.out.shape[1:]:
-            # The reference decoder fails the same way (np.stack of unequal frames).
             raise MediaError(_CORRUPT)
         self.out[self.unique_of_pts[pts]] = kept
 
