@@ -199,6 +199,27 @@ def test_requests_encoding_at_once_each_hold_frames_at_their_own_clips_size(mode
         _assert_same_encoding(got[n], want[n])
 
 
+def test_the_decord_backend_which_keeps_frames_as_decoded_gives_the_same_qwen3_encoding(models, wide_clip):
+    """decord decodes whole samples at the source size in its child process (no resizer there);
+    `preprocess` resizes them as the PyAV decode threads did."""
+    from epd.video.decord_backend import decord_available
+
+    if not decord_available():
+        pytest.skip("decord is not installed (optional backend: pip install 'epd[decord]')")
+    adapter = load_adapter(ModelConfig(model=str(models["qwen3_vl"])), "encoder")
+    seen = _spy_on_preprocess(adapter)
+    data, sampling = wide_clip.read_bytes(), SamplingOptions(num_frames=23)
+    got = {}
+    for backend in ("pyav", "decord"):
+        engine = EncoderEngine(EncoderConfig(cache=NO_CACHE, decode_backend=backend), adapter)
+        try:
+            got[backend] = engine.encode(MediaInput(data, ""), sampling, lambda event: None)
+        finally:
+            engine.close()
+    assert {shape[1:3] for _, shape in seen} == {(160, 256), (180, 320)}  # PyAV's resized, decord's decoded
+    _assert_same_encoding(got["decord"], got["pyav"])
+
+
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)
 def test_qwen3_answer_about_a_shrunk_odd_clip_equals_generate(models, wide_clip, family):
     """generate() gets 23 frames as decoded (320x180) and its processor shrinks the clip to
