@@ -37,10 +37,11 @@ class EncoderConfig:
     (docs/benchmarks.md: 1.11x of max(decode, encode) with 2, 1.25x with 8)."""
     frames_at_model_size: bool = True
     """The PyAV decoder resizes each frame to the size the model's processor would give it as
-    soon as it is decoded (`VLMAdapter.frame_resizer`: Qwen2-VL, Qwen2.5-VL and LLaVA-OneVision,
-    where that gives the processor's pixels bit for bit), so a request holds its frames at the model's size, not
-    the source's: 48 frames of 1080p were 285 MiB, at the tiny model's 140x84 they are 1.6 MiB.
-    Other families, and False, keep frames as decoded until `preprocess`."""
+    soon as it is decoded (`VLMAdapter.frame_resizer`: Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision, and
+    Qwen3-VL / Qwen3.5 at the whole clip's size for the plan's frame count, where that gives the
+    processor's pixels bit for bit), so a request holds its frames at the model's size, not the
+    source's: 48 frames of 1080p were 285 MiB, at the tiny Qwen2-VL's 140x84 they are 1.6 MiB.
+    The decord backend, and False, keep frames as decoded until `preprocess`."""
     cache: TokenCacheConfig = field(default_factory=TokenCacheConfig)
     """The multimodal token cache: a video seen before is neither decoded nor encoded again."""
     decode_backend: str = "pyav"

@@ -187,8 +187,9 @@ class EncoderEngine:
         self.config = config
         self.adapter = adapter
         self.decoder = ParallelDecoder(config.decode)
-        # [H, W, 3] -> the model's [h, w, 3], on the decode threads; None: frames kept as decoded.
-        self._frame_resize = adapter.frame_resizer() if config.frames_at_model_size else None
+        # The clip's frame count -> [H, W, 3] -> the model's [h, w, 3], on the decode threads;
+        # None: frames kept as decoded.
+        self._frame_resizer = adapter.frame_resizer if config.frames_at_model_size else None
         self.cache = TokenCache(config.cache)
         self.flights: SingleFlight[EncodedMedia] = SingleFlight()
         """One decode and encode per cache key at a time (`encoder_svc/single_flight.py`)."""
@@ -312,7 +313,7 @@ class EncoderEngine:
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
                                           cancel=cancel, merge_up_to=self.config.merged_group_frames if merge else 0,
                                           merge_up_to_pixels=self.config.merged_group_pixels, cache_salt=cache_salt,
-                                          frame_resize=self._frame_resize)
+                                          frame_resizer=self._frame_resizer)
 
         def groups():
             with stream:

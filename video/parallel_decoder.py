@@ -13,7 +13,7 @@ A request's life:
      every decoded frame to the request's `DecodeBudget`, and writes each target straight into
      the request's output array of distinct frames [U, H, W, 3] (U <= T: a frame picked for
      several slots, when the clip has fewer frames than slots, is stored once), at the size the
-     caller's `frame_resize` gives it (the model's: a 4K frame is not held at 24 MiB). Non-reference
+     caller's `frame_resizer` gives it (the model's: a 4K frame is not held at 24 MiB). Non-reference
      frames that are not targets are skipped (H.264/HEVC, per packet). PyAV releases the GIL in
      demux, decode and swscale, so threads run in parallel and nothing is pickled or copied
      between processes. A task that finishes its share while another still has intervals
@@ -70,6 +70,7 @@ from epd.video.types import (
     DecodedVideo,
     DecodeLimits,
     FrameResize,
+    FrameResizer,
     MediaError,
     SamplingOptions,
 )
@@ -145,6 +146,8 @@ class _Request:
         self.data = data
         self.frame_resize = frame_resize
         """Applied to each target frame before it is stored (`iter_groups`)."""
+        self.decoded_shape: tuple[int, ...] | None = None
+        """[H, W, 3] of the first target frame as decoded, before `frame_resize`."""
         self.index = index
         self.plan = plan
         self.opts = opts
@@ -176,13 +179,22 @@ class _Request:
         return self.cancelled.is_set() or (self.caller_cancel is not None and self.caller_cancel.is_set())
 
     def put_frame(self, pts: int, rgb: np.ndarray) -> None:
+        """Store the target frame `rgb` [H, W, 3] as decoded, resized by `frame_resize` (on the
+        calling worker: only its one frame is ever held at the source size)."""
+        with self.cond:
+            if self.decoded_shape is None:
+                self.decoded_shape = rgb.shape
+        # Compared as decoded, not as resized: two sizes may resize to one (a fixed-size resize
+        # always does), and the reference decoder fails the same way (np.stack of unequal frames).
+        if rgb.shape != self.decoded_shape:
+            raise MediaError(_CORRUPT)
+        kept = rgb if self.frame_resize is None else self.frame_resize(rgb)  # [h, w, 3]
         with self.cond:
             if self.out is None:
-                self.out = np.empty((len(self.unique_of_pts), *rgb.shape), np.uint8)
-        if rgb.shape != self.out.shape[1:]:
-            # The reference decoder fails the same way (np.stack of unequal frames).
+                self.out = np.empty((len(self.unique_of_pts), *kept.shape), np.uint8)
+        if kept.shape != self.out.shape[1:]:
             raise MediaError(_CORRUPT)
-        self.out[self.unique_of_pts[pts]] = rgb
+        self.out[self.unique_of_pts[pts]] = kept
 
     def frames_of_slots(self, first: int, last: int) -> np.ndarray:
         """[last - first, H, W, 3] frames of slots [first, last), once their intervals are done."""
@@ -333,9 +345,7 @@ def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, s
                 task.num_decoded_frames += 1
                 last_pts = frame.pts
                 if frame.pts in wanted:
-                    rgb = frame_to_rgb(frame, req.opts.max_pixels)  # [H, W, 3] at the source size
-                    # [h, w, 3]: only this worker's one frame is ever held at the source size.
-                    req.put_frame(frame.pts, rgb if req.frame_resize is None else req.frame_resize(rgb))
+                    req.put_frame(frame.pts, frame_to_rgb(frame, req.opts.max_pixels))  # [H, W, 3]
                     wanted.discard(frame.pts)
                     if not wanted:
                         break
@@ -629,16 +639,17 @@ class ParallelDecoder:
         merge_up_to: int = 0,
         merge_up_to_pixels: int = 1 << 62,
         cache_salt: str = "",
-        frame_resize: FrameResize | None = None,
+        frame_resizer: FrameResizer | None = None,
     ) -> FrameGroupStream:
         """Plan the request and start decoding; frames come back in groups of `group_size`
         (with `merge_up_to`, groups already decoded merge, up to that many frames and
         `merge_up_to_pixels` pixels: `FrameGroupStream`).
 
-        `frame_resize` ([H, W, 3] -> [h, w, 3] uint8, called on the decode threads, several at once)
-        is applied to each distinct video frame as it is decoded, so the request's frames are held
-        at the size it returns, not at the source size (the model's own resize: the encoder passes
-        `VLMAdapter.frame_resizer()`). Images are returned as decoded.
+        `frame_resizer` is called once with the plan's frame count (the `num_frames` of the
+        stream); the resize it returns ([H, W, 3] -> [h, w, 3] uint8, called on the decode threads,
+        several at once) is applied to each distinct video frame as it is decoded, so the request's
+        frames are held at the size it returns, not at the source size (the model's own resize: the
+        encoder passes `VLMAdapter.frame_resizer`). Images are returned as decoded.
 
         Raises MediaError/MediaLimitError here for bad input or limits. Pass `sha256` (hex digest
         of `data`) when you already have it, to skip hashing. When `cancel` is set (from any
@@ -667,6 +678,8 @@ class ParallelDecoder:
             )
         index = self.index_cache.get_or_build(data, limits, sha256, cancel, cache_salt)
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
+        # The clip's frame count is the plan's (slots, repeats included), as the encoder's `preprocess` gets it.
+        frame_resize = frame_resizer(len(plan.slot_pts)) if frame_resizer is not None else None
         req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started, frame_resize)
         pts_s = index.frames.pts_s
         first_pts = float(pts_s[0])

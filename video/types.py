@@ -22,6 +22,10 @@ FrameResize = Callable[[np.ndarray], np.ndarray]
 """One decoded RGB frame [H, W, 3] uint8 -> the frame the caller keeps [h, w, 3] uint8. Must give
 every frame of a request the same size when given frames of one size."""
 
+FrameResizer = Callable[[int], "FrameResize | None"]
+"""The number of frames of a request's clip -> the `FrameResize` for each of them, or None to keep
+them as decoded (`VLMAdapter.frame_resizer`: Qwen3-VL sizes frames by the whole clip's t x h x w)."""
+
 
 class MediaError(ValueError):
     """The media cannot be used as sent (corrupt, truncated, unsupported). Maps to INVALID_ARGUMENT.

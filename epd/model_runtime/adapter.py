@@ -5,7 +5,8 @@ call only these methods:
 
     encoder:  preprocess(frames, clip_num_frames) -> VisionInputs (a frame group, sized as its clip)
               encode(VisionInputs) -> visual embeds;
-              frame_resizer() -> what the decoder may apply to each frame (None: keep it as decoded)
+              frame_resizer(clip_num_frames) -> what the decoder may apply to each frame of a clip
+                  of that many frames (None: keep them as decoded)
               encode_batch([VisionInputs]) -> [visual embeds] (one tower call for many)
               encode_features(VisionInputs) -> VisualFeatures (embeds + DeepStack features, Qwen3-VL)
               encode_features_batch([VisionInputs]) -> [VisualFeatures] (what the encoder core runs)
@@ -224,12 +225,13 @@ class VLMAdapter(ABC):
         """The tower on kept patches only (temporal dropping before the tower)."""
         raise NotImplementedError(f"{type(self).__name__} cannot encode a subset of patches")
 
-    def frame_resizer(self) -> FrameResize | None:
-        """What the video decoder applies to each frame as it decodes it ([H, W, 3] -> [h, w, 3]
-        uint8), so that the encoder holds a request's frames at the model's size instead of the
-        source's (a 4K frame is 24 MiB, the tower may see 0.1 MiB of it). Only where `preprocess`
-        of the resized frames equals `preprocess` of the decoded ones bit for bit (the tokens then
-        stay `generate()`'s on the decoded frames). None, the default: frames are kept as decoded."""
+    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
+        """What the video decoder applies to each frame of a clip of `clip_num_frames` frames as it
+        decodes it ([H, W, 3] -> [h, w, 3] uint8), so that the encoder holds a request's frames at
+        the model's size instead of the source's (a 4K frame is 24 MiB, the tower may see 0.1 MiB
+        of it). Only where `preprocess(resized, clip_num_frames)` equals `preprocess(decoded,
+        clip_num_frames)` bit for bit (the tokens then stay `generate()`'s on the decoded frames).
+        None, the default: frames are kept as decoded."""
         return None
 
     @abstractmethod

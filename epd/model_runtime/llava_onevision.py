@@ -126,9 +126,10 @@ class LlavaOnevisionAdapter(HfTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def frame_resizer(self) -> FrameResize | None:
+    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
         """The video processor's own resize, one frame at a time (`resize_frame_to_size`), where it
-        resizes every frame to one fixed size (`size` = height and width: 384x384 on the hub)."""
+        resizes every frame to one fixed size (`size` = height and width: 384x384 on the hub),
+        whatever the clip's length."""
         from transformers import LlavaOnevisionVideoProcessor
 
         vp = self.processor.video_processor

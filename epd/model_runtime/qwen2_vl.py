@@ -72,10 +72,10 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def frame_resizer(self) -> FrameResize | None:
+    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
         """The video processor's own resize, one frame at a time (`resize_frame_once`): its target
         size depends on the frame's size alone (`cap_pixels_per_frame=False`, as `preprocess`
-        calls it), so it is the same for one frame as for a whole video."""
+        calls it), so it is the same for one frame as for a whole video of any length."""
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
         vp = self.processor.video_processor

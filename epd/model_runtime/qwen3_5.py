@@ -84,7 +84,7 @@ from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.thread_hooks import owner_thread_only
-from epd.video.types import DecodedVideo
+from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,9 @@ class Qwen3_5Adapter(HfTextAdapter):
 
     def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
         return Qwen3VLAdapter._resize_as_clip(self, video, clip_num_frames)  # type: ignore[arg-type]
+
+    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
+        return Qwen3VLAdapter.frame_resizer(self, clip_num_frames)  # type: ignore[arg-type]
 
     def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
         return Qwen3VLAdapter.group_timestamps(self, video)  # type: ignore[arg-type]

@@ -25,8 +25,10 @@ each chunk adding the DeepStack rows of its own visual positions.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
@@ -48,7 +50,7 @@ from epd.model_runtime.hf_loading import (
     load_vision_part,
 )
 from epd.model_runtime.hf_text import QwenTextAdapter, RopeHolder
-from epd.video.types import DecodedVideo, MediaError
+from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +156,19 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
         """The frames [t, H, W, 3] uint8 resized as the processor resizes the whole clip: [t, 3, h, w]
-        uint8, by the same torchvision resize (its interpolation, antialiased) its `resize` calls."""
-        from transformers.image_processing_backends import TorchvisionBackend
-        from transformers.image_utils import SizeDict
-
-        vp = self.processor.video_processor
+        uint8. Frames the decoder already resized (`frame_resizer`) are returned as they are."""
         height, width = self.clip_frame_size(video.frames.shape[1], video.frames.shape[2], clip_num_frames)
         frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()  # [t, 3, H, W]
-        return TorchvisionBackend.resize(vp, frames, SizeDict(height=height, width=width), resample=vp.resample)
+        return _processor_resize(self.processor.video_processor, frames, height, width)
+
+    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
+        """The processor's resize of the whole clip, one frame at a time (`resize_frame_as_clip`):
+        the target size depends on the clip's frame count, which the decoder knows from its plan
+        before the first frame, and on the frame's size; torchvision resizes each frame's planes
+        on their own, so a frame alone comes out as it does among the clip's."""
+        if clip_num_frames < self.processor.video_processor.temporal_patch_size:
+            return None  # `preprocess` refuses the clip, with its own message
+        return partial(resize_frame_as_clip, self, clip_num_frames)
 
     def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
         """Seconds of each temporal group as the processor computes them from video metadata
@@ -389,3 +396,38 @@ class Qwen3VLAdapter(QwenTextAdapter):
             f"{self.family_label} ({self.family}) cannot run the prefill drop or KV compression: its "
             "layer-by-layer prefill does not add DeepStack features yet"
         )
+
+
+def _processor_resize(vp, frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[t, 3, H, W] uint8 -> [t, 3, height, width] uint8 by the torchvision resize the video
+    processor's `resize` calls (its interpolation, antialiased); each frame's planes are resized
+    on their own, and a tensor already of that size is returned unchanged."""
+    from transformers.image_processing_backends import TorchvisionBackend
+    from transformers.image_utils import SizeDict
+
+    return TorchvisionBackend.resize(vp, frames, SizeDict(height=height, width=width), resample=vp.resample)
+
+
+def resize_frame_as_clip(adapter: Qwen3VLAdapter, clip_num_frames: int, rgb: np.ndarray) -> np.ndarray:
+    """One decoded frame [H, W, 3] uint8 resized as `adapter.preprocess` resizes every frame of a
+    clip of `clip_num_frames` frames of this size ([h, w, 3], h and w from `clip_frame_size`), or
+    `rgb` itself where `preprocess` would not leave the resized frame as it is.
+
+    `preprocess` sizes the frames it gets by their own h x w and the clip's count; given resized
+    frames, that must give (h, w) again, and torchvision then returns them unchanged. smart_resize
+    is not always a fixed point: it compares the count rounded to temporal pairs (4 for 3 frames)
+    x h x w with the bound but scales by the count itself, so 3 frames of 1080p on the tiny
+    checkpoint go to 416x768 and then to 416x800 (with the hub checkpoints' 25 Mpx bound, 35 of
+    268,260 (size, count) pairs, all 3-frame clips near 4K). Those frames stay as decoded, and so
+    do frames smart_resize refuses (aspect over 200: `preprocess` raises its own error).
+    """
+    height, width = rgb.shape[:2]
+    try:
+        target = adapter.clip_frame_size(height, width, clip_num_frames)
+    except ValueError:
+        return rgb
+    if target == (height, width) or adapter.clip_frame_size(*target, clip_num_frames) != target:
+        return rgb
+    frame = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()[None]  # [1, 3, H, W], as preprocess lays it out
+    resized = _processor_resize(adapter.processor.video_processor, frame, *target)  # [1, 3, h, w]
+    return resized[0].permute(1, 2, 0).contiguous().numpy()  # [h, w, 3]

@@ -333,21 +333,30 @@ def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, k
 
 
 def test_frame_resize_is_applied_to_each_frame_as_it_is_decoded(video_factory, decoder):
-    """With `frame_resize`, the request's frames are stored at the size it returns ([U, 32, 48, 3]
-    for a 96x64 clip halved), each one what the function gives for the reference decoder's frame;
-    every slot, a repeated frame's too, and every group come out resized."""
+    """With `frame_resizer`, the request's frames are stored at the size its resize returns
+    ([U, 32, 48, 3] for a 96x64 clip halved), each one what the function gives for the reference
+    decoder's frame; every slot, a repeated frame's too, and every group come out resized. The
+    resizer is asked once, with the clip's frame count (slots, repeats included: what Qwen3-VL's
+    processor sizes the clip by)."""
     data = video_factory(".mp4", **SMALL)  # 30 frames
     calls: list[tuple[int, ...]] = []
+    clip_counts: list[int] = []
 
     def halve(rgb: np.ndarray) -> np.ndarray:  # [H, W, 3] -> [H/2, W/2, 3]
         calls.append(rgb.shape)
         return np.ascontiguousarray(rgb[::2, ::2])
 
+    def resizer(clip_num_frames: int):
+        clip_counts.append(clip_num_frames)
+        return halve
+
     for opts in (SamplingOptions(num_frames=6), SamplingOptions(num_frames=40)):  # 40 > 30: repeats
         expected = simple_decoder.decode(data, opts).frames  # [T, 64, 96, 3]
         calls.clear()
-        with decoder.iter_groups(data, opts, group_size=4, frame_resize=halve) as stream:
+        clip_counts.clear()
+        with decoder.iter_groups(data, opts, group_size=4, frame_resizer=resizer) as stream:
             groups = [g.frames for g in stream]
+        assert clip_counts == [len(expected)] == [stream.num_frames]
         assert all(g.shape[1:] == (32, 48, 3) for g in groups)
         assert np.array_equal(np.concatenate(groups), expected[:, ::2, ::2])
         assert set(calls) == {(64, 96, 3)}  # called on the decoded frames
@@ -373,7 +382,8 @@ def test_running_out_of_memory_is_the_servers_limit_not_a_corrupt_file(video_fac
         out_of_memory = raising(error)
 
         with pytest.raises(MediaLimitError, match="ran out of memory decoding this video; ask for fewer or smaller"):
-            with decoder.iter_groups(data, SamplingOptions(num_frames=6), group_size=2, frame_resize=out_of_memory) as stream:
+            with decoder.iter_groups(data, SamplingOptions(num_frames=6), group_size=2,
+                                     frame_resizer=lambda clip_num_frames, resize=out_of_memory: resize) as stream:
                 list(stream)
         monkeypatch.setattr(simple_decoder, "frame_to_rgb", out_of_memory)
         with pytest.raises(MediaLimitError, match="ran out of memory decoding this video"):

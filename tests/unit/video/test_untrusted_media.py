@@ -279,6 +279,25 @@ def test_resolution_growing_mid_stream_is_refused_on_every_path(tmp_path, monkey
     assert (second_size in seen_sizes) is not refused_by_ffmpeg
 
 
+def test_a_resolution_change_is_refused_where_the_frame_resize_would_hide_it(tmp_path):
+    """Frames of two sizes that a resize makes one size (LLaVA-OneVision's fixed square always
+    does; Qwen's bounds often do) are still the stream the reference decoder refuses (np.stack of
+    unequal frames): the parallel decoder compares its frames as decoded, not as resized."""
+    data = make_resolution_change(tmp_path / "change.ts", [(64, 48), (96, 64)], [20, 4]).read_bytes()
+    opts = SamplingOptions(num_frames=6)  # the last targets are in the 96x64 part
+
+    def to_square(clip_num_frames: int):
+        return lambda rgb: np.zeros((16, 16, 3), np.uint8)  # [H, W, 3] -> [16, 16, 3]
+
+    with pytest.raises(MediaError, match="could not decode the media"):
+        simple_decoder.decode(data, opts)
+    with ParallelDecoder(ParallelDecodeConfig(num_workers=2)) as dec:
+        with pytest.raises(MediaError, match="could not decode the media"):
+            with dec.iter_groups(data, opts, group_size=2, frame_resizer=to_square) as stream:
+                list(stream)
+        assert dec.decode(data, SamplingOptions(num_frames=2, end_time_s=1.0)).frames.shape == (2, 48, 64, 3)
+
+
 def test_ffmpeg_max_pixels_guard_is_set_on_the_decoder(video_factory):
     data = video_factory(".mp4", codec="h264", **SMALL)
     with open_video(data, DecodeLimits(max_source_pixels=1000)) as container:
