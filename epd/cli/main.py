@@ -347,6 +347,8 @@ def add_http_api_flags(p: argparse.ArgumentParser) -> None:
                    help="comma-separated domains http(s) media URLs may be fetched from (default: none); "
                         "private addresses are refused regardless")
     g.add_argument("--media-fetch-timeout", type=_positive_seconds, default=30.0, help="seconds to fetch one media URL")
+    g.add_argument("--body-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                   help="seconds a request body may take to arrive, whole (HTTP 408 past it)")
 
 
 class _Parser(argparse.ArgumentParser):

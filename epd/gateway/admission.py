@@ -6,7 +6,8 @@ A request's life here:
 
     ticket = admission.admit(client, key) # Overloaded if the client (peer IP) or its API key has
                                           # its maximum in flight
-    ticket.reserve_bytes(n)               # Overloaded if the process budget cannot take n more
+    ticket.reserve_bytes(n)               # Overloaded if the process budget cannot take n more;
+                                          # called as the bytes arrive, never for bytes announced
     ...                                   # read the body, run the pipeline
     ticket.close()                        # gives back the slot and every byte reserved
 
@@ -134,13 +135,16 @@ class Admission:
         return sum(self.num_requests_of.values())
 
     def _reserve(self, num_bytes: int) -> None:
+        self._check_room(num_bytes)
+        self.num_reserved_bytes += num_bytes
+
+    def _check_room(self, num_bytes: int) -> None:
         if self.num_reserved_bytes + num_bytes > self.limits.max_inflight_body_bytes:
             raise Overloaded(
                 f"the server is holding {self.num_reserved_bytes} bytes of request bodies and cannot "
                 f"take {num_bytes} more now (its limit is --max-inflight-body-bytes "
                 f"{self.limits.max_inflight_body_bytes}); retry shortly or send less"
             )
-        self.num_reserved_bytes += num_bytes
 
     def _release(self, client: str, num_bytes: int, key_id: str = "") -> None:
         self.num_reserved_bytes -= num_bytes
@@ -176,6 +180,11 @@ class Ticket:
             raise RuntimeError("reserve_bytes on a closed ticket")
         self._admission._reserve(num_bytes)
         self.num_reserved_bytes += num_bytes
+
+    def check_room(self, num_bytes: int) -> None:
+        """Overloaded unless the process budget could take `num_bytes` more now; reserves nothing
+        (bytes are reserved as they arrive: a client that only announces a body holds none)."""
+        self._admission._check_room(num_bytes)
 
     def hold(self) -> Callable[[], None]:
         """Keep the slot and the bytes past `close()` until the returned function is called (on

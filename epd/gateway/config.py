@@ -119,6 +119,13 @@ class HttpApiConfig:
     """Which media URLs and paths requests may use."""
     demo: WebDemoConfig = field(default_factory=WebDemoConfig)
     """The web demo's own decodes (`POST /demo/frames`)."""
+    body_timeout_s: float = 300.0
+    """Longest a request body may take to arrive, whole (HTTP 408 past it): a client that sends
+    slowly, or stops, holds its bytes of the body budget and its request slot only this long."""
+
+    def __post_init__(self) -> None:
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"--body-timeout must be > 0 seconds, got {self.body_timeout_s}")
 
 
 @dataclass(frozen=True)

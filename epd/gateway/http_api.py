@@ -19,7 +19,8 @@ first token: bad media, limits and refusals still get their own HTTP status.
 Bodies are read under limits (epd/gateway/http_body.py): 413 past the body limit (derived from
 --max-upload-bytes) without reading the rest, 429 + Retry-After when the client already has
 --max-requests-per-client requests in flight or the process holds --max-inflight-body-bytes of
-bodies (epd/gateway/admission.py, shared with the gRPC API).
+bodies (epd/gateway/admission.py, shared with the gRPC API), 408 when the body has not all
+arrived within --body-timeout.
 
 Every request runs under a request id (epd/transport/tracing.py): the client's `x-request-id`
 header when usable, else a new one. It is the pipeline's request id (so every stage logs it), it
@@ -228,7 +229,7 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             chat = parse_chat_request(
-                await read_json_body(request, self.max_body_bytes),
+                await read_json_body(request, self.max_body_bytes, self.config.http.body_timeout_s),
                 self.config.http.served_model_name,
                 self.config.sampling,
                 self.config.generation,

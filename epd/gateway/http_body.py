@@ -1,11 +1,15 @@
 """Reading an HTTP request's JSON body under the gateway's limits, without trusting its size:
 
     1. Content-Length over the limit -> 413 before a byte of the body is read;
-    2. the declared length (or, for a chunked body, each chunk as it comes) is reserved from the
-       process-wide body budget (`epd.gateway.admission`) -> 429 when it is spent;
+    2. the declared length must fit in what is left of the process-wide body budget
+       (`epd.gateway.admission`) -> 429 when it does not;
     3. only then does a client that sent `Expect: 100-continue` get its "100 Continue", so a
        refused client never sends the body at all;
-    4. the body is read chunk by chunk and refused with 413 as soon as it passes the limit;
+    4. the body is read chunk by chunk, each chunk's bytes reserved from the budget as they arrive
+       (429 when it is spent), and refused with 413 as soon as it passes the limit; the whole body
+       must arrive within `--body-timeout` (408). Bytes are reserved as they arrive, never as
+       announced: two connections that announced the largest body and sent nothing held the
+       whole default budget, with no time limit, and every other upload got 429;
     5. it is parsed as UTF-8 JSON; an invalid, non-UTF-8 or too deeply nested body is a 400.
 
 Memory: the raw body (N bytes) is parsed straight from the bytes and dropped right after; the
@@ -14,6 +18,7 @@ parse needs the decoded text (N) and the data: URL string it yields (N), so ~3N 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -22,7 +27,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestPayloadError
 
 from epd.gateway.admission import Ticket
-from epd.stages.errors import InvalidRequest, ResourceExhausted
+from epd.stages.errors import DeadlineExceeded, InvalidRequest, ResourceExhausted
 
 TICKET_KEY = web.RequestKey("epd_admission_ticket", Ticket)
 """Where the admission middleware leaves the request's ticket for `read_json_body`."""
@@ -36,37 +41,50 @@ def body_too_large(num_bytes: int | str, max_body_bytes: int) -> ResourceExhaust
     )
 
 
-async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
-    """The request's JSON body; raises ResourceExhausted (413), Overloaded (429) or
-    InvalidRequest (400). The bytes are reserved on the request's admission ticket, which gives
-    them back when the request ends."""
+class BodyTimedOut(DeadlineExceeded):
+    """The client did not send its whole body in time: HTTP 408 (the client's delay, not an
+    upstream's 504)."""
+
+    http_status = 408
+
+
+async def read_json_body(request: web.Request, max_body_bytes: int, timeout_s: float = 300.0) -> Any:
+    """The request's JSON body; raises ResourceExhausted (413), Overloaded (429), BodyTimedOut
+    (408, not all of it within `timeout_s`) or InvalidRequest (400). The bytes are reserved on the
+    request's admission ticket as they arrive; it gives them back when the request ends."""
     ticket = request.get(TICKET_KEY)
     declared = request.content_length
-    num_reserved = 0
     if declared is not None:
         if declared > max_body_bytes:
             raise body_too_large(declared, max_body_bytes)
         if ticket is not None:
-            ticket.reserve_bytes(declared)
-        num_reserved = declared
+            ticket.check_room(declared)
     if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
         # Sent only now (see `defer_continue`): the client learns it may send the body after the
         # checks above passed.
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0
+    try:
+        body = await asyncio.wait_for(_read_body(request, max_body_bytes, ticket), timeout_s)
+    except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+        raise BodyTimedOut(
+            f"the request body did not arrive within {timeout_s:g} s (the server's --body-timeout); "
+            "send it faster, or a smaller or more compressed video"
+        ) from None
+    return parse_json(body)
+
+
+async def _read_body(request: web.Request, max_body_bytes: int, ticket: Ticket | None) -> bytearray:
     # Grown as bytes arrive, not preallocated from Content-Length: a client that announces a
-    # large body and sends nothing costs no memory. Bytes past the reservation (a chunked body,
-    # or a compressed one that aiohttp inflates) are reserved as they come.
+    # large body and sends nothing costs no memory. Each chunk (inflated, for a compressed body)
+    # is reserved as it comes.
     body = bytearray()
     try:
         async for chunk in request.content.iter_any():
-            num_bytes = len(body) + len(chunk)
-            if num_bytes > max_body_bytes:
+            if len(body) + len(chunk) > max_body_bytes:
                 raise body_too_large(f"more than {max_body_bytes}", max_body_bytes)
-            if num_bytes > num_reserved:
-                if ticket is not None:
-                    ticket.reserve_bytes(num_bytes - num_reserved)
-                num_reserved = num_bytes
+            if ticket is not None:
+                ticket.reserve_bytes(len(chunk))
             body += chunk
     except RequestPayloadError:  # aiohttp could not inflate or de-chunk what arrived
         encoding = request.headers.get("Content-Encoding", "")
@@ -75,7 +93,7 @@ async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
             f"the request body could not be read: {why}; send the JSON as it is, or compressed as its "
             "Content-Encoding says (gzip or deflate)"
         ) from None
-    return parse_json(body)
+    return body
 
 
 def parse_json(body: bytes | bytearray) -> Any:

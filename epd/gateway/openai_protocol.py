@@ -158,7 +158,9 @@ def http_error_of(exc: BaseException) -> tuple[int, str, str]:
         return 429, "rate_limit_error", str(exc)
     code, message = status_of(exc)
     status, error_type = http_status_of(code)
-    return status, error_type, message
+    # An error of the HTTP layer's own may name a status gRPC has no code for (408: the client's
+    # body came too slowly, where DEADLINE_EXCEEDED alone would say 504, an upstream's delay).
+    return getattr(exc, "http_status", status), error_type, message
 
 
 def error_body(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:

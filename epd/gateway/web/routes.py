@@ -108,7 +108,9 @@ class WebDemo:
                 status=401,
             )
         try:
-            sampling, url = _frames_request(await read_json_body(request, self.max_body_bytes), self.config)
+            sampling, url = _frames_request(
+                await read_json_body(request, self.max_body_bytes, self.config.http.body_timeout_s), self.config
+            )
             data = await load_media(url, self.config.http.media, self.config.max_upload_bytes)
             thumbnails = await self.decodes.run(
                 sampled_thumbnails, data, sampling, self.limits, ticket=request.get(TICKET_KEY)

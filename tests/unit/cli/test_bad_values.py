@@ -94,6 +94,7 @@ def test_the_colocated_front_door_checks_its_limits_too():
     ("--stage-attempt-timeout", "-1", "must be >= 0 seconds"),
     ("--load-refresh-interval", "-0.5", "must be >= 0 seconds"),
     ("--media-fetch-timeout", "0", "must be > 0 seconds"),
+    ("--body-timeout", "0", "must be > 0 seconds"),
 ])
 def test_a_gateway_interval_below_0_is_refused(capsys, flag, value, expected):
     assert f"argument {flag}: {expected}" in _usage_error(capsys, ["serve", "gateway", flag, value])

@@ -27,12 +27,13 @@ PLANNED_BYTES = 50 * MAX_BODY_BYTES
 API_KEY = "k1"
 
 
-async def _serve(fn, max_requests_per_client: int = 8, max_inflight_body_bytes: int = 0, api_key: str = ""):
+async def _serve(fn, max_requests_per_client: int = 8, max_inflight_body_bytes: int = 0, api_key: str = "",
+                 body_timeout_s: float = 300.0):
     config = GatewayConfig(
         max_upload_bytes=UPLOAD_LIMIT_BYTES,
         max_requests_per_client=max_requests_per_client,
         max_inflight_body_bytes=max_inflight_body_bytes,
-        http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else ()),
+        http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else (), body_timeout_s=body_timeout_s),
     )
     api = HttpApi(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
     runner = web.AppRunner(api.app(), handler_cancellation=True)
@@ -118,9 +119,12 @@ def test_the_body_budget_refuses_with_429_and_comes_back():
     budget = MAX_BODY_BYTES + 1000  # room for one large body at a time
 
     async def run(port, admission):
-        held = await Connection.open(port)  # announces a large body; the server holds its bytes
+        held = await Connection.open(port)  # sends most of a large body; the server holds its bytes
         await held.send_head("POST", "/v1/chat/completions", _post_head(MAX_BODY_BYTES - 10, expect=True))
         assert (await held.read_response()).status == 100
+        await held.send(b"x" * (MAX_BODY_BYTES - 20))
+        while admission.num_reserved_bytes < MAX_BODY_BYTES - 20:
+            await asyncio.sleep(0.01)
 
         declared = await request(port, "POST", "/v1/chat/completions", b"x" * 2000)  # 2000 more: too many
         chunked = await Connection.open(port)
@@ -129,7 +133,7 @@ def test_the_body_budget_refuses_with_429_and_comes_back():
         chunked_response = await chunked.read_response()
         await chunked.close()
 
-        await held.send(b"x" * (MAX_BODY_BYTES - 10))  # finishing it ends the request (bad JSON)
+        await held.send(b"x" * 10)  # finishing it ends the request (bad JSON)
         held_response = await held.read_response()
         await held.close()
         after = await request(port, "POST", "/v1/chat/completions", b"x" * 2000)
@@ -143,6 +147,48 @@ def test_the_body_budget_refuses_with_429_and_comes_back():
     _assert_json_error(held, 400, "not valid JSON")
     _assert_json_error(after, 400, "not valid JSON")  # the budget came back
     assert reserved_after == 0
+
+
+def test_an_announced_body_holds_no_budget_until_its_bytes_arrive():
+    """Bytes announced in Content-Length were reserved before any arrived: two connections that
+    announced the largest body and sent nothing held the whole default budget (twice the largest
+    body), with no time limit, and every other client's upload got 429."""
+
+    async def run(port, admission):
+        idle = []
+        for _ in range(2):
+            conn = await Connection.open(port)
+            await conn.send_head("POST", "/v1/chat/completions", _post_head(MAX_BODY_BYTES))
+            await conn.send(b'{"messages": "')
+            idle.append(conn)
+        while admission.num_requests < 2:
+            await asyncio.sleep(0.01)
+        other = await request(port, "POST", "/v1/chat/completions", b"[]")
+        reserved = admission.num_reserved_bytes
+        for conn in idle:
+            await conn.close()
+        return other, reserved
+
+    other, reserved = asyncio.run(_serve(run))
+    _assert_json_error(other, 400, "must be a JSON object")  # served, not 429
+    assert reserved <= 2 * len(b'{"messages": "') + len(b"[]")
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_gives_its_bytes_back():
+    async def run(port, admission):
+        conn = await Connection.open(port)
+        await conn.send_head("POST", "/v1/chat/completions", _post_head(1000))
+        await conn.send(b'{"messages": ')  # then nothing more
+        # Bounded here so that a server with no body deadline fails the test instead of hanging it.
+        response = await asyncio.wait_for(conn.read_response(), 30)
+        await conn.close()
+        return response, admission.num_reserved_bytes, admission.num_requests
+
+    response, reserved_after, requests_after = asyncio.run(_serve(run, body_timeout_s=0.5))
+    _assert_json_error(response, 408, "did not arrive within 0.5 s (the server's --body-timeout)")
+    assert response.json()["error"]["type"] == "timeout"
+    assert response.headers["connection"] == "close"
+    assert (reserved_after, requests_after) == (0, 0)
 
 
 def test_a_client_past_its_requests_in_flight_gets_429():
