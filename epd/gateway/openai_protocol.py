@@ -132,6 +132,19 @@ _UNSUPPORTED = {
     "add_generation_prompt": (True,),
     "audio": (),
     "modalities": (["text"],),
+    # vLLM's: they change the prompt, the frames or the text of the answer, so ignoring them
+    # answered another question than the one asked (frames as vLLM samples them go in `media`).
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "add_special_tokens": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "mm_processor_kwargs": ({},),
+    "truncate_prompt_tokens": (),
+    "documents": ([],),
+    "logits_processors": ([],),
+    "vllm_xargs": ({},),
+    "priority": (0,),  # vLLM refuses it too unless it schedules by priority
 }
 """Fields of OpenAI's or vLLM's request that this server does not implement, with the values that
 ask for nothing (null always does). Any other value is refused with a 400 that names the field,
@@ -139,8 +152,7 @@ rather than answered as if it had not been sent (vLLM honours most of them)."""
 
 _KNOWN = {"model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop",
           "ignore_eos", "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
-          "parallel_tool_calls", "request_id", "skip_special_tokens", "spaces_between_special_tokens",
-          "logit_bias", "stop_token_ids", "include_stop_str_in_output",
+          "parallel_tool_calls", "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
           *_GENERATION_OPTIONS, *_UNSUPPORTED}  # fmt: skip
 """Every field this server reads or refuses; others are ignored and logged, as vLLM does."""
 

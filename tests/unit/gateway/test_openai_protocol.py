@@ -238,6 +238,12 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
     ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"), ("guided_json", {}),
     ("bad_words", ["x"]), ("allowed_token_ids", [5]), ("prompt_logprobs", 1), ("best_of", True),
+    # vLLM's fields that change the prompt, the frames or the answer's text: they were accepted
+    # as known (the first two) or logged as unknown, and answered as if they had not been sent.
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("add_special_tokens", True),
+    ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
+    ("mm_processor_kwargs", {"fps": 1}), ("truncate_prompt_tokens", 16), ("documents", [{"text": "d"}]),
+    ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}), ("priority", 1),
 ])  # fmt: skip
 def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, value):
     """They were answered 200 as if they had not been sent (the biased tokens still came)."""
@@ -248,7 +254,9 @@ def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, va
 def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
     neutral = dict(frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1, logit_bias={}, min_tokens=0,
                    min_p=0, stop_token_ids=[], include_stop_str_in_output=False, best_of=1,
-                   response_format={"type": "text"}, tools=[], tool_choice="none", guided_json=None)
+                   response_format={"type": "text"}, tools=[], tool_choice="none", guided_json=None,
+                   skip_special_tokens=True, spaces_between_special_tokens=True, add_special_tokens=False,
+                   chat_template=None, chat_template_kwargs={}, mm_processor_kwargs={}, priority=0)
     assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32)
     with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
         parse(body(medias={"num_frames": 4}, user="u1"))
