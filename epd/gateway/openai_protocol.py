@@ -278,7 +278,8 @@ def _pruning(value: Any) -> PruningConfig:
 def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     """OpenAI messages -> (the conversation, the media URL, "video" | "image"). Roles system, user
     and assistant; content a string or a list of text / video_url / image_url parts, kept in the
-    client's order; exactly one media part, in a user message, and the last message the user's."""
+    client's order; exactly one media part, in a user message, and the last message the user's.
+    An earlier turn's `tool_calls` are refused (this server has no tools), not dropped."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
     # OpenAI's newer name of the system role (its models take developer messages in its place).
@@ -292,6 +293,10 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     out: list[Message] = []
     media: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
+        for name in ("tool_calls", "function_call"):
+            if message.get(name):  # the tool calls of an earlier turn: its content alone is not what was said
+                raise InvalidRequest(f"messages[{i}] has '{name}'; tool calls are not supported by this server: "
+                                     f"send the turn as plain text content")
         content = message.get("content")
         if content is None and roles[i] == "assistant":  # OpenAI's own history (its tool calls aside)
             content = ""
@@ -302,7 +307,9 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
         parts: list[ContentPart] = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"a text part of messages[{i}] needs its text: {{'type': 'text', 'text': '...'}}")
                 parts.append(text_part(_text(part["text"], f"messages[{i}].content text")))
             elif kind in ("video_url", "image_url"):
                 if roles[i] != "user":

@@ -117,6 +117,30 @@ def test_two_media_parts_and_unknown_parts():
         parse(b)
 
 
+def test_a_text_part_without_string_text_says_so():
+    """It was "unsupported content part 'text'; use 'text', ...": the type named as the fix."""
+    for part in ({"type": "text"}, {"type": "text", "text": 5}):
+        b = body()
+        b["messages"][0]["content"].append(part)
+        with pytest.raises(InvalidRequest, match=r"a text part of messages\[0\] needs its text"):
+            parse(b)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tool_calls", [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+    ("function_call", {"name": "f", "arguments": "{}"}),
+])  # fmt: skip
+def test_an_earlier_turn_with_tool_calls_is_refused_not_dropped(field, value):
+    """An assistant turn of tool calls (content null) was taken as an empty answer: the model saw
+    a conversation in which it had said nothing."""
+    b = body()
+    b["messages"] += [{"role": "assistant", "content": None, field: value}, {"role": "user", "content": "and?"}]
+    with pytest.raises(InvalidRequest, match=f"messages\\[1\\] has '{field}'; tool calls are not supported"):
+        parse(b)
+    b["messages"][1][field] = [] if field == "tool_calls" else None  # asks for nothing
+    assert parse(b).messages[1] == Message.assistant("")
+
+
 def test_unknown_model_is_not_found():
     with pytest.raises(NotFound, match="GET /v1/models lists 'epd'"):
         parse(body(model="gpt-4o"))
