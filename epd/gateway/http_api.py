@@ -234,13 +234,15 @@ class HttpApi:
                 self.config.sampling,
                 self.config.generation,
             )
+            # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
+            # event loop (every other client's stream, both APIs) goes on meanwhile.
             if chat.media_url.startswith("data:"):
-                data = take_data_url_bytes(chat, self.config.max_upload_bytes)
+                data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
             else:
                 data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes)
             ask = AskRequest(
                 messages=chat.messages,
-                media=MediaInput(data, hashlib.sha256(data).hexdigest()),
+                media=MediaInput(data, await asyncio.to_thread(sha256_hex, data)),
                 sampling=chat.sampling,
                 generation=chat.generation,
                 request_id=tracing.current_request_id() or tracing.new_request_id(),
@@ -349,6 +351,10 @@ def log_summary(summary: AskSummary) -> None:
     timings = {f"{name}_ms": float(ms) for name, ms in summary.timings_ms.items()}
     tracing.stage_timings(log, "request done", **timings, num_tokens=len(summary.token_ids),
                           finish_reason=summary.finish_reason)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()  # hashlib lets go of the GIL while it hashes
 
 
 def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:

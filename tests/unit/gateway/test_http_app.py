@@ -101,3 +101,55 @@ def test_retrieve_model_names_the_served_model_or_404():
     assert served[0] == 200 and served[1]["id"] == "epd" and served[1]["object"] == "model"
     assert other[0] == 404 and "model 'other' is not served here" in other[1]["error"]["message"]
     assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]
+
+
+class _Recorded(Exception):
+    """Ends the fake pipeline's run once it has the request."""
+
+
+def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
+    """Both ran on the event loop: a 64 MB upload held every other client's stream (and both APIs)
+    still for over a second."""
+    import base64
+    import hashlib
+    import threading
+
+    from epd.gateway import http_api, media_fetch
+
+    threads: list[tuple[str, int]] = []
+    real_decode, real_hash = media_fetch.decode_data_url, http_api.sha256_hex
+    monkeypatch.setattr(http_api, "decode_data_url",
+                        lambda *a: threads.append(("decode", threading.get_ident())) or real_decode(*a))
+    monkeypatch.setattr(http_api, "sha256_hex", lambda d: threads.append(("hash", threading.get_ident())) or real_hash(d))
+    asked = []
+
+    class RecordingPipeline(Pipeline):
+        def __init__(self) -> None:
+            pass
+
+        async def ask(self, req):  # type: ignore[override]
+            asked.append((req, threading.get_ident()))
+            raise _Recorded("recorded")
+            yield
+
+    media = bytes(range(256))
+    url = "data:video/mp4;base64," + base64.b64encode(media).decode()
+    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": url}}]
+
+    async def run():
+        api = HttpApi(GatewayConfig(http=HttpApiConfig(port=0)), RecordingPipeline(), GatewayMetrics())
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                async with session.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]}):
+                    pass
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+    (req, loop_thread), = asked
+    assert (req.media.data, req.media.sha256) == (media, hashlib.sha256(media).hexdigest())
+    assert [name for name, _ in threads] == ["decode", "hash"]
+    assert all(thread != loop_thread for _, thread in threads)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import ipaddress
 import os
+import threading
 
 import pytest
 from aiohttp import web
 from yarl import URL
 
+from epd.gateway import media_fetch
 from epd.gateway.config import MediaFetchConfig
 from epd.gateway.media_fetch import (
     MediaRefused,
@@ -49,6 +52,45 @@ def test_data_url_over_the_cap_is_refused_before_decoding():
     exact = base64.b64encode(b"x" * 1001).decode()
     with pytest.raises(ResourceExhausted, match="at most 1000 bytes"):
         decode_data_url("data:video/mp4;base64," + exact, 1000)
+
+
+@pytest.fixture
+def a2b_calls(monkeypatch):
+    """Every base64 piece the data: URL decoder hands to binascii: its length and its thread."""
+    calls: list[tuple[int, int]] = []
+
+    class Recording:
+        Error = binascii.Error
+
+        @staticmethod
+        def a2b_base64(data):
+            calls.append((len(data), threading.get_ident()))
+            return binascii.a2b_base64(data)
+
+    monkeypatch.setattr(media_fetch, "binascii", Recording)
+    return calls
+
+
+def test_a_data_url_is_checked_and_decoded_a_piece_at_a_time(monkeypatch, a2b_calls):
+    """Decoded in one C call, which holds the GIL, a 64 MB upload stopped the event loop (every
+    other client's stream) for over a second; between pieces the loop gets the GIL back."""
+    monkeypatch.setattr(media_fetch, "DATA_URL_PIECE_CHARS", 8)
+    for size in range(0, 40):
+        payload = os.urandom(size)
+        assert decode_data_url("data:video/mp4;base64," + base64.b64encode(payload).decode(), 100) == payload
+    assert a2b_calls and max(n for n, _ in a2b_calls) == 8
+    with pytest.raises(InvalidRequest, match="not valid base64"):
+        decode_data_url("data:video/mp4;base64,AAAA==AAAAAAAAAA", 100)  # padding inside, not at the end
+    with pytest.raises(InvalidRequest, match="bad padding"):
+        decode_data_url("data:video/mp4;base64,AAAAAAAAAA", 100)
+
+
+def test_load_media_decodes_a_data_url_off_the_event_loop(a2b_calls):
+    async def load():
+        return await load_media("data:video/mp4;base64,AAAA", MediaFetchConfig(), 100)
+
+    assert asyncio.run(load()) == b"\0\0\0"
+    assert a2b_calls and all(thread != threading.get_ident() for _, thread in a2b_calls)
 
 
 # -- local paths
