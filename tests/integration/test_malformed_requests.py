@@ -212,11 +212,16 @@ def test_oversized_bodies_get_413_before_they_are_read(stack):
 
 def test_past_the_body_budget_requests_get_429_with_retry_after(stack):
     async def run():
-        held = await Connection.open(stack.http_port)  # a large body announced; its bytes are held
+        held = await Connection.open(stack.http_port)  # most of a large body sent; its bytes are held
         await held.send_head("POST", CHAT, _post_head(MAX_BODY_BYTES - 100, expect=True))
         interim = await held.read_response()
-        second = await request(stack.http_port, "POST", CHAT, b"x" * 200_000, AUTH)
-        await held.send(b"x" * (MAX_BODY_BYTES - 100))  # completing it ends the request (bad JSON)
+        await held.send(b"x" * (MAX_BODY_BYTES - 200))
+        for _ in range(100):  # until the gateway has read (and reserved) what was sent
+            second = await request(stack.http_port, "POST", CHAT, b"x" * 200_000, AUTH)
+            if second.status != 400:
+                break
+            await asyncio.sleep(0.05)
+        await held.send(b"x" * 100)  # completing it ends the request (bad JSON)
         held_final = await held.read_response()
         await held.close()
         return interim, second, held_final
