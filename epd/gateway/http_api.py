@@ -4,7 +4,9 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
     POST /v1/chat/completions   messages (system/user/assistant) whose parts, in order, are text
                                 and one video_url / image_url part
                                 -> `chat.completion`, or with "stream": true SSE
-                                   `chat.completion.chunk`s ending in `data: [DONE]`
+                                   `chat.completion.chunk`s ending in `data: [DONE]` (with
+                                   stream_options include_usage, a last usage chunk; with
+                                   vLLM's continuous_usage_stats too, the usage so far on each)
     GET  /v1/models             the served model id (and /v1/models/{id}: it alone, or 404)
     GET  /health                200 when every configured stage answers SERVING on grpc.health
     GET  /metrics               Prometheus text format (epd/gateway/metrics.py)
@@ -66,8 +68,9 @@ from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight, shutdown_error
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
-from epd.stages.contracts import MediaInput, TokenStep
+from epd.stages.contracts import MediaInput, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
+from epd.stages.names import Stage
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.security import server_ssl_context
@@ -278,18 +281,26 @@ class HttpApi:
         created = int(time.time())
         response: web.StreamResponse | None = None
         num_tokens = 0
+        num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
 
         async def send(body: dict[str, Any]) -> None:
             assert response is not None
-            if chat.include_usage:
+            if chat.continuous_usage:
+                body.setdefault("usage", {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
+                                          "total_tokens": num_prompt_tokens + num_tokens})
+            elif chat.include_usage:
                 body.setdefault("usage", None)
             await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
         try:
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
-                    if not isinstance(item, (TokenStep, AskSummary)):
+                    if isinstance(item, StageEvent):
+                        if item.stage == Stage.PREFILL and item.state == "finished":
+                            num_prompt_tokens = int(item.details.get("num_prompt_tokens", 0))
                         continue  # stage events have no place in OpenAI's format
+                    if not isinstance(item, (TokenStep, AskSummary)):
+                        continue
                     if response is None:
                         response = web.StreamResponse(
                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -313,6 +324,7 @@ class HttpApi:
                             )
                         continue
                     log_summary(item)
+                    num_prompt_tokens = item.num_prompt_tokens
                     final = chunk_body(request_id, chat.model, created, {}, item.finish_reason or "stop")
                     final["epd"] = epd_details(item)
                     await send(final)

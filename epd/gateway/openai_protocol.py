@@ -192,6 +192,9 @@ class ChatRequest:
     generation: GenerationConfig
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): the usage so far on
+    every chunk, not only in the final one."""
     pruning: PruningConfig = PruningConfig()
     cache_salt: str = ""
     """vLLM's `cache_salt`: requests share cached visual tokens and prefix KV only when their salts
@@ -223,6 +226,7 @@ def parse_chat_request(
     stream_options = stream_options or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
+    include_usage = _boolean(stream_options, "include_usage", False, "stream_options.include_usage")
     request = ChatRequest(
         model=model,
         messages=messages,
@@ -231,7 +235,9 @@ def parse_chat_request(
         sampling=_sampling(body.get("media"), sampling_defaults),
         generation=_generation(body, generation_defaults),
         stream=stream,
-        include_usage=_boolean(stream_options, "include_usage", False, "stream_options.include_usage"),
+        include_usage=include_usage,
+        continuous_usage=include_usage and _boolean(stream_options, "continuous_usage_stats", False,
+                                                    "stream_options.continuous_usage_stats"),
         pruning=_pruning(body.get("pruning")),
         cache_salt=check_cache_salt(_text(body.get("cache_salt"), "cache_salt")),
     )

@@ -153,3 +153,62 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
     assert (req.media.data, req.media.sha256) == (media, hashlib.sha256(media).hexdigest())
     assert [name for name, _ in threads] == ["decode", "hash"]
     assert all(thread != loop_thread for _, thread in threads)
+
+
+def _summary(token_ids: list[int], answer: str, num_prompt_tokens: int):
+    from epd.gateway.pipeline import AskSummary
+
+    return AskSummary(request_id="r1", answer=answer, token_ids=token_ids, finish_reason="length", num_frames=2,
+                      num_visual_tokens=4, num_prompt_tokens=num_prompt_tokens, timings_ms={}, kv_num_bytes=0,
+                      encoder_cache_hit=False, media_sha256="", frame_timestamps_s=[])
+
+
+class _ScriptedPipeline(Pipeline):
+    """Answers every request with prefill's event, two tokens and the summary."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.stages.contracts import StageEvent, TokenStep
+        from epd.stages.names import Stage
+
+        yield StageEvent(Stage.PREFILL, "finished", 1.0, {"num_prompt_tokens": "30"})
+        yield TokenStep([5], "a")
+        yield TokenStep([6, 7], "bc")
+        yield _summary([5, 6, 7], "abc", 30)
+
+
+def _stream_chunks(stream_options: dict) -> list:
+    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    body = {"messages": [{"role": "user", "content": content}], "stream": True, "stream_options": stream_options}
+
+    async def run():
+        api = HttpApi(GatewayConfig(http=HttpApiConfig(port=0)), _ScriptedPipeline(), GatewayMetrics())
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                async with session.post("/v1/chat/completions", json=body) as resp:
+                    return (await resp.read()).decode()
+        finally:
+            await runner.cleanup()
+
+    events = [line.removeprefix("data: ") for line in asyncio.run(run()).split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    import json
+
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
+    """vLLM's `stream_options.continuous_usage_stats` was ignored: every chunk said usage null."""
+    chunks = _stream_chunks({"include_usage": True, "continuous_usage_stats": True})
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 3, 3, 3]  # role, a, bc, final, usage
+    assert all(c["usage"]["prompt_tokens"] == 30 and c["usage"]["total_tokens"] == 30 + c["usage"]["completion_tokens"]
+               for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    plain = _stream_chunks({"include_usage": True})
+    assert [c["usage"] for c in plain[:-1]] == [None] * 4 and plain[-1]["usage"]["completion_tokens"] == 3
+    assert all("usage" not in c for c in _stream_chunks({"continuous_usage_stats": True}))  # as vLLM: only with include_usage
