@@ -103,6 +103,24 @@ def test_retrieve_model_names_the_served_model_or_404():
     assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]
 
 
+def _post_chat(pipeline: Pipeline, body: dict) -> str:
+    """POST `body` to /v1/chat/completions of an in-process API over `pipeline`; the answer's text."""
+
+    async def run():
+        api = HttpApi(GatewayConfig(http=HttpApiConfig(port=0)), pipeline, GatewayMetrics())
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                async with session.post("/v1/chat/completions", json=body) as resp:
+                    return (await resp.read()).decode()
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(run())
+
+
 class _Recorded(Exception):
     """Ends the fake pipeline's run once it has the request."""
 
@@ -136,19 +154,7 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
     url = "data:video/mp4;base64," + base64.b64encode(media).decode()
     content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": url}}]
 
-    async def run():
-        api = HttpApi(GatewayConfig(http=HttpApiConfig(port=0)), RecordingPipeline(), GatewayMetrics())
-        runner = web.AppRunner(api.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
-                async with session.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]}):
-                    pass
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(run())
+    _post_chat(RecordingPipeline(), {"messages": [{"role": "user", "content": content}]})
     (req, loop_thread), = asked
     assert (req.media.data, req.media.sha256) == (media, hashlib.sha256(media).hexdigest())
     assert [name for name, _ in threads] == ["decode", "hash"]
@@ -183,19 +189,7 @@ def _stream_chunks(stream_options: dict) -> list:
     content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
     body = {"messages": [{"role": "user", "content": content}], "stream": True, "stream_options": stream_options}
 
-    async def run():
-        api = HttpApi(GatewayConfig(http=HttpApiConfig(port=0)), _ScriptedPipeline(), GatewayMetrics())
-        runner = web.AppRunner(api.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
-                async with session.post("/v1/chat/completions", json=body) as resp:
-                    return (await resp.read()).decode()
-        finally:
-            await runner.cleanup()
-
-    events = [line.removeprefix("data: ") for line in asyncio.run(run()).split("\n\n") if line]
+    events = [line.removeprefix("data: ") for line in _post_chat(_ScriptedPipeline(), body).split("\n\n") if line]
     assert events[-1] == "[DONE]"
     import json
 
