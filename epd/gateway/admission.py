@@ -11,7 +11,8 @@ A request's life here:
     ...                                   # read the body, run the pipeline
     ticket.close()                        # gives back the slot and every byte reserved
 
-Body bytes stay reserved until the request ends, because the media they carry is held (as
+Media an HTTP request names by local path or URL is reserved the same way as it is read
+(`epd.gateway.media_fetch.load_media`). Body bytes stay reserved until the request ends, because the media they carry is held (as
 bytes, then as the pipeline's input) for that long. Work a request started that outlives its
 handler (a web-demo decode, whose thread runs on until it sees its cancel flag after the client
 went away) holds the ticket: `release = ticket.hold()`, and `close()` gives the slot and bytes back

@@ -242,7 +242,9 @@ class HttpApi:
             if chat.media_url.startswith("data:"):
                 data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
             else:
-                data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes)
+                ticket = request.get(TICKET_KEY)  # a file's or a fetch's bytes count as a body's
+                data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes,
+                                        ticket.reserve_bytes if ticket is not None else None)
             ask = AskRequest(
                 messages=chat.messages,
                 media=MediaInput(data, await asyncio.to_thread(sha256_hex, data)),

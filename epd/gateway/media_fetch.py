@@ -22,6 +22,7 @@ import ipaddress
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit
@@ -42,19 +43,29 @@ class MediaRefused(PermissionDenied):
 
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Reserve = Callable[[int], None]
+"""Takes `n` more bytes of media into the request's account, or raises (Overloaded) to refuse them."""
 
 
-async def load_media(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
-    """The bytes behind `url`, at most `max_bytes` of them."""
+async def load_media(url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None = None) -> bytes:
+    """The bytes behind `url`, at most `max_bytes` of them. A file's or a fetch's bytes are held
+    like a request body's: `reserve(n)` (the request's admission ticket) is called before they
+    are read (a file) or as they arrive (a fetch), and raises to refuse them (a data: URL's are
+    the body's, reserved already)."""
     if not isinstance(url, str) or not url:
         raise InvalidRequest("the media part needs a non-empty 'url'")
     if url.startswith("data:"):
         return await asyncio.to_thread(decode_data_url, url, max_bytes)
     scheme = _split(url).scheme.lower()
     if scheme in ("http", "https"):
-        return await fetch_url(url, config, max_bytes)
+        return await fetch_url(url, config, max_bytes, reserve)
     if scheme == "file" or url.startswith("/"):
         path = local_media_path(url, config.allowed_local_dir)
+        num_bytes = path.stat().st_size
+        if num_bytes > max_bytes:
+            raise _too_large(max_bytes)
+        if reserve is not None:
+            reserve(num_bytes)  # here, on the event loop: the admission counters are the loop's
         return await asyncio.to_thread(_read_file, path, max_bytes)
     raise InvalidRequest(
         "media url must be a data: URL (data:video/mp4;base64,...), an http(s) URL, or an absolute "
@@ -164,9 +175,15 @@ def local_media_path(url: str, allowed_dir: str) -> Path:
 
 
 def _read_file(path: Path, max_bytes: int) -> bytes:
-    if path.stat().st_size > max_bytes:
-        raise ResourceExhausted(f"the media is larger than this server accepts (at most {max_bytes} bytes)")
-    return path.read_bytes()
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)  # at most: the file may have grown since its size was checked
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes)
+    return data
+
+
+def _too_large(max_bytes: int) -> ResourceExhausted:
+    return ResourceExhausted(f"the media is larger than this server accepts (at most {max_bytes} bytes)")
 
 
 # -- http(s) URLs -------------------------------------------------------------------------------
@@ -306,17 +323,17 @@ async def resolve_checked(target: UrlTarget, config: MediaFetchConfig) -> list[t
     return found
 
 
-async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
+async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None = None) -> bytes:
     """One deadline (`fetch_timeout_s`) over the whole fetch: DNS, every hop and the body."""
     try:
-        return await asyncio.wait_for(_fetch(url, config, max_bytes), config.fetch_timeout_s)
+        return await asyncio.wait_for(_fetch(url, config, max_bytes, reserve), config.fetch_timeout_s)
     except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
         raise DeadlineExceeded(
             f"fetching the media URL took longer than {config.fetch_timeout_s:g} s; send it as a data: URL"
         ) from None
 
 
-async def _fetch(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
+async def _fetch(url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None) -> bytes:
     target = check_url(url, config)
     addresses = await resolve_checked(target, config)
     connector = aiohttp.TCPConnector(resolver=_PinnedResolver(target.host, addresses), use_dns_cache=False)
@@ -333,7 +350,7 @@ async def _fetch(url: str, config: MediaFetchConfig, max_bytes: int) -> bytes:
                         raise NotFound("the media URL answered 404 Not Found")
                     if resp.status >= 400:
                         raise InvalidRequest(f"the media URL answered HTTP {resp.status}")
-                    return await _read_capped(resp, max_bytes)
+                    return await _read_capped(resp, max_bytes, reserve)
             raise InvalidRequest(f"the media URL redirected more than {config.max_redirects} times")
     except aiohttp.ClientError:
         raise InvalidRequest(f"could not fetch the media URL from {target.host}") from None
@@ -356,15 +373,17 @@ def _same_origin_redirect(url: str, location: str, target: UrlTarget, config: Me
     return new_url
 
 
-async def _read_capped(resp, max_bytes: int) -> bytes:
-    too_large = ResourceExhausted(f"the media is larger than this server accepts (at most {max_bytes} bytes)")
+async def _read_capped(resp, max_bytes: int, reserve: Reserve | None = None) -> bytes:
+    too_large = _too_large(max_bytes)
     if resp.content_length is not None and resp.content_length > max_bytes:
         raise too_large
     data = bytearray()
     async for chunk in resp.content.iter_chunked(_READ_CHUNK_BYTES):
-        data += chunk
-        if len(data) > max_bytes:
+        if len(data) + len(chunk) > max_bytes:
             raise too_large
+        if reserve is not None:
+            reserve(len(chunk))
+        data += chunk
     return bytes(data)
 
 

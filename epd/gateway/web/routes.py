@@ -111,10 +111,10 @@ class WebDemo:
             sampling, url = _frames_request(
                 await read_json_body(request, self.max_body_bytes, self.config.http.body_timeout_s), self.config
             )
-            data = await load_media(url, self.config.http.media, self.config.max_upload_bytes)
-            thumbnails = await self.decodes.run(
-                sampled_thumbnails, data, sampling, self.limits, ticket=request.get(TICKET_KEY)
-            )
+            ticket = request.get(TICKET_KEY)
+            data = await load_media(url, self.config.http.media, self.config.max_upload_bytes,
+                                    ticket.reserve_bytes if ticket is not None else None)
+            thumbnails = await self.decodes.run(sampled_thumbnails, data, sampling, self.limits, ticket=ticket)
             return web.json_response(thumbnails)
         except Exception as exc:  # noqa: BLE001 - mapped like the OpenAI API's errors
             from epd.gateway.http_api import _exception_response

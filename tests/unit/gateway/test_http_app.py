@@ -103,11 +103,12 @@ def test_retrieve_model_names_the_served_model_or_404():
     assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]
 
 
-def _post_chat(pipeline: Pipeline, body: dict) -> str:
+def _post_chat(pipeline: Pipeline, body: dict, config: GatewayConfig | None = None, admission=None) -> str:
     """POST `body` to /v1/chat/completions of an in-process API over `pipeline`; the answer's text."""
 
     async def run():
-        api = HttpApi(GatewayConfig(http=HttpApiConfig(port=0)), pipeline, GatewayMetrics())
+        api = HttpApi(config or GatewayConfig(http=HttpApiConfig(port=0)), pipeline, GatewayMetrics(),
+                      admission=admission)
         runner = web.AppRunner(api.app())
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -206,3 +207,29 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
     plain = _stream_chunks({"include_usage": True})
     assert [c["usage"] for c in plain[:-1]] == [None] * 4 and plain[-1]["usage"]["completion_tokens"] == 3
     assert all("usage" not in c for c in _stream_chunks({"continuous_usage_stats": True}))  # as vLLM: only with include_usage
+
+
+def test_a_local_files_bytes_are_held_on_the_requests_ticket(tmp_path):
+    """They were held outside the body budget: requests naming large files (or URLs) in small
+    bodies were never refused for it."""
+    from epd.gateway.admission import Admission
+    from epd.gateway.config import MediaFetchConfig
+
+    (tmp_path / "clip.mp4").write_bytes(b"v" * 5000)
+    config = GatewayConfig(http=HttpApiConfig(port=0, media=MediaFetchConfig(allowed_local_dir=str(tmp_path))))
+    admission = Admission.of_gateway(config)
+    held = []
+
+    class RecordingPipeline(Pipeline):
+        def __init__(self) -> None:
+            pass
+
+        async def ask(self, req):  # type: ignore[override]
+            held.append(admission.num_reserved_bytes)
+            raise _Recorded("recorded")
+            yield
+
+    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": str(tmp_path / "clip.mp4")}}]
+    _post_chat(RecordingPipeline(), {"messages": [{"role": "user", "content": content}]}, config, admission)
+    assert len(held) == 1 and held[0] > 5000  # the body's bytes and the file's
+    assert admission.num_reserved_bytes == 0

@@ -276,12 +276,12 @@ async def _with_server(routes, fn):
         await runner.cleanup()
 
 
-def _run_fetch(routes, path, max_bytes=1000, host="127.0.0.1", **config_kwargs):
+def _run_fetch(routes, path, max_bytes=1000, host="127.0.0.1", reserve=None, **config_kwargs):
     config = MediaFetchConfig(
         allowed_domains=("127.0.0.1", "localhost"), allow_private_addresses=True, **config_kwargs
     )
     return asyncio.run(
-        _with_server(routes, lambda port: load_media(f"http://{host}:{port}{path}", config, max_bytes))
+        _with_server(routes, lambda port: load_media(f"http://{host}:{port}{path}", config, max_bytes, reserve))
     )
 
 
@@ -389,6 +389,26 @@ def test_fetch_size_cap():
         _run_fetch(ROUTES, "/video", max_bytes=100)  # refused on Content-Length
     with pytest.raises(ResourceExhausted, match="at most 1000 bytes"):
         _run_fetch(ROUTES, "/big", max_bytes=1000)  # refused while reading
+
+
+def test_fetched_and_local_media_count_against_the_body_budget(media_dir):
+    """Only a body's bytes were counted: media read from a file or a URL (the larger part of such
+    a request) was held outside --max-inflight-body-bytes."""
+    reserved: list[int] = []
+    assert _run_fetch(ROUTES, "/big", max_bytes=6000, reserve=reserved.append) == b"b" * 5000
+    assert sum(reserved) == 5000
+    reserved.clear()
+    local = MediaFetchConfig(allowed_local_dir=str(media_dir))
+    assert asyncio.run(load_media(str(media_dir / "clip.mp4"), local, 100, reserved.append)) == b"video bytes"
+    assert reserved == [len(b"video bytes")]
+
+    def refuse(num_bytes):
+        raise ResourceExhausted(f"no room for {num_bytes}")
+
+    with pytest.raises(ResourceExhausted, match="no room for 11"):
+        asyncio.run(load_media(str(media_dir / "clip.mp4"), local, 100, refuse))
+    with pytest.raises(ResourceExhausted, match="no room for"):
+        _run_fetch(ROUTES, "/big", max_bytes=6000, reserve=refuse)
 
 
 def test_fetch_timeout_and_not_found():
