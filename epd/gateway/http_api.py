@@ -153,7 +153,8 @@ class HttpApi:
             if unsupported_expect(request):
                 response: web.StreamResponse = json_error(
                     417, "the only Expect this server supports is 100-continue", "invalid_request_error")
-            elif self.config.http.api_keys and request.path.startswith("/v1/") and not self._authorized(request):
+            elif self.config.http.api_keys and (request.path.startswith("/v1/") or route in BODY_ROUTES) \
+                    and not self._authorized(request):  # the web demo's POST too: it decodes media
                 response = json_error(
                     401,
                     "missing or wrong API key; send 'Authorization: Bearer <key>'",

@@ -41,7 +41,6 @@ from epd.gateway.openai_protocol import error_body, parse_chat_request
 from epd.gateway.web.demo_decodes import DemoDecodes
 from epd.resources import shipped
 from epd.stages.errors import InvalidRequest
-from epd.transport.auth import any_key_matches, bearer_token
 from epd.video.simple_decoder import decode
 from epd.video.types import DecodeCancelled, DecodeLimits, SamplingOptions
 
@@ -97,16 +96,7 @@ class WebDemo:
         return web.FileResponse(self.samples_dir / name)
 
     async def frames(self, request: web.Request) -> web.Response:
-        if self.config.http.api_keys and not any_key_matches(
-            bearer_token([("authorization", request.headers.get("Authorization", ""))]),
-            self.config.http.api_keys,
-        ):
-            return web.json_response(
-                error_body(
-                    "missing or wrong API key; send 'Authorization: Bearer <key>'", "authentication_error"
-                ),
-                status=401,
-            )
+        """Behind the API key with /v1/* (the HTTP API's middleware checks it before admission)."""
         try:
             sampling, url = _frames_request(
                 await read_json_body(request, self.max_body_bytes, self.config.http.body_timeout_s), self.config

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import re
 
 import aiohttp
 from aiohttp import web
@@ -80,8 +81,10 @@ def test_frames_are_the_encoders_sampled_frames_as_thumbnails(tmp_path):
                 out.append((resp.status, await resp.json()))
         return out
 
-    (no_key, _), (ok, body), (bad_option, error), (local_path, refused) = asyncio.run(_session("k", calls))
+    (no_key, unauthorized), (ok, body), (bad_option, error), (local_path, refused) = asyncio.run(_session("k", calls))
     assert no_key == 401
+    # Checked with /v1/*'s, before admission: its message names the request id as every error does.
+    assert re.search(r"missing or wrong API key; .* \(request id \w+\)$", unauthorized["error"]["message"])
     assert ok == 200 and (body["width"], body["height"]) == (320, 240)
     expected = decode(data, SamplingOptions(num_frames=5))
     assert [f["timestamp_s"] for f in body["frames"]] == expected.timestamps_s
