@@ -107,10 +107,10 @@ class HttpApiConfig:
     """Interface to bind; "" means the gRPC server's host."""
     api_keys: tuple[str, ...] = ()
     """When any is set, /v1/*, the web demo's POST /demo/frames and the gRPC GatewayService need
-    `Authorization: Bearer <key>` with
-    one of them (HTTP /health and /metrics and the gRPC health service stay open for probes). Each
-    key is its own cache tenant (`epd.transport.auth.request_cache_salt`). Required when the gRPC
-    or HTTP API listens on a non-loopback interface, unless `no_api_key`."""
+    `Authorization: Bearer <key>` with one of them (HTTP /health and /metrics and the gRPC health
+    service stay open for probes). Each key is its own cache tenant
+    (`epd.transport.auth.request_cache_salt`). Required when the gRPC or HTTP API listens on a
+    non-loopback interface, unless `no_api_key`."""
     no_api_key: bool = False
     """Serve a non-loopback interface with no API key (`--no-api-key`): for closed, trusted
     networks only. Without it the gateway refuses to start open beyond loopback."""
