@@ -180,7 +180,8 @@ class HttpApi:
             if ticket is not None:
                 ticket.close()
         if not response.prepared:  # a streamed answer has it already (`_stream`)
-            response.headers[tracing.REQUEST_ID_KEY] = request_id
+            # The handler may have adopted the id its body names (`ChatRequest.request_id`).
+            response.headers[tracing.REQUEST_ID_KEY] = tracing.current_request_id() or request_id
         if request.method == "POST":
             log.info("http %s %s %d total_ms=%.1f", request.method, route, response.status,
                      (time.perf_counter() - started) * 1e3)
@@ -251,7 +252,7 @@ class HttpApi:
                 media=MediaInput(data, await asyncio.to_thread(sha256_hex, data)),
                 sampling=chat.sampling,
                 generation=chat.generation,
-                request_id=tracing.current_request_id() or tracing.new_request_id(),
+                request_id=tracing.adopt_request_id(chat.request_id),
                 pruning=chat.pruning,
                 cache_salt=request_cache_salt(
                     bool(self.config.http.api_keys),

@@ -199,6 +199,9 @@ class ChatRequest:
     cache_salt: str = ""
     """vLLM's `cache_salt`: requests share cached visual tokens and prefix KV only when their salts
     (and API keys) are equal."""
+    request_id: str = ""
+    """vLLM's `request_id`: the request's id unless an `x-request-id` header names one
+    (`epd.transport.tracing.adopt_request_id`, as the gRPC API's `AskHeader.request_id`)."""
 
 
 def parse_chat_request(
@@ -240,6 +243,7 @@ def parse_chat_request(
                                                     "stream_options.continuous_usage_stats"),
         pruning=_pruning(body.get("pruning")),
         cache_salt=check_cache_salt(_text(body.get("cache_salt"), "cache_salt")),
+        request_id=_text(body.get("request_id"), "request_id"),
     )
     check_messages(messages)  # the message model's own rules (the last message is the user's, ...)
     return request

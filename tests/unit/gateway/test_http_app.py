@@ -103,8 +103,10 @@ def test_retrieve_model_names_the_served_model_or_404():
     assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]
 
 
-def _post_chat(pipeline: Pipeline, body: dict, config: GatewayConfig | None = None, admission=None) -> str:
-    """POST `body` to /v1/chat/completions of an in-process API over `pipeline`; the answer's text."""
+def _post_chat(pipeline: Pipeline, body: dict, config: GatewayConfig | None = None, admission=None,
+               headers: dict | None = None, answer_headers: dict | None = None) -> str:
+    """POST `body` to /v1/chat/completions of an in-process API over `pipeline`; the answer's text
+    (and its headers into `answer_headers`)."""
 
     async def run():
         api = HttpApi(config or GatewayConfig(http=HttpApiConfig(port=0)), pipeline, GatewayMetrics(),
@@ -114,7 +116,9 @@ def _post_chat(pipeline: Pipeline, body: dict, config: GatewayConfig | None = No
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
-                async with session.post("/v1/chat/completions", json=body) as resp:
+                async with session.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                    if answer_headers is not None:
+                        answer_headers.update((k.lower(), v) for k, v in resp.headers.items())
                     return (await resp.read()).decode()
         finally:
             await runner.cleanup()
@@ -124,6 +128,18 @@ def _post_chat(pipeline: Pipeline, body: dict, config: GatewayConfig | None = No
 
 class _Recorded(Exception):
     """Ends the fake pipeline's run once it has the request."""
+
+
+class _RecordingPipeline(Pipeline):
+    """Hands each request to `record`, then ends its run (`_Recorded`: the client gets a 500)."""
+
+    def __init__(self, record) -> None:
+        self.record = record
+
+    async def ask(self, req):  # type: ignore[override]
+        self.record(req)
+        raise _Recorded("recorded")
+        yield
 
 
 def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
@@ -142,20 +158,12 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
     monkeypatch.setattr(http_api, "sha256_hex", lambda d: threads.append(("hash", threading.get_ident())) or real_hash(d))
     asked = []
 
-    class RecordingPipeline(Pipeline):
-        def __init__(self) -> None:
-            pass
-
-        async def ask(self, req):  # type: ignore[override]
-            asked.append((req, threading.get_ident()))
-            raise _Recorded("recorded")
-            yield
-
     media = bytes(range(256))
     url = "data:video/mp4;base64," + base64.b64encode(media).decode()
     content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": url}}]
 
-    _post_chat(RecordingPipeline(), {"messages": [{"role": "user", "content": content}]})
+    recording = _RecordingPipeline(lambda req: asked.append((req, threading.get_ident())))
+    _post_chat(recording, {"messages": [{"role": "user", "content": content}]})
     (req, loop_thread), = asked
     assert (req.media.data, req.media.sha256) == (media, hashlib.sha256(media).hexdigest())
     assert [name for name, _ in threads] == ["decode", "hash"]
@@ -220,16 +228,27 @@ def test_a_local_files_bytes_are_held_on_the_requests_ticket(tmp_path):
     admission = Admission.of_gateway(config)
     held = []
 
-    class RecordingPipeline(Pipeline):
-        def __init__(self) -> None:
-            pass
-
-        async def ask(self, req):  # type: ignore[override]
-            held.append(admission.num_reserved_bytes)
-            raise _Recorded("recorded")
-            yield
-
     content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": str(tmp_path / "clip.mp4")}}]
-    _post_chat(RecordingPipeline(), {"messages": [{"role": "user", "content": content}]}, config, admission)
+    recording = _RecordingPipeline(lambda req: held.append(admission.num_reserved_bytes))
+    _post_chat(recording, {"messages": [{"role": "user", "content": content}]}, config, admission)
     assert len(held) == 1 and held[0] > 5000  # the body's bytes and the file's
     assert admission.num_reserved_bytes == 0
+
+
+def test_the_request_id_a_body_names_is_the_requests_unless_a_header_names_one():
+    """vLLM's body `request_id` (the gRPC API's AskHeader.request_id) was ignored on HTTP."""
+    import json
+
+    ids = []
+
+    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    body = {"messages": [{"role": "user", "content": content}], "request_id": "body-id-1"}
+    out: list[tuple[str, str]] = []
+    for headers in ({}, {"x-request-id": "header-id-1"}):
+        answer_headers: dict = {}
+        recording = _RecordingPipeline(lambda req: ids.append(req.request_id))
+        error = json.loads(_post_chat(recording, body, headers=headers, answer_headers=answer_headers))
+        out.append((answer_headers["x-request-id"], error["error"]["message"]))
+    assert ids == ["body-id-1", "header-id-1"]
+    assert out[0][0] == "body-id-1" and out[0][1].endswith("(request id body-id-1)")
+    assert out[1][0] == "header-id-1" and out[1][1].endswith("(request id header-id-1)")
