@@ -25,7 +25,7 @@ bodies (epd/gateway/admission.py, shared with the gRPC API), 408 when the body h
 arrived within --body-timeout.
 
 Every request runs under a request id (epd/transport/tracing.py): the client's `x-request-id`
-header when usable, else a new one. It is the pipeline's request id (so every stage logs it), it
+header when usable, else the body's (vLLM's) `request_id` when usable, else a new one. It is the pipeline's request id (so every stage logs it), it
 comes back in the `x-request-id` response header, and every error message ends with it.
 """
 
