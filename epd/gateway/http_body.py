@@ -10,7 +10,8 @@
        must arrive within `--body-timeout` (408). Bytes are reserved as they arrive, never as
        announced: two connections that announced the largest body and sent nothing held the
        whole default budget, with no time limit, and every other upload got 429;
-    5. it is parsed as UTF-8 JSON; an invalid, non-UTF-8 or too deeply nested body is a 400.
+    5. it is parsed as UTF-8 JSON; an invalid, non-UTF-8, too deeply nested or too broad body
+       (more than MAX_JSON_VALUES values: each costs tens of bytes once parsed) is a 400.
 
 Memory: the raw body (N bytes) is parsed straight from the bytes and dropped right after; the
 parse needs the decoded text (N) and the data: URL string it yields (N), so ~3N at its peak.
@@ -96,8 +97,31 @@ async def _read_body(request: web.Request, max_body_bytes: int, ticket: Ticket |
     return body
 
 
+MAX_JSON_VALUES = 1 << 20
+"""Most JSON values one body may hold. A chat request has a few hundred (its texts are at most
+prefill's 262,144 characters); what is large in it is one string, the data: URL. Parsed, a value
+costs tens of bytes for the 2-3 of the body: 30 MB of `{},{},...` took 810 MB of the gateway's
+memory, so a body at the default limit (about 358 MB) would have taken about 10 GB."""
+
+
+def check_breadth(body: bytes | bytearray) -> None:
+    """InvalidRequest when `body` may hold more than MAX_JSON_VALUES values, judged before parsing:
+    every value but a container's first follows a comma, every member has a colon, and every
+    container opens with a bracket (those in strings count too, so this is an upper bound)."""
+    if len(body) <= MAX_JSON_VALUES:
+        return  # each value takes at least one byte
+    num_values = body.count(b",") + body.count(b":") + body.count(b"[") + body.count(b"{")
+    if num_values > MAX_JSON_VALUES:
+        raise InvalidRequest(
+            f"the request body holds up to {num_values} JSON values (commas, colons, arrays, objects); "
+            f"this server parses at most {MAX_JSON_VALUES}, and a chat request needs a few hundred"
+        )
+
+
 def parse_json(body: bytes | bytearray) -> Any:
-    """JSON from UTF-8 bytes (json also accepts UTF-16/32 with their BOM-less detection)."""
+    """JSON from UTF-8 bytes (json also accepts UTF-16/32 with their BOM-less detection), no
+    broader than MAX_JSON_VALUES values (`check_breadth`)."""
+    check_breadth(body)
     try:
         return json.loads(body)
     except UnicodeDecodeError:

@@ -330,3 +330,19 @@ def test_a_wrong_method_is_405_json_naming_the_methods_and_an_unknown_path_404()
     assert get_chat.status == 405 and get_chat.headers["allow"] == "POST"
     assert delete_static.status == 405 and set(delete_static.headers["allow"].split(",")) == {"GET", "HEAD"}
     _assert_json_error(unknown, 404, "Not Found")
+
+
+def test_a_body_of_millions_of_tiny_values_is_refused_before_parsing():
+    """30 MB of `{},{},...` took 810 MB of the gateway's memory once parsed (about 10 GB at the
+    default body limit); a chat request holds a few hundred values, its bulk one data: URL."""
+    from epd.gateway.http_body import MAX_JSON_VALUES, parse_json
+    from epd.stages.errors import InvalidRequest
+
+    for body in (b"[" + b"{}," * MAX_JSON_VALUES + b"{}]", b'{"messages": [' + b"0," * MAX_JSON_VALUES + b"0]}",
+                 b'{"a": {' + b'"k":0,' * (MAX_JSON_VALUES // 2) + b'"k": 0}}'):
+        with pytest.raises(InvalidRequest, match=f"this server parses at most {MAX_JSON_VALUES}"):
+            parse_json(body)
+    url = "data:video/mp4;base64," + "A" * (4 * MAX_JSON_VALUES)  # large, but one value
+    content = [{"type": "text", "text": "what, where: why?" * 1000}, {"type": "video_url", "video_url": {"url": url}}]
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "stop": [",", ":"]}).encode()
+    assert parse_json(body)["messages"][0]["content"][1]["video_url"]["url"] == url
