@@ -13,8 +13,11 @@
     5. it is parsed as UTF-8 JSON; an invalid, non-UTF-8, too deeply nested or too broad body
        (more than MAX_JSON_VALUES values: each costs tens of bytes once parsed) is a 400.
 
-Memory: the raw body (N bytes) is parsed straight from the bytes and dropped right after; the
-parse needs the decoded text (N) and the data: URL string it yields (N), so ~3N at its peak.
+Memory: the raw body (N bytes) is parsed straight from the bytes and dropped right after; its
+data: URL payloads are set aside first (`epd.gateway.json_payloads`): copied out (N), checked and
+decoded to their str (N), so ~3N at its peak for a moment, 2N while the rest (at most
+MAX_JSON_BYTES) is parsed. Parsed whole, the body's decoded text alone took 4N once a single
+emoji was in it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestPayloadError
 
+from epd.gateway import json_payloads
 from epd.gateway.admission import Ticket
 from epd.stages.errors import DeadlineExceeded, InvalidRequest, ResourceExhausted
 
@@ -72,7 +76,9 @@ async def read_json_body(request: web.Request, max_body_bytes: int, timeout_s: f
             f"the request body did not arrive within {timeout_s:g} s (the server's --body-timeout); "
             "send it faster, or a smaller or more compressed video"
         ) from None
-    return parse_json(body)
+    if len(body) < THREAD_PARSE_BYTES:
+        return parse_json(body)
+    return await asyncio.to_thread(parse_json, body)  # the event loop goes on between its C calls
 
 
 async def _read_body(request: web.Request, max_body_bytes: int, ticket: Ticket | None) -> bytearray:
@@ -97,6 +103,9 @@ async def _read_body(request: web.Request, max_body_bytes: int, ticket: Ticket |
     return body
 
 
+THREAD_PARSE_BYTES = 1 << 20
+"""Bodies this large or larger are parsed on a worker thread."""
+
 MAX_JSON_VALUES = 1 << 20
 """Most JSON values one body may hold. A chat request has a few hundred (its texts are at most
 prefill's 262,144 characters); what is large in it is one string, the data: URL. Parsed, a value
@@ -118,12 +127,27 @@ def check_breadth(body: bytes | bytearray) -> None:
         )
 
 
+MAX_JSON_BYTES = 16 << 20
+"""Most bytes of JSON parsed per body once its data: URL payloads are set aside
+(`epd.gateway.json_payloads`): a chat request's texts are at most prefill's 262,144 characters
+(1 MiB of UTF-8); a larger rest is refused before it costs a parse."""
+
+
 def parse_json(body: bytes | bytearray) -> Any:
     """JSON from UTF-8 bytes (json also accepts UTF-16/32 with their BOM-less detection), no
-    broader than MAX_JSON_VALUES values (`check_breadth`)."""
+    broader than MAX_JSON_VALUES values (`check_breadth`), its data: URL payloads set aside while
+    the rest, at most MAX_JSON_BYTES, is parsed. CPU-bound for a large body (a few C calls over
+    all of it): `read_json_body` runs it on a worker thread."""
     check_breadth(body)
+    rest, payloads, marker = json_payloads.set_aside(body)
+    if len(rest) > MAX_JSON_BYTES:
+        raise ResourceExhausted(
+            f"the request body is {len(rest)} bytes of JSON apart from the base64 payloads of its data: URLs; "
+            f"this server parses at most {MAX_JSON_BYTES}: send the media as a base64 data: URL in UTF-8 JSON, "
+            "and a shorter conversation"
+        )
     try:
-        return json.loads(body)
+        return json_payloads.put_back(json.loads(rest), payloads, marker)
     except UnicodeDecodeError:
         raise InvalidRequest("the request body is not UTF-8 text; send JSON encoded as UTF-8") from None
     except RecursionError:
