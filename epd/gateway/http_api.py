@@ -86,7 +86,7 @@ NotServing = Callable[[], Awaitable[list[str]]]
 
 def json_error(status: int, message: str, error_type: str) -> web.Response:
     """An OpenAI-style error; its message names the request id (`tracing.with_request_id`)."""
-    response = web.json_response(error_body(tracing.with_request_id(message), error_type), status=status)
+    response = web.json_response(error_body(tracing.with_request_id(message), error_type, status), status=status)
     if status == 429:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
@@ -353,7 +353,7 @@ class HttpApi:
             status, error_type, message = http_error_of(exc)
             if status == 500:
                 log.exception("internal error mid-stream in %s", request_id)
-            body = error_body(tracing.with_request_id(message, request_id), error_type, str(status))
+            body = error_body(tracing.with_request_id(message, request_id), error_type, status)
             await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         if response is None:
             raise RuntimeError("the pipeline ended without a token")

@@ -175,8 +175,10 @@ def http_error_of(exc: BaseException) -> tuple[int, str, str]:
     return getattr(exc, "http_status", status), error_type, message
 
 
-def error_body(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+def error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
+    """vLLM's error object: `code` is the HTTP status as an integer, in a response and in an error
+    event of a stream alike (which has answered 200 already: the code says what it would be)."""
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
 
 
 @dataclass

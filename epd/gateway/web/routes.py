@@ -92,7 +92,7 @@ class WebDemo:
         name = request.match_info["name"]
         names = {s["name"] for s in list_samples(self.samples_dir)}
         if name not in names:  # only listed files: no path ever comes from the URL
-            return web.json_response(error_body(f"no sample named {name!r}", "not_found_error"), status=404)
+            return web.json_response(error_body(f"no sample named {name!r}", "not_found_error", 404), status=404)
         return web.FileResponse(self.samples_dir / name)
 
     async def frames(self, request: web.Request) -> web.Response:

@@ -47,6 +47,7 @@ def test_body_over_the_limit_is_413_json():
     (status, body), metrics = asyncio.run(_requests("", post_big))
     assert status == 413
     assert body["error"]["type"] == "request_too_large"
+    assert body["error"]["code"] == 413  # vLLM's: the HTTP status as an integer (it was null)
     assert metrics.value("epd_http_responses_total", route="/v1/chat/completions", code="413") == 1
 
 
@@ -75,7 +76,7 @@ def test_unknown_route_and_bad_json_are_json_errors():
 
     (missing, bad), _ = asyncio.run(_requests("", calls))
     assert missing[0] == 404 and "error" in missing[1]
-    assert bad[0] == 400 and "not valid JSON" in bad[1]["error"]["message"]
+    assert bad[0] == 400 and "not valid JSON" in bad[1]["error"]["message"] and bad[1]["error"]["code"] == 400
 
 
 def test_health_names_the_stages_not_serving():

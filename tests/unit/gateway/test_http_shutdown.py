@@ -80,7 +80,7 @@ def _ends_with_the_shutdown_error(rest: str) -> None:
     error = json.loads(events[-2])["error"]
     assert error["message"].startswith("the server shut down after ") and "tokens (its grace period was over)" in \
         error["message"] and "request id " in error["message"], error
-    assert error["code"] == "502"
+    assert error["code"] == 502  # vLLM's: the HTTP status as an integer
 
 
 def test_a_streamed_answer_is_cut_at_the_end_of_the_grace_period_not_twice_it():
