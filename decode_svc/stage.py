@@ -6,7 +6,8 @@ The two differ only in where the KV cache comes from, `take_kv`: the embedded mo
 the prefill stage's in-process `KvStore` (its in-memory 'transfer'); the decode service pulls it
 from the prefill server over gRPC (`epd.decode_svc.kv_pull.KvPuller.take_kv`). Everything else is
 this class. A request's life here:
-  1. the generation-limits check (before anything is reserved or moved);
+  1. the generation-limits check, and the handle's token ids against the vocabulary (before
+     anything is reserved or moved);
   2. `KvMemory.reserve`: room for its whole life (cached tokens + max_new_tokens), waiting FIFO
      when the budget is taken, RESOURCE_EXHAUSTED when the wait queue is full too;
   3. the pull (`take_kv`), timed; prefill keeps its copy until the first token is out
@@ -55,6 +56,17 @@ def take_from_store(kv_store: KvStore) -> TakeKv:
         return kv_store.take(handle.kv_handle)
 
     return take_kv
+
+
+def check_first_token_id(token_id: int, vocab_size: int | None) -> None:
+    """The prefill's token, which the first batched step embeds: outside the vocabulary it would fail
+    that step, and with it every request of the batch, so it is refused here (InvalidRequest)."""
+    if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+        upper = f"{vocab_size - 1}" if vocab_size is not None else "the vocabulary's last id"
+        raise InvalidRequest(
+            f"first_token_id {token_id} is outside this model's vocabulary (0 to {upper}): prefill and "
+            "decode serve different models"
+        )
 
 
 def check_prompt_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
@@ -118,6 +130,7 @@ class LocalDecodeStage(DecodeStage):
     ) -> AsyncIterator[TokenStep]:
         vocab_size = self.engine.adapter.vocab_size
         check_generation_limits(generation, self.config.max_new_tokens_limit, vocab_size)
+        check_first_token_id(handle.first_token_id, vocab_size)
         check_prompt_token_ids(handle.distinct_prompt_token_ids, vocab_size)
         request = DecodeRequest(
             request_id,

@@ -12,6 +12,7 @@ import gc
 import threading
 import weakref
 from contextlib import aclosing
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,11 +22,12 @@ from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.stage import LocalDecodeStage, take_from_store
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import PrefillHandle, TokenStep
-from epd.stages.errors import ResourceExhausted
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages, to_chat_template
 from epd.stages.model_thread import ModelThread
 
@@ -262,6 +264,69 @@ def test_a_failing_step_reaches_the_reader_and_frees_everything(adapter, thread,
     assert _run(scenario()) == "step failed"
     assert len(read) == 2, "prefill's token and the first step's"
     _assert_idle(stage, cache_ref)
+
+
+def test_a_first_token_outside_the_vocabulary_is_refused_before_anything_is_reserved(adapter, thread):
+    """The first batched step embeds the prefill's token: one outside the vocabulary would fail that
+    step for every request of the batch, so it is refused first, and its cache is not taken."""
+    store = KvStore(1 << 30, 60.0)
+    handle, _ = _prefilled(adapter, store, "what colour is the square?")
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        bad = replace(handle, first_token_id=adapter.vocab_size)
+        with pytest.raises(InvalidRequest, match=f"first_token_id {adapter.vocab_size} is outside"):
+            await anext(stage.generate(bad, GenerationConfig(max_new_tokens=4), "bad"))
+
+    _run(scenario())
+    assert len(store) == 1, "the cache was never taken"
+    _assert_idle(stage)
+
+
+def _poisoned(adapter, store: KvStore, question: str, seed: int) -> PrefillHandle:
+    """A request whose cache holds NaN keys: its logits are NaN, which a temperature cannot sample."""
+    handle, _ = _prefilled(adapter, store, question, seed=seed)
+    cache = store.take(handle.kv_handle)
+    nan = KvCache([torch.full_like(k, float("nan")) for k in cache.keys], [v.clone() for v in cache.values])
+    return replace(handle, kv_handle=store.put(nan))
+
+
+def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeypatch):
+    """One request of a running batch cannot sample its token (NaN logits under a temperature): it
+    ends with its error, and the other request's tokens go on, equal to its tokens alone."""
+    store = KvStore(1 << 30, 60.0)
+    max_new = 20
+    want = _alone(adapter, store, "what colour is the square?", max_new)
+    calls = Calls(adapter, monkeypatch)
+    good, good_ref = _prefilled(adapter, store, "what colour is the square?")
+    bad = _poisoned(adapter, store, "which one?", seed=1)
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        good_running = asyncio.Event()
+
+        async def run_good():
+            out = []
+            async for step in stage.generate(good, GenerationConfig(max_new_tokens=max_new, ignore_eos=True), "good"):
+                out += step.token_ids
+                if len(out) == 3:
+                    good_running.set()
+            return out
+
+        async def run_bad():
+            await good_running.wait()
+            with pytest.raises(RuntimeError, match="probability tensor"):
+                async for _ in stage.generate(bad, GenerationConfig(max_new_tokens=max_new, temperature=1.0, seed=1), "bad"):
+                    pass
+
+        out, _ = await asyncio.gather(run_good(), run_bad())
+        await asyncio.sleep(0.05)
+        await thread.run(lambda: None)
+        return out
+
+    assert _run(scenario()) == want
+    assert 2 in calls.batch_sizes, "the failing request shared a step with the other"
+    _assert_idle(stage, good_ref)
 
 
 def test_requests_beyond_the_kv_budget_wait_for_room_and_all_finish(adapter, thread, monkeypatch):
