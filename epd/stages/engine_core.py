@@ -326,7 +326,10 @@ class EngineCore(Generic[R]):
         for r in requests:
             if not r.released:
                 r.released = True
-                self.runner.release(r)
+                try:
+                    self.runner.release(r)
+                except Exception:  # noqa: BLE001 - raised out of the loop, it stopped the core for good
+                    log.exception("freeing the state of request %s failed", r.request_id)
 
     def _take_left(self) -> list[R]:
         left, self._to_release = self._to_release, []
