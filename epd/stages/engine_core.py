@@ -313,6 +313,9 @@ class EngineCore(Generic[R]):
             self.model_thread.call_threads.narrow_step(self.lane, len(batch))
         try:
             outputs = self.runner.execute(batch)
+        except BaseException:
+            self._release(batch)  # failed: freed before its readers see the error, as if finished
+            raise
         finally:
             if threads is not None:
                 threads.done()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 from contextlib import aclosing
 from dataclasses import replace
@@ -247,6 +248,13 @@ def test_a_failing_step_reaches_the_reader_and_frees_everything(adapter, thread,
     store = KvStore(1 << 30, 60.0)
     handle, cache_ref = _prefilled(adapter, store, "what colour is the square?")
     stage = _stage(adapter, store, thread)
+    release = stage.core.runner.release
+
+    def slow_release(r):  # a release that takes a while must still be over when the reader hears
+        time.sleep(0.2)
+        release(r)
+
+    monkeypatch.setattr(stage.core.runner, "release", slow_release)
     read: list[TokenStep] = []
 
     async def scenario():
@@ -257,6 +265,8 @@ def test_a_failing_step_reaches_the_reader_and_frees_everything(adapter, thread,
                 read.append(step)
         except RuntimeError as exc:
             error = str(exc)  # only the message: the traceback holds the failed call's frames
+            # As for a finished request: its row is freed before its reader sees the end.
+            assert stage.core.runner.rows == [] and stage.core.runner.batch.num_rows == 0
         await asyncio.sleep(0.05)
         await thread.run(lambda: None)
         return error
