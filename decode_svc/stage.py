@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
@@ -97,6 +98,8 @@ class LocalDecodeStage(DecodeStage):
         self.take_kv = take_kv
         self.confirm_kv = confirm_kv
         self._confirming: set[asyncio.Task] = set()
+        self.num_pulling = 0
+        """Requests holding room whose cache is on its way (`take_kv`)."""
         self.model_thread = model_thread
         self.config = config or DecodeConfig()
         c = self.config
@@ -110,7 +113,10 @@ class LocalDecodeStage(DecodeStage):
         self.core = EngineCore(DecodeScheduler(self.memory), DecodeRunner(engine), model_thread)
 
     def load(self) -> EngineLoad:
-        return self.core.load()
+        """The core's load; requests whose cache is being pulled hold room and wait for their first
+        step, but are not in the core yet: they count as waiting (routers and /metrics see them)."""
+        load = self.core.load()
+        return replace(load, num_waiting=load.num_waiting + self.num_pulling)
 
     def _confirm(self, request: DecodeRequest, handle: PrefillHandle) -> None:
         """The first token is out: nothing retries this request any more, so prefill's copy of its
@@ -144,7 +150,11 @@ class LocalDecodeStage(DecodeStage):
             # Room first, then the cache: a cache is never pulled into memory that is not there.
             async with self.memory.reservation(request, request.final_length):
                 t0 = time.perf_counter()
-                kv = await self.take_kv(handle)
+                self.num_pulling += 1
+                try:
+                    kv = await self.take_kv(handle)
+                finally:
+                    self.num_pulling -= 1
                 request.kv_transfer_ms = (time.perf_counter() - t0) * 1e3
                 if kv.num_cached_tokens != handle.num_cached_tokens:
                     raise InvalidRequest(

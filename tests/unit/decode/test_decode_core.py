@@ -370,6 +370,34 @@ def test_requests_beyond_the_kv_budget_wait_for_room_and_all_finish(adapter, thr
     _assert_idle(stage)
 
 
+def test_requests_whose_cache_is_on_its_way_count_as_waiting(adapter, thread):
+    """They hold room and wait for their first step: routers and /metrics must see them."""
+    store = KvStore(1 << 30, 60.0)
+    handles = [_prefilled(adapter, store, "what colour is the square?", seed=i)[0] for i in range(3)]
+    arrived = asyncio.Event()
+
+    async def take_kv(handle):
+        await arrived.wait()
+        return store.take(handle.kv_handle)
+
+    stage = LocalDecodeStage(DecodeEngine(adapter), take_kv, thread, DecodeConfig())
+
+    async def scenario():
+        readers = [asyncio.ensure_future(anext(stage.generate(h, GenerationConfig(max_new_tokens=3), "r")))
+                   for h in handles]
+        while stage.memory.num_holding < 3:
+            await asyncio.sleep(0.001)
+        during = stage.load()
+        arrived.set()
+        await asyncio.gather(*readers)
+        return during
+
+    during = _run(scenario())
+    assert (during.num_running, during.num_waiting) == (0, 3)
+    assert during.memory_used_bytes > 0
+    assert stage.load().num_waiting == 0
+
+
 def _leasing_stage(adapter, store, thread) -> LocalDecodeStage:
     """As the decode service does over the network: the pull leases the cache (prefill keeps a copy)
     and `confirm_kv` drops that copy."""
