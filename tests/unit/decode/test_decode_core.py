@@ -101,6 +101,20 @@ def _alone(adapter, store, question, max_new, grid=(1, 4, 4), seed=0) -> list[in
     return tokens
 
 
+async def _tokens(stage, handle, max_new, started: asyncio.Event | None = None,
+                  after: asyncio.Event | None = None) -> list[int]:
+    """One request's greedy tokens (ignore_eos) through `stage`, once `after` is set; `started` is
+    set at its second token (it is in the running batch then)."""
+    if after is not None:
+        await after.wait()
+    out: list[int] = []
+    async for step in stage.generate(handle, GenerationConfig(max_new_tokens=max_new, ignore_eos=True), "r"):
+        out += step.token_ids
+        if started is not None and len(out) == 2:
+            started.set()
+    return out
+
+
 def _stage(adapter, store, thread, **config) -> LocalDecodeStage:
     return LocalDecodeStage(DecodeEngine(adapter), take_from_store(store), thread, DecodeConfig(**config))
 
@@ -315,21 +329,13 @@ def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeyp
     async def scenario():
         good_running = asyncio.Event()
 
-        async def run_good():
-            out = []
-            async for step in stage.generate(good, GenerationConfig(max_new_tokens=max_new, ignore_eos=True), "good"):
-                out += step.token_ids
-                if len(out) == 3:
-                    good_running.set()
-            return out
-
         async def run_bad():
             await good_running.wait()
             with pytest.raises(RuntimeError, match="probability tensor"):
                 async for _ in stage.generate(bad, GenerationConfig(max_new_tokens=max_new, temperature=1.0, seed=1), "bad"):
                     pass
 
-        out, _ = await asyncio.gather(run_good(), run_bad())
+        out, _ = await asyncio.gather(_tokens(stage, good, max_new, good_running), run_bad())
         await asyncio.sleep(0.05)
         await thread.run(lambda: None)
         return out
@@ -337,6 +343,34 @@ def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeyp
     assert _run(scenario()) == want
     assert 2 in calls.batch_sizes, "the failing request shared a step with the other"
     _assert_idle(stage, good_ref)
+
+
+def test_a_request_moved_into_an_overflowed_requests_row_keeps_its_own_tokens(adapter, thread):
+    """An overflowed request (inf in its values; greedy, so it runs on) leaves the batch; the last
+    row moves into its place, beside a longer row whose length every step reads. Its tokens stay
+    its own: the overflowed values left in the row's masked columns made them NaN (token 0)."""
+    store = KvStore(1 << 30, 60.0)
+    long_q, short_q = "how many squares move from the left to the right of the frame? " * 3, "which?"
+    want = _alone(adapter, store, short_q, 30, seed=2)
+    long, _ = _prefilled(adapter, store, long_q, (1, 8, 8), seed=0)
+    overflowed, _ = _prefilled(adapter, store, "what shape is it there?", (1, 6, 8), seed=1)
+    cache = store.take(overflowed.kv_handle)
+    inf = KvCache([k.clone() for k in cache.keys], [torch.full_like(v, float("inf")) for v in cache.values])
+    overflowed = replace(overflowed, kv_handle=store.put(inf))
+    short, _ = _prefilled(adapter, store, short_q, seed=2)
+    assert long.num_cached_tokens > overflowed.num_cached_tokens > short.num_cached_tokens
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        started = [asyncio.Event() for _ in range(3)]
+        return await asyncio.gather(
+            _tokens(stage, long, 60, started[0]),
+            _tokens(stage, overflowed, 5, started[1], after=started[0]),
+            _tokens(stage, short, 30, started[2], after=started[1]),
+        )
+
+    _, _, got = _run(scenario())
+    assert got == want
 
 
 def test_requests_beyond_the_kv_budget_wait_for_room_and_all_finish(adapter, thread, monkeypatch):
