@@ -11,9 +11,9 @@
      (eviction shrinks their cache per layer and head, which one shared cache cannot hold), and so
      do all requests of a family without batched decoding (`supports_batched_decode`).
 Each request's output of a step is a list of TokenSteps, or `RequestFailed` when its own sampling
-or its own cache failed (it leaves alone; the batched forward failing fails the batch). Joining (1.) happens in `admit`, a
-model-thread call of its own before the step, so the prefill's token reaches the client without
-waiting for the step's forward pass.
+or its own cache failed (it leaves alone; the batched forward failing fails the batch). Joining
+(1.) happens in `admit`, a model-thread call of its own before the step, so the prefill's token
+reaches the client without waiting for the step's forward pass.
 
 `release` frees a request's row (the last row moves into its place); the batch cache is freed
 when the last request leaves.
