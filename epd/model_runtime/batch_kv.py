@@ -86,8 +86,11 @@ class BatchKv:
 
     @property
     def capacity(self) -> tuple[int, int]:
-        """(rows, columns) the buffers hold now."""
-        return int(self.keys[0].shape[0]), int(self.keys[0].shape[2])
+        """(rows, columns) every buffer holds now. The smallest, not the first layer's: a rebuild
+        that failed part way (out of memory) leaves the first layers larger than the rest, and the
+        next join must rebuild them all rather than write past the smaller ones."""
+        buffers = (*self.keys, *self.values)
+        return min(int(t.shape[0]) for t in buffers), min(int(t.shape[2]) for t in buffers)
 
     @property
     def num_bytes(self) -> int:
