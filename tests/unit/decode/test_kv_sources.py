@@ -20,6 +20,7 @@ from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.server_config import ServerConfig
 from epd.transport.server import create_server
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.stack import free_port
 
 DEFAULT = DecodeConfig().allow_kv_from  # 127.0.0.1:*, localhost:*, [::1]:*
 K8S = ("10.0.0.0/8:50052", "172.16.0.0/12:50052", "192.168.0.0/16:50052")  # deploy/k8s/decode.yaml
@@ -210,8 +211,6 @@ def test_idle_channels_are_bounded_and_one_in_use_is_kept(monkeypatch):
 
 
 def _free_ports(count: int) -> list[int]:
-    from tests.stack import free_port
-
     ports: set[int] = set()
     while len(ports) < count:
         ports.add(free_port())
