@@ -23,6 +23,9 @@ host and port, never to the text as sent.
 from __future__ import annotations
 
 import logging
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 
@@ -46,13 +49,21 @@ def source_lost(exc: grpc.aio.AioRpcError) -> bool:
     return replica_lost(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+MAX_IDLE_CHANNELS = 64
+"""Channels to prefill servers kept open with no call on them, the most recently used; an older
+idle one is closed. The address comes from each request, and an allow-list such as
+`127.0.0.1:*` or `10.0.0.0/8:*` admits many: a channel kept for every address ever named (~20 KB
+each) grew without bound, with a caller naming a new port each time, or prefill pods replaced."""
+
+
 class KvPuller:
     def __init__(self, allowed_sources: tuple[str, ...], max_transfer_bytes: int, timeout_s: float) -> None:
         self.allowed_sources = allowed_sources
         self.allowed = parse_allow_list(allowed_sources)  # ValueError names the bad entry
         self.max_transfer_bytes = max_transfer_bytes
         self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}  # by gRPC target
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()  # by gRPC target, least recently used first
+        self._calls: Counter[str] = Counter()  # calls in flight on each target's channel
 
     def check_allowed(self, address: str) -> KvSource:
         """The parsed source, if the allow-list admits it; InvalidRequest otherwise."""
@@ -68,22 +79,37 @@ class KvPuller:
             )
         return source
 
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+    @asynccontextmanager
+    async def _stub(self, address: str) -> AsyncIterator[prefill_pb2_grpc.PrefillServiceStub]:
+        """A stub on the channel to `address` (checked), for one call; idle channels beyond
+        `MAX_IDLE_CHANNELS` are closed first."""
         target = self.check_allowed(address).grpc_target
-        channel = self._channels.get(target)
+        channel = self._channels.pop(target, None)
         if channel is None:
             channel = traced_channel(target)  # the request id goes with the pull and the confirmation
-            self._channels[target] = channel
-        return prefill_pb2_grpc.PrefillServiceStub(channel)
+        self._channels[target] = channel
+        self._calls[target] += 1
+        try:
+            await self._close_idle()
+            yield prefill_pb2_grpc.PrefillServiceStub(channel)
+        finally:
+            self._calls[target] -= 1
+            if not self._calls[target]:
+                del self._calls[target]
+
+    async def _close_idle(self) -> None:
+        while len(idle := [target for target in self._channels if not self._calls[target]]) > MAX_IDLE_CHANNELS:
+            # Out of the map before the await: a call meanwhile opens a new channel, never this one.
+            await self._channels.pop(idle[0]).close()
 
     async def pull(self, address: str, handle: str) -> KvCache:
         """The cache, whole; prefill keeps its copy until `confirm`."""
-        stub = self._stub(address)
         asm = TensorAssembler(self.max_transfer_bytes)
         request = prefill_pb2.PullKvRequest(kv_handle=handle, keep_until_confirmed=True)
         try:
-            async for msg in stub.PullKv(request, timeout=self.timeout_s):
-                asm.add(msg.tensor)
+            async with self._stub(address) as stub:
+                async for msg in stub.PullKv(request, timeout=self.timeout_s):
+                    asm.add(msg.tensor)
         except grpc.aio.AioRpcError as exc:
             # NOT_FOUND too: a prefill replica restarted on the same address has an empty store.
             if not (source_lost(exc) or exc.code() == grpc.StatusCode.NOT_FOUND):
@@ -101,13 +127,13 @@ class KvPuller:
 
     async def confirm(self, address: str, handle: str) -> None:
         """Tell prefill this decoder no longer needs its copy of `handle`, which it drops."""
-        stub = self._stub(address)
         request_id = tracing.current_request_id()
         try:
-            answer = await stub.ReleaseKv(
-                prefill_pb2.ReleaseKvRequest(kv_handle=handle, request_id=request_id, received=True),
-                timeout=self.timeout_s,
-            )
+            async with self._stub(address) as stub:
+                answer = await stub.ReleaseKv(
+                    prefill_pb2.ReleaseKvRequest(kv_handle=handle, request_id=request_id, received=True),
+                    timeout=self.timeout_s,
+                )
         except grpc.aio.AioRpcError as exc:
             log.warning("could not confirm receipt of KV cache %s (%s %s): prefill drops it at its TTL",
                         handle, exc.code().name, exc.details())

@@ -10,9 +10,10 @@
   3. requests with decode-stage eviction decode alone, one `step()` each, in the same engine step
      (eviction shrinks their cache per layer and head, which one shared cache cannot hold), and so
      do all requests of a family without batched decoding (`supports_batched_decode`).
-Each request's output of a step is a list of TokenSteps. Joining (1.) happens in `admit`, a
-model-thread call of its own before the step, so the prefill's token reaches the client without
-waiting for the step's forward pass.
+Each request's output of a step is a list of TokenSteps, or `RequestFailed` when its own sampling
+or its own cache failed (it leaves alone; the batched forward failing fails the batch). Joining
+(1.) happens in `admit`, a model-thread call of its own before the step, so the prefill's token
+reaches the client without waiting for the step's forward pass.
 
 `release` frees a request's row (the last row moves into its place); the batch cache is freed
 when the last request leaves.
@@ -20,7 +21,9 @@ when the last request leaves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +33,8 @@ from epd.decode_svc.scheduler import DecodeRequest
 from epd.model_runtime.batch_kv import BatchKv
 from epd.stages.contracts import TokenStep
 from epd.stages.engine_core import ModelRunner, RequestFailed
+
+log = logging.getLogger(__name__)
 
 
 class DecodeRunner(ModelRunner[DecodeRequest]):
@@ -53,8 +58,9 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
                 outputs.append((r, RequestFailed(exc)))
         return outputs
 
-    def execute(self, batch: Sequence[DecodeRequest]) -> list[tuple[DecodeRequest, list[TokenStep]]]:
+    def execute(self, batch: Sequence[DecodeRequest]) -> list[tuple[DecodeRequest, Any]]:
         outputs: dict[DecodeRequest, list[TokenStep]] = {r: [] for r in batch}
+        failed: dict[DecodeRequest, RequestFailed] = {}
         for r in batch:
             if r.generation is None:  # not admitted first (a caller driving the runner directly)
                 outputs[r].append(self._join(r))
@@ -65,16 +71,32 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
                 [r.generation.last_token for r in self.rows], positions, self.batch
             )
             for r, row_logits in zip(self.rows, logits, strict=True):
-                step = r.generation.accept(row_logits)
-                if r in outputs:
-                    outputs[r].append(step)
-                r.finished = r.generation.done
+                self._advance(r, partial(r.generation.accept, row_logits), outputs, failed)
         for r in batch:
             if r.row is None and not r.finished and not outputs[r]:
-                step = r.generation.step()  # alone: decode-stage eviction
-                outputs[r].append(step)
-                r.finished = r.generation.done
-        return list(outputs.items())
+                self._advance(r, r.generation.step, outputs, failed)  # alone: decode-stage eviction
+        return [(r, failed.get(r, steps)) for r, steps in outputs.items()]
+
+    @staticmethod
+    def _advance(
+        r: DecodeRequest,
+        next_step: Callable[[], TokenStep],
+        outputs: dict[DecodeRequest, list[TokenStep]],
+        failed: dict[DecodeRequest, RequestFailed],
+    ) -> None:
+        """One request's token of this step. What fails in its own sampling or its own cache (NaN
+        logits under a temperature, an eviction step) fails it alone: the rows of the others were
+        computed, and their tokens go out."""
+        try:
+            step = next_step()
+        except Exception as exc:  # noqa: BLE001 - one request's failure, not the batch's
+            log.exception("decoding request %s failed at a step; the other requests go on", r.request_id)
+            failed[r] = RequestFailed(exc)
+            r.finished = True
+            return
+        if r in outputs:
+            outputs[r].append(step)
+        r.finished = r.generation.done
 
     def _join(self, r: DecodeRequest) -> TokenStep:
         h = r.handle

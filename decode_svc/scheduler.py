@@ -65,7 +65,8 @@ class DecodeScheduler(Scheduler[DecodeRequest]):
         return EngineLoad(
             stage="decode",  # the service role
             num_running=len(self.running),
-            # Waiting for room in KV memory, or for their cache to arrive.
+            # Waiting for room in KV memory, or to join (their cache is here); those whose cache is
+            # on its way are added by the stage (`LocalDecodeStage.load`).
             num_waiting=self.memory.num_waiting + len(self.arrived),
             memory_used_bytes=self.memory.used_bytes,
             memory_total_bytes=self.memory.budget_bytes,

@@ -6,7 +6,8 @@ The two differ only in where the KV cache comes from, `take_kv`: the embedded mo
 the prefill stage's in-process `KvStore` (its in-memory 'transfer'); the decode service pulls it
 from the prefill server over gRPC (`epd.decode_svc.kv_pull.KvPuller.take_kv`). Everything else is
 this class. A request's life here:
-  1. the generation-limits check (before anything is reserved or moved);
+  1. the generation-limits check, and the handle's token ids against the vocabulary (before
+     anything is reserved or moved);
   2. `KvMemory.reserve`: room for its whole life (cached tokens + max_new_tokens), waiting FIFO
      when the budget is taken, RESOURCE_EXHAUSTED when the wait queue is full too;
   3. the pull (`take_kv`), timed; prefill keeps its copy until the first token is out
@@ -23,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
@@ -57,6 +59,17 @@ def take_from_store(kv_store: KvStore) -> TakeKv:
     return take_kv
 
 
+def check_first_token_id(token_id: int, vocab_size: int | None) -> None:
+    """The prefill's token, which the first batched step embeds: outside the vocabulary it would fail
+    that step, and with it every request of the batch, so it is refused here (InvalidRequest)."""
+    if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+        upper = f"{vocab_size - 1}" if vocab_size is not None else "the vocabulary's last id"
+        raise InvalidRequest(
+            f"first_token_id {token_id} is outside this model's vocabulary (0 to {upper}): prefill and "
+            "decode serve different models"
+        )
+
+
 def check_prompt_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
     """The prompt ids a repetition penalty covers (`PrefillHandle.distinct_prompt_token_ids`): distinct
     and in the vocabulary, so at most `vocab_size` of them, or InvalidRequest."""
@@ -85,6 +98,8 @@ class LocalDecodeStage(DecodeStage):
         self.take_kv = take_kv
         self.confirm_kv = confirm_kv
         self._confirming: set[asyncio.Task] = set()
+        self.num_pulling = 0
+        """Requests holding room whose cache is on its way (`take_kv`)."""
         self.model_thread = model_thread
         self.config = config or DecodeConfig()
         c = self.config
@@ -98,7 +113,10 @@ class LocalDecodeStage(DecodeStage):
         self.core = EngineCore(DecodeScheduler(self.memory), DecodeRunner(engine), model_thread)
 
     def load(self) -> EngineLoad:
-        return self.core.load()
+        """The core's load; requests whose cache is being pulled hold room and wait for their first
+        step, but are not in the core yet: they count as waiting (routers and /metrics see them)."""
+        load = self.core.load()
+        return replace(load, num_waiting=load.num_waiting + self.num_pulling)
 
     def _confirm(self, request: DecodeRequest, handle: PrefillHandle) -> None:
         """The first token is out: nothing retries this request any more, so prefill's copy of its
@@ -118,6 +136,7 @@ class LocalDecodeStage(DecodeStage):
     ) -> AsyncIterator[TokenStep]:
         vocab_size = self.engine.adapter.vocab_size
         check_generation_limits(generation, self.config.max_new_tokens_limit, vocab_size)
+        check_first_token_id(handle.first_token_id, vocab_size)
         check_prompt_token_ids(handle.distinct_prompt_token_ids, vocab_size)
         request = DecodeRequest(
             request_id,
@@ -131,7 +150,11 @@ class LocalDecodeStage(DecodeStage):
             # Room first, then the cache: a cache is never pulled into memory that is not there.
             async with self.memory.reservation(request, request.final_length):
                 t0 = time.perf_counter()
-                kv = await self.take_kv(handle)
+                self.num_pulling += 1
+                try:
+                    kv = await self.take_kv(handle)
+                finally:
+                    self.num_pulling -= 1
                 request.kv_transfer_ms = (time.perf_counter() - t0) * 1e3
                 if kv.num_cached_tokens != handle.num_cached_tokens:
                     raise InvalidRequest(

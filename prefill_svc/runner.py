@@ -17,6 +17,7 @@ no copy. A finished prompt's KV goes into the prefix cache (`PrefillEngine.remem
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,8 @@ from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
 from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.engine_core import ModelRunner, RequestFailed
 from epd.stages.errors import EpdError
+
+log = logging.getLogger(__name__)
 
 
 class PrefillRunner(ModelRunner[PrefillRequest]):
@@ -71,6 +74,9 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
                     r, cache, result.last_logits, _ms_since(r.first_scheduled_s)
                 )
             except EpdError as exc:  # this request's own settings: it fails alone
+                out = RequestFailed(exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. its sampler on NaN logits: it fails alone too
+                log.exception("prefill of request %s failed after its forward pass; the others go on", r.request_id)
                 out = RequestFailed(exc)
             outputs.append((r, out))
         return outputs

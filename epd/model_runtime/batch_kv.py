@@ -12,7 +12,9 @@ One decode step for the batch:
   * then every length grows by one (`advance`).
 A request joins by copying its transferred cache into the next free row (buffers grow, with one
 copy, when the batch needs more rows or columns than they have) and leaves by moving the last row
-into its place, so the running rows stay contiguous and the step's view needs no gather.
+into its place, so the running rows stay contiguous and the step's view needs no gather. A row
+that changes hands is zeroed past its new owner's length (`_clear_after`): masked columns still
+enter the attention product, and an inf left by the last owner would make the new one's logits NaN.
 
 Why slots and not paged blocks (docs/architecture.md "Decode core"): on the CPU, attention over
 blocks means gathering them into one tensor every step, which costs as much memory traffic as the
@@ -84,8 +86,11 @@ class BatchKv:
 
     @property
     def capacity(self) -> tuple[int, int]:
-        """(rows, columns) the buffers hold now."""
-        return int(self.keys[0].shape[0]), int(self.keys[0].shape[2])
+        """(rows, columns) every buffer holds now. The smallest, not the first layer's: a rebuild
+        that failed part way (out of memory) leaves the first layers larger than the rest, and the
+        next join must rebuild them all rather than write past the smaller ones."""
+        buffers = (*self.keys, *self.values)
+        return min(int(t.shape[0]) for t in buffers), min(int(t.shape[2]) for t in buffers)
 
     @property
     def num_bytes(self) -> int:
@@ -111,6 +116,7 @@ class BatchKv:
         for i in range(self.num_layers):
             self.keys[i][row, :, :length] = kv.keys[i][0].to(self.device, self.dtype)
             self.values[i][row, :, :length] = kv.values[i][0].to(self.device, self.dtype)
+        self._clear_after(row, length)
         self.lengths.append(length)
         self._write_at = None
         return row
@@ -125,6 +131,7 @@ class BatchKv:
             n = self.lengths[last]
             for t in (*self.keys, *self.values):
                 t[row, :, :n] = t[last, :, :n]
+            self._clear_after(row, n)
             self.lengths[row] = n
             moved = last
         self.lengths.pop()
@@ -173,6 +180,14 @@ class BatchKv:
         )
 
     # -- buffers ------------------------------------------------------------------------------
+
+    def _clear_after(self, row: int, length: int) -> None:
+        """Zeros in `row`'s columns from `length` on, which held the keys and values of the request
+        that had the row before. They are masked, but a masked column still goes through the
+        attention product (weight 0): an inf or NaN left there (a request whose cache overflowed)
+        would make the new owner's logits NaN."""
+        for t in (*self.keys, *self.values):
+            t[row, :, length:] = 0
 
     def _empty(self, rows: int, cols: int) -> torch.Tensor:
         return torch.zeros(rows, self.num_kv_heads, cols, self.head_dim, dtype=self.dtype, device=self.device)

@@ -55,6 +55,7 @@ Not supported in this slice (refused, never silently wrong):
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import nullcontext
 from typing import Any
 
@@ -310,23 +311,31 @@ class Qwen3_5Adapter(HfTextAdapter):
 
     def new_batch_kv(self) -> BatchKv:
         _, heads, head_dim, dtype = self._kv_shape()
-        return _HybridBatchKv(self.layer_types, heads, head_dim, dtype, self.device)
+        return _HybridBatchKv(self.layer_types, heads, head_dim, dtype, self.device, self.linear_state_shapes)
 
     @property
     def decode_state_bytes(self) -> int:
         return self.linear_state_bytes
 
     @property
+    def linear_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's states of a linear layer, without the batch axis: conv (conv_dim, kernel)
+        and recurrent (value heads, key head dim, value head dim)."""
+        c = self.hf_config.text_config
+        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+        return (
+            (2 * key_dim + value_dim, c.linear_conv_kernel_dim),
+            (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+        )
+
+    @property
     def linear_state_bytes(self) -> int:
         """Bytes of every linear layer's conv state (model dtype) and recurrent state (float32):
         the same for every request, whatever its length."""
-        c = self.hf_config.text_config
         dtype = self._language_model().embed_tokens.weight.dtype
-        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
-        conv = (2 * key_dim + value_dim) * c.linear_conv_kernel_dim * dtype.itemsize
-        recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-        return len(self.linear_layers) * (conv + recurrent)
+        conv, recurrent = (math.prod(shape) for shape in self.linear_state_shapes)
+        return len(self.linear_layers) * (conv * dtype.itemsize + recurrent * 4)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -361,12 +370,15 @@ class _HybridBatchKv(BatchKv):
     size per request; the KV budget (`kv_bytes_per_token`) does not count them."""
 
     def __init__(self, layer_types: list[str], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, state_shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+        """state_shapes: one request's conv and recurrent state of a linear layer, without the batch
+        axis (`Qwen3_5Adapter.linear_state_shapes`)."""
         from transformers.cache_utils import Cache, LinearAttentionLayer
 
         attention = [i for i, t in enumerate(layer_types) if t == "full_attention"]
         super().__init__(len(attention), num_kv_heads, head_dim, dtype, device)
         self.linear_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
+        self.state_shapes = state_shapes
         self.linear = {i: LinearAttentionLayer() for i in self.linear_layers}
         slots = iter(self.cache.layers)  # one `_SlotLayer` per attention layer, in layer order
         self.cache = Cache(layers=[self.linear[i] if i in self.linear else next(slots)
@@ -379,20 +391,35 @@ class _HybridBatchKv(BatchKv):
         return super().num_bytes + sum(t.numel() * t.element_size() for t in states)
 
     def add(self, kv: KvCache, columns: int) -> int:
+        """As `BatchKv.add`, and the linear states appended. All or nothing: a cache that does not
+        fit (another model's states) is refused before any row changes, since a row in the slots
+        without its states (or the reverse) would fail every later step of the batch."""
         missing = [i for i in self.linear_layers if i not in kv.conv_states or i not in kv.recurrent_states]
         if missing or kv.linear_layers != self.linear_layers:
             raise ValueError(f"the cache lacks the linear-attention states of layers {missing or kv.linear_layers}")
-        row = super().add(kv, columns)
+        conv_shape, recurrent_shape = self.state_shapes
+        for i in self.linear_layers:
+            got = (tuple(kv.conv_states[i].shape), tuple(kv.recurrent_states[i].shape))
+            if got != ((1, *conv_shape), (1, *recurrent_shape)):
+                raise ValueError(
+                    f"linear layer {i}'s states have shapes {got}; this model's are {(1, *conv_shape)} and "
+                    f"{(1, *recurrent_shape)}: prefill and decode serve different models"
+                )
+        row = self.num_rows  # rows 0..row-1 are the running ones
+        states = {}
         for i, layer in self.linear.items():
             conv = kv.conv_states[i].to(self.device, self.dtype)
             recurrent = kv.recurrent_states[i].to(self.device, torch.float32)
-            if row > 0:  # rows 0..row-1 are the running ones
+            if row > 0:
                 running_conv, running_recurrent = layer.conv_states[0], layer.recurrent_states[0]
                 if running_conv is None or running_recurrent is None:
                     raise RuntimeError(f"linear layer {i} lost the states of the running rows")
                 conv = torch.cat([running_conv[:row], conv])
                 recurrent = torch.cat([running_recurrent[:row], recurrent])
-            _set_linear_states(layer, conv, recurrent)
+            states[i] = conv, recurrent
+        super().add(kv, columns)  # raises before its row exists when the KV does not fit
+        for i, (conv, recurrent) in states.items():
+            _set_linear_states(self.linear[i], conv, recurrent)
         return row
 
     def remove(self, row: int) -> int | None:

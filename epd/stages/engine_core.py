@@ -315,6 +315,9 @@ class EngineCore(Generic[R]):
             self.model_thread.call_threads.narrow_step(self.lane, len(batch))
         try:
             outputs = self.runner.execute(batch)
+        except BaseException:
+            self._release(batch)  # failed: freed before its readers see the error, as if finished
+            raise
         finally:
             if threads is not None:
                 threads.done()
@@ -328,7 +331,10 @@ class EngineCore(Generic[R]):
         for r in requests:
             if not r.released:
                 r.released = True
-                self.runner.release(r)
+                try:
+                    self.runner.release(r)
+                except Exception:  # noqa: BLE001 - raised out of the loop, it stopped the core for good
+                    log.exception("freeing the state of request %s failed", r.request_id)
 
     def _take_left(self) -> list[R]:
         left, self._to_release = self._to_release, []

@@ -273,3 +273,42 @@ def test_bad_requests_never_queue(families):
 
     asyncio.run(run())
     assert stage.load().num_steps == 0 and not stage.core.scheduler.requests()
+
+
+def test_a_request_whose_first_token_cannot_be_sampled_fails_alone(families):
+    """Among prompts batched into one step, one whose logits are NaN (an inf in its embeddings)
+    with a temperature cannot sample its first token: it fails with that error, and the others of
+    the step get their tokens, as alone."""
+    fam = families["qwen2_vl"]
+    stage = make_stage(fam.adapter, BATCHED)
+    sizes: list[int] = []
+    prefill_chunks = fam.adapter.prefill_chunks
+
+    def counted(rows):
+        sizes.append(len(rows))
+        return prefill_chunks(rows)
+
+    (m, _, q), media = _kinds()[0], fam.media[0]
+    embeds = media.embeds.clone()
+    embeds[0] = float("inf")
+    poisoned = replace(media, embeds=embeds)
+    sampled = GenerationConfig(max_new_tokens=1, temperature=1.0, seed=1)
+
+    async def run():
+        calls = [stage.prefill(question_messages(q, m), media, GREEDY, f"good{i}") for i in range(2)]
+        calls.insert(1, stage.prefill(question_messages(q, m), poisoned, sampled, "poisoned"))
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    scheduler = stage.core.scheduler
+    schedule = scheduler.schedule
+    # No step until all three are queued, so that they share one.
+    scheduler.schedule = lambda: schedule() if len(scheduler.requests()) == 3 else []  # type: ignore[method-assign]
+    fam.adapter.prefill_chunks = counted
+    try:
+        results = asyncio.run(run())
+    finally:
+        del fam.adapter.prefill_chunks
+    assert max(sizes) == 3, f"the three shared a step: {sizes}"
+    assert isinstance(results[1], RuntimeError) and "probability tensor" in str(results[1])
+    assert [r.first_token_id for r in (results[0], results[2])] == [fam.alone[0].handle.first_token_id] * 2
+    assert not stage.core.scheduler.requests()

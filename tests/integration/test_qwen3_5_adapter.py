@@ -243,6 +243,29 @@ def test_a_batch_refuses_a_cache_without_linear_states(vision, language, media_f
         language.new_batch_kv().add(keys_only, state.num_prompt_tokens + 4)
 
 
+@pytest.mark.parametrize("running", [0, 1], ids=["empty batch", "beside a running row"])
+def test_a_batch_refuses_another_models_linear_states_and_keeps_its_rows(vision, language, media_files, running):
+    """A cache whose attention KV fits but whose linear states are another model's (one conv
+    channel short) is refused before any row changes: a slot row without its states failed every
+    later step of the batch, for every request, for good."""
+    state = _prefill(vision, language, load_video(media_files, "png", 1))
+    columns = state.num_prompt_tokens + 4
+    batch = language.new_batch_kv()
+    for _ in range(running):
+        batch.add(_over_the_wire(state.cache), columns)
+    wrong = _over_the_wire(state.cache)
+    wrong.conv_states[2] = wrong.conv_states[2][:, :-1]
+    with pytest.raises(ValueError, match="linear layer 2's states have shapes .* prefill and decode serve different models"):
+        batch.add(wrong, columns)
+    conv = batch.linear[0].conv_states[0]  # type: ignore[attr-defined]
+    assert batch.num_rows == running and (conv is None if not running else conv.shape[0] == running)
+    if running:  # the running row still steps, alone in the batch
+        logits = language.decode_batch([int(state.last_logits.argmax())], state.next_position_ids[:, None], batch)
+        assert logits.shape[0] == 1
+    batch.add(_over_the_wire(state.cache), columns)  # and a fitting cache still joins
+    assert batch.num_rows == running + 1
+
+
 def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
     checkpoint, whole, monkeypatch
 ):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 from contextlib import aclosing
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,11 +23,12 @@ from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.stage import LocalDecodeStage, take_from_store
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import PrefillHandle, TokenStep
-from epd.stages.errors import ResourceExhausted
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages, to_chat_template
 from epd.stages.model_thread import ModelThread
 
@@ -96,6 +99,20 @@ def _alone(adapter, store, question, max_new, grid=(1, 4, 4), seed=0) -> list[in
     while not gen.done:
         tokens += gen.step().token_ids
     return tokens
+
+
+async def _tokens(stage, handle, max_new, started: asyncio.Event | None = None,
+                  after: asyncio.Event | None = None) -> list[int]:
+    """One request's greedy tokens (ignore_eos) through `stage`, once `after` is set; `started` is
+    set at its second token (it is in the running batch then)."""
+    if after is not None:
+        await after.wait()
+    out: list[int] = []
+    async for step in stage.generate(handle, GenerationConfig(max_new_tokens=max_new, ignore_eos=True), "r"):
+        out += step.token_ids
+        if started is not None and len(out) == 2:
+            started.set()
+    return out
 
 
 def _stage(adapter, store, thread, **config) -> LocalDecodeStage:
@@ -245,6 +262,13 @@ def test_a_failing_step_reaches_the_reader_and_frees_everything(adapter, thread,
     store = KvStore(1 << 30, 60.0)
     handle, cache_ref = _prefilled(adapter, store, "what colour is the square?")
     stage = _stage(adapter, store, thread)
+    release = stage.core.runner.release
+
+    def slow_release(r):  # a release that takes a while must still be over when the reader hears
+        time.sleep(0.2)
+        release(r)
+
+    monkeypatch.setattr(stage.core.runner, "release", slow_release)
     read: list[TokenStep] = []
 
     async def scenario():
@@ -255,6 +279,8 @@ def test_a_failing_step_reaches_the_reader_and_frees_everything(adapter, thread,
                 read.append(step)
         except RuntimeError as exc:
             error = str(exc)  # only the message: the traceback holds the failed call's frames
+            # As for a finished request: its row is freed before its reader sees the end.
+            assert stage.core.runner.rows == [] and stage.core.runner.batch.num_rows == 0
         await asyncio.sleep(0.05)
         await thread.run(lambda: None)
         return error
@@ -262,6 +288,89 @@ def test_a_failing_step_reaches_the_reader_and_frees_everything(adapter, thread,
     assert _run(scenario()) == "step failed"
     assert len(read) == 2, "prefill's token and the first step's"
     _assert_idle(stage, cache_ref)
+
+
+def test_a_first_token_outside_the_vocabulary_is_refused_before_anything_is_reserved(adapter, thread):
+    """The first batched step embeds the prefill's token: one outside the vocabulary would fail that
+    step for every request of the batch, so it is refused first, and its cache is not taken."""
+    store = KvStore(1 << 30, 60.0)
+    handle, _ = _prefilled(adapter, store, "what colour is the square?")
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        bad = replace(handle, first_token_id=adapter.vocab_size)
+        with pytest.raises(InvalidRequest, match=f"first_token_id {adapter.vocab_size} is outside"):
+            await anext(stage.generate(bad, GenerationConfig(max_new_tokens=4), "bad"))
+
+    _run(scenario())
+    assert len(store) == 1, "the cache was never taken"
+    _assert_idle(stage)
+
+
+def _poisoned(adapter, store: KvStore, question: str, seed: int) -> PrefillHandle:
+    """A request whose cache holds NaN keys: its logits are NaN, which a temperature cannot sample."""
+    handle, _ = _prefilled(adapter, store, question, seed=seed)
+    cache = store.take(handle.kv_handle)
+    nan = KvCache([torch.full_like(k, float("nan")) for k in cache.keys], [v.clone() for v in cache.values])
+    return replace(handle, kv_handle=store.put(nan))
+
+
+def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeypatch):
+    """One request of a running batch cannot sample its token (NaN logits under a temperature): it
+    ends with its error, and the other request's tokens go on, equal to its tokens alone."""
+    store = KvStore(1 << 30, 60.0)
+    max_new = 20
+    want = _alone(adapter, store, "what colour is the square?", max_new)
+    calls = Calls(adapter, monkeypatch)
+    good, good_ref = _prefilled(adapter, store, "what colour is the square?")
+    bad = _poisoned(adapter, store, "which one?", seed=1)
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        good_running = asyncio.Event()
+
+        async def run_bad():
+            await good_running.wait()
+            with pytest.raises(RuntimeError, match="probability tensor"):
+                async for _ in stage.generate(bad, GenerationConfig(max_new_tokens=max_new, temperature=1.0, seed=1), "bad"):
+                    pass
+
+        out, _ = await asyncio.gather(_tokens(stage, good, max_new, good_running), run_bad())
+        await asyncio.sleep(0.05)
+        await thread.run(lambda: None)
+        return out
+
+    assert _run(scenario()) == want
+    assert 2 in calls.batch_sizes, "the failing request shared a step with the other"
+    _assert_idle(stage, good_ref)
+
+
+def test_a_request_moved_into_an_overflowed_requests_row_keeps_its_own_tokens(adapter, thread):
+    """An overflowed request (inf in its values; greedy, so it runs on) leaves the batch; the last
+    row moves into its place, beside a longer row whose length every step reads. Its tokens stay
+    its own: the overflowed values left in the row's masked columns made them NaN (token 0)."""
+    store = KvStore(1 << 30, 60.0)
+    long_q, short_q = "how many squares move from the left to the right of the frame? " * 3, "which?"
+    want = _alone(adapter, store, short_q, 30, seed=2)
+    long, _ = _prefilled(adapter, store, long_q, (1, 8, 8), seed=0)
+    overflowed, _ = _prefilled(adapter, store, "what shape is it there?", (1, 6, 8), seed=1)
+    cache = store.take(overflowed.kv_handle)
+    inf = KvCache([k.clone() for k in cache.keys], [torch.full_like(v, float("inf")) for v in cache.values])
+    overflowed = replace(overflowed, kv_handle=store.put(inf))
+    short, _ = _prefilled(adapter, store, short_q, seed=2)
+    assert long.num_cached_tokens > overflowed.num_cached_tokens > short.num_cached_tokens
+    stage = _stage(adapter, store, thread)
+
+    async def scenario():
+        started = [asyncio.Event() for _ in range(3)]
+        return await asyncio.gather(
+            _tokens(stage, long, 60, started[0]),
+            _tokens(stage, overflowed, 5, started[1], after=started[0]),
+            _tokens(stage, short, 30, started[2], after=started[1]),
+        )
+
+    _, _, got = _run(scenario())
+    assert got == want
 
 
 def test_requests_beyond_the_kv_budget_wait_for_room_and_all_finish(adapter, thread, monkeypatch):
@@ -293,6 +402,34 @@ def test_requests_beyond_the_kv_budget_wait_for_room_and_all_finish(adapter, thr
     assert max(calls.batch_sizes) == 2, "never more rows than the budget holds"
     assert len(store) == 1, "the refused request's cache was never taken"
     _assert_idle(stage)
+
+
+def test_requests_whose_cache_is_on_its_way_count_as_waiting(adapter, thread):
+    """They hold room and wait for their first step: routers and /metrics must see them."""
+    store = KvStore(1 << 30, 60.0)
+    handles = [_prefilled(adapter, store, "what colour is the square?", seed=i)[0] for i in range(3)]
+    arrived = asyncio.Event()
+
+    async def take_kv(handle):
+        await arrived.wait()
+        return store.take(handle.kv_handle)
+
+    stage = LocalDecodeStage(DecodeEngine(adapter), take_kv, thread, DecodeConfig())
+
+    async def scenario():
+        readers = [asyncio.ensure_future(anext(stage.generate(h, GenerationConfig(max_new_tokens=3), "r")))
+                   for h in handles]
+        while stage.memory.num_holding < 3:
+            await asyncio.sleep(0.001)
+        during = stage.load()
+        arrived.set()
+        await asyncio.gather(*readers)
+        return during
+
+    during = _run(scenario())
+    assert (during.num_running, during.num_waiting) == (0, 3)
+    assert during.memory_used_bytes > 0
+    assert stage.load().num_waiting == 0
 
 
 def _leasing_stage(adapter, store, thread) -> LocalDecodeStage:

@@ -13,11 +13,14 @@ import grpc
 import pytest
 
 from epd.cli.main import build_parser
+from epd.decode_svc import kv_pull
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.kv_pull import KvPuller
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.server_config import ServerConfig
 from epd.transport.server import create_server
+from epd.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.stack import free_port
 
 DEFAULT = DecodeConfig().allow_kv_from  # 127.0.0.1:*, localhost:*, [::1]:*
 K8S = ("10.0.0.0/8:50052", "172.16.0.0/12:50052", "192.168.0.0/16:50052")  # deploy/k8s/decode.yaml
@@ -159,3 +162,56 @@ def test_the_target_dialled_is_built_from_the_parsed_address(address, target):
             await hs.stop(0)
 
     assert asyncio.run(run()) == grpc.StatusCode.UNIMPLEMENTED
+
+
+class _HangingPrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """A pull that stays in flight until cancelled."""
+
+    async def PullKv(self, request, context):
+        await asyncio.sleep(60)
+        yield prefill_pb2.KvChunk()
+
+
+def test_idle_channels_are_bounded_and_one_in_use_is_kept(monkeypatch):
+    """Each request names its KV address: a channel kept for every address ever named grew without
+    bound (one per port the allow-list admits). Beyond the bound the least recently used idle ones
+    close; a channel with a pull in flight is never closed under it."""
+    monkeypatch.setattr(kv_pull, "MAX_IDLE_CHANNELS", 2)
+    puller = KvPuller(DEFAULT, 1 << 20, 5.0)
+
+    async def run():
+        hs = await create_server(
+            ServerConfig(host="127.0.0.1", port=0),
+            lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(_HangingPrefill(), s),
+            [],
+        )
+        try:
+            busy = f"127.0.0.1:{hs.port}"
+            pull = asyncio.ensure_future(puller.pull(busy, "handle"))
+            while not puller._channels:
+                await asyncio.sleep(0.01)
+            refused = [f"127.0.0.1:{port}" for port in _free_ports(5)]  # nothing listens there
+            for address in refused:
+                with pytest.raises(KvSourceLost):
+                    await puller.pull(address, "handle")
+            kept = list(puller._channels)
+            still_pulling = not pull.done()
+            pull.cancel()
+            await asyncio.gather(pull, return_exceptions=True)
+            return busy, refused, kept, still_pulling
+        finally:
+            await puller.close()
+            await hs.stop(0)
+
+    busy, refused, kept, still_pulling = asyncio.run(run())
+    assert still_pulling, "the pull in flight was not cut by the closing of idle channels"
+    targets = [puller.check_allowed(a).grpc_target for a in (busy, *refused)]
+    # The busy one, the two most recent idle ones and the last one used (closed at the next call).
+    assert kept == [targets[0], *targets[-3:]]
+
+
+def _free_ports(count: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)

@@ -338,3 +338,45 @@ def test_the_loop_logs_under_no_request_s_id_and_a_failed_step_names_its_request
     (record,) = [r for r in caplog.records if "batched step" in r.getMessage()]
     assert record.getMessage() == "a batched step of 1 requests failed (request ids second)"
     assert record.request_id == ""
+
+
+class FailingReleaseRunner(CountRunner):
+    """Its release of "a" fails, once "b" has been submitted (held until then)."""
+
+    def __init__(self) -> None:
+        super().__init__(step_s=0.01)
+        self.releasing_a = threading.Event()
+        self.b_submitted = threading.Event()
+
+    def release(self, r):
+        if r.request_id == "a":
+            self.releasing_a.set()
+            self.b_submitted.wait(5)
+            raise RuntimeError("release failed")
+        super().release(r)
+
+
+def test_a_failing_release_is_logged_and_the_core_keeps_serving(caplog):
+    """A runner's release that raises (with nothing else to step, the loop frees the leavers on
+    its own) stopped the core's loop: a request submitted meanwhile was never stepped."""
+    runner = FailingReleaseRunner()
+    core, thread = _core(runner=runner)
+
+    async def scenario():
+        reader = asyncio.ensure_future(_collect(core, CountRequest("a", steps=1000)))
+        while not runner.batches:
+            await asyncio.sleep(0.001)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await asyncio.to_thread(runner.releasing_a.wait, 5)
+        b = asyncio.ensure_future(_collect(core, CountRequest("b", steps=2)))
+        await asyncio.sleep(0.01)
+        runner.b_submitted.set()
+        return await b
+
+    try:
+        assert _run(scenario()) == ["b1", "b2"]
+        assert "b" in runner.released
+        assert "freeing the state of request a failed" in caplog.text
+    finally:
+        thread.close()
