@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
@@ -172,26 +173,30 @@ class Pipeline:
                     token_ids += sent.token_ids
                     text_parts.append(sent.text)
                     emit(sent)
-                async for step in self.decoder.generate(handle, req.generation, request_id, req.pruning):
-                    if not taken:
-                        taken = True
-                        timings.setdefault(TTFT, elapsed_ms())
-                        timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
-                        emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
-                                        {"kv_num_bytes": str(step.kv_num_bytes)}))
-                        if handle.kv_address:  # pulled from a prefill server; not an in-process store's
-                            transfer_bytes += step.kv_num_bytes
-                        if sent is not None:
-                            rest = _after_sent(step, sent)
-                            if rest is None:
-                                continue  # it was only the token already sent
-                            step = rest
-                    token_ids += step.token_ids
-                    text_parts.append(step.text)
-                    finish_reason = step.finish_reason or finish_reason
-                    if step.decode_evict is not None:
-                        pruning.record("decode_evict", *step.decode_evict)
-                    emit(step)
+                # aclosing: an error in this loop's body (`_after_sent`) must end the decoder's run
+                # now, freeing its batch row and KV reservation, not when the GC finds it.
+                generating = self.decoder.generate(handle, req.generation, request_id, req.pruning)
+                async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
+                    async for step in steps:
+                        if not taken:
+                            taken = True
+                            timings.setdefault(TTFT, elapsed_ms())
+                            timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
+                            emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
+                                            {"kv_num_bytes": str(step.kv_num_bytes)}))
+                            if handle.kv_address:  # pulled from a prefill server; not an in-process store's
+                                transfer_bytes += step.kv_num_bytes
+                            if sent is not None:
+                                rest = _after_sent(step, sent)
+                                if rest is None:
+                                    continue  # it was only the token already sent
+                                step = rest
+                        token_ids += step.token_ids
+                        text_parts.append(step.text)
+                        finish_reason = step.finish_reason or finish_reason
+                        if step.decode_evict is not None:
+                            pruning.record("decode_evict", *step.decode_evict)
+                        emit(step)
                 ended = True
             except KvSourceLost as exc:
                 if taken or attempt:

@@ -794,3 +794,48 @@ def test_a_long_conversation_is_bounded_by_its_tokens_not_4096_characters(embedd
 
     summary = asyncio.run(scenario())
     assert summary.num_prompt_tokens > 1000 and len(summary.token_ids) == 2
+
+
+def test_a_stream_stopped_by_the_gateway_ends_the_decoders_run_at_once():
+    """When the pipeline stops reading the decoder's steps for an error of its own (a first step
+    that differs from the token sent), it ends the decoder's run itself (its batch row and
+    reservation freed, in the request's task), not the event loop's finalizer when the generator is
+    collected (at once in CPython while nothing else holds it; never while a traceback does)."""
+    from epd.gateway.pipeline import Pipeline
+    from epd.stages.contracts import PrefillHandle
+    from tests.unit.gateway.test_transfer_bytes import Encoder
+
+    class SentFirst(PrefillStage):
+        async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt=""):
+            return PrefillHandle(first_token_id=7, num_prompt_tokens=20, num_cached_tokens=20,
+                                 next_position_ids=[20, 4, 4, 4], kv_num_bytes=64, prefill_ms=1.0,
+                                 kv_handle="ab" * 16, first_text=" the")  # fmt: skip
+
+        async def release(self, handle, request_id):
+            pass
+
+    class Differs(DecodeStage):
+        closed_by_its_caller: bool | None = None
+
+        async def generate(self, handle, generation, request_id, pruning=None):
+            caller = asyncio.current_task()
+            try:
+                yield TokenStep([8], " a")  # not the token prefill sent
+                yield TokenStep([9], " b")
+            finally:
+                # The request's own task closes it; the event loop's finalizer (a task of its own,
+                # whenever the generator is collected) did before.
+                Differs.closed_by_its_caller = asyncio.current_task() is caller
+
+    async def scenario() -> bool:
+        request = AskRequest(question_messages("what colour?"), MediaInput(b"\0"))
+        try:
+            async for _ in Pipeline(Encoder(0), SentFirst(), Differs()).ask(request):
+                pass
+        except RuntimeError as exc:
+            assert "does not start with the token sent from prefill" in str(exc)
+            await asyncio.sleep(0.01)  # a finalizer's task would have run by now
+            return bool(Differs.closed_by_its_caller)
+        raise AssertionError("the stream did not stop")
+
+    assert asyncio.run(scenario())
