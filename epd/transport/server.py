@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -148,21 +149,37 @@ def stop_signals() -> list[signal.Signals]:
     return out
 
 
+SAME_STOP_S = 1.0
+"""A signal this soon after the first is the same request to stop, not a second one. One stop
+often signals a service twice within milliseconds: systemd's default KillMode=control-group (and
+`kill` of every pid) signals each process beside the launcher, which passes its own signal on, and
+a service whose parent died gets PR_SET_PDEATHSIG's SIGTERM too. Taken as a second signal, it cut
+the calls in flight at once (a stream 5 s from its end got UNAVAILABLE) instead of draining them."""
+
+
 class StopSignals:
     """`stop_signals()` as events: the first asks for a graceful stop (drain in-flight calls for up
-    to the grace period), a second one for an immediate stop. Installed before the model loads,
-    so a signal during start-up stops the service at once instead of killing it half-built
-    (SIGINT would otherwise end it with a KeyboardInterrupt traceback)."""
+    to the grace period), a second one (`SAME_STOP_S` or more later) for an immediate stop.
+    Installed before the model loads, so a signal during start-up stops the service at once
+    instead of killing it half-built (SIGINT would otherwise end it with a KeyboardInterrupt
+    traceback)."""
 
-    def __init__(self) -> None:
+    def __init__(self, same_stop_s: float = SAME_STOP_S) -> None:
         self.stop = asyncio.Event()
         self.hurry = asyncio.Event()
+        self.same_stop_s = same_stop_s
+        self._first_at: float | None = None
         loop = asyncio.get_running_loop()
         for sig in stop_signals():
             loop.add_signal_handler(sig, self._on_signal)
 
     def _on_signal(self) -> None:
-        (self.hurry if self.stop.is_set() else self.stop).set()
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at = now
+            self.stop.set()
+        elif now - self._first_at >= self.same_stop_s:
+            self.hurry.set()
 
 
 async def run_service(
