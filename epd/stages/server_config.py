@@ -51,6 +51,11 @@ class TransportSecurity:
         return bool(self.tls_client_ca)
 
 
+MAX_CONNECTION_AGE_S = 300.0
+"""`ServerConfig.max_connection_age_s`: new replicas are in routing within about 5 minutes of
+serving (gRPC adds +-10% jitter), at the cost of one reconnect per caller per 5 minutes."""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Where a service listens and how it drains."""
@@ -65,8 +70,16 @@ class ServerConfig:
     """On shutdown, in-flight calls get this long to finish."""
     security: TransportSecurity = field(default_factory=TransportSecurity)
     """TLS (mTLS) and the internal secret, of this server and of its channels to stages."""
+    max_connection_age_s: float = MAX_CONNECTION_AGE_S
+    """A stage server ends each client connection this long after it opened (an HTTP/2 GOAWAY:
+    calls in flight finish on it, new ones open a new connection); 0 = never. The gateway reaches
+    a scaled stage through one `dns:///name-headless:port` channel, and gRPC resolves the name
+    again only when a connection ends: without this, replicas added by `kubectl scale` got no
+    calls until some connection broke."""
 
     def __post_init__(self) -> None:
+        if not self.max_connection_age_s >= 0:
+            raise ValueError(f"max_connection_age_s must be >= 0 (0 = never), got {self.max_connection_age_s}")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(
                 f"max_message_bytes must be at least {MIN_MESSAGE_BYTES} (one {CHUNK_BYTES}-byte media or "
