@@ -102,8 +102,10 @@ def check_tls(objs: list[dict]) -> list[str]:
             problems.append(f"{name}: --tls-cert/--tls-key/--tls-ca are not tls.crt/tls.key/ca.crt of Secret {SECRET}")
         if role != "gateway" and not from_secret(sec.tls_client_ca, "ca.crt"):
             problems.append(f"{name}: a stage must require client certificates of ca.crt (--tls-client-ca)")
-        if role == "decode" and sec.tls_server_name != "prefill-headless":
-            problems.append(f"decode: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
+        # decode pulls KV caches, and the gateway releases those no decoder took (ReleaseKv), at the
+        # address each prefill pod advertises: its IP, which no certificate names.
+        if role in ("decode", "gateway") and sec.tls_server_name != "prefill-headless":
+            problems.append(f"{role}: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
                             f"is {sec.tls_server_name!r}")
         port = cfg.server.port
         for kind in PROBES:
