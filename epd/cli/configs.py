@@ -263,8 +263,13 @@ def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The gateway's API keys: every --api-key, else $EPD_API_KEY, plus --api-key-file's lines."""
-    keys = list(args.api_key or ([args.api_key_env] if args.api_key_env else []))
+    """The gateway's API keys: every --api-key, else $EPD_API_KEY, plus --api-key-file's lines; each
+    without surrounding whitespace, which no `Authorization: Bearer` header can carry (the key
+    could never match). ValueError: an empty --api-key (`--api-key "$KEY"` with KEY unset), which
+    ended the gateway with a traceback."""
+    if any(not key.strip() for key in args.api_key or ()):
+        raise ValueError("--api-key is empty: pass the key clients send (or leave the flag out)")
+    keys = [key.strip() for key in args.api_key or ([args.api_key_env] if args.api_key_env.strip() else [])]
     if args.api_key_file:
         try:
             lines = Path(args.api_key_file).read_text().splitlines()
