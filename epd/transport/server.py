@@ -51,6 +51,15 @@ def traced_channel(target: str, options: Sequence[tuple[str, Any]] | None = None
     )
 
 
+LIVENESS_SERVICE = "liveness"
+"""A grpc.health service name every epd server answers SERVING from the moment it listens until it
+stops: what liveness probes ask (`epd health ADDRESS --service liveness`; Kubernetes `grpc:
+{port, service: liveness}`). The whole server's status ("") is readiness: the gateway answers
+NOT_SERVING while a stage has no replica serving, and Kubernetes' gRPC livenessProbe, which wants
+SERVING, restarted a sound gateway every minute while a stage was down or still loading its model
+(CrashLoopBackOff: up to 5 minutes more without a front door once the stages were back)."""
+
+
 class HealthyServer:
     """A started server plus its health servicer (NOT_SERVING until `set_serving`)."""
 
@@ -133,6 +142,7 @@ async def create_server(
         server,
     )
     await hs.set_serving(False)
+    await hs.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     return hs
 

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from epd.cli.main import build_parser
+from epd.transport.server import LIVENESS_SERVICE
 from tests.unit.deploy.epd_commands import serve_config
 from tests.unit.deploy.test_k8s import K8S, container, container_env, expand, load_objects, of_kind, pod
 
@@ -125,6 +126,9 @@ def check_tls(objs: list[dict]) -> list[str]:
             # would fail and the kubelet would restart the gateway in a loop.
             elif args.tls_ca != sec.tls_ca or (args.tls_cert, args.tls_key) != (sec.tls_cert, sec.tls_key):
                 problems.append(f"{name}: {kind} does not present the TLS its port requires: {command}")
+            elif role == "gateway" and kind == "livenessProbe" and args.service != LIVENESS_SERVICE:
+                problems.append(f"gateway: livenessProbe must ask --service {LIVENESS_SERVICE} (its own status is "
+                                f"NOT_SERVING while a stage is down): {command}")
     return problems
 
 

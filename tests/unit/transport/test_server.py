@@ -54,3 +54,29 @@ def test_a_stage_server_ends_old_connections_so_callers_resolve_its_name_again()
     assert in_flight == first  # the old connection carried its call to the end
     assert later != first  # a new connection (another client port)
     assert ServerConfig().max_connection_age_s > 0
+
+
+def test_liveness_is_serving_while_the_server_runs_whatever_its_readiness():
+    """Kubernetes' gRPC livenessProbe wants SERVING: on the gateway's own status, NOT_SERVING while a
+    stage has no replica serving, it restarted a sound gateway. Probes ask LIVENESS_SERVICE."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from epd.transport.server import LIVENESS_SERVICE
+
+    async def run():
+        hs = await create_server(ServerConfig(port=0), lambda s: None, ["epd.v1.GatewayService"])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check
+                statuses = []
+                for serving in (False, True, False):
+                    await hs.set_serving(serving)
+                    statuses.append([(await check(health_pb2.HealthCheckRequest(service=name), timeout=10)).status
+                                     for name in ("", LIVENESS_SERVICE)])
+                return statuses
+        finally:
+            await hs.stop(0)
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert asyncio.run(run()) == [[not_serving, serving], [serving, serving], [not_serving, serving]]
