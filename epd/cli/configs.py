@@ -172,7 +172,18 @@ def web_demo_config(args: argparse.Namespace) -> WebDemoConfig:
     )
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+"""Bind addresses meaning "every interface": no caller can dial them."""
+
+
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
+    """ValueError: a prefill bound to every interface with nothing to advertise. It advertised
+    "0.0.0.0:PORT", which a decoder on another host dials as its own machine: every KV pull failed
+    (or, allowed, reached whatever listened on the decoder's host)."""
+    if not args.advertise_address and args.host in WILDCARD_HOSTS:
+        raise ValueError(f"--host {args.host or '(every interface)'} is not an address decoders can dial to pull "
+                         "KV caches: pass --advertise-address HOST:PORT (this machine's name or IP, or the "
+                         "container's service name)")
     return PrefillConfig(model=model_config(args), server=server_config(args),
                          advertise_address=args.advertise_address, kv_store_bytes=args.kv_store_bytes,
                          kv_ttl_s=args.kv_ttl, prefix_cache_bytes=args.prefix_cache_bytes,

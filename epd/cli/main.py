@@ -431,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
             add_encoder_flags(r)
         if role == "prefill":
             r.add_argument("--advertise-address", default="",
-                           help="HOST:PORT decoders pull KV caches from (default: --host:--port)")
+                           help="HOST:PORT decoders pull KV caches from (default: --host:--port; required "
+                                "with a --host of every interface, 0.0.0.0 or ::, which no decoder can dial)")
             r.add_argument("--kv-store-bytes", type=int, default=4 << 30,
                            help="KV caches waiting for decoders may hold this many bytes; beyond, new "
                                 "prefills get RESOURCE_EXHAUSTED")

@@ -86,6 +86,20 @@ def test_api_keys_lose_the_whitespace_no_bearer_header_carries(monkeypatch):
     assert configs.api_keys(args) == ("k1", "k2")
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_prefill_on_every_interface_needs_an_address_to_advertise(capsys, restored_process, host):
+    """It advertised HOST:PORT, here 0.0.0.0:50052, to the decoders, which cannot dial it: every
+    request failed at the KV pull, with an error about --allow-kv-from."""
+    args = build_parser().parse_args(["serve", "prefill", "--host", host, "--insecure-no-internal-auth"])
+    with pytest.raises(ValueError, match="not an address decoders can dial"):
+        configs.prefill_config(args)
+    assert serve_role(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "pass --advertise-address HOST:PORT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    advertised = build_parser().parse_args(["serve", "prefill", "--host", host, "--advertise-address", "p:50052"])
+    assert configs.prefill_config(advertised).advertise_address == "p:50052"
+
+
 def test_a_gateway_upload_limit_below_1_is_refused():
     """(Not through serve_role: unchecked, the gateway would start and serve, refusing every upload.)"""
     args = build_parser().parse_args(["serve", "gateway", "--max-upload-bytes", "-1"])
