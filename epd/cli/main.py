@@ -273,7 +273,7 @@ def add_tls_client_flags(g) -> None:
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
     g.add_argument("--tls-server-name", default="", metavar="NAME",
                    help="name the called servers' certificates are checked against instead of the host dialed "
-                        "(decode reaching prefill pods by IP: the name their certificate carries)")
+                        "(decode reaching prefill pods by IP: the name their certificate carries); needs --tls-ca")
 
 
 def add_security_flags(p: argparse.ArgumentParser) -> None:
@@ -411,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM client certificate, for a gateway started with --tls-client-ca (mTLS)")
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
     g.add_argument("--tls-server-name", default="", metavar="NAME",
-                   help="name to check the gateway's certificate against, when not the --endpoint host")
+                   help="name to check the gateway's certificate against, when not the --endpoint host "
+                        "(TLS: with the system's CAs when no --tls-ca)")
     add_model_flags(ask)
     add_generation_flags(ask)
     add_sampling_flags(ask)

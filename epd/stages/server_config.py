@@ -44,6 +44,8 @@ class TransportSecurity:
             raise ValueError("--tls-cert and --tls-key go together: pass both (PEM certificate chain and its key)")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mTLS is TLS first")
+        if self.tls_server_name and not self.tls_ca:  # else plaintext channels, the name unused
+            raise ValueError("--tls-server-name needs --tls-ca: the name is checked on TLS channels only")
 
     @property
     def verifies_clients(self) -> bool:
