@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from epd.client import AskResult, AsyncEpdClient, RetryPolicy, StageEvent, TokenDelta
@@ -33,7 +34,7 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("video", nargs="?", default="samples/sample.mp4")
     p.add_argument("--endpoint", default="127.0.0.1:50050")
-    p.add_argument("--api-key", default="")
+    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY", ""), help="default: $EPD_API_KEY")
     args = p.parse_args()
 
     # Retries UNAVAILABLE (e.g. the gateway still starting) up to 10 times before the first token.

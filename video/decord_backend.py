@@ -39,8 +39,11 @@ px: "from_size == to_size"), which the client saw as "cannot open AV1, and some 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -87,10 +90,28 @@ def decord_available() -> bool:
     return importlib.util.find_spec("decord") is not None
 
 
-def _child_main(conn) -> None:
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child: SIGKILL when the server that started it dies (SIGKILL, the OOM killer). It
+    would notice the closed pipe only between requests, and a decode that hangs (why decord runs
+    in a child) never: it was left running, orphaned, holding its memory and a core. The signal
+    comes when the thread that started the child ends: the encoder's request drivers, which live
+    as long as the server."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the server died before the signal was armed
+        os._exit(0)
+
+
+def _child_main(conn, parent_pid: int) -> None:
     """Child loop: (data, positions, pts_s, shm name, num_threads) -> ("ok", shape) | ("error", text)."""
     import io
 
+    _die_with_parent(parent_pid)
     import decord
 
     while True:
@@ -138,7 +159,7 @@ class DecordDecoder:
             return
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child,), daemon=True, name="decord")
+        self._proc = ctx.Process(target=_child_main, args=(child, os.getpid()), daemon=True, name="decord")
         self._proc.start()
         child.close()
         self._conn = parent

@@ -172,7 +172,18 @@ def web_demo_config(args: argparse.Namespace) -> WebDemoConfig:
     )
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+"""Bind addresses meaning "every interface": no caller can dial them."""
+
+
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
+    """ValueError: a prefill bound to every interface with nothing to advertise. It advertised
+    "0.0.0.0:PORT", which a decoder on another host dials as its own machine: every KV pull failed
+    (or, allowed, reached whatever listened on the decoder's host)."""
+    if not args.advertise_address and args.host in WILDCARD_HOSTS:
+        raise ValueError(f"--host {args.host or '(every interface)'} is not an address decoders can dial to pull "
+                         "KV caches: pass --advertise-address HOST:PORT (this machine's name or IP, or the "
+                         "container's service name)")
     return PrefillConfig(model=model_config(args), server=server_config(args),
                          advertise_address=args.advertise_address, kv_store_bytes=args.kv_store_bytes,
                          kv_ttl_s=args.kv_ttl, prefix_cache_bytes=args.prefix_cache_bytes,
@@ -263,8 +274,13 @@ def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The gateway's API keys: every --api-key, else $EPD_API_KEY, plus --api-key-file's lines."""
-    keys = list(args.api_key or ([args.api_key_env] if args.api_key_env else []))
+    """The gateway's API keys: every --api-key, else $EPD_API_KEY, plus --api-key-file's lines; each
+    without surrounding whitespace, which no `Authorization: Bearer` header can carry (the key
+    could never match). ValueError: an empty --api-key (`--api-key "$KEY"` with KEY unset), which
+    ended the gateway with a traceback."""
+    if any(not key.strip() for key in args.api_key or ()):
+        raise ValueError("--api-key is empty: pass the key clients send (or leave the flag out)")
+    keys = [key.strip() for key in args.api_key or ([args.api_key_env] if args.api_key_env.strip() else [])]
     if args.api_key_file:
         try:
             lines = Path(args.api_key_file).read_text().splitlines()

@@ -273,7 +273,7 @@ def add_tls_client_flags(g) -> None:
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
     g.add_argument("--tls-server-name", default="", metavar="NAME",
                    help="name the called servers' certificates are checked against instead of the host dialed "
-                        "(decode reaching prefill pods by IP: the name their certificate carries)")
+                        "(decode reaching prefill pods by IP: the name their certificate carries); needs --tls-ca")
 
 
 def add_security_flags(p: argparse.ArgumentParser) -> None:
@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM client certificate, for a gateway started with --tls-client-ca (mTLS)")
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
     g.add_argument("--tls-server-name", default="", metavar="NAME",
-                   help="name to check the gateway's certificate against, when not the --endpoint host")
+                   help="name to check the gateway's certificate against, when not the --endpoint host "
+                        "(TLS: with the system's CAs when no --tls-ca)")
     add_model_flags(ask)
     add_generation_flags(ask)
     add_sampling_flags(ask)
@@ -433,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
             add_encoder_flags(r)
         if role == "prefill":
             r.add_argument("--advertise-address", default="",
-                           help="HOST:PORT decoders pull KV caches from (default: --host:--port)")
+                           help="HOST:PORT decoders pull KV caches from (default: --host:--port; required "
+                                "with a --host of every interface, 0.0.0.0 or ::, which no decoder can dial)")
             r.add_argument("--kv-store-bytes", type=int, default=4 << 30,
                            help="KV caches waiting for decoders may hold this many bytes; beyond, new "
                                 "prefills get RESOURCE_EXHAUSTED")
@@ -570,8 +572,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SECRET_FLAGS = ("--api-key",)
+"""Flags whose value is a secret: hidden from this process's command line as `ps` shows it."""
+
+
+def hide_secrets(argv: list[str]) -> list[str] | None:
+    """`argv` with every SECRET_FLAGS value replaced by ***, or None when it holds none."""
+    shown, hidden = list(argv), False
+    for i, word in enumerate(argv):
+        name, eq, _ = word.partition("=")
+        if name in SECRET_FLAGS and eq:
+            shown[i], hidden = f"{name}=***", True
+        elif word in SECRET_FLAGS and i + 1 < len(argv):
+            shown[i + 1], hidden = "***", True
+    return shown if hidden else None
+
+
+def _hide_secrets_from_ps() -> None:
+    """Every local user reads a process's command line (`ps`, /proc/PID/cmdline): an API key given
+    as `--api-key KEY` showed there for as long as the gateway (or `epd serve`, `epd ask`) ran.
+    Rewritten as soon as the flags are parsed; $EPD_API_KEY or --api-key-file never show at all."""
+    shown = hide_secrets(sys.argv[1:])
+    if shown is None:
+        return
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(["epd", *shown]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # the process's own command line (not a test's or the zygote's call)
+        _hide_secrets_from_ps()
     from epd.transport.tracing import configure_logging
 
     configure_logging(args.log_level, args.log_format)  # the request id in every line about a request

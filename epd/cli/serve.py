@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NoReturn
@@ -177,6 +177,17 @@ def stack_security_flags(args: argparse.Namespace, files: _StackFiles) -> dict[s
             bundle += security.read_pem(tls.tls_ca, "--tls-ca")
             gateway += ["--tls-client-ca", files.write("gateway-client-ca.pem", bundle)]
     return {"stage": stage, "gateway": gateway}
+
+
+API_KEY_ENV = "EPD_API_KEY"
+
+
+def services_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment the stack's services start with: the launcher's, less $EPD_API_KEY. The
+    gateway gets the stack's keys in its file (`stack_security_flags`); left in its environment,
+    it also took $EPD_API_KEY as a key when `epd serve --api-key NEW` had replaced it (an old key
+    exported in the shell kept working), and every model service could read it."""
+    return {name: value for name, value in environ.items() if name != API_KEY_ENV}
 
 
 def stack_transport(args: argparse.Namespace):
@@ -441,7 +452,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     # Here, not only in `env`: the zygote is started with the launcher's environment and loads
     # torch's OpenMP (which reads its settings once) before it forks the services.
     os.environ.update(shared_cores_environment(dict(os.environ)))
-    env = {**os.environ, BOARD_ENV: board}
+    env = {**services_environment(os.environ), BOARD_ENV: board}
     # The model services are forked from one process that imported torch and the family's modules
     # once (epd/cli/zygote.py): they share those pages and skip those imports.
     zygote = Zygote(preload_modules(model_type, family_module(model_type)))

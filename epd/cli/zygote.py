@@ -40,6 +40,7 @@ _PR_SET_PDEATHSIG = 1
 # Imported by the zygote before any fork, whatever the model: torch and what every model service
 # imports with it. The family's own modules are added by `preload_modules`.
 _COMMON_PRELOAD = (
+    "epd.cli.zygote_signals",  # first: the zygote outlives signals meant for the launcher's group
     "torch", "torchvision", "numpy", "PIL.Image", "av", "safetensors.torch", "tokenizers",
     "transformers", "transformers.modeling_utils", "transformers.processing_utils",
     "transformers.models.auto.modeling_auto", "transformers.models.auto.processing_auto",
@@ -124,11 +125,12 @@ class Zygote:
         if pid is None:
             return
         # Not its own `_stop()`: that waits for the fork server to notice, which it does only after
-        # its imports (seconds, when the stack is stopped while starting).
+        # its imports (seconds, when the stack is stopped while starting). SIGKILL: it ignores
+        # SIGTERM (epd/cli/zygote_signals.py), and what it forked has stopped already.
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 5.0
@@ -142,6 +144,10 @@ class Zygote:
 
 def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> None:
     """In the forked child: become a service as if started as `epd ARGV`."""
+    from epd.cli.zygote_signals import INHERITED
+
+    for signum, handler in INHERITED.items():  # the zygote ignores them; a service stops on them
+        signal.signal(signum, handler)
     zygote_pid = os.getppid()
     if log_path is not None:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

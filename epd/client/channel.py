@@ -20,7 +20,8 @@ class ChannelSettings:
     root_certificates_path: str = ""
     """PEM file of the CA that signed the gateway's certificate (turns TLS on)."""
     server_name_override: str = ""
-    """Host name to check the certificate against, when it differs from the endpoint's."""
+    """Host name to check the certificate against, when it differs from the endpoint's. Turns TLS
+    on (a name is checked on TLS only: alone, it left the channel plaintext, the API key in clear)."""
     api_key: str = ""
     """Sent as `authorization: Bearer <api_key>` metadata (the gateway's --api-key)."""
     metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
@@ -38,7 +39,7 @@ class ChannelSettings:
 
     @property
     def uses_tls(self) -> bool:
-        return bool(self.tls or self.root_certificates_path or self.client_certificate_path)
+        return bool(self.tls or self.root_certificates_path or self.client_certificate_path or self.server_name_override)
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()

@@ -44,11 +44,18 @@ class TransportSecurity:
             raise ValueError("--tls-cert and --tls-key go together: pass both (PEM certificate chain and its key)")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mTLS is TLS first")
+        if self.tls_server_name and not self.tls_ca:  # else plaintext channels, the name unused
+            raise ValueError("--tls-server-name needs --tls-ca: the name is checked on TLS channels only")
 
     @property
     def verifies_clients(self) -> bool:
         """mTLS on the server: a client without a certificate from `tls_client_ca` cannot connect."""
         return bool(self.tls_client_ca)
+
+
+MAX_CONNECTION_AGE_S = 300.0
+"""`ServerConfig.max_connection_age_s`: new replicas are in routing within about 5 minutes of
+serving (gRPC adds +-10% jitter), at the cost of one reconnect per caller per 5 minutes."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,16 @@ class ServerConfig:
     """On shutdown, in-flight calls get this long to finish."""
     security: TransportSecurity = field(default_factory=TransportSecurity)
     """TLS (mTLS) and the internal secret, of this server and of its channels to stages."""
+    max_connection_age_s: float = MAX_CONNECTION_AGE_S
+    """A stage server ends each client connection this long after it opened (an HTTP/2 GOAWAY:
+    calls in flight finish on it, new ones open a new connection); 0 = never. The gateway reaches
+    a scaled stage through one `dns:///name-headless:port` channel, and gRPC resolves the name
+    again only when a connection ends: without this, replicas added by `kubectl scale` got no
+    calls until some connection broke."""
 
     def __post_init__(self) -> None:
+        if not self.max_connection_age_s >= 0:
+            raise ValueError(f"max_connection_age_s must be >= 0 (0 = never), got {self.max_connection_age_s}")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(
                 f"max_message_bytes must be at least {MIN_MESSAGE_BYTES} (one {CHUNK_BYTES}-byte media or "

@@ -152,6 +152,13 @@ class ReplicaPool:
         healthy = set(self.chooser.healthy())
         return [(a, self._by_address[a]) for a in ([a for a in order if a in healthy] or order)]
 
+    def still_listed(self, tries: Sequence[tuple[str, grpc.aio.Channel]]) -> list[tuple[str, grpc.aio.Channel]]:
+        """Those of a call's `tries` still in the replica list, each with its current channel. A
+        replica removed since the call began (a reloaded replica file) gets no retry: its channel
+        closes once its last call ends, and a call made on a closed channel crashed the gateway
+        (gRPC core aborted the process, SIGSEGV / SIGABRT)."""
+        return [(a, self._by_address[a]) for a, _ in tries if a in self._by_address]
+
     def set_serving(self, address: str, serving: bool) -> None:
         """A health check's answer (the gateway's stage checks, epd/gateway/readiness.py)."""
         self.chooser.set_serving(address, serving)
@@ -180,7 +187,8 @@ class ReplicaPool:
         loop = asyncio.get_running_loop()
         end_at = loop.time() + deadline_s
         tries = self.candidates(key)
-        for i, (address, channel) in enumerate(tries):
+        while tries:
+            (address, channel), tries = tries[0], self.still_listed(tries[1:])
             remaining = end_at - loop.time()
             timeout_s = self.try_timeout_s(remaining)
             started = loop.time()
@@ -208,12 +216,13 @@ class ReplicaPool:
                     raise stage_error(exc, stage, request_id) from None
                 self.mark_failed(address, hung)
                 what = f"did not answer in {timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
-                if i + 1 == len(tries) or end_at - loop.time() <= 0:
+                tries = self.still_listed(tries)  # the list may have changed during the try
+                if not tries or end_at - loop.time() <= 0:
                     log.warning("%s replica %s %s for request %s; no replica left to try",
                                 stage, address, what, request_id)
                     raise stage_error(exc, stage, request_id) from None
                 log.warning("%s replica %s %s for request %s; trying %s",
-                            stage, address, what, request_id, tries[i + 1][0])
+                            stage, address, what, request_id, tries[0][0])
             finally:
                 self.end(address)
         raise AssertionError("unreachable: a pool has at least one replica")
@@ -412,7 +421,8 @@ class RemoteDecodeStage(DecodeStage):
         end_at = time.monotonic() + self.timeout_s
         tries = self.pool.candidates()
         failed: list[str] = []  # "ADDRESS: what happened", for the log and the last error
-        for i, (address, channel) in enumerate(tries):
+        while tries:
+            (address, channel), tries = tries[0], self.pool.still_listed(tries[1:])
             remaining = end_at - time.monotonic()
             first_timeout_s = self.pool.try_timeout_s(remaining)
             call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(request, timeout=remaining)
@@ -428,11 +438,12 @@ class RemoteDecodeStage(DecodeStage):
                                             f"decode stage did not answer in time (request id {request_id})") from None
                     self.pool.mark_failed(address, hung=True)
                     failed.append(f"{address}: no first token in {first_timeout_s:.1f} s")
-                    if i + 1 == len(tries):
+                    tries = self.pool.still_listed(tries)  # the list may have changed during the try
+                    if not tries:
                         raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                             f"decode stage did not answer in time (request id {request_id})") from None
                     log.warning("decode replica %s gave no first token in %.1f s for request %s; trying %s",
-                                address, first_timeout_s, request_id, tries[i + 1][0])
+                                address, first_timeout_s, request_id, tries[0][0])
                     continue
                 except StopAsyncIteration:
                     return
@@ -460,10 +471,11 @@ class RemoteDecodeStage(DecodeStage):
                     raise stage_error(exc, "decode", request_id) from None
                 self.pool.mark_failed(address)
                 failed.append(f"{address}: unavailable ({exc.details()})")
-                if i + 1 == len(tries) or end_at - time.monotonic() <= 0:
+                tries = self.pool.still_listed(tries)
+                if not tries or end_at - time.monotonic() <= 0:
                     raise stage_error(exc, "decode", request_id) from None
                 log.warning("decode replica %s unavailable before the first token of request %s (%s); trying %s",
-                            address, request_id, exc.details(), tries[i + 1][0])
+                            address, request_id, exc.details(), tries[0][0])
             finally:
                 call.cancel()  # no-op once it ended; stops the replica when the consumer went away
                 self.pool.end(address)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -48,6 +49,15 @@ def traced_channel(target: str, options: Sequence[tuple[str, Any]] | None = None
     return security.stage_channel(
         target, channel_options() if options is None else options, tracing.client_interceptors()
     )
+
+
+LIVENESS_SERVICE = "liveness"
+"""A grpc.health service name every epd server answers SERVING from the moment it listens until it
+stops: what liveness probes ask (`epd health ADDRESS --service liveness`; Kubernetes `grpc:
+{port, service: liveness}`). The whole server's status ("") is readiness: the gateway answers
+NOT_SERVING while a stage has no replica serving, and Kubernetes' gRPC livenessProbe, which wants
+SERVING, restarted a sound gateway every minute while a stage was down or still loading its model
+(CrashLoopBackOff: up to 5 minutes more without a front door once the stages were back)."""
 
 
 class HealthyServer:
@@ -106,6 +116,10 @@ async def create_server(
     # so_reuseport off: gRPC enables it by default on Linux, which lets a second server bind a
     # port already in use and silently share its connections (two models behind one address).
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
+    if not public and config.max_connection_age_s > 0:
+        # Callers reconnect, and so resolve a headless Service's name again (ServerConfig's doc);
+        # the grace after the GOAWAY is left unlimited, so no call in flight is cut.
+        options.append(("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)))
     tracing.setup_otel_from_env("epd-" + (service_names[0].rsplit(".", 1)[-1] if service_names else "server"))
     secret = config.security.internal_secret
     guard = [InternalSecretInterceptor(secret)] if secret and not public else []
@@ -128,6 +142,7 @@ async def create_server(
         server,
     )
     await hs.set_serving(False)
+    await hs.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     return hs
 
@@ -148,21 +163,37 @@ def stop_signals() -> list[signal.Signals]:
     return out
 
 
+SAME_STOP_S = 1.0
+"""A signal this soon after the first is the same request to stop, not a second one. One stop
+often signals a service twice within milliseconds: systemd's default KillMode=control-group (and
+`kill` of every pid) signals each process beside the launcher, which passes its own signal on, and
+a service whose parent died gets PR_SET_PDEATHSIG's SIGTERM too. Taken as a second signal, it cut
+the calls in flight at once (a stream 5 s from its end got UNAVAILABLE) instead of draining them."""
+
+
 class StopSignals:
     """`stop_signals()` as events: the first asks for a graceful stop (drain in-flight calls for up
-    to the grace period), a second one for an immediate stop. Installed before the model loads,
-    so a signal during start-up stops the service at once instead of killing it half-built
-    (SIGINT would otherwise end it with a KeyboardInterrupt traceback)."""
+    to the grace period), a second one (`SAME_STOP_S` or more later) for an immediate stop.
+    Installed before the model loads, so a signal during start-up stops the service at once
+    instead of killing it half-built (SIGINT would otherwise end it with a KeyboardInterrupt
+    traceback)."""
 
-    def __init__(self) -> None:
+    def __init__(self, same_stop_s: float = SAME_STOP_S) -> None:
         self.stop = asyncio.Event()
         self.hurry = asyncio.Event()
+        self.same_stop_s = same_stop_s
+        self._first_at: float | None = None
         loop = asyncio.get_running_loop()
         for sig in stop_signals():
             loop.add_signal_handler(sig, self._on_signal)
 
     def _on_signal(self) -> None:
-        (self.hurry if self.stop.is_set() else self.stop).set()
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at = now
+            self.stop.set()
+        elif now - self._first_at >= self.same_stop_s:
+            self.hurry.set()
 
 
 async def run_service(

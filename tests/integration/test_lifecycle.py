@@ -9,6 +9,7 @@ model, 2 s to stop an idle stack): generous limits, not benchmarks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -287,3 +288,62 @@ def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path
     assert signalled, "the call never reported progress, so it was never signalled in flight"
     assert encoded.num_frames == 32 and encoded.embeds.shape[0] > 0
     assert code == 0, (tmp_path / "encoder.log").read_text()
+
+
+def _stack_address(launcher_argv: list[str]) -> str:
+    return f"127.0.0.1:{launcher_argv[launcher_argv.index('--gateway-port') + 1]}"
+
+
+def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(tiny_models, media_files, tmp_path):
+    """systemd's default stop (KillMode=control-group) signals every process of the stack at once,
+    beside the launcher: the services got SIGTERM from it, then from the launcher passing its own
+    on, and the model services another from PR_SET_PDEATHSIG when the zygote died of it. The later
+    ones, milliseconds apart, counted as a second signal and cut the stream in flight at once
+    (UNAVAILABLE "Cancelling all calls"); now they are the same stop and the answer completes.
+    Signalled once decoding runs: a request still waiting for its next stage call fails, since
+    every stage stopped taking calls at once (hence KillMode=mixed, docs/architecture.md)."""
+    from epd.client import EpdClient, RetryPolicy, TokenDelta
+
+    launcher, children = _start_stack(tiny_models, tmp_path)
+    num_tokens = 0
+    try:
+        with EpdClient(_stack_address(launcher.args), retry=RetryPolicy(max_attempts=1)) as client:
+            for item in client.stream(media_files["mp4"], "what?", num_frames=4, max_new_tokens=2000, ignore_eos=True):
+                if isinstance(item, TokenDelta):
+                    if num_tokens == 1:  # decoding (token 1 came with prefill's answer): every process at once
+                        for proc in [psutil.Process(launcher.pid), *children]:
+                            with contextlib.suppress(psutil.NoSuchProcess):
+                                proc.send_signal(signal.SIGTERM)
+                    num_tokens += len(item.token_ids)
+        code = launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert num_tokens == 2000
+    assert code == 0, (tmp_path / "stack.log").read_text()
+
+
+def test_a_signal_for_the_launchers_group_leaves_the_zygotes_services_alone(tiny_models, tmp_path):
+    """`kill -- -PGID`, `timeout` or a closed terminal signal the launcher's process group, where the
+    zygote is: it died of SIGTERM and took every model service with it (PDEATHSIG), an outage until
+    they were restarted. It ignores SIGTERM and SIGHUP now, as the fork server already ignores
+    SIGINT; the services still stop on them."""
+    launcher, children = _start_stack(tiny_models, tmp_path)
+    try:
+        services = _roles(children)
+        zygote = psutil.Process(services["encoder"].ppid())
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            zygote.send_signal(signum)
+        time.sleep(1.0)  # a dead zygote's services would be gone by now (PDEATHSIG)
+        assert zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE
+        for role in ("encoder", "prefill", "decode"):
+            assert services[role].is_running() and services[role].status() != psutil.STATUS_ZOMBIE, role
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stderr = (tmp_path / "stack.log").read_text()
+    assert code == 0 and "exited with code" not in stderr, stderr
+    _, alive = psutil.wait_procs(children, timeout=10)  # the zygote too: the launcher kills it
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]

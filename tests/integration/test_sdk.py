@@ -250,10 +250,13 @@ def test_unavailable_is_retried_until_the_gateway_comes_up(stack, media_files, e
     ],
 )
 def test_the_examples_run_against_the_stack(stack, script, args, expect):
+    """The key from $EPD_API_KEY, as compose/README.md and deploy/README.md tell (`export $(cat
+    .env)`): the examples sent none unless given --api-key, and got UNAUTHENTICATED / HTTP 401."""
     addresses = {"grpc": stack.gateway, "http": f"http://127.0.0.1:{stack.http_port}/v1"}
     command = [sys.executable, str(ROOT / "examples" / script), "samples/sample.mp4",
-               *(a.format(**addresses) for a in args), "--api-key", API_KEY]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
+               *(a.format(**addresses) for a in args)]  # fmt: skip
+    env = {**child_env(), "EPD_API_KEY": API_KEY}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert expect in done.stdout + done.stderr
 

@@ -67,6 +67,7 @@ def restored_process():
     (["--max-requests-per-client", "-1"], "epd serve gateway: --max-requests-per-client must be >= 1, got -1"),
     (["--max-requests-per-api-key", "-2"], "--max-requests-per-api-key must be >= 0"),
     (["--max-inflight-body-bytes", "5"], "--max-inflight-body-bytes 5 is below the largest request body"),
+    (["--api-key", ""], "epd serve gateway: --api-key is empty"),  # was a traceback, exit 1
 ])
 def test_a_gateway_limit_it_refuses_is_one_line_and_exit_2(capsys, restored_process, flags, expected):
     """Checked before the event loop starts: there it was a traceback and exit 1."""
@@ -74,6 +75,29 @@ def test_a_gateway_limit_it_refuses_is_one_line_and_exit_2(capsys, restored_proc
     assert serve_role(args) == EXIT_USAGE
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_api_keys_lose_the_whitespace_no_bearer_header_carries(monkeypatch):
+    """A key pasted with a trailing space (or newline) could never match: the header's token is
+    stripped. Kept as given, every request was refused."""
+    monkeypatch.setenv("EPD_API_KEY", " from-env\n")
+    assert configs.api_keys(build_parser().parse_args(["serve", "gateway"])) == ("from-env",)
+    args = build_parser().parse_args(["serve", "gateway", "--api-key", "k1 ", "--api-key", " k2"])
+    assert configs.api_keys(args) == ("k1", "k2")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_prefill_on_every_interface_needs_an_address_to_advertise(capsys, restored_process, host):
+    """It advertised HOST:PORT, here 0.0.0.0:50052, to the decoders, which cannot dial it: every
+    request failed at the KV pull, with an error about --allow-kv-from."""
+    args = build_parser().parse_args(["serve", "prefill", "--host", host, "--insecure-no-internal-auth"])
+    with pytest.raises(ValueError, match="not an address decoders can dial"):
+        configs.prefill_config(args)
+    assert serve_role(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "pass --advertise-address HOST:PORT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    advertised = build_parser().parse_args(["serve", "prefill", "--host", host, "--advertise-address", "p:50052"])
+    assert configs.prefill_config(advertised).advertise_address == "p:50052"
 
 
 def test_a_gateway_upload_limit_below_1_is_refused():

@@ -443,3 +443,26 @@ def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
     default = configs.encoder_config(build_parser().parse_args(command[command.index("serve"):]))
     reference = configs.encoder_config(build_parser().parse_args(["serve", "encoder", "--model", "/m"]))
     assert default == reference
+
+
+def test_the_stacks_gateway_takes_only_the_keys_the_launcher_was_given(monkeypatch, tmp_path):
+    """`epd serve --api-key NEW` with an old $EPD_API_KEY in the shell: NEW replaces it, as the
+    flag's help says. The gateway got the keys in its file and the launcher's environment too, so
+    it also took the old key from $EPD_API_KEY."""
+    import os
+
+    from epd.cli import serve
+
+    monkeypatch.setenv("EPD_API_KEY", "old-key-in-the-shell")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    args = build_parser().parse_args(["serve", "--api-key", "new-key"])
+    assert configs.api_keys(args) == ("new-key",)
+    files = serve._StackFiles()
+    try:
+        argv = stack_commands(args)["gateway"] + serve.stack_security_flags(args, files)["gateway"]
+        # The gateway parses its command line in the environment the launcher starts it with.
+        monkeypatch.setattr(os, "environ", serve.services_environment(os.environ))
+        gateway = build_parser().parse_args(argv[argv.index("--log-level"):])
+        assert configs.api_keys(gateway) == ("new-key",)
+    finally:
+        files.remove()

@@ -23,8 +23,10 @@ def test_every_preloaded_module_imports(model_type):
     modules = preload_modules(model_type, family_module(model_type))
     assert f"transformers.models.{model_type}.modeling_{model_type}" in modules
     assert f"epd.model_runtime.{_FAMILIES[model_type][0]}" in modules
-    assert modules[0] == "torch"
-    for name in modules:
+    # First the zygote's signal dispositions (not imported here: it makes its importer ignore
+    # SIGTERM; tests/integration/test_lifecycle.py checks it in a stack), then torch.
+    assert modules[:2] == ["epd.cli.zygote_signals", "torch"]
+    for name in modules[1:]:
         importlib.import_module(name)
 
 

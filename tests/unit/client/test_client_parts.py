@@ -194,3 +194,30 @@ def test_a_closed_client_says_so_without_a_warning(tmp_path):
 def test_asking_about_a_directory_says_it_is_one(tmp_path):
     with EpdClient("127.0.0.1:1") as client, pytest.raises(IsADirectoryError, match="is a directory"):
         client.ask(tmp_path, "q?")
+
+
+def test_a_server_name_alone_makes_the_channel_tls_not_plaintext():
+    """`server_name_override` (epd ask --tls-server-name) means TLS: alone, the channel stayed
+    plaintext and sent the API key in clear, so a call to a plaintext server succeeded."""
+    import asyncio
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    async def run() -> str:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        settings = ChannelSettings(server_name_override="gateway.example", api_key="secret-key")
+        channel = open_channel(f"127.0.0.1:{port}", settings, RetryPolicy())
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return f"plaintext call answered {reply.status}"
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    assert ChannelSettings(server_name_override="gateway.example").uses_tls
+    assert asyncio.run(run()) == "UNAVAILABLE"  # a TLS handshake a plaintext server cannot answer

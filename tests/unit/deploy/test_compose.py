@@ -204,6 +204,49 @@ def check_image(doc: dict, dockerfile: str) -> list[str]:
     return problems
 
 
+SECRET_FILES = ("compose/.env", "compose/secrets/internal-secret", "compose/certs/service.key",
+                "compose/certs/service.pem", "compose/certs/ca.pem")
+"""What compose/README.md has an operator create beside the compose files (build context paths)."""
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves `path` (relative to the context) out, as moby's patternmatcher does:
+    the last pattern matching the path or one of its parent directories wins, `!` re-includes,
+    `**` spans directories, `*` and `?` do not."""
+
+    def regex(pattern: str) -> re.Pattern:
+        out = ""
+        for part in re.split(r"(\*\*/?|\*|\?)", pattern.strip("/")):
+            out += {"**/": "(.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}.get(part, re.escape(part))
+        return re.compile(out + "$")
+
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        if any(regex(pattern.lstrip("!")).match(p) for p in prefixes):
+            ignored = not negated
+    return ignored
+
+
+def check_secrets_stay_out(dockerignore: str) -> list[str]:
+    """`COPY . .` copies the whole context: the key, secret and TLS key compose/README.md has you
+    create in compose/ must be ignored, or every image built after them carries them."""
+    patterns = [p.strip() for p in dockerignore.splitlines() if p.strip() and not p.strip().startswith("#")]
+    return [f"{path} would be copied into the image" for path in SECRET_FILES if not dockerignored(path, patterns)]
+
+
+def test_the_secrets_compose_has_you_create_never_reach_the_image():
+    dockerignore = (COMPOSE / "Dockerfile.dockerignore").read_text()
+    assert check_secrets_stay_out(dockerignore) == []
+    assert dockerignored("compose/README.md", ["compose/secrets"]) is False
+    assert check_secrets_stay_out(dockerignore.replace("compose/secrets", "compose/secret")) == [
+        "compose/secrets/internal-secret would be copied into the image"]
+    assert check_secrets_stay_out(dockerignore + "!compose/certs/ca.pem\n") == [
+        "compose/certs/ca.pem would be copied into the image"]
+
+
 def test_the_stack_the_gpu_overlay_and_the_image_have_no_problems():
     env = {"EPD_API_KEY": KEY}
     assert check_stack(interpolate(raw(), env)) == []

@@ -10,6 +10,7 @@ import re
 import pytest
 import yaml
 
+from epd.transport.server import LIVENESS_SERVICE
 from tests.unit.deploy.epd_commands import (
     BUILDERS,
     ROOT,
@@ -89,6 +90,11 @@ def check_manifests(objs: list[dict]) -> list[str]:
             probe = c.get(kind) or ({} if kind != "startupProbe" else {"grpc": {"port": ports.get("grpc")}})
             if probe.get("grpc", {}).get("port") != ports.get("grpc"):
                 problems.append(f"{name}: {kind} must be a grpc probe on port {ports.get('grpc')}, is {c.get(kind)}")
+            # The gateway's own status is NOT_SERVING while a stage has no replica serving: liveness
+            # on it restarted a sound gateway whenever a stage was down or loading.
+            elif role == "gateway" and kind == "livenessProbe" and probe["grpc"].get("service") != LIVENESS_SERVICE:
+                problems.append(f"gateway: livenessProbe must ask the service {LIVENESS_SERVICE!r} (SERVING while it "
+                                f"runs), not its readiness, is {probe['grpc']}")
         # Supervision, as `epd serve` does it on one host: N replicas, a container that exits is
         # restarted (kubelet's back-off), one that stops answering is killed (livenessProbe above).
         replicas = dep["spec"].get("replicas")
@@ -253,6 +259,8 @@ MUTATIONS = [
     ("never restarted", lambda o: pod(_find(o, "Deployment", "prefill"))["spec"].update(restartPolicy="Never"),
      "prefill: restartPolicy must be Always"),
     ("no liveness probe", _c("gateway", lambda c: c.pop("livenessProbe")), "gateway: livenessProbe must be a grpc"),
+    ("liveness on readiness", _c("gateway", lambda c: c["livenessProbe"]["grpc"].pop("service")),
+     "gateway: livenessProbe must ask the service 'liveness'"),
     ("no egress policy", _drop("NetworkPolicy", "decode-egress"), "no NetworkPolicy limits decode's egress"),
     ("egress open", lambda o: _find(o, "NetworkPolicy", "decode-egress")["spec"]["egress"][0].pop("to"),
      "decode may reach port 50052 beyond prefill"),

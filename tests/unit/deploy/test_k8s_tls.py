@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from epd.cli.main import build_parser
+from epd.transport.server import LIVENESS_SERVICE
 from tests.unit.deploy.epd_commands import serve_config
 from tests.unit.deploy.test_k8s import K8S, container, container_env, expand, load_objects, of_kind, pod
 
@@ -102,8 +103,10 @@ def check_tls(objs: list[dict]) -> list[str]:
             problems.append(f"{name}: --tls-cert/--tls-key/--tls-ca are not tls.crt/tls.key/ca.crt of Secret {SECRET}")
         if role != "gateway" and not from_secret(sec.tls_client_ca, "ca.crt"):
             problems.append(f"{name}: a stage must require client certificates of ca.crt (--tls-client-ca)")
-        if role == "decode" and sec.tls_server_name != "prefill-headless":
-            problems.append(f"decode: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
+        # decode pulls KV caches, and the gateway releases those no decoder took (ReleaseKv), at the
+        # address each prefill pod advertises: its IP, which no certificate names.
+        if role in ("decode", "gateway") and sec.tls_server_name != "prefill-headless":
+            problems.append(f"{role}: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
                             f"is {sec.tls_server_name!r}")
         port = cfg.server.port
         for kind in PROBES:
@@ -123,6 +126,9 @@ def check_tls(objs: list[dict]) -> list[str]:
             # would fail and the kubelet would restart the gateway in a loop.
             elif args.tls_ca != sec.tls_ca or (args.tls_cert, args.tls_key) != (sec.tls_cert, sec.tls_key):
                 problems.append(f"{name}: {kind} does not present the TLS its port requires: {command}")
+            elif role == "gateway" and kind == "livenessProbe" and args.service != LIVENESS_SERVICE:
+                problems.append(f"gateway: livenessProbe must ask --service {LIVENESS_SERVICE} (its own status is "
+                                f"NOT_SERVING while a stage is down): {command}")
     return problems
 
 

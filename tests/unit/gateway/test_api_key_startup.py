@@ -100,3 +100,34 @@ def test_a_loopback_gateway_starts_without_a_key():
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_an_api_key_on_the_command_line_is_hidden_from_ps():
+    """`ps` (/proc/PID/cmdline) shows every local user each process's command line: the key of
+    `--api-key KEY` stayed there for as long as the gateway ran."""
+    import psutil
+
+    from epd.cli.main import hide_secrets
+
+    assert hide_secrets(["serve", "--api-key", "k1", "--api-key=k2", "--port", "1"]) == [
+        "serve", "--api-key", "***", "--api-key=***", "--port", "1"]
+    assert hide_secrets(["serve", "--api-key-file", "/keys"]) is None
+    port, key = _free_port(), "key-nobody-else-may-read"
+    proc = _epd("--host", "127.0.0.1", "--port", str(port), "--api-key", key)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # answering health: the flags are parsed
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None, proc.communicate()[1]
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "the gateway never answered health"
+                    time.sleep(0.2)
+        shown = " ".join(psutil.Process(proc.pid).cmdline())
+        assert key not in shown and "--api-key ***" in shown and f"--port {port}" in shown, shown
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

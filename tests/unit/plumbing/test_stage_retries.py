@@ -150,6 +150,45 @@ def test_removed_replicas_get_no_calls_and_added_ones_do():
     asyncio.run(scenario())
 
 
+def test_a_replica_removed_while_a_call_runs_gets_no_retry():
+    """The replica file drops a replica while a call hangs on another: the retry does not go to
+    the removed one, whose channel closed when the file was applied (a call on a closed channel
+    made gRPC core crash the gateway, SIGSEGV)."""
+
+    async def scenario():
+        calls: list[bytes] = []
+        names, servers = await _servers({b"hang": "hang", b"ok": "ok", b"new": "ok"}, calls)
+        pool = ReplicaPool([names[b"hang"], names[b"ok"]], attempt_timeout_s=0.5)
+        tried_closed: list[str] = []
+
+        async def who(channel: grpc.aio.Channel, timeout_s: float) -> bytes:
+            if channel not in pool.channels:  # never make the call that crashes the process
+                tried_closed.append("a removed replica's channel")
+                return b"removed"
+            return await _who(channel, timeout_s)
+
+        async def remove_ok() -> None:
+            await asyncio.sleep(0.1)
+            pool.set_addresses([names[b"hang"], names[b"new"]])
+
+        try:
+            # No key: ties in turn, the first call's first choice is the hung replica.
+            remove = asyncio.ensure_future(remove_ok())
+            with pytest.raises(UpstreamError) as err:
+                await pool.call("", who, "encode", "r", TIMEOUT_S)
+            await remove
+            assert tried_closed == [] and calls == [b"hang"]
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The next call routes over the new list.
+            assert await pool.call("", who, "encode", "r", TIMEOUT_S) == b"new"
+        finally:
+            await pool.close()
+            for s in servers:
+                await s.stop(0)
+
+    asyncio.run(scenario())
+
+
 class _Decoder(decode_pb2_grpc.DecodeServiceServicer):
     """A decode replica that follows a script: "ok" streams 3 tokens, "dead" is UNAVAILABLE before
     its first token, "hang" sends nothing, "breaks" sends 2 tokens and then fails, "kv-gone"
@@ -210,6 +249,47 @@ async def _generate(behaviours: list[str], attempt_timeout_s: float = 0.0) -> tu
 def test_decode_is_retried_on_another_replica_before_its_first_token():
     assert asyncio.run(_generate(["dead", "ok"])) == ([10, 11, 12], ["dead", "ok"])
     assert asyncio.run(_generate(["hang", "ok"], attempt_timeout_s=0.5)) == ([10, 11, 12], ["hang", "ok"])
+
+
+def test_a_decode_replica_removed_while_a_stream_waits_gets_no_retry(monkeypatch):
+    """As for encode and prefill: the decode retry skips a replica the replica file removed."""
+    import types
+
+    import epd.transport.remote_stages as remote_stages
+
+    async def scenario():
+        calls: list[str] = []
+        servers, addresses = await _decoders(["hang", "ok", "ok"], calls)
+        pool = ReplicaPool(addresses[:2], attempt_timeout_s=0.5)
+        closed: list[str] = []
+
+        def stub(channel: grpc.aio.Channel):
+            if channel not in pool.channels:  # never make the call that crashes the process
+                closed.append("a removed replica's channel")
+                raise AssertionError("a decode call on a removed replica's channel")
+            return decode_pb2_grpc.DecodeServiceStub(channel)
+
+        monkeypatch.setattr(remote_stages, "decode_pb2_grpc", types.SimpleNamespace(DecodeServiceStub=stub))
+        stage = RemoteDecodeStage(pool, TIMEOUT_S)
+
+        async def remove_second() -> None:
+            await asyncio.sleep(0.1)
+            pool.set_addresses([addresses[0], addresses[2]])
+
+        remove = asyncio.ensure_future(remove_second())
+        try:
+            with pytest.raises(UpstreamError) as err:
+                async for _ in stage.generate(HANDLE, GenerationConfig(), "req-1"):
+                    pass
+            await remove
+            return err.value.code, calls, closed
+        finally:
+            await pool.close()
+            for s in servers:
+                await s.stop(0)
+
+    code, calls, closed = asyncio.run(scenario())
+    assert closed == [] and calls == ["hang"] and code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_a_decode_retry_that_finds_the_kv_cache_gone_says_so():

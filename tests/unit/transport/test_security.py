@@ -30,6 +30,17 @@ def test_a_certificate_needs_its_key_and_mtls_needs_a_certificate():
     assert "internal_secret" not in repr(TransportSecurity(internal_secret=SECRET))  # never logged
 
 
+def test_a_server_name_without_a_ca_is_refused_not_ignored():
+    """--tls-server-name without --tls-ca left every channel plaintext, the name never checked
+    (`epd health` turns the ValueError into exit 2 and one line, as for its other TLS flags)."""
+    with pytest.raises(ValueError, match="--tls-server-name needs --tls-ca"):
+        TransportSecurity(tls_server_name="prefill-headless")
+    with pytest.raises(ValueError, match="--tls-server-name needs --tls-ca"):
+        configs.health_security(build_parser().parse_args(["health", "127.0.0.1:1", "--tls-server-name", "gateway"]))
+    with pytest.raises(ValueError, match="--tls-server-name needs --tls-ca"):
+        configs.transport_security(build_parser().parse_args(["serve", "decode", "--tls-server-name", "p"]))
+
+
 def test_the_secret_file_is_checked(tmp_path):
     short = tmp_path / "short"
     short.write_text("abc\n")

@@ -154,3 +154,35 @@ def test_a_decord_child_that_dies_mid_request_is_unavailable_and_replaced(video_
         assert np.array_equal(got.frames, simple_decoder.decode(data, opts).frames)
         assert _decord_children(others) == {dec._proc}
     assert _decord_children(others) == set()
+
+
+def test_a_hung_decord_child_does_not_outlive_its_killed_server(video_factory, tmp_path):
+    """The server (here a process that started the child, then is SIGKILLed) dies while its child
+    hangs (stopped: it cannot read the closed pipe): the child must go too. It stayed, orphaned,
+    since it noticed its server only by the pipe, between requests."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.stack import ROOT, child_env
+
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(video_factory(".mp4", **SMALL))
+    # One decode first: the child is then in its request loop, past its start-up.
+    code = ("import sys, time; from epd.video.decord_backend import DecordDecoder; "
+            "from epd.video.types import SamplingOptions; d = DecordDecoder(); "
+            "d.decode(open(sys.argv[1], 'rb').read(), SamplingOptions(num_frames=2)); "
+            "print(d._proc.pid, flush=True); time.sleep(60)")
+    server = subprocess.Popen([sys.executable, "-c", code, str(video)], stdout=subprocess.PIPE, text=True, env=child_env(),
+                              cwd=ROOT)
+    child = psutil.Process(int(server.stdout.readline()))
+    try:
+        child.suspend()  # SIGSTOP: a decode that hangs
+        server.kill()
+        server.wait(timeout=10)
+        gone, _ = psutil.wait_procs([child], timeout=10)
+        assert gone, f"the decord child {child.pid} outlived its server ({child.status()})"
+    finally:
+        if child.is_running():
+            child.kill()
