@@ -235,7 +235,7 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             chat = parse_chat_request(
-                await read_json_body(request, self.max_body_bytes, self.config.http.body_timeout_s),
+                await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s),
                 self.config.http.served_model_name,
                 self.config.sampling,
                 self.config.generation,

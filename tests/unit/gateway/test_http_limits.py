@@ -33,7 +33,8 @@ async def _serve(fn, max_requests_per_client: int = 8, max_inflight_body_bytes: 
         max_upload_bytes=UPLOAD_LIMIT_BYTES,
         max_requests_per_client=max_requests_per_client,
         max_inflight_body_bytes=max_inflight_body_bytes,
-        http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else (), body_timeout_s=body_timeout_s),
+        body_timeout_s=body_timeout_s,
+        http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else ()),
     )
     api = HttpApi(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
     runner = web.AppRunner(api.app(), handler_cancellation=True)
