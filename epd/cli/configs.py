@@ -212,6 +212,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         max_requests_per_client=args.max_requests_per_client,
         max_inflight_body_bytes=args.max_inflight_body_bytes,
         max_requests_per_api_key=args.max_requests_per_api_key,
+        body_timeout_s=args.body_timeout,
         stage_check_interval_s=args.stage_check_interval,
         replicas_file=args.replicas_file,
         routing=args.routing,
@@ -304,4 +305,4 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
     )
     return HttpApiConfig(port=args.http_port, host=args.http_host, api_keys=api_keys(args),
                          no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media,
-                         demo=web_demo_config(args), body_timeout_s=args.body_timeout)
+                         demo=web_demo_config(args))

@@ -120,13 +120,6 @@ class HttpApiConfig:
     """Which media URLs and paths requests may use."""
     demo: WebDemoConfig = field(default_factory=WebDemoConfig)
     """The web demo's own decodes (`POST /demo/frames`)."""
-    body_timeout_s: float = 300.0
-    """Longest a request body may take to arrive, whole (HTTP 408 past it): a client that sends
-    slowly, or stops, holds its bytes of the body budget and its request slot only this long."""
-
-    def __post_init__(self) -> None:
-        if not self.body_timeout_s > 0:
-            raise ValueError(f"--body-timeout must be > 0 seconds, got {self.body_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +143,14 @@ class GatewayConfig:
     max_inflight_body_bytes: int = 0
     """Request-body bytes (HTTP bodies, gRPC uploads) the process holds at once over all
     requests; more get HTTP 429 / RESOURCE_EXHAUSTED. 0 = twice the largest HTTP body."""
+    body_timeout_s: float = 300.0
+    """Longest a request body (HTTP) or media upload (gRPC) may take to arrive, whole (HTTP 408 /
+    DEADLINE_EXCEEDED past it): a client that sends slowly, or stops, holds its bytes of the body
+    budget and its request slot only this long."""
+
+    def __post_init__(self) -> None:
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"--body-timeout must be > 0 seconds, got {self.body_timeout_s}")
     replicas_file: str = ""
     """A JSON/YAML file {"encoder": [...], "prefill": [...], "decode": [...]} whose lists replace
     the addresses above for the stages it names, re-read when it changes and on SIGHUP

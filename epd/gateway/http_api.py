@@ -65,6 +65,7 @@ from epd.gateway.openai_protocol import (
     usage,
 )
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.protocol_log import PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight, shutdown_error
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
@@ -234,7 +235,7 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             chat = parse_chat_request(
-                await read_json_body(request, self.max_body_bytes, self.config.http.body_timeout_s),
+                await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s),
                 self.config.http.served_model_name,
                 self.config.sampling,
                 self.config.generation,
@@ -422,7 +423,8 @@ async def start_http_api(
     `admission` is shared with the gRPC API so that a client's limit counts both."""
     api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
     # handler_cancellation: a client that disconnects stops its pipeline run.
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True,
+    # logger: a client's malformed request is one INFO line there, not an ERROR traceback.
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True, logger=PROTOCOL_LOG,
                            shutdown_timeout=config.server.grace_s)  # `HttpServer.stop` cuts it short
     await runner.setup()
     # TLS with the gateway's --tls-cert/--tls-key (client certificates with --tls-client-ca).

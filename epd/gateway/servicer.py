@@ -12,7 +12,7 @@ from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
 from epd.gateway.shutdown import Call, CallsInFlight, shutdown_error
 from epd.stages.contracts import StageEvent, check_cache_salt
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import DeadlineExceeded, InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
 from epd.transport import convert, tracing
@@ -61,7 +61,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             await drain(request_iterator)  # so that the client sees our status, not INTERNAL
             raise
         with ticket:
-            header, data = await read_upload(request_iterator, self.config.max_upload_bytes, ticket.reserve_bytes)
+            header, data = await self._read_upload(request_iterator, ticket.reserve_bytes)
             upload_ms = (time.perf_counter() - started) * 1e3
             uploaded = StageEvent(Stage.UPLOAD, "finished", upload_ms, {"num_bytes": str(len(data))})
             yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
@@ -94,6 +94,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         call.num_tokens += len(item.token_ids)
                         delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
                         yield gateway_pb2.AskResponse(delta=delta)
+
+
+    async def _read_upload(self, request_iterator, reserve_bytes) -> tuple[gateway_pb2.AskHeader, bytes]:
+        """The header and the media, all within --body-timeout: a client that trickles its
+        chunks, or stops, held its upload's bytes of the body budget and its request slot for as
+        long as it liked (the HTTP API's bodies have the same limit)."""
+        timeout_s = self.config.body_timeout_s
+        try:
+            return await asyncio.wait_for(
+                read_upload(request_iterator, self.config.max_upload_bytes, reserve_bytes), timeout_s
+            )
+        except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+            raise DeadlineExceeded(
+                f"the upload did not arrive within {timeout_s:g} s (the server's --body-timeout); send it "
+                "faster, or a smaller or more compressed video"
+            ) from None
 
 
 def messages_of(header: gateway_pb2.AskHeader) -> list[Message]:

@@ -99,7 +99,7 @@ class WebDemo:
         """Behind the API key with /v1/* (the HTTP API's middleware checks it before admission)."""
         try:
             sampling, url = _frames_request(
-                await read_json_body(request, self.max_body_bytes, self.config.http.body_timeout_s), self.config
+                await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s), self.config
             )
             ticket = request.get(TICKET_KEY)
             data = await load_media(url, self.config.http.media, self.config.max_upload_bytes,

@@ -33,7 +33,8 @@ async def _serve(fn, max_requests_per_client: int = 8, max_inflight_body_bytes: 
         max_upload_bytes=UPLOAD_LIMIT_BYTES,
         max_requests_per_client=max_requests_per_client,
         max_inflight_body_bytes=max_inflight_body_bytes,
-        http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else (), body_timeout_s=body_timeout_s),
+        body_timeout_s=body_timeout_s,
+        http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else ()),
     )
     api = HttpApi(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
     runner = web.AppRunner(api.app(), handler_cancellation=True)
@@ -346,3 +347,36 @@ def test_a_body_of_millions_of_tiny_values_is_refused_before_parsing():
     content = [{"type": "text", "text": "what, where: why?" * 1000}, {"type": "video_url", "video_url": {"url": url}}]
     body = json.dumps({"messages": [{"role": "user", "content": content}], "stop": [",", ":"]}).encode()
     assert parse_json(body)["messages"][0]["content"][1]["video_url"]["url"] == url
+
+
+def test_a_clients_malformed_request_is_one_info_line_not_an_error_traceback(caplog):
+    """aiohttp logged each request it could not parse or drain as ERROR with a traceback (three
+    for one broken gzip body; br, which it cannot decode, before any handler), so any client could
+    fill the gateway's log and bury real errors. The gateway's server (`start_http_api`) logs them
+    as one INFO line each; the answers stay 400."""
+    import logging
+
+    from epd.gateway.http_api import start_http_api
+    from epd.stages.server_config import ServerConfig
+
+    async def scenario():
+        config = GatewayConfig(server=ServerConfig(port=0), max_upload_bytes=UPLOAD_LIMIT_BYTES,
+                               http=HttpApiConfig(port=0))  # fmt: skip
+        http = await start_http_api(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
+        try:
+            out = []
+            for encoding in ("gzip", "br"):
+                out.append(await request(http.port, "POST", "/v1/chat/completions", b"not compressed",
+                                         {"Content-Encoding": encoding, "Content-Type": "application/json"}))
+            return out
+        finally:
+            await http.stop(0.5)
+
+    caplog.set_level(logging.INFO)
+    gzip_answer, br_answer = asyncio.run(scenario())
+    assert (gzip_answer.status, br_answer.status) == (400, 400)
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [(r.name, r.levelname, r.getMessage()) for r in loud]
+    lines = [r.getMessage() for r in caplog.records if r.name == "epd.gateway.http_protocol"]
+    assert any("Can not decode content-encoding: br" in line or "brotli" in line for line in lines), lines
+    assert all("\n" not in line for line in lines), lines
