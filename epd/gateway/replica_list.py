@@ -120,12 +120,16 @@ class ReplicaListWatcher:
 
     async def run(self, install_sighup: bool = True) -> None:
         """Poll the file (and wait for SIGHUP) until cancelled."""
-        remove: Callable[[], object] | None = None
+        stop_listening: Callable[[], object] | None = None
         if install_sighup:
             loop = asyncio.get_running_loop()
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
                 loop.add_signal_handler(signal.SIGHUP, self._hup.set)
-                remove = lambda: loop.remove_signal_handler(signal.SIGHUP)  # noqa: E731
+                # Not remove_signal_handler: that restores SIGHUP's default, and a SIGHUP during the
+                # gateway's drain (this task ends when the stop begins) then killed it on the spot.
+                # The loop's close removes this no-op with its other handlers.
+                stop_listening = lambda: loop.add_signal_handler(  # noqa: E731
+                    signal.SIGHUP, log.info, "SIGHUP while stopping: the replica file is not re-read")
         try:
             while True:
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -137,5 +141,5 @@ class ReplicaListWatcher:
                 elif self.changed():
                     self.reload()
         finally:
-            if remove is not None:
-                remove()
+            if stop_listening is not None:
+                stop_listening()

@@ -77,3 +77,38 @@ def test_the_watcher_applies_changes_and_keeps_routing_on_a_bad_file(tmp_path):
                 await pool.close()
 
     asyncio.run(scenario())
+
+
+_SIGHUP_AFTER_THE_WATCHER = """
+import asyncio, os, signal, sys
+from epd.gateway.replica_list import ReplicaListWatcher
+from epd.transport.remote_stages import ReplicaPool
+
+async def main():
+    pool = ReplicaPool(["e1:1"])
+    watcher = ReplicaListWatcher(sys.argv[1], {"encoder": pool}, poll_interval_s=0.05)
+    task = asyncio.ensure_future(watcher.run())
+    await asyncio.sleep(0.2)
+    task.cancel()  # the gateway's stop begins: its background tasks end, the drain goes on
+    await asyncio.gather(task, return_exceptions=True)
+    os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal during the drain
+    await asyncio.sleep(0.3)
+    await pool.close()
+    print("drained")
+
+asyncio.run(main())
+"""
+
+
+def test_a_sighup_after_the_watcher_stopped_does_not_kill_the_gateway(tmp_path):
+    """The watcher gave SIGHUP back to its default when it ended, at the start of the gateway's
+    drain: a SIGHUP then (a closed terminal, a reload sent during a stop) killed the gateway on the
+    spot, cutting every answer in flight. Run in a process of its own: the default kills it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "replicas.yaml"
+    path.write_text("encoder: [e1:1]\n")
+    done = subprocess.run([sys.executable, "-c", _SIGHUP_AFTER_THE_WATCHER, str(path)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode, done.stdout.strip()) == (0, "drained"), (done.returncode, done.stderr[-2000:])
