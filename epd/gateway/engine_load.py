@@ -43,6 +43,7 @@ from epd.stages.engine_core import EngineLoad
 from epd.transport.load import fetch_loads
 from epd.transport.load_servicer import stage_loads
 from epd.transport.remote_stages import ReplicaPool
+from epd.transport.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ class EngineLoadCollector:
         self._stages: list[Sources] = []
         self._error_series: set[tuple[str, str]] = set()  # (stage, replica) of the sources listed last
         self.loads: list[tuple[LoadSource, EngineLoad]] = []
+        self._refresh_once = SingleFlight(self._refresh)
         self.scrape_errors = Counter(
             "epd_load_scrape_errors_total",
             "Scrapes in which a stage replica did not report its engine load in time.",
@@ -246,7 +248,11 @@ class EngineLoadCollector:
         return sources
 
     async def refresh(self) -> None:
-        """Read every source at once; a source that fails or times out is counted and left out."""
+        """Read every source at once; a source that fails or times out is counted and left out.
+        Concurrent scrapes (GET /metrics is open to anyone) share the reads in flight."""
+        await self._refresh_once()
+
+    async def _refresh(self) -> None:
         sources = self.sources()
         answers = await asyncio.gather(
             *(asyncio.wait_for(s.read(self.timeout_s), self.timeout_s) for s in sources),

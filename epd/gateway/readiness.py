@@ -24,6 +24,7 @@ from epd.gateway.config import GatewayConfig
 from epd.transport.remote_stages import ReplicaPool
 from epd.transport.security import stage_channel
 from epd.transport.server import RECONNECT_OPTIONS, HealthyServer, channel_options
+from epd.transport.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class StageHealth:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_down: set[str] = set()
         self._ever_served = False
+        self.status = SingleFlight(self._check)
+        """Check every replica once: (stages with no replica serving, "STAGE ADDRESS" of each
+        replica not serving). The pools learn each answer. Concurrent callers (HTTP /health is
+        open to anyone) share the check in flight."""
 
     @property
     def addresses(self) -> list[tuple[str, str]]:
@@ -59,9 +64,7 @@ class StageHealth:
             for address in (self.pools[stage].addresses if stage in self.pools else configured)
         ]
 
-    async def status(self) -> tuple[list[str], list[str]]:
-        """Check every replica once: (stages with no replica serving, "STAGE ADDRESS" of each
-        replica not serving). The pools learn each answer."""
+    async def _check(self) -> tuple[list[str], list[str]]:
         addresses = self.addresses
         results = await asyncio.gather(*(self._serving(stage, address) for stage, address in addresses))
         serving_stages = set()
