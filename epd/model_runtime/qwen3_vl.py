@@ -145,9 +145,10 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
         vp = self.processor.video_processor
         if clip_num_frames < vp.temporal_patch_size:  # smart_resize refuses it (generate() too)
-            raise MediaError(
+            raise MediaError(  # a request sampling by fps gets 1 frame only with min_frames or max_frames 1
                 f"this model ({self.family}) takes videos of at least {vp.temporal_patch_size} frames; "
-                f"ask for num_frames >= {vp.temporal_patch_size}"
+                f"ask for num_frames >= {vp.temporal_patch_size} (sampling by fps: min_frames and max_frames "
+                f">= {vp.temporal_patch_size})"
             )
         return smart_resize(
             clip_num_frames, height, width, temporal_factor=vp.temporal_patch_size,

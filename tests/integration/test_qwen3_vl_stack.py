@@ -44,7 +44,7 @@ from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import encoder_pb2
-from epd.video.types import SamplingOptions
+from epd.video.types import MediaError, SamplingOptions
 from tests.families import (
     assert_pipeline_answers_as_generate,
     assert_reference_varies,
@@ -226,6 +226,19 @@ def test_a_one_frame_video_is_invalid_argument_saying_what_to_ask_for(stack, med
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "at least 2 frames; ask for num_frames >= 2" in err.value.message
     assert stack.alive()
+
+
+def test_a_one_frame_sample_by_fps_is_refused_naming_the_options_it_used(checkpoint, media_files):
+    """A request sampling by fps with max_frames 1 (or min_frames 1 on a short span) gets one frame:
+    the refusal names the options that request set, not only num_frames, which it did not."""
+    adapter = load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
+    engine = EncoderEngine(EncoderConfig(), adapter)
+    try:
+        with pytest.raises(MediaError, match=r"sampling by fps: min_frames and max_frames >= 2"):
+            engine.encode(MediaInput(media_files["mp4"].read_bytes()), SamplingOptions(fps=1.0, min_frames=1, max_frames=1),
+                          lambda e: None)
+    finally:
+        engine.close()
 
 
 def test_the_token_budget_counts_a_one_frame_last_group_as_one_temporal_patch(checkpoint, media_files):
