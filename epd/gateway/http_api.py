@@ -67,7 +67,7 @@ from epd.gateway.openai_protocol import (
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
-from epd.gateway.shutdown import CallsInFlight, shutdown_error
+from epd.gateway.shutdown import CallsInFlight
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
@@ -133,10 +133,10 @@ class HttpApi:
         app.router.add_route("*", "/{path:.*}", self._unrouted, name=UNROUTED, expect_handler=defer_continue)
         return app
 
-    async def cut_requests_in_flight(self, timeout_s: float) -> None:
+    async def cut_requests_in_flight(self, timeout_s: float, hurried: bool = False) -> None:
         """End every request still being answered (the grace period is over): its pipeline run is
         cancelled, and it answers 503, or a streamed answer ends with an error event and [DONE]."""
-        await self.in_flight.cut_and_wait(timeout_s)
+        await self.in_flight.cut_and_wait(timeout_s, hurried)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -274,7 +274,7 @@ class HttpApi:
         except asyncio.CancelledError:
             if not self.in_flight.cutting:
                 raise  # its client went away
-            return _exception_response(shutdown_error(0, tracing.current_request_id()))
+            return _exception_response(self.in_flight.shutdown_error(0, tracing.current_request_id()))
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
@@ -348,7 +348,7 @@ class HttpApi:
             if isinstance(exc, asyncio.CancelledError):
                 if not self.in_flight.cutting:
                     raise  # its client went away
-                exc = shutdown_error(num_tokens, request_id)
+                exc = self.in_flight.shutdown_error(num_tokens, request_id)
             if response is None:
                 raise exc  # nothing sent yet: the caller answers with the error's own status
             status, error_type, message = http_error_of(exc)
@@ -404,7 +404,7 @@ class HttpServer:
             waits.append(asyncio.ensure_future(hurry.wait()))
         await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
         if not cleanup.done():
-            await self.api.cut_requests_in_flight(CUT_MARGIN_S)
+            await self.api.cut_requests_in_flight(CUT_MARGIN_S, hurried=hurry is not None and hurry.is_set())
         await cleanup
         for wait in waits[1:]:
             wait.cancel()

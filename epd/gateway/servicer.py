@@ -10,7 +10,7 @@ from contextlib import aclosing
 from epd.gateway.admission import Admission, Overloaded, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
-from epd.gateway.shutdown import Call, CallsInFlight, shutdown_error
+from epd.gateway.shutdown import Call, CallsInFlight
 from epd.stages.contracts import StageEvent, check_cache_salt
 from epd.stages.errors import DeadlineExceeded, InvalidRequest
 from epd.stages.messages import Message, question_messages
@@ -34,8 +34,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.in_flight = CallsInFlight()
         """The Ask calls answering now, ended with their own status at shutdown (`epd/gateway/shutdown.py`)."""
 
-    async def cut_calls_in_flight(self) -> None:
-        await self.in_flight.cut_and_wait(CUT_MARGIN_S)
+    async def cut_calls_in_flight(self, hurried: bool) -> None:
+        await self.in_flight.cut_and_wait(CUT_MARGIN_S, hurried)
 
     @rpc_errors
     async def Ask(self, request_iterator, context):
@@ -50,7 +50,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             except asyncio.CancelledError:
                 if not call.was_cut:
                     raise  # its client went away
-                raise shutdown_error(call.num_tokens, call.request_id) from None
+                raise self.in_flight.shutdown_error(call.num_tokens, call.request_id) from None
 
     async def _ask(self, request_iterator, context, call: Call):
         started = time.perf_counter()

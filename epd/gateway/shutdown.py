@@ -3,8 +3,8 @@ a status of its own, not dropped.
 
 At the end of `--grace-period` (or at the second signal) the gateway cancels the tasks still
 answering (`CallsInFlight.cut`). Each answer's handler sees the cancel, asks `cutting`, and ends
-with `shutdown_error`: UNAVAILABLE (HTTP 503) when nothing has reached the client (retrying is
-safe), ABORTED (an SSE error event, HTTP 502) once tokens have (the client holds part of an
+with `CallsInFlight.shutdown_error`, which says which of the two ended the drain: UNAVAILABLE
+(HTTP 503) when nothing has reached the client (retrying is safe), ABORTED (an SSE error event, HTTP 502) once tokens have (the client holds part of an
 answer; UNAVAILABLE would invite a retry as if nothing had happened). Left to gRPC's and aiohttp's
 own stop, a gRPC client got UNAVAILABLE "Cancelling all calls" after hundreds of tokens, an HTTP
 client a dropped connection, and a streamed answer a cut chunk with no error and no [DONE].
@@ -65,6 +65,8 @@ class CallsInFlight:
         self._calls: set[Call] = set()
         self.cutting = False
         """Set by `cut`: a CancelledError in a handler is the shutdown's, not its client's."""
+        self.hurried = False
+        """Set by `cut` when a second stop signal, not the end of the grace period, ended the drain."""
 
     @contextmanager
     def tracking(self) -> Iterator[Call]:
@@ -75,26 +77,29 @@ class CallsInFlight:
         finally:
             self._calls.discard(call)
 
-    def cut(self) -> list[asyncio.Task]:
-        """Cancel every answer still in flight; returns their tasks."""
-        self.cutting = True
+    def cut(self, hurried: bool = False) -> list[asyncio.Task]:
+        """Cancel every answer still in flight (`hurried`: at a second stop signal); returns their
+        tasks."""
+        self.cutting, self.hurried = True, hurried
         calls = list(self._calls)
         for call in calls:
             call.cut()
         return [call.task for call in calls if call.task is not None]
 
-    async def cut_and_wait(self, timeout_s: float) -> None:
+    async def cut_and_wait(self, timeout_s: float, hurried: bool = False) -> None:
         """`cut`, then give the handlers `timeout_s` to send their statuses."""
-        if tasks := self.cut():
+        if tasks := self.cut(hurried):
             await asyncio.wait(tasks, timeout=timeout_s)
 
-
-def shutdown_error(num_tokens: int, request_id: str) -> EpdError:
-    """What a request cut at shutdown ends with (see the module docstring). `request_id` is empty
-    when the cut came before the request said it (a gRPC upload being read)."""
-    which = f" (request id {request_id})" if request_id else ""
-    if not num_tokens:
-        return Unavailable(f"the server is shutting down (its grace period is over); retry the request{which}")
-    return UpstreamError(grpc.StatusCode.ABORTED,
-                         f"the server shut down after {num_tokens} tokens (its grace period was over); the "
-                         f"answer is incomplete; retry the request{which}")
+    def shutdown_error(self, num_tokens: int, request_id: str) -> EpdError:
+        """What a request cut at shutdown ends with (see the module docstring), saying what ended
+        the drain. `request_id` is empty when the cut came before the request said it (a gRPC
+        upload being read)."""
+        which = f" (request id {request_id})" if request_id else ""
+        if not num_tokens:
+            why = "a second stop signal ended its drain" if self.hurried else "its grace period is over"
+            return Unavailable(f"the server is shutting down ({why}); retry the request{which}")
+        why = "a second stop signal ended its drain" if self.hurried else "its grace period was over"
+        return UpstreamError(grpc.StatusCode.ABORTED,
+                             f"the server shut down after {num_tokens} tokens ({why}); the answer is "
+                             f"incomplete; retry the request{which}")

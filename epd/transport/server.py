@@ -69,7 +69,7 @@ class HealthyServer:
         self.service_names = service_names
         self.health = health.aio.HealthServicer()
         self.background_tasks: list[asyncio.Task] = []  # e.g. waiting for downstream readiness
-        self.cut_calls: Callable[[], Awaitable[None]] | None = None
+        self.cut_calls: Callable[[bool], Awaitable[None]] | None = None
         """Ends the calls still in flight when the grace period is over (or at the second signal),
         each with a status of the service's own (the gateway's: ABORTED after tokens, UNAVAILABLE
         before), before gRPC's own stop would cancel them as UNAVAILABLE "Cancelling all calls"."""
@@ -251,7 +251,7 @@ async def serve_until_signal(
     if not draining.done():
         if hs.cut_calls is not None:
             log.info("%s: ending the calls still in flight", "second signal" if hurry.done() else "grace period over")
-            await hs.cut_calls()
+            await hs.cut_calls(hurry.done())  # True: a second signal, not the grace period, ended the drain
             await asyncio.wait([draining, hurry], timeout=CUT_MARGIN_S, return_when=asyncio.FIRST_COMPLETED)
         if not draining.done():
             log.info("aborting the calls still in flight")

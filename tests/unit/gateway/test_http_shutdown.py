@@ -15,6 +15,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
@@ -72,13 +73,13 @@ async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> 
     return took_s, rest, pipeline.cancelled.is_set()
 
 
-def _ends_with_the_shutdown_error(rest: str) -> None:
+def _ends_with_the_shutdown_error(rest: str, why: str = "its grace period was over") -> None:
     """The answer ends with an error event saying what happened and [DONE], not a cut chunk (the
     client could not tell a shutdown from a network fault)."""
     events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]", rest[-300:]
     error = json.loads(events[-2])["error"]
-    assert error["message"].startswith("the server shut down after ") and "tokens (its grace period was over)" in \
+    assert error["message"].startswith("the server shut down after ") and f"tokens ({why})" in \
         error["message"] and "request id " in error["message"], error
     assert error["code"] == 502  # vLLM's: the HTTP status as an integer
 
@@ -93,7 +94,8 @@ def test_a_streamed_answer_is_cut_at_the_end_of_the_grace_period_not_twice_it():
 def test_a_second_signal_cuts_a_streamed_answer_at_once():
     took_s, rest, cancelled = asyncio.run(_stop_while_streaming(grace_s=30.0, hurry_after_s=0.3))
     assert cancelled
-    _ends_with_the_shutdown_error(rest)
+    # Not "its grace period was over": 0.3 s of 30 had passed.
+    _ends_with_the_shutdown_error(rest, why="a second stop signal ended its drain")
     assert took_s < 10.0, took_s  # it waited out the 30 s grace period
 
 
@@ -116,10 +118,14 @@ def test_an_answer_not_yet_begun_at_the_cut_is_a_503_to_retry():
     assert body["error"]["message"].startswith("the server is shutting down (its grace period is over); retry")
 
 
-def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_request_id():
+@pytest.mark.parametrize(("grace_s", "hurry", "why"), [
+    (0.5, False, "its grace period was over"),
+    (30.0, True, "a second stop signal ended its drain"),  # it said "its grace period was over"
+])
+def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_request_id(grace_s, hurry, why):
     """gRPC's own stop cancelled it as UNAVAILABLE "Cancelling all calls" (after 955 tokens in the
     audit's run): a status clients and proxies retry as if nothing had happened, without the
-    request id. The gateway now ends it itself, ABORTED after tokens."""
+    request id. The gateway now ends it itself, ABORTED after tokens, saying what ended the drain."""
     import grpc
 
     from epd.gateway.server import start
@@ -127,7 +133,7 @@ def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_re
     from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
     async def scenario():
-        config = GatewayConfig(server=ServerConfig(host="127.0.0.1", port=0, grace_s=0.5))
+        config = GatewayConfig(server=ServerConfig(host="127.0.0.1", port=0, grace_s=grace_s))
         hs = await start(config, EndlessAnswer())
         await hs.set_serving()
         signals = StopSignals()
@@ -142,6 +148,8 @@ def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_re
                     tokens += len(response.delta.token_ids)
                     if tokens == 3:
                         signals.stop.set()  # SIGTERM with the answer streaming
+                    if tokens == 6 and hurry:
+                        signals.hurry.set()  # a second SIGTERM
             except grpc.aio.AioRpcError as exc:
                 error = exc
         await asyncio.wait_for(serving, timeout=30)
@@ -149,7 +157,7 @@ def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_re
 
     tokens, code, details = asyncio.run(scenario())
     assert code == grpc.StatusCode.ABORTED, (code, details)
-    assert details == (f"the server shut down after {tokens} tokens (its grace period was over); the answer is "
+    assert details == (f"the server shut down after {tokens} tokens ({why}); the answer is "
                        "incomplete; retry the request (request id cut-at-grace)")
 
 
