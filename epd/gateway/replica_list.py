@@ -8,7 +8,8 @@ The file is JSON or YAML, a mapping from stage to its addresses:
 
 A stage the file leaves out keeps the addresses of its flag (--encoder, --prefill, --decode). The
 gateway re-reads the file when its modification time or size changes (polled every
-`poll_interval_s`) and on SIGHUP, and applies it to the stages' replica pools: a new replica gets
+`poll_interval_s`; applied once it is the same at two polls in a row, so that a file caught
+half-written is not) and on SIGHUP, and applies it to the stages' replica pools: a new replica gets
 calls from the next request (it joins healthy; the health checks take it out if it does not
 serve), a removed one gets no new calls and its channel closes when its calls end. A file that
 does not parse, names an unknown stage or leaves a stage with no address is refused as a whole:
@@ -87,6 +88,8 @@ class ReplicaListWatcher:
         self.pools = dict(pools)
         self.poll_interval_s = poll_interval_s
         self._seen: tuple[int, int] | None = None
+        self._settling: tuple[int, int] | None = None
+        """A changed file's stamp, seen at the last poll and not yet applied."""
         self._hup = asyncio.Event()
 
     def _stamp(self) -> tuple[int, int] | None:
@@ -139,7 +142,15 @@ class ReplicaListWatcher:
                     log.info("SIGHUP: re-reading the replica file %s", self.path)
                     self.reload()
                 elif self.changed():
-                    self.reload()
+                    # Applied once it has stopped changing for a poll: a file read while an editor
+                    # or `cat > file` was writing it (cut at a line, still valid YAML) applied a
+                    # shortened list until the next poll.
+                    stamp = self._stamp()
+                    if stamp == self._settling:
+                        self._settling = None
+                        self.reload()
+                    else:
+                        self._settling = stamp
         finally:
             if stop_listening is not None:
                 stop_listening()

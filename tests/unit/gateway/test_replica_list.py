@@ -112,3 +112,45 @@ def test_a_sighup_after_the_watcher_stopped_does_not_kill_the_gateway(tmp_path):
     done = subprocess.run([sys.executable, "-c", _SIGHUP_AFTER_THE_WATCHER, str(path)],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (0, "drained"), (done.returncode, done.stderr[-2000:])
+
+
+def test_a_file_caught_half_written_is_not_applied(tmp_path):
+    """A poll that read the file while it was being written (cut at a line: still valid YAML, a
+    shorter list) applied that list until the next poll, taking replicas out of routing. A changed
+    file is applied once it is the same at two polls in a row."""
+    path = tmp_path / "replicas.yaml"
+    path.write_text("encoder: [e1:1, e2:1, e3:1]\n")
+
+    async def scenario():
+        pool = ReplicaPool(["e1:1", "e2:1", "e3:1"])
+        applied: list[list[str]] = []
+        set_addresses = pool.set_addresses
+
+        def recording(addresses):
+            applied.append(list(addresses))
+            return set_addresses(addresses)
+
+        pool.set_addresses = recording  # type: ignore[method-assign]
+        watcher = ReplicaListWatcher(path, {"encoder": pool}, poll_interval_s=0.2)
+        try:
+            watcher.reload()
+            applied.clear()
+            task = asyncio.ensure_future(watcher.run(install_sighup=False))
+            path.write_text("encoder: [e1:1]\n")  # the writer has written its first line so far
+            os.utime(path, ns=(1, 10**18))
+            await asyncio.sleep(0.3)  # a poll sees it
+            path.write_text("encoder: [e1:1, e2:1, e3:1, e4:1]\n")
+            os.utime(path, ns=(1, 2 * 10**18))
+            for _ in range(50):
+                if pool.addresses == ["e1:1", "e2:1", "e3:1", "e4:1"]:
+                    break
+                await asyncio.sleep(0.1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return applied, pool.addresses
+        finally:
+            await pool.close()
+
+    applied, final = asyncio.run(scenario())
+    assert final == ["e1:1", "e2:1", "e3:1", "e4:1"]
+    assert ["e1:1"] not in applied, applied
