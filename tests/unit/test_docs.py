@@ -246,3 +246,28 @@ def test_the_shipped_files_say_how_to_make_them_again():
     assert module_exists(card["built_by"]), card["built_by"]
     words = shlex.split(card["command"])
     parse_args(words[words.index("-m") + 2:])  # argparse exits on a flag the trainer no longer has
+
+
+def quoted_names(text: str) -> list[str]:
+    """The backticked names of a list as README.md writes one ("`a`, `b`, and `c`")."""
+    return re.findall(r"`(\w+)`", text)
+
+
+def test_the_readmes_lists_of_result_fields_are_the_sdks_and_the_http_apis():
+    """README.md lists the fields of `epd ask --json` (AskResult.to_dict()) and of the HTTP API's
+    `epd` object by name: those lists are the names the code writes, no more, no fewer."""
+    from epd.client.types import result_from_proto
+    from epd.gateway.openai_protocol import epd_details
+    from epd.gateway.pipeline import AskSummary
+    from epd.gateway.servicer import summary_to_proto
+
+    summary = AskSummary(request_id="r", answer="a", token_ids=[1], finish_reason="stop", num_frames=2,
+                         num_visual_tokens=4, num_prompt_tokens=9, timings_ms={"ttft": 1.0, "total": 2.0},
+                         kv_num_bytes=0, encoder_cache_hit=False, media_sha256="", frame_timestamps_s=[0.0, 0.5])
+    text = " ".join(read("README.md").split())
+    ask_json = re.search(r"`--json` prints the SDK's result as one object (.*?) \(see \[Stages", text)
+    http_epd = re.search(r"carries an `epd` object: the whole summary under the SDK's names (.*?)\. Caches", text)
+    assert ask_json and http_epd, "README.md no longer lists the result's fields where this test reads them"
+    sdk_names = set(quoted_names(ask_json.group(1))) - {"epd", "AskResult"}
+    assert sdk_names == set(result_from_proto(summary_to_proto(summary), []).to_dict())
+    assert set(quoted_names(http_epd.group(1))) == set(epd_details(summary)) | {"kept_tokens"}
