@@ -316,7 +316,8 @@ def write_outputs(results: list[PresetResult], out_dir: Path, info: dict) -> dic
     return paths
 
 
-def parse_args(argv: list[str] | None) -> QualityConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """`epd bench quality`'s flags, with QualityConfig's defaults."""
     from epd.model_runtime.config import LINEAR_KERNELS
 
     d = QualityConfig()
@@ -333,7 +334,11 @@ def parse_args(argv: list[str] | None) -> QualityConfig:
     p.add_argument("--linear-kernel", default=d.linear_kernel, choices=LINEAR_KERNELS,
                    help="the model's linear layers (epd serve's --linear-kernel)")
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> QualityConfig:
+    a = build_parser().parse_args(argv)
     return QualityConfig(
         model=a.model, presets=tuple(x.strip() for x in a.presets.split(",") if x.strip()),
         num_test_clips=a.num_test, data_dir=a.data, max_questions=a.max_questions, out_dir=a.out,

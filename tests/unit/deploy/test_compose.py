@@ -428,3 +428,20 @@ def test_check_image_catches_a_broken_dockerfile(old, new, problem):
     assert broken != text, f"the Dockerfile no longer has {old!r}: update this mutation"
     problems = check_image(interpolate(raw(), {"EPD_API_KEY": KEY}), broken)
     assert any(problem in p for p in problems), problems
+
+
+def test_every_setting_of_the_compose_files_is_in_the_readme_with_its_default():
+    """A `${VAR:-default}` of any compose file is a setting the operator may change: README.md here
+    names it, and where its configuration table has the variable's row, that row gives the
+    default (EPD_HTTP_PORT, EPD_TLS_DIR and the secret's file were in the files only)."""
+    readme = (COMPOSE / "README.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| ([^|]*) \|", readme, re.M)}
+    problems: set[str] = set()
+    for path in sorted(COMPOSE.glob("docker-compose*.yml")):
+        text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        for name, _colon, kind, default in _VAR.findall(text):
+            if name not in readme:
+                problems.add(f"{path.name}: {name} is not in compose/README.md")
+            elif kind == "-" and default and name in rows and f"`{default}`" not in rows[name]:
+                problems.add(f"{path.name}: {name} defaults to {default}, the README's table says {rows[name]}")
+    assert not problems, "\n".join(sorted(problems))

@@ -17,6 +17,7 @@ from tests.unit.deploy.epd_commands import (
     api_key_problems,
     internal_secret_problems,
     kv_source_problems,
+    parse_epd,
     serve_config,
 )
 
@@ -184,6 +185,21 @@ def test_the_readme_gives_each_deployments_replica_count():
     rows = re.findall(r"^\| (\w+) \| (\d+) \|", (ROOT / "deploy" / "README.md").read_text(), re.M)
     counts = {d["metadata"]["name"]: d["spec"]["replicas"] for d in of_kind(load_objects(), "Deployment")}
     assert {role: int(n) for role, n in rows} == counts
+
+
+def test_pods_have_the_time_their_drain_takes_and_the_readme_says_how_long():
+    """On SIGTERM a service drains its calls in flight for up to --grace-period seconds: the kubelet
+    waits longer before its SIGKILL, and deploy/README.md gives that drain (it said 5 s)."""
+    objs = load_objects()
+    stated = re.search(r"drains the calls in flight for up to\s+`--grace-period` seconds \(default (\d+)",
+                       (ROOT / "deploy" / "README.md").read_text())
+    assert stated, "deploy/README.md no longer says how long a pod drains"
+    for dep in of_kind(objs, "Deployment"):
+        c = container(dep)
+        env = container_env(c, objs)
+        args = parse_epd([expand(str(a), env) for a in c.get("command", []) + c.get("args", [])], env)
+        assert args.grace_period == float(stated.group(1)), dep["metadata"]["name"]
+        assert pod(dep)["spec"]["terminationGracePeriodSeconds"] > args.grace_period, dep["metadata"]["name"]
 
 
 def test_every_stage_reaches_all_its_pods_through_a_headless_service():

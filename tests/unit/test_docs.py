@@ -1,0 +1,273 @@
+"""What the user documentation says, checked against the code, so that a renamed flag, a changed
+default, a moved file or a new metric fails here instead of misleading a user: every `--flag` the
+docs name is a flag of some `epd` command, with the default they give; every repository path and
+code name they cite exists; every metric they name is one /metrics exposes, and every one it
+exposes is named in README.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from epd.bench.quality import build_parser as bench_quality_parser
+from epd.bench.serve import build_parser as bench_serve_parser
+from epd.cli.main import build_parser
+from epd.gateway.metrics import GatewayMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+USER_DOCS = ("README.md", "docs/architecture.md", "docs/security.md")
+DEPLOY_DOCS = ("compose/README.md", "deploy/README.md")
+
+NOT_EPD_FLAGS = {
+    "--max-num-batched-tokens": "vLLM's name for --max-prefill-tokens-per-step",
+    "--max-num-seqs": "vLLM's name for --max-running-requests",
+    "--quick": "bench/bench_decode.py's own flag",
+}
+"""Flags the docs name that belong to something else, said so where they are named."""
+
+NOT_PATHS = {"video/mp4": "a MIME type", "compose/Kubernetes": "prose: compose or Kubernetes"}
+"""Words with a slash in the docs that are not repository paths."""
+
+EXTERNAL_NAMES = {"SupportsMultiModal": "vLLM's model interface, named for comparison"}
+"""Code names docs/architecture.md cites that are not epd's (nor used by it)."""
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w*-])")
+"""A flag as the docs write one (`--max-*`, a family of flags, is none)."""
+
+
+def epd_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every `epd` command's parser by its command line: `epd`, `epd ask`, `epd serve`,
+    `epd serve encoder`, ..., and the bench suites, whose flags `epd bench SUITE` passes on."""
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        found[name] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    walk(subparser, f"{name} {sub}")
+
+    walk(build_parser(), "epd")
+    found["epd bench serve"] = bench_serve_parser()
+    found["epd bench quality"] = bench_quality_parser()
+    return found
+
+
+def flag_defaults() -> dict[str, dict[str, object]]:
+    """flag -> {command: its default there}."""
+    defaults: dict[str, dict[str, object]] = {}
+    for name, parser in epd_parsers().items():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                defaults.setdefault(flag, {})[name] = action.default
+    return defaults
+
+
+def read(doc: str) -> str:
+    return (ROOT / doc).read_text()
+
+
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_every_flag_the_docs_name_is_an_epd_flag(doc):
+    flags = set(FLAG.findall(read(doc)))
+    unknown = sorted(flags - set(flag_defaults()) - set(NOT_EPD_FLAGS))
+    assert not unknown, f"{doc} names flags no epd command has: {unknown}"
+
+
+@pytest.mark.parametrize("doc", DEPLOY_DOCS)
+def test_every_flag_of_an_epd_command_line_in_the_deploy_docs_is_an_epd_flag(doc):
+    """Only the `epd ...` command lines: the rest are docker's, kubectl's, curl's."""
+    flags = {flag for line in read(doc).splitlines() if re.search(r"(^|[\s`])epd (ask|serve|health|bench)\b", line)
+             for flag in FLAG.findall(line.split("epd ", 1)[1])}
+    assert flags, f"{doc}: no epd command line found"
+    unknown = sorted(flags - set(flag_defaults()))
+    assert not unknown, f"{doc} names flags no epd command has: {unknown}"
+
+
+_UNITS = {"": 1, "s": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def stated_value(text: str) -> float | None:
+    """The value a doc gives for a default, from the start of `text` ("8192", "120 s", "4 GiB",
+    "2^36", "3840x2160", "0 = off"), or None when it is not one (a service name, a sentence)."""
+    text = text.strip()
+    if m := re.match(r"2\^(\d+)\b", text):
+        return float(2 ** int(m.group(1)))
+    if m := re.match(r"(\d+)x(\d+)\b", text):
+        return float(int(m.group(1)) * int(m.group(2)))
+    if m := re.match(r"(\d+(?:\.\d+)?)(?: ?(s|KiB|MiB|GiB))?(?![\w.^x])", text):
+        return float(m.group(1)) * _UNITS[m.group(2) or ""]
+    return None
+
+
+def stated_defaults(text: str) -> list[tuple[str, str]]:
+    """(flag, what the doc gives as its default) wherever a doc gives one: "`--flag` (8192)",
+    "`--flag` seconds (default 30", "`--flag`, default 120 s", the usage block's
+    "#   --flag N: ... (default 2", and tables with a "default" column."""
+    found = re.findall(r"`(--[a-z0-9-]+)`(?: [a-z]+)?,? \((?:default )?([^;,)]*)", text)
+    found += re.findall(r"`(--[a-z0-9-]+)`(?: seconds)?, default ([^;,)]*)", text)
+    found += re.findall(r"^#\s+(?:--[a-z0-9-]+ )*(--[a-z0-9-]+)[^\n:]*:[^\n]*?\(default:? ([^;,)]*)", text, re.M)
+    header: list[str] = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if "default" in cells:
+            header = cells
+        elif not cells:
+            header = []
+        elif header and len(cells) == len(header) and not set(line) <= set("|-: "):
+            flags = [c for c in cells if c.startswith("`--")]
+            if flags and (m := re.match(r"`(--[a-z0-9-]+)`", flags[0])):
+                found.append((m.group(1), cells[header.index("default")]))
+    return found
+
+
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_the_defaults_the_docs_give_are_the_flags_defaults(doc):
+    defaults = flag_defaults()
+    checked, wrong = 0, []
+    for flag, text in stated_defaults(read(doc)):
+        value = stated_value(text)
+        if value is None or flag not in defaults:
+            continue
+        checked += 1
+        actual = {c: d for c, d in defaults[flag].items() if isinstance(d, (int, float)) and not isinstance(d, bool)}
+        if actual and not any(abs(float(d) - value) <= 1e-9 * max(1.0, value) for d in actual.values()):
+            wrong.append(f"{flag}: the doc says {text.strip()!r}, the parsers' defaults are {actual}")
+    assert checked, f"{doc}: no stated default found (has the way defaults are written changed?)"
+    assert not wrong, f"{doc}:\n" + "\n".join(wrong)
+
+
+def test_stated_defaults_are_read_as_written():
+    """The reader the test above relies on: each form a doc uses, and what is not a default."""
+    text = ("`--a` (8192) `--b` seconds (default 30; idle) `--c`, default 1 GiB; 0 off `--d` (gateway, "
+            "encoder)\n#   --x --e N: calls (default 2)\n| what | flag | default |\n|---|---|---|\n"
+            "| x | `--f` (encoder) | 3840x2160 |\n")
+    assert sorted(stated_defaults(text)) == [("--a", "8192"), ("--b", "30"), ("--c", "1 GiB"), ("--d", "gateway"),
+                                             ("--e", "2"), ("--f", "3840x2160"), ("--f", "encoder")]
+    assert [stated_value(t) for t in ("8192", "120 s", "4 GiB", "2^36", "0 = off", "0.3 s", "gateway", "2x")] == [
+        8192, 120, 4 << 30, 2**36, 0, 0.3, None, None]
+
+
+def repository_files() -> set[str]:
+    """Paths (relative, with their folders) of the checkout, through no symlink (epd/ holds
+    symlinks to the top-level folders; .venv is one)."""
+    paths: set[str] = set()
+    for folder, dirs, files in os.walk(ROOT):
+        rel = Path(folder).relative_to(ROOT)
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        paths.update(str(rel / name) for name in dirs + files)
+    return paths
+
+
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_every_repository_path_the_docs_cite_exists(doc):
+    files = repository_files()
+    top = {p for p in files if "/" not in p}
+    cited = set(re.findall(r"(?<![\w/.-])((?:[\w-]+/)+[\w.-]*[\w/])", read(doc)))
+    missing = sorted(p for p in cited - set(NOT_PATHS) if p.split("/")[0] in top and p.rstrip("/") not in files
+                     and not (ROOT / p).exists())
+    assert not missing, f"{doc} cites paths that do not exist: {missing}"
+
+
+def test_every_file_name_docs_architecture_cites_exists():
+    """The code layout names files without their folder (`media_open.py`, `kv_store.py`)."""
+    names = {Path(p).name for p in repository_files()}
+    cited = set(re.findall(r"\b[\w]+\.(?:py|proto)\b", read("docs/architecture.md")))
+    assert not sorted(cited - names), f"docs/architecture.md cites files that do not exist: {sorted(cited - names)}"
+
+
+def test_every_code_name_docs_architecture_cites_exists():
+    """`Class`, `Class.attribute`, `function()`, `CONSTANT` in backticks: each part is a name the
+    code (or a library epd calls, by the name epd uses) has."""
+    code = "\n".join((ROOT / p).read_text(errors="replace") for p in repository_files()
+                     if p.endswith((".py", ".proto")))
+    words = set(re.findall(r"\w+", code))
+    missing = []
+    for quoted in sorted(set(re.findall(r"`([^`\n]+)`", read("docs/architecture.md")))):
+        m = re.fullmatch(r"([A-Za-z_][\w.]*?)(\.py)?(\(.*\))?", quoted.strip())
+        if not m or m.group(2):
+            continue
+        name = m.group(1)
+        if not (m.group(3) or "_" in name or "." in name or any(c.isupper() for c in name)):
+            continue  # a plain word (`fifo`, `stop`): not a code name
+        parts = [p for p in name.split(".") if p]
+        if name not in EXTERNAL_NAMES and any(p not in words for p in parts):
+            missing.append(quoted)
+    assert not missing, f"docs/architecture.md cites names the code does not have: {missing}"
+
+
+def exposed_metrics() -> set[str]:
+    """Every metric family a gateway's /metrics has (HELP lines are written with or without samples)."""
+    return set(re.findall(r"^# HELP (\w+) ", GatewayMetrics().render(), re.M))
+
+
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_every_metric_the_docs_name_is_exposed(doc):
+    exposed = exposed_metrics()
+    named = set(re.findall(r"\bepd_[a-z0-9_]+\b", read(doc)))
+    missing = sorted(n for n in named if not (n in exposed or n.endswith("_") and any(e.startswith(n) for e in exposed)))
+    assert not missing, f"{doc} names metrics /metrics does not have: {missing}"
+
+
+def test_every_exposed_metric_is_named_in_the_readme():
+    text = read("README.md")
+    named = set(re.findall(r"\bepd_[a-z0-9_]+\b", text))
+    prefixes = {n for n in named if n.endswith("_")}
+    unnamed = sorted(e for e in exposed_metrics() if e not in named and not any(e.startswith(p) for p in prefixes))
+    assert not unnamed, f"README.md's Metrics section does not name: {unnamed}"
+
+
+def test_the_shipped_files_say_how_to_make_them_again():
+    """The demo model's card and the sample's JSON give the command that made them: a module that
+    exists under that name (they named `train.train_default_model` and `synth.sample` after those
+    moved under epd/), and, for the model, flags the trainer takes."""
+    from epd.train.train_default_model import parse_args
+
+    def module_exists(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a parent package that is not there
+            return False
+
+    card = json.loads(read("models/epd-tiny-videoqa/epd_model_card.json"))
+    sample = json.loads(read("samples/sample.json"))
+    for command in (card["command"], card["data"]["generator"], sample["made_by"]):
+        words = shlex.split(command)
+        module = words[words.index("-m") + 1]
+        assert module_exists(module), f"{command!r}: no module {module}"
+    assert module_exists(card["built_by"]), card["built_by"]
+    words = shlex.split(card["command"])
+    parse_args(words[words.index("-m") + 2:])  # argparse exits on a flag the trainer no longer has
+
+
+def quoted_names(text: str) -> list[str]:
+    """The backticked names of a list as README.md writes one ("`a`, `b`, and `c`")."""
+    return re.findall(r"`(\w+)`", text)
+
+
+def test_the_readmes_lists_of_result_fields_are_the_sdks_and_the_http_apis():
+    """README.md lists the fields of `epd ask --json` (AskResult.to_dict()) and of the HTTP API's
+    `epd` object by name: those lists are the names the code writes, no more, no fewer."""
+    from epd.client.types import result_from_proto
+    from epd.gateway.openai_protocol import epd_details
+    from epd.gateway.pipeline import AskSummary
+    from epd.gateway.servicer import summary_to_proto
+
+    summary = AskSummary(request_id="r", answer="a", token_ids=[1], finish_reason="stop", num_frames=2,
+                         num_visual_tokens=4, num_prompt_tokens=9, timings_ms={"ttft": 1.0, "total": 2.0},
+                         kv_num_bytes=0, encoder_cache_hit=False, media_sha256="", frame_timestamps_s=[0.0, 0.5])
+    text = " ".join(read("README.md").split())
+    ask_json = re.search(r"`--json` prints the SDK's result as one object (.*?) \(see \[Stages", text)
+    http_epd = re.search(r"carries an `epd` object: the whole summary under the SDK's names (.*?)\. Caches", text)
+    assert ask_json and http_epd, "README.md no longer lists the result's fields where this test reads them"
+    sdk_names = set(quoted_names(ask_json.group(1))) - {"epd", "AskResult"}
+    assert sdk_names == set(result_from_proto(summary_to_proto(summary), []).to_dict())
+    assert set(quoted_names(http_epd.group(1))) == set(epd_details(summary)) | {"kept_tokens"}
