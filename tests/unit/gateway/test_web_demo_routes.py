@@ -64,6 +64,30 @@ def test_page_static_files_and_samples():
     assert out["/demo/samples/nope.mp4"][0] == 404
 
 
+def test_every_response_forbids_framing_sniffing_and_other_origins():
+    """The page holds an API key and had no Content-Security-Policy, X-Frame-Options or nosniff:
+    any site could frame it (clickjacking the key's owner), a script from anywhere could run in
+    it had anything been injected, and a sample or an error could be sniffed into HTML."""
+
+    async def calls(session):
+        out = {}
+        for method, path in (("GET", "/"), ("GET", "/static/app.js"), ("GET", "/demo/samples/sample.png"),
+                             ("POST", "/demo/frames"), ("GET", "/nope")):
+            async with session.request(method, path) as resp:
+                out[path] = (resp.status, resp.headers)
+        return out
+
+    out = asyncio.run(_session("k", calls))
+    assert out["/demo/frames"][0] == 401 and out["/nope"][0] == 404
+    for path, (_, headers) in out.items():
+        csp = {d.split()[0]: d.split()[1:] for d in headers.get("Content-Security-Policy", "").split("; ") if d}
+        assert csp.get("default-src") == ["'none'"] and csp.get("frame-ancestors") == ["'none'"], path
+        assert csp["script-src"] == ["'self'"] and csp["connect-src"] == ["'self'"], path  # the key stays here
+        assert headers.get("X-Content-Type-Options") == "nosniff", path
+        assert headers.get("X-Frame-Options") == "DENY", path
+    assert out["/static/app.js"][1]["Content-Type"] in ("application/javascript", "text/javascript")
+
+
 def test_frames_are_the_encoders_sampled_frames_as_thumbnails(tmp_path):
     video = make_video(tmp_path / "clip.mp4", codec="h264", size=(320, 240), fps=10.0, seconds=3.0, gop=10)
     data = video.read_bytes()

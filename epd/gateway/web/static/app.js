@@ -274,9 +274,9 @@ async function ask(question) {
     card.remove();
     return showError(await errorMessage(response));
   }
-  let epd = null, usage = null;
+  let epd = null, usage = null, complete = false;
   try {
-    await readSse(response, (chunk) => {
+    complete = await readSse(response, (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message);
       const choice = (chunk.choices || [])[0];
       if (choice && choice.delta && choice.delta.content) text.textContent += choice.delta.content;
@@ -286,6 +286,9 @@ async function ask(question) {
   } finally {
     text.classList.remove("streaming");
   }
+  // A stream cut short (the connection or a proxy dropped it) has no [DONE]: say so rather than
+  // show part of an answer as if it were all of it.
+  if (!complete) throw new Error("the answer stream ended before the answer was complete; ask again");
   if (conversation !== state.conversation) return;
   if (epd) {
     renderBadges(card.querySelector(".badges"), epd, reusedPromptTokens(usage, epd));
@@ -304,12 +307,13 @@ function reusedPromptTokens(usage, epd) {
 }
 
 async function readSse(response, onChunk) {
+  // -> true when the stream ended with its `data: [DONE]`, false when it was cut short.
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
+    if (done) return false;
     buffer += decoder.decode(value, { stream: true });
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -318,7 +322,7 @@ async function readSse(response, onChunk) {
       for (const line of event.split("\n")) {
         if (!line.startsWith("data: ")) continue;
         const data = line.slice(6);
-        if (data === "[DONE]") return;
+        if (data === "[DONE]") return true;
         onChunk(JSON.parse(data));
       }
     }
@@ -407,8 +411,9 @@ $("file-input").addEventListener("change", (e) => {
 $("use-sample").addEventListener("click", () => useSample().catch((err) => showError(String(err))));
 $("num-frames").addEventListener("change", () => loadFrames().catch((err) => showError(String(err))));
 $("new-conversation").addEventListener("click", () => { if (!state.busy) newConversation(); });
-$("api-key").value = localStorage.getItem("epd-api-key") || "";
-$("api-key").addEventListener("change", () => localStorage.setItem("epd-api-key", $("api-key").value));
+// The API key stays in this page's memory only: in localStorage it outlived the tab, on disk,
+// readable by any script of this origin. Remove what earlier versions of the page stored.
+localStorage.removeItem("epd-api-key");
 $("ask-form").addEventListener("submit", async (e) => {
   e.preventDefault();
   const question = $("question").value.trim();
