@@ -135,3 +135,34 @@ def test_a_stream_cut_short_says_so(page):
     _answer_with(page, f"{_chunk({'role': 'assistant', 'content': ''})}\n\n{_chunk({'content': 'a red'})}\n\n")
     assert "ended before the answer was complete" in page.text_content("#error")
     assert page.evaluate("state.turns") == []
+
+
+def test_another_clip_stops_the_answer_streaming_for_the_old_one(page):
+    """Choosing another clip mid-answer left the old request generating on the server until its
+    max_tokens: the page now aborts its fetch (the server's handler is cancelled with it)."""
+    _use_sample(page)
+    page.evaluate(
+        """(first) => {
+            const realFetch = window.fetch;
+            window.fetch = (url, options) => {
+                if (url !== '/v1/chat/completions') return realFetch(url, options);
+                window.__signal = options.signal || null;
+                const body = new ReadableStream({start(controller) {  // one token, then nothing
+                    controller.enqueue(new TextEncoder().encode(first + '\\n\\n'));
+                    if (options.signal) options.signal.addEventListener('abort',
+                        () => controller.error(new DOMException('aborted', 'AbortError')));
+                }});
+                return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}}));
+            };
+        }""",
+        _chunk({"content": "a red"}),
+    )
+    page.fill("#question", "what colour is the circle?")
+    page.click("#ask")
+    page.wait_for_function("() => window.__signal !== undefined && state.busy")
+    page.select_option("#sample-select", "sample.png")
+    page.click("#use-sample")
+    page.wait_for_function("() => !state.busy", timeout=10_000)
+    assert page.evaluate("window.__signal !== null && window.__signal.aborted")
+    assert page.is_hidden("#error"), page.text_content("#error")
+    assert page.evaluate("state.turns") == [] and page.locator("#answers .answer").count() == 0

@@ -32,6 +32,7 @@ const state = {
   turns: [],       // the conversation so far: [{question, answer}], oldest first
   conversation: 0, // bumped by newConversation(): an answer that ends after it was the old one's
   busy: false,
+  answering: null, // AbortController of the answer streaming now: another clip stops its server work
 };
 
 function apiHeaders() {
@@ -216,6 +217,8 @@ function renderFrames(epd) {
 // ---- the conversation -------------------------------------------------------------------------
 
 function newConversation() {
+  // The old clip's answer is of no use any more: stop it, and with it the server's generation.
+  if (state.answering) state.answering.abort();
   state.conversation += 1;
   state.turns = [];
   $("answers").innerHTML = "";
@@ -266,8 +269,21 @@ async function ask(question) {
     messages: conversationMessages(question),
   };
   if ($("pruning").value) body.pruning = { preset: $("pruning").value };
+  const answering = new AbortController();
+  state.answering = answering;
+  try {
+    await streamAnswer(card, text, question, conversation, body, answering.signal);
+  } catch (err) {
+    if (!answering.signal.aborted) throw err;  // stopped by newConversation(): nothing to show
+    card.remove();
+  } finally {
+    if (state.answering === answering) state.answering = null;
+  }
+}
+
+async function streamAnswer(card, text, question, conversation, body, signal) {
   const response = await fetch("/v1/chat/completions", {
-    method: "POST", headers: apiHeaders(), body: JSON.stringify(body),
+    method: "POST", headers: apiHeaders(), body: JSON.stringify(body), signal,
   });
   if (!response.ok) {
     text.classList.remove("streaming");
