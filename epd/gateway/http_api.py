@@ -51,7 +51,13 @@ from epd.gateway.admission import (
     peer_host,
 )
 from epd.gateway.config import GatewayConfig
-from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body, unsupported_expect
+from epd.gateway.http_body import (
+    TICKET_KEY,
+    cross_site_browser_request,
+    defer_continue,
+    read_json_body,
+    unsupported_expect,
+)
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from epd.gateway.openai_protocol import (
@@ -158,6 +164,13 @@ class HttpApi:
             if unsupported_expect(request):
                 response: web.StreamResponse = json_error(
                     417, "the only Expect this server supports is 100-continue", "invalid_request_error")
+            elif request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
+                response = json_error(
+                    403,
+                    "a page of another site may not call this server from a browser; call the API from "
+                    "your server, or use this server's own page",
+                    "permission_error",
+                )
             elif self.config.http.api_keys and (request.path.startswith("/v1/") or route in BODY_ROUTES) \
                     and not self._authorized(request):  # the web demo's POST too: it decodes media
                 response = json_error(

@@ -88,6 +88,35 @@ def test_every_response_forbids_framing_sniffing_and_other_origins():
     assert out["/static/app.js"][1]["Content-Type"] in ("application/javascript", "text/javascript")
 
 
+def test_a_page_of_another_site_cannot_make_a_keyless_gateway_work(monkeypatch):
+    """A page on any site could POST (mode no-cors, text/plain) to a keyless gateway on the
+    visitor's loopback and have it decode and generate, blind, as often as it liked. Browsers
+    say where a request comes from (Sec-Fetch-Site): another site's or origin's is refused
+    before its body is read; the gateway's own page, and clients that are not browsers, go on."""
+    from epd.gateway.web import routes
+
+    decodes = []
+    monkeypatch.setattr(routes, "sampled_thumbnails", lambda *a: decodes.append(a) or {"frames": []})
+    body = {"video_url": "data:image/png;base64,AAAA"}
+
+    async def calls(session):
+        out = {}
+        for path in ("/demo/frames", "/v1/chat/completions"):
+            for site in ("cross-site", "same-site", "same-origin", "none", None):
+                headers = {"Content-Type": "text/plain"} | ({"Sec-Fetch-Site": site} if site else {})
+                async with session.post(path, data=__import__("json").dumps(body), headers=headers) as resp:
+                    out[path, site] = (resp.status, (await resp.json()).get("error", {}).get("message", ""))
+        return out
+
+    out = asyncio.run(_session("", calls))
+    for path in ("/demo/frames", "/v1/chat/completions"):
+        for site in ("cross-site", "same-site"):
+            assert out[path, site][0] == 403 and "another site" in out[path, site][1], (path, site)
+        for site in ("same-origin", "none", None):
+            assert out[path, site][0] != 403, (path, site, out[path, site])
+    assert len(decodes) == 3  # the same-origin, "none" (typed in) and non-browser calls only
+
+
 def test_frames_are_the_encoders_sampled_frames_as_thumbnails(tmp_path):
     video = make_video(tmp_path / "clip.mp4", codec="h264", size=(320, 240), fps=10.0, seconds=3.0, gop=10)
     data = video.read_bytes()
