@@ -33,7 +33,7 @@ from epd.stages.errors import ResourceExhausted
 from epd.stages.messages import question_messages
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig
-from epd.transport import tracing
+from tests.log_records import log_records
 from tests.reference import decode_for_test, reference_inputs
 
 KV_ATOL = 1e-4
@@ -306,17 +306,11 @@ def test_a_request_whose_first_token_cannot_be_sampled_fails_alone(families):
     # No step until all three are queued, so that they share one.
     scheduler.schedule = lambda: schedule() if len(scheduler.requests()) == 3 else []  # type: ignore[method-assign]
     fam.adapter.prefill_chunks = counted
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.addFilter(tracing.RequestIdFilter())  # as `epd --log-format` installs it
-    handler.emit = records.append  # type: ignore[method-assign]
-    runner_log = logging.getLogger("epd.prefill_svc.runner")
-    runner_log.addHandler(handler)
     try:
-        results = asyncio.run(run())
+        with log_records("epd.prefill_svc.runner", logging.ERROR) as records:
+            results = asyncio.run(run())
     finally:
         del fam.adapter.prefill_chunks
-        runner_log.removeHandler(handler)
     assert max(sizes) == 3, f"the three shared a step: {sizes}"
     assert isinstance(results[1], RuntimeError) and "probability tensor" in str(results[1])
     # Logged on the model thread, outside the request's context: its line still carries its id.

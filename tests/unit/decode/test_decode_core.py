@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 import threading
 import time
 import weakref
@@ -32,7 +31,7 @@ from epd.stages.contracts import PrefillHandle, TokenStep
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages, to_chat_template
 from epd.stages.model_thread import ModelThread
-from epd.transport import tracing
+from tests.log_records import log_records
 
 HANG_GUARD_S = 60.0
 
@@ -342,16 +341,8 @@ def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeyp
         await thread.run(lambda: None)
         return out
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.addFilter(tracing.RequestIdFilter())  # as `epd --log-format` installs it
-    handler.emit = records.append  # type: ignore[method-assign]
-    runner_log = logging.getLogger("epd.decode_svc.runner")
-    runner_log.addHandler(handler)
-    try:
+    with log_records("epd.decode_svc.runner") as records:
         assert _run(scenario()) == want
-    finally:
-        runner_log.removeHandler(handler)
     assert 2 in calls.batch_sizes, "the failing request shared a step with the other"
     _assert_idle(stage, good_ref)
     # Logged on the model thread, outside the request's context: its line still carries its id.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import logging
 import threading
 
 import aiohttp
@@ -26,6 +25,7 @@ from epd.gateway.web import routes
 from epd.gateway.web.demo_decodes import THREAD_NAME_PREFIX
 from epd.transport import tracing
 from epd.video.types import DecodeCancelled, DecodeLimits
+from tests.log_records import log_records
 from tests.media import make_video
 
 WAIT_S = 30.0
@@ -165,24 +165,14 @@ def test_a_demo_decodes_log_lines_carry_the_request_id(tmp_path):
                                 gop=10).read_bytes())
     data[len(data) // 2:len(data) // 2 + 500] = b"\x00" * 500  # corrupt frames: the decoder fails and logs
     body = {"video_url": "data:video/mp4;base64," + base64.b64encode(bytes(data)).decode(), "media": {"num_frames": 2}}
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.addFilter(tracing.RequestIdFilter())
-    handler.emit = records.append  # type: ignore[method-assign]
-    decoder_log = logging.getLogger("epd.video.simple_decoder")
-    decoder_log.addHandler(handler)
-    old_level, decoder_log.level = decoder_log.level, logging.INFO
 
     async def calls(url, admission):
         async with aiohttp.ClientSession() as session:
             async with session.post(url, json=body, headers={tracing.REQUEST_ID_KEY: "demo-decode-7"}) as resp:
                 return resp.status, (await resp.json())["error"]["message"]
 
-    try:
+    with log_records("epd.video.simple_decoder") as records:
         status, message = asyncio.run(_serve(calls, WebDemoConfig()))
-    finally:
-        decoder_log.removeHandler(handler)
-        decoder_log.setLevel(old_level)
     assert status == 400 and "(request id demo-decode-7)" in message
     failed = [r for r in records if "decode failed" in r.getMessage()]
     assert failed and all(r.request_id == "demo-decode-7" for r in failed)  # type: ignore[attr-defined]
