@@ -166,3 +166,37 @@ def test_another_clip_stops_the_answer_streaming_for_the_old_one(page):
     assert page.evaluate("window.__signal !== null && window.__signal.aborted")
     assert page.is_hidden("#error"), page.text_content("#error")
     assert page.evaluate("state.turns") == [] and page.locator("#answers .answer").count() == 0
+
+
+def test_another_clip_aborts_the_frames_request_of_the_old_one(page):
+    """Picking another clip while the first one's frames were being decoded left that decode
+    running (holding one of the demo's --demo-max-concurrent-decodes slots: switch twice and the
+    next clip got 429), and its thumbnails, arriving last, replaced the new clip's."""
+    page.fill("#api-key", API_KEY)
+    page.evaluate(
+        """() => {
+            const realFetch = window.fetch;
+            window.__frames = [];
+            window.fetch = async (url, options) => {
+                if (url !== '/demo/frames') return realFetch(url, options);
+                const call = {signal: options.signal || null, url: JSON.parse(options.body).video_url};
+                window.__frames.push(call);
+                const response = await realFetch(url, options);
+                if (window.__frames.length === 1) await new Promise((r) => { window.__releaseFirst = r; });
+                return response;
+            };
+        }"""
+    )
+    page.select_option("#sample-select", "sample.mp4")
+    page.click("#use-sample")
+    page.wait_for_function("() => window.__releaseFirst !== undefined")
+    page.select_option("#sample-select", "sample.png")
+    page.click("#use-sample")
+    page.wait_for_function("() => state.framesKey !== '' && window.__frames.length === 2")
+    new_frames = page.evaluate("JSON.stringify(state.frames)")
+    page.evaluate("window.__releaseFirst()")  # the old clip's answer arrives last
+    page.wait_for_function("() => state.framesLoading === null")
+    assert page.evaluate("window.__frames[0].signal !== null && window.__frames[0].signal.aborted")
+    assert page.evaluate("JSON.stringify(state.frames)") == new_frames
+    assert page.evaluate("state.frames.is_image") and page.locator("#frames .frame img").count() == 1
+    assert page.is_hidden("#error"), page.text_content("#error")

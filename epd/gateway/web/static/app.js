@@ -29,6 +29,7 @@ const state = {
   sha256: "",
   frames: null,    // {frames: [{timestamp_s, jpeg_base64}], width, height}
   framesKey: "",   // sampling options the frames were fetched with
+  framesLoading: null, // the frames request in flight: {dataUrl, key, controller, done}
   turns: [],       // the conversation so far: [{question, answer}], oldest first
   conversation: 0, // bumped by newConversation(): an answer that ends after it was the old one's
   busy: false,
@@ -134,18 +135,45 @@ function showSuggestions(questions) {
 // ---- sampled frames and the kept-token overlay ----------------------------------------------
 
 async function loadFrames() {
+  // One frames request at a time: for another clip or other options, the one in flight is
+  // aborted (its server decode stops and gives its slot back, and its answer cannot land on the
+  // new clip); for the same clip and options, callers wait for the one in flight.
   const options = mediaOptions();
   const key = JSON.stringify(options);
   if (!state.dataUrl || key === state.framesKey) return;
-  const response = await fetch("/demo/frames", {
-    method: "POST",
-    headers: apiHeaders(),
-    body: JSON.stringify({ video_url: state.dataUrl, media: options }),
+  const pending = state.framesLoading;
+  if (pending && pending.dataUrl === state.dataUrl && pending.key === key) return pending.done;
+  if (pending) pending.controller.abort();
+  const loading = { dataUrl: state.dataUrl, key, controller: new AbortController() };
+  state.framesLoading = loading;
+  loading.done = fetchFrames(loading, options).finally(() => {
+    if (state.framesLoading === loading) state.framesLoading = null;
   });
-  if (!response.ok) return showError("frames: " + (await errorMessage(response)));
-  state.frames = await response.json();
-  state.framesKey = key;
-  renderFrames(null);
+  return loading.done;
+}
+
+async function fetchFrames(loading, options) {
+  const signal = loading.controller.signal;
+  try {
+    const response = await fetch("/demo/frames", {
+      method: "POST",
+      headers: apiHeaders(),
+      body: JSON.stringify({ video_url: loading.dataUrl, media: options }),
+      signal,
+    });
+    if (!response.ok) {
+      const message = await errorMessage(response);
+      if (!signal.aborted) showError("frames: " + message);
+      return;
+    }
+    const frames = await response.json();
+    if (signal.aborted) return;
+    state.frames = frames;
+    state.framesKey = loading.key;
+    renderFrames(null);
+  } catch (err) {
+    if (!signal.aborted) throw err;  // aborted: a newer request took over
+  }
 }
 
 function tokenGrid(epd, numGroups) {
