@@ -40,13 +40,15 @@ def page(browser, stack):
     page.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # Chromium logs each thing the page's Content-Security-Policy blocks to the console.
+    page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
     page.goto(stack.http_url)
     page.fill("#api-key", API_KEY)
     page.fill("#num-frames", str(NUM_FRAMES))
     page.fill("#max-tokens", str(MAX_TOKENS))
     yield page
     context.close()
-    assert not errors, errors  # no uncaught script errors
+    assert not errors, errors  # no uncaught script errors, nothing blocked
 
 
 def _ask(page, question: str) -> dict:
