@@ -50,14 +50,9 @@ from epd.gateway.admission import (
     max_body_bytes,
     peer_host,
 )
+from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
 from epd.gateway.config import GatewayConfig
-from epd.gateway.http_body import (
-    TICKET_KEY,
-    cross_site_browser_request,
-    defer_continue,
-    read_json_body,
-    unsupported_expect,
-)
+from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body, unsupported_expect
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from epd.gateway.openai_protocol import (
@@ -164,6 +159,13 @@ class HttpApi:
             if unsupported_expect(request):
                 response: web.StreamResponse = json_error(
                     417, "the only Expect this server supports is 100-continue", "invalid_request_error")
+            elif rebound_host(request, self.config):
+                response = json_error(
+                    403,
+                    "this gateway has no API key and serves loopback clients only: address it as localhost "
+                    "or 127.0.0.1 (a proxy in front of it needs --api-key, or --no-api-key on a closed network)",
+                    "permission_error",
+                )
             elif request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
                 response = json_error(
                     403,

@@ -171,11 +171,3 @@ def unsupported_expect(request: web.Request) -> bool:
     """An Expect header other than 100-continue (HTTP/1.1's only one): answered 417."""
     expect = request.headers.get("Expect")
     return expect is not None and expect.lower() != "100-continue"
-
-
-def cross_site_browser_request(request: web.Request) -> bool:
-    """A browser's request made by a page of another site or origin (its Sec-Fetch-Site header,
-    which browsers set and pages cannot). Such a page cannot read the answer (no CORS here) but
-    could still make a keyless gateway (on loopback: a developer's `epd serve`) decode media and
-    generate, blind, as often as it liked. Clients that are not browsers send no such header."""
-    return request.headers.get("Sec-Fetch-Site", "").lower() in ("cross-site", "same-site")

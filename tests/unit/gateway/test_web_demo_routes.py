@@ -117,6 +117,32 @@ def test_a_page_of_another_site_cannot_make_a_keyless_gateway_work(monkeypatch):
     assert len(decodes) == 3  # the same-origin, "none" (typed in) and non-browser calls only
 
 
+def test_a_keyless_gateway_on_loopback_answers_loopback_names_only():
+    """DNS rebinding: a page whose domain the attacker re-points at 127.0.0.1 is same-origin with
+    a keyless `epd serve` on loopback, so it could use the API and read every answer (Sec-Fetch-Site
+    says same-origin). Such a request names the attacker's domain in its Host header."""
+
+    async def calls(session):
+        out = {}
+        for host in ("evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost:8000", "LOCALHOST.",
+                     "app.localhost", "127.0.0.1", "127.0.0.2:9", "[::1]:8000"):
+            async with session.get("/v1/models", headers={"Host": host}) as resp:
+                out[host] = (resp.status, (await resp.json()).get("error", {}).get("message", ""))
+        return out
+
+    out = asyncio.run(_session("", calls))
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.nip.io"):
+        assert out[host][0] == 403 and "loopback clients only" in out[host][1], (host, out[host])
+    for host in ("localhost:8000", "LOCALHOST.", "app.localhost", "127.0.0.1", "127.0.0.2:9", "[::1]:8000"):
+        assert out[host][0] == 200, (host, out[host])
+
+    async def keyed(session):  # with a key (or --no-api-key) it may serve any name: no check
+        async with session.get("/", headers={"Host": "gateway.example"}) as resp:
+            return resp.status
+
+    assert asyncio.run(_session("k", keyed)) == 200
+
+
 def test_frames_are_the_encoders_sampled_frames_as_thumbnails(tmp_path):
     video = make_video(tmp_path / "clip.mp4", codec="h264", size=(320, 240), fps=10.0, seconds=3.0, gop=10)
     data = video.read_bytes()
