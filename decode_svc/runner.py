@@ -90,7 +90,9 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
         try:
             step = next_step()
         except Exception as exc:  # noqa: BLE001 - one request's failure, not the batch's
-            log.exception("decoding request %s failed at a step; the other requests go on", r.request_id)
+            # extra: this runs on a model thread, outside the request's context (its log filter's id).
+            log.exception("decoding request %s failed at a step; the other requests go on", r.request_id,
+                          extra={"request_id": r.request_id})
             failed[r] = RequestFailed(exc)
             r.finished = True
             return

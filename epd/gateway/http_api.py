@@ -50,6 +50,7 @@ from epd.gateway.admission import (
     max_body_bytes,
     peer_host,
 )
+from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body, unsupported_expect
 from epd.gateway.media_fetch import decode_data_url, load_media
@@ -81,6 +82,10 @@ log = logging.getLogger(__name__)
 
 UNROUTED = "unmatched"
 """Name of the catch-all route, and the route label of requests it answers (metrics, logs)."""
+
+STREAM_ERROR_KEY = web.RequestKey("epd_stream_error_status", int)
+"""The status of the error event a streamed answer ended with, for the request's log line: the
+response itself went out as 200 with the first token."""
 
 NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
@@ -154,6 +159,20 @@ class HttpApi:
             if unsupported_expect(request):
                 response: web.StreamResponse = json_error(
                     417, "the only Expect this server supports is 100-continue", "invalid_request_error")
+            elif rebound_host(request, self.config):
+                response = json_error(
+                    403,
+                    "this gateway has no API key and serves loopback clients only: address it as localhost "
+                    "or 127.0.0.1 (a proxy in front of it needs --api-key, or --no-api-key on a closed network)",
+                    "permission_error",
+                )
+            elif request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
+                response = json_error(
+                    403,
+                    "a page of another site may not call this server from a browser; call the API from "
+                    "your server, or use this server's own page",
+                    "permission_error",
+                )
             elif self.config.http.api_keys and (request.path.startswith("/v1/") or route in BODY_ROUTES) \
                     and not self._authorized(request):  # the web demo's POST too: it decodes media
                 response = json_error(
@@ -184,9 +203,12 @@ class HttpApi:
             # The handler may have adopted the id its body names (`ChatRequest.request_id`).
             response.headers[tracing.REQUEST_ID_KEY] = tracing.current_request_id() or request_id
         if request.method == "POST":
-            log.info("http %s %s %d total_ms=%.1f", request.method, route, response.status,
+            # A streamed answer that failed after its 200 says so here too, with the error's status.
+            stream_error = f" stream_error={request[STREAM_ERROR_KEY]}" if STREAM_ERROR_KEY in request else ""
+            log.info("http %s %s %d%s total_ms=%.1f", request.method, route, response.status, stream_error,
                      (time.perf_counter() - started) * 1e3)
-        span.end("" if response.status < 400 else str(response.status))
+        span.end(str(request[STREAM_ERROR_KEY]) if STREAM_ERROR_KEY in request
+                 else "" if response.status < 400 else str(response.status))
         if not response.prepared and request.can_read_body:
             # Refused before its body was read: the connection cannot carry another request
             # (aiohttp drops what is still arriving for a few seconds, then closes it).
@@ -352,6 +374,7 @@ class HttpApi:
             if response is None:
                 raise exc  # nothing sent yet: the caller answers with the error's own status
             status, error_type, message = http_error_of(exc)
+            request[STREAM_ERROR_KEY] = status
             if status == 500:
                 log.exception("internal error mid-stream in %s", request_id)
             body = error_body(tracing.with_request_id(message, request_id), error_type, status)

@@ -334,7 +334,9 @@ class EngineCore(Generic[R]):
                 try:
                     self.runner.release(r)
                 except Exception:  # noqa: BLE001 - raised out of the loop, it stopped the core for good
-                    log.exception("freeing the state of request %s failed", r.request_id)
+                    # extra: the loop runs under no request's context (the line's id field).
+                    log.exception("freeing the state of request %s failed", r.request_id,
+                                  extra={"request_id": r.request_id})
 
     def _take_left(self) -> list[R]:
         left, self._to_release = self._to_release, []

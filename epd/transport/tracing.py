@@ -105,9 +105,10 @@ def adopt_request_id(candidate: str) -> str:
 
 def with_request_id(message: str, request_id: str | None = None) -> str:
     """`message` ending in "(request id ID)", unless it names a request id already (a stage's
-    message passed on names the id that stage was given) or there is none."""
+    message passed on names the id that stage was given) or there is none. Not a search for
+    the id itself: a client's id may be any short string ("a"), found in any message."""
     request_id = current_request_id() if request_id is None else request_id
-    if not request_id or request_id in message or "(request id " in message:  # one id per message
+    if not request_id or "(request id " in message:  # one id per message
         return message
     return f"{message} (request id {request_id})"
 

@@ -3,35 +3,23 @@ the HTTP port on: upload a video, see the sampled frames, ask, watch the answer 
 the kept-token overlay and the stage timeline; a follow-up hits the encoder's cache; a bundled
 sample works the same way.
 
-Needs `apt-get install -y chromium` and `pip install playwright` (no `playwright install`: the
-system Chromium is used); skipped with that hint when either is missing.
+Needs Chromium and Playwright (tests/e2e/chromium.py).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from epd.client import EpdClient
+from tests.e2e import chromium  # noqa: F401 - skips this module without Chromium and Playwright
 from tests.stack import Stack, free_port
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-if not Path(CHROMIUM).exists():
-    pytest.skip("needs Debian's chromium: apt-get install -y chromium", allow_module_level=True)
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="needs Playwright for Python: pip install playwright"
-)
 
 API_KEY = "demo-key"
 QUESTION = "what colour is the moving square?"
 NUM_FRAMES = 4
 MAX_TOKENS = 8
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]  # fmt: skip
 SCREENSHOT = Path("/tmp/epd_web_demo.png")
 TIMEOUT_MS = 60_000
 
@@ -45,14 +33,6 @@ def stack(tiny_models, tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield b
-        b.close()
-
-
 @pytest.fixture
 def page(browser, stack):
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
@@ -60,13 +40,15 @@ def page(browser, stack):
     page.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # Chromium logs each thing the page's Content-Security-Policy blocks to the console.
+    page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
     page.goto(stack.http_url)
     page.fill("#api-key", API_KEY)
     page.fill("#num-frames", str(NUM_FRAMES))
     page.fill("#max-tokens", str(MAX_TOKENS))
     yield page
     context.close()
-    assert not errors, errors  # no uncaught script errors
+    assert not errors, errors  # no uncaught script errors, nothing blocked
 
 
 def _ask(page, question: str) -> dict:
@@ -97,7 +79,7 @@ def _ask(page, question: str) -> dict:
 
 def test_upload_ask_stream_frames_overlay_timeline_and_cached_follow_up(page, stack, media_files):
     page.set_input_files("#file-input", str(media_files["mp4"]))
-    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    page.wait_for_function(f"() => document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
     assert "clip.mp4" in page.text_content("#media-info")
 
     first = _ask(page, QUESTION)
@@ -129,7 +111,7 @@ def test_upload_ask_stream_frames_overlay_timeline_and_cached_follow_up(page, st
 
 def test_kept_tokens_from_the_server_shade_the_dropped_ones(page, media_files):
     page.set_input_files("#file-input", str(media_files["mp4"]))
-    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    page.wait_for_function(f"() => document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
     # The `epd.kept_tokens` contract: kept[t][row][col]; frames 0-1 -> group 0, frames 2-3 -> group 1.
     kept = [[[1, 0, 1], [0, 1, 0]], [[0, 0, 0], [1, 1, 1]]]
     page.evaluate("kept => renderFrames({num_visual_tokens: 12, num_frames: 4, kept_tokens: kept})", kept)
@@ -147,7 +129,7 @@ def test_kept_tokens_from_the_server_shade_the_dropped_ones(page, media_files):
 def test_a_bundled_sample_with_suggested_questions(page):
     page.select_option("#sample-select", "sample.mp4")
     page.click("#use-sample")
-    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    page.wait_for_function(f"() => document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
     page.click("#suggestions .suggestion >> nth=0")
     assert page.input_value("#question") == "what colour is the circle?"
     page.click("#ask")
@@ -167,7 +149,7 @@ def test_a_follow_up_sends_the_conversation_and_new_conversation_starts_over(pag
     bodies: list[dict] = []
     page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
     page.set_input_files("#file-input", str(media_files["mp4"]))
-    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    page.wait_for_function(f"() => document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
     first = _ask(page, QUESTION)
     second = _ask(page, "and which appears first?")
     assert page.locator("#answers .answer").count() == 2
@@ -217,7 +199,7 @@ def test_another_clip_chosen_while_an_answer_streams_starts_a_clean_conversation
     bodies: list[dict] = []
     page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
     page.set_input_files("#file-input", str(media_files["mp4"]))
-    page.wait_for_function(f"document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
+    page.wait_for_function(f"() => document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
     page.evaluate(
         """() => {
             const realFetch = window.fetch;
@@ -231,12 +213,12 @@ def test_another_clip_chosen_while_an_answer_streams_starts_a_clean_conversation
     )
     page.fill("#question", QUESTION)
     page.click("#ask")
-    page.wait_for_function("window.__held === true")
+    page.wait_for_function("() => window.__held === true")
     page.set_input_files("#file-input", str(media_files["mp4_b"]))
-    page.wait_for_function("document.getElementById('media-info').textContent.includes('clip_b.mp4')")
-    page.wait_for_function("state.framesKey !== ''")  # the new clip's frames are in
+    page.wait_for_function("() => document.getElementById('media-info').textContent.includes('clip_b.mp4')")
+    page.wait_for_function("() => state.framesKey !== ''")  # the new clip's frames are in
     page.evaluate("window.__release()")
-    page.wait_for_function("!state.busy")  # the old answer has ended
+    page.wait_for_function("() => !state.busy")  # the old answer has ended
     assert page.evaluate("state.turns") == []
     assert "new conversation" in page.text_content("#conversation-info")
 

@@ -14,6 +14,7 @@ token one of those two. Nothing is hidden: a token that differs beyond a near-ti
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 import pytest
@@ -32,6 +33,7 @@ from epd.stages.errors import ResourceExhausted
 from epd.stages.messages import question_messages
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig
+from tests.log_records import log_records
 from tests.reference import decode_for_test, reference_inputs
 
 KV_ATOL = 1e-4
@@ -305,10 +307,14 @@ def test_a_request_whose_first_token_cannot_be_sampled_fails_alone(families):
     scheduler.schedule = lambda: schedule() if len(scheduler.requests()) == 3 else []  # type: ignore[method-assign]
     fam.adapter.prefill_chunks = counted
     try:
-        results = asyncio.run(run())
+        with log_records("epd.prefill_svc.runner", logging.ERROR) as records:
+            results = asyncio.run(run())
     finally:
         del fam.adapter.prefill_chunks
     assert max(sizes) == 3, f"the three shared a step: {sizes}"
     assert isinstance(results[1], RuntimeError) and "probability tensor" in str(results[1])
+    # Logged on the model thread, outside the request's context: its line still carries its id.
+    (failure,) = [r for r in records if "after its forward pass" in r.getMessage()]
+    assert failure.request_id == "poisoned"  # type: ignore[attr-defined]
     assert [r.first_token_id for r in (results[0], results[2])] == [fam.alone[0].handle.first_token_id] * 2
     assert not stage.core.scheduler.requests()

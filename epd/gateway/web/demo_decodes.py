@@ -6,7 +6,8 @@ A decode's life:
     result = await decodes.run(fn, *args, ticket=ticket)
         Busy (HTTP 429 + Retry-After) when `max_concurrent` decodes run already;
         else fn(*args, cancel) runs on one of the demo's own threads (never asyncio's default
-        executor, which the gateway's local-file reads and upload hashing wait on), and the
+        executor, which the gateway's local-file reads and upload hashing wait on), in the
+        request's context (its log lines carry the request id, as the encoder's do), and the
         request's admission ticket is held (`Ticket.hold`) until fn has returned.
     client goes away  ->  the handler is cancelled (aiohttp's handler_cancellation): `cancel` is
         set, the handler ends at once, fn stops at its next check (each decoded frame, and each read
@@ -19,6 +20,8 @@ thread each stay taken for as long as their decode really runs.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -76,7 +79,8 @@ class DemoDecodes:
             except RuntimeError:  # the loop is closed: nothing left to give back to
                 pass
 
-        future = self._executor.submit(fn, *args, cancel)
+        # In the request's context, so that the decoder's log lines carry its request id.
+        future = self._executor.submit(functools.partial(contextvars.copy_context().run, fn, *args, cancel))
         future.add_done_callback(returned)
         try:
             return await asyncio.wrap_future(future)

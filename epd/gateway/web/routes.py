@@ -1,6 +1,8 @@
 """The web demo, served by the front door's HTTP server next to the OpenAI API:
 
-    GET  /                        the page (static/index.html; plain HTML/CSS/JS, no build, no CDN)
+    GET  /                        the page (static/index.html; plain HTML/CSS/JS, no build, no CDN),
+                                  served, as every response, with `SECURITY_HEADERS` (a CSP of
+                                  its own origin only, no framing, nosniff)
     GET  /static/{file}           its script and style sheet
     GET  /demo/samples            the bundled samples (samples/): name, kind, size, suggested questions
     GET  /demo/samples/{name}     one sample's bytes
@@ -54,6 +56,18 @@ _SAMPLE_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".png", ".jpg", ".j
 BODY_ROUTES = frozenset({"/v1/chat/completions", "/demo/frames"})
 """Routes whose POST body is read with `read_json_body` under the admission limits."""
 
+SECURITY_HEADERS = {
+    # The page holds an API key: its own script, style sheet and origin only (the thumbnails are
+    # data: URLs; the script sets styles through the DOM, which style-src does not block), and
+    # no other site may frame it (clickjacking) or sniff a sample or an error into HTML.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",  # frame-ancestors for browsers without CSP level 2
+    "Referrer-Policy": "no-referrer",
+}
+"""On every response of the HTTP server (the API's JSON too: harmless there, and no route is missed)."""
+
 
 def add_demo_routes(
     app: web.Application,
@@ -72,6 +86,12 @@ def add_demo_routes(
         demo.decodes.close()
 
     app.on_cleanup.append(stop_decodes)
+    app.on_response_prepare.append(add_security_headers)
+
+
+async def add_security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
 
 
 class WebDemo:

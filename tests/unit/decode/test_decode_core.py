@@ -31,6 +31,7 @@ from epd.stages.contracts import PrefillHandle, TokenStep
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages, to_chat_template
 from epd.stages.model_thread import ModelThread
+from tests.log_records import log_records
 
 HANG_GUARD_S = 60.0
 
@@ -340,9 +341,13 @@ def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeyp
         await thread.run(lambda: None)
         return out
 
-    assert _run(scenario()) == want
+    with log_records("epd.decode_svc.runner") as records:
+        assert _run(scenario()) == want
     assert 2 in calls.batch_sizes, "the failing request shared a step with the other"
     _assert_idle(stage, good_ref)
+    # Logged on the model thread, outside the request's context: its line still carries its id.
+    (failure,) = [r for r in records if "failed at a step" in r.getMessage()]
+    assert failure.request_id == "bad"  # type: ignore[attr-defined]
 
 
 def test_a_request_moved_into_an_overflowed_requests_row_keeps_its_own_tokens(adapter, thread):

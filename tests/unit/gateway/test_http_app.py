@@ -4,6 +4,7 @@ aiohttp's own refusals, and /health. None of these requests reaches the pipeline
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 from aiohttp import web
@@ -193,6 +194,35 @@ class _ScriptedPipeline(Pipeline):
         yield TokenStep([5], "a")
         yield TokenStep([6, 7], "bc")
         yield _summary([5, 6, 7], "abc", 30)
+
+
+class _BrokenStreamPipeline(Pipeline):
+    """One token, then the decode replica is lost: the client already has its 200."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.stages.contracts import TokenStep
+        from epd.transport.errors import broken_stream
+
+        yield TokenStep([5], "a")
+        raise broken_stream("decode", 1, req.request_id)
+
+
+def test_a_stream_that_ends_in_an_error_event_is_logged_as_failed(caplog):
+    """Its log line said `http POST /v1/chat/completions 200` like any answer: the operator could
+    not tell the failed streamed answers from the good ones."""
+    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    body = {"messages": [{"role": "user", "content": content}], "stream": True}
+    with caplog.at_level(logging.INFO, logger="epd.gateway.http_api"):
+        text = _post_chat(_BrokenStreamPipeline(), body)
+        good = _post_chat(_ScriptedPipeline(), body)
+    assert '"error"' in text and text.endswith("data: [DONE]\n\n") and '"error"' not in good
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("http POST")]
+    assert len(lines) == 2
+    assert lines[0].startswith("http POST /v1/chat/completions 200 stream_error=502 "), lines
+    assert "stream_error" not in lines[1]
 
 
 def _stream_chunks(stream_options: dict) -> list:

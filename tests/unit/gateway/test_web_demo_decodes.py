@@ -23,7 +23,9 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.web import routes
 from epd.gateway.web.demo_decodes import THREAD_NAME_PREFIX
+from epd.transport import tracing
 from epd.video.types import DecodeCancelled, DecodeLimits
+from tests.log_records import log_records
 from tests.media import make_video
 
 WAIT_S = 30.0
@@ -153,6 +155,27 @@ def test_the_operators_decode_limits_apply_to_the_demo(tmp_path, limit, message)
     status, answer = asyncio.run(_serve(calls, WebDemoConfig(limits=DecodeLimits(**limit))))
     assert status == 413 and message in answer["error"]["message"]
     assert asyncio.run(_serve(calls, WebDemoConfig()))[0] == 200
+
+
+def test_a_demo_decodes_log_lines_carry_the_request_id(tmp_path):
+    """The demo's threads ran the decoder outside the request's context: "video decode failed"
+    went to the log without the request id that the client's 400 names, so the operator could
+    not find it (the encoder's decode drivers run in the request's context)."""
+    data = bytearray(make_video(tmp_path / "clip.mp4", codec="h264", size=(64, 48), fps=10.0, seconds=2.0,
+                                gop=10).read_bytes())
+    data[len(data) // 2:len(data) // 2 + 500] = b"\x00" * 500  # corrupt frames: the decoder fails and logs
+    body = {"video_url": "data:video/mp4;base64," + base64.b64encode(bytes(data)).decode(), "media": {"num_frames": 2}}
+
+    async def calls(url, admission):
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json=body, headers={tracing.REQUEST_ID_KEY: "demo-decode-7"}) as resp:
+                return resp.status, (await resp.json())["error"]["message"]
+
+    with log_records("epd.video.simple_decoder") as records:
+        status, message = asyncio.run(_serve(calls, WebDemoConfig()))
+    assert status == 400 and "(request id demo-decode-7)" in message
+    failed = [r for r in records if "decode failed" in r.getMessage()]
+    assert failed and all(r.request_id == "demo-decode-7" for r in failed)  # type: ignore[attr-defined]
 
 
 def test_the_gateway_flags_set_the_demo_and_the_stack_passes_the_encoders_limits():

@@ -64,6 +64,85 @@ def test_page_static_files_and_samples():
     assert out["/demo/samples/nope.mp4"][0] == 404
 
 
+def test_every_response_forbids_framing_sniffing_and_other_origins():
+    """The page holds an API key and had no Content-Security-Policy, X-Frame-Options or nosniff:
+    any site could frame it (clickjacking the key's owner), a script from anywhere could run in
+    it had anything been injected, and a sample or an error could be sniffed into HTML."""
+
+    async def calls(session):
+        out = {}
+        for method, path in (("GET", "/"), ("GET", "/static/app.js"), ("GET", "/demo/samples/sample.png"),
+                             ("POST", "/demo/frames"), ("GET", "/nope")):
+            async with session.request(method, path) as resp:
+                out[path] = (resp.status, resp.headers)
+        return out
+
+    out = asyncio.run(_session("k", calls))
+    assert out["/demo/frames"][0] == 401 and out["/nope"][0] == 404
+    for path, (_, headers) in out.items():
+        csp = {d.split()[0]: d.split()[1:] for d in headers.get("Content-Security-Policy", "").split("; ") if d}
+        assert csp.get("default-src") == ["'none'"] and csp.get("frame-ancestors") == ["'none'"], path
+        assert csp["script-src"] == ["'self'"] and csp["connect-src"] == ["'self'"], path  # the key stays here
+        assert headers.get("X-Content-Type-Options") == "nosniff", path
+        assert headers.get("X-Frame-Options") == "DENY", path
+    assert out["/static/app.js"][1]["Content-Type"] in ("application/javascript", "text/javascript")
+
+
+def test_a_page_of_another_site_cannot_make_a_keyless_gateway_work(monkeypatch):
+    """A page on any site could POST (mode no-cors, text/plain) to a keyless gateway on the
+    visitor's loopback and have it decode and generate, blind, as often as it liked. Browsers
+    say where a request comes from (Sec-Fetch-Site): another site's or origin's is refused
+    before its body is read; the gateway's own page, and clients that are not browsers, go on."""
+    from epd.gateway.web import routes
+
+    decodes = []
+    monkeypatch.setattr(routes, "sampled_thumbnails", lambda *a: decodes.append(a) or {"frames": []})
+    body = {"video_url": "data:image/png;base64,AAAA"}
+
+    async def calls(session):
+        out = {}
+        for path in ("/demo/frames", "/v1/chat/completions"):
+            for site in ("cross-site", "same-site", "same-origin", "none", None):
+                headers = {"Content-Type": "text/plain"} | ({"Sec-Fetch-Site": site} if site else {})
+                async with session.post(path, data=__import__("json").dumps(body), headers=headers) as resp:
+                    out[path, site] = (resp.status, (await resp.json()).get("error", {}).get("message", ""))
+        return out
+
+    out = asyncio.run(_session("", calls))
+    for path in ("/demo/frames", "/v1/chat/completions"):
+        for site in ("cross-site", "same-site"):
+            assert out[path, site][0] == 403 and "another site" in out[path, site][1], (path, site)
+        for site in ("same-origin", "none", None):
+            assert out[path, site][0] != 403, (path, site, out[path, site])
+    assert len(decodes) == 3  # the same-origin, "none" (typed in) and non-browser calls only
+
+
+def test_a_keyless_gateway_on_loopback_answers_loopback_names_only():
+    """DNS rebinding: a page whose domain the attacker re-points at 127.0.0.1 is same-origin with
+    a keyless `epd serve` on loopback, so it could use the API and read every answer (Sec-Fetch-Site
+    says same-origin). Such a request names the attacker's domain in its Host header."""
+
+    async def calls(session):
+        out = {}
+        for host in ("evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost:8000", "LOCALHOST.",
+                     "app.localhost", "127.0.0.1", "127.0.0.2:9", "[::1]:8000"):
+            async with session.get("/v1/models", headers={"Host": host}) as resp:
+                out[host] = (resp.status, (await resp.json()).get("error", {}).get("message", ""))
+        return out
+
+    out = asyncio.run(_session("", calls))
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.nip.io"):
+        assert out[host][0] == 403 and "loopback clients only" in out[host][1], (host, out[host])
+    for host in ("localhost:8000", "LOCALHOST.", "app.localhost", "127.0.0.1", "127.0.0.2:9", "[::1]:8000"):
+        assert out[host][0] == 200, (host, out[host])
+
+    async def keyed(session):  # with a key (or --no-api-key) it may serve any name: no check
+        async with session.get("/", headers={"Host": "gateway.example"}) as resp:
+            return resp.status
+
+    assert asyncio.run(_session("k", keyed)) == 200
+
+
 def test_frames_are_the_encoders_sampled_frames_as_thumbnails(tmp_path):
     video = make_video(tmp_path / "clip.mp4", codec="h264", size=(320, 240), fps=10.0, seconds=3.0, gop=10)
     data = video.read_bytes()

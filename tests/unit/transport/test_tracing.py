@@ -72,6 +72,9 @@ def test_with_request_id_appends_once():
     assert tracing.with_request_id("bad video", "abc") == "bad video (request id abc)"
     assert tracing.with_request_id("bad video (request id abc)", "abc") == "bad video (request id abc)"
     assert tracing.with_request_id("bad video", "") == "bad video"
+    # A client's short id is in many a message: it still gets the id (it got none: "a" is in "bad").
+    assert tracing.with_request_id("bad video", "a") == "bad video (request id a)"
+    assert tracing.with_request_id("video 1 of 2", "1") == "video 1 of 2 (request id 1)"
 
 
 def test_adopt_prefers_metadata_then_message():

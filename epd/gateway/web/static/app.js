@@ -29,9 +29,11 @@ const state = {
   sha256: "",
   frames: null,    // {frames: [{timestamp_s, jpeg_base64}], width, height}
   framesKey: "",   // sampling options the frames were fetched with
+  framesLoading: null, // the frames request in flight: {dataUrl, key, controller, done}
   turns: [],       // the conversation so far: [{question, answer}], oldest first
   conversation: 0, // bumped by newConversation(): an answer that ends after it was the old one's
   busy: false,
+  answering: null, // AbortController of the answer streaming now: another clip stops its server work
 };
 
 function apiHeaders() {
@@ -133,18 +135,45 @@ function showSuggestions(questions) {
 // ---- sampled frames and the kept-token overlay ----------------------------------------------
 
 async function loadFrames() {
+  // One frames request at a time: for another clip or other options, the one in flight is
+  // aborted (its server decode stops and gives its slot back, and its answer cannot land on the
+  // new clip); for the same clip and options, callers wait for the one in flight.
   const options = mediaOptions();
   const key = JSON.stringify(options);
   if (!state.dataUrl || key === state.framesKey) return;
-  const response = await fetch("/demo/frames", {
-    method: "POST",
-    headers: apiHeaders(),
-    body: JSON.stringify({ video_url: state.dataUrl, media: options }),
+  const pending = state.framesLoading;
+  if (pending && pending.dataUrl === state.dataUrl && pending.key === key) return pending.done;
+  if (pending) pending.controller.abort();
+  const loading = { dataUrl: state.dataUrl, key, controller: new AbortController() };
+  state.framesLoading = loading;
+  loading.done = fetchFrames(loading, options).finally(() => {
+    if (state.framesLoading === loading) state.framesLoading = null;
   });
-  if (!response.ok) return showError("frames: " + (await errorMessage(response)));
-  state.frames = await response.json();
-  state.framesKey = key;
-  renderFrames(null);
+  return loading.done;
+}
+
+async function fetchFrames(loading, options) {
+  const signal = loading.controller.signal;
+  try {
+    const response = await fetch("/demo/frames", {
+      method: "POST",
+      headers: apiHeaders(),
+      body: JSON.stringify({ video_url: loading.dataUrl, media: options }),
+      signal,
+    });
+    if (!response.ok) {
+      const message = await errorMessage(response);
+      if (!signal.aborted) showError("frames: " + message);
+      return;
+    }
+    const frames = await response.json();
+    if (signal.aborted) return;
+    state.frames = frames;
+    state.framesKey = loading.key;
+    renderFrames(null);
+  } catch (err) {
+    if (!signal.aborted) throw err;  // aborted: a newer request took over
+  }
 }
 
 function tokenGrid(epd, numGroups) {
@@ -216,6 +245,8 @@ function renderFrames(epd) {
 // ---- the conversation -------------------------------------------------------------------------
 
 function newConversation() {
+  // The old clip's answer is of no use any more: stop it, and with it the server's generation.
+  if (state.answering) state.answering.abort();
   state.conversation += 1;
   state.turns = [];
   $("answers").innerHTML = "";
@@ -266,17 +297,30 @@ async function ask(question) {
     messages: conversationMessages(question),
   };
   if ($("pruning").value) body.pruning = { preset: $("pruning").value };
+  const answering = new AbortController();
+  state.answering = answering;
+  try {
+    await streamAnswer(card, text, question, conversation, body, answering.signal);
+  } catch (err) {
+    if (!answering.signal.aborted) throw err;  // stopped by newConversation(): nothing to show
+    card.remove();
+  } finally {
+    if (state.answering === answering) state.answering = null;
+  }
+}
+
+async function streamAnswer(card, text, question, conversation, body, signal) {
   const response = await fetch("/v1/chat/completions", {
-    method: "POST", headers: apiHeaders(), body: JSON.stringify(body),
+    method: "POST", headers: apiHeaders(), body: JSON.stringify(body), signal,
   });
   if (!response.ok) {
     text.classList.remove("streaming");
     card.remove();
     return showError(await errorMessage(response));
   }
-  let epd = null, usage = null;
+  let epd = null, usage = null, complete = false;
   try {
-    await readSse(response, (chunk) => {
+    complete = await readSse(response, (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message);
       const choice = (chunk.choices || [])[0];
       if (choice && choice.delta && choice.delta.content) text.textContent += choice.delta.content;
@@ -286,6 +330,9 @@ async function ask(question) {
   } finally {
     text.classList.remove("streaming");
   }
+  // A stream cut short (the connection or a proxy dropped it) has no [DONE]: say so rather than
+  // show part of an answer as if it were all of it.
+  if (!complete) throw new Error("the answer stream ended before the answer was complete; ask again");
   if (conversation !== state.conversation) return;
   if (epd) {
     renderBadges(card.querySelector(".badges"), epd, reusedPromptTokens(usage, epd));
@@ -304,12 +351,13 @@ function reusedPromptTokens(usage, epd) {
 }
 
 async function readSse(response, onChunk) {
+  // -> true when the stream ended with its `data: [DONE]`, false when it was cut short.
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
+    if (done) return false;
     buffer += decoder.decode(value, { stream: true });
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -318,7 +366,7 @@ async function readSse(response, onChunk) {
       for (const line of event.split("\n")) {
         if (!line.startsWith("data: ")) continue;
         const data = line.slice(6);
-        if (data === "[DONE]") return;
+        if (data === "[DONE]") return true;
         onChunk(JSON.parse(data));
       }
     }
@@ -407,8 +455,9 @@ $("file-input").addEventListener("change", (e) => {
 $("use-sample").addEventListener("click", () => useSample().catch((err) => showError(String(err))));
 $("num-frames").addEventListener("change", () => loadFrames().catch((err) => showError(String(err))));
 $("new-conversation").addEventListener("click", () => { if (!state.busy) newConversation(); });
-$("api-key").value = localStorage.getItem("epd-api-key") || "";
-$("api-key").addEventListener("change", () => localStorage.setItem("epd-api-key", $("api-key").value));
+// The API key stays in this page's memory only: in localStorage it outlived the tab, on disk,
+// readable by any script of this origin. Remove what earlier versions of the page stored.
+localStorage.removeItem("epd-api-key");
 $("ask-form").addEventListener("submit", async (e) => {
   e.preventDefault();
   const question = $("question").value.trim();
