@@ -87,22 +87,30 @@ def test_a_hung_replica_is_left_for_the_next_within_the_deadline_and_held_back()
     asyncio.run(scenario())
 
 
-def test_a_services_own_deadline_status_is_the_requests_and_not_retried():
+def _the_first_replica_fails(behaviour: str) -> tuple[UpstreamError, list[bytes], bool]:
+    """(the call's error, the replicas called, whether every replica is still in routing) when the
+    first of two replicas fails with `behaviour` and the second would answer."""
+
     async def scenario():
         calls: list[bytes] = []
-        names, servers = await _servers({b"slow": "own-deadline", b"ok": "ok"}, calls)
-        pool = ReplicaPool([names[b"slow"], names[b"ok"]], attempt_timeout_s=5.0)
+        names, servers = await _servers({b"first": behaviour, b"ok": "ok"}, calls)
+        pool = ReplicaPool([names[b"first"], names[b"ok"]], attempt_timeout_s=5.0)
         try:
             with pytest.raises(UpstreamError) as err:
                 await pool.call("", _who, "encode", "r", TIMEOUT_S)
-            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and calls == [b"slow"]
-            assert pool.chooser.healthy() == pool.addresses
+            return err.value, calls, pool.chooser.healthy() == pool.addresses
         finally:
             await pool.close()
             for s in servers:
                 await s.stop(0)
 
-    asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_services_own_deadline_status_is_the_requests_and_not_retried():
+    error, calls, all_in_routing = _the_first_replica_fails("own-deadline")
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED and calls == [b"first"]
+    assert all_in_routing
 
 
 def test_a_decoder_crash_is_the_requests_failure_not_its_replicas_and_keeps_its_message():
@@ -110,23 +118,10 @@ def test_a_decoder_crash_is_the_requests_failure_not_its_replicas_and_keeps_its_
     fresh child). The gateway took it for a lost replica: it held the replica back, sent the
     request to the next one (a video that crashes decord crashed each replica's child in turn),
     and replaced the message by "encode stage unavailable"."""
-
-    async def scenario():
-        calls: list[bytes] = []
-        names, servers = await _servers({b"crash": "decoder-crashed", b"ok": "ok"}, calls)
-        pool = ReplicaPool([names[b"crash"], names[b"ok"]], attempt_timeout_s=5.0)
-        try:
-            with pytest.raises(UpstreamError) as err:
-                await pool.call("", _who, "encode", "r", TIMEOUT_S)
-            assert (err.value.code, str(err.value)) == (grpc.StatusCode.UNAVAILABLE, DECODER_CRASHED)
-            assert calls == [b"crash"]  # not tried again on the other replica
-            assert pool.chooser.healthy() == pool.addresses  # not held back
-        finally:
-            await pool.close()
-            for s in servers:
-                await s.stop(0)
-
-    asyncio.run(scenario())
+    error, calls, all_in_routing = _the_first_replica_fails("decoder-crashed")
+    assert (error.code, str(error)) == (grpc.StatusCode.UNAVAILABLE, DECODER_CRASHED)
+    assert calls == [b"first"]  # not tried again on the other replica
+    assert all_in_routing  # not held back
 
 
 def test_removed_replicas_get_no_calls_and_added_ones_do():
