@@ -79,9 +79,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     self.config.server.security.internal_secret,
                 ),
             )
+            call.request_id = request.request_id
             # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
             # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.
-            call.request_id = request.request_id
             events = self.pipeline.ask(request)
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
@@ -94,7 +94,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         call.num_tokens += len(item.token_ids)
                         delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
                         yield gateway_pb2.AskResponse(delta=delta)
-
 
     async def _read_upload(self, request_iterator, reserve_bytes) -> tuple[gateway_pb2.AskHeader, bytes]:
         """The header and the media, all within --body-timeout: a client that trickles its

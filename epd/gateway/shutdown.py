@@ -4,11 +4,13 @@ a status of its own, not dropped.
 At the end of `--grace-period` (or at the second signal) the gateway cancels the tasks still
 answering (`CallsInFlight.cut`). Each answer's handler sees the cancel, asks `cutting`, and ends
 with `CallsInFlight.shutdown_error`, which says which of the two ended the drain: UNAVAILABLE
-(HTTP 503) when nothing has reached the client (retrying is safe), ABORTED (an SSE error event, HTTP 502) once tokens have (the client holds part of an
-answer; UNAVAILABLE would invite a retry as if nothing had happened). Left to gRPC's and aiohttp's
-own stop, a gRPC client got UNAVAILABLE "Cancelling all calls" after hundreds of tokens, an HTTP
-client a dropped connection, and a streamed answer a cut chunk with no error and no [DONE].
-Both APIs use it; the statuses map to HTTP as every other error does (`http_error_of`).
+(HTTP 503) when nothing has reached the client (retrying is safe), ABORTED (an SSE error event,
+HTTP 502) once tokens have (the client holds part of an answer; UNAVAILABLE would invite a retry
+as if nothing had happened). Left to gRPC's and aiohttp's own stop, a gRPC client got UNAVAILABLE
+"Cancelling all calls" after hundreds of tokens, an HTTP client a dropped connection, and a
+streamed answer a cut chunk with no error and no [DONE]. Both APIs use it; the statuses map to
+HTTP as every other error does (`http_error_of`).
+
 A gRPC call that gRPC itself holds at the cut (sending a message the handler yielded) is not
 cancelled there, where gRPC would swallow the cancel, but when it hands the call back
 (`Call.sending`).

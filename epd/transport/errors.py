@@ -194,7 +194,9 @@ def rpc_errors(method):
         else:
             log.info("%s -> %s: %s", method.__qualname__, code.name, message)
         retry_after_s = retry_after_of(exc)
-        metadata: tuple[tuple[str, str], ...] = ((RETRY_AFTER_KEY, str(retry_after_s)),) if retry_after_s is not None else ()
+        metadata: tuple[tuple[str, str], ...] = ()
+        if retry_after_s is not None:
+            metadata += ((RETRY_AFTER_KEY, str(retry_after_s)),)
         if isinstance(exc, _REPLICA_STAYS):
             metadata += ((REPLICA_STAYS_KEY, "1"),)
         await context.abort(code, message, trailing_metadata=metadata)
