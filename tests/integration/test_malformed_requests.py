@@ -216,9 +216,12 @@ def test_past_the_body_budget_requests_get_429_with_retry_after(stack):
         await held.send_head("POST", CHAT, _post_head(MAX_BODY_BYTES - 100, expect=True))
         interim = await held.read_response()
         await held.send(b"x" * (MAX_BODY_BYTES - 200))
-        for _ in range(100):  # until the gateway has read (and reserved) what was sent
+        # Until the gateway has read (and reserved) what was sent: a deadline, not a count of
+        # tries, since a loaded machine (CI) took more than 100 x 50 ms to read it.
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
             second = await request(stack.http_port, "POST", CHAT, b"x" * 200_000, AUTH)
-            if second.status != 400:
+            if second.status != 400 or asyncio.get_running_loop().time() > deadline:
                 break
             await asyncio.sleep(0.05)
         await held.send(b"x" * 100)  # completing it ends the request (bad JSON)
