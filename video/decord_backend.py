@@ -1,16 +1,18 @@
 """Optional decord backend, run in a child process so that a hang can be killed.
 
-decord's last release is from 2021 and has open reports of hangs that hold the GIL, so it never
-runs in the server's own process. Never `import decord` there either: its bundled FFmpeg 4
-libraries interpose on PyAV's (measured here: after `import decord`, PyAV's libvpx-vp9 encoder
-fails to open and HEVC/rotation results change). So: one long-lived child (spawned, not forked, since the parent has
+The set-up pins `decord2` (the maintained fork; it installs the same `decord` module and bundles
+FFmpeg 8); decord 0.6 (last released 2021, FFmpeg 4) works too. decord has open reports of
+hangs that hold the GIL, so it never runs in the server's own process. Never `import decord`
+there either: decord 0.6's bundled FFmpeg 4 libraries interpose on PyAV's (measured here: after
+`import decord`, PyAV's libvpx-vp9 encoder fails to open and HEVC/rotation results change). So:
+one long-lived child (spawned, not forked, since the parent has
 decode threads) takes requests over a pipe and writes the frames into shared memory, which the
 parent copies out. A request that takes longer than `timeout_s` kills the child; the next
 request starts a fresh one. A child that dies while it works on a request (a crash in decord,
 the OOM killer) is reaped and replaced, and the request fails with `DecoderCrashed` (UNAVAILABLE:
 retry; nothing is known to be wrong with the video).
 
-Untrusted bytes: decord probes the container itself (its FFmpeg 4, every demuxer, no whitelist),
+Untrusted bytes: decord probes the container itself (its FFmpeg, every demuxer, no whitelist),
 so the parent first vets them with `epd.video.media_open.sniff_container` (only MP4/MOV, Matroska/
 WebM, AVI and MPEG-TS reach the child) and builds the index through `open_video`. What runs
 inside decord cannot be charged frame by frame: the decoded-pixel budget is checked up front
@@ -26,10 +28,12 @@ agree with the index (same count, timestamps within half a frame); where it does
 with B-frames) the request fails with MediaError rather than return other frames.
 
 Measured identical to PyAV (tests/unit/video/test_decord_backend.py) for H.264 (MP4, MKV), VP9
-(WebM) and MJPEG (AVI), rotation included (decord applies the display matrix itself). Known
-differences: decord's bundled FFmpeg cannot open AV1; for HEVC from x265 (open GOP) it returns
-wrong frames after a seek (a known decord bug); its MPEG-4 Part 2 decoder differs from FFmpeg 8's
-by +-1 in some pixels. With `max_pixels`, decord decodes at the source size and the parent
+(WebM), MJPEG (AVI) and HEVC, rotation included (decord applies the display matrix itself), and
+with decord2 for AV1 and MPEG-4 Part 2 too (decord 0.6 cannot open AV1, and its MPEG-4 Part 2
+decoder differs from FFmpeg 8's by +-1 in some pixels). After a seek in an HEVC stream decord
+(both) returns the frame after the one asked for, so HEVC frames are read in order from the first
+(`_NO_SEEK_CODECS`; the budget counts those frames). With `max_pixels`, decord decodes at the
+source size and the parent
 downscales the upright RGB frames with swscale (`simple_decoder.downscale_rgb`): same shapes as
 PyAV's, pixels within rounding of them (PyAV scales the YUV frame before turning it). decord's own
 scaler (`VideoReader(width=, height=)`) is not used: it takes the size after rotation (a 90/270
@@ -69,8 +73,10 @@ from epd.video.types import (
 log = logging.getLogger(__name__)
 
 DECODER_CRASHED = "the decoder process failed; retry the request"
+# Codecs whose frames decord reads in order from the first, never seeking (`_read_frames`).
+_NO_SEEK_CODECS = frozenset({"hevc"})
 _DECORD_FAILED = (
-    "the decord backend could not decode this video (it cannot open AV1, and some AVI files); "
+    "the decord backend could not decode this video (some AVI files, and AV1 with decord 0.6); "
     "use the default PyAV backend"
 )
 
@@ -108,7 +114,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _child_main(conn, parent_pid: int) -> None:
-    """Child loop: (data, positions, pts_s, shm name, num_threads) -> ("ok", shape) | ("error", text)."""
+    """Child loop: (data, positions, pts_s, shm name, num_threads, seek) -> ("ok", shape) | ("error", text)."""
     import io
 
     _die_with_parent(parent_pid)
@@ -121,7 +127,7 @@ def _child_main(conn, parent_pid: int) -> None:
             return
         if msg is None:
             return
-        data, positions, pts_s, shm_name, num_threads = msg
+        data, positions, pts_s, shm_name, num_threads, seek = msg
         try:
             reader = decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=num_threads)
             if len(reader) != len(pts_s):
@@ -130,17 +136,49 @@ def _child_main(conn, parent_pid: int) -> None:
             tol = 0.5 * float(np.median(np.diff(pts_s))) if len(pts_s) > 1 else 1e-3
             if np.max(np.abs(ts - (np.asarray(pts_s) - pts_s[0]))) > tol:
                 raise RuntimeError("decord's frame timestamps disagree with the demux index")
-            frames = reader.get_batch(list(positions)).asnumpy()  # [T, H, W, 3]
             shm = shared_memory.SharedMemory(name=shm_name)
             try:
-                if frames.nbytes > shm.size:
-                    raise RuntimeError("frames larger than the shared buffer")
-                np.ndarray(frames.shape, np.uint8, buffer=shm.buf)[:] = frames
+                shape = _read_frames(reader, positions, shm.buf, seek)
             finally:
                 shm.close()
-            conn.send(("ok", frames.shape))
+            conn.send(("ok", shape))
         except Exception as exc:  # noqa: BLE001 - every failure goes back as text
             conn.send(("error", repr(exc)))
+
+
+def _read_frames(reader, positions: list[int], buf, seek: bool) -> tuple[int, int, int, int]:
+    """Decode `positions` (ascending, distinct) into `buf` as [U, H, W, 3] uint8; return that shape.
+
+    One frame at a time, not `get_batch`: decord2 3.4 (the maintained fork) gives a frame whose
+    FFmpeg rows are padded past W x 3 bytes (96 px wide: 384-byte rows) the shape
+    [H, W, row_bytes // W] (4 or more "channels"), and its `get_batch` then fails its own copy
+    ("from_size == to_size"). The pixels are right (checked against PyAV), so each such frame's
+    rows are cut back to W x 3 bytes. decord 0.6 gives [H, W, 3] for every width. Decoding work
+    is the same: `get_batch` also seeks for each position in turn.
+
+    `seek=False` reads every frame from the first to the last position in order: after a seek in
+    an HEVC stream both decord 0.6 and decord2 3.4 return the frame after the one asked for."""
+    frames = None
+    wanted = iter(positions) if seek else iter(range(positions[-1] + 1))
+    i = 0
+    for position in wanted:
+        frame = reader[position] if seek else reader.next()  # NDArray [H, W, C]
+        if not seek and position != positions[i]:
+            continue  # decoded on the way to the next wanted frame
+        frame = frame.asnumpy()
+        height, width = frame.shape[:2]
+        if frame.shape[2] != 3:  # decord2's padded rows
+            frame = frame.reshape(height, -1)[:, : width * 3].reshape(height, width, 3)
+        if frames is None:
+            if len(positions) * frame.nbytes > len(buf):
+                raise RuntimeError("frames larger than the shared buffer")
+            frames = np.ndarray((len(positions), height, width, 3), np.uint8, buffer=buf)
+        if frame.shape != frames.shape[1:]:  # the index saw one size; decord went on at another
+            raise RuntimeError(f"frame {position} is {width}x{height}, not {frames.shape[2]}x{frames.shape[1]}")
+        frames[i] = frame
+        i += 1
+    assert frames is not None
+    return frames.shape
 
 
 class DecordDecoder:
@@ -192,7 +230,8 @@ class DecordDecoder:
         chosen_s, sampled_fps = select_frames(index.frames, opts)
         slot_positions = np.searchsorted(index.frames.pts_s, chosen_s)  # [T] non-decreasing
         distinct = np.unique(slot_positions)  # [U]: decord decodes each once
-        _check_planned_pixels(index, distinct, limits)
+        seek = index.codec_name not in _NO_SEEK_CODECS
+        _check_planned_pixels(index, distinct, limits, seek)
         positions = distinct.tolist()
         # decord applies the display rotation itself (pixel-identical to frame_to_rgb's rot90), at
         # the source size: [U, H, W, 3] with H and W swapped by a 90/270 degree rotation.
@@ -206,7 +245,7 @@ class DecordDecoder:
                 # child decodes all at once, uncharged); past it the child is killed.
                 remaining_s = budget.remaining_s()
                 try:
-                    self._conn.send((data, positions, index.frames.pts_s.tolist(), shm.name, self.config.num_threads))
+                    self._conn.send((data, positions, index.frames.pts_s.tolist(), shm.name, self.config.num_threads, seek))
                     answered = self._conn.poll(min(self.config.timeout_s, remaining_s))
                     if answered:
                         status, payload = self._conn.recv()
@@ -267,11 +306,14 @@ class DecordDecoder:
         self.close()
 
 
-def _check_planned_pixels(index, positions: np.ndarray, limits: DecodeLimits) -> None:
+def _check_planned_pixels(index, positions: np.ndarray, limits: DecodeLimits, seek: bool) -> None:
     """The decoded-pixel budget, from the plan: decord decodes from each target's keyframe to the
-    target (at least; it is not charged while it runs)."""
+    target (at least; it is not charged while it runs), or from the first frame without `seek`."""
     targets = index.frame_pts[positions]
-    planned = sum(iv.num_decode_frames for iv in make_intervals(index.frame_pts, index.keyframe_pts, targets))
+    if seek:
+        planned = sum(iv.num_decode_frames for iv in make_intervals(index.frame_pts, index.keyframe_pts, targets))
+    else:
+        planned = int(positions[-1]) + 1
     if planned * max(index.width * index.height, MIN_PIXELS_PER_FRAME) > limits.max_decoded_pixels:
         raise MediaLimitError(
             f"decoding this request would take {planned} frames of {index.width}x{index.height}, over "
