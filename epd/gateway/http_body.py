@@ -136,8 +136,8 @@ class Inflater:
         """The inflated pieces of the body's next bytes, each at most INFLATE_PIECE_BYTES."""
         while True:
             if self._stream is None or self._stream.eof:
-                if not data.strip(b"\0"):  # gzip allows zero padding after the last member
-                    return
+                if not data or (self._stream is not None and not data.strip(b"\0")):
+                    return  # nothing left, or the zero padding gzip allows after its last member
                 if self._stream is not None and self.encoding != "gzip":
                     raise zlib.error("bytes after the end of the deflate stream")
                 self._stream = self._start(data[0])

@@ -64,8 +64,7 @@ def sampling_failed(config: GenerationConfig) -> SamplingFailed:
             "the largest float; use a repetition_penalty nearer 1 (1 is off)"
         )
     return SamplingFailed(
-        f"{message}: the model's numbers overflowed on this request's input; ask about other media or "
-        "text, or greedily (temperature 0)"
+        f"{message}: the model's numbers overflowed on this request's input; ask about other media or text"
     )
 
 
