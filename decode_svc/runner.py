@@ -31,6 +31,7 @@ import torch
 from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.scheduler import DecodeRequest
 from epd.model_runtime.batch_kv import BatchKv
+from epd.model_runtime.sampling import SamplingFailed
 from epd.stages.contracts import TokenStep
 from epd.stages.engine_core import ModelRunner, RequestFailed
 
@@ -91,8 +92,10 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             step = next_step()
         except Exception as exc:  # noqa: BLE001 - one request's failure, not the batch's
             # extra: this runs on a model thread, outside the request's context (its log filter's id).
-            log.exception("decoding request %s failed at a step; the other requests go on", r.request_id,
-                          extra={"request_id": r.request_id})
+            # Scores it cannot sample are its settings' or input's doing: one line, no traceback.
+            report = log.warning if isinstance(exc, SamplingFailed) else log.exception
+            report("decoding request %s failed at a step; the other requests go on: %s", r.request_id, exc,
+                   extra={"request_id": r.request_id})
             failed[r] = RequestFailed(exc)
             r.finished = True
             return

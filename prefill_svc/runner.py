@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from epd.model_runtime.adapter import PrefillChunk
+from epd.model_runtime.sampling import SamplingFailed
 from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
 from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.engine_core import ModelRunner, RequestFailed
@@ -74,6 +75,10 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
                     r, cache, result.last_logits, _ms_since(r.first_scheduled_s)
                 )
             except EpdError as exc:  # this request's own settings: it fails alone
+                out = RequestFailed(exc)
+            except SamplingFailed as exc:  # scores its settings or input made NaN: alone, one line
+                log.warning("prefill of request %s failed after its forward pass; the others go on: %s",
+                            r.request_id, exc, extra={"request_id": r.request_id})
                 out = RequestFailed(exc)
             except Exception as exc:  # noqa: BLE001 - e.g. its sampler on NaN logits: it fails alone too
                 # extra: this runs on a model thread, outside the request's context (its log filter's id).

@@ -25,7 +25,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.errors import InvalidRequest
-from epd.stages.server_config import ServerConfig, TransportSecurity, check_secret, is_loopback, read_secret
+from epd.stages.server_config import ServerConfig, TransportSecurity, is_loopback, parse_secrets, read_secrets
 from epd.token_pruning import PruningConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -89,20 +89,21 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def transport_security(args: argparse.Namespace) -> TransportSecurity:
-    """--tls-* and the internal secret (read from --internal-secret-file, else $EPD_INTERNAL_SECRET;
-    none with --insecure-no-internal-auth). ValueError: a file that cannot be used, one line."""
-    secret = ""
+    """--tls-* and the internal secrets (read from --internal-secret-file, else $EPD_INTERNAL_SECRET,
+    one a line: the first is presented, every one accepted; none with --insecure-no-internal-auth).
+    ValueError: a file that cannot be used, one line."""
+    secrets: tuple[str, ...] = ()
     if getattr(args, "insecure_no_internal_auth", False):
         if getattr(args, "internal_secret_file", ""):
             raise ValueError("both --internal-secret-file and --insecure-no-internal-auth are set; pass one of them")
     elif getattr(args, "internal_secret_file", ""):
-        secret = read_secret(args.internal_secret_file)
+        secrets = read_secrets(args.internal_secret_file)
     elif getattr(args, "internal_secret_env", ""):
-        secret = check_secret(args.internal_secret_env, "$EPD_INTERNAL_SECRET")
+        secrets = parse_secrets(args.internal_secret_env, "$EPD_INTERNAL_SECRET")
     return TransportSecurity(tls_cert=getattr(args, "tls_cert", ""), tls_key=getattr(args, "tls_key", ""),
                              tls_client_ca=getattr(args, "tls_client_ca", ""), tls_ca=getattr(args, "tls_ca", ""),
                              tls_server_name=getattr(args, "tls_server_name", ""),
-                             internal_secret=secret)
+                             internal_secret=secrets[0] if secrets else "", previous_internal_secrets=secrets[1:])
 
 
 def health_security(args: argparse.Namespace) -> TransportSecurity:

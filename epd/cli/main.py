@@ -283,9 +283,10 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
                    help="PEM CA bundle client certificates must chain to: every client then needs one (mTLS)")
     g.add_argument("--internal-secret-file", default=_env("EPD_INTERNAL_SECRET_FILE", ""), metavar="PATH",
                    help="file holding the shared secret stages require on every call but health (the gateway "
-                        "and decode present it); default: $EPD_INTERNAL_SECRET_FILE, else the secret "
-                        "itself in $EPD_INTERNAL_SECRET. A stage refuses to start without one unless "
-                        "--tls-client-ca (mTLS) or --insecure-no-internal-auth (`epd serve` gives its own one)")
+                        "and decode present it); several, one a line, while it rotates: the first is "
+                        "presented, every one accepted (docs/security.md); default: $EPD_INTERNAL_SECRET_FILE, "
+                        "else the secret itself in $EPD_INTERNAL_SECRET. A stage refuses to start without one "
+                        "unless --tls-client-ca (mTLS) or --insecure-no-internal-auth (`epd serve` gives its own one)")
     g.add_argument("--insecure-no-internal-auth", action="store_true",
                    help="serve a stage to any caller that reaches its port, without the internal secret: "
                         "development on a closed machine or network only")

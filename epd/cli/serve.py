@@ -202,9 +202,11 @@ def stack_transport(args: argparse.Namespace):
                          "other with it; for a self-signed certificate, pass the certificate itself)")
     if args.tls_ca and not args.tls_cert:
         raise ValueError("--tls-ca without --tls-cert: pass the certificate and key the stack serves too")
-    absolute = {name: os.path.abspath(path) if path else "" for name, path in
-                (("tls_cert", args.tls_cert), ("tls_key", args.tls_key), ("tls_ca", args.tls_ca))}
-    return TransportSecurity(**absolute)  # the services may not share the launcher's directory
+    def absolute(path: str) -> str:  # the services may not share the launcher's directory
+        return os.path.abspath(path) if path else ""
+
+    return TransportSecurity(tls_cert=absolute(args.tls_cert), tls_key=absolute(args.tls_key),
+                             tls_ca=absolute(args.tls_ca))
 
 
 def _service(args: argparse.Namespace):

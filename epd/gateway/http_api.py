@@ -52,7 +52,16 @@ from epd.gateway.admission import (
 )
 from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
 from epd.gateway.config import GatewayConfig
-from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body, unsupported_expect
+from epd.gateway.http_body import (
+    AIOHTTP_HANDLER_ARGS,
+    SUPPORTED_ENCODINGS,
+    TICKET_KEY,
+    defer_continue,
+    read_json_body,
+    unsupported_encoding,
+    unsupported_encoding_message,
+    unsupported_expect,
+)
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from epd.gateway.openai_protocol import (
@@ -126,7 +135,9 @@ class HttpApi:
 
     def app(self) -> web.Application:
         # client_max_size only backs up read_json_body for any route that calls request.read().
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware])
+        # handler_args: bodies as they came; gzip and deflate are inflated by read_json_body.
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware],
+                              handler_args=AIOHTTP_HANDLER_ARGS)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
         app.router.add_get("/v1/models", self.models, expect_handler=defer_continue)
         app.router.add_get("/v1/models/{model:.+}", self.model, expect_handler=defer_continue)
@@ -180,6 +191,10 @@ class HttpApi:
                     "missing or wrong API key; send 'Authorization: Bearer <key>'",
                     "authentication_error",
                 )
+            elif (encoding := unsupported_encoding(request)) is not None:
+                response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
+                # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
+                response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
             elif request.method == "POST" and route in BODY_ROUTES:
                 # With API keys, also counted per key (checked just above): a tenant on many IPs.
                 key = bearer_token([("authorization", request.headers.get("Authorization", ""))])

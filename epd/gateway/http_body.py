@@ -10,6 +10,9 @@
        must arrive within `--body-timeout` (408). Bytes are reserved as they arrive, never as
        announced: two connections that announced the largest body and sent nothing held the
        whole default budget, with no time limit, and every other upload got 429;
+    4a. a gzip or deflate body is inflated here (aiohttp's own decoding is off,
+       `AIOHTTP_HANDLER_ARGS`), piece by piece, each piece counted as it comes; any other
+       Content-Encoding is refused with 415 before a byte is read (`unsupported_encoding`);
     5. it is parsed as UTF-8 JSON; an invalid, non-UTF-8, too deeply nested or too broad body
        (more than MAX_JSON_VALUES values: each costs tens of bytes once parsed) is a 400.
 
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
@@ -81,21 +86,102 @@ async def read_json_body(request: web.Request, max_body_bytes: int, timeout_s: f
     return await asyncio.to_thread(parse_json, body)  # the event loop goes on between its C calls
 
 
+SUPPORTED_ENCODINGS = ("gzip", "deflate", "identity")
+"""The Content-Encodings of a request body the gateway reads (inflated by `Inflater`)."""
+
+AIOHTTP_HANDLER_ARGS = {"auto_decompress": False}
+"""aiohttp's request handler leaves bodies as they came (`web.Application(handler_args=...)`):
+told `Content-Encoding: br` or `zstd` without their optional packages, aiohttp answered a plain-text
+400 of its own before any handler (no JSON, no request id); and bodies are inflated by `Inflater`."""
+
+
+def unsupported_encoding(request: web.Request) -> str | None:
+    """The request's Content-Encoding when it is not one of SUPPORTED_ENCODINGS (None when it is,
+    or when there is none): answered 415 before the body is read."""
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is None or encoding.strip().lower() in ("", *SUPPORTED_ENCODINGS):
+        return None
+    return encoding
+
+
+def unsupported_encoding_message(encoding: str) -> str:
+    return (
+        f"Content-Encoding {encoding.strip()[:40]!r} is not supported; send the JSON body as it is "
+        f"(identity) or compressed with gzip or deflate"
+    )
+
+
+INFLATE_PIECE_BYTES = 256 << 10
+"""Most inflated bytes made from a body's bytes at once: each piece is counted against the limits
+before the next is made, so a small bomb cannot inflate past them, and the event loop goes on
+between pieces."""
+
+
+class Inflater:
+    """A gzip or deflate body inflated piece by piece (`pieces`, then `end`); zlib.error when it is
+    not what its Content-Encoding says. Several gzip members follow each other (as `gzip -c a b`
+    writes); "deflate" is the zlib format, or raw deflate (what some clients send, as aiohttp reads)."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._stream: Any = None  # zlib's Decompress for the member being read
+
+    def _start(self, first_byte: int) -> Any:
+        if self.encoding == "gzip":
+            return zlib.decompressobj(16 + zlib.MAX_WBITS)
+        zlib_format = first_byte & 0x0F == 8  # zlib's header: compression method 8
+        return zlib.decompressobj(zlib.MAX_WBITS if zlib_format else -zlib.MAX_WBITS)
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        """The inflated pieces of the body's next bytes, each at most INFLATE_PIECE_BYTES."""
+        while True:
+            if self._stream is None or self._stream.eof:
+                if not data or (self._stream is not None and not data.strip(b"\0")):
+                    return  # nothing left, or the zero padding gzip allows after its last member
+                if self._stream is not None and self.encoding != "gzip":
+                    raise zlib.error("bytes after the end of the deflate stream")
+                self._stream = self._start(data[0])
+            piece = self._stream.decompress(data, INFLATE_PIECE_BYTES)
+            if piece:
+                yield piece
+            data = self._stream.unused_data if self._stream.eof else self._stream.unconsumed_tail
+            if not data and not self._stream.eof and len(piece) < INFLATE_PIECE_BYTES:
+                return  # all in: the next bytes of the body come with the next chunk
+            # else: more input left, or a full piece (zlib may hold more output for no more input)
+
+    def end(self) -> None:
+        """zlib.error when the body stopped inside its compressed stream."""
+        if self._stream is not None and not self._stream.eof:
+            raise zlib.error("the compressed stream ends early")
+
+
 async def _read_body(request: web.Request, max_body_bytes: int, ticket: Ticket | None) -> bytearray:
     # Grown as bytes arrive, not preallocated from Content-Length: a client that announces a
     # large body and sends nothing costs no memory. Each chunk (inflated, for a compressed body)
     # is reserved as it comes.
     body = bytearray()
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    inflater = Inflater(encoding) if encoding in ("gzip", "deflate") else None
+
+    def take(piece: bytes) -> None:
+        if len(body) + len(piece) > max_body_bytes:
+            raise body_too_large(f"more than {max_body_bytes}", max_body_bytes)
+        if ticket is not None:
+            ticket.reserve_bytes(len(piece))
+        body.extend(piece)
+
     try:
         async for chunk in request.content.iter_any():
-            if len(body) + len(chunk) > max_body_bytes:
-                raise body_too_large(f"more than {max_body_bytes}", max_body_bytes)
-            if ticket is not None:
-                ticket.reserve_bytes(len(chunk))
-            body += chunk
-    except RequestPayloadError:  # aiohttp could not inflate or de-chunk what arrived
-        encoding = request.headers.get("Content-Encoding", "")
-        why = f"it is not valid {encoding} data" if encoding else "its chunked transfer encoding is broken"
+            if inflater is None:
+                take(chunk)
+                continue
+            for piece in inflater.pieces(chunk):
+                take(piece)
+                await asyncio.sleep(0)  # a large body's inflation shares the event loop
+        if inflater is not None:
+            inflater.end()
+    except (RequestPayloadError, zlib.error):  # not the gzip/deflate it says, or broken chunking
+        why = f"it is not valid {encoding} data" if inflater else "its chunked transfer encoding is broken"
         raise InvalidRequest(
             f"the request body could not be read: {why}; send the JSON as it is, or compressed as its "
             "Content-Encoding says (gzip or deflate)"

@@ -423,17 +423,22 @@ class _HybridBatchKv(BatchKv):
         return row
 
     def remove(self, row: int) -> int | None:
+        """As `BatchKv.remove`; the leaving row's linear states are freed at once. Unlike the slots,
+        their room is never reused (a join concatenates), and the view [:last] that stood here kept
+        the whole old tensors, the leaving row included, until the next join: memory the budget had
+        given back (`decode_state_bytes`) and that `num_bytes`, counting the view, did not show."""
         last = self.num_rows - 1
         moved = super().remove(row)
         for layer in self.linear.values():
-            for states in (layer.conv_states, layer.recurrent_states):
-                t = states[0]
-                assert t is not None
-                if row != last:
-                    t[row] = t[last]
-                states[0] = t[:last] if last else None
+            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+            assert conv is not None and recurrent is not None
             if not last:  # an idle decoder holds no state
                 _set_linear_states(layer, None, None)
+                continue
+            if row != last:
+                conv[row], recurrent[row] = conv[last], recurrent[last]
+            # Copies of the rows that stay, assigned on the layer the model's cache holds.
+            layer.conv_states[0], layer.recurrent_states[0] = conv[:last].clone(), recurrent[:last].clone()
         return moved
 
     def row_cache(self, row: int) -> KvCache:

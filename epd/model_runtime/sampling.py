@@ -44,6 +44,30 @@ MAX_ABS_PENALTY = 2.0
 """OpenAI's and vLLM's range of presence_penalty and frequency_penalty: [-2, 2]."""
 
 
+class SamplingFailed(ValueError):
+    """This request's scores for its next token are not finite numbers (NaN or infinity), so no
+    token can be drawn from them: the request's own failure (its settings or its input), not the
+    server's. Mapped to INVALID_ARGUMENT (`epd.transport.errors`); the stage serves on."""
+
+
+def sampling_failed(config: GenerationConfig) -> SamplingFailed:
+    """The error for scores that cannot be sampled, with what to change: a repetition_penalty far
+    below 1 is the one setting that sends finite scores to infinity (a positive score is divided by
+    it), so it is named when it is on."""
+    message = (
+        "the model's scores for this request's next token are not finite numbers (NaN or infinity), so "
+        f"no token can be sampled from them at temperature {config.temperature:g}"
+    )
+    if config.repetition_penalty < 1.0:
+        return SamplingFailed(
+            f"{message}: repetition_penalty {config.repetition_penalty:g} divides the positive scores past "
+            "the largest float; use a repetition_penalty nearer 1 (1 is off)"
+        )
+    return SamplingFailed(
+        f"{message}: the model's numbers overflowed on this request's input; ask about other media or text"
+    )
+
+
 def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
     """ValueError naming the bound a request's stop strings pass."""
     if len(stop) > MAX_STOP_STRINGS:
@@ -231,8 +255,13 @@ class Sampler:
         """A token drawn from logits [vocab] float32 at the config's temperature, min_p, top-k, top-p."""
         import torch
 
+        largest = logits.max()
+        # NaN (max propagates it) or infinity: the shift below would make NaN of every score, and
+        # torch.multinomial would raise a RuntimeError that reads as the server's failure.
+        if not math.isfinite(float(largest)):
+            raise sampling_failed(self.config)
         # Shifted first, so the largest is 0 and nothing overflows whatever the temperature.
-        logits = (logits - logits.max()) / self.config.temperature
+        logits = (logits - largest) / self.config.temperature
         if self._processors is not None:
             logits = self._processors.min_p(logits)
         if self.config.top_k > 0:

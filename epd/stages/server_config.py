@@ -38,6 +38,10 @@ class TransportSecurity:
     internal_secret: str = field(default="", repr=False)
     """Shared secret the stages require on every call but health and reflection (metadata
     `x-epd-internal-auth`), and that this service presents on its calls to stages; "" = none."""
+    previous_internal_secrets: tuple[str, ...] = field(default=(), repr=False)
+    """Secrets this service's server accepts besides `internal_secret`, never presents: the other
+    lines of the secret file, so that a secret rotates without downtime (docs/security.md,
+    "Rotating the internal secret")."""
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -46,6 +50,15 @@ class TransportSecurity:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mTLS is TLS first")
         if self.tls_server_name and not self.tls_ca:  # else plaintext channels, the name unused
             raise ValueError("--tls-server-name needs --tls-ca: the name is checked on TLS channels only")
+        if self.previous_internal_secrets and not self.internal_secret:
+            raise ValueError("previous internal secrets need a current one (the first line of the secret file)")
+        if not all(self.previous_internal_secrets):
+            raise ValueError("an empty internal secret is none: it cannot be accepted")
+
+    @property
+    def accepted_internal_secrets(self) -> tuple[str, ...]:
+        """Every secret this service's server accepts: the current one first, then the previous."""
+        return (self.internal_secret, *self.previous_internal_secrets) if self.internal_secret else ()
 
     @property
     def verifies_clients(self) -> bool:
@@ -103,13 +116,32 @@ MIN_SECRET_CHARS = 16
 """A shorter internal secret is guessable; `openssl rand -hex 32` (64 chars) is what the docs use."""
 
 
-def read_secret(path: str) -> str:
-    """The internal secret in `path` (surrounding whitespace dropped); ValueError if unusable."""
+MAX_SECRETS = 8
+"""Most secrets one secret file (or $EPD_INTERNAL_SECRET) holds: the current one and those still
+accepted while a rotation rolls out (one is enough for that; a few leave room for slow rollouts)."""
+
+
+def read_secrets(path: str) -> tuple[str, ...]:
+    """The internal secrets in `path`, one a line (`parse_secrets`); ValueError if unusable."""
     try:
-        data = Path(path).read_bytes()[: MAX_SECRET_BYTES + 1]
+        data = Path(path).read_bytes()[: (MAX_SECRET_BYTES + 1) * MAX_SECRETS + 1]
     except OSError as exc:
         raise ValueError(f"--internal-secret-file {path}: cannot read it ({exc.strerror or exc})") from None
-    return check_secret(data.decode("utf-8", "replace").strip(), f"--internal-secret-file {path}")
+    return parse_secrets(data.decode("utf-8", "replace"), f"--internal-secret-file {path}")
+
+
+def parse_secrets(text: str, where: str) -> tuple[str, ...]:
+    """Internal secrets, one a line: the first is the one this service presents, every one is
+    accepted by its server. Lines are stripped; blank ones are skipped (an empty string is no
+    secret, and a file's trailing newline is no line); each is checked (`check_secret`)."""
+    secrets = [line.strip() for line in text.splitlines() if line.strip()]
+    if not secrets:
+        raise ValueError(f"{where}: holds no internal secret (e.g. `openssl rand -hex 32`)")
+    if len(secrets) > MAX_SECRETS:
+        raise ValueError(f"{where}: holds {len(secrets)} internal secrets; at most {MAX_SECRETS} (one a line)")
+    if len(set(secrets)) != len(secrets):
+        raise ValueError(f"{where}: names an internal secret twice")
+    return tuple(check_secret(secret, where) for secret in secrets)
 
 
 def check_secret(secret: str, where: str) -> str:

@@ -5,7 +5,8 @@
   Only the methods under `protected_prefixes` are checked.
 - The stages: the internal secret (`--internal-secret-file` / `EPD_INTERNAL_SECRET`), metadata
   `x-epd-internal-auth`, that the gateway and decode (pulling KV from prefill) present
-  (`InternalSecretInterceptor`, `epd.transport.security.stage_channel`).
+  (`InternalSecretInterceptor`, `epd.transport.security.stage_channel`). The file may hold several,
+  one a line: the first is presented, every one accepted (a rotation without downtime).
 
 Health and reflection stay open either way, so probes (compose, Kubernetes, `epd health`) need
 neither key nor secret.
@@ -68,18 +69,21 @@ def metadata_value(metadata, key: str) -> str:
 
 class InternalSecretInterceptor(grpc.aio.ServerInterceptor):
     """A stage's check of the internal secret on every call but health and reflection; a call
-    without it (or with another) is refused UNAUTHENTICATED before the servicer reads it."""
+    without one of `secrets` (or with another) is refused UNAUTHENTICATED before the servicer reads
+    it. Several secrets: the current one and those a rotation still accepts (docs/security.md);
+    each is compared in constant time (`any_key_matches`)."""
 
-    def __init__(self, secret: str) -> None:
-        if not secret:
-            raise ValueError("InternalSecretInterceptor needs a non-empty secret")
-        self.secret = secret
+    def __init__(self, secrets: Sequence[str]) -> None:
+        if not secrets or not all(secrets):  # "" would let a call without the metadata in
+            raise ValueError("InternalSecretInterceptor needs non-empty secrets")
+        self.secrets = tuple(secrets)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
             return handler
-        if key_matches(metadata_value(handler_call_details.invocation_metadata, INTERNAL_AUTH_KEY), self.secret):
+        presented = metadata_value(handler_call_details.invocation_metadata, INTERNAL_AUTH_KEY)
+        if presented and any_key_matches(presented, self.secrets):
             return handler
         return _denying_handler(handler, MISSING_SECRET_MESSAGE)
 

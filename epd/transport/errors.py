@@ -1,5 +1,6 @@
 """The one place where domain errors (`epd.stages.errors`, `epd.video.types.MediaError`,
-`epd.model_runtime.loader.ModelLoadError`) become gRPC status codes.
+`epd.model_runtime.loader.ModelLoadError`, `epd.model_runtime.sampling.SamplingFailed`) become gRPC
+status codes.
 
 Engines raise domain errors with a message that tells the caller what to
 change; servicer methods are wrapped by `rpc_errors`, which aborts the call with the mapped
@@ -16,6 +17,7 @@ import logging
 import grpc
 
 from epd.model_runtime.loader import ModelLoadError
+from epd.model_runtime.sampling import SamplingFailed
 from epd.stages.errors import (
     DeadlineExceeded,
     EpdError,
@@ -44,6 +46,9 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DecoderCrashed, grpc.StatusCode.UNAVAILABLE),
     (MediaLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (MediaError, grpc.StatusCode.INVALID_ARGUMENT),
+    # One request's scores could not be sampled (its settings or input): not the replica's failure,
+    # so not a status the gateway sanitises, retries elsewhere or turns into a broken stream.
+    (SamplingFailed, grpc.StatusCode.INVALID_ARGUMENT),
     # The server's model, not the request, is wrong: its message says why and what epd serves.
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
 )

@@ -121,8 +121,8 @@ async def create_server(
         # the grace after the GOAWAY is left unlimited, so no call in flight is cut.
         options.append(("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)))
     tracing.setup_otel_from_env("epd-" + (service_names[0].rsplit(".", 1)[-1] if service_names else "server"))
-    secret = config.security.internal_secret
-    guard = [InternalSecretInterceptor(secret)] if secret and not public else []
+    secrets = config.security.accepted_internal_secrets
+    guard = [InternalSecretInterceptor(secrets)] if secrets and not public else []
     credentials = security.server_credentials(config.security)
     server = grpc.aio.server(options=options, interceptors=[tracing.ServerTracing(), *guard, *interceptors])
     register(server)

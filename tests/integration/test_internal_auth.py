@@ -194,3 +194,29 @@ def test_a_stage_without_the_secret_does_not_start_wherever_it_binds(host, where
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"epd serve decode: refusing to serve {where} without the internal secret")
     assert "--insecure-no-internal-auth" in line
+
+
+def test_a_rotation_mid_rollout_serves_callers_holding_the_old_or_the_new_secret(tiny_models, tmp_path, media_files):
+    """Rotating the internal secret without downtime (docs/security.md): the stages already hold
+    [new, old] in their secret file (decode presents the new one to prefill), while the gateway
+    has not been restarted yet and presents the old one. The stack answers; each stage takes
+    either secret and refuses a retired one, or an empty one, UNAUTHENTICATED."""
+    import secrets
+
+    new, old, retired = (secrets.token_hex(32) for _ in range(3))
+    rotated, not_yet = tmp_path / "stages-secret", tmp_path / "gateway-secret"
+    rotated.write_text(f"{new}\n{old}\n")
+    not_yet.write_text(f"{old}\n")
+    extra = {role: ["--internal-secret-file", str(rotated)] for role in ("encoder", "prefill", "decode")}
+    extra["gateway"] = ["--internal-secret-file", str(not_yet)]
+    logs = tmp_path / "logs"
+    with Stack(tiny_models["qwen2_vl"], logs, extra=extra) as stack:
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            result = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+        assert result.token_ids and result.kv_num_bytes > 0  # decode pulled the KV, presenting the new one
+        for stage in ("encoder", "prefill", "decode"):
+            address = stack.address(stage)
+            for secret in (new, old):
+                assert _get_load(address, (("x-epd-internal-auth", secret),)) == grpc.StatusCode.OK
+            for secret in (retired, ""):
+                assert MISSING_SECRET_MESSAGE in _get_load(address, (("x-epd-internal-auth", secret),))

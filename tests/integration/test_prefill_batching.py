@@ -23,7 +23,7 @@ import torch
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, SamplingFailed
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
@@ -307,12 +307,12 @@ def test_a_request_whose_first_token_cannot_be_sampled_fails_alone(families):
     scheduler.schedule = lambda: schedule() if len(scheduler.requests()) == 3 else []  # type: ignore[method-assign]
     fam.adapter.prefill_chunks = counted
     try:
-        with log_records("epd.prefill_svc.runner", logging.ERROR) as records:
+        with log_records("epd.prefill_svc.runner", logging.WARNING) as records:
             results = asyncio.run(run())
     finally:
         del fam.adapter.prefill_chunks
     assert max(sizes) == 3, f"the three shared a step: {sizes}"
-    assert isinstance(results[1], RuntimeError) and "probability tensor" in str(results[1])
+    assert isinstance(results[1], SamplingFailed) and "are not finite numbers" in str(results[1])
     # Logged on the model thread, outside the request's context: its line still carries its id.
     (failure,) = [r for r in records if "after its forward pass" in r.getMessage()]
     assert failure.request_id == "poisoned"  # type: ignore[attr-defined]

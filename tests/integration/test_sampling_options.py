@@ -182,3 +182,48 @@ def test_bad_sampling_options_are_400s_naming_the_field(shared_stack, media_file
 
     status, body = chat(shared_stack.http_port, media_files, **fields)
     assert status == 400 and re.search(message, body["error"]["message"]), body
+
+
+def _stream_events(port: int, media_files, **fields) -> list[dict]:
+    """The JSON events of a streamed chat answer (the HTTP status is 200 once it has started)."""
+    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+    body = {"model": "epd", "media": {"num_frames": NUM_FRAMES}, "stream": True, **fields,
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": QUESTION}]}]}  # fmt: skip
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        lines = reply.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+NOT_FINITE = "scores for this request's next token are not finite numbers"
+
+
+def test_scores_a_request_sends_past_the_float_range_fail_it_alone_with_what_to_change(shared_stack, media_files):
+    """A repetition_penalty far below 1 divides positive scores past the largest float: the sampler
+    cannot draw from them. That is the request's failure, not its replica's: prefill's first token
+    said "prefill stage failed" (HTTP 500), and a later token in decode "the decode replica failed
+    after N tokens" (502), as if the replica had died. Now a 400 that names the setting, and the
+    stack serves the next request."""
+    port = shared_stack.http_port
+    status, body = chat(port, media_files, temperature=1.0, seed=0, repetition_penalty=1e-40)
+    assert status == 400, body
+    message = body["error"]["message"]
+    assert NOT_FINITE in message and "repetition_penalty 1e-40" in message and "nearer 1" in message, body
+    # A penalty that leaves prefill's scores finite and sends a later token's past the range (the
+    # seen tokens' scores grow with the answer): one whose failure comes mid-answer, in decode.
+    mid_answer = None
+    for penalty in (2e-38, 1.5e-38, 2.5e-38, 1.8e-38, 1.2e-38):
+        events = _stream_events(port, media_files, max_tokens=16, temperature=1.0, seed=0, repetition_penalty=penalty)
+        content = [e for e in events if "choices" in e and any(c["delta"].get("content") for c in e["choices"])]
+        errors = [e["error"] for e in events if "error" in e]
+        if content and errors:
+            mid_answer = errors
+            break
+    assert mid_answer is not None, "no penalty failed mid-answer; the decode path went untested"
+    (error,) = mid_answer
+    assert error["code"] == 400 and NOT_FINITE in error["message"], error
+    assert "replica failed" not in error["message"]
+    status, body = chat(port, media_files)
+    assert status == 200, body

@@ -25,7 +25,7 @@ from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import load_adapter
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, SamplingFailed
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import PrefillHandle, TokenStep
 from epd.stages.errors import InvalidRequest, ResourceExhausted
@@ -332,7 +332,7 @@ def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeyp
 
         async def run_bad():
             await good_running.wait()
-            with pytest.raises(RuntimeError, match="probability tensor"):
+            with pytest.raises(SamplingFailed, match="scores for this request's next token are not finite"):
                 async for _ in stage.generate(bad, GenerationConfig(max_new_tokens=max_new, temperature=1.0, seed=1), "bad"):
                     pass
 

@@ -45,7 +45,7 @@ def serve_config(argv: list[str], env: dict[str, str] | None = None):
     args = parse_epd(argv, env)
     if args.command != "serve" or args.role not in BUILDERS:
         raise ValueError(f"`epd {' '.join(argv)}` is not `epd serve ROLE`")
-    with patch.object(configs, "read_secret", lambda path: SECRET_FROM + path):
+    with patch.object(configs, "read_secrets", lambda path: (SECRET_FROM + path,)):
         return args.role, BUILDERS[args.role](args)
 
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.cli import configs
 from epd.cli.main import build_parser
-from epd.stages.server_config import ServerConfig, TransportSecurity, read_secret
+from epd.stages.server_config import MAX_SECRETS, ServerConfig, TransportSecurity, read_secrets
 from epd.transport import security
 from epd.transport.auth import MISSING_SECRET_MESSAGE
 from epd.transport.load_servicer import with_load_service
@@ -41,16 +41,60 @@ def test_a_server_name_without_a_ca_is_refused_not_ignored():
         configs.transport_security(build_parser().parse_args(["serve", "decode", "--tls-server-name", "p"]))
 
 
+NEW, OLD, RETIRED = "n" * 32, "o" * 32, "r" * 32
+
+
 def test_the_secret_file_is_checked(tmp_path):
     short = tmp_path / "short"
     short.write_text("abc\n")
     with pytest.raises(ValueError, match="at least 16 characters"):
-        read_secret(str(short))
+        read_secrets(str(short))
     with pytest.raises(ValueError, match="cannot read it"):
-        read_secret(str(tmp_path / "missing"))
+        read_secrets(str(tmp_path / "missing"))
     good = tmp_path / "good"
     good.write_text(SECRET + "\n")
-    assert read_secret(str(good)) == SECRET
+    assert read_secrets(str(good)) == (SECRET,)
+
+
+@pytest.mark.parametrize(("text", "secrets"), [
+    (f"{NEW}\n{OLD}\n", (NEW, OLD)),
+    (f"\n  {NEW}  \r\n\n\t\n{OLD}", (NEW, OLD)),  # blank lines are no secrets, spaces are trimmed
+])  # fmt: skip
+def test_a_secret_file_holds_one_secret_a_line_the_first_presented(tmp_path, text, secrets):
+    path = tmp_path / "secret"
+    path.write_text(text)
+    assert read_secrets(str(path)) == secrets
+    args = build_parser().parse_args(["serve", "prefill", "--internal-secret-file", str(path)])
+    security_of_args = configs.transport_security(args)
+    assert (security_of_args.internal_secret, security_of_args.previous_internal_secrets) == (NEW, (OLD,))
+    assert security_of_args.accepted_internal_secrets == (NEW, OLD)
+    assert OLD not in repr(security_of_args)  # never logged
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("\n \n\t\n", "holds no internal secret"),
+    (f"{NEW}\nshort\n", "at least 16 characters"),
+    (f"{NEW}\n{NEW}\n", "names an internal secret twice"),
+    ("".join(f"{i:032d}\n" for i in range(MAX_SECRETS + 1)), f"at most {MAX_SECRETS}"),
+])  # fmt: skip
+def test_a_secret_file_without_a_usable_secret_on_every_line_is_refused(tmp_path, text, match):
+    path = tmp_path / "secret"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_secrets(str(path))
+
+
+def test_the_environment_takes_several_secrets_as_the_file_does(monkeypatch):
+    args = _serve_args(["decode"], monkeypatch, env_secret=f"{NEW}\n{OLD}")
+    assert configs.transport_security(args).accepted_internal_secrets == (NEW, OLD)
+
+
+def test_an_empty_secret_is_never_one_a_stage_accepts():
+    with pytest.raises(ValueError, match="an empty internal secret is none"):
+        TransportSecurity(internal_secret=NEW, previous_internal_secrets=("",))
+    with pytest.raises(ValueError, match="need a current one"):
+        TransportSecurity(previous_internal_secrets=(OLD,))
+    assert TransportSecurity().accepted_internal_secrets == ()
 
 
 def _serve_args(argv: list[str], monkeypatch, env_secret: str = ""):
@@ -157,6 +201,43 @@ def test_a_stage_with_a_secret_refuses_calls_without_it_but_answers_health():
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
     asyncio.run(run())
+
+
+def test_a_stage_mid_rotation_accepts_the_new_and_the_old_secret_and_refuses_a_retired_one():
+    """A stage configured with [new, old] (its secret file's lines) takes calls from callers that
+    present either (those restarted with the new file and those not yet); a secret already retired,
+    an empty one, or none is refused UNAUTHENTICATED."""
+    async def run():
+        config = ServerConfig(security=TransportSecurity(internal_secret=NEW, previous_internal_secrets=(OLD,)))
+        hs = await create_server(config, with_load_service(lambda s: None, lambda: []), ["epd.v1.Test"])
+        await hs.set_serving()
+        answers = {}
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
+                for name, metadata in (("new", NEW), ("old", OLD), ("retired", RETIRED), ("empty", ""),
+                                       ("none", None)):
+                    try:
+                        await load_pb2_grpc.LoadServiceStub(channel).GetLoad(
+                            load_pb2.GetLoadRequest(), timeout=5,
+                            metadata=None if metadata is None else (("x-epd-internal-auth", metadata),))
+                        answers[name] = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as exc:
+                        answers[name] = exc.code()
+            for presented in (NEW, OLD):  # what a gateway (or decoder) with that file first presents
+                security.configure(TransportSecurity(internal_secret=presented))
+                try:
+                    async with security.stage_channel(f"127.0.0.1:{hs.port}") as channel:
+                        await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5)
+                finally:
+                    security.configure(TransportSecurity())
+        finally:
+            await hs.stop(0)
+        return answers
+
+    answers = asyncio.run(run())
+    assert answers == {"new": grpc.StatusCode.OK, "old": grpc.StatusCode.OK,
+                       "retired": grpc.StatusCode.UNAUTHENTICATED, "empty": grpc.StatusCode.UNAUTHENTICATED,
+                       "none": grpc.StatusCode.UNAUTHENTICATED}  # fmt: skip
 
 
 def test_the_gateway_does_not_ask_its_clients_for_the_secret():
