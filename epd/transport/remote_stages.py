@@ -1,8 +1,8 @@
 """Stages that call the gRPC services: the gateway's view of the disaggregated stack.
 
 Each stage holds one channel per replica address (client-side load balancing; in Kubernetes the
-addresses come from a headless Service, or from a replica file the gateway reloads,
-`epd.gateway.replica_list`). A call about media goes to the replica that rendezvous hashing of
+addresses are the pods a headless Service's `dns:///` name resolves to, `epd.gateway.dns_replicas`,
+or come from a replica file the gateway reloads, `epd.gateway.replica_list`). A call about media goes to the replica that rendezvous hashing of
 the media's sha256 picks among the healthy ones, unless that replica is overloaded; a call without
 media goes to the least loaded healthy replica (`epd.transport.affinity`).
 
@@ -21,7 +21,7 @@ encoder's embeddings to prefill and prefill's visual-entry mask to decode withou
 Cancelling a stage call (the gateway's request task is cancelled when its client goes away)
 cancels the RPC, and the service's handler is cancelled in turn. A KV cache is released at the
 prefill replica that holds it, by the address that replica advertised (`kv_address`), since a
-replica pool's channel may balance a call to another replica.
+replica address may stand for several (a plain name gRPC balances over).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ async def create_server(
     # port already in use and silently share its connections (two models behind one address).
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
     if not public and config.max_connection_age_s > 0:
-        # Callers reconnect, and so resolve a headless Service's name again (ServerConfig's doc);
+        # Callers reconnect, and so gRPC resolves a plain Service name again (ServerConfig's doc);
         # the grace after the GOAWAY is left unlimited, so no call in flight is cut.
         options.append(("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)))
     tracing.setup_otel_from_env("epd-" + (service_names[0].rsplit(".", 1)[-1] if service_names else "server"))
