@@ -492,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "address flags for the stages it names; re-read when it changes and on SIGHUP")
     gw.add_argument("--dns-refresh-interval", type=_seconds, default=DNS_REFRESH_INTERVAL_S, metavar="SECONDS",
                     help="seconds between lookups of dns:///NAME:PORT stage addresses, each routed as one replica "
-                         "per address NAME resolves to (0 = only at start-up)")
+                         "per address NAME resolves to (0 = a name found is not looked up again)")
     gw.add_argument("--routing", choices=("affinity", "round-robin"), default="affinity",
                     help="affinity: a video's calls go to the replicas holding its caches (unless "
                          "overloaded), others to the least loaded; round-robin: every call in turn")

@@ -169,8 +169,8 @@ class GatewayConfig:
     """How often the replica file's modification time is looked at."""
     dns_refresh_interval_s: float = DNS_REFRESH_INTERVAL_S
     """Seconds between lookups of the `dns:///NAME:PORT` stage addresses, each expanded into one
-    replica per address NAME resolves to (`epd.gateway.dns_replicas`, which says why 10 s); 0 =
-    only at start-up and when the replica file names a new one."""
+    replica per address NAME resolves to (`epd.gateway.dns_replicas`, which says why 10 s); 0 = a
+    name found is not looked up again (one not found yet still is, every second)."""
     routing: str = "affinity"
     """"affinity": media calls to their rendezvous home unless it is overloaded, other calls to
     the least loaded replica; "round-robin": every call in turn (a baseline for benchmarks)."""

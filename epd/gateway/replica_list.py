@@ -108,18 +108,8 @@ class ReplicaUpdater:
         self.lookup = lookup
 
     async def resolve(self, names: list[DnsName] | None = None) -> None:
-        """Look `names` (default: every name listed) up at once and record what each found."""
-        names = self.sets.names() if names is None else names
-        outcomes = await asyncio.gather(*(self._lookup(name) for name in names))
-        for name, found in zip(names, outcomes):
-            if (change := self.sets.record(name, found)) is not None:
-                log.warning("%s", change)  # WARNING, the default level: a stage's replicas may depend on it
-
-    async def _lookup(self, name: DnsName) -> list[str] | OSError:
-        try:
-            return list(await asyncio.to_thread(self.lookup, name.host, name.port))
-        except OSError as exc:  # socket.gaierror included
-            return exc
+        """Look `names` (default: every name listed) up and record what each found."""
+        await look_up(self.sets, self.sets.names() if names is None else names, self.lookup)
 
     def apply(self) -> None:
         """Give every pool its stage's list as it is now."""
@@ -144,13 +134,34 @@ class ReplicaUpdater:
         self.apply()
 
     async def run(self, interval_s: float) -> None:
-        """Look the names up every `interval_s` (names not found yet: every PENDING_RETRY_S) until
-        cancelled; 0: never after start-up."""
-        if interval_s <= 0:
-            return
+        """Look every name up every `interval_s` (0: a name found is not looked up again), and the
+        names not found yet every PENDING_RETRY_S, until cancelled."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + interval_s
         while True:
-            await asyncio.sleep(min(interval_s, PENDING_RETRY_S) if self.sets.pending() else interval_s)
-            await self.refresh()
+            await asyncio.sleep(min(interval_s, PENDING_RETRY_S) if interval_s > 0 else PENDING_RETRY_S)
+            if interval_s > 0 and loop.time() >= due:
+                due = loop.time() + interval_s
+                await self.refresh()
+            elif pending := self.sets.pending():
+                await self.resolve(pending)
+                self.apply()
+
+
+async def look_up(sets: ReplicaSets, names: list[DnsName], lookup: Lookup = getaddrinfo_lookup) -> None:
+    """Look `names` up at once, each in a thread (getaddrinfo blocks), and record in `sets` what
+    each found; a change of a name's state is logged."""
+
+    async def one(name: DnsName) -> list[str] | OSError:
+        try:
+            return list(await asyncio.to_thread(lookup, name.host, name.port))
+        except OSError as exc:  # socket.gaierror included
+            return exc
+
+    outcomes = await asyncio.gather(*(one(name) for name in names))
+    for name, found in zip(names, outcomes):
+        if (change := sets.record(name, found)) is not None:
+            log.warning("%s", change)  # WARNING, the default level: a stage's replicas may depend on it
 
 
 class ReplicaListWatcher:

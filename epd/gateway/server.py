@@ -16,7 +16,13 @@ from epd.gateway.engine_load import watch_loads
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import InProcessHealth, StageHealth, watch_stages
-from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, ReplicaUpdater, read_replicas
+from epd.gateway.replica_list import (
+    ReplicaFileError,
+    ReplicaListWatcher,
+    ReplicaUpdater,
+    look_up,
+    read_replicas,
+)
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
 from epd.transport.auth import ApiKeyInterceptor
 from epd.transport.remote_stages import (
@@ -48,7 +54,7 @@ async def resolved_replicas(config: GatewayConfig) -> ReplicaSets:
     """The stages' replica lists at start, each `dns:///` name looked up (`epd.gateway.dns_replicas`).
     ReplicaFileError when the replica file is unusable."""
     sets = ReplicaSets(stage_addresses(config))
-    await ReplicaUpdater({}, sets).resolve()
+    await look_up(sets, sets.names())
     return sets
 
 

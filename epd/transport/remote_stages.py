@@ -119,6 +119,10 @@ class ReplicaPool:
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._by_address[address]
 
+    def server_name(self, address: str) -> str:
+        """The name `address`'s TLS certificate is checked against ("": the address itself)."""
+        return self._server_names.get(address, "")
+
     def set_addresses(
         self, addresses: Sequence[str], server_names: Mapping[str, str] | None = None
     ) -> tuple[list[str], list[str]]:
@@ -391,8 +395,10 @@ class RemotePrefillStage(PrefillStage):
             return
         channel = self._kv_channels.get(handle.kv_address)
         if channel is None:
-            # The address came from our own prefill server's answer, never from a client.
-            channel = traced_channel(handle.kv_address)
+            # The address came from our own prefill server's answer, never from a client. A pod
+            # advertises its IP, which no certificate names: when the IP is a replica the gateway
+            # resolved from a `dns:///` name, its certificate is checked against that name.
+            channel = traced_channel(handle.kv_address, server_name=self.pool.server_name(handle.kv_address))
             self._kv_channels[handle.kv_address] = channel
         stub = prefill_pb2_grpc.PrefillServiceStub(channel)
         try:

@@ -19,10 +19,12 @@ from epd.gateway.config import GatewayConfig
 from epd.gateway.dns_replicas import DnsName, ReplicaSets, parse_dns_entry, replica_address
 from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, ReplicaUpdater, parse_replicas
 from epd.gateway.server import remote_pipeline, stage_pools, start
+from epd.stages.contracts import PrefillHandle
 from epd.stages.server_config import ServerConfig, TransportSecurity
 from epd.transport import security
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
 from epd.transport.server import create_server
+from epd.v1 import prefill_pb2
 
 ENCODER = "dns:///encoder-headless:50051"
 NAME = DnsName("encoder-headless", 50051)
@@ -117,7 +119,8 @@ def test_lookups_reach_the_pools_through_the_updater_and_a_blip_changes_nothing(
         try:
             await updater.refresh()
             assert pools["encoder"].addresses == ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.9:50051"]
-            assert pools["encoder"]._server_names["10.0.0.1:50051"] == "encoder-headless"
+            assert pools["encoder"].server_name("10.0.0.1:50051") == "encoder-headless"
+            assert pools["encoder"].server_name("10.0.0.9:50051") == ""
             # A pod goes, one comes: the same path as a reloaded replica file (added, removed).
             dns.answers["encoder_headless"] = ["10.0.0.2", "10.0.0.3"]
             await updater.refresh()
@@ -164,6 +167,33 @@ def test_the_updater_looks_names_up_again_every_interval_and_a_name_not_found_ye
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_with_no_refresh_interval_a_found_name_is_not_looked_up_again_but_a_missing_one_is():
+    dns = FakeDns(encoder_headless=["10.0.0.1"], prefill_headless=OSError("no pod ready"))
+
+    async def scenario():
+        pools = {"encoder": ReplicaPool([ENCODER]), "prefill": ReplicaPool(["dns:///prefill-headless:50052"])}
+        updater = ReplicaUpdater(pools, lookup=dns)
+        await updater.refresh()
+        task = asyncio.ensure_future(updater.run(interval_s=0))
+        try:
+            dns.answers["encoder_headless"] = ["10.0.0.7"]
+            dns.answers["prefill_headless"] = ["10.0.0.2"]
+            for _ in range(100):
+                if pools["prefill"].addresses == ["10.0.0.2:50052"]:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.2)  # past another retry period: the found names stay as they were
+            return {stage: pool.addresses for stage, pool in pools.items()}
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for pool in pools.values():
+                await pool.close()
+
+    assert asyncio.run(scenario()) == {"encoder": ["10.0.0.1:50051"], "prefill": ["10.0.0.2:50052"]}
+    assert dns.asked.count("encoder-headless") == 1 and dns.asked.count("prefill-headless") >= 2
 
 
 def test_a_name_the_replica_file_adds_is_looked_up_before_it_is_applied(tmp_path):
@@ -253,3 +283,45 @@ def test_a_resolved_address_is_checked_against_the_name_unless_the_operator_name
         security.configure(TransportSecurity())
     assert by_name == verified
     assert not by_ip  # the IP alone fails the check: the name is what makes it pass
+
+
+def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_the_name(tls_files):
+    """The gateway releases a KV cache no decoder took at the address its prefill pod advertised,
+    the pod's IP: where that IP is a replica resolved from `dns:///NAME`, the certificate is
+    checked against NAME (before, only an operator's --tls-server-name made the release pass, and
+    without it the cache stayed until --kv-ttl)."""
+    released: list[str] = []
+
+    async def release_kv(request: prefill_pb2.ReleaseKvRequest, context) -> prefill_pb2.ReleaseKvResult:
+        released.append(request.kv_handle)
+        return prefill_pb2.ReleaseKvResult(released=True)
+
+    service = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+    handler = grpc.method_handlers_generic_handler(service, {"ReleaseKv": grpc.unary_unary_rpc_method_handler(
+        release_kv, request_deserializer=prefill_pb2.ReleaseKvRequest.FromString,
+        response_serializer=prefill_pb2.ReleaseKvResult.SerializeToString)})  # fmt: skip
+    server_security = TransportSecurity(tls_cert=tls_files["cert"], tls_key=tls_files["key"])
+
+    async def scenario():
+        hs = await create_server(ServerConfig(security=server_security),
+                                 lambda s: s.add_generic_rpc_handlers((handler,)), [])  # fmt: skip
+        pool = ReplicaPool([f"dns:///stage.epd.test:{hs.port}"])
+        stage = RemotePrefillStage(pool, timeout_s=5)
+        try:
+            await ReplicaUpdater({"prefill": pool}, lookup=FakeDns(**{"stage.epd.test": ["127.0.0.1"]})).refresh()
+            handle = PrefillHandle(first_token_id=0, num_prompt_tokens=1, num_cached_tokens=1,
+                                   next_position_ids=[1, 1, 1, 1], kv_num_bytes=0, prefill_ms=0.0,
+                                   kv_handle="h1", kv_address=f"127.0.0.1:{hs.port}")  # fmt: skip
+            await stage.release(handle, "r1")
+        finally:
+            await pool.close()
+            for channel in stage._kv_channels.values():
+                await channel.close()
+            await hs.stop(0)
+
+    security.configure(TransportSecurity(tls_ca=tls_files["ca"]))
+    try:
+        asyncio.run(scenario())
+    finally:
+        security.configure(TransportSecurity())
+    assert released == ["h1"]
