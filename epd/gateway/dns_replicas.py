@@ -149,7 +149,10 @@ class ReplicaSets:
 
     def record(self, name: DnsName, found: Sequence[str] | OSError) -> str | None:
         """One lookup's outcome: the IP addresses found, or the OSError it raised. Returns a line
-        for the log when the name's state changed (it stopped resolving, or resolved again)."""
+        for the log when the name's state changed (it stopped resolving, or resolved again). A name
+        no stage lists any more (the replica file changed during the lookup) is not recorded."""
+        if name not in self.names():
+            return None
         if isinstance(found, OSError) or not found:
             why = "resolves to no address" if not isinstance(found, OSError) else (
                 f"does not resolve ({found.strerror or found})")

@@ -91,6 +91,7 @@ def test_a_reconfigured_stage_forgets_the_names_it_no_longer_lists():
     sets.record(NAME, ["10.0.0.1"])
     sets.configure({"encoder": ["e:1"]})
     assert sets.names() == [] and sets.expanded("prefill").addresses == ("p:2",)
+    assert sets.record(NAME, ["10.0.0.2"]) is None and sets.pending() == []  # a lookup that was under way
     sets.configure({"encoder": [ENCODER]})
     assert sets.never_looked_up() == [NAME] and sets.expanded("encoder").addresses == (ENCODER,)
 
