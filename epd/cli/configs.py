@@ -216,6 +216,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         body_timeout_s=args.body_timeout,
         stage_check_interval_s=args.stage_check_interval,
         replicas_file=args.replicas_file,
+        dns_refresh_interval_s=args.dns_refresh_interval,
         routing=args.routing,
         stage_attempt_timeout_s=args.stage_attempt_timeout,
         load_refresh_interval_s=args.load_refresh_interval,

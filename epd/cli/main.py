@@ -466,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "encode and prefill sharing its cores go first (first tokens sooner, the "
                                 f"tokens after them later; the stack's --schedule ttft-first gives "
                                 f"{TTFT_FIRST_DECODE_NICE})")
+    from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S
+
     gw = roles.add_parser("gateway", help="run the front door")
     gw.set_defaults(allocator=None)  # no model, no torch: not the `serve` parser's --allocator default
     add_server_flags(gw, GATEWAY_PORT)
@@ -489,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--replicas-file", default="", metavar="PATH",
                     help='JSON/YAML {"encoder": [...], "prefill": [...], "decode": [...]} replacing the '
                          "address flags for the stages it names; re-read when it changes and on SIGHUP")
+    gw.add_argument("--dns-refresh-interval", type=_seconds, default=DNS_REFRESH_INTERVAL_S, metavar="SECONDS",
+                    help="seconds between lookups of dns:///NAME:PORT stage addresses, each routed as one replica "
+                         "per address NAME resolves to (0 = a name found is not looked up again)")
     gw.add_argument("--routing", choices=("affinity", "round-robin"), default="affinity",
                     help="affinity: a video's calls go to the replicas holding its caches (unless "
                          "overloaded), others to the least loaded; round-robin: every call in turn")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S, parse_dns_entry
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.server_config import ServerConfig, is_loopback
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -151,12 +152,25 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.body_timeout_s > 0:
             raise ValueError(f"--body-timeout must be > 0 seconds, got {self.body_timeout_s}")
+        if not self.dns_refresh_interval_s >= 0:
+            raise ValueError(f"--dns-refresh-interval must be >= 0 seconds, got {self.dns_refresh_interval_s}")
+        for flag, addresses in (("--encoder", self.encoder_addresses), ("--prefill", self.prefill_addresses),
+                                ("--decode", self.decode_addresses)):
+            for address in addresses:
+                try:
+                    parse_dns_entry(address)
+                except ValueError as exc:
+                    raise ValueError(f"{flag}: {exc}") from None
     replicas_file: str = ""
     """A JSON/YAML file {"encoder": [...], "prefill": [...], "decode": [...]} whose lists replace
     the addresses above for the stages it names, re-read when it changes and on SIGHUP
     (`epd.gateway.replica_list`); "" = the addresses above, fixed."""
     replicas_poll_interval_s: float = 1.0
     """How often the replica file's modification time is looked at."""
+    dns_refresh_interval_s: float = DNS_REFRESH_INTERVAL_S
+    """Seconds between lookups of the `dns:///NAME:PORT` stage addresses, each expanded into one
+    replica per address NAME resolves to (`epd.gateway.dns_replicas`, which says why 10 s); 0 = a
+    name found is not looked up again (one not found yet still is, every second)."""
     routing: str = "affinity"
     """"affinity": media calls to their rendezvous home unless it is overloaded, other calls to
     the least loaded replica; "round-robin": every call in turn (a baseline for benchmarks)."""

@@ -23,9 +23,10 @@ an added replica has samples from the next scrape, a removed one none, and one t
 back is read over its new channel (the channel of its first listing closed when it was taken out).
 
 A source that does not answer has no samples in that scrape, and `epd_load_scrape_errors_total`
-counts it; a replica's error series goes when the replica leaves its pool. A replica address that
-is a DNS name over several pods (a headless Service) is one source: each scrape sees the pod its
-channel picks.
+counts it; a replica's error series goes when the replica leaves its pool. A `dns:///` name is one
+source per address it resolves to (`epd.gateway.dns_replicas`), labelled by that address; a plain
+name over several pods, which gRPC balances, is one source: each scrape sees the pod its channel
+picks.
 """
 
 from __future__ import annotations

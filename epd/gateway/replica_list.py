@@ -13,8 +13,12 @@ half-written is not) and on SIGHUP, and applies it to the stages' replica pools:
 calls from the next request (it joins healthy; the health checks take it out if it does not
 serve), a removed one gets no new calls and its channel closes when its calls end. A file that
 does not parse, names an unknown stage or leaves a stage with no address is refused as a whole:
-the log says why and routing stays as it was. A `dns:///name:port` address keeps working as a
-single replica whose channel balances over every address behind the name.
+the log says why and routing stays as it was. A `dns:///NAME:PORT` address stands for the
+addresses NAME resolves to, one replica each (`epd.gateway.dns_replicas`).
+
+`ReplicaUpdater` is the one path by which the pools' lists change: the file's lists (`configure`)
+and the lookups of the `dns:///` names (`refresh`, every `--dns-refresh-interval` seconds) both end
+in `apply`, which gives each pool its stage's list as configured with every name expanded.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ from pathlib import Path
 
 import yaml
 
+from epd.gateway.dns_replicas import (
+    PENDING_RETRY_S,
+    DnsName,
+    Lookup,
+    ReplicaSets,
+    getaddrinfo_lookup,
+    parse_dns_entry,
+)
 from epd.transport.remote_stages import ReplicaPool
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,11 @@ def parse_replicas(text: str, source: str = "the replica file") -> dict[str, tup
         cleaned = tuple(dict.fromkeys(a.strip() for a in addresses if a.strip()))
         if not cleaned:
             raise ReplicaFileError(f"{source}: {stage} needs at least one address (leave it out to keep its flag's)")
+        for address in cleaned:
+            try:
+                parse_dns_entry(address)
+            except ValueError as exc:
+                raise ReplicaFileError(f"{source}: {stage}: {exc}") from None
         out[stage] = cleaned
     return out
 
@@ -75,17 +92,89 @@ def read_replicas(path: str | Path) -> dict[str, tuple[str, ...]]:
     return parse_replicas(text, f"the replica file {path}")
 
 
+class ReplicaUpdater:
+    """Keeps each stage's pool routing over its list as configured, `dns:///` names expanded to
+    the addresses they resolve to (`ReplicaSets`; the lookups run off the event loop)."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, ReplicaPool],
+        sets: ReplicaSets | None = None,
+        lookup: Lookup = getaddrinfo_lookup,
+    ) -> None:
+        self.pools = dict(pools)
+        self.sets = sets or ReplicaSets({stage: pool.addresses for stage, pool in self.pools.items()})
+        """Default: the pools' lists as they are, taken as configured (names not expanded yet)."""
+        self.lookup = lookup
+
+    async def resolve(self, names: list[DnsName] | None = None) -> None:
+        """Look `names` (default: every name listed) up and record what each found."""
+        await look_up(self.sets, self.sets.names() if names is None else names, self.lookup)
+
+    def apply(self) -> None:
+        """Give every pool its stage's list as it is now."""
+        for stage, pool in self.pools.items():
+            listed = self.sets.expanded(stage)
+            added, removed = pool.set_addresses(listed.addresses, listed.server_names)
+            if added or removed:
+                # WARNING, the default level: a change of topology belongs in every log.
+                log.warning("%s replicas now %s (added %s, removed %s)", stage, ", ".join(listed.addresses),
+                            ", ".join(added) or "none", ", ".join(removed) or "none")
+
+    async def refresh(self) -> None:
+        """Look every name up again and apply what changed."""
+        await self.resolve()
+        self.apply()
+
+    async def configure(self, lists: Mapping[str, tuple[str, ...]]) -> None:
+        """Route the stages in `lists` over those entries from now on (a reloaded replica file),
+        names it adds looked up first."""
+        self.sets.configure({stage: addresses for stage, addresses in lists.items() if stage in self.pools})
+        await self.resolve(self.sets.never_looked_up())
+        self.apply()
+
+    async def run(self, interval_s: float) -> None:
+        """Look every name up every `interval_s` (0: a name found is not looked up again), and the
+        names not found yet every PENDING_RETRY_S, until cancelled."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + interval_s
+        while True:
+            await asyncio.sleep(min(interval_s, PENDING_RETRY_S) if interval_s > 0 else PENDING_RETRY_S)
+            if interval_s > 0 and loop.time() >= due:
+                due = loop.time() + interval_s
+                await self.refresh()
+            elif pending := self.sets.pending():
+                await self.resolve(pending)
+                self.apply()
+
+
+async def look_up(sets: ReplicaSets, names: list[DnsName], lookup: Lookup = getaddrinfo_lookup) -> None:
+    """Look `names` up at once, each in a thread (getaddrinfo blocks), and record in `sets` what
+    each found; a change of a name's state is logged."""
+
+    async def one(name: DnsName) -> list[str] | OSError:
+        try:
+            return list(await asyncio.to_thread(lookup, name.host, name.port))
+        except OSError as exc:  # socket.gaierror included
+            return exc
+
+    outcomes = await asyncio.gather(*(one(name) for name in names))
+    for name, found in zip(names, outcomes):
+        if (change := sets.record(name, found)) is not None:
+            log.warning("%s", change)  # WARNING, the default level: a stage's replicas may depend on it
+
+
 class ReplicaListWatcher:
     """Applies the replica file to the pools now (`reload`) and whenever it changes (`run`)."""
 
     def __init__(
         self,
         path: str | Path,
-        pools: Mapping[str, ReplicaPool],
+        updater: ReplicaUpdater,
         poll_interval_s: float = POLL_INTERVAL_S,
     ) -> None:
         self.path = Path(path)
-        self.pools = dict(pools)
+        self.updater = updater
         self.poll_interval_s = poll_interval_s
         self._seen: tuple[int, int] | None = None
         self._settling: tuple[int, int] | None = None
@@ -99,7 +188,7 @@ class ReplicaListWatcher:
             return None
         return st.st_mtime_ns, st.st_size
 
-    def reload(self) -> bool:
+    async def reload(self) -> bool:
         """Re-read the file and apply it; False (and the reason logged) when it is refused."""
         self._seen = self._stamp()
         try:
@@ -107,15 +196,7 @@ class ReplicaListWatcher:
         except ReplicaFileError as exc:
             log.error("%s; routing stays as it was", exc)
             return False
-        for stage, addresses in lists.items():
-            pool = self.pools.get(stage)
-            if pool is None:
-                continue
-            added, removed = pool.set_addresses(list(addresses))
-            if added or removed:
-                # WARNING, the default level: a change of topology belongs in every log.
-                log.warning("%s replicas now %s (added %s, removed %s)", stage, ", ".join(addresses),
-                         ", ".join(added) or "none", ", ".join(removed) or "none")
+        await self.updater.configure(lists)
         return True
 
     def changed(self) -> bool:
@@ -140,7 +221,7 @@ class ReplicaListWatcher:
                 if self._hup.is_set():
                     self._hup.clear()
                     log.info("SIGHUP: re-reading the replica file %s", self.path)
-                    self.reload()
+                    await self.reload()
                 elif self.changed():
                     # Applied once it has stopped changing for a poll: a file read while an editor
                     # or `cat > file` was writing it (cut at a line, still valid YAML) applied a
@@ -148,7 +229,7 @@ class ReplicaListWatcher:
                     stamp = self._stamp()
                     if stamp == self._settling:
                         self._settling = None
-                        self.reload()
+                        await self.reload()
                     else:
                         self._settling = stamp
         finally:

@@ -11,11 +11,18 @@ import logging
 
 from epd.gateway.admission import Admission
 from epd.gateway.config import GatewayConfig, open_without_key
+from epd.gateway.dns_replicas import ReplicaSets
 from epd.gateway.engine_load import watch_loads
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import InProcessHealth, StageHealth, watch_stages
-from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, read_replicas
+from epd.gateway.replica_list import (
+    ReplicaFileError,
+    ReplicaListWatcher,
+    ReplicaUpdater,
+    look_up,
+    read_replicas,
+)
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
 from epd.transport.auth import ApiKeyInterceptor
 from epd.transport.remote_stages import (
@@ -43,16 +50,28 @@ def stage_addresses(config: GatewayConfig) -> dict[str, tuple[str, ...]]:
     return addresses
 
 
-def remote_pipeline(config: GatewayConfig) -> Pipeline:
+async def resolved_replicas(config: GatewayConfig) -> ReplicaSets:
+    """The stages' replica lists at start, each `dns:///` name looked up (`epd.gateway.dns_replicas`).
+    ReplicaFileError when the replica file is unusable."""
+    sets = ReplicaSets(stage_addresses(config))
+    await look_up(sets, sets.names())
+    return sets
+
+
+def remote_pipeline(config: GatewayConfig, replicas: ReplicaSets | None = None) -> Pipeline:
+    """Stages calling the replicas of `replicas` (default: the configured lists, `dns:///` names
+    not looked up yet: `start` does that before it serves)."""
     t = config.stage_timeout_s
-    addresses = stage_addresses(config)
+    replicas = replicas or ReplicaSets(stage_addresses(config))
 
     def pool(stage: str) -> ReplicaPool:
+        listed = replicas.expanded(stage)
         return ReplicaPool(
-            addresses[stage],
+            listed.addresses,
             routing=config.routing,
             attempt_timeout_s=config.stage_attempt_timeout_s,
             max_excess_load=config.affinity_max_excess_load,
+            server_names=listed.server_names,
         )
 
     return Pipeline(
@@ -73,7 +92,10 @@ async def start(
     pipeline: Pipeline | None = None,
     admission: Admission | None = None,
     health: StageHealth | InProcessHealth | None = None,
+    replicas: ReplicaSets | None = None,
 ) -> HealthyServer:
+    """`replicas`: what `pipeline`'s pools were built from (`resolved_replicas`); default: their
+    lists as they are, `dns:///` names looked up here."""
     pipeline = pipeline or remote_pipeline(config)
     servicer = GatewayServicer(config, pipeline, admission)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
@@ -92,13 +114,19 @@ async def start(
     health = health or StageHealth(config, pools=pools)
     watch = watch_stages(hs, health, config.stage_check_interval_s)
     hs.background_tasks.append(asyncio.ensure_future(watch))
-    # Routing's inputs besides health: the replicas' loads, and the replica file when there is one.
+    # Routing's inputs besides health: the replicas' loads, the `dns:///` names' lookups and the
+    # replica file when there is one; the last two change the lists through one ReplicaUpdater.
     if pools and config.routing == "affinity":
         hs.background_tasks.append(asyncio.ensure_future(watch_loads(pools, config.load_refresh_interval_s)))
-    if pools and config.replicas_file:
-        watcher = ReplicaListWatcher(config.replicas_file, pools, config.replicas_poll_interval_s)
-        watcher.reload()  # the file as it is now (it may have changed since the pools were built)
-        hs.background_tasks.append(asyncio.ensure_future(watcher.run()))
+    if pools:
+        updater = ReplicaUpdater(pools, replicas)
+        if replicas is None:
+            await updater.refresh()
+        hs.background_tasks.append(asyncio.ensure_future(updater.run(config.dns_refresh_interval_s)))
+        if config.replicas_file:
+            watcher = ReplicaListWatcher(config.replicas_file, updater, config.replicas_poll_interval_s)
+            await watcher.reload()  # the file as it is now (it may have changed since the pools were built)
+            hs.background_tasks.append(asyncio.ensure_future(watcher.run()))
     return hs
 
 
@@ -112,9 +140,10 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
     signals = StopSignals()  # first: a signal while the servers start stops them cleanly
     metrics = GatewayMetrics()
     try:
-        stages = local or remote_pipeline(config)
+        replicas = None if local is not None else await resolved_replicas(config)
     except ReplicaFileError as exc:
         raise SystemExit(f"epd serve gateway: {exc}") from None
+    stages = local or remote_pipeline(config, replicas)
     pipeline = MeteredPipeline(stages, metrics)
     health = InProcessHealth() if local is not None else None
     admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
@@ -128,7 +157,7 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
             if config.server.security.tls_cert and any(not site.name.startswith("https") for site in http.runner.sites):
                 raise SystemExit("epd serve gateway: --tls-cert was given but the HTTP API (--http-port) serves "
                                  "plain HTTP: refusing to expose it unencrypted")
-        hs = await start(config, pipeline, admission, health)
+        hs = await start(config, pipeline, admission, health, replicas)
         # HTTP drains alongside gRPC, each for up to the grace period; a second signal cuts both.
         await serve_until_signal(hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None)
         http = None

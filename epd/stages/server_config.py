@@ -87,10 +87,11 @@ class ServerConfig:
     """TLS (mTLS) and the internal secret, of this server and of its channels to stages."""
     max_connection_age_s: float = MAX_CONNECTION_AGE_S
     """A stage server ends each client connection this long after it opened (an HTTP/2 GOAWAY:
-    calls in flight finish on it, new ones open a new connection); 0 = never. The gateway reaches
-    a scaled stage through one `dns:///name-headless:port` channel, and gRPC resolves the name
+    calls in flight finish on it, new ones open a new connection); 0 = never. A gateway given a
+    plain `name:port` for a scaled stage reaches it through one channel whose name gRPC resolves
     again only when a connection ends: without this, replicas added by `kubectl scale` got no
-    calls until some connection broke."""
+    calls until some connection broke. (A `dns:///` name the gateway resolves itself, on its
+    own schedule: `epd.gateway.dns_replicas`.)"""
 
     def __post_init__(self) -> None:
         if not self.max_connection_age_s >= 0:

@@ -1,8 +1,8 @@
 """Stages that call the gRPC services: the gateway's view of the disaggregated stack.
 
 Each stage holds one channel per replica address (client-side load balancing; in Kubernetes the
-addresses come from a headless Service, or from a replica file the gateway reloads,
-`epd.gateway.replica_list`). A call about media goes to the replica that rendezvous hashing of
+addresses are the pods a headless Service's `dns:///` name resolves to, `epd.gateway.dns_replicas`,
+or come from a replica file the gateway reloads, `epd.gateway.replica_list`). A call about media goes to the replica that rendezvous hashing of
 the media's sha256 picks among the healthy ones, unless that replica is overloaded; a call without
 media goes to the least loaded healthy replica (`epd.transport.affinity`).
 
@@ -21,7 +21,7 @@ encoder's embeddings to prefill and prefill's visual-entry mask to decode withou
 Cancelling a stage call (the gateway's request task is cancelled when its client goes away)
 cancels the RPC, and the service's handler is cancelled in turn. A KV cache is released at the
 prefill replica that holds it, by the address that replica advertised (`kv_address`), since a
-replica pool's channel may balance a call to another replica.
+replica address may stand for several (a plain name gRPC balances over).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import grpc
@@ -90,20 +90,23 @@ class ReplicaPool:
         routing: str = "affinity",
         attempt_timeout_s: float = 0.0,
         max_excess_load: int = MAX_EXCESS_LOAD,
+        server_names: Mapping[str, str] | None = None,
     ) -> None:
         self.chooser = ReplicaChooser(addresses, failure_hold_s, routing=routing, max_excess_load=max_excess_load)
         self.attempt_timeout_s = attempt_timeout_s
         """Longest one try may take before the next replica is tried (0: the whole deadline)."""
+        self._server_names = dict(server_names or {})
+        """address -> the name its TLS certificate is checked against, for an address the gateway
+        resolved from a `dns:///NAME:PORT` entry (NAME; `epd.gateway.dns_replicas`)."""
         self._by_address = {a: self._open(a) for a in self.chooser.replicas}
         self._retired: dict[str, grpc.aio.Channel] = {}  # removed replicas with calls still open
         self._closing: set[asyncio.Future] = set()
 
-    @staticmethod
-    def _open(address: str) -> grpc.aio.Channel:
-        # round_robin: a `dns:///name-headless:port` target spreads calls over every replica
-        # behind the name (gRPC's default pick_first would send all of them to one).
+    def _open(self, address: str) -> grpc.aio.Channel:
+        # round_robin: a target gRPC resolves itself (a plain `name:port`) spreads calls over every
+        # address behind the name (gRPC's default pick_first would send all of them to one).
         options = [*channel_options(), *RECONNECT_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
-        return traced_channel(address, options)
+        return traced_channel(address, options, server_name=self._server_names.get(address, ""))
 
     @property
     def addresses(self) -> list[str]:
@@ -116,9 +119,17 @@ class ReplicaPool:
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._by_address[address]
 
-    def set_addresses(self, addresses: Sequence[str]) -> tuple[list[str], list[str]]:
-        """Route over `addresses` from now on (a reloaded replica list); returns (added, removed).
-        A removed replica's channel closes once the calls open on it end."""
+    def server_name(self, address: str) -> str:
+        """The name `address`'s TLS certificate is checked against ("": the address itself)."""
+        return self._server_names.get(address, "")
+
+    def set_addresses(
+        self, addresses: Sequence[str], server_names: Mapping[str, str] | None = None
+    ) -> tuple[list[str], list[str]]:
+        """Route over `addresses` from now on (a reloaded replica list, a name resolved again);
+        returns (added, removed). A removed replica's channel closes once the calls open on it end.
+        `server_names`: as in the constructor, for the addresses added."""
+        self._server_names = dict(server_names or {})
         added, removed = self.chooser.set_replicas(addresses)
         for a in added:
             self._by_address[a] = self._retired.pop(a, None) or self._open(a)
@@ -384,8 +395,10 @@ class RemotePrefillStage(PrefillStage):
             return
         channel = self._kv_channels.get(handle.kv_address)
         if channel is None:
-            # The address came from our own prefill server's answer, never from a client.
-            channel = traced_channel(handle.kv_address)
+            # The address came from our own prefill server's answer, never from a client. A pod
+            # advertises its IP, which no certificate names: when the IP is a replica the gateway
+            # resolved from a `dns:///` name, its certificate is checked against that name.
+            channel = traced_channel(handle.kv_address, server_name=self.pool.server_name(handle.kv_address))
             self._kv_channels[handle.kv_address] = channel
         stub = prefill_pb2_grpc.PrefillServiceStub(channel)
         try:

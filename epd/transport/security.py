@@ -138,19 +138,22 @@ def stage_channel(
     target: str,
     options: Sequence[tuple[str, Any]] | None = None,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    server_name: str = "",
 ) -> grpc.aio.Channel:
     """A channel to a stage, secured as `configure` said: TLS when a CA is set, the internal
-    secret on every call when one is set."""
+    secret on every call when one is set. The server's certificate is checked against the
+    operator's --tls-server-name when set, else `server_name` when given (the DNS name the gateway
+    resolved `target`, an IP address, from), else the host of `target`."""
     client = _client
     if client.secret:
         secret = client.secret
         interceptors = [*interceptors, _SecretUnaryUnary(secret), _SecretUnaryStream(secret),
                         _SecretStreamUnary(secret), _SecretStreamStream(secret)]
     opts = list(options or ())
-    if client.server_name:
-        opts.append(("grpc.ssl_target_name_override", client.server_name))
     if client.credentials is None:
         return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
+    if name := client.server_name or server_name:
+        opts.append(("grpc.ssl_target_name_override", name))
     return grpc.aio.secure_channel(target, client.credentials, options=opts, interceptors=interceptors)
 
 

@@ -42,12 +42,15 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
-def traced_channel(target: str, options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+def traced_channel(
+    target: str, options: Sequence[tuple[str, Any]] | None = None, server_name: str = ""
+) -> grpc.aio.Channel:
     """A channel to a stage whose calls carry the caller's request id (`x-request-id`) and, with
     OpenTelemetry on, its trace context (`epd.transport.tracing`); TLS and the internal secret
-    as this process was configured (`epd.transport.security.configure`)."""
+    as this process was configured (`epd.transport.security.configure`), the certificate checked
+    against `server_name` (`security.stage_channel`)."""
     return security.stage_channel(
-        target, channel_options() if options is None else options, tracing.client_interceptors()
+        target, channel_options() if options is None else options, tracing.client_interceptors(), server_name
     )
 
 
@@ -117,7 +120,7 @@ async def create_server(
     # port already in use and silently share its connections (two models behind one address).
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
     if not public and config.max_connection_age_s > 0:
-        # Callers reconnect, and so resolve a headless Service's name again (ServerConfig's doc);
+        # Callers reconnect, and so gRPC resolves a plain Service name again (ServerConfig's doc);
         # the grace after the GOAWAY is left unlimited, so no call in flight is cut.
         options.append(("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)))
     tracing.setup_otel_from_env("epd-" + (service_names[0].rsplit(".", 1)[-1] if service_names else "server"))

@@ -107,9 +107,12 @@ def check_stack(doc: dict) -> list[str]:
     gateway = services["gateway"]
     for role in STAGES:
         for address in getattr(cfgs["gateway"], f"{role}_addresses"):
-            host, _, port = address.rpartition(":")
+            host, _, port = address.removeprefix("dns:///").rpartition(":")
             if host != role or int(port) != cfgs[role].server.port:
                 problems.append(f"gateway --{role} {address}: {role} listens at {role}:{cfgs[role].server.port}")
+            elif not address.startswith("dns:///"):  # else gRPC balances the replicas: one to the router
+                problems.append(f"gateway --{role} {address}: write dns:///{address}, so that the gateway routes "
+                                "each replica behind the name")
         if ((gateway.get("depends_on") or {}).get(role) or {}).get("condition") != "service_healthy":
             problems.append(f"gateway must depend on {role} with condition service_healthy")
     advertised = cfgs["prefill"].advertise_address
@@ -361,8 +364,10 @@ MUTATIONS = [
     ("stage missing", lambda d: d["services"].pop("decode"), "no service runs `epd serve decode`"),
     ("loopback bind", _cmd("prefill", "0.0.0.0", "127.0.0.1"), "must bind 0.0.0.0"),
     ("port not exposed", _cmd("encoder", "50051", "50061"), "port 50061 is neither exposed"),
-    ("gateway -> wrong host", _cmd("gateway", "encoder:50051", "prefill:50051"), "encoder listens at"),
-    ("gateway -> wrong port", _cmd("gateway", "decode:50053", "decode:50052"), "decode listens at"),
+    ("gateway -> wrong host", _cmd("gateway", "dns:///encoder:50051", "dns:///prefill:50051"), "encoder listens at"),
+    ("gateway -> wrong port", _cmd("gateway", "dns:///decode:50053", "dns:///decode:50052"), "decode listens at"),
+    ("gateway -> one replica per name", _cmd("gateway", "dns:///encoder:50051", "encoder:50051"),
+     "write dns:///encoder:50051"),
     ("advertise loopback", _cmd("prefill", "prefill:50052", "127.0.0.1:50052"), "prefill advertises"),
     ("allow-list refuses prefill", _cmd("decode", "prefill:50052", "prefill-old:*"), "refuses prefill:50052"),
     ("allow-list admits any port", _cmd("decode", "prefill:50052", "prefill:*"), "admits prefill:22"),

@@ -134,6 +134,9 @@ def check_manifests(objs: list[dict]) -> list[str]:
                 problems.append(f"gateway --{role} {address}: not a headless Service of {role}")
             elif target not in ("grpc", grpc_port):
                 problems.append(f"gateway --{role} {address}: {host} does not forward port {port} to {grpc_port}")
+            elif not address.startswith("dns:///"):  # else gRPC balances the pods: one replica to the router
+                problems.append(f"gateway --{role} {address}: write dns:///{address}, so that the gateway routes "
+                                "each pod behind the name")
     advertised, own = cfgs["prefill"].advertise_address, f"{POD_IP}:{cfgs['prefill'].server.port}"
     if advertised != own:
         problems.append(f"prefill advertises {advertised!r}; each pod must advertise its own IP:port ({own!r})")
@@ -251,6 +254,8 @@ MUTATIONS = [
     ("gateway -> ClusterIP", _arg("gateway", "--decode", "decode:50053"), "not a headless Service of decode"),
     ("gateway -> wrong port", _arg("gateway", "--prefill", "dns:///prefill-headless:50051"),
      "does not forward port 50051"),
+    ("gateway -> one replica per name", _arg("gateway", "--encoder", "encoder-headless:50051"),
+     "write dns:///encoder-headless:50051"),
     ("advertise a Service", _arg("prefill", "--advertise-address", "prefill:50052"), "must advertise its own IP"),
     ("POD_IP not defined", _c("prefill", lambda c: c.pop("env")), "must advertise its own IP"),
     ("allow-list refuses prefill", _arg("decode", "--allow-kv-from", "prefill:*"), "refuses 10.244.3.17:50052"),

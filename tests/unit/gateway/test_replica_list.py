@@ -10,7 +10,7 @@ import os
 import pytest
 
 from epd.gateway.config import GatewayConfig
-from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, parse_replicas
+from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, ReplicaUpdater, parse_replicas
 from epd.gateway.server import stage_addresses
 from epd.transport.remote_stages import ReplicaPool
 
@@ -54,9 +54,9 @@ def test_the_watcher_applies_changes_and_keeps_routing_on_a_bad_file(tmp_path):
 
     async def scenario():
         pools = {"encoder": ReplicaPool(["e1:1"]), "decode": ReplicaPool(["d1:3"])}
-        watcher = ReplicaListWatcher(path, pools, poll_interval_s=0.05)
+        watcher = ReplicaListWatcher(path, ReplicaUpdater(pools), poll_interval_s=0.05)
         try:
-            assert watcher.reload() and not watcher.changed()
+            assert await watcher.reload() and not watcher.changed()
             task = asyncio.ensure_future(watcher.run(install_sighup=False))
             path.write_text("encoder: [e1:1, e2:1]\ndecode: [d2:3]\n")
             os.utime(path, ns=(1, 10**18))  # a new mtime even on a coarse clock
@@ -81,12 +81,12 @@ def test_the_watcher_applies_changes_and_keeps_routing_on_a_bad_file(tmp_path):
 
 _SIGHUP_AFTER_THE_WATCHER = """
 import asyncio, os, signal, sys
-from epd.gateway.replica_list import ReplicaListWatcher
+from epd.gateway.replica_list import ReplicaListWatcher, ReplicaUpdater
 from epd.transport.remote_stages import ReplicaPool
 
 async def main():
     pool = ReplicaPool(["e1:1"])
-    watcher = ReplicaListWatcher(sys.argv[1], {"encoder": pool}, poll_interval_s=0.05)
+    watcher = ReplicaListWatcher(sys.argv[1], ReplicaUpdater({"encoder": pool}), poll_interval_s=0.05)
     task = asyncio.ensure_future(watcher.run())
     await asyncio.sleep(0.2)
     task.cancel()  # the gateway's stop begins: its background tasks end, the drain goes on
@@ -126,14 +126,14 @@ def test_a_file_caught_half_written_is_not_applied(tmp_path):
         applied: list[list[str]] = []
         set_addresses = pool.set_addresses
 
-        def recording(addresses):
+        def recording(addresses, server_names=None):
             applied.append(list(addresses))
-            return set_addresses(addresses)
+            return set_addresses(addresses, server_names)
 
         pool.set_addresses = recording  # type: ignore[method-assign]
-        watcher = ReplicaListWatcher(path, {"encoder": pool}, poll_interval_s=0.2)
+        watcher = ReplicaListWatcher(path, ReplicaUpdater({"encoder": pool}), poll_interval_s=0.2)
         try:
-            watcher.reload()
+            await watcher.reload()
             applied.clear()
             task = asyncio.ensure_future(watcher.run(install_sighup=False))
             path.write_text("encoder: [e1:1]\n")  # the writer has written its first line so far
