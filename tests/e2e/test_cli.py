@@ -21,7 +21,20 @@ def run_epd(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-EMBEDDED_JSON: dict = {}
+def embedded_ask_args(tiny_models, media_files) -> list[str]:
+    """`epd ask` embedded on the clip, 8 frames, 12 tokens, --json."""
+    return ["ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
+            "--num-frames", "8", "--max-new-tokens", "12", "--json"]
+
+
+@pytest.fixture(scope="module")
+def embedded_json(tiny_models, media_files) -> dict:
+    """What `embedded_ask_args` prints: run once (a process that imports torch and loads the model,
+    ~10 s on two cores) for the three tests that read it: its own fields, the stack's answer to the
+    same request (the same fields), and the pruned run's savings (the unpruned side)."""
+    proc = run_epd(*embedded_ask_args(tiny_models, media_files))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +43,8 @@ def expected(tiny_models, media_files):
     return reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, 12)
 
 
-def test_ask_embedded_json(tiny_models, media_files, expected):
-    proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
-                   "--num-frames", "8", "--max-new-tokens", "12", "--json")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    EMBEDDED_JSON.update(out)
+def test_ask_embedded_json(embedded_json, expected):
+    out = embedded_json
     assert out["token_ids"] == expected
     assert out["num_frames"] == 8
     assert out["num_visual_tokens"] > 0
@@ -89,7 +98,7 @@ def test_ask_missing_file_fails_clearly(tmp_path):
     assert "no such file" in proc.stderr
 
 
-def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
+def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json, tmp_path):
     """The stack as a user starts it; with the default --allocator auto its model services run on
     tcmalloc where the machine has it (CI installs it), on glibc's malloc where not."""
     ports = [free_port() for _ in range(4)]
@@ -118,10 +127,9 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, tmp_path):
         assert out["token_ids"] == expected
         assert out["kv_num_bytes"] > 0
         # Both modes print the SDK's result: the same fields (the demo model's notice aside).
-        if EMBEDDED_JSON:
-            assert set(out) == set(EMBEDDED_JSON) - {"notice"}
-            assert out["grid_thw"] == EMBEDDED_JSON["grid_thw"]
-            assert set(out["timings_ms"]) == set(EMBEDDED_JSON["timings_ms"])
+        assert set(out) == set(embedded_json) - {"notice"}
+        assert out["grid_thw"] == embedded_json["grid_thw"]
+        assert set(out["timings_ms"]) == set(embedded_json["timings_ms"])
         assert {e["stage"] for e in out["events"]} == {"upload", "video_decode", "encode", "prefill",
                                                        "kv_transfer", "generate"}  # fmt: skip
     finally:
@@ -179,11 +187,10 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
     assert not is_serving(f"127.0.0.1:{grpc_port}", timeout_s=0.5)
 
 
-def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files):
-    common = ["ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
-              "--num-frames", "8", "--max-new-tokens", "6", "--json"]
-    off = json.loads(run_epd(*common).stdout)
-    proc = run_epd(*common, "--pruning", "balanced", "--pruning-knob", "prefill_drop_layer=1")
+def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files, embedded_json):
+    off = embedded_json  # the same request without --pruning
+    proc = run_epd(*embedded_ask_args(tiny_models, media_files), "--pruning", "balanced",
+                   "--pruning-knob", "prefill_drop_layer=1")
     assert proc.returncode == 0, proc.stderr
     on = json.loads(proc.stdout)
     assert off["pruning"]["stages"] == []

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -185,29 +186,53 @@ def test_ttft_first_runs_the_stacks_decoder_at_a_lower_cpu_priority(tiny_models,
         launcher.wait(timeout=60)
 
 
-def test_a_killed_launcher_leaves_nothing_running(tiny_models, tmp_path):
-    """SIGKILL gives the launcher no chance to stop anything: the zygote ends when the launcher's end of
-    its pipe closes, the services when their parent ends (PR_SET_PDEATHSIG), the gateway likewise."""
-    launcher, children = _start_stack(tiny_models, tmp_path)
+@dataclass
+class KilledLauncher:
+    """What a stack whose launcher got SIGKILL left once its processes had 20 s to end, seen then."""
+
+    survivors: list[str]  # the command lines of its processes still running
+    files_dir: Path  # its TMPDIR
+    left: list[Path]  # its files directory (epd-stack-PID-*) and its threads board, where they were found
+    found: list[str]  # which of those existed, and the internal secret in the files directory
+
+
+@pytest.fixture(scope="module")
+def killed_launcher(tiny_models, tmp_path_factory) -> KilledLauncher:
+    """One killed stack (~10 s to start on two cores) for the two tests below, which only read what
+    it left, as it was right after the kill. Only a launcher removes a dead one's files, so the
+    second test's own launcher is the first to, unless another test's started meanwhile (then that
+    one did, and the second test still sees them gone)."""
+    tmp = tmp_path_factory.mktemp("killed_launcher")
+    files_dir = tmp / "tmp"
+    files_dir.mkdir()
+    launcher, children = _start_stack(tiny_models, tmp, tmpdir=files_dir)
     launcher.kill()
     launcher.wait(timeout=10)
     _, alive = psutil.wait_procs(children, timeout=20)
-    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
+    survivors = []
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() != psutil.STATUS_ZOMBIE:
+                survivors.append(" ".join(child.cmdline()[:6]))
+    left = [*files_dir.glob(f"epd-stack-{launcher.pid}-*"), board_directory() / f"epd-threads-{launcher.pid}.board"]
+    found = [path.name for path in left if path.exists()]
+    if left and (left[0] / "internal-secret").exists():
+        found.append("internal-secret")
+    return KilledLauncher(survivors, files_dir, left, found)
 
 
-def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, tmp_path):
+def test_a_killed_launcher_leaves_nothing_running(killed_launcher):
+    """SIGKILL gives the launcher no chance to stop anything: the zygote ends when the launcher's end of
+    its pipe closes, the services when their parent ends (PR_SET_PDEATHSIG), the gateway likewise."""
+    assert killed_launcher.survivors == []
+
+
+def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, killed_launcher, tmp_path):
     """A killed launcher leaves its files directory (the internal secret) and its /dev/shm threads
     board; the next launcher removes them (their launcher pid no longer runs), and its own go with
     it when it stops."""
-    files_dir = tmp_path / "tmp"
-    files_dir.mkdir()
-    first, children = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
-    first.kill()
-    first.wait(timeout=10)
-    psutil.wait_procs(children, timeout=20)
-    left = [*files_dir.glob(f"epd-stack-{first.pid}-*"), board_directory() / f"epd-threads-{first.pid}.board"]
-    assert len(left) == 2 and all(path.exists() for path in left), left
-    assert (left[0] / "internal-secret").exists()
+    files_dir, left = killed_launcher.files_dir, killed_launcher.left
+    assert len(left) == 2 and killed_launcher.found == [path.name for path in left] + ["internal-secret"], left
 
     second, _ = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
     try:

@@ -38,9 +38,16 @@ def stack(shared_stack):
     return shared_stack
 
 
-def test_rss_returns_to_idle_after_a_large_request(stack, media_files, tmp_path):
-    # 64 frames of 1280x720 are ~180 MB of RGB: more than 10% of any process's idle RSS.
-    big = Path(make_video(tmp_path / "big.mp4", size=(1280, 720), fps=30.0, seconds=3.0, gop=30))
+@pytest.fixture(scope="module")
+def big_clip(tmp_path_factory) -> Path:
+    """64 frames of 1280x720 are ~180 MB of RGB: more than 10% of any process's idle RSS. Both tests
+    only read it: made once."""
+    return Path(make_video(tmp_path_factory.mktemp("big") / "big.mp4", size=(1280, 720), fps=30.0, seconds=3.0,
+                           gop=30))
+
+
+def test_rss_returns_to_idle_after_a_large_request(stack, media_files, big_clip):
+    big = big_clip
     with EpdClient(stack.gateway, timeout_s=300) as client:
         for _ in range(2):  # first requests allocate what every later one reuses (kernels, pools)
             client.ask(media_files["mp4"], QUESTION, num_frames=8, max_new_tokens=4)
@@ -62,10 +69,10 @@ def test_rss_returns_to_idle_after_a_large_request(stack, media_files, tmp_path)
     assert grown == {}, f"RSS still above idle + {MAX_GROWTH:.0%} after a large request: {grown}"
 
 
-def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(tiny_models, media_files, tmp_path):
+def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(tiny_models, media_files, big_clip):
     """tcmalloc keeps freed spans for reuse: without the idle release the colocated server stayed
     ~190 MB (about a fifth) above idle after this request."""
-    big = Path(make_video(tmp_path / "big.mp4", size=(1280, 720), fps=30.0, seconds=3.0, gop=30))
+    big = big_clip
     port = free_port()
     env = child_env()
     env.pop("LD_PRELOAD", None)  # the server's own choice (--allocator auto), not the test runner's

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ from epd.cli.health import is_serving
 from epd.client import EpdClient
 from epd.client.retry import RetryPolicy
 from epd.client.types import EpdError
-from tests.stack import ROOT, Stack, child_env, free_port
+from tests.stack import Stack, free_port, zygote
 
 MESSAGE = re.compile(r"^decode stage unavailable \(request id [0-9a-f]+\)$")
 
@@ -87,11 +86,9 @@ def test_a_dead_decode_stage_is_reported_truthfully_and_recovers(tiny_models, me
         health_body = health.value.read().decode()
         assert "decode" in health_body and "127.0.0.1" not in health_body
 
-        log = open(tmp_path / "logs" / "decode-restarted.log", "w")  # noqa: SIM115 - closed below
-        stack.procs["decode"] = subprocess.Popen(
-            stack.command("decode"), stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT
-        )
-        log.close()  # the child holds its own copy
+        # Restarted as `epd serve` restarts a replica: forked again from the zygote, on its port.
+        stack.procs["decode"] = zygote().start("decode", stack.command("decode")[3:], stack.env,
+                                               str(tmp_path / "logs" / "decode-restarted.log"))
         assert wait_until(lambda: is_serving(stack.gateway, timeout_s=1.0), 120), "gateway did not recover"
         status, body = chat(http_port, media_files["mp4"])
         assert status == 200, body
