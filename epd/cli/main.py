@@ -376,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER_PORT
     from epd.gateway.config import DEFAULT_PORT as GATEWAY_PORT
     from epd.gateway.config import MAX_CONCURRENT_STEPS, SCHEDULES, SharedModelSchedule, WebDemoConfig
+    from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
     from epd.prefill_svc.config import PrefillSchedulerConfig
 
@@ -466,8 +467,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 "encode and prefill sharing its cores go first (first tokens sooner, the "
                                 f"tokens after them later; the stack's --schedule ttft-first gives "
                                 f"{TTFT_FIRST_DECODE_NICE})")
-    from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S
-
     gw = roles.add_parser("gateway", help="run the front door")
     gw.set_defaults(allocator=None)  # no model, no torch: not the `serve` parser's --allocator default
     add_server_flags(gw, GATEWAY_PORT)

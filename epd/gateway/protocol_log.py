@@ -5,7 +5,8 @@ aiohttp logs every request it cannot parse (a bad header, a broken chunked body;
 inflates gzip and deflate bodies itself and refuses other encodings, `epd.gateway.http_body`) and
 every body it cannot drain after the answer as ERROR "Error handling request" / "Unhandled
 exception" with a traceback: three tracebacks for one broken gzip body, when aiohttp inflated it,
-so any client could fill the gateway's log at line rate and hide real errors. The API's own answer to such a request is unchanged (a 400).
+so any client could fill the gateway's log at line rate and hide real errors. The API's own
+answer to such a request is unchanged (a 400).
 """
 
 from __future__ import annotations
