@@ -18,7 +18,8 @@ inside the middleware); pipeline errors go through `epd.transport.errors.status_
 so a status means the same thing on both APIs. A streamed answer sends its 200 only with the
 first token: bad media, limits and refusals still get their own HTTP status.
 
-Bodies are read under limits (epd/gateway/http_body.py): 413 past the body limit (derived from
+Bodies are JSON sent as `Content-Type: application/json` (else 415 before they are read, as vLLM
+refuses them), read under limits (epd/gateway/http_body.py): 413 past the body limit (derived from
 --max-upload-bytes) without reading the rest, 429 + Retry-After when the client already has
 --max-requests-per-client requests in flight or the process holds --max-inflight-body-bytes of
 bodies (epd/gateway/admission.py, shared with the gRPC API), 408 when the body has not all
@@ -57,6 +58,8 @@ from epd.gateway.http_body import (
     SUPPORTED_ENCODINGS,
     TICKET_KEY,
     defer_continue,
+    not_json_content_type,
+    not_json_content_type_message,
     read_json_body,
     unsupported_encoding,
     unsupported_encoding_message,
@@ -195,6 +198,9 @@ class HttpApi:
                 response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
                 # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
                 response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
+            elif request.method == "POST" and route in BODY_ROUTES \
+                    and (content_type := not_json_content_type(request)) is not None:
+                response = json_error(415, not_json_content_type_message(content_type), "invalid_request_error")
             elif request.method == "POST" and route in BODY_ROUTES:
                 # With API keys, also counted per key (checked just above): a tenant on many IPs.
                 key = bearer_token([("authorization", request.headers.get("Authorization", ""))])

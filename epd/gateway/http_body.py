@@ -10,6 +10,10 @@
        must arrive within `--body-timeout` (408). Bytes are reserved as they arrive, never as
        announced: two connections that announced the largest body and sent nothing held the
        whole default budget, with no time limit, and every other upload got 429;
+    0. its Content-Type must be application/json (`not_json_content_type`), else 415 before a
+       byte is read, as vLLM refuses it: text/plain, form and multipart bodies are what a page of
+       another site can POST without a CORS preflight, from browsers too old to send the
+       Sec-Fetch-Site header `browser_guard` reads;
     4a. a gzip or deflate body is inflated here (aiohttp's own decoding is off,
        `AIOHTTP_HANDLER_ARGS`), piece by piece, each piece counted as it comes; any other
        Content-Encoding is refused with 415 before a byte is read (`unsupported_encoding`);
@@ -93,6 +97,21 @@ AIOHTTP_HANDLER_ARGS = {"auto_decompress": False}
 """aiohttp's request handler leaves bodies as they came (`web.Application(handler_args=...)`):
 told `Content-Encoding: br` or `zstd` without their optional packages, aiohttp answered a plain-text
 400 of its own before any handler (no JSON, no request id); and bodies are inflated by `Inflater`."""
+
+
+def not_json_content_type(request: web.Request) -> str | None:
+    """The request's Content-Type when it is not application/json (any parameters, such as
+    charset, allowed; "" when the header is missing), None when it is: answered 415 before the
+    body is read."""
+    content_type = request.headers.get("Content-Type", "")
+    if content_type.split(";", 1)[0].strip().lower() == "application/json":
+        return None
+    return content_type
+
+
+def not_json_content_type_message(content_type: str) -> str:
+    got = f"Content-Type {content_type.strip()[:60]!r}" if content_type.strip() else "no Content-Type"
+    return f"the request body must be JSON sent with 'Content-Type: application/json' (got {got})"
 
 
 def unsupported_encoding(request: web.Request) -> str | None:

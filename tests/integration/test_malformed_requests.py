@@ -111,6 +111,8 @@ HTTP_CASES = [
     ("data URL not ASCII", CHAT, lambda url: json.dumps(chat(url + "\u00e9")).encode(), None, 400, "ASCII"),
     ("pruning knob NaN", CHAT, pruning_knob("kv_keep_ratio", float("nan")), None, 400, "kv_keep_ratio"),
     ("body not an object", CHAT, lambda url: b"[1, 2]", None, 400, "must be a JSON object"),
+    ("body sent as text/plain", CHAT, with_fields(), {**AUTH, "Content-Type": "text/plain"}, 415,
+     "'Content-Type: application/json'"),
     ("frames: fps NaN", "/demo/frames", frames(fps=float("nan")), None, 400, "'fps' must be a finite number"),
     ("frames: not UTF-8", "/demo/frames", lambda url: b'{"video_url": "\xff"}', None, 400, "not UTF-8"),
     ("frames: too deep", "/demo/frames", deeply_nested, None, 400, "too deeply"),

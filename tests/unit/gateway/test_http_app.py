@@ -15,6 +15,7 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 
 UPLOAD_LIMIT_BYTES = 1000
+JSON = {"Content-Type": "application/json"}
 
 
 async def _not_serving_decode() -> list[str]:
@@ -42,7 +43,7 @@ async def _status_and_json(resp: aiohttp.ClientResponse):
 def test_body_over_the_limit_is_413_json():
     async def post_big(session):
         # The limit is max_upload_bytes * 4/3 (base64) + 1 MiB of JSON.
-        async with session.post("/v1/chat/completions", data=b"x" * ((1 << 20) + 2000)) as resp:
+        async with session.post("/v1/chat/completions", data=b"x" * ((1 << 20) + 2000), headers=JSON) as resp:
             return await _status_and_json(resp)
 
     (status, body), metrics = asyncio.run(_requests("", post_big))
@@ -71,13 +72,43 @@ def test_unknown_route_and_bad_json_are_json_errors():
     async def calls(session):
         async with session.get("/v2/nothing") as resp:
             missing = await _status_and_json(resp)
-        async with session.post("/v1/chat/completions", data=b"{not json") as resp:
+        async with session.post("/v1/chat/completions", data=b"{not json", headers=JSON) as resp:
             bad = await _status_and_json(resp)
         return missing, bad
 
     (missing, bad), _ = asyncio.run(_requests("", calls))
     assert missing[0] == 404 and "error" in missing[1]
     assert bad[0] == 400 and "not valid JSON" in bad[1]["error"]["message"] and bad[1]["error"]["code"] == 400
+
+
+def test_a_body_not_sent_as_json_is_415_before_it_is_read():
+    """Any Content-Type was read as JSON (vLLM refuses all but application/json): text/plain, form
+    and multipart bodies are those a page of another site may POST without a CORS preflight, from
+    a browser too old to send the Sec-Fetch-Site header the browser guard reads."""
+    body = b'{"messages": []}'
+    content_types = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                     "application/octet-stream", None, "application/json; charset=utf-8", "Application/JSON"]
+
+    async def calls(session):
+        out = []
+        for content_type in content_types:
+            headers = {"Content-Type": content_type} if content_type else {}
+            for path in ("/v1/chat/completions", "/demo/frames"):
+                # aiohttp adds application/octet-stream to bytes unless told to skip the header.
+                async with session.post(path, data=body, headers=headers,
+                                        skip_auto_headers=() if content_type else ("Content-Type",)) as resp:
+                    out.append((path, content_type, resp.status, (await resp.json())["error"]["message"]))
+        return out
+
+    results, metrics = asyncio.run(_requests("", calls))
+    for path, content_type, status, message in results:
+        if content_type in ("application/json; charset=utf-8", "Application/JSON"):
+            assert status == 400 and "Content-Type" not in message, (path, content_type, message)  # read: a bad body
+        else:
+            assert status == 415, (path, content_type, status)
+            assert "must be JSON sent with 'Content-Type: application/json'" in message
+            assert (f"got Content-Type '{content_type}'" if content_type else "got no Content-Type") in message
+    assert metrics.value("epd_http_responses_total", route="/v1/chat/completions", code="415") == 5
 
 
 def test_health_names_the_stages_not_serving():

@@ -225,7 +225,7 @@ def test_many_concurrent_large_bodies_get_429s_or_answers_and_the_server_stays_u
         body = json.dumps({"messages": "x" * (MAX_BODY_BYTES - 100)}).encode()
 
         async def post(session):
-            async with session.post("/v1/chat/completions", data=body) as resp:
+            async with session.post("/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as resp:
                 return resp.status, resp.headers.get("Retry-After"), await resp.json()
 
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:

@@ -40,6 +40,7 @@ class EndlessAnswer(Pipeline):
             raise
 
 
+JSON = {"Content-Type": "application/json"}
 BODY = json.dumps({
     "stream": True,
     "messages": [{"role": "user", "content": [
@@ -55,7 +56,7 @@ async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> 
     config = GatewayConfig(server=ServerConfig(port=0, grace_s=grace_s), http=HttpApiConfig(port=0))
     http = await start_http_api(config, pipeline, GatewayMetrics())
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=BODY) as resp:
+        async with session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=BODY, headers=JSON) as resp:
             assert resp.status == 200
             await resp.content.readline()  # the first event: the answer is streaming
             hurry = asyncio.Event()
@@ -107,7 +108,7 @@ def test_an_answer_not_yet_begun_at_the_cut_is_a_503_to_retry():
         http = await start_http_api(config, EndlessAnswer(), GatewayMetrics())
         whole = json.dumps({**json.loads(BODY), "stream": False}).encode()
         async with aiohttp.ClientSession() as session:
-            answer = asyncio.ensure_future(session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=whole))
+            answer = asyncio.ensure_future(session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=whole, headers=JSON))
             await asyncio.sleep(0.3)  # it is being answered (the endless pipeline never ends it)
             await asyncio.wait_for(http.stop(0.5), timeout=30)
             async with await answer as resp:

@@ -103,7 +103,10 @@ def test_a_page_of_another_site_cannot_make_a_keyless_gateway_work(monkeypatch):
         out = {}
         for path in ("/demo/frames", "/v1/chat/completions"):
             for site in ("cross-site", "same-site", "same-origin", "none", None):
-                headers = {"Content-Type": "text/plain"} | ({"Sec-Fetch-Site": site} if site else {})
+                # text/plain: what a page may POST without a CORS preflight (refused 415 when not
+                # refused 403 first, so the calls the guard lets through send JSON).
+                content_type = "text/plain" if site in ("cross-site", "same-site") else "application/json"
+                headers = {"Content-Type": content_type} | ({"Sec-Fetch-Site": site} if site else {})
                 async with session.post(path, data=__import__("json").dumps(body), headers=headers) as resp:
                     out[path, site] = (resp.status, (await resp.json()).get("error", {}).get("message", ""))
         return out
