@@ -145,14 +145,29 @@ _UNSUPPORTED = {
     "logits_processors": ([],),
     "vllm_xargs": ({},),
     "priority": (0,),  # vLLM refuses it too unless it schedules by priority
+    # vLLM's too, and logged as unknown fields: `media_io_kwargs` sets how vLLM loads a video
+    # ({"video": {"num_frames": 16}}), the rest turn a model's thinking off, bound it, end an answer
+    # early or mark it, or ask for the rendered prompt back.
+    "media_io_kwargs": ({},),
+    "reasoning_effort": (),
+    "include_reasoning": (True,),
+    "thinking_token_budget": (),
+    "repetition_detection": (),
+    "watermarking": (False,),
+    "return_prompt_text": (False,),
 }
 """Fields of OpenAI's or vLLM's request that this server does not implement, with the values that
 ask for nothing (null always does). Any other value is refused with a 400 that names the field,
 rather than answered as if it had not been sent (vLLM honours most of them)."""
 
+_FRAMES_GO_IN_MEDIA = 'frame sampling goes in "media": {"num_frames": 8} or {"fps": 2, "max_frames": 32}'
+_INSTEAD = {"mm_processor_kwargs": _FRAMES_GO_IN_MEDIA, "media_io_kwargs": _FRAMES_GO_IN_MEDIA}
+"""What to send instead of an unsupported field, where this server has another way to ask for it."""
+
 _KNOWN = {"model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop",
           "ignore_eos", "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
           "parallel_tool_calls", "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
+          "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
           *_GENERATION_OPTIONS, *_UNSUPPORTED}  # fmt: skip
 """Every field this server reads or refuses; others are ignored and logged, as vLLM does."""
 
@@ -260,7 +275,8 @@ def _refuse_unsupported(body: dict) -> None:
         if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
                                          for v in neutral):
             raise InvalidRequest(f"'{name}' is not supported by this server; leave it unset"
-                                 + (f" (or {json.dumps(neutral[0])})" if neutral else ""))
+                                 + (f" (or {json.dumps(neutral[0])})" if neutral else "")
+                                 + (f"; {_INSTEAD[name]}" if name in _INSTEAD else ""))
     if unknown := sorted(str(name)[:64] for name in body if name not in _KNOWN):
         log.warning("ignored request fields %s", unknown[:16])
 
@@ -570,6 +586,8 @@ def completion_body(summary: AskSummary, model: str, created: int | None = None)
                 "message": {"role": "assistant", "content": summary.answer},
                 "logprobs": None,
                 "finish_reason": summary.finish_reason or "stop",
+                # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
+                "token_ids": summary.token_ids,
             }
         ],
         "usage": usage(summary),

@@ -314,3 +314,16 @@ def test_the_request_id_a_body_names_is_the_requests_unless_a_header_names_one()
     assert ids == ["body-id-1", "header-id-1"]
     assert out[0][0] == "body-id-1" and out[0][1].endswith("(request id body-id-1)")
     assert out[1][0] == "header-id-1" and out[1][1].endswith("(request id header-id-1)")
+
+
+def test_the_answers_token_ids_are_on_its_choice_streamed_or_not():
+    """A streamed chunk's choice carried its `token_ids` (vLLM's place, with its `return_token_ids`),
+    but a whole answer's choice had none: only `epd.token_ids` held them."""
+    import json
+
+    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    body = {"messages": [{"role": "user", "content": content}], "return_token_ids": True}
+    answer = json.loads(_post_chat(_ScriptedPipeline(), body))
+    assert answer["choices"][0]["token_ids"] == [5, 6, 7] == answer["epd"]["token_ids"]
+    streamed = _stream_chunks({})
+    assert [t for c in streamed for t in c["choices"][0].get("token_ids", [])] == [5, 6, 7]

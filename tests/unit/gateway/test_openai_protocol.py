@@ -268,6 +268,11 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
     ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
     ("mm_processor_kwargs", {"fps": 1}), ("truncate_prompt_tokens", 16), ("documents", [{"text": "d"}]),
     ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}), ("priority", 1),
+    # vLLM's too, logged as unknown and answered as if not sent: the frames vLLM loads, a model's
+    # thinking, an answer ended early or watermarked, the rendered prompt asked back.
+    ("media_io_kwargs", {"video": {"num_frames": 16}}), ("reasoning_effort", "none"), ("include_reasoning", False),
+    ("thinking_token_budget", 64), ("repetition_detection", {"max_pattern_size": 8}), ("watermarking", True),
+    ("return_prompt_text", True),
 ])  # fmt: skip
 def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, value):
     """They were answered 200 as if they had not been sent (the biased tokens still came)."""
@@ -280,11 +285,24 @@ def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
                    min_p=0, stop_token_ids=[], include_stop_str_in_output=False, best_of=1,
                    response_format={"type": "text"}, tools=[], tool_choice="none", guided_json=None,
                    skip_special_tokens=True, spaces_between_special_tokens=True, add_special_tokens=False,
-                   chat_template=None, chat_template_kwargs={}, mm_processor_kwargs={}, priority=0)
+                   chat_template=None, chat_template_kwargs={}, mm_processor_kwargs={}, priority=0,
+                   media_io_kwargs={}, include_reasoning=True, watermarking=False, return_prompt_text=False,
+                   reasoning_effort=None)
     assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32)
     with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
-        parse(body(medias={"num_frames": 4}, user="u1"))
-    assert "ignored request fields ['medias']" in caplog.text  # a typo is logged; OpenAI's `user` is known
+        parse(body(medias={"num_frames": 4}, user="u1", return_token_ids=True))
+    # A typo is logged; OpenAI's `user` is known, and so is vLLM's `return_token_ids` (the choices
+    # carry the answer's token ids always).
+    assert "ignored request fields ['medias']" in caplog.text
+
+
+@pytest.mark.parametrize("field", ["mm_processor_kwargs", "media_io_kwargs"])
+def test_vllms_ways_to_ask_for_frames_are_refused_with_where_frames_go(field):
+    """vLLM's clients ask for frames in these; the refusal said only "leave it unset"."""
+    value = {"fps": 1} if field == "mm_processor_kwargs" else {"video": {"num_frames": 16}}
+    with pytest.raises(InvalidRequest, match=f"'{field}' is not supported .*; frame sampling goes in \"media\": "
+                                             r'\{"num_frames": 8\}'):
+        parse(body(**{field: value}))
 
 
 def test_vllm_sampling_options_are_read_with_vllm_meanings():
