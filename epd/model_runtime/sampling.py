@@ -148,7 +148,10 @@ class GenerationConfig:
             raise ValueError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"min_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}"
+                # An HTTP client knows the limit as max_tokens, and may not have sent one at all.
+                f"min_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}: the OpenAI API's "
+                f"max_tokens or max_completion_tokens, the server's default when neither is sent), "
+                f"got {self.min_tokens}"
             )
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are accepted")

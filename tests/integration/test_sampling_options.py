@@ -172,7 +172,7 @@ def test_stop_token_ids_end_the_answer_through_the_http_api(shared_stack, media_
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be between 0 and max_new_tokens \(4\), got 5"),
+    ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be between 0 and max_new_tokens \(4: the OpenAI API's max_tokens"),
     ({"logit_bias": {"512": 1}}, r"logit_bias: token id 512 is outside 0 to 511 \(this model's vocabulary\)"),
     ({"stop_token_ids": [100000]}, r"stop_token_ids: token id 100000 is outside 0 to 511"),
     ({"repetition_penalty": -1}, r"'repetition_penalty' must be a finite number > 0"),

@@ -111,7 +111,9 @@ def test_the_default_config_builds_no_processors():
         (GenerationConfig(presence_penalty=2.5), None, r"presence_penalty must be in \[-2, 2\]"),
         (GenerationConfig(frequency_penalty=float("nan")), None, r"frequency_penalty must be in \[-2, 2\]"),
         (GenerationConfig(min_p=1.5), None, r"min_p must be in \[0, 1\]"),
-        (GenerationConfig(max_new_tokens=4, min_tokens=5), None, r"min_tokens must be between 0 and max_new_tokens \(4\)"),
+        # It named the SDK's field alone: an HTTP client that sent no max_tokens met a 32 it never set.
+        (GenerationConfig(max_new_tokens=4, min_tokens=5), None, r"min_tokens must be between 0 and max_new_tokens "
+         r"\(4: the OpenAI API's max_tokens or max_completion_tokens, the server's default when neither is sent\)"),
         (GenerationConfig(min_tokens=-1), None, "min_tokens must be between 0"),
         (GenerationConfig(logit_bias=((1, 101.0),)), None, r"logit_bias of token 1 must be in \[-100, 100\]"),
         (GenerationConfig(logit_bias=((-1, 1.0),)), None, "logit_bias: token id -1 is outside"),
