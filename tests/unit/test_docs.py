@@ -488,3 +488,24 @@ def test_the_readmes_lists_of_result_fields_are_the_sdks_and_the_http_apis():
     sdk_names = set(quoted_names(ask_json.group(1))) - {"epd", "AskResult"}
     assert sdk_names == set(result_from_proto(summary_to_proto(summary), []).to_dict())
     assert set(quoted_names(http_epd.group(1))) == set(epd_details(summary)) | {"kept_tokens"}
+
+
+def test_the_readmes_accuracy_of_the_default_model_is_its_cards():
+    """README.md's size and accuracy of models/epd-tiny-videoqa (overall and per question type) are
+    what its card records: a retrained model must not leave the old numbers behind."""
+    card = json.loads(read("models/epd-tiny-videoqa/epd_model_card.json"))
+    text = " ".join(read("README.md").split())
+    size = re.search(r"`models/epd-tiny-videoqa`: a ([\d.]+)M-parameter", text)
+    overall = re.search(r"it answers \*\*([\d.]+)%\*\* of its test questions correctly \((.*?)`epd bench quality`\)", text)
+    assert size and overall, "README.md no longer gives the default model's size and accuracy where this test reads them"
+    assert float(size.group(1)) == round(card["num_parameters"] / 1e6, 1)
+    assert float(overall.group(1)) == round(100 * card["accuracy"]["test"], 1)
+    types = {"what happens at the end": "end", "which appears first": "first", "counts": "count",
+             "directions": "direction", "colours": "colour", "shapes": "shape", "exits": "leaves",
+             "entries": "enters", "which appears last": "last"}
+    stated = {}
+    for percent, names in re.findall(r"(\d+)% ([^,;]+)", overall.group(2)):
+        for name in re.split(r" and ", names.strip().strip('"')):
+            stated[types[name.strip('"')]] = int(percent)
+    by_type = card["accuracy"]["test_by_type"]
+    assert stated == {t: int(100 * by_type[t] + 0.5) for t in by_type}, "README's per-type accuracy is not the card's"
