@@ -509,3 +509,14 @@ def test_the_readmes_accuracy_of_the_default_model_is_its_cards():
             stated[types[name.strip('"')]] = int(percent)
     by_type = card["accuracy"]["test_by_type"]
     assert stated == {t: int(100 * by_type[t] + 0.5) for t in by_type}, "README's per-type accuracy is not the card's"
+
+
+def test_the_token_cache_format_version_is_the_codes():
+    """docs/architecture.md gives the token cache key's format version (it said 3 after the key
+    became 4): a bump must update the paragraph that says what the key holds."""
+    from epd.encoder_svc import token_cache
+
+    stated = re.search(r"\*\*Token cache\*\* \(`encoder_svc/token_cache\.py`\): key = format version \((\d+)\)",
+                       read("docs/architecture.md"))
+    assert stated, "docs/architecture.md no longer gives the token cache key's format version where this test reads it"
+    assert int(stated.group(1)) == token_cache._KEY_VERSION
