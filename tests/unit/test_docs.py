@@ -152,9 +152,9 @@ EPD_ARG = re.compile(r"--epd-arg[= ](--[a-z0-9-]+)")
 """bench_vs_transformers_serve.py's `--epd-arg=--flag`: a flag of the `epd serve` it starts."""
 
 
-def command_lines(text: str) -> list[tuple[int, str]]:
+def code_block_lines(text: str) -> list[tuple[int, str]]:
     """(line number, text) of every line of a code block (a fenced one, or indented by four
-    spaces; `\\` continuations joined, `# comments` dropped) and of every `inline code` span."""
+    spaces; `\\` continuations joined, `# comments` dropped)."""
     found: list[tuple[int, str]] = []
     fenced, held = False, ""
     for number, line in enumerate(text.splitlines(), 1):
@@ -166,6 +166,12 @@ def command_lines(text: str) -> list[tuple[int, str]]:
                 continue
             found.append((number, re.split(r"\s#\s", held + line)[0]))
         held = ""
+    return found
+
+
+def command_lines(text: str) -> list[tuple[int, str]]:
+    """`code_block_lines`, and the text of every `inline code` span."""
+    found = code_block_lines(text)
     prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
     found += [(prose.count("\n", 0, m.start()) + 1, m.group(1).replace("\n", " "))
               for m in re.finditer(r"`([^`]+)`", prose)]
@@ -208,6 +214,25 @@ def test_every_flag_of_a_documented_command_line_is_a_flag_of_that_command(doc):
             if flag not in flags_of(command_parser(where)):
                 wrong.append(f"{doc}:{number}: {where} has no {flag}")
     assert checked or doc not in (*USER_DOCS, BENCHMARKS), f"{doc}: no command line found (has the way they are written changed?)"
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("doc", DEPLOY_DOCS)
+def test_every_epd_command_of_the_deploy_docs_code_blocks_parses(doc):
+    """The commands an operator copies (`epd serve prefill --port 50052 --advertise-address ...`,
+    `docker compose exec gateway epd ask ...`), whole: positionals and values too, by the real
+    parser, as compose/README.md says."""
+    from tests.unit.deploy.epd_commands import parse_epd
+
+    commands = [(number, shlex.split(m.group(1))) for number, line in code_block_lines(read(doc))
+                if (m := re.match(r"\s*(?:docker compose exec \w+ )?epd (.*)", line))]
+    assert commands, f"{doc}: no epd command in its code blocks"
+    wrong = []
+    for number, argv in commands:
+        try:
+            parse_epd(argv)
+        except ValueError as exc:
+            wrong.append(f"{doc}:{number}: {exc}")
     assert not wrong, "\n".join(wrong)
 
 
