@@ -545,3 +545,22 @@ def test_the_token_cache_format_version_is_the_codes():
                        read("docs/architecture.md"))
     assert stated, "docs/architecture.md no longer gives the token cache key's format version where this test reads it"
     assert int(stated.group(1)) == token_cache._KEY_VERSION
+
+
+def test_the_readmes_ports_are_the_services_defaults():
+    """"Default ports: gateway 50050, ..." and the replicas' "port + 10·i" are what the parsers use."""
+    from epd.cli.main import REPLICA_PORT_STEP
+    from epd.decode_svc.config import DEFAULT_PORT as DECODE
+    from epd.encoder_svc.config import DEFAULT_PORT as ENCODER
+    from epd.gateway.config import DEFAULT_PORT as GATEWAY
+    from epd.prefill_svc.config import DEFAULT_PORT as PREFILL
+
+    text = " ".join(read("README.md").split())
+    stated = re.search(r"Default ports: gateway (\d+), encoder (\d+), prefill (\d+), decode (\d+)\.", text)
+    step = re.search(r"Replica \*i\* of a stage listens on the stage's port \+ (\d+)·\*i\*", text)
+    assert stated and step, "README.md no longer gives the default ports where this test reads them"
+    assert tuple(map(int, stated.groups())) == (GATEWAY, ENCODER, PREFILL, DECODE)
+    assert int(step.group(1)) == REPLICA_PORT_STEP
+    parsers = epd_parsers()
+    assert [parsers[f"epd serve {role}"].get_default("port") for role in ("gateway", "encoder", "prefill", "decode")] \
+        == [GATEWAY, ENCODER, PREFILL, DECODE]
