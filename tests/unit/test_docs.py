@@ -4,8 +4,10 @@ docs name is a flag of some `epd` command, with the default they give; every rep
 code name they cite exists; every metric they name is one /metrics exposes, and every one it
 exposes is named in README.md. Every command line in any of the repository's *.md files (the
 benchmarks' included) names only flags of the command it runs, and only values its choices allow;
-the environment variables, RPCs and proto fields the docs name exist; README's set-up matches the
-scripts and pins it describes."""
+the deploy docs' `epd` commands parse whole; the environment variables, RPCs and proto fields the
+docs name exist; README's set-up matches the scripts and pins it describes, its default ports the
+services', its account of the default model that model's card. Nothing here starts a process: the
+parsers are built (or caught as a script's main() is about to parse) in this one."""
 
 from __future__ import annotations
 
