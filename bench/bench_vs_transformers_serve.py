@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip-size", type=int, default=224, help="clip width = height in pixels")
     ap.add_argument("--clip-seconds", type=float, default=4.0)
     ap.add_argument("--model", default="", help="a Qwen2-VL directory (default: bench_pruning's 27M model)")
-    ap.add_argument("--servers", default="epd,transformers", help="comma list of epd, transformers")
+    ap.add_argument("--servers", default="epd,transformers", help=f"comma list of {', '.join(SERVERS)}")
     ap.add_argument(
         "--epd-threads", default="1", help="torch threads per epd model call (--num-threads: N or auto)"
     )

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +59,8 @@ def run_ask(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `epd ask ... | head -1`: the reader has gone, nothing failed
+        return _reader_gone()
     except EpdError as exc:  # the server's status and message
         print(f"epd: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
@@ -71,6 +75,15 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {code.name}: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _reader_gone() -> int:
+    """Stop as a Unix tool stops when the pipe it writes to closes: quietly, with the exit status a
+    shell gives a process SIGPIPE ended (Python ignores SIGPIPE, so the write raised instead: left
+    to the handler of every other error, it said "INTERNAL: internal error; the server log has
+    details"). stdout goes to /dev/null first, so the interpreter's last flush has nowhere to fail."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _not_a_file(path: Path) -> str:

@@ -98,6 +98,18 @@ def test_ask_missing_file_fails_clearly(tmp_path):
     assert "no such file" in proc.stderr
 
 
+def test_ask_whose_reader_has_gone_stops_quietly(tiny_models, media_files):
+    """`epd ask ... | head -1`, `| true`: the answer's reader closed the pipe. That is no server's
+    failure; it printed "INTERNAL: internal error; the server log has details" (a log no server
+    wrote) and exit 1. Now nothing on stderr, and the exit status of a process a closed pipe stops."""
+    proc = subprocess.Popen(epd_command(*embedded_ask_args(tiny_models, media_files)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    proc.stdout.close()  # before the model has loaded: the answer is written to a closed pipe
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 128 + signal.SIGPIPE, err
+    assert "INTERNAL" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json, tmp_path):
     """The stack as a user starts it; with the default --allocator auto its model services run on
     tcmalloc where the machine has it (CI installs it), on glibc's malloc where not."""

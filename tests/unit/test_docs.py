@@ -2,17 +2,26 @@
 default, a moved file or a new metric fails here instead of misleading a user: every `--flag` the
 docs name is a flag of some `epd` command, with the default they give; every repository path and
 code name they cite exists; every metric they name is one /metrics exposes, and every one it
-exposes is named in README.md."""
+exposes is named in README.md. Every command line in any of the repository's *.md files (the
+benchmarks' included) names only flags of the command it runs, and only values its choices allow;
+the deploy docs' `epd` commands parse whole; the environment variables, RPCs and proto fields the
+docs name exist; README's set-up matches the scripts and pins it describes, its default ports the
+services', its account of the default model that model's card. Nothing here starts a process: the
+parsers are built (or caught as a script's main() is about to parse) in this one."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
 import re
 import shlex
+import sys
+from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -24,6 +33,9 @@ from epd.gateway.metrics import GatewayMetrics
 ROOT = Path(__file__).resolve().parents[2]
 USER_DOCS = ("README.md", "docs/architecture.md", "docs/security.md")
 DEPLOY_DOCS = ("compose/README.md", "deploy/README.md")
+OTHER_DOCS = ("epd/train/README.md",)
+BENCHMARKS = "docs/benchmarks.md"
+"""Its measured numbers are a record (never rewritten); its command lines must still run."""
 
 NOT_EPD_FLAGS = {
     "--max-num-batched-tokens": "vLLM's name for --max-prefill-tokens-per-step",
@@ -32,17 +44,19 @@ NOT_EPD_FLAGS = {
 }
 """Flags the docs name that belong to something else, said so where they are named."""
 
-NOT_PATHS = {"video/mp4": "a MIME type", "compose/Kubernetes": "prose: compose or Kubernetes"}
+NOT_PATHS = {"video/mp4": "a MIME type", "compose/Kubernetes": "prose: compose or Kubernetes",
+             "compose/.env": "the operator's own file, which compose/README.md has them create"}
 """Words with a slash in the docs that are not repository paths."""
 
 EXTERNAL_NAMES = {"SupportsMultiModal": "vLLM's model interface, named for comparison"}
-"""Code names docs/architecture.md cites that are not epd's (nor used by it)."""
+"""Code names the docs cite that are not epd's (nor used by it)."""
 
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w*-])")
 """A flag as the docs write one (`--max-*`, a family of flags, is none)."""
 
 
+@cache
 def epd_parsers() -> dict[str, argparse.ArgumentParser]:
     """Every `epd` command's parser by its command line: `epd`, `epd ask`, `epd serve`,
     `epd serve encoder`, ..., and the bench suites, whose flags `epd bench SUITE` passes on."""
@@ -92,6 +106,241 @@ def test_every_flag_of_an_epd_command_line_in_the_deploy_docs_is_an_epd_flag(doc
     assert not unknown, f"{doc} names flags no epd command has: {unknown}"
 
 
+def repository_files() -> set[str]:
+    """Paths (relative, with their folders) of the checkout, through no symlink (epd/ holds
+    symlinks to the top-level folders; .venv is one)."""
+    paths: set[str] = set()
+    for folder, dirs, files in os.walk(ROOT):
+        rel = Path(folder).relative_to(ROOT)
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        paths.update(str(rel / name) for name in dirs + files)
+    return paths
+
+
+def all_docs() -> list[str]:
+    """Every *.md of the repository (not under a dot folder or a symlink)."""
+    return sorted(p for p in repository_files() if p.endswith(".md"))
+
+
+class _Parsed(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+@cache
+def script_parser(module: str) -> argparse.ArgumentParser:
+    """The parser a script's `main()` builds (bench/*.py, `python -m epd.train...`), caught as it
+    is about to parse: nothing of the script runs, and no process starts."""
+
+    def caught(parser, *args, **kwargs):
+        raise _Parsed(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", caught), \
+            mock.patch.object(argparse.ArgumentParser, "parse_known_args", caught), \
+            mock.patch.object(sys, "argv", [module]):
+        try:
+            importlib.import_module(module).main()
+        except _Parsed as parsed:
+            return parsed.parser
+    raise AssertionError(f"{module}.main() returned without parsing its arguments")
+
+
+COMMAND = re.compile(
+    r"\bepd (?P<epd>(?:ask|health|serve(?: (?:encoder|prefill|decode|gateway))?|bench (?:serve|quality)))\b"
+    r"|(?:\bpython[\w.]* (?:-m )?|(?<![\w/])-m )?(?<![\w/])(?P<script>bench/\w+\.py|epd\.(?:bench|train|synth)\.\w+)\b")
+"""The commands the docs show: `epd ...`, `python bench/X.py`, `python -m epd.train.X`, ..."""
+
+EPD_ARG = re.compile(r"--epd-arg[= ](--[a-z0-9-]+)")
+"""bench_vs_transformers_serve.py's `--epd-arg=--flag`: a flag of the `epd serve` it starts."""
+
+
+def code_block_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of every line of a code block (a fenced one, or indented by four
+    spaces; `\\` continuations joined, `# comments` dropped)."""
+    found: list[tuple[int, str]] = []
+    fenced, held = False, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            if line.endswith("\\"):
+                held += line[:-1]
+                continue
+            found.append((number, re.split(r"\s#\s", held + line)[0]))
+        held = ""
+    return found
+
+
+def command_lines(text: str) -> list[tuple[int, str]]:
+    """`code_block_lines`, and the text of every `inline code` span."""
+    found = code_block_lines(text)
+    prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    found += [(prose.count("\n", 0, m.start()) + 1, m.group(1).replace("\n", " "))
+              for m in re.finditer(r"`([^`]+)`", prose)]
+    return found
+
+
+def documented_commands(doc: str) -> list[tuple[int, str, str]]:
+    """(line, command, what follows it up to the next command) for every command a doc shows."""
+    found = []
+    for number, line in command_lines(read(doc)):
+        matches = list(COMMAND.finditer(line))
+        ends = [m.start() for m in matches[1:]] + [len(line)] if matches else []
+        for m, end in zip(matches, ends, strict=True):
+            command = f"epd {m.group('epd')}" if m.group("epd") else m.group("script")
+            found.append((number, command, line[m.end():end]))
+    return found
+
+
+def command_parser(command: str) -> argparse.ArgumentParser:
+    if command.startswith("epd "):
+        return epd_parsers()[command]
+    return script_parser(command.replace("/", ".").removesuffix(".py").replace("bench.", "epd.bench.", 1)
+                         if command.startswith("bench/") else command)
+
+
+def flags_of(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+@pytest.mark.parametrize("doc", all_docs())
+def test_every_flag_of_a_documented_command_line_is_a_flag_of_that_command(doc):
+    """`epd ask ... --flag`, `python bench/bench_x.py --flag`: the flag is one of that very command
+    (not just of some epd command), as the docs' benchmarks were run and must still run."""
+    wrong, checked = [], 0
+    for number, command, rest in documented_commands(doc):
+        flags = [("epd serve", flag) for flag in EPD_ARG.findall(rest)]
+        flags += [(command, flag) for flag in FLAG.findall(EPD_ARG.sub("--epd-arg", rest))]
+        for where, flag in flags:
+            checked += 1
+            if flag not in flags_of(command_parser(where)):
+                wrong.append(f"{doc}:{number}: {where} has no {flag}")
+    assert checked or doc not in (*USER_DOCS, BENCHMARKS), f"{doc}: no command line found (has the way they are written changed?)"
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("doc", DEPLOY_DOCS)
+def test_every_epd_command_of_the_deploy_docs_code_blocks_parses(doc):
+    """The commands an operator copies (`epd serve prefill --port 50052 --advertise-address ...`,
+    `docker compose exec gateway epd ask ...`), whole: positionals and values too, by the real
+    parser, as compose/README.md says."""
+    from tests.unit.deploy.epd_commands import parse_epd
+
+    commands = [(number, shlex.split(m.group(1))) for number, line in code_block_lines(read(doc))
+                if (m := re.match(r"\s*(?:docker compose exec \w+ )?epd (.*)", line))]
+    assert commands, f"{doc}: no epd command in its code blocks"
+    wrong = []
+    for number, argv in commands:
+        try:
+            parse_epd(argv)
+        except ValueError as exc:
+            wrong.append(f"{doc}:{number}: {exc}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_command_lines_are_read_as_written():
+    """The reader the test above relies on: fences, indented blocks, continuations, comments,
+    inline spans, several commands on a line."""
+    text = ("Run `epd ask V Q --json` then:\n\n```bash\nepd serve --colocate \\\n  --http-port 0   # not --x\n"
+            "PYTHONPATH=. python bench/bench_encode.py --repeats 3 && epd health H --timeout 1\n```\n\n"
+            "    python -m epd.train.train_default_model --steps 1\n")
+    assert [(c, FLAG.findall(rest)) for _, c, rest in documented_commands_of(text)] == [
+        ("epd serve", ["--colocate", "--http-port"]), ("bench/bench_encode.py", ["--repeats"]),
+        ("epd health", ["--timeout"]), ("epd.train.train_default_model", ["--steps"]), ("epd ask", ["--json"])]
+
+
+def documented_commands_of(text: str) -> list[tuple[int, str, str]]:
+    with mock.patch(f"{__name__}.read", lambda doc: text):
+        return documented_commands("-")
+
+
+def flag_choices() -> dict[str, set[str]]:
+    """flag -> the values its choices allow, over every command that has it."""
+    found: dict[str, set[str]] = {}
+    for parser in epd_parsers().values():
+        for action in parser._actions:
+            for flag in action.option_strings if action.choices else ():
+                found.setdefault(flag, set()).update(map(str, action.choices))
+    return found
+
+
+@pytest.mark.parametrize("doc", all_docs())
+def test_every_value_the_docs_give_a_flag_of_choices_is_one_of_them(doc):
+    """`--schedule ttft-first`, `--dtype float32|bfloat16`, `--routing round-robin`: a renamed
+    choice fails here."""
+    choices = flag_choices()
+    wrong = sorted({f"{flag} {value}" for flag, values in re.findall(r"(--[a-z0-9-]+)[ =]([a-z0-9][\w.|-]*)", read(doc))
+                    if flag in choices for value in values.rstrip(".").split("|") if value not in choices[flag]})
+    assert not wrong, f"{doc} gives values these flags do not take: {wrong} (choices: {choices})"
+
+
+def repository_text(*suffixes: str) -> str:
+    return "\n".join((ROOT / p).read_text(errors="replace") for p in sorted(repository_files())
+                     if p.endswith(suffixes) and not p.endswith(".md") and (ROOT / p).is_file())
+
+
+def test_every_environment_variable_the_docs_name_is_read():
+    """`EPD_*` variables: read by the code, a compose file or a manifest (tests: `EPD_FUZZ_EXAMPLES`)."""
+    read_somewhere = set(re.findall(r"\bEPD_[A-Z0-9_]+", repository_text(".py", ".yml", ".yaml", ".sh", "Dockerfile")))
+    named = {(doc, name) for doc in all_docs() for name in re.findall(r"\bEPD_[A-Z0-9_]+\b", read(doc))}
+    assert named, "no EPD_* variable found in the docs"
+    missing = sorted(f"{doc}: {name}" for doc, name in named if name not in read_somewhere)
+    assert not missing, f"the docs name environment variables nothing reads: {missing}"
+
+
+def proto_messages_and_services() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """{message name: its fields and nested types}, {service name: its RPCs}, from epd.v1."""
+    import pkgutil
+
+    import epd.v1
+
+    messages: dict[str, set[str]] = {}
+    services: dict[str, set[str]] = {}
+
+    def add(descriptor) -> None:
+        messages[descriptor.name] = set(descriptor.fields_by_name) | {n.name for n in descriptor.nested_types}
+        for nested in descriptor.nested_types:
+            add(nested)
+
+    for module in pkgutil.iter_modules(epd.v1.__path__):
+        if module.name.endswith("_pb2"):
+            file = importlib.import_module(f"epd.v1.{module.name}").DESCRIPTOR
+            for message in file.message_types_by_name.values():
+                add(message)
+            services.update({s.name: set(s.methods_by_name) for s in file.services_by_name.values()})
+    return messages, services
+
+
+@pytest.mark.parametrize("doc", USER_DOCS + DEPLOY_DOCS)
+def test_every_rpc_and_proto_field_the_docs_name_exists(doc):
+    """`PrefillService.PullKv`, `epd.v1.LoadService/GetLoad`, `AskHeader.cache_salt`: a name of the
+    wire format (a domain class of the same name, such as the gateway's `AskRequest`, answers for
+    itself in the code-names test above)."""
+    messages, services = proto_messages_and_services()
+    python_classes = set(re.findall(r"^\s*class (\w+)", repository_text(".py"), re.M))
+    text, wrong = read(doc), []
+    for owner, name in set(re.findall(r"\b([A-Z]\w+)[./](\w+)", text)):
+        if owner in services and name not in services[owner]:
+            wrong.append(f"{owner}.{name}: {owner} has the RPCs {sorted(services[owner])}")
+        elif owner in messages and owner not in python_classes and name not in messages[owner]:
+            wrong.append(f"{owner}.{name}: {owner} has the fields {sorted(messages[owner])}")
+    assert not wrong, f"{doc}:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_readmes_set_up_is_the_scripts_and_the_pins():
+    """README's two commands are the scripts CI runs, and the versions it says they install are
+    requirements/ci.txt's pins."""
+    text = " ".join(read("README.md").split())
+    for script in ("scripts/setup.sh", "scripts/test.sh"):
+        assert f"bash {script}" in text, f"README.md no longer gives `bash {script}`"
+    assert "exec bash scripts/test.sh" in read(".ci/run") and "bash scripts/setup.sh" in read("scripts/test.sh")
+    assert "-r requirements/ci.txt -e ." in read("scripts/setup.sh"), "README says setup.sh installs the pins, editable"
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)", read("requirements/ci.txt"), re.M))
+    stated = re.search(r"`requirements/ci\.txt` \(torch (\S+) \+ torchvision (\S+), transformers (\S+?);", text)
+    assert stated, "README.md no longer says which versions requirements/ci.txt pins where this test reads them"
+    assert stated.groups() == (pins["torch"], pins["torchvision"], pins["transformers"])
+
+
 _UNITS = {"": 1, "s": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -129,9 +378,11 @@ def stated_defaults(text: str) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("doc", USER_DOCS)
+@pytest.mark.parametrize("doc", USER_DOCS + DEPLOY_DOCS + OTHER_DOCS)
 def test_the_defaults_the_docs_give_are_the_flags_defaults(doc):
-    defaults = flag_defaults()
+    defaults = flag_defaults() if doc not in OTHER_DOCS else {
+        flag: {"train": action.default} for action in script_parser("epd.train.train_default_model")._actions
+        for flag in action.option_strings}
     checked, wrong = 0, []
     for flag, text in stated_defaults(read(doc)):
         value = stated_value(text)
@@ -156,42 +407,35 @@ def test_stated_defaults_are_read_as_written():
         8192, 120, 4 << 30, 2**36, 0, 0.3, None, None]
 
 
-def repository_files() -> set[str]:
-    """Paths (relative, with their folders) of the checkout, through no symlink (epd/ holds
-    symlinks to the top-level folders; .venv is one)."""
-    paths: set[str] = set()
-    for folder, dirs, files in os.walk(ROOT):
-        rel = Path(folder).relative_to(ROOT)
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
-        paths.update(str(rel / name) for name in dirs + files)
-    return paths
-
-
-@pytest.mark.parametrize("doc", USER_DOCS)
+@pytest.mark.parametrize("doc", USER_DOCS + DEPLOY_DOCS + OTHER_DOCS)
 def test_every_repository_path_the_docs_cite_exists(doc):
+    """From the repository's root, or from the doc's own folder (deploy/README.md's `k8s/...`)."""
     files = repository_files()
-    top = {p for p in files if "/" not in p}
+    here = Path(doc).parent
+    top = {p for p in files if "/" not in p} | {Path(p).name for p in files if Path(p).parent == here}
     cited = set(re.findall(r"(?<![\w/.-])((?:[\w-]+/)+[\w.-]*[\w/])", read(doc)))
     missing = sorted(p for p in cited - set(NOT_PATHS) if p.split("/")[0] in top and p.rstrip("/") not in files
-                     and not (ROOT / p).exists())
+                     and not (ROOT / p).exists() and not (ROOT / here / p).exists())
     assert not missing, f"{doc} cites paths that do not exist: {missing}"
 
 
-def test_every_file_name_docs_architecture_cites_exists():
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_every_file_name_the_docs_cite_exists(doc):
     """The code layout names files without their folder (`media_open.py`, `kv_store.py`)."""
     names = {Path(p).name for p in repository_files()}
-    cited = set(re.findall(r"\b[\w]+\.(?:py|proto)\b", read("docs/architecture.md")))
-    assert not sorted(cited - names), f"docs/architecture.md cites files that do not exist: {sorted(cited - names)}"
+    cited = set(re.findall(r"\b[\w]+\.(?:py|proto)\b", read(doc)))
+    assert not sorted(cited - names), f"{doc} cites files that do not exist: {sorted(cited - names)}"
 
 
-def test_every_code_name_docs_architecture_cites_exists():
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_every_code_name_the_docs_cite_exists(doc):
     """`Class`, `Class.attribute`, `function()`, `CONSTANT` in backticks: each part is a name the
     code (or a library epd calls, by the name epd uses) has."""
     code = "\n".join((ROOT / p).read_text(errors="replace") for p in repository_files()
                      if p.endswith((".py", ".proto")))
     words = set(re.findall(r"\w+", code))
     missing = []
-    for quoted in sorted(set(re.findall(r"`([^`\n]+)`", read("docs/architecture.md")))):
+    for quoted in sorted(set(re.findall(r"`([^`\n]+)`", read(doc)))):
         m = re.fullmatch(r"([A-Za-z_][\w.]*?)(\.py)?(\(.*\))?", quoted.strip())
         if not m or m.group(2):
             continue
@@ -201,7 +445,7 @@ def test_every_code_name_docs_architecture_cites_exists():
         parts = [p for p in name.split(".") if p]
         if name not in EXTERNAL_NAMES and any(p not in words for p in parts):
             missing.append(quoted)
-    assert not missing, f"docs/architecture.md cites names the code does not have: {missing}"
+    assert not missing, f"{doc} cites names the code does not have: {missing}"
 
 
 def exposed_metrics() -> set[str]:
@@ -271,3 +515,54 @@ def test_the_readmes_lists_of_result_fields_are_the_sdks_and_the_http_apis():
     sdk_names = set(quoted_names(ask_json.group(1))) - {"epd", "AskResult"}
     assert sdk_names == set(result_from_proto(summary_to_proto(summary), []).to_dict())
     assert set(quoted_names(http_epd.group(1))) == set(epd_details(summary)) | {"kept_tokens"}
+
+
+def test_the_readmes_accuracy_of_the_default_model_is_its_cards():
+    """README.md's size and accuracy of models/epd-tiny-videoqa (overall and per question type) are
+    what its card records: a retrained model must not leave the old numbers behind."""
+    card = json.loads(read("models/epd-tiny-videoqa/epd_model_card.json"))
+    text = " ".join(read("README.md").split())
+    size = re.search(r"`models/epd-tiny-videoqa`: a ([\d.]+)M-parameter", text)
+    overall = re.search(r"it answers \*\*([\d.]+)%\*\* of its test questions correctly \((.*?)`epd bench quality`\)", text)
+    assert size and overall, "README.md no longer gives the default model's size and accuracy where this test reads them"
+    assert float(size.group(1)) == round(card["num_parameters"] / 1e6, 1)
+    assert float(overall.group(1)) == round(100 * card["accuracy"]["test"], 1)
+    types = {"what happens at the end": "end", "which appears first": "first", "counts": "count",
+             "directions": "direction", "colours": "colour", "shapes": "shape", "exits": "leaves",
+             "entries": "enters", "which appears last": "last"}
+    stated = {}
+    for percent, names in re.findall(r"(\d+)% ([^,;]+)", overall.group(2)):
+        for name in re.split(r" and ", names.strip().strip('"')):
+            stated[types[name.strip('"')]] = int(percent)
+    by_type = card["accuracy"]["test_by_type"]
+    assert stated == {t: int(100 * by_type[t] + 0.5) for t in by_type}, "README's per-type accuracy is not the card's"
+
+
+def test_the_token_cache_format_version_is_the_codes():
+    """docs/architecture.md gives the token cache key's format version (it said 3 after the key
+    became 4): a bump must update the paragraph that says what the key holds."""
+    from epd.encoder_svc import token_cache
+
+    stated = re.search(r"\*\*Token cache\*\* \(`encoder_svc/token_cache\.py`\): key = format version \((\d+)\)",
+                       read("docs/architecture.md"))
+    assert stated, "docs/architecture.md no longer gives the token cache key's format version where this test reads it"
+    assert int(stated.group(1)) == token_cache._KEY_VERSION
+
+
+def test_the_readmes_ports_are_the_services_defaults():
+    """"Default ports: gateway 50050, ..." and the replicas' "port + 10·i" are what the parsers use."""
+    from epd.cli.main import REPLICA_PORT_STEP
+    from epd.decode_svc.config import DEFAULT_PORT as DECODE
+    from epd.encoder_svc.config import DEFAULT_PORT as ENCODER
+    from epd.gateway.config import DEFAULT_PORT as GATEWAY
+    from epd.prefill_svc.config import DEFAULT_PORT as PREFILL
+
+    text = " ".join(read("README.md").split())
+    stated = re.search(r"Default ports: gateway (\d+), encoder (\d+), prefill (\d+), decode (\d+)\.", text)
+    step = re.search(r"Replica \*i\* of a stage listens on the stage's port \+ (\d+)·\*i\*", text)
+    assert stated and step, "README.md no longer gives the default ports where this test reads them"
+    assert tuple(map(int, stated.groups())) == (GATEWAY, ENCODER, PREFILL, DECODE)
+    assert int(step.group(1)) == REPLICA_PORT_STEP
+    parsers = epd_parsers()
+    assert [parsers[f"epd serve {role}"].get_default("port") for role in ("gateway", "encoder", "prefill", "decode")] \
+        == [GATEWAY, ENCODER, PREFILL, DECODE]
