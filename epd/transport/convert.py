@@ -62,8 +62,9 @@ span * fps stops being a finite number of frames."""
 
 def sampling_from_proto(msg: common_pb2.VideoSampling, defaults: SamplingOptions) -> SamplingOptions:
     require_finite(fps=msg.fps, start_time_s=msg.start_time_s, end_time_s=msg.end_time_s)
-    if msg.fps < 0 or msg.max_frames < 0 or msg.min_frames < 0 or msg.num_frames < 0 or msg.max_pixels < 0:
-        raise MediaError("sampling options must not be negative")
+    for name in ("fps", "max_frames", "min_frames", "num_frames", "max_pixels", "start_time_s", "end_time_s"):
+        if getattr(msg, name) < 0:  # the HTTP API's words for the same value (its 400 names the field)
+            raise MediaError(f"{name} must not be negative (0: the server's default), got {getattr(msg, name):g}")
     if msg.fps > MAX_SAMPLING_FPS:
         raise MediaError(f"fps must be at most {MAX_SAMPLING_FPS:g}, got {msg.fps:g}")
     opts = replace(
@@ -91,19 +92,26 @@ def sampling_to_proto(opts: SamplingOptions) -> common_pb2.VideoSampling:
     )
 
 
+TOP_K_OFF = -1
+"""vLLM's top_k for "off", as 0 is: taken by the gRPC API as by the HTTP API (`openai_protocol`)."""
+
+
 def generation_from_proto(msg: common_pb2.GenerationParams, defaults: GenerationConfig) -> GenerationConfig:
     """The wire's generation settings; their ranges are checked by `GenerationConfig.validate`
     (where each is used), NaN and infinities here."""
     require_finite(temperature=msg.temperature, top_p=msg.top_p, repetition_penalty=msg.repetition_penalty,
                    presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty, min_p=msg.min_p)
     require_finite(**{f"logit_bias[{token}]": bias for token, bias in msg.logit_bias.items()})
-    if msg.max_new_tokens < 0 or msg.top_k < 0 or msg.temperature < 0 or msg.top_p < 0:
-        raise InvalidRequest("generation parameters must not be negative")
+    for name in ("max_new_tokens", "temperature", "top_p"):
+        if getattr(msg, name) < 0:
+            raise InvalidRequest(f"{name} must not be negative, got {getattr(msg, name):g}")
+    if msg.top_k < TOP_K_OFF:
+        raise InvalidRequest(f"top_k must be >= 1, or 0 or -1 (vLLM's) for off, got {msg.top_k}")
     return GenerationConfig(
         max_new_tokens=msg.max_new_tokens or defaults.max_new_tokens,
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
+        top_k=max(0, msg.top_k),  # -1 is off, as 0, on every door (the HTTP API's too)
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,

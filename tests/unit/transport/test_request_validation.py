@@ -58,6 +58,32 @@ def test_generation_floats_must_be_finite(fields, match):
         generation_from_proto(common_pb2.GenerationParams(**fields), GenerationConfig())
 
 
+@pytest.mark.parametrize(
+    "message,fields,match",
+    [
+        (common_pb2.VideoSampling, {"num_frames": -1}, "num_frames must not be negative"),
+        (common_pb2.VideoSampling, {"max_pixels": -5}, "max_pixels must not be negative"),
+        (common_pb2.VideoSampling, {"end_time_s": -2.0}, "end_time_s must not be negative"),
+        (common_pb2.GenerationParams, {"temperature": -1.0}, "temperature must not be negative"),
+        (common_pb2.GenerationParams, {"max_new_tokens": -3}, "max_new_tokens must not be negative"),
+        (common_pb2.GenerationParams, {"top_k": -2}, r"top_k must be >= 1, or 0 or -1 \(vLLM's\) for off, got -2"),
+    ],
+)
+def test_a_negative_setting_is_refused_by_its_name(message, fields, match):
+    """The HTTP API's 400 names the field; the gRPC API said only "generation parameters must not
+    be negative", leaving the client to guess which."""
+    with pytest.raises(ValueError, match=match):  # InvalidRequest or MediaError: INVALID_ARGUMENT both
+        if message is common_pb2.VideoSampling:
+            sampling_from_proto(message(**fields), SamplingOptions())
+        else:
+            generation_from_proto(message(**fields), GenerationConfig())
+
+
+def test_top_k_minus_one_is_off_as_on_the_http_api():
+    """vLLM's -1 for "off": the HTTP API took it, the gRPC API (and so the SDK) refused it."""
+    assert generation_from_proto(common_pb2.GenerationParams(top_k=-1), GenerationConfig()).top_k == 0
+
+
 def test_every_generation_setting_crosses_the_wire():
     """vLLM's options too: a stage gets what the front door was sent (zero is 'off' for each)."""
     config = GenerationConfig(
