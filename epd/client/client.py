@@ -29,11 +29,13 @@ import asyncio
 import threading
 import time
 import warnings
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message as ProtoMessage
 
 from epd.client.channel import ChannelSettings, open_channel
 from epd.client.conversation import AsyncConversation, Conversation
@@ -101,29 +103,40 @@ def build_header(
     Sampling: fps, max_frames, min_frames, num_frames, start_time_s, end_time_s, max_pixels.
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
     repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
-    ({token id: bias}), stop_token_ids, include_stop_str_in_output (GenerationConfig's meanings).
+    ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
+    include_stop_str_in_output (GenerationConfig's meanings).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
-    cannot tell from unset.
+    cannot tell from unset; messages=[]. TypeError naming the option: a value of the wrong type
+    (num_frames=2.5, stop=5). Other ranges are the server's to check (INVALID_ARGUMENT, naming
+    the setting, as the HTTP API's 400).
     """
     options = dict(options)
-    stop = options.pop("stop", None) or ()
-    options["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    options["stop"] = _stop_strings(options.pop("stop", None))
+    if options.get("logit_bias") is not None:
+        options["logit_bias"] = _logit_bias(options["logit_bias"])
+    sampling_given = {k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None)) is not None}
+    generation_given = {k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None)) is not None}
+    # Types first (protobuf's own TypeError names neither the option nor what it takes), then ranges.
+    _typed(common_pb2.VideoSampling, sampling_given)
+    _typed(common_pb2.GenerationParams, generation_given)
     # Zero is also "the server's default" on the wire (proto3 scalars have no presence; the seed
     # has): so a zero that would mean something else is refused here, not sent as the default.
-    if (max_new := options.get("max_new_tokens")) is not None and max_new < 1:
+    if (max_new := generation_given.get("max_new_tokens")) is not None and max_new < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (None: the server's default), got {max_new}")
-    if (top_p := options.get("top_p")) is not None and not 0 < top_p <= 1:
+    if (top_p := generation_given.get("top_p")) is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (None: 1, all tokens), got {top_p}")
-    if (penalty := options.get("repetition_penalty")) is not None and not penalty > 0:
+    if (penalty := generation_given.get("repetition_penalty")) is not None and not penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
-    sampling = common_pb2.VideoSampling(**{k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None))})
-    generation = common_pb2.GenerationParams(
-        **{k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None)) or (k == "seed" and v is not None)}
-    )
+    sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
+    generation = common_pb2.GenerationParams(**{k: v for k, v in generation_given.items() if v or k == "seed"})
+    for name, kind, what in (("pruning", str, 'a preset name such as "balanced"'), ("request_id", str, "a string"),
+                             ("cache_salt", str, "a string"), ("pruning_knobs", Mapping, "a dict of knob names to values")):
+        if options.get(name) is not None and not isinstance(options[name], kind):
+            raise TypeError(f"{name} must be {what}, got {_shown(options[name])}")
     pruning = common_pb2.PruningOptions(
         preset=options.pop("pruning", "") or "",
         knobs={k: str(v) for k, v in (options.pop("pruning_knobs", None) or {}).items()},
@@ -137,6 +150,9 @@ def build_header(
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
     if (question is None) == (messages is None):
         raise TypeError("pass a question or messages=[...], not both (and not neither)")
+    if messages is not None and not messages:
+        raise ValueError("messages is empty: send the conversation, ending with the user's message that holds the "
+                         "video (or image) and the question")
     return gateway_pb2.AskHeader(
         request_id=request_id,
         question=question or "",
@@ -148,6 +164,64 @@ def build_header(
         pruning=pruning,
         cache_salt=cache_salt,
     )
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    """`stop` as the HTTP API takes it: a string or a list of strings (None: none)."""
+    if not stop:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise TypeError(f"stop must be a string or a list of strings, got {_shown(stop)}")
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias}; ids may be decimal strings too, as in an OpenAI request body (JSON keys)."""
+    if not isinstance(bias, Mapping):
+        raise TypeError(f'logit_bias must be a dict of token ids to biases, such as {{1734: -100}}, got {_shown(bias)}')
+    out = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.isascii() and token.isdecimal():
+            token = int(token)
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise TypeError(f"logit_bias keys must be token ids (int, or a decimal string), got {_shown(token)}")
+        out[token] = value
+    return out
+
+
+_KINDS = {
+    FieldDescriptor.CPPTYPE_INT32: ("an integer", "integers"), FieldDescriptor.CPPTYPE_INT64: ("an integer", "integers"),
+    FieldDescriptor.CPPTYPE_DOUBLE: ("a number", "numbers"), FieldDescriptor.CPPTYPE_BOOL: ("True or False", "bools"),
+    FieldDescriptor.CPPTYPE_STRING: ("a string", "strings"),
+}  # fmt: skip
+"""(one, many) of a wire type, for the errors of `_typed`."""
+
+
+def _typed(message: type[ProtoMessage], given: dict[str, Any]) -> None:
+    """TypeError naming the option whose value the wire `message` cannot hold and what it takes
+    (ValueError for an integer past its 32 or 64 bits): protobuf's own errors ("bad argument
+    type for built-in operation") name neither."""
+    for name, value in given.items():
+        try:
+            message(**{name: value})
+        except (TypeError, ValueError) as exc:
+            field_ = message.DESCRIPTOR.fields_by_name[name]
+            if field_.message_type is not None:  # a map (logit_bias)
+                key, item = (field_.message_type.fields_by_name[f].cpp_type for f in ("key", "value"))
+                what = f"a dict of {_KINDS[key][1]} to {_KINDS[item][1]}"
+            else:
+                what = f"a list of {_KINDS[field_.cpp_type][1]}" if field_.is_repeated else _KINDS[field_.cpp_type][0]
+            if isinstance(exc, ValueError):
+                bits = 32 if field_.cpp_type == FieldDescriptor.CPPTYPE_INT32 else 64
+                raise ValueError(f"{name} must be {what} of at most {bits} bits (signed), got {_shown(value)}") from None
+            raise TypeError(f"{name} must be {what}, got {_shown(value)}") from None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def _check_options(options: dict[str, Any]) -> None:

@@ -132,6 +132,40 @@ def test_header_carries_vllm_sampling_options():
     assert dict(g.logit_bias) == {17: 100.0} and list(g.stop_token_ids) == [5, 9] and g.include_stop_str_in_output
 
 
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        ({"num_frames": 2.5}, TypeError, r"num_frames must be an integer, got 2.5"),
+        ({"max_new_tokens": "4"}, TypeError, r"max_new_tokens must be an integer, got '4'"),
+        ({"ignore_eos": "no"}, TypeError, r"ignore_eos must be True or False, got 'no'"),
+        ({"stop": 5}, TypeError, r"stop must be a string or a list of strings, got 5"),
+        ({"stop": ["a", 5]}, TypeError, r"stop must be a string or a list of strings"),
+        ({"stop_token_ids": [1.5]}, TypeError, r"stop_token_ids must be a list of integers"),
+        ({"logit_bias": {"x": 1}}, TypeError, r"logit_bias keys must be token ids"),
+        ({"logit_bias": {5: "up"}}, TypeError, r"logit_bias must be a dict of integers to numbers"),
+        ({"seed": 2**70}, ValueError, r"seed must be an integer of at most 64 bits"),
+        ({"pruning": {"preset": "light"}}, TypeError, r'pruning must be a preset name such as "balanced"'),
+        ({"cache_salt": 7}, TypeError, r"cache_salt must be a string, got 7"),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_refused_by_its_name(options, error, match):
+    """protobuf's own errors ("bad argument type for built-in operation", "'str' object cannot be
+    interpreted as an integer") named neither the option nor what it takes."""
+    with pytest.raises(error, match=match):
+        build_header("q?", 0, "", options)
+
+
+def test_logit_bias_takes_the_openai_bodys_string_ids_too():
+    h = build_header("q?", 0, "", {"logit_bias": {"17": -100, 5: 2.5}})
+    assert dict(h.generation.logit_bias) == {17: -100.0, 5: 2.5}
+
+
+def test_an_empty_conversation_is_refused_before_any_call():
+    """It reached the gateway as the 0.1 question form with no question: "the question is empty"."""
+    with pytest.raises(ValueError, match="messages is empty"):
+        build_header(None, 0, "", {}, messages=[])
+
+
 def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():
     metadata = ChannelSettings(api_key="s3cret", metadata=(("x-team", "vision"),)).call_metadata()
     assert metadata == (("authorization", "Bearer s3cret"), ("x-team", "vision"))
