@@ -20,7 +20,7 @@ One call = one `GatewayService.Ask` stream: a header, the media in 1 MiB chunks 
 sha256 when the servers have it), then stage events, token deltas and a summary come back.
 Every call has a deadline (`timeout_s`, per client or per call, covering retries); UNAVAILABLE
 is retried before the first token only (`retry.RetryPolicy`); failures raise `EpdError` with
-the gRPC status and the server's message.
+the gRPC status, the server's message, and `retry_after_s` when the server was busy.
 """
 
 from __future__ import annotations
@@ -53,12 +53,17 @@ from epd.client.types import (
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template
 from epd.transport.aio_cancel import cancelled_by_grpc
 from epd.transport.message_convert import messages_to_proto
+from epd.transport.status_metadata import retry_after_in
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 __all__ = [
     "CHUNK_BYTES", "IMAGE", "VIDEO", "AskResult", "AsyncEpdClient", "ContentPart", "EpdClient", "EpdError",
     "Message", "StageEvent", "TokenDelta",
 ]  # fmt: skip
+
+DEADLINE_SLACK_S = 0.05
+"""A DEADLINE_EXCEEDED this close to the call's own deadline is that deadline's (gRPC's clock and
+ours are read at different moments), not a server's own, which carries its own message."""
 
 MessageLike = Message | dict[str, Any]
 """A `Message`, or a dict in the processor's chat form (see `build_header`)."""
@@ -398,7 +403,8 @@ class AsyncEpdClient:
             options,
             messages,
         )
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        timeout_s_used = timeout_s if timeout_s is not None else self.timeout_s
+        deadline = time.monotonic() + timeout_s_used
         attempt = 0
         while True:
             attempt += 1
@@ -416,7 +422,14 @@ class AsyncEpdClient:
                 return
             except grpc.aio.AioRpcError as exc:
                 code, message = exc.code(), exc.details() or ""
+                exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the mark means "busy" on it only
+                retry_after_s = retry_after_in(exc.trailing_metadata()) if exhausted else None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline - DEADLINE_SLACK_S:
+                    # Our own deadline (gRPC's text: "Deadline Exceeded"), not a server's message.
+                    message = (f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
+                               "timeout_s, or ask for fewer tokens or frames")
             except asyncio.CancelledError:
+                retry_after_s = None
                 if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
                 # grpc.aio's own cancel: the request could not be written (epd.transport.aio_cancel).
@@ -430,9 +443,10 @@ class AsyncEpdClient:
                 # servers go on generating it, until it completes. Cancelling ends it there now.
                 if call is not None and not call.done():
                     call.cancel()
-            wait_s = self.retry.backoff_s(attempt)
-            if not self.retry.should_retry(code, attempt, saw_token) or time.monotonic() + wait_s >= deadline:
-                raise EpdError(code, message) from None
+            wait_s = max(self.retry.backoff_s(attempt), retry_after_s or 0)
+            busy = retry_after_s is not None
+            if not self.retry.should_retry(code, attempt, saw_token, busy) or time.monotonic() + wait_s >= deadline:
+                raise EpdError(code, message, retry_after_s) from None
             await asyncio.sleep(wait_s)
 
     async def close(self) -> None:

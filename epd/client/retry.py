@@ -24,7 +24,10 @@ class RetryPolicy:
     multiplier: float = 2.0
     """Each wait is this many times the previous one."""
     retryable: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
-    """Status codes that may be retried (before the first token only)."""
+    """Status codes that may be retried (before the first token only). RESOURCE_EXHAUSTED, when
+    listed, is retried only when the server marked it busy (`EpdError.retry_after_s`: a full queue,
+    a client's requests in flight; HTTP's 429), never for a limit that no retry fixes (an upload or
+    prompt too large; HTTP's 413); the wait is then at least the server's `retry_after_s`."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -36,7 +39,10 @@ class RetryPolicy:
         """Seconds to wait after failed attempt number `attempt` (1-based)."""
         return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
 
-    def should_retry(self, code: grpc.StatusCode, attempt: int, saw_token: bool) -> bool:
+    def should_retry(self, code: grpc.StatusCode, attempt: int, saw_token: bool, busy: bool = False) -> bool:
+        """busy: the server said when to retry (`EpdError.retry_after_s` is set)."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not busy:
+            return False
         return not saw_token and code in self.retryable and attempt < self.max_attempts
 
 

@@ -49,10 +49,14 @@ __all__ = [
 class EpdError(Exception):
     """A call failed; `code` is the gRPC status (`grpc.StatusCode`), `message` says what to change."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+        """Seconds to wait before the same request may succeed, when the server refused it for load
+        (a RESOURCE_EXHAUSTED marked busy: the HTTP API's 429 + Retry-After); None for every other
+        failure, a RESOURCE_EXHAUSTED for a limit included (HTTP's 413: send less, not later)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from epd.stages.errors import (
     Unavailable,
 )
 from epd.stages.server_config import MAX_MESSAGE_BYTES
+from epd.transport.status_metadata import RETRY_AFTER_KEY, retry_after_in
 from epd.video.types import DecoderCrashed, MediaError, MediaLimitError
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,6 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     # The server's model, not the request, is wrong: its message says why and what epd serves.
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
 )
-
-
-RETRY_AFTER_KEY = "epd-retry-after-s"
-"""Trailing metadata that marks a RESOURCE_EXHAUSTED as `Busy` (retry later, in seconds), so the
-mark survives every hop: stage -> gateway -> client (HTTP 429 + Retry-After)."""
 
 
 REPLICA_STAYS_KEY = "epd-replica-stays"
@@ -163,10 +159,7 @@ def retry_after_of(exc: BaseException) -> int | None:
     if isinstance(exc, grpc.aio.AioRpcError):
         if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             return None
-        for key, value in exc.trailing_metadata() or ():
-            if key == RETRY_AFTER_KEY and str(value).isdigit():
-                return int(value)
-        return None
+        return retry_after_in(exc.trailing_metadata())
     return getattr(exc, "retry_after_s", None)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from epd.client import EpdClient
+from epd.client import NO_RETRY, EpdClient, EpdError, RetryPolicy
 from epd.gateway.admission import max_body_bytes
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.raw_http import Connection, Response, request
@@ -262,6 +262,9 @@ def test_a_client_past_its_requests_in_flight_gets_429_and_resource_exhausted(st
         http_third = loop.run_until_complete(request(stack.http_port, "POST", CHAT, b"[]", AUTH))
         data = media_files["mp4"].read_bytes()
         grpc_error = _grpc_ask(stack, gateway_pb2.AskHeader(question=QUESTION, media_num_bytes=len(data)), data)
+        with EpdClient(stack.gateway, timeout_s=60, api_key=API_KEY, retry=NO_RETRY) as client:
+            with pytest.raises(EpdError, match="--max-requests-per-client") as sdk_error:
+                client.ask(data, QUESTION, max_new_tokens=2)
         finished = loop.run_until_complete(finish(held))
     finally:
         loop.close()
@@ -271,8 +274,20 @@ def test_a_client_past_its_requests_in_flight_gets_429_and_resource_exhausted(st
     # One count per client over both front doors: the gRPC call is the same client's third.
     assert grpc_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--max-requests-per-client" in grpc_error.details()
+    # The SDK keeps HTTP's 429-not-413: busy, with when to retry (it dropped the server's mark).
+    assert sdk_error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and sdk_error.value.retry_after_s == 1
     for response in finished:
         assert_clean_json_error(response, 400, "must be a JSON object")
+
+
+def test_an_sdk_upload_over_the_limit_is_not_marked_busy(stack):
+    """A limit (HTTP's 413: send less) carries no retry mark, so a RetryPolicy that lists
+    RESOURCE_EXHAUSTED does not send the same too-large video again (`RetryPolicy.should_retry`)."""
+    retry = RetryPolicy(max_attempts=3, retryable=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED))
+    with EpdClient(stack.gateway, timeout_s=60, api_key=API_KEY, retry=retry) as client:
+        with pytest.raises(EpdError, match="--max-upload-bytes") as info:
+            client.ask(b"\0" * (UPLOAD_LIMIT_BYTES + 1), QUESTION, max_new_tokens=2)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_after_s is None
 
 
 # -- the stack still serves (keep these last) ---------------------------------------------------

@@ -129,6 +129,15 @@ def test_a_tiny_deadline_is_deadline_exceeded(client, media_files):
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0])
+def test_a_passed_deadline_says_to_raise_timeout_s(client, media_files, timeout_s):
+    """gRPC's own text was all the caller got: "Deadline Exceeded", which names neither the
+    setting nor what to change."""
+    with pytest.raises(EpdError, match="raise timeout_s") as info:
+        client.ask(media_files["mp4"], QUESTION, timeout_s=timeout_s, **OPTIONS)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.retry_after_s is None
+
+
 def test_media_that_fails_to_read_mid_upload_is_an_epd_error_not_a_cancelled_future(client, media_files):
     """grpc.aio cancels a streaming call itself when its request iterator fails (here the file
     object's read during the upload; a deadline passing before the request is written takes the

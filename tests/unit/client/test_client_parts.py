@@ -32,6 +32,15 @@ def test_only_unavailable_before_the_first_token_is_retried_and_only_so_often():
     assert not policy.should_retry(grpc.StatusCode.DEADLINE_EXCEEDED, attempt=1, saw_token=False)
 
 
+def test_resource_exhausted_is_retried_only_when_the_server_said_busy():
+    """Listed as retryable, RESOURCE_EXHAUSTED re-sent an upload over the server's limit (HTTP's
+    413) as often as a full queue (HTTP's 429); only the latter may succeed later."""
+    policy = RetryPolicy(retryable=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED))
+    assert policy.should_retry(grpc.StatusCode.RESOURCE_EXHAUSTED, attempt=1, saw_token=False, busy=True)
+    assert not policy.should_retry(grpc.StatusCode.RESOURCE_EXHAUSTED, attempt=1, saw_token=False)
+    assert not RetryPolicy().should_retry(grpc.StatusCode.RESOURCE_EXHAUSTED, attempt=1, saw_token=False, busy=True)
+
+
 def test_bad_retry_policies_are_refused():
     with pytest.raises(ValueError, match="max_attempts must be >= 1"):
         RetryPolicy(max_attempts=0)
