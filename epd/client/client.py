@@ -218,6 +218,8 @@ def _typed(message: type[ProtoMessage], given: dict[str, Any]) -> None:
                 what = f"a dict of {_KINDS[key][1]} to {_KINDS[item][1]}"
             else:
                 what = f"a list of {_KINDS[field_.cpp_type][1]}" if field_.is_repeated else _KINDS[field_.cpp_type][0]
+            if isinstance(exc, UnicodeError):  # a lone surrogate: no UTF-8 for it
+                raise ValueError(f"{name} must be {what} of valid Unicode (no lone surrogates), got {_shown(value)}") from None
             if isinstance(exc, ValueError):
                 bits = 32 if field_.cpp_type == FieldDescriptor.CPPTYPE_INT32 else 64
                 raise ValueError(f"{name} must be {what} of at most {bits} bits (signed), got {_shown(value)}") from None

@@ -153,6 +153,7 @@ def test_header_carries_vllm_sampling_options():
         ({"logit_bias": {"x": 1}}, TypeError, r"logit_bias keys must be token ids"),
         ({"logit_bias": {5: "up"}}, TypeError, r"logit_bias must be a dict of integers to numbers"),
         ({"seed": 2**70}, ValueError, r"seed must be an integer of at most 64 bits"),
+        ({"stop": ["\ud800"]}, ValueError, r"stop must be a list of strings of valid Unicode \(no lone surrogates\)"),
         ({"pruning": {"preset": "light"}}, TypeError, r'pruning must be a preset name such as "balanced"'),
         ({"cache_salt": 7}, TypeError, r"cache_salt must be a string, got 7"),
     ],
