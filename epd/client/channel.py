@@ -46,7 +46,23 @@ class ChannelSettings:
         return auth + tuple(self.metadata)
 
 
-def open_channel(endpoint: str, settings: ChannelSettings, retry: RetryPolicy) -> grpc.aio.Channel:
+def channel_credentials(settings: ChannelSettings) -> grpc.ChannelCredentials | None:
+    """The TLS credentials of `settings` (None: plaintext), their files read now: a missing one is
+    an error when the client is made, not at its first call."""
+    if not settings.uses_tls:
+        return None
+    roots = _read(settings.root_certificates_path, "root certificates") if settings.root_certificates_path else None
+    key = chain = None
+    if settings.client_certificate_path:
+        chain = _read(settings.client_certificate_path, "client certificate")
+        key = _read(settings.client_key_path, "client key")
+    return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=chain)
+
+
+def open_channel(
+    endpoint: str, settings: ChannelSettings, retry: RetryPolicy, credentials: grpc.ChannelCredentials | None
+) -> grpc.aio.Channel:
+    """A grpc.aio channel, bound to the event loop running now (grpc.aio's channels are)."""
     options: list[tuple[str, str | int]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -58,14 +74,8 @@ def open_channel(endpoint: str, settings: ChannelSettings, retry: RetryPolicy) -
     ]
     if settings.server_name_override:
         options.append(("grpc.ssl_target_name_override", settings.server_name_override))
-    if not settings.uses_tls:
+    if credentials is None:
         return grpc.aio.insecure_channel(endpoint, options=options)
-    roots = _read(settings.root_certificates_path, "root certificates") if settings.root_certificates_path else None
-    key = chain = None
-    if settings.client_certificate_path:
-        chain = _read(settings.client_certificate_path, "client certificate")
-        key = _read(settings.client_key_path, "client key")
-    credentials = grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=chain)
     return grpc.aio.secure_channel(endpoint, credentials, options=options)
 
 

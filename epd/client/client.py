@@ -37,7 +37,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message as ProtoMessage
 
-from epd.client.channel import ChannelSettings, open_channel
+from epd.client.channel import ChannelSettings, channel_credentials, open_channel
 from epd.client.conversation import AsyncConversation, Conversation
 from epd.client.media import CHUNK_BYTES, Media, MediaSource
 from epd.client.retry import RetryPolicy
@@ -238,7 +238,9 @@ def _check_options(options: dict[str, Any]) -> None:
 
 
 class AsyncEpdClient:
-    """asyncio client; use `async with AsyncEpdClient(endpoint) as client:`.
+    """asyncio client; use `async with AsyncEpdClient(endpoint) as client:`. It may also be made
+    before the event loop runs (`client = AsyncEpdClient(...)`, then `asyncio.run(main())`): its
+    channel opens at the first call, in that call's loop, and serves that loop only.
 
     endpoint: "HOST:PORT" of the gateway. timeout_s: default deadline of one call (retries
     included). api_key: sent as `authorization: Bearer ...`. tls / root_certificates_path /
@@ -270,8 +272,21 @@ class AsyncEpdClient:
             tls, root_certificates_path, server_name_override, api_key, tuple(metadata),
             client_certificate_path, client_key_path,
         )
-        self._channel = open_channel(endpoint, self.settings, self.retry)
-        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+        self._credentials = channel_credentials(self.settings)
+        # Opened by the first call, in its event loop: grpc.aio binds a channel to the loop running
+        # when it is made, and a client made before `asyncio.run(main())` (no loop yet, or
+        # another) failed every call with "got Future attached to a different loop".
+        self._channel: grpc.aio.Channel | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _stub(self) -> gateway_pb2_grpc.GatewayServiceStub:
+        loop = asyncio.get_running_loop()
+        if self._channel is None:
+            self._channel, self._loop = open_channel(self.endpoint, self.settings, self.retry, self._credentials), loop
+        elif loop is not self._loop:
+            raise RuntimeError("this AsyncEpdClient made its calls in another event loop, and its channel belongs "
+                               "to that loop; make one client per event loop (e.g. inside the asyncio.run coroutine)")
+        return gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
     async def ask_stream(
         self,
@@ -413,7 +428,7 @@ class AsyncEpdClient:
             saw_token = False
             call = None
             try:
-                call = self._stub.Ask(
+                call = self._stub().Ask(
                     _requests(header, source),
                     timeout=max(0.0, deadline - time.monotonic()),
                     metadata=self.settings.call_metadata(),
@@ -452,7 +467,8 @@ class AsyncEpdClient:
             await asyncio.sleep(wait_s)
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncEpdClient:
         return self

@@ -112,6 +112,24 @@ def test_async_client_streams_the_same_tokens(stack, media_files, expected):
     assert raw[0] == "event" and raw[-1] == "summary" and "delta" in raw
 
 
+def test_an_async_client_made_before_its_event_loop_answers_in_it(stack, media_files, expected):
+    """`client = AsyncEpdClient(...)` then `asyncio.run(main())`: grpc.aio bound the channel to
+    the loop of the constructor's thread, and every call failed with "got Future attached to a
+    different loop". The channel now opens at the first call; a second loop is told plainly."""
+    client = AsyncEpdClient(stack.gateway, timeout_s=120, api_key=API_KEY)
+
+    async def ask(close: bool) -> AskResult:
+        try:
+            return await client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+        finally:
+            if close:
+                await client.close()
+
+    assert asyncio.run(ask(close=True)).token_ids == expected.token_ids
+    with pytest.raises(RuntimeError, match="make one client per event loop"):
+        asyncio.run(ask(close=False))
+
+
 def test_errors_carry_the_grpc_status_and_message(client, media_files):
     with pytest.raises(EpdError, match="question is empty") as info:
         client.ask(media_files["mp4"], "   ", **OPTIONS)

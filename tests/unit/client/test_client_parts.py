@@ -13,8 +13,8 @@ import warnings
 import grpc
 import pytest
 
-from epd.client import EpdClient, MediaSource, RetryPolicy, build_header
-from epd.client.channel import ChannelSettings, open_channel
+from epd.client import AsyncEpdClient, EpdClient, MediaSource, RetryPolicy, build_header
+from epd.client.channel import ChannelSettings, channel_credentials, open_channel
 from epd.transport.auth import bearer_token, key_matches
 
 
@@ -185,24 +185,20 @@ def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():
 
 
 def test_tls_needs_an_existing_root_certificate_file(tmp_path):
-    from epd.client import RetryPolicy as Policy
-
     with pytest.raises(FileNotFoundError, match="root certificates file not found"):
-        open_channel(
-            "127.0.0.1:1", ChannelSettings(root_certificates_path=str(tmp_path / "ca.pem")), Policy()
-        )
+        channel_credentials(ChannelSettings(root_certificates_path=str(tmp_path / "ca.pem")))
+    with pytest.raises(FileNotFoundError, match="root certificates file not found"):
+        AsyncEpdClient("127.0.0.1:1", root_certificates_path=str(tmp_path / "ca.pem"))  # made, not first called
 
 
 def test_a_client_certificate_needs_its_key_and_existing_files(tmp_path):
-    from epd.client import RetryPolicy as Policy
-
     with pytest.raises(ValueError, match="client_certificate_path and client_key_path go together"):
         ChannelSettings(client_certificate_path=str(tmp_path / "client.pem"))
     settings = ChannelSettings(client_certificate_path=str(tmp_path / "client.pem"),
                                client_key_path=str(tmp_path / "client.key"))
     assert settings.uses_tls  # a client certificate is TLS even without a CA given
     with pytest.raises(FileNotFoundError, match="client certificate file not found"):
-        open_channel("127.0.0.1:1", settings, Policy())
+        channel_credentials(settings)
 
 
 def _client_threads() -> int:
@@ -253,7 +249,7 @@ def test_a_server_name_alone_makes_the_channel_tls_not_plaintext():
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         settings = ChannelSettings(server_name_override="gateway.example", api_key="secret-key")
-        channel = open_channel(f"127.0.0.1:{port}", settings, RetryPolicy())
+        channel = open_channel(f"127.0.0.1:{port}", settings, RetryPolicy(), channel_credentials(settings))
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             return f"plaintext call answered {reply.status}"
