@@ -54,6 +54,7 @@ from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_te
 from epd.transport.aio_cancel import cancelled_by_grpc
 from epd.transport.message_convert import messages_to_proto
 from epd.transport.status_metadata import retry_after_in
+from epd.transport.tracing import metadata_value
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 __all__ = [
@@ -439,6 +440,7 @@ class AsyncEpdClient:
                 return
             except grpc.aio.AioRpcError as exc:
                 code, message = exc.code(), exc.details() or ""
+                request_id = metadata_value(exc.trailing_metadata())
                 exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the mark means "busy" on it only
                 retry_after_s = retry_after_in(exc.trailing_metadata()) if exhausted else None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline - DEADLINE_SLACK_S:
@@ -446,7 +448,7 @@ class AsyncEpdClient:
                     message = (f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
                                "timeout_s, or ask for fewer tokens or frames")
             except asyncio.CancelledError:
-                retry_after_s = None
+                retry_after_s, request_id = None, ""
                 if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
                 # grpc.aio's own cancel: the request could not be written (epd.transport.aio_cancel).
@@ -463,7 +465,7 @@ class AsyncEpdClient:
             wait_s = max(self.retry.backoff_s(attempt), retry_after_s or 0)
             busy = retry_after_s is not None
             if not self.retry.should_retry(code, attempt, saw_token, busy) or time.monotonic() + wait_s >= deadline:
-                raise EpdError(code, message, retry_after_s) from None
+                raise EpdError(code, message, retry_after_s, request_id) from None
             await asyncio.sleep(wait_s)
 
     async def close(self) -> None:

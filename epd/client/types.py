@@ -49,10 +49,15 @@ __all__ = [
 class EpdError(Exception):
     """A call failed; `code` is the gRPC status (`grpc.StatusCode`), `message` says what to change."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None, request_id: str = ""
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.request_id = request_id
+        """The id the server ran the request under (its `x-request-id`, as the HTTP API's response
+        header; the server's log lines carry it); "" when the call failed before reaching it."""
         self.retry_after_s = retry_after_s
         """Seconds to wait before the same request may succeed, when the server refused it for load
         (a RESOURCE_EXHAUSTED marked busy: the HTTP API's 429 + Retry-After); None for every other

@@ -19,7 +19,7 @@ from epd.transport import convert, tracing
 from epd.transport.auth import bearer_token, request_cache_salt
 from epd.transport.errors import rpc_errors
 from epd.transport.server import CUT_MARGIN_S
-from epd.transport.upload import drain, media_input, read_upload
+from epd.transport.upload import drain, media_input, read_header, read_media
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -100,10 +100,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         chunks, or stops, held its upload's bytes of the body budget and its request slot for as
         long as it liked (the HTTP API's bodies have the same limit)."""
         timeout_s = self.config.body_timeout_s
+        ends_at = time.monotonic() + timeout_s
         try:
-            return await asyncio.wait_for(
-                read_upload(request_iterator, self.config.max_upload_bytes, reserve_bytes), timeout_s
-            )
+            header = await asyncio.wait_for(read_header(request_iterator), timeout_s)
+            # The client's id from here on, in this task (wait_for's task has a copy of its
+            # context): the upload's errors, the response metadata and the summary all name it.
+            tracing.adopt_request_id(header.request_id)
+            media = read_media(request_iterator, header, self.config.max_upload_bytes, reserve_bytes)
+            return header, await asyncio.wait_for(media, max(0.0, ends_at - time.monotonic()))
         except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
             raise DeadlineExceeded(
                 f"the upload did not arrive within {timeout_s:g} s (the server's --body-timeout); send it "

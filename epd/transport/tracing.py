@@ -388,6 +388,9 @@ class _TracedContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         self._call.code = code.name
+        # The id in force now: the servicer may have adopted the one its request message names
+        # (`adopt_request_id`) since the call began, and the message and metadata must agree.
+        self._call.request_id = current_request_id() or self._call.request_id
         metadata = tuple(trailing_metadata or ())
         if self._call.request_id and not metadata_value(metadata):
             metadata = (*metadata, (REQUEST_ID_KEY, self._call.request_id))

@@ -21,27 +21,35 @@ def media_input(header, data: bytes) -> MediaInput:
 
 
 async def read_upload(request_iterator, max_bytes: int, reserve_bytes: Callable[[int], None] | None = None):
-    """Returns (header, bytes). The first message must carry `header`; the rest `media_chunk`.
-    Refuses as soon as the declared or received size passes `max_bytes`. `reserve_bytes(n)` is
-    called before each chunk is kept and may raise to refuse the upload (a memory budget)."""
-    header = None
+    """Returns (header, bytes): `read_header`, then `read_media`."""
+    header = await read_header(request_iterator)
+    return header, await read_media(request_iterator, header, max_bytes, reserve_bytes)
+
+
+async def read_header(request_iterator):
+    """The first message, which must carry `header`."""
+    async for msg in request_iterator:
+        if msg.WhichOneof("kind") != "header":
+            raise InvalidRequest("the first message of the stream must be the header")
+        return msg.header
+    raise InvalidRequest("the stream ended before its header")
+
+
+async def read_media(request_iterator, header, max_bytes: int, reserve_bytes: Callable[[int], None] | None = None):
+    """The media bytes after `header`: only `media_chunk` messages may follow it. Refuses as soon
+    as the declared or received size passes `max_bytes`. `reserve_bytes(n)` is called before each
+    chunk is kept and may raise to refuse the upload (a memory budget)."""
+    if header.media_num_bytes < 0:
+        await drain(request_iterator)
+        raise InvalidRequest(f"media_num_bytes must be the upload's size (or 0: not announced), "
+                             f"got {header.media_num_bytes}")
+    if header.media_num_bytes > max_bytes:
+        await drain(request_iterator)
+        raise ResourceExhausted(_too_big(header.media_num_bytes, max_bytes))
     parts: list[bytes] = []
     received = 0
     async for msg in request_iterator:
-        kind = msg.WhichOneof("kind")
-        if header is None:
-            if kind != "header":
-                raise InvalidRequest("the first message of the stream must be the header")
-            header = msg.header
-            if header.media_num_bytes < 0:
-                await drain(request_iterator)
-                raise InvalidRequest(f"media_num_bytes must be the upload's size (or 0: not announced), "
-                                     f"got {header.media_num_bytes}")
-            if header.media_num_bytes > max_bytes:
-                await drain(request_iterator)
-                raise ResourceExhausted(_too_big(header.media_num_bytes, max_bytes))
-            continue
-        if kind != "media_chunk":
+        if msg.WhichOneof("kind") != "media_chunk":
             raise InvalidRequest("only media_chunk messages may follow the header")
         received += len(msg.media_chunk)
         if header.media_num_bytes and received > header.media_num_bytes:
@@ -58,13 +66,11 @@ async def read_upload(request_iterator, max_bytes: int, reserve_bytes: Callable[
                 await drain(request_iterator)
                 raise
         parts.append(msg.media_chunk)
-    if header is None:
-        raise InvalidRequest("the stream ended before its header")
     if header.media_num_bytes and received != header.media_num_bytes:
         raise InvalidRequest(
             f"the header announced {header.media_num_bytes} bytes but {received} arrived; the upload was cut short"
         )
-    return header, b"".join(parts)
+    return b"".join(parts)
 
 
 MAX_DRAINED_MESSAGES = 256

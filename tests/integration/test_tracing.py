@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from epd.client import EpdClient, EpdError
+from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.stack import Stack, free_port
 
 QUESTION = "what colour is the square?"
@@ -129,3 +130,33 @@ def test_errors_name_the_request_id(stack):
     assert failed.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert failed.value.message.count("(request id trace-bad-grpc)") == 1, failed.value.message
     wait_for_line(stack.log_dir / "encoder.log", "trace-bad-grpc", "INVALID_ARGUMENT")
+
+
+def test_the_header_id_names_every_error_and_comes_back_as_the_metadata(stack, media_files):
+    """`AskHeader.request_id` (the SDK's `request_id=`) was adopted only once the pipeline began:
+    an error of the header's own settings or of its upload named a made-up id, and the response
+    metadata carried that made-up id while the summary carried the client's."""
+    data = media_files["mp4"].read_bytes()
+    with EpdClient(stack.gateway, timeout_s=60.0) as client:
+        with pytest.raises(EpdError, match="question is empty") as failed:
+            client.ask(data, "   ", num_frames=4, max_new_tokens=3, request_id="trace-hdr-setting")
+    assert failed.value.message.endswith("(request id trace-hdr-setting)"), failed.value.message
+    assert failed.value.request_id == "trace-hdr-setting"
+
+    def ask(request_id: str, announced: int):
+        header = gateway_pb2.AskHeader(question=QUESTION, request_id=request_id, media_num_bytes=announced,
+                                       generation=common_pb2.GenerationParams(max_new_tokens=3))
+        requests = [gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=data)]
+        with grpc.insecure_channel(stack.gateway) as channel:
+            call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(iter(requests), timeout=60)
+            try:
+                return list(call), dict(call.initial_metadata()), None
+            except grpc.RpcError as exc:
+                return [], dict(exc.trailing_metadata() or ()), exc
+
+    _, trailing, error = ask("trace-hdr-upload", len(data) + 1)  # the upload comes up short
+    assert error is not None and error.details().endswith("(request id trace-hdr-upload)"), error
+    assert trailing["x-request-id"] == "trace-hdr-upload"
+    answer, initial, error = ask("trace-hdr-ok", len(data))
+    assert error is None and answer[-1].summary.request_id == "trace-hdr-ok"
+    assert initial["x-request-id"] == "trace-hdr-ok"  # the same id as the summary's
