@@ -37,7 +37,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message as ProtoMessage
 
-from epd.client.channel import ChannelSettings, channel_credentials, open_channel
+from epd.client.channel import MAX_MESSAGE_BYTES, ChannelSettings, channel_credentials, open_channel
 from epd.client.conversation import AsyncConversation, Conversation
 from epd.client.media import CHUNK_BYTES, Media, MediaSource
 from epd.client.retry import RetryPolicy
@@ -421,6 +421,12 @@ class AsyncEpdClient:
             options,
             messages,
         )
+        if (num_bytes := header.ByteSize()) > MAX_MESSAGE_BYTES:
+            # gRPC would refuse to send it with its own words ("Sent message larger than max
+            # (5000022 vs. 4194304)"), naming neither the conversation nor what to change.
+            raise EpdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the request's conversation and settings are {num_bytes} bytes, over the "
+                           f"{MAX_MESSAGE_BYTES >> 20} MiB one gRPC message may carry; send a shorter conversation")
         timeout_s_used = timeout_s if timeout_s is not None else self.timeout_s
         deadline = time.monotonic() + timeout_s_used
         attempt = 0

@@ -13,7 +13,7 @@ import warnings
 import grpc
 import pytest
 
-from epd.client import AsyncEpdClient, EpdClient, MediaSource, RetryPolicy, build_header
+from epd.client import NO_RETRY, AsyncEpdClient, EpdClient, EpdError, MediaSource, RetryPolicy, build_header
 from epd.client.channel import ChannelSettings, channel_credentials, open_channel
 from epd.transport.auth import bearer_token, key_matches
 
@@ -174,6 +174,15 @@ def test_an_empty_conversation_is_refused_before_any_call():
     """It reached the gateway as the 0.1 question form with no question: "the question is empty"."""
     with pytest.raises(ValueError, match="messages is empty"):
         build_header(None, 0, "", {}, messages=[])
+
+
+def test_a_header_over_the_message_limit_is_refused_before_any_call():
+    """gRPC refused to send it with "Sent message larger than max (5000022 vs. 4194304)"; the
+    endpoint here answers nothing, so any call made would be UNAVAILABLE instead."""
+    with EpdClient("127.0.0.1:1", retry=NO_RETRY) as client:
+        with pytest.raises(EpdError, match="send a shorter conversation") as info:
+            client.ask(b"video bytes", "x" * (5 << 20))
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():
