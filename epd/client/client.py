@@ -62,6 +62,10 @@ __all__ = [
     "Message", "StageEvent", "TokenDelta",
 ]  # fmt: skip
 
+MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
+"""Largest `chunk_bytes`: room for the message's framing under gRPC's limit (larger chunks were
+refused by the SDK's own channel, "Sent message larger than max")."""
+
 DEADLINE_SLACK_S = 0.05
 """A DEADLINE_EXCEEDED this close to the call's own deadline is that deadline's (gRPC's clock and
 ours are read at different moments), not a server's own, which carries its own message."""
@@ -265,6 +269,11 @@ class AsyncEpdClient:
         retry: RetryPolicy | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds (every call has a deadline), got {timeout_s!r}")
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be from 1 to {MAX_CHUNK_BYTES} (a chunk and its message framing fit "
+                             f"the {MAX_MESSAGE_BYTES >> 20} MiB gRPC message limit), got {chunk_bytes}")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()

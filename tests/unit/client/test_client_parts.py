@@ -185,6 +185,22 @@ def test_a_header_over_the_message_limit_is_refused_before_any_call():
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        ({"timeout_s": None}, "timeout_s must be a positive number of seconds"),
+        ({"timeout_s": 0}, "timeout_s must be a positive number of seconds"),
+        ({"chunk_bytes": 8 << 20}, "chunk_bytes must be from 1 to"),
+        ({"chunk_bytes": 0}, "chunk_bytes must be from 1 to"),
+    ],
+)
+def test_a_client_setting_out_of_range_is_refused_when_the_client_is_made(settings, match):
+    """timeout_s=None failed each call with "unsupported operand type(s) for +"; a chunk over the
+    message limit failed each upload with gRPC's "Sent message larger than max"."""
+    with pytest.raises(ValueError, match=match):
+        AsyncEpdClient("127.0.0.1:1", **settings)
+
+
 def test_api_key_goes_out_as_bearer_metadata_and_is_checked_exactly():
     metadata = ChannelSettings(api_key="s3cret", metadata=(("x-team", "vision"),)).call_metadata()
     assert metadata == (("authorization", "Bearer s3cret"), ("x-team", "vision"))
