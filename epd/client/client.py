@@ -49,7 +49,7 @@ from epd.client.types import (
     stage_event_from_proto,
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template
-from epd.transport.aio_cancel import cancelled_by_grpc
+from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import messages_to_proto
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -342,11 +342,19 @@ class AsyncEpdClient:
                 return
             except grpc.aio.AioRpcError as exc:
                 code, message = exc.code(), exc.details() or ""
+                if lost_while_sending(code, message):
+                    # grpc.aio's own INTERNAL for a send the call's end cut short: by the deadline,
+                    # or by a connection that broke (the server is gone: retried as UNAVAILABLE).
+                    code, message = (
+                        (grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while the request was being sent; "
+                                                            "raise timeout_s") if _past(deadline)
+                        else (grpc.StatusCode.UNAVAILABLE, "the connection broke while the request was being sent")
+                    )
             except asyncio.CancelledError:
                 if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
                 # grpc.aio's own cancel: the request could not be written (epd.transport.aio_cancel).
-                late = time.monotonic() >= deadline
+                late = _past(deadline)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
                 message = ("the deadline passed before the request was sent; raise timeout_s" if late
                            else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)")
@@ -369,6 +377,15 @@ class AsyncEpdClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+DEADLINE_CLOCK_SLACK_S = 0.005
+"""gRPC times a call's deadline on its own clock, from a moment just after ours: an error its
+deadline caused may reach us a hair before `deadline` by our clock."""
+
+
+def _past(deadline: float) -> bool:
+    return time.monotonic() >= deadline - DEADLINE_CLOCK_SLACK_S
 
 
 async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):
