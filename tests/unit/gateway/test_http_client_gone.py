@@ -20,7 +20,7 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskSummary, Pipeline
 from epd.stages.contracts import TokenStep
 from epd.stages.server_config import ServerConfig
-from tests.unit.gateway.test_http_shutdown import BODY  # a streamed question about 64 bytes of "video"
+from tests.unit.gateway.test_http_shutdown import BODY, JSON  # a streamed question about 64 bytes of "video"
 
 ROUTE = "/v1/chat/completions"
 
@@ -92,7 +92,7 @@ def test_a_client_gone_as_its_stream_ends_is_not_an_error(caplog, monkeypatch):
         http = await start_http_api(config, OneTokenAnswer(), metrics)
         try:
             async with aiohttp.ClientSession() as session:
-                async with session.post(f"http://127.0.0.1:{http.port}{ROUTE}", data=BODY) as resp:
+                async with session.post(f"http://127.0.0.1:{http.port}{ROUTE}", data=BODY, headers=JSON) as resp:
                     assert resp.status == 200
                     text = (await resp.read()).decode()
             return await _answered(metrics), text
