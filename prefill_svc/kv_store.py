@@ -86,7 +86,8 @@ class KvStore:
                 self.num_refused += 1
                 raise Busy(
                     f"prefill holds {self.num_bytes} bytes of KV caches waiting for decoders and this "
-                    f"one needs {size} more (limit {self.max_bytes}); retry shortly or add decode capacity"
+                    f"one needs {size} more (limit {self.max_bytes}, prefill flag --kv-store-bytes); retry "
+                    "shortly or add decode capacity"
                 )
             handle = handle or uuid.uuid4().hex
             self._entries[handle] = _Entry(cache, size, self._clock() + self.ttl_s)

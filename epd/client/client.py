@@ -51,7 +51,7 @@ from epd.client.types import (
     stage_event_from_proto,
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template
-from epd.transport.aio_cancel import cancelled_by_grpc
+from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import messages_to_proto
 from epd.transport.status_metadata import retry_after_in
 from epd.transport.tracing import metadata_value
@@ -65,10 +65,6 @@ __all__ = [
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 """Largest `chunk_bytes`: room for the message's framing under gRPC's limit (larger chunks were
 refused by the SDK's own channel, "Sent message larger than max")."""
-
-DEADLINE_SLACK_S = 0.05
-"""A DEADLINE_EXCEEDED this close to the call's own deadline is that deadline's (gRPC's clock and
-ours are read at different moments), not a server's own, which carries its own message."""
 
 MessageLike = Message | dict[str, Any]
 """A `Message`, or a dict in the processor's chat form (see `build_header`)."""
@@ -458,7 +454,15 @@ class AsyncEpdClient:
                 request_id = metadata_value(exc.trailing_metadata())
                 exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the mark means "busy" on it only
                 retry_after_s = retry_after_in(exc.trailing_metadata()) if exhausted else None
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline - DEADLINE_SLACK_S:
+                if lost_while_sending(code, message):
+                    # grpc.aio's own INTERNAL for a send the call's end cut short: by the deadline,
+                    # or by a connection that broke (the server is gone: retried as UNAVAILABLE).
+                    code, message = (
+                        (grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while the request was being sent; "
+                                                            "raise timeout_s") if _past(deadline)
+                        else (grpc.StatusCode.UNAVAILABLE, "the connection broke while the request was being sent")
+                    )
+                elif code == grpc.StatusCode.DEADLINE_EXCEEDED and _past(deadline):
                     # Our own deadline (gRPC's text: "Deadline Exceeded"), not a server's message.
                     message = (f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
                                "timeout_s, or ask for fewer tokens or frames")
@@ -467,7 +471,7 @@ class AsyncEpdClient:
                 if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
                 # grpc.aio's own cancel: the request could not be written (epd.transport.aio_cancel).
-                late = time.monotonic() >= deadline
+                late = _past(deadline)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
                 message = ("the deadline passed before the request was sent; raise timeout_s" if late
                            else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)")
@@ -492,6 +496,15 @@ class AsyncEpdClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+DEADLINE_CLOCK_SLACK_S = 0.005
+"""gRPC times a call's deadline on its own clock, from a moment just after ours: an error its
+deadline caused may reach us a hair before `deadline` by our clock."""
+
+
+def _past(deadline: float) -> bool:
+    return time.monotonic() >= deadline - DEADLINE_CLOCK_SLACK_S
 
 
 async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):

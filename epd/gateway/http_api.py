@@ -318,6 +318,10 @@ class HttpApi:
             if not self.in_flight.cutting:
                 raise  # its client went away
             return _exception_response(self.in_flight.shutdown_error(0, tracing.current_request_id()))
+        except ConnectionResetError:
+            # Its client closed the connection while sending its body: nothing to answer, and not
+            # the server's fault (it was an ERROR traceback and a 500 for every such client).
+            return _client_gone(tracing.current_request_id(), "before its body arrived")
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
@@ -326,19 +330,34 @@ class HttpApi:
     async def _stream(
         self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent]
     ) -> web.StreamResponse:
+        stream = _Stream()
+        try:
+            await self._stream_events(request, chat, request_id, events, stream)
+        except ConnectionResetError:
+            # Any write may find the client gone, the last ([DONE], the end of the chunked body)
+            # too: that was an ERROR traceback and a 500 for a client that had read its answer.
+            return _client_gone(request_id, "mid-stream", stream.response)
+        assert stream.response is not None
+        return stream.response
+
+    async def _stream_events(
+        self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent],
+        stream: _Stream,
+    ) -> None:
+        """Writes the answer's server-sent events to `stream.response`, made at the first token;
+        raises ConnectionResetError when the client is gone."""
         created = int(time.time())
-        response: web.StreamResponse | None = None
         num_tokens = 0
         num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
 
         async def send(body: dict[str, Any]) -> None:
-            assert response is not None
+            assert stream.response is not None
             if chat.continuous_usage:
                 body.setdefault("usage", {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
                                           "total_tokens": num_prompt_tokens + num_tokens})
             elif chat.include_usage:
                 body.setdefault("usage", None)
-            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await stream.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
         try:
             async with aclosing(events):  # type: ignore[type-var]
@@ -349,12 +368,12 @@ class HttpApi:
                         continue  # stage events have no place in OpenAI's format
                     if not isinstance(item, (TokenStep, AskSummary)):
                         continue
-                    if response is None:
-                        response = web.StreamResponse(
+                    if stream.response is None:
+                        stream.response = web.StreamResponse(
                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                      tracing.REQUEST_ID_KEY: request_id}
                         )
-                        await response.prepare(request)
+                        await stream.response.prepare(request)
                         await send(
                             chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
                         )
@@ -385,26 +404,38 @@ class HttpApi:
                             }
                         )
         except ConnectionResetError:
-            log.info("client of %s went away mid-stream", request_id)
-            return response or web.Response(status=499)
+            raise
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
             if isinstance(exc, asyncio.CancelledError):
                 if not self.in_flight.cutting:
                     raise  # its client went away
                 exc = self.in_flight.shutdown_error(num_tokens, request_id)
-            if response is None:
+            if stream.response is None:
                 raise exc  # nothing sent yet: the caller answers with the error's own status
             status, error_type, message = http_error_of(exc)
             request[STREAM_ERROR_KEY] = status
             if status == 500:
                 log.exception("internal error mid-stream in %s", request_id)
             body = error_body(tracing.with_request_id(message, request_id), error_type, status)
-            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-        if response is None:
+            await stream.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        if stream.response is None:
             raise RuntimeError("the pipeline ended without a token")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        await stream.response.write(b"data: [DONE]\n\n")
+        await stream.response.write_eof()
+
+
+@dataclass
+class _Stream:
+    """A streamed answer's response, once its first token made it (None before)."""
+
+    response: web.StreamResponse | None = None
+
+
+def _client_gone(request_id: str, when: str, response: web.StreamResponse | None = None) -> web.StreamResponse:
+    """What a handler returns for a client that closed its connection: one INFO line, and the
+    response it had begun, or a 499 (nginx's "client closed request") that nobody reads."""
+    log.info("client of %s went away %s", request_id, when)
+    return response or web.Response(status=499)
 
 
 def log_summary(summary: AskSummary) -> None:

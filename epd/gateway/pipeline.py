@@ -14,7 +14,8 @@ most one cache and only while it is in flight.
 
 The first token goes to the consumer as soon as prefill answers (`PrefillHandle.first_text`: the
 token and the text the decoder's first step will carry), not once a decoder has pulled the cache
-and admitted the request; the decoder's stream then goes on from the second token.
+and admitted the request; the decoder's stream then goes on from the second token. So a request
+that prefill answered is not failed when every decoder is full: it waits for room (`_decode`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
@@ -38,7 +39,7 @@ from epd.stages.contracts import (
     StageEvent,
     TokenStep,
 )
-from epd.stages.errors import InvalidRequest, KvSourceLost
+from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import Message, check_messages
 from epd.stages.names import TOTAL, TTFT, Stage
@@ -91,11 +92,20 @@ PipelineEvent = StageEvent | TokenStep | AskSummary
 Emit = Callable[[StageEvent | TokenStep], None]
 
 
+DECODE_ROOM_WAIT_S = 60.0
+"""How long a prefilled request waits for a decoder with room (`Pipeline._decode`): half of
+prefill's default --kv-ttl, so the cache it waits with is still stored when room comes."""
+_ROOM_FIRST_DELAY_S = 0.05
+_ROOM_MAX_DELAY_S = 1.0
+
+
 class Pipeline:
-    def __init__(self, encoder: EncodeStage, prefill: PrefillStage, decoder: DecodeStage) -> None:
+    def __init__(self, encoder: EncodeStage, prefill: PrefillStage, decoder: DecodeStage,
+                 decode_room_wait_s: float = DECODE_ROOM_WAIT_S) -> None:
         self.encoder = encoder
         self.prefill = prefill
         self.decoder = decoder
+        self.decode_room_wait_s = decode_room_wait_s
 
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
@@ -175,8 +185,7 @@ class Pipeline:
                     emit(sent)
                 # aclosing: an error in this loop's body (`_after_sent`) must end the decoder's run
                 # now, freeing its batch row and KV reservation, not when the GC finds it.
-                generating = self.decoder.generate(handle, req.generation, request_id, req.pruning)
-                async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
+                async with aclosing(self._decode(handle, req, request_id)) as steps:
                     async for step in steps:
                         if not taken:
                             taken = True
@@ -254,6 +263,42 @@ class Pipeline:
             call.cancel()
             call.add_done_callback(self._release_outcome(request_id))
             raise
+
+    async def _decode(
+        self, handle: PrefillHandle, req: AskRequest, request_id: str
+    ) -> AsyncGenerator[TokenStep, None]:
+        """The decoder's steps for a prefilled request. Every decoder full (`Busy`: its KV memory
+        and its wait queue) before the first step is not this request's end: its prefill ran, its
+        first token may be with the client already, and the full decoder took nothing (it reserves
+        room before it pulls a cache). So it is asked again, after 50 ms, 100 ms, ... 1 s, for up
+        to `decode_room_wait_s`, the cache waiting in prefill's KV store meanwhile (--kv-ttl,
+        120 s by default; one that expires is prefilled again, once, as a lost one is). Until then
+        the busy error is passed on (RESOURCE_EXHAUSTED, HTTP 429). What bounds the requests
+        waiting here is prefill's KV store (--kv-store-bytes): when it is full, prefill refuses new
+        requests before they have any token."""
+        waiting_since: float | None = None
+        delay_s = _ROOM_FIRST_DELAY_S
+        while True:
+            stepped = False
+            try:
+                generating = self.decoder.generate(handle, req.generation, request_id, req.pruning)
+                async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
+                    async for step in steps:
+                        stepped = True
+                        yield step
+                return
+            except EpdError as exc:
+                if stepped or getattr(exc, "retry_after_s", None) is None:
+                    raise
+                now = time.monotonic()
+                if waiting_since is None:
+                    waiting_since = now
+                    log.info("request %s: every decoder is full; waiting up to %.0f s for room",
+                             request_id, self.decode_room_wait_s)
+                if now - waiting_since + delay_s > self.decode_room_wait_s:
+                    raise
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, _ROOM_MAX_DELAY_S)
 
     def _release_outcome(self, request_id: str) -> Callable[[asyncio.Future], None]:
         def done(call: asyncio.Future) -> None:

@@ -29,6 +29,7 @@ from epd.stages.errors import (
     Unavailable,
 )
 from epd.stages.server_config import MAX_MESSAGE_BYTES
+from epd.transport.aio_cancel import lost_while_sending
 from epd.transport.status_metadata import RETRY_AFTER_KEY, retry_after_in
 from epd.video.types import DecoderCrashed, MediaError, MediaLimitError
 
@@ -96,21 +97,14 @@ GRPC_MESSAGE_TOO_LARGE = "message larger than max"
 """In the RESOURCE_EXHAUSTED that gRPC raises itself for a message over a channel's limit ("Sent
 message larger than max (5339167 vs. 4194304)"): gRPC's text, never one of our services'."""
 
-LOST_WHILE_SENDING = "Internal error from Core"
-"""How grpc.aio words the INTERNAL it raises itself when a request stream is being sent on a
-connection that has just broken (the replica was killed mid-upload): gRPC's text, never one of our
-services' (theirs is `epd.transport.errors.status_of`'s), so the replica is gone, as UNAVAILABLE."""
-
-
 def replica_lost(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed try says its replica is gone (not the request's own failure): UNAVAILABLE,
     or gRPC's INTERNAL for a send on a broken connection."""
     code = exc.code()
     if _replica_stays(exc):
         return False
-    return code == grpc.StatusCode.UNAVAILABLE or (
-        code == grpc.StatusCode.INTERNAL and (exc.details() or "").startswith(LOST_WHILE_SENDING)
-    )
+    # gRPC's own INTERNAL for a send on a connection that has just broken: the replica is gone.
+    return code == grpc.StatusCode.UNAVAILABLE or lost_while_sending(code, exc.details() or "")
 
 
 def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> UpstreamError:

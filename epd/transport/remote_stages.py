@@ -54,7 +54,14 @@ from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser
 from epd.transport.aio_cancel import cancelled_by_grpc
-from epd.transport.errors import UpstreamError, broken_stream, failed_after_retry, replica_lost, stage_error
+from epd.transport.errors import (
+    UpstreamError,
+    broken_stream,
+    failed_after_retry,
+    replica_lost,
+    retry_after_of,
+    stage_error,
+)
 from epd.transport.server import RECONNECT_OPTIONS, channel_options, traced_channel
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import (
@@ -422,7 +429,9 @@ class RemoteDecodeStage(DecodeStage):
     ) -> AsyncIterator[TokenStep]:
         """Tokens from the least loaded decode replica. One that fails (UNAVAILABLE) or hangs past
         the pool's attempt timeout before its first token is left for the next healthy replica,
-        each at most once within `timeout_s`; after the first token a failure is ABORTED."""
+        each at most once within `timeout_s`; after the first token a failure is ABORTED. One that
+        is full (RESOURCE_EXHAUSTED marked busy) is left for the next replica too; when the last
+        is full as well, that busy error is raised (the pipeline waits for room)."""
         if not handle.kv_address:
             raise InvalidRequest("a remote decoder needs the prefill server's kv_address")
         request = decode_pb2.GenerateRequest(
@@ -477,6 +486,12 @@ class RemoteDecodeStage(DecodeStage):
                         raise broken_stream("decode", num_tokens, request_id) from None
                     if not num_tokens and code == grpc.StatusCode.ABORTED:  # its prefill replica is gone
                         raise KvSourceLost(exc.details() or "the request's KV cache was lost") from None
+                    tries = self.pool.still_listed(tries)
+                    if not num_tokens and retry_after_of(exc) is not None and tries:
+                        # Full (`Busy`, its KV memory and wait queue): it took nothing, pulled no
+                        # cache and stays healthy; a sibling may have room.
+                        log.info("decode replica %s is full for request %s; trying %s", address, request_id, tries[0][0])
+                        continue
                     if failed:
                         log.warning("request %s: decode retried after %s; then %s: %s %s",
                                     request_id, "; ".join(failed), address, code.name, exc.details())

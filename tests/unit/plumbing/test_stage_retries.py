@@ -16,6 +16,7 @@ from epd.gateway.engine_load import refresh_routing_loads
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import PrefillHandle
 from epd.stages.engine_core import EngineLoad
+from epd.stages.errors import Busy, ResourceExhausted
 from epd.transport.errors import UpstreamError, rpc_errors
 from epd.transport.load_servicer import with_load_service
 from epd.transport.remote_stages import RemoteDecodeStage, ReplicaPool
@@ -187,14 +188,21 @@ def test_a_replica_removed_while_a_call_runs_gets_no_retry():
 class _Decoder(decode_pb2_grpc.DecodeServiceServicer):
     """A decode replica that follows a script: "ok" streams 3 tokens, "dead" is UNAVAILABLE before
     its first token, "hang" sends nothing, "breaks" sends 2 tokens and then fails, "kv-gone"
-    says the KV cache is unknown (as a real decoder whose pull found it taken)."""
+    says the KV cache is unknown (as a real decoder whose pull found it taken), "full" is busy
+    (its KV memory and wait queue full: `Busy` through the real error mapping), "too-long" refuses
+    the request itself as too large for its memory (not busy)."""
 
     def __init__(self, behaviour: str, calls: list[str]) -> None:
         self.behaviour = behaviour
         self.calls = calls
 
+    @rpc_errors
     async def Generate(self, request, context):
         self.calls.append(self.behaviour)
+        if self.behaviour == "full":
+            raise Busy("the decoder's KV memory is full")
+        if self.behaviour == "too-long":
+            raise ResourceExhausted("this request needs more KV memory than the decoder has")
         if self.behaviour == "dead":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         if self.behaviour == "hang":
@@ -301,6 +309,21 @@ def test_a_decode_replica_that_fails_after_the_first_token_aborts_the_answer():
     assert "after 2 tokens" in str(err.value) and "incomplete" in str(err.value) and "req-1" in str(err.value)
     assert err.value.tokens == [10, 11] and err.value.calls == ["breaks"]  # type: ignore[attr-defined]
     assert "127.0.0.1" not in str(err.value)  # addresses go to the server log, not to the client
+
+
+def test_a_full_decode_replica_is_left_for_one_with_room_and_all_full_is_busy():
+    """Full is not failed: the next replica is asked before the first token; when every replica is
+    full the busy error (RESOURCE_EXHAUSTED with its retry mark) is the call's, for the pipeline to
+    wait on. A request too large for a decoder is its own error, not retried."""
+    assert asyncio.run(_generate(["full", "ok"])) == ([10, 11, 12], ["full", "ok"])
+    with pytest.raises(UpstreamError) as err:
+        asyncio.run(_generate(["full", "full"]))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.retry_after_s == 1
+    assert err.value.calls == ["full", "full"]  # type: ignore[attr-defined]
+    with pytest.raises(UpstreamError) as err:
+        asyncio.run(_generate(["too-long", "ok"]))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.retry_after_s is None
+    assert err.value.calls == ["too-long"]  # type: ignore[attr-defined]
 
 
 def test_all_decode_replicas_down_is_unavailable():
