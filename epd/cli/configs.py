@@ -185,10 +185,15 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         raise ValueError(f"--host {args.host or '(every interface)'} is not an address decoders can dial to pull "
                          "KV caches: pass --advertise-address HOST:PORT (this machine's name or IP, or the "
                          "container's service name)")
-    return PrefillConfig(model=model_config(args), server=server_config(args),
-                         advertise_address=args.advertise_address, kv_store_bytes=args.kv_store_bytes,
-                         kv_ttl_s=args.kv_ttl, prefix_cache_bytes=args.prefix_cache_bytes,
-                         prefix_cache_ttl_s=args.prefix_cache_ttl,
+    return _prefill_config(args, model_config(args), server_config(args), advertise_address=args.advertise_address)
+
+
+def _prefill_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig,
+                    advertise_address: str = "") -> PrefillConfig:
+    """Prefill's flags (`STAGE_FLAGS["prefill"]`: KV store, prefix cache, scheduler) over a model and a server."""
+    return PrefillConfig(model=model, server=server, advertise_address=advertise_address,
+                         kv_store_bytes=args.kv_store_bytes, kv_ttl_s=args.kv_ttl,
+                         prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_ttl_s=args.prefix_cache_ttl,
                          scheduler=PrefillSchedulerConfig(
                              max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
                              prefill_chunk_tokens=args.prefill_chunk_tokens or None,
@@ -197,9 +202,17 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(model=model_config(args), server=server_config(args), allow_kv_from=tuple(args.allow_kv_from),
-                        kv_budget_bytes=args.kv_budget_bytes, max_running_requests=args.max_running_requests,
-                        max_waiting_requests=args.max_waiting_requests, nice=args.nice)
+    return _decode_config(args, model_config(args), server_config(args), allow_kv_from=tuple(args.allow_kv_from),
+                          nice=args.nice)
+
+
+def _decode_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig,
+                   allow_kv_from: tuple[str, ...] = DecodeConfig.allow_kv_from, nice: int = DecodeConfig.nice,
+                   ) -> DecodeConfig:
+    """Decode's flags (`STAGE_FLAGS["decode"]`: KV memory, batch, queue) over a model and a server."""
+    return DecodeConfig(model=model, server=server, kv_budget_bytes=args.kv_budget_bytes,
+                        max_running_requests=args.max_running_requests,
+                        max_waiting_requests=args.max_waiting_requests, allow_kv_from=allow_kv_from, nice=nice)
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -266,12 +279,9 @@ def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
     if args.num_threads is None:  # one model call at a time: every call may use every core
         model = replace(model, num_threads=AUTO)
     encoder = _encoder_config(args, model, ServerConfig())  # no server of its own: it serves through the front door
-    prefill = PrefillConfig(model=model, prefix_cache_bytes=args.prefix_cache_bytes,
-                            prefix_cache_ttl_s=args.prefix_cache_ttl,
-                            scheduler=PrefillSchedulerConfig(
-                                max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
-                                prefill_chunk_tokens=args.prefill_chunk_tokens or None))
-    decode = DecodeConfig(model=model, max_running_requests=args.max_running_requests)
+    # No servers of their own either: the stages serve through the front door, the cache handed over in memory.
+    prefill = _prefill_config(args, model, ServerConfig())
+    decode = _decode_config(args, model, ServerConfig())
     schedule = SharedModelSchedule(args.schedule, args.decode_max_wait_s, args.concurrent_steps)
     return ColocatedStages(model, encoder, prefill, decode, schedule)
 

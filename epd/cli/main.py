@@ -44,7 +44,7 @@ def _num_threads(text: str) -> int:
     return n
 
 
-def add_prefix_cache_flags(p: argparse.ArgumentParser) -> None:
+def add_prefix_cache_flags(p) -> None:
     from epd.prefill_svc.config import PrefillConfig
 
     p.add_argument("--prefix-cache-bytes", type=int, default=PrefillConfig.prefix_cache_bytes,
@@ -55,8 +55,21 @@ def add_prefix_cache_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a prefix-cache entry is kept unused (default: 600)")
 
 
-def add_prefill_step_flags(p) -> None:
-    """Prefill's step budget and chunk size (the prefill role, and `epd serve` for its prefill)."""
+def add_kv_store_flags(p) -> None:
+    """Prefill's KV store, where prefilled caches wait for their decoder (the prefill role, and
+    `epd serve` for its prefills or the colocated one)."""
+    from epd.prefill_svc.config import PrefillConfig
+
+    p.add_argument("--kv-store-bytes", type=int, default=PrefillConfig.kv_store_bytes,
+                   help="KV caches waiting for decoders may hold this many bytes; beyond, new "
+                        "prefills get RESOURCE_EXHAUSTED (default: 4 GiB)")
+    p.add_argument("--kv-ttl", type=float, default=PrefillConfig.kv_ttl_s, metavar="SECONDS",
+                   help="seconds a KV cache waits for a decoder before it is dropped (default: 120)")
+
+
+def add_prefill_scheduler_flags(p) -> None:
+    """Prefill's step budget, chunk size and queue bounds (`PrefillSchedulerConfig`; the prefill
+    role, and `epd serve` for its prefills or the colocated one)."""
     from epd.prefill_svc.config import PrefillSchedulerConfig
 
     sched = PrefillSchedulerConfig()
@@ -66,16 +79,27 @@ def add_prefill_step_flags(p) -> None:
     p.add_argument("--prefill-chunk-tokens", type=int, default=sched.prefill_chunk_tokens,
                    help="prompts longer than this are prefilled in chunks of this many tokens, one "
                         "chunk per step, so short prompts are not held behind them (0: never chunk)")
+    p.add_argument("--max-waiting-prefills", type=int, default=sched.max_waiting_prefills,
+                   help="requests waiting for their prefill at most; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-waiting-prompt-tokens", type=int, default=sched.max_waiting_prompt_tokens,
+                   help="prompt tokens of the waiting requests at most; more get RESOURCE_EXHAUSTED")
 
 
-def add_decode_batch_flags(p) -> None:
-    """Decode's batch size (the decode role, and `epd serve` for its decode)."""
+def add_decode_scheduler_flags(p) -> None:
+    """Decode's KV memory, batch size and queue bound (the decode role, and `epd serve` for its
+    decoders or the colocated one)."""
     from epd.decode_svc.config import DecodeConfig
 
+    p.add_argument("--kv-budget-bytes", type=int, default=DecodeConfig.kv_budget_bytes,
+                   help="KV memory of the running batch (requests x the longest final length x "
+                        "bytes per token; vLLM's --kv-cache-memory-bytes); requests wait for room beyond it "
+                        "(default: 4 GiB)")
     p.add_argument("--max-running-requests", type=int, default=DecodeConfig.max_running_requests,
                    help="requests decoding together in one batch at most (vLLM's --max-num-seqs): fewer "
                         "keeps each running request's time per token lower under load, at the cost of "
                         "the first tokens of the requests that wait")
+    p.add_argument("--max-waiting-requests", type=int, default=DecodeConfig.max_waiting_requests,
+                   help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -212,6 +236,16 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
                         "requests; a larger group runs alone)")
     g.add_argument("--max-queued-decodes", type=int, default=16,
                    help="requests that may wait for a decode slot; beyond, RESOURCE_EXHAUSTED at once")
+
+
+STAGE_FLAGS: dict[str, tuple[Callable[..., None], ...]] = {
+    "encoder": (add_sampling_flags, add_encoder_flags),
+    "prefill": (add_kv_store_flags, add_prefix_cache_flags, add_prefill_scheduler_flags),
+    "decode": (add_decode_scheduler_flags,),
+}
+"""Each stage role's own flags, which `epd serve` takes too and passes to every replica of the
+role (`epd/cli/serve.py` `stage_flags`) or builds the colocated stage with (`epd/cli/configs.py`):
+one definition per flag, so the role and the stack cannot drift apart."""
 
 
 def _seconds(text: str) -> float:
@@ -378,7 +412,6 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.gateway.config import MAX_CONCURRENT_STEPS, SCHEDULES, SharedModelSchedule, WebDemoConfig
     from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
-    from epd.prefill_svc.config import PrefillSchedulerConfig
 
     parser = _Parser(prog="epd", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -431,37 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_flags(r, port)
         add_model_flags(r)
         add_allocator_flag(r)
-        if role == "encoder":
-            add_sampling_flags(r)
-            add_encoder_flags(r)
+        for add_flags in STAGE_FLAGS[role]:
+            add_flags(r)
         if role == "prefill":
             r.add_argument("--advertise-address", default="",
                            help="HOST:PORT decoders pull KV caches from (default: --host:--port; required "
                                 "with a --host of every interface, 0.0.0.0 or ::, which no decoder can dial)")
-            r.add_argument("--kv-store-bytes", type=int, default=4 << 30,
-                           help="KV caches waiting for decoders may hold this many bytes; beyond, new "
-                                "prefills get RESOURCE_EXHAUSTED")
-            r.add_argument("--kv-ttl", type=float, default=120.0,
-                           help="seconds a KV cache waits for a decoder before it is dropped")
-            add_prefix_cache_flags(r)
-            sched = PrefillSchedulerConfig()
-            add_prefill_step_flags(r)
-            r.add_argument("--max-waiting-prefills", type=int, default=sched.max_waiting_prefills,
-                           help="requests waiting for their prefill at most; more get RESOURCE_EXHAUSTED")
-            r.add_argument("--max-waiting-prompt-tokens", type=int, default=sched.max_waiting_prompt_tokens,
-                           help="prompt tokens of the waiting requests at most; more get RESOURCE_EXHAUSTED")
         if role == "decode":
             r.add_argument("--allow-kv-from", type=_kv_sources, default=DecodeConfig.allow_kv_from,
                            help="comma-separated HOST:PORT of prefill servers to pull KV from: HOST a DNS "
                                 "name, IPv4 address or network (10.0.0.0/8), or IPv6 one in brackets "
                                 "([::1], [fd00::/8]); PORT a number or * (any port); no any-host "
                                 "wildcard (default: 127.0.0.1:*,localhost:*,[::1]:*)")
-            r.add_argument("--kv-budget-bytes", type=int, default=DecodeConfig.kv_budget_bytes,
-                           help="KV memory of the running batch (requests x the longest final length x "
-                                "bytes per token); requests wait for room beyond it (default: 4 GiB)")
-            add_decode_batch_flags(r)
-            r.add_argument("--max-waiting-requests", type=int, default=DecodeConfig.max_waiting_requests,
-                           help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED")
             r.add_argument("--nice", type=int, default=DecodeConfig.nice, metavar="N",
                            help="add N (0-19) to this process's nice value: a lower CPU priority, so that "
                                 "encode and prefill sharing its cores go first (first tokens sooner, the "
@@ -528,8 +542,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a service that stops answering its gRPC health check this long is killed and "
                         "restarted (a service that exits is restarted too, with backoff; one that "
                         "crash-loops is given up on)")
-    g.add_argument("--kv-ttl", type=float, default=120.0, metavar="SECONDS",
-                   help="passed to prefill: seconds a KV cache waits for a decoder before it is dropped")
     g.add_argument("--stage-attempt-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="passed to the gateway: longest one try of a stage call may take (decode: until "
                         "its first token) before the next replica is tried")
@@ -555,12 +567,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "one per stage)")
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
-    add_prefix_cache_flags(serve)  # passed to prefill (or the colocated one)
-    g = serve.add_argument_group("batching (passed to the stages, or the colocated ones)")
-    add_prefill_step_flags(g)
-    add_decode_batch_flags(g)
-    add_encoder_flags(serve)  # passed to the encoders (and --max-upload-bytes to the gateway), or the colocated one
-    add_sampling_flags(serve)
+    # STAGE_FLAGS: passed to every replica of their stage, or the colocated stages.
+    g = serve.add_argument_group("prefill: KV store, prefix cache, batching and queue (passed to every prefill, "
+                                 "or the colocated one)")
+    for add_flags in STAGE_FLAGS["prefill"]:
+        add_flags(g)
+    g = serve.add_argument_group("decode: KV memory, batch and queue (passed to every decoder, or the colocated one)")
+    for add_flags in STAGE_FLAGS["decode"]:
+        add_flags(g)
+    for add_flags in STAGE_FLAGS["encoder"]:  # their own groups; --max-upload-bytes reaches the gateway too
+        add_flags(serve)
     add_model_flags(serve)
     add_allocator_flag(serve)  # the launcher's choice; the stack's services inherit it (LD_PRELOAD)
 

@@ -302,6 +302,19 @@ def port_clash(args: argparse.Namespace) -> str | None:
     return None
 
 
+def stage_flag_problem(args: argparse.Namespace) -> str | None:
+    """Why the stack's stages would refuse their flags (`--kv-budget-bytes 0`, a chunk above the
+    step budget, ...), in the words `epd serve ROLE` uses, or None. Checked by the launcher before
+    anything starts: else every replica imported torch, then exited 2 and stopped the stack."""
+    from epd.cli import configs
+
+    try:
+        configs.colocated_stages(args)  # every stage's config from the flags its replicas get, no torch
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack, by name ("gateway", "encoder[0]",
     "encoder[1]", ...; the model services' are run forked, without their first `_COMMAND_PREFIX`
@@ -314,15 +327,11 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads,
              "--linear-kernel", args.linear_kernel]
     grace = ["--grace-period", str(args.grace_period)]
-    own = {"prefill": ["--prefix-cache-bytes", str(args.prefix_cache_bytes), "--prefix-cache-ttl",
-                       str(args.prefix_cache_ttl), "--kv-ttl", str(args.kv_ttl),
-                       "--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step),
-                       "--prefill-chunk-tokens", str(args.prefill_chunk_tokens or 0)],
-           "decode": ["--max-running-requests", str(args.max_running_requests),
-                      *(["--nice", str(TTFT_FIRST_DECODE_NICE)] if args.schedule == "ttft-first" else [])],
-           "encoder": encoder_flags(args)}
+    own = {role: stage_flags(args, role) for role in MODEL_ROLES}
+    if args.schedule == "ttft-first":
+        own["decode"] += ["--nice", str(TTFT_FIRST_DECODE_NICE)]
     ports = replica_ports(args)
-    commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own.get(role, [])]
+    commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own[role]]
                 for role in MODEL_ROLES for i, port in enumerate(ports[role])}
     # Every replica's address: the gateway routes among the healthy ones (by media affinity). Decode
     # needs no list of prefills: its default --allow-kv-from admits every loopback port.
@@ -347,14 +356,15 @@ def decode_limit_flags(args: argparse.Namespace) -> list[str]:
             "--max-decode-s", repr(args.max_decode_s)]
 
 
-def encoder_flags(args: argparse.Namespace) -> list[str]:
-    """The stack's encoder and frame-sampling flags as the encoders' command line: every flag
-    `add_encoder_flags` and `add_sampling_flags` define, with the value the stack was given."""
-    from epd.cli.main import add_encoder_flags, add_sampling_flags
+def stage_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """The stack's flags of a stage role as that role's command line: every flag its `STAGE_FLAGS`
+    functions define (the encoder's and frame sampling; prefill's KV store, prefix cache and
+    scheduler; decode's KV memory, batch and queue), with the value the stack was given."""
+    from epd.cli.main import STAGE_FLAGS
 
     own = argparse.ArgumentParser(add_help=False)
-    add_encoder_flags(own)
-    add_sampling_flags(own)
+    for add_flags in STAGE_FLAGS[role]:
+        add_flags(own)
     words = []
     for action in own._actions:
         value = getattr(args, action.dest)
@@ -417,8 +427,8 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     signals = _Signals()
     remove_dead_launchers_entries(tempfile.gettempdir(), STACK_DIR_PREFIX)
     remove_dead_launchers_entries(str(board_directory()), BOARD_PREFIX)
-    if (clash := port_clash(args)) is not None:
-        print(f"epd serve: {clash}", file=sys.stderr)
+    if (problem := port_clash(args) or stage_flag_problem(args)) is not None:
+        print(f"epd serve: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
         # Once here, not in each child: the default model is built (if it must be) once, not three

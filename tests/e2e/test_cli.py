@@ -37,6 +37,29 @@ def embedded_json(tiny_models, media_files) -> dict:
     return json.loads(proc.stdout)
 
 
+# `epd serve --kv-budget-bytes/--kv-store-bytes` (decode's KV memory, prefill's KV store), read
+# back from the gateway's /metrics: each service's own budget, as it reports it in GetLoad.
+MEMORY_FLAGS = ["--kv-budget-bytes", "50000000", "--kv-store-bytes", "60000000"]
+MEMORY_GAUGES = {("epd_engine_memory_total_bytes", "decode"): 50_000_000,
+                 ("epd_kv_store_total_bytes", "prefill"): 60_000_000}
+
+
+def stage_gauges(http_port: int) -> dict[tuple[str, str], set[float]]:
+    """The gateway's /metrics: each sample's values by (name, stage), over the stage's replicas."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values: dict[tuple[str, str], set[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "stage" in sample.labels:
+                values.setdefault((sample.name, sample.labels["stage"]), set()).add(sample.value)
+    return values
+
+
 @pytest.fixture(scope="module")
 def expected(tiny_models, media_files):
     video = decode_for_test(media_files["mp4"], 8)
@@ -112,14 +135,15 @@ def test_ask_whose_reader_has_gone_stops_quietly(tiny_models, media_files):
 
 def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json, tmp_path):
     """The stack as a user starts it; with the default --allocator auto its model services run on
-    tcmalloc where the machine has it (CI installs it), on glibc's malloc where not."""
-    ports = [free_port() for _ in range(4)]
+    tcmalloc where the machine has it (CI installs it), on glibc's malloc where not. The KV memory
+    flags given to `epd serve` are the budgets its decode and prefill report."""
+    ports, http_port = [free_port() for _ in range(4)], free_port()
     env = child_env()
     env.pop("LD_PRELOAD", None)  # the launcher's choice, not the test runner's
     serve = subprocess.Popen(
         epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port", str(ports[0]),
                     "--encoder-port", str(ports[1]), "--prefill-port", str(ports[2]), "--decode-port", str(ports[3]),
-                    "--http-port", str(free_port())),
+                    "--http-port", str(http_port), *MEMORY_FLAGS),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
     )
     try:
@@ -144,6 +168,8 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
         assert set(out["timings_ms"]) == set(embedded_json["timings_ms"])
         assert {e["stage"] for e in out["events"]} == {"upload", "video_decode", "encode", "prefill",
                                                        "kv_transfer", "generate"}  # fmt: skip
+        gauges = stage_gauges(http_port)
+        assert {key: gauges.get(key) for key in MEMORY_GAUGES} == {k: {v} for k, v in MEMORY_GAUGES.items()}
     finally:
         serve.send_signal(signal.SIGINT)
         code = serve.wait(timeout=60)
@@ -154,8 +180,9 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
 
 def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_models, media_files, expected):
     """`epd serve --colocate`: the front door and the three stages in one process, on the stack's
-    ports; answers equal generate()'s; /metrics shows the three in-process cores. With --allocator
-    system it stays on glibc's malloc (the default's tcmalloc is tested with the stack above)."""
+    ports; answers equal generate()'s; /metrics shows the three in-process cores, with the KV
+    memory flags' budgets. With --allocator system it stays on glibc's malloc (the default's
+    tcmalloc is tested with the stack above)."""
     import time
     import urllib.request
 
@@ -166,7 +193,7 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
     env.pop("LD_PRELOAD", None)
     serve = subprocess.Popen(
         epd_command("serve", "--colocate", "--allocator", "system", "--model", str(tiny_models["qwen2_vl"]),
-                    "--gateway-port", str(grpc_port), "--http-port", str(http_port)),
+                    "--gateway-port", str(grpc_port), "--http-port", str(http_port), *MEMORY_FLAGS),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
     )  # fmt: skip
     try:
@@ -192,6 +219,8 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
         }
         assert set(steps) == {(stage, "local") for stage in ("encoder", "prefill", "decode")}
         assert all(v > 0 for v in steps.values()), steps
+        gauges = stage_gauges(http_port)
+        assert {key: gauges.get(key) for key in MEMORY_GAUGES} == {k: {v} for k, v in MEMORY_GAUGES.items()}
     finally:
         serve.send_signal(signal.SIGINT)
         code = serve.wait(timeout=60)

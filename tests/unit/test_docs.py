@@ -40,6 +40,7 @@ BENCHMARKS = "docs/benchmarks.md"
 NOT_EPD_FLAGS = {
     "--max-num-batched-tokens": "vLLM's name for --max-prefill-tokens-per-step",
     "--max-num-seqs": "vLLM's name for --max-running-requests",
+    "--kv-cache-memory-bytes": "vLLM's KV cache size, --kv-budget-bytes' counterpart",
     "--quick": "bench/bench_decode.py's own flag",
 }
 """Flags the docs name that belong to something else, said so where they are named."""

@@ -4,20 +4,33 @@ lines, and no torch (the real processes are in tests/integration/test_lifecycle.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 
 from epd.cli import configs
-from epd.cli.main import build_parser
-from epd.cli.serve import EXIT_USAGE, port_clash, replica_ports, stack_commands
+from epd.cli.main import STAGE_FLAGS, build_parser
+from epd.cli.serve import (
+    EXIT_USAGE,
+    port_clash,
+    replica_ports,
+    serve_stack,
+    stack_commands,
+    stage_flag_problem,
+    stage_flags,
+)
+from epd.decode_svc.config import DecodeConfig
 from epd.model_runtime.loader import ModelLoadError, check_model_dir
+from epd.prefill_svc.config import PrefillConfig
 from epd.resources import demo_model_dir
+from epd.stages.server_config import ServerConfig
 from epd.transport.errors import status_of
 from tests.stack import ROOT, child_env
 
@@ -390,6 +403,111 @@ def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
     assert default.prefill.scheduler.max_prefill_tokens_per_step == 2048
     with pytest.raises(ValueError, match="--max-prefill-tokens-per-step"):
         configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "0"]))
+
+
+_MEMORY_AND_QUEUE_FLAGS = {
+    "prefill": ["--kv-store-bytes", "987654321", "--kv-ttl", "33", "--max-waiting-prefills", "5",
+                "--max-waiting-prompt-tokens", "40000"],
+    "decode": ["--kv-budget-bytes", "123456789", "--max-waiting-requests", "9"],
+}
+
+
+def _assert_memory_and_queue_flags(prefill: PrefillConfig, decode: DecodeConfig) -> None:
+    assert (prefill.kv_store_bytes, prefill.kv_ttl_s) == (987654321, 33.0)
+    assert (prefill.scheduler.max_waiting_prefills, prefill.scheduler.max_waiting_prompt_tokens) == (5, 40000)
+    assert (decode.kv_budget_bytes, decode.max_waiting_requests) == (123456789, 9)
+
+
+def test_the_kv_memory_and_queue_flags_reach_every_replica_of_their_stage_and_the_colocated_ones():
+    """`epd serve --kv-budget-bytes/--max-waiting-requests` (decode's KV memory and queue) and
+    `--kv-store-bytes/--kv-ttl/--max-waiting-prefills/--max-waiting-prompt-tokens` (prefill's KV
+    store and queue): only `epd serve decode|prefill` took the first five, so a stack's decoders
+    had 4 GiB of KV memory whatever was asked; --colocate also dropped --kv-ttl."""
+    flags = [*_MEMORY_AND_QUEUE_FLAGS["prefill"], *_MEMORY_AND_QUEUE_FLAGS["decode"]]
+    args = build_parser().parse_args(["serve", "--prefills", "2", "--decodes", "3", *flags])
+    args.model = "/m"
+    commands = stack_commands(args)
+    decoders = [configs.decode_config(_parsed(commands[f"decode[{i}]"])) for i in range(3)]
+    for i in range(2):
+        prefill = configs.prefill_config(_parsed(commands[f"prefill[{i}]"]))
+        for decode in decoders:
+            _assert_memory_and_queue_flags(prefill, decode)
+    for name, command in commands.items():  # each flag to its own stage only
+        for role, own in _MEMORY_AND_QUEUE_FLAGS.items():
+            assert name.startswith(role) or not set(own[::2]) & set(command), (name, role)
+
+    colocated = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", *flags]))
+    _assert_memory_and_queue_flags(colocated.prefill, colocated.decode)
+
+
+def test_every_flag_of_a_stage_is_a_flag_of_the_stack_with_the_same_default_and_help():
+    """One definition per flag (`STAGE_FLAGS`): `epd serve` takes each flag of `epd serve ROLE` it
+    passes on, and both say and default the same."""
+    import argparse
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    roles = serve._subparsers._group_actions[0].choices
+    for role, adders in STAGE_FLAGS.items():
+        own = argparse.ArgumentParser(add_help=False)
+        for add_flags in adders:
+            add_flags(own)
+        for action in own._actions:
+            flag = action.option_strings[0]
+            for parser in (serve, roles[role]):
+                twin = parser._option_string_actions[flag]
+                assert (twin.default, twin.help, twin.type) == (action.default, action.help, action.type), flag
+    assert {"--kv-budget-bytes", "--max-waiting-requests"} <= set(stage_flags(_stack([]), "decode"))
+    assert {"--kv-store-bytes", "--kv-ttl", "--max-waiting-prefills", "--max-waiting-prompt-tokens",
+            "--prefix-cache-bytes"} <= set(stage_flags(_stack([]), "prefill"))
+
+
+def _stack(flags: list[str]):
+    args = build_parser().parse_args(["serve", *flags])
+    args.model = "/m"
+    return args
+
+
+def test_the_stacks_stages_and_the_colocated_ones_keep_the_roles_defaults():
+    """Unset, every flag a stage shares with `epd serve` has the role's default: the stack's
+    replicas are configured as `epd serve ROLE` started alone, the colocated stages as the configs'
+    defaults."""
+    args = build_parser().parse_args(["serve"])
+    args.model = "/m"
+    commands = stack_commands(args)
+    makers = {"encoder": configs.encoder_config, "prefill": configs.prefill_config, "decode": configs.decode_config}
+    for role, make in makers.items():
+        alone = make(build_parser().parse_args(["serve", role, "--model", "/m"]))
+        assert make(_parsed(commands[f"{role}[0]"])) == alone, role
+    colocated = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate"]))
+    model, server = colocated.model, ServerConfig()  # (the colocated stages serve through the front door)
+    assert replace(colocated.prefill, server=server) == PrefillConfig(model=model, server=server)
+    assert replace(colocated.decode, server=server) == DecodeConfig(model=model, server=server)
+    assert colocated.decode.kv_budget_bytes == 4 << 30 and colocated.prefill.kv_store_bytes == 4 << 30
+
+
+@pytest.mark.parametrize("role,flags,expected", [
+    ("decode", ["--kv-budget-bytes", "0"], "--kv-budget-bytes must be > 0"),
+    ("decode", ["--max-waiting-requests", "-1"], "--max-waiting-requests >= 0"),
+    ("prefill", ["--kv-store-bytes", "-1"], "kv_store_bytes (--kv-store-bytes) must be >= 0, got -1"),
+    ("prefill", ["--kv-ttl", "0"], "kv_ttl_s (--kv-ttl) must be > 0 seconds"),
+    ("prefill", ["--max-waiting-prefills", "0"], "(--max-waiting-prefills) and max_waiting_prompt_tokens"),
+    ("prefill", ["--max-waiting-prompt-tokens", "100"], "(--max-waiting-prompt-tokens, 100) must be >= max_prompt"),
+    ("prefill", ["--max-prefill-tokens-per-step", "0"], "(--max-prefill-tokens-per-step) must be >= 1, got 0"),
+])
+def test_a_stage_flag_its_stage_refuses_stops_the_stack_before_it_starts(capsys, role, flags, expected):
+    """The message `epd serve ROLE` gives, from the launcher before any process starts (before,
+    every replica imported torch, then one exited 2 and stopped the stack), and from --colocate."""
+    makers = {"prefill": configs.prefill_config, "decode": configs.decode_config}
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        makers[role](build_parser().parse_args(["serve", role, *flags]))
+    args = build_parser().parse_args(["serve", *flags])
+    assert expected in (stage_flag_problem(args) or "")
+    assert serve_stack(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("epd serve: ") and expected in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", *flags]))
+    assert stage_flag_problem(build_parser().parse_args(["serve"])) is None
 
 
 def test_ttft_first_gives_the_stacks_decoders_a_lower_cpu_priority():
