@@ -277,8 +277,12 @@ class HttpApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
+            body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
+            if isinstance(body, dict) and isinstance(body.get("request_id"), str):
+                # Before the body is checked: a 400 for one of its fields names the client's id.
+                tracing.adopt_request_id(body["request_id"])
             chat = parse_chat_request(
-                await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s),
+                body,
                 self.config.http.served_model_name,
                 self.config.sampling,
                 self.config.generation,

@@ -316,6 +316,19 @@ def test_the_request_id_a_body_names_is_the_requests_unless_a_header_names_one()
     assert out[1][0] == "header-id-1" and out[1][1].endswith("(request id header-id-1)")
 
 
+def test_a_body_refused_for_one_of_its_fields_is_answered_under_the_id_it_names():
+    """The body's `request_id` was adopted only once the whole body had been checked, so the 400
+    for a bad field named (and x-request-id carried) an id the client had never seen."""
+    import json
+
+    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    body = {"messages": [{"role": "user", "content": content}], "request_id": "body-id-2", "temperature": -1}
+    answer_headers: dict = {}
+    error = json.loads(_post_chat(_ScriptedPipeline(), body, answer_headers=answer_headers))["error"]
+    assert "temperature" in error["message"] and error["message"].endswith("(request id body-id-2)"), error
+    assert answer_headers["x-request-id"] == "body-id-2"
+
+
 def test_the_answers_token_ids_are_on_its_choice_streamed_or_not():
     """A streamed chunk's choice carried its `token_ids` (vLLM's place, with its `return_token_ids`),
     but a whole answer's choice had none: only `epd.token_ids` held them."""
