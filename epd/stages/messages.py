@@ -27,6 +27,10 @@ from epd.stages.errors import InvalidRequest
 ROLES = ("system", "user", "assistant")
 PART_TYPES = ("text", "video", "image")
 MEDIA_TYPES = ("video", "image")
+MAX_PARTS = 2048
+"""Content parts of a conversation in all (every message has one at least). The text limit
+(prefill's 262,144 characters) let 100,000 one-character messages through, and rendering their
+chat template cost prefill ~6 s of CPU before its prompt-token limit refused them."""
 
 
 @dataclass(frozen=True)
@@ -93,12 +97,16 @@ def num_text_chars(messages: Sequence[Message]) -> int:
 def check_messages(messages: Sequence[Message], max_text_chars: int | None = None) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
     answer: known roles and part types, text only in text parts, exactly one media part (in a
-    user message), the last message the user's, at most `max_text_chars` of text. A message may be
+    user message), the last message the user's, at most MAX_PARTS parts and `max_text_chars` of
+    text. A message may be
     the media alone, with no text at all (as in vLLM and OpenAI's API: the model then answers the
     video as its chat template frames it; the text-guided prefill drop then scores the visual
     tokens by the template's own tokens after the video)."""
     if not messages:
         raise InvalidRequest("the request has no messages; send a user message with a video and a question")
+    if (num_parts := sum(len(m.parts) for m in messages)) > MAX_PARTS:
+        raise InvalidRequest(f"the messages have {num_parts} content parts; the limit is {MAX_PARTS}: send a "
+                             "shorter conversation (or join its texts)")
     media = 0
     for i, m in enumerate(messages):
         if m.role not in ROLES:

@@ -9,6 +9,7 @@ from epd.gateway.servicer import messages_of
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import (
     IMAGE,
+    MAX_PARTS,
     VIDEO,
     Message,
     check_messages,
@@ -71,6 +72,15 @@ def test_check_messages_limits_the_text():
     check_messages(HISTORY, max_text_chars=100)
     with pytest.raises(InvalidRequest, match="characters of text; the limit is 10"):
         check_messages(HISTORY, max_text_chars=10)
+
+
+def test_check_messages_limits_the_parts():
+    """Many tiny messages under the text limit: refused before the media costs an encode."""
+    turns = [Message.assistant("a"), Message.user("a")] * 1024
+    many = [Message.user(VIDEO, "q"), *turns]  # 2 + 2,048 parts
+    check_messages(many[:-2])  # 2,048 parts: the limit
+    with pytest.raises(InvalidRequest, match=f"2050 content parts; the limit is {MAX_PARTS}"):
+        check_messages(many, max_text_chars=10**6)
 
 
 def test_the_deprecated_question_is_one_user_message_media_then_text():
