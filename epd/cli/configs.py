@@ -317,4 +317,4 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
     )
     return HttpApiConfig(port=args.http_port, host=args.http_host, api_keys=api_keys(args),
                          no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media,
-                         demo=web_demo_config(args))
+                         demo=web_demo_config(args), sse_keepalive_s=args.sse_keepalive)

@@ -384,6 +384,10 @@ def add_http_api_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--media-fetch-timeout", type=_positive_seconds, default=30.0, help="seconds to fetch one media URL")
     g.add_argument("--body-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="seconds a request body may take to arrive, whole (HTTP 408 past it)")
+    g.add_argument("--sse-keepalive", type=_seconds, default=15.0, metavar="SECONDS",
+                   help="a streamed answer with no token yet gets an SSE comment this often, so that "
+                        "proxies' idle timeouts do not cut a long encode (0 = off: the 200 comes with the "
+                        "first token, and every error before it keeps its own HTTP status)")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -117,6 +117,10 @@ class HttpApiConfig:
     networks only. Without it the gateway refuses to start open beyond loopback."""
     served_model_name: str = "epd"
     """The model id that /v1/models lists and requests must name."""
+    sse_keepalive_s: float = 15.0
+    """A streamed answer with no token yet gets an SSE comment line every this many seconds (the
+    first one sends the 200), so that proxies' idle timeouts (nginx: 60 s) do not cut a long
+    encode; 0 = off (headers only with the first token, so every error keeps its own status)."""
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     """Which media URLs and paths requests may use."""
     demo: WebDemoConfig = field(default_factory=WebDemoConfig)

@@ -16,7 +16,8 @@ Errors are OpenAI-style JSON bodies, aiohttp's own too (an unknown path's 404, a
 405 with its Allow header, an unsupported Expect's 417: a catch-all route keeps every request
 inside the middleware); pipeline errors go through `epd.transport.errors.status_of`,
 so a status means the same thing on both APIs. A streamed answer sends its 200 only with the
-first token: bad media, limits and refusals still get their own HTTP status.
+first token, or with the first SSE keep-alive comment (`--sse-keepalive`, after 15 s without a
+token): bad media, limits and refusals before then still get their own HTTP status.
 
 Bodies are JSON sent as `Content-Type: application/json` (else 415 before they are read, as vLLM
 refuses them), read under limits (epd/gateway/http_body.py): 413 past the body limit (derived from
@@ -39,7 +40,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -348,8 +349,39 @@ class HttpApi:
         self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent],
         stream: _Stream,
     ) -> None:
-        """Writes the answer's server-sent events to `stream.response`, made at the first token;
-        raises ConnectionResetError when the client is gone."""
+        """Writes the answer's server-sent events to `stream.response`, made at the first token
+        (or at the first keep-alive, `_keep_alive`); raises ConnectionResetError when the client is
+        gone."""
+        keep_alive = None
+        if self.config.http.sse_keepalive_s > 0:
+            keep_alive = asyncio.ensure_future(self._keep_alive(request, request_id, stream))
+        try:
+            await self._write_events(request, chat, request_id, events, stream)
+        finally:
+            if keep_alive is not None:
+                keep_alive.cancel()
+                await asyncio.wait([keep_alive])
+
+    async def _keep_alive(self, request: web.Request, request_id: str, stream: _Stream) -> None:
+        """Until the first token: after every `sse_keepalive_s` without one, an SSE comment line,
+        which clients skip (the OpenAI SDK's parser among them), so that a proxy's idle timeout
+        (nginx's proxy_read_timeout: 60 s) does not cut a request whose media takes long to decode
+        and encode. The first one sends the 200 and the headers: an error after it is an error
+        event in the stream, as one after the first token is (vLLM answers 200 at once)."""
+        try:
+            while not stream.answering:
+                await asyncio.sleep(self.config.http.sse_keepalive_s)
+                if stream.answering:
+                    return
+                response = await stream.begin(request, request_id)
+                await response.write(b": keep-alive\n\n")
+        except ConnectionResetError:
+            return  # the client went away: the request's own task finds out at its next write
+
+    async def _write_events(
+        self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent],
+        stream: _Stream,
+    ) -> None:
         created = int(time.time())
         num_tokens = 0
         num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
@@ -372,12 +404,9 @@ class HttpApi:
                         continue  # stage events have no place in OpenAI's format
                     if not isinstance(item, (TokenStep, AskSummary)):
                         continue
-                    if stream.response is None:
-                        stream.response = web.StreamResponse(
-                            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                     tracing.REQUEST_ID_KEY: request_id}
-                        )
-                        await stream.response.prepare(request)
+                    if not stream.answering:
+                        stream.answering = True  # no keep-alive from now on
+                        await stream.begin(request, request_id)
                         await send(
                             chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
                         )
@@ -430,9 +459,26 @@ class HttpApi:
 
 @dataclass
 class _Stream:
-    """A streamed answer's response, once its first token made it (None before)."""
+    """A streamed answer's response, once its first token or keep-alive made it (None before)."""
 
     response: web.StreamResponse | None = None
+    answering: bool = False
+    """The first chunk (the assistant's role) is being or has been sent."""
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def begin(self, request: web.Request, request_id: str) -> web.StreamResponse:
+        """The response, sent (200 and headers) by whichever comes first, the first token or a
+        keep-alive; `response` is set only once the headers are out, so a writer never finds
+        it unprepared."""
+        async with self._lock:
+            if self.response is None:
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                             tracing.REQUEST_ID_KEY: request_id}
+                )
+                await response.prepare(request)
+                self.response = response
+            return self.response
 
 
 def _client_gone(request_id: str, when: str, response: web.StreamResponse | None = None) -> web.StreamResponse:

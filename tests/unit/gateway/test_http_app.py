@@ -13,6 +13,7 @@ from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import HttpApi
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
+from epd.stages.errors import Busy
 
 UPLOAD_LIMIT_BYTES = 1000
 JSON = {"Content-Type": "application/json"}
@@ -254,6 +255,66 @@ def test_a_stream_that_ends_in_an_error_event_is_logged_as_failed(caplog):
     assert len(lines) == 2
     assert lines[0].startswith("http POST /v1/chat/completions 200 stream_error=502 "), lines
     assert "stream_error" not in lines[1]
+
+
+class _SlowPipeline(Pipeline):
+    """Its first token (or its error) comes only after `delay_s`, as after a long encode."""
+
+    def __init__(self, delay_s: float, error: Exception | None = None) -> None:
+        self.delay_s = delay_s
+        self.error = error
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.stages.contracts import TokenStep
+
+        await asyncio.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        yield TokenStep([5], "a")
+        yield _summary([5], "a", 30)
+
+
+STREAM_BODY = {"messages": [{"role": "user", "content": [
+    {"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+]}], "stream": True}  # fmt: skip
+
+
+def _keepalive_config(keepalive_s: float) -> GatewayConfig:
+    return GatewayConfig(http=HttpApiConfig(port=0, sse_keepalive_s=keepalive_s))
+
+
+def test_a_stream_waiting_for_its_first_token_gets_keep_alive_comments_that_clients_skip():
+    """Its 200 came only with the first token: a long encode behind a proxy with an idle timeout
+    (nginx: 60 s) was cut before it. Now comment lines come meanwhile, and the OpenAI SDK's own
+    SSE parser reads the answer as if they were not there."""
+    from openai._streaming import SSEDecoder
+
+    text = _post_chat(_SlowPipeline(0.7), STREAM_BODY, config=_keepalive_config(0.1))
+    head, _, rest = text.partition("data: ")
+    assert head.count(": keep-alive\n\n") >= 3 and head == ": keep-alive\n\n" * head.count(": keep-alive")
+    events = [e for e in SSEDecoder().iter_bytes(iter([text.encode()]))]
+    import json
+
+    chunks = [json.loads(e.data) for e in events if e.data != "[DONE]"]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]][:2] == ["", "a"]
+    assert ": keep-alive" not in _post_chat(_SlowPipeline(0.3), STREAM_BODY, config=_keepalive_config(0))
+    assert ": keep-alive" not in _post_chat(_SlowPipeline(0.0), STREAM_BODY, config=_keepalive_config(10))
+
+
+def test_an_error_before_the_first_token_keeps_its_status_unless_a_keep_alive_went_out():
+    """Before any keep-alive the error has its own HTTP status; after one (the 200 is out) it is
+    an error event and [DONE], as an error after the first token is."""
+    import json
+
+    busy = Busy("the decoder's KV memory is full")
+    answer_headers: dict = {}
+    text = _post_chat(_SlowPipeline(0.0, busy), STREAM_BODY, config=_keepalive_config(10),
+                      answer_headers=answer_headers)
+    assert json.loads(text)["error"]["code"] == 429 and answer_headers["retry-after"] == "1"
+    text = _post_chat(_SlowPipeline(0.5, busy), STREAM_BODY, config=_keepalive_config(0.1))
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    assert text.startswith(": keep-alive") and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 429
 
 
 def _stream_chunks(stream_options: dict) -> list:
