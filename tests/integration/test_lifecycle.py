@@ -159,77 +159,44 @@ def _thread_nices(proc: psutil.Process) -> set[int]:
 
 @dataclass
 class StartedStack:
-    """A stack as it runs once ready: its launcher, the processes under it then, its TMPDIR and
-    the launcher's stderr."""
+    """A stack as it runs once ready: its launcher, the processes under it then, its TMPDIR."""
 
     launcher: subprocess.Popen
     children: list[psutil.Process]
     files_dir: Path
-    log: Path
 
 
 @contextlib.contextmanager
 def _started_stack(tiny_models, tmp: Path, *flags: str) -> Iterator[StartedStack]:
     """A stack (TMPDIR tmp/tmp, stderr tmp/stack.log) for a module fixture: ~7 s to start on two
-    cores, so one serves a test that only looks at its processes and then one that stops or kills
-    it. Stopped at the end if nothing did."""
+    cores, so one serves a test that only looks at its processes and then one that kills it.
+    Stopped at the end if nothing did."""
     files_dir = tmp / "tmp"
     files_dir.mkdir()
     launcher, children = _start_stack(tiny_models, tmp, *flags, tmpdir=files_dir)
     try:
-        yield StartedStack(launcher, children, files_dir, tmp / "stack.log")
+        yield StartedStack(launcher, children, files_dir)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=60)
 
 
-@pytest.fixture(scope="module")
-def ttft_first_stack(tiny_models, tmp_path_factory) -> Iterator[StartedStack]:
-    """`epd serve --schedule ttft-first`: looked at, then signalled and stopped by the next test."""
-    with _started_stack(tiny_models, tmp_path_factory.mktemp("ttft_first"), "--schedule", "ttft-first") as stack:
-        yield stack
-
-
-def test_ttft_first_runs_the_stacks_decoder_at_a_lower_cpu_priority(ttft_first_stack):
+def test_ttft_first_runs_the_stacks_decoder_at_a_lower_cpu_priority(tiny_models, tmp_path):
     """`epd serve --schedule ttft-first`: every thread of the decode service (its model thread,
     gRPC's, OpenMP's) runs at nice 5 above the launcher's, so that on shared cores the encode and
     prefill steps go first; the other services keep the launcher's priority."""
-    assert ttft_first_stack.launcher.poll() is None
-    roles = _roles(ttft_first_stack.children)
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert len(roles["decode"].threads()) > 2  # the model thread and gRPC's are running
-    assert _thread_nices(roles["decode"]) == {min(base + 5, 19)}
-    for role in ("encoder", "prefill", "gateway"):
-        assert _thread_nices(roles[role]) == {base}, role
-
-
-def test_a_signal_for_the_launchers_group_leaves_the_zygotes_services_alone(ttft_first_stack):
-    """`kill -- -PGID`, `timeout` or a closed terminal signal the launcher's process group, where the
-    zygote is: it died of SIGTERM and took every model service with it (PDEATHSIG), an outage until
-    they were restarted. It ignores SIGTERM and SIGHUP now, as the fork server already ignores
-    SIGINT; the services still stop on them. (On the ttft-first stack: that schedule only gives
-    decode `--nice`; the zygote and its signals are the same whatever the flags.)"""
-    launcher, children = ttft_first_stack.launcher, ttft_first_stack.children
-    assert launcher.poll() is None
+    launcher, children = _start_stack(tiny_models, tmp_path, "--schedule", "ttft-first")
     try:
-        services = _roles(children)
-        zygote = psutil.Process(services["encoder"].ppid())
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            zygote.send_signal(signum)
-        time.sleep(1.0)  # a dead zygote's services would be gone by now (PDEATHSIG)
-        assert zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE
-        for role in ("encoder", "prefill", "decode"):
-            assert services[role].is_running() and services[role].status() != psutil.STATUS_ZOMBIE, role
-        launcher.send_signal(signal.SIGTERM)
-        code = launcher.wait(timeout=60)
+        roles = _roles(children)
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert len(roles["decode"].threads()) > 2  # the model thread and gRPC's are running
+        assert _thread_nices(roles["decode"]) == {min(base + 5, 19)}
+        for role in ("encoder", "prefill", "gateway"):
+            assert _thread_nices(roles[role]) == {base}, role
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    stderr = ttft_first_stack.log.read_text()
-    assert code == 0 and "exited with code" not in stderr, stderr
-    _, alive = psutil.wait_procs(children, timeout=10)  # the zygote too: the launcher kills it
-    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -403,3 +370,29 @@ def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(t
             launcher.kill()
     assert num_tokens == 2000
     assert code == 0, (tmp_path / "stack.log").read_text()
+
+
+def test_a_signal_for_the_launchers_group_leaves_the_zygotes_services_alone(tiny_models, tmp_path):
+    """`kill -- -PGID`, `timeout` or a closed terminal signal the launcher's process group, where the
+    zygote is: it died of SIGTERM and took every model service with it (PDEATHSIG), an outage until
+    they were restarted. It ignores SIGTERM and SIGHUP now, as the fork server already ignores
+    SIGINT; the services still stop on them."""
+    launcher, children = _start_stack(tiny_models, tmp_path)
+    try:
+        services = _roles(children)
+        zygote = psutil.Process(services["encoder"].ppid())
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            zygote.send_signal(signum)
+        time.sleep(1.0)  # a dead zygote's services would be gone by now (PDEATHSIG)
+        assert zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE
+        for role in ("encoder", "prefill", "decode"):
+            assert services[role].is_running() and services[role].status() != psutil.STATUS_ZOMBIE, role
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stderr = (tmp_path / "stack.log").read_text()
+    assert code == 0 and "exited with code" not in stderr, stderr
+    _, alive = psutil.wait_procs(children, timeout=10)  # the zygote too: the launcher kills it
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
