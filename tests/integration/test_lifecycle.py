@@ -39,7 +39,11 @@ from tests.stack import (
 )
 
 REPORT_BOUND_S = 20.0  # the issue: a broken model is reported "within seconds"
-IDLE_STOP_BOUND_S = 2.0  # the issue: SIGTERM on an idle stack
+IDLE_STOP_GRACE_S = 120.0
+IDLE_STOP_BOUND_S = 10.0
+"""SIGTERM on an idle stack ends it without waiting for anything (it took 14.6 s once): 0.3-0.5 s
+on a quiet machine, 3-4 s on two cores at a load of 30, so the bound, not a measurement, is 20x
+the quiet time, far below the grace period it must not wait for."""
 
 
 def _break(model: Path, how: str, into: Path) -> Path:
@@ -226,7 +230,7 @@ def test_the_model_services_are_forked_from_one_zygote(default_stack):
 
 @dataclass
 class KilledLauncher:
-    """What a stack whose launcher got SIGKILL left once its processes had 20 s to end, seen then."""
+    """What a stack whose launcher got SIGKILL left once its processes had up to 60 s to end, seen then."""
 
     survivors: list[str]  # the command lines of its processes still running
     files_dir: Path  # its TMPDIR
@@ -244,7 +248,7 @@ def killed_launcher(default_stack) -> KilledLauncher:
     assert launcher.poll() is None, "the default stack stopped before it was killed"
     launcher.kill()
     launcher.wait(timeout=10)
-    _, alive = psutil.wait_procs(children, timeout=20)
+    _, alive = psutil.wait_procs(children, timeout=60)  # returns once they have gone; slow under load
     survivors = []
     for child in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -289,7 +293,8 @@ def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path, signum):
         pytest.skip("run under nohup: the launcher inherits SIGHUP ignored, and keeps it so by design")
     files_dir = tmp_path / "tmp"
     files_dir.mkdir()
-    launcher, children = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
+    launcher, children = _start_stack(tiny_models, tmp_path, "--grace-period", str(IDLE_STOP_GRACE_S),
+                                      tmpdir=files_dir)
     try:
         assert len(_roles(children)) == 4
         started = time.monotonic()
@@ -303,7 +308,8 @@ def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path, signum):
     assert code == 0, stderr
     assert took_s < IDLE_STOP_BOUND_S, f"took {took_s:.2f} s"
     # multiprocessing's resource tracker ends on its own once its last holder has gone: moments after
-    _, alive = psutil.wait_procs(children, timeout=5)
+    # (a generous wait: it returns as soon as they have gone, and a loaded machine is slow to end them)
+    _, alive = psutil.wait_procs(children, timeout=30)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
     assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr
     assert not list(files_dir.iterdir()) and not (board_directory() / f"epd-threads-{launcher.pid}.board").exists()
