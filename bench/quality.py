@@ -83,7 +83,8 @@ class QualityConfig:
     presets: tuple[str, ...] = DEFAULT_PRESETS
     """Pruning presets to evaluate, in order; "off" is the full model."""
     num_test_clips: int = 500
-    """Test clips to generate (plus one still image per ten clips); the i-th is always the same."""
+    """Test clips to generate (plus one still image per ten clips); the i-th is always the same.
+    With `max_questions` N, at most N of them (`clips_to_render`)."""
     data_dir: str = ""
     """An existing synth dataset holding the test split; empty: build one in a temporary dir."""
     max_questions: int = 0
@@ -172,6 +173,17 @@ def runnable_presets(presets: tuple[str, ...]) -> tuple[list[str], list[str]]:
     if pruning_supported():
         return list(presets), []
     return [p for p in presets if p == "off"] or ["off"], [p for p in presets if p != "off"]
+
+
+def clips_to_render(config: QualityConfig) -> int:
+    """The test clips to generate when no dataset is given: `num_test_clips`, or with
+    `max_questions` N at most N. The first N questions are then those of the whole split: the
+    manifest lists each clip's questions before the next clip's (the stills after every clip),
+    every clip has at least one (a count question), and the i-th clip is the same whatever the
+    split's size."""
+    if config.max_questions:
+        return min(config.num_test_clips, config.max_questions)
+    return config.num_test_clips
 
 
 def build_test_split(out_dir: Path, num_test_clips: int) -> None:
@@ -325,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="checkpoint directory or 'default'")
     p.add_argument("--presets", default=",".join(d.presets),
                    help=f"comma-separated pruning presets ({', '.join(ALL_PRESETS)})")
-    p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips to generate")
+    p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips to generate (with --max-questions N, at most N)")
     p.add_argument("--data", default=d.data_dir, help="existing synth dataset with a test split")
     p.add_argument("--max-questions", type=int, default=d.max_questions, help="first N questions only (0: all)")
     p.add_argument("--out", default=d.out_dir, help="output directory")
@@ -365,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tmp = tempfile.mkdtemp(prefix="epd-quality-")
             data_dir = Path(tmp)
-            build_test_split(data_dir, config.num_test_clips)
+            build_test_split(data_dir, clips_to_render(config))
         from epd.model_runtime.loader import resolve_model_path
 
         t0 = time.perf_counter()
@@ -378,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": resolve_model_path(config.model),
         "presets": presets,
         "skipped_presets": skipped,
-        "num_test_clips": config.num_test_clips,
+        "num_test_clips": config.num_test_clips if config.data_dir else clips_to_render(config),  # as generated
         "data_dir": config.data_dir or "(generated)",
         "max_questions": config.max_questions,
         "elapsed_s": round(elapsed_s, 1),

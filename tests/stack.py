@@ -122,14 +122,59 @@ def zygote() -> Zygote:
     return _zygote
 
 
+def run_epd_forked(*args: str, stdin: str = "", timeout_s: float = 180.0) -> subprocess.CompletedProcess:
+    """`epd ARGS` forked from the session's zygote (stdin `stdin`; stdout and stderr captured apart,
+    as text), as `subprocess.run` reports a fresh `python -m epd.cli.main ARGS`: the same `main`,
+    without importing torch and transformers again (~3 s of CPU each on two cores). For tests of
+    what a command does and prints; a test of a command's own start-up (its imports, what it does
+    before `main`) starts a fresh interpreter (`epd_command`)."""
+    import multiprocessing
+    import tempfile
+
+    zygote()  # the fork server below is the session's: preloaded for every family
+    with tempfile.TemporaryDirectory(prefix="epd-forked-") as tmp:
+        paths = [os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")]
+        Path(paths[0]).write_text(stdin)
+        proc = multiprocessing.get_context("forkserver").Process(
+            target=_run_epd_captured, args=(list(args), child_env(), *paths), name="epd-forked", daemon=False)
+        proc.start()
+        proc.join(timeout_s)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["epd", *args], timeout_s)
+        stdout, stderr = (Path(path).read_text() for path in paths[1:])
+    return subprocess.CompletedProcess(["epd", *args], proc.exitcode, stdout, stderr)
+
+
+def _run_epd_captured(argv: list[str], env: dict[str, str], stdin_path: str, stdout_path: str,
+                      stderr_path: str) -> None:
+    """In the forked child: `epd ARGV` with its standard streams on the given files."""
+    from epd.cli.zygote_signals import INHERITED
+
+    for signum, handler in INHERITED.items():  # the zygote ignores them; the command does not
+        signal.signal(signum, handler)
+    for fd, path, flags in ((0, stdin_path, os.O_RDONLY), (1, stdout_path, os.O_WRONLY | os.O_TRUNC),
+                            (2, stderr_path, os.O_WRONLY | os.O_TRUNC)):
+        opened = os.open(path, flags | (os.O_CREAT if fd else 0), 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - fd 0 outlives this object
+    os.environ.clear()
+    os.environ.update(env)
+    from epd.cli.main import main
+
+    raise SystemExit(main(argv))
+
+
 @contextlib.contextmanager
-def stage_replica(role: str, model: Path, log_dir: Path) -> Iterator[tuple[str, ServiceProcess]]:
-    """One more `role` replica beside a Stack's (forked from the session's zygote, on a loopback
-    port of its own, without the internal secret like a Stack's stages; its log `ROLE-2.log`):
-    (address, process), stopped with SIGTERM on exit. It may still be loading:
+def stage_replica(role: str, model: Path, log_dir: Path, *flags: str) -> Iterator[tuple[str, ServiceProcess]]:
+    """One more `role` replica beside a Stack's, or alone (forked from the session's zygote, on a
+    loopback port of its own, without the internal secret like a Stack's stages, with `flags`; its
+    log `ROLE-2.log`): (address, process), stopped with SIGTERM on exit. It may still be loading:
     `wait_until_serving`."""
     port = free_port()
-    argv = ["serve", role, "--port", str(port), "--model", str(model), *INSECURE_STAGE]
+    argv = ["serve", role, "--port", str(port), "--model", str(model), *INSECURE_STAGE, *flags]
     proc = zygote().start(f"{role}-2", argv, child_env(), str(log_dir / f"{role}-2.log"))
     try:
         yield f"127.0.0.1:{port}", proc

@@ -7,41 +7,18 @@ import subprocess
 
 import pytest
 
-from tests.stack import ROOT, child_env, epd_command
+from tests.stack import ROOT, child_env, epd_command, run_epd_forked
 
 
 def test_bench_serve_against_a_stack(shared_stack, tiny_models, media_files, tmp_path):
     out = tmp_path / "serve.json"
-    # the session's plain stack (tests/conftest.py)
-    proc = subprocess.run(
-        epd_command(
-            "bench",
-            "serve",
-            "--endpoint",
-            shared_stack.gateway,
-            "--model",
-            str(tiny_models["qwen2_vl"]),
-            "--videos",
-            str(media_files["mp4"]),
-            str(media_files["mp4_b"]),
-            "--num-requests",
-            "4",
-            "--concurrency",
-            "2",
-            "--num-frames",
-            "4",
-            "--max-new-tokens",
-            "6",
-            "--ignore-eos",
-            "--output-json",
-            str(out),
-        ),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=ROOT,
-        timeout=600,
-    )
+    # the session's plain stack (tests/conftest.py); the bench forked from the session's zygote, as
+    # its baselines import torch (its start-up is not what this tests)
+    proc = run_epd_forked(
+        "bench", "serve", "--endpoint", shared_stack.gateway, "--model", str(tiny_models["qwen2_vl"]),
+        "--videos", str(media_files["mp4"]), str(media_files["mp4_b"]), "--num-requests", "4", "--concurrency", "2",
+        "--num-frames", "4", "--max-new-tokens", "6", "--ignore-eos", "--output-json", str(out), timeout_s=600,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     for name in ("stack", "hf", "embedded"):

@@ -1,4 +1,9 @@
-"""The CLI as a user runs it, in subprocesses: `epd ask` embedded and against `epd serve`."""
+"""The CLI as a user runs it, in subprocesses: `epd ask` embedded and against `epd serve`.
+
+A fresh interpreter (`run_epd`) where the process as a user starts it is under test: the embedded
+JSON run (read by three tests), the terminal run on the default model, `epd serve`, the refusals of
+bad arguments. The others check what `epd ask` does and prints: forked from the session's zygote
+(`run_epd_forked`: the same `main`, without importing torch again)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import pytest
 from epd.cli.allocator import find_tcmalloc, uses_tcmalloc
 from epd.cli.health import is_serving
 from tests.reference import decode_for_test, reference_tokens, reference_tokens_for_messages
-from tests.stack import ROOT, child_env, epd_command, free_port, serving_pid
+from tests.stack import ROOT, child_env, epd_command, free_port, run_epd_forked, serving_pid
 
 QUESTION = "what colour is the square?"
 
@@ -78,8 +83,8 @@ def test_ask_embedded_json(embedded_json, expected):
 
 
 def test_ask_embedded_text_streams_progress(tiny_models, media_files):
-    proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
-                   "--num-frames", "4", "--max-new-tokens", "4")
+    proc = run_epd_forked("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
+                          "--num-frames", "4", "--max-new-tokens", "4")
     assert proc.returncode == 0, proc.stderr
     assert "[video_decode] done" in proc.stderr and "[encode] done" in proc.stderr and "[prefill] done" in proc.stderr
     assert "video_decode" in proc.stderr.splitlines()[-1] and "ttft" in proc.stderr.splitlines()[-1]
@@ -105,8 +110,8 @@ def test_ask_embedded_messages_file_keeps_the_part_order(tiny_models, media_file
     messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "video"}]}]
     path = tmp_path / "messages.json"
     path.write_text(json.dumps(messages))
-    proc = run_epd("ask", str(media_files["mp4"]), "--messages", str(path), "--model", str(tiny_models["qwen2_vl"]),
-                   "--num-frames", "8", "--max-new-tokens", "12", "--json")
+    proc = run_epd_forked("ask", str(media_files["mp4"]), "--messages", str(path), "--model",
+                          str(tiny_models["qwen2_vl"]), "--num-frames", "8", "--max-new-tokens", "12", "--json")
     assert proc.returncode == 0, proc.stderr
     video = decode_for_test(media_files["mp4"], 8)
     assert json.loads(proc.stdout)["token_ids"] == reference_tokens_for_messages(
@@ -230,8 +235,8 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
 
 def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files, embedded_json):
     off = embedded_json  # the same request without --pruning
-    proc = run_epd(*embedded_ask_args(tiny_models, media_files), "--pruning", "balanced",
-                   "--pruning-knob", "prefill_drop_layer=1")
+    proc = run_epd_forked(*embedded_ask_args(tiny_models, media_files), "--pruning", "balanced",
+                          "--pruning-knob", "prefill_drop_layer=1")
     assert proc.returncode == 0, proc.stderr
     on = json.loads(proc.stdout)
     assert off["pruning"]["stages"] == []
@@ -240,8 +245,8 @@ def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files, embed
 
 
 def test_ask_with_bad_pruning_knob_fails_clearly(tiny_models, media_files):
-    proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
-                   "--pruning-knob", "kv_keep_ratio=2")
+    proc = run_epd_forked("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
+                          "--pruning-knob", "kv_keep_ratio=2")
     assert proc.returncode == 1
     assert "INVALID_ARGUMENT" in proc.stderr and "kv_keep_ratio must be in (0, 1]" in proc.stderr
 
@@ -278,8 +283,9 @@ def conversation_reference(tiny_models, media_files):
 def test_ask_embedded_questions_in_turns_are_one_conversation(tiny_models, media_files, conversation_reference):
     """--question twice: one process, one pipeline; the second turn carries the first answer."""
     ids, answers = conversation_reference
-    proc = run_epd("ask", str(media_files["mp4"]), "--question", QUESTION, "--question", FOLLOW_UP,
-                   "--model", str(tiny_models["qwen2_vl"]), "--num-frames", "8", "--max-new-tokens", "12", "--json")
+    proc = run_epd_forked("ask", str(media_files["mp4"]), "--question", QUESTION, "--question", FOLLOW_UP,
+                          "--model", str(tiny_models["qwen2_vl"]), "--num-frames", "8", "--max-new-tokens", "12",
+                          "--json")
     assert proc.returncode == 0, proc.stderr
     turns = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2] and [t["question"] for t in turns] == [QUESTION, FOLLOW_UP]
@@ -291,12 +297,9 @@ def test_ask_embedded_questions_in_turns_are_one_conversation(tiny_models, media
 
 def test_ask_interactive_reads_questions_until_an_empty_line(tiny_models, media_files, conversation_reference):
     _, answers = conversation_reference
-    proc = subprocess.run(
-        epd_command("ask", str(media_files["mp4"]), "--interactive", "--model", str(tiny_models["qwen2_vl"]),
-                    "--num-frames", "8", "--max-new-tokens", "12"),
-        input=f"{QUESTION}\n{FOLLOW_UP}\n\nnot asked: after the empty line\n",
-        capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180,
-    )  # fmt: skip
+    proc = run_epd_forked("ask", str(media_files["mp4"]), "--interactive", "--model", str(tiny_models["qwen2_vl"]),
+                          "--num-frames", "8", "--max-new-tokens", "12",
+                          stdin=f"{QUESTION}\n{FOLLOW_UP}\n\nnot asked: after the empty line\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "".join(f"{a}\n" for a in answers)
     assert sum(line.startswith("epd: 8 frames") for line in proc.stderr.splitlines()) == 2

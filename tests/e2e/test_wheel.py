@@ -101,4 +101,5 @@ def test_epd_bench_quality_from_outside_the_checkout(installed):
     report = json.loads((out_dir / "quality.json").read_text())
     (overall,) = [r for r in report["rows"] if r["preset"] == "off" and r["question_type"] == "overall"]
     assert overall["num_questions"] == 20
+    assert report["num_test_clips"] == 20  # rendered only the clips of its first 20 questions, not 500
     assert overall["accuracy"] >= 0.75, overall  # the shipped demo model, not a random one

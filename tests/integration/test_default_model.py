@@ -186,6 +186,24 @@ def test_bench_quality_measures_the_onednn_linear_kernel_against_torchs(tmp_path
     assert [i for i, _ in answers["onednn"]] == [i for i, _ in answers["torch"]]
 
 
+def test_bench_quality_renders_only_the_clips_its_first_questions_need(tmp_path):
+    """Without --data, `--max-questions N` renders at most N test clips (not the 500 of the whole
+    split), and its first N questions are those of a larger split, on the same clips."""
+    from epd.bench.quality import QualityConfig, build_test_split, clips_to_render
+    from epd.synth.manifest import read_manifest
+
+    config = QualityConfig(num_test_clips=8, max_questions=3)
+    assert clips_to_render(config) == 3 and clips_to_render(QualityConfig(num_test_clips=8)) == 8
+    assert clips_to_render(QualityConfig(num_test_clips=2, max_questions=3)) == 2
+    few, whole = tmp_path / "few", tmp_path / "whole"
+    build_test_split(few, clips_to_render(config))
+    build_test_split(whole, config.num_test_clips)
+    first = read_manifest(few, split="test")[: config.max_questions]
+    assert len(first) == config.max_questions and first == read_manifest(whole, split="test")[: config.max_questions]
+    assert all((few / r.media).read_bytes() == (whole / r.media).read_bytes() for r in first)
+    assert len(list((few / "test" / "videos").iterdir())) == 3
+
+
 def test_bench_quality_refuses_an_unknown_preset(tmp_path, capsys):
     from epd.bench.quality import main
 
