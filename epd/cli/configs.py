@@ -234,6 +234,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         stage_attempt_timeout_s=args.stage_attempt_timeout,
         load_refresh_interval_s=args.load_refresh_interval,
         http=http_api_config(args),
+        sampling=sampling_options(args),
     ))
 
 
@@ -250,7 +251,8 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         max_inflight_body_bytes=args.max_inflight_body_bytes,
         max_requests_per_api_key=args.max_requests_per_api_key,
         body_timeout_s=args.body_timeout,
-        max_upload_bytes=args.max_upload_bytes))
+        max_upload_bytes=args.max_upload_bytes,
+        sampling=sampling_options(args)))  # the defaults of requests, as the encoder's own (`--fps`, ...)
 
 
 def checked_gateway(config: GatewayConfig) -> GatewayConfig:

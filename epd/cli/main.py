@@ -557,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="demo decodes at once, on their own threads; more get 429 (one whose client left "
                            "counts until it has stopped)")
     add_decode_limit_flags(demo)  # the encoder's limits, which `epd serve` passes to both
+    # Requests that leave them unset are sent with these: the encoders' own never apply through the
+    # gateway (`epd serve` passes its --fps/--max-frames/... to both).
+    add_sampling_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
     serve.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))  # else the stack makes one
     # The HTTP API on the gRPC port's interface (loopback) and keys required only where the gateway

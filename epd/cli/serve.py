@@ -320,6 +320,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack, by name ("gateway", "encoder[0]",
     "encoder[1]", ...; the model services' are run forked, without their first `_COMMAND_PREFIX`
     words)."""
+    from epd.cli.main import add_sampling_flags
     from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE
 
     log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
@@ -344,7 +345,10 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                            "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S), *gateway_flags(args),
                            "--http-port", str(args.http_port), "--max-upload-bytes", str(args.max_upload_bytes),
                            "--demo-max-concurrent-decodes", str(args.demo_max_concurrent_decodes),
-                           *decode_limit_flags(args)]  # the web demo decodes under the encoders' limits
+                           *decode_limit_flags(args),  # the web demo decodes under the encoders' limits
+                           # The requests' frame sampling defaults: the gateway fills in every field a
+                           # request leaves unset, so the encoders' own defaults never apply to them.
+                           *flag_words(args, (add_sampling_flags,))]
     return commands
 
 

@@ -30,11 +30,15 @@ from epd.cli.serve import (
 )
 from epd.decode_svc.config import DecodeConfig
 from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
+from epd.gateway.openai_protocol import parse_chat_request
 from epd.model_runtime.loader import ModelLoadError, check_model_dir
 from epd.prefill_svc.config import PrefillConfig
 from epd.resources import demo_model_dir
 from epd.stages.server_config import ServerConfig
+from epd.transport import convert
 from epd.transport.errors import status_of
+from epd.v1 import common_pb2
+from epd.video.types import SamplingOptions
 from tests.stack import ROOT, child_env
 
 
@@ -523,11 +527,11 @@ def _assert_refused_alone_by_the_stack_and_colocated(capsys, role, make, make_co
 _FRONT_DOOR_FLAGS = ["--served-model-name", "Qwen/Qwen2-VL-2B-Instruct", "--allowed-local-media-path", "/srv/media",
                      "--allowed-media-domains", "example.com,media.example.org", "--media-fetch-timeout", "7",
                      "--body-timeout", "45", "--max-inflight-body-bytes", "987654321",
-                     "--max-requests-per-client", "3"]
+                     "--max-requests-per-client", "3", "--sse-keepalive", "4"]
 
 
 def _assert_front_door_flags(config: GatewayConfig) -> None:
-    assert config.http.served_model_name == "Qwen/Qwen2-VL-2B-Instruct"
+    assert (config.http.served_model_name, config.http.sse_keepalive_s) == ("Qwen/Qwen2-VL-2B-Instruct", 4.0)
     assert config.http.media == MediaFetchConfig(allowed_local_dir="/srv/media", fetch_timeout_s=7.0,
                                                  allowed_domains=("example.com", "media.example.org"))
     assert (config.body_timeout_s, config.max_inflight_body_bytes, config.max_requests_per_client) == (
@@ -536,7 +540,7 @@ def _assert_front_door_flags(config: GatewayConfig) -> None:
 
 def test_the_front_doors_flags_reach_the_stacks_gateway_and_the_colocated_one():
     """`epd serve --served-model-name/--allowed-local-media-path/--allowed-media-domains/
-    --media-fetch-timeout/--body-timeout/--max-inflight-body-bytes` (and the routing flags, the
+    --media-fetch-timeout/--body-timeout/--sse-keepalive/--max-inflight-body-bytes` (and the routing flags, the
     stack's only): only `epd serve gateway` took them, so a stack or --colocate listed the model
     as "epd" whatever a vLLM client asked for, and could read no media URL."""
     routing = ["--routing", "round-robin", "--load-refresh-interval", "2", "--stage-attempt-timeout", "9"]
@@ -571,7 +575,8 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
         add_flags(own)
     shared = {action.option_strings[0]: action for action in own._actions}
     assert {"--served-model-name", "--allowed-local-media-path", "--allowed-media-domains", "--media-fetch-timeout",
-            "--body-timeout", "--max-inflight-body-bytes", "--routing", "--load-refresh-interval"} <= set(shared)
+            "--body-timeout", "--sse-keepalive", "--max-inflight-body-bytes", "--routing",
+            "--load-refresh-interval"} <= set(shared)
     for flag, action in shared.items():
         for parser in (serve, role):
             twin = parser._option_string_actions[flag]
@@ -582,6 +587,33 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
     for action in shared.values():
         assert getattr(gateway, action.dest) == getattr(alone, action.dest) == getattr(args, action.dest), action.dest
     assert set(flag_words(args, GATEWAY_FLAGS)) >= set(shared) and gateway_flags(args) == flag_words(args, GATEWAY_FLAGS)
+
+
+def test_the_frame_sampling_flags_are_the_defaults_of_requests_through_the_front_door():
+    """`epd serve --fps 1 --max-frames 8` reached the encoders only, but the gateway fills in every
+    sampling field a request leaves unset (with fps 2 and 32 frames, its own defaults) before it
+    calls them: no request through the stack's gateway or the colocated front door, HTTP or gRPC,
+    was sampled as asked. The gateway now takes the same flags, and `epd serve` passes them."""
+    flags = ["--fps", "1", "--max-frames", "8", "--max-pixels", "50176"]
+    commands = stack_commands(_stack(flags))
+    gateway = configs.gateway_config(_parsed(commands["gateway"]))
+    encoder = configs.encoder_config(_parsed(commands["encoder[0]"]))
+    colocated_args = build_parser().parse_args(["serve", "--colocate", *flags])
+    colocated = configs.colocated_gateway_config(colocated_args)
+    colocated_encoder = configs.colocated_stages(colocated_args).encoder
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, {"type": "text", "text": "q"}]}]}
+    for front_door, stage in ((gateway, encoder), (colocated, colocated_encoder)):
+        assert (front_door.sampling.fps, front_door.sampling.max_frames, front_door.sampling.max_pixels) == (1.0, 8, 50176)
+        # HTTP without "media", gRPC with no sampling field set: the front door's defaults, sent on.
+        http = parse_chat_request(body, front_door.http.served_model_name, front_door.sampling, front_door.generation)
+        grpc = convert.sampling_from_proto(common_pb2.VideoSampling(), front_door.sampling)
+        for asked in (http.sampling, grpc):
+            assert convert.sampling_from_proto(convert.sampling_to_proto(asked), stage.sampling) == stage.sampling
+    unset = build_parser().parse_args(["serve", "gateway"])
+    assert configs.gateway_config(unset).sampling == SamplingOptions()  # the defaults unchanged
+    assert configs.colocated_gateway_config(build_parser().parse_args(["serve", "--colocate"])).sampling == (
+        SamplingOptions())
 
 
 def test_the_stack_still_listens_on_loopback_only():
