@@ -303,9 +303,10 @@ def port_clash(args: argparse.Namespace) -> str | None:
 
 
 def stage_flag_problem(args: argparse.Namespace) -> str | None:
-    """Why the stack's stages would refuse their flags (`--kv-budget-bytes 0`, a chunk above the
-    step budget, ...), in the words `epd serve ROLE` uses, or None. Checked by the launcher before
-    anything starts: else every replica imported torch, then exited 2 and stopped the stack."""
+    """Why the stack's stages or its gateway would refuse their flags (`--kv-budget-bytes 0`, a
+    chunk above the step budget, `--max-requests-per-client 0`, ...), in the words `epd serve ROLE`
+    uses, or None. Checked by the launcher before anything starts: else every replica imported
+    torch, then one exited 2 and stopped the stack."""
     from epd.cli import configs
 
     try:
