@@ -234,6 +234,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         stage_attempt_timeout_s=args.stage_attempt_timeout,
         load_refresh_interval_s=args.load_refresh_interval,
         http=http_api_config(args),
+        sampling=sampling_options(args),
     ))
 
 
@@ -241,12 +242,17 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages.
     ValueError: a limit the gateway refuses (`checked_gateway`)."""
     security = TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    # The gateway role's flags `epd serve` shares (`GATEWAY_FLAGS`), but routing: the stages are
+    # local, one of each. The HTTP API on the server's host (loopback): `epd serve` sets no --http-host.
     return checked_gateway(GatewayConfig(
         server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
-        http=HttpApiConfig(port=args.http_port, api_keys=api_keys(args), demo=web_demo_config(args)),
+        http=http_api_config(args),
         max_requests_per_client=args.max_requests_per_client,
+        max_inflight_body_bytes=args.max_inflight_body_bytes,
         max_requests_per_api_key=args.max_requests_per_api_key,
-        max_upload_bytes=args.max_upload_bytes))
+        body_timeout_s=args.body_timeout,
+        max_upload_bytes=args.max_upload_bytes,
+        sampling=sampling_options(args)))  # the defaults of requests, as the encoder's own (`--fps`, ...)
 
 
 def checked_gateway(config: GatewayConfig) -> GatewayConfig:

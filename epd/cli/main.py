@@ -16,6 +16,7 @@ EPD_INTERNAL_SECRET the internal secret itself when no file is given.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -347,6 +348,30 @@ def add_stack_security_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(api_key_env=_env("EPD_API_KEY", ""))
 
 
+def add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """The front door's limits per client and on request bodies held (the gateway role, and `epd
+    serve` for its gateway or the colocated one)."""
+    g = p.add_argument_group("admission")
+    g.add_argument("--max-requests-per-client", type=int, default=8,
+                   help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
+    g.add_argument("--max-inflight-body-bytes", type=int, default=0,
+                   help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """How the gateway spreads stage calls over replicas (the gateway role, and `epd serve` for its
+    stack's gateway; --colocate has one local stage of each, nothing to route)."""
+    g = p.add_argument_group("routing among stage replicas")
+    g.add_argument("--routing", choices=("affinity", "round-robin"), default="affinity",
+                   help="affinity: a video's calls go to the replicas holding its caches (unless "
+                        "overloaded), others to the least loaded; round-robin: every call in turn")
+    g.add_argument("--stage-attempt-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                   help="longest one try of a stage call may take (decode: until its first token) before "
+                        "the next replica is tried (0 = only the stage deadline)")
+    g.add_argument("--load-refresh-interval", type=_seconds, default=0.5, metavar="SECONDS",
+                   help="seconds between reads of the replicas' loads for routing (0 = off)")
+
+
 def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
@@ -362,8 +387,10 @@ def _kv_sources(value: str) -> tuple[str, ...]:
     return entries
 
 
-def add_http_api_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("OpenAI-compatible HTTP API")
+def add_http_listen_flags(p: argparse.ArgumentParser, g) -> None:
+    """Where the gateway's HTTP API listens and who may call it: `epd serve gateway` only (`epd
+    serve` listens on loopback alone, with its own --http-port and the keys of
+    `add_stack_security_flags`)."""
     g.add_argument("--http-port", type=_port, default=0, help="port of the HTTP API (0 = off)")
     g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -375,6 +402,14 @@ def add_http_api_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(api_key_env=_env("EPD_API_KEY", ""))
     g.add_argument("--no-api-key", action="store_true",
                    help="serve a non-loopback --host/--http-host with no API key: closed, trusted networks only")
+
+
+def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
+    """The HTTP API's flags: with `listen`, where it listens (`add_http_listen_flags`, the gateway
+    role); the rest (model name, media, body) `epd serve` takes too (`GATEWAY_FLAGS`)."""
+    g = p.add_argument_group("OpenAI-compatible HTTP API")
+    if listen:
+        add_http_listen_flags(p, g)
     g.add_argument("--served-model-name", default="epd", help="model id listed by /v1/models")
     g.add_argument("--allowed-local-media-path", default="",
                    help="directory that local paths / file:// media URLs may be read from (default: none)")
@@ -406,6 +441,13 @@ class _Parser(argparse.ArgumentParser):
             if unknown:
                 message = f"unknown flag {unknown[0]} (see {self.prog} --help)"
         super().error(message)
+
+
+GATEWAY_FLAGS: tuple[Callable[..., None], ...] = (
+    add_admission_flags, add_routing_flags, functools.partial(add_http_api_flags, listen=False))
+"""The gateway role's flags `epd serve` takes too: one definition each, passed to the stack's
+gateway (`epd/cli/serve.py` `gateway_flags`) or built into the colocated front door's config
+(`epd/cli/configs.py` `colocated_gateway_config`; routing excepted, its stages being local)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -494,13 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
     gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
     gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
-    gw.add_argument("--max-requests-per-client", type=int, default=8,
-                    help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
     gw.add_argument("--max-requests-per-api-key", type=int, default=0,
                     help="requests one API key may have in flight over all its clients (0 = no limit; "
                          "only with --api-key)")
-    gw.add_argument("--max-inflight-body-bytes", type=int, default=0,
-                    help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
     gw.add_argument("--stage-check-interval", type=_seconds, default=1.0,
                     help="seconds between stage replica health checks: a replica not serving leaves routing "
                          "until it serves again; gateway health is NOT_SERVING while a stage has no replica "
@@ -511,30 +549,28 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--dns-refresh-interval", type=_seconds, default=DNS_REFRESH_INTERVAL_S, metavar="SECONDS",
                     help="seconds between lookups of dns:///NAME:PORT stage addresses, each routed as one replica "
                          "per address NAME resolves to (0 = a name found is not looked up again)")
-    gw.add_argument("--routing", choices=("affinity", "round-robin"), default="affinity",
-                    help="affinity: a video's calls go to the replicas holding its caches (unless "
-                         "overloaded), others to the least loaded; round-robin: every call in turn")
-    gw.add_argument("--stage-attempt-timeout", type=_seconds, default=120.0, metavar="SECONDS",
-                    help="longest one try of a stage call may take (decode: until its first token) before "
-                         "the next replica is tried (0 = only the stage deadline)")
-    gw.add_argument("--load-refresh-interval", type=_seconds, default=0.5, metavar="SECONDS",
-                    help="seconds between reads of the replicas' loads for routing (0 = off)")
-    add_http_api_flags(gw)
+    add_admission_flags(gw)
+    add_routing_flags(gw)
+    add_http_api_flags(gw)  # with its listen flags: GATEWAY_FLAGS' without them
     demo = gw.add_argument_group("web demo (POST /demo/frames decodes the frames it shows in the gateway)")
     demo.add_argument("--demo-max-concurrent-decodes", type=int, default=WebDemoConfig.max_concurrent_decodes,
                       help="demo decodes at once, on their own threads; more get 429 (one whose client left "
                            "counts until it has stopped)")
     add_decode_limit_flags(demo)  # the encoder's limits, which `epd serve` passes to both
+    # Requests that leave them unset are sent with these: the encoders' own never apply through the
+    # gateway (`epd serve` passes its --fps/--max-frames/... to both).
+    add_sampling_flags(gw)
     # `epd serve` with no role: the whole stack on loopback.
     serve.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))  # else the stack makes one
+    # The HTTP API on the gRPC port's interface (loopback) and keys required only where the gateway
+    # would refuse to listen without: `epd serve` has no flags to listen beyond loopback.
+    serve.set_defaults(http_host="", no_api_key=False)
     serve.add_argument("--gateway-port", type=_port, default=GATEWAY_PORT)
     serve.add_argument("--encoder-port", type=_port, default=ENCODER_PORT)
     serve.add_argument("--prefill-port", type=_port, default=PREFILL_PORT)
     serve.add_argument("--decode-port", type=_port, default=DECODE_PORT)
     serve.add_argument("--http-port", type=_port, default=8000,
                        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
-    serve.add_argument("--max-requests-per-client", type=int, default=8,
-                       help="requests one client (peer IP) may have in flight (the gateway's limit)")
     serve.add_argument("--demo-max-concurrent-decodes", type=int, default=WebDemoConfig.max_concurrent_decodes,
                        help="web demo decodes at once in the gateway, on their own threads; more get 429")
     g = serve.add_argument_group("replicas and supervision (the stack on loopback)")
@@ -546,9 +582,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a service that stops answering its gRPC health check this long is killed and "
                         "restarted (a service that exits is restarted too, with backoff; one that "
                         "crash-loops is given up on)")
-    g.add_argument("--stage-attempt-timeout", type=_seconds, default=120.0, metavar="SECONDS",
-                   help="passed to the gateway: longest one try of a stage call may take (decode: until "
-                        "its first token) before the next replica is tried")
     serve.add_argument("--colocate", action="store_true",
                        help="one process instead of four: the front door and the three stages share one "
                             "model and the machine's cores (the same front door: --gateway-port and --http-port, "
@@ -571,6 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "one per stage)")
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
+    # GATEWAY_FLAGS: passed to the stack's gateway, or the colocated front door (not routing: its
+    # stages are local, one of each). No --host/--http-host/--no-api-key: `epd serve` listens on
+    # loopback only.
+    for add_flags in GATEWAY_FLAGS:
+        add_flags(serve)
     # STAGE_FLAGS: passed to every replica of their stage, or the colocated stages.
     g = serve.add_argument_group("prefill: KV store, prefix cache, batching and queue (passed to every prefill, "
                                  "or the colocated one)")

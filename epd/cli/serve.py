@@ -303,13 +303,15 @@ def port_clash(args: argparse.Namespace) -> str | None:
 
 
 def stage_flag_problem(args: argparse.Namespace) -> str | None:
-    """Why the stack's stages would refuse their flags (`--kv-budget-bytes 0`, a chunk above the
-    step budget, ...), in the words `epd serve ROLE` uses, or None. Checked by the launcher before
-    anything starts: else every replica imported torch, then exited 2 and stopped the stack."""
+    """Why the stack's stages or its gateway would refuse their flags (`--kv-budget-bytes 0`, a
+    chunk above the step budget, `--max-requests-per-client 0`, ...), in the words `epd serve ROLE`
+    uses, or None. Checked by the launcher before anything starts: else every replica imported
+    torch, then one exited 2 and stopped the stack."""
     from epd.cli import configs
 
     try:
         configs.colocated_stages(args)  # every stage's config from the flags its replicas get, no torch
+        configs.colocated_gateway_config(args)  # and the front door's (`GATEWAY_FLAGS`: a bad media domain)
     except ValueError as exc:
         return str(exc)
     return None
@@ -319,6 +321,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack, by name ("gateway", "encoder[0]",
     "encoder[1]", ...; the model services' are run forked, without their first `_COMMAND_PREFIX`
     words)."""
+    from epd.cli.main import add_sampling_flags
     from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE
 
     log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
@@ -340,12 +343,13 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     # Stage checks every second (cheap on loopback): a restarted replica is back in routing within
     # a second of serving again.
     commands["gateway"] = [*base, "gateway", "--port", str(args.gateway_port), *grace, *stages,
-                           "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S),
-                           "--stage-attempt-timeout", str(args.stage_attempt_timeout),
-                           "--http-port", str(args.http_port), "--max-requests-per-client",
-                           str(args.max_requests_per_client), "--max-upload-bytes", str(args.max_upload_bytes),
+                           "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S), *gateway_flags(args),
+                           "--http-port", str(args.http_port), "--max-upload-bytes", str(args.max_upload_bytes),
                            "--demo-max-concurrent-decodes", str(args.demo_max_concurrent_decodes),
-                           *decode_limit_flags(args)]  # the web demo decodes under the encoders' limits
+                           *decode_limit_flags(args),  # the web demo decodes under the encoders' limits
+                           # The requests' frame sampling defaults: the gateway fills in every field a
+                           # request leaves unset, so the encoders' own defaults never apply to them.
+                           *flag_words(args, (add_sampling_flags,))]
     return commands
 
 
@@ -362,16 +366,34 @@ def stage_flags(args: argparse.Namespace, role: str) -> list[str]:
     scheduler; decode's KV memory, batch and queue), with the value the stack was given."""
     from epd.cli.main import STAGE_FLAGS
 
+    return flag_words(args, STAGE_FLAGS[role])
+
+
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The stack's `GATEWAY_FLAGS` (admission, routing, the HTTP API's model name, media and body
+    flags) as the gateway's command line, with the value the stack was given."""
+    from epd.cli.main import GATEWAY_FLAGS
+
+    return flag_words(args, GATEWAY_FLAGS)
+
+
+def flag_words(args: argparse.Namespace, adders) -> list[str]:
+    """Every flag the `adders` define, with its value in `args`, as command-line words."""
     own = argparse.ArgumentParser(add_help=False)
-    for add_flags in STAGE_FLAGS[role]:
+    for add_flags in adders:
         add_flags(own)
     words = []
     for action in own._actions:
         value = getattr(args, action.dest)
+        flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag
             words.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true and the like: the flag alone, when set
+            words += [flag] if value != action.default else []
         else:
-            words += [action.option_strings[0], str(value)]
+            text = ",".join(value) if isinstance(value, tuple) else str(value)  # tuple: --allowed-media-domains
+            # One word when the value starts with "-" (a --served-model-name): else read as a flag.
+            words += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return words
 
 

@@ -47,6 +47,15 @@ def embedded_json(tiny_models, media_files) -> dict:
 MEMORY_FLAGS = ["--kv-budget-bytes", "50000000", "--kv-store-bytes", "60000000"]
 MEMORY_GAUGES = {("epd_engine_memory_total_bytes", "decode"): 50_000_000,
                  ("epd_kv_store_total_bytes", "prefill"): 60_000_000}
+# `epd serve --served-model-name`, the gateway's: the id GET /v1/models lists.
+SERVED_MODEL = "Qwen/Qwen2-VL-tiny"
+
+
+def listed_models(http_port: int) -> list[str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30) as resp:
+        return [model["id"] for model in json.load(resp)["data"]]
 
 
 def stage_gauges(http_port: int) -> dict[tuple[str, str], set[float]]:
@@ -141,14 +150,16 @@ def test_ask_whose_reader_has_gone_stops_quietly(tiny_models, media_files):
 def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json, tmp_path):
     """The stack as a user starts it; with the default --allocator auto its model services run on
     tcmalloc where the machine has it (CI installs it), on glibc's malloc where not. The KV memory
-    flags given to `epd serve` are the budgets its decode and prefill report."""
+    flags given to `epd serve` are the budgets its decode and prefill report, and its
+    --served-model-name the id its gateway's /v1/models lists."""
     ports, http_port = [free_port() for _ in range(4)], free_port()
     env = child_env()
     env.pop("LD_PRELOAD", None)  # the launcher's choice, not the test runner's
     serve = subprocess.Popen(
         epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port", str(ports[0]),
                     "--encoder-port", str(ports[1]), "--prefill-port", str(ports[2]), "--decode-port", str(ports[3]),
-                    "--http-port", str(http_port), *MEMORY_FLAGS),
+                    "--http-port", str(http_port), *MEMORY_FLAGS,
+                    "--served-model-name", SERVED_MODEL),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
     )
     try:
@@ -175,6 +186,7 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
                                                        "kv_transfer", "generate"}  # fmt: skip
         gauges = stage_gauges(http_port)
         assert {key: gauges.get(key) for key in MEMORY_GAUGES} == {k: {v} for k, v in MEMORY_GAUGES.items()}
+        assert listed_models(http_port) == [SERVED_MODEL]
     finally:
         serve.send_signal(signal.SIGINT)
         code = serve.wait(timeout=60)
@@ -186,7 +198,7 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
 def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_models, media_files, expected):
     """`epd serve --colocate`: the front door and the three stages in one process, on the stack's
     ports; answers equal generate()'s; /metrics shows the three in-process cores, with the KV
-    memory flags' budgets. With --allocator system it stays on glibc's malloc (the default's
+    memory flags' budgets, and /v1/models lists --served-model-name. With --allocator system it stays on glibc's malloc (the default's
     tcmalloc is tested with the stack above)."""
     import time
     import urllib.request
@@ -198,7 +210,8 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
     env.pop("LD_PRELOAD", None)
     serve = subprocess.Popen(
         epd_command("serve", "--colocate", "--allocator", "system", "--model", str(tiny_models["qwen2_vl"]),
-                    "--gateway-port", str(grpc_port), "--http-port", str(http_port), *MEMORY_FLAGS),
+                    "--gateway-port", str(grpc_port), "--http-port", str(http_port), *MEMORY_FLAGS,
+                    "--served-model-name", SERVED_MODEL),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
     )  # fmt: skip
     try:
@@ -226,6 +239,7 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
         assert all(v > 0 for v in steps.values()), steps
         gauges = stage_gauges(http_port)
         assert {key: gauges.get(key) for key in MEMORY_GAUGES} == {k: {v} for k, v in MEMORY_GAUGES.items()}
+        assert listed_models(http_port) == [SERVED_MODEL]
     finally:
         serve.send_signal(signal.SIGINT)
         code = serve.wait(timeout=60)
