@@ -13,3 +13,10 @@ In the repository the folders the project was specified with (protos/, video/, t
 encoder_svc/, prefill_svc/, decode_svc/) and bench/ stay at the top level; pyproject.toml maps them
 under `epd.` so that an installed epd claims only this one import name.
 """
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("epd")
+except PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"

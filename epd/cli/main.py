@@ -21,6 +21,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from epd import __version__
+
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
 REPLICA_PORT_STEP = 10
@@ -460,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
 
     parser = _Parser(prog="epd", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"epd {__version__}")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--log-format", choices=["text", "json"], default="text",
                         help="text: one line per record ending in request_id=ID when it is about a request; "

@@ -9,6 +9,8 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
                                    vLLM's continuous_usage_stats too, the usage so far on each)
     GET  /v1/models             the served model id (and /v1/models/{id}: it alone, or 404)
     GET  /health                200 when every configured stage answers SERVING on grpc.health
+                                (GET or POST /ping: the same, as vLLM's)
+    GET  /version               {"version": epd's}
     GET  /metrics               Prometheus text format (epd/gateway/metrics.py)
 
 Request format and options: epd/gateway/openai_protocol.py. Media URL policy: epd/gateway/media_fetch.py.
@@ -45,6 +47,7 @@ from typing import Any
 
 from aiohttp import web
 
+from epd import __version__
 from epd.gateway.admission import (
     RETRY_AFTER_S,
     Admission,
@@ -146,6 +149,11 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models, expect_handler=defer_continue)
         app.router.add_get("/v1/models/{model:.+}", self.model, expect_handler=defer_continue)
         app.router.add_get("/health", self.health, expect_handler=defer_continue)
+        # vLLM's too: /ping is /health by the name SageMaker's probes use (GET and POST), /version
+        # says which epd answers (the same open routes as /health: no API key).
+        app.router.add_get("/ping", self.health, expect_handler=defer_continue)
+        app.router.add_post("/ping", self.health, expect_handler=defer_continue)
+        app.router.add_get("/version", self.version, expect_handler=defer_continue)
         app.router.add_get("/metrics", self.prometheus, expect_handler=defer_continue)
         add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
         # Last: every other path. aiohttp answers an unrouted request's Expect header itself, before
@@ -272,6 +280,9 @@ class HttpApi:
         if down:
             return web.json_response({"status": "unavailable", "not_serving": down}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=await self.metrics.scrape(), headers={"Content-Type": CONTENT_TYPE})

@@ -23,6 +23,15 @@ def test_unknown_flags_are_named(capsys, argv, expected):
     assert expected in capsys.readouterr().err
 
 
+def test_version_names_the_installed_epd(capsys):
+    """As `vllm --version`: there was no way to ask which epd is installed."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"epd {version('epd')}\n"
+
+
 def test_known_flags_still_parse():
     args = build_parser().parse_args(["serve", "encoder", "--port", "0", "--max-demux-s", "2.5"])
     assert (args.role, args.port, args.max_demux_s) == ("encoder", 0, 2.5)

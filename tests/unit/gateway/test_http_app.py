@@ -123,6 +123,23 @@ def test_health_names_the_stages_not_serving():
     assert (status, body) == (200, {"status": "ok"})
 
 
+def test_ping_is_health_and_version_names_epds_as_vllm_serves_them_without_a_key():
+    """vLLM's /ping (SageMaker's probe, GET and POST) and /version were 404s."""
+    from importlib.metadata import version
+
+    async def calls(session):
+        out = []
+        for method, path in (("GET", "/ping"), ("POST", "/ping"), ("GET", "/version")):
+            async with session.request(method, path) as resp:
+                out.append(await _status_and_json(resp))
+        return out
+
+    down, _ = asyncio.run(_requests("k1", calls, _not_serving_decode))
+    assert down[:2] == [(503, {"status": "unavailable", "not_serving": ["decode"]})] * 2
+    up, _ = asyncio.run(_requests("k1", calls))
+    assert up == [(200, {"status": "ok"})] * 2 + [(200, {"version": version("epd")})]
+
+
 def test_retrieve_model_names_the_served_model_or_404():
     async def calls(session):
         out = []
