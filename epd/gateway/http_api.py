@@ -454,14 +454,14 @@ class HttpApi:
                 if not self.in_flight.cutting:
                     raise  # its client went away
                 exc = self.in_flight.shutdown_error(num_tokens, request_id)
-            if stream.response is None:
+            if (response := await stream.settled()) is None:
                 raise exc  # nothing sent yet: the caller answers with the error's own status
             status, error_type, message = http_error_of(exc)
             request[STREAM_ERROR_KEY] = status
             if status == 500:
                 log.exception("internal error mid-stream in %s", request_id)
             body = error_body(tracing.with_request_id(message, request_id), error_type, status)
-            await stream.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         if stream.response is None:
             raise RuntimeError("the pipeline ended without a token")
         await stream.response.write(b"data: [DONE]\n\n")
@@ -489,6 +489,14 @@ class _Stream:
                 )
                 await response.prepare(request)
                 self.response = response
+            return self.response
+
+    async def settled(self) -> web.StreamResponse | None:
+        """The response once no keep-alive can begin one any more (None: nothing was sent). A
+        keep-alive sending the headers right as the answer failed would otherwise leave the
+        handler answering with a status on a connection that already had its 200."""
+        self.answering = True
+        async with self._lock:
             return self.response
 
 
