@@ -98,10 +98,9 @@ def check_messages(messages: Sequence[Message], max_text_chars: int | None = Non
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
     answer: known roles and part types, text only in text parts, exactly one media part (in a
     user message), the last message the user's, at most MAX_PARTS parts and `max_text_chars` of
-    text. A message may be
-    the media alone, with no text at all (as in vLLM and OpenAI's API: the model then answers the
-    video as its chat template frames it; the text-guided prefill drop then scores the visual
-    tokens by the template's own tokens after the video)."""
+    text. A message may be the media alone, with no text at all (as in vLLM and OpenAI's API: the
+    model then answers the video as its chat template frames it; the text-guided prefill drop then
+    scores the visual tokens by the template's own tokens after the video)."""
     if not messages:
         raise InvalidRequest("the request has no messages; send a user message with a video and a question")
     if (num_parts := sum(len(m.parts) for m in messages)) > MAX_PARTS:
