@@ -206,11 +206,20 @@ def add_decode_limit_flags(g) -> None:
                    help="seconds the frame decoding of one request may take (all its decode workers)")
 
 
+def add_max_upload_bytes_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """One flag for the encoder's and the gateway's upload limits (`epd serve` passes it to both)."""
+    from epd.gateway.config import GatewayConfig
+
+    p.add_argument("--max-upload-bytes", type=int, default=GatewayConfig.max_upload_bytes,
+                   help="largest media file, in bytes: the gateway's gRPC uploads, data URLs and fetched media, "
+                        "and the encoder's uploads")
+
+
 def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     from epd.video.parallel_decoder import ParallelDecodeConfig
 
     g = p.add_argument_group("encoder")
-    g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    add_max_upload_bytes_flag(g)
     g.add_argument("--max-visual-tokens", type=int, default=16384,
                    help="visual tokens one request may produce; checked after its first frame group")
     add_decode_limit_flags(g)
@@ -538,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "picks, so its cached tokens are found)")
     gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
     gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
-    gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    add_max_upload_bytes_flag(gw)
     gw.add_argument("--max-requests-per-api-key", type=int, default=0,
                     help="requests one API key may have in flight over all its clients (0 = no limit; "
                          "only with --api-key)")
