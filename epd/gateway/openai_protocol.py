@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 # gRPC status (from epd.transport.errors.status_of) -> HTTP status and OpenAI error type.
 _HTTP_OF_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    # The model cannot be loaded (`ModelLoadError`): the server's to fix, not the request's; vLLM
+    # answers a request to an engine that failed with 500 too.
+    grpc.StatusCode.FAILED_PRECONDITION: (500, "server_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
