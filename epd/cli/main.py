@@ -168,10 +168,17 @@ def _logit_bias(text: str) -> tuple[int, float]:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    from epd.video.types import SamplingOptions
+
     g = p.add_argument_group("frame sampling")
-    g.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video")
+    # --fps unset is None, so that `epd ask` sends a rate only when one is asked for (a request
+    # with fps and num_frames is refused); the services' default rate is SamplingOptions.fps.
+    g.add_argument("--fps", type=float, default=None,
+                   help=f"frames sampled per second of video (default {SamplingOptions.fps:g})")
     g.add_argument("--max-frames", type=int, default=32)
-    g.add_argument("--num-frames", type=int, default=0, help="exactly N frames, uniformly (overrides --fps)")
+    g.add_argument("--num-frames", type=int, default=0,
+                   help="exactly N frames, uniformly (a service's default: overrides its --fps; "
+                        "epd ask: instead of --fps)")
     g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
 
 
