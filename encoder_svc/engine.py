@@ -64,7 +64,7 @@ from epd.stages.contracts import (
     StageEvent,
     refuse_unsupported_pruning,
 )
-from epd.stages.errors import NotFound, ResourceExhausted
+from epd.stages.errors import InvalidRequest, NotFound, ResourceExhausted
 from epd.stages.names import Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.decord_backend import DecordDecoder
@@ -243,6 +243,13 @@ class EncoderEngine:
         req = _Request(run_model, run_tower, cancel or threading.Event())
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
+        if media.data is not None and media.sha256 and media.sha256 != sha256:
+            # The gateway routed by the header's hash: a wrong one sends the media to another
+            # replica's cache than its later references (by the right hash) go to.
+            raise InvalidRequest(
+                f"media_sha256 {media.sha256} is not the sha256 of the uploaded bytes, {sha256}; send "
+                "hashlib.sha256(data).hexdigest(), or leave media_sha256 empty with the bytes"
+            )
         key = self.cache_key(sha256, sampling, pruning, cache_salt)
         if (cached := self._cached(key, sampling)) is not None:
             return self._hit(cached, sha256, on_event)

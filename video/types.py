@@ -49,6 +49,14 @@ class DecodeCancelled(Exception):
     MediaError: nothing is wrong with the media."""
 
 
+ONE_FRAME_CHOICE = (
+    "send num_frames (exactly that many frames) or fps (frames per second, at most max_frames), not both"
+)
+"""A request that names both is refused at the front doors: vLLM's loaders take the smaller
+count and transformers' video processors refuse the pair, so neither reading is what every
+client expects."""
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """How frames are chosen from a video and how large they may be."""

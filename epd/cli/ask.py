@@ -48,6 +48,9 @@ def run_ask(args: argparse.Namespace) -> int:
     try:
         messages = _messages(args)
         _check_tls_flags(args)
+        if args.fps is not None and args.num_frames:  # what every door refuses (ONE_FRAME_CHOICE)
+            raise ValueError("--fps and --num-frames: give one (--num-frames N: exactly N frames; "
+                             "--fps F: F frames per second, at most --max-frames)")
         # Embedded mode's model config now: a bad --device or --dtype is the user's to fix (exit 2),
         # not a server error out of the event loop (INTERNAL, exit 1).
         model = None if args.endpoint else configs.model_config(args)

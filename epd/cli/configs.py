@@ -40,7 +40,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def sampling_options(args: argparse.Namespace) -> SamplingOptions:
     return SamplingOptions(
-        fps=args.fps,
+        fps=args.fps if args.fps is not None else SamplingOptions.fps,
         max_frames=args.max_frames,
         min_frames=min(2, args.max_frames) if args.max_frames > 0 else 2,
         num_frames=args.num_frames or None,

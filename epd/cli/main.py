@@ -168,10 +168,17 @@ def _logit_bias(text: str) -> tuple[int, float]:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    from epd.video.types import SamplingOptions
+
     g = p.add_argument_group("frame sampling")
-    g.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video")
+    # --fps unset is None, so that `epd ask` sends a rate only when one is asked for (a request
+    # with fps and num_frames is refused); the services' default rate is SamplingOptions.fps.
+    g.add_argument("--fps", type=float, default=None,
+                   help=f"frames sampled per second of video (default {SamplingOptions.fps:g})")
     g.add_argument("--max-frames", type=int, default=32)
-    g.add_argument("--num-frames", type=int, default=0, help="exactly N frames, uniformly (overrides --fps)")
+    g.add_argument("--num-frames", type=int, default=0,
+                   help="exactly N frames, uniformly (a service's default: overrides its --fps; "
+                        "epd ask: instead of --fps)")
     g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
 
 
@@ -206,11 +213,20 @@ def add_decode_limit_flags(g) -> None:
                    help="seconds the frame decoding of one request may take (all its decode workers)")
 
 
+def add_max_upload_bytes_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """One flag for the encoder's and the gateway's upload limits (`epd serve` passes it to both)."""
+    from epd.gateway.config import GatewayConfig
+
+    p.add_argument("--max-upload-bytes", type=int, default=GatewayConfig.max_upload_bytes,
+                   help="largest media file, in bytes: the gateway's gRPC uploads, data URLs and fetched media, "
+                        "and the encoder's uploads")
+
+
 def add_encoder_flags(p: argparse.ArgumentParser) -> None:
     from epd.video.parallel_decoder import ParallelDecodeConfig
 
     g = p.add_argument_group("encoder")
-    g.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    add_max_upload_bytes_flag(g)
     g.add_argument("--max-visual-tokens", type=int, default=16384,
                    help="visual tokens one request may produce; checked after its first frame group")
     add_decode_limit_flags(g)
@@ -538,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "picks, so its cached tokens are found)")
     gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
     gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
-    gw.add_argument("--max-upload-bytes", type=int, default=256 * 1024 * 1024)
+    add_max_upload_bytes_flag(gw)
     gw.add_argument("--max-requests-per-api-key", type=int, default=0,
                     help="requests one API key may have in flight over all its clients (0 = no limit; "
                          "only with --api-key)")

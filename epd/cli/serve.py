@@ -386,6 +386,8 @@ def flag_words(args: argparse.Namespace, adders) -> list[str]:
     for action in own._actions:
         value = getattr(args, action.dest)
         flag = action.option_strings[0]
+        if value is None:  # unset (--fps): the service's own default is the same
+            continue
         if isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag
             words.append(action.option_strings[0 if value else 1])
         elif action.nargs == 0:  # store_true and the like: the flag alone, when set

@@ -173,8 +173,9 @@ def build_header(
 
 
 def _stop_strings(stop: Any) -> list[str]:
-    """`stop` as the HTTP API takes it: a string or a list of strings (None: none)."""
-    if not stop:
+    """`stop` as the HTTP API takes it: a string or a list of strings (None: none). An empty
+    string is sent as one, for the server to refuse as the HTTP API does (it was dropped)."""
+    if stop is None:
         return []
     if isinstance(stop, str):
         return [stop]

@@ -45,14 +45,16 @@ from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
 from epd.transport.errors import status_of
 from epd.v1 import common_pb2
-from epd.video.types import SamplingOptions
+from epd.video.types import ONE_FRAME_CHOICE, SamplingOptions
 
 log = logging.getLogger(__name__)
 
 # gRPC status (from epd.transport.errors.status_of) -> HTTP status and OpenAI error type.
 _HTTP_OF_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    # The model cannot be loaded (`ModelLoadError`): the server's to fix, not the request's; vLLM
+    # answers a request to an engine that failed with 500 too.
+    grpc.StatusCode.FAILED_PRECONDITION: (500, "server_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
@@ -428,11 +430,15 @@ def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
     if media is None:
         return defaults
     if not isinstance(media, dict):
-        raise InvalidRequest('\'media\' must be an object such as {"fps": 2, "num_frames": 8}')
+        raise InvalidRequest('\'media\' must be an object such as {"num_frames": 8} or {"fps": 2, "max_frames": 32}')
     unknown = sorted(str(name)[:64] for name in set(media) - set(_MEDIA_OPTIONS))
     if unknown:
         raise InvalidRequest(f"unknown media options {unknown[:8]}; known: {sorted(_MEDIA_OPTIONS)}")
     v = {name: _number(media, name, spec, None) for name, spec in _MEDIA_OPTIONS.items()}
+    if v["fps"] is not None and v["num_frames"] is not None:
+        raise InvalidRequest(f"'media': fps and num_frames: {ONE_FRAME_CHOICE}")
+    if v["fps"] is not None:  # the request's rate, not the server's --num-frames
+        defaults = replace(defaults, num_frames=None)
     max_frames = v["max_frames"] if v["max_frames"] is not None else defaults.max_frames
     return replace(
         defaults,

@@ -100,6 +100,11 @@ _ROOM_MAX_DELAY_S = 1.0
 
 
 class Pipeline:
+    vocab_size: int | None = None
+    """The model's vocabulary, when this front door holds the model (the embedded pipeline): token
+    ids outside it are refused before the media costs an encode. None (the gateway, which loads no
+    model): prefill refuses them, after the encode."""
+
     def __init__(self, encoder: EncodeStage, prefill: PrefillStage, decoder: DecodeStage,
                  decode_room_wait_s: float = DECODE_ROOM_WAIT_S) -> None:
         self.encoder = encoder
@@ -113,7 +118,7 @@ class Pipeline:
         try:  # before the request is sent on (a stop list of megabytes would be too large for one
             # message) and before the media costs an encode: the stages' default bounds (each
             # checks its own too)
-            req.generation.validate(MAX_NEW_TOKENS)
+            req.generation.validate(MAX_NEW_TOKENS, self.vocab_size)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex

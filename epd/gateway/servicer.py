@@ -68,7 +68,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request = AskRequest(
                 messages=messages_of(header),
                 media=media_input(header, data),
-                sampling=convert.sampling_from_proto(header.sampling, self.config.sampling),
+                sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
                 generation=convert.generation_from_proto(header.generation, self.config.generation),
                 request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),

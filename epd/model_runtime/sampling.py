@@ -70,6 +70,8 @@ def sampling_failed(config: GenerationConfig) -> SamplingFailed:
 
 def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
     """ValueError naming the bound a request's stop strings pass."""
+    if any(not s for s in stop):  # vLLM's refusal too: "" would end every answer at once, or be ignored
+        raise ValueError("stop cannot contain an empty string; leave it out (no stop strings: omit stop)")
     if len(stop) > MAX_STOP_STRINGS:
         raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
     if (longest := max((len(s) for s in stop), default=0)) > MAX_STOP_CHARS:

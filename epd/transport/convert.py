@@ -28,7 +28,7 @@ from epd.transport.message_convert import messages_from_proto as messages_from_p
 from epd.transport.message_convert import messages_to_proto as messages_to_proto  # re-exported
 from epd.transport.tensor_wire import WireTensor, tensor_bytes, tensor_num_bytes, tensor_to_chunks
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2
-from epd.video.types import MediaError, SamplingOptions
+from epd.video.types import ONE_FRAME_CHOICE, MediaError, SamplingOptions
 
 if TYPE_CHECKING:
     import torch  # the gateway uses this module without torch (its tensors stay WireTensors)
@@ -60,8 +60,16 @@ MAX_SAMPLING_FPS = 1000.0
 span * fps stops being a finite number of frames."""
 
 
-def sampling_from_proto(msg: common_pb2.VideoSampling, defaults: SamplingOptions) -> SamplingOptions:
+def sampling_from_proto(
+    msg: common_pb2.VideoSampling, defaults: SamplingOptions, from_client: bool = False
+) -> SamplingOptions:
+    """`msg` over `defaults` (0: the default). An fps without num_frames samples at that rate,
+    whatever num_frames the defaults hold (a client's fps is not overridden by the server's
+    --num-frames). `from_client` (the gateway's door): fps and num_frames together are refused;
+    on the gateway's hop to the encoder fps is always set, and num_frames, when set, is the count."""
     require_finite(fps=msg.fps, start_time_s=msg.start_time_s, end_time_s=msg.end_time_s)
+    if from_client and msg.fps and msg.num_frames:
+        raise MediaError(f"fps {msg.fps:g} and num_frames {msg.num_frames}: {ONE_FRAME_CHOICE}")
     for name in ("fps", "max_frames", "min_frames", "num_frames", "max_pixels", "start_time_s", "end_time_s"):
         if getattr(msg, name) < 0:  # the HTTP API's words for the same value (its 400 names the field)
             raise MediaError(f"{name} must not be negative (0: the server's default), got {getattr(msg, name):g}")
@@ -72,7 +80,7 @@ def sampling_from_proto(msg: common_pb2.VideoSampling, defaults: SamplingOptions
         fps=msg.fps or defaults.fps,
         max_frames=msg.max_frames or defaults.max_frames,
         min_frames=msg.min_frames or min(defaults.min_frames, msg.max_frames or defaults.max_frames),
-        num_frames=msg.num_frames or defaults.num_frames,
+        num_frames=msg.num_frames or (None if msg.fps else defaults.num_frames),
         start_time_s=msg.start_time_s,
         end_time_s=msg.end_time_s or None,
         max_pixels=msg.max_pixels or defaults.max_pixels,

@@ -170,3 +170,28 @@ def test_a_prompt_over_the_limit_is_told_what_made_it_long(tiny_models, media_fi
     with build_embedded_pipeline(model, prefill=prefill) as pipeline:
         assert refusal("what happens? " * 40, 2).endswith("over the limit of 60; send a shorter conversation")
         assert refusal("what happens?", 8).endswith("over the limit of 60; lower max_frames, fps or max_pixels")
+
+
+def test_the_embedded_door_refuses_a_token_id_outside_the_vocabulary_before_the_encode(tiny_models, media_files):
+    """The embedded pipeline (`epd serve --colocate`, `epd ask`) holds the model, so it checks
+    logit_bias and stop_token_ids ids against the vocabulary with the other fields: prefill's
+    check came after a whole decode and encode of the media. (The gateway loads no model: there
+    prefill's check stays the first.)"""
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    events: list = []
+
+    async def run(generation: GenerationConfig):
+        request = AskRequest(question_messages("what happens?"), MediaInput(media_files["mp4"].read_bytes()),
+                             SamplingOptions(num_frames=2), generation)
+        async for item in pipeline.ask(request):
+            events.append(item)
+
+    with build_embedded_pipeline(model) as pipeline:
+        vocab_size = pipeline.prefill.engine.adapter.vocab_size
+        for generation, field in ((GenerationConfig(max_new_tokens=2, stop_token_ids=(vocab_size,)), "stop_token_ids"),
+                                  (GenerationConfig(max_new_tokens=2, logit_bias=((vocab_size, 1.0),)), "logit_bias")):
+            with pytest.raises(InvalidRequest, match=f"{field}: token id {vocab_size}"):
+                asyncio.run(run(generation))
+        assert events == []  # no stage ran: nothing was decoded or encoded
+        asyncio.run(run(GenerationConfig(max_new_tokens=2, stop_token_ids=(vocab_size - 1,))))
+        assert isinstance(events[-1], AskSummary)  # and an id inside it is served

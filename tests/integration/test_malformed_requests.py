@@ -111,6 +111,13 @@ HTTP_CASES = [
     ("data URL not ASCII", CHAT, lambda url: json.dumps(chat(url + "\u00e9")).encode(), None, 400, "ASCII"),
     ("pruning knob NaN", CHAT, pruning_knob("kv_keep_ratio", float("nan")), None, 400, "kv_keep_ratio"),
     ("body not an object", CHAT, lambda url: b"[1, 2]", None, 400, "must be a JSON object"),
+    # vLLM refuses an empty stop string too: it was dropped, hiding the client's bug.
+    ("stop empty", CHAT, with_fields(stop=""), None, 400, "'stop': stop cannot contain an empty string"),
+    ("stop list with an empty string", CHAT, with_fields(stop=["a", ""]), None, 400,
+     "'stop': stop cannot contain an empty string"),
+    # Which one wins was unsaid (vLLM's loaders take the smaller count, transformers refuses the pair).
+    ("fps with num_frames", CHAT, with_media(fps=1), None, 400,
+     "'media': fps and num_frames: send num_frames (exactly that many frames) or fps"),
     ("body sent as text/plain", CHAT, with_fields(), {**AUTH, "Content-Type": "text/plain"}, 415,
      "'Content-Type: application/json'"),
     ("frames: fps NaN", "/demo/frames", frames(fps=float("nan")), None, 400, "'fps' must be a finite number"),
@@ -164,6 +171,12 @@ GRPC_CASES = [
     ("sha256 a path", {"media_sha256": "../" * 21 + "x"}, False, "media_sha256 must be"),
     ("pruning knob NaN", {"pruning": common_pb2.PruningOptions(knobs={"kv_keep_ratio": "nan"})}, True,
      "kv_keep_ratio"),
+    ("stop empty", {"generation": common_pb2.GenerationParams(stop=["a", ""])}, True,
+     "stop cannot contain an empty string"),
+    ("fps with num_frames", {"sampling": common_pb2.VideoSampling(fps=1, num_frames=4)}, True,
+     "fps 1 and num_frames 4: send num_frames (exactly that many frames) or fps"),
+    ("sha256 not the bytes'", {"media_sha256": "ab" * 32}, True,
+     f"media_sha256 {'ab' * 32} is not the sha256 of the uploaded bytes"),
 ]  # fmt: skip
 
 
@@ -288,6 +301,33 @@ def test_an_sdk_upload_over_the_limit_is_not_marked_busy(stack):
         with pytest.raises(EpdError, match="--max-upload-bytes") as info:
             client.ask(b"\0" * (UPLOAD_LIMIT_BYTES + 1), QUESTION, max_new_tokens=2)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_after_s is None
+
+
+def test_the_sdk_sends_what_the_other_doors_refuse(stack, media_files):
+    """An empty stop string was dropped by the SDK (so the server never saw the client's bug), and
+    fps with num_frames is refused as on HTTP: the same INVALID_ARGUMENT, not a silent choice."""
+    with EpdClient(stack.gateway, timeout_s=60, api_key=API_KEY) as client:
+        for options, match in (
+            ({"stop": ""}, "stop cannot contain an empty string"),
+            ({"fps": 2.0, "num_frames": 4}, "fps 2 and num_frames 4: send num_frames"),
+        ):
+            with pytest.raises(EpdError, match=match) as info:
+                client.ask(media_files["mp4"], QUESTION, max_new_tokens=2, **options)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_media_sha256_that_is_not_the_uploads_is_refused_naming_both(stack, media_files):
+    """The gateway routes by the header's hash (the encoder replica whose cache holds it) while the
+    encoder hashed the bytes and used its own: a wrong hash sent the media to a replica that later
+    references by the right hash would miss. The encoder, which hashes the bytes anyway, refuses."""
+    import hashlib
+
+    data = media_files["mp4"].read_bytes()
+    wrong = hashlib.sha256(b"other media").hexdigest()
+    header = gateway_pb2.AskHeader(question=QUESTION, media_num_bytes=len(data), media_sha256=wrong)
+    error = _grpc_ask(stack, header, data)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert wrong in error.details() and hashlib.sha256(data).hexdigest() in error.details()
 
 
 # -- the stack still serves (keep these last) ---------------------------------------------------

@@ -19,6 +19,7 @@ from epd.cli.main import build_parser
 from epd.cli.serve import EXIT_USAGE, serve_role
 from epd.stages.server_config import TransportSecurity
 from epd.transport import security
+from epd.video.types import SamplingOptions
 from tests.pki import make_pki
 from tests.stack import ROOT
 
@@ -280,3 +281,14 @@ def test_epd_ask_reads_vllm_sampling_flags_for_both_modes(capsys):
     options = configs.generation_options(args)
     assert options["logit_bias"] == {5: -2.5, 17: 100.0} and options["min_tokens"] == 2
     assert "expected TOKEN_ID=BIAS (e.g. 1734=-100), got 'x'" in _usage_error(capsys, ["ask", VIDEO, "q?", "--logit-bias", "x"])
+
+
+def test_epd_ask_takes_fps_or_num_frames_not_both(capsys):
+    """As every door refuses the pair (a request's frame count or its rate); --fps is unset unless
+    given, so `--num-frames N` alone sends no rate beside it (it sent the default 2)."""
+    assert _ask(VIDEO, "q?", "--endpoint", "127.0.0.1:1", "--fps", "1", "--num-frames", "4") == 2
+    assert capsys.readouterr().err.strip() == (
+        "epd: --fps and --num-frames: give one (--num-frames N: exactly N frames; --fps F: F frames per "
+        "second, at most --max-frames)")
+    assert build_parser().parse_args(["ask", VIDEO, "q?", "--num-frames", "4"]).fps is None
+    assert configs.sampling_options(build_parser().parse_args(["ask", VIDEO, "q?"])).fps == SamplingOptions.fps

@@ -418,3 +418,29 @@ def test_the_answers_token_ids_are_on_its_choice_streamed_or_not():
     assert answer["choices"][0]["token_ids"] == [5, 6, 7] == answer["epd"]["token_ids"]
     streamed = _stream_chunks({})
     assert [t for c in streamed for t in c["choices"][0].get("token_ids", [])] == [5, 6, 7]
+
+
+class _ModelLoadFailsPipeline(Pipeline):
+    """An embedded front door whose model cannot be loaded (`ModelLoadError`)."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.model_runtime.loader import ModelLoadError
+
+        raise ModelLoadError("/models/m", "model.safetensors is truncated or corrupt")
+        yield
+
+
+def test_a_model_that_cannot_load_is_a_500_not_the_clients_400():
+    """FAILED_PRECONDITION (gRPC's code for it) was mapped to 400 invalid_request_error, telling the
+    client to change a request that nothing in it could fix; vLLM answers 500 for an engine that
+    failed. Streamed or not, before any token."""
+    import json
+
+    body = {**STREAM_BODY, "stream": False}
+    for sent in (body, STREAM_BODY):
+        error = json.loads(_post_chat(_ModelLoadFailsPipeline(), sent))["error"]
+        assert (error["code"], error["type"]) == (500, "server_error"), error
+        assert error["message"].startswith("cannot load /models/m: model.safetensors is truncated or corrupt")

@@ -42,13 +42,14 @@ def test_defaults_and_options():
     req = parse(
         body(
             max_tokens=5, temperature=0.7, top_p=0.9, top_k=4, seed=3, stop="END", stream=True,
-            stream_options={"include_usage": True}, media={"fps": 1, "num_frames": 8, "max_frames": 16},
+            stream_options={"include_usage": True}, media={"num_frames": 8, "max_frames": 16},
         )
     )  # fmt: skip
     assert req.generation == GenerationConfig(
         max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=4, seed=3, stop=("END",)
     )
-    assert (req.sampling.fps, req.sampling.num_frames, req.sampling.max_frames) == (1.0, 8, 16)
+    assert (req.sampling.num_frames, req.sampling.max_frames) == (8, 16)
+    assert parse(body(media={"fps": 1, "max_frames": 16})).sampling == SamplingOptions(fps=1.0, max_frames=16)
     assert req.stream and req.include_usage
     assert parse(body(max_completion_tokens=7, max_tokens=5)).generation.max_new_tokens == 7
 
