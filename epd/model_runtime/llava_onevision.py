@@ -198,7 +198,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+        if visual is None:
+            return self._text_only_prompt(conversation)
         proc = self.processor
         if any(
             token in part.get("text", "")

@@ -132,7 +132,9 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+        if visual is None:
+            return self._text_only_prompt(conversation)
         # The processor's own template renders the parts in order (no separator between text parts,
         # earlier turns as it renders them); we only expand the one placeholder, as its __call__ does.
         text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)

@@ -218,7 +218,9 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+        if visual is None:
+            return self._text_only_prompt(conversation)
         proc = self.processor
         if any(
             token in part.get("text", "")
