@@ -167,6 +167,13 @@ def test_media_options_and_pruning_have_nothing_to_act_on_without_media(checkpoi
             got = summary(pipeline, messages, pruning=PruningConfig.from_preset(preset))
             assert got.token_ids == want, family
             assert got.pruning.stages == [] and got.kept_visual_token_index == []
+            # Prefill's own rule, for a caller other than the gateway (its PrefillService):
+            # nothing runs whole and alone, only kv_dtype is kept.
+            prepared = pipeline.prefill.engine.prepare(
+                from_chat_template(messages), None, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+                PruningConfig.from_preset(preset, kv_dtype="bfloat16"),
+            )  # fmt: skip
+            assert not prepared.exclusive and prepared.pruning == PruningConfig(kv_dtype="bfloat16")
 
 
 def test_media_without_a_part_to_place_it_is_refused(tiny_models, media_files):
