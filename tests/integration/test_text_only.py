@@ -29,7 +29,7 @@ from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.families import build_qwen3_vl_moe_checkpoint, qwen_processor_inputs
-from tests.reference import decode_for_test, reference_tokens_for_messages, whole_model
+from tests.reference import decode_for_test, reference_tokens_for_messages, text_only_reference, whole_model
 
 MAX_NEW_TOKENS = 12
 NUM_FRAMES = 4
@@ -53,17 +53,6 @@ VIDEO_LATER = [
     {"role": "assistant", "content": [{"type": "text", "text": "ok, send it"}]},
     {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]},
 ]
-
-
-def text_only_reference(model_dir, messages: list[dict], max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
-    """`generate(do_sample=False)` on the unsplit model, prompted by the processor itself with the
-    text alone (no images, no videos: as a Hugging Face user calls it)."""
-    model, processor = whole_model(model_dir)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[text], return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def video_reference(family: str, model_dir, video, messages: list[dict]) -> list[int]:
@@ -119,7 +108,7 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
         for name, messages in CONVERSATIONS.items():
             got = summary(pipeline, messages)
-            want = text_only_reference(path, messages)
+            want = text_only_reference(path, messages, MAX_NEW_TOKENS)
             assert len(set(want)) > 2, f"{name}: the tiny model repeats one token; the comparison would prove little"
             assert got.token_ids == want, name
             assert got.num_visual_tokens == 0 and got.num_frames == 0 and got.media_sha256 == ""
@@ -151,8 +140,8 @@ def test_text_only_and_media_requests_batched_together_each_equal_generate(check
 
         with_media, text, multi = asyncio.run(run())
     assert with_media.token_ids == video_reference(family, path, video, media_messages)
-    assert text.token_ids == text_only_reference(path, CONVERSATIONS["system_and_text"])
-    assert multi.token_ids == text_only_reference(path, CONVERSATIONS["multi_turn"])
+    assert text.token_ids == text_only_reference(path, CONVERSATIONS["system_and_text"], MAX_NEW_TOKENS)
+    assert multi.token_ids == text_only_reference(path, CONVERSATIONS["multi_turn"], MAX_NEW_TOKENS)
 
 
 def test_media_options_and_pruning_have_nothing_to_act_on_without_media(checkpoints):
@@ -162,7 +151,7 @@ def test_media_options_and_pruning_have_nothing_to_act_on_without_media(checkpoi
     messages = CONVERSATIONS["system_and_text"]
     for family, preset in (("qwen2_vl", "aggressive"), ("qwen3_vl", "balanced")):
         path = checkpoints[family]
-        want = text_only_reference(path, messages)
+        want = text_only_reference(path, messages, MAX_NEW_TOKENS)
         with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
             got = summary(pipeline, messages, pruning=PruningConfig.from_preset(preset))
             assert got.token_ids == want, family
@@ -201,7 +190,7 @@ def test_a_text_only_follow_up_reuses_its_history_and_never_a_media_entry(tiny_m
         two = summary(pipeline, follow_up)
         # The whole first prompt is reused (its answer's tokens follow it in the second).
         assert one.num_prompt_tokens <= two.num_reused_prompt_tokens < two.num_prompt_tokens
-        assert two.token_ids == text_only_reference(path, follow_up)
+        assert two.token_ids == text_only_reference(path, follow_up, MAX_NEW_TOKENS)
 
         # The same text as a media request's, then as text alone: two entries, and the text-only
         # request reuses nothing of the media request's (nor, below, the media one of it).
@@ -234,7 +223,7 @@ def _steps_by_stage(http_port: int) -> dict[str, float]:
 
 def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stack, tiny_models):
     messages = CONVERSATIONS["system_and_text"]
-    want = text_only_reference(tiny_models["qwen2_vl"], messages)
+    want = text_only_reference(tiny_models["qwen2_vl"], messages, MAX_NEW_TOKENS)
     before = _steps_by_stage(shared_stack.http_port)
     http = openai.OpenAI(base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0)
     openai_messages = [{"role": "system", "content": "answer briefly"},
@@ -264,7 +253,8 @@ def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stac
         # The question form without a video: the question alone.
         alone = client.ask(None, "hello, who are you?", max_new_tokens=MAX_NEW_TOKENS)
         assert alone.token_ids == text_only_reference(
-            tiny_models["qwen2_vl"], [{"role": "user", "content": [{"type": "text", "text": "hello, who are you?"}]}]
+            tiny_models["qwen2_vl"], [{"role": "user", "content": [{"type": "text", "text": "hello, who are you?"}]}],
+            MAX_NEW_TOKENS,
         )
         # A text-only conversation through the SDK: the follow-up reuses the first turn's prompt.
         chat = client.conversation(None, max_new_tokens=MAX_NEW_TOKENS)
