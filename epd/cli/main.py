@@ -487,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--messages", default="", metavar="FILE",
                      help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
                           '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
-                          "roles system/user/assistant, parts in your order, one video or image part")
+                          "roles system/user/assistant, parts in your order, one video or image part (none with --no-video)")
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),

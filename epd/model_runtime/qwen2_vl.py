@@ -149,7 +149,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
         visual_mask = input_ids[0] == pad_id
         if int(visual_mask.sum()) != num_tokens:
             raise ValueError(f"the chat template rendered {text.count(pad) - num_tokens + 1} {visual.modality} "
-                             "placeholders; send exactly one video or image part")
+                             "placeholders; send at most one video or image part per request")
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:

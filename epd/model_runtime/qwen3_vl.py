@@ -234,7 +234,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
         if text.count(pad) != 1:
             raise ValueError(
                 f"the chat template rendered {text.count(pad)} {visual.modality} placeholders; "
-                "send exactly one video or image part"
+                "send at most one video or image part per request"
             )
         # Expanded by the processor's own code, as its __call__ does (timestamps included).
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)
