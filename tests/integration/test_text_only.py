@@ -176,6 +176,59 @@ def test_media_without_a_part_to_place_it_is_refused(tiny_models, media_files):
             summary(pipeline, VIDEO_LATER, None)
 
 
+def test_prefill_service_takes_a_header_without_visual_and_refuses_what_disagrees(tiny_models, media_files):
+    """PrefillService.Prefill (the servicer in this process, a stand-in for its RPC context): a
+    header without `visual` is a text-only prompt; media messages without `visual`, and tensor
+    chunks without it, are INVALID_ARGUMENT saying what to change."""
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.prefill_svc.servicer import PrefillServicer
+    from epd.transport import convert
+    from epd.v1 import prefill_pb2
+
+    class Context:
+        def __init__(self) -> None:
+            self.status: tuple[grpc.StatusCode, str] | None = None
+
+        def add_done_callback(self, callback) -> None:
+            pass
+
+        async def abort(self, code, message, trailing_metadata=()):
+            self.status = (code, message)
+            raise RuntimeError("aborted")
+
+    generation = convert.generation_to_proto(GenerationConfig(max_new_tokens=MAX_NEW_TOKENS))
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        servicer = PrefillServicer(PrefillConfig(), pipeline.prefill.kv_store)
+        servicer.stage = pipeline.prefill
+        media = asyncio.run(pipeline.encoder.encode(MediaInput(media_files["png"].read_bytes()), SamplingOptions(),
+                                                    lambda event: None, "chunks"))  # fmt: skip
+
+        def call(messages: list[dict], chunks=()) -> tuple[prefill_pb2.PrefillResult | None, Context]:
+            header = prefill_pb2.PrefillHeader(request_id="t", messages=convert.messages_to_proto(
+                from_chat_template(messages)), generation=generation)  # fmt: skip
+
+            async def requests():
+                yield prefill_pb2.PrefillRequest(header=header)
+                for chunk in chunks:
+                    yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
+
+            context = Context()
+            try:
+                return asyncio.run(servicer.Prefill(requests(), context)), context
+            except RuntimeError:
+                return None, context
+
+        result, _ = call(CONVERSATIONS["system_and_text"])
+        assert result is not None and result.num_prompt_tokens > 0 and result.num_visual_tokens_in == 0
+        pipeline.prefill.kv_store.release(result.kv_handle)
+        _, context = call(VIDEO_LATER)
+        assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "the messages have a video or image part but "
+                                  "no visual tokens were sent (set visual)")  # fmt: skip
+        _, context = call(CONVERSATIONS["system_and_text"], list(convert.encoded_media_chunks(media)))
+        assert context.status is not None and context.status[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert "visual_embeds were sent without the header's visual metadata" in context.status[1]
+
+
 # -- the prefix cache ----------------------------------------------------------------------------
 
 
