@@ -4,12 +4,16 @@
     epd bench serve --endpoint 127.0.0.1:50050 --request-rate 0.5 --num-requests 16 --model DIR
     epd bench serve --endpoint 127.0.0.1:50050 --concurrency 1,4,16,32 --no-baselines --plot sweep.png
     epd bench serve --openai http://127.0.0.1:8000 --concurrency 1,4 --no-baselines
+    epd bench serve --endpoint 127.0.0.1:50050 --concurrency 1 --with-text-only --no-baselines
 
 Like `vllm bench serve`: N requests (questions about the given videos, cycled) sent at a fixed
 rate (Poisson arrivals) or a fixed concurrency to the front door, streaming. Per request: TTFT
 (time to the first token), TPOT (time per output token after the first), inter-token latencies
 and end-to-end latency. Reported: mean, p50, p90, p99 of each; request and output-token
 throughput; goodput (requests/s that met both --ttft-slo-ms and --tpot-slo-ms).
+
+--with-text-only runs, at each level, the same requests again without their media (the questions
+alone: no encoder call) against the same server, and prints the ratios text-only / with media.
 
 --concurrency takes a comma list: the same N requests are run at each level in turn (a sweep),
 one table row per level (req/s, output tok/s, TTFT p50/p99, TPOT p50/p99, errors), and
@@ -108,10 +112,15 @@ def summarize(
     }
 
 
-def _inputs(args) -> list[tuple[bytes, str]]:
+def _inputs(args) -> list[tuple[bytes | None, str]]:
     videos = [Path(v).read_bytes() for v in args.videos]
     questions = args.questions or DEFAULT_QUESTIONS
     return [(videos[i % len(videos)], questions[i % len(questions)]) for i in range(args.num_requests)]
+
+
+def text_only(inputs: list[tuple[bytes | None, str]]) -> list[tuple[bytes | None, str]]:
+    """The same requests without their media: each question alone (a text-only conversation)."""
+    return [(None, question) for _, question in inputs]
 
 
 def _options(args) -> dict:
@@ -243,8 +252,10 @@ def openai_bodies(
     num_frames: int,
     max_new_tokens: int,
     ignore_eos: bool,
+    with_media: bool = True,
 ) -> list[bytes]:
-    """One streaming chat-completions body per request (videos and questions cycled), greedy."""
+    """One streaming chat-completions body per request (videos and questions cycled), greedy;
+    `with_media` False: the questions alone (no media part)."""
     if target.dialect not in ("epd", "transformers"):
         raise ValueError(f"dialect must be epd or transformers, got {target.dialect!r}")
     if ignore_eos and target.dialect == "transformers":
@@ -258,15 +269,10 @@ def openai_bodies(
     bodies = []
     for i in range(num_requests):
         url, kind = urls[i % len(urls)]
+        media = [{"type": kind, kind: {"url": url}}] if with_media else []
         body: dict = {
             "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": kind, kind: {"url": url}},
-                        {"type": "text", "text": questions[i % len(questions)]},
-                    ],
-                }
+                {"role": "user", "content": [*media, {"type": "text", "text": questions[i % len(questions)]}]}
             ],
             "max_tokens": max_new_tokens,
             "temperature": 0,
@@ -528,6 +534,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--tpot-slo-ms", type=float, default=200.0)
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument(
+        "--with-text-only",
+        action="store_true",
+        help="also run each level's requests without their media (the questions alone) and print the ratios",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads of the baselines")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -636,21 +647,28 @@ def main(argv: list[str] | None = None) -> int:
     inputs = _inputs(args)
     door = f"OpenAI API {target.url} ({target.dialect})" if target else f"gRPC {args.endpoint}"
     report: dict = {"config": vars(args), "sweep": []}
-    for c in levels:
-        with tqdm(
-            total=len(inputs), desc=f"stack, {c or 'all'} in flight", unit="req", file=sys.stderr
-        ) as bar:
+
+    def run_level(c: int, media: bool) -> dict:
+        what = "stack" if media else "stack, text only"
+        with tqdm(total=len(inputs), desc=f"{what}, {c or 'all'} in flight", unit="req", file=sys.stderr) as bar:
             if target is not None:
+                level_bodies = bodies if media else openai_bodies(
+                    target, args.videos, args.questions, args.num_requests, args.num_frames,
+                    args.max_new_tokens, args.ignore_eos, with_media=False,
+                )  # fmt: skip
                 results, duration = asyncio.run(
-                    run_openai(target, bodies, c, bar, args.request_rate, args.seed, args.timeout_s)
+                    run_openai(target, level_bodies, c, bar, args.request_rate, args.seed, args.timeout_s)
                 )
             else:
-                results, duration = asyncio.run(run_stack(args, inputs, bar, c))
+                results, duration = asyncio.run(run_stack(args, inputs if media else text_only(inputs), bar, c))
         summary = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
-        report["sweep"].append(
-            {"concurrency": c, "summary": summary, "requests": [asdict(r) for r in results]}
-        )
-        _print_table(f"stack ({door}), {c or 'all'} in flight", summary)
+        _print_table(f"{what} ({door}), {c or 'all'} in flight", summary)
+        return {"concurrency": c, "summary": summary, "requests": [asdict(r) for r in results]}
+
+    for c in levels:
+        report["sweep"].append(run_level(c, media=True))
+        if args.with_text_only:
+            report.setdefault("text_only_sweep", []).append(run_level(c, media=False))
     # The first level keeps the single-level report's names.
     report["stack"] = report["sweep"][0]["summary"]
     report["stack_requests"] = report["sweep"][0]["requests"]
@@ -659,7 +677,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_new_tokens} new tokens{', ignore_eos' if args.ignore_eos else ''})"
     )
     print("\n".join(sweep_table(report["sweep"])))
-    errors = sorted({e for lv in report["sweep"] for e in lv["summary"]["errors"]})
+    if args.with_text_only:
+        print("\n| ratio (text only / with media) | TTFT p50 | e2e p50 | TPOT p50 | req/s |")
+        print("|---|---|---|---|---|")
+        for with_media, alone in zip(report["sweep"], report["text_only_sweep"], strict=True):
+            m, t = with_media["summary"], alone["summary"]
+            ratios = [t[k]["p50"] / max(m[k]["p50"], 1e-9) for k in ("ttft_ms", "e2e_ms", "tpot_ms")]
+            rps = t["request_throughput_rps"] / max(m["request_throughput_rps"], 1e-9)
+            print(f"| {with_media['concurrency'] or 'all'} in flight | "
+                  + " | ".join(f"{r:.2f}x" for r in ratios) + f" | {rps:.2f}x |")
+    errors = sorted({e for lv in report["sweep"] + report.get("text_only_sweep", []) for e in lv["summary"]["errors"]})
     for e in errors:
         print(f"  error: {e}")
     if not args.no_baselines:
@@ -694,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {args.plot}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
-    return 0 if all(lv["summary"]["num_failed"] == 0 for lv in report["sweep"]) else 1
+    levels_run = report["sweep"] + report.get("text_only_sweep", [])
+    return 0 if all(lv["summary"]["num_failed"] == 0 for lv in levels_run) else 1
 
 
 if __name__ == "__main__":

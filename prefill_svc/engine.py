@@ -1,5 +1,11 @@
 """Prefill: messages + visual embeddings -> KV cache + first token. No gRPC here.
 
+A conversation without a media part comes with no media (None): its prompt is the chat template
+of its text alone, with the positions `generate()` gives text (M-RoPE families: every row the
+plain position), and it runs, batches and chunks as any prompt, with no visual rows. The
+media's options mean nothing to it: its pruning is only `kv_dtype`, as vLLM ignores a request's
+multimodal processor options when it has no media.
+
 The engine's result is the boundary's own type, `PrefillHandle` (without the cache's location,
 which the stage that stores the cache fills in), next to the cache itself."""
 
@@ -34,7 +40,7 @@ from epd.stages.contracts import (
     refuse_unsupported_pruning,
 )
 from epd.stages.errors import InvalidRequest, ResourceExhausted
-from epd.stages.messages import Message, check_messages, to_chat_template
+from epd.stages.messages import Message, check_messages, media_type, to_chat_template
 from epd.token_pruning import (
     ModelSizes,
     PruningConfig,
@@ -69,10 +75,16 @@ class PrefillEngine:
         # the stored prompt exactly, which is left for later.
         self.prefix_caching = adapter.supports_chunked_prefill and not getattr(adapter, "linear_layers", None)
 
-    def validate(self, messages: Sequence[Message], meta: VisualMeta, generation: GenerationConfig) -> None:
+    def validate(self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig) -> None:
         check_messages(messages, self.config.max_text_chars)
         check_generation_limits(generation, self.config.max_new_tokens_limit, self.adapter.vocab_size)
-        if meta.num_visual_tokens > self.config.max_prompt_tokens:
+        if bool(media_type(messages)) != (meta is not None):  # a caller other than our gateway
+            raise InvalidRequest(
+                "the messages have a video or image part but no visual tokens were sent (set visual)"
+                if meta is None else
+                "visual tokens were sent but the messages have no video or image part to place them; add one"
+            )  # fmt: skip
+        if meta is not None and meta.num_visual_tokens > self.config.max_prompt_tokens:
             raise ResourceExhausted(
                 f"{meta.num_visual_tokens} visual tokens exceed the prompt limit of "
                 f"{self.config.max_prompt_tokens}; lower max_frames, fps or max_pixels"
@@ -112,7 +124,7 @@ class PrefillEngine:
     def prepare(
         self,
         messages: Sequence[Message],
-        media: EncodedMedia,
+        media: EncodedMedia | None,
         generation: GenerationConfig,
         pruning: PruningConfig = PruningConfig(),
         request_id: str = "",
@@ -122,22 +134,27 @@ class PrefillEngine:
         """Validate the request and build its prompt: everything that can refuse it, before it
         queues (a bad request never takes a queue place). `cache_salt` (the tenant) is part of
         the prefix-cache key: KV is reused only within one salt."""
-        self.validate(messages, media.meta, generation)
+        self.validate(messages, None if media is None else media.meta, generation)
+        if media is None:  # nothing for token dropping or KV compression to act on (module docstring)
+            pruning = PruningConfig(kv_dtype=pruning.kv_dtype)
         refuse_unsupported_pruning(
             self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
         )
-        self._check_visual(media)
+        if media is not None:
+            self._check_visual(media)
+        meta = None if media is None else media.meta
         try:
             # Rendered by the model's own chat template, parts in the user's order; the media
             # part's placeholder takes the kind the encoder found in the bytes.
-            prompt = self.adapter.build_prompt(to_chat_template(messages, media.meta.modality), media.meta)
+            prompt = self.adapter.build_prompt(to_chat_template(messages, meta.modality if meta else ""), meta)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        num_visual = meta.num_visual_tokens if meta else 0
         if prompt.num_tokens > self.config.max_prompt_tokens:
             # Advice for what made it long: the media's tokens, or the conversation's text.
-            mostly_media = 2 * media.meta.num_visual_tokens >= prompt.num_tokens
+            mostly_media = 2 * num_visual >= prompt.num_tokens
             raise ResourceExhausted(
-                f"the prompt has {prompt.num_tokens} tokens ({media.meta.num_visual_tokens} of them the "
+                f"the prompt has {prompt.num_tokens} tokens ({num_visual} of them the "
                 f"media's), over the limit of {self.config.max_prompt_tokens}; "
                 + ("lower max_frames, fps or max_pixels" if mostly_media else "send a shorter conversation")
             )
@@ -150,7 +167,7 @@ class PrefillEngine:
                 "frames, or ask for fewer tokens"
             )
         exclusive = (
-            media.token_index is not None
+            (media is not None and media.token_index is not None)
             or pruning.prefill_drop
             or pruning.kv_compress
             or pruning.decode_evict
@@ -176,12 +193,16 @@ class PrefillEngine:
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
 
-    def _prefix_key(self, media: EncodedMedia, pruning: PruningConfig, cache_salt: str = "") -> tuple:
+    def _prefix_key(self, media: EncodedMedia | None, pruning: PruningConfig, cache_salt: str = "") -> tuple:
         """What makes two prompts with the same token ids have different KV: the model, the media
         as encoded (hash, grid, frames sampled, encoder pruning, and a digest of the embeddings
         themselves, so that different encodes never match) and how the cache is kept (kv_dtype);
         and whose it is (`cache_salt`, the tenant: the same video's embeddings are equal for
-        every tenant, so without it one tenant's follow-up would reuse another's KV)."""
+        every tenant, so without it one tenant's follow-up would reuse another's KV). A text-only
+        conversation's key names no media, so it never matches a media request's (whose token
+        ids differ anyway: the placeholders), and its follow-ups find it as a video's do."""
+        if media is None:
+            return (self.adapter.fingerprint, "text only", pruning.kv_dtype, cache_salt)
         digest = hashlib.sha256()
         for tensor in (media.embeds, *media.deepstack):  # ~5 ms per 7 MB
             digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
@@ -223,7 +244,7 @@ class PrefillEngine:
     def prefill(
         self,
         messages: Sequence[Message],
-        media: EncodedMedia,
+        media: EncodedMedia | None,
         generation: GenerationConfig,
         pruning: PruningConfig = PruningConfig(),
     ) -> PrefillOutput:
@@ -233,12 +254,13 @@ class PrefillEngine:
         t0 = time.perf_counter()
         if request.exclusive:
             return self.prefill_pruned(request)
-        state = self.adapter.prefill_features(_parts(request)[0], _features(media))
+        state = self.adapter.prefill_features(_parts(request)[0], self.features(request))
         return self.finish(request, state.cache, state.last_logits, (time.perf_counter() - t0) * 1e3)
 
     def prefill_pruned(self, request: PrefillRequest) -> PrefillOutput:
         """A request with token dropping or KV compression: whole and alone, as `pruned_prefill` does it."""
         prompt, media, pruning = _parts(request)
+        assert media is not None  # a text-only request is never exclusive (`prepare`)
         if media.deepstack:
             return self._prefill_kept_tokens(request)
         t0 = time.perf_counter()
@@ -264,14 +286,14 @@ class PrefillEngine:
         every kept token at its full-prompt position, and the DeepStack features' rows of the kept
         tokens (the encoder kept the same rows), run whole through `prefill_features`."""
         prompt, media, _ = _parts(request)
-        assert media.token_index is not None
+        assert media is not None and media.token_index is not None
         t0 = time.perf_counter()
         full_visual = prompt.visual_mask.nonzero().flatten()  # [V] prompt index of each placeholder
         keep = prompt_keep_indices(prompt.num_tokens, full_visual, media.token_index)  # [L'] increasing
         kept = gather_prompt(prompt.input_ids, prompt.position_ids, keep)
         kept_prompt = Prompt(kept.input_ids, kept.position_ids, prompt.visual_mask[keep])
         try:
-            state = self.adapter.prefill_features(kept_prompt, _features(media))
+            state = self.adapter.prefill_features(kept_prompt, self.features(request))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         stats = PruningStats(stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens)
@@ -300,10 +322,10 @@ class PrefillEngine:
         """The prompt's cache and last logits -> the first token and the handle decoding starts from."""
         prompt, media, pruning = _parts(request)
         if stats is None:
-            stats = PruningStats(
+            stats = PruningStats() if media is None else PruningStats(
                 stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens
             )
-        num_in = media.meta.num_visual_tokens
+        num_in = 0 if media is None else media.meta.num_visual_tokens
         if pruned is not None:
             mask, kept, kv_before, num_out = (
                 pruned.visual_entry_mask,
@@ -350,11 +372,17 @@ class PrefillEngine:
         return PrefillOutput(handle, cache)
 
 
-def _features(media: EncodedMedia) -> VisualFeatures:
-    """The media's embeddings and DeepStack features (None for families without them)."""
-    return VisualFeatures(media.embeds, list(media.deepstack) or None)
+    def features(self, request: PrefillRequest) -> VisualFeatures:
+        """The request's embeddings [V, hidden] and DeepStack features (None for families without
+        them); a text-only request's are empty ([0, hidden] each), so it runs and batches as any
+        prompt, its visual mask all False."""
+        media = request.media
+        if media is not None:
+            return VisualFeatures(media.embeds, list(media.deepstack) or None)
+        empty = torch.empty(0, self.adapter.hidden_size)
+        return VisualFeatures(empty, [empty] * self.adapter.num_deepstack_layers or None)
 
 
-def _parts(request: PrefillRequest) -> tuple[Prompt, EncodedMedia, PruningConfig]:
-    assert request.prompt is not None and request.media is not None and request.pruning is not None
+def _parts(request: PrefillRequest) -> tuple[Prompt, EncodedMedia | None, PruningConfig]:
+    assert request.prompt is not None and request.pruning is not None
     return request.prompt, request.media, request.pruning

@@ -44,19 +44,20 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
             return [(batch[0], self._run_exclusive(batch[0]))]
         rows = []
         for r in batch:
-            assert r.prompt is not None and r.media is not None
+            assert r.prompt is not None
             start = r.num_computed_tokens
             if r not in self._caches and r.prefix is not None:  # a prefix-cache hit's first step
                 self._caches[r] = self.engine.prefix_start_cache(r)
                 r.prefix = None  # the copy is made: an eviction may now free the entry
+            features = self.engine.features(r)  # a text-only request's: no rows
             rows.append(
                 PrefillChunk(
                     r.prompt,
-                    r.media.embeds,
+                    features.embeds,
                     start,
                     start + r.num_scheduled_tokens,
                     self._caches.get(r),
-                    deepstack=list(r.media.deepstack) or None,  # Qwen3-VL's, row for row
+                    deepstack=features.deepstack,  # Qwen3-VL's, row for row
                 )
             )
         results = self.adapter.prefill_chunks(rows)

@@ -59,8 +59,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise InvalidRequest("only visual_embeds messages may follow the header")
         if header is None:
             raise InvalidRequest("the stream ended before its header")
-        # "visual_embeds" and the DeepStack features the header names, one byte budget for all
-        media = convert.encoded_media_from_proto(header.visual, embeds.tensors())
+        # "visual_embeds" and the DeepStack features the header names, one byte budget for all;
+        # no `visual` at all: a text-only conversation (the engine checks its messages agree)
+        media = None
+        if header.HasField("visual"):
+            media = convert.encoded_media_from_proto(header.visual, embeds.tensors())
+        elif embeds.tensors():
+            raise InvalidRequest("visual_embeds were sent without the header's visual metadata; set visual")
         generation = convert.generation_from_proto(header.generation, GenerationConfig())
         pruning = convert.pruning_from_proto(header.pruning)
         messages = convert.messages_from_proto(header.messages)

@@ -58,7 +58,7 @@ class LocalPrefillStage(PrefillStage):
     async def prefill(
         self,
         messages: Sequence[Message],
-        media: EncodedMedia,
+        media: EncodedMedia | None,
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),

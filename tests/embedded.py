@@ -32,6 +32,11 @@ async def ask_summary(
         sampling=SamplingOptions(num_frames=num_frames),
         generation=GenerationConfig(max_new_tokens=max_new_tokens),
     )
+    return await request_summary(pipeline, request)
+
+
+async def request_summary(pipeline: Pipeline, request: AskRequest) -> AskSummary:
+    """Any request's summary (a conversation, text alone, pruning...)."""
     async for item in pipeline.ask(request):
         if isinstance(item, AskSummary):
             return item

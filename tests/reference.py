@@ -89,6 +89,17 @@ def reference_tokens_for_messages(
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
+def text_only_reference(model_dir, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """`generate(do_sample=False)` on the unsplit model, prompted by the processor itself with the
+    text alone (no images, no videos: as a Hugging Face user calls it)."""
+    model, processor = whole_model(model_dir)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
 def divergence_margin(
     model_dir: Path,
     video: DecodedVideo,

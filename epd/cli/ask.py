@@ -2,6 +2,9 @@
 ports) or against --endpoint. Both send the same messages (`epd.stages.messages`): QUESTION is one
 user message [media, QUESTION]; FILE holds the processor's chat form, parts in your order.
 
+`epd ask --no-video QUESTION` (or `--no-video --messages FILE` without a media part) is a
+text-only conversation: no media is read or sent, no encoder runs.
+
 Follow-ups: `--question Q` (repeatable, after QUESTION if given) and `--interactive` (questions
 read from stdin, one a line, until EOF or an empty line) ask in turn as one conversation: each
 turn sends the earlier questions and answers too (`epd.client.conversation.History`, the SDK's
@@ -41,11 +44,8 @@ def run_ask(args: argparse.Namespace) -> int:
     from epd.model_runtime.loader import ModelLoadError
     from epd.stages.errors import InvalidRequest
 
-    path = Path(args.video)
-    if not path.is_file():
-        print(f"epd: {_not_a_file(path)}", file=sys.stderr)
-        return 2
     try:
+        path = _media_path(args)
         messages = _messages(args)
         _check_tls_flags(args)
         if args.fps is not None and args.num_frames:  # what every door refuses (ONE_FRAME_CHOICE)
@@ -80,6 +80,21 @@ def run_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _media_path(args: argparse.Namespace) -> Path | None:
+    """VIDEO's path; None with --no-video, whose one positional is the QUESTION (moved there)."""
+    if args.no_video:
+        if args.question is not None:
+            raise ValueError("with --no-video, give the QUESTION alone (no VIDEO)")
+        args.question, args.video = args.video, None
+        return None
+    if args.video is None:
+        raise ValueError("give VIDEO, the path of a video or image (or --no-video for a text-only conversation)")
+    path = Path(args.video)
+    if not path.is_file():
+        raise ValueError(_not_a_file(path))
+    return path
+
+
 def _reader_gone() -> int:
     """Stop as a Unix tool stops when the pipe it writes to closes: quietly, with the exit status a
     shell gives a process SIGPIPE ended (Python ignores SIGPIPE, so the write raised instead: left
@@ -103,9 +118,10 @@ def _conversational(args: argparse.Namespace) -> bool:
 
 
 def _messages(args: argparse.Namespace) -> list[Message] | None:
-    """The one-shot conversation (QUESTION as [media, QUESTION], or --messages FILE, - for
-    stdin); None when the questions are asked in turn (--question / --interactive)."""
-    from epd.stages.messages import check_messages, from_chat_template, question_messages
+    """The one-shot conversation (QUESTION as [media, QUESTION], or [QUESTION] with --no-video; or
+    --messages FILE, - for stdin); None when the questions are asked in turn (--question /
+    --interactive)."""
+    from epd.stages.messages import Message, check_messages, from_chat_template, media_type, question_messages
 
     if args.messages and _conversational(args):
         raise ValueError("--messages FILE cannot be combined with --question or --interactive")
@@ -116,10 +132,15 @@ def _messages(args: argparse.Namespace) -> list[Message] | None:
     if (args.question is None) == (not args.messages):
         raise ValueError("give a QUESTION or --messages FILE (one of them)")
     if not args.messages:
-        return question_messages(args.question)
+        if args.no_video and not args.question.strip():
+            raise ValueError("the question is empty; ask something")
+        return [Message.user(args.question)] if args.no_video else question_messages(args.question)
     source = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
     messages = from_chat_template(json.loads(source))
     check_messages(messages)
+    if bool(media_type(messages)) == args.no_video:
+        raise ValueError("the messages have a video or image part: give VIDEO instead of --no-video" if args.no_video
+                         else "the messages have no video or image part: add one, or ask with --no-video")
     return messages
 
 
@@ -211,12 +232,13 @@ def _print_summary(result: AskResult) -> None:
 
 
 async def _ask_embedded(
-    args: argparse.Namespace, path: Path, messages: list[Message] | None, model: ModelConfig
+    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, model: ModelConfig
 ) -> None:
     from epd.video.media_open import sniff_container
 
-    media = path.read_bytes()
-    sniff_container(media)  # an unsupported file is refused now, before the model loads (seconds)
+    media = None if path is None else path.read_bytes()  # None: --no-video
+    if media is not None:
+        sniff_container(media)  # an unsupported file is refused now, before the model loads (seconds)
     from epd.client.conversation import History
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
@@ -233,7 +255,7 @@ async def _ask_embedded(
         if messages is not None:
             yield "", _embedded_stream(args, pipeline, media, messages)
             return
-        history = History()
+        history = History(with_media=media is not None)
         async for question in _questions(args):
             answer: list[str] = []
             yield question, _embedded_stream(args, pipeline, media, history.messages_for(question), answer)
@@ -243,7 +265,7 @@ async def _ask_embedded(
 
 
 async def _embedded_stream(
-    args: argparse.Namespace, pipeline: Pipeline, media: bytes, messages: list[Message],
+    args: argparse.Namespace, pipeline: Pipeline, media: bytes | None, messages: list[Message],
     answer: list[str] | None = None,
 ) -> AsyncIterator[StreamEvent]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
@@ -257,7 +279,7 @@ async def _embedded_stream(
 
     request = AskRequest(
         messages=messages,
-        media=MediaInput(media),
+        media=None if media is None else MediaInput(media),
         sampling=configs.sampling_options(args),
         generation=configs.generation_config(args),
         pruning=configs.pruning_config(args),
@@ -317,7 +339,7 @@ def _check_tls_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})") from None
 
 
-async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Message] | None) -> None:
+async def _ask_remote(args: argparse.Namespace, path: Path | None, messages: list[Message] | None) -> None:
     from epd.cli import configs
     from epd.client import AsyncEpdClient
 
@@ -335,7 +357,8 @@ async def _ask_remote(args: argparse.Namespace, path: Path, messages: list[Messa
             if messages is not None:
                 yield "", client.stream(path, messages=messages, **options)
                 return
-            # The SDK's conversation: the video goes up once, later turns send its sha256.
+            # The SDK's conversation: the video goes up once, later turns send its sha256 (None:
+            # --no-video, a text-only conversation).
             chat = client.conversation(path, **options)
             async for question in _questions(args):
                 yield question, chat.stream(question)

@@ -486,7 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     ask = sub.add_parser("ask", help="ask a question about a video or image")
-    ask.add_argument("video", help="path of a video (MP4, MKV, WebM, MOV, AVI) or image")
+    ask.add_argument("video", nargs="?", default=None,
+                     help="path of a video (MP4, MKV, WebM, MOV, AVI) or image; with --no-video, the question")
+    ask.add_argument("--no-video", action="store_true",
+                     help="a text-only conversation, no media: `epd ask --no-video QUESTION` (or --messages FILE "
+                          "without a video or image part); no encoder runs")
     ask.add_argument("question", nargs="?", default=None,
                      help="the question (one user message: the media, then this text); with --question "
                           "or --interactive, the conversation's first question")
@@ -499,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--messages", default="", metavar="FILE",
                      help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
                           '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
-                          "roles system/user/assistant, parts in your order, one video or image part")
+                          "roles system/user/assistant, parts in your order, one video or image part (none with --no-video)")
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),

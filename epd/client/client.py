@@ -50,7 +50,7 @@ from epd.client.types import (
     result_from_proto,
     stage_event_from_proto,
 )
-from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template
+from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import messages_to_proto
 from epd.transport.status_metadata import retry_after_in
@@ -325,7 +325,9 @@ class AsyncEpdClient:
         """Yields `StageEvent`s and `TokenDelta`s as they happen, then one `AskResult`.
 
         video: a path, bytes or binary file object; None with `media_sha256` to reuse media the
-        servers have seen (NOT_FOUND when they have not). Options: see `build_header`.
+        servers have seen (NOT_FOUND when they have not); None without it for a text-only
+        conversation (the question alone, or messages without a media part: no encoder call, as
+        vLLM answers text on a vision-language model). Options: see `build_header`.
         Leaving early (`aclose()`, or `async with contextlib.aclosing(...)` around a loop that
         breaks) cancels the call on the server."""
         events: list[StageEvent] = []
@@ -366,8 +368,8 @@ class AsyncEpdClient:
                     return item
         raise EpdError(grpc.StatusCode.INTERNAL, "the stream ended without a summary")
 
-    def conversation(self, video: Media, *, system: str = "", **options) -> AsyncConversation:
-        """A conversation about `video`: each `await conv.ask(question)` sends the history (the
+    def conversation(self, video: Media | None, *, system: str = "", **options) -> AsyncConversation:
+        """A conversation about `video` (None: about text alone): each `await conv.ask(question)` sends the history (the
         video and first question, the earlier answers, then the new question) and appends its
         answer. `options` are `ask`'s (`timeout_s` included), for every turn; `system`: an
         optional system message first. See `epd.client.conversation`.
@@ -417,9 +419,14 @@ class AsyncEpdClient:
         if video is not None:
             source = MediaSource(video, self.chunk_bytes)
         elif not media_sha256:
-            raise ValueError(
-                "pass a video (path, bytes or file object) or the media_sha256 of one the server has"
-            )
+            if question is not None:  # no media: the question alone, a text-only conversation
+                messages = [Message.user(question)]
+                question = None
+            elif messages is not None and media_type(conversation(messages)):
+                raise ValueError(
+                    "the messages have a video or image part: pass the video (path, bytes or file object) "
+                    "or the media_sha256 of one the server has"
+                )
         header = build_header(
             question,
             source.num_bytes if source else 0,
@@ -547,7 +554,7 @@ class EpdClient:
         """See `AsyncEpdClient.ask`; `messages=[...]` instead of a question for a conversation."""
         return self._run(self._client.ask(video, question, **options))
 
-    def conversation(self, video: Media, *, system: str = "", **options) -> Conversation:
+    def conversation(self, video: Media | None, *, system: str = "", **options) -> Conversation:
         """A conversation about `video` (see `AsyncEpdClient.conversation`):
 
             chat = client.conversation("clip.mp4", num_frames=8)

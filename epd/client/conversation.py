@@ -1,4 +1,5 @@
-"""A conversation about one video or image: follow-up questions that see the earlier answers.
+"""A conversation about one video or image (or about text alone: `conversation(None)`): follow-up
+questions that see the earlier answers.
 
     with EpdClient("127.0.0.1:50050") as client:
         chat = client.conversation("clip.mp4", num_frames=8, max_new_tokens=32)
@@ -49,8 +50,10 @@ class History:
     """The messages of a conversation about one media, without any I/O (the CLI's embedded mode
     uses it too, so both modes send the same conversation)."""
 
-    def __init__(self, system: str = "") -> None:
+    def __init__(self, system: str = "", with_media: bool = True) -> None:
         self.system = system
+        self.with_media = with_media
+        """False: a text-only conversation, no turn has a media part."""
         self._messages: list[Message] = []
 
     @property
@@ -66,8 +69,8 @@ class History:
         """What a turn asking `question` sends: the history, then the question; the first user
         turn carries the media part before the question, as `ask(video, question)` does."""
         if not isinstance(question, str) or not question.strip():
-            raise ValueError("the question is empty; ask something about the video")
-        first = not any(m.role == "user" for m in self._messages)
+            raise ValueError("the question is empty; ask something" + (" about the video" if self.with_media else ""))
+        first = self.with_media and not any(m.role == "user" for m in self._messages)
         prefix = [Message.system(self.system)] if self.system and not self._messages else []
         turn = Message.user(VIDEO, question) if first else Message.user(question)
         return [*prefix, *self._messages, turn]
@@ -88,12 +91,13 @@ class AsyncConversation:
     yields and appends when the `AskResult` arrives. A turn that fails (or a stream left early)
     leaves the history as it was. Overrides replace the conversation's options for one turn."""
 
-    def __init__(self, client: AsyncEpdClient, video: Media, *, system: str = "", **options: Any) -> None:
+    def __init__(self, client: AsyncEpdClient, video: Media | None, *, system: str = "", **options: Any) -> None:
         self._client = client
-        self._media = MediaSource(video, client.chunk_bytes)  # hashed once, streamed per upload
+        # Hashed once, streamed per upload; None: a text-only conversation (nothing to upload).
+        self._media = None if video is None else MediaSource(video, client.chunk_bytes)
         self._uploaded = False
         self._busy = False
-        self._history = History(system)
+        self._history = History(system, with_media=video is not None)
         self._results: list[AskResult] = []
         self.options = options
         """The keyword options of every turn (see `build_header`), `timeout_s` included."""
@@ -110,7 +114,8 @@ class AsyncConversation:
 
     @property
     def media_sha256(self) -> str:
-        return self._media.sha256
+        """The media's sha256; "" in a text-only conversation."""
+        return "" if self._media is None else self._media.sha256
 
     def reset(self) -> None:
         """Forget the turns; keep the media (the servers may still have it) and the options."""
@@ -136,7 +141,7 @@ class AsyncConversation:
         try:
             # aclosing: a consumer that leaves this stream early closes the client's stream now,
             # which cancels the call on the server.
-            if self._uploaded:
+            if self._uploaded or self._media is None:  # by hash, or text alone: no upload
                 try:
                     async with aclosing(self._turn(None, messages, deadline, options)) as items:
                         async for item in items:
@@ -146,7 +151,7 @@ class AsyncConversation:
                     return
                 except EpdError as exc:
                     # By hash first: NOT_FOUND comes before any token, so uploading now is safe.
-                    if exc.code != grpc.StatusCode.NOT_FOUND:
+                    if exc.code != grpc.StatusCode.NOT_FOUND or self._media is None:
                         raise
             async with aclosing(self._turn(self._media, messages, deadline, options)) as items:
                 async for item in items:
@@ -170,7 +175,7 @@ class AsyncConversation:
         return self._client.stream(
             media,
             messages=messages,
-            media_sha256="" if media is not None else self._media.sha256,
+            media_sha256="" if media is not None else self.media_sha256,
             timeout_s=max(0.0, deadline - time.monotonic()),
             **options,
         )

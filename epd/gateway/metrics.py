@@ -26,6 +26,7 @@ from prometheus_client import (
 from epd.gateway.engine_load import LOAD_TIMEOUT_S, EngineLoadCollector, sources_of
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.stages.contracts import StageEvent, TokenStep
+from epd.stages.messages import media_type
 from epd.stages.names import Stage
 from epd.transport.errors import status_of
 
@@ -81,7 +82,7 @@ class GatewayMetrics:
         )
         self.visual_tokens = Histogram(
             "epd_request_visual_tokens",
-            "Visual tokens kept per request (after token dropping).",
+            "Visual tokens kept per request with media (after token dropping); text-only requests are not counted.",
             buckets=_VISUAL_TOKEN_BUCKETS,
             registry=r,
         )
@@ -117,13 +118,16 @@ class GatewayMetrics:
         await self.engine_load.refresh()
         return generate_latest(self.registry)
 
-    async def track(self, events: AsyncIterator[PipelineEvent]) -> AsyncGenerator[PipelineEvent, None]:
-        """Pass a pipeline run's events through, recording its metrics."""
+    async def track(
+        self, events: AsyncIterator[PipelineEvent], with_media: bool = True
+    ) -> AsyncGenerator[PipelineEvent, None]:
+        """Pass a pipeline run's events through, recording its metrics. `with_media` False: a
+        text-only request, which never waits for the encoder and has no visual tokens to count."""
         t0 = time.perf_counter()
         t_first: float | None = None
         answered = False
         status = "OK"
-        stage = "encoder"  # the first stage a request waits for
+        stage = "encoder" if with_media else "prefill"  # the first stage a request waits for
         self.in_flight.inc()
         self.stage_queue.labels(stage=stage).inc()
         try:
@@ -139,7 +143,7 @@ class GatewayMetrics:
                         t_first = time.perf_counter()
                         self.ttft.observe(t_first - t0)
                     elif isinstance(item, AskSummary):
-                        self._observe_summary(item, t0, t_first)
+                        self._observe_summary(item, t0, t_first, with_media)
                         answered = True
                     yield item
         except (asyncio.CancelledError, GeneratorExit):
@@ -155,14 +159,14 @@ class GatewayMetrics:
             self.in_flight.dec()
             self.requests.labels(status=status).inc()
 
-    def _observe_summary(self, summary: AskSummary, t0: float, t_first: float | None) -> None:
+    def _observe_summary(self, summary: AskSummary, t0: float, t_first: float | None, with_media: bool) -> None:
         t_end = time.perf_counter()
         self.e2e.observe(t_end - t0)
         num_tokens = len(summary.token_ids)
         if t_first is not None and num_tokens > 1:
             self.tpot.observe((t_end - t_first) / (num_tokens - 1))
-        kept = len(summary.kept_visual_token_index) or summary.num_visual_tokens
-        self.visual_tokens.observe(kept)
+        if with_media:  # the histogram is of media requests' tokens: a text-only one is not a 0 there
+            self.visual_tokens.observe(len(summary.kept_visual_token_index) or summary.num_visual_tokens)
         self.prompt_tokens.inc(summary.num_prompt_tokens)
         self.generation_tokens.inc(num_tokens)
         self.transfer_bytes.inc(summary.pruning.transfer_bytes)
@@ -194,6 +198,6 @@ class MeteredPipeline(Pipeline):
         metrics.engine_load.add_sources(sources_of(stages))
 
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
-        async with aclosing(self.metrics.track(super().ask(req))) as events:
+        async with aclosing(self.metrics.track(super().ask(req), bool(media_type(req.messages)))) as events:
             async for item in events:
                 yield item

@@ -3,8 +3,11 @@
 A request is a conversation: system, user and assistant messages (earlier turns are history),
 the last one the user's, whose content is a string or a list of `text`, `video_url` and
 `image_url` parts. The parts keep the client's order: [text, video_url] is rendered text first,
-exactly as the model's chat template renders it (`epd.stages.messages`). Exactly one `video_url`
-or `image_url` part per request, in a user message. Generation options are OpenAI's own fields (max_completion_tokens or
+exactly as the model's chat template renders it (`epd.stages.messages`). At most one `video_url`
+or `image_url` part per request, in a user message; with none, the conversation is text alone
+(vLLM's answer to a health check's "ping" or a title request: no encoder call, and "media" and
+"pruning" are checked but have nothing to act on, as vLLM ignores its multimodal options
+without media; `kv_dtype` still narrows the KV cache). Generation options are OpenAI's own fields (max_completion_tokens or
 max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias) plus
 vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
 `include_stop_str_in_output`, with vLLM's meanings; frame sampling goes in
@@ -204,9 +207,10 @@ class ChatRequest:
 
     model: str
     messages: list[Message]
-    """The conversation in the client's part order; its one media part is `media_url`'s place."""
+    """The conversation in the client's part order; its media part, if any, is `media_url`'s place."""
     media_url: str
-    modality: str  # "video" | "image": which content part carried the URL
+    """"" when the conversation has no media part (text alone: the encoder is not called)."""
+    modality: str  # "video" | "image": which content part carried the URL; "" without one
     sampling: SamplingOptions
     generation: GenerationConfig
     stream: bool
@@ -308,7 +312,8 @@ def _pruning(value: Any) -> PruningConfig:
 def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     """OpenAI messages -> (the conversation, the media URL, "video" | "image"). Roles system, user
     and assistant; content a string or a list of text / video_url / image_url parts, kept in the
-    client's order; exactly one media part, in a user message, and the last message the user's.
+    client's order; at most one media part, in a user message (none: text alone, URL and kind ""),
+    and the last message the user's.
     An earlier turn's `tool_calls` are refused (this server has no tools), not dropped."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
@@ -363,8 +368,8 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
             f"the messages have {len(media)} video_url / image_url parts; at most one video or image per "
             "request is supported (the encoder encodes one media per request): send one"
         )
-    if not media:
-        raise InvalidRequest("the messages must have exactly one video_url or image_url part (in a user message), got 0")
+    if not media:  # a text-only conversation, as vLLM answers one on a vision-language model
+        return out, "", ""
     return out, media[0][0], media[0][1]
 
 

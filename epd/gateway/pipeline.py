@@ -1,4 +1,6 @@
-"""One conversation about one video or image through Encode -> Prefill -> Decode, as a stream of events.
+"""One conversation about one video or image (or about text alone) through Encode -> Prefill ->
+Decode, as a stream of events. A conversation without a media part never calls the encoder:
+prefill renders its text alone and decode goes on as for any other request.
 
 Written against the stage contracts only: the same code runs the embedded mode (local stages)
 and the gateway of the disaggregated stack (remote stages).
@@ -41,7 +43,7 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
-from epd.stages.messages import Message, check_messages
+from epd.stages.messages import Message, check_messages, media_type
 from epd.stages.names import TOTAL, TTFT, Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport import tracing
@@ -53,9 +55,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class AskRequest:
     messages: list[Message]
-    """The conversation (`epd.stages.messages`), parts in the user's order, exactly one media
+    """The conversation (`epd.stages.messages`), parts in the user's order, at most one media
     part; `question_messages(q)` is 0.1's single question, [media, q]."""
-    media: MediaInput
+    media: MediaInput | None = None
+    """The media of the messages' media part; None (or nothing in it) when they have none."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     request_id: str = ""
@@ -115,6 +118,7 @@ class Pipeline:
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
+        check_media_sent(req)
         try:  # before the request is sent on (a stop list of megabytes would be too large for one
             # message) and before the media costs an encode: the stages' default bounds (each
             # checks its own too)
@@ -137,14 +141,17 @@ class Pipeline:
         def elapsed_ms() -> float:
             return (time.perf_counter() - t0) * 1e3
 
-        media = await self.encoder.encode(
-            req.media, req.sampling, emit, request_id, req.pruning, req.cache_salt
-        )
-        timings[Stage.VIDEO_DECODE.value] = media.decode_ms
-        timings[Stage.ENCODE.value] = media.encode_ms
-        # The request's transfer_bytes, hop by hop as the remote stages count them (0 in one
-        # process): encoder -> gateway here, each prefill call's, then the decoder's KV pull.
-        transfer_bytes = media.pruning.transfer_bytes
+        media: EncodedMedia | None = None
+        transfer_bytes = 0
+        if media_type(req.messages):  # text alone: no encoder call at all
+            media = await self.encoder.encode(
+                req.media or MediaInput(b""), req.sampling, emit, request_id, req.pruning, req.cache_salt
+            )
+            timings[Stage.VIDEO_DECODE.value] = media.decode_ms
+            timings[Stage.ENCODE.value] = media.encode_ms
+            # The request's transfer_bytes, hop by hop as the remote stages count them (0 in one
+            # process): encoder -> gateway here, each prefill call's, then the decoder's KV pull.
+            transfer_bytes = media.pruning.transfer_bytes
 
         # Prefill, then decode. If the prefill replica that holds the KV cache is lost before any
         # decoder has it (KvSourceLost, no decoder step sent to the client yet), prefill again,
@@ -236,23 +243,23 @@ class Pipeline:
             answer="".join(text_parts),
             token_ids=token_ids,
             finish_reason=finish_reason,
-            num_frames=media.num_frames,
-            num_visual_tokens=media.meta.num_visual_tokens,
+            num_frames=media.num_frames if media else 0,
+            num_visual_tokens=media.meta.num_visual_tokens if media else 0,
             num_prompt_tokens=handle.num_prompt_tokens,
             timings_ms=timings,
             kv_num_bytes=handle.kv_num_bytes,
-            encoder_cache_hit=media.cache_hit,
-            media_sha256=media.sha256,
-            frame_timestamps_s=media.frame_timestamps_s,
+            encoder_cache_hit=media.cache_hit if media else False,
+            media_sha256=media.sha256 if media else "",
+            frame_timestamps_s=media.frame_timestamps_s if media else [],
             pruning=pruning,
-            grid_thw=media.meta.grid_thw,
+            grid_thw=media.meta.grid_thw if media else (0, 0, 0),
             kept_visual_token_index=handle.kept_visual_token_index or (
-                [] if media.token_index is None else media.token_index.tolist()
+                [] if media is None or media.token_index is None else media.token_index.tolist()
             ),
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
         )
 
-    async def _prefill(self, req: AskRequest, media: EncodedMedia, request_id: str) -> PrefillHandle:
+    async def _prefill(self, req: AskRequest, media: EncodedMedia | None, request_id: str) -> PrefillHandle:
         """Prefill's handle. The call runs in a task of its own: a cancel that lands as it completes
         (the answer is in, this task not yet resumed) would lose the handle with this task, and
         its cache would stay stored until --kv-ttl; so the call's outcome is released instead.
@@ -321,6 +328,18 @@ class Pipeline:
         _in_flight.add(release)
         release.add_done_callback(_release_done(request_id))
         await asyncio.wait([release])  # unlike await, neither raises its error nor cancels it
+
+
+def check_media_sent(req: AskRequest) -> None:
+    """Media sent without a media part to place it (gRPC bytes or a sha256 beside text-only
+    messages) is refused, not silently dropped: the client meant the model to see it. A media
+    part with nothing sent goes to the encoder, which refuses the empty upload."""
+    sent = req.media is not None and bool(req.media.data or req.media.sha256)
+    if sent and not media_type(req.messages):
+        raise InvalidRequest(
+            "the request sends media but no message has a video or image part to place it; add one "
+            "(a {\"type\": \"video\"} part in a user message, or use the question form), or send no media"
+        )
 
 
 def _after_sent(step: TokenStep, sent: TokenStep) -> TokenStep | None:

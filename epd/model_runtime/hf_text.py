@@ -44,6 +44,7 @@ class HfTextAdapter(VLMAdapter):
     parts: frozenset[str]
     hf_config: Any
     tokenizer: Any
+    processor: Any  # the family's transformers processor (its chat template and placeholders)
     model: Any
     visual: Any
 
@@ -106,6 +107,24 @@ class HfTextAdapter(VLMAdapter):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- prefill -----------------------------------------------------------------------------
+
+    def _text_only_prompt(self, conversation: list[dict[str, Any]]) -> Prompt:
+        """`build_prompt` of a conversation without a media part: the processor's own template of
+        its text, tokenised as the processor's __call__ tokenises it, and the positions generate()
+        gives a prompt without grids (`_prepare_position_ids_for_generation` then skips
+        get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
+        proc = self.processor
+        placeholders = (proc.video_token, proc.image_token)
+        if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
+            raise ValueError("a text part contains the model's visual placeholder token; remove it")
+        text = proc.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        if any(token in text for token in placeholders):  # a template that adds media of its own
+            raise ValueError("the chat template rendered a visual placeholder for a conversation without media; "
+                             "add the video or image part")
+        input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
+        length = input_ids.shape[1]
+        positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
+        return Prompt(input_ids, positions, torch.zeros(length, dtype=torch.bool))
 
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual

@@ -198,7 +198,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+        if visual is None:
+            return self._text_only_prompt(conversation)
         proc = self.processor
         if any(
             token in part.get("text", "")
@@ -212,7 +214,7 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         if text.count(pad) != 1 or text.count(proc.video_token) + text.count(proc.image_token) != 1:
             raise ValueError(
                 f"the chat template rendered {text.count(pad)} {visual.modality} placeholders; "
-                "send exactly one video or image part"
+                "send at most one video or image part per request"
             )
         # Expanded by the processor's own code, as its __call__ does.
         t, h, w = visual.grid_thw

@@ -132,7 +132,9 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+        if visual is None:
+            return self._text_only_prompt(conversation)
         # The processor's own template renders the parts in order (no separator between text parts,
         # earlier turns as it renders them); we only expand the one placeholder, as its __call__ does.
         text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
@@ -147,7 +149,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
         visual_mask = input_ids[0] == pad_id
         if int(visual_mask.sum()) != num_tokens:
             raise ValueError(f"the chat template rendered {text.count(pad) - num_tokens + 1} {visual.modality} "
-                             "placeholders; send exactly one video or image part")
+                             "placeholders; send at most one video or image part per request")
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:

@@ -173,7 +173,7 @@ class Qwen3_5Adapter(HfTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
         # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
         return Qwen3VLAdapter.build_prompt(self, conversation, visual)  # type: ignore[arg-type]
 

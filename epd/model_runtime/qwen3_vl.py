@@ -218,7 +218,9 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta) -> Prompt:
+    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+        if visual is None:
+            return self._text_only_prompt(conversation)
         proc = self.processor
         if any(
             token in part.get("text", "")
@@ -232,7 +234,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
         if text.count(pad) != 1:
             raise ValueError(
                 f"the chat template rendered {text.count(pad)} {visual.modality} placeholders; "
-                "send exactly one video or image part"
+                "send at most one video or image part per request"
             )
         # Expanded by the processor's own code, as its __call__ does (timestamps included).
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)

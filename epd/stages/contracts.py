@@ -1,7 +1,7 @@
 """The three stage boundaries, as small abstract classes with their contracts.
 
     EncodeStage.encode(MediaInput, SamplingOptions, ..., PruningConfig)   -> EncodedMedia
-    PrefillStage.prefill(messages, EncodedMedia, GenerationConfig, ..., PruningConfig) -> PrefillHandle
+    PrefillStage.prefill(messages, EncodedMedia | None, GenerationConfig, ..., PruningConfig) -> PrefillHandle
     DecodeStage.generate(PrefillHandle, GenerationConfig, ..., PruningConfig) -> async iter of TokenStep
 
 Every stage takes the request's PruningConfig; with its default (all off) the stages are exact.
@@ -392,14 +392,15 @@ class PrefillStage(ABC):
     async def prefill(
         self,
         messages: Sequence[Message],
-        media: EncodedMedia,
+        media: EncodedMedia | None,
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
     ) -> PrefillHandle:
-        """Render `messages` (`epd.stages.messages`: one media part, the user's message last) with
-        the model's chat template around `media` and run the prompt; the KV cache stays with the
+        """Render `messages` (`epd.stages.messages`: at most one media part, the user's message
+        last) with the model's chat template around `media` and run the prompt (`media` None: the
+        messages have no media part, and the prompt is their text alone, without visual tokens); the KV cache stays with the
         stage until a decoder takes it (or its TTL passes). Cancelled before it returns, the stage
         stores no cache. `cache_salt` (the tenant) is part of the prefix-cache key: a prompt reuses
         only KV that a request of the same salt stored."""

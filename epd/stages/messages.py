@@ -11,9 +11,12 @@ the model's own chat template, exactly as `processor.apply_chat_template` render
      Message.assistant("a circle"), Message.user("what colour?")]             # earlier turns
 
 A media part ("video" / "image") marks where the request's media goes; the media itself travels
-beside the messages (uploaded bytes, a URL, a sha256). For now a request carries exactly one media
-part (the encoder encodes one media per request). Its placeholder takes the kind the encoder found
-in the bytes: a "video" part whose bytes are a PNG is rendered as an image, as 0.1 did.
+beside the messages (uploaded bytes, a URL, a sha256). A request carries at most one media part
+(the encoder encodes one media per request), or none: a text-only conversation ("hello", a
+client's health ping, a title to generate) skips the encoder and is rendered as the template
+renders text alone, as vLLM and SGLang answer it on a vision-language model. The media part's
+placeholder takes the kind the encoder found in the bytes: a "video" part whose bytes are a PNG is
+rendered as an image, as 0.1 did.
 """
 
 from __future__ import annotations
@@ -96,13 +99,14 @@ def num_text_chars(messages: Sequence[Message]) -> int:
 
 def check_messages(messages: Sequence[Message], max_text_chars: int | None = None) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
-    answer: known roles and part types, text only in text parts, exactly one media part (in a
-    user message), the last message the user's, at most MAX_PARTS parts and `max_text_chars` of
+    answer: known roles and part types, text only in text parts, at most one media part (in a
+    user message; none: a text-only conversation), the last message the user's, at most MAX_PARTS parts and `max_text_chars` of
     text. A message may be the media alone, with no text at all (as in vLLM and OpenAI's API: the
     model then answers the video as its chat template frames it; the text-guided prefill drop then
     scores the visual tokens by the template's own tokens after the video)."""
     if not messages:
-        raise InvalidRequest("the request has no messages; send a user message with a video and a question")
+        raise InvalidRequest("the request has no messages; send a user message (with a video or image and a "
+                             "question, or text alone)")
     if (num_parts := sum(len(m.parts) for m in messages)) > MAX_PARTS:
         raise InvalidRequest(f"the messages have {num_parts} content parts; the limit is {MAX_PARTS}: send a "
                              "shorter conversation (or join its texts)")
@@ -125,13 +129,11 @@ def check_messages(messages: Sequence[Message], max_text_chars: int | None = Non
                         f"messages[{i}] is a {m.role} message with a {p.type} part; media go in user messages"
                     )
                 media += 1
-    if media != 1:
+    if media > 1:
         raise InvalidRequest(
-            f"the messages have {media} video or image parts; "
-            + ("add one where the media goes" if media == 0 else
-               "at most one video or image per request is supported (the encoder encodes one media "
-               "per request): send one")
-        )  # fmt: skip
+            f"the messages have {media} video or image parts; at most one video or image per request is "
+            "supported (the encoder encodes one media per request): send one"
+        )
     if messages[-1].role != "user":
         raise InvalidRequest(
             f"the last message is the {messages[-1].role}'s; end with the user's message (the answer is "

@@ -350,7 +350,7 @@ class RemotePrefillStage(PrefillStage):
     async def prefill(
         self,
         messages: Sequence[Message],
-        media: EncodedMedia,
+        media: EncodedMedia | None,
         generation: GenerationConfig,
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
@@ -366,15 +366,16 @@ class RemotePrefillStage(PrefillStage):
                 header=prefill_pb2.PrefillHeader(
                     request_id=request_id,
                     messages=convert.messages_to_proto(messages),
-                    visual=convert.encode_result_to_proto(media),
+                    visual=None if media is None else convert.encode_result_to_proto(media),  # unset: text alone
                     generation=convert.generation_to_proto(generation),
                     pruning=convert.pruning_to_proto(pruning),
                     cache_salt=cache_salt,
                     kv_handle=kv_handle,
                 )
             )
-            for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
-                yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
+            if media is not None:
+                for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
+                    yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
         async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> prefill_pb2.PrefillResult:
             stub = prefill_pb2_grpc.PrefillServiceStub(channel)
@@ -387,14 +388,16 @@ class RemotePrefillStage(PrefillStage):
                 release.add_done_callback(_released_after_cancel(request_id))
                 raise
 
-        # The replica whose prefix cache holds this video's conversation (rendezvous on its sha256).
-        result = await self.pool.call(media.sha256, attempt, "prefill", request_id, self.timeout_s)
+        # The replica whose prefix cache holds this video's conversation (rendezvous on its sha256);
+        # a text-only conversation has no key: the least loaded replica.
+        result = await self.pool.call(media.sha256 if media else "", attempt, "prefill", request_id, self.timeout_s)
         handle = convert.handle_from_proto(result, relay=True)
         # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill
         # (sent whole, prefix-cache hit or not: prefill hashes them for its key), and the
         # visual-entry mask (decode eviction only) prefill -> gateway, then gateway -> decode in
         # the GenerateRequest.
-        handle.pruning.transfer_bytes = convert.encoded_media_num_bytes(media) + 2 * len(result.visual_entry_mask)
+        media_num_bytes = convert.encoded_media_num_bytes(media) if media else 0
+        handle.pruning.transfer_bytes = media_num_bytes + 2 * len(result.visual_entry_mask)
         return handle
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:

@@ -121,3 +121,33 @@ def test_bench_serve_openai_sweep(shared_stack, media_files, tmp_path):
             assert r["num_output_tokens"] == 4 and len(r["itl_ms"]) == 3 and r["num_prompt_tokens"] > 0
             assert 0 < r["ttft_ms"] <= r["e2e_ms"]
     assert "OpenAI API" in proc.stdout
+
+
+@pytest.mark.parametrize("door", ["grpc", "openai"])
+def test_bench_serve_with_text_only_runs_the_questions_alone_too(shared_stack, tmp_path, door):
+    """`--with-text-only`: each level again without the media (no encoder call: no video_decode
+    time on the gRPC door, fewer prompt tokens on the OpenAI one), and the ratio table."""
+    import numpy as np
+    from PIL import Image
+
+    # Bytes no other test sends, so the encoder's token cache does not serve the first request.
+    image = tmp_path / "unseen.png"
+    Image.fromarray(np.random.default_rng(8).integers(0, 256, (64, 80, 3), dtype=np.uint8)).save(image)
+    out = tmp_path / "text_only.json"
+    front = ["--endpoint", shared_stack.gateway] if door == "grpc" else [
+        "--openai", f"http://127.0.0.1:{shared_stack.http_port}"]  # fmt: skip
+    proc = _sweep([*front, "--videos", str(image), "--num-requests", "2", "--concurrency", "1",
+                   "--num-frames", "4", "--max-new-tokens", "4", "--ignore-eos", "--no-baselines",
+                   "--with-text-only", "--output-json", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (with_media,), (alone,) = report["sweep"], report["text_only_sweep"]
+    assert alone["summary"]["num_failed"] == 0 and alone["summary"]["num_output_tokens"] == 2 * 4
+    if door == "grpc":
+        assert any(r["server_timings"]["video_decode_ms"] > 0 for r in with_media["requests"])
+        assert all(r["server_timings"]["video_decode_ms"] == 0 == r["server_timings"]["encode_ms"]
+                   for r in alone["requests"])  # fmt: skip
+    else:
+        assert max(r["num_prompt_tokens"] for r in alone["requests"]) < min(
+            r["num_prompt_tokens"] for r in with_media["requests"])  # fmt: skip
+    assert "| ratio (text only / with media) | TTFT p50 |" in proc.stdout

@@ -325,3 +325,28 @@ def test_ask_messages_cannot_be_combined_with_turns(media_files, tmp_path):
     path.write_text("[]")
     proc = run_epd("ask", str(media_files["mp4"]), "--messages", str(path), "--question", QUESTION)
     assert proc.returncode == 2 and "cannot be combined" in proc.stderr
+
+
+def test_ask_no_video_is_a_text_only_conversation(tiny_models, tmp_path):
+    """`epd ask --no-video QUESTION`: the question alone (no encoder: no video_decode or encode
+    time), generate()'s tokens on it; with --question, a text-only conversation whose second turn
+    reuses the first's prompt. Mixing it with a VIDEO or a media part is refused, saying what to change."""
+    from tests.reference import text_only_reference
+
+    model = str(tiny_models["qwen2_vl"])
+    proc = run_epd_forked("ask", "--no-video", "hello, who are you?", "--question", "and then?", "--model", model,
+                          "--max-new-tokens", "12", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    first, second = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    question = [{"role": "user", "content": [{"type": "text", "text": "hello, who are you?"}]}]
+    assert first["token_ids"] == text_only_reference(tiny_models["qwen2_vl"], question, 12)
+    assert first["num_visual_tokens"] == 0 and first["timings_ms"]["encode"] == 0.0
+    assert first["timings_ms"]["video_decode"] == 0.0 and second["num_reused_prompt_tokens"] > 0
+    with_media = tmp_path / "messages.json"
+    with_media.write_text(json.dumps([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}]))
+    for args, says in ((["--no-video", "samples/sample.mp4", QUESTION], "give the QUESTION alone"),
+                       ([QUESTION.replace(" ", "_")], "no such file"),
+                       (["--messages", str(with_media)], "give VIDEO, the path of a video or image"),
+                       (["--no-video", "--messages", str(with_media)], "give VIDEO instead of --no-video")):
+        refused = run_epd_forked("ask", *args, "--model", model)
+        assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)

@@ -244,8 +244,10 @@ def test_bad_parameters_get_their_status(client, media_files):
             messages=video_message("data:video/mp4;base64," + base64.b64encode(b"not a video" * 50).decode()),
             stream=True,
         )
-    with pytest.raises(openai.BadRequestError, match="exactly one video_url or image_url"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}])
+    content = video_message(url)[0]["content"]  # [text, video_url]
+    two = [{"role": "user", "content": [*content, content[1]]}]
+    with pytest.raises(openai.BadRequestError, match="at most one video or image per request"):
+        client.chat.completions.create(model=MODEL, messages=two)
 
 
 def _get(port: int, path: str) -> tuple[int, str]:

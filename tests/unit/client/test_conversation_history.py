@@ -37,6 +37,15 @@ def test_a_system_message_goes_first_once():
     ]  # fmt: skip
 
 
+def test_a_text_only_history_has_no_media_part():
+    history = History(system="answer briefly", with_media=False)
+    history.add("name a colour", "red")
+    turn = history.messages_for("another?")
+    assert turn == [Message.system("answer briefly"), Message.user("name a colour"), Message.assistant("red"),
+                    Message.user("another?")]  # fmt: skip
+    check_messages(turn)
+
+
 def test_an_empty_question_is_refused_before_any_call():
     with pytest.raises(ValueError, match="the question is empty"):
         History().messages_for("  ")

@@ -45,7 +45,6 @@ def test_the_wire_form_round_trips():
     [
         ([], "no messages"),
         ([Message.user(VIDEO, "a", IMAGE)], "2 video or image parts; at most one video or image per request"),
-        ([Message.user("no media")], "0 video or image parts; add one"),
         ([Message.user(VIDEO, "q"), Message.assistant("a")], "end with the user's message"),
         ([Message("bot", (VIDEO,))], "role 'bot'"),
         ([Message("assistant", (VIDEO,)), Message.user("q")], "media go in user messages"),
@@ -54,6 +53,21 @@ def test_the_wire_form_round_trips():
 def test_check_messages_says_what_to_change(messages, match):
     with pytest.raises(InvalidRequest, match=match):
         check_messages(messages)
+
+
+def test_a_conversation_may_have_no_media_but_never_two_nor_media_outside_a_user_message():
+    """Text alone (a "hello", a health ping, a title request) is a conversation, as vLLM answers
+    one on a vision-language model; a second media part and media in a system or assistant
+    message are refused, saying what to change."""
+    check_messages([Message.user("hello")])
+    check_messages([Message.system("be brief"), Message.user("hi"), Message.assistant("hello"), Message.user("?")])
+    with pytest.raises(InvalidRequest, match=r"2 video or image parts; at most one video or image per request is "
+                                             r"supported \(the encoder encodes one media per request\): send one"):
+        check_messages([Message.user(VIDEO, "compare"), Message.assistant("ok"), Message.user(IMAGE, "with this")])
+    for role in ("system", "assistant"):
+        with pytest.raises(InvalidRequest, match=f"messages\\[0\\] is a {role} message with a video part; "
+                                                 "media go in user messages"):
+            check_messages([Message(role, (VIDEO,)), Message.user("q")])
 
 
 def test_a_conversation_may_be_the_media_alone_but_a_question_may_not_be_blank():

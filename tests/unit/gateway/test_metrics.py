@@ -169,3 +169,24 @@ def test_stage_queue_gauges_follow_a_request():
     assert all(metrics.value("epd_stage_requests", stage=s) == 0 for s in ("encoder", "prefill", "decode"))
     assert 'epd_stage_requests{stage="decode"} 0.0' in metrics.render()
     assert "epd_request_visual_tokens_sum 2.0" in metrics.render()
+
+
+def test_a_text_only_request_waits_for_prefill_first_and_is_not_a_zero_visual_token_request():
+    metrics = GatewayMetrics()
+    seen = []
+
+    async def events():
+        seen.append(metrics.value("epd_stage_requests", stage="prefill"))
+        yield StageEvent(Stage.PREFILL, "started")
+        yield StageEvent(Stage.PREFILL, "finished")
+        yield TokenStep([5], "a")
+        yield AskSummary("r", "a", [5], "stop", 0, 0, 9, {}, 0, False, "", [])
+
+    async def run():
+        async for _ in metrics.track(events(), with_media=False):
+            pass
+
+    asyncio.run(run())
+    assert seen == [1] and metrics.value("epd_stage_requests", stage="encoder") == 0
+    assert metrics.value("epd_request_visual_tokens_count") == 0
+    assert metrics.value("epd_requests_total", status="OK") == 1 and metrics.value("epd_prompt_tokens_total") == 9

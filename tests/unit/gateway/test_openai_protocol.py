@@ -54,6 +54,17 @@ def test_defaults_and_options():
     assert parse(body(max_completion_tokens=7, max_tokens=5)).generation.max_new_tokens == 7
 
 
+def test_a_conversation_without_media_is_text_alone():
+    """A string content and no media part (LiteLLM's health check, a client's "hello"): no URL,
+    no modality; the media and pruning options are still checked."""
+    req = parse({"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "ping"}],
+                 "media": {"num_frames": 4}, "pruning": {"preset": "balanced"}})  # fmt: skip
+    assert (req.messages, req.media_url, req.modality) == ([Message.system("be brief"), Message.user("ping")], "", "")
+    with pytest.raises(InvalidRequest, match="unknown media options"):
+        parse({"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "media": {"frames": 4}})
+
+
 def test_image_part_and_string_url():
     b = body()
     b["messages"][0]["content"][1] = {"type": "image_url", "image_url": "data:y"}
@@ -65,11 +76,6 @@ def test_image_part_and_string_url():
     "change,match",
     [
         ({"messages": []}, "non-empty list"),
-        (
-            {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]},
-            "exactly one video_url or image_url",
-        ),
-        ({"messages": [{"role": "user", "content": "no media here"}]}, "exactly one video_url or image_url"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "roles must be system, user, assistant"),
         (
             {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}},

@@ -1,0 +1,334 @@
+"""Conversations without a video or image (a client's "hello", LiteLLM's health ping, Open WebUI's
+title request), as vLLM and SGLang answer them on a vision-language model: no encoder call, the
+prompt the chat template renders from the text alone, and tokens equal to
+`model.generate(do_sample=False)` on the unsplit model for every family, in one process and
+through the real stack's HTTP and gRPC doors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import grpc
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from epd.client import EpdClient, EpdError, Message
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest, AskSummary
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from epd.stages.contracts import MediaInput
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import from_chat_template
+from epd.token_pruning import PruningConfig
+from epd.video.types import SamplingOptions
+from tests.embedded import request_summary
+from tests.families import build_qwen3_vl_moe_checkpoint, qwen_processor_inputs
+from tests.reference import decode_for_test, reference_tokens_for_messages, text_only_reference, whole_model
+
+MAX_NEW_TOKENS = 12
+NUM_FRAMES = 4
+
+# The processor's chat form: what the reference model's template and generate() see.
+CONVERSATIONS = {
+    "system_and_text": [
+        {"role": "system", "content": [{"type": "text", "text": "answer briefly"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hello, who are you?"}]},
+    ],
+    "multi_turn": [
+        {"role": "system", "content": [{"type": "text", "text": "answer briefly"}]},
+        {"role": "user", "content": [{"type": "text", "text": "name a colour"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+        {"role": "user", "content": [{"type": "text", "text": "and another one?"}]},
+    ],
+}
+# A conversation whose first turn is text alone and whose later turn brings the video.
+VIDEO_LATER = [
+    {"role": "user", "content": [{"type": "text", "text": "I will show you a clip"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "ok, send it"}]},
+    {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]},
+]
+
+
+def video_reference(family: str, model_dir, video, messages: list[dict]) -> list[int]:
+    """`generate(do_sample=False)` on `messages` with the video, its frames given to the
+    processor as each family's adapter tests give them (Qwen3-style processors: the source's
+    fps and frame indices, for the `<t seconds>` text; LLaVA-OneVision: the frames as they are)."""
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        return reference_tokens_for_messages(model_dir, video, messages, MAX_NEW_TOKENS)
+    model, processor = whole_model(model_dir)
+    if family == "llava_onevision":
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[text], videos=[video.frames], return_tensors="pt",
+                           videos_kwargs={"do_sample_frames": False})  # fmt: skip
+    else:
+        inputs = qwen_processor_inputs(processor, video, messages=messages)
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+async def _summary(pipeline, messages: list[dict], media: MediaInput | None = None, **options) -> AskSummary:
+    sampling, generation = SamplingOptions(num_frames=NUM_FRAMES), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS)
+    request = AskRequest(from_chat_template(messages), media, sampling, generation, **options)
+    return await request_summary(pipeline, request)
+
+
+def summary(pipeline, messages: list[dict], media: MediaInput | None = None, **options) -> AskSummary:
+    return asyncio.run(_summary(pipeline, messages, media, **options))
+
+
+# -- every family, in one process ---------------------------------------------------------------
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_models, tmp_path_factory):
+    """conftest's two Qwen2 families and the others built here (as their adapter tests do)."""
+    root = tmp_path_factory.mktemp("text_only_models")
+    out = dict(tiny_models)
+    for family in ("qwen3_vl", "qwen3_5", "llava_onevision"):
+        out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
+    out["qwen3_vl_moe"] = build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe")
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_only_conversations_equal_generate_in_every_family(checkpoints, media_files, family):
+    """A system message and a question; a multi-turn text-only history; then a conversation
+    whose first turn was text alone and whose last brings the video. The encoder is not called
+    for the first two (no video_decode or encode timing, no media in the answer)."""
+    path = checkpoints[family]
+    with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+        for name, messages in CONVERSATIONS.items():
+            got = summary(pipeline, messages)
+            want = text_only_reference(path, messages, MAX_NEW_TOKENS)
+            assert len(set(want)) > 2, f"{name}: the tiny model repeats one token; the comparison would prove little"
+            assert got.token_ids == want, name
+            assert got.num_visual_tokens == 0 and got.num_frames == 0 and got.media_sha256 == ""
+            assert not got.encoder_cache_hit and got.grid_thw == (0, 0, 0)
+            assert "encode" not in got.timings_ms and "video_decode" not in got.timings_ms
+            assert got.num_prompt_tokens > 0
+        video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+        later = summary(pipeline, VIDEO_LATER, MediaInput(media_files["mp4"].read_bytes()))
+        assert later.token_ids == video_reference(family, path, video, VIDEO_LATER)
+        assert later.num_visual_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_text_only_and_media_requests_batched_together_each_equal_generate(checkpoints, media_files, family):
+    """A text-only prompt (no visual rows; for Qwen3-VL, empty DeepStack features) in the same
+    prefill and decode batches as media prompts: each answers as it does alone."""
+    path = checkpoints[family]
+    video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+    media_messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+    data = media_files["mp4"].read_bytes()
+    with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+
+        async def run():
+            return await asyncio.gather(
+                _summary(pipeline, media_messages, MediaInput(data)),
+                _summary(pipeline, CONVERSATIONS["system_and_text"]),
+                _summary(pipeline, CONVERSATIONS["multi_turn"]),
+            )
+
+        with_media, text, multi = asyncio.run(run())
+    assert with_media.token_ids == video_reference(family, path, video, media_messages)
+    assert text.token_ids == text_only_reference(path, CONVERSATIONS["system_and_text"], MAX_NEW_TOKENS)
+    assert multi.token_ids == text_only_reference(path, CONVERSATIONS["multi_turn"], MAX_NEW_TOKENS)
+
+
+def test_media_options_and_pruning_have_nothing_to_act_on_without_media(checkpoints):
+    """As vLLM ignores multimodal processor options on a request without media: frame sampling
+    and every token-dropping stage (a preset a Qwen3-VL media request is refused) leave a
+    text-only answer as it was; the prefill drop and KV compression do not run on zero tokens."""
+    messages = CONVERSATIONS["system_and_text"]
+    for family, preset in (("qwen2_vl", "aggressive"), ("qwen3_vl", "balanced")):
+        path = checkpoints[family]
+        want = text_only_reference(path, messages, MAX_NEW_TOKENS)
+        with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+            got = summary(pipeline, messages, pruning=PruningConfig.from_preset(preset))
+            assert got.token_ids == want, family
+            assert got.pruning.stages == [] and got.kept_visual_token_index == []
+            # Prefill's own rule, for a caller other than the gateway (its PrefillService):
+            # nothing runs whole and alone, only kv_dtype is kept.
+            prepared = pipeline.prefill.engine.prepare(
+                from_chat_template(messages), None, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+                PruningConfig.from_preset(preset, kv_dtype="bfloat16"),
+            )  # fmt: skip
+            assert not prepared.exclusive and prepared.pruning == PruningConfig(kv_dtype="bfloat16")
+
+
+def test_media_without_a_part_to_place_it_is_refused(tiny_models, media_files):
+    """Bytes (or a sha256) beside text-only messages: refused, not silently dropped."""
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        for media in (MediaInput(media_files["mp4"].read_bytes()), MediaInput(None, "ab" * 32)):
+            with pytest.raises(InvalidRequest, match="no message has a video or image part"):
+                summary(pipeline, CONVERSATIONS["system_and_text"], media)
+        # A media part with nothing sent: the encoder's own refusal of an empty upload.
+        with pytest.raises(Exception, match="empty"):
+            summary(pipeline, VIDEO_LATER, None)
+
+
+def test_prefill_service_takes_a_header_without_visual_and_refuses_what_disagrees(tiny_models, media_files):
+    """PrefillService.Prefill (the servicer in this process, a stand-in for its RPC context): a
+    header without `visual` is a text-only prompt; media messages without `visual`, and tensor
+    chunks without it, are INVALID_ARGUMENT saying what to change."""
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.prefill_svc.servicer import PrefillServicer
+    from epd.transport import convert
+    from epd.v1 import prefill_pb2
+
+    class Context:
+        def __init__(self) -> None:
+            self.status: tuple[grpc.StatusCode, str] | None = None
+
+        def add_done_callback(self, callback) -> None:
+            pass
+
+        async def abort(self, code, message, trailing_metadata=()):
+            self.status = (code, message)
+            raise RuntimeError("aborted")
+
+    generation = convert.generation_to_proto(GenerationConfig(max_new_tokens=MAX_NEW_TOKENS))
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        servicer = PrefillServicer(PrefillConfig(), pipeline.prefill.kv_store)
+        servicer.stage = pipeline.prefill
+        media = asyncio.run(pipeline.encoder.encode(MediaInput(media_files["png"].read_bytes()), SamplingOptions(),
+                                                    lambda event: None, "chunks"))  # fmt: skip
+
+        def call(messages: list[dict], chunks=()) -> tuple[prefill_pb2.PrefillResult | None, Context]:
+            header = prefill_pb2.PrefillHeader(request_id="t", messages=convert.messages_to_proto(
+                from_chat_template(messages)), generation=generation)  # fmt: skip
+
+            async def requests():
+                yield prefill_pb2.PrefillRequest(header=header)
+                for chunk in chunks:
+                    yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
+
+            context = Context()
+            try:
+                return asyncio.run(servicer.Prefill(requests(), context)), context
+            except RuntimeError:
+                return None, context
+
+        result, _ = call(CONVERSATIONS["system_and_text"])
+        assert result is not None and result.num_prompt_tokens > 0 and result.num_visual_tokens_in == 0
+        pipeline.prefill.kv_store.release(result.kv_handle)
+        _, context = call(VIDEO_LATER)
+        assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "the messages have a video or image part but "
+                                  "no visual tokens were sent (set visual)")  # fmt: skip
+        _, context = call(CONVERSATIONS["system_and_text"], list(convert.encoded_media_chunks(media)))
+        assert context.status is not None and context.status[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert "visual_embeds were sent without the header's visual metadata" in context.status[1]
+
+
+# -- the prefix cache ----------------------------------------------------------------------------
+
+
+def test_a_text_only_follow_up_reuses_its_history_and_never_a_media_entry(tiny_models, media_files):
+    path = tiny_models["qwen2_vl"]
+    with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+        first = CONVERSATIONS["multi_turn"][:2]
+        one = summary(pipeline, first)
+        assert one.num_reused_prompt_tokens == 0
+        follow_up = [*first, {"role": "assistant", "content": [{"type": "text", "text": one.answer}]},
+                     {"role": "user", "content": [{"type": "text", "text": "and another one?"}]}]
+        two = summary(pipeline, follow_up)
+        # The whole first prompt is reused (its answer's tokens follow it in the second).
+        assert one.num_prompt_tokens <= two.num_reused_prompt_tokens < two.num_prompt_tokens
+        assert two.token_ids == text_only_reference(path, follow_up, MAX_NEW_TOKENS)
+
+        # The same text as a media request's, then as text alone: two entries, and the text-only
+        # request reuses nothing of the media request's (nor, below, the media one of it).
+        prefix_cache = pipeline.prefill.engine.prefix_cache
+        prefix_cache.clear()
+        text = {"type": "text", "text": "what colour is the moving square?"}
+        with_media = summary(pipeline, [{"role": "user", "content": [text, {"type": "video"}]}],
+                             MediaInput(media_files["mp4"].read_bytes()))
+        alone = summary(pipeline, [{"role": "user", "content": [text]}])
+        assert with_media.num_reused_prompt_tokens == 0 and alone.num_reused_prompt_tokens == 0
+        assert prefix_cache.stats().num_entries == 2
+        again = summary(pipeline, [{"role": "user", "content": [text, {"type": "video"}]}],
+                        MediaInput(media_files["mp4"].read_bytes()))
+        assert again.num_reused_prompt_tokens > 0 and again.token_ids == with_media.token_ids
+
+
+# -- the real stack: HTTP and gRPC ---------------------------------------------------------------
+
+
+def _steps_by_stage(http_port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "epd_engine_steps_total":
+                out[sample.labels["stage"]] = out.get(sample.labels["stage"], 0.0) + sample.value
+    return out
+
+
+def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stack, tiny_models):
+    messages = CONVERSATIONS["system_and_text"]
+    want = text_only_reference(tiny_models["qwen2_vl"], messages, MAX_NEW_TOKENS)
+    before = _steps_by_stage(shared_stack.http_port)
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0)
+    openai_messages = [{"role": "system", "content": "answer briefly"},
+                       {"role": "user", "content": "hello, who are you?"}]  # fmt: skip
+    # What LiteLLM's health check sends: a string content, no media at all.
+    reply = http.chat.completions.create(model="epd", messages=openai_messages, max_tokens=MAX_NEW_TOKENS,
+                                         extra_body={"media": {"num_frames": NUM_FRAMES}})  # ignored: no media
+    epd = reply.model_extra["epd"]
+    assert epd["token_ids"] == want
+    assert epd["num_visual_tokens"] == 0 and epd["media_sha256"] == "" and not epd["encoder_cache_hit"]
+    assert epd["timings_ms"].get("encode", 0.0) == 0.0 and epd["timings_ms"].get("video_decode", 0.0) == 0.0
+    assert reply.usage is not None and reply.usage.prompt_tokens == epd["num_prompt_tokens"]
+
+    stream = http.chat.completions.create(model="epd", messages=openai_messages, max_tokens=MAX_NEW_TOKENS,
+                                          stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    assert [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids") or []] == want
+
+    with EpdClient(shared_stack.gateway, timeout_s=120) as client:
+        result = client.ask(None, messages=[Message.system("answer briefly"), Message.user("hello, who are you?")],
+                            max_new_tokens=MAX_NEW_TOKENS, num_frames=NUM_FRAMES)
+        assert result.token_ids == want
+        assert result.timings_ms.encode_ms == 0.0 and result.timings_ms.video_decode_ms == 0.0
+        assert result.media_num_bytes_sent == 0 and result.num_visual_tokens == 0
+        # The question form without a video: the question alone.
+        alone = client.ask(None, "hello, who are you?", max_new_tokens=MAX_NEW_TOKENS)
+        assert alone.token_ids == text_only_reference(
+            tiny_models["qwen2_vl"], [{"role": "user", "content": [{"type": "text", "text": "hello, who are you?"}]}],
+            MAX_NEW_TOKENS,
+        )
+        # A text-only conversation through the SDK: the follow-up reuses the first turn's prompt.
+        chat = client.conversation(None, max_new_tokens=MAX_NEW_TOKENS)
+        chat.ask("name a colour")
+        second = chat.ask("and another one?")
+        assert second.num_reused_prompt_tokens > 0
+        # Media bytes beside messages without a media part: INVALID_ARGUMENT, saying what to change.
+        with pytest.raises(EpdError, match="no message has a video or image part") as info:
+            client.ask(b"\x00" * 64, messages=[Message.user("hello")])
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    after = _steps_by_stage(shared_stack.http_port)
+    assert after["encoder"] == before["encoder"], "a text-only request called the encoder"
+    assert after["prefill"] > before["prefill"] and after["decode"] > before["decode"]
+
+
+def test_a_raw_http_body_without_media_answers(shared_stack):
+    """The smallest body a client sends (no max_tokens, no options): 200 with an answer."""
+    body = json.dumps({"model": "epd", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{shared_stack.http_port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        answer = json.loads(resp.read())
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    assert answer["usage"]["completion_tokens"] >= 1
