@@ -322,11 +322,14 @@ def test_a_resolved_address_is_checked_against_the_name_unless_the_operator_name
     assert not by_ip  # the IP alone fails the check: the name is what makes it pass
 
 
-def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_the_name(tls_files):
+@pytest.mark.parametrize("pod_left_dns", [False, True])
+def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_the_name(tls_files, pod_left_dns):
     """The gateway releases a KV cache no decoder took at the address its prefill pod advertised,
     the pod's IP: where that IP is a replica resolved from `dns:///NAME`, the certificate is
     checked against NAME (before, only an operator's --tls-server-name made the release pass, and
-    without it the cache stayed until --kv-ttl)."""
+    without it the cache stayed until --kv-ttl). Also once the pod has left NAME's answer (a
+    draining pod keeps its caches), which the k8s-tls overlay's --tls-server-name on the gateway
+    covered, at the price of checking every stage's pods against prefill's name."""
     released: list[str] = []
 
     async def release_kv(request: prefill_pb2.ReleaseKvRequest, context) -> prefill_pb2.ReleaseKvResult:
@@ -345,7 +348,13 @@ def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_th
         pool = ReplicaPool([f"dns:///stage.epd.test:{hs.port}"])
         stage = RemotePrefillStage(pool, timeout_s=5)
         try:
-            await ReplicaUpdater({"prefill": pool}, lookup=FakeDns(**{"stage.epd.test": ["127.0.0.1"]})).refresh()
+            dns = FakeDns(**{"stage.epd.test": ["127.0.0.1"]})
+            updater = ReplicaUpdater({"prefill": pool}, lookup=dns)
+            await updater.refresh()
+            if pod_left_dns:
+                dns.answers["stage.epd.test"] = ["127.0.0.2"]
+                await updater.refresh()
+                assert pool.addresses == [f"127.0.0.2:{hs.port}"]
             handle = PrefillHandle(first_token_id=0, num_prompt_tokens=1, num_cached_tokens=1,
                                    next_position_ids=[1, 1, 1, 1], kv_num_bytes=0, prefill_ms=0.0,
                                    kv_handle="h1", kv_address=f"127.0.0.1:{hs.port}")  # fmt: skip
