@@ -113,27 +113,27 @@ def _with_secret(details: grpc.aio.ClientCallDetails, secrets: InternalSecrets) 
 
 class _Secret:
     def __init__(self, secrets: InternalSecrets) -> None:
-        self.secret = secrets  # InternalSecrets: `presented` read per call
+        self.secrets = secrets  # `presented` read per call
 
 
 class _SecretUnaryUnary(_Secret, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_secret(client_call_details, self.secret), request)
+        return await continuation(_with_secret(client_call_details, self.secrets), request)
 
 
 class _SecretUnaryStream(_Secret, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_secret(client_call_details, self.secret), request)
+        return await continuation(_with_secret(client_call_details, self.secrets), request)
 
 
 class _SecretStreamUnary(_Secret, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_secret(client_call_details, self.secret), request_iterator)
+        return await continuation(_with_secret(client_call_details, self.secrets), request_iterator)
 
 
 class _SecretStreamStream(_Secret, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_secret(client_call_details, self.secret), request_iterator)
+        return await continuation(_with_secret(client_call_details, self.secrets), request_iterator)
 
 
 def stage_channel(
