@@ -310,11 +310,8 @@ class EncoderEngine:
         tenant, as in the token cache's key: the decoders' keyframe-index caches are per tenant
         too, since a hit there shortens the decode time the client is told."""
         group_size = self.config.frames_per_group or (1 << 30)
-        if self.config.decode_backend == "decord":
-            with self._decord_lock:
-                if self._decord is None:
-                    self._decord = DecordDecoder()
-            whole = self._decord.decode(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
+        if (decord := self._decord_for(data, sha256, sampling, cache_salt)) is not None:
+            whole = decord.decode(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
             step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
             return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
         stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
@@ -329,6 +326,18 @@ class EncoderEngine:
                                        stream.source_fps, stream.is_image)
 
         return stream, groups()
+
+    def _decord_for(self, data: bytes, sha256: str, sampling: SamplingOptions, cache_salt: str) -> DecordDecoder | None:
+        """The decord backend when it decodes this request (`decode_backend="decord"`), else None
+        (PyAV). decord reads HEVC from the first frame (it cannot seek in it): a request that PyAV's
+        seeking decodes with fewer frames is PyAV's (`DecordDecoder.hands_over`)."""
+        if self.config.decode_backend != "decord":
+            return None
+        with self._decord_lock:
+            if self._decord is None:
+                self._decord = DecordDecoder(index_cache=self.decoder.index_cache)
+        hand_over = self._decord.hands_over(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
+        return None if hand_over else self._decord
 
     def _merged_step(self, whole: DecodedVideo, group_size: int) -> int:
         """Frames per group of a video decoded whole: groups merged within the config's bounds."""

@@ -31,8 +31,10 @@ Measured identical to PyAV (tests/unit/video/test_decord_backend.py) for H.264 (
 (WebM), MJPEG (AVI) and HEVC, rotation included (decord applies the display matrix itself), and
 with decord2 for AV1 and MPEG-4 Part 2 too (decord 0.6 cannot open AV1, and its MPEG-4 Part 2
 decoder differs from FFmpeg 8's by +-1 in some pixels). After a seek in an HEVC stream decord
-(both) returns the frame after the one asked for, so HEVC frames are read in order from the first
-(`_NO_SEEK_CODECS`; the budget counts those frames). With `max_pixels`, decord decodes at the
+(both) returns the frame after the one asked for (its keyframe table is off by one, and a target
+on a keyframe comes back one late), so HEVC frames are read in order from the first
+(`_NO_SEEK_CODECS`; the budget counts those frames), and a request that would decode more that way
+than by seeking is handed to the PyAV backend (`hands_over`), which seeks exactly. With `max_pixels`, decord decodes at the
 source size and the parent
 downscales the upright RGB frames with swscale (`simple_decoder.downscale_rgb`): same shapes as
 PyAV's, pixels within rounding of them (PyAV scales the YUV frame before turning it). decord's own
@@ -198,9 +200,11 @@ def _read_frames(reader, positions: list[int], buf, seek: bool) -> tuple[int, in
 class DecordDecoder:
     """`decode(data, opts, limits) -> DecodedVideo` through decord in a killable child process."""
 
-    def __init__(self, config: DecordConfig | None = None):
+    def __init__(self, config: DecordConfig | None = None, index_cache: KeyframeIndexCache | None = None):
+        """`index_cache`: share the PyAV decoder's, so that a request handed over to it
+        (`hands_over`) costs no second demux pass."""
         self.config = config or DecordConfig()
-        self.index_cache = KeyframeIndexCache()
+        self.index_cache = index_cache or KeyframeIndexCache()
         self._lock = threading.Lock()  # one request at a time per child
         self._proc: mp.process.BaseProcess | None = None
         self._conn: Any = None  # multiprocessing Connection to the child
@@ -224,6 +228,27 @@ class DecordDecoder:
         if self._conn is not None:
             self._conn.close()
         self._proc, self._conn = None, None
+
+    def hands_over(
+        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(), sha256: str | None = None,
+        cache_salt: str = "",
+    ) -> bool:
+        """Whether this request is the PyAV backend's to decode: a video decord cannot seek in
+        (HEVC, `_NO_SEEK_CODECS`) whose frames read in order from the first would be more than
+        those from each target's keyframe, which PyAV seeks to exactly (the same frames: tests/unit/
+        video/test_decord_backend.py). Read in order, a long HEVC video asked about near its end
+        decoded it all: past --max-decoded-pixels (refused) or --max-decode-s where PyAV decodes a
+        few GOPs. Images and other codecs stay with decord. Errors of the demux pass (MediaError,
+        MediaLimitError) are the request's, as in `decode`."""
+        opts.validate(limits.max_frames)
+        if sniff_container(data).is_image:
+            return False
+        index = self.index_cache.get_or_build(data, limits, sha256, cache_salt=cache_salt)
+        if index.codec_name not in _NO_SEEK_CODECS:
+            return False
+        chosen_s, _ = select_frames(index.frames, opts)
+        distinct = np.unique(np.searchsorted(index.frames.pts_s, chosen_s))  # [U] frame positions
+        return _planned_frames(index, distinct, seek=True) < _planned_frames(index, distinct, seek=False)
 
     def decode(
         self,
@@ -320,14 +345,19 @@ class DecordDecoder:
         self.close()
 
 
+def _planned_frames(index, positions: np.ndarray, seek: bool) -> int:
+    """Frames decoded to reach `positions` ([U] ascending): from each target's keyframe to the
+    target with `seek`, else every frame from the first."""
+    if not seek:
+        return int(positions[-1]) + 1
+    targets = index.frame_pts[positions]
+    return sum(iv.num_decode_frames for iv in make_intervals(index.frame_pts, index.keyframe_pts, targets))
+
+
 def _check_planned_pixels(index, positions: np.ndarray, limits: DecodeLimits, seek: bool) -> None:
     """The decoded-pixel budget, from the plan: decord decodes from each target's keyframe to the
     target (at least; it is not charged while it runs), or from the first frame without `seek`."""
-    targets = index.frame_pts[positions]
-    if seek:
-        planned = sum(iv.num_decode_frames for iv in make_intervals(index.frame_pts, index.keyframe_pts, targets))
-    else:
-        planned = int(positions[-1]) + 1
+    planned = _planned_frames(index, positions, seek)
     if planned * max(index.width * index.height, MIN_PIXELS_PER_FRAME) > limits.max_decoded_pixels:
         raise MediaLimitError(
             f"decoding this request would take {planned} frames of {index.width}x{index.height}, over "

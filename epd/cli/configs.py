@@ -103,7 +103,8 @@ def transport_security(args: argparse.Namespace) -> TransportSecurity:
     return TransportSecurity(tls_cert=getattr(args, "tls_cert", ""), tls_key=getattr(args, "tls_key", ""),
                              tls_client_ca=getattr(args, "tls_client_ca", ""), tls_ca=getattr(args, "tls_ca", ""),
                              tls_server_name=getattr(args, "tls_server_name", ""),
-                             internal_secret=secrets[0] if secrets else "", previous_internal_secrets=secrets[1:])
+                             internal_secret=secrets[0] if secrets else "", previous_internal_secrets=secrets[1:],
+                             internal_secret_file=getattr(args, "internal_secret_file", "") if secrets else "")
 
 
 def health_security(args: argparse.Namespace) -> TransportSecurity:

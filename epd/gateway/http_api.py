@@ -91,6 +91,7 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.names import Stage
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
+from epd.transport.internal_secrets import internal_secrets
 from epd.transport.security import server_ssl_context
 from epd.transport.server import CUT_MARGIN_S
 
@@ -321,7 +322,7 @@ class HttpApi:
                     bool(self.config.http.api_keys),
                     bearer_token([("authorization", request.headers.get("Authorization", ""))]),
                     chat.cache_salt,
-                    self.config.server.security.internal_secret,
+                    internal_secrets(self.config.server.security).presented,
                 ),
             )
             events = self.pipeline.ask(ask)

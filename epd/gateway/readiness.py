@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig
+from epd.transport.aio_cancel import cancelled_by_grpc
 from epd.transport.remote_stages import ReplicaPool
 from epd.transport.security import stage_channel
 from epd.transport.server import RECONNECT_OPTIONS, HealthyServer, channel_options
@@ -121,6 +122,13 @@ class StageHealth:
                 health_pb2.HealthCheckRequest(), timeout=self.timeout_s
             )
         except grpc.aio.AioRpcError:
+            return False
+        except asyncio.CancelledError:
+            # The replica left the pool during the check (a lookup, a reloaded replica file) and
+            # its channel closed under the call: grpc.aio cancels it. Let through, it ended the
+            # watch's task, and the gateway's health stayed as it was for good.
+            if not cancelled_by_grpc():
+                raise
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 

@@ -28,8 +28,10 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
@@ -46,6 +48,8 @@ from epd.transport.remote_stages import ReplicaPool
 log = logging.getLogger(__name__)
 
 STAGES = ("encoder", "prefill", "decode")
+T = TypeVar("T")
+
 POLL_INTERVAL_S = 1.0
 """How often the file's modification time is looked at (a stat: cheap)."""
 
@@ -134,9 +138,13 @@ class ReplicaUpdater:
         self.apply()
 
     async def run(self, interval_s: float) -> None:
-        """Look every name up every `interval_s` (0: a name found is not looked up again), and the
-        names not found yet every PENDING_RETRY_S, until cancelled."""
+        """Look the names never looked up yet up at once (at start-up: all of them), then every
+        name every `interval_s` (0: a name found is not looked up again), and the names not found
+        yet every PENDING_RETRY_S, until cancelled."""
         loop = asyncio.get_running_loop()
+        if never := self.sets.never_looked_up():
+            await self.resolve(never)
+            self.apply()
         due = loop.time() + interval_s
         while True:
             await asyncio.sleep(min(interval_s, PENDING_RETRY_S) if interval_s > 0 else PENDING_RETRY_S)
@@ -154,7 +162,7 @@ async def look_up(sets: ReplicaSets, names: list[DnsName], lookup: Lookup = geta
 
     async def one(name: DnsName) -> list[str] | OSError:
         try:
-            return list(await asyncio.to_thread(lookup, name.host, name.port))
+            return list(await in_daemon_thread(lookup, name.host, name.port))
         except OSError as exc:  # socket.gaierror included
             return exc
 
@@ -162,6 +170,34 @@ async def look_up(sets: ReplicaSets, names: list[DnsName], lookup: Lookup = geta
     for name, found in zip(names, outcomes):
         if (change := sets.record(name, found)) is not None:
             log.warning("%s", change)  # WARNING, the default level: a stage's replicas may depend on it
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a daemon thread of its own. Not asyncio.to_thread: the executor's threads are
+    joined when the loop and the interpreter end, so a getaddrinfo hung on an unreachable DNS
+    server held a stopping gateway up until the lookup gave up (tens of seconds, past the
+    orchestrator's grace). Cancelling the await leaves the thread to finish alone."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: T | BaseException) -> None:
+        if not future.done():
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def work() -> None:
+        outcome: T | BaseException
+        try:
+            outcome = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task, whatever it is
+            outcome = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=work, name=f"epd-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future
 
 
 class ReplicaListWatcher:
@@ -202,8 +238,10 @@ class ReplicaListWatcher:
     def changed(self) -> bool:
         return self._stamp() != self._seen
 
-    async def run(self, install_sighup: bool = True) -> None:
-        """Poll the file (and wait for SIGHUP) until cancelled."""
+    async def run(self, install_sighup: bool = True, reload_first: bool = False) -> None:
+        """Poll the file (and wait for SIGHUP) until cancelled; `reload_first`: apply the file as
+        it is now first (once SIGHUP reloads rather than stops: the lookups of the names it adds
+        may take a while)."""
         stop_listening: Callable[[], object] | None = None
         if install_sighup:
             loop = asyncio.get_running_loop()
@@ -215,6 +253,8 @@ class ReplicaListWatcher:
                 stop_listening = lambda: loop.add_signal_handler(  # noqa: E731
                     signal.SIGHUP, log.info, "SIGHUP while stopping: the replica file is not re-read")
         try:
+            if reload_first:
+                await self.reload()
             while True:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._hup.wait(), self.poll_interval_s)

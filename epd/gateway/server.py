@@ -11,7 +11,7 @@ import logging
 
 from epd.gateway.admission import Admission
 from epd.gateway.config import GatewayConfig, open_without_key
-from epd.gateway.dns_replicas import ReplicaSets
+from epd.gateway.dns_replicas import Lookup, ReplicaSets, getaddrinfo_lookup
 from epd.gateway.engine_load import watch_loads
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
@@ -20,7 +20,6 @@ from epd.gateway.replica_list import (
     ReplicaFileError,
     ReplicaListWatcher,
     ReplicaUpdater,
-    look_up,
     read_replicas,
 )
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
@@ -50,17 +49,9 @@ def stage_addresses(config: GatewayConfig) -> dict[str, tuple[str, ...]]:
     return addresses
 
 
-async def resolved_replicas(config: GatewayConfig) -> ReplicaSets:
-    """The stages' replica lists at start, each `dns:///` name looked up (`epd.gateway.dns_replicas`).
-    ReplicaFileError when the replica file is unusable."""
-    sets = ReplicaSets(stage_addresses(config))
-    await look_up(sets, sets.names())
-    return sets
-
-
 def remote_pipeline(config: GatewayConfig, replicas: ReplicaSets | None = None) -> Pipeline:
     """Stages calling the replicas of `replicas` (default: the configured lists, `dns:///` names
-    not looked up yet: `start` does that before it serves)."""
+    not looked up yet: `start` has them looked up once it serves)."""
     t = config.stage_timeout_s
     replicas = replicas or ReplicaSets(stage_addresses(config))
 
@@ -93,9 +84,12 @@ async def start(
     admission: Admission | None = None,
     health: StageHealth | InProcessHealth | None = None,
     replicas: ReplicaSets | None = None,
+    lookup: Lookup = getaddrinfo_lookup,
 ) -> HealthyServer:
-    """`replicas`: what `pipeline`'s pools were built from (`resolved_replicas`); default: their
-    lists as they are, `dns:///` names looked up here."""
+    """`replicas`: what `pipeline`'s pools were built from; default: their lists as they are.
+    `dns:///` names not looked up yet are looked up in the background (`lookup`) once the server
+    serves: a slow or unreachable DNS server must not keep the gateway from answering its health
+    checks (NOT_SERVING until every stage has a replica serving)."""
     pipeline = pipeline or remote_pipeline(config)
     servicer = GatewayServicer(config, pipeline, admission)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
@@ -118,15 +112,14 @@ async def start(
     # replica file when there is one; the last two change the lists through one ReplicaUpdater.
     if pools and config.routing == "affinity":
         hs.background_tasks.append(asyncio.ensure_future(watch_loads(pools, config.load_refresh_interval_s)))
+    # Both begin with what start-up left undone, off the start: the lookups of the names (`run`)
+    # and the file as it is now (`reload_first`: it may have changed since the pools were built).
     if pools:
-        updater = ReplicaUpdater(pools, replicas)
-        if replicas is None:
-            await updater.refresh()
+        updater = ReplicaUpdater(pools, replicas, lookup)
         hs.background_tasks.append(asyncio.ensure_future(updater.run(config.dns_refresh_interval_s)))
         if config.replicas_file:
             watcher = ReplicaListWatcher(config.replicas_file, updater, config.replicas_poll_interval_s)
-            await watcher.reload()  # the file as it is now (it may have changed since the pools were built)
-            hs.background_tasks.append(asyncio.ensure_future(watcher.run()))
+            hs.background_tasks.append(asyncio.ensure_future(watcher.run(reload_first=True)))
     return hs
 
 
@@ -140,7 +133,9 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
     signals = StopSignals()  # first: a signal while the servers start stops them cleanly
     metrics = GatewayMetrics()
     try:
-        replicas = None if local is not None else await resolved_replicas(config)
+        # The names as written: `start` looks them up once it serves (a hung DNS server kept the
+        # gateway from binding, and so from answering its probes, for as long as the lookup took).
+        replicas = None if local is not None else ReplicaSets(stage_addresses(config))
     except ReplicaFileError as exc:
         raise SystemExit(f"epd serve gateway: {exc}") from None
     stages = local or remote_pipeline(config, replicas)

@@ -18,6 +18,7 @@ from epd.stages.names import Stage, timings_with_legacy_names
 from epd.transport import convert, tracing
 from epd.transport.auth import bearer_token, request_cache_salt
 from epd.transport.errors import rpc_errors
+from epd.transport.internal_secrets import internal_secrets
 from epd.transport.server import CUT_MARGIN_S
 from epd.transport.upload import drain, media_input, read_header, read_media
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -76,7 +77,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     bool(self.config.http.api_keys),
                     bearer_token(context.invocation_metadata()),
                     check_cache_salt(header.cache_salt),
-                    self.config.server.security.internal_secret,
+                    internal_secrets(self.config.server.security).presented,
                 ),
             )
             call.request_id = request.request_id

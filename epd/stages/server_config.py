@@ -42,6 +42,9 @@ class TransportSecurity:
     """Secrets this service's server accepts besides `internal_secret`, never presents: the other
     lines of the secret file, so that a secret rotates without downtime (docs/security.md,
     "Rotating the internal secret")."""
+    internal_secret_file: str = field(default="", repr=False)
+    """The file the secrets above were read from (`--internal-secret-file`): re-read when it
+    changes, so a rotation takes no restart (`epd.transport.internal_secrets`); "" = fixed."""
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -54,6 +57,8 @@ class TransportSecurity:
             raise ValueError("previous internal secrets need a current one (the first line of the secret file)")
         if not all(self.previous_internal_secrets):
             raise ValueError("an empty internal secret is none: it cannot be accepted")
+        if self.internal_secret_file and not self.internal_secret:
+            raise ValueError("an internal secret file needs the secrets read from it")
 
     @property
     def accepted_internal_secrets(self) -> tuple[str, ...]:

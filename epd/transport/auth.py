@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from epd.transport.internal_secrets import InternalSecrets
+
 MISSING_KEY_MESSAGE = (
     "missing or wrong API key; send metadata 'authorization: Bearer <key>' (SDK: api_key=...)"
 )
@@ -73,17 +75,21 @@ class InternalSecretInterceptor(grpc.aio.ServerInterceptor):
     it. Several secrets: the current one and those a rotation still accepts (docs/security.md);
     each is compared in constant time (`any_key_matches`)."""
 
-    def __init__(self, secrets: Sequence[str]) -> None:
-        if not secrets or not all(secrets):  # "" would let a call without the metadata in
+    def __init__(self, secrets: Sequence[str] | InternalSecrets) -> None:
+        """`secrets`: fixed, or followed in their file (`InternalSecrets`: a rotation without a
+        restart; the file's reader never lets them become empty)."""
+        if not isinstance(secrets, InternalSecrets):
+            secrets = InternalSecrets(secrets)
+        if not secrets.current() or not all(secrets.current()):  # "" would let a call without the metadata in
             raise ValueError("InternalSecretInterceptor needs non-empty secrets")
-        self.secrets = tuple(secrets)
+        self.secrets = secrets
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
             return handler
         presented = metadata_value(handler_call_details.invocation_metadata, INTERNAL_AUTH_KEY)
-        if presented and any_key_matches(presented, self.secrets):
+        if presented and any_key_matches(presented, self.secrets.current()):
             return handler
         return _denying_handler(handler, MISSING_SECRET_MESSAGE)
 

@@ -81,6 +81,10 @@ T = TypeVar("T")
 HASH_IN_THREAD_BYTES = 1 << 20
 """Uploads at least this large are hashed (for routing) off the event loop."""
 
+FORMER_NAMES_MAX = 4096
+"""Removed addresses whose TLS name a pool remembers (`ReplicaPool.server_name`): far more pods
+than leave routing within a KV cache's lifetime (--kv-ttl)."""
+
 HANG_SLACK_S = 0.05
 """A try that ended in DEADLINE_EXCEEDED this close to its attempt timeout hung (ours expired);
 one that ended sooner got the status from the service itself, which is the request's own."""
@@ -105,6 +109,10 @@ class ReplicaPool:
         self._server_names = dict(server_names or {})
         """address -> the name its TLS certificate is checked against, for an address the gateway
         resolved from a `dns:///NAME:PORT` entry (NAME; `epd.gateway.dns_replicas`)."""
+        self._former_names: dict[str, str] = {}
+        """The same for addresses no longer listed (oldest first, at most FORMER_NAMES_MAX): a
+        prefill pod that left its Service's DNS answer (draining) may still hold KV caches, which
+        the gateway releases at its address (`RemotePrefillStage.release`)."""
         self._by_address = {a: self._open(a) for a in self.chooser.replicas}
         self._retired: dict[str, grpc.aio.Channel] = {}  # removed replicas with calls still open
         self._closing: set[asyncio.Future] = set()
@@ -127,8 +135,11 @@ class ReplicaPool:
         return self._by_address[address]
 
     def server_name(self, address: str) -> str:
-        """The name `address`'s TLS certificate is checked against ("": the address itself)."""
-        return self._server_names.get(address, "")
+        """The name `address`'s TLS certificate is checked against ("": the address itself); for an
+        address listed before, the name it was listed under."""
+        if address in self._server_names or address in self.chooser.replicas:
+            return self._server_names.get(address, "")
+        return self._former_names.get(address, "")
 
     def set_addresses(
         self, addresses: Sequence[str], server_names: Mapping[str, str] | None = None
@@ -136,8 +147,14 @@ class ReplicaPool:
         """Route over `addresses` from now on (a reloaded replica list, a name resolved again);
         returns (added, removed). A removed replica's channel closes once the calls open on it end.
         `server_names`: as in the constructor, for the addresses added."""
-        self._server_names = dict(server_names or {})
         added, removed = self.chooser.set_replicas(addresses)
+        for a in removed:
+            if name := self._server_names.get(a):
+                self._former_names.pop(a, None)
+                self._former_names[a] = name
+        while len(self._former_names) > FORMER_NAMES_MAX:
+            del self._former_names[next(iter(self._former_names))]
+        self._server_names = dict(server_names or {})
         for a in added:
             self._by_address[a] = self._retired.pop(a, None) or self._open(a)
         for a in removed:
@@ -406,8 +423,9 @@ class RemotePrefillStage(PrefillStage):
         channel = self._kv_channels.get(handle.kv_address)
         if channel is None:
             # The address came from our own prefill server's answer, never from a client. A pod
-            # advertises its IP, which no certificate names: when the IP is a replica the gateway
-            # resolved from a `dns:///` name, its certificate is checked against that name.
+            # advertises its IP, which no certificate names: when the IP is (or was: a draining pod
+            # leaves DNS with caches) a replica the gateway resolved from a `dns:///` name, its
+            # certificate is checked against that name.
             channel = traced_channel(handle.kv_address, server_name=self.pool.server_name(handle.kv_address))
             self._kv_channels[handle.kv_address] = channel
         stub = prefill_pb2_grpc.PrefillServiceStub(channel)

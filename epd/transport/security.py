@@ -20,6 +20,7 @@ import grpc
 
 from epd.stages.server_config import TransportSecurity
 from epd.transport.auth import INTERNAL_AUTH_KEY
+from epd.transport.internal_secrets import InternalSecrets, internal_secrets
 
 MAX_PEM_BYTES = 1 << 20
 """A certificate bundle or key larger than this is not one (a wrong path, e.g. a model file)."""
@@ -80,11 +81,11 @@ def server_ssl_context(security: TransportSecurity) -> ssl.SSLContext | None:
 @dataclass(frozen=True)
 class _ClientSecurity:
     credentials: grpc.ChannelCredentials | None  # None: plaintext channels
-    secret: str
+    secrets: InternalSecrets  # the first presented; followed in their file
     server_name: str = ""  # TransportSecurity.tls_server_name
 
 
-_client = _ClientSecurity(None, "")
+_client = _ClientSecurity(None, InternalSecrets(()))
 
 
 def client_credentials(security: TransportSecurity) -> grpc.ChannelCredentials | None:
@@ -101,37 +102,38 @@ def configure(security: TransportSecurity) -> None:
     """This process's channels to stages from now on (call it before opening any)."""
     global _client
     check_files(security)
-    _client = _ClientSecurity(client_credentials(security), security.internal_secret, security.tls_server_name)
+    _client = _ClientSecurity(client_credentials(security), internal_secrets(security), security.tls_server_name)
 
 
-def _with_secret(details: grpc.aio.ClientCallDetails, secret: str) -> grpc.aio.ClientCallDetails:
-    metadata = [*(details.metadata or ()), (INTERNAL_AUTH_KEY, secret)]
+def _with_secret(details: grpc.aio.ClientCallDetails, secrets: InternalSecrets) -> grpc.aio.ClientCallDetails:
+    # Read per call: a channel outlives a rotation of the secret file (InternalSecrets.current).
+    metadata = [*(details.metadata or ()), (INTERNAL_AUTH_KEY, secrets.presented)]
     return details._replace(metadata=grpc.aio.Metadata(*metadata))  # type: ignore[attr-defined]
 
 
 class _Secret:
-    def __init__(self, secret: str) -> None:
-        self.secret = secret
+    def __init__(self, secrets: InternalSecrets) -> None:
+        self.secrets = secrets  # `presented` read per call
 
 
 class _SecretUnaryUnary(_Secret, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_secret(client_call_details, self.secret), request)
+        return await continuation(_with_secret(client_call_details, self.secrets), request)
 
 
 class _SecretUnaryStream(_Secret, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_secret(client_call_details, self.secret), request)
+        return await continuation(_with_secret(client_call_details, self.secrets), request)
 
 
 class _SecretStreamUnary(_Secret, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_secret(client_call_details, self.secret), request_iterator)
+        return await continuation(_with_secret(client_call_details, self.secrets), request_iterator)
 
 
 class _SecretStreamStream(_Secret, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_secret(client_call_details, self.secret), request_iterator)
+        return await continuation(_with_secret(client_call_details, self.secrets), request_iterator)
 
 
 def stage_channel(
@@ -145,8 +147,8 @@ def stage_channel(
     operator's --tls-server-name when set, else `server_name` when given (the DNS name the gateway
     resolved `target`, an IP address, from), else the host of `target`."""
     client = _client
-    if client.secret:
-        secret = client.secret
+    if client.secrets.presented:
+        secret = client.secrets
         interceptors = [*interceptors, _SecretUnaryUnary(secret), _SecretUnaryStream(secret),
                         _SecretStreamUnary(secret), _SecretStreamStream(secret)]
     opts = list(options or ())

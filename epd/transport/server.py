@@ -20,6 +20,7 @@ from epd.stages.server_config import MAX_MESSAGE_BYTES, ServerConfig
 from epd.transport import security, tracing
 from epd.transport.auth import InternalSecretInterceptor
 from epd.transport.idle_memory import release_when_idle
+from epd.transport.internal_secrets import internal_secrets
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ async def create_server(
         options.append(("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)))
     tracing.setup_otel_from_env("epd-" + (service_names[0].rsplit(".", 1)[-1] if service_names else "server"))
     secrets = config.security.accepted_internal_secrets
-    guard = [InternalSecretInterceptor(secrets)] if secrets and not public else []
+    guard = [InternalSecretInterceptor(internal_secrets(config.security))] if secrets and not public else []
     credentials = security.server_credentials(config.security)
     server = grpc.aio.server(options=options, interceptors=[tracing.ServerTracing(), *guard, *interceptors])
     register(server)

@@ -7,15 +7,21 @@ router goes around, not an error at start."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd.cli.health import health_answer
 from epd.client import EpdClient
 from epd.gateway.dns_replicas import replica_address
-from tests.stack import Stack, free_port
+from tests.stack import ROOT, Stack, child_env, free_port
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
@@ -58,3 +64,94 @@ def test_a_dns_name_is_routed_as_one_replica_per_address(tiny_models, tmp_path, 
     assert answer.token_ids == plain.token_ids and answer.answer == plain.answer
     assert answer.kv_num_bytes > 0  # decode pulled the KV cache from the prefill replica
     assert "Traceback" not in gateway_log
+
+
+_HUNG_DNS_GATEWAY = """
+import os, socket, sys, time
+real, flag = socket.getaddrinfo, sys.argv.pop(1)
+def getaddrinfo(host, port, *args, **kwargs):
+    # A DNS server that does not answer about hung.epd.test until the test creates `flag`; then
+    # the name is 127.0.0.1.
+    if host == "hung.epd.test":
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+        host = "127.0.0.1"
+    return real(host, port, *args, **kwargs)
+socket.getaddrinfo = getaddrinfo
+from epd.cli.main import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def _http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _stop(gateway: subprocess.Popen, log_path: Path) -> None:
+    """SIGTERM, and the exit code 0 within a deadline (else killed: a failing test leaves nothing)."""
+    gateway.send_signal(signal.SIGTERM)
+    try:
+        code = gateway.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        gateway.kill()
+        gateway.wait()
+        raise AssertionError(f"the gateway did not stop on SIGTERM:\n{log_path.read_text()[-3000:]}") from None
+    assert code == 0, log_path.read_text()[-3000:]
+
+
+def test_a_gateway_whose_dns_lookup_hangs_serves_its_probes_and_routes_once_it_answers(
+    shared_stack, tmp_path, media_files
+):
+    """`epd serve gateway --prefill dns:///hung.epd.test:PORT` in a process whose resolver does not
+    answer about that name: the gateway binds and answers its probes at once, alive (`liveness`)
+    and not ready (gRPC NOT_SERVING, HTTP /health 503: no prefill replica serving); once the
+    resolver answers it routes to the shared stack's prefill and answers as the stack does; SIGTERM
+    stops it while a lookup hangs. Before, it bound nothing until the lookup returned."""
+    flag, http_port, port = tmp_path / "dns-answers", free_port(), free_port()
+    args = ["serve", "gateway", "--port", str(port), "--http-port", str(http_port),
+            "--encoder", shared_stack.address("encoder"), "--decode", shared_stack.address("decode"),
+            "--prefill", f"dns:///hung.epd.test:{shared_stack.ports['prefill']}"]  # fmt: skip
+    log_path = tmp_path / "gateway.log"
+
+    def started(args: list[str]) -> subprocess.Popen:
+        with open(log_path, "a") as log:
+            return subprocess.Popen([sys.executable, "-c", _HUNG_DNS_GATEWAY, str(flag), *args], stdout=log,
+                                    stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)  # fmt: skip
+
+    gateway = started(args)
+    try:
+        deadline = time.monotonic() + WAIT_S  # a deadline for a start-up, not a timing assertion
+        while health_answer(f"127.0.0.1:{port}", "liveness", timeout_s=1.0) is not True:
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        assert health_answer(f"127.0.0.1:{port}", timeout_s=5.0) is False  # answers: NOT_SERVING
+        assert _http_status(http_port, "/health") == 503 and _http_status(http_port, "/ping") == 503
+        flag.touch()
+        deadline = time.monotonic() + WAIT_S
+        while health_answer(f"127.0.0.1:{port}", timeout_s=1.0) is not True:
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        assert _http_status(http_port, "/health") == 200
+        with EpdClient(f"127.0.0.1:{port}", timeout_s=120) as client:
+            answer = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+        with EpdClient(shared_stack.gateway, timeout_s=120) as client:
+            plain = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+        assert answer.token_ids == plain.token_ids and answer.kv_num_bytes > 0
+    finally:
+        _stop(gateway, log_path)
+    # Stopped while its lookup hangs: the lookup's thread does not hold the process up.
+    flag.unlink()
+    port = free_port()
+    gateway = started([*args[:3], str(port), *args[4:]])
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while health_answer(f"127.0.0.1:{port}", "liveness", timeout_s=1.0) is not True:
+            assert gateway.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        _stop(gateway, log_path)
+    assert "Traceback" not in log_path.read_text()

@@ -300,6 +300,31 @@ def test_decord_backend_gives_the_same_tokens(adapter, media_files):
     assert torch.equal(dec.embeds, pyav.embeds)
 
 
+def test_the_decord_backend_gives_pyav_a_long_hevc_video_asked_near_its_end(adapter, tmp_path):
+    """decord reads HEVC from the first frame (it cannot seek in it): four frames near the end of
+    a 60 s clip took ~600 decoded frames, over --max-decoded-pixels (100 frames here), where PyAV
+    seeks and stays within it. The encoder hands such a request to PyAV: the same tokens as the
+    PyAV backend's, no refusal."""
+    from epd.video.budget import MIN_PIXELS_PER_FRAME
+    from epd.video.decord_backend import decord_available
+    from epd.video.types import DecodeLimits
+    from tests.media import encoder_available, make_video
+
+    if not decord_available() or not encoder_available("hevc"):
+        pytest.skip("decord (optional backend) or an HEVC encoder is not installed")
+    data = make_video(tmp_path / "long.mp4", codec="hevc", size=(96, 64), fps=10.0, seconds=60.0,
+                      gop=10).read_bytes()  # fmt: skip
+    sampling = SamplingOptions(num_frames=4, start_time_s=55.0)
+    limits = DecodeLimits(max_decoded_pixels=100 * MIN_PIXELS_PER_FRAME)
+    pyav, _ = _encode(EncoderEngine(EncoderConfig(limits=limits), adapter), data, sampling)
+    engine = EncoderEngine(EncoderConfig(decode_backend="decord", limits=limits), adapter)
+    try:
+        handed, _ = _encode(engine, data, sampling)
+    finally:
+        engine.close()
+    assert handed.frame_timestamps_s == pyav.frame_timestamps_s and torch.equal(handed.embeds, pyav.embeds)
+
+
 @pytest.mark.parametrize("change", [{"dtype": "bfloat16"}, {"device": "cuda"}, {"linear_kernel": "onednn"}])
 def test_the_key_holds_the_numerics_the_tower_runs_in(adapter, change):
     """The disk tier outlives the process and may be shared: a bfloat16 encoder was handed a float32

@@ -220,3 +220,77 @@ def test_a_rotation_mid_rollout_serves_callers_holding_the_old_or_the_new_secret
                 assert _get_load(address, (("x-epd-internal-auth", secret),)) == grpc.StatusCode.OK
             for secret in (retired, ""):
                 assert MISSING_SECRET_MESSAGE in _get_load(address, (("x-epd-internal-auth", secret),))
+
+
+def _swap_in(path: Path, text: str) -> None:
+    """A new file renamed over the old, as the kubelet updates a mounted Secret (a new inode)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _until(condition, what: str, timeout_s: float = 120.0) -> None:
+    """Until `condition()` holds: the services look at the file every SECRET_CHECK_INTERVAL_S (a
+    deadline for that, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_a_secret_file_rotates_in_place_without_a_restart(tiny_models, tmp_path, media_files):
+    """The rotation of docs/security.md on one secret file that all four services read (as a
+    mounted Kubernetes Secret, updated in place), with no restart: each step is followed by every
+    service, the stack answers at every step (decode pulling KV caches from prefill too), and at
+    the end the old secret is refused. A file that becomes empty, then goes, keeps the secrets read
+    before (an ERROR in each log). Before, the file was read at start only: the stages never
+    accepted the new secret."""
+    import secrets
+
+    old, new = (secrets.token_hex(32) for _ in range(2))
+    path = tmp_path / "internal-secret"
+    path.write_text(f"{old}\n")
+    extra = {role: ["--internal-secret-file", str(path)] for role in ("encoder", "prefill", "decode", "gateway")}
+    logs = tmp_path / "logs"
+    stages = ("encoder", "prefill", "decode")
+
+    def accepted(stack: Stack, secret: str) -> bool:
+        return all(_get_load(stack.address(s), (("x-epd-internal-auth", secret),)) == grpc.StatusCode.OK
+                   for s in stages)  # fmt: skip
+
+    def refused(stack: Stack, secret: str) -> bool:
+        return all(MISSING_SECRET_MESSAGE in str(_get_load(stack.address(s), (("x-epd-internal-auth", secret),)))
+                   for s in stages)  # fmt: skip
+
+    def logged(text: str, times: int) -> bool:
+        return all((logs / f"{role}.log").read_text().count(text) >= times for role in (*stages, "gateway"))
+
+    def ask(stack: Stack) -> None:
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            result = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
+        assert result.token_ids and result.kv_num_bytes > 0  # decode pulled the KV from prefill
+
+    with Stack(tiny_models["qwen2_vl"], logs, extra=extra) as stack:
+        ask(stack)
+        assert refused(stack, new)
+        _swap_in(path, f"{old}\n{new}\n")  # 1. accept the new one
+        _until(lambda: accepted(stack, new) and logged("changed: now presenting", 1), "step 1 not followed")
+        ask(stack)
+        _swap_in(path, f"{new}\n{old}\n")  # 2. present the new one
+        _until(lambda: logged("changed: now presenting", 2), "step 2 not followed")
+        ask(stack)
+        _swap_in(path, f"{new}\n")  # 3. retire the old one
+        _until(lambda: refused(stack, old), "step 3 not followed")
+        ask(stack)  # every caller presents the new one
+        for times, broken in ((1, "\n"), (2, None)):  # emptied, then gone: the last good secrets stay
+            if broken is None:
+                path.unlink()
+            else:
+                _swap_in(path, broken)
+            _until(lambda times=times: logged("keeping the internal secrets read before", times),
+                   "an unusable file not reported")  # fmt: skip
+            assert accepted(stack, new) and refused(stack, old)
+            ask(stack)
+        assert stack.alive()
+    for role in (*stages, "gateway"):
+        assert "Traceback" not in (logs / f"{role}.log").read_text()

@@ -103,11 +103,22 @@ def check_tls(objs: list[dict]) -> list[str]:
             problems.append(f"{name}: --tls-cert/--tls-key/--tls-ca are not tls.crt/tls.key/ca.crt of Secret {SECRET}")
         if role != "gateway" and not from_secret(sec.tls_client_ca, "ca.crt"):
             problems.append(f"{name}: a stage must require client certificates of ca.crt (--tls-client-ca)")
-        # decode pulls KV caches, and the gateway releases those no decoder took (ReleaseKv), at the
-        # address each prefill pod advertises: its IP, which no certificate names.
-        if role in ("decode", "gateway") and sec.tls_server_name != "prefill-headless":
+        # decode pulls KV caches at the address each prefill pod advertises: its IP, which no
+        # certificate names; decode calls nothing but prefill, so the name is prefill's.
+        if role == "decode" and sec.tls_server_name != "prefill-headless":
             problems.append(f"{role}: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
                             f"is {sec.tls_server_name!r}")
+        # The gateway checks each pod against the Service name it resolved (and releases a KV cache
+        # at a prefill pod's IP against prefill-headless): a --tls-server-name would replace all of
+        # those with one name, which only a certificate shared by every stage carries.
+        if role == "gateway":
+            if sec.tls_server_name:
+                problems.append(f"gateway: --tls-server-name {sec.tls_server_name} replaces the check of each "
+                                "stage's pods against its own Service name; leave it out")
+            for address in (*cfg.encoder_addresses, *cfg.prefill_addresses, *cfg.decode_addresses):
+                if not address.startswith("dns:///"):
+                    problems.append(f"gateway: {address} is not a dns:/// name: its pods' certificates would "
+                                    "be checked against the address dialled")
         port = cfg.server.port
         for kind in PROBES:
             probe = c.get(kind)
@@ -180,6 +191,8 @@ def _patch(name: str, fn):
 @pytest.mark.parametrize("mutate,problem", [
     (_patch("encoder", lambda c: c["args"].__setitem__(slice(-2, None), [])), "require client certificates"),
     (_patch("decode", lambda c: c["args"].__setitem__(slice(-2, None), [])), "--tls-server-name must be"),
+    (_patch("gateway", lambda c: c["args"].extend(["--tls-server-name", "prefill-headless"])),
+     "replaces the check of each stage's pods"),
     (_patch("prefill", lambda c: c.__setitem__("readinessProbe", {"grpc": {"port": 50052}})), "exec probe"),
     (_patch("gateway", lambda c: c["livenessProbe"]["exec"]["command"].__setitem__(2, "localhost:50051")),
      "does not check localhost:50050"),

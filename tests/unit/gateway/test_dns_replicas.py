@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 
 import grpc
 import pytest
@@ -214,24 +215,59 @@ def test_a_name_the_replica_file_adds_is_looked_up_before_it_is_applied(tmp_path
     assert dns.asked == ["encoder-headless"]
 
 
-def test_the_gateway_starts_with_the_names_expanded():
-    """`start` (no pipeline given) builds the pools from the configured lists and looks the names up
-    before it serves; the real resolver: localhost is in /etc/hosts."""
-    config = GatewayConfig(server=ServerConfig(port=0), encoder_addresses=("dns:///localhost:1",),
-                           dns_refresh_interval_s=0, stage_check_interval_s=0)  # fmt: skip
-    expected = {replica_address(info[4][0], 1) for info in socket.getaddrinfo("localhost", 1, type=socket.SOCK_STREAM)}
+class HangingDns:
+    """An injected lookup that hangs (a DNS server that does not answer) until `answer` is set."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.answer = threading.Event()
+        self.asked = threading.Event()
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        self.asked.set()
+        self.answer.wait()
+        return self.addresses
+
+
+async def _health(port: int, service: str = "") -> str:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                timeout=10)  # fmt: skip
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_the_gateway_serves_its_health_while_a_lookup_hangs_and_expands_the_name_once_it_answers():
+    """`start` (no pipeline given) builds the pools from the names as written and looks them up
+    once it serves: with the lookup hung, the gateway answers its probes at once (liveness SERVING,
+    readiness NOT_SERVING: no stage has a replica serving); when the lookup answers, the name
+    becomes its addresses. Before, `start` (and `main`, before anything bound) awaited the lookup."""
+    config = GatewayConfig(server=ServerConfig(port=0), encoder_addresses=("dns:///encoder-headless:1",),
+                           dns_refresh_interval_s=0, stage_check_interval_s=0.2)  # fmt: skip
+    dns = HangingDns(["10.0.0.1", "10.0.0.2"])
 
     async def scenario():
         pipeline = remote_pipeline(config)
-        hs = await start(config, pipeline)
+        pool = stage_pools(pipeline)["encoder"]
+        hs = await asyncio.wait_for(start(config, pipeline, lookup=dns), 30)  # a deadline, not a timing
         try:
-            return stage_pools(pipeline)["encoder"].addresses
+            assert await asyncio.to_thread(dns.asked.wait, 30)
+            assert not dns.answer.is_set() and pool.addresses == ["dns:///encoder-headless:1"]
+            assert await _health(hs.port, "liveness") == "SERVING"
+            assert await _health(hs.port) == "NOT_SERVING"
+            dns.answer.set()
+            for _ in range(300):
+                if pool.addresses != ["dns:///encoder-headless:1"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert await _health(hs.port) == "NOT_SERVING"  # nothing listens at the addresses
+            return pool.addresses
         finally:
+            dns.answer.set()
             await hs.stop(0)
-            for pool in stage_pools(pipeline).values():
-                await pool.close()
+            for each in stage_pools(pipeline).values():
+                await each.close()
 
-    assert set(asyncio.run(scenario())) == expected
+    assert asyncio.run(scenario()) == ["10.0.0.1:1", "10.0.0.2:1"]
 
 
 @pytest.fixture
@@ -286,11 +322,14 @@ def test_a_resolved_address_is_checked_against_the_name_unless_the_operator_name
     assert not by_ip  # the IP alone fails the check: the name is what makes it pass
 
 
-def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_the_name(tls_files):
+@pytest.mark.parametrize("pod_left_dns", [False, True])
+def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_the_name(tls_files, pod_left_dns):
     """The gateway releases a KV cache no decoder took at the address its prefill pod advertised,
     the pod's IP: where that IP is a replica resolved from `dns:///NAME`, the certificate is
     checked against NAME (before, only an operator's --tls-server-name made the release pass, and
-    without it the cache stayed until --kv-ttl)."""
+    without it the cache stayed until --kv-ttl). Also once the pod has left NAME's answer (a
+    draining pod keeps its caches), which the k8s-tls overlay's --tls-server-name on the gateway
+    covered, at the price of checking every stage's pods against prefill's name."""
     released: list[str] = []
 
     async def release_kv(request: prefill_pb2.ReleaseKvRequest, context) -> prefill_pb2.ReleaseKvResult:
@@ -309,7 +348,13 @@ def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_th
         pool = ReplicaPool([f"dns:///stage.epd.test:{hs.port}"])
         stage = RemotePrefillStage(pool, timeout_s=5)
         try:
-            await ReplicaUpdater({"prefill": pool}, lookup=FakeDns(**{"stage.epd.test": ["127.0.0.1"]})).refresh()
+            dns = FakeDns(**{"stage.epd.test": ["127.0.0.1"]})
+            updater = ReplicaUpdater({"prefill": pool}, lookup=dns)
+            await updater.refresh()
+            if pod_left_dns:
+                dns.answers["stage.epd.test"] = ["127.0.0.2"]
+                await updater.refresh()
+                assert pool.addresses == [f"127.0.0.2:{hs.port}"]
             handle = PrefillHandle(first_token_id=0, num_prompt_tokens=1, num_cached_tokens=1,
                                    next_position_ids=[1, 1, 1, 1], kv_num_bytes=0, prefill_ms=0.0,
                                    kv_handle="h1", kv_address=f"127.0.0.1:{hs.port}")  # fmt: skip

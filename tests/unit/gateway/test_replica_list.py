@@ -4,15 +4,23 @@ whole with a message saying what to change, and applied to the replica pools whe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
+import threading
+from collections.abc import Iterator
 
 import pytest
 
 from epd.gateway.config import GatewayConfig
+from epd.gateway.engine_load import refresh_routing_loads
+from epd.gateway.readiness import StageHealth
 from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, ReplicaUpdater, parse_replicas
 from epd.gateway.server import stage_addresses
+from epd.stages.server_config import ServerConfig
 from epd.transport.remote_stages import ReplicaPool
+from epd.transport.server import create_server
 
 
 def test_json_and_yaml_lists_parse_and_a_stage_left_out_is_absent():
@@ -154,3 +162,63 @@ def test_a_file_caught_half_written_is_not_applied(tmp_path):
     applied, final = asyncio.run(scenario())
     assert final == ["e1:1", "e2:1", "e3:1", "e4:1"]
     assert ["e1:1"] not in applied, applied
+
+
+@contextlib.contextmanager
+def silent_replica() -> Iterator[tuple[str, threading.Event]]:
+    """A replica that accepts connections and never answers (a pod gone mid-check, a hung one):
+    a health check or load read on it stays in flight until its timeout. (address, set once it
+    has accepted a connection)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted = threading.Event()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])
+                accepted.set()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
+def test_a_replica_removed_while_its_check_or_load_read_is_in_flight_leaves_the_watches_running():
+    """The pool closes a removed replica's channel (no call of its own open), which makes grpc.aio
+    cancel the health check or load read still waiting on it. That cancel used to escape as the
+    task's own: the gateway's health watch ended for good (found at start-up, where the first DNS
+    lookup lands while the first checks wait on the names as written: NOT_SERVING forever)."""
+    config = GatewayConfig(encoder_addresses=("unused:1",), prefill_addresses=("unused:2",),
+                           decode_addresses=("unused:3",))  # fmt: skip
+
+    async def scenario(address: str, accepted: threading.Event) -> tuple[list[str], list[str]]:
+        server = await create_server(ServerConfig(port=0), lambda s: None, [])
+        await server.set_serving()
+        serving = f"127.0.0.1:{server.port}"
+        pools = {stage: ReplicaPool([address, serving] if stage == "encoder" else [serving])
+                 for stage in ("encoder", "prefill", "decode")}  # fmt: skip
+        health = StageHealth(config, timeout_s=60, pools=pools)
+        try:
+            check = asyncio.ensure_future(health.status())
+            loads = asyncio.ensure_future(refresh_routing_loads(pools, timeout_s=60))
+            assert await asyncio.to_thread(accepted.wait, 30)  # the check is waiting on the silent one
+            await asyncio.sleep(0.1)  # (and the load read: both went out at once)
+            pools["encoder"].set_addresses([serving])
+            await asyncio.wait_for(loads, 30)  # a deadline, not a timing assertion: returns, not cancelled
+            return await asyncio.wait_for(check, 30)
+        finally:
+            await health.close()
+            for pool in pools.values():
+                await pool.close()
+            await server.stop(0)
+
+    with silent_replica() as (address, accepted):
+        stages_down, down = asyncio.run(scenario(address, accepted))
+    assert stages_down == [] and down == [f"encoder {address}"]

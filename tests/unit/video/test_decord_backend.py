@@ -13,8 +13,9 @@ import pytest
 
 from epd.transport.errors import status_of
 from epd.video import simple_decoder
+from epd.video.budget import MIN_PIXELS_PER_FRAME
 from epd.video.decord_backend import DecordConfig, DecordDecoder, decord_available
-from epd.video.types import DecoderCrashed, MediaError, SamplingOptions
+from epd.video.types import DecodeLimits, DecoderCrashed, MediaError, MediaLimitError, SamplingOptions
 
 # Never import decord into the test process: it breaks PyAV's own codecs (see decord_backend).
 pytestmark = pytest.mark.skipif(not decord_available(), reason="decord is an optional backend")
@@ -53,6 +54,28 @@ def test_decord_frames_identical_to_reference(video_factory, decord_decoder, cod
     expected = simple_decoder.decode(data, opts)
     assert np.array_equal(got.frames, expected.frames)
     assert got.timestamps_s == expected.timestamps_s
+
+
+LONG = dict(size=(96, 64), fps=10.0, seconds=60.0, gop=10)  # 600 frames, a keyframe every second
+NEAR_THE_END = SamplingOptions(num_frames=4, start_time_s=55.0)
+BUDGET = DecodeLimits(max_decoded_pixels=100 * MIN_PIXELS_PER_FRAME)  # 100 of these frames
+
+
+def test_a_long_hevc_video_asked_near_its_end_is_handed_to_pyav(video_factory, decord_decoder, decoder):
+    """decord reads HEVC from the first frame (its seeks land one frame late): ~600 frames for four
+    near the end, past a budget of 100, where PyAV seeks and decodes one keyframe interval per
+    target. Such a request is PyAV's (`hands_over`: the encoder then decodes it with PyAV); H.264,
+    an image, or HEVC whose targets need every frame anyway stay with decord."""
+    hevc = video_factory(".mp4", codec="hevc", **LONG)
+    with pytest.raises(MediaLimitError, match="would take 59[0-9] frames of 96x64"):
+        decord_decoder.decode(hevc, NEAR_THE_END, BUDGET)
+    assert decord_decoder.hands_over(hevc, NEAR_THE_END, BUDGET)
+    pyav = decoder.decode(hevc, NEAR_THE_END, BUDGET)  # the encoder's PyAV decoder: within the budget
+    assert np.array_equal(pyav.frames, simple_decoder.decode(hevc, NEAR_THE_END).frames)
+    assert not decord_decoder.hands_over(video_factory(".mp4", codec="h264", **LONG), NEAR_THE_END, BUDGET)
+    short = video_factory(".mp4", codec="hevc", **SMALL)  # 30 frames, keyframes at 0, 10, 20
+    assert not decord_decoder.hands_over(short, SamplingOptions(num_frames=30))
+    assert decord_decoder.hands_over(short, SamplingOptions(num_frames=2, start_time_s=2.0))
 
 
 def test_decord_applies_rotation(video_factory, decord_decoder):
