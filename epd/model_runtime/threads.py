@@ -141,17 +141,19 @@ def num_cores() -> int:
 
 
 BOARD_PREFIX = "epd-threads-"
-"""A board is `BOARD_PREFIX<launcher pid>.board` in `board_directory()`."""
+"""A board is `BOARD_PREFIX<stack id>.board` in `board_directory()`."""
 
 
 def board_directory() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-def new_board_path() -> str:
+def new_board_path(stack_id: str = "") -> str:
     """A fresh board for one stack (the launcher's; removed by `remove_board`, or by the next
-    launcher when this one was killed: epd/cli/leftovers.py)."""
-    path = board_directory() / f"{BOARD_PREFIX}{os.getpid()}.board"
+    launcher when this one was killed: epd/cli/leftovers.py). `stack_id`: the launcher's files
+    directory's name after its prefix (`<pid>-<random>`), whose removal takes the board with it;
+    default: this process's pid."""
+    path = board_directory() / f"{BOARD_PREFIX}{stack_id or os.getpid()}.board"
     path.write_bytes(bytes(len(STAGES)))
     return str(path)
 
