@@ -2,8 +2,8 @@
 
 `epd serve` (the stack) keeps two things outside its processes, and removes both when it stops:
 its files directory (`epd-stack-<pid>-<random>` in the temp directory, 0700: the internal secret,
-the API keys) and its threads board (`epd-threads-<pid>-<random>.board` in /dev/shm, named after
-the files directory). A launcher killed with SIGKILL (or by the OOM killer) cannot, and its
+the API keys) and its threads board (`epd-threads-of-<pid>-<random>.board` in /dev/shm, named
+after the files directory). A launcher killed with SIGKILL (or by the OOM killer) cannot, and its
 services end with it (PDEATHSIG), so nothing else would: the secret would stay on disk, and
 /dev/shm (RAM) would fill one board per killed stack.
 
@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +68,26 @@ def process_start_s(pid: int) -> float | None:
     return boot_s + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
-def remove_dead_stacks(temp_directory: str, stack_prefix: str, board_directory: str, board_prefix: str) -> list[str]:
+def remove_dead_stacks(
+    temp_directory: str,
+    stack_prefix: str,
+    board_directory: str,
+    board_name: Callable[[str], str],
+    legacy_board_prefix: str,
+) -> list[str]:
     """Remove the files directories `stack_prefix<pid>-<random>` of `temp_directory` that this
-    user owns and whose launcher no longer runs, each with its board
-    `board_directory/board_prefix<pid>-<random>.board`, and boards named by a dead launcher's pid
-    alone (older launchers'); returns the paths removed."""
+    user owns and whose launcher no longer runs, each with its board, `board_name("<pid>-<random>")`
+    in `board_directory`, and the boards `legacy_board_prefix<pid>.board` there of dead pids (older
+    launchers'); returns the paths removed."""
     removed = remove_dead_launchers_entries(temp_directory, stack_prefix)
     for directory in list(removed):
-        board = os.path.join(board_directory, f"{board_prefix}{os.path.basename(directory)[len(stack_prefix):]}.board")
+        board = os.path.join(board_directory, board_name(os.path.basename(directory)[len(stack_prefix) :]))
         try:
             os.unlink(board)
         except OSError:  # none (killed before it made one), or gone meanwhile
             continue
         removed.append(board)
-    removed += remove_dead_launchers_entries(board_directory, board_prefix, _LEGACY_BOARD)
+    removed += remove_dead_launchers_entries(board_directory, legacy_board_prefix, _LEGACY_BOARD)
     if removed:
         log.info("removed what stopped launchers left: %s", ", ".join(removed))
     return removed

@@ -446,11 +446,12 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         new_board_path,
         remove_board,
         shared_cores_environment,
+        stack_board_name,
     )
     from epd.transport import security
 
     signals = _Signals()
-    remove_dead_stacks(tempfile.gettempdir(), STACK_DIR_PREFIX, str(board_directory()), BOARD_PREFIX)
+    remove_dead_stacks(tempfile.gettempdir(), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX)
     if (problem := port_clash(args) or stage_flag_problem(args)) is not None:
         print(f"epd serve: {problem}", file=sys.stderr)
         return EXIT_USAGE

@@ -25,7 +25,7 @@ import pytest
 
 from epd.cli.leftovers import remove_dead_stacks
 from epd.cli.serve import EXIT_MODEL, STACK_DIR_PREFIX
-from epd.model_runtime.threads import BOARD_PREFIX, OPENMP_WAIT_SETTINGS, board_directory
+from epd.model_runtime.threads import BOARD_PREFIX, OPENMP_WAIT_SETTINGS, board_directory, stack_board_name
 from epd.stages.contracts import MediaInput
 from epd.transport.remote_stages import RemoteEncodeStage, ReplicaPool
 from epd.video.types import SamplingOptions
@@ -232,7 +232,7 @@ def test_the_model_services_are_forked_from_one_zygote(default_stack):
 def _stack_entries(files_dir: Path, launcher_pid: int) -> list[Path]:
     """A launcher's files directory in `files_dir` and the threads board named after it."""
     found = list(files_dir.glob(f"{STACK_DIR_PREFIX}{launcher_pid}-*"))
-    boards = [board_directory() / f"{BOARD_PREFIX}{path.name[len(STACK_DIR_PREFIX):]}.board" for path in found]
+    boards = [board_directory() / stack_board_name(path.name[len(STACK_DIR_PREFIX) :]) for path in found]
     return [*found, *boards]
 
 
@@ -285,7 +285,7 @@ def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, killed_la
     assert len(left) == 2 and killed_launcher.found == [path.name for path in left] + ["internal-secret"], left
     elsewhere = tmp_path / "another-launchers-tmp"
     elsewhere.mkdir()
-    remove_dead_stacks(str(elsewhere), STACK_DIR_PREFIX, str(board_directory()), BOARD_PREFIX)  # what it does first
+    remove_dead_stacks(str(elsewhere), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX)
     assert all(path.exists() for path in left), left
 
     second, _ = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
@@ -327,7 +327,7 @@ def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path, signum):
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
     assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr
     assert not list(files_dir.iterdir())
-    assert not list(board_directory().glob(f"{BOARD_PREFIX}{launcher.pid}-*.board"))
+    assert not list(board_directory().glob(stack_board_name(f"{launcher.pid}-*")))
 
 
 def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path):

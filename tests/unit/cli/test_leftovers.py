@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from epd.cli.leftovers import (
     remove_dead_launchers_entries,
     remove_dead_stacks,
 )
+from epd.model_runtime.threads import stack_board_name
 
 
 def _dead_pid() -> int:
@@ -57,7 +59,7 @@ def _stack(temp_dir, board_dir, stack_id: str) -> tuple:
     files = temp_dir / f"epd-stack-{stack_id}"
     files.mkdir()
     (files / "internal-secret").write_bytes(b"s")
-    board = board_dir / f"epd-threads-{stack_id}.board"
+    board = board_dir / stack_board_name(stack_id)
     board.write_bytes(b"\0\0\0")
     return files, board
 
@@ -77,14 +79,19 @@ def test_a_dead_stacks_board_goes_with_its_files_directory_and_only_with_it(tmp_
     legacy_board = board_dir / f"epd-threads-{dead}.board"  # named by the pid alone, by older launchers
     legacy_board.write_bytes(b"\0\0\0")
 
-    removed = remove_dead_stacks(str(temp_dir), "epd-stack-", str(board_dir), "epd-threads-")
+    # Launchers of older versions swept `epd-threads-<dead pid>-...` or `.board` machine-wide: not this name.
+    older_launchers_rule = re.compile(r"(\d+)(?:-|\.board$)")
+    assert remove_dead_launchers_entries(str(board_dir), "epd-threads-", older_launchers_rule) == [str(legacy_board)]
+    legacy_board.write_bytes(b"\0\0\0")
+
+    removed = remove_dead_stacks(str(temp_dir), "epd-stack-", str(board_dir), stack_board_name, "epd-threads-")
 
     assert sorted(removed) == sorted(map(str, [*dead_here, legacy_board]))
     assert all(path.exists() for path in [*dead_elsewhere, *running_here])
     # That temp directory's next launcher takes them.
-    assert sorted(remove_dead_stacks(str(other_temp_dir), "epd-stack-", str(board_dir), "epd-threads-")) == sorted(
-        map(str, dead_elsewhere)
-    )
+    assert sorted(
+        remove_dead_stacks(str(other_temp_dir), "epd-stack-", str(board_dir), stack_board_name, "epd-threads-")
+    ) == sorted(map(str, dead_elsewhere))
 
 
 def test_a_pid_reused_by_a_younger_process_does_not_keep_a_dead_launchers_entries(tmp_path):
