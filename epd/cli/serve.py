@@ -123,12 +123,15 @@ class _StackFiles:
     """What the launcher hands its services in files rather than on command lines or in the
     environment (so no grandchild or `ps` sees it): a fresh internal secret, the API keys, and
     the gateway's client-CA bundle. One 0700 directory of 0600 files, removed with the stack (or,
-    when the launcher was killed, by the next one: its pid is in the name, epd/cli/leftovers.py)."""
+    when the launcher was killed, by the next one of this temp directory: its pid is in the name,
+    epd/cli/leftovers.py)."""
 
     def __init__(self) -> None:
         import tempfile
 
         self.dir = tempfile.mkdtemp(prefix=f"{STACK_DIR_PREFIX}{os.getpid()}-")
+        self.stack_id = os.path.basename(self.dir)[len(STACK_DIR_PREFIX):]
+        """`<pid>-<random>`: the threads board is named after it, to be removed with it."""
 
     def write(self, name: str, data: bytes) -> str:
         path = os.path.join(self.dir, name)
@@ -435,7 +438,7 @@ class _Signals:
 def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int:
     import tempfile
 
-    from epd.cli.leftovers import remove_dead_launchers_entries
+    from epd.cli.leftovers import remove_dead_stacks
     from epd.cli.zygote import Zygote, preload_modules
     from epd.model_runtime.loader import ModelLoadError, check_model_dir, family_module, resolve_model_path
     from epd.model_runtime.threads import (
@@ -445,12 +448,12 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         new_board_path,
         remove_board,
         shared_cores_environment,
+        stack_board_name,
     )
     from epd.transport import security
 
     signals = _Signals()
-    remove_dead_launchers_entries(tempfile.gettempdir(), STACK_DIR_PREFIX)
-    remove_dead_launchers_entries(str(board_directory()), BOARD_PREFIX)
+    remove_dead_stacks(tempfile.gettempdir(), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX)
     if (problem := port_clash(args) or stage_flag_problem(args)) is not None:
         print(f"epd serve: {problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -484,7 +487,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
              for name in ["gateway", *(n for n in commands if n != "gateway")]]
     # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
     # other stages are not using at that moment (epd/model_runtime/threads.py).
-    board = new_board_path()
+    board = new_board_path(files.stack_id)
     # Here, not only in `env`: the zygote is started with the launcher's environment and loads
     # torch's OpenMP (which reads its settings once) before it forks the services.
     os.environ.update(shared_cores_environment(dict(os.environ)))

@@ -82,7 +82,7 @@ from epd.gateway.openai_protocol import (
     usage,
 )
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
-from epd.gateway.protocol_log import PROTOCOL_LOG
+from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
@@ -571,7 +571,9 @@ async def start_http_api(
     `admission` is shared with the gRPC API so that a client's limit counts both."""
     api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
     # handler_cancellation: a client that disconnects stops its pipeline run.
-    # logger: a client's malformed request is one INFO line there, not an ERROR traceback.
+    # logger: a client's malformed request is one INFO line there, not an ERROR traceback, and
+    # at most one a minute.
+    CLIENT_FAULTS.reset()
     runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True, logger=PROTOCOL_LOG,
                            shutdown_timeout=config.server.grace_s)  # `HttpServer.stop` cuts it short
     await runner.setup()

@@ -141,17 +141,27 @@ def num_cores() -> int:
 
 
 BOARD_PREFIX = "epd-threads-"
-"""A board is `BOARD_PREFIX<launcher pid>.board` in `board_directory()`."""
+"""Boards are in `board_directory()`: a stack's is `stack_board_name(stack id)`; one named
+`BOARD_PREFIX<launcher pid>.board` is an older launcher's (or a process's own, `new_board_path()`)."""
 
 
 def board_directory() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-def new_board_path() -> str:
+def stack_board_name(stack_id: str) -> str:
+    """The board of the stack whose files directory is `epd-stack-<stack id>` (`<pid>-<random>`):
+    `epd-threads-of-<stack id>.board`. "of-": launchers of older versions swept every
+    `epd-threads-<pid>-...` of a dead pid machine-wide, and leave this name alone."""
+    return f"{BOARD_PREFIX}of-{stack_id}.board"
+
+
+def new_board_path(stack_id: str = "") -> str:
     """A fresh board for one stack (the launcher's; removed by `remove_board`, or by the next
-    launcher when this one was killed: epd/cli/leftovers.py)."""
-    path = board_directory() / f"{BOARD_PREFIX}{os.getpid()}.board"
+    launcher when this one was killed: epd/cli/leftovers.py). `stack_id`: the launcher's files
+    directory's name after its prefix (`<pid>-<random>`), whose removal takes the board with it;
+    default: this process's pid."""
+    path = board_directory() / (stack_board_name(stack_id) if stack_id else f"{BOARD_PREFIX}{os.getpid()}.board")
     path.write_bytes(bytes(len(STAGES)))
     return str(path)
 

@@ -410,17 +410,26 @@ class _CallTrace:
         self.span = _start_span(method, "SERVER", incoming)
         _make_current(self.span)
 
-    async def send_metadata(self, context: grpc.aio.ServicerContext) -> None:
+    async def send_metadata(self, context: grpc.aio.ServicerContext) -> bool:
         """The id as initial metadata, before the first response message. The id read now: the
-        servicer may have adopted the one its request message names (`adopt_request_id`)."""
+        servicer may have adopted the one its request message names (`adopt_request_id`).
+
+        False when the call ended under the send (its client cancelled or its deadline passed as
+        the metadata went out): gRPC core then counts the initial metadata as sent while grpc.aio,
+        whose send failed, does not, so grpc.aio's next write would send them a second time and
+        core refuses it (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, logged by grpc as an error: once in
+        a 26,000-request soak). Nothing may be sent on such a call any more."""
         if self.sent_metadata:
-            return
+            return True
         self.sent_metadata = True
         self.request_id = current_request_id() or self.request_id
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
-        except Exception:  # noqa: BLE001 - the servicer sent its own already; the trailers carry it
-            pass
+        except grpc.aio.UsageError:
+            pass  # the servicer sent its own already (or ended the call); the trailers carry the id
+        except Exception:  # noqa: BLE001 - core failed the send (ExecuteBatchError): the call is over
+            return False
+        return True
 
     def failed(self, exc: BaseException) -> None:
         if isinstance(exc, grpc.aio.AbortError):
@@ -458,7 +467,10 @@ class ServerTracing(grpc.aio.ServerInterceptor):
                     # servicer's generator is closed now, its cleanup run, not left to the GC.
                     async with contextlib.aclosing(behavior(request, traced)) as responses:
                         async for response in responses:
-                            await call.send_metadata(context)
+                            if not await call.send_metadata(context):
+                                # The call is over: end as one its client cancelled, which sends
+                                # nothing more (gRPC's handler takes CancelledError so).
+                                raise asyncio.CancelledError
                             yield response
                 except BaseException as exc:
                     call.failed(exc)
@@ -474,7 +486,8 @@ class ServerTracing(grpc.aio.ServerInterceptor):
                 traced = _TracedContext(context, call)
                 try:
                     result = await behavior(request, traced)
-                    await call.send_metadata(context)
+                    if not await call.send_metadata(context):
+                        raise asyncio.CancelledError  # the call is over (see send_metadata)
                     return result
                 except BaseException as exc:
                     call.failed(exc)

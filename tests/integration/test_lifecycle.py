@@ -23,8 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from epd.cli.serve import EXIT_MODEL
-from epd.model_runtime.threads import OPENMP_WAIT_SETTINGS, board_directory
+from epd.cli.leftovers import remove_dead_stacks
+from epd.cli.serve import EXIT_MODEL, STACK_DIR_PREFIX
+from epd.model_runtime.threads import BOARD_PREFIX, OPENMP_WAIT_SETTINGS, board_directory, stack_board_name
 from epd.stages.contracts import MediaInput
 from epd.transport.remote_stages import RemoteEncodeStage, ReplicaPool
 from epd.video.types import SamplingOptions
@@ -228,6 +229,13 @@ def test_the_model_services_are_forked_from_one_zygote(default_stack):
     assert " ".join(roles["prefill"].cmdline()).startswith("epd --log-level WARNING serve prefill --port ")
 
 
+def _stack_entries(files_dir: Path, launcher_pid: int) -> list[Path]:
+    """A launcher's files directory in `files_dir` and the threads board named after it."""
+    found = list(files_dir.glob(f"{STACK_DIR_PREFIX}{launcher_pid}-*"))
+    boards = [board_directory() / stack_board_name(path.name[len(STACK_DIR_PREFIX) :]) for path in found]
+    return [*found, *boards]
+
+
 @dataclass
 class KilledLauncher:
     """What a stack whose launcher got SIGKILL left once its processes had up to 60 s to end, seen then."""
@@ -241,9 +249,9 @@ class KilledLauncher:
 @pytest.fixture(scope="module")
 def killed_launcher(default_stack) -> KilledLauncher:
     """The default stack killed, for the two tests below, which only read what it left, as it was
-    right after the kill. Only a launcher removes a dead one's files, so the second test's own
-    launcher is the first to, unless another test's started meanwhile (then that one did, and the
-    second test still sees them gone)."""
+    right after the kill. Only a launcher of the same temp directory removes a dead one's files
+    and board, so the second test's own launcher is the first to, whatever other launchers start
+    on the machine meanwhile (their temp directories are not this test's)."""
     launcher, children, files_dir = default_stack.launcher, default_stack.children, default_stack.files_dir
     assert launcher.poll() is None, "the default stack stopped before it was killed"
     launcher.kill()
@@ -254,7 +262,7 @@ def killed_launcher(default_stack) -> KilledLauncher:
         with contextlib.suppress(psutil.NoSuchProcess):
             if child.status() != psutil.STATUS_ZOMBIE:
                 survivors.append(" ".join(child.cmdline()[:6]))
-    left = [*files_dir.glob(f"epd-stack-{launcher.pid}-*"), board_directory() / f"epd-threads-{launcher.pid}.board"]
+    left = _stack_entries(files_dir, launcher.pid)
     found = [path.name for path in left if path.exists()]
     if left and (left[0] / "internal-secret").exists():
         found.append("internal-secret")
@@ -269,15 +277,21 @@ def test_a_killed_launcher_leaves_nothing_running(killed_launcher):
 
 def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, killed_launcher, tmp_path):
     """A killed launcher leaves its files directory (the internal secret) and its /dev/shm threads
-    board; the next launcher removes them (their launcher pid no longer runs), and its own go with
-    it when it stops."""
+    board; the next launcher of its temp directory removes them (their launcher pid no longer runs),
+    and its own go with it when it stops. A launcher of another temp directory leaves them: /dev/shm
+    is the machine's, and a board it swept could be one a stack killed under another temp directory
+    had just left (this test failed while other helpers' launchers started on the machine)."""
     files_dir, left = killed_launcher.files_dir, killed_launcher.left
     assert len(left) == 2 and killed_launcher.found == [path.name for path in left] + ["internal-secret"], left
+    elsewhere = tmp_path / "another-launchers-tmp"
+    elsewhere.mkdir()
+    remove_dead_stacks(str(elsewhere), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX)
+    assert all(path.exists() for path in left), left
 
     second, _ = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
     try:
         assert not [path for path in left if path.exists()]
-        own = [*files_dir.glob(f"epd-stack-{second.pid}-*"), board_directory() / f"epd-threads-{second.pid}.board"]
+        own = _stack_entries(files_dir, second.pid)
         assert len(own) == 2 and all(path.exists() for path in own), own
     finally:
         second.send_signal(signal.SIGTERM)
@@ -312,7 +326,8 @@ def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path, signum):
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
     assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr
-    assert not list(files_dir.iterdir()) and not (board_directory() / f"epd-threads-{launcher.pid}.board").exists()
+    assert not list(files_dir.iterdir())
+    assert not list(board_directory().glob(stack_board_name(f"{launcher.pid}-*")))
 
 
 def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path):

@@ -455,3 +455,43 @@ def test_a_clients_malformed_request_is_one_info_line_not_an_error_traceback(cap
     lines = [r.getMessage() for r in caplog.records if r.name == "epd.gateway.http_protocol"]
     assert any("chunk" in line.lower() for line in lines), lines
     assert all("\n" not in line for line in lines), lines
+
+
+def test_malformed_requests_in_a_loop_are_one_line_a_minute_that_counts_the_rest(monkeypatch):
+    """One INFO line per malformed request still let a client that sends them in a loop write a
+    line per request. The gateway's server writes one a minute (FAULT_LINE_INTERVAL_S); the next
+    says how many it left out. The minute passes on the filter's own clock, moved by the test."""
+    from epd.gateway import protocol_log
+    from epd.gateway.http_api import start_http_api
+    from epd.stages.server_config import ServerConfig
+    from tests.log_records import log_records
+
+    now_s = [1000.0]
+    monkeypatch.setattr(protocol_log.CLIENT_FAULTS, "clock", lambda: now_s[0])
+
+    async def broken_chunked_body(port: int) -> int:
+        conn = await Connection.open(port)
+        try:
+            await conn.send_head("POST", "/v1/chat/completions", _post_head(None))
+            await conn.send(b"zz\r\nnot a chunk\r\n")
+            return (await conn.read_response()).status
+        finally:
+            await conn.close()
+
+    async def scenario():
+        config = GatewayConfig(server=ServerConfig(port=0), http=HttpApiConfig(port=0))
+        http = await start_http_api(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
+        try:
+            statuses = [await broken_chunked_body(http.port) for _ in range(5)]
+            now_s[0] += protocol_log.FAULT_LINE_INTERVAL_S
+            return [*statuses, await broken_chunked_body(http.port)]
+        finally:
+            await http.stop(0.5)
+
+    with log_records(protocol_log.PROTOCOL_LOG.name) as records:
+        statuses = asyncio.run(scenario())
+    assert statuses == [400] * 6
+    lines = [record.getMessage() for record in records]
+    assert len(lines) == 2 and all(record.levelname == "INFO" for record in records), lines
+    assert "chunk" in lines[0].lower() and "left out" not in lines[0], lines
+    assert "chunk" in lines[1].lower() and lines[1].endswith("(4 more such lines left out since the last one)"), lines

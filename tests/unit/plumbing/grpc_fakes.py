@@ -3,6 +3,8 @@ this process, methods registered with a generic handler (no protos needed)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 SERVICE = "epd.test.Plumbing"
@@ -15,6 +17,19 @@ async def start_server(methods: dict[str, grpc.RpcMethodHandler]) -> tuple[grpc.
     assert port, "could not bind a loopback port"
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+async def connected(*channels: grpc.aio.Channel, timeout_s: float = 30.0) -> None:
+    """Wait until each channel is READY (connected to its server).
+
+    gRPC shares subchannels process-wide between channels with the same address and arguments. A
+    channel another test left open to a server since stopped keeps that address's subchannel in
+    reconnect backoff ("Connection refused"), and a server started later on the same port (the
+    kernel hands port-0 ports out again) is then called through it: its first calls fail
+    UNAVAILABLE until the backoff ends (up to 2 s with the stage channels' RECONNECT_OPTIONS). A
+    test whose point is not reconnection waits for READY first, so that its calls reach its own
+    server."""
+    await asyncio.wait_for(asyncio.gather(*(channel.channel_ready() for channel in channels)), timeout_s)
 
 
 def unary(channel: grpc.aio.Channel, method: str):

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from epd.transport.remote_stages import ReplicaPool
-from tests.unit.plumbing.grpc_fakes import SERVICE, start_server, unary
+from tests.unit.plumbing.grpc_fakes import SERVICE, connected, start_server, unary
 
 HANG_GUARD_S = 30.0
 
@@ -28,6 +28,7 @@ def test_calls_go_round_robin_over_the_replicas_in_order():
         started = [await start_server(_named(name)) for name in (b"a", b"b", b"c")]
         pool = ReplicaPool([address for _, address in started])
         try:
+            await connected(*pool.channels)
             return [await unary(pool.pick(), "Who")(b"", timeout=HANG_GUARD_S) for _ in range(7)]
         finally:
             await pool.close()
@@ -42,6 +43,7 @@ def test_one_replica_gets_every_call_and_close_closes_its_channel():
         server, address = await start_server(_named(b"only"))
         pool = ReplicaPool([address])
         try:
+            await connected(*pool.channels)
             answers = [await unary(pool.pick(), "Who")(b"", timeout=HANG_GUARD_S) for _ in range(3)]
             await pool.close()
             with pytest.raises(grpc.aio.UsageError):
@@ -88,6 +90,9 @@ def test_grpcs_own_cancel_of_a_call_whose_request_failed_is_the_stages_error_not
             return await call(failing_requests(), timeout=timeout_s)
 
         try:
+            # Connected first: a stale subchannel to this port (grpc_fakes.connected) would fail the
+            # call UNAVAILABLE before its request stream fails, which is another test's subject.
+            await connected(*pool.channels)
             with pytest.raises(UpstreamError) as err:
                 await pool.call("", attempt, "prefill", "req-7", HANG_GUARD_S)
             return err.value
@@ -116,6 +121,7 @@ def test_a_cancel_of_the_calling_task_still_cancels_it():
             return await channel.stream_unary(f"/{SERVICE}/Collect")(requests(), timeout=timeout_s)
 
         try:
+            await connected(*pool.channels)
             task = asyncio.ensure_future(pool.call("", attempt, "prefill", "req-8", HANG_GUARD_S))
             await asyncio.sleep(0.2)  # the call is open, the server holds it
             task.cancel()
