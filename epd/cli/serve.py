@@ -78,6 +78,7 @@ def serve_role(args: argparse.Namespace) -> int:
     """One service until SIGTERM/SIGINT. Its own handlers are installed before the model loads
     (`epd.transport.server.run_service`); until then SIGTERM stops it like Ctrl-C, quietly."""
     from epd.model_runtime.loader import ModelLoadError
+    from epd.transport.aio_cancel import shield_grpc_batches
 
     name = args.role or "colocated"
 
@@ -85,6 +86,8 @@ def serve_role(args: argparse.Namespace) -> int:
     try:
         try:
             _secure_transport(args)
+            # Calls cut mid-operation (clients gone, deadlines) leak grpcio's native memory otherwise.
+            shield_grpc_batches()
             service = _service(args)  # imports torch: seconds in which a signal may come
         except ValueError as exc:  # a config's own check of a flag value
             print(f"epd serve {name}: {exc}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""grpc.aio's own cancellation of a call, told apart from a cancel of the calling task; and its
-own INTERNAL for a send cut short.
+"""grpc.aio's own cancellation of a call, told apart from a cancel of the calling task; its own
+INTERNAL for a send cut short; and the batches a cancelled task leaves in flight, kept until they
+end so their native memory is freed (`shield_grpc_batches`).
 
 grpc.aio cancels a client-streaming call itself when its request iterator fails: the iterator
 raised, or the deadline passed before a message could be written (grpcio's `aio/_call.py`,
@@ -13,8 +14,13 @@ imports it.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 def cancelled_by_grpc() -> bool:
@@ -36,3 +42,74 @@ deadline and a 2 MB upload, most). gRPC's text, never one of our services' (thei
 def lost_while_sending(code: grpc.StatusCode, details: str) -> bool:
     """Whether a failed call's (code, details) is grpc.aio's INTERNAL for a send cut short."""
     return code == grpc.StatusCode.INTERNAL and details.startswith(LOST_WHILE_SENDING)
+
+
+class LeftBatches:
+    """The gRPC batches that cancelled tasks left in flight (`shield_grpc_batches`): each runs on in
+    its own task until gRPC completes it, which the call's end does (grpc.aio cancels a call
+    whose task is cancelled mid-operation; a server's call is over when its handler is cancelled).
+    That is at once, but for the few calls grpcio's core ends only at their deadline (seen for
+    some 0.1-1% of uploads cut mid-send, with grpcio as it is as well): every stage call has one."""
+
+    def __init__(self) -> None:
+        self.in_flight: set[asyncio.Task[Any]] = set()  # held: the loop keeps only weak references
+        self.num_ended = 0
+        """Left batches gRPC has completed since the process started (their memory freed)."""
+
+    def keep(self, batch: asyncio.Task[Any]) -> None:
+        self.in_flight.add(batch)
+        batch.add_done_callback(self._ended)
+
+    def _ended(self, batch: asyncio.Task[Any]) -> None:
+        self.in_flight.discard(batch)
+        self.num_ended += 1
+        if not batch.cancelled():
+            batch.exception()  # retrieved: a batch of an ended call may fail, nobody awaits it now
+
+
+LEFT_BATCHES = LeftBatches()
+
+BatchRunner = Callable[[Any, tuple[Any, ...], asyncio.AbstractEventLoop], Coroutine[Any, Any, None]]
+
+
+def shield_grpc_batches() -> bool:
+    """Make every grpc.aio batch (one operation of a call: a read, a write, the initial metadata)
+    of this process run to its end in a task of its own, so that cancelling the task awaiting it
+    (a client gone, a deadline of ours, grpc.aio's own cancel of a call) no longer leaks it. False
+    where this grpcio has no `execute_batch` to wrap (nothing changed). Idempotent.
+
+    Why: grpcio (1.56 to 1.85.3 at least) frees a batch's `grpc_op` array, and what its operations
+    hold (received message, metadata), only when the coroutine awaiting the batch sees it complete
+    (`execute_batch` in grpcio's `aio/callback_common.pyx.pxi`; grpc/grpc#43360, fix not released).
+    A task cancelled mid-batch drops it for good: about 100 B per cut read, 1 KB per cut unary
+    call, 1.5-5 KB per request a gateway's client abandons (docs/architecture.md, known issue).
+    Here the cancelled awaiter still raises at once, as before; only the batch waits on, in a task
+    `LEFT_BATCHES` holds, and ends when gRPC completes it: the call was cancelled or ended, so
+    promptly (`LeftBatches`). A batch gRPC reports as failed still leaks (grpcio reads its ops back
+    only on success).
+
+    grpcio's Cython code calls `execute_batch` through its module's globals, which is what lets
+    this wrapper in. Called at a serving process's start (`epd serve`), not by the SDK: a user's
+    process is theirs to patch."""
+    from grpc._cython import cygrpc
+
+    original: BatchRunner | None = getattr(cygrpc, "execute_batch", None)
+    if original is None:
+        log.warning("grpcio %s has no execute_batch: cancelled calls may leak native memory (grpc/grpc#43360)",
+                    grpc.__version__)
+        return False
+    if getattr(original, "_epd_shielded", False):
+        return True
+
+    async def execute_batch(call: Any, operations: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> None:
+        batch: asyncio.Task[None] = loop.create_task(original(call, operations, loop))
+        try:
+            await asyncio.shield(batch)
+        except asyncio.CancelledError:
+            if not batch.done():  # this task was cancelled, not the batch: it runs on to its end
+                LEFT_BATCHES.keep(batch)
+            raise
+
+    execute_batch._epd_shielded = True  # type: ignore[attr-defined]
+    setattr(cygrpc, "execute_batch", execute_batch)  # noqa: B010 - cygrpc's stub does not declare it
+    return True
