@@ -108,8 +108,15 @@ class KvPuller:
         request = prefill_pb2.PullKvRequest(kv_handle=handle, keep_until_confirmed=True)
         try:
             async with self._stub(address) as stub:
-                async for msg in stub.PullKv(request, timeout=self.timeout_s):
-                    asm.add(msg.tensor)
+                call = stub.PullKv(request, timeout=self.timeout_s)
+                try:
+                    async for msg in call:
+                        asm.add(msg.tensor)
+                finally:
+                    # No-op once the call ended. A pull cancelled just as the call's start-up
+                    # completes leaves it running (grpc.aio awaits that start outside its cancel
+                    # handler): prefill would stream the cache to nobody until the deadline.
+                    call.cancel()
         except grpc.aio.AioRpcError as exc:
             # NOT_FOUND too: a prefill replica restarted on the same address has an empty store.
             if not (source_lost(exc) or exc.code() == grpc.StatusCode.NOT_FOUND):

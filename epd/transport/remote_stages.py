@@ -318,14 +318,21 @@ class RemoteEncodeStage(EncodeStage):
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
             asm = TensorAssembler(self.max_transfer_bytes)
             result = None
-            async for msg in stub.Encode(requests(), timeout=timeout_s):
-                kind = msg.WhichOneof("kind")
-                if kind == "event":
-                    on_event(convert.event_from_proto(msg.event))
-                elif kind == "embeddings":
-                    asm.add(msg.embeddings)
-                else:
-                    result = msg.result
+            call = stub.Encode(requests(), timeout=timeout_s)
+            try:
+                async for msg in call:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "event":
+                        on_event(convert.event_from_proto(msg.event))
+                    elif kind == "embeddings":
+                        asm.add(msg.embeddings)
+                    else:
+                        result = msg.result
+            finally:
+                # No-op once the call ended. A reader cancelled just as the call's start-up
+                # completes leaves it running (grpc.aio awaits that start outside its cancel
+                # handler): the encoder would decode and encode for nobody until the deadline.
+                call.cancel()
             if result is None:
                 raise UpstreamError(grpc.StatusCode.INTERNAL, "the encoder ended without a result")
             return result, asm
