@@ -23,7 +23,6 @@ host and port, never to the text as sent.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -34,6 +33,7 @@ from epd.model_runtime.kv_cache import KvCache
 from epd.stages.contracts import PrefillHandle
 from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.transport import tracing
+from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import replica_lost
 from epd.transport.server import traced_channel
 from epd.transport.tensor_wire import TensorAssembler
@@ -50,10 +50,7 @@ def source_lost(exc: grpc.aio.AioRpcError) -> bool:
 
 
 MAX_IDLE_CHANNELS = 64
-"""Channels to prefill servers kept open with no call on them, the most recently used; an older
-idle one is closed. The address comes from each request, and an allow-list such as
-`127.0.0.1:*` or `10.0.0.0/8:*` admits many: a channel kept for every address ever named (~20 KB
-each) grew without bound, with a caller naming a new port each time, or prefill pods replaced."""
+"""Channels to prefill servers kept open with no call on them (`ChannelCache`)."""
 
 
 class KvPuller:
@@ -62,8 +59,8 @@ class KvPuller:
         self.allowed = parse_allow_list(allowed_sources)  # ValueError names the bad entry
         self.max_transfer_bytes = max_transfer_bytes
         self.timeout_s = timeout_s
-        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()  # by gRPC target, least recently used first
-        self._calls: Counter[str] = Counter()  # calls in flight on each target's channel
+        # By gRPC target. The request id goes with the pull and the confirmation.
+        self.channels = ChannelCache(traced_channel, MAX_IDLE_CHANNELS)
 
     def check_allowed(self, address: str) -> KvSource:
         """The parsed source, if the allow-list admits it; InvalidRequest otherwise."""
@@ -81,26 +78,9 @@ class KvPuller:
 
     @asynccontextmanager
     async def _stub(self, address: str) -> AsyncIterator[prefill_pb2_grpc.PrefillServiceStub]:
-        """A stub on the channel to `address` (checked), for one call; idle channels beyond
-        `MAX_IDLE_CHANNELS` are closed first."""
-        target = self.check_allowed(address).grpc_target
-        channel = self._channels.pop(target, None)
-        if channel is None:
-            channel = traced_channel(target)  # the request id goes with the pull and the confirmation
-        self._channels[target] = channel
-        self._calls[target] += 1
-        try:
-            await self._close_idle()
+        """A stub on the channel to `address` (checked), for one call."""
+        async with self.channels.use(self.check_allowed(address).grpc_target) as channel:
             yield prefill_pb2_grpc.PrefillServiceStub(channel)
-        finally:
-            self._calls[target] -= 1
-            if not self._calls[target]:
-                del self._calls[target]
-
-    async def _close_idle(self) -> None:
-        while len(idle := [target for target in self._channels if not self._calls[target]]) > MAX_IDLE_CHANNELS:
-            # Out of the map before the await: a call meanwhile opens a new channel, never this one.
-            await self._channels.pop(idle[0]).close()
 
     async def pull(self, address: str, handle: str) -> KvCache:
         """The cache, whole; prefill keeps its copy until `confirm`."""
@@ -158,5 +138,4 @@ class KvPuller:
         await self.confirm(handle.kv_address, handle.kv_handle)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self.channels.close()

@@ -54,6 +54,7 @@ from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser
 from epd.transport.aio_cancel import cancelled_by_grpc
+from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import (
     UpstreamError,
     broken_stream,
@@ -369,7 +370,14 @@ class RemotePrefillStage(PrefillStage):
     def __init__(self, pool: ReplicaPool, timeout_s: float) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
-        self._kv_channels: dict[str, grpc.aio.Channel] = {}  # by kv_address, for ReleaseKv
+        # By kv_address, for ReleaseKv. The address came from our own prefill server's answer,
+        # never from a client. A pod advertises its IP, which no certificate names: when the IP is
+        # (or was: a draining pod leaves DNS with caches) a replica the gateway resolved from a
+        # `dns:///` name, its certificate is checked against that name. Bounded: prefill pods are
+        # replaced, and each new IP would keep a channel for good.
+        self.kv_channels = ChannelCache(
+            lambda address: traced_channel(address, server_name=self.pool.server_name(address))
+        )
 
     async def prefill(
         self,
@@ -427,20 +435,15 @@ class RemotePrefillStage(PrefillStage):
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if not handle.kv_address:
             return
-        channel = self._kv_channels.get(handle.kv_address)
-        if channel is None:
-            # The address came from our own prefill server's answer, never from a client. A pod
-            # advertises its IP, which no certificate names: when the IP is (or was: a draining pod
-            # leaves DNS with caches) a replica the gateway resolved from a `dns:///` name, its
-            # certificate is checked against that name.
-            channel = traced_channel(handle.kv_address, server_name=self.pool.server_name(handle.kv_address))
-            self._kv_channels[handle.kv_address] = channel
-        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-        try:
-            request = prefill_pb2.ReleaseKvRequest(kv_handle=handle.kv_handle, request_id=request_id)
-            await stub.ReleaseKv(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise stage_error(exc, "prefill", request_id) from None
+        request = prefill_pb2.ReleaseKvRequest(kv_handle=handle.kv_handle, request_id=request_id)
+        async with self.kv_channels.use(handle.kv_address) as channel:
+            try:
+                await prefill_pb2_grpc.PrefillServiceStub(channel).ReleaseKv(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise stage_error(exc, "prefill", request_id) from None
+
+    async def close(self) -> None:
+        await self.kv_channels.close()
 
 
 class RemoteDecodeStage(DecodeStage):

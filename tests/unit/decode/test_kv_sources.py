@@ -188,13 +188,13 @@ def test_idle_channels_are_bounded_and_one_in_use_is_kept(monkeypatch):
         try:
             busy = f"127.0.0.1:{hs.port}"
             pull = asyncio.ensure_future(puller.pull(busy, "handle"))
-            while not puller._channels:
+            while not puller.channels.targets:
                 await asyncio.sleep(0.01)
             refused = [f"127.0.0.1:{port}" for port in _free_ports(5)]  # nothing listens there
             for address in refused:
                 with pytest.raises(KvSourceLost):
                     await puller.pull(address, "handle")
-            kept = list(puller._channels)
+            kept = puller.channels.targets
             still_pulling = not pull.done()
             pull.cancel()
             await asyncio.gather(pull, return_exceptions=True)

@@ -361,8 +361,7 @@ def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_th
             await stage.release(handle, "r1")
         finally:
             await pool.close()
-            for channel in stage._kv_channels.values():
-                await channel.close()
+            await stage.close()
             await hs.stop(0)
 
     security.configure(TransportSecurity(tls_ca=tls_files["ca"]))
