@@ -12,6 +12,10 @@ others, so adding a replica moves only the keys it now wins, and losing one move
 held: each to the replica that was second in its order, which is also where a failed call is
 retried.
 
+A conversation without media has no video to key on: its prefill key is its opening
+(`conversation_key`: every message up to and including the first user message, which each of its
+later turns repeats), so its follow-ups find the prefix cache its first turn left.
+
 Load. A call without a key (decode; media the gateway could not hash) goes to the healthy replica
 with the least work: the larger of what the replica last reported (`set_load`: running + waiting
 requests over its engine cores, `LoadService.GetLoad`, refreshed in the background) and the calls
@@ -42,6 +46,8 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 
+from epd.stages.messages import Message
+
 FAILURE_HOLD_S = 5.0
 """How long a replica whose call failed gets no calls first (it is still tried last, and the
 health checks may keep it down longer)."""
@@ -51,6 +57,23 @@ MAX_EXCESS_LOAD = 4
 the call goes to its next choice (see the module doc for why a few)."""
 
 ROUTINGS = ("affinity", "round-robin")
+
+
+def conversation_key(messages: Sequence[Message], salt: str = "") -> str:
+    """The prefill affinity key of a conversation without media: a hash of its opening, every
+    message up to and including the first user message (the same in each of its later turns, so
+    a follow-up goes where the first turn's prefix cache is), and of `salt` (the tenant's: the
+    prefix cache is per tenant anyway). A common opening ("hello") puts many conversations on one
+    home replica; the load bound (`max_excess_load`) spills them as any hot key."""
+    digest = hashlib.sha256(b"conversation\0" + salt.encode() + b"\0")
+    for message in messages:
+        digest.update(message.role.encode() + b"\0")
+        for part in message.parts:
+            digest.update(part.type.encode() + b"\0" + part.text.encode() + b"\0")
+        digest.update(b"\1")  # the message's end: ["ab"] and ["a", "b"] differ
+        if message.role == "user":
+            break
+    return digest.hexdigest()
 
 
 def rendezvous_score(key: str, replica: str) -> int:

@@ -52,7 +52,7 @@ from epd.stages.messages import Message
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
-from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser
+from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser, conversation_key
 from epd.transport.aio_cancel import cancelled_by_grpc
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import (
@@ -420,9 +420,10 @@ class RemotePrefillStage(PrefillStage):
                 release.add_done_callback(_released_after_cancel(request_id))
                 raise
 
-        # The replica whose prefix cache holds this video's conversation (rendezvous on its sha256);
-        # a text-only conversation has no key: the least loaded replica.
-        result = await self.pool.call(media.sha256 if media else "", attempt, "prefill", request_id, self.timeout_s)
+        # The replica whose prefix cache holds this conversation (rendezvous on its video's sha256,
+        # or on a text-only conversation's opening).
+        key = media.sha256 if media else conversation_key(messages, cache_salt)
+        result = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
         handle = convert.handle_from_proto(result, relay=True)
         # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill
         # (sent whole, prefix-cache hit or not: prefill hashes them for its key), and the

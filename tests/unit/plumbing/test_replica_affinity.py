@@ -186,3 +186,57 @@ def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
                 await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_a_text_only_conversations_turns_go_to_one_prefill_replica():
+    """A conversation without media has no video to key on: each of its turns goes where its first
+    turn's prefix cache is (rendezvous on its opening), and different conversations spread. Calls
+    without a key went round robin, so a follow-up missed the cache on another replica. Real
+    grpc.aio prefill servers that note who got which conversation; the real `RemotePrefillStage`."""
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.stages.messages import Message
+    from epd.transport.remote_stages import RemotePrefillStage
+    from epd.v1 import prefill_pb2
+
+    got: list[tuple[str, str]] = []  # (replica, the conversation's first question)
+
+    def prefill_methods(name: str) -> dict[str, grpc.RpcMethodHandler]:
+        async def prefill(requests, context) -> prefill_pb2.PrefillResult:
+            header = None
+            async for msg in requests:
+                header = header or msg.header
+            got.append((name, header.messages[1].parts[0].text))
+            return prefill_pb2.PrefillResult(kv_handle=header.kv_handle, next_position_ids=[1, 1, 1, 1])
+
+        return {"Prefill": grpc.stream_unary_rpc_method_handler(
+            prefill, prefill_pb2.PrefillRequest.FromString, prefill_pb2.PrefillResult.SerializeToString)}
+
+    async def scenario() -> None:
+        servers = []
+        for name in ("a", "b", "c"):
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler("epd.v1.PrefillService", prefill_methods(name)),))
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append((server, f"127.0.0.1:{port}"))
+        pool = ReplicaPool([address for _, address in servers])
+        stage = RemotePrefillStage(pool, TIMEOUT_S)
+        try:
+            for i in range(8):
+                question = f"question {i}"
+                first = [Message.system("be brief"), Message.user(question)]
+                for turn in (first, [*first, Message.assistant("an answer"), Message.user("and then?")]):
+                    await stage.prefill(turn, None, GenerationConfig(), f"r{i}")
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    asyncio.run(scenario())
+    home: dict[str, set[str]] = {}
+    for replica, question in got:
+        home.setdefault(question, set()).add(replica)
+    assert len(got) == 16
+    assert all(len(replicas) == 1 for replicas in home.values()), home
+    assert len(set.union(*home.values())) >= 2, "8 conversations all went to one replica"

@@ -183,3 +183,15 @@ def test_replicas_come_and_go_and_keys_move_only_to_or_from_them():
 def test_a_stage_needs_a_replica():
     with pytest.raises(ValueError, match="at least one address"):
         ReplicaChooser([])
+
+
+def test_a_conversations_key_is_its_opening_and_its_tenants():
+    from epd.stages.messages import Message
+    from epd.transport.affinity import conversation_key
+
+    first = [Message.system("be brief"), Message.user("hello", "there")]
+    later = [*first, Message.assistant("hi"), Message.user("what now?")]
+    assert conversation_key(first) == conversation_key(later)  # every turn finds the first's home
+    assert conversation_key(first, "tenant-a") != conversation_key(first, "tenant-b")
+    assert conversation_key(first) != conversation_key([Message.system("be brief"), Message.user("hellothere")])
+    assert conversation_key(first) != conversation_key([Message.user("hello", "there")])
