@@ -42,6 +42,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from epd.gateway import json_payloads
 from epd.gateway.admission import Ticket
 from epd.stages.errors import DeadlineExceeded, InvalidRequest, ResourceExhausted
+from epd.transport.aio_cancel import within
 
 TICKET_KEY = web.RequestKey("epd_admission_ticket", Ticket)
 """Where the admission middleware leaves the request's ticket for `read_json_body`."""
@@ -79,7 +80,7 @@ async def read_json_body(request: web.Request, max_body_bytes: int, timeout_s: f
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0
     try:
-        body = await asyncio.wait_for(_read_body(request, max_body_bytes, ticket), timeout_s)
+        body = await within(_read_body(request, max_body_bytes, ticket), timeout_s)
     except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
         raise BodyTimedOut(
             f"the request body did not arrive within {timeout_s:g} s (the server's --body-timeout); "

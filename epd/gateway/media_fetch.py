@@ -33,6 +33,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from epd.gateway.config import MediaFetchConfig
 from epd.stages.errors import DeadlineExceeded, InvalidRequest, NotFound, PermissionDenied, ResourceExhausted
+from epd.transport.aio_cancel import within
 
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _READ_CHUNK_BYTES = 1 << 16
@@ -326,7 +327,7 @@ async def resolve_checked(target: UrlTarget, config: MediaFetchConfig) -> list[t
 async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None = None) -> bytes:
     """One deadline (`fetch_timeout_s`) over the whole fetch: DNS, every hop and the body."""
     try:
-        return await asyncio.wait_for(_fetch(url, config, max_bytes, reserve), config.fetch_timeout_s)
+        return await within(_fetch(url, config, max_bytes, reserve), config.fetch_timeout_s)
     except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
         raise DeadlineExceeded(
             f"fetching the media URL took longer than {config.fetch_timeout_s:g} s; send it as a data: URL"

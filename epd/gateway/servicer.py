@@ -16,6 +16,7 @@ from epd.stages.errors import DeadlineExceeded, InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
 from epd.transport import convert, tracing
+from epd.transport.aio_cancel import within
 from epd.transport.auth import bearer_token, request_cache_salt
 from epd.transport.errors import rpc_errors
 from epd.transport.internal_secrets import internal_secrets
@@ -103,12 +104,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         timeout_s = self.config.body_timeout_s
         ends_at = time.monotonic() + timeout_s
         try:
-            header = await asyncio.wait_for(read_header(request_iterator), timeout_s)
-            # The client's id from here on, in this task (wait_for's task has a copy of its
-            # context): the upload's errors, the response metadata and the summary all name it.
+            header = await within(read_header(request_iterator), timeout_s)
+            # The client's id from here on: the upload's errors, the response metadata and the
+            # summary all name it.
             tracing.adopt_request_id(header.request_id)
             media = read_media(request_iterator, header, self.config.max_upload_bytes, reserve_bytes)
-            return header, await asyncio.wait_for(media, max(0.0, ends_at - time.monotonic()))
+            return header, await within(media, max(0.0, ends_at - time.monotonic()))
         except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
             raise DeadlineExceeded(
                 f"the upload did not arrive within {timeout_s:g} s (the server's --body-timeout); send it "

@@ -1,6 +1,7 @@
 """grpc.aio's own cancellation of a call, told apart from a cancel of the calling task; its own
 INTERNAL for a send cut short; and the batches a cancelled task leaves in flight, kept until they
-end so their native memory is freed (`shield_grpc_batches`).
+end so their native memory is freed (`shield_grpc_batches`); and a time limit that never swallows
+a cancel (`within`).
 
 grpc.aio cancels a client-streaming call itself when its request iterator fails: the iterator
 raised, or the deadline passed before a message could be written (grpcio's `aio/_call.py`,
@@ -15,12 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """`await awaitable`, or TimeoutError (asyncio.TimeoutError) once `timeout_s` has passed.
+
+    Not asyncio.wait_for on Python 3.11: when the awaiting task is cancelled just as what it waits
+    for completes, 3.11's wait_for returns the result and the cancel is lost (fixed in 3.12, whose
+    wait_for is `asyncio.timeout`). A gateway handler whose client had gone as its upload or body
+    arrived then went on to encode and prefill for nobody. `asyncio.timeout` (3.11+) runs the
+    awaitable in this task and keeps the cancel; Python 3.10 has only wait_for."""
+    if not hasattr(asyncio, "timeout"):  # Python 3.10
+        return await asyncio.wait_for(awaitable, timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await awaitable
 
 
 def cancelled_by_grpc() -> bool:

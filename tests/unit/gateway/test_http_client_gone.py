@@ -71,7 +71,8 @@ def test_a_client_that_closes_while_sending_its_body_is_a_499_not_an_error(caplo
         counts = asyncio.run(run())
     assert counts == {"200": 0, "499": 1, "500": 0}
     assert _errors(caplog) == []
-    assert any("went away before its body arrived" in r.getMessage() for r in caplog.records)
+    # aiohttp cancels the handler as the body's read fails: either ends it as a client gone.
+    assert any("went away" in r.getMessage() for r in caplog.records)
 
 
 def test_a_client_gone_as_its_stream_ends_is_not_an_error(caplog, monkeypatch):
