@@ -100,10 +100,11 @@ def num_text_chars(messages: Sequence[Message]) -> int:
 def check_messages(messages: Sequence[Message], max_text_chars: int | None = None) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
     answer: known roles and part types, text only in text parts, at most one media part (in a
-    user message; none: a text-only conversation), the last message the user's, at most MAX_PARTS parts and `max_text_chars` of
-    text. A message may be the media alone, with no text at all (as in vLLM and OpenAI's API: the
-    model then answers the video as its chat template frames it; the text-guided prefill drop then
-    scores the visual tokens by the template's own tokens after the video)."""
+    user message; none: a text-only conversation), the last message the user's, at most MAX_PARTS
+    parts and `max_text_chars` of text. A message may be the media alone, with no text at all (as
+    in vLLM and OpenAI's API: the model then answers the video as its chat template frames it; the
+    text-guided prefill drop then scores the visual tokens by the template's own tokens after the
+    video)."""
     if not messages:
         raise InvalidRequest("the request has no messages; send a user message (with a video or image and a "
                              "question, or text alone)")
