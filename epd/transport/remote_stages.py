@@ -53,7 +53,7 @@ from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser, conversation_key
-from epd.transport.aio_cancel import cancelled_by_grpc
+from epd.transport.aio_cancel import cancelled_by_grpc, within
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import (
     UpstreamError,
@@ -485,7 +485,7 @@ class RemoteDecodeStage(DecodeStage):
             try:
                 stream = call.__aiter__()
                 try:
-                    first = await asyncio.wait_for(stream.__anext__(), first_timeout_s)
+                    first = await within(stream.__anext__(), first_timeout_s)  # keeps a cancel
                 except asyncio.TimeoutError:
                     if first_timeout_s >= remaining:  # the call's own deadline, not a hang
                         raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
