@@ -34,10 +34,10 @@ decoder differs from FFmpeg 8's by +-1 in some pixels). After a seek in an HEVC 
 (both) returns the frame after the one asked for (its keyframe table is off by one, and a target
 on a keyframe comes back one late), so HEVC frames are read in order from the first
 (`_NO_SEEK_CODECS`; the budget counts those frames), and a request that would decode more that way
-than by seeking is handed to the PyAV backend (`hands_over`), which seeks exactly. With `max_pixels`, decord decodes at the
-source size and the parent
-downscales the upright RGB frames with swscale (`simple_decoder.downscale_rgb`): same shapes as
-PyAV's, pixels within rounding of them (PyAV scales the YUV frame before turning it). decord's own
+than by seeking is handed to the PyAV backend (`hands_over`), which seeks exactly. With
+`max_pixels`, decord decodes at the source size and the parent downscales the upright RGB frames
+with swscale (`simple_decoder.downscale_rgb`): same shapes as PyAV's, pixels within rounding of
+them (PyAV scales the YUV frame before turning it). decord's own
 scaler (`VideoReader(width=, height=)`) is not used: it takes the size after rotation (a 90/270
 degree clip came out transposed or failed) and fails outright for some widths (16, 24, 48 and 72
 px: "from_size == to_size"), which the client saw as "cannot open AV1, and some AVI files".
