@@ -686,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
             rps = t["request_throughput_rps"] / max(m["request_throughput_rps"], 1e-9)
             print(f"| {with_media['concurrency'] or 'all'} in flight | "
                   + " | ".join(f"{r:.2f}x" for r in ratios) + f" | {rps:.2f}x |")
-    errors = sorted({e for lv in report["sweep"] + report.get("text_only_sweep", []) for e in lv["summary"]["errors"]})
+    levels_run = report["sweep"] + report.get("text_only_sweep", [])
+    errors = sorted({e for lv in levels_run for e in lv["summary"]["errors"]})
     for e in errors:
         print(f"  error: {e}")
     if not args.no_baselines:
@@ -721,7 +722,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {args.plot}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
-    levels_run = report["sweep"] + report.get("text_only_sweep", [])
     return 0 if all(lv["summary"]["num_failed"] == 0 for lv in levels_run) else 1
 
 

@@ -309,15 +309,14 @@ class HttpApi:
             )
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
             # event loop (every other client's stream, both APIs) goes on meanwhile.
-            media = None  # a text-only conversation: nothing to load, no encoder call
+            data = None  # a text-only conversation: nothing to load, no encoder call
             if chat.media_url.startswith("data:"):
                 data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
-                media = MediaInput(data, await asyncio.to_thread(sha256_hex, data))
             elif chat.media_url:
                 ticket = request.get(TICKET_KEY)  # a file's or a fetch's bytes count as a body's
                 data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes,
                                         ticket.reserve_bytes if ticket is not None else None)
-                media = MediaInput(data, await asyncio.to_thread(sha256_hex, data))
+            media = None if data is None else MediaInput(data, await asyncio.to_thread(sha256_hex, data))
             ask = AskRequest(
                 messages=chat.messages,
                 media=media,
