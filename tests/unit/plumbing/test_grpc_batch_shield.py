@@ -17,9 +17,11 @@ import pytest
 from grpc._cython import cygrpc
 
 from epd.transport.aio_cancel import LEFT_BATCHES, shield_grpc_batches
-from tests.unit.plumbing.grpc_fakes import SERVICE, start_server
+from tests.unit.plumbing.grpc_fakes import SERVICE, connected, start_server
 
 HANG_GUARD_S = 30.0
+DEADLINE_S = 2.0
+"""The "deadline" cut's call deadline (its channel is connected first)."""
 UPLOAD_CHUNK_BYTES = 1 << 20
 NUM_UPLOAD_CHUNKS = 16  # far past HTTP/2's flow-control window: the upload stalls on a server that does not read
 Code = grpc.StatusCode
@@ -125,7 +127,8 @@ async def cut(channel: grpc.aio.Channel, how: str) -> tuple[grpc.aio.Call, int]:
             await waiter
         return call, 1
 
-    call = tokens(b"request", timeout=0.5 if how == "deadline" else HANG_GUARD_S)
+    # The deadline case's first message must come before its deadline: on a loaded machine too.
+    call = tokens(b"request", timeout=DEADLINE_S if how == "deadline" else HANG_GUARD_S)
     if how == "async for":  # the gateway's decode stream: its request task is cancelled (client gone)
         received = []
 
@@ -188,6 +191,7 @@ def test_a_cut_call_ends_with_its_status_and_leaves_nothing_in_flight(shielded, 
         num_ended_before = LEFT_BATCHES.num_ended
         try:
             async with grpc.aio.insecure_channel(address) as channel:
+                await connected(channel)  # a cut's timings count from its call, not the connection's
                 call, num_left = await cut(channel, how)
                 code = await asyncio.wait_for(call.code(), HANG_GUARD_S)
                 assert code == (Code.DEADLINE_EXCEEDED if how == "deadline" else Code.CANCELLED)
