@@ -44,7 +44,7 @@ from epd.stages.engine_core import EngineLoad
 from epd.transport.aio_cancel import cancelled_by_grpc, within
 from epd.transport.load import fetch_loads
 from epd.transport.load_servicer import stage_loads
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.remote_stages import ReplicaPool, unresolved
 from epd.transport.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ def remote_sources(stage_name: str, pool: ReplicaPool) -> Sources:
     the channel its calls use now."""
 
     def now() -> list[LoadSource]:
-        return [LoadSource(stage_name, address, _reader(pool.channel(address))) for address in pool.addresses]
+        return [LoadSource(stage_name, address, _reader(pool.channel(address)))
+                for address in pool.addresses if not unresolved(address)]
 
     return now
 
@@ -119,7 +120,7 @@ def queued(loads: Sequence[EngineLoad]) -> int:
 
 async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: float) -> None:
     """Read every replica's load once and tell its pool (no answer: only our own calls count)."""
-    targets = [(pool, address) for pool in pools.values() for address in pool.addresses]
+    targets = [(pool, address) for pool in pools.values() for address in pool.addresses if not unresolved(address)]
 
     async def read(pool: ReplicaPool, address: str) -> int | None:
         try:
