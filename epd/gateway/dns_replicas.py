@@ -14,11 +14,14 @@ lookup of each name; `expanded(stage)` is the list that stage's pool routes over
 replica file takes.
 
 A lookup that fails, or finds no address, changes nothing that routes:
-- a name never found yet stays one replica dialled as written (gRPC resolves it itself and
-  balances over what it finds: the behaviour before the gateway resolved names), and is looked up
-  again every PENDING_RETRY_S. Not an error at start-up: a headless Service has no address until
-  one of its pods is ready, and the gateway starts in seconds while the stages load their models
-  for minutes; a gateway that exited then was restarted in a loop (CrashLoopBackOff) until they had;
+- a name never found yet stays in its stage's list as written, and gets no call, health check or
+  load read (`epd.transport.remote_stages.unresolved`): a stage with nothing else is not serving,
+  and the gateway NOT_SERVING. It is looked up again every PENDING_RETRY_S. Not an error at
+  start-up: a headless Service has no address until one of its pods is ready, and the gateway
+  starts in seconds while the stages load their models for minutes; a gateway that exited then
+  was restarted in a loop (CrashLoopBackOff) until they had. Dialled as written instead (gRPC's
+  resolver), its health check answered SERVING and the calls went to whichever pod gRPC picked,
+  past the router, with TLS to pods whose advertised IPs had no name to be checked against;
 - a name found before keeps its last good addresses: a DNS blip must not empty a stage (the health
   checks take addresses that stopped serving out of routing).
 Each change of a name's state (failing, found again) is one line for the log, not one per lookup.
@@ -140,7 +143,7 @@ class ReplicaSets:
         return list(dict.fromkeys(n for n in parsed if n is not None))
 
     def pending(self) -> list[DnsName]:
-        """Names never found yet (dialled as written meanwhile)."""
+        """Names never found yet (no calls meanwhile)."""
         return [n for n in self.names() if n not in self._found]
 
     def never_looked_up(self) -> list[DnsName]:
@@ -162,8 +165,8 @@ class ReplicaSets:
             if name in self._found:
                 return (f"{name.entry} {why}: keeping its last addresses {', '.join(self._found[name])} "
                         "until a lookup finds some")
-            return (f"{name.entry} {why} yet: dialled as written (gRPC resolves it) until a lookup finds its "
-                    f"addresses, retried every {PENDING_RETRY_S:g} s")
+            return (f"{name.entry} {why} yet: no calls go to it until a lookup finds its addresses, "
+                    f"retried every {PENDING_RETRY_S:g} s")
         self._found[name] = tuple(sorted({replica_address(ip, name.port) for ip in found}))
         if name in self._failing:
             self._failing.discard(name)
@@ -172,7 +175,8 @@ class ReplicaSets:
 
     def expanded(self, stage: str) -> StageList:
         """The stage's replicas now: each `dns:///` name found replaced by its addresses (the first
-        entry naming an address wins it), every other entry as written."""
+        entry naming an address wins it), every other entry as written (a name not found yet too:
+        the pool calls nothing there, `epd.transport.remote_stages.unresolved`)."""
         addresses: dict[str, None] = {}
         server_names: dict[str, str] = {}
         for entry in self.configured[stage]:

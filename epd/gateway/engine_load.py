@@ -41,10 +41,10 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from epd.stages.engine_core import EngineLoad
-from epd.transport.aio_cancel import cancelled_by_grpc
+from epd.transport.aio_cancel import cancelled_by_grpc, within
 from epd.transport.load import fetch_loads
 from epd.transport.load_servicer import stage_loads
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.remote_stages import ReplicaPool, unresolved
 from epd.transport.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ def remote_sources(stage_name: str, pool: ReplicaPool) -> Sources:
     the channel its calls use now."""
 
     def now() -> list[LoadSource]:
-        return [LoadSource(stage_name, address, _reader(pool.channel(address))) for address in pool.addresses]
+        return [LoadSource(stage_name, address, _reader(pool.channel(address)))
+                for address in pool.addresses if not unresolved(address)]
 
     return now
 
@@ -119,11 +120,11 @@ def queued(loads: Sequence[EngineLoad]) -> int:
 
 async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: float) -> None:
     """Read every replica's load once and tell its pool (no answer: only our own calls count)."""
-    targets = [(pool, address) for pool in pools.values() for address in pool.addresses]
+    targets = [(pool, address) for pool in pools.values() for address in pool.addresses if not unresolved(address)]
 
     async def read(pool: ReplicaPool, address: str) -> int | None:
         try:
-            return queued(await asyncio.wait_for(fetch_loads(pool.channel(address), timeout_s), timeout_s))
+            return queued(await within(fetch_loads(pool.channel(address), timeout_s), timeout_s))
         except Exception as exc:  # noqa: BLE001 - down, starting, or too old to answer GetLoad
             log.debug("no load for routing from %s: %r", address, exc)
             return None
@@ -263,7 +264,7 @@ class EngineLoadCollector:
     async def _refresh(self) -> None:
         sources = self.sources()
         answers = await asyncio.gather(
-            *(asyncio.wait_for(s.read(self.timeout_s), self.timeout_s) for s in sources),
+            *(within(s.read(self.timeout_s), self.timeout_s) for s in sources),
             return_exceptions=True,
         )
         loads = []

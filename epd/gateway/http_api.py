@@ -104,6 +104,9 @@ STREAM_ERROR_KEY = web.RequestKey("epd_stream_error_status", int)
 """The status of the error event a streamed answer ended with, for the request's log line: the
 response itself went out as 200 with the first token."""
 
+STREAM_BEGUN_KEY = web.RequestKey("epd_stream_begun", bool)
+"""Set once a streamed answer's 200 and headers went out: no other response can follow them."""
+
 NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
 
@@ -222,12 +225,23 @@ class HttpApi:
         except Overloaded as exc:
             response = _exception_response(exc)
         except asyncio.CancelledError:
-            # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
-            # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as for
-            # a client found gone by a read or a write (`_client_gone`).
-            log.info("client of %s went away", tracing.current_request_id() or request_id)
-            self.metrics.http_responses.labels(route=route, code="499").inc()
-            raise
+            if self.in_flight.cutting and not request.get(STREAM_BEGUN_KEY):
+                # The gateway's stop cut it at the end of the grace period (`CallsInFlight.cut`),
+                # whatever the route (/health, /metrics, the web demo's decode, a chat not begun):
+                # a 503 to retry, counted as one. It was counted as a client gone (499) and its
+                # connection dropped.
+                response = _exception_response(
+                    self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id))
+            elif self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
+                self.metrics.http_responses.labels(route=route, code="200").inc()
+                raise
+            else:
+                # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
+                # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as
+                # for a client found gone by a read or a write (`_client_gone`).
+                log.info("client of %s went away", tracing.current_request_id() or request_id)
+                self.metrics.http_responses.labels(route=route, code="499").inc()
+                raise
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
             error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
             message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
@@ -340,10 +354,6 @@ class HttpApi:
                         log_summary(item)
                         return web.json_response(completion_body(item, chat.model))
             raise RuntimeError("the pipeline ended without a summary")
-        except asyncio.CancelledError:
-            if not self.in_flight.cutting:
-                raise  # its client went away
-            return _exception_response(self.in_flight.shutdown_error(0, tracing.current_request_id()))
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
             # the server's fault (it was an ERROR traceback and a 500 for every such client).
@@ -498,6 +508,7 @@ class _Stream:
                              tracing.REQUEST_ID_KEY: request_id}
                 )
                 await response.prepare(request)
+                request[STREAM_BEGUN_KEY] = True
                 self.response = response
             return self.response
 

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig
 from epd.transport.aio_cancel import cancelled_by_grpc
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.remote_stages import ReplicaPool, unresolved
 from epd.transport.security import stage_channel
 from epd.transport.server import RECONNECT_OPTIONS, HealthyServer, channel_options
 from epd.transport.single_flight import SingleFlight
@@ -116,6 +116,8 @@ class StageHealth:
         return channel
 
     async def _serving(self, stage: str, address: str) -> bool:
+        if stage in self.pools and unresolved(address):  # a name the pool routes nothing to yet
+            return False
         channel = self._channel(stage, address)
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(

@@ -43,6 +43,7 @@ from epd.gateway.dns_replicas import (
     getaddrinfo_lookup,
     parse_dns_entry,
 )
+from epd.transport.aio_cancel import within
 from epd.transport.remote_stages import ReplicaPool
 
 log = logging.getLogger(__name__)
@@ -256,8 +257,10 @@ class ReplicaListWatcher:
             if reload_first:
                 await self.reload()
             while True:
+                # `within`, not asyncio.wait_for: the stop's cancel landing as a SIGHUP did was lost
+                # (Python 3.11), and the watcher polled on through the drain.
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._hup.wait(), self.poll_interval_s)
+                    await within(self._hup.wait(), self.poll_interval_s)
                 if self._hup.is_set():
                     self._hup.clear()
                     log.info("SIGHUP: re-reading the replica file %s", self.path)

@@ -51,8 +51,9 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 class ModelLoadError(ValueError):
     """The model cannot be served: missing or unreadable files, an unsupported model type, bad
     weights. A library error like `epd.video.types.MediaError` (this layer cannot import
-    `epd.stages.errors`); `epd.transport.errors` maps it to FAILED_PRECONDITION with its message,
-    which names the path, the reason and, for a wrong model type, what epd serves."""
+    `epd.stages.errors`). Its message names the path, the reason and, for a wrong model type,
+    what epd serves: for the operator (`epd serve`'s one line, the server log), since
+    `epd.transport.errors` answers a client FAILED_PRECONDITION without it."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"cannot load {path}: {reason}")

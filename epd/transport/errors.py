@@ -51,9 +51,14 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     # One request's scores could not be sampled (its settings or input): not the replica's failure,
     # so not a status the gateway sanitises, retries elsewhere or turns into a broken stream.
     (SamplingFailed, grpc.StatusCode.INVALID_ARGUMENT),
-    # The server's model, not the request, is wrong: its message says why and what epd serves.
+    # The server's model, not the request, is wrong: nothing in the request can fix it. Its message
+    # (the model's local path, the file at fault) goes to the server log, `MODEL_NOT_LOADED` to
+    # the client.
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
 )
+
+MODEL_NOT_LOADED = "the server cannot load its model; its operator must fix it (the server log says why)"
+"""What a client is told for a `ModelLoadError`, whose own message names paths on the server."""
 
 
 REPLICA_STAYS_KEY = "epd-replica-stays"
@@ -163,7 +168,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, str(exc)
     for kind, code in _CODES:
         if isinstance(exc, kind):
-            return code, str(exc)
+            return code, MODEL_NOT_LOADED if isinstance(exc, ModelLoadError) else str(exc)
     if isinstance(exc, EpdError):
         return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -183,6 +188,8 @@ def rpc_errors(method):
         code, message = status_of(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("internal error in %s", method.__qualname__)
+        elif isinstance(exc, ModelLoadError):  # the detail the client is not told
+            log.error("%s -> %s: %s", method.__qualname__, code.name, exc)
         else:
             log.info("%s -> %s: %s", method.__qualname__, code.name, message)
         retry_after_s = retry_after_of(exc)

@@ -91,6 +91,16 @@ HANG_SLACK_S = 0.05
 one that ended sooner got the status from the service itself, which is the request's own."""
 
 
+def unresolved(address: str) -> bool:
+    """Whether a pool's entry is a `dns:///NAME:PORT` name the gateway has not found yet: it
+    replaces a name by its addresses once a lookup finds them (`epd.gateway.dns_replicas`, whose
+    DNS_PREFIX this is). Such an entry gets no call, no health check and no load read: dialled as
+    written, gRPC's own resolver spread the calls over the pods behind it, past the router's
+    affinity, load and failure hold, and a prefill pod reached that way advertised an IP the
+    gateway could not check its certificate for (its KV cache was then not released)."""
+    return address.startswith("dns:///")
+
+
 class ReplicaPool:
     """Channels to the replicas of one stage and the order a call tries them in
     (`epd.transport.affinity.ReplicaChooser`: by media sha256, else least loaded)."""
@@ -183,10 +193,17 @@ class ReplicaPool:
 
     def candidates(self, key: str = "") -> list[tuple[str, grpc.aio.Channel]]:
         """(address, channel) of the replicas one call may try, best first: the healthy ones, or
-        every replica when none is believed healthy (a stale belief costs a try, not the request)."""
-        order = self.chooser.order(key)
+        every replica when none is believed healthy (a stale belief costs a try, not the request).
+        A name not resolved yet is none (`unresolved`): [] when the pool has nothing else."""
+        order = [a for a in self.chooser.order(key) if not unresolved(a)]
         healthy = set(self.chooser.healthy())
         return [(a, self._by_address[a]) for a in ([a for a in order if a in healthy] or order)]
+
+    def nothing_to_call(self, stage: str, request_id: str) -> UpstreamError:
+        """The error of a call made while every entry of the pool is a name not resolved yet."""
+        log.warning("request %s: no %s replica to call: %s not resolved yet", request_id, stage,
+                    ", ".join(self.chooser.replicas))
+        return UpstreamError(grpc.StatusCode.UNAVAILABLE, f"{stage} stage unavailable (request id {request_id})")
 
     def still_listed(self, tries: Sequence[tuple[str, grpc.aio.Channel]]) -> list[tuple[str, grpc.aio.Channel]]:
         """Those of a call's `tries` still in the replica list, each with its current channel. A
@@ -223,6 +240,8 @@ class ReplicaPool:
         loop = asyncio.get_running_loop()
         end_at = loop.time() + deadline_s
         tries = self.candidates(key)
+        if not tries:
+            raise self.nothing_to_call(stage, request_id)
         while tries:
             (address, channel), tries = tries[0], self.still_listed(tries[1:])
             remaining = end_at - loop.time()
@@ -474,6 +493,8 @@ class RemoteDecodeStage(DecodeStage):
         )
         end_at = time.monotonic() + self.timeout_s
         tries = self.pool.candidates()
+        if not tries:
+            raise self.pool.nothing_to_call("decode", request_id)
         failed: list[str] = []  # "ADDRESS: what happened", for the log and the last error
         while tries:
             (address, channel), tries = tries[0], self.pool.still_listed(tries[1:])

@@ -98,11 +98,12 @@ def test_config_problems_name_the_file(tmp_path):
     assert check_model_dir("Qwen/Qwen2-VL-2B-Instruct") is None  # a hub id: only loading can check it
 
 
-def test_a_model_that_cannot_load_is_a_failed_precondition_with_its_reason():
-    """What a service or `epd ask` (embedded) answers instead of INTERNAL."""
-    code, message = status_of(ModelLoadError("/m", "model_type 'llama' is not supported; epd serves X"))
+def test_a_model_that_cannot_load_is_a_failed_precondition_without_its_path():
+    """What a service answers instead of INTERNAL; the path and the reason are the server log's
+    (`rpc_errors`), not the client's: they reached clients with the status."""
+    code, message = status_of(ModelLoadError("/srv/m", "model_type 'llama' is not supported; epd serves X"))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    assert message == "cannot load /m: model_type 'llama' is not supported; epd serves X"
+    assert message == "the server cannot load its model; its operator must fix it (the server log says why)"
 
 
 def test_grace_period_reaches_every_service():

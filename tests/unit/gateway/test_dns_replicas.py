@@ -18,12 +18,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig
 from epd.gateway.dns_replicas import DnsName, ReplicaSets, parse_dns_entry, replica_address
+from epd.gateway.readiness import StageHealth
 from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, ReplicaUpdater, parse_replicas
 from epd.gateway.server import remote_pipeline, stage_pools, start
+from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import PrefillHandle
 from epd.stages.server_config import ServerConfig, TransportSecurity
 from epd.transport import security
-from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+from epd.transport.errors import UpstreamError
+from epd.transport.remote_stages import RemoteDecodeStage, RemotePrefillStage, ReplicaPool
 from epd.transport.server import create_server
 from epd.v1 import prefill_pb2
 
@@ -54,7 +57,7 @@ def test_a_malformed_entry_is_refused_at_start_naming_the_flag_or_the_file():
 
 def test_a_name_becomes_one_replica_per_address_with_its_tls_name():
     sets = ReplicaSets({"encoder": [ENCODER, "10.0.0.9:50051", "dns:///other:50051"], "decode": ["d:3"]})
-    # Not looked up yet: dialled as written (gRPC resolves it), as before the gateway resolved names.
+    # Not looked up yet: listed as written, a placeholder that gets no call (`unresolved`).
     assert sets.expanded("encoder").addresses == (ENCODER, "10.0.0.9:50051", "dns:///other:50051")
     assert sets.pending() == [NAME, DnsName("other", 50051)]
     assert sets.record(NAME, ["10.0.0.2", "10.0.0.1", "fd00::1", "10.0.0.1"]) is None
@@ -73,7 +76,7 @@ def test_a_failed_or_empty_lookup_keeps_the_last_addresses_and_is_logged_once_pe
     failure = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
     first = sets.record(NAME, failure)  # at start-up: no pod ready yet
     assert first is not None and "does not resolve (Name or service not known) yet" in first
-    assert "dialled as written" in first and sets.record(NAME, failure) is None
+    assert "no calls go to it until a lookup finds its addresses" in first and sets.record(NAME, failure) is None
     assert sets.expanded("encoder").addresses == (ENCODER,)
     assert sets.record(NAME, ["10.0.0.1", "10.0.0.2"]) == f"{ENCODER} resolves again: 10.0.0.1:50051, 10.0.0.2:50051"
     for blip in (failure, []):  # a DNS blip, or a name with no address: the stage keeps its replicas
@@ -150,7 +153,7 @@ def test_the_updater_looks_names_up_again_every_interval_and_a_name_not_found_ye
         task = asyncio.ensure_future(updater.run(interval_s=0.05))
         try:
             await updater.refresh()
-            assert pool.addresses == [ENCODER]  # no pod ready yet: dialled as written
+            assert pool.addresses == [ENCODER]  # no pod ready yet: a placeholder, no calls
             dns.answers["encoder_headless"] = ["10.0.0.1"]
             for _ in range(200):
                 if pool.addresses == ["10.0.0.1:50051"]:
@@ -213,6 +216,59 @@ def test_a_name_the_replica_file_adds_is_looked_up_before_it_is_applied(tmp_path
 
     assert asyncio.run(scenario()) == ["10.0.0.1:50051", "10.0.0.2:50051"]
     assert dns.asked == ["encoder-headless"]
+
+
+def test_a_name_not_found_yet_gets_no_call_and_its_stage_is_not_serving_until_the_lookup_lands():
+    """`localhost` resolves for gRPC's own resolver, not (yet) for the gateway's lookup: a name
+    dialled as written answered its health check SERVING, the gateway served, and calls went to
+    whatever gRPC picked, past the router (and, with TLS, to prefill pods whose advertised IPs had
+    no name to be checked against). Now the stage has no replica until the lookup lands."""
+    dns = FakeDns(localhost=socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    config = GatewayConfig(encoder_addresses=("unused:1",), prefill_addresses=("unused:2",),
+                           decode_addresses=("unused:3",))  # fmt: skip
+
+    async def scenario():
+        server = await create_server(ServerConfig(host="127.0.0.1", port=0), lambda s: None, [])
+        await server.set_serving()
+        serving = f"127.0.0.1:{server.port}"
+        pools = {"encoder": ReplicaPool([f"dns:///localhost:{server.port}"]),
+                 "prefill": ReplicaPool([serving]), "decode": ReplicaPool([serving])}  # fmt: skip
+        health = StageHealth(config, timeout_s=10, pools=pools)
+        called: list[str] = []
+
+        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> str:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            called.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+            return "answered"
+
+        try:
+            updater = ReplicaUpdater(pools, lookup=dns)
+            await updater.refresh()
+            before = await health.status()
+            with pytest.raises(UpstreamError) as refused:
+                await pools["encoder"].call("", attempt, "encode", "r1", 10)
+            handle = PrefillHandle(first_token_id=0, num_prompt_tokens=1, num_cached_tokens=0,
+                                   next_position_ids=[1, 1, 1, 1], kv_num_bytes=0, prefill_ms=0.0,
+                                   kv_handle="h1", kv_address=serving)  # fmt: skip
+            with pytest.raises(UpstreamError, match=r"^decode stage unavailable \(request id r1\)$"):
+                async for _ in RemoteDecodeStage(pools["encoder"], 10).generate(handle, GenerationConfig(), "r1"):
+                    pass  # (the encoder's pool: a decode stream is refused the same way)
+            dns.answers["localhost"] = ["127.0.0.1"]
+            await updater.refresh()
+            after = await health.status()
+            answered = await pools["encoder"].call("", attempt, "encode", "r2", 10)
+            return before, refused.value, after, answered, called, pools["encoder"].addresses, serving
+        finally:
+            await health.close()
+            for pool in pools.values():
+                await pool.close()
+            await server.stop(0)
+
+    before, refused, after, answered, called, addresses, serving = asyncio.run(scenario())
+    assert before == (["encoder"], [f"encoder dns:///localhost:{serving.rsplit(':', 1)[1]}"]), before
+    assert (refused.code, str(refused)) == (grpc.StatusCode.UNAVAILABLE, "encode stage unavailable (request id r1)")
+    assert after == ([], []) and addresses == [serving]
+    assert answered == "answered" and called == ["SERVING"]  # the one call made after the lookup
 
 
 class HangingDns:

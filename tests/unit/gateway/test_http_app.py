@@ -433,14 +433,18 @@ class _ModelLoadFailsPipeline(Pipeline):
         yield
 
 
-def test_a_model_that_cannot_load_is_a_500_not_the_clients_400():
+def test_a_model_that_cannot_load_is_a_500_not_the_clients_400_and_its_path_stays_in_the_log(caplog):
     """FAILED_PRECONDITION (gRPC's code for it) was mapped to 400 invalid_request_error, telling the
     client to change a request that nothing in it could fix; vLLM answers 500 for an engine that
-    failed. Streamed or not, before any token."""
+    failed. Streamed or not, before any token. The error's own message, which names the model's
+    local path, reached the client with it: it goes to the server log now."""
     import json
 
     body = {**STREAM_BODY, "stream": False}
     for sent in (body, STREAM_BODY):
+        caplog.clear()
         error = json.loads(_post_chat(_ModelLoadFailsPipeline(), sent))["error"]
         assert (error["code"], error["type"]) == (500, "server_error"), error
-        assert error["message"].startswith("cannot load /models/m: model.safetensors is truncated or corrupt")
+        assert error["message"].startswith("the server cannot load its model; its operator must fix it")
+        assert "/models/m" not in error["message"] and "safetensors" not in error["message"]
+        assert "cannot load /models/m: model.safetensors is truncated or corrupt" in caplog.text

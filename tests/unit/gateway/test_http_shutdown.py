@@ -119,6 +119,42 @@ def test_an_answer_not_yet_begun_at_the_cut_is_a_503_to_retry():
     assert body["error"]["message"].startswith("the server is shutting down (its grace period is over); retry")
 
 
+class HangingChecks:
+    """Stage checks that never answer: a GET /health waits on them until it is cut."""
+
+    async def not_serving(self) -> list[str]:
+        await asyncio.sleep(3600)
+        return []
+
+    async def close(self) -> None:
+        pass
+
+
+def test_any_route_still_answering_at_the_cut_is_a_503_counted_as_one_not_a_client_gone_499():
+    """A cut handler of any route but chat completions (/health waiting on its checks, /metrics on
+    its load reads, the web demo's decode) was taken for one whose client had gone: an INFO line
+    "client ... went away", a 499 in epd_http_responses_total, and the client's connection dropped."""
+
+    async def scenario():
+        config = GatewayConfig(server=ServerConfig(port=0, grace_s=0.5), http=HttpApiConfig(port=0))
+        metrics = GatewayMetrics()
+        http = await start_http_api(config, EndlessAnswer(), metrics, HangingChecks())  # type: ignore[arg-type]
+        async with aiohttp.ClientSession() as session:
+            answer = asyncio.ensure_future(session.get(f"http://127.0.0.1:{http.port}/health"))
+            await asyncio.sleep(0.3)  # it is waiting on the checks
+            await asyncio.wait_for(http.stop(0.5), timeout=30)
+            async with await answer as resp:
+                status, body = resp.status, await resp.json()
+        counted = [line for line in (await metrics.scrape()).decode().splitlines()
+                   if line.startswith("epd_http_responses_total{")]  # fmt: skip
+        return status, body, counted
+
+    status, body, counted = asyncio.run(scenario())
+    assert status == 503, body
+    assert body["error"]["message"].startswith("the server is shutting down (its grace period is over); retry")
+    assert counted == ['epd_http_responses_total{code="503",route="/health"} 1.0'], counted
+
+
 @pytest.mark.parametrize(("grace_s", "hurry", "why"), [
     (0.5, False, "its grace period was over"),
     (30.0, True, "a second stop signal ended its drain"),  # it said "its grace period was over"

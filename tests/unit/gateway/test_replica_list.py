@@ -222,3 +222,31 @@ def test_a_replica_removed_while_its_check_or_load_read_is_in_flight_leaves_the_
     with silent_replica() as (address, accepted):
         stages_down, down = asyncio.run(scenario(address, accepted))
     assert stages_down == [] and down == [f"encoder {address}"]
+
+
+def test_a_stop_as_a_sighup_lands_ends_the_watcher(tmp_path):
+    """The gateway's stop cancels the watcher; with a SIGHUP in the same loop turn, Python 3.11's
+    asyncio.wait_for returned from the wait and lost the cancel: the watcher re-read the file and
+    polled on through the drain (its SIGHUP handler still installed) until the loop closed."""
+    path = tmp_path / "replicas.yaml"
+    path.write_text("encoder: [e1:1]\n")
+
+    async def scenario() -> tuple[bool, bool]:
+        pool = ReplicaPool(["e1:1"])
+        watcher = ReplicaListWatcher(path, ReplicaUpdater({"encoder": pool}), poll_interval_s=60)
+        try:
+            task = asyncio.ensure_future(watcher.run(install_sighup=False))
+            for _ in range(3):
+                await asyncio.sleep(0)  # the watcher waits for SIGHUP or its next poll
+            watcher._hup.set()  # SIGHUP: the wait completes ...
+            await asyncio.sleep(0)
+            task.cancel()  # ... as the stop cancels the watcher
+            await asyncio.wait([task], timeout=10)  # a deadline, not a timing assertion
+            ended = task.done()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return ended, task.cancelled()
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) == (True, True)

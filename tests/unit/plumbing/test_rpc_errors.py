@@ -14,6 +14,7 @@ import logging
 import grpc
 import pytest
 
+from epd.model_runtime.loader import ModelLoadError
 from epd.stages.errors import (
     DeadlineExceeded,
     EpdError,
@@ -23,7 +24,7 @@ from epd.stages.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from epd.transport.errors import UpstreamError, rpc_errors
+from epd.transport.errors import MODEL_NOT_LOADED, UpstreamError, rpc_errors
 from epd.video.types import MediaError, MediaLimitError
 from tests.unit.plumbing.grpc_fakes import server_stream, start_server, unary
 
@@ -137,6 +138,18 @@ def test_an_unexpected_error_is_internal_with_a_generic_message(error, caplog):
     assert items == [b"item 1", b"item 2"]
     # The operator gets the traceback; the client got nothing of it.
     assert SECRET in caplog.text and "Traceback" in caplog.text
+
+
+def test_a_model_that_cannot_load_is_failed_precondition_and_its_path_stays_in_the_log(caplog):
+    """Its message names the model's local path (and the file at fault): it reached the client,
+    and so a gateway's HTTP client (`epd serve --colocate`: the same mapping). The log keeps it."""
+    caplog.set_level(logging.ERROR, logger="epd.transport.errors")
+    error = ModelLoadError("/var/lib/epd/models/x", "model.safetensors is truncated or corrupt")
+    (unary_code, unary_details), (_, stream_code, stream_details) = _run(_call_both(error))
+    assert unary_code == stream_code == Code.FAILED_PRECONDITION
+    assert unary_details == stream_details == MODEL_NOT_LOADED
+    assert "/var/lib/epd" not in unary_details
+    assert "cannot load /var/lib/epd/models/x: model.safetensors is truncated or corrupt" in caplog.text
 
 
 def test_a_raw_upstream_rpc_error_is_passed_on_without_its_details():

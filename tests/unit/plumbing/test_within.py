@@ -3,7 +3,9 @@ the awaiting task is never lost, and the limit still ends what overruns it."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +42,17 @@ def test_what_overruns_the_limit_is_cut_with_timeouterror():
         assert await within(asyncio.sleep(0, "on time"), 60.0) == "on time"
 
     asyncio.run(scenario())
+
+
+def test_no_product_code_waits_with_asyncio_wait_for():
+    """Every time limit goes through `within`; the gateway's replica-file poll still used
+    wait_for, and a stop landing as a SIGHUP did left the watcher polling through the drain
+    (tests/unit/gateway/test_replica_list.py). Only `within`'s Python 3.10 fallback may call it."""
+    root = Path(__file__).resolve().parents[3]
+    top = ["epd", "encoder_svc", "prefill_svc", "decode_svc", "video", "token_pruning"]
+    calls = []
+    for path in sorted(p for d in top for p in (root / d).rglob("*.py") if p.is_file() and p.name != "aio_cancel.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "wait_for":
+                calls.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert calls == [], "use epd.transport.aio_cancel.within: " + "; ".join(calls)
