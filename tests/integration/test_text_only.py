@@ -119,9 +119,15 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
             assert got.timings_ms["encode"] == 0.0 and got.timings_ms["video_decode"] == 0.0
             assert got.num_prompt_tokens > 0
         video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+        # The conversation's text-only first turn, then the turn that brings the video: that turn
+        # reuses the first turn's KV for the text before its video (its entry is text-only), and
+        # still equals generate() (Qwen3.5's recurrent layers keep no prefix cache at all).
+        opening = summary(pipeline, VIDEO_LATER[:1])
         later = summary(pipeline, VIDEO_LATER, MediaInput(media_files["mp4"].read_bytes()))
         assert later.token_ids == video_reference(family, path, video, VIDEO_LATER)
         assert later.num_visual_tokens > 0 and list(later.timings_ms) == list(TIMING_NAMES)
+        if family != "qwen3_5":
+            assert opening.num_prompt_tokens <= later.num_reused_prompt_tokens < later.num_prompt_tokens
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
@@ -261,6 +267,12 @@ def test_a_text_only_follow_up_reuses_its_history_and_never_a_media_entry(tiny_m
         again = summary(pipeline, [{"role": "user", "content": [text, {"type": "video"}]}],
                         MediaInput(media_files["mp4"].read_bytes()))
         assert again.num_reused_prompt_tokens > 0 and again.token_ids == with_media.token_ids
+        # A conversation that opens with its media reuses no text-only entry: it had no text-only
+        # turns (here the LCP with `alone` is the template's preamble and the question's words).
+        other = summary(pipeline, [{"role": "user", "content": [{**text, "text": text["text"] + " and why?"},
+                                                                  {"type": "video"}]}],
+                        MediaInput(media_files["mp4"].read_bytes()))
+        assert other.num_reused_prompt_tokens == 0
 
 
 # -- the real stack: HTTP and gRPC ---------------------------------------------------------------
