@@ -40,7 +40,7 @@ from epd.stages.contracts import (
     refuse_unsupported_pruning,
 )
 from epd.stages.errors import InvalidRequest, ResourceExhausted
-from epd.stages.messages import Message, check_messages, media_type, to_chat_template
+from epd.stages.messages import Message, check_messages, media_in_opening, media_type, to_chat_template
 from epd.token_pruning import (
     ModelSizes,
     PruningConfig,
@@ -187,7 +187,15 @@ class PrefillEngine:
             request.prefix_key = self._prefix_key(media, pruning, cache_salt)
             visual = prompt.visual_mask.nonzero()
             visual_end = int(visual[-1]) + 1 if visual.numel() else 0  # the reuse must cover them all
-            hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end)
+            # The media comes after text-only turns ("hello", an answer, then the video): their
+            # entry (the text-only key) holds this prompt's KV up to its first visual token, the
+            # same token ids at the same positions (every M-RoPE row is the text position there
+            # in both prompts), so it may serve those. Not for a conversation that opens with its
+            # media: it had no text-only turns, only other conversations' template preambles.
+            text_before = None
+            if media is not None and visual.numel() and not media_in_opening(messages):
+                text_before = (self._prefix_key(None, pruning, cache_salt), int(visual[0]))
+            hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end, text_before)
             if hit is not None:
                 request.prefix = hit
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens

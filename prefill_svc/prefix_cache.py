@@ -14,6 +14,9 @@ before the next one (unit-tested with fake entries, tests/unit/stages/test_prefi
             token is computed, for the first token's logits; vLLM backs off the same way). It is a
             hit only if that length covers `min_reuse` tokens (every visual token of the prompt:
             placeholders share one token id, so an LCP ending inside them proves nothing).
+            `also=(other key, max_reuse)`: entries of another key hold the same KV for at most the
+            first `max_reuse` tokens (a text-only turn's, for the text before the media of a
+            conversation whose video came later); they serve up to that many.
     put(key, ids, cache, num_bytes) -> kept under a byte budget: an entry whose ids are a prefix
             of the new one's (same key) is replaced by it, then least recently used entries leave
             until the new one fits; entries unused for `ttl_s` leave at the next call.
@@ -107,20 +110,34 @@ class PrefixCache:
         with self._lock:
             return len(self._entries)
 
-    def lookup(self, key: Hashable, token_ids: torch.Tensor | Sequence[int], min_reuse: int) -> PrefixHit | None:
+    def lookup(
+        self,
+        key: Hashable,
+        token_ids: torch.Tensor | Sequence[int],
+        min_reuse: int,
+        also: tuple[Hashable, int] | None = None,
+    ) -> PrefixHit | None:
         """The entry of `key` sharing the longest prefix with `token_ids`, if it covers at least
-        `min_reuse` tokens (and leaves one to compute); counted as a hit or a miss."""
+        `min_reuse` tokens (and leaves one to compute); or, when none does, the entry of `also`'s
+        key sharing the longest prefix, reused up to `also`'s max_reuse tokens. Counted once, as
+        a hit or a miss."""
         ids = _ids(token_ids)
+        max_reuse = int(ids.numel()) - 1
         with self._lock:
             self._expire()
             best: tuple[int, int] | None = None  # (reused tokens, entry id)
             for entry_id, entry in self._entries.items():
-                if entry.key != key:
+                if entry.key == key:
+                    reused = min(common_prefix_length(entry.token_ids, ids), max_reuse)
+                    if reused < max(min_reuse, 1):
+                        continue
+                elif also is not None and entry.key == also[0]:
+                    reused = min(common_prefix_length(entry.token_ids, ids), max_reuse, also[1])
+                else:
                     continue
-                reused = min(common_prefix_length(entry.token_ids, ids), int(ids.numel()) - 1)
                 if best is None or reused > best[0]:
                     best = (reused, entry_id)
-            if best is None or best[0] < max(min_reuse, 1):
+            if best is None or best[0] < 1:
                 self.num_misses += 1
                 return None
             entry = self._entries[best[1]]

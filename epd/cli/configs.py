@@ -39,6 +39,13 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def sampling_options(args: argparse.Namespace) -> SamplingOptions:
+    """The frame sampling flags. ValueError for --fps with --num-frames: a service's --num-frames
+    samples exactly that many frames for every request that names neither, so its --fps would never
+    be used (a request's own fps replaces both), the pair every door refuses in a request."""
+    if args.fps is not None and args.num_frames:
+        raise ValueError(f"--fps {args.fps:g} and --num-frames {args.num_frames}: give one (--num-frames N: exactly "
+                         "N frames for requests that name neither; --fps F: F frames per second, at most "
+                         "--max-frames); with both, --fps would never be used")
     return SamplingOptions(
         fps=args.fps if args.fps is not None else SamplingOptions.fps,
         max_frames=args.max_frames,

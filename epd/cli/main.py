@@ -177,8 +177,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help=f"frames sampled per second of video (default {SamplingOptions.fps:g})")
     g.add_argument("--max-frames", type=int, default=32)
     g.add_argument("--num-frames", type=int, default=0,
-                   help="exactly N frames, uniformly (a service's default: overrides its --fps; "
-                        "epd ask: instead of --fps)")
+                   help="exactly N frames, uniformly (a service's default for requests that name neither; "
+                        "instead of --fps, here as in epd ask)")
     g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
 
 

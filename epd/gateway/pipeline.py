@@ -44,7 +44,7 @@ from epd.stages.contracts import (
 from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import Message, check_messages, media_type
-from epd.stages.names import TOTAL, TTFT, Stage
+from epd.stages.names import TIMING_NAMES, TOTAL, TTFT, Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport import tracing
 from epd.video.types import SamplingOptions
@@ -79,7 +79,9 @@ class AskSummary:
     num_visual_tokens: int
     num_prompt_tokens: int
     timings_ms: dict[str, float]
-    """Milliseconds by `epd.stages.names.TIMING_NAMES` (video_decode, encode, ..., ttft, total)."""
+    """Milliseconds by `epd.stages.names.TIMING_NAMES` (video_decode, encode, ..., ttft, total):
+    every name in every answer, 0 for a stage the request did not run (a text-only request's
+    video_decode and encode), so that a client reading one answer's keys can read them all."""
     kv_num_bytes: int
     encoder_cache_hit: bool
     media_sha256: str
@@ -246,7 +248,7 @@ class Pipeline:
             num_frames=media.num_frames if media else 0,
             num_visual_tokens=media.meta.num_visual_tokens if media else 0,
             num_prompt_tokens=handle.num_prompt_tokens,
-            timings_ms=timings,
+            timings_ms={**dict.fromkeys(TIMING_NAMES, 0.0), **timings},  # a stage not run took 0 ms
             kv_num_bytes=handle.kv_num_bytes,
             encoder_cache_hit=media.cache_hit if media else False,
             media_sha256=media.sha256 if media else "",

@@ -68,7 +68,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             uploaded = StageEvent(Stage.UPLOAD, "finished", upload_ms, {"num_bytes": str(len(data))})
             yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
             request = AskRequest(
-                messages=messages_of(header),
+                messages=messages_of(header, media_sent=bool(data or header.media_sha256)),
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
                 generation=convert.generation_from_proto(header.generation, self.config.generation),
@@ -117,12 +117,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ) from None
 
 
-def messages_of(header: gateway_pb2.AskHeader) -> list[Message]:
-    """The header's conversation; the deprecated `question` (until 0.3) is [user: media, question]."""
+def messages_of(header: gateway_pb2.AskHeader, media_sent: bool) -> list[Message]:
+    """The header's conversation; the deprecated `question` (until 0.3) is [user: media, question].
+    That form is documented as a question about the media, so with no media sent (no bytes, no
+    media_sha256) it is refused here, saying what to send, rather than read as text alone (a
+    meaning 0.1 never gave it) or passed to the encoder, whose "media is empty" would not say
+    that a text-only question goes in messages."""
     if header.messages and header.question:
         raise InvalidRequest("send the conversation in messages or a single question, not both")
     if header.messages:
         return convert.messages_from_proto(header.messages)
+    if header.question and not media_sent:
+        raise InvalidRequest(
+            "the deprecated question field asks about the uploaded media, and none was sent: send the video or "
+            "image (media_chunk bytes, or media_sha256), or, for a question without media, send messages = "
+            "[{role: \"user\", parts: [{type: \"text\", text: QUESTION}]}] instead of question"
+        )
     return question_messages(header.question)
 
 

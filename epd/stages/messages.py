@@ -150,6 +150,20 @@ def media_type(messages: Iterable[Message]) -> str:
     return next((p.type for m in messages for p in m.parts if p.is_media), "")
 
 
+def media_in_opening(messages: Iterable[Message]) -> bool:
+    """Whether the media part is in the conversation's opening (every message up to and including
+    the first user message), i.e. before any text-only turn. It decides where the prefill prefix
+    cache can help (docs/architecture.md, "Prefix cache"): a conversation that opens with its media
+    shares its prompt through the media with other conversations about it; one whose media comes
+    in a later turn had text-only turns first, whose cached prompt covers the text before it."""
+    for m in messages:
+        if any(p.is_media for p in m.parts):
+            return True
+        if m.role == "user":
+            return False
+    return False
+
+
 def to_chat_template(messages: Sequence[Message], modality: str) -> list[dict[str, Any]]:
     """The conversation in the form `processor.apply_chat_template` takes:
     [{"role": ..., "content": [{"type": "video"}, {"type": "text", "text": ...}, ...]}], each

@@ -12,9 +12,18 @@ others, so adding a replica moves only the keys it now wins, and losing one move
 held: each to the replica that was second in its order, which is also where a failed call is
 retried.
 
-A conversation without media has no video to key on: its prefill key is its opening
-(`conversation_key`: every message up to and including the first user message, which each of its
-later turns repeats), so its follow-ups find the prefix cache its first turn left.
+Prefill is keyed by what its prefix cache can reuse (`prefill_key`; docs/architecture.md, "Prefix
+cache"). A conversation that opens with its media (the video in its first user message) is keyed
+by the media's sha256: its every turn carries the video, and other conversations about the same
+video share its prompt through the video's tokens (the same system message, a different
+question), which is a hit. Any other conversation is keyed by its opening (`conversation_key`:
+every message up to and including the first user message, which each of its later turns repeats):
+without media, its follow-ups find the prefix cache its first turn left; with the media in a later
+turn ("hello", an answer, then "look at this video"), the turn that brings the video reuses the
+KV of the text before it from the text-only turns' entry, and its follow-ups that turn's entry, all
+on the opening's replica. Keyed by the video instead, those turns would leave the text turns'
+replica, and no conversation with another opening could have shared their KV anyway: a hit must
+match the prompt through the video, opening included.
 
 Load. A call without a key (decode; media the gateway could not hash) goes to the healthy replica
 with the least work: the larger of what the replica last reported (`set_load`: running + waiting
@@ -46,7 +55,7 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 
-from epd.stages.messages import Message
+from epd.stages.messages import Message, media_in_opening
 
 FAILURE_HOLD_S = 5.0
 """How long a replica whose call failed gets no calls first (it is still tried last, and the
@@ -76,6 +85,14 @@ def conversation_key(messages: Sequence[Message], salt: str = "") -> str:
     return digest.hexdigest()
 
 
+def prefill_key(messages: Sequence[Message], media_sha256: str = "", salt: str = "") -> str:
+    """The prefill affinity key of a conversation (see the module doc): its media's sha256 when
+    the media is in its opening, else its opening (`conversation_key`)."""
+    if media_sha256 and media_in_opening(messages):
+        return media_sha256
+    return conversation_key(messages, salt)
+
+
 def rendezvous_score(key: str, replica: str) -> int:
     """A stable 64-bit score of `replica` for `key` (the same in every process and run)."""
     digest = hashlib.blake2b(f"{key}\0{replica}".encode(), digest_size=8).digest()
@@ -92,7 +109,7 @@ class ReplicaChooser:
     """The order in which one call tries the replicas of a stage.
 
     `order(key)`: the replicas believed healthy, best first, then those believed down. With a key
-    (a media sha256): rendezvous order, an overloaded home moved after the others. Without one:
+    (a media sha256, a conversation's `prefill_key`): rendezvous order, an overloaded home moved after the others. Without one:
     least loaded first, ties in turn (each call starting one further).
     """
 

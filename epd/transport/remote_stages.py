@@ -52,7 +52,7 @@ from epd.stages.messages import Message
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
-from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser, conversation_key
+from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser, prefill_key
 from epd.transport.aio_cancel import cancelled_by_grpc, within
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import (
@@ -103,7 +103,8 @@ def unresolved(address: str) -> bool:
 
 class ReplicaPool:
     """Channels to the replicas of one stage and the order a call tries them in
-    (`epd.transport.affinity.ReplicaChooser`: by media sha256, else least loaded)."""
+    (`epd.transport.affinity.ReplicaChooser`: by a key, a media sha256 or a conversation's
+    opening, else least loaded)."""
 
     def __init__(
         self,
@@ -439,9 +440,9 @@ class RemotePrefillStage(PrefillStage):
                 release.add_done_callback(_released_after_cancel(request_id))
                 raise
 
-        # The replica whose prefix cache holds this conversation (rendezvous on its video's sha256,
-        # or on a text-only conversation's opening).
-        key = media.sha256 if media else conversation_key(messages, cache_salt)
+        # The replica whose prefix cache holds this conversation (rendezvous on the video's sha256
+        # when the conversation opens with it, else on its opening).
+        key = prefill_key(messages, media.sha256 if media else "", cache_salt)
         result = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
         handle = convert.handle_from_proto(result, relay=True)
         # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill

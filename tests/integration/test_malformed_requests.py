@@ -177,6 +177,11 @@ GRPC_CASES = [
      "fps 1 and num_frames 4: send num_frames (exactly that many frames) or fps"),
     ("sha256 not the bytes'", {"media_sha256": "ab" * 32}, True,
      f"media_sha256 {'ab' * 32} is not the sha256 of the uploaded bytes"),
+    # The deprecated question is about the media: without any, the gateway says what to send (it
+    # was the encoder's "the media is empty", which did not name the text-only form).
+    ("question without media", {}, False,
+     'none was sent: send the video or image (media_chunk bytes, or media_sha256), or, for a question without '
+     'media, send messages = [{role: "user", parts: [{type: "text", text: QUESTION}]}] instead of question'),
 ]  # fmt: skip
 
 

@@ -1,7 +1,9 @@
 """Media affinity across prefill replicas: a gateway over two real prefill replicas (separate
 processes on loopback) sends every turn of a conversation about one video to the replica that
 rendezvous hashing of the video's sha256 picks (the one whose prefix cache holds it); when that
-replica is stopped, the next turn is retried on the other one and still gets the right answer."""
+replica is stopped, the next turn is retried on the other one and still gets the right answer. A
+conversation whose video comes after a text-only turn stays on its opening's replica, where the
+video's turn reuses the text turn's prefix."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ import hashlib
 import json
 import signal
 import urllib.request
+from contextlib import contextmanager
 
 import grpc
 
 from epd.cli.health import is_serving
-from epd.transport.affinity import rendezvous_order
+from epd.stages.messages import Message
+from epd.transport.affinity import conversation_key, rendezvous_order
 from epd.v1 import load_pb2, load_pb2_grpc
 from tests.stack import INSECURE_STAGE, Stack, child_env, free_port, zygote
 
@@ -39,50 +43,92 @@ def chat(port: int, messages: list[dict]) -> dict:
         return json.loads(reply.read())
 
 
-def test_turns_about_a_video_stay_on_its_prefill_replica_and_survive_its_loss(tiny_models, media_files, tmp_path):
-    video = media_files["mp4"].read_bytes()
-    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+def with_video(url: str, question: str) -> list[dict]:
+    return [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": question}]
+
+
+def then(turns: list[dict], reply: dict, content) -> list[dict]:
+    """The conversation `turns`, the assistant's `reply` to it, then the user's next `content`."""
+    return [*turns, {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+            {"role": "user", "content": content}]  # fmt: skip
+
+
+@contextmanager
+def two_prefill_stack(model_dir, log_dir):
+    """A stack whose gateway routes over its own prefill and a second one: (stack, the prefill
+    addresses, the HTTP port, the second replica's process)."""
     http_port = free_port()
-    stack = Stack(tiny_models["qwen2_vl"], tmp_path / "logs")
+    stack = Stack(model_dir, log_dir)
     second = f"127.0.0.1:{free_port()}"
     prefills = [stack.address("prefill"), second]
     # --stage-check-interval 0: the gateway stops checking once all serve, so it learns that the
     # replica is gone from the failed call itself (the retry path), not from a health check.
     stack.extra["gateway"] = ["--prefill", ",".join(prefills), "--http-port", str(http_port),
                               "--stage-check-interval", "0"]  # fmt: skip
-    (tmp_path / "logs").mkdir(parents=True)
-    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
-    replica = zygote().start("prefill-2", argv, child_env(), str(tmp_path / "logs" / "prefill-2.log"))
+    log_dir.mkdir(parents=True)
+    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(model_dir), *INSECURE_STAGE]
+    replica = zygote().start("prefill-2", argv, child_env(), str(log_dir / "prefill-2.log"))
     try:
         with stack:
             assert is_serving(second, timeout_s=5.0)
-            home, other = rendezvous_order(hashlib.sha256(video).hexdigest(), prefills)
-            before = {a: prefill_steps(a) for a in prefills}
-
-            turn1 = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                                   {"type": "text", "text": "what moves?"}]}]  # fmt: skip
-            first = chat(http_port, turn1)
-            turn2 = [*turn1, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "and what colour is it?"}]  # fmt: skip
-            second_answer = chat(http_port, turn2)
-            after = {a: prefill_steps(a) for a in prefills}
-            assert after[home] > before[home]
-            assert after[other] == before[other], "a turn went to the replica without the video"
-
-            # The video's replica goes away; the gateway has not noticed (no more health checks).
-            proc = stack.procs["prefill"] if home == stack.address("prefill") else replica
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
-
-            again = chat(http_port, turn2)  # UNAVAILABLE at home, retried on the other replica
-            assert again["epd"]["token_ids"] == second_answer["epd"]["token_ids"]
-            assert prefill_steps(other) > after[other]
-            turn3 = [*turn2, {"role": "assistant", "content": again["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "where does it go?"}]  # fmt: skip
-            assert chat(http_port, turn3)["usage"]["completion_tokens"] > 0
-            log = (tmp_path / "logs" / "gateway.log").read_text()
-            assert f"prefill replica {home} unavailable" in log
+            yield stack, prefills, http_port, replica
     finally:
         if replica.poll() is None:
             replica.send_signal(signal.SIGTERM)
         replica.wait(timeout=30)
+
+
+def test_turns_about_a_video_stay_on_its_prefill_replica_and_survive_its_loss(tiny_models, media_files, tmp_path):
+    video = media_files["mp4"].read_bytes()
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    with two_prefill_stack(tiny_models["qwen2_vl"], tmp_path / "logs") as (stack, prefills, http_port, replica):
+        home, other = rendezvous_order(hashlib.sha256(video).hexdigest(), prefills)
+        before = {a: prefill_steps(a) for a in prefills}
+
+        turn1 = [{"role": "user", "content": with_video(url, "what moves?")}]
+        first = chat(http_port, turn1)
+        turn2 = then(turn1, first, "and what colour is it?")
+        second_answer = chat(http_port, turn2)
+        after = {a: prefill_steps(a) for a in prefills}
+        assert after[home] > before[home]
+        assert after[other] == before[other], "a turn went to the replica without the video"
+
+        # The video's replica goes away; the gateway has not noticed (no more health checks).
+        proc = stack.procs["prefill"] if home == stack.address("prefill") else replica
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+        again = chat(http_port, turn2)  # UNAVAILABLE at home, retried on the other replica
+        assert again["epd"]["token_ids"] == second_answer["epd"]["token_ids"]
+        assert prefill_steps(other) > after[other]
+        assert chat(http_port, then(turn2, again, "where does it go?"))["usage"]["completion_tokens"] > 0
+        log = (tmp_path / "logs" / "gateway.log").read_text()
+        assert f"prefill replica {home} unavailable" in log
+
+
+def test_a_video_brought_after_a_text_turn_stays_with_it_and_reuses_its_prefix(tiny_models, media_files, tmp_path):
+    """"hello ..." then the video, then a follow-up: every turn on the opening's replica (the
+    video's turns went to the video's replica, where the text turn's prefix was not), the video's
+    turn reusing the text turn's prompt and the follow-up the video turn's."""
+    video = media_files["mp4"].read_bytes()
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    with two_prefill_stack(tiny_models["qwen2_vl"], tmp_path / "logs") as (_, prefills, http_port, _):
+        video_home = rendezvous_order(hashlib.sha256(video).hexdigest(), prefills)[0]
+        # An opening at home on the other replica (keyless HTTP: the shared tenant, salt "").
+        opening = next(text for i in range(64) if rendezvous_order(
+            conversation_key([Message.user(text := f"hello, I am visitor {i}")]), prefills)[0] != video_home)
+        text_home = next(a for a in prefills if a != video_home)
+        before = {a: prefill_steps(a) for a in prefills}
+
+        turn1 = [{"role": "user", "content": opening}]
+        first = chat(http_port, turn1)
+        turn2 = then(turn1, first, with_video(url, "what moves?"))
+        about_video = chat(http_port, turn2)
+        follow_up = chat(http_port, then(turn2, about_video, "and what colour is it?"))
+        after = {a: prefill_steps(a) for a in prefills}
+        assert after[video_home] == before[video_home], "a turn went to the video's replica"
+        assert after[text_home] > before[text_home]
+        cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, about_video, follow_up)]
+        assert cached[0] == 0
+        assert first["usage"]["prompt_tokens"] <= cached[1] < about_video["usage"]["prompt_tokens"]
+        assert about_video["usage"]["prompt_tokens"] <= cached[2] < follow_up["usage"]["prompt_tokens"]

@@ -25,6 +25,7 @@ from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import from_chat_template
+from epd.stages.names import LEGACY_STAGE_NAMES, TIMING_NAMES
 from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
@@ -113,12 +114,20 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
             assert got.token_ids == want, name
             assert got.num_visual_tokens == 0 and got.num_frames == 0 and got.media_sha256 == ""
             assert not got.encoder_cache_hit and got.grid_thw == (0, 0, 0)
-            assert "encode" not in got.timings_ms and "video_decode" not in got.timings_ms
+            # Every timing, as in a media answer: the stages it skipped took 0 ms.
+            assert list(got.timings_ms) == list(TIMING_NAMES)
+            assert got.timings_ms["encode"] == 0.0 and got.timings_ms["video_decode"] == 0.0
             assert got.num_prompt_tokens > 0
         video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+        # The conversation's text-only first turn, then the turn that brings the video: that turn
+        # reuses the first turn's KV for the text before its video (its entry is text-only), and
+        # still equals generate() (Qwen3.5's recurrent layers keep no prefix cache at all).
+        opening = summary(pipeline, VIDEO_LATER[:1])
         later = summary(pipeline, VIDEO_LATER, MediaInput(media_files["mp4"].read_bytes()))
         assert later.token_ids == video_reference(family, path, video, VIDEO_LATER)
-        assert later.num_visual_tokens > 0
+        assert later.num_visual_tokens > 0 and list(later.timings_ms) == list(TIMING_NAMES)
+        if family != "qwen3_5":
+            assert opening.num_prompt_tokens <= later.num_reused_prompt_tokens < later.num_prompt_tokens
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
@@ -258,6 +267,12 @@ def test_a_text_only_follow_up_reuses_its_history_and_never_a_media_entry(tiny_m
         again = summary(pipeline, [{"role": "user", "content": [text, {"type": "video"}]}],
                         MediaInput(media_files["mp4"].read_bytes()))
         assert again.num_reused_prompt_tokens > 0 and again.token_ids == with_media.token_ids
+        # A conversation that opens with its media reuses no text-only entry: it had no text-only
+        # turns (here the LCP with `alone` is the template's preamble and the question's words).
+        other = summary(pipeline, [{"role": "user", "content": [{**text, "text": text["text"] + " and why?"},
+                                                                  {"type": "video"}]}],
+                        MediaInput(media_files["mp4"].read_bytes()))
+        assert other.num_reused_prompt_tokens == 0
 
 
 # -- the real stack: HTTP and gRPC ---------------------------------------------------------------
@@ -287,7 +302,9 @@ def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stac
     epd = reply.model_extra["epd"]
     assert epd["token_ids"] == want
     assert epd["num_visual_tokens"] == 0 and epd["media_sha256"] == "" and not epd["encoder_cache_hit"]
-    assert epd["timings_ms"].get("encode", 0.0) == 0.0 and epd["timings_ms"].get("video_decode", 0.0) == 0.0
+    # The same timing keys as every answer (a client reading one answer's keys reads them all).
+    assert set(epd["timings_ms"]) == {*TIMING_NAMES, *LEGACY_STAGE_NAMES}
+    assert epd["timings_ms"]["encode"] == 0.0 and epd["timings_ms"]["video_decode"] == 0.0
     assert reply.usage is not None and reply.usage.prompt_tokens == epd["num_prompt_tokens"]
 
     stream = http.chat.completions.create(model="epd", messages=openai_messages, max_tokens=MAX_NEW_TOKENS,

@@ -702,6 +702,22 @@ def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
     assert default == reference
 
 
+@pytest.mark.parametrize("role,make", [("encoder", configs.encoder_config), ("gateway", configs.gateway_config)])
+def test_fps_with_num_frames_is_refused_at_start(capsys, role, make):
+    """`epd serve --fps 1 --num-frames 4` started, and its --fps was never used: the count serves
+    every request that names neither, and a request's own fps replaces both. Refused as the request
+    level refuses the pair: by the role, by the stack's launcher before anything starts, by --colocate."""
+    expected = "--fps 1 and --num-frames 4: give one"
+    flags = ["--fps", "1", "--num-frames", "4"]
+    _assert_refused_alone_by_the_stack_and_colocated(capsys, role, make, configs.colocated_gateway_config, flags,
+                                                     expected)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", *flags]))
+    for alone in (["--fps", "1"], ["--num-frames", "4"]):  # each alone still serves
+        make(build_parser().parse_args(["serve", role, *alone]))
+        assert stage_flag_problem(build_parser().parse_args(["serve", *alone])) is None
+
+
 def test_the_stacks_gateway_takes_only_the_keys_the_launcher_was_given(monkeypatch, tmp_path):
     """`epd serve --api-key NEW` with an old $EPD_API_KEY in the shell: NEW replaces it, as the
     flag's help says. The gateway got the keys in its file and the launcher's environment too, so

@@ -79,7 +79,7 @@ def test_a_conversation_may_be_the_media_alone_but_a_question_may_not_be_blank()
         with pytest.raises(InvalidRequest, match="the question is empty; ask something about the video"):
             question_messages(blank)
         with pytest.raises(InvalidRequest, match="the question is empty"):
-            messages_of(gateway_pb2.AskHeader(question=blank))
+            messages_of(gateway_pb2.AskHeader(question=blank), media_sent=True)
 
 
 def test_check_messages_limits_the_text():
@@ -98,13 +98,22 @@ def test_check_messages_limits_the_parts():
 
 
 def test_the_deprecated_question_is_one_user_message_media_then_text():
-    assert messages_of(gateway_pb2.AskHeader(question="why?")) == [Message.user(VIDEO, "why?")]
-    assert messages_of(gateway_pb2.AskHeader(question="why?")) == question_messages("why?")
+    assert messages_of(gateway_pb2.AskHeader(question="why?"), media_sent=True) == [Message.user(VIDEO, "why?")]
+    assert messages_of(gateway_pb2.AskHeader(question="why?"), media_sent=True) == question_messages("why?")
     header = gateway_pb2.AskHeader(messages=convert.messages_to_proto(HISTORY))
-    assert messages_of(header) == HISTORY
+    assert messages_of(header, media_sent=True) == HISTORY
     header.question = "why?"
     with pytest.raises(InvalidRequest, match="not both"):
-        messages_of(header)
+        messages_of(header, media_sent=True)
+
+
+def test_the_deprecated_question_without_media_says_to_send_messages():
+    """The question form is a question about the media: with none sent it is refused, naming the
+    text-only form, not read as text alone nor passed on to the encoder's "the media is empty"."""
+    with pytest.raises(InvalidRequest, match=r"none was sent: send the video or image .* send messages = "):
+        messages_of(gateway_pb2.AskHeader(question="why?"), media_sent=False)
+    text_only = gateway_pb2.AskHeader(messages=convert.messages_to_proto([Message.user("why?")]))
+    assert messages_of(text_only, media_sent=False) == [Message.user("why?")]
 
 
 def test_the_sdk_sends_messages_or_the_deprecated_question():

@@ -188,55 +188,113 @@ def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
     asyncio.run(scenario())
 
 
-def test_a_text_only_conversations_turns_go_to_one_prefill_replica():
-    """A conversation without media has no video to key on: each of its turns goes where its first
-    turn's prefix cache is (rendezvous on its opening), and different conversations spread. Calls
-    without a key went round robin, so a follow-up missed the cache on another replica. Real
-    grpc.aio prefill servers that note who got which conversation; the real `RemotePrefillStage`."""
+def _prefill_replicas(turns) -> tuple[dict[str, str], list[str]]:
+    """Each (request id, messages, media or None) of `turns(addresses)` prefilled in order through
+    the real `RemotePrefillStage` over three real grpc.aio prefill servers on loopback that note
+    who got which request: ({request id: replica address}, the addresses)."""
     from epd.model_runtime.sampling import GenerationConfig
-    from epd.stages.messages import Message
     from epd.transport.remote_stages import RemotePrefillStage
     from epd.v1 import prefill_pb2
 
-    got: list[tuple[str, str]] = []  # (replica, the conversation's first question)
+    got: dict[str, str] = {}
 
-    def prefill_methods(name: str) -> dict[str, grpc.RpcMethodHandler]:
+    def prefill_methods(address: list[str]) -> dict[str, grpc.RpcMethodHandler]:
         async def prefill(requests, context) -> prefill_pb2.PrefillResult:
             header = None
             async for msg in requests:
                 header = header or msg.header
-            got.append((name, header.messages[1].parts[0].text))
+            got[header.request_id] = address[0]
             return prefill_pb2.PrefillResult(kv_handle=header.kv_handle, next_position_ids=[1, 1, 1, 1])
 
         return {"Prefill": grpc.stream_unary_rpc_method_handler(
             prefill, prefill_pb2.PrefillRequest.FromString, prefill_pb2.PrefillResult.SerializeToString)}
 
-    async def scenario() -> None:
+    async def scenario() -> list[str]:
         servers = []
-        for name in ("a", "b", "c"):
+        for _ in range(3):
+            address: list[str] = []
             server = grpc.aio.server()
             server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler("epd.v1.PrefillService", prefill_methods(name)),))
-            port = server.add_insecure_port("127.0.0.1:0")
+                (grpc.method_handlers_generic_handler("epd.v1.PrefillService", prefill_methods(address)),))
+            address.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
             await server.start()
-            servers.append((server, f"127.0.0.1:{port}"))
+            servers.append((server, address[0]))
         pool = ReplicaPool([address for _, address in servers])
         stage = RemotePrefillStage(pool, TIMEOUT_S)
         try:
-            for i in range(8):
-                question = f"question {i}"
-                first = [Message.system("be brief"), Message.user(question)]
-                for turn in (first, [*first, Message.assistant("an answer"), Message.user("and then?")]):
-                    await stage.prefill(turn, None, GenerationConfig(), f"r{i}")
+            for request_id, messages, media in turns([address for _, address in servers]):
+                await stage.prefill(messages, media, GenerationConfig(), request_id)
         finally:
             await pool.close()
             for server, _ in servers:
                 await server.stop(None)
+        return [address for _, address in servers]
 
-    asyncio.run(scenario())
-    home: dict[str, set[str]] = {}
-    for replica, question in got:
-        home.setdefault(question, set()).add(replica)
+    addresses = asyncio.run(scenario())
+    return got, addresses
+
+
+def test_a_text_only_conversations_turns_go_to_one_prefill_replica():
+    """A conversation without media has no video to key on: each of its turns goes where its first
+    turn's prefix cache is (rendezvous on its opening), and different conversations spread. Calls
+    without a key went round robin, so a follow-up missed the cache on another replica."""
+    from epd.stages.messages import Message
+
+    turns = []
+    for i in range(8):
+        first = [Message.system("be brief"), Message.user(f"question {i}")]
+        follow_up = [*first, Message.assistant("an answer"), Message.user("and then?")]
+        turns += [(f"c{i}-1", first, None), (f"c{i}-2", follow_up, None)]
+    got, _ = _prefill_replicas(lambda addresses: turns)
     assert len(got) == 16
+    home = {i: {got[f"c{i}-1"], got[f"c{i}-2"]} for i in range(8)}
     assert all(len(replicas) == 1 for replicas in home.values()), home
     assert len(set.union(*home.values())) >= 2, "8 conversations all went to one replica"
+
+
+def _media(sha256: str):
+    import torch
+
+    from epd.model_runtime.adapter import VisualMeta
+    from epd.stages.contracts import EncodedMedia
+
+    return EncodedMedia(torch.zeros(3, 2), VisualMeta("video", (1, 2, 6), 1.0, 3), 2, [0.0, 0.5], 1.0, 2.0,
+                        sha256=sha256)
+
+
+def test_a_conversation_whose_video_comes_later_stays_on_its_openings_replica():
+    """Turns 1-2 text alone, turn 3 brings a video, turn 4 asks about it: the video's turns reuse
+    the text turns' prefix (and then each other's), so all four go to the opening's replica (they
+    went to the video's from turn 3). Conversations that open with the same video still share the
+    video's replica: their prompts agree through the video, whatever their questions."""
+    from epd.stages.messages import VIDEO, Message
+    from epd.transport.affinity import conversation_key
+
+    turn1 = [Message.user("hello")]
+    turn2 = [*turn1, Message.assistant("hi"), Message.user("I will show you a clip")]
+    turn3 = [*turn2, Message.assistant("ok, send it"), Message.user(VIDEO, "what moves?")]
+    turn4 = [*turn3, Message.assistant("a square"), Message.user("what colour is it?")]
+    chosen: dict[str, object] = {}
+
+    def turns(addresses: list[str]) -> list:
+        # A video whose own home is not the opening's, and other conversations, whose video comes
+        # after another opening, with openings at home on another replica than the video too.
+        home = rendezvous_order(conversation_key(turn1), addresses)[0]
+        sha = next(s for i in range(100) if rendezvous_order(s := f"{i:064x}", addresses)[0] != home)
+        video = chosen["video"] = _media(sha)
+        others = [m for i in range(100)
+                  if rendezvous_order(conversation_key(m := [Message.user(f"hello {i}"), Message.assistant("hi"),
+                                                             Message.user(VIDEO, "what moves?")]),
+                                      addresses)[0] != rendezvous_order(sha, addresses)[0]][:3]
+        chosen["others"] = others
+        opening_with_video = [[Message.system("be brief"), Message.user(VIDEO, f"question {i}")] for i in range(4)]
+        return [("t1", turn1, None), ("t2", turn2, None), ("t3", turn3, video), ("t4", turn4, video),
+                *((f"later{i}", m, video) for i, m in enumerate(others)),
+                *((f"opens{i}", m, video) for i, m in enumerate(opening_with_video))]
+
+    got, addresses = _prefill_replicas(turns)
+    video_home = rendezvous_order(chosen["video"].sha256, addresses)[0]  # type: ignore[attr-defined]
+    assert [got[t] for t in ("t1", "t2", "t3", "t4")] == [rendezvous_order(conversation_key(turn1), addresses)[0]] * 4
+    assert {got[f"opens{i}"] for i in range(4)} == {video_home}
+    for i, messages in enumerate(chosen["others"]):  # type: ignore[arg-type]
+        assert got[f"later{i}"] == rendezvous_order(conversation_key(messages), addresses)[0] != video_home

@@ -71,6 +71,27 @@ def test_at_least_one_token_is_left_to_compute():
     assert cache.lookup("k2", only_video, 3) is None
 
 
+def test_another_keys_entry_serves_up_to_its_bound():
+    """A conversation whose video came after text-only turns: its media prompt's own key has no
+    entry yet, and the text-only turn's entry (another key) holds its KV up to the first visual
+    token; it serves that far and no further, and the media key's own entry wins when there is one."""
+    cache = PrefixCache(1000, 60)
+    text_turn = [1, 2, 3, 4, 5]  # system, "hello", the answer's header
+    media_turn = [1, 2, 3, 4, 5, 6, V, V, 8]  # ... the answer, then the video (from index 6)
+    cache.put("text", [*text_turn, 6, 9], "text kv", 10)  # its LCP with the media turn runs to 6
+    assert cache.lookup("media", media_turn, 8) is None  # without `also`: a miss
+    hit = cache.lookup("media", media_turn, 8, also=("text", 6))
+    assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == 6
+    hit = cache.lookup("media", media_turn, 8, also=("text", 4))  # bounded below its LCP
+    assert hit is not None and hit.num_reused_tokens == 4
+    assert cache.lookup("media", [9, *media_turn], 9, also=("text", 7)) is None  # no common prefix
+    cache.put("media", media_turn, "media kv", 10)
+    hit = cache.lookup("media", [*media_turn, 10], 8, also=("text", 6))
+    assert hit is not None and hit.entry.cache == "media kv" and hit.num_reused_tokens == len(media_turn)
+    stats = cache.stats()
+    assert (stats.num_hits, stats.num_misses) == (3, 2)  # one count per lookup
+
+
 def test_keys_isolate_models_media_and_settings():
     cache = PrefixCache(1000, 60)
     key = ("model-a", "sha-1", (2, 4, 4), "auto")

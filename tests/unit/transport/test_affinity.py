@@ -195,3 +195,22 @@ def test_a_conversations_key_is_its_opening_and_its_tenants():
     assert conversation_key(first, "tenant-a") != conversation_key(first, "tenant-b")
     assert conversation_key(first) != conversation_key([Message.system("be brief"), Message.user("hellothere")])
     assert conversation_key(first) != conversation_key([Message.user("hello", "there")])
+
+
+def test_the_prefill_key_is_the_video_only_for_a_conversation_that_opens_with_it():
+    """Where the prefix cache can hit (docs/architecture.md, "Prefix cache"): a conversation that
+    opens with its video shares its prompt through the video with others about it (the video's
+    sha256); one whose video comes after text-only turns reuses those turns' KV (its opening)."""
+    from epd.stages.messages import IMAGE, VIDEO, Message, media_in_opening
+    from epd.transport.affinity import conversation_key, prefill_key
+
+    sha = "ab" * 32
+    opens = [Message.system("be brief"), Message.user("look:", VIDEO, "what moves?")]
+    assert media_in_opening(opens) and prefill_key(opens, sha) == sha
+    follow_up = [*opens, Message.assistant("a square"), Message.user("what colour?")]
+    assert prefill_key(follow_up, sha, "tenant") == sha  # every turn, and every conversation about it
+    later = [Message.user("hello"), Message.assistant("hi"), Message.user(IMAGE, "and this?")]
+    assert not media_in_opening(later)
+    assert prefill_key(later, sha, "tenant") == conversation_key(later[:1], "tenant") == prefill_key(later[:1], "", "tenant")
+    assert prefill_key(opens) == conversation_key(opens)  # media the gateway could not hash: its opening
+    assert not media_in_opening([Message.user("text alone")])
