@@ -41,6 +41,7 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import Message, check_messages, media_type, to_chat_template
+from epd.stages.model_info import ModelInfo
 from epd.token_pruning import (
     ModelSizes,
     PruningConfig,
@@ -74,6 +75,16 @@ class PrefillEngine:
         # be cut back to a shorter prefix; they would be reusable only when a follow-up extends
         # the stored prompt exactly, which is left for later.
         self.prefix_caching = adapter.supports_chunked_prefill and not getattr(adapter, "linear_layers", None)
+
+    def model_info(self) -> ModelInfo:
+        """What this stage's model and limits take: what `validate` and `prepare` check a request against."""
+        return ModelInfo(
+            vocab_size=self.adapter.vocab_size,
+            context_tokens=self.adapter.context_tokens,
+            max_prompt_tokens=self.config.max_prompt_tokens,
+            max_new_tokens=self.config.max_new_tokens_limit,
+            model_type=self.adapter.family,
+        )
 
     def validate(self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig) -> None:
         check_messages(messages, self.config.max_text_chars)

@@ -24,6 +24,7 @@ from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
 from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
 from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.messages import Message
+from epd.stages.model_info import ModelInfo
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig
 
@@ -86,6 +87,9 @@ class LocalPrefillStage(PrefillStage):
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if self.kv_store.release(handle.kv_handle):
             log.info("released the KV cache of request %s: it ended before a decoder took it", request_id)
+
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
 
     def load(self) -> EngineLoad:
         """What the prefill core is doing now (running/waiting requests, last batch size, steps),

@@ -7,7 +7,8 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
                                    `chat.completion.chunk`s ending in `data: [DONE]` (with
                                    stream_options include_usage, a last usage chunk; with
                                    vLLM's continuous_usage_stats too, the usage so far on each)
-    GET  /v1/models             the served model id (and /v1/models/{id}: it alone, or 404)
+    GET  /v1/models             the served model id and its max_model_len (and /v1/models/{id}:
+                                it alone, or 404)
     GET  /health                200 when every configured stage answers SERVING on grpc.health
                                 (GET or POST /ping: the same, as vLLM's)
     GET  /version               {"version": epd's}
@@ -270,8 +271,12 @@ class HttpApi:
         return any_key_matches(token, self.config.http.api_keys)
 
     def _model_object(self) -> dict[str, Any]:
+        """vLLM's model card: its `max_model_len` is the longest prompt plus answer a request may
+        have (`ModelInfo.max_model_len`); null until prefill has said (the stack's gateway at start)."""
         name = self.config.http.served_model_name
-        return {"id": name, "object": "model", "created": self.started_s, "owned_by": "epd"}
+        info = self.pipeline.model_info()
+        return {"id": name, "object": "model", "created": self.started_s, "owned_by": "epd",
+                "max_model_len": None if info is None else info.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_object()]})

@@ -36,6 +36,7 @@ from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message
+from epd.stages.model_info import ModelInfo
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
 
@@ -409,6 +410,11 @@ class PrefillStage(ABC):
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         """Drop the KV cache of `handle`: its request ended (cancelled or failed) before a decoder
         took it. Idempotent: an unknown, expired or already taken handle is not an error."""
+
+    def model_info(self) -> ModelInfo | None:
+        """What the model behind this stage can take (`epd.stages.model_info`); None while not
+        known (a remote stage before any replica answered, or a stage that cannot say)."""
+        return None
 
 
 class DecodeStage(ABC):

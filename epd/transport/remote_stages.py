@@ -49,6 +49,7 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.messages import Message
+from epd.stages.model_info import ModelInfo
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
@@ -378,6 +379,9 @@ class RemotePrefillStage(PrefillStage):
         self.kv_channels = ChannelCache(
             lambda address: traced_channel(address, server_name=self.pool.server_name(address))
         )
+        self.known_model_info: ModelInfo | None = None
+        """What the replicas' model takes, as the gateway's background reads found it
+        (`epd.gateway.model_info`); None until a replica answered."""
 
     async def prefill(
         self,
@@ -442,6 +446,9 @@ class RemotePrefillStage(PrefillStage):
                 await prefill_pb2_grpc.PrefillServiceStub(channel).ReleaseKv(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 raise stage_error(exc, "prefill", request_id) from None
+
+    def model_info(self) -> ModelInfo | None:
+        return self.known_model_info
 
     async def close(self) -> None:
         await self.kv_channels.close()

@@ -106,3 +106,21 @@ class ReleaseKvResult(_message.Message):
     num_kv_caches_held: int
     kv_bytes_held: int
     def __init__(self, released: _Optional[bool] = ..., num_kv_caches_held: _Optional[int] = ..., kv_bytes_held: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    context_tokens: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    model_type: str
+    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...

@@ -51,6 +51,11 @@ class PrefillServiceStub:
                 request_serializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/epd.v1.PrefillService/GetModelInfo',
+                request_serializer=epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -88,6 +93,17 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What the model this server loaded can take: its vocabulary and context, and this server's
+        prompt and generation limits. The gateway, which loads no model, reads it from every prefill
+        replica in the background, to refuse a token id outside the vocabulary before the request's
+        media is decoded and encoded, and for /v1/models' max_model_len. UNAVAILABLE while the model
+        is still loading.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +121,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
                     response_serializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,6 +211,33 @@ class PrefillService:
             '/epd.v1.PrefillService/ReleaseKv',
             epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
             epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/GetModelInfo',
+            epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
