@@ -42,6 +42,7 @@ from epd.stages.contracts import (
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import Message, check_messages, media_type, to_chat_template
 from epd.stages.model_info import ModelInfo
+from epd.stages.tokenize import TokenizeInput, check_token_ids
 from epd.token_pruning import (
     ModelSizes,
     PruningConfig,
@@ -85,6 +86,24 @@ class PrefillEngine:
             max_new_tokens=self.config.max_new_tokens_limit,
             model_type=self.adapter.family,
         )
+
+    def tokenize(self, request: TokenizeInput) -> list[int]:
+        """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt."""
+        request.check(self.config.max_text_chars)
+        try:
+            if request.prompt is not None:
+                return self.adapter.tokenize(request.prompt, request.add_special_tokens)
+            return self.adapter.tokenize_conversation(
+                to_chat_template(request.messages, ""), request.add_generation_prompt, request.add_special_tokens
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize
+        text could give), special tokens kept."""
+        check_token_ids(token_ids, self.adapter.vocab_size, self.config.max_text_chars)
+        return self.adapter.decode_tokens(list(token_ids))
 
     def validate(self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig) -> None:
         check_messages(messages, self.config.max_text_chars)

@@ -1,12 +1,15 @@
-"""Model info over the wire: `ModelInfo` <-> `epd.v1.ModelInfo` (0 for a size not known), and the
-gateway's read of a prefill replica's (`fetch_model_info`). The service side is prefill's
-`GetModelInfo` (`epd.prefill_svc.servicer`)."""
+"""What prefill says about its model over the wire: `ModelInfo` <-> `epd.v1.ModelInfo` (0 for a
+size not known) and the gateway's read of a prefill replica's (`fetch_model_info`); a
+`TokenizeInput` <-> `epd.v1.TokenizeRequest` (/tokenize). The service side is prefill's
+`GetModelInfo` and `Tokenize` (`epd.prefill_svc.servicer`)."""
 
 from __future__ import annotations
 
 import grpc
 
 from epd.stages.model_info import ModelInfo
+from epd.stages.tokenize import TokenizeInput
+from epd.transport.message_convert import messages_from_proto, messages_to_proto
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 
 
@@ -35,3 +38,22 @@ async def fetch_model_info(channel: grpc.aio.Channel, timeout_s: float) -> Model
     does not answer within `timeout_s` (down, still loading its model, or too old to serve it)."""
     stub = prefill_pb2_grpc.PrefillServiceStub(channel)
     return model_info_from_proto(await stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=timeout_s))
+
+
+def tokenize_request_to_proto(request: TokenizeInput, request_id: str) -> prefill_pb2.TokenizeRequest:
+    return prefill_pb2.TokenizeRequest(
+        request_id=request_id,
+        prompt=request.prompt,
+        messages=messages_to_proto(request.messages),
+        add_special_tokens=request.add_special_tokens,
+        add_generation_prompt=request.add_generation_prompt,
+    )
+
+
+def tokenize_input_from_proto(msg: prefill_pb2.TokenizeRequest) -> TokenizeInput:
+    return TokenizeInput(
+        prompt=msg.prompt if msg.HasField("prompt") else None,
+        messages=messages_from_proto(msg.messages),
+        add_special_tokens=msg.add_special_tokens,
+        add_generation_prompt=msg.add_generation_prompt,
+    )

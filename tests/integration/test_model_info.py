@@ -1,7 +1,8 @@
 """The served model's vocabulary and length limits at the front door: the stack's gateway learns
 them from prefill (`PrefillService.GetModelInfo`), the colocated one from its own prefill stage.
-A token id outside the vocabulary is refused before the media costs a decode and an encode, and
-`/v1/models` says `max_model_len` as vLLM's does."""
+A token id outside the vocabulary is refused before the media costs a decode and an encode,
+`/v1/models` says `max_model_len` as vLLM's does, and /tokenize and /detokenize answer with
+prefill's tokenizer."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest
-from epd.stages.messages import question_messages
+from epd.stages.messages import from_chat_template, question_messages, to_chat_template
 from epd.stages.server_config import ServerConfig
 from epd.v1 import load_pb2, load_pb2_grpc
 from epd.video.types import SamplingOptions
@@ -43,18 +44,22 @@ def _get(port: int, path: str) -> dict:
         return json.loads(reply.read())
 
 
-def _chat(port: int, video: bytes, **fields) -> tuple[int, dict]:
-    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
-    body = {"model": "epd", "max_tokens": 2, "media": {"num_frames": 2}, **fields,
-            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                                      {"type": "text", "text": "what happens?"}]}]}  # fmt: skip
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def _chat(port: int, video: bytes, **fields) -> tuple[int, dict]:
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    body = {"model": "epd", "max_tokens": 2, "media": {"num_frames": 2}, **fields,
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": "what happens?"}]}]}  # fmt: skip
+    return _post(port, "/v1/chat/completions", body)
 
 
 def _encoder_steps(address: str) -> int:
@@ -109,7 +114,8 @@ def test_the_colocated_front_door_checks_the_vocabulary_and_reports_max_model_le
     """`epd serve --colocate` serves its embedded pipeline wrapped for metrics (MeteredPipeline),
     which had lost the embedded pipeline's vocabulary: the early check ran only in `epd ask`. Its
     /v1/models says the longest prompt plus answer: here epd's own limits (a 1,000-token prompt
-    limit plus max_tokens), shorter than the model's context."""
+    limit plus max_tokens), shorter than the model's context; its /tokenize answers from its own
+    prefill stage."""
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     prefill = PrefillConfig(model=model, max_prompt_tokens=1000)
     vocab_size = _text_config(tiny_models["qwen2_vl"])["vocab_size"]
@@ -125,11 +131,62 @@ def test_the_colocated_front_door_checks_the_vocabulary_and_reports_max_model_le
         config = GatewayConfig(server=ServerConfig(port=0), http=HttpApiConfig(port=0))
         http = await start_http_api(config, pipeline, pipeline.metrics)
         try:
-            return await asyncio.to_thread(_get, http.port, "/v1/models/epd")
+            card = await asyncio.to_thread(_get, http.port, "/v1/models/epd")
+            tokenized = await asyncio.to_thread(_post, http.port, "/tokenize", {"messages": CONVERSATION})
+            return card, tokenized
         finally:
             await http.stop(0.5)
 
     with build_embedded_pipeline(model, prefill=prefill) as embedded:
-        card = asyncio.run(scenario(MeteredPipeline(embedded, GatewayMetrics())))
+        card, (status, tokenized) = asyncio.run(scenario(MeteredPipeline(embedded, GatewayMetrics())))
+        prompt = embedded.prefill.engine.adapter.build_prompt(
+            to_chat_template(from_chat_template(CONVERSATION), ""), None)
     assert events == []  # no stage ran: nothing was decoded or encoded
     assert card["max_model_len"] == 1000 + MAX_NEW_TOKENS
+    assert status == 200 and tokenized["max_model_len"] == card["max_model_len"], tokenized
+    assert tokenized["tokens"] == prompt.input_ids[0].tolist()  # /tokenize there too: the prompt prefill runs
+
+
+CONVERSATION = [{"role": "system", "content": "answer briefly"},
+                {"role": "user", "content": [{"type": "text", "text": "what colour is the sky?"}]}]
+
+
+def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared_stack, tiny_models):
+    """A conversation's count is the prompt prefill runs (a chat answer's usage.prompt_tokens), its
+    ids the processor's own template tokenised; a prompt's ids the tokenizer's; /detokenize gives
+    the text back, special tokens kept; a video part and an id outside the vocabulary are 400s."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(tiny_models["qwen2_vl"]))
+    tokenizer = processor.tokenizer
+    port = shared_stack.http_port
+    max_model_len = _model_card(port)["max_model_len"]
+
+    status, body = _post(port, "/tokenize", {"model": "epd", "messages": CONVERSATION})
+    assert status == 200, body
+    rendered = processor.apply_chat_template(
+        [{"role": "system", "content": [{"type": "text", "text": "answer briefly"}]}, CONVERSATION[1]],
+        add_generation_prompt=True, tokenize=False)
+    assert body["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert (body["count"], body["max_model_len"], body["token_strs"]) == (len(body["tokens"]), max_model_len, None)
+    status, chat = _post(port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": CONVERSATION})
+    assert status == 200, chat
+    assert chat["usage"]["prompt_tokens"] == body["count"]
+    status, without = _post(port, "/tokenize", {"messages": CONVERSATION, "add_generation_prompt": False})
+    assert status == 200 and without["count"] < body["count"]
+
+    status, body = _post(port, "/tokenize", {"prompt": "a red circle moves left"})
+    assert status == 200 and body["tokens"] == tokenizer("a red circle moves left")["input_ids"], body
+    status, body = _post(port, "/detokenize", {"tokens": tokenizer(rendered)["input_ids"]})
+    assert (status, body) == (200, {"prompt": tokenizer.decode(tokenizer(rendered)["input_ids"])})
+    assert "<|im_start|>" in body["prompt"]  # special tokens kept, as vLLM's /detokenize
+
+    video = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                                         {"type": "text", "text": "what happens?"}]}
+    status, body = _post(port, "/tokenize", {"messages": [video]})
+    assert status == 400 and "/tokenize counts text only" in body["error"]["message"], body
+    vocab_size = _text_config(tiny_models["qwen2_vl"])["vocab_size"]
+    status, body = _post(port, "/detokenize", {"tokens": [1, vocab_size]})
+    assert status == 400 and f"token id {vocab_size} is outside 0 to {vocab_size - 1}" in body["error"]["message"], body
+    status, body = _post(port, "/tokenize", {"model": "other", "prompt": "x"})
+    assert status == 404, body

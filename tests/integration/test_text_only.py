@@ -25,6 +25,7 @@ from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import from_chat_template
+from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
@@ -115,6 +116,8 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
             assert not got.encoder_cache_hit and got.grid_thw == (0, 0, 0)
             assert "encode" not in got.timings_ms and "video_decode" not in got.timings_ms
             assert got.num_prompt_tokens > 0
+            tokenize = TokenizeInput(messages=from_chat_template(messages), add_special_tokens=False)
+            assert len(asyncio.run(pipeline.prefill.tokenize(tokenize, name))) == got.num_prompt_tokens  # /tokenize's count
         video = decode_for_test(media_files["mp4"], NUM_FRAMES)
         later = summary(pipeline, VIDEO_LATER, MediaInput(media_files["mp4"].read_bytes()))
         assert later.token_ids == video_reference(family, path, video, VIDEO_LATER)

@@ -56,6 +56,16 @@ class PrefillServiceStub:
                 request_serializer=epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/epd.v1.PrefillService/Tokenize',
+                request_serializer=epd_dot_v1_dot_prefill__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.TokenizeResult.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/epd.v1.PrefillService/Detokenize',
+                request_serializer=epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.DetokenizeResult.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -104,6 +114,22 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids of a text, or of a text-only conversation rendered with the model's chat
+        template as Prefill renders it (the HTTP API's POST /tokenize). INVALID_ARGUMENT for a
+        conversation with a video or image part: its tokens depend on frames only the encoder sees.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, special tokens kept (the HTTP API's POST /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +152,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.FromString,
                     response_serializer=epd_dot_v1_dot_prefill__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.TokenizeRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.TokenizeResult.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.DetokenizeResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -238,6 +274,60 @@ class PrefillService:
             '/epd.v1.PrefillService/GetModelInfo',
             epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
             epd_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/Tokenize',
+            epd_dot_v1_dot_prefill__pb2.TokenizeRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.TokenizeResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/Detokenize',
+            epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.DetokenizeResult.FromString,
             options,
             channel_credentials,
             insecure,
