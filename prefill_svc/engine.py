@@ -41,6 +41,8 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import Message, check_messages, media_in_opening, media_type, to_chat_template
+from epd.stages.model_info import ModelInfo
+from epd.stages.tokenize import TokenizeInput, check_token_ids
 from epd.token_pruning import (
     ModelSizes,
     PruningConfig,
@@ -74,6 +76,34 @@ class PrefillEngine:
         # be cut back to a shorter prefix; they would be reusable only when a follow-up extends
         # the stored prompt exactly, which is left for later.
         self.prefix_caching = adapter.supports_chunked_prefill and not getattr(adapter, "linear_layers", None)
+
+    def model_info(self) -> ModelInfo:
+        """What this stage's model and limits take: what `validate` and `prepare` check a request against."""
+        return ModelInfo(
+            vocab_size=self.adapter.vocab_size,
+            context_tokens=self.adapter.context_tokens,
+            max_prompt_tokens=self.config.max_prompt_tokens,
+            max_new_tokens=self.config.max_new_tokens_limit,
+            model_type=self.adapter.family,
+        )
+
+    def tokenize(self, request: TokenizeInput) -> list[int]:
+        """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt."""
+        request.check(self.config.max_text_chars)
+        try:
+            if request.prompt is not None:
+                return self.adapter.tokenize(request.prompt, request.add_special_tokens)
+            return self.adapter.tokenize_conversation(
+                to_chat_template(request.messages, ""), request.add_generation_prompt, request.add_special_tokens
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize
+        text could give), special tokens kept."""
+        check_token_ids(token_ids, self.adapter.vocab_size, self.config.max_text_chars)
+        return self.adapter.decode_tokens(list(token_ids))
 
     def validate(self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig) -> None:
         check_messages(messages, self.config.max_text_chars)

@@ -1,7 +1,9 @@
 """PrefillService over gRPC: Prefill is protobuf in (the visual embeddings' upload), a
 PrefillStage call, protobuf out (the stage's PrefillHandle); PullKv streams a cache to a decoder;
 ReleaseKv drops one: confirmed by the decoder that has it (`received`), or released by the gateway
-because its request ended before a decoder had it.
+because its request ended before a decoder had it; GetModelInfo says what the loaded model and
+this server's limits take (the gateway reads it: epd/gateway/model_info.py); Tokenize and
+Detokenize serve the HTTP API's /tokenize and /detokenize with the model's tokenizer.
 
 Handover in two steps (`KvStore.lease` / `confirm`): a decoder's PullKv (`keep_until_confirmed`)
 leaves the cache in the store, so a pull that breaks half way, or a decoder that dies before it
@@ -27,6 +29,7 @@ from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
+from epd.transport.model_info import model_info_to_proto, tokenize_input_from_proto
 from epd.transport.tensor_wire import TensorAssembler, tensor_to_chunks
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -122,3 +125,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.ReleaseKvResult(
             released=released, num_kv_caches_held=len(self.kv_store), kv_bytes_held=self.kv_store.num_bytes
         )
+
+    def _loaded(self) -> LocalPrefillStage:
+        if self.stage is None:
+            raise Unavailable("prefill is still loading its model; retry shortly")
+        return self.stage
+
+    @rpc_errors
+    async def GetModelInfo(self, request, context):
+        return model_info_to_proto(self._loaded().model_info())
+
+    @rpc_errors
+    async def Tokenize(self, request, context):
+        request_id = tracing.adopt_request_id(request.request_id)
+        token_ids = await self._loaded().tokenize(tokenize_input_from_proto(request), request_id)
+        return prefill_pb2.TokenizeResult(token_ids=token_ids)
+
+    @rpc_errors
+    async def Detokenize(self, request, context):
+        text = await self._loaded().detokenize(list(request.token_ids), tracing.adopt_request_id(request.request_id))
+        return prefill_pb2.DetokenizeResult(text=text)

@@ -24,7 +24,9 @@ from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
 from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
 from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.messages import Message
+from epd.stages.model_info import ModelInfo
 from epd.stages.model_thread import ModelThread
+from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,17 @@ class LocalPrefillStage(PrefillStage):
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if self.kv_store.release(handle.kv_handle):
             log.info("released the KV cache of request %s: it ended before a decoder took it", request_id)
+
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
+
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
+        # On the model thread: the tokenizer is the one `prepare` uses there (a fast tokenizer
+        # shared between threads may refuse a call: "Already borrowed").
+        return await self.model_thread.run(self.engine.tokenize, request)
+
+    async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
+        return await self.model_thread.run(self.engine.detokenize, token_ids)
 
     def load(self) -> EngineLoad:
         """What the prefill core is doing now (running/waiting requests, last batch size, steps),

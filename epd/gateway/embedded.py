@@ -35,7 +35,6 @@ class EmbeddedPipeline(Pipeline):
         self.prefill: LocalPrefillStage = prefill
         self.decoder: LocalDecodeStage = decoder
         self.model_thread = thread
-        self.vocab_size = prefill.engine.adapter.vocab_size  # checked before the encode, not after
 
     def close(self) -> None:
         """Stop the stages' threads (calls running finish; queued ones are cancelled). The

@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from epd.stages.engine_core import EngineLoad
-from epd.transport.aio_cancel import cancelled_by_grpc, within
+from epd.transport.aio_cancel import answer_or_none, within
 from epd.transport.load import fetch_loads
 from epd.transport.load_servicer import stage_loads
 from epd.transport.remote_stages import ReplicaPool, unresolved
@@ -123,17 +123,9 @@ async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: flo
     targets = [(pool, address) for pool in pools.values() for address in pool.addresses if not unresolved(address)]
 
     async def read(pool: ReplicaPool, address: str) -> int | None:
-        try:
-            return queued(await within(fetch_loads(pool.channel(address), timeout_s), timeout_s))
-        except Exception as exc:  # noqa: BLE001 - down, starting, or too old to answer GetLoad
-            log.debug("no load for routing from %s: %r", address, exc)
-            return None
-        except asyncio.CancelledError:
-            # The replica left the pool during the read and its channel closed under the call
-            # (grpc.aio cancels it): let through, it ended `watch_loads` for good.
-            if not cancelled_by_grpc():
-                raise
-            return None
+        loads = await answer_or_none(fetch_loads(pool.channel(address), timeout_s), timeout_s,
+                                     f"no load for routing from {address}")
+        return None if loads is None else queued(loads)
 
     answers = await asyncio.gather(*(read(pool, address) for pool, address in targets))
     for (pool, address), load in zip(targets, answers):

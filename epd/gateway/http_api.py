@@ -7,7 +7,11 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
                                    `chat.completion.chunk`s ending in `data: [DONE]` (with
                                    stream_options include_usage, a last usage chunk; with
                                    vLLM's continuous_usage_stats too, the usage so far on each)
-    GET  /v1/models             the served model id (and /v1/models/{id}: it alone, or 404)
+    GET  /v1/models             the served model id and its max_model_len (and /v1/models/{id}:
+                                it alone, or 404)
+    POST /tokenize              vLLM's: a prompt's or a text-only conversation's token ids, count
+                                and max_model_len (POST /detokenize: ids -> text); by prefill
+                                (epd/gateway/tokenize_api.py)
     GET  /health                200 when every configured stage answers SERVING on grpc.health
                                 (GET or POST /ping: the same, as vLLM's)
     GET  /version               {"version": epd's}
@@ -85,6 +89,7 @@ from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight
+from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.stages.contracts import MediaInput, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
@@ -159,6 +164,7 @@ class HttpApi:
         app.router.add_post("/ping", self.health, expect_handler=defer_continue)
         app.router.add_get("/version", self.version, expect_handler=defer_continue)
         app.router.add_get("/metrics", self.prometheus, expect_handler=defer_continue)
+        add_tokenize_routes(app, self)  # POST /tokenize, /detokenize (vLLM's), answered by prefill
         add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
         # Last: every other path. aiohttp answers an unrouted request's Expect header itself, before
         # any middleware (plain text, no request id); a route of ours keeps it in the middleware.
@@ -284,8 +290,12 @@ class HttpApi:
         return any_key_matches(token, self.config.http.api_keys)
 
     def _model_object(self) -> dict[str, Any]:
+        """vLLM's model card: its `max_model_len` is the longest prompt plus answer a request may
+        have (`ModelInfo.max_model_len`); null until prefill has said (the stack's gateway at start)."""
         name = self.config.http.served_model_name
-        return {"id": name, "object": "model", "created": self.started_s, "owned_by": "epd"}
+        info = self.pipeline.model_info()
+        return {"id": name, "object": "model", "created": self.started_s, "owned_by": "epd",
+                "max_model_len": None if info is None else info.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_object()]})

@@ -44,6 +44,7 @@ from epd.stages.contracts import (
 from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import Message, check_messages, media_type
+from epd.stages.model_info import ModelInfo
 from epd.stages.names import TIMING_NAMES, TOTAL, TTFT, Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport import tracing
@@ -105,17 +106,26 @@ _ROOM_MAX_DELAY_S = 1.0
 
 
 class Pipeline:
-    vocab_size: int | None = None
-    """The model's vocabulary, when this front door holds the model (the embedded pipeline): token
-    ids outside it are refused before the media costs an encode. None (the gateway, which loads no
-    model): prefill refuses them, after the encode."""
-
     def __init__(self, encoder: EncodeStage, prefill: PrefillStage, decoder: DecodeStage,
                  decode_room_wait_s: float = DECODE_ROOM_WAIT_S) -> None:
         self.encoder = encoder
         self.prefill = prefill
         self.decoder = decoder
         self.decode_room_wait_s = decode_room_wait_s
+
+    def model_info(self) -> ModelInfo | None:
+        """What the served model takes, as the prefill stage knows it (the embedded pipeline: its
+        own model's; the gateway: what prefill's replicas answered, `epd.gateway.model_info`);
+        None while not known."""
+        model_info = getattr(self.prefill, "model_info", None)  # a test's stand-in may have none
+        return model_info() if callable(model_info) else None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary when known: token ids outside it are refused before the media
+        costs an encode. None (not known yet): prefill refuses them, after the encode."""
+        info = self.model_info()
+        return None if info is None else info.vocab_size
 
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""

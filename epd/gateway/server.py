@@ -14,6 +14,7 @@ from epd.gateway.config import GatewayConfig, open_without_key
 from epd.gateway.dns_replicas import Lookup, ReplicaSets, getaddrinfo_lookup
 from epd.gateway.engine_load import watch_loads
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
+from epd.gateway.model_info import watch_model_info
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import InProcessHealth, StageHealth, watch_stages
 from epd.gateway.replica_list import (
@@ -112,6 +113,10 @@ async def start(
     # replica file when there is one; the last two change the lists through one ReplicaUpdater.
     if pools and config.routing == "affinity":
         hs.background_tasks.append(asyncio.ensure_future(watch_loads(pools, config.load_refresh_interval_s)))
+    # The served model's vocabulary and limits, from prefill (epd/gateway/model_info.py).
+    if isinstance(pipeline.prefill, RemotePrefillStage):
+        info = watch_model_info(pipeline.prefill, config.stage_check_interval_s)
+        hs.background_tasks.append(asyncio.ensure_future(info))
     # Both begin with what start-up left undone, off the start: the lookups of the names (`run`)
     # and the file as it is now (`reload_first`: it may have changed since the pools were built).
     if pools:

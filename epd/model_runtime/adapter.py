@@ -287,6 +287,22 @@ class VLMAdapter(ABC):
         generate() gives a prompt without media.
         Raises ValueError when a text part holds the model's own placeholder tokens."""
 
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A text's token ids, as the model's tokenizer gives them (the HTTP API's /tokenize)."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
+
+    def tokenize_conversation(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool
+    ) -> list[int]:
+        """A conversation without media (`build_prompt`'s form) rendered with the model's chat
+        template and tokenised; with `add_generation_prompt` and without special tokens, exactly
+        `build_prompt(conversation, None).input_ids`. ValueError as `build_prompt`'s."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not expose its chat template")
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens kept (/detokenize; answers use `detokenize`)."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
+
     @abstractmethod
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
         """Run the language model over the prompt with `visual_embeds` [num_visual, hidden] in the

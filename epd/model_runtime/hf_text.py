@@ -113,18 +113,35 @@ class HfTextAdapter(VLMAdapter):
         its text, tokenised as the processor's __call__ tokenises it, and the positions generate()
         gives a prompt without grids (`_prepare_position_ids_for_generation` then skips
         get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
-        proc = self.processor
-        placeholders = (proc.video_token, proc.image_token)
-        if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
-            raise ValueError("a text part contains the model's visual placeholder token; remove it")
-        text = proc.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        if any(token in text for token in placeholders):  # a template that adds media of its own
-            raise ValueError("the chat template rendered a visual placeholder for a conversation without media; "
-                             "add the video or image part")
+        text = self._render_text_only(conversation, add_generation_prompt=True)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
         length = input_ids.shape[1]
         positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
         return Prompt(input_ids, positions, torch.zeros(length, dtype=torch.bool))
+
+    def _render_text_only(self, conversation: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The processor's own template of a conversation without media; ValueError when the text
+        or the template holds the model's visual placeholder."""
+        proc = self.processor
+        placeholders = (proc.video_token, proc.image_token)
+        if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
+            raise ValueError("a text part contains the model's visual placeholder token; remove it")
+        text = proc.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        if any(token in text for token in placeholders):  # a template that adds media of its own
+            raise ValueError("the chat template rendered a visual placeholder for a conversation without media; "
+                             "add the video or image part")
+        return text
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def tokenize_conversation(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool
+    ) -> list[int]:
+        return self.tokenize(self._render_text_only(conversation, add_generation_prompt), add_special_tokens)
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual

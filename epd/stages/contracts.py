@@ -36,6 +36,8 @@ from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message
+from epd.stages.model_info import ModelInfo
+from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
 
@@ -409,6 +411,20 @@ class PrefillStage(ABC):
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         """Drop the KV cache of `handle`: its request ended (cancelled or failed) before a decoder
         took it. Idempotent: an unknown, expired or already taken handle is not an error."""
+
+    def model_info(self) -> ModelInfo | None:
+        """What the model behind this stage can take (`epd.stages.model_info`); None while not
+        known (a remote stage before any replica answered, or a stage that cannot say)."""
+        return None
+
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
+        """The token ids of `request`'s text or text-only conversation, as this stage's tokenizer
+        and chat template give them (`epd.stages.tokenize`); InvalidRequest for what it refuses."""
+        raise NotImplementedError(f"{type(self).__name__} cannot tokenize")
+
+    async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
+        """The text of `token_ids` (special tokens kept); InvalidRequest for an id outside the vocabulary."""
+        raise NotImplementedError(f"{type(self).__name__} cannot detokenize")
 
 
 class DecodeStage(ABC):

@@ -48,6 +48,23 @@ def cancelled_by_grpc() -> bool:
     return cancelling is not None and cancelling() == 0
 
 
+async def answer_or_none(call: Awaitable[T], timeout_s: float, what: str) -> T | None:
+    """A gateway's background read of one replica (its load, its model info): the answer, or None
+    when the call fails or is not answered within `timeout_s` (logged at DEBUG, `what` first), or
+    when grpc.aio cancels it because the replica left its pool and its channel closed under the
+    call. That cancel, let through, ended the watch doing the reads for good; a cancel of the
+    reading task itself goes on."""
+    try:
+        return await within(call, timeout_s)
+    except Exception as exc:  # noqa: BLE001 - down, starting, or too old to answer
+        log.debug("%s: %r", what, exc)
+        return None
+    except asyncio.CancelledError:
+        if not cancelled_by_grpc():
+            raise
+        return None
+
+
 LOST_WHILE_SENDING = "Internal error from Core"
 """How grpc.aio words the INTERNAL it raises itself when a request stream is being sent as the call
 ends under it: a connection that has just broken (the replica was killed mid-upload), or the call's

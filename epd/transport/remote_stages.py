@@ -49,7 +49,9 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.messages import Message
+from epd.stages.model_info import ModelInfo
 from epd.stages.server_config import CHUNK_BYTES
+from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser, prefill_key
@@ -63,6 +65,7 @@ from epd.transport.errors import (
     retry_after_of,
     stage_error,
 )
+from epd.transport.model_info import tokenize_request_to_proto
 from epd.transport.server import RECONNECT_OPTIONS, channel_options, traced_channel
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import (
@@ -398,6 +401,9 @@ class RemotePrefillStage(PrefillStage):
         self.kv_channels = ChannelCache(
             lambda address: traced_channel(address, server_name=self.pool.server_name(address))
         )
+        self.known_model_info: ModelInfo | None = None
+        """What the replicas' model takes, as the gateway's background reads found it
+        (`epd.gateway.model_info`); None until a replica answered."""
 
     async def prefill(
         self,
@@ -462,6 +468,25 @@ class RemotePrefillStage(PrefillStage):
                 await prefill_pb2_grpc.PrefillServiceStub(channel).ReleaseKv(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 raise stage_error(exc, "prefill", request_id) from None
+
+    def model_info(self) -> ModelInfo | None:
+        return self.known_model_info
+
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
+        message = tokenize_request_to_proto(request, request_id)
+
+        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> prefill_pb2.TokenizeResult:
+            return await prefill_pb2_grpc.PrefillServiceStub(channel).Tokenize(message, timeout=timeout_s)
+
+        return list((await self.pool.call("", attempt, "prefill", request_id, self.timeout_s)).token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
+        message = prefill_pb2.DetokenizeRequest(request_id=request_id, token_ids=token_ids)
+
+        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> prefill_pb2.DetokenizeResult:
+            return await prefill_pb2_grpc.PrefillServiceStub(channel).Detokenize(message, timeout=timeout_s)
+
+        return (await self.pool.call("", attempt, "prefill", request_id, self.timeout_s)).text
 
     async def close(self) -> None:
         await self.kv_channels.close()

@@ -175,8 +175,8 @@ def test_a_prompt_over_the_limit_is_told_what_made_it_long(tiny_models, media_fi
 def test_the_embedded_door_refuses_a_token_id_outside_the_vocabulary_before_the_encode(tiny_models, media_files):
     """The embedded pipeline (`epd serve --colocate`, `epd ask`) holds the model, so it checks
     logit_bias and stop_token_ids ids against the vocabulary with the other fields: prefill's
-    check came after a whole decode and encode of the media. (The gateway loads no model: there
-    prefill's check stays the first.)"""
+    check came after a whole decode and encode of the media. (The stack's gateway learns the
+    vocabulary from prefill: tests/integration/test_model_info.py.)"""
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     events: list = []
 

@@ -26,6 +26,7 @@ from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import from_chat_template
 from epd.stages.names import LEGACY_STAGE_NAMES, TIMING_NAMES
+from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
@@ -118,6 +119,8 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
             assert list(got.timings_ms) == list(TIMING_NAMES)
             assert got.timings_ms["encode"] == 0.0 and got.timings_ms["video_decode"] == 0.0
             assert got.num_prompt_tokens > 0
+            tokenize = TokenizeInput(messages=from_chat_template(messages), add_special_tokens=False)
+            assert len(asyncio.run(pipeline.prefill.tokenize(tokenize, name))) == got.num_prompt_tokens  # /tokenize's count
         video = decode_for_test(media_files["mp4"], NUM_FRAMES)
         # The conversation's text-only first turn, then the turn that brings the video: that turn
         # reuses the first turn's KV for the text before its video (its entry is text-only), and

@@ -51,6 +51,21 @@ class PrefillServiceStub:
                 request_serializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/epd.v1.PrefillService/GetModelInfo',
+                request_serializer=epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/epd.v1.PrefillService/Tokenize',
+                request_serializer=epd_dot_v1_dot_prefill__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.TokenizeResult.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/epd.v1.PrefillService/Detokenize',
+                request_serializer=epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.DetokenizeResult.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -88,6 +103,33 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What the model this server loaded can take: its vocabulary and context, and this server's
+        prompt and generation limits. The gateway, which loads no model, reads it from every prefill
+        replica in the background, to refuse a token id outside the vocabulary before the request's
+        media is decoded and encoded, and for /v1/models' max_model_len. UNAVAILABLE while the model
+        is still loading.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """The token ids of a text, or of a text-only conversation rendered with the model's chat
+        template as Prefill renders it (the HTTP API's POST /tokenize). INVALID_ARGUMENT for a
+        conversation with a video or image part: its tokens depend on frames only the encoder sees.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, special tokens kept (the HTTP API's POST /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +147,21 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
                     response_serializer=epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.TokenizeRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.TokenizeResult.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.DetokenizeResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,6 +247,87 @@ class PrefillService:
             '/epd.v1.PrefillService/ReleaseKv',
             epd_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
             epd_dot_v1_dot_prefill__pb2.ReleaseKvResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/GetModelInfo',
+            epd_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/Tokenize',
+            epd_dot_v1_dot_prefill__pb2.TokenizeRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.TokenizeResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/Detokenize',
+            epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.DetokenizeResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,104 @@
+"""The stack's gateway learns the served model from prefill: it loads no model (nor torch), yet a
+request naming a token id outside the vocabulary should be refused before its media costs a decode
+and an encode, and /v1/models should say how long a request may be (`max_model_len`).
+
+`watch_model_info` asks every prefill replica (`PrefillService.GetModelInfo`, over the channel its
+calls use) in the background, every `--stage-check-interval` seconds, and every 0.25 s until one
+has answered; the pipeline reads the result through the stage (`RemotePrefillStage.model_info`).
+It starts once the gateway serves its probes, so a prefill still loading its model (UNAVAILABLE) or
+not reachable delays nothing: until a replica answers, the info is not known, no early check is
+made and prefill's own check refuses such ids (after the encode), as before.
+
+`ReplicaModelInfo` keeps each replica's last answer (a replica that does not answer keeps its
+last; one that leaves the pool, through the replica file or a `dns:///` lookup, is forgotten)
+and their common view (`epd.stages.model_info.common_model_info`: the bounds every replica
+enforces when they disagree, which it logs once per change as a WARNING naming each replica).
+Prefill's own checks stay whatever the gateway believes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+
+from epd.stages.model_info import ModelInfo, common_model_info
+from epd.transport.aio_cancel import answer_or_none
+from epd.transport.model_info import fetch_model_info
+from epd.transport.remote_stages import RemotePrefillStage, unresolved
+
+log = logging.getLogger(__name__)
+
+MODEL_INFO_TIMEOUT_S = 2.0
+"""How long a read waits for a replica (a small answer; a replica that is slower is read next time)."""
+
+UNKNOWN_POLL_S = 0.25
+"""Read interval until a replica has answered: early checks start as soon as prefill serves."""
+
+
+class ReplicaModelInfo:
+    """Each prefill replica's last model info, and the view of them all. No gRPC: unit-tested."""
+
+    def __init__(self) -> None:
+        self.by_address: dict[str, ModelInfo] = {}
+        self._disagreement: frozenset[tuple[str, ModelInfo]] = frozenset()
+        self.common: ModelInfo | None = None
+
+    def update(self, addresses: Sequence[str], answers: Mapping[str, ModelInfo | None]) -> ModelInfo | None:
+        """Replicas now in the pool (`addresses`) and what those read answered (None: no answer,
+        the last answer stays). Returns the common view (None: no replica has answered)."""
+        self.by_address = {
+            address: info
+            for address in addresses
+            if (info := answers.get(address) or self.by_address.get(address)) is not None
+        }
+        common = common_model_info(self.by_address.values())
+        if len(set(self.by_address.values())) > 1:
+            disagreement = frozenset(self.by_address.items())
+            if disagreement != self._disagreement:
+                log.warning(
+                    "prefill replicas serve different models or limits (%s); the gateway refuses early only "
+                    "what every one of them refuses and advertises what every one takes (%s)",
+                    "; ".join(f"{address}: {_describe(info)}" for address, info in sorted(disagreement)),
+                    _describe(common),
+                )
+            self._disagreement = disagreement
+        else:
+            self._disagreement = frozenset()
+            if common is not None and common != self.common:
+                log.info("prefill's model: %s", _describe(common))
+        self.common = common
+        return common
+
+
+def _describe(info: ModelInfo | None) -> str:
+    if info is None:
+        return "not known"
+    return (f"{info.model_type or 'model'}, vocabulary {info.vocab_size or 'not known'}, context "
+            f"{info.context_tokens or 'not known'}, prompt limit {info.max_prompt_tokens}, "
+            f"max_tokens limit {info.max_new_tokens}, max_model_len {info.max_model_len}")
+
+
+async def refresh_model_info(stage: RemotePrefillStage, known: ReplicaModelInfo,
+                             timeout_s: float = MODEL_INFO_TIMEOUT_S) -> None:
+    """Ask every replica of `stage` once and give the stage the common view."""
+    pool = stage.pool
+    addresses = [a for a in pool.addresses if not unresolved(a)]  # a dns:/// name gets no call until found
+
+    async def read(address: str) -> ModelInfo | None:
+        return await answer_or_none(fetch_model_info(pool.channel(address), timeout_s), timeout_s,
+                                    f"no model info from prefill {address}")
+
+    answers = await asyncio.gather(*(read(address) for address in addresses))
+    stage.known_model_info = known.update(addresses, dict(zip(addresses, answers)))
+
+
+async def watch_model_info(stage: RemotePrefillStage, interval_s: float) -> None:
+    """`refresh_model_info` every `interval_s` (every `UNKNOWN_POLL_S` while nothing is known;
+    `interval_s` 0: only until a replica has answered) until cancelled."""
+    known = ReplicaModelInfo()
+    while True:
+        await refresh_model_info(stage, known)
+        if stage.known_model_info is not None and interval_s <= 0:
+            return
+        await asyncio.sleep(UNKNOWN_POLL_S if stage.known_model_info is None else interval_s)

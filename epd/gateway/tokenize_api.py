@@ -1,0 +1,108 @@
+"""vLLM's tokenizer routes on the HTTP API, answered by prefill, which holds the tokenizer and the
+chat template (the stack's gateway calls `PrefillService.Tokenize` / `Detokenize` on the least
+loaded replica; the colocated front door its own prefill stage):
+
+    POST /tokenize     {"prompt": "..."} (add_special_tokens, default true), or {"messages": [...]}
+                       (add_generation_prompt, default true; add_special_tokens, default false)
+                       -> {"count": n, "max_model_len": m, "tokens": [...], "token_strs": null}
+    POST /detokenize   {"tokens": [...]} -> {"prompt": "..."} (special tokens kept)
+
+A messages list is rendered exactly as a chat request's prompt: its `count` is the answer's
+`usage.prompt_tokens`. Text only: a video or image part is a 400 (its tokens depend on the frames
+the encoder samples). Each body is read, admitted and guarded as a chat request's (their paths
+are `BODY_ROUTES`): the API key, the admission limits, JSON only, no cross-site browser POST.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from epd.gateway.http_body import defer_continue, read_json_body
+from epd.gateway.openai_protocol import _TOKEN_ID, _boolean, _check_collection, _item, _parse_messages, _text
+from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.tokenize import TokenizeInput
+from epd.transport import tracing
+
+if TYPE_CHECKING:
+    from epd.gateway.http_api import HttpApi
+
+MAX_DETOKENIZE_TOKENS = 262_144
+"""Ids one /detokenize takes at most (prefill's `max_text_chars` by default: what a longest
+/tokenize text could give); prefill checks its own bound too."""
+
+_REFUSED_CHAT_FIELDS = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+                        "mm_processor_kwargs")  # fmt: skip
+
+
+def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
+    """vLLM's TokenizeCompletionRequest ({"prompt"}) or TokenizeChatRequest ({"messages"});
+    InvalidRequest (400) or NotFound (404, model)."""
+    _check_model(body, served_model)
+    if _boolean(body, "return_token_strs", False):
+        raise InvalidRequest("return_token_strs is not supported by this server; leave it unset or false")
+    if "messages" in body:
+        if "prompt" in body:
+            raise InvalidRequest("send exactly one of 'prompt' (a text) and 'messages' (a conversation)")
+        for name in _REFUSED_CHAT_FIELDS:
+            if body.get(name) not in (None, False):
+                raise InvalidRequest(f"'{name}' is not supported by this server; leave it unset")
+        messages, _, _ = _parse_messages(body["messages"])
+        return TokenizeInput(
+            messages=messages,
+            add_special_tokens=_boolean(body, "add_special_tokens", False),
+            add_generation_prompt=_boolean(body, "add_generation_prompt", True),
+        )
+    if not isinstance(body.get("prompt"), str):
+        raise InvalidRequest("send 'prompt' (a string) or 'messages' (a list of chat messages)")
+    return TokenizeInput(prompt=_text(body["prompt"], "prompt"),
+                         add_special_tokens=_boolean(body, "add_special_tokens", True))
+
+
+def parse_detokenize_request(body: Any, served_model: str) -> list[int]:
+    _check_model(body, served_model)
+    tokens = body.get("tokens")
+    _check_collection(tokens, list, "tokens", "a list of token ids", MAX_DETOKENIZE_TOKENS)
+    return [_item(t, _TOKEN_ID, "tokens[]") for t in tokens]
+
+
+def _check_model(body: Any, served_model: str) -> None:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = _text(body.get("model"), "model") or served_model
+    if model != served_model:
+        raise NotFound(f"model '{model[:200]}' is not served here; GET /v1/models lists '{served_model}'")
+
+
+def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
+    """POST /tokenize and /detokenize over `api`'s pipeline, with its limits and errors."""
+    from epd.gateway.http_api import _client_gone, _exception_response  # the module that calls this one
+
+    config, pipeline = api.config, api.pipeline
+
+    async def answer(request: web.Request, respond: Callable[[Any], Awaitable[dict[str, Any]]]) -> web.StreamResponse:
+        try:
+            body = await read_json_body(request, api.max_body_bytes, config.body_timeout_s)
+            return web.json_response(await respond(body))
+        except ConnectionResetError:  # its client went while it sent its body: nobody to answer
+            return _client_gone(tracing.current_request_id(), "before its body arrived")
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped in status_of
+            return _exception_response(exc)
+
+    async def tokenize(body: Any) -> dict[str, Any]:
+        token_ids = await pipeline.prefill.tokenize(
+            parse_tokenize_request(body, config.http.served_model_name), tracing.current_request_id())
+        info = pipeline.model_info()
+        return {"count": len(token_ids), "max_model_len": None if info is None else info.max_model_len,
+                "tokens": token_ids, "token_strs": None}
+
+    async def detokenize(body: Any) -> dict[str, Any]:
+        token_ids = parse_detokenize_request(body, config.http.served_model_name)
+        return {"prompt": await pipeline.prefill.detokenize(token_ids, tracing.current_request_id())}
+
+    app.router.add_post("/tokenize", lambda request: answer(request, tokenize), expect_handler=defer_continue)
+    app.router.add_post("/detokenize", lambda request: answer(request, detokenize), expect_handler=defer_continue)

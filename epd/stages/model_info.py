@@ -1,0 +1,59 @@
+"""What the served model can take, as the front door needs it without loading the model: the
+vocabulary (a request's `logit_bias` / `stop_token_ids` ids are checked against it before its media
+costs an encode) and the longest prompt plus answer (`/v1/models`' `max_model_len`).
+
+Prefill owns it (`PrefillStage.model_info`): the embedded pipeline reads its local prefill stage's,
+the gateway of the stack reads every prefill replica's over `PrefillService.GetModelInfo` in the
+background (`epd.gateway.model_info`) and keeps `common_model_info` of the answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int | None
+    """Rows of the model's logits: token ids 0 to vocab_size - 1 (None: not known)."""
+    context_tokens: int | None
+    """Prompt plus generated tokens at most: config.json's max_position_embeddings (None: not known)."""
+    max_prompt_tokens: int
+    """The longest prompt prefill takes, in tokens (`PrefillConfig.max_prompt_tokens`; no flag yet)."""
+    max_new_tokens: int
+    """The most tokens a request may ask for (the stages' max_new_tokens_limit)."""
+    model_type: str = ""
+    """config.json's model_type."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus answer a request may have: what vLLM's /v1/models reports as
+        `max_model_len` and its clients size `max_tokens` by. The model's context, unless epd's
+        own limits on the prompt and on the answer add up to less."""
+        limits = self.max_prompt_tokens + self.max_new_tokens
+        return limits if self.context_tokens is None else min(self.context_tokens, limits)
+
+
+def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
+    """One view of the replicas of a stage: their info when they agree, None when none is known.
+    Replicas that disagree serve different models or limits (a misconfiguration, or a rolling
+    change); then the bounds every one of them enforces: the largest vocabulary (an id outside it
+    every replica refuses, so refusing it early refuses nothing a replica would serve) and the
+    smallest context and limits (a request within them fits whichever replica gets it)."""
+    distinct = set(infos)
+    if len(distinct) <= 1:
+        return next(iter(distinct), None)
+
+    def smallest(values: Iterable[int | None]) -> int | None:
+        known = [v for v in values if v is not None]
+        return min(known) if known else None
+
+    vocab = [i.vocab_size for i in distinct]
+    return ModelInfo(
+        vocab_size=None if None in vocab else max(v for v in vocab if v is not None),
+        context_tokens=smallest(i.context_tokens for i in distinct),
+        max_prompt_tokens=min(i.max_prompt_tokens for i in distinct),
+        max_new_tokens=min(i.max_new_tokens for i in distinct),
+        model_type=",".join(sorted({i.model_type for i in distinct})),
+    )

@@ -1,0 +1,51 @@
+"""What the HTTP API's /tokenize and /detokenize ask of prefill, which holds the tokenizer and the
+chat template (vLLM's routes of the same names). Text only: a video or image part's tokens depend
+on the frames sampled and their size, which only the encoder sees; a chat answer's
+`usage.prompt_tokens` counts them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import Message, check_messages, media_type
+
+
+@dataclass(frozen=True)
+class TokenizeInput:
+    prompt: str | None = None
+    """A text, tokenised as it is (exactly one of `prompt` and `messages`)."""
+    messages: Sequence[Message] = field(default_factory=tuple)
+    """A conversation without media, rendered with the model's chat template as prefill renders a
+    request's (with `add_generation_prompt` and without special tokens, exactly a prompt's ids)."""
+    add_special_tokens: bool = True
+    """The tokenizer's special tokens around the text (vLLM: true for a prompt, false for messages)."""
+    add_generation_prompt: bool = True
+    """messages only: end with the template's opening of the assistant's answer."""
+
+    def check(self, max_text_chars: int) -> None:
+        """InvalidRequest saying what to change, unless this is one text or text-only conversation
+        of at most `max_text_chars` characters (prefill's bound on what the tokenizer is given)."""
+        if (self.prompt is None) == (not self.messages):
+            raise InvalidRequest("send exactly one of 'prompt' (a text) and 'messages' (a conversation)")
+        if self.prompt is not None:
+            if len(self.prompt) > max_text_chars:
+                raise InvalidRequest(f"the prompt has {len(self.prompt)} characters; the limit is {max_text_chars}")
+            return
+        check_messages(self.messages, max_text_chars)
+        if media_type(self.messages):
+            raise InvalidRequest(
+                "/tokenize counts text only: a video or image part's tokens depend on the frames the encoder "
+                "samples; send the messages without it (a chat answer's usage.prompt_tokens counts them)"
+            )
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int | None, max_tokens: int) -> None:
+    """InvalidRequest unless `token_ids` are at most `max_tokens` ids of the vocabulary."""
+    if len(token_ids) > max_tokens:
+        raise InvalidRequest(f"'tokens' has {len(token_ids)} ids; the limit is {max_tokens}")
+    bad = next((t for t in token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        upper = f"{vocab_size - 1} (this model's vocabulary)" if vocab_size is not None else "the vocabulary's last id"
+        raise InvalidRequest(f"tokens: token id {bad} is outside 0 to {upper}")

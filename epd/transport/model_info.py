@@ -1,0 +1,59 @@
+"""What prefill says about its model over the wire: `ModelInfo` <-> `epd.v1.ModelInfo` (0 for a
+size not known) and the gateway's read of a prefill replica's (`fetch_model_info`); a
+`TokenizeInput` <-> `epd.v1.TokenizeRequest` (/tokenize). The service side is prefill's
+`GetModelInfo` and `Tokenize` (`epd.prefill_svc.servicer`)."""
+
+from __future__ import annotations
+
+import grpc
+
+from epd.stages.model_info import ModelInfo
+from epd.stages.tokenize import TokenizeInput
+from epd.transport.message_convert import messages_from_proto, messages_to_proto
+from epd.v1 import prefill_pb2, prefill_pb2_grpc
+
+
+def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
+    return prefill_pb2.ModelInfo(
+        vocab_size=info.vocab_size or 0,
+        context_tokens=info.context_tokens or 0,
+        max_prompt_tokens=info.max_prompt_tokens,
+        max_new_tokens=info.max_new_tokens,
+        model_type=info.model_type,
+    )
+
+
+def model_info_from_proto(msg: prefill_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        vocab_size=msg.vocab_size or None,
+        context_tokens=msg.context_tokens or None,
+        max_prompt_tokens=msg.max_prompt_tokens,
+        max_new_tokens=msg.max_new_tokens,
+        model_type=msg.model_type,
+    )
+
+
+async def fetch_model_info(channel: grpc.aio.Channel, timeout_s: float) -> ModelInfo:
+    """The model info of the prefill replica behind `channel`; raises grpc.aio.AioRpcError when it
+    does not answer within `timeout_s` (down, still loading its model, or too old to serve it)."""
+    stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+    return model_info_from_proto(await stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=timeout_s))
+
+
+def tokenize_request_to_proto(request: TokenizeInput, request_id: str) -> prefill_pb2.TokenizeRequest:
+    return prefill_pb2.TokenizeRequest(
+        request_id=request_id,
+        prompt=request.prompt,
+        messages=messages_to_proto(request.messages),
+        add_special_tokens=request.add_special_tokens,
+        add_generation_prompt=request.add_generation_prompt,
+    )
+
+
+def tokenize_input_from_proto(msg: prefill_pb2.TokenizeRequest) -> TokenizeInput:
+    return TokenizeInput(
+        prompt=msg.prompt if msg.HasField("prompt") else None,
+        messages=messages_from_proto(msg.messages),
+        add_special_tokens=msg.add_special_tokens,
+        add_generation_prompt=msg.add_generation_prompt,
+    )

@@ -1,0 +1,192 @@
+"""The served model's vocabulary and length limits at the front door: the stack's gateway learns
+them from prefill (`PrefillService.GetModelInfo`), the colocated one from its own prefill stage.
+A token id outside the vocabulary is refused before the media costs a decode and an encode,
+`/v1/models` says `max_model_len` as vLLM's does, and /tokenize and /detokenize answer with
+prefill's tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from epd.client import EpdClient, EpdError
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.http_api import start_http_api
+from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
+from epd.gateway.pipeline import AskRequest
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
+from epd.prefill_svc.config import PrefillConfig
+from epd.stages.contracts import MediaInput
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import from_chat_template, question_messages, to_chat_template
+from epd.stages.server_config import ServerConfig
+from epd.v1 import load_pb2, load_pb2_grpc
+from epd.video.types import SamplingOptions
+from tests.media import make_video
+
+
+def _text_config(model_dir) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config", config)
+
+
+def _get(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _chat(port: int, video: bytes, **fields) -> tuple[int, dict]:
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    body = {"model": "epd", "max_tokens": 2, "media": {"num_frames": 2}, **fields,
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": "what happens?"}]}]}  # fmt: skip
+    return _post(port, "/v1/chat/completions", body)
+
+
+def _encoder_steps(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=10)
+    return sum(core.num_steps for core in reply.cores)
+
+
+def _model_card(port: int, timeout_s: float = 30.0) -> dict:
+    """/v1/models' one model, once the gateway has prefill's answer (it reads it in the background
+    once it serves; the stack counts as started when the gateway serves)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        card = _get(port, "/v1/models")["data"][0]
+        if card["max_model_len"] is not None or time.monotonic() > deadline:
+            return card
+        time.sleep(0.1)
+
+
+def test_the_stack_gateway_refuses_a_token_id_outside_the_vocabulary_before_the_encode(
+    shared_stack, tiny_models, tmp_path
+):
+    """Prefill's check came only after the video's decode and encode (the gateway loads no model);
+    now the gateway knows the vocabulary from prefill and the encoder does no step for such a
+    request, on either API. A video no other test sends: an encode would be a step, not a hit."""
+    text = _text_config(tiny_models["qwen2_vl"])
+    vocab_size = text["vocab_size"]
+    port = shared_stack.http_port
+    card = _model_card(port)
+    assert card["id"] == "epd"
+    assert card["max_model_len"] == min(text["max_position_embeddings"], PrefillConfig().max_prompt_tokens + MAX_NEW_TOKENS)
+    video = make_video(tmp_path / "unseen.mp4", size=(64, 48), seconds=1.0, pattern="noise").read_bytes()
+    encoder = shared_stack.address("encoder")
+    before = _encoder_steps(encoder)
+
+    status, body = _chat(port, video, logit_bias={str(vocab_size): 5})
+    assert status == 400, body
+    assert f"logit_bias: token id {vocab_size} is outside 0 to {vocab_size - 1} (this model's vocabulary)" in body["error"]["message"]
+    with EpdClient(shared_stack.gateway, timeout_s=120) as client:
+        with pytest.raises(EpdError) as refused:
+            client.ask(video, "what happens?", num_frames=2, max_new_tokens=2, stop_token_ids=[vocab_size + 7])
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"stop_token_ids: token id {vocab_size + 7}" in str(refused.value)
+    assert _encoder_steps(encoder) == before  # neither request reached the encoder
+
+    status, body = _chat(port, video, logit_bias={str(vocab_size - 1): 5})  # the last id is served
+    assert status == 200, body
+    assert _encoder_steps(encoder) > before  # and that one was encoded: the count above could move
+
+
+def test_the_colocated_front_door_checks_the_vocabulary_and_reports_max_model_len(tiny_models, media_files):
+    """`epd serve --colocate` serves its embedded pipeline wrapped for metrics (MeteredPipeline),
+    which had lost the embedded pipeline's vocabulary: the early check ran only in `epd ask`. Its
+    /v1/models says the longest prompt plus answer: here epd's own limits (a 1,000-token prompt
+    limit plus max_tokens), shorter than the model's context; its /tokenize answers from its own
+    prefill stage."""
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    prefill = PrefillConfig(model=model, max_prompt_tokens=1000)
+    vocab_size = _text_config(tiny_models["qwen2_vl"])["vocab_size"]
+    video = media_files["mp4"].read_bytes()
+    events: list = []
+
+    async def scenario(pipeline: MeteredPipeline) -> dict:
+        request = AskRequest(question_messages("what happens?"), MediaInput(video), SamplingOptions(num_frames=2),
+                             GenerationConfig(max_new_tokens=2, logit_bias=((vocab_size, 1.0),)))
+        with pytest.raises(InvalidRequest, match=f"logit_bias: token id {vocab_size}"):
+            async for item in pipeline.ask(request):
+                events.append(item)
+        config = GatewayConfig(server=ServerConfig(port=0), http=HttpApiConfig(port=0))
+        http = await start_http_api(config, pipeline, pipeline.metrics)
+        try:
+            card = await asyncio.to_thread(_get, http.port, "/v1/models/epd")
+            tokenized = await asyncio.to_thread(_post, http.port, "/tokenize", {"messages": CONVERSATION})
+            return card, tokenized
+        finally:
+            await http.stop(0.5)
+
+    with build_embedded_pipeline(model, prefill=prefill) as embedded:
+        card, (status, tokenized) = asyncio.run(scenario(MeteredPipeline(embedded, GatewayMetrics())))
+        prompt = embedded.prefill.engine.adapter.build_prompt(
+            to_chat_template(from_chat_template(CONVERSATION), ""), None)
+    assert events == []  # no stage ran: nothing was decoded or encoded
+    assert card["max_model_len"] == 1000 + MAX_NEW_TOKENS
+    assert status == 200 and tokenized["max_model_len"] == card["max_model_len"], tokenized
+    assert tokenized["tokens"] == prompt.input_ids[0].tolist()  # /tokenize there too: the prompt prefill runs
+
+
+CONVERSATION = [{"role": "system", "content": "answer briefly"},
+                {"role": "user", "content": [{"type": "text", "text": "what colour is the sky?"}]}]
+
+
+def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared_stack, tiny_models):
+    """A conversation's count is the prompt prefill runs (a chat answer's usage.prompt_tokens), its
+    ids the processor's own template tokenised; a prompt's ids the tokenizer's; /detokenize gives
+    the text back, special tokens kept; a video part and an id outside the vocabulary are 400s."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(tiny_models["qwen2_vl"]))
+    tokenizer = processor.tokenizer
+    port = shared_stack.http_port
+    max_model_len = _model_card(port)["max_model_len"]
+
+    status, body = _post(port, "/tokenize", {"model": "epd", "messages": CONVERSATION})
+    assert status == 200, body
+    rendered = processor.apply_chat_template(
+        [{"role": "system", "content": [{"type": "text", "text": "answer briefly"}]}, CONVERSATION[1]],
+        add_generation_prompt=True, tokenize=False)
+    assert body["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert (body["count"], body["max_model_len"], body["token_strs"]) == (len(body["tokens"]), max_model_len, None)
+    status, chat = _post(port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": CONVERSATION})
+    assert status == 200, chat
+    assert chat["usage"]["prompt_tokens"] == body["count"]
+    status, without = _post(port, "/tokenize", {"messages": CONVERSATION, "add_generation_prompt": False})
+    assert status == 200 and without["count"] < body["count"]
+
+    status, body = _post(port, "/tokenize", {"prompt": "a red circle moves left"})
+    assert status == 200 and body["tokens"] == tokenizer("a red circle moves left")["input_ids"], body
+    status, body = _post(port, "/detokenize", {"tokens": tokenizer(rendered)["input_ids"]})
+    assert (status, body) == (200, {"prompt": tokenizer.decode(tokenizer(rendered)["input_ids"])})
+    assert "<|im_start|>" in body["prompt"]  # special tokens kept, as vLLM's /detokenize
+
+    video = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                                         {"type": "text", "text": "what happens?"}]}
+    status, body = _post(port, "/tokenize", {"messages": [video]})
+    assert status == 400 and "/tokenize counts text only" in body["error"]["message"], body
+    vocab_size = _text_config(tiny_models["qwen2_vl"])["vocab_size"]
+    status, body = _post(port, "/detokenize", {"tokens": [1, vocab_size]})
+    assert status == 400 and f"token id {vocab_size} is outside 0 to {vocab_size - 1}" in body["error"]["message"], body
+    status, body = _post(port, "/tokenize", {"model": "other", "prompt": "x"})
+    assert status == 404, body

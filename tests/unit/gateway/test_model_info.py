@@ -1,0 +1,148 @@
+"""The served model as the gateway learns it from prefill (epd/gateway/model_info.py): the view
+of several replicas, and the reads over a real in-process PrefillService (the real servicer over a
+stand-in stage: no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+import pytest
+
+from epd.gateway.model_info import ReplicaModelInfo, refresh_model_info, watch_model_info
+from epd.gateway.pipeline import Pipeline
+from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.kv_store import KvStore
+from epd.prefill_svc.servicer import PrefillServicer
+from epd.stages.model_info import ModelInfo, common_model_info
+from epd.transport.model_info import model_info_from_proto, model_info_to_proto
+from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+from epd.v1 import prefill_pb2_grpc
+
+QWEN = ModelInfo(vocab_size=512, context_tokens=32768, max_prompt_tokens=32768, max_new_tokens=4096, model_type="qwen2_vl")
+BIGGER = ModelInfo(vocab_size=1024, context_tokens=8192, max_prompt_tokens=60000, max_new_tokens=2048, model_type="qwen3_vl")
+
+
+def test_max_model_len_is_the_longest_prompt_plus_answer_a_request_may_have():
+    assert QWEN.max_model_len == 32768  # the context: the prompt limit plus max_tokens would pass it
+    short_prompts = ModelInfo(512, 32768, max_prompt_tokens=1000, max_new_tokens=4096)
+    assert short_prompts.max_model_len == 5096  # epd's own limits add up to less than the context
+    assert ModelInfo(512, None, 1000, 24).max_model_len == 1024  # no max_position_embeddings
+
+
+def test_replicas_that_agree_are_one_view_and_those_that_disagree_the_bounds_each_enforces():
+    assert common_model_info([]) is None
+    assert common_model_info([QWEN, QWEN]) == QWEN
+    both = common_model_info([QWEN, BIGGER])
+    assert both is not None
+    assert both.vocab_size == 1024  # an id outside both vocabularies: both refuse it
+    assert (both.context_tokens, both.max_prompt_tokens, both.max_new_tokens) == (8192, 32768, 2048)
+    assert both.max_model_len == 8192
+    assert both.model_type == "qwen2_vl,qwen3_vl"
+    unknown_vocab = ModelInfo(None, 32768, 32768, 4096)
+    mixed = common_model_info([QWEN, unknown_vocab])
+    assert mixed is not None and mixed.vocab_size is None  # a replica that checks no vocabulary: no early check
+
+
+def test_the_view_keeps_a_silent_replicas_last_answer_and_forgets_a_departed_one(caplog):
+    known = ReplicaModelInfo()
+    assert known.update(["a", "b"], {"a": None, "b": None}) is None
+    assert known.update(["a", "b"], {"a": QWEN, "b": None}) == QWEN
+    assert known.update(["a", "b"], {"a": None, "b": QWEN}) == QWEN  # a said nothing: its last stays
+    assert known.by_address == {"a": QWEN, "b": QWEN}
+    with caplog.at_level(logging.WARNING, logger="epd.gateway.model_info"):
+        assert known.update(["a", "b"], {"a": None, "b": BIGGER}) == common_model_info([QWEN, BIGGER])
+        known.update(["a", "b"], {"a": QWEN, "b": BIGGER})  # the same disagreement: not logged again
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "a: qwen2_vl, vocabulary 512" in warnings[0] and "b: qwen3_vl" in warnings[0]
+    assert known.update(["a"], {"a": None}) == QWEN  # b left the pool: forgotten
+    assert known.by_address == {"a": QWEN}
+
+
+def test_model_info_crosses_the_wire_with_unknown_sizes_as_zero():
+    assert model_info_from_proto(model_info_to_proto(QWEN)) == QWEN
+    unknown = ModelInfo(None, None, 10, 20, "")
+    assert model_info_to_proto(unknown).vocab_size == 0
+    assert model_info_from_proto(model_info_to_proto(unknown)) == unknown
+
+
+class _Stage:
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+
+    def model_info(self) -> ModelInfo:
+        return self.info
+
+
+async def _prefill_server(info: ModelInfo | None) -> tuple[grpc.aio.Server, str]:
+    """The real PrefillServicer: `info` None is a replica still loading its model (no stage yet)."""
+    servicer = PrefillServicer(PrefillConfig(), KvStore(1 << 20, 60.0))
+    servicer.stage = None if info is None else _Stage(info)  # type: ignore[assignment]
+    server = grpc.aio.server()
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_gateway_reads_every_prefill_replica_and_the_pipeline_checks_with_it():
+    """One replica answers, one still loads its model (UNAVAILABLE), one is not there: the view is
+    the one answer's, and the pipeline's early vocabulary check uses it. Once the loading replica
+    answers with another model, the view is both's bounds."""
+
+    async def scenario():
+        ready, ready_address = await _prefill_server(QWEN)
+        loading, loading_address = await _prefill_server(None)
+        pool = ReplicaPool([ready_address, loading_address, f"127.0.0.1:{_free_port()}"])
+        stage = RemotePrefillStage(pool, 5.0)
+        pipeline = Pipeline(None, stage, None)  # type: ignore[arg-type]
+        try:
+            assert pipeline.model_info() is None and pipeline.vocab_size is None  # not known yet
+            known = ReplicaModelInfo()
+            await refresh_model_info(stage, known, timeout_s=1.0)
+            assert pipeline.model_info() == QWEN and pipeline.vocab_size == 512
+            await loading.stop(None)
+            bigger, bigger_address = await _prefill_server(BIGGER)
+            pool.set_addresses([ready_address, bigger_address])  # the loading one replaced
+            await refresh_model_info(stage, known, timeout_s=1.0)
+            assert pipeline.model_info() == common_model_info([QWEN, BIGGER])
+            await bigger.stop(None)
+        finally:
+            await ready.stop(None)
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_watch_polls_until_a_replica_answers_and_stops_when_told_not_to_refresh():
+    async def scenario():
+        pool = ReplicaPool([f"127.0.0.1:{_free_port()}"])
+        stage = RemotePrefillStage(pool, 5.0)
+        watch = asyncio.ensure_future(watch_model_info(stage, interval_s=0))
+        try:
+            await asyncio.sleep(0.6)
+            assert not watch.done() and stage.model_info() is None  # nothing answers: it keeps asking
+            server, address = await _prefill_server(QWEN)
+            pool.set_addresses([address])
+            await asyncio.wait_for(watch, 10)  # interval 0: done once known
+            assert stage.model_info() == QWEN
+            await server.stop(None)
+        finally:
+            watch.cancel()
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("prefill", [None, object()])
+def test_a_pipeline_whose_prefill_cannot_say_knows_no_model(prefill):
+    pipeline = Pipeline(None, prefill, None)  # type: ignore[arg-type]
+    assert pipeline.model_info() is None and pipeline.vocab_size is None

@@ -1,0 +1,120 @@
+"""vLLM's /tokenize and /detokenize bodies, and the routes over a stand-in prefill stage (no model:
+the real tokenizer is tested through the stack in tests/integration/test_model_info.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.http_api import HttpApi
+from epd.gateway.metrics import GatewayMetrics
+from epd.gateway.pipeline import Pipeline
+from epd.gateway.tokenize_api import MAX_DETOKENIZE_TOKENS, parse_detokenize_request, parse_tokenize_request
+from epd.stages.contracts import PrefillStage
+from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.messages import ContentPart, Message, text
+from epd.stages.model_info import ModelInfo
+from epd.stages.tokenize import TokenizeInput, check_token_ids
+
+USER = {"role": "user", "content": "hi"}
+
+
+def test_a_prompt_adds_special_tokens_and_messages_a_generation_prompt_by_default_as_vllms():
+    assert parse_tokenize_request({"prompt": "hi"}, "epd") == TokenizeInput(prompt="hi", add_special_tokens=True)
+    parsed = parse_tokenize_request({"model": "epd", "messages": [USER]}, "epd")
+    assert (parsed.prompt, parsed.add_special_tokens, parsed.add_generation_prompt) == (None, False, True)
+    assert parsed.messages == [Message("user", (text("hi"),))]
+    parsed = parse_tokenize_request({"messages": [USER], "add_generation_prompt": False, "add_special_tokens": True}, "epd")
+    assert (parsed.add_special_tokens, parsed.add_generation_prompt) == (True, False)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"prompt": "a", "messages": [USER]}, "exactly one of 'prompt'"),
+    ({}, "send 'prompt' \\(a string\\) or 'messages'"),
+    ({"prompt": 3}, "send 'prompt'"),
+    ({"prompt": "a", "return_token_strs": True}, "return_token_strs is not supported"),
+    ({"messages": [USER], "chat_template": "{{ x }}"}, "'chat_template' is not supported"),
+    ({"messages": [USER], "continue_final_message": True}, "'continue_final_message' is not supported"),
+    ({"messages": "hi"}, "'messages' must be a non-empty list"),
+    ({"prompt": "a", "add_special_tokens": "yes"}, "'add_special_tokens' must be true or false"),
+    ([1], "the request body must be a JSON object"),
+])  # fmt: skip
+def test_bad_tokenize_bodies_are_refused_naming_what_to_change(body, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_tokenize_request(body, "epd")
+
+
+def test_detokenize_takes_a_bounded_list_of_token_ids():
+    assert parse_detokenize_request({"tokens": [0, 5, 7]}, "epd") == [0, 5, 7]
+    for tokens, message in (("1 2", "'tokens' must be a list of token ids"), ([1, True], "tokens\\[\\]"),
+                            ([-1], "tokens\\[\\]"), ([0] * (MAX_DETOKENIZE_TOKENS + 1), "at most")):
+        with pytest.raises(InvalidRequest, match=message):
+            parse_detokenize_request({"tokens": tokens}, "epd")
+    with pytest.raises(NotFound, match="GET /v1/models lists 'epd'"):
+        parse_detokenize_request({"model": "other", "tokens": []}, "epd")
+
+
+def test_the_stage_side_checks_text_only_and_the_vocabulary():
+    TokenizeInput(messages=[Message("user", (text("what happens?"),))]).check(100)
+    with pytest.raises(InvalidRequest, match="/tokenize counts text only"):
+        TokenizeInput(messages=[Message("user", (ContentPart("video"), text("what happens?")))]).check(100)
+    with pytest.raises(InvalidRequest, match="the prompt has 5 characters; the limit is 4"):
+        TokenizeInput(prompt="hello").check(4)
+    with pytest.raises(InvalidRequest, match="exactly one of 'prompt'"):
+        TokenizeInput().check(4)
+    check_token_ids([0, 9], 10, 2)
+    with pytest.raises(InvalidRequest, match="token id 10 is outside 0 to 9"):
+        check_token_ids([0, 10], 10, 2)
+    with pytest.raises(InvalidRequest, match="'tokens' has 3 ids; the limit is 2"):
+        check_token_ids([0, 1, 2], 10, 2)
+
+
+class _Prefill(PrefillStage):
+    """Tokens are the characters' code points: enough to see the routes carry them."""
+
+    async def prefill(self, *args, **kwargs):
+        raise AssertionError("the tokenizer routes never prefill")
+
+    async def release(self, handle, request_id):
+        pass
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(vocab_size=200, context_tokens=None, max_prompt_tokens=100, max_new_tokens=28)
+
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
+        return [ord(c) for c in request.prompt or ""]
+
+    async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+def test_the_routes_answer_vllms_shapes_behind_the_api_key():
+    async def scenario():
+        config = GatewayConfig(http=HttpApiConfig(port=0, api_keys=("k1",)))
+        api = HttpApi(config, Pipeline(None, _Prefill(), None), GatewayMetrics())  # type: ignore[arg-type]
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        key = {"Authorization": "Bearer k1"}
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                out = []
+                for path, body, headers in (("/tokenize", {"prompt": "hi"}, {}), ("/tokenize", {"prompt": "hi"}, key),
+                                            ("/detokenize", {"tokens": [104, 105]}, key),
+                                            ("/tokenize", {"prompt": 1}, key)):
+                    async with session.post(path, json=body, headers=headers) as resp:
+                        out.append((resp.status, await resp.json()))
+                return out
+        finally:
+            await runner.cleanup()
+
+    no_key, tokens, prompt, bad = asyncio.run(scenario())
+    assert no_key[0] == 401
+    assert tokens == (200, {"count": 2, "max_model_len": 128, "tokens": [104, 105], "token_strs": None})
+    assert prompt == (200, {"prompt": "hi"})
+    assert bad[0] == 400 and "send 'prompt'" in bad[1]["error"]["message"]
