@@ -122,6 +122,25 @@ def test_the_gateway_reads_every_prefill_replica_and_the_pipeline_checks_with_it
     asyncio.run(scenario())
 
 
+def test_a_dns_name_not_found_yet_is_not_asked():
+    """A `dns:///` entry the gateway has not looked up yet gets no call (gRPC's own resolver would
+    reach the server behind it past the gateway's routing): its model is not known until found."""
+
+    async def scenario():
+        server, address = await _prefill_server(QWEN)
+        port = address.rsplit(":", 1)[1]
+        pool = ReplicaPool([f"dns:///localhost:{port}"])
+        stage = RemotePrefillStage(pool, 5.0)
+        try:
+            await refresh_model_info(stage, ReplicaModelInfo(), timeout_s=1.0)
+            assert stage.model_info() is None
+        finally:
+            await server.stop(None)
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_watch_polls_until_a_replica_answers_and_stops_when_told_not_to_refresh():
     async def scenario():
         pool = ReplicaPool([f"127.0.0.1:{_free_port()}"])
