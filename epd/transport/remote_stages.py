@@ -49,10 +49,17 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.messages import Message
+from epd.stages.raw_prompt import RawPrompt
 from epd.stages.server_config import CHUNK_BYTES
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
-from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser, conversation_key
+from epd.transport.affinity import (
+    FAILURE_HOLD_S,
+    MAX_EXCESS_LOAD,
+    ReplicaChooser,
+    conversation_key,
+    raw_prompt_key,
+)
 from epd.transport.aio_cancel import cancelled_by_grpc, within
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import (
@@ -387,6 +394,8 @@ class RemotePrefillStage(PrefillStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
+        *,
+        raw_prompt: RawPrompt | None = None,
     ) -> PrefillHandle:
         # Ours, not the server's: a call cancelled here may have been answered (the server then saw
         # it end well and keeps the cache for its decoder); released by this handle, it does not
@@ -403,6 +412,7 @@ class RemotePrefillStage(PrefillStage):
                     pruning=convert.pruning_to_proto(pruning),
                     cache_salt=cache_salt,
                     kv_handle=kv_handle,
+                    raw_prompt=None if raw_prompt is None else convert.raw_prompt_to_proto(raw_prompt),
                 )
             )
             if media is not None:
@@ -421,8 +431,11 @@ class RemotePrefillStage(PrefillStage):
                 raise
 
         # The replica whose prefix cache holds this conversation (rendezvous on its video's sha256,
-        # or on a text-only conversation's opening).
-        key = media.sha256 if media else conversation_key(messages, cache_salt)
+        # on a text-only conversation's opening, or on a raw prompt's beginning).
+        if raw_prompt is not None:
+            key = raw_prompt_key(raw_prompt, cache_salt)
+        else:
+            key = media.sha256 if media else conversation_key(messages, cache_salt)
         result = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
         handle = convert.handle_from_proto(result, relay=True)
         # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill
