@@ -120,6 +120,7 @@ NotServing = Callable[[], Awaitable[list[str]]]
 ParseRequest = Callable[[Any, str, SamplingOptions, GenerationConfig], ChatRequest]
 """A route's body parser (chat's, legacy completions'): (body, served model, defaults) -> request."""
 
+
 def json_error(status: int, message: str, error_type: str) -> web.Response:
     """An OpenAI-style error; its message names the request id (`tracing.with_request_id`)."""
     response = web.json_response(error_body(tracing.with_request_id(message), error_type, status), status=status)
