@@ -29,6 +29,7 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message
 from epd.stages.raw_prompt import RawPrompt
 from tests.embedded import request_summary
@@ -169,6 +170,12 @@ def test_echo_and_what_prefill_refuses(checkpoints):
             ("/v1/completions", {**body, "prompt": "look: <|video_pad|>"}),
             ("/v1/completions", {**body, "prompt": [1, 2, 10**6]}),
         )
+        # Prefill's own rules, for a caller other than the gateway (its PrefillService).
+        engine = pipeline.prefill.engine
+        with pytest.raises(InvalidRequest, match="send a conversation .messages. or a raw prompt, not both"):
+            engine.prepare([Message.user("hi")], None, GenerationConfig(), raw_prompt=RawPrompt(PROMPT))
+        with pytest.raises(InvalidRequest, match="the prompt is text or token ids, not both"):
+            engine.prepare([], None, GenerationConfig(), raw_prompt=RawPrompt(PROMPT, (1, 2)))
     assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
     assert streamed(echoed_sse)[0] == PROMPT + plain["choices"][0]["text"]
     assert placeholder == 400 and "the prompt holds the model's visual placeholder token" in refused["error"]["message"]

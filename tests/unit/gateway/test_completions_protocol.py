@@ -85,3 +85,25 @@ def test_the_answer_is_a_text_completion_with_its_stop_reason():
     assert body["epd"]["stop_reason"] == "\n"
     chunk = text_completion_chunk("r1", "m", 1, "", "stop", stop_reason=7)
     assert chunk["object"] == "text_completion" and chunk["choices"][0]["stop_reason"] == 7
+
+
+def test_grpc_and_the_sdk_send_a_raw_prompt_alone():
+    """`AskHeader.prompt` (the SDK's `prompt=`) goes instead of messages or a question, not beside."""
+    from epd.client import build_header
+    from epd.gateway.servicer import raw_prompt_of
+    from epd.stages.messages import Message
+    from epd.transport import convert
+    from epd.v1 import gateway_pb2, messages_pb2
+
+    assert raw_prompt_of(build_header(None, 0, "", {"prompt": "once"})) == RawPrompt("once")
+    assert raw_prompt_of(build_header(None, 0, "", {"prompt": [1, 2]})) == RawPrompt(token_ids=(1, 2))
+    assert raw_prompt_of(gateway_pb2.AskHeader(question="why?")) is None
+    for header in (gateway_pb2.AskHeader(prompt=messages_pb2.RawPrompt(text="a"), question="why?"),
+                   gateway_pb2.AskHeader(prompt=messages_pb2.RawPrompt(text="a"),
+                                         messages=convert.messages_to_proto([Message.user("hi")]))):
+        with pytest.raises(InvalidRequest, match="send a raw prompt, messages or a question, only one of them"):
+            raw_prompt_of(header)
+    with pytest.raises(TypeError, match="pass a prompt, a question or messages"):
+        build_header("q", 0, "", {"prompt": "once"})
+    with pytest.raises(TypeError, match="prompt must be a string or a list of token ids"):
+        build_header(None, 0, "", {"prompt": 5})
