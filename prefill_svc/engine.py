@@ -2,7 +2,9 @@
 
 A conversation without a media part comes with no media (None): its prompt is the chat template
 of its text alone, with the positions `generate()` gives text (M-RoPE families: every row the
-plain position), and it runs, batches and chunks as any prompt, with no visual rows. The
+plain position), and it runs, batches and chunks as any prompt, with no visual rows. A raw prompt
+(`epd.stages.raw_prompt`, the legacy completions API) runs the same way, its text tokenised as
+the tokenizer tokenises text by default, with no chat template. The
 media's options mean nothing to it: its pruning is only `kv_dtype`, as vLLM ignores a request's
 multimodal processor options when it has no media.
 
@@ -42,6 +44,7 @@ from epd.stages.contracts import (
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import Message, check_messages, media_in_opening, media_type, to_chat_template
 from epd.stages.model_info import ModelInfo
+from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.stages.tokenize import TokenizeInput, check_token_ids
 from epd.token_pruning import (
     ModelSizes,
@@ -160,11 +163,19 @@ class PrefillEngine:
         request_id: str = "",
         use_prefix_cache: bool = True,
         cache_salt: str = "",
+        raw_prompt: RawPrompt | None = None,
     ) -> PrefillRequest:
         """Validate the request and build its prompt: everything that can refuse it, before it
         queues (a bad request never takes a queue place). `cache_salt` (the tenant) is part of
-        the prefix-cache key: KV is reused only within one salt."""
-        self.validate(messages, None if media is None else media.meta, generation)
+        the prefix-cache key: KV is reused only within one salt. `raw_prompt`: instead of
+        `messages` (empty then, and no media), a prompt run as it is (`epd.stages.raw_prompt`)."""
+        if raw_prompt is not None:
+            check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)
+            if media is not None:
+                raise InvalidRequest("a raw prompt takes no visual tokens; send the media with messages")
+            check_generation_limits(generation, self.config.max_new_tokens_limit, self.adapter.vocab_size)
+        else:
+            self.validate(messages, None if media is None else media.meta, generation)
         if media is None:  # nothing for token dropping or KV compression to act on (module docstring)
             pruning = PruningConfig(kv_dtype=pruning.kv_dtype)
         refuse_unsupported_pruning(
@@ -176,7 +187,10 @@ class PrefillEngine:
         try:
             # Rendered by the model's own chat template, parts in the user's order; the media
             # part's placeholder takes the kind the encoder found in the bytes.
-            prompt = self.adapter.build_prompt(to_chat_template(messages, meta.modality if meta else ""), meta)
+            if raw_prompt is not None:
+                prompt = self.adapter.build_raw_prompt(raw_prompt.text, raw_prompt.token_ids)
+            else:
+                prompt = self.adapter.build_prompt(to_chat_template(messages, meta.modality if meta else ""), meta)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         num_visual = meta.num_visual_tokens if meta else 0
@@ -186,7 +200,8 @@ class PrefillEngine:
             raise ResourceExhausted(
                 f"the prompt has {prompt.num_tokens} tokens ({num_visual} of them the "
                 f"media's), over the limit of {self.config.max_prompt_tokens}; "
-                + ("lower max_frames, fps or max_pixels" if mostly_media else "send a shorter conversation")
+                + ("lower max_frames, fps or max_pixels" if mostly_media
+                   else "send a shorter prompt" if raw_prompt is not None else "send a shorter conversation")
             )
         context = self.adapter.context_tokens
         if context is not None and prompt.num_tokens + generation.max_new_tokens > context:
@@ -214,7 +229,7 @@ class PrefillEngine:
         # Pruned requests neither store nor reuse: their cache depends on the question (prefill
         # drop, KV compression, decode eviction's mask) or is built on a gathered prompt.
         if use_prefix_cache and not exclusive and self.prefix_caching and self.prefix_cache.enabled:
-            request.prefix_key = self._prefix_key(media, pruning, cache_salt)
+            request.prefix_key = self._prefix_key(media, pruning, cache_salt, raw=raw_prompt is not None)
             visual = prompt.visual_mask.nonzero()
             visual_end = int(visual[-1]) + 1 if visual.numel() else 0  # the reuse must cover them all
             # The media comes after text-only turns ("hello", an answer, then the video): their
@@ -231,14 +246,20 @@ class PrefillEngine:
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
 
-    def _prefix_key(self, media: EncodedMedia | None, pruning: PruningConfig, cache_salt: str = "") -> tuple:
+    def _prefix_key(
+        self, media: EncodedMedia | None, pruning: PruningConfig, cache_salt: str = "", raw: bool = False
+    ) -> tuple:
         """What makes two prompts with the same token ids have different KV: the model, the media
         as encoded (hash, grid, frames sampled, encoder pruning, and a digest of the embeddings
         themselves, so that different encodes never match) and how the cache is kept (kv_dtype);
         and whose it is (`cache_salt`, the tenant: the same video's embeddings are equal for
         every tenant, so without it one tenant's follow-up would reuse another's KV). A text-only
         conversation's key names no media, so it never matches a media request's (whose token
-        ids differ anyway: the placeholders), and its follow-ups find it as a video's do."""
+        ids differ anyway: the placeholders), and its follow-ups find it as a video's do. A raw
+        prompt's (`raw`) names neither: a raw prompt continues only raw prompts that begin alike,
+        never a chat prompt whose rendered text it happens to spell."""
+        if raw:
+            return (self.adapter.fingerprint, "raw prompt", pruning.kv_dtype, cache_salt)
         if media is None:
             return (self.adapter.fingerprint, "text only", pruning.kv_dtype, cache_salt)
         digest = hashlib.sha256()

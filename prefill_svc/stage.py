@@ -26,6 +26,7 @@ from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.messages import Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.model_thread import ModelThread
+from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 
@@ -66,13 +67,16 @@ class LocalPrefillStage(PrefillStage):
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
         kv_handle: str = "",
+        *,
+        raw_prompt: RawPrompt | None = None,
     ) -> PrefillHandle:
         """`kv_handle`: the caller's handle for the stored cache (`kv_store.check_handle`), so that
         it can release a cache whose answer it never got; "" = a new one."""
         out: PrefillOutput | None = None
         try:
             request = await self.model_thread.run(
-                self.engine.prepare, messages, media, generation, pruning, request_id, cache_salt=cache_salt
+                self.engine.prepare, messages, media, generation, pruning, request_id, cache_salt=cache_salt,
+                raw_prompt=raw_prompt,
             )
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache

@@ -76,6 +76,18 @@ def build_qwen3_vl_moe_checkpoint(directory):
     return directory
 
 
+def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Path]:
+    """A tiny checkpoint of every family by name: conftest's two Qwen2 families (`tiny_models`)
+    and the others built under `root` (as their adapter tests build them)."""
+    from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+
+    out = dict(tiny_models)
+    for family in ("qwen3_vl", "qwen3_5", "llava_onevision"):
+        out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
+    out["qwen3_vl_moe"] = build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe")
+    return out
+
+
 def conversation(video) -> list[dict]:
     kind = "image" if video.is_image else "video"
     return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]

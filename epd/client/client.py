@@ -55,7 +55,7 @@ from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import messages_to_proto
 from epd.transport.status_metadata import retry_after_in
 from epd.transport.tracing import metadata_value
-from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
 
 __all__ = [
     "CHUNK_BYTES", "IMAGE", "VIDEO", "AskResult", "AsyncEpdClient", "ContentPart", "EpdClient", "EpdError",
@@ -105,6 +105,8 @@ def build_header(
     messages: `Message`s, or dicts in the processor's chat form ({"role": "user", "content":
     [{"type": "video"}, {"type": "text", "text": ...}]}); parts keep their order. A question is
     the deprecated 0.1 form (kept until 0.3), the same as [Message.user(VIDEO, question)].
+    Instead of both, the option `prompt`: a raw prompt (a string, or a list of token ids) run as
+    it is, without the chat template, as OpenAI's legacy completions run one (no media with it).
 
     Sampling: fps, max_frames, min_frames, num_frames, start_time_s, end_time_s, max_pixels.
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
@@ -149,12 +151,17 @@ def build_header(
     )
     request_id = options.pop("request_id", "") or ""
     cache_salt = options.pop("cache_salt", "") or ""
+    prompt = _raw_prompt(options.pop("prompt", None))
     if options:
         known = sorted(
-            (*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id", "cache_salt")
+            (*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id", "cache_salt",
+             "prompt")
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
-    if (question is None) == (messages is None):
+    if prompt is not None:
+        if question is not None or messages is not None:
+            raise TypeError("pass a prompt, a question or messages=[...], one of them, not both")
+    elif (question is None) == (messages is None):
         raise TypeError("pass a question or messages=[...], not both (and not neither)")
     if messages is not None and not messages:
         raise ValueError("messages is empty: send the conversation, ending with the user's message that holds the "
@@ -169,7 +176,20 @@ def build_header(
         generation=generation,
         pruning=pruning,
         cache_salt=cache_salt,
+        prompt=prompt,
     )
+
+
+def _raw_prompt(prompt: Any) -> messages_pb2.RawPrompt | None:
+    """The `prompt` option (a raw prompt, run without the chat template as OpenAI's legacy
+    completions run one): its text, or its token ids; None: the request has none."""
+    if prompt is None:
+        return None
+    if isinstance(prompt, str):
+        return messages_pb2.RawPrompt(text=prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return messages_pb2.RawPrompt(token_ids=prompt)
+    raise TypeError(f"prompt must be a string or a list of token ids, got {_shown(prompt)}")
 
 
 def _stop_strings(stop: Any) -> list[str]:

@@ -3,7 +3,7 @@
 `AskResult` carries every field of the server's summary (`epd.v1.AskSummary`), under the same
 names as the HTTP API's `epd` object and `epd ask --json` (`AskResult.to_dict()` is that JSON):
 
-    answer, token_ids, finish_reason, request_id, num_frames, frame_timestamps_s,
+    answer, token_ids, finish_reason, stop_reason, request_id, num_frames, frame_timestamps_s,
     num_visual_tokens, num_prompt_tokens, num_reused_prompt_tokens, kv_num_bytes,
     encoder_cache_hit, media_sha256, timings_ms (Timings), pruning (PruningReport), grid_thw
     (GridTHW), kept_visual_token_index, events (StageEvent), and, from the SDK itself,
@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from epd.stages.names import TIMING_NAMES, Stage, timings_from_either, timings_with_legacy_names
+from epd.transport.message_convert import stop_reason_from_proto
 from epd.v1 import common_pb2, gateway_pb2
 
 __all__ = [
@@ -247,6 +248,9 @@ class AskResult:
     num_reused_prompt_tokens: int = 0
     """Prompt tokens whose KV the server's prefill took from its prefix cache (earlier turns of
     the same conversation about the same media) instead of computing them; 0 when none."""
+    stop_reason: str | int | None = None
+    """vLLM's: the stop string that ended the answer, or the stop token id (of `stop_token_ids`);
+    None when the end-of-sequence token or `max_new_tokens` ended it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.timings_ms, Timings):  # a 0.1 caller's dict
@@ -271,6 +275,7 @@ class AskResult:
             "grid_thw": list(self.grid_thw),
             "kept_visual_token_index": list(self.kept_visual_token_index),
             "num_reused_prompt_tokens": self.num_reused_prompt_tokens,
+            "stop_reason": self.stop_reason,
             "events": [e.to_dict() for e in self.events],
             "num_attempts": self.num_attempts,
             "media_num_bytes_sent": self.media_num_bytes_sent,
@@ -330,4 +335,5 @@ def result_from_proto(s: gateway_pb2.AskSummary, events: list[StageEvent]) -> As
         grid_thw=GridTHW(*grid) if len(grid) == 3 else GridTHW(0, 0, 0),
         kept_visual_token_index=list(s.kept_visual_token_index),
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
+        stop_reason=stop_reason_from_proto(s),
     )

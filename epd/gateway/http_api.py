@@ -7,6 +7,9 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
                                    `chat.completion.chunk`s ending in `data: [DONE]` (with
                                    stream_options include_usage, a last usage chunk; with
                                    vLLM's continuous_usage_stats too, the usage so far on each)
+    POST /v1/completions        legacy completions: one raw prompt (text or token ids), no chat
+                                template (epd/gateway/completions_protocol.py) -> `text_completion`,
+                                streamed as chat's is, in `text_completion` chunks
     GET  /v1/models             the served model id and its max_model_len (and /v1/models/{id}:
                                 it alone, or 404)
     POST /tokenize              vLLM's: a prompt's or a text-only conversation's token ids, count
@@ -60,6 +63,11 @@ from epd.gateway.admission import (
     peer_host,
 )
 from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
+from epd.gateway.completions_protocol import (
+    parse_completion_request,
+    text_completion_body,
+    text_completion_chunk,
+)
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import (
     AIOHTTP_HANDLER_ARGS,
@@ -91,6 +99,7 @@ from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
+from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.stages.names import Stage
@@ -99,6 +108,7 @@ from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.internal_secrets import internal_secrets
 from epd.transport.security import server_ssl_context
 from epd.transport.server import CUT_MARGIN_S
+from epd.video.types import SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +124,10 @@ STREAM_BEGUN_KEY = web.RequestKey("epd_stream_begun", bool)
 
 NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
+
+ParseRequest = Callable[[Any, str, SamplingOptions, GenerationConfig], ChatRequest]
+"""A route's body parser (chat's, legacy completions'): (body, served model, defaults) -> request."""
+
 
 def json_error(status: int, message: str, error_type: str) -> web.Response:
     """An OpenAI-style error; its message names the request id (`tracing.with_request_id`)."""
@@ -155,6 +169,7 @@ class HttpApi:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware],
                               handler_args=AIOHTTP_HANDLER_ARGS)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=defer_continue)
         app.router.add_get("/v1/models", self.models, expect_handler=defer_continue)
         app.router.add_get("/v1/models/{model:.+}", self.model, expect_handler=defer_continue)
         app.router.add_get("/health", self.health, expect_handler=defer_continue)
@@ -320,12 +335,19 @@ class HttpApi:
         return web.Response(body=await self.metrics.scrape(), headers={"Content-Type": CONTENT_TYPE})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_chat_request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """Legacy completions: a raw prompt, no chat template (`epd.gateway.completions_protocol`)."""
+        return await self._complete(request, parse_completion_request)
+
+    async def _complete(self, request: web.Request, parse: ParseRequest) -> web.StreamResponse:
         try:
             body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
             if isinstance(body, dict) and isinstance(body.get("request_id"), str):
                 # Before the body is checked: a 400 for one of its fields names the client's id.
                 tracing.adopt_request_id(body["request_id"])
-            chat = parse_chat_request(
+            chat = parse(
                 body,
                 self.config.http.served_model_name,
                 self.config.sampling,
@@ -348,6 +370,7 @@ class HttpApi:
                 generation=chat.generation,
                 request_id=tracing.adopt_request_id(chat.request_id),
                 pruning=chat.pruning,
+                raw_prompt=chat.raw_prompt,
                 cache_salt=request_cache_salt(
                     bool(self.config.http.api_keys),
                     bearer_token([("authorization", request.headers.get("Authorization", ""))]),
@@ -362,6 +385,8 @@ class HttpApi:
                 async for item in events:
                     if isinstance(item, AskSummary):
                         log_summary(item)
+                        if chat.raw_prompt is not None:
+                            return web.json_response(text_completion_body(item, chat))
                         return web.json_response(completion_body(item, chat.model))
             raise RuntimeError("the pipeline ended without a summary")
         except ConnectionResetError:
@@ -448,35 +473,25 @@ class HttpApi:
                     if not stream.answering:
                         stream.answering = True  # no keep-alive from now on
                         await stream.begin(request, request_id)
-                        await send(
-                            chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
-                        )
+                        if chat.raw_prompt is None:
+                            await send(
+                                chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
+                            )
+                        elif chat.echo:  # the prompt's text first, as vLLM streams an echo
+                            await send(text_completion_chunk(request_id, chat.model, created, chat.raw_prompt.text))
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
                         if item.token_ids or item.text:
-                            await send(
-                                chunk_body(
-                                    request_id,
-                                    chat.model,
-                                    created,
-                                    {"content": item.text},
-                                    token_ids=item.token_ids,
-                                )
-                            )
+                            await send(_delta_chunk(chat, request_id, created, item.text, item.token_ids))
                         continue
                     log_summary(item)
                     num_prompt_tokens = item.num_prompt_tokens
-                    final = chunk_body(request_id, chat.model, created, {}, item.finish_reason or "stop")
+                    final = _final_chunk(chat, request_id, created, item)
                     final["epd"] = epd_details(item)
                     await send(final)
                     if chat.include_usage:
-                        await send(
-                            {
-                                **chunk_body(request_id, chat.model, created, {}),
-                                "choices": [],
-                                "usage": usage(item),
-                            }
-                        )
+                        await send({**_final_chunk(chat, request_id, created, None), "choices": [],
+                                    "usage": usage(item)})
         except ConnectionResetError:
             raise
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
@@ -496,6 +511,23 @@ class HttpApi:
             raise RuntimeError("the pipeline ended without a token")
         await stream.response.write(b"data: [DONE]\n\n")
         await stream.response.write_eof()
+
+
+def _delta_chunk(chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int]) -> dict[str, Any]:
+    """A streamed answer's chunk of new text: chat's delta, or a legacy completion's text."""
+    if chat.raw_prompt is not None:
+        return text_completion_chunk(request_id, chat.model, created, text, token_ids=token_ids)
+    return chunk_body(request_id, chat.model, created, {"content": text}, token_ids=token_ids)
+
+
+def _final_chunk(chat: ChatRequest, request_id: str, created: int, summary: AskSummary | None) -> dict[str, Any]:
+    """The chunk with the finish reason (and vLLM's stop_reason) of `summary`; None: a chunk
+    without either (the usage chunk's frame)."""
+    finish = None if summary is None else summary.finish_reason or "stop"
+    stop = None if summary is None else summary.stop_reason
+    if chat.raw_prompt is not None:
+        return text_completion_chunk(request_id, chat.model, created, "", finish, stop_reason=stop)
+    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from epd.gateway.pipeline import AskSummary
+from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
@@ -44,6 +45,7 @@ from epd.stages.errors import Busy, InvalidRequest, NotFound
 from epd.stages.messages import ROLES, ContentPart, Message, check_messages
 from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
+from epd.stages.raw_prompt import RawPrompt
 from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
 from epd.transport.errors import status_of
@@ -203,7 +205,8 @@ def error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
 
 @dataclass
 class ChatRequest:
-    """What one chat-completions body asks for, in the pipeline's terms."""
+    """What one chat-completions body (or a legacy completions body: `raw_prompt`) asks for, in the
+    pipeline's terms."""
 
     model: str
     messages: list[Message]
@@ -225,12 +228,40 @@ class ChatRequest:
     request_id: str = ""
     """vLLM's `request_id`: the request's id unless an `x-request-id` header names one
     (`epd.transport.tracing.adopt_request_id`, as the gRPC API's `AskHeader.request_id`)."""
+    raw_prompt: RawPrompt | None = None
+    """A legacy completions request's prompt (`epd.gateway.completions_protocol`), run without
+    the chat template; `messages` is empty then, and the answer is a `text_completion`."""
+    echo: bool = False
+    """Completions' `echo`: the answer's text begins with the prompt's (a text prompt only)."""
 
 
 def parse_chat_request(
     body: Any, served_model: str, sampling_defaults: SamplingOptions, generation_defaults: GenerationConfig
 ) -> ChatRequest:
     """Validate a chat-completions body; raises InvalidRequest (400) or NotFound (404, model)."""
+    model = check_model(body, served_model)
+    if _boolean(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
+        # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
+        raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset or false and "
+                             "'top_logprobs' unset")
+    _refuse_unsupported(body)
+    messages, media_url, modality = _parse_messages(body.get("messages"))
+    options = answer_options(body, model, generation_defaults)
+    request = ChatRequest(
+        messages=messages,
+        media_url=media_url,
+        modality=modality,
+        sampling=_sampling(body.get("media"), sampling_defaults),
+        pruning=_pruning(body.get("pruning")),
+        **options,
+    )
+    check_messages(messages)  # the message model's own rules (the last message is the user's, ...)
+    return request
+
+
+def check_model(body: Any, served_model: str) -> str:
+    """The body (a JSON object) asks the served model (its name, or none) for one answer (n=1):
+    the model's name, else InvalidRequest (400) or NotFound (404)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = _text(body.get("model"), "model") or served_model
@@ -239,12 +270,12 @@ def parse_chat_request(
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise InvalidRequest("only n=1 is supported")
-    if _boolean(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
-        # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
-        raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset or false and "
-                             "'top_logprobs' unset")
-    _refuse_unsupported(body)
-    messages, media_url, modality = _parse_messages(body.get("messages"))
+    return model
+
+
+def answer_options(body: dict, model: str, generation_defaults: GenerationConfig) -> dict[str, Any]:
+    """The fields chat and legacy completions share, as `ChatRequest` keyword arguments: streaming
+    and its usage options, generation, cache_salt, request_id."""
     stream = _boolean(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -253,29 +284,24 @@ def parse_chat_request(
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
     include_usage = _boolean(stream_options, "include_usage", False, "stream_options.include_usage")
-    request = ChatRequest(
-        model=model,
-        messages=messages,
-        media_url=media_url,
-        modality=modality,
-        sampling=_sampling(body.get("media"), sampling_defaults),
-        generation=_generation(body, generation_defaults),
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=include_usage and _boolean(stream_options, "continuous_usage_stats", False,
-                                                    "stream_options.continuous_usage_stats"),
-        pruning=_pruning(body.get("pruning")),
-        cache_salt=check_cache_salt(_text(body.get("cache_salt"), "cache_salt")),
-        request_id=_text(body.get("request_id"), "request_id"),
-    )
-    check_messages(messages)  # the message model's own rules (the last message is the user's, ...)
-    return request
+    return {
+        "model": model,
+        "generation": _generation(body, generation_defaults),
+        "stream": stream,
+        "include_usage": include_usage,
+        "continuous_usage": include_usage and _boolean(stream_options, "continuous_usage_stats", False,
+                                                       "stream_options.continuous_usage_stats"),
+        "cache_salt": check_cache_salt(_text(body.get("cache_salt"), "cache_salt")),
+        "request_id": _text(body.get("request_id"), "request_id"),
+    }
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(
+    body: dict, unsupported: dict[str, tuple] = _UNSUPPORTED, known: set[str] = _KNOWN
+) -> None:
     """InvalidRequest for a field this server does not implement, set to anything but a value
     that asks for nothing; a field it does not know is logged (the request goes on)."""
-    for name, neutral in _UNSUPPORTED.items():
+    for name, neutral in unsupported.items():
         value = body.get(name)
         # Equal and both bools or neither (False == 0 in Python; 0 == 0.0 is meant).
         if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
@@ -283,7 +309,7 @@ def _refuse_unsupported(body: dict) -> None:
             raise InvalidRequest(f"'{name}' is not supported by this server; leave it unset"
                                  + (f" (or {json.dumps(neutral[0])})" if neutral else "")
                                  + (f"; {_INSTEAD[name]}" if name in _INSTEAD else ""))
-    if unknown := sorted(str(name)[:64] for name in body if name not in _KNOWN):
+    if unknown := sorted(str(name)[:64] for name in body if name not in known):
         log.warning("ignored request fields %s", unknown[:16])
 
 
@@ -556,6 +582,7 @@ def epd_details(summary: AskSummary) -> dict[str, Any]:
         "request_id": summary.request_id,
         "token_ids": summary.token_ids,
         "finish_reason": summary.finish_reason or "stop",
+        "stop_reason": summary.stop_reason,
         "num_frames": summary.num_frames,
         "num_visual_tokens": summary.num_visual_tokens,
         "num_prompt_tokens": summary.num_prompt_tokens,
@@ -597,6 +624,7 @@ def completion_body(summary: AskSummary, model: str, created: int | None = None)
                 "message": {"role": "assistant", "content": summary.answer},
                 "logprobs": None,
                 "finish_reason": summary.finish_reason or "stop",
+                "stop_reason": summary.stop_reason,
                 # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
                 "token_ids": summary.token_ids,
             }
@@ -613,9 +641,12 @@ def chunk_body(
     delta: dict[str, Any],
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
+    stop_reason: StopReason = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from."""
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from;
+    `stop_reason` (vLLM's) is set on the chunk with the finish reason."""
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {

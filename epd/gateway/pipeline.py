@@ -30,6 +30,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
+from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.stages.contracts import (
     DecodeStage,
@@ -46,6 +47,7 @@ from epd.stages.events import Finished, with_events
 from epd.stages.messages import Message, check_messages, media_type
 from epd.stages.model_info import ModelInfo
 from epd.stages.names import TIMING_NAMES, TOTAL, TTFT, Stage
+from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport import tracing
 from epd.video.types import SamplingOptions
@@ -68,6 +70,9 @@ class AskRequest:
     cache_salt: str = ""
     """The tenant (`epd.transport.auth.tenant_cache_salt`): part of the encoder's token-cache key
     and prefill's prefix-cache key; "" = the shared tenant."""
+    raw_prompt: RawPrompt | None = None
+    """Instead of `messages` (then []): a prompt run as it is, without the chat template
+    (`epd.stages.raw_prompt`; the HTTP API's /v1/completions). It takes no media."""
 
 
 @dataclass
@@ -92,6 +97,9 @@ class AskSummary:
     kept_visual_token_index: list[int] = field(default_factory=list)
     num_reused_prompt_tokens: int = 0
     """Prompt tokens whose KV prefill took from its prefix cache (earlier turns about the same media)."""
+    stop_reason: StopReason = None
+    """vLLM's: the stop string or stop token id that ended the answer; None when the
+    end-of-sequence token or the length limit did (`OutputText.stop_reason`)."""
 
 
 PipelineEvent = StageEvent | TokenStep | AskSummary
@@ -129,7 +137,10 @@ class Pipeline:
 
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
-        check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
+        if req.raw_prompt is not None:
+            check_raw_prompt(req.raw_prompt, req.messages, vocab_size=self.vocab_size)
+        else:
+            check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
         check_media_sent(req)
         try:  # before the request is sent on (a stop list of megabytes would be too large for one
             # message) and before the media costs an encode: the stages' default bounds (each
@@ -171,6 +182,7 @@ class Pipeline:
         token_ids: list[int] = []
         text_parts: list[str] = []
         finish_reason = ""
+        stop_reason: StopReason = None
         sent: TokenStep | None = None  # the first token, sent from prefill's handle
         lost: KvSourceLost | None = None
         for attempt in range(2):
@@ -227,6 +239,7 @@ class Pipeline:
                         token_ids += step.token_ids
                         text_parts.append(step.text)
                         finish_reason = step.finish_reason or finish_reason
+                        stop_reason = step.stop_reason if step.finish_reason else stop_reason
                         if step.decode_evict is not None:
                             pruning.record("decode_evict", *step.decode_evict)
                         emit(step)
@@ -269,6 +282,7 @@ class Pipeline:
                 [] if media is None or media.token_index is None else media.token_index.tolist()
             ),
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
+            stop_reason=stop_reason,
         )
 
     async def _prefill(self, req: AskRequest, media: EncodedMedia | None, request_id: str) -> PrefillHandle:
@@ -279,7 +293,8 @@ class Pipeline:
         cancel left stored, and the remote stage releases the handle it chose, in case the answer
         was already on its way)."""
         call = asyncio.ensure_future(
-            self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning, req.cache_salt)
+            self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning, req.cache_salt,
+                                 raw_prompt=req.raw_prompt)
         )
         try:
             return await asyncio.shield(call)
@@ -347,6 +362,9 @@ def check_media_sent(req: AskRequest) -> None:
     messages) is refused, not silently dropped: the client meant the model to see it. A media
     part with nothing sent goes to the encoder, which refuses the empty upload."""
     sent = req.media is not None and bool(req.media.data or req.media.sha256)
+    if sent and req.raw_prompt is not None:
+        raise InvalidRequest("a raw prompt (completions) takes no media; send the media with messages "
+                             "(chat completions), or send no media")
     if sent and not media_type(req.messages):
         raise InvalidRequest(
             "the request sends media but no message has a video or image part to place it; add one "

@@ -15,6 +15,7 @@ from epd.stages.contracts import StageEvent, check_cache_salt
 from epd.stages.errors import DeadlineExceeded, InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
+from epd.stages.raw_prompt import RawPrompt
 from epd.transport import convert, tracing
 from epd.transport.aio_cancel import within
 from epd.transport.auth import bearer_token, request_cache_salt
@@ -67,8 +68,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             upload_ms = (time.perf_counter() - started) * 1e3
             uploaded = StageEvent(Stage.UPLOAD, "finished", upload_ms, {"num_bytes": str(len(data))})
             yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
+            raw_prompt = raw_prompt_of(header)
             request = AskRequest(
-                messages=messages_of(header, media_sent=bool(data or header.media_sha256)),
+                messages=[] if raw_prompt is not None else messages_of(header, media_sent=bool(data or header.media_sha256)),
+                raw_prompt=raw_prompt,
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
                 generation=convert.generation_from_proto(header.generation, self.config.generation),
@@ -136,11 +139,20 @@ def messages_of(header: gateway_pb2.AskHeader, media_sent: bool) -> list[Message
     return question_messages(header.question)
 
 
+def raw_prompt_of(header: gateway_pb2.AskHeader) -> RawPrompt | None:
+    """The header's raw prompt (`AskHeader.prompt`), None when it has none; it goes alone."""
+    if not header.HasField("prompt"):
+        return None
+    if header.messages or header.question:
+        raise InvalidRequest("send a raw prompt, messages or a question, only one of them")
+    return convert.raw_prompt_from_proto(header.prompt)
+
+
 def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
     pruning = convert.stats_to_proto(s.pruning)
     # The gateway's own count (the stages' reports leave it out): in this answer only.
     pruning.transfer_bytes = s.pruning.transfer_bytes
-    return gateway_pb2.AskSummary(
+    summary = gateway_pb2.AskSummary(
         request_id=s.request_id,
         answer=s.answer,
         token_ids=s.token_ids,
@@ -158,3 +170,4 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         kept_visual_token_index=s.kept_visual_token_index,
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
     )
+    return convert.set_stop_reason(summary, s.stop_reason)

@@ -38,7 +38,7 @@ over gRPC as dtype + shape + bytes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -302,6 +302,12 @@ class VLMAdapter(ABC):
     def decode_tokens(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens kept (/detokenize; answers use `detokenize`)."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
+
+    def build_raw_prompt(self, text: str, token_ids: Sequence[int] = ()) -> Prompt:
+        """A prompt run as it is, with no chat template (`epd.stages.raw_prompt`): `text` tokenised
+        as the family's `tokenizer(text)` tokenises it by default, or `token_ids`; no visual token
+        (ValueError for the model's placeholder), the positions generate() gives text."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not run raw prompts; use chat completions")
 
     @abstractmethod
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:

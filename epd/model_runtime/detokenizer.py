@@ -7,6 +7,10 @@ from collections.abc import Callable, Collection
 
 from epd.model_runtime.sampling import GenerationConfig
 
+StopReason = str | int | None
+"""vLLM's `stop_reason` of a finished answer: the stop string that matched, the stop token id
+(of `stop_token_ids`) that ended it, or None (end-of-sequence, length limit)."""
+
 
 class IncrementalText:
     """Turns a growing list of token ids into text deltas.
@@ -36,6 +40,8 @@ class IncrementalText:
         self.token_ids: list[int] = []
         self.text = ""  # text released so far
         self.stopped = False
+        self.matched_stop = ""
+        """The stop string that ended the text (the earliest match), once `stopped`."""
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the newly released text."""
@@ -43,18 +49,18 @@ class IncrementalText:
         full = self._decode(self.token_ids)
         if len(self.token_ids) <= self._min_tokens:
             self._unchecked_chars = len(full)
-            found: list[tuple[int, int]] = []
+            found: list[tuple[int, int, str]] = []
         else:
             # The earliest match, not the first stop string's: one token can complete two, and the
             # answer must hold neither ("ye" with stop ["llow", "e"] is "y"); (start, end) of each.
             found = [
-                (at, at + len(s))
+                (at, at + len(s), s)
                 for s in self._stop
                 if (at := full.find(s, max(0, len(self.text) - len(s), self._unchecked_chars - len(s) + 1))) != -1
             ]
         if found:
             self.stopped = True
-            start, end = min(found)
+            start, end, self.matched_stop = min(found)
             return self._release(full[:end] if self._include_stop else full[:start])
         if full.endswith("\ufffd"):
             return ""
@@ -92,6 +98,10 @@ class OutputText:
         self.config = config
         self.num_tokens = 0
         self.finish_reason = ""
+        self.stop_reason: StopReason = None
+        """vLLM's `stop_reason`, once finished: the stop string that matched, or the id of the
+        `stop_token_ids` token that ended the answer; None when the end-of-sequence token or the
+        length limit ended it (or while going on)."""
 
     def add(self, token_id: int) -> tuple[str, str]:
         """Append one token: (the newly released text, the finish reason: "" while going on, else
@@ -110,6 +120,10 @@ class OutputText:
         delta = "" if stop_token and not self.config.include_stop_str_in_output else self.text.add(token_id)
         if self.text.stopped or stop_token or eos:
             self.finish_reason = "stop"
+            # A stop string found in a stop token's own text (include_stop_str_in_output) is the
+            # one the text was cut at; an end-of-sequence token that is also a stop token was
+            # asked for by the client: its id.
+            self.stop_reason = self.text.matched_stop if self.text.stopped else token_id if stop_token else None
         elif length:
             self.finish_reason = "length"
         if self.finish_reason:

@@ -6,7 +6,7 @@ where its model differs (`_step_positions` / `_batch_positions` for 1-D rotary p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -115,9 +115,19 @@ class HfTextAdapter(VLMAdapter):
         get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
         text = self._render_text_only(conversation, add_generation_prompt=True)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
-        length = input_ids.shape[1]
-        positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
-        return Prompt(input_ids, positions, torch.zeros(length, dtype=torch.bool))
+        return _text_prompt(input_ids)
+
+    def build_raw_prompt(self, text: str, token_ids: Sequence[int] = ()) -> Prompt:
+        """`text` tokenised as `tokenizer(text)` tokenises it (the tokenizer's special tokens added,
+        transformers' default), or `token_ids` as they are, with the positions of any text prompt
+        (`_text_only_prompt`): generate(input_ids)'s, as no grid is given."""
+        ids = list(token_ids) if not text else self.tokenizer(text)["input_ids"]
+        placeholders = {self.tokenizer.convert_tokens_to_ids(t)
+                        for t in (self.processor.video_token, self.processor.image_token)}
+        if placeholders.intersection(ids):
+            raise ValueError("the prompt holds the model's visual placeholder token, which only the chat "
+                             "completions API's media parts place; remove it")
+        return _text_prompt(torch.tensor([ids], dtype=torch.long))
 
     def _render_text_only(self, conversation: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         """The processor's own template of a conversation without media; ValueError when the text
@@ -359,6 +369,14 @@ class QwenTextAdapter(HfTextAdapter):
     @property
     def num_parameters(self) -> int:
         return count_parameters(self.model, self.visual)
+
+
+def _text_prompt(input_ids: torch.Tensor) -> Prompt:
+    """A prompt of text alone, input_ids [1, L]: every position row (M-RoPE's three and the text
+    row; a 1-D family reads them alike) the plain position 0..L-1, no visual token."""
+    length = input_ids.shape[1]
+    positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
+    return Prompt(input_ids, positions, torch.zeros(length, dtype=torch.bool))
 
 
 class RopeHolder:

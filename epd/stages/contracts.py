@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from epd.model_runtime.adapter import VisualMeta
+from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message
 from epd.stages.model_info import ModelInfo
+from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
@@ -366,6 +368,8 @@ class TokenStep:
     kv_transfer_ms: float = 0.0  # set on the first step
     kv_num_bytes: int = 0  # set on the first step
     decode_evict: tuple[int, int] | None = None  # last step: visual entries per head (in, out)
+    stop_reason: StopReason = None
+    """Last step: the stop string or stop token id that ended the answer (`OutputText.stop_reason`)."""
 
 
 class RequestCancelled(Exception):
@@ -399,13 +403,17 @@ class PrefillStage(ABC):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
+        *,
+        raw_prompt: RawPrompt | None = None,
     ) -> PrefillHandle:
         """Render `messages` (`epd.stages.messages`: at most one media part, the user's message
         last) with the model's chat template around `media` and run the prompt (`media` None: the
         messages have no media part, and the prompt is their text alone, without visual tokens); the KV cache stays with the
         stage until a decoder takes it (or its TTL passes). Cancelled before it returns, the stage
         stores no cache. `cache_salt` (the tenant) is part of the prefix-cache key: a prompt reuses
-        only KV that a request of the same salt stored."""
+        only KV that a request of the same salt stored. `raw_prompt` (then `messages` is empty
+        and `media` None): a prompt run as it is, without the chat template
+        (`epd.stages.raw_prompt`)."""
 
     @abstractmethod
     async def release(self, handle: PrefillHandle, request_id: str) -> None:

@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from epd.stages.messages import Message, media_in_opening
+from epd.stages.raw_prompt import RawPrompt
 
 FAILURE_HOLD_S = 5.0
 """How long a replica whose call failed gets no calls first (it is still tried last, and the
@@ -91,6 +92,25 @@ def prefill_key(messages: Sequence[Message], media_sha256: str = "", salt: str =
     if media_sha256 and media_in_opening(messages):
         return media_sha256
     return conversation_key(messages, salt)
+
+
+RAW_PROMPT_KEY_CHARS = 512
+"""How much of a raw prompt's text (or, of token ids, 1/4 as many ids) its affinity key hashes:
+prompts that begin alike (a shared instruction or few-shot preamble) go to the replica whose
+prefix cache holds that beginning; a short prompt is hashed whole."""
+
+
+def raw_prompt_key(prompt: RawPrompt, salt: str = "") -> str:
+    """The prefill affinity key of a raw prompt (`epd.stages.raw_prompt`): a hash of its beginning
+    and of `salt`, in a domain of its own, so that it never names a conversation's home (prefill's
+    prefix cache keeps raw prompts under keys of their own too)."""
+    digest = hashlib.sha256(b"raw prompt\0" + salt.encode() + b"\0")
+    if prompt.token_ids:
+        ids = prompt.token_ids[: RAW_PROMPT_KEY_CHARS // 4]
+        digest.update(b"ids\0" + b",".join(str(t).encode() for t in ids))
+    else:
+        digest.update(b"text\0" + prompt.text[:RAW_PROMPT_KEY_CHARS].encode())
+    return digest.hexdigest()
 
 
 def rendezvous_score(key: str, replica: str) -> int:

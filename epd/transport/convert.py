@@ -26,6 +26,10 @@ from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport.message_convert import messages_from_proto as messages_from_proto  # re-exported
 from epd.transport.message_convert import messages_to_proto as messages_to_proto  # re-exported
+from epd.transport.message_convert import raw_prompt_from_proto as raw_prompt_from_proto  # re-exported
+from epd.transport.message_convert import raw_prompt_to_proto as raw_prompt_to_proto  # re-exported
+from epd.transport.message_convert import set_stop_reason as set_stop_reason  # re-exported
+from epd.transport.message_convert import stop_reason_from_proto as stop_reason_from_proto  # re-exported
 from epd.transport.tensor_wire import WireTensor, tensor_bytes, tensor_num_bytes, tensor_to_chunks
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2
 from epd.video.types import ONE_FRAME_CHOICE, MediaError, SamplingOptions
@@ -261,6 +265,7 @@ def token_step_to_proto(step: TokenStep) -> decode_pb2.GenerateResponse:
         kv_transfer_ms=step.kv_transfer_ms,
         kv_num_bytes=step.kv_num_bytes,
     )
+    set_stop_reason(msg, step.stop_reason)
     if step.decode_evict is not None:
         msg.decode_evict.stage = "decode_evict"
         msg.decode_evict.num_visual_tokens_in, msg.decode_evict.num_visual_tokens_out = step.decode_evict
@@ -272,7 +277,7 @@ def token_step_from_proto(msg: decode_pb2.GenerateResponse) -> TokenStep:
     if msg.HasField("decode_evict"):
         evict = (int(msg.decode_evict.num_visual_tokens_in), int(msg.decode_evict.num_visual_tokens_out))
     return TokenStep(list(msg.token_ids), msg.text, msg.finish_reason, msg.kv_transfer_ms, msg.kv_num_bytes,
-                     decode_evict=evict)
+                     decode_evict=evict, stop_reason=stop_reason_from_proto(msg))
 
 
 def pruning_from_proto(msg: common_pb2.PruningOptions) -> PruningConfig:

@@ -1,12 +1,16 @@
 """`epd.stages.messages` <-> `epd.v1.ChatMessage`, the one converter of the message model, used by
-the gateway (Ask), the remote prefill stage and its servicer, and the SDK. Kept free of torch so
-that the SDK can import it; `epd.transport.convert` re-exports it beside the other converters."""
+the gateway (Ask), the remote prefill stage and its servicer, and the SDK; likewise the raw prompt
+(`epd.stages.raw_prompt` <-> `epd.v1.RawPrompt`) and a finished answer's `stop_reason` (a oneof of
+GenerateResponse and AskSummary). Kept free of torch so that the SDK can import it;
+`epd.transport.convert` re-exports it beside the other converters."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from epd.stages.messages import ContentPart, Message
+from epd.stages.raw_prompt import RawPrompt
 from epd.v1 import messages_pb2
 
 
@@ -22,3 +26,28 @@ def messages_to_proto(messages: Sequence[Message]) -> list[messages_pb2.ChatMess
 def messages_from_proto(msgs: Iterable[messages_pb2.ChatMessage]) -> list[Message]:
     """Field for field; what the messages may hold is checked by `epd.stages.messages.check_messages`."""
     return [Message(m.role, tuple(ContentPart(p.type, p.text) for p in m.parts)) for m in msgs]
+
+
+def raw_prompt_to_proto(prompt: RawPrompt) -> messages_pb2.RawPrompt:
+    return messages_pb2.RawPrompt(text=prompt.text, token_ids=prompt.token_ids)
+
+
+def raw_prompt_from_proto(msg: messages_pb2.RawPrompt) -> RawPrompt:
+    """Field for field; `epd.stages.raw_prompt.check_raw_prompt` checks what it holds."""
+    return RawPrompt(msg.text, tuple(msg.token_ids))
+
+
+def set_stop_reason(msg: Any, reason: str | int | None) -> Any:
+    """Sets the `stop_reason` oneof of a GenerateResponse or AskSummary: `stop_string` (a str),
+    `stop_token_id` (an int), or neither (None: end-of-sequence or length); returns `msg`."""
+    if isinstance(reason, str):
+        msg.stop_string = reason
+    elif reason is not None:
+        msg.stop_token_id = reason
+    return msg
+
+
+def stop_reason_from_proto(msg: Any) -> str | int | None:
+    """The inverse of `set_stop_reason`, from a message with the `stop_reason` oneof."""
+    field = msg.WhichOneof("stop_reason")
+    return None if field is None else getattr(msg, field)

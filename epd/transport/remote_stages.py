@@ -50,11 +50,18 @@ from epd.stages.contracts import (
 from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.messages import Message
 from epd.stages.model_info import ModelInfo
+from epd.stages.raw_prompt import RawPrompt
 from epd.stages.server_config import CHUNK_BYTES
 from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
-from epd.transport.affinity import FAILURE_HOLD_S, MAX_EXCESS_LOAD, ReplicaChooser, prefill_key
+from epd.transport.affinity import (
+    FAILURE_HOLD_S,
+    MAX_EXCESS_LOAD,
+    ReplicaChooser,
+    prefill_key,
+    raw_prompt_key,
+)
 from epd.transport.aio_cancel import cancelled_by_grpc, within
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import (
@@ -413,6 +420,8 @@ class RemotePrefillStage(PrefillStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
+        *,
+        raw_prompt: RawPrompt | None = None,
     ) -> PrefillHandle:
         # Ours, not the server's: a call cancelled here may have been answered (the server then saw
         # it end well and keeps the cache for its decoder); released by this handle, it does not
@@ -429,6 +438,7 @@ class RemotePrefillStage(PrefillStage):
                     pruning=convert.pruning_to_proto(pruning),
                     cache_salt=cache_salt,
                     kv_handle=kv_handle,
+                    raw_prompt=None if raw_prompt is None else convert.raw_prompt_to_proto(raw_prompt),
                 )
             )
             if media is not None:
@@ -447,8 +457,11 @@ class RemotePrefillStage(PrefillStage):
                 raise
 
         # The replica whose prefix cache holds this conversation (rendezvous on the video's sha256
-        # when the conversation opens with it, else on its opening).
-        key = prefill_key(messages, media.sha256 if media else "", cache_salt)
+        # when the conversation opens with it, else on its opening), or a raw prompt (on its beginning).
+        if raw_prompt is not None:
+            key = raw_prompt_key(raw_prompt, cache_salt)
+        else:
+            key = prefill_key(messages, media.sha256 if media else "", cache_salt)
         result = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
         handle = convert.handle_from_proto(result, relay=True)
         # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill

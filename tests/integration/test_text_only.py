@@ -21,7 +21,6 @@ from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
-from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import from_chat_template
@@ -30,7 +29,7 @@ from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.families import build_qwen3_vl_moe_checkpoint, qwen_processor_inputs
+from tests.families import family_checkpoints, qwen_processor_inputs
 from tests.reference import decode_for_test, reference_tokens_for_messages, text_only_reference, whole_model
 
 MAX_NEW_TOKENS = 12
@@ -92,13 +91,7 @@ FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "ll
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_models, tmp_path_factory):
-    """conftest's two Qwen2 families and the others built here (as their adapter tests do)."""
-    root = tmp_path_factory.mktemp("text_only_models")
-    out = dict(tiny_models)
-    for family in ("qwen3_vl", "qwen3_5", "llava_onevision"):
-        out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
-    out["qwen3_vl_moe"] = build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe")
-    return out
+    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("text_only_models"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

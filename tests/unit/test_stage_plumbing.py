@@ -448,8 +448,8 @@ def test_a_prefill_call_cancelled_as_its_answer_goes_out_is_released_by_the_call
     stored_under: list[str] = []
 
     class CancelTheCallerOnceStored:
-        async def prefill(self, *args):
-            handle = await real.prefill(*args)
+        async def prefill(self, *args, **kwargs):
+            handle = await real.prefill(*args, **kwargs)
             stored_under.append(handle.kv_handle)
             caller[0].cancel()  # the caller leaves as the answer goes out
             return handle
@@ -806,7 +806,7 @@ def test_a_stream_stopped_by_the_gateway_ends_the_decoders_run_at_once():
     from tests.unit.gateway.test_transfer_bytes import Encoder
 
     class SentFirst(PrefillStage):
-        async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt=""):
+        async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None):
             return PrefillHandle(first_token_id=7, num_prompt_tokens=20, num_cached_tokens=20,
                                  next_position_ids=[20, 4, 4, 4], kv_num_bytes=64, prefill_ms=1.0,
                                  kv_handle="ab" * 16, first_text=" the")  # fmt: skip

@@ -53,7 +53,7 @@ THUMBNAIL_MAX_SIDE = 192
 _SAMPLE_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".png", ".jpg", ".jpeg"}
 
 
-BODY_ROUTES = frozenset({"/v1/chat/completions", "/demo/frames", "/tokenize", "/detokenize"})
+BODY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/demo/frames", "/tokenize", "/detokenize"})
 """Routes whose POST body is read with `read_json_body` under the admission limits."""
 
 SECURITY_HEADERS = {

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AskHeader(_message.Message):
-    __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning", "messages", "cache_salt")
+    __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning", "messages", "cache_salt", "prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     MEDIA_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class AskHeader(_message.Message):
     PRUNING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     question: str
     media_num_bytes: int
@@ -28,7 +29,8 @@ class AskHeader(_message.Message):
     pruning: _common_pb2.PruningOptions
     messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., media_sha256: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    prompt: _messages_pb2.RawPrompt
+    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., media_sha256: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., prompt: _Optional[_Union[_messages_pb2.RawPrompt, _Mapping]] = ...) -> None: ...
 
 class AskRequest(_message.Message):
     __slots__ = ("header", "media_chunk")
@@ -47,7 +49,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class AskSummary(_message.Message):
-    __slots__ = ("request_id", "answer", "token_ids", "finish_reason", "num_frames", "num_visual_tokens", "num_prompt_tokens", "timings_ms", "kv_num_bytes", "encoder_cache_hit", "media_sha256", "frame_timestamps_s", "pruning", "grid_thw", "kept_visual_token_index", "num_reused_prompt_tokens")
+    __slots__ = ("request_id", "answer", "token_ids", "finish_reason", "num_frames", "num_visual_tokens", "num_prompt_tokens", "timings_ms", "kv_num_bytes", "encoder_cache_hit", "media_sha256", "frame_timestamps_s", "pruning", "grid_thw", "kept_visual_token_index", "num_reused_prompt_tokens", "stop_string", "stop_token_id")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,8 @@ class AskSummary(_message.Message):
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     KEPT_VISUAL_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_REUSED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     answer: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -87,7 +91,9 @@ class AskSummary(_message.Message):
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     kept_visual_token_index: _containers.RepeatedScalarFieldContainer[int]
     num_reused_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_frames: _Optional[int] = ..., num_visual_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., kv_num_bytes: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ...) -> None: ...
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_frames: _Optional[int] = ..., num_visual_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., kv_num_bytes: _Optional[int] = ..., encoder_cache_hit: _Optional[bool] = ..., media_sha256: _Optional[str] = ..., frame_timestamps_s: _Optional[_Iterable[float]] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class AskResponse(_message.Message):
     __slots__ = ("event", "delta", "summary")

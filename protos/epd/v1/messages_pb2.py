@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/messages.proto\x12\x06\x65pd.v1\"?\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\"\n\x05parts\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/messages.proto\x12\x06\x65pd.v1\"?\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\"\n\x05parts\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\",\n\tRawPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,4 +35,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_end=96
   _globals['_CONTENTPART']._serialized_start=98
   _globals['_CONTENTPART']._serialized_end=139
+  _globals['_RAWPROMPT']._serialized_start=141
+  _globals['_RAWPROMPT']._serialized_end=185
 # @@protoc_insertion_point(module_scope)

@@ -21,3 +21,11 @@ class ContentPart(_message.Message):
     type: str
     text: str
     def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class RawPrompt(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

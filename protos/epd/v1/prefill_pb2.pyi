@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "visual", "generation", "pruning", "messages", "cache_salt", "kv_handle")
+    __slots__ = ("request_id", "visual", "generation", "pruning", "messages", "cache_salt", "kv_handle", "raw_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     VISUAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class PrefillHeader(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     visual: _encoder_pb2.EncodeResult
     generation: _common_pb2.GenerationParams
@@ -25,7 +26,8 @@ class PrefillHeader(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
     cache_salt: str
     kv_handle: str
-    def __init__(self, request_id: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[str] = ...) -> None: ...
+    raw_prompt: _messages_pb2.RawPrompt
+    def __init__(self, request_id: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[str] = ..., raw_prompt: _Optional[_Union[_messages_pb2.RawPrompt, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "visual_embeds")

@@ -46,13 +46,22 @@ def full_summary() -> gateway_pb2.AskSummary:
         grid_thw=[2, 8, 12],
         kept_visual_token_index=[0, 2, 5],
         num_reused_prompt_tokens=7,
+        stop_string="\n",
     )  # fmt: skip
     return summary
 
 
 def _unset_fields(msg: Message) -> list[str]:
+    """Fields left at their defaults; a oneof's members count as set when one of them is."""
     set_names = {f.name for f, _ in msg.ListFields()}
-    return [f.name for f in msg.DESCRIPTOR.fields if f.name not in set_names]
+    return [f.name for f in msg.DESCRIPTOR.fields if f.name not in set_names
+            and not (f.containing_oneof and msg.WhichOneof(f.containing_oneof.name))]
+
+
+def _wire_names(descriptor) -> set[str]:
+    """A message's field names, a oneof's members under the oneof's name (`stop_reason`: the
+    result has one field, a str or an int)."""
+    return {f.containing_oneof.name if f.containing_oneof else f.name for f in descriptor.fields}
 
 
 def test_the_fixture_sets_every_field_of_the_wire_summary():
@@ -64,7 +73,7 @@ def test_the_fixture_sets_every_field_of_the_wire_summary():
 
 def test_the_result_has_a_field_for_every_field_the_server_sends():
     result_fields = {f.name for f in dataclasses.fields(AskResult)}
-    assert {f.name for f in gateway_pb2.AskSummary.DESCRIPTOR.fields} <= result_fields
+    assert _wire_names(gateway_pb2.AskSummary.DESCRIPTOR) <= result_fields
     assert {f.name for f in common_pb2.PruningReport.DESCRIPTOR.fields} <= {
         f.name for f in dataclasses.fields(PruningReport)
     }
@@ -84,6 +93,10 @@ def test_every_value_of_the_summary_arrives_typed():
     out = result.to_dict()
     for field in gateway_pb2.AskSummary.DESCRIPTOR.fields:
         if field.name in ("pruning", "timings_ms"):
+            continue
+        if field.containing_oneof:  # the member that is set, under the oneof's name
+            if summary.WhichOneof(field.containing_oneof.name) == field.name:
+                assert out[field.containing_oneof.name] == getattr(summary, field.name), field.name
             continue
         wire = getattr(summary, field.name)
         wire = wire if isinstance(wire, (str, int, float, bool)) else list(wire)

@@ -77,13 +77,16 @@ def domain_summary() -> AskSummary:
         num_prompt_tokens=60, timings_ms={name: 1.0 + i for i, name in enumerate(TIMING_NAMES)},
         kv_num_bytes=9, encoder_cache_hit=True, media_sha256="cd" * 32, frame_timestamps_s=[0.0, 1.0],
         pruning=stats, grid_thw=(2, 4, 6), kept_visual_token_index=[0, 3], num_reused_prompt_tokens=52,
+        stop_reason=151643,
     )  # fmt: skip
 
 
 def test_the_grpc_summary_carries_every_field_of_the_pipelines_summary():
     wire = summary_to_proto(domain_summary())
     set_names = {f.name for f, _ in wire.ListFields()}
-    assert set_names == {f.name for f in gateway_pb2.AskSummary.DESCRIPTOR.fields}
+    # Every field, a oneof by the member the summary sets (stop_reason: an int is a stop token id).
+    assert set_names == {f.name for f in gateway_pb2.AskSummary.DESCRIPTOR.fields} - {"stop_string"}
+    assert result_from_proto(wire, []).stop_reason == 151643
     assert wire.timings_ms["decode"] == wire.timings_ms["video_decode"] == 1.0
     result = result_from_proto(wire, [])
     assert result.grid_thw == (2, 4, 6) and result.kept_visual_token_index == [0, 3]

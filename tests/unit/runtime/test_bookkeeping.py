@@ -179,3 +179,27 @@ def test_no_seed_draws_a_fresh_one_per_request_once():
     logits = torch.zeros(1000)
     unseeded = [tuple(Sampler(config)(logits) for _ in range(8)) for _ in range(3)]
     assert len(set(unseeded)) == 3  # a stage called without a seed samples afresh
+
+
+@pytest.mark.parametrize(
+    ("config", "tokens", "stop_reason"),
+    [
+        (GenerationConfig(stop=("lo",)), (1,), "lo"),  # the stop string that matched
+        (GenerationConfig(stop=("zz", "wor", "o w")), (1, 2), "o w"),  # the earliest of two matches
+        (GenerationConfig(stop_token_ids=(2,)), (1, 2), 2),  # the stop token's id
+        (GenerationConfig(stop_token_ids=(2,), include_stop_str_in_output=True), (1, 2), 2),
+        (GenerationConfig(stop_token_ids=(9,)), (1, 9), 9),  # end of sequence, asked for as a stop token
+        (GenerationConfig(), (1, 9), None),  # end of sequence
+        (GenerationConfig(max_new_tokens=2, stop_token_ids=(2,)), (1, 2), None),  # the length limit first
+        (GenerationConfig(max_new_tokens=1, stop=("ell",)), (1,), "ell"),  # a stop string at the limit
+        (GenerationConfig(stop=("lo",)), (3,), None),  # still going on
+    ],
+)
+def test_output_text_names_the_stop_that_ended_the_answer(config, tokens, stop_reason):
+    """vLLM's `stop_reason`: the matched stop string, the stop token id, else None (EOS, length)."""
+    words = {1: "Hello", 2: " wor", 3: "ld", 9: ""}
+    out = OutputText(lambda ids: "".join(words[i] for i in ids), {9}, config)
+    for token in tokens:
+        out.add(token)
+    assert out.stop_reason == stop_reason
+    assert type(out.stop_reason) is type(stop_reason)

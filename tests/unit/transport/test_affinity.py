@@ -214,3 +214,19 @@ def test_the_prefill_key_is_the_video_only_for_a_conversation_that_opens_with_it
     assert prefill_key(later, sha, "tenant") == conversation_key(later[:1], "tenant") == prefill_key(later[:1], "", "tenant")
     assert prefill_key(opens) == conversation_key(opens)  # media the gateway could not hash: its opening
     assert not media_in_opening([Message.user("text alone")])
+
+
+def test_a_raw_prompt_has_a_home_of_its_own_and_shares_it_with_prompts_that_begin_alike():
+    """A raw prompt's affinity key (`raw_prompt_key`): never a conversation's, one per tenant, and
+    the same for prompts whose first RAW_PROMPT_KEY_CHARS characters agree (a shared preamble)."""
+    from epd.stages.messages import Message
+    from epd.stages.raw_prompt import RawPrompt
+    from epd.transport.affinity import RAW_PROMPT_KEY_CHARS, conversation_key, raw_prompt_key
+
+    text = "hello"
+    assert raw_prompt_key(RawPrompt(text)) != conversation_key([Message.user(text)])
+    assert raw_prompt_key(RawPrompt(text)) != raw_prompt_key(RawPrompt(text), salt="tenant")
+    assert raw_prompt_key(RawPrompt(token_ids=(1, 2))) != raw_prompt_key(RawPrompt("1,2"))
+    preamble = "p" * RAW_PROMPT_KEY_CHARS
+    assert raw_prompt_key(RawPrompt(preamble + "a")) == raw_prompt_key(RawPrompt(preamble + "b"))
+    assert raw_prompt_key(RawPrompt("a" + preamble)) != raw_prompt_key(RawPrompt("b" + preamble))

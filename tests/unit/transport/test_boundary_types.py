@@ -219,9 +219,14 @@ def test_prefill_handle_round_trips_through_the_proto():
 def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
     stats = _stats()
     _assert_same(convert.stats_from_proto(convert.stats_to_proto(stats)), stats, skip=("transfer_bytes",))
-    step = TokenStep([5, 6], "ab", "length", kv_transfer_ms=3.5, kv_num_bytes=1024, decode_evict=(40, 30))
+    step = TokenStep([5, 6], "ab", "stop", kv_transfer_ms=3.5, kv_num_bytes=1024, decode_evict=(40, 30),
+                     stop_reason="\n")
     _assert_all_set(step)
     _assert_same(convert.token_step_from_proto(convert.token_step_to_proto(step)), step)
+    # vLLM's stop_reason is a stop string, a stop token id (an int, not a string), or None.
+    for stop_reason in (151643, None):
+        step = dataclasses.replace(step, stop_reason=stop_reason)
+        _assert_same(convert.token_step_from_proto(convert.token_step_to_proto(step)), step)
 
 
 def _every_knob_off_default() -> PruningConfig:

@@ -1,0 +1,137 @@
+"""OpenAI's legacy text completions JSON (`POST /v1/completions`) <-> the pipeline (no HTTP here).
+
+The prompt is raw text, run as it is: no chat template, tokenised as the model's tokenizer
+tokenises text by default (`tokenizer(prompt)`, its special tokens added), with the positions
+`generate()` gives text (`epd.stages.raw_prompt`); or the prompt's token ids. One prompt per
+request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch of several is
+refused (400), as epd answers one prompt per call. The generation options, streaming,
+`stream_options` and the server-side defaults are chat completions' (`epd.gateway.openai_protocol`);
+`echo` (a text prompt's) is taken, `logprobs` and `suffix` are refused. The answer is a
+`text_completion` (streamed: `text_completion` chunks ending in `data: [DONE]`), each choice with
+vLLM's `stop_reason` and `token_ids`, and the same `usage` and `epd` objects as chat's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from epd.gateway.openai_protocol import (
+    _KNOWN,
+    _TOKEN_ID,
+    _UNSUPPORTED,
+    INT32_MAX,
+    ChatRequest,
+    _boolean,
+    _number,
+    _refuse_unsupported,
+    _text,
+    answer_options,
+    check_model,
+    epd_details,
+    usage,
+)
+from epd.gateway.pipeline import AskSummary
+from epd.model_runtime.detokenizer import StopReason
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest
+from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
+from epd.video.types import SamplingOptions
+
+_COMPLETION_UNSUPPORTED = {
+    **{name: neutral for name, neutral in _UNSUPPORTED.items() if name != "echo"},
+    "add_special_tokens": (True,),  # vLLM's completions default: the tokenizer's special tokens added
+    "suffix": ("",),
+}
+"""Chat's unsupported fields, but `echo` is taken and a raw prompt is tokenised with the
+tokenizer's special tokens; OpenAI's `suffix` (text after the completion) is not implemented."""
+
+_COMPLETION_KNOWN = (_KNOWN - {"messages", "media", "pruning"}) | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
+
+_ONE_PROMPT = ("epd answers one prompt per request: send each prompt in a request of its own "
+               "(\"prompt\": \"text\", or a list of token ids)")
+
+
+def parse_completion_request(
+    body: Any, served_model: str, sampling_defaults: SamplingOptions, generation_defaults: GenerationConfig
+) -> ChatRequest:
+    """Validate a legacy completions body into the request chat's handler runs (no messages, a
+    raw prompt); raises InvalidRequest (400) or NotFound (404, model)."""
+    model = check_model(body, served_model)
+    if body.get("logprobs") is not None or body.get("prompt_logprobs") not in (None, 0):
+        # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
+        raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset")
+    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED, _COMPLETION_KNOWN)
+    prompt = _prompt(body.get("prompt"))
+    echo = _boolean(body, "echo", False)
+    if echo and prompt.token_ids:
+        raise InvalidRequest("'echo' needs a text prompt (this server does not detokenise a prompt of token "
+                             "ids); send the prompt as text, or leave 'echo' unset")
+    check_raw_prompt(prompt)
+    return ChatRequest(
+        messages=[],
+        media_url="",
+        modality="",
+        sampling=sampling_defaults,
+        raw_prompt=prompt,
+        echo=echo,
+        **answer_options(body, model, generation_defaults),
+    )
+
+
+def _prompt(value: Any) -> RawPrompt:
+    """OpenAI's `prompt`: a string or a list of token ids, alone or as a list of one."""
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > 1:
+            raise InvalidRequest(f"'prompt' holds {len(value)} prompts; {_ONE_PROMPT}")
+        value = value[0]
+    if isinstance(value, str):
+        return RawPrompt(text=_text(value, "prompt"))
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return RawPrompt(token_ids=tuple(_number({"prompt[]": v}, "prompt[]", _TOKEN_ID, None) for v in value))
+    raise InvalidRequest("'prompt' must be a string or a list of token ids (integers from 0 to "
+                         f"{INT32_MAX}); {_ONE_PROMPT}")
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def text_completion_body(summary: AskSummary, request: ChatRequest, created: int | None = None) -> dict[str, Any]:
+    """The whole answer: one `text_completion` choice (the prompt's text first with `echo`)."""
+    prompt = request.raw_prompt.text if request.echo and request.raw_prompt else ""
+    return {
+        "id": f"cmpl-{summary.request_id}",
+        "object": "text_completion",
+        "created": created if created is not None else int(time.time()),
+        "model": request.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": prompt + summary.answer,
+                "logprobs": None,
+                "finish_reason": summary.finish_reason or "stop",
+                "stop_reason": summary.stop_reason,
+                "token_ids": summary.token_ids,  # vLLM's (with its return_token_ids): the answer's
+            }
+        ],
+        "usage": usage(summary),
+        "epd": epd_details(summary),
+    }
+
+
+def text_completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
+    stop_reason: StopReason = None,
+) -> dict[str, Any]:
+    """One streamed `text_completion` chunk; `token_ids` (extra) are the tokens its text came from."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}

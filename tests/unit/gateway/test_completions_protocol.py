@@ -1,0 +1,109 @@
+"""The legacy completions body (`POST /v1/completions`) -> the request the chat handler runs: the
+prompt's shapes, what is refused with a 400 that says what to send, and the answer's bodies."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd.gateway.completions_protocol import (
+    parse_completion_request,
+    text_completion_body,
+    text_completion_chunk,
+)
+from epd.gateway.pipeline import AskSummary
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.raw_prompt import RawPrompt
+from epd.video.types import SamplingOptions
+
+
+def parse(**body):
+    return parse_completion_request({"model": "m", **body}, "m", SamplingOptions(), GenerationConfig())
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("once upon", RawPrompt("once upon")),
+        (["once upon"], RawPrompt("once upon")),
+        ([1, 2, 3], RawPrompt(token_ids=(1, 2, 3))),
+        ([[1, 2, 3]], RawPrompt(token_ids=(1, 2, 3))),
+    ],
+)
+def test_one_prompt_as_text_or_token_ids(prompt, expected):
+    request = parse(prompt=prompt, max_tokens=5, stop="\n", stop_token_ids=[7], seed=3, temperature=0.5)
+    assert request.raw_prompt == expected and request.messages == [] and request.media_url == ""
+    assert request.generation.max_new_tokens == 5 and request.generation.stop == ("\n",)
+    assert request.generation.stop_token_ids == (7,) and request.generation.seed == 3
+    assert not request.stream and not request.echo
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"prompt": ["a", "b"]}, "holds 2 prompts; epd answers one prompt per request"),
+        ({"prompt": [[1], [2]]}, "holds 2 prompts; epd answers one prompt per request"),
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"prompt": []}, "the prompt is empty"),
+        ({}, "'prompt' must be a string or a list of token ids"),
+        ({"prompt": [1, "a"]}, "'prompt' must be a string or a list of token ids"),
+        ({"prompt": [1, -2]}, r"'prompt\[\]' must be an integer from 0"),
+        ({"prompt": [True]}, "'prompt' must be a string or a list of token ids"),
+        ({"prompt": "a", "logprobs": 1}, "logprobs are not supported by this server; leave 'logprobs' unset"),
+        ({"prompt": "a", "logprobs": 0}, "logprobs are not supported"),
+        ({"prompt": "a", "suffix": "end"}, "'suffix' is not supported by this server"),
+        ({"prompt": "a", "n": 2}, "only n=1 is supported"),
+        ({"prompt": "a", "best_of": 2}, "'best_of' is not supported"),
+        ({"prompt": "a", "add_special_tokens": False}, "'add_special_tokens' is not supported"),
+        ({"prompt": [1, 2], "echo": True}, "'echo' needs a text prompt"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options only goes with"),
+    ],
+)
+def test_what_is_refused_says_what_to_send(body, match):
+    with pytest.raises(InvalidRequest, match=match):
+        parse(**body)
+
+
+def test_another_model_is_not_found():
+    with pytest.raises(NotFound, match="GET /v1/models lists 'm'"):
+        parse_completion_request({"model": "other", "prompt": "a"}, "m", SamplingOptions(), GenerationConfig())
+
+
+def test_streaming_echo_and_usage_options():
+    request = parse(prompt="a", stream=True, echo=True, add_special_tokens=True, suffix=None,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert request.stream and request.echo and request.include_usage and request.continuous_usage
+
+
+def test_the_answer_is_a_text_completion_with_its_stop_reason():
+    summary = AskSummary("r1", " there", [5, 6], "stop", 0, 0, 3, {}, 0, False, "", [], stop_reason="\n")
+    body = text_completion_body(summary, parse(prompt="hi", echo=True), created=1)
+    assert body["id"] == "cmpl-r1" and body["object"] == "text_completion" and body["model"] == "m"
+    assert body["choices"] == [{"index": 0, "text": "hi there", "logprobs": None, "finish_reason": "stop",
+                                "stop_reason": "\n", "token_ids": [5, 6]}]
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 2
+    assert body["epd"]["stop_reason"] == "\n"
+    chunk = text_completion_chunk("r1", "m", 1, "", "stop", stop_reason=7)
+    assert chunk["object"] == "text_completion" and chunk["choices"][0]["stop_reason"] == 7
+
+
+def test_grpc_and_the_sdk_send_a_raw_prompt_alone():
+    """`AskHeader.prompt` (the SDK's `prompt=`) goes instead of messages or a question, not beside."""
+    from epd.client import build_header
+    from epd.gateway.servicer import raw_prompt_of
+    from epd.stages.messages import Message
+    from epd.transport import convert
+    from epd.v1 import gateway_pb2, messages_pb2
+
+    assert raw_prompt_of(build_header(None, 0, "", {"prompt": "once"})) == RawPrompt("once")
+    assert raw_prompt_of(build_header(None, 0, "", {"prompt": [1, 2]})) == RawPrompt(token_ids=(1, 2))
+    assert raw_prompt_of(gateway_pb2.AskHeader(question="why?")) is None
+    for header in (gateway_pb2.AskHeader(prompt=messages_pb2.RawPrompt(text="a"), question="why?"),
+                   gateway_pb2.AskHeader(prompt=messages_pb2.RawPrompt(text="a"),
+                                         messages=convert.messages_to_proto([Message.user("hi")]))):
+        with pytest.raises(InvalidRequest, match="send a raw prompt, messages or a question, only one of them"):
+            raw_prompt_of(header)
+    with pytest.raises(TypeError, match="pass a prompt, a question or messages"):
+        build_header("q", 0, "", {"prompt": "once"})
+    with pytest.raises(TypeError, match="prompt must be a string or a list of token ids"):
+        build_header(None, 0, "", {"prompt": 5})
