@@ -65,6 +65,9 @@ class PrefillConfig:
     kv_ttl_s: float = 120.0
     """A KV cache nobody pulls within this time is dropped."""
     max_new_tokens_limit: int = MAX_NEW_TOKENS
+    """The most tokens a request may ask for (OpenAI's max_tokens; --max-new-tokens-limit, at most
+    MAX_NEW_TOKENS, decode's own bound). The gateway learns it (`ModelInfo.max_new_tokens`) and
+    refuses a request over it before its media costs an encode."""
     max_transfer_bytes: int = 1 << 30
     """Largest visual-embedding upload accepted."""
     scheduler: PrefillSchedulerConfig = field(default_factory=lambda: PrefillSchedulerConfig())

@@ -88,6 +88,19 @@ def add_prefill_scheduler_flags(p) -> None:
                    help="prompt tokens of the waiting requests at most; more get RESOURCE_EXHAUSTED")
 
 
+def add_prefill_limit_flags(p) -> None:
+    """Prefill's bound on what a request may ask for (the prefill role, and `epd serve` for its
+    prefills or the colocated one); the gateway learns it from prefill (`GetModelInfo`)."""
+    from epd.model_runtime.sampling import MAX_NEW_TOKENS
+    from epd.prefill_svc.config import PrefillConfig
+
+    p.add_argument("--max-new-tokens-limit", type=_max_new_tokens_limit,
+                   default=PrefillConfig.max_new_tokens_limit, metavar="N",
+                   help=f"the most tokens a request may ask for (the OpenAI API's max_tokens; at most and by "
+                        f"default {MAX_NEW_TOKENS}): more is refused with 400 / INVALID_ARGUMENT, by the gateway "
+                        "before the request's media is decoded and encoded")
+
+
 def add_decode_scheduler_flags(p) -> None:
     """Decode's KV memory, batch size and queue bound (the decode role, and `epd serve` for its
     decoders or the colocated one)."""
@@ -259,7 +272,7 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
 
 STAGE_FLAGS: dict[str, tuple[Callable[..., None], ...]] = {
     "encoder": (add_sampling_flags, add_encoder_flags),
-    "prefill": (add_kv_store_flags, add_prefix_cache_flags, add_prefill_scheduler_flags),
+    "prefill": (add_kv_store_flags, add_prefix_cache_flags, add_prefill_scheduler_flags, add_prefill_limit_flags),
     "decode": (add_decode_scheduler_flags,),
 }
 """Each stage role's own flags, which `epd serve` takes too and passes to every replica of the
@@ -297,6 +310,13 @@ def _count(what: str, high: int, unit: str, low: int = 1) -> Callable[[str], int
         return value
 
     return parse
+
+
+def _max_new_tokens_limit(text: str) -> int:
+    """An argparse type: 1 to MAX_NEW_TOKENS tokens (decode reserves KV room for that many at most)."""
+    from epd.model_runtime.sampling import MAX_NEW_TOKENS
+
+    return _count("a number of tokens", MAX_NEW_TOKENS, "tokens")(text)
 
 
 # Every port flag (0: the flag's own meaning, off or any free port). Left to the socket, 70001
@@ -633,8 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add_flags in GATEWAY_FLAGS:
         add_flags(serve)
     # STAGE_FLAGS: passed to every replica of their stage, or the colocated stages.
-    g = serve.add_argument_group("prefill: KV store, prefix cache, batching and queue (passed to every prefill, "
-                                 "or the colocated one)")
+    g = serve.add_argument_group("prefill: KV store, prefix cache, batching, queue and max_tokens limit (passed to "
+                                 "every prefill, or the colocated one)")
     for add_flags in STAGE_FLAGS["prefill"]:
         add_flags(g)
     g = serve.add_argument_group("decode: KV memory, batch and queue (passed to every decoder, or the colocated one)")

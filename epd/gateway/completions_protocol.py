@@ -16,19 +16,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, number_item
 from epd.gateway.openai_protocol import (
-    _KNOWN,
-    _TOKEN_ID,
-    _UNSUPPORTED,
-    INT32_MAX,
+    KNOWN_CHAT_FIELDS,
+    UNSUPPORTED_CHAT_FIELDS,
     ChatRequest,
-    _boolean,
-    _number,
-    _refuse_unsupported,
-    _text,
     answer_options,
     check_model,
     epd_details,
+    refuse_unsupported_fields,
     usage,
 )
 from epd.gateway.pipeline import AskSummary
@@ -39,14 +35,16 @@ from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.video.types import SamplingOptions
 
 _COMPLETION_UNSUPPORTED = {
-    **{name: neutral for name, neutral in _UNSUPPORTED.items() if name != "echo"},
+    **{name: neutral for name, neutral in UNSUPPORTED_CHAT_FIELDS.items() if name != "echo"},
     "add_special_tokens": (True,),  # vLLM's completions default: the tokenizer's special tokens added
     "suffix": ("",),
 }
 """Chat's unsupported fields, but `echo` is taken and a raw prompt is tokenised with the
 tokenizer's special tokens; OpenAI's `suffix` (text after the completion) is not implemented."""
 
-_COMPLETION_KNOWN = (_KNOWN - {"messages", "media", "pruning"}) | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
+_COMPLETION_KNOWN = (
+    (KNOWN_CHAT_FIELDS - {"messages", "media", "pruning"}) | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
+)
 
 _ONE_PROMPT = ("epd answers one prompt per request: send each prompt in a request of its own "
                "(\"prompt\": \"text\", or a list of token ids)")
@@ -61,9 +59,9 @@ def parse_completion_request(
     if body.get("logprobs") is not None or body.get("prompt_logprobs") not in (None, 0):
         # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
         raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset")
-    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED, _COMPLETION_KNOWN)
+    refuse_unsupported_fields(body, _COMPLETION_UNSUPPORTED, _COMPLETION_KNOWN)
     prompt = _prompt(body.get("prompt"))
-    echo = _boolean(body, "echo", False)
+    echo = boolean_field(body, "echo", False)
     if echo and prompt.token_ids:
         raise InvalidRequest("'echo' needs a text prompt (this server does not detokenise a prompt of token "
                              "ids); send the prompt as text, or leave 'echo' unset")
@@ -86,9 +84,9 @@ def _prompt(value: Any) -> RawPrompt:
             raise InvalidRequest(f"'prompt' holds {len(value)} prompts; {_ONE_PROMPT}")
         value = value[0]
     if isinstance(value, str):
-        return RawPrompt(text=_text(value, "prompt"))
+        return RawPrompt(text=checked_text(value, "prompt"))
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return RawPrompt(token_ids=tuple(_number({"prompt[]": v}, "prompt[]", _TOKEN_ID, None) for v in value))
+        return RawPrompt(token_ids=tuple(number_item(v, TOKEN_ID, "prompt[]") for v in value))
     raise InvalidRequest("'prompt' must be a string or a list of token ids (integers from 0 to "
                          f"{INT32_MAX}); {_ONE_PROMPT}")
 

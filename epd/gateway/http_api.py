@@ -137,7 +137,8 @@ def json_error(status: int, message: str, error_type: str) -> web.Response:
     return response
 
 
-def _exception_response(exc: BaseException) -> web.Response:
+def exception_response(exc: BaseException) -> web.Response:
+    """The JSON error answer to a request that raised `exc` (a 500 logged with its traceback)."""
     status, error_type, message = http_error_of(exc)
     if status == 500:
         log.exception("internal error in the HTTP API", exc_info=exc)
@@ -244,14 +245,14 @@ class HttpApi:
             else:
                 response = await handler(request)
         except Overloaded as exc:
-            response = _exception_response(exc)
+            response = exception_response(exc)
         except asyncio.CancelledError:
             if self.in_flight.cutting and not request.get(STREAM_BEGUN_KEY):
                 # The gateway's stop cut it at the end of the grace period (`CallsInFlight.cut`),
                 # whatever the route (/health, /metrics, the web demo's decode, a chat not begun):
                 # a 503 to retry, counted as one. It was counted as a client gone (499) and its
                 # connection dropped.
-                response = _exception_response(
+                response = exception_response(
                     self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id))
             elif self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
                 self.metrics.http_responses.labels(route=route, code="200").inc()
@@ -259,7 +260,7 @@ class HttpApi:
             else:
                 # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
                 # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as
-                # for a client found gone by a read or a write (`_client_gone`).
+                # for a client found gone by a read or a write (`client_gone_response`).
                 log.info("client of %s went away", tracing.current_request_id() or request_id)
                 self.metrics.http_responses.labels(route=route, code="499").inc()
                 raise
@@ -392,11 +393,11 @@ class HttpApi:
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
             # the server's fault (it was an ERROR traceback and a 500 for every such client).
-            return _client_gone(tracing.current_request_id(), "before its body arrived")
+            return client_gone_response(tracing.current_request_id(), "before its body arrived")
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
-            return _exception_response(exc)
+            return exception_response(exc)
 
     async def _stream(
         self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent]
@@ -407,7 +408,7 @@ class HttpApi:
         except ConnectionResetError:
             # Any write may find the client gone, the last ([DONE], the end of the chunked body)
             # too: that was an ERROR traceback and a 500 for a client that had read its answer.
-            return _client_gone(request_id, "mid-stream", stream.response)
+            return client_gone_response(request_id, "mid-stream", stream.response)
         assert stream.response is not None
         return stream.response
 
@@ -563,7 +564,9 @@ class _Stream:
             return self.response
 
 
-def _client_gone(request_id: str, when: str, response: web.StreamResponse | None = None) -> web.StreamResponse:
+def client_gone_response(
+    request_id: str, when: str, response: web.StreamResponse | None = None
+) -> web.StreamResponse:
     """What a handler returns for a client that closed its connection: one INFO line, and the
     response it had begun, or a 499 (nginx's "client closed request") that nobody reads."""
     log.info("client of %s went away %s", request_id, when)

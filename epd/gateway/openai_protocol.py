@@ -16,7 +16,7 @@ one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "m
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
 Fields left out take the server's defaults, which are greedy: unlike OpenAI, a missing
 `temperature` means 0. A field of OpenAI's or vLLM's that this server does not implement is
-refused with a 400 unless it asks for nothing (`_UNSUPPORTED`); one it does not know is logged.
+refused with a 400 unless it asks for nothing (`UNSUPPORTED_CHAT_FIELDS`); one it does not know is logged.
 """
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ from typing import Any
 
 import grpc
 
+from epd.gateway.json_fields import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    TOKEN_ID,
+    NumberRange,
+    boolean_field,
+    check_collection,
+    checked_text,
+    number_field,
+    number_item,
+    shown_value,
+)
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import (
@@ -71,53 +84,31 @@ _HTTP_OF_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-@dataclass(frozen=True)
-class _Number:
-    """A numeric request field: its type and the range it must lie in (the proto field's range
-    at most, so every accepted value also crosses the wire to the stages)."""
-
-    kind: type  # int or float
-    low: float
-    high: float
-    low_open: bool = False  # low itself excluded (fps > 0)
-
-    def describe(self) -> str:
-        if self.kind is int:
-            return f"an integer from {int(self.low)} to {int(self.high)}"
-        low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
-        return f"a finite number {low}" + (f" and <= {self.high:g}" if self.high != math.inf else "")
-
-
 _MEDIA_OPTIONS = {
-    "fps": _Number(float, 0.0, MAX_SAMPLING_FPS, low_open=True),
-    "max_frames": _Number(int, 1, INT32_MAX),
-    "min_frames": _Number(int, 1, INT32_MAX),
-    "num_frames": _Number(int, 1, INT32_MAX),
-    "max_pixels": _Number(int, 1, INT64_MAX),
-    "start_time_s": _Number(float, 0.0, math.inf),
-    "end_time_s": _Number(float, 0.0, math.inf, low_open=True),
+    "fps": NumberRange(float, 0.0, MAX_SAMPLING_FPS, low_open=True),
+    "max_frames": NumberRange(int, 1, INT32_MAX),
+    "min_frames": NumberRange(int, 1, INT32_MAX),
+    "num_frames": NumberRange(int, 1, INT32_MAX),
+    "max_pixels": NumberRange(int, 1, INT64_MAX),
+    "start_time_s": NumberRange(float, 0.0, math.inf),
+    "end_time_s": NumberRange(float, 0.0, math.inf, low_open=True),
 }
 _GENERATION_OPTIONS = {
-    "max_completion_tokens": _Number(int, 1, INT32_MAX),
-    "max_tokens": _Number(int, 1, INT32_MAX),
-    "temperature": _Number(float, 0.0, math.inf),
-    "top_p": _Number(float, 0.0, 1.0, low_open=True),
-    "top_k": _Number(int, -1, INT32_MAX),  # -1 (vLLM's) and 0: off
-    "seed": _Number(int, INT64_MIN, INT64_MAX),
-    "repetition_penalty": _Number(float, 0.0, math.inf, low_open=True),
-    "presence_penalty": _Number(float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
-    "frequency_penalty": _Number(float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
-    "min_p": _Number(float, 0.0, 1.0),
-    "min_tokens": _Number(int, 0, INT32_MAX),
+    "max_completion_tokens": NumberRange(int, 1, INT32_MAX),
+    "max_tokens": NumberRange(int, 1, INT32_MAX),
+    "temperature": NumberRange(float, 0.0, math.inf),
+    "top_p": NumberRange(float, 0.0, 1.0, low_open=True),
+    "top_k": NumberRange(int, -1, INT32_MAX),  # -1 (vLLM's) and 0: off
+    "seed": NumberRange(int, INT64_MIN, INT64_MAX),
+    "repetition_penalty": NumberRange(float, 0.0, math.inf, low_open=True),
+    "presence_penalty": NumberRange(float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "frequency_penalty": NumberRange(float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "min_p": NumberRange(float, 0.0, 1.0),
+    "min_tokens": NumberRange(int, 0, INT32_MAX),
 }
-_TOKEN_ID = _Number(int, 0, INT32_MAX)  # the vocabulary's bound is checked by the stages that load it
-_LOGIT_BIAS = _Number(float, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+_LOGIT_BIAS = NumberRange(float, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
 
-_UNSUPPORTED = {
+UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
@@ -171,12 +162,15 @@ _FRAMES_GO_IN_MEDIA = 'frame sampling goes in "media": {"num_frames": 8} or {"fp
 _INSTEAD = {"mm_processor_kwargs": _FRAMES_GO_IN_MEDIA, "media_io_kwargs": _FRAMES_GO_IN_MEDIA}
 """What to send instead of an unsupported field, where this server has another way to ask for it."""
 
-_KNOWN = {"model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop",
-          "ignore_eos", "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
-          "parallel_tool_calls", "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
-          "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
-          *_GENERATION_OPTIONS, *_UNSUPPORTED}  # fmt: skip
-"""Every field this server reads or refuses; others are ignored and logged, as vLLM does."""
+KNOWN_CHAT_FIELDS = {
+    "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop", "ignore_eos",
+    "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+    "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
+    "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
+    *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
+}  # fmt: skip
+"""Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
+does."""
 
 
 def http_status_of(code: grpc.StatusCode) -> tuple[int, str]:
@@ -240,12 +234,12 @@ def parse_chat_request(
 ) -> ChatRequest:
     """Validate a chat-completions body; raises InvalidRequest (400) or NotFound (404, model)."""
     model = check_model(body, served_model)
-    if _boolean(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
+    if boolean_field(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
         # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
         raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset or false and "
                              "'top_logprobs' unset")
-    _refuse_unsupported(body)
-    messages, media_url, modality = _parse_messages(body.get("messages"))
+    refuse_unsupported_fields(body, UNSUPPORTED_CHAT_FIELDS, KNOWN_CHAT_FIELDS)
+    messages, media_url, modality = parse_messages(body.get("messages"))
     options = answer_options(body, model, generation_defaults)
     request = ChatRequest(
         messages=messages,
@@ -264,7 +258,7 @@ def check_model(body: Any, served_model: str) -> str:
     the model's name, else InvalidRequest (400) or NotFound (404)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    model = _text(body.get("model"), "model") or served_model
+    model = checked_text(body.get("model"), "model") or served_model
     if model != served_model:
         raise NotFound(f"model '{model[:200]}' is not served here; GET /v1/models lists '{served_model}'")
     n = body.get("n")
@@ -276,31 +270,29 @@ def check_model(body: Any, served_model: str) -> str:
 def answer_options(body: dict, model: str, generation_defaults: GenerationConfig) -> dict[str, Any]:
     """The fields chat and legacy completions share, as `ChatRequest` keyword arguments: streaming
     and its usage options, generation, cache_salt, request_id."""
-    stream = _boolean(body, "stream", False)
+    stream = boolean_field(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
         raise InvalidRequest("stream_options only goes with \"stream\": true")  # as vLLM
     stream_options = stream_options or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
-    include_usage = _boolean(stream_options, "include_usage", False, "stream_options.include_usage")
+    include_usage = boolean_field(stream_options, "include_usage", False, "stream_options.include_usage")
     return {
         "model": model,
         "generation": _generation(body, generation_defaults),
         "stream": stream,
         "include_usage": include_usage,
-        "continuous_usage": include_usage and _boolean(stream_options, "continuous_usage_stats", False,
-                                                       "stream_options.continuous_usage_stats"),
-        "cache_salt": check_cache_salt(_text(body.get("cache_salt"), "cache_salt")),
-        "request_id": _text(body.get("request_id"), "request_id"),
+        "continuous_usage": include_usage and boolean_field(stream_options, "continuous_usage_stats", False,
+                                                            "stream_options.continuous_usage_stats"),
+        "cache_salt": check_cache_salt(checked_text(body.get("cache_salt"), "cache_salt")),
+        "request_id": checked_text(body.get("request_id"), "request_id"),
     }
 
 
-def _refuse_unsupported(
-    body: dict, unsupported: dict[str, tuple] = _UNSUPPORTED, known: set[str] = _KNOWN
-) -> None:
-    """InvalidRequest for a field this server does not implement, set to anything but a value
-    that asks for nothing; a field it does not know is logged (the request goes on)."""
+def refuse_unsupported_fields(body: dict, unsupported: dict[str, tuple], known: set[str]) -> None:
+    """InvalidRequest for a field of `unsupported` (chat's: `UNSUPPORTED_CHAT_FIELDS`) set to
+    anything but a value that asks for nothing; a field not in `known` is logged (the request goes on)."""
     for name, neutral in unsupported.items():
         value = body.get(name)
         # Equal and both bools or neither (False == 0 in Python; 0 == 0.0 is meant).
@@ -328,14 +320,14 @@ def _pruning(value: Any) -> PruningConfig:
     text_knobs = {}
     for name, knob in knobs.items():
         if isinstance(knob, (dict, list)):
-            raise InvalidRequest(f"pruning.knobs.{_text(name, 'pruning.knobs')[:64]} must be a number, string or bool")
+            raise InvalidRequest(f"pruning.knobs.{checked_text(name, 'pruning.knobs')[:64]} must be a number, string or bool")
         text = str(knob).lower() if isinstance(knob, bool) else str(knob)
-        text_knobs[_text(name, "pruning.knobs")] = _text(text, f"pruning.knobs.{name[:64]}")
-    options = common_pb2.PruningOptions(preset=_text(preset, "pruning.preset"), knobs=text_knobs)
+        text_knobs[checked_text(name, "pruning.knobs")] = checked_text(text, f"pruning.knobs.{name[:64]}")
+    options = common_pb2.PruningOptions(preset=checked_text(preset, "pruning.preset"), knobs=text_knobs)
     return pruning_from_proto(options)
 
 
-def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
+def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     """OpenAI messages -> (the conversation, the media URL, "video" | "image"). Roles system, user
     and assistant; content a string or a list of text / video_url / image_url parts, kept in the
     client's order; at most one media part, in a user message (none: text alone, URL and kind ""),
@@ -371,7 +363,7 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"a text part of messages[{i}] needs its text: {{'type': 'text', 'text': '...'}}")
-                parts.append(text_part(_text(part["text"], f"messages[{i}].content text")))
+                parts.append(text_part(checked_text(part["text"], f"messages[{i}].content text")))
             elif kind in ("video_url", "image_url"):
                 if roles[i] != "user":
                     raise InvalidRequest(f"messages[{i}] is a {roles[i]} message; put the {kind} part in a user message")
@@ -380,7 +372,7 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
                 if not isinstance(url, str) or not url:
                     raise InvalidRequest(f"a {kind} part needs {{'{kind}': {{'url': ...}}}}")
                 if not url.startswith("data:"):  # a data: URL is checked as it is decoded (ASCII only)
-                    _text(url, f"{kind}.url")
+                    checked_text(url, f"{kind}.url")
                 media.append((url, kind.removesuffix("_url")))
                 parts.append(ContentPart(kind.removesuffix("_url")))
             else:
@@ -402,61 +394,6 @@ def _parse_messages(messages: Any) -> tuple[list[Message], str, str]:
 _ROLE_ALIASES = {"developer": "system"}
 
 
-def _text(value: Any, name: str) -> str:
-    """A JSON string that can be sent on as UTF-8: JSON's \\ud800-style escapes can spell lone
-    surrogates, which no UTF-8 encoder (protobuf's included) accepts."""
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise InvalidRequest(f"'{name}' must be a string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"'{name}' is not valid Unicode text (it holds a lone surrogate escape)") from None
-    return value
-
-
-def _boolean(body: dict, name: str, default: bool, label: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{label or name}' must be true or false, got {_shown(value)}")
-    return value
-
-
-def _number(body: dict, name: str, spec: _Number, default: Any) -> Any:
-    """body[name] as spec.kind within its range (ints are never taken for bools, nor floats for
-    ints); `default` when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if spec.kind is int:
-        ok = ok and isinstance(value, int)
-    elif ok:
-        try:
-            value = float(value)  # an integer of 400 digits overflows: not a usable number
-        except OverflowError:
-            ok = False
-    if ok:
-        in_low = value > spec.low if spec.low_open else value >= spec.low
-        # isinstance first: math.isfinite of an int past float's range raises OverflowError.
-        ok = (isinstance(value, int) or math.isfinite(value)) and in_low and value <= spec.high
-    if not ok:
-        raise InvalidRequest(f"'{name}' must be {spec.describe()}, got {_shown(value)}")
-    return value
-
-
-def _shown(value: Any) -> str:
-    """A client's value for an error message, cut short: the message must not echo a megabyte
-    (nor recurse through a deeply nested array)."""
-    if isinstance(value, (dict, list)):
-        return "an object" if isinstance(value, dict) else "an array"
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
-    return text if len(text) <= 64 else text[:61] + "..."
-
-
 def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
     if media is None:
         return defaults
@@ -465,7 +402,7 @@ def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
     unknown = sorted(str(name)[:64] for name in set(media) - set(_MEDIA_OPTIONS))
     if unknown:
         raise InvalidRequest(f"unknown media options {unknown[:8]}; known: {sorted(_MEDIA_OPTIONS)}")
-    v = {name: _number(media, name, spec, None) for name, spec in _MEDIA_OPTIONS.items()}
+    v = {name: number_field(media, name, spec, None) for name, spec in _MEDIA_OPTIONS.items()}
     if v["fps"] is not None and v["num_frames"] is not None:
         raise InvalidRequest(f"'media': fps and num_frames: {ONE_FRAME_CHOICE}")
     if v["fps"] is not None:  # the request's rate, not the server's --num-frames
@@ -484,15 +421,15 @@ def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
 
 
 def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
-    v = {name: _number(body, name, spec, None) for name, spec in _GENERATION_OPTIONS.items()}
+    v = {name: number_field(body, name, spec, None) for name, spec in _GENERATION_OPTIONS.items()}
     max_tokens = v["max_completion_tokens"] if v["max_completion_tokens"] is not None else v["max_tokens"]
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = defaults.stop
     elif isinstance(stop, str):
-        stops = (_text(stop, "stop"),)
+        stops = (checked_text(stop, "stop"),)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(_text(s, "stop") for s in stop)
+        stops = tuple(checked_text(s, "stop") for s in stop)
     else:
         raise InvalidRequest("'stop' must be a string or a list of strings")
     try:
@@ -510,7 +447,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         top_k=max(0, given("top_k", defaults.top_k)),
         seed=given("seed", defaults.seed),
         stop=stops,
-        ignore_eos=_boolean(body, "ignore_eos", defaults.ignore_eos),
+        ignore_eos=boolean_field(body, "ignore_eos", defaults.ignore_eos),
         repetition_penalty=given("repetition_penalty", defaults.repetition_penalty),
         presence_penalty=given("presence_penalty", defaults.presence_penalty),
         frequency_penalty=given("frequency_penalty", defaults.frequency_penalty),
@@ -518,7 +455,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         min_tokens=given("min_tokens", defaults.min_tokens),
         logit_bias=_logit_bias(body.get("logit_bias"), defaults.logit_bias),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), defaults.stop_token_ids),
-        include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", defaults.include_stop_str_in_output),
+        include_stop_str_in_output=boolean_field(body, "include_stop_str_in_output", defaults.include_stop_str_in_output),
     )
 
 
@@ -526,36 +463,22 @@ def _logit_bias(value: Any, default: tuple[tuple[int, float], ...]) -> tuple[tup
     """OpenAI's {"token id": bias} (JSON keys are strings) -> (id, bias) pairs, by id."""
     if value is None:
         return default
-    _check_collection(value, dict, "logit_bias", 'an object of token ids to biases, such as {"1734": -100}',
-                      MAX_LOGIT_BIAS_ENTRIES)
+    check_collection(value, dict, "logit_bias", 'an object of token ids to biases, such as {"1734": -100}',
+                     MAX_LOGIT_BIAS_ENTRIES)
     pairs = {}
     for key, bias in value.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10 else -1
         if not 0 <= token <= INT32_MAX:
-            raise InvalidRequest(f"'logit_bias' keys must be token ids ({_TOKEN_ID.describe()}), got {_shown(key)}")
-        pairs[token] = _item(bias, _LOGIT_BIAS, f"logit_bias[{token}]")
+            raise InvalidRequest(f"'logit_bias' keys must be token ids ({TOKEN_ID.describe()}), got {shown_value(key)}")
+        pairs[token] = number_item(bias, _LOGIT_BIAS, f"logit_bias[{token}]")
     return tuple(sorted(pairs.items()))
 
 
 def _stop_token_ids(value: Any, default: tuple[int, ...]) -> tuple[int, ...]:
     if value is None:
         return default
-    _check_collection(value, list, "stop_token_ids", "a list of token ids", MAX_STOP_TOKEN_IDS)
-    return tuple(_item(v, _TOKEN_ID, "stop_token_ids[]") for v in value)
-
-
-def _check_collection(value: Any, kind: type[dict] | type[list], name: str, what: str, max_entries: int) -> None:
-    if not isinstance(value, kind):
-        raise InvalidRequest(f"'{name}' must be {what}")
-    if len(value) > max_entries:
-        raise InvalidRequest(f"'{name}' has {len(value)} entries; at most {max_entries} are accepted")
-
-
-def _item(value: Any, spec: _Number, label: str) -> Any:
-    """One number of an object or list field (null is no default there)."""
-    if value is None:
-        raise InvalidRequest(f"'{label}' must be {spec.describe()}, got null")
-    return _number({label: value}, label, spec, None)
+    check_collection(value, list, "stop_token_ids", "a list of token ids", MAX_STOP_TOKEN_IDS)
+    return tuple(number_item(v, TOKEN_ID, "stop_token_ids[]") for v in value)
 
 
 # -- responses ----------------------------------------------------------------------------------

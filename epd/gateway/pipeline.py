@@ -135,6 +135,14 @@ class Pipeline:
         info = self.model_info()
         return None if info is None else info.vocab_size
 
+    @property
+    def max_new_tokens_limit(self) -> int:
+        """The most tokens a request may ask for: prefill's configured limit when known (a request
+        over it is refused before its media costs an encode, with the message prefill gives), else
+        the stages' default (`MAX_NEW_TOKENS`; prefill's own check refuses more, after the encode)."""
+        info = self.model_info()
+        return MAX_NEW_TOKENS if info is None else info.max_new_tokens
+
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         if req.raw_prompt is not None:
@@ -143,9 +151,9 @@ class Pipeline:
             check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
         check_media_sent(req)
         try:  # before the request is sent on (a stop list of megabytes would be too large for one
-            # message) and before the media costs an encode: the stages' default bounds (each
-            # checks its own too)
-            req.generation.validate(MAX_NEW_TOKENS, self.vocab_size)
+            # message) and before the media costs an encode: prefill's bounds as far as known (each
+            # stage checks its own too)
+            req.generation.validate(self.max_new_tokens_limit, self.vocab_size)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from epd.gateway.http_body import defer_continue, read_json_body
-from epd.gateway.openai_protocol import _TOKEN_ID, _boolean, _check_collection, _item, _parse_messages, _text
+from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
+from epd.gateway.openai_protocol import parse_messages
 from epd.stages.errors import InvalidRequest, NotFound
 from epd.stages.tokenize import TokenizeInput
 from epd.transport import tracing
@@ -41,7 +42,7 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
     """vLLM's TokenizeCompletionRequest ({"prompt"}) or TokenizeChatRequest ({"messages"});
     InvalidRequest (400) or NotFound (404, model)."""
     _check_model(body, served_model)
-    if _boolean(body, "return_token_strs", False):
+    if boolean_field(body, "return_token_strs", False):
         raise InvalidRequest("return_token_strs is not supported by this server; leave it unset or false")
     if "messages" in body:
         if "prompt" in body:
@@ -49,36 +50,37 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
         for name in _REFUSED_CHAT_FIELDS:
             if body.get(name) not in (None, False):
                 raise InvalidRequest(f"'{name}' is not supported by this server; leave it unset")
-        messages, _, _ = _parse_messages(body["messages"])
+        messages, _, _ = parse_messages(body["messages"])
         return TokenizeInput(
             messages=messages,
-            add_special_tokens=_boolean(body, "add_special_tokens", False),
-            add_generation_prompt=_boolean(body, "add_generation_prompt", True),
+            add_special_tokens=boolean_field(body, "add_special_tokens", False),
+            add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
         )
     if not isinstance(body.get("prompt"), str):
         raise InvalidRequest("send 'prompt' (a string) or 'messages' (a list of chat messages)")
-    return TokenizeInput(prompt=_text(body["prompt"], "prompt"),
-                         add_special_tokens=_boolean(body, "add_special_tokens", True))
+    return TokenizeInput(prompt=checked_text(body["prompt"], "prompt"),
+                         add_special_tokens=boolean_field(body, "add_special_tokens", True))
 
 
 def parse_detokenize_request(body: Any, served_model: str) -> list[int]:
     _check_model(body, served_model)
     tokens = body.get("tokens")
-    _check_collection(tokens, list, "tokens", "a list of token ids", MAX_DETOKENIZE_TOKENS)
-    return [_item(t, _TOKEN_ID, "tokens[]") for t in tokens]
+    check_collection(tokens, list, "tokens", "a list of token ids", MAX_DETOKENIZE_TOKENS)
+    return [number_item(t, TOKEN_ID, "tokens[]") for t in tokens]
 
 
 def _check_model(body: Any, served_model: str) -> None:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    model = _text(body.get("model"), "model") or served_model
+    model = checked_text(body.get("model"), "model") or served_model
     if model != served_model:
         raise NotFound(f"model '{model[:200]}' is not served here; GET /v1/models lists '{served_model}'")
 
 
 def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
     """POST /tokenize and /detokenize over `api`'s pipeline, with its limits and errors."""
-    from epd.gateway.http_api import _client_gone, _exception_response  # the module that calls this one
+    # Imported here: http_api is the module that calls this one.
+    from epd.gateway.http_api import client_gone_response, exception_response
 
     config, pipeline = api.config, api.pipeline
 
@@ -87,11 +89,11 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
             body = await read_json_body(request, api.max_body_bytes, config.body_timeout_s)
             return web.json_response(await respond(body))
         except ConnectionResetError:  # its client went while it sent its body: nobody to answer
-            return _client_gone(tracing.current_request_id(), "before its body arrived")
+            return client_gone_response(tracing.current_request_id(), "before its body arrived")
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
-            return _exception_response(exc)
+            return exception_response(exc)
 
     async def tokenize(body: Any) -> dict[str, Any]:
         token_ids = await pipeline.prefill.tokenize(

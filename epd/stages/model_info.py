@@ -22,7 +22,8 @@ class ModelInfo:
     max_prompt_tokens: int
     """The longest prompt prefill takes, in tokens (`PrefillConfig.max_prompt_tokens`; no flag yet)."""
     max_new_tokens: int
-    """The most tokens a request may ask for (the stages' max_new_tokens_limit)."""
+    """The most tokens a request may ask for (prefill's `max_new_tokens_limit`, --max-new-tokens-limit):
+    the gateway refuses more before the media costs an encode (`Pipeline.max_new_tokens_limit`)."""
     model_type: str = ""
     """config.json's model_type."""
 

@@ -1,8 +1,8 @@
 """The served model's vocabulary and length limits at the front door: the stack's gateway learns
 them from prefill (`PrefillService.GetModelInfo`), the colocated one from its own prefill stage.
 A token id outside the vocabulary is refused before the media costs a decode and an encode,
-`/v1/models` says `max_model_len` as vLLM's does, and /tokenize and /detokenize answer with
-prefill's tokenizer."""
+So is a `max_tokens` over prefill's configured limit. `/v1/models` says `max_model_len` as vLLM's
+does, and /tokenize and /detokenize answer with prefill's tokenizer."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from epd.stages.server_config import ServerConfig
 from epd.v1 import load_pb2, load_pb2_grpc
 from epd.video.types import SamplingOptions
 from tests.media import make_video
+from tests.stack import Stack, free_port
 
 
 def _text_config(model_dir) -> dict:
@@ -145,6 +146,58 @@ def test_the_colocated_front_door_checks_the_vocabulary_and_reports_max_model_le
     assert card["max_model_len"] == 1000 + MAX_NEW_TOKENS
     assert status == 200 and tokenized["max_model_len"] == card["max_model_len"], tokenized
     assert tokenized["tokens"] == prompt.input_ids[0].tolist()  # /tokenize there too: the prompt prefill runs
+
+
+_OVER_THE_LIMIT = ("max_new_tokens must be between 1 and 16 (the OpenAI API's max_tokens or max_completion_tokens), "
+                   "got 17")
+"""Prefill's refusal of max_tokens 17 with --max-new-tokens-limit 16 (`GenerationConfig.validate`)."""
+
+
+def test_the_stack_gateway_refuses_max_tokens_over_prefills_limit_before_the_encode(tiny_models, tmp_path):
+    """Prefill started with `--max-new-tokens-limit 16`: the gateway checked max_tokens against
+    the stages' default (4,096) only, so a request asking 17 had its video decoded and encoded
+    before prefill refused it. Now the gateway knows prefill's limit and refuses it first, on
+    either API, with prefill's own message; a request within it is served (and encoded)."""
+    http_port = free_port()
+    extra = {"prefill": ["--max-new-tokens-limit", "16"], "gateway": ["--http-port", str(http_port)]}
+    video = make_video(tmp_path / "limit.mp4", size=(64, 48), seconds=1.0, pattern="noise").read_bytes()
+    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra) as stack:
+        _model_card(http_port)  # the gateway has prefill's answer
+        encoder = stack.address("encoder")
+        before = _encoder_steps(encoder)
+
+        status, body = _chat(http_port, video, max_tokens=17)
+        assert (status, body["error"]["type"]) == (400, "invalid_request_error"), body
+        assert _OVER_THE_LIMIT in body["error"]["message"]
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            with pytest.raises(EpdError) as refused:
+                client.ask(video, "what happens?", num_frames=2, max_new_tokens=17)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert _OVER_THE_LIMIT in str(refused.value)
+        assert _encoder_steps(encoder) == before  # neither request reached the encoder
+
+        status, body = _chat(http_port, video, max_tokens=16)
+        assert status == 200, body
+        assert _encoder_steps(encoder) > before  # and that one was encoded: the count above could move
+
+
+def test_the_colocated_front_door_refuses_max_tokens_over_its_prefills_limit_before_the_encode(tiny_models, media_files):
+    """The embedded pipeline reads its own prefill stage's limit: nothing is decoded or encoded
+    for a request over it, and the message is prefill's."""
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    events: list = []
+
+    async def scenario(pipeline: MeteredPipeline) -> None:
+        request = AskRequest(question_messages("what happens?"), MediaInput(media_files["mp4"].read_bytes()),
+                             SamplingOptions(num_frames=2), GenerationConfig(max_new_tokens=17))
+        with pytest.raises(InvalidRequest) as refused:
+            async for item in pipeline.ask(request):
+                events.append(item)
+        assert str(refused.value) == _OVER_THE_LIMIT
+
+    with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_new_tokens_limit=16)) as embedded:
+        asyncio.run(scenario(MeteredPipeline(embedded, GatewayMetrics())))
+    assert events == []  # no stage ran: nothing was decoded or encoded
 
 
 CONVERSATION = [{"role": "system", "content": "answer briefly"},

@@ -127,9 +127,9 @@ class WebDemo:
             thumbnails = await self.decodes.run(sampled_thumbnails, data, sampling, self.limits, ticket=ticket)
             return web.json_response(thumbnails)
         except Exception as exc:  # noqa: BLE001 - mapped like the OpenAI API's errors
-            from epd.gateway.http_api import _exception_response
+            from epd.gateway.http_api import exception_response
 
-            return _exception_response(exc)
+            return exception_response(exc)
 
 
 def _frames_request(body: Any, config: GatewayConfig) -> tuple[SamplingOptions, str]:

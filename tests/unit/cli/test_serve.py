@@ -739,3 +739,18 @@ def test_the_stacks_gateway_takes_only_the_keys_the_launcher_was_given(monkeypat
         assert configs.api_keys(gateway) == ("new-key",)
     finally:
         files.remove()
+
+
+def test_the_max_tokens_limit_reaches_every_prefill_and_the_colocated_one():
+    """`--max-new-tokens-limit` (the prefill role's, and `epd serve`'s for every prefill or the
+    colocated one): the most tokens a request may ask for, at most decode's bound (4,096)."""
+    args = build_parser().parse_args(["serve", "--prefills", "2", "--max-new-tokens-limit", "16"])
+    args.model = "/m"
+    commands = stack_commands(args)
+    assert [configs.prefill_config(_parsed(commands[f"prefill[{i}]"])).max_new_tokens_limit for i in range(2)] == [16, 16]
+    assert not any("--max-new-tokens-limit" in commands[name] for name in commands if not name.startswith("prefill"))
+    colocated = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-new-tokens-limit", "16"]))
+    assert colocated.prefill.max_new_tokens_limit == 16
+    assert configs.colocated_stages(build_parser().parse_args(["serve", "--colocate"])).prefill.max_new_tokens_limit == 4096
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "prefill", "--max-new-tokens-limit", "4097"])
