@@ -352,7 +352,7 @@ class HttpApi:
                 body,
                 self.config.http.served_model_name,
                 self.config.sampling,
-                self.config.generation,
+                self.pipeline.generation_defaults(self.config.generation),
             )
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
             # event loop (every other client's stream, both APIs) goes on meanwhile.

@@ -143,6 +143,15 @@ class Pipeline:
         info = self.model_info()
         return MAX_NEW_TOKENS if info is None else info.max_new_tokens
 
+    def generation_defaults(self, configured: GenerationConfig) -> GenerationConfig:
+        """The options a request leaves unset take: the front door's `configured` ones, with
+        max_tokens no more than prefill's limit (vLLM fits its default to what the model takes).
+        Without this, a prefill limit under the default refused every request without max_tokens."""
+        limit = self.max_new_tokens_limit
+        if configured.max_new_tokens <= limit:
+            return configured
+        return replace(configured, max_new_tokens=limit)
+
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         if req.raw_prompt is not None:

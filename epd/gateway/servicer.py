@@ -74,7 +74,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raw_prompt=raw_prompt,
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
-                generation=convert.generation_from_proto(header.generation, self.config.generation),
+                generation=convert.generation_from_proto(
+                    header.generation, self.pipeline.generation_defaults(self.config.generation)),
                 request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),
                 cache_salt=request_cache_salt(

@@ -60,6 +60,7 @@ def _chat(port: int, video: bytes, **fields) -> tuple[int, dict]:
     body = {"model": "epd", "max_tokens": 2, "media": {"num_frames": 2}, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": "what happens?"}]}]}  # fmt: skip
+    body = {name: value for name, value in body.items() if value is not None}  # None: a field left unset
     return _post(port, "/v1/chat/completions", body)
 
 
@@ -179,6 +180,13 @@ def test_the_stack_gateway_refuses_max_tokens_over_prefills_limit_before_the_enc
         status, body = _chat(http_port, video, max_tokens=16)
         assert status == 200, body
         assert _encoder_steps(encoder) > before  # and that one was encoded: the count above could move
+
+        # A request that leaves max_tokens unset takes the gateway's default (32) fitted to the
+        # limit, as vLLM fits its default to the model: served with 16 tokens, not refused.
+        status, body = _chat(http_port, video, max_tokens=None, ignore_eos=True)
+        assert status == 200 and body["usage"]["completion_tokens"] == 16, body
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            assert len(client.ask(video, "what happens?", num_frames=2, ignore_eos=True).token_ids) == 16
 
 
 def test_the_colocated_front_door_refuses_max_tokens_over_its_prefills_limit_before_the_encode(tiny_models, media_files):

@@ -185,6 +185,7 @@ class _RecordingPipeline(Pipeline):
     """Hands each request to `record`, then ends its run (`_Recorded`: the client gets a 500)."""
 
     def __init__(self, record) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
         self.record = record
 
     async def ask(self, req):  # type: ignore[override]
@@ -233,7 +234,7 @@ class _ScriptedPipeline(Pipeline):
     """Answers every request with prefill's event, two tokens and the summary."""
 
     def __init__(self) -> None:
-        pass
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
 
     async def ask(self, req):  # type: ignore[override]
         from epd.stages.contracts import StageEvent, TokenStep
@@ -249,7 +250,7 @@ class _BrokenStreamPipeline(Pipeline):
     """One token, then the decode replica is lost: the client already has its 200."""
 
     def __init__(self) -> None:
-        pass
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
 
     async def ask(self, req):  # type: ignore[override]
         from epd.stages.contracts import TokenStep
@@ -278,6 +279,7 @@ class _SlowPipeline(Pipeline):
     """Its first token (or its error) comes only after `delay_s`, as after a long encode."""
 
     def __init__(self, delay_s: float, error: Exception | None = None) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
         self.delay_s = delay_s
         self.error = error
 
@@ -424,7 +426,7 @@ class _ModelLoadFailsPipeline(Pipeline):
     """An embedded front door whose model cannot be loaded (`ModelLoadError`)."""
 
     def __init__(self) -> None:
-        pass
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
 
     async def ask(self, req):  # type: ignore[override]
         from epd.model_runtime.loader import ModelLoadError
