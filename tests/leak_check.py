@@ -11,10 +11,13 @@ when tests/conftest.py imports this module, so every one made in this process, b
 epd, gets a record that close() or stop() marks; nothing is kept alive by it. After each test,
 its function-scoped fixtures torn down, `check_test` names what the test made and left open (a
 channel neither closed nor used as a context manager, a server started and never stopped, a
-child process still running) and closes or kills it so that later tests start clean. What module
-and session fixtures made is checked when the run ends (`leftovers`). A channel dropped without
-close() counts as left open: grpc closes an asyncio channel when it is collected, whenever a
-reference cycle lets that happen, and never closes a sync one's core channel.
+child process still running) and closes the channels, stops the sync servers and kills the
+processes, so that later tests start clean (an asyncio server needs its event loop, gone by
+then). What a module or session fixture made, at its set-up or through its object during a test
+(an SDK client opens its channel at its first call), is that fixture's to close: checked when the
+run ends (`leftovers`). A channel dropped without close() counts as left open: grpc closes an
+asyncio one when it is collected, whenever a reference cycle lets that happen, and a sync one's
+`__del__` does not close it.
 
 EPD_LEAK_CHECK=off turns it off (e.g. to bisect something else); =report prints the leaks at the
 end of the run without failing the tests.
@@ -220,14 +223,17 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
-def _leaked_children(before: set[int]) -> dict[int, str]:
-    new = child_pids() - before
-    new = {pid for pid in new if not any(h in _cmdline(pid) for h in _SESSION_HELPERS)}
+def _new_children(before: set[int]) -> set[int]:
+    return {pid for pid in child_pids() - before if not any(h in _cmdline(pid) for h in _SESSION_HELPERS)}
+
+
+def _still_running(pids: set[int]) -> dict[int, str]:
+    """Those of `pids` still running after PROCESS_EXIT_WAIT_S, with their command lines."""
     deadline = time.monotonic() + PROCESS_EXIT_WAIT_S
-    while new and time.monotonic() < deadline:
+    while pids and time.monotonic() < deadline:
         time.sleep(0.05)
-        new = {pid for pid in new if _running(pid)}
-    return {pid: _cmdline(pid) for pid in new}
+        pids = {pid for pid in pids if _running(pid)}
+    return {pid: _cmdline(pid) for pid in pids}
 
 
 # --- per test and per run -------------------------------------------------------------------
@@ -250,14 +256,15 @@ def check_test(scope: TestScope, wider_fixtures: Callable[[], list[Any]]) -> lis
     that fixture's: found from `wider_fixtures()`, the values of the test's module and session
     fixtures, it is checked at the end of the run instead."""
     open_records = []
-    for serial in [s for s in _records if s > scope.first_serial]:
+    # list(): a snapshot taken under the GIL, as another thread may make a channel meanwhile
+    for serial in [s for s in list(_records) if s > scope.first_serial]:
         rec = _records.pop(serial)
         if rec.is_open():
             open_records.append(rec)
-    children = _leaked_children(scope.children)
+    children = _new_children(scope.children)
     if not (open_records or children):
         return []
-    owned_objects, owned_pids = _reachable(wider_fixtures(), {id(o) for r in open_records if (o := r.ref())}, set(children))
+    owned_objects, owned_pids = _reachable(wider_fixtures(), {id(o) for r in open_records if (o := r.ref())}, children)
     leaks: list[str] = []
     for rec in open_records:
         obj = rec.ref()
@@ -267,9 +274,7 @@ def check_test(scope: TestScope, wider_fixtures: Callable[[], list[Any]]) -> lis
         leaks.append(rec.describe())
         if MODE == "fail":
             _shut(rec)
-    for pid, cmdline in children.items():
-        if pid in owned_pids:
-            continue
+    for pid, cmdline in _still_running(children - owned_pids).items():
         leaks.append(f"child process {pid} still running: {cmdline[:300]}")
         if MODE == "fail":
             _kill(pid)
@@ -311,4 +316,4 @@ def _kill(pid: int) -> None:
 
 def leftovers() -> list[str]:
     """What module and session fixtures (made outside any test) left open at the end of the run."""
-    return [rec.describe() for rec in _records.values() if rec.is_open()]
+    return [rec.describe() for rec in list(_records.values()) if rec.is_open()]
