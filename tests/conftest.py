@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import leak_check
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+leak_check.install()
 
 _ROOT = Path(__file__).parent
 
@@ -20,6 +23,60 @@ def pytest_collection_modifyitems(config, items):
         rel = Path(str(item.fspath)).resolve().relative_to(_ROOT.resolve())
         if rel.parts and rel.parts[0] in ("unit", "integration", "e2e"):
             item.add_marker(getattr(pytest.mark, rel.parts[0]))
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request):
+    """Fails the test that leaves a gRPC channel open, a gRPC server serving or a child process
+    running (see tests/leak_check.py; EPD_LEAK_CHECK=off|report). Autouse at the root, so it is
+    set up after the module and session fixtures and torn down after the test's own ones."""
+    if leak_check.MODE == "off":
+        yield
+        return
+    scope = leak_check.begin_test()
+    yield
+    leaks = leak_check.check_test(scope, lambda: _wider_fixture_values(request))
+    if leaks:
+        _leak_reports.append((request.node.nodeid, leaks))
+        if leak_check.MODE == "fail":
+            pytest.fail("left open by this test:\n" + "\n".join(leaks), pytrace=False)
+
+
+_leak_reports: list[tuple[str, list[str]]] = []
+
+
+def _wider_fixture_values(request) -> list:
+    """The values of the test's module- and session-scoped fixtures (whose objects may open
+    channels or start processes during the test, theirs to close)."""
+    return [
+        fixturedef.cached_result[0]
+        for fixturedefs in request.node._fixtureinfo.name2fixturedefs.values()
+        for fixturedef in fixturedefs
+        if fixturedef.scope != "function" and getattr(fixturedef, "cached_result", None)
+    ]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if leak_check.MODE == "off":
+        return
+    fixtures = leak_check.leftovers()
+    tests = _leak_reports if leak_check.MODE == "report" else []  # in fail mode, each test's error says it
+    if not (tests or fixtures):
+        return
+    terminalreporter.section("left open (tests/leak_check.py)")
+    for nodeid, leaks in tests:
+        terminalreporter.write_line(f"{nodeid}:")
+        for leak in leaks:
+            terminalreporter.write_line("    " + leak.replace("\n", "\n    "))
+    if fixtures:
+        terminalreporter.write_line("by module or session fixtures, at the end of the run:")
+        for leak in fixtures:
+            terminalreporter.write_line("    " + leak.replace("\n", "\n    "))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if leak_check.MODE == "fail" and leak_check.leftovers() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

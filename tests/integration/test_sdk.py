@@ -34,7 +34,8 @@ from epd.client import (
     TokenDelta,
 )
 from epd.gateway.config import GatewayConfig
-from epd.gateway.server import remote_pipeline
+from epd.gateway.pipeline import Pipeline
+from epd.gateway.server import remote_pipeline, stage_pools
 from epd.gateway.servicer import GatewayServicer
 from epd.v1 import gateway_pb2_grpc
 from tests.stack import ROOT, Stack, child_env, epd_command, free_port
@@ -311,16 +312,25 @@ def test_tls_with_a_root_certificate(stack, media_files, expected, tmp_path):
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
-    async def start() -> tuple[grpc.aio.Server, int]:
+    async def start() -> tuple[grpc.aio.Server, int, Pipeline]:
         server = grpc.aio.server()
-        servicer = GatewayServicer(config, remote_pipeline(config))
+        pipeline = remote_pipeline(config)  # its channels belong to this loop
+        servicer = GatewayServicer(config, pipeline)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
         credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
         port = server.add_secure_port("127.0.0.1:0", credentials)
         await server.start()
-        return server, port
+        return server, port, pipeline
 
-    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    async def stop() -> None:
+        await server.stop(0)
+        # The stages' channels: left open, they kept reconnecting to the stack's ports after it
+        # stopped, and a later test's server on such a port was called through them.
+        for pool in stage_pools(pipeline).values():
+            await pool.close()
+        await pipeline.prefill.close()
+
+    server, port, pipeline = asyncio.run_coroutine_threadsafe(start(), loop).result()
     try:
         with EpdClient(f"127.0.0.1:{port}", timeout_s=60, root_certificates_path=str(cert)) as c:
             assert c.ask(media_files["mp4"], QUESTION, **OPTIONS).token_ids == expected.token_ids
@@ -328,7 +338,7 @@ def test_tls_with_a_root_certificate(stack, media_files, expected, tmp_path):
             with pytest.raises(EpdError, match="UNAVAILABLE"):
                 plaintext.ask(media_files["mp4"], QUESTION, **OPTIONS)
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
+        asyncio.run_coroutine_threadsafe(stop(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
 

@@ -28,7 +28,9 @@ async def connected(*channels: grpc.aio.Channel, timeout_s: float = 30.0) -> Non
     kernel hands port-0 ports out again) is then called through it: its first calls fail
     UNAVAILABLE until the backoff ends (up to 2 s with the stage channels' RECONNECT_OPTIONS). A
     test whose point is not reconnection waits for READY first, so that its calls reach its own
-    server."""
+    server. (tests/leak_check.py now fails a test that leaves a channel open. The leak found that
+    did this: an integration test's gateway pipeline never closed, its replica pools' channels
+    reconnecting to its stack's ports, which a later unit test's server could get.)"""
     await asyncio.wait_for(asyncio.gather(*(channel.channel_ready() for channel in channels)), timeout_s)
 
 

@@ -133,13 +133,14 @@ def test_a_cancelled_kv_pull_ends_its_call_on_prefill(monkeypatch, cut):
     async def scenario() -> None:
         stage = _SlowStage()
         server, address = await _start(stage)
+        puller = KvPuller(("127.0.0.1:*",), 1 << 20, DEADLINE_S)
         try:
             task: dict[str, asyncio.Task] = {}
             if cut == "as-the-call-starts":
                 _cancel_when_started(monkeypatch, kv_pull.prefill_pb2_grpc, "PrefillServiceStub", "PullKv", task)
-            puller = KvPuller(("127.0.0.1:*",), 1 << 20, DEADLINE_S)
             await _read_then_cut(puller.pull(address, "handle"), stage, cut, task)
         finally:
+            await puller.close()
             await server.stop(None)
 
     asyncio.run(scenario())
