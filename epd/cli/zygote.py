@@ -22,6 +22,7 @@ the launcher, even with SIGKILL, leaves nothing running.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib.util
@@ -89,7 +90,11 @@ class ServiceProcess:
 
     def send_signal(self, signum: int) -> None:
         if self._process.exitcode is None:
-            os.kill(self.pid, signum)
+            # Another thread (the launcher's supervision polls) may reap it between the check and
+            # the kill: nothing is left to signal. ProcessLookupError crashed the launcher's stop
+            # (exit 1); subprocess.Popen.send_signal ignores it too.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
     def kill(self) -> None:
         self._process.kill()

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from epd.cli.zygote import preload_modules
+from epd.cli.zygote import ServiceProcess, preload_modules
 from epd.model_runtime.loader import _FAMILIES, family_module
 from tests.stack import ROOT, child_env
 
@@ -38,8 +38,22 @@ def test_a_hub_id_preloads_the_common_part_only():
 
 def test_listing_the_preload_imports_no_torch():
     """The launcher computes the list: it must not import what it lists."""
-    code = ("import sys; from epd.cli.zygote import preload_modules; preload_modules('qwen2_vl', 'qwen2_vl'); "
+    code = ("import sys; from epd.cli.zygote import ServiceProcess, preload_modules; preload_modules('qwen2_vl', 'qwen2_vl'); "
             "sys.exit(sorted(m for m in ('torch', 'transformers') if m in sys.modules) != [])")
     proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_service_reaped_between_the_check_and_the_signal_is_not_an_error():
+    """The launcher's stop read `exitcode` (None: running), then another thread reaped the service
+    before `os.kill`: ProcessLookupError crashed the stop (exit 1). A stand-in process whose check
+    still says running while its pid is already reaped takes that interleaving."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names nothing now
+
+    class ReapedAfterTheCheck:
+        exitcode = None
+        pid = child.pid
+
+    ServiceProcess(ReapedAfterTheCheck()).send_signal(15)  # type: ignore[arg-type]
