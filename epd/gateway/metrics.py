@@ -193,6 +193,7 @@ class MeteredPipeline(Pipeline):
 
     def __init__(self, inner: Pipeline, metrics: GatewayMetrics) -> None:
         super().__init__(inner.encoder, inner.prefill, inner.decoder)
+        self.inner = inner
         self.metrics = metrics
         stages = {"encoder": inner.encoder, "prefill": inner.prefill, "decode": inner.decoder}
         metrics.engine_load.add_sources(sources_of(stages))
@@ -201,3 +202,6 @@ class MeteredPipeline(Pipeline):
         async with aclosing(self.metrics.track(super().ask(req), bool(media_type(req.messages)))) as events:
             async for item in events:
                 yield item
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()  # what the stages hold is the inner pipeline's (a remote one's channels)
