@@ -25,6 +25,7 @@ from prometheus_client import (
 
 from epd.gateway.engine_load import LOAD_TIMEOUT_S, EngineLoadCollector, sources_of
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.shutdown import current_call
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.messages import media_type
 from epd.stages.names import Stage
@@ -50,7 +51,7 @@ class GatewayMetrics:
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "epd_requests_total", "Pipeline runs by outcome (gRPC status name).", ["status"], registry=r
+            "epd_requests_total", "Pipeline runs by outcome (the gRPC status name the client got).", ["status"], registry=r
         )
         self.in_flight = Gauge("epd_requests_in_flight", "Pipeline runs in progress.", registry=r)
         self.stage_queue = Gauge(
@@ -148,7 +149,7 @@ class GatewayMetrics:
                     yield item
         except (asyncio.CancelledError, GeneratorExit):
             # A consumer that stops reading after the summary (a non-streaming answer) got it all.
-            status = "OK" if answered else "CANCELLED"
+            status = "OK" if answered else _cancelled_status()
             raise
         except Exception as exc:
             status = status_of(exc)[0].name
@@ -172,6 +173,14 @@ class GatewayMetrics:
         self.transfer_bytes.inc(summary.pruning.transfer_bytes)
         if summary.encoder_cache_hit:
             self.cache_hits.inc()
+
+
+def _cancelled_status() -> str:
+    """The outcome of a run cancelled before its answer: the status its client gets when the
+    gateway's shutdown cut it at the end of the drain (UNAVAILABLE before any token, ABORTED after:
+    `epd.gateway.shutdown`), else CANCELLED (its client went away). Both were CANCELLED."""
+    call = current_call()
+    return (call.cut_status() if call is not None else None) or "CANCELLED"
 
 
 def _stage_after(item: PipelineEvent, stage: str) -> str:
