@@ -95,11 +95,13 @@ class CallsInFlight:
     def tracking(self) -> Iterator[Call]:
         call = Call(asyncio.current_task(), self)
         self._calls.add(call)
-        answering = _answering.set(call)
+        _answering.set(call)
         try:
             yield call
         finally:
-            _answering.reset(answering)
+            # Not reset(token): a gRPC handler is an async generator, whose end may run in
+            # another context than its start (reset would raise there).
+            _answering.set(None)
             self._calls.discard(call)
 
     def cut(self, hurried: bool = False) -> list[asyncio.Task]:
