@@ -42,6 +42,10 @@ class EmbeddedPipeline(Pipeline):
         self.encoder.close()
         self.model_thread.close()
 
+    async def aclose(self) -> None:
+        await super().aclose()
+        self.close()
+
     def __enter__(self) -> EmbeddedPipeline:
         return self
 

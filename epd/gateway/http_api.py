@@ -96,7 +96,7 @@ from epd.gateway.openai_protocol import (
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
-from epd.gateway.shutdown import CallsInFlight
+from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.model_runtime.sampling import GenerationConfig
@@ -451,6 +451,7 @@ class HttpApi:
     ) -> None:
         created = int(time.time())
         num_tokens = 0
+        call = current_call()
         num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
 
         async def send(body: dict[str, Any]) -> None:
@@ -482,6 +483,8 @@ class HttpApi:
                             await send(text_completion_chunk(request_id, chat.model, created, chat.raw_prompt.text))
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
+                        if call is not None:  # what a cut's status (and the request metric) goes by
+                            call.num_tokens = num_tokens
                         if item.token_ids or item.text:
                             await send(_delta_chunk(chat, request_id, created, item.text, item.token_ids))
                         continue

@@ -25,6 +25,7 @@ from prometheus_client import (
 
 from epd.gateway.engine_load import LOAD_TIMEOUT_S, EngineLoadCollector, sources_of
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.shutdown import current_call
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.messages import media_type
 from epd.stages.names import Stage
@@ -50,7 +51,7 @@ class GatewayMetrics:
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "epd_requests_total", "Pipeline runs by outcome (gRPC status name).", ["status"], registry=r
+            "epd_requests_total", "Pipeline runs by outcome (the gRPC status name the client got).", ["status"], registry=r
         )
         self.in_flight = Gauge("epd_requests_in_flight", "Pipeline runs in progress.", registry=r)
         self.stage_queue = Gauge(
@@ -148,7 +149,7 @@ class GatewayMetrics:
                     yield item
         except (asyncio.CancelledError, GeneratorExit):
             # A consumer that stops reading after the summary (a non-streaming answer) got it all.
-            status = "OK" if answered else "CANCELLED"
+            status = "OK" if answered else _cancelled_status()
             raise
         except Exception as exc:
             status = status_of(exc)[0].name
@@ -174,6 +175,14 @@ class GatewayMetrics:
             self.cache_hits.inc()
 
 
+def _cancelled_status() -> str:
+    """The outcome of a run cancelled before its answer: the status its client gets when the
+    gateway's shutdown cut it at the end of the drain (UNAVAILABLE before any token, ABORTED after:
+    `epd.gateway.shutdown`), else CANCELLED (its client went away). Both were CANCELLED."""
+    call = current_call()
+    return (call.cut_status() if call is not None else None) or "CANCELLED"
+
+
 def _stage_after(item: PipelineEvent, stage: str) -> str:
     """Which stage a request is in after this event ("" once answered)."""
     if isinstance(item, StageEvent):
@@ -193,6 +202,7 @@ class MeteredPipeline(Pipeline):
 
     def __init__(self, inner: Pipeline, metrics: GatewayMetrics) -> None:
         super().__init__(inner.encoder, inner.prefill, inner.decoder)
+        self.inner = inner
         self.metrics = metrics
         stages = {"encoder": inner.encoder, "prefill": inner.prefill, "decode": inner.decoder}
         metrics.engine_load.add_sources(sources_of(stages))
@@ -201,3 +211,6 @@ class MeteredPipeline(Pipeline):
         async with aclosing(self.metrics.track(super().ask(req), bool(media_type(req.messages)))) as events:
             async for item in events:
                 yield item
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()  # what the stages hold is the inner pipeline's (a remote one's channels)

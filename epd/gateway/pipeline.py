@@ -121,6 +121,20 @@ class Pipeline:
         self.decoder = decoder
         self.decode_room_wait_s = decode_room_wait_s
 
+    async def aclose(self) -> None:
+        """Release what the pipeline holds, once no request is in flight (the gateway calls it
+        after its drain): the KV releases still running get up to `RELEASES_WAIT_S`, then the
+        stages' own things go (`RemotePipeline`: channels; `EmbeddedPipeline`: threads).
+        Idempotent; the pipeline takes no request after it. Async (`aclose`, as contextlib's
+        `aclosing` calls it): a remote stage's channels close on the event loop."""
+        await wait_for_releases(RELEASES_WAIT_S)
+
+    async def __aenter__(self) -> Pipeline:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     def model_info(self) -> ModelInfo | None:
         """What the served model takes, as the prefill stage knows it (the embedded pipeline: its
         own model's; the gateway: what prefill's replicas answered, `epd.gateway.model_info`);
@@ -407,6 +421,18 @@ def _after_sent(step: TokenStep, sent: TokenStep) -> TokenStep | None:
 _in_flight: set[asyncio.Future] = set()
 """Releases still running, held here so that one outliving its cancelled request task is not
 garbage-collected half way."""
+
+
+RELEASES_WAIT_S = 5.0
+"""How long `Pipeline.aclose` waits for the KV releases still running (those of requests cut at
+the end of the drain) before the channels they use close; one still running then is cut, and the
+cache it meant to drop expires with prefill's --kv-ttl."""
+
+
+async def wait_for_releases(timeout_s: float) -> None:
+    """Until the KV releases running now end, or `timeout_s` passes."""
+    if _in_flight:
+        await asyncio.wait(set(_in_flight), timeout=timeout_s)
 
 
 def _release_done(request_id: str) -> Callable[[asyncio.Future], None]:

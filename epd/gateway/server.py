@@ -50,7 +50,24 @@ def stage_addresses(config: GatewayConfig) -> dict[str, tuple[str, ...]]:
     return addresses
 
 
-def remote_pipeline(config: GatewayConfig, replicas: ReplicaSets | None = None) -> Pipeline:
+class RemotePipeline(Pipeline):
+    """The pipeline over remote stages: it owns their replica pools and prefill's KV release
+    channels, and `aclose` closes them all (left open, they kept reconnecting to the replicas,
+    stopped or not, for as long as the process lived)."""
+
+    def __init__(self, encoder: RemoteEncodeStage, prefill: RemotePrefillStage, decoder: RemoteDecodeStage) -> None:
+        super().__init__(encoder, prefill, decoder)
+        self.encoder: RemoteEncodeStage = encoder
+        self.prefill: RemotePrefillStage = prefill
+        self.decoder: RemoteDecodeStage = decoder
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        for stage in (self.encoder, self.prefill, self.decoder):
+            await stage.close()
+
+
+def remote_pipeline(config: GatewayConfig, replicas: ReplicaSets | None = None) -> RemotePipeline:
     """Stages calling the replicas of `replicas` (default: the configured lists, `dns:///` names
     not looked up yet: `start` has them looked up once it serves)."""
     t = config.stage_timeout_s
@@ -66,7 +83,7 @@ def remote_pipeline(config: GatewayConfig, replicas: ReplicaSets | None = None) 
             server_names=listed.server_names,
         )
 
-    return Pipeline(
+    return RemotePipeline(
         RemoteEncodeStage(pool("encoder"), t, config.max_transfer_bytes),
         RemotePrefillStage(pool("prefill"), t),
         RemoteDecodeStage(pool("decode"), t),
@@ -81,7 +98,7 @@ def stage_pools(pipeline: Pipeline) -> dict[str, ReplicaPool]:
 
 async def start(
     config: GatewayConfig,
-    pipeline: Pipeline | None = None,
+    pipeline: Pipeline,
     admission: Admission | None = None,
     health: StageHealth | InProcessHealth | None = None,
     replicas: ReplicaSets | None = None,
@@ -90,8 +107,8 @@ async def start(
     """`replicas`: what `pipeline`'s pools were built from; default: their lists as they are.
     `dns:///` names not looked up yet are looked up in the background (`lookup`) once the server
     serves: a slow or unreachable DNS server must not keep the gateway from answering its health
-    checks (NOT_SERVING until every stage has a replica serving)."""
-    pipeline = pipeline or remote_pipeline(config)
+    checks (NOT_SERVING until every stage has a replica serving). `pipeline` stays the caller's
+    to close (`Pipeline.aclose`) once the server has stopped: `main` does."""
     servicer = GatewayServicer(config, pipeline, admission)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
     interceptors = [ApiKeyInterceptor(config.http.api_keys, (f"/{SERVICE_NAME}/",))] if config.http.api_keys else []
@@ -164,3 +181,6 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
     finally:
         if http is not None:  # start-up failed after the HTTP API bound
             await http.stop()
+        # After the drain (no call is in flight: a call on a closed channel crashed the process):
+        # the stages' channels, or the embedded pipeline's threads.
+        await pipeline.aclose()

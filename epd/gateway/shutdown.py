@@ -11,6 +11,10 @@ as if nothing had happened). Left to gRPC's and aiohttp's own stop, a gRPC clien
 streamed answer a cut chunk with no error and no [DONE]. Both APIs use it; the statuses map to
 HTTP as every other error does (`http_error_of`).
 
+The request metric counts a cut request with the status its client gets
+(`GatewayMetrics.track` asks `current_call` and `Call.cut_status`), not as CANCELLED, a client
+that went away.
+
 A gRPC call that gRPC itself holds at the cut (sending a message the handler yielded) is not
 cancelled there, where gRPC would swallow the cancel, but when it hands the call back
 (`Call.sending`).
@@ -21,24 +25,34 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import grpc
 
 from epd.stages.errors import EpdError, Unavailable
-from epd.transport.errors import UpstreamError
+from epd.transport.errors import UpstreamError, status_of
+
+_answering: ContextVar[Call | None] = ContextVar("epd_gateway_call", default=None)
+
+
+def current_call() -> Call | None:
+    """The answer this task is giving (inside `CallsInFlight.tracking`); None outside one."""
+    return _answering.get()
 
 
 class Call:
     """One answer in flight: its task, and whether gRPC holds that task now (sending a message the
     handler yielded)."""
 
-    def __init__(self, task: asyncio.Task | None) -> None:
+    def __init__(self, task: asyncio.Task | None, calls: CallsInFlight | None = None) -> None:
         self.task = task
+        self.calls = calls
+        """The set it is tracked in, which knows what ended the drain (`CallsInFlight.hurried`)."""
         self.was_cut = False
         self._sending = False
         self.request_id = ""
         self.num_tokens = 0
-        """What the answer has reached so far, for its status if it is cut (`shutdown_error`)."""
+        """The tokens sent to the client so far, for its status if it is cut (`shutdown_error`)."""
 
     @contextmanager
     def sending(self) -> Iterator[None]:
@@ -53,6 +67,13 @@ class Call:
             self._sending = False
         if self.was_cut:
             raise asyncio.CancelledError
+
+    def cut_status(self) -> str | None:
+        """The status name its client gets if the shutdown cut it (UNAVAILABLE before any token,
+        ABORTED after), None when it was not cut."""
+        if not self.was_cut or self.calls is None:
+            return None
+        return status_of(self.calls.shutdown_error(self.num_tokens, self.request_id))[0].name
 
     def cut(self) -> None:
         self.was_cut = True
@@ -72,11 +93,15 @@ class CallsInFlight:
 
     @contextmanager
     def tracking(self) -> Iterator[Call]:
-        call = Call(asyncio.current_task())
+        call = Call(asyncio.current_task(), self)
         self._calls.add(call)
+        _answering.set(call)
         try:
             yield call
         finally:
+            # Not reset(token): a gRPC handler is an async generator, whose end may run in
+            # another context than its start (reset would raise there).
+            _answering.set(None)
             self._calls.discard(call)
 
     def cut(self, hurried: bool = False) -> list[asyncio.Task]:

@@ -294,8 +294,10 @@ class ReplicaPool:
         raise AssertionError("unreachable: a pool has at least one replica")
 
     async def close(self) -> None:
+        """Close every channel of the pool, retired ones too; idempotent. The pool takes no call
+        after it (a call made on a closed channel crashed the process, `still_listed`)."""
         for ch in [*self._by_address.values(), *self._retired.values()]:
-            await ch.close()
+            await ch.close()  # a closed grpc.aio channel's close() returns at once
         self._retired.clear()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
@@ -317,6 +319,10 @@ class RemoteEncodeStage(EncodeStage):
         self.pool = pool
         self.timeout_s = timeout_s
         self.max_transfer_bytes = max_transfer_bytes
+
+    async def close(self) -> None:
+        """Close the pool's channels (idempotent); the stage takes no call after it."""
+        await self.pool.close()
 
     async def encode(
         self,
@@ -502,6 +508,9 @@ class RemotePrefillStage(PrefillStage):
         return (await self.pool.call("", attempt, "prefill", request_id, self.timeout_s)).text
 
     async def close(self) -> None:
+        """Close the pool's channels and the KV release channels (idempotent); the stage takes no
+        call after it. The pool's were left open: they reconnected to stopped replicas until exit."""
+        await self.pool.close()
         await self.kv_channels.close()
 
 
@@ -509,6 +518,10 @@ class RemoteDecodeStage(DecodeStage):
     def __init__(self, pool: ReplicaPool, timeout_s: float) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
+
+    async def close(self) -> None:
+        """Close the pool's channels (idempotent); the stage takes no call after it."""
+        await self.pool.close()
 
     async def generate(
         self,

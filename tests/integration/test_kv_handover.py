@@ -104,8 +104,8 @@ async def prefilled(stack: Stack, video: bytes, request_id: str) -> PrefillHandl
         return await prefill.prefill(question_messages(QUESTION), media, GenerationConfig(max_new_tokens=4),
                                      request_id)
     finally:
-        await encoder.pool.close()
-        await prefill.pool.close()
+        await encoder.close()
+        await prefill.close()
 
 
 async def pull_chunks(stack: Stack, handle: str, keep: bool = True, stop_after: int = 0) -> list[bytes]:

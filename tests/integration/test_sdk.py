@@ -35,7 +35,7 @@ from epd.client import (
 )
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import Pipeline
-from epd.gateway.server import remote_pipeline, stage_pools
+from epd.gateway.server import remote_pipeline
 from epd.gateway.servicer import GatewayServicer
 from epd.v1 import gateway_pb2_grpc
 from tests.stack import ROOT, Stack, child_env, epd_command, free_port
@@ -326,9 +326,7 @@ def test_tls_with_a_root_certificate(stack, media_files, expected, tmp_path):
         await server.stop(0)
         # The stages' channels: left open, they kept reconnecting to the stack's ports after it
         # stopped, and a later test's server on such a port was called through them.
-        for pool in stage_pools(pipeline).values():
-            await pool.close()
-        await pipeline.prefill.close()
+        await pipeline.aclose()
 
     server, port, pipeline = asyncio.run_coroutine_threadsafe(start(), loop).result()
     try:

@@ -520,7 +520,7 @@ def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos
                     stages_seen.append((item.stage, item.state))
         assert ("prefill", "finished") in stages_seen
         assert (len(store), store.num_bytes, store.num_released) == (0, 0, released_before + 1)
-        await pipeline.decoder.pool.close()
+        await pipeline.decoder.close()
 
     asyncio.run(scenario())
 

@@ -293,7 +293,7 @@ async def _health(port: int, service: str = "") -> str:
 
 
 def test_the_gateway_serves_its_health_while_a_lookup_hangs_and_expands_the_name_once_it_answers():
-    """`start` (no pipeline given) builds the pools from the names as written and looks them up
+    """`remote_pipeline` builds the pools from the names as written and looks them up
     once it serves: with the lookup hung, the gateway answers its probes at once (liveness SERVING,
     readiness NOT_SERVING: no stage has a replica serving); when the lookup answers, the name
     becomes its addresses. Before, `start` (and `main`, before anything bound) awaited the lookup."""
@@ -320,8 +320,7 @@ def test_the_gateway_serves_its_health_while_a_lookup_hangs_and_expands_the_name
         finally:
             dns.answer.set()
             await hs.stop(0)
-            for each in stage_pools(pipeline).values():
-                await each.close()
+            await pipeline.aclose()
 
     assert asyncio.run(scenario()) == ["10.0.0.1:1", "10.0.0.2:1"]
 

@@ -244,7 +244,7 @@ async def _generate(behaviours: list[str], attempt_timeout_s: float = 0.0) -> tu
         exc.tokens, exc.calls = tokens, calls  # type: ignore[attr-defined]
         raise
     finally:
-        await stage.pool.close()
+        await stage.close()
         for s in servers:
             await s.stop(0)
 
