@@ -13,7 +13,11 @@ routes, each called --num-calls times at each --concurrency level (calls in flig
 The calls of a level run in --rounds rounds, each route's share of a round one after the other, so
 that a machine whose load drifts moves every route alike. Printed per level and route: p50, p99
 and mean latency in ms and the p50 ratio to /v1/models; a call that fails (not 200, or a
-/tokenize answer without tokens) is counted and makes the exit status 1.
+/tokenize answer without tokens) is counted and makes the exit status 1. With --cpu-pid
+NAME=PID (repeatable; e.g. the stack's gateway and prefill processes, on this machine), also each
+process's CPU time (user + system, /proc/PID/stat) per call of each route: the CPU it used while
+that route's calls ran, over their number (what else it does meanwhile, e.g. health checks, counts
+too: read it against the models row).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +42,8 @@ DEFAULT_PROMPT = (
 class RouteTimes:
     latencies_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+    """Per --cpu-pid name: the process's CPU time while this route's calls ran."""
 
     def stats(self) -> dict[str, float]:
         arr = np.asarray(self.latencies_ms or [0.0], dtype=np.float64)
@@ -79,6 +86,14 @@ async def call_many(session, base_url: str, route: tuple[str, str, bytes | None]
     await asyncio.gather(*(one() for _ in range(num_calls)))
 
 
+def cpu_ms(pid: int) -> float:
+    """User + system CPU time of `pid` so far (/proc/PID/stat's utime and stime, clock ticks)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
 async def run(args) -> dict[int, dict[str, RouteTimes]]:
     import aiohttp
 
@@ -100,19 +115,33 @@ async def run(args) -> dict[int, dict[str, RouteTimes]]:
             per_round = [args.num_calls // args.rounds + (i < args.num_calls % args.rounds) for i in range(args.rounds)]
             for n in per_round:
                 for name, route in table.items():
-                    await call_many(session, base_url, route, n, c, headers, results[c][name])
+                    times = results[c][name]
+                    before = {who: cpu_ms(pid) for who, pid in args.cpu_pid}
+                    await call_many(session, base_url, route, n, c, headers, times)
+                    for who, pid in args.cpu_pid:
+                        times.cpu_ms[who] = times.cpu_ms.get(who, 0.0) + cpu_ms(pid) - before[who]
     return results
 
 
-def report(results: dict[int, dict[str, RouteTimes]], num_calls: int) -> list[str]:
-    lines = ["| in flight | route | ok | p50 ms | p99 ms | mean ms | p50 / models |", "|---|---|---|---|---|---|---|"]
+def report(results: dict[int, dict[str, RouteTimes]], num_calls: int, cpu_names: list[str]) -> list[str]:
+    cpu_head = "".join(f" {who} CPU ms/call |" for who in cpu_names)
+    lines = ["| in flight | route | ok | p50 ms | p99 ms | mean ms | p50 / models |" + cpu_head,
+             "|---|---|---|---|---|---|---|" + "---|" * len(cpu_names)]  # fmt: skip
     for c, by_route in results.items():
         base = by_route["models"].stats()["p50"]
         for name, times in by_route.items():
             s = times.stats()
+            cpu = "".join(f" {times.cpu_ms.get(who, 0.0) / num_calls:.2f} |" for who in cpu_names)
             lines.append(f"| {c} | {name} | {len(times.latencies_ms)}/{num_calls} | {s['p50']:.2f} | {s['p99']:.2f} | "
-                         f"{s['mean']:.2f} | {s['p50'] / max(base, 1e-9):.2f}x |")  # fmt: skip
+                         f"{s['mean']:.2f} | {s['p50'] / max(base, 1e-9):.2f}x |{cpu}")  # fmt: skip
     return lines
+
+
+def parse_pid(text: str) -> tuple[str, int]:
+    name, _, pid = text.partition("=")
+    if not name or not pid.isdigit() or not Path(f"/proc/{pid}/stat").exists():
+        raise argparse.ArgumentTypeError(f"--cpu-pid takes NAME=PID of a running process on this machine, got {text!r}")
+    return name, int(pid)
 
 
 def parse_levels(text: str) -> list[int]:
@@ -134,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text /tokenize is sent")
     p.add_argument("--model", default="", help="the bodies' `model` (default: left out)")
     p.add_argument("--api-key", default="", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--cpu-pid", type=parse_pid, action="append", default=[], metavar="NAME=PID",
+                   help="also report this process's CPU time per call of each route (repeatable)")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--output-json", default="", help="also write every latency here")
     args = p.parse_args(argv)
@@ -142,13 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run(args))
     print(f"\n/tokenize against /v1/models at {args.base_url}: {args.num_calls} calls per route and level, "
           f"{args.rounds} rounds; prompt of {len(args.prompt)} characters")  # fmt: skip
-    print("\n".join(report(results, args.num_calls)))
+    print("\n".join(report(results, args.num_calls, [who for who, _ in args.cpu_pid])))
     errors = sorted({e for by_route in results.values() for t in by_route.values() for e in t.errors})
     for e in errors:
         print(f"  error: {e}")
     if args.output_json:
-        from pathlib import Path
-
         Path(args.output_json).write_text(json.dumps(
             {str(c): {name: vars(t) for name, t in by_route.items()} for c, by_route in results.items()}, indent=1))  # fmt: skip
     return 1 if errors else 0

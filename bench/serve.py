@@ -774,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
                 level_inputs = inputs if series == "media" else text_only(inputs)
                 results, duration = asyncio.run(run_stack(args, level_inputs, bar, c))
         summary = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
-        _print_table(f"{what} ({door}), {c or 'all'} in flight", summary)
+        shown = f"OpenAI API {target.completions_url}" if series == "completions" and target else door
+        _print_table(f"{what} ({shown}), {c or 'all'} in flight", summary)
         return {"concurrency": c, "summary": summary, "requests": [asdict(r) for r in results]}
 
     for c in levels:

@@ -4,6 +4,7 @@ table printed. No timing assertions."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ def test_the_tokenize_benchmark_times_every_route_at_every_level(shared_stack, t
     out = tmp_path / "tokenize.json"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_tokenize.py"), "--base-url",
            f"http://127.0.0.1:{shared_stack.http_port}", "--num-calls", "6", "--concurrency", "1,3",
-           "--rounds", "2", "--output-json", str(out)]  # fmt: skip
+           "--rounds", "2", "--cpu-pid", f"pytest={os.getpid()}", "--output-json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -22,9 +23,11 @@ def test_the_tokenize_benchmark_times_every_route_at_every_level(shared_stack, t
     for by_route in report.values():
         assert sorted(by_route) == ["models", "tokenize", "tokenize-chat"]
         assert all(len(t["latencies_ms"]) == 6 and not t["errors"] for t in by_route.values())
+        assert all(t["cpu_ms"]["pytest"] >= 0 for t in by_route.values())  # --cpu-pid: measured per route
     rows = [line for line in run.stdout.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
     assert len(rows) == 6 and all("| 6/6 |" in r for r in rows), run.stdout
-    assert all(r.endswith("| 1.00x |") for r in rows if "| models |" in r)
+    assert all("| 1.00x |" in r for r in rows if "| models |" in r)
+    assert "| p50 / models | pytest CPU ms/call |" in run.stdout
 
 
 def test_the_tokenize_benchmark_fails_when_a_route_does(shared_stack):
