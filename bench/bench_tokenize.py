@@ -1,7 +1,7 @@
 """What a `POST /tokenize` costs: its latency against `GET /v1/models` in the same run.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_tokenize.py --base-url http://127.0.0.1:8000
-    PYTHONPATH=. .venv/bin/python bench/bench_tokenize.py --base-url http://127.0.0.1:8000 --num-calls 200 --concurrency 1,8
+    PYTHONPATH=. .venv/bin/python bench/bench_tokenize.py --openai http://127.0.0.1:8000
+    PYTHONPATH=. .venv/bin/python bench/bench_tokenize.py --openai http://127.0.0.1:8000 --num-calls 200 --concurrency 1,8
 
 Against a running epd server's HTTP API (`epd serve`, or `epd serve gateway --http-port`). Three
 routes, each called --num-calls times at each --concurrency level (calls in flight):
@@ -97,7 +97,7 @@ def cpu_ms(pid: int) -> float:
 async def run(args) -> dict[int, dict[str, RouteTimes]]:
     import aiohttp
 
-    base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    base_url = args.openai.rstrip("/").removesuffix("/v1")
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
@@ -156,7 +156,8 @@ def parse_levels(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", required=True, help="the server's HTTP API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--openai", required=True, metavar="BASE_URL",
+                   help="the server's HTTP API (as epd bench serve --openai), e.g. http://127.0.0.1:8000")
     p.add_argument("--num-calls", type=int, default=200, help="calls of each route at each level")
     p.add_argument("--concurrency", type=parse_levels, default=[1, 8], help="calls in flight, a comma list")
     p.add_argument("--rounds", type=int, default=4, help="rounds a level's calls are split into (routes alternate)")
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_calls < 1 or not 1 <= args.rounds <= args.num_calls:
         p.error("--num-calls must be >= 1 and --rounds between 1 and --num-calls")
     results = asyncio.run(run(args))
-    print(f"\n/tokenize against /v1/models at {args.base_url}: {args.num_calls} calls per route and level, "
+    print(f"\n/tokenize against /v1/models at {args.openai}: {args.num_calls} calls per route and level, "
           f"{args.rounds} rounds; prompt of {len(args.prompt)} characters")  # fmt: skip
     print("\n".join(report(results, args.num_calls, [who for who, _ in args.cpu_pid])))
     errors = sorted({e for by_route in results.values() for t in by_route.values() for e in t.errors})

@@ -13,7 +13,7 @@ from tests.stack import ROOT, child_env
 
 def test_the_tokenize_benchmark_times_every_route_at_every_level(shared_stack, tmp_path):
     out = tmp_path / "tokenize.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_tokenize.py"), "--base-url",
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_tokenize.py"), "--openai",
            f"http://127.0.0.1:{shared_stack.http_port}", "--num-calls", "6", "--concurrency", "1,3",
            "--rounds", "2", "--cpu-pid", f"pytest={os.getpid()}", "--output-json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
@@ -32,7 +32,7 @@ def test_the_tokenize_benchmark_times_every_route_at_every_level(shared_stack, t
 
 def test_the_tokenize_benchmark_fails_when_a_route_does(shared_stack):
     """A refused body (a model not served) is an error, not a latency: exit status 1."""
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_tokenize.py"), "--base-url",
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_tokenize.py"), "--openai",
            f"http://127.0.0.1:{shared_stack.http_port}", "--num-calls", "2", "--concurrency", "1",
            "--rounds", "1", "--model", "no-such-model"]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
