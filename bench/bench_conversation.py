@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/bench_conversation.py                   # 8 clips, 64 frames at 448x448
     PYTHONPATH=. .venv/bin/python bench/bench_conversation.py --colocate        # epd serve --colocate
     PYTHONPATH=. .venv/bin/python bench/bench_conversation.py --num-clips 2 --num-frames 8 --clip-size 224
+    PYTHONPATH=. .venv/bin/python bench/bench_conversation.py --video-after-text --num-frames 8 --clip-size 224
 
 What it does, in one run:
   * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (randomly initialised; built once
@@ -30,6 +31,15 @@ What it does, in one run:
     p50 prefill_ms (the response's `epd.timings_ms.prefill`), prompt and cached tokens
     (`usage.prompt_tokens_details.cached_tokens`, when the server reports them) per row, the ratios
     cold / follow-up, and the number of follow-up answers whose tokens differ from the cold ones.
+
+--video-after-text: the conversation whose video comes after a text-only turn instead:
+      turn 1   "hello"                                       text only (cold)
+      turn 2   "hello", A1, [video, "now look at this video"] the video turn: prefill reuses turn 1's
+                                                             cached prefix, up to the video (the
+                                                             text-only entry serves the text before it)
+      turn 2c  the same messages, the video being copy 1,    the same turn with nothing to reuse (a
+               and a new `cache_salt`                        new salt: another tenant's caches)
+    on the same warm server; cached tokens are the prefix reused (`num_reused_prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -62,6 +72,12 @@ ROWS = (
     ("turn 2: same, asked cold", 2, True),
     ("turn 3: follow-up", 3, False),
     ("turn 3: same, asked cold", 3, True),
+)
+QUESTIONS_AFTER_TEXT = ("hello", "now look at this video: what moves in it?")
+ROWS_AFTER_TEXT = (
+    ("turn 1: hello (text only)", 1, False),
+    ("turn 2: video after text", 2, False),
+    ("turn 2: same, new cache_salt", 2, True),
 )
 
 
@@ -125,10 +141,10 @@ class Turn:
     encoder_cache_hit: bool = False
 
 
-def ask(port: int, messages: list[dict], args, timeout_s: float) -> Turn:
+def ask(port: int, messages: list[dict], args, timeout_s: float, cache_salt: str = "") -> Turn:
     """One streaming /v1/chat/completions: TTFT at the first chunk that carries tokens; the answer,
     its token ids and timings from the final chunk's `epd` details; tokens from `usage`."""
-    body = {
+    body: dict = {
         "messages": messages,
         "max_tokens": args.max_tokens,
         "temperature": 0,
@@ -137,6 +153,8 @@ def ask(port: int, messages: list[dict], args, timeout_s: float) -> Turn:
         "stream_options": {"include_usage": True},
         "media": {"num_frames": args.num_frames},
     }
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     turn = Turn()
     parts: list[str] = []
@@ -205,6 +223,24 @@ def conversation(port: int, clip: Path, copies: list[Path], args, label: str) ->
         out[(n, False)] = ask(port, [user(first, url), *history], args, args.timeout_s)
         if n > 1:
             out[(n, True)] = ask(port, [user(first, copy_urls[n - 2]), *history], args, args.timeout_s)
+    log_turns(label, out)
+    return out
+
+
+def conversation_after_text(port: int, clip: Path, copies: list[Path], args, label: str) -> dict[tuple[int, bool], Turn]:
+    """"hello" -> its answer -> [video, "now look at this video"]; the video turn again about
+    copies[0] under a salt of its own (--video-after-text)."""
+    hello, look = QUESTIONS_AFTER_TEXT
+    out = {(1, False): ask(port, [user(hello)], args, args.timeout_s)}
+    history = [user(hello), {"role": "assistant", "content": out[(1, False)].answer}]
+    out[(2, False)] = ask(port, [*history, user(look, data_url(clip))], args, args.timeout_s)
+    salt = f"bench-cold-{clip.stem}-{time.monotonic_ns()}"
+    out[(2, True)] = ask(port, [*history, user(look, data_url(copies[0]))], args, args.timeout_s, cache_salt=salt)
+    log_turns(label, out)
+    return out
+
+
+def log_turns(label: str, out: dict[tuple[int, bool], Turn]) -> None:
     line = "; ".join(
         f"turn {n}{' cold' if cold else ''} {t.ttft_ms:.0f} ms (prefill {t.prefill_ms:.0f}"
         + (f", cached {t.cached_tokens}/{t.prompt_tokens}" if t.cached_tokens is not None else f", {t.prompt_tokens} tok")
@@ -212,7 +248,6 @@ def conversation(port: int, clip: Path, copies: list[Path], args, label: str) ->
         for (n, cold), t in out.items()
     )
     log(f"{label}: TTFT {line}")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,10 +293,11 @@ def p50(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def table(results: list[dict[tuple[int, bool], Turn]]) -> list[str]:
+def table(results: list[dict[tuple[int, bool], Turn]], rows=ROWS) -> list[str]:
+    """A row per (turn, cold) of `rows`, then the ratios cold / warm of each turn asked both ways."""
     lines = [f"{'':34} {'n':>3} {'TTFT p50 ms':>12} {'prefill p50 ms':>15} {'prompt tok':>11} "
              f"{'cached tok':>11} {'enc. hit':>9}"]  # fmt: skip
-    for label, n, cold in ROWS:
+    for label, n, cold in rows:
         turns = [r[(n, cold)] for r in results]
         cached = [t.cached_tokens for t in turns if t.cached_tokens is not None]
         lines.append(
@@ -270,18 +306,19 @@ def table(results: list[dict[tuple[int, bool], Turn]]) -> list[str]:
             f"{(f'{p50(cached):.0f}' if cached else 'n/a'):>11} "
             f"{sum(t.encoder_cache_hit for t in turns):>5}/{len(turns)}"
         )
-    for n in (2, 3):
+    for n in sorted({n for _, n, cold in rows if cold}):
         warm = [r[(n, False)] for r in results]
         cold = [r[(n, True)] for r in results]
         ttft = p50([t.ttft_ms for t in cold]) / p50([t.ttft_ms for t in warm])
         prefill_warm = p50([t.prefill_ms for t in warm])
         prefill = p50([t.prefill_ms for t in cold]) / prefill_warm if prefill_warm > 0 else float("nan")
-        lines.append(f"ratio cold / follow-up, turn {n}: TTFT {ttft:.2f}x, prefill {prefill:.2f}x")
+        what = "new cache_salt / prefix reused" if rows is ROWS_AFTER_TEXT else "cold / follow-up"
+        lines.append(f"ratio {what}, turn {n}: TTFT {ttft:.2f}x, prefill {prefill:.2f}x")
     return lines
 
 
 def mismatches(results: list[dict[tuple[int, bool], Turn]]) -> tuple[int, int]:
-    pairs = [(r[(n, False)], r[(n, True)]) for r in results for n in (2, 3)]
+    pairs = [(r[(n, False)], r[(n, True)]) for r in results for (n, cold) in r if cold]
     return sum(a.token_ids != b.token_ids for a, b in pairs), len(pairs)
 
 
@@ -296,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
     p.add_argument("--colocate", action="store_true", help="epd serve --colocate (one process)")
     p.add_argument("--threads", default="", help="epd serve --num-threads (default: epd's own)")
+    p.add_argument("--video-after-text", action="store_true",
+                   help='the conversation "hello" -> answer -> [video, question] instead (the video turn '
+                        "reuses the text turn's cached prefix), its video turn also under a new cache_salt")
     p.add_argument("--epd-arg", action="append", default=[], help="a flag passed on to epd serve (repeatable)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="start-up and per-request limit")
     p.add_argument("--output-json", default="", help="also write the per-request numbers here")
@@ -325,19 +365,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log(f"serving after {wait_ready(proc, http_port, args.timeout_s, log_path):.1f} s; warm-up conversation")
         warm_clip = clips[-1]
-        conversation(http_port, warm_clip, copies[warm_clip], args, "warm-up")
+        converse = conversation_after_text if args.video_after_text else conversation
+        converse(http_port, warm_clip, copies[warm_clip], args, "warm-up")
         for i, clip in enumerate(clips[:-1]):
-            results.append(conversation(http_port, clip, copies[clip], args, f"clip {i + 1}/{args.num_clips}"))
+            results.append(converse(http_port, clip, copies[clip], args, f"clip {i + 1}/{args.num_clips}"))
     finally:
         stop(proc)
 
     mode = "epd serve --colocate" if args.colocate else "epd serve"
-    print(f"\n{mode}: {args.num_clips} conversations, {args.num_frames} frames at {args.clip_size}x{args.clip_size}, "
+    mode += "".join(f" {a}" for a in args.epd_arg)
+    shape = " (video after a text-only turn)" if args.video_after_text else ""
+    print(f"\n{mode}: {args.num_clips} conversations{shape}, {args.num_frames} frames at {args.clip_size}x{args.clip_size}, "
           f"{args.max_tokens} tokens per answer; model {model}")  # fmt: skip
-    for line in table(results):
+    for line in table(results, ROWS_AFTER_TEXT if args.video_after_text else ROWS):
         print(line)
     bad, total = mismatches(results)
-    print(f"answer mismatches (follow-up vs asked cold): {bad} of {total}", flush=True)
+    pair = "prefix reused vs new cache_salt" if args.video_after_text else "follow-up vs asked cold"
+    print(f"answer mismatches ({pair}): {bad} of {total}", flush=True)
     if args.output_json:
         rows = [{f"turn{n}{'_cold' if cold else ''}": vars(t) for (n, cold), t in r.items()} for r in results]
         Path(args.output_json).write_text(json.dumps({"command": cmd, "results": rows}, indent=1))

@@ -5,6 +5,7 @@
     epd bench serve --endpoint 127.0.0.1:50050 --concurrency 1,4,16,32 --no-baselines --plot sweep.png
     epd bench serve --openai http://127.0.0.1:8000 --concurrency 1,4 --no-baselines
     epd bench serve --endpoint 127.0.0.1:50050 --concurrency 1 --with-text-only --no-baselines
+    epd bench serve --openai http://127.0.0.1:8000 --concurrency 1 --with-completions --no-baselines
 
 Like `vllm bench serve`: N requests (questions about the given videos, cycled) sent at a fixed
 rate (Poisson arrivals) or a fixed concurrency to the front door, streaming. Per request: TTFT
@@ -14,6 +15,12 @@ throughput; goodput (requests/s that met both --ttft-slo-ms and --tpot-slo-ms).
 
 --with-text-only runs, at each level, the same requests again without their media (the questions
 alone: no encoder call) against the same server, and prints the ratios text-only / with media.
+
+--with-completions (--openai, an epd or vLLM server) runs, at each level, the questions alone as
+text-only chat requests and as legacy `POST /v1/completions` requests whose raw prompt is the
+chat request's prompt as the server renders it (/tokenize then /detokenize: the same tokens, so
+the same prompt length, no chat template applied by the server), and prints the ratios
+completions / chat with each series' prompt tokens.
 
 --concurrency takes a comma list: the same N requests are run at each level in turn (a sweep),
 one table row per level (req/s, output tok/s, TTFT p50/p99, TPOT p50/p99, errors), and
@@ -214,8 +221,21 @@ class OpenAITarget:
 
     @property
     def url(self) -> str:
+        return self.v1 + "/chat/completions"
+
+    @property
+    def completions_url(self) -> str:
+        return self.v1 + "/completions"
+
+    @property
+    def v1(self) -> str:
         base = self.base_url.rstrip("/")
-        return (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+        return base if base.endswith("/v1") else base + "/v1"
+
+    @property
+    def root(self) -> str:
+        """The server's root, where vLLM's /tokenize and /detokenize are (not under /v1)."""
+        return self.v1.removesuffix("/v1")
 
 
 _MIME = {
@@ -270,17 +290,11 @@ def openai_bodies(
     for i in range(num_requests):
         url, kind = urls[i % len(urls)]
         media = [{"type": kind, kind: {"url": url}}] if with_media else []
-        body: dict = {
-            "messages": [
-                {"role": "user", "content": [*media, {"type": "text", "text": questions[i % len(questions)]}]}
-            ],
-            "max_tokens": max_new_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if target.model:
-            body["model"] = target.model
+        body = streaming_body(
+            target,
+            max_new_tokens,
+            messages=[{"role": "user", "content": [*media, {"type": "text", "text": questions[i % len(questions)]}]}],
+        )
         if target.dialect == "epd":
             body["media"] = {"num_frames": num_frames}
             if ignore_eos:
@@ -291,9 +305,64 @@ def openai_bodies(
     return bodies
 
 
-async def _one_openai(session, target: OpenAITarget, body: bytes) -> RequestResult:
-    """One streaming request: TTFT and inter-token gaps from the chunks that carry text (epd's
-    chunks also carry `token_ids`, counted exactly); the token count from the final usage."""
+def streaming_body(target: OpenAITarget, max_new_tokens: int, **fields) -> dict:
+    """A greedy streaming body with its usage at the end, and `fields` (messages or prompt)."""
+    body: dict = {
+        **fields,
+        "max_tokens": max_new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if target.model:
+        body["model"] = target.model
+    return body
+
+
+def chat_message(question: str) -> dict:
+    """The user message of a text-only request (openai_bodies' with_media=False)."""
+    return {"role": "user", "content": [{"type": "text", "text": question}]}
+
+
+def rendered_chat_prompts(target: OpenAITarget, questions: list[str], timeout_s: float = 60.0) -> list[str]:
+    """Each question's text-only chat prompt as the server renders it (chat template, generation
+    prompt): its token ids from POST /tokenize {"messages"}, their text from POST /detokenize
+    (special tokens kept). Sent as a raw completions prompt, it is the same tokens again."""
+    import urllib.request
+
+    def post(path: str, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if target.api_key:
+            headers["Authorization"] = f"Bearer {target.api_key}"
+        req = urllib.request.Request(target.root + path, data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    model = {"model": target.model} if target.model else {}
+    prompts = []
+    for question in questions:
+        tokens = post("/tokenize", {"messages": [chat_message(question)], **model})["tokens"]
+        prompts.append(post("/detokenize", {"tokens": tokens, **model})["prompt"])
+    return prompts
+
+
+def completion_bodies(
+    target: OpenAITarget, prompts: list[str], num_requests: int, max_new_tokens: int, ignore_eos: bool
+) -> list[bytes]:
+    """One streaming legacy completions body per request (prompts cycled), greedy."""
+    bodies = []
+    for i in range(num_requests):
+        body = streaming_body(target, max_new_tokens, prompt=prompts[i % len(prompts)])
+        if ignore_eos:
+            body["ignore_eos"] = True
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+async def _one_openai(session, target: OpenAITarget, body: bytes, url: str = "") -> RequestResult:
+    """One streaming request (to `url`, default chat completions): TTFT and inter-token gaps from
+    the chunks that carry text (a chat chunk's delta, a completion chunk's `text`; epd's chunks
+    also carry `token_ids`, counted exactly); the token count from the final usage."""
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if target.api_key:
         headers["Authorization"] = f"Bearer {target.api_key}"
@@ -302,7 +371,7 @@ async def _one_openai(session, target: OpenAITarget, body: bytes) -> RequestResu
     counted = 0
     usage_tokens = 0
     try:
-        async with session.post(target.url, data=body, headers=headers) as resp:
+        async with session.post(url or target.url, data=body, headers=headers) as resp:
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return r
@@ -322,7 +391,8 @@ async def _one_openai(session, target: OpenAITarget, body: bytes) -> RequestResu
                     usage_tokens = int(usage.get("completion_tokens") or 0)
                 for choice in chunk.get("choices") or []:
                     ids = choice.get("token_ids")
-                    n = len(ids) if ids else (1 if (choice.get("delta") or {}).get("content") else 0)
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text")
+                    n = len(ids) if ids else (1 if text else 0)
                     if not n:
                         continue
                     now = time.perf_counter()
@@ -350,9 +420,10 @@ async def run_openai(
     request_rate: float = 0.0,
     seed: int = 0,
     timeout_s: float = 600.0,
+    url: str = "",
 ) -> tuple[list[RequestResult], float]:
-    """The bodies against `target`, at most `concurrency` in flight (0 = all at once), or arriving
-    at `request_rate` per second (Poisson) when > 0."""
+    """The bodies against `target` (`url`, default its chat completions), at most `concurrency` in
+    flight (0 = all at once), or arriving at `request_rate` per second (Poisson) when > 0."""
     import aiohttp
 
     results: list[RequestResult] = []
@@ -361,7 +432,7 @@ async def run_openai(
 
     async def one(session, body):
         async with semaphore:
-            results.append(await _one_openai(session, target, body))
+            results.append(await _one_openai(session, target, body, url))
             if progress is not None:
                 progress.update(1)
 
@@ -539,6 +610,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help="also run each level's requests without their media (the questions alone) and print the ratios",
     )
+    p.add_argument(
+        "--with-completions",
+        action="store_true",
+        help="with --openai: also run each level's questions as text-only chat requests and as POST "
+        "/v1/completions of the same rendered prompt, and print the ratios completions / chat",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads of the baselines")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -579,6 +656,24 @@ def sweep_table(sweep: list[dict]) -> list[str]:
             f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} | "
             f"{s['tpot_ms']['p99']:.1f} | {s['num_failed']} |"
         )
+    return rows
+
+
+def ratio_table(name: str, base: list[dict], other: list[dict], prompt_tokens: bool = False) -> list[str]:
+    """Markdown rows, one per level: `other`'s p50s and throughput over `base`'s (two sweeps of the
+    same levels, run one after the other); with `prompt_tokens`, each series' median prompt tokens
+    (as the server reported them) beside, to show that the two prompts are as long."""
+    head = f"\n| ratio ({name}) | TTFT p50 | e2e p50 | TPOT p50 | req/s |"
+    rows = [head + (" prompt tokens p50 |" if prompt_tokens else ""), "|---|---|---|---|---|" + ("---|" if prompt_tokens else "")]
+    for b, o in zip(base, other, strict=True):
+        sb, so = b["summary"], o["summary"]
+        ratios = [so[k]["p50"] / max(sb[k]["p50"], 1e-9) for k in ("ttft_ms", "e2e_ms", "tpot_ms")]
+        rps = so["request_throughput_rps"] / max(sb["request_throughput_rps"], 1e-9)
+        row = f"| {b['concurrency'] or 'all'} in flight | " + " | ".join(f"{r:.2f}x" for r in ratios) + f" | {rps:.2f}x |"
+        if prompt_tokens:
+            counts = [float(np.median([r["num_prompt_tokens"] for r in lv["requests"]] or [0])) for lv in (b, o)]
+            row += f" {counts[0]:.0f} / {counts[1]:.0f} |"
+        rows.append(row)
     return rows
 
 
@@ -644,31 +739,51 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"epd bench serve: {exc}", file=sys.stderr)
             return 2
+    if args.with_completions and (target is None or target.dialect != "epd"):
+        print("epd bench serve: --with-completions needs --openai with the epd dialect (it posts "
+              "/tokenize, /detokenize and /v1/completions)", file=sys.stderr)  # fmt: skip
+        return 2
     inputs = _inputs(args)
     door = f"OpenAI API {target.url} ({target.dialect})" if target else f"gRPC {args.endpoint}"
     report: dict = {"config": vars(args), "sweep": []}
 
-    def run_level(c: int, media: bool) -> dict:
-        what = "stack" if media else "stack, text only"
+    def run_level(c: int, series: str) -> dict:
+        """One level of one series: 'media' (the requests as given), 'text' (the questions alone,
+        chat) or 'completions' (the questions' rendered chat prompts, raw)."""
+        what = {"media": "stack", "text": "stack, text only", "completions": "stack, completions"}[series]
         with tqdm(total=len(inputs), desc=f"{what}, {c or 'all'} in flight", unit="req", file=sys.stderr) as bar:
             if target is not None:
-                level_bodies = bodies if media else openai_bodies(
-                    target, args.videos, args.questions, args.num_requests, args.num_frames,
-                    args.max_new_tokens, args.ignore_eos, with_media=False,
-                )  # fmt: skip
+                url = target.url
+                if series == "media":
+                    level_bodies = bodies
+                elif series == "text":
+                    level_bodies = openai_bodies(
+                        target, args.videos, args.questions, args.num_requests, args.num_frames,
+                        args.max_new_tokens, args.ignore_eos, with_media=False,
+                    )  # fmt: skip
+                else:
+                    prompts = rendered_chat_prompts(target, args.questions or DEFAULT_QUESTIONS, args.timeout_s)
+                    level_bodies = completion_bodies(
+                        target, prompts, args.num_requests, args.max_new_tokens, args.ignore_eos
+                    )
+                    url = target.completions_url
                 results, duration = asyncio.run(
-                    run_openai(target, level_bodies, c, bar, args.request_rate, args.seed, args.timeout_s)
+                    run_openai(target, level_bodies, c, bar, args.request_rate, args.seed, args.timeout_s, url)
                 )
             else:
-                results, duration = asyncio.run(run_stack(args, inputs if media else text_only(inputs), bar, c))
+                level_inputs = inputs if series == "media" else text_only(inputs)
+                results, duration = asyncio.run(run_stack(args, level_inputs, bar, c))
         summary = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
-        _print_table(f"{what} ({door}), {c or 'all'} in flight", summary)
+        shown = f"OpenAI API {target.completions_url}" if series == "completions" and target else door
+        _print_table(f"{what} ({shown}), {c or 'all'} in flight", summary)
         return {"concurrency": c, "summary": summary, "requests": [asdict(r) for r in results]}
 
     for c in levels:
-        report["sweep"].append(run_level(c, media=True))
-        if args.with_text_only:
-            report.setdefault("text_only_sweep", []).append(run_level(c, media=False))
+        report["sweep"].append(run_level(c, "media"))
+        if args.with_text_only or args.with_completions:
+            report.setdefault("text_only_sweep", []).append(run_level(c, "text"))
+        if args.with_completions:
+            report.setdefault("completions_sweep", []).append(run_level(c, "completions"))
     # The first level keeps the single-level report's names.
     report["stack"] = report["sweep"][0]["summary"]
     report["stack_requests"] = report["sweep"][0]["requests"]
@@ -678,15 +793,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("\n".join(sweep_table(report["sweep"])))
     if args.with_text_only:
-        print("\n| ratio (text only / with media) | TTFT p50 | e2e p50 | TPOT p50 | req/s |")
-        print("|---|---|---|---|---|")
-        for with_media, alone in zip(report["sweep"], report["text_only_sweep"], strict=True):
-            m, t = with_media["summary"], alone["summary"]
-            ratios = [t[k]["p50"] / max(m[k]["p50"], 1e-9) for k in ("ttft_ms", "e2e_ms", "tpot_ms")]
-            rps = t["request_throughput_rps"] / max(m["request_throughput_rps"], 1e-9)
-            print(f"| {with_media['concurrency'] or 'all'} in flight | "
-                  + " | ".join(f"{r:.2f}x" for r in ratios) + f" | {rps:.2f}x |")
-    levels_run = report["sweep"] + report.get("text_only_sweep", [])
+        print("\n".join(ratio_table("text only / with media", report["sweep"], report["text_only_sweep"])))
+    if args.with_completions:
+        print("\n".join(ratio_table("completions / text-only chat", report["text_only_sweep"],
+                                     report["completions_sweep"], prompt_tokens=True)))  # fmt: skip
+    levels_run = report["sweep"] + report.get("text_only_sweep", []) + report.get("completions_sweep", [])
     errors = sorted({e for lv in levels_run for e in lv["summary"]["errors"]})
     for e in errors:
         print(f"  error: {e}")

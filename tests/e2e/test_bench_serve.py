@@ -151,3 +151,31 @@ def test_bench_serve_with_text_only_runs_the_questions_alone_too(shared_stack, t
         assert max(r["num_prompt_tokens"] for r in alone["requests"]) < min(
             r["num_prompt_tokens"] for r in with_media["requests"])  # fmt: skip
     assert "| ratio (text only / with media) | TTFT p50 |" in proc.stdout
+
+
+def test_bench_serve_with_completions_runs_the_rendered_prompts_raw(shared_stack, tmp_path):
+    """`--with-completions`: each level's questions as text-only chat requests and as POST
+    /v1/completions of the prompt the server renders for them (/tokenize, /detokenize): the two
+    series have the same prompt tokens, every completion streams its tokens, and the ratio table
+    with both prompt lengths is printed. No timing assertions."""
+    out = tmp_path / "completions.json"
+    proc = _sweep(["--openai", f"http://127.0.0.1:{shared_stack.http_port}", "--num-requests", "2",
+                   "--questions", "what colour is the circle?", "--concurrency", "1", "--max-new-tokens", "4",
+                   "--ignore-eos", "--no-baselines", "--with-completions", "--output-json", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (chat,), (raw,) = report["text_only_sweep"], report["completions_sweep"]
+    for level in (chat, raw):
+        assert level["summary"]["num_failed"] == 0 and level["summary"]["num_output_tokens"] == 2 * 4
+        assert all(r["num_output_tokens"] == 4 and 0 < r["ttft_ms"] <= r["e2e_ms"] for r in level["requests"])
+    chat_tokens = [r["num_prompt_tokens"] for r in chat["requests"]]
+    assert chat_tokens == [r["num_prompt_tokens"] for r in raw["requests"]] and min(chat_tokens) > 0
+    assert len(set(chat_tokens)) == 1  # one question: one prompt length
+    table = proc.stdout[proc.stdout.index("| ratio (completions / text-only chat) |"):]
+    assert f"| {chat_tokens[0]} / {chat_tokens[0]} |" in table.splitlines()[2], table
+
+
+def test_bench_serve_with_completions_needs_the_openai_door(shared_stack):
+    proc = _sweep(["--endpoint", shared_stack.gateway, "--num-requests", "1", "--no-baselines",
+                   "--with-completions"])  # fmt: skip
+    assert proc.returncode == 2 and "--with-completions needs --openai" in proc.stderr
