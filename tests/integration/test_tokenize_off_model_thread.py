@@ -24,6 +24,7 @@ from epd.prefill_svc.stage import LocalPrefillStage
 from epd.stages.messages import from_chat_template
 from epd.stages.model_thread import ModelThread
 from epd.stages.tokenize import TokenizeInput
+from tests.families import family_checkpoints
 
 HANG_GUARD_S = 60.0
 """Only ends a test that would otherwise wait forever (a call stuck behind the held model thread)."""
@@ -46,19 +47,27 @@ def processor(tiny_models):
     return AutoProcessor.from_pretrained(str(tiny_models["qwen2_vl"]))
 
 
-def test_the_tokenizing_copy_owns_its_tokenizer_and_gives_the_same_ids(adapter, processor):
+@pytest.fixture(scope="module")
+def checkpoints(tiny_models, tmp_path_factory):
+    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("tokenizing_copy_models"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"])
+def test_the_tokenizing_copy_owns_its_tokenizer_and_gives_the_same_ids(checkpoints, family):
     """Shared with the model thread's, a fast tokenizer may refuse a concurrent call ("Already
     borrowed"): the copy's tokenizer and processor are its own, the processor's tokenizer is the
-    copy's tokenizer, and the model is shared, not copied."""
+    copy's tokenizer, the model is shared, not copied, and every family's copy gives the ids the
+    adapter gives (a conversation's are its text-only prompt's)."""
+    adapter = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill")
     twin = adapter.tokenizing_copy()
     assert twin.tokenizer is not adapter.tokenizer and twin.processor is not adapter.processor
     assert twin.processor.tokenizer is twin.tokenizer
     assert twin.model is adapter.model
     conversation = _conversation("what colour is the sky?")
-    rendered = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    expected = processor.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    assert twin.tokenize_conversation(conversation, True, False) == expected
-    assert adapter.build_prompt(conversation, None).input_ids[0].tolist() == expected
+    prompt_ids = adapter.build_prompt(conversation, None).input_ids[0].tolist()
+    assert twin.tokenize_conversation(conversation, True, False) == prompt_ids
+    assert twin.tokenize("a red circle", True) == adapter.tokenize("a red circle", True)
+    assert twin.decode_tokens(prompt_ids) == adapter.decode_tokens(prompt_ids)
 
 
 def test_tokenize_answers_while_the_model_thread_is_busy(adapter):
