@@ -73,6 +73,9 @@ class PrefillEngine:
     def __init__(self, config: PrefillConfig, adapter: VLMAdapter) -> None:
         self.config = config
         self.adapter = adapter
+        self.tokenizing = adapter.tokenizing_copy()
+        """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
+        answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_ttl_s)
         # Families whose cache is attention-only and that continue a cache in chunks. A hybrid
         # model's linear states (Qwen3.5) hold the whole prompt in a fixed-size state that cannot
@@ -91,12 +94,13 @@ class PrefillEngine:
         )
 
     def tokenize(self, request: TokenizeInput) -> list[int]:
-        """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt."""
+        """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt
+        (with `tokenizing`: call from one thread at a time, which need not be the model thread)."""
         request.check(self.config.max_text_chars)
         try:
             if request.prompt is not None:
-                return self.adapter.tokenize(request.prompt, request.add_special_tokens)
-            return self.adapter.tokenize_conversation(
+                return self.tokenizing.tokenize(request.prompt, request.add_special_tokens)
+            return self.tokenizing.tokenize_conversation(
                 to_chat_template(request.messages, ""), request.add_generation_prompt, request.add_special_tokens
             )
         except ValueError as exc:
@@ -104,9 +108,9 @@ class PrefillEngine:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize
-        text could give), special tokens kept."""
+        text could give), special tokens kept. As `tokenize`: one thread at a time."""
         check_token_ids(token_ids, self.adapter.vocab_size, self.config.max_text_chars)
-        return self.adapter.decode_tokens(list(token_ids))
+        return self.tokenizing.decode_tokens(list(token_ids))
 
     def validate(self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig) -> None:
         check_messages(messages, self.config.max_text_chars)

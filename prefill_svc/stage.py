@@ -4,6 +4,8 @@
                      a bad request is refused here and never queues)
                   -> core.submit: waits in the scheduler, runs in batched/chunked steps
                   -> the finished cache goes into the KvStore under a new handle
+    tokenize(...) / detokenize(...) -> the engine's own tokenizer copy on the tokenizer thread,
+                     never the model thread: they never wait for a prefill step
 
 Used by the prefill gRPC servicer and by the embedded mode. A cancelled prefill leaves the queue
 at once (its chunks' cache is freed before the next step) and stores nothing.
@@ -12,9 +14,13 @@ at once (its chunks' cache is freed before the next step) and stores nothing.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any, TypeVar
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
@@ -31,6 +37,10 @@ from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TOKENIZER_THREAD_NAME = "prefill_tokenize"
+"""The thread that answers /tokenize and /detokenize (py-spy and thread dumps show it)."""
 
 
 def build_prefill_core(engine: PrefillEngine, model_thread: ModelThread) -> EngineCore[PrefillRequest]:
@@ -57,6 +67,8 @@ class LocalPrefillStage(PrefillStage):
         self.kv_address = kv_address
         """host:port decoders pull this stage's caches from ("" when they take them in-process)."""
         self.core = core or build_prefill_core(engine, model_thread)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix=TOKENIZER_THREAD_NAME)
+        """Answers /tokenize and /detokenize (started at the first); `close_tokenizer` stops it."""
 
     async def prefill(
         self,
@@ -97,12 +109,20 @@ class LocalPrefillStage(PrefillStage):
         return self.engine.model_info()
 
     async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
-        # On the model thread: the tokenizer is the one `prepare` uses there (a fast tokenizer
-        # shared between threads may refuse a call: "Already borrowed").
-        return await self.model_thread.run(self.engine.tokenize, request)
+        # Off the model thread, with the engine's own copy of the tokenizer (`engine.tokenizing`),
+        # on one thread: it never waits for a prefill step nor takes model time from one, and the
+        # copy is never used by two threads at once (a fast tokenizer would refuse a call:
+        # "Already borrowed"). Calls beyond the one running queue there, in arrival order.
+        return await self._on_tokenizer_thread(self.engine.tokenize, request)
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
-        return await self.model_thread.run(self.engine.detokenize, token_ids)
+        return await self._on_tokenizer_thread(self.engine.detokenize, token_ids)
+
+    async def _on_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer thread, in the caller's context (as `ModelThread.run`);
+        cancelling the await drops a call that has not started."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.wrap_future(self._tokenizer_thread.submit(call))
 
     def load(self) -> EngineLoad:
         """What the prefill core is doing now (running/waiting requests, last batch size, steps),
@@ -125,5 +145,10 @@ class LocalPrefillStage(PrefillStage):
             kv_store_refused=kv.num_refused,
         )
 
+    def close_tokenizer(self) -> None:
+        """Stop the tokenizer thread after the call it runs; queued calls are cancelled."""
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
     async def close(self) -> None:
+        self.close_tokenizer()
         await self.core.close()

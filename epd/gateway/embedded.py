@@ -40,6 +40,7 @@ class EmbeddedPipeline(Pipeline):
         """Stop the stages' threads (calls running finish; queued ones are cancelled). The
         pipeline takes no request after it."""
         self.encoder.close()
+        self.prefill.close_tokenizer()
         self.model_thread.close()
 
     async def aclose(self) -> None:

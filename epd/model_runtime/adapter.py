@@ -303,6 +303,14 @@ class VLMAdapter(ABC):
         """The text of token ids, special tokens kept (/detokenize; answers use `detokenize`)."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
+    def tokenizing_copy(self) -> VLMAdapter:
+        """An adapter whose `tokenize`, `tokenize_conversation` and `decode_tokens` give what this
+        one's give, for one thread other than the model thread (prefill's /tokenize thread): a
+        family that exposes its tokenizer returns a copy with a tokenizer (and processor) of its
+        own, as a fast tokenizer used by two threads at once refuses a call ("Already borrowed").
+        This one exposes none: its calls only raise, so it is its own copy."""
+        return self
+
     def build_raw_prompt(self, text: str, token_ids: Sequence[int] = ()) -> Prompt:
         """A prompt run as it is, with no chat template (`epd.stages.raw_prompt`): `text` tokenised
         as the family's `tokenizer(text)` tokenises it by default, or `token_ids`; no visual token

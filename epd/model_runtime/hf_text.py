@@ -6,6 +6,7 @@ where its model differs (`_step_positions` / `_batch_positions` for 1-D rotary p
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -152,6 +153,14 @@ class HfTextAdapter(VLMAdapter):
 
     def decode_tokens(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def tokenizing_copy(self) -> HfTextAdapter:
+        """This adapter with deep copies of its tokenizer and processor (copied together, so the
+        processor's tokenizer is the copy's tokenizer, as here) and its model shared: the same
+        template and vocabulary, hence the same ids; only the tokenizer methods may be called on it."""
+        twin = copy.copy(self)
+        twin.tokenizer, twin.processor = copy.deepcopy((self.tokenizer, self.processor))
+        return twin
 
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual
