@@ -199,8 +199,9 @@ class ReplicaPool:
             self._close_idle()
 
     def pick(self, key: str = "") -> grpc.aio.Channel:
-        """The channel a call with affinity `key` ("" = none) goes to first."""
-        return self._by_address[self.chooser.order(key)[0]]
+        """The channel a call with affinity `key` ("" = none) goes to first: `candidates`' first
+        (never a name not resolved yet; IndexError when the pool has nothing else)."""
+        return self.candidates(key)[0][1]
 
     def candidates(self, key: str = "") -> list[tuple[str, grpc.aio.Channel]]:
         """(address, channel) of the replicas one call may try, best first: the healthy ones, or

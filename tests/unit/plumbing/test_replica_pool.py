@@ -55,6 +55,21 @@ def test_one_replica_gets_every_call_and_close_closes_its_channel():
     assert asyncio.run(scenario()) == [b"only"] * 3
 
 
+def test_the_first_pick_is_never_a_name_not_resolved_yet():
+    """`pick` is the first candidate a call tries: a `dns:///` name the gateway has not found yet
+    gets no call (`unresolved`), whatever its rendezvous score for the key."""
+
+    async def scenario():
+        pool = ReplicaPool(["dns:///stage.invalid:1", "127.0.0.1:1"])
+        try:
+            for key in ("", "a", "b", "c", "d"):
+                assert pool.pick(key) is pool.channel("127.0.0.1:1")
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_stage_needs_an_address():
     with pytest.raises(ValueError, match="at least one address"):
         ReplicaPool([])
