@@ -253,14 +253,21 @@ def parse_chat_request(
     return request
 
 
-def check_model(body: Any, served_model: str) -> str:
-    """The body (a JSON object) asks the served model (its name, or none) for one answer (n=1):
-    the model's name, else InvalidRequest (400) or NotFound (404)."""
+def requested_model(body: Any, served_model: str) -> str:
+    """The body (a JSON object) names the served model, or none: the model's name, else
+    InvalidRequest (400) or NotFound (404). Every route that takes a body and a model checks it."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = checked_text(body.get("model"), "model") or served_model
     if model != served_model:
         raise NotFound(f"model '{model[:200]}' is not served here; GET /v1/models lists '{served_model}'")
+    return model
+
+
+def check_model(body: Any, served_model: str) -> str:
+    """`requested_model`, for one answer (n=1): the model's name, else InvalidRequest (400) or
+    NotFound (404)."""
+    model = requested_model(body, served_model)
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise InvalidRequest("only n=1 is supported")

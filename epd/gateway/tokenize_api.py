@@ -22,8 +22,8 @@ from aiohttp import web
 
 from epd.gateway.http_body import defer_continue, read_json_body
 from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
-from epd.gateway.openai_protocol import parse_messages
-from epd.stages.errors import InvalidRequest, NotFound
+from epd.gateway.openai_protocol import parse_messages, requested_model
+from epd.stages.errors import InvalidRequest
 from epd.stages.tokenize import TokenizeInput
 from epd.transport import tracing
 
@@ -41,7 +41,7 @@ _REFUSED_CHAT_FIELDS = ("continue_final_message", "chat_template", "chat_templat
 def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
     """vLLM's TokenizeCompletionRequest ({"prompt"}) or TokenizeChatRequest ({"messages"});
     InvalidRequest (400) or NotFound (404, model)."""
-    _check_model(body, served_model)
+    requested_model(body, served_model)
     if boolean_field(body, "return_token_strs", False):
         raise InvalidRequest("return_token_strs is not supported by this server; leave it unset or false")
     if "messages" in body:
@@ -63,18 +63,10 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
 
 
 def parse_detokenize_request(body: Any, served_model: str) -> list[int]:
-    _check_model(body, served_model)
+    requested_model(body, served_model)
     tokens = body.get("tokens")
     check_collection(tokens, list, "tokens", "a list of token ids", MAX_DETOKENIZE_TOKENS)
     return [number_item(t, TOKEN_ID, "tokens[]") for t in tokens]
-
-
-def _check_model(body: Any, served_model: str) -> None:
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    model = checked_text(body.get("model"), "model") or served_model
-    if model != served_model:
-        raise NotFound(f"model '{model[:200]}' is not served here; GET /v1/models lists '{served_model}'")
 
 
 def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
