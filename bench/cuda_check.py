@@ -8,8 +8,9 @@ Neither CI nor the tests need a GPU; this is the check a session that is lent on
 traceback and the others still run (the exit code is 1 when any part failed or any token check
 did not hold).
 
-1. exactness, float32: the test suite's tiny Qwen2-VL and Qwen2.5-VL (built from the real config
-   classes, saved, loaded back through from_pretrained), served by the embedded pipeline on the
+1. exactness, float32: the test suite's tiny Qwen2-VL and Qwen2.5-VL (with `--families all` also
+   Qwen3-VL, its MoE, Qwen3.5 and LLaVA-OneVision; built from the real config classes, saved,
+   loaded back through from_pretrained), served by the embedded pipeline on the
    device: the colocated server's engine cores (batched tower steps, batched and chunked prefill,
    the decode batch over KV slots). Each case alone, then the four cases of
    tests/integration/test_exactness.py's batch at once (different prompt lengths, joins and leaves
@@ -66,6 +67,7 @@ from epd.stages.messages import question_messages  # noqa: E402
 from epd.video import simple_decoder  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
 from tests.embedded import ask_tokens  # noqa: E402
+from tests.families import build_qwen3_vl_moe_checkpoint  # noqa: E402
 from tests.media import make_video  # noqa: E402
 from tests.reference import (  # noqa: E402
     decode_for_test,
@@ -83,6 +85,8 @@ PRUNING_PRESET = "balanced"
 PRUNING_KNOBS = {"decode_min_steps": 4, "decode_evict_interval": 4}
 PRUNING_STAGES = ["temporal", "spatial_merge", "prefill_drop", "kv_compress", "decode_evict"]
 CASES = [("mp4", 8), ("mp4", 64), ("png", 1)]
+# Parts 1 and 5 run the first two unless --families names others ("all": every family epd serves).
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
 # (media, frames, max_new_tokens, start delay s): tests/integration/test_exactness.py's batch.
 BATCH = [("mp4", 64, 20, 0.0), ("mp4", 8, 7, 0.0), ("png", 1, 13, 0.05), ("mp4", 8, 20, 0.3)]
 NEAR_TIE_LOGITS = 1e-3
@@ -125,7 +129,10 @@ def tiny(work: Path, family: str) -> Path:
     """The test suite's tiny checkpoint of `family` (built once per work dir)."""
     model_dir = work / family
     if not (model_dir / "config.json").exists():
-        build_checkpoint(model_dir, TinyVLMSpec(family=family))
+        if family == "qwen3_vl_moe":
+            build_qwen3_vl_moe_checkpoint(model_dir)
+        else:
+            build_checkpoint(model_dir, TinyVLMSpec(family=family))
     return model_dir
 
 
@@ -169,10 +176,10 @@ def print_exactness_rows(family, model_dir, files, device, alone, batch) -> None
 
 
 @part("1. exactness on the device, float32 (alone and in one batch) against generate()")
-def exactness(work: Path, files, device: str) -> None:
+def exactness(work: Path, files, device: str, families: list[str]) -> None:
     print("| family | case | alone | in the batch |")
     print("|---|---|---|---|")
-    for family in ("qwen2_vl", "qwen2_5_vl"):
+    for family in families:
         model_dir = tiny(work, family)
         pipeline = build_embedded_pipeline(ModelConfig(model=str(model_dir), device=device))
 
@@ -187,7 +194,7 @@ def exactness(work: Path, files, device: str) -> None:
 @part(
     "5. the three services as processes on the device (gRPC, KV over the wire), float32, against generate()"
 )
-def services(work: Path, files, device: str) -> None:
+def services(work: Path, files, device: str, families: list[str]) -> None:
     """tests/stack.py's stack (encoder, prefill, decode with `--device`, and the gateway), asked
     through the SDK as test_exactness asks the CPU stack."""
     from epd.client import AsyncEpdClient
@@ -208,7 +215,7 @@ def services(work: Path, files, device: str) -> None:
 
     async def run() -> None:
         flags = ["--device", device]
-        for family in ("qwen2_vl", "qwen2_5_vl"):
+        for family in families:
             model_dir = tiny(work, family)
             extra = {stage: flags for stage in ("encoder", "prefill", "decode")}
             with Stack(model_dir, work / f"logs-{family}", extra=extra) as stack:
@@ -428,9 +435,12 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer requests and batch sizes (a CPU dry run)")
     ap.add_argument("--parts", default="1,2,3,4,5,6", help="which parts to run, e.g. 1,3 (6 needs CUDA)")
+    ap.add_argument("--families", default=",".join(FAMILIES[:2]),
+                    help=f"parts 1 and 5's model families, comma-separated, or 'all' ({', '.join(FAMILIES)})")
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
+    families = FAMILIES if args.families == "all" else args.families.split(",")
     if args.device.startswith("cuda"):
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(args.device)}")
     import transformers
@@ -440,13 +450,13 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     files = media_files(work)
     if 1 in parts:
-        exactness(work, files, args.device)
+        exactness(work, files, args.device, families)
     if 2 in parts:
         bfloat16(work, files, args.device)
     if 3 in parts:
         step_times(work, args.device, [1, 4] if args.quick else [1, 4, 16, 32, 64], 8 if args.quick else 32)
     if 5 in parts:
-        services(work, files, args.device)
+        services(work, files, args.device, families)
     if 4 in parts:
         load(work, args.device, 4 if args.quick else 32, 2 if args.quick else 16, 8 if args.quick else 32)
     if 6 in parts and args.device.startswith("cuda"):  # another device: parts 1-5 only, as before

@@ -49,26 +49,35 @@ def whole_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype | None 
 
 def reference_inputs(processor, video: DecodedVideo, messages: list[dict]):
     """The processor's own inputs for `messages` (its chat form, parts in order) and the media:
-    `apply_chat_template`, then the processor's __call__ with the frames our encoder samples."""
+    `apply_chat_template`, then the processor's __call__ with the frames our encoder samples, given
+    as each family's adapter tests give them: Qwen2-VL / Qwen2.5-VL with the sampled frames as the
+    whole clip, Qwen3-style processors (Qwen3-VL, its MoE, Qwen3.5) with the source's fps and frame
+    indices (for their `<t seconds>` text), LLaVA-OneVision with the frames as they are."""
     from transformers.video_utils import VideoMetadata
 
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if video.is_image:
-        inputs = processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-    else:
-        t = video.num_frames
-        meta = VideoMetadata(total_num_frames=t, fps=video.sampled_fps, frames_indices=list(range(t)))
-        inputs = processor(
-            text=[text],
-            videos=[video.frames],
-            return_tensors="pt",
-            videos_kwargs={
-                "do_sample_frames": False,
-                "cap_pixels_per_frame": False,
-                "video_metadata": [meta],
-            },
-        )
-    return inputs
+        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
+    kind = type(processor).__name__
+    if kind.startswith("Qwen3"):
+        from tests.families import qwen_processor_inputs
+
+        return qwen_processor_inputs(processor, video, messages=messages)
+    if kind.startswith("LlavaOnevision"):
+        return processor(text=[text], videos=[video.frames], return_tensors="pt",
+                         videos_kwargs={"do_sample_frames": False})  # fmt: skip
+    t = video.num_frames
+    meta = VideoMetadata(total_num_frames=t, fps=video.sampled_fps, frames_indices=list(range(t)))
+    return processor(
+        text=[text],
+        videos=[video.frames],
+        return_tensors="pt",
+        videos_kwargs={
+            "do_sample_frames": False,
+            "cap_pixels_per_frame": False,
+            "video_metadata": [meta],
+        },
+    )
 
 
 def reference_tokens_for_messages(

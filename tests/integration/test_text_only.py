@@ -13,7 +13,6 @@ import urllib.request
 import grpc
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import EpdClient, EpdError, Message
@@ -29,8 +28,8 @@ from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.families import family_checkpoints, qwen_processor_inputs
-from tests.reference import decode_for_test, reference_tokens_for_messages, text_only_reference, whole_model
+from tests.families import family_checkpoints
+from tests.reference import decode_for_test, reference_tokens_for_messages, text_only_reference
 
 MAX_NEW_TOKENS = 12
 NUM_FRAMES = 4
@@ -54,24 +53,6 @@ VIDEO_LATER = [
     {"role": "assistant", "content": [{"type": "text", "text": "ok, send it"}]},
     {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]},
 ]
-
-
-def video_reference(family: str, model_dir, video, messages: list[dict]) -> list[int]:
-    """`generate(do_sample=False)` on `messages` with the video, its frames given to the
-    processor as each family's adapter tests give them (Qwen3-style processors: the source's
-    fps and frame indices, for the `<t seconds>` text; LLaVA-OneVision: the frames as they are)."""
-    if family in ("qwen2_vl", "qwen2_5_vl"):
-        return reference_tokens_for_messages(model_dir, video, messages, MAX_NEW_TOKENS)
-    model, processor = whole_model(model_dir)
-    if family == "llava_onevision":
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[text], videos=[video.frames], return_tensors="pt",
-                           videos_kwargs={"do_sample_frames": False})  # fmt: skip
-    else:
-        inputs = qwen_processor_inputs(processor, video, messages=messages)
-    with torch.inference_mode():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 async def _summary(pipeline, messages: list[dict], media: MediaInput | None = None, **options) -> AskSummary:
@@ -120,7 +101,7 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
         # still equals generate() (Qwen3.5's recurrent layers keep no prefix cache at all).
         opening = summary(pipeline, VIDEO_LATER[:1])
         later = summary(pipeline, VIDEO_LATER, MediaInput(media_files["mp4"].read_bytes()))
-        assert later.token_ids == video_reference(family, path, video, VIDEO_LATER)
+        assert later.token_ids == reference_tokens_for_messages(path, video, VIDEO_LATER, MAX_NEW_TOKENS)
         assert later.num_visual_tokens > 0 and list(later.timings_ms) == list(TIMING_NAMES)
         if family != "qwen3_5":
             assert opening.num_prompt_tokens <= later.num_reused_prompt_tokens < later.num_prompt_tokens
@@ -144,7 +125,7 @@ def test_text_only_and_media_requests_batched_together_each_equal_generate(check
             )
 
         with_media, text, multi = asyncio.run(run())
-    assert with_media.token_ids == video_reference(family, path, video, media_messages)
+    assert with_media.token_ids == reference_tokens_for_messages(path, video, media_messages, MAX_NEW_TOKENS)
     assert text.token_ids == text_only_reference(path, CONVERSATIONS["system_and_text"], MAX_NEW_TOKENS)
     assert multi.token_ids == text_only_reference(path, CONVERSATIONS["multi_turn"], MAX_NEW_TOKENS)
 
