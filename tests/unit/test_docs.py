@@ -42,6 +42,8 @@ NOT_EPD_FLAGS = {
     "--max-num-seqs": "vLLM's name for --max-running-requests",
     "--kv-cache-memory-bytes": "vLLM's KV cache size, --kv-budget-bytes' counterpart",
     "--quick": "bench/bench_decode.py's own flag",
+    "--parts": "bench/cuda_check.py's own flag",
+    "--families": "bench/cuda_check.py's own flag",
 }
 """Flags the docs name that belong to something else, said so where they are named."""
 
