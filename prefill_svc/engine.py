@@ -45,7 +45,7 @@ from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import Message, check_messages, media_in_opening, media_type, to_chat_template
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
-from epd.stages.tokenize import TokenizeInput, check_token_ids
+from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
 from epd.token_pruning import (
     ModelSizes,
     PruningConfig,
@@ -93,18 +93,21 @@ class PrefillEngine:
             model_type=self.adapter.family,
         )
 
-    def tokenize(self, request: TokenizeInput) -> list[int]:
+    def tokenize(self, request: TokenizeInput) -> TokenizeOutput:
         """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt
         (with `tokenizing`: call from one thread at a time, which need not be the model thread)."""
         request.check(self.config.max_text_chars)
         try:
             if request.prompt is not None:
-                return self.tokenizing.tokenize(request.prompt, request.add_special_tokens)
-            return self.tokenizing.tokenize_conversation(
-                to_chat_template(request.messages, ""), request.add_generation_prompt, request.add_special_tokens
-            )
+                token_ids = self.tokenizing.tokenize(request.prompt, request.add_special_tokens)
+            else:
+                token_ids = self.tokenizing.tokenize_conversation(
+                    to_chat_template(request.messages, ""), request.add_generation_prompt,
+                    request.add_special_tokens, request.continue_final_message,
+                )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        return TokenizeOutput(token_ids, self.tokenizing.token_strings(token_ids) if request.return_token_strs else None)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize

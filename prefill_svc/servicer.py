@@ -29,7 +29,7 @@ from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
-from epd.transport.model_info import model_info_to_proto, tokenize_input_from_proto
+from epd.transport.model_info import model_info_to_proto, tokenize_input_from_proto, tokenize_output_to_proto
 from epd.transport.tensor_wire import TensorAssembler, tensor_to_chunks
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -140,8 +140,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     @rpc_errors
     async def Tokenize(self, request, context):
         request_id = tracing.adopt_request_id(request.request_id)
-        token_ids = await self._loaded().tokenize(tokenize_input_from_proto(request), request_id)
-        return prefill_pb2.TokenizeResult(token_ids=token_ids)
+        return tokenize_output_to_proto(await self._loaded().tokenize(tokenize_input_from_proto(request), request_id))
 
     @rpc_errors
     async def Detokenize(self, request, context):

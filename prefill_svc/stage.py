@@ -33,7 +33,7 @@ from epd.stages.messages import Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.model_thread import ModelThread
 from epd.stages.raw_prompt import RawPrompt
-from epd.stages.tokenize import TokenizeInput
+from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class LocalPrefillStage(PrefillStage):
     def model_info(self) -> ModelInfo:
         return self.engine.model_info()
 
-    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
         # Off the model thread, with the engine's own copy of the tokenizer (`engine.tokenizing`),
         # on one thread: it never waits for a prefill step nor takes model time from one, and the
         # copy is never used by two threads at once (a fast tokenizer would refuse a call:

@@ -109,6 +109,17 @@ def text_only_reference(model_dir, messages: list[dict], max_new_tokens: int) ->
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def raw_reference(model_dir, prompt: str, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(tokenizer(prompt).input_ids, generate(those ids, do_sample=False)'s new tokens) on the
+    unsplit model: how a Hugging Face user continues a raw prompt (no chat template)."""
+    model, processor = whole_model(model_dir)
+    ids = processor.tokenizer(prompt).input_ids
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens)
+    return ids, out[0, len(ids):].tolist()
+
+
 def divergence_margin(
     model_dir: Path,
     video: DecodedVideo,

@@ -5,6 +5,11 @@ user message [media, QUESTION]; FILE holds the processor's chat form, parts in y
 `epd ask --no-video QUESTION` (or `--no-video --messages FILE` without a media part) is a
 text-only conversation: no media is read or sent, no encoder runs.
 
+`epd ask --prompt TEXT` continues a raw prompt, as the HTTP API's /v1/completions and the SDK's
+`prompt=` do: no chat template (TEXT tokenised as the model's `tokenizer(TEXT)`), no media, so
+the answer is `model.generate(tokenizer(TEXT).input_ids, do_sample=False)`'s. It takes no VIDEO,
+QUESTION, --messages or turns.
+
 Follow-ups: `--question Q` (repeatable, after QUESTION if given) and `--interactive` (questions
 read from stdin, one a line, until EOF or an empty line) ask in turn as one conversation: each
 turn sends the earlier questions and answers too (`epd.client.conversation.History`, the SDK's
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
     from epd.gateway.pipeline import AskSummary, Pipeline
     from epd.model_runtime.config import ModelConfig
     from epd.stages.messages import Message
+    from epd.stages.raw_prompt import RawPrompt
 
 
 def run_ask(args: argparse.Namespace) -> int:
@@ -45,8 +51,9 @@ def run_ask(args: argparse.Namespace) -> int:
     from epd.stages.errors import InvalidRequest
 
     try:
-        path = _media_path(args)
-        messages = _messages(args)
+        prompt = _raw_prompt(args)
+        path = None if prompt is not None else _media_path(args)
+        messages = None if prompt is not None else _messages(args)
         _check_tls_flags(args)
         if args.fps is not None and args.num_frames:  # what every door refuses (ONE_FRAME_CHOICE)
             raise ValueError("--fps and --num-frames: give one (--num-frames N: exactly N frames; "
@@ -58,7 +65,8 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_ask_remote(args, path, messages) if model is None else _ask_embedded(args, path, messages, model))
+        asyncio.run(_ask_remote(args, path, messages, prompt) if model is None
+                    else _ask_embedded(args, path, messages, model, prompt))
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
         return 130
@@ -78,6 +86,25 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {code.name}: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _raw_prompt(args: argparse.Namespace) -> str | None:
+    """--prompt's TEXT (None without it); ValueError, saying what to drop, beside anything that
+    asks a question or sends media."""
+    if args.prompt is None:
+        return None
+    positional = [shown for shown in (args.video, args.question) if shown is not None]
+    given = ([f"a VIDEO or QUESTION argument ({', '.join(repr(p[:40]) for p in positional)})"] if positional else []) + [
+        flag for flag, on in (("--messages", bool(args.messages)), ("--question", bool(args.questions)),
+                              ("--interactive", args.interactive), ("--no-video", args.no_video)) if on
+    ]  # fmt: skip
+    if given:
+        raise ValueError(f"--prompt is a raw prompt, continued without the chat template and without media: drop "
+                         f"{' and '.join(given)} (or drop --prompt to ask a question: VIDEO QUESTION, or "
+                         f"--no-video QUESTION)")
+    if not args.prompt:
+        raise ValueError("--prompt is empty; give the text to continue")
+    return str(args.prompt)
 
 
 def _media_path(args: argparse.Namespace) -> Path | None:
@@ -232,7 +259,8 @@ def _print_summary(result: AskResult) -> None:
 
 
 async def _ask_embedded(
-    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, model: ModelConfig
+    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, model: ModelConfig,
+    prompt: str | None = None,
 ) -> None:
     from epd.video.media_open import sniff_container
 
@@ -243,6 +271,7 @@ async def _ask_embedded(
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
     from epd.model_runtime.loader import resolve_model_path
+    from epd.stages.raw_prompt import RawPrompt
 
     model_path = resolve_model_path(model.model)
     notice = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
@@ -252,6 +281,9 @@ async def _ask_embedded(
     pipeline = build_embedded_pipeline(model)
 
     async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
+        if prompt is not None:
+            yield "", _embedded_stream(args, pipeline, None, [], raw_prompt=RawPrompt(text=prompt))
+            return
         if messages is not None:
             yield "", _embedded_stream(args, pipeline, media, messages)
             return
@@ -266,10 +298,11 @@ async def _ask_embedded(
 
 async def _embedded_stream(
     args: argparse.Namespace, pipeline: Pipeline, media: bytes | None, messages: list[Message],
-    answer: list[str] | None = None,
+    answer: list[str] | None = None, raw_prompt: RawPrompt | None = None,
 ) -> AsyncIterator[StreamEvent]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
-    the answer's text is appended to `answer` for the caller's history."""
+    the answer's text is appended to `answer` for the caller's history. `raw_prompt`: instead
+    of `messages` (then [])."""
     from epd.cli import configs
     from epd.client import StageEvent as ClientStageEvent
     from epd.client import TokenDelta
@@ -284,6 +317,7 @@ async def _embedded_stream(
         generation=configs.generation_config(args),
         pruning=configs.pruning_config(args),
         cache_salt=args.cache_salt,
+        raw_prompt=raw_prompt,
     )
     started = time.perf_counter()
     events: list[ClientStageEvent] = []
@@ -339,7 +373,9 @@ def _check_tls_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})") from None
 
 
-async def _ask_remote(args: argparse.Namespace, path: Path | None, messages: list[Message] | None) -> None:
+async def _ask_remote(
+    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, prompt: str | None = None
+) -> None:
     from epd.cli import configs
     from epd.client import AsyncEpdClient
 
@@ -354,6 +390,9 @@ async def _ask_remote(args: argparse.Namespace, path: Path | None, messages: lis
     async with AsyncEpdClient(args.endpoint, api_key=args.api_key, tls=bool(args.tls_ca), **tls) as client:
 
         async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
+            if prompt is not None:
+                yield "", client.stream(None, prompt=prompt, **options)
+                return
             if messages is not None:
                 yield "", client.stream(path, messages=messages, **options)
                 return

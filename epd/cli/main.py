@@ -2,6 +2,7 @@
 
     epd ask VIDEO (QUESTION | --messages FILE) [--endpoint HOST:PORT] [--json]
     epd ask VIDEO [QUESTION] --question Q2 ... [--interactive]   # one conversation, in turns
+    epd ask --prompt TEXT         # a raw prompt, continued without the chat template (/v1/completions')
     epd serve                     # the whole stack on loopback, one process per service
     epd serve encoder|prefill|decode|gateway
     epd health HOST:PORT          # exit 0 when the service reports SERVING; 1 when it does not, or no answer
@@ -524,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
                           '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
                           "roles system/user/assistant, parts in your order, one video or image part (none with --no-video)")
+    ask.add_argument("--prompt", default=None, metavar="TEXT",
+                     help="instead of VIDEO and QUESTION, a raw prompt continued as it is, without the chat template "
+                          "(the HTTP API's /v1/completions): tokenised as the model's tokenizer(TEXT), no media")
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),

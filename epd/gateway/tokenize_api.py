@@ -3,12 +3,15 @@ chat template (the stack's gateway calls `PrefillService.Tokenize` / `Detokenize
 loaded replica; the colocated front door its own prefill stage):
 
     POST /tokenize     {"prompt": "..."} (add_special_tokens, default true), or {"messages": [...]}
-                       (add_generation_prompt, default true; add_special_tokens, default false)
-                       -> {"count": n, "max_model_len": m, "tokens": [...], "token_strs": null}
+                       (add_generation_prompt, default true; continue_final_message, default
+                       false, not with add_generation_prompt; add_special_tokens, default false);
+                       either with return_token_strs (default false)
+                       -> {"count": n, "max_model_len": m, "tokens": [...], "token_strs": null | [...]}
     POST /detokenize   {"tokens": [...]} -> {"prompt": "..."} (special tokens kept)
 
 A messages list is rendered exactly as a chat request's prompt: its `count` is the answer's
-`usage.prompt_tokens`. Text only: a video or image part is a 400 (its tokens depend on the frames
+`usage.prompt_tokens`. As vLLM's, it may end with any role (an assistant's last turn counted
+without a generation prompt, or left open with continue_final_message). Text only: a video or image part is a 400 (its tokens depend on the frames
 the encoder samples). Each body is read, admitted and guarded as a chat request's (their paths
 are `BODY_ROUTES`): the API key, the admission limits, JSON only, no cross-site browser POST.
 """
@@ -34,16 +37,14 @@ MAX_DETOKENIZE_TOKENS = 262_144
 """Ids one /detokenize takes at most (prefill's `max_text_chars` by default: what a longest
 /tokenize text could give); prefill checks its own bound too."""
 
-_REFUSED_CHAT_FIELDS = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-                        "mm_processor_kwargs")  # fmt: skip
+_REFUSED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 
 
 def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
     """vLLM's TokenizeCompletionRequest ({"prompt"}) or TokenizeChatRequest ({"messages"});
     InvalidRequest (400) or NotFound (404, model)."""
     requested_model(body, served_model)
-    if boolean_field(body, "return_token_strs", False):
-        raise InvalidRequest("return_token_strs is not supported by this server; leave it unset or false")
+    return_token_strs = boolean_field(body, "return_token_strs", False)
     if "messages" in body:
         if "prompt" in body:
             raise InvalidRequest("send exactly one of 'prompt' (a text) and 'messages' (a conversation)")
@@ -55,11 +56,14 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
             messages=messages,
             add_special_tokens=boolean_field(body, "add_special_tokens", False),
             add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
+            continue_final_message=boolean_field(body, "continue_final_message", False),
+            return_token_strs=return_token_strs,
         )
     if not isinstance(body.get("prompt"), str):
         raise InvalidRequest("send 'prompt' (a string) or 'messages' (a list of chat messages)")
     return TokenizeInput(prompt=checked_text(body["prompt"], "prompt"),
-                         add_special_tokens=boolean_field(body, "add_special_tokens", True))
+                         add_special_tokens=boolean_field(body, "add_special_tokens", True),
+                         return_token_strs=return_token_strs)
 
 
 def parse_detokenize_request(body: Any, served_model: str) -> list[int]:
@@ -88,11 +92,11 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
             return exception_response(exc)
 
     async def tokenize(body: Any) -> dict[str, Any]:
-        token_ids = await pipeline.prefill.tokenize(
+        out = await pipeline.prefill.tokenize(
             parse_tokenize_request(body, config.http.served_model_name), tracing.current_request_id())
         info = pipeline.model_info()
-        return {"count": len(token_ids), "max_model_len": None if info is None else info.max_model_len,
-                "tokens": token_ids, "token_strs": None}
+        return {"count": len(out.token_ids), "max_model_len": None if info is None else info.max_model_len,
+                "tokens": out.token_ids, "token_strs": out.token_strs}
 
     async def detokenize(body: Any) -> dict[str, Any]:
         token_ids = parse_detokenize_request(body, config.http.served_model_name)

@@ -292,19 +292,26 @@ class VLMAdapter(ABC):
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
     def tokenize_conversation(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """A conversation without media (`build_prompt`'s form) rendered with the model's chat
         template and tokenised; with `add_generation_prompt` and without special tokens, exactly
-        `build_prompt(conversation, None).input_ids`. ValueError as `build_prompt`'s."""
+        `build_prompt(conversation, None).input_ids`; with `continue_final_message`, its last
+        message left open (transformers' `apply_chat_template` option). ValueError as
+        `build_prompt`'s, or when the template cannot leave the last message open."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its chat template")
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's token in the vocabulary (the tokenizer's `convert_ids_to_tokens`: "Ġred", not " red")."""
+        raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
     def decode_tokens(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens kept (/detokenize; answers use `detokenize`)."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
     def tokenizing_copy(self) -> VLMAdapter:
-        """An adapter whose `tokenize`, `tokenize_conversation` and `decode_tokens` give what this
+        """An adapter whose `tokenize`, `tokenize_conversation`, `token_strings` and `decode_tokens` give what this
         one's give, for one thread other than the model thread (prefill's /tokenize thread): a
         family that exposes its tokenizer returns a copy with a tokenizer (and processor) of its
         own, as a fast tokenizer used by two threads at once refuses a call ("Already borrowed").

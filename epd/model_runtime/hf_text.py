@@ -130,14 +130,23 @@ class HfTextAdapter(VLMAdapter):
                              "completions API's media parts place; remove it")
         return _text_prompt(torch.tensor([ids], dtype=torch.long))
 
-    def _render_text_only(self, conversation: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render_text_only(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool = False
+    ) -> str:
         """The processor's own template of a conversation without media; ValueError when the text
-        or the template holds the model's visual placeholder."""
+        or the template holds the model's visual placeholder, or (`continue_final_message`) when
+        the template drops part of the last message, so that it cannot be left open."""
         proc = self.processor
         placeholders = (proc.video_token, proc.image_token)
         if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
             raise ValueError("a text part contains the model's visual placeholder token; remove it")
-        text = proc.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        try:
+            text = proc.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, tokenize=False)
+        except ValueError as exc:
+            # transformers' message goes on to quote the last message and the whole rendered
+            # conversation (a 400 of up to the text limit): its explanation is enough.
+            raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
         if any(token in text for token in placeholders):  # a template that adds media of its own
             raise ValueError("the chat template rendered a visual placeholder for a conversation without media; "
                              "add the video or image part")
@@ -147,9 +156,14 @@ class HfTextAdapter(VLMAdapter):
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def tokenize_conversation(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        return self.tokenize(self._render_text_only(conversation, add_generation_prompt), add_special_tokens)
+        text = self._render_text_only(conversation, add_generation_prompt, continue_final_message)
+        return self.tokenize(text, add_special_tokens)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return list(self.tokenizer.convert_ids_to_tokens(token_ids))
 
     def decode_tokens(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -39,7 +39,7 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt
-from epd.stages.tokenize import TokenizeInput
+from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
 
@@ -425,9 +425,10 @@ class PrefillStage(ABC):
         known (a remote stage before any replica answered, or a stage that cannot say)."""
         return None
 
-    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
         """The token ids of `request`'s text or text-only conversation, as this stage's tokenizer
-        and chat template give them (`epd.stages.tokenize`); InvalidRequest for what it refuses."""
+        and chat template give them, and their token strings when asked (`epd.stages.tokenize`);
+        InvalidRequest for what it refuses."""
         raise NotImplementedError(f"{type(self).__name__} cannot tokenize")
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:

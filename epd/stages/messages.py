@@ -97,11 +97,12 @@ def num_text_chars(messages: Sequence[Message]) -> int:
     return sum(len(p.text) for m in messages for p in m.parts)
 
 
-def check_messages(messages: Sequence[Message], max_text_chars: int | None = None) -> None:
+def check_messages(messages: Sequence[Message], max_text_chars: int | None = None, to_answer: bool = True) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
     answer: known roles and part types, text only in text parts, at most one media part (in a
-    user message; none: a text-only conversation), the last message the user's, at most MAX_PARTS
-    parts and `max_text_chars` of text. A message may be the media alone, with no text at all (as
+    user message; none: a text-only conversation), the last message the user's (unless not
+    `to_answer`: /tokenize renders any conversation, as vLLM's does), at most MAX_PARTS parts and
+    `max_text_chars` of text. A message may be the media alone, with no text at all (as
     in vLLM and OpenAI's API: the model then answers the video as its chat template frames it; the
     text-guided prefill drop then scores the visual tokens by the template's own tokens after the
     video)."""
@@ -135,7 +136,7 @@ def check_messages(messages: Sequence[Message], max_text_chars: int | None = Non
             f"the messages have {media} video or image parts; at most one video or image per request is "
             "supported (the encoder encodes one media per request): send one"
         )
-    if messages[-1].role != "user":
+    if to_answer and messages[-1].role != "user":
         raise InvalidRequest(
             f"the last message is the {messages[-1].role}'s; end with the user's message (the answer is "
             "generated as the assistant's next message)"

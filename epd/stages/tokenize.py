@@ -23,6 +23,11 @@ class TokenizeInput:
     """The tokenizer's special tokens around the text (vLLM: true for a prompt, false for messages)."""
     add_generation_prompt: bool = True
     """messages only: end with the template's opening of the assistant's answer."""
+    continue_final_message: bool = False
+    """messages only: leave the last message open, without the template's end of its turn, for
+    the model to continue it (vLLM's and transformers'; not with `add_generation_prompt`)."""
+    return_token_strs: bool = False
+    """Also give each id's token string (the tokenizer's `convert_ids_to_tokens`, vLLM's `token_strs`)."""
 
     def check(self, max_text_chars: int) -> None:
         """InvalidRequest saying what to change, unless this is one text or text-only conversation
@@ -33,12 +38,26 @@ class TokenizeInput:
             if len(self.prompt) > max_text_chars:
                 raise InvalidRequest(f"the prompt has {len(self.prompt)} characters; the limit is {max_text_chars}")
             return
-        check_messages(self.messages, max_text_chars)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequest(
+                "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
+                "to false to continue the last message, or continue_final_message to false to open a new answer"
+            )
+        # Any last role, as vLLM's /tokenize takes it: counting an assistant's turn, or the one a
+        # client continues, is what a prompt-budgeting client asks.
+        check_messages(self.messages, max_text_chars, to_answer=False)
         if media_type(self.messages):
             raise InvalidRequest(
                 "/tokenize counts text only: a video or image part's tokens depend on the frames the encoder "
                 "samples; send the messages without it (a chat answer's usage.prompt_tokens counts them)"
             )
+
+
+@dataclass(frozen=True)
+class TokenizeOutput:
+    token_ids: list[int]
+    token_strs: list[str] | None = None
+    """Each id's token string, when `return_token_strs` asked for them."""
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int | None, max_tokens: int) -> None:

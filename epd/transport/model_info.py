@@ -1,6 +1,6 @@
 """What prefill says about its model over the wire: `ModelInfo` <-> `epd.v1.ModelInfo` (0 for a
 size not known) and the gateway's read of a prefill replica's (`fetch_model_info`); a
-`TokenizeInput` <-> `epd.v1.TokenizeRequest` (/tokenize). The service side is prefill's
+`TokenizeInput` <-> `epd.v1.TokenizeRequest` and `TokenizeOutput` <-> `epd.v1.TokenizeResult` (/tokenize). The service side is prefill's
 `GetModelInfo` and `Tokenize` (`epd.prefill_svc.servicer`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 
 from epd.stages.model_info import ModelInfo
-from epd.stages.tokenize import TokenizeInput
+from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.transport.message_convert import messages_from_proto, messages_to_proto
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -47,6 +47,8 @@ def tokenize_request_to_proto(request: TokenizeInput, request_id: str) -> prefil
         messages=messages_to_proto(request.messages),
         add_special_tokens=request.add_special_tokens,
         add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        return_token_strs=request.return_token_strs,
     )
 
 
@@ -56,4 +58,15 @@ def tokenize_input_from_proto(msg: prefill_pb2.TokenizeRequest) -> TokenizeInput
         messages=messages_from_proto(msg.messages),
         add_special_tokens=msg.add_special_tokens,
         add_generation_prompt=msg.add_generation_prompt,
+        continue_final_message=msg.continue_final_message,
+        return_token_strs=msg.return_token_strs,
     )
+
+
+def tokenize_output_to_proto(output: TokenizeOutput) -> prefill_pb2.TokenizeResult:
+    return prefill_pb2.TokenizeResult(token_ids=output.token_ids, token_strs=output.token_strs or ())
+
+
+def tokenize_output_from_proto(msg: prefill_pb2.TokenizeResult, return_token_strs: bool) -> TokenizeOutput:
+    """`return_token_strs`: the request's (an empty repeated field cannot say whether they were asked)."""
+    return TokenizeOutput(list(msg.token_ids), list(msg.token_strs) if return_token_strs else None)

@@ -52,7 +52,7 @@ from epd.stages.messages import Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.server_config import CHUNK_BYTES
-from epd.stages.tokenize import TokenizeInput
+from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import (
@@ -72,7 +72,7 @@ from epd.transport.errors import (
     retry_after_of,
     stage_error,
 )
-from epd.transport.model_info import tokenize_request_to_proto
+from epd.transport.model_info import tokenize_output_from_proto, tokenize_request_to_proto
 from epd.transport.server import RECONNECT_OPTIONS, channel_options, traced_channel
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import (
@@ -492,13 +492,14 @@ class RemotePrefillStage(PrefillStage):
     def model_info(self) -> ModelInfo | None:
         return self.known_model_info
 
-    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
         message = tokenize_request_to_proto(request, request_id)
 
         async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> prefill_pb2.TokenizeResult:
             return await prefill_pb2_grpc.PrefillServiceStub(channel).Tokenize(message, timeout=timeout_s)
 
-        return list((await self.pool.call("", attempt, "prefill", request_id, self.timeout_s)).token_ids)
+        result = await self.pool.call("", attempt, "prefill", request_id, self.timeout_s)
+        return tokenize_output_from_proto(result, request.return_token_strs)
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
         message = prefill_pb2.DetokenizeRequest(request_id=request_id, token_ids=token_ids)

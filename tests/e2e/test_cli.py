@@ -350,3 +350,40 @@ def test_ask_no_video_is_a_text_only_conversation(tiny_models, tmp_path):
                        (["--no-video", "--messages", str(with_media)], "give VIDEO instead of --no-video")):
         refused = run_epd_forked("ask", *args, "--model", model)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
+
+
+RAW_PROMPT = "Once upon a time, in a land far away,"
+
+
+def test_ask_prompt_continues_a_raw_prompt_embedded_and_through_the_stack(tiny_models, shared_stack):
+    """`epd ask --prompt TEXT`: no chat template, no media (no encoder: no video_decode or encode
+    time), the tokens `model.generate(tokenizer(TEXT).input_ids, do_sample=False)` gives, embedded
+    and against a gateway (--endpoint, the SDK's `prompt=`) alike."""
+    from tests.reference import raw_reference
+
+    model = str(tiny_models["qwen2_vl"])
+    ids, want = raw_reference(model, RAW_PROMPT, 12)
+    assert len(set(want)) > 2, "the tiny model repeats one token; the comparison would prove little"
+    for where in (["--model", model], ["--endpoint", shared_stack.gateway]):
+        proc = run_epd_forked("ask", "--prompt", RAW_PROMPT, *where, "--max-new-tokens", "12", "--json")
+        assert proc.returncode == 0, (where, proc.stderr)
+        out = json.loads(proc.stdout)
+        assert out["token_ids"] == want, where
+        assert out["num_prompt_tokens"] == len(ids) and out["num_visual_tokens"] == 0, where
+        assert out["timings_ms"]["encode"] == 0.0 and out["timings_ms"]["video_decode"] == 0.0, where
+    proc = run_epd_forked("ask", "--prompt", RAW_PROMPT, "--model", model, "--max-new-tokens", "4")
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr  # the text answer, as a question's
+
+
+def test_ask_prompt_with_a_video_or_a_question_is_refused_saying_what_to_drop(media_files, tmp_path):
+    messages = tmp_path / "messages.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    for args, says in (([str(media_files["mp4"]), "--prompt", "x"], "drop a VIDEO or QUESTION argument"),
+                       ([str(media_files["mp4"]), QUESTION, "--prompt", "x"], "drop a VIDEO or QUESTION argument"),
+                       (["--prompt", "x", "--messages", str(messages)], "drop --messages"),
+                       (["--prompt", "x", "--question", QUESTION], "drop --question"),
+                       (["--prompt", "x", "--no-video"], "drop --no-video"),
+                       (["--prompt", ""], "--prompt is empty")):
+        refused = run_epd_forked("ask", *args)
+        assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
+        assert "Traceback" not in refused.stderr

@@ -18,7 +18,6 @@ import aiohttp
 import grpc
 import openai
 import pytest
-import torch
 from aiohttp import web
 
 from epd.client import EpdClient, EpdError
@@ -32,6 +31,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message
 from epd.stages.raw_prompt import RawPrompt
+from tests import reference
 from tests.embedded import request_summary
 from tests.families import family_checkpoints
 from tests.reference import whole_model
@@ -46,15 +46,9 @@ def checkpoints(tiny_models, tmp_path_factory):
     return family_checkpoints(tiny_models, tmp_path_factory.mktemp("completions_models"))
 
 
-def raw_reference(model_dir, prompt: str = PROMPT, max_new_tokens: int = MAX_TOKENS) -> tuple[list[int], list[int]]:
-    """(tokenizer(prompt).input_ids, generate(those ids, do_sample=False)'s new tokens) on the
-    unsplit model: how a Hugging Face user continues a raw prompt."""
-    model, processor = whole_model(model_dir)
-    ids = processor.tokenizer(prompt).input_ids
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens)
-    return ids, out[0, len(ids):].tolist()
+def raw_reference(model_dir) -> tuple[list[int], list[int]]:
+    """`tests.reference.raw_reference` of PROMPT, MAX_TOKENS new tokens."""
+    return reference.raw_reference(model_dir, PROMPT, MAX_TOKENS)
 
 
 # -- the HTTP API over the embedded pipeline -----------------------------------------------------

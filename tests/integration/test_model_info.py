@@ -251,3 +251,60 @@ def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared
     assert status == 400 and f"token id {vocab_size} is outside 0 to {vocab_size - 1}" in body["error"]["message"], body
     status, body = _post(port, "/tokenize", {"model": "other", "prompt": "x"})
     assert status == 404, body
+
+
+ANSWERED = [*CONVERSATION, {"role": "assistant", "content": "The sky is"}]
+"""A conversation that ends with the assistant's (partial) answer."""
+
+
+def test_tokenize_takes_an_answered_conversation_and_continues_its_last_message(shared_stack, tiny_models):
+    """As vLLM's /tokenize: a conversation may end with the assistant's message, counted with its
+    end of turn, or left open with continue_final_message (the processor's own renderings of it,
+    tokenised). Asking for a generation prompt and a continued message at once is a 400, as
+    vLLM's; the chat route itself still wants the user's message last."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(tiny_models["qwen2_vl"]))
+    tokenizer = processor.tokenizer
+    port = shared_stack.http_port
+    conversation = to_chat_template(from_chat_template(ANSWERED), "")
+
+    def template_ids(**options) -> list[int]:
+        rendered = processor.apply_chat_template(conversation, tokenize=False, **options)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    status, closed = _post(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False})
+    assert status == 200, closed
+    assert closed["tokens"] == template_ids(add_generation_prompt=False) and closed["count"] == len(closed["tokens"])
+    status, opened = _post(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False,
+                                               "continue_final_message": True})
+    assert status == 200, opened
+    assert opened["tokens"] == template_ids(add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(opened["tokens"]).endswith("<|im_start|>assistant\nThe sky is")  # no end of turn
+    assert opened["count"] < closed["count"] and closed["tokens"][:opened["count"]] == opened["tokens"]
+
+    for options in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+        status, body = _post(port, "/tokenize", {"messages": ANSWERED, **options})
+        assert status == 400, body
+        assert "add_generation_prompt and continue_final_message cannot both be true" in body["error"]["message"]
+    status, body = _post(port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": ANSWERED})
+    assert status == 400 and "end with the user's message" in body["error"]["message"], body
+
+
+def test_tokenize_gives_token_strs_when_asked(shared_stack, tiny_models):
+    """vLLM's return_token_strs: the tokenizer's token of each id (`convert_ids_to_tokens`), for a
+    prompt and for a conversation; null unless asked."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models["qwen2_vl"]))
+    port = shared_stack.http_port
+    status, body = _post(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": True})
+    assert status == 200 and body["tokens"] == tokenizer("a red circle")["input_ids"], body
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    assert body["token_strs"] == ["a", "Ġ", "red", "Ġc", "ir", "cle"]  # the vocabulary's tokens, not their text
+    status, body = _post(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False,
+                                             "continue_final_message": True, "return_token_strs": True})
+    assert status == 200 and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"]), body
+    assert "<|im_start|>" in body["token_strs"] and len(body["token_strs"]) == body["count"]
+    status, body = _post(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": False})
+    assert status == 200 and body["token_strs"] is None, body

@@ -94,7 +94,7 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
             assert got.timings_ms["encode"] == 0.0 and got.timings_ms["video_decode"] == 0.0
             assert got.num_prompt_tokens > 0
             tokenize = TokenizeInput(messages=from_chat_template(messages), add_special_tokens=False)
-            assert len(asyncio.run(pipeline.prefill.tokenize(tokenize, name))) == got.num_prompt_tokens  # /tokenize's count
+            assert len(asyncio.run(pipeline.prefill.tokenize(tokenize, name)).token_ids) == got.num_prompt_tokens  # /tokenize's count
         video = decode_for_test(media_files["mp4"], NUM_FRAMES)
         # The conversation's text-only first turn, then the turn that brings the video: that turn
         # reuses the first turn's KV for the text before its video (its entry is text-only), and

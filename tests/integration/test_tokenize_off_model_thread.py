@@ -70,6 +70,25 @@ def test_the_tokenizing_copy_owns_its_tokenizer_and_gives_the_same_ids(checkpoin
     assert twin.decode_tokens(prompt_ids) == adapter.decode_tokens(prompt_ids)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"])
+def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_processor(checkpoints, family):
+    """/tokenize's continue_final_message and return_token_strs in every family: the ids of the
+    family's own processor's rendering with the last message left open, and its tokenizer's
+    tokens of them."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(checkpoints[family]))
+    twin = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill").tokenizing_copy()
+    conversation = [*_conversation("what colour is the sky?"),
+                    {"role": "assistant", "content": [{"type": "text", "text": "The sky is"}]}]
+    rendered = processor.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True,
+                                             tokenize=False)
+    assert rendered.endswith("The sky is")
+    ids = twin.tokenize_conversation(conversation, False, False, True)
+    assert ids == processor.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert twin.token_strings(ids) == processor.tokenizer.convert_ids_to_tokens(ids)
+
+
 def test_tokenize_answers_while_the_model_thread_is_busy(adapter):
     """A /tokenize and a /detokenize complete while a model call holds the model thread."""
     model_thread = ModelThread()
@@ -81,7 +100,7 @@ def test_tokenize_answers_while_the_model_thread_is_busy(adapter):
         try:
             request = TokenizeInput(messages=from_chat_template(_conversation("a red circle moves left")),
                                     add_special_tokens=False)
-            ids = await asyncio.wait_for(stage.tokenize(request, "t"), HANG_GUARD_S)
+            ids = (await asyncio.wait_for(stage.tokenize(request, "t"), HANG_GUARD_S)).token_ids
             text = await asyncio.wait_for(stage.detokenize(ids, "d"), HANG_GUARD_S)
             return ids, text, held.done()
         finally:
@@ -137,5 +156,5 @@ def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, 
     finally:
         model_thread.close()
     assert [h.num_prompt_tokens for h in handles] == [len(e) for e in expected]  # prepare's ids too
-    assert ids == expected * 3
+    assert [out.token_ids for out in ids] == expected * 3
     assert texts == [processor.tokenizer.decode(e) for e in expected]

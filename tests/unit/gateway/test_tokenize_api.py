@@ -19,9 +19,10 @@ from epd.stages.contracts import PrefillStage
 from epd.stages.errors import InvalidRequest, NotFound
 from epd.stages.messages import ContentPart, Message, text
 from epd.stages.model_info import ModelInfo
-from epd.stages.tokenize import TokenizeInput, check_token_ids
+from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
 
 USER = {"role": "user", "content": "hi"}
+ASSISTANT = {"role": "assistant", "content": "hello"}
 
 
 def test_a_prompt_adds_special_tokens_and_messages_a_generation_prompt_by_default_as_vllms():
@@ -31,15 +32,24 @@ def test_a_prompt_adds_special_tokens_and_messages_a_generation_prompt_by_defaul
     assert parsed.messages == [Message("user", (text("hi"),))]
     parsed = parse_tokenize_request({"messages": [USER], "add_generation_prompt": False, "add_special_tokens": True}, "epd")
     assert (parsed.add_special_tokens, parsed.add_generation_prompt) == (True, False)
+    assert (parsed.continue_final_message, parsed.return_token_strs) == (False, False)
+
+
+def test_continue_final_message_and_return_token_strs_are_read_as_vllms():
+    parsed = parse_tokenize_request({"messages": [USER, ASSISTANT], "add_generation_prompt": False,
+                                     "continue_final_message": True, "return_token_strs": True}, "epd")
+    assert (parsed.add_generation_prompt, parsed.continue_final_message, parsed.return_token_strs) == (False, True, True)
+    assert parse_tokenize_request({"prompt": "a", "return_token_strs": True}, "epd").return_token_strs
 
 
 @pytest.mark.parametrize(("body", "message"), [
     ({"prompt": "a", "messages": [USER]}, "exactly one of 'prompt'"),
     ({}, "send 'prompt' \\(a string\\) or 'messages'"),
     ({"prompt": 3}, "send 'prompt'"),
-    ({"prompt": "a", "return_token_strs": True}, "return_token_strs is not supported"),
+    ({"prompt": "a", "return_token_strs": 1}, "'return_token_strs' must be true or false"),
     ({"messages": [USER], "chat_template": "{{ x }}"}, "'chat_template' is not supported"),
-    ({"messages": [USER], "continue_final_message": True}, "'continue_final_message' is not supported"),
+    ({"messages": [USER], "continue_final_message": "yes"}, "'continue_final_message' must be true or false"),
+    ({"messages": [USER], "tools": [{"type": "function"}]}, "'tools' is not supported"),
     ({"messages": "hi"}, "'messages' must be a non-empty list"),
     ({"prompt": "a", "add_special_tokens": "yes"}, "'add_special_tokens' must be true or false"),
     ([1], "the request body must be a JSON object"),
@@ -61,6 +71,12 @@ def test_detokenize_takes_a_bounded_list_of_token_ids():
 
 def test_the_stage_side_checks_text_only_and_the_vocabulary():
     TokenizeInput(messages=[Message("user", (text("what happens?"),))]).check(100)
+    # Any last role, as vLLM's /tokenize: an assistant's turn is counted, or left open.
+    answered = [Message.user("what happens?"), Message.assistant("a circle")]
+    TokenizeInput(messages=answered, add_generation_prompt=False).check(100)
+    TokenizeInput(messages=answered, add_generation_prompt=False, continue_final_message=True).check(100)
+    with pytest.raises(InvalidRequest, match="add_generation_prompt and continue_final_message cannot both be true"):
+        TokenizeInput(messages=answered, continue_final_message=True).check(100)
     with pytest.raises(InvalidRequest, match="/tokenize counts text only"):
         TokenizeInput(messages=[Message("user", (ContentPart("video"), text("what happens?")))]).check(100)
     with pytest.raises(InvalidRequest, match="the prompt has 5 characters; the limit is 4"):
@@ -86,8 +102,9 @@ class _Prefill(PrefillStage):
     def model_info(self) -> ModelInfo:
         return ModelInfo(vocab_size=200, context_tokens=None, max_prompt_tokens=100, max_new_tokens=28)
 
-    async def tokenize(self, request: TokenizeInput, request_id: str) -> list[int]:
-        return [ord(c) for c in request.prompt or ""]
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
+        token_ids = [ord(c) for c in request.prompt or ""]
+        return TokenizeOutput(token_ids, [chr(t) for t in token_ids] if request.return_token_strs else None)
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
         return "".join(chr(t) for t in token_ids)
@@ -106,15 +123,17 @@ def test_the_routes_answer_vllms_shapes_behind_the_api_key():
                 out = []
                 for path, body, headers in (("/tokenize", {"prompt": "hi"}, {}), ("/tokenize", {"prompt": "hi"}, key),
                                             ("/detokenize", {"tokens": [104, 105]}, key),
-                                            ("/tokenize", {"prompt": 1}, key)):
+                                            ("/tokenize", {"prompt": 1}, key),
+                                            ("/tokenize", {"prompt": "hi", "return_token_strs": True}, key)):
                     async with session.post(path, json=body, headers=headers) as resp:
                         out.append((resp.status, await resp.json()))
                 return out
         finally:
             await runner.cleanup()
 
-    no_key, tokens, prompt, bad = asyncio.run(scenario())
+    no_key, tokens, prompt, bad, strs = asyncio.run(scenario())
     assert no_key[0] == 401
     assert tokens == (200, {"count": 2, "max_model_len": 128, "tokens": [104, 105], "token_strs": None})
     assert prompt == (200, {"prompt": "hi"})
     assert bad[0] == 400 and "send 'prompt'" in bad[1]["error"]["message"]
+    assert strs == (200, {"count": 2, "max_model_len": 128, "tokens": [104, 105], "token_strs": ["h", "i"]})
