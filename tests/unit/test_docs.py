@@ -51,8 +51,7 @@ NOT_PATHS = {"video/mp4": "a MIME type", "compose/Kubernetes": "prose: compose o
              "compose/.env": "the operator's own file, which compose/README.md has them create"}
 """Words with a slash in the docs that are not repository paths."""
 
-EXTERNAL_NAMES = {"SupportsMultiModal": "vLLM's model interface, named for comparison",
-                  "stop_reason": "vLLM's choice field, which epd's answers do not have"}
+EXTERNAL_NAMES = {"SupportsMultiModal": "vLLM's model interface, named for comparison"}
 """Code names the docs cite that are not epd's (nor used by it)."""
 
 
