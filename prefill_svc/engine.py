@@ -30,6 +30,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.loader import ModelLoadError
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache
@@ -71,8 +72,17 @@ class PrefillEngine:
     The batched steps in between are `PrefillRunner`'s."""
 
     def __init__(self, config: PrefillConfig, adapter: VLMAdapter) -> None:
+        """ModelLoadError: `config.max_model_len` above the model's context (`served_context`)."""
         self.config = config
         self.adapter = adapter
+        try:
+            context = config.served_context(adapter.context_tokens)
+        except ValueError as exc:
+            raise ModelLoadError(config.model.model, str(exc)) from None
+        self.context_tokens = context
+        """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
+        self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
+        """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
         self.tokenizing = adapter.tokenizing_copy()
         """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
         answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""
@@ -87,8 +97,8 @@ class PrefillEngine:
         """What this stage's model and limits take: what `validate` and `prepare` check a request against."""
         return ModelInfo(
             vocab_size=self.adapter.vocab_size,
-            context_tokens=self.adapter.context_tokens,
-            max_prompt_tokens=self.config.max_prompt_tokens,
+            context_tokens=self.context_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
             max_new_tokens=self.config.max_new_tokens_limit,
             model_type=self.adapter.family,
         )
@@ -121,10 +131,10 @@ class PrefillEngine:
                 if meta is None else
                 "visual tokens were sent but the messages have no video or image part to place them; add one"
             )  # fmt: skip
-        if meta is not None and meta.num_visual_tokens > self.config.max_prompt_tokens:
+        if meta is not None and meta.num_visual_tokens > self.max_prompt_tokens:
             raise ResourceExhausted(
                 f"{meta.num_visual_tokens} visual tokens exceed the prompt limit of "
-                f"{self.config.max_prompt_tokens}; lower max_frames, fps or max_pixels"
+                f"{self.max_prompt_tokens}; lower max_frames, fps or max_pixels"
             )
 
     def _check_visual(self, media: EncodedMedia) -> None:
@@ -198,16 +208,16 @@ class PrefillEngine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         num_visual = meta.num_visual_tokens if meta else 0
-        if prompt.num_tokens > self.config.max_prompt_tokens:
+        if prompt.num_tokens > self.max_prompt_tokens:
             # Advice for what made it long: the media's tokens, or the conversation's text.
             mostly_media = 2 * num_visual >= prompt.num_tokens
             raise ResourceExhausted(
                 f"the prompt has {prompt.num_tokens} tokens ({num_visual} of them the "
-                f"media's), over the limit of {self.config.max_prompt_tokens}; "
+                f"media's), over the limit of {self.max_prompt_tokens}; "
                 + ("lower max_frames, fps or max_pixels" if mostly_media
                    else "send a shorter prompt" if raw_prompt is not None else "send a shorter conversation")
             )
-        context = self.adapter.context_tokens
+        context = self.context_tokens
         if context is not None and prompt.num_tokens + generation.max_new_tokens > context:
             raise InvalidRequest(  # vLLM's 400 for the same request
                 f"this model's context is {context} tokens, but the request needs "
