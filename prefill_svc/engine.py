@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -218,13 +218,18 @@ class PrefillEngine:
                    else "send a shorter prompt" if raw_prompt is not None else "send a shorter conversation")
             )
         context = self.context_tokens
-        if context is not None and prompt.num_tokens + generation.max_new_tokens > context:
-            raise InvalidRequest(  # vLLM's 400 for the same request
-                f"this model's context is {context} tokens, but the request needs "
-                f"{prompt.num_tokens + generation.max_new_tokens}: {prompt.num_tokens} in the prompt and up to "
-                f"{generation.max_new_tokens} to generate (max_tokens); send a shorter conversation or fewer "
-                "frames, or ask for fewer tokens"
-            )
+        room = None if context is None else context - prompt.num_tokens  # tokens the answer may have
+        if room is not None and generation.max_new_tokens > room:
+            if generation.fit_max_new_tokens and room >= max(1, generation.min_tokens):
+                # max_tokens left unset: vLLM's default is what the context leaves after the prompt.
+                generation = replace(generation, max_new_tokens=room)
+            else:
+                raise InvalidRequest(  # vLLM's 400 for the same request
+                    f"this model's context is {context} tokens, but the request needs "
+                    f"{prompt.num_tokens + generation.max_new_tokens}: {prompt.num_tokens} in the prompt and up to "
+                    f"{generation.max_new_tokens} to generate (max_tokens); send a shorter conversation or fewer "
+                    "frames, or ask for fewer tokens"
+                )
         exclusive = (
             (media is not None and media.token_index is not None)
             or pruning.prefill_drop
@@ -441,6 +446,7 @@ class PrefillEngine:
             num_reused_prompt_tokens=request.num_reused_tokens,
             first_text=None if finish else first_text,
             distinct_prompt_token_ids=distinct_prompt_ids,
+            max_new_tokens=request.generation.max_new_tokens,
         )
         return PrefillOutput(handle, cache)
 

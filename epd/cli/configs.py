@@ -86,7 +86,7 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     """The generation flags as the SDK's keyword options (`EpdClient.ask`)."""
     generation = generation_config(args)
-    options = {f.name: getattr(generation, f.name) for f in fields(generation)}
+    options = {f.name: getattr(generation, f.name) for f in fields(generation) if f.name != "fit_max_new_tokens"}
     options["logit_bias"] = dict(generation.logit_bias)
     return options
 

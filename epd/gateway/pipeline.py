@@ -353,7 +353,8 @@ class Pipeline:
         while True:
             stepped = False
             try:
-                generating = self.decoder.generate(handle, req.generation, request_id, req.pruning)
+                generating = self.decoder.generate(handle, handle.decode_generation(req.generation), request_id,
+                                                   req.pruning)
                 async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
                     async for step in steps:
                         stepped = True

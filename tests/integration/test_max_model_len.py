@@ -2,8 +2,9 @@
 generate, below the model's own context. Through real processes (`epd serve prefill
 --max-model-len N` in a stack) and the embedded pipeline (`epd serve --colocate`): a request over
 the cap is a 400 / INVALID_ARGUMENT naming both counts, one within it is answered with the tokens
-`generate()` gives, `/v1/models` reports the cap as `max_model_len`, and a cap above the model's
-context is refused at start."""
+`generate()` gives, one that leaves max_tokens unset gets the room the cap leaves after its prompt
+(vLLM's default max_tokens), `/v1/models` reports the cap as `max_model_len`, and a cap above the
+model's context is refused at start."""
 
 from __future__ import annotations
 
@@ -80,19 +81,32 @@ def test_the_stack_serves_within_max_model_len_and_refuses_past_it(case, tmp_pat
             assert _over_the_cap(case) in str(refused.value)
 
             answered = client.ask(case["video"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=ROOM)
+            unset = client.ask(case["video"], QUESTION, num_frames=NUM_FRAMES)  # max_new_tokens: the server's
         assert answered.token_ids == case["tokens"]  # the whole room, token for token generate()'s
         assert answered.num_prompt_tokens == case["prompt"]
+        assert unset.token_ids == case["tokens"]  # the default fitted to the room (see below)
         status, body = _chat(http_port, case["video"], max_tokens=ROOM)
         assert status == 200, body
         assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (case["prompt"], len(case["tokens"]))
+        _assert_the_default_fits_the_room(http_port, case)
+
+
+def _assert_the_default_fits_the_room(http_port: int, case: dict) -> None:
+    """max_tokens left unset: the default (32) does not fit after this prompt under the cap, and
+    the request was refused as if the client had asked for 32. Prefill lowers it to the room the
+    cap leaves, vLLM's default max_tokens (max_model_len minus the prompt), and answers."""
+    status, body = _chat(http_port, case["video"], max_tokens=None, ignore_eos=True)
+    assert status == 200, body
+    assert (body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]) == (ROOM, "length")
 
 
 def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(case):
     model = ModelConfig(model=str(case["model"]))
 
-    def ask(pipeline, max_new_tokens: int) -> AskSummary:
+    def ask(pipeline, max_new_tokens: int, fit: bool = False) -> AskSummary:
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, fit_max_new_tokens=fit)
         request = AskRequest(question_messages(QUESTION), MediaInput(case["video"]),
-                             SamplingOptions(num_frames=NUM_FRAMES), GenerationConfig(max_new_tokens=max_new_tokens))
+                             SamplingOptions(num_frames=NUM_FRAMES), generation)
 
         async def run():
             return [item async for item in pipeline.ask(request)][-1]
@@ -105,6 +119,7 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
         http = await start_http_api(config, metered, metered.metrics)
         try:
             card = await asyncio.to_thread(_model_card, http.port)
+            await asyncio.to_thread(_assert_the_default_fits_the_room, http.port, case)
             return card, await asyncio.to_thread(_chat, http.port, case["video"], max_tokens=ROOM + 1)
         finally:
             await http.stop(0.5)
@@ -115,6 +130,7 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
         assert str(refused.value) == _over_the_cap(case)
         answered = ask(pipeline, ROOM)
         assert answered.token_ids == case["tokens"] and answered.num_prompt_tokens == case["prompt"]
+        assert ask(pipeline, ROOM + 1, fit=True).token_ids == case["tokens"]  # a ceiling, fitted to the room
         card, (status, body) = asyncio.run(over_http(pipeline))
     assert card["max_model_len"] == case["cap"]
     assert status == 400 and _over_the_cap(case) in body["error"]["message"], body
