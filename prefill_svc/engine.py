@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -56,6 +57,8 @@ from epd.token_pruning import (
     prompt_keep_indices,
 )
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class PrefillOutput:
@@ -83,6 +86,10 @@ class PrefillEngine:
         """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
+        if config.max_model_len is not None and (served := self.model_info().max_model_len) < config.max_model_len:
+            log.warning("--max-model-len %d: prompts are bounded by %d tokens (max_prompt_tokens) and answers by "
+                        "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len)",
+                        config.max_model_len, self.max_prompt_tokens, config.max_new_tokens_limit, served)
         self.tokenizing = adapter.tokenizing_copy()
         """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
         answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""

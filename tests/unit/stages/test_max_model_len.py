@@ -3,6 +3,8 @@ the model's context, and the context it leaves is the one the engine checks and 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from epd.model_runtime.config import ModelConfig
@@ -65,3 +67,16 @@ def test_the_engine_reports_the_context_max_model_len_leaves_and_refuses_a_large
     assert str(refused.value) == (
         f"cannot load {model_dir}: --max-model-len 101 is more than this model's context of 100 tokens "
         "(config.json's max_position_embeddings); it may only lower it: pass at most 100, or leave it out")
+
+
+def test_a_max_model_len_past_the_prompt_and_answer_limits_is_served_as_those_with_a_warning(caplog):
+    """epd bounds the prompt (`max_prompt_tokens`, 32,768) and the answer (--max-new-tokens-limit)
+    on their own: a --max-model-len above their sum cannot be reached, and the operator is told
+    what /v1/models will say instead."""
+    config = PrefillConfig(max_model_len=200_000, max_new_tokens_limit=1000)
+    with caplog.at_level(logging.WARNING, logger="epd.prefill_svc.engine"):
+        engine = PrefillEngine(config, _Adapter(262_144))  # type: ignore[arg-type]
+    assert engine.model_info().max_model_len == 32768 + 1000
+    assert caplog.messages == ["--max-model-len 200000: prompts are bounded by 32768 tokens (max_prompt_tokens) and "
+                               "answers by 1000 (--max-new-tokens-limit), so a request has 33768 at most "
+                               "(/v1/models' max_model_len)"]
