@@ -81,7 +81,8 @@ class PrefillEngine:
         try:
             context = config.served_context(adapter.context_tokens)
         except ValueError as exc:
-            raise ModelLoadError(config.model.model, str(exc)) from None
+            checkpoint = config.model  # ModelConfig: the path or hub id the operator gave
+            raise ModelLoadError(checkpoint.model, str(exc)) from None
         self.context_tokens = context
         """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
