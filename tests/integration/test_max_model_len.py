@@ -25,7 +25,7 @@ from epd.model_runtime.loader import ModelLoadError
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.stages.contracts import MediaInput
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages
 from epd.stages.server_config import ServerConfig
 from epd.video.types import SamplingOptions
@@ -103,9 +103,9 @@ def _assert_the_default_fits_the_room(http_port: int, case: dict) -> None:
 def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(case):
     model = ModelConfig(model=str(case["model"]))
 
-    def ask(pipeline, max_new_tokens: int, fit: bool = False) -> AskSummary:
+    def ask(pipeline, max_new_tokens: int, fit: bool = False, question: str = QUESTION) -> AskSummary:
         generation = GenerationConfig(max_new_tokens=max_new_tokens, fit_max_new_tokens=fit)
-        request = AskRequest(question_messages(QUESTION), MediaInput(case["video"]),
+        request = AskRequest(question_messages(question), MediaInput(case["video"]),
                              SamplingOptions(num_frames=NUM_FRAMES), generation)
 
         async def run():
@@ -131,6 +131,10 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
         answered = ask(pipeline, ROOM)
         assert answered.token_ids == case["tokens"] and answered.num_prompt_tokens == case["prompt"]
         assert ask(pipeline, ROOM + 1, fit=True).token_ids == case["tokens"]  # a ceiling, fitted to the room
+        # A prompt longer than the cap is a prompt over the limit, the cap being the limit now.
+        with pytest.raises(ResourceExhausted, match=rf"the prompt has \d+ tokens \(\d+ of them the media's\), over "
+                                                    rf"the limit of {case['cap']}; send a shorter conversation"):
+            ask(pipeline, 1, fit=True, question=QUESTION + " and then?" * 4 * ROOM)
         card, (status, body) = asyncio.run(over_http(pipeline))
     assert card["max_model_len"] == case["cap"]
     assert status == 400 and _over_the_cap(case) in body["error"]["message"], body
