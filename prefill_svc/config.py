@@ -68,6 +68,10 @@ class PrefillConfig:
     """The most tokens a request may ask for (OpenAI's max_tokens; --max-new-tokens-limit, at most
     MAX_NEW_TOKENS, decode's own bound). The gateway learns it (`ModelInfo.max_new_tokens`) and
     refuses a request over it before its media costs an encode."""
+    max_model_len: int | None = None
+    """vLLM's --max-model-len: prompt plus generated tokens at most. None: the model's own context
+    (config.json's max_position_embeddings). It may only lower that (`served_context`); the context
+    check, the prompt limit and /v1/models' `max_model_len` follow the context it leaves."""
     max_transfer_bytes: int = 1 << 30
     """Largest visual-embedding upload accepted."""
     scheduler: PrefillSchedulerConfig = field(default_factory=lambda: PrefillSchedulerConfig())
@@ -84,6 +88,8 @@ class PrefillConfig:
                 f"max_waiting_prompt_tokens (--max-waiting-prompt-tokens, {self.scheduler.max_waiting_prompt_tokens}) "
                 f"must be >= max_prompt_tokens ({self.max_prompt_tokens}), or the longest prompt never gets in"
             )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len (--max-model-len) must be >= 1 token, got {self.max_model_len}")
         if self.kv_store_bytes < 0:
             raise ValueError(f"kv_store_bytes (--kv-store-bytes) must be >= 0, got {self.kv_store_bytes}")
         if self.kv_ttl_s <= 0:
@@ -92,3 +98,24 @@ class PrefillConfig:
             raise ValueError(f"prefix_cache_bytes (--prefix-cache-bytes) must be >= 0, got {self.prefix_cache_bytes}")
         if self.prefix_cache_ttl_s <= 0:
             raise ValueError(f"prefix_cache_ttl_s (--prefix-cache-ttl) must be > 0 seconds, got {self.prefix_cache_ttl_s}")
+
+    def served_context(self, model_context: int | None) -> int | None:
+        """Prompt plus generated tokens at most, as served: the model's context (`model_context`,
+        None: not known), or `max_model_len` when set. ValueError for a `max_model_len` above the
+        model's context, as vLLM refuses one (without VLLM_ALLOW_LONG_MAX_MODEL_LEN, which epd has
+        no counterpart of): positions past max_position_embeddings were never trained, and a
+        request using them gets garbage rather than an error."""
+        if self.max_model_len is None:
+            return model_context
+        if model_context is not None and self.max_model_len > model_context:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} is more than this model's context of {model_context} "
+                "tokens (config.json's max_position_embeddings); it may only lower it: pass at most "
+                f"{model_context}, or leave it out"
+            )
+        return self.max_model_len
+
+    def served_prompt_tokens(self, context: int | None) -> int:
+        """The longest prompt served: `max_prompt_tokens`, or the served `context` when shorter
+        (a longer one cannot fit in it at all)."""
+        return self.max_prompt_tokens if context is None else min(self.max_prompt_tokens, context)

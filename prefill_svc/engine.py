@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +31,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.loader import ModelLoadError
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache
@@ -55,6 +57,8 @@ from epd.token_pruning import (
     prompt_keep_indices,
 )
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class PrefillOutput:
@@ -71,8 +75,22 @@ class PrefillEngine:
     The batched steps in between are `PrefillRunner`'s."""
 
     def __init__(self, config: PrefillConfig, adapter: VLMAdapter) -> None:
+        """ModelLoadError: `config.max_model_len` above the model's context (`served_context`)."""
         self.config = config
         self.adapter = adapter
+        try:
+            context = config.served_context(adapter.context_tokens)
+        except ValueError as exc:
+            checkpoint = config.model  # ModelConfig: the path or hub id the operator gave
+            raise ModelLoadError(checkpoint.model, str(exc)) from None
+        self.context_tokens = context
+        """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
+        self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
+        """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
+        if config.max_model_len is not None and (served := self.model_info().max_model_len) < config.max_model_len:
+            log.warning("--max-model-len %d: prompts are bounded by %d tokens (max_prompt_tokens) and answers by "
+                        "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len)",
+                        config.max_model_len, self.max_prompt_tokens, config.max_new_tokens_limit, served)
         self.tokenizing = adapter.tokenizing_copy()
         """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
         answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""
@@ -87,8 +105,8 @@ class PrefillEngine:
         """What this stage's model and limits take: what `validate` and `prepare` check a request against."""
         return ModelInfo(
             vocab_size=self.adapter.vocab_size,
-            context_tokens=self.adapter.context_tokens,
-            max_prompt_tokens=self.config.max_prompt_tokens,
+            context_tokens=self.context_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
             max_new_tokens=self.config.max_new_tokens_limit,
             model_type=self.adapter.family,
         )
@@ -124,10 +142,10 @@ class PrefillEngine:
                 if meta is None else
                 "visual tokens were sent but the messages have no video or image part to place them; add one"
             )  # fmt: skip
-        if meta is not None and meta.num_visual_tokens > self.config.max_prompt_tokens:
+        if meta is not None and meta.num_visual_tokens > self.max_prompt_tokens:
             raise ResourceExhausted(
                 f"{meta.num_visual_tokens} visual tokens exceed the prompt limit of "
-                f"{self.config.max_prompt_tokens}; lower max_frames, fps or max_pixels"
+                f"{self.max_prompt_tokens}; lower max_frames, fps or max_pixels"
             )
 
     def _check_visual(self, media: EncodedMedia) -> None:
@@ -201,23 +219,28 @@ class PrefillEngine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         num_visual = meta.num_visual_tokens if meta else 0
-        if prompt.num_tokens > self.config.max_prompt_tokens:
+        if prompt.num_tokens > self.max_prompt_tokens:
             # Advice for what made it long: the media's tokens, or the conversation's text.
             mostly_media = 2 * num_visual >= prompt.num_tokens
             raise ResourceExhausted(
                 f"the prompt has {prompt.num_tokens} tokens ({num_visual} of them the "
-                f"media's), over the limit of {self.config.max_prompt_tokens}; "
+                f"media's), over the limit of {self.max_prompt_tokens}; "
                 + ("lower max_frames, fps or max_pixels" if mostly_media
                    else "send a shorter prompt" if raw_prompt is not None else "send a shorter conversation")
             )
-        context = self.adapter.context_tokens
-        if context is not None and prompt.num_tokens + generation.max_new_tokens > context:
-            raise InvalidRequest(  # vLLM's 400 for the same request
-                f"this model's context is {context} tokens, but the request needs "
-                f"{prompt.num_tokens + generation.max_new_tokens}: {prompt.num_tokens} in the prompt and up to "
-                f"{generation.max_new_tokens} to generate (max_tokens); send a shorter conversation or fewer "
-                "frames, or ask for fewer tokens"
-            )
+        context = self.context_tokens
+        room = None if context is None else context - prompt.num_tokens  # tokens the answer may have
+        if room is not None and generation.max_new_tokens > room:
+            if generation.fit_max_new_tokens and room >= max(1, generation.min_tokens):
+                # max_tokens left unset: vLLM's default is what the context leaves after the prompt.
+                generation = replace(generation, max_new_tokens=room)
+            else:
+                raise InvalidRequest(  # vLLM's 400 for the same request
+                    f"this model's context is {context} tokens, but the request needs "
+                    f"{prompt.num_tokens + generation.max_new_tokens}: {prompt.num_tokens} in the prompt and up to "
+                    f"{generation.max_new_tokens} to generate (max_tokens); send a shorter conversation or fewer "
+                    "frames, or ask for fewer tokens"
+                )
         exclusive = (
             (media is not None and media.token_index is not None)
             or pruning.prefill_drop
@@ -434,6 +457,7 @@ class PrefillEngine:
             num_reused_prompt_tokens=request.num_reused_tokens,
             first_text=None if finish else first_text,
             distinct_prompt_token_ids=distinct_prompt_ids,
+            max_new_tokens=request.generation.max_new_tokens,
         )
         return PrefillOutput(handle, cache)
 

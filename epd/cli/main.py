@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -100,6 +101,11 @@ def add_prefill_limit_flags(p) -> None:
                    help=f"the most tokens a request may ask for (the OpenAI API's max_tokens; at most and by "
                         f"default {MAX_NEW_TOKENS}): more is refused with 400 / INVALID_ARGUMENT, by the gateway "
                         "before the request's media is decoded and encoded")
+    p.add_argument("--max-model-len", type=_max_model_len, default=PrefillConfig.max_model_len, metavar="N",
+                   help="vLLM's: prompt plus generated tokens at most (1k = 1000, 1K = 1024; default: the "
+                        "model's context, config.json's max_position_embeddings, which it may only lower: a "
+                        "larger value is refused at start). A longer prompt, or one whose max_tokens would pass "
+                        "it, is refused; /v1/models reports it as max_model_len")
 
 
 def add_decode_scheduler_flags(p) -> None:
@@ -318,6 +324,30 @@ def _max_new_tokens_limit(text: str) -> int:
     from epd.model_runtime.sampling import MAX_NEW_TOKENS
 
     return _count("a number of tokens", MAX_NEW_TOKENS, "tokens")(text)
+
+
+_TOKENS_WITH_SUFFIX = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _max_model_len(text: str) -> int:
+    """An argparse type: a positive number of tokens, in vLLM's forms too: "32768", "32k" (32,000),
+    "25.6k" (25,600), "32K" (32,768; a binary suffix, like no suffix, takes a whole number)."""
+    if text.strip() in ("-1", "auto"):
+        raise argparse.ArgumentTypeError(f"vLLM's {text.strip()} (the longest that fits the GPU's memory) is not "
+                                          "supported: leave --max-model-len out to serve the model's own context")
+    match = _TOKENS_WITH_SUFFIX.fullmatch(text.strip())
+    number, suffix = match.groups() if match else ("", "")
+    if match is None or ("." in number and suffix not in _DECIMAL_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens (32768, 32k or 32K), got {text!r}")
+    if suffix in _DECIMAL_SUFFIXES:
+        value = int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    else:
+        value = int(number) * _BINARY_SUFFIXES[suffix]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 token, got {text!r}")
+    return value
 
 
 # Every port flag (0: the flag's own meaning, off or any free port). Left to the socket, 70001

@@ -77,6 +77,7 @@ def build_embedded_pipeline(
     )
     try:
         adapter = adapter or thread.call(load_adapter, model, "all")
+        prefill_engine = PrefillEngine(prefill, adapter)  # ModelLoadError: --max-model-len over the model's
     except BaseException:
         thread.close()
         raise
@@ -84,7 +85,7 @@ def build_embedded_pipeline(
     kv_store = KvStore(prefill.kv_store_bytes, prefill.kv_ttl_s)
     return EmbeddedPipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),
-        LocalPrefillStage(PrefillEngine(prefill, adapter), kv_store, thread),
+        LocalPrefillStage(prefill_engine, kv_store, thread),
         LocalDecodeStage(DecodeEngine(adapter), take_from_store(kv_store), thread, decode or DecodeConfig(model=model)),
         thread,
     )

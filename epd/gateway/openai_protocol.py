@@ -463,6 +463,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         logit_bias=_logit_bias(body.get("logit_bias"), defaults.logit_bias),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), defaults.stop_token_ids),
         include_stop_str_in_output=boolean_field(body, "include_stop_str_in_output", defaults.include_stop_str_in_output),
+        fit_max_new_tokens=max_tokens is None,  # the default: fitted to the context after the prompt, as vLLM's
     )
 
 

@@ -159,9 +159,11 @@ class Pipeline:
 
     def generation_defaults(self, configured: GenerationConfig) -> GenerationConfig:
         """The options a request leaves unset take: the front door's `configured` ones, with
-        max_tokens no more than prefill's limit (vLLM fits its default to what the model takes).
-        Without this, a prefill limit under the default refused every request without max_tokens."""
-        limit = self.max_new_tokens_limit
+        max_tokens no more than prefill's limit, nor than `max_model_len` leaves after a one-token
+        prompt (vLLM fits its default to what the model takes). Without this, a prefill limit (or
+        a --max-model-len) under the default refused every request without max_tokens."""
+        info = self.model_info()
+        limit = MAX_NEW_TOKENS if info is None else min(info.max_new_tokens, max(1, info.max_model_len - 1))
         if configured.max_new_tokens <= limit:
             return configured
         return replace(configured, max_new_tokens=limit)
@@ -351,7 +353,8 @@ class Pipeline:
         while True:
             stepped = False
             try:
-                generating = self.decoder.generate(handle, req.generation, request_id, req.pruning)
+                generating = self.decoder.generate(handle, handle.decode_generation(req.generation), request_id,
+                                                   req.pruning)
                 async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
                     async for step in steps:
                         stepped = True

@@ -120,6 +120,10 @@ class GenerationConfig:
     unless include_stop_str_in_output)."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the stop string (or stop token's text) that ended the answer in it."""
+    fit_max_new_tokens: bool = False
+    """`max_new_tokens` is a ceiling, not a demand: prefill lowers it to what the served context
+    leaves after the prompt instead of refusing the request. The front door sets it when the
+    client left max_tokens unset (vLLM's default max_tokens is max_model_len minus the prompt)."""
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """ValueError naming the field and its accepted range. `vocab_size`: also check the token

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from epd.model_runtime.adapter import VisualMeta
@@ -304,6 +304,16 @@ class PrefillHandle(Generic[T]):
     distinct_prompt_token_ids: list[int] = field(default_factory=list)
     """The prompt's distinct token ids, increasing, for the decoder's repetition penalty (which
     covers the prompt, as vLLM's and generate()'s); empty unless the request's penalty is on."""
+    max_new_tokens: int = 0
+    """The request's max_new_tokens as prefill ran it: what it asked, or what the context left
+    after the prompt (`GenerationConfig.fit_max_new_tokens`); the decoder generates at most this
+    many (`decode_generation`). 0: as the request asked (a prefill that does not say)."""
+
+    def decode_generation(self, generation: GenerationConfig) -> GenerationConfig:
+        """The request's `generation` with the max_new_tokens prefill ran it with."""
+        if not self.max_new_tokens or self.max_new_tokens == generation.max_new_tokens:
+            return generation
+        return replace(generation, max_new_tokens=self.max_new_tokens)
 
 
 PRUNING_STAGES = {

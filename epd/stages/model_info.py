@@ -18,9 +18,11 @@ class ModelInfo:
     vocab_size: int | None
     """Rows of the model's logits: token ids 0 to vocab_size - 1 (None: not known)."""
     context_tokens: int | None
-    """Prompt plus generated tokens at most: config.json's max_position_embeddings (None: not known)."""
+    """Prompt plus generated tokens at most, as prefill serves them: config.json's
+    max_position_embeddings, or prefill's --max-model-len, which may only lower it (None: not known)."""
     max_prompt_tokens: int
-    """The longest prompt prefill takes, in tokens (`PrefillConfig.max_prompt_tokens`; no flag yet)."""
+    """The longest prompt prefill takes, in tokens: `PrefillConfig.max_prompt_tokens` (no flag), or
+    `context_tokens` when that is shorter (`PrefillConfig.served_prompt_tokens`)."""
     max_new_tokens: int
     """The most tokens a request may ask for (prefill's `max_new_tokens_limit`, --max-new-tokens-limit):
     the gateway refuses more before the media costs an encode (`Pipeline.max_new_tokens_limit`)."""

@@ -135,6 +135,7 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         stop_token_ids=tuple(msg.stop_token_ids),
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        fit_max_new_tokens=msg.fit_max_new_tokens or not msg.max_new_tokens,  # unset: the default, fitted
     )
 
 
@@ -222,6 +223,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         num_reused_prompt_tokens=h.num_reused_prompt_tokens,
         first_text=h.first_text,
         distinct_prompt_token_ids=h.distinct_prompt_token_ids,
+        max_new_tokens=h.max_new_tokens,
     )
 
 
@@ -248,6 +250,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         num_reused_prompt_tokens=msg.num_reused_prompt_tokens,
         first_text=msg.first_text if msg.HasField("first_text") else None,
         distinct_prompt_token_ids=list(msg.distinct_prompt_token_ids),
+        max_new_tokens=msg.max_new_tokens,
     )
 
 

@@ -741,16 +741,40 @@ def test_the_stacks_gateway_takes_only_the_keys_the_launcher_was_given(monkeypat
         files.remove()
 
 
-def test_the_max_tokens_limit_reaches_every_prefill_and_the_colocated_one():
-    """`--max-new-tokens-limit` (the prefill role's, and `epd serve`'s for every prefill or the
-    colocated one): the most tokens a request may ask for, at most decode's bound (4,096)."""
-    args = build_parser().parse_args(["serve", "--prefills", "2", "--max-new-tokens-limit", "16"])
+@pytest.mark.parametrize(("flag", "value", "field", "expected", "default"), [
+    ("--max-new-tokens-limit", "16", "max_new_tokens_limit", 16, 4096),
+    ("--max-model-len", "8k", "max_model_len", 8000, None),  # vLLM's forms: 8k is 8,000, 8K 8,192
+    ("--max-model-len", "8K", "max_model_len", 8192, None),
+])
+def test_prefills_request_limits_reach_every_prefill_and_the_colocated_one(flag, value, field, expected, default):
+    """`--max-new-tokens-limit` (the most tokens a request may ask for, at most decode's bound)
+    and vLLM's `--max-model-len` (prompt plus answer; unset: the model's context): the prefill
+    role's, and `epd serve`'s for every prefill or the colocated one; unset, not passed at all."""
+    args = build_parser().parse_args(["serve", "--prefills", "2", flag, value])
     args.model = "/m"
     commands = stack_commands(args)
-    assert [configs.prefill_config(_parsed(commands[f"prefill[{i}]"])).max_new_tokens_limit for i in range(2)] == [16, 16]
-    assert not any("--max-new-tokens-limit" in commands[name] for name in commands if not name.startswith("prefill"))
-    colocated = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-new-tokens-limit", "16"]))
-    assert colocated.prefill.max_new_tokens_limit == 16
-    assert configs.colocated_stages(build_parser().parse_args(["serve", "--colocate"])).prefill.max_new_tokens_limit == 4096
+    assert [getattr(configs.prefill_config(_parsed(commands[f"prefill[{i}]"])), field) for i in range(2)] == [expected] * 2
+    assert not any(flag in commands[name] for name in commands if not name.startswith("prefill"))
+    assert getattr(configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", flag, value])).prefill,
+                   field) == expected
+    unset = build_parser().parse_args(["serve", "--colocate"])
+    assert getattr(configs.colocated_stages(unset).prefill, field) == default
+    assert (flag in stack_commands(unset)["prefill[0]"]) == (default is not None)
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--max-new-tokens-limit", "4097", "must be 1 to 4096 tokens"),
+    ("--max-model-len", "0", "must be at least 1 token, got '0'"),
+    ("--max-model-len", "-5", "expected a positive number of tokens"),
+    ("--max-model-len", "1.5K", "expected a positive number of tokens"),  # vLLM's: decimals with k, m, g only
+    ("--max-model-len", "-1", "leave --max-model-len out to serve the model's own context"),  # vLLM's "fit the GPU"
+    ("--max-model-len", "auto", "leave --max-model-len out to serve the model's own context"),
+])
+def test_prefills_request_limits_refuse_values_they_cannot_serve(capsys, flag, value, expected):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "prefill", "--max-new-tokens-limit", "4097"])
+        build_parser().parse_args(["serve", "prefill", f"{flag}={value}"])
+    assert expected in capsys.readouterr().err
+
+
+def test_max_model_len_takes_vllms_decimal_suffix_with_a_fraction():
+    assert build_parser().parse_args(["serve", "prefill", "--max-model-len", "25.6k"]).max_model_len == 25600

@@ -13,6 +13,7 @@ import pytest
 
 from epd.gateway.model_info import ReplicaModelInfo, refresh_model_info, watch_model_info
 from epd.gateway.pipeline import Pipeline
+from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import PrefillServicer
@@ -159,6 +160,23 @@ def test_the_watch_polls_until_a_replica_answers_and_stops_when_told_not_to_refr
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_the_default_max_tokens_fits_the_max_tokens_limit_and_max_model_len():
+    """A request without max_tokens takes the front door's default (32) fitted to what prefill
+    takes: its max_tokens limit, and what max_model_len (a prefill --max-model-len of 20 here)
+    leaves after a one-token prompt. The default alone passed a context of 20, so such a request
+    was refused whatever its prompt; one the client set is left for prefill to judge."""
+    configured = GenerationConfig()  # max_new_tokens 32
+    assert Pipeline(None, None, None).generation_defaults(configured) == configured  # type: ignore[arg-type]  # not known
+
+    def fitted(info: ModelInfo) -> int:
+        return Pipeline(None, _Stage(info), None).generation_defaults(configured).max_new_tokens  # type: ignore[arg-type]
+
+    assert fitted(QWEN) == 32
+    assert fitted(ModelInfo(512, 32768, 32768, max_new_tokens=16)) == 16
+    assert fitted(ModelInfo(512, context_tokens=20, max_prompt_tokens=20, max_new_tokens=4096)) == 19
+    assert fitted(ModelInfo(512, context_tokens=1, max_prompt_tokens=1, max_new_tokens=4096)) == 1  # prefill refuses
 
 
 @pytest.mark.parametrize("prefill", [None, object()])

@@ -36,7 +36,8 @@ def test_defaults_and_options():
         "video",
         False,
     )
-    assert req.generation == GenerationConfig(max_new_tokens=32)
+    # max_tokens unset: the default, which prefill fits to what the context leaves (vLLM's default)
+    assert req.generation == GenerationConfig(max_new_tokens=32, fit_max_new_tokens=True)
     assert req.sampling == SamplingOptions()
 
     req = parse(
@@ -295,7 +296,7 @@ def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
                    chat_template=None, chat_template_kwargs={}, mm_processor_kwargs={}, priority=0,
                    media_io_kwargs={}, include_reasoning=True, watermarking=False, return_prompt_text=False,
                    reasoning_effort=None)
-    assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32)
+    assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32, fit_max_new_tokens=True)
     with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
         parse(body(medias={"num_frames": 4}, user="u1", return_token_ids=True))
     # A typo is logged; OpenAI's `user` is known, and so is vLLM's `return_token_ids` (the choices
@@ -321,6 +322,7 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
     assert req.generation == GenerationConfig(
         max_new_tokens=32, repetition_penalty=1.2, presence_penalty=-1.0, frequency_penalty=0.5, min_p=0.1,
         min_tokens=4, logit_bias=((5, -2.5), (17, 100.0)), stop_token_ids=(7, 3), include_stop_str_in_output=True,
+        fit_max_new_tokens=True,
     )
 
 

@@ -85,6 +85,7 @@ def _handle() -> PrefillHandle:
         num_reused_prompt_tokens=50,
         first_text=" a",
         distinct_prompt_token_ids=[3, 17, 151643],
+        max_new_tokens=12,
         kv_handle="abc123",
         kv_address="prefill-0:50052",
     )

@@ -90,6 +90,7 @@ def test_every_generation_setting_crosses_the_wire():
         max_new_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop=("x",), ignore_eos=True,
         repetition_penalty=1.3, presence_penalty=-0.5, frequency_penalty=0.25, min_p=0.1, min_tokens=2,
         logit_bias=((5, -3.0), (11, 100.0)), stop_token_ids=(7, 2), include_stop_str_in_output=True,
+        fit_max_new_tokens=True,
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
