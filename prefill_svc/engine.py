@@ -267,10 +267,12 @@ class PrefillEngine:
             # same token ids at the same positions (every M-RoPE row is the text position there
             # in both prompts), so it may serve those. Not for a conversation that opens with its
             # media: it had no text-only turns, only other conversations' template preambles.
-            text_before = None
+            # Its own entry is kept under the text-only key too, for that text: a text-only
+            # conversation with the same opening finds it, and the text turns' entry, which it
+            # supersedes, leaves (`PrefixCache.put`).
             if media is not None and visual.numel() and not media_in_opening(messages):
-                text_before = (self._prefix_key(None, pruning, cache_salt), int(visual[0]))
-            hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end, text_before)
+                request.prefix_also = (self._prefix_key(None, pruning, cache_salt), int(visual[0]))
+            hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end, request.prefix_also)
             if hit is not None:
                 request.prefix = hit
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
@@ -328,7 +330,9 @@ class PrefillEngine:
         follow-ups of its conversation."""
         if request.prefix_key is None or cache.linear_layers or request.prompt is None:
             return
-        self.prefix_cache.put(request.prefix_key, request.prompt.input_ids[0], cache, cache.num_bytes)
+        self.prefix_cache.put(
+            request.prefix_key, request.prompt.input_ids[0], cache, cache.num_bytes, also=request.prefix_also
+        )
 
     def prefill(
         self,

@@ -13,13 +13,23 @@ before the next one (unit-tested with fake entries, tests/unit/stages/test_prefi
             common prefix (LCP) with `ids`; reused length = min(LCP, len(ids) - 1) (at least one
             token is computed, for the first token's logits; vLLM backs off the same way). It is a
             hit only if that length covers `min_reuse` tokens (every visual token of the prompt:
-            placeholders share one token id, so an LCP ending inside them proves nothing).
+            placeholders share one token id, so an LCP ending inside them proves nothing) and
+            `min_reuse_tokens` (16): a shorter reuse is the chat template's preamble that every
+            conversation shares, and is neither used nor counted (vLLM reuses whole 16-token
+            blocks only). Ties go to the most recently used entry.
             `also=(other key, max_reuse)`: entries of another key hold the same KV for at most the
             first `max_reuse` tokens (a text-only turn's, for the text before the media of a
             conversation whose video came later); they serve up to that many.
-    put(key, ids, cache, num_bytes) -> kept under a byte budget: an entry whose ids are a prefix
-            of the new one's (same key) is replaced by it, then least recently used entries leave
-            until the new one fits; entries unused for `ttl_s` leave at the next call.
+    put(key, ids, cache, num_bytes, also) -> kept under a byte budget. `also=(other key,
+            max_reuse)`: the entry serves that key's lookups too, up to `max_reuse` tokens (a media
+            prompt's text before its first visual token, under the text-only key). An entry that
+            the new one supersedes (every key it is found under, the new one is too, its ids up to
+            that key's bound a prefix of the new ids: turn n's entry by turn n+1's, a text-only
+            turn's by the turn that brings the video) leaves; then least recently used entries
+            leave until the new one fits; entries unused for `ttl_s` leave at the next call.
+
+Counted per lookup (`stats`): a hit or a miss, and in tokens, as vLLM's `prefix_cache_queries` and
+`prefix_cache_hits`: the prompt's tokens (queried) and those reused (hit).
 
 Conversations are stateless (every request sends its whole history, as OpenAI's and vLLM's
 APIs): turn n+1's prompt starts with turn n's prompt, so its LCP with turn n's entry is all of it.
@@ -49,10 +59,17 @@ class PrefixEntry:
     num_bytes: int
     last_used_s: float
     created_s: float
+    also: tuple[Hashable, int] | None = None
+    """(another key, max tokens): lookups of that key find this entry too, for its first tokens."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+    def views(self) -> list[tuple[Hashable, int]]:
+        """(key, how many of its first tokens serve that key's lookups), for every key it is found under."""
+        own = [(self.key, self.num_tokens)]
+        return own if self.also is None else [*own, (self.also[0], min(self.also[1], self.num_tokens))]
 
 
 @dataclass(frozen=True)
@@ -64,10 +81,15 @@ class PrefixHit:
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Counters since start (hits, misses, evictions) and what is held now (entries, bytes)."""
+    """Counters since start (hits, misses, tokens, evictions) and what is held now (entries, bytes)."""
 
     num_hits: int = 0
+    """Lookups that reused at least `min_reuse_tokens` (and every visual token)."""
     num_misses: int = 0
+    num_query_tokens: int = 0
+    """Prompt tokens of every lookup (vLLM's `prefix_cache_queries`)."""
+    num_hit_tokens: int = 0
+    """Prompt tokens whose KV lookups took from an entry (vLLM's `prefix_cache_hits`)."""
     num_evictions: int = 0
     """Entries dropped for room (LRU) or age (TTL); replaced ones are not counted."""
     num_entries: int = 0
@@ -82,6 +104,14 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     return n if differ.numel() == 0 else int(differ[0])
 
 
+MIN_REUSE_TOKENS = 16
+"""A hit reuses at least this many tokens. Every chat prompt starts with its template's preamble
+(Qwen2-VL's default system message and `<|im_start|>user\n`: 14 tokens), so a shorter LCP with
+another conversation's entry is no reuse worth the name: it would count a hit and renew that
+entry (keeping a dead conversation's KV from its LRU and TTL) for a dozen tokens' compute. vLLM's
+default block size: vLLM reuses whole blocks only, so it reuses nothing shorter either."""
+
+
 def _ids(token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return torch.as_tensor(token_ids, dtype=torch.long).flatten()
 
@@ -89,9 +119,16 @@ def _ids(token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
 class PrefixCache:
     """Thread-safe (lookups and puts on the model thread, stats from the event loop)."""
 
-    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        min_reuse_tokens: int = MIN_REUSE_TOKENS,
+    ) -> None:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.min_reuse_tokens = max(min_reuse_tokens, 1)
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
@@ -100,6 +137,8 @@ class PrefixCache:
         self.num_bytes = 0
         self.num_hits = 0
         self.num_misses = 0
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
         self.num_evictions = 0
 
     @property
@@ -117,54 +156,74 @@ class PrefixCache:
         min_reuse: int,
         also: tuple[Hashable, int] | None = None,
     ) -> PrefixHit | None:
-        """The entry of `key` sharing the longest prefix with `token_ids`, if it covers at least
-        `min_reuse` tokens (and leaves one to compute); or, when none does, the entry of `also`'s
-        key sharing the longest prefix, reused up to `also`'s max_reuse tokens. Counted once, as
-        a hit or a miss."""
+        """The entry found under `key` sharing the longest prefix with `token_ids`, if it covers
+        at least `min_reuse` tokens, `min_reuse_tokens`, and leaves one to compute; or, when none
+        does, the entry found under `also`'s key sharing the longest prefix, reused up to `also`'s
+        max_reuse tokens. Counted once, as a hit or a miss, and in tokens."""
         ids = _ids(token_ids)
-        max_reuse = int(ids.numel()) - 1
         with self._lock:
             self._expire()
+            self.num_query_tokens += int(ids.numel())
             best: tuple[int, int] | None = None  # (reused tokens, entry id)
-            for entry_id, entry in self._entries.items():
-                if entry.key == key:
-                    reused = min(common_prefix_length(entry.token_ids, ids), max_reuse)
-                    if reused < max(min_reuse, 1):
-                        continue
-                elif also is not None and entry.key == also[0]:
-                    reused = min(common_prefix_length(entry.token_ids, ids), max_reuse, also[1])
-                else:
-                    continue
-                if best is None or reused > best[0]:
+            # Most recently used first: a prefix many entries share renews the one in use already.
+            for entry_id, entry in reversed(self._entries.items()):
+                reused = self._reusable(entry, key, ids, min_reuse, also)
+                if reused > 0 and (best is None or reused > best[0]):
                     best = (reused, entry_id)
-            if best is None or best[0] < 1:
+            if best is None:
                 self.num_misses += 1
                 return None
             entry = self._entries[best[1]]
             entry.last_used_s = self._clock()
             self._entries.move_to_end(best[1])
             self.num_hits += 1
+            self.num_hit_tokens += best[0]
             return PrefixHit(entry, best[0])
 
-    def put(self, key: Hashable, token_ids: torch.Tensor | Sequence[int], cache: Any, num_bytes: int) -> bool:
-        """Keep `cache` (the KV of `token_ids`) under `key`; False when it cannot fit at all (or
-        the cache is off). Entries of `key` whose ids are a prefix of `token_ids` are replaced."""
+    def _reusable(
+        self, entry: PrefixEntry, key: Hashable, ids: torch.Tensor, min_reuse: int, also: tuple[Hashable, int] | None
+    ) -> int:
+        """Tokens of `ids` `entry` may serve to a lookup of `key` (and `also`), 0 if too few."""
+        common = -1  # computed once, for the first view that applies
+        best = 0
+        for view_key, bound in entry.views():
+            if view_key == key:
+                limit, floor = bound, max(min_reuse, self.min_reuse_tokens)
+            elif also is not None and view_key == also[0]:
+                limit, floor = min(bound, also[1]), self.min_reuse_tokens
+            else:
+                continue
+            if common < 0:
+                common = common_prefix_length(entry.token_ids, ids)
+            reused = min(common, int(ids.numel()) - 1, limit)
+            if reused >= floor:
+                best = max(best, reused)
+        return best
+
+    def put(
+        self,
+        key: Hashable,
+        token_ids: torch.Tensor | Sequence[int],
+        cache: Any,
+        num_bytes: int,
+        also: tuple[Hashable, int] | None = None,
+    ) -> bool:
+        """Keep `cache` (the KV of `token_ids`) under `key`, and under `also`'s key for its first
+        `also[1]` tokens; False when it cannot fit at all (or the cache is off). Entries it
+        supersedes leave (`_superseded`)."""
         if num_bytes > self.max_bytes:
             return False
         ids = _ids(token_ids)
+        now = self._clock()
+        new = PrefixEntry(key, ids.clone(), cache, num_bytes, now, now, also)
         with self._lock:
             self._expire()
-            for entry_id in [
-                i
-                for i, e in self._entries.items()
-                if e.key == key and e.num_tokens <= ids.numel() and common_prefix_length(e.token_ids, ids) == e.num_tokens
-            ]:
+            for entry_id in [i for i, e in self._entries.items() if _superseded(e, new)]:
                 self._drop(entry_id)
             while self._entries and self.num_bytes + num_bytes > self.max_bytes:
                 self._drop(next(iter(self._entries)))
                 self.num_evictions += 1
-            now = self._clock()
-            self._entries[self._next_id] = PrefixEntry(key, ids.clone(), cache, num_bytes, now, now)
+            self._entries[self._next_id] = new
             self._next_id += 1
             self.num_bytes += num_bytes
             return True
@@ -178,7 +237,14 @@ class PrefixCache:
         with self._lock:
             self._expire()
             return PrefixCacheStats(
-                self.num_hits, self.num_misses, self.num_evictions, len(self._entries), self.num_bytes, self.max_bytes
+                self.num_hits,
+                self.num_misses,
+                self.num_query_tokens,
+                self.num_hit_tokens,
+                self.num_evictions,
+                len(self._entries),
+                self.num_bytes,
+                self.max_bytes,
             )
 
     def _drop(self, entry_id: int) -> None:
@@ -189,3 +255,15 @@ class PrefixCache:
         for entry_id in [i for i, e in self._entries.items() if e.last_used_s <= deadline]:
             self._drop(entry_id)
             self.num_evictions += 1
+
+
+def _superseded(old: PrefixEntry, new: PrefixEntry) -> bool:
+    """Whether `new` serves every lookup `old` serves, at least as far: under each key `old` is
+    found (its bound b), `new` is found with a bound >= b and `old`'s first b ids begin `new`'s
+    ids. Then for any prompt, `new`'s LCP within b is at least `old`'s, so dropping `old` loses no
+    reuse. Turn n's entry by turn n+1's (one key); a text-only turn's entry by the entry of the
+    turn that brings the video, found under the text-only key up to its first visual token (the
+    same ids at the same positions: the same KV)."""
+    views = dict(new.views())
+    common = common_prefix_length(old.token_ids, new.token_ids)
+    return all(key in views and bound <= min(views[key], common) for key, bound in old.views())

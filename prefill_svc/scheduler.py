@@ -54,6 +54,9 @@ class PrefillRequest(CoreRequest):
     """The prefix-cache hit (`PrefixHit`) the runner builds this request's first cache from."""
     prefix_key: Hashable | None = field(default=None, repr=False)
     """Key under which the finished prompt's KV goes into the prefix cache (None: not cached)."""
+    prefix_also: tuple[Hashable, int] | None = field(default=None, repr=False)
+    """(the text-only key, the first visual token's index): a media prompt whose text turns came
+    first is found under that key too, for the text before its media (`PrefixCache.put`'s `also`)."""
     prompt: Prompt | None = field(default=None, repr=False)
     media: EncodedMedia | None = field(default=None, repr=False)
     generation: GenerationConfig | None = field(default=None, repr=False)

@@ -126,7 +126,7 @@ class LocalPrefillStage(PrefillStage):
 
     def load(self) -> EngineLoad:
         """What the prefill core is doing now (running/waiting requests, last batch size, steps),
-        its prefix cache (hits, misses, evictions, entries, bytes) and its KV store (caches
+        its prefix cache (hits, misses, tokens queried and reused, evictions, entries, bytes) and its KV store (caches
         waiting for decoders, bytes, budget, caches dropped unpulled)."""
         prefix = self.engine.prefix_cache.stats()
         kv = self.kv_store.stats()
@@ -134,6 +134,8 @@ class LocalPrefillStage(PrefillStage):
             self.core.load(),
             prefix_cache_hits=prefix.num_hits,
             prefix_cache_misses=prefix.num_misses,
+            prefix_cache_query_tokens=prefix.num_query_tokens,
+            prefix_cache_hit_tokens=prefix.num_hit_tokens,
             prefix_cache_evictions=prefix.num_evictions,
             prefix_cache_entries=prefix.num_entries,
             prefix_cache_bytes=prefix.num_bytes,

@@ -176,8 +176,24 @@ _PREFIX_GAUGES = [
     ("epd_prefix_cache_entries", "Prompt KV caches prefill's prefix cache holds now.", "prefix_cache_entries"),
     ("epd_prefix_cache_bytes", "Bytes of KV prefill's prefix cache holds now.", "prefix_cache_bytes"),
 ]
+# The hit rate is in tokens, as vLLM's (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`):
+# rate(epd_prefix_cache_hit_tokens_total) / rate(epd_prefix_cache_query_tokens_total).
 _PREFIX_COUNTERS = [
-    ("epd_prefix_cache_hits_total", "Prompts that reused a cached prefix's KV, since start.", "prefix_cache_hits"),
+    (
+        "epd_prefix_cache_query_tokens_total",
+        "Prompt tokens of the prompts looked up in the prefix cache, since start (vLLM's prefix_cache_queries).",
+        "prefix_cache_query_tokens",
+    ),
+    (
+        "epd_prefix_cache_hit_tokens_total",
+        "Prompt tokens whose KV came from the prefix cache, since start (vLLM's prefix_cache_hits).",
+        "prefix_cache_hit_tokens",
+    ),
+    (
+        "epd_prefix_cache_hits_total",
+        "Prompts that reused a cached prefix's KV (16 tokens or more), since start.",
+        "prefix_cache_hits",
+    ),
     (
         "epd_prefix_cache_misses_total",
         "Prompts eligible for the prefix cache that found no usable prefix, since start.",

@@ -79,9 +79,14 @@ class EngineLoad:
     memory_total_bytes: int = 0
     """The budget (0: not budgeted)."""
     prefix_cache_hits: int = 0
-    """Prefill's prefix cache (0 elsewhere): prompts that reused a cached prefix, since start."""
+    """Prefill's prefix cache (0 elsewhere): prompts that reused a cached prefix (at least
+    `prefix_cache.MIN_REUSE_TOKENS` tokens), since start."""
     prefix_cache_misses: int = 0
     """Prompts eligible for the prefix cache that found no usable prefix, since start."""
+    prefix_cache_query_tokens: int = 0
+    """Prompt tokens of the prompts looked up in the prefix cache, since start (vLLM's `prefix_cache_queries`)."""
+    prefix_cache_hit_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache, since start (vLLM's `prefix_cache_hits`)."""
     prefix_cache_evictions: int = 0
     """Prefix-cache entries dropped for room (LRU) or age (TTL), since start."""
     prefix_cache_entries: int = 0

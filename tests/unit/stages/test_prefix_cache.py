@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from epd.prefill_svc.prefix_cache import PrefixCache, common_prefix_length
+from epd.prefill_svc.prefix_cache import MIN_REUSE_TOKENS, PrefixCache, common_prefix_length
 
 V = 7  # a visual placeholder id: every visual token has it
-TURN1 = [1, 2, V, V, V, V, 3, 4, 5]  # system, video (4 tokens, ending at index 6), question
-VISUAL_END = 6  # prompt index after the last visual token
+PREAMBLE = [1, *range(100, 115)]  # 16 tokens: the chat template's, and a system message
+TURN1 = [*PREAMBLE, 2, V, V, V, V, 3, 4, 5]  # ..., video (4 tokens), question
+VISUAL_END = len(PREAMBLE) + 5  # prompt index after the last visual token
 
 
 class Clock:
@@ -54,8 +55,8 @@ def test_an_lcp_ending_inside_the_visual_tokens_is_a_miss():
     cache = PrefixCache(1000, 60)
     cache.put("k", TURN1, "kv", 10)
     # Same first two visual tokens, then the prompt differs inside the video (fewer frames).
-    shorter_video = [1, 2, V, V, 3, 4, 5]
-    assert cache.lookup("k", shorter_video, min_reuse=5) is None
+    shorter_video = [*PREAMBLE, 2, V, V, 3, 4, 5]
+    assert cache.lookup("k", shorter_video, min_reuse=VISUAL_END - 1) is None
     assert cache.stats().num_misses == 1
 
 
@@ -76,20 +77,112 @@ def test_another_keys_entry_serves_up_to_its_bound():
     entry yet, and the text-only turn's entry (another key) holds its KV up to the first visual
     token; it serves that far and no further, and the media key's own entry wins when there is one."""
     cache = PrefixCache(1000, 60)
-    text_turn = [1, 2, 3, 4, 5]  # system, "hello", the answer's header
-    media_turn = [1, 2, 3, 4, 5, 6, V, V, 8]  # ... the answer, then the video (from index 6)
-    cache.put("text", [*text_turn, 6, 9], "text kv", 10)  # its LCP with the media turn runs to 6
-    assert cache.lookup("media", media_turn, 8) is None  # without `also`: a miss
-    hit = cache.lookup("media", media_turn, 8, also=("text", 6))
-    assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == 6
-    hit = cache.lookup("media", media_turn, 8, also=("text", 4))  # bounded below its LCP
-    assert hit is not None and hit.num_reused_tokens == 4
-    assert cache.lookup("media", [9, *media_turn], 9, also=("text", 7)) is None  # no common prefix
+    text_turn = [*PREAMBLE, 2, 3, 4, 5]  # system, "hello", the answer's header
+    media_turn = [*text_turn, 6, V, V, 8]  # ... the answer, then the video (from index 21)
+    first_visual = len(text_turn) + 1
+    cache.put("text", [*text_turn, 6, 9], "text kv", 10)  # its LCP with the media turn runs to 21
+    assert cache.lookup("media", media_turn, first_visual + 2) is None  # without `also`: a miss
+    hit = cache.lookup("media", media_turn, first_visual + 2, also=("text", first_visual))
+    assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == first_visual
+    hit = cache.lookup("media", media_turn, first_visual + 2, also=("text", first_visual - 2))  # bounded below its LCP
+    assert hit is not None and hit.num_reused_tokens == first_visual - 2
+    assert cache.lookup("media", [9, *media_turn], first_visual + 3, also=("text", first_visual + 1)) is None  # no common prefix
     cache.put("media", media_turn, "media kv", 10)
-    hit = cache.lookup("media", [*media_turn, 10], 8, also=("text", 6))
+    hit = cache.lookup("media", [*media_turn, 10], first_visual + 2, also=("text", first_visual))
     assert hit is not None and hit.entry.cache == "media kv" and hit.num_reused_tokens == len(media_turn)
     stats = cache.stats()
     assert (stats.num_hits, stats.num_misses) == (3, 2)  # one count per lookup
+
+
+def test_lookups_are_counted_in_tokens():
+    """vLLM's prefix_cache_queries and prefix_cache_hits: every lookup's prompt tokens, and the
+    tokens reused (not the entry's length, nor the common prefix beyond the last one computed)."""
+    cache = PrefixCache(1000, 60)
+    cache.lookup("k", TURN1, VISUAL_END)  # a miss: queried, nothing reused
+    cache.put("k", TURN1, "kv", 10)
+    cache.lookup("k", TURN1, VISUAL_END)  # the same prompt: all but its last token
+    cache.lookup("k", [*TURN1, 8, 9], VISUAL_END)  # a follow-up: all of TURN1
+    stats = cache.stats()
+    assert (stats.num_hits, stats.num_misses) == (2, 1)
+    assert stats.num_query_tokens == 3 * len(TURN1) + 2
+    assert stats.num_hit_tokens == (len(TURN1) - 1) + len(TURN1)
+
+
+def test_a_reuse_shorter_than_the_minimum_is_a_miss_and_renews_nothing():
+    """Another conversation that shares only the template's preamble (under 16 tokens) reuses
+    nothing: no hit in the counts, and the entry it shares them with is not kept alive by it."""
+    clock = Clock()
+    cache = PrefixCache(1000, 10, clock)
+    cache.put("text", [*PREAMBLE, 2, 3], "a", 10)
+    clock.now = 8
+    assert MIN_REUSE_TOKENS == len(PREAMBLE) == 16
+    short = [*PREAMBLE[:15], 50, 51, 52]  # shares 15 tokens
+    assert cache.lookup("text", short, 0) is None
+    stats = cache.stats()
+    assert (stats.num_hits, stats.num_misses, stats.num_hit_tokens) == (0, 1, 0)
+    clock.now = 11  # unused since 0: gone at its TTL, the lookup at 8 did not renew it
+    assert cache.stats().num_entries == 0
+    cache.put("text", [*PREAMBLE, 2, 3], "a", 10)
+    hit = cache.lookup("text", [*PREAMBLE, 60], 0)  # exactly the minimum: a hit
+    assert hit is not None and hit.num_reused_tokens == MIN_REUSE_TOKENS
+
+
+def test_a_prefix_many_entries_share_renews_the_most_recent():
+    """Ties go to the most recently used entry: conversations that share an opening (a long
+    system message) renew the one in use, and the older ones still age out."""
+    clock = Clock()
+    cache = PrefixCache(1000, 10, clock)
+    cache.put("text", [*PREAMBLE, 2, 3], "old", 10)
+    clock.now = 5
+    cache.put("text", [*PREAMBLE, 4, 5], "new", 10)
+    clock.now = 9
+    hit = cache.lookup("text", [*PREAMBLE, 6, 7], 0)  # shares PREAMBLE with both
+    assert hit is not None and hit.entry.cache == "new" and hit.num_reused_tokens == len(PREAMBLE)
+    clock.now = 12  # "old" unused since 0, "new" renewed at 9
+    assert cache.stats().num_entries == 1 and [e.cache for e in cache._entries.values()] == ["new"]
+
+
+def test_the_turn_that_brings_the_video_supersedes_the_text_turns_entry():
+    """A conversation's text turn, then its video turn (stored with `also`: found under the
+    text-only key for the text before its video). The text turn's entry leaves, for the media
+    entry serves every text-only lookup it served, as far: a new conversation with the same
+    opening reuses it from there, up to the first visual token and no further. Other entries of
+    the text-only key (another opening) stay."""
+    cache = PrefixCache(1000, 60)
+    text_turn = [*PREAMBLE, 2, 3, 4]  # system, "hello", the generation prompt
+    media_turn = [*text_turn, 5, 6, 7, V, V, 8]  # the answer, the user's header, the video
+    first_visual = media_turn.index(V)
+    cache.put("text", text_turn, "text kv", 100)
+    cache.put("text", [*PREAMBLE, 20, 21], "another opening", 100)
+    hit = cache.lookup("media", media_turn, first_visual + 2, also=("text", first_visual))
+    assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == len(text_turn)
+    cache.put("media", media_turn, "media kv", 300, also=("text", first_visual))
+    stats = cache.stats()
+    assert (stats.num_entries, stats.num_bytes, stats.num_evictions) == (2, 400, 0)
+    assert sorted(e.cache for e in cache._entries.values()) == ["another opening", "media kv"]
+    hit = cache.lookup("text", [*text_turn, 9], 0)  # a new conversation, the same opening
+    assert hit is not None and hit.entry.cache == "media kv" and hit.num_reused_tokens == len(text_turn)
+    # A text-only prompt that goes on with the placeholder's id as text: its KV differs from
+    # there (text embeddings, not the video's), so the reuse stops at the first visual token.
+    hit = cache.lookup("text", [*media_turn[: first_visual + 1], 9], 0)
+    assert hit is not None and hit.entry.cache == "media kv" and hit.num_reused_tokens == first_visual
+    # The video turn's follow-up reuses it all under its own key.
+    hit = cache.lookup("media", [*media_turn, 10], first_visual + 2, also=("text", first_visual))
+    assert hit is not None and hit.num_reused_tokens == len(media_turn)
+
+
+def test_an_entry_found_under_fewer_keys_is_not_superseded():
+    """The text turn's entry stays when the later entry is not found under the text-only key (a
+    conversation that opens with its media) or its text does not begin with the text turn's."""
+    cache = PrefixCache(1000, 60)
+    text_turn = [*PREAMBLE, 2, 3, 4]
+    cache.put("text", text_turn, "text kv", 10)
+    cache.put("media", [*text_turn, 5, V, V], "no also", 10)
+    cache.put("media", [*text_turn, 6, V, V], "bound too short", 10, also=("text", len(text_turn) - 1))
+    cache.put("media", [*PREAMBLE, 2, 9, 4, V], "another text", 10, also=("text", len(PREAMBLE) + 3))
+    assert cache.stats().num_entries == 4
+    hit = cache.lookup("text", [*text_turn, 9], 0)
+    assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == len(text_turn)
 
 
 def test_keys_isolate_models_media_and_settings():
@@ -171,14 +264,17 @@ def test_the_prefill_cores_prefix_cache_counts_reach_metrics():
         def load(self) -> EngineLoad:
             return self._load
 
-    prefill = EngineLoad("prefill", prefix_cache_hits=3, prefix_cache_misses=2, prefix_cache_evictions=1,
-                         prefix_cache_entries=4, prefix_cache_bytes=4096)  # fmt: skip
+    prefill = EngineLoad("prefill", prefix_cache_hits=3, prefix_cache_misses=2, prefix_cache_query_tokens=120,
+                         prefix_cache_hit_tokens=90, prefix_cache_evictions=1, prefix_cache_entries=4,
+                         prefix_cache_bytes=4096)  # fmt: skip
     metrics = GatewayMetrics()
     MeteredPipeline(Pipeline(Stage(EngineLoad("encoder")), Stage(prefill), Stage(EngineLoad("decode"))), metrics)
     text = asyncio.run(metrics.scrape()).decode()
     expected = {
         "epd_prefix_cache_hits_total": ("counter", 3),
         "epd_prefix_cache_misses_total": ("counter", 2),
+        "epd_prefix_cache_query_tokens_total": ("counter", 120),
+        "epd_prefix_cache_hit_tokens_total": ("counter", 90),
         "epd_prefix_cache_evictions_total": ("counter", 1),
         "epd_prefix_cache_entries": ("gauge", 4),
         "epd_prefix_cache_bytes": ("gauge", 4096),
