@@ -54,7 +54,8 @@ class PrefillConfig:
     advertise_address: str = ""
     """host:port the decode service pulls KV caches from; default host:port of `server`."""
     max_prompt_tokens: int = 32768
-    """Prompts longer than this (text + visual tokens) are refused."""
+    """Prompts longer than this (text + visual tokens) are refused (--max-prompt-tokens). A bound on
+    one prompt's prefill memory and time; `max_model_len` (or the model's context) bounds it too."""
     max_text_chars: int = 262_144
     """Characters of text in the whole conversation (history included) at most: a bound on what
     the tokenizer is given before the prompt's tokens are counted (`max_prompt_tokens` is the
@@ -88,6 +89,8 @@ class PrefillConfig:
                 f"max_waiting_prompt_tokens (--max-waiting-prompt-tokens, {self.scheduler.max_waiting_prompt_tokens}) "
                 f"must be >= max_prompt_tokens ({self.max_prompt_tokens}), or the longest prompt never gets in"
             )
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens (--max-prompt-tokens) must be >= 1 token, got {self.max_prompt_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len (--max-model-len) must be >= 1 token, got {self.max_model_len}")
         if self.kv_store_bytes < 0:

@@ -198,11 +198,12 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
 
 def _prefill_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig,
                     advertise_address: str = "") -> PrefillConfig:
-    """Prefill's flags (`STAGE_FLAGS["prefill"]`: KV store, prefix cache, scheduler, max_tokens limit, max_model_len)
-    over a model and a server."""
+    """Prefill's flags (`STAGE_FLAGS["prefill"]`: KV store, prefix cache, scheduler, max_tokens limit,
+    max_model_len, prompt limit) over a model and a server."""
     return PrefillConfig(model=model, server=server, advertise_address=advertise_address,
                          kv_store_bytes=args.kv_store_bytes, kv_ttl_s=args.kv_ttl,
                          max_new_tokens_limit=args.max_new_tokens_limit, max_model_len=args.max_model_len,
+                         max_prompt_tokens=args.max_prompt_tokens,
                          prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_ttl_s=args.prefix_cache_ttl,
                          scheduler=PrefillSchedulerConfig(
                              max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,

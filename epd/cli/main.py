@@ -106,6 +106,10 @@ def add_prefill_limit_flags(p) -> None:
                         "model's context, config.json's max_position_embeddings, which it may only lower: a "
                         "larger value is refused at start). A longer prompt, or one whose max_tokens would pass "
                         "it, is refused; /v1/models reports it as max_model_len")
+    p.add_argument("--max-prompt-tokens", type=_tokens, default=PrefillConfig.max_prompt_tokens, metavar="N",
+                   help="prompt tokens (text and visual) at most; a longer prompt is refused with 413 / "
+                        "RESOURCE_EXHAUSTED before it is prefilled (default: 32768; --max-waiting-prompt-tokens "
+                        "must be at least as large). With --max-model-len, the smaller of the two bounds a prompt")
 
 
 def add_decode_scheduler_flags(p) -> None:
@@ -331,12 +335,9 @@ _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 _BINARY_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def _max_model_len(text: str) -> int:
+def _tokens(text: str) -> int:
     """An argparse type: a positive number of tokens, in vLLM's forms too: "32768", "32k" (32,000),
     "25.6k" (25,600), "32K" (32,768; a binary suffix, like no suffix, takes a whole number)."""
-    if text.strip() in ("-1", "auto"):
-        raise argparse.ArgumentTypeError(f"vLLM's {text.strip()} (the longest that fits the GPU's memory) is not "
-                                          "supported: leave --max-model-len out to serve the model's own context")
     match = _TOKENS_WITH_SUFFIX.fullmatch(text.strip())
     number, suffix = match.groups() if match else ("", "")
     if match is None or ("." in number and suffix not in _DECIMAL_SUFFIXES):
@@ -348,6 +349,14 @@ def _max_model_len(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 token, got {text!r}")
     return value
+
+
+def _max_model_len(text: str) -> int:
+    """`_tokens`, and vLLM's -1 / auto (fit the GPU's memory) refused saying what to do instead."""
+    if text.strip() in ("-1", "auto"):
+        raise argparse.ArgumentTypeError(f"vLLM's {text.strip()} (the longest that fits the GPU's memory) is not "
+                                          "supported: leave --max-model-len out to serve the model's own context")
+    return _tokens(text)
 
 
 # Every port flag (0: the flag's own meaning, off or any free port). Left to the socket, 70001

@@ -745,6 +745,7 @@ def test_the_stacks_gateway_takes_only_the_keys_the_launcher_was_given(monkeypat
     ("--max-new-tokens-limit", "16", "max_new_tokens_limit", 16, 4096),
     ("--max-model-len", "8k", "max_model_len", 8000, None),  # vLLM's forms: 8k is 8,000, 8K 8,192
     ("--max-model-len", "8K", "max_model_len", 8192, None),
+    ("--max-prompt-tokens", "64K", "max_prompt_tokens", 65536, 32768),
 ])
 def test_prefills_request_limits_reach_every_prefill_and_the_colocated_one(flag, value, field, expected, default):
     """`--max-new-tokens-limit` (the most tokens a request may ask for, at most decode's bound)
@@ -769,6 +770,8 @@ def test_prefills_request_limits_reach_every_prefill_and_the_colocated_one(flag,
     ("--max-model-len", "1.5K", "expected a positive number of tokens"),  # vLLM's: decimals with k, m, g only
     ("--max-model-len", "-1", "leave --max-model-len out to serve the model's own context"),  # vLLM's "fit the GPU"
     ("--max-model-len", "auto", "leave --max-model-len out to serve the model's own context"),
+    ("--max-prompt-tokens", "0", "must be at least 1 token, got '0'"),
+    ("--max-prompt-tokens", "-1", "expected a positive number of tokens"),
 ])
 def test_prefills_request_limits_refuse_values_they_cannot_serve(capsys, flag, value, expected):
     with pytest.raises(SystemExit):
