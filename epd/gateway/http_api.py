@@ -372,6 +372,7 @@ class HttpApi:
                 request_id=tracing.adopt_request_id(chat.request_id),
                 pruning=chat.pruning,
                 raw_prompt=chat.raw_prompt,
+                template=chat.template,
                 cache_salt=request_cache_salt(
                     bool(self.config.http.api_keys),
                     bearer_token([("authorization", request.headers.get("Authorization", ""))]),
