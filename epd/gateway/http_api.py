@@ -389,7 +389,7 @@ class HttpApi:
                         log_summary(item)
                         if chat.raw_prompt is not None:
                             return web.json_response(text_completion_body(item, chat))
-                        return web.json_response(completion_body(item, chat.model))
+                        return web.json_response(completion_body(item, chat.model, role=chat.response_role))
             raise RuntimeError("the pipeline ended without a summary")
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
@@ -478,7 +478,7 @@ class HttpApi:
                         await stream.begin(request, request_id)
                         if chat.raw_prompt is None:
                             await send(
-                                chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
+                                chunk_body(request_id, chat.model, created, {"role": chat.response_role, "content": ""})
                             )
                         elif chat.echo:  # the prompt's text first, as vLLM streams an echo
                             await send(text_completion_chunk(request_id, chat.model, created, chat.raw_prompt.text))

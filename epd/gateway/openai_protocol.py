@@ -231,6 +231,14 @@ class ChatRequest:
     the prompt. A continued message's answer is the continuation alone, as vLLM's (whose chat
     `echo`, which would put the continued text in front, this server refuses)."""
 
+    @property
+    def response_role(self) -> str:
+        """The answer's role, as vLLM's: the assistant's, or without a generation prompt the last
+        message's (the message the model continues, or the turn it writes on in)."""
+        if self.template.add_generation_prompt or not self.messages:
+            return "assistant"
+        return self.messages[-1].role
+
 
 def parse_chat_request(
     body: Any, served_model: str, sampling_defaults: SamplingOptions, generation_defaults: GenerationConfig
@@ -550,7 +558,10 @@ def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[
     return kept
 
 
-def completion_body(summary: AskSummary, model: str, created: int | None = None) -> dict[str, Any]:
+def completion_body(
+    summary: AskSummary, model: str, created: int | None = None, role: str = "assistant"
+) -> dict[str, Any]:
+    """A chat answer's body; `role`: `ChatRequest.response_role`."""
     return {
         "id": f"chatcmpl-{summary.request_id}",
         "object": "chat.completion",
@@ -559,7 +570,7 @@ def completion_body(summary: AskSummary, model: str, created: int | None = None)
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": summary.answer},
+                "message": {"role": role, "content": summary.answer},
                 "logprobs": None,
                 "finish_reason": summary.finish_reason or "stop",
                 "stop_reason": summary.stop_reason,

@@ -32,7 +32,11 @@ def test_the_http_door_reads_both_fields_and_takes_an_assistant_message_last():
     continued = parse({"messages": ANSWERED, "add_generation_prompt": False, "continue_final_message": True})
     assert continued.template == ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
     assert continued.messages[-1] == Message.assistant("The colour is")
-    assert parse({"messages": ANSWERED[:1], "add_generation_prompt": False}).template.add_generation_prompt is False
+    closed = parse({"messages": ANSWERED[:1], "add_generation_prompt": False})
+    assert closed.template.add_generation_prompt is False
+    # The answer's role, as vLLM's: the last message's without a generation prompt.
+    assert (continued.response_role, closed.response_role, parse({"messages": ANSWERED}).response_role) == (
+        "assistant", "user", "assistant")
 
 
 @pytest.mark.parametrize(
