@@ -44,7 +44,14 @@ from epd.stages.contracts import (
     refuse_unsupported_pruning,
 )
 from epd.stages.errors import InvalidRequest, ResourceExhausted
-from epd.stages.messages import Message, check_messages, media_in_opening, media_type, to_chat_template
+from epd.stages.messages import (
+    ChatTemplateOptions,
+    Message,
+    check_messages,
+    media_in_opening,
+    media_type,
+    to_chat_template,
+)
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
@@ -133,8 +140,11 @@ class PrefillEngine:
         check_token_ids(token_ids, self.adapter.vocab_size, self.config.max_text_chars)
         return self.tokenizing.decode_tokens(list(token_ids))
 
-    def validate(self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig) -> None:
-        check_messages(messages, self.config.max_text_chars)
+    def validate(
+        self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig,
+        template: ChatTemplateOptions = ChatTemplateOptions(),
+    ) -> None:
+        check_messages(messages, self.config.max_text_chars, template=template)
         check_generation_limits(generation, self.config.max_new_tokens_limit, self.adapter.vocab_size)
         if bool(media_type(messages)) != (meta is not None):  # a caller other than our gateway
             raise InvalidRequest(
@@ -189,18 +199,22 @@ class PrefillEngine:
         use_prefix_cache: bool = True,
         cache_salt: str = "",
         raw_prompt: RawPrompt | None = None,
+        template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> PrefillRequest:
         """Validate the request and build its prompt: everything that can refuse it, before it
         queues (a bad request never takes a queue place). `cache_salt` (the tenant) is part of
         the prefix-cache key: KV is reused only within one salt. `raw_prompt`: instead of
-        `messages` (empty then, and no media), a prompt run as it is (`epd.stages.raw_prompt`)."""
+        `messages` (empty then, and no media), a prompt run as it is (`epd.stages.raw_prompt`).
+        `template`: how the chat template ends the prompt (a new answer, or the last message left
+        open to continue). The prefix cache needs no part of it in its key: a continued message's
+        prompt is other token ids, and the cache reuses only an entry's common token prefix."""
         if raw_prompt is not None:
             check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)
             if media is not None:
                 raise InvalidRequest("a raw prompt takes no visual tokens; send the media with messages")
             check_generation_limits(generation, self.config.max_new_tokens_limit, self.adapter.vocab_size)
         else:
-            self.validate(messages, None if media is None else media.meta, generation)
+            self.validate(messages, None if media is None else media.meta, generation, template)
         if media is None:  # nothing for token dropping or KV compression to act on (module docstring)
             pruning = PruningConfig(kv_dtype=pruning.kv_dtype)
         refuse_unsupported_pruning(
@@ -215,7 +229,8 @@ class PrefillEngine:
             if raw_prompt is not None:
                 prompt = self.adapter.build_raw_prompt(raw_prompt.text, raw_prompt.token_ids)
             else:
-                prompt = self.adapter.build_prompt(to_chat_template(messages, meta.modality if meta else ""), meta)
+                prompt = self.adapter.build_prompt(to_chat_template(messages, meta.modality if meta else ""), meta,
+                                                   template.add_generation_prompt, template.continue_final_message)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         num_visual = meta.num_visual_tokens if meta else 0

@@ -73,11 +73,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         pruning = convert.pruning_from_proto(header.pruning)
         messages = convert.messages_from_proto(header.messages)
         raw_prompt = convert.raw_prompt_from_proto(header.raw_prompt) if header.HasField("raw_prompt") else None
+        template = convert.template_from_proto(header.template)
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
         kv_handle = check_handle(header.kv_handle)
         handle = await self.stage.prefill(messages, media, generation, request_id, pruning, cache_salt, kv_handle,
-                                          raw_prompt=raw_prompt)
+                                          raw_prompt=raw_prompt, template=template)
         # A caller that goes away as the prefill finishes never gets the handle (the handler has
         # no await left to be cancelled at), so nobody would release the stored cache before its
         # TTL: the RPC's end says whether the answer got out.

@@ -29,7 +29,7 @@ from epd.prefill_svc.runner import PrefillRunner
 from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
 from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
 from epd.stages.engine_core import EngineCore, EngineLoad
-from epd.stages.messages import Message
+from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.model_thread import ModelThread
 from epd.stages.raw_prompt import RawPrompt
@@ -81,6 +81,7 @@ class LocalPrefillStage(PrefillStage):
         kv_handle: str = "",
         *,
         raw_prompt: RawPrompt | None = None,
+        template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> PrefillHandle:
         """`kv_handle`: the caller's handle for the stored cache (`kv_store.check_handle`), so that
         it can release a cache whose answer it never got; "" = a new one."""
@@ -88,7 +89,7 @@ class LocalPrefillStage(PrefillStage):
         try:
             request = await self.model_thread.run(
                 self.engine.prepare, messages, media, generation, pruning, request_id, cache_salt=cache_salt,
-                raw_prompt=raw_prompt,
+                raw_prompt=raw_prompt, template=template,
             )
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache

@@ -93,14 +93,14 @@ def conversation(video) -> list[dict]:
     return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
 
 
-def qwen_processor_inputs(processor, video, metadata=None, messages: list[dict] | None = None):
+def qwen_processor_inputs(processor, video, metadata=None, messages: list[dict] | None = None, **template: bool):
     """A Qwen3-style processor's own __call__ on the same frames, for `messages` (the processor's
-    chat form; default: `conversation(video)`). Video metadata as a user of transformers gives it:
+    chat form; default: `conversation(video)`; `template`: apply_chat_template's options). Video metadata as a user of transformers gives it:
     the source's fps and the decoded frames' indices in the source."""
     from transformers.video_utils import VideoMetadata
 
     messages = conversation(video) if messages is None else messages
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **template})
     if video.is_image:
         return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
     if metadata is None:

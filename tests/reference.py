@@ -47,22 +47,24 @@ def whole_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype | None 
     return model, AutoProcessor.from_pretrained(model_dir)
 
 
-def reference_inputs(processor, video: DecodedVideo, messages: list[dict]):
+def reference_inputs(processor, video: DecodedVideo, messages: list[dict], **template: bool):
     """The processor's own inputs for `messages` (its chat form, parts in order) and the media:
-    `apply_chat_template`, then the processor's __call__ with the frames our encoder samples, given
+    `apply_chat_template` (`template`: its add_generation_prompt, default true, and
+    continue_final_message), then the processor's __call__ with the frames our encoder samples, given
     as each family's adapter tests give them: Qwen2-VL / Qwen2.5-VL with the sampled frames as the
     whole clip, Qwen3-style processors (Qwen3-VL, its MoE, Qwen3.5) with the source's fps and frame
     indices (for their `<t seconds>` text), LLaVA-OneVision with the frames as they are."""
     from transformers.video_utils import VideoMetadata
 
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    template = {"add_generation_prompt": True, **template}
+    text = processor.apply_chat_template(messages, tokenize=False, **template)
     if video.is_image:
         return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
     kind = type(processor).__name__
     if kind.startswith("Qwen3"):
         from tests.families import qwen_processor_inputs
 
-        return qwen_processor_inputs(processor, video, messages=messages)
+        return qwen_processor_inputs(processor, video, messages=messages, **template)
     if kind.startswith("LlavaOnevision"):
         return processor(text=[text], videos=[video.frames], return_tensors="pt",
                          videos_kwargs={"do_sample_frames": False})  # fmt: skip
@@ -101,12 +103,26 @@ def reference_tokens_for_messages(
 def text_only_reference(model_dir, messages: list[dict], max_new_tokens: int) -> list[int]:
     """`generate(do_sample=False)` on the unsplit model, prompted by the processor itself with the
     text alone (no images, no videos: as a Hugging Face user calls it)."""
+    return template_reference(model_dir, messages, max_new_tokens)[1]
+
+
+def template_reference(
+    model_dir, messages: list[dict], max_new_tokens: int, video: DecodedVideo | None = None, **template: bool
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, `generate(do_sample=False)`'s new tokens) on the unsplit model, prompted by
+    the processor's own `apply_chat_template(messages, **template)`: add_generation_prompt
+    (default true) and continue_final_message (with add_generation_prompt=False, the last message
+    left open: "assistant prefill"); with `video`'s frames (`reference_inputs`), or the text alone."""
     model, processor = whole_model(model_dir)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[text], return_tensors="pt")
+    if video is not None:
+        inputs = reference_inputs(processor, video, messages, **template)
+    else:
+        text = processor.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **template})
+        inputs = processor(text=[text], return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    num_prompt_tokens = inputs["input_ids"].shape[1]
+    return out[0, :num_prompt_tokens].tolist(), out[0, num_prompt_tokens:].tolist()
 
 
 def raw_reference(model_dir, prompt: str, max_new_tokens: int) -> tuple[list[int], list[int]]:

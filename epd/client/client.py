@@ -115,7 +115,10 @@ def build_header(
     include_stop_str_in_output (GenerationConfig's meanings).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
-    API key; at most 256 printable characters).
+    API key; at most 256 printable characters). The chat template's end, vLLM's:
+    add_generation_prompt (default True: a new answer follows the last message) and
+    continue_final_message (True, with add_generation_prompt=False and the assistant's message
+    last: the model continues that message, and the answer is the continuation alone).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
     cannot tell from unset; messages=[]. TypeError naming the option: a value of the wrong type
@@ -152,10 +155,11 @@ def build_header(
     request_id = options.pop("request_id", "") or ""
     cache_salt = options.pop("cache_salt", "") or ""
     prompt = _raw_prompt(options.pop("prompt", None))
+    template = _template(options.pop("add_generation_prompt", None), options.pop("continue_final_message", None))
     if options:
         known = sorted(
             (*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id", "cache_salt",
-             "prompt")
+             "prompt", "add_generation_prompt", "continue_final_message")
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
     if prompt is not None:
@@ -177,7 +181,23 @@ def build_header(
         pruning=pruning,
         cache_salt=cache_salt,
         prompt=prompt,
+        template=template,
     )
+
+
+def _template(add_generation_prompt: Any, continue_final_message: Any) -> messages_pb2.ChatTemplateOptions | None:
+    """The chat template options; None (unset on the wire) for the defaults. The server checks
+    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400)."""
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {_shown(value)}")
+    if add_generation_prompt is None and not continue_final_message:
+        return None
+    options = messages_pb2.ChatTemplateOptions(continue_final_message=bool(continue_final_message))
+    if add_generation_prompt is not None:
+        options.add_generation_prompt = add_generation_prompt
+    return options
 
 
 def _raw_prompt(prompt: Any) -> messages_pb2.RawPrompt | None:

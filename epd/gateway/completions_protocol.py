@@ -43,7 +43,10 @@ _COMPLETION_UNSUPPORTED = {
 tokenizer's special tokens; OpenAI's `suffix` (text after the completion) is not implemented."""
 
 _COMPLETION_KNOWN = (
-    (KNOWN_CHAT_FIELDS - {"messages", "media", "pruning"}) | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
+    # The chat template's options are not vLLM's completions fields either (a raw prompt has no
+    # template): logged as unknown, as vLLM ignores them.
+    (KNOWN_CHAT_FIELDS - {"messages", "media", "pruning", "add_generation_prompt", "continue_final_message"})
+    | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
 )
 
 _ONE_PROMPT = ("epd answers one prompt per request: send each prompt in a request of its own "

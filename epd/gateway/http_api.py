@@ -372,6 +372,7 @@ class HttpApi:
                 request_id=tracing.adopt_request_id(chat.request_id),
                 pruning=chat.pruning,
                 raw_prompt=chat.raw_prompt,
+                template=chat.template,
                 cache_salt=request_cache_salt(
                     bool(self.config.http.api_keys),
                     bearer_token([("authorization", request.headers.get("Authorization", ""))]),
@@ -388,7 +389,7 @@ class HttpApi:
                         log_summary(item)
                         if chat.raw_prompt is not None:
                             return web.json_response(text_completion_body(item, chat))
-                        return web.json_response(completion_body(item, chat.model))
+                        return web.json_response(completion_body(item, chat.model, role=chat.response_role))
             raise RuntimeError("the pipeline ended without a summary")
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
@@ -477,7 +478,7 @@ class HttpApi:
                         await stream.begin(request, request_id)
                         if chat.raw_prompt is None:
                             await send(
-                                chunk_body(request_id, chat.model, created, {"role": "assistant", "content": ""})
+                                chunk_body(request_id, chat.model, created, {"role": chat.response_role, "content": ""})
                             )
                         elif chat.echo:  # the prompt's text first, as vLLM streams an echo
                             await send(text_completion_chunk(request_id, chat.model, created, chat.raw_prompt.text))

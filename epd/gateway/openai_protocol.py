@@ -55,7 +55,7 @@ from epd.model_runtime.sampling import (
 )
 from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import Busy, InvalidRequest, NotFound
-from epd.stages.messages import ROLES, ContentPart, Message, check_messages
+from epd.stages.messages import ROLES, ChatTemplateOptions, ContentPart, Message, check_messages
 from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
 from epd.stages.raw_prompt import RawPrompt
@@ -126,8 +126,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "function_call": ("none", "auto"),
     "prompt_logprobs": (0,),
     "echo": (False,),
-    "continue_final_message": (False,),
-    "add_generation_prompt": (True,),
     "audio": (),
     "modalities": (["text"],),
     # vLLM's: they change the prompt, the frames or the text of the answer, so ignoring them
@@ -167,6 +165,7 @@ KNOWN_CHAT_FIELDS = {
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
+    "add_generation_prompt", "continue_final_message",
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -227,6 +226,18 @@ class ChatRequest:
     the chat template; `messages` is empty then, and the answer is a `text_completion`."""
     echo: bool = False
     """Completions' `echo`: the answer's text begins with the prompt's (a text prompt only)."""
+    template: ChatTemplateOptions = ChatTemplateOptions()
+    """vLLM's `add_generation_prompt` and `continue_final_message`: how the chat template ends
+    the prompt. A continued message's answer is the continuation alone, as vLLM's (whose chat
+    `echo`, which would put the continued text in front, this server refuses)."""
+
+    @property
+    def response_role(self) -> str:
+        """The answer's role, as vLLM's: the assistant's, or without a generation prompt the last
+        message's (the message the model continues, or the turn it writes on in)."""
+        if self.template.add_generation_prompt or not self.messages:
+            return "assistant"
+        return self.messages[-1].role
 
 
 def parse_chat_request(
@@ -247,9 +258,14 @@ def parse_chat_request(
         modality=modality,
         sampling=_sampling(body.get("media"), sampling_defaults),
         pruning=_pruning(body.get("pruning")),
+        template=ChatTemplateOptions(
+            add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
+            continue_final_message=boolean_field(body, "continue_final_message", False),
+        ),
         **options,
     )
-    check_messages(messages)  # the message model's own rules (the last message is the user's, ...)
+    # The message model's own rules (the last message is the user's or the assistant's, ...).
+    check_messages(messages, template=request.template)
     return request
 
 
@@ -543,7 +559,10 @@ def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[
     return kept
 
 
-def completion_body(summary: AskSummary, model: str, created: int | None = None) -> dict[str, Any]:
+def completion_body(
+    summary: AskSummary, model: str, created: int | None = None, role: str = "assistant"
+) -> dict[str, Any]:
+    """A chat answer's body; `role`: `ChatRequest.response_role`."""
     return {
         "id": f"chatcmpl-{summary.request_id}",
         "object": "chat.completion",
@@ -552,7 +571,7 @@ def completion_body(summary: AskSummary, model: str, created: int | None = None)
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": summary.answer},
+                "message": {"role": role, "content": summary.answer},
                 "logprobs": None,
                 "finish_reason": summary.finish_reason or "stop",
                 "stop_reason": summary.stop_reason,

@@ -44,7 +44,7 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
-from epd.stages.messages import Message, check_messages, media_type
+from epd.stages.messages import ChatTemplateOptions, Message, check_messages, media_type
 from epd.stages.model_info import ModelInfo
 from epd.stages.names import TIMING_NAMES, TOTAL, TTFT, Stage
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
@@ -73,6 +73,9 @@ class AskRequest:
     raw_prompt: RawPrompt | None = None
     """Instead of `messages` (then []): a prompt run as it is, without the chat template
     (`epd.stages.raw_prompt`; the HTTP API's /v1/completions). It takes no media."""
+    template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
+    """How the chat template ends the prompt of `messages`: a new answer (the default), or the
+    assistant's last message left open for the model to continue (vLLM's continue_final_message)."""
 
 
 @dataclass
@@ -172,8 +175,12 @@ class Pipeline:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         if req.raw_prompt is not None:
             check_raw_prompt(req.raw_prompt, req.messages, vocab_size=self.vocab_size)
+            if req.template != ChatTemplateOptions():
+                raise InvalidRequest("add_generation_prompt and continue_final_message shape a chat template's "
+                                     "prompt; a raw prompt has no template: leave them unset")
         else:
-            check_messages(req.messages)  # before the media costs an encode; prefill checks its limits
+            # Before the media costs an encode; prefill checks its limits.
+            check_messages(req.messages, template=req.template)
         check_media_sent(req)
         try:  # before the request is sent on (a stop list of megabytes would be too large for one
             # message) and before the media costs an encode: prefill's bounds as far as known (each
@@ -327,7 +334,7 @@ class Pipeline:
         was already on its way)."""
         call = asyncio.ensure_future(
             self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning, req.cache_salt,
-                                 raw_prompt=req.raw_prompt)
+                                 raw_prompt=req.raw_prompt, template=req.template)
         )
         try:
             return await asyncio.shield(call)

@@ -72,6 +72,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request = AskRequest(
                 messages=[] if raw_prompt is not None else messages_of(header, media_sent=bool(data or header.media_sha256)),
                 raw_prompt=raw_prompt,
+                template=convert.template_from_proto(header.template),
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
                 generation=convert.generation_from_proto(

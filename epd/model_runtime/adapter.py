@@ -275,17 +275,23 @@ class VLMAdapter(ABC):
         """How many visual tokens (prompt placeholders) a grid yields."""
 
     @abstractmethod
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+    def build_prompt(
+        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> Prompt:
         """Render `conversation` exactly as the family's `processor.apply_chat_template(conversation,
-        add_generation_prompt=True)` renders it, expand its one media placeholder to the visual
-        tokens, compute the position ids `generate()` would use.
+        add_generation_prompt=..., continue_final_message=...)` renders it (the defaults: a new
+        assistant answer; `continue_final_message`: the last message left open, for the model to
+        continue), expand its one media placeholder to the visual tokens, compute the position
+        ids `generate()` would use.
 
         conversation: the processor's chat form, [{"role": "system" | "user" | "assistant",
         "content": [{"type": "text", "text": ...} | {"type": visual.modality}, ...]}], parts in the
         user's order, exactly one media part (`epd.stages.messages.to_chat_template` makes it), or
         none when `visual` is None: the text alone, its visual mask all False, positions those
         generate() gives a prompt without media.
-        Raises ValueError when a text part holds the model's own placeholder tokens."""
+        Raises ValueError when a text part holds the model's own placeholder tokens, or when the
+        template cannot leave the last message open."""
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """A text's token ids, as the model's tokenizer gives them (the HTTP API's /tokenize)."""

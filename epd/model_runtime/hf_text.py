@@ -109,12 +109,15 @@ class HfTextAdapter(VLMAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def _text_only_prompt(self, conversation: list[dict[str, Any]]) -> Prompt:
+    def _text_only_prompt(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> Prompt:
         """`build_prompt` of a conversation without a media part: the processor's own template of
         its text, tokenised as the processor's __call__ tokenises it, and the positions generate()
         gives a prompt without grids (`_prepare_position_ids_for_generation` then skips
         get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
-        text = self._render_text_only(conversation, add_generation_prompt=True)
+        text = self._render_text_only(conversation, add_generation_prompt, continue_final_message)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
         return _text_prompt(input_ids)
 
@@ -140,17 +143,24 @@ class HfTextAdapter(VLMAdapter):
         placeholders = (proc.video_token, proc.image_token)
         if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
             raise ValueError("a text part contains the model's visual placeholder token; remove it")
-        try:
-            text = proc.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, tokenize=False)
-        except ValueError as exc:
-            # transformers' message goes on to quote the last message and the whole rendered
-            # conversation (a 400 of up to the text limit): its explanation is enough.
-            raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
+        text = self._render(conversation, add_generation_prompt, continue_final_message)
         if any(token in text for token in placeholders):  # a template that adds media of its own
             raise ValueError("the chat template rendered a visual placeholder for a conversation without media; "
                              "add the video or image part")
         return text
+
+    def _render(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
+    ) -> str:
+        """The processor's own chat template of `conversation`, as a string (every family's prompt
+        starts here); ValueError when the template cannot leave the last message open."""
+        try:
+            return self.processor.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False)
+        except ValueError as exc:
+            # transformers' message goes on to quote the last message and the whole rendered
+            # conversation (a 400 of up to the text limit): its explanation is enough.
+            raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

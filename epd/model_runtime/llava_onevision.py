@@ -198,9 +198,12 @@ class LlavaOnevisionAdapter(HfTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+    def build_prompt(
+        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> Prompt:
         if visual is None:
-            return self._text_only_prompt(conversation)
+            return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
         proc = self.processor
         if any(
             token in part.get("text", "")
@@ -209,7 +212,7 @@ class LlavaOnevisionAdapter(HfTextAdapter):
             for token in (proc.video_token, proc.image_token)
         ):
             raise ValueError("a text part contains the model's visual placeholder token; remove it")
-        text = proc.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = self._render(conversation, add_generation_prompt, continue_final_message)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         if text.count(pad) != 1 or text.count(proc.video_token) + text.count(proc.image_token) != 1:
             raise ValueError(

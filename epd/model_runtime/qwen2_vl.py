@@ -132,12 +132,15 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+    def build_prompt(
+        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> Prompt:
         if visual is None:
-            return self._text_only_prompt(conversation)
+            return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
         # The processor's own template renders the parts in order (no separator between text parts,
         # earlier turns as it renders them); we only expand the one placeholder, as its __call__ does.
-        text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = self._render(conversation, add_generation_prompt, continue_final_message)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         if any(token in part.get("text", "") for m in conversation for part in m["content"]
                for token in (self.processor.video_token, self.processor.image_token)):

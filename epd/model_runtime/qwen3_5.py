@@ -173,9 +173,13 @@ class Qwen3_5Adapter(HfTextAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def build_prompt(self, conversation: list[dict[str, Any]], visual: VisualMeta | None) -> Prompt:
+    def build_prompt(
+        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> Prompt:
         # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
-        return Qwen3VLAdapter.build_prompt(self, conversation, visual)  # type: ignore[arg-type]
+        return Qwen3VLAdapter.build_prompt(self, conversation, visual,  # type: ignore[arg-type]
+                                           add_generation_prompt, continue_final_message)
 
     def _timestamps_metadata(self, visual: VisualMeta):
         return Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]

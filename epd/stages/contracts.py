@@ -36,7 +36,7 @@ from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
-from epd.stages.messages import Message
+from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput
@@ -415,9 +415,11 @@ class PrefillStage(ABC):
         cache_salt: str = "",
         *,
         raw_prompt: RawPrompt | None = None,
+        template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> PrefillHandle:
         """Render `messages` (`epd.stages.messages`: at most one media part, the user's message
-        last) with the model's chat template around `media` and run the prompt (`media` None: the
+        last, or the assistant's: `template` says whether a new answer follows it or the model
+        continues it) with the model's chat template around `media` and run the prompt (`media` None: the
         messages have no media part, and the prompt is their text alone, without visual tokens); the KV cache stays with the
         stage until a decoder takes it (or its TTL passes). Cancelled before it returns, the stage
         stores no cache. `cache_salt` (the tenant) is part of the prefix-cache key: a prompt reuses

@@ -93,16 +93,54 @@ def question_messages(question: str, media: str = "video") -> list[Message]:
     return [Message.user(ContentPart(media), question)]
 
 
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How the chat template ends the rendered conversation: vLLM's chat request fields of the
+    same names, passed to `processor.apply_chat_template` as they are."""
+
+    add_generation_prompt: bool = True
+    """End with the template's opening of the assistant's answer: the model answers in a new
+    assistant message (after the user's, or after an assistant's last message)."""
+    continue_final_message: bool = False
+    """Leave the last message (the assistant's) open, without the template's end of its turn: the
+    model continues it ("assistant prefill"; the answer is the continuation alone, as vLLM's).
+    Not with `add_generation_prompt`."""
+
+    def check(self, messages: Sequence[Message]) -> None:
+        """InvalidRequest unless these options can render `messages`."""
+        check_template_flags(self.add_generation_prompt, self.continue_final_message)
+        if self.continue_final_message and messages and messages[-1].role != "assistant":
+            raise InvalidRequest(
+                f"continue_final_message continues the last message, the assistant's, but the last message is the "
+                f"{messages[-1].role}'s: end with the assistant's message to continue, or leave "
+                "continue_final_message false"
+            )
+
+
+def check_template_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """InvalidRequest (vLLM's 400) when both are true: the template cannot both open a new answer
+    and leave the last message open."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequest(
+            "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
+            "to false to continue the last message, or continue_final_message to false to open a new answer"
+        )
+
+
 def num_text_chars(messages: Sequence[Message]) -> int:
     return sum(len(p.text) for m in messages for p in m.parts)
 
 
-def check_messages(messages: Sequence[Message], max_text_chars: int | None = None, to_answer: bool = True) -> None:
+def check_messages(
+    messages: Sequence[Message], max_text_chars: int | None = None, to_answer: bool = True,
+    template: ChatTemplateOptions = ChatTemplateOptions(),
+) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
     answer: known roles and part types, text only in text parts, at most one media part (in a
-    user message; none: a text-only conversation), the last message the user's (unless not
-    `to_answer`: /tokenize renders any conversation, as vLLM's does), at most MAX_PARTS parts and
-    `max_text_chars` of text. A message may be the media alone, with no text at all (as
+    user message; none: a text-only conversation), the last message the user's or the
+    assistant's (which the answer follows, or with `template.continue_final_message` continues;
+    any role unless `to_answer`: /tokenize renders any conversation, as vLLM's does), at most
+    MAX_PARTS parts and `max_text_chars` of text. A message may be the media alone, with no text at all (as
     in vLLM and OpenAI's API: the model then answers the video as its chat template frames it; the
     text-guided prefill drop then scores the visual tokens by the template's own tokens after the
     video)."""
@@ -136,11 +174,13 @@ def check_messages(messages: Sequence[Message], max_text_chars: int | None = Non
             f"the messages have {media} video or image parts; at most one video or image per request is "
             "supported (the encoder encodes one media per request): send one"
         )
-    if to_answer and messages[-1].role != "user":
-        raise InvalidRequest(
-            f"the last message is the {messages[-1].role}'s; end with the user's message (the answer is "
-            "generated as the assistant's next message)"
-        )
+    if to_answer:
+        if messages[-1].role not in ("user", "assistant"):
+            raise InvalidRequest(
+                f"the last message is the {messages[-1].role}'s; end with the user's message (the answer is "
+                "generated as the assistant's next message), or an assistant's to continue"
+            )
+        template.check(messages)
     if max_text_chars is not None and (n := num_text_chars(messages)) > max_text_chars:
         raise InvalidRequest(f"the messages have {n} characters of text; the limit is {max_text_chars}: send a "
                              "shorter conversation (or start a new one without the oldest turns)")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from epd.stages.errors import InvalidRequest
-from epd.stages.messages import Message, check_messages, media_type
+from epd.stages.messages import Message, check_messages, check_template_flags, media_type
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,7 @@ class TokenizeInput:
             if len(self.prompt) > max_text_chars:
                 raise InvalidRequest(f"the prompt has {len(self.prompt)} characters; the limit is {max_text_chars}")
             return
-        if self.add_generation_prompt and self.continue_final_message:
-            raise InvalidRequest(
-                "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
-                "to false to continue the last message, or continue_final_message to false to open a new answer"
-            )
+        check_template_flags(self.add_generation_prompt, self.continue_final_message)
         # Any last role, as vLLM's /tokenize takes it: counting an assistant's turn, or the one a
         # client continues, is what a prompt-budgeting client asks.
         check_messages(self.messages, max_text_chars, to_answer=False)

@@ -30,6 +30,8 @@ from epd.transport.message_convert import raw_prompt_from_proto as raw_prompt_fr
 from epd.transport.message_convert import raw_prompt_to_proto as raw_prompt_to_proto  # re-exported
 from epd.transport.message_convert import set_stop_reason as set_stop_reason  # re-exported
 from epd.transport.message_convert import stop_reason_from_proto as stop_reason_from_proto  # re-exported
+from epd.transport.message_convert import template_from_proto as template_from_proto  # re-exported
+from epd.transport.message_convert import template_to_proto as template_to_proto  # re-exported
 from epd.transport.tensor_wire import WireTensor, tensor_bytes, tensor_num_bytes, tensor_to_chunks
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2
 from epd.video.types import ONE_FRAME_CHOICE, MediaError, SamplingOptions

@@ -1,7 +1,7 @@
 """`epd.stages.messages` <-> `epd.v1.ChatMessage`, the one converter of the message model, used by
 the gateway (Ask), the remote prefill stage and its servicer, and the SDK; likewise the raw prompt
 (`epd.stages.raw_prompt` <-> `epd.v1.RawPrompt`) and a finished answer's `stop_reason` (a oneof of
-GenerateResponse and AskSummary). Kept free of torch so that the SDK can import it;
+GenerateResponse and AskSummary), and the chat template's options (`ChatTemplateOptions`). Kept free of torch so that the SDK can import it;
 `epd.transport.convert` re-exports it beside the other converters."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from epd.stages.messages import ContentPart, Message
+from epd.stages.messages import ChatTemplateOptions, ContentPart, Message
 from epd.stages.raw_prompt import RawPrompt
 from epd.v1 import messages_pb2
 
@@ -26,6 +26,22 @@ def messages_to_proto(messages: Sequence[Message]) -> list[messages_pb2.ChatMess
 def messages_from_proto(msgs: Iterable[messages_pb2.ChatMessage]) -> list[Message]:
     """Field for field; what the messages may hold is checked by `epd.stages.messages.check_messages`."""
     return [Message(m.role, tuple(ContentPart(p.type, p.text) for p in m.parts)) for m in msgs]
+
+
+def template_to_proto(options: ChatTemplateOptions) -> messages_pb2.ChatTemplateOptions | None:
+    """None for the defaults (the field stays unset: a new answer)."""
+    if options == ChatTemplateOptions():
+        return None
+    return messages_pb2.ChatTemplateOptions(add_generation_prompt=options.add_generation_prompt,
+                                            continue_final_message=options.continue_final_message)
+
+
+def template_from_proto(msg: messages_pb2.ChatTemplateOptions) -> ChatTemplateOptions:
+    """An unset add_generation_prompt is true (the default); `ChatTemplateOptions.check` checks the pair."""
+    return ChatTemplateOptions(
+        add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
+        continue_final_message=msg.continue_final_message,
+    )
 
 
 def raw_prompt_to_proto(prompt: RawPrompt) -> messages_pb2.RawPrompt:

@@ -48,7 +48,7 @@ from epd.stages.contracts import (
     TokenStep,
 )
 from epd.stages.errors import InvalidRequest, KvSourceLost
-from epd.stages.messages import Message
+from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.server_config import CHUNK_BYTES
@@ -429,6 +429,7 @@ class RemotePrefillStage(PrefillStage):
         cache_salt: str = "",
         *,
         raw_prompt: RawPrompt | None = None,
+        template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> PrefillHandle:
         # Ours, not the server's: a call cancelled here may have been answered (the server then saw
         # it end well and keeps the cache for its decoder); released by this handle, it does not
@@ -446,6 +447,7 @@ class RemotePrefillStage(PrefillStage):
                     cache_salt=cache_salt,
                     kv_handle=kv_handle,
                     raw_prompt=None if raw_prompt is None else convert.raw_prompt_to_proto(raw_prompt),
+                    template=convert.template_to_proto(template),
                 )
             )
             if media is not None:
@@ -465,6 +467,7 @@ class RemotePrefillStage(PrefillStage):
 
         # The replica whose prefix cache holds this conversation (rendezvous on the video's sha256
         # when the conversation opens with it, else on its opening), or a raw prompt (on its beginning).
+        # Not on `template`: a continued message's prompt shares its conversation's token prefix.
         if raw_prompt is not None:
             key = raw_prompt_key(raw_prompt, cache_salt)
         else:

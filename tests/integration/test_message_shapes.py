@@ -186,11 +186,12 @@ def test_one_media_per_request_and_other_refusals(http, grpc_client, media_files
     with pytest.raises(EpdError, match="at most one video or image per request") as info:
         grpc_client.ask(media_files["mp4"], messages=two, num_frames=NUM_FRAMES)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    ends_with_answer = [*SHAPES["video_text"][1], {"role": "assistant", "content": "red"}]
+    # An assistant's message last is answered or continued (test_continue_final_message); a system's is not.
+    ends_with_system = [*SHAPES["video_text"][1], {"role": "system", "content": "be brief"}]
     with pytest.raises(openai.BadRequestError, match="end with the user's message"):
-        http.chat.completions.create(model=MODEL, messages=openai_messages(ends_with_answer, url))
+        http.chat.completions.create(model=MODEL, messages=openai_messages(ends_with_system, url))
     with pytest.raises(EpdError, match="end with the user's message") as info:
-        grpc_client.ask(media_files["mp4"], messages=ends_with_answer, num_frames=NUM_FRAMES)
+        grpc_client.ask(media_files["mp4"], messages=ends_with_system, num_frames=NUM_FRAMES)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -261,7 +261,7 @@ def test_tokenize_takes_an_answered_conversation_and_continues_its_last_message(
     """As vLLM's /tokenize: a conversation may end with the assistant's message, counted with its
     end of turn, or left open with continue_final_message (the processor's own renderings of it,
     tokenised). Asking for a generation prompt and a continued message at once is a 400, as
-    vLLM's; the chat route itself still wants the user's message last."""
+    vLLM's. The chat route's prompt of the same options is /tokenize's (its prompt_tokens)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(str(tiny_models["qwen2_vl"]))
@@ -287,8 +287,9 @@ def test_tokenize_takes_an_answered_conversation_and_continues_its_last_message(
         status, body = _post(port, "/tokenize", {"messages": ANSWERED, **options})
         assert status == 400, body
         assert "add_generation_prompt and continue_final_message cannot both be true" in body["error"]["message"]
-    status, body = _post(port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": ANSWERED})
-    assert status == 400 and "end with the user's message" in body["error"]["message"], body
+    status, body = _post(port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": ANSWERED,
+                                                         "add_generation_prompt": False, "continue_final_message": True})
+    assert status == 200 and body["usage"]["prompt_tokens"] == opened["count"], body
 
 
 def test_tokenize_gives_token_strs_when_asked(shared_stack, tiny_models):

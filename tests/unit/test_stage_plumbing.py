@@ -806,7 +806,7 @@ def test_a_stream_stopped_by_the_gateway_ends_the_decoders_run_at_once():
     from tests.unit.gateway.test_transfer_bytes import Encoder
 
     class SentFirst(PrefillStage):
-        async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None):
+        async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):
             return PrefillHandle(first_token_id=7, num_prompt_tokens=20, num_cached_tokens=20,
                                  next_position_ids=[20, 4, 4, 4], kv_num_bytes=64, prefill_ms=1.0,
                                  kv_handle="ab" * 16, first_text=" the")  # fmt: skip

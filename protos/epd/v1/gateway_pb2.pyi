@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AskHeader(_message.Message):
-    __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning", "messages", "cache_salt", "prompt")
+    __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning", "messages", "cache_salt", "prompt", "template")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     MEDIA_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class AskHeader(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     question: str
     media_num_bytes: int
@@ -30,7 +31,8 @@ class AskHeader(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
     cache_salt: str
     prompt: _messages_pb2.RawPrompt
-    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., media_sha256: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., prompt: _Optional[_Union[_messages_pb2.RawPrompt, _Mapping]] = ...) -> None: ...
+    template: _messages_pb2.ChatTemplateOptions
+    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., media_sha256: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., prompt: _Optional[_Union[_messages_pb2.RawPrompt, _Mapping]] = ..., template: _Optional[_Union[_messages_pb2.ChatTemplateOptions, _Mapping]] = ...) -> None: ...
 
 class AskRequest(_message.Message):
     __slots__ = ("header", "media_chunk")

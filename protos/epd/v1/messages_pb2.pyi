@@ -22,6 +22,14 @@ class ContentPart(_message.Message):
     text: str
     def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
+class ChatTemplateOptions(_message.Message):
+    __slots__ = ("add_generation_prompt", "continue_final_message")
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+
 class RawPrompt(_message.Message):
     __slots__ = ("text", "token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "visual", "generation", "pruning", "messages", "cache_salt", "kv_handle", "raw_prompt")
+    __slots__ = ("request_id", "visual", "generation", "pruning", "messages", "cache_salt", "kv_handle", "raw_prompt", "template")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     VISUAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class PrefillHeader(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     visual: _encoder_pb2.EncodeResult
     generation: _common_pb2.GenerationParams
@@ -27,7 +28,8 @@ class PrefillHeader(_message.Message):
     cache_salt: str
     kv_handle: str
     raw_prompt: _messages_pb2.RawPrompt
-    def __init__(self, request_id: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[str] = ..., raw_prompt: _Optional[_Union[_messages_pb2.RawPrompt, _Mapping]] = ...) -> None: ...
+    template: _messages_pb2.ChatTemplateOptions
+    def __init__(self, request_id: _Optional[str] = ..., visual: _Optional[_Union[_encoder_pb2.EncodeResult, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationParams, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[str] = ..., raw_prompt: _Optional[_Union[_messages_pb2.RawPrompt, _Mapping]] = ..., template: _Optional[_Union[_messages_pb2.ChatTemplateOptions, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "visual_embeds")

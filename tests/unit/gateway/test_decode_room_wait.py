@@ -46,7 +46,7 @@ class Released(Prefill):
         super().__init__(0, "prefill-0:50052")
         self.num_released = 0
 
-    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None):
+    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):
         handle = await super().prefill(messages, media, generation, request_id, pruning, cache_salt)
         return replace(handle, first_text="a")
 

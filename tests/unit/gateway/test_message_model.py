@@ -45,7 +45,7 @@ def test_the_wire_form_round_trips():
     [
         ([], "no messages"),
         ([Message.user(VIDEO, "a", IMAGE)], "2 video or image parts; at most one video or image per request"),
-        ([Message.user(VIDEO, "q"), Message.assistant("a")], "end with the user's message"),
+        ([Message.user(VIDEO, "q"), Message.system("a")], "end with the user's message"),
         ([Message("bot", (VIDEO,))], "role 'bot'"),
         ([Message("assistant", (VIDEO,)), Message.user("q")], "media go in user messages"),
     ],

@@ -91,8 +91,13 @@ def test_image_part_and_string_url():
         (
             {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}},
                                                        {"type": "text", "text": "what?"}]},
-                          {"role": "assistant", "content": "red"}]},
+                          {"role": "system", "content": "red"}]},
             "end with the user's message",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "say red"}, {"role": "assistant", "content": "red"}],
+             "add_generation_prompt": False, "continue_final_message": True, "echo": True},
+            "'echo' is not supported by this server",  # vLLM's would put the continued text in front
         ),
         ({"messages": [{"role": "user", "content": []}]}, "non-empty list of content parts"),
         ({"media": {"frames": 3}}, "unknown media options"),

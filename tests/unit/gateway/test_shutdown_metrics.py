@@ -30,7 +30,7 @@ from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 class _Prefill(PrefillStage):
-    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None):  # type: ignore[override]
+    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):  # type: ignore[override]
         return PrefillHandle(first_token_id=7, num_prompt_tokens=1, num_cached_tokens=1, next_position_ids=[1],
                              kv_num_bytes=0, prefill_ms=0.0)  # fmt: skip
 

@@ -41,7 +41,7 @@ class Prefill(contracts.PrefillStage):
         self.kv_address = kv_address
         self.num_calls = 0
 
-    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None):
+    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):
         self.num_calls += 1
         return PrefillHandle(
             first_token_id=7, num_prompt_tokens=20, num_cached_tokens=20, next_position_ids=[20, 4, 4, 4],

@@ -1,0 +1,164 @@
+"""Chat completions that continue an assistant message (vLLM's `continue_final_message` with
+`add_generation_prompt: false`, "assistant prefill"), and an assistant message last with the
+defaults (a new answer after it): the prompt is the processor's own
+`apply_chat_template(messages, add_generation_prompt=..., continue_final_message=...)`, and the
+answer's tokens equal `model.generate(do_sample=False)` on it, in every family in one process
+(text alone and with a video in an earlier user turn, the prefix cache on), and through the real
+stack's HTTP (plain and streamed) and gRPC doors. The answer is the continuation alone, as vLLM's."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from epd.client import EpdClient, EpdError
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import MediaInput
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import ChatTemplateOptions, from_chat_template
+from epd.stages.raw_prompt import RawPrompt
+from epd.stages.tokenize import TokenizeInput
+from epd.video.types import SamplingOptions
+from tests.embedded import request_summary
+from tests.families import family_checkpoints
+from tests.reference import decode_for_test, template_reference
+
+MAX_NEW_TOKENS = 8
+NUM_FRAMES = 4
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+# The processor's chat form, each ending with the assistant's (partial) answer.
+TEXT_ONLY = [
+    {"role": "system", "content": [{"type": "text", "text": "answer briefly"}]},
+    {"role": "user", "content": [{"type": "text", "text": "name a colour"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "The colour is"}]},
+]
+VIDEO_EARLIER = [
+    {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "a square"}]},
+    {"role": "user", "content": [{"type": "text", "text": "which colour is it?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "It is"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_models, tmp_path_factory):
+    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("continue_models"))
+
+
+def _ask(pipeline, messages: list[dict], media: bytes | None, **template: bool):
+    request = AskRequest(from_chat_template(messages), MediaInput(media) if media else None,
+                         SamplingOptions(num_frames=NUM_FRAMES), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+                         template=ChatTemplateOptions(**template))  # fmt: skip
+    return asyncio.run(request_summary(pipeline, request))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_continues_the_assistants_message_or_answers_after_it_as_generate(
+    checkpoints, media_files, family
+):
+    """Per conversation, first with the defaults (a new assistant turn after the last message),
+    then continued: each equals generate() on the processor's own rendering (its prompt length
+    too), and the continued prompt is the defaults' prompt's true token prefix up to the open
+    message, whatever the prefix cache reused from the first (every answer is still exact)."""
+    path = checkpoints[family]
+    video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+    data = media_files["mp4"].read_bytes()
+    with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+        for name, messages, media in (("text", TEXT_ONLY, None), ("video", VIDEO_EARLIER, video)):
+            prompts = []
+            for template in ({}, CONTINUE):
+                prompt_ids, want = template_reference(path, messages, MAX_NEW_TOKENS, media, **template)
+                got = _ask(pipeline, messages, data if media is not None else None, **template)
+                label = f"{name} {template or 'defaults'}"
+                assert len(set(want)) > 2, f"{label}: the tiny model repeats one token; the comparison proves little"
+                assert got.token_ids == want, label
+                assert got.num_prompt_tokens == len(prompt_ids), label
+                prompts.append(prompt_ids)
+            # The continued prompt is the defaults' up to the open message (its end of turn and
+            # the new turn's opening cut): the prefix cache serves exactly that common prefix
+            # (all but the one token prefill must compute), never past it.
+            common = next((i for i, (a, b) in enumerate(zip(*prompts)) if a != b), min(map(len, prompts)))
+            assert common == len(prompts[1]), name
+            if family != "qwen3_5":  # its recurrent layers keep no prefix cache
+                assert got.num_reused_prompt_tokens == common - 1, name
+            if media is None:  # /tokenize counts the continued prompt as the chat route builds it
+                tokenize = TokenizeInput(messages=from_chat_template(messages), **CONTINUE)
+                assert asyncio.run(pipeline.prefill.tokenize(tokenize, "t")).token_ids == prompt_ids
+        with pytest.raises(InvalidRequest, match="a raw prompt has no template"):
+            asyncio.run(request_summary(pipeline, AskRequest([], raw_prompt=RawPrompt("once"),
+                                                             template=ChatTemplateOptions(**CONTINUE))))
+
+
+# -- through the real processes (tiny Qwen2-VL) ------------------------------------------------
+
+def _post(port: int, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _openai(messages: list[dict], url: str) -> list[dict]:
+    return [{"role": m["role"], "content": [{"type": "video_url", "video_url": {"url": url}} if p["type"] == "video"
+                                            else p for p in m["content"]]} for m in messages]
+
+
+def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack, tiny_models, media_files):
+    """HTTP (plain and SSE) and gRPC (the SDK's ask) continue the assistant's message with the
+    video in an earlier user turn, as generate() does; the answer's text is the continuation
+    alone. Both flags true, or continuing a user's message, are 400 / INVALID_ARGUMENT naming
+    what to change, and the stack keeps serving."""
+    from transformers import AutoProcessor
+
+    path = tiny_models["qwen2_vl"]
+    video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+    prompt_ids, want = template_reference(path, VIDEO_EARLIER, MAX_NEW_TOKENS, video, **CONTINUE)
+    text = AutoProcessor.from_pretrained(str(path)).tokenizer.decode(want, skip_special_tokens=True)
+    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+    body = {"model": "epd", "messages": _openai(VIDEO_EARLIER, url), "max_tokens": MAX_NEW_TOKENS,
+            "media": {"num_frames": NUM_FRAMES}, **CONTINUE}
+    port = shared_stack.http_port
+
+    status, raw = _post(port, body)
+    assert status == 200, raw
+    reply = json.loads(raw)
+    assert reply["epd"]["token_ids"] == want and reply["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert reply["choices"][0]["message"]["content"] == text
+    status, raw = _post(port, {**body, "stream": True})
+    assert status == 200, raw
+    chunks = [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
+              if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
+
+    with EpdClient(shared_stack.gateway, timeout_s=120) as client:
+        result = client.ask(media_files["mp4"], messages=VIDEO_EARLIER, num_frames=NUM_FRAMES,
+                            max_new_tokens=MAX_NEW_TOKENS, **CONTINUE)  # fmt: skip
+        assert result.token_ids == want and result.answer == text
+        for options, match in (({"continue_final_message": True}, "add_generation_prompt and "
+                                 "continue_final_message cannot both be true"),
+                               ({"add_generation_prompt": False, "continue_final_message": True},
+                                "continue_final_message continues the last message, the assistant's, but the last "
+                                "message is the user's")):
+            messages = VIDEO_EARLIER if "cannot both" in match else VIDEO_EARLIER[:-1]
+            with pytest.raises(EpdError, match=match) as info:
+                client.ask(media_files["mp4"], messages=messages, num_frames=NUM_FRAMES, **options)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            status, raw = _post(port, {**body, "messages": _openai(messages, url), "add_generation_prompt": True,
+                                       **options})
+            assert status == 400 and match in json.loads(raw)["error"]["message"], raw
+        assert client.ask(media_files["mp4"], messages=VIDEO_EARLIER, num_frames=NUM_FRAMES,
+                          max_new_tokens=MAX_NEW_TOKENS, **CONTINUE).token_ids == want  # still serving
