@@ -140,6 +140,36 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
     assert status == 400 and _over_the_cap(case) in body["error"]["message"], body
 
 
+def test_an_unset_max_tokens_that_cannot_fit_is_refused_saying_what_would_help(case):
+    """max_tokens left unset (fitted) but the room the cap leaves is under min_tokens, or is none
+    (a prompt of exactly the cap's tokens, which the prompt limit lets in): a 400 that names the
+    prompt and the room, and what the client can change; not "ask for fewer tokens", which it
+    never asked for (the old message also named the default it never set)."""
+    model = ModelConfig(model=str(case["model"]))
+    prompt, cap = case["prompt"], case["cap"]
+
+    def refusal(pipeline, min_tokens: int = 0) -> str:
+        generation = GenerationConfig(max_new_tokens=32, min_tokens=min_tokens, fit_max_new_tokens=True)
+        request = AskRequest(question_messages(QUESTION), MediaInput(case["video"]),
+                             SamplingOptions(num_frames=NUM_FRAMES), generation)
+
+        async def run():
+            return [item async for item in pipeline.ask(request)]
+
+        with pytest.raises(InvalidRequest) as refused:
+            asyncio.run(run())
+        return str(refused.value)
+
+    with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=cap)) as pipeline:
+        assert refusal(pipeline, min_tokens=ROOM + 1) == (
+            f"this model's context is {cap} tokens and the prompt has {prompt}, which leaves {ROOM} for the "
+            f"answer, fewer than min_tokens ({ROOM + 1}): lower min_tokens, or send a shorter conversation or "
+            "fewer frames")
+    with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=prompt)) as pipeline:
+        assert refusal(pipeline) == (f"this model's context is {prompt} tokens and the prompt has {prompt}, which "
+                                     "leaves none for the answer: send a shorter conversation or fewer frames")
+
+
 def test_a_max_model_len_above_the_models_context_is_refused_at_start(case, tmp_path):
     """As vLLM refuses it (positions past max_position_embeddings were never trained): the
     colocated pipeline raises the loader's error, and `epd serve prefill` exits 3 with one line
