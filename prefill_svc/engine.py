@@ -95,9 +95,11 @@ class PrefillEngine:
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
         if config.max_model_len is not None and (served := self.model_info().max_model_len) < config.max_model_len:
-            log.warning("--max-model-len %d: prompts are bounded by %d tokens (max_prompt_tokens) and answers by "
-                        "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len)",
-                        config.max_model_len, self.max_prompt_tokens, config.max_new_tokens_limit, served)
+            log.warning("--max-model-len %d: prompts are bounded by %d tokens (--max-prompt-tokens) and answers by "
+                        "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len); "
+                        "raise --max-prompt-tokens to reach %d",
+                        config.max_model_len, self.max_prompt_tokens, config.max_new_tokens_limit, served,
+                        config.max_model_len)
         self.tokenizing = adapter.tokenizing_copy()
         """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
         answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""
