@@ -291,18 +291,17 @@ class PrefillEngine:
         context = self.context_tokens
         if context is None or num_prompt_tokens + generation.max_new_tokens <= context:
             return generation
+        shorter = "send a shorter prompt" if raw else "send a shorter conversation or fewer frames"
         if not generation.fit_max_new_tokens:
             raise InvalidRequest(
                 f"this model's context is {context} tokens, but the request needs "
                 f"{num_prompt_tokens + generation.max_new_tokens}: {num_prompt_tokens} in the prompt and up to "
-                f"{generation.max_new_tokens} to generate (max_tokens); send a shorter conversation or fewer "
-                "frames, or ask for fewer tokens"
+                f"{generation.max_new_tokens} to generate (max_tokens); {shorter}, or ask for fewer tokens"
             )
         room = context - num_prompt_tokens  # tokens the answer may have
         if room >= max(1, generation.min_tokens):
             return replace(generation, max_new_tokens=room)
         # The client set no max_tokens: advice to ask for fewer would not help.
-        shorter = "send a shorter prompt" if raw else "send a shorter conversation or fewer frames"
         said = f"this model's context is {context} tokens and the prompt has {num_prompt_tokens}"
         if room < 1:
             raise InvalidRequest(f"{said}, which leaves none for the answer: {shorter}")

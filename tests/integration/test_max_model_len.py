@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import grpc
 import pytest
@@ -27,8 +28,10 @@ from epd.prefill_svc.config import PrefillConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages
+from epd.stages.raw_prompt import RawPrompt
 from epd.stages.server_config import ServerConfig
 from epd.video.types import SamplingOptions
+from tests.embedded import request_summary
 from tests.integration.test_model_info import _chat, _model_card
 from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens
 from tests.stack import Stack, free_port, stage_replica
@@ -168,6 +171,14 @@ def test_an_unset_max_tokens_that_cannot_fit_is_refused_saying_what_would_help(c
     with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=prompt)) as pipeline:
         assert refusal(pipeline) == (f"this model's context is {prompt} tokens and the prompt has {prompt}, which "
                                      "leaves none for the answer: send a shorter conversation or fewer frames")
+        # A raw prompt has neither a conversation nor frames: the advice names the prompt.
+        raw = RawPrompt(token_ids=[1] * prompt)
+        for fit, says in ((True, f"the prompt has {prompt}, which leaves none for the answer: send a shorter prompt"),
+                          (False, "to generate (max_tokens); send a shorter prompt, or ask for fewer tokens")):
+            request = AskRequest([], generation=GenerationConfig(max_new_tokens=4, fit_max_new_tokens=fit),
+                                 raw_prompt=raw)
+            with pytest.raises(InvalidRequest, match=re.escape(says)):
+                asyncio.run(request_summary(pipeline, request))
 
 
 def test_a_max_model_len_above_the_models_context_is_refused_at_start(case, tmp_path):
