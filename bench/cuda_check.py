@@ -430,17 +430,30 @@ def load(work: Path, device: str, num_requests: int, concurrency: int, max_token
         )
 
 
+def families_flag(text: str) -> list[str]:
+    """--families: "all", or known family names, comma-separated (a usage error names them, not a
+    traceback from building an unknown family's checkpoint in each part)."""
+    if text == "all":
+        return list(FAMILIES)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown families {unknown or [text]}: name some of {', '.join(FAMILIES)}, "
+                                         "comma-separated, or all")
+    return names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer requests and batch sizes (a CPU dry run)")
     ap.add_argument("--parts", default="1,2,3,4,5,6", help="which parts to run, e.g. 1,3 (6 needs CUDA)")
-    ap.add_argument("--families", default=",".join(FAMILIES[:2]),
+    ap.add_argument("--families", type=families_flag, default=FAMILIES[:2],
                     help=f"parts 1 and 5's model families, comma-separated, or 'all' ({', '.join(FAMILIES)})")
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
-    families = FAMILIES if args.families == "all" else args.families.split(",")
+    families = args.families
     if args.device.startswith("cuda"):
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(args.device)}")
     import transformers

@@ -95,9 +95,11 @@ class PrefillEngine:
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
         if config.max_model_len is not None and (served := self.model_info().max_model_len) < config.max_model_len:
-            log.warning("--max-model-len %d: prompts are bounded by %d tokens (max_prompt_tokens) and answers by "
-                        "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len)",
-                        config.max_model_len, self.max_prompt_tokens, config.max_new_tokens_limit, served)
+            log.warning("--max-model-len %d: prompts are bounded by %d tokens (--max-prompt-tokens) and answers by "
+                        "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len); "
+                        "raise --max-prompt-tokens to reach %d",
+                        config.max_model_len, self.max_prompt_tokens, config.max_new_tokens_limit, served,
+                        config.max_model_len)
         self.tokenizing = adapter.tokenizing_copy()
         """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
         answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""
@@ -243,19 +245,7 @@ class PrefillEngine:
                 + ("lower max_frames, fps or max_pixels" if mostly_media
                    else "send a shorter prompt" if raw_prompt is not None else "send a shorter conversation")
             )
-        context = self.context_tokens
-        room = None if context is None else context - prompt.num_tokens  # tokens the answer may have
-        if room is not None and generation.max_new_tokens > room:
-            if generation.fit_max_new_tokens and room >= max(1, generation.min_tokens):
-                # max_tokens left unset: vLLM's default is what the context leaves after the prompt.
-                generation = replace(generation, max_new_tokens=room)
-            else:
-                raise InvalidRequest(  # vLLM's 400 for the same request
-                    f"this model's context is {context} tokens, but the request needs "
-                    f"{prompt.num_tokens + generation.max_new_tokens}: {prompt.num_tokens} in the prompt and up to "
-                    f"{generation.max_new_tokens} to generate (max_tokens); send a shorter conversation or fewer "
-                    "frames, or ask for fewer tokens"
-                )
+        generation = self._within_context(prompt.num_tokens, generation, raw=raw_prompt is not None)
         exclusive = (
             (media is not None and media.token_index is not None)
             or pruning.prefill_drop
@@ -292,6 +282,31 @@ class PrefillEngine:
                 request.prefix = hit
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
+
+    def _within_context(self, num_prompt_tokens: int, generation: GenerationConfig, raw: bool) -> GenerationConfig:
+        """`generation` as it fits the served context after a prompt of `num_prompt_tokens`: as
+        asked, or, for a max_tokens left unset (`fit_max_new_tokens`), lowered to what the context
+        leaves (vLLM's default max_tokens); InvalidRequest (vLLM's 400) saying what to change when
+        it cannot fit. `raw`: a raw prompt's (the advice names a prompt, not a conversation)."""
+        context = self.context_tokens
+        if context is None or num_prompt_tokens + generation.max_new_tokens <= context:
+            return generation
+        shorter = "send a shorter prompt" if raw else "send a shorter conversation or fewer frames"
+        if not generation.fit_max_new_tokens:
+            raise InvalidRequest(
+                f"this model's context is {context} tokens, but the request needs "
+                f"{num_prompt_tokens + generation.max_new_tokens}: {num_prompt_tokens} in the prompt and up to "
+                f"{generation.max_new_tokens} to generate (max_tokens); {shorter}, or ask for fewer tokens"
+            )
+        room = context - num_prompt_tokens  # tokens the answer may have
+        if room >= max(1, generation.min_tokens):
+            return replace(generation, max_new_tokens=room)
+        # The client set no max_tokens: advice to ask for fewer would not help.
+        said = f"this model's context is {context} tokens and the prompt has {num_prompt_tokens}"
+        if room < 1:
+            raise InvalidRequest(f"{said}, which leaves none for the answer: {shorter}")
+        raise InvalidRequest(f"{said}, which leaves {room} for the answer, fewer than min_tokens "
+                             f"({generation.min_tokens}): lower min_tokens, or {shorter}")
 
     def _prefix_key(
         self, media: EncodedMedia | None, pruning: PruningConfig, cache_salt: str = "", raw: bool = False

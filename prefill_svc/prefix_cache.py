@@ -25,7 +25,9 @@ before the next one (unit-tested with fake entries, tests/unit/stages/test_prefi
             prompt's text before its first visual token, under the text-only key). An entry that
             the new one supersedes (every key it is found under, the new one is too, its ids up to
             that key's bound a prefix of the new ids: turn n's entry by turn n+1's, a text-only
-            turn's by the turn that brings the video) leaves; then least recently used entries
+            turn's by the turn that brings the video) leaves; a new one that an entry supersedes
+            (a prompt that begins a cached one) is not kept, and renews that entry instead (one
+            copy of the same KV); then least recently used entries
             leave until the new one fits; entries unused for `ttl_s` leave at the next call.
 
 Counted per lookup (`stats`): a hit or a miss, and in tokens, as vLLM's `prefix_cache_queries` and
@@ -210,7 +212,9 @@ class PrefixCache:
     ) -> bool:
         """Keep `cache` (the KV of `token_ids`) under `key`, and under `also`'s key for its first
         `also[1]` tokens; False when it cannot fit at all (or the cache is off). Entries it
-        supersedes leave (`_superseded`)."""
+        supersedes leave (`_superseded`); when an entry supersedes it instead (its ids begin that
+        entry's: a continued assistant message whose conversation's next turn is cached, a turn
+        asked again), that entry is renewed and the same KV is not kept twice."""
         if num_bytes > self.max_bytes:
             return False
         ids = _ids(token_ids)
@@ -218,6 +222,11 @@ class PrefixCache:
         new = PrefixEntry(key, ids.clone(), cache, num_bytes, now, now, also)
         with self._lock:
             self._expire()
+            holder = next((i for i, e in self._entries.items() if _superseded(new, e)), None)
+            if holder is not None:
+                self._entries[holder].last_used_s = now
+                self._entries.move_to_end(holder)
+                return True
             for entry_id in [i for i, e in self._entries.items() if _superseded(e, new)]:
                 self._drop(entry_id)
             while self._entries and self.num_bytes + num_bytes > self.max_bytes:

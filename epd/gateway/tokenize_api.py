@@ -11,9 +11,10 @@ loaded replica; the colocated front door its own prefill stage):
 
 A messages list is rendered exactly as a chat request's prompt: its `count` is the answer's
 `usage.prompt_tokens`. As vLLM's, it may end with any role (an assistant's last turn counted
-without a generation prompt, or left open with continue_final_message). Text only: a video or image part is a 400 (its tokens depend on the frames
-the encoder samples). Each body is read, admitted and guarded as a chat request's (their paths
-are `BODY_ROUTES`): the API key, the admission limits, JSON only, no cross-site browser POST.
+without a generation prompt, or left open with continue_final_message). Text only: a video or
+image part is a 400 (its tokens depend on the frames the encoder samples). Each body is read,
+admitted and guarded as a chat request's (their paths are `BODY_ROUTES`): the API key, the
+admission limits, JSON only, no cross-site browser POST.
 """
 
 from __future__ import annotations

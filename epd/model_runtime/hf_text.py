@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from epd.model_runtime.adapter import (
     CapturedQueries,
@@ -153,10 +154,20 @@ class HfTextAdapter(VLMAdapter):
         self, conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
     ) -> str:
         """The processor's own chat template of `conversation`, as a string (every family's prompt
-        starts here); ValueError when the template cannot leave the last message open."""
+        starts here); ValueError when the template cannot leave the last message open, or refuses
+        the conversation itself."""
         try:
             return self.processor.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tokenize=False)
+        except TemplateSyntaxError:
+            raise  # the checkpoint's template is broken: the server's error, not the request's
+        except TemplateError as exc:
+            # The template's own `raise_exception` (Qwen3.5's "No user query found in messages."
+            # for a conversation without a user message, which an assistant's message last allows):
+            # a shape of conversation the model does not take, as vLLM's 400 says.
+            raise ValueError(f"the model's chat template cannot render this conversation: {str(exc)[:400]}; send "
+                             "its messages in a shape the model takes (for example with a user message before "
+                             "the assistant's)") from None
         except ValueError as exc:
             # transformers' message goes on to quote the last message and the whole rendered
             # conversation (a 400 of up to the text limit): its explanation is enough.

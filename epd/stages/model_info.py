@@ -21,7 +21,7 @@ class ModelInfo:
     """Prompt plus generated tokens at most, as prefill serves them: config.json's
     max_position_embeddings, or prefill's --max-model-len, which may only lower it (None: not known)."""
     max_prompt_tokens: int
-    """The longest prompt prefill takes, in tokens: `PrefillConfig.max_prompt_tokens` (no flag), or
+    """The longest prompt prefill takes, in tokens: `PrefillConfig.max_prompt_tokens` (--max-prompt-tokens), or
     `context_tokens` when that is shorter (`PrefillConfig.served_prompt_tokens`)."""
     max_new_tokens: int
     """The most tokens a request may ask for (prefill's `max_new_tokens_limit`, --max-new-tokens-limit):

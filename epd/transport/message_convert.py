@@ -1,8 +1,9 @@
 """`epd.stages.messages` <-> `epd.v1.ChatMessage`, the one converter of the message model, used by
 the gateway (Ask), the remote prefill stage and its servicer, and the SDK; likewise the raw prompt
 (`epd.stages.raw_prompt` <-> `epd.v1.RawPrompt`) and a finished answer's `stop_reason` (a oneof of
-GenerateResponse and AskSummary), and the chat template's options (`ChatTemplateOptions`). Kept free of torch so that the SDK can import it;
-`epd.transport.convert` re-exports it beside the other converters."""
+GenerateResponse and AskSummary), and the chat template's options (`ChatTemplateOptions`). Kept
+free of torch so that the SDK can import it; `epd.transport.convert` re-exports it beside the
+other converters."""
 
 from __future__ import annotations
 

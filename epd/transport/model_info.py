@@ -1,7 +1,8 @@
 """What prefill says about its model over the wire: `ModelInfo` <-> `epd.v1.ModelInfo` (0 for a
 size not known) and the gateway's read of a prefill replica's (`fetch_model_info`); a
-`TokenizeInput` <-> `epd.v1.TokenizeRequest` and `TokenizeOutput` <-> `epd.v1.TokenizeResult` (/tokenize). The service side is prefill's
-`GetModelInfo` and `Tokenize` (`epd.prefill_svc.servicer`)."""
+`TokenizeInput` <-> `epd.v1.TokenizeRequest` and `TokenizeOutput` <-> `epd.v1.TokenizeResult`
+(/tokenize). The service side is prefill's `GetModelInfo` and `Tokenize`
+(`epd.prefill_svc.servicer`)."""
 
 from __future__ import annotations
 

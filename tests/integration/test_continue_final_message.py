@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import shutil
 import urllib.error
 import urllib.request
 
@@ -30,7 +31,9 @@ from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.families import family_checkpoints
+from tests.integration.test_model_info import _post as post_json
 from tests.reference import decode_for_test, template_reference
+from tests.stack import Stack, free_port
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
@@ -162,3 +165,37 @@ def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack,
             assert status == 400 and match in json.loads(raw)["error"]["message"], raw
         assert client.ask(media_files["mp4"], messages=VIDEO_EARLIER, num_frames=NUM_FRAMES,
                           max_new_tokens=MAX_NEW_TOKENS, **CONTINUE).token_ids == want  # still serving
+
+
+NO_USER_QUERY = "No user query found in messages."
+USER_GUARD = ("{%- if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+              "{{- raise_exception('" + NO_USER_QUERY + "') }}{%- endif %}")
+"""Qwen3.5's own chat template's guard (its `raise_exception` call, a jinja2 TemplateError): it
+renders no conversation without a user message."""
+
+
+def test_a_conversation_the_models_template_refuses_is_a_400_quoting_it(tiny_models, tmp_path):
+    """An assistant's message may now come last, so a conversation may have no user message at
+    all ([system, assistant] continued; /tokenize of any roles): a template that refuses that
+    shape (Qwen3.5's) is the client's 400 / INVALID_ARGUMENT quoting the template, as vLLM's, not
+    an internal error; the stack keeps serving."""
+    model = tmp_path / "guarded"
+    shutil.copytree(tiny_models["qwen2_vl"], model)
+    template = model / "chat_template.jinja"
+    template.write_text(USER_GUARD + template.read_text())
+    no_user = [{"role": "system", "content": "answer briefly"}, {"role": "assistant", "content": "The colour is"}]
+    said = f"the model's chat template cannot render this conversation: {NO_USER_QUERY}"
+    http_port = free_port()
+    with Stack(model, tmp_path / "logs", extra={"gateway": ["--http-port", str(http_port)]}) as stack:
+        status, body = post_json(http_port, "/v1/chat/completions",
+                                 {"model": "epd", "max_tokens": 2, "messages": no_user, **CONTINUE})
+        assert status == 400 and said in body["error"]["message"], body
+        status, body = post_json(http_port, "/tokenize", {"messages": no_user, "add_generation_prompt": False})
+        assert status == 400 and said in body["error"]["message"], body
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            with pytest.raises(EpdError, match=said) as refused:
+                client.ask(None, messages=no_user, max_new_tokens=2, **CONTINUE)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            served = client.ask(None, messages=[{"role": "user", "content": "name a colour"}, no_user[1]],
+                                max_new_tokens=2, **CONTINUE)
+        assert len(served.token_ids) == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import grpc
 import pytest
@@ -27,8 +28,10 @@ from epd.prefill_svc.config import PrefillConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages
+from epd.stages.raw_prompt import RawPrompt
 from epd.stages.server_config import ServerConfig
 from epd.video.types import SamplingOptions
+from tests.embedded import request_summary
 from tests.integration.test_model_info import _chat, _model_card
 from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens
 from tests.stack import Stack, free_port, stage_replica
@@ -138,6 +141,44 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
         card, (status, body) = asyncio.run(over_http(pipeline))
     assert card["max_model_len"] == case["cap"]
     assert status == 400 and _over_the_cap(case) in body["error"]["message"], body
+
+
+def test_an_unset_max_tokens_that_cannot_fit_is_refused_saying_what_would_help(case):
+    """max_tokens left unset (fitted) but the room the cap leaves is under min_tokens, or is none
+    (a prompt of exactly the cap's tokens, which the prompt limit lets in): a 400 that names the
+    prompt and the room, and what the client can change; not "ask for fewer tokens", which it
+    never asked for (the old message also named the default it never set)."""
+    model = ModelConfig(model=str(case["model"]))
+    prompt, cap = case["prompt"], case["cap"]
+
+    def refusal(pipeline, min_tokens: int = 0) -> str:
+        generation = GenerationConfig(max_new_tokens=32, min_tokens=min_tokens, fit_max_new_tokens=True)
+        request = AskRequest(question_messages(QUESTION), MediaInput(case["video"]),
+                             SamplingOptions(num_frames=NUM_FRAMES), generation)
+
+        async def run():
+            return [item async for item in pipeline.ask(request)]
+
+        with pytest.raises(InvalidRequest) as refused:
+            asyncio.run(run())
+        return str(refused.value)
+
+    with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=cap)) as pipeline:
+        assert refusal(pipeline, min_tokens=ROOM + 1) == (
+            f"this model's context is {cap} tokens and the prompt has {prompt}, which leaves {ROOM} for the "
+            f"answer, fewer than min_tokens ({ROOM + 1}): lower min_tokens, or send a shorter conversation or "
+            "fewer frames")
+    with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=prompt)) as pipeline:
+        assert refusal(pipeline) == (f"this model's context is {prompt} tokens and the prompt has {prompt}, which "
+                                     "leaves none for the answer: send a shorter conversation or fewer frames")
+        # A raw prompt has neither a conversation nor frames: the advice names the prompt.
+        raw = RawPrompt(token_ids=[1] * prompt)
+        for fit, says in ((True, f"the prompt has {prompt}, which leaves none for the answer: send a shorter prompt"),
+                          (False, "to generate (max_tokens); send a shorter prompt, or ask for fewer tokens")):
+            request = AskRequest([], generation=GenerationConfig(max_new_tokens=4, fit_max_new_tokens=fit),
+                                 raw_prompt=raw)
+            with pytest.raises(InvalidRequest, match=re.escape(says)):
+                asyncio.run(request_summary(pipeline, request))
 
 
 def test_a_max_model_len_above_the_models_context_is_refused_at_start(case, tmp_path):

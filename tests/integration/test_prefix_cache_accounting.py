@@ -2,8 +2,9 @@
 Qwen2-VL): the token counters on /metrics (`epd_prefix_cache_query_tokens_total` and
 `epd_prefix_cache_hit_tokens_total`, vLLM's `prefix_cache_queries` and `prefix_cache_hits`)
 exactly as the prompts' token ids say, a reuse shorter than `MIN_REUSE_TOKENS` neither used nor
-counted, and the turn that brings a video superseding its conversation's text-only entry while a
-new text-only conversation with the same opening still reuses it. Every answer equals
+counted, the turn that brings a video superseding its conversation's text-only entry while a
+new text-only conversation with the same opening still reuses it, and a continued assistant
+message whose prompt begins a cached one adding no second copy of that KV. Every answer equals
 `model.generate(do_sample=False)`. The bookkeeping alone: tests/unit/stages/test_prefix_cache.py."""
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.prefix_cache import MIN_REUSE_TOKENS, common_prefix_length
 from epd.stages.contracts import MediaInput
-from epd.stages.messages import from_chat_template
+from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.reference import decode_for_test, reference_tokens_for_messages, text_only_reference
+from tests.reference import (
+    decode_for_test,
+    reference_tokens_for_messages,
+    template_reference,
+    text_only_reference,
+)
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
@@ -46,10 +52,13 @@ def stack(tiny_models):
     pipeline.close()
 
 
-def ask(pipeline, messages: list[dict], video: bytes | None = None) -> AskSummary:
+def ask(
+    pipeline, messages: list[dict], video: bytes | None = None, template: ChatTemplateOptions = ChatTemplateOptions()
+) -> AskSummary:
     sampling, generation = SamplingOptions(num_frames=NUM_FRAMES), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS)
     media = None if video is None else MediaInput(video)
-    return asyncio.run(request_summary(pipeline, AskRequest(from_chat_template(messages), media, sampling, generation)))
+    request = AskRequest(from_chat_template(messages), media, sampling, generation, template=template)
+    return asyncio.run(request_summary(pipeline, request))
 
 
 def prompt_ids(pipeline, messages: list[dict]):
@@ -132,3 +141,26 @@ def test_the_turn_that_brings_the_video_supersedes_the_text_turns_entry(stack, m
     assert reused.num_reused_prompt_tokens == common_prefix_length(other_ids, entry.token_ids)
     assert reused.num_reused_prompt_tokens > text_turn.num_prompt_tokens
     assert reused.token_ids == text_only_reference(path, other, MAX_NEW_TOKENS)
+
+
+def test_a_continued_message_whose_prompt_begins_a_cached_one_keeps_one_copy(stack):
+    """The assistant's partial answer answered after (the defaults: the prompt closes it and opens
+    a new turn), then continued (`continue_final_message`: the same prompt cut at the open
+    message, a strict prefix of the first). The second reuses all but its last token of the
+    first's entry and adds no entry of its own: that entry already holds its KV, and a second
+    copy would take the byte budget from other conversations. Both answer as generate() does."""
+    path, pipeline, _ = stack
+    cache = pipeline.prefill.engine.prefix_cache
+    cache.clear()
+    messages = [user("name a colour"), assistant("The colour is")]
+    answered = ask(pipeline, messages)
+    (entry,) = cache._entries.values()
+    continued = ask(pipeline, messages, template=ChatTemplateOptions(False, True))
+    prompt, want = template_reference(path, messages, MAX_NEW_TOKENS, add_generation_prompt=False,
+                                      continue_final_message=True)
+    assert continued.token_ids == want and continued.num_prompt_tokens == len(prompt)
+    assert entry.token_ids[: len(prompt)].tolist() == prompt and answered.num_prompt_tokens > len(prompt)
+    assert continued.num_reused_prompt_tokens == len(prompt) - 1
+    stats = cache.stats()
+    assert (stats.num_entries, stats.num_bytes) == (1, entry.num_bytes)
+    assert next(iter(cache._entries.values())) is entry

@@ -76,8 +76,9 @@ def test_the_sdk_sends_them_in_the_ask_header_and_the_wire_keeps_the_default():
     assert convert.template_from_proto(plain.template) == ChatTemplateOptions()
     only_agp = build_header(None, 0, "", {"add_generation_prompt": False}, messages)
     assert convert.template_from_proto(only_agp.template) == ChatTemplateOptions(add_generation_prompt=False)
-    for options in (ChatTemplateOptions(), ChatTemplateOptions(False, True), ChatTemplateOptions(False, False)):
+    assert convert.template_to_proto(ChatTemplateOptions()) is None  # the defaults leave the field unset
+    for options in (ChatTemplateOptions(False, True), ChatTemplateOptions(False, False)):
         message = convert.template_to_proto(options)
-        assert convert.template_from_proto(message) == options if message is not None else options.add_generation_prompt
+        assert message is not None and convert.template_from_proto(message) == options
     with pytest.raises(TypeError, match="continue_final_message must be True or False, got 'yes'"):
         build_header(None, 0, "", {"continue_final_message": "yes"}, messages)

@@ -70,13 +70,13 @@ def test_the_engine_reports_the_context_max_model_len_leaves_and_refuses_a_large
 
 
 def test_a_max_model_len_past_the_prompt_and_answer_limits_is_served_as_those_with_a_warning(caplog):
-    """epd bounds the prompt (`max_prompt_tokens`, 32,768) and the answer (--max-new-tokens-limit)
+    """epd bounds the prompt (--max-prompt-tokens, 32,768) and the answer (--max-new-tokens-limit)
     on their own: a --max-model-len above their sum cannot be reached, and the operator is told
-    what /v1/models will say instead."""
+    what /v1/models will say instead, and which flag reaches it."""
     config = PrefillConfig(max_model_len=200_000, max_new_tokens_limit=1000)
     with caplog.at_level(logging.WARNING, logger="epd.prefill_svc.engine"):
         engine = PrefillEngine(config, _Adapter(262_144))  # type: ignore[arg-type]
     assert engine.model_info().max_model_len == 32768 + 1000
-    assert caplog.messages == ["--max-model-len 200000: prompts are bounded by 32768 tokens (max_prompt_tokens) and "
-                               "answers by 1000 (--max-new-tokens-limit), so a request has 33768 at most "
-                               "(/v1/models' max_model_len)"]
+    assert caplog.messages == ["--max-model-len 200000: prompts are bounded by 32768 tokens (--max-prompt-tokens) "
+                               "and answers by 1000 (--max-new-tokens-limit), so a request has 33768 at most "
+                               "(/v1/models' max_model_len); raise --max-prompt-tokens to reach 200000"]

@@ -228,6 +228,29 @@ def test_a_longer_entry_replaces_the_one_it_extends():
     assert hit is not None and hit.entry.cache == "turn2"
 
 
+def test_a_prompt_an_entry_already_holds_adds_no_entry_and_renews_it():
+    """A prompt whose ids begin an entry of its key (a continued assistant message after its
+    conversation's next turn was cached, or an earlier turn asked again): the entry serves every
+    lookup the prompt's own entry would, as far, so the same KV is not kept twice (it would take
+    budget from other conversations). The entry is renewed, as the prompt's would be fresh."""
+    clock = Clock()
+    cache = PrefixCache(1000, 10, clock)
+    cache.put("k", [*TURN1, 8, 9], "turn2", 120)
+    clock.now = 8
+    assert cache.put("k", TURN1, "turn1", 100)  # kept: its KV is held, by "turn2"
+    stats = cache.stats()
+    assert (stats.num_entries, stats.num_bytes, stats.num_evictions) == (1, 120, 0)
+    assert cache.put("k", [*TURN1, 8, 9], "again", 120)  # the same ids again
+    assert [(e.cache, e.num_bytes) for e in cache._entries.values()] == [("turn2", 120)]
+    clock.now = 15  # unused by a lookup since 0, renewed by the puts at 8
+    hit = cache.lookup("k", [*TURN1, 3], VISUAL_END)
+    assert hit is not None and hit.entry.cache == "turn2" and hit.num_reused_tokens == len(TURN1)
+    # Found under fewer keys, or not as far: the shorter prompt's entry is kept.
+    cache.put("media", [*TURN1, 8, 9], "media", 10)
+    cache.put("media", TURN1, "media, also text", 10, also=("text", 3))
+    assert cache.stats().num_entries == 3
+
+
 def test_ttl_drops_unused_entries():
     clock = Clock()
     cache = PrefixCache(1000, 10, clock)
