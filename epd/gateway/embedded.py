@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
-import weakref
 
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
@@ -29,9 +27,10 @@ class EmbeddedPipeline(Pipeline):
     """The three local stages on one model thread pool. `close()` (or leaving a `with` block)
     stops the threads they started: the model threads, the encoder's decode workers and request
     drivers, and waits for the calls they are running. A process that builds one pipeline for its
-    life needs no close: a pipeline still open at interpreter exit is closed then (`_close_at_exit`);
-    one that builds many (tests, `epd bench quality` per preset) would otherwise keep every
-    pipeline's threads."""
+    life needs no close: the model threads and decode workers of one still open at interpreter exit
+    are closed then (`ModelThread`, `ParallelDecoder`), and the drivers joined (Python's own
+    executors); one that builds many (tests, `epd bench quality` per preset) would otherwise keep
+    every pipeline's threads."""
 
     def __init__(
         self, encoder: LocalEncodeStage, prefill: LocalPrefillStage, decoder: LocalDecodeStage, thread: ModelThread
@@ -41,13 +40,11 @@ class EmbeddedPipeline(Pipeline):
         self.prefill: LocalPrefillStage = prefill
         self.decoder: LocalDecodeStage = decoder
         self.model_thread = thread
-        _open_pipelines.add(self)
 
     def close(self) -> None:
         """Stop the stages' threads and wait for them (calls running finish, for at most
-        `model_thread.CLOSE_WAIT_S`; queued ones are cancelled). The pipeline takes no request after it.
-        Idempotent."""
-        _open_pipelines.discard(self)
+        `model_thread.CLOSE_WAIT_S`; queued ones are cancelled). The pipeline takes no request
+        after it. Idempotent."""
         self.encoder.close()
         self.prefill.close_tokenizer()
         self.model_thread.close()
@@ -61,21 +58,6 @@ class EmbeddedPipeline(Pipeline):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_open_pipelines: weakref.WeakSet[EmbeddedPipeline] = weakref.WeakSet()
-"""Pipelines not closed yet (a dropped one is forgotten: its model threads are still closed at
-exit, `epd.stages.model_thread._close_at_exit`)."""
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """Close the pipelines nobody closed (`epd ask`'s, a script's) before the interpreter
-    finalizes: no decode worker or model thread may be left inside FFmpeg or torch then (a daemon
-    thread's call that returns after it aborts the process: `epd.stages.model_thread`). Registered
-    after the model threads' own handler, so it runs first (atexit runs the last registered first)."""
-    for pipeline in list(_open_pipelines):
-        pipeline.close()
 
 
 def build_embedded_pipeline(

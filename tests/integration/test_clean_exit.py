@@ -11,7 +11,8 @@ stopped a pipeline never closed.
 How: each case runs in a child Python, which registers an atexit hook before importing epd
 (atexit runs the last registered first, so the hook runs after epd's own) that lists the epd
 threads still alive. The child leaves a model call running when it ends: its caller's task is
-cancelled by `asyncio.run`'s end, and the call goes on (`BUSY_S` of torch matrix products).
+cancelled by `asyncio.run`'s end, and the call goes on (`BUSY_S` of torch matrix products); or
+the video decode threads (whose frame resize is torchvision's) inside such a resize.
 """
 
 from __future__ import annotations
@@ -54,13 +55,23 @@ async def leave_a_call_running(pool):
     asyncio.ensure_future(pool.run(busy))  # cancelled when asyncio.run ends; the call runs on
     await asyncio.to_thread(started.wait)
 
-if mode.startswith("pool"):
+if mode == "decoder-open":  # an encoder service's decode pool at its exit, frames being resized
+    from epd.video.parallel_decoder import ParallelDecoder
+    from epd.video.types import SamplingOptions
+
+    def resize(rgb):  # the model's resize (torchvision) runs on the decode threads
+        busy()
+        return rgb
+
+    stream = ParallelDecoder().iter_groups(Path(media).read_bytes(), SamplingOptions(num_frames=8),
+                                           group_size=1, frame_resizer=lambda num_frames: resize)
+    started.wait()
+elif mode == "pool-closed":
     from epd.stages.model_thread import ModelThread
     pool = ModelThread(workers=2)
     asyncio.run(leave_a_call_running(pool))
-    if mode == "pool-closed":
-        pool.close()
-else:
+    pool.close()
+else:  # pipeline-open
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.config import ModelConfig
     from tests.embedded import ask_tokens
@@ -73,8 +84,6 @@ else:
         return tokens
 
     print("tokens:", asyncio.run(ask_and_leave()), flush=True)
-    if mode == "pipeline-closed":
-        pipeline.close()
 '''
 
 
@@ -85,10 +94,11 @@ def _run_child(mode: str, model: Path, media: Path) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("mode", ["pool-closed", "pool-open", "pipeline-open"])
+@pytest.mark.parametrize("mode", ["pool-closed", "pipeline-open", "decoder-open"])
 def test_a_process_exits_cleanly_with_a_model_call_still_running(mode, tiny_models, media_files):
-    """pool-closed: `ModelThread.close()` waits for the running call; pool-open and pipeline-open
-    (a script that never closes, as `epd ask` does not): the atexit handlers close and wait."""
+    """pool-closed: `ModelThread.close()` waits for the running call; pipeline-open (a script that
+    never closes, as `epd ask` does not): the atexit handlers close the model threads and decode
+    workers, and wait; decoder-open: the decode workers, inside a frame's resize, likewise."""
     child = _run_child(mode, tiny_models["qwen2_vl"], media_files["mp4"])
     assert "terminate called" not in child.stderr, child.stderr[-2000:]
     assert child.returncode == 0, f"exit status {child.returncode}: {child.stderr[-2000:]}"
