@@ -54,7 +54,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -623,7 +622,8 @@ class ParallelDecoder:
         self.num_replaced_workers = 0
         for _ in range(self.config.num_workers):
             self._start_worker()
-        _open_pools.add(self)
+        with _open_pools_lock:
+            _open_pools.add(self)
 
     # -- public API -------------------------------------------------------------------------
     def decode(
@@ -720,7 +720,8 @@ class ParallelDecoder:
                 return
             self._closed = True
             workers = list(self._workers)
-        _open_pools.discard(self)
+        with _open_pools_lock:
+            _open_pools.discard(self)
         for worker in workers:
             worker.retired.set()
             self._tasks.put(None)
@@ -763,13 +764,16 @@ class ParallelDecoder:
                 self._start_worker()
 
 
-_open_pools: weakref.WeakSet[ParallelDecoder] = weakref.WeakSet()
-"""Pools not closed yet (each one's threads hold it alive)."""
+_open_pools: set[ParallelDecoder] = set()
+"""Pools not closed yet, which `_close_at_exit` closes (each one's threads hold it alive anyway)."""
+_open_pools_lock = threading.Lock()
 
 
 @atexit.register
 def _close_at_exit() -> None:
     """Close the pools nobody closed (an encoder service's, a script's) before the interpreter
     finalizes; their running shares stop at their next frame (see the module docstring)."""
-    for pool in list(_open_pools):
+    with _open_pools_lock:
+        pools = list(_open_pools)
+    for pool in pools:
         pool.close()
