@@ -36,10 +36,17 @@ from Python (use the decord backend's process isolation for decoders that hang w
 GIL); its container is closed when it returns. A segfault in FFmpeg kills the process: threads
 trade that isolation for speed: the same plan on a process pool (bench/process_decoder.py) was
 1.04-1.53x slower on every 300 s benchmark row (docs/benchmarks.md).
+
+Exit: the threads are daemons (an idle pool must not hold the process open), and a pool still
+open at interpreter exit is closed then (`_close_at_exit`), as `close()` does: a daemon thread
+still inside a frame's resize (torchvision) or FFmpeg when the interpreter finalizes is ended by
+pthread_exit as it asks for the GIL back, and the unwinding through torch's C++ frames aborts the
+process ("terminate called without an active exception", `epd.stages.model_thread`).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import logging
@@ -615,6 +622,8 @@ class ParallelDecoder:
         self.num_replaced_workers = 0
         for _ in range(self.config.num_workers):
             self._start_worker()
+        with _open_pools_lock:
+            _open_pools.add(self)
 
     # -- public API -------------------------------------------------------------------------
     def decode(
@@ -711,6 +720,8 @@ class ParallelDecoder:
                 return
             self._closed = True
             workers = list(self._workers)
+        with _open_pools_lock:
+            _open_pools.discard(self)
         for worker in workers:
             worker.retired.set()
             self._tasks.put(None)
@@ -751,3 +762,18 @@ class ParallelDecoder:
                 # It died without being retired (a crash): keep the pool at full size.
                 self.num_replaced_workers += 1
                 self._start_worker()
+
+
+_open_pools: set[ParallelDecoder] = set()
+"""Pools not closed yet, which `_close_at_exit` closes (each one's threads hold it alive anyway)."""
+_open_pools_lock = threading.Lock()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the pools nobody closed (an encoder service's, a script's) before the interpreter
+    finalizes; their running shares stop at their next frame (see the module docstring)."""
+    with _open_pools_lock:
+        pools = list(_open_pools)
+    for pool in pools:
+        pool.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.stage import LocalDecodeStage, take_from_store
@@ -24,8 +26,11 @@ from epd.stages.model_thread import ModelThread
 class EmbeddedPipeline(Pipeline):
     """The three local stages on one model thread pool. `close()` (or leaving a `with` block)
     stops the threads they started: the model threads, the encoder's decode workers and request
-    drivers. A process that builds one pipeline for its life needs no close; one that builds many
-    (tests, `epd bench quality` per preset) would otherwise keep every pipeline's threads."""
+    drivers, and waits for the calls they are running. A process that builds one pipeline for its
+    life needs no close: the model threads and decode workers of one still open at interpreter exit
+    are closed then (`ModelThread`, `ParallelDecoder`), and the drivers joined (Python's own
+    executors); one that builds many (tests, `epd bench quality` per preset) would otherwise keep
+    every pipeline's threads."""
 
     def __init__(
         self, encoder: LocalEncodeStage, prefill: LocalPrefillStage, decoder: LocalDecodeStage, thread: ModelThread
@@ -37,15 +42,16 @@ class EmbeddedPipeline(Pipeline):
         self.model_thread = thread
 
     def close(self) -> None:
-        """Stop the stages' threads (calls running finish; queued ones are cancelled). The
-        pipeline takes no request after it."""
+        """Stop the stages' threads and wait for them (calls running finish, for at most
+        `model_thread.CLOSE_WAIT_S`; queued ones are cancelled). The pipeline takes no request
+        after it. Idempotent."""
         self.encoder.close()
         self.prefill.close_tokenizer()
         self.model_thread.close()
 
     async def aclose(self) -> None:
         await super().aclose()
-        self.close()
+        await asyncio.to_thread(self.close)  # it waits for the calls still running: not on the loop
 
     def __enter__(self) -> EmbeddedPipeline:
         return self

@@ -27,13 +27,25 @@ first tokens come sooner and each decode step waits at most the limit — the tr
 expose as a scheduling policy. With N requests in flight, time a request does not spend waiting for
 its first token it spends decoding, so the time per token rises by as much (docs/benchmarks.md, "The
 load's two latencies").
+
+`close()` returns once the threads have ended (the calls they were running done, for up to
+`CLOSE_WAIT_S`), and a pool never closed is closed so at interpreter exit (`_close_at_exit`). The
+threads are daemons (an idle pool that nobody closed must not hold the process open), and a daemon
+thread that asks for the GIL back after the interpreter has begun to finalize is ended by
+pthread_exit there; inside a torch call the unwinding runs through torch's C++ frames, whose GIL
+guard's destructor may not throw, and the process aborts ("terminate called without an active
+exception", SIGABRT). A script that left an answer while its prefill ran and then exited aborted
+34 times in 50, `epd ask ... | head` 3 in 10, and one that closed an idle pool and exited at once
+2 in 20 (the stopped thread was still on its way out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -46,8 +58,18 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 THREAD_NAME = "model_{}"
 """Worker i is named model_i (py-spy and thread dumps show which call runs where)."""
+
+CLOSE_WAIT_S = 30.0
+"""How long `close` (and interpreter exit) waits for the calls still running: a model step takes
+seconds at most; a call that runs longer is stuck, and the caller goes on without it."""
+
+_open_pools: set[ModelThread] = set()
+"""Pools not closed yet, which `_close_at_exit` closes (the threads hold their pool alive anyway)."""
+_open_pools_lock = threading.Lock()
 
 
 @dataclass
@@ -104,6 +126,8 @@ class ModelThread:
         ]
         self._started = threading.Semaphore(0)
         self._start_error: BaseException | None = None
+        with _open_pools_lock:
+            _open_pools.add(self)
         for worker in self._workers:
             worker.start()
         for _ in self._workers:  # every worker idle (its torch threads set): the first call goes to the first
@@ -144,8 +168,17 @@ class ModelThread:
             raise RuntimeError("ModelThread.call from a model thread itself would wait forever")
         return self._submit("", fn, args, kwargs).result()
 
-    def close(self) -> None:
-        """Stop the threads after the calls they are running; calls still queued are cancelled."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop the threads after the calls they are running, and wait for them to end, for at most
+        `wait_s` (0: do not wait); calls still queued are cancelled. Idempotent. From the event
+        loop it blocks the loop while a call runs: `EmbeddedPipeline.aclose` calls it off the loop."""
+        self._stop()
+        if wait_s > 0:
+            self._join(time.monotonic() + wait_s)
+
+    def _stop(self) -> None:
+        with _open_pools_lock:
+            _open_pools.discard(self)
         with self._lock:
             self._closed = True
             dropped, self._queue = [*self._queue, *self._handed.values()], []
@@ -154,6 +187,18 @@ class ModelThread:
                 wake.notify()
         for c in dropped:
             c.future.cancel()
+
+    def _join(self, deadline_s: float) -> None:
+        """Wait until `deadline_s` (time.monotonic()) for the workers to end; a worker closing its
+        own pool (from a call) is not waited for."""
+        me = threading.current_thread()
+        for worker in self._workers:
+            if worker is not me and worker.ident is not None:
+                worker.join(max(0.0, deadline_s - time.monotonic()))
+        running = [w.name for w in self._workers if w.is_alive() and w is not me]
+        if running:
+            log.warning("model threads %s still run a call after close; a process that exits now may "
+                        "abort", ", ".join(running))
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -230,3 +275,17 @@ class ModelThread:
                 call.future.set_result(result)
             else:
                 call.future.set_exception(error)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every pool nobody closed (the embedded pipeline of `epd ask`, a script's), all at
+    once, and wait for their running calls together: `CLOSE_WAIT_S` in all. atexit handlers run
+    before the interpreter finalizes, while the threads can still finish their calls and return."""
+    with _open_pools_lock:
+        pools = list(_open_pools)
+    for pool in pools:
+        pool._stop()
+    deadline_s = time.monotonic() + CLOSE_WAIT_S
+    for pool in pools:
+        pool._join(deadline_s)

@@ -1,7 +1,7 @@
 """`ModelThread`: one thread runs every call, in the order they were asked for; a call's error
 reaches its own caller and the thread serves on; a caller cancelled before its call started
-drops the call; `close` stops the thread and drops what was still queued. The schedules' orders
-(deferred lanes, first calls ahead). With several workers (the colocated server's
+drops the call; `close` stops the thread, drops what was still queued and waits for the call
+running. The schedules' orders (deferred lanes, first calls ahead). With several workers (the colocated server's
 `--concurrent-steps`): calls run side by side, a further one waits for a free worker, and one call
 at a time stays on one worker.
 
@@ -39,10 +39,12 @@ class Blocker:
     def __init__(self) -> None:
         self.started = threading.Event()
         self.release = threading.Event()
+        self.returned = threading.Event()
 
     def __call__(self) -> str:
         self.started.set()
         assert self.release.wait(HANG_GUARD_S), "the blocker was never released"
+        self.returned.set()
         return "blocker"
 
     async def wait_started(self) -> None:
@@ -147,9 +149,15 @@ def test_cancelling_a_running_call_lets_it_finish_and_the_thread_serves_on(threa
     assert order == ["blocker released", "next"]
 
 
-def test_close_stops_the_thread_and_drops_queued_calls():
+def test_close_drops_queued_calls_and_returns_once_the_running_call_and_the_thread_are_done():
+    """`close` waits for the running call (a daemon model thread still in a torch call when the
+    interpreter finalizes aborts the process: tests/integration/test_clean_exit.py)."""
     thread = ModelThread()
     ran: list[str] = []
+
+    def close_and_look(worker: threading.Thread, blocker: Blocker) -> tuple[bool, bool]:
+        thread.close()
+        return blocker.returned.is_set(), worker.is_alive()
 
     async def scenario():
         worker = await thread.run(threading.current_thread)
@@ -158,21 +166,39 @@ def test_close_stops_the_thread_and_drops_queued_calls():
         await blocker.wait_started()
         queued = asyncio.ensure_future(thread.run(ran.append, "queued"))
         await asyncio.sleep(0)
-        thread.close()  # does not wait for the running call
-        blocker.release.set()
-        assert await held == "blocker", "the running call still completes"
+        closing = asyncio.ensure_future(asyncio.to_thread(close_and_look, worker, blocker))
         with pytest.raises(asyncio.CancelledError):
-            await queued
+            await queued  # close dropped it, and now waits for the running call
         with pytest.raises(RuntimeError):
             await thread.run(ran.append, "after close")
-        return worker
+        blocker.release.set()
+        assert await held == "blocker", "the running call still completes"
+        return await closing
 
-    worker = _run(scenario())
-    worker.join(HANG_GUARD_S)
-    assert not worker.is_alive(), "the model thread exited"
+    call_returned, worker_alive = _run(scenario())
+    assert call_returned and not worker_alive, "close returned before the model thread ended"
     assert ran == []
     with pytest.raises(RuntimeError):
         thread.call(ran.append, "after close")
+
+
+def test_close_without_waiting_and_from_a_call_of_its_own():
+    """`close(wait_s=0)` returns at once, the running call finishing after it; a call that closes
+    its own pool does not wait for itself."""
+    thread = ModelThread()
+    blocker = Blocker()
+    held = thread._submit("", blocker, (), {})
+    assert blocker.started.wait(HANG_GUARD_S)
+    thread.close(wait_s=0)
+    assert not held.done()
+    blocker.release.set()
+    assert held.result(HANG_GUARD_S) == "blocker"
+
+    own = ModelThread()
+    assert _run(own.run(own.close)) is None
+    for worker in own._workers:
+        worker.join(HANG_GUARD_S)
+        assert not worker.is_alive()
 
 
 def _queued_order(

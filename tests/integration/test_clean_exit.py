@@ -1,0 +1,106 @@
+"""A process that ran model calls exits cleanly, closed or not: no model thread (nor video decode
+worker) is left running when the interpreter finalizes, and the process does not abort.
+
+Why: the model threads are daemons. One still inside a torch call when the interpreter finalizes
+is ended by pthread_exit as the call returns and asks for the GIL; the unwinding through torch's
+C++ frames aborts the process ("terminate called without an active exception", SIGABRT). A script
+that left an answer while its prefill ran and then exited, with the pipeline closed or not,
+aborted about half the time: `ModelThread.close` did not wait for the call running, and nothing
+stopped a pipeline never closed.
+
+How: each case runs in a child Python, which registers an atexit hook before importing epd
+(atexit runs the last registered first, so the hook runs after epd's own) that lists the epd
+threads still alive. The child leaves a model call running when it ends: its caller's task is
+cancelled by `asyncio.run`'s end, and the call goes on (`BUSY_S` of torch matrix products); or
+the video decode threads (whose frame resize is torchvision's) inside such a resize.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD_TIMEOUT_S = 120.0
+
+CHILD = r'''
+import atexit, sys, threading
+
+def report():  # registered before epd is imported: runs after epd's atexit handlers
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith(("model_", "video-decode")))
+    print("alive at exit: " + ",".join(alive), flush=True)
+
+atexit.register(report)
+
+import asyncio, time
+from pathlib import Path
+import torch
+
+BUSY_S = 1.0
+mode, model, media = sys.argv[1:4]
+started = threading.Event()
+
+def busy():  # a model step that is still running when its caller is gone
+    started.set()
+    a = torch.randn(256, 256)
+    end = time.monotonic() + BUSY_S
+    while time.monotonic() < end:
+        torch.mm(a, a)
+
+async def leave_a_call_running(pool):
+    asyncio.ensure_future(pool.run(busy))  # cancelled when asyncio.run ends; the call runs on
+    await asyncio.to_thread(started.wait)
+
+if mode == "decoder-open":  # an encoder service's decode pool at its exit, frames being resized
+    from epd.video.parallel_decoder import ParallelDecoder
+    from epd.video.types import SamplingOptions
+
+    def resize(rgb):  # the model's resize (torchvision) runs on the decode threads
+        busy()
+        return rgb
+
+    stream = ParallelDecoder().iter_groups(Path(media).read_bytes(), SamplingOptions(num_frames=8),
+                                           group_size=1, frame_resizer=lambda num_frames: resize)
+    started.wait()
+elif mode == "pool-closed":
+    from epd.stages.model_thread import ModelThread
+    pool = ModelThread(workers=2)
+    asyncio.run(leave_a_call_running(pool))
+    pool.close()
+else:  # pipeline-open
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.model_runtime.config import ModelConfig
+    from tests.embedded import ask_tokens
+
+    pipeline = build_embedded_pipeline(ModelConfig(model=model))
+
+    async def ask_and_leave():
+        tokens = await ask_tokens(pipeline, Path(media), "what colour is the shape?", 4, 4)
+        await leave_a_call_running(pipeline.model_thread)
+        return tokens
+
+    print("tokens:", asyncio.run(ask_and_leave()), flush=True)
+'''
+
+
+def _run_child(mode: str, model: Path, media: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", CHILD, mode, str(model), str(media)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("mode", ["pool-closed", "pipeline-open", "decoder-open"])
+def test_a_process_exits_cleanly_with_a_model_call_still_running(mode, tiny_models, media_files):
+    """pool-closed: `ModelThread.close()` waits for the running call; pipeline-open (a script that
+    never closes, as `epd ask` does not): the atexit handlers close the model threads and decode
+    workers, and wait; decoder-open: the decode workers, inside a frame's resize, likewise."""
+    child = _run_child(mode, tiny_models["qwen2_vl"], media_files["mp4"])
+    assert "terminate called" not in child.stderr, child.stderr[-2000:]
+    assert child.returncode == 0, f"exit status {child.returncode}: {child.stderr[-2000:]}"
+    alive = [line for line in child.stdout.splitlines() if line.startswith("alive at exit:")]
+    assert alive == ["alive at exit: "], f"epd threads alive when the interpreter finalizes: {alive}"
