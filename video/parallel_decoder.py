@@ -771,8 +771,9 @@ _open_pools_lock = threading.Lock()
 
 @atexit.register
 def _close_at_exit() -> None:
-    """Close the pools nobody closed (an encoder service's, a script's) before the interpreter
-    finalizes; their running shares stop at their next frame (see the module docstring)."""
+    """Close the pools nobody closed (a script's, an embedded pipeline's never closed; the encoder
+    service closes its own after its drain) before the interpreter finalizes; their running shares
+    stop at their next frame (see the module docstring)."""
     with _open_pools_lock:
         pools = list(_open_pools)
     for pool in pools:

@@ -10,6 +10,12 @@ text-only conversation: no media is read or sent, no encoder runs.
 the answer is `model.generate(tokenizer(TEXT).input_ids, do_sample=False)`'s. It takes no VIDEO,
 QUESTION, --messages or turns.
 
+`epd ask --messages FILE --continue-final-message` (FILE ending with the assistant's message)
+continues that message, as vLLM's `continue_final_message` (with `add_generation_prompt` false,
+which the flag implies: continuing cannot follow a new answer's opening); the answer is the
+continuation alone. `--no-add-generation-prompt` alone renders the conversation without the
+opening of a new answer. Both shape a --messages conversation's template only.
+
 Follow-ups: `--question Q` (repeatable, after QUESTION if given) and `--interactive` (questions
 read from stdin, one a line, until EOF or an empty line) ask in turn as one conversation: each
 turn sends the earlier questions and answers too (`epd.client.conversation.History`, the SDK's
@@ -40,7 +46,7 @@ if TYPE_CHECKING:
     from epd.client import StageEvent as ClientStageEvent
     from epd.gateway.pipeline import AskSummary, Pipeline
     from epd.model_runtime.config import ModelConfig
-    from epd.stages.messages import Message
+    from epd.stages.messages import ChatTemplateOptions, Message
     from epd.stages.raw_prompt import RawPrompt
 
 
@@ -51,9 +57,10 @@ def run_ask(args: argparse.Namespace) -> int:
     from epd.stages.errors import InvalidRequest
 
     try:
+        template = _template(args)
         prompt = _raw_prompt(args)
         path = None if prompt is not None else _media_path(args)
-        messages = None if prompt is not None else _messages(args)
+        messages = None if prompt is not None else _messages(args, template)
         _check_tls_flags(args)
         if args.fps is not None and args.num_frames:  # what every door refuses (ONE_FRAME_CHOICE)
             raise ValueError("--fps and --num-frames: give one (--num-frames N: exactly N frames; "
@@ -65,8 +72,8 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_ask_remote(args, path, messages, prompt) if model is None
-                    else _ask_embedded(args, path, messages, model, prompt))
+        asyncio.run(_ask_remote(args, path, messages, prompt, template) if model is None
+                    else _ask_embedded(args, path, messages, model, prompt, template))
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
         return 130
@@ -86,6 +93,25 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {code.name}: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _template(args: argparse.Namespace) -> ChatTemplateOptions:
+    """--continue-final-message / --no-add-generation-prompt as the chat template's options (the
+    defaults without them); ValueError, saying what to change, without --messages FILE: a
+    QUESTION or --question ends with the user's question (nothing to continue), --prompt has no
+    template. --continue-final-message implies --no-add-generation-prompt (both true is refused
+    by every door), so that the one flag is all a user needs to continue the assistant's message."""
+    from epd.stages.messages import ChatTemplateOptions
+
+    given = [flag for flag, on in (("--continue-final-message", args.continue_final_message),
+                                   ("--no-add-generation-prompt", args.no_add_generation_prompt)) if on]
+    if not given:
+        return ChatTemplateOptions()
+    if not args.messages or args.prompt is not None:
+        raise ValueError(f"{' and '.join(given)} shape the chat template's end of a --messages FILE conversation: "
+                         "give --messages FILE (ending with the assistant's message to continue it), or drop "
+                         f"{' and '.join(given)}")
+    return ChatTemplateOptions(add_generation_prompt=False, continue_final_message=args.continue_final_message)
 
 
 def _raw_prompt(args: argparse.Namespace) -> str | None:
@@ -144,10 +170,10 @@ def _conversational(args: argparse.Namespace) -> bool:
     return bool(args.questions) or args.interactive
 
 
-def _messages(args: argparse.Namespace) -> list[Message] | None:
+def _messages(args: argparse.Namespace, template: ChatTemplateOptions) -> list[Message] | None:
     """The one-shot conversation (QUESTION as [media, QUESTION], or [QUESTION] with --no-video; or
-    --messages FILE, - for stdin); None when the questions are asked in turn (--question /
-    --interactive)."""
+    --messages FILE, - for stdin, checked against `template`); None when the questions are asked
+    in turn (--question / --interactive)."""
     from epd.stages.messages import Message, check_messages, from_chat_template, media_type, question_messages
 
     if args.messages and _conversational(args):
@@ -164,7 +190,7 @@ def _messages(args: argparse.Namespace) -> list[Message] | None:
         return [Message.user(args.question)] if args.no_video else question_messages(args.question)
     source = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
     messages = from_chat_template(json.loads(source))
-    check_messages(messages)
+    check_messages(messages, template=template)  # now, not after the model loads: exit 2, saying what to change
     if bool(media_type(messages)) == args.no_video:
         raise ValueError("the messages have a video or image part: give VIDEO instead of --no-video" if args.no_video
                          else "the messages have no video or image part: add one, or ask with --no-video")
@@ -260,7 +286,7 @@ def _print_summary(result: AskResult) -> None:
 
 async def _ask_embedded(
     args: argparse.Namespace, path: Path | None, messages: list[Message] | None, model: ModelConfig,
-    prompt: str | None = None,
+    prompt: str | None = None, template: ChatTemplateOptions | None = None,
 ) -> None:
     from epd.video.media_open import sniff_container
 
@@ -285,7 +311,7 @@ async def _ask_embedded(
             yield "", _embedded_stream(args, pipeline, None, [], raw_prompt=RawPrompt(text=prompt))
             return
         if messages is not None:
-            yield "", _embedded_stream(args, pipeline, media, messages)
+            yield "", _embedded_stream(args, pipeline, media, messages, template=template)
             return
         history = History(with_media=media is not None)
         async for question in _questions(args):
@@ -299,15 +325,17 @@ async def _ask_embedded(
 async def _embedded_stream(
     args: argparse.Namespace, pipeline: Pipeline, media: bytes | None, messages: list[Message],
     answer: list[str] | None = None, raw_prompt: RawPrompt | None = None,
+    template: ChatTemplateOptions | None = None,
 ) -> AsyncIterator[StreamEvent]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
     the answer's text is appended to `answer` for the caller's history. `raw_prompt`: instead
-    of `messages` (then [])."""
+    of `messages` (then []). `template`: how the chat template ends `messages` (None: the defaults)."""
     from epd.cli import configs
     from epd.client import StageEvent as ClientStageEvent
     from epd.client import TokenDelta
     from epd.gateway.pipeline import AskRequest, AskSummary
     from epd.stages.contracts import MediaInput, StageEvent
+    from epd.stages.messages import ChatTemplateOptions
     from epd.stages.names import Stage
 
     request = AskRequest(
@@ -318,6 +346,7 @@ async def _embedded_stream(
         pruning=configs.pruning_config(args),
         cache_salt=args.cache_salt,
         raw_prompt=raw_prompt,
+        template=template or ChatTemplateOptions(),
     )
     started = time.perf_counter()
     events: list[ClientStageEvent] = []
@@ -374,10 +403,12 @@ def _check_tls_flags(args: argparse.Namespace) -> None:
 
 
 async def _ask_remote(
-    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, prompt: str | None = None
+    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, prompt: str | None = None,
+    template: ChatTemplateOptions | None = None,
 ) -> None:
     from epd.cli import configs
     from epd.client import AsyncEpdClient
+    from epd.stages.messages import ChatTemplateOptions
 
     # Zero and empty mean "the server's default"; the server checks and parses every option.
     options: dict = dict(
@@ -394,7 +425,11 @@ async def _ask_remote(
                 yield "", client.stream(None, prompt=prompt, **options)
                 return
             if messages is not None:
-                yield "", client.stream(path, messages=messages, **options)
+                # The SDK's names; unset (the server's defaults) without the flags.
+                shape: dict[str, Any] = {} if template is None or template == ChatTemplateOptions() else dict(
+                    add_generation_prompt=template.add_generation_prompt,
+                    continue_final_message=template.continue_final_message)
+                yield "", client.stream(path, messages=messages, **options, **shape)
                 return
             # The SDK's conversation: the video goes up once, later turns send its sha256 (None:
             # --no-video, a text-only conversation).

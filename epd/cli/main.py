@@ -564,6 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
                           '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
                           "roles system/user/assistant, parts in your order, one video or image part (none with --no-video)")
+    ask.add_argument("--continue-final-message", action="store_true",
+                     help="with --messages FILE ending with the assistant's message: continue that message "
+                          "(vLLM's continue_final_message; implies --no-add-generation-prompt); the answer is "
+                          "the continuation alone")
+    ask.add_argument("--no-add-generation-prompt", action="store_true",
+                     help="with --messages FILE: render the conversation without the chat template's opening "
+                          "of a new answer (vLLM's add_generation_prompt false)")
     ask.add_argument("--prompt", default=None, metavar="TEXT",
                      help="instead of VIDEO and QUESTION, a raw prompt continued as it is, without the chat template "
                           "(the HTTP API's /v1/completions): tokenised as the model's tokenizer(TEXT), no media")

@@ -77,6 +77,10 @@ class HealthyServer:
         """Ends the calls still in flight when the grace period is over (or at the second signal),
         each with a status of the service's own (the gateway's: ABORTED after tokens, UNAVAILABLE
         before), before gRPC's own stop would cancel them as UNAVAILABLE "Cancelling all calls"."""
+        self.closers: list[Callable[[], None]] = []
+        """Run by `stop`, in order, once the server has stopped (its calls drained or ended): what
+        the service holds beyond the server (the encoder's decode pool and request drivers), closed
+        by its owner rather than left to an atexit handler at interpreter exit."""
 
     async def set_serving(self, serving: bool = True) -> None:
         status = (
@@ -104,6 +108,9 @@ class HealthyServer:
             task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        closers, self.closers = self.closers, []  # once
+        for close in closers:
+            await asyncio.to_thread(close)  # it joins threads: not on the event loop
 
 
 async def create_server(

@@ -387,3 +387,49 @@ def test_ask_prompt_with_a_video_or_a_question_is_refused_saying_what_to_drop(me
         refused = run_epd_forked("ask", *args)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
         assert "Traceback" not in refused.stderr
+
+
+# A text-only conversation ending with the assistant's (partial) answer, the processor's chat form.
+ASSISTANT_LAST = [
+    {"role": "user", "content": [{"type": "text", "text": "name a colour"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "The colour is"}]},
+]
+
+
+def test_ask_continue_final_message_continues_the_assistants_message(tiny_models, shared_stack, tmp_path):
+    """`epd ask --messages FILE --continue-final-message` (FILE ending with the assistant's message):
+    generate()'s tokens on `apply_chat_template(add_generation_prompt=False, continue_final_message=True)`
+    (the flag implies the first), embedded and against a gateway (the SDK's keyword options);
+    `--no-add-generation-prompt` alone renders without a new answer's opening. Without the flags,
+    an answer after the assistant's message, which differs (so the flags are what is tested)."""
+    from tests.reference import template_reference
+
+    model = str(tiny_models["qwen2_vl"])
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(ASSISTANT_LAST))
+    continued = template_reference(model, ASSISTANT_LAST, 12, add_generation_prompt=False, continue_final_message=True)
+    closed = template_reference(model, ASSISTANT_LAST, 12, add_generation_prompt=False)
+    after = template_reference(model, ASSISTANT_LAST, 12)
+    assert len({tuple(continued[1]), tuple(closed[1]), tuple(after[1])}) == 3, "the three renderings answer alike"
+    ask = ["ask", "--no-video", "--messages", str(path), "--max-new-tokens", "12", "--json"]
+    for where in (["--model", model], ["--endpoint", shared_stack.gateway]):
+        for flags, (prompt_ids, want) in ((["--continue-final-message"], continued),
+                                          (["--no-add-generation-prompt"], closed), ([], after)):
+            proc = run_epd_forked(*ask, *flags, *where)
+            assert proc.returncode == 0, (where, flags, proc.stderr)
+            out = json.loads(proc.stdout)
+            assert out["token_ids"] == want and out["num_prompt_tokens"] == len(prompt_ids), (where, flags)
+
+
+def test_ask_template_flags_without_messages_are_refused_saying_what_to_change(tmp_path):
+    user_last = tmp_path / "messages.json"
+    user_last.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    give = "give --messages FILE (ending with the assistant's message to continue it), or drop"
+    for args, says in ((["--no-video", QUESTION, "--continue-final-message"], f"{give} --continue-final-message"),
+                       (["--no-video", QUESTION, "--no-add-generation-prompt"], f"{give} --no-add-generation-prompt"),
+                       (["--prompt", "x", "--continue-final-message"], f"{give} --continue-final-message"),
+                       (["--no-video", "--messages", str(user_last), "--continue-final-message"],
+                        "end with the assistant's message to continue")):
+        refused = run_epd_forked("ask", *args)
+        assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
+        assert "Traceback" not in refused.stderr

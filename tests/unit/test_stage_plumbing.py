@@ -318,6 +318,27 @@ def test_closing_an_embedded_pipeline_stops_every_thread_it_started(tiny_models,
         asyncio.run(pipeline.prefill.model_thread.run(lambda: None))
 
 
+def test_stopping_the_encoder_service_closes_its_decode_pool(tiny_models):
+    """The encoder service's `HealthyServer.stop` (what `run_service` awaits after the drain)
+    closes its stage: no decode worker or request driver it started is left running. Before, the
+    pool stayed open until the process ended (`epd serve` leaves by os._exit, without atexit)."""
+    from epd.encoder_svc import server
+    from epd.stages.server_config import ServerConfig
+
+    config = EncoderConfig(model=ModelConfig(model=str(tiny_models["qwen2_vl"])), server=ServerConfig(port=0))
+    before = set(threading.enumerate())
+
+    async def scenario() -> list[threading.Thread]:
+        hs = await server.start(config)
+        started = [t for t in threading.enumerate() if t not in before and t.name.startswith("video-decode")]
+        await hs.stop(0)
+        return started
+
+    started = asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
+    assert started, "the service started no decode worker"
+    assert [t.name for t in started if t.is_alive()] == []
+
+
 @pytest.mark.parametrize(
     "leave_at", [("prefill", "started"), ("prefill", "finished"), ("kv_transfer", "finished")]
 )
