@@ -129,8 +129,8 @@ class PrefillEngine:
                 token_ids = self.tokenizing.tokenize(request.prompt, request.add_special_tokens)
             else:
                 token_ids = self.tokenizing.tokenize_conversation(
-                    to_chat_template(request.messages, ""), request.add_generation_prompt,
-                    request.add_special_tokens, request.continue_final_message,
+                    to_chat_template(request.messages, ""), request.template.add_generation_prompt,
+                    request.add_special_tokens, request.template.continue_final_message,
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
