@@ -108,9 +108,9 @@ class ChatTemplateOptions:
 
     def check(self, messages: Sequence[Message], to_answer: bool = True) -> None:
         """InvalidRequest unless these options can render `messages`: not both flags (vLLM's 400:
-        the template cannot both open a new answer and leave the last message open), and, unless
-        not `to_answer` (/tokenize leaves any last message open, as vLLM's does), only the
-        assistant's message continued."""
+        the template cannot both open a new answer and leave the last message open), and, for a
+        request `to_answer`, only the assistant's message continued (/tokenize, not to answer,
+        leaves any last message open, as vLLM's does)."""
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequest(
                 "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
