@@ -34,7 +34,7 @@ from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
-from epd.prefill_svc.prefix_cache import PrefixCache
+from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
 from epd.prefill_svc.pruned_prefill import PrunedPrefill, pruned_prefill
 from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.contracts import (
@@ -129,8 +129,8 @@ class PrefillEngine:
                 token_ids = self.tokenizing.tokenize(request.prompt, request.add_special_tokens)
             else:
                 token_ids = self.tokenizing.tokenize_conversation(
-                    to_chat_template(request.messages, ""), request.add_generation_prompt,
-                    request.add_special_tokens, request.continue_final_message,
+                    to_chat_template(request.messages, ""), request.template.add_generation_prompt,
+                    request.add_special_tokens, request.template.continue_final_message,
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -276,7 +276,7 @@ class PrefillEngine:
             # conversation with the same opening finds it, and the text turns' entry, which it
             # supersedes, leaves (`PrefixCache.put`).
             if media is not None and visual.numel() and not media_in_opening(messages):
-                request.prefix_also = (self._prefix_key(None, pruning, cache_salt), int(visual[0]))
+                request.prefix_also = PrefixView(self._prefix_key(None, pruning, cache_salt), int(visual[0]))
             hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end, request.prefix_also)
             if hit is not None:
                 request.prefix = hit

@@ -17,12 +17,12 @@ before the next one (unit-tested with fake entries, tests/unit/stages/test_prefi
             `min_reuse_tokens` (16): a shorter reuse is the chat template's preamble that every
             conversation shares, and is neither used nor counted (vLLM reuses whole 16-token
             blocks only). Ties go to the most recently used entry.
-            `also=(other key, max_reuse)`: entries of another key hold the same KV for at most the
-            first `max_reuse` tokens (a text-only turn's, for the text before the media of a
-            conversation whose video came later); they serve up to that many.
-    put(key, ids, cache, num_bytes, also) -> kept under a byte budget. `also=(other key,
-            max_reuse)`: the entry serves that key's lookups too, up to `max_reuse` tokens (a media
-            prompt's text before its first visual token, under the text-only key). An entry that
+            `also=PrefixView(other key, max_tokens)`: entries of another key hold the same KV for
+            at most the first `max_tokens` tokens (a text-only turn's, for the text before the
+            media of a conversation whose video came later); they serve up to that many.
+    put(key, ids, cache, num_bytes, also) -> kept under a byte budget. `also=PrefixView(other
+            key, max_tokens)`: the entry serves that key's lookups too, up to `max_tokens` tokens (a
+            media prompt's text before its first visual token, under the text-only key). An entry that
             the new one supersedes (every key it is found under, the new one is too, its ids up to
             that key's bound a prefix of the new ids: turn n's entry by turn n+1's, a text-only
             turn's by the turn that brings the video) leaves; a new one that an entry supersedes
@@ -46,9 +46,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class PrefixView(NamedTuple):
+    """A key an entry is found under, and how many of its first tokens serve that key's lookups."""
+
+    key: Hashable
+    max_tokens: int
 
 
 @dataclass
@@ -61,17 +68,17 @@ class PrefixEntry:
     num_bytes: int
     last_used_s: float
     created_s: float
-    also: tuple[Hashable, int] | None = None
-    """(another key, max tokens): lookups of that key find this entry too, for its first tokens."""
+    also: PrefixView | None = None
+    """Another key whose lookups find this entry too, for its first `max_tokens` tokens."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
 
-    def views(self) -> list[tuple[Hashable, int]]:
-        """(key, how many of its first tokens serve that key's lookups), for every key it is found under."""
-        own = [(self.key, self.num_tokens)]
-        return own if self.also is None else [*own, (self.also[0], min(self.also[1], self.num_tokens))]
+    def views(self) -> list[PrefixView]:
+        """Every key it is found under, with how many of its first tokens serve that key's lookups."""
+        own = [PrefixView(self.key, self.num_tokens)]
+        return own if self.also is None else [*own, PrefixView(self.also.key, min(self.also.max_tokens, self.num_tokens))]
 
 
 @dataclass(frozen=True)
@@ -156,12 +163,12 @@ class PrefixCache:
         key: Hashable,
         token_ids: torch.Tensor | Sequence[int],
         min_reuse: int,
-        also: tuple[Hashable, int] | None = None,
+        also: PrefixView | None = None,
     ) -> PrefixHit | None:
         """The entry found under `key` sharing the longest prefix with `token_ids`, if it covers
         at least `min_reuse` tokens, `min_reuse_tokens`, and leaves one to compute; or, when none
         does, the entry found under `also`'s key sharing the longest prefix, reused up to `also`'s
-        max_reuse tokens. Counted once, as a hit or a miss, and in tokens."""
+        max_tokens. Counted once, as a hit or a miss, and in tokens."""
         ids = _ids(token_ids)
         with self._lock:
             self._expire()
@@ -183,7 +190,7 @@ class PrefixCache:
             return PrefixHit(entry, best[0])
 
     def _reusable(
-        self, entry: PrefixEntry, key: Hashable, ids: torch.Tensor, min_reuse: int, also: tuple[Hashable, int] | None
+        self, entry: PrefixEntry, key: Hashable, ids: torch.Tensor, min_reuse: int, also: PrefixView | None
     ) -> int:
         """Tokens of `ids` `entry` may serve to a lookup of `key` (and `also`), 0 if too few."""
         common = -1  # computed once, for the first view that applies
@@ -191,8 +198,8 @@ class PrefixCache:
         for view_key, bound in entry.views():
             if view_key == key:
                 limit, floor = bound, max(min_reuse, self.min_reuse_tokens)
-            elif also is not None and view_key == also[0]:
-                limit, floor = min(bound, also[1]), self.min_reuse_tokens
+            elif also is not None and view_key == also.key:
+                limit, floor = min(bound, also.max_tokens), self.min_reuse_tokens
             else:
                 continue
             if common < 0:
@@ -208,10 +215,10 @@ class PrefixCache:
         token_ids: torch.Tensor | Sequence[int],
         cache: Any,
         num_bytes: int,
-        also: tuple[Hashable, int] | None = None,
+        also: PrefixView | None = None,
     ) -> bool:
-        """Keep `cache` (the KV of `token_ids`) under `key`, and under `also`'s key for its first
-        `also[1]` tokens; False when it cannot fit at all (or the cache is off). Entries it
+        """Keep `cache` (the KV of `token_ids`) under `key`, and under `also.key` for its first
+        `also.max_tokens` tokens; False when it cannot fit at all (or the cache is off). Entries it
         supersedes leave (`_superseded`); when an entry supersedes it instead (its ids begin that
         entry's: a continued assistant message whose conversation's next turn is cached, a turn
         asked again), that entry is renewed and the same KV is not kept twice."""

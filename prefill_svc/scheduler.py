@@ -33,6 +33,7 @@ from epd.stages.errors import Busy
 if TYPE_CHECKING:
     from epd.model_runtime.adapter import Prompt
     from epd.model_runtime.sampling import GenerationConfig
+    from epd.prefill_svc.prefix_cache import PrefixView
     from epd.stages.contracts import EncodedMedia
     from epd.token_pruning import PruningConfig
 
@@ -54,8 +55,8 @@ class PrefillRequest(CoreRequest):
     """The prefix-cache hit (`PrefixHit`) the runner builds this request's first cache from."""
     prefix_key: Hashable | None = field(default=None, repr=False)
     """Key under which the finished prompt's KV goes into the prefix cache (None: not cached)."""
-    prefix_also: tuple[Hashable, int] | None = field(default=None, repr=False)
-    """(the text-only key, the first visual token's index): a media prompt whose text turns came
+    prefix_also: PrefixView | None = field(default=None, repr=False)
+    """The text-only key up to the first visual token's index: a media prompt whose text turns came
     first is found under that key too, for the text before its media (`PrefixCache.put`'s `also`)."""
     prompt: Prompt | None = field(default=None, repr=False)
     media: EncodedMedia | None = field(default=None, repr=False)

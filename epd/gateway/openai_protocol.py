@@ -240,6 +240,15 @@ class ChatRequest:
         return self.messages[-1].role
 
 
+def template_options(body: Any) -> ChatTemplateOptions:
+    """vLLM's `add_generation_prompt` (default true) and `continue_final_message` (default false)
+    of a chat or /tokenize body; their pair is checked with the messages (`ChatTemplateOptions.check`)."""
+    return ChatTemplateOptions(
+        add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
+        continue_final_message=boolean_field(body, "continue_final_message", False),
+    )
+
+
 def parse_chat_request(
     body: Any, served_model: str, sampling_defaults: SamplingOptions, generation_defaults: GenerationConfig
 ) -> ChatRequest:
@@ -258,10 +267,7 @@ def parse_chat_request(
         modality=modality,
         sampling=_sampling(body.get("media"), sampling_defaults),
         pruning=_pruning(body.get("pruning")),
-        template=ChatTemplateOptions(
-            add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
-            continue_final_message=boolean_field(body, "continue_final_message", False),
-        ),
+        template=template_options(body),
         **options,
     )
     # The message model's own rules (the last message is the user's or the assistant's, ...).

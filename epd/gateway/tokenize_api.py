@@ -26,7 +26,7 @@ from aiohttp import web
 
 from epd.gateway.http_body import defer_continue, read_json_body
 from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
-from epd.gateway.openai_protocol import parse_messages, requested_model
+from epd.gateway.openai_protocol import parse_messages, requested_model, template_options
 from epd.stages.errors import InvalidRequest
 from epd.stages.tokenize import TokenizeInput
 from epd.transport import tracing
@@ -56,8 +56,7 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
         return TokenizeInput(
             messages=messages,
             add_special_tokens=boolean_field(body, "add_special_tokens", False),
-            add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
-            continue_final_message=boolean_field(body, "continue_final_message", False),
+            template=template_options(body),
             return_token_strs=return_token_strs,
         )
     if not isinstance(body.get("prompt"), str):

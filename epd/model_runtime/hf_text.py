@@ -137,15 +137,10 @@ class HfTextAdapter(VLMAdapter):
     def _render_text_only(
         self, conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool = False
     ) -> str:
-        """The processor's own template of a conversation without media; ValueError when the text
-        or the template holds the model's visual placeholder, or (`continue_final_message`) when
-        the template drops part of the last message, so that it cannot be left open."""
-        proc = self.processor
-        placeholders = (proc.video_token, proc.image_token)
-        if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
-            raise ValueError("a text part contains the model's visual placeholder token; remove it")
+        """The processor's own template of a conversation without media; ValueError as `_render`'s,
+        or when the template adds a visual placeholder of its own."""
         text = self._render(conversation, add_generation_prompt, continue_final_message)
-        if any(token in text for token in placeholders):  # a template that adds media of its own
+        if any(token in text for token in (self.processor.video_token, self.processor.image_token)):
             raise ValueError("the chat template rendered a visual placeholder for a conversation without media; "
                              "add the video or image part")
         return text
@@ -154,8 +149,12 @@ class HfTextAdapter(VLMAdapter):
         self, conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
     ) -> str:
         """The processor's own chat template of `conversation`, as a string (every family's prompt
-        starts here); ValueError when the template cannot leave the last message open, or refuses
-        the conversation itself."""
+        starts here); ValueError when a text part holds the model's visual placeholder (only a media
+        part places it: in text it would take the media's embeddings, or miscount them), when the
+        template cannot leave the last message open, or when it refuses the conversation itself."""
+        placeholders = (self.processor.video_token, self.processor.image_token)
+        if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
+            raise ValueError("a text part contains the model's visual placeholder token; remove it")
         try:
             return self.processor.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tokenize=False)

@@ -142,9 +142,6 @@ class Qwen2VLAdapter(QwenTextAdapter):
         # earlier turns as it renders them); we only expand the one placeholder, as its __call__ does.
         text = self._render(conversation, add_generation_prompt, continue_final_message)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
-        if any(token in part.get("text", "") for m in conversation for part in m["content"]
-               for token in (self.processor.video_token, self.processor.image_token)):
-            raise ValueError("a text part contains the model's visual placeholder token; remove it")
         num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]

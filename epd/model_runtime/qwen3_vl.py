@@ -225,13 +225,6 @@ class Qwen3VLAdapter(QwenTextAdapter):
         if visual is None:
             return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
         proc = self.processor
-        if any(
-            token in part.get("text", "")
-            for m in conversation
-            for part in m["content"]
-            for token in (proc.video_token, proc.image_token)
-        ):
-            raise ValueError("a text part contains the model's visual placeholder token; remove it")
         text = self._render(conversation, add_generation_prompt, continue_final_message)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         if text.count(pad) != 1:

@@ -106,25 +106,22 @@ class ChatTemplateOptions:
     model continues it ("assistant prefill"; the answer is the continuation alone, as vLLM's).
     Not with `add_generation_prompt`."""
 
-    def check(self, messages: Sequence[Message]) -> None:
-        """InvalidRequest unless these options can render `messages`."""
-        check_template_flags(self.add_generation_prompt, self.continue_final_message)
-        if self.continue_final_message and messages and messages[-1].role != "assistant":
+    def check(self, messages: Sequence[Message], to_answer: bool = True) -> None:
+        """InvalidRequest unless these options can render `messages`: not both flags (vLLM's 400:
+        the template cannot both open a new answer and leave the last message open), and, for a
+        request `to_answer`, only the assistant's message continued (/tokenize, not to answer,
+        leaves any last message open, as vLLM's does)."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequest(
+                "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
+                "to false to continue the last message, or continue_final_message to false to open a new answer"
+            )
+        if to_answer and self.continue_final_message and messages and messages[-1].role != "assistant":
             raise InvalidRequest(
                 f"continue_final_message continues the last message, the assistant's, but the last message is the "
                 f"{messages[-1].role}'s: end with the assistant's message to continue, or leave "
                 "continue_final_message false"
             )
-
-
-def check_template_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """InvalidRequest (vLLM's 400) when both are true: the template cannot both open a new answer
-    and leave the last message open."""
-    if add_generation_prompt and continue_final_message:
-        raise InvalidRequest(
-            "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
-            "to false to continue the last message, or continue_final_message to false to open a new answer"
-        )
 
 
 def num_text_chars(messages: Sequence[Message]) -> int:

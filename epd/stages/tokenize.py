@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from epd.stages.errors import InvalidRequest
-from epd.stages.messages import Message, check_messages, check_template_flags, media_type
+from epd.stages.messages import ChatTemplateOptions, Message, check_messages, media_type
 
 
 @dataclass(frozen=True)
@@ -18,14 +18,13 @@ class TokenizeInput:
     """A text, tokenised as it is (exactly one of `prompt` and `messages`)."""
     messages: Sequence[Message] = field(default_factory=tuple)
     """A conversation without media, rendered with the model's chat template as prefill renders a
-    request's (with `add_generation_prompt` and without special tokens, exactly a prompt's ids)."""
+    request's (with the default `template` and without special tokens, exactly a prompt's ids)."""
     add_special_tokens: bool = True
     """The tokenizer's special tokens around the text (vLLM: true for a prompt, false for messages)."""
-    add_generation_prompt: bool = True
-    """messages only: end with the template's opening of the assistant's answer."""
-    continue_final_message: bool = False
-    """messages only: leave the last message open, without the template's end of its turn, for
-    the model to continue it (vLLM's and transformers'; not with `add_generation_prompt`)."""
+    template: ChatTemplateOptions = ChatTemplateOptions()
+    """messages only: how the chat template ends the conversation, as a chat request's (by default
+    with the opening of the assistant's answer; `continue_final_message`: the last message left
+    open, for the model to continue). Unlike a chat request's, any last role may be left open."""
     return_token_strs: bool = False
     """Also give each id's token string (the tokenizer's `convert_ids_to_tokens`, vLLM's `token_strs`)."""
 
@@ -38,9 +37,9 @@ class TokenizeInput:
             if len(self.prompt) > max_text_chars:
                 raise InvalidRequest(f"the prompt has {len(self.prompt)} characters; the limit is {max_text_chars}")
             return
-        check_template_flags(self.add_generation_prompt, self.continue_final_message)
         # Any last role, as vLLM's /tokenize takes it: counting an assistant's turn, or the one a
         # client continues, is what a prompt-budgeting client asks.
+        self.template.check(self.messages, to_answer=False)
         check_messages(self.messages, max_text_chars, to_answer=False)
         if media_type(self.messages):
             raise InvalidRequest(

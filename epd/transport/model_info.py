@@ -10,7 +10,12 @@ import grpc
 
 from epd.stages.model_info import ModelInfo
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput
-from epd.transport.message_convert import messages_from_proto, messages_to_proto
+from epd.transport.message_convert import (
+    messages_from_proto,
+    messages_to_proto,
+    template_from_proto,
+    template_to_proto,
+)
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 
 
@@ -47,8 +52,7 @@ def tokenize_request_to_proto(request: TokenizeInput, request_id: str) -> prefil
         prompt=request.prompt,
         messages=messages_to_proto(request.messages),
         add_special_tokens=request.add_special_tokens,
-        add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message,
+        template=template_to_proto(request.template),
         return_token_strs=request.return_token_strs,
     )
 
@@ -58,8 +62,7 @@ def tokenize_input_from_proto(msg: prefill_pb2.TokenizeRequest) -> TokenizeInput
         prompt=msg.prompt if msg.HasField("prompt") else None,
         messages=messages_from_proto(msg.messages),
         add_special_tokens=msg.add_special_tokens,
-        add_generation_prompt=msg.add_generation_prompt,
-        continue_final_message=msg.continue_final_message,
+        template=template_from_proto(msg.template),
         return_token_strs=msg.return_token_strs,
     )
 

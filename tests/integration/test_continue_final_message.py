@@ -96,7 +96,8 @@ def test_every_family_continues_the_assistants_message_or_answers_after_it_as_ge
             if family != "qwen3_5":  # its recurrent layers keep no prefix cache
                 assert got.num_reused_prompt_tokens == common - 1, name
             if media is None:  # /tokenize counts the continued prompt as the chat route builds it
-                tokenize = TokenizeInput(messages=from_chat_template(messages), **CONTINUE)
+                tokenize = TokenizeInput(messages=from_chat_template(messages),
+                                         template=ChatTemplateOptions(**CONTINUE))
                 assert asyncio.run(pipeline.prefill.tokenize(tokenize, "t")).token_ids == prompt_ids
         with pytest.raises(InvalidRequest, match="a raw prompt has no template"):
             asyncio.run(request_summary(pipeline, AskRequest([], raw_prompt=RawPrompt("once"),

@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.client import EpdClient, EpdError, Message
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest, AskSummary
+from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest
@@ -128,6 +130,24 @@ def test_text_only_and_media_requests_batched_together_each_equal_generate(check
     assert with_media.token_ids == reference_tokens_for_messages(path, video, media_messages, MAX_NEW_TOKENS)
     assert text.token_ids == text_only_reference(path, CONVERSATIONS["system_and_text"], MAX_NEW_TOKENS)
     assert multi.token_ids == text_only_reference(path, CONVERSATIONS["multi_turn"], MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_text_part_holding_the_visual_placeholder_is_refused_alike_in_every_family(checkpoints, family):
+    """Only a media part places the model's placeholder: one in a text part would take the media's
+    embeddings or miscount them. Every family refuses it, with the media and without (and on
+    /tokenize's path), with one message (`HfTextAdapter._render`)."""
+    adapter = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill")
+    meta = VisualMeta("video", (2, 4, 4), 1.0, adapter.num_visual_tokens((2, 4, 4)))
+    for token in (adapter.processor.video_token, adapter.processor.image_token):
+        said = {"type": "text", "text": f"what is {token}?"}
+        text_only = [{"role": "user", "content": [said]}]
+        with_media = [{"role": "user", "content": [{"type": "video"}, said]}]
+        calls = ((adapter.build_prompt, text_only, None), (adapter.build_prompt, with_media, meta),
+                 (adapter.tokenize_conversation, text_only, True, False))
+        for call, *args in calls:
+            with pytest.raises(ValueError, match="^a text part contains the model's visual placeholder token; remove it$"):
+                call(*args)
 
 
 def test_media_options_and_pruning_have_nothing_to_act_on_without_media(checkpoints):

@@ -132,22 +132,20 @@ class ModelInfo(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs")
+    __slots__ = ("request_id", "prompt", "messages", "add_special_tokens", "return_token_strs", "template")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
-    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
     add_special_tokens: bool
-    add_generation_prompt: bool
-    continue_final_message: bool
     return_token_strs: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+    template: _messages_pb2.ChatTemplateOptions
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ..., template: _Optional[_Union[_messages_pb2.ChatTemplateOptions, _Mapping]] = ...) -> None: ...
 
 class TokenizeResult(_message.Message):
     __slots__ = ("token_ids", "token_strs")

@@ -17,28 +17,29 @@ from epd.gateway.pipeline import Pipeline
 from epd.gateway.tokenize_api import MAX_DETOKENIZE_TOKENS, parse_detokenize_request, parse_tokenize_request
 from epd.stages.contracts import PrefillStage
 from epd.stages.errors import InvalidRequest, NotFound
-from epd.stages.messages import ContentPart, Message, text
+from epd.stages.messages import ChatTemplateOptions, ContentPart, Message, text
 from epd.stages.model_info import ModelInfo
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
 
 USER = {"role": "user", "content": "hi"}
 ASSISTANT = {"role": "assistant", "content": "hello"}
+CONTINUE = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
 
 
 def test_a_prompt_adds_special_tokens_and_messages_a_generation_prompt_by_default_as_vllms():
     assert parse_tokenize_request({"prompt": "hi"}, "epd") == TokenizeInput(prompt="hi", add_special_tokens=True)
     parsed = parse_tokenize_request({"model": "epd", "messages": [USER]}, "epd")
-    assert (parsed.prompt, parsed.add_special_tokens, parsed.add_generation_prompt) == (None, False, True)
+    assert (parsed.prompt, parsed.add_special_tokens, parsed.template) == (None, False, ChatTemplateOptions())
     assert parsed.messages == [Message("user", (text("hi"),))]
     parsed = parse_tokenize_request({"messages": [USER], "add_generation_prompt": False, "add_special_tokens": True}, "epd")
-    assert (parsed.add_special_tokens, parsed.add_generation_prompt) == (True, False)
-    assert (parsed.continue_final_message, parsed.return_token_strs) == (False, False)
+    assert (parsed.add_special_tokens, parsed.template) == (True, ChatTemplateOptions(add_generation_prompt=False))
+    assert (parsed.template.continue_final_message, parsed.return_token_strs) == (False, False)
 
 
 def test_continue_final_message_and_return_token_strs_are_read_as_vllms():
     parsed = parse_tokenize_request({"messages": [USER, ASSISTANT], "add_generation_prompt": False,
                                      "continue_final_message": True, "return_token_strs": True}, "epd")
-    assert (parsed.add_generation_prompt, parsed.continue_final_message, parsed.return_token_strs) == (False, True, True)
+    assert (parsed.template, parsed.return_token_strs) == (CONTINUE, True)
     assert parse_tokenize_request({"prompt": "a", "return_token_strs": True}, "epd").return_token_strs
 
 
@@ -73,10 +74,11 @@ def test_the_stage_side_checks_text_only_and_the_vocabulary():
     TokenizeInput(messages=[Message("user", (text("what happens?"),))]).check(100)
     # Any last role, as vLLM's /tokenize: an assistant's turn is counted, or left open.
     answered = [Message.user("what happens?"), Message.assistant("a circle")]
-    TokenizeInput(messages=answered, add_generation_prompt=False).check(100)
-    TokenizeInput(messages=answered, add_generation_prompt=False, continue_final_message=True).check(100)
+    TokenizeInput(messages=answered, template=ChatTemplateOptions(add_generation_prompt=False)).check(100)
+    TokenizeInput(messages=answered, template=CONTINUE).check(100)
+    TokenizeInput(messages=answered[:1], template=CONTINUE).check(100)  # the user's message left open too
     with pytest.raises(InvalidRequest, match="add_generation_prompt and continue_final_message cannot both be true"):
-        TokenizeInput(messages=answered, continue_final_message=True).check(100)
+        TokenizeInput(messages=answered, template=ChatTemplateOptions(continue_final_message=True)).check(100)
     with pytest.raises(InvalidRequest, match="/tokenize counts text only"):
         TokenizeInput(messages=[Message("user", (ContentPart("video"), text("what happens?")))]).check(100)
     with pytest.raises(InvalidRequest, match="the prompt has 5 characters; the limit is 4"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from epd.prefill_svc.prefix_cache import MIN_REUSE_TOKENS, PrefixCache, common_prefix_length
+from epd.prefill_svc.prefix_cache import MIN_REUSE_TOKENS, PrefixCache, PrefixView, common_prefix_length
 
 V = 7  # a visual placeholder id: every visual token has it
 PREAMBLE = [1, *range(100, 115)]  # 16 tokens: the chat template's, and a system message
@@ -82,13 +82,13 @@ def test_another_keys_entry_serves_up_to_its_bound():
     first_visual = len(text_turn) + 1
     cache.put("text", [*text_turn, 6, 9], "text kv", 10)  # its LCP with the media turn runs to 21
     assert cache.lookup("media", media_turn, first_visual + 2) is None  # without `also`: a miss
-    hit = cache.lookup("media", media_turn, first_visual + 2, also=("text", first_visual))
+    hit = cache.lookup("media", media_turn, first_visual + 2, also=PrefixView("text", first_visual))
     assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == first_visual
-    hit = cache.lookup("media", media_turn, first_visual + 2, also=("text", first_visual - 2))  # bounded below its LCP
+    hit = cache.lookup("media", media_turn, first_visual + 2, also=PrefixView("text", first_visual - 2))  # bounded below its LCP
     assert hit is not None and hit.num_reused_tokens == first_visual - 2
-    assert cache.lookup("media", [9, *media_turn], first_visual + 3, also=("text", first_visual + 1)) is None  # no common prefix
+    assert cache.lookup("media", [9, *media_turn], first_visual + 3, also=PrefixView("text", first_visual + 1)) is None  # no common prefix
     cache.put("media", media_turn, "media kv", 10)
-    hit = cache.lookup("media", [*media_turn, 10], first_visual + 2, also=("text", first_visual))
+    hit = cache.lookup("media", [*media_turn, 10], first_visual + 2, also=PrefixView("text", first_visual))
     assert hit is not None and hit.entry.cache == "media kv" and hit.num_reused_tokens == len(media_turn)
     stats = cache.stats()
     assert (stats.num_hits, stats.num_misses) == (3, 2)  # one count per lookup
@@ -154,9 +154,9 @@ def test_the_turn_that_brings_the_video_supersedes_the_text_turns_entry():
     first_visual = media_turn.index(V)
     cache.put("text", text_turn, "text kv", 100)
     cache.put("text", [*PREAMBLE, 20, 21], "another opening", 100)
-    hit = cache.lookup("media", media_turn, first_visual + 2, also=("text", first_visual))
+    hit = cache.lookup("media", media_turn, first_visual + 2, also=PrefixView("text", first_visual))
     assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == len(text_turn)
-    cache.put("media", media_turn, "media kv", 300, also=("text", first_visual))
+    cache.put("media", media_turn, "media kv", 300, also=PrefixView("text", first_visual))
     stats = cache.stats()
     assert (stats.num_entries, stats.num_bytes, stats.num_evictions) == (2, 400, 0)
     assert sorted(e.cache for e in cache._entries.values()) == ["another opening", "media kv"]
@@ -167,7 +167,7 @@ def test_the_turn_that_brings_the_video_supersedes_the_text_turns_entry():
     hit = cache.lookup("text", [*media_turn[: first_visual + 1], 9], 0)
     assert hit is not None and hit.entry.cache == "media kv" and hit.num_reused_tokens == first_visual
     # The video turn's follow-up reuses it all under its own key.
-    hit = cache.lookup("media", [*media_turn, 10], first_visual + 2, also=("text", first_visual))
+    hit = cache.lookup("media", [*media_turn, 10], first_visual + 2, also=PrefixView("text", first_visual))
     assert hit is not None and hit.num_reused_tokens == len(media_turn)
 
 
@@ -178,8 +178,8 @@ def test_an_entry_found_under_fewer_keys_is_not_superseded():
     text_turn = [*PREAMBLE, 2, 3, 4]
     cache.put("text", text_turn, "text kv", 10)
     cache.put("media", [*text_turn, 5, V, V], "no also", 10)
-    cache.put("media", [*text_turn, 6, V, V], "bound too short", 10, also=("text", len(text_turn) - 1))
-    cache.put("media", [*PREAMBLE, 2, 9, 4, V], "another text", 10, also=("text", len(PREAMBLE) + 3))
+    cache.put("media", [*text_turn, 6, V, V], "bound too short", 10, also=PrefixView("text", len(text_turn) - 1))
+    cache.put("media", [*PREAMBLE, 2, 9, 4, V], "another text", 10, also=PrefixView("text", len(PREAMBLE) + 3))
     assert cache.stats().num_entries == 4
     hit = cache.lookup("text", [*text_turn, 9], 0)
     assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == len(text_turn)
@@ -247,7 +247,7 @@ def test_a_prompt_an_entry_already_holds_adds_no_entry_and_renews_it():
     assert hit is not None and hit.entry.cache == "turn2" and hit.num_reused_tokens == len(TURN1)
     # Found under fewer keys, or not as far: the shorter prompt's entry is kept.
     cache.put("media", [*TURN1, 8, 9], "media", 10)
-    cache.put("media", TURN1, "media, also text", 10, also=("text", 3))
+    cache.put("media", TURN1, "media, also text", 10, also=PrefixView("text", 3))
     assert cache.stats().num_entries == 3
 
 
