@@ -171,6 +171,20 @@ class Pipeline:
             return configured
         return replace(configured, max_new_tokens=limit)
 
+    def _check_room_for_a_prompt(self, generation: GenerationConfig) -> None:
+        """InvalidRequest when the max_tokens a client set fills the whole served context
+        (`max_model_len`, when known), before the media costs an encode: no prompt, of at least one
+        token, fits beside it, so prefill would refuse it after the encode. A max_tokens left unset
+        is fitted to the prompt by prefill instead (`fit_max_new_tokens`)."""
+        info = self.model_info()
+        if info is None or generation.fit_max_new_tokens or generation.max_new_tokens < info.max_model_len:
+            return
+        raise InvalidRequest(
+            f"max_tokens is {generation.max_new_tokens}, but this model's context is {info.max_model_len} tokens "
+            "(max_model_len) and must hold the prompt too: ask for fewer tokens (the context less the prompt's), "
+            "or leave max_tokens unset to get what the prompt leaves"
+        )
+
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""
         if req.raw_prompt is not None:
@@ -188,6 +202,7 @@ class Pipeline:
             req.generation.validate(self.max_new_tokens_limit, self.vocab_size)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        self._check_room_for_a_prompt(req.generation)
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex
         req = replace(req, generation=req.generation.with_drawn_seed())  # a sampled request without a seed
 

@@ -68,11 +68,20 @@ def _over_the_cap(case: dict) -> str:
             "tokens")
 
 
+def _no_room_for_a_prompt(case: dict) -> str:
+    """The gateway's refusal, before the encode, of a max_tokens that fills the whole cap."""
+    return (f"max_tokens is {case['cap']}, but this model's context is {case['cap']} tokens (max_model_len) and "
+            "must hold the prompt too: ask for fewer tokens (the context less the prompt's), or leave max_tokens "
+            "unset to get what the prompt leaves")
+
+
 def test_the_stack_serves_within_max_model_len_and_refuses_past_it(case, tmp_path):
     http_port = free_port()
     extra = {"prefill": ["--max-model-len", str(case["cap"])], "gateway": ["--http-port", str(http_port)]}
     with Stack(case["model"], tmp_path / "logs", extra=extra) as stack:
         assert _model_card(http_port)["max_model_len"] == case["cap"]  # was the model's context
+        status, body = _chat(http_port, case["video"], max_tokens=case["cap"])  # no room for any prompt
+        assert status == 400 and _no_room_for_a_prompt(case) in body["error"]["message"], body
 
         status, body = _chat(http_port, case["video"], max_tokens=ROOM + 1)
         assert (status, body["error"]["type"]) == (400, "invalid_request_error"), body
@@ -131,6 +140,11 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
         with pytest.raises(InvalidRequest) as refused:
             ask(pipeline, ROOM + 1)
         assert str(refused.value) == _over_the_cap(case)
+        encodes = pipeline.encoder.core.num_steps
+        with pytest.raises(InvalidRequest) as no_room:  # refused before the encode: prefill's words differ
+            ask(pipeline, case["cap"])
+        assert str(no_room.value) == _no_room_for_a_prompt(case)
+        assert pipeline.encoder.core.num_steps == encodes
         answered = ask(pipeline, ROOM)
         assert answered.token_ids == case["tokens"] and answered.num_prompt_tokens == case["prompt"]
         assert ask(pipeline, ROOM + 1, fit=True).token_ids == case["tokens"]  # a ceiling, fitted to the room
