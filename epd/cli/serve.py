@@ -438,6 +438,21 @@ class _Signals:
         self.stop.set()
 
 
+def check_max_model_len(model: str, max_model_len: int | None) -> None:
+    """ModelLoadError, as every prefill replica would raise once its model is loaded, when
+    `--max-model-len` is above the local checkpoint's context (config.json): the stack says so in
+    one line before any service starts, not after a replica has loaded the weights."""
+    from epd.model_runtime.loader import ModelLoadError, configured_context_tokens
+    from epd.prefill_svc.config import PrefillConfig
+
+    if max_model_len is None:
+        return
+    try:
+        PrefillConfig(max_model_len=max_model_len).served_context(configured_context_tokens(model))
+    except ValueError as exc:
+        raise ModelLoadError(model, str(exc)) from None
+
+
 def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int:
     import tempfile
 
@@ -465,6 +480,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         # times racing; and a broken checkpoint is one line now, not four processes failing.
         args.model = resolve_model_path(args.model)
         model_type = check_model_dir(args.model)
+        check_max_model_len(args.model, args.max_model_len)
     except ModelLoadError as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return EXIT_MODEL

@@ -100,6 +100,23 @@ def check_model_dir(path: str) -> str | None:
     return model_type
 
 
+def configured_context_tokens(path: str) -> int | None:
+    """The local checkpoint's context as its config.json gives it (the text model's
+    `max_position_embeddings`, what the adapters' `context_tokens` read once loaded), without
+    loading anything; None for a hub id or a config that does not say (prefill checks once loaded)."""
+    if is_hub_id(path):
+        return None
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # check_model_dir says what is wrong with it
+    # The text model's own entry, as get_text_config() reads it; one it leaves out takes its config
+    # class's default, which only loading knows.
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    context = text.get("max_position_embeddings")
+    return context if isinstance(context, int) else None
+
+
 def _weights_files(root: Path, path: str) -> list[Path]:
     """The weights files the checkpoint names: one file, or the shards of its index."""
     for single, index in (("model.safetensors", "model.safetensors.index.json"),

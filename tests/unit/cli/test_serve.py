@@ -18,7 +18,9 @@ import pytest
 from epd.cli import configs
 from epd.cli.main import GATEWAY_FLAGS, STAGE_FLAGS, build_parser
 from epd.cli.serve import (
+    EXIT_MODEL,
     EXIT_USAGE,
+    check_max_model_len,
     flag_words,
     gateway_flags,
     port_clash,
@@ -761,6 +763,22 @@ def test_prefills_request_limits_reach_every_prefill_and_the_colocated_one(flag,
     unset = build_parser().parse_args(["serve", "--colocate"])
     assert getattr(configs.colocated_stages(unset).prefill, field) == default
     assert (flag in stack_commands(unset)["prefill[0]"]) == (default is not None)
+
+
+def test_a_max_model_len_above_the_checkpoints_context_stops_the_stack_before_anything_starts(tiny_models, capsys):
+    """Every prefill replica would refuse it once its model is loaded (exit 3); the launcher reads
+    config.json first and says so in the same line, with nothing started."""
+    model = tiny_models["qwen2_vl"]
+    config = json.loads((model / "config.json").read_text())
+    context = config.get("text_config", config)["max_position_embeddings"]
+    args = build_parser().parse_args(["serve", "--model", str(model), "--max-model-len", str(context + 1)])
+    assert serve_stack(args) == EXIT_MODEL
+    assert capsys.readouterr().err == (
+        f"epd: cannot load {model}: --max-model-len {context + 1} is more than this model's context of {context} "
+        f"tokens (config.json's max_position_embeddings); it may only lower it: pass at most {context}, or leave "
+        "it out\n")
+    check_max_model_len(str(model), context)  # the model's own context: served
+    check_max_model_len("Qwen/Qwen2-VL-2B-Instruct", 10**9)  # a hub id: prefill checks it once loaded
 
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [
