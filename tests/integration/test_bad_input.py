@@ -139,12 +139,14 @@ def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(tin
         answered = ask(pipeline, 4)
         assert isinstance(answered, AskSummary) and answered.token_ids
         prompt = answered.num_prompt_tokens
-        assert prompt + 4 <= 100 < prompt + 100
+        over = 100 - prompt + 1  # one token past the context with this prompt (a max_tokens of 100 or more,
+        # which no prompt fits beside, the gateway refuses before the encode: test_max_model_len)
+        assert prompt + 4 <= 100 < prompt + over and over < 100
         with pytest.raises(InvalidRequest) as refused:
-            ask(pipeline, 100)
+            ask(pipeline, over)
         assert str(refused.value) == (
-            f"this model's context is 100 tokens, but the request needs {prompt + 100}: {prompt} in the prompt "
-            "and up to 100 to generate (max_tokens); send a shorter conversation or fewer frames, or ask for "
+            f"this model's context is 100 tokens, but the request needs 101: {prompt} in the prompt "
+            f"and up to {over} to generate (max_tokens); send a shorter conversation or fewer frames, or ask for "
             "fewer tokens")
         assert ask(pipeline, 4).token_ids == answered.token_ids  # and it keeps serving
 
