@@ -227,15 +227,19 @@ def conversation(port: int, clip: Path, copies: list[Path], args, label: str) ->
     return out
 
 
-def conversation_after_text(port: int, clip: Path, copies: list[Path], args, label: str) -> dict[tuple[int, bool], Turn]:
-    """"hello" -> its answer -> [video, "now look at this video"]; the video turn again about
+def conversation_after_text(
+    port: int, clip: Path, copies: list[Path], args, label: str
+) -> dict[tuple[int, bool], Turn]:
+    """ "hello" -> its answer -> [video, "now look at this video"]; the video turn again about
     copies[0] under a salt of its own (--video-after-text)."""
     hello, look = QUESTIONS_AFTER_TEXT
     out = {(1, False): ask(port, [user(hello)], args, args.timeout_s)}
     history = [user(hello), {"role": "assistant", "content": out[(1, False)].answer}]
     out[(2, False)] = ask(port, [*history, user(look, data_url(clip))], args, args.timeout_s)
     salt = f"bench-cold-{clip.stem}-{time.monotonic_ns()}"
-    out[(2, True)] = ask(port, [*history, user(look, data_url(copies[0]))], args, args.timeout_s, cache_salt=salt)
+    out[(2, True)] = ask(
+        port, [*history, user(look, data_url(copies[0]))], args, args.timeout_s, cache_salt=salt
+    )
     log_turns(label, out)
     return out
 
@@ -243,7 +247,11 @@ def conversation_after_text(port: int, clip: Path, copies: list[Path], args, lab
 def log_turns(label: str, out: dict[tuple[int, bool], Turn]) -> None:
     line = "; ".join(
         f"turn {n}{' cold' if cold else ''} {t.ttft_ms:.0f} ms (prefill {t.prefill_ms:.0f}"
-        + (f", cached {t.cached_tokens}/{t.prompt_tokens}" if t.cached_tokens is not None else f", {t.prompt_tokens} tok")
+        + (
+            f", cached {t.cached_tokens}/{t.prompt_tokens}"
+            if t.cached_tokens is not None
+            else f", {t.prompt_tokens} tok"
+        )
         + ")"
         for (n, cold), t in out.items()
     )
@@ -333,10 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
     p.add_argument("--colocate", action="store_true", help="epd serve --colocate (one process)")
     p.add_argument("--threads", default="", help="epd serve --num-threads (default: epd's own)")
-    p.add_argument("--video-after-text", action="store_true",
-                   help='the conversation "hello" -> answer -> [video, question] instead (the video turn '
-                        "reuses the text turn's cached prefix), its video turn also under a new cache_salt")
-    p.add_argument("--epd-arg", action="append", default=[], help="a flag passed on to epd serve (repeatable)")
+    p.add_argument(
+        "--video-after-text",
+        action="store_true",
+        help='the conversation "hello" -> answer -> [video, question] instead (the video turn '
+        "reuses the text turn's cached prefix), its video turn also under a new cache_salt",
+    )
+    p.add_argument(
+        "--epd-arg", action="append", default=[], help="a flag passed on to epd serve (repeatable)"
+    )
     p.add_argument("--timeout-s", type=float, default=900.0, help="start-up and per-request limit")
     p.add_argument("--output-json", default="", help="also write the per-request numbers here")
     args = p.parse_args(argv)
@@ -351,9 +364,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"building the 27M Qwen2-VL (frames up to {args.clip_size}x{args.clip_size}) into {model}")
             build_model(model, args.clip_size * args.clip_size)
     clip_dir = work / f"clips-{args.clip_size}px-{args.clip_seconds:g}s"
-    log(f"making {args.num_clips + 1} clips ({args.clip_size}x{args.clip_size}, {args.clip_seconds:g} s) and their copies")
+    log(
+        f"making {args.num_clips + 1} clips ({args.clip_size}x{args.clip_size}, {args.clip_seconds:g} s) and their copies"
+    )
     clips = make_clips(clip_dir, args.num_clips + 1, args.clip_size, args.clip_seconds)
-    copies = {c: [remux_copy(c, c.with_name(f"{c.stem}-copy{k}.mp4"), f"copy {k}") for k in (1, 2)] for c in clips}
+    copies = {
+        c: [remux_copy(c, c.with_name(f"{c.stem}-copy{k}.mp4"), f"copy {k}") for k in (1, 2)] for c in clips
+    }
 
     cmd, env, http_port = server_command(model, args)
     log_path = work / "server.log"
@@ -363,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
                                 start_new_session=True)  # fmt: skip
     results: list[dict[tuple[int, bool], Turn]] = []
     try:
-        log(f"serving after {wait_ready(proc, http_port, args.timeout_s, log_path):.1f} s; warm-up conversation")
+        log(
+            f"serving after {wait_ready(proc, http_port, args.timeout_s, log_path):.1f} s; warm-up conversation"
+        )
         warm_clip = clips[-1]
         converse = conversation_after_text if args.video_after_text else conversation
         converse(http_port, warm_clip, copies[warm_clip], args, "warm-up")

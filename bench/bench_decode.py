@@ -212,8 +212,11 @@ def run(args) -> None:
                 data = path.read_bytes()
                 rate = statistics.median(one_thread_rate(data) for _ in range(3))
                 together = concurrent_rate(path, cores)
-                print(f"# {path.name}: one thread {rate:.0f} frames/s, {cores} at once {together:.0f} "
-                      f"({together / rate:.2f}x)", flush=True)
+                print(
+                    f"# {path.name}: one thread {rate:.0f} frames/s, {cores} at once {together:.0f} "
+                    f"({together / rate:.2f}x)",
+                    flush=True,
+                )
                 for num_frames in args.frames:
                     label = f"{height}p {seconds} s, key every {gop_s} s"
                     bench_case(

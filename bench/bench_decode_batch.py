@@ -262,12 +262,19 @@ def main() -> None:
     model_dir = Path(args.work_dir) / "model"
     if not (model_dir / "config.json").exists():
         build_checkpoint(model_dir, SPEC)
-    adapter = load_adapter(ModelConfig(model=str(model_dir), device=args.device, num_threads=args.threads), "decode")
+    adapter = load_adapter(
+        ModelConfig(model=str(model_dir), device=args.device, num_threads=args.threads), "decode"
+    )
     if args.memory:
         memory(adapter, args.budget_requests, args.in_flight, args.max_new_tokens)
         return
-    print_step_table(adapter, prompt_caches(adapter, max(args.batch)), args.batch, args.steps,
-                     f"{args.threads} thread(s)" if args.device == "cpu" else args.device)
+    print_step_table(
+        adapter,
+        prompt_caches(adapter, max(args.batch)),
+        args.batch,
+        args.steps,
+        f"{args.threads} thread(s)" if args.device == "cpu" else args.device,
+    )
 
 
 if __name__ == "__main__":

@@ -71,10 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     video_path = cache / f"enc_{args.height}p_{args.seconds:g}s_gop{args.gop_s:g}.mp4"
     if not video_path.exists():
         print(f"generating {video_path.name} ...", file=sys.stderr)
-        make_video(video_path, codec="h264", size=(width, args.height), fps=30.0, seconds=args.seconds,
-                   gop=int(30 * args.gop_s), pattern="noise", single_slice=True)
-    spec = TinyVLMSpec(vision_depth=args.vision_depth, vision_embed_dim=args.vision_width,
-                       vision_num_heads=4, max_pixels=args.max_pixels, min_pixels=56 * 56)
+        make_video(
+            video_path,
+            codec="h264",
+            size=(width, args.height),
+            fps=30.0,
+            seconds=args.seconds,
+            gop=int(30 * args.gop_s),
+            pattern="noise",
+            single_slice=True,
+        )
+    spec = TinyVLMSpec(
+        vision_depth=args.vision_depth,
+        vision_embed_dim=args.vision_width,
+        vision_num_heads=4,
+        max_pixels=args.max_pixels,
+        min_pixels=56 * 56,
+    )
     model_dir = cache / f"model_d{args.vision_depth}_w{args.vision_width}_p{args.max_pixels}"
     if not (model_dir / "config.json").exists():
         build_checkpoint(model_dir, spec)
@@ -91,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     t_encode = median_s(lambda: adapter.encode(adapter.preprocess(frames)), args.repeats)
 
     def engine_time(frames_per_group: int) -> float:
-        engine = EncoderEngine(EncoderConfig(decode=decode_cfg, frames_per_group=frames_per_group,
-                                             cache=no_cache), adapter)
+        engine = EncoderEngine(
+            EncoderConfig(decode=decode_cfg, frames_per_group=frames_per_group, cache=no_cache), adapter
+        )
         try:
             return median_s(lambda: engine.encode(MediaInput(data), sampling, lambda e: None), args.repeats)
         finally:
@@ -109,15 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     engine.close()
 
     floor = max(t_decode, t_encode)
-    print(f"video {args.height}p {args.seconds:g} s, keyframe every {args.gop_s:g} s, {args.frames} frames, "
-          f"{args.workers} decode workers, {args.threads} torch thread(s), vision tower depth "
-          f"{args.vision_depth} width {args.vision_width}, frames at <= {args.max_pixels} px, "
-          f"medians of {args.repeats}")
+    print(
+        f"video {args.height}p {args.seconds:g} s, keyframe every {args.gop_s:g} s, {args.frames} frames, "
+        f"{args.workers} decode workers, {args.threads} torch thread(s), vision tower depth "
+        f"{args.vision_depth} width {args.vision_width}, frames at <= {args.max_pixels} px, "
+        f"medians of {args.repeats}"
+    )
     print("| step | seconds |")
     print("|---|---|")
-    for name, t in [("decode", t_decode), ("encode", t_encode), ("sequential decode+encode", t_sequential),
-                    (f"overlapped (groups of {args.frames_per_group})", t_overlapped),
-                    ("cache miss (first request)", t_miss), ("cache hit", t_hit)]:
+    for name, t in [
+        ("decode", t_decode),
+        ("encode", t_encode),
+        ("sequential decode+encode", t_sequential),
+        (f"overlapped (groups of {args.frames_per_group})", t_overlapped),
+        ("cache miss (first request)", t_miss),
+        ("cache hit", t_hit),
+    ]:
         print(f"| {name} | {t:.3f} |")
     print(f"overlapped / max(decode, encode) = {t_overlapped / floor:.2f} (target <= 1.15)")
     print(f"sequential / overlapped = {t_sequential / t_overlapped:.2f}x")

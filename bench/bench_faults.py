@@ -69,10 +69,13 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
 
     try:
         with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
 
 STAGES = ("encoder", "prefill", "decode")
 QUESTIONS = ("what moves in the video?", "what colour is the largest object?", "describe the scene.",
@@ -124,7 +127,11 @@ def start_stack(model: Path, args, log_path: Path) -> Stack:
     while True:  # ports p and p + REPLICA_PORT_STEP for each stage, all free
         ports = {role: free_port() for role in (*STAGES, "gateway")}
         wanted = [p + REPLICA_PORT_STEP * i for p in ports.values() for i in range(2)]
-        if len(set(wanted)) == len(wanted) and all(p <= 65535 for p in wanted) and all(map(_port_free, wanted)):
+        if (
+            len(set(wanted)) == len(wanted)
+            and all(p <= 65535 for p in wanted)
+            and all(map(_port_free, wanted))
+        ):
             break
     cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model),
            "--encoders", "2", "--prefills", "2", "--decodes", "2",
@@ -142,7 +149,9 @@ def start_stack(model: Path, args, log_path: Path) -> Stack:
         stop_stack(launcher)
         raise SystemExit(f"the stack did not start (exit {launcher.poll()}): {ready!r}\n"
                          f"{log_path.read_text(errors='replace')[-3000:]}")  # fmt: skip
-    replicas = {role: [f"127.0.0.1:{ports[role] + REPLICA_PORT_STEP * i}" for i in range(2)] for role in STAGES}
+    replicas = {
+        role: [f"127.0.0.1:{ports[role] + REPLICA_PORT_STEP * i}" for i in range(2)] for role in STAGES
+    }
     return Stack(launcher, log_path, f"127.0.0.1:{ports['gateway']}", replicas)
 
 
@@ -219,7 +228,10 @@ async def run_load(gateway: str, requests: list[tuple[bytes, str]], args, on_don
 
 
 def stage_requests(clips: list[bytes], args) -> list[tuple[bytes, str]]:
-    return [(clips[i % len(clips)], QUESTIONS[(i // len(clips)) % len(QUESTIONS)]) for i in range(args.num_requests)]
+    return [
+        (clips[i % len(clips)], QUESTIONS[(i // len(clips)) % len(QUESTIONS)])
+        for i in range(args.num_requests)
+    ]
 
 
 def victim_of(stage: str, stack: Stack, clips: list[bytes]) -> str:
@@ -230,8 +242,14 @@ def victim_of(stage: str, stack: Stack, clips: list[bytes]) -> str:
     return homes.most_common(1)[0][0]
 
 
-def run_stage(stage: str, stack: Stack, requests: list[tuple[bytes, str]], reference: list[Outcome],
-              clips: list[bytes], args) -> StageResult:
+def run_stage(
+    stage: str,
+    stack: Stack,
+    requests: list[tuple[bytes, str]],
+    reference: list[Outcome],
+    clips: list[bytes],
+    args,
+) -> StageResult:
     victim = victim_of(stage, stack, clips)
     port = int(victim.rsplit(":", 1)[1])
     pid = serving_pid(port)
@@ -306,9 +324,13 @@ def report(results: list[StageResult], args, model: Path, argv: list[str]) -> tu
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/epd-bench-faults"), help="clips, logs, tiny model")
+    p.add_argument(
+        "--work-dir", type=Path, default=Path("/tmp/epd-bench-faults"), help="clips, logs, tiny model"
+    )
     p.add_argument("--model", default="", help="model directory (default: the 27M Qwen2-VL, see above)")
-    p.add_argument("--tiny", action="store_true", help="the ~1M-parameter test model instead (fast; smoke runs)")
+    p.add_argument(
+        "--tiny", action="store_true", help="the ~1M-parameter test model instead (fast; smoke runs)"
+    )
     p.add_argument("--num-requests", type=int, default=60, help="requests per stage killed")
     p.add_argument("--in-flight", type=int, default=20)
     p.add_argument("--num-clips", type=int, default=12, help="clips per stage")
@@ -316,13 +338,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip-size", type=int, default=224, help="clip width = height, px")
     p.add_argument("--clip-seconds", type=float, default=4.0)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--kill-after", type=int, default=0,
-                   help="kill once this many requests have completed (default: a quarter of them)")
+    p.add_argument(
+        "--kill-after",
+        type=int,
+        default=0,
+        help="kill once this many requests have completed (default: a quarter of them)",
+    )
     p.add_argument("--deadline-s", type=float, default=120.0, help="each request's deadline")
-    p.add_argument("--restart-wait-s", type=float, default=120.0, help="how long to wait for the killed replica")
+    p.add_argument(
+        "--restart-wait-s", type=float, default=120.0, help="how long to wait for the killed replica"
+    )
     p.add_argument("--stages", default=",".join(STAGES), help="stages to kill a replica of, in order")
-    p.add_argument("--client-retries", action="store_true",
-                   help="the SDK's default retries (UNAVAILABLE before the first token) on top of the stack's")
+    p.add_argument(
+        "--client-retries",
+        action="store_true",
+        help="the SDK's default retries (UNAVAILABLE before the first token) on top of the stack's",
+    )
     p.add_argument("--threads", default="", help="OMP_NUM_THREADS of every process (default: inherited)")
     p.add_argument("--epd-arg", action="append", default=[], help="extra `epd serve` argument (repeatable)")
     p.add_argument("--output-json", default="")
@@ -364,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         reference = {s: asyncio.run(run_load(stack.gateway, requests[s], args)) for s in stages}
     finally:
         stop_stack(stack.launcher)
-    unanswered = [(s, o.index, o.code or "hung", o.message) for s in stages for o in reference[s] if o.tokens is None]
+    unanswered = [
+        (s, o.index, o.code or "hung", o.message) for s in stages for o in reference[s] if o.tokens is None
+    ]
     if unanswered:
         raise SystemExit(f"the fault-free reference run failed requests: {unanswered[:5]}")
 

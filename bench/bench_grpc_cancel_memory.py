@@ -57,8 +57,21 @@ NUM_STREAMED_MESSAGES = 20_000
 
 
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def malloc_in_use_bytes() -> int:
@@ -102,12 +115,19 @@ def serve(port_queue: mp.Queue) -> None:
 
     async def main() -> None:
         server = grpc.aio.server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Cut", {
-            "Tokens": grpc.unary_stream_rpc_method_handler(tokens, raw, raw),
-            "Encode": grpc.stream_stream_rpc_method_handler(encode, raw, raw),
-            "Prefill": grpc.stream_unary_rpc_method_handler(prefill, raw, raw),
-            "Release": grpc.unary_unary_rpc_method_handler(release, raw, raw),
-        })])
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "bench.Cut",
+                    {
+                        "Tokens": grpc.unary_stream_rpc_method_handler(tokens, raw, raw),
+                        "Encode": grpc.stream_stream_rpc_method_handler(encode, raw, raw),
+                        "Prefill": grpc.stream_unary_rpc_method_handler(prefill, raw, raw),
+                        "Release": grpc.unary_unary_rpc_method_handler(release, raw, raw),
+                    },
+                )
+            ]
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         port_queue.put(port)
@@ -131,8 +151,9 @@ async def cut_one(channel: grpc.aio.Channel, case: str, calls: list, failed: lis
 
     async def body() -> None:
         if case in ("read to end", "read", "call.cancel()"):
-            call = method("unary_stream", "Tokens")(b"to end" if case == "read to end" else b"hold",
-                                                    timeout=DEADLINE_S)
+            call = method("unary_stream", "Tokens")(
+                b"to end" if case == "read to end" else b"hold", timeout=DEADLINE_S
+            )
             calls.append(call)
             mine.append(call)
             if case == "read to end":
@@ -184,9 +205,12 @@ async def measure(case: str, num_calls: int, port: int) -> str:
     calls: list[grpc.aio.Call] = []
     failed: list[grpc.StatusCode] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+
         async def some(n: int) -> int:
             for start in range(0, n, CONCURRENCY):
-                await asyncio.gather(*(cut_one(channel, case, calls, failed) for _ in range(min(CONCURRENCY, n - start))))
+                await asyncio.gather(
+                    *(cut_one(channel, case, calls, failed) for _ in range(min(CONCURRENCY, n - start)))
+                )
             await asyncio.sleep(0.3)
             num_without_status = sum(not call.done() for call in calls)
             calls.clear()
@@ -206,8 +230,10 @@ async def measure(case: str, num_calls: int, port: int) -> str:
             await asyncio.sleep(0.1)
         num_pending = len(asyncio.all_tasks()) - 1
     per_call = (in_use[-1] - in_use[0]) / (4 * fifth)
-    return (f"{per_call:6.0f} B/call   calls without status: {num_without_status}   tasks pending: {num_pending}"
-            f"   calls failed: {len(failed)}")
+    return (
+        f"{per_call:6.0f} B/call   calls without status: {num_without_status}   tasks pending: {num_pending}"
+        f"   calls failed: {len(failed)}"
+    )
 
 
 def client_main(case: str, shielded: bool, num_calls: int, port: int) -> None:
@@ -226,13 +252,20 @@ def streamed_message_cpu_us(shielded: bool) -> float:
 
     async def main() -> float:
         server = grpc.aio.server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Stream", {
-            "Tokens": grpc.unary_stream_rpc_method_handler(stream, raw, raw)})])
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "bench.Stream", {"Tokens": grpc.unary_stream_rpc_method_handler(stream, raw, raw)}
+                )
+            ]
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         best_s = float("inf")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            tokens = channel.unary_stream("/bench.Stream/Tokens", request_serializer=raw, response_deserializer=raw)
+            tokens = channel.unary_stream(
+                "/bench.Stream/Tokens", request_serializer=raw, response_deserializer=raw
+            )
             for _ in range(5):
                 started = time.process_time()
                 async for _ in tokens(b""):
@@ -259,8 +292,10 @@ def main() -> None:
         print(f"{streamed_message_cpu_us(args.stream_cpu == '1'):.1f}", flush=True)
         return
 
-    print(f"grpcio {grpc.__version__}, Python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"load average {os.getloadavg()[0]:.1f}; {args.num_calls} calls a case")
+    print(
+        f"grpcio {grpc.__version__}, Python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"load average {os.getloadavg()[0]:.1f}; {args.num_calls} calls a case"
+    )
     port_queue: mp.Queue = mp.Queue()
     server = mp.get_context("fork").Process(target=serve, args=(port_queue,), daemon=True)
     server.start()
@@ -269,19 +304,44 @@ def main() -> None:
         for case in args.cases.split(","):
             for shielded in (False, True):
                 client = subprocess.run(
-                    [sys.executable, __file__, "--num-calls", str(args.num_calls), "--client", case,
-                     "1" if shielded else "0", str(port)],
-                    capture_output=True, text=True)
-                out = (client.stdout.strip().splitlines() or [""])[-1] if client.returncode == 0 else (
-                    "failed: " + (client.stderr.strip().splitlines() or ["?"])[-1])
+                    [
+                        sys.executable,
+                        __file__,
+                        "--num-calls",
+                        str(args.num_calls),
+                        "--client",
+                        case,
+                        "1" if shielded else "0",
+                        str(port),
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
+                out = (
+                    (client.stdout.strip().splitlines() or [""])[-1]
+                    if client.returncode == 0
+                    else ("failed: " + (client.stderr.strip().splitlines() or ["?"])[-1])
+                )
                 print(f"{case:>20} {'shielded' if shielded else 'as it is':>9}: {out}", flush=True)
     finally:
         server.kill()
     for shielded in (False, True):
-        cpu_us = [float(subprocess.run([sys.executable, __file__, "--stream-cpu", "1" if shielded else "0"],
-                                       capture_output=True, text=True, check=True).stdout.strip()) for _ in range(3)]
-        print(f"streamed message, {'shielded' if shielded else 'as it is'}: "
-              f"{min(cpu_us):.1f} us CPU (best of 3 runs: {', '.join(f'{u:.1f}' for u in cpu_us)})", flush=True)
+        cpu_us = [
+            float(
+                subprocess.run(
+                    [sys.executable, __file__, "--stream-cpu", "1" if shielded else "0"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.strip()
+            )
+            for _ in range(3)
+        ]
+        print(
+            f"streamed message, {'shielded' if shielded else 'as it is'}: "
+            f"{min(cpu_us):.1f} us CPU (best of 3 runs: {', '.join(f'{u:.1f}' for u in cpu_us)})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,19 @@ from epd.stages.contracts import MediaInput  # noqa: E402
 from epd.token_pruning import PruningConfig  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
 
-SPEC = TinyVLMSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                   num_key_value_heads=2, vision_depth=4, vision_embed_dim=256, vision_num_heads=4,
-                   min_pixels=56 * 56, max_pixels=224 * 224, weight_std=0.02)
+SPEC = TinyVLMSpec(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vision_depth=4,
+    vision_embed_dim=256,
+    vision_num_heads=4,
+    min_pixels=56 * 56,
+    max_pixels=224 * 224,
+    weight_std=0.02,
+)
 
 
 TEMPORAL = PruningConfig(temporal_drop=True, temporal_threshold=0.05)
@@ -87,14 +97,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--drop-layers", type=int, nargs="+", default=[1],
-                   help="decoder layers that drop visual tokens (several: a staged drop)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
-                   help="dtype the pruned runs keep and send the KV cache in")
-    p.add_argument("--presets", nargs="*", default=["light", "budget25"],
-                   help="also run these presets end to end (encoder stages included)")
-    p.add_argument("--kv-keep", type=float, default=1.0,
-                   help="also compress the survivors' KV entries to this fraction (LOOK-M, averaged merge)")
+    p.add_argument(
+        "--drop-layers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="decoder layers that drop visual tokens (several: a staged drop)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16"],
+        help="dtype the pruned runs keep and send the KV cache in",
+    )
+    p.add_argument(
+        "--presets",
+        nargs="*",
+        default=["light", "budget25"],
+        help="also run these presets end to end (encoder stages included)",
+    )
+    p.add_argument(
+        "--kv-keep",
+        type=float,
+        default=1.0,
+        help="also compress the survivors' KV entries to this fraction (LOOK-M, averaged merge)",
+    )
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "epd-bench-pruning"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -109,19 +136,26 @@ def main(argv: list[str] | None = None) -> int:
     model = ModelConfig(model=str(model_dir), num_threads=args.threads)
     adapter = load_adapter(model, "all")
     params = adapter.num_parameters
-    encoder = EncoderEngine(EncoderConfig(model=model, cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+    encoder = EncoderEngine(
+        EncoderConfig(model=model, cache=TokenCacheConfig(memory_budget_bytes=0)), adapter
+    )
     prefill = PrefillEngine(PrefillConfig(model=model), adapter)
     decoder = DecodeEngine(adapter)
     data = clip.read_bytes()
     gen = GenerationConfig(max_new_tokens=args.decode_tokens + 1, ignore_eos=True)
-    print(f"model: Qwen2-VL, {params / 1e6:.1f}M parameters, {args.threads} thread(s); clip 8 s 224x224; "
-          f"medians of {args.repeats}; drop at layers {args.drop_layers}; KV keep {args.kv_keep:g}; "
-          f"KV dtype {args.kv_dtype}")
-    print("| frames | visual tokens | retained | encode ms | prefill ms (x faster) | decode ms/token (x) | "
-          "KV bytes (x smaller) |")
+    print(
+        f"model: Qwen2-VL, {params / 1e6:.1f}M parameters, {args.threads} thread(s); clip 8 s 224x224; "
+        f"medians of {args.repeats}; drop at layers {args.drop_layers}; KV keep {args.kv_keep:g}; "
+        f"KV dtype {args.kv_dtype}"
+    )
+    print(
+        "| frames | visual tokens | retained | encode ms | prefill ms (x faster) | decode ms/token (x) | "
+        "KV bytes (x smaller) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for num_frames in args.frames:
         sampling = SamplingOptions(num_frames=num_frames)
+
         def encode(pruning: PruningConfig, sampling: SamplingOptions = sampling):
             return encoder.encode(MediaInput(data), sampling, lambda e: None, pruning)
 
@@ -134,9 +168,19 @@ def main(argv: list[str] | None = None) -> int:
         kept_t = temporal_media.meta.num_visual_tokens / media.meta.num_visual_tokens
         base = None
         for r in args.retain:
-            cfg = PruningConfig() if r >= 1.0 else PruningConfig(
-                prefill_drop=True, prefill_drop_layers=tuple(args.drop_layers), prefill_keep_ratio=r,
-                kv_compress=args.kv_keep < 1.0, kv_keep_ratio=args.kv_keep, kv_dtype=args.kv_dtype)
+            cfg = (
+                PruningConfig()
+                if r >= 1.0
+                else PruningConfig(
+                    prefill_drop=True,
+                    prefill_drop_layers=tuple(args.drop_layers),
+                    prefill_keep_ratio=r,
+                    kv_compress=args.kv_keep < 1.0,
+                    kv_keep_ratio=args.kv_keep,
+                    kv_dtype=args.kv_dtype,
+                )
+            )
+
             def run_prefill(cfg: PruningConfig = cfg, media=media):
                 return prefill.prefill("what colour is the moving square?", media, gen, cfg)
 
@@ -153,11 +197,15 @@ def main(argv: list[str] | None = None) -> int:
             if base is None:
                 base = (prefill_ms, decode_ms, kv)
             enc = f"{encode_ms:.0f}" if r >= 1.0 else "-"
-            print(f"| {num_frames} | {media.meta.num_visual_tokens} | {r:.0%} | {enc} | {prefill_ms:.0f} "
-                  f"({base[0] / prefill_ms:.2f}x) | {decode_ms:.1f} ({base[1] / decode_ms:.2f}x) | "
-                  f"{kv:,} ({base[2] / kv:.2f}x) |")
-        print(f"| {num_frames} | temporal drop before tower | {kept_t:.0%} kept | {encode_t_ms:.0f} "
-              f"({encode_ms / encode_t_ms:.2f}x faster) | | | |")
+            print(
+                f"| {num_frames} | {media.meta.num_visual_tokens} | {r:.0%} | {enc} | {prefill_ms:.0f} "
+                f"({base[0] / prefill_ms:.2f}x) | {decode_ms:.1f} ({base[1] / decode_ms:.2f}x) | "
+                f"{kv:,} ({base[2] / kv:.2f}x) |"
+            )
+        print(
+            f"| {num_frames} | temporal drop before tower | {kept_t:.0%} kept | {encode_t_ms:.0f} "
+            f"({encode_ms / encode_t_ms:.2f}x faster) | | | |"
+        )
         for preset in args.presets:
             # Every stage of the preset: the encoder's drops first, then prefill, KV and decode.
             cfg = PruningConfig.from_preset(preset)
@@ -170,19 +218,28 @@ def main(argv: list[str] | None = None) -> int:
             runs = [timed(run_preset) for _ in range(args.repeats)]
             outcome = runs[0][0]
             prefill_ms = statistics.median(t for _, t in runs)
-            g = decoder.start(outcome.cache, outcome.first_token_id, outcome.next_position_ids, gen,
-                              visual_entry_mask=outcome.visual_entry_mask, pruning=cfg)
+            g = decoder.start(
+                outcome.cache,
+                outcome.first_token_id,
+                outcome.next_position_ids,
+                gen,
+                visual_entry_mask=outcome.visual_entry_mask,
+                pruning=cfg,
+            )
             step_ms = []
             while not g.done:
                 _, ms = timed(g.step)
                 step_ms.append(ms)
-            kept = outcome.pruning.num_visual_tokens_out / media.meta.num_visual_tokens  # after the last stage
+            # after the last stage
+            kept = outcome.pruning.num_visual_tokens_out / media.meta.num_visual_tokens
             enc_ms = statistics.median(t for _, t in enc_p)
             kv = outcome.cache.num_bytes
             assert base is not None
-            print(f"| {num_frames} | preset {preset} | {kept:.1%} | {enc_ms:.0f} | {prefill_ms:.0f} "
-                  f"({base[0] / prefill_ms:.2f}x) | {statistics.median(step_ms):.1f} "
-                  f"({base[1] / statistics.median(step_ms):.2f}x) | {kv:,} ({base[2] / kv:.2f}x) |")
+            print(
+                f"| {num_frames} | preset {preset} | {kept:.1%} | {enc_ms:.0f} | {prefill_ms:.0f} "
+                f"({base[0] / prefill_ms:.2f}x) | {statistics.median(step_ms):.1f} "
+                f"({base[1] / statistics.median(step_ms):.2f}x) | {kv:,} ({base[2] / kv:.2f}x) |"
+            )
     return 0
 
 

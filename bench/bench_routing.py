@@ -76,8 +76,15 @@ def start_stack(model: Path, routing: str, args, log_dir: Path) -> tuple[list[su
         env["OMP_NUM_THREADS"] = args.threads
     addr = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
     commands = {
-        name: ["serve", name.split("-")[0], "--port", str(ports[name]), "--model", str(model),
-               "--insecure-no-internal-auth"]  # loopback, one user
+        name: [
+            "serve",
+            name.split("-")[0],
+            "--port",
+            str(ports[name]),
+            "--model",
+            str(model),
+            "--insecure-no-internal-auth",
+        ]  # loopback, one user
         for name in ("encoder-1", "encoder-2", "prefill", "decode")
     }
     commands["gateway"] = ["serve", "gateway", "--port", str(ports["gateway"]), "--http-port", str(ports["http"]),
@@ -157,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/epd-bench-routing"))
     p.add_argument("--model", default="", help="model directory (default: build the 27M Qwen2-VL)")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--repeat-fraction", type=float, default=0.5, help="share of requests about an earlier video")
+    p.add_argument(
+        "--repeat-fraction", type=float, default=0.5, help="share of requests about an earlier video"
+    )
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--num-frames", type=int, default=16)
     p.add_argument("--clip-size", type=int, default=224, help="clip width = height, px")
@@ -180,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             build_model(model, args.clip_size * args.clip_size)
     seq = request_sequence(args.num_requests, args.repeat_fraction, args.seed)
     num_clips = max(seq) + 1
-    log(f"{args.num_requests} requests over {num_clips} clips ({args.num_requests - num_clips} repeats); making clips")
+    log(
+        f"{args.num_requests} requests over {num_clips} clips ({args.num_requests - num_clips} repeats); making clips"
+    )
     clips = make_clips(args.work_dir / f"clips-{args.clip_size}px-{args.clip_seconds:g}s", num_clips + 1,
                        args.clip_size, args.clip_seconds)  # fmt: skip
     urls = ["data:video/mp4;base64," + base64.b64encode(c.read_bytes()).decode() for c in clips]

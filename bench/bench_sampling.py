@@ -87,8 +87,10 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
     engine = DecodeEngine(adapter)
     caches = prompt_caches(adapter, batch)
     prompt_ids = list(range(1000, 1300))  # a prompt's distinct ids, for repetition_penalty
-    print(f"2. decode step, {adapter.num_parameters / 1e6:.0f}M-parameter Qwen2-VL with vocab {QWEN_VOCAB:,}, "
-          f"batch {batch}, {threads} thread(s), median of {rounds} rounds x {steps} steps")
+    print(
+        f"2. decode step, {adapter.num_parameters / 1e6:.0f}M-parameter Qwen2-VL with vocab {QWEN_VOCAB:,}, "
+        f"batch {batch}, {threads} thread(s), median of {rounds} rounds x {steps} steps"
+    )
 
     def step_ms(config: GenerationConfig) -> tuple[float, float]:
         """(median ms of a whole step, median ms of its per-request part: sampler + detokeniser)."""
@@ -122,12 +124,16 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
     base = [statistics.median(v) for v in zip(*results["default"], strict=True)]
     for name, values in results.items():
         whole, part = (statistics.median(v) for v in zip(*values, strict=True))
-        print(f"   {name:34s} step {whole:8.2f} ms  x{whole / base[0]:.3f}   of which sampler + detokeniser "
-              f"{part:6.2f} ms  x{part / base[1]:.2f}")
+        print(
+            f"   {name:34s} step {whole:8.2f} ms  x{whole / base[0]:.3f}   of which sampler + detokeniser "
+            f"{part:6.2f} ms  x{part / base[1]:.2f}"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=200, help="sampler calls per case")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=24)

@@ -64,17 +64,28 @@ def media_path(kind: str) -> Path:
 
 def chat_body(model: str, media_url: str, kind: str) -> bytes:
     part_type = "video_url" if kind == "video" else "image_url"
-    return json.dumps({
-        "model": model,
-        "messages": [{"role": "user", "content": [
-            {"type": part_type, part_type: {"url": media_url}}, {"type": "text", "text": QUESTION}]}],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": False,
-    }).encode()
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": part_type, part_type: {"url": media_url}},
+                        {"type": "text", "text": QUESTION},
+                    ],
+                }
+            ],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": False,
+        }
+    ).encode()
 
 
-def first_answer(proc: subprocess.Popen, url: str, body: bytes, timeout_s: float, t0: float) -> tuple[float, str]:
+def first_answer(
+    proc: subprocess.Popen, url: str, body: bytes, timeout_s: float, t0: float
+) -> tuple[float, str]:
     """Polls until a 200 answer: (seconds since t0, the answer's text)."""
     last = ""
     while time.perf_counter() - t0 < timeout_s:
@@ -105,10 +116,13 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_server(cmd: list[str], url: str, body: bytes, timeout_s: float, cwd: Path, env: dict) -> tuple[float, str]:
+def run_server(
+    cmd: list[str], url: str, body: bytes, timeout_s: float, cwd: Path, env: dict
+) -> tuple[float, str]:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         return first_answer(proc, url, body, timeout_s, t0)
     finally:
@@ -117,15 +131,33 @@ def run_server(cmd: list[str], url: str, body: bytes, timeout_s: float, cwd: Pat
 
 def epd_once(root: Path, model: str, kind: str, timeout_s: float) -> tuple[float, str]:
     ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode", "http")}
-    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", model, "--num-threads", "1",
-           "--gateway-port", str(ports["gateway"]), "--encoder-port", str(ports["encoder"]),
-           "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-           "--http-port", str(ports["http"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "epd.cli.main",
+        "serve",
+        "--model",
+        model,
+        "--num-threads",
+        "1",
+        "--gateway-port",
+        str(ports["gateway"]),
+        "--encoder-port",
+        str(ports["encoder"]),
+        "--prefill-port",
+        str(ports["prefill"]),
+        "--decode-port",
+        str(ports["decode"]),
+        "--http-port",
+        str(ports["http"]),
+    ]
     data = base64.b64encode(media_path(kind).read_bytes()).decode()
     mime = "video/mp4" if kind == "video" else "image/png"
     body = chat_body("epd", f"data:{mime};base64,{data}", kind)
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    return run_server(cmd, f"http://127.0.0.1:{ports['http']}/v1/chat/completions", body, timeout_s, root, env)
+    return run_server(
+        cmd, f"http://127.0.0.1:{ports['http']}/v1/chat/completions", body, timeout_s, root, env
+    )
 
 
 def transformers_once(model: str, kind: str, timeout_s: float) -> tuple[float, str]:
@@ -142,8 +174,19 @@ def import_time_us(root: Path, module: str, repeats: int = 3) -> tuple[float, bo
     times, torch_loaded = [], False
     for _ in range(repeats):
         proc = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", f"import sys, {module}; print('torch' in sys.modules)"],
-            cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, check=True)
+            [
+                sys.executable,
+                "-X",
+                "importtime",
+                "-c",
+                f"import sys, {module}; print('torch' in sys.modules)",
+            ],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         torch_loaded = proc.stdout.strip() == "True"
         row = next(line for line in proc.stderr.splitlines() if line.rstrip().endswith(f"| {module}"))
         times.append(float(row.split("|")[1]))
@@ -162,8 +205,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="fresh starts of each server (median reported)")
     ap.add_argument("--model", default=str(demo_model_dir()), help="a Qwen2-VL checkpoint directory")
-    ap.add_argument("--media", choices=["image", "video"], default="image",
-                    help="video: epd only (transformers serve 5.23 needs torchcodec for mp4)")
+    ap.add_argument(
+        "--media",
+        choices=["image", "video"],
+        default="image",
+        help="video: epd only (transformers serve 5.23 needs torchcodec for mp4)",
+    )
     ap.add_argument("--baseline-rev", default="", help="also start `epd serve` from this git revision")
     ap.add_argument("--no-transformers", action="store_true", help="epd only")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per start")
@@ -172,16 +219,20 @@ def main() -> int:
     model = str(Path(args.model).resolve())
     baseline = checkout(args.baseline_rev) if args.baseline_rev else None
     try:
-        print(f"# startup: {args.runs} runs, model {model}, {args.media} question {QUESTION!r}, "
-              f"{os.cpu_count()} CPUs")
+        print(
+            f"# startup: {args.runs} runs, model {model}, {args.media} question {QUESTION!r}, "
+            f"{os.cpu_count()} CPUs"
+        )
         print("# import time of the front-door processes (median of 3, ms; torch loaded?)")
         for module in FRONT_DOOR_MODULES:
             now_us, now_torch = import_time_us(REPO, module)
             line = f"  {module:22s} now {now_us / 1e3:8.1f} ms (torch: {now_torch})"
             if baseline is not None:
                 before_us, before_torch = import_time_us(baseline, module)
-                line += (f"   {args.baseline_rev}: {before_us / 1e3:8.1f} ms (torch: {before_torch})"
-                         f"   ratio now/{args.baseline_rev} {now_us / before_us:.2f}")
+                line += (
+                    f"   {args.baseline_rev}: {before_us / 1e3:8.1f} ms (torch: {before_torch})"
+                    f"   ratio now/{args.baseline_rev} {now_us / before_us:.2f}"
+                )
             print(line, flush=True)
 
         if args.imports_only:

@@ -59,9 +59,26 @@ def start_stack(model: Path, tls: dict[str, str] | None, log_path: Path) -> tupl
     env = {k: v for k, v in os.environ.items() if k not in ("EPD_API_KEY", "EPD_INTERNAL_SECRET")}
     env["PYTHONPATH"] = str(REPO)
     with open(log_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model),
-                                 "--http-port", "0", *flags, *tls_flags], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "epd.cli.main",
+                "serve",
+                "--model",
+                str(model),
+                "--http-port",
+                "0",
+                *flags,
+                *tls_flags,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if "stack ready" not in line:
@@ -80,7 +97,9 @@ def one(client: EpdClient, clip: Path, args) -> tuple[float, float]:
     return ttft or 0.0, time.perf_counter() - t0
 
 
-def run_setup(name: str, model: Path, clips: list[list[Path]], tls: dict[str, str] | None, args) -> list[dict]:
+def run_setup(
+    name: str, model: Path, clips: list[list[Path]], tls: dict[str, str] | None, args
+) -> list[dict]:
     proc, gateway = start_stack(model, tls, args.work / f"tls-bench-{name}.log")
     out = []
     try:
@@ -92,11 +111,17 @@ def run_setup(name: str, model: Path, clips: list[list[Path]], tls: dict[str, st
                 with ThreadPoolExecutor(max_workers=c) as pool:
                     results = list(pool.map(lambda clip: one(client, clip, args), level_clips))
                 duration = time.perf_counter() - t0
-                row = {"setup": name, "concurrency": c, "req_s": len(results) / duration,
-                       "ttft_ms": statistics.median(r[0] for r in results) * 1e3,
-                       "e2e_ms": statistics.median(r[1] for r in results) * 1e3}
-                log(f"{name}: {c} in flight: {row['req_s']:.2f} req/s, TTFT p50 {row['ttft_ms']:.0f} ms, "
-                    f"end to end p50 {row['e2e_ms']:.0f} ms")
+                row = {
+                    "setup": name,
+                    "concurrency": c,
+                    "req_s": len(results) / duration,
+                    "ttft_ms": statistics.median(r[0] for r in results) * 1e3,
+                    "e2e_ms": statistics.median(r[1] for r in results) * 1e3,
+                }
+                log(
+                    f"{name}: {c} in flight: {row['req_s']:.2f} req/s, TTFT p50 {row['ttft_ms']:.0f} ms, "
+                    f"end to end p50 {row['e2e_ms']:.0f} ms"
+                )
                 out.append(row)
     finally:
         stop(proc)
@@ -122,21 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     # Each level of a setup gets clips it has not seen (the token cache would answer repeats),
     # the warm-up one of its own; both setups get the same clips (each a fresh stack).
     clips = make_clips(args.work / "clips", per_level * len(args.concurrency) + 1, 224, 4.0)
-    levels = [clips[i * per_level:(i + 1) * per_level] for i in range(len(args.concurrency))] + [clips[-1:]]
+    levels = [clips[i * per_level : (i + 1) * per_level] for i in range(len(args.concurrency))] + [clips[-1:]]
     with tempfile.TemporaryDirectory(prefix="epd-tls-bench-") as d:
         certs = make_certs(Path(d))
         rows = run_setup("plain", model, levels, None, args) + run_setup("tls", model, levels, certs, args)
-    print(f"\n# the stack with and without TLS: {args.num_requests} requests a level, {args.num_frames} frames, "
-          f"{args.max_tokens} tokens; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
-    print("| in flight | plain req/s | tls req/s | ratio | plain TTFT p50 ms | tls TTFT p50 ms | ratio "
-          "| plain end to end p50 ms | tls end to end p50 ms | ratio |")
+    print(
+        f"\n# the stack with and without TLS: {args.num_requests} requests a level, {args.num_frames} frames, "
+        f"{args.max_tokens} tokens; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+    )
+    print(
+        "| in flight | plain req/s | tls req/s | ratio | plain TTFT p50 ms | tls TTFT p50 ms | ratio "
+        "| plain end to end p50 ms | tls end to end p50 ms | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         p = next(r for r in rows if r["setup"] == "plain" and r["concurrency"] == c)
         t = next(r for r in rows if r["setup"] == "tls" and r["concurrency"] == c)
-        print(f"| {c} | {p['req_s']:.2f} | {t['req_s']:.2f} | {t['req_s'] / p['req_s']:.2f}x | {p['ttft_ms']:.0f} "
-              f"| {t['ttft_ms']:.0f} | {t['ttft_ms'] / p['ttft_ms']:.2f}x | {p['e2e_ms']:.0f} | {t['e2e_ms']:.0f} "
-              f"| {t['e2e_ms'] / p['e2e_ms']:.2f}x |")
+        print(
+            f"| {c} | {p['req_s']:.2f} | {t['req_s']:.2f} | {t['req_s'] / p['req_s']:.2f}x | {p['ttft_ms']:.0f} "
+            f"| {t['ttft_ms']:.0f} | {t['ttft_ms'] / p['ttft_ms']:.2f}x | {p['e2e_ms']:.0f} | {t['e2e_ms']:.0f} "
+            f"| {t['e2e_ms'] / p['e2e_ms']:.2f}x |"
+        )
     return 0
 
 

@@ -47,7 +47,11 @@ class RouteTimes:
 
     def stats(self) -> dict[str, float]:
         arr = np.asarray(self.latencies_ms or [0.0], dtype=np.float64)
-        return {"p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99)), "mean": float(arr.mean())}
+        return {
+            "p50": float(np.percentile(arr, 50)),
+            "p99": float(np.percentile(arr, 99)),
+            "mean": float(arr.mean()),
+        }
 
 
 def routes(prompt: str, model: str) -> dict[str, tuple[str, str, bytes | None]]:
@@ -112,7 +116,9 @@ async def run(args) -> dict[int, dict[str, RouteTimes]]:
             raise SystemExit(f"bench_tokenize: the warm-up failed: {warm.errors[0]}")
         for c in args.concurrency:
             results[c] = {name: RouteTimes() for name in table}
-            per_round = [args.num_calls // args.rounds + (i < args.num_calls % args.rounds) for i in range(args.rounds)]
+            per_round = [
+                args.num_calls // args.rounds + (i < args.num_calls % args.rounds) for i in range(args.rounds)
+            ]
             for n in per_round:
                 for name, route in table.items():
                     times = results[c][name]
@@ -140,7 +146,9 @@ def report(results: dict[int, dict[str, RouteTimes]], num_calls: int, cpu_names:
 def parse_pid(text: str) -> tuple[str, int]:
     name, _, pid = text.partition("=")
     if not name or not pid.isdigit() or not Path(f"/proc/{pid}/stat").exists():
-        raise argparse.ArgumentTypeError(f"--cpu-pid takes NAME=PID of a running process on this machine, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--cpu-pid takes NAME=PID of a running process on this machine, got {text!r}"
+        )
     return name, int(pid)
 
 
@@ -148,24 +156,40 @@ def parse_levels(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--concurrency takes integers >= 1 separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--concurrency takes integers >= 1 separated by commas, got {text!r}"
+        ) from None
     if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"--concurrency takes integers >= 1 separated by commas, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--concurrency takes integers >= 1 separated by commas, got {text!r}"
+        )
     return levels
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--openai", required=True, metavar="BASE_URL",
-                   help="the server's HTTP API (as epd bench serve --openai), e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--openai",
+        required=True,
+        metavar="BASE_URL",
+        help="the server's HTTP API (as epd bench serve --openai), e.g. http://127.0.0.1:8000",
+    )
     p.add_argument("--num-calls", type=int, default=200, help="calls of each route at each level")
     p.add_argument("--concurrency", type=parse_levels, default=[1, 8], help="calls in flight, a comma list")
-    p.add_argument("--rounds", type=int, default=4, help="rounds a level's calls are split into (routes alternate)")
+    p.add_argument(
+        "--rounds", type=int, default=4, help="rounds a level's calls are split into (routes alternate)"
+    )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text /tokenize is sent")
     p.add_argument("--model", default="", help="the bodies' `model` (default: left out)")
     p.add_argument("--api-key", default="", help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--cpu-pid", type=parse_pid, action="append", default=[], metavar="NAME=PID",
-                   help="also report this process's CPU time per call of each route (repeatable)")
+    p.add_argument(
+        "--cpu-pid",
+        type=parse_pid,
+        action="append",
+        default=[],
+        metavar="NAME=PID",
+        help="also report this process's CPU time per call of each route (repeatable)",
+    )
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--output-json", default="", help="also write every latency here")
     args = p.parse_args(argv)

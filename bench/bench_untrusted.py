@@ -53,9 +53,11 @@ def repeated_frames(tmp: Path) -> str:
     finally:
         decoder.close()
     materialised = 256 * 1920 * 1080 * 3
-    return (f"| repeated frames: 1 x 1080p frame, 256 asked ({num_groups} groups of 2) | "
-            f"peak {peak / 2**20:.0f} MiB | {materialised / 2**20:.0f} MiB materialised | "
-            f"{materialised / peak:.0f}x less memory |")
+    return (
+        f"| repeated frames: 1 x 1080p frame, 256 asked ({num_groups} groups of 2) | "
+        f"peak {peak / 2**20:.0f} MiB | {materialised / 2**20:.0f} MiB materialised | "
+        f"{materialised / peak:.0f}x less memory |"
+    )
 
 
 def packet_flood(num_packets: int, limit_s: float, repeats: int) -> str:
@@ -72,12 +74,16 @@ def packet_flood(num_packets: int, limit_s: float, repeats: int) -> str:
         raise AssertionError("the flood was not refused")
 
     refused_s = median_s(refused, repeats)
-    return (f"| packet flood: {num_packets:,} packets ({len(data) / 2**20:.1f} MiB), --max-demux-s {limit_s:g} | "
-            f"refused in {refused_s:.2f} s | whole demux {full_s:.2f} s | {full_s / refused_s:.1f}x less time |")
+    return (
+        f"| packet flood: {num_packets:,} packets ({len(data) / 2**20:.1f} MiB), --max-demux-s {limit_s:g} | "
+        f"refused in {refused_s:.2f} s | whole demux {full_s:.2f} s | {full_s / refused_s:.1f}x less time |"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--flood-packets", type=int, default=400_000)
     parser.add_argument("--flood-limit-s", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=3)

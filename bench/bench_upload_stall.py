@@ -79,7 +79,9 @@ async def upload(session: aiohttp.ClientSession, body: bytes, count: int, start_
     await asyncio.sleep(start_after_s)  # the answer is streaming by then
     statuses = []
     for _ in range(count):
-        async with session.post("/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as r:
+        async with session.post(
+            "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        ) as r:
             await r.read()
             statuses.append(r.status)
     return statuses
@@ -123,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop(proc)
     for phase, values in gaps.items():
-        log(f"{phase}: {len(values) + 1} chunks, gap median {statistics.median(values):.1f} ms, "
-            f"longest {max(values):.0f} ms")
+        log(
+            f"{phase}: {len(values) + 1} chunks, gap median {statistics.median(values):.1f} ms, "
+            f"longest {max(values):.0f} ms"
+        )
     log(f"longest gap, uploads / quiet: x{max(gaps['uploads']) / max(gaps['quiet']):.1f}")
     return 0
 

@@ -247,12 +247,26 @@ def tree_cpu_s(pid: int) -> dict[str, float]:
             t = p.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        role = next((f"epd {w}" for w, prev in zip(words[1:], words) if prev == "serve"
-                     and w in ("encoder", "prefill", "decode", "gateway")), "")
+        role = next(
+            (
+                f"epd {w}"
+                for w, prev in zip(words[1:], words)
+                if prev == "serve" and w in ("encoder", "prefill", "decode", "gateway")
+            ),
+            "",
+        )
         if not role:
-            role = "epd launcher" if "serve" in words and "epd.cli.main" in " ".join(words) else (
-                "transformers serve" if "transformers_serve_launcher" in " ".join(words) else Path(
-                    words[0]).name if words else "?")
+            role = (
+                "epd launcher"
+                if "serve" in words and "epd.cli.main" in " ".join(words)
+                else (
+                    "transformers serve"
+                    if "transformers_serve_launcher" in " ".join(words)
+                    else Path(words[0]).name
+                    if words
+                    else "?"
+                )
+            )
         out[f"{role} ({p.pid})"] = t.user + t.system
     return out
 
@@ -388,8 +402,15 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
     target = OpenAITarget(base_url, dialect=dialect, media_as="data" if name.startswith("epd") else "path")
 
     def bodies_of(level_clips: list[Path], num_requests: int) -> list[dict]:
-        return openai_bodies(target, [str(c) for c in level_clips], DEFAULT_QUESTIONS, num_requests,
-                             args.num_frames, args.max_tokens, args.ignore_eos and name.startswith("epd"))
+        return openai_bodies(
+            target,
+            [str(c) for c in level_clips],
+            DEFAULT_QUESTIONS,
+            num_requests,
+            args.num_frames,
+            args.max_tokens,
+            args.ignore_eos and name.startswith("epd"),
+        )
 
     # Every level gets clips no server has seen, and start-up and warm-up a clip of their own: epd's
     # token cache would otherwise answer a level's videos from memory (a repeated video is a cache
@@ -525,9 +546,13 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", type=parse_levels, default=[1, 4], help="comma list of requests in flight"
     )
     ap.add_argument("--num-requests", type=int, default=8, help="requests at each level")
-    ap.add_argument("--num-clips", type=int, default=8,
-                    help="different clips per concurrency level, cycled over its requests (no clip is "
-                         "used by two levels, so a token cache never answers a level from an earlier one)")
+    ap.add_argument(
+        "--num-clips",
+        type=int,
+        default=8,
+        help="different clips per concurrency level, cycled over its requests (no clip is "
+        "used by two levels, so a token cache never answers a level from an earlier one)",
+    )
     ap.add_argument("--num-frames", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument(
@@ -546,9 +571,12 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-threads", type=int, default=0, help="OMP_NUM_THREADS of transformers serve (0 = its default)"
     )
     ap.add_argument("--epd-arg", action="append", default=[], help="extra `epd serve` argument (repeatable)")
-    ap.add_argument("--epd-log-level", default="WARNING",
-                    help="epd's --log-level; INFO logs each request's stage timings (`request done`) in "
-                         "<work-dir>/<server>.log")
+    ap.add_argument(
+        "--epd-log-level",
+        default="WARNING",
+        help="epd's --log-level; INFO logs each request's stage timings (`request done`) in "
+        "<work-dir>/<server>.log",
+    )
     ap.add_argument(
         "--peer-arg", action="append", default=[], help="extra `transformers serve` argument (repeatable)"
     )
@@ -615,7 +643,9 @@ def main(argv: list[str] | None = None) -> int:
             "\n## side by side (ratio = epd / transformers; req/s, tok/s: higher is better; TTFT, TPOT: lower)"
         )
         print("\n".join(side_by_side(runs)))
-    print("\n## CPU (core-seconds of each server's processes during each level; the load client's are not counted)")
+    print(
+        "\n## CPU (core-seconds of each server's processes during each level; the load client's are not counted)"
+    )
     print("\n".join(cpu_table(runs)))
     print("\n## memory (PSS summed over each server's processes)")
     print("\n".join(memory_table(runs)))

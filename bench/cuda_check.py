@@ -295,7 +295,10 @@ def pruning(work: Path, files, device: str) -> None:
             FAILED.append(f"pruning {server} {case[0]} x {case[1]}: stages {missing} did not run")
         counts = ", ".join(f"{s.stage} {s.num_visual_tokens_in}->{s.num_visual_tokens_out}" for s in stages)
         ran = "missing " + ", ".join(missing) if missing else "all ran"
-        first = next((i for i, (a, b) in enumerate(zip(tokens, cpu_tokens)) if a != b), min(len(tokens), len(cpu_tokens)))
+        first = next(
+            (i for i, (a, b) in enumerate(zip(tokens, cpu_tokens)) if a != b),
+            min(len(tokens), len(cpu_tokens)),
+        )
         same = "equal" if tokens == cpu_tokens else f"differ from token {first}"
         print(f"| {server} | {case[0]} x {case[1]} | {counts} | {ran} | {same} |", flush=True)
 
@@ -309,8 +312,14 @@ def pruning(work: Path, files, device: str) -> None:
     extra = {stage: ["--device", device] for stage in ("encoder", "prefill", "decode")}
     with Stack(model_dir, work / "logs-pruning", extra=extra) as stack, EpdClient(stack.gateway) as client:
         for case in cases:
-            result = client.ask(files[case[0]], QUESTION, num_frames=case[1], max_new_tokens=MAX_NEW_TOKENS,
-                                pruning=PRUNING_PRESET, pruning_knobs=PRUNING_KNOBS)
+            result = client.ask(
+                files[case[0]],
+                QUESTION,
+                num_frames=case[1],
+                max_new_tokens=MAX_NEW_TOKENS,
+                pruning=PRUNING_PRESET,
+                pruning_knobs=PRUNING_KNOBS,
+            )
             row("stack (3 processes)", case, result.pruning.stages, result.token_ids, cpu[case].token_ids)
 
 
@@ -438,8 +447,10 @@ def families_flag(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in FAMILIES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown families {unknown or [text]}: name some of {', '.join(FAMILIES)}, "
-                                         "comma-separated, or all")
+        raise argparse.ArgumentTypeError(
+            f"unknown families {unknown or [text]}: name some of {', '.join(FAMILIES)}, "
+            "comma-separated, or all"
+        )
     return names
 
 
@@ -448,8 +459,12 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer requests and batch sizes (a CPU dry run)")
     ap.add_argument("--parts", default="1,2,3,4,5,6", help="which parts to run, e.g. 1,3 (6 needs CUDA)")
-    ap.add_argument("--families", type=families_flag, default=FAMILIES[:2],
-                    help=f"parts 1 and 5's model families, comma-separated, or 'all' ({', '.join(FAMILIES)})")
+    ap.add_argument(
+        "--families",
+        type=families_flag,
+        default=FAMILIES[:2],
+        help=f"parts 1 and 5's model families, comma-separated, or 'all' ({', '.join(FAMILIES)})",
+    )
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",")}

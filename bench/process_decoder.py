@@ -27,9 +27,16 @@ from epd.video.types import DecodeLimits, SamplingOptions
 
 
 def _decode_share_in_process(
-    data_name: str, data_size: int, out_name: str, out_shape: tuple[int, ...],
-    index: VideoIndex, intervals: list[tuple[int, tuple[int, ...]]], slots_of_pts: dict[int, list[int]],
-    max_pixels: int | None, seek_cost_frames: float, skip_nonref: bool,
+    data_name: str,
+    data_size: int,
+    out_name: str,
+    out_shape: tuple[int, ...],
+    index: VideoIndex,
+    intervals: list[tuple[int, tuple[int, ...]]],
+    slots_of_pts: dict[int, list[int]],
+    max_pixels: int | None,
+    seek_cost_frames: float,
+    skip_nonref: bool,
 ) -> int:
     """Decode one share's intervals into the shared output; returns frames decoded."""
     data_shm = shared_memory.SharedMemory(name=data_name)
@@ -50,11 +57,16 @@ def _decode_share_in_process(
             for keyframe_pts, targets in intervals:
                 wanted = set(targets)
                 if frames is None:
-                    frames = (_decode_iter(container, stream, keep, budget) if keyframe_pts <= frame_pts[0]
-                              else _seek(container, stream, index, keyframe_pts, targets[0], keep, budget))
+                    frames = (
+                        _decode_iter(container, stream, keep, budget)
+                        if keyframe_pts <= frame_pts[0]
+                        else _seek(container, stream, index, keyframe_pts, targets[0], keep, budget)
+                    )
                 else:
-                    ahead = int(np.searchsorted(frame_pts, keyframe_pts)
-                                - np.searchsorted(frame_pts, last_pts, "right"))
+                    ahead = int(
+                        np.searchsorted(frame_pts, keyframe_pts)
+                        - np.searchsorted(frame_pts, last_pts, "right")
+                    )
                     if last_pts >= targets[0] or ahead > seek_cost_frames:
                         frames = _seek(container, stream, index, keyframe_pts, targets[0], keep, budget)
                 for frame in frames:
@@ -84,7 +96,8 @@ class ProcessShareDecoder:
         self.seek_cost_frames = seek_cost_frames
         self.skip_nonref = skip_nonref
         self.pool = concurrent.futures.ProcessPoolExecutor(
-            num_workers, mp_context=multiprocessing.get_context("spawn"))
+            num_workers, mp_context=multiprocessing.get_context("spawn")
+        )
         # Start every worker now (imports included), so timing sees a warm pool.
         list(self.pool.map(_warm, range(num_workers)))
 
@@ -107,9 +120,21 @@ class ProcessShareDecoder:
             for share in plan.shares:
                 intervals = [(plan.intervals[p].keyframe_pts, plan.intervals[p].target_pts) for p in share]
                 if intervals:
-                    futures.append(self.pool.submit(
-                        _decode_share_in_process, data_shm.name, len(data), out_shm.name, shape, index,
-                        intervals, slots_of_pts, opts.max_pixels, self.seek_cost_frames, self.skip_nonref))
+                    futures.append(
+                        self.pool.submit(
+                            _decode_share_in_process,
+                            data_shm.name,
+                            len(data),
+                            out_shm.name,
+                            shape,
+                            index,
+                            intervals,
+                            slots_of_pts,
+                            opts.max_pixels,
+                            self.seek_cost_frames,
+                            self.skip_nonref,
+                        )
+                    )
             for f in futures:
                 f.result()
             return np.ndarray(shape, np.uint8, buffer=out_shm.buf).copy()

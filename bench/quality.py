@@ -69,9 +69,20 @@ def pruning_for(name: str):
     if name in ENCODER_ONLY_SETTINGS:
         return PruningConfig(**ENCODER_ONLY_SETTINGS[name])
     return PruningConfig.from_preset(name)
-CSV_FIELDS = ["preset", "question_type", "num_questions", "num_correct", "accuracy",
-              "mean_visual_tokens", "mean_full_visual_tokens", "retained_ratio", "mean_kv_bytes",
-              "mean_total_ms"]
+
+
+CSV_FIELDS = [
+    "preset",
+    "question_type",
+    "num_questions",
+    "num_correct",
+    "accuracy",
+    "mean_visual_tokens",
+    "mean_full_visual_tokens",
+    "retained_ratio",
+    "mean_kv_bytes",
+    "mean_total_ms",
+]
 
 
 @dataclass(frozen=True)
@@ -188,8 +199,19 @@ def clips_to_render(config: QualityConfig) -> int:
 
 def build_test_split(out_dir: Path, num_test_clips: int) -> None:
     """`python -m epd.synth.dataset` with only a test split."""
-    cmd = [sys.executable, "-m", "epd.synth.dataset", "--out", str(out_dir), "--num-train", "0",
-           "--num-validation", "0", "--num-test", str(num_test_clips)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "epd.synth.dataset",
+        "--out",
+        str(out_dir),
+        "--num-train",
+        "0",
+        "--num-validation",
+        "0",
+        "--num-test",
+        str(num_test_clips),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 
@@ -219,11 +241,17 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
     generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
     result = PresetResult(preset)
     media_cache: dict[str, bytes] = {}
-    for r in tqdm(records, desc=f"quality [{preset}]", unit="question", disable=not config.progress,
-                  mininterval=2):
+    for r in tqdm(
+        records, desc=f"quality [{preset}]", unit="question", disable=not config.progress, mininterval=2
+    ):
         data = media_cache.setdefault(r.media, r.media_path(data_dir).read_bytes())
-        request = AskRequest(messages=question_messages(r.question), media=MediaInput(data), sampling=SamplingOptions(),
-                             generation=generation, **extra)
+        request = AskRequest(
+            messages=question_messages(r.question),
+            media=MediaInput(data),
+            sampling=SamplingOptions(),
+            generation=generation,
+            **extra,
+        )
         summary = None
         try:
             async for item in pipeline.ask(request):
@@ -238,12 +266,21 @@ async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: Qu
         assert summary is not None
         answer = summary.answer.strip().lower()
         kept, full = _retained_tokens(summary)
-        result.answers.append(Answer(
-            preset=preset, id=r.id, question_type=r.question_type, question=r.question,
-            expected=r.answer, answer=answer, correct=answer == r.answer, num_visual_tokens=kept,
-            num_full_visual_tokens=full, kv_num_bytes=int(summary.kv_num_bytes),
-            total_ms=float(summary.timings_ms.get("total", 0.0)),
-        ))
+        result.answers.append(
+            Answer(
+                preset=preset,
+                id=r.id,
+                question_type=r.question_type,
+                question=r.question,
+                expected=r.answer,
+                answer=answer,
+                correct=answer == r.answer,
+                num_visual_tokens=kept,
+                num_full_visual_tokens=full,
+                kv_num_bytes=int(summary.kv_num_bytes),
+                total_ms=float(summary.timings_ms.get("total", 0.0)),
+            )
+        )
     return result
 
 
@@ -259,7 +296,9 @@ def evaluate(config: QualityConfig, data_dir: Path, presets: list[str]) -> list[
         records = records[: config.max_questions]
     if not records:
         raise ValueError(f"{data_dir} has no test questions")
-    model = ModelConfig(model=config.model, num_threads=config.num_threads, linear_kernel=config.linear_kernel)
+    model = ModelConfig(
+        model=config.model, num_threads=config.num_threads, linear_kernel=config.linear_kernel
+    )
     adapter = load_adapter(model, "all")
     results = []
     for preset in presets:
@@ -278,14 +317,29 @@ def format_table(results: list[PresetResult]) -> str:
         cells = []
         for r in results:
             row = rows[r.preset].get(t)
-            cells.append(f"{row['accuracy']:>7.1%} {row['num_correct']:>4}/{row['num_questions']:<5}" if row
-                         else "refused" if r.refused else "-")
+            cells.append(
+                f"{row['accuracy']:>7.1%} {row['num_correct']:>4}/{row['num_questions']:<5}"
+                if row
+                else "refused"
+                if r.refused
+                else "-"
+            )
         lines.append(f"{t:<14}" + "".join(f"{c:>18}" for c in cells))
     lines.append("-" * len(head))
-    lines.append(f"{'visual tokens':<14}" + "".join(
-        f"{'-':>18}" if r.refused else f"{rows[r.preset]['overall']['mean_visual_tokens']:>18.1f}" for r in results))
-    lines.append(f"{'kept':<14}" + "".join(
-        f"{'-':>18}" if r.refused else f"{rows[r.preset]['overall']['retained_ratio']:>18.1%}" for r in results))
+    lines.append(
+        f"{'visual tokens':<14}"
+        + "".join(
+            f"{'-':>18}" if r.refused else f"{rows[r.preset]['overall']['mean_visual_tokens']:>18.1f}"
+            for r in results
+        )
+    )
+    lines.append(
+        f"{'kept':<14}"
+        + "".join(
+            f"{'-':>18}" if r.refused else f"{rows[r.preset]['overall']['retained_ratio']:>18.1%}"
+            for r in results
+        )
+    )
     lines += [f"refused {r.preset}: {r.refused}" for r in results if r.refused]
     return "\n".join(lines)
 
@@ -294,8 +348,12 @@ def write_outputs(results: list[PresetResult], out_dir: Path, info: dict) -> dic
     from epd.train.png_plot import Series, line_plot
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out_dir / "quality.csv", "answers": out_dir / "quality_answers.csv",
-             "json": out_dir / "quality.json", "png": out_dir / "quality.png"}
+    paths = {
+        "csv": out_dir / "quality.csv",
+        "answers": out_dir / "quality_answers.csv",
+        "json": out_dir / "quality.json",
+        "png": out_dir / "quality.png",
+    }
     all_rows = [row for r in results for row in r.rows()]
     with open(paths["csv"], "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
@@ -313,9 +371,15 @@ def write_outputs(results: list[PresetResult], out_dir: Path, info: dict) -> dic
         paths.pop("png")
         return paths
     overall_rows = {r.preset: r.rows()[-1] for r in results}
-    series = [Series("overall", [overall_rows[r.preset]["mean_visual_tokens"] for r in results],
-                     [overall_rows[r.preset]["accuracy"] for r in results], markers=True,
-                     labels=[r.preset for r in results])]
+    series = [
+        Series(
+            "overall",
+            [overall_rows[r.preset]["mean_visual_tokens"] for r in results],
+            [overall_rows[r.preset]["accuracy"] for r in results],
+            markers=True,
+            labels=[r.preset for r in results],
+        )
+    ]
     for t in sorted({a.question_type for r in results for a in r.answers}):
         xs, ys = [], []
         for r in results:
@@ -323,8 +387,14 @@ def write_outputs(results: list[PresetResult], out_dir: Path, info: dict) -> dic
             xs.append(row["mean_visual_tokens"])
             ys.append(row["accuracy"])
         series.append(Series(t, xs, ys, markers=True))
-    line_plot(paths["png"], series, title=f"accuracy vs retained visual tokens ({info['model']})",
-              xlabel="mean visual tokens kept per question", ylabel="accuracy", y_range=(0.0, 1.0))
+    line_plot(
+        paths["png"],
+        series,
+        title=f"accuracy vs retained visual tokens ({info['model']})",
+        xlabel="mean visual tokens kept per question",
+        ylabel="accuracy",
+        y_range=(0.0, 1.0),
+    )
     return paths
 
 
@@ -335,16 +405,30 @@ def build_parser() -> argparse.ArgumentParser:
     d = QualityConfig()
     p = argparse.ArgumentParser(prog="epd bench quality", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=d.model, help="checkpoint directory or 'default'")
-    p.add_argument("--presets", default=",".join(d.presets),
-                   help=f"comma-separated pruning presets ({', '.join(ALL_PRESETS)})")
-    p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips to generate (with --max-questions N, at most N)")
+    p.add_argument(
+        "--presets",
+        default=",".join(d.presets),
+        help=f"comma-separated pruning presets ({', '.join(ALL_PRESETS)})",
+    )
+    p.add_argument(
+        "--num-test",
+        type=int,
+        default=d.num_test_clips,
+        help="test clips to generate (with --max-questions N, at most N)",
+    )
     p.add_argument("--data", default=d.data_dir, help="existing synth dataset with a test split")
-    p.add_argument("--max-questions", type=int, default=d.max_questions, help="first N questions only (0: all)")
+    p.add_argument(
+        "--max-questions", type=int, default=d.max_questions, help="first N questions only (0: all)"
+    )
     p.add_argument("--out", default=d.out_dir, help="output directory")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
-    p.add_argument("--linear-kernel", default=d.linear_kernel, choices=LINEAR_KERNELS,
-                   help="the model's linear layers (epd serve's --linear-kernel)")
+    p.add_argument(
+        "--linear-kernel",
+        default=d.linear_kernel,
+        choices=LINEAR_KERNELS,
+        help="the model's linear layers (epd serve's --linear-kernel)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -352,9 +436,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> QualityConfig:
     a = build_parser().parse_args(argv)
     return QualityConfig(
-        model=a.model, presets=tuple(x.strip() for x in a.presets.split(",") if x.strip()),
-        num_test_clips=a.num_test, data_dir=a.data, max_questions=a.max_questions, out_dir=a.out,
-        max_new_tokens=a.max_new_tokens, num_threads=a.threads, progress=not a.no_progress,
+        model=a.model,
+        presets=tuple(x.strip() for x in a.presets.split(",") if x.strip()),
+        num_test_clips=a.num_test,
+        data_dir=a.data,
+        max_questions=a.max_questions,
+        out_dir=a.out,
+        max_new_tokens=a.max_new_tokens,
+        num_threads=a.threads,
+        progress=not a.no_progress,
         linear_kernel=a.linear_kernel,
     )
 
@@ -368,8 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if skipped:
-        print(f"note: the pipeline has no pruning option yet; skipping presets {', '.join(skipped)}",
-              file=sys.stderr)
+        print(
+            f"note: the pipeline has no pruning option yet; skipping presets {', '.join(skipped)}",
+            file=sys.stderr,
+        )
     tmp = None
     try:
         if config.data_dir:
@@ -390,18 +482,23 @@ def main(argv: list[str] | None = None) -> int:
         "model": resolve_model_path(config.model),
         "presets": presets,
         "skipped_presets": skipped,
-        "num_test_clips": config.num_test_clips if config.data_dir else clips_to_render(config),  # as generated
+        # as generated
+        "num_test_clips": config.num_test_clips if config.data_dir else clips_to_render(config),
         "data_dir": config.data_dir or "(generated)",
         "max_questions": config.max_questions,
         "elapsed_s": round(elapsed_s, 1),
         "date": time.strftime("%Y-%m-%d"),
-        "answer_counts": {r.preset: dict(Counter(a.answer for a in r.answers).most_common(30)) for r in results},
+        "answer_counts": {
+            r.preset: dict(Counter(a.answer for a in r.answers).most_common(30)) for r in results
+        },
         "refused_presets": {r.preset: r.refused for r in results if r.refused},
     }
     paths = write_outputs(results, Path(config.out_dir), info)
     print(format_table(results))
-    print(f"\n{sum(len(r.answers) for r in results)} answers in {elapsed_s:.0f} s; "
-          f"wrote {', '.join(str(p) for p in paths.values())}")
+    print(
+        f"\n{sum(len(r.answers) for r in results)} answers in {elapsed_s:.0f} s; "
+        f"wrote {', '.join(str(p) for p in paths.values())}"
+    )
     return 0
 
 

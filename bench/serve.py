@@ -293,7 +293,9 @@ def openai_bodies(
         body = streaming_body(
             target,
             max_new_tokens,
-            messages=[{"role": "user", "content": [*media, {"type": "text", "text": questions[i % len(questions)]}]}],
+            messages=[
+                {"role": "user", "content": [*media, {"type": "text", "text": questions[i % len(questions)]}]}
+            ],
         )
         if target.dialect == "epd":
             body["media"] = {"num_frames": num_frames}
@@ -664,14 +666,23 @@ def ratio_table(name: str, base: list[dict], other: list[dict], prompt_tokens: b
     same levels, run one after the other); with `prompt_tokens`, each series' median prompt tokens
     (as the server reported them) beside, to show that the two prompts are as long."""
     head = f"\n| ratio ({name}) | TTFT p50 | e2e p50 | TPOT p50 | req/s |"
-    rows = [head + (" prompt tokens p50 |" if prompt_tokens else ""), "|---|---|---|---|---|" + ("---|" if prompt_tokens else "")]
+    rows = [
+        head + (" prompt tokens p50 |" if prompt_tokens else ""),
+        "|---|---|---|---|---|" + ("---|" if prompt_tokens else ""),
+    ]
     for b, o in zip(base, other, strict=True):
         sb, so = b["summary"], o["summary"]
         ratios = [so[k]["p50"] / max(sb[k]["p50"], 1e-9) for k in ("ttft_ms", "e2e_ms", "tpot_ms")]
         rps = so["request_throughput_rps"] / max(sb["request_throughput_rps"], 1e-9)
-        row = f"| {b['concurrency'] or 'all'} in flight | " + " | ".join(f"{r:.2f}x" for r in ratios) + f" | {rps:.2f}x |"
+        row = (
+            f"| {b['concurrency'] or 'all'} in flight | "
+            + " | ".join(f"{r:.2f}x" for r in ratios)
+            + f" | {rps:.2f}x |"
+        )
         if prompt_tokens:
-            counts = [float(np.median([r["num_prompt_tokens"] for r in lv["requests"]] or [0])) for lv in (b, o)]
+            counts = [
+                float(np.median([r["num_prompt_tokens"] for r in lv["requests"]] or [0])) for lv in (b, o)
+            ]
             row += f" {counts[0]:.0f} / {counts[1]:.0f} |"
         rows.append(row)
     return rows
@@ -751,7 +762,9 @@ def main(argv: list[str] | None = None) -> int:
         """One level of one series: 'media' (the requests as given), 'text' (the questions alone,
         chat) or 'completions' (the questions' rendered chat prompts, raw)."""
         what = {"media": "stack", "text": "stack, text only", "completions": "stack, completions"}[series]
-        with tqdm(total=len(inputs), desc=f"{what}, {c or 'all'} in flight", unit="req", file=sys.stderr) as bar:
+        with tqdm(
+            total=len(inputs), desc=f"{what}, {c or 'all'} in flight", unit="req", file=sys.stderr
+        ) as bar:
             if target is not None:
                 url = target.url
                 if series == "media":
@@ -762,13 +775,17 @@ def main(argv: list[str] | None = None) -> int:
                         args.max_new_tokens, args.ignore_eos, with_media=False,
                     )  # fmt: skip
                 else:
-                    prompts = rendered_chat_prompts(target, args.questions or DEFAULT_QUESTIONS, args.timeout_s)
+                    prompts = rendered_chat_prompts(
+                        target, args.questions or DEFAULT_QUESTIONS, args.timeout_s
+                    )
                     level_bodies = completion_bodies(
                         target, prompts, args.num_requests, args.max_new_tokens, args.ignore_eos
                     )
                     url = target.completions_url
                 results, duration = asyncio.run(
-                    run_openai(target, level_bodies, c, bar, args.request_rate, args.seed, args.timeout_s, url)
+                    run_openai(
+                        target, level_bodies, c, bar, args.request_rate, args.seed, args.timeout_s, url
+                    )
                 )
             else:
                 level_inputs = inputs if series == "media" else text_only(inputs)

@@ -96,8 +96,9 @@ class Generation:
         delta, self.finish_reason = self.output.add(token)
         if self.finish_reason:
             evicted = self.eviction.counts if self.eviction is not None else None
-            return TokenStep([token], delta, self.finish_reason, decode_evict=evicted,
-                             stop_reason=self.output.stop_reason)
+            return TokenStep(
+                [token], delta, self.finish_reason, decode_evict=evicted, stop_reason=self.output.stop_reason
+            )
         return TokenStep([token], delta)
 
 

@@ -15,7 +15,9 @@ from epd.token_pruning import OutputAwareEviction, PruningConfig, resolve_keep_c
 
 
 class DecodeEviction:
-    def __init__(self, adapter: VLMAdapter, cache, visual_entry_mask: torch.Tensor, config: PruningConfig) -> None:
+    def __init__(
+        self, adapter: VLMAdapter, cache, visual_entry_mask: torch.Tensor, config: PruningConfig
+    ) -> None:
         """visual_entry_mask: [num_layers, num_kv_heads, num_cached] bool, from prefill (on the CPU)."""
         self.adapter = adapter
         self.cache = cache

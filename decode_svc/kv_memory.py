@@ -32,7 +32,12 @@ from epd.stages.errors import Busy, ResourceExhausted
 
 class KvMemory:
     def __init__(
-        self, budget_bytes: int, bytes_per_token: int, max_running: int, max_waiting: int, fixed_bytes: int = 0
+        self,
+        budget_bytes: int,
+        bytes_per_token: int,
+        max_running: int,
+        max_waiting: int,
+        fixed_bytes: int = 0,
     ) -> None:
         if budget_bytes <= 0 or bytes_per_token <= 0 or max_running < 1 or max_waiting < 0:
             raise ValueError(

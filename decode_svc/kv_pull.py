@@ -103,8 +103,13 @@ class KvPuller:
                 raise
             # Not this decoder's failure: an UNAVAILABLE from here would make the gateway retry on
             # (and hold back) other decoders, which cannot reach the cache either.
-            log.warning("KV cache %s: not at its prefill server %s any more (%s %s)", handle, address,
-                        exc.code().name, exc.details())
+            log.warning(
+                "KV cache %s: not at its prefill server %s any more (%s %s)",
+                handle,
+                address,
+                exc.code().name,
+                exc.details(),
+            )
             raise KvSourceLost(
                 "the request's KV cache is no longer at the prefill replica that made it (the replica "
                 "failed or restarted, or the cache expired) and the decoder does not have it; the "
@@ -122,8 +127,12 @@ class KvPuller:
                     timeout=self.timeout_s,
                 )
         except grpc.aio.AioRpcError as exc:
-            log.warning("could not confirm receipt of KV cache %s (%s %s): prefill drops it at its TTL",
-                        handle, exc.code().name, exc.details())
+            log.warning(
+                "could not confirm receipt of KV cache %s (%s %s): prefill drops it at its TTL",
+                handle,
+                exc.code().name,
+                exc.details(),
+            )
             return
         if not answer.released:  # the gateway released it meanwhile, or the TTL came first
             log.info("KV cache %s was gone at prefill by the time its receipt was confirmed", handle)

@@ -94,8 +94,12 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             # extra: this runs on a model thread, outside the request's context (its log filter's id).
             # Scores it cannot sample are its settings' or input's doing: one line, no traceback.
             report = log.warning if isinstance(exc, SamplingFailed) else log.exception
-            report("decoding request %s failed at a step; the other requests go on: %s", r.request_id, exc,
-                   extra={"request_id": r.request_id})
+            report(
+                "decoding request %s failed at a step; the other requests go on: %s",
+                r.request_id,
+                exc,
+                extra={"request_id": r.request_id},
+            )
             failed[r] = RequestFailed(exc)
             r.finished = True
             return
@@ -109,7 +113,9 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
         kv, r.kv = r.kv, None  # the runner owns the transferred cache now
         # Alone: decode-stage eviction (its cache shrinks per layer and head) or a family that
         # cannot batch its decode state.
-        alone = (r.pruning.decode_evict and h.visual_entry_mask is not None) or not self.adapter.supports_batched_decode
+        alone = (
+            r.pruning.decode_evict and h.visual_entry_mask is not None
+        ) or not self.adapter.supports_batched_decode
         r.generation = self.engine.start(
             kv,
             h.first_token_id,

@@ -35,8 +35,9 @@ async def start(config: DecodeConfig) -> HealthyServer:
     async with hs.closed_on_failure():
         adapter = await model_thread.run(load_adapter, config.model, "decode")
         pin_torch_threads(1)  # the event loop's thread: tensors in and out, never a second OpenMP team
-        servicer.stage = LocalDecodeStage(DecodeEngine(adapter), puller.take_kv, model_thread, config,
-                                          confirm_kv=puller.confirm_kv)
+        servicer.stage = LocalDecodeStage(
+            DecodeEngine(adapter), puller.take_kv, model_thread, config, confirm_kv=puller.confirm_kv
+        )
         await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
     return hs

@@ -48,6 +48,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 finish_reason = step.finish_reason or finish_reason
                 yield convert.token_step_to_proto(step)
         tracing.stage_timings(
-            log, "decode done", kv_transfer_ms=kv_transfer_ms, first_token_ms=ttft_ms,
-            total_ms=(time.perf_counter() - started) * 1e3, num_tokens=num_tokens, finish_reason=finish_reason,
+            log,
+            "decode done",
+            kv_transfer_ms=kv_transfer_ms,
+            first_token_ms=ttft_ms,
+            total_ms=(time.perf_counter() - started) * 1e3,
+            num_tokens=num_tokens,
+            finish_reason=finish_reason,
         )

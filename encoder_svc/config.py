@@ -103,14 +103,21 @@ class EncoderConfig:
         if self.frames_per_group < 0 or self.frames_per_group % 2:
             raise ValueError(f"frames_per_group must be 0 or even, got {self.frames_per_group}")
         if self.max_concurrent_decodes < 1:
-            raise ValueError(f"max_concurrent_decodes (--max-concurrent-decodes) must be >= 1, "
-                             f"got {self.max_concurrent_decodes}")
+            raise ValueError(
+                f"max_concurrent_decodes (--max-concurrent-decodes) must be >= 1, "
+                f"got {self.max_concurrent_decodes}"
+            )
         if self.max_tower_jobs_per_request < 1:
-            raise ValueError(f"max_tower_jobs_per_request (--max-tower-jobs-per-request) must be >= 1, "
-                             f"got {self.max_tower_jobs_per_request}")
+            raise ValueError(
+                f"max_tower_jobs_per_request (--max-tower-jobs-per-request) must be >= 1, "
+                f"got {self.max_tower_jobs_per_request}"
+            )
         if self.max_tower_patches_per_step < 1:
-            raise ValueError(f"max_tower_patches_per_step (--max-tower-patches-per-step) must be >= 1, "
-                             f"got {self.max_tower_patches_per_step}")
+            raise ValueError(
+                f"max_tower_patches_per_step (--max-tower-patches-per-step) must be >= 1, "
+                f"got {self.max_tower_patches_per_step}"
+            )
         if self.max_queued_decodes < 0:
-            raise ValueError(f"max_queued_decodes (--max-queued-decodes) must be >= 0, "
-                             f"got {self.max_queued_decodes}")
+            raise ValueError(
+                f"max_queued_decodes (--max-queued-decodes) must be >= 0, got {self.max_queued_decodes}"
+            )

@@ -84,6 +84,7 @@ RunModel = Callable[..., Any]
 """run_model(fn, *args) -> fn(*args), run where this process runs model work (the model thread),
 blocking the caller until it is done."""
 
+
 class PendingFeatures(Protocol):
     """A frame group submitted to the vision tower: `result()` blocks the driver until its
     features are back (raises RequestCancelled when the request is cancelled meanwhile);
@@ -199,7 +200,11 @@ class EncoderEngine:
         self._num_encoding_lock = threading.Lock()
 
     def cache_key(
-        self, sha256: str, sampling: SamplingOptions, pruning: PruningConfig = PruningConfig(), cache_salt: str = ""
+        self,
+        sha256: str,
+        sampling: SamplingOptions,
+        pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> str:
         """The token-cache key, and so the single-flight key: the salt (tenant) is part of both,
         so a by-hash request of another tenant misses exactly like unknown media."""
@@ -209,8 +214,11 @@ class EncoderEngine:
             # The same weights compute other numbers in another dtype, on another device type or
             # through another linear kernel: entries of the disk tier (which outlives the process
             # and may be shared) must not cross them.
-            "numerics": {"dtype": self.config.model.dtype, "device": self.config.model.device.partition(":")[0],
-                         "linear_kernel": self.config.model.linear_kernel},
+            "numerics": {
+                "dtype": self.config.model.dtype,
+                "device": self.config.model.device.partition(":")[0],
+                "linear_kernel": self.config.model.linear_kernel,
+            },
             "limits_max_source_pixels": self.config.limits.max_source_pixels,
             "decode_backend": self.config.decode_backend,
             "pruning": pruning.encode_cache_key(),
@@ -295,14 +303,26 @@ class EncoderEngine:
     def _hit(cached: EncodedMedia, sha256: str, on_event: EventSink, shared: bool = False) -> EncodedMedia:
         """A request answered without decoding or encoding: from the token cache, or `shared` by
         the request that was encoding the same media at the same time."""
-        on_event(StageEvent(Stage.ENCODE, "finished", 0.0,
-                            {"cache": "hit", **({"shared_with": "in-flight request"} if shared else {})}))
+        on_event(
+            StageEvent(
+                Stage.ENCODE,
+                "finished",
+                0.0,
+                {"cache": "hit", **({"shared_with": "in-flight request"} if shared else {})},
+            )
+        )
         # Stored as it was made; this request decoded and encoded nothing.
         return replace(cached, cache_hit=True, decode_ms=0.0, encode_ms=0.0, sha256=sha256)
 
-    def open_frames(self, data: bytes, sha256: str, sampling: SamplingOptions,
-                    cancel: threading.Event | None = None, merge: bool = False, cache_salt: str = "",
-                    ) -> tuple[FrameSource, Generator[DecodedVideo, None, None]]:
+    def open_frames(
+        self,
+        data: bytes,
+        sha256: str,
+        sampling: SamplingOptions,
+        cancel: threading.Event | None = None,
+        merge: bool = False,
+        cache_salt: str = "",
+    ) -> tuple[FrameSource, Generator[DecodedVideo, None, None]]:
         """(stream metadata, generator of DecodedVideo groups in temporal order). Closing the
         generator early cancels the decode work still pending; setting `cancel` stops the demux
         pass and the decoding, and a wait for the next group, with DecodeCancelled. `merge`: groups
@@ -314,20 +334,36 @@ class EncoderEngine:
             whole = decord.decode(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
             step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
             return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
-        stream = self.decoder.iter_groups(data, sampling, self.config.limits, group_size, sha256=sha256,
-                                          cancel=cancel, merge_up_to=self.config.merged_group_frames if merge else 0,
-                                          merge_up_to_pixels=self.config.merged_group_pixels, cache_salt=cache_salt,
-                                          frame_resizer=self._frame_resizer)
+        stream = self.decoder.iter_groups(
+            data,
+            sampling,
+            self.config.limits,
+            group_size,
+            sha256=sha256,
+            cancel=cancel,
+            merge_up_to=self.config.merged_group_frames if merge else 0,
+            merge_up_to_pixels=self.config.merged_group_pixels,
+            cache_salt=cache_salt,
+            frame_resizer=self._frame_resizer,
+        )
 
         def groups():
             with stream:
                 for g in stream:
-                    yield DecodedVideo(g.frames, g.timestamps_s, stream.sampled_fps, stream.duration_s,
-                                       stream.source_fps, stream.is_image)
+                    yield DecodedVideo(
+                        g.frames,
+                        g.timestamps_s,
+                        stream.sampled_fps,
+                        stream.duration_s,
+                        stream.source_fps,
+                        stream.is_image,
+                    )
 
         return stream, groups()
 
-    def _decord_for(self, data: bytes, sha256: str, sampling: SamplingOptions, cache_salt: str) -> DecordDecoder | None:
+    def _decord_for(
+        self, data: bytes, sha256: str, sampling: SamplingOptions, cache_salt: str
+    ) -> DecordDecoder | None:
         """The decord backend when it decodes this request (`decode_backend="decord"`), else None
         (PyAV). decord reads HEVC from the first frame (it cannot seek in it): a request that PyAV's
         seeking decodes with fewer frames is PyAV's (`DecordDecoder.hands_over`)."""
@@ -336,7 +372,9 @@ class EncoderEngine:
         with self._decord_lock:
             if self._decord is None:
                 self._decord = DecordDecoder(index_cache=self.decoder.index_cache)
-        hand_over = self._decord.hands_over(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
+        hand_over = self._decord.hands_over(
+            data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt
+        )
         return None if hand_over else self._decord
 
     def _merged_step(self, whole: DecodedVideo, group_size: int) -> int:
@@ -348,8 +386,14 @@ class EncoderEngine:
         return max(group_size, fit // group_size * group_size)
 
     def _decode_and_encode(
-        self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
-        pruning: PruningConfig = PruningConfig(), cache_salt: str = "",
+        self,
+        req: _Request,
+        data: bytes,
+        sha256: str,
+        sampling: SamplingOptions,
+        on_event: EventSink,
+        pruning: PruningConfig = PruningConfig(),
+        cache_salt: str = "",
     ) -> EncodedMedia:
         t0 = time.perf_counter()
         on_event(StageEvent(Stage.VIDEO_DECODE, "started"))
@@ -359,8 +403,9 @@ class EncoderEngine:
             alone = self._num_encoding == 0
             self._num_encoding += 1
         try:
-            return self._encode_frames(req, data, sha256, sampling, on_event, pruning, t0, merge=alone,
-                                       cache_salt=cache_salt)
+            return self._encode_frames(
+                req, data, sha256, sampling, on_event, pruning, t0, merge=alone, cache_salt=cache_salt
+            )
         except DecodeCancelled as exc:
             raise RequestCancelled(f"{exc}, after {req.num_groups_done} frame groups") from None
         finally:
@@ -368,15 +413,25 @@ class EncoderEngine:
                 self._num_encoding -= 1
 
     def _encode_frames(
-        self, req: _Request, data: bytes, sha256: str, sampling: SamplingOptions, on_event: EventSink,
-        pruning: PruningConfig, t0: float, merge: bool = False, cache_salt: str = "",
+        self,
+        req: _Request,
+        data: bytes,
+        sha256: str,
+        sampling: SamplingOptions,
+        on_event: EventSink,
+        pruning: PruningConfig,
+        t0: float,
+        merge: bool = False,
+        cache_salt: str = "",
     ) -> EncodedMedia:
         meta, groups = self.open_frames(data, sha256, sampling, req.cancel, merge, cache_salt)
         req.source_duration_s = float(meta.duration_s)
         on_event(StageEvent(Stage.VIDEO_DECODE, "progress", 0.0, {"num_frames": str(meta.num_frames)}))
         # Temporal dropping before the tower needs every group's patches first (the reference
         # of "unchanged" runs across groups), so the tower then runs once on the kept patches.
-        sparse = pruning.temporal_drop and pruning.temporal_before_tower and self.adapter.supports_sparse_vision
+        sparse = (
+            pruning.temporal_drop and pruning.temporal_before_tower and self.adapter.supports_sparse_vision
+        )
         embeds: list[torch.Tensor] = []  # per group: [group_tokens, hidden]
         deepstack: list[list[torch.Tensor]] = []  # per group: one [group_tokens, hidden] per DeepStack layer
         times: list[float] = []  # per temporal patch group (Qwen3-VL's prompt times)
@@ -422,8 +477,13 @@ class EncoderEngine:
         features = [torch.cat(layer) for layer in zip(*deepstack, strict=True)] if deepstack else []
         if sparse or pruning.spatial_merge or pruning.key_token_ratio > 0 or pruning.temporal_drop:
             visual, token_index, key_mask = req.model(
-                encode_stage_pruning, self.adapter, torch.cat(embeds) if embeds else None,
-                torch.cat(pixels) if pixels else None, grid, pruning, req.stats,
+                encode_stage_pruning,
+                self.adapter,
+                torch.cat(embeds) if embeds else None,
+                torch.cat(pixels) if pixels else None,
+                grid,
+                pruning,
+                req.stats,
             )
             # The kept tokens are rows of the full list (spatial merging, which mixes rows, is
             # refused for DeepStack families): each feature keeps the same rows.
@@ -434,12 +494,23 @@ class EncoderEngine:
         encode_ms = req.model_s * 1e3
         decode_ms = total_ms - encode_ms  # time waiting for frames, not hidden behind encoding
         on_event(StageEvent(Stage.VIDEO_DECODE, "finished", decode_ms, {"num_frames": str(meta.num_frames)}))
-        on_event(StageEvent(Stage.ENCODE, "finished", encode_ms,
-                            {"num_visual_tokens": str(visual.shape[0]), "cache": "miss"}))
+        on_event(
+            StageEvent(
+                Stage.ENCODE,
+                "finished",
+                encode_ms,
+                {"num_visual_tokens": str(visual.shape[0]), "cache": "miss"},
+            )
+        )
         return EncodedMedia(
             embeds=visual,
-            meta=VisualMeta("image" if meta.is_image else "video", grid, inputs.second_per_grid_t,
-                            int(visual.shape[0]), tuple(times)),
+            meta=VisualMeta(
+                "image" if meta.is_image else "video",
+                grid,
+                inputs.second_per_grid_t,
+                int(visual.shape[0]),
+                tuple(times),
+            ),
             num_frames=meta.num_frames,
             frame_timestamps_s=list(meta.timestamps_s),
             decode_ms=decode_ms,
@@ -451,8 +522,14 @@ class EncoderEngine:
             deepstack=features,
         )
 
-    def _preprocess(self, req: _Request, video: DecodedVideo, num_frames: int, frames_done: int,
-                    grids_done: list[tuple[int, int, int]]) -> VisionInputs:
+    def _preprocess(
+        self,
+        req: _Request,
+        video: DecodedVideo,
+        num_frames: int,
+        frames_done: int,
+        grids_done: list[tuple[int, int, int]],
+    ) -> VisionInputs:
         """On the driver: one group's patches [group_patches, patch_dim], sized as the processor
         sizes the whole clip of `num_frames` frames (the plan's count, known before decoding
         ends), checked against the visual-token budget before any tower work. The `frames_done`
@@ -467,8 +544,9 @@ class EncoderEngine:
         self._check_token_budget(inputs.grid_thw, video.num_frames, tokens_done, frames_left)
         return inputs
 
-    def _check_token_budget(self, grid_thw: tuple[int, int, int], group_frames: int, tokens_done: int,
-                            frames_left: int) -> None:
+    def _check_token_budget(
+        self, grid_thw: tuple[int, int, int], group_frames: int, tokens_done: int, frames_left: int
+    ) -> None:
         """The clip's visual tokens: those of the groups so far, this one's, and the frames after
         it at this group's tokens per frame (exact at the last group, where a 1-frame tail that
         fills a whole temporal patch would overstate the rate)."""
@@ -493,5 +571,11 @@ class EncoderEngine:
 
 
 def _slice(video: DecodedVideo, start: int, end: int) -> DecodedVideo:
-    return DecodedVideo(video.frames[start:end], video.timestamps_s[start:end], video.sampled_fps,
-                        video.duration_s, video.source_fps, video.is_image)
+    return DecodedVideo(
+        video.frames[start:end],
+        video.timestamps_s[start:end],
+        video.sampled_fps,
+        video.duration_s,
+        video.source_fps,
+        video.is_image,
+    )

@@ -39,7 +39,9 @@ def encode_stage_pruning(
         stats.record("temporal", num_full, int(present.sum()))
         if embeds is None:
             sparse = sparse_vision_inputs(pixel_values, [grid_thw], present)
-            embeds = adapter.encode_sparse(sparse.pixel_values, grid_thw, sparse.position_ids, sparse.cu_seqlens)
+            embeds = adapter.encode_sparse(
+                sparse.pixel_values, grid_thw, sparse.position_ids, sparse.cu_seqlens
+            )
         else:
             embeds = embeds[present]
     assert embeds is not None

@@ -37,13 +37,20 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         pruning = convert.pruning_from_proto(header.pruning)
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
-        async for item in with_events(lambda sink: stage.encode(media, sampling, sink, request_id, pruning, cache_salt)):
+        async for item in with_events(
+            lambda sink: stage.encode(media, sampling, sink, request_id, pruning, cache_salt)
+        ):
             if isinstance(item, Finished):
                 encoded = item.value
                 tracing.stage_timings(
-                    log, "encode done", video_decode_ms=encoded.decode_ms, encode_ms=encoded.encode_ms,
-                    total_ms=(time.perf_counter() - started) * 1e3, num_frames=encoded.num_frames,
-                    num_visual_tokens=encoded.meta.num_visual_tokens, cache_hit=encoded.cache_hit,
+                    log,
+                    "encode done",
+                    video_decode_ms=encoded.decode_ms,
+                    encode_ms=encoded.encode_ms,
+                    total_ms=(time.perf_counter() - started) * 1e3,
+                    num_frames=encoded.num_frames,
+                    num_visual_tokens=encoded.meta.num_visual_tokens,
+                    cache_hit=encoded.cache_hit,
                 )
                 for chunk in convert.encoded_media_chunks(encoded):  # embeddings + DeepStack features
                     yield encoder_pb2.EncodeResponse(embeddings=chunk)

@@ -54,8 +54,9 @@ def build_encode_core(engine: EncoderEngine, model_thread: ModelThread) -> Engin
     config = engine.config
     # Each running driver has at most `max_tower_jobs_per_request` tower jobs queued: the queue
     # never refuses one.
-    scheduler = EncodeScheduler(config.max_tower_patches_per_step,
-                                config.max_concurrent_decodes * config.max_tower_jobs_per_request)
+    scheduler = EncodeScheduler(
+        config.max_tower_patches_per_step, config.max_concurrent_decodes * config.max_tower_jobs_per_request
+    )
     return EngineCore(scheduler, EncodeRunner(engine.adapter), model_thread)
 
 
@@ -179,8 +180,12 @@ class _TowerJobs:
 class _PendingGroup:
     """A submitted frame group's features, waited for on the driver thread."""
 
-    def __init__(self, future: concurrent.futures.Future[VisualFeatures], group_index: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        future: concurrent.futures.Future[VisualFeatures],
+        group_index: int,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.future = future
         self.group_index = group_index
         self.loop = loop

@@ -107,7 +107,9 @@ def _canonical(value: Any) -> Any:
     raise TypeError(f"cache key parameter of type {type(value).__name__} is not JSON-able")
 
 
-def make_cache_key(content_sha256: str, params: dict[str, Any], family: str = "", cache_salt: str = "") -> str:
+def make_cache_key(
+    content_sha256: str, params: dict[str, Any], family: str = "", cache_salt: str = ""
+) -> str:
     """Hex sha256 of the media hash plus every parameter that changes the encoder's output.
     `family` (the model's `model_type`, e.g. "qwen3_vl") is its own part of the key: families
     put different things in an entry (Qwen3-VL's DeepStack features), so an entry made by one
@@ -117,7 +119,12 @@ def make_cache_key(content_sha256: str, params: dict[str, Any], family: str = ""
     had before salts existed (and its disk entries)."""
     if len(content_sha256) != 64 or any(c not in "0123456789abcdef" for c in content_sha256):
         raise ValueError("content_sha256 must be a lower-case hex sha256 digest of the media bytes")
-    doc = {"v": _KEY_VERSION, "family": family, "content_sha256": content_sha256, "params": _canonical(params)}
+    doc = {
+        "v": _KEY_VERSION,
+        "family": family,
+        "content_sha256": content_sha256,
+        "params": _canonical(params),
+    }
     if cache_salt:
         doc["salt"] = cache_salt
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -249,7 +256,8 @@ class TokenCache:
             os.utime(sidecar)  # LRU order on disk is the sidecar's mtime
         except FileNotFoundError:
             return None
-        except Exception as exc:  # corrupt or foreign pair (SafetensorError, bad json, missing field): drop it
+        # corrupt or foreign pair (SafetensorError, bad json, missing field): drop it
+        except Exception as exc:
             log.warning("token cache: dropping unreadable entry %s: %r", key, exc)
             tensor_file.unlink(missing_ok=True)
             sidecar.unlink(missing_ok=True)

@@ -17,8 +17,11 @@ def main() -> None:
     p.add_argument("video", nargs="?", default="samples/sample.mp4")
     p.add_argument("question", nargs="?", default="what colour is the circle?")
     p.add_argument("--endpoint", default="127.0.0.1:50050")
-    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY", ""),
-                   help="the gateway's --api-key, if it has one (default: $EPD_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EPD_API_KEY", ""),
+        help="the gateway's --api-key, if it has one (default: $EPD_API_KEY)",
+    )
     p.add_argument("--root-cert", default="", help="PEM of the CA that signed the gateway's TLS certificate")
     args = p.parse_args()
 

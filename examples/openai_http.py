@@ -19,8 +19,11 @@ def main() -> None:
     p.add_argument("video", nargs="?", default="samples/sample.mp4")
     p.add_argument("question", nargs="?", default="what colour is the circle?")
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY") or "none",
-                   help="the gateway's --api-key (default: $EPD_API_KEY; any string when it has none)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EPD_API_KEY") or "none",
+        help="the gateway's --api-key (default: $EPD_API_KEY; any string when it has none)",
+    )
     p.add_argument("--model", default="epd", help="the gateway's --served-model-name")
     args = p.parse_args()
 

@@ -90,7 +90,9 @@ class PrefillConfig:
                 f"must be >= max_prompt_tokens ({self.max_prompt_tokens}), or the longest prompt never gets in"
             )
         if self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens (--max-prompt-tokens) must be >= 1 token, got {self.max_prompt_tokens}")
+            raise ValueError(
+                f"max_prompt_tokens (--max-prompt-tokens) must be >= 1 token, got {self.max_prompt_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len (--max-model-len) must be >= 1 token, got {self.max_model_len}")
         if self.kv_store_bytes < 0:
@@ -98,9 +100,13 @@ class PrefillConfig:
         if self.kv_ttl_s <= 0:
             raise ValueError(f"kv_ttl_s (--kv-ttl) must be > 0 seconds, got {self.kv_ttl_s}")
         if self.prefix_cache_bytes < 0:
-            raise ValueError(f"prefix_cache_bytes (--prefix-cache-bytes) must be >= 0, got {self.prefix_cache_bytes}")
+            raise ValueError(
+                f"prefix_cache_bytes (--prefix-cache-bytes) must be >= 0, got {self.prefix_cache_bytes}"
+            )
         if self.prefix_cache_ttl_s <= 0:
-            raise ValueError(f"prefix_cache_ttl_s (--prefix-cache-ttl) must be > 0 seconds, got {self.prefix_cache_ttl_s}")
+            raise ValueError(
+                f"prefix_cache_ttl_s (--prefix-cache-ttl) must be > 0 seconds, got {self.prefix_cache_ttl_s}"
+            )
 
     def served_context(self, model_context: int | None) -> int | None:
         """Prompt plus generated tokens at most, as served: the model's context (`model_context`,

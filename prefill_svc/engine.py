@@ -94,12 +94,20 @@ class PrefillEngine:
         """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
-        if config.max_model_len is not None and (served := self.model_info().max_model_len) < config.max_model_len:
-            log.warning("--max-model-len %d: prompts are bounded by %d tokens (--max-prompt-tokens) and answers by "
-                        "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len); "
-                        "raise --max-prompt-tokens to reach %d",
-                        config.max_model_len, self.max_prompt_tokens, config.max_new_tokens_limit, served,
-                        config.max_model_len)
+        if (
+            config.max_model_len is not None
+            and (served := self.model_info().max_model_len) < config.max_model_len
+        ):
+            log.warning(
+                "--max-model-len %d: prompts are bounded by %d tokens (--max-prompt-tokens) and answers by "
+                "%d (--max-new-tokens-limit), so a request has %d at most (/v1/models' max_model_len); "
+                "raise --max-prompt-tokens to reach %d",
+                config.max_model_len,
+                self.max_prompt_tokens,
+                config.max_new_tokens_limit,
+                served,
+                config.max_model_len,
+            )
         self.tokenizing = adapter.tokenizing_copy()
         """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
         answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""
@@ -129,12 +137,16 @@ class PrefillEngine:
                 token_ids = self.tokenizing.tokenize(request.prompt, request.add_special_tokens)
             else:
                 token_ids = self.tokenizing.tokenize_conversation(
-                    to_chat_template(request.messages, ""), request.template.add_generation_prompt,
-                    request.add_special_tokens, request.template.continue_final_message,
+                    to_chat_template(request.messages, ""),
+                    request.template.add_generation_prompt,
+                    request.add_special_tokens,
+                    request.template.continue_final_message,
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        return TokenizeOutput(token_ids, self.tokenizing.token_strings(token_ids) if request.return_token_strs else None)
+        return TokenizeOutput(
+            token_ids, self.tokenizing.token_strings(token_ids) if request.return_token_strs else None
+        )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize
@@ -143,7 +155,10 @@ class PrefillEngine:
         return self.tokenizing.decode_tokens(list(token_ids))
 
     def validate(
-        self, messages: Sequence[Message], meta: VisualMeta | None, generation: GenerationConfig,
+        self,
+        messages: Sequence[Message],
+        meta: VisualMeta | None,
+        generation: GenerationConfig,
         template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> None:
         check_messages(messages, self.config.max_text_chars, template=template)
@@ -231,8 +246,12 @@ class PrefillEngine:
             if raw_prompt is not None:
                 prompt = self.adapter.build_raw_prompt(raw_prompt.text, raw_prompt.token_ids)
             else:
-                prompt = self.adapter.build_prompt(to_chat_template(messages, meta.modality if meta else ""), meta,
-                                                   template.add_generation_prompt, template.continue_final_message)
+                prompt = self.adapter.build_prompt(
+                    to_chat_template(messages, meta.modality if meta else ""),
+                    meta,
+                    template.add_generation_prompt,
+                    template.continue_final_message,
+                )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         num_visual = meta.num_visual_tokens if meta else 0
@@ -242,8 +261,13 @@ class PrefillEngine:
             raise ResourceExhausted(
                 f"the prompt has {prompt.num_tokens} tokens ({num_visual} of them the "
                 f"media's), over the limit of {self.max_prompt_tokens}; "
-                + ("lower max_frames, fps or max_pixels" if mostly_media
-                   else "send a shorter prompt" if raw_prompt is not None else "send a shorter conversation")
+                + (
+                    "lower max_frames, fps or max_pixels"
+                    if mostly_media
+                    else "send a shorter prompt"
+                    if raw_prompt is not None
+                    else "send a shorter conversation"
+                )
             )
         generation = self._within_context(prompt.num_tokens, generation, raw=raw_prompt is not None)
         exclusive = (
@@ -277,13 +301,17 @@ class PrefillEngine:
             # supersedes, leaves (`PrefixCache.put`).
             if media is not None and visual.numel() and not media_in_opening(messages):
                 request.prefix_also = PrefixView(self._prefix_key(None, pruning, cache_salt), int(visual[0]))
-            hit = self.prefix_cache.lookup(request.prefix_key, prompt.input_ids[0], visual_end, request.prefix_also)
+            hit = self.prefix_cache.lookup(
+                request.prefix_key, prompt.input_ids[0], visual_end, request.prefix_also
+            )
             if hit is not None:
                 request.prefix = hit
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
 
-    def _within_context(self, num_prompt_tokens: int, generation: GenerationConfig, raw: bool) -> GenerationConfig:
+    def _within_context(
+        self, num_prompt_tokens: int, generation: GenerationConfig, raw: bool
+    ) -> GenerationConfig:
         """`generation` as it fits the served context after a prompt of `num_prompt_tokens`: as
         asked, or, for a max_tokens left unset (`fit_max_new_tokens`), lowered to what the context
         leaves (vLLM's default max_tokens); InvalidRequest (vLLM's 400) saying what to change when
@@ -305,8 +333,10 @@ class PrefillEngine:
         said = f"this model's context is {context} tokens and the prompt has {num_prompt_tokens}"
         if room < 1:
             raise InvalidRequest(f"{said}, which leaves none for the answer: {shorter}")
-        raise InvalidRequest(f"{said}, which leaves {room} for the answer, fewer than min_tokens "
-                             f"({generation.min_tokens}): lower min_tokens, or {shorter}")
+        raise InvalidRequest(
+            f"{said}, which leaves {room} for the answer, fewer than min_tokens "
+            f"({generation.min_tokens}): lower min_tokens, or {shorter}"
+        )
 
     def _prefix_key(
         self, media: EncodedMedia | None, pruning: PruningConfig, cache_salt: str = "", raw: bool = False
@@ -353,7 +383,9 @@ class PrefillEngine:
         kv: KvCache = hit.entry.cache
         # [1, kv_heads, n, head_dim] views; new_decode_cache builds a DynamicCache, whose update
         # concatenates them into new tensors, so later chunks grow the copy, not the entry.
-        return self.adapter.new_decode_cache(KvCache([k[:, :, :n] for k in kv.keys], [v[:, :, :n] for v in kv.values]))
+        return self.adapter.new_decode_cache(
+            KvCache([k[:, :, :n] for k in kv.keys], [v[:, :, :n] for v in kv.values])
+        )
 
     def remember(self, request: PrefillRequest, cache: KvCache) -> None:
         """Keep a finished prompt's KV (in the model's dtype, before any kv_dtype cast) for the
@@ -445,8 +477,12 @@ class PrefillEngine:
         """The prompt's cache and last logits -> the first token and the handle decoding starts from."""
         prompt, media, pruning = _parts(request)
         if stats is None:
-            stats = PruningStats() if media is None else PruningStats(
-                stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens
+            stats = (
+                PruningStats()
+                if media is None
+                else PruningStats(
+                    stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens
+                )
             )
         num_in = 0 if media is None else media.meta.num_visual_tokens
         if pruned is not None:
@@ -494,7 +530,6 @@ class PrefillEngine:
             max_new_tokens=request.generation.max_new_tokens,
         )
         return PrefillOutput(handle, cache)
-
 
     def features(self, request: PrefillRequest) -> VisualFeatures:
         """The request's embeddings [V, hidden] and DeepStack features (None for families without

@@ -149,7 +149,11 @@ class KvStore:
             # showing caches whose TTL has passed, and not count them as expired.
             self._expire()
             return KvStoreStats(
-                len(self._entries), self.num_bytes, self.max_bytes, self.num_expired, self.num_released,
+                len(self._entries),
+                self.num_bytes,
+                self.max_bytes,
+                self.num_expired,
+                self.num_released,
                 self.num_refused,
             )
 

@@ -78,7 +78,11 @@ class PrefixEntry:
     def views(self) -> list[PrefixView]:
         """Every key it is found under, with how many of its first tokens serve that key's lookups."""
         own = [PrefixView(self.key, self.num_tokens)]
-        return own if self.also is None else [*own, PrefixView(self.also.key, min(self.also.max_tokens, self.num_tokens))]
+        return (
+            own
+            if self.also is None
+            else [*own, PrefixView(self.also.key, min(self.also.max_tokens, self.num_tokens))]
+        )
 
 
 @dataclass(frozen=True)

@@ -113,12 +113,20 @@ def pruned_prefill(
             q_after = q_before - (length - length_after)
             bounds = [0, *drop_layers, num_layers]
             left = [num_visual, *counts]  # visual tokens present in each segment of layers
-            captures = [open_captures.enter_context(adapter.capture_queries(range(a, b), q_before - (num_visual - n)))
-                        for a, b, n in zip(bounds, bounds[1:], left) if b > a]
+            captures = [
+                open_captures.enter_context(adapter.capture_queries(range(a, b), q_before - (num_visual - n)))
+                for a, b, n in zip(bounds, bounds[1:], left)
+                if b > a
+            ]
         out = prefill_with_drop(
-            adapter, hidden, pruned.position_ids.to(hidden.device), visual_index, list(drop_layers) or None,
+            adapter,
+            hidden,
+            pruned.position_ids.to(hidden.device),
+            visual_index,
+            list(drop_layers) or None,
             keep_count=num_after_drop,
-            key_mask=key_mask, query_window=config.prefill_query_window,
+            key_mask=key_mask,
+            query_window=config.prefill_query_window,
         )
     logits = adapter.logits(out.last_hidden_state[:, -1:])[0, -1]
     cache = adapter.chunk_cache_to_kv(out.past_key_values)
@@ -145,8 +153,13 @@ def pruned_prefill(
         scores = text_prior_scores(queries, layer_caches, q_after, kept_visual)
         survivor_keys = None if key_mask is None else key_mask[surviving]
         result = compress_kv_cache(
-            layer_caches, scores, kept_visual, keep_ratio=config.kv_keep_ratio,
-            budget_bytes=config.kv_budget_bytes, merge=config.kv_merge, key_mask=survivor_keys,
+            layer_caches,
+            scores,
+            kept_visual,
+            keep_ratio=config.kv_keep_ratio,
+            budget_bytes=config.kv_budget_bytes,
+            merge=config.kv_merge,
+            key_mask=survivor_keys,
             sent_element_bytes=sent_kv_element_bytes(config, cache),
         )
         cache = KvCache([k for k, _ in result.caches], [v for _, v in result.caches])

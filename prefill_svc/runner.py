@@ -78,13 +78,20 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
             except EpdError as exc:  # this request's own settings: it fails alone
                 out = RequestFailed(exc)
             except SamplingFailed as exc:  # scores its settings or input made NaN: alone, one line
-                log.warning("prefill of request %s failed after its forward pass; the others go on: %s",
-                            r.request_id, exc, extra={"request_id": r.request_id})
+                log.warning(
+                    "prefill of request %s failed after its forward pass; the others go on: %s",
+                    r.request_id,
+                    exc,
+                    extra={"request_id": r.request_id},
+                )
                 out = RequestFailed(exc)
             except Exception as exc:  # noqa: BLE001 - e.g. its sampler on NaN logits: it fails alone too
                 # extra: this runs on a model thread, outside the request's context (its log filter's id).
-                log.exception("prefill of request %s failed after its forward pass; the others go on", r.request_id,
-                              extra={"request_id": r.request_id})
+                log.exception(
+                    "prefill of request %s failed after its forward pass; the others go on",
+                    r.request_id,
+                    extra={"request_id": r.request_id},
+                )
                 out = RequestFailed(exc)
             outputs.append((r, out))
         return outputs

@@ -72,27 +72,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         generation = convert.generation_from_proto(header.generation, GenerationConfig())
         pruning = convert.pruning_from_proto(header.pruning)
         messages = convert.messages_from_proto(header.messages)
-        raw_prompt = convert.raw_prompt_from_proto(header.raw_prompt) if header.HasField("raw_prompt") else None
+        raw_prompt = (
+            convert.raw_prompt_from_proto(header.raw_prompt) if header.HasField("raw_prompt") else None
+        )
         template = convert.template_from_proto(header.template)
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
         kv_handle = check_handle(header.kv_handle)
-        handle = await self.stage.prefill(messages, media, generation, request_id, pruning, cache_salt, kv_handle,
-                                          raw_prompt=raw_prompt, template=template)
+        handle = await self.stage.prefill(
+            messages,
+            media,
+            generation,
+            request_id,
+            pruning,
+            cache_salt,
+            kv_handle,
+            raw_prompt=raw_prompt,
+            template=template,
+        )
         # A caller that goes away as the prefill finishes never gets the handle (the handler has
         # no await left to be cancelled at), so nobody would release the stored cache before its
         # TTL: the RPC's end says whether the answer got out.
         context.add_done_callback(self._release_unless_answered(handle.kv_handle, request_id))
         tracing.stage_timings(
-            log, "prefill done", prefill_ms=handle.prefill_ms, num_prompt_tokens=handle.num_prompt_tokens,
-            num_reused_prompt_tokens=handle.num_reused_prompt_tokens, kv_num_bytes=handle.kv_num_bytes,
+            log,
+            "prefill done",
+            prefill_ms=handle.prefill_ms,
+            num_prompt_tokens=handle.num_prompt_tokens,
+            num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
+            kv_num_bytes=handle.kv_num_bytes,
         )
         return convert.handle_to_proto(handle)
 
     def _release_unless_answered(self, kv_handle: str, request_id: str):
         def done(context) -> None:
             if context.cancelled() and self.kv_store.release(kv_handle):
-                log.info("released the KV cache of request %s: its caller went away before the answer", request_id)
+                log.info(
+                    "released the KV cache of request %s: its caller went away before the answer", request_id
+                )
 
         return done
 
@@ -102,8 +119,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if request.keep_until_confirmed:
             cache, num_leases = self.kv_store.lease(request.kv_handle)
             if num_leases > 1:
-                log.info("KV cache %s pulled again (pull %d): an earlier pull broke or was not confirmed",
-                         request.kv_handle, num_leases)
+                log.info(
+                    "KV cache %s pulled again (pull %d): an earlier pull broke or was not confirmed",
+                    request.kv_handle,
+                    num_leases,
+                )
         else:  # a decoder that will not confirm: the cache is handed over as it leaves
             cache = self.kv_store.take(request.kv_handle)
         num_bytes = 0
@@ -111,8 +131,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             for chunk in tensor_to_chunks(name, tensor):
                 num_bytes += len(chunk.data)
                 yield prefill_pb2.KvChunk(tensor=chunk)
-        tracing.stage_timings(log, "kv pull served", kv_num_bytes=num_bytes,
-                              send_ms=(time.perf_counter() - started) * 1e3)
+        tracing.stage_timings(
+            log, "kv pull served", kv_num_bytes=num_bytes, send_ms=(time.perf_counter() - started) * 1e3
+        )
 
     @rpc_errors
     async def ReleaseKv(self, request, context):
@@ -124,7 +145,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         else:
             released = self.kv_store.release(request.kv_handle)
             if released:
-                log.info("released the KV cache of request %s: it ended before a decoder pulled it", request_id)
+                log.info(
+                    "released the KV cache of request %s: it ended before a decoder pulled it", request_id
+                )
         return prefill_pb2.ReleaseKvResult(
             released=released, num_kv_caches_held=len(self.kv_store), kv_bytes_held=self.kv_store.num_bytes
         )
@@ -141,9 +164,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     @rpc_errors
     async def Tokenize(self, request, context):
         request_id = tracing.adopt_request_id(request.request_id)
-        return tokenize_output_to_proto(await self._loaded().tokenize(tokenize_input_from_proto(request), request_id))
+        return tokenize_output_to_proto(
+            await self._loaded().tokenize(tokenize_input_from_proto(request), request_id)
+        )
 
     @rpc_errors
     async def Detokenize(self, request, context):
-        text = await self._loaded().detokenize(list(request.token_ids), tracing.adopt_request_id(request.request_id))
+        text = await self._loaded().detokenize(
+            list(request.token_ids), tracing.adopt_request_id(request.request_id)
+        )
         return prefill_pb2.DetokenizeResult(text=text)

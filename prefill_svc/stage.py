@@ -88,8 +88,15 @@ class LocalPrefillStage(PrefillStage):
         out: PrefillOutput | None = None
         try:
             request = await self.model_thread.run(
-                self.engine.prepare, messages, media, generation, pruning, request_id, cache_salt=cache_salt,
-                raw_prompt=raw_prompt, template=template,
+                self.engine.prepare,
+                messages,
+                media,
+                generation,
+                pruning,
+                request_id,
+                cache_salt=cache_salt,
+                raw_prompt=raw_prompt,
+                template=template,
             )
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache
@@ -100,7 +107,9 @@ class LocalPrefillStage(PrefillStage):
             raise
         if out is None:
             raise RuntimeError(f"the prefill core ended request {request_id} without an output")
-        return replace(out.handle, kv_handle=self.kv_store.put(out.cache, kv_handle), kv_address=self.kv_address)
+        return replace(
+            out.handle, kv_handle=self.kv_store.put(out.cache, kv_handle), kv_address=self.kv_address
+        )
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if self.kv_store.release(handle.kv_handle):

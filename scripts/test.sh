@@ -5,6 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 .venv/bin/ruff check . || exit 1
+# Formatting is checked, not applied: `.venv/bin/ruff format .` fixes what this reports.
+.venv/bin/ruff format --check . || exit 1
 .venv/bin/mypy epd || exit 1
 export OMP_NUM_THREADS=1
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

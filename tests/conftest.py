@@ -102,8 +102,9 @@ def media_files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("media")
     files = {
         "mp4": make_video(root / "clip.mp4", codec="h264", size=(112, 84), fps=10.0, seconds=8.0, gop=20),
-        "mp4_b": make_video(root / "clip_b.mp4", codec="h264", size=(96, 64), fps=10.0, seconds=4.0, gop=10,
-                            pattern="noise"),
+        "mp4_b": make_video(
+            root / "clip_b.mp4", codec="h264", size=(96, 64), fps=10.0, seconds=4.0, gop=10, pattern="noise"
+        ),
     }
     rng = np.random.default_rng(3)
     img = rng.integers(0, 256, size=(70, 90, 3), dtype=np.uint8)

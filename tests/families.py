@@ -47,14 +47,38 @@ def build_qwen3_vl_moe_checkpoint(directory):
     processor = build_processor(spec)
     tokenizer = processor.tokenizer
     dense = build_model(spec, tokenizer).config  # the sizes, token ids and rope of the dense tiny model
-    text_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters",
-                 "eos_token_id", "bos_token_id", "pad_token_id")
-    vision_keys = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
-                   "spatial_merge_size", "temporal_patch_size", "num_position_embeddings", "deepstack_visual_indexes")
+    text_keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rope_parameters",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+    )
+    vision_keys = (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "out_hidden_size",
+        "patch_size",
+        "spatial_merge_size",
+        "temporal_patch_size",
+        "num_position_embeddings",
+        "deepstack_visual_indexes",
+    )
     config = Qwen3VLMoeConfig(
-        text_config={**{k: getattr(dense.text_config, k) for k in text_keys}, **QWEN3_VL_MOE_TEXT,
-                     "tie_word_embeddings": False},
+        text_config={
+            **{k: getattr(dense.text_config, k) for k in text_keys},
+            **QWEN3_VL_MOE_TEXT,
+            "tie_word_embeddings": False,
+        },
         vision_config={k: getattr(dense.vision_config, k) for k in vision_keys},
         image_token_id=dense.image_token_id,
         video_token_id=dense.video_token_id,
@@ -93,14 +117,18 @@ def conversation(video) -> list[dict]:
     return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
 
 
-def qwen_processor_inputs(processor, video, metadata=None, messages: list[dict] | None = None, **template: bool):
+def qwen_processor_inputs(
+    processor, video, metadata=None, messages: list[dict] | None = None, **template: bool
+):
     """A Qwen3-style processor's own __call__ on the same frames, for `messages` (the processor's
     chat form; default: `conversation(video)`; `template`: apply_chat_template's options). Video metadata as a user of transformers gives it:
     the source's fps and the decoded frames' indices in the source."""
     from transformers.video_utils import VideoMetadata
 
     messages = conversation(video) if messages is None else messages
-    text = processor.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **template})
+    text = processor.apply_chat_template(
+        messages, tokenize=False, **{"add_generation_prompt": True, **template}
+    )
     if video.is_image:
         return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
     if metadata is None:
@@ -121,8 +149,9 @@ def make_clip_over_qwen3_size_limit(directory: Path) -> Path:
     return make_video(directory / "big.mp4", codec="h264", size=(224, 192), fps=10.0, seconds=4.0, gop=10)
 
 
-def generate_on_whole_clip(whole, path: Path, num_frames: int,
-                           max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, int, list[int]]:
+def generate_on_whole_clip(
+    whole, path: Path, num_frames: int, max_new_tokens: int = MAX_NEW_TOKENS
+) -> tuple[int, int, list[int]]:
     """generate() given `num_frames` frames of `path` as one clip (the processor's own inputs):
     (prompt tokens, visual tokens, greedy tokens)."""
     model, processor = whole
@@ -131,11 +160,12 @@ def generate_on_whole_clip(whole, path: Path, num_frames: int,
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     prompt_ids = inputs["input_ids"]  # [1, L]
     num_visual = int((prompt_ids == model.config.video_token_id).sum())
-    return prompt_ids.shape[1], num_visual, out[0, prompt_ids.shape[1]:].tolist()
+    return prompt_ids.shape[1], num_visual, out[0, prompt_ids.shape[1] :].tolist()
 
 
-def assert_pipeline_answers_as_generate(pipeline, whole, path: Path, num_frames: int,
-                                        max_new_tokens: int = MAX_NEW_TOKENS) -> None:
+def assert_pipeline_answers_as_generate(
+    pipeline, whole, path: Path, num_frames: int, max_new_tokens: int = MAX_NEW_TOKENS
+) -> None:
     """The embedded pipeline's answer on `num_frames` frames of `path` has generate()'s prompt
     length, visual token count and greedy tokens on the whole clip."""
     import asyncio
@@ -197,7 +227,11 @@ def checkpoint_keys(checkpoint, vision_key, language_key) -> tuple[set[str], set
     root, files = safetensors_files(str(checkpoint))
     with safetensors.safe_open(str(root / files[0]), framework="pt") as f:
         keys = set(f.keys())
-    return keys, {k for k in keys if vision_key(k) is not None}, {k for k in keys if language_key(k) is not None}
+    return (
+        keys,
+        {k for k in keys if vision_key(k) is not None},
+        {k for k in keys if language_key(k) is not None},
+    )
 
 
 def assert_batched_decode_equals_alone(language, states, steps: int = 6) -> None:
@@ -239,8 +273,20 @@ def assert_epd_ask_equals_references(checkpoint, media_files, references, capsys
     from epd.cli.main import main
 
     for media, num_frames in (("mp4", 8), ("png", 1)):
-        code = main(["ask", str(media_files[media]), QUESTION, "--model", str(checkpoint), "--json",
-                     "--num-frames", str(num_frames), "--max-new-tokens", str(MAX_NEW_TOKENS)])
+        code = main(
+            [
+                "ask",
+                str(media_files[media]),
+                QUESTION,
+                "--model",
+                str(checkpoint),
+                "--json",
+                "--num-frames",
+                str(num_frames),
+                "--max-new-tokens",
+                str(MAX_NEW_TOKENS),
+            ]
+        )
         out = capsys.readouterr().out
         assert code == 0, out
         assert json.loads(out.strip().splitlines()[-1])["token_ids"] == references[(media, num_frames)], media

@@ -59,9 +59,17 @@ _SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkser
 # Frames shown where a thing was made: the project's own (tests and epd), not the standard
 # library's, grpc's, pytest's or this file's.
 _NOT_OURS = tuple(
-    {str(Path(p)) for name in ("stdlib", "platstdlib", "purelib", "platlib") for p in (
-        sysconfig.get_paths()[name], Path(sysconfig.get_paths()[name]).resolve())}
-    | {str(Path(grpc.__file__).resolve().parent.parent), str(Path(__file__)), str(Path(__file__).resolve()), "<frozen "}
+    {
+        str(Path(p))
+        for name in ("stdlib", "platstdlib", "purelib", "platlib")
+        for p in (sysconfig.get_paths()[name], Path(sysconfig.get_paths()[name]).resolve())
+    }
+    | {
+        str(Path(grpc.__file__).resolve().parent.parent),
+        str(Path(__file__)),
+        str(Path(__file__).resolve()),
+        "<frozen ",
+    }
 )
 
 
@@ -116,10 +124,12 @@ def _wrap(cls: type, name: str, **flags: bool) -> None:
         return
 
     if name in ("start", "stop", "_close") and cls in (grpc.aio._channel.Channel, grpc.aio._server.Server):
+
         async def wrapper(self, *args, **kwargs):  # asyncio: marked when called, as the closing begins
             _mark(self, **flags)
             return await original(self, *args, **kwargs)
     else:
+
         def wrapper(self, *args, **kwargs):  # type: ignore[misc]
             _mark(self, **flags)
             return original(self, *args, **kwargs)
@@ -264,7 +274,9 @@ def check_test(scope: TestScope, wider_fixtures: Callable[[], list[Any]]) -> lis
     children = _new_children(scope.children)
     if not (open_records or children):
         return []
-    owned_objects, owned_pids = _reachable(wider_fixtures(), {id(o) for r in open_records if (o := r.ref())}, children)
+    owned_objects, owned_pids = _reachable(
+        wider_fixtures(), {id(o) for r in open_records if (o := r.ref())}, children
+    )
     leaks: list[str] = []
     for rec in open_records:
         obj = rec.ref()

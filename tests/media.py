@@ -71,8 +71,8 @@ def _ramps(width: int, height: int) -> tuple[np.ndarray, np.ndarray]:
     """The "moving" pattern's horizontal and vertical ramps ([1, W] and [H, 1], 0..255), which every
     frame shifts: made once per size instead of an [H, W] grid per frame (at 720p that grid was
     most of the time to make a clip). Read-only."""
-    ramp_x = (np.arange(width)[None, :] * 255 // max(width - 1, 1))
-    ramp_y = (np.arange(height)[:, None] * 255 // max(height - 1, 1))
+    ramp_x = np.arange(width)[None, :] * 255 // max(width - 1, 1)
+    ramp_y = np.arange(height)[:, None] * 255 // max(height - 1, 1)
     ramp_x.flags.writeable = False
     ramp_y.flags.writeable = False
     return ramp_x, ramp_y
@@ -122,7 +122,11 @@ def read_frame_number(rgb: np.ndarray) -> int:
     middle of each stripe, so coding noise at the stripe edges does not matter."""
     stripe_w = rgb.shape[1] // 8
     margin = stripe_w // 4
-    return sum(1 << bit for bit in range(8) if rgb[:, bit * stripe_w + margin : (bit + 1) * stripe_w - margin].mean() > 128)
+    return sum(
+        1 << bit
+        for bit in range(8)
+        if rgb[:, bit * stripe_w + margin : (bit + 1) * stripe_w - margin].mean() > 128
+    )
 
 
 def _draw_frame_number(img: np.ndarray, i: int) -> None:
@@ -247,7 +251,9 @@ def make_resolution_change(
             for i in range(count + 1):
                 frame = None
                 if i < count:
-                    frame = av.VideoFrame.from_ndarray(frame_pattern(offset + i, width, height), format="rgb24")
+                    frame = av.VideoFrame.from_ndarray(
+                        frame_pattern(offset + i, width, height), format="rgb24"
+                    )
                     frame = frame.reformat(format="yuv420p")
                     frame.pts = offset + i if part == 0 else i
                     frame.time_base = 1 / rate
@@ -268,7 +274,9 @@ def _tiny_idr_frame(stream) -> bytes:
 
     stream.width = stream.height = 16
     stream.pix_fmt = "yuv420p"
-    frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
+    frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24").reformat(
+        format="yuv420p"
+    )
     packets = []
     for i in range(3):
         frame.pts = i
@@ -297,7 +305,9 @@ def make_packet_flood(num_packets: int) -> bytes:
 
     buf = io.BytesIO()
     with av.open(buf, "w", format="matroska") as out:
-        stream = out.add_stream("libx264", rate=1000, options={"x264-params": "keyint=1", "preset": "ultrafast"})
+        stream = out.add_stream(
+            "libx264", rate=1000, options={"x264-params": "keyint=1", "preset": "ultrafast"}
+        )
         payload = _tiny_idr_frame(stream)
         for i in range(num_packets):
             _mux_keyframe(out, stream, payload, pts_ms=i)

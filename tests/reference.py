@@ -117,7 +117,9 @@ def template_reference(
     if video is not None:
         inputs = reference_inputs(processor, video, messages, **template)
     else:
-        text = processor.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **template})
+        text = processor.apply_chat_template(
+            messages, tokenize=False, **{"add_generation_prompt": True, **template}
+        )
         inputs = processor(text=[text], return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
@@ -131,9 +133,13 @@ def raw_reference(model_dir, prompt: str, max_new_tokens: int) -> tuple[list[int
     model, processor = whole_model(model_dir)
     ids = processor.tokenizer(prompt).input_ids
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens)
-    return ids, out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+        )
+    return ids, out[0, len(ids) :].tolist()
 
 
 def divergence_margin(

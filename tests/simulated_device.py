@@ -30,7 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 DEVICE = torch.device("meta")
 _CPU = torch.device("cpu")
 _aten = torch.ops.aten
-_INDEX_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+_INDEX_OPS = {
+    _aten.index.Tensor,
+    _aten.index_put.default,
+    _aten.index_put_.default,
+    _aten._index_put_impl_.default,
+}
 
 
 class DeviceTensor(torch.Tensor):
@@ -121,12 +126,16 @@ class SimulatedDevice(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _mixes_devices(func, args, kwargs):
-            raise RuntimeError(f"{func}: expected all tensors to be on the same device, found the device and cpu")
+            raise RuntimeError(
+                f"{func}: expected all tensors to be on the same device, found the device and cpu"
+            )
         devices = [d for d in pytree.tree_leaves((args, kwargs)) if isinstance(d, torch.device)]
         to_device = any(d == DEVICE for d in devices)
         from_device = any(isinstance(t, DeviceTensor) for t in pytree.tree_leaves((args, kwargs)))
         wrapped = {id(t.elem): t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DeviceTensor)}
-        args, kwargs = pytree.tree_map_only(torch.device, lambda d: _CPU if d == DEVICE else d, (args, kwargs))
+        args, kwargs = pytree.tree_map_only(
+            torch.device, lambda d: _CPU if d == DEVICE else d, (args, kwargs)
+        )
         args, kwargs = pytree.tree_map_only(DeviceTensor, lambda t: t.elem, (args, kwargs))
         out = func(*args, **kwargs)
         # The result is on the device when asked for (device=DEVICE), or when made from device

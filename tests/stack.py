@@ -26,8 +26,12 @@ from epd.v1 import decode_pb2, encoder_pb2, gateway_pb2, prefill_pb2
 
 ROLE_SERVICES = {
     role: module.DESCRIPTOR.services_by_name[service].full_name
-    for role, module, service in (("encoder", encoder_pb2, "EncoderService"), ("prefill", prefill_pb2, "PrefillService"),
-                                  ("decode", decode_pb2, "DecodeService"), ("gateway", gateway_pb2, "GatewayService"))
+    for role, module, service in (
+        ("encoder", encoder_pb2, "EncoderService"),
+        ("prefill", prefill_pb2, "PrefillService"),
+        ("decode", decode_pb2, "DecodeService"),
+        ("gateway", gateway_pb2, "GatewayService"),
+    )
 }
 """Each role's gRPC service: the readiness check asks for it by name, so another server on the port
 (whatever it is) never counts as the role serving."""
@@ -68,7 +72,11 @@ def port_with_replicas(count: int, taken: set[int]) -> int:
     while True:
         port = free_port()
         wanted = [port + REPLICA_PORT_STEP * i for i in range(count)]
-        if taken.isdisjoint(wanted) and _handed_out.isdisjoint(wanted[1:]) and all(port_is_free(p) for p in wanted):
+        if (
+            taken.isdisjoint(wanted)
+            and _handed_out.isdisjoint(wanted[1:])
+            and all(port_is_free(p) for p in wanted)
+        ):
             taken.update(wanted)
             _handed_out.update(wanted)  # free_port() hands none of them out later
             return port
@@ -136,7 +144,8 @@ def run_epd_forked(*args: str, stdin: str = "", timeout_s: float = 180.0) -> sub
         paths = [os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")]
         Path(paths[0]).write_text(stdin)
         proc = multiprocessing.get_context("forkserver").Process(
-            target=_run_epd_captured, args=(list(args), child_env(), *paths), name="epd-forked", daemon=False)
+            target=_run_epd_captured, args=(list(args), child_env(), *paths), name="epd-forked", daemon=False
+        )
         proc.start()
         proc.join(timeout_s)
         if proc.exitcode is None:
@@ -147,15 +156,19 @@ def run_epd_forked(*args: str, stdin: str = "", timeout_s: float = 180.0) -> sub
     return subprocess.CompletedProcess(["epd", *args], proc.exitcode, stdout, stderr)
 
 
-def _run_epd_captured(argv: list[str], env: dict[str, str], stdin_path: str, stdout_path: str,
-                      stderr_path: str) -> None:
+def _run_epd_captured(
+    argv: list[str], env: dict[str, str], stdin_path: str, stdout_path: str, stderr_path: str
+) -> None:
     """In the forked child: `epd ARGV` with its standard streams on the given files."""
     from epd.cli.zygote_signals import INHERITED
 
     for signum, handler in INHERITED.items():  # the zygote ignores them; the command does not
         signal.signal(signum, handler)
-    for fd, path, flags in ((0, stdin_path, os.O_RDONLY), (1, stdout_path, os.O_WRONLY | os.O_TRUNC),
-                            (2, stderr_path, os.O_WRONLY | os.O_TRUNC)):
+    for fd, path, flags in (
+        (0, stdin_path, os.O_RDONLY),
+        (1, stdout_path, os.O_WRONLY | os.O_TRUNC),
+        (2, stderr_path, os.O_WRONLY | os.O_TRUNC),
+    ):
         opened = os.open(path, flags | (os.O_CREAT if fd else 0), 0o644)
         os.dup2(opened, fd)
         os.close(opened)
@@ -196,8 +209,13 @@ def wait_until_serving(address: str, proc: ServiceProcess, timeout_s: float = 12
 class Stack:
     """Context manager; `.gateway` is the front door's address."""
 
-    def __init__(self, model: Path, log_dir: Path, extra: dict[str, list[str]] | None = None,
-                 internal_secret: bool = False) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log_dir: Path,
+        extra: dict[str, list[str]] | None = None,
+        internal_secret: bool = False,
+    ) -> None:
         self.model = str(model)
         self.log_dir = log_dir
         self.extra = extra or {}
@@ -216,11 +234,23 @@ class Stack:
     def command(self, name: str) -> list[str]:
         p = self.ports
         if name == "gateway":
-            args = ["serve", "gateway", "--port", str(p["gateway"]), "--encoder", self.address("encoder"),
-                    "--prefill", self.address("prefill"), "--decode", self.address("decode")]
+            args = [
+                "serve",
+                "gateway",
+                "--port",
+                str(p["gateway"]),
+                "--encoder",
+                self.address("encoder"),
+                "--prefill",
+                self.address("prefill"),
+                "--decode",
+                self.address("decode"),
+            ]
         else:
             args = ["serve", name, "--port", str(p[name]), "--model", self.model]
-            if not self.internal_secret and not {"--tls-client-ca", "--internal-secret-file"} & set(self.extra.get(name, [])):
+            if not self.internal_secret and not {"--tls-client-ca", "--internal-secret-file"} & set(
+                self.extra.get(name, [])
+            ):
                 args += INSECURE_STAGE
         return epd_command(*args, *self.extra.get(name, []))
 
@@ -230,8 +260,9 @@ class Stack:
             log_path = self.log_dir / f"{name}.log"
             if name == "gateway":  # no model, no torch: a plain interpreter, as `epd serve` starts it
                 with open(log_path, "w") as log:
-                    self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT,
-                                                        env=self.env, cwd=ROOT)
+                    self.procs[name] = subprocess.Popen(
+                        self.command(name), stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
+                    )
             else:
                 log_path.write_text("")
                 self.procs[name] = zygote().start(name, self.command(name)[3:], self.env, str(log_path))
@@ -260,7 +291,9 @@ class Stack:
         return all(p.poll() is None for p in self.procs.values())
 
 
-def replica_file_stack(model: Path, tmp_path: Path, stage: str, *gateway_flags: str) -> tuple[Stack, Path, int]:
+def replica_file_stack(
+    model: Path, tmp_path: Path, stage: str, *gateway_flags: str
+) -> tuple[Stack, Path, int]:
     """A Stack (logs in tmp_path/logs) whose gateway takes `stage`'s replicas from a replica file
     (`--replicas-file`, at first the stack's own replica) and serves HTTP: (the stack, the file,
     the HTTP port)."""
@@ -270,5 +303,11 @@ def replica_file_stack(model: Path, tmp_path: Path, stage: str, *gateway_flags: 
     stack = Stack(model, logs)
     replicas_file = tmp_path / "replicas.json"
     replicas_file.write_text(json.dumps({stage: [stack.address(stage)]}))
-    stack.extra["gateway"] = ["--replicas-file", str(replicas_file), "--http-port", str(http_port), *gateway_flags]
+    stack.extra["gateway"] = [
+        "--replicas-file",
+        str(replicas_file),
+        "--http-port",
+        str(http_port),
+        *gateway_flags,
+    ]
     return stack, replicas_file, http_port

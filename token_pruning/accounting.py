@@ -46,14 +46,21 @@ class ModelSizes:
             intermediate_size=text_config.intermediate_size,
             num_heads=text_config.num_attention_heads,
             num_kv_heads=text_config.num_key_value_heads,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
+            head_dim=getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads,
         )
 
     @classmethod
     def from_dims(cls, dims: TextDims) -> ModelSizes:
         """From the adapter's `VLMAdapter.text_dims`."""
-        return cls(dims.num_layers, dims.hidden_size, dims.intermediate_size, dims.num_heads, dims.num_kv_heads,
-                   dims.head_dim)
+        return cls(
+            dims.num_layers,
+            dims.hidden_size,
+            dims.intermediate_size,
+            dims.num_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
+        )
 
 
 def layer_prefill_flops(sizes: ModelSizes, num_tokens: int) -> int:

@@ -61,7 +61,9 @@ def received_attention(
     n_rep = num_heads // num_kv_heads
     scaling = head_dim**-0.5 if scaling is None else scaling
     device = query_states.device
-    key_positions = torch.arange(num_keys, device=device) if key_positions is None else key_positions.to(device)
+    key_positions = (
+        torch.arange(num_keys, device=device) if key_positions is None else key_positions.to(device)
+    )
     scored_keys = torch.arange(num_keys, device=device) if scored_keys is None else scored_keys.to(device)
     query_positions = query_positions.to(device)
 

@@ -36,8 +36,10 @@ def staged_keep_counts(num_tokens: int, final_count: int, num_stages: int) -> li
     if num_tokens == 0:
         return [0] * num_stages
     ratio = final_count / num_tokens
-    counts = [max(final_count, math.ceil(round(num_tokens * ratio ** ((i + 1) / num_stages), 6)))
-              for i in range(num_stages - 1)]
+    counts = [
+        max(final_count, math.ceil(round(num_tokens * ratio ** ((i + 1) / num_stages), 6)))
+        for i in range(num_stages - 1)
+    ]
     return [*counts, final_count]
 
 

@@ -208,7 +208,9 @@ class PruningConfig:
         """The knobs that differ from the defaults, as text: `from_knobs(cfg.to_knobs()) == cfg`."""
         default = PruningConfig()
         return {
-            f.name: str(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)
+            f.name: str(getattr(self, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
         }
 
     @classmethod

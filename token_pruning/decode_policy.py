@@ -67,8 +67,14 @@ class OutputAwareEviction:
         layers = []
         for i, mask in enumerate(visual_masks):
             device = mask.device
-            pos = torch.arange(mask.shape[1], device=device).expand_as(mask) if positions is None else positions[i]
-            layers.append(_LayerState(torch.zeros(mask.shape, device=device), mask.clone(), pos.to(device, copy=True)))
+            pos = (
+                torch.arange(mask.shape[1], device=device).expand_as(mask)
+                if positions is None
+                else positions[i]
+            )
+            layers.append(
+                _LayerState(torch.zeros(mask.shape, device=device), mask.clone(), pos.to(device, copy=True))
+            )
         counts = {int(s.visual.sum(dim=1).max()) for s in layers} | {
             int(s.visual.sum(dim=1).min()) for s in layers
         }

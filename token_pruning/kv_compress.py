@@ -149,7 +149,9 @@ def compress_kv_cache(
         num_keep = visual_keep_count_from_bytes(budget_bytes, seq_len - num_visual, num_visual, per_position)
     else:
         num_keep = resolve_keep_count(num_visual, keep_ratio)
-    key_mask = torch.zeros(num_visual, dtype=torch.bool, device=device) if key_mask is None else key_mask.to(device)
+    key_mask = (
+        torch.zeros(num_visual, dtype=torch.bool, device=device) if key_mask is None else key_mask.to(device)
+    )
     if int(key_mask.sum()) > num_keep:
         raise ValueError(
             f"the {int(key_mask.sum())} key tokens exceed the KV budget of {num_keep} visual entries; "
@@ -170,7 +172,9 @@ def compress_kv_cache(
         order = torch.sort(layer_scores, dim=1, descending=True, stable=True).indices  # [G, V]
         kept, evicted = order[:, :num_keep].sort(dim=1).values, order[:, num_keep:]
         layer_sizes = (
-            torch.ones(num_kv_heads, seq_len, device=device) if sizes is None else sizes[layer].to(device, torch.float32)
+            torch.ones(num_kv_heads, seq_len, device=device)
+            if sizes is None
+            else sizes[layer].to(device, torch.float32)
         )
         vis_k, vis_v = key[0][:, visual_index], value[0][:, visual_index]  # [G, V, D]
         new_k, new_v, new_s = _merge(vis_k, vis_v, layer_sizes[:, visual_index], kept, evicted, merge)

@@ -82,7 +82,9 @@ def prefill_with_drop(
     of the visual tokens in L. key_mask: [V] bool, never dropped.
     """
     run, num_layers = _start(model, inputs_embeds, position_ids)
-    drop_layers = [] if drop_layer is None else [drop_layer] if isinstance(drop_layer, int) else list(drop_layer)
+    drop_layers = (
+        [] if drop_layer is None else [drop_layer] if isinstance(drop_layer, int) else list(drop_layer)
+    )
     for d in drop_layers:
         if not 0 <= d < num_layers:
             raise ValueError(f"drop layers must be in [0, {num_layers - 1}], got {drop_layers}")
@@ -90,7 +92,9 @@ def prefill_with_drop(
         raise ValueError(f"drop layers must be strictly ascending, got {drop_layers}")
     num_visual = visual_index.numel()
     final = resolve_keep_count(num_visual, keep_ratio, keep_count)
-    budget = dict(zip(drop_layers, staged_keep_counts(num_visual, final, len(drop_layers)))) if drop_layers else {}
+    budget = (
+        dict(zip(drop_layers, staged_keep_counts(num_visual, final, len(drop_layers)))) if drop_layers else {}
+    )
     # Index bookkeeping stays on visual_index's device (the CPU, with the prompt); the model's
     # tensors take those indices where they are (indexing a device tensor with CPU indices works).
     keep = torch.arange(inputs_embeds.shape[1], device=visual_index.device)

@@ -83,7 +83,11 @@ def spatial_merge(
         raise ValueError(f"window must be >= 1, got {window}")
     device, index_device = embeddings.device, grid.flat_index.device
     sizes = torch.ones(n, device=device) if sizes is None else sizes.to(device, torch.float32)
-    key_mask = torch.zeros(n, dtype=torch.bool, device=index_device) if key_mask is None else key_mask.to(index_device)
+    key_mask = (
+        torch.zeros(n, dtype=torch.bool, device=index_device)
+        if key_mask is None
+        else key_mask.to(index_device)
+    )
 
     a, b = grid.neighbour_pairs(spatial=True, temporal=False)  # [E] each, on index_device
     _, rows, cols = grid.coords()
@@ -99,7 +103,9 @@ def spatial_merge(
     on_device = assignment.to(device)
     weighted = torch.zeros(num_out, embeddings.shape[1], dtype=torch.float64, device=device)
     weighted.index_add_(0, on_device, embeddings.double() * sizes.double()[:, None])
-    out_sizes = torch.zeros(num_out, dtype=torch.float64, device=device).index_add_(0, on_device, sizes.double())
+    out_sizes = torch.zeros(num_out, dtype=torch.float64, device=device).index_add_(
+        0, on_device, sizes.double()
+    )
     merged = (weighted / out_sizes[:, None]).to(embeddings.dtype)
     return MergeResult(
         embeddings=merged,

@@ -61,7 +61,9 @@ def dual_rule_select(
     """
     num_tokens = total.numel()
     device = total.device
-    key_mask = torch.zeros(num_tokens, dtype=torch.bool, device=device) if key_mask is None else key_mask.to(device)
+    key_mask = (
+        torch.zeros(num_tokens, dtype=torch.bool, device=device) if key_mask is None else key_mask.to(device)
+    )
     num_key = int(key_mask.sum())
     if num_keep > num_tokens:
         raise ValueError(f"cannot keep {num_keep} of {num_tokens} tokens")

@@ -31,7 +31,9 @@ however small it is (25-80 us for a 16x16 H.264 frame here, what ~10-30 K pixels
 frame cost), so a million tiny frames cannot hide under the pixel budget."""
 
 
-def frame_too_large(width: int, height: int, limits: DecodeLimits, what: str = "the video") -> MediaLimitError:
+def frame_too_large(
+    width: int, height: int, limits: DecodeLimits, what: str = "the video"
+) -> MediaLimitError:
     return MediaLimitError(
         f"{what} is {width}x{height}, over this server's limit of {limits.max_source_pixels} "
         "pixels per frame (encoder flag --max-source-pixels); downscale it before sending"

@@ -190,7 +190,9 @@ def _read_frames(reader, positions: list[int], buf, seek: bool) -> tuple[int, in
                 raise RuntimeError("frames larger than the shared buffer")
             frames = np.ndarray((len(positions), height, width, 3), np.uint8, buffer=buf)
         if frame.shape != frames.shape[1:]:  # the index saw one size; decord went on at another
-            raise RuntimeError(f"frame {position} is {width}x{height}, not {frames.shape[2]}x{frames.shape[1]}")
+            raise RuntimeError(
+                f"frame {position} is {width}x{height}, not {frames.shape[2]}x{frames.shape[1]}"
+            )
         frames[i] = frame
         i += 1
     assert frames is not None
@@ -230,7 +232,11 @@ class DecordDecoder:
         self._proc, self._conn = None, None
 
     def hands_over(
-        self, data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(), sha256: str | None = None,
+        self,
+        data: bytes,
+        opts: SamplingOptions,
+        limits: DecodeLimits = DecodeLimits(),
+        sha256: str | None = None,
         cache_salt: str = "",
     ) -> bool:
         """Whether this request is the PyAV backend's to decode: a video decord cannot seek in
@@ -284,7 +290,16 @@ class DecordDecoder:
                 # child decodes all at once, uncharged); past it the child is killed.
                 remaining_s = budget.remaining_s()
                 try:
-                    self._conn.send((data, positions, index.frames.pts_s.tolist(), shm.name, self.config.num_threads, seek))
+                    self._conn.send(
+                        (
+                            data,
+                            positions,
+                            index.frames.pts_s.tolist(),
+                            shm.name,
+                            self.config.num_threads,
+                            seek,
+                        )
+                    )
                     answered = self._conn.poll(min(self.config.timeout_s, remaining_s))
                     if answered:
                         status, payload = self._conn.recv()

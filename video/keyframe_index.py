@@ -170,8 +170,6 @@ def build_video_index(
     )
 
 
-
-
 def probe_rotation(data: bytes, limits: DecodeLimits = DecodeLimits()) -> int:
     """Counter-clockwise display rotation (0, 90, 180 or 270) of the first decodable frame of
     `data`'s first video stream (0 when none decodes in its first 64 packets)."""
@@ -236,8 +234,9 @@ class KeyframeIndexCache:
             _check_limits(index, limits)
             return index
         try:
-            return self._insert(build_video_index(data, limits, sha256, stop=cancel.is_set if cancel else None),
-                                cache_salt)
+            return self._insert(
+                build_video_index(data, limits, sha256, stop=cancel.is_set if cancel else None), cache_salt
+            )
         except DemuxStopped:
             raise DecodeCancelled("cancelled during the demux pass") from None
 

@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 
 SEND_SUPPORTED = "send MP4/MOV, Matroska/WebM, AVI or MPEG-TS video, or a JPEG, PNG or WebP image"
 UNSUPPORTED = (
-    "unsupported container: the file is corrupt, truncated, or not a supported container; "
-    + SEND_SUPPORTED
+    "unsupported container: the file is corrupt, truncated, or not a supported container; " + SEND_SUPPORTED
 )
 
 # Box types FFmpeg's MOV demuxer accepts as the first box of a file (offset 4).
@@ -129,9 +128,7 @@ def sniff_container(data: bytes) -> Container:
 
 def _is_mpegts(data: bytes, packet_bytes: int, offset: int) -> bool:
     num_packets = min(len(data) // packet_bytes, _TS_PACKETS_CHECKED)
-    return num_packets >= 3 and all(
-        data[offset + i * packet_bytes] == _TS_SYNC for i in range(num_packets)
-    )
+    return num_packets >= 3 and all(data[offset + i * packet_bytes] == _TS_SYNC for i in range(num_packets))
 
 
 class ReadGuard:
@@ -236,7 +233,9 @@ def _open_av(
             # or, where it declares streams as it meets them, as MPEG-TS does from its PMT, goes on
             # without them); one over, so that a file over the limit shows it (below).
             container_options={
-                "format_whitelist": demuxer, "protocol_whitelist": "", "max_streams": str(MAX_STREAMS + 1)
+                "format_whitelist": demuxer,
+                "protocol_whitelist": "",
+                "max_streams": str(MAX_STREAMS + 1),
             },
             # Codec options of the decoders avformat_find_stream_info opens to probe the streams.
             options={"max_pixels": max_pixels},
@@ -259,8 +258,10 @@ def _open_av(
         if container.streams.video:
             stream = container.streams.video[0]
             if stream.codec_context is None:  # FFmpeg has no decoder for this codec
-                raise MediaError("the video's codec is not one this server decodes; send H.264, H.265, VP8, VP9, "
-                                 "AV1, MPEG-2, MPEG-4 Part 2 or MJPEG video")
+                raise MediaError(
+                    "the video's codec is not one this server decodes; send H.264, H.265, VP8, VP9, "
+                    "AV1, MPEG-2, MPEG-4 Part 2 or MJPEG video"
+                )
             # The decoder the caller will use opens on its first packet, with these options.
             stream.codec_context.options = {"max_pixels": max_pixels}
     except BaseException:
@@ -278,8 +279,10 @@ def open_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image:
     if container.pillow_format is None:
         raise MediaError(f"expected an image here but got {container.name} video; {SEND_SUPPORTED}")
     if container is JPEG and (num_scans := data.count(_JPEG_START_OF_SCAN)) > MAX_JPEG_SCANS:
-        raise MediaLimitError(f"the JPEG has {num_scans} scans, over this server's limit of {MAX_JPEG_SCANS}; "
-                              "send it re-encoded (a baseline JPEG has one scan, a progressive one about ten)")
+        raise MediaLimitError(
+            f"the JPEG has {num_scans} scans, over this server's limit of {MAX_JPEG_SCANS}; "
+            "send it re-encoded (a baseline JPEG has one scan, a progressive one about ten)"
+        )
     try:
         img = PILImage.open(io.BytesIO(data), formats=[container.pillow_format])
     except PILImage.DecompressionBombError:

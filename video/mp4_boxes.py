@@ -129,7 +129,14 @@ def _index_entries(track: _Track) -> int:
     the whole track); or more, where an HEVC track unrolls its ctts or sbgp counts."""
     entries = track.num_samples
     stts, stsc = track.stts, track.stsc
-    if stts is not None and len(stts) == 1 and stts[0, 1] == 1 and stsc is not None and len(stsc) and track.num_chunks:
+    if (
+        stts is not None
+        and len(stts) == 1
+        and stts[0, 1] == 1
+        and stsc is not None
+        and len(stsc)
+        and track.num_chunks
+    ):
         entries = max(entries, _chunk_pieces(stsc, track.num_chunks))
     return max(entries * max(track.num_edits, 1), track.num_ctts_samples, track.num_sbgp_samples)
 
@@ -158,7 +165,9 @@ def _walk_boxes(data: memoryview, start: int, end: int, path: tuple[bytes, ...],
     """Every box in data[start:end], whose parents are `path`; box sizes read as FFmpeg reads
     them (0: to the end of the parent; 1: a 64-bit size follows; past the parent: cut to it)."""
     if len(path) > _MAX_DEPTH:
-        raise MediaError(f"the file's boxes are nested more than {_MAX_DEPTH} deep; the file is corrupt: {_REMUX}")
+        raise MediaError(
+            f"the file's boxes are nested more than {_MAX_DEPTH} deep; the file is corrupt: {_REMUX}"
+        )
     pos = start
     while pos + 8 <= end:
         walk.num_boxes += 1
@@ -181,7 +190,9 @@ def _walk_boxes(data: memoryview, start: int, end: int, path: tuple[bytes, ...],
         pos += size
 
 
-def _visit(data: memoryview, kind: bytes, payload: int, end: int, path: tuple[bytes, ...], walk: _Walk) -> None:
+def _visit(
+    data: memoryview, kind: bytes, payload: int, end: int, path: tuple[bytes, ...], walk: _Walk
+) -> None:
     """One box: kind, payload data[payload:end], parents `path`."""
     if kind == b"cmov":
         raise MediaError(f"compressed movie headers (QuickTime cmov) are not supported; {_REMUX}")

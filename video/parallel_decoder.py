@@ -337,14 +337,18 @@ def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, s
                 if interval.keyframe_pts <= frame_pts[0]:
                     frames = _decode_iter(container, stream, keep, budget, order_pts)
                 else:
-                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
+                    frames = _seek(
+                        container, stream, index, interval.keyframe_pts, first_target, keep, budget
+                    )
             else:
                 ahead = int(
                     np.searchsorted(frame_pts, interval.keyframe_pts)
                     - np.searchsorted(frame_pts, last_pts, "right")
                 )
                 if last_pts >= first_target or ahead > req.seek_cost_frames:
-                    frames = _seek(container, stream, index, interval.keyframe_pts, first_target, keep, budget)
+                    frames = _seek(
+                        container, stream, index, interval.keyframe_pts, first_target, keep, budget
+                    )
             for frame in frames:
                 if req.stopped() or retired.is_set():
                     raise _Cancelled
@@ -391,8 +395,15 @@ def _decode_packets(container, stream, keep: frozenset[int] | None, budget: Deco
                 yield frame
 
 
-def _seek(container, stream, index: VideoIndex, keyframe_pts: int, first_target: int,
-          keep: frozenset[int] | None, budget: DecodeBudget) -> Iterator:
+def _seek(
+    container,
+    stream,
+    index: VideoIndex,
+    keyframe_pts: int,
+    first_target: int,
+    keep: frozenset[int] | None,
+    budget: DecodeBudget,
+) -> Iterator:
     """Seek to the keyframe; if the demuxer lands after the first target, back off and retry."""
     keys = index.keyframe_pts
     k = int(np.searchsorted(keys, keyframe_pts, "right")) - 1
@@ -485,7 +496,9 @@ class FrameGroupStream(Iterator[FrameGroup]):
             assert req is not None and req.out is not None  # [unique frames, height, width, 3]
             if self.merge_up_to:
                 frame_pixels = max(1, req.out.shape[1] * req.out.shape[2])
-                last = self._merge_decoded(first, last, min(self.merge_up_to, self.merge_up_to_pixels // frame_pixels))
+                last = self._merge_decoded(
+                    first, last, min(self.merge_up_to, self.merge_up_to_pixels // frame_pixels)
+                )
             frames = req.frames_of_slots(first, last)  # [n, height, width, 3]
         self._next_slot = last
         return FrameGroup(frames, self.timestamps_s[first:last], first)
@@ -544,7 +557,9 @@ class FrameGroupStream(Iterator[FrameGroup]):
                 req.cond.wait(timeout=min(poll_s, max(wake_s, 0.01)))
 
     def _fail_hung(self, why: str) -> None:
-        self._fail_and_retire(MediaError(f"decoding the video {why}; the file may be corrupt, or send a shorter clip"))
+        self._fail_and_retire(
+            MediaError(f"decoding the video {why}; the file may be corrupt, or send a shorter clip")
+        )
 
     def _fail_and_retire(self, error: MediaError) -> None:
         """Fail the request and replace the workers still inside it (they stop at their next
@@ -689,7 +704,9 @@ class ParallelDecoder:
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
         # The clip's frame count is the plan's (slots, repeats included), as the encoder's `preprocess` gets it.
         frame_resize = frame_resizer(len(plan.slot_pts)) if frame_resizer is not None else None
-        req = _Request(data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started, frame_resize)
+        req = _Request(
+            data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started, frame_resize
+        )
         pts_s = index.frames.pts_s
         first_pts = float(pts_s[0])
         positions = np.searchsorted(index.frame_pts, plan.slot_pts)

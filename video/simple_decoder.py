@@ -315,7 +315,10 @@ def _exif_orientation(img) -> int:
 
 
 def decode(
-    data: bytes, opts: SamplingOptions, limits: DecodeLimits = DecodeLimits(), cancel: threading.Event | None = None
+    data: bytes,
+    opts: SamplingOptions,
+    limits: DecodeLimits = DecodeLimits(),
+    cancel: threading.Event | None = None,
 ) -> DecodedVideo:
     """Decode `data` (a whole file in memory) into sampled RGB frames. `cancel` (set from any
     thread: the caller went away) stops the demux pass and the decoding at their next check of the

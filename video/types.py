@@ -95,9 +95,7 @@ class SamplingOptions:
                 f"{wanted} frames requested but this server allows at most {max_frames_limit}; "
                 f"set max_frames (or num_frames) to {max_frames_limit} or fewer"
             )
-        if self.start_time_s < 0 or (
-            self.end_time_s is not None and self.end_time_s <= self.start_time_s
-        ):
+        if self.start_time_s < 0 or (self.end_time_s is not None and self.end_time_s <= self.start_time_s):
             raise MediaError(
                 f"clip [{self.start_time_s}, {self.end_time_s}) is empty or negative; "
                 "use 0 <= start_time_s < end_time_s"

@@ -59,7 +59,9 @@ class AllocatorPlan:
     """Say this once at INFO and go on."""
 
 
-def plan_allocator(choice: str, environ: Mapping[str, str], mapped: str, library: str | None) -> AllocatorPlan:
+def plan_allocator(
+    choice: str, environ: Mapping[str, str], mapped: str, library: str | None
+) -> AllocatorPlan:
     """What to do for `--allocator choice`, given the process's environment, the text of its
     memory map (/proc/self/maps: which libraries are loaded) and the tcmalloc library found (None:
     none). Pure, so every case is unit-tested without starting a process."""
@@ -69,17 +71,23 @@ def plan_allocator(choice: str, environ: Mapping[str, str], mapped: str, library
         return AllocatorPlan(note=f"memory allocator: {other}, as the process was started (LD_PRELOAD)")
     if library is None:
         if choice == "tcmalloc":
-            return AllocatorPlan(error=f"--allocator tcmalloc: no tcmalloc library found; {_INSTALL_HINT}, "
-                                       "or pass --allocator system")
-        return AllocatorPlan(note=f"memory allocator: glibc malloc (tcmalloc not found; {_INSTALL_HINT} for a "
-                                  "lower peak memory under load, docs/architecture.md)")
+            return AllocatorPlan(
+                error=f"--allocator tcmalloc: no tcmalloc library found; {_INSTALL_HINT}, "
+                "or pass --allocator system"
+            )
+        return AllocatorPlan(
+            note=f"memory allocator: glibc malloc (tcmalloc not found; {_INSTALL_HINT} for a "
+            "lower peak memory under load, docs/architecture.md)"
+        )
     preload = [entry for entry in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if entry]
     if library in preload:
         # Started again with it and still not loaded (the dynamic loader said why on stderr): never
         # a second exec, which would loop.
         problem = f"{library} is in LD_PRELOAD but was not loaded"
         if choice == "tcmalloc":
-            return AllocatorPlan(error=f"--allocator tcmalloc: {problem}; check the library, or pass --allocator system")
+            return AllocatorPlan(
+                error=f"--allocator tcmalloc: {problem}; check the library, or pass --allocator system"
+            )
         return AllocatorPlan(note=f"memory allocator: glibc malloc ({problem})")
     return AllocatorPlan(exec_env={**environ, "LD_PRELOAD": ":".join([library, *preload])})
 
@@ -116,7 +124,9 @@ def ensure_allocator(choice: str) -> str | None:
     Linux (no /proc, no LD_PRELOAD)."""
     if not sys.platform.startswith("linux"):
         return None
-    plan = plan_allocator(choice, os.environ, mapped_libraries(), None if choice == "system" else find_tcmalloc())
+    plan = plan_allocator(
+        choice, os.environ, mapped_libraries(), None if choice == "system" else find_tcmalloc()
+    )
     if plan.note:
         log.info("%s", plan.note)
     if plan.exec_env is not None:

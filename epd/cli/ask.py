@@ -63,8 +63,10 @@ def run_ask(args: argparse.Namespace) -> int:
         messages = None if prompt is not None else _messages(args, template)
         _check_tls_flags(args)
         if args.fps is not None and args.num_frames:  # what every door refuses (ONE_FRAME_CHOICE)
-            raise ValueError("--fps and --num-frames: give one (--num-frames N: exactly N frames; "
-                             "--fps F: F frames per second, at most --max-frames)")
+            raise ValueError(
+                "--fps and --num-frames: give one (--num-frames N: exactly N frames; "
+                "--fps F: F frames per second, at most --max-frames)"
+            )
         # Embedded mode's model config now: a bad --device or --dtype is the user's to fix (exit 2),
         # not a server error out of the event loop (INTERNAL, exit 1).
         model = None if args.endpoint else configs.model_config(args)
@@ -72,8 +74,11 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_ask_remote(args, path, messages, prompt, template) if model is None
-                    else _ask_embedded(args, path, messages, model, prompt, template))
+        asyncio.run(
+            _ask_remote(args, path, messages, prompt, template)
+            if model is None
+            else _ask_embedded(args, path, messages, model, prompt, template)
+        )
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
         return 130
@@ -82,7 +87,8 @@ def run_ask(args: argparse.Namespace) -> int:
     except EpdError as exc:  # the server's status and message
         print(f"epd: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
-    except ModelLoadError as exc:  # embedded mode: the model cannot be loaded, as `epd serve` says it (exit 3)
+    # embedded mode: the model cannot be loaded, as `epd serve` says it (exit 3)
+    except ModelLoadError as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return 3
     except Exception as exc:  # noqa: BLE001 - one message per failure for a CLI user
@@ -103,15 +109,25 @@ def _template(args: argparse.Namespace) -> ChatTemplateOptions:
     by every door), so that the one flag is all a user needs to continue the assistant's message."""
     from epd.stages.messages import ChatTemplateOptions
 
-    given = [flag for flag, on in (("--continue-final-message", args.continue_final_message),
-                                   ("--no-add-generation-prompt", args.no_add_generation_prompt)) if on]
+    given = [
+        flag
+        for flag, on in (
+            ("--continue-final-message", args.continue_final_message),
+            ("--no-add-generation-prompt", args.no_add_generation_prompt),
+        )
+        if on
+    ]
     if not given:
         return ChatTemplateOptions()
     if not args.messages or args.prompt is not None:
-        raise ValueError(f"{' and '.join(given)} shape the chat template's end of a --messages FILE conversation: "
-                         "give --messages FILE (ending with the assistant's message to continue it), or drop "
-                         f"{' and '.join(given)}")
-    return ChatTemplateOptions(add_generation_prompt=False, continue_final_message=args.continue_final_message)
+        raise ValueError(
+            f"{' and '.join(given)} shape the chat template's end of a --messages FILE conversation: "
+            "give --messages FILE (ending with the assistant's message to continue it), or drop "
+            f"{' and '.join(given)}"
+        )
+    return ChatTemplateOptions(
+        add_generation_prompt=False, continue_final_message=args.continue_final_message
+    )
 
 
 def _raw_prompt(args: argparse.Namespace) -> str | None:
@@ -125,9 +141,11 @@ def _raw_prompt(args: argparse.Namespace) -> str | None:
                               ("--interactive", args.interactive), ("--no-video", args.no_video)) if on
     ]  # fmt: skip
     if given:
-        raise ValueError(f"--prompt is a raw prompt, continued without the chat template and without media: drop "
-                         f"{' and '.join(given)} (or drop --prompt to ask a question: VIDEO QUESTION, or "
-                         f"--no-video QUESTION)")
+        raise ValueError(
+            f"--prompt is a raw prompt, continued without the chat template and without media: drop "
+            f"{' and '.join(given)} (or drop --prompt to ask a question: VIDEO QUESTION, or "
+            f"--no-video QUESTION)"
+        )
     if not args.prompt:
         raise ValueError("--prompt is empty; give the text to continue")
     return str(args.prompt)
@@ -141,7 +159,9 @@ def _media_path(args: argparse.Namespace) -> Path | None:
         args.question, args.video = args.video, None
         return None
     if args.video is None:
-        raise ValueError("give VIDEO, the path of a video or image (or --no-video for a text-only conversation)")
+        raise ValueError(
+            "give VIDEO, the path of a video or image (or --no-video for a text-only conversation)"
+        )
     path = Path(args.video)
     if not path.is_file():
         raise ValueError(_not_a_file(path))
@@ -179,7 +199,9 @@ def _messages(args: argparse.Namespace, template: ChatTemplateOptions) -> list[M
     if args.messages and _conversational(args):
         raise ValueError("--messages FILE cannot be combined with --question or --interactive")
     if _conversational(args):
-        if any(not q.strip() for q in args.questions) or (args.question is not None and not args.question.strip()):
+        if any(not q.strip() for q in args.questions) or (
+            args.question is not None and not args.question.strip()
+        ):
             raise ValueError("a question is empty; ask something about the video")
         return None
     if (args.question is None) == (not args.messages):
@@ -190,10 +212,14 @@ def _messages(args: argparse.Namespace, template: ChatTemplateOptions) -> list[M
         return [Message.user(args.question)] if args.no_video else question_messages(args.question)
     source = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
     messages = from_chat_template(json.loads(source))
-    check_messages(messages, template=template)  # now, not after the model loads: exit 2, saying what to change
+    # now, not after the model loads: exit 2, saying what to change
+    check_messages(messages, template=template)
     if bool(media_type(messages)) == args.no_video:
-        raise ValueError("the messages have a video or image part: give VIDEO instead of --no-video" if args.no_video
-                         else "the messages have no video or image part: add one, or ask with --no-video")
+        raise ValueError(
+            "the messages have a video or image part: give VIDEO instead of --no-video"
+            if args.no_video
+            else "the messages have no video or image part: add one, or ask with --no-video"
+        )
     return messages
 
 
@@ -279,14 +305,22 @@ def _print_summary(result: AskResult) -> None:
     timings = ", ".join(f"{name} {getattr(result.timings_ms, f'{name}_ms'):.0f} ms" for name in TIMING_NAMES)
     reused = result.num_reused_prompt_tokens
     reused_text = f", {reused} of them reused from the prefix cache" if reused else ""
-    print(f"epd: {result.num_frames} frames, {result.num_visual_tokens} visual tokens, "
-          f"{result.num_prompt_tokens} prompt tokens{reused_text}, "
-          f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}", file=sys.stderr, flush=True)
+    print(
+        f"epd: {result.num_frames} frames, {result.num_visual_tokens} visual tokens, "
+        f"{result.num_prompt_tokens} prompt tokens{reused_text}, "
+        f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def _ask_embedded(
-    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, model: ModelConfig,
-    prompt: str | None = None, template: ChatTemplateOptions | None = None,
+    args: argparse.Namespace,
+    path: Path | None,
+    messages: list[Message] | None,
+    model: ModelConfig,
+    prompt: str | None = None,
+    template: ChatTemplateOptions | None = None,
 ) -> None:
     from epd.video.media_open import sniff_container
 
@@ -323,8 +357,12 @@ async def _ask_embedded(
 
 
 async def _embedded_stream(
-    args: argparse.Namespace, pipeline: Pipeline, media: bytes | None, messages: list[Message],
-    answer: list[str] | None = None, raw_prompt: RawPrompt | None = None,
+    args: argparse.Namespace,
+    pipeline: Pipeline,
+    media: bytes | None,
+    messages: list[Message],
+    answer: list[str] | None = None,
+    raw_prompt: RawPrompt | None = None,
     template: ChatTemplateOptions | None = None,
 ) -> AsyncIterator[StreamEvent]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
@@ -376,13 +414,21 @@ def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult
 
 
 def _check_tls_flags(args: argparse.Namespace) -> None:
-    tls = {"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key,
-           "--tls-server-name": args.tls_server_name}
+    tls = {
+        "--tls-ca": args.tls_ca,
+        "--tls-cert": args.tls_cert,
+        "--tls-key": args.tls_key,
+        "--tls-server-name": args.tls_server_name,
+    }
     given = [flag for flag, value in tls.items() if value]
     if given and not args.endpoint:
-        raise ValueError(f"{', '.join(given)} only with --endpoint (a gateway's TLS port); embedded mode has no port")
+        raise ValueError(
+            f"{', '.join(given)} only with --endpoint (a gateway's TLS port); embedded mode has no port"
+        )
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together: pass both (the client certificate and its key)")
+        raise ValueError(
+            "--tls-cert and --tls-key go together: pass both (the client certificate and its key)"
+        )
     # Read them now: the client reads them inside the event loop, where a missing file would be
     # reported as a server's INTERNAL error rather than as this flag's.
     for flag in ("--tls-ca", "--tls-cert", "--tls-key"):
@@ -399,11 +445,16 @@ def _check_tls_flags(args: argparse.Namespace) -> None:
         try:
             ssl.create_default_context().load_cert_chain(args.tls_cert, args.tls_key)
         except ssl.SSLError as exc:
-            raise ValueError(f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})") from None
+            raise ValueError(
+                f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})"
+            ) from None
 
 
 async def _ask_remote(
-    args: argparse.Namespace, path: Path | None, messages: list[Message] | None, prompt: str | None = None,
+    args: argparse.Namespace,
+    path: Path | None,
+    messages: list[Message] | None,
+    prompt: str | None = None,
     template: ChatTemplateOptions | None = None,
 ) -> None:
     from epd.cli import configs
@@ -416,8 +467,12 @@ async def _ask_remote(
         **configs.generation_options(args), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
         cache_salt=args.cache_salt,
     )  # fmt: skip
-    tls = dict(root_certificates_path=args.tls_ca, client_certificate_path=args.tls_cert,
-               client_key_path=args.tls_key, server_name_override=args.tls_server_name)
+    tls = dict(
+        root_certificates_path=args.tls_ca,
+        client_certificate_path=args.tls_cert,
+        client_key_path=args.tls_key,
+        server_name_override=args.tls_server_name,
+    )
     async with AsyncEpdClient(args.endpoint, api_key=args.api_key, tls=bool(args.tls_ca), **tls) as client:
 
         async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
@@ -426,9 +481,14 @@ async def _ask_remote(
                 return
             if messages is not None:
                 # The SDK's names; unset (the server's defaults) without the flags.
-                shape: dict[str, Any] = {} if template is None or template == ChatTemplateOptions() else dict(
-                    add_generation_prompt=template.add_generation_prompt,
-                    continue_final_message=template.continue_final_message)
+                shape: dict[str, Any] = (
+                    {}
+                    if template is None or template == ChatTemplateOptions()
+                    else dict(
+                        add_generation_prompt=template.add_generation_prompt,
+                        continue_final_message=template.continue_final_message,
+                    )
+                )
                 yield "", client.stream(path, messages=messages, **options, **shape)
                 return
             # The SDK's conversation: the video goes up once, later turns send its sha256 (None:
@@ -449,8 +509,10 @@ def _say(text: str, quiet: bool) -> str:
 def _notice(meaningless: bool, quiet: bool) -> str:
     if not meaningless:
         return ""
-    text = ("this is epd's randomly initialised default model: it runs the real pipeline, "
-            "but its answers are meaningless")
+    text = (
+        "this is epd's randomly initialised default model: it runs the real pipeline, "
+        "but its answers are meaningless"
+    )
     if not quiet:
         print(f"epd: NOTE: {text}", file=sys.stderr, flush=True)
     return text

@@ -34,8 +34,13 @@ from epd.video.types import DecodeLimits, SamplingOptions
 def model_config(args: argparse.Namespace) -> ModelConfig:
     # No --num-threads: one thread per model call (a stack's services, epd ask); --colocate picks auto.
     threads = 1 if args.num_threads is None else args.num_threads
-    return ModelConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=threads,
-                       linear_kernel=getattr(args, "linear_kernel", "torch"))
+    return ModelConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_threads=threads,
+        linear_kernel=getattr(args, "linear_kernel", "torch"),
+    )
 
 
 def sampling_options(args: argparse.Namespace) -> SamplingOptions:
@@ -43,9 +48,11 @@ def sampling_options(args: argparse.Namespace) -> SamplingOptions:
     samples exactly that many frames for every request that names neither, so its --fps would never
     be used (a request's own fps replaces both), the pair every door refuses in a request."""
     if args.fps is not None and args.num_frames:
-        raise ValueError(f"--fps {args.fps:g} and --num-frames {args.num_frames}: give one (--num-frames N: exactly "
-                         "N frames for requests that name neither; --fps F: F frames per second, at most "
-                         "--max-frames); with both, --fps would never be used")
+        raise ValueError(
+            f"--fps {args.fps:g} and --num-frames {args.num_frames}: give one (--num-frames N: exactly "
+            "N frames for requests that name neither; --fps F: F frames per second, at most "
+            "--max-frames); with both, --fps would never be used"
+        )
     return SamplingOptions(
         fps=args.fps if args.fps is not None else SamplingOptions.fps,
         max_frames=args.max_frames,
@@ -86,13 +93,17 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     """The generation flags as the SDK's keyword options (`EpdClient.ask`)."""
     generation = generation_config(args)
-    options = {f.name: getattr(generation, f.name) for f in fields(generation) if f.name != "fit_max_new_tokens"}
+    options = {
+        f.name: getattr(generation, f.name) for f in fields(generation) if f.name != "fit_max_new_tokens"
+    }
     options["logit_bias"] = dict(generation.logit_bias)
     return options
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_period, security=transport_security(args))
+    return ServerConfig(
+        host=args.host, port=args.port, grace_s=args.grace_period, security=transport_security(args)
+    )
 
 
 def transport_security(args: argparse.Namespace) -> TransportSecurity:
@@ -102,16 +113,23 @@ def transport_security(args: argparse.Namespace) -> TransportSecurity:
     secrets: tuple[str, ...] = ()
     if getattr(args, "insecure_no_internal_auth", False):
         if getattr(args, "internal_secret_file", ""):
-            raise ValueError("both --internal-secret-file and --insecure-no-internal-auth are set; pass one of them")
+            raise ValueError(
+                "both --internal-secret-file and --insecure-no-internal-auth are set; pass one of them"
+            )
     elif getattr(args, "internal_secret_file", ""):
         secrets = read_secrets(args.internal_secret_file)
     elif getattr(args, "internal_secret_env", ""):
         secrets = parse_secrets(args.internal_secret_env, "$EPD_INTERNAL_SECRET")
-    return TransportSecurity(tls_cert=getattr(args, "tls_cert", ""), tls_key=getattr(args, "tls_key", ""),
-                             tls_client_ca=getattr(args, "tls_client_ca", ""), tls_ca=getattr(args, "tls_ca", ""),
-                             tls_server_name=getattr(args, "tls_server_name", ""),
-                             internal_secret=secrets[0] if secrets else "", previous_internal_secrets=secrets[1:],
-                             internal_secret_file=getattr(args, "internal_secret_file", "") if secrets else "")
+    return TransportSecurity(
+        tls_cert=getattr(args, "tls_cert", ""),
+        tls_key=getattr(args, "tls_key", ""),
+        tls_client_ca=getattr(args, "tls_client_ca", ""),
+        tls_ca=getattr(args, "tls_ca", ""),
+        tls_server_name=getattr(args, "tls_server_name", ""),
+        internal_secret=secrets[0] if secrets else "",
+        previous_internal_secrets=secrets[1:],
+        internal_secret_file=getattr(args, "internal_secret_file", "") if secrets else "",
+    )
 
 
 def health_security(args: argparse.Namespace) -> TransportSecurity:
@@ -119,12 +137,17 @@ def health_security(args: argparse.Namespace) -> TransportSecurity:
     client certificate of a server started with --tls-client-ca. ValueError: flags that do not go
     together (without --tls-ca the channel is plaintext, and a certificate would not be sent)."""
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together: pass both (the client certificate and its key)")
+        raise ValueError(
+            "--tls-cert and --tls-key go together: pass both (the client certificate and its key)"
+        )
     if args.tls_cert and not args.tls_ca:
-        raise ValueError("--tls-cert needs --tls-ca, the CA that signed the server's certificate (a client "
-                         "certificate is presented over TLS only)")
-    return TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                             tls_server_name=args.tls_server_name)
+        raise ValueError(
+            "--tls-cert needs --tls-ca, the CA that signed the server's certificate (a client "
+            "certificate is presented over TLS only)"
+        )
+    return TransportSecurity(
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name
+    )
 
 
 def internal_auth_problem(args: argparse.Namespace, security: TransportSecurity) -> str | None:
@@ -138,10 +161,12 @@ def internal_auth_problem(args: argparse.Namespace, security: TransportSecurity)
     if security.internal_secret or security.verifies_clients or args.insecure_no_internal_auth:
         return None
     where = "on loopback" if is_loopback(args.host) else f"on {args.host or '*'} (--host)"
-    return (f"refusing to serve {where} without the internal secret: a stage is not a public endpoint; "
-            "give it the secret the gateway presents (--internal-secret-file PATH or $EPD_INTERNAL_SECRET), "
-            "or require client certificates (--tls-client-ca, mTLS); --insecure-no-internal-auth for "
-            "development on a closed machine or network only")
+    return (
+        f"refusing to serve {where} without the internal secret: a stage is not a public endpoint; "
+        "give it the secret the gateway presents (--internal-secret-file PATH or $EPD_INTERNAL_SECRET), "
+        "or require client certificates (--tls-client-ca, mTLS); --insecure-no-internal-auth for "
+        "development on a closed machine or network only"
+    )
 
 
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
@@ -151,26 +176,42 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
 def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig) -> EncoderConfig:
     """The encoder's flags (`add_encoder_flags`, `add_sampling_flags`) over a model and a server."""
     limits = decode_limits(args)
-    decode = replace(ParallelDecodeConfig(), index_cache_bytes=args.index_cache_bytes,
-                     **({"num_workers": args.decode_workers} if args.decode_workers else {}))
+    decode = replace(
+        ParallelDecodeConfig(),
+        index_cache_bytes=args.index_cache_bytes,
+        **({"num_workers": args.decode_workers} if args.decode_workers else {}),
+    )
     cache = TokenCacheConfig(memory_budget_bytes=args.cache_memory_bytes, disk_dir=args.cache_dir or None)
-    return EncoderConfig(model=model, server=server, limits=limits,
-                         sampling=sampling_options(args), decode=decode, frames_per_group=args.frames_per_group,
-                         cache=cache, decode_backend=args.decode_backend,
-                         max_concurrent_decodes=args.max_concurrent_decodes,
-                         max_queued_decodes=args.max_queued_decodes, max_visual_tokens=args.max_visual_tokens,
-                         max_tower_patches_per_step=args.max_tower_patches_per_step,
-                         max_tower_jobs_per_request=args.max_tower_jobs_per_request,
-                         merge_decoded_groups=args.merge_decoded_groups)
+    return EncoderConfig(
+        model=model,
+        server=server,
+        limits=limits,
+        sampling=sampling_options(args),
+        decode=decode,
+        frames_per_group=args.frames_per_group,
+        cache=cache,
+        decode_backend=args.decode_backend,
+        max_concurrent_decodes=args.max_concurrent_decodes,
+        max_queued_decodes=args.max_queued_decodes,
+        max_visual_tokens=args.max_visual_tokens,
+        max_tower_patches_per_step=args.max_tower_patches_per_step,
+        max_tower_jobs_per_request=args.max_tower_jobs_per_request,
+        merge_decoded_groups=args.merge_decoded_groups,
+    )
 
 
 def decode_limits(args: argparse.Namespace, with_upload_limit: bool = True) -> DecodeLimits:
     """`add_decode_limit_flags` (and --max-upload-bytes): the encoder's limits, and the web demo's
     (whose byte limit the gateway sets from its own --max-upload-bytes, checked in `checked_gateway`)."""
-    return replace(DecodeLimits(), max_source_pixels=args.max_source_pixels,
-                   max_decoded_pixels=args.max_decoded_pixels, max_demux_s=args.max_demux_s,
-                   max_decode_s=args.max_decode_s, max_duration_s=args.max_duration_s,
-                   **({"max_bytes": args.max_upload_bytes} if with_upload_limit else {}))
+    return replace(
+        DecodeLimits(),
+        max_source_pixels=args.max_source_pixels,
+        max_decoded_pixels=args.max_decoded_pixels,
+        max_demux_s=args.max_demux_s,
+        max_decode_s=args.max_decode_s,
+        max_duration_s=args.max_duration_s,
+        **({"max_bytes": args.max_upload_bytes} if with_upload_limit else {}),
+    )
 
 
 def web_demo_config(args: argparse.Namespace) -> WebDemoConfig:
@@ -190,80 +231,111 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
     "0.0.0.0:PORT", which a decoder on another host dials as its own machine: every KV pull failed
     (or, allowed, reached whatever listened on the decoder's host)."""
     if not args.advertise_address and args.host in WILDCARD_HOSTS:
-        raise ValueError(f"--host {args.host or '(every interface)'} is not an address decoders can dial to pull "
-                         "KV caches: pass --advertise-address HOST:PORT (this machine's name or IP, or the "
-                         "container's service name)")
-    return _prefill_config(args, model_config(args), server_config(args), advertise_address=args.advertise_address)
+        raise ValueError(
+            f"--host {args.host or '(every interface)'} is not an address decoders can dial to pull "
+            "KV caches: pass --advertise-address HOST:PORT (this machine's name or IP, or the "
+            "container's service name)"
+        )
+    return _prefill_config(
+        args, model_config(args), server_config(args), advertise_address=args.advertise_address
+    )
 
 
-def _prefill_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig,
-                    advertise_address: str = "") -> PrefillConfig:
+def _prefill_config(
+    args: argparse.Namespace, model: ModelConfig, server: ServerConfig, advertise_address: str = ""
+) -> PrefillConfig:
     """Prefill's flags (`STAGE_FLAGS["prefill"]`: KV store, prefix cache, scheduler, max_tokens limit,
     max_model_len, prompt limit) over a model and a server."""
-    return PrefillConfig(model=model, server=server, advertise_address=advertise_address,
-                         kv_store_bytes=args.kv_store_bytes, kv_ttl_s=args.kv_ttl,
-                         max_new_tokens_limit=args.max_new_tokens_limit, max_model_len=args.max_model_len,
-                         max_prompt_tokens=args.max_prompt_tokens,
-                         prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_ttl_s=args.prefix_cache_ttl,
-                         scheduler=PrefillSchedulerConfig(
-                             max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
-                             prefill_chunk_tokens=args.prefill_chunk_tokens or None,
-                             max_waiting_prefills=args.max_waiting_prefills,
-                             max_waiting_prompt_tokens=args.max_waiting_prompt_tokens))
+    return PrefillConfig(
+        model=model,
+        server=server,
+        advertise_address=advertise_address,
+        kv_store_bytes=args.kv_store_bytes,
+        kv_ttl_s=args.kv_ttl,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        max_model_len=args.max_model_len,
+        max_prompt_tokens=args.max_prompt_tokens,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_cache_ttl_s=args.prefix_cache_ttl,
+        scheduler=PrefillSchedulerConfig(
+            max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
+            prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+            max_waiting_prefills=args.max_waiting_prefills,
+            max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
+        ),
+    )
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
-    return _decode_config(args, model_config(args), server_config(args), allow_kv_from=tuple(args.allow_kv_from),
-                          nice=args.nice)
+    return _decode_config(
+        args, model_config(args), server_config(args), allow_kv_from=tuple(args.allow_kv_from), nice=args.nice
+    )
 
 
-def _decode_config(args: argparse.Namespace, model: ModelConfig, server: ServerConfig,
-                   allow_kv_from: tuple[str, ...] = DecodeConfig.allow_kv_from, nice: int = DecodeConfig.nice,
-                   ) -> DecodeConfig:
+def _decode_config(
+    args: argparse.Namespace,
+    model: ModelConfig,
+    server: ServerConfig,
+    allow_kv_from: tuple[str, ...] = DecodeConfig.allow_kv_from,
+    nice: int = DecodeConfig.nice,
+) -> DecodeConfig:
     """Decode's flags (`STAGE_FLAGS["decode"]`: KV memory, batch, queue) over a model and a server."""
-    return DecodeConfig(model=model, server=server, kv_budget_bytes=args.kv_budget_bytes,
-                        max_running_requests=args.max_running_requests,
-                        max_waiting_requests=args.max_waiting_requests, allow_kv_from=allow_kv_from, nice=nice)
+    return DecodeConfig(
+        model=model,
+        server=server,
+        kv_budget_bytes=args.kv_budget_bytes,
+        max_running_requests=args.max_running_requests,
+        max_waiting_requests=args.max_waiting_requests,
+        allow_kv_from=allow_kv_from,
+        nice=nice,
+    )
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """ValueError: a limit the gateway refuses (`checked_gateway`)."""
-    return checked_gateway(GatewayConfig(
-        server=server_config(args),
-        encoder_addresses=tuple(args.encoder),
-        prefill_addresses=tuple(args.prefill),
-        decode_addresses=tuple(args.decode),
-        max_upload_bytes=args.max_upload_bytes,
-        max_requests_per_client=args.max_requests_per_client,
-        max_inflight_body_bytes=args.max_inflight_body_bytes,
-        max_requests_per_api_key=args.max_requests_per_api_key,
-        body_timeout_s=args.body_timeout,
-        stage_check_interval_s=args.stage_check_interval,
-        replicas_file=args.replicas_file,
-        dns_refresh_interval_s=args.dns_refresh_interval,
-        routing=args.routing,
-        stage_attempt_timeout_s=args.stage_attempt_timeout,
-        load_refresh_interval_s=args.load_refresh_interval,
-        http=http_api_config(args),
-        sampling=sampling_options(args),
-    ))
+    return checked_gateway(
+        GatewayConfig(
+            server=server_config(args),
+            encoder_addresses=tuple(args.encoder),
+            prefill_addresses=tuple(args.prefill),
+            decode_addresses=tuple(args.decode),
+            max_upload_bytes=args.max_upload_bytes,
+            max_requests_per_client=args.max_requests_per_client,
+            max_inflight_body_bytes=args.max_inflight_body_bytes,
+            max_requests_per_api_key=args.max_requests_per_api_key,
+            body_timeout_s=args.body_timeout,
+            stage_check_interval_s=args.stage_check_interval,
+            replicas_file=args.replicas_file,
+            dns_refresh_interval_s=args.dns_refresh_interval,
+            routing=args.routing,
+            stage_attempt_timeout_s=args.stage_attempt_timeout,
+            load_refresh_interval_s=args.load_refresh_interval,
+            http=http_api_config(args),
+            sampling=sampling_options(args),
+        )
+    )
 
 
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """`epd serve --colocate`: the stack's front door (its ports, loopback) over local stages.
     ValueError: a limit the gateway refuses (`checked_gateway`)."""
-    security = TransportSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    security = TransportSecurity(
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca
+    )
     # The gateway role's flags `epd serve` shares (`GATEWAY_FLAGS`), but routing: the stages are
     # local, one of each. The HTTP API on the server's host (loopback): `epd serve` sets no --http-host.
-    return checked_gateway(GatewayConfig(
-        server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
-        http=http_api_config(args),
-        max_requests_per_client=args.max_requests_per_client,
-        max_inflight_body_bytes=args.max_inflight_body_bytes,
-        max_requests_per_api_key=args.max_requests_per_api_key,
-        body_timeout_s=args.body_timeout,
-        max_upload_bytes=args.max_upload_bytes,
-        sampling=sampling_options(args)))  # the defaults of requests, as the encoder's own (`--fps`, ...)
+    return checked_gateway(
+        GatewayConfig(
+            server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
+            http=http_api_config(args),
+            max_requests_per_client=args.max_requests_per_client,
+            max_inflight_body_bytes=args.max_inflight_body_bytes,
+            max_requests_per_api_key=args.max_requests_per_api_key,
+            body_timeout_s=args.body_timeout,
+            max_upload_bytes=args.max_upload_bytes,
+            sampling=sampling_options(args),
+        )
+    )  # the defaults of requests, as the encoder's own (`--fps`, ...)
 
 
 def checked_gateway(config: GatewayConfig) -> GatewayConfig:
@@ -295,7 +367,8 @@ def colocated_stages(args: argparse.Namespace) -> ColocatedStages:
     model = model_config(args)
     if args.num_threads is None:  # one model call at a time: every call may use every core
         model = replace(model, num_threads=AUTO)
-    encoder = _encoder_config(args, model, ServerConfig())  # no server of its own: it serves through the front door
+    # no server of its own: it serves through the front door
+    encoder = _encoder_config(args, model, ServerConfig())
     # No servers of their own either: the stages serve through the front door, the cache handed over in memory.
     prefill = _prefill_config(args, model, ServerConfig())
     decode = _decode_config(args, model, ServerConfig())
@@ -332,6 +405,13 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
         allowed_domains=tuple(args.allowed_media_domains),
         fetch_timeout_s=args.media_fetch_timeout,
     )
-    return HttpApiConfig(port=args.http_port, host=args.http_host, api_keys=api_keys(args),
-                         no_api_key=args.no_api_key, served_model_name=args.served_model_name, media=media,
-                         demo=web_demo_config(args), sse_keepalive_s=args.sse_keepalive)
+    return HttpApiConfig(
+        port=args.http_port,
+        host=args.http_host,
+        api_keys=api_keys(args),
+        no_api_key=args.no_api_key,
+        served_model_name=args.served_model_name,
+        media=media,
+        demo=web_demo_config(args),
+        sse_keepalive_s=args.sse_keepalive,
+    )

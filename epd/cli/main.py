@@ -52,12 +52,20 @@ def _num_threads(text: str) -> int:
 def add_prefix_cache_flags(p) -> None:
     from epd.prefill_svc.config import PrefillConfig
 
-    p.add_argument("--prefix-cache-bytes", type=int, default=PrefillConfig.prefix_cache_bytes,
-                   help="prompt KV kept for follow-up questions about the same media (the "
-                        "conversation's earlier turns are not prefilled again), least recently "
-                        "used leaving first (default: 1 GiB; 0: off)")
-    p.add_argument("--prefix-cache-ttl", type=float, default=PrefillConfig.prefix_cache_ttl_s,
-                   help="seconds a prefix-cache entry is kept unused (default: 600)")
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=PrefillConfig.prefix_cache_bytes,
+        help="prompt KV kept for follow-up questions about the same media (the "
+        "conversation's earlier turns are not prefilled again), least recently "
+        "used leaving first (default: 1 GiB; 0: off)",
+    )
+    p.add_argument(
+        "--prefix-cache-ttl",
+        type=float,
+        default=PrefillConfig.prefix_cache_ttl_s,
+        help="seconds a prefix-cache entry is kept unused (default: 600)",
+    )
 
 
 def add_kv_store_flags(p) -> None:
@@ -65,11 +73,20 @@ def add_kv_store_flags(p) -> None:
     `epd serve` for its prefills or the colocated one)."""
     from epd.prefill_svc.config import PrefillConfig
 
-    p.add_argument("--kv-store-bytes", type=int, default=PrefillConfig.kv_store_bytes,
-                   help="KV caches waiting for decoders may hold this many bytes; beyond, new "
-                        "prefills get RESOURCE_EXHAUSTED (default: 4 GiB)")
-    p.add_argument("--kv-ttl", type=float, default=PrefillConfig.kv_ttl_s, metavar="SECONDS",
-                   help="seconds a KV cache waits for a decoder before it is dropped (default: 120)")
+    p.add_argument(
+        "--kv-store-bytes",
+        type=int,
+        default=PrefillConfig.kv_store_bytes,
+        help="KV caches waiting for decoders may hold this many bytes; beyond, new "
+        "prefills get RESOURCE_EXHAUSTED (default: 4 GiB)",
+    )
+    p.add_argument(
+        "--kv-ttl",
+        type=float,
+        default=PrefillConfig.kv_ttl_s,
+        metavar="SECONDS",
+        help="seconds a KV cache waits for a decoder before it is dropped (default: 120)",
+    )
 
 
 def add_prefill_scheduler_flags(p) -> None:
@@ -78,16 +95,31 @@ def add_prefill_scheduler_flags(p) -> None:
     from epd.prefill_svc.config import PrefillSchedulerConfig
 
     sched = PrefillSchedulerConfig()
-    p.add_argument("--max-prefill-tokens-per-step", type=int, default=sched.max_prefill_tokens_per_step,
-                   help="prompt tokens one batched prefill step computes at most (vLLM's "
-                        "--max-num-batched-tokens)")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=sched.prefill_chunk_tokens,
-                   help="prompts longer than this are prefilled in chunks of this many tokens, one "
-                        "chunk per step, so short prompts are not held behind them (0: never chunk)")
-    p.add_argument("--max-waiting-prefills", type=int, default=sched.max_waiting_prefills,
-                   help="requests waiting for their prefill at most; more get RESOURCE_EXHAUSTED")
-    p.add_argument("--max-waiting-prompt-tokens", type=int, default=sched.max_waiting_prompt_tokens,
-                   help="prompt tokens of the waiting requests at most; more get RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--max-prefill-tokens-per-step",
+        type=int,
+        default=sched.max_prefill_tokens_per_step,
+        help="prompt tokens one batched prefill step computes at most (vLLM's --max-num-batched-tokens)",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=sched.prefill_chunk_tokens,
+        help="prompts longer than this are prefilled in chunks of this many tokens, one "
+        "chunk per step, so short prompts are not held behind them (0: never chunk)",
+    )
+    p.add_argument(
+        "--max-waiting-prefills",
+        type=int,
+        default=sched.max_waiting_prefills,
+        help="requests waiting for their prefill at most; more get RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-waiting-prompt-tokens",
+        type=int,
+        default=sched.max_waiting_prompt_tokens,
+        help="prompt tokens of the waiting requests at most; more get RESOURCE_EXHAUSTED",
+    )
 
 
 def add_prefill_limit_flags(p) -> None:
@@ -96,20 +128,34 @@ def add_prefill_limit_flags(p) -> None:
     from epd.model_runtime.sampling import MAX_NEW_TOKENS
     from epd.prefill_svc.config import PrefillConfig
 
-    p.add_argument("--max-new-tokens-limit", type=_max_new_tokens_limit,
-                   default=PrefillConfig.max_new_tokens_limit, metavar="N",
-                   help=f"the most tokens a request may ask for (the OpenAI API's max_tokens; at most and by "
-                        f"default {MAX_NEW_TOKENS}): more is refused with 400 / INVALID_ARGUMENT, by the gateway "
-                        "before the request's media is decoded and encoded")
-    p.add_argument("--max-model-len", type=_max_model_len, default=PrefillConfig.max_model_len, metavar="N",
-                   help="vLLM's: prompt plus generated tokens at most (1k = 1000, 1K = 1024; default: the "
-                        "model's context, config.json's max_position_embeddings, which it may only lower: a "
-                        "larger value is refused at start). A longer prompt, or one whose max_tokens would pass "
-                        "it, is refused; /v1/models reports it as max_model_len")
-    p.add_argument("--max-prompt-tokens", type=_tokens, default=PrefillConfig.max_prompt_tokens, metavar="N",
-                   help="prompt tokens (text and visual) at most; a longer prompt is refused with 413 / "
-                        "RESOURCE_EXHAUSTED before it is prefilled (default: 32768; --max-waiting-prompt-tokens "
-                        "must be at least as large). With --max-model-len, the smaller of the two bounds a prompt")
+    p.add_argument(
+        "--max-new-tokens-limit",
+        type=_max_new_tokens_limit,
+        default=PrefillConfig.max_new_tokens_limit,
+        metavar="N",
+        help=f"the most tokens a request may ask for (the OpenAI API's max_tokens; at most and by "
+        f"default {MAX_NEW_TOKENS}): more is refused with 400 / INVALID_ARGUMENT, by the gateway "
+        "before the request's media is decoded and encoded",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_max_model_len,
+        default=PrefillConfig.max_model_len,
+        metavar="N",
+        help="vLLM's: prompt plus generated tokens at most (1k = 1000, 1K = 1024; default: the "
+        "model's context, config.json's max_position_embeddings, which it may only lower: a "
+        "larger value is refused at start). A longer prompt, or one whose max_tokens would pass "
+        "it, is refused; /v1/models reports it as max_model_len",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=_tokens,
+        default=PrefillConfig.max_prompt_tokens,
+        metavar="N",
+        help="prompt tokens (text and visual) at most; a longer prompt is refused with 413 / "
+        "RESOURCE_EXHAUSTED before it is prefilled (default: 32768; --max-waiting-prompt-tokens "
+        "must be at least as large). With --max-model-len, the smaller of the two bounds a prompt",
+    )
 
 
 def add_decode_scheduler_flags(p) -> None:
@@ -117,46 +163,75 @@ def add_decode_scheduler_flags(p) -> None:
     decoders or the colocated one)."""
     from epd.decode_svc.config import DecodeConfig
 
-    p.add_argument("--kv-budget-bytes", type=int, default=DecodeConfig.kv_budget_bytes,
-                   help="KV memory of the running batch (requests x the longest final length x "
-                        "bytes per token; vLLM's --kv-cache-memory-bytes); requests wait for room beyond it "
-                        "(default: 4 GiB)")
-    p.add_argument("--max-running-requests", type=int, default=DecodeConfig.max_running_requests,
-                   help="requests decoding together in one batch at most (vLLM's --max-num-seqs): fewer "
-                        "keeps each running request's time per token lower under load, at the cost of "
-                        "the first tokens of the requests that wait")
-    p.add_argument("--max-waiting-requests", type=int, default=DecodeConfig.max_waiting_requests,
-                   help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--kv-budget-bytes",
+        type=int,
+        default=DecodeConfig.kv_budget_bytes,
+        help="KV memory of the running batch (requests x the longest final length x "
+        "bytes per token; vLLM's --kv-cache-memory-bytes); requests wait for room beyond it "
+        "(default: 4 GiB)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DecodeConfig.max_running_requests,
+        help="requests decoding together in one batch at most (vLLM's --max-num-seqs): fewer "
+        "keeps each running request's time per token lower under load, at the cost of "
+        "the first tokens of the requests that wait",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DecodeConfig.max_waiting_requests,
+        help="requests waiting for KV room at most; more get RESOURCE_EXHAUSTED",
+    )
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=_env("EPD_MODEL", "default"),
-                   help="local directory or hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, "
-                        "Qwen3-VL, Qwen3.5, LLaVA-OneVision; default: the embedded model)")
+    g.add_argument(
+        "--model",
+        default=_env("EPD_MODEL", "default"),
+        help="local directory or hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, "
+        "Qwen3-VL, Qwen3.5, LLaVA-OneVision; default: the embedded model)",
+    )
     g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
-    g.add_argument("--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
+    g.add_argument(
+        "--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"]
+    )
     from epd.model_runtime.config import LINEAR_KERNELS
 
-    g.add_argument("--linear-kernel", default="torch", choices=LINEAR_KERNELS,
-                   help="linear layers: torch's own (MKL on x86; the default, bit-identical to generate()), "
-                        "or onednn for calls of 16 rows or more (prefill, vision tower, wide decode steps): "
-                        "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "
-                        "(docs/benchmarks.md, 'oneDNN linear layers')")
+    g.add_argument(
+        "--linear-kernel",
+        default="torch",
+        choices=LINEAR_KERNELS,
+        help="linear layers: torch's own (MKL on x86; the default, bit-identical to generate()), "
+        "or onednn for calls of 16 rows or more (prefill, vision tower, wide decode steps): "
+        "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "
+        "(docs/benchmarks.md, 'oneDNN linear layers')",
+    )
     env_threads = _env("EPD_NUM_THREADS", "")
-    g.add_argument("--num-threads", type=_num_threads, default=_num_threads(env_threads) if env_threads else None,
-                   help="torch threads per model call: N, or auto (the cores the other stages' calls leave "
-                        "idle at that moment). Default: 1 per service of a stack (the fastest under load, "
-                        "docs/benchmarks.md), auto in --colocate")
+    g.add_argument(
+        "--num-threads",
+        type=_num_threads,
+        default=_num_threads(env_threads) if env_threads else None,
+        help="torch threads per model call: N, or auto (the cores the other stages' calls leave "
+        "idle at that moment). Default: 1 per service of a stack (the fastest under load, "
+        "docs/benchmarks.md), auto in --colocate",
+    )
 
 
 def add_allocator_flag(p: argparse.ArgumentParser) -> None:
     from epd.cli.allocator import ALLOCATORS
 
-    p.add_argument("--allocator", default="auto", choices=ALLOCATORS,
-                   help="memory allocator of the model processes: auto (tcmalloc when installed, else glibc's "
-                        "malloc), tcmalloc (or exit 2), system (as started). tcmalloc lowered the peak memory "
-                        "under load by 5-17%% at the same or a higher speed (docs/benchmarks.md, 'Memory allocator')")
+    p.add_argument(
+        "--allocator",
+        default="auto",
+        choices=ALLOCATORS,
+        help="memory allocator of the model processes: auto (tcmalloc when installed, else glibc's "
+        "malloc), tcmalloc (or exit 2), system (as started). tcmalloc lowered the peak memory "
+        "under load by 5-17%% at the same or a higher speed (docs/benchmarks.md, 'Memory allocator')",
+    )
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -167,20 +242,47 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None, help="sampling's seed (default: a random one)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="vLLM's, over the prompt's and the output's tokens: > 1 discourages repeats (1 = off)")
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="vLLM's, over the prompt's and the output's tokens: > 1 discourages repeats (1 = off)",
+    )
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="when sampling, drop tokens below MIN_P x the top token's probability (0 = off)")
-    g.add_argument("--min-tokens", type=int, default=0,
-                   help="no end-of-sequence, stop token or stop string before this many tokens (0 = off)")
-    g.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
-                   help="add BIAS (in [-100, 100]) to a token's logit (repeatable)")
-    g.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="TOKEN_ID",
-                   help="stop when this token is generated (repeatable)")
-    g.add_argument("--include-stop-str-in-output", action="store_true",
-                   help="keep the stop string or stop token that ended the answer in it")
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="when sampling, drop tokens below MIN_P x the top token's probability (0 = off)",
+    )
+    g.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="no end-of-sequence, stop token or stop string before this many tokens (0 = off)",
+    )
+    g.add_argument(
+        "--logit-bias",
+        type=_logit_bias,
+        action="append",
+        default=[],
+        metavar="TOKEN_ID=BIAS",
+        help="add BIAS (in [-100, 100]) to a token's logit (repeatable)",
+    )
+    g.add_argument(
+        "--stop-token-id",
+        type=int,
+        action="append",
+        default=[],
+        metavar="TOKEN_ID",
+        help="stop when this token is generated (repeatable)",
+    )
+    g.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="keep the stop string or stop token that ended the answer in it",
+    )
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -197,13 +299,23 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frame sampling")
     # --fps unset is None, so that `epd ask` sends a rate only when one is asked for (a request
     # with fps and num_frames is refused); the services' default rate is SamplingOptions.fps.
-    g.add_argument("--fps", type=float, default=None,
-                   help=f"frames sampled per second of video (default {SamplingOptions.fps:g})")
+    g.add_argument(
+        "--fps",
+        type=float,
+        default=None,
+        help=f"frames sampled per second of video (default {SamplingOptions.fps:g})",
+    )
     g.add_argument("--max-frames", type=int, default=32)
-    g.add_argument("--num-frames", type=int, default=0,
-                   help="exactly N frames, uniformly (a service's default for requests that name neither; "
-                        "instead of --fps, here as in epd ask)")
-    g.add_argument("--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)")
+    g.add_argument(
+        "--num-frames",
+        type=int,
+        default=0,
+        help="exactly N frames, uniformly (a service's default for requests that name neither; "
+        "instead of --fps, here as in epd ask)",
+    )
+    g.add_argument(
+        "--max-pixels", type=int, default=0, help="downscale frames above H*W pixels (0 = model default)"
+    )
 
 
 def _knob(text: str) -> tuple[str, str]:
@@ -216,8 +328,14 @@ def _knob(text: str) -> tuple[str, str]:
 def add_pruning_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("token dropping and KV compression (off by default)")
     g.add_argument("--pruning", default="off", help="preset: off, light, budget25, balanced, aggressive")
-    g.add_argument("--pruning-knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
-                   help="override one knob of token_pruning.PruningConfig (repeatable)")
+    g.add_argument(
+        "--pruning-knob",
+        type=_knob,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one knob of token_pruning.PruningConfig (repeatable)",
+    )
 
 
 def add_decode_limit_flags(g) -> None:
@@ -225,25 +343,49 @@ def add_decode_limit_flags(g) -> None:
     gateway's for its web demo's thumbnails (`epd serve` gives both the same values)."""
     from epd.video.types import DecodeLimits
 
-    g.add_argument("--max-source-pixels", type=int, default=DecodeLimits.max_source_pixels,
-                   help="largest video frame or image, width x height, checked on every decoded frame")
-    g.add_argument("--max-decoded-pixels", type=int, default=DecodeLimits.max_decoded_pixels,
-                   help="pixels one request may decode, every frame counted (at least 256x256 each)")
-    g.add_argument("--max-duration-s", type=float, default=DecodeLimits.max_duration_s,
-                   help="longest video accepted, in seconds of its own timeline (clips are cut first)")
-    g.add_argument("--max-demux-s", type=float, default=DecodeLimits.max_demux_s,
-                   help="seconds the demux (index) pass of one video may take")
-    g.add_argument("--max-decode-s", type=float, default=DecodeLimits.max_decode_s,
-                   help="seconds the frame decoding of one request may take (all its decode workers)")
+    g.add_argument(
+        "--max-source-pixels",
+        type=int,
+        default=DecodeLimits.max_source_pixels,
+        help="largest video frame or image, width x height, checked on every decoded frame",
+    )
+    g.add_argument(
+        "--max-decoded-pixels",
+        type=int,
+        default=DecodeLimits.max_decoded_pixels,
+        help="pixels one request may decode, every frame counted (at least 256x256 each)",
+    )
+    g.add_argument(
+        "--max-duration-s",
+        type=float,
+        default=DecodeLimits.max_duration_s,
+        help="longest video accepted, in seconds of its own timeline (clips are cut first)",
+    )
+    g.add_argument(
+        "--max-demux-s",
+        type=float,
+        default=DecodeLimits.max_demux_s,
+        help="seconds the demux (index) pass of one video may take",
+    )
+    g.add_argument(
+        "--max-decode-s",
+        type=float,
+        default=DecodeLimits.max_decode_s,
+        help="seconds the frame decoding of one request may take (all its decode workers)",
+    )
 
 
 def add_max_upload_bytes_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """One flag for the encoder's and the gateway's upload limits (`epd serve` passes it to both)."""
     from epd.gateway.config import GatewayConfig
 
-    p.add_argument("--max-upload-bytes", type=int, default=GatewayConfig.max_upload_bytes,
-                   help="largest media file, in bytes: the gateway's gRPC uploads, data URLs and fetched media, "
-                        "and the encoder's uploads")
+    p.add_argument(
+        "--max-upload-bytes",
+        type=int,
+        default=GatewayConfig.max_upload_bytes,
+        help="largest media file, in bytes: the gateway's gRPC uploads, data URLs and fetched media, "
+        "and the encoder's uploads",
+    )
 
 
 def add_encoder_flags(p: argparse.ArgumentParser) -> None:
@@ -251,39 +393,84 @@ def add_encoder_flags(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("encoder")
     add_max_upload_bytes_flag(g)
-    g.add_argument("--max-visual-tokens", type=int, default=16384,
-                   help="visual tokens one request may produce; checked after its first frame group")
+    g.add_argument(
+        "--max-visual-tokens",
+        type=int,
+        default=16384,
+        help="visual tokens one request may produce; checked after its first frame group",
+    )
     add_decode_limit_flags(g)
-    g.add_argument("--index-cache-bytes", type=int, default=ParallelDecodeConfig.index_cache_bytes,
-                   help="memory of the cached keyframe indexes (LRU)")
+    g.add_argument(
+        "--index-cache-bytes",
+        type=int,
+        default=ParallelDecodeConfig.index_cache_bytes,
+        help="memory of the cached keyframe indexes (LRU)",
+    )
     g.add_argument("--decode-workers", type=int, default=0, help="video decode threads (0 = one per core)")
-    g.add_argument("--frames-per-group", type=int, default=2,
-                   help="encode frames in groups of N while later frames decode (even; 0 = no overlap)")
-    g.add_argument("--cache-memory-bytes", type=int, default=2 << 30,
-                   help="multimodal token cache in memory (LRU); 0 disables it")
+    g.add_argument(
+        "--frames-per-group",
+        type=int,
+        default=2,
+        help="encode frames in groups of N while later frames decode (even; 0 = no overlap)",
+    )
+    g.add_argument(
+        "--cache-memory-bytes",
+        type=int,
+        default=2 << 30,
+        help="multimodal token cache in memory (LRU); 0 disables it",
+    )
     g.add_argument("--cache-dir", default="", help="directory of the on-disk token cache tier (default: off)")
-    g.add_argument("--decode-backend", choices=["pyav", "decord"], default="pyav",
-                   help="video decoder: parallel PyAV threads (default) or decord in a child process")
-    g.add_argument("--max-concurrent-decodes", type=int, default=4,
-                   help="requests decoded at once, each on its own driver thread (their frame groups "
-                        "share batched vision-tower calls on the one model thread)")
-    g.add_argument("--max-tower-jobs-per-request", type=int, default=4,
-                   help="frame groups one request may have queued for the vision tower: the next are "
-                        "preprocessed while the tower encodes, and one step encodes all waiting (1 = wait each)")
-    g.add_argument("--merge-decoded-groups", action=argparse.BooleanOptionalAction, default=True,
-                   help="for a request that starts while no other is encoding, a frame group also takes the "
-                        "next groups already decoded (up to frames-per-group x max-tower-jobs-per-request "
-                        "frames): one tower call when decoding runs ahead")
-    g.add_argument("--max-tower-patches-per-step", type=int, default=8192,
-                   help="patches one batched vision-tower call may take (frame groups of several "
-                        "requests; a larger group runs alone)")
-    g.add_argument("--max-queued-decodes", type=int, default=16,
-                   help="requests that may wait for a decode slot; beyond, RESOURCE_EXHAUSTED at once")
+    g.add_argument(
+        "--decode-backend",
+        choices=["pyav", "decord"],
+        default="pyav",
+        help="video decoder: parallel PyAV threads (default) or decord in a child process",
+    )
+    g.add_argument(
+        "--max-concurrent-decodes",
+        type=int,
+        default=4,
+        help="requests decoded at once, each on its own driver thread (their frame groups "
+        "share batched vision-tower calls on the one model thread)",
+    )
+    g.add_argument(
+        "--max-tower-jobs-per-request",
+        type=int,
+        default=4,
+        help="frame groups one request may have queued for the vision tower: the next are "
+        "preprocessed while the tower encodes, and one step encodes all waiting (1 = wait each)",
+    )
+    g.add_argument(
+        "--merge-decoded-groups",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="for a request that starts while no other is encoding, a frame group also takes the "
+        "next groups already decoded (up to frames-per-group x max-tower-jobs-per-request "
+        "frames): one tower call when decoding runs ahead",
+    )
+    g.add_argument(
+        "--max-tower-patches-per-step",
+        type=int,
+        default=8192,
+        help="patches one batched vision-tower call may take (frame groups of several "
+        "requests; a larger group runs alone)",
+    )
+    g.add_argument(
+        "--max-queued-decodes",
+        type=int,
+        default=16,
+        help="requests that may wait for a decode slot; beyond, RESOURCE_EXHAUSTED at once",
+    )
 
 
 STAGE_FLAGS: dict[str, tuple[Callable[..., None], ...]] = {
     "encoder": (add_sampling_flags, add_encoder_flags),
-    "prefill": (add_kv_store_flags, add_prefix_cache_flags, add_prefill_scheduler_flags, add_prefill_limit_flags),
+    "prefill": (
+        add_kv_store_flags,
+        add_prefix_cache_flags,
+        add_prefill_scheduler_flags,
+        add_prefill_limit_flags,
+    ),
     "decode": (add_decode_scheduler_flags,),
 }
 """Each stage role's own flags, which `epd serve` takes too and passes to every replica of the
@@ -341,7 +528,9 @@ def _tokens(text: str) -> int:
     match = _TOKENS_WITH_SUFFIX.fullmatch(text.strip())
     number, suffix = match.groups() if match else ("", "")
     if match is None or ("." in number and suffix not in _DECIMAL_SUFFIXES):
-        raise argparse.ArgumentTypeError(f"expected a positive number of tokens (32768, 32k or 32K), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of tokens (32768, 32k or 32K), got {text!r}"
+        )
     if suffix in _DECIMAL_SUFFIXES:
         value = int(float(number) * _DECIMAL_SUFFIXES[suffix])
     else:
@@ -354,8 +543,10 @@ def _tokens(text: str) -> int:
 def _max_model_len(text: str) -> int:
     """`_tokens`, and vLLM's -1 / auto (fit the GPU's memory) refused saying what to do instead."""
     if text.strip() in ("-1", "auto"):
-        raise argparse.ArgumentTypeError(f"vLLM's {text.strip()} (the longest that fits the GPU's memory) is not "
-                                          "supported: leave --max-model-len out to serve the model's own context")
+        raise argparse.ArgumentTypeError(
+            f"vLLM's {text.strip()} (the longest that fits the GPU's memory) is not "
+            "supported: leave --max-model-len out to serve the model's own context"
+        )
     return _tokens(text)
 
 
@@ -365,9 +556,14 @@ _port = _count("a port number", MAX_PORT, "(a TCP port)", low=0)
 
 
 def add_grace_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM/SIGINT, requests in flight get this long to finish before they are "
-                        "cut off (an idle service exits at once; a second signal stops at once)")
+    p.add_argument(
+        "--grace-period",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, requests in flight get this long to finish before they are "
+        "cut off (an idle service exits at once; a second signal stops at once)",
+    )
 
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -378,51 +574,95 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def add_tls_client_flags(g) -> None:
-    g.add_argument("--tls-ca", default="", metavar="PATH",
-                   help="PEM CA bundle verifying the stage servers this service calls: set, its channels to "
-                        "them use TLS, presenting --tls-cert/--tls-key as client certificate (mTLS)")
-    g.add_argument("--tls-cert", default="", metavar="PATH",
-                   help="PEM certificate chain this service presents (its gRPC and HTTP ports; and to stages)")
+    g.add_argument(
+        "--tls-ca",
+        default="",
+        metavar="PATH",
+        help="PEM CA bundle verifying the stage servers this service calls: set, its channels to "
+        "them use TLS, presenting --tls-cert/--tls-key as client certificate (mTLS)",
+    )
+    g.add_argument(
+        "--tls-cert",
+        default="",
+        metavar="PATH",
+        help="PEM certificate chain this service presents (its gRPC and HTTP ports; and to stages)",
+    )
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
-    g.add_argument("--tls-server-name", default="", metavar="NAME",
-                   help="name the called servers' certificates are checked against instead of the host dialed "
-                        "(decode reaching prefill pods by IP: the name their certificate carries); needs --tls-ca")
+    g.add_argument(
+        "--tls-server-name",
+        default="",
+        metavar="NAME",
+        help="name the called servers' certificates are checked against instead of the host dialed "
+        "(decode reaching prefill pods by IP: the name their certificate carries); needs --tls-ca",
+    )
 
 
 def add_security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transport security (docs/security.md)")
     add_tls_client_flags(g)
-    g.add_argument("--tls-client-ca", default="", metavar="PATH",
-                   help="PEM CA bundle client certificates must chain to: every client then needs one (mTLS)")
-    g.add_argument("--internal-secret-file", default=_env("EPD_INTERNAL_SECRET_FILE", ""), metavar="PATH",
-                   help="file holding the shared secret stages require on every call but health (the gateway "
-                        "and decode present it); several, one a line, while it rotates: the first is "
-                        "presented, every one accepted (docs/security.md); default: $EPD_INTERNAL_SECRET_FILE, "
-                        "else the secret itself in $EPD_INTERNAL_SECRET. A stage refuses to start without one "
-                        "unless --tls-client-ca (mTLS) or --insecure-no-internal-auth (`epd serve` gives its own one)")
-    g.add_argument("--insecure-no-internal-auth", action="store_true",
-                   help="serve a stage to any caller that reaches its port, without the internal secret: "
-                        "development on a closed machine or network only")
+    g.add_argument(
+        "--tls-client-ca",
+        default="",
+        metavar="PATH",
+        help="PEM CA bundle client certificates must chain to: every client then needs one (mTLS)",
+    )
+    g.add_argument(
+        "--internal-secret-file",
+        default=_env("EPD_INTERNAL_SECRET_FILE", ""),
+        metavar="PATH",
+        help="file holding the shared secret stages require on every call but health (the gateway "
+        "and decode present it); several, one a line, while it rotates: the first is "
+        "presented, every one accepted (docs/security.md); default: $EPD_INTERNAL_SECRET_FILE, "
+        "else the secret itself in $EPD_INTERNAL_SECRET. A stage refuses to start without one "
+        "unless --tls-client-ca (mTLS) or --insecure-no-internal-auth (`epd serve` gives its own one)",
+    )
+    g.add_argument(
+        "--insecure-no-internal-auth",
+        action="store_true",
+        help="serve a stage to any caller that reaches its port, without the internal secret: "
+        "development on a closed machine or network only",
+    )
     p.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))
 
 
 def add_stack_security_flags(p: argparse.ArgumentParser) -> None:
     """`epd serve` (the stack, or --colocate): the front door's keys and limits, and TLS."""
     g = p.add_argument_group("front door and TLS (the stack or --colocate; docs/security.md)")
-    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on the gateway (default: $EPD_API_KEY); repeatable, "
-                        "each key its own cache tenant (handed to the gateway in a 0600 file, not its command line)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on the gateway (default: $EPD_API_KEY); repeatable, "
+        "each key its own cache tenant (handed to the gateway in a 0600 file, not its command line)",
+    )
     g.add_argument("--api-key-file", default="", metavar="PATH", help="more API keys, one per line")
-    g.add_argument("--max-requests-per-api-key", type=int, default=0,
-                   help="requests one API key may have in flight over all its clients (0 = no limit)")
-    g.add_argument("--tls-cert", default="", metavar="PATH",
-                   help="PEM certificate (valid for 127.0.0.1) every service serves: the gateway's gRPC and "
-                        "HTTP ports become TLS/HTTPS, and the stages take only the stack's own calls (mTLS)")
+    g.add_argument(
+        "--max-requests-per-api-key",
+        type=int,
+        default=0,
+        help="requests one API key may have in flight over all its clients (0 = no limit)",
+    )
+    g.add_argument(
+        "--tls-cert",
+        default="",
+        metavar="PATH",
+        help="PEM certificate (valid for 127.0.0.1) every service serves: the gateway's gRPC and "
+        "HTTP ports become TLS/HTTPS, and the stages take only the stack's own calls (mTLS)",
+    )
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
-    g.add_argument("--tls-ca", default="", metavar="PATH",
-                   help="PEM CA that signed --tls-cert (a self-signed certificate is its own CA); needed with it")
-    g.add_argument("--tls-client-ca", default="", metavar="PATH",
-                   help="PEM CA bundle clients of the gateway must present a certificate of (mTLS at the front door)")
+    g.add_argument(
+        "--tls-ca",
+        default="",
+        metavar="PATH",
+        help="PEM CA that signed --tls-cert (a self-signed certificate is its own CA); needed with it",
+    )
+    g.add_argument(
+        "--tls-client-ca",
+        default="",
+        metavar="PATH",
+        help="PEM CA bundle clients of the gateway must present a certificate of (mTLS at the front door)",
+    )
     p.set_defaults(api_key_env=_env("EPD_API_KEY", ""))
 
 
@@ -430,24 +670,46 @@ def add_admission_flags(p: argparse.ArgumentParser) -> None:
     """The front door's limits per client and on request bodies held (the gateway role, and `epd
     serve` for its gateway or the colocated one)."""
     g = p.add_argument_group("admission")
-    g.add_argument("--max-requests-per-client", type=int, default=8,
-                   help="requests one client (peer IP) may have in flight on HTTP and gRPC together")
-    g.add_argument("--max-inflight-body-bytes", type=int, default=0,
-                   help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)")
+    g.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=8,
+        help="requests one client (peer IP) may have in flight on HTTP and gRPC together",
+    )
+    g.add_argument(
+        "--max-inflight-body-bytes",
+        type=int,
+        default=0,
+        help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)",
+    )
 
 
 def add_routing_flags(p: argparse.ArgumentParser) -> None:
     """How the gateway spreads stage calls over replicas (the gateway role, and `epd serve` for its
     stack's gateway; --colocate has one local stage of each, nothing to route)."""
     g = p.add_argument_group("routing among stage replicas")
-    g.add_argument("--routing", choices=("affinity", "round-robin"), default="affinity",
-                   help="affinity: a video's calls go to the replicas holding its caches (unless "
-                        "overloaded), others to the least loaded; round-robin: every call in turn")
-    g.add_argument("--stage-attempt-timeout", type=_seconds, default=120.0, metavar="SECONDS",
-                   help="longest one try of a stage call may take (decode: until its first token) before "
-                        "the next replica is tried (0 = only the stage deadline)")
-    g.add_argument("--load-refresh-interval", type=_seconds, default=0.5, metavar="SECONDS",
-                   help="seconds between reads of the replicas' loads for routing (0 = off)")
+    g.add_argument(
+        "--routing",
+        choices=("affinity", "round-robin"),
+        default="affinity",
+        help="affinity: a video's calls go to the replicas holding its caches (unless "
+        "overloaded), others to the least loaded; round-robin: every call in turn",
+    )
+    g.add_argument(
+        "--stage-attempt-timeout",
+        type=_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="longest one try of a stage call may take (decode: until its first token) before "
+        "the next replica is tried (0 = only the stage deadline)",
+    )
+    g.add_argument(
+        "--load-refresh-interval",
+        type=_seconds,
+        default=0.5,
+        metavar="SECONDS",
+        help="seconds between reads of the replicas' loads for routing (0 = off)",
+    )
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -471,15 +733,27 @@ def add_http_listen_flags(p: argparse.ArgumentParser, g) -> None:
     `add_stack_security_flags`)."""
     g.add_argument("--http-port", type=_port, default=0, help="port of the HTTP API (0 = off)")
     g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
-    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: $EPD_API_KEY); "
-                        "repeat it (or use --api-key-file) for several keys, each its own cache tenant; "
-                        "needed to listen beyond loopback unless --no-api-key")
-    g.add_argument("--api-key-file", default="", metavar="PATH",
-                   help="more API keys, one per line ('#' starts a comment)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: $EPD_API_KEY); "
+        "repeat it (or use --api-key-file) for several keys, each its own cache tenant; "
+        "needed to listen beyond loopback unless --no-api-key",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default="",
+        metavar="PATH",
+        help="more API keys, one per line ('#' starts a comment)",
+    )
     p.set_defaults(api_key_env=_env("EPD_API_KEY", ""))
-    g.add_argument("--no-api-key", action="store_true",
-                   help="serve a non-loopback --host/--http-host with no API key: closed, trusted networks only")
+    g.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve a non-loopback --host/--http-host with no API key: closed, trusted networks only",
+    )
 
 
 def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
@@ -489,18 +763,37 @@ def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
     if listen:
         add_http_listen_flags(p, g)
     g.add_argument("--served-model-name", default="epd", help="model id listed by /v1/models")
-    g.add_argument("--allowed-local-media-path", default="",
-                   help="directory that local paths / file:// media URLs may be read from (default: none)")
-    g.add_argument("--allowed-media-domains", type=_addresses, default=(),
-                   help="comma-separated domains http(s) media URLs may be fetched from (default: none); "
-                        "private addresses are refused regardless")
-    g.add_argument("--media-fetch-timeout", type=_positive_seconds, default=30.0, help="seconds to fetch one media URL")
-    g.add_argument("--body-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
-                   help="seconds a request body may take to arrive, whole (HTTP 408 past it)")
-    g.add_argument("--sse-keepalive", type=_seconds, default=15.0, metavar="SECONDS",
-                   help="a streamed answer with no token yet gets an SSE comment this often, so that "
-                        "proxies' idle timeouts do not cut a long encode (0 = off: the 200 comes with the "
-                        "first token, and every error before it keeps its own HTTP status)")
+    g.add_argument(
+        "--allowed-local-media-path",
+        default="",
+        help="directory that local paths / file:// media URLs may be read from (default: none)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        type=_addresses,
+        default=(),
+        help="comma-separated domains http(s) media URLs may be fetched from (default: none); "
+        "private addresses are refused regardless",
+    )
+    g.add_argument(
+        "--media-fetch-timeout", type=_positive_seconds, default=30.0, help="seconds to fetch one media URL"
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=_positive_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="seconds a request body may take to arrive, whole (HTTP 408 past it)",
+    )
+    g.add_argument(
+        "--sse-keepalive",
+        type=_seconds,
+        default=15.0,
+        metavar="SECONDS",
+        help="a streamed answer with no token yet gets an SSE comment this often, so that "
+        "proxies' idle timeouts do not cut a long encode (0 = off: the 200 comes with the "
+        "first token, and every error before it keeps its own HTTP status)",
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -514,15 +807,21 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         if "invalid choice" in message and getattr(self, "_arg_strings", None):
-            unknown = [a for a in self._arg_strings if a.startswith("-") and a != "--"
-                       and a.split("=", 1)[0] not in self._option_string_actions]
+            unknown = [
+                a
+                for a in self._arg_strings
+                if a.startswith("-") and a != "--" and a.split("=", 1)[0] not in self._option_string_actions
+            ]
             if unknown:
                 message = f"unknown flag {unknown[0]} (see {self.prog} --help)"
         super().error(message)
 
 
 GATEWAY_FLAGS: tuple[Callable[..., None], ...] = (
-    add_admission_flags, add_routing_flags, functools.partial(add_http_api_flags, listen=False))
+    add_admission_flags,
+    add_routing_flags,
+    functools.partial(add_http_api_flags, listen=False),
+)
 """The gateway role's flags `epd serve` takes too: one definition each, passed to the stack's
 gateway (`epd/cli/serve.py` `gateway_flags`) or built into the colocated front door's config
 (`epd/cli/configs.py` `colocated_gateway_config`; routing excepted, its stages being local)."""
@@ -540,55 +839,110 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="epd", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"epd {__version__}")
     parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--log-format", choices=["text", "json"], default="text",
-                        help="text: one line per record ending in request_id=ID when it is about a request; "
-                             "json: one JSON object per line (ts, level, logger, message, request_id)")
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="text: one line per record ending in request_id=ID when it is about a request; "
+        "json: one JSON object per line (ts, level, logger, message, request_id)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     ask = sub.add_parser("ask", help="ask a question about a video or image")
-    ask.add_argument("video", nargs="?", default=None,
-                     help="path of a video (MP4, MKV, WebM, MOV, AVI) or image; with --no-video, the question")
-    ask.add_argument("--no-video", action="store_true",
-                     help="a text-only conversation, no media: `epd ask --no-video QUESTION` (or --messages FILE "
-                          "without a video or image part); no encoder runs")
-    ask.add_argument("question", nargs="?", default=None,
-                     help="the question (one user message: the media, then this text); with --question "
-                          "or --interactive, the conversation's first question")
-    ask.add_argument("--question", dest="questions", action="append", default=[], metavar="Q",
-                     help="a question asked in turn (repeatable): one conversation, each turn sending the "
-                          "earlier questions and answers too; one answer (--json: one object) per turn")
-    ask.add_argument("--interactive", action="store_true",
-                     help="then read questions from stdin, one a line, until EOF or an empty line, "
-                          "continuing the same conversation")
-    ask.add_argument("--messages", default="", metavar="FILE",
-                     help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
-                          '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
-                          "roles system/user/assistant, parts in your order, one video or image part (none with --no-video)")
-    ask.add_argument("--continue-final-message", action="store_true",
-                     help="with --messages FILE ending with the assistant's message: continue that message "
-                          "(vLLM's continue_final_message; implies --no-add-generation-prompt); the answer is "
-                          "the continuation alone")
-    ask.add_argument("--no-add-generation-prompt", action="store_true",
-                     help="with --messages FILE: render the conversation without the chat template's opening "
-                          "of a new answer (vLLM's add_generation_prompt false)")
-    ask.add_argument("--prompt", default=None, metavar="TEXT",
-                     help="instead of VIDEO and QUESTION, a raw prompt continued as it is, without the chat template "
-                          "(the HTTP API's /v1/completions): tokenised as the model's tokenizer(TEXT), no media")
+    ask.add_argument(
+        "video",
+        nargs="?",
+        default=None,
+        help="path of a video (MP4, MKV, WebM, MOV, AVI) or image; with --no-video, the question",
+    )
+    ask.add_argument(
+        "--no-video",
+        action="store_true",
+        help="a text-only conversation, no media: `epd ask --no-video QUESTION` (or --messages FILE "
+        "without a video or image part); no encoder runs",
+    )
+    ask.add_argument(
+        "question",
+        nargs="?",
+        default=None,
+        help="the question (one user message: the media, then this text); with --question "
+        "or --interactive, the conversation's first question",
+    )
+    ask.add_argument(
+        "--question",
+        dest="questions",
+        action="append",
+        default=[],
+        metavar="Q",
+        help="a question asked in turn (repeatable): one conversation, each turn sending the "
+        "earlier questions and answers too; one answer (--json: one object) per turn",
+    )
+    ask.add_argument(
+        "--interactive",
+        action="store_true",
+        help="then read questions from stdin, one a line, until EOF or an empty line, "
+        "continuing the same conversation",
+    )
+    ask.add_argument(
+        "--messages",
+        default="",
+        metavar="FILE",
+        help="instead of QUESTION, a JSON file (- for stdin) holding the conversation: "
+        '[{"role": "user", "content": [{"type": "text", "text": "..."}, {"type": "video"}]}], '
+        "roles system/user/assistant, parts in your order, one video or image part (none with --no-video)",
+    )
+    ask.add_argument(
+        "--continue-final-message",
+        action="store_true",
+        help="with --messages FILE ending with the assistant's message: continue that message "
+        "(vLLM's continue_final_message; implies --no-add-generation-prompt); the answer is "
+        "the continuation alone",
+    )
+    ask.add_argument(
+        "--no-add-generation-prompt",
+        action="store_true",
+        help="with --messages FILE: render the conversation without the chat template's opening "
+        "of a new answer (vLLM's add_generation_prompt false)",
+    )
+    ask.add_argument(
+        "--prompt",
+        default=None,
+        metavar="TEXT",
+        help="instead of VIDEO and QUESTION, a raw prompt continued as it is, without the chat template "
+        "(the HTTP API's /v1/completions): tokenised as the model's tokenizer(TEXT), no media",
+    )
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    ask.add_argument("--api-key", default=_env("EPD_API_KEY", ""),
-                     help="key of a gateway started with --api-key (default: $EPD_API_KEY)")
-    ask.add_argument("--cache-salt", default="", metavar="SALT",
-                     help="share cached video tokens and prompt prefixes only with requests of the same salt "
-                          "(vLLM's cache_salt; a gateway with API keys adds the key's own)")
+    ask.add_argument(
+        "--api-key",
+        default=_env("EPD_API_KEY", ""),
+        help="key of a gateway started with --api-key (default: $EPD_API_KEY)",
+    )
+    ask.add_argument(
+        "--cache-salt",
+        default="",
+        metavar="SALT",
+        help="share cached video tokens and prompt prefixes only with requests of the same salt "
+        "(vLLM's cache_salt; a gateway with API keys adds the key's own)",
+    )
     g = ask.add_argument_group("TLS (--endpoint of a gateway started with --tls-cert)")
-    g.add_argument("--tls-ca", default="", metavar="PATH", help="PEM CA that signed the gateway's certificate")
-    g.add_argument("--tls-cert", default="", metavar="PATH",
-                   help="PEM client certificate, for a gateway started with --tls-client-ca (mTLS)")
+    g.add_argument(
+        "--tls-ca", default="", metavar="PATH", help="PEM CA that signed the gateway's certificate"
+    )
+    g.add_argument(
+        "--tls-cert",
+        default="",
+        metavar="PATH",
+        help="PEM client certificate, for a gateway started with --tls-client-ca (mTLS)",
+    )
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
-    g.add_argument("--tls-server-name", default="", metavar="NAME",
-                   help="name to check the gateway's certificate against, when not the --endpoint host "
-                        "(TLS: with the system's CAs when no --tls-ca)")
+    g.add_argument(
+        "--tls-server-name",
+        default="",
+        metavar="NAME",
+        help="name to check the gateway's certificate against, when not the --endpoint host "
+        "(TLS: with the system's CAs when no --tls-ca)",
+    )
     add_model_flags(ask)
     add_generation_flags(ask)
     add_sampling_flags(ask)
@@ -606,49 +960,86 @@ def build_parser() -> argparse.ArgumentParser:
         for add_flags in STAGE_FLAGS[role]:
             add_flags(r)
         if role == "prefill":
-            r.add_argument("--advertise-address", default="",
-                           help="HOST:PORT decoders pull KV caches from (default: --host:--port; required "
-                                "with a --host of every interface, 0.0.0.0 or ::, which no decoder can dial)")
+            r.add_argument(
+                "--advertise-address",
+                default="",
+                help="HOST:PORT decoders pull KV caches from (default: --host:--port; required "
+                "with a --host of every interface, 0.0.0.0 or ::, which no decoder can dial)",
+            )
         if role == "decode":
-            r.add_argument("--allow-kv-from", type=_kv_sources, default=DecodeConfig.allow_kv_from,
-                           help="comma-separated HOST:PORT of prefill servers to pull KV from: HOST a DNS "
-                                "name, IPv4 address or network (10.0.0.0/8), or IPv6 one in brackets "
-                                "([::1], [fd00::/8]); PORT a number or * (any port); no any-host "
-                                "wildcard (default: 127.0.0.1:*,localhost:*,[::1]:*)")
-            r.add_argument("--nice", type=int, default=DecodeConfig.nice, metavar="N",
-                           help="add N (0-19) to this process's nice value: a lower CPU priority, so that "
-                                "encode and prefill sharing its cores go first (first tokens sooner, the "
-                                f"tokens after them later; the stack's --schedule ttft-first gives "
-                                f"{TTFT_FIRST_DECODE_NICE})")
+            r.add_argument(
+                "--allow-kv-from",
+                type=_kv_sources,
+                default=DecodeConfig.allow_kv_from,
+                help="comma-separated HOST:PORT of prefill servers to pull KV from: HOST a DNS "
+                "name, IPv4 address or network (10.0.0.0/8), or IPv6 one in brackets "
+                "([::1], [fd00::/8]); PORT a number or * (any port); no any-host "
+                "wildcard (default: 127.0.0.1:*,localhost:*,[::1]:*)",
+            )
+            r.add_argument(
+                "--nice",
+                type=int,
+                default=DecodeConfig.nice,
+                metavar="N",
+                help="add N (0-19) to this process's nice value: a lower CPU priority, so that "
+                "encode and prefill sharing its cores go first (first tokens sooner, the "
+                f"tokens after them later; the stack's --schedule ttft-first gives "
+                f"{TTFT_FIRST_DECODE_NICE})",
+            )
     gw = roles.add_parser("gateway", help="run the front door")
     gw.set_defaults(allocator=None)  # no model, no torch: not the `serve` parser's --allocator default
     add_server_flags(gw, GATEWAY_PORT)
-    gw.add_argument("--encoder", type=_addresses, default=(f"127.0.0.1:{ENCODER_PORT}",),
-                    help="comma-separated encoder replica addresses (a video goes to the one its sha256 "
-                         "picks, so its cached tokens are found)")
+    gw.add_argument(
+        "--encoder",
+        type=_addresses,
+        default=(f"127.0.0.1:{ENCODER_PORT}",),
+        help="comma-separated encoder replica addresses (a video goes to the one its sha256 "
+        "picks, so its cached tokens are found)",
+    )
     gw.add_argument("--prefill", type=_addresses, default=(f"127.0.0.1:{PREFILL_PORT}",))
     gw.add_argument("--decode", type=_addresses, default=(f"127.0.0.1:{DECODE_PORT}",))
     add_max_upload_bytes_flag(gw)
-    gw.add_argument("--max-requests-per-api-key", type=int, default=0,
-                    help="requests one API key may have in flight over all its clients (0 = no limit; "
-                         "only with --api-key)")
-    gw.add_argument("--stage-check-interval", type=_seconds, default=1.0,
-                    help="seconds between stage replica health checks: a replica not serving leaves routing "
-                         "until it serves again; gateway health is NOT_SERVING while a stage has no replica "
-                         "serving (0 = check only at start-up)")
-    gw.add_argument("--replicas-file", default="", metavar="PATH",
-                    help='JSON/YAML {"encoder": [...], "prefill": [...], "decode": [...]} replacing the '
-                         "address flags for the stages it names; re-read when it changes and on SIGHUP")
-    gw.add_argument("--dns-refresh-interval", type=_seconds, default=DNS_REFRESH_INTERVAL_S, metavar="SECONDS",
-                    help="seconds between lookups of dns:///NAME:PORT stage addresses, each routed as one replica "
-                         "per address NAME resolves to (0 = a name found is not looked up again)")
+    gw.add_argument(
+        "--max-requests-per-api-key",
+        type=int,
+        default=0,
+        help="requests one API key may have in flight over all its clients (0 = no limit; "
+        "only with --api-key)",
+    )
+    gw.add_argument(
+        "--stage-check-interval",
+        type=_seconds,
+        default=1.0,
+        help="seconds between stage replica health checks: a replica not serving leaves routing "
+        "until it serves again; gateway health is NOT_SERVING while a stage has no replica "
+        "serving (0 = check only at start-up)",
+    )
+    gw.add_argument(
+        "--replicas-file",
+        default="",
+        metavar="PATH",
+        help='JSON/YAML {"encoder": [...], "prefill": [...], "decode": [...]} replacing the '
+        "address flags for the stages it names; re-read when it changes and on SIGHUP",
+    )
+    gw.add_argument(
+        "--dns-refresh-interval",
+        type=_seconds,
+        default=DNS_REFRESH_INTERVAL_S,
+        metavar="SECONDS",
+        help="seconds between lookups of dns:///NAME:PORT stage addresses, each routed as one replica "
+        "per address NAME resolves to (0 = a name found is not looked up again)",
+    )
     add_admission_flags(gw)
     add_routing_flags(gw)
     add_http_api_flags(gw)  # with its listen flags: GATEWAY_FLAGS' without them
     demo = gw.add_argument_group("web demo (POST /demo/frames decodes the frames it shows in the gateway)")
-    demo.add_argument("--demo-max-concurrent-decodes", type=int, default=WebDemoConfig.max_concurrent_decodes,
-                      help="demo decodes at once, on their own threads; more get 429 (one whose client left "
-                           "counts until it has stopped)")
+    demo.add_argument(
+        "--demo-max-concurrent-decodes",
+        type=int,
+        default=WebDemoConfig.max_concurrent_decodes,
+        help="demo decodes at once, on their own threads; more get 429 (one whose client left "
+        "counts until it has stopped)",
+    )
     add_decode_limit_flags(demo)  # the encoder's limits, which `epd serve` passes to both
     # Requests that leave them unset are sent with these: the encoders' own never apply through the
     # gateway (`epd serve` passes its --fps/--max-frames/... to both).
@@ -662,39 +1053,73 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--encoder-port", type=_port, default=ENCODER_PORT)
     serve.add_argument("--prefill-port", type=_port, default=PREFILL_PORT)
     serve.add_argument("--decode-port", type=_port, default=DECODE_PORT)
-    serve.add_argument("--http-port", type=_port, default=8000,
-                       help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)")
-    serve.add_argument("--demo-max-concurrent-decodes", type=int, default=WebDemoConfig.max_concurrent_decodes,
-                       help="web demo decodes at once in the gateway, on their own threads; more get 429")
+    serve.add_argument(
+        "--http-port",
+        type=_port,
+        default=8000,
+        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)",
+    )
+    serve.add_argument(
+        "--demo-max-concurrent-decodes",
+        type=int,
+        default=WebDemoConfig.max_concurrent_decodes,
+        help="web demo decodes at once in the gateway, on their own threads; more get 429",
+    )
     g = serve.add_argument_group("replicas and supervision (the stack on loopback)")
     replicas = _count("a number of replicas", MAX_REPLICAS, "replicas")
     for role in ("encoder", "prefill", "decode"):
-        g.add_argument(f"--{role}s", type=replicas, default=1, metavar="N",
-                       help=f"{role} replicas: replica i listens on --{role}-port + {REPLICA_PORT_STEP} * i")
-    g.add_argument("--health-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
-                   help="a service that stops answering its gRPC health check this long is killed and "
-                        "restarted (a service that exits is restarted too, with backoff; one that "
-                        "crash-loops is given up on)")
-    serve.add_argument("--colocate", action="store_true",
-                       help="one process instead of four: the front door and the three stages share one "
-                            "model and the machine's cores (the same front door: --gateway-port and --http-port, "
-                            "same APIs); for a single machine")
+        g.add_argument(
+            f"--{role}s",
+            type=replicas,
+            default=1,
+            metavar="N",
+            help=f"{role} replicas: replica i listens on --{role}-port + {REPLICA_PORT_STEP} * i",
+        )
+    g.add_argument(
+        "--health-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="a service that stops answering its gRPC health check this long is killed and "
+        "restarted (a service that exits is restarted too, with backoff; one that "
+        "crash-loops is given up on)",
+    )
+    serve.add_argument(
+        "--colocate",
+        action="store_true",
+        help="one process instead of four: the front door and the three stages share one "
+        "model and the machine's cores (the same front door: --gateway-port and --http-port, "
+        "same APIs); for a single machine",
+    )
     shared = SharedModelSchedule()
-    serve.add_argument("--schedule", choices=SCHEDULES, default=shared.policy,
-                       help="how the stages' steps share the cores: fifo (in turn) or ttft-first (first "
-                            "tokens sooner, the tokens after them later). --colocate: decode admissions "
-                            "ahead of every step, encode and prefill before a waiting decode step, up to "
-                            "--decode-max-wait-s; the stack: its decoders run at a lower CPU priority "
-                            f"(decode's --nice {TTFT_FIRST_DECODE_NICE})")
-    serve.add_argument("--decode-max-wait-s", type=_positive_seconds, default=shared.decode_max_wait_s,
-                       metavar="SECONDS", help="--colocate with --schedule ttft-first: longest a decode step "
-                                               "waits while encode and prefill steps go first")
+    serve.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=shared.policy,
+        help="how the stages' steps share the cores: fifo (in turn) or ttft-first (first "
+        "tokens sooner, the tokens after them later). --colocate: decode admissions "
+        "ahead of every step, encode and prefill before a waiting decode step, up to "
+        "--decode-max-wait-s; the stack: its decoders run at a lower CPU priority "
+        f"(decode's --nice {TTFT_FIRST_DECODE_NICE})",
+    )
+    serve.add_argument(
+        "--decode-max-wait-s",
+        type=_positive_seconds,
+        default=shared.decode_max_wait_s,
+        metavar="SECONDS",
+        help="--colocate with --schedule ttft-first: longest a decode step "
+        "waits while encode and prefill steps go first",
+    )
     steps = _count("a number of model calls", MAX_CONCURRENT_STEPS, "(one per stage)")
-    serve.add_argument("--concurrent-steps", type=steps,
-                       default=shared.concurrent_steps, metavar="N",
-                       help=f"--colocate: model calls of different stages that run at once (1: one at a time; "
-                            f"2: a decode step beside an encode or prefill step; at most {MAX_CONCURRENT_STEPS}, "
-                            "one per stage)")
+    serve.add_argument(
+        "--concurrent-steps",
+        type=steps,
+        default=shared.concurrent_steps,
+        metavar="N",
+        help=f"--colocate: model calls of different stages that run at once (1: one at a time; "
+        f"2: a decode step beside an encode or prefill step; at most {MAX_CONCURRENT_STEPS}, "
+        "one per stage)",
+    )
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     # GATEWAY_FLAGS: passed to the stack's gateway, or the colocated front door (not routing: its
@@ -703,11 +1128,15 @@ def build_parser() -> argparse.ArgumentParser:
     for add_flags in GATEWAY_FLAGS:
         add_flags(serve)
     # STAGE_FLAGS: passed to every replica of their stage, or the colocated stages.
-    g = serve.add_argument_group("prefill: KV store, prefix cache, batching, queue and max_tokens limit (passed to "
-                                 "every prefill, or the colocated one)")
+    g = serve.add_argument_group(
+        "prefill: KV store, prefix cache, batching, queue and max_tokens limit (passed to "
+        "every prefill, or the colocated one)"
+    )
     for add_flags in STAGE_FLAGS["prefill"]:
         add_flags(g)
-    g = serve.add_argument_group("decode: KV memory, batch and queue (passed to every decoder, or the colocated one)")
+    g = serve.add_argument_group(
+        "decode: KV memory, batch and queue (passed to every decoder, or the colocated one)"
+    )
     for add_flags in STAGE_FLAGS["decode"]:
         add_flags(g)
     for add_flags in STAGE_FLAGS["encoder"]:  # their own groups; --max-upload-bytes reaches the gateway too
@@ -722,8 +1151,13 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
     health.add_argument("address", help="HOST:PORT")
     health.add_argument("--service", default="", help="service name; default: the whole server")
-    health.add_argument("--timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
-                        help="seconds to wait for the answer")
+    health.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=3.0,
+        metavar="SECONDS",
+        help="seconds to wait for the answer",
+    )
     add_tls_client_flags(health.add_argument_group("TLS (a service started with --tls-cert)"))
     return parser
 

@@ -68,8 +68,11 @@ def run_serve(args: argparse.Namespace) -> int:
         _die_with_parent(int(os.environ.pop(_LAUNCHER_ENV)))
     if max(args.encoders, args.prefills, args.decodes) > 1:
         where = f"epd serve {args.role}" if args.role else "--colocate"
-        print(f"epd serve: --encoders/--prefills/--decodes start replicas of the stack; {where} runs one "
-              "service (start more of it on other ports, or run the stack)", file=sys.stderr)
+        print(
+            f"epd serve: --encoders/--prefills/--decodes start replicas of the stack; {where} runs one "
+            "service (start more of it on other ports, or run the stack)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     _exit_now(serve_role(args))
 
@@ -133,7 +136,7 @@ class _StackFiles:
         import tempfile
 
         self.dir = tempfile.mkdtemp(prefix=f"{STACK_DIR_PREFIX}{os.getpid()}-")
-        self.stack_id = os.path.basename(self.dir)[len(STACK_DIR_PREFIX):]
+        self.stack_id = os.path.basename(self.dir)[len(STACK_DIR_PREFIX) :]
         """`<pid>-<random>`: the threads board is named after it, to be removed with it."""
 
     def write(self, name: str, data: bytes) -> str:
@@ -204,15 +207,19 @@ def stack_transport(args: argparse.Namespace):
     if args.tls_client_ca and not args.tls_cert:
         raise ValueError("--tls-client-ca needs --tls-cert, --tls-key and --tls-ca: mTLS is TLS first")
     if args.tls_cert and not args.tls_ca:
-        raise ValueError("--tls-cert needs --tls-ca, the CA that signed it (the stack's services verify each "
-                         "other with it; for a self-signed certificate, pass the certificate itself)")
+        raise ValueError(
+            "--tls-cert needs --tls-ca, the CA that signed it (the stack's services verify each "
+            "other with it; for a self-signed certificate, pass the certificate itself)"
+        )
     if args.tls_ca and not args.tls_cert:
         raise ValueError("--tls-ca without --tls-cert: pass the certificate and key the stack serves too")
+
     def absolute(path: str) -> str:  # the services may not share the launcher's directory
         return os.path.abspath(path) if path else ""
 
-    return TransportSecurity(tls_cert=absolute(args.tls_cert), tls_key=absolute(args.tls_key),
-                             tls_ca=absolute(args.tls_ca))
+    return TransportSecurity(
+        tls_cert=absolute(args.tls_cert), tls_key=absolute(args.tls_key), tls_ca=absolute(args.tls_ca)
+    )
 
 
 def _service(args: argparse.Namespace):
@@ -246,9 +253,16 @@ async def _colocated(config, stages: ColocatedStages) -> None:
     from epd.gateway import server as gateway
     from epd.gateway.embedded import build_embedded_pipeline
 
-    await gateway.main(config, local=build_embedded_pipeline(stages.model, encoder=stages.encoder,
-                                                             prefill=stages.prefill, decode=stages.decode,
-                                                             schedule=stages.schedule))
+    await gateway.main(
+        config,
+        local=build_embedded_pipeline(
+            stages.model,
+            encoder=stages.encoder,
+            prefill=stages.prefill,
+            decode=stages.decode,
+            schedule=stages.schedule,
+        ),
+    )
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -278,8 +292,12 @@ def replica_ports(args: argparse.Namespace) -> dict[str, list[int]]:
     one replica, the stage's port)."""
     from epd.cli.main import REPLICA_PORT_STEP
 
-    return {role: [getattr(args, f"{role}_port") + REPLICA_PORT_STEP * i for i in range(getattr(args, f"{role}s"))]
-            for role in MODEL_ROLES}
+    return {
+        role: [
+            getattr(args, f"{role}_port") + REPLICA_PORT_STEP * i for i in range(getattr(args, f"{role}s"))
+        ]
+        for role in MODEL_ROLES
+    }
 
 
 def replica_name(role: str, index: int) -> str:
@@ -302,8 +320,10 @@ def port_clash(args: argparse.Namespace) -> str | None:
             if port > 65535:
                 return f"{name} would listen on port {port} (--{role}-port + {REPLICA_PORT_STEP} * {i}), beyond 65535"
             if port in taken:
-                return (f"{name} would listen on port {port}, which {taken[port]} uses (replica i listens on "
-                        f"--{role}-port + {REPLICA_PORT_STEP} * i): choose other ports or fewer replicas")
+                return (
+                    f"{name} would listen on port {port}, which {taken[port]} uses (replica i listens on "
+                    f"--{role}-port + {REPLICA_PORT_STEP} * i): choose other ports or fewer replicas"
+                )
             taken[port] = name
     return None
 
@@ -333,37 +353,74 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
     base = [sys.executable, "-m", "epd.cli.main", "--log-level", args.log_level, *log_format, "serve"]
     threads = [] if args.num_threads is None else ["--num-threads", str(args.num_threads or "auto")]
-    model = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *threads,
-             "--linear-kernel", args.linear_kernel]
+    model = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        *threads,
+        "--linear-kernel",
+        args.linear_kernel,
+    ]
     grace = ["--grace-period", str(args.grace_period)]
     own = {role: stage_flags(args, role) for role in MODEL_ROLES}
     if args.schedule == "ttft-first":
         own["decode"] += ["--nice", str(TTFT_FIRST_DECODE_NICE)]
     ports = replica_ports(args)
-    commands = {replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own[role]]
-                for role in MODEL_ROLES for i, port in enumerate(ports[role])}
+    commands = {
+        replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own[role]]
+        for role in MODEL_ROLES
+        for i, port in enumerate(ports[role])
+    }
     # Every replica's address: the gateway routes among the healthy ones (by media affinity). Decode
     # needs no list of prefills: its default --allow-kv-from admits every loopback port.
-    stages = [flag for role in MODEL_ROLES
-              for flag in (f"--{role}", ",".join(f"127.0.0.1:{port}" for port in ports[role]))]
+    stages = [
+        flag
+        for role in MODEL_ROLES
+        for flag in (f"--{role}", ",".join(f"127.0.0.1:{port}" for port in ports[role]))
+    ]
     # Stage checks every second (cheap on loopback): a restarted replica is back in routing within
     # a second of serving again.
-    commands["gateway"] = [*base, "gateway", "--port", str(args.gateway_port), *grace, *stages,
-                           "--stage-check-interval", str(_GATEWAY_STAGE_CHECK_S), *gateway_flags(args),
-                           "--http-port", str(args.http_port), "--max-upload-bytes", str(args.max_upload_bytes),
-                           "--demo-max-concurrent-decodes", str(args.demo_max_concurrent_decodes),
-                           *decode_limit_flags(args),  # the web demo decodes under the encoders' limits
-                           # The requests' frame sampling defaults: the gateway fills in every field a
-                           # request leaves unset, so the encoders' own defaults never apply to them.
-                           *flag_words(args, (add_sampling_flags,))]
+    commands["gateway"] = [
+        *base,
+        "gateway",
+        "--port",
+        str(args.gateway_port),
+        *grace,
+        *stages,
+        "--stage-check-interval",
+        str(_GATEWAY_STAGE_CHECK_S),
+        *gateway_flags(args),
+        "--http-port",
+        str(args.http_port),
+        "--max-upload-bytes",
+        str(args.max_upload_bytes),
+        "--demo-max-concurrent-decodes",
+        str(args.demo_max_concurrent_decodes),
+        *decode_limit_flags(args),  # the web demo decodes under the encoders' limits
+        # The requests' frame sampling defaults: the gateway fills in every field a
+        # request leaves unset, so the encoders' own defaults never apply to them.
+        *flag_words(args, (add_sampling_flags,)),
+    ]
     return commands
 
 
 def decode_limit_flags(args: argparse.Namespace) -> list[str]:
     """The stack's `add_decode_limit_flags` values as command-line words."""
-    return ["--max-source-pixels", str(args.max_source_pixels), "--max-decoded-pixels", str(args.max_decoded_pixels),
-            "--max-duration-s", repr(args.max_duration_s), "--max-demux-s", repr(args.max_demux_s),
-            "--max-decode-s", repr(args.max_decode_s)]
+    return [
+        "--max-source-pixels",
+        str(args.max_source_pixels),
+        "--max-decoded-pixels",
+        str(args.max_decoded_pixels),
+        "--max-duration-s",
+        repr(args.max_duration_s),
+        "--max-demux-s",
+        repr(args.max_demux_s),
+        "--max-decode-s",
+        repr(args.max_decode_s),
+    ]
 
 
 def stage_flags(args: argparse.Namespace, role: str) -> list[str]:
@@ -399,7 +456,8 @@ def flag_words(args: argparse.Namespace, adders) -> list[str]:
         elif action.nargs == 0:  # store_true and the like: the flag alone, when set
             words += [flag] if value != action.default else []
         else:
-            text = ",".join(value) if isinstance(value, tuple) else str(value)  # tuple: --allowed-media-domains
+            # tuple: --allowed-media-domains
+            text = ",".join(value) if isinstance(value, tuple) else str(value)
             # One word when the value starts with "-" (a --served-model-name): else read as a flag.
             words += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return words
@@ -471,7 +529,9 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     from epd.transport import security
 
     signals = _Signals()
-    remove_dead_stacks(tempfile.gettempdir(), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX)
+    remove_dead_stacks(
+        tempfile.gettempdir(), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX
+    )
     if (problem := port_clash(args) or stage_flag_problem(args)) is not None:
         print(f"epd serve: {problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -496,14 +556,20 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         files.remove()
         print(f"epd serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    commands = {name: [*command, *flags["gateway" if name == "gateway" else "stage"]]
-                for name, command in stack_commands(args).items()}
-    ports = {"gateway": args.gateway_port} | {replica_name(role, i): port
-                                              for role, role_ports in replica_ports(args).items()
-                                              for i, port in enumerate(role_ports)}
+    commands = {
+        name: [*command, *flags["gateway" if name == "gateway" else "stage"]]
+        for name, command in stack_commands(args).items()
+    }
+    ports = {"gateway": args.gateway_port} | {
+        replica_name(role, i): port
+        for role, role_ports in replica_ports(args).items()
+        for i, port in enumerate(role_ports)
+    }
     now = time.monotonic()
-    slots = [_Slot(name, name.partition("[")[0], ports[name], commands[name], Replica(name, policy, now))
-             for name in ["gateway", *(n for n in commands if n != "gateway")]]
+    slots = [
+        _Slot(name, name.partition("[")[0], ports[name], commands[name], Replica(name, policy, now))
+        for name in ["gateway", *(n for n in commands if n != "gateway")]
+    ]
     # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
     # other stages are not using at that moment (epd/model_runtime/threads.py).
     board = new_board_path(files.stack_id)
@@ -521,7 +587,9 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         # arms it itself, told the launcher's pid). The gateway holds no model, so it is a plain
         # interpreter (no torch).
         if slot.role == "gateway":
-            return subprocess.Popen(slot.command, process_group=0, env={**env, _LAUNCHER_ENV: str(os.getpid())})
+            return subprocess.Popen(
+                slot.command, process_group=0, env={**env, _LAUNCHER_ENV: str(os.getpid())}
+            )
         return zygote.start(slot.name, slot.command[_COMMAND_PREFIX:], env)
 
     # With one replica per stage the gateway is started first: it comes up while the zygote imports,
@@ -541,8 +609,13 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         files.remove()
 
 
-def _supervise(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _Signals, policy: RestartPolicy,
-               ready_timeout_s: float) -> int:
+def _supervise(
+    slots: list[_Slot],
+    start: Callable[[_Slot], Service],
+    signals: _Signals,
+    policy: RestartPolicy,
+    ready_timeout_s: float,
+) -> int:
     """Wait for every service to serve (one that exits meanwhile stops the stack: a bad port or
     flag would only fail again), then keep them running until a signal (epd/cli/supervisor.py):
     restart what exits or stops answering, give up on what crash-loops."""
@@ -551,8 +624,11 @@ def _supervise(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _
     by_role: dict[str, list[str]] = {}
     for slot in slots:
         by_role.setdefault(slot.role, []).append(slot.address)
-    print("epd: stack ready; " + "; ".join(f"{role} at {','.join(addresses)}" for role, addresses in by_role.items()),
-          flush=True)
+    print(
+        "epd: stack ready; "
+        + "; ".join(f"{role} at {','.join(addresses)}" for role, addresses in by_role.items()),
+        flush=True,
+    )
     checks: dict[int, Future[bool | None]] = {}  # slot index -> its health check in flight
     next_check_at = 0.0
     # Not waited for on the way out: a check of a silent service would hold a signal up.
@@ -568,8 +644,11 @@ def _supervise(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _
                         return stop
             if not checks and now >= next_check_at:
                 next_check_at = now + _HEALTH_INTERVAL_S
-                checks = {i: pool.submit(health_answer, s.address, timeout_s=_HEALTH_CHECK_TIMEOUT_S)
-                          for i, s in enumerate(slots) if s.replica.running}
+                checks = {
+                    i: pool.submit(health_answer, s.address, timeout_s=_HEALTH_CHECK_TIMEOUT_S)
+                    for i, s in enumerate(slots)
+                    if s.replica.running
+                }
             if checks and all(f.done() for f in checks.values()):
                 if (stop := _on_health(slots, checks, time.monotonic())) is not None:
                     return stop
@@ -578,15 +657,19 @@ def _supervise(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _
                 if slot.replica.restart_due(now):
                     slot.proc = start(slot)
                     slot.replica.restarted(now)
-                    print(f"epd: {slot.name} restarted (pid {slot.proc.pid}, restart {slot.replica.restarts})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"epd: {slot.name} restarted (pid {slot.proc.pid}, restart {slot.replica.restarts})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return EXIT_OK
 
 
-def _wait_ready(slots: list[_Slot], start: Callable[[_Slot], Service], signals: _Signals,
-                ready_timeout_s: float) -> int | None:
+def _wait_ready(
+    slots: list[_Slot], start: Callable[[_Slot], Service], signals: _Signals, ready_timeout_s: float
+) -> int | None:
     """None once every service serves (or a signal came); else the stack's exit code. A service not
     started yet (the gateway, with replicas) is started once all the others serve."""
     deadline = time.monotonic() + ready_timeout_s
@@ -604,7 +687,9 @@ def _wait_ready(slots: list[_Slot], start: Callable[[_Slot], Service], signals: 
                 slot.replica.answered(time.monotonic(), serving=True)
                 pending.remove(slot)
         if time.monotonic() > deadline:
-            print(f"epd: not ready after {ready_timeout_s:.0f} s: {[s.name for s in pending]}", file=sys.stderr)
+            print(
+                f"epd: not ready after {ready_timeout_s:.0f} s: {[s.name for s in pending]}", file=sys.stderr
+            )
             return EXIT_FAILED
         signals.stop.wait(0.2)
     return None
@@ -628,7 +713,7 @@ def _on_health(slots: list[_Slot], checks: dict[int, Future[bool | None]], now: 
         pid = slot.proc.pid
         slot.proc.kill()  # SIGKILL: also ends a stopped (SIGSTOP) or hung process
         slot.proc.wait()
-        why = ("did not answer its health check for" if not was_starting else "was not serving after")
+        why = "did not answer its health check for" if not was_starting else "was not serving after"
         if (stop := _on_exit(slot, slots, f"{why} {silent_s:.0f} s; killed it", now, pid)) is not None:
             return stop
     return None
@@ -641,12 +726,19 @@ def _on_exit(slot: _Slot, slots: list[_Slot], why: str, now: float, pid: int | N
     pid = slot.proc.pid if pid is None else pid
     decision = slot.replica.exited(now)
     if not decision.given_up:
-        print(f"epd: {slot.name} (pid {pid}) {why}; restarting in {decision.delay_s:g} s", file=sys.stderr,
-              flush=True)
+        print(
+            f"epd: {slot.name} (pid {pid}) {why}; restarting in {decision.delay_s:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     window_s = slot.replica.policy.crash_loop_window_s
-    print(f"epd: {slot.name} (pid {pid}) {why}; crash-looping ({decision.recent_exits} exits in {window_s:.0f} s); "
-          "giving up on it", file=sys.stderr, flush=True)
+    print(
+        f"epd: {slot.name} (pid {pid}) {why}; crash-looping ({decision.recent_exits} exits in {window_s:.0f} s); "
+        "giving up on it",
+        file=sys.stderr,
+        flush=True,
+    )
     if stage_lost([s.replica for s in slots if s.role == slot.role]):
         print(f"epd: no {slot.role} left; stopping the stack", file=sys.stderr, flush=True)
         return EXIT_FAILED

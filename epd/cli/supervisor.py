@@ -46,10 +46,14 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         if not (0 < self.backoff_initial_s <= self.backoff_max_s):
-            raise ValueError(f"backoff must be 0 < initial <= max, got {self.backoff_initial_s}, {self.backoff_max_s}")
+            raise ValueError(
+                f"backoff must be 0 < initial <= max, got {self.backoff_initial_s}, {self.backoff_max_s}"
+            )
         if self.crash_loop_exits < 1 or self.crash_loop_window_s <= 0:
-            raise ValueError(f"a crash loop needs >= 1 exit in > 0 s, got {self.crash_loop_exits} "
-                             f"in {self.crash_loop_window_s}")
+            raise ValueError(
+                f"a crash loop needs >= 1 exit in > 0 s, got {self.crash_loop_exits} "
+                f"in {self.crash_loop_window_s}"
+            )
         if self.health_timeout_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError(f"--health-timeout must be > 0 seconds, got {self.health_timeout_s}")
 

@@ -42,15 +42,33 @@ _PR_SET_PDEATHSIG = 1
 # imports with it. The family's own modules are added by `preload_modules`.
 _COMMON_PRELOAD = (
     "epd.cli.zygote_signals",  # first: the zygote outlives signals meant for the launcher's group
-    "torch", "torchvision", "numpy", "PIL.Image", "av", "safetensors.torch", "tokenizers",
-    "transformers", "transformers.modeling_utils", "transformers.processing_utils",
-    "transformers.models.auto.modeling_auto", "transformers.models.auto.processing_auto",
-    "epd.model_runtime.loader", "epd.model_runtime.hf_loading", "epd.model_runtime.hf_text",
+    "torch",
+    "torchvision",
+    "numpy",
+    "PIL.Image",
+    "av",
+    "safetensors.torch",
+    "tokenizers",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.processing_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.processing_auto",
+    "epd.model_runtime.loader",
+    "epd.model_runtime.hf_loading",
+    "epd.model_runtime.hf_text",
 )
 # transformers' per-family files that loading a checkpoint of that model_type imports (those the
 # installed transformers has).
-_FAMILY_FILES = ("configuration", "modeling", "processing", "video_processing", "image_processing",
-                 "image_processing_pil", "tokenization")
+_FAMILY_FILES = (
+    "configuration",
+    "modeling",
+    "processing",
+    "video_processing",
+    "image_processing",
+    "image_processing_pil",
+    "tokenization",
+)
 # Families whose processor lives under another family's folder.
 _PROCESSOR_FAMILY = {"qwen2_5_vl": "qwen2_vl", "qwen3_5": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
 
@@ -63,8 +81,11 @@ def preload_modules(model_type: str | None, family_module: str | None) -> list[s
     if model_type and spec is not None and spec.origin is not None:
         models = Path(spec.origin).parent / "models"
         for folder in dict.fromkeys((model_type, _PROCESSOR_FAMILY.get(model_type, model_type))):
-            modules += [f"transformers.models.{folder}.{kind}_{folder}" for kind in _FAMILY_FILES
-                        if (models / folder / f"{kind}_{folder}.py").is_file()]
+            modules += [
+                f"transformers.models.{folder}.{kind}_{folder}"
+                for kind in _FAMILY_FILES
+                if (models / folder / f"{kind}_{folder}.py").is_file()
+            ]
     if family_module:
         modules.append(f"epd.model_runtime.{family_module}")
     return modules
@@ -114,12 +135,15 @@ class Zygote:
         self._context: ForkServerContext = multiprocessing.get_context("forkserver")  # type: ignore[assignment]
         self._context.set_forkserver_preload(preload)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], log_path: str | None = None) -> ServiceProcess:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: str | None = None
+    ) -> ServiceProcess:
         """Fork `epd ARGV` (its environment `env`; its stdout and stderr appended to `log_path`, or
         the launcher's). The first call starts the zygote and waits for its imports (seconds); the
         later ones fork at once."""
-        process = self._context.Process(target=_run_service, args=(argv, env, log_path), name=f"epd-{name}",
-                                        daemon=False)
+        process = self._context.Process(
+            target=_run_service, args=(argv, env, log_path), name=f"epd-{name}", daemon=False
+        )
         process.start()
         return ServiceProcess(process)
 
@@ -171,7 +195,8 @@ def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> 
     _set_title(argv)  # before the environment changes: setproctitle borrows the space after argv
     os.environ.clear()
     os.environ.update(env)
-    os.setpgid(0, 0)  # its own process group, as the launcher's other children: Ctrl-C reaches only the launcher
+    # its own process group, as the launcher's other children: Ctrl-C reaches only the launcher
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:

@@ -34,12 +34,19 @@ class ChannelSettings:
 
     def __post_init__(self) -> None:
         if bool(self.client_certificate_path) != bool(self.client_key_path):
-            raise ValueError("client_certificate_path and client_key_path go together: pass both "
-                             "(the PEM certificate and its private key)")
+            raise ValueError(
+                "client_certificate_path and client_key_path go together: pass both "
+                "(the PEM certificate and its private key)"
+            )
 
     @property
     def uses_tls(self) -> bool:
-        return bool(self.tls or self.root_certificates_path or self.client_certificate_path or self.server_name_override)
+        return bool(
+            self.tls
+            or self.root_certificates_path
+            or self.client_certificate_path
+            or self.server_name_override
+        )
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
@@ -51,7 +58,11 @@ def channel_credentials(settings: ChannelSettings) -> grpc.ChannelCredentials | 
     an error when the client is made, not at its first call."""
     if not settings.uses_tls:
         return None
-    roots = _read(settings.root_certificates_path, "root certificates") if settings.root_certificates_path else None
+    roots = (
+        _read(settings.root_certificates_path, "root certificates")
+        if settings.root_certificates_path
+        else None
+    )
     key = chain = None
     if settings.client_certificate_path:
         chain = _read(settings.client_certificate_path, "client certificate")

@@ -76,6 +76,7 @@ def conversation(messages: Sequence[MessageLike]) -> list[Message]:
         raise TypeError("messages must be a list of Message objects or chat-form dicts")
     return [m if isinstance(m, Message) else from_chat_template([m])[0] for m in messages]
 
+
 _SAMPLING_OPTIONS = (
     "fps",
     "max_frames",
@@ -143,9 +144,15 @@ def build_header(
     if (penalty := generation_given.get("repetition_penalty")) is not None and not penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
     sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
-    generation = common_pb2.GenerationParams(**{k: v for k, v in generation_given.items() if v or k == "seed"})
-    for name, kind, what in (("pruning", str, 'a preset name such as "balanced"'), ("request_id", str, "a string"),
-                             ("cache_salt", str, "a string"), ("pruning_knobs", Mapping, "a dict of knob names to values")):
+    generation = common_pb2.GenerationParams(
+        **{k: v for k, v in generation_given.items() if v or k == "seed"}
+    )
+    for name, kind, what in (
+        ("pruning", str, 'a preset name such as "balanced"'),
+        ("request_id", str, "a string"),
+        ("cache_salt", str, "a string"),
+        ("pruning_knobs", Mapping, "a dict of knob names to values"),
+    ):
         if options.get(name) is not None and not isinstance(options[name], kind):
             raise TypeError(f"{name} must be {what}, got {_shown(options[name])}")
     pruning = common_pb2.PruningOptions(
@@ -155,11 +162,22 @@ def build_header(
     request_id = options.pop("request_id", "") or ""
     cache_salt = options.pop("cache_salt", "") or ""
     prompt = _raw_prompt(options.pop("prompt", None))
-    template = _template(options.pop("add_generation_prompt", None), options.pop("continue_final_message", None))
+    template = _template(
+        options.pop("add_generation_prompt", None), options.pop("continue_final_message", None)
+    )
     if options:
         known = sorted(
-            (*_SAMPLING_OPTIONS, *_GENERATION_OPTIONS, "pruning", "pruning_knobs", "request_id", "cache_salt",
-             "prompt", "add_generation_prompt", "continue_final_message")
+            (
+                *_SAMPLING_OPTIONS,
+                *_GENERATION_OPTIONS,
+                "pruning",
+                "pruning_knobs",
+                "request_id",
+                "cache_salt",
+                "prompt",
+                "add_generation_prompt",
+                "continue_final_message",
+            )
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
     if prompt is not None:
@@ -168,8 +186,10 @@ def build_header(
     elif (question is None) == (messages is None):
         raise TypeError("pass a question or messages=[...], not both (and not neither)")
     if messages is not None and not messages:
-        raise ValueError("messages is empty: send the conversation, ending with the user's message that holds the "
-                         "video (or image) and the question")
+        raise ValueError(
+            "messages is empty: send the conversation, ending with the user's message that holds the "
+            "video (or image) and the question"
+        )
     return gateway_pb2.AskHeader(
         request_id=request_id,
         question=question or "",
@@ -185,11 +205,15 @@ def build_header(
     )
 
 
-def _template(add_generation_prompt: Any, continue_final_message: Any) -> messages_pb2.ChatTemplateOptions | None:
+def _template(
+    add_generation_prompt: Any, continue_final_message: Any
+) -> messages_pb2.ChatTemplateOptions | None:
     """The chat template options; None (unset on the wire) for the defaults. The server checks
     the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400)."""
-    for name, value in (("add_generation_prompt", add_generation_prompt),
-                        ("continue_final_message", continue_final_message)):
+    for name, value in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {_shown(value)}")
     if add_generation_prompt is None and not continue_final_message:
@@ -207,7 +231,9 @@ def _raw_prompt(prompt: Any) -> messages_pb2.RawPrompt | None:
         return None
     if isinstance(prompt, str):
         return messages_pb2.RawPrompt(text=prompt)
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
         return messages_pb2.RawPrompt(token_ids=prompt)
     raise TypeError(f"prompt must be a string or a list of token ids, got {_shown(prompt)}")
 
@@ -227,13 +253,17 @@ def _stop_strings(stop: Any) -> list[str]:
 def _logit_bias(bias: Any) -> dict[int, float]:
     """{token id: bias}; ids may be decimal strings too, as in an OpenAI request body (JSON keys)."""
     if not isinstance(bias, Mapping):
-        raise TypeError(f'logit_bias must be a dict of token ids to biases, such as {{1734: -100}}, got {_shown(bias)}')
+        raise TypeError(
+            f"logit_bias must be a dict of token ids to biases, such as {{1734: -100}}, got {_shown(bias)}"
+        )
     out = {}
     for token, value in bias.items():
         if isinstance(token, str) and token.isascii() and token.isdecimal():
             token = int(token)
         if not isinstance(token, int) or isinstance(token, bool):
-            raise TypeError(f"logit_bias keys must be token ids (int, or a decimal string), got {_shown(token)}")
+            raise TypeError(
+                f"logit_bias keys must be token ids (int, or a decimal string), got {_shown(token)}"
+            )
         out[token] = value
     return out
 
@@ -259,12 +289,20 @@ def _typed(message: type[ProtoMessage], given: dict[str, Any]) -> None:
                 key, item = (field_.message_type.fields_by_name[f].cpp_type for f in ("key", "value"))
                 what = f"a dict of {_KINDS[key][1]} to {_KINDS[item][1]}"
             else:
-                what = f"a list of {_KINDS[field_.cpp_type][1]}" if field_.is_repeated else _KINDS[field_.cpp_type][0]
+                what = (
+                    f"a list of {_KINDS[field_.cpp_type][1]}"
+                    if field_.is_repeated
+                    else _KINDS[field_.cpp_type][0]
+                )
             if isinstance(exc, UnicodeError):  # a lone surrogate: no UTF-8 for it
-                raise ValueError(f"{name} must be {what} of valid Unicode (no lone surrogates), got {_shown(value)}") from None
+                raise ValueError(
+                    f"{name} must be {what} of valid Unicode (no lone surrogates), got {_shown(value)}"
+                ) from None
             if isinstance(exc, ValueError):
                 bits = 32 if field_.cpp_type == FieldDescriptor.CPPTYPE_INT32 else 64
-                raise ValueError(f"{name} must be {what} of at most {bits} bits (signed), got {_shown(value)}") from None
+                raise ValueError(
+                    f"{name} must be {what} of at most {bits} bits (signed), got {_shown(value)}"
+                ) from None
             raise TypeError(f"{name} must be {what}, got {_shown(value)}") from None
 
 
@@ -307,17 +345,26 @@ class AsyncEpdClient:
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds (every call has a deadline), got {timeout_s!r}")
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds (every call has a deadline), got {timeout_s!r}"
+            )
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes must be from 1 to {MAX_CHUNK_BYTES} (a chunk and its message framing fit "
-                             f"the {MAX_MESSAGE_BYTES >> 20} MiB gRPC message limit), got {chunk_bytes}")
+            raise ValueError(
+                f"chunk_bytes must be from 1 to {MAX_CHUNK_BYTES} (a chunk and its message framing fit "
+                f"the {MAX_MESSAGE_BYTES >> 20} MiB gRPC message limit), got {chunk_bytes}"
+            )
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.chunk_bytes = chunk_bytes
         self.settings = ChannelSettings(
-            tls, root_certificates_path, server_name_override, api_key, tuple(metadata),
-            client_certificate_path, client_key_path,
+            tls,
+            root_certificates_path,
+            server_name_override,
+            api_key,
+            tuple(metadata),
+            client_certificate_path,
+            client_key_path,
         )
         self._credentials = channel_credentials(self.settings)
         # Opened by the first call, in its event loop: grpc.aio binds a channel to the loop running
@@ -329,10 +376,15 @@ class AsyncEpdClient:
     def _stub(self) -> gateway_pb2_grpc.GatewayServiceStub:
         loop = asyncio.get_running_loop()
         if self._channel is None:
-            self._channel, self._loop = open_channel(self.endpoint, self.settings, self.retry, self._credentials), loop
+            self._channel, self._loop = (
+                open_channel(self.endpoint, self.settings, self.retry, self._credentials),
+                loop,
+            )
         elif loop is not self._loop:
-            raise RuntimeError("this AsyncEpdClient made its calls in another event loop, and its channel belongs "
-                               "to that loop; make one client per event loop (e.g. inside the asyncio.run coroutine)")
+            raise RuntimeError(
+                "this AsyncEpdClient made its calls in another event loop, and its channel belongs "
+                "to that loop; make one client per event loop (e.g. inside the asyncio.run coroutine)"
+            )
         return gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
     async def ask_stream(
@@ -347,8 +399,12 @@ class AsyncEpdClient:
     ) -> AsyncGenerator[gateway_pb2.AskResponse, None]:
         """Deprecated (removed in 0.3): the raw AskResponse protos (events, token deltas, then
         the summary). Use `stream`, which yields the same as typed SDK objects."""
-        warnings.warn("ask_stream is deprecated (removed in 0.3); use stream()", DeprecationWarning, stacklevel=2)
-        async with aclosing(self._responses(video, question, messages, media_sha256, timeout_s, options)) as msgs:
+        warnings.warn(
+            "ask_stream is deprecated (removed in 0.3); use stream()", DeprecationWarning, stacklevel=2
+        )
+        async with aclosing(
+            self._responses(video, question, messages, media_sha256, timeout_s, options)
+        ) as msgs:
             async for msg, _ in msgs:
                 yield msg
 
@@ -373,7 +429,9 @@ class AsyncEpdClient:
         events: list[StageEvent] = []
         # aclosing: when this generator is closed early, the call is cancelled now (`_responses`'s
         # finally), not whenever the garbage collector gets to the inner generator.
-        async with aclosing(self._responses(video, question, messages, media_sha256, timeout_s, options)) as msgs:
+        async with aclosing(
+            self._responses(video, question, messages, media_sha256, timeout_s, options)
+        ) as msgs:
             async for msg, meta in msgs:
                 kind = msg.WhichOneof("kind")
                 if kind == "event":
@@ -437,13 +495,15 @@ class AsyncEpdClient:
         source = MediaSource(video, self.chunk_bytes)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         try:
-            return await self.ask(None, question, messages=messages, media_sha256=source.sha256,
-                                  timeout_s=timeout_s, **options)
+            return await self.ask(
+                None, question, messages=messages, media_sha256=source.sha256, timeout_s=timeout_s, **options
+            )
         except EpdError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
-        return await self.ask(source, question, messages=messages,
-                              timeout_s=max(0.0, deadline - time.monotonic()), **options)
+        return await self.ask(
+            source, question, messages=messages, timeout_s=max(0.0, deadline - time.monotonic()), **options
+        )
 
     async def _responses(
         self,
@@ -477,9 +537,11 @@ class AsyncEpdClient:
         if (num_bytes := header.ByteSize()) > MAX_MESSAGE_BYTES:
             # gRPC would refuse to send it with its own words ("Sent message larger than max
             # (5000022 vs. 4194304)"), naming neither the conversation nor what to change.
-            raise EpdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"the request's conversation and settings are {num_bytes} bytes, over the "
-                           f"{MAX_MESSAGE_BYTES >> 20} MiB one gRPC message may carry; send a shorter conversation")
+            raise EpdError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request's conversation and settings are {num_bytes} bytes, over the "
+                f"{MAX_MESSAGE_BYTES >> 20} MiB one gRPC message may carry; send a shorter conversation",
+            )
         timeout_s_used = timeout_s if timeout_s is not None else self.timeout_s
         deadline = time.monotonic() + timeout_s_used
         attempt = 0
@@ -506,14 +568,22 @@ class AsyncEpdClient:
                     # grpc.aio's own INTERNAL for a send the call's end cut short: by the deadline,
                     # or by a connection that broke (the server is gone: retried as UNAVAILABLE).
                     code, message = (
-                        (grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while the request was being sent; "
-                                                            "raise timeout_s") if _past(deadline)
-                        else (grpc.StatusCode.UNAVAILABLE, "the connection broke while the request was being sent")
+                        (
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the deadline passed while the request was being sent; raise timeout_s",
+                        )
+                        if _past(deadline)
+                        else (
+                            grpc.StatusCode.UNAVAILABLE,
+                            "the connection broke while the request was being sent",
+                        )
                     )
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED and _past(deadline):
                     # Our own deadline (gRPC's text: "Deadline Exceeded"), not a server's message.
-                    message = (f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
-                               "timeout_s, or ask for fewer tokens or frames")
+                    message = (
+                        f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
+                        "timeout_s, or ask for fewer tokens or frames"
+                    )
             except asyncio.CancelledError:
                 retry_after_s, request_id = None, ""
                 if not cancelled_by_grpc():
@@ -521,8 +591,11 @@ class AsyncEpdClient:
                 # grpc.aio's own cancel: the request could not be written (epd.transport.aio_cancel).
                 late = _past(deadline)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
-                message = ("the deadline passed before the request was sent; raise timeout_s" if late
-                           else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)")
+                message = (
+                    "the deadline passed before the request was sent; raise timeout_s"
+                    if late
+                    else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)"
+                )
             finally:
                 # A consumer that stops reading (a `break`, `aclose()`, its task cancelled) leaves
                 # this generator at the yield: grpc.aio would go on receiving the answer, and the
@@ -531,7 +604,10 @@ class AsyncEpdClient:
                     call.cancel()
             wait_s = max(self.retry.backoff_s(attempt), retry_after_s or 0)
             busy = retry_after_s is not None
-            if not self.retry.should_retry(code, attempt, saw_token, busy) or time.monotonic() + wait_s >= deadline:
+            if (
+                not self.retry.should_retry(code, attempt, saw_token, busy)
+                or time.monotonic() + wait_s >= deadline
+            ):
                 raise EpdError(code, message, retry_after_s, request_id) from None
             await asyncio.sleep(wait_s)
 
@@ -597,9 +673,9 @@ class EpdClient:
     def conversation(self, video: Media | None, *, system: str = "", **options) -> Conversation:
         """A conversation about `video` (see `AsyncEpdClient.conversation`):
 
-            chat = client.conversation("clip.mp4", num_frames=8)
-            print(chat.ask("how many objects are there?").answer)
-            print(chat.ask("which appears first?").answer)   # sees the first answer
+        chat = client.conversation("clip.mp4", num_frames=8)
+        print(chat.ask("how many objects are there?").answer)
+        print(chat.ask("which appears first?").answer)   # sees the first answer
         """
         return Conversation(self, self._client.conversation(video, system=system, **options))
 

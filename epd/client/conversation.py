@@ -69,7 +69,9 @@ class History:
         """What a turn asking `question` sends: the history, then the question; the first user
         turn carries the media part before the question, as `ask(video, question)` does."""
         if not isinstance(question, str) or not question.strip():
-            raise ValueError("the question is empty; ask something" + (" about the video" if self.with_media else ""))
+            raise ValueError(
+                "the question is empty; ask something" + (" about the video" if self.with_media else "")
+            )
         first = self.with_media and not any(m.role == "user" for m in self._messages)
         prefix = [Message.system(self.system)] if self.system and not self._messages else []
         turn = Message.user(VIDEO, question) if first else Message.user(question)
@@ -91,7 +93,9 @@ class AsyncConversation:
     yields and appends when the `AskResult` arrives. A turn that fails (or a stream left early)
     leaves the history as it was. Overrides replace the conversation's options for one turn."""
 
-    def __init__(self, client: AsyncEpdClient, video: Media | None, *, system: str = "", **options: Any) -> None:
+    def __init__(
+        self, client: AsyncEpdClient, video: Media | None, *, system: str = "", **options: Any
+    ) -> None:
         self._client = client
         # Hashed once, streamed per upload; None: a text-only conversation (nothing to upload).
         self._media = None if video is None else MediaSource(video, client.chunk_bytes)
@@ -216,4 +220,3 @@ class Conversation:
     def stream(self, question: str, **overrides: Any) -> Iterator[StreamEvent]:
         """One turn, as it happens: `StageEvent`s, `TokenDelta`s, then the `AskResult`."""
         return self._client._iterate(self._async.stream(question, **overrides))
-

@@ -304,7 +304,9 @@ def stage_event_from_proto(e: common_pb2.StageEvent) -> StageEvent:
 
 def pruning_from_proto(p: common_pb2.PruningReport) -> PruningReport:
     return PruningReport(
-        stages=tuple(PruningStageCount(s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out) for s in p.stages),
+        stages=tuple(
+            PruningStageCount(s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out) for s in p.stages
+        ),
         num_key_tokens=p.num_key_tokens,
         prefill_flops_full=p.prefill_flops_full,
         prefill_flops_pruned=p.prefill_flops_pruned,

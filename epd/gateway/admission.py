@@ -70,13 +70,18 @@ class AdmissionLimits:
         if self.max_requests_per_client < 1:
             raise ValueError(f"--max-requests-per-client must be >= 1, got {self.max_requests_per_client}")
         if self.max_requests_per_api_key < 0:
-            raise ValueError(f"--max-requests-per-api-key must be >= 0 (0 = no limit), got {self.max_requests_per_api_key}")
+            raise ValueError(
+                f"--max-requests-per-api-key must be >= 0 (0 = no limit), got {self.max_requests_per_api_key}"
+            )
         if self.max_inflight_body_bytes < 1:
             raise ValueError(f"--max-inflight-body-bytes must be >= 1, got {self.max_inflight_body_bytes}")
 
     @classmethod
     def for_gateway(
-        cls, max_upload_bytes: int, max_requests_per_client: int, max_inflight_body_bytes: int,
+        cls,
+        max_upload_bytes: int,
+        max_requests_per_client: int,
+        max_inflight_body_bytes: int,
         max_requests_per_api_key: int = 0,
     ) -> AdmissionLimits:
         """The gateway's limits; `max_inflight_body_bytes` 0 means two of the largest bodies.
@@ -107,7 +112,9 @@ class Admission:
     def of_gateway(cls, config: GatewayConfig) -> Admission:
         """From the gateway's flags; one per process, shared by the HTTP and gRPC APIs."""
         limits = AdmissionLimits.for_gateway(
-            config.max_upload_bytes, config.max_requests_per_client, config.max_inflight_body_bytes,
+            config.max_upload_bytes,
+            config.max_requests_per_client,
+            config.max_inflight_body_bytes,
             config.max_requests_per_api_key,
         )
         return cls(limits)

@@ -1,17 +1,17 @@
 """What the HTTP API refuses from browsers, whose pages can make requests their user never meant.
 
-    cross_site_browser_request   a POST that a page of another site or origin makes (its
-                                 Sec-Fetch-Site header, which browsers set and pages cannot):
-                                 with no CORS here it cannot read the answer, but it could make
-                                 a keyless gateway decode media and generate, blind, as often as
-                                 it liked
-    rebound_host                 on a keyless gateway on loopback, a request whose Host is not a
-                                 loopback name: a page whose domain was re-pointed at 127.0.0.1
-                                 (DNS rebinding) is same-origin with the gateway and could read
-                                 every answer. Loopback clients use
-                                 localhost, *.localhost, 127.x.y.z or [::1]; a proxy that passes
-                                 another Host serves beyond loopback, which needs an API key or
-                                 --no-api-key anyway (`config.open_without_key`).
+cross_site_browser_request   a POST that a page of another site or origin makes (its
+                             Sec-Fetch-Site header, which browsers set and pages cannot):
+                             with no CORS here it cannot read the answer, but it could make
+                             a keyless gateway decode media and generate, blind, as often as
+                             it liked
+rebound_host                 on a keyless gateway on loopback, a request whose Host is not a
+                             loopback name: a page whose domain was re-pointed at 127.0.0.1
+                             (DNS rebinding) is same-origin with the gateway and could read
+                             every answer. Loopback clients use
+                             localhost, *.localhost, 127.x.y.z or [::1]; a proxy that passes
+                             another Host serves beyond loopback, which needs an API key or
+                             --no-api-key anyway (`config.open_without_key`).
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ _COMPLETION_KNOWN = (
     | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
 )
 
-_ONE_PROMPT = ("epd answers one prompt per request: send each prompt in a request of its own "
-               "(\"prompt\": \"text\", or a list of token ids)")
+_ONE_PROMPT = (
+    "epd answers one prompt per request: send each prompt in a request of its own "
+    '("prompt": "text", or a list of token ids)'
+)
 
 
 def parse_completion_request(
@@ -66,8 +68,10 @@ def parse_completion_request(
     prompt = _prompt(body.get("prompt"))
     echo = boolean_field(body, "echo", False)
     if echo and prompt.token_ids:
-        raise InvalidRequest("'echo' needs a text prompt (this server does not detokenise a prompt of token "
-                             "ids); send the prompt as text, or leave 'echo' unset")
+        raise InvalidRequest(
+            "'echo' needs a text prompt (this server does not detokenise a prompt of token "
+            "ids); send the prompt as text, or leave 'echo' unset"
+        )
     check_raw_prompt(prompt)
     return ChatRequest(
         messages=[],
@@ -90,14 +94,17 @@ def _prompt(value: Any) -> RawPrompt:
         return RawPrompt(text=checked_text(value, "prompt"))
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return RawPrompt(token_ids=tuple(number_item(v, TOKEN_ID, "prompt[]") for v in value))
-    raise InvalidRequest("'prompt' must be a string or a list of token ids (integers from 0 to "
-                         f"{INT32_MAX}); {_ONE_PROMPT}")
+    raise InvalidRequest(
+        f"'prompt' must be a string or a list of token ids (integers from 0 to {INT32_MAX}); {_ONE_PROMPT}"
+    )
 
 
 # -- responses ----------------------------------------------------------------------------------
 
 
-def text_completion_body(summary: AskSummary, request: ChatRequest, created: int | None = None) -> dict[str, Any]:
+def text_completion_body(
+    summary: AskSummary, request: ChatRequest, created: int | None = None
+) -> dict[str, Any]:
     """The whole answer: one `text_completion` choice (the prompt's text first with `echo`)."""
     prompt = request.raw_prompt.text if request.echo and request.raw_prompt else ""
     return {
@@ -130,9 +137,19 @@ def text_completion_chunk(
     stop_reason: StopReason = None,
 ) -> dict[str, Any]:
     """One streamed `text_completion` chunk; `token_ids` (extra) are the tokens its text came from."""
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                              "stop_reason": stop_reason}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }

@@ -157,14 +157,20 @@ class GatewayConfig:
         if not self.body_timeout_s > 0:
             raise ValueError(f"--body-timeout must be > 0 seconds, got {self.body_timeout_s}")
         if not self.dns_refresh_interval_s >= 0:
-            raise ValueError(f"--dns-refresh-interval must be >= 0 seconds, got {self.dns_refresh_interval_s}")
-        for flag, addresses in (("--encoder", self.encoder_addresses), ("--prefill", self.prefill_addresses),
-                                ("--decode", self.decode_addresses)):
+            raise ValueError(
+                f"--dns-refresh-interval must be >= 0 seconds, got {self.dns_refresh_interval_s}"
+            )
+        for flag, addresses in (
+            ("--encoder", self.encoder_addresses),
+            ("--prefill", self.prefill_addresses),
+            ("--decode", self.decode_addresses),
+        ):
             for address in addresses:
                 try:
                     parse_dns_entry(address)
                 except ValueError as exc:
                     raise ValueError(f"{flag}: {exc}") from None
+
     replicas_file: str = ""
     """A JSON/YAML file {"encoder": [...], "prefill": [...], "decode": [...]} whose lists replace
     the addresses above for the stages it names, re-read when it changes and on SIGHUP

@@ -157,16 +157,23 @@ class ReplicaSets:
         if name not in self.names():
             return None
         if isinstance(found, OSError) or not found:
-            why = "resolves to no address" if not isinstance(found, OSError) else (
-                f"does not resolve ({found.strerror or found})")
+            why = (
+                "resolves to no address"
+                if not isinstance(found, OSError)
+                else (f"does not resolve ({found.strerror or found})")
+            )
             if name in self._failing:
                 return None
             self._failing.add(name)
             if name in self._found:
-                return (f"{name.entry} {why}: keeping its last addresses {', '.join(self._found[name])} "
-                        "until a lookup finds some")
-            return (f"{name.entry} {why} yet: no calls go to it until a lookup finds its addresses, "
-                    f"retried every {PENDING_RETRY_S:g} s")
+                return (
+                    f"{name.entry} {why}: keeping its last addresses {', '.join(self._found[name])} "
+                    "until a lookup finds some"
+                )
+            return (
+                f"{name.entry} {why} yet: no calls go to it until a lookup finds its addresses, "
+                f"retried every {PENDING_RETRY_S:g} s"
+            )
         self._found[name] = tuple(sorted({replica_address(ip, name.port) for ip in found}))
         if name in self._failing:
             self._failing.discard(name)

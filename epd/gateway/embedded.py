@@ -33,7 +33,11 @@ class EmbeddedPipeline(Pipeline):
     every pipeline's threads."""
 
     def __init__(
-        self, encoder: LocalEncodeStage, prefill: LocalPrefillStage, decoder: LocalDecodeStage, thread: ModelThread
+        self,
+        encoder: LocalEncodeStage,
+        prefill: LocalPrefillStage,
+        decoder: LocalDecodeStage,
+        thread: ModelThread,
     ) -> None:
         super().__init__(encoder, prefill, decoder)
         self.encoder: LocalEncodeStage = encoder
@@ -92,6 +96,8 @@ def build_embedded_pipeline(
     return EmbeddedPipeline(
         LocalEncodeStage(EncoderEngine(encoder, adapter), thread),
         LocalPrefillStage(prefill_engine, kv_store, thread),
-        LocalDecodeStage(DecodeEngine(adapter), take_from_store(kv_store), thread, decode or DecodeConfig(model=model)),
+        LocalDecodeStage(
+            DecodeEngine(adapter), take_from_store(kv_store), thread, decode or DecodeConfig(model=model)
+        ),
         thread,
     )

@@ -87,8 +87,11 @@ def remote_sources(stage_name: str, pool: ReplicaPool) -> Sources:
     the channel its calls use now."""
 
     def now() -> list[LoadSource]:
-        return [LoadSource(stage_name, address, _reader(pool.channel(address)))
-                for address in pool.addresses if not unresolved(address)]
+        return [
+            LoadSource(stage_name, address, _reader(pool.channel(address)))
+            for address in pool.addresses
+            if not unresolved(address)
+        ]
 
     return now
 
@@ -120,11 +123,14 @@ def queued(loads: Sequence[EngineLoad]) -> int:
 
 async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: float) -> None:
     """Read every replica's load once and tell its pool (no answer: only our own calls count)."""
-    targets = [(pool, address) for pool in pools.values() for address in pool.addresses if not unresolved(address)]
+    targets = [
+        (pool, address) for pool in pools.values() for address in pool.addresses if not unresolved(address)
+    ]
 
     async def read(pool: ReplicaPool, address: str) -> int | None:
-        loads = await answer_or_none(fetch_loads(pool.channel(address), timeout_s), timeout_s,
-                                     f"no load for routing from {address}")
+        loads = await answer_or_none(
+            fetch_loads(pool.channel(address), timeout_s), timeout_s, f"no load for routing from {address}"
+        )
         return None if loads is None else queued(loads)
 
     answers = await asyncio.gather(*(read(pool, address) for pool, address in targets))
@@ -173,7 +179,11 @@ _COUNTERS = [
 
 # Prefill's prefix cache (`prefill_svc/prefix_cache.py`), on the prefill cores' samples only.
 _PREFIX_GAUGES = [
-    ("epd_prefix_cache_entries", "Prompt KV caches prefill's prefix cache holds now.", "prefix_cache_entries"),
+    (
+        "epd_prefix_cache_entries",
+        "Prompt KV caches prefill's prefix cache holds now.",
+        "prefix_cache_entries",
+    ),
     ("epd_prefix_cache_bytes", "Bytes of KV prefill's prefix cache holds now.", "prefix_cache_bytes"),
 ]
 # The hit rate is in tokens, as vLLM's (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`):
@@ -209,7 +219,11 @@ _PREFIX_COUNTERS = [
 # beside decode's KV memory (epd_engine_memory_*_bytes), on the prefill cores' samples only.
 _KV_STORE_GAUGES = [
     ("epd_kv_store_caches", "KV caches prefill holds for a decoder to pull, now.", "kv_store_caches"),
-    ("epd_kv_store_used_bytes", "Bytes of the KV caches prefill holds for decoders, now.", "kv_store_used_bytes"),
+    (
+        "epd_kv_store_used_bytes",
+        "Bytes of the KV caches prefill holds for decoders, now.",
+        "kv_store_used_bytes",
+    ),
     ("epd_kv_store_total_bytes", "Prefill's KV store budget (--kv-store-bytes).", "kv_store_total_bytes"),
 ]
 _KV_STORE_DROPPED = (
@@ -220,12 +234,14 @@ _KV_STORE_DROPPED = (
 _KV_STORE_DROP_REASONS = [("expired", "kv_store_expired"), ("released", "kv_store_released")]
 _PREFILL_STAGE = "prefill"
 _PREFILL_GAUGES = _PREFIX_GAUGES + _KV_STORE_GAUGES
-_PREFILL_COUNTERS = _PREFIX_COUNTERS + [(
-    "epd_kv_store_refused_total",
-    "KV caches prefill's store refused for want of room (--kv-store-bytes), since start: requests "
-    "answered RESOURCE_EXHAUSTED after their prefill, because decoders pull too slowly or too few.",
-    "kv_store_refused",
-)]
+_PREFILL_COUNTERS = _PREFIX_COUNTERS + [
+    (
+        "epd_kv_store_refused_total",
+        "KV caches prefill's store refused for want of room (--kv-store-bytes), since start: requests "
+        "answered RESOURCE_EXHAUSTED after their prefill, because decoders pull too slowly or too few.",
+        "kv_store_refused",
+    )
+]
 
 Family = GaugeMetricFamily | CounterMetricFamily
 
@@ -307,7 +323,9 @@ class EngineLoadCollector:
         """(every core's families, the prefill cores' own, the KV store's drops by reason), each
         family with the `EngineLoad` field it shows; empty, filled by `collect`."""
 
-        def of(gauges: list[tuple[str, str, str]], counters: list[tuple[str, str, str]]) -> list[tuple[Family, str]]:
+        def of(
+            gauges: list[tuple[str, str, str]], counters: list[tuple[str, str, str]]
+        ) -> list[tuple[Family, str]]:
             return [(GaugeMetricFamily(name, doc, labels=LABELS), attr) for name, doc, attr in gauges] + [
                 (CounterMetricFamily(name, doc, labels=LABELS), attr) for name, doc, attr in counters
             ]

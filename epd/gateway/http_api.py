@@ -131,7 +131,9 @@ ParseRequest = Callable[[Any, str, SamplingOptions, GenerationConfig], ChatReque
 
 def json_error(status: int, message: str, error_type: str) -> web.Response:
     """An OpenAI-style error; its message names the request id (`tracing.with_request_id`)."""
-    response = web.json_response(error_body(tracing.with_request_id(message), error_type, status), status=status)
+    response = web.json_response(
+        error_body(tracing.with_request_id(message), error_type, status), status=status
+    )
     if status == 429:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
@@ -167,8 +169,11 @@ class HttpApi:
     def app(self) -> web.Application:
         # client_max_size only backs up read_json_body for any route that calls request.read().
         # handler_args: bodies as they came; gzip and deflate are inflated by read_json_body.
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._middleware],
-                              handler_args=AIOHTTP_HANDLER_ARGS)
+        app = web.Application(
+            client_max_size=self.max_body_bytes,
+            middlewares=[self._middleware],
+            handler_args=AIOHTTP_HANDLER_ARGS,
+        )
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
         app.router.add_post("/v1/completions", self.completions, expect_handler=defer_continue)
         app.router.add_get("/v1/models", self.models, expect_handler=defer_continue)
@@ -207,7 +212,8 @@ class HttpApi:
         try:
             if unsupported_expect(request):
                 response: web.StreamResponse = json_error(
-                    417, "the only Expect this server supports is 100-continue", "invalid_request_error")
+                    417, "the only Expect this server supports is 100-continue", "invalid_request_error"
+                )
             elif rebound_host(request, self.config):
                 response = json_error(
                     403,
@@ -222,8 +228,11 @@ class HttpApi:
                     "your server, or use this server's own page",
                     "permission_error",
                 )
-            elif self.config.http.api_keys and (request.path.startswith("/v1/") or route in BODY_ROUTES) \
-                    and not self._authorized(request):  # the web demo's POST too: it decodes media
+            elif (
+                self.config.http.api_keys
+                and (request.path.startswith("/v1/") or route in BODY_ROUTES)
+                and not self._authorized(request)
+            ):  # the web demo's POST too: it decodes media
                 response = json_error(
                     401,
                     "missing or wrong API key; send 'Authorization: Bearer <key>'",
@@ -233,14 +242,20 @@ class HttpApi:
                 response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
                 # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
                 response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
-            elif request.method == "POST" and route in BODY_ROUTES \
-                    and (content_type := not_json_content_type(request)) is not None:
-                response = json_error(415, not_json_content_type_message(content_type), "invalid_request_error")
+            elif (
+                request.method == "POST"
+                and route in BODY_ROUTES
+                and (content_type := not_json_content_type(request)) is not None
+            ):
+                response = json_error(
+                    415, not_json_content_type_message(content_type), "invalid_request_error"
+                )
             elif request.method == "POST" and route in BODY_ROUTES:
                 # With API keys, also counted per key (checked just above): a tenant on many IPs.
                 key = bearer_token([("authorization", request.headers.get("Authorization", ""))])
                 ticket = request[TICKET_KEY] = self.admission.admit(
-                    peer_host(request.remote or "unknown"), key if self.config.http.api_keys else "")
+                    peer_host(request.remote or "unknown"), key if self.config.http.api_keys else ""
+                )
                 response = await handler(request)
             else:
                 response = await handler(request)
@@ -253,7 +268,8 @@ class HttpApi:
                 # a 503 to retry, counted as one. It was counted as a client gone (499) and its
                 # connection dropped.
                 response = exception_response(
-                    self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id))
+                    self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id)
+                )
             elif self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
                 self.metrics.http_responses.labels(route=route, code="200").inc()
                 raise
@@ -279,10 +295,21 @@ class HttpApi:
         if request.method == "POST":
             # A streamed answer that failed after its 200 says so here too, with the error's status.
             stream_error = f" stream_error={request[STREAM_ERROR_KEY]}" if STREAM_ERROR_KEY in request else ""
-            log.info("http %s %s %d%s total_ms=%.1f", request.method, route, response.status, stream_error,
-                     (time.perf_counter() - started) * 1e3)
-        span.end(str(request[STREAM_ERROR_KEY]) if STREAM_ERROR_KEY in request
-                 else "" if response.status < 400 else str(response.status))
+            log.info(
+                "http %s %s %d%s total_ms=%.1f",
+                request.method,
+                route,
+                response.status,
+                stream_error,
+                (time.perf_counter() - started) * 1e3,
+            )
+        span.end(
+            str(request[STREAM_ERROR_KEY])
+            if STREAM_ERROR_KEY in request
+            else ""
+            if response.status < 400
+            else str(response.status)
+        )
         if not response.prepared and request.can_read_body:
             # Refused before its body was read: the connection cannot carry another request
             # (aiohttp drops what is still arriving for a few seconds, then closes it).
@@ -310,8 +337,13 @@ class HttpApi:
         have (`ModelInfo.max_model_len`); null until prefill has said (the stack's gateway at start)."""
         name = self.config.http.served_model_name
         info = self.pipeline.model_info()
-        return {"id": name, "object": "model", "created": self.started_s, "owned_by": "epd",
-                "max_model_len": None if info is None else info.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.started_s,
+            "owned_by": "epd",
+            "max_model_len": None if info is None else info.max_model_len,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_object()]})
@@ -319,8 +351,12 @@ class HttpApi:
     async def model(self, request: web.Request) -> web.Response:
         """OpenAI's retrieve-model: the served model, or 404 as for a request naming another."""
         if request.match_info["model"] != self.config.http.served_model_name:
-            return json_error(404, f"model '{request.match_info['model'][:200]}' is not served here; GET "
-                                   f"/v1/models lists '{self.config.http.served_model_name}'", "not_found_error")
+            return json_error(
+                404,
+                f"model '{request.match_info['model'][:200]}' is not served here; GET "
+                f"/v1/models lists '{self.config.http.served_model_name}'",
+                "not_found_error",
+            )
         return web.json_response(self._model_object())
 
     async def health(self, request: web.Request) -> web.Response:
@@ -361,8 +397,12 @@ class HttpApi:
                 data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
             elif chat.media_url:
                 ticket = request.get(TICKET_KEY)  # a file's or a fetch's bytes count as a body's
-                data = await load_media(chat.media_url, self.config.http.media, self.config.max_upload_bytes,
-                                        ticket.reserve_bytes if ticket is not None else None)
+                data = await load_media(
+                    chat.media_url,
+                    self.config.http.media,
+                    self.config.max_upload_bytes,
+                    ticket.reserve_bytes if ticket is not None else None,
+                )
             media = None if data is None else MediaInput(data, await asyncio.to_thread(sha256_hex, data))
             ask = AskRequest(
                 messages=chat.messages,
@@ -414,7 +454,11 @@ class HttpApi:
         return stream.response
 
     async def _stream_events(
-        self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent],
+        self,
+        request: web.Request,
+        chat: ChatRequest,
+        request_id: str,
+        events: AsyncIterator[PipelineEvent],
         stream: _Stream,
     ) -> None:
         """Writes the answer's server-sent events to `stream.response`, made at the first token
@@ -447,7 +491,11 @@ class HttpApi:
             return  # the client went away: the request's own task finds out at its next write
 
     async def _write_events(
-        self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent],
+        self,
+        request: web.Request,
+        chat: ChatRequest,
+        request_id: str,
+        events: AsyncIterator[PipelineEvent],
         stream: _Stream,
     ) -> None:
         created = int(time.time())
@@ -458,8 +506,14 @@ class HttpApi:
         async def send(body: dict[str, Any]) -> None:
             assert stream.response is not None
             if chat.continuous_usage:
-                body.setdefault("usage", {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
-                                          "total_tokens": num_prompt_tokens + num_tokens})
+                body.setdefault(
+                    "usage",
+                    {
+                        "prompt_tokens": num_prompt_tokens,
+                        "completion_tokens": num_tokens,
+                        "total_tokens": num_prompt_tokens + num_tokens,
+                    },
+                )
             elif chat.include_usage:
                 body.setdefault("usage", None)
             await stream.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -478,10 +532,17 @@ class HttpApi:
                         await stream.begin(request, request_id)
                         if chat.raw_prompt is None:
                             await send(
-                                chunk_body(request_id, chat.model, created, {"role": chat.response_role, "content": ""})
+                                chunk_body(
+                                    request_id,
+                                    chat.model,
+                                    created,
+                                    {"role": chat.response_role, "content": ""},
+                                )
                             )
                         elif chat.echo:  # the prompt's text first, as vLLM streams an echo
-                            await send(text_completion_chunk(request_id, chat.model, created, chat.raw_prompt.text))
+                            await send(
+                                text_completion_chunk(request_id, chat.model, created, chat.raw_prompt.text)
+                            )
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
@@ -495,8 +556,13 @@ class HttpApi:
                     final["epd"] = epd_details(item)
                     await send(final)
                     if chat.include_usage:
-                        await send({**_final_chunk(chat, request_id, created, None), "choices": [],
-                                    "usage": usage(item)})
+                        await send(
+                            {
+                                **_final_chunk(chat, request_id, created, None),
+                                "choices": [],
+                                "usage": usage(item),
+                            }
+                        )
         except ConnectionResetError:
             raise
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
@@ -518,14 +584,18 @@ class HttpApi:
         await stream.response.write_eof()
 
 
-def _delta_chunk(chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int]) -> dict[str, Any]:
+def _delta_chunk(
+    chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int]
+) -> dict[str, Any]:
     """A streamed answer's chunk of new text: chat's delta, or a legacy completion's text."""
     if chat.raw_prompt is not None:
         return text_completion_chunk(request_id, chat.model, created, text, token_ids=token_ids)
     return chunk_body(request_id, chat.model, created, {"content": text}, token_ids=token_ids)
 
 
-def _final_chunk(chat: ChatRequest, request_id: str, created: int, summary: AskSummary | None) -> dict[str, Any]:
+def _final_chunk(
+    chat: ChatRequest, request_id: str, created: int, summary: AskSummary | None
+) -> dict[str, Any]:
     """The chunk with the finish reason (and vLLM's stop_reason) of `summary`; None: a chunk
     without either (the usage chunk's frame)."""
     finish = None if summary is None else summary.finish_reason or "stop"
@@ -551,8 +621,11 @@ class _Stream:
         async with self._lock:
             if self.response is None:
                 response = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                             tracing.REQUEST_ID_KEY: request_id}
+                    headers={
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        tracing.REQUEST_ID_KEY: request_id,
+                    }
                 )
                 await response.prepare(request)
                 request[STREAM_BEGUN_KEY] = True
@@ -580,8 +653,9 @@ def client_gone_response(
 def log_summary(summary: AskSummary) -> None:
     """The request's per-stage timings, one INFO line (its request id added by the log filter)."""
     timings = {f"{name}_ms": float(ms) for name, ms in summary.timings_ms.items()}
-    tracing.stage_timings(log, "request done", **timings, num_tokens=len(summary.token_ids),
-                          finish_reason=summary.finish_reason)
+    tracing.stage_timings(
+        log, "request done", **timings, num_tokens=len(summary.token_ids), finish_reason=summary.finish_reason
+    )
 
 
 def sha256_hex(data: bytes) -> str:
@@ -640,12 +714,21 @@ async def start_http_api(
     # logger: a client's malformed request is one INFO line there, not an ERROR traceback, and
     # at most one a minute.
     CLIENT_FAULTS.reset()
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True, logger=PROTOCOL_LOG,
-                           shutdown_timeout=config.server.grace_s)  # `HttpServer.stop` cuts it short
+    runner = web.AppRunner(
+        api.app(),
+        access_log=None,
+        handler_cancellation=True,
+        logger=PROTOCOL_LOG,
+        shutdown_timeout=config.server.grace_s,
+    )  # `HttpServer.stop` cuts it short
     await runner.setup()
     # TLS with the gateway's --tls-cert/--tls-key (client certificates with --tls-client-ca).
-    site = web.TCPSite(runner, config.http.host or config.server.host, config.http.port,
-                       ssl_context=server_ssl_context(config.server.security))
+    site = web.TCPSite(
+        runner,
+        config.http.host or config.server.host,
+        config.http.port,
+        ssl_context=server_ssl_context(config.server.security),
+    )
     await site.start()
     port = runner.addresses[0][1]
     log.info("OpenAI-compatible HTTP API on port %d", port)

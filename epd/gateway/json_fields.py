@@ -58,7 +58,9 @@ def checked_text(value: Any, name: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidRequest(f"'{name}' is not valid Unicode text (it holds a lone surrogate escape)") from None
+        raise InvalidRequest(
+            f"'{name}' is not valid Unicode text (it holds a lone surrogate escape)"
+        ) from None
     return value
 
 

@@ -48,7 +48,9 @@ Reserve = Callable[[int], None]
 """Takes `n` more bytes of media into the request's account, or raises (Overloaded) to refuse them."""
 
 
-async def load_media(url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None = None) -> bytes:
+async def load_media(
+    url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None = None
+) -> bytes:
     """The bytes behind `url`, at most `max_bytes` of them. A file's or a fetch's bytes are held
     like a request body's: `reserve(n)` (the request's admission ticket) is called before they
     are read (a file) or as they arrive (a fetch), and raises to refuse them (a data: URL's are
@@ -78,7 +80,9 @@ def _split(url: str) -> SplitResult:
     try:
         return urlsplit(url)
     except ValueError:  # e.g. an unclosed "[" of an IPv6 host
-        raise InvalidRequest("the media URL is malformed (an IPv6 host must be in brackets: http://[::1]:80/)") from None
+        raise InvalidRequest(
+            "the media URL is malformed (an IPv6 host must be in brackets: http://[::1]:80/)"
+        ) from None
 
 
 # -- data: URLs ---------------------------------------------------------------------------------
@@ -324,7 +328,9 @@ async def resolve_checked(target: UrlTarget, config: MediaFetchConfig) -> list[t
     return found
 
 
-async def fetch_url(url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None = None) -> bytes:
+async def fetch_url(
+    url: str, config: MediaFetchConfig, max_bytes: int, reserve: Reserve | None = None
+) -> bytes:
     """One deadline (`fetch_timeout_s`) over the whole fetch: DNS, every hop and the body."""
     try:
         return await within(_fetch(url, config, max_bytes, reserve), config.fetch_timeout_s)

@@ -51,7 +51,10 @@ class GatewayMetrics:
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "epd_requests_total", "Pipeline runs by outcome (the gRPC status name the client got).", ["status"], registry=r
+            "epd_requests_total",
+            "Pipeline runs by outcome (the gRPC status name the client got).",
+            ["status"],
+            registry=r,
         )
         self.in_flight = Gauge("epd_requests_in_flight", "Pipeline runs in progress.", registry=r)
         self.stage_queue = Gauge(
@@ -160,7 +163,9 @@ class GatewayMetrics:
             self.in_flight.dec()
             self.requests.labels(status=status).inc()
 
-    def _observe_summary(self, summary: AskSummary, t0: float, t_first: float | None, with_media: bool) -> None:
+    def _observe_summary(
+        self, summary: AskSummary, t0: float, t_first: float | None, with_media: bool
+    ) -> None:
         t_end = time.perf_counter()
         self.e2e.observe(t_end - t0)
         num_tokens = len(summary.token_ids)

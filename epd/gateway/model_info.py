@@ -74,20 +74,26 @@ class ReplicaModelInfo:
 def _describe(info: ModelInfo | None) -> str:
     if info is None:
         return "not known"
-    return (f"{info.model_type or 'model'}, vocabulary {info.vocab_size or 'not known'}, context "
-            f"{info.context_tokens or 'not known'}, prompt limit {info.max_prompt_tokens}, "
-            f"max_tokens limit {info.max_new_tokens}, max_model_len {info.max_model_len}")
+    return (
+        f"{info.model_type or 'model'}, vocabulary {info.vocab_size or 'not known'}, context "
+        f"{info.context_tokens or 'not known'}, prompt limit {info.max_prompt_tokens}, "
+        f"max_tokens limit {info.max_new_tokens}, max_model_len {info.max_model_len}"
+    )
 
 
-async def refresh_model_info(stage: RemotePrefillStage, known: ReplicaModelInfo,
-                             timeout_s: float = MODEL_INFO_TIMEOUT_S) -> None:
+async def refresh_model_info(
+    stage: RemotePrefillStage, known: ReplicaModelInfo, timeout_s: float = MODEL_INFO_TIMEOUT_S
+) -> None:
     """Ask every replica of `stage` once and give the stage the common view."""
     pool = stage.pool
     addresses = [a for a in pool.addresses if not unresolved(a)]  # a dns:/// name gets no call until found
 
     async def read(address: str) -> ModelInfo | None:
-        return await answer_or_none(fetch_model_info(pool.channel(address), timeout_s), timeout_s,
-                                    f"no model info from prefill {address}")
+        return await answer_or_none(
+            fetch_model_info(pool.channel(address), timeout_s),
+            timeout_s,
+            f"no model info from prefill {address}",
+        )
 
     answers = await asyncio.gather(*(read(address) for address in addresses))
     stage.known_model_info = known.update(addresses, dict(zip(addresses, answers)))

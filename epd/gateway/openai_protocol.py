@@ -256,8 +256,10 @@ def parse_chat_request(
     model = check_model(body, served_model)
     if boolean_field(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
         # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
-        raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset or false and "
-                             "'top_logprobs' unset")
+        raise InvalidRequest(
+            "logprobs are not supported by this server; leave 'logprobs' unset or false and "
+            "'top_logprobs' unset"
+        )
     refuse_unsupported_fields(body, UNSUPPORTED_CHAT_FIELDS, KNOWN_CHAT_FIELDS)
     messages, media_url, modality = parse_messages(body.get("messages"))
     options = answer_options(body, model, generation_defaults)
@@ -302,7 +304,7 @@ def answer_options(body: dict, model: str, generation_defaults: GenerationConfig
     stream = boolean_field(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
-        raise InvalidRequest("stream_options only goes with \"stream\": true")  # as vLLM
+        raise InvalidRequest('stream_options only goes with "stream": true')  # as vLLM
     stream_options = stream_options or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
@@ -312,8 +314,10 @@ def answer_options(body: dict, model: str, generation_defaults: GenerationConfig
         "generation": _generation(body, generation_defaults),
         "stream": stream,
         "include_usage": include_usage,
-        "continuous_usage": include_usage and boolean_field(stream_options, "continuous_usage_stats", False,
-                                                            "stream_options.continuous_usage_stats"),
+        "continuous_usage": include_usage
+        and boolean_field(
+            stream_options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats"
+        ),
         "cache_salt": check_cache_salt(checked_text(body.get("cache_salt"), "cache_salt")),
         "request_id": checked_text(body.get("request_id"), "request_id"),
     }
@@ -325,11 +329,14 @@ def refuse_unsupported_fields(body: dict, unsupported: dict[str, tuple], known: 
     for name, neutral in unsupported.items():
         value = body.get(name)
         # Equal and both bools or neither (False == 0 in Python; 0 == 0.0 is meant).
-        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
-                                         for v in neutral):
-            raise InvalidRequest(f"'{name}' is not supported by this server; leave it unset"
-                                 + (f" (or {json.dumps(neutral[0])})" if neutral else "")
-                                 + (f"; {_INSTEAD[name]}" if name in _INSTEAD else ""))
+        if value is not None and not any(
+            value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral
+        ):
+            raise InvalidRequest(
+                f"'{name}' is not supported by this server; leave it unset"
+                + (f" (or {json.dumps(neutral[0])})" if neutral else "")
+                + (f"; {_INSTEAD[name]}" if name in _INSTEAD else "")
+            )
     if unknown := sorted(str(name)[:64] for name in body if name not in known):
         log.warning("ignored request fields %s", unknown[:16])
 
@@ -345,11 +352,13 @@ def _pruning(value: Any) -> PruningConfig:
         raise InvalidRequest("pruning.knobs must be an object of knob names to values")
     preset = value.get("preset") or "off"
     if not isinstance(preset, str):
-        raise InvalidRequest("pruning.preset must be a string such as \"balanced\"")
+        raise InvalidRequest('pruning.preset must be a string such as "balanced"')
     text_knobs = {}
     for name, knob in knobs.items():
         if isinstance(knob, (dict, list)):
-            raise InvalidRequest(f"pruning.knobs.{checked_text(name, 'pruning.knobs')[:64]} must be a number, string or bool")
+            raise InvalidRequest(
+                f"pruning.knobs.{checked_text(name, 'pruning.knobs')[:64]} must be a number, string or bool"
+            )
         text = str(knob).lower() if isinstance(knob, bool) else str(knob)
         text_knobs[checked_text(name, "pruning.knobs")] = checked_text(text, f"pruning.knobs.{name[:64]}")
     options = common_pb2.PruningOptions(preset=checked_text(preset, "pruning.preset"), knobs=text_knobs)
@@ -365,8 +374,10 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
     # OpenAI's newer name of the system role (its models take developer messages in its place).
-    roles = [_ROLE_ALIASES.get(r, r) if isinstance(r := m.get("role") if isinstance(m, dict) else None, str) else r
-             for m in messages]
+    roles = [
+        _ROLE_ALIASES.get(r, r) if isinstance(r := m.get("role") if isinstance(m, dict) else None, str) else r
+        for m in messages
+    ]
     if any(r not in ROLES for r in roles):
         shown = [r[:32] if isinstance(r, str) else None for r in roles[:8]]
         raise InvalidRequest(
@@ -377,25 +388,33 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     for i, message in enumerate(messages):
         for name in ("tool_calls", "function_call"):
             if message.get(name):  # the tool calls of an earlier turn: its content alone is not what was said
-                raise InvalidRequest(f"messages[{i}] has '{name}'; tool calls are not supported by this server: "
-                                     f"send the turn as plain text content")
+                raise InvalidRequest(
+                    f"messages[{i}] has '{name}'; tool calls are not supported by this server: "
+                    f"send the turn as plain text content"
+                )
         content = message.get("content")
         if content is None and roles[i] == "assistant":  # OpenAI's own history (its tool calls aside)
             content = ""
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list) or not content:
-            raise InvalidRequest(f"messages[{i}].content must be a string or a non-empty list of content parts")
+            raise InvalidRequest(
+                f"messages[{i}].content must be a string or a non-empty list of content parts"
+            )
         parts: list[ContentPart] = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 if not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"a text part of messages[{i}] needs its text: {{'type': 'text', 'text': '...'}}")
+                    raise InvalidRequest(
+                        f"a text part of messages[{i}] needs its text: {{'type': 'text', 'text': '...'}}"
+                    )
                 parts.append(text_part(checked_text(part["text"], f"messages[{i}].content text")))
             elif kind in ("video_url", "image_url"):
                 if roles[i] != "user":
-                    raise InvalidRequest(f"messages[{i}] is a {roles[i]} message; put the {kind} part in a user message")
+                    raise InvalidRequest(
+                        f"messages[{i}] is a {roles[i]} message; put the {kind} part in a user message"
+                    )
                 ref = part.get(kind)
                 url = ref.get("url") if isinstance(ref, dict) else ref
                 if not isinstance(url, str) or not url:
@@ -405,7 +424,9 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
                 media.append((url, kind.removesuffix("_url")))
                 parts.append(ContentPart(kind.removesuffix("_url")))
             else:
-                kind_text = kind[:64] if isinstance(kind, str) else kind if kind is None else type(kind).__name__
+                kind_text = (
+                    kind[:64] if isinstance(kind, str) else kind if kind is None else type(kind).__name__
+                )
                 raise InvalidRequest(
                     f"unsupported content part {kind_text!r}; use 'text', 'video_url' or 'image_url'"
                 )
@@ -427,7 +448,9 @@ def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:
     if media is None:
         return defaults
     if not isinstance(media, dict):
-        raise InvalidRequest('\'media\' must be an object such as {"num_frames": 8} or {"fps": 2, "max_frames": 32}')
+        raise InvalidRequest(
+            '\'media\' must be an object such as {"num_frames": 8} or {"fps": 2, "max_frames": 32}'
+        )
     unknown = sorted(str(name)[:64] for name in set(media) - set(_MEDIA_OPTIONS))
     if unknown:
         raise InvalidRequest(f"unknown media options {unknown[:8]}; known: {sorted(_MEDIA_OPTIONS)}")
@@ -484,8 +507,11 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         min_tokens=given("min_tokens", defaults.min_tokens),
         logit_bias=_logit_bias(body.get("logit_bias"), defaults.logit_bias),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), defaults.stop_token_ids),
-        include_stop_str_in_output=boolean_field(body, "include_stop_str_in_output", defaults.include_stop_str_in_output),
-        fit_max_new_tokens=max_tokens is None,  # the default: fitted to the context after the prompt, as vLLM's
+        include_stop_str_in_output=boolean_field(
+            body, "include_stop_str_in_output", defaults.include_stop_str_in_output
+        ),
+        # the default: fitted to the context after the prompt, as vLLM's
+        fit_max_new_tokens=max_tokens is None,
     )
 
 
@@ -493,13 +519,22 @@ def _logit_bias(value: Any, default: tuple[tuple[int, float], ...]) -> tuple[tup
     """OpenAI's {"token id": bias} (JSON keys are strings) -> (id, bias) pairs, by id."""
     if value is None:
         return default
-    check_collection(value, dict, "logit_bias", 'an object of token ids to biases, such as {"1734": -100}',
-                     MAX_LOGIT_BIAS_ENTRIES)
+    check_collection(
+        value,
+        dict,
+        "logit_bias",
+        'an object of token ids to biases, such as {"1734": -100}',
+        MAX_LOGIT_BIAS_ENTRIES,
+    )
     pairs = {}
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10 else -1
+        token = (
+            int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10 else -1
+        )
         if not 0 <= token <= INT32_MAX:
-            raise InvalidRequest(f"'logit_bias' keys must be token ids ({TOKEN_ID.describe()}), got {shown_value(key)}")
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids ({TOKEN_ID.describe()}), got {shown_value(key)}"
+            )
         pairs[token] = number_item(bias, _LOGIT_BIAS, f"logit_bias[{token}]")
     return tuple(sorted(pairs.items()))
 
@@ -601,8 +636,13 @@ def chunk_body(
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from;
     `stop_reason` (vLLM's) is set on the chunk with the finish reason."""
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-                              "stop_reason": stop_reason}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {

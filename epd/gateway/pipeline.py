@@ -117,8 +117,13 @@ _ROOM_MAX_DELAY_S = 1.0
 
 
 class Pipeline:
-    def __init__(self, encoder: EncodeStage, prefill: PrefillStage, decoder: DecodeStage,
-                 decode_room_wait_s: float = DECODE_ROOM_WAIT_S) -> None:
+    def __init__(
+        self,
+        encoder: EncodeStage,
+        prefill: PrefillStage,
+        decoder: DecodeStage,
+        decode_room_wait_s: float = DECODE_ROOM_WAIT_S,
+    ) -> None:
         self.encoder = encoder
         self.prefill = prefill
         self.decoder = decoder
@@ -190,8 +195,10 @@ class Pipeline:
         if req.raw_prompt is not None:
             check_raw_prompt(req.raw_prompt, req.messages, vocab_size=self.vocab_size)
             if req.template != ChatTemplateOptions():
-                raise InvalidRequest("add_generation_prompt and continue_final_message shape a chat template's "
-                                     "prompt; a raw prompt has no template: leave them unset")
+                raise InvalidRequest(
+                    "add_generation_prompt and continue_final_message shape a chat template's "
+                    "prompt; a raw prompt has no template: leave them unset"
+                )
         else:
             # Before the media costs an encode; prefill checks its limits.
             check_messages(req.messages, template=req.template)
@@ -251,17 +258,19 @@ class Pipeline:
                 if lost is not None and sent is not None and handle.first_token_id != sent.token_ids[0]:
                     raise lost  # the client has the first prefill's token, and this one differs (sampled)
                 timings[Stage.PREFILL.value] = handle.prefill_ms
-                emit(StageEvent(
-                    Stage.PREFILL,
-                    "finished",
-                    (time.perf_counter() - t_prefill) * 1e3,
-                    {
-                        "num_prompt_tokens": str(handle.num_prompt_tokens),
-                        "kv_num_bytes": str(handle.kv_num_bytes),
-                        "prefix_cache": "hit" if handle.num_reused_prompt_tokens else "miss",
-                        "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
-                    },
-                ))
+                emit(
+                    StageEvent(
+                        Stage.PREFILL,
+                        "finished",
+                        (time.perf_counter() - t_prefill) * 1e3,
+                        {
+                            "num_prompt_tokens": str(handle.num_prompt_tokens),
+                            "kv_num_bytes": str(handle.kv_num_bytes),
+                            "prefix_cache": "hit" if handle.num_reused_prompt_tokens else "miss",
+                            "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
+                        },
+                    )
+                )
                 t_gen = time.perf_counter()
                 pruning = handle.pruning
                 emit(StageEvent(Stage.GENERATE, "started"))
@@ -282,8 +291,14 @@ class Pipeline:
                             taken = True
                             timings.setdefault(TTFT, elapsed_ms())
                             timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
-                            emit(StageEvent(Stage.KV_TRANSFER, "finished", step.kv_transfer_ms,
-                                            {"kv_num_bytes": str(step.kv_num_bytes)}))
+                            emit(
+                                StageEvent(
+                                    Stage.KV_TRANSFER,
+                                    "finished",
+                                    step.kv_transfer_ms,
+                                    {"kv_num_bytes": str(step.kv_num_bytes)},
+                                )
+                            )
                             if handle.kv_address:  # pulled from a prefill server; not an in-process store's
                                 transfer_bytes += step.kv_num_bytes
                             if sent is not None:
@@ -314,8 +329,14 @@ class Pipeline:
                     await self._release(handle, request_id)
             break
         timings[Stage.GENERATE.value] = (time.perf_counter() - t_gen) * 1e3
-        emit(StageEvent(Stage.GENERATE, "finished", timings[Stage.GENERATE.value],
-                        {"num_tokens": str(len(token_ids)), "finish_reason": finish_reason}))
+        emit(
+            StageEvent(
+                Stage.GENERATE,
+                "finished",
+                timings[Stage.GENERATE.value],
+                {"num_tokens": str(len(token_ids)), "finish_reason": finish_reason},
+            )
+        )
         timings[TOTAL] = elapsed_ms()
         pruning.transfer_bytes = transfer_bytes
         return AskSummary(
@@ -333,9 +354,8 @@ class Pipeline:
             frame_timestamps_s=media.frame_timestamps_s if media else [],
             pruning=pruning,
             grid_thw=media.meta.grid_thw if media else (0, 0, 0),
-            kept_visual_token_index=handle.kept_visual_token_index or (
-                [] if media is None or media.token_index is None else media.token_index.tolist()
-            ),
+            kept_visual_token_index=handle.kept_visual_token_index
+            or ([] if media is None or media.token_index is None else media.token_index.tolist()),
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
             stop_reason=stop_reason,
         )
@@ -348,8 +368,16 @@ class Pipeline:
         cancel left stored, and the remote stage releases the handle it chose, in case the answer
         was already on its way)."""
         call = asyncio.ensure_future(
-            self.prefill.prefill(req.messages, media, req.generation, request_id, req.pruning, req.cache_salt,
-                                 raw_prompt=req.raw_prompt, template=req.template)
+            self.prefill.prefill(
+                req.messages,
+                media,
+                req.generation,
+                request_id,
+                req.pruning,
+                req.cache_salt,
+                raw_prompt=req.raw_prompt,
+                template=req.template,
+            )
         )
         try:
             return await asyncio.shield(call)
@@ -375,8 +403,9 @@ class Pipeline:
         while True:
             stepped = False
             try:
-                generating = self.decoder.generate(handle, handle.decode_generation(req.generation), request_id,
-                                                   req.pruning)
+                generating = self.decoder.generate(
+                    handle, handle.decode_generation(req.generation), request_id, req.pruning
+                )
                 async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
                     async for step in steps:
                         stepped = True
@@ -388,8 +417,11 @@ class Pipeline:
                 now = time.monotonic()
                 if waiting_since is None:
                     waiting_since = now
-                    log.info("request %s: every decoder is full; waiting up to %.0f s for room",
-                             request_id, self.decode_room_wait_s)
+                    log.info(
+                        "request %s: every decoder is full; waiting up to %.0f s for room",
+                        request_id,
+                        self.decode_room_wait_s,
+                    )
                 if now - waiting_since + delay_s > self.decode_room_wait_s:
                     raise
             await asyncio.sleep(delay_s)
@@ -419,12 +451,14 @@ def check_media_sent(req: AskRequest) -> None:
     part with nothing sent goes to the encoder, which refuses the empty upload."""
     sent = req.media is not None and bool(req.media.data or req.media.sha256)
     if sent and req.raw_prompt is not None:
-        raise InvalidRequest("a raw prompt (completions) takes no media; send the media with messages "
-                             "(chat completions), or send no media")
+        raise InvalidRequest(
+            "a raw prompt (completions) takes no media; send the media with messages "
+            "(chat completions), or send no media"
+        )
     if sent and not media_type(req.messages):
         raise InvalidRequest(
             "the request sends media but no message has a video or image part to place it; add one "
-            "(a {\"type\": \"video\"} part in a user message, or use the question form), or send no media"
+            '(a {"type": "video"} part in a user message, or use the question form), or send no media'
         )
 
 
@@ -439,7 +473,7 @@ def _after_sent(step: TokenStep, sent: TokenStep) -> TokenStep | None:
             f"the decoder's first step ({step.token_ids[:n]}, {step.text!r}) does not start with the "
             f"token sent from prefill ({sent.token_ids}, {sent.text!r})"
         )
-    rest = replace(step, token_ids=step.token_ids[n:], text=step.text[len(sent.text):])
+    rest = replace(step, token_ids=step.token_ids[n:], text=step.text[len(sent.text) :])
     return rest if rest.token_ids or rest.text or rest.finish_reason else None
 
 
@@ -464,7 +498,10 @@ def _release_done(request_id: str) -> Callable[[asyncio.Future], None]:
     def done(release: asyncio.Future) -> None:
         _in_flight.discard(release)
         if not release.cancelled() and release.exception() is not None:
-            log.warning("could not release the KV cache of request %s (its TTL will): %r",
-                        request_id, release.exception())
+            log.warning(
+                "could not release the KV cache of request %s (its TTL will): %r",
+                request_id,
+                release.exception(),
+            )
 
     return done

@@ -87,13 +87,15 @@ class StageHealth:
             self._ever_served = True
         now = set(down)
         if now - self._last_down:
-            log.warning("stage replicas not serving (out of routing): %s", ", ".join(sorted(now - self._last_down)))
+            log.warning(
+                "stage replicas not serving (out of routing): %s", ", ".join(sorted(now - self._last_down))
+            )
         if self._last_down - now:
             log.info("stage replicas serving again: %s", ", ".join(sorted(self._last_down - now)))
         self._last_down = now
 
     async def down(self) -> list[str]:
-        """"STAGE ADDRESS" of each replica that is not serving: for the server log only."""
+        """ "STAGE ADDRESS" of each replica that is not serving: for the server log only."""
         return (await self.status())[1]
 
     async def not_serving(self) -> list[str]:

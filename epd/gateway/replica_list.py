@@ -68,7 +68,7 @@ def parse_replicas(text: str, source: str = "the replica file") -> dict[str, tup
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ReplicaFileError(f"{source} must be a mapping like {{\"encoder\": [\"HOST:PORT\", ...]}}")
+        raise ReplicaFileError(f'{source} must be a mapping like {{"encoder": ["HOST:PORT", ...]}}')
     out: dict[str, tuple[str, ...]] = {}
     for stage, addresses in data.items():
         if stage not in STAGES:
@@ -76,10 +76,12 @@ def parse_replicas(text: str, source: str = "the replica file") -> dict[str, tup
         if isinstance(addresses, str):
             addresses = addresses.split(",")
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-            raise ReplicaFileError(f"{source}: {stage} must be a list of \"HOST:PORT\" strings")
+            raise ReplicaFileError(f'{source}: {stage} must be a list of "HOST:PORT" strings')
         cleaned = tuple(dict.fromkeys(a.strip() for a in addresses if a.strip()))
         if not cleaned:
-            raise ReplicaFileError(f"{source}: {stage} needs at least one address (leave it out to keep its flag's)")
+            raise ReplicaFileError(
+                f"{source}: {stage} needs at least one address (leave it out to keep its flag's)"
+            )
         for address in cleaned:
             try:
                 parse_dns_entry(address)
@@ -123,8 +125,13 @@ class ReplicaUpdater:
             added, removed = pool.set_addresses(listed.addresses, listed.server_names)
             if added or removed:
                 # WARNING, the default level: a change of topology belongs in every log.
-                log.warning("%s replicas now %s (added %s, removed %s)", stage, ", ".join(listed.addresses),
-                            ", ".join(added) or "none", ", ".join(removed) or "none")
+                log.warning(
+                    "%s replicas now %s (added %s, removed %s)",
+                    stage,
+                    ", ".join(listed.addresses),
+                    ", ".join(added) or "none",
+                    ", ".join(removed) or "none",
+                )
 
     async def refresh(self) -> None:
         """Look every name up again and apply what changed."""
@@ -252,7 +259,8 @@ class ReplicaListWatcher:
                 # gateway's drain (this task ends when the stop begins) then killed it on the spot.
                 # The loop's close removes this no-op with its other handlers.
                 stop_listening = lambda: loop.add_signal_handler(  # noqa: E731
-                    signal.SIGHUP, log.info, "SIGHUP while stopping: the replica file is not re-read")
+                    signal.SIGHUP, log.info, "SIGHUP while stopping: the replica file is not re-read"
+                )
         try:
             if reload_first:
                 await self.reload()

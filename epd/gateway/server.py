@@ -55,7 +55,9 @@ class RemotePipeline(Pipeline):
     channels, and `aclose` closes them all (left open, they kept reconnecting to the replicas,
     stopped or not, for as long as the process lived)."""
 
-    def __init__(self, encoder: RemoteEncodeStage, prefill: RemotePrefillStage, decoder: RemoteDecodeStage) -> None:
+    def __init__(
+        self, encoder: RemoteEncodeStage, prefill: RemotePrefillStage, decoder: RemoteDecodeStage
+    ) -> None:
         super().__init__(encoder, prefill, decoder)
         self.encoder: RemoteEncodeStage = encoder
         self.prefill: RemotePrefillStage = prefill
@@ -93,7 +95,11 @@ def remote_pipeline(config: GatewayConfig, replicas: ReplicaSets | None = None) 
 def stage_pools(pipeline: Pipeline) -> dict[str, ReplicaPool]:
     """The replica pools of a pipeline's remote stages, by stage name (none for local stages)."""
     stages = {"encoder": pipeline.encoder, "prefill": pipeline.prefill, "decode": pipeline.decoder}
-    return {name: pool for name, stage in stages.items() if isinstance(pool := getattr(stage, "pool", None), ReplicaPool)}
+    return {
+        name: pool
+        for name, stage in stages.items()
+        if isinstance(pool := getattr(stage, "pool", None), ReplicaPool)
+    }
 
 
 async def start(
@@ -111,7 +117,9 @@ async def start(
     to close (`Pipeline.aclose`) once the server has stopped: `main` does."""
     servicer = GatewayServicer(config, pipeline, admission)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
-    interceptors = [ApiKeyInterceptor(config.http.api_keys, (f"/{SERVICE_NAME}/",))] if config.http.api_keys else []
+    interceptors = (
+        [ApiKeyInterceptor(config.http.api_keys, (f"/{SERVICE_NAME}/",))] if config.http.api_keys else []
+    )
     hs = await create_server(
         config.server,
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
@@ -171,12 +179,18 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
 
             stage_health = health or StageHealth(config, pools=stage_pools(pipeline))
             http = await start_http_api(config, pipeline, metrics, stage_health, admission)
-            if config.server.security.tls_cert and any(not site.name.startswith("https") for site in http.runner.sites):
-                raise SystemExit("epd serve gateway: --tls-cert was given but the HTTP API (--http-port) serves "
-                                 "plain HTTP: refusing to expose it unencrypted")
+            if config.server.security.tls_cert and any(
+                not site.name.startswith("https") for site in http.runner.sites
+            ):
+                raise SystemExit(
+                    "epd serve gateway: --tls-cert was given but the HTTP API (--http-port) serves "
+                    "plain HTTP: refusing to expose it unencrypted"
+                )
         hs = await start(config, pipeline, admission, health, replicas)
         # HTTP drains alongside gRPC, each for up to the grace period; a second signal cuts both.
-        await serve_until_signal(hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None)
+        await serve_until_signal(
+            hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None
+        )
         http = None
     finally:
         if http is not None:  # start-up failed after the HTTP API bound

@@ -59,7 +59,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         started = time.perf_counter()
         try:
             key = bearer_token(context.invocation_metadata()) if self.config.http.api_keys else ""
-            ticket = self.admission.admit(peer_host(context.peer()), key)  # the key was checked by the interceptor
+            # the key was checked by the interceptor
+            ticket = self.admission.admit(peer_host(context.peer()), key)
         except Overloaded:
             await drain(request_iterator)  # so that the client sees our status, not INTERNAL
             raise
@@ -70,13 +71,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
             raw_prompt = raw_prompt_of(header)
             request = AskRequest(
-                messages=[] if raw_prompt is not None else messages_of(header, media_sent=bool(data or header.media_sha256)),
+                messages=[]
+                if raw_prompt is not None
+                else messages_of(header, media_sent=bool(data or header.media_sha256)),
                 raw_prompt=raw_prompt,
                 template=convert.template_from_proto(header.template),
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
                 generation=convert.generation_from_proto(
-                    header.generation, self.pipeline.generation_defaults(self.config.generation)),
+                    header.generation, self.pipeline.generation_defaults(self.config.generation)
+                ),
                 request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),
                 cache_salt=request_cache_salt(
@@ -136,7 +140,7 @@ def messages_of(header: gateway_pb2.AskHeader, media_sent: bool) -> list[Message
         raise InvalidRequest(
             "the deprecated question field asks about the uploaded media, and none was sent: send the video or "
             "image (media_chunk bytes, or media_sha256), or, for a question without media, send messages = "
-            "[{role: \"user\", parts: [{type: \"text\", text: QUESTION}]}] instead of question"
+            '[{role: "user", parts: [{type: "text", text: QUESTION}]}] instead of question'
         )
     return question_messages(header.question)
 

@@ -127,6 +127,8 @@ class CallsInFlight:
             why = "a second stop signal ended its drain" if self.hurried else "its grace period is over"
             return Unavailable(f"the server is shutting down ({why}); retry the request{which}")
         why = "a second stop signal ended its drain" if self.hurried else "its grace period was over"
-        return UpstreamError(grpc.StatusCode.ABORTED,
-                             f"the server shut down after {num_tokens} tokens ({why}); the answer is "
-                             f"incomplete; retry the request{which}")
+        return UpstreamError(
+            grpc.StatusCode.ABORTED,
+            f"the server shut down after {num_tokens} tokens ({why}); the answer is "
+            f"incomplete; retry the request{which}",
+        )

@@ -61,9 +61,11 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
         )
     if not isinstance(body.get("prompt"), str):
         raise InvalidRequest("send 'prompt' (a string) or 'messages' (a list of chat messages)")
-    return TokenizeInput(prompt=checked_text(body["prompt"], "prompt"),
-                         add_special_tokens=boolean_field(body, "add_special_tokens", True),
-                         return_token_strs=return_token_strs)
+    return TokenizeInput(
+        prompt=checked_text(body["prompt"], "prompt"),
+        add_special_tokens=boolean_field(body, "add_special_tokens", True),
+        return_token_strs=return_token_strs,
+    )
 
 
 def parse_detokenize_request(body: Any, served_model: str) -> list[int]:
@@ -80,7 +82,9 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
 
     config, pipeline = api.config, api.pipeline
 
-    async def answer(request: web.Request, respond: Callable[[Any], Awaitable[dict[str, Any]]]) -> web.StreamResponse:
+    async def answer(
+        request: web.Request, respond: Callable[[Any], Awaitable[dict[str, Any]]]
+    ) -> web.StreamResponse:
         try:
             body = await read_json_body(request, api.max_body_bytes, config.body_timeout_s)
             return web.json_response(await respond(body))
@@ -93,14 +97,21 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
 
     async def tokenize(body: Any) -> dict[str, Any]:
         out = await pipeline.prefill.tokenize(
-            parse_tokenize_request(body, config.http.served_model_name), tracing.current_request_id())
+            parse_tokenize_request(body, config.http.served_model_name), tracing.current_request_id()
+        )
         info = pipeline.model_info()
-        return {"count": len(out.token_ids), "max_model_len": None if info is None else info.max_model_len,
-                "tokens": out.token_ids, "token_strs": out.token_strs}
+        return {
+            "count": len(out.token_ids),
+            "max_model_len": None if info is None else info.max_model_len,
+            "tokens": out.token_ids,
+            "token_strs": out.token_strs,
+        }
 
     async def detokenize(body: Any) -> dict[str, Any]:
         token_ids = parse_detokenize_request(body, config.http.served_model_name)
         return {"prompt": await pipeline.prefill.detokenize(token_ids, tracing.current_request_id())}
 
     app.router.add_post("/tokenize", lambda request: answer(request, tokenize), expect_handler=defer_continue)
-    app.router.add_post("/detokenize", lambda request: answer(request, detokenize), expect_handler=defer_continue)
+    app.router.add_post(
+        "/detokenize", lambda request: answer(request, detokenize), expect_handler=defer_continue
+    )

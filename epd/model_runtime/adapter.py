@@ -220,8 +220,13 @@ class VLMAdapter(ABC):
         stop_token_ids); None: not known."""
         return None
 
-    def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
-                      position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def encode_sparse(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: tuple[int, int, int],
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+    ) -> torch.Tensor:
         """The tower on kept patches only (temporal dropping before the tower)."""
         raise NotImplementedError(f"{type(self).__name__} cannot encode a subset of patches")
 
@@ -276,8 +281,11 @@ class VLMAdapter(ABC):
 
     @abstractmethod
     def build_prompt(
-        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
-        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        self,
+        conversation: list[dict[str, Any]],
+        visual: VisualMeta | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Prompt:
         """Render `conversation` exactly as the family's `processor.apply_chat_template(conversation,
         add_generation_prompt=..., continue_final_message=...)` renders it (the defaults: a new
@@ -298,7 +306,10 @@ class VLMAdapter(ABC):
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
     def tokenize_conversation(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
         continue_final_message: bool = False,
     ) -> list[int]:
         """A conversation without media (`build_prompt`'s form) rendered with the model's chat
@@ -407,7 +418,6 @@ class VLMAdapter(ABC):
     def detokenize(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""
 
-
     # -- pruning interface ---------------------------------------------------------------------
     # What the pruning stages (`epd.token_pruning`, `epd.prefill_svc.pruned_prefill`,
     # `epd.decode_svc.eviction`) call; they never touch the model's modules themselves. A family
@@ -439,7 +449,9 @@ class VLMAdapter(ABC):
             f"{type(self).__name__} cannot run its decoder layer by layer: no prefill drop or KV compression"
         )
 
-    def capture_queries(self, layers: Iterable[int], query_index: torch.Tensor) -> AbstractContextManager[CapturedQueries]:
+    def capture_queries(
+        self, layers: Iterable[int], query_index: torch.Tensor
+    ) -> AbstractContextManager[CapturedQueries]:
         """Context manager: while it is open, every forward pass through decoder layer i in
         `layers` (a `decode_step`, a `LayerwisePass.run_layers`) records that layer's rotated
         queries of tokens `query_index` and keys of all its tokens in the yielded

@@ -37,7 +37,9 @@ class ModelConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"linear_kernel must be one of {list(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
+            raise ValueError(
+                f"linear_kernel must be one of {list(LINEAR_KERNELS)}, got {self.linear_kernel!r}"
+            )
         if self.linear_kernel == "onednn" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("linear_kernel 'onednn' is for --device cpu with --dtype float32")
         if self.num_threads < 0:

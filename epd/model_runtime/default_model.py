@@ -53,8 +53,10 @@ def accuracy_notice(path: str | Path) -> str:
     accuracy = json.loads(card.read_text()).get("accuracy", {}).get("test")
     if accuracy is None:
         return ""
-    return (f"epd's demo model answers about {accuracy:.0%} of its synthetic test questions correctly "
-            f"(per question type: {card})")
+    return (
+        f"epd's demo model answers about {accuracy:.0%} of its synthetic test questions correctly "
+        f"(per question type: {card})"
+    )
 
 
 def is_meaningless(path: str | Path) -> bool:

@@ -56,7 +56,8 @@ class IncrementalText:
             found = [
                 (at, at + len(s), s)
                 for s in self._stop
-                if (at := full.find(s, max(0, len(self.text) - len(s), self._unchecked_chars - len(s) + 1))) != -1
+                if (at := full.find(s, max(0, len(self.text) - len(s), self._unchecked_chars - len(s) + 1)))
+                != -1
             ]
         if found:
             self.stopped = True
@@ -123,7 +124,9 @@ class OutputText:
             # A stop string found in a stop token's own text (include_stop_str_in_output) is the
             # one the text was cut at; an end-of-sequence token that is also a stop token was
             # asked for by the client: its id.
-            self.stop_reason = self.text.matched_stop if self.text.stopped else token_id if stop_token else None
+            self.stop_reason = (
+                self.text.matched_stop if self.text.stopped else token_id if stop_token else None
+            )
         elif length:
             self.finish_reason = "length"
         if self.finish_reason:

@@ -127,8 +127,15 @@ class LanguageOnly(torch.nn.Module):
         self.lm_head = lm_head
 
 
-def load_vision_part(path: str, hf_config, dtype: torch.dtype, build: Callable[[], torch.nn.Module],
-                     rename=vision_key, full_part=lambda model: model.model.visual, what: str = "vision tower"):
+def load_vision_part(
+    path: str,
+    hf_config,
+    dtype: torch.dtype,
+    build: Callable[[], torch.nn.Module],
+    rename=vision_key,
+    full_part=lambda model: model.model.visual,
+    what: str = "vision tower",
+):
     """Build the encoder's part alone (`build()`, weights uninitialised) and load only its tensors
     (`rename` picks and renames them). Without safetensors: `full_part` of the full model.
 
@@ -154,8 +161,7 @@ def load_vision_part(path: str, hf_config, dtype: torch.dtype, build: Callable[[
     missing, unexpected = part.load_state_dict(read_part(root, files, rename), strict=False)
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint {path} does not match the {what}: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
+            f"checkpoint {path} does not match the {what}: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     return part.eval()
 
@@ -186,7 +192,9 @@ def apply_keep_in_fp32_plan(part: torch.nn.Module, dtype: torch.dtype) -> list[s
     return changed
 
 
-def build_language_only(text_config, dtype: torch.dtype, build_lm: Callable[[], torch.nn.Module]) -> LanguageOnly:
+def build_language_only(
+    text_config, dtype: torch.dtype, build_lm: Callable[[], torch.nn.Module]
+) -> LanguageOnly:
     """`LanguageOnly` of `build_lm()` and an lm_head, weights uninitialised (all are loaded after)."""
     from transformers.initialization import no_init_weights
 
@@ -200,7 +208,9 @@ def load_language_state(model: LanguageOnly, state: dict[str, torch.Tensor], hf_
     """Load `state` into `model`, tying the head to the embeddings where the checkpoint does (the
     small checkpoints store no lm_head)."""
     text_config = hf_config.text_config
-    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
+    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(
+        text_config, "tie_word_embeddings", False
+    )
     lm: Any = model.model.language_model
     if "lm_head.weight" not in state and tied:
         model.lm_head.weight = lm.embed_tokens.weight

@@ -111,7 +111,9 @@ class HfTextAdapter(VLMAdapter):
     # -- prefill -----------------------------------------------------------------------------
 
     def _text_only_prompt(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> Prompt:
         """`build_prompt` of a conversation without a media part: the processor's own template of
@@ -127,22 +129,31 @@ class HfTextAdapter(VLMAdapter):
         transformers' default), or `token_ids` as they are, with the positions of any text prompt
         (`_text_only_prompt`): generate(input_ids)'s, as no grid is given."""
         ids = list(token_ids) if not text else self.tokenizer(text)["input_ids"]
-        placeholders = {self.tokenizer.convert_tokens_to_ids(t)
-                        for t in (self.processor.video_token, self.processor.image_token)}
+        placeholders = {
+            self.tokenizer.convert_tokens_to_ids(t)
+            for t in (self.processor.video_token, self.processor.image_token)
+        }
         if placeholders.intersection(ids):
-            raise ValueError("the prompt holds the model's visual placeholder token, which only the chat "
-                             "completions API's media parts place; remove it")
+            raise ValueError(
+                "the prompt holds the model's visual placeholder token, which only the chat "
+                "completions API's media parts place; remove it"
+            )
         return _text_prompt(torch.tensor([ids], dtype=torch.long))
 
     def _render_text_only(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool = False
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
     ) -> str:
         """The processor's own template of a conversation without media; ValueError as `_render`'s,
         or when the template adds a visual placeholder of its own."""
         text = self._render(conversation, add_generation_prompt, continue_final_message)
         if any(token in text for token in (self.processor.video_token, self.processor.image_token)):
-            raise ValueError("the chat template rendered a visual placeholder for a conversation without media; "
-                             "add the video or image part")
+            raise ValueError(
+                "the chat template rendered a visual placeholder for a conversation without media; "
+                "add the video or image part"
+            )
         return text
 
     def _render(
@@ -153,20 +164,31 @@ class HfTextAdapter(VLMAdapter):
         part places it: in text it would take the media's embeddings, or miscount them), when the
         template cannot leave the last message open, or when it refuses the conversation itself."""
         placeholders = (self.processor.video_token, self.processor.image_token)
-        if any(token in part.get("text", "") for m in conversation for part in m["content"] for token in placeholders):
+        if any(
+            token in part.get("text", "")
+            for m in conversation
+            for part in m["content"]
+            for token in placeholders
+        ):
             raise ValueError("a text part contains the model's visual placeholder token; remove it")
         try:
-            return self.processor.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, tokenize=False)
+            return self.processor.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+            )
         except TemplateSyntaxError:
             raise  # the checkpoint's template is broken: the server's error, not the request's
         except TemplateError as exc:
             # The template's own `raise_exception` (Qwen3.5's "No user query found in messages."
             # for a conversation without a user message, which an assistant's message last allows):
             # a shape of conversation the model does not take, as vLLM's 400 says.
-            raise ValueError(f"the model's chat template cannot render this conversation: {str(exc)[:400]}; send "
-                             "its messages in a shape the model takes (for example with a user message before "
-                             "the assistant's)") from None
+            raise ValueError(
+                f"the model's chat template cannot render this conversation: {str(exc)[:400]}; send "
+                "its messages in a shape the model takes (for example with a user message before "
+                "the assistant's)"
+            ) from None
         except ValueError as exc:
             # transformers' message goes on to quote the last message and the whole rendered
             # conversation (a 400 of up to the text limit): its explanation is enough.
@@ -176,7 +198,10 @@ class HfTextAdapter(VLMAdapter):
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def tokenize_conversation(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
         continue_final_message: bool = False,
     ) -> list[int]:
         text = self._render_text_only(conversation, add_generation_prompt, continue_final_message)
@@ -330,7 +355,9 @@ class HfTextAdapter(VLMAdapter):
     def new_decode_cache(self, cache: KvCache):
         # The cache may arrive narrower than the model (PruningConfig.kv_dtype); compute in the model's.
         dtype = self._model_dtype()
-        kv = KvCache([k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values])
+        kv = KvCache(
+            [k.to(self.device, dtype) for k in cache.keys], [v.to(self.device, dtype) for v in cache.values]
+        )
         return kv.to_dynamic(self.hf_config.text_config)
 
     def _step_positions(self, position_ids: torch.Tensor) -> torch.Tensor:

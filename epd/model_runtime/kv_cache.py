@@ -88,7 +88,9 @@ class KvCache:
         for i, layer in enumerate(layers):
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 if layer.number_of_states != 1:
-                    raise ValueError(f"layer {i} keeps {layer.number_of_states} linear states; one is supported")
+                    raise ValueError(
+                        f"layer {i} keeps {layer.number_of_states} linear states; one is supported"
+                    )
                 if layer.is_conv_states_initialized[0]:
                     conv[i] = layer.conv_states[0]
                 if layer.is_recurrent_states_initialized[0]:

@@ -149,7 +149,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
                 raise MediaError(f"an image of {height} x {width} pixels is too small for this model")
             # [crops, C, H, W]: the base crop and the anyres tiles (the batch dimension dropped)
             return VisionInputs("image", out["pixel_values"][0], (1, height, width), 0.0)
-        out = self.processor.video_processor(videos=[video.frames], do_sample_frames=False, return_tensors="pt")
+        out = self.processor.video_processor(
+            videos=[video.frames], do_sample_frames=False, return_tensors="pt"
+        )
         pixels = out["pixel_values_videos"][0]  # [T, C, H, W]
         side = self.patches_per_side
         return VisionInputs("video", pixels, (int(pixels.shape[0]), side, side), 1.0 / video.sampled_fps)
@@ -199,8 +201,11 @@ class LlavaOnevisionAdapter(HfTextAdapter):
     # -- prefill -----------------------------------------------------------------------------
 
     def build_prompt(
-        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
-        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        self,
+        conversation: list[dict[str, Any]],
+        visual: VisualMeta | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Prompt:
         if visual is None:
             return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
@@ -233,13 +238,20 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         if visual.modality == "video":  # the last placeholder is the newline prefill writes
             visual_mask[int(placeholders.nonzero()[-1])] = False
         if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError("the prompt's visual placeholders do not match the grid; the tokenizer split them")
+            raise ValueError(
+                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
+            )
         length = input_ids.shape[1]
         positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
         return Prompt(input_ids, positions, visual_mask)
 
-    def _embed(self, input_ids: torch.Tensor, visual_mask: torch.Tensor, visual: torch.Tensor | None,
-               newline: bool = True) -> torch.Tensor:
+    def _embed(
+        self,
+        input_ids: torch.Tensor,
+        visual_mask: torch.Tensor,
+        visual: torch.Tensor | None,
+        newline: bool = True,
+    ) -> torch.Tensor:
         """[1, n, hidden]: token embeddings of `input_ids` [1, n], the visual positions filled with
         `visual` (in order), a video's closing placeholder with `image_newline`."""
         lm = self._language_model()
@@ -254,7 +266,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         return embeds
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor, video_newline: bool = True) -> PrefillState:
+    def prefill(
+        self, prompt: Prompt, visual_embeds: torch.Tensor, video_newline: bool = True
+    ) -> PrefillState:
         """video_newline=False leaves the video's closing placeholder as its own token embedding:
         not what generate() computes (the tests' negative control)."""
         from transformers import DynamicCache
@@ -286,7 +300,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens of earlier chunks
         mask = row.prompt.visual_mask[row.start : row.end]
         return self._embed(
-            row.prompt.input_ids[:, row.start : row.end], mask, row.visual_embeds[first : first + int(mask.sum())]
+            row.prompt.input_ids[:, row.start : row.end],
+            mask,
+            row.visual_embeds[first : first + int(mask.sum())],
         )
 
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
@@ -296,8 +312,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
         positions = torch.arange(embeds.shape[1], dtype=torch.long, device=self.device).expand(len(rows), -1)
         cache = DynamicCache(config=self.hf_config.text_config)
-        out = self._language_model()(inputs_embeds=embeds, position_ids=positions, past_key_values=cache,
-                                     use_cache=True)
+        out = self._language_model()(
+            inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
+        )
         return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
 
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
@@ -404,8 +421,13 @@ def _vision_part_class():
 
 def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
     return load_vision_part(
-        path, hf_config, dtype, lambda: _vision_part_class()(hf_config, dtype), rename=vision_key,
-        full_part=lambda model: model.model, what="vision part",
+        path,
+        hf_config,
+        dtype,
+        lambda: _vision_part_class()(hf_config, dtype),
+        rename=vision_key,
+        full_part=lambda model: model.model,
+        what="vision part",
     )
 
 

@@ -72,7 +72,7 @@ def resolve_model_path(model: str) -> str:
 
 
 def is_hub_id(model: str) -> bool:
-    """"org/name" that is not a local path: downloaded by transformers, so not checked here."""
+    """ "org/name" that is not a local path: downloaded by transformers, so not checked here."""
     return not Path(model).exists() and _HUB_ID.fullmatch(model) is not None
 
 
@@ -119,13 +119,17 @@ def configured_context_tokens(path: str) -> int | None:
 
 def _weights_files(root: Path, path: str) -> list[Path]:
     """The weights files the checkpoint names: one file, or the shards of its index."""
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    for single, index in (
+        ("model.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ):
         if (root / single).is_file():
             return [root / single]
         if (root / index).is_file():
             try:
-                shards = sorted(set(json.loads((root / index).read_text(encoding="utf-8"))["weight_map"].values()))
+                shards = sorted(
+                    set(json.loads((root / index).read_text(encoding="utf-8"))["weight_map"].values())
+                )
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ModelLoadError(path, f"{index} is not a readable weights index ({exc!r})") from None
             missing = [s for s in shards if not (root / s).is_file()]
@@ -174,7 +178,9 @@ def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
 
             model_type = AutoConfig.from_pretrained(path).model_type
             if model_type not in _FAMILIES:
-                raise ModelLoadError(path, f"model_type {model_type!r} is not supported; epd serves {SUPPORTED}")
+                raise ModelLoadError(
+                    path, f"model_type {model_type!r} is not supported; epd serves {SUPPORTED}"
+                )
         log.info("loading %s (%s) for %s on %s", path, model_type, stage, config.device)
         module_name, class_name = _FAMILIES[model_type]
         module = importlib.import_module(f"epd.model_runtime.{module_name}")

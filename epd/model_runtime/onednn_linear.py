@@ -50,7 +50,11 @@ def use_onednn_linear(modules: list[torch.nn.Module]) -> int:
     swapped = 0
     for root in modules:
         for module in root.modules():
-            if type(module) is torch.nn.Linear and module.weight.is_cpu and module.weight.dtype == torch.float32:
+            if (
+                type(module) is torch.nn.Linear
+                and module.weight.is_cpu
+                and module.weight.dtype == torch.float32
+            ):
                 module.__class__ = OneDnnLinear
                 swapped += 1
     return swapped

@@ -48,7 +48,9 @@ class Qwen2VLAdapter(QwenTextAdapter):
     part's tensors (the encoder never the language model's, prefill and decode never the tower's);
     both parts (the embedded mode, training) load transformers' whole model."""
 
-    supported_pruning = frozenset({"temporal_drop", "spatial_merge", "key_tokens", "prefill_drop", "kv_compress", "decode_evict"})
+    supported_pruning = frozenset(
+        {"temporal_drop", "spatial_merge", "key_tokens", "prefill_drop", "kv_compress", "decode_evict"}
+    )
     pruning_refusal_reason = ""
 
     def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
@@ -80,7 +82,9 @@ class Qwen2VLAdapter(QwenTextAdapter):
 
         vp = self.processor.video_processor
         size: Any = vp.size  # a SizeDict once the processor is built (the class attribute is a dict)
-        if type(vp) is not Qwen2VLVideoProcessor or not (vp.do_resize and size.shortest_edge and size.longest_edge):
+        if type(vp) is not Qwen2VLVideoProcessor or not (
+            vp.do_resize and size.shortest_edge and size.longest_edge
+        ):
             return None  # another processor (a checkpoint's own subclass): keep frames as decoded
         return partial(resize_frame_once, vp)
 
@@ -133,8 +137,11 @@ class Qwen2VLAdapter(QwenTextAdapter):
     # -- prefill -----------------------------------------------------------------------------
 
     def build_prompt(
-        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
-        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        self,
+        conversation: list[dict[str, Any]],
+        visual: VisualMeta | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Prompt:
         if visual is None:
             return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
@@ -148,8 +155,10 @@ class Qwen2VLAdapter(QwenTextAdapter):
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
         visual_mask = input_ids[0] == pad_id
         if int(visual_mask.sum()) != num_tokens:
-            raise ValueError(f"the chat template rendered {text.count(pad) - num_tokens + 1} {visual.modality} "
-                             "placeholders; send at most one video or image part per request")
+            raise ValueError(
+                f"the chat template rendered {text.count(pad) - num_tokens + 1} {visual.modality} "
+                "placeholders; send at most one video or image part per request"
+            )
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
@@ -167,14 +176,23 @@ class Qwen2VLAdapter(QwenTextAdapter):
         return torch.cat([text_row, mrope], dim=0)
 
     @torch.inference_mode()
-    def encode_sparse(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int],
-                      position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def encode_sparse(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: tuple[int, int, int],
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+    ) -> torch.Tensor:
         """The tower on kept patches only: position_ids [P', 2] (row, col), cu_seqlens per group."""
         if self.visual is None or not self.supports_sparse_vision:
             raise RuntimeError("sparse vision encoding needs Qwen2-VL's vision tower")
         grid = torch.tensor([grid_thw], dtype=torch.long, device=self.device)
-        out = self.visual(pixel_values.to(self.device, self.visual.dtype), grid_thw=grid,
-                          position_ids=position_ids.to(self.device), cu_seqlens=cu_seqlens.to(self.device))
+        out = self.visual(
+            pixel_values.to(self.device, self.visual.dtype),
+            grid_thw=grid,
+            position_ids=position_ids.to(self.device),
+            cu_seqlens=cu_seqlens.to(self.device),
+        )
         return out.pooler_output
 
     @torch.inference_mode()
@@ -221,7 +239,9 @@ def _rope_index_fn(hf_config):
 def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
     """The vision tower alone, only its weights read ("visual.*" or "model.visual.*")."""
     tower_cls = _vision_tower_class(hf_config)
-    return load_vision_part(path, hf_config, dtype, lambda: tower_cls._from_config(hf_config.vision_config, dtype=dtype))
+    return load_vision_part(
+        path, hf_config, dtype, lambda: tower_cls._from_config(hf_config.vision_config, dtype=dtype)
+    )
 
 
 def _load_language_model(path: str, hf_config, dtype: torch.dtype):
@@ -249,7 +269,6 @@ def _vision_tower_class(hf_config):
     return tower
 
 
-
 def resize_frame_once(vp, rgb: np.ndarray) -> np.ndarray:
     """One decoded frame [H, W, 3] uint8 resized by Qwen2-VL's video processor `vp` as its
     `preprocess` would resize it ([h, w, 3], h and w from its `smart_resize`), or `rgb` itself
@@ -275,7 +294,14 @@ def resize_frame_once(vp, rgb: np.ndarray) -> np.ndarray:
         return rgb
     if target == (height, width) or smart_resize(*target, **bounds) != target:
         return rgb
-    video = torch.from_numpy(rgb[None]).permute(0, 3, 1, 2).contiguous()[None]  # [1, 1, 3, H, W], as vp lays it out
-    resized = vp.resize(video, size=size, resample=vp.resample, factor=factor,
-                        temporal_factor=vp.temporal_patch_size, cap_pixels_per_frame=False)  # [1, 1, 3, h, w]
+    # [1, 1, 3, H, W], as vp lays it out
+    video = torch.from_numpy(rgb[None]).permute(0, 3, 1, 2).contiguous()[None]
+    resized = vp.resize(
+        video,
+        size=size,
+        resample=vp.resample,
+        factor=factor,
+        temporal_factor=vp.temporal_patch_size,
+        cap_pixels_per_frame=False,
+    )  # [1, 1, 3, h, w]
     return resized[0, 0].permute(1, 2, 0).contiguous().numpy()  # [h, w, 3]

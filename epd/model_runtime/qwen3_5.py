@@ -174,12 +174,20 @@ class Qwen3_5Adapter(HfTextAdapter):
     # -- prefill -----------------------------------------------------------------------------
 
     def build_prompt(
-        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
-        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        self,
+        conversation: list[dict[str, Any]],
+        visual: VisualMeta | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Prompt:
         # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
-        return Qwen3VLAdapter.build_prompt(self, conversation, visual,  # type: ignore[arg-type]
-                                           add_generation_prompt, continue_final_message)
+        return Qwen3VLAdapter.build_prompt(
+            self,  # type: ignore[arg-type]
+            conversation,
+            visual,
+            add_generation_prompt,
+            continue_final_message,
+        )
 
     def _timestamps_metadata(self, visual: VisualMeta):
         return Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]
@@ -194,7 +202,9 @@ class Qwen3_5Adapter(HfTextAdapter):
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)
         kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
         rope_index: Any = Qwen3_5Model.get_rope_index  # reads only self.config, get_vision_position_ids
-        mrope, _ = rope_index(RopeHolder(self.hf_config, Qwen3_5Model), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)
+        mrope, _ = rope_index(
+            RopeHolder(self.hf_config, Qwen3_5Model), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
+        )
         text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
         return torch.cat([text_row, mrope], dim=0)
 
@@ -219,7 +229,9 @@ class Qwen3_5Adapter(HfTextAdapter):
                 raise ValueError("Qwen3_5Adapter has no DeepStack layers; it takes no DeepStack features")
             num_visual = int(row.prompt.visual_mask.sum())
             if row.visual_embeds.shape[0] != num_visual:
-                raise ValueError(f"{row.visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+                raise ValueError(
+                    f"{row.visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions"
+                )
         return super().prefill_chunks(rows)
 
     def _prefill_padded(self, rows: list[PrefillChunk], neutral_padding: bool = True) -> list[ChunkResult]:
@@ -373,8 +385,15 @@ class _HybridBatchKv(BatchKv):
     states, leaves by moving the last row into its place, like the slots. These states are a fixed
     size per request; the KV budget (`kv_bytes_per_token`) does not count them."""
 
-    def __init__(self, layer_types: list[str], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, state_shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        layer_types: list[str],
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        state_shapes: tuple[tuple[int, ...], tuple[int, ...]],
+    ) -> None:
         """state_shapes: one request's conv and recurrent state of a linear layer, without the batch
         axis (`Qwen3_5Adapter.linear_state_shapes`)."""
         from transformers.cache_utils import Cache, LinearAttentionLayer
@@ -385,13 +404,18 @@ class _HybridBatchKv(BatchKv):
         self.state_shapes = state_shapes
         self.linear = {i: LinearAttentionLayer() for i in self.linear_layers}
         slots = iter(self.cache.layers)  # one `_SlotLayer` per attention layer, in layer order
-        self.cache = Cache(layers=[self.linear[i] if i in self.linear else next(slots)
-                                   for i in range(len(layer_types))])
+        self.cache = Cache(
+            layers=[self.linear[i] if i in self.linear else next(slots) for i in range(len(layer_types))]
+        )
 
     @property
     def num_bytes(self) -> int:
-        states = [t for layer in self.linear.values()
-                  for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None]
+        states = [
+            t
+            for layer in self.linear.values()
+            for t in (layer.conv_states[0], layer.recurrent_states[0])
+            if t is not None
+        ]
         return super().num_bytes + sum(t.numel() * t.element_size() for t in states)
 
     def add(self, kv: KvCache, columns: int) -> int:
@@ -400,7 +424,9 @@ class _HybridBatchKv(BatchKv):
         without its states (or the reverse) would fail every later step of the batch."""
         missing = [i for i in self.linear_layers if i not in kv.conv_states or i not in kv.recurrent_states]
         if missing or kv.linear_layers != self.linear_layers:
-            raise ValueError(f"the cache lacks the linear-attention states of layers {missing or kv.linear_layers}")
+            raise ValueError(
+                f"the cache lacks the linear-attention states of layers {missing or kv.linear_layers}"
+            )
         conv_shape, recurrent_shape = self.state_shapes
         for i in self.linear_layers:
             got = (tuple(kv.conv_states[i].shape), tuple(kv.recurrent_states[i].shape))
@@ -539,7 +565,9 @@ def _load_vision_tower(path: str, hf_config, dtype: torch.dtype):
     """The tower (patch embedding, blocks, merger) alone, only its tensors read."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-    return load_vision_part(path, hf_config, dtype, lambda: Qwen3_5VisionModel._from_config(hf_config.vision_config, dtype=dtype))
+    return load_vision_part(
+        path, hf_config, dtype, lambda: Qwen3_5VisionModel._from_config(hf_config.vision_config, dtype=dtype)
+    )
 
 
 def _load_language_model(path: str, hf_config, dtype: torch.dtype):

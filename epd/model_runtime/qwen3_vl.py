@@ -65,7 +65,9 @@ class Qwen3VLAdapter(QwenTextAdapter):
     family = "qwen3_vl"  # the config.json model_type this class loads (a subclass names its own)
     family_label = "Qwen3-VL"  # the family in messages
     supported_pruning = frozenset({"temporal_drop", "key_tokens"})
-    pruning_refusal_reason = "it cannot keep the DeepStack features aligned with the visual tokens those stages merge or drop"
+    pruning_refusal_reason = (
+        "it cannot keep the DeepStack features aligned with the visual tokens those stages merge or drop"
+    )
 
     def __init__(self, path: str, config: ModelConfig, parts: set[str]) -> None:
         from transformers import AutoConfig, AutoProcessor
@@ -125,7 +127,10 @@ class Qwen3VLAdapter(QwenTextAdapter):
         # A 1-frame tail group is padded by patchify repeating the frame, as the clip's tail is.
         frames = self._resize_as_clip(video, clip_num_frames or video.num_frames)  # [t, 3, h, w] uint8
         out = self.processor.video_processor(
-            videos=[frames], do_sample_frames=False, do_resize=False, cap_pixels_per_frame=False,
+            videos=[frames],
+            do_sample_frames=False,
+            do_resize=False,
+            cap_pixels_per_frame=False,
             return_tensors="pt",
         )
         grid = tuple(int(x) for x in out["video_grid_thw"][0])
@@ -151,8 +156,13 @@ class Qwen3VLAdapter(QwenTextAdapter):
                 f">= {vp.temporal_patch_size})"
             )
         return smart_resize(
-            clip_num_frames, height, width, temporal_factor=vp.temporal_patch_size,
-            factor=vp.patch_size * vp.merge_size, min_pixels=vp.size.shortest_edge, max_pixels=vp.size.longest_edge,
+            clip_num_frames,
+            height,
+            width,
+            temporal_factor=vp.temporal_patch_size,
+            factor=vp.patch_size * vp.merge_size,
+            min_pixels=vp.size.shortest_edge,
+            max_pixels=vp.size.longest_edge,
         )
 
     def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
@@ -219,8 +229,11 @@ class Qwen3VLAdapter(QwenTextAdapter):
     # -- prefill -----------------------------------------------------------------------------
 
     def build_prompt(
-        self, conversation: list[dict[str, Any]], visual: VisualMeta | None,
-        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        self,
+        conversation: list[dict[str, Any]],
+        visual: VisualMeta | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Prompt:
         if visual is None:
             return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
@@ -339,7 +352,9 @@ class Qwen3VLAdapter(QwenTextAdapter):
         first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens of earlier chunks
         num = int(visual.sum())
         if num:
-            embeds[visual.to(self.device)] = row.visual_embeds[first : first + num].to(self.device, embeds.dtype)
+            embeds[visual.to(self.device)] = row.visual_embeds[first : first + num].to(
+                self.device, embeds.dtype
+            )
         assert row.deepstack is not None
         return embeds, visual, [d[first : first + num].to(self.device) for d in row.deepstack]
 
@@ -427,6 +442,7 @@ def resize_frame_as_clip(adapter: Qwen3VLAdapter, clip_num_frames: int, rgb: np.
         return rgb
     if target == (height, width) or adapter.clip_frame_size(*target, clip_num_frames) != target:
         return rgb
-    frame = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()[None]  # [1, 3, H, W], as preprocess lays it out
+    # [1, 3, H, W], as preprocess lays it out
+    frame = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()[None]
     resized = _processor_resize(adapter.processor.video_processor, frame, *target)  # [1, 3, h, w]
     return resized[0].permute(1, 2, 0).contiguous().numpy()  # [h, w, 3]

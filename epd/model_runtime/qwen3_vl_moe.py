@@ -64,7 +64,9 @@ class Qwen3VLMoeAdapter(Qwen3VLAdapter):
         if not files:
             return load_language_model(path, hf_config, dtype, text_cls)
         text_config = hf_config.text_config
-        model = build_language_only(text_config, dtype, lambda: text_cls._from_config(text_config, dtype=dtype))
+        model = build_language_only(
+            text_config, dtype, lambda: text_cls._from_config(text_config, dtype=dtype)
+        )
         state = read_part(root, files, language_key)
         load_language_state(model, _experts_in_model_layout(state, model), hf_config, path)
         return model
@@ -81,8 +83,12 @@ class Qwen3VLMoeAdapter(Qwen3VLAdapter):
             for i in range(c.num_hidden_layers)
         ]
         return TextDims(
-            dims.num_layers, dims.hidden_size, round(sum(widths) / len(widths)), dims.num_heads,
-            dims.num_kv_heads, dims.head_dim,
+            dims.num_layers,
+            dims.hidden_size,
+            round(sum(widths) / len(widths)),
+            dims.num_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
         )
 
 
@@ -92,7 +98,9 @@ def _is_sparse(text_config, layer: int) -> bool:
     return layer not in c.mlp_only_layers and c.num_experts > 0 and (layer + 1) % c.decoder_sparse_step == 0
 
 
-def _experts_in_model_layout(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _experts_in_model_layout(
+    state: dict[str, torch.Tensor], model: torch.nn.Module
+) -> dict[str, torch.Tensor]:
     """`state` with every expert tensor in the parameter's layout: one of the hub's layout
     ([experts, in, out]) transposed, as transformers' loader does; a matching one kept."""
     params = dict(model.named_parameters())

@@ -99,7 +99,9 @@ class QueryCapture:
             cos, sin = kwargs["position_embeddings"]
             with torch.no_grad():
                 idx = self.query_index
-                self.queries[layer] = rotated_states(module, hidden[:, idx], cos[:, idx], sin[:, idx], "q_proj")
+                self.queries[layer] = rotated_states(
+                    module, hidden[:, idx], cos[:, idx], sin[:, idx], "q_proj"
+                )
                 if self.with_keys:
                     self.keys[layer] = rotated_states(module, hidden, cos, sin, "k_proj")
 
@@ -128,7 +130,9 @@ def _causal_mask(language_model, like: torch.Tensor) -> torch.Tensor | None:
     if getattr(language_model.config, "_attn_implementation", "eager") != "eager":
         return None
     length, dtype = like.shape[1], like.dtype
-    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=like.device).triu(1)[None, None]
+    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=like.device).triu(1)[
+        None, None
+    ]
 
 
 class QwenLayerwisePass(LayerwisePass):
@@ -168,7 +172,9 @@ class QwenLayerwisePass(LayerwisePass):
 
     def layer_queries(self, layer: int, query_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer != self.num_layers_run:
-            raise ValueError(f"queries come from the next layer's input ({self.num_layers_run}), not layer {layer}")
+            raise ValueError(
+                f"queries come from the next layer's input ({self.num_layers_run}), not layer {layer}"
+            )
         decoder_layer = self.language_model.layers[layer]
         attn = decoder_layer.self_attn
         normed = decoder_layer.input_layernorm(self.hidden)
@@ -182,7 +188,8 @@ class QwenLayerwisePass(LayerwisePass):
         if self.text_rows is not None:
             self.text_rows = self.text_rows[:, index]
         done: Any
-        for done in self.cache.layers[: self.num_layers_run]:  # DynamicLayer: keys, values [1, kv_heads, L, D]
+        # DynamicLayer: keys, values [1, kv_heads, L, D]
+        for done in self.cache.layers[: self.num_layers_run]:
             done.keys, done.values = done.keys[:, :, index], done.values[:, :, index]
         self.mask = _causal_mask(self.language_model, self.hidden)
 

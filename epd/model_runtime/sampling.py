@@ -145,11 +145,15 @@ class GenerationConfig:
 
     def _validate_processors(self, vocab_size: int | None) -> None:
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:  # NaN fails both
-                raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 is off), got {value}")
+                raise ValueError(
+                    f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 is off), got {value}"
+                )
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -160,9 +164,13 @@ class GenerationConfig:
                 f"got {self.min_tokens}"
             )
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are accepted")
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are accepted"
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted")
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted"
+            )
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
         for token, bias in self.logit_bias:
@@ -170,10 +178,17 @@ class GenerationConfig:
                 raise ValueError(
                     f"logit_bias of token {token} must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}"
                 )
-        for field_name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+        for field_name, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
             bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
             if bad is not None:
-                upper = f"{vocab_size - 1} (this model's vocabulary)" if vocab_size is not None else "the vocabulary's last id"
+                upper = (
+                    f"{vocab_size - 1} (this model's vocabulary)"
+                    if vocab_size is not None
+                    else "the vocabulary's last id"
+                )
                 raise ValueError(f"{field_name}: token id {bad} is outside 0 to {upper}")
 
     @property

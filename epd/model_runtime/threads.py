@@ -161,7 +161,9 @@ def new_board_path(stack_id: str = "") -> str:
     launcher when this one was killed: epd/cli/leftovers.py). `stack_id`: the launcher's files
     directory's name after its prefix (`<pid>-<random>`), whose removal takes the board with it;
     default: this process's pid."""
-    path = board_directory() / (stack_board_name(stack_id) if stack_id else f"{BOARD_PREFIX}{os.getpid()}.board")
+    path = board_directory() / (
+        stack_board_name(stack_id) if stack_id else f"{BOARD_PREFIX}{os.getpid()}.board"
+    )
     path.write_bytes(bytes(len(STAGES)))
     return str(path)
 
@@ -203,8 +205,11 @@ class StepThreads:
             try:
                 self.board = BusyBoard(board_path, stage)
             except (OSError, ValueError) as exc:
-                log.warning("no shared threads board at %s (%s); threads follow this stage's queue only",
-                            board_path, exc)
+                log.warning(
+                    "no shared threads board at %s (%s); threads follow this stage's queue only",
+                    board_path,
+                    exc,
+                )
 
     def for_step(self, num_in_step: int, num_waiting: int) -> int:
         if not self.auto:

@@ -399,7 +399,9 @@ def _build_llava_onevision_processor(spec: TinyVLMSpec):
     side = LLAVA_ONEVISION_IMAGE_SIZE
     size = {"height": side, "width": side}
     return LlavaOnevisionProcessor(
-        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=LLAVA_ONEVISION_PINPOINTS),
+        image_processor=LlavaOnevisionImageProcessor(
+            size=size, image_grid_pinpoints=LLAVA_ONEVISION_PINPOINTS
+        ),
         tokenizer=tokenizer,
         video_processor=LlavaOnevisionVideoProcessor(size=size),
         num_image_tokens=(side // 14) ** 2,

@@ -75,7 +75,9 @@ def check_cache_salt(salt: str) -> str:
     if not isinstance(salt, str):
         raise InvalidRequest("cache_salt must be a string")
     if len(salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidRequest(f"cache_salt has {len(salt)} characters, over the limit of {MAX_CACHE_SALT_CHARS}")
+        raise InvalidRequest(
+            f"cache_salt has {len(salt)} characters, over the limit of {MAX_CACHE_SALT_CHARS}"
+        )
     if not salt.isprintable():
         raise InvalidRequest("cache_salt must be printable text (no control characters or line breaks)")
     return salt
@@ -170,9 +172,9 @@ class EncodedMedia(Generic[T]):
                 "media_sha256": self.sha256,
                 "kept_token_index": [] if self.token_index is None else self.token_index.tolist(),
                 # [K] positions among the N' embeddings of the True entries of key_mask [N'].
-                "key_token_index": [] if self.key_mask is None else [
-                    i for i, key in enumerate(self.key_mask.tolist()) if key
-                ],
+                "key_token_index": []
+                if self.key_mask is None
+                else [i for i, key in enumerate(self.key_mask.tolist()) if key],
                 "pruning": pruning_stats_to_record(self.pruning),
                 "num_deepstack_features": len(self.deepstack),
                 "group_timestamps_s": list(self.meta.group_timestamps_s),
@@ -180,7 +182,9 @@ class EncodedMedia(Generic[T]):
         )
 
     @classmethod
-    def from_record(cls, record: MediaRecord[T], from_list: IndexFromList = torch_from_list) -> EncodedMedia[T]:
+    def from_record(
+        cls, record: MediaRecord[T], from_list: IndexFromList = torch_from_list
+    ) -> EncodedMedia[T]:
         """The inverse of `to_record`. The record may come from a client (a proto) or from disk
         (the token cache): InvalidRequest when its metadata is malformed or a DeepStack feature it
         names is missing or misshapen, KeyError when a field or the embeddings tensor is missing. `from_list` builds token_index and key_mask in the
@@ -189,7 +193,9 @@ class EncodedMedia(Generic[T]):
         embeds = record.tensors["visual_embeds"]  # [N', hidden_size]
         grid = [int(x) for x in f["grid_thw"]]
         if f["modality"] not in ("video", "image") or len(grid) != 3 or min(grid) < 1:
-            raise InvalidRequest("visual metadata must name modality 'video' or 'image' and a 3-value grid_thw")
+            raise InvalidRequest(
+                "visual metadata must name modality 'video' or 'image' and a 3-value grid_thw"
+            )
         key_mask = None
         if len(f["key_token_index"]):
             index = [int(i) for i in f["key_token_index"]]  # [K]
@@ -213,8 +219,13 @@ class EncodedMedia(Generic[T]):
         times = tuple(float(t) for t in f["group_timestamps_s"])
         return cls(
             embeds=embeds,
-            meta=VisualMeta(str(f["modality"]), (grid[0], grid[1], grid[2]), float(f["second_per_grid_t"]),
-                            int(f["num_visual_tokens"]), times),
+            meta=VisualMeta(
+                str(f["modality"]),
+                (grid[0], grid[1], grid[2]),
+                float(f["second_per_grid_t"]),
+                int(f["num_visual_tokens"]),
+                times,
+            ),
             num_frames=int(f["num_frames"]),
             frame_timestamps_s=[float(t) for t in f["frame_timestamps_s"]],
             decode_ms=float(f["decode_ms"]),
@@ -238,8 +249,11 @@ def pruning_stats_to_record(stats: PruningStats) -> dict[str, Any]:
     left out: the gateway counts it for its own request, it never crosses a stage boundary."""
     return {
         "stages": [
-            {"stage": s.stage, "num_visual_tokens_in": s.num_visual_tokens_in,
-             "num_visual_tokens_out": s.num_visual_tokens_out}
+            {
+                "stage": s.stage,
+                "num_visual_tokens_in": s.num_visual_tokens_in,
+                "num_visual_tokens_out": s.num_visual_tokens_out,
+            }
             for s in stats.stages
         ],
         "num_key_tokens": stats.num_key_tokens,
@@ -342,7 +356,9 @@ def pruning_stages_used(pruning: PruningConfig) -> list[str]:
     return [name for name in PRUNING_STAGES if used[name]]
 
 
-def refuse_unsupported_pruning(family: str, supported: frozenset[str], reason: str, pruning: PruningConfig) -> None:
+def refuse_unsupported_pruning(
+    family: str, supported: frozenset[str], reason: str, pruning: PruningConfig
+) -> None:
     """InvalidRequest naming each stage `pruning` turns on that the model family does not support,
     and the family. The encoder asks at the start of every request (a refused later stage costs no
     decoding), prefill again before it queues (it may get media from elsewhere)."""

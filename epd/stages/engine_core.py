@@ -280,8 +280,11 @@ class EngineCore(Generic[R]):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed step fails its batch, not the service
-            log.exception("a batched step of %d requests failed (request ids %s)", len(batch),
-                          ", ".join(r.request_id for r in batch))
+            log.exception(
+                "a batched step of %d requests failed (request ids %s)",
+                len(batch),
+                ", ".join(r.request_id for r in batch),
+            )
             outputs = [(r, RequestFailed(exc)) for r in batch]
             for r in batch:
                 r.finished = True
@@ -340,8 +343,11 @@ class EngineCore(Generic[R]):
                     self.runner.release(r)
                 except Exception:  # noqa: BLE001 - raised out of the loop, it stopped the core for good
                     # extra: the loop runs under no request's context (the line's id field).
-                    log.exception("freeing the state of request %s failed", r.request_id,
-                                  extra={"request_id": r.request_id})
+                    log.exception(
+                        "freeing the state of request %s failed",
+                        r.request_id,
+                        extra={"request_id": r.request_id},
+                    )
 
     def _take_left(self) -> list[R]:
         left, self._to_release = self._to_release, []

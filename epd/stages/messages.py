@@ -129,7 +129,9 @@ def num_text_chars(messages: Sequence[Message]) -> int:
 
 
 def check_messages(
-    messages: Sequence[Message], max_text_chars: int | None = None, to_answer: bool = True,
+    messages: Sequence[Message],
+    max_text_chars: int | None = None,
+    to_answer: bool = True,
     template: ChatTemplateOptions = ChatTemplateOptions(),
 ) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
@@ -142,11 +144,15 @@ def check_messages(
     text-guided prefill drop then scores the visual tokens by the template's own tokens after the
     video)."""
     if not messages:
-        raise InvalidRequest("the request has no messages; send a user message (with a video or image and a "
-                             "question, or text alone)")
+        raise InvalidRequest(
+            "the request has no messages; send a user message (with a video or image and a "
+            "question, or text alone)"
+        )
     if (num_parts := sum(len(m.parts) for m in messages)) > MAX_PARTS:
-        raise InvalidRequest(f"the messages have {num_parts} content parts; the limit is {MAX_PARTS}: send a "
-                             "shorter conversation (or join its texts)")
+        raise InvalidRequest(
+            f"the messages have {num_parts} content parts; the limit is {MAX_PARTS}: send a "
+            "shorter conversation (or join its texts)"
+        )
     media = 0
     for i, m in enumerate(messages):
         if m.role not in ROLES:
@@ -179,8 +185,10 @@ def check_messages(
             )
         template.check(messages)
     if max_text_chars is not None and (n := num_text_chars(messages)) > max_text_chars:
-        raise InvalidRequest(f"the messages have {n} characters of text; the limit is {max_text_chars}: send a "
-                             "shorter conversation (or start a new one without the oldest turns)")
+        raise InvalidRequest(
+            f"the messages have {n} characters of text; the limit is {max_text_chars}: send a "
+            "shorter conversation (or start a new one without the oldest turns)"
+        )
 
 
 def media_type(messages: Iterable[Message]) -> str:
@@ -209,7 +217,9 @@ def to_chat_template(messages: Sequence[Message], modality: str) -> list[dict[st
     return [
         {
             "role": m.role,
-            "content": [{"type": modality} if p.is_media else {"type": "text", "text": p.text} for p in m.parts],
+            "content": [
+                {"type": modality} if p.is_media else {"type": "text", "text": p.text} for p in m.parts
+            ],
         }
         for m in messages
     ]

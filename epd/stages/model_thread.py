@@ -134,7 +134,9 @@ class ModelThread:
             self._started.acquire()
         if self._start_error is not None:
             self.close()
-            raise RuntimeError(f"a model thread failed to start: {self._start_error!r}") from self._start_error
+            raise RuntimeError(
+                f"a model thread failed to start: {self._start_error!r}"
+            ) from self._start_error
 
     @property
     def num_workers(self) -> int:
@@ -197,13 +199,21 @@ class ModelThread:
                 worker.join(max(0.0, deadline_s - time.monotonic()))
         running = [w.name for w in self._workers if w.is_alive() and w is not me]
         if running:
-            log.warning("model threads %s still run a call after close; a process that exits now may "
-                        "abort", ", ".join(running))
+            log.warning(
+                "model threads %s still run a call after close; a process that exits now may abort",
+                ", ".join(running),
+            )
 
     # -- the thread --------------------------------------------------------------------------
 
     def _submit(
-        self, lane: str, fn: Callable[..., T], args: tuple, kwargs: dict, first: bool = False, last_worker: bool = False
+        self,
+        lane: str,
+        fn: Callable[..., T],
+        args: tuple,
+        kwargs: dict,
+        first: bool = False,
+        last_worker: bool = False,
     ) -> Future:
         future: Future = Future()
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)

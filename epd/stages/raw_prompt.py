@@ -25,7 +25,9 @@ class RawPrompt:
 
 
 def check_raw_prompt(
-    prompt: RawPrompt, messages: Sequence[object] = (), max_text_chars: int | None = None,
+    prompt: RawPrompt,
+    messages: Sequence[object] = (),
+    max_text_chars: int | None = None,
     vocab_size: int | None = None,
 ) -> None:
     """Raise InvalidRequest, saying what to change, unless `prompt` can be run: text or token ids
@@ -38,8 +40,10 @@ def check_raw_prompt(
     if not prompt.text and not prompt.token_ids:
         raise InvalidRequest("the prompt is empty; send the text (or the token ids) to continue")
     if max_text_chars is not None and len(prompt.text) > max_text_chars:
-        raise InvalidRequest(f"the prompt has {len(prompt.text)} characters; the limit is {max_text_chars}: "
-                             "send a shorter prompt")
+        raise InvalidRequest(
+            f"the prompt has {len(prompt.text)} characters; the limit is {max_text_chars}: "
+            "send a shorter prompt"
+        )
     bad = [t for t in prompt.token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
         limit = f" (the vocabulary has {vocab_size} tokens)" if vocab_size is not None else ""

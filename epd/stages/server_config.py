@@ -48,13 +48,17 @@ class TransportSecurity:
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together: pass both (PEM certificate chain and its key)")
+            raise ValueError(
+                "--tls-cert and --tls-key go together: pass both (PEM certificate chain and its key)"
+            )
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mTLS is TLS first")
         if self.tls_server_name and not self.tls_ca:  # else plaintext channels, the name unused
             raise ValueError("--tls-server-name needs --tls-ca: the name is checked on TLS channels only")
         if self.previous_internal_secrets and not self.internal_secret:
-            raise ValueError("previous internal secrets need a current one (the first line of the secret file)")
+            raise ValueError(
+                "previous internal secrets need a current one (the first line of the secret file)"
+            )
         if not all(self.previous_internal_secrets):
             raise ValueError("an empty internal secret is none: it cannot be accepted")
         if self.internal_secret_file and not self.internal_secret:
@@ -100,7 +104,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not self.max_connection_age_s >= 0:
-            raise ValueError(f"max_connection_age_s must be >= 0 (0 = never), got {self.max_connection_age_s}")
+            raise ValueError(
+                f"max_connection_age_s must be >= 0 (0 = never), got {self.max_connection_age_s}"
+            )
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(
                 f"max_message_bytes must be at least {MIN_MESSAGE_BYTES} (one {CHUNK_BYTES}-byte media or "
@@ -144,7 +150,9 @@ def parse_secrets(text: str, where: str) -> tuple[str, ...]:
     if not secrets:
         raise ValueError(f"{where}: holds no internal secret (e.g. `openssl rand -hex 32`)")
     if len(secrets) > MAX_SECRETS:
-        raise ValueError(f"{where}: holds {len(secrets)} internal secrets; at most {MAX_SECRETS} (one a line)")
+        raise ValueError(
+            f"{where}: holds {len(secrets)} internal secrets; at most {MAX_SECRETS} (one a line)"
+        )
     if len(set(secrets)) != len(secrets):
         raise ValueError(f"{where}: names an internal secret twice")
     return tuple(check_secret(secret, where) for secret in secrets)
@@ -154,8 +162,10 @@ def check_secret(secret: str, where: str) -> str:
     if len(secret) > MAX_SECRET_BYTES:
         raise ValueError(f"{where}: the internal secret is longer than {MAX_SECRET_BYTES} bytes")
     if len(secret) < MIN_SECRET_CHARS:
-        raise ValueError(f"{where}: the internal secret must be at least {MIN_SECRET_CHARS} characters "
-                         "(e.g. `openssl rand -hex 32`)")
+        raise ValueError(
+            f"{where}: the internal secret must be at least {MIN_SECRET_CHARS} characters "
+            "(e.g. `openssl rand -hex 32`)"
+        )
     if not secret.isprintable() or not secret.isascii():
         raise ValueError(f"{where}: the internal secret must be printable ASCII (gRPC metadata)")
     return secret

@@ -35,7 +35,9 @@ class TokenizeInput:
             raise InvalidRequest("send exactly one of 'prompt' (a text) and 'messages' (a conversation)")
         if self.prompt is not None:
             if len(self.prompt) > max_text_chars:
-                raise InvalidRequest(f"the prompt has {len(self.prompt)} characters; the limit is {max_text_chars}")
+                raise InvalidRequest(
+                    f"the prompt has {len(self.prompt)} characters; the limit is {max_text_chars}"
+                )
             return
         # Any last role, as vLLM's /tokenize takes it: counting an assistant's turn, or the one a
         # client continues, is what a prompt-budgeting client asks.
@@ -61,5 +63,9 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int | None, max_tokens
         raise InvalidRequest(f"'tokens' has {len(token_ids)} ids; the limit is {max_tokens}")
     bad = next((t for t in token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
     if bad is not None:
-        upper = f"{vocab_size - 1} (this model's vocabulary)" if vocab_size is not None else "the vocabulary's last id"
+        upper = (
+            f"{vocab_size - 1} (this model's vocabulary)"
+            if vocab_size is not None
+            else "the vocabulary's last id"
+        )
         raise InvalidRequest(f"tokens: token id {bad} is outside 0 to {upper}")

@@ -26,8 +26,9 @@ _MIRRORED_WORD = {"left": "right", "right": "left"}
 _SWAP = {DIRECTIONS.index(a): DIRECTIONS.index(b) for a, b in _MIRRORED_WORD.items()}
 
 
-def mirror_pixels(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int], merge: int = 2,
-                  temporal_patch: int = 2) -> torch.Tensor:
+def mirror_pixels(
+    pixel_values: torch.Tensor, grid_thw: tuple[int, int, int], merge: int = 2, temporal_patch: int = 2
+) -> torch.Tensor:
     """[t * h * w, C * tp * p * p] patches of one media file -> the same of its mirror image."""
     t, h, w = grid_thw
     n, dim = pixel_values.shape
@@ -66,13 +67,19 @@ def mirror_answer(answer: str) -> str:
 def mirrored_answer_ids(tokenizer) -> dict[str, torch.Tensor]:
     """The supervised ids (answer + <|im_end|>) of every answer that mirroring changes."""
     end = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
-    return {w: torch.tensor(tokenizer(w, add_special_tokens=False)["input_ids"] + end, dtype=torch.long)
-            for w in _MIRRORED_WORD}
+    return {
+        w: torch.tensor(tokenizer(w, add_special_tokens=False)["input_ids"] + end, dtype=torch.long)
+        for w in _MIRRORED_WORD
+    }
 
 
-def mirror_sequence(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
-                    answer: str, answer_ids: dict[str, torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mirror_sequence(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor,
+    answer: str,
+    answer_ids: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [L], position_ids [4, L] and labels [L] of the same question about the mirrored
     clip: the supervised tail (answer + <|im_end|>) replaced by the mirrored answer's ids. The
     question names objects by colour or shape, which mirroring leaves alone; the answer tokens
@@ -83,7 +90,9 @@ def mirror_sequence(input_ids: torch.Tensor, position_ids: torch.Tensor, labels:
     prompt_len = int((labels == IGNORE).sum())  # the supervised tokens are the tail
     tail = answer_ids[new]
     steps = torch.arange(1, len(tail) + 1)
-    positions = torch.cat([position_ids[:, :prompt_len], position_ids[:, prompt_len - 1 : prompt_len] + steps], 1)
+    positions = torch.cat(
+        [position_ids[:, :prompt_len], position_ids[:, prompt_len - 1 : prompt_len] + steps], 1
+    )
     ids = torch.cat([input_ids[:prompt_len], tail])
     new_labels = torch.cat([labels[:prompt_len], tail])
     return ids, positions, new_labels

@@ -84,8 +84,9 @@ def _cell_cover(mask: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return np.asarray(img, dtype=np.float32)
 
 
-def token_targets(scene: Scene, frame_indices: list[int], grid_thw: tuple[int, int, int],
-                  merge: int = 2) -> TokenTargets:
+def token_targets(
+    scene: Scene, frame_indices: list[int], grid_thw: tuple[int, int, int], merge: int = 2
+) -> TokenTargets:
     """Targets for one media file.
 
     frame_indices: the scene frames the serving path sampled, in order (a still: [0]); padded to
@@ -153,8 +154,12 @@ class AuxHead(torch.nn.Module):
             bce(parts["cell_present"], targets.cell_present),
             bce(parts["group_present"], targets.group_present),
         ]
-        for name, classes in (("cell_shape", len(SHAPES)), ("cell_dir", len(DIRECTIONS)),
-                              ("group_shape", len(SHAPES)), ("group_dir", len(DIRECTIONS))):
+        for name, classes in (
+            ("cell_shape", len(SHAPES)),
+            ("cell_dir", len(DIRECTIONS)),
+            ("group_shape", len(SHAPES)),
+            ("group_dir", len(DIRECTIONS)),
+        ):
             target = getattr(targets, name).reshape(-1)  # [N * C]
             if bool((target != IGNORE).any()):
                 losses.append(ce(parts[name].reshape(n * NUM_COLOURS, classes), target, ignore_index=IGNORE))

@@ -50,6 +50,8 @@ class PixelCodec:
         values = pixel_values.reshape(n, 3, dim // 3) * std + mean
         codes = values.round().clamp(0, 255).to(torch.uint8).reshape(n, dim)
         if not torch.equal(self.decode(codes), pixel_values):
-            raise ValueError("these patches are not the processor's normalised uint8 pixels; "
-                             "keep them as float32 (the processor's normalisation changed?)")
+            raise ValueError(
+                "these patches are not the processor's normalised uint8 pixels; "
+                "keep them as float32 (the processor's normalisation changed?)"
+            )
         return codes

@@ -178,10 +178,17 @@ class MediaItem:
 def generate_dataset(out_dir: Path, config: TrainConfig) -> None:
     """Run `python -m epd.synth.dataset` (a subprocess: the same command a user would run)."""
     cmd = [
-        sys.executable, "-m", "epd.synth.dataset", "--out", str(out_dir),
-        "--num-train", str(config.num_train_clips),
-        "--num-validation", str(config.num_validation_clips),
-        "--num-test", str(config.num_test_clips),
+        sys.executable,
+        "-m",
+        "epd.synth.dataset",
+        "--out",
+        str(out_dir),
+        "--num-train",
+        str(config.num_train_clips),
+        "--num-validation",
+        str(config.num_validation_clips),
+        "--num-test",
+        str(config.num_test_clips),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env)
@@ -190,11 +197,15 @@ def generate_dataset(out_dir: Path, config: TrainConfig) -> None:
 def check_dataset(data_dir: Path, config: TrainConfig) -> None:
     """Refuse a --data directory built with other sizes than the config asks for."""
     info = json.loads((data_dir / "dataset_info.json").read_text())
-    want = {"train": config.num_train_clips, "validation": config.num_validation_clips,
-            "test": config.num_test_clips}
+    want = {
+        "train": config.num_train_clips,
+        "validation": config.num_validation_clips,
+        "test": config.num_test_clips,
+    }
     if info["num_videos"] != want:
-        raise ValueError(f"{data_dir} holds {info['num_videos']} clips, this run wants {want}; "
-                         "rebuild it or drop --data")
+        raise ValueError(
+            f"{data_dir} holds {info['num_videos']} clips, this run wants {want}; rebuild it or drop --data"
+        )
 
 
 def serving_sampling():
@@ -214,10 +225,17 @@ def scene_config(data_dir: Path):
 MIN_FILES_PER_PREPARE_WORKER = 50
 
 
-def load_split(data_dir: Path, split: str, adapter, progress: bool = True, with_aux: bool = False,
-               compact: bool = False, workers: int = 1, model_dir: Path | None = None,
-               min_files_per_worker: int = MIN_FILES_PER_PREPARE_WORKER,
-               ) -> tuple[list[Example], list[MediaItem]]:
+def load_split(
+    data_dir: Path,
+    split: str,
+    adapter,
+    progress: bool = True,
+    with_aux: bool = False,
+    compact: bool = False,
+    workers: int = 1,
+    model_dir: Path | None = None,
+    min_files_per_worker: int = MIN_FILES_PER_PREPARE_WORKER,
+) -> tuple[list[Example], list[MediaItem]]:
     """Decode, preprocess and tokenize every question of `split` the way the serving path does;
     with_aux: also the dense targets of every media file (remade from its scene seed); compact:
     keep the patches as uint8 (epd/train/pixel_codes.py). workers > 1 prepares contiguous parts of
@@ -244,12 +262,24 @@ def load_split(data_dir: Path, split: str, adapter, progress: bool = True, with_
     parts = [records[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
     examples: list[Example] = []
     media: list[MediaItem] = []
-    with tempfile.TemporaryDirectory(prefix="epd-prepare-") as tmp, ProcessPoolExecutor(
-            len(parts), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_prepare_part, part, data_dir, model_dir, Path(tmp) / f"{k}.pt",
-                               progress and k == 0, with_aux, compact,
-                               f"preparing {split} (part 1 of {len(parts)} in parallel)")
-                   for k, part in enumerate(parts)]
+    with (
+        tempfile.TemporaryDirectory(prefix="epd-prepare-") as tmp,
+        ProcessPoolExecutor(len(parts), mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
+        futures = [
+            pool.submit(
+                _prepare_part,
+                part,
+                data_dir,
+                model_dir,
+                Path(tmp) / f"{k}.pt",
+                progress and k == 0,
+                with_aux,
+                compact,
+                f"preparing {split} (part 1 of {len(parts)} in parallel)",
+            )
+            for k, part in enumerate(parts)
+        ]
         for future in futures:  # in order, so the split keeps the manifest's order
             part_ex, part_media = _from_plain(torch.load(future.result(), weights_only=False))
             for e in part_ex:
@@ -259,12 +289,22 @@ def load_split(data_dir: Path, split: str, adapter, progress: bool = True, with_
     return examples, media
 
 
-def _prepare_part(records: list, data_dir: Path, model_dir: Path, out: Path, progress: bool,
-                  with_aux: bool, compact: bool, desc: str) -> Path:
+def _prepare_part(
+    records: list,
+    data_dir: Path,
+    model_dir: Path,
+    out: Path,
+    progress: bool,
+    with_aux: bool,
+    compact: bool,
+    desc: str,
+) -> Path:
     """One process's part of `load_split`: prepared with its own adapter, saved to `out`."""
     torch.set_num_threads(1)
     adapter = serving_adapter(model_dir)
-    torch.save(_to_plain(_prepare_records(records, data_dir, adapter, progress, with_aux, compact, desc)), out)
+    torch.save(
+        _to_plain(_prepare_records(records, data_dir, adapter, progress, with_aux, compact, desc)), out
+    )
     return out
 
 
@@ -279,8 +319,9 @@ def _from_plain(plain: tuple[list[dict], list[dict]]) -> tuple[list[Example], li
     return [Example(**e) for e in examples], [MediaItem(**m) for m in media]
 
 
-def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, with_aux: bool,
-                     compact: bool, desc: str) -> tuple[list[Example], list[MediaItem]]:
+def _prepare_records(
+    records: list, data_dir: Path, adapter, progress: bool, with_aux: bool, compact: bool, desc: str
+) -> tuple[list[Example], list[MediaItem]]:
     from tqdm import tqdm
 
     from epd.model_runtime.adapter import VisualMeta
@@ -289,8 +330,14 @@ def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, wit
 
     sampling = serving_sampling()
     scenes = scene_config(data_dir) if with_aux else None
-    codecs = {"video": PixelCodec.of(adapter.processor.video_processor),
-              "image": PixelCodec.of(adapter.processor.image_processor)} if compact else {}
+    codecs = (
+        {
+            "video": PixelCodec.of(adapter.processor.video_processor),
+            "image": PixelCodec.of(adapter.processor.image_processor),
+        }
+        if compact
+        else {}
+    )
     media: list[MediaItem] = []
     metas: list[VisualMeta] = []
     index_of: dict[str, int] = {}
@@ -302,8 +349,13 @@ def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, wit
         if r.media not in index_of:
             video = decode(r.media_path(data_dir).read_bytes(), sampling)
             inputs = adapter.preprocess(video)
-            meta = VisualMeta(inputs.modality, inputs.grid_thw, inputs.second_per_grid_t,
-                              adapter.num_visual_tokens(inputs.grid_thw), inputs.group_timestamps_s)
+            meta = VisualMeta(
+                inputs.modality,
+                inputs.grid_thw,
+                inputs.second_per_grid_t,
+                adapter.num_visual_tokens(inputs.grid_thw),
+                inputs.group_timestamps_s,
+            )
             aux = None
             if scenes is not None:
                 if r.media_type == "video":
@@ -325,8 +377,9 @@ def _prepare_records(records: list, data_dir: Path, adapter, progress: bool, wit
     return examples, media
 
 
-def _sequence(adapter, question: str, answer: str, meta, end_ids: list[int]
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sequence(
+    adapter, question: str, answer: str, meta, end_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [L], position_ids [4, L] and labels [L] of one question and answer about a media
     file with visual layout `meta` (the serving adapter's prompt, then the answer)."""
     # The serving prompt of a question: one user message [media, question].
@@ -344,13 +397,16 @@ def _sequence(adapter, question: str, answer: str, meta, end_ids: list[int]
 def check_chat_template(adapter) -> None:
     """The supervised tokens must be what the processor's chat template writes for the answer."""
     messages = [
-        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour is the circle?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "video"}, {"type": "text", "text": "what colour is the circle?"}],
+        },
         {"role": "assistant", "content": [{"type": "text", "text": "yellow"}]},
     ]
     text = adapter.processor.apply_chat_template(messages, tokenize=False)
     prompt = adapter.processor.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
     if text != prompt + "yellow<|im_end|>\n":
-        raise AssertionError(f"chat template renders the answer turn unexpectedly: {text[len(prompt):]!r}")
+        raise AssertionError(f"chat template renders the answer turn unexpectedly: {text[len(prompt) :]!r}")
 
 
 def collate(batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[str, torch.Tensor]:
@@ -387,9 +443,13 @@ def collate(batch: list[Example], media: list[MediaItem], pad_id: int) -> dict[s
     return out
 
 
-def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pad_id: int,
-                         frozen: list[torch.Tensor] | None = None,
-                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
+def shared_vision_inputs(
+    model,
+    batch: list[Example],
+    media: list[MediaItem],
+    pad_id: int,
+    frozen: list[torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
     """Model inputs with the visual embeddings already in place, the vision tower run once per
     distinct media file of the batch (several questions share a clip).
 
@@ -414,8 +474,11 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
         per_media = dict(zip(distinct, torch.split(visual, sizes)))
         deepstack = getattr(out, "deepstack_features", None)  # Qwen3-VL only
         if deepstack:
-            inputs.update(_deepstack_inputs(batch, media, per_media, [
-                dict(zip(distinct, torch.split(d, sizes))) for d in deepstack]))
+            inputs.update(
+                _deepstack_inputs(
+                    batch, media, per_media, [dict(zip(distinct, torch.split(d, sizes))) for d in deepstack]
+                )
+            )
             return inputs, visual, distinct
     input_ids = inputs.pop("input_ids")
     embeds = model.model.get_input_embeddings()(input_ids)  # [B, L, hidden]
@@ -426,8 +489,12 @@ def shared_vision_inputs(model, batch: list[Example], media: list[MediaItem], pa
     return inputs, visual, distinct
 
 
-def _deepstack_inputs(batch: list[Example], media: list[MediaItem], per_media: dict[int, torch.Tensor],
-                     deepstack: list[dict[int, torch.Tensor]]) -> dict:
+def _deepstack_inputs(
+    batch: list[Example],
+    media: list[MediaItem],
+    per_media: dict[int, torch.Tensor],
+    deepstack: list[dict[int, torch.Tensor]],
+) -> dict:
     """Qwen3-VL's part of `shared_vision_inputs`: the tower's output and its DeepStack features
     (one per `deepstack_visual_indexes` layer, row for row with the output) given to the model as
     `mm_encoder_outputs`, one entry per question in batch order, per modality, as its own forward
@@ -439,14 +506,17 @@ def _deepstack_inputs(batch: list[Example], media: list[MediaItem], per_media: d
     for modality in ("video", "image"):
         rows = [e.media_index for e in batch if media[e.media_index].modality == modality]
         if rows:
-            out[modality] = SimpleNamespace(pooler_output=[per_media[i] for i in rows],
-                                       deepstack_features=[[d[i] for i in rows] for d in deepstack])
+            out[modality] = SimpleNamespace(
+                pooler_output=[per_media[i] for i in rows],
+                deepstack_features=[[d[i] for i in rows] for d in deepstack],
+            )
     return {"mm_encoder_outputs": out}
 
 
 @torch.no_grad()
-def evaluate(model, examples: list[Example], media: list[MediaItem], pad_id: int,
-             batch_size: int = 32) -> dict[str, tuple[int, int]]:
+def evaluate(
+    model, examples: list[Example], media: list[MediaItem], pad_id: int, batch_size: int = 32
+) -> dict[str, tuple[int, int]]:
     """{question_type: (correct, total)}: greedy exact match, teacher-forced (module docstring)."""
     model.eval()
     correct: Counter = Counter()
@@ -593,8 +663,13 @@ def _param_groups(model, aux_head: AuxHead, config: TrainConfig) -> list[dict]:
         for decay in (True, False):
             chosen = [p for p in params if (id(p) in vision) == is_vision and (p.dim() >= 2) == decay]
             if chosen:
-                groups.append({"params": chosen, "weight_decay": config.weight_decay if decay else 0.0,
-                               "lr_scale": config.vision_lr_scale if is_vision else 1.0})
+                groups.append(
+                    {
+                        "params": chosen,
+                        "weight_decay": config.weight_decay if decay else 0.0,
+                        "lr_scale": config.vision_lr_scale if is_vision else 1.0,
+                    }
+                )
     return groups
 
 
@@ -605,7 +680,9 @@ def _tower_outputs(model, media: list[MediaItem], batch_size: int = 32) -> list[
     for start in range(0, len(media), batch_size):
         chunk = media[start : start + batch_size]
         grids = torch.tensor([m.grid_thw for m in chunk], dtype=torch.long)
-        visual = model.model.visual(torch.cat([m.pixel_values() for m in chunk]), grid_thw=grids).pooler_output
+        visual = model.model.visual(
+            torch.cat([m.pixel_values() for m in chunk]), grid_thw=grids
+        ).pooler_output
         out += torch.split(visual, [int(t * h * w) // 4 for t, h, w in grids.tolist()])
     return out
 
@@ -616,13 +693,22 @@ def _coin_flips(n: int, prob: float, gen: torch.Generator) -> list[bool]:
 
 
 def mirror_media(m: MediaItem) -> MediaItem:
-    return MediaItem(m.modality, mirror_pixels(m.patches, m.grid_thw), m.grid_thw,
-                     None if m.aux is None else mirror_targets(m.aux, m.grid_thw), m.codec)
+    return MediaItem(
+        m.modality,
+        mirror_pixels(m.patches, m.grid_thw),
+        m.grid_thw,
+        None if m.aux is None else mirror_targets(m.aux, m.grid_thw),
+        m.codec,
+    )
 
 
-def step_inputs(idx: list[int], flips: list[bool], questions_of: dict[int, list[Example]],
-                media: list[MediaItem], answer_ids: dict[str, torch.Tensor]
-                ) -> tuple[list[Example], list[MediaItem]]:
+def step_inputs(
+    idx: list[int],
+    flips: list[bool],
+    questions_of: dict[int, list[Example]],
+    media: list[MediaItem],
+    answer_ids: dict[str, torch.Tensor],
+) -> tuple[list[Example], list[MediaItem]]:
     """The examples and media of one phase-2 step, renumbered 0..len(idx)-1, the flipped clips
     mirrored with their answers."""
     batch: list[Example] = []
@@ -631,30 +717,42 @@ def step_inputs(idx: list[int], flips: list[bool], questions_of: dict[int, list[
         local.append(mirror_media(media[i]) if flip else media[i])
         for e in questions_of[i]:
             if flip:
-                ids, positions, labels = mirror_sequence(e.input_ids, e.position_ids, e.labels, e.answer, answer_ids)
+                ids, positions, labels = mirror_sequence(
+                    e.input_ids, e.position_ids, e.labels, e.answer, answer_ids
+                )
                 batch.append(Example(j, ids, positions, labels, e.question_type, mirror_answer(e.answer)))
             else:
                 batch.append(Example(j, e.input_ids, e.position_ids, e.labels, e.question_type, e.answer))
     return batch, local
 
 
-def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: TrainConfig,
-                    progress: bool = True) -> list[float]:
+def pretrain_vision(
+    model, aux_head: AuxHead, media: list[MediaItem], config: TrainConfig, progress: bool = True
+) -> list[float]:
     """Phase 1: the vision tower and the auxiliary head alone, on random media files; returns the
     loss per step. The language model is untouched (its weights get no gradient)."""
     from tqdm import tqdm
 
     visual = model.model.visual
     params = list(visual.parameters()) + list(aux_head.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.vision_pretrain_lr, betas=(0.9, 0.98),
-                                  weight_decay=config.weight_decay)
-    phase = TrainConfig(steps=config.vision_pretrain_steps, lr=config.vision_pretrain_lr,
-                        warmup_steps=min(config.warmup_steps, max(1, config.vision_pretrain_steps // 10)),
-                        min_lr_ratio=config.min_lr_ratio)
+    optimizer = torch.optim.AdamW(
+        params, lr=config.vision_pretrain_lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
+    )
+    phase = TrainConfig(
+        steps=config.vision_pretrain_steps,
+        lr=config.vision_pretrain_lr,
+        warmup_steps=min(config.warmup_steps, max(1, config.vision_pretrain_steps // 10)),
+        min_lr_ratio=config.min_lr_ratio,
+    )
     gen = torch.Generator().manual_seed(config.seed + 1)
     losses: list[float] = []
-    bar = tqdm(range(config.vision_pretrain_steps), desc="vision pretraining", unit="step",
-               disable=not progress, mininterval=2)
+    bar = tqdm(
+        range(config.vision_pretrain_steps),
+        desc="vision pretraining",
+        unit="step",
+        disable=not progress,
+        mininterval=2,
+    )
     for step in bar:
         idx = torch.randint(len(media), (config.vision_pretrain_clips,), generator=gen).tolist()
         flips = _coin_flips(len(idx), config.mirror_prob, gen)
@@ -673,8 +771,14 @@ def pretrain_vision(model, aux_head: AuxHead, media: list[MediaItem], config: Tr
     return losses
 
 
-def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, progress: bool = True,
-          prepared_cache: Path | None = None) -> dict:
+def train(
+    config: TrainConfig,
+    data_dir: Path,
+    out_dir: Path,
+    command: str,
+    progress: bool = True,
+    prepared_cache: Path | None = None,
+) -> dict:
     """Train, save under `out_dir`, return the training log (also written as training_log.json).
     prepared_cache: a file to keep the decoded and tokenized splits in between runs (it is
     reused only if the dataset, tokenizer and model sizes match)."""
@@ -696,27 +800,49 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         adapter = serving_adapter(Path(init_dir))
         check_chat_template(adapter)
         t0 = time.perf_counter()
-        key = json.dumps({"data": (data_dir / "dataset_info.json").read_text(),
-                          # what the tokenizer and the processor are made from (not the model's sizes)
-                          "spec": {k: getattr(spec, k) for k in ("family", "vocab_size", "min_pixels",
-                                                                 "max_pixels", "extra_words")},
-                          "aux": config.aux_weight > 0, "layout": "uint8 patches"},
-                         sort_keys=True, default=str)
+        key = json.dumps(
+            {
+                "data": (data_dir / "dataset_info.json").read_text(),
+                # what the tokenizer and the processor are made from (not the model's sizes)
+                "spec": {
+                    k: getattr(spec, k)
+                    for k in ("family", "vocab_size", "min_pixels", "max_pixels", "extra_words")
+                },
+                "aux": config.aux_weight > 0,
+                "layout": "uint8 patches",
+            },
+            sort_keys=True,
+            default=str,
+        )
         cached = _load_prepared(prepared_cache, key)
         if cached is None:
             cached = {
-                split: load_split(data_dir, split, adapter, progress, with_aux=split == "train" and config.aux_weight > 0,
-                                  compact=True, workers=config.prepare_workers, model_dir=Path(init_dir))
+                split: load_split(
+                    data_dir,
+                    split,
+                    adapter,
+                    progress,
+                    with_aux=split == "train" and config.aux_weight > 0,
+                    compact=True,
+                    workers=config.prepare_workers,
+                    model_dir=Path(init_dir),
+                )
                 for split in ("train", "validation", "test")
             }
             if prepared_cache is not None:
                 _save_prepared(prepared_cache, key, cached)
         (train_ex, train_media), (val_ex, val_media), (test_ex, test_media) = (
-            cached["train"], cached["validation"], cached["test"])
+            cached["train"],
+            cached["validation"],
+            cached["test"],
+        )
         prepare_s = time.perf_counter() - t0
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"{num_params / 1e6:.2f} M parameters; {len(train_ex)} train, {len(val_ex)} validation, "
-          f"{len(test_ex)} test questions (prepared in {prepare_s:.0f} s)", file=sys.stderr)
+    print(
+        f"{num_params / 1e6:.2f} M parameters; {len(train_ex)} train, {len(val_ex)} validation, "
+        f"{len(test_ex)} test questions (prepared in {prepare_s:.0f} s)",
+        file=sys.stderr,
+    )
 
     aux_head = AuxHead(model.config.text_config.hidden_size)  # trained alongside, never saved
     t_pre = time.perf_counter()
@@ -792,10 +918,14 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     curve = out_dir / "loss_curve.png"
     line_plot(
         curve,
-        [Series("loss per step", list(range(1, len(losses) + 1)), losses),
-         Series("mean of 100 steps", list(range(1, len(losses) + 1)), smooth(losses, 100))],
+        [
+            Series("loss per step", list(range(1, len(losses) + 1)), losses),
+            Series("mean of 100 steps", list(range(1, len(losses) + 1)), smooth(losses, 100)),
+        ],
         title=f"epd-tiny-videoqa training loss (seed {config.seed}, {config.clips_per_step} clips a step)",
-        xlabel="step", ylabel="loss", log_y=True,
+        xlabel="step",
+        ylabel="loss",
+        log_y=True,
     )
     log = {
         "config": asdict(config),
@@ -817,28 +947,43 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
     card = {
         "name": "epd-tiny-videoqa" if config.family == "qwen2_vl" else f"epd-tiny-videoqa-{config.family}",
         "built_by": "epd.train.train_default_model",
-        "note": (f"a tiny {_FAMILY_NAMES[config.family]} trained from scratch on epd's synthetic video-QA "
-                 "data (synth/); it answers questions about coloured shapes in short clips with one word"),
+        "note": (
+            f"a tiny {_FAMILY_NAMES[config.family]} trained from scratch on epd's synthetic video-QA "
+            "data (synth/); it answers questions about coloured shapes in short clips with one word"
+        ),
         "command": command,
         "seed": config.seed,
         "num_threads": config.num_threads,
         "num_parameters": num_params,
-        "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(model_spec(config)).items()
-                 if k != "extra_words"},
+        "spec": {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(model_spec(config)).items()
+            if k != "extra_words"
+        },
         "data": {
             "generator": "python -m epd.synth.dataset",
-            "num_clips": {"train": config.num_train_clips, "validation": config.num_validation_clips,
-                          "test": config.num_test_clips},
+            "num_clips": {
+                "train": config.num_train_clips,
+                "validation": config.num_validation_clips,
+                "test": config.num_test_clips,
+            },
             "num_media": log["num_media"],
             "num_questions": log["num_questions"],
             "sampling": {"fps": serving_sampling().fps, "max_frames": serving_sampling().max_frames},
         },
-        "training": {"steps": config.steps, "clips_per_step": config.clips_per_step, "lr": config.lr,
-                     "aux_weight": config.aux_weight, "vision_pretrain_steps": config.vision_pretrain_steps,
-                     "vision_lr_scale": config.vision_lr_scale, "mirror_prob": config.mirror_prob,
-                     "vision_pretrain_s": round(pretrain_s, 1),
-                     "num_questions_seen": log["num_questions_seen"],
-                     "train_s": log["train_s"], "seconds_per_step": log["seconds_per_step"]},
+        "training": {
+            "steps": config.steps,
+            "clips_per_step": config.clips_per_step,
+            "lr": config.lr,
+            "aux_weight": config.aux_weight,
+            "vision_pretrain_steps": config.vision_pretrain_steps,
+            "vision_lr_scale": config.vision_lr_scale,
+            "mirror_prob": config.mirror_prob,
+            "vision_pretrain_s": round(pretrain_s, 1),
+            "num_questions_seen": log["num_questions_seen"],
+            "train_s": log["train_s"],
+            "seconds_per_step": log["seconds_per_step"],
+        },
         "accuracy": {
             "metric": "greedy exact match of the one-word answer",
             "validation": overall(evals[-1]["validation"]),
@@ -848,40 +993,77 @@ def train(config: TrainConfig, data_dir: Path, out_dir: Path, command: str, prog
         },
     }
     (out_dir / "epd_model_card.json").write_text(json.dumps(card, indent=2) + "\n")
-    print(f"saved {out_dir} ({sum(f.stat().st_size for f in out_dir.iterdir()) / 1e6:.1f} MB); "
-          f"loss curve {curve}", file=sys.stderr)
+    print(
+        f"saved {out_dir} ({sum(f.stat().st_size for f in out_dir.iterdir()) / 1e6:.1f} MB); "
+        f"loss curve {curve}",
+        file=sys.stderr,
+    )
     return log
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m epd.train.train_default_model", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="", help=f"directory to save the model into (default for qwen2_vl: "
-                   f"{DEFAULT_OUT}; other families must name one)")
-    p.add_argument("--family", default=d.family, choices=TRAINABLE_FAMILIES,
-                   help="model family to build and train (qwen3_vl: a Qwen3-VL of the same sizes)")
-    p.add_argument("--data", default="", help="a dataset built by epd.synth.dataset with the same sizes "
-                   "(default: build one in a temporary directory)")
+    p = argparse.ArgumentParser(
+        prog="python -m epd.train.train_default_model", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--out",
+        default="",
+        help=f"directory to save the model into (default for qwen2_vl: "
+        f"{DEFAULT_OUT}; other families must name one)",
+    )
+    p.add_argument(
+        "--family",
+        default=d.family,
+        choices=TRAINABLE_FAMILIES,
+        help="model family to build and train (qwen3_vl: a Qwen3-VL of the same sizes)",
+    )
+    p.add_argument(
+        "--data",
+        default="",
+        help="a dataset built by epd.synth.dataset with the same sizes "
+        "(default: build one in a temporary directory)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--clips-per-step", type=int, default=d.clips_per_step)
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--aux-weight", type=float, default=d.aux_weight,
-                   help="weight of the dense vision-token loss (0: answers only)")
-    p.add_argument("--vision-pretrain-steps", type=int, default=d.vision_pretrain_steps,
-                   help="phase 1: steps on the vision tower + auxiliary head alone")
+    p.add_argument(
+        "--aux-weight",
+        type=float,
+        default=d.aux_weight,
+        help="weight of the dense vision-token loss (0: answers only)",
+    )
+    p.add_argument(
+        "--vision-pretrain-steps",
+        type=int,
+        default=d.vision_pretrain_steps,
+        help="phase 1: steps on the vision tower + auxiliary head alone",
+    )
     p.add_argument("--vision-pretrain-lr", type=float, default=d.vision_pretrain_lr)
-    p.add_argument("--vision-lr-scale", type=float, default=d.vision_lr_scale,
-                   help="phase 2 trains the vision tower at this fraction of --lr")
+    p.add_argument(
+        "--vision-lr-scale",
+        type=float,
+        default=d.vision_lr_scale,
+        help="phase 2 trains the vision tower at this fraction of --lr",
+    )
     p.add_argument("--num-train", type=int, default=d.num_train_clips, help="training clips")
     p.add_argument("--num-validation", type=int, default=d.num_validation_clips, help="validation clips")
     p.add_argument("--num-test", type=int, default=d.num_test_clips, help="test clips")
-    p.add_argument("--mirror-prob", type=float, default=d.mirror_prob,
-                   help="chance a training clip is mirrored left-right in a step")
+    p.add_argument(
+        "--mirror-prob",
+        type=float,
+        default=d.mirror_prob,
+        help="chance a training clip is mirrored left-right in a step",
+    )
     p.add_argument("--eval-every", type=int, default=d.eval_every_steps, help="steps between validations")
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
-    p.add_argument("--prepare-workers", type=int, default=d.prepare_workers,
-                   help="processes that prepare the inputs before training")
+    p.add_argument(
+        "--prepare-workers",
+        type=int,
+        default=d.prepare_workers,
+        help="processes that prepare the inputs before training",
+    )
     s = ModelSize()
     p.add_argument("--hidden-size", type=int, default=s.hidden_size)
     p.add_argument("--intermediate-size", type=int, default=s.intermediate_size)
@@ -893,23 +1075,48 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--weight-std", type=float, default=s.weight_std)
     p.add_argument("--heads", type=int, default=s.num_attention_heads)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--prepared-cache", default="", help="file that keeps the prepared splits between "
-                   "runs on the same --data (skips ~3 minutes of decoding)")
+    p.add_argument(
+        "--prepared-cache",
+        default="",
+        help="file that keeps the prepared splits between "
+        "runs on the same --data (skips ~3 minutes of decoding)",
+    )
     a = p.parse_args(argv)
-    size = ModelSize(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                     num_hidden_layers=a.layers, vision_depth=a.vision_depth,
-                     vision_embed_dim=a.vision_dim, vision_num_heads=a.vision_heads, init=a.init, weight_std=a.weight_std,
-                     num_attention_heads=a.heads)
+    size = ModelSize(
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.layers,
+        vision_depth=a.vision_depth,
+        vision_embed_dim=a.vision_dim,
+        vision_num_heads=a.vision_heads,
+        init=a.init,
+        weight_std=a.weight_std,
+        num_attention_heads=a.heads,
+    )
     if not a.out:
         if a.family != "qwen2_vl":
-            p.error(f"--family {a.family} needs --out (the default directory holds the shipped Qwen2-VL model)")
+            p.error(
+                f"--family {a.family} needs --out (the default directory holds the shipped Qwen2-VL model)"
+            )
         a.out = str(DEFAULT_OUT)
     config = TrainConfig(
-        family=a.family, seed=a.seed, steps=a.steps, clips_per_step=a.clips_per_step, lr=a.lr, aux_weight=a.aux_weight,
-        vision_pretrain_steps=a.vision_pretrain_steps, vision_pretrain_lr=a.vision_pretrain_lr,
-        vision_lr_scale=a.vision_lr_scale, mirror_prob=a.mirror_prob, num_train_clips=a.num_train,
-        num_validation_clips=a.num_validation, num_test_clips=a.num_test,
-        eval_every_steps=a.eval_every, num_threads=a.threads, prepare_workers=a.prepare_workers, size=size,
+        family=a.family,
+        seed=a.seed,
+        steps=a.steps,
+        clips_per_step=a.clips_per_step,
+        lr=a.lr,
+        aux_weight=a.aux_weight,
+        vision_pretrain_steps=a.vision_pretrain_steps,
+        vision_pretrain_lr=a.vision_pretrain_lr,
+        vision_lr_scale=a.vision_lr_scale,
+        mirror_prob=a.mirror_prob,
+        num_train_clips=a.num_train,
+        num_validation_clips=a.num_validation,
+        num_test_clips=a.num_test,
+        eval_every_steps=a.eval_every,
+        num_threads=a.threads,
+        prepare_workers=a.prepare_workers,
+        size=size,
         warmup_steps=min(d.warmup_steps, max(1, a.steps // 10)),
     )
     return config, a
@@ -918,7 +1125,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
 def main(argv: list[str] | None = None) -> int:
     config, a = parse_args(argv)
     command = "PYTHONPATH=. python -m epd.train.train_default_model " + " ".join(
-        sys.argv[1:] if argv is None else argv)
+        sys.argv[1:] if argv is None else argv
+    )
     tmp = None
     if a.data:
         data_dir = Path(a.data)
@@ -928,8 +1136,14 @@ def main(argv: list[str] | None = None) -> int:
         data_dir = Path(tmp)
         generate_dataset(data_dir, config)
     try:
-        train(config, data_dir, Path(a.out), command.strip(), progress=not a.no_progress,
-              prepared_cache=Path(a.prepared_cache) if a.prepared_cache else None)
+        train(
+            config,
+            data_dir,
+            Path(a.out),
+            command.strip(),
+            progress=not a.no_progress,
+            prepared_cache=Path(a.prepared_cache) if a.prepared_cache else None,
+        )
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

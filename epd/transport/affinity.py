@@ -239,7 +239,9 @@ class ReplicaChooser:
             first = [r for r in ranked if r in up]
             if len(first) > 1:
                 bound = min(self.load(r) for r in first) + self.max_excess_load
-                first = [r for r in first if self.load(r) <= bound] + [r for r in first if self.load(r) > bound]
+                first = [r for r in first if self.load(r) <= bound] + [
+                    r for r in first if self.load(r) > bound
+                ]
             return first + [r for r in ranked if r not in up]
         if not healthy:  # all believed down: in turn over all of them, a stale belief costs a try
             return self._in_turn(self.replicas)

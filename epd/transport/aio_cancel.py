@@ -129,8 +129,10 @@ def shield_grpc_batches() -> bool:
 
     original: BatchRunner | None = getattr(cygrpc, "execute_batch", None)
     if original is None:
-        log.warning("grpcio %s has no execute_batch: cancelled calls may leak native memory (grpc/grpc#43360)",
-                    grpc.__version__)
+        log.warning(
+            "grpcio %s has no execute_batch: cancelled calls may leak native memory (grpc/grpc#43360)",
+            grpc.__version__,
+        )
         return False
     if getattr(original, "_epd_shielded", False):
         return True

@@ -41,7 +41,9 @@ def key_matches(token: str, api_key: str) -> bool:
     """Constant-time comparison of any two strings. Compared as UTF-8 bytes: `compare_digest`
     refuses non-ASCII str, and aiohttp hands header bytes that are not UTF-8 over as lone
     surrogates, which "surrogatepass" encodes instead of raising."""
-    return hmac.compare_digest(token.encode("utf-8", "surrogatepass"), api_key.encode("utf-8", "surrogatepass"))
+    return hmac.compare_digest(
+        token.encode("utf-8", "surrogatepass"), api_key.encode("utf-8", "surrogatepass")
+    )
 
 
 def any_key_matches(token: str, api_keys: Sequence[str]) -> bool:
@@ -127,7 +129,9 @@ async def _deny(request_or_iterator, context, message: str) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler, message: str = MISSING_KEY_MESSAGE) -> grpc.RpcMethodHandler:
+def _denying_handler(
+    handler: grpc.RpcMethodHandler, message: str = MISSING_KEY_MESSAGE
+) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call before reading it."""
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -166,7 +170,10 @@ def tenant_cache_salt(key_salt: str, request_salt: str) -> str:
     so a caller can split its own key's tenant further but never name another key's tenant."""
     if not key_salt or not request_salt:
         return key_salt or request_salt
-    return "key+req-" + hashlib.sha256(f"{key_salt}\0{request_salt}".encode("utf-8", "surrogatepass")).hexdigest()
+    return (
+        "key+req-"
+        + hashlib.sha256(f"{key_salt}\0{request_salt}".encode("utf-8", "surrogatepass")).hexdigest()
+    )
 
 
 def request_cache_salt(keys_required: bool, presented_key: str, request_salt: str, secret: str = "") -> str:

@@ -21,7 +21,9 @@ MAX_IDLE_CHANNELS = 64
 
 
 class ChannelCache:
-    def __init__(self, open_channel: Callable[[str], grpc.aio.Channel], max_idle: int = MAX_IDLE_CHANNELS) -> None:
+    def __init__(
+        self, open_channel: Callable[[str], grpc.aio.Channel], max_idle: int = MAX_IDLE_CHANNELS
+    ) -> None:
         self.open_channel = open_channel
         self.max_idle = max_idle
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()  # least recently used first

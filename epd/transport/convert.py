@@ -78,7 +78,9 @@ def sampling_from_proto(
         raise MediaError(f"fps {msg.fps:g} and num_frames {msg.num_frames}: {ONE_FRAME_CHOICE}")
     for name in ("fps", "max_frames", "min_frames", "num_frames", "max_pixels", "start_time_s", "end_time_s"):
         if getattr(msg, name) < 0:  # the HTTP API's words for the same value (its 400 names the field)
-            raise MediaError(f"{name} must not be negative (0: the server's default), got {getattr(msg, name):g}")
+            raise MediaError(
+                f"{name} must not be negative (0: the server's default), got {getattr(msg, name):g}"
+            )
     if msg.fps > MAX_SAMPLING_FPS:
         raise MediaError(f"fps must be at most {MAX_SAMPLING_FPS:g}, got {msg.fps:g}")
     opts = replace(
@@ -113,8 +115,14 @@ TOP_K_OFF = -1
 def generation_from_proto(msg: common_pb2.GenerationParams, defaults: GenerationConfig) -> GenerationConfig:
     """The wire's generation settings; their ranges are checked by `GenerationConfig.validate`
     (where each is used), NaN and infinities here."""
-    require_finite(temperature=msg.temperature, top_p=msg.top_p, repetition_penalty=msg.repetition_penalty,
-                   presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty, min_p=msg.min_p)
+    require_finite(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        min_p=msg.min_p,
+    )
     require_finite(**{f"logit_bias[{token}]": bias for token, bias in msg.logit_bias.items()})
     for name in ("max_new_tokens", "temperature", "top_p"):
         if getattr(msg, name) < 0:
@@ -150,7 +158,11 @@ def generation_to_proto(cfg: GenerationConfig) -> common_pb2.GenerationParams:
 
 def event_to_proto(event: StageEvent, at_ms: float) -> common_pb2.StageEvent:
     return common_pb2.StageEvent(
-        stage=event.stage, state=event.state, at_ms=at_ms, duration_ms=event.duration_ms, details=event.details
+        stage=event.stage,
+        state=event.state,
+        at_ms=at_ms,
+        duration_ms=event.duration_ms,
+        details=event.details,
     )
 
 
@@ -281,8 +293,15 @@ def token_step_from_proto(msg: decode_pb2.GenerateResponse) -> TokenStep:
     evict = None
     if msg.HasField("decode_evict"):
         evict = (int(msg.decode_evict.num_visual_tokens_in), int(msg.decode_evict.num_visual_tokens_out))
-    return TokenStep(list(msg.token_ids), msg.text, msg.finish_reason, msg.kv_transfer_ms, msg.kv_num_bytes,
-                     decode_evict=evict, stop_reason=stop_reason_from_proto(msg))
+    return TokenStep(
+        list(msg.token_ids),
+        msg.text,
+        msg.finish_reason,
+        msg.kv_transfer_ms,
+        msg.kv_num_bytes,
+        decode_evict=evict,
+        stop_reason=stop_reason_from_proto(msg),
+    )
 
 
 def pruning_from_proto(msg: common_pb2.PruningOptions) -> PruningConfig:

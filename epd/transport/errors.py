@@ -102,6 +102,7 @@ GRPC_MESSAGE_TOO_LARGE = "message larger than max"
 """In the RESOURCE_EXHAUSTED that gRPC raises itself for a message over a channel's limit ("Sent
 message larger than max (5339167 vs. 4194304)"): gRPC's text, never one of our services'."""
 
+
 def replica_lost(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed try says its replica is gone (not the request's own failure): UNAVAILABLE,
     or gRPC's INTERNAL for a send on a broken connection."""
@@ -120,14 +121,23 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> Upstr
     what = _SANITISED.get(code)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and GRPC_MESSAGE_TOO_LARGE in (exc.details() or ""):
         log.warning("request %s: %s stage -> %s: %s", request_id, stage, code.name, exc.details())
-        return UpstreamError(code, f"the request is larger than the {stage} stage takes in one message "
-                                   f"({MAX_MESSAGE_BYTES >> 20} MiB of conversation text and settings); send a "
-                                   f"shorter conversation (request id {request_id})")
+        return UpstreamError(
+            code,
+            f"the request is larger than the {stage} stage takes in one message "
+            f"({MAX_MESSAGE_BYTES >> 20} MiB of conversation text and settings); send a "
+            f"shorter conversation (request id {request_id})",
+        )
     if what is None or _replica_stays(exc):
-        return UpstreamError(code, exc.details() or f"{stage} stage failed (request id {request_id})",
-                             retry_after_of(exc))
+        return UpstreamError(
+            code, exc.details() or f"{stage} stage failed (request id {request_id})", retry_after_of(exc)
+        )
     log.warning(
-        "request %s: %s stage -> %s: %s | %s", request_id, stage, code.name, exc.details(), exc.debug_error_string()
+        "request %s: %s stage -> %s: %s | %s",
+        request_id,
+        stage,
+        code.name,
+        exc.details(),
+        exc.debug_error_string(),
     )
     return UpstreamError(code, f"{stage} stage {what} (request id {request_id})")
 
@@ -148,7 +158,8 @@ def failed_after_retry(err: UpstreamError, stage: str) -> UpstreamError:
     """`err` of a try that came after another replica of `stage` had failed (before any answer):
     says so, since e.g. a KV cache the first replica took may be gone for the second."""
     return UpstreamError(
-        err.code, f"{err} (after a {stage} replica failed before answering and the request was retried)",
+        err.code,
+        f"{err} (after a {stage} replica failed before answering and the request was retried)",
         err.retry_after_s,
     )
 

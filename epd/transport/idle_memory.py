@@ -69,8 +69,11 @@ def allocator_release() -> Callable[[], None] | None:
     return None
 
 
-async def release_when_idle(release: Callable[[], None] | None = None, tick_s: float = TICK_S,
-                            cpu_s: Callable[[], float] = time.process_time) -> None:
+async def release_when_idle(
+    release: Callable[[], None] | None = None,
+    tick_s: float = TICK_S,
+    cpu_s: Callable[[], float] = time.process_time,
+) -> None:
     """Until cancelled: every `tick_s`, release free memory if the process just went idle."""
     release = release or allocator_release()
     if release is None:

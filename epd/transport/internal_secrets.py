@@ -93,8 +93,11 @@ class InternalSecrets:
             return
         if secrets != self._secrets:
             # WARNING, the default level: who presents and accepts what belongs in every log.
-            log.warning("--internal-secret-file %s changed: now presenting its first line, accepting its %d",
-                        self.path, len(secrets))
+            log.warning(
+                "--internal-secret-file %s changed: now presenting its first line, accepting its %d",
+                self.path,
+                len(secrets),
+            )
         self._secrets = secrets
 
 

@@ -33,8 +33,10 @@ def template_to_proto(options: ChatTemplateOptions) -> messages_pb2.ChatTemplate
     """None for the defaults (the field stays unset: a new answer)."""
     if options == ChatTemplateOptions():
         return None
-    return messages_pb2.ChatTemplateOptions(add_generation_prompt=options.add_generation_prompt,
-                                            continue_final_message=options.continue_final_message)
+    return messages_pb2.ChatTemplateOptions(
+        add_generation_prompt=options.add_generation_prompt,
+        continue_final_message=options.continue_final_message,
+    )
 
 
 def template_from_proto(msg: messages_pb2.ChatTemplateOptions) -> ChatTemplateOptions:

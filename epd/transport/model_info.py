@@ -43,7 +43,9 @@ async def fetch_model_info(channel: grpc.aio.Channel, timeout_s: float) -> Model
     """The model info of the prefill replica behind `channel`; raises grpc.aio.AioRpcError when it
     does not answer within `timeout_s` (down, still loading its model, or too old to serve it)."""
     stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-    return model_info_from_proto(await stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=timeout_s))
+    return model_info_from_proto(
+        await stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=timeout_s)
+    )
 
 
 def tokenize_request_to_proto(request: TokenizeInput, request_id: str) -> prefill_pb2.TokenizeRequest:

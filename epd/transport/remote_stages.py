@@ -125,7 +125,9 @@ class ReplicaPool:
         max_excess_load: int = MAX_EXCESS_LOAD,
         server_names: Mapping[str, str] | None = None,
     ) -> None:
-        self.chooser = ReplicaChooser(addresses, failure_hold_s, routing=routing, max_excess_load=max_excess_load)
+        self.chooser = ReplicaChooser(
+            addresses, failure_hold_s, routing=routing, max_excess_load=max_excess_load
+        )
         self.attempt_timeout_s = attempt_timeout_s
         """Longest one try may take before the next replica is tried (0: the whole deadline)."""
         self._server_names = dict(server_names or {})
@@ -213,11 +215,19 @@ class ReplicaPool:
 
     def nothing_to_call(self, stage: str, request_id: str) -> UpstreamError:
         """The error of a call made while every entry of the pool is a name not resolved yet."""
-        log.warning("request %s: no %s replica to call: %s not resolved yet", request_id, stage,
-                    ", ".join(self.chooser.replicas))
-        return UpstreamError(grpc.StatusCode.UNAVAILABLE, f"{stage} stage unavailable (request id {request_id})")
+        log.warning(
+            "request %s: no %s replica to call: %s not resolved yet",
+            request_id,
+            stage,
+            ", ".join(self.chooser.replicas),
+        )
+        return UpstreamError(
+            grpc.StatusCode.UNAVAILABLE, f"{stage} stage unavailable (request id {request_id})"
+        )
 
-    def still_listed(self, tries: Sequence[tuple[str, grpc.aio.Channel]]) -> list[tuple[str, grpc.aio.Channel]]:
+    def still_listed(
+        self, tries: Sequence[tuple[str, grpc.aio.Channel]]
+    ) -> list[tuple[str, grpc.aio.Channel]]:
         """Those of a call's `tries` still in the replica list, each with its current channel. A
         replica removed since the call began (a reloaded replica file) gets no retry: its channel
         closes once its last call ends, and a call made on a closed channel crashed the gateway
@@ -268,10 +278,19 @@ class ReplicaPool:
                 # grpc.aio cancelled the call itself: its request stream could not be written
                 # (epd.transport.aio_cancel). A failure of this call, not a gone client.
                 late = loop.time() - started >= timeout_s
-                log.warning("request %s: gRPC cancelled the %s call to %s while sending its request%s",
-                            request_id, stage, address, " (past its deadline)" if late else "")
+                log.warning(
+                    "request %s: gRPC cancelled the %s call to %s while sending its request%s",
+                    request_id,
+                    stage,
+                    address,
+                    " (past its deadline)" if late else "",
+                )
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.INTERNAL
-                what = "timed out before its request was sent" if late else "call failed while sending its request"
+                what = (
+                    "timed out before its request was sent"
+                    if late
+                    else "call failed while sending its request"
+                )
                 raise UpstreamError(code, f"{stage} stage {what} (request id {request_id})") from None
             except grpc.aio.AioRpcError as exc:
                 hung = (
@@ -285,11 +304,22 @@ class ReplicaPool:
                 what = f"did not answer in {timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
                 tries = self.still_listed(tries)  # the list may have changed during the try
                 if not tries or end_at - loop.time() <= 0:
-                    log.warning("%s replica %s %s for request %s; no replica left to try",
-                                stage, address, what, request_id)
+                    log.warning(
+                        "%s replica %s %s for request %s; no replica left to try",
+                        stage,
+                        address,
+                        what,
+                        request_id,
+                    )
                     raise stage_error(exc, stage, request_id) from None
-                log.warning("%s replica %s %s for request %s; trying %s",
-                            stage, address, what, request_id, tries[0][0])
+                log.warning(
+                    "%s replica %s %s for request %s; trying %s",
+                    stage,
+                    address,
+                    what,
+                    request_id,
+                    tries[0][0],
+                )
             finally:
                 self.end(address)
         raise AssertionError("unreachable: a pool has at least one replica")
@@ -395,10 +425,14 @@ def _released_after_cancel(request_id: str) -> Callable[[asyncio.Future], None]:
         if release.cancelled():
             return
         if (exc := release.exception()) is not None:
-            log.warning("request %s: releasing the KV cache of its cancelled prefill call failed: %s", request_id, exc)
+            log.warning(
+                "request %s: releasing the KV cache of its cancelled prefill call failed: %s", request_id, exc
+            )
         elif release.result().released:
-            log.info("released the KV cache of request %s: its prefill call was cancelled as it was answered",
-                     request_id)
+            log.info(
+                "released the KV cache of request %s: its prefill call was cancelled as it was answered",
+                request_id,
+            )
 
     return done
 
@@ -441,7 +475,8 @@ class RemotePrefillStage(PrefillStage):
                 header=prefill_pb2.PrefillHeader(
                     request_id=request_id,
                     messages=convert.messages_to_proto(messages),
-                    visual=None if media is None else convert.encode_result_to_proto(media),  # unset: text alone
+                    # unset: text alone
+                    visual=None if media is None else convert.encode_result_to_proto(media),
                     generation=convert.generation_to_proto(generation),
                     pruning=convert.pruning_to_proto(pruning),
                     cache_salt=cache_salt,
@@ -459,8 +494,12 @@ class RemotePrefillStage(PrefillStage):
             try:
                 return await stub.Prefill(requests(), timeout=timeout_s)
             except asyncio.CancelledError:
-                release = asyncio.ensure_future(stub.ReleaseKv(
-                    prefill_pb2.ReleaseKvRequest(kv_handle=kv_handle, request_id=request_id), timeout=self.timeout_s))
+                release = asyncio.ensure_future(
+                    stub.ReleaseKv(
+                        prefill_pb2.ReleaseKvRequest(kv_handle=kv_handle, request_id=request_id),
+                        timeout=self.timeout_s,
+                    )
+                )
                 _cancelled_releases.add(release)
                 release.add_done_callback(_released_after_cancel(request_id))
                 raise
@@ -566,16 +605,25 @@ class RemoteDecodeStage(DecodeStage):
                     first = await within(stream.__anext__(), first_timeout_s)  # keeps a cancel
                 except asyncio.TimeoutError:
                     if first_timeout_s >= remaining:  # the call's own deadline, not a hang
-                        raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                            f"decode stage did not answer in time (request id {request_id})") from None
+                        raise UpstreamError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"decode stage did not answer in time (request id {request_id})",
+                        ) from None
                     self.pool.mark_failed(address, hung=True)
                     failed.append(f"{address}: no first token in {first_timeout_s:.1f} s")
                     tries = self.pool.still_listed(tries)  # the list may have changed during the try
                     if not tries:
-                        raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                            f"decode stage did not answer in time (request id {request_id})") from None
-                    log.warning("decode replica %s gave no first token in %.1f s for request %s; trying %s",
-                                address, first_timeout_s, request_id, tries[0][0])
+                        raise UpstreamError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"decode stage did not answer in time (request id {request_id})",
+                        ) from None
+                    log.warning(
+                        "decode replica %s gave no first token in %.1f s for request %s; trying %s",
+                        address,
+                        first_timeout_s,
+                        request_id,
+                        tries[0][0],
+                    )
                     continue
                 except StopAsyncIteration:
                     return
@@ -591,8 +639,14 @@ class RemoteDecodeStage(DecodeStage):
                 code = exc.code()
                 if num_tokens or not replica_lost(exc):
                     if num_tokens and code in BROKEN_STREAM_CODES:
-                        log.warning("request %s: decode replica %s failed after %d tokens: %s %s",
-                                    request_id, address, num_tokens, code.name, exc.details())
+                        log.warning(
+                            "request %s: decode replica %s failed after %d tokens: %s %s",
+                            request_id,
+                            address,
+                            num_tokens,
+                            code.name,
+                            exc.details(),
+                        )
                         raise broken_stream("decode", num_tokens, request_id) from None
                     if not num_tokens and code == grpc.StatusCode.ABORTED:  # its prefill replica is gone
                         raise KvSourceLost(exc.details() or "the request's KV cache was lost") from None
@@ -600,11 +654,22 @@ class RemoteDecodeStage(DecodeStage):
                     if not num_tokens and retry_after_of(exc) is not None and tries:
                         # Full (`Busy`, its KV memory and wait queue): it took nothing, pulled no
                         # cache and stays healthy; a sibling may have room.
-                        log.info("decode replica %s is full for request %s; trying %s", address, request_id, tries[0][0])
+                        log.info(
+                            "decode replica %s is full for request %s; trying %s",
+                            address,
+                            request_id,
+                            tries[0][0],
+                        )
                         continue
                     if failed:
-                        log.warning("request %s: decode retried after %s; then %s: %s %s",
-                                    request_id, "; ".join(failed), address, code.name, exc.details())
+                        log.warning(
+                            "request %s: decode retried after %s; then %s: %s %s",
+                            request_id,
+                            "; ".join(failed),
+                            address,
+                            code.name,
+                            exc.details(),
+                        )
                         raise failed_after_retry(stage_error(exc, "decode", request_id), "decode") from None
                     raise stage_error(exc, "decode", request_id) from None
                 self.pool.mark_failed(address)
@@ -612,20 +677,27 @@ class RemoteDecodeStage(DecodeStage):
                 tries = self.pool.still_listed(tries)
                 if not tries or end_at - time.monotonic() <= 0:
                     raise stage_error(exc, "decode", request_id) from None
-                log.warning("decode replica %s unavailable before the first token of request %s (%s); trying %s",
-                            address, request_id, exc.details(), tries[0][0])
+                log.warning(
+                    "decode replica %s unavailable before the first token of request %s (%s); trying %s",
+                    address,
+                    request_id,
+                    exc.details(),
+                    tries[0][0],
+                )
             finally:
                 call.cancel()  # no-op once it ended; stops the replica when the consumer went away
                 self.pool.end(address)
 
 
-BROKEN_STREAM_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.CANCELLED,
-})
+BROKEN_STREAM_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 """How a decode replica that died (or was stopped) mid-answer ends its stream; after the first token
 these become ABORTED (`broken_stream`): the answer is incomplete and only the whole request can be
 retried. Other codes (the deadline, the request's own errors) pass on as they are."""

@@ -44,9 +44,13 @@ def check_files(security: TransportSecurity) -> None:
         read_pem(security.tls_cert, "--tls-cert")
         read_pem(security.tls_key, "--tls-key")
         try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(security.tls_cert, security.tls_key)
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                security.tls_cert, security.tls_key
+            )
         except (ssl.SSLError, OSError) as exc:
-            raise ValueError(f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})") from None
+            raise ValueError(
+                f"--tls-cert/--tls-key: not a certificate and its matching key ({exc})"
+            ) from None
     for path, flag in ((security.tls_client_ca, "--tls-client-ca"), (security.tls_ca, "--tls-ca")):
         if path:
             read_pem(path, flag)  # a missing or unreadable file says so, as for the certificate
@@ -63,7 +67,9 @@ def server_credentials(security: TransportSecurity) -> grpc.ServerCredentials | 
         return None
     pair = (read_pem(security.tls_key, "--tls-key"), read_pem(security.tls_cert, "--tls-cert"))
     client_ca = read_pem(security.tls_client_ca, "--tls-client-ca") if security.tls_client_ca else None
-    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 def server_ssl_context(security: TransportSecurity) -> ssl.SSLContext | None:
@@ -102,7 +108,9 @@ def configure(security: TransportSecurity) -> None:
     """This process's channels to stages from now on (call it before opening any)."""
     global _client
     check_files(security)
-    _client = _ClientSecurity(client_credentials(security), internal_secrets(security), security.tls_server_name)
+    _client = _ClientSecurity(
+        client_credentials(security), internal_secrets(security), security.tls_server_name
+    )
 
 
 def _with_secret(details: grpc.aio.ClientCallDetails, secrets: InternalSecrets) -> grpc.aio.ClientCallDetails:
@@ -149,8 +157,13 @@ def stage_channel(
     client = _client
     if client.secrets.presented:
         secret = client.secrets
-        interceptors = [*interceptors, _SecretUnaryUnary(secret), _SecretUnaryStream(secret),
-                        _SecretStreamUnary(secret), _SecretStreamStream(secret)]
+        interceptors = [
+            *interceptors,
+            _SecretUnaryUnary(secret),
+            _SecretUnaryStream(secret),
+            _SecretStreamUnary(secret),
+            _SecretStreamStream(secret),
+        ]
     opts = list(options or ())
     if client.credentials is None:
         return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)

@@ -253,15 +253,21 @@ async def serve_until_signal(
     grpc_grace_s = grace_s + (CUT_MARGIN_S if hs.cut_calls else 0.0)
 
     async def drain() -> None:
-        await asyncio.gather(hs.stop(grpc_grace_s), *([drain_too(grace_s, signals.hurry)] if drain_too else []))
+        await asyncio.gather(
+            hs.stop(grpc_grace_s), *([drain_too(grace_s, signals.hurry)] if drain_too else [])
+        )
 
     draining = asyncio.ensure_future(drain())
     hurry = asyncio.ensure_future(signals.hurry.wait())
-    await asyncio.wait([draining, hurry], timeout=grace_s if hs.cut_calls else None,
-                       return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(
+        [draining, hurry], timeout=grace_s if hs.cut_calls else None, return_when=asyncio.FIRST_COMPLETED
+    )
     if not draining.done():
         if hs.cut_calls is not None:
-            log.info("%s: ending the calls still in flight", "second signal" if hurry.done() else "grace period over")
+            log.info(
+                "%s: ending the calls still in flight",
+                "second signal" if hurry.done() else "grace period over",
+            )
             await hs.cut_calls(hurry.done())  # True: a second signal, not the grace period, ended the drain
             await asyncio.wait([draining, hurry], timeout=CUT_MARGIN_S, return_when=asyncio.FIRST_COMPLETED)
         if not draining.done():

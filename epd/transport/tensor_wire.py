@@ -170,7 +170,9 @@ class TensorAssembler:
         buf, _, _ = self._buffers[chunk.name]
         end = chunk.offset_bytes + len(chunk.data)
         if chunk.offset_bytes != self._received[chunk.name] or end > len(buf):
-            raise InvalidRequest(f"tensor {chunk.name!r}: chunk at offset {chunk.offset_bytes} is out of order")
+            raise InvalidRequest(
+                f"tensor {chunk.name!r}: chunk at offset {chunk.offset_bytes} is out of order"
+            )
         buf[chunk.offset_bytes : end] = chunk.data
         self._received[chunk.name] = end
 
@@ -179,7 +181,9 @@ class TensorAssembler:
         out = {}
         for name, (buf, dtype, shape) in self._buffers.items():
             if self._received[name] != len(buf):
-                raise InvalidRequest(f"tensor {name!r} ended after {self._received[name]} of {len(buf)} bytes")
+                raise InvalidRequest(
+                    f"tensor {name!r} ended after {self._received[name]} of {len(buf)} bytes"
+                )
             out[name] = WireTensor(dtype, shape, buf)
         return out
 

@@ -53,7 +53,9 @@ UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.", "/epd.v1.LoadService/
 """Polled by the gateway every few seconds; not requests: no id, no log line, no span."""
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("epd_request_id", default="")
-_from_client: contextvars.ContextVar[bool] = contextvars.ContextVar("epd_request_id_from_client", default=False)
+_from_client: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "epd_request_id_from_client", default=False
+)
 
 
 # --- the id ---------------------------------------------------------------------------------------
@@ -231,8 +233,10 @@ def setup_otel_from_env(service_name: str = "epd") -> bool:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             trace.set_tracer_provider(provider)
     except ImportError:
-        log.info("opentelemetry-sdk or its OTLP exporter is not installed: spans go to the process's "
-                 "own tracer provider, if one was set up (e.g. by opentelemetry-instrument)")
+        log.info(
+            "opentelemetry-sdk or its OTLP exporter is not installed: spans go to the process's "
+            "own tracer provider, if one was set up (e.g. by opentelemetry-instrument)"
+        )
     return enable_otel()
 
 
@@ -394,7 +398,9 @@ class _TracedContext:
         metadata = tuple(trailing_metadata or ())
         if self._call.request_id and not metadata_value(metadata):
             metadata = (*metadata, (REQUEST_ID_KEY, self._call.request_id))
-        await self._context.abort(code, with_request_id(details, self._call.request_id), trailing_metadata=metadata)
+        await self._context.abort(
+            code, with_request_id(details, self._call.request_id), trailing_metadata=metadata
+        )
 
 
 class _CallTrace:
@@ -402,7 +408,9 @@ class _CallTrace:
 
     def __init__(self, method: str, metadata: Iterable[tuple[str, Any]] | None) -> None:
         self.method = method
-        incoming = {k: (v.decode("ascii", "replace") if isinstance(v, bytes) else str(v)) for k, v in metadata or ()}
+        incoming = {
+            k: (v.decode("ascii", "replace") if isinstance(v, bytes) else str(v)) for k, v in metadata or ()
+        }
         self.request_id = begin_request(incoming.get(REQUEST_ID_KEY, ""))
         self.started = time.perf_counter()
         self.code = "OK"

@@ -35,14 +35,17 @@ async def read_header(request_iterator):
     raise InvalidRequest("the stream ended before its header")
 
 
-async def read_media(request_iterator, header, max_bytes: int, reserve_bytes: Callable[[int], None] | None = None):
+async def read_media(
+    request_iterator, header, max_bytes: int, reserve_bytes: Callable[[int], None] | None = None
+):
     """The media bytes after `header`: only `media_chunk` messages may follow it. Refuses as soon
     as the declared or received size passes `max_bytes`. `reserve_bytes(n)` is called before each
     chunk is kept and may raise to refuse the upload (a memory budget)."""
     if header.media_num_bytes < 0:
         await drain(request_iterator)
-        raise InvalidRequest(f"media_num_bytes must be the upload's size (or 0: not announced), "
-                             f"got {header.media_num_bytes}")
+        raise InvalidRequest(
+            f"media_num_bytes must be the upload's size (or 0: not announced), got {header.media_num_bytes}"
+        )
     if header.media_num_bytes > max_bytes:
         await drain(request_iterator)
         raise ResourceExhausted(_too_big(header.media_num_bytes, max_bytes))
@@ -54,8 +57,10 @@ async def read_media(request_iterator, header, max_bytes: int, reserve_bytes: Ca
         received += len(msg.media_chunk)
         if header.media_num_bytes and received > header.media_num_bytes:
             await drain(request_iterator)
-            raise InvalidRequest(f"the header announced {header.media_num_bytes} bytes but more arrived; "
-                                 "set media_num_bytes to the file's size, or 0")
+            raise InvalidRequest(
+                f"the header announced {header.media_num_bytes} bytes but more arrived; "
+                "set media_num_bytes to the file's size, or 0"
+            )
         if received > max_bytes:
             await drain(request_iterator)
             raise ResourceExhausted(_too_big(received, max_bytes))

@@ -171,7 +171,7 @@ def test_bench_serve_with_completions_runs_the_rendered_prompts_raw(shared_stack
     chat_tokens = [r["num_prompt_tokens"] for r in chat["requests"]]
     assert chat_tokens == [r["num_prompt_tokens"] for r in raw["requests"]] and min(chat_tokens) > 0
     assert len(set(chat_tokens)) == 1  # one question: one prompt length
-    table = proc.stdout[proc.stdout.index("| ratio (completions / text-only chat) |"):]
+    table = proc.stdout[proc.stdout.index("| ratio (completions / text-only chat) |") :]
     assert f"| {chat_tokens[0]} / {chat_tokens[0]} |" in table.splitlines()[2], table
 
 

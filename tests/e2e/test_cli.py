@@ -22,14 +22,25 @@ QUESTION = "what colour is the square?"
 
 
 def run_epd(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(epd_command(*args), capture_output=True, text=True, env=child_env(), cwd=ROOT,
-                          timeout=timeout)
+    return subprocess.run(
+        epd_command(*args), capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=timeout
+    )
 
 
 def embedded_ask_args(tiny_models, media_files) -> list[str]:
     """`epd ask` embedded on the clip, 8 frames, 12 tokens, --json."""
-    return ["ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
-            "--num-frames", "8", "--max-new-tokens", "12", "--json"]
+    return [
+        "ask",
+        str(media_files["mp4"]),
+        QUESTION,
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        "--num-frames",
+        "8",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +56,10 @@ def embedded_json(tiny_models, media_files) -> dict:
 # `epd serve --kv-budget-bytes/--kv-store-bytes` (decode's KV memory, prefill's KV store), read
 # back from the gateway's /metrics: each service's own budget, as it reports it in GetLoad.
 MEMORY_FLAGS = ["--kv-budget-bytes", "50000000", "--kv-store-bytes", "60000000"]
-MEMORY_GAUGES = {("epd_engine_memory_total_bytes", "decode"): 50_000_000,
-                 ("epd_kv_store_total_bytes", "prefill"): 60_000_000}
+MEMORY_GAUGES = {
+    ("epd_engine_memory_total_bytes", "decode"): 50_000_000,
+    ("epd_kv_store_total_bytes", "prefill"): 60_000_000,
+}
 # `epd serve --served-model-name`, the gateway's: the id GET /v1/models lists.
 SERVED_MODEL = "Qwen/Qwen2-VL-tiny"
 
@@ -85,17 +98,32 @@ def test_ask_embedded_json(embedded_json, expected):
     assert out["token_ids"] == expected
     assert out["num_frames"] == 8
     assert out["num_visual_tokens"] > 0
-    assert {"video_decode", "encode", "prefill", "kv_transfer", "generate", "ttft", "total"} <= set(out["timings_ms"])
+    assert {"video_decode", "encode", "prefill", "kv_transfer", "generate", "ttft", "total"} <= set(
+        out["timings_ms"]
+    )
     assert out["timings_ms"]["decode"] == out["timings_ms"]["video_decode"]  # the old name, until 0.3
     assert len(out["grid_thw"]) == 3 and out["num_prompt_tokens"] > 0 and len(out["frame_timestamps_s"]) == 8
     assert [e["stage"] for e in out["events"]][:1] == ["video_decode"]
 
 
 def test_ask_embedded_text_streams_progress(tiny_models, media_files):
-    proc = run_epd_forked("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
-                          "--num-frames", "4", "--max-new-tokens", "4")
+    proc = run_epd_forked(
+        "ask",
+        str(media_files["mp4"]),
+        QUESTION,
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        "--num-frames",
+        "4",
+        "--max-new-tokens",
+        "4",
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "[video_decode] done" in proc.stderr and "[encode] done" in proc.stderr and "[prefill] done" in proc.stderr
+    assert (
+        "[video_decode] done" in proc.stderr
+        and "[encode] done" in proc.stderr
+        and "[prefill] done" in proc.stderr
+    )
     assert "video_decode" in proc.stderr.splitlines()[-1] and "ttft" in proc.stderr.splitlines()[-1]
 
 
@@ -104,9 +132,15 @@ def test_ask_shows_the_answer_whole_on_a_terminal():
     shows them. The first token ("t" of "three") leaves with prefill's answer, before the
     kv_transfer event: stage lines that come once the answer has begun wait for its end instead of
     cutting it in two."""
-    proc = subprocess.run(epd_command("ask", "samples/sample.mp4", "how many objects are there in the video?"),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT,
-                          timeout=180)
+    proc = subprocess.run(
+        epd_command("ask", "samples/sample.mp4", "how many objects are there in the video?"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout
     lines = proc.stdout.splitlines()
     assert "three" in lines, proc.stdout
@@ -119,12 +153,24 @@ def test_ask_embedded_messages_file_keeps_the_part_order(tiny_models, media_file
     messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "video"}]}]
     path = tmp_path / "messages.json"
     path.write_text(json.dumps(messages))
-    proc = run_epd_forked("ask", str(media_files["mp4"]), "--messages", str(path), "--model",
-                          str(tiny_models["qwen2_vl"]), "--num-frames", "8", "--max-new-tokens", "12", "--json")
+    proc = run_epd_forked(
+        "ask",
+        str(media_files["mp4"]),
+        "--messages",
+        str(path),
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        "--num-frames",
+        "8",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     video = decode_for_test(media_files["mp4"], 8)
     assert json.loads(proc.stdout)["token_ids"] == reference_tokens_for_messages(
-        tiny_models["qwen2_vl"], video, messages, 12)
+        tiny_models["qwen2_vl"], video, messages, 12
+    )
     both = run_epd("ask", str(media_files["mp4"]), QUESTION, "--messages", str(path))
     assert both.returncode == 2 and "give a QUESTION or --messages FILE" in both.stderr
 
@@ -139,8 +185,14 @@ def test_ask_whose_reader_has_gone_stops_quietly(tiny_models, media_files):
     """`epd ask ... | head -1`, `| true`: the answer's reader closed the pipe. That is no server's
     failure; it printed "INTERNAL: internal error; the server log has details" (a log no server
     wrote) and exit 1. Now nothing on stderr, and the exit status of a process a closed pipe stops."""
-    proc = subprocess.Popen(epd_command(*embedded_ask_args(tiny_models, media_files)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    proc = subprocess.Popen(
+        epd_command(*embedded_ask_args(tiny_models, media_files)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+    )
     proc.stdout.close()  # before the model has loaded: the answer is written to a closed pipe
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 128 + signal.SIGPIPE, err
@@ -156,11 +208,29 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
     env = child_env()
     env.pop("LD_PRELOAD", None)  # the launcher's choice, not the test runner's
     serve = subprocess.Popen(
-        epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--gateway-port", str(ports[0]),
-                    "--encoder-port", str(ports[1]), "--prefill-port", str(ports[2]), "--decode-port", str(ports[3]),
-                    "--http-port", str(http_port), *MEMORY_FLAGS,
-                    "--served-model-name", SERVED_MODEL),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        epd_command(
+            "serve",
+            "--model",
+            str(tiny_models["qwen2_vl"]),
+            "--gateway-port",
+            str(ports[0]),
+            "--encoder-port",
+            str(ports[1]),
+            "--prefill-port",
+            str(ports[2]),
+            "--decode-port",
+            str(ports[3]),
+            "--http-port",
+            str(http_port),
+            *MEMORY_FLAGS,
+            "--served-model-name",
+            SERVED_MODEL,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
     try:
         # `epd serve` prints its ready line once every service reports SERVING.
@@ -172,8 +242,18 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
         services = [serving_pid(port) for port in ports[1:]]
         assert None not in services
         assert [uses_tcmalloc(pid) for pid in services] == [find_tcmalloc() is not None] * 3
-        proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{ports[0]}",
-                       "--num-frames", "8", "--max-new-tokens", "12", "--json")
+        proc = run_epd(
+            "ask",
+            str(media_files["mp4"]),
+            QUESTION,
+            "--endpoint",
+            f"127.0.0.1:{ports[0]}",
+            "--num-frames",
+            "8",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out["token_ids"] == expected
@@ -249,8 +329,13 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
 
 def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files, embedded_json):
     off = embedded_json  # the same request without --pruning
-    proc = run_epd_forked(*embedded_ask_args(tiny_models, media_files), "--pruning", "balanced",
-                          "--pruning-knob", "prefill_drop_layer=1")
+    proc = run_epd_forked(
+        *embedded_ask_args(tiny_models, media_files),
+        "--pruning",
+        "balanced",
+        "--pruning-knob",
+        "prefill_drop_layer=1",
+    )
     assert proc.returncode == 0, proc.stderr
     on = json.loads(proc.stdout)
     assert off["pruning"]["stages"] == []
@@ -259,8 +344,15 @@ def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files, embed
 
 
 def test_ask_with_bad_pruning_knob_fails_clearly(tiny_models, media_files):
-    proc = run_epd_forked("ask", str(media_files["mp4"]), QUESTION, "--model", str(tiny_models["qwen2_vl"]),
-                          "--pruning-knob", "kv_keep_ratio=2")
+    proc = run_epd_forked(
+        "ask",
+        str(media_files["mp4"]),
+        QUESTION,
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        "--pruning-knob",
+        "kv_keep_ratio=2",
+    )
     assert proc.returncode == 1
     assert "INVALID_ARGUMENT" in proc.stderr and "kv_keep_ratio must be in (0, 1]" in proc.stderr
 
@@ -294,12 +386,26 @@ def conversation_reference(tiny_models, media_files):
     return _conversation_reference(tiny_models["qwen2_vl"], media_files["mp4"], [QUESTION, FOLLOW_UP])
 
 
-def test_ask_embedded_questions_in_turns_are_one_conversation(tiny_models, media_files, conversation_reference):
+def test_ask_embedded_questions_in_turns_are_one_conversation(
+    tiny_models, media_files, conversation_reference
+):
     """--question twice: one process, one pipeline; the second turn carries the first answer."""
     ids, answers = conversation_reference
-    proc = run_epd_forked("ask", str(media_files["mp4"]), "--question", QUESTION, "--question", FOLLOW_UP,
-                          "--model", str(tiny_models["qwen2_vl"]), "--num-frames", "8", "--max-new-tokens", "12",
-                          "--json")
+    proc = run_epd_forked(
+        "ask",
+        str(media_files["mp4"]),
+        "--question",
+        QUESTION,
+        "--question",
+        FOLLOW_UP,
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        "--num-frames",
+        "8",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     turns = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2] and [t["question"] for t in turns] == [QUESTION, FOLLOW_UP]
@@ -309,11 +415,22 @@ def test_ask_embedded_questions_in_turns_are_one_conversation(tiny_models, media
     assert turns[1]["num_prompt_tokens"] > turns[0]["num_prompt_tokens"]
 
 
-def test_ask_interactive_reads_questions_until_an_empty_line(tiny_models, media_files, conversation_reference):
+def test_ask_interactive_reads_questions_until_an_empty_line(
+    tiny_models, media_files, conversation_reference
+):
     _, answers = conversation_reference
-    proc = run_epd_forked("ask", str(media_files["mp4"]), "--interactive", "--model", str(tiny_models["qwen2_vl"]),
-                          "--num-frames", "8", "--max-new-tokens", "12",
-                          stdin=f"{QUESTION}\n{FOLLOW_UP}\n\nnot asked: after the empty line\n")
+    proc = run_epd_forked(
+        "ask",
+        str(media_files["mp4"]),
+        "--interactive",
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        "--num-frames",
+        "8",
+        "--max-new-tokens",
+        "12",
+        stdin=f"{QUESTION}\n{FOLLOW_UP}\n\nnot asked: after the empty line\n",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "".join(f"{a}\n" for a in answers)
     assert sum(line.startswith("epd: 8 frames") for line in proc.stderr.splitlines()) == 2
@@ -343,11 +460,15 @@ def test_ask_no_video_is_a_text_only_conversation(tiny_models, tmp_path):
     assert first["num_visual_tokens"] == 0 and first["timings_ms"]["encode"] == 0.0
     assert first["timings_ms"]["video_decode"] == 0.0 and second["num_reused_prompt_tokens"] > 0
     with_media = tmp_path / "messages.json"
-    with_media.write_text(json.dumps([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}]))
-    for args, says in ((["--no-video", "samples/sample.mp4", QUESTION], "give the QUESTION alone"),
-                       ([QUESTION.replace(" ", "_")], "no such file"),
-                       (["--messages", str(with_media)], "give VIDEO, the path of a video or image"),
-                       (["--no-video", "--messages", str(with_media)], "give VIDEO instead of --no-video")):
+    with_media.write_text(
+        json.dumps([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}])
+    )
+    for args, says in (
+        (["--no-video", "samples/sample.mp4", QUESTION], "give the QUESTION alone"),
+        ([QUESTION.replace(" ", "_")], "no such file"),
+        (["--messages", str(with_media)], "give VIDEO, the path of a video or image"),
+        (["--no-video", "--messages", str(with_media)], "give VIDEO instead of --no-video"),
+    ):
         refused = run_epd_forked("ask", *args, "--model", model)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
 
@@ -378,12 +499,14 @@ def test_ask_prompt_continues_a_raw_prompt_embedded_and_through_the_stack(tiny_m
 def test_ask_prompt_with_a_video_or_a_question_is_refused_saying_what_to_drop(media_files, tmp_path):
     messages = tmp_path / "messages.json"
     messages.write_text(json.dumps([{"role": "user", "content": "hi"}]))
-    for args, says in (([str(media_files["mp4"]), "--prompt", "x"], "drop a VIDEO or QUESTION argument"),
-                       ([str(media_files["mp4"]), QUESTION, "--prompt", "x"], "drop a VIDEO or QUESTION argument"),
-                       (["--prompt", "x", "--messages", str(messages)], "drop --messages"),
-                       (["--prompt", "x", "--question", QUESTION], "drop --question"),
-                       (["--prompt", "x", "--no-video"], "drop --no-video"),
-                       (["--prompt", ""], "--prompt is empty")):
+    for args, says in (
+        ([str(media_files["mp4"]), "--prompt", "x"], "drop a VIDEO or QUESTION argument"),
+        ([str(media_files["mp4"]), QUESTION, "--prompt", "x"], "drop a VIDEO or QUESTION argument"),
+        (["--prompt", "x", "--messages", str(messages)], "drop --messages"),
+        (["--prompt", "x", "--question", QUESTION], "drop --question"),
+        (["--prompt", "x", "--no-video"], "drop --no-video"),
+        (["--prompt", ""], "--prompt is empty"),
+    ):
         refused = run_epd_forked("ask", *args)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
         assert "Traceback" not in refused.stderr
@@ -407,14 +530,21 @@ def test_ask_continue_final_message_continues_the_assistants_message(tiny_models
     model = str(tiny_models["qwen2_vl"])
     path = tmp_path / "messages.json"
     path.write_text(json.dumps(ASSISTANT_LAST))
-    continued = template_reference(model, ASSISTANT_LAST, 12, add_generation_prompt=False, continue_final_message=True)
+    continued = template_reference(
+        model, ASSISTANT_LAST, 12, add_generation_prompt=False, continue_final_message=True
+    )
     closed = template_reference(model, ASSISTANT_LAST, 12, add_generation_prompt=False)
     after = template_reference(model, ASSISTANT_LAST, 12)
-    assert len({tuple(continued[1]), tuple(closed[1]), tuple(after[1])}) == 3, "the three renderings answer alike"
+    assert len({tuple(continued[1]), tuple(closed[1]), tuple(after[1])}) == 3, (
+        "the three renderings answer alike"
+    )
     ask = ["ask", "--no-video", "--messages", str(path), "--max-new-tokens", "12", "--json"]
     for where in (["--model", model], ["--endpoint", shared_stack.gateway]):
-        for flags, (prompt_ids, want) in ((["--continue-final-message"], continued),
-                                          (["--no-add-generation-prompt"], closed), ([], after)):
+        for flags, (prompt_ids, want) in (
+            (["--continue-final-message"], continued),
+            (["--no-add-generation-prompt"], closed),
+            ([], after),
+        ):
             proc = run_epd_forked(*ask, *flags, *where)
             assert proc.returncode == 0, (where, flags, proc.stderr)
             out = json.loads(proc.stdout)
@@ -425,11 +555,15 @@ def test_ask_template_flags_without_messages_are_refused_saying_what_to_change(t
     user_last = tmp_path / "messages.json"
     user_last.write_text(json.dumps([{"role": "user", "content": "hi"}]))
     give = "give --messages FILE (ending with the assistant's message to continue it), or drop"
-    for args, says in ((["--no-video", QUESTION, "--continue-final-message"], f"{give} --continue-final-message"),
-                       (["--no-video", QUESTION, "--no-add-generation-prompt"], f"{give} --no-add-generation-prompt"),
-                       (["--prompt", "x", "--continue-final-message"], f"{give} --continue-final-message"),
-                       (["--no-video", "--messages", str(user_last), "--continue-final-message"],
-                        "end with the assistant's message to continue")):
+    for args, says in (
+        (["--no-video", QUESTION, "--continue-final-message"], f"{give} --continue-final-message"),
+        (["--no-video", QUESTION, "--no-add-generation-prompt"], f"{give} --no-add-generation-prompt"),
+        (["--prompt", "x", "--continue-final-message"], f"{give} --continue-final-message"),
+        (
+            ["--no-video", "--messages", str(user_last), "--continue-final-message"],
+            "end with the assistant's message to continue",
+        ),
+    ):
         refused = run_epd_forked("ask", *args)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
         assert "Traceback" not in refused.stderr

@@ -147,7 +147,10 @@ def test_a_wrong_api_key_shows_the_servers_message(page, media_files):
 
 def test_a_follow_up_sends_the_conversation_and_new_conversation_starts_over(page, media_files):
     bodies: list[dict] = []
-    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    page.on(
+        "request",
+        lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None,
+    )
     page.set_input_files("#file-input", str(media_files["mp4"]))
     page.wait_for_function(f"() => document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
     first = _ask(page, QUESTION)
@@ -160,7 +163,9 @@ def test_a_follow_up_sends_the_conversation_and_new_conversation_starts_over(pag
     user1, assistant, user2 = bodies[1]["messages"]
     assert user1["role"] == "user" and [p["type"] for p in user1["content"]] == ["video_url", "text"]
     assert user1["content"][1]["text"] == QUESTION
-    assert user1["content"][0]["video_url"]["url"] == bodies[0]["messages"][0]["content"][0]["video_url"]["url"]
+    assert (
+        user1["content"][0]["video_url"]["url"] == bodies[0]["messages"][0]["content"][0]["video_url"]["url"]
+    )
     assert assistant == {"role": "assistant", "content": first["text"]}
     assert user2 == {"role": "user", "content": [{"type": "text", "text": "and which appears first?"}]}
     assert bodies[1]["stream_options"] == {"include_usage": True}
@@ -188,7 +193,9 @@ def test_the_reused_prefix_badge(page):
         renderBadges(none, {num_frames: 4, num_visual_tokens: 8, timings_ms: {}}, 0);
         return [[...box.children].map(b => b.textContent), none.textContent];
     }""")
-    assert "reused prefix: 42 tokens" in badges[0] and "TTFT 12 ms" in badges[0] and "total 46 ms" in badges[0]
+    assert (
+        "reused prefix: 42 tokens" in badges[0] and "TTFT 12 ms" in badges[0] and "total 46 ms" in badges[0]
+    )
     assert "reused prefix" not in badges[1]
 
 
@@ -197,7 +204,10 @@ def test_another_clip_chosen_while_an_answer_streams_starts_a_clean_conversation
     conversation: its next question went out with the old question and answer under the new
     clip. The page's fetch holds the answer back until the new clip is in, so the race is certain."""
     bodies: list[dict] = []
-    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    page.on(
+        "request",
+        lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None,
+    )
     page.set_input_files("#file-input", str(media_files["mp4"]))
     page.wait_for_function(f"() => document.querySelectorAll('#frames .frame img').length === {NUM_FRAMES}")
     page.evaluate(

@@ -117,7 +117,9 @@ def _answer_with(page, sse_body: str) -> None:
 def _chunk(delta: dict) -> str:
     import json
 
-    return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]})
+    return "data: " + json.dumps(
+        {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+    )
 
 
 def test_an_error_event_mid_stream_is_shown_and_the_turn_not_kept(page):
@@ -132,7 +134,9 @@ def test_an_error_event_mid_stream_is_shown_and_the_turn_not_kept(page):
 def test_a_stream_cut_short_says_so(page):
     """A stream that ended without its final chunk and [DONE] looked like a whole answer."""
     _use_sample(page)
-    _answer_with(page, f"{_chunk({'role': 'assistant', 'content': ''})}\n\n{_chunk({'content': 'a red'})}\n\n")
+    _answer_with(
+        page, f"{_chunk({'role': 'assistant', 'content': ''})}\n\n{_chunk({'content': 'a red'})}\n\n"
+    )
     assert "ended before the answer was complete" in page.text_content("#error")
     assert page.evaluate("state.turns") == []
 

@@ -36,8 +36,12 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complete
 def installed(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("wheel")
     # The files git would ship (tracked, plus new ones not ignored), symlinks kept as symlinks.
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.split(b"\0")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     src = tmp / "src"
     for name in filter(None, listed):
         rel = Path(os.fsdecode(name))
@@ -48,16 +52,35 @@ def installed(tmp_path_factory) -> dict[str, Path]:
             (src / rel).symlink_to(os.readlink(ROOT / rel))
         else:
             shutil.copy2(ROOT / rel, src / rel)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-          str(src)], cwd=tmp)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        cwd=tmp,
+    )
     (wheel,) = (tmp / "dist").glob("epd-*.whl")
 
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
     bin_dir = env_dir / ("Scripts" if os.name == "nt" else "bin")
     python = bin_dir / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     (site / "epd_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], cwd=tmp)
     work = tmp / "elsewhere"  # not the checkout, and not its parent
@@ -71,15 +94,26 @@ def test_the_wheel_claims_only_epd(installed):
     assert [t for t in tops if not t.endswith(".dist-info")] == ["epd"]
     (dist_info,) = [t for t in tops if t.endswith(".dist-info")]
     record = (site / dist_info / "RECORD").read_text()
-    outside = [line for line in record.splitlines() if not line.startswith(("epd/", "epd-", "../../../bin/epd,"))]
+    outside = [
+        line for line in record.splitlines() if not line.startswith(("epd/", "epd-", "../../../bin/epd,"))
+    ]
     assert outside == [], outside  # the console script `epd` is the only thing outside epd/
     # What the layout maps under epd/: wire code, the spec'd folders, the shipped model and samples.
-    for part in ("epd/v1/encoder_pb2.py", "epd/v1/encoder.proto", "epd/video/media_open.py",
-                 "epd/encoder_svc/engine.py", "epd/train/train_default_model.py", "epd/gateway/web/static/app.js",
-                 "epd/models/epd-tiny-videoqa/model.safetensors", "epd/samples/sample.mp4"):
+    for part in (
+        "epd/v1/encoder_pb2.py",
+        "epd/v1/encoder.proto",
+        "epd/video/media_open.py",
+        "epd/encoder_svc/engine.py",
+        "epd/train/train_default_model.py",
+        "epd/gateway/web/static/app.js",
+        "epd/models/epd-tiny-videoqa/model.safetensors",
+        "epd/samples/sample.mp4",
+    ):
         assert part in record, part
-    where = _run([str(installed["python"]), "-c", "import epd.cli.main, epd; print(epd.__file__)"],
-                 cwd=installed["work"]).stdout.strip()
+    where = _run(
+        [str(installed["python"]), "-c", "import epd.cli.main, epd; print(epd.__file__)"],
+        cwd=installed["work"],
+    ).stdout.strip()
     assert Path(where).is_relative_to(site), where
 
 
@@ -87,7 +121,9 @@ def test_epd_ask_on_the_sample_from_outside_the_checkout(installed):
     sample = installed["site"] / "epd/samples/sample.mp4"
     card = json.loads((installed["site"] / "epd/samples/sample.json").read_text())
     first = card["video"]["questions"][0]
-    out = _run([str(installed["epd"]), "ask", str(sample), first["question"], "--json"], cwd=installed["work"])
+    out = _run(
+        [str(installed["epd"]), "ask", str(sample), first["question"], "--json"], cwd=installed["work"]
+    )
     answer = json.loads(out.stdout)
     assert answer["answer"].strip() == first["answer"], answer
     # The notice cites the shipped model's card: the one inside the installed package.
@@ -96,8 +132,22 @@ def test_epd_ask_on_the_sample_from_outside_the_checkout(installed):
 
 def test_epd_bench_quality_from_outside_the_checkout(installed):
     out_dir = installed["work"] / "quality"
-    _run([str(installed["epd"]), "bench", "quality", "--max-questions", "20", "--presets", "off", "--no-progress",
-          "--out", str(out_dir)], cwd=installed["work"], timeout=600)
+    _run(
+        [
+            str(installed["epd"]),
+            "bench",
+            "quality",
+            "--max-questions",
+            "20",
+            "--presets",
+            "off",
+            "--no-progress",
+            "--out",
+            str(out_dir),
+        ],
+        cwd=installed["work"],
+        timeout=600,
+    )
     report = json.loads((out_dir / "quality.json").read_text())
     (overall,) = [r for r in report["rows"] if r["preset"] == "off" and r["question_type"] == "overall"]
     assert overall["num_questions"] == 20

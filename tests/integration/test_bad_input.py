@@ -108,7 +108,9 @@ def test_decode_refuses_unlisted_kv_source(stack):
     with grpc.insecure_channel(stack.address("decode")) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
         req = decode_pb2.GenerateRequest(
-            prefill=prefill_pb2.PrefillResult(kv_handle="x", kv_address="10.1.2.3:80", next_position_ids=[1, 1, 1, 1])
+            prefill=prefill_pb2.PrefillResult(
+                kv_handle="x", kv_address="10.1.2.3:80", next_position_ids=[1, 1, 1, 1]
+            )
         )
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(req, timeout=10))
@@ -116,7 +118,9 @@ def test_decode_refuses_unlisted_kv_source(stack):
     assert "allow-kv-from" in info.value.details()
 
 
-def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(tiny_models, media_files, tmp_path):
+def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(
+    tiny_models, media_files, tmp_path
+):
     """The checkpoint's max_position_embeddings bounds prompt + generated tokens (vLLM's
     max_model_len): a request that would pass it is refused before its prefill, as vLLM's 400,
     naming both counts; one within it is answered. Here a copy of the tiny model whose config
@@ -127,8 +131,12 @@ def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(tin
     (short / "config.json").write_text(json.dumps(config))
 
     def ask(pipeline, max_new_tokens: int) -> AskSummary:
-        request = AskRequest(question_messages("what happens?"), MediaInput(media_files["mp4"].read_bytes()),
-                             SamplingOptions(num_frames=2), GenerationConfig(max_new_tokens=max_new_tokens))
+        request = AskRequest(
+            question_messages("what happens?"),
+            MediaInput(media_files["mp4"].read_bytes()),
+            SamplingOptions(num_frames=2),
+            GenerationConfig(max_new_tokens=max_new_tokens),
+        )
 
         async def run():
             return [item async for item in pipeline.ask(request)][-1]
@@ -147,7 +155,8 @@ def test_prompt_and_max_tokens_beyond_the_models_context_is_invalid_argument(tin
         assert str(refused.value) == (
             f"this model's context is 100 tokens, but the request needs 101: {prompt} in the prompt "
             f"and up to {over} to generate (max_tokens); send a shorter conversation or fewer frames, or ask for "
-            "fewer tokens")
+            "fewer tokens"
+        )
         assert ask(pipeline, 4).token_ids == answered.token_ids  # and it keeps serving
 
 
@@ -155,12 +164,17 @@ def test_a_prompt_over_the_limit_is_told_what_made_it_long(tiny_models, media_fi
     """RESOURCE_EXHAUSTED over --max-prompt-tokens: fewer frames when the media's tokens fill the
     prompt, a shorter conversation when its text does (it used to say fewer frames either way)."""
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
-    prefill = PrefillConfig(model=model, max_prompt_tokens=60,
-                            scheduler=PrefillSchedulerConfig(max_waiting_prompt_tokens=60))
+    prefill = PrefillConfig(
+        model=model, max_prompt_tokens=60, scheduler=PrefillSchedulerConfig(max_waiting_prompt_tokens=60)
+    )
 
     def refusal(question: str, num_frames: int) -> str:
-        request = AskRequest(question_messages(question), MediaInput(media_files["mp4"].read_bytes()),
-                             SamplingOptions(num_frames=num_frames), GenerationConfig(max_new_tokens=2))
+        request = AskRequest(
+            question_messages(question),
+            MediaInput(media_files["mp4"].read_bytes()),
+            SamplingOptions(num_frames=num_frames),
+            GenerationConfig(max_new_tokens=2),
+        )
 
         async def run():
             return [item async for item in pipeline.ask(request)]
@@ -171,10 +185,14 @@ def test_a_prompt_over_the_limit_is_told_what_made_it_long(tiny_models, media_fi
 
     with build_embedded_pipeline(model, prefill=prefill) as pipeline:
         assert refusal("what happens? " * 40, 2).endswith("over the limit of 60; send a shorter conversation")
-        assert refusal("what happens?", 8).endswith("over the limit of 60; lower max_frames, fps or max_pixels")
+        assert refusal("what happens?", 8).endswith(
+            "over the limit of 60; lower max_frames, fps or max_pixels"
+        )
 
 
-def test_the_embedded_door_refuses_a_token_id_outside_the_vocabulary_before_the_encode(tiny_models, media_files):
+def test_the_embedded_door_refuses_a_token_id_outside_the_vocabulary_before_the_encode(
+    tiny_models, media_files
+):
     """The embedded pipeline (`epd serve --colocate`, `epd ask`) holds the model, so it checks
     logit_bias and stop_token_ids ids against the vocabulary with the other fields: prefill's
     check came after a whole decode and encode of the media. (The stack's gateway learns the
@@ -183,15 +201,21 @@ def test_the_embedded_door_refuses_a_token_id_outside_the_vocabulary_before_the_
     events: list = []
 
     async def run(generation: GenerationConfig):
-        request = AskRequest(question_messages("what happens?"), MediaInput(media_files["mp4"].read_bytes()),
-                             SamplingOptions(num_frames=2), generation)
+        request = AskRequest(
+            question_messages("what happens?"),
+            MediaInput(media_files["mp4"].read_bytes()),
+            SamplingOptions(num_frames=2),
+            generation,
+        )
         async for item in pipeline.ask(request):
             events.append(item)
 
     with build_embedded_pipeline(model) as pipeline:
         vocab_size = pipeline.prefill.engine.adapter.vocab_size
-        for generation, field in ((GenerationConfig(max_new_tokens=2, stop_token_ids=(vocab_size,)), "stop_token_ids"),
-                                  (GenerationConfig(max_new_tokens=2, logit_bias=((vocab_size, 1.0),)), "logit_bias")):
+        for generation, field in (
+            (GenerationConfig(max_new_tokens=2, stop_token_ids=(vocab_size,)), "stop_token_ids"),
+            (GenerationConfig(max_new_tokens=2, logit_bias=((vocab_size, 1.0),)), "logit_bias"),
+        ):
             with pytest.raises(InvalidRequest, match=f"{field}: token id {vocab_size}"):
                 asyncio.run(run(generation))
         assert events == []  # no stage ran: nothing was decoded or encoded

@@ -27,7 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CHILD_TIMEOUT_S = 120.0
 
-CHILD = r'''
+CHILD = r"""
 import atexit, sys, threading
 
 def report():  # registered before epd is imported: runs after epd's atexit handlers
@@ -84,14 +84,23 @@ else:  # pipeline-open
         return tokens
 
     print("tokens:", asyncio.run(ask_and_leave()), flush=True)
-'''
+"""
 
 
 def _run_child(mode: str, model: Path, media: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", CHILD, mode, str(model), str(media)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(model), str(media)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
 
 
 @pytest.mark.parametrize("mode", ["pool-closed", "pipeline-open", "decoder-open"])

@@ -59,7 +59,9 @@ async def _post(url: str, path: str, body: dict) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as resp:
         if not body.get("stream") or resp.status != 200:
             return resp.status, await resp.json()
-        events = [line[len("data: "):] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+        events = [
+            line[len("data: ") :] for line in (await resp.text()).splitlines() if line.startswith("data: ")
+        ]
         assert events[-1] == "[DONE]"
         return resp.status, [json.loads(e) for e in events[:-1]]
 
@@ -98,18 +100,29 @@ def test_a_raw_prompt_equals_generate_in_every_family_plain_and_streamed(checkpo
     body = {"model": "epd", "prompt": PROMPT, "max_tokens": MAX_TOKENS}
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
         (status, plain), (stream_status, events) = post_embedded(
-            pipeline, ("/v1/completions", body),
-            ("/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}))
+            pipeline,
+            ("/v1/completions", body),
+            ("/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}),
+        )
         # The prompt's token ids, as a client that tokenised it sends them: the same answer.
-        by_ids = asyncio.run(request_summary(pipeline, AskRequest(
-            [], generation=GenerationConfig(max_new_tokens=MAX_TOKENS), raw_prompt=RawPrompt(token_ids=tuple(ids)))))
+        by_ids = asyncio.run(
+            request_summary(
+                pipeline,
+                AskRequest(
+                    [],
+                    generation=GenerationConfig(max_new_tokens=MAX_TOKENS),
+                    raw_prompt=RawPrompt(token_ids=tuple(ids)),
+                ),
+            )
+        )
     assert status == 200 and stream_status == 200
     choice = plain["choices"][0]
     assert plain["object"] == "text_completion" and plain["id"].startswith("cmpl-")
     assert choice["token_ids"] == want, family
     assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
     assert plain["usage"]["prompt_tokens"] == len(ids) and plain["usage"]["completion_tokens"] == MAX_TOKENS
-    assert plain["epd"]["num_visual_tokens"] == 0 and plain["epd"]["timings_ms"]["encode"] == 0.0  # not run: 0 ms
+    # not run: 0 ms
+    assert plain["epd"]["num_visual_tokens"] == 0 and plain["epd"]["timings_ms"]["encode"] == 0.0
     text, token_ids, final = streamed(events)
     assert all(e["object"] == "text_completion" for e in events)
     assert token_ids == want and text == choice["text"]
@@ -123,12 +136,14 @@ def test_stop_reason_names_the_stop_string_or_token_on_chat_and_completions(chec
     path = checkpoints["qwen2_vl"]
     ids, want = raw_reference(path)
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
-        (_, plain), = post_embedded(pipeline, ("/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS}))
+        ((_, plain),) = post_embedded(
+            pipeline, ("/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS})
+        )
         stop_text = plain["choices"][0]["text"][3:6]
         stop_token = want[4]
         completions = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
         chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS}
-        (_, chat_plain), = post_embedded(pipeline, ("/v1/chat/completions", chat))
+        ((_, chat_plain),) = post_embedded(pipeline, ("/v1/chat/completions", chat))
         chat_stop = chat_plain["choices"][0]["token_ids"][2]
         answers = post_embedded(
             pipeline,
@@ -141,14 +156,21 @@ def test_stop_reason_names_the_stop_string_or_token_on_chat_and_completions(chec
             ("/v1/chat/completions", chat | {"stream": True}),
         )
     by_string, by_string_sse, by_token, by_token_sse, chat_token, chat_token_sse, chat_length_sse = (
-        a for _, a in answers)
-    assert by_string["choices"][0]["stop_reason"] == stop_text and by_string["choices"][0]["finish_reason"] == "stop"
+        a for _, a in answers
+    )
+    assert (
+        by_string["choices"][0]["stop_reason"] == stop_text
+        and by_string["choices"][0]["finish_reason"] == "stop"
+    )
     assert by_string["epd"]["stop_reason"] == stop_text
     assert streamed(by_string_sse)[2]["stop_reason"] == stop_text
     assert by_token["choices"][0]["stop_reason"] == stop_token
     assert by_token["choices"][0]["token_ids"] == want[: want.index(stop_token) + 1]
     assert streamed(by_token_sse)[2]["stop_reason"] == stop_token
-    assert chat_token["choices"][0]["stop_reason"] == chat_stop and chat_token["choices"][0]["finish_reason"] == "stop"
+    assert (
+        chat_token["choices"][0]["stop_reason"] == chat_stop
+        and chat_token["choices"][0]["finish_reason"] == "stop"
+    )
     assert streamed(chat_token_sse, "delta")[2]["stop_reason"] == chat_stop
     assert chat_plain["choices"][0]["stop_reason"] is None
     assert streamed(chat_length_sse, "delta")[2]["stop_reason"] is None
@@ -159,7 +181,9 @@ def test_echo_and_what_prefill_refuses(checkpoints):
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
         body = {"prompt": PROMPT, "max_tokens": 4}
         (_, plain), (_, echoed), (_, echoed_sse), (placeholder, refused), (too_big, vocab) = post_embedded(
-            pipeline, ("/v1/completions", body), ("/v1/completions", {**body, "echo": True}),
+            pipeline,
+            ("/v1/completions", body),
+            ("/v1/completions", {**body, "echo": True}),
             ("/v1/completions", {**body, "echo": True, "stream": True}),
             ("/v1/completions", {**body, "prompt": "look: <|video_pad|>"}),
             ("/v1/completions", {**body, "prompt": [1, 2, 10**6]}),
@@ -172,7 +196,10 @@ def test_echo_and_what_prefill_refuses(checkpoints):
             engine.prepare([], None, GenerationConfig(), raw_prompt=RawPrompt(PROMPT, (1, 2)))
     assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
     assert streamed(echoed_sse)[0] == PROMPT + plain["choices"][0]["text"]
-    assert placeholder == 400 and "the prompt holds the model's visual placeholder token" in refused["error"]["message"]
+    assert (
+        placeholder == 400
+        and "the prompt holds the model's visual placeholder token" in refused["error"]["message"]
+    )
     assert too_big == 400 and "are not token ids of this model" in vocab["error"]["message"]
 
 
@@ -194,7 +221,8 @@ def test_a_raw_prompt_keeps_prefix_cache_entries_of_its_own(checkpoints):
         chat = ask(pipeline)
         spelled = ask(pipeline, RawPrompt(rendered))
         assert spelled.num_prompt_tokens == chat.num_prompt_tokens  # the same token ids...
-        assert spelled.num_reused_prompt_tokens == 0 and prefix_cache.stats().num_entries == 2  # ...not reused
+        # ...not reused
+        assert spelled.num_reused_prompt_tokens == 0 and prefix_cache.stats().num_entries == 2
         longer = ask(pipeline, RawPrompt(rendered + " and then"))
         assert 0 < longer.num_reused_prompt_tokens <= spelled.num_prompt_tokens
 
@@ -204,14 +232,23 @@ def test_a_raw_prompt_keeps_prefix_cache_entries_of_its_own(checkpoints):
 
 def test_completions_through_the_stack_plain_streamed_and_over_grpc(shared_stack, tiny_models):
     ids, want = raw_reference(tiny_models["qwen2_vl"])
-    http = openai.OpenAI(base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0)
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
+    )
     plain = http.completions.create(model="epd", prompt=PROMPT, max_tokens=MAX_TOKENS)
     choice = plain.choices[0]
     assert choice.model_extra["token_ids"] == want and choice.finish_reason == "length"
     assert choice.model_extra["stop_reason"] is None
     assert plain.usage is not None and plain.usage.prompt_tokens == len(ids)
-    chunks = list(http.completions.create(model="epd", prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
-                                          stream_options={"include_usage": True}))
+    chunks = list(
+        http.completions.create(
+            model="epd",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []] == want
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
@@ -222,17 +259,33 @@ def test_completions_through_the_stack_plain_streamed_and_over_grpc(shared_stack
     stopped = http.completions.create(model="epd", prompt=PROMPT, max_tokens=MAX_TOKENS, stop=[stop_text])
     assert stopped.choices[0].model_extra["stop_reason"] == stop_text
     assert stopped.choices[0].text == choice.text[: choice.text.index(stop_text)]
-    final = [c for c in http.completions.create(model="epd", prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
-                                                extra_body={"stop_token_ids": [want[4]]})
-             if c.choices and c.choices[0].finish_reason]
+    final = [
+        c
+        for c in http.completions.create(
+            model="epd",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            extra_body={"stop_token_ids": [want[4]]},
+        )
+        if c.choices and c.choices[0].finish_reason
+    ]
     assert final[0].choices[0].model_extra["stop_reason"] == want[4]
-    reply = http.chat.completions.create(model="epd", messages=[{"role": "user", "content": PROMPT}],
-                                         max_tokens=MAX_TOKENS)
+    reply = http.chat.completions.create(
+        model="epd", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS
+    )
     chat_stop = reply.choices[0].model_extra["token_ids"][2]
-    chat = [c for c in http.chat.completions.create(model="epd", messages=[{"role": "user", "content": PROMPT}],
-                                                    max_tokens=MAX_TOKENS, stream=True,
-                                                    extra_body={"stop_token_ids": [chat_stop]})
-            if c.choices and c.choices[0].finish_reason]
+    chat = [
+        c
+        for c in http.chat.completions.create(
+            model="epd",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            extra_body={"stop_token_ids": [chat_stop]},
+        )
+        if c.choices and c.choices[0].finish_reason
+    ]
     assert chat[0].choices[0].model_extra["stop_reason"] == chat_stop
     with pytest.raises(openai.BadRequestError, match="holds 2 prompts; epd answers one prompt per request"):
         http.completions.create(model="epd", prompt=["a", "b"], max_tokens=2)
@@ -241,9 +294,14 @@ def test_completions_through_the_stack_plain_streamed_and_over_grpc(shared_stack
 
     with EpdClient(shared_stack.gateway, timeout_s=120) as client:
         result = client.ask(None, prompt=PROMPT, max_new_tokens=MAX_TOKENS)
-        assert result.token_ids == want and result.num_prompt_tokens == len(ids) and result.stop_reason is None
+        assert (
+            result.token_ids == want and result.num_prompt_tokens == len(ids) and result.stop_reason is None
+        )
         assert client.ask(None, prompt=ids, max_new_tokens=MAX_TOKENS).token_ids == want
-        assert client.ask(None, prompt=PROMPT, max_new_tokens=MAX_TOKENS, stop=stop_text).stop_reason == stop_text
+        assert (
+            client.ask(None, prompt=PROMPT, max_new_tokens=MAX_TOKENS, stop=stop_text).stop_reason
+            == stop_text
+        )
         token = client.ask(None, prompt=PROMPT, max_new_tokens=MAX_TOKENS, stop_token_ids=[want[4]])
         assert token.stop_reason == want[4] and token.to_dict()["stop_reason"] == want[4]
         with pytest.raises(EpdError, match="a raw prompt .completions. takes no media") as info:
@@ -258,7 +316,10 @@ def test_a_raw_http_completions_body_answers(shared_stack):
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=120) as resp:
         answer = json.loads(resp.read())
-    assert answer["object"] == "text_completion" and answer["choices"][0]["finish_reason"] in ("stop", "length")
+    assert answer["object"] == "text_completion" and answer["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    )
     assert answer["usage"]["completion_tokens"] >= 1
     bad = urllib.request.Request(f"http://127.0.0.1:{shared_stack.http_port}/v1/completions", data=b"{}",
                                  headers={"Content-Type": "application/json"})  # fmt: skip

@@ -84,7 +84,9 @@ def test_every_family_continues_the_assistants_message_or_answers_after_it_as_ge
                 prompt_ids, want = template_reference(path, messages, MAX_NEW_TOKENS, media, **template)
                 got = _ask(pipeline, messages, data if media is not None else None, **template)
                 label = f"{name} {template or 'defaults'}"
-                assert len(set(want)) > 2, f"{label}: the tiny model repeats one token; the comparison proves little"
+                assert len(set(want)) > 2, (
+                    f"{label}: the tiny model repeats one token; the comparison proves little"
+                )
                 assert got.token_ids == want, label
                 assert got.num_prompt_tokens == len(prompt_ids), label
                 prompts.append(prompt_ids)
@@ -96,19 +98,28 @@ def test_every_family_continues_the_assistants_message_or_answers_after_it_as_ge
             if family != "qwen3_5":  # its recurrent layers keep no prefix cache
                 assert got.num_reused_prompt_tokens == common - 1, name
             if media is None:  # /tokenize counts the continued prompt as the chat route builds it
-                tokenize = TokenizeInput(messages=from_chat_template(messages),
-                                         template=ChatTemplateOptions(**CONTINUE))
+                tokenize = TokenizeInput(
+                    messages=from_chat_template(messages), template=ChatTemplateOptions(**CONTINUE)
+                )
                 assert asyncio.run(pipeline.prefill.tokenize(tokenize, "t")).token_ids == prompt_ids
         with pytest.raises(InvalidRequest, match="a raw prompt has no template"):
-            asyncio.run(request_summary(pipeline, AskRequest([], raw_prompt=RawPrompt("once"),
-                                                             template=ChatTemplateOptions(**CONTINUE))))
+            asyncio.run(
+                request_summary(
+                    pipeline,
+                    AskRequest([], raw_prompt=RawPrompt("once"), template=ChatTemplateOptions(**CONTINUE)),
+                )
+            )
 
 
 # -- through the real processes (tiny Qwen2-VL) ------------------------------------------------
 
+
 def _post(port: int, body: dict) -> tuple[int, bytes]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, reply.read()
@@ -117,8 +128,16 @@ def _post(port: int, body: dict) -> tuple[int, bytes]:
 
 
 def _openai(messages: list[dict], url: str) -> list[dict]:
-    return [{"role": m["role"], "content": [{"type": "video_url", "video_url": {"url": url}} if p["type"] == "video"
-                                            else p for p in m["content"]]} for m in messages]
+    return [
+        {
+            "role": m["role"],
+            "content": [
+                {"type": "video_url", "video_url": {"url": url}} if p["type"] == "video" else p
+                for p in m["content"]
+            ],
+        }
+        for m in messages
+    ]
 
 
 def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack, tiny_models, media_files):
@@ -133,8 +152,13 @@ def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack,
     prompt_ids, want = template_reference(path, VIDEO_EARLIER, MAX_NEW_TOKENS, video, **CONTINUE)
     text = AutoProcessor.from_pretrained(str(path)).tokenizer.decode(want, skip_special_tokens=True)
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    body = {"model": "epd", "messages": _openai(VIDEO_EARLIER, url), "max_tokens": MAX_NEW_TOKENS,
-            "media": {"num_frames": NUM_FRAMES}, **CONTINUE}
+    body = {
+        "model": "epd",
+        "messages": _openai(VIDEO_EARLIER, url),
+        "max_tokens": MAX_NEW_TOKENS,
+        "media": {"num_frames": NUM_FRAMES},
+        **CONTINUE,
+    }
     port = shared_stack.http_port
 
     status, raw = _post(port, body)
@@ -152,25 +176,42 @@ def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack,
         result = client.ask(media_files["mp4"], messages=VIDEO_EARLIER, num_frames=NUM_FRAMES,
                             max_new_tokens=MAX_NEW_TOKENS, **CONTINUE)  # fmt: skip
         assert result.token_ids == want and result.answer == text
-        for options, match in (({"continue_final_message": True}, "add_generation_prompt and "
-                                 "continue_final_message cannot both be true"),
-                               ({"add_generation_prompt": False, "continue_final_message": True},
-                                "continue_final_message continues the last message, the assistant's, but the last "
-                                "message is the user's")):
+        for options, match in (
+            (
+                {"continue_final_message": True},
+                "add_generation_prompt and continue_final_message cannot both be true",
+            ),
+            (
+                {"add_generation_prompt": False, "continue_final_message": True},
+                "continue_final_message continues the last message, the assistant's, but the last "
+                "message is the user's",
+            ),
+        ):
             messages = VIDEO_EARLIER if "cannot both" in match else VIDEO_EARLIER[:-1]
             with pytest.raises(EpdError, match=match) as info:
                 client.ask(media_files["mp4"], messages=messages, num_frames=NUM_FRAMES, **options)
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            status, raw = _post(port, {**body, "messages": _openai(messages, url), "add_generation_prompt": True,
-                                       **options})
+            status, raw = _post(
+                port, {**body, "messages": _openai(messages, url), "add_generation_prompt": True, **options}
+            )
             assert status == 400 and match in json.loads(raw)["error"]["message"], raw
-        assert client.ask(media_files["mp4"], messages=VIDEO_EARLIER, num_frames=NUM_FRAMES,
-                          max_new_tokens=MAX_NEW_TOKENS, **CONTINUE).token_ids == want  # still serving
+        assert (
+            client.ask(
+                media_files["mp4"],
+                messages=VIDEO_EARLIER,
+                num_frames=NUM_FRAMES,
+                max_new_tokens=MAX_NEW_TOKENS,
+                **CONTINUE,
+            ).token_ids
+            == want
+        )  # still serving
 
 
 NO_USER_QUERY = "No user query found in messages."
-USER_GUARD = ("{%- if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
-              "{{- raise_exception('" + NO_USER_QUERY + "') }}{%- endif %}")
+USER_GUARD = (
+    "{%- if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+    "{{- raise_exception('" + NO_USER_QUERY + "') }}{%- endif %}"
+)
 """Qwen3.5's own chat template's guard (its `raise_exception` call, a jinja2 TemplateError): it
 renders no conversation without a user message."""
 
@@ -184,19 +225,31 @@ def test_a_conversation_the_models_template_refuses_is_a_400_quoting_it(tiny_mod
     shutil.copytree(tiny_models["qwen2_vl"], model)
     template = model / "chat_template.jinja"
     template.write_text(USER_GUARD + template.read_text())
-    no_user = [{"role": "system", "content": "answer briefly"}, {"role": "assistant", "content": "The colour is"}]
+    no_user = [
+        {"role": "system", "content": "answer briefly"},
+        {"role": "assistant", "content": "The colour is"},
+    ]
     said = f"the model's chat template cannot render this conversation: {NO_USER_QUERY}"
     http_port = free_port()
     with Stack(model, tmp_path / "logs", extra={"gateway": ["--http-port", str(http_port)]}) as stack:
-        status, body = post_json(http_port, "/v1/chat/completions",
-                                 {"model": "epd", "max_tokens": 2, "messages": no_user, **CONTINUE})
+        status, body = post_json(
+            http_port,
+            "/v1/chat/completions",
+            {"model": "epd", "max_tokens": 2, "messages": no_user, **CONTINUE},
+        )
         assert status == 400 and said in body["error"]["message"], body
-        status, body = post_json(http_port, "/tokenize", {"messages": no_user, "add_generation_prompt": False})
+        status, body = post_json(
+            http_port, "/tokenize", {"messages": no_user, "add_generation_prompt": False}
+        )
         assert status == 400 and said in body["error"]["message"], body
         with EpdClient(stack.gateway, timeout_s=120) as client:
             with pytest.raises(EpdError, match=said) as refused:
                 client.ask(None, messages=no_user, max_new_tokens=2, **CONTINUE)
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            served = client.ask(None, messages=[{"role": "user", "content": "name a colour"}, no_user[1]],
-                                max_new_tokens=2, **CONTINUE)
+            served = client.ask(
+                None,
+                messages=[{"role": "user", "content": "name a colour"}, no_user[1]],
+                max_new_tokens=2,
+                **CONTINUE,
+            )
         assert len(served.token_ids) == 2

@@ -116,7 +116,9 @@ def test_the_async_client_streams_the_same_conversation(shared_stack, media_file
     assert [r.token_ids for r in asyncio.run(run())] == [r.token_ids for r in turns[:2]]
 
 
-def test_epd_ask_with_repeated_questions_against_the_gateway_gives_the_same_turns(shared_stack, media_files, turns):
+def test_epd_ask_with_repeated_questions_against_the_gateway_gives_the_same_turns(
+    shared_stack, media_files, turns
+):
     """`epd ask VIDEO Q1 --question Q2 --question Q3 --endpoint GATEWAY --json`: one JSON line per
     turn, the same tokens as the SDK conversation above (the CLI uses it), follow-ups reusing the
     earlier turns' prefill."""
@@ -125,10 +127,22 @@ def test_epd_ask_with_repeated_questions_against_the_gateway_gives_the_same_turn
 
     from tests.stack import ROOT, child_env, epd_command
 
-    args = ["ask", str(media_files["mp4"]), QUESTIONS[0], *[x for q in QUESTIONS[1:] for x in ("--question", q)],
-            "--endpoint", shared_stack.gateway, "--json", "--num-frames", str(NUM_FRAMES),
-            "--max-new-tokens", str(MAX_NEW_TOKENS)]
-    proc = subprocess.run(epd_command(*args), capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180)
+    args = [
+        "ask",
+        str(media_files["mp4"]),
+        QUESTIONS[0],
+        *[x for q in QUESTIONS[1:] for x in ("--question", q)],
+        "--endpoint",
+        shared_stack.gateway,
+        "--json",
+        "--num-frames",
+        str(NUM_FRAMES),
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+    ]
+    proc = subprocess.run(
+        epd_command(*args), capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert [line["question"] for line in lines] == QUESTIONS

@@ -24,7 +24,11 @@ QUESTION = "what colour is the square?"
 
 def _stack(tiny_models, tmp_path_factory, name: str, decode_flags: list[str], prefill_flags: list[str] = ()):
     http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port)], "decode": decode_flags, "prefill": list(prefill_flags)}
+    extra = {
+        "gateway": ["--http-port", str(http_port)],
+        "decode": decode_flags,
+        "prefill": list(prefill_flags),
+    }
     stack = Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp(name), extra=extra)
     stack.http_port = http_port
     return stack
@@ -111,9 +115,11 @@ def test_a_prefilled_request_waits_for_a_full_decoder_and_a_full_kv_store_refuse
                 client.ask(media_files["png"], QUESTION, max_new_tokens=4)
             assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--kv-store-bytes" in info.value.message
-            req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
-                                         data=_png_chat_body(4, media_files["png"].read_bytes()),
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
+                data=_png_chat_body(4, media_files["png"].read_bytes()),
+                headers={"Content-Type": "application/json"},
+            )
             with pytest.raises(urllib.error.HTTPError) as http:
                 urllib.request.urlopen(req, timeout=60)
             assert http.value.code == 429

@@ -46,8 +46,11 @@ def pipeline_answers(test_clips) -> list[tuple[object, str]]:
     async def ask_all():
         out = []
         for r in read_manifest(test_clips, split="test"):
-            req = AskRequest(question_messages(r.question), MediaInput(r.media_path(test_clips).read_bytes()),
-                             generation=GenerationConfig(max_new_tokens=8))
+            req = AskRequest(
+                question_messages(r.question),
+                MediaInput(r.media_path(test_clips).read_bytes()),
+                generation=GenerationConfig(max_new_tokens=8),
+            )
             summary = [x async for x in pipeline.ask(req) if isinstance(x, AskSummary)][0]
             out.append((r, summary.answer.strip()))
         return out
@@ -61,7 +64,9 @@ def pipeline_answers(test_clips) -> list[tuple[object, str]]:
 def test_shipped_model_is_the_default_and_is_trained():
     from epd.model_runtime.default_model import default_model_path, is_meaningless
 
-    assert (SHIPPED / "config.json").exists(), "models/epd-tiny-videoqa is missing; run epd.train.train_default_model"
+    assert (SHIPPED / "config.json").exists(), (
+        "models/epd-tiny-videoqa is missing; run epd.train.train_default_model"
+    )
     assert not is_meaningless(SHIPPED)
     card = json.loads((SHIPPED / "epd_model_card.json").read_text())
     assert card["accuracy"]["test"] >= 0.9
@@ -88,13 +93,19 @@ def test_from_pretrained_generate_answers_the_bundled_sample():
     sample = json.loads((ROOT / "samples" / "sample.json").read_text())["video"]["questions"]
     answers = {}
     for qa in sample:
-        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": qa["question"]}]}]
+        messages = [
+            {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": qa["question"]}]}
+        ]
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[text], videos=[video.frames], return_tensors="pt",
-                           videos_kwargs={"do_sample_frames": False, "fps": video.sampled_fps})
+        inputs = processor(
+            text=[text],
+            videos=[video.frames],
+            return_tensors="pt",
+            videos_kwargs={"do_sample_frames": False, "fps": video.sampled_fps},
+        )
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-        new = out[0, inputs["input_ids"].shape[1]:]
+        new = out[0, inputs["input_ids"].shape[1] :]
         answers[qa["question"]] = processor.tokenizer.decode(new, skip_special_tokens=True).strip()
     assert answers["what colour is the circle?"] == "yellow"
     correct = sum(answers[qa["question"]] == qa["answer"] for qa in sample)
@@ -110,8 +121,9 @@ def test_answers_ten_test_clips_through_the_serving_pipeline(pipeline_answers):
     videos = [ok for m, ok in by_clip.items() if m.startswith("test/videos/")]
     assert sum(len(ok) - sum(ok) <= 1 for ok in videos) >= 9, pipeline_answers
     total = sum(answer == r.answer for r, answer in pipeline_answers)
-    assert total >= 0.9 * len(pipeline_answers), [(r.question, r.answer, a) for r, a in pipeline_answers
-                                                 if a != r.answer]
+    assert total >= 0.9 * len(pipeline_answers), [
+        (r.question, r.answer, a) for r, a in pipeline_answers if a != r.answer
+    ]
 
 
 def test_training_accuracy_equals_served_greedy_answers(test_clips, pipeline_answers):
@@ -138,8 +150,21 @@ def test_bench_quality_writes_consistent_outputs(tmp_path, test_clips):
     from epd.bench.quality import main
 
     out = tmp_path / "quality"
-    rc = main(["--model", str(SHIPPED), "--data", str(test_clips), "--max-questions", "20",
-               "--presets", "off", "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "--model",
+            str(SHIPPED),
+            "--data",
+            str(test_clips),
+            "--max-questions",
+            "20",
+            "--presets",
+            "off",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     rows = list(csv.DictReader(open(out / "quality.csv")))
     answers = list(csv.DictReader(open(out / "quality_answers.csv")))
@@ -148,10 +173,13 @@ def test_bench_quality_writes_consistent_outputs(tmp_path, test_clips):
     (total,) = [r for r in rows if r["question_type"] == "overall"]
     assert sum(int(r["num_questions"]) for r in per_type) == int(total["num_questions"]) == 20
     assert sum(int(r["num_correct"]) for r in per_type) == int(total["num_correct"])
-    assert Counter(a["question_type"] for a in answers) == {r["question_type"]: int(r["num_questions"])
-                                                            for r in per_type}
+    assert Counter(a["question_type"] for a in answers) == {
+        r["question_type"]: int(r["num_questions"]) for r in per_type
+    }
     for r in rows:
-        assert float(r["accuracy"]) == pytest.approx(int(r["num_correct"]) / int(r["num_questions"]), abs=1e-4)
+        assert float(r["accuracy"]) == pytest.approx(
+            int(r["num_correct"]) / int(r["num_questions"]), abs=1e-4
+        )
         assert 0 < float(r["mean_visual_tokens"]) <= float(r["mean_full_visual_tokens"])
     for a in answers:
         assert (a["correct"] == "True") == (a["answer"] == a["expected"])
@@ -160,7 +188,8 @@ def test_bench_quality_writes_consistent_outputs(tmp_path, test_clips):
         assert img.size == (800, 500)
     saved = json.loads((out / "quality.json").read_text())
     assert [(r["question_type"], r["num_questions"], r["num_correct"]) for r in saved["rows"]] == [
-        (r["question_type"], int(r["num_questions"]), int(r["num_correct"])) for r in rows]
+        (r["question_type"], int(r["num_questions"]), int(r["num_correct"])) for r in rows
+    ]
 
 
 def test_bench_quality_measures_the_onednn_linear_kernel_against_torchs(tmp_path, test_clips, monkeypatch):
@@ -172,14 +201,31 @@ def test_bench_quality_measures_the_onednn_linear_kernel_against_torchs(tmp_path
 
     kernel_calls = []
     real = onednn_linear._onednn_linear
-    monkeypatch.setattr(onednn_linear, "_onednn_linear",
-                        lambda *a: kernel_calls.append(1) or real(*a))
+    monkeypatch.setattr(onednn_linear, "_onednn_linear", lambda *a: kernel_calls.append(1) or real(*a))
     answers = {}
     for kernel in ("torch", "onednn"):
         kernel_calls.clear()
         out = tmp_path / kernel
-        assert main(["--model", str(SHIPPED), "--data", str(test_clips), "--max-questions", "12", "--presets",
-                     "off", "--out", str(out), "--no-progress", "--linear-kernel", kernel]) == 0
+        assert (
+            main(
+                [
+                    "--model",
+                    str(SHIPPED),
+                    "--data",
+                    str(test_clips),
+                    "--max-questions",
+                    "12",
+                    "--presets",
+                    "off",
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                    "--linear-kernel",
+                    kernel,
+                ]
+            )
+            == 0
+        )
         answers[kernel] = [(a["id"], a["answer"]) for a in csv.DictReader(open(out / "quality_answers.csv"))]
         assert bool(kernel_calls) == (kernel == "onednn"), kernel
     assert len(answers["torch"]) == 12
@@ -199,7 +245,10 @@ def test_bench_quality_renders_only_the_clips_its_first_questions_need(tmp_path)
     build_test_split(few, clips_to_render(config))
     build_test_split(whole, config.num_test_clips)
     first = read_manifest(few, split="test")[: config.max_questions]
-    assert len(first) == config.max_questions and first == read_manifest(whole, split="test")[: config.max_questions]
+    assert (
+        len(first) == config.max_questions
+        and first == read_manifest(whole, split="test")[: config.max_questions]
+    )
     assert all((few / r.media).read_bytes() == (whole / r.media).read_bytes() for r in first)
     assert len(list((few / "test" / "videos").iterdir())) == 3
 
@@ -214,11 +263,30 @@ def test_bench_quality_refuses_an_unknown_preset(tmp_path, capsys):
 def test_bench_quality_retention_setting_keeps_its_share_of_tokens(tmp_path, test_clips):
     from epd.bench.quality import RETENTION_SETTINGS, main, pruning_for
 
-    assert pruning_for("keep25").prefill_keep_ratio == 0.25 and pruning_for("keep25-kvbf16").kv_dtype == "bfloat16"
+    assert (
+        pruning_for("keep25").prefill_keep_ratio == 0.25
+        and pruning_for("keep25-kvbf16").kv_dtype == "bfloat16"
+    )
     assert set(RETENTION_SETTINGS) == {"keep50", "keep25", "keep10", "keep25-kvbf16"}
     out = tmp_path / "quality"
-    assert main(["--model", str(SHIPPED), "--data", str(test_clips), "--max-questions", "6",
-                 "--presets", "keep25", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(SHIPPED),
+                "--data",
+                str(test_clips),
+                "--max-questions",
+                "6",
+                "--presets",
+                "keep25",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     (total,) = [r for r in csv.DictReader(open(out / "quality.csv")) if r["question_type"] == "overall"]
     assert total["preset"] == "keep25"
     # ceil(0.25 * 48) = 12 of a clip's 48 tokens, ceil(0.25 * 16) = 4 of a still's 16.

@@ -99,7 +99,9 @@ def _stop(gateway: subprocess.Popen, log_path: Path) -> None:
     except subprocess.TimeoutExpired:
         gateway.kill()
         gateway.wait()
-        raise AssertionError(f"the gateway did not stop on SIGTERM:\n{log_path.read_text()[-3000:]}") from None
+        raise AssertionError(
+            f"the gateway did not stop on SIGTERM:\n{log_path.read_text()[-3000:]}"
+        ) from None
     assert code == 0, log_path.read_text()[-3000:]
 
 

@@ -124,8 +124,10 @@ def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adap
         # One first group is in the held step, the other requests' first groups wait for the next.
         # Each request's first group is in the held step or waiting for the next (two that arrive
         # in the same loop turn may share the held step).
-        await _until(lambda: stage.load().num_running + stage.load().num_waiting == len(REQUESTS),
-                     "every request's first frame group to be queued")
+        await _until(
+            lambda: stage.load().num_running + stage.load().num_waiting == len(REQUESTS),
+            "every request's first frame group to be queued",
+        )
         first_step.append(stage.load().num_running)
         release.set()
         return list(await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S))
@@ -187,8 +189,10 @@ def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_fil
             stage.encode(MediaInput(data), SamplingOptions(num_frames=8), lambda e: None, "r")
         )
         # Group 1 is in the held step; groups 2-4 (8 frames, 2 a group) queue behind it.
-        await _until(lambda: stage.load().num_running == 1 and stage.load().num_waiting == 3,
-                     "the request's other three groups to be queued")
+        await _until(
+            lambda: stage.load().num_running == 1 and stage.load().num_waiting == 3,
+            "the request's other three groups to be queued",
+        )
         release.set()
         return await asyncio.wait_for(task, HANG_GUARD_S)
 
@@ -198,7 +202,8 @@ def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_fil
         stage.model_thread.close()
     assert stage.load().num_steps == 2 and stage.runner.max_batch_size == 3, "groups 2-4 went in one call"
     ref = EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter).encode(
-        MediaInput(data), SamplingOptions(num_frames=8), lambda e: None)
+        MediaInput(data), SamplingOptions(num_frames=8), lambda e: None
+    )
     assert out.meta == ref.meta
     torch.testing.assert_close(out.embeds, ref.embeds, rtol=RTOL, atol=ATOL)
 
@@ -296,8 +301,11 @@ def test_batched_answers_equal_one_at_a_time_and_generate(tiny_models, media_fil
     # One group queued per request: alone, each group is its own tower call; together, the first
     # groups of all requests wait for the held step.
     pipeline = build_embedded_pipeline(
-        model, encoder=EncoderConfig(model=model, cache=NO_CACHE, max_tower_jobs_per_request=1,
-                                     merge_decoded_groups=False))
+        model,
+        encoder=EncoderConfig(
+            model=model, cache=NO_CACHE, max_tower_jobs_per_request=1, merge_decoded_groups=False
+        ),
+    )
     try:
         stage = pipeline.encoder
         assert isinstance(stage, LocalEncodeStage)
@@ -310,10 +318,14 @@ def test_batched_answers_equal_one_at_a_time_and_generate(tiny_models, media_fil
         async def concurrently() -> list[list[int]]:
             # Hold every shared model thread so that every request's first group queues, then let go.
             workers = stage.model_thread.num_workers
-            held = asyncio.gather(*(stage.model_thread.run(release.wait, HANG_GUARD_S) for _ in range(workers)))
+            held = asyncio.gather(
+                *(stage.model_thread.run(release.wait, HANG_GUARD_S) for _ in range(workers))
+            )
             tasks = [asyncio.ensure_future(_tokens(pipeline, r)) for r in requests]
-            await _until(lambda: stage.load().num_running + stage.load().num_waiting == len(requests),
-                         "every request's first frame group to be queued")
+            await _until(
+                lambda: stage.load().num_running + stage.load().num_waiting == len(requests),
+                "every request's first frame group to be queued",
+            )
             first_step.append(stage.load().num_running)  # the step waiting for the model thread
             release.set()
             await held

@@ -41,8 +41,9 @@ def test_overlap_gives_the_same_tokens_as_whole_sample(adapter, media_files):
     data = media_files["mp4"].read_bytes()
     sampling = SamplingOptions(num_frames=16)
     whole, _ = _encode(EncoderEngine(EncoderConfig(frames_per_group=0), adapter), data, sampling)
-    grouped, events = _encode(EncoderEngine(EncoderConfig(frames_per_group=4, merge_decoded_groups=False), adapter),
-                              data, sampling)
+    grouped, events = _encode(
+        EncoderEngine(EncoderConfig(frames_per_group=4, merge_decoded_groups=False), adapter), data, sampling
+    )
     assert grouped.meta == whole.meta
     torch.testing.assert_close(grouped.embeds, whole.embeds, rtol=1e-5, atol=1e-6)
     progress = [e for e in events if e.stage == "encode" and e.state == "progress"]
@@ -75,7 +76,9 @@ def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
     from tests.media import make_video
 
     data = make_video(tmp_path / "one_keyframe.mp4", size=(112, 84), seconds=2.0, gop=1000).read_bytes()
-    other = make_video(tmp_path / "other.mp4", size=(112, 84), seconds=2.0, gop=1000, pattern="noise").read_bytes()
+    other = make_video(
+        tmp_path / "other.mp4", size=(112, 84), seconds=2.0, gop=1000, pattern="noise"
+    ).read_bytes()
     sampling = SamplingOptions(num_frames=16)
     engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
     first_group_out, let_go = threading.Event(), threading.Event()
@@ -104,7 +107,9 @@ def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
         _, first_events = first.result(60)
     progress = [e.details["frames_done"] for e in events if e.stage == "encode" and e.state == "progress"]
     assert progress == [str(n) for n in range(2, 17, 2)], "the second request kept its pairs"
-    first_progress = [e.details["frames_done"] for e in first_events if e.stage == "encode" and e.state == "progress"]
+    first_progress = [
+        e.details["frames_done"] for e in first_events if e.stage == "encode" and e.state == "progress"
+    ]
     assert first_progress == ["8", "16"], "the first request started alone and merged"
 
 
@@ -210,14 +215,20 @@ def test_stack_cache_by_bytes_and_by_hash_and_across_restart(tiny_models, media_
     extra = {"encoder": ["--cache-dir", str(tmp_path / "token-cache")]}
     data = media_files["mp4_b"].read_bytes()
     sha = hashlib.sha256(data).hexdigest()
-    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs1", extra=extra) as stack, EpdClient(stack.gateway) as c:
+    with (
+        Stack(tiny_models["qwen2_vl"], tmp_path / "logs1", extra=extra) as stack,
+        EpdClient(stack.gateway) as c,
+    ):
         miss = c.ask(data, QUESTION, num_frames=8, max_new_tokens=8)
         hit = c.ask(data, QUESTION, num_frames=8, max_new_tokens=8)
         by_hash = c.ask(None, QUESTION, media_sha256=sha, num_frames=8, max_new_tokens=8)
     assert not miss.encoder_cache_hit and hit.encoder_cache_hit and by_hash.encoder_cache_hit
     assert miss.token_ids == hit.token_ids == by_hash.token_ids
     assert hit.timings_ms["decode"] == 0.0 and hit.timings_ms["encode"] == 0.0
-    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs2", extra=extra) as stack, EpdClient(stack.gateway) as c:
+    with (
+        Stack(tiny_models["qwen2_vl"], tmp_path / "logs2", extra=extra) as stack,
+        EpdClient(stack.gateway) as c,
+    ):
         after_restart = c.ask(None, QUESTION, media_sha256=sha, num_frames=8, max_new_tokens=8)
         with pytest.raises(EpdError, match="not cached"):
             c.ask(None, QUESTION, media_sha256=sha, num_frames=6, max_new_tokens=8)
@@ -225,8 +236,9 @@ def test_stack_cache_by_bytes_and_by_hash_and_across_restart(tiny_models, media_
 
 
 @pytest.mark.parametrize("limit", ["max_visual_tokens", "max_duration_s"])
-def test_a_restart_with_a_lower_limit_refuses_cached_entries_by_bytes_and_by_hash(adapter, media_files, tmp_path,
-                                                                                   limit):
+def test_a_restart_with_a_lower_limit_refuses_cached_entries_by_bytes_and_by_hash(
+    adapter, media_files, tmp_path, limit
+):
     """Disk-tier entries outlive the limits they were made under: an encoder restarted with a lower
     --max-visual-tokens or --max-duration-s refuses them as it refuses the same request uncached
     (a hit used to skip both checks), and serves them again under limits they fit."""
@@ -333,7 +345,9 @@ def test_the_key_holds_the_numerics_the_tower_runs_in(adapter, change):
     float32 = EncoderEngine(EncoderConfig(), adapter).cache_key(sha, sampling)
     other = EncoderEngine(EncoderConfig(model=ModelConfig(**change)), adapter).cache_key(sha, sampling)
     assert other != float32
-    same_kind = EncoderEngine(EncoderConfig(model=ModelConfig(device="cpu")), adapter).cache_key(sha, sampling)
+    same_kind = EncoderEngine(EncoderConfig(model=ModelConfig(device="cpu")), adapter).cache_key(
+        sha, sampling
+    )
     assert same_kind == float32
 
 

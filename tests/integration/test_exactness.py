@@ -121,14 +121,18 @@ def test_a_batch_of_different_requests_equals_generate_request_by_request(
         async with AsyncEpdClient(stacks[family].gateway) as client:
             return await asyncio.gather(*(one(client, *case) for case in BATCH))
 
-    assert_batch_equals_generate_or_near_ties(tiny_models[family], media_files, references, family, asyncio.run(run()))
+    assert_batch_equals_generate_or_near_ties(
+        tiny_models[family], media_files, references, family, asyncio.run(run())
+    )
 
 
 def assert_batch_equals_generate_or_near_ties(model_dir, media_files, references, family, got) -> None:
     """Each of BATCH's requests' tokens equal generate()'s for it alone, or leave them at a near-tie."""
     for (media, num_frames, max_new, _), tokens in zip(BATCH, got, strict=True):
         want = references[(family, media, num_frames)][:max_new]
-        margin = divergence_margin(model_dir, decode_for_test(media_files[media], num_frames), QUESTION, want, tokens)
+        margin = divergence_margin(
+            model_dir, decode_for_test(media_files[media], num_frames), QUESTION, want, tokens
+        )
         assert margin is None or margin[1] <= NEAR_TIE_LOGITS, (
             f"{media} x {num_frames} frames: token {margin and margin[0]} differs from generate()'s by a "
             f"logit margin of {margin and margin[1]}: not a rounding near-tie"
@@ -175,7 +179,9 @@ def test_a_three_turn_conversation_equals_generate_on_a_hit_and_on_a_forced_miss
     history: list[dict] = []
     prompt_tokens: list[int] = []  # each turn's
     with EpdClient(stacks[family].gateway, timeout_s=120) as client:
-        chat = client.conversation(media_files["mp4"], num_frames=CONVERSATION_FRAMES, max_new_tokens=MAX_NEW_TOKENS)
+        chat = client.conversation(
+            media_files["mp4"], num_frames=CONVERSATION_FRAMES, max_new_tokens=MAX_NEW_TOKENS
+        )
         for turn, question in enumerate(TURNS):
             result = chat.ask(question)
             history.append({"role": "user", "content": [*([{"type": "video"}] if turn == 0 else []),
@@ -190,7 +196,8 @@ def test_a_three_turn_conversation_equals_generate_on_a_hit_and_on_a_forced_miss
             history.append({"role": "assistant", "content": result.answer})
         copy = remux_copy(media_files["mp4"], tmp_path / "copy.mp4", tag="forced miss")
         assert copy.read_bytes() != media_files["mp4"].read_bytes()
-        missed = client.ask(copy, messages=history[:-1], num_frames=CONVERSATION_FRAMES,
-                            max_new_tokens=MAX_NEW_TOKENS)
+        missed = client.ask(
+            copy, messages=history[:-1], num_frames=CONVERSATION_FRAMES, max_new_tokens=MAX_NEW_TOKENS
+        )
     assert missed.num_reused_prompt_tokens == 0 and not missed.encoder_cache_hit
     assert missed.token_ids == result.token_ids

@@ -42,24 +42,50 @@ class Case:
 
 
 CASES = [
-    Case("qwen2_vl", dict(size=(171, 79), pix_fmt="yuv444p", fps=10.0, seconds=2.0), SamplingOptions(num_frames=5)),
-    Case("qwen2_vl", dict(size=(112, 262), fps=5.0, seconds=3.0, codec="mpeg4"),
-         SamplingOptions(fps=0.5, max_frames=6, min_frames=3)),
-    Case("qwen2_5_vl", dict(size=(72, 114), rotation_deg=90, fps=12.5, seconds=3.0),
-         SamplingOptions(fps=1.0, max_frames=12, min_frames=10)),
-    Case("qwen2_5_vl", dict(size=(146, 58), fps=29.97, seconds=2.0, bframes=3),
-         SamplingOptions(fps=3.7, max_frames=7, start_time_s=0.25, end_time_s=1.05, max_pixels=64 * 48)),
-    Case("qwen3_vl", dict(size=(88, 90), fps=24.0, seconds=2.0, vfr=True),
-         SamplingOptions(fps=8.0, max_frames=15, min_frames=4, start_time_s=0.1, end_time_s=0.9)),
-    Case("qwen3_vl", dict(size=(160, 96), rotation_deg=270, fps=10.0, seconds=1.0), SamplingOptions(num_frames=7)),
+    Case(
+        "qwen2_vl",
+        dict(size=(171, 79), pix_fmt="yuv444p", fps=10.0, seconds=2.0),
+        SamplingOptions(num_frames=5),
+    ),
+    Case(
+        "qwen2_vl",
+        dict(size=(112, 262), fps=5.0, seconds=3.0, codec="mpeg4"),
+        SamplingOptions(fps=0.5, max_frames=6, min_frames=3),
+    ),
+    Case(
+        "qwen2_5_vl",
+        dict(size=(72, 114), rotation_deg=90, fps=12.5, seconds=3.0),
+        SamplingOptions(fps=1.0, max_frames=12, min_frames=10),
+    ),
+    Case(
+        "qwen2_5_vl",
+        dict(size=(146, 58), fps=29.97, seconds=2.0, bframes=3),
+        SamplingOptions(fps=3.7, max_frames=7, start_time_s=0.25, end_time_s=1.05, max_pixels=64 * 48),
+    ),
+    Case(
+        "qwen3_vl",
+        dict(size=(88, 90), fps=24.0, seconds=2.0, vfr=True),
+        SamplingOptions(fps=8.0, max_frames=15, min_frames=4, start_time_s=0.1, end_time_s=0.9),
+    ),
+    Case(
+        "qwen3_vl",
+        dict(size=(160, 96), rotation_deg=270, fps=10.0, seconds=1.0),
+        SamplingOptions(num_frames=7),
+    ),
 ]
 
 CONVERSATION = [
     {"role": "system", "content": [{"type": "text", "text": "answer in one word"}]},
     {"role": "user", "content": [{"type": "text", "text": "how many objects are there?"}]},
     {"role": "assistant", "content": [{"type": "text", "text": "two"}]},
-    {"role": "user", "content": [{"type": "text", "text": "in this"}, {"type": "video"},
-                                 {"type": "text", "text": "which direction does the square move?"}]},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "in this"},
+            {"type": "video"},
+            {"type": "text", "text": "which direction does the square move?"},
+        ],
+    },
 ]
 
 
@@ -88,7 +114,7 @@ def generate_tokens(model_dir: Path, family: str, data: bytes, sampling: Samplin
         inputs = reference_inputs(processor, video, CONVERSATION)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def pipeline_tokens(model_dir: Path, requests: list[tuple[bytes, SamplingOptions]]) -> list[list[int]]:
@@ -97,8 +123,12 @@ def pipeline_tokens(model_dir: Path, requests: list[tuple[bytes, SamplingOptions
     model = ModelConfig(model=str(model_dir))
 
     async def one(pipeline, data: bytes, sampling: SamplingOptions) -> list[int]:
-        request = AskRequest(messages=from_chat_template(CONVERSATION), media=MediaInput(data), sampling=sampling,
-                             generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS))
+        request = AskRequest(
+            messages=from_chat_template(CONVERSATION),
+            media=MediaInput(data),
+            sampling=sampling,
+            generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+        )
         async for item in pipeline.ask(request):
             if isinstance(item, AskSummary):
                 return item.token_ids
@@ -114,7 +144,11 @@ def pipeline_tokens(model_dir: Path, requests: list[tuple[bytes, SamplingOptions
 
 @pytest.mark.parametrize("family", sorted({case.family for case in CASES}))
 def test_clip_shapes_and_sampling_options_equal_generate(checkpoints, clips, family):
-    mine = [(clip.read_bytes(), case.sampling) for case, clip in zip(CASES, clips, strict=True) if case.family == family]
+    mine = [
+        (clip.read_bytes(), case.sampling)
+        for case, clip in zip(CASES, clips, strict=True)
+        if case.family == family
+    ]
     want = [generate_tokens(checkpoints[family], family, data, sampling) for data, sampling in mine]
     for tokens in want:
         assert len(tokens) >= 8 and len(set(tokens)) > 4, "the reference says too little to compare"

@@ -98,7 +98,9 @@ class FaultStack:
         return self.log.read_text()
 
     def check_alive(self) -> None:
-        assert self.launcher.poll() is None, f"the stack stopped (exit {self.launcher.poll()}):\n{self.log_text()}"
+        assert self.launcher.poll() is None, (
+            f"the stack stopped (exit {self.launcher.poll()}):\n{self.log_text()}"
+        )
 
 
 @dataclass
@@ -157,7 +159,9 @@ def media(stack, media_files) -> list[bytes]:
                  for role in ("encoder", "prefill")}  # fmt: skip
         if len(chosen) < 4 or len(homes) == 4:
             chosen.append(candidate)
-    assert len(chosen) == 5 and {home(m, stack.replicas["encoder"]) for m in chosen} == set(stack.replicas["encoder"])
+    assert len(chosen) == 5 and {home(m, stack.replicas["encoder"]) for m in chosen} == set(
+        stack.replicas["encoder"]
+    )
     return chosen
 
 
@@ -165,12 +169,20 @@ def request_keys() -> list[tuple[int, int]]:
     return [(i % 5, i % len(QUESTIONS)) for i in range(IN_FLIGHT)]
 
 
-async def one_request(client: AsyncEpdClient, media: list[bytes], key: tuple[int, int], progress: Counter) -> Outcome:
+async def one_request(
+    client: AsyncEpdClient, media: list[bytes], key: tuple[int, int], progress: Counter
+) -> Outcome:
     outcome = Outcome(key)
     tokens: list[int] = []
     try:
-        async for item in client.stream(media[key[0]], QUESTIONS[key[1]], num_frames=FRAMES, max_new_tokens=TOKENS,
-                                        ignore_eos=True, timeout_s=DEADLINE_S):
+        async for item in client.stream(
+            media[key[0]],
+            QUESTIONS[key[1]],
+            num_frames=FRAMES,
+            max_new_tokens=TOKENS,
+            ignore_eos=True,
+            timeout_s=DEADLINE_S,
+        ):
             progress["events"] += 1
             if isinstance(item, TokenDelta) and item.token_ids:
                 progress["tokens"] += len(item.token_ids)
@@ -202,8 +214,9 @@ async def run_batch(stack: FaultStack, media: list[bytes], fault=None) -> list[O
 async def replica_load(stack: FaultStack, address: str) -> tuple[int, int]:
     """(running + waiting requests, steps so far) over the replica's engine cores (its LoadService)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5,
-                                                                     metadata=stack.auth)
+        reply = await load_pb2_grpc.LoadServiceStub(channel).GetLoad(
+            load_pb2.GetLoadRequest(), timeout=5, metadata=stack.auth
+        )
     return (sum(c.num_running + c.num_waiting for c in reply.cores), sum(c.num_steps for c in reply.cores))
 
 
@@ -241,7 +254,9 @@ def wait_until(predicate, what: str, stack: FaultStack) -> None:
     deadline = time.monotonic() + WAIT_S
     while not predicate():
         stack.check_alive()
-        assert time.monotonic() < deadline, f"{what} did not happen within {WAIT_S:.0f} s:\n{stack.log_text()[-4000:]}"
+        assert time.monotonic() < deadline, (
+            f"{what} did not happen within {WAIT_S:.0f} s:\n{stack.log_text()[-4000:]}"
+        )
         time.sleep(0.2)
 
 
@@ -278,19 +293,23 @@ def check_outcomes(stage: str, outcomes: list[Outcome], reference: dict) -> None
     for o in outcomes:
         if o.code is not None or o.hung:
             print(f"  request {o.key}: {o.describe()}")
-    assert not [o for o in outcomes if o.hung or o.code == grpc.StatusCode.DEADLINE_EXCEEDED], \
-        [o.describe() for o in outcomes]
+    assert not [o for o in outcomes if o.hung or o.code == grpc.StatusCode.DEADLINE_EXCEEDED], [
+        o.describe() for o in outcomes
+    ]
     for o in outcomes:
         if o.code is None:
-            assert o.tokens == reference[o.key], f"request {o.key} completed with other tokens than with no fault"
+            assert o.tokens == reference[o.key], (
+                f"request {o.key} completed with other tokens than with no fault"
+            )
         else:
             kv_gone = o.code == grpc.StatusCode.NOT_FOUND and KV_GONE_ON_RETRY in o.message
             assert (o.code in CLEAR_FAILURES and o.message) or kv_gone, o.describe()
     assert kinds["ok"] > len(outcomes) // 2, [o.describe() for o in outcomes]
 
 
-async def steps_after_requests(stack: FaultStack, address: str, media: list[bytes], keys: list[tuple[int, int]],
-                               reference: dict) -> bool:
+async def steps_after_requests(
+    stack: FaultStack, address: str, media: list[bytes], keys: list[tuple[int, int]], reference: dict
+) -> bool:
     """Whether `address` took a step while these requests (each with its reference answer) ran."""
     _, before = await replica_load(stack, address)
     async with AsyncEpdClient(stack.gateway, timeout_s=DEADLINE_S, retry=NO_RETRY) as client:
@@ -323,8 +342,11 @@ def test_a_replica_killed_under_load_fails_no_request_silently_and_comes_back(st
         keys = request_keys()[:2]
     else:  # media homed there; the restarted replica's caches are empty, so it works on them
         keys = [k for k in dict.fromkeys(request_keys()) if home(media[k[0]], replicas) == victim][:2]
-    wait_until(lambda: asyncio.run(steps_after_requests(stack, victim, media, keys, reference)),
-               f"the restarted {stage} replica {victim} taking traffic", stack)
+    wait_until(
+        lambda: asyncio.run(steps_after_requests(stack, victim, media, keys, reference)),
+        f"the restarted {stage} replica {victim} taking traffic",
+        stack,
+    )
 
 
 def test_no_kv_cache_is_left_at_prefill(stack, media, reference):
@@ -333,7 +355,9 @@ def test_no_kv_cache_is_left_at_prefill(stack, media, reference):
     outcomes = asyncio.run(run_batch(stack, media))
     assert all(o.tokens == reference[o.key] for o in outcomes), [o.describe() for o in outcomes]
     for address in stack.replicas["prefill"]:
-        wait_until(lambda a=address: kv_held(stack, a) == (0, 0), f"prefill {address}'s KV store emptying", stack)
+        wait_until(
+            lambda a=address: kv_held(stack, a) == (0, 0), f"prefill {address}'s KV store emptying", stack
+        )
 
 
 def test_a_stopped_encoder_is_routed_around(stack, media, reference):
@@ -345,8 +369,11 @@ def test_a_stopped_encoder_is_routed_around(stack, media, reference):
     os.kill(pid, signal.SIGSTOP)
     try:
         # The gateway's stage check (every second on `epd serve`'s stack) gets no answer: out of routing.
-        wait_until(lambda: f"not serving (out of routing): encoder {victim}" in stack.log_text()[mark:],
-                   f"the gateway taking the stopped {victim} out of routing", stack)
+        wait_until(
+            lambda: f"not serving (out of routing): encoder {victim}" in stack.log_text()[mark:],
+            f"the gateway taking the stopped {victim} out of routing",
+            stack,
+        )
         keys = [k for k in dict.fromkeys(request_keys()) if home(media[k[0]], encoders) == victim]
         assert keys
 

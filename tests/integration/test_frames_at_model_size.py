@@ -50,8 +50,12 @@ def models(tiny_models, tmp_path_factory):
     def tiny(family: str):
         return build_checkpoint(tmp_path_factory.mktemp(family) / "m", TinyVLMSpec(family=family))
 
-    return {**tiny_models, "llava_onevision": tiny("llava_onevision"), "qwen3_vl": tiny("qwen3_vl"),
-            "qwen3_5": build_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "m")}
+    return {
+        **tiny_models,
+        "llava_onevision": tiny("llava_onevision"),
+        "qwen3_vl": tiny("qwen3_vl"),
+        "qwen3_5": build_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "m"),
+    }
 
 
 def _processor_pixels(adapter, frames: np.ndarray) -> dict:
@@ -107,8 +111,12 @@ def test_qwen3_frames_resized_one_at_a_time_are_the_processors_pixels_of_the_who
     torch.set_num_threads(2)  # the tower's threads split the processor's resize across frames
     try:
         for (height, width), num_frames, held in [
-            ((180, 320), 3, (192, 320)), ((180, 320), 8, (192, 320)), ((180, 320), 31, (128, 224)),
-            ((1080, 1920), 9, (256, 448)), ((1080, 1920), 3, (1080, 1920)), ((61, 97), 5, (64, 96)),
+            ((180, 320), 3, (192, 320)),
+            ((180, 320), 8, (192, 320)),
+            ((180, 320), 31, (128, 224)),
+            ((1080, 1920), 9, (256, 448)),
+            ((1080, 1920), 3, (1080, 1920)),
+            ((61, 97), 5, (64, 96)),
             ((30, 40), 2, (64, 96)),
         ]:
             frames = rng.integers(0, 256, size=(num_frames, height, width, 3), dtype=np.uint8)  # [T, H, W, 3]
@@ -117,9 +125,16 @@ def test_qwen3_frames_resized_one_at_a_time_are_the_processors_pixels_of_the_who
             resized = np.stack([resize(f) for f in frames])  # [T, h, w, 3]
             assert resized.shape[1:3] == held, (height, width, num_frames)
             times = [i / 2.0 for i in range(num_frames)]
-            groups = [adapter.preprocess(DecodedVideo(resized[i:i + 2], times[i:i + 2], 2.0, num_frames / 2, 2.0),
-                                         clip_num_frames=num_frames) for i in range(0, num_frames, 2)]
-            want = vp(videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+            groups = [
+                adapter.preprocess(
+                    DecodedVideo(resized[i : i + 2], times[i : i + 2], 2.0, num_frames / 2, 2.0),
+                    clip_num_frames=num_frames,
+                )
+                for i in range(0, num_frames, 2)
+            ]
+            want = vp(
+                videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt"
+            )
             assert torch.equal(torch.cat([g.pixel_values for g in groups]), want["pixel_values_videos"])
             _, grid_h, grid_w = want["video_grid_thw"][0].tolist()
             assert {g.grid_thw[1:] for g in groups} == {(grid_h, grid_w)}
@@ -147,11 +162,17 @@ def _assert_same_encoding(got, want) -> None:
     assert all(torch.equal(g, w) for g, w in zip(got.deepstack, want.deepstack, strict=True))
 
 
-@pytest.mark.parametrize("family,num_frames,model_size", [
-    ("qwen2_vl", 16, (84, 140)), ("qwen3_vl", 23, (160, 256)), ("qwen3_5", 24, (128, 256)),
-])
-def test_the_encoder_holds_frames_at_the_model_size_with_the_same_embeddings(models, wide_clip, family,
-                                                                             num_frames, model_size):
+@pytest.mark.parametrize(
+    "family,num_frames,model_size",
+    [
+        ("qwen2_vl", 16, (84, 140)),
+        ("qwen3_vl", 23, (160, 256)),
+        ("qwen3_5", 24, (128, 256)),
+    ],
+)
+def test_the_encoder_holds_frames_at_the_model_size_with_the_same_embeddings(
+    models, wide_clip, family, num_frames, model_size
+):
     adapter = load_adapter(ModelConfig(model=str(models[family])), "encoder")
     seen = _spy_on_preprocess(adapter)
     data = wide_clip.read_bytes()
@@ -233,10 +254,15 @@ def test_answer_about_a_shrunk_video_equals_generate(models, wide_clip, family):
     """generate() gets the frames as decoded (320x180) and its processor resizes them; the
     pipeline's decoder resized them already."""
     video = decode_for_test(wide_clip, 8)  # [8, 180, 320, 3]
-    if family == "llava_onevision":  # its processor takes no Qwen video kwargs (tests/integration/test_llava_onevision_adapter.py)
+    # its processor takes no Qwen video kwargs (tests/integration/test_llava_onevision_adapter.py)
+    if family == "llava_onevision":
         model, processor = whole_model(models[family])
-        text = processor.apply_chat_template(question_message(video, QUESTION), add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False})
+        text = processor.apply_chat_template(
+            question_message(video, QUESTION), add_generation_prompt=True, tokenize=False
+        )
+        inputs = processor(
+            text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False}
+        )
         with torch.inference_mode():
             generated = model.generate(**inputs, do_sample=False, max_new_tokens=12)
         want = generated[0, inputs["input_ids"].shape[1] :].tolist()

@@ -67,7 +67,9 @@ def stack(tiny_models, tmp_path_factory):
     extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY, "--max-upload-bytes", "200000"]}
     # With the internal secret, as deployed: the stage fuzzers present it (and check that calls
     # without it get UNAUTHENTICATED only), so the junk reaches the servicers behind the check.
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_fuzz"), extra=extra, internal_secret=True) as s:
+    with Stack(
+        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_fuzz"), extra=extra, internal_secret=True
+    ) as s:
         s.http_port = http_port
         yield s
 
@@ -81,7 +83,11 @@ JSON_LEAF = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40),
 )  # fmt: skip
-JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=20)  # noqa: E501
+JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20,
+)  # noqa: E501
 FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "media",
           "pruning", "stop", "n", "cache_salt", "stream_options")  # fmt: skip
 URLS = st.sampled_from(["data:video/mp4;base64,", "data:video/mp4;base64,!!!!", "data:,", "data:video/mp4,raw",
@@ -98,7 +104,9 @@ def chat_bodies(draw, video_url: str) -> bytes:
     url = video_url if kind == 2 else draw(URLS)
     content: Any = [{"type": "text", "text": draw(st.text(max_size=30))},
                     {"type": "video_url", "video_url": {"url": url}}]  # fmt: skip
-    body: dict[str, Any] = {"messages": [{"role": draw(st.sampled_from(["user", "system", "x", ""])), "content": content}]}
+    body: dict[str, Any] = {
+        "messages": [{"role": draw(st.sampled_from(["user", "system", "x", ""])), "content": content}]
+    }
     body["max_tokens"] = 2
     for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
         body[name] = draw(JSON)
@@ -111,7 +119,9 @@ def test_fuzz_http_chat_completions(stack, video_bytes):
     @FUZZ
     @given(body=chat_bodies(video_url))
     def run(body: bytes) -> None:
-        response = asyncio.run(asyncio.wait_for(request(stack.http_port, "POST", CHAT, body, AUTH), CALL_TIMEOUT_S))
+        response = asyncio.run(
+            asyncio.wait_for(request(stack.http_port, "POST", CHAT, body, AUTH), CALL_TIMEOUT_S)
+        )
         text = response.body.decode("utf-8", "replace")
         assert response.status < 500, (response.status, text[:1000])
         assert_no_leak(text)
@@ -132,9 +142,7 @@ HEADERS = st.builds(
 )  # fmt: skip
 
 
-ASK_STEPS = st.lists(
-    st.one_of(HEADERS, st.binary(max_size=100), st.integers(0, 1 << 20)), max_size=5
-)
+ASK_STEPS = st.lists(st.one_of(HEADERS, st.binary(max_size=100), st.integers(0, 1 << 20)), max_size=5)
 """An Ask stream in any order: a header, a junk chunk, or (an int n) the test video's first n bytes."""
 
 
@@ -158,7 +166,9 @@ def test_fuzz_grpc_ask_stream(stack, video_bytes):
                     pass
             except grpc.RpcError as error:
                 assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
-                    error.code(), error.details())
+                    error.code(),
+                    error.details(),
+                )
                 assert_no_leak(error.details() or "")
 
         run()
@@ -169,7 +179,9 @@ def test_healthy_and_answering_after_fuzzing(stack, media_files):
     response = asyncio.run(request(stack.http_port, "GET", "/health"))
     assert response.status == 200 and response.json() == {"status": "ok"}
     with EpdClient(stack.gateway, timeout_s=120, api_key=API_KEY) as client:
-        result = client.ask(media_files["mp4"], "what colour is the moving square?", num_frames=4, max_new_tokens=4)
+        result = client.ask(
+            media_files["mp4"], "what colour is the moving square?", num_frames=4, max_new_tokens=4
+        )
     assert result.token_ids
 
 
@@ -212,7 +224,9 @@ def protos(draw, cls, depth: int = 0):
         if entry is not None and entry.GetOptions().map_entry:  # map<string, string> (knobs): junk text
             key, val = entry.fields_by_name["key"], entry.fields_by_name["value"]
             if key.type == val.type == FieldDescriptor.TYPE_STRING:
-                getattr(message, field.name).update(draw(st.dictionaries(st.text(max_size=15), st.text(max_size=15), max_size=3)))
+                getattr(message, field.name).update(
+                    draw(st.dictionaries(st.text(max_size=15), st.text(max_size=15), max_size=3))
+                )
         elif field.is_repeated:
             values = draw(st.lists(_value(field, depth), max_size=3))
             getattr(message, field.name).extend(values)
@@ -225,7 +239,9 @@ def protos(draw, cls, depth: int = 0):
     return message
 
 
-WRONG_SECRET = (("x-epd-internal-auth", TEST_INTERNAL_SECRET[:-1] + ("0" if TEST_INTERNAL_SECRET[-1] != "0" else "1")),)
+WRONG_SECRET = (
+    ("x-epd-internal-auth", TEST_INTERNAL_SECRET[:-1] + ("0" if TEST_INTERNAL_SECRET[-1] != "0" else "1")),
+)
 
 STAGE_CALLS = [
     # stage, stub class, method, request class, client-streaming?
@@ -250,7 +266,9 @@ def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_cl
             authed = auth >= 2
             metadata = INTERNAL_AUTH_METADATA if authed else () if auth == 0 else WRONG_SECRET
             try:
-                answer = call(iter(messages) if streaming else messages[0], timeout=CALL_TIMEOUT_S, metadata=metadata)
+                answer = call(
+                    iter(messages) if streaming else messages[0], timeout=CALL_TIMEOUT_S, metadata=metadata
+                )
                 if not isinstance(answer, Message):
                     for _ in answer:
                         pass
@@ -260,7 +278,9 @@ def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_cl
                     assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (error.code(), error.details())
                     assert TEST_INTERNAL_SECRET[:16] not in (error.details() or ""), error.details()
                 assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
-                    error.code(), error.details())
+                    error.code(),
+                    error.details(),
+                )
                 assert_no_leak(error.details() or "")
 
         run()

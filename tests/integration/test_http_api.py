@@ -88,8 +88,9 @@ def ask_http(client, url: str, kind: str = "video_url", **kwargs):
     "kind,fmt,mime", [("video_url", "mp4", "video/mp4"), ("image_url", "png", "image/png")]
 )
 def test_non_streaming_matches_grpc(client, grpc_client, media_files, kind, fmt, mime):
-    expected = grpc_client.ask(media_files[fmt], messages=TEXT_FIRST,
-                               num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
+    expected = grpc_client.ask(
+        media_files[fmt], messages=TEXT_FIRST, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS
+    )
     completion = ask_http(client, data_url(media_files[fmt], mime), kind)
 
     assert completion.object == "chat.completion"
@@ -103,8 +104,9 @@ def test_non_streaming_matches_grpc(client, grpc_client, media_files, kind, fmt,
 
 
 def test_streaming_matches_grpc(client, grpc_client, media_files):
-    expected = grpc_client.ask(media_files["mp4"], messages=TEXT_FIRST,
-                               num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
+    expected = grpc_client.ask(
+        media_files["mp4"], messages=TEXT_FIRST, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS
+    )
     stream = ask_http(
         client, data_url(media_files["mp4"], "video/mp4"), stream=True, stream_options={"include_usage": True}
     )
@@ -124,7 +126,9 @@ def test_streaming_matches_grpc(client, grpc_client, media_files):
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
-def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(client, grpc_client, media_files):
+def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(
+    client, grpc_client, media_files
+):
     pruning = {"preset": "balanced", "knobs": {"prefill_drop_layer": 1}}
     expected = grpc_client.ask(media_files["mp4"], messages=TEXT_FIRST,
                                num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS,
@@ -146,8 +150,9 @@ def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(c
 
 
 def test_allowed_local_path_and_file_url(client, grpc_client, allowed_dir, media_files):
-    expected = grpc_client.ask(media_files["mp4"], messages=TEXT_FIRST,
-                               num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS)
+    expected = grpc_client.ask(
+        media_files["mp4"], messages=TEXT_FIRST, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS
+    )
     by_path = ask_http(client, str(allowed_dir / "clip.mp4"))
     by_url = ask_http(client, (allowed_dir / "clip.mp4").as_uri())
     assert by_path.epd["token_ids"] == by_url.epd["token_ids"] == expected.token_ids

@@ -40,7 +40,9 @@ def _channel(address: str, credentials: grpc.ChannelCredentials | None = None) -
 def _get_load(address: str, metadata=(), credentials=None) -> grpc.StatusCode | str:
     with _channel(address, credentials) as channel:
         try:
-            load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=10, metadata=metadata)
+            load_pb2_grpc.LoadServiceStub(channel).GetLoad(
+                load_pb2.GetLoadRequest(), timeout=10, metadata=metadata
+            )
         except grpc.RpcError as exc:
             return exc.details() if exc.code() == grpc.StatusCode.UNAUTHENTICATED else exc.code()
     return grpc.StatusCode.OK
@@ -82,8 +84,11 @@ def test_prefill_refuses_kv_pulls_and_releases_without_the_secret(stack):
             stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"), timeout=10)
         with pytest.raises(grpc.RpcError) as pull:
             list(stub.PullKv(prefill_pb2.PullKvRequest(kv_handle="no-such-handle"), timeout=10))
-        answer = stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"), timeout=10,
-                                metadata=INTERNAL_AUTH_METADATA)
+        answer = stub.ReleaseKv(
+            prefill_pb2.ReleaseKvRequest(kv_handle="no-such-handle"),
+            timeout=10,
+            metadata=INTERNAL_AUTH_METADATA,
+        )
     for refused in (release.value, pull.value):
         assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
         assert MISSING_SECRET_MESSAGE in refused.details()
@@ -94,14 +99,26 @@ def test_a_gateway_without_the_secret_gets_its_stage_calls_refused(stack, media_
     """The other side: a front door that does not know the secret cannot use the stages."""
     port = free_port()
     env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
-    cmd = epd_command("serve", "gateway", "--port", str(port), "--encoder", stack.address("encoder"),
-                      "--prefill", stack.address("prefill"), "--decode", stack.address("decode"))
+    cmd = epd_command(
+        "serve",
+        "gateway",
+        "--port",
+        str(port),
+        "--encoder",
+        stack.address("encoder"),
+        "--prefill",
+        stack.address("prefill"),
+        "--decode",
+        stack.address("decode"),
+    )
     with open(tmp_path / "gateway.log", "w") as log:
         gateway = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 60
         while not _serving_or_none(f"127.0.0.1:{port}"):
-            assert gateway.poll() is None and time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
+            assert gateway.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "gateway.log"
+            ).read_text()
             time.sleep(0.2)
         with EpdClient(f"127.0.0.1:{port}", timeout_s=60) as client, pytest.raises(Exception) as failed:
             client.ask(media_files["png"], QUESTION, **OPTIONS)
@@ -132,10 +149,26 @@ def test_epd_serve_makes_its_own_secret_and_serves_tls_keys_and_limits(tiny_mode
     tls = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", pki["ca"], "--tls-client-ca", pki["stranger_ca"]]
     env = {k: v for k, v in child_env().items() if k not in ("EPD_INTERNAL_SECRET", "EPD_API_KEY")}
     with open(tmp_path / "stack.log", "w") as log:
-        launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
-                                                "--api-key", API_KEY, "--max-requests-per-api-key", "3", *tls,
-                                                *flags), stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                                    cwd=ROOT)
+        launcher = subprocess.Popen(
+            epd_command(
+                "serve",
+                "--model",
+                str(tiny_models["qwen2_vl"]),
+                "--http-port",
+                "0",
+                "--api-key",
+                API_KEY,
+                "--max-requests-per-api-key",
+                "3",
+                *tls,
+                *flags,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
     try:
         assert launcher.stdout is not None
         line = launcher.stdout.readline()
@@ -163,21 +196,51 @@ def test_epd_serve_makes_its_own_secret_and_serves_tls_keys_and_limits(tiny_mode
             _serving(gateway_address, _credentials(pki, None))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         stranger_cert, stranger_key = pki["stranger"]
-        sdk = {"root_certificates_path": pki["ca"], "client_certificate_path": stranger_cert,
-               "client_key_path": stranger_key}
+        sdk = {
+            "root_certificates_path": pki["ca"],
+            "client_certificate_path": stranger_cert,
+            "client_key_path": stranger_key,
+        }
         with EpdClient(gateway_address, api_key=API_KEY, **sdk) as client:
             answer = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
-        with EpdClient(gateway_address, api_key="not-the-key", **sdk) as client, pytest.raises(EpdError) as denied:
+        with (
+            EpdClient(gateway_address, api_key="not-the-key", **sdk) as client,
+            pytest.raises(EpdError) as denied,
+        ):
             client.ask(media_files["mp4"], QUESTION, **OPTIONS)
         assert denied.value.code == grpc.StatusCode.UNAUTHENTICATED
-        ask = ["ask", str(media_files["mp4"]), QUESTION, "--endpoint", gateway_address, "--api-key", API_KEY,
-               "--num-frames", "4", "--max-new-tokens", "6", "--json", "--tls-ca", pki["ca"]]
-        cli = subprocess.run(epd_command(*ask, "--tls-cert", stranger_cert, "--tls-key", stranger_key),
-                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        ask = [
+            "ask",
+            str(media_files["mp4"]),
+            QUESTION,
+            "--endpoint",
+            gateway_address,
+            "--api-key",
+            API_KEY,
+            "--num-frames",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--tls-ca",
+            pki["ca"],
+        ]
+        cli = subprocess.run(
+            epd_command(*ask, "--tls-cert", stranger_cert, "--tls-key", stranger_key),
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert cli.returncode == 0, cli.stderr
         assert json.loads(cli.stdout)["token_ids"] == list(answer.token_ids)
-        no_cert = subprocess.run(epd_command(*ask), capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-        assert no_cert.returncode == 1 and "UNAVAILABLE" in no_cert.stderr and "Traceback" not in no_cert.stderr
+        no_cert = subprocess.run(
+            epd_command(*ask), capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+        )
+        assert (
+            no_cert.returncode == 1 and "UNAVAILABLE" in no_cert.stderr and "Traceback" not in no_cert.stderr
+        )
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)
@@ -188,15 +251,23 @@ def test_epd_serve_makes_its_own_secret_and_serves_tls_keys_and_limits(tiny_mode
 def test_a_stage_without_the_secret_does_not_start_wherever_it_binds(host, where):
     """Off only by an explicit flag (--insecure-no-internal-auth), on loopback too."""
     env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
-    proc = subprocess.run(epd_command("serve", "decode", "--host", host, "--port", str(free_port())),
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        epd_command("serve", "decode", "--host", host, "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"epd serve decode: refusing to serve {where} without the internal secret")
     assert "--insecure-no-internal-auth" in line
 
 
-def test_a_rotation_mid_rollout_serves_callers_holding_the_old_or_the_new_secret(tiny_models, tmp_path, media_files):
+def test_a_rotation_mid_rollout_serves_callers_holding_the_old_or_the_new_secret(
+    tiny_models, tmp_path, media_files
+):
     """Rotating the internal secret without downtime (docs/security.md): the stages already hold
     [new, old] in their secret file (decode presents the new one to prefill), while the gateway
     has not been restarted yet and presents the old one. The stack answers; each stage takes
@@ -250,7 +321,9 @@ def test_a_secret_file_rotates_in_place_without_a_restart(tiny_models, tmp_path,
     old, new = (secrets.token_hex(32) for _ in range(2))
     path = tmp_path / "internal-secret"
     path.write_text(f"{old}\n")
-    extra = {role: ["--internal-secret-file", str(path)] for role in ("encoder", "prefill", "decode", "gateway")}
+    extra = {
+        role: ["--internal-secret-file", str(path)] for role in ("encoder", "prefill", "decode", "gateway")
+    }
     logs = tmp_path / "logs"
     stages = ("encoder", "prefill", "decode")
 

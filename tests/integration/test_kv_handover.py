@@ -100,9 +100,12 @@ async def prefilled(stack: Stack, video: bytes, request_id: str) -> PrefillHandl
     encoder = RemoteEncodeStage(ReplicaPool([stack.address("encoder")]), 60.0, MAX_TRANSFER_BYTES)
     prefill = RemotePrefillStage(ReplicaPool([stack.address("prefill")]), 60.0)
     try:
-        media = await encoder.encode(MediaInput(video), SamplingOptions(num_frames=4), lambda e: None, request_id)
-        return await prefill.prefill(question_messages(QUESTION), media, GenerationConfig(max_new_tokens=4),
-                                     request_id)
+        media = await encoder.encode(
+            MediaInput(video), SamplingOptions(num_frames=4), lambda e: None, request_id
+        )
+        return await prefill.prefill(
+            question_messages(QUESTION), media, GenerationConfig(max_new_tokens=4), request_id
+        )
     finally:
         await encoder.close()
         await prefill.close()
@@ -242,8 +245,14 @@ def test_a_killed_gateway_fails_its_requests_clearly(stack, media_files):
     client = EpdClient(stack.gateway, timeout_s=120.0, metadata=(("x-request-id", "killed-gw-1"),))
     tokens = 0
     with pytest.raises(EpdError) as failed:
-        for item in client.stream(media_files["mp4"], QUESTION, num_frames=4, max_new_tokens=4000,
-                                  ignore_eos=True, request_id="killed-gw-1"):
+        for item in client.stream(
+            media_files["mp4"],
+            QUESTION,
+            num_frames=4,
+            max_new_tokens=4000,
+            ignore_eos=True,
+            request_id="killed-gw-1",
+        ):
             if isinstance(item, TokenDelta) and item.token_ids:
                 tokens += len(item.token_ids)
                 # The first token comes with prefill's answer, the second from the decoder, which
@@ -256,8 +265,13 @@ def test_a_killed_gateway_fails_its_requests_clearly(stack, media_files):
     assert failed.value.code == grpc.StatusCode.UNAVAILABLE
     # The decoder's call was cancelled with the connection: its running request is gone.
     wait_until(lambda: decode_running(stack) == 0, "the decoder dropping the dead gateway's request")
-    wait_until(lambda: "generation of request killed-gw-1 cancelled by its caller"
-               in (stack.log_dir / "decode.log").read_text(), "the decoder's cancellation line")
+    wait_until(
+        lambda: (
+            "generation of request killed-gw-1 cancelled by its caller"
+            in (stack.log_dir / "decode.log").read_text()
+        ),
+        "the decoder's cancellation line",
+    )
     decode_log = (stack.log_dir / "decode.log").read_text()
     assert "rpc /epd.v1.DecodeService/Generate CANCELLED" in decode_log
     assert "num_tokens=4000" not in decode_log  # it did not simply finish
@@ -265,8 +279,9 @@ def test_a_killed_gateway_fails_its_requests_clearly(stack, media_files):
 
     # A restarted gateway (same port) serves again.
     with open(stack.log_dir / "gateway-restarted.log", "w") as log:
-        stack.procs["gateway"] = subprocess.Popen(stack.command("gateway"), stdout=log, stderr=subprocess.STDOUT,
-                                                  env=child_env(), cwd=ROOT)
+        stack.procs["gateway"] = subprocess.Popen(
+            stack.command("gateway"), stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT
+        )
     wait_until(lambda: is_serving(stack.gateway, timeout_s=1.0), "the restarted gateway serving")
     with EpdClient(stack.gateway, timeout_s=120.0) as again:
         result = again.ask(media_files["mp4"], QUESTION, num_frames=4, max_new_tokens=4)

@@ -29,8 +29,11 @@ def chat(port: int, media: bytes, kind: str, max_tokens: int) -> dict:
             "media": {"num_frames": FRAMES},
             "messages": [{"role": "user", "content": [{"type": kind, kind: {"url": url}},
                                                       {"type": "text", "text": "what moves?"}]}]}  # fmt: skip
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.loads(reply.read())
 
@@ -62,7 +65,15 @@ def test_a_cache_lost_with_its_prefill_replica_is_prefilled_again(tiny_models, m
     stack.extra["gateway"] = ["--prefill", ",".join(prefills), "--http-port", str(http_port)]
     stack.extra["decode"] = ["--max-running-requests", "1"]  # the second request waits for the first
     (tmp_path / "logs").mkdir(parents=True)
-    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]), *INSECURE_STAGE]
+    argv = [
+        "serve",
+        "prefill",
+        "--port",
+        second.rsplit(":", 1)[1],
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        *INSECURE_STAGE,
+    ]
     replica = zygote().start("prefill-2", argv, child_env(), str(tmp_path / "logs" / "prefill-2.log"))
     try:
         with stack:

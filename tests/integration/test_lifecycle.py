@@ -80,16 +80,25 @@ def _processes_naming(text: str) -> list[psutil.Process]:
 
 
 def _stack_ports() -> list[str]:
-    return [flag for name in ("gateway", "encoder", "prefill", "decode")
-            for flag in (f"--{name}-port", str(free_port()))]
+    return [
+        flag
+        for name in ("gateway", "encoder", "prefill", "decode")
+        for flag in (f"--{name}-port", str(free_port()))
+    ]
 
 
 @pytest.mark.parametrize("how", sorted(REASONS))
 def test_serve_on_a_broken_model_says_why_in_one_line(tiny_models, tmp_path, how):
     model = _break(tiny_models["qwen2_vl"], how, tmp_path)
     started = time.monotonic()
-    proc = subprocess.run(epd_command("serve", "--model", str(model), "--http-port", "0", *_stack_ports()),
-                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        epd_command("serve", "--model", str(model), "--http-port", "0", *_stack_ports()),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
     took_s = time.monotonic() - started
     assert proc.returncode == EXIT_MODEL, proc.stderr
     assert proc.stderr.startswith(f"epd: cannot load {model}: "), proc.stderr
@@ -101,17 +110,30 @@ def test_serve_on_a_broken_model_says_why_in_one_line(tiny_models, tmp_path, how
 def test_one_service_reports_its_model_and_closes_cleanly(tiny_models, tmp_path):
     """The service checks too (it may be started alone, by compose or Kubernetes)."""
     model = _break(tiny_models["qwen2_vl"], "truncated weights", tmp_path)
-    proc = subprocess.run(epd_command("serve", "prefill", "--port", str(free_port()), "--model", str(model),
-                                      *INSECURE_STAGE),
-                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        epd_command("serve", "prefill", "--port", str(free_port()), "--model", str(model), *INSECURE_STAGE),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == EXIT_MODEL, proc.stderr
-    assert proc.stderr.strip() == f"epd: prefill cannot load {model}: model.safetensors is truncated or corrupt"
+    assert (
+        proc.stderr.strip() == f"epd: prefill cannot load {model}: model.safetensors is truncated or corrupt"
+    )
 
 
 def test_ask_embedded_on_an_unsupported_model_prints_the_reason(tiny_models, media_files, tmp_path):
     model = _break(tiny_models["qwen2_vl"], "unsupported model_type", tmp_path)
-    proc = subprocess.run(epd_command("ask", str(media_files["png"]), "what is it?", "--model", str(model)),
-                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180)
+    proc = subprocess.run(
+        epd_command("ask", str(media_files["png"]), "what is it?", "--model", str(model)),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=180,
+    )
     assert proc.returncode == EXIT_MODEL, proc.stderr  # as `epd serve`'s (it was 1, "FAILED_PRECONDITION")
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"epd: cannot load {model}: "), proc.stderr
@@ -134,15 +156,26 @@ def _roles(children: list[psutil.Process]) -> dict[str, psutil.Process]:
     return found
 
 
-def _start_stack(tiny_models, tmp_path, *flags: str, tmpdir: Path | None = None,
-                 ) -> tuple[subprocess.Popen, list[psutil.Process]]:
+def _start_stack(
+    tiny_models,
+    tmp_path,
+    *flags: str,
+    tmpdir: Path | None = None,
+) -> tuple[subprocess.Popen, list[psutil.Process]]:
     log = open(tmp_path / "stack.log", "w")  # noqa: SIM115 - the launcher's stderr; closed with the test's tmp_path
     env = {name: value for name, value in child_env().items() if name not in OPENMP_WAIT_SETTINGS}
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
-    launcher = subprocess.Popen(epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0",
-                                            *_stack_ports(), *flags), stdout=subprocess.PIPE, stderr=log, text=True,
-                                env=env, cwd=ROOT)
+    launcher = subprocess.Popen(
+        epd_command(
+            "serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0", *_stack_ports(), *flags
+        ),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         _wait_ready(launcher, "the stack")
     except BaseException:
@@ -282,10 +315,14 @@ def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, killed_la
     is the machine's, and a board it swept could be one a stack killed under another temp directory
     had just left (this test failed while other helpers' launchers started on the machine)."""
     files_dir, left = killed_launcher.files_dir, killed_launcher.left
-    assert len(left) == 2 and killed_launcher.found == [path.name for path in left] + ["internal-secret"], left
+    assert len(left) == 2 and killed_launcher.found == [path.name for path in left] + ["internal-secret"], (
+        left
+    )
     elsewhere = tmp_path / "another-launchers-tmp"
     elsewhere.mkdir()
-    remove_dead_stacks(str(elsewhere), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX)
+    remove_dead_stacks(
+        str(elsewhere), STACK_DIR_PREFIX, str(board_directory()), stack_board_name, BOARD_PREFIX
+    )
     assert all(path.exists() for path in left), left
 
     second, _ = _start_stack(tiny_models, tmp_path, tmpdir=files_dir)
@@ -307,8 +344,9 @@ def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path, signum):
         pytest.skip("run under nohup: the launcher inherits SIGHUP ignored, and keeps it so by design")
     files_dir = tmp_path / "tmp"
     files_dir.mkdir()
-    launcher, children = _start_stack(tiny_models, tmp_path, "--grace-period", str(IDLE_STOP_GRACE_S),
-                                      tmpdir=files_dir)
+    launcher, children = _start_stack(
+        tiny_models, tmp_path, "--grace-period", str(IDLE_STOP_GRACE_S), tmpdir=files_dir
+    )
     try:
         assert len(_roles(children)) == 4
         started = time.monotonic()
@@ -335,8 +373,9 @@ def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path
     result (drained within --grace-period), then the service exits 0. The encoder is forked from
     the session's zygote, as `epd serve` starts one (its start-up is not what this tests)."""
     signalled: list[str] = []
-    with stage_replica("encoder", tiny_models["qwen2_vl"], tmp_path, "--grace-period", "30",
-                       "--decode-workers", "1") as (address, encoder):
+    with stage_replica(
+        "encoder", tiny_models["qwen2_vl"], tmp_path, "--grace-period", "30", "--decode-workers", "1"
+    ) as (address, encoder):
 
         def on_event(event) -> None:
             if not signalled:
@@ -349,7 +388,9 @@ def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path
             try:
                 stage = RemoteEncodeStage(pool, timeout_s=120, max_transfer_bytes=1 << 30)
                 media = MediaInput(media_files["mp4"].read_bytes())
-                return await stage.encode(media, SamplingOptions(num_frames=32, max_frames=32), on_event, "drain")
+                return await stage.encode(
+                    media, SamplingOptions(num_frames=32, max_frames=32), on_event, "drain"
+                )
             finally:
                 await pool.close()
 
@@ -364,7 +405,9 @@ def _stack_address(launcher_argv: list[str]) -> str:
     return f"127.0.0.1:{launcher_argv[launcher_argv.index('--gateway-port') + 1]}"
 
 
-def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(tiny_models, media_files, tmp_path):
+def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(
+    tiny_models, media_files, tmp_path
+):
     """systemd's default stop (KillMode=control-group) signals every process of the stack at once,
     beside the launcher: the services got SIGTERM from it, then from the launcher passing its own
     on, and the model services another from PR_SET_PDEATHSIG when the zygote died of it. The later
@@ -378,9 +421,12 @@ def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(t
     num_tokens = 0
     try:
         with EpdClient(_stack_address(launcher.args), retry=RetryPolicy(max_attempts=1)) as client:
-            for item in client.stream(media_files["mp4"], "what?", num_frames=4, max_new_tokens=2000, ignore_eos=True):
+            for item in client.stream(
+                media_files["mp4"], "what?", num_frames=4, max_new_tokens=2000, ignore_eos=True
+            ):
                 if isinstance(item, TokenDelta):
-                    if num_tokens == 1:  # decoding (token 1 came with prefill's answer): every process at once
+                    # decoding (token 1 came with prefill's answer): every process at once
+                    if num_tokens == 1:
                         for proc in [psutil.Process(launcher.pid), *children]:
                             with contextlib.suppress(psutil.NoSuchProcess):
                                 proc.send_signal(signal.SIGTERM)

@@ -184,10 +184,14 @@ def _prompt_and_embeds(vision, language, media_files, media, num_frames):
 
 
 def test_chunked_and_batched_prefill_equal_prefill_alone(vision, language, media_files):
-    (p1, e1), (p2, e2) = (_prompt_and_embeds(vision, language, media_files, m, n) for m, n in (("mp4", 8), ("png", 1)))
+    (p1, e1), (p2, e2) = (
+        _prompt_and_embeds(vision, language, media_files, m, n) for m, n in (("mp4", 8), ("png", 1))
+    )
     alone = [language.prefill(p, e) for p, e in ((p1, e1), (p2, e2))]
     # both prompts in one padded forward
-    rows = language.prefill_chunks([PrefillChunk(p1, e1, 0, p1.num_tokens), PrefillChunk(p2, e2, 0, p2.num_tokens)])
+    rows = language.prefill_chunks(
+        [PrefillChunk(p1, e1, 0, p1.num_tokens), PrefillChunk(p2, e2, 0, p2.num_tokens)]
+    )
     for got, want in zip(rows, alone, strict=True):
         assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)
         kv = language.chunk_cache_to_kv(got.cache)
@@ -199,8 +203,12 @@ def test_chunked_and_batched_prefill_equal_prefill_alone(vision, language, media
         (result,) = language.prefill_chunks([PrefillChunk(p1, e1, start, end, cache)])
         cache = result.cache
     assert torch.allclose(result.last_logits, alone[0].last_logits, atol=1e-4)
-    assert greedy(language, type(alone[0])(language.chunk_cache_to_kv(cache), result.last_logits,
-                                            alone[0].next_position_ids, p1.num_tokens)) == greedy(language, alone[0])
+    assert greedy(
+        language,
+        type(alone[0])(
+            language.chunk_cache_to_kv(cache), result.last_logits, alone[0].next_position_ids, p1.num_tokens
+        ),
+    ) == greedy(language, alone[0])
 
 
 def test_batched_decode_equals_decoding_each_request_alone(vision, language, media_files):
@@ -229,9 +237,7 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
     )
     expected = {vision_key(k): v for k, v in model.state_dict().items() if vision_key(k)}
     assert_same_state(tower_only.visual.state_dict(), expected)
-    expected = {
-        k: v for k, v in model.state_dict().items() if language_key(k) and k != "model.image_newline"
-    }
+    expected = {k: v for k, v in model.state_dict().items() if language_key(k) and k != "model.image_newline"}
     assert_same_state(language_only.model.state_dict(), expected)
     assert torch.equal(language_only.image_newline, model.model.image_newline)
 
@@ -277,12 +283,16 @@ def test_layerwise_pruning_is_refused_by_name_and_the_sizes_are_described(langua
     dims = language.text_dims
     c = language.hf_config.text_config
     assert (dims.num_layers, dims.hidden_size, dims.num_kv_heads) == (
-        c.num_hidden_layers, c.hidden_size, c.num_key_value_heads
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_key_value_heads,
     )
     assert language.kv_bytes_per_token == 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4
     embeds = language.embed(torch.tensor([[1, 2, 3]]))
     assert embeds.shape == (1, 3, dims.hidden_size)
-    with pytest.raises(UnsupportedByFamily, match="LlavaOnevisionAdapter cannot run its decoder layer by layer"):
+    with pytest.raises(
+        UnsupportedByFamily, match="LlavaOnevisionAdapter cannot run its decoder layer by layer"
+    ):
         language.layerwise_prefill(embeds, torch.arange(3).view(1, 1, 3).expand(4, 1, 3))
     with pytest.raises(UnsupportedByFamily, match="LlavaOnevisionAdapter"):
         language.capture_queries([0], torch.tensor([2]))

@@ -141,7 +141,9 @@ def assert_no_internals(text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "path,make_body,headers,status,match", [case[1:] for case in HTTP_CASES], ids=[case[0] for case in HTTP_CASES]
+    "path,make_body,headers,status,match",
+    [case[1:] for case in HTTP_CASES],
+    ids=[case[0] for case in HTTP_CASES],
 )
 def test_malformed_http_request(stack, video_url, path, make_body, headers, status, match):
     response = asyncio.run(request(stack.http_port, "POST", path, make_body(video_url), headers or AUTH))
@@ -279,7 +281,9 @@ def test_a_client_past_its_requests_in_flight_gets_429_and_resource_exhausted(st
         held = loop.run_until_complete(hold_two())
         http_third = loop.run_until_complete(request(stack.http_port, "POST", CHAT, b"[]", AUTH))
         data = media_files["mp4"].read_bytes()
-        grpc_error = _grpc_ask(stack, gateway_pb2.AskHeader(question=QUESTION, media_num_bytes=len(data)), data)
+        grpc_error = _grpc_ask(
+            stack, gateway_pb2.AskHeader(question=QUESTION, media_num_bytes=len(data)), data
+        )
         with EpdClient(stack.gateway, timeout_s=60, api_key=API_KEY, retry=NO_RETRY) as client:
             with pytest.raises(EpdError, match="--max-requests-per-client") as sdk_error:
                 client.ask(data, QUESTION, max_new_tokens=2)
@@ -301,7 +305,9 @@ def test_a_client_past_its_requests_in_flight_gets_429_and_resource_exhausted(st
 def test_an_sdk_upload_over_the_limit_is_not_marked_busy(stack):
     """A limit (HTTP's 413: send less) carries no retry mark, so a RetryPolicy that lists
     RESOURCE_EXHAUSTED does not send the same too-large video again (`RetryPolicy.should_retry`)."""
-    retry = RetryPolicy(max_attempts=3, retryable=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED))
+    retry = RetryPolicy(
+        max_attempts=3, retryable=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    )
     with EpdClient(stack.gateway, timeout_s=60, api_key=API_KEY, retry=retry) as client:
         with pytest.raises(EpdError, match="--max-upload-bytes") as info:
             client.ask(b"\0" * (UPLOAD_LIMIT_BYTES + 1), QUESTION, max_new_tokens=2)

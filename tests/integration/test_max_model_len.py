@@ -55,24 +55,34 @@ def case(tiny_models, media_files) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
     context = config.get("text_config", config)["max_position_embeddings"]
     assert prompt + ROOM < context  # the cap lowers the model's context
-    return {"model": model_dir, "video": media_files["mp4"].read_bytes(), "prompt": prompt, "context": context,
-            "cap": prompt + ROOM, "tokens": reference_tokens(model_dir, video, QUESTION, ROOM)}
+    return {
+        "model": model_dir,
+        "video": media_files["mp4"].read_bytes(),
+        "prompt": prompt,
+        "context": context,
+        "cap": prompt + ROOM,
+        "tokens": reference_tokens(model_dir, video, QUESTION, ROOM),
+    }
 
 
 def _over_the_cap(case: dict) -> str:
     """Prefill's refusal of max_tokens ROOM + 1 under the cap: the context check's message, the cap
     as the context."""
     prompt, cap = case["prompt"], case["cap"]
-    return (f"this model's context is {cap} tokens, but the request needs {cap + 1}: {prompt} in the prompt and up "
-            f"to {ROOM + 1} to generate (max_tokens); send a shorter conversation or fewer frames, or ask for fewer "
-            "tokens")
+    return (
+        f"this model's context is {cap} tokens, but the request needs {cap + 1}: {prompt} in the prompt and up "
+        f"to {ROOM + 1} to generate (max_tokens); send a shorter conversation or fewer frames, or ask for fewer "
+        "tokens"
+    )
 
 
 def _no_room_for_a_prompt(case: dict) -> str:
     """The gateway's refusal, before the encode, of a max_tokens that fills the whole cap."""
-    return (f"max_tokens is {case['cap']}, but this model's context is {case['cap']} tokens (max_model_len) and "
-            "must hold the prompt too: ask for fewer tokens (the context less the prompt's), or leave max_tokens "
-            "unset to get what the prompt leaves")
+    return (
+        f"max_tokens is {case['cap']}, but this model's context is {case['cap']} tokens (max_model_len) and "
+        "must hold the prompt too: ask for fewer tokens (the context less the prompt's), or leave max_tokens "
+        "unset to get what the prompt leaves"
+    )
 
 
 def test_the_stack_serves_within_max_model_len_and_refuses_past_it(case, tmp_path):
@@ -99,7 +109,10 @@ def test_the_stack_serves_within_max_model_len_and_refuses_past_it(case, tmp_pat
         assert unset.token_ids == case["tokens"]  # the default fitted to the room (see below)
         status, body = _chat(http_port, case["video"], max_tokens=ROOM)
         assert status == 200, body
-        assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (case["prompt"], len(case["tokens"]))
+        assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (
+            case["prompt"],
+            len(case["tokens"]),
+        )
         _assert_the_default_fits_the_room(http_port, case)
 
 
@@ -117,8 +130,12 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
 
     def ask(pipeline, max_new_tokens: int, fit: bool = False, question: str = QUESTION) -> AskSummary:
         generation = GenerationConfig(max_new_tokens=max_new_tokens, fit_max_new_tokens=fit)
-        request = AskRequest(question_messages(question), MediaInput(case["video"]),
-                             SamplingOptions(num_frames=NUM_FRAMES), generation)
+        request = AskRequest(
+            question_messages(question),
+            MediaInput(case["video"]),
+            SamplingOptions(num_frames=NUM_FRAMES),
+            generation,
+        )
 
         async def run():
             return [item async for item in pipeline.ask(request)][-1]
@@ -136,7 +153,9 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
         finally:
             await http.stop(0.5)
 
-    with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=case["cap"])) as pipeline:
+    with build_embedded_pipeline(
+        model, prefill=PrefillConfig(model=model, max_model_len=case["cap"])
+    ) as pipeline:
         with pytest.raises(InvalidRequest) as refused:
             ask(pipeline, ROOM + 1)
         assert str(refused.value) == _over_the_cap(case)
@@ -149,8 +168,11 @@ def test_the_embedded_pipeline_serves_within_max_model_len_and_refuses_past_it(c
         assert answered.token_ids == case["tokens"] and answered.num_prompt_tokens == case["prompt"]
         assert ask(pipeline, ROOM + 1, fit=True).token_ids == case["tokens"]  # a ceiling, fitted to the room
         # A prompt longer than the cap is a prompt over the limit, the cap being the limit now.
-        with pytest.raises(ResourceExhausted, match=rf"the prompt has \d+ tokens \(\d+ of them the media's\), over "
-                                                    rf"the limit of {case['cap']}; send a shorter conversation"):
+        with pytest.raises(
+            ResourceExhausted,
+            match=rf"the prompt has \d+ tokens \(\d+ of them the media's\), over "
+            rf"the limit of {case['cap']}; send a shorter conversation",
+        ):
             ask(pipeline, 1, fit=True, question=QUESTION + " and then?" * 4 * ROOM)
         card, (status, body) = asyncio.run(over_http(pipeline))
     assert card["max_model_len"] == case["cap"]
@@ -167,8 +189,12 @@ def test_an_unset_max_tokens_that_cannot_fit_is_refused_saying_what_would_help(c
 
     def refusal(pipeline, min_tokens: int = 0) -> str:
         generation = GenerationConfig(max_new_tokens=32, min_tokens=min_tokens, fit_max_new_tokens=True)
-        request = AskRequest(question_messages(QUESTION), MediaInput(case["video"]),
-                             SamplingOptions(num_frames=NUM_FRAMES), generation)
+        request = AskRequest(
+            question_messages(QUESTION),
+            MediaInput(case["video"]),
+            SamplingOptions(num_frames=NUM_FRAMES),
+            generation,
+        )
 
         async def run():
             return [item async for item in pipeline.ask(request)]
@@ -181,16 +207,22 @@ def test_an_unset_max_tokens_that_cannot_fit_is_refused_saying_what_would_help(c
         assert refusal(pipeline, min_tokens=ROOM + 1) == (
             f"this model's context is {cap} tokens and the prompt has {prompt}, which leaves {ROOM} for the "
             f"answer, fewer than min_tokens ({ROOM + 1}): lower min_tokens, or send a shorter conversation or "
-            "fewer frames")
+            "fewer frames"
+        )
     with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=prompt)) as pipeline:
-        assert refusal(pipeline) == (f"this model's context is {prompt} tokens and the prompt has {prompt}, which "
-                                     "leaves none for the answer: send a shorter conversation or fewer frames")
+        assert refusal(pipeline) == (
+            f"this model's context is {prompt} tokens and the prompt has {prompt}, which "
+            "leaves none for the answer: send a shorter conversation or fewer frames"
+        )
         # A raw prompt has neither a conversation nor frames: the advice names the prompt.
         raw = RawPrompt(token_ids=[1] * prompt)
-        for fit, says in ((True, f"the prompt has {prompt}, which leaves none for the answer: send a shorter prompt"),
-                          (False, "to generate (max_tokens); send a shorter prompt, or ask for fewer tokens")):
-            request = AskRequest([], generation=GenerationConfig(max_new_tokens=4, fit_max_new_tokens=fit),
-                                 raw_prompt=raw)
+        for fit, says in (
+            (True, f"the prompt has {prompt}, which leaves none for the answer: send a shorter prompt"),
+            (False, "to generate (max_tokens); send a shorter prompt, or ask for fewer tokens"),
+        ):
+            request = AskRequest(
+                [], generation=GenerationConfig(max_new_tokens=4, fit_max_new_tokens=fit), raw_prompt=raw
+            )
             with pytest.raises(InvalidRequest, match=re.escape(says)):
                 asyncio.run(request_summary(pipeline, request))
 
@@ -201,13 +233,21 @@ def test_a_max_model_len_above_the_models_context_is_refused_at_start(case, tmp_
     saying what to pass."""
     model = ModelConfig(model=str(case["model"]))
     over = case["context"] + 1
-    expected = (f"--max-model-len {over} is more than this model's context of {case['context']} tokens "
-                "(config.json's max_position_embeddings); it may only lower it: pass at most "
-                f"{case['context']}, or leave it out")
+    expected = (
+        f"--max-model-len {over} is more than this model's context of {case['context']} tokens "
+        "(config.json's max_position_embeddings); it may only lower it: pass at most "
+        f"{case['context']}, or leave it out"
+    )
     with pytest.raises(ModelLoadError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_model_len=over))
 
     (tmp_path / "logs").mkdir()
-    with stage_replica("prefill", case["model"], tmp_path / "logs", "--max-model-len", str(over)) as (_address, proc):
+    with stage_replica("prefill", case["model"], tmp_path / "logs", "--max-model-len", str(over)) as (
+        _address,
+        proc,
+    ):
         assert proc.wait(timeout=120) == 3
-    assert f"epd: prefill cannot load {case['model']}: {expected}" in (tmp_path / "logs" / "prefill-2.log").read_text()
+    assert (
+        f"epd: prefill cannot load {case['model']}: {expected}"
+        in (tmp_path / "logs" / "prefill-2.log").read_text()
+    )

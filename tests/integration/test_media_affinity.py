@@ -36,8 +36,11 @@ def prefill_steps(address: str) -> int:
 def chat(port: int, messages: list[dict]) -> dict:
     body = {"model": "epd", "messages": messages, "max_tokens": TOKENS, "temperature": 0,
             "media": {"num_frames": FRAMES}}  # fmt: skip
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         assert reply.status == 200
         return json.loads(reply.read())
@@ -66,7 +69,15 @@ def two_prefill_stack(model_dir, log_dir):
     stack.extra["gateway"] = ["--prefill", ",".join(prefills), "--http-port", str(http_port),
                               "--stage-check-interval", "0"]  # fmt: skip
     log_dir.mkdir(parents=True)
-    argv = ["serve", "prefill", "--port", second.rsplit(":", 1)[1], "--model", str(model_dir), *INSECURE_STAGE]
+    argv = [
+        "serve",
+        "prefill",
+        "--port",
+        second.rsplit(":", 1)[1],
+        "--model",
+        str(model_dir),
+        *INSECURE_STAGE,
+    ]
     replica = zygote().start("prefill-2", argv, child_env(), str(log_dir / "prefill-2.log"))
     try:
         with stack:
@@ -78,10 +89,17 @@ def two_prefill_stack(model_dir, log_dir):
         replica.wait(timeout=30)
 
 
-def test_turns_about_a_video_stay_on_its_prefill_replica_and_survive_its_loss(tiny_models, media_files, tmp_path):
+def test_turns_about_a_video_stay_on_its_prefill_replica_and_survive_its_loss(
+    tiny_models, media_files, tmp_path
+):
     video = media_files["mp4"].read_bytes()
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
-    with two_prefill_stack(tiny_models["qwen2_vl"], tmp_path / "logs") as (stack, prefills, http_port, replica):
+    with two_prefill_stack(tiny_models["qwen2_vl"], tmp_path / "logs") as (
+        stack,
+        prefills,
+        http_port,
+        replica,
+    ):
         home, other = rendezvous_order(hashlib.sha256(video).hexdigest(), prefills)
         before = {a: prefill_steps(a) for a in prefills}
 
@@ -106,8 +124,10 @@ def test_turns_about_a_video_stay_on_its_prefill_replica_and_survive_its_loss(ti
         assert f"prefill replica {home} unavailable" in log
 
 
-def test_a_video_brought_after_a_text_turn_stays_with_it_and_reuses_its_prefix(tiny_models, media_files, tmp_path):
-    """"hello ..." then the video, then a follow-up: every turn on the opening's replica (the
+def test_a_video_brought_after_a_text_turn_stays_with_it_and_reuses_its_prefix(
+    tiny_models, media_files, tmp_path
+):
+    """ "hello ..." then the video, then a follow-up: every turn on the opening's replica (the
     video's turns went to the video's replica, where the text turn's prefix was not), the video's
     turn reusing the text turn's prompt and the follow-up the video turn's."""
     video = media_files["mp4"].read_bytes()
@@ -115,8 +135,14 @@ def test_a_video_brought_after_a_text_turn_stays_with_it_and_reuses_its_prefix(t
     with two_prefill_stack(tiny_models["qwen2_vl"], tmp_path / "logs") as (_, prefills, http_port, _):
         video_home = rendezvous_order(hashlib.sha256(video).hexdigest(), prefills)[0]
         # An opening at home on the other replica (keyless HTTP: the shared tenant, salt "").
-        opening = next(text for i in range(64) if rendezvous_order(
-            conversation_key([Message.user(text := f"hello, I am visitor {i}")]), prefills)[0] != video_home)
+        opening = next(
+            text
+            for i in range(64)
+            if rendezvous_order(
+                conversation_key([Message.user(text := f"hello, I am visitor {i}")]), prefills
+            )[0]
+            != video_home
+        )
         text_home = next(a for a in prefills if a != video_home)
         before = {a: prefill_steps(a) for a in prefills}
 
@@ -128,7 +154,9 @@ def test_a_video_brought_after_a_text_turn_stays_with_it_and_reuses_its_prefix(t
         after = {a: prefill_steps(a) for a in prefills}
         assert after[video_home] == before[video_home], "a turn went to the video's replica"
         assert after[text_home] > before[text_home]
-        cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, about_video, follow_up)]
+        cached = [
+            r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, about_video, follow_up)
+        ]
         assert cached[0] == 0
         assert first["usage"]["prompt_tokens"] <= cached[1] < about_video["usage"]["prompt_tokens"]
         assert about_video["usage"]["prompt_tokens"] <= cached[2] < follow_up["usage"]["prompt_tokens"]

@@ -42,8 +42,11 @@ def stack(shared_stack):
 def big_clip(tmp_path_factory) -> Path:
     """64 frames of 1280x720 are ~180 MB of RGB: more than 10% of any process's idle RSS. Both tests
     only read it: made once."""
-    return Path(make_video(tmp_path_factory.mktemp("big") / "big.mp4", size=(1280, 720), fps=30.0, seconds=3.0,
-                           gop=30))
+    return Path(
+        make_video(
+            tmp_path_factory.mktemp("big") / "big.mp4", size=(1280, 720), fps=30.0, seconds=3.0, gop=30
+        )
+    )
 
 
 def test_rss_returns_to_idle_after_a_large_request(stack, media_files, big_clip):
@@ -62,23 +65,40 @@ def test_rss_returns_to_idle_after_a_large_request(stack, media_files, big_clip)
             if all(after[n] <= idle[n] * (1 + MAX_GROWTH) for n in idle) or time.monotonic() > settle_by:
                 break
             time.sleep(0.25)
-    change = {name: f"{idle[name] / 2**20:.0f} -> {after[name] / 2**20:.0f} MiB ({after[name] / idle[name] - 1:+.1%})"
-              for name in idle}
+    change = {
+        name: f"{idle[name] / 2**20:.0f} -> {after[name] / 2**20:.0f} MiB ({after[name] / idle[name] - 1:+.1%})"
+        for name in idle
+    }
     print("RSS idle -> after a 64-frame 720p request:", change)  # docs/benchmarks.md quotes it (pytest -s)
     grown = {name: change[name] for name in idle if after[name] > idle[name] * (1 + MAX_GROWTH)}
     assert grown == {}, f"RSS still above idle + {MAX_GROWTH:.0%} after a large request: {grown}"
 
 
-def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(tiny_models, media_files, big_clip):
+def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(
+    tiny_models, media_files, big_clip
+):
     """tcmalloc keeps freed spans for reuse: without the idle release the colocated server stayed
     ~190 MB (about a fifth) above idle after this request."""
     big = big_clip
     port = free_port()
     env = child_env()
     env.pop("LD_PRELOAD", None)  # the server's own choice (--allocator auto), not the test runner's
-    serve = subprocess.Popen(epd_command("serve", "--colocate", "--model", str(tiny_models["qwen2_vl"]),
-                                         "--gateway-port", str(port), "--http-port", "0"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    serve = subprocess.Popen(
+        epd_command(
+            "serve",
+            "--colocate",
+            "--model",
+            str(tiny_models["qwen2_vl"]),
+            "--gateway-port",
+            str(port),
+            "--http-port",
+            "0",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 180
         while not is_serving(f"127.0.0.1:{port}", timeout_s=1.0):
@@ -96,7 +116,9 @@ def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(
         settle_by = time.monotonic() + 5.0
         while (after := rss_bytes(serve.pid)) > idle * (1 + MAX_GROWTH) and time.monotonic() < settle_by:
             time.sleep(0.25)
-        print(f"colocated RSS idle -> after a 64-frame 720p request: {idle / 2**20:.0f} -> {after / 2**20:.0f} MiB")
+        print(
+            f"colocated RSS idle -> after a 64-frame 720p request: {idle / 2**20:.0f} -> {after / 2**20:.0f} MiB"
+        )
         assert after <= idle * (1 + MAX_GROWTH), f"{idle / 2**20:.0f} -> {after / 2**20:.0f} MiB"
     finally:
         serve.send_signal(signal.SIGINT)

@@ -128,8 +128,9 @@ def test_embedded_equals_generate(embedded, media_files, references, shape):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_grpc_equals_generate(grpc_client, media_files, references, shape):
     media, messages = SHAPES[shape]
-    result = grpc_client.ask(media_files[media], messages=messages, num_frames=NUM_FRAMES,
-                             max_new_tokens=MAX_NEW_TOKENS)
+    result = grpc_client.ask(
+        media_files[media], messages=messages, num_frames=NUM_FRAMES, max_new_tokens=MAX_NEW_TOKENS
+    )
     assert result.token_ids == references[shape]
 
 
@@ -151,7 +152,9 @@ def test_http_streaming_and_not_equal_generate_and_each_other(http, media_files,
 def test_the_deprecated_question_is_the_video_text_shape(grpc_client, media_files, references):
     """gRPC AskHeader.question and the SDK's ask(video, question), kept until 0.3: [media, question]."""
     question = SHAPES["video_text"][1][0]["content"][1]["text"]
-    result = grpc_client.ask(media_files["mp4"], question, num_frames=NUM_FRAMES, max_new_tokens=MAX_NEW_TOKENS)
+    result = grpc_client.ask(
+        media_files["mp4"], question, num_frames=NUM_FRAMES, max_new_tokens=MAX_NEW_TOKENS
+    )
     assert result.token_ids == references["video_text"]
 
 
@@ -169,7 +172,9 @@ def test_a_conversation_over_http_reuses_its_history_prefill(http, tiny_models, 
                                              max_tokens=MAX_NEW_TOKENS,
                                              extra_body={"media": {"num_frames": NUM_FRAMES}})  # fmt: skip
         epd = reply.model_extra["epd"]
-        assert epd["token_ids"] == reference_tokens_for_messages(tiny_models[FAMILY], video, history, MAX_NEW_TOKENS)
+        assert epd["token_ids"] == reference_tokens_for_messages(
+            tiny_models[FAMILY], video, history, MAX_NEW_TOKENS
+        )
         assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
         cached = reply.usage.prompt_tokens_details.cached_tokens
         assert cached == epd["num_reused_prompt_tokens"]
@@ -180,7 +185,9 @@ def test_a_conversation_over_http_reuses_its_history_prefill(http, tiny_models, 
 
 def test_one_media_per_request_and_other_refusals(http, grpc_client, media_files):
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    two = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "and?"}, {"type": "video"}]}]
+    two = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "and?"}, {"type": "video"}]}
+    ]
     with pytest.raises(openai.BadRequestError, match="at most one video or image per request"):
         http.chat.completions.create(model=MODEL, messages=openai_messages(two, url))
     with pytest.raises(EpdError, match="at most one video or image per request") as info:
@@ -269,7 +276,9 @@ def test_prompt_ids_are_the_processors(tiny_models, media_files, family, templat
     from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
     from epd.stages.messages import to_chat_template
 
-    adapter = Qwen2VLAdapter(str(tiny_models[family]), ModelConfig(model=str(tiny_models[family])), {"language"})
+    adapter = Qwen2VLAdapter(
+        str(tiny_models[family]), ModelConfig(model=str(tiny_models[family])), {"language"}
+    )
     processor = AutoProcessor.from_pretrained(tiny_models[family])
     if template != "checkpoint":
         adapter.processor.chat_template = processor.chat_template = QWEN2_VL_INSTRUCT_TEMPLATE
@@ -283,22 +292,42 @@ def test_prompt_ids_are_the_processors(tiny_models, media_files, family, templat
         assert prompt.input_ids.tolist() == expected["input_ids"].tolist(), name
 
 
-def test_sampled_answers_without_a_seed_differ_and_a_seed_repeats_on_both_doors(http, grpc_client, media_files):
+def test_sampled_answers_without_a_seed_differ_and_a_seed_repeats_on_both_doors(
+    http, grpc_client, media_files
+):
     """A sampled request without a seed took seed 0: every "random" answer was the same one. Now
     the gateway draws a seed per request; a given seed still gives the same tokens on HTTP and gRPC."""
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                             {"type": "text", "text": "what happens?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": url}},
+                {"type": "text", "text": "what happens?"},
+            ],
+        }
+    ]
 
     def http_tokens(**generation):
-        answer = http.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=5.0,
-                                              extra_body={"media": {"num_frames": NUM_FRAMES}, **generation})
+        answer = http.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=5.0,
+            extra_body={"media": {"num_frames": NUM_FRAMES}, **generation},
+        )
         return tuple(answer.model_extra["epd"]["token_ids"])
 
     unseeded = {http_tokens() for _ in range(3)}
     assert len(unseeded) == 3, unseeded
     seeded = http_tokens(seed=5)
     assert http_tokens(seed=5) == seeded
-    over_grpc = grpc_client.ask(media_files["mp4"], messages=[Message.user(VIDEO, "what happens?")],
-                                num_frames=NUM_FRAMES, max_new_tokens=12, temperature=5.0, seed=5)
+    over_grpc = grpc_client.ask(
+        media_files["mp4"],
+        messages=[Message.user(VIDEO, "what happens?")],
+        num_frames=NUM_FRAMES,
+        max_new_tokens=12,
+        temperature=5.0,
+        seed=5,
+    )
     assert tuple(over_grpc.token_ids) == seeded

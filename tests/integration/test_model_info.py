@@ -46,8 +46,11 @@ def _get(port: int, path: str) -> dict:
 
 
 def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, json.loads(reply.read())
@@ -92,17 +95,24 @@ def test_the_stack_gateway_refuses_a_token_id_outside_the_vocabulary_before_the_
     port = shared_stack.http_port
     card = _model_card(port)
     assert card["id"] == "epd"
-    assert card["max_model_len"] == min(text["max_position_embeddings"], PrefillConfig().max_prompt_tokens + MAX_NEW_TOKENS)
+    assert card["max_model_len"] == min(
+        text["max_position_embeddings"], PrefillConfig().max_prompt_tokens + MAX_NEW_TOKENS
+    )
     video = make_video(tmp_path / "unseen.mp4", size=(64, 48), seconds=1.0, pattern="noise").read_bytes()
     encoder = shared_stack.address("encoder")
     before = _encoder_steps(encoder)
 
     status, body = _chat(port, video, logit_bias={str(vocab_size): 5})
     assert status == 400, body
-    assert f"logit_bias: token id {vocab_size} is outside 0 to {vocab_size - 1} (this model's vocabulary)" in body["error"]["message"]
+    assert (
+        f"logit_bias: token id {vocab_size} is outside 0 to {vocab_size - 1} (this model's vocabulary)"
+        in body["error"]["message"]
+    )
     with EpdClient(shared_stack.gateway, timeout_s=120) as client:
         with pytest.raises(EpdError) as refused:
-            client.ask(video, "what happens?", num_frames=2, max_new_tokens=2, stop_token_ids=[vocab_size + 7])
+            client.ask(
+                video, "what happens?", num_frames=2, max_new_tokens=2, stop_token_ids=[vocab_size + 7]
+            )
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"stop_token_ids: token id {vocab_size + 7}" in str(refused.value)
     assert _encoder_steps(encoder) == before  # neither request reached the encoder
@@ -125,8 +135,12 @@ def test_the_colocated_front_door_checks_the_vocabulary_and_reports_max_model_le
     events: list = []
 
     async def scenario(pipeline: MeteredPipeline) -> dict:
-        request = AskRequest(question_messages("what happens?"), MediaInput(video), SamplingOptions(num_frames=2),
-                             GenerationConfig(max_new_tokens=2, logit_bias=((vocab_size, 1.0),)))
+        request = AskRequest(
+            question_messages("what happens?"),
+            MediaInput(video),
+            SamplingOptions(num_frames=2),
+            GenerationConfig(max_new_tokens=2, logit_bias=((vocab_size, 1.0),)),
+        )
         with pytest.raises(InvalidRequest, match=f"logit_bias: token id {vocab_size}"):
             async for item in pipeline.ask(request):
                 events.append(item)
@@ -142,15 +156,17 @@ def test_the_colocated_front_door_checks_the_vocabulary_and_reports_max_model_le
     with build_embedded_pipeline(model, prefill=prefill) as embedded:
         card, (status, tokenized) = asyncio.run(scenario(MeteredPipeline(embedded, GatewayMetrics())))
         prompt = embedded.prefill.engine.adapter.build_prompt(
-            to_chat_template(from_chat_template(CONVERSATION), ""), None)
+            to_chat_template(from_chat_template(CONVERSATION), ""), None
+        )
     assert events == []  # no stage ran: nothing was decoded or encoded
     assert card["max_model_len"] == 1000 + MAX_NEW_TOKENS
     assert status == 200 and tokenized["max_model_len"] == card["max_model_len"], tokenized
     assert tokenized["tokens"] == prompt.input_ids[0].tolist()  # /tokenize there too: the prompt prefill runs
 
 
-_OVER_THE_LIMIT = ("max_new_tokens must be between 1 and 16 (the OpenAI API's max_tokens or max_completion_tokens), "
-                   "got 17")
+_OVER_THE_LIMIT = (
+    "max_new_tokens must be between 1 and 16 (the OpenAI API's max_tokens or max_completion_tokens), got 17"
+)
 """Prefill's refusal of max_tokens 17 with --max-new-tokens-limit 16 (`GenerationConfig.validate`)."""
 
 
@@ -189,27 +205,37 @@ def test_the_stack_gateway_refuses_max_tokens_over_prefills_limit_before_the_enc
             assert len(client.ask(video, "what happens?", num_frames=2, ignore_eos=True).token_ids) == 16
 
 
-def test_the_colocated_front_door_refuses_max_tokens_over_its_prefills_limit_before_the_encode(tiny_models, media_files):
+def test_the_colocated_front_door_refuses_max_tokens_over_its_prefills_limit_before_the_encode(
+    tiny_models, media_files
+):
     """The embedded pipeline reads its own prefill stage's limit: nothing is decoded or encoded
     for a request over it, and the message is prefill's."""
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     events: list = []
 
     async def scenario(pipeline: MeteredPipeline) -> None:
-        request = AskRequest(question_messages("what happens?"), MediaInput(media_files["mp4"].read_bytes()),
-                             SamplingOptions(num_frames=2), GenerationConfig(max_new_tokens=17))
+        request = AskRequest(
+            question_messages("what happens?"),
+            MediaInput(media_files["mp4"].read_bytes()),
+            SamplingOptions(num_frames=2),
+            GenerationConfig(max_new_tokens=17),
+        )
         with pytest.raises(InvalidRequest) as refused:
             async for item in pipeline.ask(request):
                 events.append(item)
         assert str(refused.value) == _OVER_THE_LIMIT
 
-    with build_embedded_pipeline(model, prefill=PrefillConfig(model=model, max_new_tokens_limit=16)) as embedded:
+    with build_embedded_pipeline(
+        model, prefill=PrefillConfig(model=model, max_new_tokens_limit=16)
+    ) as embedded:
         asyncio.run(scenario(MeteredPipeline(embedded, GatewayMetrics())))
     assert events == []  # no stage ran: nothing was decoded or encoded
 
 
-CONVERSATION = [{"role": "system", "content": "answer briefly"},
-                {"role": "user", "content": [{"type": "text", "text": "what colour is the sky?"}]}]
+CONVERSATION = [
+    {"role": "system", "content": "answer briefly"},
+    {"role": "user", "content": [{"type": "text", "text": "what colour is the sky?"}]},
+]
 
 
 def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared_stack, tiny_models):
@@ -227,10 +253,18 @@ def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared
     assert status == 200, body
     rendered = processor.apply_chat_template(
         [{"role": "system", "content": [{"type": "text", "text": "answer briefly"}]}, CONVERSATION[1]],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert body["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    assert (body["count"], body["max_model_len"], body["token_strs"]) == (len(body["tokens"]), max_model_len, None)
-    status, chat = _post(port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": CONVERSATION})
+    assert (body["count"], body["max_model_len"], body["token_strs"]) == (
+        len(body["tokens"]),
+        max_model_len,
+        None,
+    )
+    status, chat = _post(
+        port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": CONVERSATION}
+    )
     assert status == 200, chat
     assert chat["usage"]["prompt_tokens"] == body["count"]
     status, without = _post(port, "/tokenize", {"messages": CONVERSATION, "add_generation_prompt": False})
@@ -242,13 +276,21 @@ def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared
     assert (status, body) == (200, {"prompt": tokenizer.decode(tokenizer(rendered)["input_ids"])})
     assert "<|im_start|>" in body["prompt"]  # special tokens kept, as vLLM's /detokenize
 
-    video = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-                                         {"type": "text", "text": "what happens?"}]}
+    video = {
+        "role": "user",
+        "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+            {"type": "text", "text": "what happens?"},
+        ],
+    }
     status, body = _post(port, "/tokenize", {"messages": [video]})
     assert status == 400 and "/tokenize counts text only" in body["error"]["message"], body
     vocab_size = _text_config(tiny_models["qwen2_vl"])["vocab_size"]
     status, body = _post(port, "/detokenize", {"tokens": [1, vocab_size]})
-    assert status == 400 and f"token id {vocab_size} is outside 0 to {vocab_size - 1}" in body["error"]["message"], body
+    assert (
+        status == 400
+        and f"token id {vocab_size} is outside 0 to {vocab_size - 1}" in body["error"]["message"]
+    ), body
     status, body = _post(port, "/tokenize", {"model": "other", "prompt": "x"})
     assert status == 404, body
 
@@ -275,20 +317,39 @@ def test_tokenize_takes_an_answered_conversation_and_continues_its_last_message(
 
     status, closed = _post(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False})
     assert status == 200, closed
-    assert closed["tokens"] == template_ids(add_generation_prompt=False) and closed["count"] == len(closed["tokens"])
-    status, opened = _post(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False,
-                                               "continue_final_message": True})
+    assert closed["tokens"] == template_ids(add_generation_prompt=False) and closed["count"] == len(
+        closed["tokens"]
+    )
+    status, opened = _post(
+        port,
+        "/tokenize",
+        {"messages": ANSWERED, "add_generation_prompt": False, "continue_final_message": True},
+    )
     assert status == 200, opened
     assert opened["tokens"] == template_ids(add_generation_prompt=False, continue_final_message=True)
     assert tokenizer.decode(opened["tokens"]).endswith("<|im_start|>assistant\nThe sky is")  # no end of turn
-    assert opened["count"] < closed["count"] and closed["tokens"][:opened["count"]] == opened["tokens"]
+    assert opened["count"] < closed["count"] and closed["tokens"][: opened["count"]] == opened["tokens"]
 
-    for options in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+    for options in (
+        {"continue_final_message": True},
+        {"continue_final_message": True, "add_generation_prompt": True},
+    ):
         status, body = _post(port, "/tokenize", {"messages": ANSWERED, **options})
         assert status == 400, body
-        assert "add_generation_prompt and continue_final_message cannot both be true" in body["error"]["message"]
-    status, body = _post(port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": ANSWERED,
-                                                         "add_generation_prompt": False, "continue_final_message": True})
+        assert (
+            "add_generation_prompt and continue_final_message cannot both be true" in body["error"]["message"]
+        )
+    status, body = _post(
+        port,
+        "/v1/chat/completions",
+        {
+            "model": "epd",
+            "max_tokens": 1,
+            "messages": ANSWERED,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    )
     assert status == 200 and body["usage"]["prompt_tokens"] == opened["count"], body
 
 
@@ -302,9 +363,18 @@ def test_tokenize_gives_token_strs_when_asked(shared_stack, tiny_models):
     status, body = _post(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": True})
     assert status == 200 and body["tokens"] == tokenizer("a red circle")["input_ids"], body
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
-    assert body["token_strs"] == ["a", "Ġ", "red", "Ġc", "ir", "cle"]  # the vocabulary's tokens, not their text
-    status, body = _post(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False,
-                                             "continue_final_message": True, "return_token_strs": True})
+    # the vocabulary's tokens, not their text
+    assert body["token_strs"] == ["a", "Ġ", "red", "Ġc", "ir", "cle"]
+    status, body = _post(
+        port,
+        "/tokenize",
+        {
+            "messages": ANSWERED,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "return_token_strs": True,
+        },
+    )
     assert status == 200 and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"]), body
     assert "<|im_start|>" in body["token_strs"] and len(body["token_strs"]) == body["count"]
     status, body = _post(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": False})

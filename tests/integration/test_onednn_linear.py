@@ -63,8 +63,12 @@ def test_the_loader_swaps_every_linear_layer_of_the_loaded_parts(tiny_models):
     fast = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"]), linear_kernel="onednn"), "all")
 
     def linears(adapter, cls):
-        return {name: m for part in ("model", "visual") for name, m in getattr(adapter, part).named_modules()
-                if type(m) is cls}
+        return {
+            name: m
+            for part in ("model", "visual")
+            for name, m in getattr(adapter, part).named_modules()
+            if type(m) is cls
+        }
 
     assert linears(plain, OneDnnLinear) == {}
     swapped = linears(fast, OneDnnLinear)
@@ -80,7 +84,10 @@ def test_greedy_tokens_equal_generate_or_differ_first_at_a_near_tie(tiny_models,
     no_cache = TokenCacheConfig(memory_budget_bytes=0)
     pipeline = build_embedded_pipeline(model, encoder=EncoderConfig(model=model, cache=no_cache))
     try:
-        got = [asyncio.run(ask_tokens(pipeline, media_files[m], QUESTION, n, MAX_NEW_TOKENS)) for m, n in REQUESTS]
+        got = [
+            asyncio.run(ask_tokens(pipeline, media_files[m], QUESTION, n, MAX_NEW_TOKENS))
+            for m, n in REQUESTS
+        ]
     finally:
         pipeline.close()
     for (media, num_frames), tokens in zip(REQUESTS, got, strict=True):

@@ -44,12 +44,17 @@ def ask(pipeline: Pipeline, video: bytes, history: list[dict], pruning: PruningC
 
     items = asyncio.run(run())
     summary = next(i for i in items if isinstance(i, AskSummary))
-    event = next(i for i in items if isinstance(i, StageEvent) and i.stage == Stage.PREFILL and i.state == "finished")
+    event = next(
+        i for i in items if isinstance(i, StageEvent) and i.stage == Stage.PREFILL and i.state == "finished"
+    )
     return summary, event
 
 
 def user(text: str, video: bool = False) -> dict:
-    return {"role": "user", "content": [*([{"type": "video"}] if video else []), {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [*([{"type": "video"}] if video else []), {"type": "text", "text": text}],
+    }
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -119,7 +124,9 @@ def test_a_hit_does_not_write_into_the_stored_entry(family, conversation, media_
     summary, _ = ask(pipeline, video, [*history, {"role": "assistant", "content": "x"}, user("why?")])
     assert summary.num_reused_prompt_tokens > summary.num_visual_tokens
     for entry, saved in before:
-        assert all(torch.equal(a, b) for a, b in zip(entry.cache.keys + entry.cache.values, saved, strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(entry.cache.keys + entry.cache.values, saved, strict=True)
+        )
 
 
 def test_a_prefill_drop_request_neither_stores_nor_reuses(family, conversation, media_files):

@@ -36,7 +36,10 @@ LOCAL_PREFILL = {"stage": "prefill", "core": "prefill", "replica": "local"}
 
 
 def user(text: str, video: bool = False) -> dict:
-    return {"role": "user", "content": [*([{"type": "video"}] if video else []), {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [*([{"type": "video"}] if video else []), {"type": "text", "text": text}],
+    }
 
 
 def assistant(text: str) -> dict:
@@ -53,9 +56,15 @@ def stack(tiny_models):
 
 
 def ask(
-    pipeline, messages: list[dict], video: bytes | None = None, template: ChatTemplateOptions = ChatTemplateOptions()
+    pipeline,
+    messages: list[dict],
+    video: bytes | None = None,
+    template: ChatTemplateOptions = ChatTemplateOptions(),
 ) -> AskSummary:
-    sampling, generation = SamplingOptions(num_frames=NUM_FRAMES), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS)
+    sampling, generation = (
+        SamplingOptions(num_frames=NUM_FRAMES),
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+    )
     media = None if video is None else MediaInput(video)
     request = AskRequest(from_chat_template(messages), media, sampling, generation, template=template)
     return asyncio.run(request_summary(pipeline, request))
@@ -64,7 +73,10 @@ def ask(
 def prompt_ids(pipeline, messages: list[dict]):
     """The text-only prompt's token ids, as prefill renders it (the cache left alone)."""
     request = pipeline.prefill.engine.prepare(
-        from_chat_template(messages), None, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS), use_prefix_cache=False
+        from_chat_template(messages),
+        None,
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+        use_prefix_cache=False,
     )
     return request.prompt.input_ids[0]
 
@@ -156,8 +168,9 @@ def test_a_continued_message_whose_prompt_begins_a_cached_one_keeps_one_copy(sta
     answered = ask(pipeline, messages)
     (entry,) = cache._entries.values()
     continued = ask(pipeline, messages, template=ChatTemplateOptions(False, True))
-    prompt, want = template_reference(path, messages, MAX_NEW_TOKENS, add_generation_prompt=False,
-                                      continue_final_message=True)
+    prompt, want = template_reference(
+        path, messages, MAX_NEW_TOKENS, add_generation_prompt=False, continue_final_message=True
+    )
     assert continued.token_ids == want and continued.num_prompt_tokens == len(prompt)
     assert entry.token_ids[: len(prompt)].tolist() == prompt and answered.num_prompt_tokens > len(prompt)
     assert continued.num_reused_prompt_tokens == len(prompt) - 1

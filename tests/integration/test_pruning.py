@@ -49,8 +49,13 @@ def static_video(tmp_path_factory):
 
 
 def ask(pipeline, path, pruning: PruningConfig, num_frames=8, max_new_tokens=10) -> AskSummary:
-    req = AskRequest(question_messages(QUESTION), MediaInput(path.read_bytes()), SamplingOptions(num_frames=num_frames),
-                     GenerationConfig(max_new_tokens=max_new_tokens), pruning=pruning)
+    req = AskRequest(
+        question_messages(QUESTION),
+        MediaInput(path.read_bytes()),
+        SamplingOptions(num_frames=num_frames),
+        GenerationConfig(max_new_tokens=max_new_tokens),
+        pruning=pruning,
+    )
 
     async def run():
         async for item in pipeline.ask(req):
@@ -97,17 +102,26 @@ def test_prefill_drop_budget_and_cache_length(pipeline, media_files):
     kept = math.ceil(0.25 * v)
     assert s.kv_num_bytes == base.kv_num_bytes * (base.num_prompt_tokens - v + kept) // base.num_prompt_tokens
     assert s.pruning.prefill_flops_pruned < s.pruning.prefill_flops_full
-    assert len(s.kept_visual_token_index) == kept and sorted(set(s.kept_visual_token_index)) == s.kept_visual_token_index
+    assert (
+        len(s.kept_visual_token_index) == kept
+        and sorted(set(s.kept_visual_token_index)) == s.kept_visual_token_index
+    )
 
 
 def test_staged_prefill_drop_through_the_services(pipeline, media_files):
     """Two drop layers: the final budget is the same as one drop's, but layer 0 already runs on
     fewer tokens, so the prefill is cheaper than dropping once at layer 1."""
     base = ask(pipeline, media_files["mp4"], PruningConfig())
-    once = ask(pipeline, media_files["mp4"],
-               PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.25))
-    staged = ask(pipeline, media_files["mp4"],
-                 PruningConfig(prefill_drop=True, prefill_drop_layers=(0, 1), prefill_keep_ratio=0.25))
+    once = ask(
+        pipeline,
+        media_files["mp4"],
+        PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.25),
+    )
+    staged = ask(
+        pipeline,
+        media_files["mp4"],
+        PruningConfig(prefill_drop=True, prefill_drop_layers=(0, 1), prefill_keep_ratio=0.25),
+    )
     v = base.num_visual_tokens
     kept = math.ceil(0.25 * v)
     assert stages(staged)["prefill_drop"] == (v, kept)
@@ -116,9 +130,17 @@ def test_staged_prefill_drop_through_the_services(pipeline, media_files):
     assert len(staged.kept_visual_token_index) == kept
     # KV compression on top scores each layer with the question's queries in that layer's own
     # (shrunk) sequence, and halves the visual entries that are left.
-    both = ask(pipeline, media_files["mp4"],
-               PruningConfig(prefill_drop=True, prefill_drop_layers=(0, 1), prefill_keep_ratio=0.25,
-                             kv_compress=True, kv_keep_ratio=0.5))
+    both = ask(
+        pipeline,
+        media_files["mp4"],
+        PruningConfig(
+            prefill_drop=True,
+            prefill_drop_layers=(0, 1),
+            prefill_keep_ratio=0.25,
+            kv_compress=True,
+            kv_keep_ratio=0.5,
+        ),
+    )
     assert stages(both)["kv_compress"] == (kept, math.ceil(0.5 * kept))
     text = base.num_prompt_tokens - v
     assert both.kv_num_bytes == base.kv_num_bytes * (text + math.ceil(0.5 * kept)) // base.num_prompt_tokens
@@ -130,12 +152,16 @@ def test_video_basis_budget_counts_the_encode_stages(pipeline, static_video):
     temporal = dict(temporal_drop=True, prefill_drop=True, prefill_drop_layer=1)
     v = stages(ask(pipeline, static_video, PruningConfig(temporal_drop=True)))["temporal"][0]
     after_temporal = v // 4
-    already_met = ask(pipeline, static_video,
-                      PruningConfig(**temporal, prefill_keep_ratio=0.5, prefill_keep_basis="video"))
+    already_met = ask(
+        pipeline, static_video, PruningConfig(**temporal, prefill_keep_ratio=0.5, prefill_keep_basis="video")
+    )
     assert "prefill_drop" not in stages(already_met), "25% left is under the 50% budget: no drop"
     assert already_met.num_visual_tokens == after_temporal
-    tighter = ask(pipeline, static_video,
-                  PruningConfig(**temporal, prefill_keep_ratio=0.125, prefill_keep_basis="video"))
+    tighter = ask(
+        pipeline,
+        static_video,
+        PruningConfig(**temporal, prefill_keep_ratio=0.125, prefill_keep_basis="video"),
+    )
     assert stages(tighter)["prefill_drop"] == (after_temporal, math.ceil(0.125 * v))
     entering = ask(pipeline, static_video, PruningConfig(**temporal, prefill_keep_ratio=0.5))
     assert stages(entering)["prefill_drop"] == (after_temporal, math.ceil(0.5 * after_temporal))
@@ -160,10 +186,16 @@ def test_narrow_kv_dtype_halves_the_transferred_cache(pipeline, media_files, dty
     assert s.pruning.kv_bytes_before == base.kv_num_bytes and s.pruning.kv_bytes_after == s.kv_num_bytes
     assert len(s.token_ids) == len(base.token_ids) and s.token_ids[0] == base.token_ids[0]
     # On top of a 25% prefill drop: text + a quarter of the visual entries, at half the bytes each.
-    both = ask(pipeline, media_files["mp4"], PruningConfig(prefill_drop=True, prefill_drop_layer=1,
-                                                           prefill_keep_ratio=0.25, kv_dtype=dtype))
+    both = ask(
+        pipeline,
+        media_files["mp4"],
+        PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.25, kv_dtype=dtype),
+    )
     v, kept = base.num_visual_tokens, math.ceil(0.25 * base.num_visual_tokens)
-    assert both.kv_num_bytes * 2 == base.kv_num_bytes * (base.num_prompt_tokens - v + kept) // base.num_prompt_tokens
+    assert (
+        both.kv_num_bytes * 2
+        == base.kv_num_bytes * (base.num_prompt_tokens - v + kept) // base.num_prompt_tokens
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -175,11 +207,15 @@ def test_kv_budget_counts_the_bytes_sent_in_kv_dtype(pipeline, media_files, dtyp
     text = base.num_prompt_tokens - v
     sent_per_position = base.kv_num_bytes // base.num_prompt_tokens // 2
     budget = sent_per_position * (text + v // 2) + sent_per_position // 2  # text + v/2 + half an entry
-    s = ask(pipeline, media_files["mp4"], PruningConfig(kv_compress=True, kv_budget_bytes=budget, kv_dtype=dtype))
+    s = ask(
+        pipeline, media_files["mp4"], PruningConfig(kv_compress=True, kv_budget_bytes=budget, kv_dtype=dtype)
+    )
     assert stages(s)["kv_compress"] == (v, v // 2)  # counted in float32, the text alone was over budget
     assert s.kv_num_bytes == sent_per_position * (text + v // 2) <= budget
     budget = 2 * text * sent_per_position  # the text alone in float32: no visual entry fitted, counted so
-    s = ask(pipeline, media_files["mp4"], PruningConfig(kv_compress=True, kv_budget_bytes=budget, kv_dtype=dtype))
+    s = ask(
+        pipeline, media_files["mp4"], PruningConfig(kv_compress=True, kv_budget_bytes=budget, kv_dtype=dtype)
+    )
     kept = min(v, text)
     assert kept > 0 and stages(s)["kv_compress"] == (v, kept)
     assert s.kv_num_bytes == sent_per_position * (text + kept) <= budget
@@ -218,7 +254,8 @@ def test_balanced_preset_through_three_services(shared_stack, media_files):
 
     def ask_remote(stub, preset: str):
         header = gateway_pb2.AskHeader(
-            question=QUESTION, media_num_bytes=len(data),
+            question=QUESTION,
+            media_num_bytes=len(data),
             sampling=common_pb2.VideoSampling(num_frames=8),
             generation=common_pb2.GenerationParams(max_new_tokens=10),
             pruning=common_pb2.PruningOptions(preset=preset, knobs={"prefill_drop_layer": "1"}),
@@ -231,10 +268,20 @@ def test_balanced_preset_through_three_services(shared_stack, media_files):
         off = ask_remote(stub, "off")
         balanced = ask_remote(stub, "balanced")
         with pytest.raises(grpc.RpcError) as info:
-            header = gateway_pb2.AskHeader(question=QUESTION, media_num_bytes=len(data),
-                                           pruning=common_pb2.PruningOptions(preset="extreme"))
-            list(stub.Ask(iter([gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=data)])))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown pruning preset" in info.value.details()
+            header = gateway_pb2.AskHeader(
+                question=QUESTION,
+                media_num_bytes=len(data),
+                pruning=common_pb2.PruningOptions(preset="extreme"),
+            )
+            list(
+                stub.Ask(
+                    iter([gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=data)])
+                )
+            )
+    assert (
+        info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "unknown pruning preset" in info.value.details()
+    )
     names = [s.stage for s in balanced.pruning.stages]
     assert {"prefill_drop", "kv_compress", "decode_evict"} <= set(names)
     assert balanced.kv_num_bytes < off.kv_num_bytes

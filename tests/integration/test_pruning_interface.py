@@ -55,8 +55,13 @@ def test_captured_queries_are_the_ones_the_attention_scores_with(language):
     lm.config._attn_implementation = "eager"
     cache = DynamicCache(config=lm.config)
     with language.capture_queries(range(language.num_layers), qpos) as cap:
-        out = lm(inputs_embeds=_embeds(language, prompt, visual), position_ids=prompt.position_ids,
-                 past_key_values=cache, use_cache=True, output_attentions=True)
+        out = lm(
+            inputs_embeds=_embeds(language, prompt, visual),
+            position_ids=prompt.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_attentions=True,
+        )
     dims = language.text_dims
     assert sorted(cap.queries) == list(range(dims.num_layers)) and dims.head_dim > 0
     for layer, (keys, _) in enumerate(language.decode_cache_kv(cache)):
@@ -109,8 +114,9 @@ def test_a_drop_before_layer_0_runs_every_layer_on_the_survivors(language):
     if isinstance(language, Qwen3VLAdapter):
         pytest.skip("Qwen3-VL refuses the layer-by-layer prefill (test above)")
     prompt, visual = _prompt(language)
-    out = prefill_with_drop(language, _embeds(language, prompt, visual), prompt.position_ids, VISUAL, 0,
-                            keep_ratio=0.5)
+    out = prefill_with_drop(
+        language, _embeds(language, prompt, visual), prompt.position_ids, VISUAL, 0, keep_ratio=0.5
+    )
     assert out.visual_per_stage == [6]
     assert out.tokens_per_layer == [LENGTH - 6] * language.num_layers
     kv = language.chunk_cache_to_kv(out.past_key_values)
@@ -122,8 +128,10 @@ def test_the_decode_cache_is_read_and_shrunk_through_the_adapter(language):
     dims = language.text_dims
     g = torch.Generator().manual_seed(3)
     shape = (1, dims.num_kv_heads, 10, dims.head_dim)
-    kv = KvCache([torch.randn(shape, generator=g) for _ in range(dims.num_layers)],
-                 [torch.randn(shape, generator=g) for _ in range(dims.num_layers)])
+    kv = KvCache(
+        [torch.randn(shape, generator=g) for _ in range(dims.num_layers)],
+        [torch.randn(shape, generator=g) for _ in range(dims.num_layers)],
+    )
     cache = language.new_decode_cache(kv)
     layers = language.decode_cache_kv(cache)
     assert len(layers) == dims.num_layers and torch.equal(layers[0][0], kv.keys[0])

@@ -134,7 +134,10 @@ def test_prompt_pixels_and_positions_are_the_processors_and_generates(
 def test_in_process_split_through_the_wire_equals_generate(
     vision, language, media_files, references, media, num_frames
 ):
-    assert _split(vision, language, load_video(media_files, media, num_frames)) == references[(media, num_frames)]
+    assert (
+        _split(vision, language, load_video(media_files, media, num_frames))
+        == references[(media, num_frames)]
+    )
 
 
 @pytest.mark.parametrize("media,num_frames", [("mp4", 8), ("png", 1)])
@@ -158,8 +161,14 @@ def test_the_cache_carries_attention_kv_and_fixed_size_linear_states(vision, lan
     assert long.linear_state_num_bytes == short.linear_state_num_bytes
     names = [name for name, _ in long.named_tensors()]
     assert names == [
-        "layer.0.conv", "layer.0.recurrent", "layer.1.key", "layer.1.value",
-        "layer.2.conv", "layer.2.recurrent", "layer.3.key", "layer.3.value",
+        "layer.0.conv",
+        "layer.0.recurrent",
+        "layer.1.key",
+        "layer.1.value",
+        "layer.2.conv",
+        "layer.2.recurrent",
+        "layer.3.key",
+        "layer.3.value",
     ]
     back = _over_the_wire(long)
     assert back.layer_ids == [1, 3] and back.num_bytes == long.num_bytes
@@ -233,7 +242,9 @@ def test_batched_decode_equals_decoding_each_request_alone_through_joins_and_lea
     for row, expected in enumerate(alone):
         seen = torch.stack(got[row])
         assert torch.equal(seen.argmax(-1), expected[: len(seen)].argmax(-1))
-        assert torch.allclose(seen, expected[: len(seen)], atol=1e-4), (seen - expected[: len(seen)]).abs().max()
+        assert torch.allclose(seen, expected[: len(seen)], atol=1e-4), (
+            (seen - expected[: len(seen)]).abs().max()
+        )
 
 
 def test_a_batch_refuses_a_cache_without_linear_states(vision, language, media_files):
@@ -244,7 +255,9 @@ def test_a_batch_refuses_a_cache_without_linear_states(vision, language, media_f
 
 
 @pytest.mark.parametrize("running", [0, 1], ids=["empty batch", "beside a running row"])
-def test_a_batch_refuses_another_models_linear_states_and_keeps_its_rows(vision, language, media_files, running):
+def test_a_batch_refuses_another_models_linear_states_and_keeps_its_rows(
+    vision, language, media_files, running
+):
     """A cache whose attention KV fits but whose linear states are another model's (one conv
     channel short) is refused before any row changes: a slot row without its states failed every
     later step of the batch, for every request, for good."""
@@ -255,12 +268,16 @@ def test_a_batch_refuses_another_models_linear_states_and_keeps_its_rows(vision,
         batch.add(_over_the_wire(state.cache), columns)
     wrong = _over_the_wire(state.cache)
     wrong.conv_states[2] = wrong.conv_states[2][:, :-1]
-    with pytest.raises(ValueError, match="linear layer 2's states have shapes .* prefill and decode serve different models"):
+    with pytest.raises(
+        ValueError, match="linear layer 2's states have shapes .* prefill and decode serve different models"
+    ):
         batch.add(wrong, columns)
     conv = batch.linear[0].conv_states[0]  # type: ignore[attr-defined]
     assert batch.num_rows == running and (conv is None if not running else conv.shape[0] == running)
     if running:  # the running row still steps, alone in the batch
-        logits = language.decode_batch([int(state.last_logits.argmax())], state.next_position_ids[:, None], batch)
+        logits = language.decode_batch(
+            [int(state.last_logits.argmax())], state.next_position_ids[:, None], batch
+        )
         assert logits.shape[0] == 1
     batch.add(_over_the_wire(state.cache), columns)  # and a fitting cache still joins
     assert batch.num_rows == running + 1
@@ -275,7 +292,9 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
     assert vision_keys | language_keys == keys
     assert any("linear_attn" in k for k in language_keys)
 
-    tower_only, language_only = load_each_part(Qwen3_5Adapter, checkpoint, monkeypatch, vision_keys, language_keys)
+    tower_only, language_only = load_each_part(
+        Qwen3_5Adapter, checkpoint, monkeypatch, vision_keys, language_keys
+    )
     assert_qwen_parts_load_exactly(model, tower_only, language_only)
 
 
@@ -383,7 +402,9 @@ def _assert_same_prefill(got: PrefillState, expected: PrefillState, rel: float =
     assert torch.equal(got.next_position_ids, expected.next_position_ids)
     assert int(got.last_logits.argmax()) == int(expected.last_logits.argmax())
     pairs = [(got.last_logits, expected.last_logits)]
-    pairs += list(zip(got.cache.keys + got.cache.values, expected.cache.keys + expected.cache.values, strict=True))
+    pairs += list(
+        zip(got.cache.keys + got.cache.values, expected.cache.keys + expected.cache.values, strict=True)
+    )
     for states in ("conv_states", "recurrent_states"):
         a, b = getattr(got.cache, states), getattr(expected.cache, states)
         assert a.keys() == b.keys()
@@ -474,7 +495,9 @@ def test_without_neutral_padding_the_shorter_rows_states_go_wrong(vision, langua
         expected = language.prefill(prompt, embeds)
         assert torch.allclose(got.last_logits, expected.last_logits, atol=1e-4)
         for i in language.linear_layers:
-            assert not torch.allclose(got.cache.recurrent_states[i], expected.cache.recurrent_states[i], atol=1e-2)
+            assert not torch.allclose(
+                got.cache.recurrent_states[i], expected.cache.recurrent_states[i], atol=1e-2
+            )
             assert not torch.allclose(got.cache.conv_states[i], expected.cache.conv_states[i], atol=1e-2)
         assert greedy(language, got) != references[case], case
     assert greedy(language, padded[2]) == references[cases[2]]
@@ -489,7 +512,9 @@ def test_the_prefill_core_chunks_and_batches_three_requests_at_once(checkpoint, 
 
     scheduler = PrefillSchedulerConfig(max_prefill_tokens_per_step=96, prefill_chunk_tokens=64)
     cases = [("mp4", 32), ("mp4", 8), ("png", 1)]
-    with build_embedded_pipeline(ModelConfig(model=str(checkpoint)), prefill=PrefillConfig(scheduler=scheduler)) as pipeline:
+    with build_embedded_pipeline(
+        ModelConfig(model=str(checkpoint)), prefill=PrefillConfig(scheduler=scheduler)
+    ) as pipeline:
         summaries = _ask(pipeline, media_files, cases)
         num_steps = pipeline.prefill.load().num_steps
     for case, summary in zip(cases, summaries, strict=True):
@@ -522,4 +547,8 @@ def test_the_padding_hooks_act_on_the_registering_threads_forward_only(language)
         worker.join(30)
         own = proj(x)
     assert torch.equal(other[0], plain), "another thread's projection went through the padding hook"
-    assert torch.isinf(own[1, 3:]).all() and torch.equal(own[0], plain[0]) and torch.equal(own[1, :3], plain[1, :3])
+    assert (
+        torch.isinf(own[1, 3:]).all()
+        and torch.equal(own[0], plain[0])
+        and torch.equal(own[1, :3], plain[1, :3])
+    )

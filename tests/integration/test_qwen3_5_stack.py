@@ -129,7 +129,10 @@ def test_in_one_process_with_steps_side_by_side_each_request_equals_its_referenc
 
         async def run():
             return await asyncio.gather(
-                *(ask_tokens(pipeline, media_files[m], QUESTION, f, MAX_NEW_TOKENS, delay_s) for m, f, delay_s in cases)
+                *(
+                    ask_tokens(pipeline, media_files[m], QUESTION, f, MAX_NEW_TOKENS, delay_s)
+                    for m, f, delay_s in cases
+                )
             )
 
         got = asyncio.run(run())
@@ -146,12 +149,16 @@ def big_clip(tmp_path_factory):
 def unmerged_pipeline(checkpoint):
     """Every frame group 2 frames, an odd count's last one 1: what a request gets under load."""
     model = ModelConfig(model=str(checkpoint))
-    with build_embedded_pipeline(model, encoder=EncoderConfig(model=model, merge_decoded_groups=False)) as pipeline:
+    with build_embedded_pipeline(
+        model, encoder=EncoderConfig(model=model, merge_decoded_groups=False)
+    ) as pipeline:
         yield pipeline
 
 
 @pytest.mark.parametrize("num_frames", [32, 5, 31])
-def test_unmerged_frame_groups_are_sized_and_padded_as_the_whole_clip(unmerged_pipeline, whole, big_clip, num_frames):
+def test_unmerged_frame_groups_are_sized_and_padded_as_the_whole_clip(
+    unmerged_pipeline, whole, big_clip, num_frames
+):
     """Qwen3-VL's processor, so its rules: 31-32 frames of the 224x192 clip are over
     size.longest_edge and shrink (2-frame groups alone would not), and 5 and 31 frames end in a
     1-frame group that is padded as the whole clip's last temporal patch."""

@@ -130,7 +130,7 @@ def test_frame_groups_sized_as_their_clip_are_the_processors_patches_of_the_whol
     inputs = [vision.preprocess(group, clip_num_frames=num_frames) for group in groups]
 
     assert torch.equal(torch.cat([i.pixel_values for i in inputs]), ref["pixel_values_videos"])
-    (t, h, w), = ref["video_grid_thw"].tolist()
+    ((t, h, w),) = ref["video_grid_thw"].tolist()
     assert {i.grid_thw[1:] for i in inputs} == {(h, w)} and sum(i.grid_thw[0] for i in inputs) == t
     assert sum((i.group_timestamps_s for i in inputs), ()) == vision.preprocess(video).group_timestamps_s
     if num_frames == 32:
@@ -239,7 +239,9 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
     )
     assert any("deepstack_merger_list" in k for k in vision_keys)
 
-    tower_only, language_only = load_each_part(Qwen3VLAdapter, checkpoint, monkeypatch, vision_keys, language_keys)
+    tower_only, language_only = load_each_part(
+        Qwen3VLAdapter, checkpoint, monkeypatch, vision_keys, language_keys
+    )
     assert_qwen_parts_load_exactly(model, tower_only, language_only)
 
 

@@ -101,7 +101,9 @@ def test_in_process_split_equals_generate(adapters, media_files, references, med
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
-def test_dropping_the_deepstack_features_changes_the_answer(adapters, media_files, references, media, num_frames):
+def test_dropping_the_deepstack_features_changes_the_answer(
+    adapters, media_files, references, media, num_frames
+):
     """Negative control: the same split without DeepStack no longer equals generate()."""
     video = load_video(media_files, media, num_frames)
     _, _, state = _prefill(adapters, video)
@@ -136,13 +138,17 @@ def test_batched_and_chunked_prefill_and_batched_decode_equal_each_request_alone
     assert_batched_decode_equals_alone(language, [alone[0][2], alone[2][2]])
 
 
-def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(checkpoint, whole, monkeypatch):
+def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
+    checkpoint, whole, monkeypatch
+):
     model, _ = whole
     keys, vision_keys, language_keys = checkpoint_keys(checkpoint, vision_key, language_key)
     assert vision_keys and not vision_keys & language_keys and vision_keys | language_keys == keys
     assert any(k.endswith("mlp.gate.weight") for k in language_keys), "the routers"
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in language_keys), "the experts"
-    tower_only, language_only = load_each_part(Qwen3VLMoeAdapter, checkpoint, monkeypatch, vision_keys, language_keys)
+    tower_only, language_only = load_each_part(
+        Qwen3VLMoeAdapter, checkpoint, monkeypatch, vision_keys, language_keys
+    )
     assert_qwen_parts_load_exactly(model, tower_only, language_only)
 
 
@@ -159,7 +165,8 @@ def test_experts_in_the_hubs_layout_load_as_transformers_loads_them(checkpoint, 
     for key in experts:
         state[key] = state[key].transpose(1, 2).contiguous()
     gate_up = state["model.language_model.layers.0.mlp.experts.gate_up_proj"]
-    assert gate_up.shape[1:] == (64, 2 * QWEN3_VL_MOE_TEXT["moe_intermediate_size"])  # [E, in, out], not square
+    # [E, in, out], not square
+    assert gate_up.shape[1:] == (64, 2 * QWEN3_VL_MOE_TEXT["moe_intermediate_size"])
     save_file(state, str(hub / "model.safetensors"), metadata={"format": "pt"})
 
     language_only = Qwen3VLMoeAdapter(str(hub), ModelConfig(), {"language"})
@@ -175,16 +182,22 @@ def test_pruning_is_declared_as_for_dense_qwen3_vl(adapters):
     assert Qwen3VLMoeAdapter.supported_pruning == Qwen3VLAdapter.supported_pruning
     assert Qwen3VLMoeAdapter.pruning_refusal_reason == Qwen3VLAdapter.pruning_refusal_reason
     refuse_unsupported_pruning(  # the encoder stages it supports pass
-        language.family, language.supported_pruning, language.pruning_refusal_reason,
+        language.family,
+        language.supported_pruning,
+        language.pruning_refusal_reason,
         PruningConfig(temporal_drop=True, key_token_ratio=0.1),
     )
     with pytest.raises(InvalidRequest, match=r"prefill_drop \(prefill stage\).*qwen3_vl_moe"):
         refuse_unsupported_pruning(
-            language.family, language.supported_pruning, language.pruning_refusal_reason,
+            language.family,
+            language.supported_pruning,
+            language.pruning_refusal_reason,
             PruningConfig(prefill_drop=True, prefill_keep_ratio=0.5),
         )
     with pytest.raises(UnsupportedByFamily, match=r"Qwen3-VL MoE \(qwen3_vl_moe\).*prefill drop"):
-        language.layerwise_prefill(torch.zeros(1, 2, language.hidden_size), torch.zeros(4, 1, 2, dtype=torch.long))
+        language.layerwise_prefill(
+            torch.zeros(1, 2, language.hidden_size), torch.zeros(4, 1, 2, dtype=torch.long)
+        )
     # The prefill FLOPs estimate's MLP width: the top-k experts a token runs through.
     assert language.text_dims.intermediate_size == (
         QWEN3_VL_MOE_TEXT["num_experts_per_tok"] * QWEN3_VL_MOE_TEXT["moe_intermediate_size"]

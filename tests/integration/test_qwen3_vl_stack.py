@@ -202,7 +202,9 @@ def test_the_big_clip_is_over_the_size_limit_and_one_merged_group_is_not(checkpo
 
 
 @pytest.mark.parametrize("media,num_frames", [("big", 32), ("mp4", 5), ("big", 31)])
-def test_frame_groups_are_sized_and_padded_as_the_whole_clip(unmerged_pipeline, whole, clips, media, num_frames):
+def test_frame_groups_are_sized_and_padded_as_the_whole_clip(
+    unmerged_pipeline, whole, clips, media, num_frames
+):
     """The encoder preprocesses 2-frame groups; the processor sizes the whole clip (t x h x w
     within its bounds: the big clip's frames shrink) and pads an odd clip's last temporal patch
     with its last frame (5 and 31 frames: a 1-frame last group). Prompt length, visual tokens and
@@ -235,8 +237,11 @@ def test_a_one_frame_sample_by_fps_is_refused_naming_the_options_it_used(checkpo
     engine = EncoderEngine(EncoderConfig(), adapter)
     try:
         with pytest.raises(MediaError, match=r"sampling by fps: min_frames and max_frames >= 2"):
-            engine.encode(MediaInput(media_files["mp4"].read_bytes()), SamplingOptions(fps=1.0, min_frames=1, max_frames=1),
-                          lambda e: None)
+            engine.encode(
+                MediaInput(media_files["mp4"].read_bytes()),
+                SamplingOptions(fps=1.0, min_frames=1, max_frames=1),
+                lambda e: None,
+            )
     finally:
         engine.close()
 
@@ -249,7 +254,9 @@ def test_the_token_budget_counts_a_one_frame_last_group_as_one_temporal_patch(ch
     data, sampling = media_files["mp4"].read_bytes(), SamplingOptions(num_frames=5)
 
     def encode(max_visual_tokens: int) -> EncodedMedia:
-        engine = EncoderEngine(EncoderConfig(merge_decoded_groups=False, max_visual_tokens=max_visual_tokens), adapter)
+        engine = EncoderEngine(
+            EncoderConfig(merge_decoded_groups=False, max_visual_tokens=max_visual_tokens), adapter
+        )
         try:
             return engine.encode(MediaInput(data), sampling, lambda e: None)
         finally:
@@ -283,7 +290,9 @@ def test_zeroing_the_deepstack_features_on_the_way_changes_the_answer(
     monkeypatch.setattr(engine.cache, "put", lambda key, media, facts=None: None)  # and store nothing
     kept = sum(_tokens(pipeline, _request(media_files, m, n)) == references[(m, n)] for m, n in CASES)
     assert len(zeroed) == len(CASES), "a request was not encoded afresh (a cache hit skips the zeroing)"
-    assert kept < len(CASES) / 2, f"{kept} of {len(CASES)} answers unchanged with the DeepStack features zeroed"
+    assert kept < len(CASES) / 2, (
+        f"{kept} of {len(CASES)} answers unchanged with the DeepStack features zeroed"
+    )
 
 
 def test_chunked_prefill_keeps_deepstack_aligned(checkpoint, media_files, references):
@@ -479,7 +488,9 @@ def test_qwen3_vl_moe_three_services_equal_generate(moe_stack, moe_checkpoint, m
     def ask(case):
         media, num_frames = case
         with EpdClient(moe_stack.gateway) as client:
-            return client.ask(media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS)
+            return client.ask(
+                media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS
+            )
 
     with ThreadPoolExecutor(len(MOE_CASES)) as pool:
         results = list(pool.map(ask, MOE_CASES))

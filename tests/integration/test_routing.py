@@ -56,8 +56,11 @@ def chat(port: int, image: bytes) -> dict:
     body = {"model": "epd", "max_tokens": TOKENS, "temperature": 0,
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                       {"type": "text", "text": "what is it?"}]}]}  # fmt: skip
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         assert reply.status == 200
         return json.loads(reply.read())

@@ -48,14 +48,19 @@ def ask(stack, media, question=QUESTION, num_frames=NUM_FRAMES, **options):
         return client.ask(media, question, num_frames=num_frames, **options)
 
 
-def test_greedy_with_repetition_penalty_equals_generate(shared_stack, tiny_models, media_files, video, greedy):
+def test_greedy_with_repetition_penalty_equals_generate(
+    shared_stack, tiny_models, media_files, video, greedy
+):
     want = reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS, repetition_penalty=1.3)
     assert want != greedy, "the penalty changes nothing here; the comparison would prove little"
     result = ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=1.3)
     assert result.token_ids == want
     # < 1 favours repeats, over the prompt's tokens too
     want = reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS, repetition_penalty=0.7)
-    assert ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=0.7).token_ids == want
+    assert (
+        ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=0.7).token_ids
+        == want
+    )
 
 
 def test_the_penalised_prompt_ids_are_what_generate_sees(tiny_models, video, media_files):
@@ -72,8 +77,12 @@ def test_the_penalised_prompt_ids_are_what_generate_sees(tiny_models, video, med
         pipeline.prefill.prefill = capture  # type: ignore[method-assign]
 
         async def run(generation):
-            request = AskRequest(question_messages(QUESTION), MediaInput(media_files["mp4"].read_bytes()),
-                                 SamplingOptions(num_frames=NUM_FRAMES), generation)
+            request = AskRequest(
+                question_messages(QUESTION),
+                MediaInput(media_files["mp4"].read_bytes()),
+                SamplingOptions(num_frames=NUM_FRAMES),
+                generation,
+            )
             return [x async for x in pipeline.ask(request) if isinstance(x, AskSummary)][0]
 
         asyncio.run(run(GenerationConfig(max_new_tokens=2, repetition_penalty=1.3)))
@@ -104,10 +113,17 @@ def test_presence_and_frequency_penalties_equal_a_reference_on_the_unsplit_model
     _, processor = whole_model(tiny_models["qwen2_vl"])
     num_prompt = reference_inputs(processor, video, question_message(video, QUESTION))["input_ids"].shape[1]
     penalties = LogitsProcessorList([OpenAIPenalties(num_prompt, presence, frequency)])
-    want = reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS, logits_processor=penalties)
+    want = reference_tokens(
+        tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS, logits_processor=penalties
+    )
     assert want != greedy, "the penalties change nothing here; the comparison would prove little"
-    result = ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, presence_penalty=presence,
-                 frequency_penalty=frequency)
+    result = ask(
+        shared_stack,
+        media_files["mp4"],
+        max_new_tokens=MAX_NEW_TOKENS,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
     assert result.token_ids == want
 
 
@@ -136,8 +152,11 @@ def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fi
     body = {"model": "epd", "max_tokens": max_tokens, "media": {"num_frames": NUM_FRAMES}, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": QUESTION}]}]}  # fmt: skip
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, json.loads(reply.read())
@@ -162,7 +181,10 @@ def test_stop_token_ids_end_the_answer_through_the_http_api(shared_stack, media_
     assert status == 200, body
     assert body["epd"]["token_ids"] == greedy[: i + 1]
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["choices"][0]["message"]["content"] == chat(port, media_files, max_tokens=i)[1]["choices"][0]["message"]["content"]
+    assert (
+        body["choices"][0]["message"]["content"]
+        == chat(port, media_files, max_tokens=i)[1]["choices"][0]["message"]["content"]
+    )
     status, body = chat(port, media_files, stop_token_ids=[greedy[i]], include_stop_str_in_output=True)
     with_stop = chat(port, media_files, max_tokens=i + 1)[1]["choices"][0]["message"]["content"]
     assert body["choices"][0]["message"]["content"] == with_stop
@@ -190,8 +212,11 @@ def _stream_events(port: int, media_files, **fields) -> list[dict]:
     body = {"model": "epd", "media": {"num_frames": NUM_FRAMES}, "stream": True, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": QUESTION}]}]}  # fmt: skip
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         lines = reply.read().decode().splitlines()
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
@@ -200,7 +225,9 @@ def _stream_events(port: int, media_files, **fields) -> list[dict]:
 NOT_FINITE = "scores for this request's next token are not finite numbers"
 
 
-def test_scores_a_request_sends_past_the_float_range_fail_it_alone_with_what_to_change(shared_stack, media_files):
+def test_scores_a_request_sends_past_the_float_range_fail_it_alone_with_what_to_change(
+    shared_stack, media_files
+):
     """A repetition_penalty far below 1 divides positive scores past the largest float: the sampler
     cannot draw from them. That is the request's failure, not its replica's: prefill's first token
     said "prefill stage failed" (HTTP 500), and a later token in decode "the decode replica failed
@@ -215,8 +242,12 @@ def test_scores_a_request_sends_past_the_float_range_fail_it_alone_with_what_to_
     # seen tokens' scores grow with the answer): one whose failure comes mid-answer, in decode.
     mid_answer = None
     for penalty in (2e-38, 1.5e-38, 2.5e-38, 1.8e-38, 1.2e-38):
-        events = _stream_events(port, media_files, max_tokens=16, temperature=1.0, seed=0, repetition_penalty=penalty)
-        content = [e for e in events if "choices" in e and any(c["delta"].get("content") for c in e["choices"])]
+        events = _stream_events(
+            port, media_files, max_tokens=16, temperature=1.0, seed=0, repetition_penalty=penalty
+        )
+        content = [
+            e for e in events if "choices" in e and any(c["delta"].get("content") for c in e["choices"])
+        ]
         errors = [e["error"] for e in events if "error" in e]
         if content and errors:
             mid_answer = errors

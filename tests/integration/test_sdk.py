@@ -139,7 +139,9 @@ def test_errors_carry_the_grpc_status_and_message(client, media_files):
         client.ask(None, QUESTION, media_sha256="cd" * 32, request_id="sdk-error-id", **OPTIONS)
     assert info.value.code == grpc.StatusCode.NOT_FOUND
     # The id as a field too (the HTTP API's x-request-id header), not only at the message's end.
-    assert info.value.request_id == "sdk-error-id" and info.value.message.endswith("(request id sdk-error-id)")
+    assert info.value.request_id == "sdk-error-id" and info.value.message.endswith(
+        "(request id sdk-error-id)"
+    )
     with pytest.raises(TypeError, match="unknown options: \\['num_frame'\\]"):
         client.ask(media_files["mp4"], QUESTION, num_frame=4)
 

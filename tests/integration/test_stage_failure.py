@@ -87,10 +87,10 @@ def test_a_dead_decode_stage_is_reported_truthfully_and_recovers(tiny_models, me
         assert "decode" in health_body and "127.0.0.1" not in health_body
 
         # Restarted as `epd serve` restarts a replica: forked again from the zygote, on its port.
-        stack.procs["decode"] = zygote().start("decode", stack.command("decode")[3:], stack.env,
-                                               str(tmp_path / "logs" / "decode-restarted.log"))
+        stack.procs["decode"] = zygote().start(
+            "decode", stack.command("decode")[3:], stack.env, str(tmp_path / "logs" / "decode-restarted.log")
+        )
         assert wait_until(lambda: is_serving(stack.gateway, timeout_s=1.0), 120), "gateway did not recover"
         status, body = chat(http_port, media_files["mp4"])
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] is not None
-

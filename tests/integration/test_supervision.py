@@ -31,11 +31,26 @@ RESTART_WAIT_S = 90.0  # a deadline for a restart to be seen, not a timing asser
 
 
 def _chat(http_port: int, url: str) -> list[int]:
-    body = {"model": "epd", "max_tokens": TOKENS, "temperature": 0, "media": {"num_frames": FRAMES},
-            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                                      {"type": "text", "text": "what moves?"}]}]}
-    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    body = {
+        "model": "epd",
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "media": {"num_frames": FRAMES},
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": url}},
+                    {"type": "text", "text": "what moves?"},
+                ],
+            }
+        ],
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return json.loads(reply.read())["epd"]["token_ids"]
@@ -76,17 +91,43 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
     allow-list admits every loopback port), one decode."""
     taken: set[int] = set()
     encoder_port = port_with_replicas(2, taken)
-    ports = {"gateway": port_with_replicas(1, taken), "prefill": port_with_replicas(2, taken),
-             "decode": port_with_replicas(1, taken), "http": port_with_replicas(1, taken)}
+    ports = {
+        "gateway": port_with_replicas(1, taken),
+        "prefill": port_with_replicas(2, taken),
+        "decode": port_with_replicas(1, taken),
+        "http": port_with_replicas(1, taken),
+    }
     encoders = [encoder_port, encoder_port + REPLICA_PORT_STEP]
     log = tmp_path / "stack.log"
     with open(log, "w") as stderr:
         launcher = subprocess.Popen(
-            epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--encoders", "2", "--prefills", "2",
-                        "--encoder-port", str(encoder_port), "--prefill-port", str(ports["prefill"]),
-                        "--decode-port", str(ports["decode"]), "--gateway-port", str(ports["gateway"]),
-                        "--http-port", str(ports["http"]), "--health-timeout", "2"),
-            stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT)
+            epd_command(
+                "serve",
+                "--model",
+                str(tiny_models["qwen2_vl"]),
+                "--encoders",
+                "2",
+                "--prefills",
+                "2",
+                "--encoder-port",
+                str(encoder_port),
+                "--prefill-port",
+                str(ports["prefill"]),
+                "--decode-port",
+                str(ports["decode"]),
+                "--gateway-port",
+                str(ports["gateway"]),
+                "--http-port",
+                str(ports["http"]),
+                "--health-timeout",
+                "2",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=child_env(),
+            cwd=ROOT,
+        )
     children: list[psutil.Process] = []
     try:
         ready = launcher.stdout.readline() if launcher.stdout else ""
@@ -100,8 +141,11 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
 
         # The encoder replica the video goes to dies: the gateway retries on the other one, and the
         # launcher forks the dead one again on its port.
-        home = int(rendezvous_order(hashlib.sha256(video).hexdigest(),
-                                    [f"127.0.0.1:{p}" for p in encoders])[0].rsplit(":", 1)[1])
+        home = int(
+            rendezvous_order(hashlib.sha256(video).hexdigest(), [f"127.0.0.1:{p}" for p in encoders])[
+                0
+            ].rsplit(":", 1)[1]
+        )
         other = encoders[1 - encoders.index(home)]
         killed = encoder_killed = serving_pid(home)
         assert killed is not None
@@ -134,7 +178,9 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
 
         stderr_text = log.read_text()
         name = f"encoder[{encoders.index(home)}]"
-        assert f"epd: {name} (pid {encoder_killed}) exited with code -9; restarting in 1 s" in stderr_text, stderr_text
+        assert f"epd: {name} (pid {encoder_killed}) exited with code -9; restarting in 1 s" in stderr_text, (
+            stderr_text
+        )
         assert f"epd: {name} serving again at 127.0.0.1:{home}" in stderr_text, stderr_text
         assert "did not answer its health check for" in stderr_text, stderr_text
         assert "epd: decode[0] restarted" in stderr_text and "Traceback" not in stderr_text, stderr_text
@@ -149,4 +195,6 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
     assert code == 0, log.read_text()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:8] for c in alive]
-    assert all(serving_pid(p) is None for p in [*encoders, ports["prefill"] + REPLICA_PORT_STEP, *ports.values()])
+    assert all(
+        serving_pid(p) is None for p in [*encoders, ports["prefill"] + REPLICA_PORT_STEP, *ports.values()]
+    )

@@ -64,7 +64,8 @@ def test_another_salt_encodes_again_and_the_same_salt_hits(adapter, media_files)
 def test_another_salt_builds_the_keyframe_index_again(adapter, media_files):
     """A keyframe-index hit skips the demux pass, which the decode time a client is told shows:
     the same bytes from another tenant build their index again; from the same tenant, once."""
-    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)  # no token cache
+    # no token cache
+    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
     data = media_files["mp4"].read_bytes()
     index_cache = engine.decoder.index_cache
     _encode(engine, data, "alice")
@@ -142,8 +143,15 @@ def _chat(stack, video: bytes, salt: str | None, question: str = QUESTION, key: 
     body = {"media": {"num_frames": NUM_FRAMES}, **({"cache_salt": salt} if salt is not None else {})}
     completion = client.chat.completions.create(
         model="epd",
-        messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                               {"type": "text", "text": question}]}],  # fmt: skip
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": url}},
+                    {"type": "text", "text": question},
+                ],
+            }
+        ],  # fmt: skip
         max_tokens=4,
         extra_body=body,
     )
@@ -168,7 +176,9 @@ def test_tenants_share_nothing_across_and_everything_within(stack, media_files):
         options = {"num_frames": NUM_FRAMES, "max_new_tokens": 4}
         by_hash = client.ask(None, messages=messages, media_sha256=sha, **options)
         assert by_hash.encoder_cache_hit and by_hash.media_num_bytes_sent == 0
-        assert client.ask(None, messages=messages, media_sha256=sha, cache_salt="tenant-a", **options).encoder_cache_hit
+        assert client.ask(
+            None, messages=messages, media_sha256=sha, cache_salt="tenant-a", **options
+        ).encoder_cache_hit
         with pytest.raises(EpdError) as other:  # a tenant that never sent the bytes
             client.ask(None, messages=messages, media_sha256=sha, cache_salt="tenant-c", **options)
         with pytest.raises(EpdError) as unknown:  # media nobody sent

@@ -58,7 +58,10 @@ VIDEO_LATER = [
 
 
 async def _summary(pipeline, messages: list[dict], media: MediaInput | None = None, **options) -> AskSummary:
-    sampling, generation = SamplingOptions(num_frames=NUM_FRAMES), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS)
+    sampling, generation = (
+        SamplingOptions(num_frames=NUM_FRAMES),
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+    )
     request = AskRequest(from_chat_template(messages), media, sampling, generation, **options)
     return await request_summary(pipeline, request)
 
@@ -87,7 +90,9 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
         for name, messages in CONVERSATIONS.items():
             got = summary(pipeline, messages)
             want = text_only_reference(path, messages, MAX_NEW_TOKENS)
-            assert len(set(want)) > 2, f"{name}: the tiny model repeats one token; the comparison would prove little"
+            assert len(set(want)) > 2, (
+                f"{name}: the tiny model repeats one token; the comparison would prove little"
+            )
             assert got.token_ids == want, name
             assert got.num_visual_tokens == 0 and got.num_frames == 0 and got.media_sha256 == ""
             assert not got.encoder_cache_hit and got.grid_thw == (0, 0, 0)
@@ -96,7 +101,10 @@ def test_text_only_conversations_equal_generate_in_every_family(checkpoints, med
             assert got.timings_ms["encode"] == 0.0 and got.timings_ms["video_decode"] == 0.0
             assert got.num_prompt_tokens > 0
             tokenize = TokenizeInput(messages=from_chat_template(messages), add_special_tokens=False)
-            assert len(asyncio.run(pipeline.prefill.tokenize(tokenize, name)).token_ids) == got.num_prompt_tokens  # /tokenize's count
+            # /tokenize's count
+            assert (
+                len(asyncio.run(pipeline.prefill.tokenize(tokenize, name)).token_ids) == got.num_prompt_tokens
+            )
         video = decode_for_test(media_files["mp4"], NUM_FRAMES)
         # The conversation's text-only first turn, then the turn that brings the video: that turn
         # reuses the first turn's KV for the text before its video (its entry is text-only), and
@@ -115,7 +123,9 @@ def test_text_only_and_media_requests_batched_together_each_equal_generate(check
     prefill and decode batches as media prompts: each answers as it does alone."""
     path = checkpoints[family]
     video = decode_for_test(media_files["mp4"], NUM_FRAMES)
-    media_messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+    media_messages = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}
+    ]
     data = media_files["mp4"].read_bytes()
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
 
@@ -143,10 +153,15 @@ def test_a_text_part_holding_the_visual_placeholder_is_refused_alike_in_every_fa
         said = {"type": "text", "text": f"what is {token}?"}
         text_only = [{"role": "user", "content": [said]}]
         with_media = [{"role": "user", "content": [{"type": "video"}, said]}]
-        calls = ((adapter.build_prompt, text_only, None), (adapter.build_prompt, with_media, meta),
-                 (adapter.tokenize_conversation, text_only, True, False))
+        calls = (
+            (adapter.build_prompt, text_only, None),
+            (adapter.build_prompt, with_media, meta),
+            (adapter.tokenize_conversation, text_only, True, False),
+        )
         for call, *args in calls:
-            with pytest.raises(ValueError, match="^a text part contains the model's visual placeholder token; remove it$"):
+            with pytest.raises(
+                ValueError, match="^a text part contains the model's visual placeholder token; remove it$"
+            ):
                 call(*args)
 
 
@@ -244,8 +259,11 @@ def test_a_text_only_follow_up_reuses_its_history_and_never_a_media_entry(tiny_m
         first = CONVERSATIONS["multi_turn"][:2]
         one = summary(pipeline, first)
         assert one.num_reused_prompt_tokens == 0
-        follow_up = [*first, {"role": "assistant", "content": [{"type": "text", "text": one.answer}]},
-                     {"role": "user", "content": [{"type": "text", "text": "and another one?"}]}]
+        follow_up = [
+            *first,
+            {"role": "assistant", "content": [{"type": "text", "text": one.answer}]},
+            {"role": "user", "content": [{"type": "text", "text": "and another one?"}]},
+        ]
         two = summary(pipeline, follow_up)
         # The whole first prompt is reused (its answer's tokens follow it in the second).
         assert one.num_prompt_tokens <= two.num_reused_prompt_tokens < two.num_prompt_tokens
@@ -256,19 +274,27 @@ def test_a_text_only_follow_up_reuses_its_history_and_never_a_media_entry(tiny_m
         prefix_cache = pipeline.prefill.engine.prefix_cache
         prefix_cache.clear()
         text = {"type": "text", "text": "what colour is the moving square?"}
-        with_media = summary(pipeline, [{"role": "user", "content": [text, {"type": "video"}]}],
-                             MediaInput(media_files["mp4"].read_bytes()))
+        with_media = summary(
+            pipeline,
+            [{"role": "user", "content": [text, {"type": "video"}]}],
+            MediaInput(media_files["mp4"].read_bytes()),
+        )
         alone = summary(pipeline, [{"role": "user", "content": [text]}])
         assert with_media.num_reused_prompt_tokens == 0 and alone.num_reused_prompt_tokens == 0
         assert prefix_cache.stats().num_entries == 2
-        again = summary(pipeline, [{"role": "user", "content": [text, {"type": "video"}]}],
-                        MediaInput(media_files["mp4"].read_bytes()))
+        again = summary(
+            pipeline,
+            [{"role": "user", "content": [text, {"type": "video"}]}],
+            MediaInput(media_files["mp4"].read_bytes()),
+        )
         assert again.num_reused_prompt_tokens > 0 and again.token_ids == with_media.token_ids
         # A conversation that opens with its media reuses no text-only entry: it had no text-only
         # turns (here the LCP with `alone` is the template's preamble and the question's words).
-        other = summary(pipeline, [{"role": "user", "content": [{**text, "text": text["text"] + " and why?"},
-                                                                  {"type": "video"}]}],
-                        MediaInput(media_files["mp4"].read_bytes()))
+        other = summary(
+            pipeline,
+            [{"role": "user", "content": [{**text, "text": text["text"] + " and why?"}, {"type": "video"}]}],
+            MediaInput(media_files["mp4"].read_bytes()),
+        )
         assert other.num_reused_prompt_tokens == 0
 
 
@@ -290,12 +316,19 @@ def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stac
     messages = CONVERSATIONS["system_and_text"]
     want = text_only_reference(tiny_models["qwen2_vl"], messages, MAX_NEW_TOKENS)
     before = _steps_by_stage(shared_stack.http_port)
-    http = openai.OpenAI(base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0)
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
+    )
     openai_messages = [{"role": "system", "content": "answer briefly"},
                        {"role": "user", "content": "hello, who are you?"}]  # fmt: skip
     # What LiteLLM's health check sends: a string content, no media at all.
-    reply = http.chat.completions.create(model="epd", messages=openai_messages, max_tokens=MAX_NEW_TOKENS,
-                                         extra_body={"media": {"num_frames": NUM_FRAMES}})  # ignored: no media
+    reply = http.chat.completions.create(
+        model="epd",
+        messages=openai_messages,
+        max_tokens=MAX_NEW_TOKENS,
+        # ignored: no media
+        extra_body={"media": {"num_frames": NUM_FRAMES}},
+    )
     epd = reply.model_extra["epd"]
     assert epd["token_ids"] == want
     assert epd["num_visual_tokens"] == 0 and epd["media_sha256"] == "" and not epd["encoder_cache_hit"]
@@ -304,23 +337,35 @@ def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stac
     assert epd["timings_ms"]["encode"] == 0.0 and epd["timings_ms"]["video_decode"] == 0.0
     assert reply.usage is not None and reply.usage.prompt_tokens == epd["num_prompt_tokens"]
 
-    stream = http.chat.completions.create(model="epd", messages=openai_messages, max_tokens=MAX_NEW_TOKENS,
-                                          stream=True, stream_options={"include_usage": True})
+    stream = http.chat.completions.create(
+        model="epd",
+        messages=openai_messages,
+        max_tokens=MAX_NEW_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reply.choices[0].message.content
-    assert [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids") or []] == want
+    assert [
+        t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids") or []
+    ] == want
 
     with EpdClient(shared_stack.gateway, timeout_s=120) as client:
-        result = client.ask(None, messages=[Message.system("answer briefly"), Message.user("hello, who are you?")],
-                            max_new_tokens=MAX_NEW_TOKENS, num_frames=NUM_FRAMES)
+        result = client.ask(
+            None,
+            messages=[Message.system("answer briefly"), Message.user("hello, who are you?")],
+            max_new_tokens=MAX_NEW_TOKENS,
+            num_frames=NUM_FRAMES,
+        )
         assert result.token_ids == want
         assert result.timings_ms.encode_ms == 0.0 and result.timings_ms.video_decode_ms == 0.0
         assert result.media_num_bytes_sent == 0 and result.num_visual_tokens == 0
         # The question form without a video: the question alone.
         alone = client.ask(None, "hello, who are you?", max_new_tokens=MAX_NEW_TOKENS)
         assert alone.token_ids == text_only_reference(
-            tiny_models["qwen2_vl"], [{"role": "user", "content": [{"type": "text", "text": "hello, who are you?"}]}],
+            tiny_models["qwen2_vl"],
+            [{"role": "user", "content": [{"type": "text", "text": "hello, who are you?"}]}],
             MAX_NEW_TOKENS,
         )
         # A text-only conversation through the SDK: the follow-up reuses the first turn's prompt.
@@ -339,7 +384,9 @@ def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stac
 
 def test_a_raw_http_body_without_media_answers(shared_stack):
     """The smallest body a client sends (no max_tokens, no options): 200 with an answer."""
-    body = json.dumps({"model": "epd", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 4}).encode()
+    body = json.dumps(
+        {"model": "epd", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 4}
+    ).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{shared_stack.http_port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=120) as resp:

@@ -57,7 +57,9 @@ def test_the_mtls_stack_answers_like_the_plain_stack(tls_stack, shared_stack, me
 
 
 def _health(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
-    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    channel = (
+        grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    )
     with channel:
         try:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -97,11 +99,18 @@ def test_epd_health_probes_a_mtls_stage(tls_stack, pki):
     client_cert, client_key = pki["client"]
     address = tls_stack.address("prefill")
     probe = ["health", address, "--tls-ca", pki["ca"]]
-    ok = subprocess.run(epd_command(*probe, "--tls-cert", client_cert, "--tls-key", client_key),
-                        capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60)
+    ok = subprocess.run(
+        epd_command(*probe, "--tls-cert", client_cert, "--tls-key", client_key),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
-    refused = subprocess.run(epd_command(*probe), capture_output=True, text=True, env=child_env(), cwd=ROOT,
-                             timeout=60)
+    refused = subprocess.run(
+        epd_command(*probe), capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60
+    )
     # The handshake is refused: no answer, said as such (not NOT_SERVING, the answer of a server that is up).
     assert refused.returncode == 1 and refused.stderr.startswith(f"no answer from {address}"), refused.stderr
 
@@ -109,9 +118,24 @@ def test_epd_health_probes_a_mtls_stage(tls_stack, pki):
 def test_a_key_that_is_not_the_certificates_stops_the_service_at_start(pki):
     cert, _ = pki["service"]
     _, other_key = pki["client"]
-    proc = subprocess.run(epd_command("serve", "encoder", "--port", str(free_port()), "--tls-cert", cert,
-                                      "--tls-key", other_key, "--insecure-no-internal-auth"),
-                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        epd_command(
+            "serve",
+            "encoder",
+            "--port",
+            str(free_port()),
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            other_key,
+            "--insecure-no-internal-auth",
+        ),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("epd serve encoder: --tls-cert/--tls-key: not a certificate and its matching key")
@@ -120,11 +144,19 @@ def test_a_key_that_is_not_the_certificates_stops_the_service_at_start(pki):
 def test_a_missing_certificate_file_is_named(pki, tmp_path):
     _, key = pki["service"]
     missing = str(tmp_path / "nope.pem")
-    proc = subprocess.run(epd_command("serve", "gateway", "--port", str(free_port()), "--tls-cert", missing,
-                                      "--tls-key", key), capture_output=True, text=True, env=child_env(), cwd=ROOT,
-                          timeout=60)
+    proc = subprocess.run(
+        epd_command("serve", "gateway", "--port", str(free_port()), "--tls-cert", missing, "--tls-key", key),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"epd serve gateway: --tls-cert {missing}: cannot read it (No such file or directory)"
+    assert (
+        proc.stderr.strip()
+        == f"epd serve gateway: --tls-cert {missing}: cannot read it (No such file or directory)"
+    )
 
 
 def test_the_http_api_serves_https_only(tls_stack, pki):
@@ -135,10 +167,13 @@ def test_the_http_api_serves_https_only(tls_stack, pki):
     import urllib.request
 
     trusted = ssl.create_default_context(cafile=pki["ca"])
-    with urllib.request.urlopen(f"https://127.0.0.1:{HTTP_PORT}/health", context=trusted, timeout=30) as reply:
+    with urllib.request.urlopen(
+        f"https://127.0.0.1:{HTTP_PORT}/health", context=trusted, timeout=30
+    ) as reply:
         assert reply.status == 200
     with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
         urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=30)
     with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
-        urllib.request.urlopen(f"https://127.0.0.1:{HTTP_PORT}/health", context=ssl.create_default_context(),
-                               timeout=30)
+        urllib.request.urlopen(
+            f"https://127.0.0.1:{HTTP_PORT}/health", context=ssl.create_default_context(), timeout=30
+        )

@@ -31,8 +31,10 @@ HANG_GUARD_S = 60.0
 
 
 def _conversation(question: str) -> list[dict]:
-    return [{"role": "system", "content": [{"type": "text", "text": "answer briefly"}]},
-            {"role": "user", "content": [{"type": "text", "text": question}]}]
+    return [
+        {"role": "system", "content": [{"type": "text", "text": "answer briefly"}]},
+        {"role": "user", "content": [{"type": "text", "text": question}]},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,9 @@ def checkpoints(tiny_models, tmp_path_factory):
     return family_checkpoints(tiny_models, tmp_path_factory.mktemp("tokenizing_copy_models"))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"])
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
+)
 def test_the_tokenizing_copy_owns_its_tokenizer_and_gives_the_same_ids(checkpoints, family):
     """Shared with the model thread's, a fast tokenizer may refuse a concurrent call ("Already
     borrowed"): the copy's tokenizer and processor are its own, the processor's tokenizer is the
@@ -70,7 +74,9 @@ def test_the_tokenizing_copy_owns_its_tokenizer_and_gives_the_same_ids(checkpoin
     assert twin.decode_tokens(prompt_ids) == adapter.decode_tokens(prompt_ids)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"])
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
+)
 def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_processor(checkpoints, family):
     """/tokenize's continue_final_message and return_token_strs in every family: the ids of the
     family's own processor's rendering with the last message left open, and its tokenizer's
@@ -79,10 +85,13 @@ def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_proc
 
     processor = AutoProcessor.from_pretrained(str(checkpoints[family]))
     twin = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill").tokenizing_copy()
-    conversation = [*_conversation("what colour is the sky?"),
-                    {"role": "assistant", "content": [{"type": "text", "text": "The sky is"}]}]
-    rendered = processor.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True,
-                                             tokenize=False)
+    conversation = [
+        *_conversation("what colour is the sky?"),
+        {"role": "assistant", "content": [{"type": "text", "text": "The sky is"}]},
+    ]
+    rendered = processor.apply_chat_template(
+        conversation, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
     assert rendered.endswith("The sky is")
     ids = twin.tokenize_conversation(conversation, False, False, True)
     assert ids == processor.tokenizer(rendered, add_special_tokens=False)["input_ids"]
@@ -98,8 +107,10 @@ def test_tokenize_answers_while_the_model_thread_is_busy(adapter):
     async def scenario() -> tuple[list[int], str, bool]:
         held = asyncio.ensure_future(model_thread.run(release.wait))
         try:
-            request = TokenizeInput(messages=from_chat_template(_conversation("a red circle moves left")),
-                                    add_special_tokens=False)
+            request = TokenizeInput(
+                messages=from_chat_template(_conversation("a red circle moves left")),
+                add_special_tokens=False,
+            )
             ids = (await asyncio.wait_for(stage.tokenize(request, "t"), HANG_GUARD_S)).token_ids
             text = await asyncio.wait_for(stage.detokenize(ids, "d"), HANG_GUARD_S)
             return ids, text, held.done()
@@ -125,26 +136,35 @@ def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, 
     stage = LocalPrefillStage(PrefillEngine(PrefillConfig(), adapter), KvStore(1 << 30, 600.0), model_thread)
     questions = [f"question {i}: " + " ".join(f"word{j}" for j in range(40 * (i + 1))) for i in range(8)]
     expected = [
-        processor.tokenizer(processor.apply_chat_template(_conversation(q), add_generation_prompt=True,
-                                                          tokenize=False), add_special_tokens=False)["input_ids"]
+        processor.tokenizer(
+            processor.apply_chat_template(_conversation(q), add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
         for q in questions
     ]
 
     async def scenario():
         prefills = [
-            stage.prefill(from_chat_template(_conversation(q)), None, GenerationConfig(max_new_tokens=1), f"p{i}")
+            stage.prefill(
+                from_chat_template(_conversation(q)), None, GenerationConfig(max_new_tokens=1), f"p{i}"
+            )
             for i, q in enumerate(questions)
         ]
         tokenizes = [
-            stage.tokenize(TokenizeInput(messages=from_chat_template(_conversation(q)), add_special_tokens=False),
-                           f"t{i}")
-            for _ in range(3) for i, q in enumerate(questions)
+            stage.tokenize(
+                TokenizeInput(messages=from_chat_template(_conversation(q)), add_special_tokens=False),
+                f"t{i}",
+            )
+            for _ in range(3)
+            for i, q in enumerate(questions)
         ]
         detokenizes = [stage.detokenize(ids, f"d{i}") for i, ids in enumerate(expected)]
         try:
-            results = await asyncio.wait_for(asyncio.gather(*prefills, *tokenizes, *detokenizes), HANG_GUARD_S * 5)
+            results = await asyncio.wait_for(
+                asyncio.gather(*prefills, *tokenizes, *detokenizes), HANG_GUARD_S * 5
+            )
             n, m = len(prefills), len(tokenizes)
-            handles, ids, texts = results[:n], results[n:n + m], results[n + m:]
+            handles, ids, texts = results[:n], results[n : n + m], results[n + m :]
             for handle in handles:
                 await stage.release(handle, "done")
             return handles, ids, texts

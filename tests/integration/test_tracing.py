@@ -38,8 +38,11 @@ class TracingStack(Stack):
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
     http_port = free_port()
-    with TracingStack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_trace"),
-                      extra={"gateway": ["--http-port", str(http_port)]}) as s:
+    with TracingStack(
+        tiny_models["qwen2_vl"],
+        tmp_path_factory.mktemp("logs_trace"),
+        extra={"gateway": ["--http-port", str(http_port)]},
+    ) as s:
         s.http_port = http_port
         yield s
 
@@ -49,16 +52,27 @@ def chat(stack, media: bytes, request_id: str | None) -> tuple[int, dict, dict]:
     url = "data:video/mp4;base64," + base64.b64encode(media).decode()
     body = {
         "model": "epd",
-        "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                                   {"type": "video_url", "video_url": {"url": url}}]}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": QUESTION},
+                    {"type": "video_url", "video_url": {"url": url}},
+                ],
+            }
+        ],
         "max_tokens": 3,
         "media": {"num_frames": 4},
     }
     headers = {"Content-Type": "application/json"}
     if request_id is not None:
         headers["x-request-id"] = request_id
-    request = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers=headers, method="POST")
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers=headers,
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:
             return resp.status, lower(resp.headers), json.loads(resp.read())
@@ -144,8 +158,12 @@ def test_the_header_id_names_every_error_and_comes_back_as_the_metadata(stack, m
     assert failed.value.request_id == "trace-hdr-setting"
 
     def ask(request_id: str, announced: int):
-        header = gateway_pb2.AskHeader(question=QUESTION, request_id=request_id, media_num_bytes=announced,
-                                       generation=common_pb2.GenerationParams(max_new_tokens=3))
+        header = gateway_pb2.AskHeader(
+            question=QUESTION,
+            request_id=request_id,
+            media_num_bytes=announced,
+            generation=common_pb2.GenerationParams(max_new_tokens=3),
+        )
         requests = [gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=data)]
         with grpc.insecure_channel(stack.gateway) as channel:
             call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(iter(requests), timeout=60)

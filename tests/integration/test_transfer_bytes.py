@@ -35,7 +35,10 @@ DROPPING = {"spatial_merge": True, "spatial_merge_threshold": -1.0, "prefill_dro
 def sizes(tiny_models) -> dict[str, int]:
     text = json.loads((tiny_models["qwen2_vl"] / "config.json").read_text())
     text = text.get("text_config", text)
-    return {"hidden_size": text["hidden_size"], "head_dim": text["hidden_size"] // text["num_attention_heads"]}
+    return {
+        "hidden_size": text["hidden_size"],
+        "head_dim": text["hidden_size"] // text["num_attention_heads"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,9 @@ def test_decode_eviction_adds_its_visual_entry_mask_on_both_of_its_hops(client, 
 
 
 def test_every_front_door_reports_the_same_number(shared_stack, client, media_files, sizes):
-    http = openai.OpenAI(base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="unused", max_retries=0)
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="unused", max_retries=0
+    )
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                              {"type": "text", "text": QUESTION}]}]  # fmt: skip
@@ -99,8 +104,12 @@ def test_every_front_door_reports_the_same_number(shared_stack, client, media_fi
 
 
 def test_the_embedded_pipeline_moves_nothing_between_processes(tiny_models, media_files):
-    request = AskRequest(question_messages(QUESTION), MediaInput(media_files["mp4"].read_bytes()),
-                         SamplingOptions(num_frames=NUM_FRAMES), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS))
+    request = AskRequest(
+        question_messages(QUESTION),
+        MediaInput(media_files["mp4"].read_bytes()),
+        SamplingOptions(num_frames=NUM_FRAMES),
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+    )
 
     async def ask(pipeline) -> AskSummary:
         async for item in pipeline.ask(request):

@@ -136,7 +136,9 @@ def test_refused_over_openai_http(stack, payloads, local_server, kind):
 
 @pytest.mark.parametrize("kind", PAYLOADS)
 def test_refused_by_demo_frames(stack, payloads, local_server, kind):
-    status, body = _post(stack, "/demo/frames", {"video_url": _data_url(payloads[kind]), "media": {"num_frames": 2}})
+    status, body = _post(
+        stack, "/demo/frames", {"video_url": _data_url(payloads[kind]), "media": {"num_frames": 2}}
+    )
     assert status == 400, body
     _assert_refused_safely(json.loads(body)["error"]["message"], local_server)
 
@@ -147,8 +149,14 @@ def test_refused_by_epd_ask(payloads, local_server, tmp_path, kind):
 
     path = tmp_path / "upload.mp4"  # the name a user would give it; only the bytes count
     path.write_bytes(payloads[kind])
-    proc = subprocess.run(epd_command("ask", str(path), QUESTION, "--max-new-tokens", "4"),
-                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180)
+    proc = subprocess.run(
+        epd_command("ask", str(path), QUESTION, "--max-new-tokens", "4"),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=180,
+    )
     assert proc.returncode != 0
     _assert_refused_safely(proc.stdout + proc.stderr, local_server)
 
@@ -183,9 +191,18 @@ def test_resolution_growing_mid_stream(stack, client, tmp_path):
 
 HEADER_CASES = {
     # kind: (status, words of the message); None: answered
-    "many_tracks": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the file has 17 tracks, over this server's limit of 16"),
-    "chunk_bomb": (grpc.StatusCode.RESOURCE_EXHAUSTED, "frames and audio packets, over this server's limit of"),
-    "hidden_stsz": (grpc.StatusCode.INVALID_ARGUMENT, "sample table box (stsz) outside a track's sample table"),
+    "many_tracks": (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "the file has 17 tracks, over this server's limit of 16",
+    ),
+    "chunk_bomb": (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "frames and audio packets, over this server's limit of",
+    ),
+    "hidden_stsz": (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sample table box (stsz) outside a track's sample table",
+    ),
     "latin1_title": None,
     "malformed_exif": None,
 }

@@ -78,17 +78,21 @@ def _encode(address: str, data: bytes, **sampling) -> list:
     """One Encode call made as the gateway makes it: a header, then the media in chunks."""
     from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
-    header = encoder_pb2.EncodeHeader(request_id="limits", media_num_bytes=len(data),
-                                      sampling=common_pb2.VideoSampling(**sampling))
+    header = encoder_pb2.EncodeHeader(
+        request_id="limits", media_num_bytes=len(data), sampling=common_pb2.VideoSampling(**sampling)
+    )
     messages = [encoder_pb2.EncodeRequest(header=header)]
-    messages += [encoder_pb2.EncodeRequest(media_chunk=data[i:i + 65536]) for i in range(0, len(data), 65536)]
+    messages += [
+        encoder_pb2.EncodeRequest(media_chunk=data[i : i + 65536]) for i in range(0, len(data), 65536)
+    ]
     with grpc.insecure_channel(address) as channel:
         stub = encoder_pb2_grpc.EncoderServiceStub(channel)
         return list(stub.Encode(iter(messages), timeout=120, metadata=INTERNAL_AUTH_METADATA))
 
 
-def test_decode_wall_time_limit_refuses_with_its_flag_and_the_encoder_keeps_serving(tiny_models, media_files,
-                                                                                     tmp_path):
+def test_decode_wall_time_limit_refuses_with_its_flag_and_the_encoder_keeps_serving(
+    tiny_models, media_files, tmp_path
+):
     """An encoder with --max-decode-s 1e-06: every video decode (its demux pass alone) takes longer,
     so the request is refused with RESOURCE_EXHAUSTED naming the flag, however fast the machine.
     Its decode threads are stopped and replaced; it still serves an image (which no video decoder
@@ -98,19 +102,24 @@ def test_decode_wall_time_limit_refuses_with_its_flag_and_the_encoder_keeps_serv
     address = f"127.0.0.1:{free_port()}"
     argv = ["serve", "encoder", "--port", address.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]),
             "--max-decode-s", "1e-06", "--decode-workers", "2"]  # fmt: skip
-    encoder = zygote().start("encoder-decode-limit", argv, child_env(internal_secret=True),
-                             str(tmp_path / "encoder.log"))
+    encoder = zygote().start(
+        "encoder-decode-limit", argv, child_env(internal_secret=True), str(tmp_path / "encoder.log")
+    )
     try:
         deadline = time.monotonic() + 120
         while not is_serving(address, timeout_s=1.0):
-            assert encoder.poll() is None and time.monotonic() < deadline, (tmp_path / "encoder.log").read_text()[-3000:]
+            assert encoder.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "encoder.log"
+            ).read_text()[-3000:]
             time.sleep(0.2)
         for _ in range(2):  # the second one meets the pool that the first left behind
             with pytest.raises(grpc.RpcError) as info:
                 _encode(address, media_files["mp4"].read_bytes(), num_frames=4)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
-            assert ("decoding this video took longer than this server's limit of 1e-06 s (encoder flag "
-                    "--max-decode-s)") in info.value.details(), info.value.details()
+            assert (
+                "decoding this video took longer than this server's limit of 1e-06 s (encoder flag "
+                "--max-decode-s)"
+            ) in info.value.details(), info.value.details()
         result = _encode(address, media_files["png"].read_bytes())[-1].result
         assert result.modality == "image" and result.num_visual_tokens > 0
         assert encoder.poll() is None
@@ -151,9 +160,11 @@ def test_one_api_key_over_its_limit_gets_429_while_another_key_is_served(tiny_mo
         body = {"model": "epd", "max_tokens": max_tokens, "ignore_eos": True, "media": {"num_frames": 4},
                 "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                           {"type": "text", "text": QUESTION}]}]}  # fmt: skip
-        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=120) as reply:
                 return reply.status, dict(reply.headers), json.loads(reply.read())
@@ -162,8 +173,11 @@ def test_one_api_key_over_its_limit_gets_429_while_another_key_is_served(tiny_mo
 
     def decode_running() -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as reply:
-            m = re.search(r'^epd_engine_running_requests{[^}]*stage="decode"[^}]*} ([0-9.]+)$',
-                          reply.read().decode(), re.M)
+            m = re.search(
+                r'^epd_engine_running_requests{[^}]*stage="decode"[^}]*} ([0-9.]+)$',
+                reply.read().decode(),
+                re.M,
+            )
         return float(m.group(1)) if m else 0.0
 
     with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra):
@@ -176,7 +190,10 @@ def test_one_api_key_over_its_limit_gets_429_while_another_key_is_served(tiny_mo
             time.sleep(0.05)
         status, headers, body = chat("key-one", 2)
         assert status == 429 and "Retry-After" in headers, (status, body)
-        assert "--max-requests-per-api-key" in body["error"]["message"] and "key-one" not in body["error"]["message"]
+        assert (
+            "--max-requests-per-api-key" in body["error"]["message"]
+            and "key-one" not in body["error"]["message"]
+        )
         other_status, _, _ = chat("key-two", 2)
         assert other_status == 200, "another key is not held back"
         first.join(120)

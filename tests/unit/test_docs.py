@@ -47,8 +47,11 @@ NOT_EPD_FLAGS = {
 }
 """Flags the docs name that belong to something else, said so where they are named."""
 
-NOT_PATHS = {"video/mp4": "a MIME type", "compose/Kubernetes": "prose: compose or Kubernetes",
-             "compose/.env": "the operator's own file, which compose/README.md has them create"}
+NOT_PATHS = {
+    "video/mp4": "a MIME type",
+    "compose/Kubernetes": "prose: compose or Kubernetes",
+    "compose/.env": "the operator's own file, which compose/README.md has them create",
+}
 """Words with a slash in the docs that are not repository paths."""
 
 EXTERNAL_NAMES = {"SupportsMultiModal": "vLLM's model interface, named for comparison"}
@@ -102,8 +105,12 @@ def test_every_flag_the_docs_name_is_an_epd_flag(doc):
 @pytest.mark.parametrize("doc", DEPLOY_DOCS)
 def test_every_flag_of_an_epd_command_line_in_the_deploy_docs_is_an_epd_flag(doc):
     """Only the `epd ...` command lines: the rest are docker's, kubectl's, curl's."""
-    flags = {flag for line in read(doc).splitlines() if re.search(r"(^|[\s`])epd (ask|serve|health|bench)\b", line)
-             for flag in FLAG.findall(line.split("epd ", 1)[1])}
+    flags = {
+        flag
+        for line in read(doc).splitlines()
+        if re.search(r"(^|[\s`])epd (ask|serve|health|bench)\b", line)
+        for flag in FLAG.findall(line.split("epd ", 1)[1])
+    }
     assert flags, f"{doc}: no epd command line found"
     unknown = sorted(flags - set(flag_defaults()))
     assert not unknown, f"{doc} names flags no epd command has: {unknown}"
@@ -138,9 +145,11 @@ def script_parser(module: str) -> argparse.ArgumentParser:
     def caught(parser, *args, **kwargs):
         raise _Parsed(parser)
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", caught), \
-            mock.patch.object(argparse.ArgumentParser, "parse_known_args", caught), \
-            mock.patch.object(sys, "argv", [module]):
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", caught),
+        mock.patch.object(argparse.ArgumentParser, "parse_known_args", caught),
+        mock.patch.object(sys, "argv", [module]),
+    ):
         try:
             importlib.import_module(module).main()
         except _Parsed as parsed:
@@ -150,7 +159,8 @@ def script_parser(module: str) -> argparse.ArgumentParser:
 
 COMMAND = re.compile(
     r"\bepd (?P<epd>(?:ask|health|serve(?: (?:encoder|prefill|decode|gateway))?|bench (?:serve|quality)))\b"
-    r"|(?:\bpython[\w.]* (?:-m )?|(?<![\w/])-m )?(?<![\w/])(?P<script>bench/\w+\.py|epd\.(?:bench|train|synth)\.\w+)\b")
+    r"|(?:\bpython[\w.]* (?:-m )?|(?<![\w/])-m )?(?<![\w/])(?P<script>bench/\w+\.py|epd\.(?:bench|train|synth)\.\w+)\b"
+)
 """The commands the docs show: `epd ...`, `python bench/X.py`, `python -m epd.train.X`, ..."""
 
 EPD_ARG = re.compile(r"--epd-arg[= ](--[a-z0-9-]+)")
@@ -178,8 +188,10 @@ def command_lines(text: str) -> list[tuple[int, str]]:
     """`code_block_lines`, and the text of every `inline code` span."""
     found = code_block_lines(text)
     prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
-    found += [(prose.count("\n", 0, m.start()) + 1, m.group(1).replace("\n", " "))
-              for m in re.finditer(r"`([^`]+)`", prose)]
+    found += [
+        (prose.count("\n", 0, m.start()) + 1, m.group(1).replace("\n", " "))
+        for m in re.finditer(r"`([^`]+)`", prose)
+    ]
     return found
 
 
@@ -191,15 +203,18 @@ def documented_commands(doc: str) -> list[tuple[int, str, str]]:
         ends = [m.start() for m in matches[1:]] + [len(line)] if matches else []
         for m, end in zip(matches, ends, strict=True):
             command = f"epd {m.group('epd')}" if m.group("epd") else m.group("script")
-            found.append((number, command, line[m.end():end]))
+            found.append((number, command, line[m.end() : end]))
     return found
 
 
 def command_parser(command: str) -> argparse.ArgumentParser:
     if command.startswith("epd "):
         return epd_parsers()[command]
-    return script_parser(command.replace("/", ".").removesuffix(".py").replace("bench.", "epd.bench.", 1)
-                         if command.startswith("bench/") else command)
+    return script_parser(
+        command.replace("/", ".").removesuffix(".py").replace("bench.", "epd.bench.", 1)
+        if command.startswith("bench/")
+        else command
+    )
 
 
 def flags_of(parser: argparse.ArgumentParser) -> set[str]:
@@ -218,7 +233,9 @@ def test_every_flag_of_a_documented_command_line_is_a_flag_of_that_command(doc):
             checked += 1
             if flag not in flags_of(command_parser(where)):
                 wrong.append(f"{doc}:{number}: {where} has no {flag}")
-    assert checked or doc not in (*USER_DOCS, BENCHMARKS), f"{doc}: no command line found (has the way they are written changed?)"
+    assert checked or doc not in (*USER_DOCS, BENCHMARKS), (
+        f"{doc}: no command line found (has the way they are written changed?)"
+    )
     assert not wrong, "\n".join(wrong)
 
 
@@ -229,8 +246,11 @@ def test_every_epd_command_of_the_deploy_docs_code_blocks_parses(doc):
     parser, as compose/README.md says."""
     from tests.unit.deploy.epd_commands import parse_epd
 
-    commands = [(number, shlex.split(m.group(1))) for number, line in code_block_lines(read(doc))
-                if (m := re.match(r"\s*(?:docker compose exec \w+ )?epd (.*)", line))]
+    commands = [
+        (number, shlex.split(m.group(1)))
+        for number, line in code_block_lines(read(doc))
+        if (m := re.match(r"\s*(?:docker compose exec \w+ )?epd (.*)", line))
+    ]
     assert commands, f"{doc}: no epd command in its code blocks"
     wrong = []
     for number, argv in commands:
@@ -244,12 +264,18 @@ def test_every_epd_command_of_the_deploy_docs_code_blocks_parses(doc):
 def test_command_lines_are_read_as_written():
     """The reader the test above relies on: fences, indented blocks, continuations, comments,
     inline spans, several commands on a line."""
-    text = ("Run `epd ask V Q --json` then:\n\n```bash\nepd serve --colocate \\\n  --http-port 0   # not --x\n"
-            "PYTHONPATH=. python bench/bench_encode.py --repeats 3 && epd health H --timeout 1\n```\n\n"
-            "    python -m epd.train.train_default_model --steps 1\n")
+    text = (
+        "Run `epd ask V Q --json` then:\n\n```bash\nepd serve --colocate \\\n  --http-port 0   # not --x\n"
+        "PYTHONPATH=. python bench/bench_encode.py --repeats 3 && epd health H --timeout 1\n```\n\n"
+        "    python -m epd.train.train_default_model --steps 1\n"
+    )
     assert [(c, FLAG.findall(rest)) for _, c, rest in documented_commands_of(text)] == [
-        ("epd serve", ["--colocate", "--http-port"]), ("bench/bench_encode.py", ["--repeats"]),
-        ("epd health", ["--timeout"]), ("epd.train.train_default_model", ["--steps"]), ("epd ask", ["--json"])]
+        ("epd serve", ["--colocate", "--http-port"]),
+        ("bench/bench_encode.py", ["--repeats"]),
+        ("epd health", ["--timeout"]),
+        ("epd.train.train_default_model", ["--steps"]),
+        ("epd ask", ["--json"]),
+    ]
 
 
 def documented_commands_of(text: str) -> list[tuple[int, str, str]]:
@@ -272,19 +298,31 @@ def test_every_value_the_docs_give_a_flag_of_choices_is_one_of_them(doc):
     """`--schedule ttft-first`, `--dtype float32|bfloat16`, `--routing round-robin`: a renamed
     choice fails here."""
     choices = flag_choices()
-    wrong = sorted({f"{flag} {value}" for flag, values in re.findall(r"(--[a-z0-9-]+)[ =]([a-z0-9][\w.|-]*)", read(doc))
-                    if flag in choices for value in values.rstrip(".").split("|") if value not in choices[flag]})
+    wrong = sorted(
+        {
+            f"{flag} {value}"
+            for flag, values in re.findall(r"(--[a-z0-9-]+)[ =]([a-z0-9][\w.|-]*)", read(doc))
+            if flag in choices
+            for value in values.rstrip(".").split("|")
+            if value not in choices[flag]
+        }
+    )
     assert not wrong, f"{doc} gives values these flags do not take: {wrong} (choices: {choices})"
 
 
 def repository_text(*suffixes: str) -> str:
-    return "\n".join((ROOT / p).read_text(errors="replace") for p in sorted(repository_files())
-                     if p.endswith(suffixes) and not p.endswith(".md") and (ROOT / p).is_file())
+    return "\n".join(
+        (ROOT / p).read_text(errors="replace")
+        for p in sorted(repository_files())
+        if p.endswith(suffixes) and not p.endswith(".md") and (ROOT / p).is_file()
+    )
 
 
 def test_every_environment_variable_the_docs_name_is_read():
     """`EPD_*` variables: read by the code, a compose file or a manifest (tests: `EPD_FUZZ_EXAMPLES`)."""
-    read_somewhere = set(re.findall(r"\bEPD_[A-Z0-9_]+", repository_text(".py", ".yml", ".yaml", ".sh", "Dockerfile")))
+    read_somewhere = set(
+        re.findall(r"\bEPD_[A-Z0-9_]+", repository_text(".py", ".yml", ".yaml", ".sh", "Dockerfile"))
+    )
     named = {(doc, name) for doc in all_docs() for name in re.findall(r"\bEPD_[A-Z0-9_]+\b", read(doc))}
     assert named, "no EPD_* variable found in the docs"
     missing = sorted(f"{doc}: {name}" for doc, name in named if name not in read_somewhere)
@@ -336,11 +374,19 @@ def test_the_readmes_set_up_is_the_scripts_and_the_pins():
     text = " ".join(read("README.md").split())
     for script in ("scripts/setup.sh", "scripts/test.sh"):
         assert f"bash {script}" in text, f"README.md no longer gives `bash {script}`"
-    assert "exec bash scripts/test.sh" in read(".ci/run") and "bash scripts/setup.sh" in read("scripts/test.sh")
-    assert "-r requirements/ci.txt -e ." in read("scripts/setup.sh"), "README says setup.sh installs the pins, editable"
+    assert "exec bash scripts/test.sh" in read(".ci/run") and "bash scripts/setup.sh" in read(
+        "scripts/test.sh"
+    )
+    assert "-r requirements/ci.txt -e ." in read("scripts/setup.sh"), (
+        "README says setup.sh installs the pins, editable"
+    )
     pins = dict(re.findall(r"^([\w-]+)==(\S+)", read("requirements/ci.txt"), re.M))
-    stated = re.search(r"`requirements/ci\.txt` \(torch (\S+) \+ torchvision (\S+), transformers (\S+?);", text)
-    assert stated, "README.md no longer says which versions requirements/ci.txt pins where this test reads them"
+    stated = re.search(
+        r"`requirements/ci\.txt` \(torch (\S+) \+ torchvision (\S+), transformers (\S+?);", text
+    )
+    assert stated, (
+        "README.md no longer says which versions requirements/ci.txt pins where this test reads them"
+    )
     assert stated.groups() == (pins["torch"], pins["torchvision"], pins["transformers"])
 
 
@@ -366,7 +412,9 @@ def stated_defaults(text: str) -> list[tuple[str, str]]:
     "#   --flag N: ... (default 2", and tables with a "default" column."""
     found = re.findall(r"`(--[a-z0-9-]+)`(?: [a-z]+)?,? \((?:default )?([^;,)]*)", text)
     found += re.findall(r"`(--[a-z0-9-]+)`(?: seconds)?, default ([^;,)]*)", text)
-    found += re.findall(r"^#\s+(?:--[a-z0-9-]+ )*(--[a-z0-9-]+)[^\n:]*:[^\n]*?\(default:? ([^;,)]*)", text, re.M)
+    found += re.findall(
+        r"^#\s+(?:--[a-z0-9-]+ )*(--[a-z0-9-]+)[^\n:]*:[^\n]*?\(default:? ([^;,)]*)", text, re.M
+    )
     header: list[str] = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
@@ -383,16 +431,24 @@ def stated_defaults(text: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("doc", USER_DOCS + DEPLOY_DOCS + OTHER_DOCS)
 def test_the_defaults_the_docs_give_are_the_flags_defaults(doc):
-    defaults = flag_defaults() if doc not in OTHER_DOCS else {
-        flag: {"train": action.default} for action in script_parser("epd.train.train_default_model")._actions
-        for flag in action.option_strings}
+    defaults = (
+        flag_defaults()
+        if doc not in OTHER_DOCS
+        else {
+            flag: {"train": action.default}
+            for action in script_parser("epd.train.train_default_model")._actions
+            for flag in action.option_strings
+        }
+    )
     checked, wrong = 0, []
     for flag, text in stated_defaults(read(doc)):
         value = stated_value(text)
         if value is None or flag not in defaults:
             continue
         checked += 1
-        actual = {c: d for c, d in defaults[flag].items() if isinstance(d, (int, float)) and not isinstance(d, bool)}
+        actual = {
+            c: d for c, d in defaults[flag].items() if isinstance(d, (int, float)) and not isinstance(d, bool)
+        }
         if actual and not any(abs(float(d) - value) <= 1e-9 * max(1.0, value) for d in actual.values()):
             wrong.append(f"{flag}: the doc says {text.strip()!r}, the parsers' defaults are {actual}")
     assert checked, f"{doc}: no stated default found (has the way defaults are written changed?)"
@@ -401,13 +457,23 @@ def test_the_defaults_the_docs_give_are_the_flags_defaults(doc):
 
 def test_stated_defaults_are_read_as_written():
     """The reader the test above relies on: each form a doc uses, and what is not a default."""
-    text = ("`--a` (8192) `--b` seconds (default 30; idle) `--c`, default 1 GiB; 0 off `--d` (gateway, "
-            "encoder)\n#   --x --e N: calls (default 2)\n| what | flag | default |\n|---|---|---|\n"
-            "| x | `--f` (encoder) | 3840x2160 |\n")
-    assert sorted(stated_defaults(text)) == [("--a", "8192"), ("--b", "30"), ("--c", "1 GiB"), ("--d", "gateway"),
-                                             ("--e", "2"), ("--f", "3840x2160"), ("--f", "encoder")]
-    assert [stated_value(t) for t in ("8192", "120 s", "4 GiB", "2^36", "0 = off", "0.3 s", "gateway", "2x")] == [
-        8192, 120, 4 << 30, 2**36, 0, 0.3, None, None]
+    text = (
+        "`--a` (8192) `--b` seconds (default 30; idle) `--c`, default 1 GiB; 0 off `--d` (gateway, "
+        "encoder)\n#   --x --e N: calls (default 2)\n| what | flag | default |\n|---|---|---|\n"
+        "| x | `--f` (encoder) | 3840x2160 |\n"
+    )
+    assert sorted(stated_defaults(text)) == [
+        ("--a", "8192"),
+        ("--b", "30"),
+        ("--c", "1 GiB"),
+        ("--d", "gateway"),
+        ("--e", "2"),
+        ("--f", "3840x2160"),
+        ("--f", "encoder"),
+    ]
+    assert [
+        stated_value(t) for t in ("8192", "120 s", "4 GiB", "2^36", "0 = off", "0.3 s", "gateway", "2x")
+    ] == [8192, 120, 4 << 30, 2**36, 0, 0.3, None, None]
 
 
 @pytest.mark.parametrize("doc", USER_DOCS + DEPLOY_DOCS + OTHER_DOCS)
@@ -417,8 +483,14 @@ def test_every_repository_path_the_docs_cite_exists(doc):
     here = Path(doc).parent
     top = {p for p in files if "/" not in p} | {Path(p).name for p in files if Path(p).parent == here}
     cited = set(re.findall(r"(?<![\w/.-])((?:[\w-]+/)+[\w.-]*[\w/])", read(doc)))
-    missing = sorted(p for p in cited - set(NOT_PATHS) if p.split("/")[0] in top and p.rstrip("/") not in files
-                     and not (ROOT / p).exists() and not (ROOT / here / p).exists())
+    missing = sorted(
+        p
+        for p in cited - set(NOT_PATHS)
+        if p.split("/")[0] in top
+        and p.rstrip("/") not in files
+        and not (ROOT / p).exists()
+        and not (ROOT / here / p).exists()
+    )
     assert not missing, f"{doc} cites paths that do not exist: {missing}"
 
 
@@ -434,8 +506,9 @@ def test_every_file_name_the_docs_cite_exists(doc):
 def test_every_code_name_the_docs_cite_exists(doc):
     """`Class`, `Class.attribute`, `function()`, `CONSTANT` in backticks: each part is a name the
     code (or a library epd calls, by the name epd uses) has."""
-    code = "\n".join((ROOT / p).read_text(errors="replace") for p in repository_files()
-                     if p.endswith((".py", ".proto")))
+    code = "\n".join(
+        (ROOT / p).read_text(errors="replace") for p in repository_files() if p.endswith((".py", ".proto"))
+    )
     words = set(re.findall(r"\w+", code))
     missing = []
     for quoted in sorted(set(re.findall(r"`([^`\n]+)`", read(doc)))):
@@ -460,7 +533,9 @@ def exposed_metrics() -> set[str]:
 def test_every_metric_the_docs_name_is_exposed(doc):
     exposed = exposed_metrics()
     named = set(re.findall(r"\bepd_[a-z0-9_]+\b", read(doc)))
-    missing = sorted(n for n in named if not (n in exposed or n.endswith("_") and any(e.startswith(n) for e in exposed)))
+    missing = sorted(
+        n for n in named if not (n in exposed or n.endswith("_") and any(e.startswith(n) for e in exposed))
+    )
     assert not missing, f"{doc} names metrics /metrics does not have: {missing}"
 
 
@@ -468,7 +543,9 @@ def test_every_exposed_metric_is_named_in_the_readme():
     text = read("README.md")
     named = set(re.findall(r"\bepd_[a-z0-9_]+\b", text))
     prefixes = {n for n in named if n.endswith("_")}
-    unnamed = sorted(e for e in exposed_metrics() if e not in named and not any(e.startswith(p) for p in prefixes))
+    unnamed = sorted(
+        e for e in exposed_metrics() if e not in named and not any(e.startswith(p) for p in prefixes)
+    )
     assert not unnamed, f"README.md's Metrics section does not name: {unnamed}"
 
 
@@ -492,7 +569,7 @@ def test_the_shipped_files_say_how_to_make_them_again():
         assert module_exists(module), f"{command!r}: no module {module}"
     assert module_exists(card["built_by"]), card["built_by"]
     words = shlex.split(card["command"])
-    parse_args(words[words.index("-m") + 2:])  # argparse exits on a flag the trainer no longer has
+    parse_args(words[words.index("-m") + 2 :])  # argparse exits on a flag the trainer no longer has
 
 
 def quoted_names(text: str) -> list[str]:
@@ -508,12 +585,25 @@ def test_the_readmes_lists_of_result_fields_are_the_sdks_and_the_http_apis():
     from epd.gateway.pipeline import AskSummary
     from epd.gateway.servicer import summary_to_proto
 
-    summary = AskSummary(request_id="r", answer="a", token_ids=[1], finish_reason="stop", num_frames=2,
-                         num_visual_tokens=4, num_prompt_tokens=9, timings_ms={"ttft": 1.0, "total": 2.0},
-                         kv_num_bytes=0, encoder_cache_hit=False, media_sha256="", frame_timestamps_s=[0.0, 0.5])
+    summary = AskSummary(
+        request_id="r",
+        answer="a",
+        token_ids=[1],
+        finish_reason="stop",
+        num_frames=2,
+        num_visual_tokens=4,
+        num_prompt_tokens=9,
+        timings_ms={"ttft": 1.0, "total": 2.0},
+        kv_num_bytes=0,
+        encoder_cache_hit=False,
+        media_sha256="",
+        frame_timestamps_s=[0.0, 0.5],
+    )
     text = " ".join(read("README.md").split())
     ask_json = re.search(r"`--json` prints the SDK's result as one object (.*?) \(see \[Stages", text)
-    http_epd = re.search(r"carries an `epd` object: the whole summary under the SDK's names (.*?)\. Caches", text)
+    http_epd = re.search(
+        r"carries an `epd` object: the whole summary under the SDK's names (.*?)\. Caches", text
+    )
     assert ask_json and http_epd, "README.md no longer lists the result's fields where this test reads them"
     sdk_names = set(quoted_names(ask_json.group(1))) - {"epd", "AskResult"}
     assert sdk_names == set(result_from_proto(summary_to_proto(summary), []).to_dict())
@@ -526,19 +616,33 @@ def test_the_readmes_accuracy_of_the_default_model_is_its_cards():
     card = json.loads(read("models/epd-tiny-videoqa/epd_model_card.json"))
     text = " ".join(read("README.md").split())
     size = re.search(r"`models/epd-tiny-videoqa`: a ([\d.]+)M-parameter", text)
-    overall = re.search(r"it answers \*\*([\d.]+)%\*\* of its test questions correctly \((.*?)`epd bench quality`\)", text)
-    assert size and overall, "README.md no longer gives the default model's size and accuracy where this test reads them"
+    overall = re.search(
+        r"it answers \*\*([\d.]+)%\*\* of its test questions correctly \((.*?)`epd bench quality`\)", text
+    )
+    assert size and overall, (
+        "README.md no longer gives the default model's size and accuracy where this test reads them"
+    )
     assert float(size.group(1)) == round(card["num_parameters"] / 1e6, 1)
     assert float(overall.group(1)) == round(100 * card["accuracy"]["test"], 1)
-    types = {"what happens at the end": "end", "which appears first": "first", "counts": "count",
-             "directions": "direction", "colours": "colour", "shapes": "shape", "exits": "leaves",
-             "entries": "enters", "which appears last": "last"}
+    types = {
+        "what happens at the end": "end",
+        "which appears first": "first",
+        "counts": "count",
+        "directions": "direction",
+        "colours": "colour",
+        "shapes": "shape",
+        "exits": "leaves",
+        "entries": "enters",
+        "which appears last": "last",
+    }
     stated = {}
     for percent, names in re.findall(r"(\d+)% ([^,;]+)", overall.group(2)):
         for name in re.split(r" and ", names.strip().strip('"')):
             stated[types[name.strip('"')]] = int(percent)
     by_type = card["accuracy"]["test_by_type"]
-    assert stated == {t: int(100 * by_type[t] + 0.5) for t in by_type}, "README's per-type accuracy is not the card's"
+    assert stated == {t: int(100 * by_type[t] + 0.5) for t in by_type}, (
+        "README's per-type accuracy is not the card's"
+    )
 
 
 def test_the_token_cache_format_version_is_the_codes():
@@ -546,14 +650,18 @@ def test_the_token_cache_format_version_is_the_codes():
     became 4): a bump must update the paragraph that says what the key holds."""
     from epd.encoder_svc import token_cache
 
-    stated = re.search(r"\*\*Token cache\*\* \(`encoder_svc/token_cache\.py`\): key = format version \((\d+)\)",
-                       read("docs/architecture.md"))
-    assert stated, "docs/architecture.md no longer gives the token cache key's format version where this test reads it"
+    stated = re.search(
+        r"\*\*Token cache\*\* \(`encoder_svc/token_cache\.py`\): key = format version \((\d+)\)",
+        read("docs/architecture.md"),
+    )
+    assert stated, (
+        "docs/architecture.md no longer gives the token cache key's format version where this test reads it"
+    )
     assert int(stated.group(1)) == token_cache._KEY_VERSION
 
 
 def test_the_readmes_ports_are_the_services_defaults():
-    """"Default ports: gateway 50050, ..." and the replicas' "port + 10·i" are what the parsers use."""
+    """ "Default ports: gateway 50050, ..." and the replicas' "port + 10·i" are what the parsers use."""
     from epd.cli.main import REPLICA_PORT_STEP
     from epd.decode_svc.config import DEFAULT_PORT as DECODE
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER
@@ -567,5 +675,7 @@ def test_the_readmes_ports_are_the_services_defaults():
     assert tuple(map(int, stated.groups())) == (GATEWAY, ENCODER, PREFILL, DECODE)
     assert int(step.group(1)) == REPLICA_PORT_STEP
     parsers = epd_parsers()
-    assert [parsers[f"epd serve {role}"].get_default("port") for role in ("gateway", "encoder", "prefill", "decode")] \
-        == [GATEWAY, ENCODER, PREFILL, DECODE]
+    assert [
+        parsers[f"epd serve {role}"].get_default("port")
+        for role in ("gateway", "encoder", "prefill", "decode")
+    ] == [GATEWAY, ENCODER, PREFILL, DECODE]

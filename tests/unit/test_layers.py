@@ -42,7 +42,9 @@ def layer_of(module: str) -> int:
 def epd_modules() -> dict[str, Path]:
     """Module name -> file, through the symlinks that put the top-level folders under epd/."""
     modules = {}
-    files = [Path(d) / f for d, _, names in os.walk(EPD, followlinks=True) for f in names if f.endswith(".py")]
+    files = [
+        Path(d) / f for d, _, names in os.walk(EPD, followlinks=True) for f in names if f.endswith(".py")
+    ]
     for path in sorted(files):
         rel = path.relative_to(EPD.parent).with_suffix("")
         if "_pb2" in rel.name or any(p in ("models", "samples") for p in rel.parts):
@@ -62,7 +64,9 @@ def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found.append((base, node.lineno))
     return [(name, line) for name, line in found if name.split(".")[0] in ("epd", "grpc", "grpc_health")]
 

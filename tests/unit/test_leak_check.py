@@ -14,9 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CONFTEST = '''
+CONFTEST = """
 from tests.conftest import _no_leaks, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401 - under test
-'''
+"""
 
 LEAKY_TESTS = '''
 import asyncio
@@ -102,21 +102,43 @@ def test_the_test_that_leaks_fails_and_says_what_it_left(tmp_path):
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent(LEAKY_TESTS))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "EPD_LEAK_CHECK": "fail"}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rE", "-q", "--rootdir", str(tmp_path),
-         str(tmp_path / "test_leaky.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-rE",
+            "-q",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_leaky.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = run.stdout + run.stderr
     assert run.returncode == 1, out
     assert "6 passed, 4 errors" in out, out  # each leaky test passes, then errors at its teardown
-    errors = {line.split(" - ")[0].removeprefix("ERROR test_leaky.py::").split()[0]: line
-              for line in out.splitlines() if line.startswith("ERROR ")}
-    assert set(errors) == {"test_sync_channel_left_open", "test_aio_channel_dropped_without_close",
-                           "test_aio_server_left_serving", "test_child_process_left_running"}, out
+    errors = {
+        line.split(" - ")[0].removeprefix("ERROR test_leaky.py::").split()[0]: line
+        for line in out.splitlines()
+        if line.startswith("ERROR ")
+    }
+    assert set(errors) == {
+        "test_sync_channel_left_open",
+        "test_aio_channel_dropped_without_close",
+        "test_aio_server_left_serving",
+        "test_child_process_left_running",
+    }, out
     assert "grpc channel to 127.0.0.1:1, not closed" in out
     assert "grpc.aio channel to 127.0.0.1:2, not closed" in out
     assert "grpc.aio server on port(s) [" in out and "not stopped" in out
     assert "child process" in out and "time.sleep(60)" in out
-    assert "test_leaky.py" in out.split("grpc channel to 127.0.0.1:1")[1].split("\n\n")[0]  # where it was made
+    # where it was made
+    assert "test_leaky.py" in out.split("grpc channel to 127.0.0.1:1")[1].split("\n\n")[0]
     fixtures = out.split("by module or session fixtures, at the end of the run:")[1]
     assert "grpc channel to 127.0.0.1:6, not closed" in fixtures and "127.0.0.1:5" not in out, out

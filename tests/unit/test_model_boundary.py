@@ -40,7 +40,9 @@ ALLOWED_ACCESSES: dict[tuple[str, str], str] = {}
 def epd_modules() -> dict[str, Path]:
     """Module name -> file, through the symlinks that put the top-level folders under epd/."""
     modules = {}
-    files = [Path(d) / f for d, _, names in os.walk(EPD, followlinks=True) for f in names if f.endswith(".py")]
+    files = [
+        Path(d) / f for d, _, names in os.walk(EPD, followlinks=True) for f in names if f.endswith(".py")
+    ]
     for path in sorted(files):
         rel = path.relative_to(EPD.parent).with_suffix("")
         if "_pb2" in rel.name or any(p in ("models", "samples") for p in rel.parts):
@@ -57,7 +59,9 @@ def model_accesses(source: str) -> list[str]:
         if isinstance(node, ast.Attribute):
             if node.attr in MODEL_INTERNALS:
                 found.append(f"line {node.lineno}: .{node.attr}")
-            elif node.attr == "model" and isinstance(node.value, ast.Attribute) and node.value.attr == "model":
+            elif (
+                node.attr == "model" and isinstance(node.value, ast.Attribute) and node.value.attr == "model"
+            ):
                 found.append(f"line {node.lineno}: .model.model")
         elif (
             isinstance(node, ast.Call)
@@ -76,8 +80,13 @@ CHECKED = sorted(m for m in MODULES if not m.startswith(FAMILY_CODE) and not m.s
 
 
 def test_the_walk_sees_the_pruning_code_and_skips_the_family_files():
-    assert {"epd.token_pruning.layerwise_prefill", "epd.prefill_svc.pruned_prefill", "epd.decode_svc.eviction",
-            "epd.encoder_svc.pruning", "epd.bench.bench_pruning"} <= set(CHECKED)
+    assert {
+        "epd.token_pruning.layerwise_prefill",
+        "epd.prefill_svc.pruned_prefill",
+        "epd.decode_svc.eviction",
+        "epd.encoder_svc.pruning",
+        "epd.bench.bench_pruning",
+    } <= set(CHECKED)
     assert "epd.model_runtime.qwen2_vl" in MODULES and "epd.model_runtime.qwen2_vl" not in CHECKED
 
 
@@ -92,7 +101,11 @@ def test_every_allowance_still_names_a_module():
 @pytest.mark.parametrize("module", CHECKED)
 def test_only_family_files_touch_model_internals(module):
     allowed = {access for mod, access in ALLOWED_ACCESSES if mod == module}
-    found = [f for f in model_accesses(MODULES[module].read_text(encoding="utf-8")) if f.split(": ", 1)[1] not in allowed]
+    found = [
+        f
+        for f in model_accesses(MODULES[module].read_text(encoding="utf-8"))
+        if f.split(": ", 1)[1] not in allowed
+    ]
     assert found == [], (
         f"{module} reaches into the model ({'; '.join(found)}): add a method to VLMAdapter "
         "(epd/model_runtime/adapter.py) and implement it in the family files"
@@ -112,7 +125,16 @@ tower = adapter.model.model.visual
 sizes = ModelSizes.from_config(adapter.text_config)
 """
     found = model_accesses(old)
-    for name in (".language_model", ".embed_tokens", ".rotary_emb", "getattr(..., 'q_proj')", ".self_attn",
-                 ".register_forward_pre_hook", ".lm_head", ".model.model", ".text_config"):
+    for name in (
+        ".language_model",
+        ".embed_tokens",
+        ".rotary_emb",
+        "getattr(..., 'q_proj')",
+        ".self_attn",
+        ".register_forward_pre_hook",
+        ".lm_head",
+        ".model.model",
+        ".text_config",
+    ):
         assert any(f.endswith(name) for f in found), (name, found)
     assert model_accesses("adapter.embed(ids)\nadapter.logits(h)\nadapter.num_layers\nstate.visual\n") == []

@@ -155,7 +155,9 @@ def test_a_blocked_decode_does_not_stop_another_requests_encode(adapter, videos)
 
 def test_cancel_sets_the_flag_stops_tower_calls_and_closes_the_stream(adapter, videos, monkeypatch):
     # One group queued at a time, so the tower calls are countable: A 1, B one per group.
-    engine = _engine(adapter, GatedEngine, max_concurrent_decodes=1, max_queued_decodes=1, max_tower_jobs_per_request=1)
+    engine = _engine(
+        adapter, GatedEngine, max_concurrent_decodes=1, max_queued_decodes=1, max_tower_jobs_per_request=1
+    )
     gate = engine.gates[_sha(videos["mp4"])] = Gate()
     tower_calls: list[str] = []
     encode = adapter.encode
@@ -432,9 +434,14 @@ def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, vid
         media = await embedded.encoder.encode(request.media, request.sampling, lambda event: None, "rpc-end")
 
         async def messages():
-            yield prefill_pb2.PrefillRequest(header=prefill_pb2.PrefillHeader(
-                request_id="rpc-end", messages=convert.messages_to_proto(request.messages),
-                visual=convert.encode_result_to_proto(media), generation=convert.generation_to_proto(request.generation)))
+            yield prefill_pb2.PrefillRequest(
+                header=prefill_pb2.PrefillHeader(
+                    request_id="rpc-end",
+                    messages=convert.messages_to_proto(request.messages),
+                    visual=convert.encode_result_to_proto(media),
+                    generation=convert.generation_to_proto(request.generation),
+                )
+            )
             for chunk in convert.encoded_media_chunks(media):
                 yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
@@ -489,7 +496,9 @@ def test_a_prefill_call_cancelled_as_its_answer_goes_out_is_released_by_the_call
             request = _ask(videos, max_new_tokens=4)
             media = await embedded.encoder.encode(request.media, request.sampling, lambda event: None, "race")
             stage = RemotePrefillStage(pool, timeout_s=60)
-            caller.append(asyncio.ensure_future(stage.prefill(request.messages, media, request.generation, "race")))
+            caller.append(
+                asyncio.ensure_future(stage.prefill(request.messages, media, request.generation, "race"))
+            )
             with pytest.raises(asyncio.CancelledError):
                 await caller[0]
             for _ in range(300):  # the release runs on its own
@@ -590,10 +599,12 @@ def test_the_prefill_stage_returns_the_engines_handle_with_where_its_cache_waits
     store: KvStore = embedded.prefill.kv_store
 
     async def scenario():
-        media = await embedded.encoder.encode(MediaInput(videos["mp4"]), SamplingOptions(num_frames=4),
-                                              lambda e: None, "r")
-        handle = await embedded.prefill.prefill(question_messages("what colour is the square?"), media,
-                                                GenerationConfig(max_new_tokens=4), "r")
+        media = await embedded.encoder.encode(
+            MediaInput(videos["mp4"]), SamplingOptions(num_frames=4), lambda e: None, "r"
+        )
+        handle = await embedded.prefill.prefill(
+            question_messages("what colour is the square?"), media, GenerationConfig(max_new_tokens=4), "r"
+        )
         return handle, store.take(handle.kv_handle)
 
     handle, cache = asyncio.run(scenario())
@@ -669,7 +680,9 @@ def test_the_first_token_goes_out_before_a_decoder_has_the_cache(embedded, video
     summary, late_summary = early[-1], late[-1]
     assert isinstance(summary, AskSummary) and isinstance(late_summary, AskSummary)
     assert (summary.token_ids, summary.answer, summary.finish_reason) == (
-        late_summary.token_ids, late_summary.answer, late_summary.finish_reason
+        late_summary.token_ids,
+        late_summary.answer,
+        late_summary.finish_reason,
     )
     assert len(summary.token_ids) == 6 and summary.finish_reason == "length"
     assert summary.timings_ms["ttft"] <= summary.timings_ms["total"]
@@ -719,15 +732,20 @@ def test_no_decoder_after_the_first_token_went_out_passes_the_stages_status_on(e
 
     class Unavailable(DecodeStage):
         async def generate(self, handle, generation, request_id, pruning=None):
-            raise UpstreamError(grpc.StatusCode.UNAVAILABLE, f"decode stage unavailable (request id {request_id})")
+            raise UpstreamError(
+                grpc.StatusCode.UNAVAILABLE, f"decode stage unavailable (request id {request_id})"
+            )
             yield  # an async generator, as the stages are
 
     store: KvStore = embedded.prefill.kv_store
     released_before = store.num_released
     tokens: list[int] = []
     with pytest.raises(UpstreamError, match="decode stage unavailable") as err:
-        _run(Pipeline(embedded.encoder, embedded.prefill, Unavailable()), _ask(videos, max_new_tokens=4),
-             lambda step: tokens.extend(step.token_ids))
+        _run(
+            Pipeline(embedded.encoder, embedded.prefill, Unavailable()),
+            _ask(videos, max_new_tokens=4),
+            lambda step: tokens.extend(step.token_ids),
+        )
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and len(tokens) == 1
     assert (len(store), store.num_bytes, store.num_released) == (0, 0, released_before + 1)
 
@@ -759,14 +777,20 @@ class SecondPrefillSamplesAnother:
     async def prefill(self, *args, **kwargs):
         self.calls += 1
         handle = await self.inner.prefill(*args, **kwargs)
-        return handle if self.calls == 1 else dataclasses.replace(handle, first_token_id=handle.first_token_id + 1)
+        return (
+            handle
+            if self.calls == 1
+            else dataclasses.replace(handle, first_token_id=handle.first_token_id + 1)
+        )
 
     async def release(self, handle, request_id):
         await self.inner.release(handle, request_id)
 
 
 @pytest.mark.parametrize("same_first_token", [True, False])
-def test_a_second_prefill_after_a_lost_cache_goes_on_only_from_the_token_sent(embedded, videos, same_first_token):
+def test_a_second_prefill_after_a_lost_cache_goes_on_only_from_the_token_sent(
+    embedded, videos, same_first_token
+):
     """The client holds the first prefill's token when the cache is lost: the pipeline prefills
     again and goes on only if that gives the same token (greedy: it does; the answer is the one of
     a run without the loss, the token not sent twice); else the request fails with the loss, and
@@ -827,7 +851,18 @@ def test_a_stream_stopped_by_the_gateway_ends_the_decoders_run_at_once():
     from tests.unit.gateway.test_transfer_bytes import Encoder
 
     class SentFirst(PrefillStage):
-        async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):
+        async def prefill(
+            self,
+            messages,
+            media,
+            generation,
+            request_id,
+            pruning=None,
+            cache_salt="",
+            *,
+            raw_prompt=None,
+            template=None,
+        ):
             return PrefillHandle(first_token_id=7, num_prompt_tokens=20, num_cached_tokens=20,
                                  next_position_ids=[20, 4, 4, 4], kv_num_bytes=64, prefill_ms=1.0,
                                  kv_handle="ab" * 16, first_text=" the")  # fmt: skip

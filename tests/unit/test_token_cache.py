@@ -133,10 +133,18 @@ def test_an_entry_in_the_old_format_is_a_miss_and_is_removed(tmp_path):
     from safetensors.torch import save_file
 
     key = make_cache_key(SHA, PARAMS)
-    save_file({"visual_embeds": _entry(0).embeds, "token_index": torch.arange(16)},
-              str(tmp_path / f"{key}.safetensors"))
-    old_metadata = {"modality": "video", "grid_thw": [1, 8, 8], "second_per_grid_t": 2.0,
-                    "frame_timestamps_s": [0.0, 0.5], "pruning_stages": [], "num_key_tokens": 0}
+    save_file(
+        {"visual_embeds": _entry(0).embeds, "token_index": torch.arange(16)},
+        str(tmp_path / f"{key}.safetensors"),
+    )
+    old_metadata = {
+        "modality": "video",
+        "grid_thw": [1, 8, 8],
+        "second_per_grid_t": 2.0,
+        "frame_timestamps_s": [0.0, 0.5],
+        "pruning_stages": [],
+        "num_key_tokens": 0,
+    }
     (tmp_path / f"{key}.json").write_text(json.dumps({"key": key, "metadata": old_metadata, "nbytes": 256}))
     cache = TokenCache(TokenCacheConfig(disk_dir=str(tmp_path)))
     assert cache.get(key) is None

@@ -53,7 +53,9 @@ THUMBNAIL_MAX_SIDE = 192
 _SAMPLE_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".png", ".jpg", ".jpeg"}
 
 
-BODY_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/demo/frames", "/tokenize", "/detokenize"})
+BODY_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/demo/frames", "/tokenize", "/detokenize"}
+)
 """Routes whose POST body is read with `read_json_body` under the admission limits."""
 
 SECURITY_HEADERS = {
@@ -61,7 +63,7 @@ SECURITY_HEADERS = {
     # data: URLs; the script sets styles through the DOM, which style-src does not block), and
     # no other site may frame it (clickjacking) or sniff a sample or an error into HTML.
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",  # frame-ancestors for browsers without CSP level 2
     "Referrer-Policy": "no-referrer",
@@ -112,7 +114,9 @@ class WebDemo:
         name = request.match_info["name"]
         names = {s["name"] for s in list_samples(self.samples_dir)}
         if name not in names:  # only listed files: no path ever comes from the URL
-            return web.json_response(error_body(f"no sample named {name!r}", "not_found_error", 404), status=404)
+            return web.json_response(
+                error_body(f"no sample named {name!r}", "not_found_error", 404), status=404
+            )
         return web.FileResponse(self.samples_dir / name)
 
     async def frames(self, request: web.Request) -> web.Response:
@@ -122,9 +126,15 @@ class WebDemo:
                 await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s), self.config
             )
             ticket = request.get(TICKET_KEY)
-            data = await load_media(url, self.config.http.media, self.config.max_upload_bytes,
-                                    ticket.reserve_bytes if ticket is not None else None)
-            thumbnails = await self.decodes.run(sampled_thumbnails, data, sampling, self.limits, ticket=ticket)
+            data = await load_media(
+                url,
+                self.config.http.media,
+                self.config.max_upload_bytes,
+                ticket.reserve_bytes if ticket is not None else None,
+            )
+            thumbnails = await self.decodes.run(
+                sampled_thumbnails, data, sampling, self.limits, ticket=ticket
+            )
             return web.json_response(thumbnails)
         except Exception as exc:  # noqa: BLE001 - mapped like the OpenAI API's errors
             from epd.gateway.http_api import exception_response
@@ -158,7 +168,8 @@ def sampled_thumbnails(
     # frame is copied into each of the T slots, so full-size frames would cost T x H x W x 3.
     thumb_pixels = (2 * THUMBNAIL_MAX_SIDE) ** 2
     max_pixels = min(sampling.max_pixels or thumb_pixels, thumb_pixels)
-    video = decode(data, replace(sampling, max_pixels=max_pixels), limits, cancel)  # frames: [T, h, w, 3] uint8
+    # frames: [T, h, w, 3] uint8
+    video = decode(data, replace(sampling, max_pixels=max_pixels), limits, cancel)
     out = []
     height, width = int(video.frames.shape[1]), int(video.frames.shape[2])
     scale = min(1.0, THUMBNAIL_MAX_SIDE / max(height, width))

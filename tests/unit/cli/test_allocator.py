@@ -33,7 +33,9 @@ def test_explicit_tcmalloc_without_ld_preload_sets_only_it():
 @pytest.mark.parametrize("choice", ["auto", "tcmalloc"])
 def test_a_process_already_on_tcmalloc_goes_on(choice):
     """The stack's services (started with the launcher's LD_PRELOAD), or a user's own preload."""
-    assert plan_allocator(choice, {"LD_PRELOAD": LIB}, TCMALLOC_MAP, LIB) == plan_allocator(choice, {}, TCMALLOC_MAP, None)
+    assert plan_allocator(choice, {"LD_PRELOAD": LIB}, TCMALLOC_MAP, LIB) == plan_allocator(
+        choice, {}, TCMALLOC_MAP, None
+    )
     plan = plan_allocator(choice, {}, TCMALLOC_MAP, LIB)
     assert plan.exec_env is None and plan.error is None and plan.note is None
 
@@ -43,7 +45,9 @@ def test_auto_keeps_another_malloc_the_operator_preloaded_and_tcmalloc_replaces_
     env = {"LD_PRELOAD": "libjemalloc.so.2"}
     auto = plan_allocator("auto", env, jemalloc_map, LIB)
     assert auto.exec_env is None and auto.error is None and "libjemalloc" in auto.note
-    assert plan_allocator("tcmalloc", env, jemalloc_map, LIB).exec_env == {"LD_PRELOAD": f"{LIB}:libjemalloc.so.2"}
+    assert plan_allocator("tcmalloc", env, jemalloc_map, LIB).exec_env == {
+        "LD_PRELOAD": f"{LIB}:libjemalloc.so.2"
+    }
 
 
 def test_system_leaves_the_process_as_started():
@@ -74,11 +78,17 @@ def test_a_preload_that_did_not_load_is_never_tried_twice(separator):
     assert explicit.exec_env is None and "not loaded" in explicit.error
 
 
-@pytest.mark.parametrize(("words", "allocator"), [
-    (["serve"], "auto"), (["serve", "--colocate", "--allocator", "system"], "system"),
-    (["serve", "prefill", "--allocator", "tcmalloc"], "tcmalloc"), (["serve", "encoder"], "auto"),
-    (["serve", "gateway"], None), (["ask", "v.mp4", "q"], None),
-])
+@pytest.mark.parametrize(
+    ("words", "allocator"),
+    [
+        (["serve"], "auto"),
+        (["serve", "--colocate", "--allocator", "system"], "system"),
+        (["serve", "prefill", "--allocator", "tcmalloc"], "tcmalloc"),
+        (["serve", "encoder"], "auto"),
+        (["serve", "gateway"], None),
+        (["ask", "v.mp4", "q"], None),
+    ],
+)
 def test_which_commands_choose_an_allocator(words, allocator):
     """The gateway (no model) and `epd ask` never run themselves again; a gateway the stack starts
     inherits the launcher's LD_PRELOAD."""
@@ -109,7 +119,9 @@ def test_explicit_tcmalloc_that_cannot_be_had_exits_2_before_loading_anything():
     )
     env = child_env()
     env.pop("LD_PRELOAD", None)  # a process started on tcmalloc has it already: nothing to refuse
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--allocator tcmalloc: no tcmalloc library found" in proc.stderr
     assert "--allocator system" in proc.stderr

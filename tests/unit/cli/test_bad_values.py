@@ -34,16 +34,19 @@ def _usage_error(capsys, argv: list[str]) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [
-    ["serve", "encoder", "--port", "70001"],
-    ["serve", "gateway", "--port", "65536"],
-    ["serve", "gateway", "--http-port", "-5"],
-    ["serve", "--gateway-port", "70001"],
-    ["serve", "--encoder-port", "-1"],
-    ["serve", "--prefill-port", "65536"],
-    ["serve", "--decode-port", "100000"],
-    ["serve", "--http-port", "70001"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "encoder", "--port", "70001"],
+        ["serve", "gateway", "--port", "65536"],
+        ["serve", "gateway", "--http-port", "-5"],
+        ["serve", "--gateway-port", "70001"],
+        ["serve", "--encoder-port", "-1"],
+        ["serve", "--prefill-port", "65536"],
+        ["serve", "--decode-port", "100000"],
+        ["serve", "--http-port", "70001"],
+    ],
+)
 def test_a_port_beyond_65535_or_below_0_is_refused(capsys, argv):
     err = _usage_error(capsys, argv)
     assert f"argument {argv[-2]}: must be 0 to 65535 (a TCP port), got '{argv[-1]}'" in err
@@ -52,7 +55,9 @@ def test_a_port_beyond_65535_or_below_0_is_refused(capsys, argv):
 def test_ports_at_the_ends_of_the_range_are_taken(capsys):
     args = build_parser().parse_args(["serve", "gateway", "--port", "65535", "--http-port", "0"])
     assert (args.port, args.http_port) == (65535, 0)
-    assert "expected a port number, got 'http'" in _usage_error(capsys, ["serve", "encoder", "--port", "http"])
+    assert "expected a port number, got 'http'" in _usage_error(
+        capsys, ["serve", "encoder", "--port", "http"]
+    )
 
 
 @pytest.fixture
@@ -64,12 +69,18 @@ def restored_process():
     security.configure(TransportSecurity())
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--max-requests-per-client", "-1"], "epd serve gateway: --max-requests-per-client must be >= 1, got -1"),
-    (["--max-requests-per-api-key", "-2"], "--max-requests-per-api-key must be >= 0"),
-    (["--max-inflight-body-bytes", "5"], "--max-inflight-body-bytes 5 is below the largest request body"),
-    (["--api-key", ""], "epd serve gateway: --api-key is empty"),  # was a traceback, exit 1
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (
+            ["--max-requests-per-client", "-1"],
+            "epd serve gateway: --max-requests-per-client must be >= 1, got -1",
+        ),
+        (["--max-requests-per-api-key", "-2"], "--max-requests-per-api-key must be >= 0"),
+        (["--max-inflight-body-bytes", "5"], "--max-inflight-body-bytes 5 is below the largest request body"),
+        (["--api-key", ""], "epd serve gateway: --api-key is empty"),  # was a traceback, exit 1
+    ],
+)
 def test_a_gateway_limit_it_refuses_is_one_line_and_exit_2(capsys, restored_process, flags, expected):
     """Checked before the event loop starts: there it was a traceback and exit 1."""
     args = build_parser().parse_args(["serve", "gateway", "--port", "0", *flags])
@@ -96,8 +107,14 @@ def test_a_prefill_on_every_interface_needs_an_address_to_advertise(capsys, rest
         configs.prefill_config(args)
     assert serve_role(args) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert "pass --advertise-address HOST:PORT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    advertised = build_parser().parse_args(["serve", "prefill", "--host", host, "--advertise-address", "p:50052"])
+    assert (
+        "pass --advertise-address HOST:PORT" in err
+        and "Traceback" not in err
+        and len(err.strip().splitlines()) == 1
+    )
+    advertised = build_parser().parse_args(
+        ["serve", "prefill", "--host", host, "--advertise-address", "p:50052"]
+    )
     assert configs.prefill_config(advertised).advertise_address == "p:50052"
 
 
@@ -114,22 +131,39 @@ def test_the_colocated_front_door_checks_its_limits_too():
         configs.colocated_gateway_config(args)
 
 
-@pytest.mark.parametrize("flag,value,expected", [
-    ("--stage-check-interval", "-1", "must be >= 0 seconds"),
-    ("--stage-attempt-timeout", "-1", "must be >= 0 seconds"),
-    ("--load-refresh-interval", "-0.5", "must be >= 0 seconds"),
-    ("--media-fetch-timeout", "0", "must be > 0 seconds"),
-    ("--body-timeout", "0", "must be > 0 seconds"),
-])
+@pytest.mark.parametrize(
+    "flag,value,expected",
+    [
+        ("--stage-check-interval", "-1", "must be >= 0 seconds"),
+        ("--stage-attempt-timeout", "-1", "must be >= 0 seconds"),
+        ("--load-refresh-interval", "-0.5", "must be >= 0 seconds"),
+        ("--media-fetch-timeout", "0", "must be > 0 seconds"),
+        ("--body-timeout", "0", "must be > 0 seconds"),
+    ],
+)
 def test_a_gateway_interval_below_0_is_refused(capsys, flag, value, expected):
     assert f"argument {flag}: {expected}" in _usage_error(capsys, ["serve", "gateway", flag, value])
 
 
 def test_the_gateway_intervals_0_still_mean_off():
-    args = build_parser().parse_args(["serve", "gateway", "--stage-check-interval", "0",
-                                      "--stage-attempt-timeout", "0", "--load-refresh-interval", "0"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "gateway",
+            "--stage-check-interval",
+            "0",
+            "--stage-attempt-timeout",
+            "0",
+            "--load-refresh-interval",
+            "0",
+        ]
+    )
     config = configs.gateway_config(args)
-    assert (config.stage_check_interval_s, config.stage_attempt_timeout_s, config.load_refresh_interval_s) == (0, 0, 0)
+    assert (
+        config.stage_check_interval_s,
+        config.stage_attempt_timeout_s,
+        config.load_refresh_interval_s,
+    ) == (0, 0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -141,19 +175,36 @@ def _ask(*argv: str) -> int:
     return run_ask(build_parser().parse_args(["ask", *argv]))
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--tls-ca", "/missing.pem"], "epd: --tls-ca /missing.pem: cannot read it (No such file or directory)"),
-    (["--tls-ca", VIDEO], f"epd: --tls-ca {VIDEO}: not a PEM file"),
-    (["--tls-ca", "CA", "--tls-cert", "/missing.pem", "--tls-key", "KEY"],
-     "epd: --tls-cert /missing.pem: cannot read it"),
-    (["--tls-ca", "CA", "--tls-cert", "CERT", "--tls-key", "/missing.key"],
-     "epd: --tls-key /missing.key: cannot read it"),
-    (["--tls-ca", "CA", "--tls-cert", "CERT", "--tls-key", "STRANGER_KEY"],
-     "epd: --tls-cert/--tls-key: not a certificate and its matching key"),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (
+            ["--tls-ca", "/missing.pem"],
+            "epd: --tls-ca /missing.pem: cannot read it (No such file or directory)",
+        ),
+        (["--tls-ca", VIDEO], f"epd: --tls-ca {VIDEO}: not a PEM file"),
+        (
+            ["--tls-ca", "CA", "--tls-cert", "/missing.pem", "--tls-key", "KEY"],
+            "epd: --tls-cert /missing.pem: cannot read it",
+        ),
+        (
+            ["--tls-ca", "CA", "--tls-cert", "CERT", "--tls-key", "/missing.key"],
+            "epd: --tls-key /missing.key: cannot read it",
+        ),
+        (
+            ["--tls-ca", "CA", "--tls-cert", "CERT", "--tls-key", "STRANGER_KEY"],
+            "epd: --tls-cert/--tls-key: not a certificate and its matching key",
+        ),
+    ],
+)
 def test_epd_ask_names_a_tls_file_it_cannot_use(capsys, pki, flags, expected):
     """The client's own files: exit 2 naming the flag, not the server's "INTERNAL" (exit 1)."""
-    paths = {"CA": pki["ca"], "CERT": pki["client"][0], "KEY": pki["client"][1], "STRANGER_KEY": pki["stranger"][1]}
+    paths = {
+        "CA": pki["ca"],
+        "CERT": pki["client"][0],
+        "KEY": pki["client"][1],
+        "STRANGER_KEY": pki["stranger"][1],
+    }
     assert _ask(VIDEO, "q?", "--endpoint", "127.0.0.1:1", *(paths.get(f, f) for f in flags)) == 2
     err = capsys.readouterr().err
     assert err.startswith(expected) and len(err.strip().splitlines()) == 1
@@ -165,11 +216,14 @@ def test_epd_ask_with_a_bad_device_is_a_usage_error(capsys):
     assert capsys.readouterr().err.strip() == "epd: device must be 'cpu' or 'cuda[:N]', got 'bogus'"
 
 
-@pytest.mark.parametrize("where,expected", [
-    ("directory", "is a directory; give the path of a video or image file"),
-    ("missing", "no such file: "),
-    ("/dev/null", "/dev/null is not a regular file"),
-])
+@pytest.mark.parametrize(
+    "where,expected",
+    [
+        ("directory", "is a directory; give the path of a video or image file"),
+        ("missing", "no such file: "),
+        ("/dev/null", "/dev/null is not a regular file"),
+    ],
+)
 def test_epd_ask_says_what_its_video_path_is(capsys, tmp_path, where, expected):
     path = {"directory": str(tmp_path), "missing": str(tmp_path / "nope.mp4")}.get(where, where)
     assert _ask(path, "q?") == 2
@@ -191,8 +245,11 @@ def _health_server(credentials: grpc.ServerCredentials | None = None):
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0") if credentials is None else server.add_secure_port(
-        "127.0.0.1:0", credentials)
+    port = (
+        server.add_insecure_port("127.0.0.1:0")
+        if credentials is None
+        else server.add_secure_port("127.0.0.1:0", credentials)
+    )
     server.start()
     return server, f"127.0.0.1:{port}", servicer
 
@@ -225,7 +282,10 @@ def test_epd_health_tells_not_serving_from_no_answer(capsys, plain_security):
     nobody = f"127.0.0.1:{_free_port()}"
     assert _health(nobody, "--timeout", "5") == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"no answer from {nobody} within 5 s (UNAVAILABLE") and len(err.strip().splitlines()) == 1
+    assert (
+        err.startswith(f"no answer from {nobody} within 5 s (UNAVAILABLE")
+        and len(err.strip().splitlines()) == 1
+    )
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "soon"])
@@ -238,7 +298,8 @@ def test_epd_health_refuses_tls_flags_that_do_not_go_together(pki):
     parse = build_parser().parse_args
     with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
         configs.health_security(parse(["health", "127.0.0.1:1", "--tls-ca", pki["ca"], "--tls-cert", cert]))
-    with pytest.raises(ValueError, match="--tls-cert needs --tls-ca"):  # else plaintext, the certificate unsent
+    # else plaintext, the certificate unsent
+    with pytest.raises(ValueError, match="--tls-cert needs --tls-ca"):
         configs.health_security(parse(["health", "127.0.0.1:1", "--tls-cert", cert, "--tls-key", key]))
 
 
@@ -247,8 +308,9 @@ def test_epd_health_presents_a_client_certificate_to_an_mtls_port(capsys, pki, p
     the pod's own certificate the handshake passes; without one there is no answer, said so."""
     cert, key = pki["service"]
     with open(cert, "rb") as c, open(key, "rb") as k, open(pki["ca"], "rb") as ca:
-        mtls = grpc.ssl_server_credentials([(k.read(), c.read())], root_certificates=ca.read(),
-                                           require_client_auth=True)
+        mtls = grpc.ssl_server_credentials(
+            [(k.read(), c.read())], root_certificates=ca.read(), require_client_auth=True
+        )
     server, address, servicer = _health_server(mtls)
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     try:
@@ -275,12 +337,18 @@ def test_epd_ask_reads_vllm_sampling_flags_for_both_modes(capsys):
         "--stop-token-id", "7", "--include-stop-str-in-output",
     ])  # fmt: skip
     generation = configs.generation_config(args)
-    assert (generation.repetition_penalty, generation.presence_penalty, generation.frequency_penalty) == (1.3, -0.5, 0.5)
+    assert (generation.repetition_penalty, generation.presence_penalty, generation.frequency_penalty) == (
+        1.3,
+        -0.5,
+        0.5,
+    )
     assert (generation.min_p, generation.min_tokens, generation.stop_token_ids) == (0.1, 2, (7,))
     assert generation.logit_bias == ((5, -2.5), (17, 100.0)) and generation.include_stop_str_in_output
     options = configs.generation_options(args)
     assert options["logit_bias"] == {5: -2.5, 17: 100.0} and options["min_tokens"] == 2
-    assert "expected TOKEN_ID=BIAS (e.g. 1734=-100), got 'x'" in _usage_error(capsys, ["ask", VIDEO, "q?", "--logit-bias", "x"])
+    assert "expected TOKEN_ID=BIAS (e.g. 1734=-100), got 'x'" in _usage_error(
+        capsys, ["ask", VIDEO, "q?", "--logit-bias", "x"]
+    )
 
 
 def test_epd_ask_takes_fps_or_num_frames_not_both(capsys):
@@ -289,6 +357,9 @@ def test_epd_ask_takes_fps_or_num_frames_not_both(capsys):
     assert _ask(VIDEO, "q?", "--endpoint", "127.0.0.1:1", "--fps", "1", "--num-frames", "4") == 2
     assert capsys.readouterr().err.strip() == (
         "epd: --fps and --num-frames: give one (--num-frames N: exactly N frames; --fps F: F frames per "
-        "second, at most --max-frames)")
+        "second, at most --max-frames)"
+    )
     assert build_parser().parse_args(["ask", VIDEO, "q?", "--num-frames", "4"]).fps is None
-    assert configs.sampling_options(build_parser().parse_args(["ask", VIDEO, "q?"])).fps == SamplingOptions.fps
+    assert (
+        configs.sampling_options(build_parser().parse_args(["ask", VIDEO, "q?"])).fps == SamplingOptions.fps
+    )

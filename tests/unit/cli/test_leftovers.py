@@ -81,16 +81,22 @@ def test_a_dead_stacks_board_goes_with_its_files_directory_and_only_with_it(tmp_
 
     # Launchers of older versions swept `epd-threads-<dead pid>-...` or `.board` machine-wide: not this name.
     older_launchers_rule = re.compile(r"(\d+)(?:-|\.board$)")
-    assert remove_dead_launchers_entries(str(board_dir), "epd-threads-", older_launchers_rule) == [str(legacy_board)]
+    assert remove_dead_launchers_entries(str(board_dir), "epd-threads-", older_launchers_rule) == [
+        str(legacy_board)
+    ]
     legacy_board.write_bytes(b"\0\0\0")
 
-    removed = remove_dead_stacks(str(temp_dir), "epd-stack-", str(board_dir), stack_board_name, "epd-threads-")
+    removed = remove_dead_stacks(
+        str(temp_dir), "epd-stack-", str(board_dir), stack_board_name, "epd-threads-"
+    )
 
     assert sorted(removed) == sorted(map(str, [*dead_here, legacy_board]))
     assert all(path.exists() for path in [*dead_elsewhere, *running_here])
     # That temp directory's next launcher takes them.
     assert sorted(
-        remove_dead_stacks(str(other_temp_dir), "epd-stack-", str(board_dir), stack_board_name, "epd-threads-")
+        remove_dead_stacks(
+            str(other_temp_dir), "epd-stack-", str(board_dir), stack_board_name, "epd-threads-"
+        )
     ) == sorted(map(str, dead_elsewhere))
 
 

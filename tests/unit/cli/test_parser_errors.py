@@ -57,8 +57,10 @@ def test_epd_serve_tls_flags_that_do_not_go_together_are_named():
     from epd.cli.serve import stack_transport
 
     parser = build_parser()
-    for argv, expected in [(["--tls-cert", "c", "--tls-key", "k"], "--tls-cert needs --tls-ca"),
-                           (["--tls-client-ca", "x"], "--tls-client-ca needs --tls-cert"),
-                           (["--tls-ca", "x"], "--tls-ca without --tls-cert")]:
+    for argv, expected in [
+        (["--tls-cert", "c", "--tls-key", "k"], "--tls-cert needs --tls-ca"),
+        (["--tls-client-ca", "x"], "--tls-client-ca needs --tls-cert"),
+        (["--tls-ca", "x"], "--tls-ca without --tls-cert"),
+    ]:
         with pytest.raises(ValueError, match=expected):
             stack_transport(parser.parse_args(["serve", *argv]))

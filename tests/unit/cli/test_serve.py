@@ -46,7 +46,9 @@ from tests.stack import ROOT, child_env
 
 def _safetensors(path: Path, data_bytes: int, written_bytes: int | None = None) -> None:
     """A safetensors file of one float32 tensor: 8-byte header length, JSON header, data."""
-    header = json.dumps({"w": {"dtype": "F32", "shape": [data_bytes // 4], "data_offsets": [0, data_bytes]}}).encode()
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [data_bytes // 4], "data_offsets": [0, data_bytes]}}
+    ).encode()
     body = bytes(data_bytes if written_bytes is None else written_bytes)
     path.write_bytes(struct.pack("<Q", len(header)) + header + body)
 
@@ -66,7 +68,9 @@ def test_sharded_weights_are_checked_shard_by_shard(tmp_path):
     index = {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
     _safetensors(root / "model-1.safetensors", 64)
-    with pytest.raises(ModelLoadError, match="model-2.safetensors named in model.safetensors.index.json is missing"):
+    with pytest.raises(
+        ModelLoadError, match="model-2.safetensors named in model.safetensors.index.json is missing"
+    ):
         check_model_dir(str(root))
     _safetensors(root / "model-2.safetensors", 64, written_bytes=60)
     with pytest.raises(ModelLoadError, match="model-2.safetensors is truncated or corrupt"):
@@ -75,11 +79,14 @@ def test_sharded_weights_are_checked_shard_by_shard(tmp_path):
     assert check_model_dir(str(root)) == "qwen2_vl"
 
 
-@pytest.mark.parametrize("content, reason", [
-    (b"", "truncated or corrupt"),  # empty
-    (struct.pack("<Q", 1 << 40) + b"{}", "truncated or corrupt"),  # header longer than the file
-    (struct.pack("<Q", 5) + b"nope!", "truncated or corrupt"),  # header not JSON
-])
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (b"", "truncated or corrupt"),  # empty
+        (struct.pack("<Q", 1 << 40) + b"{}", "truncated or corrupt"),  # header longer than the file
+        (struct.pack("<Q", 5) + b"nope!", "truncated or corrupt"),  # header not JSON
+    ],
+)
 def test_unreadable_safetensors_headers_are_refused(tmp_path, content, reason):
     root = _checkpoint(tmp_path / "m")
     (root / "model.safetensors").write_bytes(content)
@@ -113,7 +120,7 @@ def test_grace_period_reaches_every_service():
     args.model = "/m"
     for name, command in stack_commands(args).items():
         assert command[command.index("--grace-period") + 1] == "7.5", name
-        role = build_parser().parse_args(command[command.index("serve"):])
+        role = build_parser().parse_args(command[command.index("serve") :])
         assert configs.server_config(role).grace_s == 7.5
     assert build_parser().parse_args(["serve", "decode"]).grace_period == 30.0
 
@@ -122,7 +129,7 @@ def test_the_prefix_cache_flags_reach_the_stacks_prefill():
     args = build_parser().parse_args(["serve", "--prefix-cache-bytes", "0", "--prefix-cache-ttl", "5"])
     args.model = "/m"
     command = stack_commands(args)["prefill[0]"]
-    role = build_parser().parse_args(command[command.index("serve"):])
+    role = build_parser().parse_args(command[command.index("serve") :])
     config = configs.prefill_config(role)
     assert (config.prefix_cache_bytes, config.prefix_cache_ttl_s) == (0, 5.0)
     assert "--prefix-cache-bytes" not in stack_commands(args)["encoder[0]"]
@@ -131,7 +138,11 @@ def test_the_prefix_cache_flags_reach_the_stacks_prefill():
 def test_the_linear_kernel_reaches_every_model_service():
     args = build_parser().parse_args(["serve", "--linear-kernel", "onednn"])
     args.model = "/m"
-    makers = {"encoder": configs.encoder_config, "prefill": configs.prefill_config, "decode": configs.decode_config}
+    makers = {
+        "encoder": configs.encoder_config,
+        "prefill": configs.prefill_config,
+        "decode": configs.decode_config,
+    }
     for name, command in stack_commands(args).items():
         role = name.split("[")[0]
         if role in makers:
@@ -148,11 +159,14 @@ def test_the_log_format_reaches_every_service():
         assert build_parser().parse_args(command[3:]).log_format == "json", name
     text = build_parser().parse_args(["serve"])
     text.model = "/m"
-    assert all("--log-format" not in c for c in stack_commands(text).values())  # the default, titles stay short
+    # the default, titles stay short
+    assert all("--log-format" not in c for c in stack_commands(text).values())
 
 
 def test_the_kv_ttl_and_the_attempt_timeout_reach_prefill_and_the_gateway():
-    args = build_parser().parse_args(["serve", "--prefills", "2", "--kv-ttl", "7", "--stage-attempt-timeout", "3"])
+    args = build_parser().parse_args(
+        ["serve", "--prefills", "2", "--kv-ttl", "7", "--stage-attempt-timeout", "3"]
+    )
     args.model = "/m"
     commands = stack_commands(args)
     for name in ("prefill[0]", "prefill[1]"):
@@ -163,7 +177,7 @@ def test_the_kv_ttl_and_the_attempt_timeout_reach_prefill_and_the_gateway():
 
 
 def _parsed(command: list[str]):
-    return build_parser().parse_args(command[command.index("serve"):])
+    return build_parser().parse_args(command[command.index("serve") :])
 
 
 def test_one_replica_per_stage_keeps_the_stage_ports():
@@ -171,19 +185,30 @@ def test_one_replica_per_stage_keeps_the_stage_ports():
     args.model = "/m"
     commands = stack_commands(args)
     assert sorted(commands) == ["decode[0]", "encoder[0]", "gateway", "prefill[0]"]
-    assert [_parsed(commands[f"{r}[0]"]).port for r in ("encoder", "prefill", "decode")] == [50051, 50052, 50053]
+    assert [_parsed(commands[f"{r}[0]"]).port for r in ("encoder", "prefill", "decode")] == [
+        50051,
+        50052,
+        50053,
+    ]
     gateway = configs.gateway_config(_parsed(commands["gateway"]))
     assert (gateway.encoder_addresses, gateway.prefill_addresses, gateway.decode_addresses) == (
-        ("127.0.0.1:50051",), ("127.0.0.1:50052",), ("127.0.0.1:50053",))
+        ("127.0.0.1:50051",),
+        ("127.0.0.1:50052",),
+        ("127.0.0.1:50053",),
+    )
 
 
 def test_replicas_get_their_own_ports_and_the_gateway_lists_them_all():
-    args = build_parser().parse_args(["serve", "--encoders", "3", "--prefills", "2", "--decodes", "2",
-                                      "--decode-port", "6000"])
+    args = build_parser().parse_args(
+        ["serve", "--encoders", "3", "--prefills", "2", "--decodes", "2", "--decode-port", "6000"]
+    )
     args.model = "/m"
     commands = stack_commands(args)
-    assert replica_ports(args) == {"encoder": [50051, 50061, 50071], "prefill": [50052, 50062],
-                                   "decode": [6000, 6010]}
+    assert replica_ports(args) == {
+        "encoder": [50051, 50061, 50071],
+        "prefill": [50052, 50062],
+        "decode": [6000, 6010],
+    }
     assert port_clash(args) is None
     gateway = configs.gateway_config(_parsed(commands["gateway"]))
     assert gateway.encoder_addresses == ("127.0.0.1:50051", "127.0.0.1:50061", "127.0.0.1:50071")
@@ -200,12 +225,18 @@ def test_replicas_get_their_own_ports_and_the_gateway_lists_them_all():
                 assert "127.0.0.1:*" in allowed
 
 
-@pytest.mark.parametrize("argv, problem", [
-    (["--encoders", "2", "--encoder-port", "50042"], "prefill[0] would listen on port 50052, which encoder[1] uses"),
-    (["--decodes", "3", "--decode-port", "65530"], "decode[1] would listen on port 65540"),
-    (["--http-port", "50050"], "--http-port 50050 is also --gateway-port"),
-    (["--http-port", "50061", "--encoders", "2"], "which the gateway's HTTP API uses"),
-])
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (
+            ["--encoders", "2", "--encoder-port", "50042"],
+            "prefill[0] would listen on port 50052, which encoder[1] uses",
+        ),
+        (["--decodes", "3", "--decode-port", "65530"], "decode[1] would listen on port 65540"),
+        (["--http-port", "50050"], "--http-port 50050 is also --gateway-port"),
+        (["--http-port", "50061", "--encoders", "2"], "which the gateway's HTTP API uses"),
+    ],
+)
 def test_ports_that_clash_are_a_usage_error_before_anything_starts(argv, problem, capsys):
     args = build_parser().parse_args(["serve", *argv])
     assert problem in (port_clash(args) or "")
@@ -215,12 +246,15 @@ def test_ports_that_clash_are_a_usage_error_before_anything_starts(argv, problem
     assert problem in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--encoders", "0"], "must be 1 to 64 replicas"),
-    (["--decodes", "two"], "expected a number of replicas"),
-    (["--health-timeout", "0"], "must be > 0 seconds"),
-    (["--health-timeout", "-3"], "must be >= 0 seconds"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--encoders", "0"], "must be 1 to 64 replicas"),
+        (["--decodes", "two"], "expected a number of replicas"),
+        (["--health-timeout", "0"], "must be > 0 seconds"),
+        (["--health-timeout", "-3"], "must be >= 0 seconds"),
+    ],
+)
 def test_bad_replica_and_health_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
@@ -253,8 +287,9 @@ serve.stack_commands(args)
 print(args.model, sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
     env = {k: v for k, v in child_env().items() if k not in ("EPD_MODEL", "EPD_DEFAULT_MODEL")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(demo_model_dir()), "[]"]
 
@@ -332,12 +367,15 @@ def _slots(serve, names: list[str], policy):
     from epd.cli.serve import _Slot
     from epd.cli.supervisor import Replica
 
-    return [_Slot(name, name.partition("[")[0], serve(), [], Replica(name, policy, time.monotonic()))
-            for name in names]
+    return [
+        _Slot(name, name.partition("[")[0], serve(), [], Replica(name, policy, time.monotonic()))
+        for name in names
+    ]
 
 
 def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_one(
-        health_servers, launcher_signals, capsys):
+    health_servers, launcher_signals, capsys
+):
     from epd.cli.serve import EXIT_FAILED, _supervise
     from epd.cli.supervisor import RestartPolicy, State
 
@@ -348,15 +386,19 @@ def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_o
     def start(slot):
         started.append(slot.name)
         # The gateway runs; each encoder process dies (code 1) soon after it starts, encoder[0]'s later.
-        return _Process() if slot.role == "gateway" else _Process(1, polls=2 if slot.name == "encoder[1]" else 7)
+        return (
+            _Process() if slot.role == "gateway" else _Process(1, polls=2 if slot.name == "encoder[1]" else 7)
+        )
 
     for slot in slots:
         slot.proc = start(slot)
     assert _supervise(slots, start, launcher_signals, policy, ready_timeout_s=30) == EXIT_FAILED
     err = capsys.readouterr().err.splitlines()
     exits = [line.split(") ", 1)[1] for line in err if line.startswith("epd: encoder[1] (pid ")]
-    assert exits == ["exited with code 1; restarting in 0.01 s",
-                     "exited with code 1; crash-looping (2 exits in 60 s); giving up on it"], err
+    assert exits == [
+        "exited with code 1; restarting in 0.01 s",
+        "exited with code 1; crash-looping (2 exits in 60 s); giving up on it",
+    ], err
     assert "epd: encoder[1] restarted (pid " in "\n".join(err)
     assert err[-1] == "epd: no encoder left; stopping the stack", err
     assert [s.replica.state for s in slots] == [State.SERVING, State.GIVEN_UP, State.GIVEN_UP]
@@ -365,7 +407,8 @@ def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_o
 
 @pytest.mark.parametrize("code", [3, 2])  # EXIT_MODEL, EXIT_USAGE: a restart would fail the same way
 def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
-        health_servers, launcher_signals, code):
+    health_servers, launcher_signals, code
+):
     from epd.cli.serve import _supervise
     from epd.cli.supervisor import RestartPolicy
 
@@ -395,13 +438,27 @@ def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
     """`epd serve --max-prefill-tokens-per-step/--prefill-chunk-tokens/--max-running-requests`
     (vLLM's --max-num-batched-tokens / --max-num-seqs): the stack passes them to its prefill and
     decode, --colocate builds its stages with them; a bad value is a usage error before start."""
-    flags = ["--max-prefill-tokens-per-step", "1024", "--prefill-chunk-tokens", "256", "--max-running-requests", "6"]
+    flags = [
+        "--max-prefill-tokens-per-step",
+        "1024",
+        "--prefill-chunk-tokens",
+        "256",
+        "--max-running-requests",
+        "6",
+    ]
     args = build_parser().parse_args(["serve", *flags])
     args.model = "/m"
     commands = stack_commands(args)
-    prefill = configs.prefill_config(build_parser().parse_args(commands["prefill[0]"][commands["prefill[0]"].index("serve"):]))
-    assert (prefill.scheduler.max_prefill_tokens_per_step, prefill.scheduler.prefill_chunk_tokens) == (1024, 256)
-    decode = configs.decode_config(build_parser().parse_args(commands["decode[0]"][commands["decode[0]"].index("serve"):]))
+    prefill = configs.prefill_config(
+        build_parser().parse_args(commands["prefill[0]"][commands["prefill[0]"].index("serve") :])
+    )
+    assert (prefill.scheduler.max_prefill_tokens_per_step, prefill.scheduler.prefill_chunk_tokens) == (
+        1024,
+        256,
+    )
+    decode = configs.decode_config(
+        build_parser().parse_args(commands["decode[0]"][commands["decode[0]"].index("serve") :])
+    )
     assert decode.max_running_requests == 6
     assert "--max-running-requests" not in commands["encoder[0]"]
 
@@ -412,12 +469,22 @@ def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
     default = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate"]))
     assert default.prefill.scheduler.max_prefill_tokens_per_step == 2048
     with pytest.raises(ValueError, match="--max-prefill-tokens-per-step"):
-        configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "0"]))
+        configs.colocated_stages(
+            build_parser().parse_args(["serve", "--colocate", "--max-prefill-tokens-per-step", "0"])
+        )
 
 
 _MEMORY_AND_QUEUE_FLAGS = {
-    "prefill": ["--kv-store-bytes", "987654321", "--kv-ttl", "33", "--max-waiting-prefills", "5",
-                "--max-waiting-prompt-tokens", "40000"],
+    "prefill": [
+        "--kv-store-bytes",
+        "987654321",
+        "--kv-ttl",
+        "33",
+        "--max-waiting-prefills",
+        "5",
+        "--max-waiting-prompt-tokens",
+        "40000",
+    ],
     "decode": ["--kv-budget-bytes", "123456789", "--max-waiting-requests", "9"],
 }
 
@@ -465,10 +532,17 @@ def test_every_flag_of_a_stage_is_a_flag_of_the_stack_with_the_same_default_and_
             flag = action.option_strings[0]
             for parser in (serve, roles[role]):
                 twin = parser._option_string_actions[flag]
-                assert (twin.default, twin.help, twin.type) == (action.default, action.help, action.type), flag
+                assert (twin.default, twin.help, twin.type) == (action.default, action.help, action.type), (
+                    flag
+                )
     assert {"--kv-budget-bytes", "--max-waiting-requests"} <= set(stage_flags(_stack([]), "decode"))
-    assert {"--kv-store-bytes", "--kv-ttl", "--max-waiting-prefills", "--max-waiting-prompt-tokens",
-            "--prefix-cache-bytes"} <= set(stage_flags(_stack([]), "prefill"))
+    assert {
+        "--kv-store-bytes",
+        "--kv-ttl",
+        "--max-waiting-prefills",
+        "--max-waiting-prompt-tokens",
+        "--prefix-cache-bytes",
+    } <= set(stage_flags(_stack([]), "prefill"))
 
 
 def _stack(flags: list[str]):
@@ -484,7 +558,11 @@ def test_the_stacks_stages_and_the_colocated_ones_keep_the_roles_defaults():
     args = build_parser().parse_args(["serve"])
     args.model = "/m"
     commands = stack_commands(args)
-    makers = {"encoder": configs.encoder_config, "prefill": configs.prefill_config, "decode": configs.decode_config}
+    makers = {
+        "encoder": configs.encoder_config,
+        "prefill": configs.prefill_config,
+        "decode": configs.decode_config,
+    }
     for role, make in makers.items():
         alone = make(build_parser().parse_args(["serve", role, "--model", "/m"]))
         assert make(_parsed(commands[f"{role}[0]"])) == alone, role
@@ -495,25 +573,43 @@ def test_the_stacks_stages_and_the_colocated_ones_keep_the_roles_defaults():
     assert colocated.decode.kv_budget_bytes == 4 << 30 and colocated.prefill.kv_store_bytes == 4 << 30
 
 
-@pytest.mark.parametrize("role,flags,expected", [
-    ("decode", ["--kv-budget-bytes", "0"], "--kv-budget-bytes must be > 0"),
-    ("decode", ["--max-waiting-requests", "-1"], "--max-waiting-requests >= 0"),
-    ("prefill", ["--kv-store-bytes", "-1"], "kv_store_bytes (--kv-store-bytes) must be >= 0, got -1"),
-    ("prefill", ["--kv-ttl", "0"], "kv_ttl_s (--kv-ttl) must be > 0 seconds"),
-    ("prefill", ["--max-waiting-prefills", "0"], "(--max-waiting-prefills) and max_waiting_prompt_tokens"),
-    ("prefill", ["--max-waiting-prompt-tokens", "100"], "(--max-waiting-prompt-tokens, 100) must be >= max_prompt"),
-    ("prefill", ["--max-prefill-tokens-per-step", "0"], "(--max-prefill-tokens-per-step) must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "role,flags,expected",
+    [
+        ("decode", ["--kv-budget-bytes", "0"], "--kv-budget-bytes must be > 0"),
+        ("decode", ["--max-waiting-requests", "-1"], "--max-waiting-requests >= 0"),
+        ("prefill", ["--kv-store-bytes", "-1"], "kv_store_bytes (--kv-store-bytes) must be >= 0, got -1"),
+        ("prefill", ["--kv-ttl", "0"], "kv_ttl_s (--kv-ttl) must be > 0 seconds"),
+        (
+            "prefill",
+            ["--max-waiting-prefills", "0"],
+            "(--max-waiting-prefills) and max_waiting_prompt_tokens",
+        ),
+        (
+            "prefill",
+            ["--max-waiting-prompt-tokens", "100"],
+            "(--max-waiting-prompt-tokens, 100) must be >= max_prompt",
+        ),
+        (
+            "prefill",
+            ["--max-prefill-tokens-per-step", "0"],
+            "(--max-prefill-tokens-per-step) must be >= 1, got 0",
+        ),
+    ],
+)
 def test_a_stage_flag_its_stage_refuses_stops_the_stack_before_it_starts(capsys, role, flags, expected):
     """The message `epd serve ROLE` gives, from the launcher before any process starts (before,
     every replica imported torch, then one exited 2 and stopped the stack), and from --colocate."""
     makers = {"prefill": configs.prefill_config, "decode": configs.decode_config}
-    _assert_refused_alone_by_the_stack_and_colocated(capsys, role, makers[role], configs.colocated_stages, flags,
-                                                     expected)
+    _assert_refused_alone_by_the_stack_and_colocated(
+        capsys, role, makers[role], configs.colocated_stages, flags, expected
+    )
     assert stage_flag_problem(build_parser().parse_args(["serve"])) is None
 
 
-def _assert_refused_alone_by_the_stack_and_colocated(capsys, role, make, make_colocated, flags, expected) -> None:
+def _assert_refused_alone_by_the_stack_and_colocated(
+    capsys, role, make, make_colocated, flags, expected
+) -> None:
     """`epd serve ROLE FLAGS` refuses them (`make`), `epd serve FLAGS` too before anything starts
     (one line, exit 2), and --colocate (`make_colocated`), all with `expected` in the message."""
     with pytest.raises(ValueError, match=re.escape(expected)):
@@ -527,18 +623,38 @@ def _assert_refused_alone_by_the_stack_and_colocated(capsys, role, make, make_co
         make_colocated(build_parser().parse_args(["serve", "--colocate", *flags]))
 
 
-_FRONT_DOOR_FLAGS = ["--served-model-name", "Qwen/Qwen2-VL-2B-Instruct", "--allowed-local-media-path", "/srv/media",
-                     "--allowed-media-domains", "example.com,media.example.org", "--media-fetch-timeout", "7",
-                     "--body-timeout", "45", "--max-inflight-body-bytes", "987654321",
-                     "--max-requests-per-client", "3", "--sse-keepalive", "4"]
+_FRONT_DOOR_FLAGS = [
+    "--served-model-name",
+    "Qwen/Qwen2-VL-2B-Instruct",
+    "--allowed-local-media-path",
+    "/srv/media",
+    "--allowed-media-domains",
+    "example.com,media.example.org",
+    "--media-fetch-timeout",
+    "7",
+    "--body-timeout",
+    "45",
+    "--max-inflight-body-bytes",
+    "987654321",
+    "--max-requests-per-client",
+    "3",
+    "--sse-keepalive",
+    "4",
+]
 
 
 def _assert_front_door_flags(config: GatewayConfig) -> None:
     assert (config.http.served_model_name, config.http.sse_keepalive_s) == ("Qwen/Qwen2-VL-2B-Instruct", 4.0)
-    assert config.http.media == MediaFetchConfig(allowed_local_dir="/srv/media", fetch_timeout_s=7.0,
-                                                 allowed_domains=("example.com", "media.example.org"))
+    assert config.http.media == MediaFetchConfig(
+        allowed_local_dir="/srv/media",
+        fetch_timeout_s=7.0,
+        allowed_domains=("example.com", "media.example.org"),
+    )
     assert (config.body_timeout_s, config.max_inflight_body_bytes, config.max_requests_per_client) == (
-        45.0, 987654321, 3)
+        45.0,
+        987654321,
+        3,
+    )
 
 
 def test_the_front_doors_flags_reach_the_stacks_gateway_and_the_colocated_one():
@@ -552,17 +668,24 @@ def test_the_front_doors_flags_reach_the_stacks_gateway_and_the_colocated_one():
     gateway = configs.gateway_config(_parsed(commands["gateway"]))
     _assert_front_door_flags(gateway)
     assert (gateway.routing, gateway.load_refresh_interval_s, gateway.stage_attempt_timeout_s) == (
-        "round-robin", 2.0, 9.0)
+        "round-robin",
+        2.0,
+        9.0,
+    )
     for name, command in commands.items():  # the gateway's only
         assert name == "gateway" or not set(_FRONT_DOOR_FLAGS[::2] + routing[::2]) & set(command), name
 
-    colocated = configs.colocated_gateway_config(build_parser().parse_args(["serve", "--colocate", *_FRONT_DOOR_FLAGS]))
+    colocated = configs.colocated_gateway_config(
+        build_parser().parse_args(["serve", "--colocate", *_FRONT_DOOR_FLAGS])
+    )
     _assert_front_door_flags(colocated)
 
 
 def test_a_served_model_name_starting_with_a_dash_reaches_the_gateway_whole():
     args = _stack(["--served-model-name=-my-model"])
-    assert configs.gateway_config(_parsed(stack_commands(args)["gateway"])).http.served_model_name == "-my-model"
+    assert (
+        configs.gateway_config(_parsed(stack_commands(args)["gateway"])).http.served_model_name == "-my-model"
+    )
 
 
 def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_help_and_reaches_it():
@@ -577,9 +700,17 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
     for add_flags in GATEWAY_FLAGS:
         add_flags(own)
     shared = {action.option_strings[0]: action for action in own._actions}
-    assert {"--served-model-name", "--allowed-local-media-path", "--allowed-media-domains", "--media-fetch-timeout",
-            "--body-timeout", "--sse-keepalive", "--max-inflight-body-bytes", "--routing",
-            "--load-refresh-interval"} <= set(shared)
+    assert {
+        "--served-model-name",
+        "--allowed-local-media-path",
+        "--allowed-media-domains",
+        "--media-fetch-timeout",
+        "--body-timeout",
+        "--sse-keepalive",
+        "--max-inflight-body-bytes",
+        "--routing",
+        "--load-refresh-interval",
+    } <= set(shared)
     for flag, action in shared.items():
         for parser in (serve, role):
             twin = parser._option_string_actions[flag]
@@ -588,8 +719,12 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
     gateway = _parsed(stack_commands(args)["gateway"])
     alone = build_parser().parse_args(["serve", "gateway"])
     for action in shared.values():
-        assert getattr(gateway, action.dest) == getattr(alone, action.dest) == getattr(args, action.dest), action.dest
-    assert set(flag_words(args, GATEWAY_FLAGS)) >= set(shared) and gateway_flags(args) == flag_words(args, GATEWAY_FLAGS)
+        assert getattr(gateway, action.dest) == getattr(alone, action.dest) == getattr(args, action.dest), (
+            action.dest
+        )
+    assert set(flag_words(args, GATEWAY_FLAGS)) >= set(shared) and gateway_flags(args) == flag_words(
+        args, GATEWAY_FLAGS
+    )
 
 
 def test_the_frame_sampling_flags_are_the_defaults_of_requests_through_the_front_door():
@@ -604,19 +739,38 @@ def test_the_frame_sampling_flags_are_the_defaults_of_requests_through_the_front
     colocated_args = build_parser().parse_args(["serve", "--colocate", *flags])
     colocated = configs.colocated_gateway_config(colocated_args)
     colocated_encoder = configs.colocated_stages(colocated_args).encoder
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, {"type": "text", "text": "q"}]}]}
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                    {"type": "text", "text": "q"},
+                ],
+            }
+        ]
+    }
     for front_door, stage in ((gateway, encoder), (colocated, colocated_encoder)):
-        assert (front_door.sampling.fps, front_door.sampling.max_frames, front_door.sampling.max_pixels) == (1.0, 8, 50176)
+        assert (front_door.sampling.fps, front_door.sampling.max_frames, front_door.sampling.max_pixels) == (
+            1.0,
+            8,
+            50176,
+        )
         # HTTP without "media", gRPC with no sampling field set: the front door's defaults, sent on.
-        http = parse_chat_request(body, front_door.http.served_model_name, front_door.sampling, front_door.generation)
+        http = parse_chat_request(
+            body, front_door.http.served_model_name, front_door.sampling, front_door.generation
+        )
         grpc = convert.sampling_from_proto(common_pb2.VideoSampling(), front_door.sampling)
         for asked in (http.sampling, grpc):
-            assert convert.sampling_from_proto(convert.sampling_to_proto(asked), stage.sampling) == stage.sampling
+            assert (
+                convert.sampling_from_proto(convert.sampling_to_proto(asked), stage.sampling)
+                == stage.sampling
+            )
     unset = build_parser().parse_args(["serve", "gateway"])
     assert configs.gateway_config(unset).sampling == SamplingOptions()  # the defaults unchanged
     assert configs.colocated_gateway_config(build_parser().parse_args(["serve", "--colocate"])).sampling == (
-        SamplingOptions())
+        SamplingOptions()
+    )
 
 
 def test_the_stack_still_listens_on_loopback_only():
@@ -625,7 +779,9 @@ def test_the_stack_still_listens_on_loopback_only():
     only there."""
     for flag in ("--host", "--http-host", "--no-api-key"):
         with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", flag, "0.0.0.0"] if flag != "--no-api-key" else ["serve", flag])
+            build_parser().parse_args(
+                ["serve", flag, "0.0.0.0"] if flag != "--no-api-key" else ["serve", flag]
+            )
     gateway = configs.gateway_config(_parsed(stack_commands(_stack(_FRONT_DOOR_FLAGS))["gateway"]))
     colocated = configs.colocated_gateway_config(build_parser().parse_args(["serve", "--colocate"]))
     for config in (gateway, colocated):
@@ -636,31 +792,47 @@ def test_the_colocated_front_door_keeps_the_gateways_defaults():
     config = configs.colocated_gateway_config(build_parser().parse_args(["serve", "--colocate"]))
     assert config.http == HttpApiConfig(port=8000, demo=config.http.demo)
     assert (config.body_timeout_s, config.max_inflight_body_bytes, config.max_requests_per_client) == (
-        GatewayConfig.body_timeout_s, GatewayConfig.max_inflight_body_bytes, GatewayConfig.max_requests_per_client)
+        GatewayConfig.body_timeout_s,
+        GatewayConfig.max_inflight_body_bytes,
+        GatewayConfig.max_requests_per_client,
+    )
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--max-inflight-body-bytes", "1000"], "--max-inflight-body-bytes 1000 is below the largest request body"),
-    (["--max-requests-per-client", "0"], "--max-requests-per-client must be >= 1, got 0"),
-    (["--allowed-media-domains", "\u200b.example"], "not a valid internationalised domain name"),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (
+            ["--max-inflight-body-bytes", "1000"],
+            "--max-inflight-body-bytes 1000 is below the largest request body",
+        ),
+        (["--max-requests-per-client", "0"], "--max-requests-per-client must be >= 1, got 0"),
+        (["--allowed-media-domains", "\u200b.example"], "not a valid internationalised domain name"),
+    ],
+)
 def test_a_front_door_flag_the_gateway_refuses_stops_the_stack_before_it_starts(capsys, flags, expected):
     """The message `epd serve gateway` gives, from the launcher before any process starts (before,
     the stack started, then its gateway exited 2 and stopped it), and from --colocate."""
-    _assert_refused_alone_by_the_stack_and_colocated(capsys, "gateway", configs.gateway_config,
-                                                     configs.colocated_gateway_config, flags, expected)
+    _assert_refused_alone_by_the_stack_and_colocated(
+        capsys, "gateway", configs.gateway_config, configs.colocated_gateway_config, flags, expected
+    )
 
 
 def test_ttft_first_gives_the_stacks_decoders_a_lower_cpu_priority():
     """The stack's `--schedule ttft-first` is decode's `--nice 5` (the colocated server orders its
     own steps instead); fifo, the default, leaves every service at the launcher's priority."""
+
     def nice_of(argv: list[str]) -> dict[str, int]:
         args = build_parser().parse_args(["serve", *argv])
         args.model = "/m"
         commands = stack_commands(args)
-        assert all("--nice" not in command for name, command in commands.items() if not name.startswith("decode"))
-        return {name: configs.decode_config(build_parser().parse_args(command[command.index("serve"):])).nice
-                for name, command in commands.items() if name.startswith("decode")}
+        assert all(
+            "--nice" not in command for name, command in commands.items() if not name.startswith("decode")
+        )
+        return {
+            name: configs.decode_config(build_parser().parse_args(command[command.index("serve") :])).nice
+            for name, command in commands.items()
+            if name.startswith("decode")
+        }
 
     assert nice_of(["--schedule", "ttft-first", "--decodes", "2"]) == {"decode[0]": 5, "decode[1]": 5}
     assert nice_of([]) == {"decode[0]": 0}
@@ -673,20 +845,34 @@ def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
     """`epd serve --frames-per-group/--max-tower-patches-per-step/--decode-workers/--num-frames ...`:
     every encoder and frame-sampling flag reaches each encoder replica (and --max-upload-bytes the
     gateway too); --colocate builds its encoder with them. Unset, each keeps the encoder's default."""
-    flags = ["--frames-per-group", "4", "--max-tower-patches-per-step", "2048", "--decode-workers", "3",
-             "--num-frames", "6", "--max-upload-bytes", "1000000", "--cache-dir", "/tmp/tokens",
-             "--no-merge-decoded-groups"]
+    flags = [
+        "--frames-per-group",
+        "4",
+        "--max-tower-patches-per-step",
+        "2048",
+        "--decode-workers",
+        "3",
+        "--num-frames",
+        "6",
+        "--max-upload-bytes",
+        "1000000",
+        "--cache-dir",
+        "/tmp/tokens",
+        "--no-merge-decoded-groups",
+    ]
     args = build_parser().parse_args(["serve", "--encoders", "2", *flags])
     args.model = "/m"
     commands = stack_commands(args)
     for name in ("encoder[0]", "encoder[1]"):
         command = commands[name]
-        encoder = configs.encoder_config(build_parser().parse_args(command[command.index("serve"):]))
+        encoder = configs.encoder_config(build_parser().parse_args(command[command.index("serve") :]))
         assert (encoder.frames_per_group, encoder.max_tower_patches_per_step) == (4, 2048)
         assert encoder.decode.num_workers == 3 and encoder.sampling.num_frames == 6
         assert encoder.limits.max_bytes == 1_000_000 and encoder.cache.disk_dir == "/tmp/tokens"
         assert not encoder.merge_decoded_groups
-    gateway = configs.gateway_config(build_parser().parse_args(commands["gateway"][commands["gateway"].index("serve"):]))
+    gateway = configs.gateway_config(
+        build_parser().parse_args(commands["gateway"][commands["gateway"].index("serve") :])
+    )
     assert gateway.max_upload_bytes == 1_000_000
     assert "--frames-per-group" not in commands["prefill[0]"] + commands["decode[0]"]
 
@@ -694,25 +880,32 @@ def test_the_encoder_flags_reach_the_stacks_encoders_and_the_colocated_one():
     assert (colocated.encoder.frames_per_group, colocated.encoder.max_tower_patches_per_step) == (4, 2048)
     assert colocated.encoder.sampling.num_frames == 6 and colocated.encoder.model == colocated.model
     assert not colocated.encoder.merge_decoded_groups
-    assert configs.colocated_gateway_config(
-        build_parser().parse_args(["serve", "--colocate", *flags])).max_upload_bytes == 1_000_000
+    assert (
+        configs.colocated_gateway_config(
+            build_parser().parse_args(["serve", "--colocate", *flags])
+        ).max_upload_bytes
+        == 1_000_000
+    )
     unset = build_parser().parse_args(["serve"])
     unset.model = "/m"
     command = stack_commands(unset)["encoder[0]"]
-    default = configs.encoder_config(build_parser().parse_args(command[command.index("serve"):]))
+    default = configs.encoder_config(build_parser().parse_args(command[command.index("serve") :]))
     reference = configs.encoder_config(build_parser().parse_args(["serve", "encoder", "--model", "/m"]))
     assert default == reference
 
 
-@pytest.mark.parametrize("role,make", [("encoder", configs.encoder_config), ("gateway", configs.gateway_config)])
+@pytest.mark.parametrize(
+    "role,make", [("encoder", configs.encoder_config), ("gateway", configs.gateway_config)]
+)
 def test_fps_with_num_frames_is_refused_at_start(capsys, role, make):
     """`epd serve --fps 1 --num-frames 4` started, and its --fps was never used: the count serves
     every request that names neither, and a request's own fps replaces both. Refused as the request
     level refuses the pair: by the role, by the stack's launcher before anything starts, by --colocate."""
     expected = "--fps 1 and --num-frames 4: give one"
     flags = ["--fps", "1", "--num-frames", "4"]
-    _assert_refused_alone_by_the_stack_and_colocated(capsys, role, make, configs.colocated_gateway_config, flags,
-                                                     expected)
+    _assert_refused_alone_by_the_stack_and_colocated(
+        capsys, role, make, configs.colocated_gateway_config, flags, expected
+    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", *flags]))
     for alone in (["--fps", "1"], ["--num-frames", "4"]):  # each alone still serves
@@ -737,35 +930,49 @@ def test_the_stacks_gateway_takes_only_the_keys_the_launcher_was_given(monkeypat
         argv = stack_commands(args)["gateway"] + serve.stack_security_flags(args, files)["gateway"]
         # The gateway parses its command line in the environment the launcher starts it with.
         monkeypatch.setattr(os, "environ", serve.services_environment(os.environ))
-        gateway = build_parser().parse_args(argv[argv.index("--log-level"):])
+        gateway = build_parser().parse_args(argv[argv.index("--log-level") :])
         assert configs.api_keys(gateway) == ("new-key",)
     finally:
         files.remove()
 
 
-@pytest.mark.parametrize(("flag", "value", "field", "expected", "default"), [
-    ("--max-new-tokens-limit", "16", "max_new_tokens_limit", 16, 4096),
-    ("--max-model-len", "8k", "max_model_len", 8000, None),  # vLLM's forms: 8k is 8,000, 8K 8,192
-    ("--max-model-len", "8K", "max_model_len", 8192, None),
-    ("--max-prompt-tokens", "64K", "max_prompt_tokens", 65536, 32768),
-])
-def test_prefills_request_limits_reach_every_prefill_and_the_colocated_one(flag, value, field, expected, default):
+@pytest.mark.parametrize(
+    ("flag", "value", "field", "expected", "default"),
+    [
+        ("--max-new-tokens-limit", "16", "max_new_tokens_limit", 16, 4096),
+        ("--max-model-len", "8k", "max_model_len", 8000, None),  # vLLM's forms: 8k is 8,000, 8K 8,192
+        ("--max-model-len", "8K", "max_model_len", 8192, None),
+        ("--max-prompt-tokens", "64K", "max_prompt_tokens", 65536, 32768),
+    ],
+)
+def test_prefills_request_limits_reach_every_prefill_and_the_colocated_one(
+    flag, value, field, expected, default
+):
     """`--max-new-tokens-limit` (the most tokens a request may ask for, at most decode's bound)
     and vLLM's `--max-model-len` (prompt plus answer; unset: the model's context): the prefill
     role's, and `epd serve`'s for every prefill or the colocated one; unset, not passed at all."""
     args = build_parser().parse_args(["serve", "--prefills", "2", flag, value])
     args.model = "/m"
     commands = stack_commands(args)
-    assert [getattr(configs.prefill_config(_parsed(commands[f"prefill[{i}]"])), field) for i in range(2)] == [expected] * 2
+    assert [getattr(configs.prefill_config(_parsed(commands[f"prefill[{i}]"])), field) for i in range(2)] == [
+        expected
+    ] * 2
     assert not any(flag in commands[name] for name in commands if not name.startswith("prefill"))
-    assert getattr(configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", flag, value])).prefill,
-                   field) == expected
+    assert (
+        getattr(
+            configs.colocated_stages(build_parser().parse_args(["serve", "--colocate", flag, value])).prefill,
+            field,
+        )
+        == expected
+    )
     unset = build_parser().parse_args(["serve", "--colocate"])
     assert getattr(configs.colocated_stages(unset).prefill, field) == default
     assert (flag in stack_commands(unset)["prefill[0]"]) == (default is not None)
 
 
-def test_a_max_model_len_above_the_checkpoints_context_stops_the_stack_before_anything_starts(tiny_models, capsys):
+def test_a_max_model_len_above_the_checkpoints_context_stops_the_stack_before_anything_starts(
+    tiny_models, capsys
+):
     """Every prefill replica would refuse it once its model is loaded (exit 3); the launcher reads
     config.json first and says so in the same line, with nothing started."""
     model = tiny_models["qwen2_vl"]
@@ -776,21 +983,30 @@ def test_a_max_model_len_above_the_checkpoints_context_stops_the_stack_before_an
     assert capsys.readouterr().err == (
         f"epd: cannot load {model}: --max-model-len {context + 1} is more than this model's context of {context} "
         f"tokens (config.json's max_position_embeddings); it may only lower it: pass at most {context}, or leave "
-        "it out\n")
+        "it out\n"
+    )
     check_max_model_len(str(model), context)  # the model's own context: served
     check_max_model_len("Qwen/Qwen2-VL-2B-Instruct", 10**9)  # a hub id: prefill checks it once loaded
 
 
-@pytest.mark.parametrize(("flag", "value", "expected"), [
-    ("--max-new-tokens-limit", "4097", "must be 1 to 4096 tokens"),
-    ("--max-model-len", "0", "must be at least 1 token, got '0'"),
-    ("--max-model-len", "-5", "expected a positive number of tokens"),
-    ("--max-model-len", "1.5K", "expected a positive number of tokens"),  # vLLM's: decimals with k, m, g only
-    ("--max-model-len", "-1", "leave --max-model-len out to serve the model's own context"),  # vLLM's "fit the GPU"
-    ("--max-model-len", "auto", "leave --max-model-len out to serve the model's own context"),
-    ("--max-prompt-tokens", "0", "must be at least 1 token, got '0'"),
-    ("--max-prompt-tokens", "-1", "expected a positive number of tokens"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--max-new-tokens-limit", "4097", "must be 1 to 4096 tokens"),
+        ("--max-model-len", "0", "must be at least 1 token, got '0'"),
+        ("--max-model-len", "-5", "expected a positive number of tokens"),
+        (
+            "--max-model-len",
+            "1.5K",
+            "expected a positive number of tokens",
+        ),  # vLLM's: decimals with k, m, g only
+        # vLLM's "fit the GPU"
+        ("--max-model-len", "-1", "leave --max-model-len out to serve the model's own context"),
+        ("--max-model-len", "auto", "leave --max-model-len out to serve the model's own context"),
+        ("--max-prompt-tokens", "0", "must be at least 1 token, got '0'"),
+        ("--max-prompt-tokens", "-1", "expected a positive number of tokens"),
+    ],
+)
 def test_prefills_request_limits_refuse_values_they_cannot_serve(capsys, flag, value, expected):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "prefill", f"{flag}={value}"])

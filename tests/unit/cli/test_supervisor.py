@@ -8,8 +8,15 @@ import pytest
 
 from epd.cli.supervisor import Replica, RestartPolicy, State, stage_lost
 
-POLICY = RestartPolicy(backoff_initial_s=1.0, backoff_max_s=30.0, healthy_reset_s=60.0, crash_loop_exits=5,
-                       crash_loop_window_s=60.0, health_timeout_s=10.0, start_timeout_s=100.0)
+POLICY = RestartPolicy(
+    backoff_initial_s=1.0,
+    backoff_max_s=30.0,
+    healthy_reset_s=60.0,
+    crash_loop_exits=5,
+    crash_loop_window_s=60.0,
+    health_timeout_s=10.0,
+    start_timeout_s=100.0,
+)
 
 
 def serving(now: float = 0.0, policy: RestartPolicy = POLICY) -> Replica:
@@ -74,9 +81,12 @@ def test_exits_spread_wider_than_the_window_are_not_a_crash_loop():
 
 def test_a_silent_replica_is_flagged_after_the_health_timeout():
     replica = serving(0.0)
-    replica.answered(5.0, serving=False)  # NOT_SERVING is an answer: alive (the gateway while a stage is down)
+    # NOT_SERVING is an answer: alive (the gateway while a stage is down)
+    replica.answered(5.0, serving=False)
     assert replica.unresponsive_s(5.0 + POLICY.health_timeout_s) is None
-    assert replica.unresponsive_s(5.0 + POLICY.health_timeout_s + 0.5) == pytest.approx(POLICY.health_timeout_s + 0.5)
+    assert replica.unresponsive_s(5.0 + POLICY.health_timeout_s + 0.5) == pytest.approx(
+        POLICY.health_timeout_s + 0.5
+    )
     assert replica.state is State.SERVING  # killing it is the caller's; then it reports the exit
     assert replica.exited(16.0).delay_s == 1.0
 
@@ -87,7 +97,9 @@ def test_a_restarted_replica_has_the_start_timeout_to_load_its_model():
     replica.answered(50.0, serving=False)  # loading: answers NOT_SERVING
     assert replica.state is State.STARTING
     assert replica.unresponsive_s(1.0 + POLICY.start_timeout_s) is None  # silence while starting is fine
-    assert replica.unresponsive_s(1.0 + POLICY.start_timeout_s + 1.0) == pytest.approx(POLICY.start_timeout_s + 1.0)
+    assert replica.unresponsive_s(1.0 + POLICY.start_timeout_s + 1.0) == pytest.approx(
+        POLICY.start_timeout_s + 1.0
+    )
     replica.answered(60.0, serving=True)
     assert replica.state is State.SERVING and replica.unresponsive_s(65.0) is None
 
@@ -102,12 +114,15 @@ def test_a_stage_is_lost_only_when_every_replica_is_given_up():
     assert stage_lost([one, two])
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"backoff_initial_s": 0.0}, "backoff"),
-    ({"backoff_initial_s": 40.0}, "backoff"),
-    ({"crash_loop_exits": 0}, "crash loop"),
-    ({"health_timeout_s": 0.0}, "--health-timeout"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"backoff_initial_s": 0.0}, "backoff"),
+        ({"backoff_initial_s": 40.0}, "backoff"),
+        ({"crash_loop_exits": 0}, "crash loop"),
+        ({"health_timeout_s": 0.0}, "--health-timeout"),
+    ],
+)
 def test_a_policy_that_cannot_work_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         RestartPolicy(**changes)

@@ -38,10 +38,13 @@ def test_a_hub_id_preloads_the_common_part_only():
 
 def test_listing_the_preload_imports_no_torch():
     """The launcher computes the list: it must not import what it lists."""
-    code = ("import sys; from epd.cli.zygote import ServiceProcess, preload_modules; preload_modules('qwen2_vl', 'qwen2_vl'); "
-            "sys.exit(sorted(m for m in ('torch', 'transformers') if m in sys.modules) != [])")
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import sys; from epd.cli.zygote import ServiceProcess, preload_modules; preload_modules('qwen2_vl', 'qwen2_vl'); "
+        "sys.exit(sorted(m for m in ('torch', 'transformers') if m in sys.modules) != [])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
 
 

@@ -38,7 +38,9 @@ def test_resource_exhausted_is_retried_only_when_the_server_said_busy():
     policy = RetryPolicy(retryable=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED))
     assert policy.should_retry(grpc.StatusCode.RESOURCE_EXHAUSTED, attempt=1, saw_token=False, busy=True)
     assert not policy.should_retry(grpc.StatusCode.RESOURCE_EXHAUSTED, attempt=1, saw_token=False)
-    assert not RetryPolicy().should_retry(grpc.StatusCode.RESOURCE_EXHAUSTED, attempt=1, saw_token=False, busy=True)
+    assert not RetryPolicy().should_retry(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, attempt=1, saw_token=False, busy=True
+    )
 
 
 def test_bad_retry_policies_are_refused():
@@ -137,8 +139,17 @@ def test_header_carries_vllm_sampling_options():
     })  # fmt: skip
     g = h.generation
     assert (g.repetition_penalty, g.presence_penalty, g.frequency_penalty, g.min_p, g.min_tokens) == (
-        1.3, -0.5, 0.5, 0.05, 3)
-    assert dict(g.logit_bias) == {17: 100.0} and list(g.stop_token_ids) == [5, 9] and g.include_stop_str_in_output
+        1.3,
+        -0.5,
+        0.5,
+        0.05,
+        3,
+    )
+    assert (
+        dict(g.logit_bias) == {17: 100.0}
+        and list(g.stop_token_ids) == [5, 9]
+        and g.include_stop_str_in_output
+    )
 
 
 @pytest.mark.parametrize(
@@ -153,7 +164,11 @@ def test_header_carries_vllm_sampling_options():
         ({"logit_bias": {"x": 1}}, TypeError, r"logit_bias keys must be token ids"),
         ({"logit_bias": {5: "up"}}, TypeError, r"logit_bias must be a dict of integers to numbers"),
         ({"seed": 2**70}, ValueError, r"seed must be an integer of at most 64 bits"),
-        ({"stop": ["\ud800"]}, ValueError, r"stop must be a list of strings of valid Unicode \(no lone surrogates\)"),
+        (
+            {"stop": ["\ud800"]},
+            ValueError,
+            r"stop must be a list of strings of valid Unicode \(no lone surrogates\)",
+        ),
         ({"pruning": {"preset": "light"}}, TypeError, r'pruning must be a preset name such as "balanced"'),
         ({"cache_salt": 7}, TypeError, r"cache_salt must be a string, got 7"),
     ],
@@ -213,14 +228,16 @@ def test_tls_needs_an_existing_root_certificate_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="root certificates file not found"):
         channel_credentials(ChannelSettings(root_certificates_path=str(tmp_path / "ca.pem")))
     with pytest.raises(FileNotFoundError, match="root certificates file not found"):
-        AsyncEpdClient("127.0.0.1:1", root_certificates_path=str(tmp_path / "ca.pem"))  # made, not first called
+        # made, not first called
+        AsyncEpdClient("127.0.0.1:1", root_certificates_path=str(tmp_path / "ca.pem"))
 
 
 def test_a_client_certificate_needs_its_key_and_existing_files(tmp_path):
     with pytest.raises(ValueError, match="client_certificate_path and client_key_path go together"):
         ChannelSettings(client_certificate_path=str(tmp_path / "client.pem"))
-    settings = ChannelSettings(client_certificate_path=str(tmp_path / "client.pem"),
-                               client_key_path=str(tmp_path / "client.key"))
+    settings = ChannelSettings(
+        client_certificate_path=str(tmp_path / "client.pem"), client_key_path=str(tmp_path / "client.key")
+    )
     assert settings.uses_tls  # a client certificate is TLS even without a CA given
     with pytest.raises(FileNotFoundError, match="client certificate file not found"):
         channel_credentials(settings)
@@ -276,7 +293,9 @@ def test_a_server_name_alone_makes_the_channel_tls_not_plaintext():
         settings = ChannelSettings(server_name_override="gateway.example", api_key="secret-key")
         channel = open_channel(f"127.0.0.1:{port}", settings, RetryPolicy(), channel_credentials(settings))
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
             return f"plaintext call answered {reply.status}"
         except grpc.aio.AioRpcError as exc:
             return exc.code().name

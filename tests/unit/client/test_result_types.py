@@ -54,8 +54,11 @@ def full_summary() -> gateway_pb2.AskSummary:
 def _unset_fields(msg: Message) -> list[str]:
     """Fields left at their defaults; a oneof's members count as set when one of them is."""
     set_names = {f.name for f, _ in msg.ListFields()}
-    return [f.name for f in msg.DESCRIPTOR.fields if f.name not in set_names
-            and not (f.containing_oneof and msg.WhichOneof(f.containing_oneof.name))]
+    return [
+        f.name
+        for f in msg.DESCRIPTOR.fields
+        if f.name not in set_names and not (f.containing_oneof and msg.WhichOneof(f.containing_oneof.name))
+    ]
 
 
 def _wire_names(descriptor) -> set[str]:
@@ -144,12 +147,16 @@ def test_an_older_servers_names_are_understood():
 
 
 def test_the_0_1_forms_still_work_and_warn():
-    result = result_from_proto(full_summary(), [stage_event_from_proto(common_pb2.StageEvent(stage="encode"))])
+    result = result_from_proto(
+        full_summary(), [stage_event_from_proto(common_pb2.StageEvent(stage="encode"))]
+    )
     with pytest.warns(DeprecationWarning, match="timings_ms.ttft_ms"):
         assert result.timings_ms["ttft"] == 6.0
     with pytest.warns(DeprecationWarning):
         assert result.timings_ms["decode"] == result.timings_ms.video_decode_ms == 1.5
-    assert {"decode", "video_decode", "encode", "prefill", "kv_transfer", "ttft", "total"} <= set(result.timings_ms)
+    assert {"decode", "video_decode", "encode", "prefill", "kv_transfer", "ttft", "total"} <= set(
+        result.timings_ms
+    )
     with pytest.warns(DeprecationWarning):
         assert result.timings_ms.get("nope", -1.0) == -1.0
     with pytest.warns(DeprecationWarning, match="event_protos"):

@@ -102,8 +102,9 @@ def _alone(adapter, store, question, max_new, grid=(1, 4, 4), seed=0) -> list[in
     return tokens
 
 
-async def _tokens(stage, handle, max_new, started: asyncio.Event | None = None,
-                  after: asyncio.Event | None = None) -> list[int]:
+async def _tokens(
+    stage, handle, max_new, started: asyncio.Event | None = None, after: asyncio.Event | None = None
+) -> list[int]:
     """One request's greedy tokens (ignore_eos) through `stage`, once `after` is set; `started` is
     set at its second token (it is in the running batch then)."""
     if after is not None:
@@ -333,7 +334,9 @@ def test_a_request_whose_own_sampling_fails_fails_alone(adapter, thread, monkeyp
         async def run_bad():
             await good_running.wait()
             with pytest.raises(SamplingFailed, match="scores for this request's next token are not finite"):
-                async for _ in stage.generate(bad, GenerationConfig(max_new_tokens=max_new, temperature=1.0, seed=1), "bad"):
+                async for _ in stage.generate(
+                    bad, GenerationConfig(max_new_tokens=max_new, temperature=1.0, seed=1), "bad"
+                ):
                     pass
 
         out, _ = await asyncio.gather(_tokens(stage, good, max_new, good_running), run_bad())
@@ -422,8 +425,10 @@ def test_requests_whose_cache_is_on_its_way_count_as_waiting(adapter, thread):
     stage = LocalDecodeStage(DecodeEngine(adapter), take_kv, thread, DecodeConfig())
 
     async def scenario():
-        readers = [asyncio.ensure_future(anext(stage.generate(h, GenerationConfig(max_new_tokens=3), "r")))
-                   for h in handles]
+        readers = [
+            asyncio.ensure_future(anext(stage.generate(h, GenerationConfig(max_new_tokens=3), "r")))
+            for h in handles
+        ]
         while stage.memory.num_holding < 3:
             await asyncio.sleep(0.001)
         during = stage.load()

@@ -33,7 +33,9 @@ def parse_epd(argv: list[str], env: dict[str, str] | None = None):
             with contextlib.redirect_stderr(err):
                 return build_parser().parse_args(argv)
         except SystemExit:
-            raise ValueError(f"`epd {' '.join(argv)}` is not a valid command: {err.getvalue().strip()}") from None
+            raise ValueError(
+                f"`epd {' '.join(argv)}` is not a valid command: {err.getvalue().strip()}"
+            ) from None
 
 
 SECRET_FROM = "internal secret read from "
@@ -65,8 +67,10 @@ def internal_secret_problems(cfgs: dict, mounted: dict[str, str]) -> list[str]:
         if not path:
             problems.append(f"{role}: no --internal-secret-file (the stages refuse calls without the secret)")
         elif path != mounted.get(role):
-            problems.append(f"{role}: --internal-secret-file {path} is not where the secret is mounted "
-                            f"({mounted.get(role) or 'nowhere'})")
+            problems.append(
+                f"{role}: --internal-secret-file {path} is not where the secret is mounted "
+                f"({mounted.get(role) or 'nowhere'})"
+            )
     return problems
 
 
@@ -75,7 +79,11 @@ def kv_source_problems(allow_kv_from, advertised: str) -> list[str]:
     puller = KvPuller(tuple(allow_kv_from), 1, 1.0)
     host = advertised.rpartition(":")[0]
     problems = []
-    for address, should_pass in ((advertised, True), (f"{host}:22", False), ("attacker.example:50052", False)):
+    for address, should_pass in (
+        (advertised, True),
+        (f"{host}:22", False),
+        ("attacker.example:50052", False),
+    ):
         try:
             puller.check_allowed(address)
             allowed = True
@@ -92,5 +100,7 @@ def api_key_problems(gateway_cfg, key: str) -> list[str]:
     not get here: `configs.gateway_config` refuses it)."""
     problems = []
     if gateway_cfg.http.api_keys != (key,) or gateway_cfg.http.no_api_key:
-        problems.append(f"gateway: does not take its API key from EPD_API_KEY (no_api_key={gateway_cfg.http.no_api_key})")
+        problems.append(
+            f"gateway: does not take its API key from EPD_API_KEY (no_api_key={gateway_cfg.http.no_api_key})"
+        )
     return problems

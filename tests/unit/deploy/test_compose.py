@@ -89,14 +89,18 @@ def check_stack(doc: dict) -> list[str]:
         port = cfg.server.port
         if cfg.server.host != "0.0.0.0":
             problems.append(f"{name}: binds {cfg.server.host}; containers must bind 0.0.0.0")
-        inside = {str(p) for p in svc.get("expose", [])} | {str(p).rsplit(":", 1)[-1] for p in svc.get("ports", [])}
+        inside = {str(p) for p in svc.get("expose", [])} | {
+            str(p).rsplit(":", 1)[-1] for p in svc.get("ports", [])
+        }
         if str(port) not in inside:
             problems.append(f"{name}: port {port} is neither exposed nor published")
         test = as_argv((svc.get("healthcheck") or {}).get("test") or ["NONE"])
         argv = shlex.split(test[1]) if test[0] == "CMD-SHELL" else test[1:] if test[0] == "CMD" else []
         try:
-            ok = argv[:1] == ["epd"] and vars(parse_epd(argv[1:])).get("address") in (f"localhost:{port}",
-                                                                                    f"127.0.0.1:{port}")
+            ok = argv[:1] == ["epd"] and vars(parse_epd(argv[1:])).get("address") in (
+                f"localhost:{port}",
+                f"127.0.0.1:{port}",
+            )
         except ValueError:
             ok = False
         if not ok:
@@ -109,15 +113,21 @@ def check_stack(doc: dict) -> list[str]:
         for address in getattr(cfgs["gateway"], f"{role}_addresses"):
             host, _, port = address.removeprefix("dns:///").rpartition(":")
             if host != role or int(port) != cfgs[role].server.port:
-                problems.append(f"gateway --{role} {address}: {role} listens at {role}:{cfgs[role].server.port}")
+                problems.append(
+                    f"gateway --{role} {address}: {role} listens at {role}:{cfgs[role].server.port}"
+                )
             elif not address.startswith("dns:///"):  # else gRPC balances the replicas: one to the router
-                problems.append(f"gateway --{role} {address}: write dns:///{address}, so that the gateway routes "
-                                "each replica behind the name")
+                problems.append(
+                    f"gateway --{role} {address}: write dns:///{address}, so that the gateway routes "
+                    "each replica behind the name"
+                )
         if ((gateway.get("depends_on") or {}).get(role) or {}).get("condition") != "service_healthy":
             problems.append(f"gateway must depend on {role} with condition service_healthy")
     advertised = cfgs["prefill"].advertise_address
     if advertised != f"prefill:{cfgs['prefill'].server.port}":
-        problems.append(f"prefill advertises {advertised!r}; decoders reach it at prefill:{cfgs['prefill'].server.port}")
+        problems.append(
+            f"prefill advertises {advertised!r}; decoders reach it at prefill:{cfgs['prefill'].server.port}"
+        )
     problems += kv_source_problems(cfgs["decode"].allow_kv_from, advertised)
     volumes = set()
     for role in STAGES:
@@ -128,10 +138,15 @@ def check_stack(doc: dict) -> list[str]:
             problems.append(f"{role}: no volume mounted at EPD_CACHE_DIR={cache_dir}")
         volumes.update(names)
     if len(volumes) > 1 or not volumes <= set(doc.get("volumes") or {}):
-        problems.append(f"stages must share one declared named volume for the model cache, mount {sorted(volumes)}")
+        problems.append(
+            f"stages must share one declared named volume for the model cache, mount {sorted(volumes)}"
+        )
     declared = doc.get("secrets") or {}
-    mounted = {role: f"/run/secrets/{SECRET}" for role in cfgs
-               if SECRET in services[role].get("secrets", []) and SECRET in declared}
+    mounted = {
+        role: f"/run/secrets/{SECRET}"
+        for role in cfgs
+        if SECRET in services[role].get("secrets", []) and SECRET in declared
+    }
     problems += internal_secret_problems(cfgs, mounted)
     return problems + api_key_problems(cfgs["gateway"], KEY) + check_supervision(doc)
 
@@ -147,7 +162,9 @@ def check_supervision(doc: dict) -> list[str]:
     problems = []
     for name, svc in doc["services"].items():
         if svc.get("restart") not in ("unless-stopped", "always"):
-            problems.append(f"{name}: restart is {svc.get('restart')!r}; a container that exits must be restarted")
+            problems.append(
+                f"{name}: restart is {svc.get('restart')!r}; a container that exits must be restarted"
+            )
         if replicas_of(svc) < 1:
             problems.append(f"{name}: {replicas_of(svc)} replicas; at least 1")
     prefill = doc["services"]["prefill"]
@@ -177,7 +194,11 @@ def check_image(doc: dict, dockerfile: str) -> list[str]:
     args the Dockerfile declares, and the image runs `epd` as a non-root user."""
     problems = []
     joined = re.sub(r"\\\n", " ", dockerfile)
-    ins = [ln.strip().split(None, 1) for ln in joined.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    ins = [
+        ln.strip().split(None, 1)
+        for ln in joined.splitlines()
+        if ln.strip() and not ln.strip().startswith("#")
+    ]
     ins = [(k.upper(), v) for k, v in ins]
     declared = {v.split("=")[0] for k, v in ins if k == "ARG"}
     context = (COMPOSE / doc["services"]["gateway"]["build"]["context"]).resolve()
@@ -185,10 +206,16 @@ def check_image(doc: dict, dockerfile: str) -> list[str]:
         build = svc["build"]
         if (COMPOSE / build["context"] / build["dockerfile"]).resolve() != COMPOSE / "Dockerfile":
             problems.append(f"{name}: does not build compose/Dockerfile")
-        problems += [f"{name}: build arg {a} is not an ARG of the Dockerfile" for a in build.get("args", {})
-                     if a not in declared]
-    ignored = [p.strip() for p in (COMPOSE / "Dockerfile.dockerignore").read_text().splitlines()
-               if p.strip() and not p.startswith("#")]
+        problems += [
+            f"{name}: build arg {a} is not an ARG of the Dockerfile"
+            for a in build.get("args", {})
+            if a not in declared
+        ]
+    ignored = [
+        p.strip()
+        for p in (COMPOSE / "Dockerfile.dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
     for k, v in ins:
         if k == "COPY" and not v.startswith("--from"):
             for src in shlex.split(v)[:-1]:
@@ -203,12 +230,19 @@ def check_image(doc: dict, dockerfile: str) -> list[str]:
     if not re.search(r"pip install (\S+ )*(-e )?\.(\s|$)", runs):
         problems.append("the repository itself is not pip-installed (no `epd` command)")
     if not re.search(r"apt-get install (\S+ )*libtcmalloc-minimal4(\s|;|$)", runs):
-        problems.append("no libtcmalloc-minimal4: the services' --allocator auto falls back to glibc's malloc")
+        problems.append(
+            "no libtcmalloc-minimal4: the services' --allocator auto falls back to glibc's malloc"
+        )
     return problems
 
 
-SECRET_FILES = ("compose/.env", "compose/secrets/internal-secret", "compose/certs/service.key",
-                "compose/certs/service.pem", "compose/certs/ca.pem")
+SECRET_FILES = (
+    "compose/.env",
+    "compose/secrets/internal-secret",
+    "compose/certs/service.key",
+    "compose/certs/service.pem",
+    "compose/certs/ca.pem",
+)
 """What compose/README.md has an operator create beside the compose files (build context paths)."""
 
 
@@ -237,7 +271,9 @@ def check_secrets_stay_out(dockerignore: str) -> list[str]:
     """`COPY . .` copies the whole context: the key, secret and TLS key compose/README.md has you
     create in compose/ must be ignored, or every image built after them carries them."""
     patterns = [p.strip() for p in dockerignore.splitlines() if p.strip() and not p.strip().startswith("#")]
-    return [f"{path} would be copied into the image" for path in SECRET_FILES if not dockerignored(path, patterns)]
+    return [
+        f"{path} would be copied into the image" for path in SECRET_FILES if not dockerignored(path, patterns)
+    ]
 
 
 def test_the_secrets_compose_has_you_create_never_reach_the_image():
@@ -245,9 +281,11 @@ def test_the_secrets_compose_has_you_create_never_reach_the_image():
     assert check_secrets_stay_out(dockerignore) == []
     assert dockerignored("compose/README.md", ["compose/secrets"]) is False
     assert check_secrets_stay_out(dockerignore.replace("compose/secrets", "compose/secret")) == [
-        "compose/secrets/internal-secret would be copied into the image"]
+        "compose/secrets/internal-secret would be copied into the image"
+    ]
     assert check_secrets_stay_out(dockerignore + "!compose/certs/ca.pem\n") == [
-        "compose/certs/ca.pem would be copied into the image"]
+        "compose/certs/ca.pem would be copied into the image"
+    ]
 
 
 def test_the_stack_the_gpu_overlay_and_the_image_have_no_problems():
@@ -268,14 +306,23 @@ def check_tls(doc: dict) -> list[str]:
     problems, declared = [], doc.get("secrets") or {}
     for name, svc in doc["services"].items():
         _, cfg = serve_config(as_argv(svc["command"]), env_of(svc))
-        tls, mounted = cfg.server.security, {f"/run/secrets/{s}" for s in svc.get("secrets", []) if s in declared}
+        tls, mounted = (
+            cfg.server.security,
+            {f"/run/secrets/{s}" for s in svc.get("secrets", []) if s in declared},
+        )
         paths = {"--tls-cert": tls.tls_cert, "--tls-key": tls.tls_key, "--tls-ca": tls.tls_ca}
         if name != "gateway":
             paths["--tls-client-ca"] = tls.tls_client_ca
-        problems += [f"{name}: {flag} {path or '(none)'} is not a mounted secret"
-                     for flag, path in paths.items() if path not in mounted]
+        problems += [
+            f"{name}: {flag} {path or '(none)'} is not a mounted secret"
+            for flag, path in paths.items()
+            if path not in mounted
+        ]
         probe = vars(parse_epd(as_argv(svc["healthcheck"]["test"])[2:]))
-        if not probe.get("tls_ca") or (probe.get("tls_cert"), probe.get("tls_key")) != (tls.tls_cert, tls.tls_key):
+        if not probe.get("tls_ca") or (probe.get("tls_cert"), probe.get("tls_key")) != (
+            tls.tls_cert,
+            tls.tls_key,
+        ):
             problems.append(f"{name}: its healthcheck does not speak mTLS")
     return problems
 
@@ -284,17 +331,29 @@ def test_the_tls_overlay_secures_every_service():
     env = {"EPD_API_KEY": KEY}
     doc = interpolate(raw("docker-compose.yml", "docker-compose.tls.yml"), env)
     assert check_stack(doc) == [] and check_tls(doc) == []
-    assert check_stack(interpolate(raw("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.tls.yml"),
-                                   env)) == []
+    assert (
+        check_stack(
+            interpolate(raw("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.tls.yml"), env)
+        )
+        == []
+    )
     assert len(check_tls(interpolate(raw(), env))) >= 4  # the base file: plaintext
     doc["services"]["prefill"]["healthcheck"]["test"] = ["CMD", "epd", "health", "localhost:50052"]
     assert check_tls(doc) == ["prefill: its healthcheck does not speak mTLS"]
     # The gateway's port takes clients without certificates, but its healthcheck must present one:
     # with --tls-client-ca added (the file's advice), one without would fail its handshake.
-    doc["services"]["gateway"]["healthcheck"]["test"] = ["CMD", "epd", "health", "localhost:50050",
-                                                         "--tls-ca", "/run/secrets/tls-ca"]
-    assert check_tls(doc) == ["prefill: its healthcheck does not speak mTLS",
-                              "gateway: its healthcheck does not speak mTLS"]
+    doc["services"]["gateway"]["healthcheck"]["test"] = [
+        "CMD",
+        "epd",
+        "health",
+        "localhost:50050",
+        "--tls-ca",
+        "/run/secrets/tls-ca",
+    ]
+    assert check_tls(doc) == [
+        "prefill: its healthcheck does not speak mTLS",
+        "gateway: its healthcheck does not speak mTLS",
+    ]
 
 
 def test_the_advice_to_require_client_certificates_keeps_the_healthcheck_trusted():
@@ -310,13 +369,24 @@ def test_compose_refuses_to_start_without_an_api_key(env):
 
 
 def test_shell_settings_reach_epd_in_every_service():
-    env = {"EPD_API_KEY": KEY, "EPD_MODEL": "/models/m", "EPD_DEVICE": "cuda:1", "EPD_DTYPE": "bfloat16",
-           "EPD_NUM_THREADS": "3", "EPD_GATEWAY_PORT": "6000", "EPD_HTTP_PORT": "6001"}
+    env = {
+        "EPD_API_KEY": KEY,
+        "EPD_MODEL": "/models/m",
+        "EPD_DEVICE": "cuda:1",
+        "EPD_DTYPE": "bfloat16",
+        "EPD_NUM_THREADS": "3",
+        "EPD_GATEWAY_PORT": "6000",
+        "EPD_HTTP_PORT": "6001",
+    }
     services = interpolate(raw(), env)["services"]
     for role in STAGES:
         _, cfg = serve_config(as_argv(services[role]["command"]), env_of(services[role]))
         assert (cfg.model.model, cfg.model.device, cfg.model.dtype, cfg.model.num_threads) == (
-            "/models/m", "cuda:1", "bfloat16", 3), role
+            "/models/m",
+            "cuda:1",
+            "bfloat16",
+            3,
+        ), role
     _, gw = serve_config(as_argv(services["gateway"]["command"]), env_of(services["gateway"]))
     published = dict(str(p).split(":") for p in services["gateway"]["ports"])
     # The model services share the host's cores: passive OpenMP waits, as `epd serve`'s stack.
@@ -331,7 +401,11 @@ def test_replica_counts_come_from_the_shell_as_epd_serves_flags():
     is reached through its service's name (check_stack: the gateway's addresses are the names)."""
     default = interpolate(raw(), {"EPD_API_KEY": KEY})["services"]
     assert {name: replicas_of(svc) for name, svc in default.items()} == {
-        "encoder": 1, "prefill": 1, "decode": 1, "gateway": 1}
+        "encoder": 1,
+        "prefill": 1,
+        "decode": 1,
+        "gateway": 1,
+    }
     env = {"EPD_API_KEY": KEY, "EPD_ENCODERS": "3", "EPD_DECODES": "2"}
     for files in (("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")):
         doc = interpolate(raw(*files), env)
@@ -341,10 +415,12 @@ def test_replica_counts_come_from_the_shell_as_epd_serves_flags():
 
 def _cmd(service: str, old: str, new: str | None):
     """Replace (None: remove) one argument of a service's command."""
+
     def mutate(doc):
         cmd = doc["services"][service]["command"]
         i = cmd.index(old)
-        cmd[i:i + 1] = [] if new is None else [new]
+        cmd[i : i + 1] = [] if new is None else [new]
+
     return mutate
 
 
@@ -354,42 +430,85 @@ def _set(service: str, *path: str, value=None):
         for k in path[:-1]:
             node = node[k]
         node.pop(path[-1]) if value is None else node.__setitem__(path[-1], value)
+
     return mutate
 
 
 MUTATIONS = [
     ("unknown flag", _cmd("encoder", "--host", "--hots"), "not a valid command"),
-    ("wrong role", _set("encoder", "command", value=["serve", "decode", "--host", "0.0.0.0", "--port", "50051"]),
-     "service name must be its role"),
+    (
+        "wrong role",
+        _set("encoder", "command", value=["serve", "decode", "--host", "0.0.0.0", "--port", "50051"]),
+        "service name must be its role",
+    ),
     ("stage missing", lambda d: d["services"].pop("decode"), "no service runs `epd serve decode`"),
     ("loopback bind", _cmd("prefill", "0.0.0.0", "127.0.0.1"), "must bind 0.0.0.0"),
     ("port not exposed", _cmd("encoder", "50051", "50061"), "port 50061 is neither exposed"),
-    ("gateway -> wrong host", _cmd("gateway", "dns:///encoder:50051", "dns:///prefill:50051"), "encoder listens at"),
-    ("gateway -> wrong port", _cmd("gateway", "dns:///decode:50053", "dns:///decode:50052"), "decode listens at"),
-    ("gateway -> one replica per name", _cmd("gateway", "dns:///encoder:50051", "encoder:50051"),
-     "write dns:///encoder:50051"),
+    (
+        "gateway -> wrong host",
+        _cmd("gateway", "dns:///encoder:50051", "dns:///prefill:50051"),
+        "encoder listens at",
+    ),
+    (
+        "gateway -> wrong port",
+        _cmd("gateway", "dns:///decode:50053", "dns:///decode:50052"),
+        "decode listens at",
+    ),
+    (
+        "gateway -> one replica per name",
+        _cmd("gateway", "dns:///encoder:50051", "encoder:50051"),
+        "write dns:///encoder:50051",
+    ),
     ("advertise loopback", _cmd("prefill", "prefill:50052", "127.0.0.1:50052"), "prefill advertises"),
     ("allow-list refuses prefill", _cmd("decode", "prefill:50052", "prefill-old:*"), "refuses prefill:50052"),
     ("allow-list admits any port", _cmd("decode", "prefill:50052", "prefill:*"), "admits prefill:22"),
     ("no healthcheck", _set("decode", "healthcheck"), "decode: healthcheck must run"),
-    ("healthcheck wrong port", lambda d: d["services"]["encoder"]["healthcheck"]["test"].__setitem__(
-        3, "localhost:50052"), "epd health localhost:50051"),
-    ("started, not healthy", _set("gateway", "depends_on", "prefill", "condition", value="service_started"),
-     "depend on prefill with condition service_healthy"),
+    (
+        "healthcheck wrong port",
+        lambda d: d["services"]["encoder"]["healthcheck"]["test"].__setitem__(3, "localhost:50052"),
+        "epd health localhost:50051",
+    ),
+    (
+        "started, not healthy",
+        _set("gateway", "depends_on", "prefill", "condition", value="service_started"),
+        "depend on prefill with condition service_healthy",
+    ),
     ("cache not mounted", _set("prefill", "volumes", value=[]), "prefill: no volume mounted"),
-    ("two caches", _set("decode", "volumes", value=["other-cache:/cache"]), "share one declared named volume"),
-    ("key inlined", _set("gateway", "environment", "EPD_API_KEY", value="hunter2"), "does not take its API key"),
-    ("key opt-out", lambda d: d["services"]["gateway"]["command"].append("--no-api-key"), "and --no-api-key are set"),
+    (
+        "two caches",
+        _set("decode", "volumes", value=["other-cache:/cache"]),
+        "share one declared named volume",
+    ),
+    (
+        "key inlined",
+        _set("gateway", "environment", "EPD_API_KEY", value="hunter2"),
+        "does not take its API key",
+    ),
+    (
+        "key opt-out",
+        lambda d: d["services"]["gateway"]["command"].append("--no-api-key"),
+        "and --no-api-key are set",
+    ),
     ("no key at all", _set("gateway", "environment", "EPD_API_KEY"), "refusing to serve"),
-    ("secret flag dropped", lambda d: d["services"]["prefill"].__setitem__("command", d["services"]["prefill"][
-        "command"][:-2]), "prefill: no --internal-secret-file"),
-    ("secret not mounted", _set("decode", "secrets"), "decode: --internal-secret-file /run/secrets/internal-secret is not"),
+    (
+        "secret flag dropped",
+        lambda d: d["services"]["prefill"].__setitem__("command", d["services"]["prefill"]["command"][:-2]),
+        "prefill: no --internal-secret-file",
+    ),
+    (
+        "secret not mounted",
+        _set("decode", "secrets"),
+        "decode: --internal-secret-file /run/secrets/internal-secret is not",
+    ),
     ("secret undeclared", lambda d: d.pop("secrets"), "gateway: --internal-secret-file"),
     ("not restarted", _set("decode", "restart", value="no"), "decode: restart is 'no'"),
     ("restart dropped", _set("gateway", "restart"), "gateway: restart is None"),
     ("no replicas", _set("encoder", "deploy", "replicas", value="0"), "encoder: 0 replicas"),
-    ("prefill replicas", _set("prefill", "deploy", "replicas", value="2"),
-     "prefill: 2 replicas would all advertise prefill:50052"),
+    (
+        "prefill replicas",
+        _set("prefill", "deploy", "replicas", value="2"),
+        "prefill: 2 replicas would all advertise prefill:50052",
+    ),
 ]
 
 
@@ -417,12 +536,20 @@ def test_check_gpu_catches_a_missing_reservation_a_cpu_device_and_a_gpu_gateway(
 @pytest.mark.parametrize(
     "old, new, problem",
     [
-        ("COPY requirements/ci.txt requirements/ci.txt", "COPY requirements/gone.txt x", "COPY requirements/gone"),
+        (
+            "COPY requirements/ci.txt requirements/ci.txt",
+            "COPY requirements/gone.txt x",
+            "COPY requirements/gone",
+        ),
         ("COPY requirements/ci.txt requirements/ci.txt", "COPY .venv .venv", "COPY .venv: not in the build"),
         ('ENTRYPOINT ["epd"]', 'ENTRYPOINT ["python"]', "ENTRYPOINT must be"),
         ("USER epd", "USER root", "non-root USER"),
         ("ARG TORCH_INDEX_URL", "ARG TORCH_URL", "build arg TORCH_INDEX_URL is not an ARG"),
-        (re.compile(r"pip install --no-deps (-e )?\."), "pip install --no-deps epd-wheel", "not pip-installed"),
+        (
+            re.compile(r"pip install --no-deps (-e )?\."),
+            "pip install --no-deps epd-wheel",
+            "not pip-installed",
+        ),
         ("libtcmalloc-minimal4", "libjemalloc2", "no libtcmalloc-minimal4"),
     ],
     ids=["missing file", "ignored path", "entrypoint", "root", "build arg", "not installed", "no tcmalloc"],
@@ -448,5 +575,7 @@ def test_every_setting_of_the_compose_files_is_in_the_readme_with_its_default():
             if name not in readme:
                 problems.add(f"{path.name}: {name} is not in compose/README.md")
             elif kind == "-" and default and name in rows and f"`{default}`" not in rows[name]:
-                problems.add(f"{path.name}: {name} defaults to {default}, the README's table says {rows[name]}")
+                problems.add(
+                    f"{path.name}: {name} defaults to {default}, the README's table says {rows[name]}"
+                )
     assert not problems, "\n".join(sorted(problems))

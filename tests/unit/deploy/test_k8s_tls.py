@@ -37,7 +37,9 @@ def _merge(base: dict, patch: dict) -> dict:
         c = next(c for c in spec["containers"] if c["name"] == pc["name"])
         for field, value in pc.items():
             if field == "volumeMounts":
-                c[field] = [m for m in c.get(field, []) if m["name"] not in {v["name"] for v in value}] + value
+                c[field] = [
+                    m for m in c.get(field, []) if m["name"] not in {v["name"] for v in value}
+                ] + value
             elif isinstance(value, dict) and isinstance(c.get(field), dict):
                 c[field] = {**c[field], **value}
                 c[field] = {k: v for k, v in c[field].items() if v is not None}
@@ -45,7 +47,9 @@ def _merge(base: dict, patch: dict) -> dict:
                 c[field] = value
     if "volumes" in patch_spec:
         names = {v["name"] for v in patch_spec["volumes"]}
-        spec["volumes"] = [v for v in spec.get("volumes", []) if v["name"] not in names] + patch_spec["volumes"]
+        spec["volumes"] = [v for v in spec.get("volumes", []) if v["name"] not in names] + patch_spec[
+            "volumes"
+        ]
     return out
 
 
@@ -62,7 +66,10 @@ def _json_patch(obj: dict, ops: list[dict]) -> None:
 def _selected(target: dict, obj: dict) -> bool:
     """kustomize's patch target: kind, and name as an anchored regular expression."""
     assert set(target) <= {"kind", "name"}, f"not emulated here: {target}"
-    return obj["kind"] == target.get("kind", obj["kind"]) and re.fullmatch(target.get("name", ".*"), obj["metadata"]["name"]) is not None
+    return (
+        obj["kind"] == target.get("kind", obj["kind"])
+        and re.fullmatch(target.get("name", ".*"), obj["metadata"]["name"]) is not None
+    )
 
 
 def tls_objects() -> list[dict]:
@@ -77,8 +84,11 @@ def tls_objects() -> list[dict]:
                 _json_patch(obj, yaml.safe_load(entry["patch"]))
             continue
         patch = yaml.safe_load((TLS / entry["path"]).read_text())
-        i = next(i for i, o in enumerate(objs)
-                 if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"])
+        i = next(
+            i
+            for i, o in enumerate(objs)
+            if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]
+        )
         objs[i] = _merge(objs[i], patch)
     return objs
 
@@ -90,6 +100,7 @@ def check_tls(objs: list[dict]) -> list[str]:
         env = container_env(c, objs)
         role, cfg = serve_config([expand(str(a), env) for a in c.get("args", [])], env)
         sec = cfg.server.security
+
         def from_secret(path: str, key: str, dep: dict = dep, c: dict = c) -> bool:
             """`path` is file `key` of Secret epd-tls, mounted in the container."""
             mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
@@ -98,27 +109,38 @@ def check_tls(objs: list[dict]) -> list[str]:
             volume = volumes.get(mounts.get(directory, ""), {})
             return volume.get("secret", {}).get("secretName") == SECRET and file == key
 
-        if not (from_secret(sec.tls_cert, "tls.crt") and from_secret(sec.tls_key, "tls.key")
-                and from_secret(sec.tls_ca, "ca.crt")):
-            problems.append(f"{name}: --tls-cert/--tls-key/--tls-ca are not tls.crt/tls.key/ca.crt of Secret {SECRET}")
+        if not (
+            from_secret(sec.tls_cert, "tls.crt")
+            and from_secret(sec.tls_key, "tls.key")
+            and from_secret(sec.tls_ca, "ca.crt")
+        ):
+            problems.append(
+                f"{name}: --tls-cert/--tls-key/--tls-ca are not tls.crt/tls.key/ca.crt of Secret {SECRET}"
+            )
         if role != "gateway" and not from_secret(sec.tls_client_ca, "ca.crt"):
             problems.append(f"{name}: a stage must require client certificates of ca.crt (--tls-client-ca)")
         # decode pulls KV caches at the address each prefill pod advertises: its IP, which no
         # certificate names; decode calls nothing but prefill, so the name is prefill's.
         if role == "decode" and sec.tls_server_name != "prefill-headless":
-            problems.append(f"{role}: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
-                            f"is {sec.tls_server_name!r}")
+            problems.append(
+                f"{role}: prefill pods are dialled by IP; --tls-server-name must be prefill-headless, "
+                f"is {sec.tls_server_name!r}"
+            )
         # The gateway checks each pod against the Service name it resolved (and releases a KV cache
         # at a prefill pod's IP against prefill-headless): a --tls-server-name would replace all of
         # those with one name, which only a certificate shared by every stage carries.
         if role == "gateway":
             if sec.tls_server_name:
-                problems.append(f"gateway: --tls-server-name {sec.tls_server_name} replaces the check of each "
-                                "stage's pods against its own Service name; leave it out")
+                problems.append(
+                    f"gateway: --tls-server-name {sec.tls_server_name} replaces the check of each "
+                    "stage's pods against its own Service name; leave it out"
+                )
             for address in (*cfg.encoder_addresses, *cfg.prefill_addresses, *cfg.decode_addresses):
                 if not address.startswith("dns:///"):
-                    problems.append(f"gateway: {address} is not a dns:/// name: its pods' certificates would "
-                                    "be checked against the address dialled")
+                    problems.append(
+                        f"gateway: {address} is not a dns:/// name: its pods' certificates would "
+                        "be checked against the address dialled"
+                    )
         port = cfg.server.port
         for kind in PROBES:
             probe = c.get(kind)
@@ -126,8 +148,10 @@ def check_tls(objs: list[dict]) -> list[str]:
                 continue
             command = probe.get("exec", {}).get("command", [])
             if "grpc" in probe or command[:1] != ["epd"]:
-                problems.append(f"{name}: {kind} must be an exec probe running epd health (kubelet's grpc probe "
-                                f"speaks no TLS), is {probe}")
+                problems.append(
+                    f"{name}: {kind} must be an exec probe running epd health (kubelet's grpc probe "
+                    f"speaks no TLS), is {probe}"
+                )
                 continue
             args = build_parser().parse_args(command[1:])
             if args.command != "health" or args.address != f"localhost:{port}":
@@ -138,8 +162,10 @@ def check_tls(objs: list[dict]) -> list[str]:
             elif args.tls_ca != sec.tls_ca or (args.tls_cert, args.tls_key) != (sec.tls_cert, sec.tls_key):
                 problems.append(f"{name}: {kind} does not present the TLS its port requires: {command}")
             elif role == "gateway" and kind == "livenessProbe" and args.service != LIVENESS_SERVICE:
-                problems.append(f"gateway: livenessProbe must ask --service {LIVENESS_SERVICE} (its own status is "
-                                f"NOT_SERVING while a stage is down): {command}")
+                problems.append(
+                    f"gateway: livenessProbe must ask --service {LIVENESS_SERVICE} (its own status is "
+                    f"NOT_SERVING while a stage is down): {command}"
+                )
     return problems
 
 
@@ -158,7 +184,7 @@ def test_the_overlay_keeps_every_flag_of_the_base_and_adds_only_tls():
     for dep in of_kind(tls_objects(), "Deployment"):
         name, args = dep["metadata"]["name"], container(dep)["args"]
         assert args[: len(base[name])] == base[name], name
-        added = args[len(base[name]):]
+        added = args[len(base[name]) :]
         assert added and all(flag.startswith("--tls-") for flag in added[::2]), (name, added)
 
 
@@ -174,9 +200,12 @@ def test_kustomize_renders_the_overlay_as_the_emulation_does():
         for dep in of_kind(objs, "Deployment"):
             spec = pod(dep)["spec"]
             c = container(dep)
-            out[dep["metadata"]["name"]] = (c["args"], {k: c.get(k) for k in PROBES},
-                                            sorted(json.dumps(m, sort_keys=True) for m in c.get("volumeMounts", [])),
-                                            sorted(json.dumps(v, sort_keys=True) for v in spec.get("volumes", [])))
+            out[dep["metadata"]["name"]] = (
+                c["args"],
+                {k: c.get(k) for k in PROBES},
+                sorted(json.dumps(m, sort_keys=True) for m in c.get("volumeMounts", [])),
+                sorted(json.dumps(v, sort_keys=True) for v in spec.get("volumes", [])),
+            )
         return out
 
     assert by_name(yaml.safe_load_all(rendered.stdout)) == by_name(tls_objects())
@@ -185,24 +214,51 @@ def test_kustomize_renders_the_overlay_as_the_emulation_does():
 def _patch(name: str, fn):
     def mutate(objs):
         fn(container(next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == name)))
+
     return mutate
 
 
-@pytest.mark.parametrize("mutate,problem", [
-    (_patch("encoder", lambda c: c["args"].__setitem__(slice(-2, None), [])), "require client certificates"),
-    (_patch("decode", lambda c: c["args"].__setitem__(slice(-2, None), [])), "--tls-server-name must be"),
-    (_patch("gateway", lambda c: c["args"].extend(["--tls-server-name", "prefill-headless"])),
-     "replaces the check of each stage's pods"),
-    (_patch("prefill", lambda c: c.__setitem__("readinessProbe", {"grpc": {"port": 50052}})), "exec probe"),
-    (_patch("gateway", lambda c: c["livenessProbe"]["exec"]["command"].__setitem__(2, "localhost:50051")),
-     "does not check localhost:50050"),
-    (_patch("encoder", lambda c: c["startupProbe"]["exec"]["command"].__setitem__(slice(5, None), [])),
-     "does not present the TLS"),
-    (_patch("gateway", lambda c: c["livenessProbe"]["exec"]["command"].__setitem__(slice(5, None), [])),
-     "does not present the TLS"),
-    (_patch("gateway", lambda c: c.__setitem__("volumeMounts", [m for m in c["volumeMounts"] if m["name"] != "tls"])),
-     "are not tls.crt"),
-])
+@pytest.mark.parametrize(
+    "mutate,problem",
+    [
+        (
+            _patch("encoder", lambda c: c["args"].__setitem__(slice(-2, None), [])),
+            "require client certificates",
+        ),
+        (_patch("decode", lambda c: c["args"].__setitem__(slice(-2, None), [])), "--tls-server-name must be"),
+        (
+            _patch("gateway", lambda c: c["args"].extend(["--tls-server-name", "prefill-headless"])),
+            "replaces the check of each stage's pods",
+        ),
+        (
+            _patch("prefill", lambda c: c.__setitem__("readinessProbe", {"grpc": {"port": 50052}})),
+            "exec probe",
+        ),
+        (
+            _patch(
+                "gateway", lambda c: c["livenessProbe"]["exec"]["command"].__setitem__(2, "localhost:50051")
+            ),
+            "does not check localhost:50050",
+        ),
+        (
+            _patch("encoder", lambda c: c["startupProbe"]["exec"]["command"].__setitem__(slice(5, None), [])),
+            "does not present the TLS",
+        ),
+        (
+            _patch(
+                "gateway", lambda c: c["livenessProbe"]["exec"]["command"].__setitem__(slice(5, None), [])
+            ),
+            "does not present the TLS",
+        ),
+        (
+            _patch(
+                "gateway",
+                lambda c: c.__setitem__("volumeMounts", [m for m in c["volumeMounts"] if m["name"] != "tls"]),
+            ),
+            "are not tls.crt",
+        ),
+    ],
+)
 def test_check_tls_catches_a_broken_overlay(mutate, problem):
     objs = tls_objects()
     mutate(objs)

@@ -12,8 +12,11 @@ from epd.transport.errors import status_of
 
 
 def _admission(per_key: int) -> Admission:
-    return Admission(AdmissionLimits(max_requests_per_client=8, max_inflight_body_bytes=100,
-                                     max_requests_per_api_key=per_key))
+    return Admission(
+        AdmissionLimits(
+            max_requests_per_client=8, max_inflight_body_bytes=100, max_requests_per_api_key=per_key
+        )
+    )
 
 
 def test_one_key_over_many_addresses_gets_at_most_its_slots():

@@ -110,7 +110,13 @@ def test_an_api_key_on_the_command_line_is_hidden_from_ps():
     from epd.cli.main import hide_secrets
 
     assert hide_secrets(["serve", "--api-key", "k1", "--api-key=k2", "--port", "1"]) == [
-        "serve", "--api-key", "***", "--api-key=***", "--port", "1"]
+        "serve",
+        "--api-key",
+        "***",
+        "--api-key=***",
+        "--port",
+        "1",
+    ]
     assert hide_secrets(["serve", "--api-key-file", "/keys"]) is None
     port, key = _free_port(), "key-nobody-else-may-read"
     proc = _epd("--host", "127.0.0.1", "--port", str(port), "--api-key", key)

@@ -18,11 +18,15 @@ from epd.video.types import SamplingOptions
 MODEL = "epd"
 ANSWERED = [{"role": "user", "content": "name a colour"}, {"role": "assistant", "content": "The colour is"}]
 BOTH = "add_generation_prompt and continue_final_message cannot both be true"
-NOT_ASSISTANTS = "continue_final_message continues the last message, the assistant's, but the last message is the user's"
+NOT_ASSISTANTS = (
+    "continue_final_message continues the last message, the assistant's, but the last message is the user's"
+)
 
 
 def parse(body):
-    return parse_chat_request({"model": MODEL, **body}, MODEL, SamplingOptions(), GenerationConfig(max_new_tokens=8))
+    return parse_chat_request(
+        {"model": MODEL, **body}, MODEL, SamplingOptions(), GenerationConfig(max_new_tokens=8)
+    )
 
 
 def test_the_http_door_reads_both_fields_and_takes_an_assistant_message_last():
@@ -36,16 +40,26 @@ def test_the_http_door_reads_both_fields_and_takes_an_assistant_message_last():
     assert closed.template.add_generation_prompt is False
     # The answer's role, as vLLM's: the last message's without a generation prompt.
     assert (continued.response_role, closed.response_role, parse({"messages": ANSWERED}).response_role) == (
-        "assistant", "user", "assistant")
+        "assistant",
+        "user",
+        "assistant",
+    )
 
 
 @pytest.mark.parametrize(
     "body,match",
     [
-        ({"messages": ANSWERED, "continue_final_message": True}, BOTH),  # add_generation_prompt's default is true
+        # add_generation_prompt's default is true
+        ({"messages": ANSWERED, "continue_final_message": True}, BOTH),
         ({"messages": ANSWERED, "continue_final_message": True, "add_generation_prompt": True}, BOTH),
-        ({"messages": ANSWERED[:1], "continue_final_message": True, "add_generation_prompt": False}, NOT_ASSISTANTS),
-        ({"messages": ANSWERED, "continue_final_message": "yes"}, "'continue_final_message' must be true or false"),
+        (
+            {"messages": ANSWERED[:1], "continue_final_message": True, "add_generation_prompt": False},
+            NOT_ASSISTANTS,
+        ),
+        (
+            {"messages": ANSWERED, "continue_final_message": "yes"},
+            "'continue_final_message' must be true or false",
+        ),
         ({"messages": ANSWERED, "add_generation_prompt": 0}, "'add_generation_prompt' must be true or false"),
     ],
 )
@@ -68,7 +82,9 @@ def test_the_message_model_checks_the_options_and_still_refuses_a_system_message
 
 def test_the_sdk_sends_them_in_the_ask_header_and_the_wire_keeps_the_default():
     messages = [Message.user("q"), Message.assistant("a")]
-    header = build_header(None, 0, "", {"add_generation_prompt": False, "continue_final_message": True}, messages)
+    header = build_header(
+        None, 0, "", {"add_generation_prompt": False, "continue_final_message": True}, messages
+    )
     assert convert.template_from_proto(header.template) == ChatTemplateOptions(False, True)
     # Unset on the wire when not asked: add_generation_prompt's default (true) is kept.
     plain = build_header(None, 0, "", {}, messages)

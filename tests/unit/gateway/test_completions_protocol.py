@@ -66,12 +66,20 @@ def test_what_is_refused_says_what_to_send(body, match):
 
 def test_another_model_is_not_found():
     with pytest.raises(NotFound, match="GET /v1/models lists 'm'"):
-        parse_completion_request({"model": "other", "prompt": "a"}, "m", SamplingOptions(), GenerationConfig())
+        parse_completion_request(
+            {"model": "other", "prompt": "a"}, "m", SamplingOptions(), GenerationConfig()
+        )
 
 
 def test_streaming_echo_and_usage_options():
-    request = parse(prompt="a", stream=True, echo=True, add_special_tokens=True, suffix=None,
-                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    request = parse(
+        prompt="a",
+        stream=True,
+        echo=True,
+        add_special_tokens=True,
+        suffix=None,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     assert request.stream and request.echo and request.include_usage and request.continuous_usage
 
 
@@ -79,8 +87,16 @@ def test_the_answer_is_a_text_completion_with_its_stop_reason():
     summary = AskSummary("r1", " there", [5, 6], "stop", 0, 0, 3, {}, 0, False, "", [], stop_reason="\n")
     body = text_completion_body(summary, parse(prompt="hi", echo=True), created=1)
     assert body["id"] == "cmpl-r1" and body["object"] == "text_completion" and body["model"] == "m"
-    assert body["choices"] == [{"index": 0, "text": "hi there", "logprobs": None, "finish_reason": "stop",
-                                "stop_reason": "\n", "token_ids": [5, 6]}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": "hi there",
+            "logprobs": None,
+            "finish_reason": "stop",
+            "stop_reason": "\n",
+            "token_ids": [5, 6],
+        }
+    ]
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 2
     assert body["epd"]["stop_reason"] == "\n"
     chunk = text_completion_chunk("r1", "m", 1, "", "stop", stop_reason=7)
@@ -98,10 +114,15 @@ def test_grpc_and_the_sdk_send_a_raw_prompt_alone():
     assert raw_prompt_of(build_header(None, 0, "", {"prompt": "once"})) == RawPrompt("once")
     assert raw_prompt_of(build_header(None, 0, "", {"prompt": [1, 2]})) == RawPrompt(token_ids=(1, 2))
     assert raw_prompt_of(gateway_pb2.AskHeader(question="why?")) is None
-    for header in (gateway_pb2.AskHeader(prompt=messages_pb2.RawPrompt(text="a"), question="why?"),
-                   gateway_pb2.AskHeader(prompt=messages_pb2.RawPrompt(text="a"),
-                                         messages=convert.messages_to_proto([Message.user("hi")]))):
-        with pytest.raises(InvalidRequest, match="send a raw prompt, messages or a question, only one of them"):
+    for header in (
+        gateway_pb2.AskHeader(prompt=messages_pb2.RawPrompt(text="a"), question="why?"),
+        gateway_pb2.AskHeader(
+            prompt=messages_pb2.RawPrompt(text="a"), messages=convert.messages_to_proto([Message.user("hi")])
+        ),
+    ):
+        with pytest.raises(
+            InvalidRequest, match="send a raw prompt, messages or a question, only one of them"
+        ):
             raw_prompt_of(header)
     with pytest.raises(TypeError, match="pass a prompt, a question or messages"):
         build_header("q", 0, "", {"prompt": "once"})

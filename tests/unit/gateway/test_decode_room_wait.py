@@ -46,7 +46,18 @@ class Released(Prefill):
         super().__init__(0, "prefill-0:50052")
         self.num_released = 0
 
-    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):
+    async def prefill(
+        self,
+        messages,
+        media,
+        generation,
+        request_id,
+        pruning=None,
+        cache_salt="",
+        *,
+        raw_prompt=None,
+        template=None,
+    ):
         handle = await super().prefill(messages, media, generation, request_id, pruning, cache_salt)
         return replace(handle, first_text="a")
 
@@ -90,8 +101,9 @@ def test_a_decoder_full_past_the_wait_is_its_busy_error_and_the_cache_is_release
     assert prefill.num_released == 1
 
 
-@pytest.mark.parametrize("error", [ResourceExhausted("needs more KV memory than the decoder has"),
-                                   RuntimeError("boom")])
+@pytest.mark.parametrize(
+    "error", [ResourceExhausted("needs more KV memory than the decoder has"), RuntimeError("boom")]
+)
 def test_a_decoders_other_errors_are_not_waited_on(error):
     decoder = Decoder(num_full=1, error=error)
     events, _ = _ask(decoder, wait_s=30.0)

@@ -38,10 +38,21 @@ def test_entries_parse_and_a_malformed_one_says_what_to_write():
     assert parse_dns_entry(ENCODER) == NAME
     assert parse_dns_entry("dns:///Encoder-Headless:50051") == NAME
     assert parse_dns_entry("dns:///[::1]:7") == DnsName("::1", 7)
-    for dialled_as_written in ("10.0.0.5:50051", "encoder:50051", "dns://8.8.8.8/encoder:50051", "ipv4:1.2.3.4:5"):
+    for dialled_as_written in (
+        "10.0.0.5:50051",
+        "encoder:50051",
+        "dns://8.8.8.8/encoder:50051",
+        "ipv4:1.2.3.4:5",
+    ):
         assert parse_dns_entry(dialled_as_written) is None
-    for bad in ("dns:///encoder-headless", "dns:///encoder-headless:0", "dns:///:50051", "dns:///a b:1",
-                "dns:///::1:7", "dns:///e:70000"):
+    for bad in (
+        "dns:///encoder-headless",
+        "dns:///encoder-headless:0",
+        "dns:///:50051",
+        "dns:///a b:1",
+        "dns:///::1:7",
+        "dns:///e:70000",
+    ):
         with pytest.raises(ValueError, match="is not dns:///NAME:PORT"):
             parse_dns_entry(bad)
     assert replica_address("fd00::5", 50051) == "[fd00::5]:50051"
@@ -76,9 +87,14 @@ def test_a_failed_or_empty_lookup_keeps_the_last_addresses_and_is_logged_once_pe
     failure = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
     first = sets.record(NAME, failure)  # at start-up: no pod ready yet
     assert first is not None and "does not resolve (Name or service not known) yet" in first
-    assert "no calls go to it until a lookup finds its addresses" in first and sets.record(NAME, failure) is None
+    assert (
+        "no calls go to it until a lookup finds its addresses" in first and sets.record(NAME, failure) is None
+    )
     assert sets.expanded("encoder").addresses == (ENCODER,)
-    assert sets.record(NAME, ["10.0.0.1", "10.0.0.2"]) == f"{ENCODER} resolves again: 10.0.0.1:50051, 10.0.0.2:50051"
+    assert (
+        sets.record(NAME, ["10.0.0.1", "10.0.0.2"])
+        == f"{ENCODER} resolves again: 10.0.0.1:50051, 10.0.0.2:50051"
+    )
     for blip in (failure, []):  # a DNS blip, or a name with no address: the stage keeps its replicas
         message = sets.record(NAME, blip)
         assert message is not None and "keeping its last addresses 10.0.0.1:50051, 10.0.0.2:50051" in message
@@ -237,7 +253,9 @@ def test_a_name_not_found_yet_gets_no_call_and_its_stage_is_not_serving_until_th
         called: list[str] = []
 
         async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> str:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
             called.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
             return "answered"
 
@@ -251,7 +269,9 @@ def test_a_name_not_found_yet_gets_no_call_and_its_stage_is_not_serving_until_th
                                    next_position_ids=[1, 1, 1, 1], kv_num_bytes=0, prefill_ms=0.0,
                                    kv_handle="h1", kv_address=serving)  # fmt: skip
             with pytest.raises(UpstreamError, match=r"^decode stage unavailable \(request id r1\)$"):
-                async for _ in RemoteDecodeStage(pools["encoder"], 10).generate(handle, GenerationConfig(), "r1"):
+                async for _ in RemoteDecodeStage(pools["encoder"], 10).generate(
+                    handle, GenerationConfig(), "r1"
+                ):
                     pass  # (the encoder's pool: a decode stream is refused the same way)
             dns.answers["localhost"] = ["127.0.0.1"]
             await updater.refresh()
@@ -266,7 +286,10 @@ def test_a_name_not_found_yet_gets_no_call_and_its_stage_is_not_serving_until_th
 
     before, refused, after, answered, called, addresses, serving = asyncio.run(scenario())
     assert before == (["encoder"], [f"encoder dns:///localhost:{serving.rsplit(':', 1)[1]}"]), before
-    assert (refused.code, str(refused)) == (grpc.StatusCode.UNAVAILABLE, "encode stage unavailable (request id r1)")
+    assert (refused.code, str(refused)) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "encode stage unavailable (request id r1)",
+    )
     assert after == ([], []) and addresses == [serving]
     assert answered == "answered" and called == ["SERVING"]  # the one call made after the lookup
 
@@ -348,7 +371,8 @@ def test_a_resolved_address_is_checked_against_the_name_unless_the_operator_name
     async def health(pool: ReplicaPool, address: str) -> bool:
         try:
             reply = await health_pb2_grpc.HealthStub(pool.channel(address)).Check(
-                health_pb2.HealthCheckRequest(), timeout=5)
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -360,7 +384,9 @@ def test_a_resolved_address_is_checked_against_the_name_unless_the_operator_name
         by_name = ReplicaPool([f"dns:///stage.epd.test:{hs.port}"])
         by_ip = ReplicaPool([address])
         try:
-            await ReplicaUpdater({"prefill": by_name}, lookup=FakeDns(**{"stage.epd.test": ["127.0.0.1"]})).refresh()
+            await ReplicaUpdater(
+                {"prefill": by_name}, lookup=FakeDns(**{"stage.epd.test": ["127.0.0.1"]})
+            ).refresh()
             assert by_name.addresses == [address]
             return await health(by_name, address), await health(by_ip, address)
         finally:
@@ -378,7 +404,9 @@ def test_a_resolved_address_is_checked_against_the_name_unless_the_operator_name
 
 
 @pytest.mark.parametrize("pod_left_dns", [False, True])
-def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_the_name(tls_files, pod_left_dns):
+def test_a_kv_cache_is_released_at_a_resolved_prefill_address_checked_against_the_name(
+    tls_files, pod_left_dns
+):
     """The gateway releases a KV cache no decoder took at the address its prefill pod advertised,
     the pod's IP: where that IP is a replica resolved from `dns:///NAME`, the certificate is
     checked against NAME (before, only an operator's --tls-server-name made the release pass, and

@@ -195,7 +195,9 @@ def test_the_replicas_read_follow_the_pool_when_the_replica_file_changes_it():
         servers, (first, second) = await _load_servers("encoder", "encoder")
         pool = ReplicaPool([first])
         metrics = GatewayMetrics(load_timeout_s=5.0)
-        MeteredPipeline(Pipeline(RemoteEncodeStage(pool, 5.0, 1 << 20), NoCoreStage(), NoCoreStage()), metrics)
+        MeteredPipeline(
+            Pipeline(RemoteEncodeStage(pool, 5.0, 1 << 20), NoCoreStage(), NoCoreStage()), metrics
+        )
         try:
             for replicas in ([first], [first, second], [second], [first, second]):
                 pool.set_addresses(replicas)
@@ -235,10 +237,14 @@ def test_prefills_kv_store_is_on_the_prefill_samples_only():
     }
     for (name, reason), (kind, value) in expected.items():
         assert f"# TYPE {name} {kind}" in text, name
-        labels = {"stage": "prefill", "core": "prefill", "replica": "local"} | ({"reason": reason} if reason else {})
+        labels = {"stage": "prefill", "core": "prefill", "replica": "local"} | (
+            {"reason": reason} if reason else {}
+        )
         assert metrics.registry.get_sample_value(name, labels) == value, name
         for stage in ("encoder", "decode"):
-            assert metrics.registry.get_sample_value(name, labels | {"stage": stage, "core": stage}) is None, name
+            assert (
+                metrics.registry.get_sample_value(name, labels | {"stage": stage, "core": stage}) is None
+            ), name
     assert _engine(metrics, "epd_engine_memory_used_bytes", "decode", "decode") == 3000
 
 

@@ -26,13 +26,20 @@ from epd.video.types import SamplingOptions
 
 SERVER_DEFAULTS = SamplingOptions(fps=2.0, num_frames=8)
 """A gateway started with --num-frames 8 (and the default --fps)."""
-ASKED = {"nothing": {}, "fps": {"fps": 0.5}, "num_frames": {"num_frames": 4}, "both": {"fps": 0.5, "num_frames": 4}}
+ASKED = {
+    "nothing": {},
+    "fps": {"fps": 0.5},
+    "num_frames": {"num_frames": 4},
+    "both": {"fps": 0.5, "num_frames": 4},
+}
 EXPECTED = {
     "nothing": SERVER_DEFAULTS,
     "fps": SamplingOptions(fps=0.5, num_frames=None),  # the request's rate, not the server's count
     "num_frames": SamplingOptions(fps=2.0, num_frames=4),
 }
-REFUSAL = "send num_frames (exactly that many frames) or fps (frames per second, at most max_frames), not both"
+REFUSAL = (
+    "send num_frames (exactly that many frames) or fps (frames per second, at most max_frames), not both"
+)
 
 
 class _Recorded(InvalidRequest):
@@ -57,8 +64,18 @@ def _http(media: dict) -> tuple[SamplingOptions | None, str]:
         runner = web.AppRunner(HttpApi(config, pipeline, GatewayMetrics()).app())
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
-        body = {"media": media, "messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, {"type": "text", "text": "q"}]}]}
+        body = {
+            "media": media,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                        {"type": "text", "text": "q"},
+                    ],
+                }
+            ],
+        }
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
                 async with session.post("/v1/chat/completions", json=body) as resp:
@@ -94,7 +111,10 @@ def test_the_requests_choice_wins_over_the_servers_default(asked):
     sampling, error = _grpc(ASKED[asked])
     assert sampling == EXPECTED[asked] and error.message.startswith("recorded")
     # On to the encoder (whose own defaults may hold another count): the gateway's choice stays.
-    assert convert.sampling_from_proto(convert.sampling_to_proto(EXPECTED[asked]), SERVER_DEFAULTS) == EXPECTED[asked]
+    assert (
+        convert.sampling_from_proto(convert.sampling_to_proto(EXPECTED[asked]), SERVER_DEFAULTS)
+        == EXPECTED[asked]
+    )
 
 
 def test_fps_with_num_frames_is_refused_at_every_door():

@@ -24,7 +24,10 @@ async def _not_serving_decode() -> list[str]:
 
 
 async def _requests(api_key: str, fn, not_serving=None):
-    config = GatewayConfig(max_upload_bytes=UPLOAD_LIMIT_BYTES, http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else ()))
+    config = GatewayConfig(
+        max_upload_bytes=UPLOAD_LIMIT_BYTES,
+        http=HttpApiConfig(port=0, api_keys=(api_key,) if api_key else ()),
+    )
     metrics = GatewayMetrics()
     api = HttpApi(config, Pipeline(None, None, None), metrics, not_serving)  # type: ignore[arg-type]
     runner = web.AppRunner(api.app())
@@ -87,8 +90,15 @@ def test_a_body_not_sent_as_json_is_415_before_it_is_read():
     and multipart bodies are those a page of another site may POST without a CORS preflight, from
     a browser too old to send the Sec-Fetch-Site header the browser guard reads."""
     body = b'{"messages": []}'
-    content_types = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                     "application/octet-stream", None, "application/json; charset=utf-8", "Application/JSON"]
+    content_types = [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/octet-stream",
+        None,
+        "application/json; charset=utf-8",
+        "Application/JSON",
+    ]
 
     async def calls(session):
         out = []
@@ -96,19 +106,26 @@ def test_a_body_not_sent_as_json_is_415_before_it_is_read():
             headers = {"Content-Type": content_type} if content_type else {}
             for path in ("/v1/chat/completions", "/demo/frames"):
                 # aiohttp adds application/octet-stream to bytes unless told to skip the header.
-                async with session.post(path, data=body, headers=headers,
-                                        skip_auto_headers=() if content_type else ("Content-Type",)) as resp:
+                async with session.post(
+                    path,
+                    data=body,
+                    headers=headers,
+                    skip_auto_headers=() if content_type else ("Content-Type",),
+                ) as resp:
                     out.append((path, content_type, resp.status, (await resp.json())["error"]["message"]))
         return out
 
     results, metrics = asyncio.run(_requests("", calls))
     for path, content_type, status, message in results:
         if content_type in ("application/json; charset=utf-8", "Application/JSON"):
-            assert status == 400 and "Content-Type" not in message, (path, content_type, message)  # read: a bad body
+            # read: a bad body
+            assert status == 400 and "Content-Type" not in message, (path, content_type, message)
         else:
             assert status == 415, (path, content_type, status)
             assert "must be JSON sent with 'Content-Type: application/json'" in message
-            assert (f"got Content-Type '{content_type}'" if content_type else "got no Content-Type") in message
+            assert (
+                f"got Content-Type '{content_type}'" if content_type else "got no Content-Type"
+            ) in message
     assert metrics.value("epd_http_responses_total", route="/v1/chat/completions", code="415") == 5
 
 
@@ -154,14 +171,24 @@ def test_retrieve_model_names_the_served_model_or_404():
     assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]
 
 
-def _post_chat(pipeline: Pipeline, body: dict, config: GatewayConfig | None = None, admission=None,
-               headers: dict | None = None, answer_headers: dict | None = None) -> str:
+def _post_chat(
+    pipeline: Pipeline,
+    body: dict,
+    config: GatewayConfig | None = None,
+    admission=None,
+    headers: dict | None = None,
+    answer_headers: dict | None = None,
+) -> str:
     """POST `body` to /v1/chat/completions of an in-process API over `pipeline`; the answer's text
     (and its headers into `answer_headers`)."""
 
     async def run():
-        api = HttpApi(config or GatewayConfig(http=HttpApiConfig(port=0)), pipeline, GatewayMetrics(),
-                      admission=admission)
+        api = HttpApi(
+            config or GatewayConfig(http=HttpApiConfig(port=0)),
+            pipeline,
+            GatewayMetrics(),
+            admission=admission,
+        )
         runner = web.AppRunner(api.app())
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -205,9 +232,14 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
 
     threads: list[tuple[str, int]] = []
     real_decode, real_hash = media_fetch.decode_data_url, http_api.sha256_hex
-    monkeypatch.setattr(http_api, "decode_data_url",
-                        lambda *a: threads.append(("decode", threading.get_ident())) or real_decode(*a))
-    monkeypatch.setattr(http_api, "sha256_hex", lambda d: threads.append(("hash", threading.get_ident())) or real_hash(d))
+    monkeypatch.setattr(
+        http_api,
+        "decode_data_url",
+        lambda *a: threads.append(("decode", threading.get_ident())) or real_decode(*a),
+    )
+    monkeypatch.setattr(
+        http_api, "sha256_hex", lambda d: threads.append(("hash", threading.get_ident())) or real_hash(d)
+    )
     asked = []
 
     media = bytes(range(256))
@@ -216,7 +248,7 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
 
     recording = _RecordingPipeline(lambda req: asked.append((req, threading.get_ident())))
     _post_chat(recording, {"messages": [{"role": "user", "content": content}]})
-    (req, loop_thread), = asked
+    ((req, loop_thread),) = asked
     assert (req.media.data, req.media.sha256) == (media, hashlib.sha256(media).hexdigest())
     assert [name for name, _ in threads] == ["decode", "hash"]
     assert all(thread != loop_thread for _, thread in threads)
@@ -225,9 +257,20 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
 def _summary(token_ids: list[int], answer: str, num_prompt_tokens: int):
     from epd.gateway.pipeline import AskSummary
 
-    return AskSummary(request_id="r1", answer=answer, token_ids=token_ids, finish_reason="length", num_frames=2,
-                      num_visual_tokens=4, num_prompt_tokens=num_prompt_tokens, timings_ms={}, kv_num_bytes=0,
-                      encoder_cache_hit=False, media_sha256="", frame_timestamps_s=[])
+    return AskSummary(
+        request_id="r1",
+        answer=answer,
+        token_ids=token_ids,
+        finish_reason="length",
+        num_frames=2,
+        num_visual_tokens=4,
+        num_prompt_tokens=num_prompt_tokens,
+        timings_ms={},
+        kv_num_bytes=0,
+        encoder_cache_hit=False,
+        media_sha256="",
+        frame_timestamps_s=[],
+    )
 
 
 class _ScriptedPipeline(Pipeline):
@@ -263,7 +306,10 @@ class _BrokenStreamPipeline(Pipeline):
 def test_a_stream_that_ends_in_an_error_event_is_logged_as_failed(caplog):
     """Its log line said `http POST /v1/chat/completions 200` like any answer: the operator could
     not tell the failed streamed answers from the good ones."""
-    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    content = [
+        {"type": "text", "text": "q"},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+    ]
     body = {"messages": [{"role": "user", "content": content}], "stream": True}
     with caplog.at_level(logging.INFO, logger="epd.gateway.http_api"):
         text = _post_chat(_BrokenStreamPipeline(), body)
@@ -327,8 +373,9 @@ def test_an_error_before_the_first_token_keeps_its_status_unless_a_keep_alive_we
 
     busy = Busy("the decoder's KV memory is full")
     answer_headers: dict = {}
-    text = _post_chat(_SlowPipeline(0.0, busy), STREAM_BODY, config=_keepalive_config(10),
-                      answer_headers=answer_headers)
+    text = _post_chat(
+        _SlowPipeline(0.0, busy), STREAM_BODY, config=_keepalive_config(10), answer_headers=answer_headers
+    )
     assert json.loads(text)["error"]["code"] == 429 and answer_headers["retry-after"] == "1"
     text = _post_chat(_SlowPipeline(0.5, busy), STREAM_BODY, config=_keepalive_config(0.1))
     events = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
@@ -337,10 +384,19 @@ def test_an_error_before_the_first_token_keeps_its_status_unless_a_keep_alive_we
 
 
 def _stream_chunks(stream_options: dict) -> list:
-    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
-    body = {"messages": [{"role": "user", "content": content}], "stream": True, "stream_options": stream_options}
+    content = [
+        {"type": "text", "text": "q"},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+    ]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "stream": True,
+        "stream_options": stream_options,
+    }
 
-    events = [line.removeprefix("data: ") for line in _post_chat(_ScriptedPipeline(), body).split("\n\n") if line]
+    events = [
+        line.removeprefix("data: ") for line in _post_chat(_ScriptedPipeline(), body).split("\n\n") if line
+    ]
     assert events[-1] == "[DONE]"
     import json
 
@@ -351,12 +407,18 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
     """vLLM's `stream_options.continuous_usage_stats` was ignored: every chunk said usage null."""
     chunks = _stream_chunks({"include_usage": True, "continuous_usage_stats": True})
     assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 3, 3, 3]  # role, a, bc, final, usage
-    assert all(c["usage"]["prompt_tokens"] == 30 and c["usage"]["total_tokens"] == 30 + c["usage"]["completion_tokens"]
-               for c in chunks)
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert all(
+        c["usage"]["prompt_tokens"] == 30
+        and c["usage"]["total_tokens"] == 30 + c["usage"]["completion_tokens"]
+        for c in chunks
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0
+    }
     plain = _stream_chunks({"include_usage": True})
     assert [c["usage"] for c in plain[:-1]] == [None] * 4 and plain[-1]["usage"]["completion_tokens"] == 3
-    assert all("usage" not in c for c in _stream_chunks({"continuous_usage_stats": True}))  # as vLLM: only with include_usage
+    # as vLLM: only with include_usage
+    assert all("usage" not in c for c in _stream_chunks({"continuous_usage_stats": True}))
 
 
 def test_a_local_files_bytes_are_held_on_the_requests_ticket(tmp_path):
@@ -366,11 +428,16 @@ def test_a_local_files_bytes_are_held_on_the_requests_ticket(tmp_path):
     from epd.gateway.config import MediaFetchConfig
 
     (tmp_path / "clip.mp4").write_bytes(b"v" * 5000)
-    config = GatewayConfig(http=HttpApiConfig(port=0, media=MediaFetchConfig(allowed_local_dir=str(tmp_path))))
+    config = GatewayConfig(
+        http=HttpApiConfig(port=0, media=MediaFetchConfig(allowed_local_dir=str(tmp_path)))
+    )
     admission = Admission.of_gateway(config)
     held = []
 
-    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": str(tmp_path / "clip.mp4")}}]
+    content = [
+        {"type": "text", "text": "q"},
+        {"type": "video_url", "video_url": {"url": str(tmp_path / "clip.mp4")}},
+    ]
     recording = _RecordingPipeline(lambda req: held.append(admission.num_reserved_bytes))
     _post_chat(recording, {"messages": [{"role": "user", "content": content}]}, config, admission)
     assert len(held) == 1 and held[0] > 5000  # the body's bytes and the file's
@@ -383,7 +450,10 @@ def test_the_request_id_a_body_names_is_the_requests_unless_a_header_names_one()
 
     ids = []
 
-    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    content = [
+        {"type": "text", "text": "q"},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+    ]
     body = {"messages": [{"role": "user", "content": content}], "request_id": "body-id-1"}
     out: list[tuple[str, str]] = []
     for headers in ({}, {"x-request-id": "header-id-1"}):
@@ -401,7 +471,10 @@ def test_a_body_refused_for_one_of_its_fields_is_answered_under_the_id_it_names(
     for a bad field named (and x-request-id carried) an id the client had never seen."""
     import json
 
-    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    content = [
+        {"type": "text", "text": "q"},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+    ]
     body = {"messages": [{"role": "user", "content": content}], "request_id": "body-id-2", "temperature": -1}
     answer_headers: dict = {}
     error = json.loads(_post_chat(_ScriptedPipeline(), body, answer_headers=answer_headers))["error"]
@@ -414,7 +487,10 @@ def test_the_answers_token_ids_are_on_its_choice_streamed_or_not():
     but a whole answer's choice had none: only `epd.token_ids` held them."""
     import json
 
-    content = [{"type": "text", "text": "q"}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    content = [
+        {"type": "text", "text": "q"},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+    ]
     body = {"messages": [{"role": "user", "content": content}], "return_token_ids": True}
     answer = json.loads(_post_chat(_ScriptedPipeline(), body))
     assert answer["choices"][0]["token_ids"] == [5, 6, 7] == answer["epd"]["token_ids"]

@@ -31,9 +31,20 @@ class OneTokenAnswer(Pipeline):
 
     async def ask(self, req):  # type: ignore[override]
         yield TokenStep([7], "a")
-        yield AskSummary(request_id="r", answer="a", token_ids=[7], finish_reason="length", num_frames=2,
-                         num_visual_tokens=4, num_prompt_tokens=9, timings_ms={}, kv_num_bytes=0,
-                         encoder_cache_hit=False, media_sha256="", frame_timestamps_s=[])
+        yield AskSummary(
+            request_id="r",
+            answer="a",
+            token_ids=[7],
+            finish_reason="length",
+            num_frames=2,
+            num_visual_tokens=4,
+            num_prompt_tokens=9,
+            timings_ms={},
+            kv_num_bytes=0,
+            encoder_cache_hit=False,
+            media_sha256="",
+            frame_timestamps_s=[],
+        )
 
 
 async def _answered(metrics: GatewayMetrics) -> dict[str, float]:
@@ -59,8 +70,11 @@ def test_a_client_that_closes_while_sending_its_body_is_a_499_not_an_error(caplo
         http = await start_http_api(config, OneTokenAnswer(), metrics)
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", http.port)
-            writer.write(f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY[: len(BODY) // 2])
+            writer.write(
+                f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(BODY)}\r\n\r\n".encode()
+                + BODY[: len(BODY) // 2]
+            )
             await writer.drain()
             writer.close()  # half the body sent
             return await _answered(metrics)
@@ -93,7 +107,9 @@ def test_a_client_gone_as_its_stream_ends_is_not_an_error(caplog, monkeypatch):
         http = await start_http_api(config, OneTokenAnswer(), metrics)
         try:
             async with aiohttp.ClientSession() as session:
-                async with session.post(f"http://127.0.0.1:{http.port}{ROUTE}", data=BODY, headers=JSON) as resp:
+                async with session.post(
+                    f"http://127.0.0.1:{http.port}{ROUTE}", data=BODY, headers=JSON
+                ) as resp:
                     assert resp.status == 200
                     text = (await resp.read()).decode()
             return await _answered(metrics), text

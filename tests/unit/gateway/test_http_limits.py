@@ -28,8 +28,13 @@ PLANNED_BYTES = 50 * MAX_BODY_BYTES
 API_KEY = "k1"
 
 
-async def _serve(fn, max_requests_per_client: int = 8, max_inflight_body_bytes: int = 0, api_key: str = "",
-                 body_timeout_s: float = 300.0):
+async def _serve(
+    fn,
+    max_requests_per_client: int = 8,
+    max_inflight_body_bytes: int = 0,
+    api_key: str = "",
+    body_timeout_s: float = 300.0,
+):
     config = GatewayConfig(
         max_upload_bytes=UPLOAD_LIMIT_BYTES,
         max_requests_per_client=max_requests_per_client,
@@ -225,7 +230,9 @@ def test_many_concurrent_large_bodies_get_429s_or_answers_and_the_server_stays_u
         body = json.dumps({"messages": "x" * (MAX_BODY_BYTES - 100)}).encode()
 
         async def post(session):
-            async with session.post("/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as resp:
+            async with session.post(
+                "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
                 return resp.status, resp.headers.get("Retry-After"), await resp.json()
 
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
@@ -310,6 +317,7 @@ def test_an_unsupported_content_encoding_is_415_json_naming_the_supported_ones(e
     """aiohttp answered br and zstd (without their optional packages) with a plain-text 400 of its
     own, before any handler: no JSON error, no request id. Codings it does not know (compress) went
     through undecoded and were "not valid JSON"."""
+
     async def run(port, admission):
         headers = {"Content-Encoding": encoding, "x-request-id": "encoding-test-1", "Expect": "100-continue"}
         return await request(port, "POST", "/v1/chat/completions", b"\x8b\x00 compressed", headers)
@@ -332,7 +340,7 @@ def test_gzip_and_deflate_bodies_are_read():
     """A JSON body that is not an object gets 400 "must be a JSON object": it was inflated and
     parsed, in each form: gzip (one member, several, zero padding), zlib's deflate and raw deflate,
     and chunked so that the compressed stream is cut anywhere."""
-    body = b'[' + b'"x", ' * 200_000 + b'"x"]'  # over one inflated piece
+    body = b"[" + b'"x", ' * 200_000 + b'"x"]'  # over one inflated piece
     forms = {
         "gzip": gzip.compress(body),
         "GZip": gzip.compress(body),
@@ -346,20 +354,26 @@ def test_gzip_and_deflate_bodies_are_read():
         answers = {}
         for name, data in forms.items():
             encoding = name.split()[1] if name.startswith("raw") else name.split()[0]
-            answers[name] = await request(port, "POST", "/v1/chat/completions", data, {"Content-Encoding": encoding})
+            answers[name] = await request(
+                port, "POST", "/v1/chat/completions", data, {"Content-Encoding": encoding}
+            )
         conn = await Connection.open(port)  # chunked, in 7-byte chunks
         try:
-            await conn.send_head("POST", "/v1/chat/completions", {**_post_head(None), "Content-Encoding": "gzip"})
+            await conn.send_head(
+                "POST", "/v1/chat/completions", {**_post_head(None), "Content-Encoding": "gzip"}
+            )
             for i in range(0, len(forms["gzip"]), 7):
-                await conn.send_chunk(forms["gzip"][i:i + 7])
+                await conn.send_chunk(forms["gzip"][i : i + 7])
             await conn.send_chunk(b"")
             answers["gzip chunked"] = await conn.read_response()
         finally:
             await conn.close()
-        answers["gzip cut short"] = await request(port, "POST", "/v1/chat/completions", forms["gzip"][:-20],
-                                                  {"Content-Encoding": "gzip"})
-        answers["deflate then more"] = await request(port, "POST", "/v1/chat/completions",
-                                                     forms["deflate"] + b"more", {"Content-Encoding": "deflate"})
+        answers["gzip cut short"] = await request(
+            port, "POST", "/v1/chat/completions", forms["gzip"][:-20], {"Content-Encoding": "gzip"}
+        )
+        answers["deflate then more"] = await request(
+            port, "POST", "/v1/chat/completions", forms["deflate"] + b"more", {"Content-Encoding": "deflate"}
+        )
         return answers, admission.num_reserved_bytes
 
     answers, reserved_after = asyncio.run(_serve(run))
@@ -370,26 +384,39 @@ def test_gzip_and_deflate_bodies_are_read():
     assert reserved_after == 0
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                                              ("POST", "/demo/frames"), ("GET", "/health"),
-                                              ("POST", "/v2/nothing"), ("POST", "/v1/models")])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/demo/frames"),
+        ("GET", "/health"),
+        ("POST", "/v2/nothing"),
+        ("POST", "/v1/models"),
+    ],
+)
 def test_an_unsupported_expect_is_417_json_with_the_request_id_on_every_route(method, path):
     """It was answered outside the middleware: aiohttp's plain text on GET routes and on paths (or
     methods) no route takes, and no request id (neither in the message nor as x-request-id)."""
+
     async def run(port, admission):
         return await request(port, method, path, b"{}", {"Expect": "foo", "x-request-id": "expect-test-1"})
 
     response = asyncio.run(_serve(run))
-    _assert_json_error(response, 417, "the only Expect this server supports is 100-continue (request id expect-test-1)")
+    _assert_json_error(
+        response, 417, "the only Expect this server supports is 100-continue (request id expect-test-1)"
+    )
     assert response.headers["x-request-id"] == "expect-test-1"
 
 
 def test_a_wrong_method_is_405_json_naming_the_methods_and_an_unknown_path_404():
     async def run(port, admission):
-        return [await request(port, "POST", "/v1/models", b"{}"),
-                await request(port, "GET", "/v1/chat/completions", b""),
-                await request(port, "DELETE", "/static/app.js", b""),
-                await request(port, "GET", "/v2/nothing", b"")]
+        return [
+            await request(port, "POST", "/v1/models", b"{}"),
+            await request(port, "GET", "/v1/chat/completions", b""),
+            await request(port, "DELETE", "/static/app.js", b""),
+            await request(port, "GET", "/v2/nothing", b""),
+        ]
 
     post_models, get_chat, delete_static, unknown = asyncio.run(_serve(run))
     _assert_json_error(post_models, 405, "Method Not Allowed")
@@ -405,12 +432,18 @@ def test_a_body_of_millions_of_tiny_values_is_refused_before_parsing():
     from epd.gateway.http_body import MAX_JSON_VALUES, parse_json
     from epd.stages.errors import InvalidRequest
 
-    for body in (b"[" + b"{}," * MAX_JSON_VALUES + b"{}]", b'{"messages": [' + b"0," * MAX_JSON_VALUES + b"0]}",
-                 b'{"a": {' + b'"k":0,' * (MAX_JSON_VALUES // 2) + b'"k": 0}}'):
+    for body in (
+        b"[" + b"{}," * MAX_JSON_VALUES + b"{}]",
+        b'{"messages": [' + b"0," * MAX_JSON_VALUES + b"0]}",
+        b'{"a": {' + b'"k":0,' * (MAX_JSON_VALUES // 2) + b'"k": 0}}',
+    ):
         with pytest.raises(InvalidRequest, match=f"this server parses at most {MAX_JSON_VALUES}"):
             parse_json(body)
     url = "data:video/mp4;base64," + "A" * (4 * MAX_JSON_VALUES)  # large, but one value
-    content = [{"type": "text", "text": "what, where: why?" * 1000}, {"type": "video_url", "video_url": {"url": url}}]
+    content = [
+        {"type": "text", "text": "what, where: why?" * 1000},
+        {"type": "video_url", "video_url": {"url": url}},
+    ]
     body = json.dumps({"messages": [{"role": "user", "content": content}], "stop": [",", ":"]}).encode()
     assert parse_json(body)["messages"][0]["content"][1]["video_url"]["url"] == url
 
@@ -432,8 +465,15 @@ def test_a_clients_malformed_request_is_one_info_line_not_an_error_traceback(cap
         try:
             out = []
             for encoding in ("gzip", "br"):
-                out.append(await request(http.port, "POST", "/v1/chat/completions", b"not compressed",
-                                         {"Content-Encoding": encoding, "Content-Type": "application/json"}))
+                out.append(
+                    await request(
+                        http.port,
+                        "POST",
+                        "/v1/chat/completions",
+                        b"not compressed",
+                        {"Content-Encoding": encoding, "Content-Type": "application/json"},
+                    )
+                )
             conn = await Connection.open(http.port)  # a broken chunked body: aiohttp's parser fails
             try:
                 await conn.send_head("POST", "/v1/chat/completions", _post_head(None))
@@ -494,4 +534,6 @@ def test_malformed_requests_in_a_loop_are_one_line_a_minute_that_counts_the_rest
     lines = [record.getMessage() for record in records]
     assert len(lines) == 2 and all(record.levelname == "INFO" for record in records), lines
     assert "chunk" in lines[0].lower() and "left out" not in lines[0], lines
-    assert "chunk" in lines[1].lower() and lines[1].endswith("(4 more such lines left out since the last one)"), lines
+    assert "chunk" in lines[1].lower() and lines[1].endswith(
+        "(4 more such lines left out since the last one)"
+    ), lines

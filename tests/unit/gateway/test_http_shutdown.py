@@ -41,12 +41,23 @@ class EndlessAnswer(Pipeline):
 
 
 JSON = {"Content-Type": "application/json"}
-BODY = json.dumps({
-    "stream": True,
-    "messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"v" * 64).decode()}},
-        {"type": "text", "text": "what happens?"}]}],
-}).encode()
+BODY = json.dumps(
+    {
+        "stream": True,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "video_url",
+                        "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"v" * 64).decode()},
+                    },
+                    {"type": "text", "text": "what happens?"},
+                ],
+            }
+        ],
+    }
+).encode()
 
 
 async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> tuple[float, str, bool]:
@@ -56,7 +67,9 @@ async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> 
     config = GatewayConfig(server=ServerConfig(port=0, grace_s=grace_s), http=HttpApiConfig(port=0))
     http = await start_http_api(config, pipeline, GatewayMetrics())
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=BODY, headers=JSON) as resp:
+        async with session.post(
+            f"http://127.0.0.1:{http.port}/v1/chat/completions", data=BODY, headers=JSON
+        ) as resp:
             assert resp.status == 200
             await resp.content.readline()  # the first event: the answer is streaming
             hurry = asyncio.Event()
@@ -80,8 +93,11 @@ def _ends_with_the_shutdown_error(rest: str, why: str = "its grace period was ov
     events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]", rest[-300:]
     error = json.loads(events[-2])["error"]
-    assert error["message"].startswith("the server shut down after ") and f"tokens ({why})" in \
-        error["message"] and "request id " in error["message"], error
+    assert (
+        error["message"].startswith("the server shut down after ")
+        and f"tokens ({why})" in error["message"]
+        and "request id " in error["message"]
+    ), error
     assert error["code"] == 502  # vLLM's: the HTTP status as an integer
 
 
@@ -108,7 +124,9 @@ def test_an_answer_not_yet_begun_at_the_cut_is_a_503_to_retry():
         http = await start_http_api(config, EndlessAnswer(), GatewayMetrics())
         whole = json.dumps({**json.loads(BODY), "stream": False}).encode()
         async with aiohttp.ClientSession() as session:
-            answer = asyncio.ensure_future(session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=whole, headers=JSON))
+            answer = asyncio.ensure_future(
+                session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", data=whole, headers=JSON)
+            )
             await asyncio.sleep(0.3)  # it is being answered (the endless pipeline never ends it)
             await asyncio.wait_for(http.stop(0.5), timeout=30)
             async with await answer as resp:
@@ -116,7 +134,9 @@ def test_an_answer_not_yet_begun_at_the_cut_is_a_503_to_retry():
 
     status, body = asyncio.run(scenario())
     assert status == 503, body
-    assert body["error"]["message"].startswith("the server is shutting down (its grace period is over); retry")
+    assert body["error"]["message"].startswith(
+        "the server is shutting down (its grace period is over); retry"
+    )
 
 
 class HangingChecks:
@@ -151,14 +171,19 @@ def test_any_route_still_answering_at_the_cut_is_a_503_counted_as_one_not_a_clie
 
     status, body, counted = asyncio.run(scenario())
     assert status == 503, body
-    assert body["error"]["message"].startswith("the server is shutting down (its grace period is over); retry")
+    assert body["error"]["message"].startswith(
+        "the server is shutting down (its grace period is over); retry"
+    )
     assert counted == ['epd_http_responses_total{code="503",route="/health"} 1.0'], counted
 
 
-@pytest.mark.parametrize(("grace_s", "hurry", "why"), [
-    (0.5, False, "its grace period was over"),
-    (30.0, True, "a second stop signal ended its drain"),  # it said "its grace period was over"
-])
+@pytest.mark.parametrize(
+    ("grace_s", "hurry", "why"),
+    [
+        (0.5, False, "its grace period was over"),
+        (30.0, True, "a second stop signal ended its drain"),  # it said "its grace period was over"
+    ],
+)
 def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_request_id(grace_s, hurry, why):
     """gRPC's own stop cancelled it as UNAVAILABLE "Cancelling all calls" (after 955 tokens in the
     audit's run): a status clients and proxies retry as if nothing had happened, without the
@@ -175,10 +200,13 @@ def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_re
         await hs.set_serving()
         signals = StopSignals()
         serving = asyncio.ensure_future(serve_until_signal(hs, config.server.grace_s, signals=signals))
-        header = gateway_pb2.AskHeader(request_id="cut-at-grace", question="what happens?", media_num_bytes=64)
+        header = gateway_pb2.AskHeader(
+            request_id="cut-at-grace", question="what happens?", media_num_bytes=64
+        )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
             call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(
-                iter([gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=b"v" * 64)]))
+                iter([gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=b"v" * 64)])
+            )
             tokens = 0
             try:
                 async for response in call:
@@ -194,8 +222,10 @@ def test_a_grpc_answer_cut_at_the_end_of_the_grace_period_is_aborted_with_its_re
 
     tokens, code, details = asyncio.run(scenario())
     assert code == grpc.StatusCode.ABORTED, (code, details)
-    assert details == (f"the server shut down after {tokens} tokens ({why}); the answer is "
-                       "incomplete; retry the request (request id cut-at-grace)")
+    assert details == (
+        f"the server shut down after {tokens} tokens ({why}); the answer is "
+        "incomplete; retry the request (request id cut-at-grace)"
+    )
 
 
 class CutWhileSending(EndlessAnswer):
@@ -229,12 +259,17 @@ def test_a_grpc_answer_cut_while_grpc_sends_a_token_is_still_aborted_with_its_re
         hs = await start(config, pipeline)
         await hs.set_serving()
         pipeline.cut = hs.cut_calls.__self__.in_flight.cut  # type: ignore[union-attr]
-        header = gateway_pb2.AskHeader(request_id="cut-while-sending", question="what happens?", media_num_bytes=64)
+        header = gateway_pb2.AskHeader(
+            request_id="cut-while-sending", question="what happens?", media_num_bytes=64
+        )
         tokens = 0
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
                 call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(
-                    iter([gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=b"v" * 64)]))
+                    iter(
+                        [gateway_pb2.AskRequest(header=header), gateway_pb2.AskRequest(media_chunk=b"v" * 64)]
+                    )
+                )
 
                 async def read() -> None:
                     nonlocal tokens
@@ -253,8 +288,10 @@ def test_a_grpc_answer_cut_while_grpc_sends_a_token_is_still_aborted_with_its_re
 
     tokens, code, details = asyncio.run(scenario())
     assert code == grpc.StatusCode.ABORTED, (code, details)
-    assert details == (f"the server shut down after {tokens} tokens (its grace period was over); the answer is "
-                       "incomplete; retry the request (request id cut-while-sending)")
+    assert details == (
+        f"the server shut down after {tokens} tokens (its grace period was over); the answer is "
+        "incomplete; retry the request (request id cut-while-sending)"
+    )
 
 
 def test_cut_cancels_a_call_in_the_gateway_s_code_and_one_being_sent_when_it_resumes():
@@ -276,10 +313,15 @@ def test_cut_cancels_a_call_in_the_gateway_s_code_and_one_being_sent_when_it_res
                     else:
                         await asyncio.sleep(60)
                 except asyncio.CancelledError:
-                    outcomes[name] = "cut (cancelled)" if not at_send or sent.is_set() else "cancelled inside the send"
+                    outcomes[name] = (
+                        "cut (cancelled)" if not at_send or sent.is_set() else "cancelled inside the send"
+                    )
                     raise
 
-        tasks = [asyncio.ensure_future(answer("working", False)), asyncio.ensure_future(answer("sending", True))]
+        tasks = [
+            asyncio.ensure_future(answer("working", False)),
+            asyncio.ensure_future(answer("sending", True)),
+        ]
         await asyncio.sleep(0.01)
         cut = in_flight.cut()
         await asyncio.sleep(0.01)

@@ -22,7 +22,9 @@ PAYLOAD = base64.b64encode(os.urandom(3 * json_payloads.MIN_PAYLOAD_CHARS)).deco
 
 def _chat(url: str, text: str = "what happens? \U0001f600", **extra) -> bytes:
     content = [{"type": "text", "text": text}, {"type": "video_url", "video_url": {"url": url}}]
-    return json.dumps({"messages": [{"role": "user", "content": content}], **extra}, ensure_ascii=False).encode()
+    return json.dumps(
+        {"messages": [{"role": "user", "content": content}], **extra}, ensure_ascii=False
+    ).encode()
 
 
 SET_ASIDE = [
@@ -89,7 +91,9 @@ def test_a_body_that_is_large_apart_from_its_payloads_is_refused_before_parsing(
 def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch):
     threads = []
     real_parse = http_body.parse_json
-    monkeypatch.setattr(http_body, "parse_json", lambda body: threads.append(threading.get_ident()) or real_parse(body))
+    monkeypatch.setattr(
+        http_body, "parse_json", lambda body: threads.append(threading.get_ident()) or real_parse(body)
+    )
 
     class Request(dict):
         content_length = None

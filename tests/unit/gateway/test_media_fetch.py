@@ -153,11 +153,16 @@ def test_local_path_errors(media_dir):
         asyncio.run(load_media("clip.mp4", config, 100))
 
 
-@pytest.mark.parametrize("url", ["http://[::1", "https://[zz]/a.mp4", "file://[x", "//[", "http://[::1/x.mp4"])
+@pytest.mark.parametrize(
+    "url", ["http://[::1", "https://[zz]/a.mp4", "file://[x", "//[", "http://[::1/x.mp4"]
+)
 def test_a_malformed_url_is_a_bad_request_whatever_the_policy(media_dir, url):
     """urlsplit raises ValueError on an unclosed or invalid IPv6 host; that is the client's error
     (it was an internal error, HTTP 500), whether URLs and local paths are allowed or not."""
-    for config in (MediaFetchConfig(), MediaFetchConfig(allowed_local_dir=str(media_dir), allowed_domains=("a.com",))):
+    for config in (
+        MediaFetchConfig(),
+        MediaFetchConfig(allowed_local_dir=str(media_dir), allowed_domains=("a.com",)),
+    ):
         with pytest.raises(InvalidRequest, match="malformed"):
             asyncio.run(load_media(url, config, 100))
 
@@ -230,8 +235,14 @@ def test_check_url_policy():
 
 
 @pytest.mark.parametrize("listed", ["vidéos.example", "xn--vidos-dsa.example", "VIDÉOS.Example."])
-@pytest.mark.parametrize("url", ["https://vidéos.example/clip.mp4", "https://xn--vidos-dsa.example/clip.mp4",
-                                 "https://cdn.Vidéos.example/clip.mp4"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://vidéos.example/clip.mp4",
+        "https://xn--vidos-dsa.example/clip.mp4",
+        "https://cdn.Vidéos.example/clip.mp4",
+    ],
+)
 def test_an_internationalised_domain_is_allowed_in_either_spelling(listed, url):
     """The policy checks and pins the punycode name that aiohttp (yarl) then resolves: a Unicode
     host used to be pinned as Unicode, and the connection's lookup of its punycode form refused."""
@@ -281,7 +292,9 @@ def _run_fetch(routes, path, max_bytes=1000, host="127.0.0.1", reserve=None, **c
         allowed_domains=("127.0.0.1", "localhost"), allow_private_addresses=True, **config_kwargs
     )
     return asyncio.run(
-        _with_server(routes, lambda port: load_media(f"http://{host}:{port}{path}", config, max_bytes, reserve))
+        _with_server(
+            routes, lambda port: load_media(f"http://{host}:{port}{path}", config, max_bytes, reserve)
+        )
     )
 
 
@@ -439,8 +452,13 @@ def test_an_allow_list_entry_that_is_not_a_domain_name_is_refused_at_start():
     from epd.cli import configs
     from epd.cli.main import build_parser
 
-    args = build_parser().parse_args(["serve", "gateway", "--allowed-media-domains", "a.com," + "é" * 70 + ".org"])
-    with pytest.raises(ValueError, match="--allowed-media-domains: .* not a valid internationalised domain name"):
+    args = build_parser().parse_args(
+        ["serve", "gateway", "--allowed-media-domains", "a.com," + "é" * 70 + ".org"]
+    )
+    with pytest.raises(
+        ValueError, match="--allowed-media-domains: .* not a valid internationalised domain name"
+    ):
         configs.gateway_config(args)
     args = build_parser().parse_args(["serve", "gateway", "--allowed-media-domains", "vidéos.example"])
-    assert configs.gateway_config(args).http.media.allowed_domains == ("vidéos.example",)  # matched by `dns_host`
+    # matched by `dns_host`
+    assert configs.gateway_config(args).http.media.allowed_domains == ("vidéos.example",)

@@ -60,13 +60,22 @@ def test_a_conversation_may_have_no_media_but_never_two_nor_media_outside_a_user
     one on a vision-language model; a second media part and media in a system or assistant
     message are refused, saying what to change."""
     check_messages([Message.user("hello")])
-    check_messages([Message.system("be brief"), Message.user("hi"), Message.assistant("hello"), Message.user("?")])
-    with pytest.raises(InvalidRequest, match=r"2 video or image parts; at most one video or image per request is "
-                                             r"supported \(the encoder encodes one media per request\): send one"):
-        check_messages([Message.user(VIDEO, "compare"), Message.assistant("ok"), Message.user(IMAGE, "with this")])
+    check_messages(
+        [Message.system("be brief"), Message.user("hi"), Message.assistant("hello"), Message.user("?")]
+    )
+    with pytest.raises(
+        InvalidRequest,
+        match=r"2 video or image parts; at most one video or image per request is "
+        r"supported \(the encoder encodes one media per request\): send one",
+    ):
+        check_messages(
+            [Message.user(VIDEO, "compare"), Message.assistant("ok"), Message.user(IMAGE, "with this")]
+        )
     for role in ("system", "assistant"):
-        with pytest.raises(InvalidRequest, match=f"messages\\[0\\] is a {role} message with a video part; "
-                                                 "media go in user messages"):
+        with pytest.raises(
+            InvalidRequest,
+            match=f"messages\\[0\\] is a {role} message with a video part; media go in user messages",
+        ):
             check_messages([Message(role, (VIDEO,)), Message.user("q")])
 
 
@@ -98,7 +107,9 @@ def test_check_messages_limits_the_parts():
 
 
 def test_the_deprecated_question_is_one_user_message_media_then_text():
-    assert messages_of(gateway_pb2.AskHeader(question="why?"), media_sent=True) == [Message.user(VIDEO, "why?")]
+    assert messages_of(gateway_pb2.AskHeader(question="why?"), media_sent=True) == [
+        Message.user(VIDEO, "why?")
+    ]
     assert messages_of(gateway_pb2.AskHeader(question="why?"), media_sent=True) == question_messages("why?")
     header = gateway_pb2.AskHeader(messages=convert.messages_to_proto(HISTORY))
     assert messages_of(header, media_sent=True) == HISTORY
@@ -119,9 +130,20 @@ def test_the_deprecated_question_without_media_says_to_send_messages():
 def test_the_sdk_sends_messages_or_the_deprecated_question():
     from epd.client import build_header
 
-    header = build_header(None, 3, "", {}, messages=[
-        Message.system("be brief"), {"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "video"}]}])
-    assert convert.messages_from_proto(header.messages) == [Message.system("be brief"), Message.user("q", VIDEO)]
+    header = build_header(
+        None,
+        3,
+        "",
+        {},
+        messages=[
+            Message.system("be brief"),
+            {"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "video"}]},
+        ],
+    )
+    assert convert.messages_from_proto(header.messages) == [
+        Message.system("be brief"),
+        Message.user("q", VIDEO),
+    ]
     assert header.question == ""
     assert build_header("q", 3, "", {}).question == "q" and not build_header("q", 3, "", {}).messages
     with pytest.raises(TypeError, match="not both"):

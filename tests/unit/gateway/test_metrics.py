@@ -189,4 +189,7 @@ def test_a_text_only_request_waits_for_prefill_first_and_is_not_a_zero_visual_to
     asyncio.run(run())
     assert seen == [1] and metrics.value("epd_stage_requests", stage="encoder") == 0
     assert metrics.value("epd_request_visual_tokens_count") == 0
-    assert metrics.value("epd_requests_total", status="OK") == 1 and metrics.value("epd_prompt_tokens_total") == 9
+    assert (
+        metrics.value("epd_requests_total", status="OK") == 1
+        and metrics.value("epd_prompt_tokens_total") == 9
+    )

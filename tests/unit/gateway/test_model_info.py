@@ -22,8 +22,12 @@ from epd.transport.model_info import model_info_from_proto, model_info_to_proto
 from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
 from epd.v1 import prefill_pb2_grpc
 
-QWEN = ModelInfo(vocab_size=512, context_tokens=32768, max_prompt_tokens=32768, max_new_tokens=4096, model_type="qwen2_vl")
-BIGGER = ModelInfo(vocab_size=1024, context_tokens=8192, max_prompt_tokens=60000, max_new_tokens=2048, model_type="qwen3_vl")
+QWEN = ModelInfo(
+    vocab_size=512, context_tokens=32768, max_prompt_tokens=32768, max_new_tokens=4096, model_type="qwen2_vl"
+)
+BIGGER = ModelInfo(
+    vocab_size=1024, context_tokens=8192, max_prompt_tokens=60000, max_new_tokens=2048, model_type="qwen3_vl"
+)
 
 
 def test_max_model_len_is_the_longest_prompt_plus_answer_a_request_may_have():
@@ -44,7 +48,8 @@ def test_replicas_that_agree_are_one_view_and_those_that_disagree_the_bounds_eac
     assert both.model_type == "qwen2_vl,qwen3_vl"
     unknown_vocab = ModelInfo(None, 32768, 32768, 4096)
     mixed = common_model_info([QWEN, unknown_vocab])
-    assert mixed is not None and mixed.vocab_size is None  # a replica that checks no vocabulary: no early check
+    # a replica that checks no vocabulary: no early check
+    assert mixed is not None and mixed.vocab_size is None
 
 
 def test_the_view_keeps_a_silent_replicas_last_answer_and_forgets_a_departed_one(caplog):
@@ -57,7 +62,9 @@ def test_the_view_keeps_a_silent_replicas_last_answer_and_forgets_a_departed_one
         assert known.update(["a", "b"], {"a": None, "b": BIGGER}) == common_model_info([QWEN, BIGGER])
         known.update(["a", "b"], {"a": QWEN, "b": BIGGER})  # the same disagreement: not logged again
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "a: qwen2_vl, vocabulary 512" in warnings[0] and "b: qwen3_vl" in warnings[0]
+    assert (
+        len(warnings) == 1 and "a: qwen2_vl, vocabulary 512" in warnings[0] and "b: qwen3_vl" in warnings[0]
+    )
     assert known.update(["a"], {"a": None}) == QWEN  # b left the pool: forgotten
     assert known.by_address == {"a": QWEN}
 
@@ -176,7 +183,8 @@ def test_the_default_max_tokens_fits_the_max_tokens_limit_and_max_model_len():
     assert fitted(QWEN) == 32
     assert fitted(ModelInfo(512, 32768, 32768, max_new_tokens=16)) == 16
     assert fitted(ModelInfo(512, context_tokens=20, max_prompt_tokens=20, max_new_tokens=4096)) == 19
-    assert fitted(ModelInfo(512, context_tokens=1, max_prompt_tokens=1, max_new_tokens=4096)) == 1  # prefill refuses
+    # prefill refuses
+    assert fitted(ModelInfo(512, context_tokens=1, max_prompt_tokens=1, max_new_tokens=4096)) == 1
 
 
 @pytest.mark.parametrize("prefill", [None, object()])

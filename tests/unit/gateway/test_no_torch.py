@@ -16,8 +16,13 @@ FORBIDDEN = ("torch", "transformers")
 def _imported(module: str) -> tuple[set[str], str]:
     """Top-level package names loaded by `import module`, and the import-time log."""
     code = f"import sys, {module}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code],
-                          capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return set(proc.stdout.split()), proc.stderr
 
 
@@ -35,10 +40,13 @@ def _who(log: str, name: str) -> str:
     return " <- ".join(chain)
 
 
-@pytest.mark.parametrize("module", [
-    "epd.gateway.server",  # `epd serve gateway`: gRPC, remote stages
-    "epd.gateway.http_api",  # the HTTP API that `epd serve gateway --http-port` adds
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "epd.gateway.server",  # `epd serve gateway`: gRPC, remote stages
+        "epd.gateway.http_api",  # the HTTP API that `epd serve gateway --http-port` adds
+    ],
+)
 def test_gateway_imports_neither_torch_nor_transformers(module):
     loaded, log = _imported(module)
     assert "epd" in loaded and "grpc" in loaded, "the check must see the real import"

@@ -61,7 +61,11 @@ def test_a_conversation_without_media_is_text_alone():
     req = parse({"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
                                               {"role": "user", "content": "ping"}],
                  "media": {"num_frames": 4}, "pruning": {"preset": "balanced"}})  # fmt: skip
-    assert (req.messages, req.media_url, req.modality) == ([Message.system("be brief"), Message.user("ping")], "", "")
+    assert (req.messages, req.media_url, req.modality) == (
+        [Message.system("be brief"), Message.user("ping")],
+        "",
+        "",
+    )
     with pytest.raises(InvalidRequest, match="unknown media options"):
         parse({"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "media": {"frames": 4}})
 
@@ -79,24 +83,50 @@ def test_image_part_and_string_url():
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "roles must be system, user, assistant"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}},
-                                                       {"type": "image_url", "image_url": {"url": "data:y"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "video_url", "video_url": {"url": "data:x"}},
+                            {"type": "image_url", "image_url": {"url": "data:y"}},
+                        ],
+                    }
+                ]
+            },
             "have 2 video_url / image_url parts; at most one video or image per request",
         ),
         (
-            {"messages": [{"role": "assistant", "content": [{"type": "video_url", "video_url": {"url": "data:x"}}]},
-                          {"role": "user", "content": "and?"}]},
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "video_url", "video_url": {"url": "data:x"}}]},
+                    {"role": "user", "content": "and?"},
+                ]
+            },
             "put the video_url part in a user message",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x"}},
-                                                       {"type": "text", "text": "what?"}]},
-                          {"role": "system", "content": "red"}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "video_url", "video_url": {"url": "data:x"}},
+                            {"type": "text", "text": "what?"},
+                        ],
+                    },
+                    {"role": "system", "content": "red"},
+                ]
+            },
             "end with the user's message",
         ),
         (
-            {"messages": [{"role": "user", "content": "say red"}, {"role": "assistant", "content": "red"}],
-             "add_generation_prompt": False, "continue_final_message": True, "echo": True},
+            {
+                "messages": [{"role": "user", "content": "say red"}, {"role": "assistant", "content": "red"}],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "echo": True,
+            },
             "'echo' is not supported by this server",  # vLLM's would put the continued text in front
         ),
         ({"messages": [{"role": "user", "content": []}]}, "non-empty list of content parts"),
@@ -122,7 +152,9 @@ def test_invalid_bodies(change, match):
 def test_two_media_parts_and_unknown_parts():
     b = body()
     b["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "data:z"}})
-    with pytest.raises(InvalidRequest, match="have 2 video_url / image_url parts; at most one video or image"):
+    with pytest.raises(
+        InvalidRequest, match="have 2 video_url / image_url parts; at most one video or image"
+    ):
         parse(b)
     b = body()
     b["messages"][0]["content"].append({"type": "input_audio", "input_audio": {}})
@@ -147,7 +179,10 @@ def test_an_earlier_turn_with_tool_calls_is_refused_not_dropped(field, value):
     """An assistant turn of tool calls (content null) was taken as an empty answer: the model saw
     a conversation in which it had said nothing."""
     b = body()
-    b["messages"] += [{"role": "assistant", "content": None, field: value}, {"role": "user", "content": "and?"}]
+    b["messages"] += [
+        {"role": "assistant", "content": None, field: value},
+        {"role": "user", "content": "and?"},
+    ]
     with pytest.raises(InvalidRequest, match=f"messages\\[1\\] has '{field}'; tool calls are not supported"):
         parse(b)
     b["messages"][1][field] = [] if field == "tool_calls" else None  # asks for nothing
@@ -194,13 +229,19 @@ NAN, INF = float("nan"), float("inf")
         ({"seed": 2**63}, "'seed' must be an integer from -9223372036854775808 to 9223372036854775807"),
         ({"seed": 10**100}, "got a huge integer"),
         ({"stream": "yes"}, "'stream' must be true or false"),
-        ({"stream": True, "stream_options": {"include_usage": 1}}, "'stream_options.include_usage' must be true or false"),
+        (
+            {"stream": True, "stream_options": {"include_usage": 1}},
+            "'stream_options.include_usage' must be true or false",
+        ),
         ({"ignore_eos": 0}, "'ignore_eos' must be true or false"),
         ({"n": True}, "only n=1"),
         ({"model": ["epd"]}, "'model' must be a string"),
         ({"stop": "\ud800"}, "'stop' is not valid Unicode text"),
         ({"pruning": {"preset": 3}}, "pruning.preset must be a string"),
-        ({"pruning": {"knobs": {"kv_keep_ratio": NAN}}}, "pruning option kv_keep_ratio='nan' is not a valid float"),
+        (
+            {"pruning": {"knobs": {"kv_keep_ratio": NAN}}},
+            "pruning option kv_keep_ratio='nan' is not a valid float",
+        ),
         ({"pruning": {"knobs": {"prefill_drop_layer": 2**70}}}, "is not a valid int"),
         ({"pruning": {"knobs": {"kv_keep_ratio": [0.5]}}}, "pruning.knobs.kv_keep_ratio must be a number"),
     ],
@@ -294,13 +335,33 @@ def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, va
 
 
 def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
-    neutral = dict(frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1, logit_bias={}, min_tokens=0,
-                   min_p=0, stop_token_ids=[], include_stop_str_in_output=False, best_of=1,
-                   response_format={"type": "text"}, tools=[], tool_choice="none", guided_json=None,
-                   skip_special_tokens=True, spaces_between_special_tokens=True, add_special_tokens=False,
-                   chat_template=None, chat_template_kwargs={}, mm_processor_kwargs={}, priority=0,
-                   media_io_kwargs={}, include_reasoning=True, watermarking=False, return_prompt_text=False,
-                   reasoning_effort=None)
+    neutral = dict(
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        repetition_penalty=1,
+        logit_bias={},
+        min_tokens=0,
+        min_p=0,
+        stop_token_ids=[],
+        include_stop_str_in_output=False,
+        best_of=1,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        guided_json=None,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        add_special_tokens=False,
+        chat_template=None,
+        chat_template_kwargs={},
+        mm_processor_kwargs={},
+        priority=0,
+        media_io_kwargs={},
+        include_reasoning=True,
+        watermarking=False,
+        return_prompt_text=False,
+        reasoning_effort=None,
+    )
     assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32, fit_max_new_tokens=True)
     with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
         parse(body(medias={"num_frames": 4}, user="u1", return_token_ids=True))
@@ -313,8 +374,11 @@ def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
 def test_vllms_ways_to_ask_for_frames_are_refused_with_where_frames_go(field):
     """vLLM's clients ask for frames in these; the refusal said only "leave it unset"."""
     value = {"fps": 1} if field == "mm_processor_kwargs" else {"video": {"num_frames": 16}}
-    with pytest.raises(InvalidRequest, match=f"'{field}' is not supported .*; frame sampling goes in \"media\": "
-                                             r'\{"num_frames": 8\}'):
+    with pytest.raises(
+        InvalidRequest,
+        match=f"'{field}' is not supported .*; frame sampling goes in \"media\": "
+        r'\{"num_frames": 8\}',
+    ):
         parse(body(**{field: value}))
 
 
@@ -325,8 +389,15 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
         logit_bias={"17": 100, "5": -2.5}, stop_token_ids=[7, 3], include_stop_str_in_output=True,
     ))  # fmt: skip
     assert req.generation == GenerationConfig(
-        max_new_tokens=32, repetition_penalty=1.2, presence_penalty=-1.0, frequency_penalty=0.5, min_p=0.1,
-        min_tokens=4, logit_bias=((5, -2.5), (17, 100.0)), stop_token_ids=(7, 3), include_stop_str_in_output=True,
+        max_new_tokens=32,
+        repetition_penalty=1.2,
+        presence_penalty=-1.0,
+        frequency_penalty=0.5,
+        min_p=0.1,
+        min_tokens=4,
+        logit_bias=((5, -2.5), (17, 100.0)),
+        stop_token_ids=(7, 3),
+        include_stop_str_in_output=True,
         fit_max_new_tokens=True,
     )
 
@@ -357,8 +428,12 @@ def test_vllm_and_openai_spellings_are_understood():
     """top_k -1 is vLLM's "off"; `developer` is OpenAI's newer system role; an assistant message of
     its own history may have null content. They were 400s."""
     b = body(top_k=-1)
-    b["messages"] = [{"role": "developer", "content": "be brief"}, *b["messages"],
-                     {"role": "assistant", "content": None}, {"role": "user", "content": "and then?"}]
+    b["messages"] = [
+        {"role": "developer", "content": "be brief"},
+        *b["messages"],
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "and then?"},
+    ]
     req = parse(b)
     assert req.generation.top_k == 0
     assert [m.role for m in req.messages] == ["system", "user", "assistant", "user"]

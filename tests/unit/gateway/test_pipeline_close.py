@@ -116,9 +116,13 @@ def test_the_gateway_closes_its_stage_channels_after_its_drain_and_a_call_in_the
                             break
                     except aiohttp.ClientConnectionError:
                         await asyncio.sleep(0.05)
-                answer = asyncio.ensure_future(session.post(
-                    f"http://127.0.0.1:{port}/tokenize", data=json.dumps({"prompt": "hello"}),
-                    headers={"Content-Type": "application/json"}))
+                answer = asyncio.ensure_future(
+                    session.post(
+                        f"http://127.0.0.1:{port}/tokenize",
+                        data=json.dumps({"prompt": "hello"}),
+                        headers={"Content-Type": "application/json"},
+                    )
+                )
                 await asyncio.wait_for(prefill.asked.wait(), 30)
                 signals.stop.set()  # SIGTERM with the call in flight
                 await _draining(grpc_port)

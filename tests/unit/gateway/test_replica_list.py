@@ -37,7 +37,7 @@ def test_json_and_yaml_lists_parse_and_a_stage_left_out_is_absent():
         ('{"encoder": [', "not valid JSON or YAML"),
         ('["a:1"]', "must be a mapping"),
         ('{"encoders": ["a:1"]}', "unknown stage 'encoders'"),
-        ('{"encoder": [1, 2]}', "list of \"HOST:PORT\" strings"),
+        ('{"encoder": [1, 2]}', 'list of "HOST:PORT" strings'),
         ('{"encoder": []}', "needs at least one address"),
     ],
 )

@@ -23,7 +23,12 @@ def test_only_ttft_first_puts_first_token_admissions_ahead():
 
 @pytest.mark.parametrize(
     "policy,wait_s,steps,match",
-    [("lifo", 0.3, 2, "fifo, ttft-first"), ("fifo", 0.0, 2, "> 0 s"), ("fifo", 0.3, 0, "1 to 3"), ("fifo", 0.3, 4, "1 to 3")],
+    [
+        ("lifo", 0.3, 2, "fifo, ttft-first"),
+        ("fifo", 0.0, 2, "> 0 s"),
+        ("fifo", 0.3, 0, "1 to 3"),
+        ("fifo", 0.3, 4, "1 to 3"),
+    ],
 )
 def test_a_bad_schedule_is_refused_naming_what_is_allowed(policy, wait_s, steps, match):
     with pytest.raises(ValueError, match=match):
@@ -42,7 +47,11 @@ def test_the_serve_flags_default_to_the_config_and_parse():
 
 def test_two_steps_at_once_by_default_and_the_flag_sets_it():
     parser = build_parser()
-    assert parser.parse_args(["serve", "--colocate"]).concurrent_steps == SharedModelSchedule().concurrent_steps == 2
+    assert (
+        parser.parse_args(["serve", "--colocate"]).concurrent_steps
+        == SharedModelSchedule().concurrent_steps
+        == 2
+    )
     assert parser.parse_args(["serve", "--colocate", "--concurrent-steps", "1"]).concurrent_steps == 1
     for bad in ("0", "4", "two"):
         with pytest.raises(SystemExit):
@@ -52,5 +61,7 @@ def test_two_steps_at_once_by_default_and_the_flag_sets_it():
 def test_the_colocated_stages_get_the_flag(tmp_path):
     from epd.cli.configs import colocated_stages
 
-    args = build_parser().parse_args(["serve", "--colocate", "--concurrent-steps", "3", "--model", str(tmp_path)])
+    args = build_parser().parse_args(
+        ["serve", "--colocate", "--concurrent-steps", "3", "--model", str(tmp_path)]
+    )
     assert colocated_stages(args).schedule.concurrent_steps == 3

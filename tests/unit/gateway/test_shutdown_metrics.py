@@ -30,7 +30,18 @@ from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 class _Prefill(PrefillStage):
-    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):  # type: ignore[override]
+    async def prefill(
+        self,
+        messages,
+        media,
+        generation,
+        request_id,
+        pruning=None,
+        cache_salt="",
+        *,
+        raw_prompt=None,
+        template=None,
+    ):  # type: ignore[override]
         return PrefillHandle(first_token_id=7, num_prompt_tokens=1, num_cached_tokens=1, next_position_ids=[1],
                              kv_num_bytes=0, prefill_ms=0.0)  # fmt: skip
 
@@ -61,10 +72,13 @@ def _counted(metrics: GatewayMetrics) -> dict[str, float]:
             if (n := metrics.value("epd_requests_total", status=status))}  # fmt: skip
 
 
-@pytest.mark.parametrize(("stream", "status", "counted"), [
-    (False, 503, "UNAVAILABLE"),  # a whole answer not given yet: a 503 to retry
-    (True, 200, "ABORTED"),  # a streamed answer with tokens out: an error event (502) and [DONE]
-])
+@pytest.mark.parametrize(
+    ("stream", "status", "counted"),
+    [
+        (False, 503, "UNAVAILABLE"),  # a whole answer not given yet: a 503 to retry
+        (True, 200, "ABORTED"),  # a streamed answer with tokens out: an error event (502) and [DONE]
+    ],
+)
 def test_an_http_request_cut_at_shutdown_is_counted_with_the_status_its_client_gets(stream, status, counted):
     async def scenario():
         pipeline, metrics = _metered(tokens=True)
@@ -72,8 +86,13 @@ def test_an_http_request_cut_at_shutdown_is_counted_with_the_status_its_client_g
         http = await start_http_api(config, pipeline, metrics)
         body = json.dumps({"stream": stream, "messages": [{"role": "user", "content": "hello"}]})
         async with aiohttp.ClientSession() as session:
-            answer = asyncio.ensure_future(session.post(f"http://127.0.0.1:{http.port}/v1/chat/completions",
-                                                        data=body, headers={"Content-Type": "application/json"}))
+            answer = asyncio.ensure_future(
+                session.post(
+                    f"http://127.0.0.1:{http.port}/v1/chat/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                )
+            )
             await asyncio.sleep(0.3)  # it is being answered (the decoder never ends it)
             await asyncio.wait_for(http.stop(0.5), timeout=30)
             async with await answer as resp:
@@ -85,10 +104,13 @@ def test_an_http_request_cut_at_shutdown_is_counted_with_the_status_its_client_g
     assert counts == {counted: 1.0}, counts
 
 
-@pytest.mark.parametrize(("tokens", "code"), [
-    (True, grpc.StatusCode.ABORTED),  # tokens out: the answer is incomplete
-    (False, grpc.StatusCode.UNAVAILABLE),  # nothing out yet: retrying is safe
-])
+@pytest.mark.parametrize(
+    ("tokens", "code"),
+    [
+        (True, grpc.StatusCode.ABORTED),  # tokens out: the answer is incomplete
+        (False, grpc.StatusCode.UNAVAILABLE),  # nothing out yet: retrying is safe
+    ],
+)
 def test_a_grpc_call_cut_at_shutdown_is_counted_with_the_status_its_client_gets(tokens, code):
     async def scenario():
         pipeline, metrics = _metered(tokens)
@@ -99,7 +121,9 @@ def test_a_grpc_call_cut_at_shutdown_is_counted_with_the_status_its_client_gets(
         serving = asyncio.ensure_future(serve_until_signal(hs, config.server.grace_s, signals=signals))
         header = gateway_pb2.AskHeader(request_id="cut", messages=messages_to_proto([Message.user("hello")]))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
-            call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(iter([gateway_pb2.AskRequest(header=header)]))
+            call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(
+                iter([gateway_pb2.AskRequest(header=header)])
+            )
             try:
                 async for response in call:
                     if response.HasField("event") and response.event.stage == "upload":

@@ -30,8 +30,15 @@ def test_every_stage_event_in_the_code_names_a_stage_from_the_enum():
     literal = []
     for path in _python_files():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "StageEvent":
-                first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "stage"), None)
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", "")) == "StageEvent"
+            ):
+                first = (
+                    node.args[0]
+                    if node.args
+                    else next((k.value for k in node.keywords if k.arg == "stage"), None)
+                )
                 if isinstance(first, ast.Constant):
                     literal.append(f"{path.relative_to(ROOT)}:{node.lineno}: {first.value!r}")
     assert literal == [], "name stages with epd.stages.names.Stage, not a string: " + "; ".join(literal)
@@ -51,7 +58,9 @@ def test_the_proto_docs_list_the_enum():
     assert names == [s.value for s in Stage]
     gateway = (ROOT / "protos/epd/v1/gateway.proto").read_text()
     comment = re.search(r"((?:\s*//.*\n)+)\s*map<string, double> timings_ms", gateway)
-    assert comment and re.findall(r'"([a-z_]+)"', comment.group(1).split("until 0.3")[0]) == list(TIMING_NAMES)
+    assert comment and re.findall(r'"([a-z_]+)"', comment.group(1).split("until 0.3")[0]) == list(
+        TIMING_NAMES
+    )
 
 
 def test_stage_names_print_as_themselves():
@@ -62,10 +71,14 @@ def test_stage_names_print_as_themselves():
 def test_a_renamed_timing_goes_out_under_both_names_and_comes_back_under_the_new_one():
     sent = timings_with_legacy_names({"video_decode": 3.0, "ttft": 4.0})
     assert sent == {"video_decode": 3.0, "decode": 3.0, "ttft": 4.0}
-    assert timings_from_either(sent) == timings_from_either({"decode": 3.0, "ttft": 4.0}) == {
-        "video_decode": 3.0,
-        "ttft": 4.0,
-    }
+    assert (
+        timings_from_either(sent)
+        == timings_from_either({"decode": 3.0, "ttft": 4.0})
+        == {
+            "video_decode": 3.0,
+            "ttft": 4.0,
+        }
+    )
 
 
 def domain_summary() -> AskSummary:
@@ -91,7 +104,9 @@ def test_the_grpc_summary_carries_every_field_of_the_pipelines_summary():
     result = result_from_proto(wire, [])
     assert result.grid_thw == (2, 4, 6) and result.kept_visual_token_index == [0, 3]
     assert result.num_reused_prompt_tokens == 52
-    assert result.timings_ms.video_decode_ms == 1.0 and result.timings_ms.total_ms == 1.0 + len(TIMING_NAMES) - 1
+    assert (
+        result.timings_ms.video_decode_ms == 1.0 and result.timings_ms.total_ms == 1.0 + len(TIMING_NAMES) - 1
+    )
 
 
 def test_the_http_epd_object_has_the_sdk_results_names():

@@ -27,18 +27,32 @@ CONTINUE = ChatTemplateOptions(add_generation_prompt=False, continue_final_messa
 
 
 def test_a_prompt_adds_special_tokens_and_messages_a_generation_prompt_by_default_as_vllms():
-    assert parse_tokenize_request({"prompt": "hi"}, "epd") == TokenizeInput(prompt="hi", add_special_tokens=True)
+    assert parse_tokenize_request({"prompt": "hi"}, "epd") == TokenizeInput(
+        prompt="hi", add_special_tokens=True
+    )
     parsed = parse_tokenize_request({"model": "epd", "messages": [USER]}, "epd")
     assert (parsed.prompt, parsed.add_special_tokens, parsed.template) == (None, False, ChatTemplateOptions())
     assert parsed.messages == [Message("user", (text("hi"),))]
-    parsed = parse_tokenize_request({"messages": [USER], "add_generation_prompt": False, "add_special_tokens": True}, "epd")
-    assert (parsed.add_special_tokens, parsed.template) == (True, ChatTemplateOptions(add_generation_prompt=False))
+    parsed = parse_tokenize_request(
+        {"messages": [USER], "add_generation_prompt": False, "add_special_tokens": True}, "epd"
+    )
+    assert (parsed.add_special_tokens, parsed.template) == (
+        True,
+        ChatTemplateOptions(add_generation_prompt=False),
+    )
     assert (parsed.template.continue_final_message, parsed.return_token_strs) == (False, False)
 
 
 def test_continue_final_message_and_return_token_strs_are_read_as_vllms():
-    parsed = parse_tokenize_request({"messages": [USER, ASSISTANT], "add_generation_prompt": False,
-                                     "continue_final_message": True, "return_token_strs": True}, "epd")
+    parsed = parse_tokenize_request(
+        {
+            "messages": [USER, ASSISTANT],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "return_token_strs": True,
+        },
+        "epd",
+    )
     assert (parsed.template, parsed.return_token_strs) == (CONTINUE, True)
     assert parse_tokenize_request({"prompt": "a", "return_token_strs": True}, "epd").return_token_strs
 
@@ -62,8 +76,12 @@ def test_bad_tokenize_bodies_are_refused_naming_what_to_change(body, message):
 
 def test_detokenize_takes_a_bounded_list_of_token_ids():
     assert parse_detokenize_request({"tokens": [0, 5, 7]}, "epd") == [0, 5, 7]
-    for tokens, message in (("1 2", "'tokens' must be a list of token ids"), ([1, True], "tokens\\[\\]"),
-                            ([-1], "tokens\\[\\]"), ([0] * (MAX_DETOKENIZE_TOKENS + 1), "at most")):
+    for tokens, message in (
+        ("1 2", "'tokens' must be a list of token ids"),
+        ([1, True], "tokens\\[\\]"),
+        ([-1], "tokens\\[\\]"),
+        ([0] * (MAX_DETOKENIZE_TOKENS + 1), "at most"),
+    ):
         with pytest.raises(InvalidRequest, match=message):
             parse_detokenize_request({"tokens": tokens}, "epd")
     with pytest.raises(NotFound, match="GET /v1/models lists 'epd'"):
@@ -77,7 +95,9 @@ def test_the_stage_side_checks_text_only_and_the_vocabulary():
     TokenizeInput(messages=answered, template=ChatTemplateOptions(add_generation_prompt=False)).check(100)
     TokenizeInput(messages=answered, template=CONTINUE).check(100)
     TokenizeInput(messages=answered[:1], template=CONTINUE).check(100)  # the user's message left open too
-    with pytest.raises(InvalidRequest, match="add_generation_prompt and continue_final_message cannot both be true"):
+    with pytest.raises(
+        InvalidRequest, match="add_generation_prompt and continue_final_message cannot both be true"
+    ):
         TokenizeInput(messages=answered, template=ChatTemplateOptions(continue_final_message=True)).check(100)
     with pytest.raises(InvalidRequest, match="/tokenize counts text only"):
         TokenizeInput(messages=[Message("user", (ContentPart("video"), text("what happens?")))]).check(100)
@@ -123,10 +143,13 @@ def test_the_routes_answer_vllms_shapes_behind_the_api_key():
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
                 out = []
-                for path, body, headers in (("/tokenize", {"prompt": "hi"}, {}), ("/tokenize", {"prompt": "hi"}, key),
-                                            ("/detokenize", {"tokens": [104, 105]}, key),
-                                            ("/tokenize", {"prompt": 1}, key),
-                                            ("/tokenize", {"prompt": "hi", "return_token_strs": True}, key)):
+                for path, body, headers in (
+                    ("/tokenize", {"prompt": "hi"}, {}),
+                    ("/tokenize", {"prompt": "hi"}, key),
+                    ("/detokenize", {"tokens": [104, 105]}, key),
+                    ("/tokenize", {"prompt": 1}, key),
+                    ("/tokenize", {"prompt": "hi", "return_token_strs": True}, key),
+                ):
                     async with session.post(path, json=body, headers=headers) as resp:
                         out.append((resp.status, await resp.json()))
                 return out

@@ -41,7 +41,18 @@ class Prefill(contracts.PrefillStage):
         self.kv_address = kv_address
         self.num_calls = 0
 
-    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", *, raw_prompt=None, template=None):
+    async def prefill(
+        self,
+        messages,
+        media,
+        generation,
+        request_id,
+        pruning=None,
+        cache_salt="",
+        *,
+        raw_prompt=None,
+        template=None,
+    ):
         self.num_calls += 1
         return PrefillHandle(
             first_token_id=7, num_prompt_tokens=20, num_cached_tokens=20, next_position_ids=[20, 4, 4, 4],
@@ -78,7 +89,9 @@ def _transfer_bytes(pipeline: Pipeline) -> int:
 
 
 def test_the_hops_of_a_stack_add_up():
-    pipeline = Pipeline(Encoder(ENCODER_TO_GATEWAY_BYTES), Prefill(PREFILL_CALL_BYTES, "prefill-0:50052"), Decoder())
+    pipeline = Pipeline(
+        Encoder(ENCODER_TO_GATEWAY_BYTES), Prefill(PREFILL_CALL_BYTES, "prefill-0:50052"), Decoder()
+    )
     assert _transfer_bytes(pipeline) == ENCODER_TO_GATEWAY_BYTES + PREFILL_CALL_BYTES + KV_PULLED_BYTES
 
 

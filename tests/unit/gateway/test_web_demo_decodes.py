@@ -30,7 +30,10 @@ from tests.media import make_video
 
 WAIT_S = 30.0
 """Bound on waits for the other side (never reached unless the test fails)."""
-BODY = {"video_url": "data:video/mp4;base64," + base64.b64encode(b"\x00" * 64).decode(), "media": {"num_frames": 2}}
+BODY = {
+    "video_url": "data:video/mp4;base64," + base64.b64encode(b"\x00" * 64).decode(),
+    "media": {"num_frames": 2},
+}
 
 
 class HeldDecode:
@@ -60,7 +63,9 @@ class HeldDecode:
 
 
 async def _serve(fn, demo: WebDemoConfig, max_requests_per_client: int = 8):
-    config = GatewayConfig(max_requests_per_client=max_requests_per_client, http=HttpApiConfig(port=0, demo=demo))
+    config = GatewayConfig(
+        max_requests_per_client=max_requests_per_client, http=HttpApiConfig(port=0, demo=demo)
+    )
     api = HttpApi(config, Pipeline(None, None, None), GatewayMetrics())  # type: ignore[arg-type]
     runner = web.AppRunner(api.app(), handler_cancellation=True)  # as start_http_api serves it
     await runner.setup()
@@ -112,7 +117,9 @@ def test_a_client_that_disconnects_keeps_its_slot_until_the_decode_has_stopped(h
             after = await _post(session, url)
             return refused, in_flight, after[0], admission.num_reserved_bytes
 
-    refused, in_flight, after, bytes_after = asyncio.run(_serve(calls, WebDemoConfig(), max_requests_per_client=1))
+    refused, in_flight, after, bytes_after = asyncio.run(
+        _serve(calls, WebDemoConfig(), max_requests_per_client=1)
+    )
     assert refused[:2] == (429, "1") and "--max-requests-per-client" in refused[2]
     assert in_flight[0] == 1 and in_flight[1] > 0  # its slot and its body's bytes, still reserved
     assert after == 200 and bytes_after == 0
@@ -144,8 +151,13 @@ def test_a_full_demo_refuses_with_retry_after_and_leaves_the_default_executor_fr
 def test_the_operators_decode_limits_apply_to_the_demo(tmp_path, limit, message):
     """The demo used `DecodeLimits()` whatever the operator set: a 3 s, 320x240 clip passed
     limits that the encoder refuses it with."""
-    data = make_video(tmp_path / "clip.mp4", codec="h264", size=(320, 240), fps=10.0, seconds=3.0, gop=10).read_bytes()
-    body = {"video_url": "data:video/mp4;base64," + base64.b64encode(data).decode(), "media": {"num_frames": 2}}
+    data = make_video(
+        tmp_path / "clip.mp4", codec="h264", size=(320, 240), fps=10.0, seconds=3.0, gop=10
+    ).read_bytes()
+    body = {
+        "video_url": "data:video/mp4;base64," + base64.b64encode(data).decode(),
+        "media": {"num_frames": 2},
+    }
 
     async def calls(url, admission):
         async with aiohttp.ClientSession() as session:
@@ -161,14 +173,22 @@ def test_a_demo_decodes_log_lines_carry_the_request_id(tmp_path):
     """The demo's threads ran the decoder outside the request's context: "video decode failed"
     went to the log without the request id that the client's 400 names, so the operator could
     not find it (the encoder's decode drivers run in the request's context)."""
-    data = bytearray(make_video(tmp_path / "clip.mp4", codec="h264", size=(64, 48), fps=10.0, seconds=2.0,
-                                gop=10).read_bytes())
-    data[len(data) // 2:len(data) // 2 + 500] = b"\x00" * 500  # corrupt frames: the decoder fails and logs
-    body = {"video_url": "data:video/mp4;base64," + base64.b64encode(bytes(data)).decode(), "media": {"num_frames": 2}}
+    data = bytearray(
+        make_video(
+            tmp_path / "clip.mp4", codec="h264", size=(64, 48), fps=10.0, seconds=2.0, gop=10
+        ).read_bytes()
+    )
+    data[len(data) // 2 : len(data) // 2 + 500] = b"\x00" * 500  # corrupt frames: the decoder fails and logs
+    body = {
+        "video_url": "data:video/mp4;base64," + base64.b64encode(bytes(data)).decode(),
+        "media": {"num_frames": 2},
+    }
 
     async def calls(url, admission):
         async with aiohttp.ClientSession() as session:
-            async with session.post(url, json=body, headers={tracing.REQUEST_ID_KEY: "demo-decode-7"}) as resp:
+            async with session.post(
+                url, json=body, headers={tracing.REQUEST_ID_KEY: "demo-decode-7"}
+            ) as resp:
                 return resp.status, (await resp.json())["error"]["message"]
 
     with log_records("epd.video.simple_decoder") as records:
@@ -183,18 +203,32 @@ def test_the_gateway_flags_set_the_demo_and_the_stack_passes_the_encoders_limits
     from epd.cli.main import build_parser
     from epd.cli.serve import stack_commands
 
-    args = build_parser().parse_args(["serve", "gateway", "--max-duration-s", "30", "--max-source-pixels", "4096",
-                                      "--demo-max-concurrent-decodes", "3"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "gateway",
+            "--max-duration-s",
+            "30",
+            "--max-source-pixels",
+            "4096",
+            "--demo-max-concurrent-decodes",
+            "3",
+        ]
+    )
     demo = configs.gateway_config(args).http.demo
     assert demo.max_concurrent_decodes == 3
     assert (demo.limits.max_duration_s, demo.limits.max_source_pixels) == (30.0, 4096)
-    stack = build_parser().parse_args(["serve", "--max-duration-s", "30", "--max-decode-s", "7",
-                                       "--demo-max-concurrent-decodes", "5"])
+    stack = build_parser().parse_args(
+        ["serve", "--max-duration-s", "30", "--max-decode-s", "7", "--demo-max-concurrent-decodes", "5"]
+    )
     gateway = stack_commands(stack)["gateway"]
     assert gateway[gateway.index("--max-duration-s") + 1] == "30.0"
     assert gateway[gateway.index("--max-decode-s") + 1] == "7.0"
     assert gateway[gateway.index("--demo-max-concurrent-decodes") + 1] == "5"
-    colocated = configs.colocated_gateway_config(build_parser().parse_args([
-        "serve", "--colocate", "--max-duration-s", "30", "--demo-max-concurrent-decodes", "4"]))
+    colocated = configs.colocated_gateway_config(
+        build_parser().parse_args(
+            ["serve", "--colocate", "--max-duration-s", "30", "--demo-max-concurrent-decodes", "4"]
+        )
+    )
     assert colocated.http.demo.limits.max_duration_s == 30.0
     assert colocated.http.demo.max_concurrent_decodes == 4

@@ -71,8 +71,13 @@ def test_every_response_forbids_framing_sniffing_and_other_origins():
 
     async def calls(session):
         out = {}
-        for method, path in (("GET", "/"), ("GET", "/static/app.js"), ("GET", "/demo/samples/sample.png"),
-                             ("POST", "/demo/frames"), ("GET", "/nope")):
+        for method, path in (
+            ("GET", "/"),
+            ("GET", "/static/app.js"),
+            ("GET", "/demo/samples/sample.png"),
+            ("POST", "/demo/frames"),
+            ("GET", "/nope"),
+        ):
             async with session.request(method, path) as resp:
                 out[path] = (resp.status, resp.headers)
         return out
@@ -80,9 +85,12 @@ def test_every_response_forbids_framing_sniffing_and_other_origins():
     out = asyncio.run(_session("k", calls))
     assert out["/demo/frames"][0] == 401 and out["/nope"][0] == 404
     for path, (_, headers) in out.items():
-        csp = {d.split()[0]: d.split()[1:] for d in headers.get("Content-Security-Policy", "").split("; ") if d}
+        csp = {
+            d.split()[0]: d.split()[1:] for d in headers.get("Content-Security-Policy", "").split("; ") if d
+        }
         assert csp.get("default-src") == ["'none'"] and csp.get("frame-ancestors") == ["'none'"], path
-        assert csp["script-src"] == ["'self'"] and csp["connect-src"] == ["'self'"], path  # the key stays here
+        # the key stays here
+        assert csp["script-src"] == ["'self'"] and csp["connect-src"] == ["'self'"], path
         assert headers.get("X-Content-Type-Options") == "nosniff", path
         assert headers.get("X-Frame-Options") == "DENY", path
     assert out["/static/app.js"][1]["Content-Type"] in ("application/javascript", "text/javascript")
@@ -127,8 +135,17 @@ def test_a_keyless_gateway_on_loopback_answers_loopback_names_only():
 
     async def calls(session):
         out = {}
-        for host in ("evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost:8000", "LOCALHOST.",
-                     "app.localhost", "127.0.0.1", "127.0.0.2:9", "[::1]:8000"):
+        for host in (
+            "evil.example",
+            "evil.example:8000",
+            "127.0.0.1.nip.io",
+            "localhost:8000",
+            "LOCALHOST.",
+            "app.localhost",
+            "127.0.0.1",
+            "127.0.0.2:9",
+            "[::1]:8000",
+        ):
             async with session.get("/v1/models", headers={"Host": host}) as resp:
                 out[host] = (resp.status, (await resp.json()).get("error", {}).get("message", ""))
         return out
@@ -163,7 +180,9 @@ def test_frames_are_the_encoders_sampled_frames_as_thumbnails(tmp_path):
                 out.append((resp.status, await resp.json()))
         return out
 
-    (no_key, unauthorized), (ok, body), (bad_option, error), (local_path, refused) = asyncio.run(_session("k", calls))
+    (no_key, unauthorized), (ok, body), (bad_option, error), (local_path, refused) = asyncio.run(
+        _session("k", calls)
+    )
     assert no_key == 401
     # Checked with /v1/*'s, before admission: its message names the request id as every error does.
     assert re.search(r"missing or wrong API key; .* \(request id \w+\)$", unauthorized["error"]["message"])

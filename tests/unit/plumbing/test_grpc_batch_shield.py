@@ -23,7 +23,8 @@ HANG_GUARD_S = 30.0
 DEADLINE_S = 2.0
 """The "deadline" cut's call deadline (its channel is connected first)."""
 UPLOAD_CHUNK_BYTES = 1 << 20
-NUM_UPLOAD_CHUNKS = 16  # far past HTTP/2's flow-control window: the upload stalls on a server that does not read
+# far past HTTP/2's flow-control window: the upload stalls on a server that does not read
+NUM_UPLOAD_CHUNKS = 16
 Code = grpc.StatusCode
 
 
@@ -174,19 +175,31 @@ def started_by_the_call(before: set[asyncio.Task]) -> set[asyncio.Task]:
     return {t for t in new if getattr(t.get_coro(), "__qualname__", "") != "AioServer._request_call"}
 
 
-@pytest.mark.parametrize("how", [
-    "before first operation", "read", "async for", "wait_for timeout", "call.cancel()", "deadline",
-    "stalled upload", "upload, one answer", "unary",
-])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "before first operation",
+        "read",
+        "async for",
+        "wait_for timeout",
+        "call.cancel()",
+        "deadline",
+        "stalled upload",
+        "upload, one answer",
+        "unary",
+    ],
+)
 def test_a_cut_call_ends_with_its_status_and_leaves_nothing_in_flight(shielded, how):
     async def main() -> None:
         servicer = Servicer()
-        server, address = await start_server({
-            "Tokens": grpc.unary_stream_rpc_method_handler(servicer.Tokens),
-            "Encode": grpc.stream_stream_rpc_method_handler(servicer.Encode),
-            "Prefill": grpc.stream_unary_rpc_method_handler(servicer.Prefill),
-            "ReleaseKv": grpc.unary_unary_rpc_method_handler(servicer.ReleaseKv),
-        })
+        server, address = await start_server(
+            {
+                "Tokens": grpc.unary_stream_rpc_method_handler(servicer.Tokens),
+                "Encode": grpc.stream_stream_rpc_method_handler(servicer.Encode),
+                "Prefill": grpc.stream_unary_rpc_method_handler(servicer.Prefill),
+                "ReleaseKv": grpc.unary_unary_rpc_method_handler(servicer.ReleaseKv),
+            }
+        )
         before = asyncio.all_tasks()
         num_ended_before = LEFT_BATCHES.num_ended
         try:

@@ -94,7 +94,9 @@ def test_a_calls_error_reaches_its_caller_and_the_thread_serves_on(thread):
         with pytest.raises(ValueError, match="bad tensor"):
             await thread.run(boom, "tensor")
         # Two concurrent callers: only the failing one sees the error.
-        results = await asyncio.gather(thread.run(boom, "x"), thread.run(lambda: "ok"), return_exceptions=True)
+        results = await asyncio.gather(
+            thread.run(boom, "x"), thread.run(lambda: "ok"), return_exceptions=True
+        )
         return ident, results, await thread.run(threading.get_ident)
 
     before, results, after = _run(scenario())
@@ -213,8 +215,12 @@ def _queued_order(
         blocker = Blocker()
         held = asyncio.ensure_future(thread.run_in("prefill", blocker))
         await blocker.wait_started()
-        futures = [asyncio.ensure_future((thread.run_first if label.startswith("first") else thread.run_in)(
-            lane, ran.append, label)) for lane, label in calls]
+        futures = [
+            asyncio.ensure_future(
+                (thread.run_first if label.startswith("first") else thread.run_in)(lane, ran.append, label)
+            )
+            for lane, label in calls
+        ]
         await asyncio.sleep(0)  # all queued behind the blocker
         blocker.release.set()
         await held
@@ -250,8 +256,13 @@ def test_a_run_first_call_goes_ahead_of_the_queued_calls_whatever_their_lanes():
     `first_calls_ahead` (ttft-first): queued after other calls, it runs right after the call that
     is running, behind earlier `run_first` calls only, and a deferred lane does not hold it back;
     the other calls keep their order."""
-    calls = [("encode", "encode"), ("decode", "first admit"), ("prefill", "prefill"),
-             ("decode", "first admit 2"), ("decode", "decode step")]
+    calls = [
+        ("encode", "encode"),
+        ("decode", "first admit"),
+        ("prefill", "prefill"),
+        ("decode", "first admit 2"),
+        ("decode", "decode step"),
+    ]
     want = ["first admit", "first admit 2", "encode", "prefill", "decode step"]
     assert _queued_order({}, calls, first_calls_ahead=True) == want
     assert _queued_order({"decode": HANG_GUARD_S}, calls, first_calls_ahead=True) == want
@@ -259,7 +270,12 @@ def test_a_run_first_call_goes_ahead_of_the_queued_calls_whatever_their_lanes():
 
 def test_without_first_calls_ahead_a_run_first_call_keeps_its_place_in_the_arrival_order():
     """fifo (the default schedule): an admission waits behind the steps queued before it."""
-    calls = [("encode", "encode"), ("decode", "first admit"), ("prefill", "prefill"), ("decode", "decode step")]
+    calls = [
+        ("encode", "encode"),
+        ("decode", "first admit"),
+        ("prefill", "prefill"),
+        ("decode", "decode step"),
+    ]
     assert _queued_order({}, calls) == ["encode", "first admit", "prefill", "decode step"]
 
 

@@ -154,7 +154,9 @@ def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
         port = free_port()  # nothing listening on it yet
         address = f"127.0.0.1:{port}"
         pool = ReplicaPool([address])
-        config = GatewayConfig(encoder_addresses=(address,), prefill_addresses=(address,), decode_addresses=(address,))
+        config = GatewayConfig(
+            encoder_addresses=(address,), prefill_addresses=(address,), decode_addresses=(address,)
+        )
         checks = StageHealth(config, timeout_s=TIMEOUT_S, pools={"decode": pool})
         loop = asyncio.get_running_loop()
         server = None
@@ -167,7 +169,9 @@ def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
                 pool.chooser._failed_until.clear()  # noqa: SLF001 - keep trying the one replica
                 await asyncio.sleep(0.1)
             server = grpc.aio.server()
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, _named(b"back", [])),))
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(SERVICE, _named(b"back", [])),)
+            )
             servicer = health.aio.HealthServicer()
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -206,8 +210,11 @@ def _prefill_replicas(turns) -> tuple[dict[str, str], list[str]]:
             got[header.request_id] = address[0]
             return prefill_pb2.PrefillResult(kv_handle=header.kv_handle, next_position_ids=[1, 1, 1, 1])
 
-        return {"Prefill": grpc.stream_unary_rpc_method_handler(
-            prefill, prefill_pb2.PrefillRequest.FromString, prefill_pb2.PrefillResult.SerializeToString)}
+        return {
+            "Prefill": grpc.stream_unary_rpc_method_handler(
+                prefill, prefill_pb2.PrefillRequest.FromString, prefill_pb2.PrefillResult.SerializeToString
+            )
+        }
 
     async def scenario() -> list[str]:
         servers = []
@@ -215,7 +222,8 @@ def _prefill_replicas(turns) -> tuple[dict[str, str], list[str]]:
             address: list[str] = []
             server = grpc.aio.server()
             server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler("epd.v1.PrefillService", prefill_methods(address)),))
+                (grpc.method_handlers_generic_handler("epd.v1.PrefillService", prefill_methods(address)),)
+            )
             address.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
             await server.start()
             servers.append((server, address[0]))
@@ -258,8 +266,9 @@ def _media(sha256: str):
     from epd.model_runtime.adapter import VisualMeta
     from epd.stages.contracts import EncodedMedia
 
-    return EncodedMedia(torch.zeros(3, 2), VisualMeta("video", (1, 2, 6), 1.0, 3), 2, [0.0, 0.5], 1.0, 2.0,
-                        sha256=sha256)
+    return EncodedMedia(
+        torch.zeros(3, 2), VisualMeta("video", (1, 2, 6), 1.0, 3), 2, [0.0, 0.5], 1.0, 2.0, sha256=sha256
+    )
 
 
 def test_a_conversation_whose_video_comes_later_stays_on_its_openings_replica():
@@ -282,19 +291,39 @@ def test_a_conversation_whose_video_comes_later_stays_on_its_openings_replica():
         home = rendezvous_order(conversation_key(turn1), addresses)[0]
         sha = next(s for i in range(100) if rendezvous_order(s := f"{i:064x}", addresses)[0] != home)
         video = chosen["video"] = _media(sha)
-        others = [m for i in range(100)
-                  if rendezvous_order(conversation_key(m := [Message.user(f"hello {i}"), Message.assistant("hi"),
-                                                             Message.user(VIDEO, "what moves?")]),
-                                      addresses)[0] != rendezvous_order(sha, addresses)[0]][:3]
+        others = [
+            m
+            for i in range(100)
+            if rendezvous_order(
+                conversation_key(
+                    m := [
+                        Message.user(f"hello {i}"),
+                        Message.assistant("hi"),
+                        Message.user(VIDEO, "what moves?"),
+                    ]
+                ),
+                addresses,
+            )[0]
+            != rendezvous_order(sha, addresses)[0]
+        ][:3]
         chosen["others"] = others
-        opening_with_video = [[Message.system("be brief"), Message.user(VIDEO, f"question {i}")] for i in range(4)]
-        return [("t1", turn1, None), ("t2", turn2, None), ("t3", turn3, video), ("t4", turn4, video),
-                *((f"later{i}", m, video) for i, m in enumerate(others)),
-                *((f"opens{i}", m, video) for i, m in enumerate(opening_with_video))]
+        opening_with_video = [
+            [Message.system("be brief"), Message.user(VIDEO, f"question {i}")] for i in range(4)
+        ]
+        return [
+            ("t1", turn1, None),
+            ("t2", turn2, None),
+            ("t3", turn3, video),
+            ("t4", turn4, video),
+            *((f"later{i}", m, video) for i, m in enumerate(others)),
+            *((f"opens{i}", m, video) for i, m in enumerate(opening_with_video)),
+        ]
 
     got, addresses = _prefill_replicas(turns)
     video_home = rendezvous_order(chosen["video"].sha256, addresses)[0]  # type: ignore[attr-defined]
-    assert [got[t] for t in ("t1", "t2", "t3", "t4")] == [rendezvous_order(conversation_key(turn1), addresses)[0]] * 4
+    assert [got[t] for t in ("t1", "t2", "t3", "t4")] == [
+        rendezvous_order(conversation_key(turn1), addresses)[0]
+    ] * 4
     assert {got[f"opens{i}"] for i in range(4)} == {video_home}
     for i, messages in enumerate(chosen["others"]):  # type: ignore[arg-type]
         assert got[f"later{i}"] == rendezvous_order(conversation_key(messages), addresses)[0] != video_home

@@ -85,7 +85,9 @@ def test_admits_up_to_running_plus_waiting_and_refuses_the_next(max_running, max
     assert results == [f"r{i}" for i in range(capacity)]
     assert refusals == [(max_running, max_waiting)]
     assert sorted(drivers.started) == sorted(results)
-    assert set(drivers.started[:max_running]) == {f"r{i}" for i in range(max_running)}, "no waiter jumped ahead"
+    assert set(drivers.started[:max_running]) == {f"r{i}" for i in range(max_running)}, (
+        "no waiter jumped ahead"
+    )
     assert drivers.max_seen_running == max_running
     assert refused_ran == [], "the refused driver never ran"
     assert pool.num_admitted == 0

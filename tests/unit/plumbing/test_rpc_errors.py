@@ -112,7 +112,9 @@ DOMAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("error", "code"), DOMAIN_CASES, ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v.name)
+@pytest.mark.parametrize(
+    ("error", "code"), DOMAIN_CASES, ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v.name
+)
 def test_a_domain_error_reaches_the_client_as_its_status_and_message(error, code):
     (unary_code, unary_details), (items, stream_code, stream_details) = _run(_call_both(error))
     assert (unary_code, unary_details) == (code, str(error))

@@ -47,8 +47,16 @@ class _SlowStage:
 
     async def pull_kv(self, request, context):
         try:
-            yield prefill_pb2.KvChunk(tensor=common_pb2.TensorChunk(
-                name="layer.0.key", dtype="float32", shape=[4], total_bytes=16, offset_bytes=0, data=b"\0" * 8))
+            yield prefill_pb2.KvChunk(
+                tensor=common_pb2.TensorChunk(
+                    name="layer.0.key",
+                    dtype="float32",
+                    shape=[4],
+                    total_bytes=16,
+                    offset_bytes=0,
+                    data=b"\0" * 8,
+                )
+            )
             self.sent.set()
             await asyncio.sleep(DEADLINE_S)
         finally:
@@ -57,18 +65,38 @@ class _SlowStage:
 
 async def _start(stage: _SlowStage) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((
-        grpc.method_handlers_generic_handler("epd.v1.EncoderService", {"Encode": grpc.stream_stream_rpc_method_handler(
-            stage.encode, encoder_pb2.EncodeRequest.FromString, encoder_pb2.EncodeResponse.SerializeToString)}),
-        grpc.method_handlers_generic_handler("epd.v1.PrefillService", {"PullKv": grpc.unary_stream_rpc_method_handler(
-            stage.pull_kv, prefill_pb2.PullKvRequest.FromString, prefill_pb2.KvChunk.SerializeToString)}),
-    ))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "epd.v1.EncoderService",
+                {
+                    "Encode": grpc.stream_stream_rpc_method_handler(
+                        stage.encode,
+                        encoder_pb2.EncodeRequest.FromString,
+                        encoder_pb2.EncodeResponse.SerializeToString,
+                    )
+                },
+            ),
+            grpc.method_handlers_generic_handler(
+                "epd.v1.PrefillService",
+                {
+                    "PullKv": grpc.unary_stream_rpc_method_handler(
+                        stage.pull_kv,
+                        prefill_pb2.PullKvRequest.FromString,
+                        prefill_pb2.KvChunk.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
 
 
-def _cancel_when_started(monkeypatch, module, stub_name: str, method: str, task: dict[str, asyncio.Task]) -> None:
+def _cancel_when_started(
+    monkeypatch, module, stub_name: str, method: str, task: dict[str, asyncio.Task]
+) -> None:
     """`module.stub_name`'s `method` calls, with the reader's task cancelled the moment the call's
     start-up completes: before the reader resumes from awaiting it (grpc.aio's window)."""
     real_stub = getattr(module, stub_name)
@@ -119,7 +147,8 @@ def test_a_cancelled_encode_request_ends_its_call_on_the_encoder(monkeypatch, cu
             if cut == "as-the-call-starts":
                 _cancel_when_started(monkeypatch, encoder_pb2_grpc, "EncoderServiceStub", "Encode", task)
             encode = RemoteEncodeStage(pool, DEADLINE_S, max_transfer_bytes=1 << 20).encode(
-                MediaInput(b"\0" * 1000), SamplingOptions(), lambda event: None, "req-1")
+                MediaInput(b"\0" * 1000), SamplingOptions(), lambda event: None, "req-1"
+            )
             await _read_then_cut(encode, stage, cut, task)
         finally:
             await pool.close()
@@ -137,7 +166,9 @@ def test_a_cancelled_kv_pull_ends_its_call_on_prefill(monkeypatch, cut):
         try:
             task: dict[str, asyncio.Task] = {}
             if cut == "as-the-call-starts":
-                _cancel_when_started(monkeypatch, kv_pull.prefill_pb2_grpc, "PrefillServiceStub", "PullKv", task)
+                _cancel_when_started(
+                    monkeypatch, kv_pull.prefill_pb2_grpc, "PrefillServiceStub", "PullKv", task
+                )
             await _read_then_cut(puller.pull(address, "handle"), stage, cut, task)
         finally:
             await puller.close()

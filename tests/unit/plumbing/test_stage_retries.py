@@ -335,7 +335,10 @@ def test_all_decode_replicas_down_is_unavailable():
 def test_routing_loads_come_from_each_replicas_load_service():
     async def scenario():
         loads = {
-            "busy": [EngineLoad("prefill", num_running=2, num_waiting=5), EngineLoad("video_decode", num_running=1)],
+            "busy": [
+                EngineLoad("prefill", num_running=2, num_waiting=5),
+                EngineLoad("video_decode", num_running=1),
+            ],
             "idle": [EngineLoad("prefill")],
         }
         servers, addresses = [], {}
@@ -350,7 +353,9 @@ def test_routing_loads_come_from_each_replicas_load_service():
         try:
             pool.begin("127.0.0.1:1")
             await refresh_routing_loads({"prefill": pool}, TIMEOUT_S)
-            return [pool.chooser.load(a) for a in pool.addresses], [pool.pick() is pool.channel(addresses["idle"])]
+            return [pool.chooser.load(a) for a in pool.addresses], [
+                pool.pick() is pool.channel(addresses["idle"])
+            ]
         finally:
             await pool.close()
             for s in servers:

@@ -51,7 +51,9 @@ def test_no_product_code_waits_with_asyncio_wait_for():
     root = Path(__file__).resolve().parents[3]
     top = ["epd", "encoder_svc", "prefill_svc", "decode_svc", "video", "token_pruning"]
     calls = []
-    for path in sorted(p for d in top for p in (root / d).rglob("*.py") if p.is_file() and p.name != "aio_cancel.py"):
+    for path in sorted(
+        p for d in top for p in (root / d).rglob("*.py") if p.is_file() and p.name != "aio_cancel.py"
+    ):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr == "wait_for":
                 calls.append(f"{path.relative_to(root)}:{node.lineno}")

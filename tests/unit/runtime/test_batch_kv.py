@@ -15,7 +15,9 @@ LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 
 def _cache(length: int, fill: float) -> KvCache:
     shape = (1, HEADS, length, HEAD_DIM)
-    return KvCache([torch.full(shape, fill) for _ in range(LAYERS)], [torch.full(shape, fill) for _ in range(LAYERS)])
+    return KvCache(
+        [torch.full(shape, fill) for _ in range(LAYERS)], [torch.full(shape, fill) for _ in range(LAYERS)]
+    )
 
 
 def _step_view_is_finite(batch: BatchKv) -> bool:

@@ -116,10 +116,18 @@ def test_sampler_greedy_and_seeded():
     logits = torch.tensor([0.1, 2.0, 0.3, 1.9])
     assert Sampler(GenerationConfig())(logits) == 1
     assert Sampler(GenerationConfig(temperature=1.0, top_k=1))(logits) == 1
-    a = [Sampler(GenerationConfig(temperature=1.0, seed=7))(torch.randn(50, generator=torch.Generator().manual_seed(i)))
-         for i in range(20)]
-    b = [Sampler(GenerationConfig(temperature=1.0, seed=7))(torch.randn(50, generator=torch.Generator().manual_seed(i)))
-         for i in range(20)]
+    a = [
+        Sampler(GenerationConfig(temperature=1.0, seed=7))(
+            torch.randn(50, generator=torch.Generator().manual_seed(i))
+        )
+        for i in range(20)
+    ]
+    b = [
+        Sampler(GenerationConfig(temperature=1.0, seed=7))(
+            torch.randn(50, generator=torch.Generator().manual_seed(i))
+        )
+        for i in range(20)
+    ]
     assert a == b
     top_p = Sampler(GenerationConfig(temperature=1.0, top_p=0.01, seed=3))
     assert all(top_p(logits) == 1 for _ in range(10))
@@ -128,7 +136,9 @@ def test_sampler_greedy_and_seeded():
 def test_configs_validate():
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelConfig(dtype="float8")
-    with pytest.raises(ValueError, match="max_new_tokens must be between 1 and 10 .the OpenAI API's max_tokens"):
+    with pytest.raises(
+        ValueError, match="max_new_tokens must be between 1 and 10 .the OpenAI API's max_tokens"
+    ):
         GenerationConfig(max_new_tokens=11).validate(10)
     GenerationConfig(stop=("s" * 512,) * 32).validate(100)  # at the bounds
     with pytest.raises(ValueError, match="stop has 33 strings"):

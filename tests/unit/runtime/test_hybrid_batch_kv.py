@@ -51,8 +51,12 @@ def _held_bytes(batch) -> int:
 
 
 def _linear_state_bytes(batch) -> int:
-    return sum(t.numel() * t.element_size() for layer in batch.linear.values()
-               for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None)
+    return sum(
+        t.numel() * t.element_size()
+        for layer in batch.linear.values()
+        for t in (layer.conv_states[0], layer.recurrent_states[0])
+        if t is not None
+    )
 
 
 def test_num_bytes_is_what_the_batch_holds_after_requests_leave(language):
@@ -69,7 +73,10 @@ def test_num_bytes_is_what_the_batch_holds_after_requests_leave(language):
     assert batch.remove(0) == 2  # the last request moves into row 0
     assert batch.num_bytes == _held_bytes(batch)
     assert _held_bytes(batch) - _linear_state_bytes(batch) == sum(
-        t.numel() * t.element_size() for t in (*batch.keys, *batch.values))  # no state storage beyond the rows'
+        # no state storage beyond the rows'
+        t.numel() * t.element_size()
+        for t in (*batch.keys, *batch.values)
+    )
     assert _linear_state_bytes(batch) == 2 * language.linear_state_bytes
     moved = batch.row_cache(0)  # row 0 is the third request's now
     for i in language.linear_layers:
@@ -83,7 +90,8 @@ def test_num_bytes_is_what_the_batch_holds_after_requests_leave(language):
     positions = torch.full((4, 1), NUM_TOKENS[2], dtype=torch.long)
     logits = language.decode_batch([1], positions, batch)
     assert logits.shape[0] == 1 and bool(torch.isfinite(logits).all())
-    assert not torch.equal(batch.row_cache(0).recurrent_states[0], caches[2].recurrent_states[0])  # stepped in place
+    # stepped in place
+    assert not torch.equal(batch.row_cache(0).recurrent_states[0], caches[2].recurrent_states[0])
 
     batch.remove(0)
     assert batch.num_rows == 0 and batch.num_bytes == 0 == _held_bytes(batch)

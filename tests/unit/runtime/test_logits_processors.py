@@ -20,11 +20,14 @@ def _processed(config, logits, prompt=(), output=()):
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output():
     # token 0 in the prompt (positive logit), 1 in the output (negative), 2 in neither, 3 in both
-    out = _processed(GenerationConfig(repetition_penalty=2.0), [4.0, -1.0, 3.0, 0.5, 1.0], prompt=[0, 3, 3],
-                     output=[1, 3])
+    out = _processed(
+        GenerationConfig(repetition_penalty=2.0), [4.0, -1.0, 3.0, 0.5, 1.0], prompt=[0, 3, 3], output=[1, 3]
+    )
     assert out.tolist() == [2.0, -2.0, 3.0, 0.25, 1.0]
     # < 1 encourages: 4 / 0.5 = 8, -1 * 0.5 = -0.5
-    out = _processed(GenerationConfig(repetition_penalty=0.5), [4.0, -1.0, 3.0, 0.0, 1.0], prompt=[0], output=[1])
+    out = _processed(
+        GenerationConfig(repetition_penalty=0.5), [4.0, -1.0, 3.0, 0.0, 1.0], prompt=[0], output=[1]
+    )
     assert out.tolist() == [8.0, -0.5, 3.0, 0.0, 1.0]
 
 
@@ -73,7 +76,8 @@ def test_min_p_drops_tokens_below_min_p_times_the_top_probability():
     # threshold 0.2 x 0.5 = 0.1: 0.05 goes
     kept = processors.min_p(logits)
     assert torch.isinf(kept).tolist() == [False, False, False, True]
-    sampler = Sampler(GenerationConfig(temperature=1.0, min_p=0.65, seed=0))  # threshold 0.325: only 0.5 stays
+    # threshold 0.325: only 0.5 stays
+    sampler = Sampler(GenerationConfig(temperature=1.0, min_p=0.65, seed=0))
     assert {sampler(logits) for _ in range(50)} == {0}
     free = Sampler(GenerationConfig(temperature=1.0, seed=0))
     assert len({free(logits) for _ in range(200)}) == 4  # without min_p every token comes up
@@ -98,28 +102,53 @@ def test_the_default_config_builds_no_processors():
     assert not GenerationConfig(min_p=0.5).processes_logits  # greedy ignores min_p
     assert GenerationConfig(min_p=0.5, temperature=1.0).processes_logits
     assert Sampler(GenerationConfig())._processors is None
-    for field, value in [("repetition_penalty", 1.1), ("presence_penalty", 0.1), ("frequency_penalty", -0.1),
-                         ("min_tokens", 1), ("logit_bias", ((1, 1.0),))]:
+    for field, value in [
+        ("repetition_penalty", 1.1),
+        ("presence_penalty", 0.1),
+        ("frequency_penalty", -0.1),
+        ("min_tokens", 1),
+        ("logit_bias", ((1, 1.0),)),
+    ]:
         assert GenerationConfig(**{field: value}).processes_logits, field
 
 
 @pytest.mark.parametrize(
     "config,vocab,message",
     [
-        (GenerationConfig(repetition_penalty=0.0), None, r"repetition_penalty must be a finite number > 0 \(1 is off\)"),
-        (GenerationConfig(repetition_penalty=float("nan")), None, "repetition_penalty must be a finite number > 0"),
+        (
+            GenerationConfig(repetition_penalty=0.0),
+            None,
+            r"repetition_penalty must be a finite number > 0 \(1 is off\)",
+        ),
+        (
+            GenerationConfig(repetition_penalty=float("nan")),
+            None,
+            "repetition_penalty must be a finite number > 0",
+        ),
         (GenerationConfig(presence_penalty=2.5), None, r"presence_penalty must be in \[-2, 2\]"),
         (GenerationConfig(frequency_penalty=float("nan")), None, r"frequency_penalty must be in \[-2, 2\]"),
         (GenerationConfig(min_p=1.5), None, r"min_p must be in \[0, 1\]"),
         # It named the SDK's field alone: an HTTP client that sent no max_tokens met a 32 it never set.
-        (GenerationConfig(max_new_tokens=4, min_tokens=5), None, r"min_tokens must be between 0 and max_new_tokens "
-         r"\(4: the OpenAI API's max_tokens or max_completion_tokens, the server's default when neither is sent\)"),
+        (
+            GenerationConfig(max_new_tokens=4, min_tokens=5),
+            None,
+            r"min_tokens must be between 0 and max_new_tokens "
+            r"\(4: the OpenAI API's max_tokens or max_completion_tokens, the server's default when neither is sent\)",
+        ),
         (GenerationConfig(min_tokens=-1), None, "min_tokens must be between 0"),
         (GenerationConfig(logit_bias=((1, 101.0),)), None, r"logit_bias of token 1 must be in \[-100, 100\]"),
         (GenerationConfig(logit_bias=((-1, 1.0),)), None, "logit_bias: token id -1 is outside"),
-        (GenerationConfig(logit_bias=((7, 1.0),)), 7, r"logit_bias: token id 7 is outside 0 to 6 \(this model's vocabulary\)"),
+        (
+            GenerationConfig(logit_bias=((7, 1.0),)),
+            7,
+            r"logit_bias: token id 7 is outside 0 to 6 \(this model's vocabulary\)",
+        ),
         (GenerationConfig(logit_bias=((1, 1.0), (1, 2.0))), None, "logit_bias names a token id twice"),
-        (GenerationConfig(logit_bias=tuple((i, 1.0) for i in range(1025))), None, "logit_bias has 1025 entries; at most 1024"),
+        (
+            GenerationConfig(logit_bias=tuple((i, 1.0) for i in range(1025))),
+            None,
+            "logit_bias has 1025 entries; at most 1024",
+        ),
         (GenerationConfig(stop_token_ids=(9,)), 9, "stop_token_ids: token id 9 is outside 0 to 8"),
         (GenerationConfig(stop_token_ids=tuple(range(257))), None, "stop_token_ids has 257 ids; at most 256"),
     ],
@@ -130,9 +159,16 @@ def test_validation_names_the_field_and_its_range(config, vocab, message):
 
 
 def test_validation_accepts_the_bounds():
-    GenerationConfig(repetition_penalty=1e-3, presence_penalty=-2.0, frequency_penalty=2.0, min_p=1.0,
-                     max_new_tokens=5, min_tokens=5, logit_bias=((0, -100.0), (6, 100.0)),
-                     stop_token_ids=(6,)).validate(100, 7)
+    GenerationConfig(
+        repetition_penalty=1e-3,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        min_p=1.0,
+        max_new_tokens=5,
+        min_tokens=5,
+        logit_bias=((0, -100.0), (6, 100.0)),
+        stop_token_ids=(6,),
+    ).validate(100, 7)
 
 
 WORDS = {1: "Hello", 2: " wor", 3: "ld", 5: ".", 9: ""}
@@ -149,11 +185,17 @@ def _output(config, tokens):
         # a stop token ends the answer without its text; the text held back before it comes out
         (GenerationConfig(stop_token_ids=(5,)), (1, 5), [("Hello", ""), ("", "stop")]),
         (GenerationConfig(stop_token_ids=(5,), stop=("!!",)), (1, 5), [("Hell", ""), ("o", "stop")]),
-        (GenerationConfig(stop_token_ids=(5,), include_stop_str_in_output=True), (1, 5),
-         [("Hello", ""), (".", "stop")]),
+        (
+            GenerationConfig(stop_token_ids=(5,), include_stop_str_in_output=True),
+            (1, 5),
+            [("Hello", ""), (".", "stop")],
+        ),
         # the matched stop string kept, nothing after it
-        (GenerationConfig(stop=("o w",), include_stop_str_in_output=True), (1, 2),
-         [("Hello", ""), (" w", "stop")]),
+        (
+            GenerationConfig(stop=("o w",), include_stop_str_in_output=True),
+            (1, 2),
+            [("Hello", ""), (" w", "stop")],
+        ),
         # before min_tokens, neither end-of-sequence nor a stop token nor a stop string ends it
         (GenerationConfig(min_tokens=3, stop_token_ids=(5,)), (5, 9, 5), [(".", ""), ("", ""), ("", "stop")]),
         (GenerationConfig(min_tokens=1, stop=("l",)), (1, 2, 3), [("Hello", ""), (" wor", ""), ("", "stop")]),

@@ -53,7 +53,9 @@ def test_encoder_stage_has_the_whole_models_dtypes_and_embeddings(checkpoints, m
     whole_buffers = _floating_dtypes(part.named_buffers())
     assert buffers == {name: whole_buffers[name] for name in buffers}
     params = _floating_dtypes(encoder.visual.named_parameters())
-    assert params == {name: d for name, d in _floating_dtypes(part.named_parameters()).items() if name in params}
+    assert params == {
+        name: d for name, d in _floating_dtypes(part.named_parameters()).items() if name in params
+    }
     assert set(params.values()) == {getattr(torch, dtype)}
     if family != "llava_onevision":  # SigLIP has learned positions, no rotary
         assert buffers["rotary_pos_emb.inv_freq"] == torch.float32, "the case this test is about"
@@ -76,9 +78,11 @@ def test_modules_a_model_keeps_in_float32_stay_float32_in_the_encoder_stage(chec
     whole, encoder = load_adapter(config, "all"), load_adapter(config, "encoder")
     params = _floating_dtypes(encoder.visual.named_parameters())
     assert params == _floating_dtypes(whole.visual.named_parameters())
-    assert {name for name, d in params.items() if d == torch.float32} == {
-        name for name in params if name.startswith("merger.")
-    } != set()
+    assert (
+        {name for name, d in params.items() if d == torch.float32}
+        == {name for name in params if name.startswith("merger.")}
+        != set()
+    )
     assert all(torch.equal(encoder.visual.get_parameter(n), whole.visual.get_parameter(n)) for n in params)
 
 

@@ -15,7 +15,10 @@ from epd.resources import demo_model_dir
 
 
 def _checkpoints(tiny_models) -> dict[str, str]:
-    return {"shipped (hub keys)": str(demo_model_dir()), **{f"{k} (v5 keys)": str(v) for k, v in tiny_models.items()}}
+    return {
+        "shipped (hub keys)": str(demo_model_dir()),
+        **{f"{k} (v5 keys)": str(v) for k, v in tiny_models.items()},
+    }
 
 
 def _keys(path: str) -> list[str]:
@@ -56,7 +59,10 @@ def test_one_part_stages_load_exactly_the_whole_models_weights_of_their_part(tin
     tower = vision.visual.state_dict()
     assert tower.keys() == whole.visual.state_dict().keys()
     assert all(torch.equal(tower[k], v) for k, v in whole.visual.state_dict().items())
-    assert language.language_model.config._attn_implementation == whole.language_model.config._attn_implementation
+    assert (
+        language.language_model.config._attn_implementation
+        == whole.language_model.config._attn_implementation
+    )
 
 
 def test_a_prompt_only_adapter_loads_no_weights(tiny_models):

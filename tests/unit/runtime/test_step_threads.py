@@ -25,7 +25,9 @@ from epd.model_runtime.threads import (
 def test_with_a_board_each_call_takes_the_cores_the_other_stages_leave():
     board = new_board_path()
     try:
-        encoder, prefill, decode = (StepThreads(AUTO, stage, board) for stage in ("encoder", "prefill", "decode"))
+        encoder, prefill, decode = (
+            StepThreads(AUTO, stage, board) for stage in ("encoder", "prefill", "decode")
+        )
         for t in (encoder, prefill, decode):
             t.cores = 4
         assert prefill.for_step(16, 0) == 4, "nobody else busy: every core, whatever the batch"
@@ -210,7 +212,9 @@ def test_the_encoders_request_drivers_run_torch_on_one_thread(tiny_models):
 
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     before = torch.get_num_threads()
-    stage = LocalEncodeStage(EncoderEngine(EncoderConfig(model=model), load_adapter(model, "encoder")), ModelThread())
+    stage = LocalEncodeStage(
+        EncoderEngine(EncoderConfig(model=model), load_adapter(model, "encoder")), ModelThread()
+    )
     try:
         torch.set_num_threads(2)  # the count new threads would take from the last one set
         assert asyncio.run(stage.drivers.run(lambda cancel: torch.get_num_threads())) == 1
@@ -250,8 +254,15 @@ def test_a_lower_cpu_priority_reaches_the_threads_already_running_and_those_star
     from tests.stack import ROOT, child_env
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    out = subprocess.run([sys.executable, "-c", _RENICE_SCRIPT], capture_output=True, text=True, check=True,
-                         env=child_env(), cwd=ROOT, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _RENICE_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=child_env(),
+        cwd=ROOT,
+        timeout=60,
+    ).stdout
     assert out.strip() == str([min(base + 3, 19)] * 3)  # the main thread, one before, one after
 
 
@@ -269,10 +280,12 @@ def test_a_model_service_leaves_its_event_loop_thread_one_torch_thread(tiny_mode
 
     server = importlib.import_module(f"epd.{role}_svc.server")
     config_module = importlib.import_module(f"epd.{role}_svc.config")
-    config_class = next(getattr(config_module, n) for n in dir(config_module)
-                        if n.lower() == f"{role}config")
-    config = replace(config_class(), model=ModelConfig(model=str(tiny_models["qwen2_vl"]), num_threads=AUTO),
-                     server=ServerConfig(port=0))
+    config_class = next(getattr(config_module, n) for n in dir(config_module) if n.lower() == f"{role}config")
+    config = replace(
+        config_class(),
+        model=ModelConfig(model=str(tiny_models["qwen2_vl"]), num_threads=AUTO),
+        server=ServerConfig(port=0),
+    )
 
     async def scenario() -> int:
         torch.set_num_threads(2)

@@ -69,8 +69,9 @@ def test_several_api_keys_each_accepted_and_others_refused(tmp_path):
 
     key_file = tmp_path / "keys"
     key_file.write_text("# team keys\nkey-c\n\n  key-d  \nkey-a\n")
-    args = build_parser().parse_args(["serve", "gateway", "--api-key", "key-a", "--api-key", "key-b",
-                                      "--api-key-file", str(key_file)])
+    args = build_parser().parse_args(
+        ["serve", "gateway", "--api-key", "key-a", "--api-key", "key-b", "--api-key-file", str(key_file)]
+    )
     keys = configs.gateway_config(args).http.api_keys
     assert keys == ("key-a", "key-b", "key-c", "key-d")
     assert all(any_key_matches(k, keys) for k in keys)

@@ -95,7 +95,10 @@ def test_config_refuses_no_tower_job_per_request_and_the_flag_reaches_it():
 
     args = build_parser().parse_args(["serve", "encoder", "--max-tower-jobs-per-request", "2"])
     assert configs.encoder_config(args).max_tower_jobs_per_request == 2
-    assert configs.encoder_config(build_parser().parse_args(["serve", "encoder"])).max_tower_jobs_per_request == 4
+    assert (
+        configs.encoder_config(build_parser().parse_args(["serve", "encoder"])).max_tower_jobs_per_request
+        == 4
+    )
 
 
 class RecordingRunner(ModelRunner[TowerJob]):

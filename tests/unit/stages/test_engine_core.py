@@ -215,13 +215,17 @@ def test_a_runner_that_admits_first_delivers_those_outputs_before_the_step():
         return got
 
     async def scenario():
-        return await asyncio.gather(read(CountRequest("a", steps=2)), read(CountRequest("z", steps=0)),
-                                    read(CountRequest("bad", steps=1)))
+        return await asyncio.gather(
+            read(CountRequest("a", steps=2)),
+            read(CountRequest("z", steps=0)),
+            read(CountRequest("bad", steps=1)),
+        )
 
     try:
         assert _run(scenario()) == [["a0", "a1", "a2"], ["z0"], ["error: cannot join"]]
         assert runner.seen_before_step[0] == ["a0", "error: cannot join", "z0"], (
-            "the admitted outputs (and the failure) reached their readers before the first step ran")
+            "the admitted outputs (and the failure) reached their readers before the first step ran"
+        )
         assert runner.batches == [["a"], ["a"]], "only the request still running went on to steps"
         assert sorted(runner.released) == ["a", "bad", "z"]
     finally:

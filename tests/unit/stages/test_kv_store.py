@@ -92,7 +92,9 @@ def test_stats_count_what_is_held_and_what_was_dropped_before_a_decoder_had_it()
     clock = FakeClock()
     size = _cache().num_bytes
     store = KvStore(max_bytes=10 * size, ttl_s=5, clock=clock)
-    assert store.stats() == KvStoreStats(num_caches=0, num_bytes=0, max_bytes=10 * size, num_expired=0, num_released=0)
+    assert store.stats() == KvStoreStats(
+        num_caches=0, num_bytes=0, max_bytes=10 * size, num_expired=0, num_released=0
+    )
     confirmed, released, taken, expiring = (store.put(_cache()) for _ in range(4))
     assert store.stats() == KvStoreStats(4, 4 * size, 10 * size, 0, 0)
     store.lease(confirmed)

@@ -30,7 +30,9 @@ class _Adapter:
 
 @pytest.mark.parametrize("value", [0, -1])
 def test_a_max_model_len_below_one_token_is_refused_naming_the_flag(value):
-    with pytest.raises(ValueError, match=rf"max_model_len \(--max-model-len\) must be >= 1 token, got {value}"):
+    with pytest.raises(
+        ValueError, match=rf"max_model_len \(--max-model-len\) must be >= 1 token, got {value}"
+    ):
         PrefillConfig(max_model_len=value)
 
 
@@ -40,7 +42,9 @@ def test_max_model_len_may_only_lower_the_models_context():
     assert PrefillConfig(max_model_len=1000).served_context(32768) == 1000
     assert PrefillConfig(max_model_len=32768).served_context(32768) == 32768
     assert PrefillConfig(max_model_len=1000).served_context(None) == 1000  # a model that says none
-    with pytest.raises(ValueError, match=r"--max-model-len 32769 is more than this model's context of 32768 tokens"):
+    with pytest.raises(
+        ValueError, match=r"--max-model-len 32769 is more than this model's context of 32768 tokens"
+    ):
         PrefillConfig(max_model_len=32769).served_context(32768)
 
 
@@ -66,7 +70,8 @@ def test_the_engine_reports_the_context_max_model_len_leaves_and_refuses_a_large
         PrefillEngine(PrefillConfig(ModelConfig(model=model_dir), max_model_len=101), _Adapter(100))  # type: ignore[arg-type]
     assert str(refused.value) == (
         f"cannot load {model_dir}: --max-model-len 101 is more than this model's context of 100 tokens "
-        "(config.json's max_position_embeddings); it may only lower it: pass at most 100, or leave it out")
+        "(config.json's max_position_embeddings); it may only lower it: pass at most 100, or leave it out"
+    )
 
 
 def test_a_max_model_len_past_the_prompt_and_answer_limits_is_served_as_those_with_a_warning(caplog):
@@ -77,6 +82,8 @@ def test_a_max_model_len_past_the_prompt_and_answer_limits_is_served_as_those_wi
     with caplog.at_level(logging.WARNING, logger="epd.prefill_svc.engine"):
         engine = PrefillEngine(config, _Adapter(262_144))  # type: ignore[arg-type]
     assert engine.model_info().max_model_len == 32768 + 1000
-    assert caplog.messages == ["--max-model-len 200000: prompts are bounded by 32768 tokens (--max-prompt-tokens) "
-                               "and answers by 1000 (--max-new-tokens-limit), so a request has 33768 at most "
-                               "(/v1/models' max_model_len); raise --max-prompt-tokens to reach 200000"]
+    assert caplog.messages == [
+        "--max-model-len 200000: prompts are bounded by 32768 tokens (--max-prompt-tokens) "
+        "and answers by 1000 (--max-new-tokens-limit), so a request has 33768 at most "
+        "(/v1/models' max_model_len); raise --max-prompt-tokens to reach 200000"
+    ]

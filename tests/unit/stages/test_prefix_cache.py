@@ -84,9 +84,14 @@ def test_another_keys_entry_serves_up_to_its_bound():
     assert cache.lookup("media", media_turn, first_visual + 2) is None  # without `also`: a miss
     hit = cache.lookup("media", media_turn, first_visual + 2, also=PrefixView("text", first_visual))
     assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == first_visual
-    hit = cache.lookup("media", media_turn, first_visual + 2, also=PrefixView("text", first_visual - 2))  # bounded below its LCP
+    # bounded below its LCP
+    hit = cache.lookup("media", media_turn, first_visual + 2, also=PrefixView("text", first_visual - 2))
     assert hit is not None and hit.num_reused_tokens == first_visual - 2
-    assert cache.lookup("media", [9, *media_turn], first_visual + 3, also=PrefixView("text", first_visual + 1)) is None  # no common prefix
+    # no common prefix
+    assert (
+        cache.lookup("media", [9, *media_turn], first_visual + 3, also=PrefixView("text", first_visual + 1))
+        is None
+    )
     cache.put("media", media_turn, "media kv", 10)
     hit = cache.lookup("media", [*media_turn, 10], first_visual + 2, also=PrefixView("text", first_visual))
     assert hit is not None and hit.entry.cache == "media kv" and hit.num_reused_tokens == len(media_turn)
@@ -178,8 +183,12 @@ def test_an_entry_found_under_fewer_keys_is_not_superseded():
     text_turn = [*PREAMBLE, 2, 3, 4]
     cache.put("text", text_turn, "text kv", 10)
     cache.put("media", [*text_turn, 5, V, V], "no also", 10)
-    cache.put("media", [*text_turn, 6, V, V], "bound too short", 10, also=PrefixView("text", len(text_turn) - 1))
-    cache.put("media", [*PREAMBLE, 2, 9, 4, V], "another text", 10, also=PrefixView("text", len(PREAMBLE) + 3))
+    cache.put(
+        "media", [*text_turn, 6, V, V], "bound too short", 10, also=PrefixView("text", len(text_turn) - 1)
+    )
+    cache.put(
+        "media", [*PREAMBLE, 2, 9, 4, V], "another text", 10, also=PrefixView("text", len(PREAMBLE) + 3)
+    )
     assert cache.stats().num_entries == 4
     hit = cache.lookup("text", [*text_turn, 9], 0)
     assert hit is not None and hit.entry.cache == "text kv" and hit.num_reused_tokens == len(text_turn)
@@ -291,7 +300,9 @@ def test_the_prefill_cores_prefix_cache_counts_reach_metrics():
                          prefix_cache_hit_tokens=90, prefix_cache_evictions=1, prefix_cache_entries=4,
                          prefix_cache_bytes=4096)  # fmt: skip
     metrics = GatewayMetrics()
-    MeteredPipeline(Pipeline(Stage(EngineLoad("encoder")), Stage(prefill), Stage(EngineLoad("decode"))), metrics)
+    MeteredPipeline(
+        Pipeline(Stage(EngineLoad("encoder")), Stage(prefill), Stage(EngineLoad("decode"))), metrics
+    )
     text = asyncio.run(metrics.scrape()).decode()
     expected = {
         "epd_prefix_cache_hits_total": ("counter", 3),
@@ -306,4 +317,6 @@ def test_the_prefill_cores_prefix_cache_counts_reach_metrics():
         assert f"# TYPE {name} {kind}" in text, name
         labels = {"stage": "prefill", "core": "prefill", "replica": "local"}
         assert metrics.registry.get_sample_value(name, labels) == value, name
-        assert metrics.registry.get_sample_value(name, {**labels, "stage": "decode", "core": "decode"}) is None
+        assert (
+            metrics.registry.get_sample_value(name, {**labels, "stage": "decode", "core": "decode"}) is None
+        )

@@ -63,7 +63,7 @@ def test_when_the_leader_fails_one_waiter_takes_over():
     waiter = _follow(flights, "k", out)
     flight.land(None)  # failed or cancelled
     waiter.join(5)
-    (taken_over, shared), = out
+    ((taken_over, shared),) = out
     assert taken_over is not None and shared is None and flights.num_shared == 0
     taken_over.land("second try")
 
@@ -94,7 +94,9 @@ def test_every_waiter_gets_the_one_result(num_waiters):
     flight, _ = flights.join("k", _never)
     assert flight is not None
     out: list = []
-    threads = [threading.Thread(target=lambda: out.append(flights.join("k", _never))) for _ in range(num_waiters)]
+    threads = [
+        threading.Thread(target=lambda: out.append(flights.join("k", _never))) for _ in range(num_waiters)
+    ]
     for t in threads:
         t.start()
     _wait_for(lambda: flights.num_waiting("k") == num_waiters)

@@ -108,7 +108,9 @@ def test_keep_counts_are_exact():
 
 
 def test_prefill_flops_formula():
-    sizes = ModelSizes(num_layers=2, hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=2)
+    sizes = ModelSizes(
+        num_layers=2, hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=2
+    )
     # projections 2*3*4*(8+4) = 288, mlp 2*3*3*4*8 = 576, attention 2*4*3*4 = 96
     assert layer_prefill_flops(sizes, 3) == 288 + 576 + 96
     assert prefill_flops(sizes, 3) == 2 * (288 + 576 + 96)
@@ -125,10 +127,17 @@ def test_prefill_flops_count_head_dim_where_heads_times_head_dim_is_not_hidden()
 
     from epd.model_runtime.adapter import TextDims
 
-    dims = TextDims(num_layers=36, hidden_size=2560, intermediate_size=9728, num_heads=32, num_kv_heads=8,
-                    head_dim=128)
-    text_config = Qwen3VLTextConfig(num_hidden_layers=36, hidden_size=2560, intermediate_size=9728,
-                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    dims = TextDims(
+        num_layers=36, hidden_size=2560, intermediate_size=9728, num_heads=32, num_kv_heads=8, head_dim=128
+    )
+    text_config = Qwen3VLTextConfig(
+        num_hidden_layers=36,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
     t = 1000
     q = 2 * t * 2560 * 4096  # q_proj [2560 -> 4096]
     o = 2 * t * 4096 * 2560  # o_proj [4096 -> 2560]
@@ -143,7 +152,9 @@ def test_prefill_flops_count_head_dim_where_heads_times_head_dim_is_not_hidden()
 
 
 def test_stats_record_and_serialise():
-    sizes = ModelSizes(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+    sizes = ModelSizes(
+        num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16
+    )
     stats = PruningStats()
     stats.record("temporal", 400, 220)
     stats.record("prefill_drop", 220, 55)

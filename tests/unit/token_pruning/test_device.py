@@ -66,7 +66,9 @@ def test_prefill_drop_scores_on_the_device_select_on_the_cpu():
     drop = text_guided_drop(q, k, queries, visual, keep_ratio=0.5, key_mask=key_mask)
     with SimulatedDevice():
         scores_dev = received_attention(on_device(q), on_device(k), queries, scored_keys=visual)
-        drop_dev = text_guided_drop(on_device(q), on_device(k), queries, visual, keep_ratio=0.5, key_mask=key_mask)
+        drop_dev = text_guided_drop(
+            on_device(q), on_device(k), queries, visual, keep_ratio=0.5, key_mask=key_mask
+        )
     assert_on_device(scores_dev.total, scores.total)
     assert_on_device(scores_dev.max, scores.max)
     for got, want in ((drop_dev.keep_indices, drop.keep_indices), (drop_dev.kept_visual, drop.kept_visual),
@@ -77,7 +79,9 @@ def test_prefill_drop_scores_on_the_device_select_on_the_cpu():
 @pytest.mark.parametrize("merge", ["none", "averaged", "pivotal", "weighted"])
 def test_kv_compression_runs_on_the_caches_device(merge):
     g = torch.Generator().manual_seed(1)
-    caches = [(torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)) for _ in range(2)]
+    caches = [
+        (torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)) for _ in range(2)
+    ]
     queries = [torch.randn(1, 4, 3, 8, generator=g) for _ in range(2)]
     visual, query_positions = torch.arange(2, 9), torch.tensor([9, 10, 11])
     key_mask = torch.zeros(7, dtype=torch.bool)
@@ -87,7 +91,9 @@ def test_kv_compression_runs_on_the_caches_device(merge):
     with SimulatedDevice():
         caches_dev = [(on_device(k), on_device(v)) for k, v in caches]
         scores_dev = text_prior_scores([on_device(q) for q in queries], caches_dev, query_positions, visual)
-        got = compress_kv_cache(caches_dev, scores_dev, visual, keep_ratio=0.5, merge=merge, key_mask=key_mask)
+        got = compress_kv_cache(
+            caches_dev, scores_dev, visual, keep_ratio=0.5, merge=merge, key_mask=key_mask
+        )
     for s_dev, s in zip(scores_dev, scores, strict=True):
         assert_on_device(s_dev, s)
     for (k_dev, v_dev), (k, v) in zip(got.caches, want.caches, strict=True):
@@ -220,7 +226,9 @@ def _ask_pruned(adapter, video, pruning: PruningConfig, max_new_tokens: int):
                          key_mask=key_mask, pruning=stats)  # fmt: skip
     generation = GenerationConfig(max_new_tokens=max_new_tokens)
     prefill = PrefillEngine(PrefillConfig(), adapter)
-    out = prefill.prefill_pruned(prefill.prepare(question_messages("what moves?"), media, generation, pruning))
+    out = prefill.prefill_pruned(
+        prefill.prepare(question_messages("what moves?"), media, generation, pruning)
+    )
     h = out.handle
     decoding = DecodeEngine(adapter).start(
         out.cache, h.first_token_id, h.next_position_ids, generation, h.visual_entry_mask, pruning

@@ -34,8 +34,13 @@ def _video(frames: np.ndarray):
     from epd.video.types import DecodedVideo
 
     n = len(frames)
-    return DecodedVideo(frames=frames, timestamps_s=[i / 2.0 for i in range(n)], sampled_fps=2.0,
-                        duration_s=n / 2.0, source_fps=2.0)
+    return DecodedVideo(
+        frames=frames,
+        timestamps_s=[i / 2.0 for i in range(n)],
+        sampled_fps=2.0,
+        duration_s=n / 2.0,
+        source_fps=2.0,
+    )
 
 
 @pytest.mark.parametrize("size", [(112, 112), (84, 140)])
@@ -52,8 +57,15 @@ def test_mirrored_patches_equal_the_processor_on_mirrored_frames(adapter, size):
 
 def test_targets_mirror_columns_and_swap_left_right():
     sq = ObjectSpec("red", "square", 8, (20.0, 20.0), (90.0, 20.0), 0, 24, 0, 23)  # moves right
-    scene = Scene(seed=1, config=SceneConfig(), background="static", background_rgb=(16, 16, 16),
-                  objects=(sq,), end_event="stops", num_frames=24)
+    scene = Scene(
+        seed=1,
+        config=SceneConfig(),
+        background="static",
+        background_rgb=(16, 16, 16),
+        objects=(sq,),
+        end_event="stops",
+        num_frames=24,
+    )
     t = token_targets(scene, [2, 6, 10, 14, 18, 22], (3, 8, 8))
     m = mirror_targets(t, (3, 8, 8))
     lit = t.cell_present.reshape(3, 4, 4, -1)
@@ -74,7 +86,13 @@ def test_mirrored_direction_examples_equal_examples_prepared_with_the_other_answ
     from epd.model_runtime.tiny_model import build_model, build_processor
     from epd.train.train_default_model import TrainConfig, model_spec, save_model
 
-    assert [mirror_answer(a) for a in ("left", "right", "up", "red", "yes")] == ["right", "left", "up", "red", "yes"]
+    assert [mirror_answer(a) for a in ("left", "right", "up", "red", "yes")] == [
+        "right",
+        "left",
+        "up",
+        "red",
+        "yes",
+    ]
     spec = model_spec(TrainConfig())  # the trained model's tokenizer: "left" is not one token
     processor = build_processor(spec)
     with tempfile.TemporaryDirectory() as d:

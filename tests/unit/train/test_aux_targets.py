@@ -13,8 +13,15 @@ COLOURS_LIST = list(COLOURS)
 
 
 def _scene(objects, num_frames=24) -> Scene:
-    return Scene(seed=1, config=SceneConfig(), background="static", background_rgb=(16, 16, 16),
-                 objects=tuple(objects), end_event="stops", num_frames=num_frames)
+    return Scene(
+        seed=1,
+        config=SceneConfig(),
+        background="static",
+        background_rgb=(16, 16, 16),
+        objects=tuple(objects),
+        end_event="stops",
+        num_frames=num_frames,
+    )
 
 
 def test_one_moving_square_lights_its_cells_and_its_group():

@@ -20,8 +20,9 @@ def processor(tiny_models):
 def test_video_and_image_patches_round_trip_exactly(processor):
     rng = np.random.default_rng(3)
     frames = rng.integers(0, 256, size=(6, 112, 112, 3), dtype=np.uint8)
-    video = processor.video_processor(videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False,
-                                      return_tensors="pt")["pixel_values_videos"]
+    video = processor.video_processor(
+        videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt"
+    )["pixel_values_videos"]
     image = processor.image_processor(images=[frames[0]], return_tensors="pt")["pixel_values"]
     for proc, patches in ((processor.video_processor, video), (processor.image_processor, image)):
         codec = PixelCodec.of(proc)
@@ -29,15 +30,18 @@ def test_video_and_image_patches_round_trip_exactly(processor):
         assert codes.dtype == torch.uint8 and codes.shape == patches.shape
         assert torch.equal(codec.decode(codes), patches)
         # The codes are the frames' own byte values (no resize at 112x112): the same multiset.
-        assert sorted(codes[:, : codes.shape[1] // 3].flatten().tolist())[:5] == sorted(
-            frames[..., 0].flatten().tolist())[:5]
+        assert (
+            sorted(codes[:, : codes.shape[1] // 3].flatten().tolist())[:5]
+            == sorted(frames[..., 0].flatten().tolist())[:5]
+        )
 
 
 def test_patches_the_processor_did_not_make_are_refused(processor):
     rng = np.random.default_rng(4)
     frames = rng.integers(0, 256, size=(2, 56, 56, 3), dtype=np.uint8)
-    patches = processor.video_processor(videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False,
-                                        return_tensors="pt")["pixel_values_videos"]
+    patches = processor.video_processor(
+        videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt"
+    )["pixel_values_videos"]
     codec = PixelCodec.of(processor.video_processor)
     with pytest.raises(ValueError, match="keep them as float32"):
         codec.encode(patches + 1e-3)

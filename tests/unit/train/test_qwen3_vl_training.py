@@ -36,8 +36,11 @@ def prepared(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train_q3")
     build_dataset(root / "data", DatasetConfig(num_videos={"train": 2}, image_ratio=0.5), progress=False)
-    spec = model_spec(_config(hidden_size=64, intermediate_size=128, vision_depth=2, vision_embed_dim=32,
-                              vision_num_heads=2))
+    spec = model_spec(
+        _config(
+            hidden_size=64, intermediate_size=128, vision_depth=2, vision_embed_dim=32, vision_num_heads=2
+        )
+    )
     processor = build_processor(spec)
     torch.manual_seed(0)
     model = build_model(spec, processor.tokenizer)
@@ -63,7 +66,9 @@ def test_shared_vision_inputs_carry_deepstack_and_equal_the_model_forward(prepar
 
     _, model, examples, media = prepared
     model.eval()
-    batch = examples[:4] + [e for e in examples if media[e.media_index].modality == "image"][:2] + examples[-3:]
+    batch = (
+        examples[:4] + [e for e in examples if media[e.media_index].modality == "image"][:2] + examples[-3:]
+    )
     with torch.no_grad():
         full = model(**collate(batch, media, pad_id=0))
         inputs = shared_vision_inputs(model, batch, media, pad_id=0)[0]
@@ -71,7 +76,9 @@ def test_shared_vision_inputs_carry_deepstack_and_equal_the_model_forward(prepar
     assert torch.allclose(full.logits, shared.logits, atol=1e-5)
     # Without the DeepStack features the logits differ: the shared path really carries them.
     for entry in inputs["mm_encoder_outputs"].values():
-        entry.deepstack_features = [[torch.zeros_like(x) for x in layer] for layer in entry.deepstack_features]
+        entry.deepstack_features = [
+            [torch.zeros_like(x) for x in layer] for layer in entry.deepstack_features
+        ]
     with torch.no_grad():
         without = model(**inputs)
     assert not torch.allclose(without.logits, shared.logits, atol=1e-4)

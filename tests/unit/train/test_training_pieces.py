@@ -17,8 +17,11 @@ def train_root(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train")
     build_dataset(root / "data", DatasetConfig(num_videos={"train": 2}, image_ratio=0.5), progress=False)
-    config = TrainConfig(size=ModelSize(hidden_size=64, intermediate_size=128, vision_depth=1,
-                                        vision_embed_dim=32, vision_num_heads=2))
+    config = TrainConfig(
+        size=ModelSize(
+            hidden_size=64, intermediate_size=128, vision_depth=1, vision_embed_dim=32, vision_num_heads=2
+        )
+    )
     spec = model_spec(config)
     processor = build_processor(spec)
     save_model(build_model(spec, processor.tokenizer), processor, root / "model")
@@ -139,6 +142,7 @@ def test_tiny_model_training_options_leave_the_defaults_alone():
 
     base = TinyVLMSpec()
     assert base.init == "scaled" and base.extra_words == ()
+
     def num_tokens(spec: TinyVLMSpec, word: str) -> int:
         return len(build_processor(spec).tokenizer(word, add_special_tokens=False)["input_ids"])
 
@@ -161,9 +165,14 @@ def test_line_plot_draws_each_series_in_its_colour(tmp_path):
 
     from epd.train.png_plot import Series, line_plot
 
-    path = line_plot(tmp_path / "p.png", [Series("a", [0, 1, 2], [3.0, 2.0, 1.0]),
-                                         Series("b", [0, 2], [1.5, 2.5], markers=True)],
-                     title="t", xlabel="x", ylabel="y", log_y=True)
+    path = line_plot(
+        tmp_path / "p.png",
+        [Series("a", [0, 1, 2], [3.0, 2.0, 1.0]), Series("b", [0, 2], [1.5, 2.5], markers=True)],
+        title="t",
+        xlabel="x",
+        ylabel="y",
+        log_y=True,
+    )
     with Image.open(path) as img:
         colours = {c for _, c in img.convert("RGB").getcolors(1 << 20)}
     assert (31, 119, 180) in colours and (255, 127, 14) in colours
@@ -206,8 +215,16 @@ def test_compact_parallel_preparation_equals_the_plain_one(prepared, train_root)
 
     adapter, examples, media = prepared
     data_dir, model_dir = train_root / "data", train_root / "model"
-    ex2, media2 = load_split(data_dir, "train", adapter, progress=False, compact=True, workers=2,
-                             model_dir=model_dir, min_files_per_worker=1)
+    ex2, media2 = load_split(
+        data_dir,
+        "train",
+        adapter,
+        progress=False,
+        compact=True,
+        workers=2,
+        model_dir=model_dir,
+        min_files_per_worker=1,
+    )
     assert len(ex2) == len(examples) and len(media2) == len(media)
     for a, b in zip(examples, ex2):
         assert a.media_index == b.media_index and a.answer == b.answer and a.question_type == b.question_type

@@ -193,7 +193,9 @@ def test_a_conversations_key_is_its_opening_and_its_tenants():
     later = [*first, Message.assistant("hi"), Message.user("what now?")]
     assert conversation_key(first) == conversation_key(later)  # every turn finds the first's home
     assert conversation_key(first, "tenant-a") != conversation_key(first, "tenant-b")
-    assert conversation_key(first) != conversation_key([Message.system("be brief"), Message.user("hellothere")])
+    assert conversation_key(first) != conversation_key(
+        [Message.system("be brief"), Message.user("hellothere")]
+    )
     assert conversation_key(first) != conversation_key([Message.user("hello", "there")])
 
 
@@ -211,7 +213,11 @@ def test_the_prefill_key_is_the_video_only_for_a_conversation_that_opens_with_it
     assert prefill_key(follow_up, sha, "tenant") == sha  # every turn, and every conversation about it
     later = [Message.user("hello"), Message.assistant("hi"), Message.user(IMAGE, "and this?")]
     assert not media_in_opening(later)
-    assert prefill_key(later, sha, "tenant") == conversation_key(later[:1], "tenant") == prefill_key(later[:1], "", "tenant")
+    assert (
+        prefill_key(later, sha, "tenant")
+        == conversation_key(later[:1], "tenant")
+        == prefill_key(later[:1], "", "tenant")
+    )
     assert prefill_key(opens) == conversation_key(opens)  # media the gateway could not hash: its opening
     assert not media_in_opening([Message.user("text alone")])
 

@@ -64,7 +64,9 @@ def _media() -> EncodedMedia:
         token_index=torch.tensor([0, 2, 3, 7, 8, 11]),
         key_mask=torch.tensor([False, True, False, False, True, False]),
         pruning=_stats(),
-        deepstack=[torch.randn(6, 8, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for k in (2, 3)],
+        deepstack=[
+            torch.randn(6, 8, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for k in (2, 3)
+        ],
     )
 
 
@@ -118,7 +120,9 @@ def _assert_same(a: Any, b: Any, skip: tuple[str, ...] = ()) -> None:
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), f.name
         elif isinstance(x, list) and x and isinstance(x[0], torch.Tensor):  # EncodedMedia.deepstack
-            assert len(x) == len(y) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(x, y)), f.name
+            assert len(x) == len(y) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(x, y)), (
+                f.name
+            )
         else:
             assert x == y, f.name
 
@@ -214,14 +218,20 @@ def test_prefill_handle_round_trips_through_the_proto():
     # the token ends the request, the decoder sends it).
     for text in ("", None):
         msg = convert.handle_to_proto(dataclasses.replace(handle, first_text=text))
-        assert convert.handle_from_proto(prefill_pb2.PrefillResult.FromString(msg.SerializeToString())).first_text == text
+        assert (
+            convert.handle_from_proto(
+                prefill_pb2.PrefillResult.FromString(msg.SerializeToString())
+            ).first_text
+            == text
+        )
 
 
 def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
     stats = _stats()
     _assert_same(convert.stats_from_proto(convert.stats_to_proto(stats)), stats, skip=("transfer_bytes",))
-    step = TokenStep([5, 6], "ab", "stop", kv_transfer_ms=3.5, kv_num_bytes=1024, decode_evict=(40, 30),
-                     stop_reason="\n")
+    step = TokenStep(
+        [5, 6], "ab", "stop", kv_transfer_ms=3.5, kv_num_bytes=1024, decode_evict=(40, 30), stop_reason="\n"
+    )
     _assert_all_set(step)
     _assert_same(convert.token_step_from_proto(convert.token_step_to_proto(step)), step)
     # vLLM's stop_reason is a stop string, a stop token id (an int, not a string), or None.
@@ -296,7 +306,10 @@ def test_bad_knobs_name_the_knob_and_the_type(knobs, match):
 
 def test_generation_limits_are_checked_in_one_place():
     check_generation_limits(GenerationConfig(max_new_tokens=8), 8)
-    with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 8 .the OpenAI API.s max_tokens or max_completion_tokens., got 9"):
+    with pytest.raises(
+        InvalidRequest,
+        match="max_new_tokens must be between 1 and 8 .the OpenAI API.s max_tokens or max_completion_tokens., got 9",
+    ):
         check_generation_limits(GenerationConfig(max_new_tokens=9), 8)
     with pytest.raises(InvalidRequest, match="top_p must be in"):
         check_generation_limits(GenerationConfig(max_new_tokens=8, top_p=0.0), 8)
@@ -326,7 +339,8 @@ def test_decode_refuses_over_limit_generation_before_any_cache_moves():
 
     try:
         for source in (take_from_store(store), take_kv):
-            no_model = SimpleNamespace(kv_bytes_per_token=1024, decode_state_bytes=0, vocab_size=None)  # the refusal comes before any model call
+            # the refusal comes before any model call
+            no_model = SimpleNamespace(kv_bytes_per_token=1024, decode_state_bytes=0, vocab_size=None)
             stage = LocalDecodeStage(DecodeEngine(no_model), source, thread, limits)  # type: ignore[arg-type]
             with pytest.raises(InvalidRequest, match="max_new_tokens must be between 1 and 16"):
                 asyncio.run(first_step(stage))

@@ -48,8 +48,13 @@ def test_the_loop_releases_through_the_given_call():
     async def scenario() -> int:
         released: list[int] = []
         readings = [0.0, 1.0]  # busy for the first tick, idle (no more CPU) from then on
-        task = asyncio.ensure_future(release_when_idle(lambda: released.append(1), tick_s=0.01,
-                                                       cpu_s=lambda: readings.pop(0) if len(readings) > 1 else readings[0]))
+        task = asyncio.ensure_future(
+            release_when_idle(
+                lambda: released.append(1),
+                tick_s=0.01,
+                cpu_s=lambda: readings.pop(0) if len(readings) > 1 else readings[0],
+            )
+        )
         await asyncio.sleep(0.2)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -90,6 +95,8 @@ def test_the_release_call_gives_freed_tensors_back(allocator):
         if (library := find_tcmalloc()) is None:
             pytest.skip("no tcmalloc on this machine (libtcmalloc-minimal4)")
         env["LD_PRELOAD"] = library
-    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CODE], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.split()[-1]) >= FREED_MB // 2, proc.stdout

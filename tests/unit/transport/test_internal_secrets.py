@@ -83,8 +83,9 @@ def test_a_service_shares_one_view_of_its_file_and_a_secret_without_a_file_is_fi
     path.write_text(f"{OLD}\n")
     security = TransportSecurity(internal_secret=OLD, internal_secret_file=str(path))
     # Its server's check and its channels' secret: one object, so they follow the file together.
-    assert internal_secrets(security) is internal_secrets(TransportSecurity(internal_secret=OLD,
-                                                                            internal_secret_file=str(path)))
+    assert internal_secrets(security) is internal_secrets(
+        TransportSecurity(internal_secret=OLD, internal_secret_file=str(path))
+    )
     fixed = internal_secrets(TransportSecurity(internal_secret=OLD, previous_internal_secrets=(NEW,)))
     assert fixed.current() == (OLD, NEW) and fixed.path == ""
     assert internal_secrets(TransportSecurity()).presented == ""

@@ -9,13 +9,27 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_generated_code_matches_protos(tmp_path):
-    shutil.copytree(ROOT / "protos", tmp_path / "protos", ignore=shutil.ignore_patterns("*_pb2*", "__pycache__"))
+    shutil.copytree(
+        ROOT / "protos", tmp_path / "protos", ignore=shutil.ignore_patterns("*_pb2*", "__pycache__")
+    )
     # -I protos: the wire package is `epd.v1` (installed as epd/v1, see pyproject's package-dir).
-    protos = sorted(str(p.relative_to(tmp_path / "protos")) for p in (tmp_path / "protos/epd/v1").glob("*.proto"))
+    protos = sorted(
+        str(p.relative_to(tmp_path / "protos")) for p in (tmp_path / "protos/epd/v1").glob("*.proto")
+    )
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.", "--pyi_out=.",
-         "--grpc_python_out=.", *protos],
-        cwd=tmp_path / "protos", check=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            ".",
+            "--python_out=.",
+            "--pyi_out=.",
+            "--grpc_python_out=.",
+            *protos,
+        ],
+        cwd=tmp_path / "protos",
+        check=True,
     )
     generated = sorted((tmp_path / "protos/epd/v1").glob("*_pb2*"))
     assert len(generated) == 3 * len(protos)

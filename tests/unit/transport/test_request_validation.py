@@ -66,7 +66,11 @@ def test_generation_floats_must_be_finite(fields, match):
         (common_pb2.VideoSampling, {"end_time_s": -2.0}, "end_time_s must not be negative"),
         (common_pb2.GenerationParams, {"temperature": -1.0}, "temperature must not be negative"),
         (common_pb2.GenerationParams, {"max_new_tokens": -3}, "max_new_tokens must not be negative"),
-        (common_pb2.GenerationParams, {"top_k": -2}, r"top_k must be >= 1, or 0 or -1 \(vLLM's\) for off, got -2"),
+        (
+            common_pb2.GenerationParams,
+            {"top_k": -2},
+            r"top_k must be >= 1, or 0 or -1 \(vLLM's\) for off, got -2",
+        ),
     ],
 )
 def test_a_negative_setting_is_refused_by_its_name(message, fields, match):
@@ -87,16 +91,29 @@ def test_top_k_minus_one_is_off_as_on_the_http_api():
 def test_every_generation_setting_crosses_the_wire():
     """vLLM's options too: a stage gets what the front door was sent (zero is 'off' for each)."""
     config = GenerationConfig(
-        max_new_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop=("x",), ignore_eos=True,
-        repetition_penalty=1.3, presence_penalty=-0.5, frequency_penalty=0.25, min_p=0.1, min_tokens=2,
-        logit_bias=((5, -3.0), (11, 100.0)), stop_token_ids=(7, 2), include_stop_str_in_output=True,
+        max_new_tokens=9,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=4,
+        seed=3,
+        stop=("x",),
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        presence_penalty=-0.5,
+        frequency_penalty=0.25,
+        min_p=0.1,
+        min_tokens=2,
+        logit_bias=((5, -3.0), (11, 100.0)),
+        stop_token_ids=(7, 2),
+        include_stop_str_in_output=True,
         fit_max_new_tokens=True,
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
     assert generation_from_proto(generation_to_proto(config), defaults) == config
     assert generation_from_proto(generation_to_proto(defaults), defaults) == defaults
-    assert generation_from_proto(common_pb2.GenerationParams(), defaults).repetition_penalty == 1.0  # unset: off
+    # unset: off
+    assert generation_from_proto(common_pb2.GenerationParams(), defaults).repetition_penalty == 1.0
 
 
 def test_generation_config_refuses_a_nan_temperature():
@@ -203,8 +220,11 @@ def test_the_gateway_refuses_too_many_stop_strings_before_any_stage_is_called():
     from epd.stages.contracts import MediaInput
     from epd.stages.messages import question_messages
 
-    request = AskRequest(question_messages("what?"), MediaInput(b"video"),
-                         generation=GenerationConfig(stop=tuple("s" * 100 + str(i) for i in range(50_000))))
+    request = AskRequest(
+        question_messages("what?"),
+        MediaInput(b"video"),
+        generation=GenerationConfig(stop=tuple("s" * 100 + str(i) for i in range(50_000))),
+    )
 
     async def first_event():
         return await anext(Pipeline(None, None, None).ask(request))  # type: ignore[arg-type]

@@ -36,7 +36,9 @@ def test_a_server_name_without_a_ca_is_refused_not_ignored():
     with pytest.raises(ValueError, match="--tls-server-name needs --tls-ca"):
         TransportSecurity(tls_server_name="prefill-headless")
     with pytest.raises(ValueError, match="--tls-server-name needs --tls-ca"):
-        configs.health_security(build_parser().parse_args(["health", "127.0.0.1:1", "--tls-server-name", "gateway"]))
+        configs.health_security(
+            build_parser().parse_args(["health", "127.0.0.1:1", "--tls-server-name", "gateway"])
+        )
     with pytest.raises(ValueError, match="--tls-server-name needs --tls-ca"):
         configs.transport_security(build_parser().parse_args(["serve", "decode", "--tls-server-name", "p"]))
 
@@ -114,20 +116,25 @@ def test_the_file_beats_the_environment_and_the_opt_out_is_explicit(tmp_path, mo
     assert configs.transport_security(_serve_args(["prefill"], monkeypatch, SECRET)).internal_secret == SECRET
     opted_out = _serve_args(["prefill", "--insecure-no-internal-auth"], monkeypatch, SECRET)
     assert configs.transport_security(opted_out).internal_secret == ""
-    both = _serve_args(["prefill", "--insecure-no-internal-auth", "--internal-secret-file", str(path)], monkeypatch)
+    both = _serve_args(
+        ["prefill", "--insecure-no-internal-auth", "--internal-secret-file", str(path)], monkeypatch
+    )
     with pytest.raises(ValueError, match="pass one of them"):
         configs.transport_security(both)
 
 
-@pytest.mark.parametrize("argv, refused", [
-    (["encoder", "--host", "0.0.0.0"], True),
-    (["decode", "--host", "10.1.2.3"], True),
-    (["encoder"], True),  # loopback too: every local user reaches it
-    (["prefill", "--host", "::1"], True),
-    (["encoder", "--insecure-no-internal-auth"], False),  # the explicit opt-out
-    (["encoder", "--host", "0.0.0.0", "--insecure-no-internal-auth"], False),
-    (["gateway", "--host", "0.0.0.0"], False),  # the front door has its API key
-])
+@pytest.mark.parametrize(
+    "argv, refused",
+    [
+        (["encoder", "--host", "0.0.0.0"], True),
+        (["decode", "--host", "10.1.2.3"], True),
+        (["encoder"], True),  # loopback too: every local user reaches it
+        (["prefill", "--host", "::1"], True),
+        (["encoder", "--insecure-no-internal-auth"], False),  # the explicit opt-out
+        (["encoder", "--host", "0.0.0.0", "--insecure-no-internal-auth"], False),
+        (["gateway", "--host", "0.0.0.0"], False),  # the front door has its API key
+    ],
+)
 def test_a_stage_needs_the_secret_or_mtls_wherever_it_binds(monkeypatch, argv, refused):
     args = _serve_args(argv, monkeypatch)
     problem = configs.internal_auth_problem(args, configs.transport_security(args))
@@ -139,8 +146,10 @@ def test_a_stage_needs_the_secret_or_mtls_wherever_it_binds(monkeypatch, argv, r
 
 
 def test_mtls_alone_is_enough(monkeypatch):
-    args = _serve_args(["prefill", "--host", "0.0.0.0", "--tls-cert", "c", "--tls-key", "k", "--tls-client-ca", "ca"],
-                       monkeypatch)
+    args = _serve_args(
+        ["prefill", "--host", "0.0.0.0", "--tls-cert", "c", "--tls-key", "k", "--tls-client-ca", "ca"],
+        monkeypatch,
+    )
     assert configs.internal_auth_problem(args, configs.transport_security(args)) is None
 
 
@@ -167,12 +176,17 @@ def test_unusable_tls_files_are_one_line_errors(pki):
     with pytest.raises(ValueError, match="--tls-ca .*not a PEM CA bundle"):
         security.check_files(TransportSecurity(tls_ca=str(pki / "broken-ca.pem")))
     # A missing CA file is named as missing, as a missing certificate is (not "not a PEM CA bundle").
-    with pytest.raises(ValueError, match=r"^--tls-ca /missing/ca\.pem: cannot read it \(No such file or directory\)$"):
+    with pytest.raises(
+        ValueError, match=r"^--tls-ca /missing/ca\.pem: cannot read it \(No such file or directory\)$"
+    ):
         security.check_files(TransportSecurity(tls_ca="/missing/ca.pem"))
     with pytest.raises(ValueError, match=r"--tls-key .*not a PEM file"):
-        security.server_credentials(TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "not.pem")))
-    good = TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "key.pem"),
-                             tls_client_ca=str(pki / "ca.pem"))
+        security.server_credentials(
+            TransportSecurity(tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "not.pem"))
+        )
+    good = TransportSecurity(
+        tls_cert=str(pki / "cert.pem"), tls_key=str(pki / "key.pem"), tls_client_ca=str(pki / "ca.pem")
+    )
     security.check_files(good)
     assert security.server_ssl_context(good) is not None  # the HTTP port's context
 
@@ -187,7 +201,9 @@ def test_a_stage_with_a_secret_refuses_calls_without_it_but_answers_health():
             async with grpc.aio.insecure_channel(address) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5)
-                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
             security.configure(TransportSecurity(internal_secret=SECRET))  # what a gateway does
             try:
                 async with security.stage_channel(address) as channel:
@@ -207,19 +223,29 @@ def test_a_stage_mid_rotation_accepts_the_new_and_the_old_secret_and_refuses_a_r
     """A stage configured with [new, old] (its secret file's lines) takes calls from callers that
     present either (those restarted with the new file and those not yet); a secret already retired,
     an empty one, or none is refused UNAUTHENTICATED."""
+
     async def run():
-        config = ServerConfig(security=TransportSecurity(internal_secret=NEW, previous_internal_secrets=(OLD,)))
+        config = ServerConfig(
+            security=TransportSecurity(internal_secret=NEW, previous_internal_secrets=(OLD,))
+        )
         hs = await create_server(config, with_load_service(lambda s: None, lambda: []), ["epd.v1.Test"])
         await hs.set_serving()
         answers = {}
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
-                for name, metadata in (("new", NEW), ("old", OLD), ("retired", RETIRED), ("empty", ""),
-                                       ("none", None)):
+                for name, metadata in (
+                    ("new", NEW),
+                    ("old", OLD),
+                    ("retired", RETIRED),
+                    ("empty", ""),
+                    ("none", None),
+                ):
                     try:
                         await load_pb2_grpc.LoadServiceStub(channel).GetLoad(
-                            load_pb2.GetLoadRequest(), timeout=5,
-                            metadata=None if metadata is None else (("x-epd-internal-auth", metadata),))
+                            load_pb2.GetLoadRequest(),
+                            timeout=5,
+                            metadata=None if metadata is None else (("x-epd-internal-auth", metadata),),
+                        )
                         answers[name] = grpc.StatusCode.OK
                     except grpc.aio.AioRpcError as exc:
                         answers[name] = exc.code()
@@ -227,7 +253,9 @@ def test_a_stage_mid_rotation_accepts_the_new_and_the_old_secret_and_refuses_a_r
                 security.configure(TransportSecurity(internal_secret=presented))
                 try:
                     async with security.stage_channel(f"127.0.0.1:{hs.port}") as channel:
-                        await load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=5)
+                        await load_pb2_grpc.LoadServiceStub(channel).GetLoad(
+                            load_pb2.GetLoadRequest(), timeout=5
+                        )
                 finally:
                     security.configure(TransportSecurity())
         finally:

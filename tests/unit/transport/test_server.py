@@ -72,8 +72,12 @@ def test_liveness_is_serving_while_the_server_runs_whatever_its_readiness():
                 statuses = []
                 for serving in (False, True, False):
                     await hs.set_serving(serving)
-                    statuses.append([(await check(health_pb2.HealthCheckRequest(service=name), timeout=10)).status
-                                     for name in ("", LIVENESS_SERVICE)])
+                    statuses.append(
+                        [
+                            (await check(health_pb2.HealthCheckRequest(service=name), timeout=10)).status
+                            for name in ("", LIVENESS_SERVICE)
+                        ]
+                    )
                 return statuses
         finally:
             await hs.stop(0)

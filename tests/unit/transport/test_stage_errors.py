@@ -35,7 +35,9 @@ def test_transport_statuses_get_a_fixed_message(code, message, caplog):
 
 
 def test_unreachable_stage_is_http_503_without_internals():
-    status, _, message = http_error_of(stage_error(rpc_error(grpc.StatusCode.UNAVAILABLE, LEAKY), "prefill", "abc"))
+    status, _, message = http_error_of(
+        stage_error(rpc_error(grpc.StatusCode.UNAVAILABLE, LEAKY), "prefill", "abc")
+    )
     assert status == 503
     assert message == "prefill stage unavailable (request id abc)"
     assert "ipv4" not in message and "127.0.0.1" not in message and "grpc" not in message.lower()
@@ -59,9 +61,13 @@ def test_a_raw_rpc_error_is_sanitised_too():
 def test_grpcs_own_message_size_refusal_says_what_to_send_instead(caplog):
     """gRPC raises RESOURCE_EXHAUSTED itself for a message over a channel's 4 MiB; its text names
     byte counts of its own, not what the client sent too much of."""
-    raw = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (5339167 vs. 4194304)")
+    raw = rpc_error(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (5339167 vs. 4194304)"
+    )
     status, _, message = http_error_of(stage_error(raw, "prefill", "r3"))
     assert status == 413
-    assert message == ("the request is larger than the prefill stage takes in one message (4 MiB of conversation "
-                       "text and settings); send a shorter conversation (request id r3)")
+    assert message == (
+        "the request is larger than the prefill stage takes in one message (4 MiB of conversation "
+        "text and settings); send a shorter conversation (request id r3)"
+    )
     assert "5339167" in caplog.text  # the detail stays in the log

@@ -5,7 +5,9 @@ from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.transport.tensor_wire import TensorAssembler, assemble, tensor_to_chunks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+)
 def test_round_trip_bit_exact(dtype):
     t = (torch.randn(3, 5, 7) * 100).to(dtype)
     chunks = list(tensor_to_chunks("x", t, chunk_bytes=16))

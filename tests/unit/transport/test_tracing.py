@@ -49,7 +49,9 @@ def _echo_server(seen: list[str], downstream: list[str] | None = None):
         "Fail": grpc.unary_unary_rpc_method_handler(fail),
         "Relay": grpc.unary_unary_rpc_method_handler(relay),
     }
-    return lambda server: server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    return lambda server: server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+    )
 
 
 def _run(scenario):
@@ -100,7 +102,9 @@ def test_server_takes_the_id_from_metadata_returns_it_and_relays_it():
         seen_back: list[str] = []
         back = await create_server(ServerConfig(), _echo_server(seen_back), [SERVICE])
         seen_front: list[str] = []
-        front = await create_server(ServerConfig(), _echo_server(seen_front, [f"127.0.0.1:{back.port}"]), [SERVICE])
+        front = await create_server(
+            ServerConfig(), _echo_server(seen_front, [f"127.0.0.1:{back.port}"]), [SERVICE]
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as channel:
                 call = channel.unary_unary(f"/{SERVICE}/Relay")(
@@ -190,7 +194,9 @@ def test_log_lines_carry_the_id(log_format, capsys):
         assert outside and "request_id" not in outside[0]
     else:
         assert any(line.endswith("echo handled request_id=log-id-7") for line in lines), lines
-        assert any(f"rpc /{SERVICE}/Echo OK total_ms=" in line and "request_id=log-id-7" in line for line in lines)
+        assert any(
+            f"rpc /{SERVICE}/Echo OK total_ms=" in line and "request_id=log-id-7" in line for line in lines
+        )
         assert any(line.endswith("outside any request") for line in lines)
 
 
@@ -228,8 +234,12 @@ def test_otel_spans_per_call_when_enabled():
         def start_span(self, name, context=None, kind=trace.SpanKind.INTERNAL, **kwargs):
             parent = trace.get_current_span(context).get_span_context()
             trace_id = parent.trace_id if parent.is_valid else len(started) + 1
-            ctx = trace.SpanContext(trace_id, len(started) + 1, is_remote=False,
-                                    trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))
+            ctx = trace.SpanContext(
+                trace_id,
+                len(started) + 1,
+                is_remote=False,
+                trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+            )
             span = Span(name, ctx, parent.trace_id if parent.is_valid else 0)
             started.append((name, kind.name, trace_id, span.attributes))
             return span
@@ -243,9 +253,12 @@ def test_otel_spans_per_call_when_enabled():
 
     assert tracing.enable_otel(Provider())
     try:
+
         async def scenario():
             back = await create_server(ServerConfig(), _echo_server([]), [SERVICE])
-            front = await create_server(ServerConfig(), _echo_server([], [f"127.0.0.1:{back.port}"]), [SERVICE])
+            front = await create_server(
+                ServerConfig(), _echo_server([], [f"127.0.0.1:{back.port}"]), [SERVICE]
+            )
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as channel:
                     await channel.unary_unary(f"/{SERVICE}/Relay")(
@@ -253,8 +266,11 @@ def test_otel_spans_per_call_when_enabled():
                     )
                 # The gateway's health polls go over the stages' traced channels: no span either side.
                 async with traced_channel(f"127.0.0.1:{back.port}") as channel:
-                    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-                    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING  # nothing set it serving
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=10
+                    )
+                    # nothing set it serving
+                    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
                 await asyncio.sleep(0.1)  # the client span ends from the call's done callback
             finally:
                 await front.stop(0)

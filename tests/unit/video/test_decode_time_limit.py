@@ -38,7 +38,9 @@ def test_budget_counts_from_the_start_of_the_request_and_names_the_flag():
     assert 0 < fresh.remaining_s() <= 3600.0
     late = DecodeBudget(limits, started_s=time.monotonic() - 2 * LIMIT_S)  # began before the limit
     assert late.remaining_s() == 0.0
-    with pytest.raises(MediaLimitError, match=MESSAGE + "; send a shorter clip, a lower resolution, or ask for fewer"):
+    with pytest.raises(
+        MediaLimitError, match=MESSAGE + "; send a shorter clip, a lower resolution, or ask for fewer"
+    ):
         late.check_time()
     with pytest.raises(MediaLimitError, match=MESSAGE):
         late.charge(frame)
@@ -139,7 +141,9 @@ def test_decord_child_is_stopped_at_the_limit(video_factory, monkeypatch):
         assert np.array_equal(dec.decode(data, OPTS).frames, simple_decoder.decode(data, OPTS).frames)
 
 
-def test_a_cancel_flag_stops_the_reference_decoder_in_its_demux_pass_and_between_frames(video_factory, monkeypatch):
+def test_a_cancel_flag_stops_the_reference_decoder_in_its_demux_pass_and_between_frames(
+    video_factory, monkeypatch
+):
     """The web demo's decode (simple_decoder.decode) stops once its client's flag is set: before
     the demux pass, or at the next decoded frame (the flag is looked at with the decode's clock)."""
     from epd.video.types import DecodeCancelled

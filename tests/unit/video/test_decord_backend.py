@@ -120,7 +120,9 @@ def test_decord_hang_is_killed_and_backend_restarts(video_factory):
 
 @pytest.mark.parametrize("rotation_deg", [0, 90, 180, 270])
 @pytest.mark.parametrize("max_pixels", [48 * 32, 50 * 34], ids=["48x32", "50x32"])
-def test_decord_downscales_rotated_clips_to_pyavs_shapes(video_factory, decord_decoder, rotation_deg, max_pixels):
+def test_decord_downscales_rotated_clips_to_pyavs_shapes(
+    video_factory, decord_decoder, rotation_deg, max_pixels
+):
     """max_pixels on a clip with a display rotation: the shapes PyAV gives (scaled, then turned:
     [48, 32, 3] for a 96x64 clip turned 90 degrees at 48x32 pixels), pixels within swscale's
     rounding of PyAV's. decord's own scaler failed here (it takes the size after rotation, and a
@@ -194,7 +196,10 @@ def test_a_decord_child_that_dies_mid_request_is_unavailable_and_replaced(video_
         _kill_in_next_request(dec, when)
         with pytest.raises(DecoderCrashed) as failed:
             dec.decode(data, opts)
-        assert status_of(failed.value) == (grpc.StatusCode.UNAVAILABLE, "the decoder process failed; retry the request")
+        assert status_of(failed.value) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "the decoder process failed; retry the request",
+        )
         assert dec.num_restarts == 1 and dec._proc is None
         assert dead is not None and not dead.is_alive() and dead not in _decord_children(others)
 
@@ -223,12 +228,15 @@ def test_a_hung_decord_child_does_not_outlive_its_killed_server(video_factory, t
     video = tmp_path / "clip.mp4"
     video.write_bytes(video_factory(".mp4", **SMALL))
     # One decode first: the child is then in its request loop, past its start-up.
-    code = ("import sys, time; from epd.video.decord_backend import DecordDecoder; "
-            "from epd.video.types import SamplingOptions; d = DecordDecoder(); "
-            "d.decode(open(sys.argv[1], 'rb').read(), SamplingOptions(num_frames=2)); "
-            "print(d._proc.pid, flush=True); time.sleep(60)")
-    server = subprocess.Popen([sys.executable, "-c", code, str(video)], stdout=subprocess.PIPE, text=True, env=child_env(),
-                              cwd=ROOT)
+    code = (
+        "import sys, time; from epd.video.decord_backend import DecordDecoder; "
+        "from epd.video.types import SamplingOptions; d = DecordDecoder(); "
+        "d.decode(open(sys.argv[1], 'rb').read(), SamplingOptions(num_frames=2)); "
+        "print(d._proc.pid, flush=True); time.sleep(60)"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", code, str(video)], stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT
+    )
     child = psutil.Process(int(server.stdout.readline()))
     try:
         child.suspend()  # SIGSTOP: a decode that hangs

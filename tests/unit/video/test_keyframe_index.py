@@ -72,7 +72,9 @@ def test_index_built_while_hashing_equals_the_plain_one_and_hits_stop_early(vide
     built = cache.get_or_build(data, DecodeLimits())
     plain = build_video_index(data)
     assert built.content_sha256 == content_sha256(data)
-    assert np.array_equal(built.frame_pts, plain.frame_pts) and np.array_equal(built.keyframe_pts, plain.keyframe_pts)
+    assert np.array_equal(built.frame_pts, plain.frame_pts) and np.array_equal(
+        built.keyframe_pts, plain.keyframe_pts
+    )
     assert (cache.num_hits, cache.num_misses) == (0, 1)
 
     checks = []

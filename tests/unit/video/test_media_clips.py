@@ -27,6 +27,8 @@ def test_a_clip_is_the_same_bytes_whatever_the_encoders_fresh_memory_holds(tmp_p
     for perturb in ("0", "1", "170"):
         path = tmp_path / f"clip-{perturb}.mp4"
         env = {**os.environ, "MALLOC_PERTURB_": perturb, "PYTHONPATH": str(REPO)}
-        subprocess.run([sys.executable, "-c", MAKE_CLIP, str(path)], env=env, cwd=REPO, check=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-c", MAKE_CLIP, str(path)], env=env, cwd=REPO, check=True, timeout=120
+        )
         made.add(hashlib.sha256(path.read_bytes()).hexdigest())
     assert len(made) == 1, f"{len(made)} different clips from the same frames"

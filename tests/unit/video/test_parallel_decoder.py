@@ -80,10 +80,18 @@ FRAME_PIXELS = SMALL["size"][0] * SMALL["size"][1]
 
 @pytest.mark.parametrize(
     "merge_up_to, max_pixels, sizes",
-    [(0, 1 << 62, [2, 2, 2, 2, 2, 1]), (8, 1 << 62, [8, 3]), (4, 1 << 62, [4, 4, 3]), (3, 1 << 62, [2, 2, 2, 2, 3]),
-     (8, 5 * FRAME_PIXELS, [4, 4, 3]), (8, FRAME_PIXELS, [2, 2, 2, 2, 2, 1])],
+    [
+        (0, 1 << 62, [2, 2, 2, 2, 2, 1]),
+        (8, 1 << 62, [8, 3]),
+        (4, 1 << 62, [4, 4, 3]),
+        (3, 1 << 62, [2, 2, 2, 2, 3]),
+        (8, 5 * FRAME_PIXELS, [4, 4, 3]),
+        (8, FRAME_PIXELS, [2, 2, 2, 2, 2, 1]),
+    ],
 )
-def test_iter_groups_merges_the_groups_already_decoded(video_factory, decoder, merge_up_to, max_pixels, sizes):
+def test_iter_groups_merges_the_groups_already_decoded(
+    video_factory, decoder, merge_up_to, max_pixels, sizes
+):
     """With `merge_up_to`, a group takes the next whole groups that are decoded when it is asked for,
     up to that many frames and `merge_up_to_pixels` pixels (whole groups only: 3 frames merge just
     the last, shorter group; room for 5 frames' pixels gives groups of 4; for 1, no merging). One
@@ -92,8 +100,9 @@ def test_iter_groups_merges_the_groups_already_decoded(video_factory, decoder, m
     data = video_factory(".mp4", codec="h264", **{**SMALL, "gop": 1000})
     opts = SamplingOptions(num_frames=11)
     expected = simple_decoder.decode(data, opts)
-    with decoder.iter_groups(data, opts, group_size=2, merge_up_to=merge_up_to,
-                             merge_up_to_pixels=max_pixels) as stream:
+    with decoder.iter_groups(
+        data, opts, group_size=2, merge_up_to=merge_up_to, merge_up_to_pixels=max_pixels
+    ) as stream:
         groups = list(stream)
     assert stream.stats["num_intervals"] == 1
     assert [len(g.timestamps_s) for g in groups] == sizes
@@ -129,7 +138,8 @@ def test_caller_cancel_stops_the_wait_and_leaves_pool_usable(video_factory, deco
 
 @pytest.mark.parametrize("with_hash", [True, False], ids=["sha256-given", "hashed-beside-demux"])
 def test_caller_cancel_before_the_demux_pass_builds_no_index(video_factory, decoder, with_hash):
-    data = video_factory(".mkv", codec="h264", size=(80, 48), fps=10.0, seconds=2.5, gop=10)  # bytes no other test indexes
+    # bytes no other test indexes
+    data = video_factory(".mkv", codec="h264", size=(80, 48), fps=10.0, seconds=2.5, gop=10)
     cancel = threading.Event()
     cancel.set()
     sha256 = hashlib.sha256(data).hexdigest() if with_hash else None
@@ -320,12 +330,16 @@ def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, k
         others = list(c.decode(c.streams.video[0]))
     for frame, between in zip(frames, others):
         w, h = scaled_size(frame.width, frame.height, max_pixels)
-        assert np.array_equal(frame_to_rgb(frame, max_pixels), frame.to_ndarray(format="rgb24", width=w, height=h))
+        assert np.array_equal(
+            frame_to_rgb(frame, max_pixels), frame.to_ndarray(format="rgb24", width=w, height=h)
+        )
         frame_to_rgb(between, None)  # another size and format in between: the context re-inits
     from epd.video.simple_decoder import _reformatter
 
     results = []
-    worker = threading.Thread(target=lambda: results.append((frame_to_rgb(frames[0], max_pixels), _reformatter())))
+    worker = threading.Thread(
+        target=lambda: results.append((frame_to_rgb(frames[0], max_pixels), _reformatter()))
+    )
     worker.start()
     worker.join()
     assert np.array_equal(results[0][0], frame_to_rgb(frames[0], max_pixels))
@@ -360,7 +374,8 @@ def test_frame_resize_is_applied_to_each_frame_as_it_is_decoded(video_factory, d
         assert all(g.shape[1:] == (32, 48, 3) for g in groups)
         assert np.array_equal(np.concatenate(groups), expected[:, ::2, ::2])
         assert set(calls) == {(64, 96, 3)}  # called on the decoded frames
-        assert len(calls) == len(np.unique(expected.reshape(len(expected), -1), axis=0))  # once per distinct frame
+        # once per distinct frame
+        assert len(calls) == len(np.unique(expected.reshape(len(expected), -1), axis=0))
 
 
 def test_running_out_of_memory_is_the_servers_limit_not_a_corrupt_file(video_factory, decoder, monkeypatch):
@@ -372,6 +387,7 @@ def test_running_out_of_memory_is_the_servers_limit_not_a_corrupt_file(video_fac
     from epd.video.types import MediaLimitError
 
     data = video_factory(".mp4", **SMALL)
+
     def raising(error: BaseException):
         def out_of_memory(*args: object, **kwargs: object) -> np.ndarray:
             raise error
@@ -381,9 +397,15 @@ def test_running_out_of_memory_is_the_servers_limit_not_a_corrupt_file(video_fac
     for error in (MemoryError(), av.error.MemoryError(12, "Cannot allocate memory")):
         out_of_memory = raising(error)
 
-        with pytest.raises(MediaLimitError, match="ran out of memory decoding this video; ask for fewer or smaller"):
-            with decoder.iter_groups(data, SamplingOptions(num_frames=6), group_size=2,
-                                     frame_resizer=lambda clip_num_frames, resize=out_of_memory: resize) as stream:
+        with pytest.raises(
+            MediaLimitError, match="ran out of memory decoding this video; ask for fewer or smaller"
+        ):
+            with decoder.iter_groups(
+                data,
+                SamplingOptions(num_frames=6),
+                group_size=2,
+                frame_resizer=lambda clip_num_frames, resize=out_of_memory: resize,
+            ) as stream:
                 list(stream)
         monkeypatch.setattr(simple_decoder, "frame_to_rgb", out_of_memory)
         with pytest.raises(MediaLimitError, match="ran out of memory decoding this video"):

@@ -53,7 +53,11 @@ def test_stream_cut_mid_gop_starts_at_its_first_keyframe(video_factory, decoder,
     there and no decoder outputs them; the video starts at the keyframe of frame 10."""
     source = video_factory(".mkv", codec="h264", seconds=4.0, bframes=2, **NUMBERED)
     data = drop_first_packets(source, 3, container)
-    for opts in (SamplingOptions(num_frames=4), SamplingOptions(num_frames=16), SamplingOptions(num_frames=30)):
+    for opts in (
+        SamplingOptions(num_frames=4),
+        SamplingOptions(num_frames=16),
+        SamplingOptions(num_frames=30),
+    ):
         video = decode_both(decoder, data, opts)
         assert video.duration_s == pytest.approx(30 / FPS)  # frames 10..39
         assert_shows_its_time(video, first_shown=10)
@@ -68,7 +72,11 @@ def test_avi_with_b_frames_returns_each_frame_at_its_time(video_factory, decoder
     keyframe drops the B-frames shown before it, so no count from there is right."""
     data = video_factory(".avi", codec="h264", seconds=4.0, bframes=bframes, open_gop=open_gop,
                          **{**NUMBERED, "gop": 7})  # fmt: skip
-    for opts in (SamplingOptions(num_frames=16), SamplingOptions(num_frames=40), SamplingOptions(num_frames=5)):
+    for opts in (
+        SamplingOptions(num_frames=16),
+        SamplingOptions(num_frames=40),
+        SamplingOptions(num_frames=5),
+    ):
         video = decode_both(decoder, data, opts)
         assert_shows_its_time(video, first_shown=0)
     every = decode_both(decoder, data, SamplingOptions(num_frames=40))

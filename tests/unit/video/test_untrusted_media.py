@@ -103,7 +103,9 @@ def test_the_payloads_are_live_without_the_guard(planted, local_server):
     assert local_server.seen == ["/segment.ts"]
 
 
-@pytest.mark.parametrize("kind,demuxer", [("ffconcat_video", "concat"), ("hls_local", "hls"), ("hls_http", "hls")])
+@pytest.mark.parametrize(
+    "kind,demuxer", [("ffconcat_video", "concat"), ("hls_local", "hls"), ("hls_http", "hls")]
+)
 def test_whitelists_refuse_nested_opens_even_with_the_playlist_demuxer(planted, local_server, kind, demuxer):
     """Defence in depth: the options open_video passes stop a demuxer that opens things by name
     (an MP4 data reference would be one) from opening a local file or a URL. Both whitelists
@@ -174,22 +176,38 @@ def _mpegts(mp4: bytes) -> bytes:
 def test_no_other_av_open_reads_bytes():
     """Every read of media goes through epd.video.media_open; only write-mode av.open remains."""
     offenders = []
-    tops = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in ("tests", "build")]
+    tops = [
+        p
+        for p in ROOT.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and p.name not in ("tests", "build")
+    ]
     # resolve(): epd/video etc. are symlinks to the top-level folders; read each file once.
-    files = {p.resolve() for p in ROOT.glob("*.py")} | {p.resolve() for top in tops for p in top.rglob("*.py")}
+    files = {p.resolve() for p in ROOT.glob("*.py")} | {
+        p.resolve() for top in tops for p in top.rglob("*.py")
+    }
     for path in sorted(f for f in files if f.is_relative_to(ROOT)):
         rel = path.relative_to(ROOT)
         if rel == Path("video/media_open.py") or "site-packages" in rel.parts:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"), str(rel))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "av" and any(a.name == "open" for a in node.names):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "av"
+                and any(a.name == "open" for a in node.names)
+            ):
                 offenders.append(f"{rel}:{node.lineno} imports av.open")
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "open"
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "av"):  # fmt: skip
                 continue
-            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
-            if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str) and mode.value.startswith("w")):
+            mode = (
+                node.args[1]
+                if len(node.args) > 1
+                else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            )
+            if not (
+                isinstance(mode, ast.Constant) and isinstance(mode.value, str) and mode.value.startswith("w")
+            ):
                 offenders.append(f"{rel}:{node.lineno}")
     assert offenders == [], f"open untrusted media with epd.video.media_open.open_video: {offenders}"
 
@@ -249,7 +267,9 @@ def test_groups_without_repeats_are_views_of_one_output(video_factory, decoder):
     [((1024, 1024), True), ((160, 160), False)],
     ids=["over-ffmpeg-guard", "between-limit-and-guard"],
 )
-def test_resolution_growing_mid_stream_is_refused_on_every_path(tmp_path, monkeypatch, second_size, refused_by_ffmpeg):
+def test_resolution_growing_mid_stream_is_refused_on_every_path(
+    tmp_path, monkeypatch, second_size, refused_by_ffmpeg
+):
     """Header and first 20 frames 64x48, the last 4 bigger. Limit 128x128: FFmpeg's guard (twice
     the limit) refuses 1024x1024 before allocating it; 160x160 decodes and the per-frame check
     refuses it before conversion."""
@@ -309,8 +329,6 @@ def test_ffmpeg_max_pixels_guard_is_set_on_the_decoder(video_factory):
 
 
 # -- budgets of work ---------------------------------------------------------------------------
-
-
 
 
 def test_packet_flood_stops_at_the_demux_time_limit(decoder):
@@ -434,7 +452,10 @@ def test_decode_wall_time_limit_stops_every_decode_path(video_factory, decoder):
 
 
 def test_index_cache_is_bounded_in_bytes(video_factory):
-    datas = [video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=s, gop=10) for s in (1.0, 2.0, 3.0)]
+    datas = [
+        video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=s, gop=10)
+        for s in (1.0, 2.0, 3.0)
+    ]
     sizes = [build_video_index(d).num_bytes for d in datas]
     cache = KeyframeIndexCache(max_entries=100, max_bytes=sizes[1] + sizes[2])
     for d in datas:
@@ -458,11 +479,18 @@ def _png_header(width: int, height: int) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 100))
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_image_over_the_pixel_limit_is_refused_before_decoding():
-    with pytest.raises(MediaLimitError, match=r"5000x5000, over this server's limit of 8294400 pixels .*--max-source-pixels"):
+    with pytest.raises(
+        MediaLimitError, match=r"5000x5000, over this server's limit of 8294400 pixels .*--max-source-pixels"
+    ):
         simple_decoder.decode(_png_header(5000, 5000), SamplingOptions())
     with pytest.raises(MediaLimitError, match="over this server's limit .*--max-source-pixels"):
         simple_decoder.decode(_png_header(20000, 20000), SamplingOptions())  # Pillow's bomb check
@@ -506,8 +534,10 @@ def _fragmented(data: bytes) -> bytes:
     import av
 
     out = io.BytesIO()
-    with open_video(data) as src, av.open(out, "w", format="mp4",
-                                          options={"movflags": "frag_keyframe+empty_moov"}) as dst:
+    with (
+        open_video(data) as src,
+        av.open(out, "w", format="mp4", options={"movflags": "frag_keyframe+empty_moov"}) as dst,
+    ):
         stream = dst.add_stream_from_template(src.streams.video[0])
         for packet in src.demux(src.streams.video[0]):
             if packet.dts is not None:
@@ -516,7 +546,9 @@ def _fragmented(data: bytes) -> bytes:
     return out.getvalue()
 
 
-def test_sample_tables_that_declare_millions_of_samples_are_refused_before_ffmpeg_reads_them(video_factory, decoder):
+def test_sample_tables_that_declare_millions_of_samples_are_refused_before_ffmpeg_reads_them(
+    video_factory, decoder
+):
     """A 2 KB file declaring 60 million samples made FFmpeg's demuxer allocate 3 GB inside av.open
     (run-length coded tables cost no bytes per sample); a fragmented file does it with a track run.
     Refused by every entry point, before FFmpeg allocates; the same files as they were still decode."""
@@ -529,8 +561,11 @@ def test_sample_tables_that_declare_millions_of_samples_are_refused_before_ffmpe
         assert simple_decoder.decode(data, SamplingOptions(num_frames=2)).frames.shape[0] == 2
         bomb = _mp4_with_sample_count(data, box, MAX_DECLARED_SAMPLES + 1)
         for entry in _entry_points(decoder).values():
-            with pytest.raises(MediaLimitError, match=rf"declare \d+ frames and audio packets, over this "
-                                                      rf"server's limit of {MAX_DECLARED_SAMPLES}"):
+            with pytest.raises(
+                MediaLimitError,
+                match=rf"declare \d+ frames and audio packets, over this "
+                rf"server's limit of {MAX_DECLARED_SAMPLES}",
+            ):
                 entry(bomb)
 
 
@@ -538,14 +573,19 @@ def test_a_compressed_movie_header_is_refused(video_factory, decoder):
     """QuickTime's cmov is inflated into a buffer of the size it declares; no current file has one."""
     data = video_factory(".mp4", codec="h264", **SMALL).replace(b"mvhd", b"cmov", 1)
     for entry in _entry_points(decoder).values():
-        with pytest.raises(MediaError, match=r"compressed movie headers \(QuickTime cmov\) are not supported"):
+        with pytest.raises(
+            MediaError, match=r"compressed movie headers \(QuickTime cmov\) are not supported"
+        ):
             entry(data)
 
 
-@pytest.mark.parametrize(("suffix", "name", "unknown"), [(".mp4", b"avc1", b"zzz1"),
-                                                         (".mkv", b"V_MPEG4/ISO/AVC", b"V_ZZZZZ/ISO/ZZZ")])
-def test_a_codec_ffmpeg_cannot_decode_is_invalid_argument_not_an_internal_error(video_factory, decoder, suffix, name,
-                                                                                 unknown):
+@pytest.mark.parametrize(
+    ("suffix", "name", "unknown"),
+    [(".mp4", b"avc1", b"zzz1"), (".mkv", b"V_MPEG4/ISO/AVC", b"V_ZZZZZ/ISO/ZZZ")],
+)
+def test_a_codec_ffmpeg_cannot_decode_is_invalid_argument_not_an_internal_error(
+    video_factory, decoder, suffix, name, unknown
+):
     """FFmpeg opens the stream with no decoder (codec_context None); it was an AttributeError, HTTP 500."""
     data = video_factory(suffix, codec="h264", **SMALL).replace(name, unknown)
     for entry_name, entry in _entry_points(decoder).items():
@@ -574,12 +614,16 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_pillow_decodes_it(decode
     assert simple_decoder.decode(progressive, SamplingOptions()).frames.shape == (1, 48, 64, 3)
     scan = b"\xff\xda\x00\x08\x01\x01\x00\x01\x3f\x00" + b"\x00" * 20  # an AC refinement scan header + data
     bomb = progressive[:-2] + scan * MAX_JPEG_SCANS + progressive[-2:]
-    entries = {"simple": lambda d: simple_decoder.decode(d, SamplingOptions()),
-               "parallel": lambda d: list(decoder.iter_groups(d, SamplingOptions(), group_size=2))}
+    entries = {
+        "simple": lambda d: simple_decoder.decode(d, SamplingOptions()),
+        "parallel": lambda d: list(decoder.iter_groups(d, SamplingOptions(), group_size=2)),
+    }
     num_scans = bomb.count(b"\xff\xda")
     for entry in entries.values():
-        with pytest.raises(MediaLimitError, match=f"the JPEG has {num_scans} scans, over this server's limit of "
-                                                  f"{MAX_JPEG_SCANS}"):
+        with pytest.raises(
+            MediaLimitError,
+            match=f"the JPEG has {num_scans} scans, over this server's limit of {MAX_JPEG_SCANS}",
+        ):
             entry(bomb)
 
 

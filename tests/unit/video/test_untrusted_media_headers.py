@@ -25,7 +25,10 @@ def test_a_file_of_more_tracks_than_the_limit_is_refused_before_ffmpeg_opens_it(
     """100 copies of a one-frame 4K track (80 KB) took 2 GB inside av.open. At the limit a file
     decodes; one track more is refused by every entry point, MP4 and Matroska alike, with the
     count, the limit and a way to send fewer tracks."""
-    for at_limit in (hostile_media.many_tracks_mp4(tmp_path, MAX_STREAMS), hostile_media.many_tracks_mkv(MAX_STREAMS)):
+    for at_limit in (
+        hostile_media.many_tracks_mp4(tmp_path, MAX_STREAMS),
+        hostile_media.many_tracks_mkv(MAX_STREAMS),
+    ):
         assert simple_decoder.decode(at_limit, SamplingOptions(num_frames=2)).frames.shape[0] == 2
     over = MAX_STREAMS + 1
     match = rf"the file has {over} tracks, over this server's limit of {MAX_STREAMS} .* -map 0:v:0"
@@ -51,8 +54,12 @@ def test_an_mpeg_ts_of_more_streams_than_the_limit_is_refused_as_such(decoder):
     """MPEG-TS declares its streams in a PMT that FFmpeg reads as it demuxes: 40 streams failed the
     demux pass with ENOMEM, answered "the server ran out of memory" (retry later, fewer frames),
     which cannot help. At the limit it decodes."""
-    assert simple_decoder.decode(hostile_media.many_streams_ts(MAX_STREAMS), SamplingOptions(num_frames=2)) \
-        .frames.shape[0] == 2
+    assert (
+        simple_decoder.decode(
+            hostile_media.many_streams_ts(MAX_STREAMS), SamplingOptions(num_frames=2)
+        ).frames.shape[0]
+        == 2
+    )
     data = hostile_media.many_streams_ts(40)
     for entry in _entry_points(decoder).values():
         with pytest.raises(MediaLimitError, match=rf"more than {MAX_STREAMS} tracks, over this server's limit .* "
@@ -94,7 +101,10 @@ def test_a_sample_to_chunk_table_past_the_chunks_is_refused():
 def test_an_edit_list_is_counted_as_often_as_ffmpeg_indexes_the_track(tmp_path, decoder):
     """FFmpeg rebuilds a track's index once per edit: 50,000 edits of a 10-frame clip (600 KB)
     made 500,000 index entries. Two edits decode; enough to pass the limit are refused."""
-    assert simple_decoder.decode(hostile_media.edit_list(tmp_path, 2), SamplingOptions(num_frames=2)).num_frames == 2
+    assert (
+        simple_decoder.decode(hostile_media.edit_list(tmp_path, 2), SamplingOptions(num_frames=2)).num_frames
+        == 2
+    )
     num_edits = MAX_DECLARED_SAMPLES // 10 + 1
     bomb = hostile_media.edit_list(tmp_path, num_edits)
     for entry in _entry_points(decoder).values():
@@ -134,7 +144,9 @@ def test_headers_of_more_boxes_than_the_walk_reads_are_refused(tmp_path):
     from epd.video.mp4_boxes import MAX_BOXES
 
     stbl = [b"moov", b"trak", b"mdia", b"minf", b"stbl"]
-    data = hostile_media.insert_box(hostile_media.many_tracks_mp4(tmp_path, 1), stbl, b"\0\0\0\x08free" * MAX_BOXES)
+    data = hostile_media.insert_box(
+        hostile_media.many_tracks_mp4(tmp_path, 1), stbl, b"\0\0\0\x08free" * MAX_BOXES
+    )
     with pytest.raises(MediaLimitError, match=rf"the file's headers hold more than {MAX_BOXES} boxes"):
         simple_decoder.decode(data, SamplingOptions(num_frames=2))
 
