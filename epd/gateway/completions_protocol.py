@@ -35,12 +35,12 @@ from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.video.types import SamplingOptions
 
 _COMPLETION_UNSUPPORTED = {
-    **{name: neutral for name, neutral in UNSUPPORTED_CHAT_FIELDS.items() if name != "echo"},
+    **UNSUPPORTED_CHAT_FIELDS,
     "add_special_tokens": (True,),  # vLLM's completions default: the tokenizer's special tokens added
     "suffix": ("",),
 }
-"""Chat's unsupported fields, but `echo` is taken and a raw prompt is tokenised with the
-tokenizer's special tokens; OpenAI's `suffix` (text after the completion) is not implemented."""
+"""Chat's unsupported fields, but a raw prompt is tokenised with the tokenizer's special tokens;
+OpenAI's `suffix` (text after the completion) is not implemented."""
 
 _COMPLETION_KNOWN = (
     # The chat template's options are not vLLM's completions fields either (a raw prompt has no
@@ -106,7 +106,6 @@ def text_completion_body(
     summary: AskSummary, request: ChatRequest, created: int | None = None
 ) -> dict[str, Any]:
     """The whole answer: one `text_completion` choice (the prompt's text first with `echo`)."""
-    prompt = request.raw_prompt.text if request.echo and request.raw_prompt else ""
     return {
         "id": f"cmpl-{summary.request_id}",
         "object": "text_completion",
@@ -115,7 +114,7 @@ def text_completion_body(
         "choices": [
             {
                 "index": 0,
-                "text": prompt + summary.answer,
+                "text": request.echoed_text + summary.answer,
                 "logprobs": None,
                 "finish_reason": summary.finish_reason or "stop",
                 "stop_reason": summary.stop_reason,

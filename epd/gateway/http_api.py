@@ -429,7 +429,11 @@ class HttpApi:
                         log_summary(item)
                         if chat.raw_prompt is not None:
                             return web.json_response(text_completion_body(item, chat))
-                        return web.json_response(completion_body(item, chat.model, role=chat.response_role))
+                        return web.json_response(
+                            completion_body(
+                                item, chat.model, role=chat.response_role, echoed=chat.echoed_text
+                            )
+                        )
             raise RuntimeError("the pipeline ended without a summary")
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
@@ -539,10 +543,8 @@ class HttpApi:
                                     {"role": chat.response_role, "content": ""},
                                 )
                             )
-                        elif chat.echo:  # the prompt's text first, as vLLM streams an echo
-                            await send(
-                                text_completion_chunk(request_id, chat.model, created, chat.raw_prompt.text)
-                            )
+                        if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
+                            await send(_delta_chunk(chat, request_id, created, echoed, None))
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
@@ -585,9 +587,10 @@ class HttpApi:
 
 
 def _delta_chunk(
-    chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int]
+    chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int] | None
 ) -> dict[str, Any]:
-    """A streamed answer's chunk of new text: chat's delta, or a legacy completion's text."""
+    """A streamed answer's chunk of new text: chat's delta, or a legacy completion's text;
+    `token_ids` None (no `token_ids` field): the echoed text, which no generated token made."""
     if chat.raw_prompt is not None:
         return text_completion_chunk(request_id, chat.model, created, text, token_ids=token_ids)
     return chunk_body(request_id, chat.model, created, {"content": text}, token_ids=token_ids)

@@ -17,6 +17,9 @@ dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}
 Fields left out take the server's defaults, which are greedy: unlike OpenAI, a missing
 `temperature` means 0. A field of OpenAI's or vLLM's that this server does not implement is
 refused with a 400 unless it asks for nothing (`UNSUPPORTED_CHAT_FIELDS`); one it does not know is logged.
+vLLM's `add_generation_prompt` and `continue_final_message` say how the chat template ends the
+prompt, and its `echo` puts the last message's text in front of the answer when that message's
+role is the answer's (with `continue_final_message`: the whole assistant message comes back).
 """
 
 from __future__ import annotations
@@ -125,7 +128,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "prompt_logprobs": (0,),
-    "echo": (False,),
     "audio": (),
     "modalities": (["text"],),
     # vLLM's: they change the prompt, the frames or the text of the answer, so ignoring them
@@ -165,7 +167,7 @@ KNOWN_CHAT_FIELDS = {
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
-    "add_generation_prompt", "continue_final_message",
+    "add_generation_prompt", "continue_final_message", "echo",
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -225,11 +227,13 @@ class ChatRequest:
     """A legacy completions request's prompt (`epd.gateway.completions_protocol`), run without
     the chat template; `messages` is empty then, and the answer is a `text_completion`."""
     echo: bool = False
-    """Completions' `echo`: the answer's text begins with the prompt's (a text prompt only)."""
+    """`echo`, vLLM's meanings: a legacy completion's text begins with its (text) prompt; a chat
+    answer's content begins with the last message's, when that message's role is the answer's
+    (`echoed_text`)."""
     template: ChatTemplateOptions = ChatTemplateOptions()
     """vLLM's `add_generation_prompt` and `continue_final_message`: how the chat template ends
-    the prompt. A continued message's answer is the continuation alone, as vLLM's (whose chat
-    `echo`, which would put the continued text in front, this server refuses)."""
+    the prompt. A continued message's answer is the continuation alone, as vLLM's; with `echo`
+    too, it is the whole message, the given text first."""
 
     @property
     def response_role(self) -> str:
@@ -238,6 +242,23 @@ class ChatRequest:
         if self.template.add_generation_prompt or not self.messages:
             return "assistant"
         return self.messages[-1].role
+
+    @property
+    def echoed_text(self) -> str:
+        """What `echo` puts in front of the generated text ("" without it): a raw prompt's text,
+        or, as vLLM's chat echo, the last message's text when its role is the answer's (the
+        assistant's message continued with `continue_final_message`, an assistant's message
+        followed by a new answer, or without a generation prompt the message the model writes
+        on in). Its text parts are joined with "\n" as vLLM joins them (a template may render
+        them otherwise: Qwen's concatenates them); a media part in it is refused at parsing
+        (`_check_echo`). Not the answer's tokens: usage counts the generated ones alone."""
+        if not self.echo:
+            return ""
+        if self.raw_prompt is not None:
+            return self.raw_prompt.text
+        if not self.messages or self.messages[-1].role != self.response_role:
+            return ""
+        return "\n".join(p.text for p in self.messages[-1].parts if p.type == "text")
 
 
 def template_options(body: Any) -> ChatTemplateOptions:
@@ -270,11 +291,29 @@ def parse_chat_request(
         sampling=_sampling(body.get("media"), sampling_defaults),
         pruning=_pruning(body.get("pruning")),
         template=template_options(body),
+        echo=boolean_field(body, "echo", False),
         **options,
     )
     # The message model's own rules (the last message is the user's or the assistant's, ...).
     check_messages(messages, template=request.template)
+    _check_echo(request)
     return request
+
+
+def _check_echo(request: ChatRequest) -> None:
+    """InvalidRequest when `echo` would put a message with a media part in front of the answer:
+    a video or image has no text to echo (vLLM echoes the model's placeholder text, or fails, by
+    the template's content format), and echoing its text parts alone would not be the message
+    sent. It only arises without a generation prompt and with the user's message (the one media
+    part's place) last."""
+    if not request.echo or request.messages[-1].role != request.response_role:
+        return
+    if media := next((p.type for p in request.messages[-1].parts if p.is_media), None):
+        raise InvalidRequest(
+            f"'echo' puts the last message's content in front of the answer, but the last message holds a "
+            f"{media}, which has no text to echo: leave 'echo' unset or false (the answer is then the "
+            "generated text alone)"
+        )
 
 
 def requested_model(body: Any, served_model: str) -> str:
@@ -601,9 +640,10 @@ def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[
 
 
 def completion_body(
-    summary: AskSummary, model: str, created: int | None = None, role: str = "assistant"
+    summary: AskSummary, model: str, created: int | None = None, role: str = "assistant", echoed: str = ""
 ) -> dict[str, Any]:
-    """A chat answer's body; `role`: `ChatRequest.response_role`."""
+    """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
+    the content's start (usage still counts the generated tokens alone, as vLLM's)."""
     return {
         "id": f"chatcmpl-{summary.request_id}",
         "object": "chat.completion",
@@ -612,7 +652,7 @@ def completion_body(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": role, "content": summary.answer},
+                "message": {"role": role, "content": echoed + summary.answer},
                 "logprobs": None,
                 "finish_reason": summary.finish_reason or "stop",
                 "stop_reason": summary.stop_reason,

@@ -103,8 +103,8 @@ class ChatTemplateOptions:
     assistant message (after the user's, or after an assistant's last message)."""
     continue_final_message: bool = False
     """Leave the last message (the assistant's) open, without the template's end of its turn: the
-    model continues it ("assistant prefill"; the answer is the continuation alone, as vLLM's).
-    Not with `add_generation_prompt`."""
+    model continues it ("assistant prefill"; the answer is the continuation alone, as vLLM's;
+    the HTTP API's `echo` puts the given text in front). Not with `add_generation_prompt`."""
 
     def check(self, messages: Sequence[Message], to_answer: bool = True) -> None:
         """InvalidRequest unless these options can render `messages`: not both flags (vLLM's 400:

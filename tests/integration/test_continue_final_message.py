@@ -140,11 +140,9 @@ def _openai(messages: list[dict], url: str) -> list[dict]:
     ]
 
 
-def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack, tiny_models, media_files):
-    """HTTP (plain and SSE) and gRPC (the SDK's ask) continue the assistant's message with the
-    video in an earlier user turn, as generate() does; the answer's text is the continuation
-    alone. Both flags true, or continuing a user's message, are 400 / INVALID_ARGUMENT naming
-    what to change, and the stack keeps serving."""
+def continued_over_http(tiny_models, media_files) -> tuple[list[int], list[int], str, dict]:
+    """VIDEO_EARLIER continued on tiny Qwen2-VL: (prompt ids, generate()'s new tokens, their text,
+    the chat-completions body that asks for them)."""
     from transformers import AutoProcessor
 
     path = tiny_models["qwen2_vl"]
@@ -159,6 +157,16 @@ def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack,
         "media": {"num_frames": NUM_FRAMES},
         **CONTINUE,
     }
+    return prompt_ids, want, text, body
+
+
+def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack, tiny_models, media_files):
+    """HTTP (plain and SSE) and gRPC (the SDK's ask) continue the assistant's message with the
+    video in an earlier user turn, as generate() does; the answer's text is the continuation
+    alone. Both flags true, or continuing a user's message, are 400 / INVALID_ARGUMENT naming
+    what to change, and the stack keeps serving."""
+    prompt_ids, want, text, body = continued_over_http(tiny_models, media_files)
+    url = body["messages"][0]["content"][0]["video_url"]["url"]
     port = shared_stack.http_port
 
     status, raw = _post(port, body)
