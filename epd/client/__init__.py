@@ -2,7 +2,8 @@
 and results (no protobuf in user code), chunked uploads or reuse by sha256, deadlines, retries of
 UNAVAILABLE, TLS and an API key. A call carries a conversation (`Message`s of text / VIDEO /
 IMAGE parts in your order, `epd.stages.messages`) or, the 0.1 form kept until 0.3, one question. Result fields and the 0.2 renames: `epd.client.types`. Follow-up questions that see the earlier
-answers: `client.conversation(video)` (`epd.client.conversation`)."""
+answers: `client.conversation(video)` (`epd.client.conversation`). A text's or a text-only
+conversation's token ids, and back: `client.tokenize(...)`, `client.detokenize(...)`."""
 
 from epd.client.client import AsyncEpdClient, EpdClient, build_header
 from epd.client.conversation import AsyncConversation, Conversation
@@ -19,6 +20,7 @@ from epd.client.types import (
     StreamEvent,
     Timings,
     TokenDelta,
+    TokenizeResult,
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message
 
@@ -44,5 +46,6 @@ __all__ = [
     "StreamEvent",
     "Timings",
     "TokenDelta",
+    "TokenizeResult",
     "build_header",
 ]

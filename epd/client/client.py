@@ -47,8 +47,10 @@ from epd.client.types import (
     StageEvent,
     StreamEvent,
     TokenDelta,
+    TokenizeResult,
     result_from_proto,
     stage_event_from_proto,
+    tokenize_result_from_proto,
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
@@ -311,6 +313,39 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 64 else text[:61] + "..."
 
 
+def tokenize_request(
+    prompt: str | None,
+    messages: Sequence[MessageLike] | None,
+    add_special_tokens: bool | None,
+    add_generation_prompt: bool | None,
+    continue_final_message: bool | None,
+    return_token_strs: bool,
+    request_id: str,
+) -> gateway_pb2.GatewayServiceTokenizeRequest:
+    """The request of `tokenize` (see there); TypeError for a value of the wrong type, or for
+    both or neither of prompt and messages, ValueError for messages=[]. The server checks the
+    rest (INVALID_ARGUMENT, as the HTTP API's 400)."""
+    if (prompt is None) == (messages is None):
+        raise TypeError("pass a prompt (a string) or messages=[...] (a conversation), one of them")
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string, got {_shown(prompt)}")
+    if messages is not None and not messages:
+        raise ValueError("messages is empty: send the conversation to tokenize")
+    for name, value in (("add_special_tokens", add_special_tokens), ("return_token_strs", return_token_strs)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {_shown(value)}")
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a string, got {_shown(request_id)}")
+    return gateway_pb2.GatewayServiceTokenizeRequest(
+        request_id=request_id,
+        prompt=prompt,
+        messages=messages_to_proto(conversation(messages)) if messages is not None else [],
+        add_special_tokens=add_special_tokens,
+        template=_template(add_generation_prompt, continue_final_message),
+        return_token_strs=return_token_strs,
+    )
+
+
 def _check_options(options: dict[str, Any]) -> None:
     """Raise TypeError on an unknown option now rather than at a conversation's first turn."""
     build_header(None, 0, "", {k: v for k, v in options.items() if k != "timeout_s"},
@@ -505,6 +540,56 @@ class AsyncEpdClient:
             source, question, messages=messages, timeout_s=max(0.0, deadline - time.monotonic()), **options
         )
 
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+        return_token_strs: bool = False,
+        request_id: str = "",
+        timeout_s: float | None = None,
+    ) -> TokenizeResult:
+        """The token ids of a text, or of a text-only conversation rendered with the model's chat
+        template exactly as `ask(None, messages=...)` renders its prompt (the HTTP API's
+        /tokenize, vLLM's): `GatewayService.Tokenize`.
+
+        prompt: a text, tokenised as it is; or messages: `Message`s or chat-form dicts without a
+        video or image part (INVALID_ARGUMENT: their tokens depend on the frames sampled), ending
+        with any role's message. add_special_tokens: None is vLLM's default (True for a prompt,
+        False for messages). add_generation_prompt / continue_final_message: as `ask`'s (the
+        default ends with the opening of a new answer, so `num_tokens` is that ask's
+        `num_prompt_tokens`). return_token_strs: also the tokenizer's token of each id."""
+        request = tokenize_request(
+            prompt,
+            messages,
+            add_special_tokens,
+            add_generation_prompt,
+            continue_final_message,
+            return_token_strs,
+            request_id,
+        )
+        answer = await self._unary("Tokenize", request, timeout_s)
+        return tokenize_result_from_proto(answer, return_token_strs)
+
+    async def detokenize(
+        self, token_ids: Sequence[int], *, request_id: str = "", timeout_s: float | None = None
+    ) -> str:
+        """The text of token ids of the served model's vocabulary, special tokens kept (the HTTP
+        API's /detokenize): `GatewayService.Detokenize`. INVALID_ARGUMENT for an id outside the
+        vocabulary, or more than 262,144 ids."""
+        if isinstance(token_ids, (str, bytes)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise TypeError(f"token_ids must be a list of token ids (integers), got {_shown(token_ids)}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {_shown(request_id)}")
+        _typed(gateway_pb2.GatewayServiceDetokenizeRequest, {"token_ids": list(token_ids)})  # 32 bits each
+        request = gateway_pb2.GatewayServiceDetokenizeRequest(request_id=request_id, token_ids=token_ids)
+        return (await self._unary("Detokenize", request, timeout_s)).text
+
     async def _responses(
         self,
         video: Media | None,
@@ -560,41 +645,17 @@ class AsyncEpdClient:
                     yield msg, (attempt, source.num_bytes if source else 0)
                 return
             except grpc.aio.AioRpcError as exc:
-                code, message = exc.code(), exc.details() or ""
-                request_id = metadata_value(exc.trailing_metadata())
-                exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the mark means "busy" on it only
-                retry_after_s = retry_after_in(exc.trailing_metadata()) if exhausted else None
-                if lost_while_sending(code, message):
-                    # grpc.aio's own INTERNAL for a send the call's end cut short: by the deadline,
-                    # or by a connection that broke (the server is gone: retried as UNAVAILABLE).
-                    code, message = (
-                        (
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            "the deadline passed while the request was being sent; raise timeout_s",
-                        )
-                        if _past(deadline)
-                        else (
-                            grpc.StatusCode.UNAVAILABLE,
-                            "the connection broke while the request was being sent",
-                        )
-                    )
-                elif code == grpc.StatusCode.DEADLINE_EXCEEDED and _past(deadline):
-                    # Our own deadline (gRPC's text: "Deadline Exceeded"), not a server's message.
-                    message = (
-                        f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
-                        "timeout_s, or ask for fewer tokens or frames"
-                    )
+                error = _call_error(exc, deadline, timeout_s_used)
             except asyncio.CancelledError:
-                retry_after_s, request_id = None, ""
                 if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
                 # grpc.aio's own cancel: the request could not be written (epd.transport.aio_cancel).
                 late = _past(deadline)
-                code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
-                message = (
+                error = EpdError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED,
                     "the deadline passed before the request was sent; raise timeout_s"
                     if late
-                    else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)"
+                    else "gRPC cancelled the call: its request could not be sent (did reading the media fail?)",
                 )
             finally:
                 # A consumer that stops reading (a `break`, `aclose()`, its task cancelled) leaves
@@ -602,14 +663,36 @@ class AsyncEpdClient:
                 # servers go on generating it, until it completes. Cancelling ends it there now.
                 if call is not None and not call.done():
                     call.cancel()
-            wait_s = max(self.retry.backoff_s(attempt), retry_after_s or 0)
-            busy = retry_after_s is not None
-            if (
-                not self.retry.should_retry(code, attempt, saw_token, busy)
-                or time.monotonic() + wait_s >= deadline
-            ):
-                raise EpdError(code, message, retry_after_s, request_id) from None
-            await asyncio.sleep(wait_s)
+            await self._before_retry(error, attempt, saw_token, deadline)
+
+    async def _before_retry(self, error: EpdError, attempt: int, saw_token: bool, deadline: float) -> None:
+        """Wait before trying the call again, or raise `error` when the retry policy (or the
+        deadline) says not to."""
+        wait_s = max(self.retry.backoff_s(attempt), error.retry_after_s or 0)
+        busy = error.retry_after_s is not None
+        if (
+            not self.retry.should_retry(error.code, attempt, saw_token, busy)
+            or time.monotonic() + wait_s >= deadline
+        ):
+            raise error from None
+        await asyncio.sleep(wait_s)
+
+    async def _unary(self, method: str, request: ProtoMessage, timeout_s: float | None) -> Any:
+        """One unary call of the gateway, retried as `ask` is before its first token."""
+        timeout_s_used = timeout_s if timeout_s is not None else self.timeout_s
+        deadline = time.monotonic() + timeout_s_used
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await getattr(self._stub(), method)(
+                    request,
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    metadata=self.settings.call_metadata(),
+                )
+            except grpc.aio.AioRpcError as exc:
+                error = _call_error(exc, deadline, timeout_s_used)
+            await self._before_retry(error, attempt, False, deadline)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -620,6 +703,33 @@ class AsyncEpdClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _call_error(exc: grpc.aio.AioRpcError, deadline: float, timeout_s_used: float) -> EpdError:
+    """The SDK's error for a failed call: the server's status and message, gRPC's own words for
+    a send cut short or our deadline replaced by what to change."""
+    code, message = exc.code(), exc.details() or ""
+    request_id = metadata_value(exc.trailing_metadata())
+    exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the mark means "busy" on it only
+    retry_after_s = retry_after_in(exc.trailing_metadata()) if exhausted else None
+    if lost_while_sending(code, message):
+        # grpc.aio's own INTERNAL for a send the call's end cut short: by the deadline, or by a
+        # connection that broke (the server is gone: retried as UNAVAILABLE).
+        code, message = (
+            (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the deadline passed while the request was being sent; raise timeout_s",
+            )
+            if _past(deadline)
+            else (grpc.StatusCode.UNAVAILABLE, "the connection broke while the request was being sent")
+        )
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED and _past(deadline):
+        # Our own deadline (gRPC's text: "Deadline Exceeded"), not a server's message.
+        message = (
+            f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
+            "timeout_s, or ask for fewer tokens or frames"
+        )
+    return EpdError(code, message, retry_after_s, request_id)
 
 
 DEADLINE_CLOCK_SLACK_S = 0.005
@@ -681,6 +791,14 @@ class EpdClient:
 
     def upload_or_reuse(self, video: Media, question: str | None = None, **options) -> AskResult:
         return self._run(self._client.upload_or_reuse(video, question, **options))
+
+    def tokenize(self, prompt: str | None = None, **options) -> TokenizeResult:
+        """See `AsyncEpdClient.tokenize`: `tokenize("text")` or `tokenize(messages=[...])`."""
+        return self._run(self._client.tokenize(prompt, **options))
+
+    def detokenize(self, token_ids: Sequence[int], **options) -> str:
+        """See `AsyncEpdClient.detokenize`."""
+        return self._run(self._client.detokenize(token_ids, **options))
 
     def stream(self, video: Media | None, question: str | None = None, **options) -> Iterator[StreamEvent]:
         """Yields `StageEvent`s and `TokenDelta`s as they arrive, then one `AskResult`."""

@@ -44,6 +44,7 @@ __all__ = [
     "StreamEvent",
     "Timings",
     "TokenDelta",
+    "TokenizeResult",
 ]
 
 
@@ -294,6 +295,30 @@ class AskResult:
         ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class TokenizeResult:
+    """`tokenize()`'s answer: the HTTP API's /tokenize answer (vLLM's), under the SDK's names."""
+
+    token_ids: list[int]
+    """The ids, in order (HTTP: tokens). For a conversation with the default options, exactly the
+    prompt the server runs for it: `len(token_ids)` is its answer's `num_prompt_tokens`."""
+    max_model_len: int | None
+    """The longest prompt plus answer a request may have (vLLM's); None while the server does not
+    know it yet (its gateway has not heard from prefill)."""
+    token_strs: list[str] | None = None
+    """With return_token_strs=True: the tokenizer's token of each id; None otherwise."""
+
+    @property
+    def num_tokens(self) -> int:
+        """How many ids (HTTP: count)."""
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, with the HTTP API's /tokenize field names."""
+        return {"count": self.num_tokens, "max_model_len": self.max_model_len, "tokens": list(self.token_ids),
+                "token_strs": None if self.token_strs is None else list(self.token_strs)}  # fmt: skip
+
+
 StreamEvent = StageEvent | TokenDelta | AskResult
 """What `stream()` yields: stage events and token deltas as they happen, then one AskResult."""
 
@@ -338,4 +363,15 @@ def result_from_proto(s: gateway_pb2.AskSummary, events: list[StageEvent]) -> As
         kept_visual_token_index=list(s.kept_visual_token_index),
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
         stop_reason=stop_reason_from_proto(s),
+    )
+
+
+def tokenize_result_from_proto(
+    r: gateway_pb2.GatewayServiceTokenizeResponse, return_token_strs: bool
+) -> TokenizeResult:
+    """`return_token_strs`: the request's (an empty repeated field cannot say whether they were asked)."""
+    return TokenizeResult(
+        token_ids=list(r.token_ids),
+        max_model_len=r.max_model_len if r.HasField("max_model_len") else None,
+        token_strs=list(r.token_strs) if return_token_strs else None,
     )

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
@@ -48,6 +48,7 @@ from epd.stages.messages import ChatTemplateOptions, Message, check_messages, me
 from epd.stages.model_info import ModelInfo
 from epd.stages.names import TIMING_NAMES, TOTAL, TTFT, Stage
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
+from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeAnswer, TokenizeInput, check_token_ids
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport import tracing
 from epd.video.types import SamplingOptions
@@ -189,6 +190,20 @@ class Pipeline:
             "(max_model_len) and must hold the prompt too: ask for fewer tokens (the context less the prompt's), "
             "or leave max_tokens unset to get what the prompt leaves"
         )
+
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeAnswer:
+        """`request`'s token ids from prefill's tokenizer and chat template, with the served
+        `max_model_len`: what both front doors answer (the HTTP API's /tokenize, gRPC's Tokenize)."""
+        out = await self.prefill.tokenize(request, request_id)
+        info = self.model_info()
+        return TokenizeAnswer(out.token_ids, out.token_strs, None if info is None else info.max_model_len)
+
+    async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
+        """The text of `token_ids`, special tokens kept (both front doors' detokenize). Ids past
+        `MAX_DETOKENIZE_TOKENS`, or outside the vocabulary once known, are refused here, before
+        the call: prefill's own check, with its message, runs where the vocabulary is not known."""
+        check_token_ids(token_ids, self.vocab_size, MAX_DETOKENIZE_TOKENS)
+        return await self.prefill.detokenize(token_ids, request_id)
 
     async def ask(self, req: AskRequest) -> AsyncIterator[PipelineEvent]:
         """Yields StageEvents and TokenSteps as they happen, then one AskSummary."""

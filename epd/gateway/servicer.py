@@ -1,13 +1,15 @@
 """GatewayService over gRPC: read the upload, run the pipeline on the header's messages, stream
-events and tokens."""
+events and tokens; Tokenize and Detokenize answer with the pipeline's calls the HTTP API's
+/tokenize and /detokenize make."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import aclosing
+from collections.abc import Iterator
+from contextlib import aclosing, contextmanager
 
-from epd.gateway.admission import Admission, Overloaded, peer_host
+from epd.gateway.admission import Admission, Overloaded, Ticket, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
 from epd.gateway.shutdown import Call, CallsInFlight
@@ -21,6 +23,7 @@ from epd.transport.aio_cancel import within
 from epd.transport.auth import bearer_token, request_cache_salt
 from epd.transport.errors import rpc_errors
 from epd.transport.internal_secrets import internal_secrets
+from epd.transport.model_info import public_tokenize_input_from_proto, tokenize_answer_to_proto
 from epd.transport.server import CUT_MARGIN_S
 from epd.transport.upload import drain, media_input, read_header, read_media
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -55,12 +58,44 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     raise  # its client went away
                 raise self.in_flight.shutdown_error(call.num_tokens, call.request_id) from None
 
+    @rpc_errors
+    async def Tokenize(self, request, context):
+        with self._unary_call(context, request.ByteSize()):
+            request_id = tracing.adopt_request_id(request.request_id)
+            answer = await self.pipeline.tokenize(public_tokenize_input_from_proto(request), request_id)
+            return tokenize_answer_to_proto(answer)
+
+    @rpc_errors
+    async def Detokenize(self, request, context):
+        with self._unary_call(context, request.ByteSize()):
+            request_id = tracing.adopt_request_id(request.request_id)
+            text = await self.pipeline.detokenize(list(request.token_ids), request_id)
+            return gateway_pb2.GatewayServiceDetokenizeResponse(text=text)
+
+    def _admit(self, context) -> Ticket:
+        """A request slot for the caller's address and API key (the interceptor checked the key),
+        shared with the HTTP API; Overloaded when it has its limit in flight."""
+        key = bearer_token(context.invocation_metadata()) if self.config.http.api_keys else ""
+        return self.admission.admit(peer_host(context.peer()), key)
+
+    @contextmanager
+    def _unary_call(self, context, num_request_bytes: int) -> Iterator[Call]:
+        """A unary call admitted as an HTTP body is (a slot, its request's bytes reserved) and
+        ended with the gateway's own status if the shutdown cuts it."""
+        with self.in_flight.tracking() as call:
+            try:
+                with self._admit(context) as ticket:
+                    ticket.reserve_bytes(num_request_bytes)
+                    yield call
+            except asyncio.CancelledError:
+                if not call.was_cut:
+                    raise  # its client went away
+                raise self.in_flight.shutdown_error(0, tracing.current_request_id()) from None
+
     async def _ask(self, request_iterator, context, call: Call):
         started = time.perf_counter()
         try:
-            key = bearer_token(context.invocation_metadata()) if self.config.http.api_keys else ""
-            # the key was checked by the interceptor
-            ticket = self.admission.admit(peer_host(context.peer()), key)
+            ticket = self._admit(context)
         except Overloaded:
             await drain(request_iterator)  # so that the client sees our status, not INTERNAL
             raise

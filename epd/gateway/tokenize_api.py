@@ -28,15 +28,12 @@ from epd.gateway.http_body import defer_continue, read_json_body
 from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
 from epd.gateway.openai_protocol import parse_messages, requested_model, template_options
 from epd.stages.errors import InvalidRequest
-from epd.stages.tokenize import TokenizeInput
+from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeInput
 from epd.transport import tracing
 
 if TYPE_CHECKING:
     from epd.gateway.http_api import HttpApi
 
-MAX_DETOKENIZE_TOKENS = 262_144
-"""Ids one /detokenize takes at most (prefill's `max_text_chars` by default: what a longest
-/tokenize text could give); prefill checks its own bound too."""
 
 _REFUSED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 
@@ -95,21 +92,21 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
             return exception_response(exc)
 
+    # The gRPC API's Tokenize / Detokenize make the same pipeline calls (epd/gateway/servicer.py).
     async def tokenize(body: Any) -> dict[str, Any]:
-        out = await pipeline.prefill.tokenize(
+        out = await pipeline.tokenize(
             parse_tokenize_request(body, config.http.served_model_name), tracing.current_request_id()
         )
-        info = pipeline.model_info()
         return {
             "count": len(out.token_ids),
-            "max_model_len": None if info is None else info.max_model_len,
+            "max_model_len": out.max_model_len,
             "tokens": out.token_ids,
             "token_strs": out.token_strs,
         }
 
     async def detokenize(body: Any) -> dict[str, Any]:
         token_ids = parse_detokenize_request(body, config.http.served_model_name)
-        return {"prompt": await pipeline.prefill.detokenize(token_ids, tracing.current_request_id())}
+        return {"prompt": await pipeline.detokenize(token_ids, tracing.current_request_id())}
 
     app.router.add_post("/tokenize", lambda request: answer(request, tokenize), expect_handler=defer_continue)
     app.router.add_post(

@@ -1,5 +1,6 @@
-"""What the HTTP API's /tokenize and /detokenize ask of prefill, which holds the tokenizer and the
-chat template (vLLM's routes of the same names). Text only: a video or image part's tokens depend
+"""What the front door's tokenize and detokenize (the HTTP API's /tokenize and /detokenize, vLLM's
+routes of the same names, and the gRPC API's `GatewayService.Tokenize` / `Detokenize`) ask of
+prefill, which holds the tokenizer and the chat template. Text only: a video or image part's tokens depend
 on the frames sampled and their size, which only the encoder sees; a chat answer's
 `usage.prompt_tokens` counts them."""
 
@@ -10,6 +11,10 @@ from dataclasses import dataclass, field
 
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, Message, check_messages, media_type
+
+MAX_DETOKENIZE_TOKENS = 262_144
+"""Ids one detokenize takes at most (prefill's `max_text_chars` by default: what a longest
+tokenize text could give); prefill checks its own bound too."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,19 @@ class TokenizeOutput:
     token_ids: list[int]
     token_strs: list[str] | None = None
     """Each id's token string, when `return_token_strs` asked for them."""
+
+
+@dataclass(frozen=True)
+class TokenizeAnswer:
+    """The front door's answer (the HTTP API's /tokenize, gRPC's `GatewayService.Tokenize`):
+    prefill's `TokenizeOutput` and the served model's length (`epd.gateway.pipeline.Pipeline.tokenize`)."""
+
+    token_ids: list[int]
+    token_strs: list[str] | None
+    """Each id's token string, when the request asked for them."""
+    max_model_len: int | None
+    """The longest prompt plus answer a request may have (vLLM's); None while prefill's model info
+    is not known to the gateway."""
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int | None, max_tokens: int) -> None:

@@ -2,21 +2,22 @@
 size not known) and the gateway's read of a prefill replica's (`fetch_model_info`); a
 `TokenizeInput` <-> `epd.v1.TokenizeRequest` and `TokenizeOutput` <-> `epd.v1.TokenizeResult`
 (/tokenize). The service side is prefill's `GetModelInfo` and `Tokenize`
-(`epd.prefill_svc.servicer`)."""
+(`epd.prefill_svc.servicer`). The front door's public Tokenize (`epd.gateway.servicer`) reads its
+own request into the same `TokenizeInput` and answers a `TokenizeAnswer`."""
 
 from __future__ import annotations
 
 import grpc
 
 from epd.stages.model_info import ModelInfo
-from epd.stages.tokenize import TokenizeInput, TokenizeOutput
+from epd.stages.tokenize import TokenizeAnswer, TokenizeInput, TokenizeOutput
 from epd.transport.message_convert import (
     messages_from_proto,
     messages_to_proto,
     template_from_proto,
     template_to_proto,
 )
-from epd.v1 import prefill_pb2, prefill_pb2_grpc
+from epd.v1 import gateway_pb2, prefill_pb2, prefill_pb2_grpc
 
 
 def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
@@ -76,3 +77,27 @@ def tokenize_output_to_proto(output: TokenizeOutput) -> prefill_pb2.TokenizeResu
 def tokenize_output_from_proto(msg: prefill_pb2.TokenizeResult, return_token_strs: bool) -> TokenizeOutput:
     """`return_token_strs`: the request's (an empty repeated field cannot say whether they were asked)."""
     return TokenizeOutput(list(msg.token_ids), list(msg.token_strs) if return_token_strs else None)
+
+
+def public_tokenize_input_from_proto(msg: gateway_pb2.GatewayServiceTokenizeRequest) -> TokenizeInput:
+    """The gateway's public request as the HTTP API's /tokenize body reads
+    (`epd.gateway.tokenize_api.parse_tokenize_request`): add_special_tokens unset takes vLLM's
+    default, true for a prompt and false for messages (whose template writes its own)."""
+    prompt = msg.prompt if msg.HasField("prompt") else None
+    add_special_tokens = msg.add_special_tokens if msg.HasField("add_special_tokens") else prompt is not None
+    return TokenizeInput(
+        prompt=prompt,
+        messages=messages_from_proto(msg.messages),
+        add_special_tokens=add_special_tokens,
+        template=template_from_proto(msg.template),
+        return_token_strs=msg.return_token_strs,
+    )
+
+
+def tokenize_answer_to_proto(answer: TokenizeAnswer) -> gateway_pb2.GatewayServiceTokenizeResponse:
+    return gateway_pb2.GatewayServiceTokenizeResponse(
+        token_ids=answer.token_ids,
+        num_tokens=len(answer.token_ids),
+        max_model_len=answer.max_model_len,
+        token_strs=answer.token_strs or (),
+    )

@@ -26,7 +26,7 @@ from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 from epd.v1 import messages_pb2 as epd_dot_v1_dot_messages__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/gateway.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x15\x65pd/v1/messages.proto\"\xed\x02\n\tAskHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08question\x18\x02 \x01(\t\x12\x17\n\x0fmedia_num_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cmedia_sha256\x18\x04 \x01(\t\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.epd.v1.VideoSampling\x12,\n\ngeneration\x18\x06 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x07 \x01(\x0b\x32\x16.epd.v1.PruningOptions\x12%\n\x08messages\x18\x08 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x12\n\ncache_salt\x18\t \x01(\t\x12!\n\x06prompt\x18\n \x01(\x0b\x32\x11.epd.v1.RawPrompt\x12-\n\x08template\x18\x0b \x01(\x0b\x32\x1b.epd.v1.ChatTemplateOptions\"P\n\nAskRequest\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x11.epd.v1.AskHeaderH\x00\x12\x15\n\x0bmedia_chunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xac\x04\n\nAskSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nnum_frames\x18\x05 \x01(\x05\x12\x19\n\x11num_visual_tokens\x18\x06 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x35\n\ntimings_ms\x18\x08 \x03(\x0b\x32!.epd.v1.AskSummary.TimingsMsEntry\x12\x14\n\x0ckv_num_bytes\x18\t \x01(\x03\x12\x19\n\x11\x65ncoder_cache_hit\x18\n \x01(\x08\x12\x14\n\x0cmedia_sha256\x18\x0b \x01(\t\x12\x1a\n\x12\x66rame_timestamps_s\x18\x0c \x03(\x01\x12&\n\x07pruning\x18\r \x01(\x0b\x32\x15.epd.v1.PruningReport\x12\x10\n\x08grid_thw\x18\x0e \x03(\x03\x12\x1f\n\x17kept_visual_token_index\x18\x0f \x03(\x03\x12 \n\x18num_reused_prompt_tokens\x18\x10 \x01(\x05\x12\x15\n\x0bstop_string\x18\x11 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x12 \x01(\x05H\x00\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0bstop_reason\"\x86\x01\n\x0b\x41skResponse\x12#\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x12.epd.v1.StageEventH\x00\x12#\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x12.epd.v1.TokenDeltaH\x00\x12%\n\x07summary\x18\x03 \x01(\x0b\x32\x12.epd.v1.AskSummaryH\x00\x42\x06\n\x04kind2D\n\x0eGatewayService\x12\x32\n\x03\x41sk\x12\x12.epd.v1.AskRequest\x1a\x13.epd.v1.AskResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/gateway.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x15\x65pd/v1/messages.proto\"\xfc\x01\n\x1dGatewayServiceTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12%\n\x08messages\x18\x03 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12-\n\x08template\x18\x05 \x01(\x0b\x32\x1b.epd.v1.ChatTemplateOptions\x12\x19\n\x11return_token_strs\x18\x06 \x01(\x08\x42\t\n\x07_promptB\x15\n\x13_add_special_tokens\"\x89\x01\n\x1eGatewayServiceTokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x1a\n\rmax_model_len\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\ntoken_strs\x18\x04 \x03(\tB\x10\n\x0e_max_model_len\"H\n\x1fGatewayServiceDetokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"0\n GatewayServiceDetokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xed\x02\n\tAskHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08question\x18\x02 \x01(\t\x12\x17\n\x0fmedia_num_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cmedia_sha256\x18\x04 \x01(\t\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.epd.v1.VideoSampling\x12,\n\ngeneration\x18\x06 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x07 \x01(\x0b\x32\x16.epd.v1.PruningOptions\x12%\n\x08messages\x18\x08 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x12\n\ncache_salt\x18\t \x01(\t\x12!\n\x06prompt\x18\n \x01(\x0b\x32\x11.epd.v1.RawPrompt\x12-\n\x08template\x18\x0b \x01(\x0b\x32\x1b.epd.v1.ChatTemplateOptions\"P\n\nAskRequest\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x11.epd.v1.AskHeaderH\x00\x12\x15\n\x0bmedia_chunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xac\x04\n\nAskSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nnum_frames\x18\x05 \x01(\x05\x12\x19\n\x11num_visual_tokens\x18\x06 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x35\n\ntimings_ms\x18\x08 \x03(\x0b\x32!.epd.v1.AskSummary.TimingsMsEntry\x12\x14\n\x0ckv_num_bytes\x18\t \x01(\x03\x12\x19\n\x11\x65ncoder_cache_hit\x18\n \x01(\x08\x12\x14\n\x0cmedia_sha256\x18\x0b \x01(\t\x12\x1a\n\x12\x66rame_timestamps_s\x18\x0c \x03(\x01\x12&\n\x07pruning\x18\r \x01(\x0b\x32\x15.epd.v1.PruningReport\x12\x10\n\x08grid_thw\x18\x0e \x03(\x03\x12\x1f\n\x17kept_visual_token_index\x18\x0f \x03(\x03\x12 \n\x18num_reused_prompt_tokens\x18\x10 \x01(\x05\x12\x15\n\x0bstop_string\x18\x11 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x12 \x01(\x05H\x00\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0bstop_reason\"\x86\x01\n\x0b\x41skResponse\x12#\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x12.epd.v1.StageEventH\x00\x12#\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x12.epd.v1.TokenDeltaH\x00\x12%\n\x07summary\x18\x03 \x01(\x0b\x32\x12.epd.v1.AskSummaryH\x00\x42\x06\n\x04kind2\x80\x02\n\x0eGatewayService\x12\x32\n\x03\x41sk\x12\x12.epd.v1.AskRequest\x1a\x13.epd.v1.AskResponse(\x01\x30\x01\x12Y\n\x08Tokenize\x12%.epd.v1.GatewayServiceTokenizeRequest\x1a&.epd.v1.GatewayServiceTokenizeResponse\x12_\n\nDetokenize\x12\'.epd.v1.GatewayServiceDetokenizeRequest\x1a(.epd.v1.GatewayServiceDetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,18 +35,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ASKSUMMARY_TIMINGSMSENTRY']._loaded_options = None
   _globals['_ASKSUMMARY_TIMINGSMSENTRY']._serialized_options = b'8\001'
-  _globals['_ASKHEADER']._serialized_start=77
-  _globals['_ASKHEADER']._serialized_end=442
-  _globals['_ASKREQUEST']._serialized_start=444
-  _globals['_ASKREQUEST']._serialized_end=524
-  _globals['_TOKENDELTA']._serialized_start=526
-  _globals['_TOKENDELTA']._serialized_end=571
-  _globals['_ASKSUMMARY']._serialized_start=574
-  _globals['_ASKSUMMARY']._serialized_end=1130
-  _globals['_ASKSUMMARY_TIMINGSMSENTRY']._serialized_start=1067
-  _globals['_ASKSUMMARY_TIMINGSMSENTRY']._serialized_end=1115
-  _globals['_ASKRESPONSE']._serialized_start=1133
-  _globals['_ASKRESPONSE']._serialized_end=1267
-  _globals['_GATEWAYSERVICE']._serialized_start=1269
-  _globals['_GATEWAYSERVICE']._serialized_end=1337
+  _globals['_GATEWAYSERVICETOKENIZEREQUEST']._serialized_start=77
+  _globals['_GATEWAYSERVICETOKENIZEREQUEST']._serialized_end=329
+  _globals['_GATEWAYSERVICETOKENIZERESPONSE']._serialized_start=332
+  _globals['_GATEWAYSERVICETOKENIZERESPONSE']._serialized_end=469
+  _globals['_GATEWAYSERVICEDETOKENIZEREQUEST']._serialized_start=471
+  _globals['_GATEWAYSERVICEDETOKENIZEREQUEST']._serialized_end=543
+  _globals['_GATEWAYSERVICEDETOKENIZERESPONSE']._serialized_start=545
+  _globals['_GATEWAYSERVICEDETOKENIZERESPONSE']._serialized_end=593
+  _globals['_ASKHEADER']._serialized_start=596
+  _globals['_ASKHEADER']._serialized_end=961
+  _globals['_ASKREQUEST']._serialized_start=963
+  _globals['_ASKREQUEST']._serialized_end=1043
+  _globals['_TOKENDELTA']._serialized_start=1045
+  _globals['_TOKENDELTA']._serialized_end=1090
+  _globals['_ASKSUMMARY']._serialized_start=1093
+  _globals['_ASKSUMMARY']._serialized_end=1649
+  _globals['_ASKSUMMARY_TIMINGSMSENTRY']._serialized_start=1586
+  _globals['_ASKSUMMARY_TIMINGSMSENTRY']._serialized_end=1634
+  _globals['_ASKRESPONSE']._serialized_start=1652
+  _globals['_ASKRESPONSE']._serialized_end=1786
+  _globals['_GATEWAYSERVICE']._serialized_start=1789
+  _globals['_GATEWAYSERVICE']._serialized_end=2045
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GatewayServiceTokenizeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "messages", "add_special_tokens", "template", "return_token_strs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_messages_pb2.ChatMessage]
+    add_special_tokens: bool
+    template: _messages_pb2.ChatTemplateOptions
+    return_token_strs: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_messages_pb2.ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., template: _Optional[_Union[_messages_pb2.ChatTemplateOptions, _Mapping]] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+
+class GatewayServiceTokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "num_tokens", "max_model_len", "token_strs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    max_model_len: int
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GatewayServiceDetokenizeRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GatewayServiceDetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class AskHeader(_message.Message):
     __slots__ = ("request_id", "question", "media_num_bytes", "media_sha256", "sampling", "generation", "pruning", "messages", "cache_salt", "prompt", "template")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

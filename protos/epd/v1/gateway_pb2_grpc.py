@@ -40,6 +40,16 @@ class GatewayServiceStub:
                 request_serializer=epd_dot_v1_dot_gateway__pb2.AskRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_gateway__pb2.AskResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/epd.v1.GatewayService/Tokenize',
+                request_serializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceTokenizeRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceTokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/epd.v1.GatewayService/Detokenize',
+                request_serializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceDetokenizeRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceDetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -54,6 +64,25 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids of a text, or of a text-only conversation rendered with the model's chat
+        template exactly as a request's prompt is (the HTTP API's POST /tokenize, vLLM's): answered
+        by prefill, which holds the tokenizer. INVALID_ARGUMENT for a video or image part (its
+        tokens depend on the frames the encoder samples), both or neither of prompt and messages, or
+        more than 262,144 characters of text (prefill's limit, as the HTTP API's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, special tokens kept (the HTTP API's POST /detokenize). INVALID_ARGUMENT
+        for an id outside the vocabulary or more than 262,144 ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +90,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.Ask,
                     request_deserializer=epd_dot_v1_dot_gateway__pb2.AskRequest.FromString,
                     response_serializer=epd_dot_v1_dot_gateway__pb2.AskResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceTokenizeRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceTokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceDetokenizeRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_gateway__pb2.GatewayServiceDetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +130,60 @@ class GatewayService:
             '/epd.v1.GatewayService/Ask',
             epd_dot_v1_dot_gateway__pb2.AskRequest.SerializeToString,
             epd_dot_v1_dot_gateway__pb2.AskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.GatewayService/Tokenize',
+            epd_dot_v1_dot_gateway__pb2.GatewayServiceTokenizeRequest.SerializeToString,
+            epd_dot_v1_dot_gateway__pb2.GatewayServiceTokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.GatewayService/Detokenize',
+            epd_dot_v1_dot_gateway__pb2.GatewayServiceDetokenizeRequest.SerializeToString,
+            epd_dot_v1_dot_gateway__pb2.GatewayServiceDetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

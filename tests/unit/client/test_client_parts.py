@@ -15,6 +15,7 @@ import pytest
 
 from epd.client import NO_RETRY, AsyncEpdClient, EpdClient, EpdError, MediaSource, RetryPolicy, build_header
 from epd.client.channel import ChannelSettings, channel_credentials, open_channel
+from epd.client.client import tokenize_request
 from epd.transport.auth import bearer_token, key_matches
 
 
@@ -189,6 +190,41 @@ def test_an_empty_conversation_is_refused_before_any_call():
     """It reached the gateway as the 0.1 question form with no question: "the question is empty"."""
     with pytest.raises(ValueError, match="messages is empty"):
         build_header(None, 0, "", {}, messages=[])
+
+
+def test_a_tokenize_request_carries_its_options_and_leaves_defaults_unset():
+    """Unset add_special_tokens and template go as unset, for the server's vLLM defaults."""
+    plain = tokenize_request("hi", None, None, None, None, False, "")
+    assert (plain.prompt, plain.HasField("add_special_tokens"), plain.HasField("template")) == (
+        "hi",
+        False,
+        False,
+    )
+    chat = tokenize_request(None, [{"role": "user", "content": "hi"}], True, False, True, True, "r1")
+    assert not chat.HasField("prompt") and [m.role for m in chat.messages] == ["user"]
+    assert (chat.add_special_tokens, chat.return_token_strs, chat.request_id) == (True, True, "r1")
+    assert chat.template.HasField("add_generation_prompt") and not chat.template.add_generation_prompt
+    assert chat.template.continue_final_message
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (
+            ("hi", [{"role": "user", "content": "hi"}]),
+            TypeError,
+            "pass a prompt .* or messages=.*one of them",
+        ),
+        ((None, None), TypeError, "one of them"),
+        ((["hi"], None), TypeError, "prompt must be a string"),
+        ((None, []), ValueError, "messages is empty"),
+    ],
+)
+def test_a_bad_tokenize_request_is_refused_before_any_call(args, error, match):
+    with pytest.raises(error, match=match):
+        tokenize_request(*args, None, None, None, False, "")
+    with pytest.raises(TypeError, match="return_token_strs must be True or False"):
+        tokenize_request("hi", None, None, None, None, 1, "")
 
 
 def test_a_header_over_the_message_limit_is_refused_before_any_call():

@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
 
+from epd.gateway.admission import Admission
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import HttpApi
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
+from epd.gateway.readiness import InProcessHealth
+from epd.gateway.server import start
 from epd.gateway.tokenize_api import MAX_DETOKENIZE_TOKENS, parse_detokenize_request, parse_tokenize_request
 from epd.stages.contracts import PrefillStage
 from epd.stages.errors import InvalidRequest, NotFound
-from epd.stages.messages import ChatTemplateOptions, ContentPart, Message, text
+from epd.stages.messages import ChatTemplateOptions, ContentPart, Message, from_chat_template, text
 from epd.stages.model_info import ModelInfo
+from epd.stages.server_config import ServerConfig
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
+from epd.transport.message_convert import messages_to_proto, template_to_proto
+from epd.transport.model_info import public_tokenize_input_from_proto
+from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
 USER = {"role": "user", "content": "hi"}
 ASSISTANT = {"role": "assistant", "content": "hello"}
@@ -72,6 +81,32 @@ def test_continue_final_message_and_return_token_strs_are_read_as_vllms():
 def test_bad_tokenize_bodies_are_refused_naming_what_to_change(body, message):
     with pytest.raises(InvalidRequest, match=message):
         parse_tokenize_request(body, "epd")
+
+
+@pytest.mark.parametrize(
+    ("body", "fields"),
+    [
+        ({"prompt": "hi"}, {"prompt": "hi"}),
+        ({"prompt": "hi", "add_special_tokens": False}, {"prompt": "hi", "add_special_tokens": False}),
+        ({"messages": [USER]}, {"messages": [USER]}),
+        ({"messages": [USER], "add_special_tokens": True}, {"messages": [USER], "add_special_tokens": True}),
+        (
+            {"messages": [USER, ASSISTANT], "add_generation_prompt": False, "continue_final_message": True},
+            {"messages": [USER, ASSISTANT], "template": CONTINUE},
+        ),
+        ({"prompt": "hi", "return_token_strs": True}, {"prompt": "hi", "return_token_strs": True}),
+    ],
+)
+def test_the_grpc_request_reads_as_the_http_body_does(body, fields):
+    """`GatewayService.Tokenize`'s request means what the /tokenize body means: vLLM's
+    add_special_tokens default (a prompt's on, a conversation's off) when it is unset."""
+    if "messages" in fields:
+        fields["messages"] = messages_to_proto(from_chat_template(fields["messages"]))
+    if "template" in fields:
+        fields["template"] = template_to_proto(fields["template"])
+    read = public_tokenize_input_from_proto(gateway_pb2.GatewayServiceTokenizeRequest(**fields))
+    parsed = parse_tokenize_request(body, "epd")
+    assert replace(read, messages=list(read.messages)) == replace(parsed, messages=list(parsed.messages))
 
 
 def test_detokenize_takes_a_bounded_list_of_token_ids():
@@ -162,3 +197,35 @@ def test_the_routes_answer_vllms_shapes_behind_the_api_key():
     assert prompt == (200, {"prompt": "hi"})
     assert bad[0] == 400 and "send 'prompt'" in bad[1]["error"]["message"]
     assert strs == (200, {"count": 2, "max_model_len": 128, "tokens": [104, 105], "token_strs": ["h", "i"]})
+
+
+def test_grpc_tokenize_is_admitted_as_the_http_routes_are():
+    """`GatewayService.Tokenize` / `Detokenize` over the same stand-in prefill: a client with its
+    requests in flight is refused RESOURCE_EXHAUSTED naming the limit, as the HTTP routes are
+    (one `Admission` for both APIs); a call gives back its slot and reserved bytes."""
+
+    async def scenario():
+        config = GatewayConfig(server=ServerConfig(port=0), max_requests_per_client=1)
+        admission = Admission.of_gateway(config)
+        server = await start(config, Pipeline(None, _Prefill(), None), admission, InProcessHealth())  # type: ignore[arg-type]
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+                held = admission.admit("127.0.0.1")  # the client's one request in flight (an Ask)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Tokenize(gateway_pb2.GatewayServiceTokenizeRequest(prompt="hi"))
+                held.close()
+                answer = await stub.Tokenize(gateway_pb2.GatewayServiceTokenizeRequest(prompt="hi"))
+                text = await stub.Detokenize(
+                    gateway_pb2.GatewayServiceDetokenizeRequest(token_ids=[104, 105])
+                )
+                return refused.value, answer, text, (admission.num_requests, admission.num_reserved_bytes)
+        finally:
+            await server.stop(0.5)
+
+    refused, answer, text, held_after = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-requests-per-client" in refused.details()
+    assert (list(answer.token_ids), answer.num_tokens, answer.max_model_len) == ([104, 105], 2, 128)
+    assert text.text == "hi"
+    assert held_after == (0, 0)
