@@ -293,6 +293,19 @@ def test_allowed_token_ids_and_bad_words_in_the_embedded_pipeline_over_http(
     assert status == 200 and answer["epd"]["token_ids"] == want, answer
 
 
+def test_masks_that_leave_no_token_are_a_400_saying_so(shared_stack, media_files, tokenizer):
+    """Every logit at -inf: the argmax said token 0, which the request never allowed."""
+    [red] = tokenizer.encode("red", add_special_tokens=False)
+    status, body = chat(shared_stack.http_port, media_files, allowed_token_ids=[red], bad_words=["red"])
+    assert status == 400, body
+    assert (
+        "allowed_token_ids, bad_words leave no token this request may generate next"
+        in body["error"]["message"]
+    )
+    _, alone = chat(shared_stack.http_port, media_files, max_tokens=2, allowed_token_ids=[red])
+    assert alone["epd"]["token_ids"] == [red, red]  # one allowed token: it, at every step
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be between 0 and max_new_tokens \(4: the OpenAI API's max_tokens"),
     ({"logit_bias": {"512": 1}}, r"logit_bias: token id 512 is outside 0 to 511 \(this model's vocabulary\)"),
