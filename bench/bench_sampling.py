@@ -5,7 +5,7 @@
 
 1. The sampler alone (`Sampler.__call__` on one request's logits, [vocab] float32, vocab 151,936
    as Qwen2-VL's), after a 300-token prompt and 64 output tokens: median microseconds per call
-   for the default (greedy argmax) and each option, and the ratio against the default measured
+   for the default (greedy argmax) and each option (allowed_token_ids and bad_words included), and the ratio against the default measured
    in the same run (sampled configs against the default draw at temperature 1).
 2. The decode step (`decode_batch` over `--batch` requests plus each request's `Generation.accept`:
    sampler and detokeniser) on bench_pruning's ~30M-parameter Qwen2-VL given Qwen2-VL's
@@ -39,6 +39,10 @@ from epd.model_runtime.tiny_model import build_checkpoint  # noqa: E402
 QWEN_VOCAB = 151_936
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
                  logit_bias=((11, 5.0), (220, -5.0)), min_tokens=4)  # fmt: skip
+BAD_WORDS = [(7000 + i,) for i in range(8)] + [
+    (output_id, 8000 + i) for i, output_id in enumerate(range(100, 108))
+]
+"""8 words as a tokenizer gives them (`tokenize_bad_words`): one token bare, two with a leading space."""
 SAMPLER_CASES = [
     ("greedy (default)", GenerationConfig()),
     ("greedy + repetition_penalty", GenerationConfig(repetition_penalty=1.1)),
@@ -46,6 +50,8 @@ SAMPLER_CASES = [
     ("greedy + logit_bias (2 ids)", GenerationConfig(logit_bias=((11, 5.0), (220, -5.0)))),
     ("greedy + min_tokens (before it)", GenerationConfig(min_tokens=1000, max_new_tokens=1000)),
     ("greedy + all of them", GenerationConfig(**PENALTIES)),
+    ("greedy + allowed_token_ids (1,000)", GenerationConfig(allowed_token_ids=tuple(range(5000, 6000)))),
+    ("greedy + bad_words (8 words)", GenerationConfig(bad_words=("w",) * 8)),
     ("sampled t=1 (default)", GenerationConfig(temperature=1.0, seed=0)),
     ("sampled t=1 + min_p 0.05", GenerationConfig(temperature=1.0, seed=0, min_p=0.05)),
     ("sampled t=1 + all + min_p", GenerationConfig(temperature=1.0, seed=0, min_p=0.05, **PENALTIES)),
@@ -70,7 +76,9 @@ def bench_sampler(repeats: int) -> None:
     print(f"1. sampler alone, vocab {QWEN_VOCAB:,}, 300 prompt + 64 output tokens, median of {repeats} calls")
     baseline = {}
     for name, config in SAMPLER_CASES:
-        sampler = Sampler(config, 1, prompt, eos_token_ids={2})
+        sampler = Sampler(
+            config, 1, prompt, eos_token_ids={2}, bad_words_token_ids=BAD_WORDS if config.bad_words else ()
+        )
         for token in output:
             sampler.seen(token)
         ms = median_ms(lambda s=sampler: s(logits), repeats)

@@ -22,7 +22,7 @@ from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
-from epd.stages.contracts import TokenStep
+from epd.stages.contracts import TokenStep, bad_words_token_ids
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig
 
@@ -49,7 +49,8 @@ class Generation:
         self.config = config
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
-        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids)
+        bad_words = bad_words_token_ids(config, adapter)
+        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids, bad_words)
         self.sampler.seen(first_token_id)  # prefill sampled it: penalties and min_tokens count it
         self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
         self.last_token = first_token_id

@@ -40,6 +40,7 @@ from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.contracts import (
     EncodedMedia,
     PrefillHandle,
+    bad_words_token_ids,
     check_generation_limits,
     refuse_unsupported_pruning,
 )
@@ -504,7 +505,10 @@ class PrefillEngine:
         distinct_prompt_ids = (
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
-        first = Sampler(request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids)(last_logits)
+        bad_words = bad_words_token_ids(request.generation, self.adapter)
+        first = Sampler(request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, bad_words)(
+            last_logits
+        )
         # The decoder's first step, worked out here so the first token can go out before the
         # cache reaches a decoder; a token that ends the request is left to the decoder.
         first_text, finish = OutputText(

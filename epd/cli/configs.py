@@ -87,6 +87,8 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         logit_bias=tuple(sorted(dict(args.logit_bias).items())),
         stop_token_ids=tuple(args.stop_token_id),
         include_stop_str_in_output=args.include_stop_str_in_output,
+        allowed_token_ids=tuple(args.allowed_token_id),
+        bad_words=tuple(args.bad_word),
     )
 
 
@@ -97,6 +99,7 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
         f.name: getattr(generation, f.name) for f in fields(generation) if f.name != "fit_max_new_tokens"
     }
     options["logit_bias"] = dict(generation.logit_bias)
+    options["allowed_token_ids"] = list(generation.allowed_token_ids) or None  # None: every token
     return options
 
 

@@ -283,6 +283,21 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the stop string or stop token that ended the answer in it",
     )
+    g.add_argument(
+        "--allowed-token-id",
+        type=int,
+        action="append",
+        default=[],
+        metavar="TOKEN_ID",
+        help="generate only tokens given with this flag (repeatable; default: every token)",
+    )
+    g.add_argument(
+        "--bad-word",
+        action="append",
+        default=[],
+        metavar="WORD",
+        help="never generate this word, with or without a leading space (repeatable)",
+    )
 
 
 def _logit_bias(text: str) -> tuple[int, float]:

@@ -91,7 +91,7 @@ _SAMPLING_OPTIONS = (
 _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "allowed_token_ids", "bad_words",
 )  # fmt: skip
 
 
@@ -115,7 +115,8 @@ def build_header(
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
     repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
     ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
-    include_stop_str_in_output (GenerationConfig's meanings).
+    include_stop_str_in_output, allowed_token_ids (a non-empty list of token ids) and bad_words (a
+    list of strings) (GenerationConfig's meanings).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
@@ -132,6 +133,10 @@ def build_header(
     options["stop"] = _stop_strings(options.pop("stop", None))
     if options.get("logit_bias") is not None:
         options["logit_bias"] = _logit_bias(options["logit_bias"])
+    if isinstance(options.get("bad_words"), str):  # protobuf would send each of its characters as a word
+        raise TypeError(
+            f"bad_words must be a list of strings, such as ['red'], got {_shown(options['bad_words'])}"
+        )
     sampling_given = {k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None)) is not None}
     generation_given = {k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None)) is not None}
     # Types first (protobuf's own TypeError names neither the option nor what it takes), then ranges.
@@ -145,6 +150,8 @@ def build_header(
         raise ValueError(f"top_p must be in (0, 1] (None: 1, all tokens), got {top_p}")
     if (penalty := generation_given.get("repetition_penalty")) is not None and not penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
+    if (allowed := generation_given.get("allowed_token_ids")) is not None and not len(allowed):
+        raise ValueError("allowed_token_ids is empty, which allows no token (None: every token)")
     sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
     generation = common_pb2.GenerationParams(
         **{k: v for k, v in generation_given.items() if v or k == "seed"}

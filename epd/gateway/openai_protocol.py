@@ -9,8 +9,8 @@ or `image_url` part per request, in a user message; with none, the conversation 
 "pruning" are checked but have nothing to act on, as vLLM ignores its multimodal options
 without media; `kv_dtype` still narrows the KV cache). Generation options are OpenAI's own fields (max_completion_tokens or
 max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias) plus
-vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
-`include_stop_str_in_output`, with vLLM's meanings; frame sampling goes in
+vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
+`include_stop_str_in_output`, `allowed_token_ids` and `bad_words`, with vLLM's meanings; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
@@ -51,9 +51,12 @@ from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
     GenerationConfig,
+    check_bad_words,
     check_stop_strings,
 )
 from epd.stages.contracts import check_cache_salt
@@ -115,8 +118,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
-    "bad_words": ([],),
-    "allowed_token_ids": ([],),
     "response_format": ({"type": "text"},),
     "structured_outputs": (),
     "guided_json": (),
@@ -165,7 +166,7 @@ _INSTEAD = {"mm_processor_kwargs": _FRAMES_GO_IN_MEDIA, "media_io_kwargs": _FRAM
 KNOWN_CHAT_FIELDS = {
     "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop", "ignore_eos",
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
-    "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
+    "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
     "add_generation_prompt", "continue_final_message", "echo",
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
@@ -549,6 +550,8 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         include_stop_str_in_output=boolean_field(
             body, "include_stop_str_in_output", defaults.include_stop_str_in_output
         ),
+        allowed_token_ids=_allowed_token_ids(body.get("allowed_token_ids"), defaults.allowed_token_ids),
+        bad_words=_bad_words(body.get("bad_words"), defaults.bad_words),
         # the default: fitted to the context after the prompt, as vLLM's
         fit_max_new_tokens=max_tokens is None,
     )
@@ -583,6 +586,31 @@ def _stop_token_ids(value: Any, default: tuple[int, ...]) -> tuple[int, ...]:
         return default
     check_collection(value, list, "stop_token_ids", "a list of token ids", MAX_STOP_TOKEN_IDS)
     return tuple(number_item(v, TOKEN_ID, "stop_token_ids[]") for v in value)
+
+
+def _allowed_token_ids(value: Any, default: tuple[int, ...]) -> tuple[int, ...]:
+    if value is None:
+        return default
+    check_collection(value, list, "allowed_token_ids", "a list of token ids", MAX_ALLOWED_TOKEN_IDS)
+    if not value:  # vLLM's 400 too: no token could be generated
+        raise InvalidRequest(
+            "'allowed_token_ids' is empty, which allows no token; leave it out (or null) for all"
+        )
+    return tuple(number_item(v, TOKEN_ID, "allowed_token_ids[]") for v in value)
+
+
+def _bad_words(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
+    if value is None:
+        return default
+    check_collection(value, list, "bad_words", 'a list of strings, such as ["red", "blue"]', MAX_BAD_WORDS)
+    if not all(isinstance(w, str) for w in value):
+        raise InvalidRequest('\'bad_words\' must be a list of strings, such as ["red", "blue"]')
+    words = tuple(checked_text(w, "bad_words") for w in value)
+    try:
+        check_bad_words(words)
+    except ValueError as exc:
+        raise InvalidRequest(f"'bad_words': {exc}") from None
+    return words
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -305,6 +305,13 @@ class VLMAdapter(ABC):
         """A text's token ids, as the model's tokenizer gives them (the HTTP API's /tokenize)."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as this model's token sequences (`tokenize_bad_words`), tokenised
+        without special tokens; ValueError naming a word that gives no token."""
+        from epd.model_runtime.bad_words import tokenize_bad_words
+
+        return tokenize_bad_words(words, lambda text: self.tokenize(text, False), self.vocab_size)
+
     def tokenize_conversation(
         self,
         conversation: list[dict[str, Any]],

@@ -1,5 +1,6 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; vLLM's penalties,
-logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors` when a request asks."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; vLLM's allowed_token_ids,
+bad_words, penalties, logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors`
+when a request asks."""
 
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ MAX_STOP_TOKEN_IDS = 256
 """At most this many logit_bias entries and stop_token_ids: they travel with the request to every
 stage (the front door cannot check them against a vocabulary it does not load)."""
 
+MAX_ALLOWED_TOKEN_IDS = 65536
+"""At most this many allowed_token_ids (vLLM has no bound): enough to allow a script's or a
+language's share of a 151,936-token vocabulary, and at most 0.5 MB on the wire to every stage."""
+
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 512
+"""At most this many bad_words of at most this many characters each: prefill and decode tokenise
+each twice (with and without a leading space) on their model thread, and the words' token ids are
+compared with the end of the answer before every token."""
+
 MAX_ABS_LOGIT_BIAS = 100.0
 """OpenAI's range of a logit_bias value: [-100, 100]."""
 
@@ -68,6 +79,18 @@ def sampling_failed(config: GenerationConfig) -> SamplingFailed:
     )
 
 
+def no_token_left(config: GenerationConfig) -> SamplingFailed:
+    """The error for a step at which the request's own masks leave no token: argmax would return
+    token 0, which the request never allowed, and a draw would have nothing to draw from."""
+    names = [
+        name for name in ("allowed_token_ids", "bad_words", "min_tokens") if getattr(config, name)
+    ]  # fmt: skip
+    return SamplingFailed(
+        f"{', '.join(names)} leave no token this request may generate next; allow more tokens, ban "
+        "fewer words" + (" or ask for fewer min_tokens" if config.min_tokens else "")
+    )
+
+
 def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
     """ValueError naming the bound a request's stop strings pass."""
     if any(not s for s in stop):  # vLLM's refusal too: "" would end every answer at once, or be ignored
@@ -76,6 +99,20 @@ def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
         raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
     if (longest := max((len(s) for s in stop), default=0)) > MAX_STOP_CHARS:
         raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are accepted")
+
+
+def check_bad_words(words: tuple[str, ...] | list[str]) -> None:
+    """ValueError naming the bound a request's bad_words pass. A word of spaces alone is refused
+    here, as vLLM refuses it (it tokenises to nothing once its leading spaces are stripped)."""
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are accepted")
+    if (longest := max((len(w) for w in words), default=0)) > MAX_BAD_WORD_CHARS:
+        raise ValueError(f"a bad word has {longest} characters; at most {MAX_BAD_WORD_CHARS} are accepted")
+    if any(not w.lstrip() for w in words):
+        raise ValueError(
+            "bad_words cannot contain an empty string or one of spaces alone; leave it out "
+            "(no bad words: omit bad_words)"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,9 +149,18 @@ class GenerationConfig:
     min_tokens: int = 0
     """vLLM's: end-of-sequence and `stop_token_ids` cannot be generated, and stop strings are not
     looked for, before this many tokens are out; at most max_new_tokens. 0 is off."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """vLLM's: only these tokens may be generated (every other logit is -inf before anything else
+    runs); () is off (the HTTP API refuses an empty list, as vLLM's). Token ids are checked against
+    the vocabulary by the stages that load it."""
+    bad_words: tuple[str, ...] = ()
+    """vLLM's: words never generated. Each is tokenised with and without a leading space
+    (`epd.model_runtime.bad_words`); a word of one token is banned outright, a longer one has its
+    last token banned when the answer's last tokens are the rest of the word."""
     logit_bias: tuple[tuple[int, float], ...] = ()
-    """OpenAI's, as (token id, bias) pairs, bias in [-100, 100]: added to the token's logit before
-    anything else. Token ids are checked against the vocabulary by the stages that load it."""
+    """OpenAI's, as (token id, bias) pairs, bias in [-100, 100]: added to the token's logit after
+    allowed_token_ids and bad_words (vLLM's order; a banned token stays banned). Token ids are
+    checked against the vocabulary by the stages that load it."""
     stop_token_ids: tuple[int, ...] = ()
     """vLLM's: stop when one of these is generated (finish reason "stop"; its text is left out
     unless include_stop_str_in_output)."""
@@ -127,7 +173,8 @@ class GenerationConfig:
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """ValueError naming the field and its accepted range. `vocab_size`: also check the token
-        ids of logit_bias and stop_token_ids against it (None: the front door, without a model)."""
+        ids of logit_bias, stop_token_ids and allowed_token_ids against it (None: the front door,
+        without a model)."""
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "
@@ -171,6 +218,12 @@ class GenerationConfig:
             raise ValueError(
                 f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted"
             )
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(
+                f"allowed_token_ids has {len(self.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} "
+                "are accepted (to keep a few tokens out, use bad_words or a logit_bias of -100)"
+            )
+        check_bad_words(self.bad_words)
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
         for token, bias in self.logit_bias:
@@ -181,6 +234,7 @@ class GenerationConfig:
         for field_name, ids in (
             ("logit_bias", [t for t, _ in self.logit_bias]),
             ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids),
         ):
             bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
             if bad is not None:
@@ -201,6 +255,8 @@ class GenerationConfig:
             or self.presence_penalty
             or self.frequency_penalty
             or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
             or self.min_tokens
             or (self.min_p and sampled)
         )
@@ -233,9 +289,12 @@ class Sampler:
         stream: int = 0,
         prompt_token_ids: Sequence[int] = (),
         eos_token_ids: Collection[int] = (),
+        bad_words_token_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         """prompt_token_ids: the prompt's (distinct) token ids, which repetition_penalty penalises
-        (only read when it is on); eos_token_ids: the model's, which min_tokens holds back."""
+        (only read when it is on); eos_token_ids: the model's, which min_tokens holds back;
+        bad_words_token_ids: the config's bad_words as the model's tokenizer gives them
+        (`epd.model_runtime.bad_words.tokenize_bad_words`)."""
         import torch
 
         self.config = config
@@ -243,7 +302,7 @@ class Sampler:
         if config.processes_logits:
             from epd.model_runtime.logits_processors import LogitsProcessors
 
-            self._processors = LogitsProcessors(config, prompt_token_ids, eos_token_ids)
+            self._processors = LogitsProcessors(config, prompt_token_ids, eos_token_ids, bad_words_token_ids)
         self._generator: torch.Generator | None = None
         if config.temperature >= GREEDY_BELOW_TEMPERATURE:
             self._generator = torch.Generator(device="cpu")
@@ -268,9 +327,11 @@ class Sampler:
             if self._generator is None:
                 return int(torch.argmax(logits))
             return self._draw(logits)
-        # vLLM v1's order: logit bias and min_tokens, then the penalties, then greedy or the draw
-        # (min_p after temperature, then top-k and top-p).
+        # vLLM v1's order: allowed_token_ids and bad_words, then logit bias and min_tokens, then the
+        # penalties, then greedy or the draw (min_p after temperature, then top-k and top-p).
         logits = processors.before_sampling(logits)
+        if processors.masks_tokens and float(logits.max()) == float("-inf"):
+            raise no_token_left(self.config)
         token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
         processors.seen(token)
         return token

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from epd.model_runtime.adapter import VisualMeta
+from epd.model_runtime.adapter import VisualMeta, VLMAdapter
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
@@ -380,6 +380,18 @@ def check_generation_limits(
     by decode (before it takes the KV cache)."""
     try:
         generation.validate(max_new_tokens_limit, vocab_size)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def bad_words_token_ids(generation: GenerationConfig, adapter: VLMAdapter) -> tuple[tuple[int, ...], ...]:
+    """The request's bad_words as the model's token sequences, made where its sampler is (prefill's
+    first token, decode's others, on the model thread that owns the tokenizer); InvalidRequest for
+    a word the tokenizer gives no token (the front door refuses the empty ones already)."""
+    if not generation.bad_words:
+        return ()
+    try:
+        return adapter.bad_words_token_ids(generation.bad_words)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 

@@ -145,6 +145,8 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         stop_token_ids=tuple(msg.stop_token_ids),
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words=tuple(msg.bad_words),
         fit_max_new_tokens=msg.fit_max_new_tokens or not msg.max_new_tokens,  # unset: the default, fitted
     )
 

@@ -151,6 +151,11 @@ def test_header_carries_vllm_sampling_options():
         and list(g.stop_token_ids) == [5, 9]
         and g.include_stop_str_in_output
     )
+    h = build_header("q?", 0, "", {"allowed_token_ids": (4, 17), "bad_words": ["red", " big cat"]})
+    assert list(h.generation.allowed_token_ids) == [4, 17] and list(h.generation.bad_words) == [
+        "red",
+        " big cat",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -165,6 +170,16 @@ def test_header_carries_vllm_sampling_options():
         ({"logit_bias": {"x": 1}}, TypeError, r"logit_bias keys must be token ids"),
         ({"logit_bias": {5: "up"}}, TypeError, r"logit_bias must be a dict of integers to numbers"),
         ({"seed": 2**70}, ValueError, r"seed must be an integer of at most 64 bits"),
+        ({"allowed_token_ids": [1.5]}, TypeError, r"allowed_token_ids must be a list of integers"),
+        # the wire cannot tell an empty list from unset (every token): refused, as the HTTP API's 400
+        ({"allowed_token_ids": []}, ValueError, r"allowed_token_ids is empty, which allows no token"),
+        # protobuf would have sent each character as a word
+        (
+            {"bad_words": "red"},
+            TypeError,
+            r"bad_words must be a list of strings, such as \['red'\], got 'red'",
+        ),
+        ({"bad_words": ["red", 5]}, TypeError, r"bad_words must be a list of strings"),
         (
             {"stop": ["\ud800"]},
             ValueError,

@@ -31,10 +31,12 @@ def parse(**body):
     ],
 )
 def test_one_prompt_as_text_or_token_ids(prompt, expected):
-    request = parse(prompt=prompt, max_tokens=5, stop="\n", stop_token_ids=[7], seed=3, temperature=0.5)
+    request = parse(prompt=prompt, max_tokens=5, stop="\n", stop_token_ids=[7], seed=3, temperature=0.5,
+                    allowed_token_ids=[4, 9], bad_words=["red"])  # fmt: skip
     assert request.raw_prompt == expected and request.messages == [] and request.media_url == ""
     assert request.generation.max_new_tokens == 5 and request.generation.stop == ("\n",)
     assert request.generation.stop_token_ids == (7,) and request.generation.seed == 3
+    assert request.generation.allowed_token_ids == (4, 9) and request.generation.bad_words == ("red",)
     assert not request.stream and not request.echo
 
 

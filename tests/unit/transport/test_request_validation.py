@@ -106,6 +106,8 @@ def test_every_generation_setting_crosses_the_wire():
         logit_bias=((5, -3.0), (11, 100.0)),
         stop_token_ids=(7, 2),
         include_stop_str_in_output=True,
+        allowed_token_ids=(9, 4, 9),
+        bad_words=("red", " big cat"),
         fit_max_new_tokens=True,
     )
     defaults = GenerationConfig()
