@@ -652,7 +652,7 @@ class AsyncEpdClient:
                     yield msg, (attempt, source.num_bytes if source else 0)
                 return
             except grpc.aio.AioRpcError as exc:
-                error = _call_error(exc, deadline, timeout_s_used)
+                error = _call_error(exc, deadline, timeout_s_used, "or ask for fewer tokens or frames")
             except asyncio.CancelledError:
                 if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
@@ -712,9 +712,12 @@ class AsyncEpdClient:
         await self.close()
 
 
-def _call_error(exc: grpc.aio.AioRpcError, deadline: float, timeout_s_used: float) -> EpdError:
+def _call_error(
+    exc: grpc.aio.AioRpcError, deadline: float, timeout_s_used: float, also_helps: str = ""
+) -> EpdError:
     """The SDK's error for a failed call: the server's status and message, gRPC's own words for
-    a send cut short or our deadline replaced by what to change."""
+    a send cut short or our deadline replaced by what to change (`also_helps`: what else does, for
+    this call, after "raise timeout_s")."""
     code, message = exc.code(), exc.details() or ""
     request_id = metadata_value(exc.trailing_metadata())
     exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the mark means "busy" on it only
@@ -732,10 +735,9 @@ def _call_error(exc: grpc.aio.AioRpcError, deadline: float, timeout_s_used: floa
         )
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED and _past(deadline):
         # Our own deadline (gRPC's text: "Deadline Exceeded"), not a server's message.
-        message = (
-            f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
-            "timeout_s, or ask for fewer tokens or frames"
-        )
+        message = f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise timeout_s"
+        if also_helps:
+            message += f", {also_helps}"
     return EpdError(code, message, retry_after_s, request_id)
 
 

@@ -8,6 +8,7 @@ import gc
 import hashlib
 import io
 import threading
+import time
 import warnings
 
 import grpc
@@ -15,7 +16,7 @@ import pytest
 
 from epd.client import NO_RETRY, AsyncEpdClient, EpdClient, EpdError, MediaSource, RetryPolicy, build_header
 from epd.client.channel import ChannelSettings, channel_credentials, open_channel
-from epd.client.client import tokenize_request
+from epd.client.client import _call_error, tokenize_request
 from epd.transport.auth import bearer_token, key_matches
 
 
@@ -356,3 +357,15 @@ def test_a_server_name_alone_makes_the_channel_tls_not_plaintext():
 
     assert ChannelSettings(server_name_override="gateway.example").uses_tls
     assert asyncio.run(run()) == "UNAVAILABLE"  # a TLS handshake a plaintext server cannot answer
+
+
+def test_a_passed_deadline_says_what_helps_for_the_call_it_cut():
+    # An ask's answer is shortened by fewer tokens or frames; a tokenize call's is not: its
+    # message names only the deadline.
+    exc = grpc.aio.AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Deadline Exceeded"
+    )
+    asked = _call_error(exc, time.monotonic() - 1, 2.0, "or ask for fewer tokens or frames")
+    tokenized = _call_error(exc, time.monotonic() - 1, 2.0)
+    assert asked.message.endswith("raise timeout_s, or ask for fewer tokens or frames"), asked.message
+    assert tokenized.message == "no answer within the call's deadline (2 s, timeout_s); raise timeout_s"
