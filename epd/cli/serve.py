@@ -74,7 +74,9 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    _exit_now(serve_role(args))
+    code = serve_role(args)
+    _log_threads_left()
+    _exit_now(code)
 
 
 def serve_role(args: argparse.Namespace) -> int:
@@ -263,6 +265,21 @@ async def _colocated(config, stages: ColocatedStages) -> None:
             schedule=stages.schedule,
         ),
     )
+
+
+def _log_threads_left() -> None:
+    """After the service stopped: name the threads of ours still running (its closers,
+    `HealthyServer.closers`, should have ended them). Harmless under `os._exit`, but an exit through
+    the interpreter's teardown with a daemon thread inside a torch call aborts the process
+    ("terminate called without an active exception", `epd.stages.model_thread`)."""
+    left = sorted(
+        t.name
+        for t in threading.enumerate()
+        # gRPC's own completion-queue poller (grpc.aio) lives as long as gRPC: not ours to end
+        if t is not threading.main_thread() and t.is_alive() and "_poll_wrapper" not in t.name
+    )
+    if left:
+        log.warning("threads still running after the service stopped: %s", ", ".join(left))
 
 
 def _exit_now(code: int) -> NoReturn:
