@@ -267,6 +267,12 @@ async def _colocated(config, stages: ColocatedStages) -> None:
     )
 
 
+_NOT_OURS = ("_poll_wrapper", "tqdm_monitor")
+"""Threads of libraries that live as long as the library and run no torch call, left out of
+`_log_threads_left`: gRPC's completion-queue poller (grpc.aio), and tqdm's monitor (started by the
+weights' loading bar, asleep in a pure-Python wait)."""
+
+
 def _log_threads_left() -> None:
     """After the service stopped: name the threads of ours still running (its closers,
     `HealthyServer.closers`, should have ended them). Harmless under `os._exit`, but an exit through
@@ -275,8 +281,7 @@ def _log_threads_left() -> None:
     left = sorted(
         t.name
         for t in threading.enumerate()
-        # gRPC's own completion-queue poller (grpc.aio) lives as long as gRPC: not ours to end
-        if t is not threading.main_thread() and t.is_alive() and "_poll_wrapper" not in t.name
+        if t is not threading.main_thread() and t.is_alive() and not any(n in t.name for n in _NOT_OURS)
     )
     if left:
         log.warning("threads still running after the service stopped: %s", ", ".join(left))

@@ -8,8 +8,8 @@ hit it. Only the encoder closed its decode workers and request drivers; every mo
 tokenizer thread and decode's KV channels were left to the exit.
 
 How: a real stack serves a request (a /tokenize too: prefill's tokenizer thread starts at the first)
-and gets SIGTERM; each service names the threads still running after it stopped, in its log
-(`epd.cli.serve._log_threads_left`), and must name none, and exit 0.
+and gets SIGTERM; each service (the gateway too) names the threads still running after it stopped,
+in its log (`epd.cli.serve._log_threads_left`), and must name none, and exit 0.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_each_model_service_closes_its_threads_after_the_drain(tiny_models, medi
         )
         with urllib.request.urlopen(request, timeout=120) as answer:
             assert json.load(answer)["count"] > 0
-    for role in ("encoder", "prefill", "decode"):
+    for role in ("encoder", "prefill", "decode", "gateway"):
         log = (tmp_path / "logs" / f"{role}.log").read_text()
         assert "threads still running after the service stopped" not in log, f"{role}:\n{log[-3000:]}"
         assert "after the drain failed" not in log, f"{role}:\n{log[-3000:]}"
