@@ -38,7 +38,8 @@ trade that isolation for speed: the same plan on a process pool (bench/process_d
 1.04-1.53x slower on every 300 s benchmark row (docs/benchmarks.md).
 
 Exit: the threads are daemons (an idle pool must not hold the process open), and a pool still
-open at interpreter exit is closed then (`_close_at_exit`), as `close()` does: a daemon thread
+open at interpreter exit is closed then (`_close_at_exit`), as `close()` does (every worker told to
+stop first, then all waited for against one deadline, `CLOSE_WAIT_S`): a daemon thread
 still inside a frame's resize (torchvision) or FFmpeg when the interpreter finalizes is ended by
 pthread_exit as it asks for the GIL back, and the unwinding through torch's C++ frames aborts the
 process ("terminate called without an active exception", `epd.stages.model_thread`).
