@@ -26,6 +26,7 @@ the gRPC status, the server's message, and `retry_after_s` when the server was b
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
 import warnings
@@ -760,7 +761,12 @@ async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):
 class EpdClient:
     """Blocking client with the same methods and arguments. It runs an `AsyncEpdClient` on a
     private event loop in its own thread, so it also works where a loop is already running
-    (Jupyter, other async frameworks' threads)."""
+    (Jupyter, other async frameworks' threads).
+
+    `close()` when done (or `with`); a client still open at interpreter exit is closed then
+    (`_close_at_exit`). Its thread is a daemon, which cannot run once the interpreter finalizes:
+    a stream left half read was closed only then, by its generator's finalizer, which waited
+    forever for the loop to cancel the call (the script hung at exit)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, **settings) -> None:
         self._closed = False
@@ -774,6 +780,8 @@ class EpdClient:
             # certificate file, a bad option) would leave its thread and loop running.
             self._stop_loop()
             raise
+        with _open_clients_lock:
+            _open_clients.add(self)
 
     def _run(self, coro):
         if self._closed:
@@ -835,14 +843,21 @@ class EpdClient:
                 self._run(agen.aclose())
 
     def close(self) -> None:
+        """Close the channel (a call in flight ends with CANCELLED) and the streams left open, then
+        stop the client's thread. Idempotent."""
         if self._closed:
             return
         try:
             self._run(self._client.close())
+            # A stream left half read: its async generators are closed now, on the loop, rather
+            # than by the garbage collector later, when the loop is gone ("Event loop is closed").
+            self._run(self._loop.shutdown_asyncgens())
         finally:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
+        with _open_clients_lock:
+            _open_clients.discard(self)
         self._closed = True  # first: a call made from now on is refused, not queued on a stopped loop
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
@@ -857,3 +872,18 @@ class EpdClient:
 
 async def _make(endpoint: str, timeout_s: float, settings: dict[str, Any]) -> AsyncEpdClient:
     return AsyncEpdClient(endpoint, timeout_s, **settings)  # grpc.aio channels bind to the running loop
+
+
+_open_clients: set[EpdClient] = set()
+"""Clients not closed yet, which `_close_at_exit` closes."""
+_open_clients_lock = threading.Lock()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the clients nobody closed (a script that never calls `close`), while their threads can
+    still run: atexit handlers run before the interpreter finalizes."""
+    with _open_clients_lock:
+        clients = list(_open_clients)
+    for client in clients:
+        client.close()
