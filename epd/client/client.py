@@ -50,6 +50,7 @@ from epd.client.types import (
     result_from_proto,
     stage_event_from_proto,
 )
+from epd.stages import template_kwargs
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import messages_to_proto
@@ -89,8 +90,10 @@ _SAMPLING_OPTIONS = (
 _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
 )  # fmt: skip
+_GENERATION_PRESENT = ("seed", "skip_special_tokens", "spaces_between_special_tokens")
+"""Options whose field has presence on the wire: sent when given, a zero or False included."""
 
 
 def build_header(
@@ -113,13 +116,16 @@ def build_header(
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
     repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
     ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
-    include_stop_str_in_output (GenerationConfig's meanings).
+    include_stop_str_in_output, skip_special_tokens and spaces_between_special_tokens (default
+    True: the answer's text without the tokenizer's special tokens) (GenerationConfig's meanings).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
     add_generation_prompt (default True: a new answer follows the last message) and
     continue_final_message (True, with add_generation_prompt=False and the assistant's message
-    last: the model continues that message, and the answer is the continuation alone).
+    last: the model continues that message, and the answer is the continuation alone), and
+    chat_template_kwargs (a dict of extra template variables, JSON values, such as
+    {"enable_thinking": False}; those the model's template does not read are dropped).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
     cannot tell from unset; messages=[]. TypeError naming the option: a value of the wrong type
@@ -145,7 +151,7 @@ def build_header(
         raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
     sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
     generation = common_pb2.GenerationParams(
-        **{k: v for k, v in generation_given.items() if v or k == "seed"}
+        **{k: v for k, v in generation_given.items() if v or k in _GENERATION_PRESENT}
     )
     for name, kind, what in (
         ("pruning", str, 'a preset name such as "balanced"'),
@@ -163,7 +169,9 @@ def build_header(
     cache_salt = options.pop("cache_salt", "") or ""
     prompt = _raw_prompt(options.pop("prompt", None))
     template = _template(
-        options.pop("add_generation_prompt", None), options.pop("continue_final_message", None)
+        options.pop("add_generation_prompt", None),
+        options.pop("continue_final_message", None),
+        options.pop("chat_template_kwargs", None),
     )
     if options:
         known = sorted(
@@ -177,6 +185,7 @@ def build_header(
                 "prompt",
                 "add_generation_prompt",
                 "continue_final_message",
+                "chat_template_kwargs",
             )
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
@@ -206,19 +215,34 @@ def build_header(
 
 
 def _template(
-    add_generation_prompt: Any, continue_final_message: Any
+    add_generation_prompt: Any, continue_final_message: Any, chat_template_kwargs: Any
 ) -> messages_pb2.ChatTemplateOptions | None:
     """The chat template options; None (unset on the wire) for the defaults. The server checks
-    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400)."""
+    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400) and the variables' names and
+    sizes."""
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
     ):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {_shown(value)}")
-    if add_generation_prompt is None and not continue_final_message:
+    kwargs_json = ""
+    if chat_template_kwargs:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict of variable names to values, got {_shown(chat_template_kwargs)}"
+            )
+        try:
+            kwargs_json = template_kwargs.to_json(chat_template_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"chat_template_kwargs must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
+            ) from None
+    if add_generation_prompt is None and not continue_final_message and not kwargs_json:
         return None
-    options = messages_pb2.ChatTemplateOptions(continue_final_message=bool(continue_final_message))
+    options = messages_pb2.ChatTemplateOptions(
+        continue_final_message=bool(continue_final_message), chat_template_kwargs_json=kwargs_json
+    )
     if add_generation_prompt is not None:
         options.add_generation_prompt = add_generation_prompt
     return options
