@@ -4,7 +4,8 @@ loaded replica; the colocated front door its own prefill stage):
 
     POST /tokenize     {"prompt": "..."} (add_special_tokens, default true), or {"messages": [...]}
                        (add_generation_prompt, default true; continue_final_message, default
-                       false, not with add_generation_prompt; add_special_tokens, default false);
+                       false, not with add_generation_prompt; chat_template_kwargs, the
+                       template's variables; add_special_tokens, default false);
                        either with return_token_strs (default false)
                        -> {"count": n, "max_model_len": m, "tokens": [...], "token_strs": null | [...]}
     POST /detokenize   {"tokens": [...]} -> {"prompt": "..."} (special tokens kept)
@@ -38,7 +39,7 @@ MAX_DETOKENIZE_TOKENS = 262_144
 """Ids one /detokenize takes at most (prefill's `max_text_chars` by default: what a longest
 /tokenize text could give); prefill checks its own bound too."""
 
-_REFUSED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+_REFUSED_CHAT_FIELDS = ("chat_template", "tools", "mm_processor_kwargs")
 
 
 def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
