@@ -528,10 +528,9 @@ async def _ask_remote(
                 return
             # The SDK's conversation: the video goes up once, later turns send its sha256 (None:
             # --no-video, a text-only conversation).
-            variables = dict(template.chat_template_kwargs) if template is not None else {}
-            chat = client.conversation(
-                path, **options, **({"chat_template_kwargs": variables} if variables else {})
-            )
+            if template is not None and template.chat_template_kwargs:
+                options["chat_template_kwargs"] = dict(template.chat_template_kwargs)
+            chat = client.conversation(path, **options)
             async for question in _questions(args):
                 yield question, chat.stream(question)
 
