@@ -18,7 +18,7 @@ NO_THINKING = '{"enable_thinking": false}'
 def test_ask_passes_the_variables_to_the_chat_template(tiny_models, tmp_path):
     """The tiny Qwen2-VL with Qwen3.5's thinking generation prompt: with the flag, the prompt
     closes the thinking block (another prompt than without it), in one process and through the
-    stack, each answer generate()'s on its own rendering."""
+    stack, each answer generate()'s on its own rendering; a conversation's turn too."""
     import shutil
 
     model = tmp_path / "thinking"
@@ -43,6 +43,13 @@ def test_ask_passes_the_variables_to_the_chat_template(tiny_models, tmp_path):
                     where,
                     flags,
                 )
+            # A conversation's turns (--question) carry them too.
+            proc = run_epd_forked(
+                "ask", "--no-video", "--question", QUESTION, "--max-new-tokens", "12", "--json",
+                "--chat-template-kwargs", NO_THINKING, *where,
+            )  # fmt: skip
+            assert proc.returncode == 0, (where, proc.stderr)
+            assert json.loads(proc.stdout.splitlines()[0])["token_ids"] == closed[1], where
 
 
 def test_ask_refuses_variables_no_door_takes_saying_what_to_change():
