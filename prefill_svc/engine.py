@@ -142,6 +142,7 @@ class PrefillEngine:
                     request.template.add_generation_prompt,
                     request.add_special_tokens,
                     request.template.continue_final_message,
+                    request.template.chat_template_kwargs,
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -223,9 +224,10 @@ class PrefillEngine:
         queues (a bad request never takes a queue place). `cache_salt` (the tenant) is part of
         the prefix-cache key: KV is reused only within one salt. `raw_prompt`: instead of
         `messages` (empty then, and no media), a prompt run as it is (`epd.stages.raw_prompt`).
-        `template`: how the chat template ends the prompt (a new answer, or the last message left
-        open to continue). The prefix cache needs no part of it in its key: a continued message's
-        prompt is other token ids, and the cache reuses only an entry's common token prefix."""
+        `template`: how the chat template renders the prompt (a new answer, or the last message
+        left open to continue; its variables). The prefix cache needs no part of it in its key: a
+        continued message's or another variable's prompt is other token ids, and the cache reuses
+        only an entry's common token prefix."""
         if raw_prompt is not None:
             check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)
             if media is not None:
@@ -252,6 +254,7 @@ class PrefillEngine:
                     meta,
                     template.add_generation_prompt,
                     template.continue_final_message,
+                    template.chat_template_kwargs,
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None

@@ -914,6 +914,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the continuation alone",
     )
     ask.add_argument(
+        "--chat-template-kwargs",
+        default="",
+        metavar="JSON",
+        help="extra variables of the model's chat template, a JSON object (vLLM's chat_template_kwargs): "
+        """'{"enable_thinking": false}' closes a Qwen3.5 template's thinking block; variables the """
+        "template does not read are dropped; not with --prompt",
+    )
+    ask.add_argument(
         "--no-add-generation-prompt",
         action="store_true",
         help="with --messages FILE: render the conversation without the chat template's opening "

@@ -53,6 +53,7 @@ from epd.client.types import (
     stage_event_from_proto,
     tokenize_result_from_proto,
 )
+from epd.stages import template_kwargs
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import messages_to_proto
@@ -92,8 +93,11 @@ _SAMPLING_OPTIONS = (
 _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
-    "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "skip_special_tokens",
+    "spaces_between_special_tokens",
 )  # fmt: skip
+_GENERATION_PRESENT = ("seed", "skip_special_tokens", "spaces_between_special_tokens")
+"""Options whose field has presence on the wire: sent when given, a zero or False included."""
 
 
 def build_header(
@@ -116,14 +120,17 @@ def build_header(
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
     repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
     ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
-    include_stop_str_in_output, allowed_token_ids (a non-empty list of token ids) and bad_words (a
-    list of strings) (GenerationConfig's meanings).
+    include_stop_str_in_output, allowed_token_ids (a non-empty list of token ids), bad_words (a
+    list of strings), skip_special_tokens and spaces_between_special_tokens (default True: the
+    answer's text without the tokenizer's special tokens) (GenerationConfig's meanings).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
     add_generation_prompt (default True: a new answer follows the last message) and
     continue_final_message (True, with add_generation_prompt=False and the assistant's message
-    last: the model continues that message, and the answer is the continuation alone).
+    last: the model continues that message, and the answer is the continuation alone), and
+    chat_template_kwargs (a dict of extra template variables, JSON values, such as
+    {"enable_thinking": False}; those the model's template does not read are dropped).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
     cannot tell from unset; messages=[]. TypeError naming the option: a value of the wrong type
@@ -155,7 +162,7 @@ def build_header(
         raise ValueError("allowed_token_ids is empty, which allows no token (None: every token)")
     sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
     generation = common_pb2.GenerationParams(
-        **{k: v for k, v in generation_given.items() if v or k == "seed"}
+        **{k: v for k, v in generation_given.items() if v or k in _GENERATION_PRESENT}
     )
     for name, kind, what in (
         ("pruning", str, 'a preset name such as "balanced"'),
@@ -173,7 +180,9 @@ def build_header(
     cache_salt = options.pop("cache_salt", "") or ""
     prompt = _raw_prompt(options.pop("prompt", None))
     template = _template(
-        options.pop("add_generation_prompt", None), options.pop("continue_final_message", None)
+        options.pop("add_generation_prompt", None),
+        options.pop("continue_final_message", None),
+        options.pop("chat_template_kwargs", None),
     )
     if options:
         known = sorted(
@@ -187,6 +196,7 @@ def build_header(
                 "prompt",
                 "add_generation_prompt",
                 "continue_final_message",
+                "chat_template_kwargs",
             )
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
@@ -216,19 +226,34 @@ def build_header(
 
 
 def _template(
-    add_generation_prompt: Any, continue_final_message: Any
+    add_generation_prompt: Any, continue_final_message: Any, chat_template_kwargs: Any
 ) -> messages_pb2.ChatTemplateOptions | None:
     """The chat template options; None (unset on the wire) for the defaults. The server checks
-    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400)."""
+    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400) and the variables' names and
+    sizes."""
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
     ):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {_shown(value)}")
-    if add_generation_prompt is None and not continue_final_message:
+    kwargs_json = ""
+    if chat_template_kwargs:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict of variable names to values, got {_shown(chat_template_kwargs)}"
+            )
+        try:
+            kwargs_json = template_kwargs.to_json(chat_template_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"chat_template_kwargs must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
+            ) from None
+    if add_generation_prompt is None and not continue_final_message and not kwargs_json:
         return None
-    options = messages_pb2.ChatTemplateOptions(continue_final_message=bool(continue_final_message))
+    options = messages_pb2.ChatTemplateOptions(
+        continue_final_message=bool(continue_final_message), chat_template_kwargs_json=kwargs_json
+    )
     if add_generation_prompt is not None:
         options.add_generation_prompt = add_generation_prompt
     return options
@@ -329,6 +354,7 @@ def tokenize_request(
     continue_final_message: bool | None,
     return_token_strs: bool,
     request_id: str,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> gateway_pb2.GatewayServiceTokenizeRequest:
     """The request of `tokenize` (see there); TypeError for a value of the wrong type, or for
     both or neither of prompt and messages, ValueError for messages=[]. The server checks the
@@ -349,7 +375,7 @@ def tokenize_request(
         prompt=prompt,
         messages=messages_to_proto(conversation(messages)) if messages is not None else [],
         add_special_tokens=add_special_tokens,
-        template=_template(add_generation_prompt, continue_final_message),
+        template=_template(add_generation_prompt, continue_final_message, chat_template_kwargs),
         return_token_strs=return_token_strs,
     )
 
@@ -556,6 +582,7 @@ class AsyncEpdClient:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         return_token_strs: bool = False,
         request_id: str = "",
         timeout_s: float | None = None,
@@ -567,9 +594,10 @@ class AsyncEpdClient:
         prompt: a text, tokenised as it is; or messages: `Message`s or chat-form dicts without a
         video or image part (INVALID_ARGUMENT: their tokens depend on the frames sampled), ending
         with any role's message. add_special_tokens: None is vLLM's default (True for a prompt,
-        False for messages). add_generation_prompt / continue_final_message: as `ask`'s (the
-        default ends with the opening of a new answer, so `num_tokens` is that ask's
-        `num_prompt_tokens`). return_token_strs: also the tokenizer's token of each id."""
+        False for messages). add_generation_prompt / continue_final_message /
+        chat_template_kwargs: as `ask`'s (the default ends with the opening of a new answer, so
+        `num_tokens` is that ask's `num_prompt_tokens`). return_token_strs: also the tokenizer's
+        token of each id."""
         request = tokenize_request(
             prompt,
             messages,
@@ -578,6 +606,7 @@ class AsyncEpdClient:
             continue_final_message,
             return_token_strs,
             request_id,
+            chat_template_kwargs,
         )
         answer = await self._unary("Tokenize", request, timeout_s)
         return tokenize_result_from_proto(answer, return_token_strs)

@@ -45,7 +45,17 @@ OpenAI's `suffix` (text after the completion) is not implemented."""
 _COMPLETION_KNOWN = (
     # The chat template's options are not vLLM's completions fields either (a raw prompt has no
     # template): logged as unknown, as vLLM ignores them.
-    (KNOWN_CHAT_FIELDS - {"messages", "media", "pruning", "add_generation_prompt", "continue_final_message"})
+    (
+        KNOWN_CHAT_FIELDS
+        - {
+            "messages",
+            "media",
+            "pruning",
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template_kwargs",
+        }
+    )
     | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
 )
 

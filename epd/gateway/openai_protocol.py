@@ -10,7 +10,10 @@ or `image_url` part per request, in a user message; with none, the conversation 
 without media; `kv_dtype` still narrows the KV cache). Generation options are OpenAI's own fields (max_completion_tokens or
 max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias) plus
 vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
-`include_stop_str_in_output`, `allowed_token_ids` and `bad_words`, with vLLM's meanings; frame sampling goes in
+`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens` and
+`spaces_between_special_tokens`, with vLLM's meanings; the chat template's variables go in vLLM's
+`chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
+`continue_final_message`; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
@@ -65,6 +68,7 @@ from epd.stages.messages import ROLES, ChatTemplateOptions, ContentPart, Message
 from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
 from epd.stages.raw_prompt import RawPrompt
+from epd.stages.template_kwargs import check_chat_template_kwargs
 from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
 from epd.transport.errors import status_of
@@ -133,11 +137,8 @@ UNSUPPORTED_CHAT_FIELDS = {
     "modalities": (["text"],),
     # vLLM's: they change the prompt, the frames or the text of the answer, so ignoring them
     # answered another question than the one asked (frames as vLLM samples them go in `media`).
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
     "add_special_tokens": (False,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "mm_processor_kwargs": ({},),
     "truncate_prompt_tokens": (),
     "documents": ([],),
@@ -167,8 +168,9 @@ KNOWN_CHAT_FIELDS = {
     "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop", "ignore_eos",
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+    "skip_special_tokens", "spaces_between_special_tokens",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
-    "add_generation_prompt", "continue_final_message", "echo",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo",
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -232,9 +234,9 @@ class ChatRequest:
     answer's content begins with the last message's, when that message's role is the answer's
     (`echoed_text`)."""
     template: ChatTemplateOptions = ChatTemplateOptions()
-    """vLLM's `add_generation_prompt` and `continue_final_message`: how the chat template ends
-    the prompt. A continued message's answer is the continuation alone, as vLLM's; with `echo`
-    too, it is the whole message, the given text first."""
+    """vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`: how
+    the chat template renders the prompt. A continued message's answer is the continuation alone,
+    as vLLM's; with `echo` too, it is the whole message, the given text first."""
 
     @property
     def response_role(self) -> str:
@@ -263,11 +265,16 @@ class ChatRequest:
 
 
 def template_options(body: Any) -> ChatTemplateOptions:
-    """vLLM's `add_generation_prompt` (default true) and `continue_final_message` (default false)
-    of a chat or /tokenize body; their pair is checked with the messages (`ChatTemplateOptions.check`)."""
+    """vLLM's `add_generation_prompt` (default true), `continue_final_message` (default false) and
+    `chat_template_kwargs` (default none) of a chat or /tokenize body; the variables are checked
+    here, the pair with the messages (`ChatTemplateOptions.check`)."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    check_chat_template_kwargs(kwargs)
     return ChatTemplateOptions(
         add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
         continue_final_message=boolean_field(body, "continue_final_message", False),
+        chat_template_kwargs=kwargs,
     )
 
 
@@ -554,6 +561,10 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         bad_words=_bad_words(body.get("bad_words"), defaults.bad_words),
         # the default: fitted to the context after the prompt, as vLLM's
         fit_max_new_tokens=max_tokens is None,
+        skip_special_tokens=boolean_field(body, "skip_special_tokens", defaults.skip_special_tokens),
+        spaces_between_special_tokens=boolean_field(
+            body, "spaces_between_special_tokens", defaults.spaces_between_special_tokens
+        ),
     )
 
 

@@ -211,8 +211,8 @@ class Pipeline:
             check_raw_prompt(req.raw_prompt, req.messages, vocab_size=self.vocab_size)
             if req.template != ChatTemplateOptions():
                 raise InvalidRequest(
-                    "add_generation_prompt and continue_final_message shape a chat template's "
-                    "prompt; a raw prompt has no template: leave them unset"
+                    "add_generation_prompt, continue_final_message and chat_template_kwargs shape a chat "
+                    "template's prompt; a raw prompt has no template: leave them unset"
                 )
         else:
             # Before the media costs an encode; prefill checks its limits.

@@ -166,6 +166,13 @@ class GenerationConfig:
     unless include_stop_str_in_output)."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the stop string (or stop token's text) that ended the answer in it."""
+    skip_special_tokens: bool = True
+    """vLLM's: the answer's text leaves out the tokenizer's special tokens (`<|im_end|>`, an
+    added `<think>`); False keeps them, as `tokenizer.decode(ids, skip_special_tokens=False)`."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: passed to `tokenizer.decode` with the above. A slow (Python) tokenizer puts a space
+    between special tokens and the text around them when it is true; a fast one (every family epd
+    serves: byte-level BPE) decodes alike either way, as transformers' and vLLM's do."""
     fit_max_new_tokens: bool = False
     """`max_new_tokens` is a ceiling, not a demand: prefill lowers it to what the served context
     leaves after the prompt instead of refusing the request. The front door sets it when the

@@ -148,6 +148,10 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words=tuple(msg.bad_words),
         fit_max_new_tokens=msg.fit_max_new_tokens or not msg.max_new_tokens,  # unset: the default, fitted
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            msg.spaces_between_special_tokens if msg.HasField("spaces_between_special_tokens") else True
+        ),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from epd.stages import template_kwargs
 from epd.stages.messages import ChatTemplateOptions, ContentPart, Message
 from epd.stages.raw_prompt import RawPrompt
 from epd.v1 import messages_pb2
@@ -36,14 +37,19 @@ def template_to_proto(options: ChatTemplateOptions) -> messages_pb2.ChatTemplate
     return messages_pb2.ChatTemplateOptions(
         add_generation_prompt=options.add_generation_prompt,
         continue_final_message=options.continue_final_message,
+        chat_template_kwargs_json=template_kwargs.to_json(options.chat_template_kwargs)
+        if options.chat_template_kwargs
+        else "",
     )
 
 
 def template_from_proto(msg: messages_pb2.ChatTemplateOptions) -> ChatTemplateOptions:
-    """An unset add_generation_prompt is true (the default); `ChatTemplateOptions.check` checks the pair."""
+    """An unset add_generation_prompt is true (the default); InvalidRequest for variables that are
+    not a JSON object, and `ChatTemplateOptions.check` checks the rest."""
     return ChatTemplateOptions(
         add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
         continue_final_message=msg.continue_final_message,
+        chat_template_kwargs=template_kwargs.from_json(msg.chat_template_kwargs_json),
     )
 
 

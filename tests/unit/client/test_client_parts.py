@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import io
+import json
 import threading
 import time
 import warnings
@@ -221,6 +222,10 @@ def test_a_tokenize_request_carries_its_options_and_leaves_defaults_unset():
     assert (chat.add_special_tokens, chat.return_token_strs, chat.request_id) == (True, True, "r1")
     assert chat.template.HasField("add_generation_prompt") and not chat.template.add_generation_prompt
     assert chat.template.continue_final_message
+    thinking = tokenize_request(
+        None, [{"role": "user", "content": "hi"}], None, None, None, False, "", {"enable_thinking": False}
+    )
+    assert json.loads(thinking.template.chat_template_kwargs_json) == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize(

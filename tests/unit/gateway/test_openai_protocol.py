@@ -308,10 +308,9 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
     ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"), ("guided_json", {}),
     ("prompt_logprobs", 1), ("best_of", True),
-    # vLLM's fields that change the prompt, the frames or the answer's text: they were accepted
-    # as known (the first two) or logged as unknown, and answered as if they had not been sent.
-    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("add_special_tokens", True),
-    ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
+    # vLLM's fields that change the prompt, the frames or the answer's text: they were logged as
+    # unknown, and answered as if they had not been sent.
+    ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
     ("mm_processor_kwargs", {"fps": 1}), ("truncate_prompt_tokens", 16), ("documents", [{"text": "d"}]),
     ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}), ("priority", 1),
     # vLLM's too, logged as unknown and answered as if not sent: the frames vLLM loads, a model's
@@ -343,11 +342,8 @@ def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
         tools=[],
         tool_choice="none",
         guided_json=None,
-        skip_special_tokens=True,
-        spaces_between_special_tokens=True,
         add_special_tokens=False,
         chat_template=None,
-        chat_template_kwargs={},
         mm_processor_kwargs={},
         priority=0,
         media_io_kwargs={},

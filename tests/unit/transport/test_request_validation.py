@@ -109,13 +109,17 @@ def test_every_generation_setting_crosses_the_wire():
         allowed_token_ids=(9, 4, 9),
         bad_words=("red", " big cat"),
         fit_max_new_tokens=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
     assert generation_from_proto(generation_to_proto(config), defaults) == config
     assert generation_from_proto(generation_to_proto(defaults), defaults) == defaults
-    # unset: off
-    assert generation_from_proto(common_pb2.GenerationParams(), defaults).repetition_penalty == 1.0
+    # unset: off (and the decode options on, vLLM's defaults)
+    unset = generation_from_proto(common_pb2.GenerationParams(), defaults)
+    assert unset.repetition_penalty == 1.0
+    assert unset.skip_special_tokens and unset.spaces_between_special_tokens
 
 
 def test_generation_config_refuses_a_nan_temperature():
