@@ -31,6 +31,7 @@ import torch
 from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.scheduler import DecodeRequest
 from epd.model_runtime.batch_kv import BatchKv
+from epd.model_runtime.logprobs import RowLogprobs, rows_logprobs
 from epd.model_runtime.sampling import SamplingFailed
 from epd.stages.contracts import TokenStep
 from epd.stages.engine_core import ModelRunner, RequestFailed
@@ -70,13 +71,26 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             positions = torch.stack([r.generation.positions for r in self.rows], dim=1)  # [4, B]
             logits = self.adapter.decode_batch(
                 [r.generation.last_token for r in self.rows], positions, self.batch
-            )
-            for r, row_logits in zip(self.rows, logits, strict=True):
-                self._advance(r, partial(r.generation.accept, row_logits), outputs, failed)
+            )  # [B, vocab]
+            rows = self._logprobs(logits)
+            for i, (r, row_logits) in enumerate(zip(self.rows, logits, strict=True)):
+                self._advance(r, partial(r.generation.accept, row_logits, rows.get(i)), outputs, failed)
         for r in batch:
             if r.row is None and not r.finished and not outputs[r]:
                 self._advance(r, r.generation.step, outputs, failed)  # alone: decode-stage eviction
         return [(r, failed.get(r, steps)) for r, steps in outputs.items()]
+
+    def _logprobs(self, logits: torch.Tensor) -> dict[int, RowLogprobs]:
+        """{row: its log-probabilities} for the rows whose request asked, computed for them
+        together (one log_softmax over [R, vocab], one topk of the largest k); {} when none did,
+        so a batch without logprobs costs nothing more."""
+        asked = [(i, r.generation.num_logprobs) for i, r in enumerate(self.rows)]
+        asked = [(i, k) for i, k in asked if k is not None]
+        if not asked:
+            return {}
+        index = torch.tensor([i for i, _ in asked])
+        rows = rows_logprobs(logits.index_select(0, index), [k for _, k in asked])
+        return {i: row for (i, _), row in zip(asked, rows, strict=True)}
 
     @staticmethod
     def _advance(
@@ -125,6 +139,7 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             r.pruning,
             own_cache=alone,
             prompt_token_ids=h.distinct_prompt_token_ids,
+            first_logprob=h.first_logprob,
         )
         first = r.generation.first()
         first.kv_transfer_ms = r.kv_transfer_ms

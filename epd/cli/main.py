@@ -138,6 +138,15 @@ def add_prefill_limit_flags(p) -> None:
         "before the request's media is decoded and encoded",
     )
     p.add_argument(
+        "--max-logprobs",
+        type=_count("a number of tokens", 1 << 20, "tokens", low=0),
+        default=PrefillConfig.max_logprobs,
+        metavar="N",
+        help="vLLM's: the most top tokens a request may ask logprobs of at each position (chat "
+        "completions' top_logprobs, completions' logprobs; default 20); more is refused with 400 / "
+        "INVALID_ARGUMENT. They are of the raw model distribution (vLLM's default logprobs mode)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=_max_model_len,
         default=PrefillConfig.max_model_len,

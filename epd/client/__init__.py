@@ -19,6 +19,8 @@ from epd.client.types import (
     StreamEvent,
     Timings,
     TokenDelta,
+    TokenLogprob,
+    TopLogprob,
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message
 
@@ -44,5 +46,7 @@ __all__ = [
     "StreamEvent",
     "Timings",
     "TokenDelta",
+    "TokenLogprob",
+    "TopLogprob",
     "build_header",
 ]

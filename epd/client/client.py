@@ -52,7 +52,7 @@ from epd.client.types import (
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
-from epd.transport.message_convert import messages_to_proto
+from epd.transport.message_convert import logprobs_from_proto, messages_to_proto
 from epd.transport.status_metadata import retry_after_in
 from epd.transport.tracing import metadata_value
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
@@ -89,7 +89,7 @@ _SAMPLING_OPTIONS = (
 _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "logprobs",
 )  # fmt: skip
 
 
@@ -113,7 +113,9 @@ def build_header(
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
     repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
     ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
-    include_stop_str_in_output (GenerationConfig's meanings).
+    include_stop_str_in_output (GenerationConfig's meanings); logprobs=k (0 to the server's
+    --max-logprobs, 20 by default): each generated token's log-probability and the k most likely
+    tokens' (`AskResult.logprobs`, `TokenDelta.logprobs`; raw model distribution, vLLM's default).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
@@ -145,7 +147,7 @@ def build_header(
         raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
     sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
     generation = common_pb2.GenerationParams(
-        **{k: v for k, v in generation_given.items() if v or k == "seed"}
+        **{k: v for k, v in generation_given.items() if v or k in ("seed", "logprobs")}  # 0 is meant
     )
     for name, kind, what in (
         ("pruning", str, 'a preset name such as "balanced"'),
@@ -439,7 +441,9 @@ class AsyncEpdClient:
                     events.append(event)
                     yield event
                 elif kind == "delta":
-                    yield TokenDelta(list(msg.delta.token_ids), msg.delta.text)
+                    yield TokenDelta(
+                        list(msg.delta.token_ids), msg.delta.text, logprobs_from_proto(msg.delta.logprobs)
+                    )
                 elif kind == "summary":
                     result = result_from_proto(msg.summary, events)
                     result.num_attempts, result.media_num_bytes_sent = meta

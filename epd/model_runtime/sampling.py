@@ -78,6 +78,15 @@ def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
         raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are accepted")
 
 
+def check_logprobs(logprobs: int | None, max_logprobs: int | None) -> None:
+    """ValueError unless `logprobs` (None: not asked) is 0 to `max_logprobs` (None: unbounded)."""
+    if logprobs is None:
+        return
+    if logprobs < 0 or (max_logprobs is not None and logprobs > max_logprobs):
+        allowed = "0 or more" if max_logprobs is None else f"between 0 and {max_logprobs} (--max-logprobs)"
+        raise ValueError(f"logprobs (chat completions' top_logprobs) must be {allowed}, got {logprobs}")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How tokens are generated. The defaults are greedy and match `generate(do_sample=False)`."""
@@ -124,10 +133,19 @@ class GenerationConfig:
     """`max_new_tokens` is a ceiling, not a demand: prefill lowers it to what the served context
     leaves after the prompt instead of refusing the request. The front door sets it when the
     client left max_tokens unset (vLLM's default max_tokens is max_model_len minus the prompt)."""
+    logprobs: int | None = None
+    """Return each generated token's log-probability and the `logprobs` most likely tokens' at its
+    position (OpenAI's chat `top_logprobs` with `logprobs: true`, its legacy completions'
+    `logprobs`); 0: the sampled token's alone; None: none (`epd.model_runtime.logprobs`)."""
 
-    def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
+    def validate(
+        self, max_new_tokens_limit: int, vocab_size: int | None = None, max_logprobs: int | None = None
+    ) -> None:
         """ValueError naming the field and its accepted range. `vocab_size`: also check the token
-        ids of logit_bias and stop_token_ids against it (None: the front door, without a model)."""
+        ids of logit_bias and stop_token_ids against it (None: the front door, without a model).
+        `max_logprobs`: the server's --max-logprobs (None: no bound but the vocabulary's, the
+        decoder's check: prefill and the front door hold requests to the configured one)."""
+        check_logprobs(self.logprobs, max_logprobs if max_logprobs is not None else vocab_size)
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "

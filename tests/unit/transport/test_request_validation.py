@@ -107,6 +107,7 @@ def test_every_generation_setting_crosses_the_wire():
         stop_token_ids=(7, 2),
         include_stop_str_in_output=True,
         fit_max_new_tokens=True,
+        logprobs=0,  # 0 is asked (the sampled token's alone), unlike unset
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
