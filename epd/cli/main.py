@@ -139,7 +139,7 @@ def add_prefill_limit_flags(p) -> None:
     )
     p.add_argument(
         "--max-logprobs",
-        type=_count("a number of tokens", 1 << 20, "tokens", low=0),
+        type=_max_logprobs,
         default=PrefillConfig.max_logprobs,
         metavar="N",
         help="vLLM's: the most top tokens a request may ask logprobs of at each position (chat "
@@ -524,6 +524,11 @@ def _max_new_tokens_limit(text: str) -> int:
     from epd.model_runtime.sampling import MAX_NEW_TOKENS
 
     return _count("a number of tokens", MAX_NEW_TOKENS, "tokens")(text)
+
+
+def _max_logprobs(text: str) -> int:
+    """An argparse type: 0 (no logprobs at all) to 2**20 top tokens a position (more than any vocabulary)."""
+    return _count("a number of tokens", 1 << 20, "tokens", low=0)(text)
 
 
 _TOKENS_WITH_SUFFIX = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")

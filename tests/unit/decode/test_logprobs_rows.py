@@ -1,0 +1,40 @@
+"""The decode runner's logprobs of a batched step (`DecodeRunner._logprobs`, `rows_logprobs`) on
+plain tensors: only the rows whose request asked, each with its own k; none when nobody asked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from epd.decode_svc.runner import DecodeRunner
+from epd.model_runtime.logprobs import rows_logprobs, token_logprob
+
+
+def runner_with_rows(ks: list[int | None]) -> DecodeRunner:
+    runner = DecodeRunner(SimpleNamespace(adapter=None))  # type: ignore[arg-type]  # no model needed here
+    runner.rows = [SimpleNamespace(generation=SimpleNamespace(num_logprobs=k)) for k in ks]  # type: ignore[misc]
+    return runner
+
+
+def test_only_the_rows_that_asked_get_logprobs_each_with_its_k():
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [B, vocab]
+    rows = runner_with_rows([None, 3, None, 0, 7])._logprobs(logits)
+    assert set(rows) == {1, 3, 4}
+    for i, k in ((1, 3), (3, 0), (4, 7)):
+        want = torch.log_softmax(logits[i].float(), dim=-1)  # float32, whatever the model's dtype
+        assert torch.equal(rows[i].logprobs, want)
+        values, ids = torch.topk(want, k)
+        assert rows[i].top_ids == ids.tolist() and rows[i].top_logprobs == values.tolist()
+
+
+def test_a_step_where_nobody_asked_computes_nothing():
+    assert runner_with_rows([None, None])._logprobs(torch.zeros(2, 8)) == {}
+
+
+def test_the_sampled_token_has_its_own_value_outside_the_top():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0]])
+    row = rows_logprobs(logits, [1])[0]
+    entry = token_logprob(row, 3, lambda t: f"<{t}>")
+    assert entry.token == "<3>" and entry.logprob == float(torch.log_softmax(logits[0], -1)[3])
+    assert [(t.token_id, t.token) for t in entry.top] == [(1, "<1>")]
