@@ -6,7 +6,8 @@
      cache (`BatchKv`); the transferred tensors are dropped right after;
   2. one `decode_batch` forward over all rows: token ids [B], positions [4, B] -> logits [B, vocab];
      each Generation samples from its own row with its own sampler (so greedy, seeded sampling,
-     stop strings and limits behave exactly as when it runs alone);
+     stop strings and limits behave exactly as when it runs alone); the rows whose request asked
+     for logprobs get them first, computed together (`batch_logprobs`);
   3. requests with decode-stage eviction decode alone, one `step()` each, in the same engine step
      (eviction shrinks their cache per layer and head, which one shared cache cannot hold), and so
      do all requests of a family without batched decoding (`supports_batched_decode`).
@@ -31,7 +32,7 @@ import torch
 from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.scheduler import DecodeRequest
 from epd.model_runtime.batch_kv import BatchKv
-from epd.model_runtime.logprobs import RowLogprobs, rows_logprobs
+from epd.model_runtime.logprobs import batch_logprobs
 from epd.model_runtime.sampling import SamplingFailed
 from epd.stages.contracts import TokenStep
 from epd.stages.engine_core import ModelRunner, RequestFailed
@@ -72,25 +73,13 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             logits = self.adapter.decode_batch(
                 [r.generation.last_token for r in self.rows], positions, self.batch
             )  # [B, vocab]
-            rows = self._logprobs(logits)
+            rows = batch_logprobs(logits, [r.generation.num_logprobs for r in self.rows])
             for i, (r, row_logits) in enumerate(zip(self.rows, logits, strict=True)):
                 self._advance(r, partial(r.generation.accept, row_logits, rows.get(i)), outputs, failed)
         for r in batch:
             if r.row is None and not r.finished and not outputs[r]:
                 self._advance(r, r.generation.step, outputs, failed)  # alone: decode-stage eviction
         return [(r, failed.get(r, steps)) for r, steps in outputs.items()]
-
-    def _logprobs(self, logits: torch.Tensor) -> dict[int, RowLogprobs]:
-        """{row: its log-probabilities} for the rows whose request asked, computed for them
-        together (one log_softmax over [R, vocab], one topk of the largest k); {} when none did,
-        so a batch without logprobs costs nothing more."""
-        asked = [(i, r.generation.num_logprobs) for i, r in enumerate(self.rows)]
-        asked = [(i, k) for i, k in asked if k is not None]
-        if not asked:
-            return {}
-        index = torch.tensor([i for i, _ in asked])
-        rows = rows_logprobs(logits.index_select(0, index), [k for _, k in asked])
-        return {i: row for (i, _), row in zip(asked, rows, strict=True)}
 
     @staticmethod
     def _advance(

@@ -77,6 +77,19 @@ def rows_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[RowLogprobs]:
     return [RowLogprobs(logprobs[i], ids_list[i][:k], values_list[i][:k]) for i, k in enumerate(ks)]
 
 
+def batch_logprobs(logits: torch.Tensor, ks: Sequence[int | None]) -> dict[int, RowLogprobs]:
+    """A batched decode step's logits [B, vocab] and each row's k (None: its request did not ask)
+    -> {row: its RowLogprobs} for the rows that asked, computed together (`rows_logprobs` of those
+    rows alone); {} when none asked, so a step without logprobs costs nothing more."""
+    import torch
+
+    asked = [(i, k) for i, k in enumerate(ks) if k is not None]
+    if not asked:
+        return {}
+    rows = rows_logprobs(logits.index_select(0, torch.tensor([i for i, _ in asked])), [k for _, k in asked])
+    return {i: row for (i, _), row in zip(asked, rows, strict=True)}
+
+
 def token_logprob(row: RowLogprobs, token_id: int, token_text: Callable[[int], str]) -> TokenLogprob:
     """The sampled `token_id`'s entry of `row` (computed before it was sampled)."""
     return TokenLogprob(

@@ -1,25 +1,16 @@
-"""The decode runner's logprobs of a batched step (`DecodeRunner._logprobs`, `rows_logprobs`) on
-plain tensors: only the rows whose request asked, each with its own k; none when nobody asked."""
+"""The decode runner's logprobs of a batched step (`batch_logprobs`, `rows_logprobs`) on plain
+tensors: only the rows whose request asked, each with its own k; none when nobody asked."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from epd.decode_svc.runner import DecodeRunner
-from epd.model_runtime.logprobs import rows_logprobs, token_logprob
-
-
-def runner_with_rows(ks: list[int | None]) -> DecodeRunner:
-    runner = DecodeRunner(SimpleNamespace(adapter=None))  # type: ignore[arg-type]  # no model needed here
-    runner.rows = [SimpleNamespace(generation=SimpleNamespace(num_logprobs=k)) for k in ks]  # type: ignore[misc]
-    return runner
+from epd.model_runtime.logprobs import batch_logprobs, rows_logprobs, token_logprob
 
 
 def test_only_the_rows_that_asked_get_logprobs_each_with_its_k():
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [B, vocab]
-    rows = runner_with_rows([None, 3, None, 0, 7])._logprobs(logits)
+    rows = batch_logprobs(logits, [None, 3, None, 0, 7])
     assert set(rows) == {1, 3, 4}
     for i, k in ((1, 3), (3, 0), (4, 7)):
         want = torch.log_softmax(logits[i].float(), dim=-1)  # float32, whatever the model's dtype
@@ -29,7 +20,7 @@ def test_only_the_rows_that_asked_get_logprobs_each_with_its_k():
 
 
 def test_a_step_where_nobody_asked_computes_nothing():
-    assert runner_with_rows([None, None])._logprobs(torch.zeros(2, 8)) == {}
+    assert batch_logprobs(torch.zeros(2, 8), [None, None]) == {}
 
 
 def test_the_sampled_token_has_its_own_value_outside_the_top():
