@@ -138,6 +138,31 @@ def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling(tiny_models)
     assert outside, "every drawn token was the most likely one: the sampling settings proved nothing"
 
 
+def test_a_request_decoding_alone_computes_the_same_logprobs(tiny_models):
+    """A Generation that decodes alone (its own cache: decode-stage eviction's way) computes its
+    logprobs itself, in `accept`, and they equal generate()'s as the batch's do."""
+    from epd.decode_svc.engine import DecodeEngine
+    from epd.model_runtime.loader import load_adapter
+    from epd.model_runtime.logprobs import rows_logprobs, token_logprob
+    from epd.stages.messages import to_chat_template
+
+    path = tiny_models["qwen2_vl"]
+    want, reference = logprobs_reference(path, MAX_TOKENS, TEXT_CHAT)
+    adapter = load_adapter(ModelConfig(model=str(path)), "prefill")
+    prompt = adapter.build_prompt(to_chat_template(from_chat_template(TEXT_CHAT), ""), None)
+    state = adapter.prefill(prompt, torch.empty(0, adapter.hidden_size))
+    first = int(state.last_logits.argmax())
+    first_logprob = token_logprob(rows_logprobs(state.last_logits[None], [K])[0], first, adapter.token_text)
+    generation = DecodeEngine(adapter).start(
+        state.cache, first, [int(x) for x in state.next_position_ids],
+        GenerationConfig(max_new_tokens=MAX_TOKENS, logprobs=K), own_cache=True, first_logprob=first_logprob,
+    )  # fmt: skip
+    steps = [generation.first()] + [generation.step() for _ in range(MAX_TOKENS - 1)]
+    logprobs = [lp for step in steps for lp in step.logprobs or ()]
+    assert [lp.token_id for lp in logprobs] == want
+    assert_equal_reference(of_tokens(logprobs), want, reference, K)
+
+
 def test_a_logprobs_request_over_the_limit_is_refused_before_the_media(tiny_models, media_files):
     from epd.prefill_svc.config import PrefillConfig
 
