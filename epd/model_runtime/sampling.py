@@ -78,12 +78,13 @@ def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
         raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are accepted")
 
 
-def check_logprobs(logprobs: int | None, max_logprobs: int | None) -> None:
-    """ValueError unless `logprobs` (None: not asked) is 0 to `max_logprobs` (None: unbounded)."""
+def check_logprobs(logprobs: int | None, max_logprobs: int | None, bound: str = "--max-logprobs") -> None:
+    """ValueError unless `logprobs` (None: not asked) is 0 to `max_logprobs` (None: unbounded),
+    the message naming where the bound comes from."""
     if logprobs is None:
         return
     if logprobs < 0 or (max_logprobs is not None and logprobs > max_logprobs):
-        allowed = "0 or more" if max_logprobs is None else f"between 0 and {max_logprobs} (--max-logprobs)"
+        allowed = "0 or more" if max_logprobs is None else f"between 0 and {max_logprobs} ({bound})"
         raise ValueError(f"logprobs (chat completions' top_logprobs) must be {allowed}, got {logprobs}")
 
 
@@ -145,7 +146,10 @@ class GenerationConfig:
         ids of logit_bias and stop_token_ids against it (None: the front door, without a model).
         `max_logprobs`: the server's --max-logprobs (None: no bound but the vocabulary's, the
         decoder's check: prefill and the front door hold requests to the configured one)."""
-        check_logprobs(self.logprobs, max_logprobs if max_logprobs is not None else vocab_size)
+        if max_logprobs is not None:
+            check_logprobs(self.logprobs, max_logprobs)
+        else:
+            check_logprobs(self.logprobs, vocab_size, "this model's vocabulary size")
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "

@@ -29,3 +29,18 @@ def test_the_sampled_token_has_its_own_value_outside_the_top():
     entry = token_logprob(row, 3, lambda t: f"<{t}>")
     assert entry.token == "<3>" and entry.logprob == float(torch.log_softmax(logits[0], -1)[3])
     assert [(t.token_id, t.token) for t in entry.top] == [(1, "<1>")]
+
+
+def test_the_bounds_of_a_requests_logprobs_name_where_they_come_from():
+    import pytest
+
+    from epd.model_runtime.sampling import GenerationConfig
+
+    with pytest.raises(ValueError, match=r"between 0 and 20 \(--max-logprobs\), got 21"):
+        GenerationConfig(logprobs=21).validate(64, 1000, max_logprobs=20)
+    # The decoder's own bound: the vocabulary (prefill and the gateway hold requests to --max-logprobs).
+    with pytest.raises(ValueError, match=r"between 0 and 8 \(this model's vocabulary size\), got 9"):
+        GenerationConfig(logprobs=9).validate(64, 8)
+    with pytest.raises(ValueError, match="must be 0 or more, got -1"):
+        GenerationConfig(logprobs=-1).validate(64)
+    GenerationConfig(logprobs=0).validate(64, 8, max_logprobs=0)
