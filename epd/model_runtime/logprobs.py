@@ -86,7 +86,8 @@ def batch_logprobs(logits: torch.Tensor, ks: Sequence[int | None]) -> dict[int, 
     asked = [(i, k) for i, k in enumerate(ks) if k is not None]
     if not asked:
         return {}
-    rows = rows_logprobs(logits.index_select(0, torch.tensor([i for i, _ in asked])), [k for _, k in asked])
+    index = torch.tensor([i for i, _ in asked], device=logits.device)  # [R]: beside the logits (a GPU)
+    rows = rows_logprobs(logits.index_select(0, index), [k for _, k in asked])
     return {i: row for (i, _), row in zip(asked, rows, strict=True)}
 
 
