@@ -11,8 +11,10 @@
    sampler and detokeniser) on bench_pruning's ~30M-parameter Qwen2-VL given Qwen2-VL's
    151,936-token vocabulary, every request with the default settings, then every request with
    all the penalties, logit bias and min_tokens on; the median step over `--rounds` rounds of
-   `--steps` steps each, the two alternating, and of it the per-request part (the B samplers and
-   detokenisers after the forward), each with its ratio against the default.
+   `--steps` steps each, then every request with logprobs at vLLM's most (top_logprobs 20: the
+   runner's `batch_logprobs` over the B rows, then each token's entry and texts), the three
+   alternating, and of it the per-request part (logprobs, the B samplers and detokenisers after
+   the forward), each with its ratio against the default.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from bench.bench_pruning import SPEC  # noqa: E402
 from epd.decode_svc.engine import DecodeEngine  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
+from epd.model_runtime.logprobs import MAX_LOGPROBS, batch_logprobs  # noqa: E402
 from epd.model_runtime.sampling import GenerationConfig, Sampler  # noqa: E402
 from epd.model_runtime.tiny_model import build_checkpoint  # noqa: E402
 
@@ -115,8 +118,9 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
             positions = torch.stack([g.positions for g in gens], dim=1)  # [4, B]
             logits = adapter.decode_batch([g.last_token for g in gens], positions, kv)  # [B, vocab]
             t0 = time.perf_counter()
-            for g, row in zip(gens, logits, strict=True):
-                g.accept(row)
+            rows = batch_logprobs(logits, [g.num_logprobs for g in gens])  # as DecodeRunner.execute
+            for i, (g, row) in enumerate(zip(gens, logits, strict=True)):
+                g.accept(row, rows.get(i))
             per_request.append(time.perf_counter() - t0)
 
         whole = median_ms(step, steps)
@@ -124,16 +128,17 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
 
     plain = GenerationConfig(max_new_tokens=1000, ignore_eos=True)
     penalised = replace(plain, **PENALTIES)
-    results: dict[str, list[tuple[float, float]]] = {"default": [], "all penalties": []}
+    with_logprobs = replace(plain, logprobs=MAX_LOGPROBS)
+    results: dict[str, list[tuple[float, float]]] = {"default": [], "all penalties": [], "logprobs 20": []}
     for r in range(rounds):  # alternating, each first in turn: the machine's load drifts
-        order = [("default", plain), ("all penalties", penalised)]
-        for name, config in order if r % 2 == 0 else order[::-1]:
+        order = [("default", plain), ("all penalties", penalised), ("logprobs 20", with_logprobs)]
+        for name, config in order[r % 3 :] + order[: r % 3]:
             results[name].append(step_ms(config))
     base = [statistics.median(v) for v in zip(*results["default"], strict=True)]
     for name, values in results.items():
         whole, part = (statistics.median(v) for v in zip(*values, strict=True))
         print(
-            f"   {name:34s} step {whole:8.2f} ms  x{whole / base[0]:.3f}   of which sampler + detokeniser "
+            f"   {name:34s} step {whole:8.2f} ms  x{whole / base[0]:.3f}   of which per request "
             f"{part:6.2f} ms  x{part / base[1]:.2f}"
         )
 

@@ -256,6 +256,7 @@ def _prefill_config(
         kv_store_bytes=args.kv_store_bytes,
         kv_ttl_s=args.kv_ttl,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        max_logprobs=args.max_logprobs,
         max_model_len=args.max_model_len,
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_bytes=args.prefix_cache_bytes,

@@ -138,6 +138,15 @@ def add_prefill_limit_flags(p) -> None:
         "before the request's media is decoded and encoded",
     )
     p.add_argument(
+        "--max-logprobs",
+        type=_max_logprobs,
+        default=PrefillConfig.max_logprobs,
+        metavar="N",
+        help="vLLM's: the most top tokens a request may ask logprobs of at each position (chat "
+        "completions' top_logprobs, completions' logprobs; default 20); more is refused with 400 / "
+        "INVALID_ARGUMENT. They are of the raw model distribution (vLLM's default logprobs mode)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=_max_model_len,
         default=PrefillConfig.max_model_len,
@@ -530,6 +539,11 @@ def _max_new_tokens_limit(text: str) -> int:
     from epd.model_runtime.sampling import MAX_NEW_TOKENS
 
     return _count("a number of tokens", MAX_NEW_TOKENS, "tokens")(text)
+
+
+def _max_logprobs(text: str) -> int:
+    """An argparse type: 0 (no logprobs at all) to 2**20 top tokens a position (more than any vocabulary)."""
+    return _count("a number of tokens", 1 << 20, "tokens", low=0)(text)
 
 
 _TOKENS_WITH_SUFFIX = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")

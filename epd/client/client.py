@@ -56,7 +56,7 @@ from epd.client.types import (
 from epd.stages import template_kwargs
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
-from epd.transport.message_convert import messages_to_proto
+from epd.transport.message_convert import logprobs_from_proto, messages_to_proto
 from epd.transport.status_metadata import retry_after_in
 from epd.transport.tracing import metadata_value
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
@@ -94,9 +94,9 @@ _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
     "include_stop_str_in_output", "allowed_token_ids", "bad_words", "skip_special_tokens",
-    "spaces_between_special_tokens",
+    "spaces_between_special_tokens", "logprobs",
 )  # fmt: skip
-_GENERATION_PRESENT = ("seed", "skip_special_tokens", "spaces_between_special_tokens")
+_GENERATION_PRESENT = ("seed", "skip_special_tokens", "spaces_between_special_tokens", "logprobs")
 """Options whose field has presence on the wire: sent when given, a zero or False included."""
 
 
@@ -122,7 +122,10 @@ def build_header(
     ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
     include_stop_str_in_output, allowed_token_ids (a non-empty list of token ids), bad_words (a
     list of strings), skip_special_tokens and spaces_between_special_tokens (default True: the
-    answer's text without the tokenizer's special tokens) (GenerationConfig's meanings).
+    answer's text without the tokenizer's special tokens) (GenerationConfig's meanings);
+    logprobs=k (0 to the server's --max-logprobs, 20 by default): each generated token's
+    log-probability and the k most likely tokens' (`AskResult.logprobs`, `TokenDelta.logprobs`;
+    raw model distribution, vLLM's default).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
@@ -508,7 +511,9 @@ class AsyncEpdClient:
                     events.append(event)
                     yield event
                 elif kind == "delta":
-                    yield TokenDelta(list(msg.delta.token_ids), msg.delta.text)
+                    yield TokenDelta(
+                        list(msg.delta.token_ids), msg.delta.text, logprobs_from_proto(msg.delta.logprobs)
+                    )
                 elif kind == "summary":
                     result = result_from_proto(msg.summary, events)
                     result.num_attempts, result.media_num_bytes_sent = meta

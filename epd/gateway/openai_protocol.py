@@ -8,7 +8,8 @@ or `image_url` part per request, in a user message; with none, the conversation 
 (vLLM's answer to a health check's "ping" or a title request: no encoder call, and "media" and
 "pruning" are checked but have nothing to act on, as vLLM ignores its multimodal options
 without media; `kv_dtype` still narrows the KV cache). Generation options are OpenAI's own fields (max_completion_tokens or
-max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias) plus
+max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias,
+logprobs and top_logprobs: `epd.gateway.logprobs_protocol`) plus
 vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
 `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens` and
 `spaces_between_special_tokens`, with vLLM's meanings; the chat template's variables go in vLLM's
@@ -49,8 +50,10 @@ from epd.gateway.json_fields import (
     number_item,
     shown_value,
 )
+from epd.gateway.logprobs_protocol import chat_logprobs, chat_logprobs_option
 from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.detokenizer import StopReason
+from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
@@ -283,15 +286,9 @@ def parse_chat_request(
 ) -> ChatRequest:
     """Validate a chat-completions body; raises InvalidRequest (400) or NotFound (404, model)."""
     model = check_model(body, served_model)
-    if boolean_field(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
-        # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
-        raise InvalidRequest(
-            "logprobs are not supported by this server; leave 'logprobs' unset or false and "
-            "'top_logprobs' unset"
-        )
     refuse_unsupported_fields(body, UNSUPPORTED_CHAT_FIELDS, KNOWN_CHAT_FIELDS)
     messages, media_url, modality = parse_messages(body.get("messages"))
-    options = answer_options(body, model, generation_defaults)
+    options = answer_options(body, model, generation_defaults, chat_logprobs_option(body))
     request = ChatRequest(
         messages=messages,
         media_url=media_url,
@@ -345,9 +342,12 @@ def check_model(body: Any, served_model: str) -> str:
     return model
 
 
-def answer_options(body: dict, model: str, generation_defaults: GenerationConfig) -> dict[str, Any]:
+def answer_options(
+    body: dict, model: str, generation_defaults: GenerationConfig, logprobs: int | None = None
+) -> dict[str, Any]:
     """The fields chat and legacy completions share, as `ChatRequest` keyword arguments: streaming
-    and its usage options, generation, cache_salt, request_id."""
+    and its usage options, generation (with `logprobs`, each door's own field:
+    `epd.gateway.logprobs_protocol`), cache_salt, request_id."""
     stream = boolean_field(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -358,7 +358,7 @@ def answer_options(body: dict, model: str, generation_defaults: GenerationConfig
     include_usage = boolean_field(stream_options, "include_usage", False, "stream_options.include_usage")
     return {
         "model": model,
-        "generation": _generation(body, generation_defaults),
+        "generation": replace(_generation(body, generation_defaults), logprobs=logprobs),
         "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": include_usage
@@ -692,7 +692,7 @@ def completion_body(
             {
                 "index": 0,
                 "message": {"role": role, "content": echoed + summary.answer},
-                "logprobs": None,
+                "logprobs": None if summary.logprobs is None else chat_logprobs(summary.logprobs),
                 "finish_reason": summary.finish_reason or "stop",
                 "stop_reason": summary.stop_reason,
                 # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
@@ -712,13 +712,15 @@ def chunk_body(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     stop_reason: StopReason = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from;
-    `stop_reason` (vLLM's) is set on the chunk with the finish reason."""
+    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from,
+    `logprobs` theirs when the request asked; `stop_reason` (vLLM's) is set on the chunk with the
+    finish reason."""
     choice: dict[str, Any] = {
         "index": 0,
         "delta": delta,
-        "logprobs": None,
+        "logprobs": None if logprobs is None else chat_logprobs(logprobs),
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }

@@ -435,6 +435,14 @@ class VLMAdapter(ABC):
         """Text of generated tokens: `tokenizer.decode(token_ids, skip_special_tokens=...,
         spaces_between_special_tokens=...)` (vLLM's request options; the defaults skip special tokens)."""
 
+    def token_text(self, token_id: int) -> str:
+        """One id decoded alone, special tokens kept: a token's text in logprobs, as vLLM shows it
+        (`epd.model_runtime.logprobs`). A family without `decode_tokens` gives its answer text."""
+        try:
+            return self.decode_tokens([token_id])
+        except UnsupportedByFamily:
+            return self.detokenize([token_id])
+
     # -- pruning interface ---------------------------------------------------------------------
     # What the pruning stages (`epd.token_pruning`, `epd.prefill_svc.pruned_prefill`,
     # `epd.decode_svc.eviction`) call; they never touch the model's modules themselves. A family

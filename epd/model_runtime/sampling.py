@@ -115,6 +115,16 @@ def check_bad_words(words: tuple[str, ...] | list[str]) -> None:
         )
 
 
+def check_logprobs(logprobs: int | None, max_logprobs: int | None, bound: str = "--max-logprobs") -> None:
+    """ValueError unless `logprobs` (None: not asked) is 0 to `max_logprobs` (None: unbounded),
+    the message naming where the bound comes from."""
+    if logprobs is None:
+        return
+    if logprobs < 0 or (max_logprobs is not None and logprobs > max_logprobs):
+        allowed = "0 or more" if max_logprobs is None else f"between 0 and {max_logprobs} ({bound})"
+        raise ValueError(f"logprobs (chat completions' top_logprobs) must be {allowed}, got {logprobs}")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How tokens are generated. The defaults are greedy and match `generate(do_sample=False)`."""
@@ -177,11 +187,23 @@ class GenerationConfig:
     """`max_new_tokens` is a ceiling, not a demand: prefill lowers it to what the served context
     leaves after the prompt instead of refusing the request. The front door sets it when the
     client left max_tokens unset (vLLM's default max_tokens is max_model_len minus the prompt)."""
+    logprobs: int | None = None
+    """Return each generated token's log-probability and the `logprobs` most likely tokens' at its
+    position (OpenAI's chat `top_logprobs` with `logprobs: true`, its legacy completions'
+    `logprobs`); 0: the sampled token's alone; None: none (`epd.model_runtime.logprobs`)."""
 
-    def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
+    def validate(
+        self, max_new_tokens_limit: int, vocab_size: int | None = None, max_logprobs: int | None = None
+    ) -> None:
         """ValueError naming the field and its accepted range. `vocab_size`: also check the token
         ids of logit_bias, stop_token_ids and allowed_token_ids against it (None: the front door,
-        without a model)."""
+        without a model). `max_logprobs`: the server's --max-logprobs (None: no bound but the
+        vocabulary's, the decoder's check: prefill and the front door hold requests to the
+        configured one)."""
+        if max_logprobs is not None:
+            check_logprobs(self.logprobs, max_logprobs)
+        else:
+            check_logprobs(self.logprobs, vocab_size, "this model's vocabulary size")
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "

@@ -131,8 +131,10 @@ def test_image_part_and_string_url():
         ({"stop": [str(i) for i in range(33)]}, "'stop': stop has 33 strings; at most 32 are accepted"),
         ({"stop": "x" * 513}, "'stop': a stop string has 513 characters; at most 512 are accepted"),
         ({"n": 2}, "only n=1"),
-        ({"logprobs": True}, "logprobs are not supported by this server"),
-        ({"logprobs": False, "top_logprobs": 3}, "logprobs are not supported by this server"),
+        ({"logprobs": False, "top_logprobs": 3}, "'top_logprobs' .3. needs \"logprobs\": true"),
+        ({"top_logprobs": 1}, 'needs "logprobs": true'),
+        ({"logprobs": True, "top_logprobs": -1}, "'top_logprobs' must be an integer from 0 to"),
+        ({"logprobs": True, "top_logprobs": 2.5}, "'top_logprobs' must be an integer"),
         ({"logprobs": "yes"}, "'logprobs' must be"),
     ],
 )

@@ -111,6 +111,7 @@ def test_every_generation_setting_crosses_the_wire():
         fit_max_new_tokens=True,
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
+        logprobs=0,  # 0 is asked (the sampled token's alone), unlike unset
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
