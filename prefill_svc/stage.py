@@ -122,8 +122,9 @@ class LocalPrefillStage(PrefillStage):
         # Off the model thread, on one thread of its own: it never waits for a prefill step nor
         # takes model time from one. It shares the model thread's tokenizer, without a lock: no
         # call changes the tokenizer's settings (`VLMAdapter.settle_tokenizer`), so the two threads
-        # only read it, at once if they like, and no copy is kept (~25 MiB with Qwen2's 151k
-        # vocabulary; docs/benchmarks.md). Calls beyond the one running queue there, in arrival order.
+        # only read it, at once if they like, and no copy is kept (a prefill process holds 46-141
+        # MiB less with a Qwen2-sized vocabulary; docs/benchmarks.md). Calls beyond the one running
+        # queue there, in arrival order.
         return await self._on_tokenizer_thread(self.engine.tokenize, request)
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:

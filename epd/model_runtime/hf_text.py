@@ -219,7 +219,7 @@ class HfTextAdapter(VLMAdapter):
         # ours asks for transformers' defaults (none, none, the tokenizer's own), so after one such
         # call nothing ever changes it, and calls from two threads only read it (concurrent reads
         # are safe; a change while another thread encodes would alter that call's ids or, before
-        # tokenizers 0.23.1, fail it: "Already borrowed"). A tokenizer.json that sets truncation or
+        # tokenizers 0.23.1, fail itself: "Already borrowed"). A tokenizer.json that sets truncation or
         # padding would make the first call change them: it happens here, before a second thread.
         self.tokenizer("", add_special_tokens=False)
 

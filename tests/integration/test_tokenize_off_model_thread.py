@@ -5,9 +5,9 @@ flood of them took model time from prefill (docs/benchmarks.md, "/tokenize"). No
 stage's tokenizer thread, so it answers while the model thread is busy. It shares the one tokenizer
 with the model thread, which tokenises prompts meanwhile: no call of ours changes the tokenizer's
 truncation/padding settings once the engine settled them (`VLMAdapter.settle_tokenizer`), so the
-two threads only read it, and prefill keeps no second copy (~25 MiB with a 151k vocabulary). A
-change while another thread encodes would alter that call's ids (or fail it with "Already
-borrowed", before tokenizers 0.23.1). Real tiny models of every family, real processors and fast
+two threads only read it, and prefill keeps no second copy (46-141 MiB with a Qwen2-sized vocabulary). A
+change while another thread encodes would alter that call's ids (or, before tokenizers 0.23.1,
+fail itself: "Already borrowed"). Real tiny models of every family, real processors and fast
 tokenizers.
 """
 
@@ -290,7 +290,7 @@ def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, 
     tokenizer thread while the model thread tokenises long chat and raw prompts (`prepare`) and
     prefills them, both with the one tokenizer. Every answer and every prompt's length is exactly
     what the tokenizer gives alone, and no call fails (a call that changed the tokenizer's settings
-    while the other thread encodes would alter that one's ids, or fail it: "Already borrowed")."""
+    while the other thread encodes would alter that one's ids, or fail itself: "Already borrowed")."""
     model_thread = ModelThread()
     config = PrefillConfig(scheduler=PrefillSchedulerConfig(max_waiting_prefills=1024))  # all queue at once
     stage = LocalPrefillStage(PrefillEngine(config, adapter), KvStore(1 << 30, 600.0), model_thread)
