@@ -59,7 +59,7 @@ def processor(tiny_models):
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_models, tmp_path_factory):
-    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("tokenizing_copy_models"))
+    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("tokenize_family_models"))
 
 
 def _live_tokenizers() -> int:
