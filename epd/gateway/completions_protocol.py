@@ -105,7 +105,7 @@ def _prompt(value: Any) -> RawPrompt:
 def text_completion_body(
     summary: AskSummary, request: ChatRequest, created: int | None = None
 ) -> dict[str, Any]:
-    """The whole answer: one `text_completion` choice (the prompt's text first with `echo`)."""
+    """The whole answer: its `text_completion` choices (the prompt's text first with `echo`)."""
     return {
         "id": f"cmpl-{summary.request_id}",
         "object": "text_completion",
@@ -113,13 +113,14 @@ def text_completion_body(
         "model": request.model,
         "choices": [
             {
-                "index": 0,
-                "text": request.echoed_text + summary.answer,
+                "index": choice.index,
+                "text": request.echoed_text + choice.answer,
                 "logprobs": None,
-                "finish_reason": summary.finish_reason or "stop",
-                "stop_reason": summary.stop_reason,
-                "token_ids": summary.token_ids,  # vLLM's (with its return_token_ids): the answer's
+                "finish_reason": choice.finish_reason or "stop",
+                "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids,  # vLLM's (with its return_token_ids): the answer's
             }
+            for choice in summary.all_choices()
         ],
         "usage": usage(summary),
         "epd": epd_details(summary),
@@ -134,10 +135,12 @@ def text_completion_chunk(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     stop_reason: StopReason = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed `text_completion` chunk; `token_ids` (extra) are the tokens its text came from."""
+    """One streamed `text_completion` chunk of choice `index`; `token_ids` (extra) are the tokens
+    its text came from."""
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish_reason,

@@ -93,7 +93,7 @@ from epd.gateway.openai_protocol import (
     parse_chat_request,
     usage,
 )
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.pipeline import AskRequest, AskSummary, ChoiceSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight, current_call
@@ -390,13 +390,15 @@ class HttpApi:
                 self.config.sampling,
                 self.pipeline.generation_defaults(self.config.generation),
             )
+            if (ticket := request.get(TICKET_KEY)) is not None:  # n choices are n decode requests
+                ticket.count_choices(chat.generation.n)
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
             # event loop (every other client's stream, both APIs) goes on meanwhile.
             data = None  # a text-only conversation: nothing to load, no encoder call
             if chat.media_url.startswith("data:"):
                 data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
             elif chat.media_url:
-                ticket = request.get(TICKET_KEY)  # a file's or a fetch's bytes count as a body's
+                # a file's or a fetch's bytes count as a body's
                 data = await load_media(
                     chat.media_url,
                     self.config.http.media,
@@ -534,29 +536,36 @@ class HttpApi:
                     if not stream.answering:
                         stream.answering = True  # no keep-alive from now on
                         await stream.begin(request, request_id)
-                        if chat.raw_prompt is None:
-                            await send(
-                                chunk_body(
-                                    request_id,
-                                    chat.model,
-                                    created,
-                                    {"role": chat.response_role, "content": ""},
+                        for index in range(chat.generation.n):  # each choice's opening, as vLLM's
+                            if chat.raw_prompt is None:
+                                await send(
+                                    chunk_body(
+                                        request_id,
+                                        chat.model,
+                                        created,
+                                        {"role": chat.response_role, "content": ""},
+                                        index=index,
+                                    )
                                 )
-                            )
-                        if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
-                            await send(_delta_chunk(chat, request_id, created, echoed, None))
+                            if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
+                                await send(_delta_chunk(chat, request_id, created, echoed, None, index))
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
                         if item.token_ids or item.text:
-                            await send(_delta_chunk(chat, request_id, created, item.text, item.token_ids))
+                            await send(
+                                _delta_chunk(chat, request_id, created, item.text, item.token_ids, item.index)
+                            )
                         continue
                     log_summary(item)
                     num_prompt_tokens = item.num_prompt_tokens
-                    final = _final_chunk(chat, request_id, created, item)
-                    final["epd"] = epd_details(item)
-                    await send(final)
+                    choices = item.all_choices()
+                    for choice in choices:  # the finish reasons; the last chunk carries the summary
+                        final = _final_chunk(chat, request_id, created, choice)
+                        if choice is choices[-1]:
+                            final["epd"] = epd_details(item)
+                        await send(final)
                     if chat.include_usage:
                         await send(
                             {
@@ -587,25 +596,29 @@ class HttpApi:
 
 
 def _delta_chunk(
-    chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int] | None
+    chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int] | None, index: int = 0
 ) -> dict[str, Any]:
-    """A streamed answer's chunk of new text: chat's delta, or a legacy completion's text;
-    `token_ids` None (no `token_ids` field): the echoed text, which no generated token made."""
+    """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
+    completion's text; `token_ids` None (no `token_ids` field): the echoed text, which no generated
+    token made."""
     if chat.raw_prompt is not None:
-        return text_completion_chunk(request_id, chat.model, created, text, token_ids=token_ids)
-    return chunk_body(request_id, chat.model, created, {"content": text}, token_ids=token_ids)
+        return text_completion_chunk(request_id, chat.model, created, text, token_ids=token_ids, index=index)
+    return chunk_body(request_id, chat.model, created, {"content": text}, token_ids=token_ids, index=index)
 
 
 def _final_chunk(
-    chat: ChatRequest, request_id: str, created: int, summary: AskSummary | None
+    chat: ChatRequest, request_id: str, created: int, choice: ChoiceSummary | None
 ) -> dict[str, Any]:
-    """The chunk with the finish reason (and vLLM's stop_reason) of `summary`; None: a chunk
+    """The chunk with the finish reason (and vLLM's stop_reason) of `choice`; None: a chunk
     without either (the usage chunk's frame)."""
-    finish = None if summary is None else summary.finish_reason or "stop"
-    stop = None if summary is None else summary.stop_reason
+    finish = None if choice is None else choice.finish_reason or "stop"
+    stop = None if choice is None else choice.stop_reason
+    index = 0 if choice is None else choice.index
     if chat.raw_prompt is not None:
-        return text_completion_chunk(request_id, chat.model, created, "", finish, stop_reason=stop)
-    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop)
+        return text_completion_chunk(
+            request_id, chat.model, created, "", finish, stop_reason=stop, index=index
+        )
+    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop, index=index)
 
 
 @dataclass

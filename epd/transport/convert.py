@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import (
+    ChoiceStart,
     EncodedMedia,
     MediaRecord,
     PrefillHandle,
@@ -148,6 +149,7 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words=tuple(msg.bad_words),
         fit_max_new_tokens=msg.fit_max_new_tokens or not msg.max_new_tokens,  # unset: the default, fitted
+        n=msg.n or 1,
     )
 
 
@@ -240,6 +242,10 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         first_text=h.first_text,
         distinct_prompt_token_ids=h.distinct_prompt_token_ids,
         max_new_tokens=h.max_new_tokens,
+        other_choices=[
+            prefill_pb2.ChoiceStart(first_token_id=c.first_token_id, first_text=c.first_text)
+            for c in h.other_choices
+        ],
     )
 
 
@@ -267,6 +273,10 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         first_text=msg.first_text if msg.HasField("first_text") else None,
         distinct_prompt_token_ids=list(msg.distinct_prompt_token_ids),
         max_new_tokens=msg.max_new_tokens,
+        other_choices=[
+            ChoiceStart(c.first_token_id, c.first_text if c.HasField("first_text") else None)
+            for c in msg.other_choices
+        ],
     )
 
 

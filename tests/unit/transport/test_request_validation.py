@@ -109,6 +109,7 @@ def test_every_generation_setting_crosses_the_wire():
         allowed_token_ids=(9, 4, 9),
         bad_words=("red", " big cat"),
         fit_max_new_tokens=True,
+        n=3,
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
