@@ -336,6 +336,11 @@ class Pipeline:
             handle = await self._prefill(req, media, request_id)
             transfer_bytes += handle.pruning.transfer_bytes  # a prefill again sends the media again
             try:
+                if handle.num_choices != len(choices):
+                    raise RuntimeError(
+                        f"prefill answered {handle.num_choices} first tokens for a request of n={len(choices)} "
+                        "choices: a prefill replica older than this gateway (it ignores n)"
+                    )
                 if lost is not None and any(
                     c.sent is not None and handle.for_choice(c.index).first_token_id != c.sent.token_ids[0]
                     for c in choices

@@ -74,8 +74,9 @@ class EngineLoad:
     queue_wait_s_total: float = 0.0
     """Summed time requests waited before their first step."""
     num_requests: int = 0
-    """Requests the core admitted since it started (a prefill core: prompts prefilled or being
-    prefilled; a request's n choices are one prompt there and n requests in the decode core)."""
+    """Requests the core admitted since it started: a prefill core's prompts (a request's n choices
+    are one there and n requests in the decode core); an encoder core's tower jobs (one per group
+    of frames of a request's media)."""
     num_preemptions: int = 0
     memory_used_bytes: int = 0
     """Bytes reserved for running and admitted requests (decode: KV memory)."""
