@@ -670,7 +670,11 @@ def log_summary(summary: AskSummary) -> None:
     """The request's per-stage timings, one INFO line (its request id added by the log filter)."""
     timings = {f"{name}_ms": float(ms) for name, ms in summary.timings_ms.items()}
     tracing.stage_timings(
-        log, "request done", **timings, num_tokens=len(summary.token_ids), finish_reason=summary.finish_reason
+        log,
+        "request done",
+        **timings,
+        num_tokens=sum(len(choice.token_ids) for choice in summary.all_choices()),  # every choice's
+        finish_reason=summary.finish_reason,
     )
 
 
