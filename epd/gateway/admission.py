@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
-from epd.stages.errors import Busy
+from epd.stages.errors import Busy, InvalidRequest
 
 if TYPE_CHECKING:
     from epd.gateway.config import GatewayConfig
@@ -140,8 +140,19 @@ class Admission:
 
     def _take_more_slots(self, ticket: Ticket, num_slots: int) -> None:
         """`num_slots` more of `ticket`'s client's (and API key's) request slots, or Overloaded
-        (nothing taken): a request of n choices runs n decode requests, so it counts as n."""
+        (nothing taken): a request of n choices runs n decode requests, so it counts as n. More
+        choices than a limit allows at all are InvalidRequest."""
         limits = self.limits
+        num_choices = num_slots + 1
+        for limit, flag in (
+            (limits.max_requests_per_client, "--max-requests-per-client"),
+            (limits.max_requests_per_api_key if ticket.key_id else 0, "--max-requests-per-api-key"),
+        ):
+            if limit and num_choices > limit:  # never fits: a 400 to change, not a 429 to retry
+                raise InvalidRequest(
+                    f"n={num_choices} choices count as {num_choices} requests, more than this server lets one "
+                    f"client have in flight ({limit}, its {flag}): ask for at most {limit} choices"
+                )
         if self.num_requests_of[ticket.client] + num_slots > limits.max_requests_per_client:
             raise Overloaded(
                 f"this request's {num_slots + 1} choices (n) count as {num_slots + 1} requests, and this client "
@@ -219,7 +230,8 @@ class Ticket:
     def count_choices(self, num_choices: int) -> None:
         """Hold one request slot per choice (OpenAI's `n`; each is a decode request of its own), or
         raise Overloaded (429) with nothing more held, so that n choices cannot pass the
-        per-client and per-key limits that n requests would meet."""
+        per-client and per-key limits that n requests would meet; InvalidRequest (400) when n is
+        more than a limit allows at all."""
         if num_choices > self.num_slots:
             self._admission._take_more_slots(self, num_choices - self.num_slots)
             self.num_slots = num_choices

@@ -12,7 +12,7 @@ from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import MAX_CHOICES, GenerationConfig, choice_seed
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import ChoiceStart, PrefillHandle
-from epd.stages.errors import NotFound
+from epd.stages.errors import InvalidRequest, NotFound
 
 
 def _cache() -> KvCache:
@@ -91,4 +91,10 @@ def test_n_choices_hold_n_request_slots_and_give_them_all_back():
     assert admission.num_requests == 4  # nothing more held
     ticket.close()
     other.close()
+    assert admission.num_requests == 0
+    # more choices than the limit ever lets in: a 400 saying how many fit, not a 429 to retry
+    alone = admission.admit("10.0.0.1")
+    with pytest.raises(InvalidRequest, match=r"n=5 choices count as 5 requests.*ask for at most 4 choices"):
+        alone.count_choices(5)
+    alone.close()
     assert admission.num_requests == 0
