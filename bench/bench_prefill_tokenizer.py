@@ -196,7 +196,7 @@ def tokenize_rpcs(address: str, num_calls: int) -> None:
 
 def prefill_once(root: Path, model: Path, num_rpcs: int, timeout_s: float) -> dict[str, float]:
     """Launch -> SERVING seconds, then PSS/RSS idle and after `num_rpcs` Tokenize calls."""
-    from epd.cli.health import is_serving
+    from epd.bench.bench_faults import is_serving  # bench/ sits below the CLI: not epd.cli.health
 
     port = free_port()
     cmd = [sys.executable, "-m", "epd.cli.main", "serve", "prefill", "--port", str(port), "--model", str(model),

@@ -15,7 +15,7 @@ from contextlib import aclosing
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import DecodeStage
-from epd.stages.errors import Unavailable
+from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
 from epd.v1 import decode_pb2, decode_pb2_grpc
@@ -35,6 +35,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise Unavailable("decode is still loading its model; retry shortly")
         handle = convert.handle_from_proto(request.prefill)
         generation = convert.generation_from_proto(request.generation, GenerationConfig())
+        if generation.n != 1:
+            raise InvalidRequest(
+                f"generation.n is {generation.n}, but a decode request is one choice: send one request per "
+                "choice, each with the prefill result's first token for it (n 1 or unset)"
+            )
         pruning = convert.pruning_from_proto(request.pruning)
         request_id = tracing.adopt_request_id(request.request_id)
         started = time.perf_counter()

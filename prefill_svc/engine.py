@@ -39,6 +39,7 @@ from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
 from epd.prefill_svc.pruned_prefill import PrunedPrefill, pruned_prefill
 from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.contracts import (
+    ChoiceStart,
     EncodedMedia,
     PrefillHandle,
     bad_words_token_ids,
@@ -517,17 +518,26 @@ class PrefillEngine:
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
         bad_words = bad_words_token_ids(request.generation, self.adapter)
-        # The raw distribution (last_logits [vocab]), taken before the sampler's processors run.
+        # The raw distribution (last_logits [vocab]), taken before any sampler's processors run: one
+        # row for every choice (their tokens differ, the distribution does not).
         k = request.generation.logprobs
         row = None if k is None else rows_logprobs(last_logits.unsqueeze(0), [k])[0]
-        first = Sampler(request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, bad_words)(
-            last_logits
-        )
-        # The decoder's first step, worked out here so the first token can go out before the
-        # cache reaches a decoder; a token that ends the request is left to the decoder.
-        first_text, finish = OutputText(
-            self.adapter.detokenize, self.adapter.eos_token_ids, request.generation
-        ).add(first)
+        # One first token per choice (vLLM's n), each by the choice's own sampler (seed + i) from
+        # the same logits [vocab]; a sampler may change the logits it gets, so each gets a copy.
+        starts = []
+        for index in range(request.generation.n):
+            generation = request.generation.for_choice(index)
+            token = Sampler(generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, bad_words)(
+                last_logits if request.generation.n == 1 else last_logits.clone()
+            )
+            # The decoder's first step, worked out here so the first token can go out before the
+            # cache reaches a decoder; a token that ends the request is left to the decoder.
+            text, finish = OutputText(self.adapter.detokenize, self.adapter.eos_token_ids, generation).add(
+                token
+            )
+            logprob = None if row is None else token_logprob(row, token, self.adapter.token_text)
+            starts.append(ChoiceStart(token, None if finish else text, logprob))
+        first, first_text = starts[0].first_token_id, starts[0].first_text
         handle = PrefillHandle(
             first_token_id=first,
             num_prompt_tokens=prompt.num_tokens,
@@ -543,10 +553,11 @@ class PrefillEngine:
             visual_entry_mask=mask if pruning.decode_evict else None,
             kept_visual_token_index=kept,
             num_reused_prompt_tokens=request.num_reused_tokens,
-            first_text=None if finish else first_text,
+            first_text=first_text,
             distinct_prompt_token_ids=distinct_prompt_ids,
             max_new_tokens=request.generation.max_new_tokens,
-            first_logprob=None if row is None else token_logprob(row, first, self.adapter.token_text),
+            first_logprob=starts[0].first_logprob,
+            other_choices=starts[1:],
         )
         return PrefillOutput(handle, cache)
 

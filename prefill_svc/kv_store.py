@@ -4,6 +4,8 @@ Handover over the network is two steps, so that a broken pull loses nothing: `le
 cache to a decoder and keeps it here (a pull that breaks half way, or a decoder that dies before
 it has the whole cache, can be pulled again, by the same or another decoder); `confirm` (the
 decoder assembled all of it) drops it. In-process (the embedded mode) `take` does both at once.
+A request with n choices (OpenAI's `n`) stores its cache once for n decoders: it leaves at the
+n-th confirm (or take); each choice's decoder pulls it as a request's would.
 
 An entry leaves by one of four doors: `confirm` (its decoder has it), `take`, `release` (its
 request ended before a decoder had it: cancelled, failed, or its decoder could not pull), or its
@@ -56,7 +58,11 @@ class _Entry:
     num_bytes: int
     expires_at_s: float
     num_leases: int = 0
-    """Pulls begun (`lease`); more than one means an earlier pull broke or was not confirmed."""
+    """Pulls begun (`lease`); more than the choices means an earlier pull broke or was not confirmed."""
+    num_choices: int = 1
+    """Decoders that will pull it: one per choice of its request (OpenAI's `n`)."""
+    num_handovers_left: int = 1
+    """Confirms (or takes) until the entry goes: the request's choices not yet handed over."""
 
 
 class KvStore:
@@ -75,8 +81,10 @@ class KvStore:
         self.num_confirmed = 0
         self.num_refused = 0
 
-    def put(self, cache: KvCache, handle: str = "") -> str:
-        """Store `cache` under `handle` (the caller's, `check_handle`) or a new one; returns it."""
+    def put(self, cache: KvCache, handle: str = "", num_choices: int = 1) -> str:
+        """Store `cache` under `handle` (the caller's, `check_handle`) or a new one; returns it.
+        `num_choices`: how many decoders will confirm (or take) it before it goes; its bytes count
+        once, as it is held once."""
         size = cache.num_bytes
         with self._lock:
             self._expire()
@@ -90,28 +98,37 @@ class KvStore:
                     "shortly or add decode capacity"
                 )
             handle = handle or uuid.uuid4().hex
-            self._entries[handle] = _Entry(cache, size, self._clock() + self.ttl_s)
+            self._entries[handle] = _Entry(
+                cache, size, self._clock() + self.ttl_s, 0, num_choices, num_choices
+            )
             self.num_bytes += size
             return handle
 
     def lease(self, handle: str) -> tuple[KvCache, int]:
-        """(the cache of `handle`, how many pulls of it began, this one included) for a decoder
-        that will `confirm` receipt; the entry stays until then, `release` or its TTL."""
+        """(the cache of `handle`, how many pulls of it began, this one included, past its other
+        choices' first pulls: more than 1 means an earlier pull broke or was not confirmed) for a
+        decoder that will `confirm` receipt; the entry stays until then, `release` or its TTL."""
         with self._lock:
             self._expire()
             entry = self._entries.get(handle)
             if entry is None:
                 raise NotFound(f"KV cache {handle!r} is unknown or expired (TTL {self.ttl_s:.0f} s)")
             entry.num_leases += 1
-            return entry.cache, entry.num_leases
+            return entry.cache, max(1, entry.num_leases - entry.num_choices + 1)
 
     def confirm(self, handle: str) -> bool:
-        """The decoder has the whole cache of `handle`: drop it here. False when it is unknown,
-        expired or gone already (released by the gateway, or confirmed twice)."""
+        """The decoder has the whole cache of `handle`: drop it here, once every choice's decoder
+        has confirmed. False when it is unknown, expired or gone already (released by the gateway,
+        or confirmed by every choice)."""
         with self._lock:
-            if self._drop(handle) is None:
+            self._expire()
+            entry = self._entries.get(handle)
+            if entry is None:
                 return False
-            self.num_confirmed += 1
+            entry.num_handovers_left -= 1
+            if entry.num_handovers_left <= 0:
+                self._drop(handle)
+                self.num_confirmed += 1
             return True
 
     def is_leased(self, handle: str) -> bool:
@@ -120,11 +137,18 @@ class KvStore:
             return entry is not None and entry.num_leases > 0
 
     def take(self, handle: str) -> KvCache:
-        """Lease and confirm at once: the in-process handover, which cannot break half way."""
+        """Lease and confirm at once: the in-process handover, which cannot break half way.
+        The last choice's take gets the stored cache; an earlier one a copy (its decoder extends
+        what it takes in place)."""
         with self._lock:
-            entry = self._drop(handle)
+            self._expire()
+            entry = self._entries.get(handle)
             if entry is None:
                 raise NotFound(f"KV cache {handle!r} is unknown or expired (TTL {self.ttl_s:.0f} s)")
+            entry.num_handovers_left -= 1
+            if entry.num_handovers_left > 0:
+                return entry.cache.clone()
+            self._drop(handle)
             return entry.cache
 
     def release(self, handle: str) -> bool:

@@ -108,7 +108,9 @@ class LocalPrefillStage(PrefillStage):
         if out is None:
             raise RuntimeError(f"the prefill core ended request {request_id} without an output")
         return replace(
-            out.handle, kv_handle=self.kv_store.put(out.cache, kv_handle), kv_address=self.kv_address
+            out.handle,
+            kv_handle=self.kv_store.put(out.cache, kv_handle, num_choices=out.handle.num_choices),
+            kv_address=self.kv_address,
         )
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:

@@ -95,8 +95,10 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     """The generation flags as the SDK's keyword options (`EpdClient.ask`)."""
     generation = generation_config(args)
-    options = {
-        f.name: getattr(generation, f.name) for f in fields(generation) if f.name != "fit_max_new_tokens"
+    options = {  # the SDK has no n: Ask streams one answer
+        f.name: getattr(generation, f.name)
+        for f in fields(generation)
+        if f.name not in ("fit_max_new_tokens", "n")
     }
     options["logit_bias"] = dict(generation.logit_bias)
     options["allowed_token_ids"] = list(generation.allowed_token_ids) or None  # None: every token

@@ -122,7 +122,7 @@ def _prompt(value: Any) -> RawPrompt:
 def text_completion_body(
     summary: AskSummary, request: ChatRequest, created: int | None = None
 ) -> dict[str, Any]:
-    """The whole answer: one `text_completion` choice (the prompt's text first with `echo`)."""
+    """The whole answer: its `text_completion` choices (the prompt's text first with `echo`)."""
     return {
         "id": f"cmpl-{summary.request_id}",
         "object": "text_completion",
@@ -130,13 +130,14 @@ def text_completion_body(
         "model": request.model,
         "choices": [
             {
-                "index": 0,
-                "text": request.echoed_text + summary.answer,
-                "logprobs": None if summary.logprobs is None else completion_logprobs(summary.logprobs),
-                "finish_reason": summary.finish_reason or "stop",
-                "stop_reason": summary.stop_reason,
-                "token_ids": summary.token_ids,  # vLLM's (with its return_token_ids): the answer's
+                "index": choice.index,
+                "text": request.echoed_text + choice.answer,
+                "logprobs": None if choice.logprobs is None else completion_logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason or "stop",
+                "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids,  # vLLM's (with its return_token_ids): the answer's
             }
+            for choice in summary.all_choices()
         ],
         "usage": usage(summary),
         "epd": epd_details(summary),
@@ -152,11 +153,12 @@ def text_completion_chunk(
     token_ids: list[int] | None = None,
     stop_reason: StopReason = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed `text_completion` chunk; `token_ids` (extra) are the tokens its text came from,
-    `logprobs` their `completion_logprobs` object when the request asked."""
+    """One streamed `text_completion` chunk of choice `index`; `token_ids` (extra) are the tokens
+    its text came from, `logprobs` their `completion_logprobs` object when the request asked."""
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,

@@ -165,6 +165,11 @@ _GAUGES = [
 _COUNTERS = [
     ("epd_engine_steps_total", "Batched steps the engine core has run since it started.", "num_steps"),
     (
+        "epd_engine_requests_total",
+        "Requests the engine core admitted since it started (encoder: tower jobs, one per frame group).",
+        "num_requests",
+    ),
+    (
         "epd_engine_queue_wait_seconds_total",
         "Summed seconds requests waited before their first step, since the core started.",
         "queue_wait_s_total",

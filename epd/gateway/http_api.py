@@ -94,7 +94,7 @@ from epd.gateway.openai_protocol import (
     parse_chat_request,
     usage,
 )
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.pipeline import AskRequest, AskSummary, ChoiceSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight, current_call
@@ -392,13 +392,15 @@ class HttpApi:
                 self.config.sampling,
                 self.pipeline.generation_defaults(self.config.generation),
             )
+            if (ticket := request.get(TICKET_KEY)) is not None:  # n choices are n decode requests
+                ticket.count_choices(chat.generation.n)
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
             # event loop (every other client's stream, both APIs) goes on meanwhile.
             data = None  # a text-only conversation: nothing to load, no encoder call
             if chat.media_url.startswith("data:"):
                 data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
             elif chat.media_url:
-                ticket = request.get(TICKET_KEY)  # a file's or a fetch's bytes count as a body's
+                # a file's or a fetch's bytes count as a body's
                 data = await load_media(
                     chat.media_url,
                     self.config.http.media,
@@ -506,7 +508,8 @@ class HttpApi:
     ) -> None:
         created = int(time.time())
         num_tokens = 0
-        text_offset = 0  # characters of the choice's text sent so far (a completion's logprobs text_offset)
+        # Characters of each choice's text sent so far, by index (a completion's logprobs text_offset).
+        text_offsets: dict[int, int] = {}
         call = current_call()
         num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
 
@@ -537,18 +540,20 @@ class HttpApi:
                     if not stream.answering:
                         stream.answering = True  # no keep-alive from now on
                         await stream.begin(request, request_id)
-                        if chat.raw_prompt is None:
-                            await send(
-                                chunk_body(
-                                    request_id,
-                                    chat.model,
-                                    created,
-                                    {"role": chat.response_role, "content": ""},
+                        for index in range(chat.generation.n):  # each choice's opening, as vLLM's
+                            if chat.raw_prompt is None:
+                                await send(
+                                    chunk_body(
+                                        request_id,
+                                        chat.model,
+                                        created,
+                                        {"role": chat.response_role, "content": ""},
+                                        index=index,
+                                    )
                                 )
-                            )
-                        if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
-                            await send(_delta_chunk(chat, request_id, created, echoed, None))
-                            text_offset += len(echoed)
+                            if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
+                                await send(_delta_chunk(chat, request_id, created, echoed, None, index=index))
+                                text_offsets[index] = len(echoed)
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
@@ -562,16 +567,20 @@ class HttpApi:
                                     item.text,
                                     item.token_ids,
                                     item.logprobs,
-                                    text_offset,
+                                    text_offsets.get(item.index, 0),
+                                    item.index,
                                 )
                             )
-                            text_offset += len(item.text)
+                            text_offsets[item.index] = text_offsets.get(item.index, 0) + len(item.text)
                         continue
                     log_summary(item)
                     num_prompt_tokens = item.num_prompt_tokens
-                    final = _final_chunk(chat, request_id, created, item)
-                    final["epd"] = epd_details(item)
-                    await send(final)
+                    choices = item.all_choices()
+                    for choice in choices:  # the finish reasons; the last chunk carries the summary
+                        final = _final_chunk(chat, request_id, created, choice)
+                        if choice is choices[-1]:
+                            final["epd"] = epd_details(item)
+                        await send(final)
                     if chat.include_usage:
                         await send(
                             {
@@ -609,11 +618,12 @@ def _delta_chunk(
     token_ids: list[int] | None,
     logprobs: list[TokenLogprob] | None = None,
     text_offset: int = 0,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A streamed answer's chunk of new text: chat's delta, or a legacy completion's text;
-    `token_ids` None (no `token_ids` field): the echoed text, which no generated token made.
-    `logprobs`: those of `token_ids` when the request asked (a completion's first `text_offset`
-    is the length of the text sent before this chunk, as vLLM streams it)."""
+    """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
+    completion's text; `token_ids` None (no `token_ids` field): the echoed text, which no generated
+    token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
+    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it)."""
     if chat.raw_prompt is not None:
         return text_completion_chunk(
             request_id,
@@ -622,22 +632,32 @@ def _delta_chunk(
             text,
             token_ids=token_ids,
             logprobs=None if logprobs is None else completion_logprobs(logprobs, text_offset),
+            index=index,
         )
     return chunk_body(
-        request_id, chat.model, created, {"content": text}, token_ids=token_ids, logprobs=logprobs
+        request_id,
+        chat.model,
+        created,
+        {"content": text},
+        token_ids=token_ids,
+        logprobs=logprobs,
+        index=index,
     )
 
 
 def _final_chunk(
-    chat: ChatRequest, request_id: str, created: int, summary: AskSummary | None
+    chat: ChatRequest, request_id: str, created: int, choice: ChoiceSummary | None
 ) -> dict[str, Any]:
-    """The chunk with the finish reason (and vLLM's stop_reason) of `summary`; None: a chunk
+    """The chunk with the finish reason (and vLLM's stop_reason) of `choice`; None: a chunk
     without either (the usage chunk's frame)."""
-    finish = None if summary is None else summary.finish_reason or "stop"
-    stop = None if summary is None else summary.stop_reason
+    finish = None if choice is None else choice.finish_reason or "stop"
+    stop = None if choice is None else choice.stop_reason
+    index = 0 if choice is None else choice.index
     if chat.raw_prompt is not None:
-        return text_completion_chunk(request_id, chat.model, created, "", finish, stop_reason=stop)
-    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop)
+        return text_completion_chunk(
+            request_id, chat.model, created, "", finish, stop_reason=stop, index=index
+        )
+    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop, index=index)
 
 
 @dataclass
@@ -689,7 +709,11 @@ def log_summary(summary: AskSummary) -> None:
     """The request's per-stage timings, one INFO line (its request id added by the log filter)."""
     timings = {f"{name}_ms": float(ms) for name, ms in summary.timings_ms.items()}
     tracing.stage_timings(
-        log, "request done", **timings, num_tokens=len(summary.token_ids), finish_reason=summary.finish_reason
+        log,
+        "request done",
+        **timings,
+        num_tokens=sum(len(choice.token_ids) for choice in summary.all_choices()),  # every choice's
+        finish_reason=summary.finish_reason,
     )
 
 

@@ -168,13 +168,13 @@ class GatewayMetrics:
     ) -> None:
         t_end = time.perf_counter()
         self.e2e.observe(t_end - t0)
-        num_tokens = len(summary.token_ids)
+        num_tokens = len(summary.token_ids)  # choice 0's: the time per token of one stream
         if t_first is not None and num_tokens > 1:
             self.tpot.observe((t_end - t_first) / (num_tokens - 1))
         if with_media:  # the histogram is of media requests' tokens: a text-only one is not a 0 there
             self.visual_tokens.observe(len(summary.kept_visual_token_index) or summary.num_visual_tokens)
         self.prompt_tokens.inc(summary.num_prompt_tokens)
-        self.generation_tokens.inc(num_tokens)
+        self.generation_tokens.inc(sum(len(choice.token_ids) for choice in summary.all_choices()))
         self.transfer_bytes.inc(summary.pruning.transfer_bytes)
         if summary.encoder_cache_hit:
             self.cache_hits.inc()

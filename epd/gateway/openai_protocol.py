@@ -59,6 +59,7 @@ from epd.model_runtime.sampling import (
     MAX_ABS_PENALTY,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
+    MAX_CHOICES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
     GenerationConfig,
@@ -333,12 +334,15 @@ def requested_model(body: Any, served_model: str) -> str:
 
 
 def check_model(body: Any, served_model: str) -> str:
-    """`requested_model`, for one answer (n=1): the model's name, else InvalidRequest (400) or
-    NotFound (404)."""
+    """`requested_model`, for an answer of `n` choices (1 to `MAX_CHOICES`, vLLM's and OpenAI's
+    `n`): the model's name, else InvalidRequest (400) or NotFound (404)."""
     model = requested_model(body, served_model)
     n = body.get("n")
-    if n is not None and (n != 1 or isinstance(n, bool)):
-        raise InvalidRequest("only n=1 is supported")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES):
+        raise InvalidRequest(
+            f"'n' must be an integer from 1 to {MAX_CHOICES} (choices per request), got {shown_value(n)}; "
+            "send more requests for more choices"
+        )
     return model
 
 
@@ -565,6 +569,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         spaces_between_special_tokens=boolean_field(
             body, "spaces_between_special_tokens", defaults.spaces_between_special_tokens
         ),
+        n=body.get("n") or defaults.n,  # checked by `check_model`
     )
 
 
@@ -629,8 +634,9 @@ def _bad_words(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
 
 def usage(summary: AskSummary) -> dict[str, Any]:
     """OpenAI's usage; `prompt_tokens_details.cached_tokens` are the prompt tokens whose KV came
-    from prefill's prefix cache (as OpenAI and vLLM report prompt caching)."""
-    completion = len(summary.token_ids)
+    from prefill's prefix cache (as OpenAI and vLLM report prompt caching). The prompt counts once
+    and the completion tokens are every choice's (as vLLM's, for n choices)."""
+    completion = sum(len(choice.token_ids) for choice in summary.all_choices())
     return {
         "prompt_tokens": summary.num_prompt_tokens,
         "completion_tokens": completion,
@@ -690,14 +696,15 @@ def completion_body(
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": role, "content": echoed + summary.answer},
-                "logprobs": None if summary.logprobs is None else chat_logprobs(summary.logprobs),
-                "finish_reason": summary.finish_reason or "stop",
-                "stop_reason": summary.stop_reason,
+                "index": choice.index,
+                "message": {"role": role, "content": echoed + choice.answer},
+                "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason or "stop",
+                "stop_reason": choice.stop_reason,
                 # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
-                "token_ids": summary.token_ids,
+                "token_ids": choice.token_ids,
             }
+            for choice in summary.all_choices()
         ],
         "usage": usage(summary),
         "epd": epd_details(summary),
@@ -713,12 +720,13 @@ def chunk_body(
     token_ids: list[int] | None = None,
     stop_reason: StopReason = None,
     logprobs: list[TokenLogprob] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from,
-    `logprobs` theirs when the request asked; `stop_reason` (vLLM's) is set on the chunk with the
-    finish reason."""
+    """One `chat.completion.chunk` of choice `index`; `token_ids` (extra) are the tokens this chunk's
+    text came from, `logprobs` theirs when the request asked; `stop_reason` (vLLM's) is set on the
+    chunk with the finish reason."""
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "delta": delta,
         "logprobs": None if logprobs is None else chat_logprobs(logprobs),
         "finish_reason": finish_reason,

@@ -26,9 +26,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
@@ -106,7 +107,88 @@ class AskSummary:
     """vLLM's: the stop string or stop token id that ended the answer; None when the
     end-of-sequence token or the length limit did (`OutputText.stop_reason`)."""
     logprobs: list[TokenLogprob] | None = None
-    """One per token of `token_ids` when the request asked (`GenerationConfig.logprobs`), else None."""
+    """One per token of `token_ids` when the request asked (`GenerationConfig.logprobs`), else None;
+    choice 0's, as `answer` above."""
+    choices: list[ChoiceSummary] = field(default_factory=list)
+    """Every choice of the request (OpenAI's `n`), by index; `answer`, `token_ids`,
+    `finish_reason`, `stop_reason` and `logprobs` above are choice 0's. Empty from a summary made
+    elsewhere (the SDK's, a test's): `all_choices` gives choice 0 then."""
+
+    def all_choices(self) -> list[ChoiceSummary]:
+        return self.choices or [
+            ChoiceSummary(0, self.answer, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs)
+        ]
+
+
+@dataclass
+class ChoiceSummary:
+    """One choice's answer (a request asks for n of them, all from one prefill)."""
+
+    index: int
+    answer: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: StopReason = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids` when the request asked, else None."""
+
+
+@dataclass
+class _Choice:
+    """A choice's answer so far, and how far its decoder got (`Pipeline._run`)."""
+
+    index: int
+    logprobs: list[TokenLogprob] | None = None
+    """[] when the request asked for logprobs: one per token of `token_ids` as they come."""
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    stop_reason: StopReason = None
+    sent: TokenStep | None = None
+    """The first token, sent from prefill's handle."""
+    taken: bool = False
+    """By the decoder: its first step comes only after it pulled the cache."""
+    ended: bool = False
+    """The decoder's stream ran to its end."""
+    kv_num_bytes_pulled: int = 0
+    """What its decoder pulled from a prefill server (0: taken in-process)."""
+
+    def add(self, step: TokenStep) -> None:
+        self.token_ids += step.token_ids
+        if self.logprobs is not None:
+            self.logprobs += _step_logprobs(step)
+        self.text_parts.append(step.text)
+        if step.finish_reason:
+            self.finish_reason, self.stop_reason = step.finish_reason, step.stop_reason
+
+    def summary(self) -> ChoiceSummary:
+        return ChoiceSummary(
+            self.index,
+            "".join(self.text_parts),
+            self.token_ids,
+            self.finish_reason,
+            self.stop_reason,
+            self.logprobs,
+        )
+
+
+async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
+    """Run `runs` at once (one alone in this task); the first error ends them all and is raised,
+    once every other has stopped (so none still holds a decoder when the caller releases the
+    cache). Cancelling the caller cancels them all."""
+    if len(runs) == 1:
+        await runs[0]
+        return
+    tasks = [asyncio.ensure_future(run) for run in runs]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        for task in tasks:  # a second error is not logged as never retrieved; the first is raised
+            if not task.cancelled():
+                task.exception()
 
 
 PipelineEvent = StageEvent | TokenStep | AskSummary
@@ -266,22 +348,28 @@ class Pipeline:
         # Prefill, then decode. If the prefill replica that holds the KV cache is lost before any
         # decoder has it (KvSourceLost, no decoder step sent to the client yet), prefill again,
         # once: on another replica when that one is gone (prefill is idempotent, its cache is lost).
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = None if req.generation.logprobs is None else []
-        text_parts: list[str] = []
-        finish_reason = ""
-        stop_reason: StopReason = None
-        sent: TokenStep | None = None  # the first token, sent from prefill's handle
+        # A request with n choices is prefilled once; each choice is a decode request of its own
+        # from the same cache (`PrefillHandle.for_choice`), all running at once.
+        asked_logprobs = req.generation.logprobs is not None
+        choices = [
+            _Choice(index, logprobs=[] if asked_logprobs else None) for index in range(req.generation.n)
+        ]
         lost: KvSourceLost | None = None
         for attempt in range(2):
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
             handle = await self._prefill(req, media, request_id)
             transfer_bytes += handle.pruning.transfer_bytes  # a prefill again sends the media again
-            taken = False  # by the decoder: its first step comes only after it pulled the cache
-            ended = False  # the decoder's stream ran to its end
             try:
-                if lost is not None and sent is not None and handle.first_token_id != sent.token_ids[0]:
+                if handle.num_choices != len(choices):
+                    raise RuntimeError(
+                        f"prefill answered {handle.num_choices} first tokens for a request of n={len(choices)} "
+                        "choices: a prefill replica older than this gateway (it ignores n)"
+                    )
+                if lost is not None and any(
+                    c.sent is not None and handle.for_choice(c.index).first_token_id != c.sent.token_ids[0]
+                    for c in choices
+                ):
                     raise lost  # the client has the first prefill's token, and this one differs (sampled)
                 timings[Stage.PREFILL.value] = handle.prefill_ms
                 emit(
@@ -300,53 +388,27 @@ class Pipeline:
                 t_gen = time.perf_counter()
                 pruning = handle.pruning
                 emit(StageEvent(Stage.GENERATE, "started"))
-                if sent is None and handle.first_text is not None:
-                    # The first token goes out now, not once a decoder has pulled the cache and
-                    # admitted the request (the KV transfer, and the admission's wait for the
-                    # model thread); the decoder's first step, the same token, is not sent again.
-                    first_logprobs = None if logprobs is None else [_first_logprob(handle)]
-                    sent = TokenStep([handle.first_token_id], handle.first_text, logprobs=first_logprobs)
-                    timings[TTFT] = elapsed_ms()
-                    token_ids += sent.token_ids
-                    if logprobs is not None:
-                        logprobs += sent.logprobs or ()
-                    text_parts.append(sent.text)
-                    emit(sent)
-                # aclosing: an error in this loop's body (`_after_sent`) must end the decoder's run
-                # now, freeing its batch row and KV reservation, not when the GC finds it.
-                async with aclosing(self._decode(handle, req, request_id)) as steps:
-                    async for step in steps:
-                        if not taken:
-                            taken = True
-                            timings.setdefault(TTFT, elapsed_ms())
-                            timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
-                            emit(
-                                StageEvent(
-                                    Stage.KV_TRANSFER,
-                                    "finished",
-                                    step.kv_transfer_ms,
-                                    {"kv_num_bytes": str(step.kv_num_bytes)},
-                                )
-                            )
-                            if handle.kv_address:  # pulled from a prefill server; not an in-process store's
-                                transfer_bytes += step.kv_num_bytes
-                            if sent is not None:
-                                rest = _after_sent(step, sent)
-                                if rest is None:
-                                    continue  # it was only the token already sent
-                                step = rest
-                        token_ids += step.token_ids
-                        if logprobs is not None:
-                            logprobs += _step_logprobs(step)
-                        text_parts.append(step.text)
-                        finish_reason = step.finish_reason or finish_reason
-                        stop_reason = step.stop_reason if step.finish_reason else stop_reason
-                        if step.decode_evict is not None:
-                            pruning.record("decode_evict", *step.decode_evict)
-                        emit(step)
-                ended = True
+                for choice in choices:
+                    first = handle.for_choice(choice.index)
+                    if choice.sent is None and first.first_text is not None:
+                        # The first token goes out now, not once a decoder has pulled the cache and
+                        # admitted the request (the KV transfer, and the admission's wait for the
+                        # model thread); the decoder's first step, the same token, is not sent again.
+                        choice.sent = TokenStep(
+                            [first.first_token_id],
+                            first.first_text,
+                            logprobs=[_first_logprob(first)] if asked_logprobs else None,
+                            index=choice.index,
+                        )
+                        timings.setdefault(TTFT, elapsed_ms())
+                        choice.add(choice.sent)
+                        emit(choice.sent)
+
+                await _all_of(
+                    [self._generate(handle, c, req, request_id, emit, timings, elapsed_ms) for c in choices]
+                )
             except KvSourceLost as exc:
-                if taken or attempt:
+                if any(c.taken for c in choices) or attempt:
                     raise
                 log.warning("request %s: %s; prefilling it again", request_id, exc)
                 lost = exc
@@ -355,26 +417,30 @@ class Pipeline:
                 # Not taken: no decoder has the cache. Taken but cut short (a decoder lost, or the
                 # client gone): the decoder confirms receipt just after the first token, so one
                 # that died right then leaves prefill's copy behind; nothing retries after a first
-                # token, so the copy is released here (a no-op when it was confirmed).
-                if not (taken and ended):
+                # token, so the copy is released here (a no-op when it was confirmed). With n
+                # choices, once every choice's decoder is done: a release drops it for all.
+                if not all(c.taken and c.ended for c in choices):
                     await self._release(handle, request_id)
             break
+        num_tokens = sum(len(c.token_ids) for c in choices)
+        transfer_bytes += sum(c.kv_num_bytes_pulled for c in choices)
         timings[Stage.GENERATE.value] = (time.perf_counter() - t_gen) * 1e3
         emit(
             StageEvent(
                 Stage.GENERATE,
                 "finished",
                 timings[Stage.GENERATE.value],
-                {"num_tokens": str(len(token_ids)), "finish_reason": finish_reason},
+                {"num_tokens": str(num_tokens), "finish_reason": choices[0].finish_reason},
             )
         )
         timings[TOTAL] = elapsed_ms()
         pruning.transfer_bytes = transfer_bytes
+        first_choice = choices[0].summary()
         return AskSummary(
             request_id=request_id,
-            answer="".join(text_parts),
-            token_ids=token_ids,
-            finish_reason=finish_reason,
+            answer=first_choice.answer,
+            token_ids=first_choice.token_ids,
+            finish_reason=first_choice.finish_reason,
             num_frames=media.num_frames if media else 0,
             num_visual_tokens=media.meta.num_visual_tokens if media else 0,
             num_prompt_tokens=handle.num_prompt_tokens,
@@ -388,9 +454,54 @@ class Pipeline:
             kept_visual_token_index=handle.kept_visual_token_index
             or ([] if media is None or media.token_index is None else media.token_index.tolist()),
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
-            stop_reason=stop_reason,
-            logprobs=logprobs,
+            stop_reason=first_choice.stop_reason,
+            logprobs=first_choice.logprobs,
+            choices=[c.summary() for c in choices],
         )
+
+    async def _generate(
+        self,
+        handle: PrefillHandle,
+        choice: _Choice,
+        req: AskRequest,
+        request_id: str,
+        emit: Emit,
+        timings: dict[str, float],
+        elapsed_ms: Callable[[], float],
+    ) -> None:
+        """Choice `choice`'s decode request, from `handle`'s cache and the choice's first token,
+        its steps emitted (tagged with its index) as they come."""
+        first = handle.for_choice(choice.index)
+        generation = first.decode_generation(req.generation.for_choice(choice.index))
+        # aclosing: an error in this loop's body (`_after_sent`) must end the decoder's run now,
+        # freeing its batch row and KV reservation, not when the GC finds it.
+        async with aclosing(self._decode(first, generation, req, request_id)) as steps:
+            async for step in steps:
+                if not choice.taken:
+                    choice.taken = True
+                    timings.setdefault(TTFT, elapsed_ms())
+                    timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
+                    emit(
+                        StageEvent(
+                            Stage.KV_TRANSFER,
+                            "finished",
+                            step.kv_transfer_ms,
+                            {"kv_num_bytes": str(step.kv_num_bytes)},
+                        )
+                    )
+                    if handle.kv_address:  # pulled from a prefill server; not an in-process store's
+                        choice.kv_num_bytes_pulled = step.kv_num_bytes
+                    if choice.sent is not None:
+                        rest = _after_sent(step, choice.sent)
+                        if rest is None:
+                            continue  # it was only the token already sent
+                        step = rest
+                step = replace(step, index=choice.index)
+                choice.add(step)
+                if step.decode_evict is not None:
+                    handle.pruning.record("decode_evict", *step.decode_evict)
+                emit(step)
+        choice.ended = True
 
     async def _prefill(self, req: AskRequest, media: EncodedMedia | None, request_id: str) -> PrefillHandle:
         """Prefill's handle. The call runs in a task of its own: a cancel that lands as it completes
@@ -419,7 +530,7 @@ class Pipeline:
             raise
 
     async def _decode(
-        self, handle: PrefillHandle, req: AskRequest, request_id: str
+        self, handle: PrefillHandle, generation: GenerationConfig, req: AskRequest, request_id: str
     ) -> AsyncGenerator[TokenStep, None]:
         """The decoder's steps for a prefilled request. Every decoder full (`Busy`: its KV memory
         and its wait queue) before the first step is not this request's end: its prefill ran, its
@@ -435,9 +546,7 @@ class Pipeline:
         while True:
             stepped = False
             try:
-                generating = self.decoder.generate(
-                    handle, handle.decode_generation(req.generation), request_id, req.pruning
-                )
+                generating = self.decoder.generate(handle, generation, request_id, req.pruning)
                 async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
                     async for step in steps:
                         stepped = True

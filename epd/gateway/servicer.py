@@ -125,6 +125,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     internal_secrets(self.config.server.security).presented,
                 ),
             )
+            if request.generation.n != 1:
+                raise InvalidRequest(
+                    f"generation.n is {request.generation.n}, but Ask streams one answer: ask the HTTP API "
+                    "(/v1/chat/completions, /v1/completions) for n choices, or send n requests (each with "
+                    "its own seed); leave n unset or 1"
+                )
             call.request_id = request.request_id
             # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
             # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.

@@ -112,6 +112,17 @@ class KvCache:
             dict(self.recurrent_states),
         )
 
+    def clone(self) -> KvCache:
+        """A copy of every tensor: for a second decoder of the same prompt (a request's choices,
+        `KvStore.take`), as each extends its cache in place."""
+        return KvCache(
+            [k.clone() for k in self.keys],
+            [v.clone() for v in self.values],
+            None if self.attention_layers is None else list(self.attention_layers),
+            {i: s.clone() for i, s in self.conv_states.items()},
+            {i: s.clone() for i, s in self.recurrent_states.items()},
+        )
+
     def to_dynamic(self, config) -> DynamicCache:
         """A DynamicCache that the language model extends in place during decoding. With `config`,
         transformers builds one cache layer per model layer (linear-attention layers included),

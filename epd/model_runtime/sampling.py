@@ -26,6 +26,13 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 """vLLM's `_SAMPLING_EPS`: a temperature this small is greedy. Dividing by a tinier one (1e-45
 passes every check of a finite number >= 0) sends the logits to inf and the sampler to NaN."""
 
+MAX_CHOICES = 16
+"""The most choices one request may ask for (OpenAI's and vLLM's `n`). vLLM sets none; each choice
+is a decode request of its own (a batch row, its KV room in a decoder), so the bound keeps one
+request from taking a decoder's whole batch; more choices are more requests."""
+
+INT64_SPAN = 2**64
+
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 """At most this many stop strings of at most this many characters each: each is compared with the
@@ -183,6 +190,11 @@ class GenerationConfig:
     """vLLM's: passed to `tokenizer.decode` with the above. A slow (Python) tokenizer puts a space
     between special tokens and the text around them when it is true; a fast one (every family epd
     serves: byte-level BPE) decodes alike either way, as transformers' and vLLM's do."""
+    n: int = 1
+    """OpenAI's and vLLM's: how many choices to sample from the one prompt (1 to `MAX_CHOICES`). The
+    media is encoded and the prompt prefilled once; choice i samples its first token (at prefill)
+    and the rest (at decode) with its own sampler, seeded `choice_seed(seed, i)`
+    (`for_choice`)."""
     fit_max_new_tokens: bool = False
     """`max_new_tokens` is a ceiling, not a demand: prefill lowers it to what the served context
     leaves after the prompt instead of refusing the request. The front door sets it when the
@@ -217,6 +229,11 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(
+                f"n must be between 1 and {MAX_CHOICES} (choices per request), got {self.n}: "
+                "send more requests for more choices"
+            )
         self._validate_processors(vocab_size)
 
     def _validate_processors(self, vocab_size: int | None) -> None:
@@ -297,6 +314,19 @@ class GenerationConfig:
         if self.seed is not None or self.temperature < GREEDY_BELOW_TEMPERATURE:
             return self
         return replace(self, seed=secrets.randbits(63))
+
+    def for_choice(self, index: int) -> GenerationConfig:
+        """The config of choice `index` of this request: one choice (n=1), seeded
+        `choice_seed(seed, index)`, so that it draws what a request with that seed alone draws."""
+        seed = None if self.seed is None else choice_seed(self.seed, index)
+        return replace(self, n=1, seed=seed)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed`: `seed + index`, as vLLM derives its
+    choices' seeds, wrapped into the signed 64-bit range a seed takes (so choice 1 of seed
+    2**63 - 1 is -2**63). Choice 0 keeps the request's seed."""
+    return (seed + index + INT64_SPAN // 2) % INT64_SPAN - INT64_SPAN // 2
 
 
 def stream_seed(seed: int, stream: int) -> int:

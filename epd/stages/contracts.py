@@ -279,6 +279,17 @@ def pruning_stats_from_record(fields: dict[str, Any]) -> PruningStats:
     return stats
 
 
+@dataclass(frozen=True)
+class ChoiceStart:
+    """How one choice of a request with n > 1 begins (`PrefillHandle.other_choices`)."""
+
+    first_token_id: int
+    first_text: str | None
+    """As `PrefillHandle.first_text`, for this choice's token."""
+    first_logprob: TokenLogprob | None = None
+    """As `PrefillHandle.first_logprob`, for this choice's token."""
+
+
 @dataclass
 class PrefillHandle(Generic[T]):
     """What decoding starts from, and where the KV cache waits.
@@ -323,10 +334,30 @@ class PrefillHandle(Generic[T]):
     """The request's max_new_tokens as prefill ran it: what it asked, or what the context left
     after the prompt (`GenerationConfig.fit_max_new_tokens`); the decoder generates at most this
     many (`decode_generation`). 0: as the request asked (a prefill that does not say)."""
-
+    other_choices: list[ChoiceStart] = field(default_factory=list)
+    """Choices 1 to n-1 of a request with `GenerationConfig.n` > 1, each's first token sampled from
+    the same last logits by its own sampler (choice 0 is `first_token_id`, `first_text`); the KV
+    cache is kept for n pulls. Empty for one choice."""
     first_logprob: TokenLogprob | None = None
     """`first_token_id`'s log-probability and the top tokens at its position, when the request
     asked (`GenerationConfig.logprobs`); the decoder streams it with its first step."""
+
+    @property
+    def num_choices(self) -> int:
+        return 1 + len(self.other_choices)
+
+    def for_choice(self, index: int) -> PrefillHandle[T]:
+        """The handle choice `index`'s decoder starts from: the same cache, that choice's first token."""
+        if index == 0:
+            return replace(self, other_choices=[])
+        start = self.other_choices[index - 1]
+        return replace(
+            self,
+            first_token_id=start.first_token_id,
+            first_text=start.first_text,
+            first_logprob=start.first_logprob,
+            other_choices=[],
+        )
 
     def decode_generation(self, generation: GenerationConfig) -> GenerationConfig:
         """The request's `generation` with the max_new_tokens prefill ran it with."""
@@ -418,6 +449,9 @@ class TokenStep:
     """Last step: the stop string or stop token id that ended the answer (`OutputText.stop_reason`)."""
     logprobs: list[TokenLogprob] | None = None
     """One per token of `token_ids`, when the request asked (`GenerationConfig.logprobs`); else None."""
+    index: int = 0
+    """The choice these tokens belong to (OpenAI's `n`: 0 to n-1); set by the pipeline, which runs
+    one decode request per choice."""
 
 
 class RequestCancelled(Exception):

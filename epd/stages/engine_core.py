@@ -73,6 +73,10 @@ class EngineLoad:
     num_steps: int = 0
     queue_wait_s_total: float = 0.0
     """Summed time requests waited before their first step."""
+    num_requests: int = 0
+    """Requests the core admitted since it started: a prefill core's prompts (a request's n choices
+    are one there and n requests in the decode core); an encoder core's tower jobs (one per group
+    of frames of a request's media)."""
     num_preemptions: int = 0
     memory_used_bytes: int = 0
     """Bytes reserved for running and admitted requests (decode: KV memory)."""
@@ -171,12 +175,14 @@ class EngineCore(Generic[R]):
         self.num_steps = 0
         self.last_batch_size = 0
         self.queue_wait_s_total = 0.0
+        self.num_requests = 0
 
     async def submit(self, request: R) -> AsyncGenerator[Any, None]:
         """Admit `request` and yield its outputs until it is finished. Raises ResourceExhausted
         (before anything runs) when the scheduler is full. Closing the iterator early, or
         cancelling its reader, removes the request."""
         self.scheduler.add(request)
+        self.num_requests += 1
         self._ensure_loop()
         self._wake.set()
         try:
@@ -198,6 +204,7 @@ class EngineCore(Generic[R]):
             last_batch_size=self.last_batch_size,
             num_steps=self.num_steps,
             queue_wait_s_total=self.queue_wait_s_total,
+            num_requests=self.num_requests,
             num_preemptions=base.num_preemptions,
             memory_used_bytes=base.memory_used_bytes,
             memory_total_bytes=base.memory_total_bytes,

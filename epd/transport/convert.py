@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import (
+    ChoiceStart,
     EncodedMedia,
     MediaRecord,
     PrefillHandle,
@@ -156,6 +157,7 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
             msg.spaces_between_special_tokens if msg.HasField("spaces_between_special_tokens") else True
         ),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,  # its range: `validate`
+        n=msg.n or 1,
     )
 
 
@@ -249,6 +251,14 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         distinct_prompt_token_ids=h.distinct_prompt_token_ids,
         max_new_tokens=h.max_new_tokens,
         first_logprob=None if h.first_logprob is None else logprob_to_proto(h.first_logprob),
+        other_choices=[
+            prefill_pb2.ChoiceStart(
+                first_token_id=c.first_token_id,
+                first_text=c.first_text,
+                first_logprob=None if c.first_logprob is None else logprob_to_proto(c.first_logprob),
+            )
+            for c in h.other_choices
+        ],
     )
 
 
@@ -277,6 +287,14 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         distinct_prompt_token_ids=list(msg.distinct_prompt_token_ids),
         max_new_tokens=msg.max_new_tokens,
         first_logprob=logprob_from_proto(msg.first_logprob) if msg.HasField("first_logprob") else None,
+        other_choices=[
+            ChoiceStart(
+                c.first_token_id,
+                c.first_text if c.HasField("first_text") else None,
+                logprob_from_proto(c.first_logprob) if c.HasField("first_logprob") else None,
+            )
+            for c in msg.other_choices
+        ],
     )
 
 

@@ -19,6 +19,7 @@ ENGINE_METRICS = (
     "epd_engine_waiting_requests",
     "epd_engine_batch_size",
     "epd_engine_steps_total",
+    "epd_engine_requests_total",
     "epd_engine_queue_wait_seconds_total",
     "epd_engine_preemptions_total",
     "epd_engine_memory_used_bytes",

@@ -58,7 +58,7 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
             "'echo' with 'logprobs' asks for the prompt's logprobs",
         ),
         ({"prompt": "a", "suffix": "end"}, "'suffix' is not supported by this server"),
-        ({"prompt": "a", "n": 2}, "only n=1 is supported"),
+        ({"prompt": "a", "n": 17}, "'n' must be an integer from 1 to 16 "),
         ({"prompt": "a", "best_of": 2}, "'best_of' is not supported"),
         ({"prompt": "a", "add_special_tokens": False}, "'add_special_tokens' is not supported"),
         ({"prompt": [1, 2], "echo": True}, "'echo' needs a text prompt"),

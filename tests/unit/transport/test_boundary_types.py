@@ -24,6 +24,7 @@ from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import (
+    ChoiceStart,
     EncodedMedia,
     MediaRecord,
     PrefillHandle,
@@ -90,6 +91,7 @@ def _handle() -> PrefillHandle:
         first_text=" a",
         distinct_prompt_token_ids=[3, 17, 151643],
         max_new_tokens=12,
+        other_choices=[ChoiceStart(43, " b"), ChoiceStart(44, None)],
         kv_handle="abc123",
         kv_address="prefill-0:50052",
         first_logprob=_logprob(42),
@@ -254,7 +256,8 @@ def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
         stop_reason="\n",
         logprobs=[_logprob(5), _logprob(6)],
     )
-    _assert_all_set(step)
+    # `index` (the choice) is the gateway's: a decode stream is one choice and does not carry it
+    _assert_all_set(step, skip=("index",))
     _assert_same(convert.token_step_from_proto(convert.token_step_to_proto(step)), step)
     # vLLM's stop_reason is a stop string, a stop token id (an int, not a string), or None.
     for stop_reason in (151643, None):

@@ -112,6 +112,7 @@ def test_every_generation_setting_crosses_the_wire():
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
         logprobs=0,  # 0 is asked (the sampled token's alone), unlike unset
+        n=3,
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
