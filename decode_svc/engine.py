@@ -22,6 +22,7 @@ from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig, Sampler
+from epd.model_runtime.structured_output import CompiledGrammar
 from epd.stages.contracts import TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig
@@ -41,16 +42,19 @@ class Generation:
         pruning: PruningConfig = PruningConfig(),
         own_cache: bool = True,
         prompt_token_ids: Sequence[int] = (),
+        grammar: CompiledGrammar | None = None,
     ) -> None:
-        """own_cache: keep `cache` in this Generation and advance with `step()`; False: the
+        """grammar: the request's compiled structured-output constraint (None: none); its
+        matcher is advanced by the first token here, as prefill's was. own_cache: keep `cache` in this Generation and advance with `step()`; False: the
         caller keeps it (in a BatchKv) and advances with `accept(logits)`. prompt_token_ids: the
         prompt's distinct ids, for a repetition penalty (`PrefillHandle.distinct_prompt_token_ids`)."""
         self.adapter = adapter
         self.config = config
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
-        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids)
-        self.sampler.seen(first_token_id)  # prefill sampled it: penalties and min_tokens count it
+        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids, grammar)
+        # prefill sampled it: penalties, min_tokens and the constraint's matcher count it
+        self.sampler.seen(first_token_id)
         self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
         self.last_token = first_token_id
         self.finish_reason = ""
@@ -118,6 +122,7 @@ class DecodeEngine:
         pruning: PruningConfig = PruningConfig(),
         own_cache: bool = True,
         prompt_token_ids: Sequence[int] = (),
+        grammar: CompiledGrammar | None = None,
     ) -> Generation:
         return Generation(
             self.adapter,
@@ -129,4 +134,5 @@ class DecodeEngine:
             pruning,
             own_cache,
             prompt_token_ids,
+            grammar,
         )

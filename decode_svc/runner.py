@@ -125,6 +125,7 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             r.pruning,
             own_cache=alone,
             prompt_token_ids=h.distinct_prompt_token_ids,
+            grammar=r.grammar,
         )
         first = r.generation.first()
         first.kv_transfer_ms = r.kv_transfer_ms

@@ -504,7 +504,9 @@ class PrefillEngine:
         distinct_prompt_ids = (
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
-        first = Sampler(request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids)(last_logits)
+        first = Sampler(
+            request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, request.grammar
+        )(last_logits)
         # The decoder's first step, worked out here so the first token can go out before the
         # cache reaches a decoder; a token that ends the request is left to the decoder.
         first_text, finish = OutputText(

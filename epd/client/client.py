@@ -115,7 +115,10 @@ def build_header(
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
     repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
     ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
-    include_stop_str_in_output (GenerationConfig's meanings).
+    include_stop_str_in_output (GenerationConfig's meanings); structured outputs as vLLM's
+    `structured_outputs` ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice":
+    [...]} or {"grammar": "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format`
+    ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
@@ -130,6 +133,9 @@ def build_header(
     """
     options = dict(options)
     options["stop"] = _stop_strings(options.pop("stop", None))
+    structured = _structured_outputs(
+        options.pop("structured_outputs", None), options.pop("response_format", None)
+    )
     if options.get("logit_bias") is not None:
         options["logit_bias"] = _logit_bias(options["logit_bias"])
     sampling_given = {k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None)) is not None}
@@ -149,6 +155,8 @@ def build_header(
     generation = common_pb2.GenerationParams(
         **{k: v for k, v in generation_given.items() if v or k == "seed"}
     )
+    if structured is not None:
+        generation.structured_outputs.CopyFrom(structured)
     for name, kind, what in (
         ("pruning", str, 'a preset name such as "balanced"'),
         ("request_id", str, "a string"),
@@ -276,6 +284,22 @@ _KINDS = {
     FieldDescriptor.CPPTYPE_STRING: ("a string", "strings"),
 }  # fmt: skip
 """(one, many) of a wire type, for the errors of `_typed`."""
+
+
+def _structured_outputs(structured: Any, response_format: Any) -> common_pb2.StructuredOutputs | None:
+    """The structured-output options as the HTTP API reads them (ValueError with its message)."""
+    from dataclasses import asdict
+
+    from epd.gateway.structured_request import parse_structured_outputs
+    from epd.stages.errors import InvalidRequest
+
+    try:
+        spec = parse_structured_outputs(
+            {"structured_outputs": structured, "response_format": response_format}
+        )
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
+    return None if spec is None else common_pb2.StructuredOutputs(**asdict(spec))
 
 
 def _typed(message: type[ProtoMessage], given: dict[str, Any]) -> None:

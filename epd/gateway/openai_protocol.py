@@ -8,9 +8,10 @@ or `image_url` part per request, in a user message; with none, the conversation 
 (vLLM's answer to a health check's "ping" or a title request: no encoder call, and "media" and
 "pruning" are checked but have nothing to act on, as vLLM ignores its multimodal options
 without media; `kv_dtype` still narrows the KV cache). Generation options are OpenAI's own fields (max_completion_tokens or
-max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias) plus
-vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
-`include_stop_str_in_output`, with vLLM's meanings; frame sampling goes in
+max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias,
+response_format) plus vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output` and structured outputs (`structured_outputs`,
+`guided_json` ...: `epd.gateway.structured_request`), with vLLM's meanings; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
@@ -47,6 +48,7 @@ from epd.gateway.json_fields import (
     shown_value,
 )
 from epd.gateway.pipeline import AskSummary
+from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import (
     MAX_ABS_LOGIT_BIAS,
@@ -117,12 +119,9 @@ UNSUPPORTED_CHAT_FIELDS = {
     "length_penalty": (1,),
     "bad_words": ([],),
     "allowed_token_ids": ([],),
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
+    # vLLM's other ways to ask for a grammar (response_format, structured_outputs and guided_json,
+    # guided_regex, guided_choice, guided_grammar are read: `epd.gateway.structured_request`).
+    "guided_whitespace_pattern": (),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
@@ -167,7 +166,7 @@ KNOWN_CHAT_FIELDS = {
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
-    "add_generation_prompt", "continue_final_message", "echo",
+    "add_generation_prompt", "continue_final_message", "echo", *STRUCTURED_FIELDS,
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -551,6 +550,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         ),
         # the default: fitted to the context after the prompt, as vLLM's
         fit_max_new_tokens=max_tokens is None,
+        structured_outputs=parse_structured_outputs(body),
     )
 
 

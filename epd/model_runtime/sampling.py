@@ -1,5 +1,6 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; vLLM's penalties,
-logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors` when a request asks."""
+logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors` when a request asks;
+vLLM's structured outputs (a grammar's token mask) through `epd.model_runtime.structured_output`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     import torch  # imported where sampling runs: the gateway reads GenerationConfig without torch
 
     from epd.model_runtime.logits_processors import LogitsProcessors
+    from epd.model_runtime.structured_output import CompiledGrammar
 
 
 MAX_NEW_TOKENS = 4096
@@ -42,6 +44,73 @@ MAX_ABS_LOGIT_BIAS = 100.0
 
 MAX_ABS_PENALTY = 2.0
 """OpenAI's and vLLM's range of presence_penalty and frequency_penalty: [-2, 2]."""
+
+
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
+"""At most this many characters in a request's structured-output constraint (schema text, regex,
+grammar, or its choices together): it travels with the request to every stage and is compiled
+against the whole vocabulary by prefill and by decode."""
+
+MAX_CHOICES = 1024
+"""At most this many strings in a structured output's `choice`."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """vLLM's structured outputs (its `StructuredOutputsParams`): exactly one constraint. The
+    answer's tokens are only those the constraint allows next, and the answer ends ("stop") when
+    the constraint is complete; `epd.model_runtime.structured_output` compiles it with xgrammar."""
+
+    json_schema: str = ""
+    """A JSON Schema as JSON text (vLLM's `json`, OpenAI's response_format json_schema.schema)."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+    regex: str = ""
+    """A regular expression the whole answer matches."""
+    choice: tuple[str, ...] = ()
+    """The answer is exactly one of these."""
+    grammar: str = ""
+    """An EBNF grammar in xgrammar's form (GBNF-like, start symbol `root`)."""
+    disable_any_whitespace: bool = False
+    """vLLM's: JSON without free whitespace between its tokens (off: any whitespace is allowed)."""
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: "json_schema", "json_object", "regex", "choice" or "grammar"
+        (ValueError for none or several)."""
+        kinds = [
+            name
+            for name, value in (
+                ("json_schema", self.json_schema),
+                ("json_object", self.json_object),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs take exactly one constraint of json (a schema), json_object, regex, "
+                f"choice and grammar; got {', '.join(kinds) if kinds else 'none'}"
+            )
+        return kinds[0]
+
+    def validate(self) -> None:
+        """ValueError naming what to change: one constraint, within the size bounds (whether it
+        compiles is checked where xgrammar is: `structured_output.check_structured_outputs`)."""
+        kind = self.kind
+        if kind == "choice":
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"choice has {len(self.choice)} strings; at most {MAX_CHOICES} are accepted")
+            if any(not c for c in self.choice):
+                raise ValueError("choice cannot contain an empty string")
+        size = len(self.json_schema) + len(self.regex) + len(self.grammar) + sum(len(c) for c in self.choice)
+        if size > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(
+                f"the structured-output {kind} has {size} characters; at most "
+                f"{MAX_STRUCTURED_OUTPUT_CHARS} are accepted"
+            )
 
 
 class SamplingFailed(ValueError):
@@ -124,6 +193,8 @@ class GenerationConfig:
     """`max_new_tokens` is a ceiling, not a demand: prefill lowers it to what the served context
     leaves after the prompt instead of refusing the request. The front door sets it when the
     client left max_tokens unset (vLLM's default max_tokens is max_model_len minus the prompt)."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's structured outputs: a constraint every token of the answer keeps to (None: none)."""
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """ValueError naming the field and its accepted range. `vocab_size`: also check the token
@@ -142,6 +213,8 @@ class GenerationConfig:
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         self._validate_processors(vocab_size)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def _validate_processors(self, vocab_size: int | None) -> None:
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -233,12 +306,16 @@ class Sampler:
         stream: int = 0,
         prompt_token_ids: Sequence[int] = (),
         eos_token_ids: Collection[int] = (),
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """prompt_token_ids: the prompt's (distinct) token ids, which repetition_penalty penalises
-        (only read when it is on); eos_token_ids: the model's, which min_tokens holds back."""
+        (only read when it is on); eos_token_ids: the model's, which min_tokens holds back;
+        grammar: the request's compiled structured-output constraint (None: none), whose token
+        mask is applied before anything else, as vLLM applies its grammar bitmask."""
         import torch
 
         self.config = config
+        self._grammar = grammar.matcher() if grammar is not None else None
         self._processors: LogitsProcessors | None = None
         if config.processes_logits:
             from epd.model_runtime.logits_processors import LogitsProcessors
@@ -257,22 +334,30 @@ class Sampler:
         token, which prefill sampled)."""
         if self._processors is not None:
             self._processors.seen(token_id)
+        if self._grammar is not None:
+            self._grammar.accept(token_id, chosen_here=False)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (any float dtype) -> token id."""
         import torch
 
         logits = logits.float()
+        grammar = self._grammar
+        if grammar is not None:  # first, on a copy: the tokens the constraint allows next
+            logits = grammar.mask(logits)
         processors = self._processors
         if processors is None:  # the default: nothing else runs
-            if self._generator is None:
-                return int(torch.argmax(logits))
-            return self._draw(logits)
+            token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
+            if grammar is not None:
+                grammar.accept(token)
+            return token
         # vLLM v1's order: logit bias and min_tokens, then the penalties, then greedy or the draw
         # (min_p after temperature, then top-k and top-p).
         logits = processors.before_sampling(logits)
         token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
         processors.seen(token)
+        if grammar is not None:
+            grammar.accept(token)
         return token
 
     def _draw(self, logits: torch.Tensor) -> int:

@@ -1,0 +1,236 @@
+"""Structured outputs through the real stack (three service processes and the gateway) and the
+embedded pipeline: with a constraint, every token is the argmax of the unsplit model's logits
+masked by the constraint's bitmask, the reference being `generate()` with a LogitsProcessor built
+from xgrammar's own matcher (no epd code in it); the answer parses (JSON, schema, regex, choice)
+and ends "stop" when complete; requests without one in the same batch keep their plain greedy
+tokens; a spec that does not compile is a 400 / INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from epd.client import EpdClient
+from epd.client.types import EpdError
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
+from epd.stages.contracts import MediaInput
+from epd.stages.messages import question_messages
+from epd.video.types import SamplingOptions
+from tests.embedded import request_summary
+from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens, whole_model
+
+QUESTION = "list the objects as JSON"
+NUM_FRAMES = 4
+MAX_TOKENS = 64  # the tiny vocabulary spells JSON a character or two per token
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "moving": {"type": "boolean"},
+        "count": {"enum": [1, 2, 3]},
+    },
+    "required": ["colour", "moving", "count"],
+    "additionalProperties": False,
+}
+REGEX = "(red|green|blue) (circle|square)"
+CHOICES = ["a red circle", "two squares", "nothing"]
+
+# (the HTTP body's fields, the reference's grammar as xgrammar compiles it, whether it completes
+# within MAX_TOKENS: JSON with free whitespace may not, on a random model)
+CASES = {
+    "json_schema": (
+        {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+        lambda c: c.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False),
+    ),
+    "response_format": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "objects", "schema": SCHEMA}}},
+        lambda c: c.compile_json_schema(json.dumps(SCHEMA)),
+    ),
+    "json_object": ({"response_format": {"type": "json_object"}}, lambda c: c.compile_json_schema('{"type": "object"}')),
+    "regex": ({"guided_regex": REGEX}, lambda c: c.compile_regex(REGEX)),
+    "choice": ({"guided_choice": CHOICES}, lambda c: c.compile_grammar('root ::= "a red circle" | "two squares" | "nothing"')),
+}  # fmt: skip
+
+
+class GrammarMask(LogitsProcessor):
+    """The reference: xgrammar's matcher on the unsplit model's generate(). input_ids [1, prompt +
+    generated], scores [1, vocab]: every token the grammar does not allow next at -inf."""
+
+    def __init__(self, compiled, num_prompt_tokens: int, vocab_size: int) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.num_prompt_tokens:
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        scores = scores.clone()
+        xgr.apply_token_bitmask_inplace(scores, self.bitmask, vocab_size=scores.shape[-1])
+        return scores
+
+
+@pytest.fixture(scope="module")
+def video(media_files):
+    return decode_for_test(media_files["mp4"], NUM_FRAMES)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models, video):
+    """Each case's reference tokens and the plain greedy ones ("plain")."""
+    model_dir = tiny_models["qwen2_vl"]
+    model, processor = whole_model(model_dir)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    eos = model.generation_config.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(
+        processor.tokenizer, vocab_size=vocab_size, stop_token_ids=eos if isinstance(eos, list) else [eos]
+    )
+    compiler = xgr.GrammarCompiler(info)
+    num_prompt = reference_inputs(processor, video, question_message(video, QUESTION))["input_ids"].shape[1]
+    refs = {"plain": reference_tokens(model_dir, video, QUESTION, MAX_TOKENS)}
+    for name, (_, compile_) in CASES.items():
+        mask = GrammarMask(compile_(compiler), num_prompt, vocab_size)
+        refs[name] = reference_tokens(
+            model_dir, video, QUESTION, MAX_TOKENS, logits_processor=LogitsProcessorList([mask])
+        )
+        assert refs[name] != refs["plain"][: len(refs[name])], f"{name}: the constraint changes nothing here"
+    return refs
+
+
+def chat(port: int, media_files, **fields) -> tuple[int, dict]:
+    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+    body = {"model": "epd", "max_tokens": MAX_TOKENS, "media": {"num_frames": NUM_FRAMES}, **fields,
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": QUESTION}]}]}  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def check_text(name: str, text: str) -> None:
+    """The answer keeps to its constraint, read back as a client reads it."""
+    if name in ("json_schema", "response_format"):
+        value = json.loads(text)
+        assert set(value) == {"colour", "moving", "count"}, value
+        assert value["colour"] in ("red", "green", "blue") and isinstance(value["moving"], bool)
+        assert value["count"] in (1, 2, 3)
+    elif name == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif name == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert text in CHOICES
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_constrained_greedy_tokens_equal_the_masked_reference_through_the_stack(
+    shared_stack, media_files, references, name
+):
+    status, body = chat(shared_stack.http_port, media_files, **CASES[name][0])
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == references[name]
+    if name in ("json_schema", "regex", "choice"):  # complete within MAX_TOKENS on this model
+        assert choice["finish_reason"] == "stop"
+    if choice["finish_reason"] == "stop":
+        check_text(name, choice["message"]["content"])
+
+
+def test_a_batch_where_only_some_requests_have_a_constraint(shared_stack, media_files, references):
+    """Sent at once, they decode in one batch: each row keeps its own tokens."""
+    names = ["plain", "regex", "plain", "json_schema", "choice", "plain"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        replies = list(
+            pool.map(
+                lambda n: chat(shared_stack.http_port, media_files, **({} if n == "plain" else CASES[n][0])),
+                names,
+            )
+        )
+    for name, (status, body) in zip(names, replies, strict=True):
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == references[name], name
+
+
+def test_max_tokens_still_caps_a_constrained_answer(shared_stack, media_files, references):
+    status, body = chat(shared_stack.http_port, media_files, max_tokens=3, **CASES["json_schema"][0])
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == references["json_schema"][:3]
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_sdk_asks_for_structured_outputs_over_grpc(shared_stack, media_files, references):
+    with EpdClient(shared_stack.gateway, timeout_s=120) as client:
+        result = client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS,
+                            structured_outputs={"regex": REGEX})  # fmt: skip
+        assert result.token_ids == references["regex"] and re.fullmatch(REGEX, result.answer)
+        result = client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, max_new_tokens=MAX_TOKENS,
+                            response_format={"type": "json_object"})  # fmt: skip
+        assert result.token_ids == references["json_object"]
+        with pytest.raises(EpdError) as caught:
+            client.ask(
+                media_files["mp4"], QUESTION, num_frames=NUM_FRAMES, structured_outputs={"regex": "(a"}
+            )
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the structured-output regex does not compile" in caught.value.message
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"guided_regex": "[a-"}, "the structured-output regex does not compile: Regex parsing error"),
+    ({"guided_json": {"type": "objekt"}}, 'JSON schema does not compile: Unsupported type \\"objekt\\"'),
+    ({"guided_grammar": "root ::= "}, "the structured-output grammar does not compile: EBNF parser error"),
+])  # fmt: skip
+def test_a_spec_that_does_not_compile_is_a_400_with_the_compilers_reason(
+    shared_stack, media_files, fields, message
+):
+    status, body = chat(shared_stack.http_port, media_files, **fields)
+    assert status == 400, body
+    assert message.replace('\\"', '"') in body["error"]["message"]
+
+
+def test_embedded_mixed_batch_equals_the_references(tiny_models, media_files, references):
+    specs = {
+        "plain": None,
+        "json_schema": StructuredOutputs(json_schema=json.dumps(SCHEMA), disable_any_whitespace=True),
+        "regex": StructuredOutputs(regex=REGEX),
+        "choice": StructuredOutputs(choice=tuple(CHOICES)),
+    }
+
+    async def run(pipeline):
+        requests = [
+            AskRequest(
+                question_messages(QUESTION),
+                MediaInput(media_files["mp4"].read_bytes()),
+                SamplingOptions(num_frames=NUM_FRAMES),
+                GenerationConfig(max_new_tokens=MAX_TOKENS, structured_outputs=spec),
+            )
+            for spec in specs.values()
+        ]
+        return await asyncio.gather(*(request_summary(pipeline, r) for r in requests))
+
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        summaries = asyncio.run(run(pipeline))
+    for name, summary in zip(specs, summaries, strict=True):
+        assert summary.token_ids == references[name], name
+        if name != "plain":
+            check_text(name, summary.answer)
