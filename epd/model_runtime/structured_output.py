@@ -28,11 +28,14 @@ import functools
 import json
 import os
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from epd.model_runtime.sampling import SamplingFailed, StructuredOutputs
 from epd.stages.errors import InvalidRequest
@@ -139,10 +142,21 @@ class GrammarState:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] float32 -> a copy with every token the constraint does not allow next at
         -inf (the input, maybe a row of decode's batch, is left as it is)."""
+        import torch
+
         self._matcher.fill_next_token_bitmask(self._bitmask)
+        if logits.device.type == "cpu" and sys.byteorder == "little":
+            # Bit i of int32 word j is token 32 j + i: the words' bytes unpacked little-endian
+            # first are the tokens in order. 7x faster than xgrammar's CPU kernel on a 152k
+            # vocabulary (bench/bench_structured.py), the same result (tested).
+            bits = np.unpackbits(
+                self._bitmask.numpy().view(np.uint8), count=logits.shape[-1], bitorder="little"
+            )
+            return torch.where(torch.from_numpy(bits.view(np.bool_)), logits, float("-inf"))
         masked = logits.clone().unsqueeze(0)  # [1, vocab]
-        bitmask = self._bitmask if masked.device.type == "cpu" else self._bitmask.to(masked.device)
-        self._xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=self.vocab_size)
+        self._xgr.apply_token_bitmask_inplace(
+            masked, self._bitmask.to(masked.device), vocab_size=self.vocab_size
+        )  # CUDA: xgrammar's kernel
         return masked[0]
 
     def accept(self, token_id: int, chosen_here: bool = True) -> None:
