@@ -287,12 +287,16 @@ _KINDS = {
 
 
 def _structured_outputs(structured: Any, response_format: Any) -> common_pb2.StructuredOutputs | None:
-    """The structured-output options as the HTTP API reads them (ValueError with its message)."""
+    """The structured-output options as the HTTP API reads them (ValueError with its message), or
+    a `StructuredOutputs` as it is (`epd ask`'s flags)."""
     from dataclasses import asdict
 
     from epd.gateway.structured_request import parse_structured_outputs
+    from epd.model_runtime.sampling import StructuredOutputs
     from epd.stages.errors import InvalidRequest
 
+    if isinstance(structured, StructuredOutputs) and response_format is None:
+        return common_pb2.StructuredOutputs(**asdict(structured))
     try:
         spec = parse_structured_outputs(
             {"structured_outputs": structured, "response_format": response_format}
