@@ -100,7 +100,9 @@ class LocalPrefillStage(PrefillStage):
                 template=template,
             )
             # Off the event loop and the model thread; a spec seen before comes from the cache.
-            request.grammar = await compile_for(self.engine.adapter, generation.structured_outputs)
+            request.grammar = await compile_for(
+                self.engine.adapter, generation.structured_outputs, self.model_thread
+            )
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache
         except asyncio.CancelledError:

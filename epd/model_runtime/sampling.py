@@ -368,6 +368,8 @@ class Sampler:
         # NaN (max propagates it) or infinity: the shift below would make NaN of every score, and
         # torch.multinomial would raise a RuntimeError that reads as the server's failure.
         if not math.isfinite(float(largest)):
+            if self._grammar is not None and float(largest) == float("-inf"):
+                raise self._grammar.nothing_allowed()  # the constraint and min_tokens leave nothing
             raise sampling_failed(self.config)
         # Shifted first, so the largest is 0 and nothing overflows whatever the temperature.
         logits = (logits - largest) / self.config.temperature

@@ -43,6 +43,8 @@ from epd.stages.errors import InvalidRequest
 if TYPE_CHECKING:
     import torch  # the front door checks specs without torch
 
+    from epd.stages.model_thread import ModelThread
+
 INSTALL_HINT = "pip install 'epd[structured]' (xgrammar)"
 
 GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
@@ -169,12 +171,16 @@ class GrammarState:
                 f"token {token_id} does not keep to the structured-output constraint: prefill and decode "
                 "serve different models"
             )
-        # Every allowed token was held back by another setting (min_tokens holds back the
-        # end-of-sequence token the complete answer needs; a logit_bias of -100 is not -inf).
-        raise SamplingFailed(
-            f"no token both keeps to the structured-output constraint and passes this request's other "
-            f"settings at this step (token {token_id} was chosen); lower min_tokens or drop the logit_bias "
-            "that holds back what the constraint allows"
+        raise self.nothing_allowed()
+
+    @staticmethod
+    def nothing_allowed() -> SamplingFailed:
+        """Every token the constraint allows was held back by another setting (min_tokens holds
+        back the end-of-sequence token a complete answer needs)."""
+        return SamplingFailed(
+            "no token both keeps to the structured-output constraint and passes this request's other "
+            "settings at this step; lower min_tokens (it holds back the end-of-sequence token that "
+            "ends a complete answer) or drop the stop_token_ids the constraint needs"
         )
 
     @property
@@ -230,6 +236,16 @@ class GrammarCompiler:
         call = functools.partial(contextvars.copy_context().run, self.compile_now, spec)
         return await asyncio.wrap_future(self._thread.submit(call))
 
+    @property
+    def ready(self) -> bool:
+        """The vocabulary was read (`prepare`)."""
+        return self._compiler is not None
+
+    def prepare(self) -> None:
+        """Read the tokenizer's vocabulary into xgrammar's compiler (once; the first compile does
+        it too)."""
+        self._xgrammar_compiler()
+
     def cache_size_bytes(self) -> int:
         return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
 
@@ -275,9 +291,17 @@ def grammar_compiler(adapter: Any) -> GrammarCompiler:
         return compiler
 
 
-async def compile_for(adapter: Any, spec: StructuredOutputs | None) -> CompiledGrammar | None:
-    """A request's constraint compiled for `adapter`'s vocabulary (None: it has none)."""
+async def compile_for(
+    adapter: Any, spec: StructuredOutputs | None, model_thread: ModelThread | None = None
+) -> CompiledGrammar | None:
+    """A request's constraint compiled for `adapter`'s vocabulary (None: it has none). The first
+    one reads the tokenizer's vocabulary on `model_thread`, where every other call of that
+    tokenizer runs (a fast tokenizer refuses a call made while another thread's holds it:
+    "Already borrowed"); compiling needs only xgrammar's copy of it, on the compiler's thread."""
     if spec is None:
         return None
     import_xgrammar()  # the install hint before anything else
-    return await grammar_compiler(adapter).compile(spec)
+    compiler = grammar_compiler(adapter)
+    if not compiler.ready and model_thread is not None:
+        await model_thread.run(compiler.prepare)
+    return await compiler.compile(spec)

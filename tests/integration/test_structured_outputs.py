@@ -234,3 +234,33 @@ def test_embedded_mixed_batch_equals_the_references(tiny_models, media_files, re
         assert summary.token_ids == references[name], name
         if name != "plain":
             check_text(name, summary.answer)
+
+
+def test_sampled_and_streamed_answers_keep_to_the_constraint(shared_stack, media_files):
+    """Sampling draws only among the allowed tokens (the same seed, the same answer); a streamed
+    answer's chunks add up to text that keeps to it."""
+    fields = {"guided_regex": REGEX, "temperature": 1.0, "seed": 3}
+    replies = [chat(shared_stack.http_port, media_files, **fields) for _ in range(2)]
+    for status, body in replies:
+        assert status == 200, body
+        assert re.fullmatch(REGEX, body["choices"][0]["message"]["content"])
+    assert replies[0][1]["choices"][0]["token_ids"] == replies[1][1]["choices"][0]["token_ids"]
+    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+    body = {"model": "epd", "max_tokens": MAX_TOKENS, "media": {"num_frames": NUM_FRAMES}, "stream": True,
+            "structured_outputs": {"choice": CHOICES},
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": QUESTION}]}]}  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{shared_stack.http_port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    text, finish = "", None
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        for line in reply.read().decode().splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: ") :]).get("choices", []):
+                text += choice["delta"].get("content") or ""
+                finish = choice.get("finish_reason") or finish
+    assert text in CHOICES and finish == "stop"

@@ -13,7 +13,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from epd.model_runtime.detokenizer import OutputText
-from epd.model_runtime.sampling import GenerationConfig, Sampler, StructuredOutputs
+from epd.model_runtime.sampling import GenerationConfig, Sampler, SamplingFailed, StructuredOutputs
 from epd.model_runtime.structured_output import (
     GrammarCompiler,
     check_structured_outputs,
@@ -154,3 +154,21 @@ def test_a_server_without_xgrammar_says_what_to_install(monkeypatch):
 
 def test_rows_without_a_constraint_build_no_matcher():
     assert Sampler(GenerationConfig())._grammar is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_holding_back_the_constraints_only_token_fails_the_request_saying_so(
+    compiler, tokenizer, temperature
+):
+    """Once "a" is out, the constraint allows only end-of-sequence, which min_tokens holds back:
+    no token is left, and the request fails with a message naming both (not a token outside it)."""
+    spec = StructuredOutputs(regex="a")
+    sampler = Sampler(
+        GenerationConfig(min_tokens=4, temperature=temperature, seed=0, structured_outputs=spec),
+        eos_token_ids={tokenizer.eos_token_id},
+        grammar=compiler.compile_now(spec),
+    )
+    logits = torch.zeros(VOCAB)
+    sampler(logits)  # "a" (or its token): the only start the constraint allows
+    with pytest.raises(SamplingFailed, match="no token both keeps to the structured-output constraint"):
+        sampler(logits)
