@@ -111,16 +111,20 @@ def references(tiny_models, video):
     return refs
 
 
-def chat(port: int, media_files, **fields) -> tuple[int, dict]:
+def chat_request(port: int, media_files, **fields) -> urllib.request.Request:
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
     body = {"model": "epd", "max_tokens": MAX_TOKENS, "media": {"num_frames": NUM_FRAMES}, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": QUESTION}]}]}  # fmt: skip
-    request = urllib.request.Request(
+    return urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
+
+
+def chat(port: int, media_files, **fields) -> tuple[int, dict]:
+    request = chat_request(port, media_files, **fields)
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, json.loads(reply.read())
@@ -245,15 +249,8 @@ def test_sampled_and_streamed_answers_keep_to_the_constraint(shared_stack, media
         assert status == 200, body
         assert re.fullmatch(REGEX, body["choices"][0]["message"]["content"])
     assert replies[0][1]["choices"][0]["token_ids"] == replies[1][1]["choices"][0]["token_ids"]
-    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    body = {"model": "epd", "max_tokens": MAX_TOKENS, "media": {"num_frames": NUM_FRAMES}, "stream": True,
-            "structured_outputs": {"choice": CHOICES},
-            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                                      {"type": "text", "text": QUESTION}]}]}  # fmt: skip
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{shared_stack.http_port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+    request = chat_request(
+        shared_stack.http_port, media_files, stream=True, structured_outputs={"choice": CHOICES}
     )
     text, finish = "", None
     with urllib.request.urlopen(request, timeout=120) as reply:
