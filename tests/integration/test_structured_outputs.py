@@ -89,10 +89,9 @@ def video(media_files):
     return decode_for_test(media_files["mp4"], NUM_FRAMES)
 
 
-@pytest.fixture(scope="module")
-def references(tiny_models, video):
-    """Each case's reference tokens and the plain greedy ones ("plain")."""
-    model_dir = tiny_models["qwen2_vl"]
+def masked_references(model_dir, video, cases: list[str]) -> dict[str, list[int]]:
+    """`cases`' reference tokens on the unsplit model at `model_dir`, and the plain greedy ones
+    ("plain")."""
     model, processor = whole_model(model_dir)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     eos = model.generation_config.eos_token_id
@@ -102,13 +101,19 @@ def references(tiny_models, video):
     compiler = xgr.GrammarCompiler(info)
     num_prompt = reference_inputs(processor, video, question_message(video, QUESTION))["input_ids"].shape[1]
     refs = {"plain": reference_tokens(model_dir, video, QUESTION, MAX_TOKENS)}
-    for name, (_, compile_) in CASES.items():
-        mask = GrammarMask(compile_(compiler), num_prompt, vocab_size)
+    for name in cases:
+        mask = GrammarMask(CASES[name][1](compiler), num_prompt, vocab_size)
         refs[name] = reference_tokens(
             model_dir, video, QUESTION, MAX_TOKENS, logits_processor=LogitsProcessorList([mask])
         )
         assert refs[name] != refs["plain"][: len(refs[name])], f"{name}: the constraint changes nothing here"
     return refs
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models, video):
+    """Each case's reference tokens on the tiny Qwen2-VL, and the plain greedy ones ("plain")."""
+    return masked_references(tiny_models["qwen2_vl"], video, list(CASES))
 
 
 def chat_request(port: int, media_files, **fields) -> urllib.request.Request:
@@ -261,3 +266,25 @@ def test_sampled_and_streamed_answers_keep_to_the_constraint(shared_stack, media
                 text += choice["delta"].get("content") or ""
                 finish = choice.get("finish_reason") or finish
     assert text in CHOICES and finish == "stop"
+
+
+def test_embedded_on_qwen2_5_vl_equals_its_masked_reference(tiny_models, media_files, video):
+    """Another family's vocabulary and adapter: the same masked argmax, token for token."""
+    model_dir = tiny_models["qwen2_5_vl"]
+    want = masked_references(model_dir, video, ["regex", "json_schema"])
+    specs = {
+        "regex": StructuredOutputs(regex=REGEX),
+        "json_schema": StructuredOutputs(json_schema=json.dumps(SCHEMA), disable_any_whitespace=True),
+    }
+    with build_embedded_pipeline(ModelConfig(model=str(model_dir))) as pipeline:
+        for name, spec in specs.items():
+            request = AskRequest(
+                question_messages(QUESTION),
+                MediaInput(media_files["mp4"].read_bytes()),
+                SamplingOptions(num_frames=NUM_FRAMES),
+                GenerationConfig(max_new_tokens=MAX_TOKENS, structured_outputs=spec),
+            )
+            summary = asyncio.run(request_summary(pipeline, request))
+            assert summary.token_ids == want[name], name
+            if summary.finish_reason == "stop":
+                check_text(name, summary.answer)
