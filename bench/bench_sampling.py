@@ -5,15 +5,17 @@
 
 1. The sampler alone (`Sampler.__call__` on one request's logits, [vocab] float32, vocab 151,936
    as Qwen2-VL's), after a 300-token prompt and 64 output tokens: median microseconds per call
-   for the default (greedy argmax) and each option, and the ratio against the default measured
+   for the default (greedy argmax) and each option (allowed_token_ids and bad_words included), and the ratio against the default measured
    in the same run (sampled configs against the default draw at temperature 1).
 2. The decode step (`decode_batch` over `--batch` requests plus each request's `Generation.accept`:
    sampler and detokeniser) on bench_pruning's ~30M-parameter Qwen2-VL given Qwen2-VL's
    151,936-token vocabulary, every request with the default settings, then every request with
-   all the penalties, logit bias and min_tokens on, then (with xgrammar installed) every request
-   with a structured-output constraint (an EBNF grammar of letters and spaces); the median step over `--rounds` rounds of
-   `--steps` steps each, the configs in turns, and of it the per-request part (the B samplers and
-   detokenisers after the forward), each with its ratio against the default.
+   all the penalties, logit bias and min_tokens on; the median step over `--rounds` rounds of
+   `--steps` steps each, then every request with logprobs at vLLM's most (top_logprobs 20: the
+   runner's `batch_logprobs` over the B rows, then each token's entry and texts), then (with
+   xgrammar installed) every request with a structured-output constraint (an EBNF grammar of
+   letters and spaces), the configs in turns, and of it the per-request part (logprobs, the B
+   samplers and detokenisers after the forward), each with its ratio against the default.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bench.bench_pruning import SPEC  # noqa: E402
 from epd.decode_svc.engine import DecodeEngine  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
+from epd.model_runtime.logprobs import MAX_LOGPROBS, batch_logprobs  # noqa: E402
 from epd.model_runtime.sampling import GenerationConfig, Sampler, StructuredOutputs  # noqa: E402
 from epd.model_runtime.structured_output import grammar_compiler  # noqa: E402
 from epd.model_runtime.tiny_model import build_checkpoint  # noqa: E402
@@ -53,6 +56,10 @@ def structured_outputs_installed() -> bool:
     return True
 
 
+BAD_WORDS = [(7000 + i,) for i in range(8)] + [
+    (output_id, 8000 + i) for i, output_id in enumerate(range(100, 108))
+]
+"""8 words as a tokenizer gives them (`tokenize_bad_words`): one token bare, two with a leading space."""
 SAMPLER_CASES = [
     ("greedy (default)", GenerationConfig()),
     ("greedy + repetition_penalty", GenerationConfig(repetition_penalty=1.1)),
@@ -60,6 +67,8 @@ SAMPLER_CASES = [
     ("greedy + logit_bias (2 ids)", GenerationConfig(logit_bias=((11, 5.0), (220, -5.0)))),
     ("greedy + min_tokens (before it)", GenerationConfig(min_tokens=1000, max_new_tokens=1000)),
     ("greedy + all of them", GenerationConfig(**PENALTIES)),
+    ("greedy + allowed_token_ids (1,000)", GenerationConfig(allowed_token_ids=tuple(range(5000, 6000)))),
+    ("greedy + bad_words (8 words)", GenerationConfig(bad_words=("w",) * 8)),
     ("sampled t=1 (default)", GenerationConfig(temperature=1.0, seed=0)),
     ("sampled t=1 + min_p 0.05", GenerationConfig(temperature=1.0, seed=0, min_p=0.05)),
     ("sampled t=1 + all + min_p", GenerationConfig(temperature=1.0, seed=0, min_p=0.05, **PENALTIES)),
@@ -84,7 +93,9 @@ def bench_sampler(repeats: int) -> None:
     print(f"1. sampler alone, vocab {QWEN_VOCAB:,}, 300 prompt + 64 output tokens, median of {repeats} calls")
     baseline = {}
     for name, config in SAMPLER_CASES:
-        sampler = Sampler(config, 1, prompt, eos_token_ids={2})
+        sampler = Sampler(
+            config, 1, prompt, eos_token_ids={2}, bad_words_token_ids=BAD_WORDS if config.bad_words else ()
+        )
         for token in output:
             sampler.seen(token)
         ms = median_ms(lambda s=sampler: s(logits), repeats)
@@ -129,8 +140,9 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
             positions = torch.stack([g.positions for g in gens], dim=1)  # [4, B]
             logits = adapter.decode_batch([g.last_token for g in gens], positions, kv)  # [B, vocab]
             t0 = time.perf_counter()
-            for g, row in zip(gens, logits, strict=True):
-                g.accept(row)
+            rows = batch_logprobs(logits, [g.num_logprobs for g in gens])  # as DecodeRunner.execute
+            for i, (g, row) in enumerate(zip(gens, logits, strict=True)):
+                g.accept(row, rows.get(i))
             per_request.append(time.perf_counter() - t0)
 
         whole = median_ms(step, steps)
@@ -138,8 +150,9 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
 
     plain = GenerationConfig(max_new_tokens=1000, ignore_eos=True)
     penalised = replace(plain, **PENALTIES)
-    results: dict[str, list[tuple[float, float]]] = {"default": [], "all penalties": []}
-    order = [("default", plain), ("all penalties", penalised)]
+    with_logprobs = replace(plain, logprobs=MAX_LOGPROBS)
+    results: dict[str, list[tuple[float, float]]] = {"default": [], "all penalties": [], "logprobs 20": []}
+    order = [("default", plain), ("all penalties", penalised), ("logprobs 20", with_logprobs)]
     if constrained:
         results["structured output (EBNF)"] = []
         order.append(("structured output (EBNF)", replace(plain, structured_outputs=UNENDING)))
@@ -150,7 +163,7 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
     for name, values in results.items():
         whole, part = (statistics.median(v) for v in zip(*values, strict=True))
         print(
-            f"   {name:34s} step {whole:8.2f} ms  x{whole / base[0]:.3f}   of which sampler + detokeniser "
+            f"   {name:34s} step {whole:8.2f} ms  x{whole / base[0]:.3f}   of which per request "
             f"{part:6.2f} ms  x{part / base[1]:.2f}"
         )
 

@@ -21,9 +21,10 @@ from epd.decode_svc.eviction import DecodeEviction
 from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.logprobs import RowLogprobs, TokenLogprob, rows_logprobs, token_logprob
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.model_runtime.structured_output import CompiledGrammar
-from epd.stages.contracts import TokenStep
+from epd.stages.contracts import TokenStep, bad_words_token_ids
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig
 
@@ -42,17 +43,22 @@ class Generation:
         pruning: PruningConfig = PruningConfig(),
         own_cache: bool = True,
         prompt_token_ids: Sequence[int] = (),
+        first_logprob: TokenLogprob | None = None,
         grammar: CompiledGrammar | None = None,
     ) -> None:
-        """grammar: the request's compiled structured-output constraint (None: none); its
-        matcher is advanced by the first token here, as prefill's was. own_cache: keep `cache` in this Generation and advance with `step()`; False: the
+        """own_cache: keep `cache` in this Generation and advance with `step()`; False: the
         caller keeps it (in a BatchKv) and advances with `accept(logits)`. prompt_token_ids: the
-        prompt's distinct ids, for a repetition penalty (`PrefillHandle.distinct_prompt_token_ids`)."""
+        prompt's distinct ids, for a repetition penalty (`PrefillHandle.distinct_prompt_token_ids`).
+        first_logprob: the prefill's token's (`PrefillHandle.first_logprob`), sent with it.
+        grammar: the request's compiled structured-output constraint (None: none); its matcher is
+        advanced by the first token here, as prefill's was."""
         self.adapter = adapter
+        self.first_logprob = first_logprob
         self.config = config
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
-        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids, grammar)
+        bad_words = bad_words_token_ids(config, adapter)
+        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids, bad_words, grammar)
         # prefill sampled it: penalties, min_tokens and the constraint's matcher count it
         self.sampler.seen(first_token_id)
         self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
@@ -65,9 +71,22 @@ class Generation:
                 raise InvalidRequest("visual_entry_mask does not match the KV cache's shape")
             self.eviction = DecodeEviction(adapter, self.cache, visual_entry_mask.reshape(shape), pruning)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top tokens this request wants with each token's logprob (None: no logprobs)."""
+        return self.config.logprobs
+
     def first(self) -> TokenStep:
         """The prefill's token, as the first step."""
-        return self._emit(self.last_token)
+        step = self._emit(self.last_token)
+        if self.num_logprobs is not None:
+            if self.first_logprob is None or self.first_logprob.token_id != self.last_token:
+                raise InvalidRequest(
+                    "the request asks for logprobs but its prefill result carries none for its first token "
+                    "(first_logprob); send the PrefillResult as prefill returned it"
+                )
+            step.logprobs = [self.first_logprob]
+        return step
 
     def step(self) -> TokenStep:
         """Alone: run the model on the last token with this Generation's cache, emit the next."""
@@ -79,11 +98,18 @@ class Generation:
             logits = self.adapter.decode_step(self.last_token, self.positions, self.cache)
         return self.accept(logits)
 
-    def accept(self, logits: torch.Tensor) -> TokenStep:
-        """The model's logits [vocab] for `last_token` at `positions`: sample and emit the next."""
+    def accept(self, logits: torch.Tensor, row: RowLogprobs | None = None) -> TokenStep:
+        """The model's logits [vocab] for `last_token` at `positions`: sample and emit the next.
+        row: their log-probabilities, when the request asked and the batch computed them for its
+        rows together (`epd.decode_svc.runner`); computed here when it asked and `row` is None."""
+        if row is None and self.num_logprobs is not None:
+            row = rows_logprobs(logits.unsqueeze(0), [self.num_logprobs])[0]  # before the sampler runs
         self.positions = self.positions + 1
         self.last_token = self.sampler(logits)
-        return self._emit(self.last_token)
+        step = self._emit(self.last_token)
+        if row is not None:
+            step.logprobs = [token_logprob(row, self.last_token, self.adapter.token_text)]
+        return step
 
     @property
     def done(self) -> bool:
@@ -122,6 +148,7 @@ class DecodeEngine:
         pruning: PruningConfig = PruningConfig(),
         own_cache: bool = True,
         prompt_token_ids: Sequence[int] = (),
+        first_logprob: TokenLogprob | None = None,
         grammar: CompiledGrammar | None = None,
     ) -> Generation:
         return Generation(
@@ -134,5 +161,6 @@ class DecodeEngine:
             pruning,
             own_cache,
             prompt_token_ids,
+            first_logprob,
             grammar,
         )

@@ -6,7 +6,8 @@
      cache (`BatchKv`); the transferred tensors are dropped right after;
   2. one `decode_batch` forward over all rows: token ids [B], positions [4, B] -> logits [B, vocab];
      each Generation samples from its own row with its own sampler (so greedy, seeded sampling,
-     stop strings and limits behave exactly as when it runs alone);
+     stop strings and limits behave exactly as when it runs alone); the rows whose request asked
+     for logprobs get them first, computed together (`batch_logprobs`);
   3. requests with decode-stage eviction decode alone, one `step()` each, in the same engine step
      (eviction shrinks their cache per layer and head, which one shared cache cannot hold), and so
      do all requests of a family without batched decoding (`supports_batched_decode`).
@@ -31,6 +32,7 @@ import torch
 from epd.decode_svc.engine import DecodeEngine
 from epd.decode_svc.scheduler import DecodeRequest
 from epd.model_runtime.batch_kv import BatchKv
+from epd.model_runtime.logprobs import batch_logprobs
 from epd.model_runtime.sampling import SamplingFailed
 from epd.stages.contracts import TokenStep
 from epd.stages.engine_core import ModelRunner, RequestFailed
@@ -70,9 +72,10 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             positions = torch.stack([r.generation.positions for r in self.rows], dim=1)  # [4, B]
             logits = self.adapter.decode_batch(
                 [r.generation.last_token for r in self.rows], positions, self.batch
-            )
-            for r, row_logits in zip(self.rows, logits, strict=True):
-                self._advance(r, partial(r.generation.accept, row_logits), outputs, failed)
+            )  # [B, vocab]
+            rows = batch_logprobs(logits, [r.generation.num_logprobs for r in self.rows])
+            for i, (r, row_logits) in enumerate(zip(self.rows, logits, strict=True)):
+                self._advance(r, partial(r.generation.accept, row_logits, rows.get(i)), outputs, failed)
         for r in batch:
             if r.row is None and not r.finished and not outputs[r]:
                 self._advance(r, r.generation.step, outputs, failed)  # alone: decode-stage eviction
@@ -125,6 +128,7 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             r.pruning,
             own_cache=alone,
             prompt_token_ids=h.distinct_prompt_token_ids,
+            first_logprob=h.first_logprob,
             grammar=r.grammar,
         )
         first = r.generation.first()

@@ -38,6 +38,8 @@ async def start(config: DecodeConfig) -> HealthyServer:
         servicer.stage = LocalDecodeStage(
             DecodeEngine(adapter), puller.take_kv, model_thread, config, confirm_kv=puller.confirm_kv
         )
+        # After the drain: the core's loop and its receipts to prefill, the KV channels, then the model thread.
+        hs.closers += [servicer.stage.close, puller.close, model_thread.close]
         await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
     return hs

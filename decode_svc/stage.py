@@ -43,6 +43,9 @@ from epd.token_pruning import PruningConfig
 
 log = logging.getLogger(__name__)
 
+CONFIRM_WAIT_S = 2.0
+"""How long `close` waits for the receipts still on their way to prefill: each is one small call."""
+
 TakeKv = Callable[[PrefillHandle], Awaitable[KvCache]]
 """take_kv(handle) -> the KV cache of `handle`, handed over once: the caller owns it then."""
 
@@ -118,6 +121,17 @@ class LocalDecodeStage(DecodeStage):
         step, but are not in the core yet: they count as waiting (routers and /metrics see them)."""
         load = self.core.load()
         return replace(load, num_waiting=load.num_waiting + self.num_pulling)
+
+    async def close(self) -> None:
+        """After the drain: stop the core's loop, and give the receipts to prefill still on their
+        way (`confirm_kv`) up to `CONFIRM_WAIT_S` before they are cancelled (prefill then drops
+        those copies at their TTL). Not the model thread: its owner's."""
+        await self.core.close()
+        if self._confirming:
+            await asyncio.wait(set(self._confirming), timeout=CONFIRM_WAIT_S)
+            for task in list(self._confirming):
+                task.cancel()
+            await asyncio.gather(*self._confirming, return_exceptions=True)
 
     def _confirm(self, request: DecodeRequest, handle: PrefillHandle) -> None:
         """The first token is out: nothing retries this request any more, so prefill's copy of its

@@ -37,7 +37,8 @@ async def start(config: EncoderConfig) -> HealthyServer:
         engine = EncoderEngine(config, adapter)
         core = build_encode_core(engine, model_thread)  # tower jobs of all requests, batched per step
         servicer.stage = LocalEncodeStage(engine, model_thread, core=core)
-        hs.closers.append(servicer.stage.close)  # after the drain: the decode workers and request drivers
+        # After the drain: the decode workers and request drivers, then the model thread.
+        hs.closers += [servicer.stage.close, model_thread.close]
         await hs.set_serving(True)
     log.info("encoder serving on port %d", hs.port)
     return hs

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.logprobs import MAX_LOGPROBS
 from epd.model_runtime.sampling import MAX_NEW_TOKENS
 from epd.stages.server_config import ServerConfig
 
@@ -69,6 +70,10 @@ class PrefillConfig:
     """The most tokens a request may ask for (OpenAI's max_tokens; --max-new-tokens-limit, at most
     MAX_NEW_TOKENS, decode's own bound). The gateway learns it (`ModelInfo.max_new_tokens`) and
     refuses a request over it before its media costs an encode."""
+    max_logprobs: int = MAX_LOGPROBS
+    """vLLM's --max-logprobs: the most top tokens a request may ask for at each position (chat
+    completions' top_logprobs, legacy completions' logprobs); more is refused with INVALID_ARGUMENT.
+    The gateway learns it (`ModelInfo.max_logprobs`) and refuses more before the media's encode."""
     max_model_len: int | None = None
     """vLLM's --max-model-len: prompt plus generated tokens at most. None: the model's own context
     (config.json's max_position_embeddings). It may only lower that (`served_context`); the context
@@ -93,6 +98,8 @@ class PrefillConfig:
             raise ValueError(
                 f"max_prompt_tokens (--max-prompt-tokens) must be >= 1 token, got {self.max_prompt_tokens}"
             )
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs (--max-logprobs) must be >= 0, got {self.max_logprobs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len (--max-model-len) must be >= 1 token, got {self.max_model_len}")
         if self.kv_store_bytes < 0:

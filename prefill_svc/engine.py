@@ -32,6 +32,7 @@ from epd.model_runtime.adapter import (
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
+from epd.model_runtime.logprobs import rows_logprobs, token_logprob
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
@@ -40,6 +41,7 @@ from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.contracts import (
     EncodedMedia,
     PrefillHandle,
+    bad_words_token_ids,
     check_generation_limits,
     refuse_unsupported_pruning,
 )
@@ -126,6 +128,7 @@ class PrefillEngine:
             max_prompt_tokens=self.max_prompt_tokens,
             max_new_tokens=self.config.max_new_tokens_limit,
             model_type=self.adapter.family,
+            max_logprobs=self.config.max_logprobs,
         )
 
     def tokenize(self, request: TokenizeInput) -> TokenizeOutput:
@@ -141,6 +144,7 @@ class PrefillEngine:
                     request.template.add_generation_prompt,
                     request.add_special_tokens,
                     request.template.continue_final_message,
+                    request.template.chat_template_kwargs,
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -154,6 +158,11 @@ class PrefillEngine:
         check_token_ids(token_ids, self.adapter.vocab_size, self.config.max_text_chars)
         return self.tokenizing.decode_tokens(list(token_ids))
 
+    def _check_generation(self, generation: GenerationConfig) -> None:
+        check_generation_limits(
+            generation, self.config.max_new_tokens_limit, self.adapter.vocab_size, self.config.max_logprobs
+        )
+
     def validate(
         self,
         messages: Sequence[Message],
@@ -162,7 +171,7 @@ class PrefillEngine:
         template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> None:
         check_messages(messages, self.config.max_text_chars, template=template)
-        check_generation_limits(generation, self.config.max_new_tokens_limit, self.adapter.vocab_size)
+        self._check_generation(generation)
         if bool(media_type(messages)) != (meta is not None):  # a caller other than our gateway
             raise InvalidRequest(
                 "the messages have a video or image part but no visual tokens were sent (set visual)"
@@ -222,14 +231,15 @@ class PrefillEngine:
         queues (a bad request never takes a queue place). `cache_salt` (the tenant) is part of
         the prefix-cache key: KV is reused only within one salt. `raw_prompt`: instead of
         `messages` (empty then, and no media), a prompt run as it is (`epd.stages.raw_prompt`).
-        `template`: how the chat template ends the prompt (a new answer, or the last message left
-        open to continue). The prefix cache needs no part of it in its key: a continued message's
-        prompt is other token ids, and the cache reuses only an entry's common token prefix."""
+        `template`: how the chat template renders the prompt (a new answer, or the last message
+        left open to continue; its variables). The prefix cache needs no part of it in its key: a
+        continued message's or another variable's prompt is other token ids, and the cache reuses
+        only an entry's common token prefix."""
         if raw_prompt is not None:
             check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)
             if media is not None:
                 raise InvalidRequest("a raw prompt takes no visual tokens; send the media with messages")
-            check_generation_limits(generation, self.config.max_new_tokens_limit, self.adapter.vocab_size)
+            self._check_generation(generation)
         else:
             self.validate(messages, None if media is None else media.meta, generation, template)
         if media is None:  # nothing for token dropping or KV compression to act on (module docstring)
@@ -251,6 +261,7 @@ class PrefillEngine:
                     meta,
                     template.add_generation_prompt,
                     template.continue_final_message,
+                    template.chat_template_kwargs,
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -504,8 +515,17 @@ class PrefillEngine:
         distinct_prompt_ids = (
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
+        bad_words = bad_words_token_ids(request.generation, self.adapter)
+        # The raw distribution (last_logits [vocab]), taken before the sampler's processors run.
+        k = request.generation.logprobs
+        row = None if k is None else rows_logprobs(last_logits.unsqueeze(0), [k])[0]
         first = Sampler(
-            request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, request.grammar
+            request.generation,
+            0,
+            distinct_prompt_ids,
+            self.adapter.eos_token_ids,
+            bad_words,
+            request.grammar,
         )(last_logits)
         # The decoder's first step, worked out here so the first token can go out before the
         # cache reaches a decoder; a token that ends the request is left to the decoder.
@@ -530,6 +550,7 @@ class PrefillEngine:
             first_text=None if finish else first_text,
             distinct_prompt_token_ids=distinct_prompt_ids,
             max_new_tokens=request.generation.max_new_tokens,
+            first_logprob=None if row is None else token_logprob(row, first, self.adapter.token_text),
         )
         return PrefillOutput(handle, cache)
 

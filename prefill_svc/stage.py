@@ -162,9 +162,10 @@ class LocalPrefillStage(PrefillStage):
             kv_store_refused=kv.num_refused,
         )
 
-    def close_tokenizer(self) -> None:
-        """Stop the tokenizer thread after the call it runs; queued calls are cancelled."""
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+    def close_tokenizer(self, wait: bool = False) -> None:
+        """Stop the tokenizer thread after the call it runs; queued calls are cancelled. `wait`:
+        return once the thread has ended (it joins it: not on the event loop)."""
+        self._tokenizer_thread.shutdown(wait=wait, cancel_futures=True)
 
     async def close(self) -> None:
         self.close_tokenizer()

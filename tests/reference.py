@@ -170,3 +170,36 @@ def divergence_margin(
         )
     logits = out.logits[i][0]
     return i, float(logits[want[i]] - logits[got[i]])
+
+
+def logprobs_reference(
+    model_dir,
+    max_new_tokens: int,
+    messages: list[dict] | None = None,
+    video: DecodedVideo | None = None,
+    prompt: str | None = None,
+) -> tuple[list[int], torch.Tensor]:
+    """(`generate(do_sample=False)`'s new tokens, the log-probabilities of its raw logits
+    [max_new_tokens, vocab] float32: `torch.log_softmax(output_logits)`) on the unsplit model, for
+    a chat conversation (`messages`, with `video`'s frames or text alone, the processor's own
+    template) or a raw `prompt` (`tokenizer(prompt)`, no template)."""
+    model, processor = whole_model(model_dir)
+    if prompt is not None:
+        ids = processor.tokenizer(prompt).input_ids
+        inputs = {
+            "input_ids": torch.tensor([ids]),
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        }
+    elif video is not None:
+        inputs = reference_inputs(processor, video, messages or [])
+    else:
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=[text], return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    num_prompt_tokens = inputs["input_ids"].shape[1]
+    logits = torch.stack(out.logits)[:, 0]  # [new tokens, vocab]: one per step, before any processor
+    return out.sequences[0, num_prompt_tokens:].tolist(), torch.log_softmax(logits.float(), dim=-1)

@@ -38,7 +38,8 @@ trade that isolation for speed: the same plan on a process pool (bench/process_d
 1.04-1.53x slower on every 300 s benchmark row (docs/benchmarks.md).
 
 Exit: the threads are daemons (an idle pool must not hold the process open), and a pool still
-open at interpreter exit is closed then (`_close_at_exit`), as `close()` does: a daemon thread
+open at interpreter exit is closed then (`_close_at_exit`), as `close()` does (every worker told to
+stop first, then all waited for against one deadline, `CLOSE_WAIT_S`): a daemon thread
 still inside a frame's resize (torchvision) or FFmpeg when the interpreter finalizes is ended by
 pthread_exit as it asks for the GIL back, and the unwinding through torch's C++ frames aborts the
 process ("terminate called without an active exception", `epd.stages.model_thread`).
@@ -83,6 +84,11 @@ from epd.video.types import (
 )
 
 log = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 5.0
+"""How long `close` (and interpreter exit) waits in all for the workers to end: a worker stops at
+its next frame, which takes milliseconds; one that takes longer is stuck inside FFmpeg or a resize,
+and the caller goes on without it."""
 
 
 @dataclass(frozen=True)
@@ -730,11 +736,17 @@ class ParallelDecoder:
             self._tasks.put(task)
         return stream
 
-    def close(self) -> None:
-        """Stop the pool: running shares finish their current frame, threads exit."""
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop the pool: running shares finish their current frame, threads exit. Every worker is
+        told to stop first, then all are waited for together, for at most `wait_s` in all
+        (default `CLOSE_WAIT_S`): a pool of N stuck workers costs one wait, not N. Idempotent."""
+        self._join(self._stop(), time.monotonic() + (CLOSE_WAIT_S if wait_s is None else wait_s))
+
+    def _stop(self) -> list[_Worker]:
+        """Retire every worker and wake the idle ones; the workers to wait for (none if already closed)."""
         with self._lock:
             if self._closed:
-                return
+                return []
             self._closed = True
             workers = list(self._workers)
         with _open_pools_lock:
@@ -742,8 +754,19 @@ class ParallelDecoder:
         for worker in workers:
             worker.retired.set()
             self._tasks.put(None)
+        return workers
+
+    @staticmethod
+    def _join(workers: list[_Worker], deadline_s: float) -> None:
+        """Wait until `deadline_s` (time.monotonic()) for `workers` to end. A thread cannot be
+        killed from Python: one still inside FFmpeg or a resize then is left to end at its next
+        frame (or with the process)."""
+        me = threading.current_thread()
         for worker in workers:
-            worker.join(timeout=5.0)
+            if worker is not me:
+                worker.join(timeout=max(0.0, deadline_s - time.monotonic()))
+        if running := [w.name for w in workers if w.is_alive() and w is not me]:
+            log.warning("video decode threads %s still run after close", ", ".join(running))
 
     def __enter__(self) -> ParallelDecoder:
         return self
@@ -793,5 +816,7 @@ def _close_at_exit() -> None:
     stop at their next frame (see the module docstring)."""
     with _open_pools_lock:
         pools = list(_open_pools)
-    for pool in pools:
-        pool.close()
+    stopped = [pool._stop() for pool in pools]  # every pool's workers told first, then one wait for all
+    deadline_s = time.monotonic() + CLOSE_WAIT_S
+    for workers in stopped:
+        ParallelDecoder._join(workers, deadline_s)

@@ -15,6 +15,9 @@ continues that message, as vLLM's `continue_final_message` (with `add_generation
 which the flag implies: continuing cannot follow a new answer's opening); the answer is the
 continuation alone. `--no-add-generation-prompt` alone renders the conversation without the
 opening of a new answer. Both shape a --messages conversation's template only.
+`--chat-template-kwargs JSON` passes extra variables to the model's chat template in any chat form
+(vLLM's `chat_template_kwargs`: `'{"enable_thinking": false}'` closes a Qwen3.5 template's
+thinking block); --prompt has no template to take them.
 
 Follow-ups: `--question Q` (repeatable, after QUESTION if given) and `--interactive` (questions
 read from stdin, one a line, until EOF or an empty line) ask in turn as one conversation: each
@@ -102,13 +105,16 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def _template(args: argparse.Namespace) -> ChatTemplateOptions:
-    """--continue-final-message / --no-add-generation-prompt as the chat template's options (the
-    defaults without them); ValueError, saying what to change, without --messages FILE: a
-    QUESTION or --question ends with the user's question (nothing to continue), --prompt has no
-    template. --continue-final-message implies --no-add-generation-prompt (both true is refused
-    by every door), so that the one flag is all a user needs to continue the assistant's message."""
+    """--continue-final-message / --no-add-generation-prompt / --chat-template-kwargs as the chat
+    template's options (the defaults without them); ValueError, saying what to change, for the
+    first two without --messages FILE (a QUESTION or --question ends with the user's question:
+    nothing to continue) and for any of them with --prompt (no template); InvalidRequest for
+    variables no door takes. --continue-final-message implies --no-add-generation-prompt (both true
+    is refused by every door), so that the one flag is all a user needs to continue the
+    assistant's message."""
     from epd.stages.messages import ChatTemplateOptions
 
+    kwargs = _template_kwargs(args)
     given = [
         flag
         for flag, on in (
@@ -118,7 +124,7 @@ def _template(args: argparse.Namespace) -> ChatTemplateOptions:
         if on
     ]
     if not given:
-        return ChatTemplateOptions()
+        return ChatTemplateOptions(chat_template_kwargs=kwargs)
     if not args.messages or args.prompt is not None:
         raise ValueError(
             f"{' and '.join(given)} shape the chat template's end of a --messages FILE conversation: "
@@ -126,8 +132,31 @@ def _template(args: argparse.Namespace) -> ChatTemplateOptions:
             f"{' and '.join(given)}"
         )
     return ChatTemplateOptions(
-        add_generation_prompt=False, continue_final_message=args.continue_final_message
+        add_generation_prompt=False,
+        continue_final_message=args.continue_final_message,
+        chat_template_kwargs=kwargs,
     )
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--chat-template-kwargs JSON as a dict ({} without it), checked as every door checks it."""
+    from epd.stages.template_kwargs import check_chat_template_kwargs
+
+    if not args.chat_template_kwargs:
+        return {}
+    if args.prompt is not None:
+        raise ValueError(
+            "--chat-template-kwargs sets the chat template's variables; --prompt has no template: drop one"
+        )
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+    except ValueError:
+        raise ValueError(
+            f"--chat-template-kwargs {args.chat_template_kwargs[:80]!r} is not JSON; give an object such as "
+            """'{"enable_thinking": false}'"""
+        ) from None
+    check_chat_template_kwargs(kwargs)
+    return kwargs
 
 
 def _raw_prompt(args: argparse.Namespace) -> str | None:
@@ -350,7 +379,12 @@ async def _ask_embedded(
         history = History(with_media=media is not None)
         async for question in _questions(args):
             answer: list[str] = []
-            yield question, _embedded_stream(args, pipeline, media, history.messages_for(question), answer)
+            yield (
+                question,
+                _embedded_stream(
+                    args, pipeline, media, history.messages_for(question), answer, template=template
+                ),
+            )
             history.add(question, answer[0])
 
     await _print_turns(args, turns(), notice)
@@ -487,12 +521,15 @@ async def _ask_remote(
                     else dict(
                         add_generation_prompt=template.add_generation_prompt,
                         continue_final_message=template.continue_final_message,
+                        chat_template_kwargs=dict(template.chat_template_kwargs),
                     )
                 )
                 yield "", client.stream(path, messages=messages, **options, **shape)
                 return
             # The SDK's conversation: the video goes up once, later turns send its sha256 (None:
             # --no-video, a text-only conversation).
+            if template is not None and template.chat_template_kwargs:
+                options["chat_template_kwargs"] = dict(template.chat_template_kwargs)
             chat = client.conversation(path, **options)
             async for question in _questions(args):
                 yield question, chat.stream(question)

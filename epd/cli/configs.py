@@ -87,6 +87,8 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         logit_bias=tuple(sorted(dict(args.logit_bias).items())),
         stop_token_ids=tuple(args.stop_token_id),
         include_stop_str_in_output=args.include_stop_str_in_output,
+        allowed_token_ids=tuple(args.allowed_token_id),
+        bad_words=tuple(args.bad_word),
         structured_outputs=structured_outputs(args),
     )
 
@@ -110,6 +112,7 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
         f.name: getattr(generation, f.name) for f in fields(generation) if f.name != "fit_max_new_tokens"
     }
     options["logit_bias"] = dict(generation.logit_bias)
+    options["allowed_token_ids"] = list(generation.allowed_token_ids) or None  # None: every token
     return options
 
 
@@ -266,6 +269,7 @@ def _prefill_config(
         kv_store_bytes=args.kv_store_bytes,
         kv_ttl_s=args.kv_ttl,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        max_logprobs=args.max_logprobs,
         max_model_len=args.max_model_len,
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_bytes=args.prefix_cache_bytes,

@@ -139,6 +139,15 @@ def add_prefill_limit_flags(p) -> None:
         "before the request's media is decoded and encoded",
     )
     p.add_argument(
+        "--max-logprobs",
+        type=_max_logprobs,
+        default=PrefillConfig.max_logprobs,
+        metavar="N",
+        help="vLLM's: the most top tokens a request may ask logprobs of at each position (chat "
+        "completions' top_logprobs, completions' logprobs; default 20); more is refused with 400 / "
+        "INVALID_ARGUMENT. They are of the raw model distribution (vLLM's default logprobs mode)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=_max_model_len,
         default=PrefillConfig.max_model_len,
@@ -283,6 +292,21 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         "--include-stop-str-in-output",
         action="store_true",
         help="keep the stop string or stop token that ended the answer in it",
+    )
+    g.add_argument(
+        "--allowed-token-id",
+        type=int,
+        action="append",
+        default=[],
+        metavar="TOKEN_ID",
+        help="generate only tokens given with this flag (repeatable; default: every token)",
+    )
+    g.add_argument(
+        "--bad-word",
+        action="append",
+        default=[],
+        metavar="WORD",
+        help="never generate this word, with or without a leading space (repeatable)",
     )
     # Structured outputs (vLLM's; xgrammar: pip install 'epd[structured]'): one constraint at most.
     c = g.add_mutually_exclusive_group()
@@ -562,6 +586,11 @@ def _max_new_tokens_limit(text: str) -> int:
     from epd.model_runtime.sampling import MAX_NEW_TOKENS
 
     return _count("a number of tokens", MAX_NEW_TOKENS, "tokens")(text)
+
+
+def _max_logprobs(text: str) -> int:
+    """An argparse type: 0 (no logprobs at all) to 2**20 top tokens a position (more than any vocabulary)."""
+    return _count("a number of tokens", 1 << 20, "tokens", low=0)(text)
 
 
 _TOKENS_WITH_SUFFIX = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
@@ -944,6 +973,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --messages FILE ending with the assistant's message: continue that message "
         "(vLLM's continue_final_message; implies --no-add-generation-prompt); the answer is "
         "the continuation alone",
+    )
+    ask.add_argument(
+        "--chat-template-kwargs",
+        default="",
+        metavar="JSON",
+        help="extra variables of the model's chat template, a JSON object (vLLM's chat_template_kwargs): "
+        """'{"enable_thinking": false}' closes a Qwen3.5 template's thinking block; variables the """
+        "template does not read are dropped; not with --prompt",
     )
     ask.add_argument(
         "--no-add-generation-prompt",

@@ -74,7 +74,9 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    _exit_now(serve_role(args))
+    code = serve_role(args)
+    _log_threads_left()
+    _exit_now(code)
 
 
 def serve_role(args: argparse.Namespace) -> int:
@@ -263,6 +265,26 @@ async def _colocated(config, stages: ColocatedStages) -> None:
             schedule=stages.schedule,
         ),
     )
+
+
+_NOT_OURS = ("_poll_wrapper", "tqdm_monitor")
+"""Threads of libraries that live as long as the library and run no torch call, left out of
+`_log_threads_left`: gRPC's completion-queue poller (grpc.aio), and tqdm's monitor (started by the
+weights' loading bar, asleep in a pure-Python wait)."""
+
+
+def _log_threads_left() -> None:
+    """After the service stopped: name the threads of ours still running (its closers,
+    `HealthyServer.closers`, should have ended them). Harmless under `os._exit`, but an exit through
+    the interpreter's teardown with a daemon thread inside a torch call aborts the process
+    ("terminate called without an active exception", `epd.stages.model_thread`)."""
+    left = sorted(
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not any(n in t.name for n in _NOT_OURS)
+    )
+    if left:
+        log.warning("threads still running after the service stopped: %s", ", ".join(left))
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -21,6 +21,8 @@ from epd.client.types import (
     Timings,
     TokenDelta,
     TokenizeResult,
+    TokenLogprob,
+    TopLogprob,
 )
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message
 
@@ -47,5 +49,7 @@ __all__ = [
     "Timings",
     "TokenDelta",
     "TokenizeResult",
+    "TokenLogprob",
+    "TopLogprob",
     "build_header",
 ]

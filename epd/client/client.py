@@ -26,6 +26,7 @@ the gRPC status, the server's message, and `retry_after_s` when the server was b
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
 import warnings
@@ -52,9 +53,10 @@ from epd.client.types import (
     stage_event_from_proto,
     tokenize_result_from_proto,
 )
+from epd.stages import template_kwargs
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
-from epd.transport.message_convert import messages_to_proto
+from epd.transport.message_convert import logprobs_from_proto, messages_to_proto
 from epd.transport.status_metadata import retry_after_in
 from epd.transport.tracing import metadata_value
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
@@ -91,8 +93,11 @@ _SAMPLING_OPTIONS = (
 _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "skip_special_tokens",
+    "spaces_between_special_tokens", "logprobs",
 )  # fmt: skip
+_GENERATION_PRESENT = ("seed", "skip_special_tokens", "spaces_between_special_tokens", "logprobs")
+"""Options whose field has presence on the wire: sent when given, a zero or False included."""
 
 
 def build_header(
@@ -115,16 +120,23 @@ def build_header(
     Generation: max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, and vLLM's
     repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias
     ({token id: bias}; ids as decimal strings too, as in an OpenAI body), stop_token_ids,
-    include_stop_str_in_output (GenerationConfig's meanings); structured outputs as vLLM's
-    `structured_outputs` ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice":
-    [...]} or {"grammar": "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format`
-    ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).
+    include_stop_str_in_output, allowed_token_ids (a non-empty list of token ids), bad_words (a
+    list of strings), skip_special_tokens and spaces_between_special_tokens (default True: the
+    answer's text without the tokenizer's special tokens) (GenerationConfig's meanings);
+    logprobs=k (0 to the server's --max-logprobs, 20 by default): each generated token's
+    log-probability and the k most likely tokens' (`AskResult.logprobs`, `TokenDelta.logprobs`;
+    raw model distribution, vLLM's default); structured outputs as vLLM's `structured_outputs`
+    ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice": [...]} or {"grammar":
+    "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format` ({"type":
+    "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
     add_generation_prompt (default True: a new answer follows the last message) and
     continue_final_message (True, with add_generation_prompt=False and the assistant's message
-    last: the model continues that message, and the answer is the continuation alone).
+    last: the model continues that message, and the answer is the continuation alone), and
+    chat_template_kwargs (a dict of extra template variables, JSON values, such as
+    {"enable_thinking": False}; those the model's template does not read are dropped).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
     cannot tell from unset; messages=[]. TypeError naming the option: a value of the wrong type
@@ -138,6 +150,10 @@ def build_header(
     )
     if options.get("logit_bias") is not None:
         options["logit_bias"] = _logit_bias(options["logit_bias"])
+    if isinstance(options.get("bad_words"), str):  # protobuf would send each of its characters as a word
+        raise TypeError(
+            f"bad_words must be a list of strings, such as ['red'], got {_shown(options['bad_words'])}"
+        )
     sampling_given = {k: v for k in _SAMPLING_OPTIONS if (v := options.pop(k, None)) is not None}
     generation_given = {k: v for k in _GENERATION_OPTIONS if (v := options.pop(k, None)) is not None}
     # Types first (protobuf's own TypeError names neither the option nor what it takes), then ranges.
@@ -151,9 +167,11 @@ def build_header(
         raise ValueError(f"top_p must be in (0, 1] (None: 1, all tokens), got {top_p}")
     if (penalty := generation_given.get("repetition_penalty")) is not None and not penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
+    if (allowed := generation_given.get("allowed_token_ids")) is not None and not len(allowed):
+        raise ValueError("allowed_token_ids is empty, which allows no token (None: every token)")
     sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
     generation = common_pb2.GenerationParams(
-        **{k: v for k, v in generation_given.items() if v or k == "seed"}
+        **{k: v for k, v in generation_given.items() if v or k in _GENERATION_PRESENT}
     )
     if structured is not None:
         generation.structured_outputs.CopyFrom(structured)
@@ -173,7 +191,9 @@ def build_header(
     cache_salt = options.pop("cache_salt", "") or ""
     prompt = _raw_prompt(options.pop("prompt", None))
     template = _template(
-        options.pop("add_generation_prompt", None), options.pop("continue_final_message", None)
+        options.pop("add_generation_prompt", None),
+        options.pop("continue_final_message", None),
+        options.pop("chat_template_kwargs", None),
     )
     if options:
         known = sorted(
@@ -187,6 +207,7 @@ def build_header(
                 "prompt",
                 "add_generation_prompt",
                 "continue_final_message",
+                "chat_template_kwargs",
             )
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
@@ -216,19 +237,34 @@ def build_header(
 
 
 def _template(
-    add_generation_prompt: Any, continue_final_message: Any
+    add_generation_prompt: Any, continue_final_message: Any, chat_template_kwargs: Any
 ) -> messages_pb2.ChatTemplateOptions | None:
     """The chat template options; None (unset on the wire) for the defaults. The server checks
-    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400)."""
+    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400) and the variables' names and
+    sizes."""
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
     ):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {_shown(value)}")
-    if add_generation_prompt is None and not continue_final_message:
+    kwargs_json = ""
+    if chat_template_kwargs:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict of variable names to values, got {_shown(chat_template_kwargs)}"
+            )
+        try:
+            kwargs_json = template_kwargs.to_json(chat_template_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"chat_template_kwargs must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
+            ) from None
+    if add_generation_prompt is None and not continue_final_message and not kwargs_json:
         return None
-    options = messages_pb2.ChatTemplateOptions(continue_final_message=bool(continue_final_message))
+    options = messages_pb2.ChatTemplateOptions(
+        continue_final_message=bool(continue_final_message), chat_template_kwargs_json=kwargs_json
+    )
     if add_generation_prompt is not None:
         options.add_generation_prompt = add_generation_prompt
     return options
@@ -349,6 +385,7 @@ def tokenize_request(
     continue_final_message: bool | None,
     return_token_strs: bool,
     request_id: str,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> gateway_pb2.GatewayServiceTokenizeRequest:
     """The request of `tokenize` (see there); TypeError for a value of the wrong type, or for
     both or neither of prompt and messages, ValueError for messages=[]. The server checks the
@@ -369,7 +406,7 @@ def tokenize_request(
         prompt=prompt,
         messages=messages_to_proto(conversation(messages)) if messages is not None else [],
         add_special_tokens=add_special_tokens,
-        template=_template(add_generation_prompt, continue_final_message),
+        template=_template(add_generation_prompt, continue_final_message, chat_template_kwargs),
         return_token_strs=return_token_strs,
     )
 
@@ -502,7 +539,9 @@ class AsyncEpdClient:
                     events.append(event)
                     yield event
                 elif kind == "delta":
-                    yield TokenDelta(list(msg.delta.token_ids), msg.delta.text)
+                    yield TokenDelta(
+                        list(msg.delta.token_ids), msg.delta.text, logprobs_from_proto(msg.delta.logprobs)
+                    )
                 elif kind == "summary":
                     result = result_from_proto(msg.summary, events)
                     result.num_attempts, result.media_num_bytes_sent = meta
@@ -576,6 +615,7 @@ class AsyncEpdClient:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         return_token_strs: bool = False,
         request_id: str = "",
         timeout_s: float | None = None,
@@ -587,9 +627,10 @@ class AsyncEpdClient:
         prompt: a text, tokenised as it is; or messages: `Message`s or chat-form dicts without a
         video or image part (INVALID_ARGUMENT: their tokens depend on the frames sampled), ending
         with any role's message. add_special_tokens: None is vLLM's default (True for a prompt,
-        False for messages). add_generation_prompt / continue_final_message: as `ask`'s (the
-        default ends with the opening of a new answer, so `num_tokens` is that ask's
-        `num_prompt_tokens`). return_token_strs: also the tokenizer's token of each id."""
+        False for messages). add_generation_prompt / continue_final_message /
+        chat_template_kwargs: as `ask`'s (the default ends with the opening of a new answer, so
+        `num_tokens` is that ask's `num_prompt_tokens`). return_token_strs: also the tokenizer's
+        token of each id."""
         request = tokenize_request(
             prompt,
             messages,
@@ -598,6 +639,7 @@ class AsyncEpdClient:
             continue_final_message,
             return_token_strs,
             request_id,
+            chat_template_kwargs,
         )
         answer = await self._unary("Tokenize", request, timeout_s)
         return tokenize_result_from_proto(answer, return_token_strs)
@@ -673,7 +715,7 @@ class AsyncEpdClient:
                     yield msg, (attempt, source.num_bytes if source else 0)
                 return
             except grpc.aio.AioRpcError as exc:
-                error = _call_error(exc, deadline, timeout_s_used)
+                error = _call_error(exc, deadline, timeout_s_used, "or ask for fewer tokens or frames")
             except asyncio.CancelledError:
                 if not cancelled_by_grpc():
                     raise  # our caller cancelled this call
@@ -733,9 +775,12 @@ class AsyncEpdClient:
         await self.close()
 
 
-def _call_error(exc: grpc.aio.AioRpcError, deadline: float, timeout_s_used: float) -> EpdError:
+def _call_error(
+    exc: grpc.aio.AioRpcError, deadline: float, timeout_s_used: float, also_helps: str = ""
+) -> EpdError:
     """The SDK's error for a failed call: the server's status and message, gRPC's own words for
-    a send cut short or our deadline replaced by what to change."""
+    a send cut short or our deadline replaced by what to change (`also_helps`: what else does, for
+    this call, after "raise timeout_s")."""
     code, message = exc.code(), exc.details() or ""
     request_id = metadata_value(exc.trailing_metadata())
     exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the mark means "busy" on it only
@@ -753,10 +798,9 @@ def _call_error(exc: grpc.aio.AioRpcError, deadline: float, timeout_s_used: floa
         )
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED and _past(deadline):
         # Our own deadline (gRPC's text: "Deadline Exceeded"), not a server's message.
-        message = (
-            f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise "
-            "timeout_s, or ask for fewer tokens or frames"
-        )
+        message = f"no answer within the call's deadline ({timeout_s_used:g} s, timeout_s); raise timeout_s"
+        if also_helps:
+            message += f", {also_helps}"
     return EpdError(code, message, retry_after_s, request_id)
 
 
@@ -779,7 +823,12 @@ async def _requests(header: gateway_pb2.AskHeader, source: MediaSource | None):
 class EpdClient:
     """Blocking client with the same methods and arguments. It runs an `AsyncEpdClient` on a
     private event loop in its own thread, so it also works where a loop is already running
-    (Jupyter, other async frameworks' threads)."""
+    (Jupyter, other async frameworks' threads).
+
+    `close()` when done (or `with`); a client still open at interpreter exit is closed then
+    (`_close_at_exit`). Its thread is a daemon, which cannot run once the interpreter finalizes:
+    a stream left half read was closed only then, by its generator's finalizer, which waited
+    forever for the loop to cancel the call (the script hung at exit)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, **settings) -> None:
         self._closed = False
@@ -793,6 +842,8 @@ class EpdClient:
             # certificate file, a bad option) would leave its thread and loop running.
             self._stop_loop()
             raise
+        with _open_clients_lock:
+            _open_clients.add(self)
 
     def _run(self, coro):
         if self._closed:
@@ -854,14 +905,21 @@ class EpdClient:
                 self._run(agen.aclose())
 
     def close(self) -> None:
+        """Close the channel (a call in flight ends with CANCELLED) and the streams left open, then
+        stop the client's thread. Idempotent."""
         if self._closed:
             return
         try:
             self._run(self._client.close())
+            # A stream left half read: its async generators are closed now, on the loop, rather
+            # than by the garbage collector later, when the loop is gone ("Event loop is closed").
+            self._run(self._loop.shutdown_asyncgens())
         finally:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
+        with _open_clients_lock:
+            _open_clients.discard(self)
         self._closed = True  # first: a call made from now on is refused, not queued on a stopped loop
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
@@ -876,3 +934,18 @@ class EpdClient:
 
 async def _make(endpoint: str, timeout_s: float, settings: dict[str, Any]) -> AsyncEpdClient:
     return AsyncEpdClient(endpoint, timeout_s, **settings)  # grpc.aio channels bind to the running loop
+
+
+_open_clients: set[EpdClient] = set()
+"""Clients not closed yet, which `_close_at_exit` closes."""
+_open_clients_lock = threading.Lock()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the clients nobody closed (a script that never calls `close`), while their threads can
+    still run: atexit handlers run before the interpreter finalizes."""
+    with _open_clients_lock:
+        clients = list(_open_clients)
+    for client in clients:
+        client.close()

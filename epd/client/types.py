@@ -29,8 +29,9 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.names import TIMING_NAMES, Stage, timings_from_either, timings_with_legacy_names
-from epd.transport.message_convert import stop_reason_from_proto
+from epd.transport.message_convert import logprobs_from_proto, stop_reason_from_proto
 from epd.v1 import common_pb2, gateway_pb2
 
 __all__ = [
@@ -45,6 +46,8 @@ __all__ = [
     "Timings",
     "TokenDelta",
     "TokenizeResult",
+    "TokenLogprob",
+    "TopLogprob",
 ]
 
 
@@ -93,6 +96,8 @@ class TokenDelta:
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids` when the request asked (`logprobs=k`); else None."""
 
 
 @dataclass
@@ -252,6 +257,10 @@ class AskResult:
     stop_reason: str | int | None = None
     """vLLM's: the stop string that ended the answer, or the stop token id (of `stop_token_ids`);
     None when the end-of-sequence token or `max_new_tokens` ended it."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids` when the request asked (`logprobs=k`): the token's float32
+    log-probability under the model's raw distribution and the k most likely tokens' (`top`, in
+    rank order); None when it did not ask."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.timings_ms, Timings):  # a 0.1 caller's dict
@@ -277,6 +286,7 @@ class AskResult:
             "kept_visual_token_index": list(self.kept_visual_token_index),
             "num_reused_prompt_tokens": self.num_reused_prompt_tokens,
             "stop_reason": self.stop_reason,
+            "logprobs": None if self.logprobs is None else [logprob_to_dict(lp) for lp in self.logprobs],
             "events": [e.to_dict() for e in self.events],
             "num_attempts": self.num_attempts,
             "media_num_bytes_sent": self.media_num_bytes_sent,
@@ -363,6 +373,7 @@ def result_from_proto(s: gateway_pb2.AskSummary, events: list[StageEvent]) -> As
         kept_visual_token_index=list(s.kept_visual_token_index),
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
         stop_reason=stop_reason_from_proto(s),
+        logprobs=logprobs_from_proto(s.logprobs),
     )
 
 
@@ -375,3 +386,15 @@ def tokenize_result_from_proto(
         max_model_len=r.max_model_len if r.HasField("max_model_len") else None,
         token_strs=list(r.token_strs) if return_token_strs else None,
     )
+
+
+def logprob_to_dict(lp: TokenLogprob) -> dict[str, Any]:
+    """JSON-able; -inf (a masked logit) as JSON cannot hold it: vLLM's floor, -9999.0."""
+    return {
+        "token_id": lp.token_id,
+        "token": lp.token,
+        "logprob": max(lp.logprob, -9999.0),
+        "top": [
+            {"token_id": t.token_id, "token": t.token, "logprob": max(t.logprob, -9999.0)} for t in lp.top
+        ],
+    }

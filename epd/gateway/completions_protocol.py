@@ -6,7 +6,8 @@ tokenises text by default (`tokenizer(prompt)`, its special tokens added), with 
 request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch of several is
 refused (400), as epd answers one prompt per call. The generation options, streaming,
 `stream_options` and the server-side defaults are chat completions' (`epd.gateway.openai_protocol`);
-`echo` (a text prompt's) is taken, `logprobs` and `suffix` are refused. The answer is a
+`echo` (a text prompt's) and `logprobs` (`epd.gateway.logprobs_protocol`; not with `echo`, which
+would ask for the prompt's) are taken, `suffix` is refused. The answer is a
 `text_completion` (streamed: `text_completion` chunks ending in `data: [DONE]`), each choice with
 vLLM's `stop_reason` and `token_ids`, and the same `usage` and `epd` objects as chat's.
 """
@@ -17,6 +18,7 @@ import time
 from typing import Any
 
 from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, number_item
+from epd.gateway.logprobs_protocol import completion_logprobs, completion_logprobs_option
 from epd.gateway.openai_protocol import (
     KNOWN_CHAT_FIELDS,
     UNSUPPORTED_CHAT_FIELDS,
@@ -45,7 +47,17 @@ OpenAI's `suffix` (text after the completion) is not implemented."""
 _COMPLETION_KNOWN = (
     # The chat template's options are not vLLM's completions fields either (a raw prompt has no
     # template): logged as unknown, as vLLM ignores them.
-    (KNOWN_CHAT_FIELDS - {"messages", "media", "pruning", "add_generation_prompt", "continue_final_message"})
+    (
+        KNOWN_CHAT_FIELDS
+        - {
+            "messages",
+            "media",
+            "pruning",
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template_kwargs",
+        }
+    )
     | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}
 )
 
@@ -61,16 +73,21 @@ def parse_completion_request(
     """Validate a legacy completions body into the request chat's handler runs (no messages, a
     raw prompt); raises InvalidRequest (400) or NotFound (404, model)."""
     model = check_model(body, served_model)
-    if body.get("logprobs") is not None or body.get("prompt_logprobs") not in (None, 0):
-        # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
-        raise InvalidRequest("logprobs are not supported by this server; leave 'logprobs' unset")
     refuse_unsupported_fields(body, _COMPLETION_UNSUPPORTED, _COMPLETION_KNOWN)
     prompt = _prompt(body.get("prompt"))
     echo = boolean_field(body, "echo", False)
+    logprobs = completion_logprobs_option(body)
     if echo and prompt.token_ids:
         raise InvalidRequest(
             "'echo' needs a text prompt (this server does not detokenise a prompt of token "
             "ids); send the prompt as text, or leave 'echo' unset"
+        )
+    if echo and logprobs is not None:
+        # Refused, not answered without them: OpenAI's and vLLM's echo with logprobs lists the
+        # prompt's tokens' logprobs first, which this server does not compute (prompt_logprobs).
+        raise InvalidRequest(
+            "'echo' with 'logprobs' asks for the prompt's logprobs too, which this server does not "
+            "compute; leave 'echo' unset to get the generated tokens' logprobs"
         )
     check_raw_prompt(prompt)
     return ChatRequest(
@@ -80,7 +97,7 @@ def parse_completion_request(
         sampling=sampling_defaults,
         raw_prompt=prompt,
         echo=echo,
-        **answer_options(body, model, generation_defaults),
+        **answer_options(body, model, generation_defaults, logprobs),
     )
 
 
@@ -115,7 +132,7 @@ def text_completion_body(
             {
                 "index": 0,
                 "text": request.echoed_text + summary.answer,
-                "logprobs": None,
+                "logprobs": None if summary.logprobs is None else completion_logprobs(summary.logprobs),
                 "finish_reason": summary.finish_reason or "stop",
                 "stop_reason": summary.stop_reason,
                 "token_ids": summary.token_ids,  # vLLM's (with its return_token_ids): the answer's
@@ -134,12 +151,14 @@ def text_completion_chunk(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     stop_reason: StopReason = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed `text_completion` chunk; `token_ids` (extra) are the tokens its text came from."""
+    """One streamed `text_completion` chunk; `token_ids` (extra) are the tokens its text came from,
+    `logprobs` their `completion_logprobs` object when the request asked."""
     choice: dict[str, Any] = {
         "index": 0,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }

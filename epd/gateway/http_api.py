@@ -81,6 +81,7 @@ from epd.gateway.http_body import (
     unsupported_encoding_message,
     unsupported_expect,
 )
+from epd.gateway.logprobs_protocol import completion_logprobs
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from epd.gateway.openai_protocol import (
@@ -99,6 +100,7 @@ from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
+from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
@@ -504,6 +506,7 @@ class HttpApi:
     ) -> None:
         created = int(time.time())
         num_tokens = 0
+        text_offset = 0  # characters of the choice's text sent so far (a completion's logprobs text_offset)
         call = current_call()
         num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
 
@@ -545,12 +548,24 @@ class HttpApi:
                             )
                         if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
                             await send(_delta_chunk(chat, request_id, created, echoed, None))
+                            text_offset += len(echoed)
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
                         if item.token_ids or item.text:
-                            await send(_delta_chunk(chat, request_id, created, item.text, item.token_ids))
+                            await send(
+                                _delta_chunk(
+                                    chat,
+                                    request_id,
+                                    created,
+                                    item.text,
+                                    item.token_ids,
+                                    item.logprobs,
+                                    text_offset,
+                                )
+                            )
+                            text_offset += len(item.text)
                         continue
                     log_summary(item)
                     num_prompt_tokens = item.num_prompt_tokens
@@ -587,13 +602,30 @@ class HttpApi:
 
 
 def _delta_chunk(
-    chat: ChatRequest, request_id: str, created: int, text: str, token_ids: list[int] | None
+    chat: ChatRequest,
+    request_id: str,
+    created: int,
+    text: str,
+    token_ids: list[int] | None,
+    logprobs: list[TokenLogprob] | None = None,
+    text_offset: int = 0,
 ) -> dict[str, Any]:
     """A streamed answer's chunk of new text: chat's delta, or a legacy completion's text;
-    `token_ids` None (no `token_ids` field): the echoed text, which no generated token made."""
+    `token_ids` None (no `token_ids` field): the echoed text, which no generated token made.
+    `logprobs`: those of `token_ids` when the request asked (a completion's first `text_offset`
+    is the length of the text sent before this chunk, as vLLM streams it)."""
     if chat.raw_prompt is not None:
-        return text_completion_chunk(request_id, chat.model, created, text, token_ids=token_ids)
-    return chunk_body(request_id, chat.model, created, {"content": text}, token_ids=token_ids)
+        return text_completion_chunk(
+            request_id,
+            chat.model,
+            created,
+            text,
+            token_ids=token_ids,
+            logprobs=None if logprobs is None else completion_logprobs(logprobs, text_offset),
+        )
+    return chunk_body(
+        request_id, chat.model, created, {"content": text}, token_ids=token_ids, logprobs=logprobs
+    )
 
 
 def _final_chunk(

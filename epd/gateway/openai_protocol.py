@@ -9,9 +9,13 @@ or `image_url` part per request, in a user message; with none, the conversation 
 "pruning" are checked but have nothing to act on, as vLLM ignores its multimodal options
 without media; `kv_dtype` still narrows the KV cache). Generation options are OpenAI's own fields (max_completion_tokens or
 max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias,
-response_format) plus vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`,
-`stop_token_ids`, `include_stop_str_in_output` and structured outputs (`structured_outputs`,
-`guided_json` ...: `epd.gateway.structured_request`), with vLLM's meanings; frame sampling goes in
+response_format; logprobs and top_logprobs: `epd.gateway.logprobs_protocol`) plus
+vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
+`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`,
+`spaces_between_special_tokens` and structured outputs (`structured_outputs`, `guided_json` ...:
+`epd.gateway.structured_request`), with vLLM's meanings; the chat template's variables go in vLLM's
+`chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
+`continue_final_message`; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
@@ -47,15 +51,20 @@ from epd.gateway.json_fields import (
     number_item,
     shown_value,
 )
+from epd.gateway.logprobs_protocol import chat_logprobs, chat_logprobs_option
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
 from epd.model_runtime.detokenizer import StopReason
+from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
     GenerationConfig,
+    check_bad_words,
     check_stop_strings,
 )
 from epd.stages.contracts import check_cache_salt
@@ -64,6 +73,7 @@ from epd.stages.messages import ROLES, ChatTemplateOptions, ContentPart, Message
 from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
 from epd.stages.raw_prompt import RawPrompt
+from epd.stages.template_kwargs import check_chat_template_kwargs
 from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
 from epd.transport.errors import status_of
@@ -117,8 +127,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
-    "bad_words": ([],),
-    "allowed_token_ids": ([],),
     # vLLM's other ways to ask for a grammar (response_format, structured_outputs and guided_json,
     # guided_regex, guided_choice, guided_grammar are read: `epd.gateway.structured_request`).
     "guided_whitespace_pattern": (),
@@ -131,11 +139,8 @@ UNSUPPORTED_CHAT_FIELDS = {
     "modalities": (["text"],),
     # vLLM's: they change the prompt, the frames or the text of the answer, so ignoring them
     # answered another question than the one asked (frames as vLLM samples them go in `media`).
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
     "add_special_tokens": (False,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "mm_processor_kwargs": ({},),
     "truncate_prompt_tokens": (),
     "documents": ([],),
@@ -164,9 +169,10 @@ _INSTEAD = {"mm_processor_kwargs": _FRAMES_GO_IN_MEDIA, "media_io_kwargs": _FRAM
 KNOWN_CHAT_FIELDS = {
     "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop", "ignore_eos",
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
-    "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output",
+    "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+    "skip_special_tokens", "spaces_between_special_tokens",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
-    "add_generation_prompt", "continue_final_message", "echo", *STRUCTURED_FIELDS,
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo", *STRUCTURED_FIELDS,
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -230,9 +236,9 @@ class ChatRequest:
     answer's content begins with the last message's, when that message's role is the answer's
     (`echoed_text`)."""
     template: ChatTemplateOptions = ChatTemplateOptions()
-    """vLLM's `add_generation_prompt` and `continue_final_message`: how the chat template ends
-    the prompt. A continued message's answer is the continuation alone, as vLLM's; with `echo`
-    too, it is the whole message, the given text first."""
+    """vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`: how
+    the chat template renders the prompt. A continued message's answer is the continuation alone,
+    as vLLM's; with `echo` too, it is the whole message, the given text first."""
 
     @property
     def response_role(self) -> str:
@@ -261,11 +267,16 @@ class ChatRequest:
 
 
 def template_options(body: Any) -> ChatTemplateOptions:
-    """vLLM's `add_generation_prompt` (default true) and `continue_final_message` (default false)
-    of a chat or /tokenize body; their pair is checked with the messages (`ChatTemplateOptions.check`)."""
+    """vLLM's `add_generation_prompt` (default true), `continue_final_message` (default false) and
+    `chat_template_kwargs` (default none) of a chat or /tokenize body; the variables are checked
+    here, the pair with the messages (`ChatTemplateOptions.check`)."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    check_chat_template_kwargs(kwargs)
     return ChatTemplateOptions(
         add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
         continue_final_message=boolean_field(body, "continue_final_message", False),
+        chat_template_kwargs=kwargs,
     )
 
 
@@ -274,15 +285,9 @@ def parse_chat_request(
 ) -> ChatRequest:
     """Validate a chat-completions body; raises InvalidRequest (400) or NotFound (404, model)."""
     model = check_model(body, served_model)
-    if boolean_field(body, "logprobs", False) or body.get("top_logprobs") not in (None, 0):
-        # Refused, not ignored: a client that asks for them would read `"logprobs": null` as none.
-        raise InvalidRequest(
-            "logprobs are not supported by this server; leave 'logprobs' unset or false and "
-            "'top_logprobs' unset"
-        )
     refuse_unsupported_fields(body, UNSUPPORTED_CHAT_FIELDS, KNOWN_CHAT_FIELDS)
     messages, media_url, modality = parse_messages(body.get("messages"))
-    options = answer_options(body, model, generation_defaults)
+    options = answer_options(body, model, generation_defaults, chat_logprobs_option(body))
     request = ChatRequest(
         messages=messages,
         media_url=media_url,
@@ -336,9 +341,12 @@ def check_model(body: Any, served_model: str) -> str:
     return model
 
 
-def answer_options(body: dict, model: str, generation_defaults: GenerationConfig) -> dict[str, Any]:
+def answer_options(
+    body: dict, model: str, generation_defaults: GenerationConfig, logprobs: int | None = None
+) -> dict[str, Any]:
     """The fields chat and legacy completions share, as `ChatRequest` keyword arguments: streaming
-    and its usage options, generation, cache_salt, request_id."""
+    and its usage options, generation (with `logprobs`, each door's own field:
+    `epd.gateway.logprobs_protocol`), cache_salt, request_id."""
     stream = boolean_field(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -349,7 +357,7 @@ def answer_options(body: dict, model: str, generation_defaults: GenerationConfig
     include_usage = boolean_field(stream_options, "include_usage", False, "stream_options.include_usage")
     return {
         "model": model,
-        "generation": _generation(body, generation_defaults),
+        "generation": replace(_generation(body, generation_defaults), logprobs=logprobs),
         "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": include_usage
@@ -548,8 +556,14 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         include_stop_str_in_output=boolean_field(
             body, "include_stop_str_in_output", defaults.include_stop_str_in_output
         ),
+        allowed_token_ids=_allowed_token_ids(body.get("allowed_token_ids"), defaults.allowed_token_ids),
+        bad_words=_bad_words(body.get("bad_words"), defaults.bad_words),
         # the default: fitted to the context after the prompt, as vLLM's
         fit_max_new_tokens=max_tokens is None,
+        skip_special_tokens=boolean_field(body, "skip_special_tokens", defaults.skip_special_tokens),
+        spaces_between_special_tokens=boolean_field(
+            body, "spaces_between_special_tokens", defaults.spaces_between_special_tokens
+        ),
         structured_outputs=parse_structured_outputs(body),
     )
 
@@ -583,6 +597,31 @@ def _stop_token_ids(value: Any, default: tuple[int, ...]) -> tuple[int, ...]:
         return default
     check_collection(value, list, "stop_token_ids", "a list of token ids", MAX_STOP_TOKEN_IDS)
     return tuple(number_item(v, TOKEN_ID, "stop_token_ids[]") for v in value)
+
+
+def _allowed_token_ids(value: Any, default: tuple[int, ...]) -> tuple[int, ...]:
+    if value is None:
+        return default
+    check_collection(value, list, "allowed_token_ids", "a list of token ids", MAX_ALLOWED_TOKEN_IDS)
+    if not value:  # vLLM's 400 too: no token could be generated
+        raise InvalidRequest(
+            "'allowed_token_ids' is empty, which allows no token; leave it out (or null) for all"
+        )
+    return tuple(number_item(v, TOKEN_ID, "allowed_token_ids[]") for v in value)
+
+
+def _bad_words(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
+    if value is None:
+        return default
+    check_collection(value, list, "bad_words", 'a list of strings, such as ["red", "blue"]', MAX_BAD_WORDS)
+    if not all(isinstance(w, str) for w in value):
+        raise InvalidRequest('\'bad_words\' must be a list of strings, such as ["red", "blue"]')
+    words = tuple(checked_text(w, "bad_words") for w in value)
+    try:
+        check_bad_words(words)
+    except ValueError as exc:
+        raise InvalidRequest(f"'bad_words': {exc}") from None
+    return words
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -653,7 +692,7 @@ def completion_body(
             {
                 "index": 0,
                 "message": {"role": role, "content": echoed + summary.answer},
-                "logprobs": None,
+                "logprobs": None if summary.logprobs is None else chat_logprobs(summary.logprobs),
                 "finish_reason": summary.finish_reason or "stop",
                 "stop_reason": summary.stop_reason,
                 # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
@@ -673,13 +712,15 @@ def chunk_body(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     stop_reason: StopReason = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from;
-    `stop_reason` (vLLM's) is set on the chunk with the finish reason."""
+    """One `chat.completion.chunk`; `token_ids` (extra) are the tokens this chunk's text came from,
+    `logprobs` theirs when the request asked; `stop_reason` (vLLM's) is set on the chunk with the
+    finish reason."""
     choice: dict[str, Any] = {
         "index": 0,
         "delta": delta,
-        "logprobs": None,
+        "logprobs": None if logprobs is None else chat_logprobs(logprobs),
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }

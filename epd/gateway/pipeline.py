@@ -31,6 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from epd.model_runtime.detokenizer import StopReason
+from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.model_runtime.structured_output import check_structured_outputs
 from epd.stages.contracts import (
@@ -105,6 +106,8 @@ class AskSummary:
     stop_reason: StopReason = None
     """vLLM's: the stop string or stop token id that ended the answer; None when the
     end-of-sequence token or the length limit did (`OutputText.stop_reason`)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids` when the request asked (`GenerationConfig.logprobs`), else None."""
 
 
 PipelineEvent = StageEvent | TokenStep | AskSummary
@@ -167,6 +170,13 @@ class Pipeline:
         info = self.model_info()
         return MAX_NEW_TOKENS if info is None else info.max_new_tokens
 
+    @property
+    def max_logprobs(self) -> int | None:
+        """The most top logprobs a request may ask for: prefill's --max-logprobs when known (more
+        is refused before the media costs an encode); None while not known (prefill refuses more)."""
+        info = self.model_info()
+        return None if info is None else info.max_logprobs
+
     def generation_defaults(self, configured: GenerationConfig) -> GenerationConfig:
         """The options a request leaves unset take: the front door's `configured` ones, with
         max_tokens no more than prefill's limit, nor than `max_model_len` leaves after a one-token
@@ -212,8 +222,8 @@ class Pipeline:
             check_raw_prompt(req.raw_prompt, req.messages, vocab_size=self.vocab_size)
             if req.template != ChatTemplateOptions():
                 raise InvalidRequest(
-                    "add_generation_prompt and continue_final_message shape a chat template's "
-                    "prompt; a raw prompt has no template: leave them unset"
+                    "add_generation_prompt, continue_final_message and chat_template_kwargs shape a chat "
+                    "template's prompt; a raw prompt has no template: leave them unset"
                 )
         else:
             # Before the media costs an encode; prefill checks its limits.
@@ -222,7 +232,7 @@ class Pipeline:
         try:  # before the request is sent on (a stop list of megabytes would be too large for one
             # message) and before the media costs an encode: prefill's bounds as far as known (each
             # stage checks its own too)
-            req.generation.validate(self.max_new_tokens_limit, self.vocab_size)
+            req.generation.validate(self.max_new_tokens_limit, self.vocab_size, self.max_logprobs)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if req.generation.structured_outputs is not None:  # a spec that cannot compile, before an encode
@@ -260,6 +270,7 @@ class Pipeline:
         # decoder has it (KvSourceLost, no decoder step sent to the client yet), prefill again,
         # once: on another replica when that one is gone (prefill is idempotent, its cache is lost).
         token_ids: list[int] = []
+        logprobs: list[TokenLogprob] | None = None if req.generation.logprobs is None else []
         text_parts: list[str] = []
         finish_reason = ""
         stop_reason: StopReason = None
@@ -296,9 +307,12 @@ class Pipeline:
                     # The first token goes out now, not once a decoder has pulled the cache and
                     # admitted the request (the KV transfer, and the admission's wait for the
                     # model thread); the decoder's first step, the same token, is not sent again.
-                    sent = TokenStep([handle.first_token_id], handle.first_text)
+                    first_logprobs = None if logprobs is None else [_first_logprob(handle)]
+                    sent = TokenStep([handle.first_token_id], handle.first_text, logprobs=first_logprobs)
                     timings[TTFT] = elapsed_ms()
                     token_ids += sent.token_ids
+                    if logprobs is not None:
+                        logprobs += sent.logprobs or ()
                     text_parts.append(sent.text)
                     emit(sent)
                 # aclosing: an error in this loop's body (`_after_sent`) must end the decoder's run
@@ -325,6 +339,8 @@ class Pipeline:
                                     continue  # it was only the token already sent
                                 step = rest
                         token_ids += step.token_ids
+                        if logprobs is not None:
+                            logprobs += _step_logprobs(step)
                         text_parts.append(step.text)
                         finish_reason = step.finish_reason or finish_reason
                         stop_reason = step.stop_reason if step.finish_reason else stop_reason
@@ -376,6 +392,7 @@ class Pipeline:
             or ([] if media is None or media.token_index is None else media.token_index.tolist()),
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
             stop_reason=stop_reason,
+            logprobs=logprobs,
         )
 
     async def _prefill(self, req: AskRequest, media: EncodedMedia | None, request_id: str) -> PrefillHandle:
@@ -491,8 +508,32 @@ def _after_sent(step: TokenStep, sent: TokenStep) -> TokenStep | None:
             f"the decoder's first step ({step.token_ids[:n]}, {step.text!r}) does not start with the "
             f"token sent from prefill ({sent.token_ids}, {sent.text!r})"
         )
-    rest = replace(step, token_ids=step.token_ids[n:], text=step.text[len(sent.text) :])
+    rest = replace(
+        step,
+        token_ids=step.token_ids[n:],
+        text=step.text[len(sent.text) :],
+        logprobs=None if step.logprobs is None else step.logprobs[n:],
+    )
     return rest if rest.token_ids or rest.text or rest.finish_reason else None
+
+
+def _first_logprob(handle: PrefillHandle) -> TokenLogprob:
+    """The first token's logprob from prefill's handle, for a request that asked for logprobs."""
+    if handle.first_logprob is None or handle.first_logprob.token_id != handle.first_token_id:
+        raise RuntimeError("prefill answered a request that asked for logprobs without its first token's")
+    return handle.first_logprob
+
+
+def _step_logprobs(step: TokenStep) -> list[TokenLogprob]:
+    """A decoder step's logprobs, one per token, for a request that asked for them."""
+    if not step.token_ids:
+        return []
+    if step.logprobs is None or len(step.logprobs) != len(step.token_ids):
+        raise RuntimeError(
+            f"the decoder sent {len(step.token_ids)} tokens with "
+            f"{0 if step.logprobs is None else len(step.logprobs)} logprobs to a request that asked for them"
+        )
+    return step.logprobs
 
 
 _in_flight: set[asyncio.Future] = set()

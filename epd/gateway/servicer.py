@@ -138,7 +138,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
                     else:
                         call.num_tokens += len(item.token_ids)
-                        delta = gateway_pb2.TokenDelta(token_ids=item.token_ids, text=item.text)
+                        delta = gateway_pb2.TokenDelta(
+                            token_ids=item.token_ids,
+                            text=item.text,
+                            logprobs=[convert.logprob_to_proto(lp) for lp in item.logprobs or ()],
+                        )
                         yield gateway_pb2.AskResponse(delta=delta)
 
     async def _read_upload(self, request_iterator, reserve_bytes) -> tuple[gateway_pb2.AskHeader, bytes]:
@@ -210,5 +214,6 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         grid_thw=list(s.grid_thw),
         kept_visual_token_index=s.kept_visual_token_index,
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
+        logprobs=[convert.logprob_to_proto(lp) for lp in s.logprobs or ()],
     )
     return convert.set_stop_reason(summary, s.stop_reason)

@@ -38,7 +38,7 @@ over gRPC as dtype + shape + bytes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -286,12 +286,14 @@ class VLMAdapter(ABC):
         visual: VisualMeta | None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         """Render `conversation` exactly as the family's `processor.apply_chat_template(conversation,
-        add_generation_prompt=..., continue_final_message=...)` renders it (the defaults: a new
-        assistant answer; `continue_final_message`: the last message left open, for the model to
-        continue), expand its one media placeholder to the visual tokens, compute the position
-        ids `generate()` would use.
+        add_generation_prompt=..., continue_final_message=..., **chat_template_kwargs)` renders it
+        (the defaults: a new assistant answer; `continue_final_message`: the last message left
+        open, for the model to continue; `chat_template_kwargs`: extra template variables, those
+        the template does not read dropped), expand its one media placeholder to the visual
+        tokens, compute the position ids `generate()` would use.
 
         conversation: the processor's chat form, [{"role": "system" | "user" | "assistant",
         "content": [{"type": "text", "text": ...} | {"type": visual.modality}, ...]}], parts in the
@@ -305,17 +307,26 @@ class VLMAdapter(ABC):
         """A text's token ids, as the model's tokenizer gives them (the HTTP API's /tokenize)."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as this model's token sequences (`tokenize_bad_words`), tokenised
+        without special tokens; ValueError naming a word that gives no token."""
+        from epd.model_runtime.bad_words import tokenize_bad_words
+
+        return tokenize_bad_words(words, lambda text: self.tokenize(text, False), self.vocab_size)
+
     def tokenize_conversation(
         self,
         conversation: list[dict[str, Any]],
         add_generation_prompt: bool,
         add_special_tokens: bool,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """A conversation without media (`build_prompt`'s form) rendered with the model's chat
         template and tokenised; with `add_generation_prompt` and without special tokens, exactly
-        `build_prompt(conversation, None).input_ids`; with `continue_final_message`, its last
-        message left open (transformers' `apply_chat_template` option). ValueError as
+        `build_prompt(conversation, None, ..., chat_template_kwargs=...).input_ids`; with
+        `continue_final_message`, its last message left open (transformers' `apply_chat_template`
+        option). ValueError as
         `build_prompt`'s, or when the template cannot leave the last message open."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its chat template")
 
@@ -415,8 +426,22 @@ class VLMAdapter(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot decode requests in a batch")
 
     @abstractmethod
-    def detokenize(self, token_ids: list[int]) -> str:
-        """Text of generated tokens, special tokens skipped."""
+    def detokenize(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """Text of generated tokens: `tokenizer.decode(token_ids, skip_special_tokens=...,
+        spaces_between_special_tokens=...)` (vLLM's request options; the defaults skip special tokens)."""
+
+    def token_text(self, token_id: int) -> str:
+        """One id decoded alone, special tokens kept: a token's text in logprobs, as vLLM shows it
+        (`epd.model_runtime.logprobs`). A family without `decode_tokens` gives its answer text."""
+        try:
+            return self.decode_tokens([token_id])
+        except UnsupportedByFamily:
+            return self.detokenize([token_id])
 
     # -- pruning interface ---------------------------------------------------------------------
     # What the pruning stages (`epd.token_pruning`, `epd.prefill_svc.pruned_prefill`,

@@ -3,9 +3,23 @@ that end a generation."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
+from typing import Protocol
 
 from epd.model_runtime.sampling import GenerationConfig
+
+
+class Detokenize(Protocol):
+    """A model's text of token ids (`VLMAdapter.detokenize`), with vLLM's two decode options."""
+
+    def __call__(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str: ...
+
 
 StopReason = str | int | None
 """vLLM's `stop_reason` of a finished answer: the stop string that matched, the stop token id
@@ -85,14 +99,22 @@ class OutputText:
     """A request's generated tokens, one at a time -> (text delta, finish reason): `IncrementalText`
     and the rules that end a generation: a stop string, an end-of-sequence token (unless
     `ignore_eos`), one of `stop_token_ids` (its text left out unless `include_stop_str_in_output`),
-    `max_new_tokens`; before `min_tokens` tokens are out, only the last (as vLLM's). Decode runs one
+    `max_new_tokens`; before `min_tokens` tokens are out, only the last (as vLLM's). The text is
+    `detokenize` with the request's `skip_special_tokens` and `spaces_between_special_tokens`. Decode runs one
     per request; prefill runs one over the first token alone, so that the gateway can stream that
     token before the KV cache reaches a decoder (the same rules from the same state give the same
     text; `PrefillHandle.first_text`)."""
 
     def __init__(
-        self, decode: Callable[[list[int]], str], eos_token_ids: Collection[int], config: GenerationConfig
+        self, detokenize: Detokenize, eos_token_ids: Collection[int], config: GenerationConfig
     ) -> None:
+        # The request's decode options travel in its GenerationConfig, so prefill's first token and
+        # decode's tokens are detokenised alike.
+        decode = functools.partial(
+            detokenize,
+            skip_special_tokens=config.skip_special_tokens,
+            spaces_between_special_tokens=config.spaces_between_special_tokens,
+        )
         self.text = IncrementalText(decode, config.stop, config.include_stop_str_in_output, config.min_tokens)
         self.eos_token_ids = eos_token_ids
         self.stop_token_ids = frozenset(config.stop_token_ids)

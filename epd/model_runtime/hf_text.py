@@ -7,10 +7,14 @@ where its model differs (`_step_positions` / `_batch_positions` for 1-D rotary p
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import jinja2.ext
+import jinja2.meta
+import jinja2.sandbox
 import torch
 from jinja2 import TemplateError, TemplateSyntaxError
 
@@ -105,8 +109,17 @@ class HfTextAdapter(VLMAdapter):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def detokenize(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -115,12 +128,15 @@ class HfTextAdapter(VLMAdapter):
         conversation: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         """`build_prompt` of a conversation without a media part: the processor's own template of
         its text, tokenised as the processor's __call__ tokenises it, and the positions generate()
         gives a prompt without grids (`_prepare_position_ids_for_generation` then skips
         get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
-        text = self._render_text_only(conversation, add_generation_prompt, continue_final_message)
+        text = self._render_text_only(
+            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
         return _text_prompt(input_ids)
 
@@ -145,10 +161,11 @@ class HfTextAdapter(VLMAdapter):
         conversation: list[dict[str, Any]],
         add_generation_prompt: bool,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The processor's own template of a conversation without media; ValueError as `_render`'s,
         or when the template adds a visual placeholder of its own."""
-        text = self._render(conversation, add_generation_prompt, continue_final_message)
+        text = self._render(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
         if any(token in text for token in (self.processor.video_token, self.processor.image_token)):
             raise ValueError(
                 "the chat template rendered a visual placeholder for a conversation without media; "
@@ -157,11 +174,17 @@ class HfTextAdapter(VLMAdapter):
         return text
 
     def _render(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The processor's own chat template of `conversation`, as a string (every family's prompt
-        starts here); ValueError when a text part holds the model's visual placeholder (only a media
-        part places it: in text it would take the media's embeddings, or miscount them), when the
+        starts here), with those of `chat_template_kwargs` the template reads (vLLM's filter: a
+        name it does not read would reach the processor's own options instead); ValueError when a
+        text part or a variable's text holds the model's visual placeholder (only a media part
+        places it: in text it would take the media's embeddings, or miscount them), when the
         template cannot leave the last message open, or when it refuses the conversation itself."""
         placeholders = (self.processor.video_token, self.processor.image_token)
         if any(
@@ -171,12 +194,18 @@ class HfTextAdapter(VLMAdapter):
             for token in placeholders
         ):
             raise ValueError("a text part contains the model's visual placeholder token; remove it")
+        variables = self._template_variables(chat_template_kwargs or {})
+        if any(token in text for text in _strings_in(variables) for token in placeholders):
+            raise ValueError(
+                "a chat_template_kwargs value contains the model's visual placeholder token; remove it"
+            )
         try:
             return self.processor.apply_chat_template(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                **variables,
             )
         except TemplateSyntaxError:
             raise  # the checkpoint's template is broken: the server's error, not the request's
@@ -193,6 +222,24 @@ class HfTextAdapter(VLMAdapter):
             # transformers' message goes on to quote the last message and the whole rendered
             # conversation (a 400 of up to the text limit): its explanation is enough.
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
+        except TypeError as exc:
+            if not variables:
+                raise
+            # A request's variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
+            raise ValueError(
+                f"the model's chat template cannot render these chat_template_kwargs: {str(exc)[:200]}; "
+                "send the values its template expects"
+            ) from None
+
+    def _template_variables(self, chat_template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The request's variables that the processor's chat template reads (the others dropped)."""
+        if not chat_template_kwargs:
+            return {}
+        template = self.processor.chat_template
+        if isinstance(template, dict):  # a processor with named templates renders with "default"
+            template = template.get("default")
+        read = template_variables(template) if isinstance(template, str) else frozenset()
+        return {name: value for name, value in chat_template_kwargs.items() if name in read}
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -203,8 +250,11 @@ class HfTextAdapter(VLMAdapter):
         add_generation_prompt: bool,
         add_special_tokens: bool,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        text = self._render_text_only(conversation, add_generation_prompt, continue_final_message)
+        text = self._render_text_only(
+            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         return self.tokenize(text, add_special_tokens)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
@@ -439,6 +489,31 @@ class QwenTextAdapter(HfTextAdapter):
     @property
     def num_parameters(self) -> int:
         return count_parameters(self.model, self.visual)
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(chat_template: str) -> frozenset[str]:
+    """The variables a Jinja chat template reads without setting them (`messages`,
+    `add_generation_prompt`, a Qwen3 template's `enable_thinking`, ...); none for a template that
+    does not parse here (transformers' own tags): its request variables are then dropped."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
+    except TemplateSyntaxError:
+        return frozenset()
+
+
+def _strings_in(value: Any) -> Iterator[str]:
+    """Every string of a JSON value (keys too), depth first."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield str(key)
+            yield from _strings_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings_in(item)
 
 
 def _text_prompt(input_ids: torch.Tensor) -> Prompt:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -206,11 +207,14 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         visual: VisualMeta | None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         if visual is None:
-            return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
+            return self._text_only_prompt(
+                conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+            )
         proc = self.processor
-        text = self._render(conversation, add_generation_prompt, continue_final_message)
+        text = self._render(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         if text.count(pad) != 1 or text.count(proc.video_token) + text.count(proc.image_token) != 1:
             raise ValueError(

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -179,6 +180,7 @@ class Qwen3_5Adapter(HfTextAdapter):
         visual: VisualMeta | None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
         return Qwen3VLAdapter.build_prompt(
@@ -187,6 +189,7 @@ class Qwen3_5Adapter(HfTextAdapter):
             visual,
             add_generation_prompt,
             continue_final_message,
+            chat_template_kwargs,
         )
 
     def _timestamps_metadata(self, visual: VisualMeta):

@@ -25,6 +25,7 @@ each chunk adding the DeepStack rows of its own visual positions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -234,11 +235,14 @@ class Qwen3VLAdapter(QwenTextAdapter):
         visual: VisualMeta | None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         if visual is None:
-            return self._text_only_prompt(conversation, add_generation_prompt, continue_final_message)
+            return self._text_only_prompt(
+                conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+            )
         proc = self.processor
-        text = self._render(conversation, add_generation_prompt, continue_final_message)
+        text = self._render(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         if text.count(pad) != 1:
             raise ValueError(

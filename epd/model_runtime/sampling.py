@@ -1,6 +1,7 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; vLLM's penalties,
-logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors` when a request asks;
-vLLM's structured outputs (a grammar's token mask) through `epd.model_runtime.structured_output`."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; vLLM's allowed_token_ids,
+bad_words, penalties, logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors`
+when a request asks; vLLM's structured outputs (a grammar's token mask) through
+`epd.model_runtime.structured_output`."""
 
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 256
 """At most this many logit_bias entries and stop_token_ids: they travel with the request to every
 stage (the front door cannot check them against a vocabulary it does not load)."""
+
+MAX_ALLOWED_TOKEN_IDS = 65536
+"""At most this many allowed_token_ids (vLLM has no bound): enough to allow a script's or a
+language's share of a 151,936-token vocabulary, and at most 0.5 MB on the wire to every stage."""
+
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 512
+"""At most this many bad_words of at most this many characters each: prefill and decode tokenise
+each twice (with and without a leading space) on their model thread, and the words' token ids are
+compared with the end of the answer before every token."""
 
 MAX_ABS_LOGIT_BIAS = 100.0
 """OpenAI's range of a logit_bias value: [-100, 100]."""
@@ -137,6 +148,18 @@ def sampling_failed(config: GenerationConfig) -> SamplingFailed:
     )
 
 
+def no_token_left(config: GenerationConfig) -> SamplingFailed:
+    """The error for a step at which the request's own masks leave no token: argmax would return
+    token 0, which the request never allowed, and a draw would have nothing to draw from."""
+    names = [
+        name for name in ("allowed_token_ids", "bad_words", "min_tokens") if getattr(config, name)
+    ]  # fmt: skip
+    return SamplingFailed(
+        f"{', '.join(names)} leave no token this request may generate next; allow more tokens, ban "
+        "fewer words" + (" or ask for fewer min_tokens" if config.min_tokens else "")
+    )
+
+
 def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
     """ValueError naming the bound a request's stop strings pass."""
     if any(not s for s in stop):  # vLLM's refusal too: "" would end every answer at once, or be ignored
@@ -145,6 +168,30 @@ def check_stop_strings(stop: tuple[str, ...] | list[str]) -> None:
         raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
     if (longest := max((len(s) for s in stop), default=0)) > MAX_STOP_CHARS:
         raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are accepted")
+
+
+def check_bad_words(words: tuple[str, ...] | list[str]) -> None:
+    """ValueError naming the bound a request's bad_words pass. A word of spaces alone is refused
+    here, as vLLM refuses it (it tokenises to nothing once its leading spaces are stripped)."""
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are accepted")
+    if (longest := max((len(w) for w in words), default=0)) > MAX_BAD_WORD_CHARS:
+        raise ValueError(f"a bad word has {longest} characters; at most {MAX_BAD_WORD_CHARS} are accepted")
+    if any(not w.lstrip() for w in words):
+        raise ValueError(
+            "bad_words cannot contain an empty string or one of spaces alone; leave it out "
+            "(no bad words: omit bad_words)"
+        )
+
+
+def check_logprobs(logprobs: int | None, max_logprobs: int | None, bound: str = "--max-logprobs") -> None:
+    """ValueError unless `logprobs` (None: not asked) is 0 to `max_logprobs` (None: unbounded),
+    the message naming where the bound comes from."""
+    if logprobs is None:
+        return
+    if logprobs < 0 or (max_logprobs is not None and logprobs > max_logprobs):
+        allowed = "0 or more" if max_logprobs is None else f"between 0 and {max_logprobs} ({bound})"
+        raise ValueError(f"logprobs (chat completions' top_logprobs) must be {allowed}, got {logprobs}")
 
 
 @dataclass(frozen=True)
@@ -181,24 +228,53 @@ class GenerationConfig:
     min_tokens: int = 0
     """vLLM's: end-of-sequence and `stop_token_ids` cannot be generated, and stop strings are not
     looked for, before this many tokens are out; at most max_new_tokens. 0 is off."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """vLLM's: only these tokens may be generated (every other logit is -inf before anything else
+    runs); () is off (the HTTP API refuses an empty list, as vLLM's). Token ids are checked against
+    the vocabulary by the stages that load it."""
+    bad_words: tuple[str, ...] = ()
+    """vLLM's: words never generated. Each is tokenised with and without a leading space
+    (`epd.model_runtime.bad_words`); a word of one token is banned outright, a longer one has its
+    last token banned when the answer's last tokens are the rest of the word."""
     logit_bias: tuple[tuple[int, float], ...] = ()
-    """OpenAI's, as (token id, bias) pairs, bias in [-100, 100]: added to the token's logit before
-    anything else. Token ids are checked against the vocabulary by the stages that load it."""
+    """OpenAI's, as (token id, bias) pairs, bias in [-100, 100]: added to the token's logit after
+    allowed_token_ids and bad_words (vLLM's order; a banned token stays banned). Token ids are
+    checked against the vocabulary by the stages that load it."""
     stop_token_ids: tuple[int, ...] = ()
     """vLLM's: stop when one of these is generated (finish reason "stop"; its text is left out
     unless include_stop_str_in_output)."""
     include_stop_str_in_output: bool = False
     """vLLM's: keep the stop string (or stop token's text) that ended the answer in it."""
+    skip_special_tokens: bool = True
+    """vLLM's: the answer's text leaves out the tokenizer's special tokens (`<|im_end|>`, an
+    added `<think>`); False keeps them, as `tokenizer.decode(ids, skip_special_tokens=False)`."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: passed to `tokenizer.decode` with the above. A slow (Python) tokenizer puts a space
+    between special tokens and the text around them when it is true; a fast one (every family epd
+    serves: byte-level BPE) decodes alike either way, as transformers' and vLLM's do."""
     fit_max_new_tokens: bool = False
     """`max_new_tokens` is a ceiling, not a demand: prefill lowers it to what the served context
     leaves after the prompt instead of refusing the request. The front door sets it when the
     client left max_tokens unset (vLLM's default max_tokens is max_model_len minus the prompt)."""
+    logprobs: int | None = None
+    """Return each generated token's log-probability and the `logprobs` most likely tokens' at its
+    position (OpenAI's chat `top_logprobs` with `logprobs: true`, its legacy completions'
+    `logprobs`); 0: the sampled token's alone; None: none (`epd.model_runtime.logprobs`)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's structured outputs: a constraint every token of the answer keeps to (None: none)."""
 
-    def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
+    def validate(
+        self, max_new_tokens_limit: int, vocab_size: int | None = None, max_logprobs: int | None = None
+    ) -> None:
         """ValueError naming the field and its accepted range. `vocab_size`: also check the token
-        ids of logit_bias and stop_token_ids against it (None: the front door, without a model)."""
+        ids of logit_bias, stop_token_ids and allowed_token_ids against it (None: the front door,
+        without a model). `max_logprobs`: the server's --max-logprobs (None: no bound but the
+        vocabulary's, the decoder's check: prefill and the front door hold requests to the
+        configured one)."""
+        if max_logprobs is not None:
+            check_logprobs(self.logprobs, max_logprobs)
+        else:
+            check_logprobs(self.logprobs, vocab_size, "this model's vocabulary size")
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "
@@ -244,6 +320,12 @@ class GenerationConfig:
             raise ValueError(
                 f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted"
             )
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(
+                f"allowed_token_ids has {len(self.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} "
+                "are accepted (to keep a few tokens out, use bad_words or a logit_bias of -100)"
+            )
+        check_bad_words(self.bad_words)
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
         for token, bias in self.logit_bias:
@@ -254,6 +336,7 @@ class GenerationConfig:
         for field_name, ids in (
             ("logit_bias", [t for t, _ in self.logit_bias]),
             ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids),
         ):
             bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
             if bad is not None:
@@ -274,6 +357,8 @@ class GenerationConfig:
             or self.presence_penalty
             or self.frequency_penalty
             or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
             or self.min_tokens
             or (self.min_p and sampled)
         )
@@ -306,12 +391,15 @@ class Sampler:
         stream: int = 0,
         prompt_token_ids: Sequence[int] = (),
         eos_token_ids: Collection[int] = (),
+        bad_words_token_ids: Sequence[Sequence[int]] = (),
         grammar: CompiledGrammar | None = None,
     ) -> None:
         """prompt_token_ids: the prompt's (distinct) token ids, which repetition_penalty penalises
         (only read when it is on); eos_token_ids: the model's, which min_tokens holds back;
-        grammar: the request's compiled structured-output constraint (None: none), whose token
-        mask is applied before anything else, as vLLM applies its grammar bitmask."""
+        bad_words_token_ids: the config's bad_words as the model's tokenizer gives them
+        (`epd.model_runtime.bad_words.tokenize_bad_words`); grammar: the request's compiled
+        structured-output constraint (None: none), whose token mask is applied before anything
+        else, as vLLM applies its grammar bitmask."""
         import torch
 
         self.config = config
@@ -320,7 +408,7 @@ class Sampler:
         if config.processes_logits:
             from epd.model_runtime.logits_processors import LogitsProcessors
 
-            self._processors = LogitsProcessors(config, prompt_token_ids, eos_token_ids)
+            self._processors = LogitsProcessors(config, prompt_token_ids, eos_token_ids, bad_words_token_ids)
         self._generator: torch.Generator | None = None
         if config.temperature >= GREEDY_BELOW_TEMPERATURE:
             self._generator = torch.Generator(device="cpu")
@@ -351,9 +439,12 @@ class Sampler:
             if grammar is not None:
                 grammar.accept(token)
             return token
-        # vLLM v1's order: logit bias and min_tokens, then the penalties, then greedy or the draw
-        # (min_p after temperature, then top-k and top-p).
+        # vLLM v1's order: allowed_token_ids and bad_words, then logit bias and min_tokens, then the
+        # penalties, then greedy or the draw (min_p after temperature, then top-k and top-p).
         logits = processors.before_sampling(logits)
+        if (processors.masks_tokens or grammar is not None) and float(logits.max()) == float("-inf"):
+            # no token survives the masks: argmax would return token 0, which none of them allowed
+            raise no_token_left(self.config) if grammar is None else grammar.nothing_allowed()
         token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
         processors.seen(token)
         if grammar is not None:

@@ -32,8 +32,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from epd.model_runtime.adapter import VisualMeta
+from epd.model_runtime.adapter import VisualMeta, VLMAdapter
 from epd.model_runtime.detokenizer import StopReason
+from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, Message
@@ -323,6 +324,10 @@ class PrefillHandle(Generic[T]):
     after the prompt (`GenerationConfig.fit_max_new_tokens`); the decoder generates at most this
     many (`decode_generation`). 0: as the request asked (a prefill that does not say)."""
 
+    first_logprob: TokenLogprob | None = None
+    """`first_token_id`'s log-probability and the top tokens at its position, when the request
+    asked (`GenerationConfig.logprobs`); the decoder streams it with its first step."""
+
     def decode_generation(self, generation: GenerationConfig) -> GenerationConfig:
         """The request's `generation` with the max_new_tokens prefill ran it with."""
         if not self.max_new_tokens or self.max_new_tokens == generation.max_new_tokens:
@@ -373,13 +378,28 @@ def refuse_unsupported_pruning(
 
 
 def check_generation_limits(
-    generation: GenerationConfig, max_new_tokens_limit: int, vocab_size: int | None = None
+    generation: GenerationConfig,
+    max_new_tokens_limit: int,
+    vocab_size: int | None = None,
+    max_logprobs: int | None = None,
 ) -> None:
     """The one check of a request's generation settings against a stage's limits (and the token
     ids it names against the model's vocabulary), made by prefill (before it runs the prompt) and
     by decode (before it takes the KV cache)."""
     try:
-        generation.validate(max_new_tokens_limit, vocab_size)
+        generation.validate(max_new_tokens_limit, vocab_size, max_logprobs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def bad_words_token_ids(generation: GenerationConfig, adapter: VLMAdapter) -> tuple[tuple[int, ...], ...]:
+    """The request's bad_words as the model's token sequences, made where its sampler is (prefill's
+    first token, decode's others, on the model thread that owns the tokenizer); InvalidRequest for
+    a word the tokenizer gives no token (the front door refuses the empty ones already)."""
+    if not generation.bad_words:
+        return ()
+    try:
+        return adapter.bad_words_token_ids(generation.bad_words)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -396,6 +416,8 @@ class TokenStep:
     decode_evict: tuple[int, int] | None = None  # last step: visual entries per head (in, out)
     stop_reason: StopReason = None
     """Last step: the stop string or stop token id that ended the answer (`OutputText.stop_reason`)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `token_ids`, when the request asked (`GenerationConfig.logprobs`); else None."""
 
 
 class RequestCancelled(Exception):

@@ -21,11 +21,12 @@ rendered as an image, as 0.1 did.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from epd.stages.errors import InvalidRequest
+from epd.stages.template_kwargs import check_chat_template_kwargs
 
 ROLES = ("system", "user", "assistant")
 PART_TYPES = ("text", "video", "image")
@@ -95,8 +96,8 @@ def question_messages(question: str, media: str = "video") -> list[Message]:
 
 @dataclass(frozen=True)
 class ChatTemplateOptions:
-    """How the chat template ends the rendered conversation: vLLM's chat request fields of the
-    same names, passed to `processor.apply_chat_template` as they are."""
+    """How the chat template renders the conversation: vLLM's chat request fields of the same
+    names, passed to `processor.apply_chat_template` as they are."""
 
     add_generation_prompt: bool = True
     """End with the template's opening of the assistant's answer: the model answers in a new
@@ -105,12 +106,18 @@ class ChatTemplateOptions:
     """Leave the last message (the assistant's) open, without the template's end of its turn: the
     model continues it ("assistant prefill"; the answer is the continuation alone, as vLLM's;
     the HTTP API's `echo` puts the given text in front). Not with `add_generation_prompt`."""
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Extra variables of the template (`{"enable_thinking": False}` for Qwen3 / Qwen3.5's), JSON
+    values (`epd.stages.template_kwargs`); those the template does not read are dropped where it is
+    rendered, as vLLM's. Empty: the template's own defaults."""
 
     def check(self, messages: Sequence[Message], to_answer: bool = True) -> None:
         """InvalidRequest unless these options can render `messages`: not both flags (vLLM's 400:
         the template cannot both open a new answer and leave the last message open), and, for a
         request `to_answer`, only the assistant's message continued (/tokenize, not to answer,
-        leaves any last message open, as vLLM's does)."""
+        leaves any last message open, as vLLM's does); and `chat_template_kwargs` variables epd
+        passes on (`check_chat_template_kwargs`)."""
+        check_chat_template_kwargs(self.chat_template_kwargs)
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequest(
                 "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from epd.model_runtime.logprobs import MAX_LOGPROBS
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -28,6 +30,9 @@ class ModelInfo:
     the gateway refuses more before the media costs an encode (`Pipeline.max_new_tokens_limit`)."""
     model_type: str = ""
     """config.json's model_type."""
+    max_logprobs: int = MAX_LOGPROBS
+    """The most top tokens a request may ask for at each position (prefill's --max-logprobs): the
+    gateway refuses more before the media costs an encode."""
 
     @property
     def max_model_len(self) -> int:
@@ -59,4 +64,5 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         max_prompt_tokens=min(i.max_prompt_tokens for i in distinct),
         max_new_tokens=min(i.max_new_tokens for i in distinct),
         model_type=",".join(sorted({i.model_type for i in distinct})),
+        max_logprobs=min(i.max_logprobs for i in distinct),
     )

@@ -50,7 +50,7 @@ class TokenizeInput:
         check_messages(self.messages, max_text_chars, to_answer=False)
         if media_type(self.messages):
             raise InvalidRequest(
-                "/tokenize counts text only: a video or image part's tokens depend on the frames the encoder "
+                "tokenize counts text only: a video or image part's tokens depend on the frames the encoder "
                 "samples; send the messages without it (a chat answer's usage.prompt_tokens counts them)"
             )
 

@@ -24,6 +24,9 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport.message_convert import logprob_from_proto as logprob_from_proto  # re-exported
+from epd.transport.message_convert import logprob_to_proto as logprob_to_proto  # re-exported
+from epd.transport.message_convert import logprobs_from_proto as logprobs_from_proto  # re-exported
 from epd.transport.message_convert import messages_from_proto as messages_from_proto  # re-exported
 from epd.transport.message_convert import messages_to_proto as messages_to_proto  # re-exported
 from epd.transport.message_convert import raw_prompt_from_proto as raw_prompt_from_proto  # re-exported
@@ -145,7 +148,14 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         stop_token_ids=tuple(msg.stop_token_ids),
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words=tuple(msg.bad_words),
         fit_max_new_tokens=msg.fit_max_new_tokens or not msg.max_new_tokens,  # unset: the default, fitted
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            msg.spaces_between_special_tokens if msg.HasField("spaces_between_special_tokens") else True
+        ),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,  # its range: `validate`
         structured_outputs=structured_from_proto(msg.structured_outputs)
         if msg.HasField("structured_outputs")
         else None,
@@ -255,6 +265,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         first_text=h.first_text,
         distinct_prompt_token_ids=h.distinct_prompt_token_ids,
         max_new_tokens=h.max_new_tokens,
+        first_logprob=None if h.first_logprob is None else logprob_to_proto(h.first_logprob),
     )
 
 
@@ -282,6 +293,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         first_text=msg.first_text if msg.HasField("first_text") else None,
         distinct_prompt_token_ids=list(msg.distinct_prompt_token_ids),
         max_new_tokens=msg.max_new_tokens,
+        first_logprob=logprob_from_proto(msg.first_logprob) if msg.HasField("first_logprob") else None,
     )
 
 
@@ -298,6 +310,7 @@ def token_step_to_proto(step: TokenStep) -> decode_pb2.GenerateResponse:
         finish_reason=step.finish_reason,
         kv_transfer_ms=step.kv_transfer_ms,
         kv_num_bytes=step.kv_num_bytes,
+        logprobs=[logprob_to_proto(lp) for lp in step.logprobs or ()],
     )
     set_stop_reason(msg, step.stop_reason)
     if step.decode_evict is not None:
@@ -318,6 +331,7 @@ def token_step_from_proto(msg: decode_pb2.GenerateResponse) -> TokenStep:
         msg.kv_num_bytes,
         decode_evict=evict,
         stop_reason=stop_reason_from_proto(msg),
+        logprobs=logprobs_from_proto(msg.logprobs),
     )
 
 

@@ -1,7 +1,8 @@
 """`epd.stages.messages` <-> `epd.v1.ChatMessage`, the one converter of the message model, used by
 the gateway (Ask), the remote prefill stage and its servicer, and the SDK; likewise the raw prompt
 (`epd.stages.raw_prompt` <-> `epd.v1.RawPrompt`) and a finished answer's `stop_reason` (a oneof of
-GenerateResponse and AskSummary), and the chat template's options (`ChatTemplateOptions`). Kept
+GenerateResponse and AskSummary), a generated token's logprobs (`TokenLogprob`), and the chat
+template's options (`ChatTemplateOptions`). Kept
 free of torch so that the SDK can import it; `epd.transport.convert` re-exports it beside the
 other converters."""
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
+from epd.stages import template_kwargs
 from epd.stages.messages import ChatTemplateOptions, ContentPart, Message
 from epd.stages.raw_prompt import RawPrompt
-from epd.v1 import messages_pb2
+from epd.v1 import common_pb2, messages_pb2
 
 
 def messages_to_proto(messages: Sequence[Message]) -> list[messages_pb2.ChatMessage]:
@@ -36,14 +39,19 @@ def template_to_proto(options: ChatTemplateOptions) -> messages_pb2.ChatTemplate
     return messages_pb2.ChatTemplateOptions(
         add_generation_prompt=options.add_generation_prompt,
         continue_final_message=options.continue_final_message,
+        chat_template_kwargs_json=template_kwargs.to_json(options.chat_template_kwargs)
+        if options.chat_template_kwargs
+        else "",
     )
 
 
 def template_from_proto(msg: messages_pb2.ChatTemplateOptions) -> ChatTemplateOptions:
-    """An unset add_generation_prompt is true (the default); `ChatTemplateOptions.check` checks the pair."""
+    """An unset add_generation_prompt is true (the default); InvalidRequest for variables that are
+    not a JSON object, and `ChatTemplateOptions.check` checks the rest."""
     return ChatTemplateOptions(
         add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
         continue_final_message=msg.continue_final_message,
+        chat_template_kwargs=template_kwargs.from_json(msg.chat_template_kwargs_json),
     )
 
 
@@ -70,3 +78,29 @@ def stop_reason_from_proto(msg: Any) -> str | int | None:
     """The inverse of `set_stop_reason`, from a message with the `stop_reason` oneof."""
     field = msg.WhichOneof("stop_reason")
     return None if field is None else getattr(msg, field)
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        token=lp.token,
+        logprob=lp.logprob,
+        top_logprobs=[
+            common_pb2.TokenLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in lp.top
+        ],
+    )
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    """float32 on the wire, as computed: the value comes back exactly."""
+    return TokenLogprob(
+        msg.token_id,
+        msg.token,
+        msg.logprob,
+        tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in msg.top_logprobs),
+    )
+
+
+def logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprob]) -> list[TokenLogprob] | None:
+    """A step's (or answer's) logprobs: None when none were sent (the request did not ask)."""
+    return [logprob_from_proto(m) for m in msgs] or None

@@ -27,6 +27,7 @@ def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
         max_prompt_tokens=info.max_prompt_tokens,
         max_new_tokens=info.max_new_tokens,
         model_type=info.model_type,
+        max_logprobs=info.max_logprobs,
     )
 
 
@@ -37,6 +38,8 @@ def model_info_from_proto(msg: prefill_pb2.ModelInfo) -> ModelInfo:
         max_prompt_tokens=msg.max_prompt_tokens,
         max_new_tokens=msg.max_new_tokens,
         model_type=msg.model_type,
+        # unset: a prefill from before --max-logprobs, which refused every logprobs request
+        max_logprobs=msg.max_logprobs if msg.HasField("max_logprobs") else 0,
     )
 
 

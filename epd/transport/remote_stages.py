@@ -107,7 +107,9 @@ def unresolved(address: str) -> bool:
     DNS_PREFIX this is). Such an entry gets no call, no health check and no load read: dialled as
     written, gRPC's own resolver spread the calls over the pods behind it, past the router's
     affinity, load and failure hold, and a prefill pod reached that way advertised an IP the
-    gateway could not check its certificate for (its KV cache was then not released)."""
+    gateway could not check its certificate for (its KV cache was then not released). Nor does it
+    get a channel (`ReplicaPool`): one would sit idle, never connecting, for as long as the name
+    stayed unresolved (for good, for a name that never resolves)."""
     return address.startswith("dns:///")
 
 
@@ -137,7 +139,8 @@ class ReplicaPool:
         """The same for addresses no longer listed (oldest first, at most FORMER_NAMES_MAX): a
         prefill pod that left its Service's DNS answer (draining) may still hold KV caches, which
         the gateway releases at its address (`RemotePrefillStage.release`)."""
-        self._by_address = {a: self._open(a) for a in self.chooser.replicas}
+        self._by_address = {a: self._open(a) for a in self.chooser.replicas if not unresolved(a)}
+        """A channel per address the pool routes over; none for a name not resolved yet."""
         self._retired: dict[str, grpc.aio.Channel] = {}  # removed replicas with calls still open
         self._closing: set[asyncio.Future] = set()
 
@@ -153,9 +156,11 @@ class ReplicaPool:
 
     @property
     def channels(self) -> list[grpc.aio.Channel]:
-        return [self._by_address[a] for a in self.chooser.replicas]
+        """The replicas' channels, in list order (a name not resolved yet has none)."""
+        return [self._by_address[a] for a in self.chooser.replicas if a in self._by_address]
 
     def channel(self, address: str) -> grpc.aio.Channel:
+        """The channel of a listed replica; KeyError for a name not resolved yet (`unresolved`)."""
         return self._by_address[address]
 
     def server_name(self, address: str) -> str:
@@ -180,9 +185,11 @@ class ReplicaPool:
             del self._former_names[next(iter(self._former_names))]
         self._server_names = dict(server_names or {})
         for a in added:
-            self._by_address[a] = self._retired.pop(a, None) or self._open(a)
+            if not unresolved(a):
+                self._by_address[a] = self._retired.pop(a, None) or self._open(a)
         for a in removed:
-            self._retired[a] = self._by_address.pop(a)
+            if a in self._by_address:  # a name not resolved yet had no channel
+                self._retired[a] = self._by_address.pop(a)
         self._close_idle()
         return added, removed
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
 import time
@@ -77,10 +78,13 @@ class HealthyServer:
         """Ends the calls still in flight when the grace period is over (or at the second signal),
         each with a status of the service's own (the gateway's: ABORTED after tokens, UNAVAILABLE
         before), before gRPC's own stop would cancel them as UNAVAILABLE "Cancelling all calls"."""
-        self.closers: list[Callable[[], None]] = []
+        self.closers: list[Callable[[], Awaitable[None] | None]] = []
         """Run by `stop`, in order, once the server has stopped (its calls drained or ended): what
-        the service holds beyond the server (the encoder's decode pool and request drivers), closed
-        by its owner rather than left to an atexit handler at interpreter exit."""
+        the service holds beyond the server (its engine core's loop, the encoder's decode pool and
+        request drivers, prefill's tokenizer thread, decode's KV channels, and last the model
+        thread), closed by its owner rather than left to `os._exit` (`epd serve`) or an atexit
+        handler. An async closer is awaited on the loop; a plain one, which may join threads, runs
+        off it. One that fails is logged and the rest still run."""
 
     async def set_serving(self, serving: bool = True) -> None:
         status = (
@@ -110,7 +114,13 @@ class HealthyServer:
         await self.server.stop(grace_s)
         closers, self.closers = self.closers, []  # once
         for close in closers:
-            await asyncio.to_thread(close)  # it joins threads: not on the event loop
+            try:
+                if inspect.iscoroutinefunction(close):
+                    await close()
+                else:
+                    await asyncio.to_thread(close)  # it joins threads: not on the event loop
+            except Exception:
+                log.exception("closing %r after the drain failed", close)
 
 
 async def create_server(

@@ -284,7 +284,7 @@ def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared
         ],
     }
     status, body = _post(port, "/tokenize", {"messages": [video]})
-    assert status == 400 and "/tokenize counts text only" in body["error"]["message"], body
+    assert status == 400 and "tokenize counts text only" in body["error"]["message"], body
     vocab_size = _text_config(tiny_models["qwen2_vl"])["vocab_size"]
     status, body = _post(port, "/detokenize", {"tokens": [1, vocab_size]})
     assert (

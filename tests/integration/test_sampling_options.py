@@ -1,7 +1,9 @@
 """vLLM's sampling options through the disaggregated stack (three service processes and the
 gateway): greedy with a repetition penalty or min_tokens gives exactly `generate()`'s tokens on the
 unsplit model; presence and frequency penalties equal a reference computed from the unsplit
-model's logits; logit_bias and stop_token_ids work through the OpenAI HTTP API."""
+model's logits; logit_bias and stop_token_ids work through the OpenAI HTTP API; allowed_token_ids
+and bad_words give exactly `generate()`'s tokens with transformers' own masks (its
+prefix_allowed_tokens_fn and bad_words_ids) through the stack and the embedded pipeline."""
 
 from __future__ import annotations
 
@@ -147,14 +149,18 @@ def test_greedy_with_min_tokens_equals_generate_min_new_tokens(shipped_stack, mi
     assert len(want) > min_tokens and result.finish_reason == "stop"  # end-of-sequence right after
 
 
-def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fields) -> tuple[int, dict]:
+def chat_body(media_files, max_tokens: int = 8, **fields) -> dict:
+    """A chat request about the mp4 with QUESTION and `fields`."""
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    body = {"model": "epd", "max_tokens": max_tokens, "media": {"num_frames": NUM_FRAMES}, **fields,
+    return {"model": "epd", "max_tokens": max_tokens, "media": {"num_frames": NUM_FRAMES}, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": QUESTION}]}]}  # fmt: skip
+
+
+def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fields) -> tuple[int, dict]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
+        data=json.dumps(chat_body(media_files, max_tokens, **fields)).encode(),
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -193,10 +199,120 @@ def test_stop_token_ids_end_the_answer_through_the_http_api(shared_stack, media_
     assert (body["epd"]["token_ids"], body["choices"][0]["message"]["content"]) == ([greedy[0]], "")
 
 
+def vllm_bad_word_ids(tokenizer, word: str) -> list[list[int]]:
+    """The reference's token sequences of a bad word, by vLLM's rule: the word with its leading
+    spaces stripped, and with one leading space when that gives another first token and as many."""
+    bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    return [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"])
+
+
+def masked_reference(model, video, allowed=None, bad_words_ids=None) -> list[int]:
+    """generate()'s greedy tokens with transformers' own masks: only `allowed` (its
+    prefix_allowed_tokens_fn), none of `bad_words_ids` (its bad_words_ids)."""
+    masks = {} if allowed is None else {"prefix_allowed_tokens_fn": lambda batch, ids: allowed}
+    masks |= {} if bad_words_ids is None else {"bad_words_ids": bad_words_ids}
+    return reference_tokens(model, video, QUESTION, MAX_NEW_TOKENS, **masks)
+
+
+def test_allowed_token_ids_greedy_equals_generate_with_the_same_mask(
+    shared_stack, tiny_models, media_files, video, greedy
+):
+    """Every token, prefill's first included, is the argmax over the allowed ones (transformers'
+    prefix_allowed_tokens_fn masks the same logits of the unsplit model), on gRPC and over HTTP."""
+    allowed = sorted(set(range(100, 160)) - set(greedy))
+    want = masked_reference(tiny_models["qwen2_vl"], video, allowed)
+    assert set(want) <= set(allowed) and len(set(want)) > 1, want
+    result = ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, allowed_token_ids=allowed)
+    assert result.token_ids == want
+    status, body = chat(
+        shared_stack.http_port, media_files, max_tokens=MAX_NEW_TOKENS, allowed_token_ids=allowed
+    )
+    assert status == 200 and body["epd"]["token_ids"] == want, body
+
+
+def _two_token_bad_word(tokenizer, tokens: list[int]) -> tuple[int, str]:
+    """(k, a word whose token sequences hold tokens[k:k + 2]) for the first k >= 1 there is one:
+    a word of two tokens both in the answer, whose ban changes the answer from its token k + 1."""
+    for k in range(1, len(tokens) - 1):
+        word = tokenizer.decode(tokens[k : k + 2])
+        if tokens[k : k + 2] in vllm_bad_word_ids(tokenizer, word) and tokens[k + 1] not in tokens[:k]:
+            return k, word
+    raise AssertionError(f"no two tokens of {tokens} make a word; the test needs another question")
+
+
+def test_bad_words_greedy_equals_generate_with_bad_words_ids(
+    shared_stack, tiny_models, media_files, video, greedy, tokenizer
+):
+    """A word of one token is banned from the first token on (prefill's); a word of two tokens has
+    its second banned only right after its first. transformers' bad_words_ids of the same token
+    sequences on the unsplit model is the reference."""
+    model = tiny_models["qwen2_vl"]
+    first_word = tokenizer.decode(greedy[:1])
+    sequences = vllm_bad_word_ids(tokenizer, first_word)
+    assert [greedy[0]] in sequences, (first_word, sequences)
+    want = masked_reference(model, video, bad_words_ids=sequences)
+    assert want[0] != greedy[0] and greedy[0] not in want
+    result = ask(shared_stack, media_files["mp4"], max_new_tokens=MAX_NEW_TOKENS, bad_words=[first_word])
+    assert result.token_ids == want
+
+    k, word = _two_token_bad_word(tokenizer, greedy)
+    want = masked_reference(model, video, bad_words_ids=vllm_bad_word_ids(tokenizer, word))
+    assert want[: k + 1] == greedy[: k + 1] and want[k + 1] != greedy[k + 1], (want, greedy, k)
+    status, body = chat(shared_stack.http_port, media_files, max_tokens=MAX_NEW_TOKENS, bad_words=[word])
+    assert status == 200 and body["epd"]["token_ids"] == want, body
+
+
+def test_allowed_token_ids_and_bad_words_in_the_embedded_pipeline_over_http(
+    tiny_models, media_files, video, greedy, tokenizer
+):
+    """The colocated server's path (`epd serve --colocate`: the HTTP API over the local stages in
+    one process): both masks at once equal generate() with both of transformers' masks."""
+    from tests.integration.test_completions import post_embedded
+
+    allowed = sorted(set(range(100, 200)) - set(greedy))
+    only_allowed = masked_reference(tiny_models["qwen2_vl"], video, allowed)
+    # a word of one token the answer holds after its first token: banned from then on
+    word = next(
+        tokenizer.decode([t])
+        for t in only_allowed[1:]
+        if [t] in vllm_bad_word_ids(tokenizer, tokenizer.decode([t]))
+    )
+    want = masked_reference(tiny_models["qwen2_vl"], video, allowed, vllm_bad_word_ids(tokenizer, word))
+    assert want != only_allowed and set(want) <= set(allowed)
+    body = chat_body(media_files, MAX_NEW_TOKENS, allowed_token_ids=allowed, bad_words=[word])
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        [(status, answer)] = post_embedded(pipeline, ("/v1/chat/completions", body))
+    assert status == 200 and answer["epd"]["token_ids"] == want, answer
+
+
+def test_masks_that_leave_no_token_are_a_400_saying_so(shared_stack, media_files, tokenizer):
+    """Every logit at -inf: the argmax said token 0, which the request never allowed."""
+    [red] = tokenizer.encode("red", add_special_tokens=False)
+    status, body = chat(shared_stack.http_port, media_files, allowed_token_ids=[red], bad_words=["red"])
+    assert status == 400, body
+    assert (
+        "allowed_token_ids, bad_words leave no token this request may generate next"
+        in body["error"]["message"]
+    )
+    _, alone = chat(shared_stack.http_port, media_files, max_tokens=2, allowed_token_ids=[red])
+    assert alone["epd"]["token_ids"] == [red, red]  # one allowed token: it, at every step
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be between 0 and max_new_tokens \(4: the OpenAI API's max_tokens"),
     ({"logit_bias": {"512": 1}}, r"logit_bias: token id 512 is outside 0 to 511 \(this model's vocabulary\)"),
     ({"stop_token_ids": [100000]}, r"stop_token_ids: token id 100000 is outside 0 to 511"),
+    ({"allowed_token_ids": [5, 512]}, r"allowed_token_ids: token id 512 is outside 0 to 511 \(this model's vocabulary\)"),
+    ({"allowed_token_ids": []}, r"'allowed_token_ids' is empty, which allows no token"),
+    ({"bad_words": ["  "]}, r"bad_words cannot contain an empty string or one of spaces alone"),
     ({"repetition_penalty": -1}, r"'repetition_penalty' must be a finite number > 0"),
 ])  # fmt: skip
 def test_bad_sampling_options_are_400s_naming_the_field(shared_stack, media_files, fields, message):

@@ -26,7 +26,7 @@ from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 from epd.v1 import prefill_pb2 as epd_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x14\x65pd/v1/prefill.proto\"\xa4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResult\x12,\n\ngeneration\x18\x03 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x04 \x01(\x0b\x32\x16.epd.v1.PruningOptions\"\xe8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x14\n\x0ckv_num_bytes\x18\x05 \x01(\x03\x12/\n\x0c\x64\x65\x63ode_evict\x18\x06 \x01(\x0b\x32\x19.epd.v1.PruningStageCount\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x42\r\n\x0bstop_reason2P\n\rDecodeService\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x14\x65pd/v1/prefill.proto\"\xa4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResult\x12,\n\ngeneration\x18\x03 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x04 \x01(\x0b\x32\x16.epd.v1.PruningOptions\"\x90\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x14\n\x0ckv_num_bytes\x18\x05 \x01(\x03\x12/\n\x0c\x64\x65\x63ode_evict\x18\x06 \x01(\x0b\x32\x19.epd.v1.PruningStageCount\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12&\n\x08logprobs\x18\t \x03(\x0b\x32\x14.epd.v1.TokenLogprobB\r\n\x0bstop_reason2P\n\rDecodeService\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,7 +36,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=75
   _globals['_GENERATEREQUEST']._serialized_end=239
   _globals['_GENERATERESPONSE']._serialized_start=242
-  _globals['_GENERATERESPONSE']._serialized_end=474
-  _globals['_DECODESERVICE']._serialized_start=476
-  _globals['_DECODESERVICE']._serialized_end=556
+  _globals['_GENERATERESPONSE']._serialized_end=514
+  _globals['_DECODESERVICE']._serialized_start=516
+  _globals['_DECODESERVICE']._serialized_end=596
 # @@protoc_insertion_point(module_scope)

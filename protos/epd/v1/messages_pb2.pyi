@@ -23,12 +23,14 @@ class ContentPart(_message.Message):
     def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ChatTemplateOptions(_message.Message):
-    __slots__ = ("add_generation_prompt", "continue_final_message")
+    __slots__ = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs_json")
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    chat_template_kwargs_json: str
+    def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class RawPrompt(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -40,7 +40,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., visual_embeds: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("kv_handle", "kv_address", "first_token_id", "num_prompt_tokens", "num_cached_tokens", "next_position_ids", "kv_num_bytes", "prefill_ms", "num_visual_tokens_in", "num_visual_tokens_out", "kv_num_bytes_uncompressed", "pruning", "visual_entry_mask", "kept_visual_token_index", "num_reused_prompt_tokens", "first_text", "distinct_prompt_token_ids", "max_new_tokens")
+    __slots__ = ("kv_handle", "kv_address", "first_token_id", "num_prompt_tokens", "num_cached_tokens", "next_position_ids", "kv_num_bytes", "prefill_ms", "num_visual_tokens_in", "num_visual_tokens_out", "kv_num_bytes_uncompressed", "pruning", "visual_entry_mask", "kept_visual_token_index", "num_reused_prompt_tokens", "first_text", "distinct_prompt_token_ids", "max_new_tokens", "first_logprob")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class PrefillResult(_message.Message):
     FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
     DISTINCT_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
     kv_address: str
     first_token_id: int
@@ -77,7 +78,8 @@ class PrefillResult(_message.Message):
     first_text: str
     distinct_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
-    def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., visual_entry_mask: _Optional[bytes] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ..., first_text: _Optional[str] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    first_logprob: _common_pb2.TokenLogprob
+    def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., visual_entry_mask: _Optional[bytes] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ..., first_text: _Optional[str] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
     __slots__ = ("kv_handle", "keep_until_confirmed")
@@ -118,18 +120,20 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type")
+    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type", "max_logprobs")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     context_tokens: int
     max_prompt_tokens: int
     max_new_tokens: int
     model_type: str
-    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...
+    max_logprobs: int
+    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "add_special_tokens", "return_token_strs", "template")

@@ -334,7 +334,8 @@ def test_epd_ask_reads_vllm_sampling_flags_for_both_modes(capsys):
     args = build_parser().parse_args([
         "ask", VIDEO, "q?", "--repetition-penalty", "1.3", "--presence-penalty", "-0.5", "--frequency-penalty",
         "0.5", "--min-p", "0.1", "--min-tokens", "2", "--logit-bias", "17=100", "--logit-bias", "5=-2.5",
-        "--stop-token-id", "7", "--include-stop-str-in-output",
+        "--stop-token-id", "7", "--include-stop-str-in-output", "--allowed-token-id", "9", "--allowed-token-id",
+        "4", "--bad-word", "red", "--bad-word", "big cat",
     ])  # fmt: skip
     generation = configs.generation_config(args)
     assert (generation.repetition_penalty, generation.presence_penalty, generation.frequency_penalty) == (
@@ -344,8 +345,15 @@ def test_epd_ask_reads_vllm_sampling_flags_for_both_modes(capsys):
     )
     assert (generation.min_p, generation.min_tokens, generation.stop_token_ids) == (0.1, 2, (7,))
     assert generation.logit_bias == ((5, -2.5), (17, 100.0)) and generation.include_stop_str_in_output
+    assert generation.allowed_token_ids == (9, 4) and generation.bad_words == ("red", "big cat")
     options = configs.generation_options(args)
     assert options["logit_bias"] == {5: -2.5, 17: 100.0} and options["min_tokens"] == 2
+    assert options["allowed_token_ids"] == [9, 4] and options["bad_words"] == ("red", "big cat")
+    # without the flag: every token (None), which the SDK sends as unset; an empty list it refuses
+    assert (
+        configs.generation_options(build_parser().parse_args(["ask", VIDEO, "q?"]))["allowed_token_ids"]
+        is None
+    )
     assert "expected TOKEN_ID=BIAS (e.g. 1734=-100), got 'x'" in _usage_error(
         capsys, ["ask", VIDEO, "q?", "--logit-bias", "x"]
     )

@@ -7,7 +7,9 @@ from __future__ import annotations
 import gc
 import hashlib
 import io
+import json
 import threading
+import time
 import warnings
 
 import grpc
@@ -15,7 +17,7 @@ import pytest
 
 from epd.client import NO_RETRY, AsyncEpdClient, EpdClient, EpdError, MediaSource, RetryPolicy, build_header
 from epd.client.channel import ChannelSettings, channel_credentials, open_channel
-from epd.client.client import tokenize_request
+from epd.client.client import _call_error, tokenize_request
 from epd.transport.auth import bearer_token, key_matches
 
 
@@ -151,6 +153,11 @@ def test_header_carries_vllm_sampling_options():
         and list(g.stop_token_ids) == [5, 9]
         and g.include_stop_str_in_output
     )
+    h = build_header("q?", 0, "", {"allowed_token_ids": (4, 17), "bad_words": ["red", " big cat"]})
+    assert list(h.generation.allowed_token_ids) == [4, 17] and list(h.generation.bad_words) == [
+        "red",
+        " big cat",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -165,6 +172,16 @@ def test_header_carries_vllm_sampling_options():
         ({"logit_bias": {"x": 1}}, TypeError, r"logit_bias keys must be token ids"),
         ({"logit_bias": {5: "up"}}, TypeError, r"logit_bias must be a dict of integers to numbers"),
         ({"seed": 2**70}, ValueError, r"seed must be an integer of at most 64 bits"),
+        ({"allowed_token_ids": [1.5]}, TypeError, r"allowed_token_ids must be a list of integers"),
+        # the wire cannot tell an empty list from unset (every token): refused, as the HTTP API's 400
+        ({"allowed_token_ids": []}, ValueError, r"allowed_token_ids is empty, which allows no token"),
+        # protobuf would have sent each character as a word
+        (
+            {"bad_words": "red"},
+            TypeError,
+            r"bad_words must be a list of strings, such as \['red'\], got 'red'",
+        ),
+        ({"bad_words": ["red", 5]}, TypeError, r"bad_words must be a list of strings"),
         (
             {"stop": ["\ud800"]},
             ValueError,
@@ -205,6 +222,10 @@ def test_a_tokenize_request_carries_its_options_and_leaves_defaults_unset():
     assert (chat.add_special_tokens, chat.return_token_strs, chat.request_id) == (True, True, "r1")
     assert chat.template.HasField("add_generation_prompt") and not chat.template.add_generation_prompt
     assert chat.template.continue_final_message
+    thinking = tokenize_request(
+        None, [{"role": "user", "content": "hi"}], None, None, None, False, "", {"enable_thinking": False}
+    )
+    assert json.loads(thinking.template.chat_template_kwargs_json) == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize(
@@ -341,3 +362,15 @@ def test_a_server_name_alone_makes_the_channel_tls_not_plaintext():
 
     assert ChannelSettings(server_name_override="gateway.example").uses_tls
     assert asyncio.run(run()) == "UNAVAILABLE"  # a TLS handshake a plaintext server cannot answer
+
+
+def test_a_passed_deadline_says_what_helps_for_the_call_it_cut():
+    # An ask's answer is shortened by fewer tokens or frames; a tokenize call's is not: its
+    # message names only the deadline.
+    exc = grpc.aio.AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Deadline Exceeded"
+    )
+    asked = _call_error(exc, time.monotonic() - 1, 2.0, "or ask for fewer tokens or frames")
+    tokenized = _call_error(exc, time.monotonic() - 1, 2.0)
+    assert asked.message.endswith("raise timeout_s, or ask for fewer tokens or frames"), asked.message
+    assert tokenized.message == "no answer within the call's deadline (2 s, timeout_s); raise timeout_s"

@@ -47,6 +47,8 @@ def full_summary() -> gateway_pb2.AskSummary:
         kept_visual_token_index=[0, 2, 5],
         num_reused_prompt_tokens=7,
         stop_string="\n",
+        logprobs=[common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5, top_logprobs=[
+            common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5)])],
     )  # fmt: skip
     return summary
 
@@ -95,7 +97,7 @@ def test_every_value_of_the_summary_arrives_typed():
     result = result_from_proto(summary, [stage_event_from_proto(event)])
     out = result.to_dict()
     for field in gateway_pb2.AskSummary.DESCRIPTOR.fields:
-        if field.name in ("pruning", "timings_ms"):
+        if field.name in ("pruning", "timings_ms", "logprobs"):
             continue
         if field.containing_oneof:  # the member that is set, under the oneof's name
             if summary.WhichOneof(field.containing_oneof.name) == field.name:
@@ -111,6 +113,14 @@ def test_every_value_of_the_summary_arrives_typed():
     )
     assert result.pruning.prefill_flops_saved == 400
     assert result.grid_thw == GridTHW(temporal=2, height=8, width=12)
+    assert out["logprobs"] == [
+        {
+            "token_id": 5,
+            "token": "a",
+            "logprob": -0.5,
+            "top": [{"token_id": 5, "token": "a", "logprob": -0.5}],
+        }
+    ]
     assert result.events == [StageEvent(Stage.PREFILL, "finished", 9.0, 3.0, {"num_prompt_tokens": "70"})]
     json.dumps(out)  # JSON-able as it is
 

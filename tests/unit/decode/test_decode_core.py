@@ -87,14 +87,14 @@ def _prefilled(adapter, store: KvStore, question: str, grid=(1, 4, 4), seed: int
     return handle, weakref.ref(cache)
 
 
-def _alone(adapter, store, question, max_new, grid=(1, 4, 4), seed=0) -> list[int]:
+def _alone(adapter, store, question, max_new, grid=(1, 4, 4), seed=0, generation=None) -> list[int]:
     """The request's greedy tokens decoded alone, step by step (no batch)."""
     handle, _ = _prefilled(adapter, store, question, grid, seed)
     gen = DecodeEngine(adapter).start(
         store.take(handle.kv_handle),
         handle.first_token_id,
         handle.next_position_ids,
-        GenerationConfig(max_new_tokens=max_new, ignore_eos=True),
+        generation or GenerationConfig(max_new_tokens=max_new, ignore_eos=True),
     )
     tokens = [gen.first().token_ids[0]]
     while not gen.done:
@@ -103,14 +103,20 @@ def _alone(adapter, store, question, max_new, grid=(1, 4, 4), seed=0) -> list[in
 
 
 async def _tokens(
-    stage, handle, max_new, started: asyncio.Event | None = None, after: asyncio.Event | None = None
+    stage,
+    handle,
+    max_new,
+    started: asyncio.Event | None = None,
+    after: asyncio.Event | None = None,
+    generation: GenerationConfig | None = None,
 ) -> list[int]:
-    """One request's greedy tokens (ignore_eos) through `stage`, once `after` is set; `started` is
-    set at its second token (it is in the running batch then)."""
+    """One request's greedy tokens (ignore_eos; or `generation`'s) through `stage`, once `after` is
+    set; `started` is set at its second token (it is in the running batch then)."""
     if after is not None:
         await after.wait()
     out: list[int] = []
-    async for step in stage.generate(handle, GenerationConfig(max_new_tokens=max_new, ignore_eos=True), "r"):
+    generation = generation or GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
+    async for step in stage.generate(handle, generation, "r"):
         out += step.token_ids
         if started is not None and len(out) == 2:
             started.set()
@@ -199,6 +205,44 @@ def test_requests_join_and_leave_a_running_batch_with_their_own_tokens(adapter, 
     assert got == want
     assert max(calls.batch_sizes) >= 2, f"the requests shared steps: batch sizes {calls.batch_sizes}"
     _assert_idle(stage, *refs)
+
+
+def test_allowed_token_ids_and_bad_words_mask_their_own_row_of_a_shared_step(adapter, thread, monkeypatch):
+    """Two requests in one batched step, one with allowed_token_ids and bad_words: its tokens keep
+    to its masks, the other's row is untouched, and each equals its tokens decoded alone."""
+    store = KvStore(1 << 30, 60.0)
+    question, n = "what colour is the square?", 10
+    plain = GenerationConfig(max_new_tokens=n, ignore_eos=True)
+    # tokens that are words of their own: each one's text tokenises back to it alone
+    allowed = tuple(
+        t for t in range(60, 300) if adapter.tokenize(adapter.tokenizer.decode([t]).lstrip(), False) == [t]
+    )
+    only_allowed = replace(plain, allowed_token_ids=allowed)
+    first_pick = _alone(adapter, store, question, n, seed=1, generation=only_allowed)[1]
+    word = adapter.tokenizer.decode([first_pick])
+    assert adapter.bad_words_token_ids([word])[0] == (first_pick,), "a word of one token, banned outright"
+    masked = replace(only_allowed, bad_words=(word,))
+    want = {
+        "plain": _alone(adapter, store, question, n, seed=0),
+        "masked": _alone(adapter, store, question, n, seed=1, generation=masked),
+    }
+    assert set(want["plain"][1:]) - set(allowed), "the plain answer must leave the allowed tokens"
+    assert set(want["masked"][1:]) <= set(allowed) and first_pick not in want["masked"][1:]
+    calls = Calls(adapter, monkeypatch)
+    stage = _stage(adapter, store, thread)
+    handles = {k: _prefilled(adapter, store, question, seed=i)[0] for i, k in enumerate(want)}
+
+    async def scenario():
+        running = asyncio.Event()
+        return await asyncio.gather(
+            _tokens(stage, handles["plain"], n, started=running, generation=plain),
+            _tokens(stage, handles["masked"], n, after=running, generation=masked),
+        )
+
+    got = dict(zip(want, _run(scenario())))
+    assert got == want
+    assert max(calls.batch_sizes) == 2, f"the requests shared steps: batch sizes {calls.batch_sizes}"
+    _assert_idle(stage)
 
 
 def test_closing_early_frees_the_row_and_stops_stepping(adapter, thread, monkeypatch):

@@ -31,10 +31,12 @@ def parse(**body):
     ],
 )
 def test_one_prompt_as_text_or_token_ids(prompt, expected):
-    request = parse(prompt=prompt, max_tokens=5, stop="\n", stop_token_ids=[7], seed=3, temperature=0.5)
+    request = parse(prompt=prompt, max_tokens=5, stop="\n", stop_token_ids=[7], seed=3, temperature=0.5,
+                    allowed_token_ids=[4, 9], bad_words=["red"])  # fmt: skip
     assert request.raw_prompt == expected and request.messages == [] and request.media_url == ""
     assert request.generation.max_new_tokens == 5 and request.generation.stop == ("\n",)
     assert request.generation.stop_token_ids == (7,) and request.generation.seed == 3
+    assert request.generation.allowed_token_ids == (4, 9) and request.generation.bad_words == ("red",)
     assert not request.stream and not request.echo
 
 
@@ -49,8 +51,12 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
         ({"prompt": [1, "a"]}, "'prompt' must be a string or a list of token ids"),
         ({"prompt": [1, -2]}, r"'prompt\[\]' must be an integer from 0"),
         ({"prompt": [True]}, "'prompt' must be a string or a list of token ids"),
-        ({"prompt": "a", "logprobs": 1}, "logprobs are not supported by this server; leave 'logprobs' unset"),
-        ({"prompt": "a", "logprobs": 0}, "logprobs are not supported"),
+        ({"prompt": "a", "logprobs": -1}, "'logprobs' must be an integer from 0 to"),
+        ({"prompt": "a", "logprobs": True}, "'logprobs' must be an integer"),
+        (
+            {"prompt": "a", "logprobs": 1, "echo": True},
+            "'echo' with 'logprobs' asks for the prompt's logprobs",
+        ),
         ({"prompt": "a", "suffix": "end"}, "'suffix' is not supported by this server"),
         ({"prompt": "a", "n": 2}, "only n=1 is supported"),
         ({"prompt": "a", "best_of": 2}, "'best_of' is not supported"),

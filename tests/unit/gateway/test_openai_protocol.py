@@ -131,8 +131,10 @@ def test_image_part_and_string_url():
         ({"stop": [str(i) for i in range(33)]}, "'stop': stop has 33 strings; at most 32 are accepted"),
         ({"stop": "x" * 513}, "'stop': a stop string has 513 characters; at most 512 are accepted"),
         ({"n": 2}, "only n=1"),
-        ({"logprobs": True}, "logprobs are not supported by this server"),
-        ({"logprobs": False, "top_logprobs": 3}, "logprobs are not supported by this server"),
+        ({"logprobs": False, "top_logprobs": 3}, "'top_logprobs' .3. needs \"logprobs\": true"),
+        ({"top_logprobs": 1}, 'needs "logprobs": true'),
+        ({"logprobs": True, "top_logprobs": -1}, "'top_logprobs' must be an integer from 0 to"),
+        ({"logprobs": True, "top_logprobs": 2.5}, "'top_logprobs' must be an integer"),
         ({"logprobs": "yes"}, "'logprobs' must be"),
     ],
 )
@@ -307,11 +309,10 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
 @pytest.mark.parametrize(("field", "value"), [
     ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("guided_whitespace_pattern", "\\s*"),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("bad_words", ["x"]), ("allowed_token_ids", [5]), ("prompt_logprobs", 1), ("best_of", True),
-    # vLLM's fields that change the prompt, the frames or the answer's text: they were accepted
-    # as known (the first two) or logged as unknown, and answered as if they had not been sent.
-    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("add_special_tokens", True),
-    ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
+    ("prompt_logprobs", 1), ("best_of", True),
+    # vLLM's fields that change the prompt, the frames or the answer's text: they were logged as
+    # unknown, and answered as if they had not been sent.
+    ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
     ("mm_processor_kwargs", {"fps": 1}), ("truncate_prompt_tokens", 16), ("documents", [{"text": "d"}]),
     ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}), ("priority", 1),
     # vLLM's too, logged as unknown and answered as if not sent: the frames vLLM loads, a model's
@@ -336,16 +337,15 @@ def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
         min_p=0,
         stop_token_ids=[],
         include_stop_str_in_output=False,
+        allowed_token_ids=None,
+        bad_words=[],
         best_of=1,
         response_format={"type": "text"},
         tools=[],
         tool_choice="none",
         guided_json=None,
-        skip_special_tokens=True,
-        spaces_between_special_tokens=True,
         add_special_tokens=False,
         chat_template=None,
-        chat_template_kwargs={},
         mm_processor_kwargs={},
         priority=0,
         media_io_kwargs={},
@@ -379,6 +379,7 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
     req = parse(body(
         repetition_penalty=1.2, presence_penalty=-1, frequency_penalty=0.5, min_p=0.1, min_tokens=4,
         logit_bias={"17": 100, "5": -2.5}, stop_token_ids=[7, 3], include_stop_str_in_output=True,
+        allowed_token_ids=[9, 17, 5], bad_words=["red", " big cat"],
     ))  # fmt: skip
     assert req.generation == GenerationConfig(
         max_new_tokens=32,
@@ -390,6 +391,8 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
         logit_bias=((5, -2.5), (17, 100.0)),
         stop_token_ids=(7, 3),
         include_stop_str_in_output=True,
+        allowed_token_ids=(9, 17, 5),
+        bad_words=("red", " big cat"),
         fit_max_new_tokens=True,
     )
 
@@ -410,6 +413,16 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
     ({"stop_token_ids": [True]}, r"'stop_token_ids\[\]' must be an integer from 0"),
     ({"stop_token_ids": list(range(257))}, "'stop_token_ids' has 257 entries; at most 256"),
     ({"include_stop_str_in_output": 1}, "'include_stop_str_in_output' must be true or false"),
+    ({"allowed_token_ids": []}, r"'allowed_token_ids' is empty, which allows no token; leave it out \(or null\)"),
+    ({"allowed_token_ids": 5}, "'allowed_token_ids' must be a list of token ids"),
+    ({"allowed_token_ids": [5, -1]}, r"'allowed_token_ids\[\]' must be an integer from 0"),
+    ({"allowed_token_ids": list(range(65537))}, "'allowed_token_ids' has 65537 entries; at most 65536"),
+    ({"bad_words": "red"}, r"'bad_words' must be a list of strings, such as \["),
+    ({"bad_words": ["red", 5]}, r"'bad_words' must be a list of strings"),
+    ({"bad_words": ["red", ""]}, "'bad_words': bad_words cannot contain an empty string"),
+    ({"bad_words": [" \t"]}, "or one of spaces alone; leave it out"),
+    ({"bad_words": ["w"] * 129}, "'bad_words' has 129 entries; at most 128"),
+    ({"bad_words": ["w" * 513]}, "'bad_words': a bad word has 513 characters; at most 512"),
 ])  # fmt: skip
 def test_vllm_sampling_options_out_of_range_are_400s_naming_field_and_range(fields, match):
     with pytest.raises(InvalidRequest, match=match):

@@ -13,6 +13,7 @@ from epd.client.types import result_from_proto
 from epd.gateway.openai_protocol import epd_details
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.servicer import summary_to_proto
+from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.names import TIMED_STAGES, TIMING_NAMES, timings_from_either, timings_with_legacy_names
 from epd.token_pruning import PruningStats
 from epd.v1 import gateway_pb2
@@ -90,7 +91,8 @@ def domain_summary() -> AskSummary:
         num_prompt_tokens=60, timings_ms={name: 1.0 + i for i, name in enumerate(TIMING_NAMES)},
         kv_num_bytes=9, encoder_cache_hit=True, media_sha256="cd" * 32, frame_timestamps_s=[0.0, 1.0],
         pruning=stats, grid_thw=(2, 4, 6), kept_visual_token_index=[0, 3], num_reused_prompt_tokens=52,
-        stop_reason=151643,
+        stop_reason=151643, logprobs=[TokenLogprob(1, "a", -0.5, (TopLogprob(1, "a", -0.5),)),
+                                      TokenLogprob(2, "b", -1.25, (TopLogprob(3, "c", -1.0),))],
     )  # fmt: skip
 
 
@@ -104,6 +106,7 @@ def test_the_grpc_summary_carries_every_field_of_the_pipelines_summary():
     result = result_from_proto(wire, [])
     assert result.grid_thw == (2, 4, 6) and result.kept_visual_token_index == [0, 3]
     assert result.num_reused_prompt_tokens == 52
+    assert result.logprobs == domain_summary().logprobs
     assert (
         result.timings_ms.video_decode_ms == 1.0 and result.timings_ms.total_ms == 1.0 + len(TIMING_NAMES) - 1
     )
@@ -113,8 +116,9 @@ def test_the_http_epd_object_has_the_sdk_results_names():
     summary = domain_summary()
     http = epd_details(summary)
     sdk = result_from_proto(summary_to_proto(summary), []).to_dict()
-    # The answer is OpenAI's message content; events and attempts exist on gRPC only.
-    shared = set(sdk) - {"answer", "events", "num_attempts", "media_num_bytes_sent"}
+    # The answer is OpenAI's message content, the logprobs OpenAI's choice's (logprobs_protocol);
+    # events and attempts exist on gRPC only.
+    shared = set(sdk) - {"answer", "logprobs", "events", "num_attempts", "media_num_bytes_sent"}
     assert shared <= set(http), shared - set(http)
     for name in shared - {"pruning"}:
         assert http[name] == sdk[name], name

@@ -148,3 +148,30 @@ def test_a_cancel_of_the_calling_task_still_cancels_it():
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_a_name_not_resolved_yet_holds_no_channel():
+    """A pending `dns:///` entry gets no call, so it gets no channel either: one opened for it sat
+    idle, never connecting, for as long as the name stayed unresolved (for good, for a name that
+    never resolves). Its addresses get channels once found, and a reloaded list that names a new
+    pending name opens nothing for it; the replaced addresses' channels close."""
+
+    async def scenario():
+        pending = "dns:///stage.invalid:1"
+        pool = ReplicaPool([pending, "127.0.0.1:1"])
+        try:
+            assert len(pool.channels) == 1 and pool.channels[0] is pool.channel("127.0.0.1:1")
+            with pytest.raises(KeyError):
+                pool.channel(pending)
+            pool.set_addresses(["127.0.0.2:1", "127.0.0.1:1"])  # the name found: one address
+            assert len(pool.channels) == 2
+            found = pool.channel("127.0.0.2:1")
+            pool.set_addresses(["dns:///other.invalid:1"])  # a reloaded list: a new name, pending
+            assert pool.channels == []
+            await asyncio.sleep(0)  # the retired channels close in tasks of their own
+            await asyncio.gather(*pool._closing)
+            assert found.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())

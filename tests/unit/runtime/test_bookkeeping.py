@@ -108,7 +108,7 @@ def test_output_text_applies_the_rules_that_end_a_generation(config, tokens, exp
     """Decode's steps and prefill's first token go through these rules (`OutputText`): a finish
     releases what was held back."""
     words = {1: "Hello", 2: " wor", 3: "ld", 9: ""}
-    out = OutputText(lambda ids: "".join(words[i] for i in ids), {9}, config)
+    out = OutputText(lambda ids, **_: "".join(words[i] for i in ids), {9}, config)
     assert [out.add(t) for t in tokens] == expected
 
 
@@ -208,7 +208,7 @@ def test_no_seed_draws_a_fresh_one_per_request_once():
 def test_output_text_names_the_stop_that_ended_the_answer(config, tokens, stop_reason):
     """vLLM's `stop_reason`: the matched stop string, the stop token id, else None (EOS, length)."""
     words = {1: "Hello", 2: " wor", 3: "ld", 9: ""}
-    out = OutputText(lambda ids: "".join(words[i] for i in ids), {9}, config)
+    out = OutputText(lambda ids, **_: "".join(words[i] for i in ids), {9}, config)
     for token in tokens:
         out.add(token)
     assert out.stop_reason == stop_reason

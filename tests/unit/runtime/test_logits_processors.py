@@ -1,18 +1,21 @@
-"""vLLM's sampling options (penalties, logit bias, min_tokens, min_p, stop token ids) in the
-Sampler and the rules that end a generation, against values worked out by hand."""
+"""vLLM's sampling options (allowed_token_ids, bad_words, penalties, logit bias, min_tokens, min_p,
+stop token ids) in the Sampler and the rules that end a generation, against values worked out by hand."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
+from epd.model_runtime.bad_words import tokenize_bad_words
 from epd.model_runtime.detokenizer import IncrementalText, OutputText
 from epd.model_runtime.logits_processors import LogitsProcessors
-from epd.model_runtime.sampling import GenerationConfig, Sampler
+from epd.model_runtime.sampling import GenerationConfig, Sampler, SamplingFailed
 
 EOS = 4
 
 
-def _processed(config, logits, prompt=(), output=()):
-    processors = LogitsProcessors(config, prompt, {EOS})
+def _processed(config, logits, prompt=(), output=(), bad_words=()):
+    processors = LogitsProcessors(config, prompt, {EOS}, bad_words)
     for token in output:
         processors.seen(token)
     return processors.before_sampling(torch.tensor(logits))
@@ -108,6 +111,8 @@ def test_the_default_config_builds_no_processors():
         ("frequency_penalty", -0.1),
         ("min_tokens", 1),
         ("logit_bias", ((1, 1.0),)),
+        ("allowed_token_ids", (1,)),
+        ("bad_words", ("red",)),
     ]:
         assert GenerationConfig(**{field: value}).processes_logits, field
 
@@ -151,6 +156,17 @@ def test_the_default_config_builds_no_processors():
         ),
         (GenerationConfig(stop_token_ids=(9,)), 9, "stop_token_ids: token id 9 is outside 0 to 8"),
         (GenerationConfig(stop_token_ids=tuple(range(257))), None, "stop_token_ids has 257 ids; at most 256"),
+        (GenerationConfig(allowed_token_ids=(3, 7)), 7, "allowed_token_ids: token id 7 is outside 0 to 6"),
+        (GenerationConfig(allowed_token_ids=(-1,)), None, "allowed_token_ids: token id -1 is outside"),
+        (
+            GenerationConfig(allowed_token_ids=tuple(range(65537))),
+            None,
+            r"allowed_token_ids has 65537 ids; at most 65536 are accepted \(to keep a few tokens out",
+        ),
+        (GenerationConfig(bad_words=("red", "")), None, "bad_words cannot contain an empty string"),
+        (GenerationConfig(bad_words=("  ",)), None, "or one of spaces alone"),
+        (GenerationConfig(bad_words=("w",) * 129), None, "bad_words has 129 words; at most 128"),
+        (GenerationConfig(bad_words=("w" * 513,)), None, "a bad word has 513 characters; at most 512"),
     ],
 )
 def test_validation_names_the_field_and_its_range(config, vocab, message):
@@ -168,14 +184,73 @@ def test_validation_accepts_the_bounds():
         min_tokens=5,
         logit_bias=((0, -100.0), (6, 100.0)),
         stop_token_ids=(6,),
+        allowed_token_ids=tuple(range(7)),
+        bad_words=("w" * 512,) * 128,
     ).validate(100, 7)
+
+
+INF = float("-inf")
+
+
+def test_allowed_token_ids_leave_only_those_tokens_to_greedy_and_to_the_draw():
+    logits = torch.tensor([9.0, 1.0, 3.0, 2.0, 8.0])
+    config = GenerationConfig(allowed_token_ids=(3, 2, 3))  # repeats allowed, as vLLM's
+    assert _processed(config, logits.tolist()).tolist() == [INF, INF, 3.0, 2.0, INF]
+    assert Sampler(config)(logits) == 2  # the argmax over the allowed tokens, not 0
+    sampled = Sampler(replace(config, temperature=1.0, seed=5))
+    assert {sampled(logits) for _ in range(50)} == {2, 3}
+
+
+def test_a_bad_word_of_one_token_is_banned_at_every_step_a_longer_one_after_its_other_tokens():
+    words = ((1,), (2, 3), (0, 2, 3))  # token 1; "2 3"; "0 2 3"
+    config = GenerationConfig(bad_words=("x",))
+    logits = [1.0] * 5
+    assert _processed(config, logits, bad_words=words).tolist() == [1.0, INF, 1.0, 1.0, 1.0]
+    # after 2: token 3 would end "2 3"
+    assert _processed(config, logits, output=[2], bad_words=words).tolist() == [1.0, INF, 1.0, INF, 1.0]
+    # after 0 2: both words end with 3 (the longer one too)
+    assert _processed(config, logits, output=[4, 0, 2], bad_words=words)[3] == INF
+    # the word's other tokens must be the answer's last ones
+    assert _processed(config, logits, output=[2, 4], bad_words=words)[3] == 1.0
+    # only the answer counts: the prompt's last token 2 does not start "2 3" (vLLM's)
+    assert _processed(config, logits, prompt=[2], bad_words=words)[3] == 1.0
+
+
+def test_masks_come_before_the_logit_bias_which_cannot_lift_a_banned_token():
+    """vLLM's order: allowed_token_ids, bad_words, then logit_bias and the penalties."""
+    config = GenerationConfig(allowed_token_ids=(0, 1, 2), logit_bias=((3, 100.0), (2, 100.0), (1, 100.0)))
+    out = _processed(config, [5.0, 1.0, 1.0, 1.0, 1.0], bad_words=((1,),))
+    assert out.tolist() == [5.0, INF, 101.0, INF, INF]
+
+
+def test_a_step_the_masks_leave_no_token_fails_with_what_to_change():
+    config = GenerationConfig(allowed_token_ids=(1,), bad_words=("x",))
+    for temperature in (0.0, 1.0):
+        sampler = Sampler(replace(config, temperature=temperature, seed=0), bad_words_token_ids=((1,),))
+        with pytest.raises(
+            SamplingFailed, match="allowed_token_ids, bad_words leave no token .* allow more tokens"
+        ):
+            sampler(torch.zeros(5))
+
+
+def test_bad_words_tokenise_with_and_without_a_leading_space_as_vllm():
+    """The bare word always (leading spaces stripped); the spaced one only when it is a word token
+    of its own: another first token, as many tokens (vLLM's `update_from_tokenizer`)."""
+    vocab = {"red": [5], " red": [6], "big cat": [7, 8], " big cat": [9, 8], "xyz": [1, 2], " xyz": [3, 1, 2],
+             "same": [4], " same": [4]}  # fmt: skip
+    sequences = tokenize_bad_words(["red", "  big cat", "xyz", "same", "red"], lambda t: vocab[t], 10)
+    assert sequences == ((5,), (6,), (7, 8), (9, 8), (1, 2), (4,))
+    with pytest.raises(ValueError, match=r"bad_words: '\\u200b' gives no token with this model's tokenizer"):
+        tokenize_bad_words(["\u200b"], lambda t: [], 10)
+    with pytest.raises(ValueError, match=r"token ids \[12\] outside its logits \(0 to 9\)"):
+        tokenize_bad_words(["big"], lambda t: [12], 10)
 
 
 WORDS = {1: "Hello", 2: " wor", 3: "ld", 5: ".", 9: ""}
 
 
 def _output(config, tokens):
-    out = OutputText(lambda ids: "".join(WORDS[i] for i in ids), {9}, config)
+    out = OutputText(lambda ids, **_: "".join(WORDS[i] for i in ids), {9}, config)
     return [out.add(t) for t in tokens]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +20,7 @@ from epd.decode_svc.stage import LocalDecodeStage, take_from_store
 from epd.encoder_svc.token_cache import TokenCache, TokenCacheConfig, make_cache_key
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import (
@@ -90,6 +92,19 @@ def _handle() -> PrefillHandle:
         max_new_tokens=12,
         kv_handle="abc123",
         kv_address="prefill-0:50052",
+        first_logprob=_logprob(42),
+    )
+
+
+def _logprob(token_id: int) -> TokenLogprob:
+    """A token's logprob with float32 values (what the engines compute; -inf: a masked logit):
+    they must come back from the wire bit for bit."""
+    value = torch.tensor(-1.2345678, dtype=torch.float32).item()
+    return TokenLogprob(
+        token_id,
+        "é",
+        value,
+        (TopLogprob(7, " a", -0.25), TopLogprob(token_id, "é", value), TopLogprob(9, "", -math.inf)),
     )
 
 
@@ -230,7 +245,14 @@ def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
     stats = _stats()
     _assert_same(convert.stats_from_proto(convert.stats_to_proto(stats)), stats, skip=("transfer_bytes",))
     step = TokenStep(
-        [5, 6], "ab", "stop", kv_transfer_ms=3.5, kv_num_bytes=1024, decode_evict=(40, 30), stop_reason="\n"
+        [5, 6],
+        "ab",
+        "stop",
+        kv_transfer_ms=3.5,
+        kv_num_bytes=1024,
+        decode_evict=(40, 30),
+        stop_reason="\n",
+        logprobs=[_logprob(5), _logprob(6)],
     )
     _assert_all_set(step)
     _assert_same(convert.token_step_from_proto(convert.token_step_to_proto(step)), step)

@@ -106,7 +106,12 @@ def test_every_generation_setting_crosses_the_wire():
         logit_bias=((5, -3.0), (11, 100.0)),
         stop_token_ids=(7, 2),
         include_stop_str_in_output=True,
+        allowed_token_ids=(9, 4, 9),
+        bad_words=("red", " big cat"),
         fit_max_new_tokens=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        logprobs=0,  # 0 is asked (the sampled token's alone), unlike unset
         structured_outputs=StructuredOutputs(choice=("a", "b c"), disable_any_whitespace=True),
     )
     defaults = GenerationConfig()
@@ -117,8 +122,10 @@ def test_every_generation_setting_crosses_the_wire():
                  StructuredOutputs(regex="a+"), StructuredOutputs(grammar='root ::= "a"')):  # fmt: skip
         with_spec = dataclasses.replace(config, structured_outputs=spec)
         assert generation_from_proto(generation_to_proto(with_spec), defaults) == with_spec
-    # unset: off
-    assert generation_from_proto(common_pb2.GenerationParams(), defaults).repetition_penalty == 1.0
+    # unset: off (and the decode options on, vLLM's defaults)
+    unset = generation_from_proto(common_pb2.GenerationParams(), defaults)
+    assert unset.repetition_penalty == 1.0
+    assert unset.skip_special_tokens and unset.spaces_between_special_tokens
 
 
 def test_generation_config_refuses_a_nan_temperature():

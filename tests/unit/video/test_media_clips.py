@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 MAKE_CLIP = (  # the conftest's clip: 112x84, 8 s, a keyframe every 20 frames (B-frames, CRF)
     "import sys; from tests.media import make_video; "
@@ -32,3 +34,29 @@ def test_a_clip_is_the_same_bytes_whatever_the_encoders_fresh_memory_holds(tmp_p
         )
         made.add(hashlib.sha256(path.read_bytes()).hexdigest())
     assert len(made) == 1, f"{len(made)} different clips from the same frames"
+
+
+def test_a_narrow_hevc_clip_is_refused_before_libx265_corrupts_the_heap(tmp_path):
+    """libx265 4.2 aborts the process (heap corruption, found at a later free()) on most encodes of
+    frames 34-48 px wide (`tests.media.X265_MIN_WIDTH`); `make_video` refuses them up front. In a
+    child Python: without the check the abort would take the test session with it."""
+    code = (
+        "import sys; from tests.media import make_video, encoder_available\n"
+        "if not encoder_available('hevc'): sys.exit(3)\n"
+        "for i in range(5):\n"
+        "    try:\n"
+        "        make_video(f'{sys.argv[1]}/narrow{i}.mp4', codec='hevc', size=(40, 24), seconds=1.0)\n"
+        "    except ValueError as exc:\n"
+        "        print(exc)\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if child.returncode == 3:
+        pytest.skip("this FFmpeg build has no HEVC encoder")
+    assert child.returncode == 0, f"exit status {child.returncode}: {child.stderr[-2000:]}"
+    assert child.stdout.count("at least 64 px wide") == 5, child.stdout

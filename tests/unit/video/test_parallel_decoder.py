@@ -435,3 +435,48 @@ def test_a_worker_seeking_back_to_the_first_interval_lands_at_the_start(video_fa
         next(_seek(container, stream, index, last_key, last_key, None, budget))  # a later GOP first
         frames = _seek(container, stream, index, int(index.keyframe_pts[0]), first_pts, None, budget)
         assert next(frames).pts == first_pts
+
+
+def test_close_waits_once_for_all_stuck_workers(video_factory, monkeypatch):
+    """A pool whose workers are all stuck (inside a frame's resize here) is closed within one
+    `CLOSE_WAIT_S`, not one per worker: every worker is told to stop before the first join, and
+    the joins share one deadline (their timeouts add up to the wait, where 5 s each added N x 5 s
+    to a cut drain). The joins are recorded, not timed."""
+    from epd.video import parallel_decoder
+    from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder, _Worker
+
+    wait_s = 0.3
+    monkeypatch.setattr(parallel_decoder, "CLOSE_WAIT_S", wait_s)
+    dec = ParallelDecoder(ParallelDecodeConfig(num_workers=3, seek_cost_frames=0))
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+
+    def stuck(rgb: np.ndarray) -> np.ndarray:
+        entered.release()
+        release.wait()
+        return rgb
+
+    joins: list[tuple[float, bool]] = []  # (timeout, every worker retired by then)
+    workers = list(dec._workers)
+    real_join = _Worker.join
+
+    def recorded_join(self, timeout=None):
+        joins.append((timeout, all(w.retired.is_set() for w in workers)))
+        real_join(self, timeout)
+
+    monkeypatch.setattr(_Worker, "join", recorded_join)
+    stream = dec.iter_groups(
+        video_factory(".mp4", **SMALL), SamplingOptions(num_frames=9), frame_resizer=lambda n: stuck
+    )
+    try:
+        for _ in workers:  # every worker inside a resize: three shares of one GOP each
+            assert entered.acquire(timeout=60)
+        dec.close()
+    finally:
+        release.set()
+        stream.close()
+    assert len(joins) == len(workers) == 3
+    assert all(retired for _, retired in joins), (
+        "a worker was waited for before every worker was told to stop"
+    )
+    assert sum(timeout for timeout, _ in joins) <= wait_s * 1.5, joins

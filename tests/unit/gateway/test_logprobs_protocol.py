@@ -1,0 +1,87 @@
+"""OpenAI's logprobs objects from `TokenLogprob`s (no server): chat's content entries, legacy
+completions' parallel lists, and the requests' fields."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from epd.gateway.logprobs_protocol import (
+    chat_logprobs,
+    chat_logprobs_option,
+    completion_logprobs,
+    completion_logprobs_option,
+)
+from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
+from epd.stages.errors import InvalidRequest
+
+# A sampled token outside the 2 most likely (a sampled request's may be), then a greedy one whose
+# runner-up's logit the model masked (-inf, which JSON cannot hold).
+DRAWN = TokenLogprob(7, "é", -3.5, (TopLogprob(1, " a", -0.5), TopLogprob(2, "b", -1.5)))
+GREEDY = TokenLogprob(1, " a", -0.25, (TopLogprob(1, " a", -0.25), TopLogprob(9, "<s>", -math.inf)))
+
+
+def test_chat_entries_carry_token_logprob_bytes_and_the_most_likely_in_rank_order():
+    assert chat_logprobs([DRAWN, GREEDY]) == {
+        "content": [
+            {
+                "token": "é",
+                "logprob": -3.5,
+                "bytes": [195, 169],
+                "top_logprobs": [
+                    {"token": " a", "logprob": -0.5, "bytes": [32, 97]},
+                    {"token": "b", "logprob": -1.5, "bytes": [98]},
+                ],
+            },
+            {
+                "token": " a",
+                "logprob": -0.25,
+                "bytes": [32, 97],
+                "top_logprobs": [
+                    {"token": " a", "logprob": -0.25, "bytes": [32, 97]},
+                    {"token": "<s>", "logprob": -9999.0, "bytes": [60, 115, 62]},
+                ],
+            },
+        ]
+    }
+
+
+def test_completion_dicts_hold_the_sampled_token_and_the_most_likely_with_text_offsets():
+    body = completion_logprobs([DRAWN, GREEDY], text_offset=4)
+    assert body == {
+        "tokens": ["é", " a"],
+        "token_logprobs": [-3.5, -0.25],
+        # k + 1 entries when the sampled token is not among the k, the sampled one first
+        "top_logprobs": [{"é": -3.5, " a": -0.5, "b": -1.5}, {" a": -0.25, "<s>": -9999.0}],
+        "text_offset": [4, 5],
+    }
+    assert list(body["top_logprobs"][0]) == ["é", " a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 5}, 5),
+     ({"top_logprobs": 0}, None)],
+)  # fmt: skip
+def test_chat_fields(body, want):
+    assert chat_logprobs_option(body) == want
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"top_logprobs": 3}, "'top_logprobs' \\(3\\) needs \"logprobs\": true"),
+        ({"logprobs": 1}, "'logprobs' must be true or false"),
+        ({"logprobs": True, "top_logprobs": -1}, "'top_logprobs' must be an integer from 0 to"),
+    ],
+)
+def test_bad_chat_fields(body, match):
+    with pytest.raises(InvalidRequest, match=match):
+        chat_logprobs_option(body)
+
+
+def test_completion_field():
+    assert completion_logprobs_option({}) is None and completion_logprobs_option({"logprobs": 0}) == 0
+    with pytest.raises(InvalidRequest, match="'logprobs' must be an integer from 0 to"):
+        completion_logprobs_option({"logprobs": -1})
