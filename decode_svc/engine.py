@@ -102,8 +102,10 @@ class Generation:
         """The model's logits [vocab] for `last_token` at `positions`: sample and emit the next.
         row: their log-probabilities, when the request asked and the batch computed them for its
         rows together (`epd.decode_svc.runner`); computed here when it asked and `row` is None."""
-        if row is None and self.num_logprobs is not None:
-            row = rows_logprobs(logits.unsqueeze(0), [self.num_logprobs])[0]  # before the sampler runs
+        if self.num_logprobs is not None and (row is None or self.sampler.constrained):
+            # before the sampler runs; under a structured-output constraint, of the logits its mask
+            # leaves (vLLM applies the grammar's bitmask before its sampler computes logprobs)
+            row = rows_logprobs(self.sampler.allowed(logits).unsqueeze(0), [self.num_logprobs])[0]
         self.positions = self.positions + 1
         self.last_token = self.sampler(logits)
         step = self._emit(self.last_token)

@@ -516,17 +516,14 @@ class PrefillEngine:
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
         bad_words = bad_words_token_ids(request.generation, self.adapter)
-        # The raw distribution (last_logits [vocab]), taken before the sampler's processors run.
+        sampler = Sampler(
+            request.generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, bad_words, request.grammar
+        )
+        # The raw distribution (last_logits [vocab]), taken before the sampler's processors run
+        # (after a structured-output constraint's mask, as vLLM's: `Sampler.allowed`).
         k = request.generation.logprobs
-        row = None if k is None else rows_logprobs(last_logits.unsqueeze(0), [k])[0]
-        first = Sampler(
-            request.generation,
-            0,
-            distinct_prompt_ids,
-            self.adapter.eos_token_ids,
-            bad_words,
-            request.grammar,
-        )(last_logits)
+        row = None if k is None else rows_logprobs(sampler.allowed(last_logits).unsqueeze(0), [k])[0]
+        first = sampler(last_logits)
         # The decoder's first step, worked out here so the first token can go out before the
         # cache reaches a decoder; a token that ends the request is left to the decoder.
         first_text, finish = OutputText(

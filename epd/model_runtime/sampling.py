@@ -417,6 +417,17 @@ class Sampler:
             else:
                 self._generator.manual_seed(stream_seed(config.seed, stream))
 
+    @property
+    def constrained(self) -> bool:
+        """A structured-output constraint masks this request's logits."""
+        return self._grammar is not None
+
+    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] as the constraint leaves them before this step (every token it does not
+        allow next at -inf, on a copy): what vLLM's logprobs are computed from, as it applies a
+        grammar's bitmask before its sampler; the logits themselves without a constraint."""
+        return logits if self._grammar is None else self._grammar.mask(logits.float())
+
     def seen(self, token_id: int) -> None:
         """A token of the output that this sampler did not choose (decode's sampler: the first
         token, which prefill sampled)."""

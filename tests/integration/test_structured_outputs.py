@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import re
 import urllib.error
 import urllib.request
@@ -288,3 +289,50 @@ def test_embedded_on_qwen2_5_vl_equals_its_masked_reference(tiny_models, media_f
             assert summary.token_ids == want[name], name
             if summary.finish_reason == "stop":
                 check_text(name, summary.answer)
+
+
+def test_logprobs_under_a_constraint_are_of_the_masked_distribution(tiny_models, media_files, video):
+    """As vLLM's (its grammar bitmask is applied before its sampler computes logprobs): each
+    token's logprob and top-k are log_softmax of the logits the constraint leaves, which
+    generate() reports as its processed scores under the xgrammar LogitsProcessor; tokens the
+    constraint refuses never appear among the top ones with a finite value."""
+    k = 5
+    model_dir = tiny_models["qwen2_vl"]
+    model, processor = whole_model(model_dir)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    eos = model.generation_config.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(
+        processor.tokenizer, vocab_size=vocab_size, stop_token_ids=eos if isinstance(eos, list) else [eos]
+    )
+    inputs = reference_inputs(processor, video, question_message(video, QUESTION))
+    mask = GrammarMask(
+        xgr.GrammarCompiler(info).compile_regex(REGEX), inputs["input_ids"].shape[1], vocab_size
+    )
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS, output_scores=True,
+                             return_dict_in_generate=True, logits_processor=LogitsProcessorList([mask]))  # fmt: skip
+    want = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    reference = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)  # [tokens, vocab]
+    with build_embedded_pipeline(ModelConfig(model=str(model_dir))) as pipeline:
+        request = AskRequest(
+            question_messages(QUESTION),
+            MediaInput(media_files["mp4"].read_bytes()),
+            SamplingOptions(num_frames=NUM_FRAMES),
+            GenerationConfig(
+                max_new_tokens=MAX_TOKENS, logprobs=k, structured_outputs=StructuredOutputs(regex=REGEX)
+            ),
+        )
+        summary = asyncio.run(request_summary(pipeline, request))
+    assert summary.token_ids == want and summary.logprobs is not None
+    for i, lp in enumerate(summary.logprobs):
+        assert math.isclose(lp.logprob, float(reference[i, want[i]]), rel_tol=1e-5, abs_tol=1e-5), i
+        finite = [(t.token_id, t.logprob) for t in lp.top if t.logprob > float("-inf")]
+        values, ids = torch.topk(reference[i], k)
+        want_top = [(t, v) for t, v in zip(ids.tolist(), values.tolist(), strict=True) if v > float("-inf")]
+        assert [t for t, _ in finite] == [t for t, _ in want_top], i
+        assert all(
+            math.isclose(v, w, rel_tol=1e-5, abs_tol=1e-5) for (_, v), (_, w) in zip(finite, want_top)
+        ), i
+    assert any(len([t for t in lp.top if t.logprob > float("-inf")]) < k for lp in summary.logprobs), (
+        "the constraint left k tokens or more at every step; the masked top-k would prove little"
+    )
