@@ -110,9 +110,9 @@ class PrefillEngine:
                 served,
                 config.max_model_len,
             )
-        self.tokenizing = adapter.tokenizing_copy()
-        """/tokenize and /detokenize's adapter: a tokenizer of its own, for the one thread that
-        answers them off the model thread (`LocalPrefillStage`), never used by two threads at once."""
+        # /tokenize and /detokenize run on a thread of their own (`LocalPrefillStage`) with the
+        # model thread's tokenizer, which no call changes once settled: no second copy in memory.
+        adapter.settle_tokenizer()
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_ttl_s)
         # Families whose cache is attention-only and that continue a cache in chunks. A hybrid
         # model's linear states (Qwen3.5) hold the whole prompt in a fixed-size state that cannot
@@ -132,14 +132,15 @@ class PrefillEngine:
         )
 
     def tokenize(self, request: TokenizeInput) -> TokenizeOutput:
-        """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt
-        (with `tokenizing`: call from one thread at a time, which need not be the model thread)."""
+        """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt.
+        Any thread may call it, also while the model thread tokenises a prompt with the same
+        tokenizer: no call changes the tokenizer (`VLMAdapter.settle_tokenizer`)."""
         request.check(self.config.max_text_chars)
         try:
             if request.prompt is not None:
-                token_ids = self.tokenizing.tokenize(request.prompt, request.add_special_tokens)
+                token_ids = self.adapter.tokenize(request.prompt, request.add_special_tokens)
             else:
-                token_ids = self.tokenizing.tokenize_conversation(
+                token_ids = self.adapter.tokenize_conversation(
                     to_chat_template(request.messages, ""),
                     request.template.add_generation_prompt,
                     request.add_special_tokens,
@@ -149,14 +150,14 @@ class PrefillEngine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         return TokenizeOutput(
-            token_ids, self.tokenizing.token_strings(token_ids) if request.return_token_strs else None
+            token_ids, self.adapter.token_strings(token_ids) if request.return_token_strs else None
         )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize
-        text could give), special tokens kept. As `tokenize`: one thread at a time."""
+        text could give), special tokens kept. As `tokenize`: any thread."""
         check_token_ids(token_ids, self.adapter.vocab_size, self.config.max_text_chars)
-        return self.tokenizing.decode_tokens(list(token_ids))
+        return self.adapter.decode_tokens(list(token_ids))
 
     def _check_generation(self, generation: GenerationConfig) -> None:
         check_generation_limits(

@@ -4,8 +4,8 @@
                      a bad request is refused here and never queues)
                   -> core.submit: waits in the scheduler, runs in batched/chunked steps
                   -> the finished cache goes into the KvStore under a new handle
-    tokenize(...) / detokenize(...) -> the engine's own tokenizer copy on the tokenizer thread,
-                     never the model thread: they never wait for a prefill step
+    tokenize(...) / detokenize(...) -> the tokenizer thread, never the model thread, with the
+                     model's one tokenizer: they never wait for a prefill step
 
 Used by the prefill gRPC servicer and by the embedded mode. A cancelled prefill leaves the queue
 at once (its chunks' cache is freed before the next step) and stores nothing.
@@ -124,10 +124,12 @@ class LocalPrefillStage(PrefillStage):
         return self.engine.model_info()
 
     async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
-        # Off the model thread, with the engine's own copy of the tokenizer (`engine.tokenizing`),
-        # on one thread: it never waits for a prefill step nor takes model time from one, and the
-        # copy is never used by two threads at once (a fast tokenizer would refuse a call:
-        # "Already borrowed"). Calls beyond the one running queue there, in arrival order.
+        # Off the model thread, on one thread of its own: it never waits for a prefill step nor
+        # takes model time from one. It shares the model thread's tokenizer, without a lock: no
+        # call changes the tokenizer's settings (`VLMAdapter.settle_tokenizer`), so the two threads
+        # only read it, at once if they like, and no copy is kept (a prefill process holds 46-141
+        # MiB less with a Qwen2-sized vocabulary; docs/benchmarks.md). Calls beyond the one running
+        # queue there, in arrival order.
         return await self._on_tokenizer_thread(self.engine.tokenize, request)
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:

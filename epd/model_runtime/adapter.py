@@ -338,13 +338,13 @@ class VLMAdapter(ABC):
         """The text of token ids, special tokens kept (/detokenize; answers use `detokenize`)."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
-    def tokenizing_copy(self) -> VLMAdapter:
-        """An adapter whose `tokenize`, `tokenize_conversation`, `token_strings` and `decode_tokens` give what this
-        one's give, for one thread other than the model thread (prefill's /tokenize thread): a
-        family that exposes its tokenizer returns a copy with a tokenizer (and processor) of its
-        own, as a fast tokenizer used by two threads at once refuses a call ("Already borrowed").
-        This one exposes none: its calls only raise, so it is its own copy."""
-        return self
+    def settle_tokenizer(self) -> None:
+        """Leave the tokenizer in the state every call of this adapter asks of it, so that no later
+        call changes it: `tokenize`, `tokenize_conversation`, `token_strings` and `decode_tokens`
+        may then run on one thread other than the model thread (prefill's /tokenize thread) while
+        the model thread tokenises prompts, with the one tokenizer (call before that thread starts).
+        This family exposes no tokenizer: nothing to settle."""
+        return None
 
     def build_raw_prompt(self, text: str, token_ids: Sequence[int] = ()) -> Prompt:
         """A prompt run as it is, with no chat template (`epd.stages.raw_prompt`): `text` tokenised

@@ -6,7 +6,6 @@ where its model differs (`_step_positions` / `_batch_positions` for 1-D rotary p
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -263,13 +262,16 @@ class HfTextAdapter(VLMAdapter):
     def decode_tokens(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def tokenizing_copy(self) -> HfTextAdapter:
-        """This adapter with deep copies of its tokenizer and processor (copied together, so the
-        processor's tokenizer is the copy's tokenizer, as here) and its model shared: the same
-        template and vocabulary, hence the same ids; only the tokenizer methods may be called on it."""
-        twin = copy.copy(self)
-        twin.tokenizer, twin.processor = copy.deepcopy((self.tokenizer, self.processor))
-        return twin
+    def settle_tokenizer(self) -> None:
+        # A fast tokenizer's Rust backend holds truncation, padding and special-token splitting
+        # settings, which transformers changes only when a call asks for others than it holds
+        # (`TokenizersBackend.set_truncation_and_padding`, `encode_special_tokens`): every call of
+        # ours asks for transformers' defaults (none, none, the tokenizer's own), so after one such
+        # call nothing ever changes it, and calls from two threads only read it (concurrent reads
+        # are safe; a change while another thread encodes would alter that call's ids or, before
+        # tokenizers 0.23.1, fail itself: "Already borrowed"). A tokenizer.json that sets truncation or
+        # padding would make the first call change them: it happens here, before a second thread.
+        self.tokenizer("", add_special_tokens=False)
 
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual

@@ -1,15 +1,22 @@
-"""Prefill answers /tokenize and /detokenize off its model thread, with a tokenizer of its own.
+"""Prefill answers /tokenize and /detokenize off its model thread, with the model thread's tokenizer.
 
 A /tokenize used to run on the model thread: it waited for the prefill step in progress, and a
 flood of them took model time from prefill (docs/benchmarks.md, "/tokenize"). Now it runs on the
-stage's tokenizer thread with the engine's copy of the tokenizer and processor, so it answers while
-the model thread is busy, and its ids are still exactly the prompt's (real tiny Qwen2-VL, real
-processor and fast tokenizer).
+stage's tokenizer thread, so it answers while the model thread is busy. It shares the one tokenizer
+with the model thread, which tokenises prompts meanwhile: no call of ours changes the tokenizer's
+truncation/padding settings once the engine settled them (`VLMAdapter.settle_tokenizer`), so the
+two threads only read it, and prefill keeps no second copy (46-141 MiB with a Qwen2-sized vocabulary). A
+change while another thread encodes would alter that call's ids (or, before tokenizers 0.23.1,
+fail itself: "Already borrowed"). Real tiny models of every family, real processors and fast
+tokenizers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
+import shutil
 import threading
 
 import pytest
@@ -17,12 +24,13 @@ import pytest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
-from epd.prefill_svc.config import PrefillConfig
+from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.stage import LocalPrefillStage
-from epd.stages.messages import from_chat_template
+from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.model_thread import ModelThread
+from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
 from tests.families import family_checkpoints
 
@@ -51,27 +59,93 @@ def processor(tiny_models):
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_models, tmp_path_factory):
-    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("tokenizing_copy_models"))
+    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("tokenize_family_models"))
+
+
+def _live_tokenizers() -> int:
+    """Rust tokenizers alive in this process (`tokenizers.Tokenizer`: what a copy of a fast
+    tokenizer adds, its vocabulary and merges with it)."""
+    from tokenizers import Tokenizer
+
+    gc.collect()
+    return sum(isinstance(o, Tokenizer) for o in gc.get_objects())
+
+
+def _backend_settings(adapter) -> tuple:
+    """What transformers changes on the Rust tokenizer when a call asks for other settings."""
+    backend = adapter.tokenizer.backend_tokenizer
+    return backend.truncation, backend.padding, backend.encode_special_tokens
 
 
 @pytest.mark.parametrize(
     "family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
 )
-def test_the_tokenizing_copy_owns_its_tokenizer_and_gives_the_same_ids(checkpoints, family):
-    """Shared with the model thread's, a fast tokenizer may refuse a concurrent call ("Already
-    borrowed"): the copy's tokenizer and processor are its own, the processor's tokenizer is the
-    copy's tokenizer, the model is shared, not copied, and every family's copy gives the ids the
-    adapter gives (a conversation's are its text-only prompt's)."""
+def test_prefill_keeps_one_tokenizer_that_no_call_changes(checkpoints, family):
+    """The engine adds no tokenizer to the process (it kept a deep copy for /tokenize), and no
+    call that prefill's two threads make (the model thread's prompts, /tokenize's and
+    /detokenize's) changes the tokenizer's settings, so that they may run at once: every family's
+    tokenizer is left as the engine settled it, and the ids are the adapter's."""
     adapter = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill")
-    twin = adapter.tokenizing_copy()
-    assert twin.tokenizer is not adapter.tokenizer and twin.processor is not adapter.processor
-    assert twin.processor.tokenizer is twin.tokenizer
-    assert twin.model is adapter.model
+    before = _live_tokenizers()
+    engine = PrefillEngine(PrefillConfig(), adapter)
+    assert _live_tokenizers() == before
+    settled = _backend_settings(adapter)
     conversation = _conversation("what colour is the sky?")
     prompt_ids = adapter.build_prompt(conversation, None).input_ids[0].tolist()
-    assert twin.tokenize_conversation(conversation, True, False) == prompt_ids
-    assert twin.tokenize("a red circle", True) == adapter.tokenize("a red circle", True)
-    assert twin.decode_tokens(prompt_ids) == adapter.decode_tokens(prompt_ids)
+    open_turn = [*conversation, {"role": "assistant", "content": [{"type": "text", "text": "The sky"}]}]
+    calls = {
+        "build_prompt": lambda: adapter.build_prompt(conversation, None),
+        "build_raw_prompt": lambda: adapter.build_raw_prompt("a red circle"),
+        "detokenize": lambda: adapter.detokenize(prompt_ids),
+        "tokenize": lambda: engine.tokenize(TokenizeInput(prompt="a red circle", return_token_strs=True)),
+        "tokenize messages": lambda: engine.tokenize(
+            TokenizeInput(messages=from_chat_template(conversation), add_special_tokens=False)
+        ),
+        "tokenize continued": lambda: engine.tokenize(
+            TokenizeInput(
+                messages=from_chat_template(open_turn),
+                add_special_tokens=False,
+                template=ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True),
+            )
+        ),
+        "detokenize route": lambda: engine.detokenize(prompt_ids),
+    }
+    for name, call in calls.items():
+        call()
+        assert _backend_settings(adapter) == settled, f"{name} changed the tokenizer's settings"
+    request = TokenizeInput(messages=from_chat_template(conversation), add_special_tokens=False)
+    assert engine.tokenize(request).token_ids == prompt_ids
+
+
+def test_a_tokenizer_json_with_truncation_and_padding_is_settled_before_a_second_thread(
+    tiny_models, tmp_path
+):
+    """A checkpoint whose tokenizer.json sets truncation and padding (transformers' load turns
+    them on): the first call of ours turns them off again, a change that must not happen while
+    another thread encodes. The engine makes it at construction, so the settings it leaves are
+    those every later call asks for, and the ids are transformers' (neither truncated nor padded)."""
+    model = shutil.copytree(tiny_models["qwen2_vl"], tmp_path / "model")
+    tokenizer_json = json.loads((model / "tokenizer.json").read_text())
+    tokenizer_json["truncation"] = {
+        "direction": "Right",
+        "max_length": 4,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    tokenizer_json["padding"] = {
+        "strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+        "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>",
+    }  # fmt: skip
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    adapter = load_adapter(ModelConfig(model=str(model)), "prefill")
+    backend = adapter.tokenizer.backend_tokenizer
+    assert backend.truncation is not None and backend.padding is not None  # as loaded
+    engine = PrefillEngine(PrefillConfig(), adapter)
+    assert backend.truncation is None and backend.padding is None
+    text = "a red circle moves left and a blue square moves right"
+    ids = engine.tokenize(TokenizeInput(prompt=text, add_special_tokens=False)).token_ids
+    assert backend.truncation is None and backend.padding is None
+    assert ids == adapter.tokenizer(text, add_special_tokens=False)["input_ids"] and len(ids) > 4
 
 
 @pytest.mark.parametrize(
@@ -84,7 +158,7 @@ def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_proc
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(str(checkpoints[family]))
-    twin = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill").tokenizing_copy()
+    adapter = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill")
     conversation = [
         *_conversation("what colour is the sky?"),
         {"role": "assistant", "content": [{"type": "text", "text": "The sky is"}]},
@@ -93,9 +167,9 @@ def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_proc
         conversation, add_generation_prompt=False, continue_final_message=True, tokenize=False
     )
     assert rendered.endswith("The sky is")
-    ids = twin.tokenize_conversation(conversation, False, False, True)
+    ids = adapter.tokenize_conversation(conversation, False, False, True)
     assert ids == processor.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    assert twin.token_strings(ids) == processor.tokenizer.convert_ids_to_tokens(ids)
+    assert adapter.token_strings(ids) == processor.tokenizer.convert_ids_to_tokens(ids)
 
 
 def test_tokenize_answers_while_the_model_thread_is_busy(adapter):
@@ -128,13 +202,104 @@ def test_tokenize_answers_while_the_model_thread_is_busy(adapter):
     assert ids and "a red circle moves left" in text
 
 
-def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, processor):
-    """Many /tokenize and /detokenize calls at once, while text prompts are prepared (tokenised on
-    the model thread) and prefilled: each answer is exactly what the tokenizer gives alone, and no
-    call fails (a tokenizer shared between the threads may refuse one: "Already borrowed")."""
+class _HeldEncode:
+    """transformers' Rust tokenizer (a fast tokenizer's `_tokenizer`) behind a stand-in that holds
+    the model thread's next encode at its start, until `release`: transformers has applied that
+    call's truncation/padding settings, and its encode has not run. A change of settings by another
+    thread now would reach that encode. Every other call and attribute goes to the tokenizer."""
+
+    def __init__(self, backend) -> None:
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "entered", threading.Event())
+        object.__setattr__(self, "release", threading.Event())
+
+    def encode_batch(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("model_") and not self.release.is_set():
+            self.entered.set()
+            self.release.wait(3 * HANG_GUARD_S)  # past the test's own waits: the test ends it
+        return self._backend.encode_batch(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._backend, name, value)
+
+
+def test_tokenize_runs_to_the_end_while_the_model_thread_is_inside_its_tokenisation(adapter, processor):
+    """The race a tokenizer shared by the two threads could lose, made to happen: the model
+    thread is held inside its tokenisation of a prompt (`prepare`), between transformers applying
+    the call's settings and the encode, while /tokenize and /detokenize calls run on the same
+    tokenizer. They answer without waiting for it (no lock), with the tokenizer's ids; when the
+    model thread goes on, its prompt is still exactly the tokenizer's (no /tokenize call changed
+    the settings its encode runs with), and it prefills."""
     model_thread = ModelThread()
     stage = LocalPrefillStage(PrefillEngine(PrefillConfig(), adapter), KvStore(1 << 30, 600.0), model_thread)
-    questions = [f"question {i}: " + " ".join(f"word{j}" for j in range(40 * (i + 1))) for i in range(8)]
+    question = "a red circle moves left, " * 40
+    conversation = _conversation(question)
+    expected = processor.tokenizer(
+        processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
+    expected_raw = processor.tokenizer(question)["input_ids"]
+    backend = adapter.tokenizer._tokenizer
+    held = _HeldEncode(backend)
+
+    async def scenario():
+        prefill = asyncio.ensure_future(
+            stage.prefill(from_chat_template(conversation), None, GenerationConfig(max_new_tokens=1), "p")
+        )
+        try:
+            assert await asyncio.to_thread(held.entered.wait, HANG_GUARD_S)  # the model thread is held
+            answers = await asyncio.wait_for(
+                asyncio.gather(
+                    stage.tokenize(
+                        TokenizeInput(messages=from_chat_template(conversation), add_special_tokens=False),
+                        "t",
+                    ),
+                    stage.tokenize(TokenizeInput(prompt=question, return_token_strs=True), "s"),
+                    stage.detokenize(expected, "d"),
+                ),
+                HANG_GUARD_S,
+            )
+            model_thread_was_held = not prefill.done()
+        finally:
+            held.release.set()
+        handle = await asyncio.wait_for(prefill, HANG_GUARD_S)
+        await stage.release(handle, "done")
+        await stage.close()
+        return answers, model_thread_was_held, handle
+
+    adapter.tokenizer._tokenizer = held
+    try:
+        (chat, raw, text), model_thread_was_held, handle = asyncio.run(scenario())
+    finally:
+        adapter.tokenizer._tokenizer = backend
+        held.release.set()
+        model_thread.close()
+    assert model_thread_was_held  # every /tokenize answered while the model thread was inside its own
+    assert chat.token_ids == expected
+    assert raw.token_ids == expected_raw
+    assert raw.token_strs == processor.tokenizer.convert_ids_to_tokens(expected_raw)
+    assert text == processor.tokenizer.decode(expected)
+    assert handle.num_prompt_tokens == len(expected)  # the held encode ran with the settings it asked for
+
+
+def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, processor):
+    """The race a shared tokenizer could lose: many /tokenize and /detokenize calls at once on the
+    tokenizer thread while the model thread tokenises long chat and raw prompts (`prepare`) and
+    prefills them, both with the one tokenizer. Every answer and every prompt's length is exactly
+    what the tokenizer gives alone, and no call fails (a call that changed the tokenizer's settings
+    while the other thread encodes would alter that one's ids, or fail itself: "Already borrowed")."""
+    model_thread = ModelThread()
+    config = PrefillConfig(scheduler=PrefillSchedulerConfig(max_waiting_prefills=1024))  # all queue at once
+    stage = LocalPrefillStage(PrefillEngine(config, adapter), KvStore(1 << 30, 600.0), model_thread)
+    # Long prompts (the threads' encodes overlap) and many short ones (the model thread tokenises
+    # often, with /tokenize's calls in between).
+    lengths_words = [150 * (i + 1) for i in range(8)] + [10 + i % 20 for i in range(56)]
+    questions = [
+        f"question {i}: " + " ".join(f"word{j}" for j in range(n)) for i, n in enumerate(lengths_words)
+    ]
     expected = [
         processor.tokenizer(
             processor.apply_chat_template(_conversation(q), add_generation_prompt=True, tokenize=False),
@@ -142,39 +307,53 @@ def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, 
         )["input_ids"]
         for q in questions
     ]
+    expected_raw = [processor.tokenizer(q)["input_ids"] for q in questions]  # special tokens added
 
     async def scenario():
         prefills = [
-            stage.prefill(
-                from_chat_template(_conversation(q)), None, GenerationConfig(max_new_tokens=1), f"p{i}"
-            )
+            call
             for i, q in enumerate(questions)
+            for call in (
+                stage.prefill(
+                    from_chat_template(_conversation(q)), None, GenerationConfig(max_new_tokens=1), f"p{i}"
+                ),
+                stage.prefill([], None, GenerationConfig(max_new_tokens=1), f"r{i}", raw_prompt=RawPrompt(q)),
+            )
         ]
         tokenizes = [
             stage.tokenize(
                 TokenizeInput(messages=from_chat_template(_conversation(q)), add_special_tokens=False),
                 f"t{i}",
             )
-            for _ in range(3)
+            for _ in range(2)
+            for i, q in enumerate(questions)
+        ]
+        raw_tokenizes = [
+            stage.tokenize(TokenizeInput(prompt=q, return_token_strs=True), f"s{i}")
             for i, q in enumerate(questions)
         ]
         detokenizes = [stage.detokenize(ids, f"d{i}") for i, ids in enumerate(expected)]
         try:
             results = await asyncio.wait_for(
-                asyncio.gather(*prefills, *tokenizes, *detokenizes), HANG_GUARD_S * 5
+                asyncio.gather(*prefills, *tokenizes, *raw_tokenizes, *detokenizes), HANG_GUARD_S * 5
             )
-            n, m = len(prefills), len(tokenizes)
-            handles, ids, texts = results[:n], results[n : n + m], results[n + m :]
+            n, m, r = len(prefills), len(tokenizes), len(raw_tokenizes)
+            handles = results[:n]
             for handle in handles:
                 await stage.release(handle, "done")
-            return handles, ids, texts
+            return handles, results[n : n + m], results[n + m : n + m + r], results[n + m + r :]
         finally:
             await stage.close()  # the core's loop runs on this event loop
 
     try:
-        handles, ids, texts = asyncio.run(scenario())
+        handles, ids, raw_ids, texts = asyncio.run(scenario())
     finally:
         model_thread.close()
-    assert [h.num_prompt_tokens for h in handles] == [len(e) for e in expected]  # prepare's ids too
-    assert [out.token_ids for out in ids] == expected * 3
+    lengths = [n for e, r in zip(expected, expected_raw) for n in (len(e), len(r))]
+    assert [h.num_prompt_tokens for h in handles] == lengths  # the model thread's prompts
+    assert [out.token_ids for out in ids] == expected * 2
+    assert [out.token_ids for out in raw_ids] == expected_raw
+    assert [out.token_strs for out in raw_ids] == [
+        processor.tokenizer.convert_ids_to_tokens(e) for e in expected_raw
+    ]
     assert texts == [processor.tokenizer.decode(e) for e in expected]

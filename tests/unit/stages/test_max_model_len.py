@@ -24,8 +24,8 @@ class _Adapter:
     def __init__(self, context_tokens: int | None) -> None:
         self.context_tokens = context_tokens
 
-    def tokenizing_copy(self) -> _Adapter:
-        return self
+    def settle_tokenizer(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize("value", [0, -1])
