@@ -295,9 +295,10 @@ async def compile_for(
     adapter: Any, spec: StructuredOutputs | None, model_thread: ModelThread | None = None
 ) -> CompiledGrammar | None:
     """A request's constraint compiled for `adapter`'s vocabulary (None: it has none). The first
-    one reads the tokenizer's vocabulary on `model_thread`, where every other call of that
-    tokenizer runs (a fast tokenizer refuses a call made while another thread's holds it:
-    "Already borrowed"); compiling needs only xgrammar's copy of it, on the compiler's thread."""
+    one reads the tokenizer's vocabulary on `model_thread`, where the prompts are tokenised (the
+    model's tokenizer is shared; reads of a settled one are safe from any thread, but this one
+    read costs a model step nothing); compiling needs only xgrammar's copy of the vocabulary, on
+    the compiler's thread."""
     if spec is None:
         return None
     import_xgrammar()  # the install hint before anything else
