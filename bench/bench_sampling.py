@@ -12,9 +12,10 @@
    151,936-token vocabulary, every request with the default settings, then every request with
    all the penalties, logit bias and min_tokens on; the median step over `--rounds` rounds of
    `--steps` steps each, then every request with logprobs at vLLM's most (top_logprobs 20: the
-   runner's `batch_logprobs` over the B rows, then each token's entry and texts), the three
-   alternating, and of it the per-request part (logprobs, the B samplers and detokenisers after
-   the forward), each with its ratio against the default.
+   runner's `batch_logprobs` over the B rows, then each token's entry and texts), then (with
+   xgrammar installed) every request with a structured-output constraint (an EBNF grammar of
+   letters and spaces), the configs in turns, and of it the per-request part (logprobs, the B
+   samplers and detokenisers after the forward), each with its ratio against the default.
 """
 
 from __future__ import annotations
@@ -36,12 +37,25 @@ from epd.decode_svc.engine import DecodeEngine  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
 from epd.model_runtime.logprobs import MAX_LOGPROBS, batch_logprobs  # noqa: E402
-from epd.model_runtime.sampling import GenerationConfig, Sampler  # noqa: E402
+from epd.model_runtime.sampling import GenerationConfig, Sampler, StructuredOutputs  # noqa: E402
+from epd.model_runtime.structured_output import grammar_compiler  # noqa: E402
 from epd.model_runtime.tiny_model import build_checkpoint  # noqa: E402
 
 QWEN_VOCAB = 151_936
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
                  logit_bias=((11, 5.0), (220, -5.0)), min_tokens=4)  # fmt: skip
+UNENDING = StructuredOutputs(grammar="root ::= [a-z ] root")
+"""A constraint with no end: letters and spaces, never the end-of-sequence token."""
+
+
+def structured_outputs_installed() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 BAD_WORDS = [(7000 + i,) for i in range(8)] + [
     (output_id, 8000 + i) for i, output_id in enumerate(range(100, 108))
 ]
@@ -103,13 +117,21 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
         f"batch {batch}, {threads} thread(s), median of {rounds} rounds x {steps} steps"
     )
 
+    grammar = None
+    if constrained := structured_outputs_installed():
+        # Letters and spaces without end (no end-of-sequence): every step is mid-answer.
+        grammar = grammar_compiler(adapter).compile_now(UNENDING)
+        first_token = adapter.tokenizer.encode("a")[0]  # the prefill's token, one the grammar allows
+        caches = [(cache, positions, first_token) for cache, positions, _ in caches]
+
     def step_ms(config: GenerationConfig) -> tuple[float, float]:
         """(median ms of a whole step, median ms of its per-request part: sampler + detokeniser)."""
         kv = adapter.new_batch_kv()
         gens = []
         for cache, positions, token in caches:
             gen = engine.start(cache, token, [int(x) for x in positions], config, own_cache=False,
-                               prompt_token_ids=prompt_ids)  # fmt: skip
+                               prompt_token_ids=prompt_ids,
+                               grammar=grammar if config.structured_outputs else None)  # fmt: skip
             kv.add(cache, cache.num_cached_tokens + steps + 4)
             gens.append(gen)
         per_request: list[float] = []
@@ -130,9 +152,12 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
     penalised = replace(plain, **PENALTIES)
     with_logprobs = replace(plain, logprobs=MAX_LOGPROBS)
     results: dict[str, list[tuple[float, float]]] = {"default": [], "all penalties": [], "logprobs 20": []}
-    for r in range(rounds):  # alternating, each first in turn: the machine's load drifts
-        order = [("default", plain), ("all penalties", penalised), ("logprobs 20", with_logprobs)]
-        for name, config in order[r % 3 :] + order[: r % 3]:
+    order = [("default", plain), ("all penalties", penalised), ("logprobs 20", with_logprobs)]
+    if constrained:
+        results["structured output (EBNF)"] = []
+        order.append(("structured output (EBNF)", replace(plain, structured_outputs=UNENDING)))
+    for r in range(rounds):  # in turns, each first in turn: the machine's load drifts
+        for name, config in order[r % len(order) :] + order[: r % len(order)]:
             results[name].append(step_ms(config))
     base = [statistics.median(v) for v in zip(*results["default"], strict=True)]
     for name, values in results.items():

@@ -23,6 +23,7 @@ from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.logprobs import RowLogprobs, TokenLogprob, rows_logprobs, token_logprob
 from epd.model_runtime.sampling import GenerationConfig, Sampler
+from epd.model_runtime.structured_output import CompiledGrammar
 from epd.stages.contracts import TokenStep, bad_words_token_ids
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig
@@ -43,19 +44,23 @@ class Generation:
         own_cache: bool = True,
         prompt_token_ids: Sequence[int] = (),
         first_logprob: TokenLogprob | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """own_cache: keep `cache` in this Generation and advance with `step()`; False: the
         caller keeps it (in a BatchKv) and advances with `accept(logits)`. prompt_token_ids: the
         prompt's distinct ids, for a repetition penalty (`PrefillHandle.distinct_prompt_token_ids`).
-        first_logprob: the prefill's token's (`PrefillHandle.first_logprob`), sent with it."""
+        first_logprob: the prefill's token's (`PrefillHandle.first_logprob`), sent with it.
+        grammar: the request's compiled structured-output constraint (None: none); its matcher is
+        advanced by the first token here, as prefill's was."""
         self.adapter = adapter
         self.first_logprob = first_logprob
         self.config = config
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
         bad_words = bad_words_token_ids(config, adapter)
-        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids, bad_words)
-        self.sampler.seen(first_token_id)  # prefill sampled it: penalties and min_tokens count it
+        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids, bad_words, grammar)
+        # prefill sampled it: penalties, min_tokens and the constraint's matcher count it
+        self.sampler.seen(first_token_id)
         self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
         self.last_token = first_token_id
         self.finish_reason = ""
@@ -97,8 +102,10 @@ class Generation:
         """The model's logits [vocab] for `last_token` at `positions`: sample and emit the next.
         row: their log-probabilities, when the request asked and the batch computed them for its
         rows together (`epd.decode_svc.runner`); computed here when it asked and `row` is None."""
-        if row is None and self.num_logprobs is not None:
-            row = rows_logprobs(logits.unsqueeze(0), [self.num_logprobs])[0]  # before the sampler runs
+        if self.num_logprobs is not None and (row is None or self.sampler.constrained):
+            # before the sampler runs; under a structured-output constraint, of the logits its mask
+            # leaves (vLLM applies the grammar's bitmask before its sampler computes logprobs)
+            row = rows_logprobs(self.sampler.allowed(logits).unsqueeze(0), [self.num_logprobs])[0]
         self.positions = self.positions + 1
         self.last_token = self.sampler(logits)
         step = self._emit(self.last_token)
@@ -144,6 +151,7 @@ class DecodeEngine:
         own_cache: bool = True,
         prompt_token_ids: Sequence[int] = (),
         first_logprob: TokenLogprob | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Generation:
         return Generation(
             self.adapter,
@@ -156,4 +164,5 @@ class DecodeEngine:
             own_cache,
             prompt_token_ids,
             first_logprob,
+            grammar,
         )

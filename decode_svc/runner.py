@@ -129,6 +129,7 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             own_cache=alone,
             prompt_token_ids=h.distinct_prompt_token_ids,
             first_logprob=h.first_logprob,
+            grammar=r.grammar,
         )
         first = r.generation.first()
         first.kv_transfer_ms = r.kv_transfer_ms

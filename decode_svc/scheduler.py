@@ -34,6 +34,8 @@ class DecodeRequest(CoreRequest):
     kv_num_bytes: int = 0
     kv_confirmed: bool = False
     """Prefill was told it may drop its copy of the cache (after the first token; decode_svc/stage.py)."""
+    grammar: Any = None
+    """Its structured-output constraint compiled for this model (`CompiledGrammar`; None: none)."""
     generation: Any = None  # decode_svc.engine.Generation, owned by the runner
     row: int | None = None
     """Its row in the runner's BatchKv (None: not joined, or decoding alone)."""

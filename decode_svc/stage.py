@@ -33,6 +33,7 @@ from epd.decode_svc.runner import DecodeRunner
 from epd.decode_svc.scheduler import DecodeRequest, DecodeScheduler
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.structured_output import compile_for
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import DecodeStage, PrefillHandle, TokenStep, check_generation_limits
 from epd.stages.engine_core import EngineCore, EngineLoad
@@ -152,12 +153,15 @@ class LocalDecodeStage(DecodeStage):
         check_generation_limits(generation, self.config.max_new_tokens_limit, vocab_size)
         check_first_token_id(handle.first_token_id, vocab_size)
         check_prompt_token_ids(handle.distinct_prompt_token_ids, vocab_size)
+        # Off the event loop and the model thread; a spec seen before comes from the cache.
+        grammar = await compile_for(self.engine.adapter, generation.structured_outputs, self.model_thread)
         request = DecodeRequest(
             request_id,
             handle=handle,
             generation_config=generation,
             pruning=pruning,
             final_length=handle.num_cached_tokens + generation.max_new_tokens,
+            grammar=grammar,
         )
         num_tokens = 0
         try:

@@ -518,18 +518,22 @@ class PrefillEngine:
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
         bad_words = bad_words_token_ids(request.generation, self.adapter)
-        # The raw distribution (last_logits [vocab]), taken before any sampler's processors run: one
-        # row for every choice (their tokens differ, the distribution does not).
-        k = request.generation.logprobs
-        row = None if k is None else rows_logprobs(last_logits.unsqueeze(0), [k])[0]
-        # One first token per choice (vLLM's n), each by the choice's own sampler (seed + i) from
-        # the same logits [vocab]; a sampler may change the logits it gets, so each gets a copy.
+        # One first token per choice (vLLM's n), each by the choice's own sampler (seed + i, and its
+        # own matcher of a structured-output constraint) from the same logits [vocab]; a sampler may
+        # change the logits it gets, so each gets a copy.
         starts = []
+        row = None
         for index in range(request.generation.n):
             generation = request.generation.for_choice(index)
-            token = Sampler(generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, bad_words)(
-                last_logits if request.generation.n == 1 else last_logits.clone()
+            sampler = Sampler(
+                generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, bad_words, request.grammar
             )
+            if index == 0 and (k := request.generation.logprobs) is not None:
+                # The raw distribution (last_logits [vocab]), taken before the sampler's processors
+                # run (after a structured-output constraint's mask, as vLLM's: `Sampler.allowed`);
+                # one row for every choice (their tokens differ, the distribution does not).
+                row = rows_logprobs(sampler.allowed(last_logits).unsqueeze(0), [k])[0]
+            token = sampler(last_logits if request.generation.n == 1 else last_logits.clone())
             # The decoder's first step, worked out here so the first token can go out before the
             # cache reaches a decoder; a token that ends the request is left to the decoder.
             text, finish = OutputText(self.adapter.detokenize, self.adapter.eos_token_ids, generation).add(

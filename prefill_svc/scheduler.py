@@ -61,6 +61,8 @@ class PrefillRequest(CoreRequest):
     prompt: Prompt | None = field(default=None, repr=False)
     media: EncodedMedia | None = field(default=None, repr=False)
     generation: GenerationConfig | None = field(default=None, repr=False)
+    grammar: Any = field(default=None, repr=False)
+    """Its structured-output constraint compiled for this model (`CompiledGrammar`; None: none)."""
     pruning: PruningConfig | None = field(default=None, repr=False)
 
     @property

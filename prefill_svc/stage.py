@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.structured_output import compile_for
 from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.runner import PrefillRunner
@@ -97,6 +98,10 @@ class LocalPrefillStage(PrefillStage):
                 cache_salt=cache_salt,
                 raw_prompt=raw_prompt,
                 template=template,
+            )
+            # Off the event loop and the model thread; a spec seen before comes from the cache.
+            request.grammar = await compile_for(
+                self.engine.adapter, generation.structured_outputs, self.model_thread
             )
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache

@@ -21,7 +21,7 @@ from epd.gateway.config import (
 )
 from epd.gateway.media_fetch import dns_host
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.errors import InvalidRequest
@@ -89,7 +89,20 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         include_stop_str_in_output=args.include_stop_str_in_output,
         allowed_token_ids=tuple(args.allowed_token_id),
         bad_words=tuple(args.bad_word),
+        structured_outputs=structured_outputs(args),
     )
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
+    """--json-schema FILE, --json-object, --regex, --choice (repeatable) or --grammar FILE."""
+    spec = StructuredOutputs(
+        json_schema=args.json_schema or "",
+        json_object=args.json_object,
+        regex=args.regex or "",
+        choice=tuple(args.choice or ()),
+        grammar=args.grammar or "",
+    )
+    return None if spec == StructuredOutputs() else spec
 
 
 def generation_options(args: argparse.Namespace) -> dict[str, Any]:

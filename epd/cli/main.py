@@ -22,6 +22,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from epd import __version__
 
@@ -307,6 +308,52 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         metavar="WORD",
         help="never generate this word, with or without a leading space (repeatable)",
     )
+    # Structured outputs (vLLM's; xgrammar: pip install 'epd[structured]'): one constraint at most.
+    c = g.add_mutually_exclusive_group()
+    c.add_argument(
+        "--json-schema",
+        type=_json_schema_file,
+        default=None,
+        metavar="FILE",
+        help="answer with JSON that FILE's JSON Schema accepts (structured outputs)",
+    )
+    c.add_argument(
+        "--json-object", action="store_true", help="answer with a JSON object (structured outputs)"
+    )
+    c.add_argument("--regex", default=None, help="answer with text REGEX matches whole (structured outputs)")
+    c.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        help="answer with exactly one of these strings (repeatable; structured outputs)",
+    )
+    c.add_argument(
+        "--grammar",
+        type=_text_file,
+        default=None,
+        metavar="FILE",
+        help="answer with text FILE's EBNF grammar accepts (xgrammar's form, start symbol root)",
+    )
+
+
+def _text_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+
+
+def _json_schema_file(path: str) -> str:
+    """A JSON Schema file -> its compact JSON text (an object, or ArgumentTypeError)."""
+    import json
+
+    try:
+        schema = json.loads(_text_file(path))
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"{path} must hold a JSON Schema object")
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 
 def _logit_bias(text: str) -> tuple[int, float]:

@@ -125,7 +125,10 @@ def build_header(
     answer's text without the tokenizer's special tokens) (GenerationConfig's meanings);
     logprobs=k (0 to the server's --max-logprobs, 20 by default): each generated token's
     log-probability and the k most likely tokens' (`AskResult.logprobs`, `TokenDelta.logprobs`;
-    raw model distribution, vLLM's default).
+    raw model distribution, vLLM's default); structured outputs as vLLM's `structured_outputs`
+    ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice": [...]} or {"grammar":
+    "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format` ({"type":
+    "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:
@@ -142,6 +145,9 @@ def build_header(
     """
     options = dict(options)
     options["stop"] = _stop_strings(options.pop("stop", None))
+    structured = _structured_outputs(
+        options.pop("structured_outputs", None), options.pop("response_format", None)
+    )
     if options.get("logit_bias") is not None:
         options["logit_bias"] = _logit_bias(options["logit_bias"])
     if isinstance(options.get("bad_words"), str):  # protobuf would send each of its characters as a word
@@ -167,6 +173,8 @@ def build_header(
     generation = common_pb2.GenerationParams(
         **{k: v for k, v in generation_given.items() if v or k in _GENERATION_PRESENT}
     )
+    if structured is not None:
+        generation.structured_outputs.CopyFrom(structured)
     for name, kind, what in (
         ("pruning", str, 'a preset name such as "balanced"'),
         ("request_id", str, "a string"),
@@ -312,6 +320,26 @@ _KINDS = {
     FieldDescriptor.CPPTYPE_STRING: ("a string", "strings"),
 }  # fmt: skip
 """(one, many) of a wire type, for the errors of `_typed`."""
+
+
+def _structured_outputs(structured: Any, response_format: Any) -> common_pb2.StructuredOutputs | None:
+    """The structured-output options as the HTTP API reads them (ValueError with its message), or
+    a `StructuredOutputs` as it is (`epd ask`'s flags)."""
+    from dataclasses import asdict
+
+    from epd.gateway.structured_request import parse_structured_outputs
+    from epd.model_runtime.sampling import StructuredOutputs
+    from epd.stages.errors import InvalidRequest
+
+    if isinstance(structured, StructuredOutputs) and response_format is None:
+        return common_pb2.StructuredOutputs(**asdict(structured))
+    try:
+        spec = parse_structured_outputs(
+            {"structured_outputs": structured, "response_format": response_format}
+        )
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
+    return None if spec is None else common_pb2.StructuredOutputs(**asdict(spec))
 
 
 def _typed(message: type[ProtoMessage], given: dict[str, Any]) -> None:

@@ -9,10 +9,11 @@ or `image_url` part per request, in a user message; with none, the conversation 
 "pruning" are checked but have nothing to act on, as vLLM ignores its multimodal options
 without media; `kv_dtype` still narrows the KV cache). Generation options are OpenAI's own fields (max_completion_tokens or
 max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, logit_bias,
-logprobs and top_logprobs: `epd.gateway.logprobs_protocol`) plus
+response_format; logprobs and top_logprobs: `epd.gateway.logprobs_protocol`) plus
 vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
-`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens` and
-`spaces_between_special_tokens`, with vLLM's meanings; the chat template's variables go in vLLM's
+`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`,
+`spaces_between_special_tokens` and structured outputs (`structured_outputs`, `guided_json` ...:
+`epd.gateway.structured_request`), with vLLM's meanings; the chat template's variables go in vLLM's
 `chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
 `continue_final_message`; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
@@ -52,6 +53,7 @@ from epd.gateway.json_fields import (
 )
 from epd.gateway.logprobs_protocol import chat_logprobs, chat_logprobs_option
 from epd.gateway.pipeline import AskSummary
+from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import (
@@ -126,12 +128,9 @@ UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
+    # vLLM's other ways to ask for a grammar (response_format, structured_outputs and guided_json,
+    # guided_regex, guided_choice, guided_grammar are read: `epd.gateway.structured_request`).
+    "guided_whitespace_pattern": (),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
@@ -174,7 +173,7 @@ KNOWN_CHAT_FIELDS = {
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
-    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo", *STRUCTURED_FIELDS,
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -570,6 +569,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
             body, "spaces_between_special_tokens", defaults.spaces_between_special_tokens
         ),
         n=body.get("n") or defaults.n,  # checked by `check_model`
+        structured_outputs=parse_structured_outputs(body),
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
+from epd.model_runtime.structured_output import check_structured_outputs
 from epd.stages.contracts import (
     DecodeStage,
     EncodedMedia,
@@ -316,6 +317,8 @@ class Pipeline:
             req.generation.validate(self.max_new_tokens_limit, self.vocab_size, self.max_logprobs)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        if req.generation.structured_outputs is not None:  # a spec that cannot compile, before an encode
+            await asyncio.to_thread(check_structured_outputs, req.generation.structured_outputs)
         self._check_room_for_a_prompt(req.generation)
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex
         req = replace(req, generation=req.generation.with_drawn_seed())  # a sampled request without a seed

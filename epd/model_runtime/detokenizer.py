@@ -137,7 +137,10 @@ class OutputText:
         # makes it "stop".
         length = self.num_tokens >= self.config.max_new_tokens
         stop_token = may_stop and not length and token_id in self.stop_token_ids
-        eos = may_stop and not length and token_id in self.eos_token_ids and not self.config.ignore_eos
+        # With a structured-output constraint the end-of-sequence token is the constraint's end
+        # (allowed only once it is complete), so it ends the answer even under ignore_eos.
+        ends_at_eos = not self.config.ignore_eos or self.config.structured_outputs is not None
+        eos = may_stop and not length and token_id in self.eos_token_ids and ends_at_eos
         # A stop token's text is not the answer's (vLLM's), unless asked for; the text held back
         # before it is released by the flush below.
         delta = "" if stop_token and not self.config.include_stop_str_in_output else self.text.add(token_id)

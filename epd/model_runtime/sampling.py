@@ -1,6 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; vLLM's allowed_token_ids,
 bad_words, penalties, logit bias, min_tokens and min_p through `epd.model_runtime.logits_processors`
-when a request asks."""
+when a request asks; vLLM's structured outputs (a grammar's token mask) through
+`epd.model_runtime.structured_output`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     import torch  # imported where sampling runs: the gateway reads GenerationConfig without torch
 
     from epd.model_runtime.logits_processors import LogitsProcessors
+    from epd.model_runtime.structured_output import CompiledGrammar
 
 
 MAX_NEW_TOKENS = 4096
@@ -62,10 +64,86 @@ MAX_ABS_PENALTY = 2.0
 """OpenAI's and vLLM's range of presence_penalty and frequency_penalty: [-2, 2]."""
 
 
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
+"""At most this many characters in a request's structured-output constraint (schema text, regex,
+grammar, or its choices together): it travels with the request to every stage and is compiled
+against the whole vocabulary by prefill and by decode."""
+
+MAX_CHOICE_STRINGS = 1024
+"""At most this many strings in a structured output's `choice`."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """vLLM's structured outputs (its `StructuredOutputsParams`): exactly one constraint. The
+    answer's tokens are only those the constraint allows next, and the answer ends ("stop") when
+    the constraint is complete; `epd.model_runtime.structured_output` compiles it with xgrammar."""
+
+    json_schema: str = ""
+    """A JSON Schema as JSON text (vLLM's `json`, OpenAI's response_format json_schema.schema)."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+    regex: str = ""
+    """A regular expression the whole answer matches."""
+    choice: tuple[str, ...] = ()
+    """The answer is exactly one of these."""
+    grammar: str = ""
+    """An EBNF grammar in xgrammar's form (GBNF-like, start symbol `root`)."""
+    disable_any_whitespace: bool = False
+    """vLLM's: JSON without free whitespace between its tokens (off: any whitespace is allowed)."""
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: "json_schema", "json_object", "regex", "choice" or "grammar"
+        (ValueError for none or several)."""
+        kinds = [
+            name
+            for name, value in (
+                ("json_schema", self.json_schema),
+                ("json_object", self.json_object),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs take exactly one constraint of json (a schema), json_object, regex, "
+                f"choice and grammar; got {', '.join(kinds) if kinds else 'none'}"
+            )
+        return kinds[0]
+
+    def validate(self) -> None:
+        """ValueError naming what to change: one constraint, within the size bounds (whether it
+        compiles is checked where xgrammar is: `structured_output.check_structured_outputs`)."""
+        kind = self.kind
+        if kind == "choice":
+            if len(self.choice) > MAX_CHOICE_STRINGS:
+                raise ValueError(
+                    f"choice has {len(self.choice)} strings; at most {MAX_CHOICE_STRINGS} are accepted"
+                )
+            if any(not c for c in self.choice):
+                raise ValueError("choice cannot contain an empty string")
+        size = len(self.json_schema) + len(self.regex) + len(self.grammar) + sum(len(c) for c in self.choice)
+        if size > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(
+                f"the structured-output {kind} has {size} characters; at most "
+                f"{MAX_STRUCTURED_OUTPUT_CHARS} are accepted"
+            )
+
+
 class SamplingFailed(ValueError):
     """This request's scores for its next token are not finite numbers (NaN or infinity), so no
     token can be drawn from them: the request's own failure (its settings or its input), not the
     server's. Mapped to INVALID_ARGUMENT (`epd.transport.errors`); the stage serves on."""
+
+
+class InvalidConstraint(ValueError):
+    """A request's structured-output constraint cannot be used: it does not compile against the
+    model's vocabulary, the model's family exposes no tokenizer for it, or xgrammar is not
+    installed. The request's to change (or the operator's to install); mapped to INVALID_ARGUMENT
+    (`epd.transport.errors`), as the front door's own checks of the request are."""
 
 
 def sampling_failed(config: GenerationConfig) -> SamplingFailed:
@@ -203,6 +281,8 @@ class GenerationConfig:
     """Return each generated token's log-probability and the `logprobs` most likely tokens' at its
     position (OpenAI's chat `top_logprobs` with `logprobs: true`, its legacy completions'
     `logprobs`); 0: the sampled token's alone; None: none (`epd.model_runtime.logprobs`)."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's structured outputs: a constraint every token of the answer keeps to (None: none)."""
 
     def validate(
         self, max_new_tokens_limit: int, vocab_size: int | None = None, max_logprobs: int | None = None
@@ -235,6 +315,8 @@ class GenerationConfig:
                 "send more requests for more choices"
             )
         self._validate_processors(vocab_size)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def _validate_processors(self, vocab_size: int | None) -> None:
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -349,14 +431,18 @@ class Sampler:
         prompt_token_ids: Sequence[int] = (),
         eos_token_ids: Collection[int] = (),
         bad_words_token_ids: Sequence[Sequence[int]] = (),
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """prompt_token_ids: the prompt's (distinct) token ids, which repetition_penalty penalises
         (only read when it is on); eos_token_ids: the model's, which min_tokens holds back;
         bad_words_token_ids: the config's bad_words as the model's tokenizer gives them
-        (`epd.model_runtime.bad_words.tokenize_bad_words`)."""
+        (`epd.model_runtime.bad_words.tokenize_bad_words`); grammar: the request's compiled
+        structured-output constraint (None: none), whose token mask is applied before anything
+        else, as vLLM applies its grammar bitmask."""
         import torch
 
         self.config = config
+        self._grammar = grammar.matcher() if grammar is not None else None
         self._processors: LogitsProcessors | None = None
         if config.processes_logits:
             from epd.model_runtime.logits_processors import LogitsProcessors
@@ -370,29 +456,49 @@ class Sampler:
             else:
                 self._generator.manual_seed(stream_seed(config.seed, stream))
 
+    @property
+    def constrained(self) -> bool:
+        """A structured-output constraint masks this request's logits."""
+        return self._grammar is not None
+
+    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] as the constraint leaves them before this step (every token it does not
+        allow next at -inf, on a copy): what vLLM's logprobs are computed from, as it applies a
+        grammar's bitmask before its sampler; the logits themselves without a constraint."""
+        return logits if self._grammar is None else self._grammar.mask(logits.float())
+
     def seen(self, token_id: int) -> None:
         """A token of the output that this sampler did not choose (decode's sampler: the first
         token, which prefill sampled)."""
         if self._processors is not None:
             self._processors.seen(token_id)
+        if self._grammar is not None:
+            self._grammar.accept(token_id, chosen_here=False)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (any float dtype) -> token id."""
         import torch
 
         logits = logits.float()
+        grammar = self._grammar
+        if grammar is not None:  # first, on a copy: the tokens the constraint allows next
+            logits = grammar.mask(logits)
         processors = self._processors
         if processors is None:  # the default: nothing else runs
-            if self._generator is None:
-                return int(torch.argmax(logits))
-            return self._draw(logits)
+            token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
+            if grammar is not None:
+                grammar.accept(token)
+            return token
         # vLLM v1's order: allowed_token_ids and bad_words, then logit bias and min_tokens, then the
         # penalties, then greedy or the draw (min_p after temperature, then top-k and top-p).
         logits = processors.before_sampling(logits)
-        if processors.masks_tokens and float(logits.max()) == float("-inf"):
-            raise no_token_left(self.config)
+        if (processors.masks_tokens or grammar is not None) and float(logits.max()) == float("-inf"):
+            # no token survives the masks: argmax would return token 0, which none of them allowed
+            raise no_token_left(self.config) if grammar is None else grammar.nothing_allowed()
         token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
         processors.seen(token)
+        if grammar is not None:
+            grammar.accept(token)
         return token
 
     def _draw(self, logits: torch.Tensor) -> int:
@@ -403,6 +509,8 @@ class Sampler:
         # NaN (max propagates it) or infinity: the shift below would make NaN of every score, and
         # torch.multinomial would raise a RuntimeError that reads as the server's failure.
         if not math.isfinite(float(largest)):
+            if self._grammar is not None and float(largest) == float("-inf"):
+                raise self._grammar.nothing_allowed()  # the constraint and min_tokens leave nothing
             raise sampling_failed(self.config)
         # Shifted first, so the largest is 0 and nothing overflows whatever the temperature.
         logits = (logits - largest) / self.config.temperature

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import (
     ChoiceStart,
     EncodedMedia,
@@ -158,6 +158,20 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         ),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,  # its range: `validate`
         n=msg.n or 1,
+        structured_outputs=structured_from_proto(msg.structured_outputs)
+        if msg.HasField("structured_outputs")
+        else None,
+    )
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    return StructuredOutputs(
+        json_schema=msg.json_schema,
+        json_object=msg.json_object,
+        regex=msg.regex,
+        choice=tuple(msg.choice),
+        grammar=msg.grammar,
+        disable_any_whitespace=msg.disable_any_whitespace,
     )
 
 
@@ -165,6 +179,9 @@ def generation_to_proto(cfg: GenerationConfig) -> common_pb2.GenerationParams:
     """Field for field (the message names each field of GenerationConfig; seed None is unset)."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     fields["logit_bias"] = dict(cfg.logit_bias)  # (id, bias) pairs -> the proto's map
+    structured = fields.pop("structured_outputs")
+    if structured is not None:  # field for field too; None is unset
+        fields["structured_outputs"] = common_pb2.StructuredOutputs(**dataclasses.asdict(structured))
     return common_pb2.GenerationParams(**fields)
 
 

@@ -1,6 +1,6 @@
 """The one place where domain errors (`epd.stages.errors`, `epd.video.types.MediaError`,
-`epd.model_runtime.loader.ModelLoadError`, `epd.model_runtime.sampling.SamplingFailed`) become gRPC
-status codes.
+`epd.model_runtime.loader.ModelLoadError`, `epd.model_runtime.sampling.SamplingFailed` and
+`InvalidConstraint`) become gRPC status codes.
 
 Engines raise domain errors with a message that tells the caller what to
 change; servicer methods are wrapped by `rpc_errors`, which aborts the call with the mapped
@@ -17,7 +17,7 @@ import logging
 import grpc
 
 from epd.model_runtime.loader import ModelLoadError
-from epd.model_runtime.sampling import SamplingFailed
+from epd.model_runtime.sampling import InvalidConstraint, SamplingFailed
 from epd.stages.errors import (
     DeadlineExceeded,
     EpdError,
@@ -51,6 +51,9 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     # One request's scores could not be sampled (its settings or input): not the replica's failure,
     # so not a status the gateway sanitises, retries elsewhere or turns into a broken stream.
     (SamplingFailed, grpc.StatusCode.INVALID_ARGUMENT),
+    # A structured-output constraint that does not compile (or no xgrammar to compile it): the
+    # request's to change, wherever it is found (the front door, prefill or decode).
+    (InvalidConstraint, grpc.StatusCode.INVALID_ARGUMENT),
     # The server's model, not the request, is wrong: nothing in the request can fix it. Its message
     # (the model's local path, the file at fault) goes to the server log, `MODEL_NOT_LOADED` to
     # the client.

@@ -8,6 +8,7 @@ bad arguments. The others check what `epd ask` does and prints: forked from the 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 
@@ -104,6 +105,20 @@ def test_ask_embedded_json(embedded_json, expected):
     assert out["timings_ms"]["decode"] == out["timings_ms"]["video_decode"]  # the old name, until 0.3
     assert len(out["grid_thw"]) == 3 and out["num_prompt_tokens"] > 0 and len(out["frame_timestamps_s"]) == 8
     assert [e["stage"] for e in out["events"]][:1] == ["video_decode"]
+
+
+def test_ask_with_a_regex_answers_text_it_matches(tiny_models, media_files):
+    """Structured outputs from the command line (embedded): the answer keeps to --regex and ends
+    when it is complete, well within --max-new-tokens."""
+    regex = "(red|green|blue) (circle|square)"
+    args = embedded_ask_args(tiny_models, media_files)
+    args[args.index("--max-new-tokens") + 1] = "32"
+    proc = run_epd(*args, "--regex", regex)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert re.fullmatch(regex, result["answer"]) and result["finish_reason"] == "stop", result
+    proc = run_epd(*args, "--regex", "(a")
+    assert proc.returncode != 0 and "the structured-output regex does not compile" in proc.stderr
 
 
 def test_ask_embedded_text_streams_progress(tiny_models, media_files):

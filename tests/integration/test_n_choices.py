@@ -210,6 +210,23 @@ def test_each_choice_has_its_own_logprobs_those_of_its_single_request(shared_sta
         assert len(choice["logprobs"]["tokens"]) == len(choice["token_ids"])
 
 
+def test_each_choice_keeps_to_the_constraint_with_its_own_grammar_state(shared_stack):
+    # One compiled constraint, a matcher per choice: prefill's first tokens and each decoder's
+    # advance their own state, so every choice is a whole answer the constraint allows, and
+    # choice i is still the single request of seed + i.
+    port = shared_stack.http_port
+    colours = ["red", "green", "blue", "a yellow square"]
+    fields = {"n": 3, "temperature": 1.0, "seed": SEED, "structured_outputs": {"choice": colours}}
+    status, answer = _post(port, "/v1/chat/completions", _unseen_image_body(**fields))
+    assert status == 200, answer
+    for i, choice in enumerate(answer["choices"]):
+        assert choice["message"]["content"] in colours and choice["finish_reason"] == "stop", choice
+        single = {k: v for k, v in fields.items() if k != "n"} | {"seed": SEED + i}
+        status, alone = _post(port, "/v1/chat/completions", _unseen_image_body(**single))
+        assert status == 200, alone
+        assert choice["token_ids"] == alone["choices"][0]["token_ids"]
+
+
 def _same_logprobs(got: list[dict], want: list[dict]) -> bool:
     """The same tokens at every position, top tokens in the same order, values within 1e-5."""
 

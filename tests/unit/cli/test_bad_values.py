@@ -359,6 +359,41 @@ def test_epd_ask_reads_vllm_sampling_flags_for_both_modes(capsys):
     )
 
 
+def test_epd_ask_reads_structured_output_flags_for_both_modes(capsys, tmp_path):
+    """--json-schema FILE, --json-object, --regex, --choice, --grammar FILE: one StructuredOutputs,
+    the same on the SDK's wire; two at once, or a file that is not a schema, is a usage error."""
+    from epd.client.client import build_header
+    from epd.model_runtime.sampling import StructuredOutputs
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}}')
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    for flags, want in [
+        (["--json-schema", str(schema)], StructuredOutputs(json_schema='{"type":"object","properties":{"n":{"type":"integer"}}}')),
+        (["--json-object"], StructuredOutputs(json_object=True)),
+        (["--regex", "[0-9]+"], StructuredOutputs(regex="[0-9]+")),
+        (["--choice", "red", "--choice", "blue"], StructuredOutputs(choice=("red", "blue"))),
+        (["--grammar", str(grammar)], StructuredOutputs(grammar='root ::= "yes" | "no"')),
+        ([], None),
+    ]:  # fmt: skip
+        args = build_parser().parse_args(["ask", VIDEO, "q?", *flags])
+        assert configs.generation_config(args).structured_outputs == want
+        header = build_header("q?", 1, "0" * 64, configs.generation_options(args))
+        assert header.generation.HasField("structured_outputs") == (want is not None)
+        if want is not None:
+            assert tuple(header.generation.structured_outputs.choice) == want.choice
+            assert header.generation.structured_outputs.json_schema == want.json_schema
+    assert "not allowed with argument" in _usage_error(
+        capsys, ["ask", VIDEO, "q?", "--regex", "a", "--json-object"]
+    )
+    (tmp_path / "list.json").write_text("[1]")
+    assert "must hold a JSON Schema object" in _usage_error(
+        capsys, ["ask", VIDEO, "q?", "--json-schema", str(tmp_path / "list.json")]
+    )
+    assert "cannot read" in _usage_error(capsys, ["ask", VIDEO, "q?", "--grammar", str(tmp_path / "none")])
+
+
 def test_epd_ask_takes_fps_or_num_frames_not_both(capsys):
     """As every door refuses the pair (a request's frame count or its rate); --fps is unset unless
     given, so `--num-frames N` alone sends no rate beside it (it sent the default 2)."""

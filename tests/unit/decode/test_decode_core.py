@@ -539,3 +539,44 @@ def test_prefill_keeps_its_copy_until_the_first_token_is_out(adapter, thread):
     first = _run(first_token_then_gone())
     assert first.token_ids == [handle.first_token_id]
     assert len(store) == 0 and store.num_confirmed == 1, "confirmed once the first token was out"
+
+
+def test_a_batch_where_one_request_has_a_structured_output_constraint(adapter, thread, monkeypatch):
+    """Two requests share every step, one under a constraint (letters and spaces, never ending):
+    the constrained row's tokens are those it decodes alone under it, all letters and spaces; the
+    other row's are its plain greedy tokens alone (a constraint in the batch changes nothing
+    for it)."""
+    from epd.model_runtime.sampling import StructuredOutputs
+    from epd.model_runtime.structured_output import grammar_compiler
+
+    spec = StructuredOutputs(grammar="root ::= [a-z ] root")
+    grammar = grammar_compiler(adapter).compile_now(spec)
+    letter = adapter.tokenizer.encode("a")[0]  # prefill's token under the constraint
+    store = KvStore(1 << 30, 60.0)
+    constrained = GenerationConfig(max_new_tokens=10, ignore_eos=True, structured_outputs=spec)
+    handle, _ = _prefilled(adapter, store, "what colour is the square?", seed=0)
+    alone = DecodeEngine(adapter).start(
+        store.take(handle.kv_handle), letter, handle.next_position_ids, constrained, grammar=grammar
+    )
+    want_constrained = [alone.first().token_ids[0]]
+    while not alone.done:
+        want_constrained += alone.step().token_ids
+    want_plain = _alone(adapter, store, "which one?", 10, (1, 4, 6), seed=1)
+    assert want_constrained != want_plain
+    calls = Calls(adapter, monkeypatch)
+    stage = _stage(adapter, store, thread)
+    handle_c, _ = _prefilled(adapter, store, "what colour is the square?", seed=0)
+    handle_c = replace(handle_c, first_token_id=letter)
+    handle_p, _ = _prefilled(adapter, store, "which one?", (1, 4, 6), seed=1)
+
+    async def tokens(handle, config):
+        return [t async for s in stage.generate(handle, config, "r") for t in s.token_ids]
+
+    async def scenario():
+        plain = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+        return await asyncio.gather(tokens(handle_c, constrained), tokens(handle_p, plain))
+
+    got_constrained, got_plain = _run(scenario())
+    assert (got_constrained, got_plain) == (want_constrained, want_plain)
+    assert all(c in "abcdefghijklmnopqrstuvwxyz " for c in adapter.tokenizer.decode(got_constrained))
+    assert max(calls.batch_sizes) == 2, f"the requests shared steps: batch sizes {calls.batch_sizes}"

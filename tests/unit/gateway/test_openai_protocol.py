@@ -312,8 +312,8 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"), ("guided_json", {}),
+    ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("guided_whitespace_pattern", "\\s*"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("prompt_logprobs", 1), ("best_of", True),
     # vLLM's fields that change the prompt, the frames or the answer's text: they were logged as
     # unknown, and answered as if they had not been sent.

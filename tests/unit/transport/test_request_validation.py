@@ -10,7 +10,7 @@ import hashlib
 
 import pytest
 
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.server_config import CHUNK_BYTES, MAX_MESSAGE_BYTES, MIN_MESSAGE_BYTES, ServerConfig
 from epd.transport.auth import bearer_token, key_matches
@@ -113,11 +113,16 @@ def test_every_generation_setting_crosses_the_wire():
         spaces_between_special_tokens=False,
         logprobs=0,  # 0 is asked (the sampled token's alone), unlike unset
         n=3,
+        structured_outputs=StructuredOutputs(choice=("a", "b c"), disable_any_whitespace=True),
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
     assert generation_from_proto(generation_to_proto(config), defaults) == config
     assert generation_from_proto(generation_to_proto(defaults), defaults) == defaults
+    for spec in (StructuredOutputs(json_schema='{"type":"object"}'), StructuredOutputs(json_object=True),
+                 StructuredOutputs(regex="a+"), StructuredOutputs(grammar='root ::= "a"')):  # fmt: skip
+        with_spec = dataclasses.replace(config, structured_outputs=spec)
+        assert generation_from_proto(generation_to_proto(with_spec), defaults) == with_spec
     # unset: off (and the decode options on, vLLM's defaults)
     unset = generation_from_proto(common_pb2.GenerationParams(), defaults)
     assert unset.repetition_penalty == 1.0
