@@ -138,6 +138,54 @@ def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling(tiny_models)
     assert outside, "every drawn token was the most likely one: the sampling settings proved nothing"
 
 
+def test_logprobs_are_raw_under_allowed_token_ids_and_bad_words_in_one_batch(tiny_models):
+    """vLLM's raw_logprobs come before allowed_token_ids and bad_words too ("raw means the values
+    before applying any logit processors, like bad words"): two requests decoding in one batch, one
+    allowed only tokens outside the model's favourites, one banned its favourite first token, report
+    log_softmax of the model's own logits (a banned or disallowed token keeps its value, not -inf),
+    and the tokens they drew obey their masks."""
+    path = tiny_models["qwen2_vl"]
+    model, processor = whole_model(path)
+    tokenizer = processor.tokenizer
+    ids = tokenizer(PROMPT).input_ids
+    greedy, _ = logprobs_reference(path, MAX_TOKENS, prompt=PROMPT)
+    with torch.inference_mode():
+        first_logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    favourites = torch.topk(first_logits, 50).indices.tolist()
+    allowed = tuple(t for t in range(first_logits.numel()) if t not in favourites)
+    # A word of one token that greedy decoding generates: banned, the answer must change.
+    word = next(
+        w
+        for t in greedy
+        if (w := tokenizer.decode([t]).strip()).isalpha()
+        and [t] in (tokenizer(f, add_special_tokens=False).input_ids for f in (w, " " + w))
+    )
+    banned = {s[-1] for s in (tokenizer(f, add_special_tokens=False).input_ids for f in (word, " " + word))}
+
+    def raw(generation: GenerationConfig) -> AskRequest:
+        return AskRequest([], raw_prompt=RawPrompt(text=PROMPT), generation=generation)
+
+    with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+
+        async def run() -> list[AskSummary]:
+            return await asyncio.gather(
+                request_summary(pipeline, raw(GenerationConfig(max_new_tokens=MAX_TOKENS, allowed_token_ids=allowed, logprobs=K))),
+                request_summary(pipeline, raw(GenerationConfig(max_new_tokens=MAX_TOKENS, bad_words=(word,), logprobs=K))),
+            )  # fmt: skip
+
+        masked, without_word = asyncio.run(run())
+    assert set(masked.token_ids) <= set(allowed)
+    assert not banned & set(without_word.token_ids)
+    for summary in (masked, without_word):
+        assert summary.token_ids != greedy, "the mask changed nothing: the test would prove little"
+        drawn = summary.token_ids
+        with torch.inference_mode():
+            # [tokens, vocab]: the logits at each drawn token's position
+            logits = model(input_ids=torch.tensor([ids + drawn])).logits[0, len(ids) - 1 : -1]
+        assert_equal_reference(of_tokens(summary.logprobs), drawn, torch.log_softmax(logits.float(), -1), K)
+    assert masked.logprobs and masked.logprobs[0].top[0].token_id in favourites  # a disallowed token, raw
+
+
 def test_a_request_decoding_alone_computes_the_same_logprobs(tiny_models):
     """A Generation that decodes alone (its own cache: decode-stage eviction's way) computes its
     logprobs itself, in `accept`, and they equal generate()'s as the batch's do."""
