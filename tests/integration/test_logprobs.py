@@ -228,6 +228,39 @@ def test_a_logprobs_request_over_the_limit_is_refused_before_the_media(tiny_mode
         assert asyncio.run(request_summary(pipeline, chat_request(TEXT_CHAT, 3))).logprobs is not None
 
 
+def test_more_logprobs_than_the_vocabulary_are_refused_before_any_token(tiny_models):
+    """--max-logprobs may pass the vocabulary (up to 2**20: "every token"); a request asking for more
+    top tokens than the vocabulary holds is refused by the front door and prefill alike, before a
+    token goes out, not by the decoder after prefill's first token was sent (INVALID_ARGUMENT mid-
+    answer); the whole vocabulary is served."""
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.stages.contracts import TokenStep
+
+    path = tiny_models["qwen2_vl"]
+    prefill = PrefillConfig(model=ModelConfig(model=str(path)), max_logprobs=1 << 20)
+    with build_embedded_pipeline(ModelConfig(model=str(path)), prefill=prefill) as pipeline:
+        vocab_size = pipeline.prefill.engine.adapter.vocab_size
+        sent: list[TokenStep] = []
+
+        async def run(k: int) -> None:
+            async for item in pipeline.ask(chat_request(TEXT_CHAT, k)):
+                if isinstance(item, TokenStep):
+                    sent.append(item)
+
+        bound = rf"between 0 and {vocab_size} \(this model's vocabulary size\), got {vocab_size + 1}"
+        with pytest.raises(InvalidRequest, match=bound):
+            asyncio.run(run(vocab_size + 1))
+        assert not sent
+        with pytest.raises(InvalidRequest, match=bound):
+            pipeline.prefill.engine.validate(
+                from_chat_template(TEXT_CHAT),
+                None,
+                GenerationConfig(max_new_tokens=2, logprobs=vocab_size + 1),
+            )
+        summary = asyncio.run(request_summary(pipeline, chat_request(TEXT_CHAT, vocab_size)))
+        assert summary.logprobs and all(len(lp.top) == vocab_size for lp in summary.logprobs)
+
+
 # -- the real stack: HTTP (openai client), gRPC and the SDK ---------------------------------------
 
 
