@@ -589,7 +589,8 @@ def _max_new_tokens_limit(text: str) -> int:
 
 
 def _max_logprobs(text: str) -> int:
-    """An argparse type: 0 (no logprobs at all) to 2**20 top tokens a position (more than any vocabulary)."""
+    """An argparse type: 0 (a request may ask for its tokens' own logprobs, no top tokens) to 2**20
+    top tokens a position (more than any vocabulary; a request is held to its model's too)."""
     return _count("a number of tokens", 1 << 20, "tokens", low=0)(text)
 
 

@@ -629,8 +629,8 @@ class AsyncEpdClient:
         with any role's message. add_special_tokens: None is vLLM's default (True for a prompt,
         False for messages). add_generation_prompt / continue_final_message /
         chat_template_kwargs: as `ask`'s (the default ends with the opening of a new answer, so
-        `num_tokens` is that ask's `num_prompt_tokens`). return_token_strs: also the tokenizer's
-        token of each id."""
+        `num_tokens` is that ask's `num_prompt_tokens`); messages only (INVALID_ARGUMENT with a
+        prompt, as `ask(None, prompt=...)`). return_token_strs: also the tokenizer's token of each id."""
         request = tokenize_request(
             prompt,
             messages,

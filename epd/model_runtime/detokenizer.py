@@ -98,7 +98,8 @@ class IncrementalText:
 class OutputText:
     """A request's generated tokens, one at a time -> (text delta, finish reason): `IncrementalText`
     and the rules that end a generation: a stop string, an end-of-sequence token (unless
-    `ignore_eos`), one of `stop_token_ids` (its text left out unless `include_stop_str_in_output`),
+    `ignore_eos`), one of `stop_token_ids` (the text of either left out unless
+    `include_stop_str_in_output`, as vLLM's),
     `max_new_tokens`; before `min_tokens` tokens are out, only the last (as vLLM's). The text is
     `detokenize` with the request's `skip_special_tokens` and `spaces_between_special_tokens`. Decode runs one
     per request; prefill runs one over the first token alone, so that the gateway can stream that
@@ -141,9 +142,12 @@ class OutputText:
         # (allowed only once it is complete), so it ends the answer even under ignore_eos.
         ends_at_eos = not self.config.ignore_eos or self.config.structured_outputs is not None
         eos = may_stop and not length and token_id in self.eos_token_ids and ends_at_eos
-        # A stop token's text is not the answer's (vLLM's), unless asked for; the text held back
-        # before it is released by the flush below.
-        delta = "" if stop_token and not self.config.include_stop_str_in_output else self.text.add(token_id)
+        # The text of a stop token, or of the end-of-sequence token that ends the answer, is not
+        # the answer's unless asked for (vLLM's detokenizer leaves out the token that stopped the
+        # request: "<|im_end|>" does not end an answer decoded with skip_special_tokens false);
+        # the text held back before it is released by the flush below.
+        ends = stop_token or eos
+        delta = "" if ends and not self.config.include_stop_str_in_output else self.text.add(token_id)
         if self.text.stopped or stop_token or eos:
             self.finish_reason = "stop"
             # A stop string found in a stop token's own text (include_stop_str_in_output) is the

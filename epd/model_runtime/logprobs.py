@@ -2,7 +2,8 @@
 
 What is returned is vLLM's default `--logprobs-mode raw_logprobs`: `log_softmax` in float32 of the
 model's own logits for the position, before anything the request's sampling does to them
-(temperature, penalties, logit_bias, min_tokens, min_p, top-k, top-p). So they equal
+(allowed_token_ids, bad_words, temperature, penalties, logit_bias, min_tokens, min_p, top-k, top-p:
+"raw means the values before applying any logit processors, like bad words", vLLM's words). So they equal
 `torch.log_softmax(generate(..., output_logits=True).logits[i].float(), -1)` of the unsplit model,
 whatever the sampling settings, and the token a request sampled always has its own value, whether or
 not it is among the `k` most likely.

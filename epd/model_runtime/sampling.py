@@ -291,11 +291,10 @@ class GenerationConfig:
         ids of logit_bias, stop_token_ids and allowed_token_ids against it (None: the front door,
         without a model). `max_logprobs`: the server's --max-logprobs (None: no bound but the
         vocabulary's, the decoder's check: prefill and the front door hold requests to the
-        configured one)."""
-        if max_logprobs is not None:
-            check_logprobs(self.logprobs, max_logprobs)
-        else:
-            check_logprobs(self.logprobs, vocab_size, "this model's vocabulary size")
+        configured one, and to the vocabulary too, which --max-logprobs may pass: a request the
+        decoder would refuse must not get its first token from prefill)."""
+        check_logprobs(self.logprobs, max_logprobs)
+        check_logprobs(self.logprobs, vocab_size, "this model's vocabulary size")
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "

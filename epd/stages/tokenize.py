@@ -43,6 +43,14 @@ class TokenizeInput:
                 raise InvalidRequest(
                     f"the prompt has {len(self.prompt)} characters; the limit is {max_text_chars}"
                 )
+            if self.template != ChatTemplateOptions():
+                # Refused, not ignored, as a raw prompt's ask refuses them (the HTTP API's prompt
+                # body takes no template fields at all).
+                raise InvalidRequest(
+                    "add_generation_prompt, continue_final_message and chat_template_kwargs shape a chat "
+                    "template's prompt; a prompt is tokenised as it is, without the template: leave them "
+                    "unset, or send messages"
+                )
             return
         # Any last role, as vLLM's /tokenize takes it: counting an assistant's turn, or the one a
         # client continues, is what a prompt-budgeting client asks.

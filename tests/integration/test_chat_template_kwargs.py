@@ -255,6 +255,10 @@ def test_the_stack_takes_the_templates_variables_at_every_door(thinking_qwen2_vl
                 chat_template_kwargs=NO_THINKING,
             )
             assert result.token_ids == want and result.answer == text
+            # gRPC's Tokenize renders the variables as /tokenize does (the SDK's tokenize).
+            counted_grpc = client.tokenize(messages=TEXT_ONLY, chat_template_kwargs=NO_THINKING)
+            assert counted_grpc.token_ids == text_ids
+            assert client.tokenize(messages=TEXT_ONLY).token_ids != text_ids  # the default's rendering
             for kwargs, said in (
                 ({"add_generation_prompt": False}, "chat_template_kwargs cannot set 'add_generation_prompt': set the request's own"),
                 ({"messages": []}, "chat_template_kwargs cannot set 'messages'"),

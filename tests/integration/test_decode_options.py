@@ -159,3 +159,30 @@ def test_the_stack_decodes_with_the_requests_options_at_every_door(shared_stack,
         assert (
             not isinstance(refused.value, EpdError) or refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         )
+
+
+def test_the_end_of_sequence_that_ends_an_answer_is_left_out_of_its_text(tiny_models, tokenizer):
+    """With skip_special_tokens false, the end-of-sequence token that ends the answer is in its
+    token ids but not in its text (vLLM's detokenizer leaves out the token that stopped the request
+    unless include_stop_str_in_output), whether prefill's first token or a decoder's ends it; with
+    include_stop_str_in_output its text is kept."""
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        for min_tokens, include in itertools.product((0, 2), (False, True)):
+            generation = GenerationConfig(
+                max_new_tokens=MAX_NEW_TOKENS,
+                logit_bias=((eos, 100.0),),
+                min_tokens=min_tokens,
+                skip_special_tokens=False,
+                include_stop_str_in_output=include,
+            )
+            streamed, summary = asyncio.run(
+                _stream(pipeline, AskRequest([Message.user("name a colour")], None, generation=generation))
+            )
+            label = f"min_tokens={min_tokens} include_stop_str_in_output={include}"
+            assert summary.token_ids[-1] == eos and len(summary.token_ids) == min_tokens + 1, label
+            kept = summary.token_ids if include else summary.token_ids[:-1]
+            assert summary.answer == tokenizer.decode(kept, skip_special_tokens=False), label
+            assert summary.answer.endswith(tokenizer.eos_token) == include, label
+            assert (summary.finish_reason, summary.stop_reason) == ("stop", None), label
+            assert streamed == summary.answer, label

@@ -210,6 +210,14 @@ def test_bad_input_is_invalid_argument_saying_what_to_change(stack, client, tiny
         ),
         (lambda: client.tokenize("x" * 262_145), "the prompt has 262145 characters; the limit is 262144"),
         (
+            lambda: client.tokenize("hi", chat_template_kwargs={"enable_thinking": False}),
+            "a prompt is tokenised as it is, without the template: leave them unset",
+        ),
+        (
+            lambda: client.tokenize("hi", continue_final_message=True),
+            "a prompt is tokenised as it is, without the template: leave them unset",
+        ),
+        (
             lambda: client.detokenize([1, vocab_size]),
             f"token id {vocab_size} is outside 0 to {vocab_size - 1}",
         ),

@@ -138,6 +138,54 @@ def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling(tiny_models)
     assert outside, "every drawn token was the most likely one: the sampling settings proved nothing"
 
 
+def test_logprobs_are_raw_under_allowed_token_ids_and_bad_words_in_one_batch(tiny_models):
+    """vLLM's raw_logprobs come before allowed_token_ids and bad_words too ("raw means the values
+    before applying any logit processors, like bad words"): two requests decoding in one batch, one
+    allowed only tokens outside the model's favourites, one banned its favourite first token, report
+    log_softmax of the model's own logits (a banned or disallowed token keeps its value, not -inf),
+    and the tokens they drew obey their masks."""
+    path = tiny_models["qwen2_vl"]
+    model, processor = whole_model(path)
+    tokenizer = processor.tokenizer
+    ids = tokenizer(PROMPT).input_ids
+    greedy, _ = logprobs_reference(path, MAX_TOKENS, prompt=PROMPT)
+    with torch.inference_mode():
+        first_logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    favourites = torch.topk(first_logits, 50).indices.tolist()
+    allowed = tuple(t for t in range(first_logits.numel()) if t not in favourites)
+    # A word of one token that greedy decoding generates: banned, the answer must change.
+    word = next(
+        w
+        for t in greedy
+        if (w := tokenizer.decode([t]).strip()).isalpha()
+        and [t] in (tokenizer(f, add_special_tokens=False).input_ids for f in (w, " " + w))
+    )
+    banned = {s[-1] for s in (tokenizer(f, add_special_tokens=False).input_ids for f in (word, " " + word))}
+
+    def raw(generation: GenerationConfig) -> AskRequest:
+        return AskRequest([], raw_prompt=RawPrompt(text=PROMPT), generation=generation)
+
+    with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+
+        async def run() -> list[AskSummary]:
+            return await asyncio.gather(
+                request_summary(pipeline, raw(GenerationConfig(max_new_tokens=MAX_TOKENS, allowed_token_ids=allowed, logprobs=K))),
+                request_summary(pipeline, raw(GenerationConfig(max_new_tokens=MAX_TOKENS, bad_words=(word,), logprobs=K))),
+            )  # fmt: skip
+
+        masked, without_word = asyncio.run(run())
+    assert set(masked.token_ids) <= set(allowed)
+    assert not banned & set(without_word.token_ids)
+    for summary in (masked, without_word):
+        assert summary.token_ids != greedy, "the mask changed nothing: the test would prove little"
+        drawn = summary.token_ids
+        with torch.inference_mode():
+            # [tokens, vocab]: the logits at each drawn token's position
+            logits = model(input_ids=torch.tensor([ids + drawn])).logits[0, len(ids) - 1 : -1]
+        assert_equal_reference(of_tokens(summary.logprobs), drawn, torch.log_softmax(logits.float(), -1), K)
+    assert masked.logprobs and masked.logprobs[0].top[0].token_id in favourites  # a disallowed token, raw
+
+
 def test_a_request_decoding_alone_computes_the_same_logprobs(tiny_models):
     """A Generation that decodes alone (its own cache: decode-stage eviction's way) computes its
     logprobs itself, in `accept`, and they equal generate()'s as the batch's do."""
@@ -178,6 +226,39 @@ def test_a_logprobs_request_over_the_limit_is_refused_before_the_media(tiny_mode
                 from_chat_template(TEXT_CHAT), None, GenerationConfig(max_new_tokens=2, logprobs=4)
             )
         assert asyncio.run(request_summary(pipeline, chat_request(TEXT_CHAT, 3))).logprobs is not None
+
+
+def test_more_logprobs_than_the_vocabulary_are_refused_before_any_token(tiny_models):
+    """--max-logprobs may pass the vocabulary (up to 2**20: "every token"); a request asking for more
+    top tokens than the vocabulary holds is refused by the front door and prefill alike, before a
+    token goes out, not by the decoder after prefill's first token was sent (INVALID_ARGUMENT mid-
+    answer); the whole vocabulary is served."""
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.stages.contracts import TokenStep
+
+    path = tiny_models["qwen2_vl"]
+    prefill = PrefillConfig(model=ModelConfig(model=str(path)), max_logprobs=1 << 20)
+    with build_embedded_pipeline(ModelConfig(model=str(path)), prefill=prefill) as pipeline:
+        vocab_size = pipeline.prefill.engine.adapter.vocab_size
+        sent: list[TokenStep] = []
+
+        async def run(k: int) -> None:
+            async for item in pipeline.ask(chat_request(TEXT_CHAT, k)):
+                if isinstance(item, TokenStep):
+                    sent.append(item)
+
+        bound = rf"between 0 and {vocab_size} \(this model's vocabulary size\), got {vocab_size + 1}"
+        with pytest.raises(InvalidRequest, match=bound):
+            asyncio.run(run(vocab_size + 1))
+        assert not sent
+        with pytest.raises(InvalidRequest, match=bound):
+            pipeline.prefill.engine.validate(
+                from_chat_template(TEXT_CHAT),
+                None,
+                GenerationConfig(max_new_tokens=2, logprobs=vocab_size + 1),
+            )
+        summary = asyncio.run(request_summary(pipeline, chat_request(TEXT_CHAT, vocab_size)))
+        assert summary.logprobs and all(len(lp.top) == vocab_size for lp in summary.logprobs)
 
 
 # -- the real stack: HTTP (openai client), gRPC and the SDK ---------------------------------------
