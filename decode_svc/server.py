@@ -32,7 +32,7 @@ async def start(config: DecodeConfig) -> HealthyServer:
         [SERVICE_NAME],
     )
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
-    async with hs.closed_on_failure():
+    async with hs.closed_on_failure(model_thread.close):
         adapter = await model_thread.run(load_adapter, config.model, "decode")
         pin_torch_threads(1)  # the event loop's thread: tensors in and out, never a second OpenMP team
         servicer.stage = LocalDecodeStage(

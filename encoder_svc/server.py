@@ -31,7 +31,7 @@ async def start(config: EncoderConfig) -> HealthyServer:
     )
     model_thread = ModelThread(StepThreads(config.model.num_threads, "encoder"))
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
-    async with hs.closed_on_failure():
+    async with hs.closed_on_failure(model_thread.close):
         adapter = await model_thread.run(load_adapter, config.model, "encoder")
         pin_torch_threads(1)  # the event loop's thread: tensors in and out, never a second OpenMP team
         engine = EncoderEngine(config, adapter)

@@ -34,7 +34,7 @@ async def start(config: PrefillConfig) -> HealthyServer:
     kv_address = config.advertise_address or f"{config.server.host}:{hs.port}"
     model_thread = ModelThread(StepThreads(config.model.num_threads, "prefill"))
     # A model that cannot be loaded (ModelLoadError) ends start-up; the server must close first.
-    async with hs.closed_on_failure():
+    async with hs.closed_on_failure(model_thread.close):
         adapter = await model_thread.run(load_adapter, config.model, "prefill")
         pin_torch_threads(1)  # the event loop's thread: tensors in and out, never a second OpenMP team
         engine = PrefillEngine(config, adapter)

@@ -914,6 +914,11 @@ class EpdClient:
             # A stream left half read: its async generators are closed now, on the loop, rather
             # than by the garbage collector later, when the loop is gone ("Event loop is closed").
             self._run(self._loop.shutdown_asyncgens())
+            # What grpc.aio still has running for a call the closed channel ended (its status
+            # handler waits one more turn of the loop): cancelled and awaited, as `asyncio.run`
+            # ends its tasks, not destroyed pending when the loop closes ("Task was destroyed
+            # but it is pending!").
+            self._run(_end_other_tasks())
         finally:
             self._stop_loop()
 
@@ -930,6 +935,14 @@ class EpdClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _end_other_tasks() -> None:
+    """Cancel every task on the running loop but this one, and wait for them to end."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _make(endpoint: str, timeout_s: float, settings: dict[str, Any]) -> AsyncEpdClient:

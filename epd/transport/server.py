@@ -94,17 +94,20 @@ class HealthyServer:
             await self.health.set(name, status)
 
     @contextlib.asynccontextmanager
-    async def closed_on_failure(self) -> AsyncIterator[None]:
+    async def closed_on_failure(self, *closers: Callable[[], None]) -> AsyncIterator[None]:
         """Around the rest of a service's start-up (loading the model): if it fails or is
-        cancelled, stop the server before the error leaves the event loop. A grpc.aio server
+        cancelled, stop the server before the error leaves the event loop (a grpc.aio server
         left to the garbage collector after `asyncio.run` returns logs "Event loop is closed"
-        tracebacks."""
+        tracebacks), then close `closers`, what start-up made before it failed (the model thread,
+        which `closers` would have closed after a drain; they join threads: run off the loop)."""
         try:
             yield
         except BaseException:
             for task in self.background_tasks:
                 task.cancel()
             await self.server.stop(None)
+            for close in closers:
+                await asyncio.to_thread(close)
             raise
 
     async def stop(self, grace_s: float) -> None:
