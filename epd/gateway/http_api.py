@@ -457,10 +457,13 @@ class HttpApi:
     def _thinking(self, chat: ChatRequest) -> bool | None:
         """With `--reasoning-parser`, whether `chat`'s answer begins inside a thinking block
         (`epd.gateway.reasoning.thinking_on`); None without one, or for a legacy completion
-        (vLLM parts chat answers alone)."""
+        (vLLM parts chat answers alone). A structured output's grammar holds from the answer's
+        first token (vLLM's starts after `</think>`), so that answer is all content."""
         parser = self.config.http.reasoning_parser
         if not parser or chat.raw_prompt is not None:
             return None
+        if chat.generation.structured_outputs is not None:
+            return False
         return thinking_on(parser, chat.template.chat_template_kwargs)
 
     async def _stream(

@@ -49,13 +49,11 @@ def _stream(port: int, body: dict) -> list[dict]:
             if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
 
 
-def _joined(chunks: list[dict], name: str) -> str | None:
-    """One field of the deltas joined (the role chunk's empty content aside); None: no delta had it."""
-    parts = [
-        c["choices"][0]["delta"][name]
-        for c in chunks[1:]
-        if c["choices"] and name in c["choices"][0]["delta"]
-    ]
+def _joined(chunks: list[dict], name: str, index: int = 0) -> str | None:
+    """One field of choice `index`'s deltas joined (its role chunk's empty content aside); None: no
+    delta had it."""
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+    parts = [delta[name] for delta in deltas[1:] if name in delta]
     return "".join(parts) if parts else None
 
 
@@ -110,6 +108,14 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         assert not any("content" in d for d, _ in deltas[:ended])
         assert not any("reasoning" in d for d, _ in deltas[ended + 1 :])
 
+        # n choices: each parted on its own (greedy: the same answer twice).
+        chunks = _stream(port, _body(allowed_token_ids=allowed, n=2))
+        for index in (0, 1):
+            assert (_joined(chunks, "reasoning", index), _joined(chunks, "content", index)) == (
+                reasoning,
+                content,
+            )
+
         # include_reasoning false: the content alone.
         hidden = _chat(port, _body(allowed_token_ids=allowed, include_reasoning=False))["choices"][0][
             "message"
@@ -133,6 +139,11 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         assert (message["reasoning"], message["content"]) == (None, decode(reply["epd"]["token_ids"]))
         chunks = _stream(port, off)
         assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (None, message["content"])
+
+        # A structured output's grammar holds from the first token: the model cannot think, the
+        # answer is all content (it was all reasoning, content null).
+        choice = _chat(port, _body(structured_outputs={"choice": ["red", "blue"]}))["choices"][0]["message"]
+        assert (choice["reasoning"], choice["content"] in ("red", "blue")) == (None, True), choice
 
         # Legacy completions are not parted (vLLM parts chat answers alone).
         status, completion = post_json(
