@@ -433,4 +433,5 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
         media=media,
         demo=web_demo_config(args),
         sse_keepalive_s=args.sse_keepalive,
+        reasoning_parser=args.reasoning_parser or "",
     )

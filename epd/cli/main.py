@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from epd import __version__
+from epd.gateway.reasoning import REASONING_PARSERS
 
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
@@ -870,6 +871,13 @@ def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
         help="a streamed answer with no token yet gets an SSE comment this often, so that "
         "proxies' idle timeouts do not cut a long encode (0 = off: the 200 comes with the "
         "first token, and every error before it keeps its own HTTP status)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="vLLM's: a thinking model's chat answer parted at <think> ... </think> into the "
+        "message's reasoning (and reasoning_content) and content (default: off, the text whole)",
     )
 
 

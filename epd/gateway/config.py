@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S, parse_dns_entry
+from epd.gateway.reasoning import REASONING_PARSERS
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.server_config import ServerConfig, is_loopback
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -121,10 +122,22 @@ class HttpApiConfig:
     """A streamed answer with no token yet gets an SSE comment line every this many seconds (the
     first one sends the 200), so that proxies' idle timeouts (nginx: 60 s) do not cut a long
     encode; 0 = off (headers only with the first token, so every error keeps its own status)."""
+    reasoning_parser: str = ""
+    """vLLM's `--reasoning-parser` ("qwen3" or "deepseek_r1"; "" = off: the answer's text whole):
+    a chat answer's thinking (`<think> ... </think>`) goes in the message's `reasoning` and
+    `reasoning_content`, the rest in `content` (`epd.gateway.reasoning`). Chat only, as vLLM's:
+    legacy completions, gRPC and the SDK answer the text whole."""
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     """Which media URLs and paths requests may use."""
     demo: WebDemoConfig = field(default_factory=WebDemoConfig)
     """The web demo's own decodes (`POST /demo/frames`)."""
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ from epd.gateway.openai_protocol import (
 from epd.gateway.pipeline import AskRequest, AskSummary, ChoiceSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
+from epd.gateway.reasoning import ReasoningStream, delta_fields, thinking_on
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
@@ -435,7 +436,12 @@ class HttpApi:
                             return web.json_response(text_completion_body(item, chat))
                         return web.json_response(
                             completion_body(
-                                item, chat.model, role=chat.response_role, echoed=chat.echoed_text
+                                item,
+                                chat.model,
+                                role=chat.response_role,
+                                echoed=chat.echoed_text,
+                                thinking=self._thinking(chat),
+                                include_reasoning=chat.include_reasoning,
                             )
                         )
             raise RuntimeError("the pipeline ended without a summary")
@@ -447,6 +453,18 @@ class HttpApi:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
             return exception_response(exc)
+
+    def _thinking(self, chat: ChatRequest) -> bool | None:
+        """With `--reasoning-parser`, whether `chat`'s answer begins inside a thinking block
+        (`epd.gateway.reasoning.thinking_on`); None without one, or for a legacy completion
+        (vLLM parts chat answers alone). A structured output's grammar holds from the answer's
+        first token (vLLM's starts after `</think>`), so that answer is all content."""
+        parser = self.config.http.reasoning_parser
+        if not parser or chat.raw_prompt is not None:
+            return None
+        if chat.generation.structured_outputs is not None:
+            return False
+        return thinking_on(parser, chat.template.chat_template_kwargs)
 
     async def _stream(
         self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent]
@@ -512,6 +530,9 @@ class HttpApi:
         text_offsets: dict[int, int] = {}
         call = current_call()
         num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
+        thinking = self._thinking(chat)
+        # Each choice's text parted into reasoning and content, by index (with --reasoning-parser).
+        parted = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(chat.generation.n)}
 
         async def send(body: dict[str, Any]) -> None:
             assert stream.response is not None
@@ -559,6 +580,7 @@ class HttpApi:
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
                         if item.token_ids or item.text:
+                            split = parted[item.index].add(item.text) if parted else None
                             await send(
                                 _delta_chunk(
                                     chat,
@@ -569,12 +591,18 @@ class HttpApi:
                                     item.logprobs,
                                     text_offsets.get(item.index, 0),
                                     item.index,
+                                    None if split is None else delta_fields(split, chat.include_reasoning),
                                 )
                             )
                             text_offsets[item.index] = text_offsets.get(item.index, 0) + len(item.text)
                         continue
                     log_summary(item)
                     num_prompt_tokens = item.num_prompt_tokens
+                    for index, text in parted.items():  # a tail held back as a marker's start
+                        if delta := delta_fields(text.finish(), chat.include_reasoning):
+                            await send(
+                                chunk_body(request_id, chat.model, created, delta, token_ids=[], index=index)
+                            )
                     choices = item.all_choices()
                     for choice in choices:  # the finish reasons; the last chunk carries the summary
                         final = _final_chunk(chat, request_id, created, choice)
@@ -619,11 +647,13 @@ def _delta_chunk(
     logprobs: list[TokenLogprob] | None = None,
     text_offset: int = 0,
     index: int = 0,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
     completion's text; `token_ids` None (no `token_ids` field): the echoed text, which no generated
     token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
-    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it)."""
+    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it).
+    `delta`: chat's, the text parted by the reasoning parser (None: `{"content": text}`)."""
     if chat.raw_prompt is not None:
         return text_completion_chunk(
             request_id,
@@ -638,7 +668,7 @@ def _delta_chunk(
         request_id,
         chat.model,
         created,
-        {"content": text},
+        {"content": text} if delta is None else delta,
         token_ids=token_ids,
         logprobs=logprobs,
         index=index,

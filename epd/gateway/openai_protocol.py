@@ -15,7 +15,8 @@ vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop
 `spaces_between_special_tokens` and structured outputs (`structured_outputs`, `guided_json` ...:
 `epd.gateway.structured_request`), with vLLM's meanings; the chat template's variables go in vLLM's
 `chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
-`continue_final_message`; frame sampling goes in
+`continue_final_message`; vLLM's `include_reasoning` (false: the reasoning left out of a thinking
+model's answer, which `--reasoning-parser` parts: `epd.gateway.reasoning`); frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
@@ -53,6 +54,7 @@ from epd.gateway.json_fields import (
 )
 from epd.gateway.logprobs_protocol import chat_logprobs, chat_logprobs_option
 from epd.gateway.pipeline import AskSummary
+from epd.gateway.reasoning import message_fields, split_reasoning
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
@@ -149,11 +151,11 @@ UNSUPPORTED_CHAT_FIELDS = {
     "vllm_xargs": ({},),
     "priority": (0,),  # vLLM refuses it too unless it schedules by priority
     # vLLM's too, and logged as unknown fields: `media_io_kwargs` sets how vLLM loads a video
-    # ({"video": {"num_frames": 16}}), the rest turn a model's thinking off, bound it, end an answer
-    # early or mark it, or ask for the rendered prompt back.
+    # ({"video": {"num_frames": 16}}), the rest turn a model's thinking off (`enable_thinking` in
+    # `chat_template_kwargs` does), bound it, end an answer early or mark it, or ask for the
+    # rendered prompt back.
     "media_io_kwargs": ({},),
     "reasoning_effort": (),
-    "include_reasoning": (True,),
     "thinking_token_budget": (),
     "repetition_detection": (),
     "watermarking": (False,),
@@ -173,6 +175,7 @@ KNOWN_CHAT_FIELDS = {
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
+    "include_reasoning",  # vLLM's: read with `--reasoning-parser` (`epd.gateway.reasoning`)
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo", *STRUCTURED_FIELDS,
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
@@ -240,6 +243,9 @@ class ChatRequest:
     """vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`: how
     the chat template renders the prompt. A continued message's answer is the continuation alone,
     as vLLM's; with `echo` too, it is the whole message, the given text first."""
+    include_reasoning: bool = True
+    """vLLM's `include_reasoning`: false leaves a thinking model's reasoning out of the answer
+    (with `--reasoning-parser`; without one the answer is the text whole, as vLLM's)."""
 
     @property
     def response_role(self) -> str:
@@ -297,6 +303,7 @@ def parse_chat_request(
         pruning=_pruning(body.get("pruning")),
         template=template_options(body),
         echo=boolean_field(body, "echo", False),
+        include_reasoning=boolean_field(body, "include_reasoning", True),
         **options,
     )
     # The message model's own rules (the last message is the user's or the assistant's, ...).
@@ -685,10 +692,18 @@ def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[
 
 
 def completion_body(
-    summary: AskSummary, model: str, created: int | None = None, role: str = "assistant", echoed: str = ""
+    summary: AskSummary,
+    model: str,
+    created: int | None = None,
+    role: str = "assistant",
+    echoed: str = "",
+    thinking: bool | None = None,
+    include_reasoning: bool = True,
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
-    the content's start (usage still counts the generated tokens alone, as vLLM's)."""
+    the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
+    (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
+    choice's text into the message's reasoning and content."""
     return {
         "id": f"chatcmpl-{summary.request_id}",
         "object": "chat.completion",
@@ -697,7 +712,7 @@ def completion_body(
         "choices": [
             {
                 "index": choice.index,
-                "message": {"role": role, "content": echoed + choice.answer},
+                "message": _message(role, echoed, choice.answer, thinking, include_reasoning),
                 "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
                 "finish_reason": choice.finish_reason or "stop",
                 "stop_reason": choice.stop_reason,
@@ -709,6 +724,18 @@ def completion_body(
         "usage": usage(summary),
         "epd": epd_details(summary),
     }
+
+
+def _message(
+    role: str, echoed: str, answer: str, thinking: bool | None, include_reasoning: bool
+) -> dict[str, Any]:
+    """A choice's message: its text whole, or parted by the reasoning parser (an echo goes in
+    front of the content, as vLLM's)."""
+    if thinking is None:
+        return {"role": role, "content": echoed + answer}
+    split = split_reasoning(answer, thinking)
+    content = echoed + (split.content or "") if echoed else split.content
+    return {"role": role, "content": content, **message_fields(split, include_reasoning)}
 
 
 def chunk_body(

@@ -322,7 +322,7 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
     ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}), ("priority", 1),
     # vLLM's too, logged as unknown and answered as if not sent: the frames vLLM loads, a model's
     # thinking, an answer ended early or watermarked, the rendered prompt asked back.
-    ("media_io_kwargs", {"video": {"num_frames": 16}}), ("reasoning_effort", "none"), ("include_reasoning", False),
+    ("media_io_kwargs", {"video": {"num_frames": 16}}), ("reasoning_effort", "none"),
     ("thinking_token_budget", 64), ("repetition_detection", {"max_pattern_size": 8}), ("watermarking", True),
     ("return_prompt_text", True),
 ])  # fmt: skip

@@ -1,0 +1,127 @@
+"""vLLM's reasoning parsers (`--reasoning-parser qwen3 | deepseek_r1`): a thinking model's answer
+split into its reasoning, the text inside `<think> ... </think>`, and its content, the text after.
+No HTTP and no tokenizer in here: the chat door (`epd.gateway.http_api`) feeds each choice's
+decoded text, whole or as the stream's deltas, and puts the parts in the message's `reasoning`
+(and its older name `reasoning_content`) and `content`.
+
+The split is on the decoded text, as vLLM's `extract_reasoning` splits it: in Qwen3's, Qwen3.5's
+and DeepSeek-R1's tokenizers `<think>` and `</think>` are added tokens that are not special, so
+`skip_special_tokens` keeps their text. A thinking template opens the block in the prompt
+(Qwen3.5's ends it in "<think>\n"), so an answer begins inside it: everything up to the first
+`</think>` is reasoning, and a `<think>` the model writes itself before that is dropped. No
+`</think>` (the answer cut by max_tokens, or by a stop) leaves it all reasoning and the content
+null. Qwen3's parser reads the request's `chat_template_kwargs.enable_thinking`: false (the
+template closed an empty block in the prompt) makes the whole answer content, a `</think>` in it
+included, as vLLM streams it; DeepSeek-R1's has no such switch.
+
+The stream is split exactly as the whole answer is: a delta's tail that could begin a marker
+(`<`, `</thi`, ...) is held back until the next delta shows what it is, or the answer ends, so a
+marker split across deltas (or spelled in several tokens) is found all the same; the held text is
+at most a marker's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+START = "<think>"
+END = "</think>"
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+"""The names `--reasoning-parser` takes, vLLM's: both split at `<think>` / `</think>`; qwen3
+also reads `enable_thinking`."""
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """One answer's (or one delta's) text, parted. As vLLM's message: `reasoning` None when
+    thinking was off; `content` None when the answer ended before any content (in a delta: ""
+    when this delta has none)."""
+
+    reasoning: str | None
+    content: str | None
+
+
+def thinking_on(parser: str, chat_template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the answer begins inside a thinking block: qwen3's unless the request's template
+    variables say `enable_thinking: false` (as Qwen's templates test it: `is false`)."""
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
+    return not (parser == "qwen3" and chat_template_kwargs.get("enable_thinking") is False)
+
+
+def split_reasoning(text: str, thinking: bool) -> ReasoningSplit:
+    """A whole answer's text parted at its first `</think>` (`thinking`: `thinking_on`)."""
+    if not thinking:
+        return ReasoningSplit(None, text)
+    end = text.find(END)
+    if end < 0:  # cut inside the block (max_tokens): all of it is reasoning
+        return ReasoningSplit(text.replace(START, "", 1), None)
+    return ReasoningSplit(text[:end].replace(START, "", 1), text[end + len(END) :] or None)
+
+
+class ReasoningStream:
+    """One choice's streamed text, parted delta by delta; the parts joined are `split_reasoning`'s
+    of the whole text (`finish` gives what was held back)."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.in_reasoning = thinking
+        """True until the text after `</think>` begins (False from the start with thinking off)."""
+        self._start_dropped = False  # the model's own `<think>`, dropped once
+        self._held = ""  # the reasoning text's tail that may begin a marker: len < len(END)
+
+    def add(self, text: str) -> ReasoningSplit:
+        """The parts of `text`, the next delta ("" for a part it has none of)."""
+        if not self.in_reasoning:
+            return ReasoningSplit("", text)
+        pending = self._held + text
+        end = pending.find(END)
+        if end >= 0:
+            self.in_reasoning, self._held = False, ""
+            return ReasoningSplit(self._drop_start(pending[:end]), pending[end + len(END) :])
+        keep = self._marker_prefix_len(pending)
+        self._held = pending[len(pending) - keep :]
+        return ReasoningSplit(self._drop_start(pending[: len(pending) - keep]), "")
+
+    def finish(self) -> ReasoningSplit:
+        """The held-back tail at the answer's end: reasoning (no marker came of it)."""
+        held, self._held = self._held, ""
+        return ReasoningSplit(held if self.in_reasoning else "", "")
+
+    def _drop_start(self, reasoning: str) -> str:
+        if self._start_dropped or START not in reasoning:
+            return reasoning
+        self._start_dropped = True
+        return reasoning.replace(START, "", 1)
+
+    def _marker_prefix_len(self, text: str) -> int:
+        """Length of `text`'s longest tail that is a proper prefix of `</think>` (or of `<think>`
+        while the model's own has not come): text that could still become a marker."""
+        markers = (END,) if self._start_dropped else (END, START)
+        for size in range(min(len(text), len(END) - 1), 0, -1):
+            tail = text[-size:]
+            if any(m.startswith(tail) for m in markers):
+                return size
+        return 0
+
+
+def message_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, str | None]:
+    """A chat message's reasoning fields: vLLM's `reasoning` and its older name
+    `reasoning_content`, which clients written for earlier vLLM and DeepSeek's API read; both
+    null with `include_reasoning: false`."""
+    reasoning = split.reasoning if include_reasoning else None
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def delta_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, str]:
+    """A streamed chunk's delta of one `ReasoningStream` step: the reasoning fields while it
+    thinks, `content` after, both in the delta that holds `</think>`; {} when the step has neither
+    (its text held back, or the marker alone: the chunk still carries its tokens' ids)."""
+    delta = {}
+    if split.reasoning and include_reasoning:
+        delta["reasoning"] = delta["reasoning_content"] = split.reasoning
+    if split.content:
+        delta["content"] = split.content
+    return delta

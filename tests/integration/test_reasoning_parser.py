@@ -1,0 +1,167 @@
+"""`--reasoning-parser qwen3` through the real stack (four processes on loopback) serving the tiny
+Qwen3.5, whose template opens a thinking block in the prompt: a chat answer that holds `</think>`
+(forced by `allowed_token_ids`, a `</think>` among two ordinary tokens) comes back with the text
+before it in `reasoning` / `reasoning_content` and the text after in `content`, each equal to the
+tokenizer's decode of its own tokens, plain and streamed; `include_reasoning: false` leaves the
+reasoning out, `enable_thinking: false` and a cut inside the block part it as vLLM does, usage counts
+every token, and legacy completions and a stack without the flag answer the text whole."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from transformers import AutoTokenizer
+
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from tests.integration.test_model_info import _post as post_json
+from tests.stack import Stack, free_port
+
+MAX_TOKENS = 12
+TEXT_ONLY = [{"role": "user", "content": "name a colour"}]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("reasoning") / "qwen3_5", TinyVLMSpec(family="qwen3_5"))
+
+
+def _body(**fields) -> dict:
+    return {"model": "epd", "messages": TEXT_ONLY, "max_tokens": MAX_TOKENS, **fields}
+
+
+def _chat(port: int, body: dict) -> dict:
+    status, reply = post_json(port, "/v1/chat/completions", body)
+    assert status == 200, reply
+    return reply
+
+
+def _stream(port: int, body: dict) -> list[dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        raw = reply.read()
+    return [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+
+
+def _joined(chunks: list[dict], name: str, index: int = 0) -> str | None:
+    """One field of choice `index`'s deltas joined (its role chunk's empty content aside); None: no
+    delta had it."""
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+    parts = [delta[name] for delta in deltas[1:] if name in delta]
+    return "".join(parts) if parts else None
+
+
+def _thinking_answer(port: int, end_id: int) -> tuple[list[int], list[int]]:
+    """(allowed ids, the answer's ids) of the first pair of ordinary tokens whose greedy answer,
+    with `</think>` allowed beside them, holds it after a token of reasoning and before one of
+    content (the tiny model is random: which pair does is found, not assumed)."""
+    for first in range(40, 300, 7):
+        allowed = [first, first + 1, end_id]
+        ids = _chat(port, _body(allowed_token_ids=allowed))["epd"]["token_ids"]
+        if end_id in ids and 0 < ids.index(end_id) < len(ids) - 1:
+            return allowed, ids
+    raise AssertionError("no pair of tokens made an answer with </think> inside it")
+
+
+def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_5))
+    end_id = tokenizer.convert_tokens_to_ids("</think>")
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    port = free_port()
+    extra = {"gateway": ["--http-port", str(port), "--reasoning-parser", "qwen3"]}
+    with Stack(qwen3_5, tmp_path / "logs", extra=extra):
+        allowed, ids = _thinking_answer(port, end_id)
+        end = ids.index(end_id)
+        reasoning, content = decode(ids[:end]), decode(ids[end + 1 :])
+        assert reasoning and content
+
+        reply = _chat(port, _body(allowed_token_ids=allowed))
+        message = reply["choices"][0]["message"]
+        assert (message["reasoning"], message["reasoning_content"], message["content"]) == (
+            reasoning,
+            reasoning,
+            content,
+        )
+        assert reply["usage"]["completion_tokens"] == len(ids)  # the reasoning's tokens count too
+
+        chunks = _stream(port, _body(allowed_token_ids=allowed))
+        assert (_joined(chunks, "reasoning"), _joined(chunks, "reasoning_content")) == (reasoning, reasoning)
+        assert _joined(chunks, "content") == content
+        assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])] == ids
+        assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+        # No delta has content before the one with </think>'s token, nor reasoning after it.
+        deltas = [
+            (c["choices"][0]["delta"], c["choices"][0].get("token_ids", []))
+            for c in chunks[1:]
+            if c["choices"]
+        ]
+        ended = next(i for i, (_, t) in enumerate(deltas) if end_id in t)
+        assert not any("content" in d for d, _ in deltas[:ended])
+        assert not any("reasoning" in d for d, _ in deltas[ended + 1 :])
+
+        # n choices: each parted on its own (greedy: the same answer twice).
+        chunks = _stream(port, _body(allowed_token_ids=allowed, n=2))
+        for index in (0, 1):
+            assert (_joined(chunks, "reasoning", index), _joined(chunks, "content", index)) == (
+                reasoning,
+                content,
+            )
+
+        # include_reasoning false: the content alone.
+        hidden = _chat(port, _body(allowed_token_ids=allowed, include_reasoning=False))["choices"][0][
+            "message"
+        ]
+        assert (hidden["reasoning"], hidden["content"]) == (None, content)
+        chunks = _stream(port, _body(allowed_token_ids=allowed, include_reasoning=False))
+        assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (None, content)
+
+        # Cut by max_tokens inside the block: all reasoning, content null.
+        cut = _chat(port, _body(allowed_token_ids=allowed, max_tokens=end))["choices"][0]
+        assert (cut["finish_reason"], cut["message"]["reasoning"], cut["message"]["content"]) == (
+            "length",
+            reasoning,
+            None,
+        )
+
+        # enable_thinking false: the prompt closed the block, so the answer is all content.
+        off = _body(allowed_token_ids=allowed, chat_template_kwargs={"enable_thinking": False})
+        reply = _chat(port, off)
+        message = reply["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == (None, decode(reply["epd"]["token_ids"]))
+        chunks = _stream(port, off)
+        assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (None, message["content"])
+
+        # A structured output's grammar holds from the first token: the model cannot think, the
+        # answer is all content (it was all reasoning, content null).
+        choice = _chat(port, _body(structured_outputs={"choice": ["red", "blue"]}))["choices"][0]["message"]
+        assert (choice["reasoning"], choice["content"] in ("red", "blue")) == (None, True), choice
+
+        # Legacy completions are not parted (vLLM parts chat answers alone).
+        status, completion = post_json(
+            port,
+            "/v1/completions",
+            {
+                "model": "epd",
+                "prompt": "<think>\n",
+                "max_tokens": 8,
+                "allowed_token_ids": allowed,
+            },  # fmt: skip
+        )
+        assert status == 200 and completion["choices"][0]["text"] == decode(completion["epd"]["token_ids"])
+
+    port = free_port()
+    with Stack(qwen3_5, tmp_path / "logs_off", extra={"gateway": ["--http-port", str(port)]}):
+        reply = _chat(port, _body(allowed_token_ids=allowed))
+        assert reply["epd"]["token_ids"] == ids
+        assert reply["choices"][0]["message"] == {"role": "assistant", "content": decode(ids)}  # whole
+        chunks = _stream(port, _body(allowed_token_ids=allowed))
+        assert _joined(chunks, "content") == decode(ids) and _joined(chunks, "reasoning") is None

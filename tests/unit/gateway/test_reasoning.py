@@ -1,0 +1,159 @@
+"""vLLM's reasoning parsers (`epd.gateway.reasoning`): a thinking model's answer parted at
+`</think>` into reasoning and content, whole and as a stream of deltas (which must part it exactly
+as the whole text, wherever the deltas cut it), and the chat message and chunk fields they fill."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from epd.gateway.config import HttpApiConfig
+from epd.gateway.openai_protocol import completion_body, parse_chat_request
+from epd.gateway.pipeline import AskSummary
+from epd.gateway.reasoning import (
+    ReasoningSplit,
+    ReasoningStream,
+    delta_fields,
+    split_reasoning,
+    thinking_on,
+)
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest
+from epd.video.types import SamplingOptions
+
+ANSWERS = [
+    "\nthe square moves left</think>\n\nIt is red.",  # Qwen3.5: the template opened the block
+    "<think>\nplan</think>answer",  # the model opens it itself (Qwen3 before 2507, DeepSeek-R1)
+    "still thinking when max_tokens cut it",  # no </think>: all reasoning
+    "</think>",  # an empty block, ended at once: reasoning "", content null
+    "a</think>b</think>c<think>d",  # the first </think> ends it; the rest is content, markers and all
+    "a < b and c </thin k> d <thin",  # near-misses of a marker are text
+    "x<th</think>y",
+    "",
+]
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("\nthe square moves left</think>\n\nIt is red.", ("\nthe square moves left", "\n\nIt is red.")),
+        ("<think>\nplan</think>answer", ("\nplan", "answer")),
+        ("cut by max_tokens", ("cut by max_tokens", None)),
+        ("<think>cut", ("cut", None)),
+        ("done</think>", ("done", None)),  # nothing after the block: content null, as vLLM's
+        ("a</think>b</think>c", ("a", "b</think>c")),
+        ("a<think>b</think>c", ("ab", "c")),
+    ],
+)
+def test_a_whole_answer_is_parted_at_its_first_end_marker(text, want):
+    assert split_reasoning(text, thinking=True) == ReasoningSplit(*want)
+
+
+def test_thinking_off_leaves_the_whole_answer_content():
+    """Qwen3's `enable_thinking: false` closed the block in the prompt: a `</think>` the answer
+    holds is text (as vLLM streams it); DeepSeek-R1's parser has no such switch."""
+    assert not thinking_on("qwen3", {"enable_thinking": False})
+    assert thinking_on("qwen3", {}) and thinking_on("qwen3", {"enable_thinking": True})
+    assert thinking_on("qwen3", {"enable_thinking": 0})  # the template tests `is false`
+    assert thinking_on("deepseek_r1", {"enable_thinking": False})
+    assert split_reasoning("a</think>b", thinking=False) == ReasoningSplit(None, "a</think>b")
+    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'; known: qwen3, deepseek_r1"):
+        thinking_on("granite", {})
+
+
+def _streamed(deltas: list[str], thinking: bool = True) -> tuple[str, str, bool]:
+    stream = ReasoningStream(thinking)
+    parts = [stream.add(d) for d in deltas] + [stream.finish()]
+    reasoning = "".join(p.reasoning or "" for p in parts)
+    return reasoning, "".join(p.content or "" for p in parts), stream.in_reasoning
+
+
+def _cuts(text: str, num_cuts: int):
+    for points in itertools.combinations(range(1, len(text)), num_cuts):
+        bounds = (0, *points, len(text))
+        yield [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+@pytest.mark.parametrize("thinking", [True, False])
+def test_the_stream_parts_an_answer_as_the_whole_text_wherever_the_deltas_cut_it(text, thinking):
+    """Every cut into two and three deltas, and one character at a time: the markers split across
+    deltas (`</th` + `ink>`) are found, and the parts joined are the whole text's."""
+    whole = split_reasoning(text, thinking)
+    want = (whole.reasoning or "", whole.content or "", thinking and "</think>" not in text)
+    cuts = [[text], list(text), *_cuts(text, 1), *(_cuts(text, 2) if len(text) < 40 else [])]
+    for deltas in cuts:
+        assert _streamed(deltas, thinking) == want, deltas
+
+
+def test_a_delta_holds_back_only_what_could_begin_a_marker():
+    stream = ReasoningStream(thinking=True)
+    assert stream.add("it moves </th") == ReasoningSplit("it moves ", "")  # "</th" waits
+    assert stream.add("ink>It is") == ReasoningSplit("", "It is")
+    assert stream.add(" red.</think>") == ReasoningSplit("", " red.</think>")  # content from now on
+    cut = ReasoningStream(thinking=True)
+    assert cut.add("a <") == ReasoningSplit("a ", "")
+    assert cut.add("b") == ReasoningSplit("<b", "")  # no marker came of it
+    assert cut.add("<") == ReasoningSplit("", "")
+    assert cut.finish() == ReasoningSplit("<", "")  # the answer ended (max_tokens): reasoning
+
+
+def test_a_chunks_delta_carries_reasoning_while_it_thinks_and_content_after():
+    assert delta_fields(ReasoningSplit("x", ""), True) == {"reasoning": "x", "reasoning_content": "x"}
+    assert delta_fields(ReasoningSplit("x", "y"), True) == {
+        "reasoning": "x",
+        "reasoning_content": "x",
+        "content": "y",
+    }
+    assert delta_fields(ReasoningSplit("x", "y"), False) == {"content": "y"}  # include_reasoning false
+    assert delta_fields(ReasoningSplit("", ""), True) == {}
+
+
+def _summary(answer: str) -> AskSummary:
+    return AskSummary("r1", answer, [5, 6, 7], "length", 0, 0, 3, {}, 0, False, "", [])
+
+
+def test_a_chat_message_carries_the_parts_and_the_flag_off_leaves_it_as_it_was():
+    answer = "\nplan</think>\n\nred"
+    plain = completion_body(_summary(answer), "m", created=1)
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": answer}
+    parted = completion_body(_summary(answer), "m", created=1, thinking=True)
+    assert parted["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "\n\nred",
+        "reasoning": "\nplan",
+        "reasoning_content": "\nplan",
+    }
+    assert parted["usage"] == plain["usage"]  # every generated token counts, the reasoning's too
+    hidden = completion_body(_summary(answer), "m", created=1, thinking=True, include_reasoning=False)
+    assert hidden["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "\n\nred",
+        "reasoning": None,
+        "reasoning_content": None,
+    }
+    cut = completion_body(_summary("still thinking"), "m", created=1, thinking=True)["choices"][0]
+    assert (cut["message"]["content"], cut["message"]["reasoning"]) == (None, "still thinking")
+    off = completion_body(_summary("a</think>b"), "m", created=1, thinking=False)["choices"][0]
+    assert (off["message"]["content"], off["message"]["reasoning"]) == ("a</think>b", None)
+    echoed = completion_body(_summary("x</think>y"), "m", 1, echoed="I said: ", thinking=True)
+    assert echoed["choices"][0]["message"]["content"] == "I said: y"  # an echo leads the content
+
+
+def _parse(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse_chat_request(body, "m", SamplingOptions(), GenerationConfig(max_new_tokens=8))
+
+
+def test_include_reasoning_is_read_not_refused():
+    """It was refused unless true (no parser could leave the reasoning out)."""
+    assert _parse().include_reasoning and not _parse(include_reasoning=False).include_reasoning
+    with pytest.raises(InvalidRequest, match="include_reasoning"):
+        _parse(include_reasoning="no")
+
+
+def test_the_config_takes_vllms_parser_names_only():
+    assert HttpApiConfig(reasoning_parser="deepseek_r1").reasoning_parser == "deepseek_r1"
+    with pytest.raises(ValueError, match="--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'"):
+        HttpApiConfig(reasoning_parser="r1")
