@@ -298,3 +298,29 @@ def test_every_familys_chunked_prefill_computes_them(family, tmp_path):
     assert_prompt_logprobs(
         got, *reference(path, prompt=PROMPT), K, 1e-4 if family == "qwen3_5" else TOLERANCE
     )
+
+
+def test_prompt_logprobs_that_would_not_fit_in_one_answer_are_refused_before_the_prompt_runs(
+    tiny_models, monkeypatch
+):
+    """They travel whole in prefill's answer (one gRPC message of at most 4 MiB): the engine bounds
+    prompt tokens x (k + 1) entries by PROMPT_LOGPROB_ENTRY_BYTES each, which a real answer's
+    entries stay under, and refuses more (413) before any forward."""
+    import epd.prefill_svc.engine as engine_module
+    from epd.prefill_svc.engine import PROMPT_LOGPROB_ENTRY_BYTES, PrefillEngine
+    from epd.stages.errors import ResourceExhausted
+    from epd.stages.messages import Message
+    from epd.transport import convert
+
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    engine = PrefillEngine(PrefillConfig(model=model), load_adapter(model, "prefill"))
+    messages = [Message.user(PROMPT + " " + TEXT_CHAT[1]["content"][0]["text"])]
+    out = engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
+    wire = convert.handle_to_proto(out.handle).prompt_logprobs
+    num_entries = sum(1 + len(lp.top_logprobs) for lp in wire)
+    assert sum(lp.ByteSize() + 2 for lp in wire) <= num_entries * PROMPT_LOGPROB_ENTRY_BYTES
+    monkeypatch.setattr(engine_module, "MAX_PROMPT_LOGPROBS_BYTES", 21 * PROMPT_LOGPROB_ENTRY_BYTES * 10)
+    with pytest.raises(
+        ResourceExhausted, match=r"at most 10 prompt tokens at this k\); ask for fewer top tokens"
+    ):
+        engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
