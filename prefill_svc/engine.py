@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from epd.model_runtime.adapter import (
+    PrefillChunk,
     Prompt,
     UnsupportedByFamily,
     VisualFeatures,
@@ -32,7 +33,7 @@ from epd.model_runtime.adapter import (
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
-from epd.model_runtime.logprobs import rows_logprobs, token_logprob
+from epd.model_runtime.logprobs import TokenLogprob, prompt_token_logprobs, rows_logprobs, token_logprob
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
@@ -57,6 +58,7 @@ from epd.stages.messages import (
 )
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
+from epd.stages.server_config import MAX_MESSAGE_BYTES
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
 from epd.token_pruning import (
     ModelSizes,
@@ -68,6 +70,15 @@ from epd.token_pruning import (
 )
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGPROB_ENTRY_BYTES = 32
+"""A bound on one token's entry of `PrefillResult.prompt_logprobs` on the wire (id, text, float32
+value, rank, framing: about 20 bytes for a token text of 8 characters)."""
+MAX_PROMPT_LOGPROBS_BYTES = MAX_MESSAGE_BYTES * 3 // 4
+"""The prompt logprobs travel whole in prefill's answer and the gateway's AskSummary, each one gRPC
+message of at most MAX_MESSAGE_BYTES: a request whose prompt_logprobs (prompt tokens x (k + 1)
+entries) could pass this is refused before its prompt runs. With k = 20: about 4,600 prompt tokens;
+k = 0: about 98,000."""
 
 
 @dataclass
@@ -289,6 +300,8 @@ class PrefillEngine:
             or pruning.kv_compress
             or pruning.decode_evict
         )
+        if generation.prompt_logprobs is not None:
+            self._check_prompt_logprobs(exclusive, prompt.num_tokens, generation.prompt_logprobs)
         request = PrefillRequest(
             request_id,
             num_prompt_tokens=prompt.num_tokens,
@@ -314,13 +327,46 @@ class PrefillEngine:
             # supersedes, leaves (`PrefixCache.put`).
             if media is not None and visual.numel() and not media_in_opening(messages):
                 request.prefix_also = PrefixView(self._prefix_key(None, pruning, cache_salt), int(visual[0]))
-            hit = self.prefix_cache.lookup(
-                request.prefix_key, prompt.input_ids[0], visual_end, request.prefix_also
+            # A request asking for prompt_logprobs needs every prompt position's logits, which a
+            # reused prefix never computes: it runs the whole prompt (as vLLM skips the prefix
+            # cache for it), and its KV is still stored for later turns.
+            asks_prompt_logprobs = generation.prompt_logprobs is not None
+            hit = (
+                None
+                if asks_prompt_logprobs
+                else self.prefix_cache.lookup(
+                    request.prefix_key, prompt.input_ids[0], visual_end, request.prefix_also
+                )
             )
             if hit is not None:
                 request.prefix = hit
                 request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
+
+    def _check_prompt_logprobs(self, exclusive: bool, num_prompt_tokens: int, k: int) -> None:
+        """InvalidRequest when `prompt_logprobs` cannot be computed for this request: a family whose
+        prefill has no per-position logits, or token dropping / KV compression, whose prompt runs
+        gathered or layer by layer (the dropped positions would have no logits, and what is kept is
+        not the prompt the model would see). ResourceExhausted when they would not fit in one
+        answer message (`MAX_PROMPT_LOGPROBS_BYTES`), before the prompt runs."""
+        if not self.adapter.supports_prompt_logprobs:
+            family = self.adapter.family or type(self.adapter).__name__
+            raise InvalidRequest(f"this {family} model does not compute prompt_logprobs; leave it unset")
+        if (
+            num_bytes := num_prompt_tokens * (k + 1) * PROMPT_LOGPROB_ENTRY_BYTES
+        ) > MAX_PROMPT_LOGPROBS_BYTES:
+            raise ResourceExhausted(
+                f"prompt_logprobs={k} for a {num_prompt_tokens}-token prompt would be about "
+                f"{num_bytes / 2**20:.1f} MiB, over the {MAX_PROMPT_LOGPROBS_BYTES / 2**20:.0f} MiB one answer "
+                f"carries (at most {MAX_PROMPT_LOGPROBS_BYTES // ((k + 1) * PROMPT_LOGPROB_ENTRY_BYTES)} "
+                "prompt tokens at this k); ask for fewer top tokens, or send a shorter prompt"
+            )
+        if exclusive:
+            raise InvalidRequest(
+                "prompt_logprobs cannot be computed with token dropping or KV compression (the "
+                "pruned prompt is not the one the model would see); turn pruning off or leave "
+                "prompt_logprobs unset"
+            )
 
     def _within_context(
         self, num_prompt_tokens: int, generation: GenerationConfig, raw: bool
@@ -422,7 +468,23 @@ class PrefillEngine:
         t0 = time.perf_counter()
         if request.exclusive:
             return self.prefill_pruned(request)
-        state = self.adapter.prefill_features(_parts(request)[0], self.features(request))
+        prompt = _parts(request)[0]
+        if generation.prompt_logprobs is not None:  # every position's logits: the chunked path's
+            features = self.features(request)
+            row = PrefillChunk(
+                prompt,
+                features.embeds,
+                0,
+                prompt.num_tokens,
+                None,
+                features.deepstack,
+                generation.prompt_logprobs,
+            )
+            result = self.adapter.prefill_chunks([row])[0]
+            request.prompt_logprob_rows = result.prompt_logprobs
+            cache = self.adapter.chunk_cache_to_kv(result.cache)
+            return self.finish(request, cache, result.last_logits, (time.perf_counter() - t0) * 1e3)
+        state = self.adapter.prefill_features(prompt, self.features(request))
         return self.finish(request, state.cache, state.last_logits, (time.perf_counter() - t0) * 1e3)
 
     def prefill_pruned(self, request: PrefillRequest) -> PrefillOutput:
@@ -562,8 +624,17 @@ class PrefillEngine:
             max_new_tokens=request.generation.max_new_tokens,
             first_logprob=starts[0].first_logprob,
             other_choices=starts[1:],
+            prompt_logprobs=self._prompt_logprobs(request),
         )
         return PrefillOutput(handle, cache)
+
+    def _prompt_logprobs(self, request: PrefillRequest) -> list[TokenLogprob] | None:
+        """The prompt logprobs its chunks computed (`PrefillRequest.prompt_logprob_rows`), with texts."""
+        rows = request.prompt_logprob_rows
+        if request.generation is None or request.generation.prompt_logprobs is None or rows is None:
+            return None
+        prompt, _, _ = _parts(request)
+        return prompt_token_logprobs(rows, prompt.input_ids[0].tolist(), self.adapter.token_text)
 
     def features(self, request: PrefillRequest) -> VisualFeatures:
         """The request's embeddings [V, hidden] and DeepStack features (None for families without

@@ -58,12 +58,18 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
                     start + r.num_scheduled_tokens,
                     self._caches.get(r),
                     deepstack=features.deepstack,  # Qwen3-VL's, row for row
+                    prompt_logprobs=None if r.generation is None else r.generation.prompt_logprobs,
                 )
             )
         results = self.adapter.prefill_chunks(rows)
         outputs: list[tuple[PrefillRequest, Any]] = []
         for r, result in zip(batch, results, strict=True):
             r.step_done()
+            if result.prompt_logprobs is not None:  # this chunk's positions, after the earlier chunks'
+                if r.prompt_logprob_rows is None:
+                    r.prompt_logprob_rows = result.prompt_logprobs
+                else:
+                    r.prompt_logprob_rows.extend(result.prompt_logprobs)
             if not r.is_prefilled:
                 self._caches[r] = result.cache
                 continue

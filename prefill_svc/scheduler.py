@@ -32,6 +32,7 @@ from epd.stages.errors import Busy
 
 if TYPE_CHECKING:
     from epd.model_runtime.adapter import Prompt
+    from epd.model_runtime.logprobs import PromptLogprobRows
     from epd.model_runtime.sampling import GenerationConfig
     from epd.prefill_svc.prefix_cache import PrefixView
     from epd.stages.contracts import EncodedMedia
@@ -64,6 +65,9 @@ class PrefillRequest(CoreRequest):
     grammar: Any = field(default=None, repr=False)
     """Its structured-output constraint compiled for this model (`CompiledGrammar`; None: none)."""
     pruning: PruningConfig | None = field(default=None, repr=False)
+    prompt_logprob_rows: PromptLogprobRows | None = field(default=None, repr=False)
+    """The prompt logprobs its chunks have computed so far, when its generation asked
+    (`GenerationConfig.prompt_logprobs`): one per prompt position before `num_computed_tokens`."""
 
     @property
     def num_remaining_tokens(self) -> int:

@@ -172,6 +172,23 @@ def divergence_margin(
     return i, float(logits[want[i]] - logits[got[i]])
 
 
+def prompt_inputs(
+    processor,
+    messages: list[dict] | None = None,
+    video: DecodedVideo | None = None,
+    prompt: str | None = None,
+) -> dict:
+    """The unsplit model's inputs for a chat conversation (`messages`, with `video`'s frames or
+    text alone, the processor's own template) or a raw `prompt` (`tokenizer(prompt)`, no template)."""
+    if prompt is not None:
+        ids = processor.tokenizer(prompt).input_ids
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+    if video is not None:
+        return reference_inputs(processor, video, messages or [])
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return processor(text=[text], return_tensors="pt")
+
+
 def logprobs_reference(
     model_dir,
     max_new_tokens: int,
@@ -184,17 +201,7 @@ def logprobs_reference(
     a chat conversation (`messages`, with `video`'s frames or text alone, the processor's own
     template) or a raw `prompt` (`tokenizer(prompt)`, no template)."""
     model, processor = whole_model(model_dir)
-    if prompt is not None:
-        ids = processor.tokenizer(prompt).input_ids
-        inputs = {
-            "input_ids": torch.tensor([ids]),
-            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-        }
-    elif video is not None:
-        inputs = reference_inputs(processor, video, messages or [])
-    else:
-        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        inputs = processor(text=[text], return_tensors="pt")
+    inputs = prompt_inputs(processor, messages, video, prompt)
     with torch.inference_mode():
         out = model.generate(
             **inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,

@@ -94,9 +94,15 @@ _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
     "include_stop_str_in_output", "allowed_token_ids", "bad_words", "skip_special_tokens",
-    "spaces_between_special_tokens", "logprobs",
+    "spaces_between_special_tokens", "logprobs", "prompt_logprobs",
 )  # fmt: skip
-_GENERATION_PRESENT = ("seed", "skip_special_tokens", "spaces_between_special_tokens", "logprobs")
+_GENERATION_PRESENT = (
+    "seed",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
 """Options whose field has presence on the wire: sent when given, a zero or False included."""
 
 
@@ -125,7 +131,9 @@ def build_header(
     answer's text without the tokenizer's special tokens) (GenerationConfig's meanings);
     logprobs=k (0 to the server's --max-logprobs, 20 by default): each generated token's
     log-probability and the k most likely tokens' (`AskResult.logprobs`, `TokenDelta.logprobs`;
-    raw model distribution, vLLM's default); structured outputs as vLLM's `structured_outputs`
+    raw model distribution, vLLM's default); prompt_logprobs=k (vLLM's, bounded alike): each
+    prompt token's log-probability given the tokens before it, its rank and the k most likely
+    tokens' there (`AskResult.prompt_logprobs`; no streamed deltas carry them); structured outputs as vLLM's `structured_outputs`
     ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice": [...]} or {"grammar":
     "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format` ({"type":
     "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).

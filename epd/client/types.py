@@ -22,6 +22,7 @@ Changed in 0.2, with the 0.1 form kept (deprecated) until 0.3:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -261,6 +262,10 @@ class AskResult:
     """One per token of `token_ids` when the request asked (`logprobs=k`): the token's float32
     log-probability under the model's raw distribution and the k most likely tokens' (`top`, in
     rank order); None when it did not ask."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """One per prompt token when the request asked (`prompt_logprobs=k`), else None: each after the
+    first with its log-probability given the tokens before it, its `rank` and the k most likely
+    tokens' there; the first's logprob is NaN (nothing comes before it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.timings_ms, Timings):  # a 0.1 caller's dict
@@ -287,6 +292,13 @@ class AskResult:
             "num_reused_prompt_tokens": self.num_reused_prompt_tokens,
             "stop_reason": self.stop_reason,
             "logprobs": None if self.logprobs is None else [logprob_to_dict(lp) for lp in self.logprobs],
+            # vLLM's None for the first prompt token (its NaN); the others with their rank.
+            "prompt_logprobs": None
+            if self.prompt_logprobs is None
+            else [
+                None if math.isnan(lp.logprob) else {**logprob_to_dict(lp), "rank": lp.rank}
+                for lp in self.prompt_logprobs
+            ],
             "events": [e.to_dict() for e in self.events],
             "num_attempts": self.num_attempts,
             "media_num_bytes_sent": self.media_num_bytes_sent,
@@ -374,6 +386,7 @@ def result_from_proto(s: gateway_pb2.AskSummary, events: list[StageEvent]) -> As
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
         stop_reason=stop_reason_from_proto(s),
         logprobs=logprobs_from_proto(s.logprobs),
+        prompt_logprobs=logprobs_from_proto(s.prompt_logprobs),
     )
 
 

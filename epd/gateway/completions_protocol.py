@@ -6,8 +6,9 @@ tokenises text by default (`tokenizer(prompt)`, its special tokens added), with 
 request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch of several is
 refused (400), as epd answers one prompt per call. The generation options, streaming,
 `stream_options` and the server-side defaults are chat completions' (`epd.gateway.openai_protocol`);
-`echo` (a text prompt's) and `logprobs` (`epd.gateway.logprobs_protocol`; not with `echo`, which
-would ask for the prompt's) are taken, `suffix` is refused. The answer is a
+`echo` (a text prompt's), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
+tokens' logprobs come first, as vLLM's: not streamed) and vLLM's `prompt_logprobs` are taken,
+`suffix` is refused. The answer is a
 `text_completion` (streamed: `text_completion` chunks ending in `data: [DONE]`), each choice with
 vLLM's `stop_reason` and `token_ids`, and the same `usage` and `epd` objects as chat's.
 """
@@ -15,10 +16,15 @@ vLLM's `stop_reason` and `token_ids`, and the same `usage` and `epd` objects as 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, number_item
-from epd.gateway.logprobs_protocol import completion_logprobs, completion_logprobs_option
+from epd.gateway.logprobs_protocol import (
+    completion_logprobs,
+    completion_logprobs_option,
+    prompt_logprobs_json,
+)
 from epd.gateway.openai_protocol import (
     KNOWN_CHAT_FIELDS,
     UNSUPPORTED_CHAT_FIELDS,
@@ -82,13 +88,18 @@ def parse_completion_request(
             "'echo' needs a text prompt (this server does not detokenise a prompt of token "
             "ids); send the prompt as text, or leave 'echo' unset"
         )
+    options = answer_options(body, model, generation_defaults, logprobs)
+    generation: GenerationConfig = options["generation"]
     if echo and logprobs is not None:
-        # Refused, not answered without them: OpenAI's and vLLM's echo with logprobs lists the
-        # prompt's tokens' logprobs first, which this server does not compute (prompt_logprobs).
-        raise InvalidRequest(
-            "'echo' with 'logprobs' asks for the prompt's logprobs too, which this server does not "
-            "compute; leave 'echo' unset to get the generated tokens' logprobs"
-        )
+        # vLLM's: the choice's logprobs list the prompt's tokens first, so echo asks for the
+        # prompt's logprobs (prompt_logprobs, when unset, is logprobs).
+        if options["stream"]:
+            raise InvalidRequest(
+                "'echo' with 'logprobs' is not streamed by this server (the prompt's logprobs come in "
+                "the whole answer); ask without \"stream\": true, or leave 'echo' unset"
+            )
+        if generation.prompt_logprobs is None:
+            options["generation"] = replace(generation, prompt_logprobs=logprobs)
     check_raw_prompt(prompt)
     return ChatRequest(
         messages=[],
@@ -97,7 +108,7 @@ def parse_completion_request(
         sampling=sampling_defaults,
         raw_prompt=prompt,
         echo=echo,
-        **answer_options(body, model, generation_defaults, logprobs),
+        **options,
     )
 
 
@@ -132,10 +143,16 @@ def text_completion_body(
             {
                 "index": choice.index,
                 "text": request.echoed_text + choice.answer,
-                "logprobs": None if choice.logprobs is None else completion_logprobs(choice.logprobs),
+                "logprobs": None
+                if choice.logprobs is None
+                else completion_logprobs(
+                    # vLLM's echo with logprobs: the prompt's tokens, then the answer's.
+                    [*(summary.prompt_logprobs or ()), *choice.logprobs] if request.echo else choice.logprobs
+                ),
                 "finish_reason": choice.finish_reason or "stop",
                 "stop_reason": choice.stop_reason,
                 "token_ids": choice.token_ids,  # vLLM's (with its return_token_ids): the answer's
+                "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),  # vLLM's, when asked
             }
             for choice in summary.all_choices()
         ],

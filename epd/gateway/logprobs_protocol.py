@@ -18,6 +18,7 @@ has no infinity.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,43 @@ def chat_logprobs_option(body: dict) -> int | None:
             f"'top_logprobs' ({top}) needs \"logprobs\": true; set logprobs to true, or leave top_logprobs unset"
         )
     return (top or 0) if asked else None
+
+
+def prompt_logprobs_option(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: k (0: each prompt token's own logprob alone), or None when not
+    asked. Refused with `"stream": true`, as vLLM refuses it (a stream has no place for them)."""
+    k = number_field(body, "prompt_logprobs", _K, None)
+    if k is not None and stream:
+        raise InvalidRequest(
+            "'prompt_logprobs' is not available with \"stream\": true; leave prompt_logprobs unset, "
+            "or ask without streaming"
+        )
+    return k
+
+
+def prompt_logprobs_json(
+    prompt_logprobs: Sequence[TokenLogprob] | None,
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` list: None for the first prompt token (nothing comes before it),
+    then per token {token_id: {"logprob", "rank", "decoded_token"}}, the prompt token first, then
+    the k most likely (ranks 1 to k; k + 1 entries when the prompt token is not among them). None
+    when the request did not ask."""
+    if prompt_logprobs is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for lp in prompt_logprobs:
+        if math.isnan(lp.logprob):  # the first token
+            out.append(None)
+            continue
+        entry = {
+            str(lp.token_id): {"logprob": _floored(lp.logprob), "rank": lp.rank, "decoded_token": lp.token}
+        }
+        for rank, t in enumerate(lp.top, start=1):
+            entry.setdefault(
+                str(t.token_id), {"logprob": _floored(t.logprob), "rank": rank, "decoded_token": t.token}
+            )
+        out.append(entry)
+    return out
 
 
 def completion_logprobs_option(body: dict) -> int | None:
@@ -76,16 +114,20 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
 def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
     """A legacy completion choice's (or chunk's) `logprobs` object for these tokens; `text_offset`:
     the first token's place in the choice's text (after an echoed prompt, or after the tokens of
-    earlier chunks). Each next offset adds the token text's length, as vLLM's."""
+    earlier chunks). Each next offset adds the token text's length, as vLLM's. With `echo`, the
+    prompt's tokens (`AskSummary.prompt_logprobs`) come first, the first with null values."""
     offsets = []
     for lp in logprobs:
         offsets.append(text_offset)
         text_offset += len(lp.token)
     return {
         "tokens": [lp.token for lp in logprobs],
-        "token_logprobs": [_floored(lp.logprob) for lp in logprobs],
+        # An echoed prompt's first token has none (NaN: `prompt_token_logprobs`): null, as vLLM's.
+        "token_logprobs": [None if math.isnan(lp.logprob) else _floored(lp.logprob) for lp in logprobs],
         "top_logprobs": [
-            {
+            None
+            if math.isnan(lp.logprob)
+            else {
                 lp.token: _floored(lp.logprob),  # the sampled token first, then the most likely
                 **{t.token: _floored(t.logprob) for t in lp.top if t.token_id != lp.token_id},
             }

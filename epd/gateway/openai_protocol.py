@@ -52,7 +52,12 @@ from epd.gateway.json_fields import (
     number_item,
     shown_value,
 )
-from epd.gateway.logprobs_protocol import chat_logprobs, chat_logprobs_option
+from epd.gateway.logprobs_protocol import (
+    chat_logprobs,
+    chat_logprobs_option,
+    prompt_logprobs_json,
+    prompt_logprobs_option,
+)
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import message_fields, split_reasoning
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
@@ -137,7 +142,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "prompt_logprobs": (0,),
     "audio": (),
     "modalities": (["text"],),
     # vLLM's: they change the prompt, the frames or the text of the answer, so ignoring them
@@ -170,7 +174,8 @@ _INSTEAD = {"mm_processor_kwargs": _FRAMES_GO_IN_MEDIA, "media_io_kwargs": _FRAM
 """What to send instead of an unsupported field, where this server has another way to ask for it."""
 
 KNOWN_CHAT_FIELDS = {
-    "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "stop", "ignore_eos",
+    "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "prompt_logprobs", "stop",
+    "ignore_eos",
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens",
@@ -368,7 +373,11 @@ def answer_options(
     include_usage = boolean_field(stream_options, "include_usage", False, "stream_options.include_usage")
     return {
         "model": model,
-        "generation": replace(_generation(body, generation_defaults), logprobs=logprobs),
+        "generation": replace(
+            _generation(body, generation_defaults),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs_option(body, stream),
+        ),
         "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": include_usage
@@ -722,6 +731,8 @@ def completion_body(
             for choice in summary.all_choices()
         ],
         "usage": usage(summary),
+        # vLLM's: None for the first prompt token, then each token's (only when asked).
+        "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),
         "epd": epd_details(summary),
     }
 

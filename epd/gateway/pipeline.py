@@ -44,6 +44,7 @@ from epd.stages.contracts import (
     PrefillStage,
     StageEvent,
     TokenStep,
+    pruning_stages_used,
 )
 from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
@@ -110,6 +111,10 @@ class AskSummary:
     logprobs: list[TokenLogprob] | None = None
     """One per token of `token_ids` when the request asked (`GenerationConfig.logprobs`), else None;
     choice 0's, as `answer` above."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """vLLM's `prompt_logprobs`, when the request asked (`GenerationConfig.prompt_logprobs`): the
+    prompt's tokens, each after the first with its log-probability given the tokens before it,
+    its rank and the top k there (the first's logprob is NaN: nothing comes before it); else None."""
     choices: list[ChoiceSummary] = field(default_factory=list)
     """Every choice of the request (OpenAI's `n`), by index; `answer`, `token_ids`,
     `finish_reason`, `stop_reason` and `logprobs` above are choice 0's. Empty from a summary made
@@ -317,6 +322,13 @@ class Pipeline:
             req.generation.validate(self.max_new_tokens_limit, self.vocab_size, self.max_logprobs)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        if req.generation.prompt_logprobs is not None and (stages := pruning_stages_used(req.pruning)):
+            # The dropped or merged tokens would have no logprobs, and the kept ones would be of a
+            # prompt the model never sees whole: refused before an encode (prefill refuses too).
+            raise InvalidRequest(
+                f"prompt_logprobs cannot be computed with token pruning ({', '.join(stages)}); turn "
+                "pruning off or leave prompt_logprobs unset"
+            )
         if req.generation.structured_outputs is not None:  # a spec that cannot compile, before an encode
             await asyncio.to_thread(check_structured_outputs, req.generation.structured_outputs)
         self._check_room_for_a_prompt(req.generation)
@@ -460,6 +472,7 @@ class Pipeline:
             stop_reason=first_choice.stop_reason,
             logprobs=first_choice.logprobs,
             choices=[c.summary() for c in choices],
+            prompt_logprobs=handle.prompt_logprobs,
         )
 
     async def _generate(

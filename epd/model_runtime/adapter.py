@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # VisualMeta is read by the gateway, which starts without tor
 
     from epd.model_runtime.batch_kv import BatchKv
     from epd.model_runtime.kv_cache import KvCache
+    from epd.model_runtime.logprobs import PromptLogprobRows
 
 
 @dataclass
@@ -125,12 +126,18 @@ class PrefillChunk:
     deepstack: list[torch.Tensor] | None = None
     """DeepStack features (Qwen3-VL), each like `visual_embeds`, row for row; None for families
     without DeepStack. A chunk adds the rows of its own visual positions."""
+    prompt_logprobs: int | None = None
+    """vLLM's `prompt_logprobs` k: also compute, for each position of the chunk that has a next
+    prompt token, that token's log-probability, rank and the k most likely (None: not asked, and
+    only the last position's logits are computed). Only where `supports_prompt_logprobs`."""
 
 
 @dataclass
 class ChunkResult:
     cache: Any  # the adapter's cache of tokens [0, end) (the row's `cache`, extended in place)
     last_logits: torch.Tensor  # [vocab] float: logits after token end - 1
+    prompt_logprobs: PromptLogprobRows | None = None
+    """The chunk's prompt logprobs when its row asked (`PrefillChunk.prompt_logprobs`)."""
 
 
 # -- pruning interface: types -----------------------------------------------------------------
@@ -369,6 +376,7 @@ class VLMAdapter(ABC):
     # its prompts then run whole and one at a time through `prefill`.
 
     supports_chunked_prefill: bool = False  # prefill_chunks takes rows with start > 0 or end < num_tokens
+    supports_prompt_logprobs: bool = False  # prefill_chunks computes a row's `prompt_logprobs`
 
     def prefill_chunks(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
         """Tokens [start, end) of each row's prompt, after the row's `cache` of tokens [0, start);

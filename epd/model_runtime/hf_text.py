@@ -30,6 +30,7 @@ from epd.model_runtime.adapter import (
 from epd.model_runtime.batch_kv import BatchKv
 from epd.model_runtime.hf_loading import load_full_model
 from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.logprobs import PromptLogprobRows, prompt_logprob_rows
 from epd.model_runtime.qwen_text_layers import (
     QueryCapture,
     QwenLayerwisePass,
@@ -378,7 +379,36 @@ class HfTextAdapter(VLMAdapter):
             past_key_values=row.cache,
             use_cache=True,
         )
-        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
+        return self._continued_result(row, out.last_hidden_state)
+
+    def _continued_result(self, row: PrefillChunk, hidden: torch.Tensor) -> ChunkResult:
+        """A continuing chunk's result from its last hidden states [1, end - start, hidden]: the
+        last position's logits, and the chunk's prompt logprobs when its row asked."""
+        result = ChunkResult(row.cache, self.lm_head(hidden[:, -1:])[0, -1])
+        result.prompt_logprobs = self._prompt_logprobs(row, hidden[0])
+        return result
+
+    def _padded_results(self, cache, hidden: torch.Tensor, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        """A right-padded forward's rows (hidden [B, L, hidden], every row from token 0): each its
+        cache and last logits (`_split_padded`), and its prompt logprobs when it asked."""
+        lengths = [row.end for row in rows]
+        results = self._split_padded(cache, self._last_logits(hidden, lengths), lengths)
+        for i, (row, result) in enumerate(zip(rows, results, strict=True)):
+            result.prompt_logprobs = self._prompt_logprobs(row, hidden[i, : row.end])
+        return results
+
+    supports_prompt_logprobs = True
+
+    def _prompt_logprobs(self, row: PrefillChunk, hidden: torch.Tensor) -> PromptLogprobRows | None:
+        """hidden [end - start, hidden]: the chunk's positions. Position p predicts prompt token
+        p + 1; the prompt's last position predicts the first generated token, not a prompt token,
+        so it has none. Computed only for a row that asked, chunk by chunk (`prompt_logprob_rows`)."""
+        if row.prompt_logprobs is None:
+            return None
+        count = min(row.end, row.prompt.num_tokens - 1) - row.start  # positions with a next prompt token
+        next_ids = row.prompt.input_ids[0, row.start + 1 : row.start + 1 + count]  # [count]
+        head = self.lm_head
+        return prompt_logprob_rows(head, hidden[:count], next_ids, row.prompt_logprobs, head.out_features)
 
     @staticmethod
     def _check_continues(row: PrefillChunk) -> None:

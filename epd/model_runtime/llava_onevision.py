@@ -312,14 +312,13 @@ class LlavaOnevisionAdapter(HfTextAdapter):
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
         from transformers import DynamicCache
 
-        lengths = [row.end for row in rows]
         embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
         positions = torch.arange(embeds.shape[1], dtype=torch.long, device=self.device).expand(len(rows), -1)
         cache = DynamicCache(config=self.hf_config.text_config)
         out = self._language_model()(
             inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
         )
-        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
+        return self._padded_results(cache, out.last_hidden_state, rows)
 
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
         self._check_continues(row)
@@ -330,7 +329,7 @@ class LlavaOnevisionAdapter(HfTextAdapter):
             past_key_values=row.cache,
             use_cache=True,
         )
-        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
+        return self._continued_result(row, out.last_hidden_state)
 
     # -- decode (`HfTextAdapter`'s, on the 1-D position) ---------------------------------------
 

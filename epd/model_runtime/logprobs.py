@@ -17,6 +17,7 @@ This module's dataclasses are plain Python (the gateway reads them without torch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,6 +50,9 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 0
+    """The token's 1-based rank in the distribution (1 + how many tokens are more likely), as vLLM
+    reports it; computed for prompt tokens (`prompt_logprobs`) only: 0 for a generated token."""
 
 
 @dataclass
@@ -102,3 +106,79 @@ def token_logprob(row: RowLogprobs, token_id: int, token_text: Callable[[int], s
             TopLogprob(t, token_text(t), v) for t, v in zip(row.top_ids, row.top_logprobs, strict=True)
         ),
     )
+
+
+PROMPT_LOGPROBS_CHUNK_BYTES = 64 << 20
+"""The float32 logits one step of `prompt_logprobs` holds at once ([positions, vocab]): a prompt's
+full logits (32k positions x 152k vocabulary = 19 GiB) are never held, as vLLM computes them in chunks."""
+
+
+@dataclass
+class PromptLogprobRows:
+    """A prompt chunk's prompt logprobs: for each position p of the chunk that has a next prompt
+    token, the log-probability of token p + 1 given tokens [0, p], its rank, and the k most likely."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def extend(self, other: PromptLogprobRows) -> None:
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+
+def prompt_logprob_rows(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    k: int,
+    vocab: int,
+) -> PromptLogprobRows:
+    """hidden [P, hidden]: the last hidden states of P prompt positions; next_ids [P]: the prompt
+    token after each; `logits_of` the model's head ([n, hidden] -> [n, vocab]). The logits are
+    computed a chunk of positions at a time (at most PROMPT_LOGPROBS_CHUNK_BYTES of float32
+    logits), each chunk's log_softmax, the next token's value and rank, and the top k, so that
+    memory stays bounded whatever the prompt's length."""
+    import torch
+
+    out = PromptLogprobRows([], [], [], [])
+    step = max(1, PROMPT_LOGPROBS_CHUNK_BYTES // (4 * vocab))
+    next_ids = next_ids.to(hidden.device)
+    for start in range(0, hidden.shape[0], step):
+        logprobs = torch.log_softmax(logits_of(hidden[start : start + step]).float(), dim=-1)  # [n, vocab]
+        ids = next_ids[start : start + step, None]  # [n, 1]
+        chosen = logprobs.gather(1, ids)  # [n, 1]
+        out.logprobs += chosen[:, 0].tolist()
+        out.ranks += ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        if k:
+            values, top = torch.topk(logprobs, min(k, vocab), dim=-1)  # [n, k] each, in rank order
+            out.top_ids += top.tolist()
+            out.top_logprobs += values.tolist()
+        else:
+            out.top_ids += [[] for _ in range(ids.shape[0])]
+            out.top_logprobs += [[] for _ in range(ids.shape[0])]
+    return out
+
+
+def prompt_token_logprobs(
+    rows: PromptLogprobRows, prompt_ids: Sequence[int], token_text: Callable[[int], str]
+) -> list[TokenLogprob]:
+    """Every prompt token (`prompt_ids` [L]), tokens 1 to L-1 each with its value, rank and top k
+    (`rows`, one per token); token 0 has none (nothing comes before it): its logprob is NaN, its rank
+    0 and its top empty (vLLM's None; the token is there for an echo of the prompt's tokens)."""
+    assert len(rows.logprobs) == len(prompt_ids) - 1, (len(rows.logprobs), len(prompt_ids))
+    return [TokenLogprob(prompt_ids[0], token_text(prompt_ids[0]), math.nan)] + [
+        TokenLogprob(
+            token_id=token_id,
+            token=token_text(token_id),
+            logprob=value,
+            top=tuple(TopLogprob(t, token_text(t), v) for t, v in zip(top_ids, top_values, strict=True)),
+            rank=rank,
+        )
+        for token_id, value, rank, top_ids, top_values in zip(
+            prompt_ids[1:], rows.logprobs, rows.ranks, rows.top_ids, rows.top_logprobs, strict=True
+        )
+    ]

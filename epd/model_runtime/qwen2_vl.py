@@ -209,7 +209,6 @@ class Qwen2VLAdapter(QwenTextAdapter):
         """Rows from token 0 in one right-padded forward (`HfTextAdapter._padded_embeds`)."""
         from transformers import DynamicCache
 
-        lengths = [row.end for row in rows]
         cache = DynamicCache(config=self.hf_config.text_config)
         out = self._language_model()(
             inputs_embeds=self._padded_embeds([self._chunk_embeds(row)[0] for row in rows]),  # [B, L, H]
@@ -217,7 +216,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
             past_key_values=cache,
             use_cache=True,
         )
-        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
+        return self._padded_results(cache, out.last_hidden_state, rows)
 
 
 def _rope_index_fn(hf_config):

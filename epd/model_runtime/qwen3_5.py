@@ -264,7 +264,7 @@ class Qwen3_5Adapter(HfTextAdapter):
             )
         if neutral is not None:
             neutral.set_conv_states(cache)
-        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
+        return self._padded_results(cache, out.last_hidden_state, rows)
 
     def _split_padded(self, cache, logits: torch.Tensor, lengths: list[int]) -> list[ChunkResult]:
         """Each row its own hybrid cache: attention KV [1, kv_heads, n, head_dim] (padding cut off),

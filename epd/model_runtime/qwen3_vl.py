@@ -386,7 +386,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
             visual_pos_masks=visual_mask.to(self.device),
             deepstack_visual_embeds=[torch.cat(layer) for layer in deepstack],
         )
-        return self._split_padded(cache, self._last_logits(out.last_hidden_state, lengths), lengths)
+        return self._padded_results(cache, out.last_hidden_state, rows)
 
     def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
         """Tokens [start, end) after the row's cache of [0, start), which grows in place."""
@@ -401,7 +401,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
             visual_pos_masks=visual[None].to(self.device),
             deepstack_visual_embeds=deepstack,
         )
-        return ChunkResult(row.cache, self.lm_head(out.last_hidden_state[:, -1:])[0, -1])
+        return self._continued_result(row, out.last_hidden_state)
 
     # -- pruning interface -------------------------------------------------------------------
     # Query capture works (the shared hooks apply the attention's q/k norm). The layer-by-layer

@@ -200,14 +200,19 @@ def check_bad_words(words: tuple[str, ...] | list[str]) -> None:
         )
 
 
-def check_logprobs(logprobs: int | None, max_logprobs: int | None, bound: str = "--max-logprobs") -> None:
+def check_logprobs(
+    logprobs: int | None,
+    max_logprobs: int | None,
+    bound: str = "--max-logprobs",
+    field: str = "logprobs (chat completions' top_logprobs)",
+) -> None:
     """ValueError unless `logprobs` (None: not asked) is 0 to `max_logprobs` (None: unbounded),
-    the message naming where the bound comes from."""
+    the message naming the `field` and where the bound comes from."""
     if logprobs is None:
         return
     if logprobs < 0 or (max_logprobs is not None and logprobs > max_logprobs):
         allowed = "0 or more" if max_logprobs is None else f"between 0 and {max_logprobs} ({bound})"
-        raise ValueError(f"logprobs (chat completions' top_logprobs) must be {allowed}, got {logprobs}")
+        raise ValueError(f"{field} must be {allowed}, got {logprobs}")
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,10 @@ class GenerationConfig:
     `logprobs`); 0: the sampled token's alone; None: none (`epd.model_runtime.logprobs`)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's structured outputs: a constraint every token of the answer keeps to (None: none)."""
+    prompt_logprobs: int | None = None
+    """vLLM's `prompt_logprobs`: each prompt token's log-probability given the tokens before it, its
+    rank and the k most likely tokens there (the first token has none); None: not asked. Bounded
+    as `logprobs`. Prefill computes the whole prompt then (no prefix-cache reuse)."""
 
     def validate(
         self, max_new_tokens_limit: int, vocab_size: int | None = None, max_logprobs: int | None = None
@@ -295,6 +304,8 @@ class GenerationConfig:
         decoder would refuse must not get its first token from prefill)."""
         check_logprobs(self.logprobs, max_logprobs)
         check_logprobs(self.logprobs, vocab_size, "this model's vocabulary size")
+        check_logprobs(self.prompt_logprobs, max_logprobs, field="prompt_logprobs")
+        check_logprobs(self.prompt_logprobs, vocab_size, "this model's vocabulary size", "prompt_logprobs")
         if not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens must be between 1 and {max_new_tokens_limit} (the OpenAI API's max_tokens "

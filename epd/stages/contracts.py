@@ -341,6 +341,10 @@ class PrefillHandle(Generic[T]):
     first_logprob: TokenLogprob | None = None
     """`first_token_id`'s log-probability and the top tokens at its position, when the request
     asked (`GenerationConfig.logprobs`); the decoder streams it with its first step."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Every prompt token, each after the first with its log-probability given the tokens before
+    it, rank and top k (the first's logprob is NaN: `prompt_token_logprobs`), when the request asked (`GenerationConfig.prompt_logprobs`);
+    for the gateway to send: `for_choice` leaves it out of what a decoder gets."""
 
     @property
     def num_choices(self) -> int:
@@ -349,7 +353,7 @@ class PrefillHandle(Generic[T]):
     def for_choice(self, index: int) -> PrefillHandle[T]:
         """The handle choice `index`'s decoder starts from: the same cache, that choice's first token."""
         if index == 0:
-            return replace(self, other_choices=[])
+            return replace(self, other_choices=[], prompt_logprobs=None)
         start = self.other_choices[index - 1]
         return replace(
             self,
@@ -357,6 +361,7 @@ class PrefillHandle(Generic[T]):
             first_text=start.first_text,
             first_logprob=start.first_logprob,
             other_choices=[],
+            prompt_logprobs=None,
         )
 
     def decode_generation(self, generation: GenerationConfig) -> GenerationConfig:

@@ -157,6 +157,7 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
             msg.spaces_between_special_tokens if msg.HasField("spaces_between_special_tokens") else True
         ),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,  # its range: `validate`
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         n=msg.n or 1,
         structured_outputs=structured_from_proto(msg.structured_outputs)
         if msg.HasField("structured_outputs")
@@ -276,6 +277,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
             )
             for c in h.other_choices
         ],
+        prompt_logprobs=[logprob_to_proto(lp) for lp in h.prompt_logprobs or ()],
     )
 
 
@@ -312,6 +314,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
             )
             for c in msg.other_choices
         ],
+        prompt_logprobs=logprobs_from_proto(msg.prompt_logprobs),
     )
 
 

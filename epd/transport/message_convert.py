@@ -88,6 +88,7 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
         top_logprobs=[
             common_pb2.TokenLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in lp.top
         ],
+        rank=lp.rank,
     )
 
 
@@ -98,6 +99,7 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
         msg.token,
         msg.logprob,
         tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in msg.top_logprobs),
+        msg.rank,
     )
 
 

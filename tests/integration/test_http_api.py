@@ -138,9 +138,11 @@ def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(
         extra_body={"media": {"num_frames": NUM_FRAMES}, "pruning": pruning},
     )  # fmt: skip
     sdk = expected.to_dict()
-    # The answer is the message content, the logprobs the choice's (OpenAI's form); events and
-    # attempts are the gRPC call's own.
-    names = set(sdk) - {"answer", "logprobs", "events", "num_attempts", "media_num_bytes_sent", "request_id"}
+    # The answer is the message content, the logprobs the choice's (OpenAI's form), the prompt's
+    # vLLM's top-level prompt_logprobs; events and attempts are the gRPC call's own.
+    names = set(sdk) - {
+        "answer", "logprobs", "prompt_logprobs", "events", "num_attempts", "media_num_bytes_sent", "request_id"
+    }  # fmt: skip
     assert names <= set(completion.epd), names - set(completion.epd)
     for name in names - {"timings_ms", "pruning", "encoder_cache_hit", "media_sha256"}:
         assert completion.epd[name] == sdk[name], name

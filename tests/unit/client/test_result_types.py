@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -49,6 +50,9 @@ def full_summary() -> gateway_pb2.AskSummary:
         stop_string="\n",
         logprobs=[common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5, top_logprobs=[
             common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5)])],
+        prompt_logprobs=[common_pb2.TokenLogprob(token_id=3, token="q", logprob=math.nan),
+                         common_pb2.TokenLogprob(token_id=4, token="r", logprob=-2.0, rank=3, top_logprobs=[
+                             common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.25)])],
     )  # fmt: skip
     return summary
 
@@ -97,7 +101,7 @@ def test_every_value_of_the_summary_arrives_typed():
     result = result_from_proto(summary, [stage_event_from_proto(event)])
     out = result.to_dict()
     for field in gateway_pb2.AskSummary.DESCRIPTOR.fields:
-        if field.name in ("pruning", "timings_ms", "logprobs"):
+        if field.name in ("pruning", "timings_ms", "logprobs", "prompt_logprobs"):
             continue
         if field.containing_oneof:  # the member that is set, under the oneof's name
             if summary.WhichOneof(field.containing_oneof.name) == field.name:
@@ -121,6 +125,17 @@ def test_every_value_of_the_summary_arrives_typed():
             "top": [{"token_id": 5, "token": "a", "logprob": -0.5}],
         }
     ]
+    assert out["prompt_logprobs"] == [
+        None,
+        {
+            "token_id": 4,
+            "token": "r",
+            "logprob": -2.0,
+            "top": [{"token_id": 5, "token": "a", "logprob": -0.25}],
+            "rank": 3,
+        },
+    ]
+    assert result.prompt_logprobs is not None and result.prompt_logprobs[1].rank == 3
     assert result.events == [StageEvent(Stage.PREFILL, "finished", 9.0, 3.0, {"num_prompt_tokens": "70"})]
     json.dumps(out)  # JSON-able as it is
 

@@ -54,9 +54,11 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
         ({"prompt": "a", "logprobs": -1}, "'logprobs' must be an integer from 0 to"),
         ({"prompt": "a", "logprobs": True}, "'logprobs' must be an integer"),
         (
-            {"prompt": "a", "logprobs": 1, "echo": True},
-            "'echo' with 'logprobs' asks for the prompt's logprobs",
+            {"prompt": "a", "logprobs": 1, "echo": True, "stream": True},
+            "'echo' with 'logprobs' is not streamed by this server",
         ),
+        ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "'prompt_logprobs' is not available with"),
+        ({"prompt": "a", "prompt_logprobs": -1}, "'prompt_logprobs' must be an integer from 0 to"),
         ({"prompt": "a", "suffix": "end"}, "'suffix' is not supported by this server"),
         ({"prompt": "a", "n": 17}, "'n' must be an integer from 1 to 16 "),
         ({"prompt": "a", "best_of": 2}, "'best_of' is not supported"),
@@ -101,6 +103,7 @@ def test_the_answer_is_a_text_completion_with_its_stop_reason():
             "finish_reason": "stop",
             "stop_reason": "\n",
             "token_ids": [5, 6],
+            "prompt_logprobs": None,  # vLLM's, when asked
         }
     ]
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 2

@@ -12,6 +12,7 @@ from epd.gateway.logprobs_protocol import (
     chat_logprobs_option,
     completion_logprobs,
     completion_logprobs_option,
+    prompt_logprobs_json,
 )
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.errors import InvalidRequest
@@ -85,3 +86,28 @@ def test_completion_field():
     assert completion_logprobs_option({}) is None and completion_logprobs_option({"logprobs": 0}) == 0
     with pytest.raises(InvalidRequest, match="'logprobs' must be an integer from 0 to"):
         completion_logprobs_option({"logprobs": -1})
+
+
+def test_prompt_logprobs_are_vllms_list_of_none_then_token_dicts():
+    """vLLM's shape: None for the first prompt token, then {token_id: {logprob, rank,
+    decoded_token}}, the prompt token first (its own rank), then the k most likely in rank order,
+    k + 1 entries when the prompt token is not among them; -inf floored as the other logprobs."""
+    first = TokenLogprob(7, "A", math.nan)
+    inside = TokenLogprob(8, "b", -0.5, (TopLogprob(8, "b", -0.5), TopLogprob(9, "c", -1.0)), rank=1)
+    outside = TokenLogprob(3, "z", -math.inf, (TopLogprob(8, "b", -0.1), TopLogprob(9, "c", -2.5)), rank=40)
+    assert prompt_logprobs_json([first, inside, outside]) == [
+        None,
+        {
+            "8": {"logprob": -0.5, "rank": 1, "decoded_token": "b"},
+            "9": {"logprob": -1.0, "rank": 2, "decoded_token": "c"},
+        },
+        {
+            "3": {"logprob": -9999.0, "rank": 40, "decoded_token": "z"},
+            "8": {"logprob": -0.1, "rank": 1, "decoded_token": "b"},
+            "9": {"logprob": -2.5, "rank": 2, "decoded_token": "c"},
+        },
+    ]
+    assert prompt_logprobs_json(None) is None
+    echoed = completion_logprobs([first, inside])
+    assert echoed["token_logprobs"] == [None, -0.5] and echoed["top_logprobs"][0] is None
+    assert echoed["text_offset"] == [0, 1]

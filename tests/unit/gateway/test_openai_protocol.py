@@ -314,7 +314,7 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
 @pytest.mark.parametrize(("field", "value"), [
     ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("guided_whitespace_pattern", "\\s*"),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("prompt_logprobs", 1), ("best_of", True),
+    ("best_of", True),
     # vLLM's fields that change the prompt, the frames or the answer's text: they were logged as
     # unknown, and answered as if they had not been sent.
     ("add_special_tokens", True), ("chat_template", "{{ messages }}"),

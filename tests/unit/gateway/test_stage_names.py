@@ -93,6 +93,7 @@ def domain_summary() -> AskSummary:
         pruning=stats, grid_thw=(2, 4, 6), kept_visual_token_index=[0, 3], num_reused_prompt_tokens=52,
         stop_reason=151643, logprobs=[TokenLogprob(1, "a", -0.5, (TopLogprob(1, "a", -0.5),)),
                                       TokenLogprob(2, "b", -1.25, (TopLogprob(3, "c", -1.0),))],
+        prompt_logprobs=[TokenLogprob(4, "d", -2.5, (TopLogprob(1, "a", -0.75),), rank=9)],
     )  # fmt: skip
 
 
@@ -107,6 +108,7 @@ def test_the_grpc_summary_carries_every_field_of_the_pipelines_summary():
     assert result.grid_thw == (2, 4, 6) and result.kept_visual_token_index == [0, 3]
     assert result.num_reused_prompt_tokens == 52
     assert result.logprobs == domain_summary().logprobs
+    assert result.prompt_logprobs == domain_summary().prompt_logprobs
     assert (
         result.timings_ms.video_decode_ms == 1.0 and result.timings_ms.total_ms == 1.0 + len(TIMING_NAMES) - 1
     )
@@ -116,9 +118,16 @@ def test_the_http_epd_object_has_the_sdk_results_names():
     summary = domain_summary()
     http = epd_details(summary)
     sdk = result_from_proto(summary_to_proto(summary), []).to_dict()
-    # The answer is OpenAI's message content, the logprobs OpenAI's choice's (logprobs_protocol);
-    # events and attempts exist on gRPC only.
-    shared = set(sdk) - {"answer", "logprobs", "events", "num_attempts", "media_num_bytes_sent"}
+    # The answer is OpenAI's message content, the logprobs OpenAI's choice's and the prompt's
+    # vLLM's top-level prompt_logprobs (logprobs_protocol); events and attempts exist on gRPC only.
+    shared = set(sdk) - {
+        "answer",
+        "logprobs",
+        "prompt_logprobs",
+        "events",
+        "num_attempts",
+        "media_num_bytes_sent",
+    }
     assert shared <= set(http), shared - set(http)
     for name in shared - {"pruning"}:
         assert http[name] == sdk[name], name

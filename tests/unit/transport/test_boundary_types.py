@@ -95,6 +95,7 @@ def _handle() -> PrefillHandle:
         kv_handle="abc123",
         kv_address="prefill-0:50052",
         first_logprob=_logprob(42),
+        prompt_logprobs=[dataclasses.replace(_logprob(3), rank=12), _logprob(4)],
     )
 
 
