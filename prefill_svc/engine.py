@@ -56,7 +56,7 @@ from epd.stages.messages import (
     media_type,
     to_chat_template,
 )
-from epd.stages.model_info import ModelInfo
+from epd.stages.model_info import REASONING_MARKERS, ModelInfo
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.stages.server_config import MAX_MESSAGE_BYTES
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
@@ -108,6 +108,9 @@ class PrefillEngine:
         """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
+        self.reasoning_markers = adapter.single_tokens(REASONING_MARKERS)
+        """Which think markers the tokenizer has (`ModelInfo.reasoning_markers`): looked up once,
+        the vocabulary does not change and get_vocab() builds a dict of it."""
         if (
             config.max_model_len is not None
             and (served := self.model_info().max_model_len) < config.max_model_len
@@ -141,6 +144,7 @@ class PrefillEngine:
             max_new_tokens=self.config.max_new_tokens_limit,
             model_type=self.adapter.family,
             max_logprobs=self.config.max_logprobs,
+            reasoning_markers=self.reasoning_markers,
         )
 
     def tokenize(self, request: TokenizeInput) -> TokenizeOutput:

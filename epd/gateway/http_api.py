@@ -97,14 +97,14 @@ from epd.gateway.openai_protocol import (
 from epd.gateway.pipeline import AskRequest, AskSummary, ChoiceSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
-from epd.gateway.reasoning import ReasoningStream, delta_fields, thinking_on
+from epd.gateway.reasoning import ReasoningStream, delta_fields, parser_misfit, thinking_on
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, StageEvent, TokenStep
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest, ServerMisconfigured
 from epd.stages.names import Stage
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
@@ -168,6 +168,7 @@ class HttpApi:
         self.started_s = int(time.time())
         self.in_flight = CallsInFlight()
         """The requests answering now, ended with their own status at shutdown (`epd/gateway/shutdown.py`)."""
+        self._reasoning_misfit_logged = False
 
     def app(self) -> web.Application:
         # client_max_size only backs up read_json_body for any route that calls request.read().
@@ -393,6 +394,8 @@ class HttpApi:
                 self.config.sampling,
                 self.pipeline.generation_defaults(self.config.generation),
             )
+            if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
+                self._check_reasoning_parser()
             if (ticket := request.get(TICKET_KEY)) is not None:  # n choices are n decode requests
                 ticket.count_choices(chat.generation.n)
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
@@ -453,6 +456,18 @@ class HttpApi:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
             return exception_response(exc)
+
+    def _check_reasoning_parser(self) -> None:
+        """ServerMisconfigured (HTTP 500) for a chat request under a `--reasoning-parser` that the
+        served model's tokenizer cannot be parted by (`parser_misfit`), before its media costs an
+        encode; the first such refusal logs the reason as an ERROR, for the operator."""
+        misfit = parser_misfit(self.config.http.reasoning_parser, self.pipeline.model_info())
+        if misfit is None:
+            return
+        if not self._reasoning_misfit_logged:
+            self._reasoning_misfit_logged = True
+            log.error("refusing chat requests: %s", misfit)
+        raise ServerMisconfigured(misfit)
 
     def _thinking(self, chat: ChatRequest) -> bool | None:
         """With `--reasoning-parser`, whether `chat`'s answer begins inside a thinking block

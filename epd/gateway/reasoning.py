@@ -26,12 +26,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-START = "<think>"
-END = "</think>"
+from epd.stages.model_info import REASONING_MARKERS, ModelInfo
+
+START, END = REASONING_MARKERS  # "<think>", "</think>"
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 """The names `--reasoning-parser` takes, vLLM's: both split at `<think>` / `</think>`; qwen3
 also reads `enable_thinking`."""
+
+
+def parser_misfit(parser: str, info: ModelInfo | None) -> str | None:
+    """Why `--reasoning-parser parser` cannot part the answers of the model `info` describes, or
+    None when it can (or no parser is set, or the model is not known yet). vLLM refuses to start a
+    parser whose markers are not single tokens of the tokenizer; epd's gateway loads no tokenizer
+    and learns it from prefill (`ModelInfo.reasoning_markers`), so it refuses chat requests instead:
+    without `</think>` in the vocabulary every answer would be all reasoning, its content null."""
+    if not parser or info is None:
+        return None
+    missing = [marker for marker in REASONING_MARKERS if marker not in info.reasoning_markers]
+    if not missing:
+        return None
+    return (
+        f"--reasoning-parser {parser} needs a thinking model, whose tokenizer has {' and '.join(REASONING_MARKERS)} "
+        f"as single tokens, but the served model ({info.model_type}) lacks {' and '.join(missing)}: "
+        "the server's operator must restart it without --reasoning-parser or serve a thinking model"
+    )
 
 
 @dataclass(frozen=True)

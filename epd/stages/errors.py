@@ -48,5 +48,10 @@ class KvSourceLost(EpdError):
     once, `epd.gateway.pipeline`)."""
 
 
+class ServerMisconfigured(EpdError):
+    """The server's own flags do not fit its model: its operator must change them, nothing in the
+    request can (FAILED_PRECONDITION, HTTP 500). The message names the flag and the model."""
+
+
 class PermissionDenied(EpdError):
     """The server's policy does not allow what the request asks for (PERMISSION_DENIED)."""

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 from epd.model_runtime.logprobs import MAX_LOGPROBS
 
+REASONING_MARKERS = ("<think>", "</think>")
+"""The markers vLLM's reasoning parsers (qwen3, deepseek_r1) part an answer at: each must be one
+token of the model's vocabulary (vLLM looks both up and refuses to start the parser without them)."""
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -33,6 +37,10 @@ class ModelInfo:
     max_logprobs: int = MAX_LOGPROBS
     """The most top tokens a request may ask for at each position (prefill's --max-logprobs): the
     gateway refuses more before the media costs an encode."""
+    reasoning_markers: tuple[str, ...] = ()
+    """Which of `REASONING_MARKERS` are single tokens of the model's tokenizer, in that order: a
+    thinking model's (Qwen3, Qwen3.5, DeepSeek-R1) has both, Qwen2-VL's neither. The front door
+    refuses chat requests under `--reasoning-parser` without both (`epd.gateway.reasoning`)."""
 
     @property
     def max_model_len(self) -> int:
@@ -65,4 +73,8 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         max_new_tokens=min(i.max_new_tokens for i in distinct),
         model_type=",".join(sorted({i.model_type for i in distinct})),
         max_logprobs=min(i.max_logprobs for i in distinct),
+        # a marker only when every replica's tokenizer has it: the parser works on whichever answers
+        reasoning_markers=tuple(
+            m for m in REASONING_MARKERS if all(m in i.reasoning_markers for i in distinct)
+        ),
     )

@@ -26,6 +26,7 @@ from epd.stages.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    ServerMisconfigured,
     Unavailable,
 )
 from epd.stages.server_config import MAX_MESSAGE_BYTES
@@ -44,6 +45,9 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    # The server's flags do not fit its model (`--reasoning-parser` on a model without the think
+    # markers): the operator's to fix, as a model that does not load; the message says which flag.
+    (ServerMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
     (KvSourceLost, grpc.StatusCode.ABORTED),
     (DecoderCrashed, grpc.StatusCode.UNAVAILABLE),
     (MediaLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -28,6 +28,7 @@ def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
         max_new_tokens=info.max_new_tokens,
         model_type=info.model_type,
         max_logprobs=info.max_logprobs,
+        reasoning_markers=info.reasoning_markers,
     )
 
 
@@ -40,6 +41,7 @@ def model_info_from_proto(msg: prefill_pb2.ModelInfo) -> ModelInfo:
         model_type=msg.model_type,
         # unset: a prefill from before --max-logprobs, which refused every logprobs request
         max_logprobs=msg.max_logprobs if msg.HasField("max_logprobs") else 0,
+        reasoning_markers=tuple(msg.reasoning_markers),
     )
 
 

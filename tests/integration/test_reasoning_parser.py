@@ -4,7 +4,10 @@ Qwen3.5, whose template opens a thinking block in the prompt: a chat answer that
 before it in `reasoning` / `reasoning_content` and the text after in `content`, each equal to the
 tokenizer's decode of its own tokens, plain and streamed; `include_reasoning: false` leaves the
 reasoning out, `enable_thinking: false` and a cut inside the block part it as vLLM does, usage counts
-every token, and legacy completions and a stack without the flag answer the text whole."""
+every token, and legacy completions and a stack without the flag answer the text whole. Over the tiny
+Qwen2-VL, whose tokenizer has no think markers, the flag gets every chat request refused with a 500
+naming the flag and the model (vLLM refuses to start such a parser), where it made every answer all
+reasoning with a null content."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from tests.integration.test_model_info import _model_card
 from tests.integration.test_model_info import _post as post_json
 from tests.stack import Stack, free_port
 
@@ -165,3 +169,26 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         assert reply["choices"][0]["message"] == {"role": "assistant", "content": decode(ids)}  # whole
         chunks = _stream(port, _body(allowed_token_ids=allowed))
         assert _joined(chunks, "content") == decode(ids) and _joined(chunks, "reasoning") is None
+
+
+def test_the_stack_refuses_chat_requests_when_the_models_tokenizer_has_no_think_markers(
+    tiny_models, tmp_path
+):
+    port = free_port()
+    logs = tmp_path / "logs"
+    extra = {"gateway": ["--http-port", str(port), "--reasoning-parser", "qwen3"]}
+    with Stack(tiny_models["qwen2_vl"], logs, extra=extra):
+        assert _model_card(port)["max_model_len"] is not None  # prefill's model info has arrived
+        for body in (_body(), {**_body(), "stream": True}, _body()):
+            status, reply = post_json(port, "/v1/chat/completions", body)
+            assert status == 500, reply
+            assert reply["error"]["type"] == "server_error"
+            message = reply["error"]["message"]
+            assert (
+                "--reasoning-parser qwen3" in message and "(qwen2_vl) lacks <think> and </think>" in message
+            )
+        # Legacy completions are not parted: they go on working.
+        status, reply = post_json(port, "/v1/completions", {"model": "epd", "prompt": "hi", "max_tokens": 2})
+        assert status == 200, reply
+    gateway_log = (logs / "gateway.log").read_text()
+    assert gateway_log.count("refusing chat requests: --reasoning-parser qwen3") == 1  # once, not per request

@@ -134,20 +134,22 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type", "max_logprobs")
+    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type", "max_logprobs", "reasoning_markers")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_MARKERS_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     context_tokens: int
     max_prompt_tokens: int
     max_new_tokens: int
     model_type: str
     max_logprobs: int
-    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    reasoning_markers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., reasoning_markers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "add_special_tokens", "return_token_strs", "template")

@@ -27,6 +27,9 @@ class _Adapter:
     def settle_tokenizer(self) -> None:
         pass
 
+    def single_tokens(self, texts) -> tuple[str, ...]:
+        return ()
+
 
 @pytest.mark.parametrize("value", [0, -1])
 def test_a_max_model_len_below_one_token_is_refused_naming_the_flag(value):
