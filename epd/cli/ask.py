@@ -95,6 +95,11 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {exc}", file=sys.stderr)
         return 3
     except Exception as exc:  # noqa: BLE001 - one message per failure for a CLI user
+        if model is None and isinstance(exc, (TypeError, ValueError)):
+            # Against --endpoint, the SDK's own checks of a flag's value (e.g. --top-p 2), raised
+            # before any call: a usage error saying what to change, not a server's INTERNAL.
+            print(f"epd: {exc}", file=sys.stderr)
+            return 2
         # Embedded mode ran the servers' code in this process: name its error as they would.
         from epd.transport.errors import status_of
 

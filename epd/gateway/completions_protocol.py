@@ -52,7 +52,8 @@ OpenAI's `suffix` (text after the completion) is not implemented."""
 
 _COMPLETION_KNOWN = (
     # The chat template's options are not vLLM's completions fields either (a raw prompt has no
-    # template): logged as unknown, as vLLM ignores them.
+    # template), nor is chat's top_logprobs (completions' logprobs is the count of alternatives):
+    # logged as unknown, as vLLM ignores them.
     (
         KNOWN_CHAT_FIELDS
         - {
@@ -62,6 +63,7 @@ _COMPLETION_KNOWN = (
             "add_generation_prompt",
             "continue_final_message",
             "chat_template_kwargs",
+            "top_logprobs",
         }
     )
     | {"prompt", "echo", *_COMPLETION_UNSUPPORTED}

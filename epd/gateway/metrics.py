@@ -4,7 +4,8 @@ that several gateways in one process keep their own counts).
 `GatewayMetrics.track(events)` wraps one pipeline run and records TTFT, time per output token,
 end-to-end latency, outcome by status, requests in flight, visual tokens and encoder cache hits;
 `MeteredPipeline` applies it to every `ask`, so the gRPC and HTTP APIs are counted alike, and
-reads its stages' engine load at each scrape (`epd.gateway.engine_load`).
+reads its stages' engine load at each scrape (`epd.gateway.engine_load`). Each API also counts its
+own responses: the HTTP API by route and code, the gRPC servicer by method and status name.
 """
 
 from __future__ import annotations
@@ -105,6 +106,13 @@ class GatewayMetrics:
         )
         self.http_responses = Counter(
             "epd_http_responses_total", "HTTP API responses by route and code.", ["route", "code"], registry=r
+        )
+        self.grpc_responses = Counter(
+            "epd_grpc_responses_total",
+            "gRPC API (GatewayService) calls by method (Ask, Tokenize, Detokenize) and the status name "
+            "the client got; a call the API key check refused never reaches the servicer, so is not counted.",
+            ["method", "code"],
+            registry=r,
         )
         self.engine_load = EngineLoadCollector(r, load_timeout_s)
 

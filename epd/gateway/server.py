@@ -115,7 +115,9 @@ async def start(
     serves: a slow or unreachable DNS server must not keep the gateway from answering its health
     checks (NOT_SERVING until every stage has a replica serving). `pipeline` stays the caller's
     to close (`Pipeline.aclose`) once the server has stopped: `main` does."""
-    servicer = GatewayServicer(config, pipeline, admission)
+    # A metered pipeline's metrics count the gRPC API's calls too (epd_grpc_responses_total).
+    metrics = pipeline.metrics if isinstance(pipeline, MeteredPipeline) else None
+    servicer = GatewayServicer(config, pipeline, admission, metrics)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
     interceptors = (
         [ApiKeyInterceptor(config.http.api_keys, (f"/{SERVICE_NAME}/",))] if config.http.api_keys else []

@@ -11,6 +11,7 @@ from contextlib import aclosing, contextmanager
 
 from epd.gateway.admission import Admission, Overloaded, Ticket, peer_host
 from epd.gateway.config import GatewayConfig
+from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
 from epd.gateway.shutdown import Call, CallsInFlight
 from epd.stages.contracts import StageEvent, check_cache_salt
@@ -21,7 +22,7 @@ from epd.stages.raw_prompt import RawPrompt
 from epd.transport import convert, tracing
 from epd.transport.aio_cancel import within
 from epd.transport.auth import bearer_token, request_cache_salt
-from epd.transport.errors import rpc_errors
+from epd.transport.errors import rpc_errors, status_of
 from epd.transport.internal_secrets import internal_secrets
 from epd.transport.model_info import public_tokenize_input_from_proto, tokenize_answer_to_proto
 from epd.transport.server import CUT_MARGIN_S
@@ -32,9 +33,17 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_na
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, config: GatewayConfig, pipeline: Pipeline, admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pipeline: Pipeline,
+        admission: Admission | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.config = config
         self.pipeline = pipeline
+        self.metrics = metrics
+        """Where each call's status is counted (`epd_grpc_responses_total`); None: not counted."""
         # Shared with the HTTP API when both run (epd.gateway.server.main): a client's limit counts both.
         self.admission = admission or Admission.of_gateway(config)
         self.in_flight = CallsInFlight()
@@ -45,7 +54,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @rpc_errors
     async def Ask(self, request_iterator, context):
-        with self.in_flight.tracking() as call:
+        with self._counted("Ask"), self.in_flight.tracking() as call:
             try:
                 # aclosing: a client that goes away closes this generator at its yield; `_ask`'s
                 # own cleanup must run then too, not when the GC finds it.
@@ -60,17 +69,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @rpc_errors
     async def Tokenize(self, request, context):
-        with self._unary_call(context, request.ByteSize()):
+        with self._counted("Tokenize"), self._unary_call(context, request.ByteSize()):
             request_id = tracing.adopt_request_id(request.request_id)
             answer = await self.pipeline.tokenize(public_tokenize_input_from_proto(request), request_id)
             return tokenize_answer_to_proto(answer)
 
     @rpc_errors
     async def Detokenize(self, request, context):
-        with self._unary_call(context, request.ByteSize()):
+        with self._counted("Detokenize"), self._unary_call(context, request.ByteSize()):
             request_id = tracing.adopt_request_id(request.request_id)
             text = await self.pipeline.detokenize(list(request.token_ids), request_id)
             return gateway_pb2.GatewayServiceDetokenizeResponse(text=text)
+
+    @contextmanager
+    def _counted(self, method: str) -> Iterator[None]:
+        """Count the call under the status its client gets: the one `rpc_errors` maps its error
+        to (a shutdown's cut included: `shutdown_error`), CANCELLED when its client went away."""
+        code = "OK"
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        except Exception as exc:
+            code = status_of(exc)[0].name
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.grpc_responses.labels(method=method, code=code).inc()
 
     def _admit(self, context) -> Ticket:
         """A request slot for the caller's address and API key (the interceptor checked the key),

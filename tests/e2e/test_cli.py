@@ -488,6 +488,19 @@ def test_ask_no_video_is_a_text_only_conversation(tiny_models, tmp_path):
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
 
 
+def test_ask_endpoint_says_which_flag_the_sdk_refuses():
+    """Against --endpoint, a value the SDK's own checks refuse before any call is a usage error
+    (exit 2) saying what to change; it was "INTERNAL: internal error; the server log has details",
+    with no server involved (nothing listens on port 9: the check comes before connecting)."""
+    for flags, says in (
+        (["--top-p", "2"], "top_p must be in (0, 1]"),
+        (["--max-new-tokens", "-3"], "max_new_tokens must be >= 1"),
+    ):
+        refused = run_epd_forked("ask", "--no-video", QUESTION, "--endpoint", "127.0.0.1:9", *flags)
+        assert refused.returncode == 2 and says in refused.stderr, (flags, refused.stderr)
+        assert "INTERNAL" not in refused.stderr and "Traceback" not in refused.stderr
+
+
 RAW_PROMPT = "Once upon a time, in a land far away,"
 
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import AsyncEpdClient, EpdClient, EpdError, Message, TokenizeResult
 from epd.gateway.config import GatewayConfig, HttpApiConfig
@@ -247,6 +248,41 @@ def test_bad_input_is_invalid_argument_saying_what_to_change(stack, client, tiny
                 stub.Tokenize(request, metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=60)
             assert refused_rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "send exactly one of 'prompt' (a text) and 'messages'" in refused_rpc.value.details()
+
+
+def _grpc_responses(port: int) -> dict[tuple[str, str], float]:
+    """epd_grpc_responses_total's samples by (method, code), read from the gateway's GET /metrics."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.labels["method"], sample.labels["code"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "epd_grpc_responses_total"
+    }
+
+
+def test_grpc_calls_are_counted_by_method_and_status(stack, client):
+    """Every GatewayService call, answered or refused, is one epd_grpc_responses_total{method,code}
+    (epd_requests_total counts pipeline runs only: Tokenize and Detokenize were in no metric)."""
+    before = _grpc_responses(stack.http_port)
+    ids = client.tokenize("hello there").token_ids
+    client.tokenize(messages=CONVERSATION)
+    client.detokenize(ids)
+    with pytest.raises(EpdError):
+        client.detokenize([-1])
+    client.ask(None, messages=[Message.user("hello")], max_new_tokens=2)
+    after = _grpc_responses(stack.http_port)
+    added = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
+    assert added == {
+        ("Tokenize", "OK"): 2,
+        ("Detokenize", "OK"): 1,
+        ("Detokenize", "INVALID_ARGUMENT"): 1,
+        ("Ask", "OK"): 1,
+    }
 
 
 @pytest.mark.parametrize("key", ["", "wrong-key"])
