@@ -107,7 +107,9 @@ class ReasoningStream:
     def finish(self) -> ReasoningSplit:
         """The held-back tail at the answer's end: reasoning (no marker came of it)."""
         held, self._held = self._held, ""
-        return ReasoningSplit(held if self.in_reasoning else "", "")
+        # A tail held as a possible `<think>` may be the model's own, whole (an answer cut right
+        # after it): dropped as `split_reasoning` drops it.
+        return ReasoningSplit(self._drop_start(held) if self.in_reasoning else "", "")
 
     def _drop_start(self, reasoning: str) -> str:
         if self._start_dropped or START not in reasoning:

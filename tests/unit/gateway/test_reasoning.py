@@ -30,6 +30,8 @@ ANSWERS = [
     "a</think>b</think>c<think>d",  # the first </think> ends it; the rest is content, markers and all
     "a < b and c </thin k> d <thin",  # near-misses of a marker are text
     "x<th</think>y",
+    "<think>",  # cut right after the model's own opening marker: it is dropped, streamed or not
+    "a<think>",
     "",
 ]
 
