@@ -22,7 +22,7 @@ from epd.stages.raw_prompt import RawPrompt
 from epd.transport import convert, tracing
 from epd.transport.aio_cancel import within
 from epd.transport.auth import bearer_token, request_cache_salt
-from epd.transport.errors import rpc_errors, status_of
+from epd.transport.errors import code_of, rpc_errors
 from epd.transport.internal_secrets import internal_secrets
 from epd.transport.model_info import public_tokenize_input_from_proto, tokenize_answer_to_proto
 from epd.transport.server import CUT_MARGIN_S
@@ -92,7 +92,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             code = "CANCELLED"
             raise
         except Exception as exc:
-            code = status_of(exc)[0].name
+            code = code_of(exc).name  # not status_of: `rpc_errors` logs what it logs, once
             raise
         finally:
             if self.metrics is not None:

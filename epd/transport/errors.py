@@ -180,22 +180,33 @@ def retry_after_of(exc: BaseException) -> int | None:
     return getattr(exc, "retry_after_s", None)
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """(status code, client-safe message) for any exception."""
+def code_of(exc: BaseException) -> grpc.StatusCode:
+    """The status code `status_of` gives `exc`, without its side effect (it logs the details of a
+    sanitised upstream error, which a caller that only counts the call must not log again)."""
     if isinstance(exc, UpstreamError):
-        return exc.code, str(exc)
+        return exc.code
     for kind, code in _CODES:
         if isinstance(exc, kind):
-            return code, MODEL_NOT_LOADED if isinstance(exc, ModelLoadError) else str(exc)
-    if isinstance(exc, EpdError):
-        return grpc.StatusCode.INTERNAL, str(exc)
+            return code
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code()
+    return grpc.StatusCode.INTERNAL  # another EpdError, or anything unexpected
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(status code, client-safe message) for any exception."""
+    code = code_of(exc)
+    if isinstance(exc, ModelLoadError):
+        return code, MODEL_NOT_LOADED
+    if isinstance(exc, (UpstreamError, EpdError)) or any(isinstance(exc, kind) for kind, _ in _CODES):
+        return code, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         # Normally turned into `stage_error` at the call site; a raw one may hold addresses.
-        if exc.code() in _SANITISED:
-            log.warning("upstream call -> %s: %s", exc.code().name, exc.details())
-            return exc.code(), "an upstream service failed; the server log has details"
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.INTERNAL, "internal error; the server log has details"
+        if code in _SANITISED:
+            log.warning("upstream call -> %s: %s", code.name, exc.details())
+            return code, "an upstream service failed; the server log has details"
+        return code, exc.details() or ""
+    return code, "internal error; the server log has details"
 
 
 def rpc_errors(method):

@@ -193,3 +193,25 @@ def test_a_text_only_request_waits_for_prefill_first_and_is_not_a_zero_visual_to
         metrics.value("epd_requests_total", status="OK") == 1
         and metrics.value("epd_prompt_tokens_total") == 9
     )
+
+
+def test_counting_a_grpc_call_logs_nothing_of_its_own(caplog):
+    # A raw upstream error is sanitised, and its details logged, once: by `rpc_errors` as it
+    # aborts the call. The servicer's count of the call takes only the code.
+    import logging
+
+    import grpc
+
+    from epd.gateway.config import GatewayConfig
+    from epd.gateway.servicer import GatewayServicer
+
+    metrics = GatewayMetrics()
+    servicer = GatewayServicer(GatewayConfig(), pipeline=None, metrics=metrics)  # type: ignore[arg-type]
+    upstream = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "failed to connect to 10.0.0.7"
+    )
+    with caplog.at_level(logging.DEBUG), pytest.raises(grpc.aio.AioRpcError):
+        with servicer._counted("Tokenize"):
+            raise upstream
+    assert [r.getMessage() for r in caplog.records] == []
+    assert metrics.value("epd_grpc_responses_total", method="Tokenize", code="UNAVAILABLE") == 1
