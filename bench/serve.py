@@ -454,20 +454,18 @@ async def run_openai(
 
 
 def run_hf_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]:
-    """processor + generate() on the unsplit model, sequential decoding, one at a time."""
+    """processor + generate() on the unsplit model, sequential decoding, one at a time: the
+    model and inputs the exactness tests compare against (`epd.model_runtime.hf_reference`)."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
     from transformers.generation.streamers import BaseStreamer
-    from transformers.video_utils import VideoMetadata
 
+    from epd.model_runtime.hf_reference import question_message, reference_inputs, whole_model
     from epd.model_runtime.loader import resolve_model_path
     from epd.video import simple_decoder
     from epd.video.types import SamplingOptions
 
     torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    processor = AutoProcessor.from_pretrained(path)
-    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    model, processor = whole_model(resolve_model_path(args.model))
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -488,27 +486,7 @@ def run_hf_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]
     for data, question in inputs:
         t0 = time.perf_counter()
         video = simple_decoder.decode(data, SamplingOptions(num_frames=args.num_frames))
-        kind = "image" if video.is_image else "video"
-        messages = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if video.is_image:
-            inputs_ = processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-        else:
-            meta = VideoMetadata(
-                total_num_frames=video.num_frames,
-                fps=video.sampled_fps,
-                frames_indices=list(range(video.num_frames)),
-            )
-            inputs_ = processor(
-                text=[text],
-                videos=[video.frames],
-                return_tensors="pt",
-                videos_kwargs={
-                    "do_sample_frames": False,
-                    "cap_pixels_per_frame": False,
-                    "video_metadata": [meta],
-                },
-            )
+        inputs_ = reference_inputs(processor, video, question_message(video, question))
         clock = Clock()
         kwargs = {"min_new_tokens": args.max_new_tokens} if args.ignore_eos else {}
         with torch.inference_mode():

@@ -259,6 +259,9 @@ class PrefillEngine:
             self._check_generation(generation)
         else:
             self.validate(messages, None if media is None else media.meta, generation, template)
+        # Tokenised now, not at the first token: a word this tokenizer cannot give is a 400
+        # before the prompt's forward pass, not after it.
+        bad_words = bad_words_token_ids(generation, self.adapter)
         if media is None:  # nothing for token dropping or KV compression to act on (module docstring)
             pruning = PruningConfig(kv_dtype=pruning.kv_dtype)
         refuse_unsupported_pruning(
@@ -314,6 +317,7 @@ class PrefillEngine:
             media=media,
             generation=generation,
             pruning=pruning,
+            bad_words_token_ids=bad_words,
         )
         # Pruned requests neither store nor reuse: their cache depends on the question (prefill
         # drop, KV compression, decode eviction's mask) or is built on a gathered prompt.
@@ -583,7 +587,7 @@ class PrefillEngine:
         distinct_prompt_ids = (
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
-        bad_words = bad_words_token_ids(request.generation, self.adapter)
+        bad_words = request.bad_words_token_ids
         # One first token per choice (vLLM's n), each by the choice's own sampler (seed + i, and its
         # own matcher of a structured-output constraint) from the same logits [vocab]; a sampler may
         # change the logits it gets, so each gets a copy.

@@ -64,6 +64,9 @@ class PrefillRequest(CoreRequest):
     generation: GenerationConfig | None = field(default=None, repr=False)
     grammar: Any = field(default=None, repr=False)
     """Its structured-output constraint compiled for this model (`CompiledGrammar`; None: none)."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    """Its generation's bad_words as this model's token sequences (`bad_words_token_ids`), made
+    when it is prepared: a word the tokenizer cannot give is refused before the prompt runs."""
     pruning: PruningConfig | None = field(default=None, repr=False)
     prompt_logprob_rows: PromptLogprobRows | None = field(default=None, repr=False)
     """The prompt logprobs its chunks have computed so far, when its generation asked

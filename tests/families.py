@@ -11,6 +11,7 @@ import torch
 
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import question_message, source_timed_inputs
 from epd.model_runtime.loader import check_model_dir, load_adapter
 from tests.reference import decode_for_test
 
@@ -113,30 +114,16 @@ def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Pa
 
 
 def conversation(video) -> list[dict]:
-    kind = "image" if video.is_image else "video"
-    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}]
+    return question_message(video, QUESTION)
 
 
 def qwen_processor_inputs(
     processor, video, metadata=None, messages: list[dict] | None = None, **template: bool
 ):
-    """A Qwen3-style processor's own __call__ on the same frames, for `messages` (the processor's
-    chat form; default: `conversation(video)`; `template`: apply_chat_template's options). Video metadata as a user of transformers gives it:
-    the source's fps and the decoded frames' indices in the source."""
-    from transformers.video_utils import VideoMetadata
-
+    """A Qwen3-style processor's own __call__ on the same frames (`source_timed_inputs`), for
+    `messages` (default: `conversation(video)`)."""
     messages = conversation(video) if messages is None else messages
-    text = processor.apply_chat_template(
-        messages, tokenize=False, **{"add_generation_prompt": True, **template}
-    )
-    if video.is_image:
-        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-    if metadata is None:
-        fps = video.source_fps
-        indices = [round(t * fps) for t in video.timestamps_s]
-        metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
-    kwargs = {"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [metadata]}
-    return processor(text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs=kwargs)
+    return source_timed_inputs(processor, video, messages, metadata, **template)
 
 
 def make_clip_over_qwen3_size_limit(directory: Path) -> Path:

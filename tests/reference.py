@@ -1,4 +1,5 @@
-"""The unsplit Hugging Face reference: processor + `model.generate(do_sample=False)`."""
+"""The unsplit Hugging Face reference: processor + `model.generate(do_sample=False)` (its model and
+inputs from `epd.model_runtime.hf_reference`, which bench/serve.py's hf baseline uses too)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from epd.model_runtime.hf_reference import question_message, reference_inputs, whole_model
 from epd.video import simple_decoder
 from epd.video.types import DecodedVideo, SamplingOptions
 
@@ -29,56 +31,6 @@ def reference_tokens(
     `generate` (e.g. repetition_penalty, min_new_tokens, logits_processor)."""
     return reference_tokens_for_messages(
         model_dir, video, question_message(video, question), max_new_tokens, device, dtype, **generate_kwargs
-    )
-
-
-def question_message(video: DecodedVideo, question: str) -> list[dict]:
-    kind = "image" if video.is_image else "video"
-    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
-
-
-def whole_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype | None = None):
-    """(transformers' whole model, its processor), loaded as a Hugging Face user loads them: the
-    reference the split adapters must equal."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    kwargs = {} if dtype is None else {"dtype": dtype}  # None: the checkpoint's own (float32 here)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs).to(device).eval()
-    return model, AutoProcessor.from_pretrained(model_dir)
-
-
-def reference_inputs(processor, video: DecodedVideo, messages: list[dict], **template: bool):
-    """The processor's own inputs for `messages` (its chat form, parts in order) and the media:
-    `apply_chat_template` (`template`: its add_generation_prompt, default true, and
-    continue_final_message), then the processor's __call__ with the frames our encoder samples, given
-    as each family's adapter tests give them: Qwen2-VL / Qwen2.5-VL with the sampled frames as the
-    whole clip, Qwen3-style processors (Qwen3-VL, its MoE, Qwen3.5) with the source's fps and frame
-    indices (for their `<t seconds>` text), LLaVA-OneVision with the frames as they are."""
-    from transformers.video_utils import VideoMetadata
-
-    template = {"add_generation_prompt": True, **template}
-    text = processor.apply_chat_template(messages, tokenize=False, **template)
-    if video.is_image:
-        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-    kind = type(processor).__name__
-    if kind.startswith("Qwen3"):
-        from tests.families import qwen_processor_inputs
-
-        return qwen_processor_inputs(processor, video, messages=messages, **template)
-    if kind.startswith("LlavaOnevision"):
-        return processor(text=[text], videos=[video.frames], return_tensors="pt",
-                         videos_kwargs={"do_sample_frames": False})  # fmt: skip
-    t = video.num_frames
-    meta = VideoMetadata(total_num_frames=t, fps=video.sampled_fps, frames_indices=list(range(t)))
-    return processor(
-        text=[text],
-        videos=[video.frames],
-        return_tensors="pt",
-        videos_kwargs={
-            "do_sample_frames": False,
-            "cap_pixels_per_frame": False,
-            "video_metadata": [meta],
-        },
     )
 
 

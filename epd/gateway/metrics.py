@@ -110,7 +110,7 @@ class GatewayMetrics:
         self.grpc_responses = Counter(
             "epd_grpc_responses_total",
             "gRPC API (GatewayService) calls by method (Ask, Tokenize, Detokenize) and the status name "
-            "the client got; a call the API key check refused never reaches the servicer, so is not counted.",
+            "the client got; a call the API key check refused is counted too (UNAUTHENTICATED).",
             ["method", "code"],
             registry=r,
         )

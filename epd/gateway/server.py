@@ -119,8 +119,11 @@ async def start(
     metrics = pipeline.metrics if isinstance(pipeline, MeteredPipeline) else None
     servicer = GatewayServicer(config, pipeline, admission, metrics)
     # The HTTP API's key (--api-key) guards the gRPC API too; health and reflection stay open.
+    # The calls it refuses never reach the servicer: they are counted as it refuses them.
     interceptors = (
-        [ApiKeyInterceptor(config.http.api_keys, (f"/{SERVICE_NAME}/",))] if config.http.api_keys else []
+        [ApiKeyInterceptor(config.http.api_keys, (f"/{SERVICE_NAME}/",), servicer.count_refused)]
+        if config.http.api_keys
+        else []
     )
     hs = await create_server(
         config.server,

@@ -98,6 +98,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if self.metrics is not None:
                 self.metrics.grpc_responses.labels(method=method, code=code).inc()
 
+    def count_refused(self, method: str, code: str) -> None:
+        """Count a call the API key check refused before it reached this servicer (`method`:
+        "/epd.v1.GatewayService/Ask"), under the same label a call that reached it has ("Ask")."""
+        if self.metrics is not None:
+            self.metrics.grpc_responses.labels(method=method.rpartition("/")[2], code=code).inc()
+
     def _admit(self, context) -> Ticket:
         """A request slot for the caller's address and API key (the interceptor checked the key),
         shared with the HTTP API; Overloaded when it has its limit in flight."""

@@ -14,9 +14,10 @@ neither key nor secret.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -96,12 +97,24 @@ class InternalSecretInterceptor(grpc.aio.ServerInterceptor):
         return _denying_handler(handler, MISSING_SECRET_MESSAGE)
 
 
+RefusalCounter = Callable[[str, str], None]
+"""Told of each call an interceptor refused: its method's full name ("/pkg.Service/Method") and the
+status name its client got (UNAUTHENTICATED; CANCELLED when the client went away first)."""
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, api_keys: Sequence[str], protected_prefixes: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        api_keys: Sequence[str],
+        protected_prefixes: tuple[str, ...],
+        on_refused: RefusalCounter | None = None,
+    ) -> None:
+        """`on_refused`: told of each refused call (the servicer never sees one, so cannot count it)."""
         if not api_keys or not all(api_keys):
             raise ValueError("ApiKeyInterceptor needs non-empty API keys")
         self.api_keys = tuple(api_keys)
         self.protected_prefixes = protected_prefixes
+        self.on_refused = on_refused
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -109,30 +122,45 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if any_key_matches(bearer_token(handler_call_details.invocation_metadata), self.api_keys):
             return handler
-        return _denying_handler(handler)
+        return _denying_handler(handler, on_refused=self._refusal_of(handler_call_details.method))
+
+    def _refusal_of(self, method: str) -> Callable[[str], None] | None:
+        on_refused = self.on_refused
+        return None if on_refused is None else lambda code: on_refused(method, code)
 
 
 MAX_DRAINED_MESSAGES = 512
 """Request messages read and dropped before refusing a client-streaming call (see `_deny`)."""
 
 
-async def _deny(request_or_iterator, context, message: str) -> None:
-    if hasattr(request_or_iterator, "__aiter__"):
-        # Aborting while the client is still sending makes its side fail with INTERNAL "Internal
-        # error from Core" instead of our status (grpc.aio race), so read what it sends first:
-        # dropped as it arrives, never stored, and only up to a bound.
-        num_messages = 0
-        async for _ in request_or_iterator:
-            num_messages += 1
-            if num_messages >= MAX_DRAINED_MESSAGES:
-                break
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+async def _deny(request_or_iterator, context, message: str, on_refused: Callable[[str], None] | None) -> None:
+    code = grpc.StatusCode.UNAUTHENTICATED
+    try:
+        if hasattr(request_or_iterator, "__aiter__"):
+            # Aborting while the client is still sending makes its side fail with INTERNAL "Internal
+            # error from Core" instead of our status (grpc.aio race), so read what it sends first:
+            # dropped as it arrives, never stored, and only up to a bound.
+            num_messages = 0
+            async for _ in request_or_iterator:
+                num_messages += 1
+                if num_messages >= MAX_DRAINED_MESSAGES:
+                    break
+    except asyncio.CancelledError:
+        code = grpc.StatusCode.CANCELLED  # its client went away while we read
+        raise
+    finally:
+        if on_refused is not None:
+            on_refused(code.name)
+    await context.abort(code, message)
 
 
 def _denying_handler(
-    handler: grpc.RpcMethodHandler, message: str = MISSING_KEY_MESSAGE
+    handler: grpc.RpcMethodHandler,
+    message: str = MISSING_KEY_MESSAGE,
+    on_refused: Callable[[str], None] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that refuses the call before reading it."""
+    """A handler of the same shape as `handler` that refuses the call before reading it;
+    `on_refused` is told the status its client got."""
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -141,7 +169,7 @@ def _denying_handler(
     }[(handler.request_streaming, handler.response_streaming)]
 
     async def deny(request_or_iterator, context) -> None:
-        await _deny(request_or_iterator, context, message)
+        await _deny(request_or_iterator, context, message, on_refused)
 
     return make(deny, handler.request_deserializer, handler.response_serializer)
 

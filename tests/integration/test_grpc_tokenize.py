@@ -266,8 +266,9 @@ def _grpc_responses(port: int) -> dict[tuple[str, str], float]:
 
 
 def test_grpc_calls_are_counted_by_method_and_status(stack, client):
-    """Every GatewayService call, answered or refused, is one epd_grpc_responses_total{method,code}
-    (epd_requests_total counts pipeline runs only: Tokenize and Detokenize were in no metric)."""
+    """Every GatewayService call, answered or refused (by the servicer or by the API key check
+    before it), is one epd_grpc_responses_total{method,code} (epd_requests_total counts pipeline
+    runs only: Tokenize and Detokenize were in no metric)."""
     before = _grpc_responses(stack.http_port)
     ids = client.tokenize("hello there").token_ids
     client.tokenize(messages=CONVERSATION)
@@ -275,6 +276,14 @@ def test_grpc_calls_are_counted_by_method_and_status(stack, client):
     with pytest.raises(EpdError):
         client.detokenize([-1])
     client.ask(None, messages=[Message.user("hello")], max_new_tokens=2)
+    # Refused by the API key check, before the servicer: counted once each, by their own method.
+    with EpdClient(stack.gateway, timeout_s=60, api_key="wrong-key") as stranger:
+        for call in (
+            lambda: stranger.tokenize("hi"),
+            lambda: stranger.ask(None, messages=[Message.user("hello")], max_new_tokens=2),
+        ):
+            with pytest.raises(EpdError, match="missing or wrong API key"):
+                call()
     after = _grpc_responses(stack.http_port)
     added = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
     assert added == {
@@ -282,6 +291,8 @@ def test_grpc_calls_are_counted_by_method_and_status(stack, client):
         ("Detokenize", "OK"): 1,
         ("Detokenize", "INVALID_ARGUMENT"): 1,
         ("Ask", "OK"): 1,
+        ("Tokenize", "UNAUTHENTICATED"): 1,
+        ("Ask", "UNAUTHENTICATED"): 1,
     }
 
 

@@ -336,9 +336,11 @@ def test_the_next_launcher_removes_what_a_killed_one_left(tiny_models, killed_la
     assert not [path for path in own if path.exists()]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_sigterm_stops_an_idle_stack_at_once(tiny_models, tmp_path, signum):
-    """SIGHUP (a closed terminal) too: it ended the launcher on the spot, its files left behind and
+    """SIGINT (Ctrl-C: the children have their own process group, so it reaches the launcher
+    alone) as well: --grace-period is for calls in flight, never waited for when there are none.
+    SIGHUP (a closed terminal) too: it ended the launcher on the spot, its files left behind and
     its services stopped only by PDEATHSIG, all at once instead of the gateway first."""
     if signum == signal.SIGHUP and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
         pytest.skip("run under nohup: the launcher inherits SIGHUP ignored, and keeps it so by design")

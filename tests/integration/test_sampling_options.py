@@ -158,9 +158,14 @@ def chat_body(media_files, max_tokens: int = 8, **fields) -> dict:
 
 
 def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fields) -> tuple[int, dict]:
+    return post_chat(port, chat_body(media_files, max_tokens, **fields))
+
+
+def post_chat(port: int, body: dict) -> tuple[int, dict]:
+    """(HTTP status, JSON answer) of /v1/chat/completions with `body`."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(chat_body(media_files, max_tokens, **fields)).encode(),
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -374,3 +379,61 @@ def test_scores_a_request_sends_past_the_float_range_fail_it_alone_with_what_to_
     assert "replica failed" not in error["message"]
     status, body = chat(port, media_files)
     assert status == 200, body
+
+
+BEYOND_LOGITS = "epdbeyondlogits"
+"""A word the tokenizer below has as one added token, whose id is past the model's logits."""
+
+
+@pytest.fixture(scope="module")
+def wide_tokenizer_stack(tmp_path_factory):
+    """A stack whose tokenizer holds one token more than the model has logits (BEYOND_LOGITS): a
+    bad word with that token is one this model cannot ban."""
+    from transformers import AutoProcessor
+
+    from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+    from tests.stack import free_port
+
+    model = build_checkpoint(tmp_path_factory.mktemp("wide_tokenizer"), TinyVLMSpec(family="qwen2_vl"))
+    processor = AutoProcessor.from_pretrained(str(model))
+    processor.tokenizer.add_tokens([BEYOND_LOGITS])
+    processor.save_pretrained(model)
+    http_port = free_port()
+    extra = {"gateway": ["--http-port", str(http_port)]}
+    with Stack(model, tmp_path_factory.mktemp("logs_wide_tokenizer"), extra=extra) as s:
+        s.http_port = http_port
+        yield s
+
+
+def _prefill_requests_and_steps(http_port: int) -> tuple[float, float]:
+    """Prefill's epd_engine_requests_total and epd_engine_steps_total, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    values = {"epd_engine_requests_total": 0.0, "epd_engine_steps_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in values and sample.labels["stage"] == "prefill":
+                values[sample.name] += sample.value
+    return values["epd_engine_requests_total"], values["epd_engine_steps_total"]
+
+
+def test_a_bad_word_the_model_cannot_ban_is_a_400_before_the_prompt_runs(wide_tokenizer_stack):
+    """The bad word is tokenised when prefill admits the request, not at its first token: the
+    prefill core never takes it (no request admitted, no step run), and the 400 says what to change."""
+    port = wide_tokenizer_stack.http_port
+
+    def chat_text(**fields) -> tuple[int, dict]:
+        body = {"model": "epd", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}], **fields}
+        return post_chat(port, body)
+
+    before = _prefill_requests_and_steps(port)
+    status, body = chat_text(bad_words=["red", BEYOND_LOGITS])
+    assert status == 400, body
+    assert "outside its logits (0 to 511); leave out the words that contain them" in body["error"]["message"]
+    assert _prefill_requests_and_steps(port) == before
+    status, body = chat_text(bad_words=["red"])  # the counters do move for a request that runs
+    assert status == 200, body
+    requests, steps = _prefill_requests_and_steps(port)
+    assert requests == before[0] + 1 and steps > before[1]
