@@ -157,12 +157,12 @@ def test_choices_whose_decoder_has_the_cache_go_on_and_the_others_are_prefilled_
     with two_prefills(tiny_models, tmp_path) as stack:
         port = stack.http_port
         singles = [
-            chat(port, image, "image_url", 200, **seeded | {"seed": seeded["seed"] + i})["choices"][0]
+            chat(port, image, "image_url", 400, **seeded | {"seed": seeded["seed"] + i})["choices"][0]
             for i in (0, 1)
         ]
         assert singles[0]["token_ids"] != singles[1]["token_ids"], "alike: the check would prove little"
         answers: dict[str, dict | BaseException] = {}
-        asking = in_thread(answers, "both", port, image, "image_url", 200, n=2, **seeded)
+        asking = in_thread(answers, "both", port, image, "image_url", 400, n=2, **seeded)
         wait_for(lambda: decode_load(port) == (1.0, 1.0))  # one choice decoding, one waiting
         stack.kill_home_of(image)
         asking.join(180)
