@@ -94,13 +94,14 @@ from epd.gateway.openai_protocol import (
     parse_chat_request,
     usage,
 )
-from epd.gateway.pipeline import AskRequest, AskSummary, ChoiceSummary, Pipeline, PipelineEvent
+from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import ReasoningStream, delta_fields, parser_misfit, thinking_on
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
+from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, StageEvent, TokenStep
@@ -564,6 +565,21 @@ class HttpApi:
                 body.setdefault("usage", None)
             await stream.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
+        finished: set[int] = set()  # the choices whose finish chunk went out, by index
+
+        async def finish(index: int, reason: str, stop: StopReason, details: dict | None = None) -> None:
+            """Choice `index`'s end: the tail its reasoning parser held back (a marker's start),
+            then its finish chunk (with the summary's `epd` details on the request's last)."""
+            finished.add(index)
+            if (text := parted.pop(index, None)) is not None and (
+                delta := delta_fields(text.finish(), chat.include_reasoning)
+            ):
+                await send(chunk_body(request_id, chat.model, created, delta, token_ids=[], index=index))
+            final = _final_chunk(chat, request_id, created, index, reason, stop)
+            if details is not None:
+                final["epd"] = details
+            await send(final)
+
         try:
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
@@ -610,20 +626,21 @@ class HttpApi:
                                 )
                             )
                             text_offsets[item.index] = text_offsets.get(item.index, 0) + len(item.text)
+                        if item.finish_reason and len(finished) + 1 < chat.generation.n:
+                            # As vLLM: a choice's finish goes out when it finishes, while the
+                            # others go on; the last one's waits for the summary, which it carries.
+                            await finish(item.index, item.finish_reason, item.stop_reason)
                         continue
                     log_summary(item)
                     num_prompt_tokens = item.num_prompt_tokens
-                    for index, text in parted.items():  # a tail held back as a marker's start
-                        if delta := delta_fields(text.finish(), chat.include_reasoning):
-                            await send(
-                                chunk_body(request_id, chat.model, created, delta, token_ids=[], index=index)
-                            )
-                    choices = item.all_choices()
-                    for choice in choices:  # the finish reasons; the last chunk carries the summary
-                        final = _final_chunk(chat, request_id, created, choice)
-                        if choice is choices[-1]:
-                            final["epd"] = epd_details(item)
-                        await send(final)
+                    left = [c for c in item.all_choices() if c.index not in finished]
+                    for choice in left:  # the choices not finished yet; the last chunk carries the summary
+                        await finish(
+                            choice.index,
+                            choice.finish_reason,
+                            choice.stop_reason,
+                            epd_details(item) if choice is left[-1] else None,
+                        )
                     if chat.include_usage:
                         await send(
                             {
@@ -691,13 +708,17 @@ def _delta_chunk(
 
 
 def _final_chunk(
-    chat: ChatRequest, request_id: str, created: int, choice: ChoiceSummary | None
+    chat: ChatRequest,
+    request_id: str,
+    created: int,
+    index: int | None,
+    finish_reason: str = "",
+    stop: StopReason = None,
 ) -> dict[str, Any]:
-    """The chunk with the finish reason (and vLLM's stop_reason) of `choice`; None: a chunk
+    """The chunk with choice `index`'s finish reason (and vLLM's stop_reason); None: a chunk
     without either (the usage chunk's frame)."""
-    finish = None if choice is None else choice.finish_reason or "stop"
-    stop = None if choice is None else choice.stop_reason
-    index = 0 if choice is None else choice.index
+    finish = None if index is None else finish_reason or "stop"
+    index = index or 0
     if chat.raw_prompt is not None:
         return text_completion_chunk(
             request_id, chat.model, created, "", finish, stop_reason=stop, index=index

@@ -152,12 +152,17 @@ class _Choice:
     stop_reason: StopReason = None
     sent: TokenStep | None = None
     """The first token, sent from prefill's handle."""
-    taken: bool = False
-    """By the decoder: its first step comes only after it pulled the cache."""
+    source: PrefillHandle | None = None
+    """The handle whose cache its decoder pulled (set at the decoder's first step, which comes
+    only after the pull); None while it has none."""
     ended: bool = False
     """The decoder's stream ran to its end."""
     kv_num_bytes_pulled: int = 0
     """What its decoder pulled from a prefill server (0: taken in-process)."""
+
+    @property
+    def taken(self) -> bool:
+        return self.source is not None
 
     def add(self, step: TokenStep) -> None:
         self.token_ids += step.token_ids
@@ -199,6 +204,17 @@ async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
 
 PipelineEvent = StageEvent | TokenStep | AskSummary
 Emit = Callable[[StageEvent | TokenStep], None]
+
+
+@dataclass
+class _Run:
+    """What every choice of one request shares (`Pipeline._run`)."""
+
+    req: AskRequest
+    request_id: str
+    emit: Emit
+    timings: dict[str, float]
+    elapsed_ms: Callable[[], float]
 
 
 DECODE_ROOM_WAIT_S = 60.0
@@ -360,83 +376,86 @@ class Pipeline:
             # process): encoder -> gateway here, each prefill call's, then the decoder's KV pull.
             transfer_bytes = media.pruning.transfer_bytes
 
-        # Prefill, then decode. If the prefill replica that holds the KV cache is lost before any
-        # decoder has it (KvSourceLost, no decoder step sent to the client yet), prefill again,
-        # once: on another replica when that one is gone (prefill is idempotent, its cache is lost).
-        # A request with n choices is prefilled once; each choice is a decode request of its own
-        # from the same cache (`PrefillHandle.for_choice`), all running at once.
+        # Prefill once, then a decode request per choice (OpenAI's n), all running at once from the
+        # same cache (`PrefillHandle.for_choice`). A choice whose decoder could not pull it
+        # (KvSourceLost: the prefill replica that holds it is gone, or it expired) is prefilled
+        # again, once per request, on another replica when that one is gone (prefill is
+        # idempotent); the choices whose decoders have it go on (`_run_choice`).
         asked_logprobs = req.generation.logprobs is not None
         choices = [
             _Choice(index, logprobs=[] if asked_logprobs else None) for index in range(req.generation.n)
         ]
-        lost: KvSourceLost | None = None
-        for attempt in range(2):
+        handles: list[PrefillHandle] = []  # the first prefill's, and at most one more
+        prefilling_again = asyncio.Lock()
+
+        async def prefill() -> PrefillHandle:
+            nonlocal transfer_bytes
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
             handle = await self._prefill(req, media, request_id)
+            handles.append(handle)
             transfer_bytes += handle.pruning.transfer_bytes  # a prefill again sends the media again
-            try:
-                if handle.num_choices != len(choices):
-                    raise RuntimeError(
-                        f"prefill answered {handle.num_choices} first tokens for a request of n={len(choices)} "
-                        "choices: a prefill replica older than this gateway (it ignores n)"
-                    )
-                if lost is not None and any(
-                    c.sent is not None and handle.for_choice(c.index).first_token_id != c.sent.token_ids[0]
-                    for c in choices
-                ):
-                    raise lost  # the client has the first prefill's token, and this one differs (sampled)
-                timings[Stage.PREFILL.value] = handle.prefill_ms
-                emit(
-                    StageEvent(
-                        Stage.PREFILL,
-                        "finished",
-                        (time.perf_counter() - t_prefill) * 1e3,
-                        {
-                            "num_prompt_tokens": str(handle.num_prompt_tokens),
-                            "kv_num_bytes": str(handle.kv_num_bytes),
-                            "prefix_cache": "hit" if handle.num_reused_prompt_tokens else "miss",
-                            "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
-                        },
-                    )
+            if handle.num_choices != len(choices):
+                raise RuntimeError(
+                    f"prefill answered {handle.num_choices} first tokens for a request of n={len(choices)} "
+                    "choices: a prefill replica older than this gateway (it ignores n)"
                 )
-                t_gen = time.perf_counter()
-                pruning = handle.pruning
-                emit(StageEvent(Stage.GENERATE, "started"))
-                for choice in choices:
-                    first = handle.for_choice(choice.index)
-                    if choice.sent is None and first.first_text is not None:
-                        # The first token goes out now, not once a decoder has pulled the cache and
-                        # admitted the request (the KV transfer, and the admission's wait for the
-                        # model thread); the decoder's first step, the same token, is not sent again.
-                        choice.sent = TokenStep(
-                            [first.first_token_id],
-                            first.first_text,
-                            logprobs=[_first_logprob(first)] if asked_logprobs else None,
-                            index=choice.index,
-                        )
-                        timings.setdefault(TTFT, elapsed_ms())
-                        choice.add(choice.sent)
-                        emit(choice.sent)
+            timings[Stage.PREFILL.value] = handle.prefill_ms
+            emit(
+                StageEvent(
+                    Stage.PREFILL,
+                    "finished",
+                    (time.perf_counter() - t_prefill) * 1e3,
+                    {
+                        "num_prompt_tokens": str(handle.num_prompt_tokens),
+                        "kv_num_bytes": str(handle.kv_num_bytes),
+                        "prefix_cache": "hit" if handle.num_reused_prompt_tokens else "miss",
+                        "num_reused_prompt_tokens": str(handle.num_reused_prompt_tokens),
+                    },
+                )
+            )
+            return handle
 
-                await _all_of(
-                    [self._generate(handle, c, req, request_id, emit, timings, elapsed_ms) for c in choices]
-                )
-            except KvSourceLost as exc:
-                if any(c.taken for c in choices) or attempt:
-                    raise
-                log.warning("request %s: %s; prefilling it again", request_id, exc)
-                lost = exc
-                continue
-            finally:
-                # Not taken: no decoder has the cache. Taken but cut short (a decoder lost, or the
-                # client gone): the decoder confirms receipt just after the first token, so one
-                # that died right then leaves prefill's copy behind; nothing retries after a first
-                # token, so the copy is released here (a no-op when it was confirmed). With n
-                # choices, once every choice's decoder is done: a release drops it for all.
-                if not all(c.taken and c.ended for c in choices):
+        async def prefill_again(choice: _Choice, lost: KvSourceLost) -> PrefillHandle:
+            """The second prefill's handle, made by the first choice that lost the first one's
+            cache; a choice that loses it later takes the same one (the request is prefilled
+            again once). `lost` is raised when it samples another first token for `choice` than
+            the one the client has."""
+            async with prefilling_again:
+                if len(handles) == 1:
+                    taken = [c.index for c in choices if c.taken]
+                    log.warning(
+                        "request %s: %s; prefilling it again%s",
+                        request_id,
+                        lost,
+                        f" (choices {taken} have it already and go on)" if taken else "",
+                    )
+                    await prefill()
+            again = handles[-1]
+            first = again.for_choice(choice.index)
+            if choice.sent is not None and first.first_token_id != choice.sent.token_ids[0]:
+                raise lost  # the client has the first prefill's token, and this one differs (sampled)
+            return again
+
+        try:
+            first_handle = await prefill()
+            t_gen = time.perf_counter()
+            emit(StageEvent(Stage.GENERATE, "started"))
+            run = _Run(req, request_id, emit, timings, elapsed_ms)
+            for choice in choices:
+                self._send_first(run, first_handle, choice)
+            await _all_of([self._run_choice(run, first_handle, c, prefill_again) for c in choices])
+        finally:
+            # A cache is released unless all n choices pulled it and ran to their end. Not taken: no
+            # decoder has it. Taken but cut short (a decoder lost, or the client gone): the decoder
+            # confirms receipt just after the first token, so one that died right then leaves
+            # prefill's copy behind; nothing retries after a first token, so the copy is released
+            # here (a no-op when it was confirmed). Once every choice's decoder is done: a release
+            # drops it for all. A second prefill's cache that only some choices needed (the others
+            # had the first) is kept for n pulls and pulled by fewer: released here too.
+            for handle in handles:
+                if not all(c.source is handle and c.ended for c in choices):
                     await self._release(handle, request_id)
-            break
         num_tokens = sum(len(c.token_ids) for c in choices)
         transfer_bytes += sum(c.kv_num_bytes_pulled for c in choices)
         timings[Stage.GENERATE.value] = (time.perf_counter() - t_gen) * 1e3
@@ -449,6 +468,8 @@ class Pipeline:
             )
         )
         timings[TOTAL] = elapsed_ms()
+        handle = handles[0]  # the request's prompt, as its first prefill ran it (a second runs the same)
+        pruning = handle.pruning
         pruning.transfer_bytes = transfer_bytes
         first_choice = choices[0].summary()
         return AskSummary(
@@ -475,29 +496,63 @@ class Pipeline:
             prompt_logprobs=handle.prompt_logprobs,
         )
 
-    async def _generate(
+    def _send_first(self, run: _Run, handle: PrefillHandle, choice: _Choice) -> None:
+        """Send choice `choice`'s first token from prefill's `handle` now, not once a decoder has
+        pulled the cache and admitted the request (the KV transfer, and the admission's wait for
+        the model thread); the decoder's first step, the same token, is not sent again. Nothing
+        when it went already, or when the handle has no text for it (that token ends the choice:
+        its decoder's step carries the finish reason)."""
+        first = handle.for_choice(choice.index)
+        if choice.sent is not None or first.first_text is None:
+            return
+        choice.sent = TokenStep(
+            [first.first_token_id],
+            first.first_text,
+            logprobs=None if run.req.generation.logprobs is None else [_first_logprob(first)],
+            index=choice.index,
+        )
+        run.timings.setdefault(TTFT, run.elapsed_ms())
+        choice.add(choice.sent)
+        run.emit(choice.sent)
+
+    async def _run_choice(
         self,
+        run: _Run,
         handle: PrefillHandle,
         choice: _Choice,
-        req: AskRequest,
-        request_id: str,
-        emit: Emit,
-        timings: dict[str, float],
-        elapsed_ms: Callable[[], float],
+        prefill_again: Callable[[_Choice, KvSourceLost], Coroutine[Any, Any, PrefillHandle]],
+    ) -> None:
+        """Choice `choice` from `handle`'s cache; when its decoder cannot pull it (KvSourceLost,
+        which a decoder raises only before its first step), from the cache of `prefill_again`,
+        which samples this choice's first token again by its own seed (`GenerationConfig.for_choice`):
+        the same token, or the request fails (one already sent cannot be taken back). The other
+        choices go on meanwhile: those whose decoders pulled the first cache have it."""
+        try:
+            await self._generate(run, handle, choice, handle.pruning)
+            return
+        except KvSourceLost as exc:
+            again = await prefill_again(choice, exc)
+        self._send_first(run, again, choice)
+        await self._generate(run, again, choice, handle.pruning)
+
+    async def _generate(
+        self, run: _Run, handle: PrefillHandle, choice: _Choice, pruning: PruningStats
     ) -> None:
         """Choice `choice`'s decode request, from `handle`'s cache and the choice's first token,
-        its steps emitted (tagged with its index) as they come."""
+        its steps emitted (tagged with its index) as they come; its decoder's eviction counted in
+        `pruning` (the request's, whichever prefill the cache came from)."""
+        req, timings = run.req, run.timings
         first = handle.for_choice(choice.index)
         generation = first.decode_generation(req.generation.for_choice(choice.index))
         # aclosing: an error in this loop's body (`_after_sent`) must end the decoder's run now,
         # freeing its batch row and KV reservation, not when the GC finds it.
-        async with aclosing(self._decode(first, generation, req, request_id)) as steps:
+        async with aclosing(self._decode(first, generation, req, run.request_id)) as steps:
             async for step in steps:
                 if not choice.taken:
-                    choice.taken = True
-                    timings.setdefault(TTFT, elapsed_ms())
+                    choice.source = handle
+                    timings.setdefault(TTFT, run.elapsed_ms())
                     timings[Stage.KV_TRANSFER.value] = step.kv_transfer_ms
-                    emit(
+                    run.emit(
                         StageEvent(
                             Stage.KV_TRANSFER,
                             "finished",
@@ -515,8 +570,8 @@ class Pipeline:
                 step = replace(step, index=choice.index)
                 choice.add(step)
                 if step.decode_evict is not None:
-                    handle.pruning.record("decode_evict", *step.decode_evict)
-                emit(step)
+                    pruning.record("decode_evict", *step.decode_evict)
+                run.emit(step)
         choice.ended = True
 
     async def _prefill(self, req: AskRequest, media: EncodedMedia | None, request_id: str) -> PrefillHandle:

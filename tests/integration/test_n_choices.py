@@ -2,7 +2,8 @@
 colocated server: the media is encoded and the prompt prefilled once (the cores' request counters
 on /metrics), each choice sampled by its own sampler (seed + i, so choice i is the single request
 with that seed, token for token), greedy choices all equal generate(); streamed chunks carry their
-choice's index and the usage sums the choices; n past 16 is a 400, and the gRPC Ask, which streams
+choice's index, a choice's finish goes out when it finishes while the others go on, and the usage
+sums the choices; n past 16 is a 400, and the gRPC Ask, which streams
 one answer, refuses n > 1; a client that leaves frees every choice's decoder and the cache."""
 
 from __future__ import annotations
@@ -332,3 +333,72 @@ def test_choices_in_the_colocated_server(tiny_models, media_files):
     assert _tokens(both) == [first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]]
     assert both["usage"]["completion_tokens"] == sum(map(len, _tokens(both)))
     assert _tokens(completion)[1] == completion_1["choices"][0]["token_ids"]
+
+
+LONG_TOKENS = 64  # choice 1's run, against choice 0's few tokens (`_early_stop`)
+
+
+def _early_stop(port: int, path: str, body: dict) -> tuple[dict, int, int]:
+    """(the seeded fields, a stop token id, its position k): with those fields choice 0 samples the
+    token at position k (its first time) and choice 1 never does in LONG_TOKENS tokens, so with
+    `stop_token_ids` = [it] choice 0 ends at token k + 1 and choice 1 runs to max_tokens. Searched
+    over seeds, not fixed: the tiny model's weights make the tokens."""
+    for seed in range(SEED, SEED + 20):
+        fields = {"n": 2, "temperature": 1.0, "seed": seed, "max_tokens": LONG_TOKENS, "ignore_eos": True}
+        status, answer = _post(port, path, {**body, **fields})
+        assert status == 200, answer
+        first, second = _tokens(answer)
+        for k in range(1, 6):
+            if first[k] not in first[:k] and first[k] not in second:
+                return fields, first[k], k
+    raise AssertionError("no seed of 20 gave choice 0 a token choice 1 never samples")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_choice_that_ends_early_sends_its_finish_while_the_other_goes_on(shared_stack, media_files, path):
+    # vLLM's stream: each choice's finish chunk (finish_reason, stop_reason) as it finishes, the
+    # other choices' tokens after it, the usage once at the end. Choice 0 stops at a stop token
+    # within its first 6 tokens, choice 1 runs 64: both decode in the one decoder's batch, a
+    # token each per step, so choice 1 has tokens left to send when choice 0 ends.
+    port = shared_stack.http_port
+    if path == "/v1/chat/completions":
+        body = _video_body(media_files)
+    else:
+        body = {"model": "epd", "prompt": "the sky is"}
+    fields, stop_id, k = _early_stop(port, path, body)
+    fields["stop_token_ids"] = [stop_id]
+    status, plain = _post(port, path, {**body, **fields})
+    assert status == 200, plain
+    first, second = _tokens(plain)  # by index
+    assert len(first) == k + 1 and first[-1] == stop_id and len(second) == LONG_TOKENS
+    assert [(c["finish_reason"], c["stop_reason"]) for c in plain["choices"]] == [
+        ("stop", stop_id),
+        ("length", None),
+    ]
+    assert plain["usage"]["completion_tokens"] == k + 1 + LONG_TOKENS
+
+    status, events = _post(
+        port, path, {**body, **fields, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert status == 200 and "error" not in events[-1], events[-1]
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"] == plain["usage"]  # the usage once, at the end
+
+    def where(index: int, finished: bool) -> list[int]:
+        """Positions of choice `index`'s chunks: its finish chunk, or those with tokens."""
+        return [
+            at
+            for at, chunk in enumerate(chunks)
+            for c in chunk["choices"]
+            if c["index"] == index and (bool(c["finish_reason"]) if finished else bool(c.get("token_ids")))
+        ]
+
+    [early_end], [late_end] = where(0, finished=True), where(1, finished=True)
+    assert max(where(0, finished=False)) < early_end < max(where(1, finished=False)) < late_end
+    [early], [late] = chunks[early_end]["choices"], chunks[late_end]["choices"]
+    assert (early["finish_reason"], early["stop_reason"]) == ("stop", stop_id)
+    assert (late["finish_reason"], late["stop_reason"]) == ("length", None)
+    assert "epd" in chunks[late_end] and not any("epd" in chunk for chunk in chunks[:late_end])
+    for index, tokens in enumerate((first, second)):
+        assert [t for chunk in chunks for c in chunk["choices"] if c["index"] == index
+                for t in c.get("token_ids") or []] == tokens  # fmt: skip
