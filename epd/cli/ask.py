@@ -461,7 +461,7 @@ async def _embedded_stream(
     from epd.client import StageEvent as ClientStageEvent
     from epd.client import TokenDelta
     from epd.gateway.pipeline import AskRequest, AskSummary
-    from epd.stages.contracts import MediaInput, StageEvent
+    from epd.stages.contracts import MediaInput, StageEvent, TokenStep
     from epd.stages.messages import ChatTemplateOptions
     from epd.stages.names import Stage
 
@@ -489,7 +489,7 @@ async def _embedded_stream(
                 answer.append(result.answer)
             yield result
             return
-        else:
+        elif isinstance(item, TokenStep):  # the prompt's logprobs are printed from the result
             yield TokenDelta(list(item.token_ids), item.text)
 
 

@@ -197,8 +197,18 @@ async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
                 task.exception()
 
 
-PipelineEvent = StageEvent | TokenStep | AskSummary
-Emit = Callable[[StageEvent | TokenStep], None]
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's logprobs (`AskSummary.prompt_logprobs`, the same list), sent once prefill has
+    them, before the answer's first token, for a request that asked (`GenerationConfig.prompt_logprobs`):
+    what a streamed legacy completion with `echo` and `logprobs` begins with, as vLLM streams it.
+    Other consumers may skip it (the summary has the list too)."""
+
+    prompt_logprobs: list[TokenLogprob]
+
+
+PipelineEvent = StageEvent | PromptLogprobs | TokenStep | AskSummary
+Emit = Callable[[StageEvent | PromptLogprobs | TokenStep], None]
 
 
 DECODE_ROOM_WAIT_S = 60.0
@@ -370,6 +380,7 @@ class Pipeline:
             _Choice(index, logprobs=[] if asked_logprobs else None) for index in range(req.generation.n)
         ]
         lost: KvSourceLost | None = None
+        prompt_logprobs_sent = False
         for attempt in range(2):
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
@@ -400,6 +411,10 @@ class Pipeline:
                         },
                     )
                 )
+                if handle.prompt_logprobs is not None and not prompt_logprobs_sent:
+                    # Once: a prefill again (a lost cache) scores the same prompt the same way.
+                    prompt_logprobs_sent = True
+                    emit(PromptLogprobs(handle.prompt_logprobs))
                 t_gen = time.perf_counter()
                 pruning = handle.pruning
                 emit(StageEvent(Stage.GENERATE, "started"))
