@@ -26,7 +26,8 @@ turn sends the earlier questions and answers too (`epd.client.conversation.Histo
 (the encoder's, prefill's prefix cache) serve the follow-ups as they would behind a gateway.
 
 Both modes print the SDK's typed result (`epd.client.AskResult`): the answer as it streams, stage
-progress on stderr, then a timings line; with --json one object per turn and line,
+progress on stderr, with --logprobs K / --prompt-logprobs K a table per token after the answer (its
+logprob and the K most likely tokens'), then a timings line; with --json one object per turn and line,
 `AskResult.to_dict()` (the field names of the HTTP API's `epd` object), plus `notice` for the
 demo model and, in a conversation, `turn` (from 1) and `question`.
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from epd.client import StageEvent as ClientStageEvent
     from epd.gateway.pipeline import AskSummary, Pipeline
     from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.logprobs import TokenLogprob
     from epd.stages.messages import ChatTemplateOptions, Message
     from epd.stages.raw_prompt import RawPrompt
 
@@ -73,6 +76,7 @@ def run_ask(args: argparse.Namespace) -> int:
         # Embedded mode's model config now: a bad --device or --dtype is the user's to fix (exit 2),
         # not a server error out of the event loop (INTERNAL, exit 1).
         model = None if args.endpoint else configs.model_config(args)
+        _check_generation(args, embedded=model is not None)
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
@@ -107,6 +111,25 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"epd: {code.name}: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_generation(args: argparse.Namespace, embedded: bool) -> None:
+    """ValueError for a generation flag's value, before the model loads or any call: the SDK's
+    checks (both modes send the flags as its options), and in embedded mode the logprobs bound of
+    the servers it runs in this process (a remote server holds requests to its own --max-logprobs)."""
+    from epd.cli import configs
+    from epd.client.client import check_generation_options
+    from epd.model_runtime.sampling import check_logprobs
+    from epd.prefill_svc.config import PrefillConfig
+
+    check_generation_options(configs.generation_options(args))
+    if embedded:
+        bound = (
+            "embedded mode's bound, vLLM's default --max-logprobs; for more, ask a server started with "
+            "a larger --max-logprobs (--endpoint)"
+        )
+        for flag, k in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+            check_logprobs(k, PrefillConfig.max_logprobs, bound, flag)
 
 
 def _template(args: argparse.Namespace) -> ChatTemplateOptions:
@@ -307,6 +330,10 @@ async def _print_turns(
             raise RuntimeError("the stream ended without a result")
         if not args.json:
             print(file=sys.stdout, flush=True)  # the answer's line ends
+            if result.logprobs is not None:
+                _print_logprobs("the answer's tokens", result.logprobs)
+            if result.prompt_logprobs is not None:
+                _print_logprobs("the prompt's tokens", result.prompt_logprobs, ranked=True)
         for event in held:
             _progress(event.stage, event.state, event.duration_ms, args.json)
         if args.json:
@@ -331,6 +358,29 @@ def _emit_text(text: str, quiet: bool) -> None:
     if not quiet and text:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+def _print_logprobs(what: str, logprobs: list[TokenLogprob], ranked: bool = False) -> None:
+    """A table on stdout, one row per token: its text (Python's repr, so that spaces, newlines and
+    special tokens show), its log-probability (and, `ranked`, its rank), then the most likely
+    tokens at its position, each with its own. A prompt's first token has none (NaN): "-"."""
+    k = max((len(lp.top) for lp in logprobs), default=0)
+    print(f"logprobs of {what} ({len(logprobs)}; top {k} at each position):", flush=True)
+    rows = [
+        (
+            str(i),
+            repr(lp.token),
+            "-" if math.isnan(lp.logprob) else f"{lp.logprob:.4f}",
+            *([str(lp.rank) if lp.rank else "-"] if ranked else []),
+            "  ".join(f"{t.token!r} {t.logprob:.4f}" for t in lp.top),
+        )
+        for i, lp in enumerate(logprobs)
+    ]
+    header = ("#", "token", "logprob", *(["rank"] if ranked else []), "top" if k else "")
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header) - 1)]
+    for row in [header, *rows]:
+        cells = [cell.rjust(w) if c != 1 else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))]
+        print("  " + "  ".join([*cells, row[-1]]).rstrip(), flush=True)
 
 
 def _print_summary(result: AskResult) -> None:
@@ -411,7 +461,7 @@ async def _embedded_stream(
     from epd.client import StageEvent as ClientStageEvent
     from epd.client import TokenDelta
     from epd.gateway.pipeline import AskRequest, AskSummary
-    from epd.stages.contracts import MediaInput, StageEvent
+    from epd.stages.contracts import MediaInput, StageEvent, TokenStep
     from epd.stages.messages import ChatTemplateOptions
     from epd.stages.names import Stage
 
@@ -439,7 +489,7 @@ async def _embedded_stream(
                 answer.append(result.answer)
             yield result
             return
-        else:
+        elif isinstance(item, TokenStep):  # the prompt's logprobs are printed from the result
             yield TokenDelta(list(item.token_ids), item.text)
 
 

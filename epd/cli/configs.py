@@ -90,6 +90,8 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         allowed_token_ids=tuple(args.allowed_token_id),
         bad_words=tuple(args.bad_word),
         structured_outputs=structured_outputs(args),
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
 
 

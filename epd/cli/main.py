@@ -252,6 +252,24 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None, help="sampling's seed (default: a random one)")
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="after the answer, a table of each generated token's log-probability and the K most "
+        "likely tokens' at its position (0: the token's own alone; at most the server's "
+        "--max-logprobs, 20 by default; raw model distribution, vLLM's default)",
+    )
+    g.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="after the answer, a table of each prompt token's log-probability given the tokens "
+        "before it, its rank and the K most likely tokens' there (vLLM's prompt_logprobs; bounded "
+        "as --logprobs; not with --pruning)",
+    )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
         "--repetition-penalty",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import math
 import threading
 import time
 import warnings
@@ -146,8 +147,9 @@ def build_header(
     chat_template_kwargs (a dict of extra template variables, JSON values, such as
     {"enable_thinking": False}; those the model's template does not read are dropped).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
-    ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
-    cannot tell from unset; messages=[]. TypeError naming the option: a value of the wrong type
+    ValueError (`check_generation_options`): max_new_tokens < 1, top_p outside (0, 1] or
+    repetition_penalty <= 0, which the wire cannot tell from unset; a negative or NaN temperature,
+    a negative logprobs or prompt_logprobs; messages=[]. TypeError naming the option: a value of the wrong type
     (num_frames=2.5, stop=5). Other ranges are the server's to check (INVALID_ARGUMENT, naming
     the setting, as the HTTP API's 400).
     """
@@ -167,16 +169,7 @@ def build_header(
     # Types first (protobuf's own TypeError names neither the option nor what it takes), then ranges.
     _typed(common_pb2.VideoSampling, sampling_given)
     _typed(common_pb2.GenerationParams, generation_given)
-    # Zero is also "the server's default" on the wire (proto3 scalars have no presence; the seed
-    # has): so a zero that would mean something else is refused here, not sent as the default.
-    if (max_new := generation_given.get("max_new_tokens")) is not None and max_new < 1:
-        raise ValueError(f"max_new_tokens must be >= 1 (None: the server's default), got {max_new}")
-    if (top_p := generation_given.get("top_p")) is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (None: 1, all tokens), got {top_p}")
-    if (penalty := generation_given.get("repetition_penalty")) is not None and not penalty > 0:
-        raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
-    if (allowed := generation_given.get("allowed_token_ids")) is not None and not len(allowed):
-        raise ValueError("allowed_token_ids is empty, which allows no token (None: every token)")
+    check_generation_options(generation_given)
     sampling = common_pb2.VideoSampling(**{k: v for k, v in sampling_given.items() if v})
     generation = common_pb2.GenerationParams(
         **{k: v for k, v in generation_given.items() if v or k in _GENERATION_PRESENT}
@@ -242,6 +235,36 @@ def build_header(
         prompt=prompt,
         template=template,
     )
+
+
+def check_generation_options(options: Mapping[str, Any]) -> None:
+    """ValueError, before any call, for a generation option (`build_header`'s names) whose value no
+    server takes or the wire cannot tell from unset; None values are unset. Bounds only the server
+    knows (its --max-logprobs, --max-new-tokens-limit, the vocabulary) are the server's to check."""
+    # Zero is also "the server's default" on the wire (proto3 scalars have no presence; the seed
+    # has): so a zero that would mean something else is refused here, not sent as the default.
+    if (max_new := options.get("max_new_tokens")) is not None and max_new < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (None: the server's default), got {max_new}")
+    # A NaN passes `< 0` (every comparison with NaN is false).
+    if (temperature := options.get("temperature")) is not None and not (
+        math.isfinite(temperature) and temperature >= 0
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if (top_p := options.get("top_p")) is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (None: 1, all tokens), got {top_p}")
+    if (penalty := options.get("repetition_penalty")) is not None and not penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (None: 1, off), got {penalty}")
+    if (allowed := options.get("allowed_token_ids")) is not None and not len(allowed):
+        raise ValueError("allowed_token_ids is empty, which allows no token (None: every token)")
+    for name, zero in (
+        ("logprobs", "the sampled token's alone"),
+        ("prompt_logprobs", "each prompt token's own"),
+    ):
+        if (k := options.get(name)) is not None and k < 0:
+            raise ValueError(
+                f"{name} must be >= 0, the number of most likely tokens shown at each position (0: {zero}; "
+                f"None: none), got {k}"
+            )
 
 
 def _template(

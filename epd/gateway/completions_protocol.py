@@ -7,7 +7,8 @@ request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch o
 refused (400), as epd answers one prompt per call. The generation options, streaming,
 `stream_options` and the server-side defaults are chat completions' (`epd.gateway.openai_protocol`);
 `echo` (a text prompt's), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
-tokens' logprobs come first, as vLLM's: not streamed) and vLLM's `prompt_logprobs` are taken,
+tokens' logprobs come first, as vLLM's; streamed, in the echoed prompt's chunk, before the answer's
+tokens stream with theirs) and vLLM's `prompt_logprobs` are taken,
 `suffix` is refused. The answer is a
 `text_completion` (streamed: `text_completion` chunks ending in `data: [DONE]`), each choice with
 vLLM's `stop_reason` and `token_ids`, and the same `usage` and `epd` objects as chat's.
@@ -94,12 +95,8 @@ def parse_completion_request(
     generation: GenerationConfig = options["generation"]
     if echo and logprobs is not None:
         # vLLM's: the choice's logprobs list the prompt's tokens first, so echo asks for the
-        # prompt's logprobs (prompt_logprobs, when unset, is logprobs).
-        if options["stream"]:
-            raise InvalidRequest(
-                "'echo' with 'logprobs' is not streamed by this server (the prompt's logprobs come in "
-                "the whole answer); ask without \"stream\": true, or leave 'echo' unset"
-            )
+        # prompt's logprobs (prompt_logprobs, when unset, is logprobs); streamed, the echo's chunk
+        # carries them (`epd.gateway.pipeline.PromptLogprobs`).
         if generation.prompt_logprobs is None:
             options["generation"] = replace(generation, prompt_logprobs=logprobs)
     check_raw_prompt(prompt)

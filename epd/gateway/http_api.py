@@ -94,7 +94,13 @@ from epd.gateway.openai_protocol import (
     parse_chat_request,
     usage,
 )
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.pipeline import (
+    AskRequest,
+    AskSummary,
+    Pipeline,
+    PipelineEvent,
+    PromptLogprobs,
+)
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import ReasoningStream, delta_fields, parser_misfit, thinking_on
@@ -547,6 +553,9 @@ class HttpApi:
         call = current_call()
         num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
         thinking = self._thinking(chat)
+        # The prompt's, when prefill computed them (`PromptLogprobs`): a completion's echo with
+        # logprobs streams them with the prompt's text.
+        prompt_logprobs: list[TokenLogprob] | None = None
         # Each choice's text parted into reasoning and content, by index (with --reasoning-parser).
         parted = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(chat.generation.n)}
 
@@ -583,6 +592,9 @@ class HttpApi:
         try:
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
+                    if isinstance(item, PromptLogprobs):
+                        prompt_logprobs = item.prompt_logprobs
+                        continue
                     if isinstance(item, StageEvent):
                         if item.stage == Stage.PREFILL and item.state == "finished":
                             num_prompt_tokens = int(item.details.get("num_prompt_tokens", 0))
@@ -604,8 +616,21 @@ class HttpApi:
                                     )
                                 )
                             if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
-                                await send(_delta_chunk(chat, request_id, created, echoed, None, index=index))
-                                text_offsets[index] = len(echoed)
+                                echo_logprobs = (
+                                    prompt_logprobs if chat.generation.logprobs is not None else None
+                                )
+                                await send(
+                                    _delta_chunk(
+                                        chat, request_id, created, echoed, None, echo_logprobs, index=index
+                                    )
+                                )
+                                # The answer's offsets go on from the prompt tokens' (each token's
+                                # text), as in the whole answer's list (`text_completion_body`).
+                                text_offsets[index] = (
+                                    len(echoed)
+                                    if echo_logprobs is None
+                                    else sum(len(lp.token) for lp in echo_logprobs)
+                                )
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
@@ -684,7 +709,8 @@ def _delta_chunk(
     """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
     completion's text; `token_ids` None (no `token_ids` field): the echoed text, which no generated
     token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
-    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it).
+    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it),
+    or, of the echoed text, the prompt's tokens' (the first with nulls).
     `delta`: chat's, the text parted by the reasoning parser (None: `{"content": text}`)."""
     if chat.raw_prompt is not None:
         return text_completion_chunk(

@@ -202,8 +202,18 @@ async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
                 task.exception()
 
 
-PipelineEvent = StageEvent | TokenStep | AskSummary
-Emit = Callable[[StageEvent | TokenStep], None]
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's logprobs (`AskSummary.prompt_logprobs`, the same list), sent once prefill has
+    them, before the answer's first token, for a request that asked (`GenerationConfig.prompt_logprobs`):
+    what a streamed legacy completion with `echo` and `logprobs` begins with, as vLLM streams it.
+    Other consumers may skip it (the summary has the list too)."""
+
+    prompt_logprobs: list[TokenLogprob]
+
+
+PipelineEvent = StageEvent | PromptLogprobs | TokenStep | AskSummary
+Emit = Callable[[StageEvent | PromptLogprobs | TokenStep], None]
 
 
 @dataclass
@@ -439,6 +449,10 @@ class Pipeline:
 
         try:
             first_handle = await prefill()
+            if first_handle.prompt_logprobs is not None:
+                # Once, before the first token: a prefill again (a lost cache) scores the same prompt
+                # the same way.
+                emit(PromptLogprobs(first_handle.prompt_logprobs))
             t_gen = time.perf_counter()
             emit(StageEvent(Stage.GENERATE, "started"))
             run = _Run(req, request_id, emit, timings, elapsed_ms)

@@ -14,7 +14,7 @@ from epd.gateway.config import GatewayConfig
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
 from epd.gateway.shutdown import Call, CallsInFlight
-from epd.stages.contracts import StageEvent, check_cache_salt
+from epd.stages.contracts import StageEvent, TokenStep, check_cache_salt
 from epd.stages.errors import DeadlineExceeded, InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
@@ -174,7 +174,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
                     elif isinstance(item, AskSummary):
                         yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
-                    else:
+                    elif isinstance(item, TokenStep):  # the prompt's logprobs come in the summary
                         call.num_tokens += len(item.token_ids)
                         delta = gateway_pb2.TokenDelta(
                             token_ids=item.token_ids,

@@ -495,6 +495,8 @@ def test_ask_endpoint_says_which_flag_the_sdk_refuses():
     for flags, says in (
         (["--top-p", "2"], "top_p must be in (0, 1]"),
         (["--max-new-tokens", "-3"], "max_new_tokens must be >= 1"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--logprobs", "-1"], "logprobs must be >= 0"),
     ):
         refused = run_epd_forked("ask", "--no-video", QUESTION, "--endpoint", "127.0.0.1:9", *flags)
         assert refused.returncode == 2 and says in refused.stderr, (flags, refused.stderr)
@@ -522,6 +524,46 @@ def test_ask_prompt_continues_a_raw_prompt_embedded_and_through_the_stack(tiny_m
         assert out["timings_ms"]["encode"] == 0.0 and out["timings_ms"]["video_decode"] == 0.0, where
     proc = run_epd_forked("ask", "--prompt", RAW_PROMPT, "--model", model, "--max-new-tokens", "4")
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr  # the text answer, as a question's
+
+
+def test_ask_logprobs_embedded_and_through_the_stack(tiny_models, shared_stack):
+    """`epd ask --logprobs K --prompt-logprobs K`: the result's logprobs (--json), one per answer
+    token with its K alternatives, and one per prompt token (the first with none), the same
+    numbers embedded and against a gateway; as text, a table after the answer, a row per token.
+    More than the server's --max-logprobs is the server's INVALID_ARGUMENT."""
+    model = str(tiny_models["qwen2_vl"])
+    flags = ["--max-new-tokens", "6", "--logprobs", "2", "--prompt-logprobs", "1"]
+    outs = []
+    for where in (["--model", model], ["--endpoint", shared_stack.gateway]):
+        proc = run_epd_forked("ask", "--prompt", RAW_PROMPT, *where, *flags, "--json")
+        assert proc.returncode == 0, (where, proc.stderr)
+        out = json.loads(proc.stdout)
+        assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"], where
+        assert all(len(lp["top"]) == 2 for lp in out["logprobs"]), where
+        assert len(out["prompt_logprobs"]) == out["num_prompt_tokens"] and out["prompt_logprobs"][0] is None
+        assert all(len(lp["top"]) == 1 and lp["rank"] >= 1 for lp in out["prompt_logprobs"][1:]), where
+        outs.append(out)
+    embedded, remote = outs
+    assert embedded["token_ids"] == remote["token_ids"]
+    for name in ("logprobs", "prompt_logprobs"):
+        numbers = [[lp and lp["logprob"] for lp in out[name]] for out in outs]
+        assert numbers[0][1:] == pytest.approx(numbers[1][1:], abs=1e-4), name
+
+    proc = run_epd_forked("ask", "--prompt", RAW_PROMPT, "--endpoint", shared_stack.gateway, *flags)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    start = lines.index("logprobs of the answer's tokens (6; top 2 at each position):")
+    rows = lines[start + 2 : start + 8]
+    assert [row.split()[1] for row in rows] == [repr(lp["token"]).split()[0] for lp in remote["logprobs"]]
+    assert (
+        f"logprobs of the prompt's tokens ({remote['num_prompt_tokens']}; top 1 at each position):" in lines
+    )
+
+    refused = run_epd_forked(
+        "ask", "--prompt", RAW_PROMPT, "--endpoint", shared_stack.gateway, "--logprobs", "21"
+    )
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr, refused.stderr
+    assert "between 0 and 20 (--max-logprobs)" in refused.stderr
 
 
 def test_ask_prompt_with_a_video_or_a_question_is_refused_saying_what_to_drop(media_files, tmp_path):

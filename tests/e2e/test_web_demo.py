@@ -35,20 +35,12 @@ def stack(tiny_models, tmp_path_factory):
 
 @pytest.fixture
 def page(browser, stack):
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    # Chromium logs each thing the page's Content-Security-Policy blocks to the console.
-    page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
-    page.goto(stack.http_url)
-    page.fill("#api-key", API_KEY)
-    page.fill("#num-frames", str(NUM_FRAMES))
-    page.fill("#max-tokens", str(MAX_TOKENS))
-    yield page
-    context.close()
-    assert not errors, errors  # no uncaught script errors, nothing blocked
+    with chromium.checked_page(browser, TIMEOUT_MS) as page:
+        page.goto(stack.http_url)
+        page.fill("#api-key", API_KEY)
+        page.fill("#num-frames", str(NUM_FRAMES))
+        page.fill("#max-tokens", str(MAX_TOKENS))
+        yield page
 
 
 def _ask(page, question: str) -> dict:

@@ -204,3 +204,27 @@ def test_another_clip_aborts_the_frames_request_of_the_old_one(page):
     assert page.evaluate("JSON.stringify(state.frames)") == new_frames
     assert page.evaluate("state.frames.is_image") and page.locator("#frames .frame img").count() == 1
     assert page.is_hidden("#error"), page.text_content("#error")
+
+
+def test_reasoning_under_either_name_is_shown_once_in_the_thinking_block(page):
+    """vLLM names the reasoning delta `reasoning`, its older versions `reasoning_content`; epd
+    sends both with the same text: the page shows it once, from either, and keeps the content."""
+    _use_sample(page)
+    _answer_with(
+        page,
+        "\n\n".join([
+            _chunk({"role": "assistant", "content": ""}),
+            _chunk({"reasoning": "let me ", "reasoning_content": "let me "}),
+            _chunk({"reasoning_content": "see"}),
+            _chunk({"content": "red"}),
+            'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "epd": {"num_frames": 2, '
+            '"num_visual_tokens": 8, "timings_ms": {}}}',
+            "data: [DONE]",
+            "",
+        ]),
+    )  # fmt: skip
+    assert page.is_hidden("#error"), page.text_content("#error")
+    card = page.locator("#answers .answer").first
+    assert card.locator(".thinking-text").text_content() == "let me see"
+    assert card.locator(".answer-text").text_content() == "red"
+    assert page.evaluate("state.turns") == [{"question": "what colour is the circle?", "answer": "red"}]

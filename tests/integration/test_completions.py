@@ -289,8 +289,6 @@ def test_completions_through_the_stack_plain_streamed_and_over_grpc(shared_stack
     assert chat[0].choices[0].model_extra["stop_reason"] == chat_stop
     with pytest.raises(openai.BadRequestError, match="holds 2 prompts; epd answers one prompt per request"):
         http.completions.create(model="epd", prompt=["a", "b"], max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="'echo' with 'logprobs' is not streamed"):
-        http.completions.create(model="epd", prompt="a", max_tokens=2, logprobs=2, echo=True, stream=True)
 
     with EpdClient(shared_stack.gateway, timeout_s=120) as client:
         result = client.ask(None, prompt=PROMPT, max_new_tokens=MAX_TOKENS)

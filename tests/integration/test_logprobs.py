@@ -350,8 +350,6 @@ def test_logprobs_through_the_stack_plain_streamed_and_over_grpc(shared_stack, t
     ):
         with pytest.raises(openai.BadRequestError, match=match):
             http.chat.completions.create(model="epd", messages=messages, max_tokens=2, **body)
-    with pytest.raises(openai.BadRequestError, match="'echo' with 'logprobs' is not streamed"):
-        http.completions.create(model="epd", prompt=PROMPT, max_tokens=2, logprobs=1, echo=True, stream=True)
 
     with EpdClient(shared_stack.gateway, timeout_s=120) as client:
         result = client.ask(None, messages=TEXT_CHAT, max_new_tokens=MAX_TOKENS, logprobs=K)

@@ -246,6 +246,43 @@ def test_prompt_logprobs_through_the_stack(shared_stack, tiny_models):
         )
 
 
+def test_a_streamed_echo_with_logprobs_joins_to_the_whole_answer(shared_stack, tiny_models):
+    """A legacy completion's `echo` with `logprobs`, streamed (it was a 400), as vLLM streams it:
+    the first chunk is the prompt's text with its tokens' logprobs (the first null), then the
+    answer's tokens stream with theirs. Joined, the chunks are the whole answer's text and its
+    `logprobs` lists (tokens, offsets, values, top alternatives)."""
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
+    )
+    raw_ids, raw_logprobs = reference(tiny_models["qwen2_vl"], prompt=PROMPT)
+    body: dict = dict(model="epd", prompt=PROMPT, max_tokens=4, echo=True, logprobs=2)
+    whole = http.completions.create(**body).model_dump()["choices"][0]
+    chunks = [c.model_dump()["choices"][0] for c in http.completions.create(**body, stream=True) if c.choices]
+
+    echo = chunks[0]
+    assert echo["text"] == PROMPT and echo.get("token_ids") is None
+    assert len(echo["logprobs"]["tokens"]) == len(raw_ids)
+    assert echo["logprobs"]["token_logprobs"][0] is None and echo["logprobs"]["top_logprobs"][0] is None
+    for p in range(1, len(raw_ids)):
+        assert close(echo["logprobs"]["token_logprobs"][p], float(raw_logprobs[p - 1, raw_ids[p]])), p
+    assert [t for c in chunks[1:] for t in c.get("token_ids") or []] == whole["token_ids"]
+
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    joined = {
+        key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    want = whole["logprobs"]
+    assert (joined["tokens"], joined["text_offset"]) == (want["tokens"], want["text_offset"])
+    assert len(joined["tokens"]) == len(raw_ids) + 4
+    for got, expected in zip(joined["token_logprobs"], want["token_logprobs"], strict=True):
+        assert (got is None and expected is None) or close(got, expected)
+    for got, expected in zip(joined["top_logprobs"], want["top_logprobs"], strict=True):
+        assert (got is None and expected is None) or (
+            list(got) == list(expected) and all(close(got[t], expected[t]) for t in got)
+        )
+
+
 def assert_json_prompt_logprobs(got: list, ids: list[int], logprobs: torch.Tensor, k: int) -> None:
     assert got is not None and len(got) == len(ids) and got[0] is None
     for p, entry in enumerate(got[1:]):

@@ -61,3 +61,55 @@ def test_the_cli_and_the_serving_benchmark_use_no_protos():
         wire = {m for m in imports if m.startswith(("epd.v1", "epd.transport")) or "_pb2" in m} - allowed
         assert wire == set(), f"{rel} imports {wire}"
         assert not calls & {"WhichOneof", "ask_stream", "HasField"}, f"{rel} reads protos: {calls}"
+
+
+def test_logprobs_are_printed_after_the_answer_as_a_table_per_token(capsys):
+    """`epd ask --logprobs K --prompt-logprobs K`: the answer, then one row per generated token
+    (its text, logprob, top alternatives), then one per prompt token (with its rank; the first
+    has none); --json prints them in the result's object (`AskResult.to_dict`)."""
+    import argparse
+    import asyncio
+    import json
+    import math
+
+    from epd.cli.ask import _print_turns
+    from epd.client import TokenDelta, TokenLogprob, TopLogprob
+
+    summary = _summary()
+    summary.logprobs = [
+        TokenLogprob(4, "blu", -0.25, (TopLogprob(4, "blu", -0.25), TopLogprob(9, " red", -1.5))),
+        TokenLogprob(5, "e\n", -float("inf"), (TopLogprob(7, "ish", -0.125), TopLogprob(5, "e\n", -2.0))),
+    ]
+    summary.prompt_logprobs = [
+        TokenLogprob(1, "<|im_start|>", math.nan),
+        TokenLogprob(2, "hi", -3.5, (TopLogprob(8, "ho", -0.5),), rank=4),
+    ]
+
+    def printed(json_mode: bool) -> str:
+        async def turns():
+            async def stream():
+                yield TokenDelta([4, 5], "blue")
+                yield _result_of(summary, [])
+
+            yield "", stream()
+
+        args = argparse.Namespace(json=json_mode, questions=[], interactive=False)
+        asyncio.run(_print_turns(args, turns(), ""))
+        return capsys.readouterr().out
+
+    lines = printed(False).splitlines()
+    assert lines[0] == "blue"
+    assert lines[1] == "logprobs of the answer's tokens (2; top 2 at each position):"
+    assert lines[2].split() == ["#", "token", "logprob", "top"]
+    assert lines[3].split() == ["0", "'blu'", "-0.2500", "'blu'", "-0.2500", "'", "red'", "-1.5000"]
+    assert lines[4].split() == ["1", "'e\\n'", "-inf", "'ish'", "-0.1250", "'e\\n'", "-2.0000"]
+    assert lines[5] == "logprobs of the prompt's tokens (2; top 1 at each position):"
+    assert lines[6].split() == ["#", "token", "logprob", "rank", "top"]
+    assert lines[7].split() == ["0", "'<|im_start|>'", "-", "-"]
+    assert lines[8].split() == ["1", "'hi'", "-3.5000", "4", "'ho'", "-0.5000"]
+    assert len(lines) == 9
+
+    out = json.loads(printed(True))
+    assert [lp["top"][0]["token"] for lp in out["logprobs"]] == ["blu", "ish"]
+    assert out["logprobs"][1]["logprob"] == -9999.0  # JSON has no -inf: vLLM's floor
+    assert out["prompt_logprobs"][0] is None and out["prompt_logprobs"][1]["rank"] == 4

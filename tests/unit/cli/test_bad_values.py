@@ -394,6 +394,52 @@ def test_epd_ask_reads_structured_output_flags_for_both_modes(capsys, tmp_path):
     assert "cannot read" in _usage_error(capsys, ["ask", VIDEO, "q?", "--grammar", str(tmp_path / "none")])
 
 
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--temperature", "-1"], "epd: temperature must be a finite number >= 0 (0: greedy), got -1.0"),
+        (["--logprobs", "-1"], "epd: logprobs must be >= 0, the number of most likely tokens shown"),
+        (["--prompt-logprobs", "-3"], "epd: prompt_logprobs must be >= 0, the number of most likely tokens"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["embedded", "endpoint"])
+def test_epd_ask_refuses_a_negative_temperature_or_logprobs_before_any_call(
+    capsys, tmp_path, flags, expected, mode
+):
+    """The SDK's message, exit 2, in both modes: against --endpoint (nothing listens on port 1) it
+    went to the server (here: UNAVAILABLE, exit 1); embedded, the model would load first (here: a
+    model that does not exist, exit 3)."""
+    where = ["--endpoint", "127.0.0.1:1"] if mode == "endpoint" else ["--model", str(tmp_path / "no-model")]
+    assert _ask("--no-video", "q?", *where, *flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and len(err.strip().splitlines()) == 1, err
+
+
+def test_epd_ask_embedded_holds_logprobs_to_its_servers_bound(capsys, tmp_path):
+    """Embedded mode runs its servers with vLLM's default --max-logprobs (20): more is refused
+    before the model loads, saying where the bound comes from; 20 passes (to the model's load)."""
+    from epd.prefill_svc.config import PrefillConfig
+
+    limit = PrefillConfig.max_logprobs
+    for flag in ("--logprobs", "--prompt-logprobs"):
+        assert _ask("--no-video", "q?", "--model", str(tmp_path / "no-model"), flag, str(limit + 1)) == 2
+        assert capsys.readouterr().err.startswith(
+            f"epd: {flag} must be between 0 and {limit} (embedded mode's bound, vLLM's default --max-logprobs"
+        )
+        assert _ask("--no-video", "q?", "--model", str(tmp_path / "no-model"), flag, str(limit)) == 3
+        capsys.readouterr()
+
+
+def test_epd_ask_reads_logprobs_flags_for_both_modes():
+    args = build_parser().parse_args(["ask", VIDEO, "q?", "--logprobs", "3", "--prompt-logprobs", "0"])
+    generation = configs.generation_config(args)
+    assert (generation.logprobs, generation.prompt_logprobs) == (3, 0)
+    options = configs.generation_options(args)
+    assert (options["logprobs"], options["prompt_logprobs"]) == (3, 0)
+    unset = configs.generation_config(build_parser().parse_args(["ask", VIDEO, "q?"]))
+    assert (unset.logprobs, unset.prompt_logprobs) == (None, None)
+
+
 def test_epd_ask_takes_fps_or_num_frames_not_both(capsys):
     """As every door refuses the pair (a request's frame count or its rate); --fps is unset unless
     given, so `--num-frames N` alone sends no rate beside it (it sent the default 2)."""

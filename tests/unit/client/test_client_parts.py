@@ -135,6 +135,25 @@ def test_a_zero_seed_is_sent_and_zeros_that_mean_something_else_are_refused():
         build_header("q?", 0, "", {"repetition_penalty": 0})
 
 
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"temperature": -1.0}, r"temperature must be a finite number >= 0 \(0: greedy\), got -1.0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"logprobs": -1}, "logprobs must be >= 0, the number of most likely tokens"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs must be >= 0, the number of most likely tokens"),
+    ],
+)
+def test_a_negative_temperature_or_logprobs_is_refused_before_any_call(options, match):
+    """They went out, for the server to refuse (or, a NaN temperature, for the wire to carry):
+    the SDK says what to change before any call, as for top_p. Zero and above are sent."""
+    with pytest.raises(ValueError, match=match):
+        build_header("q?", 0, "", options)
+    h = build_header("q?", 0, "", {"temperature": 0.5, "logprobs": 0, "prompt_logprobs": 3})
+    assert (h.generation.temperature, h.generation.logprobs, h.generation.prompt_logprobs) == (0.5, 0, 3)
+    assert h.generation.HasField("logprobs")
+
+
 def test_header_carries_vllm_sampling_options():
     h = build_header("q?", 0, "", {
         "repetition_penalty": 1.3, "presence_penalty": -0.5, "frequency_penalty": 0.5, "min_p": 0.05,

@@ -53,10 +53,6 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
         ({"prompt": [True]}, "'prompt' must be a string or a list of token ids"),
         ({"prompt": "a", "logprobs": -1}, "'logprobs' must be an integer from 0 to"),
         ({"prompt": "a", "logprobs": True}, "'logprobs' must be an integer"),
-        (
-            {"prompt": "a", "logprobs": 1, "echo": True, "stream": True},
-            "'echo' with 'logprobs' is not streamed by this server",
-        ),
         ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "'prompt_logprobs' is not available with"),
         ({"prompt": "a", "prompt_logprobs": -1}, "'prompt_logprobs' must be an integer from 0 to"),
         ({"prompt": "a", "suffix": "end"}, "'suffix' is not supported by this server"),
@@ -98,6 +94,9 @@ def test_streaming_echo_and_usage_options():
         stream_options={"include_usage": True, "continuous_usage_stats": True},
     )
     assert request.stream and request.echo and request.include_usage and request.continuous_usage
+    # With logprobs, the echo asks for the prompt's too, streamed in the echo's chunk (it was a 400).
+    request = parse(prompt="a", stream=True, echo=True, logprobs=2)
+    assert (request.generation.logprobs, request.generation.prompt_logprobs) == (2, 2)
 
 
 def test_the_answer_is_a_text_completion_with_its_stop_reason():

@@ -8,6 +8,13 @@
 // `prompt_tokens_details.cached_tokens` (or `epd.num_reused_prompt_tokens`) says how much of the
 // prompt prefill's prefix cache reused.
 //
+// With the server's --reasoning-parser, a chunk's delta carries the thinking block's text as
+// `reasoning` (vLLM's name; `reasoning_content`, its older one, beside it) and the answer as
+// `content`: the reasoning streams into a collapsible "Thinking" block above the answer, and the
+// conversation keeps the content alone. "token probabilities" asks for logprobs (`logprobs: true`,
+// `top_logprobs`): each streamed piece is shaded by its tokens' probability and its tooltip lists
+// each token's and the most likely alternatives'.
+//
 // `epd.kept_tokens` (present only when token dropping ran): kept[t][row][col], 0/1 or booleans,
 //   t   = temporal group of the vision tower (Qwen2-VL merges 2 consecutive frames into one group,
 //         so frame i belongs to group floor(i * T / num_frames)),
@@ -21,6 +28,7 @@ const TEMPORAL_PATCH = 2;  // frames per temporal group in Qwen2-VL / Qwen2.5-VL
 // this list equal to it). "video_decode" is decoding the video; "generate" is token generation.
 const STAGES = ["video_decode", "encode", "prefill", "kv_transfer", "generate"];
 const $ = (id) => document.getElementById(id);
+const TOP_LOGPROBS = 5;  // alternatives per token with "token probabilities" on (the server allows 20)
 
 const state = {
   dataUrl: null,   // the chosen media as a data: URL, resent on follow-ups (the encoder's cache hits)
@@ -297,6 +305,7 @@ async function ask(question) {
     messages: conversationMessages(question),
   };
   if ($("pruning").value) body.pruning = { preset: $("pruning").value };
+  if ($("show-probs").checked) Object.assign(body, { logprobs: true, top_logprobs: TOP_LOGPROBS });
   const answering = new AbortController();
   state.answering = answering;
   try {
@@ -319,11 +328,12 @@ async function streamAnswer(card, text, question, conversation, body, signal) {
     return showError(await errorMessage(response));
   }
   let epd = null, usage = null, complete = false;
+  const thinking = card.querySelector(".thinking");
   try {
     complete = await readSse(response, (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message);
       const choice = (chunk.choices || [])[0];
-      if (choice && choice.delta && choice.delta.content) text.textContent += choice.delta.content;
+      if (choice && choice.delta) showDelta(choice.delta, choice.logprobs, thinking, text);
       if (chunk.epd) epd = chunk.epd;
       if (chunk.usage) usage = chunk.usage;
     });
@@ -342,6 +352,56 @@ async function streamAnswer(card, text, question, conversation, body, signal) {
     state.turns.push({ question, answer: text.textContent });
     showConversation();
   }
+}
+
+function showDelta(delta, logprobs, thinking, text) {
+  // The reasoning goes to the "Thinking" block, open while it streams and closed when the answer
+  // begins (a click opens it again); the content is the answer.
+  const reasoning = delta.reasoning != null ? delta.reasoning : delta.reasoning_content;
+  const tokens = logprobs && Array.isArray(logprobs.content) ? logprobs.content : null;
+  if (reasoning) {
+    if (thinking.hidden) {
+      thinking.hidden = false;
+      thinking.open = true;
+    }
+    appendPiece(thinking.querySelector(".thinking-text"), reasoning, tokens);
+  }
+  if (delta.content) {
+    if (!thinking.hidden && !text.textContent) thinking.open = false;
+    appendPiece(text, delta.content, tokens);
+  }
+}
+
+function appendPiece(box, piece, tokens) {
+  // A piece of streamed text; with logprobs, a span shaded by the probability of the chunk's
+  // tokens together (a chunk is one decoding step: usually one token), its tooltip one line a token.
+  if (!tokens || !tokens.length) {
+    box.append(piece);
+    return;
+  }
+  const logprob = tokens.reduce((sum, t) => sum + t.logprob, 0);
+  const span = document.createElement("span");
+  span.className = "token-prob";
+  span.textContent = piece;
+  span.dataset.logprob = String(logprob);
+  span.style.backgroundColor = probabilityColour(Math.exp(logprob));
+  span.title = tokens.map(tokenLine).join("\n");
+  box.appendChild(span);
+}
+
+function tokenLine(t) {
+  const top = (t.top_logprobs || []).map((a) => `${JSON.stringify(a.token)} ${percent(a.logprob)}`);
+  return `${JSON.stringify(t.token)}: ${percent(t.logprob)} (logprob ${t.logprob.toFixed(3)})` +
+    (top.length ? `; most likely: ${top.join(", ")}` : "");
+}
+
+function percent(logprob) {
+  return (100 * Math.exp(logprob)).toFixed(1) + "%";
+}
+
+function probabilityColour(p) {
+  // red (unlikely) through yellow to green (likely), light enough for the text on it to read
+  return `hsl(${Math.round(120 * Math.min(1, Math.max(0, p)))}, 70%, 85%)`;
 }
 
 function reusedPromptTokens(usage, epd) {
