@@ -19,8 +19,8 @@ import pytest
 from epd.client import EpdClient, EpdError
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest
+from epd.model_runtime.chat_template import template_variables
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_text import template_variables
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.tiny_model import QWEN3_5_CHAT_TEMPLATE
 from epd.stages.contracts import MediaInput
