@@ -147,6 +147,7 @@ class PrefillEngine:
             model_type=self.adapter.family,
             max_logprobs=self.config.max_logprobs,
             reasoning_markers=self.reasoning_markers,
+            trust_request_chat_template=self.config.trust_request_chat_template,
         )
 
     def tokenize(self, request: TokenizeInput) -> TokenizeOutput:

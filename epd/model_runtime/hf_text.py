@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2.exceptions import SecurityError
 
 from epd.model_runtime.adapter import (
     CapturedQueries,
@@ -217,6 +218,11 @@ class HfTextAdapter(VLMAdapter):
             if chat_template is not None:  # checked where it was given (`chat_template.check_syntax`)
                 raise ValueError("the chat template does not parse; send one that does") from None
             raise  # the checkpoint's template is broken: the server's error, not the request's
+        except SecurityError as exc:  # a TemplateError: a given template reached past the sandbox
+            raise ValueError(
+                f"{_whose(chat_template)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
+                "template reads the messages and its variables, not Python's internals"
+            ) from None
         except TemplateError as exc:
             # The template's own `raise_exception` (Qwen3.5's "No user query found in messages."
             # for a conversation without a user message, which an assistant's message last allows):

@@ -125,7 +125,10 @@ def test_a_trusted_request_template_renders_its_own_prompt_and_the_cache_stays_e
                 "cannot render this conversation: no system prompt here",
             ),
             ("{{ messages[0].content[0].text / 0 }}", "failed to render: TypeError: unsupported operand"),
-            ("{{ messages.__class__ }}{{ ''.__class__.__mro__ }}", "failed to render|does not parse|unsafe"),
+            (
+                "{{ ''.__class__.__mro__ }}",
+                "stopped by the sandbox it renders in: access to attribute '__class__' of 'str' object is unsafe",
+            ),
             ("{% for m in messages %}", "'chat_template': the chat template does not parse: line 1: "),
         ):
             with pytest.raises(InvalidRequest, match=said):
