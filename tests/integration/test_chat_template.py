@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from epd.client import EpdClient
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
@@ -145,7 +146,7 @@ def test_the_stack_serves_a_prefill_started_with_a_template_file(tiny_models, tm
         "gateway": ["--http-port", str(http_port)],
     }
     body = {"model": "epd", "messages": TEXT_ONLY, "max_tokens": MAX_NEW_TOKENS}
-    with Stack(path, tmp_path / "logs", extra=extra):
+    with Stack(path, tmp_path / "logs", extra=extra) as stack:
         for template in (OVERRIDE, REQUEST_TEMPLATE):
             prompt_ids, want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS, chat_template=template)
             fields = {} if template is OVERRIDE else {"chat_template": template}
@@ -156,6 +157,14 @@ def test_the_stack_serves_a_prefill_started_with_a_template_file(tiny_models, tm
             assert status == 200 and counted["tokens"] == prompt_ids, counted
         status, reply = post_json(http_port, "/v1/chat/completions", {**body, "chat_template": "{{ 1 / }}"})
         assert status == 400 and "does not parse: line 1" in reply["error"]["message"], reply
+        # The gRPC door (the SDK) carries the request's template as the HTTP door does.
+        prompt_ids, want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS, chat_template=REQUEST_TEMPLATE)
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            result = client.ask(
+                None, messages=TEXT_ONLY, max_new_tokens=MAX_NEW_TOKENS, chat_template=REQUEST_TEMPLATE
+            )
+            assert (result.token_ids, result.num_prompt_tokens) == (want, len(prompt_ids))
+            assert client.tokenize(messages=TEXT_ONLY, chat_template=REQUEST_TEMPLATE).token_ids == prompt_ids
 
 
 def test_a_template_that_does_not_parse_stops_the_prefill_service_at_start(tiny_models):

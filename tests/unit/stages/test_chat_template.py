@@ -126,3 +126,16 @@ def test_the_variables_are_found_with_transformers_own_tags():
     request variable was then dropped, `enable_thinking` too."""
     assert {"messages", "enable_thinking"} <= template_variables(GENERATION_TAGGED)
     assert template_variables("{% if %}") is None  # not known: the runtime passes them all
+
+
+def test_the_stack_refuses_a_bad_template_before_any_service_starts():
+    """`epd serve` checks the flags its prefills get (`stage_flag_problem`): one line, not every
+    replica importing torch and then exiting."""
+    from epd.cli.serve import stage_flag_problem
+
+    bad = build_parser().parse_args(["serve", "--chat-template", "{% for m in messages %}"])
+    assert (stage_flag_problem(bad) or "").startswith(
+        "--chat-template: the chat template does not parse: line 1: "
+    )
+    missing = build_parser().parse_args(["serve", "--chat-template", "no_such_template.jinja"])
+    assert "is not a file that can be read" in (stage_flag_problem(missing) or "")
