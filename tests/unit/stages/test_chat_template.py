@@ -73,6 +73,12 @@ def test_the_stack_passes_both_flags_to_every_prefill(tmp_path):
     config = prefill_config(role)
     assert (config.chat_template, config.trust_request_chat_template) == (TEMPLATE, True)
     assert "--chat-template" not in stage_flags(build_parser().parse_args(["serve"]), "prefill")
+    from epd.cli.configs import colocated_stages
+
+    colocated = colocated_stages(
+        build_parser().parse_args(["serve", "--colocate", "--chat-template", TEMPLATE])
+    )
+    assert colocated.prefill.chat_template == TEMPLATE
 
 
 def test_a_request_template_is_bounded_in_size():
