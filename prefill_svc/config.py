@@ -87,6 +87,15 @@ class PrefillConfig:
     hold at most this many bytes, least recently used leaving first (--prefix-cache-bytes; 0: off)."""
     prefix_cache_ttl_s: float = 600.0
     """A prefix-cache entry unused for this long is dropped (--prefix-cache-ttl)."""
+    chat_template: str | None = None
+    """vLLM's --chat-template: the Jinja template that renders every prompt instead of the
+    checkpoint's (the text; the flag's file is read where the flag is, `load_chat_template`).
+    Checked here, so a template that does not parse stops the service at start, not at the first
+    request. None: the checkpoint's own."""
+    trust_request_chat_template: bool = False
+    """vLLM's --trust-request-chat-template: a request's `chat_template` renders its prompt
+    (refused with INVALID_ARGUMENT otherwise). A template is code run for the request: trust the
+    clients with the server's CPU time and memory (a template may loop) before turning it on."""
 
     def __post_init__(self) -> None:
         if self.scheduler.max_waiting_prompt_tokens < self.max_prompt_tokens:
@@ -114,6 +123,14 @@ class PrefillConfig:
             raise ValueError(
                 f"prefix_cache_ttl_s (--prefix-cache-ttl) must be > 0 seconds, got {self.prefix_cache_ttl_s}"
             )
+
+        if self.chat_template is not None:
+            from epd.model_runtime.chat_template import check_syntax
+
+            try:
+                check_syntax(self.chat_template)
+            except ValueError as exc:
+                raise ValueError(f"--chat-template: {exc}") from None
 
     def served_context(self, model_context: int | None) -> int | None:
         """Prompt plus generated tokens at most, as served: the model's context (`model_context`,

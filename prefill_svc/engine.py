@@ -30,6 +30,7 @@ from epd.model_runtime.adapter import (
     VisualMeta,
     VLMAdapter,
 )
+from epd.model_runtime.chat_template import check_syntax
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
@@ -39,6 +40,7 @@ from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
 from epd.prefill_svc.pruned_prefill import PrunedPrefill, pruned_prefill
 from epd.prefill_svc.scheduler import PrefillRequest
+from epd.stages.chat_template import refuse_untrusted
 from epd.stages.contracts import (
     ChoiceStart,
     EncodedMedia,
@@ -145,6 +147,7 @@ class PrefillEngine:
             model_type=self.adapter.family,
             max_logprobs=self.config.max_logprobs,
             reasoning_markers=self.reasoning_markers,
+            trust_request_chat_template=self.config.trust_request_chat_template,
         )
 
     def tokenize(self, request: TokenizeInput) -> TokenizeOutput:
@@ -162,12 +165,26 @@ class PrefillEngine:
                     request.add_special_tokens,
                     request.template.continue_final_message,
                     request.template.chat_template_kwargs,
+                    self._chat_template(request.template),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         return TokenizeOutput(
             token_ids, self.adapter.token_strings(token_ids) if request.return_token_strs else None
         )
+
+    def _chat_template(self, template: ChatTemplateOptions) -> str | None:
+        """The template a request's prompt renders with: the request's own (on a server that trusts
+        them, parsed here: InvalidRequest with jinja's message otherwise), else --chat-template,
+        else None (the model's own)."""
+        refuse_untrusted(template.chat_template, self.config.trust_request_chat_template)
+        if template.chat_template is None:
+            return self.config.chat_template
+        try:
+            check_syntax(template.chat_template)
+        except ValueError as exc:
+            raise InvalidRequest(f"'chat_template': {exc}; send a template that parses") from None
+        return template.chat_template
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize
@@ -188,6 +205,7 @@ class PrefillEngine:
         template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> None:
         check_messages(messages, self.config.max_text_chars, template=template)
+        refuse_untrusted(template.chat_template, self.config.trust_request_chat_template)
         self._check_generation(generation)
         if bool(media_type(messages)) != (meta is not None):  # a caller other than our gateway
             raise InvalidRequest(
@@ -249,9 +267,9 @@ class PrefillEngine:
         the prefix-cache key: KV is reused only within one salt. `raw_prompt`: instead of
         `messages` (empty then, and no media), a prompt run as it is (`epd.stages.raw_prompt`).
         `template`: how the chat template renders the prompt (a new answer, or the last message
-        left open to continue; its variables). The prefix cache needs no part of it in its key: a
-        continued message's or another variable's prompt is other token ids, and the cache reuses
-        only an entry's common token prefix."""
+        left open to continue; its variables; its own template). The prefix cache needs no part of it in
+        its key: a continued message's, another variable's or another template's prompt is other
+        token ids, and the cache reuses only an entry's common token prefix."""
         if raw_prompt is not None:
             check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)
             if media is not None:
@@ -282,6 +300,7 @@ class PrefillEngine:
                     template.add_generation_prompt,
                     template.continue_final_message,
                     template.chat_template_kwargs,
+                    self._chat_template(template),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None

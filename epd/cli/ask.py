@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from epd.gateway.pipeline import AskSummary, Pipeline
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.logprobs import TokenLogprob
+    from epd.prefill_svc.config import PrefillConfig
     from epd.stages.messages import ChatTemplateOptions, Message
     from epd.stages.raw_prompt import RawPrompt
 
@@ -77,6 +78,12 @@ def run_ask(args: argparse.Namespace) -> int:
         # not a server error out of the event loop (INTERNAL, exit 1).
         model = None if args.endpoint else configs.model_config(args)
         _check_generation(args, embedded=model is not None)
+        if args.endpoint and args.chat_template is not None:
+            raise ValueError(
+                "--chat-template sets the embedded model's template; a gateway's prompts render with "
+                "the template its prefill was started with (its --chat-template): leave it out with --endpoint"
+            )
+        prefill = None if model is None else configs.ask_prefill_config(args, model)
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
@@ -84,7 +91,7 @@ def run_ask(args: argparse.Namespace) -> int:
         asyncio.run(
             _ask_remote(args, path, messages, prompt, template)
             if model is None
-            else _ask_embedded(args, path, messages, model, prompt, template)
+            else _ask_embedded(args, path, messages, model, prompt, template, prefill)
         )
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
@@ -405,6 +412,7 @@ async def _ask_embedded(
     model: ModelConfig,
     prompt: str | None = None,
     template: ChatTemplateOptions | None = None,
+    prefill: PrefillConfig | None = None,
 ) -> None:
     from epd.video.media_open import sniff_container
 
@@ -422,7 +430,7 @@ async def _ask_embedded(
     if not args.json:
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
     # One pipeline for every turn: its encoder and prefix caches serve the follow-ups.
-    pipeline = build_embedded_pipeline(model)
+    pipeline = build_embedded_pipeline(model, prefill=prefill)
 
     async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
         if prompt is not None:

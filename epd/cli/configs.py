@@ -24,6 +24,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
+from epd.stages.chat_template import load_chat_template
 from epd.stages.errors import InvalidRequest
 from epd.stages.server_config import ServerConfig, TransportSecurity, is_loopback, parse_secrets, read_secrets
 from epd.token_pruning import PruningConfig
@@ -265,7 +266,8 @@ def _prefill_config(
     args: argparse.Namespace, model: ModelConfig, server: ServerConfig, advertise_address: str = ""
 ) -> PrefillConfig:
     """Prefill's flags (`STAGE_FLAGS["prefill"]`: KV store, prefix cache, scheduler, max_tokens limit,
-    max_model_len, prompt limit) over a model and a server."""
+    max_model_len, prompt limit, chat template) over a model and a server. ValueError: a
+    --chat-template that is neither a file nor a template, or does not parse."""
     return PrefillConfig(
         model=model,
         server=server,
@@ -278,6 +280,8 @@ def _prefill_config(
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_bytes=args.prefix_cache_bytes,
         prefix_cache_ttl_s=args.prefix_cache_ttl,
+        chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
         scheduler=PrefillSchedulerConfig(
             max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
             prefill_chunk_tokens=args.prefill_chunk_tokens or None,
@@ -285,6 +289,14 @@ def _prefill_config(
             max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
         ),
     )
+
+
+def ask_prefill_config(args: argparse.Namespace, model: ModelConfig) -> PrefillConfig:
+    """`epd ask`'s embedded prefill: the defaults, with its --chat-template. ValueError: a
+    --chat-template that is neither a file nor a template, or does not parse."""
+    if args.chat_template is None:
+        return PrefillConfig(model=model)
+    return PrefillConfig(model=model, chat_template=load_chat_template(args.chat_template))
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:

@@ -169,6 +169,26 @@ def add_prefill_limit_flags(p) -> None:
     )
 
 
+def add_chat_template_flags(p) -> None:
+    """vLLM's chat template flags (the prefill role, which renders prompts, and `epd serve` for its
+    prefills or the colocated one)."""
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="vLLM's: the Jinja chat template that renders every prompt instead of the model's "
+        "own: a file's path, or the template's text (backslash escapes such as \\n decoded, as "
+        "vLLM's). A template that does not parse is refused at start",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="vLLM's: a request's chat_template field renders its prompt (otherwise refused with "
+        "400 / INVALID_ARGUMENT). A template is code run for the request: trust the clients with "
+        "the server's CPU time and memory first",
+    )
+
+
 def add_decode_scheduler_flags(p) -> None:
     """Decode's KV memory, batch size and queue bound (the decode role, and `epd serve` for its
     decoders or the colocated one)."""
@@ -560,6 +580,7 @@ STAGE_FLAGS: dict[str, tuple[Callable[..., None], ...]] = {
         add_prefix_cache_flags,
         add_prefill_scheduler_flags,
         add_prefill_limit_flags,
+        add_chat_template_flags,
     ),
     "decode": (add_decode_scheduler_flags,),
 }
@@ -1010,6 +1031,13 @@ def build_parser() -> argparse.ArgumentParser:
         "template does not read are dropped; not with --prompt",
     )
     ask.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="embedded mode: the Jinja chat template that renders the prompt instead of the "
+        "model's own, a file's path or the template's text (as `epd serve --chat-template`)",
+    )
+    ask.add_argument(
         "--no-add-generation-prompt",
         action="store_true",
         help="with --messages FILE: render the conversation without the chat template's opening "
@@ -1240,8 +1268,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(serve)
     # STAGE_FLAGS: passed to every replica of their stage, or the colocated stages.
     g = serve.add_argument_group(
-        "prefill: KV store, prefix cache, batching, queue and max_tokens limit (passed to "
-        "every prefill, or the colocated one)"
+        "prefill: KV store, prefix cache, batching, queue, max_tokens limit and chat template "
+        "(passed to every prefill, or the colocated one)"
     )
     for add_flags in STAGE_FLAGS["prefill"]:
         add_flags(g)

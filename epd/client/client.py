@@ -145,7 +145,9 @@ def build_header(
     continue_final_message (True, with add_generation_prompt=False and the assistant's message
     last: the model continues that message, and the answer is the continuation alone), and
     chat_template_kwargs (a dict of extra template variables, JSON values, such as
-    {"enable_thinking": False}; those the model's template does not read are dropped).
+    {"enable_thinking": False}; those the model's template does not read are dropped), and
+    chat_template (a Jinja template's text that renders this request's prompt instead of the
+    server's; INVALID_ARGUMENT unless its prefill runs with --trust-request-chat-template).
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError (`check_generation_options`): max_new_tokens < 1, top_p outside (0, 1] or
     repetition_penalty <= 0, which the wire cannot tell from unset; a negative or NaN temperature,
@@ -195,6 +197,7 @@ def build_header(
         options.pop("add_generation_prompt", None),
         options.pop("continue_final_message", None),
         options.pop("chat_template_kwargs", None),
+        options.pop("chat_template", None),
     )
     if options:
         known = sorted(
@@ -209,6 +212,7 @@ def build_header(
                 "add_generation_prompt",
                 "continue_final_message",
                 "chat_template_kwargs",
+                "chat_template",
             )
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
@@ -268,11 +272,16 @@ def check_generation_options(options: Mapping[str, Any]) -> None:
 
 
 def _template(
-    add_generation_prompt: Any, continue_final_message: Any, chat_template_kwargs: Any
+    add_generation_prompt: Any,
+    continue_final_message: Any,
+    chat_template_kwargs: Any,
+    chat_template: Any = None,
 ) -> messages_pb2.ChatTemplateOptions | None:
     """The chat template options; None (unset on the wire) for the defaults. The server checks
-    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400) and the variables' names and
-    sizes."""
+    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400), the variables' names and
+    sizes, and the template's size and whether it takes one."""
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a Jinja template's text (a str), got {_shown(chat_template)}")
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
@@ -291,10 +300,17 @@ def _template(
             raise TypeError(
                 f"chat_template_kwargs must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
             ) from None
-    if add_generation_prompt is None and not continue_final_message and not kwargs_json:
+    if (
+        add_generation_prompt is None
+        and not continue_final_message
+        and not kwargs_json
+        and chat_template is None
+    ):
         return None
     options = messages_pb2.ChatTemplateOptions(
-        continue_final_message=bool(continue_final_message), chat_template_kwargs_json=kwargs_json
+        continue_final_message=bool(continue_final_message),
+        chat_template_kwargs_json=kwargs_json,
+        chat_template=chat_template,
     )
     if add_generation_prompt is not None:
         options.add_generation_prompt = add_generation_prompt
@@ -417,6 +433,7 @@ def tokenize_request(
     return_token_strs: bool,
     request_id: str,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> gateway_pb2.GatewayServiceTokenizeRequest:
     """The request of `tokenize` (see there); TypeError for a value of the wrong type, or for
     both or neither of prompt and messages, ValueError for messages=[]. The server checks the
@@ -437,7 +454,9 @@ def tokenize_request(
         prompt=prompt,
         messages=messages_to_proto(conversation(messages)) if messages is not None else [],
         add_special_tokens=add_special_tokens,
-        template=_template(add_generation_prompt, continue_final_message, chat_template_kwargs),
+        template=_template(
+            add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
+        ),
         return_token_strs=return_token_strs,
     )
 
@@ -647,6 +666,7 @@ class AsyncEpdClient:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
         return_token_strs: bool = False,
         request_id: str = "",
         timeout_s: float | None = None,
@@ -659,7 +679,7 @@ class AsyncEpdClient:
         video or image part (INVALID_ARGUMENT: their tokens depend on the frames sampled), ending
         with any role's message. add_special_tokens: None is vLLM's default (True for a prompt,
         False for messages). add_generation_prompt / continue_final_message /
-        chat_template_kwargs: as `ask`'s (the default ends with the opening of a new answer, so
+        chat_template_kwargs / chat_template: as `ask`'s (the default ends with the opening of a new answer, so
         `num_tokens` is that ask's `num_prompt_tokens`); messages only (INVALID_ARGUMENT with a
         prompt, as `ask(None, prompt=...)`). return_token_strs: also the tokenizer's token of each id."""
         request = tokenize_request(
@@ -671,6 +691,7 @@ class AsyncEpdClient:
             return_token_strs,
             request_id,
             chat_template_kwargs,
+            chat_template,
         )
         answer = await self._unary("Tokenize", request, timeout_s)
         return tokenize_result_from_proto(answer, return_token_strs)

@@ -64,6 +64,7 @@ _COMPLETION_KNOWN = (
             "add_generation_prompt",
             "continue_final_message",
             "chat_template_kwargs",
+            "chat_template",
             "top_logprobs",
         }
     )

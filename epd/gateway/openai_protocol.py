@@ -75,6 +75,7 @@ from epd.model_runtime.sampling import (
     check_bad_words,
     check_stop_strings,
 )
+from epd.stages.chat_template import check_request_chat_template
 from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import Busy, InvalidRequest, NotFound
 from epd.stages.messages import ROLES, ChatTemplateOptions, ContentPart, Message, check_messages
@@ -147,7 +148,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     # vLLM's: they change the prompt, the frames or the text of the answer, so ignoring them
     # answered another question than the one asked (frames as vLLM samples them go in `media`).
     "add_special_tokens": (False,),
-    "chat_template": (),
     "mm_processor_kwargs": ({},),
     "truncate_prompt_tokens": (),
     "documents": ([],),
@@ -181,7 +181,8 @@ KNOWN_CHAT_FIELDS = {
     "skip_special_tokens", "spaces_between_special_tokens",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
     "include_reasoning",  # vLLM's: read with `--reasoning-parser` (`epd.gateway.reasoning`)
-    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo", *STRUCTURED_FIELDS,
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template", "echo",
+    *STRUCTURED_FIELDS,
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -279,16 +280,21 @@ class ChatRequest:
 
 
 def template_options(body: Any) -> ChatTemplateOptions:
-    """vLLM's `add_generation_prompt` (default true), `continue_final_message` (default false) and
-    `chat_template_kwargs` (default none) of a chat or /tokenize body; the variables are checked
-    here, the pair with the messages (`ChatTemplateOptions.check`)."""
+    """vLLM's `add_generation_prompt` (default true), `continue_final_message` (default false),
+    `chat_template_kwargs` (default none) and `chat_template` (default the server's) of a chat or
+    /tokenize body; the variables and the template's size are checked here, the pair with the
+    messages (`ChatTemplateOptions.check`). Prefill, which renders, refuses a template unless it
+    trusts request templates (vLLM's --trust-request-chat-template)."""
     kwargs = body.get("chat_template_kwargs")
     kwargs = {} if kwargs is None else kwargs
     check_chat_template_kwargs(kwargs)
+    chat_template = body.get("chat_template")
+    check_request_chat_template(chat_template)
     return ChatTemplateOptions(
         add_generation_prompt=boolean_field(body, "add_generation_prompt", True),
         continue_final_message=boolean_field(body, "continue_final_message", False),
         chat_template_kwargs=kwargs,
+        chat_template=chat_template,
     )
 
 

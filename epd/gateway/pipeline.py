@@ -35,6 +35,7 @@ from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.model_runtime.structured_output import check_structured_outputs
+from epd.stages.chat_template import refuse_untrusted
 from epd.stages.contracts import (
     DecodeStage,
     EncodedMedia,
@@ -335,12 +336,14 @@ class Pipeline:
             check_raw_prompt(req.raw_prompt, req.messages, vocab_size=self.vocab_size)
             if req.template != ChatTemplateOptions():
                 raise InvalidRequest(
-                    "add_generation_prompt, continue_final_message and chat_template_kwargs shape a chat "
+                    "add_generation_prompt, continue_final_message, chat_template_kwargs and chat_template shape a chat "
                     "template's prompt; a raw prompt has no template: leave them unset"
                 )
         else:
             # Before the media costs an encode; prefill checks its limits.
             check_messages(req.messages, template=req.template)
+            if (info := self.model_info()) is not None:
+                refuse_untrusted(req.template.chat_template, info.trust_request_chat_template)
         check_media_sent(req)
         try:  # before the request is sent on (a stop list of megabytes would be too large for one
             # message) and before the media costs an encode: prefill's bounds as far as known (each

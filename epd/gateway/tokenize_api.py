@@ -5,7 +5,8 @@ loaded replica; the colocated front door its own prefill stage):
     POST /tokenize     {"prompt": "..."} (add_special_tokens, default true), or {"messages": [...]}
                        (add_generation_prompt, default true; continue_final_message, default
                        false, not with add_generation_prompt; chat_template_kwargs, the
-                       template's variables; add_special_tokens, default false);
+                       template's variables; chat_template, with prefill's
+                       --trust-request-chat-template; add_special_tokens, default false);
                        either with return_token_strs (default false)
                        -> {"count": n, "max_model_len": m, "tokens": [...], "token_strs": null | [...]}
     POST /detokenize   {"tokens": [...]} -> {"prompt": "..."} (special tokens kept)
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from epd.gateway.http_api import HttpApi
 
 
-_REFUSED_CHAT_FIELDS = ("chat_template", "tools", "mm_processor_kwargs")
+_REFUSED_CHAT_FIELDS = ("tools", "mm_processor_kwargs")
 
 
 def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:

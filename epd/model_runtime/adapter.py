@@ -294,21 +294,25 @@ class VLMAdapter(ABC):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> Prompt:
         """Render `conversation` exactly as the family's `processor.apply_chat_template(conversation,
-        add_generation_prompt=..., continue_final_message=..., **chat_template_kwargs)` renders it
-        (the defaults: a new assistant answer; `continue_final_message`: the last message left
-        open, for the model to continue; `chat_template_kwargs`: extra template variables, those
-        the template does not read dropped), expand its one media placeholder to the visual
-        tokens, compute the position ids `generate()` would use.
+        chat_template=..., add_generation_prompt=..., continue_final_message=...,
+        **chat_template_kwargs)` renders it (the defaults: a new assistant answer;
+        `continue_final_message`: the last message left open, for the model to continue;
+        `chat_template_kwargs`: extra template variables, those the template does not read
+        dropped; `chat_template`: a template to render with instead of the model's own, vLLM's
+        --chat-template or a request's), expand its one media placeholder to the visual tokens,
+        compute the position ids `generate()` would use.
 
         conversation: the processor's chat form, [{"role": "system" | "user" | "assistant",
         "content": [{"type": "text", "text": ...} | {"type": visual.modality}, ...]}], parts in the
         user's order, exactly one media part (`epd.stages.messages.to_chat_template` makes it), or
         none when `visual` is None: the text alone, its visual mask all False, positions those
         generate() gives a prompt without media.
-        Raises ValueError when a text part holds the model's own placeholder tokens, or when the
-        template cannot leave the last message open."""
+        Raises ValueError when a text part holds the model's own placeholder tokens, when the
+        template cannot leave the last message open, or when a given `chat_template` fails to
+        render."""
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """A text's token ids, as the model's tokenizer gives them (the HTTP API's /tokenize)."""
@@ -328,10 +332,12 @@ class VLMAdapter(ABC):
         add_special_tokens: bool,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """A conversation without media (`build_prompt`'s form) rendered with the model's chat
-        template and tokenised; with `add_generation_prompt` and without special tokens, exactly
-        `build_prompt(conversation, None, ..., chat_template_kwargs=...).input_ids`; with
+        template (or `chat_template`) and tokenised; with `add_generation_prompt` and without
+        special tokens, exactly `build_prompt(conversation, None, ..., chat_template_kwargs=...,
+        chat_template=...).input_ids`; with
         `continue_final_message`, its last message left open (transformers' `apply_chat_template`
         option). ValueError as
         `build_prompt`'s, or when the template cannot leave the last message open."""

@@ -6,16 +6,13 @@ where its model differs (`_step_positions` / `_batch_positions` for 1-D rotary p
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import jinja2.ext
-import jinja2.meta
-import jinja2.sandbox
 import torch
 from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2.exceptions import SecurityError
 
 from epd.model_runtime.adapter import (
     CapturedQueries,
@@ -28,6 +25,7 @@ from epd.model_runtime.adapter import (
     VLMAdapter,
 )
 from epd.model_runtime.batch_kv import BatchKv
+from epd.model_runtime.chat_template import error_text, template_variables
 from epd.model_runtime.hf_loading import load_full_model
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.logprobs import PromptLogprobRows, prompt_logprob_rows
@@ -129,13 +127,14 @@ class HfTextAdapter(VLMAdapter):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> Prompt:
         """`build_prompt` of a conversation without a media part: the processor's own template of
         its text, tokenised as the processor's __call__ tokenises it, and the positions generate()
         gives a prompt without grids (`_prepare_position_ids_for_generation` then skips
         get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
         text = self._render_text_only(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
         )
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
         return _text_prompt(input_ids)
@@ -162,10 +161,13 @@ class HfTextAdapter(VLMAdapter):
         add_generation_prompt: bool,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The processor's own template of a conversation without media; ValueError as `_render`'s,
-        or when the template adds a visual placeholder of its own."""
-        text = self._render(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        """The chat template of a conversation without media; ValueError as `_render`'s, or when
+        the template adds a visual placeholder of its own."""
+        text = self._render(
+            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
+        )
         if any(token in text for token in (self.processor.video_token, self.processor.image_token)):
             raise ValueError(
                 "the chat template rendered a visual placeholder for a conversation without media; "
@@ -179,13 +181,17 @@ class HfTextAdapter(VLMAdapter):
         add_generation_prompt: bool,
         continue_final_message: bool,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The processor's own chat template of `conversation`, as a string (every family's prompt
-        starts here), with those of `chat_template_kwargs` the template reads (vLLM's filter: a
-        name it does not read would reach the processor's own options instead); ValueError when a
-        text part or a variable's text holds the model's visual placeholder (only a media part
-        places it: in text it would take the media's embeddings, or miscount them), when the
-        template cannot leave the last message open, or when it refuses the conversation itself."""
+        """The chat template of `conversation`, as a string (every family's prompt starts here):
+        `chat_template` (the server's --chat-template or the request's, as vLLM passes it to
+        `apply_chat_template`), None: the processor's own; with those of `chat_template_kwargs`
+        the template reads (vLLM's filter: a name it does not read would reach the processor's own
+        options instead). ValueError when a text part or a variable's text holds the model's
+        visual placeholder (only a media part places it: in text it would take the media's
+        embeddings, or miscount them), when the template cannot leave the last message open, when
+        it refuses the conversation itself, or when a given `chat_template` fails to render (its
+        error's message, one short line: the template is the caller's)."""
         placeholders = (self.processor.video_token, self.processor.image_token)
         if any(
             token in part.get("text", "")
@@ -194,7 +200,7 @@ class HfTextAdapter(VLMAdapter):
             for token in placeholders
         ):
             raise ValueError("a text part contains the model's visual placeholder token; remove it")
-        variables = self._template_variables(chat_template_kwargs or {})
+        variables = self._template_variables(chat_template_kwargs or {}, chat_template)
         if any(token in text for text in _strings_in(variables) for token in placeholders):
             raise ValueError(
                 "a chat_template_kwargs value contains the model's visual placeholder token; remove it"
@@ -202,19 +208,27 @@ class HfTextAdapter(VLMAdapter):
         try:
             return self.processor.apply_chat_template(
                 conversation,
+                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
                 **variables,
             )
         except TemplateSyntaxError:
+            if chat_template is not None:  # checked where it was given (`chat_template.check_syntax`)
+                raise ValueError("the chat template does not parse; send one that does") from None
             raise  # the checkpoint's template is broken: the server's error, not the request's
+        except SecurityError as exc:  # a TemplateError: a given template reached past the sandbox
+            raise ValueError(
+                f"{_whose(chat_template)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
+                "template reads the messages and its variables, not Python's internals"
+            ) from None
         except TemplateError as exc:
             # The template's own `raise_exception` (Qwen3.5's "No user query found in messages."
             # for a conversation without a user message, which an assistant's message last allows):
             # a shape of conversation the model does not take, as vLLM's 400 says.
             raise ValueError(
-                f"the model's chat template cannot render this conversation: {str(exc)[:400]}; send "
+                f"{_whose(chat_template)} cannot render this conversation: {error_text(exc)}; send "
                 "its messages in a shape the model takes (for example with a user message before "
                 "the assistant's)"
             ) from None
@@ -222,23 +236,33 @@ class HfTextAdapter(VLMAdapter):
             # transformers' message goes on to quote the last message and the whole rendered
             # conversation (a 400 of up to the text limit): its explanation is enough.
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
-        except TypeError as exc:
-            if not variables:
+        except Exception as exc:
+            if chat_template is None and not (variables and isinstance(exc, TypeError)):
                 raise
-            # A request's variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
+            # A given template's own failure (`{{ 1 / 0 }}`, a method of nothing), or a request's
+            # variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
             raise ValueError(
-                f"the model's chat template cannot render these chat_template_kwargs: {str(exc)[:200]}; "
-                "send the values its template expects"
+                f"{_whose(chat_template)} failed to render: {type(exc).__name__}: {error_text(exc)}; "
+                "send values (chat_template_kwargs) and a template that render together"
             ) from None
 
-    def _template_variables(self, chat_template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """The request's variables that the processor's chat template reads (the others dropped)."""
+    def _template_variables(
+        self, chat_template_kwargs: Mapping[str, Any], chat_template: str | None = None
+    ) -> dict[str, Any]:
+        """The request's variables that the chat template reads (the others dropped), as vLLM's
+        `resolve_chat_template_kwargs` finds them: with the parser transformers renders with
+        (`epd.model_runtime.chat_template`). When the template's variables are not known (a
+        template that parser refuses, which then cannot render either), every one of them is
+        passed: never silently none. The server's own names (`template_kwargs.RESERVED`, vLLM's
+        `chat_template` and `tokenize` among them) were refused at every door already."""
         if not chat_template_kwargs:
             return {}
-        template = self.processor.chat_template
+        template = chat_template if chat_template is not None else self.processor.chat_template
         if isinstance(template, dict):  # a processor with named templates renders with "default"
             template = template.get("default")
-        read = template_variables(template) if isinstance(template, str) else frozenset()
+        read = template_variables(template) if isinstance(template, str) else None
+        if read is None:
+            return dict(chat_template_kwargs)
         return {name: value for name, value in chat_template_kwargs.items() if name in read}
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -251,9 +275,10 @@ class HfTextAdapter(VLMAdapter):
         add_special_tokens: bool,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         text = self._render_text_only(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
         )
         return self.tokenize(text, add_special_tokens)
 
@@ -527,16 +552,9 @@ class QwenTextAdapter(HfTextAdapter):
         return count_parameters(self.model, self.visual)
 
 
-@functools.lru_cache(maxsize=8)
-def template_variables(chat_template: str) -> frozenset[str]:
-    """The variables a Jinja chat template reads without setting them (`messages`,
-    `add_generation_prompt`, a Qwen3 template's `enable_thinking`, ...); none for a template that
-    does not parse here (transformers' own tags): its request variables are then dropped."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
-    try:
-        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
-    except TemplateSyntaxError:
-        return frozenset()
+def _whose(chat_template: str | None) -> str:
+    """The template an error names: the one given to `_render`, or the model's own."""
+    return "the model's chat template" if chat_template is None else "the given chat template"
 
 
 def _strings_in(value: Any) -> Iterator[str]:

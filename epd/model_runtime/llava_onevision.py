@@ -208,13 +208,20 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> Prompt:
         if visual is None:
             return self._text_only_prompt(
-                conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+                conversation,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
+                chat_template,
             )
         proc = self.processor
-        text = self._render(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        text = self._render(
+            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
+        )
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         if text.count(pad) != 1 or text.count(proc.video_token) + text.count(proc.image_token) != 1:
             raise ValueError(

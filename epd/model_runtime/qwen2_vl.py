@@ -144,14 +144,21 @@ class Qwen2VLAdapter(QwenTextAdapter):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> Prompt:
         if visual is None:
             return self._text_only_prompt(
-                conversation, add_generation_prompt, continue_final_message, chat_template_kwargs
+                conversation,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
+                chat_template,
             )
         # The processor's own template renders the parts in order (no separator between text parts,
         # earlier turns as it renders them); we only expand the one placeholder, as its __call__ does.
-        text = self._render(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        text = self._render(
+            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
+        )
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
         text = text.replace(pad, pad * num_tokens, 1)

@@ -181,6 +181,7 @@ class Qwen3_5Adapter(HfTextAdapter):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> Prompt:
         # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
         return Qwen3VLAdapter.build_prompt(
@@ -190,6 +191,7 @@ class Qwen3_5Adapter(HfTextAdapter):
             add_generation_prompt,
             continue_final_message,
             chat_template_kwargs,
+            chat_template,
         )
 
     def _timestamps_metadata(self, visual: VisualMeta):

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd.stages.chat_template import check_request_chat_template
 from epd.stages.errors import InvalidRequest
 from epd.stages.template_kwargs import check_chat_template_kwargs
 
@@ -110,14 +111,21 @@ class ChatTemplateOptions:
     """Extra variables of the template (`{"enable_thinking": False}` for Qwen3 / Qwen3.5's), JSON
     values (`epd.stages.template_kwargs`); those the template does not read are dropped where it is
     rendered, as vLLM's. Empty: the template's own defaults."""
+    chat_template: str | None = None
+    """vLLM's request `chat_template`: a Jinja template that renders this request's prompt instead
+    of the server's (`epd.stages.chat_template`); prefill refuses it unless started with
+    --trust-request-chat-template. None: the server's template (its --chat-template, or the
+    model's own)."""
 
     def check(self, messages: Sequence[Message], to_answer: bool = True) -> None:
         """InvalidRequest unless these options can render `messages`: not both flags (vLLM's 400:
         the template cannot both open a new answer and leave the last message open), and, for a
         request `to_answer`, only the assistant's message continued (/tokenize, not to answer,
         leaves any last message open, as vLLM's does); and `chat_template_kwargs` variables epd
-        passes on (`check_chat_template_kwargs`)."""
+        passes on (`check_chat_template_kwargs`); a `chat_template` of bounded size
+        (`check_request_chat_template`)."""
         check_chat_template_kwargs(self.chat_template_kwargs)
+        check_request_chat_template(self.chat_template)
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequest(
                 "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "

@@ -41,6 +41,9 @@ class ModelInfo:
     """Which of `REASONING_MARKERS` are single tokens of the model's tokenizer, in that order: a
     thinking model's (Qwen3, Qwen3.5, DeepSeek-R1) has both, Qwen2-VL's neither. The front door
     refuses chat requests under `--reasoning-parser` without both (`epd.gateway.reasoning`)."""
+    trust_request_chat_template: bool = False
+    """Prefill renders a request's own `chat_template` (--trust-request-chat-template): the front
+    door refuses one without it before the media costs an encode (prefill refuses it too)."""
 
     @property
     def max_model_len(self) -> int:
@@ -77,4 +80,6 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         reasoning_markers=tuple(
             m for m in REASONING_MARKERS if all(m in i.reasoning_markers for i in distinct)
         ),
+        # only when every replica takes them: any of them may get the request
+        trust_request_chat_template=all(i.trust_request_chat_template for i in distinct),
     )

@@ -33,7 +33,8 @@ _USE_INSTEAD = {
     "continue_final_message": "set the request's own 'continue_final_message' field",
     "tools": "tools are not supported by this server",
     "documents": "documents are not supported by this server",
-    "chat_template": "the served model's own chat template renders every request",
+    "chat_template": "send the template in the request's own 'chat_template' field (a server started "
+    "with --trust-request-chat-template takes it)",
     "tokenize": "the server tokenizes the rendered prompt itself",
 }
 """What to do instead of each name the server refuses."""

@@ -42,6 +42,7 @@ def template_to_proto(options: ChatTemplateOptions) -> messages_pb2.ChatTemplate
         chat_template_kwargs_json=template_kwargs.to_json(options.chat_template_kwargs)
         if options.chat_template_kwargs
         else "",
+        chat_template=options.chat_template,
     )
 
 
@@ -52,6 +53,7 @@ def template_from_proto(msg: messages_pb2.ChatTemplateOptions) -> ChatTemplateOp
         add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
         continue_final_message=msg.continue_final_message,
         chat_template_kwargs=template_kwargs.from_json(msg.chat_template_kwargs_json),
+        chat_template=msg.chat_template if msg.HasField("chat_template") else None,
     )
 
 

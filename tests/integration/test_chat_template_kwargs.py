@@ -19,8 +19,8 @@ import pytest
 from epd.client import EpdClient, EpdError
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest
+from epd.model_runtime.chat_template import template_variables
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_text import template_variables
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.tiny_model import QWEN3_5_CHAT_TEMPLATE
 from epd.stages.contracts import MediaInput
@@ -168,6 +168,8 @@ def test_the_runtime_passes_only_the_variables_the_template_reads(tiny_models):
     plain = adapter.tokenize_conversation(conversation, True, False)
     unread = {"enable_thinking": False, "num_frames": 1, "note": "<|video_pad|>"}
     assert adapter.tokenize_conversation(conversation, True, False, False, unread) == plain
+    # Variables not known (a template transformers' parser refuses): all passed, not all dropped.
+    assert adapter._template_variables(unread, "{% if %}") == unread
     adapter.processor.chat_template = adapter.processor.chat_template + "{{ note }}"
     with pytest.raises(
         ValueError, match="a chat_template_kwargs value contains the model's visual placeholder"

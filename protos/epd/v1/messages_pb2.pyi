@@ -23,14 +23,16 @@ class ContentPart(_message.Message):
     def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ChatTemplateOptions(_message.Message):
-    __slots__ = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs_json")
+    __slots__ = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "chat_template")
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs_json: str
-    def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class RawPrompt(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -245,6 +245,20 @@ def test_a_tokenize_request_carries_its_options_and_leaves_defaults_unset():
         None, [{"role": "user", "content": "hi"}], None, None, None, False, "", {"enable_thinking": False}
     )
     assert json.loads(thinking.template.chat_template_kwargs_json) == {"enable_thinking": False}
+    assert not thinking.template.HasField("chat_template")
+
+
+def test_the_sdk_sends_a_request_template_as_it_is():
+    """vLLM's request `chat_template` (the server decides whether it trusts it); not a str: TypeError."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    header = build_header("what moves?", 0, "", {"chat_template": template})
+    assert header.template.chat_template == template and not header.template.HasField("add_generation_prompt")
+    counted = tokenize_request(
+        None, [{"role": "user", "content": "hi"}], None, None, None, False, "", None, template
+    )
+    assert counted.template.chat_template == template
+    with pytest.raises(TypeError, match="chat_template must be a Jinja template's text"):
+        build_header("what moves?", 0, "", {"chat_template": {"default": template}})
 
 
 @pytest.mark.parametrize(

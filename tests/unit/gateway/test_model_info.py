@@ -191,3 +191,34 @@ def test_the_default_max_tokens_fits_the_max_tokens_limit_and_max_model_len():
 def test_a_pipeline_whose_prefill_cannot_say_knows_no_model(prefill):
     pipeline = Pipeline(None, prefill, None)  # type: ignore[arg-type]
     assert pipeline.model_info() is None and pipeline.vocab_size is None
+
+
+def test_a_request_template_is_refused_before_the_encode_unless_every_prefill_trusts_them():
+    """The gateway learns from prefill whether it renders a request's own `chat_template`
+    (--trust-request-chat-template): without it the request is refused before its media costs an
+    encode (this pipeline has no encoder to reach)."""
+    from dataclasses import replace
+
+    from epd.gateway.pipeline import AskRequest
+    from epd.stages.contracts import MediaInput
+    from epd.stages.errors import InvalidRequest
+    from epd.stages.messages import VIDEO, ChatTemplateOptions, Message
+
+    trusting = replace(QWEN, trust_request_chat_template=True)
+    assert model_info_from_proto(model_info_to_proto(trusting)) == trusting
+    assert common_model_info([trusting, QWEN]).trust_request_chat_template is False  # any replica may get it
+    assert common_model_info(
+        [trusting, replace(BIGGER, trust_request_chat_template=True)]
+    ).trust_request_chat_template
+    request = AskRequest(
+        [Message.user(VIDEO, "what moves?")],
+        MediaInput(b"\x00" * 16),
+        template=ChatTemplateOptions(chat_template="{{ messages }}"),
+    )
+
+    async def ask(info: ModelInfo):
+        async for _ in Pipeline(None, _Stage(info), None).ask(request):  # type: ignore[arg-type]
+            pass
+
+    with pytest.raises(InvalidRequest, match="not started with --trust-request-chat-template"):
+        asyncio.run(ask(QWEN))

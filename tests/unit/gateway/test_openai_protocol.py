@@ -317,7 +317,7 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
     ("best_of", True),
     # vLLM's fields that change the prompt, the frames or the answer's text: they were logged as
     # unknown, and answered as if they had not been sent.
-    ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
+    ("add_special_tokens", True),
     ("mm_processor_kwargs", {"fps": 1}), ("truncate_prompt_tokens", 16), ("documents", [{"text": "d"}]),
     ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}), ("priority", 1),
     # vLLM's too, logged as unknown and answered as if not sent: the frames vLLM loads, a model's

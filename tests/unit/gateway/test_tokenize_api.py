@@ -71,7 +71,7 @@ def test_continue_final_message_and_return_token_strs_are_read_as_vllms():
     ({}, "send 'prompt' \\(a string\\) or 'messages'"),
     ({"prompt": 3}, "send 'prompt'"),
     ({"prompt": "a", "return_token_strs": 1}, "'return_token_strs' must be true or false"),
-    ({"messages": [USER], "chat_template": "{{ x }}"}, "'chat_template' is not supported"),
+    ({"messages": [USER], "chat_template": 3}, "'chat_template' must be a string"),
     ({"messages": [USER], "continue_final_message": "yes"}, "'continue_final_message' must be true or false"),
     ({"messages": [USER], "tools": [{"type": "function"}]}, "'tools' is not supported"),
     ({"messages": "hi"}, "'messages' must be a non-empty list"),

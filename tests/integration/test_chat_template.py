@@ -1,0 +1,185 @@
+"""vLLM's chat templates given instead of the model's own: prefill's `--chat-template` renders
+every prompt exactly as `processor.apply_chat_template(..., chat_template=that)` does (text alone,
+a video, the template's own variables), and the answer is generate()'s on it; a request's
+`chat_template` renders its own prompt only on a prefill started with
+--trust-request-chat-template (else 400), a template that fails is a 400 with jinja's message,
+and the prefix cache, keyed on token ids, reuses only the common prefix of two templates'
+prompts. Through the embedded pipeline and the real stack (HTTP, /tokenize); a template that
+does not parse stops `epd serve prefill` at start, in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import pytest
+
+from epd.client import EpdClient
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.tiny_model import CHAT_TEMPLATE
+from epd.prefill_svc.config import PrefillConfig
+from epd.stages.contracts import MediaInput
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import ChatTemplateOptions, from_chat_template
+from epd.stages.tokenize import TokenizeInput
+from epd.video.types import SamplingOptions
+from tests.embedded import request_summary
+from tests.integration.test_model_info import _post as post_json
+from tests.reference import decode_for_test, template_reference
+from tests.stack import INSECURE_STAGE, Stack, child_env, epd_command, free_port
+
+MAX_NEW_TOKENS = 8
+NUM_FRAMES = 4
+TEXT_ONLY = [{"role": "user", "content": [{"type": "text", "text": "name a colour"}]}]
+VIDEO = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+
+SYSTEM = "You are a helpful assistant."
+OVERRIDE = CHAT_TEMPLATE.replace(SYSTEM, "You answer {{ style | default('in one word') }}.").replace(
+    "{% if message['content'] is string %}",
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+    "{% elif message['content'] is string %}",
+)
+"""The tiny Qwen2-VL's template with another system prompt, a variable of its own (`style`) and
+transformers' `{% generation %}` tag, which plain jinja2 does not parse (its variables were
+then all dropped)."""
+GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+REQUEST_TEMPLATE = CHAT_TEMPLATE.replace(
+    GENERATION_PROMPT, "{% if add_generation_prompt %}<|im_start|>assistant (in French)\n{% endif %}"
+)
+"""Another generation prompt: its prompt parts from the model's own after the system and user turns."""
+
+
+def _ask(pipeline, messages, media=None, **template):
+    request = AskRequest(
+        from_chat_template(messages),
+        MediaInput(media) if media else None,
+        SamplingOptions(num_frames=NUM_FRAMES),
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+        template=ChatTemplateOptions(**template),
+    )
+    return asyncio.run(request_summary(pipeline, request))
+
+
+def _tokenize(pipeline, messages, **template) -> list[int]:
+    request = TokenizeInput(
+        messages=from_chat_template(messages),
+        add_special_tokens=False,
+        template=ChatTemplateOptions(**template),
+    )
+    return asyncio.run(pipeline.prefill.tokenize(request, "t")).token_ids
+
+
+def test_the_servers_template_renders_every_prompt_as_the_processor_does_with_it(tiny_models, media_files):
+    path = tiny_models["qwen2_vl"]
+    video = decode_for_test(media_files["mp4"], NUM_FRAMES)
+    model = ModelConfig(model=str(path))
+    with build_embedded_pipeline(
+        model, prefill=PrefillConfig(model=model, chat_template=OVERRIDE)
+    ) as pipeline:
+        for messages, media in ((TEXT_ONLY, None), (VIDEO, video)):
+            default_ids, _ = template_reference(path, messages, 1, media)
+            prompt_ids, want = template_reference(
+                path, messages, MAX_NEW_TOKENS, media, chat_template=OVERRIDE
+            )
+            assert prompt_ids != default_ids
+            got = _ask(pipeline, messages, media_files["mp4"].read_bytes() if media else None)
+            assert (got.token_ids, got.num_prompt_tokens) == (want, len(prompt_ids))
+        assert (
+            _tokenize(pipeline, TEXT_ONLY)
+            == template_reference(path, TEXT_ONLY, 1, chat_template=OVERRIDE)[0]
+        )
+        # Its own variable reaches it, though the checkpoint's template does not read it.
+        styled_ids, styled_want = template_reference(
+            path, TEXT_ONLY, MAX_NEW_TOKENS, chat_template=OVERRIDE, style="in French"
+        )
+        styled = _ask(pipeline, TEXT_ONLY, chat_template_kwargs={"style": "in French"})
+        assert (styled.token_ids, styled.num_prompt_tokens) == (styled_want, len(styled_ids))
+        # Not trusted: a request's own template is refused, before any work.
+        with pytest.raises(InvalidRequest, match="not started with --trust-request-chat-template"):
+            _ask(pipeline, TEXT_ONLY, chat_template=REQUEST_TEMPLATE)
+        with pytest.raises(InvalidRequest, match="not started with --trust-request-chat-template"):
+            _tokenize(pipeline, TEXT_ONLY, chat_template=REQUEST_TEMPLATE)
+
+
+def test_a_trusted_request_template_renders_its_own_prompt_and_the_cache_stays_exact(tiny_models):
+    path = tiny_models["qwen2_vl"]
+    model = ModelConfig(model=str(path))
+    trusted = PrefillConfig(model=model, trust_request_chat_template=True)
+    with build_embedded_pipeline(model, prefill=trusted) as pipeline:
+        default_ids, default_want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS)
+        assert _ask(pipeline, TEXT_ONLY).token_ids == default_want
+        prompt_ids, want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS, chat_template=REQUEST_TEMPLATE)
+        common = next(i for i, (a, b) in enumerate(zip(default_ids, prompt_ids, strict=False)) if a != b)
+        assert common < len(prompt_ids) - 1
+        got = _ask(pipeline, TEXT_ONLY, chat_template=REQUEST_TEMPLATE)
+        # The cache, keyed on token ids, reused the part the two templates' prompts share and no more.
+        assert (got.token_ids, got.num_prompt_tokens) == (want, len(prompt_ids))
+        assert got.num_reused_prompt_tokens == common
+        assert _tokenize(pipeline, TEXT_ONLY, chat_template=REQUEST_TEMPLATE) == prompt_ids
+        assert _ask(pipeline, TEXT_ONLY).token_ids == default_want  # the next request: the model's again
+        for template, said in (
+            (
+                "{{ raise_exception('no system prompt here') }}",
+                "cannot render this conversation: no system prompt here",
+            ),
+            ("{{ messages[0].content[0].text / 0 }}", "failed to render: TypeError: unsupported operand"),
+            (
+                "{{ ''.__class__.__mro__ }}",
+                "stopped by the sandbox it renders in: access to attribute '__class__' of 'str' object is unsafe",
+            ),
+            ("{% for m in messages %}", "'chat_template': the chat template does not parse: line 1: "),
+        ):
+            with pytest.raises(InvalidRequest, match=said):
+                _ask(pipeline, TEXT_ONLY, chat_template=template)
+
+
+def test_the_stack_serves_a_prefill_started_with_a_template_file(tiny_models, tmp_path):
+    path = tiny_models["qwen2_vl"]
+    template_file = tmp_path / "override.jinja"
+    template_file.write_text(OVERRIDE)
+    http_port = free_port()
+    extra = {
+        "prefill": ["--chat-template", str(template_file), "--trust-request-chat-template"],
+        "gateway": ["--http-port", str(http_port)],
+    }
+    body = {"model": "epd", "messages": TEXT_ONLY, "max_tokens": MAX_NEW_TOKENS}
+    with Stack(path, tmp_path / "logs", extra=extra) as stack:
+        for template in (OVERRIDE, REQUEST_TEMPLATE):
+            prompt_ids, want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS, chat_template=template)
+            fields = {} if template is OVERRIDE else {"chat_template": template}
+            status, reply = post_json(http_port, "/v1/chat/completions", {**body, **fields})
+            assert status == 200, reply
+            assert reply["epd"]["token_ids"] == want and reply["usage"]["prompt_tokens"] == len(prompt_ids)
+            status, counted = post_json(http_port, "/tokenize", {"messages": TEXT_ONLY, **fields})
+            assert status == 200 and counted["tokens"] == prompt_ids, counted
+        status, reply = post_json(http_port, "/v1/chat/completions", {**body, "chat_template": "{{ 1 / }}"})
+        assert status == 400 and "does not parse: line 1" in reply["error"]["message"], reply
+        # The gRPC door (the SDK) carries the request's template as the HTTP door does.
+        prompt_ids, want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS, chat_template=REQUEST_TEMPLATE)
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            result = client.ask(
+                None, messages=TEXT_ONLY, max_new_tokens=MAX_NEW_TOKENS, chat_template=REQUEST_TEMPLATE
+            )
+            assert (result.token_ids, result.num_prompt_tokens) == (want, len(prompt_ids))
+            assert client.tokenize(messages=TEXT_ONLY, chat_template=REQUEST_TEMPLATE).token_ids == prompt_ids
+
+
+def test_a_template_that_does_not_parse_stops_the_prefill_service_at_start(tiny_models):
+    proc = subprocess.run(
+        epd_command(
+            "serve", "prefill", "--port", str(free_port()), "--model", str(tiny_models["qwen2_vl"]),
+            "--chat-template", "{% if messages %}unclosed", *INSECURE_STAGE,
+        ),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [lines[-1]] and lines[0].startswith(
+        "epd serve prefill: --chat-template: the chat template does not parse: line 1: "
+    ), proc.stderr
