@@ -41,6 +41,10 @@ class ModelInfo:
     """Which of `REASONING_MARKERS` are single tokens of the model's tokenizer, in that order: a
     thinking model's (Qwen3, Qwen3.5, DeepSeek-R1) has both, Qwen2-VL's neither. The front door
     refuses chat requests under `--reasoning-parser` without both (`epd.gateway.reasoning`)."""
+    scheduling_policy: str = "fcfs"
+    """Prefill's --scheduling-policy (`epd.stages.scheduling`): under fcfs the front door refuses a
+    request's non-zero priority before its media costs an encode (`epd serve` gives every stage
+    the same policy; a stage started by hand with another refuses such a request itself)."""
 
     @property
     def max_model_len(self) -> int:
@@ -77,4 +81,6 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         reasoning_markers=tuple(
             m for m in REASONING_MARKERS if all(m in i.reasoning_markers for i in distinct)
         ),
+        # priority only when every replica orders by it: a replica under fcfs would refuse the request
+        scheduling_policy="priority" if all(i.scheduling_policy == "priority" for i in distinct) else "fcfs",
     )

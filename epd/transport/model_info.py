@@ -29,6 +29,7 @@ def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
         model_type=info.model_type,
         max_logprobs=info.max_logprobs,
         reasoning_markers=info.reasoning_markers,
+        scheduling_policy=info.scheduling_policy,
     )
 
 
@@ -42,6 +43,7 @@ def model_info_from_proto(msg: prefill_pb2.ModelInfo) -> ModelInfo:
         # unset: a prefill from before --max-logprobs, which refused every logprobs request
         max_logprobs=msg.max_logprobs if msg.HasField("max_logprobs") else 0,
         reasoning_markers=tuple(msg.reasoning_markers),
+        scheduling_policy=msg.scheduling_policy or "fcfs",  # unset: a prefill from before the flag
     )
 
 
