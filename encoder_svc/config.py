@@ -55,8 +55,8 @@ class EncoderConfig:
     through the vision tower together, batched across requests on the one model thread, so a
     slow video delays only itself. Also bounds the requests sharing the decode threads."""
     max_queued_decodes: int = 16
-    """Requests that may wait (FIFO, holding their upload) for one of `max_concurrent_decodes`;
-    past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
+    """Requests that may wait (in `scheduling_policy`'s order, holding their upload) for one of
+    `max_concurrent_decodes`; past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
     max_tower_jobs_per_request: int = 4
     """Frame groups one request may have queued for the vision tower at once
     (`--max-tower-jobs-per-request`): its driver preprocesses the next groups while the tower

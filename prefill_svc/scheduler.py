@@ -141,7 +141,7 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
                 r.num_scheduled_tokens = min(chunk, budget)
             elif r.num_remaining_tokens <= budget or not batch:  # (over the whole budget, unchunked: alone)
                 r.num_scheduled_tokens = r.num_remaining_tokens
-            else:  # a whole prompt that does not fit what is left: first in the next step (FIFO)
+            else:  # a whole prompt that does not fit what is left: first in the next step (no skipping)
                 break
             self.running.append(self.waiting.pop())
             budget -= r.num_scheduled_tokens
