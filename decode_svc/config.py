@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from epd.decode_svc.kv_sources import parse_allow_list
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import MAX_NEW_TOKENS
+from epd.stages.scheduling import check_scheduling_policy
 from epd.stages.server_config import ServerConfig
 
 DEFAULT_PORT = 50053
@@ -31,6 +32,9 @@ class DecodeConfig:
     """Requests decoding together in one batch at most."""
     max_waiting_requests: int = 256
     """Requests waiting for KV room at most; more are refused with RESOURCE_EXHAUSTED."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's --scheduling-policy: requests wait for KV room in arrival order (fcfs), or by their
+    priority first (priority); a running request is never preempted (`epd.stages.scheduling`)."""
     nice: int = 0
     """Added to the process's nice value at start (0-19; a lower CPU priority): where the stages
     share a host's cores, encode and prefill steps then go before decode steps, so first tokens
@@ -47,6 +51,7 @@ class DecodeConfig:
     `decode_svc/kv_sources.py`."""
 
     def __post_init__(self) -> None:
+        check_scheduling_policy(self.scheduling_policy)
         if not 0 <= self.nice <= 19:
             raise ValueError(f"--nice must be 0-19 (added to the process's nice value); got {self.nice}")
         parse_allow_list(self.allow_kv_from)  # ValueError names the entry and --allow-kv-from

@@ -4,7 +4,10 @@ A request reserves room for its whole life, its final length (cached prompt toke
 may still generate), *before* its KV cache is pulled from prefill (SGLang's decode side has a
 prealloc queue for the same reason): a cache is never pulled into memory that does not exist, and a
 running request never has to be preempted for lack of room. When there is no room, the request
-waits in FIFO order (a waiting head blocks later ones, so large requests are not starved); when
+waits in arrival order, or under `--scheduling-policy priority` by its priority first
+(`epd.stages.scheduling`; a running request is never preempted for a waiting one, whatever their
+priorities). The waiting head blocks the ones behind it (so large requests are not starved by
+smaller ones of their priority); when
 the wait queue is full too, `reserve` refuses at once with Busy (RESOURCE_EXHAUSTED, retry later;
 HTTP 429). A request larger than the whole budget is a plain ResourceExhausted (send less: 413).
 
@@ -23,11 +26,11 @@ No torch, no gRPC: unit-tested alone (tests/unit/decode/test_kv_memory.py).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from epd.stages.errors import Busy, ResourceExhausted
+from epd.stages.scheduling import WaitingQueue
 
 
 class KvMemory:
@@ -38,6 +41,7 @@ class KvMemory:
         max_running: int,
         max_waiting: int,
         fixed_bytes: int = 0,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         if budget_bytes <= 0 or bytes_per_token <= 0 or max_running < 1 or max_waiting < 0:
             raise ValueError(
@@ -50,7 +54,7 @@ class KvMemory:
         self.max_waiting = max_waiting
         self.fixed_bytes = fixed_bytes
         self._held: dict[object, int] = {}  # owner -> final length in tokens
-        self._waiting: deque[tuple[object, int, asyncio.Future]] = deque()
+        self._waiting: WaitingQueue[tuple[object, int, asyncio.Future]] = WaitingQueue(scheduling_policy)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -89,9 +93,9 @@ class KvMemory:
                 "frames, or start the decoder with a larger --kv-budget-bytes"
             )
 
-    async def reserve(self, owner: object, final_length: int) -> None:
-        """Hold room for `owner` (waits FIFO until there is room; cancelling the wait leaves the
-        queue). ResourceExhausted when the wait queue is full."""
+    async def reserve(self, owner: object, final_length: int, priority: int = 0) -> None:
+        """Hold room for `owner` (waits its turn until there is room; cancelling the wait leaves
+        the queue). ResourceExhausted when the wait queue is full."""
         self.check_admissible(final_length)
         if not self._waiting and self.fits(final_length):
             self._held[owner] = final_length
@@ -105,15 +109,15 @@ class KvMemory:
             )
         future = asyncio.get_running_loop().create_future()
         entry = (owner, final_length, future)
-        self._waiting.append(entry)
+        self._waiting.push(entry, priority)
+        self._grant()  # ahead of the waiting head by priority, it may fit where the head does not
         try:
             await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self.free(owner)  # granted in the same instant it was cancelled
             else:
-                if entry in self._waiting:  # _grant may have dropped it already
-                    self._waiting.remove(entry)
+                self._waiting.remove(entry)  # unless _grant dropped it already
                 self._grant()  # the head may have been the one blocking the rest
             raise
 
@@ -122,16 +126,16 @@ class KvMemory:
             self._grant()
 
     @asynccontextmanager
-    async def reservation(self, owner: object, final_length: int) -> AsyncIterator[None]:
-        await self.reserve(owner, final_length)
+    async def reservation(self, owner: object, final_length: int, priority: int = 0) -> AsyncIterator[None]:
+        await self.reserve(owner, final_length, priority)
         try:
             yield
         finally:
             self.free(owner)
 
     def _grant(self) -> None:
-        while self._waiting and self.fits(self._waiting[0][1]):
-            owner, final_length, future = self._waiting.popleft()
+        while self._waiting and self.fits(self._waiting.peek()[1]):
+            owner, final_length, future = self._waiting.pop()
             if future.cancelled():
                 continue
             self._held[owner] = final_length

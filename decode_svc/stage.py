@@ -8,8 +8,8 @@ from the prefill server over gRPC (`epd.decode_svc.kv_pull.KvPuller.take_kv`). E
 this class. A request's life here:
   1. the generation-limits check, and the handle's token ids against the vocabulary (before
      anything is reserved or moved);
-  2. `KvMemory.reserve`: room for its whole life (cached tokens + max_new_tokens), waiting FIFO
-     when the budget is taken, RESOURCE_EXHAUSTED when the wait queue is full too;
+  2. `KvMemory.reserve`: room for its whole life (cached tokens + max_new_tokens), waiting in
+     arrival order (or by priority first, `--scheduling-policy priority`) when the budget is taken, RESOURCE_EXHAUSTED when the wait queue is full too;
   3. the pull (`take_kv`), timed; prefill keeps its copy until the first token is out
      (`confirm_kv`), so a pull cut short, or a decoder lost before its first token, leaves it there
      for the gateway's retry on another decoder (`epd.decode_svc.kv_pull`);
@@ -113,6 +113,7 @@ class LocalDecodeStage(DecodeStage):
             c.max_running_requests,
             c.max_waiting_requests,
             engine.adapter.decode_state_bytes,  # fixed state per request (hybrid models: linear states)
+            c.scheduling_policy,
         )
         self.core = EngineCore(DecodeScheduler(self.memory), DecodeRunner(engine), model_thread)
 
@@ -150,13 +151,19 @@ class LocalDecodeStage(DecodeStage):
         pruning: PruningConfig = PruningConfig(),
     ) -> AsyncIterator[TokenStep]:
         vocab_size = self.engine.adapter.vocab_size
-        check_generation_limits(generation, self.config.max_new_tokens_limit, vocab_size)
+        check_generation_limits(
+            generation,
+            self.config.max_new_tokens_limit,
+            vocab_size,
+            scheduling_policy=self.config.scheduling_policy,
+        )
         check_first_token_id(handle.first_token_id, vocab_size)
         check_prompt_token_ids(handle.distinct_prompt_token_ids, vocab_size)
         # Off the event loop and the model thread; a spec seen before comes from the cache.
         grammar = await compile_for(self.engine.adapter, generation.structured_outputs, self.model_thread)
         request = DecodeRequest(
             request_id,
+            priority=generation.priority,
             handle=handle,
             generation_config=generation,
             pruning=pruning,
@@ -166,7 +173,7 @@ class LocalDecodeStage(DecodeStage):
         num_tokens = 0
         try:
             # Room first, then the cache: a cache is never pulled into memory that is not there.
-            async with self.memory.reservation(request, request.final_length):
+            async with self.memory.reservation(request, request.final_length, request.priority):
                 t0 = time.perf_counter()
                 self.num_pulling += 1
                 try:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.model_runtime.config import ModelConfig
+from epd.stages.scheduling import check_scheduling_policy
 from epd.stages.server_config import ServerConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -54,8 +55,8 @@ class EncoderConfig:
     through the vision tower together, batched across requests on the one model thread, so a
     slow video delays only itself. Also bounds the requests sharing the decode threads."""
     max_queued_decodes: int = 16
-    """Requests that may wait (FIFO, holding their upload) for one of `max_concurrent_decodes`;
-    past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
+    """Requests that may wait (in `scheduling_policy`'s order, holding their upload) for one of
+    `max_concurrent_decodes`; past that the encoder answers RESOURCE_EXHAUSTED at once. 0: never wait."""
     max_tower_jobs_per_request: int = 4
     """Frame groups one request may have queued for the vision tower at once
     (`--max-tower-jobs-per-request`): its driver preprocesses the next groups while the tower
@@ -95,7 +96,12 @@ class EncoderConfig:
         merged: two are more)."""
         return self.max_tower_patches_per_step * SMALLEST_PATCH_PIXELS
 
+    scheduling_policy: str = "fcfs"
+    """vLLM's --scheduling-policy: requests wait for a driver, and frame groups for the tower, in
+    arrival order (fcfs), or by their request's priority first (priority); `epd.stages.scheduling`."""
+
     def __post_init__(self) -> None:
+        check_scheduling_policy(self.scheduling_policy)
         if self.max_visual_tokens < 1:
             raise ValueError(f"max_visual_tokens must be >= 1, got {self.max_visual_tokens}")
         if self.decode_backend not in ("pyav", "decord"):

@@ -1,8 +1,9 @@
 """The encoder core's bookkeeping: which frame groups go through the vision tower together.
 
 A *tower job* is one frame group (or the one image) of one media request, already preprocessed
-into patches on its request's driver thread. Jobs wait in one FIFO queue; each step takes the
-oldest jobs, of any requests, while their patches fit `max_patches_per_step` (the first job
+into patches on its request's driver thread. Jobs wait in one queue, in arrival order or, under
+`--scheduling-policy priority`, by their request's priority first (`epd.stages.scheduling`); each
+step takes the first jobs, of any requests, while their patches fit `max_patches_per_step` (the first job
 always, so a group larger than the budget still runs, alone). The runner encodes them in one
 tower call and every job finishes in that step, so the running batch is empty again before the
 next `schedule`. No torch and no gRPC here: unit-tested with plain counters.
@@ -10,12 +11,12 @@ next `schedule`. No torch and no gRPC here: unit-tested with plain counters.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from epd.stages.engine_core import CoreRequest, EngineLoad, Scheduler
 from epd.stages.errors import Busy
+from epd.stages.scheduling import WaitingQueue
 
 if TYPE_CHECKING:
     from epd.model_runtime.adapter import VisionInputs
@@ -34,7 +35,9 @@ class TowerJob(CoreRequest):
 
 
 class EncodeScheduler(Scheduler[TowerJob]):
-    def __init__(self, max_patches_per_step: int, max_waiting_jobs: int) -> None:
+    def __init__(
+        self, max_patches_per_step: int, max_waiting_jobs: int, scheduling_policy: str = "fcfs"
+    ) -> None:
         """`max_waiting_jobs`: the queue bound. Each driver has at most one job queued, so the
         stage sets it to the number of drivers and `add` never refuses an admitted request."""
         if max_patches_per_step < 1 or max_waiting_jobs < 1:
@@ -44,7 +47,7 @@ class EncodeScheduler(Scheduler[TowerJob]):
             )
         self.max_patches_per_step = max_patches_per_step
         self.max_waiting_jobs = max_waiting_jobs
-        self.waiting: deque[TowerJob] = deque()
+        self.waiting: WaitingQueue[TowerJob] = WaitingQueue(scheduling_policy)
         self.running: list[TowerJob] = []
         self.num_patches_waiting = 0
 
@@ -54,16 +57,16 @@ class EncodeScheduler(Scheduler[TowerJob]):
                 f"the encoder's tower queue holds {len(self.waiting)} frame groups; retry shortly, or "
                 "start the encoder with a larger --max-concurrent-decodes"
             )
-        self.waiting.append(request)
+        self.waiting.push(request, request.priority)
         self.num_patches_waiting += request.num_patches
 
     def schedule(self) -> list[TowerJob]:
         batch: list[TowerJob] = []
         num_patches = 0
         while self.waiting and (
-            not batch or num_patches + self.waiting[0].num_patches <= self.max_patches_per_step
+            not batch or num_patches + self.waiting.peek().num_patches <= self.max_patches_per_step
         ):
-            job = self.waiting.popleft()
+            job = self.waiting.pop()
             self.num_patches_waiting -= job.num_patches
             num_patches += job.num_patches
             batch.append(job)
@@ -73,8 +76,7 @@ class EncodeScheduler(Scheduler[TowerJob]):
     def remove(self, request: TowerJob) -> None:
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        elif self.waiting.remove(request):
             self.num_patches_waiting -= request.num_patches
 
     def requests(self) -> list[TowerJob]:

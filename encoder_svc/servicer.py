@@ -38,7 +38,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
         async for item in with_events(
-            lambda sink: stage.encode(media, sampling, sink, request_id, pruning, cache_salt)
+            lambda sink: stage.encode(media, sampling, sink, request_id, pruning, cache_salt, header.priority)
         ):
             if isinstance(item, Finished):
                 encoded = item.value

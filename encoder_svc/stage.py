@@ -31,6 +31,7 @@ from epd.stages.contracts import (
     MediaInput,
     RequestCancelled,
     StageEvent,
+    check_request_priority,
 )
 from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.model_thread import ModelThread
@@ -55,7 +56,9 @@ def build_encode_core(engine: EncoderEngine, model_thread: ModelThread) -> Engin
     # Each running driver has at most `max_tower_jobs_per_request` tower jobs queued: the queue
     # never refuses one.
     scheduler = EncodeScheduler(
-        config.max_tower_patches_per_step, config.max_concurrent_decodes * config.max_tower_jobs_per_request
+        config.max_tower_patches_per_step,
+        config.max_concurrent_decodes * config.max_tower_jobs_per_request,
+        config.scheduling_policy,
     )
     return EngineCore(scheduler, EncodeRunner(engine.adapter), model_thread)
 
@@ -76,6 +79,7 @@ class LocalEncodeStage(EncodeStage):
             # A driver preprocesses its frame groups on one torch thread: the model thread keeps
             # the process's one OpenMP team (epd.model_runtime.threads).
             thread_initializer=functools.partial(pin_torch_threads, 1),
+            scheduling_policy=config.scheduling_policy,
         )
         self.core = core or build_encode_core(engine, model_thread)
         assert isinstance(self.core.scheduler, EncodeScheduler) and isinstance(self.core.runner, EncodeRunner)
@@ -98,9 +102,11 @@ class LocalEncodeStage(EncodeStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
+        priority: int = 0,
     ) -> EncodedMedia:
+        check_request_priority(priority, self.engine.config.scheduling_policy)
         loop = asyncio.get_running_loop()
-        towers = _TowerJobs(self.core, request_id, loop)
+        towers = _TowerJobs(self.core, request_id, loop, priority)
 
         def drive(cancel: threading.Event) -> EncodedMedia:  # on a request-pool thread
             def threadsafe(event: StageEvent) -> None:
@@ -123,7 +129,7 @@ class LocalEncodeStage(EncodeStage):
                 raise
 
         try:
-            return await self.drivers.run(drive)
+            return await self.drivers.run(drive, priority)
         except asyncio.CancelledError:
             await towers.cancel()  # its queued tower job has left the queue when this returns
             log.info("encode of request %s cancelled by its caller; its decoding stops", request_id)
@@ -135,9 +141,12 @@ class _TowerJobs:
     as a tower job on the event loop and returns at once (the driver goes on preprocessing);
     `cancel` (on the loop) takes its queued jobs out of the queue and refuses later ones."""
 
-    def __init__(self, core: EngineCore[TowerJob], request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, core: EngineCore[TowerJob], request_id: str, loop: asyncio.AbstractEventLoop, priority: int = 0
+    ) -> None:
         self.core = core
         self.request_id = request_id
+        self.priority = priority
         self.loop = loop
         self._tasks: set[asyncio.Task] = set()  # loop only
         self._cancelled = False  # loop only
@@ -156,6 +165,7 @@ class _TowerJobs:
             raise RequestCancelled(f"cancelled before frame group {group_index} reached the tower")
         job = TowerJob(
             request_id=self.request_id,
+            priority=self.priority,
             num_patches=int(inputs.pixel_values.shape[0]),
             group_index=group_index,
             inputs=inputs,

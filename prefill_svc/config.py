@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.logprobs import MAX_LOGPROBS
 from epd.model_runtime.sampling import MAX_NEW_TOKENS
+from epd.stages.scheduling import check_scheduling_policy
 from epd.stages.server_config import ServerConfig
 
 DEFAULT_PORT = 50052
@@ -26,8 +27,12 @@ class PrefillSchedulerConfig:
     """Requests admitted and not yet prefilled, at most; beyond it RESOURCE_EXHAUSTED (--max-waiting-prefills)."""
     max_waiting_prompt_tokens: int = 65536
     """Prompt tokens of those requests, at most; beyond it RESOURCE_EXHAUSTED (--max-waiting-prompt-tokens)."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's --scheduling-policy: waiting prompts in arrival order (fcfs), or by their request's
+    priority first (priority); `epd.stages.scheduling`."""
 
     def __post_init__(self) -> None:
+        check_scheduling_policy(self.scheduling_policy)
         if self.max_prefill_tokens_per_step < 1:
             raise ValueError(
                 "max_prefill_tokens_per_step (--max-prefill-tokens-per-step) must be >= 1, "

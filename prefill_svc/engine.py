@@ -148,6 +148,7 @@ class PrefillEngine:
             max_logprobs=self.config.max_logprobs,
             reasoning_markers=self.reasoning_markers,
             trust_request_chat_template=self.config.trust_request_chat_template,
+            scheduling_policy=self.config.scheduler.scheduling_policy,
         )
 
     def tokenize(self, request: TokenizeInput) -> TokenizeOutput:
@@ -194,7 +195,11 @@ class PrefillEngine:
 
     def _check_generation(self, generation: GenerationConfig) -> None:
         check_generation_limits(
-            generation, self.config.max_new_tokens_limit, self.adapter.vocab_size, self.config.max_logprobs
+            generation,
+            self.config.max_new_tokens_limit,
+            self.adapter.vocab_size,
+            self.config.max_logprobs,
+            self.config.scheduler.scheduling_policy,
         )
 
     def validate(
@@ -330,6 +335,7 @@ class PrefillEngine:
             self._check_prompt_logprobs(exclusive, prompt.num_tokens, generation.prompt_logprobs)
         request = PrefillRequest(
             request_id,
+            priority=generation.priority,
             num_prompt_tokens=prompt.num_tokens,
             exclusive=exclusive,
             prompt=prompt,

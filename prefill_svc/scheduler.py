@@ -2,9 +2,11 @@
 
 No torch, no gRPC: plain counters, unit-tested without a model.
 
-    add(request)       admitted into `waiting` (FIFO), or ResourceExhausted when a bound is full
+    add(request)       admitted into `waiting`, or ResourceExhausted when a bound is full
     schedule()         the next step: chunked prompts already started first, then waiting ones
-                       in order, up to `max_prefill_tokens_per_step` prompt tokens
+                       in order (arrival, or by priority first under `--scheduling-policy
+                       priority`: `epd.stages.scheduling`), up to `max_prefill_tokens_per_step`
+                       prompt tokens
     (runner)           computes each request's `num_scheduled_tokens`, then `step_done()`
     remove(request)    finished or cancelled: its queue place and tokens are free at once
 
@@ -21,7 +23,6 @@ bound and the step budget count only its new tokens.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from epd.prefill_svc.config import PrefillSchedulerConfig
 from epd.stages.engine_core import CoreRequest, EngineLoad, Scheduler
 from epd.stages.errors import Busy
+from epd.stages.scheduling import WaitingQueue
 
 if TYPE_CHECKING:
     from epd.model_runtime.adapter import Prompt
@@ -92,12 +94,14 @@ class PrefillRequest(CoreRequest):
 
 
 class PrefillScheduler(Scheduler[PrefillRequest]):
-    """`waiting`: admitted, not yet scheduled (FIFO). `running`: scheduled at least once and not yet
+    """`waiting`: admitted, not yet scheduled (in the order of `config.scheduling_policy`). A prompt
+    started stays first until it is prefilled: a higher-priority arrival does not preempt its chunks
+    (their KV would be recomputed). `running`: scheduled at least once and not yet
     removed (chunked prompts part-way through, and every prompt of the step now running)."""
 
     def __init__(self, config: PrefillSchedulerConfig = PrefillSchedulerConfig()) -> None:
         self.config = config
-        self.waiting: deque[PrefillRequest] = deque()
+        self.waiting: WaitingQueue[PrefillRequest] = WaitingQueue(config.scheduling_policy)
         self.running: list[PrefillRequest] = []
         self.num_queued_tokens = 0
         """Prompt tokens of every admitted request not yet removed (what the token bound counts)."""
@@ -115,7 +119,7 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
                 f"prompt adds {request.num_new_tokens}, over the limit of {cfg.max_waiting_prompt_tokens} "
                 "(--max-waiting-prompt-tokens); retry shortly, send fewer frames, or add prefill capacity"
             )
-        self.waiting.append(request)
+        self.waiting.push(request, request.priority)
         self.num_queued_tokens += request.num_new_tokens
 
     def schedule(self) -> list[PrefillRequest]:
@@ -131,7 +135,7 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
             budget -= r.num_scheduled_tokens
             batch.append(r)
         while self.waiting and budget > 0:
-            r = self.waiting[0]
+            r = self.waiting.peek()
             if r.exclusive:
                 if batch:  # it gets a step of its own, the next one
                     break
@@ -140,9 +144,9 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
                 r.num_scheduled_tokens = min(chunk, budget)
             elif r.num_remaining_tokens <= budget or not batch:  # (over the whole budget, unchunked: alone)
                 r.num_scheduled_tokens = r.num_remaining_tokens
-            else:  # a whole prompt that does not fit what is left: first in the next step (FIFO)
+            else:  # a whole prompt that does not fit what is left: first in the next step (no skipping)
                 break
-            self.running.append(self.waiting.popleft())
+            self.running.append(self.waiting.pop())
             budget -= r.num_scheduled_tokens
             batch.append(r)
             if r.exclusive:
@@ -150,12 +154,10 @@ class PrefillScheduler(Scheduler[PrefillRequest]):
         return batch
 
     def remove(self, request: PrefillRequest) -> None:
-        if request in self.waiting:
-            self.waiting.remove(request)
-        elif request in self.running:
+        if not self.waiting.remove(request):
+            if request not in self.running:
+                return  # already removed (finished and cancelled in the same step, or removed twice)
             self.running.remove(request)
-        else:
-            return  # already removed (finished and cancelled in the same step, or removed twice)
         self.num_queued_tokens -= request.num_new_tokens
 
     def requests(self) -> list[PrefillRequest]:

@@ -218,6 +218,7 @@ def _encoder_config(args: argparse.Namespace, model: ModelConfig, server: Server
         max_tower_patches_per_step=args.max_tower_patches_per_step,
         max_tower_jobs_per_request=args.max_tower_jobs_per_request,
         merge_decoded_groups=args.merge_decoded_groups,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -287,6 +288,7 @@ def _prefill_config(
             prefill_chunk_tokens=args.prefill_chunk_tokens or None,
             max_waiting_prefills=args.max_waiting_prefills,
             max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
+            scheduling_policy=args.scheduling_policy,
         ),
     )
 
@@ -319,6 +321,7 @@ def _decode_config(
         kv_budget_bytes=args.kv_budget_bytes,
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,
+        scheduling_policy=args.scheduling_policy,
         allow_kv_from=allow_kv_from,
         nice=nice,
     )

@@ -218,6 +218,22 @@ def add_decode_scheduler_flags(p) -> None:
     )
 
 
+def add_scheduling_policy_flag(p) -> None:
+    """vLLM's --scheduling-policy, of every stage (`epd.stages.scheduling`): `epd serve` passes
+    its value to every replica of each stage, or the colocated stages; the gateway learns prefill's
+    (`GetModelInfo`)."""
+    from epd.stages.scheduling import SCHEDULING_POLICIES
+
+    p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="vLLM's: the order waiting requests are served in: fcfs (arrival; a request's priority "
+        "must be 0) or priority (a request's priority first, lower first, then arrival); a "
+        "running request is never preempted",
+    )
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
@@ -584,6 +600,9 @@ STAGE_FLAGS: dict[str, tuple[Callable[..., None], ...]] = {
     ),
     "decode": (add_decode_scheduler_flags,),
 }
+SHARED_STAGE_FLAGS: tuple[Callable[..., None], ...] = (add_scheduling_policy_flag,)
+"""Flags every stage role takes, defined once on `epd serve` and passed to each role's replicas
+(`epd/cli/serve.py` `stage_flags`) or the colocated stages."""
 """Each stage role's own flags, which `epd serve` takes too and passes to every replica of the
 role (`epd/cli/serve.py` `stage_flags`) or builds the colocated stage with (`epd/cli/configs.py`):
 one definition per flag, so the role and the stack cannot drift apart."""
@@ -1096,7 +1115,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_flags(r, port)
         add_model_flags(r)
         add_allocator_flag(r)
-        for add_flags in STAGE_FLAGS[role]:
+        for add_flags in (*STAGE_FLAGS[role], *SHARED_STAGE_FLAGS):
             add_flags(r)
         if role == "prefill":
             r.add_argument(
@@ -1280,6 +1299,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(g)
     for add_flags in STAGE_FLAGS["encoder"]:  # their own groups; --max-upload-bytes reaches the gateway too
         add_flags(serve)
+    g = serve.add_argument_group("every stage (passed to every replica of each, or the colocated stages)")
+    for add_flags in SHARED_STAGE_FLAGS:
+        add_flags(g)
     add_model_flags(serve)
     add_allocator_flag(serve)  # the launcher's choice; the stack's services inherit it (LD_PRELOAD)
 

@@ -448,10 +448,11 @@ def decode_limit_flags(args: argparse.Namespace) -> list[str]:
 def stage_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The stack's flags of a stage role as that role's command line: every flag its `STAGE_FLAGS`
     functions define (the encoder's and frame sampling; prefill's KV store, prefix cache,
-    scheduler and max_tokens limit; decode's KV memory, batch and queue), with the value the stack was given."""
-    from epd.cli.main import STAGE_FLAGS
+    scheduler and max_tokens limit; decode's KV memory, batch and queue) and every stage's
+    (`SHARED_STAGE_FLAGS`: --scheduling-policy), with the value the stack was given."""
+    from epd.cli.main import SHARED_STAGE_FLAGS, STAGE_FLAGS
 
-    return flag_words(args, STAGE_FLAGS[role])
+    return flag_words(args, (*STAGE_FLAGS[role], *SHARED_STAGE_FLAGS))
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:

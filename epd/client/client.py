@@ -95,7 +95,7 @@ _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
     "include_stop_str_in_output", "allowed_token_ids", "bad_words", "skip_special_tokens",
-    "spaces_between_special_tokens", "logprobs", "prompt_logprobs",
+    "spaces_between_special_tokens", "logprobs", "prompt_logprobs", "priority",
 )  # fmt: skip
 _GENERATION_PRESENT = (
     "seed",
@@ -138,6 +138,8 @@ def build_header(
     ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice": [...]} or {"grammar":
     "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format` ({"type":
     "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).
+    priority (vLLM's: lower is served earlier when the server runs --scheduling-policy priority;
+    under fcfs, its default, anything but 0 is INVALID_ARGUMENT).
     Token dropping: pruning (a preset name), pruning_knobs ({name: value}). Also request_id, and
     cache_salt (vLLM's: requests share cached tokens and prefix KV only with the same salt and
     API key; at most 256 printable characters). The chat template's end, vLLM's:

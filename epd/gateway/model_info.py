@@ -77,7 +77,8 @@ def _describe(info: ModelInfo | None) -> str:
     return (
         f"{info.model_type or 'model'}, vocabulary {info.vocab_size or 'not known'}, context "
         f"{info.context_tokens or 'not known'}, prompt limit {info.max_prompt_tokens}, "
-        f"max_tokens limit {info.max_new_tokens}, max_model_len {info.max_model_len}"
+        f"max_tokens limit {info.max_new_tokens}, max_model_len {info.max_model_len}, scheduling "
+        f"{info.scheduling_policy}"
     )
 
 

@@ -12,7 +12,7 @@ max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty,
 response_format; logprobs and top_logprobs: `epd.gateway.logprobs_protocol`) plus
 vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
 `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`,
-`spaces_between_special_tokens` and structured outputs (`structured_outputs`, `guided_json` ...:
+`spaces_between_special_tokens`, `priority` and structured outputs (`structured_outputs`, `guided_json` ...:
 `epd.gateway.structured_request`), with vLLM's meanings; the chat template's variables go in vLLM's
 `chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
 `continue_final_message`; vLLM's `include_reasoning` (false: the reasoning left out of a thinking
@@ -82,6 +82,7 @@ from epd.stages.messages import ROLES, ChatTemplateOptions, ContentPart, Message
 from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
 from epd.stages.raw_prompt import RawPrompt
+from epd.stages.scheduling import PRIORITY_MAX, PRIORITY_MIN
 from epd.stages.template_kwargs import check_chat_template_kwargs
 from epd.token_pruning import PruningConfig
 from epd.transport.convert import MAX_SAMPLING_FPS, pruning_from_proto
@@ -129,6 +130,9 @@ _GENERATION_OPTIONS = {
     "frequency_penalty": NumberRange(float, -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
     "min_p": NumberRange(float, 0.0, 1.0),
     "min_tokens": NumberRange(int, 0, INT32_MAX),
+    # vLLM's: lower is served earlier under --scheduling-policy priority; under fcfs only 0 is taken
+    # (the pipeline's check against prefill's policy: `Pipeline._check_priority`).
+    "priority": NumberRange(int, PRIORITY_MIN, PRIORITY_MAX),
 }
 _LOGIT_BIAS = NumberRange(float, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
 
@@ -153,7 +157,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "documents": ([],),
     "logits_processors": ([],),
     "vllm_xargs": ({},),
-    "priority": (0,),  # vLLM refuses it too unless it schedules by priority
     # vLLM's too, and logged as unknown fields: `media_io_kwargs` sets how vLLM loads a video
     # ({"video": {"num_frames": 16}}), the rest turn a model's thinking off (`enable_thinking` in
     # `chat_template_kwargs` does), bound it, end an answer early or mark it, or ask for the
@@ -586,6 +589,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         bad_words=_bad_words(body.get("bad_words"), defaults.bad_words),
         # the default: fitted to the context after the prompt, as vLLM's
         fit_max_new_tokens=max_tokens is None,
+        priority=given("priority", defaults.priority),
         skip_special_tokens=boolean_field(body, "skip_special_tokens", defaults.skip_special_tokens),
         spaces_between_special_tokens=boolean_field(
             body, "spaces_between_special_tokens", defaults.spaces_between_special_tokens

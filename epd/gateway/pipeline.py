@@ -45,6 +45,7 @@ from epd.stages.contracts import (
     PrefillStage,
     StageEvent,
     TokenStep,
+    check_request_priority,
     pruning_stages_used,
 )
 from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
@@ -316,6 +317,13 @@ class Pipeline:
             "or leave max_tokens unset to get what the prompt leaves"
         )
 
+    def _check_priority(self, generation: GenerationConfig) -> None:
+        """InvalidRequest for a priority prefill's `--scheduling-policy` refuses (not 0 under
+        fcfs), before the media costs an encode; while the policy is not known, its range alone
+        (each stage checks its own policy)."""
+        info = self.model_info()
+        check_request_priority(generation.priority, "priority" if info is None else info.scheduling_policy)
+
     async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeAnswer:
         """`request`'s token ids from prefill's tokenizer and chat template, with the served
         `max_model_len`: what both front doors answer (the HTTP API's /tokenize, gRPC's Tokenize)."""
@@ -351,6 +359,7 @@ class Pipeline:
             req.generation.validate(self.max_new_tokens_limit, self.vocab_size, self.max_logprobs)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        self._check_priority(req.generation)
         if req.generation.prompt_logprobs is not None and (stages := pruning_stages_used(req.pruning)):
             # The dropped or merged tokens would have no logprobs, and the kept ones would be of a
             # prompt the model never sees whole: refused before an encode (prefill refuses too).
@@ -381,7 +390,13 @@ class Pipeline:
         transfer_bytes = 0
         if media_type(req.messages):  # text alone: no encoder call at all
             media = await self.encoder.encode(
-                req.media or MediaInput(b""), req.sampling, emit, request_id, req.pruning, req.cache_salt
+                req.media or MediaInput(b""),
+                req.sampling,
+                emit,
+                request_id,
+                req.pruning,
+                req.cache_salt,
+                priority=req.generation.priority,
             )
             timings[Stage.VIDEO_DECODE.value] = media.decode_ms
             timings[Stage.ENCODE.value] = media.encode_ms

@@ -292,6 +292,10 @@ class GenerationConfig:
     """vLLM's `prompt_logprobs`: each prompt token's log-probability given the tokens before it, its
     rank and the k most likely tokens there (the first token has none); None: not asked. Bounded
     as `logprobs`. Prefill computes the whole prompt then (no prefix-cache reuse)."""
+    priority: int = 0
+    """vLLM's: under `--scheduling-policy priority` each stage serves its waiting requests lowest
+    value first, ties in arrival order; under fcfs (the default) only 0 is taken
+    (`epd.stages.scheduling`). Not a sampling setting, but it travels with them to every stage."""
 
     def validate(
         self, max_new_tokens_limit: int, vocab_size: int | None = None, max_logprobs: int | None = None

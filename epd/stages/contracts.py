@@ -40,6 +40,7 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt
+from epd.stages.scheduling import check_priority
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.types import SamplingOptions
@@ -418,12 +419,24 @@ def check_generation_limits(
     max_new_tokens_limit: int,
     vocab_size: int | None = None,
     max_logprobs: int | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> None:
     """The one check of a request's generation settings against a stage's limits (and the token
-    ids it names against the model's vocabulary), made by prefill (before it runs the prompt) and
-    by decode (before it takes the KV cache)."""
+    ids it names against the model's vocabulary, and its priority against the stage's
+    `--scheduling-policy`), made by prefill (before it runs the prompt) and by decode (before it
+    takes the KV cache)."""
     try:
         generation.validate(max_new_tokens_limit, vocab_size, max_logprobs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    check_request_priority(generation.priority, scheduling_policy)
+
+
+def check_request_priority(priority: int, scheduling_policy: str) -> None:
+    """InvalidRequest for a priority out of range, or not 0 under fcfs (`epd.stages.scheduling`):
+    each stage's check against its own policy, and the front door's against prefill's."""
+    try:
+        check_priority(priority, scheduling_policy)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -475,10 +488,13 @@ class EncodeStage(ABC):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
+        priority: int = 0,
     ) -> EncodedMedia:
         """Decode and encode the media. Raises MediaError / EpdError with a client-safe message.
         `cache_salt` (the tenant, `check_cache_salt`) is part of the token-cache key: a by-hash
-        request (no bytes) finds only what the same salt cached, else NotFound."""
+        request (no bytes) finds only what the same salt cached, else NotFound. `priority` (the
+        request's, `GenerationConfig.priority`) orders its waits under `--scheduling-policy
+        priority`; under fcfs anything but 0 is InvalidRequest (`check_request_priority`)."""
 
 
 class PrefillStage(ABC):

@@ -46,6 +46,8 @@ class CoreRequest:
 
     request_id: str
     arrival_s: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    """vLLM's: lower is served earlier under `--scheduling-policy priority` (`epd.stages.scheduling`)."""
     first_scheduled_s: float | None = None
     finished: bool = False
     cancelled: bool = False

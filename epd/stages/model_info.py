@@ -44,6 +44,10 @@ class ModelInfo:
     trust_request_chat_template: bool = False
     """Prefill renders a request's own `chat_template` (--trust-request-chat-template): the front
     door refuses one without it before the media costs an encode (prefill refuses it too)."""
+    scheduling_policy: str = "fcfs"
+    """Prefill's --scheduling-policy (`epd.stages.scheduling`): under fcfs the front door refuses a
+    request's non-zero priority before its media costs an encode (`epd serve` gives every stage
+    the same policy; a stage started by hand with another refuses such a request itself)."""
 
     @property
     def max_model_len(self) -> int:
@@ -82,4 +86,6 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         ),
         # only when every replica takes them: any of them may get the request
         trust_request_chat_template=all(i.trust_request_chat_template for i in distinct),
+        # priority only when every replica orders by it: a replica under fcfs would refuse the request
+        scheduling_policy="priority" if all(i.scheduling_policy == "priority" for i in distinct) else "fcfs",
     )

@@ -3,8 +3,9 @@ frames), so neither the event loop nor the model thread ever waits on one reques
 
     await pool.run(drive)   # drive(cancel: threading.Event) -> T, on a pool thread
 
-Admission: at most `max_running` drivers run at once; up to `max_waiting` more wait in FIFO
-order for a thread; beyond that `run` raises Busy (RESOURCE_EXHAUSTED, retry later) with the caller's message (which
+Admission: at most `max_running` drivers run at once; up to `max_waiting` more wait for a
+thread, in arrival order or, under `--scheduling-policy priority`, by their `priority` first
+(`epd.stages.scheduling`); beyond that `run` raises Busy (RESOURCE_EXHAUSTED, retry later) with the caller's message (which
 names the flags that raise the limits), before any work starts.
 
 Cancellation: when the awaiting task is cancelled (its client went away), `run` sets the
@@ -20,10 +21,11 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from epd.stages.errors import Busy
+from epd.stages.scheduling import WaitingQueue
 
 T = TypeVar("T")
 
@@ -36,6 +38,7 @@ class RequestPool:
         refusal: Callable[[int, int], str],
         thread_name: str = "request",
         thread_initializer: Callable[[], None] | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """`refusal(num_running, num_waiting)` is the message of the ResourceExhausted raised
         when the pool is full: it should say which flags raise the limits. `thread_initializer`
@@ -52,6 +55,9 @@ class RequestPool:
         )
         self._lock = threading.Lock()
         self._num_admitted = 0  # running + waiting; a slot is freed when its driver returns
+        self._num_running = 0  # drivers given a thread and not yet returned
+        # Each waiter's turn: set (on whichever thread frees a slot) when it may take a thread.
+        self._waiting: WaitingQueue[Future[None]] = WaitingQueue(scheduling_policy)
         self.num_cancelled = 0
 
     @property
@@ -59,20 +65,40 @@ class RequestPool:
         with self._lock:
             return self._num_admitted
 
-    async def run(self, drive: Callable[[threading.Event], T]) -> T:
+    async def run(self, drive: Callable[[threading.Event], T], priority: int = 0) -> T:
+        turn: Future[None] = Future()
         with self._lock:
             if self._num_admitted >= self.max_running + self.max_waiting:
                 running = min(self._num_admitted, self.max_running)
                 raise Busy(self._refusal(running, self._num_admitted - running))
             self._num_admitted += 1
+            if self._num_running < self.max_running:
+                self._num_running += 1
+                turn.set_running_or_notify_cancel()
+                turn.set_result(None)
+            else:
+                self._waiting.push(turn, priority)
         cancel = threading.Event()
+        try:
+            await asyncio.wrap_future(turn)
+        except BaseException:  # cancelled (the client left, or `close`) while waiting for a thread
+            turn.cancel()
+            if turn.cancelled():
+                with self._lock:
+                    self._waiting.remove(turn)
+                    self._num_admitted -= 1
+            else:  # its turn came in the same instant: the thread goes to the next waiter
+                self._driver_returned()
+            with self._lock:
+                self.num_cancelled += 1
+            raise
         call = functools.partial(contextvars.copy_context().run, drive, cancel)
         try:
             future = self._pool.submit(call)
         except BaseException:
-            self._release()
+            self._driver_returned()
             raise
-        future.add_done_callback(lambda _: self._release())
+        future.add_done_callback(lambda _: self._driver_returned())
         try:
             # wrap_future: cancelling this await also cancels `future` if it has not started.
             return await asyncio.wrap_future(future)
@@ -83,9 +109,24 @@ class RequestPool:
                 self.num_cancelled += 1
             raise
 
-    def _release(self) -> None:
+    def _driver_returned(self) -> None:
+        """A thread is free (its driver returned, or a turn given was not taken): the first waiter
+        whose wait was not cancelled gets it. Any thread."""
         with self._lock:
             self._num_admitted -= 1
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._num_running -= 1
+                    return
+                turn = self._waiting.pop()
+            if turn.set_running_or_notify_cancel():  # False: cancelled, it leaves by itself
+                turn.set_result(None)
+                return
 
     def close(self) -> None:
+        with self._lock:
+            waiting = list(self._waiting)
+        for turn in waiting:
+            turn.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)

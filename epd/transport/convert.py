@@ -159,6 +159,7 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,  # its range: `validate`
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         n=msg.n or 1,
+        priority=msg.priority,  # its range and the stage's policy: `check_generation_limits`
         structured_outputs=structured_from_proto(msg.structured_outputs)
         if msg.HasField("structured_outputs")
         else None,

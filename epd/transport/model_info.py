@@ -30,6 +30,7 @@ def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
         max_logprobs=info.max_logprobs,
         reasoning_markers=info.reasoning_markers,
         trust_request_chat_template=info.trust_request_chat_template,
+        scheduling_policy=info.scheduling_policy,
     )
 
 
@@ -44,6 +45,7 @@ def model_info_from_proto(msg: prefill_pb2.ModelInfo) -> ModelInfo:
         max_logprobs=msg.max_logprobs if msg.HasField("max_logprobs") else 0,
         reasoning_markers=tuple(msg.reasoning_markers),
         trust_request_chat_template=msg.trust_request_chat_template,
+        scheduling_policy=msg.scheduling_policy or "fcfs",  # unset: a prefill from before the flag
     )
 
 

@@ -370,6 +370,7 @@ class RemoteEncodeStage(EncodeStage):
         request_id: str,
         pruning: PruningConfig = PruningConfig(),
         cache_salt: str = "",
+        priority: int = 0,
     ) -> EncodedMedia:
         data = media.data or b""
 
@@ -382,6 +383,7 @@ class RemoteEncodeStage(EncodeStage):
                     media_sha256=media.sha256,
                     pruning=convert.pruning_to_proto(pruning),
                     cache_salt=cache_salt,
+                    priority=priority,
                 )
             )
             for i in range(0, len(data), CHUNK_BYTES):

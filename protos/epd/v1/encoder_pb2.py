@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"\xb7\x01\n\x0c\x45ncodeHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fmedia_num_bytes\x18\x02 \x01(\x03\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.epd.v1.VideoSampling\x12\'\n\x07pruning\x18\x04 \x01(\x0b\x32\x16.epd.v1.PruningOptions\x12\x14\n\x0cmedia_sha256\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"V\n\rEncodeRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.epd.v1.EncodeHeaderH\x00\x12\x15\n\x0bmedia_chunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\xfe\x02\n\x0c\x45ncodeResult\x12\x10\n\x08modality\x18\x01 \x01(\t\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x19\n\x11num_visual_tokens\x18\x03 \x01(\x03\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x1a\n\x12\x66rame_timestamps_s\x18\x05 \x03(\x01\x12\x19\n\x11second_per_grid_t\x18\x06 \x01(\x01\x12\x11\n\tdecode_ms\x18\x07 \x01(\x01\x12\x11\n\tencode_ms\x18\x08 \x01(\x01\x12\x11\n\tcache_hit\x18\t \x01(\x08\x12\x14\n\x0cmedia_sha256\x18\n \x01(\t\x12\x18\n\x10kept_token_index\x18\x0b \x03(\x03\x12\x17\n\x0fkey_token_index\x18\x0c \x03(\x03\x12&\n\x07pruning\x18\r \x01(\x0b\x32\x15.epd.v1.PruningReport\x12\x1e\n\x16num_deepstack_features\x18\x0e \x01(\x05\x12\x1a\n\x12group_timestamps_s\x18\x0f \x03(\x01\"\x90\x01\n\x0e\x45ncodeResponse\x12#\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x12.epd.v1.StageEventH\x00\x12)\n\nembeddings\x18\x02 \x01(\x0b\x32\x13.epd.v1.TensorChunkH\x00\x12&\n\x06result\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodeResultH\x00\x42\x06\n\x04kind2M\n\x0e\x45ncoderService\x12;\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"\xc9\x01\n\x0c\x45ncodeHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fmedia_num_bytes\x18\x02 \x01(\x03\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.epd.v1.VideoSampling\x12\'\n\x07pruning\x18\x04 \x01(\x0b\x32\x16.epd.v1.PruningOptions\x12\x14\n\x0cmedia_sha256\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\"V\n\rEncodeRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.epd.v1.EncodeHeaderH\x00\x12\x15\n\x0bmedia_chunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\xfe\x02\n\x0c\x45ncodeResult\x12\x10\n\x08modality\x18\x01 \x01(\t\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x19\n\x11num_visual_tokens\x18\x03 \x01(\x03\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x1a\n\x12\x66rame_timestamps_s\x18\x05 \x03(\x01\x12\x19\n\x11second_per_grid_t\x18\x06 \x01(\x01\x12\x11\n\tdecode_ms\x18\x07 \x01(\x01\x12\x11\n\tencode_ms\x18\x08 \x01(\x01\x12\x11\n\tcache_hit\x18\t \x01(\x08\x12\x14\n\x0cmedia_sha256\x18\n \x01(\t\x12\x18\n\x10kept_token_index\x18\x0b \x03(\x03\x12\x17\n\x0fkey_token_index\x18\x0c \x03(\x03\x12&\n\x07pruning\x18\r \x01(\x0b\x32\x15.epd.v1.PruningReport\x12\x1e\n\x16num_deepstack_features\x18\x0e \x01(\x05\x12\x1a\n\x12group_timestamps_s\x18\x0f \x03(\x01\"\x90\x01\n\x0e\x45ncodeResponse\x12#\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x12.epd.v1.StageEventH\x00\x12)\n\nembeddings\x18\x02 \x01(\x0b\x32\x13.epd.v1.TensorChunkH\x00\x12&\n\x06result\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodeResultH\x00\x42\x06\n\x04kind2M\n\x0e\x45ncoderService\x12;\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.encoder_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEHEADER']._serialized_start=54
-  _globals['_ENCODEHEADER']._serialized_end=237
-  _globals['_ENCODEREQUEST']._serialized_start=239
-  _globals['_ENCODEREQUEST']._serialized_end=325
-  _globals['_ENCODERESULT']._serialized_start=328
-  _globals['_ENCODERESULT']._serialized_end=710
-  _globals['_ENCODERESPONSE']._serialized_start=713
-  _globals['_ENCODERESPONSE']._serialized_end=857
-  _globals['_ENCODERSERVICE']._serialized_start=859
-  _globals['_ENCODERSERVICE']._serialized_end=936
+  _globals['_ENCODEHEADER']._serialized_end=255
+  _globals['_ENCODEREQUEST']._serialized_start=257
+  _globals['_ENCODEREQUEST']._serialized_end=343
+  _globals['_ENCODERESULT']._serialized_start=346
+  _globals['_ENCODERESULT']._serialized_end=728
+  _globals['_ENCODERESPONSE']._serialized_start=731
+  _globals['_ENCODERESPONSE']._serialized_end=875
+  _globals['_ENCODERSERVICE']._serialized_start=877
+  _globals['_ENCODERSERVICE']._serialized_end=954
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeHeader(_message.Message):
-    __slots__ = ("request_id", "media_num_bytes", "sampling", "pruning", "media_sha256", "cache_salt")
+    __slots__ = ("request_id", "media_num_bytes", "sampling", "pruning", "media_sha256", "cache_salt", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MEDIA_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRUNING_FIELD_NUMBER: _ClassVar[int]
     MEDIA_SHA256_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     media_num_bytes: int
     sampling: _common_pb2.VideoSampling
     pruning: _common_pb2.PruningOptions
     media_sha256: str
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., media_sha256: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., media_num_bytes: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.VideoSampling, _Mapping]] = ..., pruning: _Optional[_Union[_common_pb2.PruningOptions, _Mapping]] = ..., media_sha256: _Optional[str] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("header", "media_chunk")

@@ -1022,3 +1022,30 @@ def test_prefills_request_limits_refuse_values_they_cannot_serve(capsys, flag, v
 
 def test_max_model_len_takes_vllms_decimal_suffix_with_a_fraction():
     assert build_parser().parse_args(["serve", "prefill", "--max-model-len", "25.6k"]).max_model_len == 25600
+
+
+def test_the_scheduling_policy_reaches_every_stage_of_the_stack_and_the_colocated_ones():
+    """`epd serve --scheduling-policy priority` (vLLM's flag): every replica of every stage, and
+    --colocate's stages, schedule by priority; the default is fcfs everywhere; the gateway has no
+    such flag (it learns prefill's policy from GetModelInfo)."""
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority", "--decodes", "2"])
+    args.model = "/m"
+    commands = stack_commands(args)
+    for name, command in commands.items():
+        assert ("--scheduling-policy" in command) == (name != "gateway"), name
+    role_args = {
+        name: build_parser().parse_args(command[command.index("serve") :])
+        for name, command in commands.items()
+        if name != "gateway"
+    }
+    assert configs.encoder_config(role_args["encoder[0]"]).scheduling_policy == "priority"
+    assert configs.prefill_config(role_args["prefill[0]"]).scheduler.scheduling_policy == "priority"
+    for name in ("decode[0]", "decode[1]"):
+        assert configs.decode_config(role_args[name]).scheduling_policy == "priority"
+    colocated = configs.colocated_stages(
+        build_parser().parse_args(["serve", "--colocate", "--scheduling-policy", "priority"])
+    )
+    assert (colocated.encoder.scheduling_policy, colocated.prefill.scheduler.scheduling_policy,
+            colocated.decode.scheduling_policy) == ("priority",) * 3  # fmt: skip
+    default = configs.colocated_stages(build_parser().parse_args(["serve", "--colocate"]))
+    assert default.decode.scheduling_policy == "fcfs"

@@ -319,7 +319,7 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
     # unknown, and answered as if they had not been sent.
     ("add_special_tokens", True),
     ("mm_processor_kwargs", {"fps": 1}), ("truncate_prompt_tokens", 16), ("documents", [{"text": "d"}]),
-    ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}), ("priority", 1),
+    ("logits_processors", ["x.Y"]), ("vllm_xargs", {"a": 1}),
     # vLLM's too, logged as unknown and answered as if not sent: the frames vLLM loads, a model's
     # thinking, an answer ended early or watermarked, the rendered prompt asked back.
     ("media_io_kwargs", {"video": {"num_frames": 16}}), ("reasoning_effort", "none"),
@@ -457,3 +457,15 @@ def test_vllm_and_openai_spellings_are_understood():
 def test_no_seed_is_left_for_the_pipeline_to_draw():
     assert parse(body(temperature=1.0)).generation.seed is None
     assert parse(body(temperature=1.0, seed=0)).generation.seed == 0
+
+
+def test_priority_is_read_as_vllms_integer_and_refused_outside_the_wires_range():
+    """vLLM's `priority` (chat and completions share `answer_options`): an integer, negative too;
+    whether the server takes a non-zero one is the pipeline's check (prefill's --scheduling-policy)."""
+    assert parse(body(priority=-(2**31))).generation.priority == -(2**31)
+    assert parse(body(priority=7)).generation.priority == 7
+    assert parse(body()).generation.priority == 0
+    for bad, match in ((2**31, "'priority' must be an integer from"), (1.5, "'priority' must be an integer"),
+                       (True, "'priority'"), ("1", "'priority'")):  # fmt: skip
+        with pytest.raises(InvalidRequest, match=match):
+            parse(body(priority=bad))

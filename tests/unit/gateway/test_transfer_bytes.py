@@ -26,7 +26,7 @@ class Encoder(contracts.EncodeStage):
     def __init__(self, transfer_bytes: int) -> None:
         self.transfer_bytes = transfer_bytes
 
-    async def encode(self, media, sampling, on_event, request_id, pruning=None, cache_salt=""):
+    async def encode(self, media, sampling, on_event, request_id, pruning=None, cache_salt="", priority=0):
         return contracts.EncodedMedia(
             embeds=WireTensor("float32", (6, 8), bytes(6 * 8 * 4)),
             meta=VisualMeta("video", (2, 4, 6), 1.0, 6),
