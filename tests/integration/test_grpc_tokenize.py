@@ -284,9 +284,7 @@ def test_grpc_calls_are_counted_by_method_and_status(stack, client):
         ):
             with pytest.raises(EpdError, match="missing or wrong API key"):
                 call()
-    after = _grpc_responses(stack.http_port)
-    added = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
-    assert added == {
+    expected = {
         ("Tokenize", "OK"): 2,
         ("Detokenize", "OK"): 1,
         ("Detokenize", "INVALID_ARGUMENT"): 1,
@@ -294,6 +292,16 @@ def test_grpc_calls_are_counted_by_method_and_status(stack, client):
         ("Tokenize", "UNAUTHENTICATED"): 1,
         ("Ask", "UNAUTHENTICATED"): 1,
     }
+    # A streamed call is counted when its handler ends, just after its last message went out: the
+    # SDK may have returned with the answer a moment before, so the count is waited for.
+    deadline = time.monotonic() + 30
+    while True:
+        after = _grpc_responses(stack.http_port)
+        added = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+        if added == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert added == expected
 
 
 @pytest.mark.parametrize("key", ["", "wrong-key"])
