@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
 
 from epd.gateway.admission import Admission, Overloaded, Ticket, peer_host
 from epd.gateway.config import GatewayConfig
@@ -32,6 +33,13 @@ from epd.v1 import gateway_pb2, gateway_pb2_grpc
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
+@dataclass
+class _Outcome:
+    answered: bool = False
+    """A streamed call's last message (its summary) was handed to gRPC: a client that cancels
+    then, having the whole answer (the SDK cancels as it returns), is counted OK, not CANCELLED."""
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(
         self,
@@ -54,12 +62,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @rpc_errors
     async def Ask(self, request_iterator, context):
-        with self._counted("Ask"), self.in_flight.tracking() as call:
+        with self._counted("Ask") as outcome, self.in_flight.tracking() as call:
             try:
                 # aclosing: a client that goes away closes this generator at its yield; `_ask`'s
                 # own cleanup must run then too, not when the GC finds it.
                 async with aclosing(self._ask(request_iterator, context, call)) as responses:
                     async for response in responses:
+                        # The answer is whole once its summary goes: a client that has it may
+                        # cancel before the status (the SDK does, as it returns), even while gRPC
+                        # still holds this task in the summary's send; not a cancelled call.
+                        outcome.answered = response.WhichOneof("kind") == "summary"
                         with call.sending():  # gRPC holds the task until the message is sent
                             yield response
             except asyncio.CancelledError:
@@ -82,14 +94,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             return gateway_pb2.GatewayServiceDetokenizeResponse(text=text)
 
     @contextmanager
-    def _counted(self, method: str) -> Iterator[None]:
+    def _counted(self, method: str) -> Iterator[_Outcome]:
         """Count the call under the status its client gets: the one `rpc_errors` maps its error
-        to (a shutdown's cut included: `shutdown_error`), CANCELLED when its client went away."""
+        to (a shutdown's cut included: `shutdown_error`), CANCELLED when its client went away
+        before it had the whole answer (OK after: `_Outcome.answered`)."""
         code = "OK"
+        outcome = _Outcome()
         try:
-            yield
+            yield outcome
         except (asyncio.CancelledError, GeneratorExit):
-            code = "CANCELLED"
+            code = "OK" if outcome.answered else "CANCELLED"
             raise
         except Exception as exc:
             code = code_of(exc).name  # not status_of: `rpc_errors` logs what it logs, once
