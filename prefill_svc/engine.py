@@ -161,7 +161,7 @@ class PrefillEngine:
                     request.template.add_generation_prompt,
                     request.add_special_tokens,
                     request.template.continue_final_message,
-                    request.template.chat_template_kwargs,
+                    request.template.template_variables(),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -278,7 +278,7 @@ class PrefillEngine:
                     meta,
                     template.add_generation_prompt,
                     template.continue_final_message,
-                    template.chat_template_kwargs,
+                    template.template_variables(),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
