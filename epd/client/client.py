@@ -53,7 +53,7 @@ from epd.client.types import (
     stage_event_from_proto,
     tokenize_result_from_proto,
 )
-from epd.stages import template_kwargs
+from epd.stages import template_kwargs, tools
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import logprobs_from_proto, messages_to_proto
@@ -144,7 +144,12 @@ def build_header(
     continue_final_message (True, with add_generation_prompt=False and the assistant's message
     last: the model continues that message, and the answer is the continuation alone), and
     chat_template_kwargs (a dict of extra template variables, JSON values, such as
-    {"enable_thinking": False}; those the model's template does not read are dropped).
+    {"enable_thinking": False}; those the model's template does not read are dropped), and tools
+    (OpenAI's function tools, [{"type": "function", "function": {"name", "description",
+    "parameters"}}], rendered into the prompt as the template's `tools`; the answer is the model's
+    text, its calls unparsed: the HTTP API parses them). A conversation may hold an assistant's
+    tool calls and tools' results: `Message("assistant", (text(""),), (ToolCall(id, name,
+    arguments_json),))`, `Message("tool", (text(result),), tool_call_id=id)`, or OpenAI's dicts.
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError: max_new_tokens < 1, top_p outside (0, 1] or repetition_penalty <= 0, which the wire
     cannot tell from unset; messages=[]. TypeError naming the option: a value of the wrong type
@@ -202,6 +207,7 @@ def build_header(
         options.pop("add_generation_prompt", None),
         options.pop("continue_final_message", None),
         options.pop("chat_template_kwargs", None),
+        options.pop("tools", None),
     )
     if options:
         known = sorted(
@@ -216,6 +222,7 @@ def build_header(
                 "add_generation_prompt",
                 "continue_final_message",
                 "chat_template_kwargs",
+                "tools",
             )
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
@@ -245,11 +252,21 @@ def build_header(
 
 
 def _template(
-    add_generation_prompt: Any, continue_final_message: Any, chat_template_kwargs: Any
+    add_generation_prompt: Any, continue_final_message: Any, chat_template_kwargs: Any, tool_list: Any = None
 ) -> messages_pb2.ChatTemplateOptions | None:
     """The chat template options; None (unset on the wire) for the defaults. The server checks
-    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400) and the variables' names and
-    sizes."""
+    the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400), the variables' names and
+    sizes, and the tools (`epd.stages.tools.check_tools`)."""
+    tools_json = ""
+    if tool_list:
+        if not isinstance(tool_list, Sequence) or isinstance(tool_list, (str, bytes)):
+            raise TypeError(f"tools must be a list of function tools (dicts), got {_shown(tool_list)}")
+        try:
+            tools_json = tools.to_json(tool_list)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"tools must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
+            ) from None
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
@@ -268,10 +285,12 @@ def _template(
             raise TypeError(
                 f"chat_template_kwargs must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
             ) from None
-    if add_generation_prompt is None and not continue_final_message and not kwargs_json:
+    if add_generation_prompt is None and not continue_final_message and not kwargs_json and not tools_json:
         return None
     options = messages_pb2.ChatTemplateOptions(
-        continue_final_message=bool(continue_final_message), chat_template_kwargs_json=kwargs_json
+        continue_final_message=bool(continue_final_message),
+        chat_template_kwargs_json=kwargs_json,
+        tools_json=tools_json,
     )
     if add_generation_prompt is not None:
         options.add_generation_prompt = add_generation_prompt
@@ -394,6 +413,7 @@ def tokenize_request(
     return_token_strs: bool,
     request_id: str,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tool_list: Sequence[Mapping[str, Any]] | None = None,
 ) -> gateway_pb2.GatewayServiceTokenizeRequest:
     """The request of `tokenize` (see there); TypeError for a value of the wrong type, or for
     both or neither of prompt and messages, ValueError for messages=[]. The server checks the
@@ -414,7 +434,7 @@ def tokenize_request(
         prompt=prompt,
         messages=messages_to_proto(conversation(messages)) if messages is not None else [],
         add_special_tokens=add_special_tokens,
-        template=_template(add_generation_prompt, continue_final_message, chat_template_kwargs),
+        template=_template(add_generation_prompt, continue_final_message, chat_template_kwargs, tool_list),
         return_token_strs=return_token_strs,
     )
 
@@ -624,6 +644,7 @@ class AsyncEpdClient:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         return_token_strs: bool = False,
         request_id: str = "",
         timeout_s: float | None = None,
@@ -636,7 +657,7 @@ class AsyncEpdClient:
         video or image part (INVALID_ARGUMENT: their tokens depend on the frames sampled), ending
         with any role's message. add_special_tokens: None is vLLM's default (True for a prompt,
         False for messages). add_generation_prompt / continue_final_message /
-        chat_template_kwargs: as `ask`'s (the default ends with the opening of a new answer, so
+        chat_template_kwargs, tools: as `ask`'s (the default ends with the opening of a new answer, so
         `num_tokens` is that ask's `num_prompt_tokens`); messages only (INVALID_ARGUMENT with a
         prompt, as `ask(None, prompt=...)`). return_token_strs: also the tokenizer's token of each id."""
         request = tokenize_request(
@@ -648,6 +669,7 @@ class AsyncEpdClient:
             return_token_strs,
             request_id,
             chat_template_kwargs,
+            tools,
         )
         answer = await self._unary("Tokenize", request, timeout_s)
         return tokenize_result_from_proto(answer, return_token_strs)
