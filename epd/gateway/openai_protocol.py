@@ -1,7 +1,7 @@
 """OpenAI chat-completions JSON <-> the pipeline's request and results (no HTTP in here).
 
-A request is a conversation: system, user and assistant messages (earlier turns are history),
-the last one the user's, whose content is a string or a list of `text`, `video_url` and
+A request is a conversation: system, user, assistant and tool messages (earlier turns are
+history), the last one the user's (or a tool's result), whose content is a string or a list of `text`, `video_url` and
 `image_url` parts. The parts keep the client's order: [text, video_url] is rendered text first,
 exactly as the model's chat template renders it (`epd.stages.messages`). At most one `video_url`
 or `image_url` part per request, in a user message; with none, the conversation is text alone
@@ -16,7 +16,9 @@ vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop
 `epd.gateway.structured_request`), with vLLM's meanings; the chat template's variables go in vLLM's
 `chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
 `continue_final_message`; vLLM's `include_reasoning` (false: the reasoning left out of a thinking
-model's answer, which `--reasoning-parser` parts: `epd.gateway.reasoning`); frame sampling goes in
+model's answer, which `--reasoning-parser` parts: `epd.gateway.reasoning`); OpenAI's `tools` and
+`tool_choice` (`epd.gateway.tool_request`; the answer's calls: `epd.gateway.tool_parser`), with an
+assistant's `tool_calls` and `tool` messages in the conversation; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
