@@ -149,7 +149,8 @@ UNSUPPORTED_CHAT_FIELDS = {
     # vLLM's other ways to ask for a grammar (response_format, structured_outputs and guided_json,
     # guided_regex, guided_choice, guided_grammar are read: `epd.gateway.structured_request`).
     "guided_whitespace_pattern": (),
-    # OpenAI's deprecated forms of tools and tool_choice (vLLM refuses them too).
+    # OpenAI's deprecated forms of tools and tool_choice: vLLM ignores them, which answered another
+    # question than the one asked (send tools / tool_choice).
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),

@@ -22,6 +22,7 @@ import asyncio
 import json
 import shutil
 import urllib.request
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,7 @@ from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.tokenize import TokenizeInput
 from tests.embedded import request_summary
@@ -154,6 +156,25 @@ def test_the_prompt_with_tools_and_tool_history_is_the_processors_own(tool_model
             messages=from_chat_template(HISTORY), add_special_tokens=False, template=template
         )
         assert asyncio.run(pipeline.prefill.tokenize(tokenize, "t")).token_ids == prompt_ids
+        # The model's visual placeholder in a tool or a call's arguments would take the media's
+        # embeddings (only a media part places it): refused, as in a text part.
+        sneaky = {"type": "function", "function": {"name": "f", "description": "<|video_pad|>"}}
+        with pytest.raises(
+            InvalidRequest, match="a chat_template_kwargs value or a tool contains the model's visual"
+        ):
+            asyncio.run(
+                pipeline.prefill.tokenize(
+                    replace(tokenize, template=ChatTemplateOptions(tools=(sneaky,))), "t"
+                )
+            )
+        history = json.loads(json.dumps(HISTORY).replace('\\"Paris\\"', '\\"<|video_pad|>\\"'))
+        assert history[0] == HISTORY[0] and history[1] != HISTORY[1]
+        with pytest.raises(
+            InvalidRequest, match="a tool call's arguments contain the model's visual placeholder"
+        ):
+            asyncio.run(
+                pipeline.prefill.tokenize(replace(tokenize, messages=from_chat_template(history)), "t")
+            )
     # A template that does not read `tools` (the stock tiny one) renders without them.
     with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
         messages = from_chat_template([HISTORY[0]])
