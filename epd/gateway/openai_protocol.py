@@ -192,13 +192,13 @@ _INSTEAD = {
 KNOWN_CHAT_FIELDS = {
     "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "prompt_logprobs", "stop",
     "ignore_eos",
-    "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+    "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
     "include_reasoning",  # vLLM's: read with `--reasoning-parser` (`epd.gateway.reasoning`)
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo", *STRUCTURED_FIELDS,
-    "tools", "tool_choice",  # `epd.gateway.tool_request`
+    "tools", "tool_choice", "parallel_tool_calls",  # `epd.gateway.tool_request`
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM

@@ -202,15 +202,17 @@ def tool_call_deltas(call: ParsedToolCall, index: int) -> list[dict[str, Any]]:
 def answer_tool_calls(content: str | None, choice: ToolChoice) -> tuple[str | None, list[ParsedToolCall]]:
     """A whole answer's (content, calls) under the request's tool choice: "auto" parsed
     (`parse_tool_calls`), "named" and "required" read from the grammar's JSON (`forced_calls`; the
-    content "" as vLLM's), "none" as it is."""
+    content "" as vLLM's), "none" as it is; the first call alone without `parallel_tool_calls`."""
     if choice.forced:
         forced = forced_calls(content or "", choice)
         if forced is None:  # "required"'s array cut short: the text as it is
             return content, []
-        return "", [ParsedToolCall(name, arguments) for name, arguments in forced]
+        return "", [ParsedToolCall(name, arguments) for name, arguments in forced][
+            : None if choice.parallel else 1
+        ]
     if choice.parses_text and content:
         split = parse_tool_calls(content)
-        return split.content, split.calls
+        return split.content, split.calls[: None if choice.parallel else 1]
     return content, []
 
 
@@ -264,7 +266,7 @@ class ToolAnswerStream:
         for item in items:
             if isinstance(item, str):
                 deltas.append({"content": item})
-            else:
+            elif self.choice.parallel or not self.num_calls:  # without parallel_tool_calls: the first alone
                 deltas += tool_call_deltas(item, self.num_calls)
                 self.num_calls += 1
         return deltas

@@ -19,10 +19,10 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from epd.gateway.json_fields import checked_text, shown_value
+from epd.gateway.json_fields import boolean_field, checked_text, shown_value
 from epd.model_runtime.sampling import StructuredOutputs
 from epd.stages.errors import InvalidRequest
 from epd.stages.tools import check_tools, function_names, to_json
@@ -39,6 +39,8 @@ class ToolChoice:
     """"none", "auto", "required" or "named"."""
     function: str = ""
     """The function's name, for "named"."""
+    parallel: bool = True
+    """OpenAI's `parallel_tool_calls`: false keeps an answer's first call alone (vLLM's)."""
 
     @property
     def parses_text(self) -> bool:
@@ -51,16 +53,16 @@ class ToolChoice:
         return self.mode in ("required", "named")
 
 
-def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolChoice]:
-    """The request's tools (checked: `epd.stages.tools.check_tools`) and its tool choice;
-    InvalidRequest naming the field. No tools: tool_choice "none" or "auto" ask for nothing (as
+def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolChoice]:
+    """The request's tools (checked: `epd.stages.tools.check_tools`) and its tool choice (with
+    `parallel_tool_calls`); InvalidRequest naming the field. No tools: tool_choice "none" or "auto" ask for nothing (as
     vLLM's), a forced choice is refused."""
     tools = body.get("tools")
     tools = [] if tools is None else tools
     check_tools(tools)
     checked_text(to_json(tools), "tools")  # text the wire can carry (no lone surrogate)
     choice = _tool_choice(body.get("tool_choice"), function_names(tools))
-    return tuple(tools), choice
+    return tuple(tools), replace(choice, parallel=boolean_field(body, "parallel_tool_calls", True))
 
 
 def _tool_choice(value: Any, names: Sequence[str]) -> ToolChoice:

@@ -166,3 +166,15 @@ def test_with_the_reasoning_parser_the_calls_are_taken_from_the_content_alone():
         None,
         ["get_time"],
     )
+
+
+def test_without_parallel_tool_calls_the_first_call_alone_is_kept():
+    """OpenAI's `parallel_tool_calls: false` (vLLM keeps the first call): it was ignored."""
+    single = ToolChoice("auto", parallel=False)
+    content, calls = answer_tool_calls(CALL + "\n" + CALL_B, single)
+    assert (content, [c.name for c in calls]) == (None, ["get_weather"])
+    stream = ToolAnswerStream(single)
+    deltas = stream.add(CALL + "\n" + CALL_B) + stream.finish()
+    assert [d["tool_calls"][0]["index"] for d in deltas] == [0, 0] and stream.num_calls == 1
+    array = '[{"name": "get_weather", "parameters": {}}, {"name": "get_time", "parameters": {}}]'
+    assert len(answer_tool_calls(array, ToolChoice("required", parallel=False))[1]) == 1

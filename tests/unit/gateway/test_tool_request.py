@@ -94,6 +94,9 @@ def test_tool_choice_defaults_and_modes():
     none = parse(tool_choice="none")
     assert (none.tool_choice, none.template.tools) == (ToolChoice("none"), (WEATHER, TIME))  # still rendered
     assert none.generation.structured_outputs is None
+    assert parse(parallel_tool_calls=False).tool_choice == ToolChoice("auto", parallel=False)
+    with pytest.raises(InvalidRequest, match="'parallel_tool_calls' must be true or false"):
+        parse(parallel_tool_calls="no")
 
 
 def test_a_named_function_is_forced_to_its_parameters_schema():
