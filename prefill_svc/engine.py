@@ -165,7 +165,7 @@ class PrefillEngine:
                     request.template.add_generation_prompt,
                     request.add_special_tokens,
                     request.template.continue_final_message,
-                    request.template.chat_template_kwargs,
+                    request.template.template_variables(),
                     self._chat_template(request.template),
                 )
         except ValueError as exc:
@@ -304,7 +304,7 @@ class PrefillEngine:
                     meta,
                     template.add_generation_prompt,
                     template.continue_final_message,
-                    template.chat_template_kwargs,
+                    template.template_variables(),
                     self._chat_template(template),
                 )
         except ValueError as exc:

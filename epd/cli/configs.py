@@ -451,4 +451,6 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
         demo=web_demo_config(args),
         sse_keepalive_s=args.sse_keepalive,
         reasoning_parser=args.reasoning_parser or "",
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser or "",
     )

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from epd import __version__
 from epd.gateway.reasoning import REASONING_PARSERS
+from epd.gateway.tool_parser import TOOL_CALL_PARSERS
 
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
@@ -936,6 +937,19 @@ def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
         default=None,
         help="vLLM's: a thinking model's chat answer parted at <think> ... </think> into the "
         "message's reasoning (and reasoning_content) and content (default: off, the text whole)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's: answer tool_choice \"auto\" (the default with tools): the chat answer's tool calls, "
+        "found by --tool-call-parser, go in the message's tool_calls (default: off, such a request is a 400)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="vLLM's: how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, the Qwen2.5, "
+        "Qwen3 and Qwen3-VL templates' form); needed by --enable-auto-tool-choice",
     )
 
 

@@ -24,7 +24,7 @@ from epd.client.types import (
     TokenLogprob,
     TopLogprob,
 )
-from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message
+from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, ToolCall
 
 __all__ = [
     "IMAGE",
@@ -50,6 +50,7 @@ __all__ = [
     "TokenDelta",
     "TokenizeResult",
     "TokenLogprob",
+    "ToolCall",
     "TopLogprob",
     "build_header",
 ]

@@ -54,7 +54,7 @@ from epd.client.types import (
     stage_event_from_proto,
     tokenize_result_from_proto,
 )
-from epd.stages import template_kwargs
+from epd.stages import template_kwargs, tools
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
 from epd.transport.message_convert import logprobs_from_proto, messages_to_proto
@@ -147,9 +147,14 @@ def build_header(
     continue_final_message (True, with add_generation_prompt=False and the assistant's message
     last: the model continues that message, and the answer is the continuation alone), and
     chat_template_kwargs (a dict of extra template variables, JSON values, such as
-    {"enable_thinking": False}; those the model's template does not read are dropped), and
+    {"enable_thinking": False}; those the model's template does not read are dropped),
     chat_template (a Jinja template's text that renders this request's prompt instead of the
-    server's; INVALID_ARGUMENT unless its prefill runs with --trust-request-chat-template).
+    server's; INVALID_ARGUMENT unless its prefill runs with --trust-request-chat-template), and
+    tools (OpenAI's function tools, [{"type": "function", "function": {"name", "description",
+    "parameters"}}], rendered into the prompt as the template's `tools`; the answer is the model's
+    text, its calls unparsed: the HTTP API parses them). A conversation may hold an assistant's
+    tool calls and tools' results: `Message("assistant", (text(""),), (ToolCall(id, name,
+    arguments_json),))`, `Message("tool", (text(result),), tool_call_id=id)`, or OpenAI's dicts.
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.
     ValueError (`check_generation_options`): max_new_tokens < 1, top_p outside (0, 1] or
     repetition_penalty <= 0, which the wire cannot tell from unset; a negative or NaN temperature,
@@ -200,6 +205,7 @@ def build_header(
         options.pop("continue_final_message", None),
         options.pop("chat_template_kwargs", None),
         options.pop("chat_template", None),
+        options.pop("tools", None),
     )
     if options:
         known = sorted(
@@ -215,6 +221,7 @@ def build_header(
                 "continue_final_message",
                 "chat_template_kwargs",
                 "chat_template",
+                "tools",
             )
         )
         raise TypeError(f"unknown options: {sorted(options)}; known: {known}")
@@ -278,12 +285,24 @@ def _template(
     continue_final_message: Any,
     chat_template_kwargs: Any,
     chat_template: Any = None,
+    tool_list: Any = None,
 ) -> messages_pb2.ChatTemplateOptions | None:
     """The chat template options; None (unset on the wire) for the defaults. The server checks
     the pair (both true is INVALID_ARGUMENT, as the HTTP API's 400), the variables' names and
-    sizes, and the template's size and whether it takes one."""
+    sizes, the template's size and whether it takes one, and the tools
+    (`epd.stages.tools.check_tools`)."""
     if chat_template is not None and not isinstance(chat_template, str):
         raise TypeError(f"chat_template must be a Jinja template's text (a str), got {_shown(chat_template)}")
+    tools_json = ""
+    if tool_list:
+        if not isinstance(tool_list, Sequence) or isinstance(tool_list, (str, bytes)):
+            raise TypeError(f"tools must be a list of function tools (dicts), got {_shown(tool_list)}")
+        try:
+            tools_json = tools.to_json(tool_list)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"tools must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
+            ) from None
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
@@ -307,12 +326,14 @@ def _template(
         and not continue_final_message
         and not kwargs_json
         and chat_template is None
+        and not tools_json
     ):
         return None
     options = messages_pb2.ChatTemplateOptions(
         continue_final_message=bool(continue_final_message),
         chat_template_kwargs_json=kwargs_json,
         chat_template=chat_template,
+        tools_json=tools_json,
     )
     if add_generation_prompt is not None:
         options.add_generation_prompt = add_generation_prompt
@@ -436,6 +457,7 @@ def tokenize_request(
     request_id: str,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     chat_template: str | None = None,
+    tool_list: Sequence[Mapping[str, Any]] | None = None,
 ) -> gateway_pb2.GatewayServiceTokenizeRequest:
     """The request of `tokenize` (see there); TypeError for a value of the wrong type, or for
     both or neither of prompt and messages, ValueError for messages=[]. The server checks the
@@ -457,7 +479,7 @@ def tokenize_request(
         messages=messages_to_proto(conversation(messages)) if messages is not None else [],
         add_special_tokens=add_special_tokens,
         template=_template(
-            add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
+            add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template, tool_list
         ),
         return_token_strs=return_token_strs,
     )
@@ -669,6 +691,7 @@ class AsyncEpdClient:
         continue_final_message: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         return_token_strs: bool = False,
         request_id: str = "",
         timeout_s: float | None = None,
@@ -681,7 +704,7 @@ class AsyncEpdClient:
         video or image part (INVALID_ARGUMENT: their tokens depend on the frames sampled), ending
         with any role's message. add_special_tokens: None is vLLM's default (True for a prompt,
         False for messages). add_generation_prompt / continue_final_message /
-        chat_template_kwargs / chat_template: as `ask`'s (the default ends with the opening of a new answer, so
+        chat_template_kwargs / chat_template / tools: as `ask`'s (the default ends with the opening of a new answer, so
         `num_tokens` is that ask's `num_prompt_tokens`); messages only (INVALID_ARGUMENT with a
         prompt, as `ask(None, prompt=...)`). return_token_strs: also the tokenizer's token of each id."""
         request = tokenize_request(
@@ -694,6 +717,7 @@ class AsyncEpdClient:
             request_id,
             chat_template_kwargs,
             chat_template,
+            tools,
         )
         answer = await self._unary("Tokenize", request, timeout_s)
         return tokenize_result_from_proto(answer, return_token_strs)

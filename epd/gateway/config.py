@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S, parse_dns_entry
 from epd.gateway.reasoning import REASONING_PARSERS
+from epd.gateway.tool_parser import TOOL_CALL_PARSERS
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.server_config import ServerConfig, is_loopback
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -127,6 +128,12 @@ class HttpApiConfig:
     a chat answer's thinking (`<think> ... </think>`) goes in the message's `reasoning` and
     `reasoning_content`, the rest in `content` (`epd.gateway.reasoning`). Chat only, as vLLM's:
     legacy completions, gRPC and the SDK answer the text whole."""
+    enable_auto_tool_choice: bool = False
+    """vLLM's `--enable-auto-tool-choice`: tool_choice "auto" (the default with tools) is
+    answered, the calls found in the answer's text by `tool_call_parser` (`epd.gateway.tool_parser`);
+    off, such a request is a 400 naming both flags, as vLLM's."""
+    tool_call_parser: str = ""
+    """vLLM's `--tool-call-parser` ("hermes"; "" = none), needed by `enable_auto_tool_choice`."""
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     """Which media URLs and paths requests may use."""
     demo: WebDemoConfig = field(default_factory=WebDemoConfig)
@@ -137,6 +144,15 @@ class HttpApiConfig:
             raise ValueError(
                 f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:  # vLLM refuses to start too
+            raise ValueError(
+                f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_CALL_PARSERS)}): "
+                "the parser says how the model writes its calls"
             )
 
 

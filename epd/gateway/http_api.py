@@ -106,6 +106,8 @@ from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import ReasoningStream, delta_fields, parser_misfit, thinking_on
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
+from epd.gateway.tool_parser import ToolAnswerStream, tool_finish_reason
+from epd.gateway.tool_request import check_auto_tool_choice
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
@@ -403,6 +405,7 @@ class HttpApi:
             )
             if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
                 self._check_reasoning_parser()
+                check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
             if (ticket := request.get(TICKET_KEY)) is not None:  # n choices are n decode requests
                 ticket.count_choices(chat.generation.n)
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
@@ -452,6 +455,7 @@ class HttpApi:
                                 echoed=chat.echoed_text,
                                 thinking=self._thinking(chat),
                                 include_reasoning=chat.include_reasoning,
+                                tool_choice=chat.tool_choice,
                             )
                         )
             raise RuntimeError("the pipeline ended without a summary")
@@ -558,6 +562,12 @@ class HttpApi:
         prompt_logprobs: list[TokenLogprob] | None = None
         # Each choice's text parted into reasoning and content, by index (with --reasoning-parser).
         parted = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(chat.generation.n)}
+        # Each choice's content parted into text and tool calls, by index (with tools to parse or force).
+        tooled = (
+            {i: ToolAnswerStream(chat.tool_choice) for i in range(chat.generation.n)}
+            if chat.tool_choice.mode != "none" and chat.raw_prompt is None
+            else {}
+        )
 
         async def send(body: dict[str, Any]) -> None:
             assert stream.response is not None
@@ -577,12 +587,19 @@ class HttpApi:
         finished: set[int] = set()  # the choices whose finish chunk went out, by index
 
         async def finish(index: int, reason: str, stop: StopReason, details: dict | None = None) -> None:
-            """Choice `index`'s end: the tail its reasoning parser held back (a marker's start),
-            then its finish chunk (with the summary's `epd` details on the request's last)."""
+            """Choice `index`'s end: the tails its parsers held back (a reasoning marker's start, a
+            tool call's text), then its finish chunk ("tool_calls" when it made calls, as vLLM's;
+            with the summary's `epd` details on the request's last)."""
             finished.add(index)
+            deltas = []
             if (text := parted.pop(index, None)) is not None and (
                 delta := delta_fields(text.finish(), chat.include_reasoning)
             ):
+                deltas.append(delta)
+            if (calls := tooled.pop(index, None)) is not None:
+                deltas += calls.finish()
+                reason = tool_finish_reason(chat.tool_choice, calls.num_calls, reason or "stop")
+            for delta in deltas:
                 await send(chunk_body(request_id, chat.model, created, delta, token_ids=[], index=index))
             final = _final_chunk(chat, request_id, created, index, reason, stop)
             if details is not None:
@@ -637,6 +654,14 @@ class HttpApi:
                             call.num_tokens = num_tokens
                         if item.token_ids or item.text:
                             split = parted[item.index].add(item.text) if parted else None
+                            delta = None if split is None else delta_fields(split, chat.include_reasoning)
+                            more: list[
+                                dict[str, Any]
+                            ] = []  # tool call deltas past the first, in chunks of their own
+                            if tooled:
+                                delta, more = _tool_deltas(
+                                    tooled[item.index], delta, item.text if split is None else split.content
+                                )
                             await send(
                                 _delta_chunk(
                                     chat,
@@ -647,9 +672,15 @@ class HttpApi:
                                     item.logprobs,
                                     text_offsets.get(item.index, 0),
                                     item.index,
-                                    None if split is None else delta_fields(split, chat.include_reasoning),
+                                    delta,
                                 )
                             )
+                            for extra in more:
+                                await send(
+                                    chunk_body(
+                                        request_id, chat.model, created, extra, token_ids=[], index=item.index
+                                    )
+                                )
                             text_offsets[item.index] = text_offsets.get(item.index, 0) + len(item.text)
                         if item.finish_reason and len(finished) + 1 < chat.generation.n:
                             # As vLLM: a choice's finish goes out when it finishes, while the
@@ -693,6 +724,20 @@ class HttpApi:
             raise RuntimeError("the pipeline ended without a token")
         await stream.response.write(b"data: [DONE]\n\n")
         await stream.response.write_eof()
+
+
+def _tool_deltas(
+    stream: ToolAnswerStream, delta: dict[str, Any] | None, content: str | None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A step's delta with its content (`content`, after the reasoning parser's split when one is
+    set) passed through the choice's tool stream: (the step's delta, further deltas to send after
+    it). The reasoning fields stay in the step's own delta; the first of the tool stream's deltas
+    joins them."""
+    step = {k: v for k, v in (delta or {}).items() if k != "content"}
+    deltas = stream.add(content) if content else []
+    if deltas:
+        step.update(deltas[0])
+    return step, deltas[1:]
 
 
 def _delta_chunk(

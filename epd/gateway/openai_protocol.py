@@ -1,7 +1,7 @@
 """OpenAI chat-completions JSON <-> the pipeline's request and results (no HTTP in here).
 
-A request is a conversation: system, user and assistant messages (earlier turns are history),
-the last one the user's, whose content is a string or a list of `text`, `video_url` and
+A request is a conversation: system, user, assistant and tool messages (earlier turns are
+history), the last one the user's (or a tool's result), whose content is a string or a list of `text`, `video_url` and
 `image_url` parts. The parts keep the client's order: [text, video_url] is rendered text first,
 exactly as the model's chat template renders it (`epd.stages.messages`). At most one `video_url`
 or `image_url` part per request, in a user message; with none, the conversation is text alone
@@ -16,7 +16,9 @@ vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop
 `epd.gateway.structured_request`), with vLLM's meanings; the chat template's variables go in vLLM's
 `chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
 `continue_final_message`; vLLM's `include_reasoning` (false: the reasoning left out of a thinking
-model's answer, which `--reasoning-parser` parts: `epd.gateway.reasoning`); frame sampling goes in
+model's answer, which `--reasoning-parser` parts: `epd.gateway.reasoning`); OpenAI's `tools` and
+`tool_choice` (`epd.gateway.tool_request`; the answer's calls: `epd.gateway.tool_parser`), with an
+assistant's `tool_calls` and `tool` messages in the conversation; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
 dropping in `"pruning": {"preset": "balanced", "knobs": {"kv_keep_ratio": 0.25}}`.
@@ -61,6 +63,8 @@ from epd.gateway.logprobs_protocol import (
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import message_fields, split_reasoning
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
+from epd.gateway.tool_parser import answer_tool_calls, tool_finish_reason
+from epd.gateway.tool_request import ToolChoice, forced_structured_outputs, parse_tools
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import (
@@ -78,7 +82,14 @@ from epd.model_runtime.sampling import (
 from epd.stages.chat_template import check_request_chat_template
 from epd.stages.contracts import check_cache_salt
 from epd.stages.errors import Busy, InvalidRequest, NotFound
-from epd.stages.messages import ROLES, ChatTemplateOptions, ContentPart, Message, check_messages
+from epd.stages.messages import (
+    ROLES,
+    ChatTemplateOptions,
+    ContentPart,
+    Message,
+    check_messages,
+    tool_calls_from_chat,
+)
 from epd.stages.messages import text as text_part
 from epd.stages.names import timings_with_legacy_names
 from epd.stages.raw_prompt import RawPrompt
@@ -143,8 +154,8 @@ UNSUPPORTED_CHAT_FIELDS = {
     # vLLM's other ways to ask for a grammar (response_format, structured_outputs and guided_json,
     # guided_regex, guided_choice, guided_grammar are read: `epd.gateway.structured_request`).
     "guided_whitespace_pattern": (),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
+    # OpenAI's deprecated forms of tools and tool_choice: vLLM ignores them, which answered another
+    # question than the one asked (send tools / tool_choice).
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),
@@ -173,19 +184,25 @@ ask for nothing (null always does). Any other value is refused with a 400 that n
 rather than answered as if it had not been sent (vLLM honours most of them)."""
 
 _FRAMES_GO_IN_MEDIA = 'frame sampling goes in "media": {"num_frames": 8} or {"fps": 2, "max_frames": 32}'
-_INSTEAD = {"mm_processor_kwargs": _FRAMES_GO_IN_MEDIA, "media_io_kwargs": _FRAMES_GO_IN_MEDIA}
+_INSTEAD = {
+    "mm_processor_kwargs": _FRAMES_GO_IN_MEDIA,
+    "media_io_kwargs": _FRAMES_GO_IN_MEDIA,
+    "functions": 'send them as \'tools\': [{"type": "function", "function": {...}}]',
+    "function_call": "send it as 'tool_choice'",
+}
 """What to send instead of an unsupported field, where this server has another way to ask for it."""
 
 KNOWN_CHAT_FIELDS = {
     "model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs", "prompt_logprobs", "stop",
     "ignore_eos",
-    "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+    "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens",
     "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
     "include_reasoning",  # vLLM's: read with `--reasoning-parser` (`epd.gateway.reasoning`)
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template", "echo",
     *STRUCTURED_FIELDS,
+    "tools", "tool_choice", "parallel_tool_calls",  # `epd.gateway.tool_request`
     *_GENERATION_OPTIONS, *UNSUPPORTED_CHAT_FIELDS,
 }  # fmt: skip
 """Every field of a chat request this server reads or refuses; others are ignored and logged, as vLLM
@@ -255,6 +272,10 @@ class ChatRequest:
     include_reasoning: bool = True
     """vLLM's `include_reasoning`: false leaves a thinking model's reasoning out of the answer
     (with `--reasoning-parser`; without one the answer is the text whole, as vLLM's)."""
+    tool_choice: ToolChoice = ToolChoice()
+    """OpenAI's `tool_choice` over the request's tools (`template.tools`): whether the answer's
+    text is parsed for calls (`epd.gateway.tool_parser`) or forced to them
+    (`epd.gateway.tool_request`)."""
 
     @property
     def response_role(self) -> str:
@@ -309,15 +330,20 @@ def parse_chat_request(
     refuse_unsupported_fields(body, UNSUPPORTED_CHAT_FIELDS, KNOWN_CHAT_FIELDS)
     messages, media_url, modality = parse_messages(body.get("messages"))
     options = answer_options(body, model, generation_defaults, chat_logprobs_option(body))
+    tools, tool_choice = parse_tools(body)
+    generation = options.pop("generation")
+    structured = forced_structured_outputs(tools, tool_choice, generation.structured_outputs)
     request = ChatRequest(
         messages=messages,
         media_url=media_url,
         modality=modality,
         sampling=_sampling(body.get("media"), sampling_defaults),
         pruning=_pruning(body.get("pruning")),
-        template=template_options(body),
+        template=replace(template_options(body), tools=tools),
         echo=boolean_field(body, "echo", False),
         include_reasoning=boolean_field(body, "include_reasoning", True),
+        tool_choice=tool_choice,
+        generation=replace(generation, structured_outputs=structured),
         **options,
     )
     # The message model's own rules (the last message is the user's or the assistant's, ...).
@@ -441,11 +467,12 @@ def _pruning(value: Any) -> PruningConfig:
 
 
 def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
-    """OpenAI messages -> (the conversation, the media URL, "video" | "image"). Roles system, user
-    and assistant; content a string or a list of text / video_url / image_url parts, kept in the
+    """OpenAI messages -> (the conversation, the media URL, "video" | "image"). Roles system, user,
+    assistant and tool; content a string or a list of text / video_url / image_url parts, kept in the
     client's order; at most one media part, in a user message (none: text alone, URL and kind ""),
-    and the last message the user's.
-    An earlier turn's `tool_calls` are refused (this server has no tools), not dropped."""
+    and the last message the user's, a tool's or the assistant's. An assistant's `tool_calls`
+    (content null) and a tool's `tool_call_id` are kept for the template; the deprecated
+    `function_call` is refused, not dropped."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
     # OpenAI's newer name of the system role (its models take developer messages in its place).
@@ -461,14 +488,28 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     out: list[Message] = []
     media: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
-        for name in ("tool_calls", "function_call"):
-            if message.get(name):  # the tool calls of an earlier turn: its content alone is not what was said
-                raise InvalidRequest(
-                    f"messages[{i}] has '{name}'; tool calls are not supported by this server: "
-                    f"send the turn as plain text content"
-                )
+        if message.get(
+            "function_call"
+        ):  # the deprecated form of a turn's call: its content alone is not what was said
+            raise InvalidRequest(
+                f"messages[{i}] has 'function_call', OpenAI's deprecated form of a call; send it as "
+                '\'tool_calls\': [{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}]'
+            )
+        tool_calls = tool_calls_from_chat(message.get("tool_calls"), i)
+        for j, call in enumerate(tool_calls):  # text the wire can carry (no lone surrogate)
+            for value, what in (
+                (call.id, "id"),
+                (call.name, "function.name"),
+                (call.arguments, "function.arguments"),
+            ):
+                checked_text(value, f"messages[{i}].tool_calls[{j}].{what}")
+        tool_call_id = message.get("tool_call_id") if roles[i] == "tool" else None
+        if tool_call_id is not None and not isinstance(tool_call_id, str):
+            raise InvalidRequest(
+                f"messages[{i}].tool_call_id must be a string, the id of the call it answers"
+            )
         content = message.get("content")
-        if content is None and roles[i] == "assistant":  # OpenAI's own history (its tool calls aside)
+        if content is None and roles[i] == "assistant":  # OpenAI's own history: a turn of tool calls alone
             content = ""
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -505,7 +546,9 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
                 raise InvalidRequest(
                     f"unsupported content part {kind_text!r}; use 'text', 'video_url' or 'image_url'"
                 )
-        out.append(Message(str(roles[i]), tuple(parts)))
+        out.append(
+            Message(str(roles[i]), tuple(parts), tool_calls, checked_text(tool_call_id, "tool_call_id"))
+        )
     if len(media) > 1:
         raise InvalidRequest(
             f"the messages have {len(media)} video_url / image_url parts; at most one video or image per "
@@ -718,28 +761,33 @@ def completion_body(
     echoed: str = "",
     thinking: bool | None = None,
     include_reasoning: bool = True,
+    tool_choice: ToolChoice = ToolChoice(),
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
     the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
-    choice's text into the message's reasoning and content."""
+    choice's text into the message's reasoning and content; `tool_choice` (`ChatRequest.tool_choice`)
+    takes the content's tool calls into the message's `tool_calls` (`epd.gateway.tool_parser`)."""
+    choices = []
+    for choice in summary.all_choices():
+        message, num_calls = _message(role, echoed, choice.answer, thinking, include_reasoning, tool_choice)
+        choices.append(
+            {
+                "index": choice.index,
+                "message": message,
+                "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
+                "finish_reason": tool_finish_reason(tool_choice, num_calls, choice.finish_reason or "stop"),
+                "stop_reason": choice.stop_reason,
+                # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
+                "token_ids": choice.token_ids,
+            }
+        )
     return {
         "id": f"chatcmpl-{summary.request_id}",
         "object": "chat.completion",
         "created": created if created is not None else int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": choice.index,
-                "message": _message(role, echoed, choice.answer, thinking, include_reasoning),
-                "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
-                "finish_reason": choice.finish_reason or "stop",
-                "stop_reason": choice.stop_reason,
-                # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
-                "token_ids": choice.token_ids,
-            }
-            for choice in summary.all_choices()
-        ],
+        "choices": choices,
         "usage": usage(summary),
         # vLLM's: None for the first prompt token, then each token's (only when asked).
         "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),
@@ -748,15 +796,27 @@ def completion_body(
 
 
 def _message(
-    role: str, echoed: str, answer: str, thinking: bool | None, include_reasoning: bool
-) -> dict[str, Any]:
-    """A choice's message: its text whole, or parted by the reasoning parser (an echo goes in
-    front of the content, as vLLM's)."""
+    role: str,
+    echoed: str,
+    answer: str,
+    thinking: bool | None,
+    include_reasoning: bool,
+    tool_choice: ToolChoice,
+) -> tuple[dict[str, Any], int]:
+    """A choice's message and the number of its tool calls: its text whole, or parted by the
+    reasoning parser (an echo goes in front of the content, as vLLM's), its content's tool calls
+    taken out under the request's tool choice (`answer_tool_calls`)."""
     if thinking is None:
-        return {"role": role, "content": echoed + answer}
-    split = split_reasoning(answer, thinking)
-    content = echoed + (split.content or "") if echoed else split.content
-    return {"role": role, "content": content, **message_fields(split, include_reasoning)}
+        content: str | None = echoed + answer
+        fields: dict[str, Any] = {}
+    else:
+        split = split_reasoning(answer, thinking)
+        content = echoed + (split.content or "") if echoed else split.content
+        fields = message_fields(split, include_reasoning)
+    content, calls = answer_tool_calls(content, tool_choice)
+    if calls:
+        fields["tool_calls"] = [call.to_json() for call in calls]
+    return {"role": role, "content": content, **fields}, len(calls)
 
 
 def chunk_body(

@@ -344,7 +344,7 @@ class Pipeline:
             check_raw_prompt(req.raw_prompt, req.messages, vocab_size=self.vocab_size)
             if req.template != ChatTemplateOptions():
                 raise InvalidRequest(
-                    "add_generation_prompt, continue_final_message, chat_template_kwargs and chat_template shape a chat "
+                    "add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template and tools shape a chat "
                     "template's prompt; a raw prompt has no template: leave them unset"
                 )
         else:

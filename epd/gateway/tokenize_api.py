@@ -5,8 +5,9 @@ loaded replica; the colocated front door its own prefill stage):
     POST /tokenize     {"prompt": "..."} (add_special_tokens, default true), or {"messages": [...]}
                        (add_generation_prompt, default true; continue_final_message, default
                        false, not with add_generation_prompt; chat_template_kwargs, the
-                       template's variables; chat_template, with prefill's
-                       --trust-request-chat-template; add_special_tokens, default false);
+                       template's variables; tools, rendered as a chat request's;
+                       chat_template, with prefill's --trust-request-chat-template;
+                       add_special_tokens, default false);
                        either with return_token_strs (default false)
                        -> {"count": n, "max_model_len": m, "tokens": [...], "token_strs": null | [...]}
     POST /detokenize   {"tokens": [...]} -> {"prompt": "..."} (special tokens kept)
@@ -22,6 +23,7 @@ admission limits, JSON only, no cross-site browser POST.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -29,6 +31,7 @@ from aiohttp import web
 from epd.gateway.http_body import defer_continue, read_json_body
 from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
 from epd.gateway.openai_protocol import parse_messages, requested_model, template_options
+from epd.gateway.tool_request import parse_tools
 from epd.stages.errors import InvalidRequest
 from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeInput
 from epd.transport import tracing
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from epd.gateway.http_api import HttpApi
 
 
-_REFUSED_CHAT_FIELDS = ("tools", "mm_processor_kwargs")
+_REFUSED_CHAT_FIELDS = ("mm_processor_kwargs",)
 
 
 def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
@@ -55,7 +58,8 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
         return TokenizeInput(
             messages=messages,
             add_special_tokens=boolean_field(body, "add_special_tokens", False),
-            template=template_options(body),
+            # the tools rendered as a chat request's are (its tool_choice shapes the answer alone)
+            template=replace(template_options(body), tools=parse_tools(body)[0]),
             return_token_strs=return_token_strs,
         )
     if not isinstance(body.get("prompt"), str):

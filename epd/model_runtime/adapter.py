@@ -301,12 +301,15 @@ class VLMAdapter(ABC):
         **chat_template_kwargs)` renders it (the defaults: a new assistant answer;
         `continue_final_message`: the last message left open, for the model to continue;
         `chat_template_kwargs`: extra template variables, those the template does not read
-        dropped; `chat_template`: a template to render with instead of the model's own, vLLM's
-        --chat-template or a request's), expand its one media placeholder to the visual tokens,
-        compute the position ids `generate()` would use.
+        dropped, the request's `tools` among them, passed on as `apply_chat_template(...,
+        tools=...)` takes them: `ChatTemplateOptions.template_variables`; `chat_template`: a
+        template to render with instead of the model's own, vLLM's --chat-template or a
+        request's), expand its one media placeholder to the visual tokens, compute the position
+        ids `generate()` would use.
 
-        conversation: the processor's chat form, [{"role": "system" | "user" | "assistant",
-        "content": [{"type": "text", "text": ...} | {"type": visual.modality}, ...]}], parts in the
+        conversation: the processor's chat form, [{"role": "system" | "user" | "assistant" | "tool",
+        "content": [{"type": "text", "text": ...} | {"type": visual.modality}, ...], an assistant's
+        "tool_calls" and a tool's "tool_call_id" as transformers takes them}], parts in the
         user's order, exactly one media part (`epd.stages.messages.to_chat_template` makes it), or
         none when `visual` is None: the text alone, its visual mask all False, positions those
         generate() gives a prompt without media.

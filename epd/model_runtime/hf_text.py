@@ -187,11 +187,13 @@ class HfTextAdapter(VLMAdapter):
         `chat_template` (the server's --chat-template or the request's, as vLLM passes it to
         `apply_chat_template`), None: the processor's own; with those of `chat_template_kwargs`
         the template reads (vLLM's filter: a name it does not read would reach the processor's own
-        options instead). ValueError when a text part or a variable's text holds the model's
-        visual placeholder (only a media part places it: in text it would take the media's
-        embeddings, or miscount them), when the template cannot leave the last message open, when
-        it refuses the conversation itself, or when a given `chat_template` fails to render (its
-        error's message, one short line: the template is the caller's)."""
+        options instead; the request's `tools` come among them,
+        `ChatTemplateOptions.template_variables`, and reach apply_chat_template as its `tools=`).
+        ValueError when a text part, a tool call's arguments or a variable's text holds the
+        model's visual placeholder (only a media part places it: in text it would take the
+        media's embeddings, or miscount them), when the template cannot leave the last message
+        open, when it refuses the conversation itself, or when a given `chat_template` fails to
+        render (its error's message, one short line: the template is the caller's)."""
         placeholders = (self.processor.video_token, self.processor.image_token)
         if any(
             token in part.get("text", "")
@@ -200,10 +202,19 @@ class HfTextAdapter(VLMAdapter):
             for token in placeholders
         ):
             raise ValueError("a text part contains the model's visual placeholder token; remove it")
+        if any(
+            token in text
+            for m in conversation
+            for text in _strings_in(m.get("tool_calls", ()))
+            for token in placeholders
+        ):
+            raise ValueError(
+                "a tool call's arguments contain the model's visual placeholder token; remove it"
+            )
         variables = self._template_variables(chat_template_kwargs or {}, chat_template)
         if any(token in text for text in _strings_in(variables) for token in placeholders):
             raise ValueError(
-                "a chat_template_kwargs value contains the model's visual placeholder token; remove it"
+                "a chat_template_kwargs value or a tool contains the model's visual placeholder token; remove it"
             )
         try:
             return self.processor.apply_chat_template(

@@ -1,6 +1,7 @@
 """The one message model of every door: a conversation is a list of `Message`s (role "system",
-"user" or "assistant"), each a list of `ContentPart`s ("text", "video", "image") in the user's
-order. Plain Python (no torch, no gRPC): the SDK builds it, the HTTP and gRPC doors parse into it,
+"user", "assistant" or "tool"), each a list of `ContentPart`s ("text", "video", "image") in the user's
+order; an assistant's message may hold the tool calls it made (`ToolCall`), and a tool's message
+answers one of them (`Message.tool_call_id`). Plain Python (no torch, no gRPC): the SDK builds it, the HTTP and gRPC doors parse into it,
 `epd.transport.message_convert` carries it over the wire, and the prefill engine renders it with
 the model's own chat template, exactly as `processor.apply_chat_template` renders
 `to_chat_template(messages, modality)`.
@@ -9,6 +10,9 @@ the model's own chat template, exactly as `processor.apply_chat_template` render
     [Message.user("what happens here?", VIDEO, "answer in one word")]         # text around a video
     [Message.system("be brief"), Message.user(IMAGE, "what is it?"),
      Message.assistant("a circle"), Message.user("what colour?")]             # earlier turns
+    [Message.user("weather in Paris?"),
+     Message("assistant", (text(""),), (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+     Message("tool", (text("sunny"),), tool_call_id="call_1")]                # a tool's answer
 
 A media part ("video" / "image") marks where the request's media goes; the media itself travels
 beside the messages (uploaded bytes, a URL, a sha256). A request carries at most one media part
@@ -21,6 +25,7 @@ rendered as an image, as 0.1 did.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +33,9 @@ from typing import Any
 from epd.stages.chat_template import check_request_chat_template
 from epd.stages.errors import InvalidRequest
 from epd.stages.template_kwargs import check_chat_template_kwargs
+from epd.stages.tools import check_function_name, check_tools, parsed_arguments
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 PART_TYPES = ("text", "video", "image")
 MEDIA_TYPES = ("video", "image")
 MAX_PARTS = 2048
@@ -64,12 +70,29 @@ def text(value: str) -> ContentPart:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call an assistant's message made (OpenAI's `tool_calls` item of type function)."""
+
+    id: str
+    """The call's id, which the tool's message answering it names (`Message.tool_call_id`)."""
+    name: str
+    """The function's name."""
+    arguments: str
+    """The arguments, a JSON object's text (as OpenAI's API carries them); rendered as the object
+    (`to_chat_template`)."""
+
+
+@dataclass(frozen=True)
 class Message:
     """One turn of the conversation: its role and its content parts, in order."""
 
     role: str
-    """"system", "user" or "assistant"."""
+    """"system", "user", "assistant" or "tool"."""
     parts: tuple[ContentPart, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant's message: the tool calls it made (its text, often empty, in `parts`)."""
+    tool_call_id: str = ""
+    """A tool's message: the id of the call whose result its content is."""
 
     @classmethod
     def user(cls, *parts: ContentPart | str) -> Message:
@@ -116,16 +139,29 @@ class ChatTemplateOptions:
     of the server's (`epd.stages.chat_template`); prefill refuses it unless started with
     --trust-request-chat-template. None: the server's template (its --chat-template, or the
     model's own)."""
+    tools: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
+    """OpenAI's function tools (`epd.stages.tools`), the template's `tools` variable, as
+    transformers' `apply_chat_template(..., tools=...)` passes them; a template that does not read
+    it renders the conversation without them (as vLLM's). Empty: none."""
+
+    def template_variables(self) -> dict[str, Any]:
+        """The variables the template renders with beyond the conversation and the two flags: the
+        request's `chat_template_kwargs` and, when given, its `tools` (both filtered where the
+        template is rendered to those it reads)."""
+        if not self.tools:
+            return dict(self.chat_template_kwargs)
+        return {**self.chat_template_kwargs, "tools": [dict(tool) for tool in self.tools]}
 
     def check(self, messages: Sequence[Message], to_answer: bool = True) -> None:
         """InvalidRequest unless these options can render `messages`: not both flags (vLLM's 400:
         the template cannot both open a new answer and leave the last message open), and, for a
         request `to_answer`, only the assistant's message continued (/tokenize, not to answer,
         leaves any last message open, as vLLM's does); and `chat_template_kwargs` variables epd
-        passes on (`check_chat_template_kwargs`); a `chat_template` of bounded size
-        (`check_request_chat_template`)."""
+        passes on (`check_chat_template_kwargs`), a `chat_template` of bounded size
+        (`check_request_chat_template`), and tools as `check_tools` takes them."""
         check_chat_template_kwargs(self.chat_template_kwargs)
         check_request_chat_template(self.chat_template)
+        check_tools(self.tools)
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequest(
                 "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
@@ -139,8 +175,26 @@ class ChatTemplateOptions:
             )
 
 
+def _check_tool_fields(message: Message, i: int) -> None:
+    """InvalidRequest unless `message`'s tool calls (an assistant's) and call id (a tool's) are
+    where they belong and its calls' names and arguments are a function's."""
+    if message.tool_calls and message.role != "assistant":
+        raise InvalidRequest(
+            f"messages[{i}] is a {message.role} message with tool calls; only an assistant's has them"
+        )
+    if message.tool_call_id and message.role != "tool":
+        raise InvalidRequest(
+            f"messages[{i}] is a {message.role} message with a tool_call_id; only a tool's message answers a call"
+        )
+    for j, call in enumerate(message.tool_calls):
+        check_function_name(call.name, f"messages[{i}].tool_calls[{j}].function.name")
+        parsed_arguments(call.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")
+
+
 def num_text_chars(messages: Sequence[Message]) -> int:
-    return sum(len(p.text) for m in messages for p in m.parts)
+    return sum(len(p.text) for m in messages for p in m.parts) + sum(
+        len(call.arguments) for m in messages for call in m.tool_calls
+    )
 
 
 def check_messages(
@@ -151,8 +205,9 @@ def check_messages(
 ) -> None:
     """Raise InvalidRequest, saying what to change, unless `messages` is a conversation epd can
     answer: known roles and part types, text only in text parts, at most one media part (in a
-    user message; none: a text-only conversation), the last message the user's or the
-    assistant's (which the answer follows, or with `template.continue_final_message` continues;
+    user message; none: a text-only conversation), tool calls only in assistant messages (their
+    arguments a JSON object's text) and call ids only in tool messages, the last message the
+    user's, a tool's or the assistant's (which the answer follows, or with `template.continue_final_message` continues;
     any role unless `to_answer`: /tokenize renders any conversation, as vLLM's does), at most
     MAX_PARTS parts and `max_text_chars` of text. A message may be the media alone, with no text at all (as
     in vLLM and OpenAI's API: the model then answers the video as its chat template frames it; the
@@ -187,16 +242,17 @@ def check_messages(
                         f"messages[{i}] is a {m.role} message with a {p.type} part; media go in user messages"
                     )
                 media += 1
+        _check_tool_fields(m, i)
     if media > 1:
         raise InvalidRequest(
             f"the messages have {media} video or image parts; at most one video or image per request is "
             "supported (the encoder encodes one media per request): send one"
         )
     if to_answer:
-        if messages[-1].role not in ("user", "assistant"):
+        if messages[-1].role not in ("user", "assistant", "tool"):
             raise InvalidRequest(
                 f"the last message is the {messages[-1].role}'s; end with the user's message (the answer is "
-                "generated as the assistant's next message), or an assistant's to continue"
+                "generated as the assistant's next message), a tool's result, or an assistant's to continue"
             )
         template.check(messages)
     if max_text_chars is not None and (n := num_text_chars(messages)) > max_text_chars:
@@ -228,16 +284,36 @@ def media_in_opening(messages: Iterable[Message]) -> bool:
 def to_chat_template(messages: Sequence[Message], modality: str) -> list[dict[str, Any]]:
     """The conversation in the form `processor.apply_chat_template` takes:
     [{"role": ..., "content": [{"type": "video"}, {"type": "text", "text": ...}, ...]}], each
-    media part typed `modality`, the kind the encoder found in the media."""
-    return [
-        {
+    media part typed `modality`, the kind the encoder found in the media; an assistant's tool
+    calls as transformers' chat form has them, {"tool_calls": [{"id", "type": "function",
+    "function": {"name", "arguments": {...}}}]}, the arguments parsed into the object (as vLLM
+    renders them), and a tool's message with its "tool_call_id"."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {
             "role": m.role,
             "content": [
                 {"type": modality} if p.is_media else {"type": "text", "text": p.text} for p in m.parts
             ],
         }
-        for m in messages
-    ]
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.name,
+                        "arguments": parsed_arguments(
+                            call.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
+                        ),
+                    },
+                }
+                for j, call in enumerate(m.tool_calls)
+            ]
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def from_chat_template(conversation: Any) -> list[Message]:
@@ -252,6 +328,8 @@ def from_chat_template(conversation: Any) -> list[Message]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a 'role' string and 'content'")
         content = m.get("content")
+        if content is None and m.get("tool_calls"):  # OpenAI's assistant turn of tool calls alone
+            content = ""
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
@@ -268,8 +346,43 @@ def from_chat_template(conversation: Any) -> list[Message]:
                     f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': ...}}, "
                     "{'type': 'video'} or {'type': 'image'}"
                 )
-        out.append(Message(m["role"], tuple(parts)))
+        tool_call_id = m.get("tool_call_id") or ""
+        if not isinstance(tool_call_id, str):
+            raise InvalidRequest(f"messages[{i}].tool_call_id must be a string")
+        out.append(
+            Message(m["role"], tuple(parts), tool_calls_from_chat(m.get("tool_calls"), i), tool_call_id)
+        )
     return out
+
+
+def tool_calls_from_chat(calls: Any, i: int) -> tuple[ToolCall, ...]:
+    """OpenAI's (or transformers') `tool_calls` of message `i`: [{"id", "type": "function",
+    "function": {"name", "arguments"}}], the arguments a JSON object's text (OpenAI's) or the object
+    (transformers'); None or [] for none. InvalidRequest on anything else (`check_messages` checks
+    the names and arguments)."""
+    if not calls:
+        return ()
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"messages[{i}].tool_calls must be a list of function calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise InvalidRequest(
+                f'messages[{i}].tool_calls[{j}] must be {{"id": ..., "type": "function", "function": '
+                '{"name": ..., "arguments": "{...}"}}'
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call_id, name = call.get("id") or "", function.get("name")
+        if not isinstance(arguments, str) or not isinstance(call_id, str) or not isinstance(name, str):
+            raise InvalidRequest(
+                f"messages[{i}].tool_calls[{j}] needs a string id, function.name and function.arguments "
+                "(a JSON object's text)"
+            )
+        out.append(ToolCall(call_id, name, arguments))
+    return tuple(out)
 
 
 def _shown(value: object) -> str:

@@ -31,7 +31,7 @@ _USE_INSTEAD = {
     "conversation": "send the conversation in 'messages'",
     "add_generation_prompt": "set the request's own 'add_generation_prompt' field",
     "continue_final_message": "set the request's own 'continue_final_message' field",
-    "tools": "tools are not supported by this server",
+    "tools": "send them in the request's own 'tools' field",
     "documents": "documents are not supported by this server",
     "chat_template": "send the template in the request's own 'chat_template' field (a server started "
     "with --trust-request-chat-template takes it)",

@@ -47,7 +47,7 @@ class TokenizeInput:
                 # Refused, not ignored, as a raw prompt's ask refuses them (the HTTP API's prompt
                 # body takes no template fields at all).
                 raise InvalidRequest(
-                    "add_generation_prompt, continue_final_message, chat_template_kwargs and chat_template shape a chat "
+                    "add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template and tools shape a chat "
                     "template's prompt; a prompt is tokenised as it is, without the template: leave them "
                     "unset, or send messages"
                 )

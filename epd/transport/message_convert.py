@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
-from epd.stages import template_kwargs
-from epd.stages.messages import ChatTemplateOptions, ContentPart, Message
+from epd.stages import template_kwargs, tools
+from epd.stages.messages import ChatTemplateOptions, ContentPart, Message, ToolCall
 from epd.stages.raw_prompt import RawPrompt
 from epd.v1 import common_pb2, messages_pb2
 
@@ -21,7 +21,12 @@ from epd.v1 import common_pb2, messages_pb2
 def messages_to_proto(messages: Sequence[Message]) -> list[messages_pb2.ChatMessage]:
     return [
         messages_pb2.ChatMessage(
-            role=m.role, parts=[messages_pb2.ContentPart(type=p.type, text=p.text) for p in m.parts]
+            role=m.role,
+            parts=[messages_pb2.ContentPart(type=p.type, text=p.text) for p in m.parts],
+            tool_calls=[
+                messages_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls
+            ],
+            tool_call_id=m.tool_call_id,
         )
         for m in messages
     ]
@@ -29,7 +34,15 @@ def messages_to_proto(messages: Sequence[Message]) -> list[messages_pb2.ChatMess
 
 def messages_from_proto(msgs: Iterable[messages_pb2.ChatMessage]) -> list[Message]:
     """Field for field; what the messages may hold is checked by `epd.stages.messages.check_messages`."""
-    return [Message(m.role, tuple(ContentPart(p.type, p.text) for p in m.parts)) for m in msgs]
+    return [
+        Message(
+            m.role,
+            tuple(ContentPart(p.type, p.text) for p in m.parts),
+            tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id,
+        )
+        for m in msgs
+    ]
 
 
 def template_to_proto(options: ChatTemplateOptions) -> messages_pb2.ChatTemplateOptions | None:
@@ -43,17 +56,19 @@ def template_to_proto(options: ChatTemplateOptions) -> messages_pb2.ChatTemplate
         if options.chat_template_kwargs
         else "",
         chat_template=options.chat_template,
+        tools_json=tools.to_json(options.tools) if options.tools else "",
     )
 
 
 def template_from_proto(msg: messages_pb2.ChatTemplateOptions) -> ChatTemplateOptions:
     """An unset add_generation_prompt is true (the default); InvalidRequest for variables that are
-    not a JSON object, and `ChatTemplateOptions.check` checks the rest."""
+    not a JSON object (or tools not a JSON list), and `ChatTemplateOptions.check` checks the rest."""
     return ChatTemplateOptions(
         add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
         continue_final_message=msg.continue_final_message,
         chat_template_kwargs=template_kwargs.from_json(msg.chat_template_kwargs_json),
         chat_template=msg.chat_template if msg.HasField("chat_template") else None,
+        tools=tools.from_json(msg.tools_json),
     )
 
 

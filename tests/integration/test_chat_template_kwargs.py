@@ -172,7 +172,7 @@ def test_the_runtime_passes_only_the_variables_the_template_reads(tiny_models):
     assert adapter._template_variables(unread, "{% if %}") == unread
     adapter.processor.chat_template = adapter.processor.chat_template + "{{ note }}"
     with pytest.raises(
-        ValueError, match="a chat_template_kwargs value contains the model's visual placeholder"
+        ValueError, match="a chat_template_kwargs value or a tool contains the model's visual placeholder"
     ):
         adapter.tokenize_conversation(conversation, True, False, False, unread)
     noted = adapter.tokenize_conversation(conversation, True, False, False, {"note": " red"})

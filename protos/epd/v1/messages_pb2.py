@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/messages.proto\x12\x06\x65pd.v1\"?\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\"\n\x05parts\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xc4\x01\n\x13\x43hatTemplateOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x03 \x01(\t\x12\x1a\n\rchat_template\x18\x04 \x01(\tH\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\",\n\tRawPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/messages.proto\x12\x06\x65pd.v1\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\"\n\x05parts\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.epd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xd8\x01\n\x13\x43hatTemplateOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x03 \x01(\t\x12\x1a\n\rchat_template\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x12\n\ntools_json\x18\x05 \x01(\tB\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\",\n\tRawPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.messages_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=33
-  _globals['_CHATMESSAGE']._serialized_end=96
-  _globals['_CONTENTPART']._serialized_start=98
-  _globals['_CONTENTPART']._serialized_end=139
-  _globals['_CHATTEMPLATEOPTIONS']._serialized_start=142
-  _globals['_CHATTEMPLATEOPTIONS']._serialized_end=338
-  _globals['_RAWPROMPT']._serialized_start=340
-  _globals['_RAWPROMPT']._serialized_end=384
+  _globals['_CHATMESSAGE']._serialized_end=156
+  _globals['_TOOLCALL']._serialized_start=158
+  _globals['_TOOLCALL']._serialized_end=213
+  _globals['_CONTENTPART']._serialized_start=215
+  _globals['_CONTENTPART']._serialized_end=256
+  _globals['_CHATTEMPLATEOPTIONS']._serialized_start=259
+  _globals['_CHATTEMPLATEOPTIONS']._serialized_end=475
+  _globals['_RAWPROMPT']._serialized_start=477
+  _globals['_RAWPROMPT']._serialized_end=521
 # @@protoc_insertion_point(module_scope)

@@ -642,12 +642,16 @@ _FRONT_DOOR_FLAGS = [
     "4",
     "--reasoning-parser",
     "deepseek_r1",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
 ]
 
 
 def _assert_front_door_flags(config: GatewayConfig) -> None:
     assert (config.http.served_model_name, config.http.sse_keepalive_s) == ("Qwen/Qwen2-VL-2B-Instruct", 4.0)
     assert config.http.reasoning_parser == "deepseek_r1"
+    assert (config.http.enable_auto_tool_choice, config.http.tool_call_parser) == (True, "hermes")
     assert config.http.media == MediaFetchConfig(
         allowed_local_dir="/srv/media",
         fetch_timeout_s=7.0,
@@ -662,7 +666,8 @@ def _assert_front_door_flags(config: GatewayConfig) -> None:
 
 def test_the_front_doors_flags_reach_the_stacks_gateway_and_the_colocated_one():
     """`epd serve --served-model-name/--allowed-local-media-path/--allowed-media-domains/
-    --media-fetch-timeout/--body-timeout/--sse-keepalive/--reasoning-parser/--max-inflight-body-bytes` (and the routing flags, the
+    --media-fetch-timeout/--body-timeout/--sse-keepalive/--reasoning-parser/--enable-auto-tool-choice/
+    --tool-call-parser/--max-inflight-body-bytes` (and the routing flags, the
     stack's only): only `epd serve gateway` took them, so a stack or --colocate listed the model
     as "epd" whatever a vLLM client asked for, and could read no media URL."""
     routing = ["--routing", "round-robin", "--load-refresh-interval", "2", "--stage-attempt-timeout", "9"]
@@ -711,6 +716,8 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
         "--body-timeout",
         "--sse-keepalive",
         "--reasoning-parser",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
         "--max-inflight-body-bytes",
         "--routing",
         "--load-refresh-interval",
@@ -727,8 +734,9 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
             action.dest
         )
     # Every flag goes on the gateway's command line, but one whose unset value is None
-    # (--reasoning-parser: off), which the role's own default says alike.
-    passed = {flag for flag, action in shared.items() if action.default is not None}
+    # (--reasoning-parser: off) or a switch left off (--enable-auto-tool-choice), which the
+    # role's own default says alike.
+    passed = {flag for flag, action in shared.items() if action.default not in (None, False)}
     assert set(flag_words(args, GATEWAY_FLAGS)) >= passed and gateway_flags(args) == flag_words(
         args, GATEWAY_FLAGS
     )

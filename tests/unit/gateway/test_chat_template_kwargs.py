@@ -60,7 +60,10 @@ def test_the_http_doors_read_them():
         ({"add_generation_prompt": False}, "cannot set 'add_generation_prompt': set the request's own"),
         ({"continue_final_message": True}, "cannot set 'continue_final_message': set the request's own"),
         ({"messages": []}, "cannot set 'messages': send the conversation in 'messages'"),
-        ({"tools": [{"type": "function"}]}, "cannot set 'tools': tools are not supported by this server"),
+        (
+            {"tools": [{"type": "function"}]},
+            "cannot set 'tools': send them in the request's own 'tools' field",
+        ),
         ({"chat_template": "{{ x }}"}, "cannot set 'chat_template'"),
         ({"tokenize": True}, "cannot set 'tokenize'"),
         ({"return_dict": True}, "cannot set 'return_dict': the server sets it itself"),

@@ -81,7 +81,7 @@ def test_image_part_and_string_url():
     "change,match",
     [
         ({"messages": []}, "non-empty list"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "roles must be system, user, assistant"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "roles must be system, user, assistant, tool"),
         (
             {
                 "messages": [
@@ -170,21 +170,18 @@ def test_a_text_part_without_string_text_says_so():
             parse(b)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("tool_calls", [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
-    ("function_call", {"name": "f", "arguments": "{}"}),
-])  # fmt: skip
-def test_an_earlier_turn_with_tool_calls_is_refused_not_dropped(field, value):
-    """An assistant turn of tool calls (content null) was taken as an empty answer: the model saw
-    a conversation in which it had said nothing."""
+def test_an_earlier_turn_with_a_deprecated_function_call_is_refused_not_dropped():
+    """An assistant turn of a call (content null) was taken as an empty answer: the model saw
+    a conversation in which it had said nothing. OpenAI's deprecated `function_call` is still
+    refused (its `tool_calls` are rendered: tests/unit/gateway/test_tool_request.py)."""
     b = body()
     b["messages"] += [
-        {"role": "assistant", "content": None, field: value},
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
         {"role": "user", "content": "and?"},
     ]
-    with pytest.raises(InvalidRequest, match=f"messages\\[1\\] has '{field}'; tool calls are not supported"):
+    with pytest.raises(InvalidRequest, match=r"messages\[1\] has 'function_call', OpenAI's deprecated form"):
         parse(b)
-    b["messages"][1][field] = [] if field == "tool_calls" else None  # asks for nothing
+    b["messages"][1]["function_call"] = None  # asks for nothing
     assert parse(b).messages[1] == Message.assistant("")
 
 
@@ -313,7 +310,7 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
 
 @pytest.mark.parametrize(("field", "value"), [
     ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("guided_whitespace_pattern", "\\s*"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]), ("function_call", "required"),
     ("best_of", True),
     # vLLM's fields that change the prompt, the frames or the answer's text: they were logged as
     # unknown, and answered as if they had not been sent.

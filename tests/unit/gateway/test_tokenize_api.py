@@ -73,7 +73,7 @@ def test_continue_final_message_and_return_token_strs_are_read_as_vllms():
     ({"prompt": "a", "return_token_strs": 1}, "'return_token_strs' must be true or false"),
     ({"messages": [USER], "chat_template": 3}, "'chat_template' must be a string"),
     ({"messages": [USER], "continue_final_message": "yes"}, "'continue_final_message' must be true or false"),
-    ({"messages": [USER], "tools": [{"type": "function"}]}, "'tools' is not supported"),
+    ({"messages": [USER], "tools": [{"type": "function"}]}, r"tools\[0\].function must be an object"),
     ({"messages": "hi"}, "'messages' must be a non-empty list"),
     ({"prompt": "a", "add_special_tokens": "yes"}, "'add_special_tokens' must be true or false"),
     ([1], "the request body must be a JSON object"),

@@ -1,0 +1,344 @@
+"""Tool calling (OpenAI's `tools` / `tool_choice`, vLLM's `--enable-auto-tool-choice
+--tool-call-parser hermes`) over the tiny Qwen2-VL checkpoint saved with a Qwen2.5 / Qwen3-style
+chat template that reads `tools` (`TOOL_TEMPLATE`, written here from the format those templates
+use: the tools' JSON in the system turn, an assistant's calls as `<tool_call>` JSON, tools'
+results as `<tool_response>` in a user turn).
+
+In one process: the prompt of a conversation with tools, an assistant's tool calls (content null,
+arguments JSON text) and a tool's result is the processor's own `apply_chat_template(...,
+tools=...)` of it, token for token, and the answer generate()'s; /tokenize counts the same ids. A
+template that does not read `tools` renders without them (vLLM's).
+
+Through the real stack (four processes): the model's answer forced to a call (by a choice grammar
+of the call's text under tool_choice "auto", by a named function's or "required"'s own grammar)
+comes back as `message.tool_calls` with vLLM's finish reason, plain and streamed as vLLM's
+`delta.tool_calls`; tool_choice "none" leaves the text unparsed; gRPC (the SDK) carries the tools
+and the history into the same prompt and answers the raw text; without `--enable-auto-tool-choice`
+"auto" is a 400 naming the flags."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import urllib.request
+from dataclasses import replace
+
+import pytest
+
+from epd.client import EpdClient
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.gateway.pipeline import AskRequest
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest
+from epd.stages.messages import ChatTemplateOptions, from_chat_template
+from epd.stages.tokenize import TokenizeInput
+from tests.embedded import request_summary
+from tests.integration.test_model_info import _post as post_json
+from tests.reference import template_reference
+from tests.stack import Stack, free_port
+
+MAX_NEW_TOKENS = 8
+
+_CONTENT = (
+    "{% if content is string %}{{ content }}"
+    "{% elif content %}{% for part in content %}"
+    "{% if part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+)
+TOOL_TEMPLATE = (
+    "{% macro render(content) %}" + _CONTENT + "{% endmacro %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ render(messages[0]['content']) }}"
+    "{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\\n\\n' }}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ render(message['content']) }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}{% set text = render(message['content']) %}<|im_start|>{{ message['role'] }}\n{{ text }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    "{% if text or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call[\'name\'] }}", "arguments": '
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}' }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2.5's chat template's tool handling (Qwen3 and Qwen3-VL render tools alike), reduced as
+`epd.model_runtime.tiny_model`'s templates are: no date, no thinking. A newline right after a
+block tag is written as an expression, `{{ '\\n' }}`, as the real templates do: transformers'
+Jinja drops the first newline after a block (`trim_blocks`)."""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+TOOLS = [WEATHER, TIME]
+HISTORY = [  # OpenAI's form: the call's arguments JSON text, its content null
+    {"role": "user", "content": "weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+TRANSFORMERS_HISTORY = [  # the same as a transformers user writes it: the arguments an object
+    HISTORY[0],
+    {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "sunny"},
+]  # fmt: skip
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_models, tmp_path_factory):
+    """The tiny Qwen2-VL checkpoint with `TOOL_TEMPLATE` as its chat template."""
+    model = tmp_path_factory.mktemp("tools") / "qwen2_vl_tools"
+    shutil.copytree(tiny_models["qwen2_vl"], model)
+    (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    return model
+
+
+def test_the_prompt_with_tools_and_tool_history_is_the_processors_own(tool_model, tiny_models):
+    prompt_ids, want = template_reference(tool_model, TRANSFORMERS_HISTORY, MAX_NEW_TOKENS, tools=TOOLS)
+    plain_ids, _ = template_reference(tool_model, TRANSFORMERS_HISTORY, 1)
+    assert prompt_ids != plain_ids  # the template reads the tools
+    template = ChatTemplateOptions(tools=tuple(TOOLS))
+    with build_embedded_pipeline(ModelConfig(model=str(tool_model))) as pipeline:
+        request = AskRequest(
+            from_chat_template(HISTORY),
+            None,
+            generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
+            template=template,
+        )
+        got = asyncio.run(request_summary(pipeline, request))
+        assert len(set(want)) > 2, "the tiny model repeats one token; the comparison proves little"
+        assert (got.token_ids, got.num_prompt_tokens) == (want, len(prompt_ids))
+        tokenize = TokenizeInput(
+            messages=from_chat_template(HISTORY), add_special_tokens=False, template=template
+        )
+        assert asyncio.run(pipeline.prefill.tokenize(tokenize, "t")).token_ids == prompt_ids
+        # The model's visual placeholder in a tool or a call's arguments would take the media's
+        # embeddings (only a media part places it): refused, as in a text part.
+        sneaky = {"type": "function", "function": {"name": "f", "description": "<|video_pad|>"}}
+        with pytest.raises(
+            InvalidRequest, match="a chat_template_kwargs value or a tool contains the model's visual"
+        ):
+            asyncio.run(
+                pipeline.prefill.tokenize(
+                    replace(tokenize, template=ChatTemplateOptions(tools=(sneaky,))), "t"
+                )
+            )
+        history = json.loads(json.dumps(HISTORY).replace('\\"Paris\\"', '\\"<|video_pad|>\\"'))
+        assert history[0] == HISTORY[0] and history[1] != HISTORY[1]
+        with pytest.raises(
+            InvalidRequest, match="a tool call's arguments contain the model's visual placeholder"
+        ):
+            asyncio.run(
+                pipeline.prefill.tokenize(replace(tokenize, messages=from_chat_template(history)), "t")
+            )
+    # A template that does not read `tools` (the stock tiny one) renders without them.
+    with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
+        messages = from_chat_template([HISTORY[0]])
+        counts = [
+            asyncio.run(
+                pipeline.prefill.tokenize(
+                    TokenizeInput(
+                        messages=messages, add_special_tokens=False, template=ChatTemplateOptions(tools=tools)
+                    ),
+                    "t",
+                )
+            ).token_ids
+            for tools in ((), tuple(TOOLS))
+        ]
+        assert counts[0] == counts[1]
+
+
+def _body(**fields) -> dict:
+    return {"model": "epd", "messages": HISTORY, "tools": TOOLS, "max_tokens": 48, **fields}
+
+
+def _chat(port: int, body: dict) -> dict:
+    status, reply = post_json(port, "/v1/chat/completions", body)
+    assert status == 200, reply
+    return reply["choices"][0]
+
+
+def _stream(port: int, body: dict) -> list[dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        raw = reply.read()
+    chunks = [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
+              if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+    return [c["choices"][0] for c in chunks if c["choices"]]
+
+
+def _streamed_calls(choices: list[dict]) -> tuple[list[dict], str, str]:
+    """(the calls the deltas build, as a client accumulates them; the content joined; the finish reason)."""
+    calls: dict[int, dict] = {}
+    for choice in choices:
+        for delta in choice["delta"].get("tool_calls", []):
+            call = calls.setdefault(delta["index"], {"function": {"arguments": ""}})
+            if "id" in delta:
+                assert "name" in delta["function"] and not call.get("id")  # the id and name first, once
+                call.update(id=delta["id"], type=delta["type"])
+                call["function"]["name"] = delta["function"]["name"]
+            call["function"]["arguments"] += delta["function"].get("arguments", "")
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    return [calls[i] for i in sorted(calls)], content, choices[-1]["finish_reason"]
+
+
+def _named(call: dict) -> tuple[str, str]:
+    return call["function"]["name"], call["function"]["arguments"]
+
+
+def _no_whitespace(model) -> dict[str, float]:
+    """logit_bias against every token of whitespace alone: the random tiny model fills a JSON
+    grammar's optional whitespace until max_tokens cuts it, which a real model does not."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ids = [i for token, i in tokenizer.get_vocab().items() if token and set(token) <= set("ĠĊĉč")]
+    return {str(i): -100 for i in ids}
+
+
+def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
+    port = free_port()
+    compact = _no_whitespace(tool_model)
+    extra = {
+        "gateway": ["--http-port", str(port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    }
+    with Stack(tool_model, tmp_path / "logs", extra=extra) as stack:
+        # "auto": the answer's text (forced to a call's by a choice grammar) parsed by hermes.
+        forced_text = _body(structured_outputs={"choice": [CALL_TEXT]}, max_tokens=128)
+        choice = _chat(port, forced_text)
+        message = choice["message"]
+        assert (message["content"], choice["finish_reason"]) == (None, "tool_calls")
+        (call,) = message["tool_calls"]
+        assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+        assert _named(call) == ("get_weather", '{"city": "Rome"}')
+        calls, content, finish = _streamed_calls(_stream(port, forced_text))
+        assert ([_named(c) for c in calls], content, finish) == ([_named(call)], "", "tool_calls")
+        assert calls[0]["id"].startswith("chatcmpl-tool-")
+
+        # "none": the tools are in the prompt, the text is not parsed.
+        none = _chat(port, {**forced_text, "tool_choice": "none"})
+        assert (none["message"]["content"], none["message"].get("tool_calls"), none["finish_reason"]) == (
+            CALL_TEXT,
+            None,
+            "stop",
+        )
+
+        # A named function: its parameters' grammar, the text its arguments (finish reason kept, as vLLM's).
+        named = _body(
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, logit_bias=compact
+        )
+        choice = _chat(port, named)
+        (call,) = choice["message"]["tool_calls"]
+        assert (choice["message"]["content"], call["function"]["name"]) == ("", "get_weather")
+        assert choice["finish_reason"] == "stop"  # the grammar ended (not cut by max_tokens)
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+        calls, content, finish = _streamed_calls(_stream(port, named))
+        assert ([_named(c) for c in calls], content, finish) == ([_named(call)], "", choice["finish_reason"])
+
+        # "required": an array of calls of the tools, by vLLM's schema.
+        required = _body(tool_choice="required", max_tokens=160, logit_bias=compact)
+        choice = _chat(port, required)
+        assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", "")
+        assert choice["message"]["tool_calls"]
+        assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} <= {"get_weather", "get_time"}
+        assert all(
+            isinstance(json.loads(c["function"]["arguments"]), dict) for c in choice["message"]["tool_calls"]
+        )
+        calls, _, finish = _streamed_calls(_stream(port, required))
+        assert ([_named(c) for c in calls], finish) == (
+            [_named(c) for c in choice["message"]["tool_calls"]],
+            "tool_calls",
+        )
+
+        # /tokenize renders the tools as the chat request's prompt.
+        status, counted = post_json(port, "/tokenize", {"model": "epd", "messages": HISTORY, "tools": TOOLS})
+        status_plain, plain = post_json(port, "/tokenize", {"model": "epd", "messages": HISTORY})
+        usage = post_json(port, "/v1/chat/completions", _body(max_tokens=1, tool_choice="none"))[1]["usage"]
+        assert (status, status_plain, counted["count"]) == (200, 200, usage["prompt_tokens"])
+        assert plain["count"] < counted["count"]
+
+        # gRPC (the SDK): the tools and the history into the same prompt; the raw text answered.
+        with EpdClient(stack.gateway, timeout_s=120) as client:
+            result = client.ask(
+                None,
+                messages=HISTORY,
+                tools=TOOLS,
+                max_new_tokens=128,
+                structured_outputs={"choice": [CALL_TEXT]},
+            )
+            assert (result.answer, result.num_prompt_tokens) == (CALL_TEXT, usage["prompt_tokens"])
+            assert client.tokenize(messages=HISTORY, tools=TOOLS).token_ids == counted["tokens"]
+
+        # Refusals: an unknown function, malformed history; the stack keeps serving.
+        status, reply = post_json(
+            port,
+            "/v1/chat/completions",
+            _body(tool_choice={"type": "function", "function": {"name": "nope"}}),
+        )
+        assert (status, "which is not in 'tools'" in reply["error"]["message"]) == (400, True)
+        bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": "{"}}]}]  # fmt: skip
+        status, reply = post_json(port, "/v1/chat/completions", _body(messages=bad))
+        assert (status, "arguments is not JSON text" in reply["error"]["message"]) == (400, True)
+        assert _chat(port, forced_text)["finish_reason"] == "tool_calls"
+
+
+def test_auto_without_the_flag_is_a_400_naming_it(tool_model, tmp_path):
+    port = free_port()
+    with Stack(tool_model, tmp_path / "logs", extra={"gateway": ["--http-port", str(port)]}):
+        status, reply = post_json(port, "/v1/chat/completions", _body())
+        assert status == 400
+        assert "--enable-auto-tool-choice and --tool-call-parser" in reply["error"]["message"]
+        # "none" and a forced choice need no flag (vLLM's).
+        assert _chat(port, _body(tool_choice="none", max_tokens=2))["finish_reason"] in ("stop", "length")
+        choice = _chat(
+            port, _body(tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=8)
+        )
+        assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"
