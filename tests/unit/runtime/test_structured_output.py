@@ -239,11 +239,17 @@ def test_a_prompt_that_closed_the_thinking_block_is_constrained_from_the_first_t
     compiler = GrammarCompiler(thinking_tokenizer, vocab, {thinking_tokenizer.eos_token_id})
     spec = StructuredOutputs(regex="(red|blue) x", after_reasoning=True)
     gated = compiler.compile_now(spec)
-    assert gated.prompt_ends_reasoning([5, start, 9, end, 9]) and not gated.prompt_ends_reasoning([5, start, 9])
-    assert not compiler.compile_now(StructuredOutputs(regex="(red|blue) x")).prompt_ends_reasoning([start, end])
+    assert gated.prompt_ends_reasoning([5, start, 9, end, 9]) and not gated.prompt_ends_reasoning(
+        [5, start, 9]
+    )
+    assert not compiler.compile_now(StructuredOutputs(regex="(red|blue) x")).prompt_ends_reasoning(
+        [start, end]
+    )
     torch.manual_seed(2)
     steps = [torch.randn(vocab) for _ in range(4)]
-    from_start = Sampler(GenerationConfig(), grammar=compiler.compile_now(StructuredOutputs(regex="(red|blue) x")))
+    from_start = Sampler(
+        GenerationConfig(), grammar=compiler.compile_now(StructuredOutputs(regex="(red|blue) x"))
+    )
     want = [from_start(logits) for logits in steps]
     got = Sampler(GenerationConfig(), grammar=gated, prompt_ends_reasoning=True)
     assert [got(logits) for logits in steps] == want
@@ -269,7 +275,9 @@ def test_a_spec_that_compiles_for_too_long_is_refused_and_others_go_on(tokenizer
     compiler.prepare()
 
     async def run() -> None:
-        with pytest.raises(InvalidConstraint, match=r"regex took longer than 0.05 s to compile .*simplify it"):
+        with pytest.raises(
+            InvalidConstraint, match=r"regex took longer than 0.05 s to compile .*simplify it"
+        ):
             await compiler.compile(StructuredOutputs(regex=SLOW_REGEX), timeout_s=0.05)
         assert compiler.num_abandoned == 1
         # a second request queued behind nothing: the slow compile's thread was left to it
