@@ -223,7 +223,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--structured-compile-timeout-s",
-        type=float,
+        type=_seconds,
         default=ModelConfig.structured_compile_timeout_s,
         metavar="S",
         help="how long a request's structured output (JSON schema, regex, grammar) may take to "

@@ -42,6 +42,7 @@ import asyncio
 import contextvars
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -343,7 +344,7 @@ class GrammarCompiler:
             # It was queued behind a compile that ran past its deadline, on a thread since left to
             # that compile: submitted again, to the new thread.
         try:
-            return await asyncio.wait_for(done, timeout_s if timeout_s > 0 else None)
+            return await asyncio.wait_for(done, timeout_s if 0 < timeout_s < math.inf else None)
         except TimeoutError:
             self._leave_thread(thread)
             self._too_slow[spec] = timeout_s
