@@ -15,7 +15,8 @@ LINEAR_KERNELS = ("torch", "onednn")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which checkpoint to load and where to run it."""
+    """Which checkpoint to load and where to run it (and how long a request's structured output may
+    take to compile against its vocabulary)."""
 
     model: str = "default"
     """Local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint; "default" is epd's

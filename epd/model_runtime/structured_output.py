@@ -343,14 +343,19 @@ class GrammarCompiler:
                 break
             # It was queued behind a compile that ran past its deadline, on a thread since left to
             # that compile: submitted again, to the new thread.
-        try:
-            return await asyncio.wait_for(done, timeout_s if 0 < timeout_s < math.inf else None)
-        except TimeoutError:
-            self._leave_thread(thread)
-            self._too_slow[spec] = timeout_s
-            while len(self._too_slow) > REMEMBERED_TOO_SLOW:
-                self._too_slow.popitem(last=False)
-            raise InvalidConstraint(_too_slow(spec.kind, timeout_s)) from None
+        try:  # asyncio.wait: the deadline leaves `done` as it is (its compile cannot be stopped)
+            finished, _ = await asyncio.wait((done,), timeout=timeout_s if 0 < timeout_s < math.inf else None)
+        except asyncio.CancelledError:
+            done.cancel()
+            raise
+        if finished:
+            return done.result()
+        done.cancel()  # its compile's end, whenever it comes, is for no one
+        self._leave_thread(thread)
+        self._too_slow[spec] = timeout_s
+        while len(self._too_slow) > REMEMBERED_TOO_SLOW:
+            self._too_slow.popitem(last=False)
+        raise InvalidConstraint(_too_slow(spec.kind, timeout_s))
 
     def _leave_thread(self, thread: ThreadPoolExecutor) -> None:
         """Leave `thread` to the compile it runs (xgrammar's cannot be stopped): the next compiles
