@@ -27,7 +27,7 @@ holds from the first token. Prefill reads the prompt (`reasoning_ended`) and tel
 Compiling has a deadline (`ModelConfig.structured_compile_timeout_s`): a spec still compiling
 then is refused with INVALID_ARGUMENT saying to simplify it. xgrammar's compile cannot be
 interrupted, so it runs on to its end on a thread left to it (the next compiles get a new one), and
-the spec is remembered so that asking again does not start it again.
+the spec is remembered so that asking again under that deadline does not start it again.
 
 xgrammar is an optional dependency (`pip install 'epd[structured]'`) of the services that run the
 model: a server without it refuses a request that asks for structured outputs with INVALID_ARGUMENT
@@ -85,7 +85,7 @@ seconds on a 2-core VM; a pathological one (a regex with large repetition counts
 
 REMEMBERED_TOO_SLOW = 256
 """Specs refused as too slow to compile that a compiler remembers (the least recent out first), so
-that asking again is refused at once instead of starting another compile that cannot be stopped."""
+that asking again under a deadline no longer is refused at once instead of starting another compile that cannot be stopped."""
 
 REASONING_MARKERS = ("<think>", "</think>")
 """The markers vLLM's reasoning parsers (qwen3, deepseek_r1) part an answer at; a structured
@@ -319,9 +319,10 @@ class GrammarCompiler:
         when the compile runs for longer than timeout_s (0: no bound), counted from its start (a
         wait behind other compiles is not its fault); the compile goes on to its end on the thread,
         which this compiler leaves to it."""
-        if spec in self._too_slow:
+        ran_past = self._too_slow.get(spec)
+        if ran_past is not None and 0 < timeout_s <= ran_past:  # a longer deadline may try again
             self._too_slow.move_to_end(spec)
-            raise InvalidConstraint(_too_slow(spec.kind, self._too_slow[spec]))
+            raise InvalidConstraint(_too_slow(spec.kind, ran_past))
         loop = asyncio.get_running_loop()
         while True:
             started: asyncio.Future[None] = loop.create_future()
