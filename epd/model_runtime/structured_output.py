@@ -85,7 +85,8 @@ seconds on a 2-core VM; a pathological one (a regex with large repetition counts
 
 REMEMBERED_TOO_SLOW = 256
 """Specs refused as too slow to compile that a compiler remembers (the least recent out first), so
-that asking again under a deadline no longer is refused at once instead of starting another compile that cannot be stopped."""
+that asking again under a deadline no longer is refused at once instead of starting another
+compile that cannot be stopped."""
 
 REASONING_MARKERS = ("<think>", "</think>")
 """The markers vLLM's reasoning parsers (qwen3, deepseek_r1) part an answer at; a structured
