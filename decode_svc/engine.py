@@ -45,20 +45,24 @@ class Generation:
         prompt_token_ids: Sequence[int] = (),
         first_logprob: TokenLogprob | None = None,
         grammar: CompiledGrammar | None = None,
+        prompt_ends_reasoning: bool = False,
     ) -> None:
         """own_cache: keep `cache` in this Generation and advance with `step()`; False: the
         caller keeps it (in a BatchKv) and advances with `accept(logits)`. prompt_token_ids: the
         prompt's distinct ids, for a repetition penalty (`PrefillHandle.distinct_prompt_token_ids`).
         first_logprob: the prefill's token's (`PrefillHandle.first_logprob`), sent with it.
         grammar: the request's compiled structured-output constraint (None: none); its matcher is
-        advanced by the first token here, as prefill's was."""
+        advanced by the first token here, as prefill's was (`prompt_ends_reasoning`: as prefill
+        found the prompt, `PrefillHandle.prompt_ends_reasoning`)."""
         self.adapter = adapter
         self.first_logprob = first_logprob
         self.config = config
         self.cache = adapter.new_decode_cache(cache) if own_cache else None
         self.positions = torch.tensor(next_position_ids, dtype=torch.long)  # [4]
         bad_words = bad_words_token_ids(config, adapter)
-        self.sampler = Sampler(config, 1, prompt_token_ids, adapter.eos_token_ids, bad_words, grammar)
+        self.sampler = Sampler(
+            config, 1, prompt_token_ids, adapter.eos_token_ids, bad_words, grammar, prompt_ends_reasoning
+        )
         # prefill sampled it: penalties, min_tokens and the constraint's matcher count it
         self.sampler.seen(first_token_id)
         self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
@@ -152,6 +156,7 @@ class DecodeEngine:
         prompt_token_ids: Sequence[int] = (),
         first_logprob: TokenLogprob | None = None,
         grammar: CompiledGrammar | None = None,
+        prompt_ends_reasoning: bool = False,
     ) -> Generation:
         return Generation(
             self.adapter,
@@ -165,4 +170,5 @@ class DecodeEngine:
             prompt_token_ids,
             first_logprob,
             grammar,
+            prompt_ends_reasoning,
         )

@@ -130,6 +130,7 @@ class DecodeRunner(ModelRunner[DecodeRequest]):
             prompt_token_ids=h.distinct_prompt_token_ids,
             first_logprob=h.first_logprob,
             grammar=r.grammar,
+            prompt_ends_reasoning=h.prompt_ends_reasoning,
         )
         first = r.generation.first()
         first.kv_transfer_ms = r.kv_transfer_ms

@@ -160,7 +160,12 @@ class LocalDecodeStage(DecodeStage):
         check_first_token_id(handle.first_token_id, vocab_size)
         check_prompt_token_ids(handle.distinct_prompt_token_ids, vocab_size)
         # Off the event loop and the model thread; a spec seen before comes from the cache.
-        grammar = await compile_for(self.engine.adapter, generation.structured_outputs, self.model_thread)
+        grammar = await compile_for(
+            self.engine.adapter,
+            generation.structured_outputs,
+            self.model_thread,
+            self.config.model.structured_compile_timeout_s,
+        )
         request = DecodeRequest(
             request_id,
             priority=generation.priority,

@@ -613,6 +613,11 @@ class PrefillEngine:
             torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
         )
         bad_words = request.bad_words_token_ids
+        # A constraint that waits for the reasoning's end holds at once when the prompt closed the
+        # thinking block (vLLM reads its prompt so); the decoder, which has no prompt, is told.
+        ends_reasoning = request.grammar is not None and request.grammar.prompt_ends_reasoning(
+            prompt.input_ids[0].tolist()
+        )
         # One first token per choice (vLLM's n), each by the choice's own sampler (seed + i, and its
         # own matcher of a structured-output constraint) from the same logits [vocab]; a sampler may
         # change the logits it gets, so each gets a copy.
@@ -621,7 +626,13 @@ class PrefillEngine:
         for index in range(request.generation.n):
             generation = request.generation.for_choice(index)
             sampler = Sampler(
-                generation, 0, distinct_prompt_ids, self.adapter.eos_token_ids, bad_words, request.grammar
+                generation,
+                0,
+                distinct_prompt_ids,
+                self.adapter.eos_token_ids,
+                bad_words,
+                request.grammar,
+                ends_reasoning,
             )
             if index == 0 and (k := request.generation.logprobs) is not None:
                 # The raw distribution (last_logits [vocab]), taken before the sampler's processors
@@ -654,6 +665,7 @@ class PrefillEngine:
             num_reused_prompt_tokens=request.num_reused_tokens,
             first_text=first_text,
             distinct_prompt_token_ids=distinct_prompt_ids,
+            prompt_ends_reasoning=ends_reasoning,
             max_new_tokens=request.generation.max_new_tokens,
             first_logprob=starts[0].first_logprob,
             other_choices=starts[1:],

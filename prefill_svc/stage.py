@@ -101,7 +101,10 @@ class LocalPrefillStage(PrefillStage):
             )
             # Off the event loop and the model thread; a spec seen before comes from the cache.
             request.grammar = await compile_for(
-                self.engine.adapter, generation.structured_outputs, self.model_thread
+                self.engine.adapter,
+                generation.structured_outputs,
+                self.model_thread,
+                self.engine.config.model.structured_compile_timeout_s,
             )
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache

@@ -215,12 +215,15 @@ class Stack:
         log_dir: Path,
         extra: dict[str, list[str]] | None = None,
         internal_secret: bool = False,
+        gateway_env: dict[str, str] | None = None,
     ) -> None:
+        """gateway_env: variables set in the gateway's environment alone (over the stages' own)."""
         self.model = str(model)
         self.log_dir = log_dir
         self.extra = extra or {}
         self.env = child_env(internal_secret)  # with the secret: see TEST_INTERNAL_SECRET
         self.internal_secret = internal_secret
+        self.gateway_env = {**self.env, **(gateway_env or {})}
         self.ports = {name: free_port() for name in ("encoder", "prefill", "decode", "gateway")}
         self.procs: dict[str, subprocess.Popen | ServiceProcess] = {}
 
@@ -261,7 +264,11 @@ class Stack:
             if name == "gateway":  # no model, no torch: a plain interpreter, as `epd serve` starts it
                 with open(log_path, "w") as log:
                     self.procs[name] = subprocess.Popen(
-                        self.command(name), stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
+                        self.command(name),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=self.gateway_env,
+                        cwd=ROOT,
                     )
             else:
                 log_path.write_text("")

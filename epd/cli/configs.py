@@ -41,6 +41,9 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         dtype=args.dtype,
         num_threads=threads,
         linear_kernel=getattr(args, "linear_kernel", "torch"),
+        structured_compile_timeout_s=getattr(
+            args, "structured_compile_timeout_s", ModelConfig.structured_compile_timeout_s
+        ),
     )
 
 

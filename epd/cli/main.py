@@ -247,7 +247,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype", default=_env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"]
     )
-    from epd.model_runtime.config import LINEAR_KERNELS
+    from epd.model_runtime.config import LINEAR_KERNELS, ModelConfig
 
     g.add_argument(
         "--linear-kernel",
@@ -257,6 +257,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "or onednn for calls of 16 rows or more (prefill, vision tower, wide decode steps): "
         "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "
         "(docs/benchmarks.md, 'oneDNN linear layers')",
+    )
+    g.add_argument(
+        "--structured-compile-timeout-s",
+        type=_seconds,
+        default=ModelConfig.structured_compile_timeout_s,
+        metavar="S",
+        help="how long a request's structured output (JSON schema, regex, grammar) may take to "
+        "compile against the model's vocabulary (default 30; 0: no bound); longer is refused with "
+        "400 / INVALID_ARGUMENT asking for a simpler one",
     )
     env_threads = _env("EPD_NUM_THREADS", "")
     g.add_argument(

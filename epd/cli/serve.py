@@ -385,6 +385,8 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         *threads,
         "--linear-kernel",
         args.linear_kernel,
+        "--structured-compile-timeout-s",
+        str(args.structured_compile_timeout_s),
     ]
     grace = ["--grace-period", str(args.grace_period)]
     own = {role: stage_flags(args, role) for role in MODEL_ROLES}

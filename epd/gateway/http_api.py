@@ -103,7 +103,13 @@ from epd.gateway.pipeline import (
 )
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
-from epd.gateway.reasoning import ReasoningStream, delta_fields, parser_misfit, thinking_on
+from epd.gateway.reasoning import (
+    ReasoningStream,
+    constrained_after_reasoning,
+    delta_fields,
+    parser_misfit,
+    thinking_on,
+)
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.tool_parser import ToolAnswerStream, tool_finish_reason
@@ -406,6 +412,8 @@ class HttpApi:
             if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
                 self._check_reasoning_parser()
                 check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
+                if self.config.http.reasoning_parser:
+                    chat.generation = constrained_after_reasoning(chat.generation)
             if (ticket := request.get(TICKET_KEY)) is not None:  # n choices are n decode requests
                 ticket.count_choices(chat.generation.n)
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
@@ -483,13 +491,11 @@ class HttpApi:
     def _thinking(self, chat: ChatRequest) -> bool | None:
         """With `--reasoning-parser`, whether `chat`'s answer begins inside a thinking block
         (`epd.gateway.reasoning.thinking_on`); None without one, or for a legacy completion
-        (vLLM parts chat answers alone). A structured output's grammar holds from the answer's
-        first token (vLLM's starts after `</think>`), so that answer is all content."""
+        (vLLM parts chat answers alone). A structured output's grammar starts after the model's
+        `</think>` (`constrained_after_reasoning`), so its answer is parted as any other."""
         parser = self.config.http.reasoning_parser
         if not parser or chat.raw_prompt is not None:
             return None
-        if chat.generation.structured_outputs is not None:
-            return False
         return thinking_on(parser, chat.template.chat_template_kwargs)
 
     async def _stream(

@@ -34,7 +34,6 @@ from typing import Any
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
-from epd.model_runtime.structured_output import check_structured_outputs
 from epd.stages.chat_template import refuse_untrusted
 from epd.stages.contracts import (
     DecodeStage,
@@ -367,8 +366,6 @@ class Pipeline:
                 f"prompt_logprobs cannot be computed with token pruning ({', '.join(stages)}); turn "
                 "pruning off or leave prompt_logprobs unset"
             )
-        if req.generation.structured_outputs is not None:  # a spec that cannot compile, before an encode
-            await asyncio.to_thread(check_structured_outputs, req.generation.structured_outputs)
         self._check_room_for_a_prompt(req.generation)
         request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex
         req = replace(req, generation=req.generation.with_drawn_seed())  # a sampled request without a seed

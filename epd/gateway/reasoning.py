@@ -23,9 +23,10 @@ at most a marker's length.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.model_info import REASONING_MARKERS, ModelInfo
 
 START, END = REASONING_MARKERS  # "<think>", "</think>"
@@ -69,6 +70,18 @@ def thinking_on(parser: str, chat_template_kwargs: Mapping[str, Any]) -> bool:
     if parser not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
     return not (parser == "qwen3" and chat_template_kwargs.get("enable_thinking") is False)
+
+
+def constrained_after_reasoning(generation: GenerationConfig) -> GenerationConfig:
+    """A chat request's settings under a reasoning parser: its structured output, if any, starts
+    after the model's `</think>` (vLLM's default, `enable_in_reasoning` false), so a thinking
+    model thinks freely and its content keeps to the constraint; at once when the prompt closed
+    the block (`enable_thinking: false`). Prefill and decode hold it so
+    (`StructuredOutputs.after_reasoning`)."""
+    spec = generation.structured_outputs
+    if spec is None or spec.after_reasoning:
+        return generation
+    return replace(generation, structured_outputs=replace(spec, after_reasoning=True))
 
 
 def split_reasoning(text: str, thinking: bool) -> ReasoningSplit:

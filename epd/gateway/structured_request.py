@@ -8,10 +8,10 @@ one `StructuredOutputs` (a JSON body, chat completions' and legacy completions' 
                      "grammar": "EBNF"} (one of them) and "disable_any_whitespace"
     guided_json / guided_regex / guided_choice / guided_grammar  vLLM's older names of the same
 
-A request may ask in one of these ways only (400 naming the fields it sent). What xgrammar cannot
-read is refused by the pipeline's check before any media is encoded
-(`structured_output.check_structured_outputs`), what this server does not implement (vLLM's
-`structural_tag`, `whitespace_pattern`, ...) here, by name.
+A request may ask in one of these ways only (400 naming the fields it sent). What this server does
+not implement (vLLM's `structural_tag`, `whitespace_pattern`, ...) is refused here, by name; the
+sizes by the pipeline's check before any media is encoded (`StructuredOutputs.validate`); what
+xgrammar cannot compile by prefill, with the compiler's reason (the gateway needs no xgrammar).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ LINEAR_KERNELS = ("torch", "onednn")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which checkpoint to load and where to run it."""
+    """Which checkpoint to load and where to run it (and how long a request's structured output may
+    take to compile against its vocabulary)."""
 
     model: str = "default"
     """Local directory or hub id of a Qwen2-VL / Qwen2.5-VL checkpoint; "default" is epd's
@@ -30,6 +31,10 @@ class ModelConfig:
     linear_kernel: str = "torch"
     """"torch" (torch's own linear: MKL on x86) or "onednn" (calls of many rows through oneDNN:
     faster on CPUs where MKL is slow, not bit-identical to `generate()`; `epd.model_runtime.onednn_linear`)."""
+    structured_compile_timeout_s: float = 30.0
+    """How long a request's structured-output constraint may take to compile against the model's
+    vocabulary (prefill and decode compile it); longer is refused with INVALID_ARGUMENT saying to
+    simplify it (`epd.model_runtime.structured_output.GrammarCompiler.compile`). 0: no bound."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -42,6 +47,10 @@ class ModelConfig:
             )
         if self.linear_kernel == "onednn" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("linear_kernel 'onednn' is for --device cpu with --dtype float32")
+        if not self.structured_compile_timeout_s >= 0:  # NaN too
+            raise ValueError(
+                f"structured_compile_timeout_s must be >= 0 (0: no bound), got {self.structured_compile_timeout_s}"
+            )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 1, or 0 for auto; got {self.num_threads}")
 

@@ -91,6 +91,12 @@ class StructuredOutputs:
     """An EBNF grammar in xgrammar's form (GBNF-like, start symbol `root`)."""
     disable_any_whitespace: bool = False
     """vLLM's: JSON without free whitespace between its tokens (off: any whitespace is allowed)."""
+    after_reasoning: bool = False
+    """The constraint starts after the model's end-of-reasoning token (`</think>`), as vLLM's does
+    under a reasoning parser (its default, `enable_in_reasoning` false): the model thinks freely,
+    and the tokens after its `</think>` keep to the constraint; from the first token when the
+    prompt already closed the thinking block. Set by the front door when it runs
+    `--reasoning-parser` (`epd.model_runtime.structured_output.reasoning_ended`)."""
 
     @property
     def kind(self) -> str:
@@ -116,7 +122,7 @@ class StructuredOutputs:
 
     def validate(self) -> None:
         """ValueError naming what to change: one constraint, within the size bounds (whether it
-        compiles is checked where xgrammar is: `structured_output.check_structured_outputs`)."""
+        compiles is checked where it is compiled: `structured_output.GrammarCompiler`)."""
         kind = self.kind
         if kind == "choice":
             if len(self.choice) > MAX_CHOICE_STRINGS:
@@ -446,17 +452,20 @@ class Sampler:
         eos_token_ids: Collection[int] = (),
         bad_words_token_ids: Sequence[Sequence[int]] = (),
         grammar: CompiledGrammar | None = None,
+        prompt_ends_reasoning: bool = False,
     ) -> None:
         """prompt_token_ids: the prompt's (distinct) token ids, which repetition_penalty penalises
         (only read when it is on); eos_token_ids: the model's, which min_tokens holds back;
         bad_words_token_ids: the config's bad_words as the model's tokenizer gives them
         (`epd.model_runtime.bad_words.tokenize_bad_words`); grammar: the request's compiled
         structured-output constraint (None: none), whose token mask is applied before anything
-        else, as vLLM applies its grammar bitmask."""
+        else, as vLLM applies its grammar bitmask; prompt_ends_reasoning: the prompt closed the
+        thinking block, so a constraint that waits for the reasoning's end holds at once
+        (`CompiledGrammar.prompt_ends_reasoning`)."""
         import torch
 
         self.config = config
-        self._grammar = grammar.matcher() if grammar is not None else None
+        self._grammar = grammar.matcher(prompt_ends_reasoning) if grammar is not None else None
         self._processors: LogitsProcessors | None = None
         if config.processes_logits:
             from epd.model_runtime.logits_processors import LogitsProcessors
@@ -506,9 +515,10 @@ class Sampler:
         # vLLM v1's order: allowed_token_ids and bad_words, then logit bias and min_tokens, then the
         # penalties, then greedy or the draw (min_p after temperature, then top-k and top-p).
         logits = processors.before_sampling(logits)
-        if (processors.masks_tokens or grammar is not None) and float(logits.max()) == float("-inf"):
+        masking = grammar is not None and grammar.masking
+        if (processors.masks_tokens or masking) and float(logits.max()) == float("-inf"):
             # no token survives the masks: argmax would return token 0, which none of them allowed
-            raise no_token_left(self.config) if grammar is None else grammar.nothing_allowed()
+            raise grammar.nothing_allowed() if grammar is not None and masking else no_token_left(self.config)
         token = int(torch.argmax(logits)) if self._generator is None else self._draw(logits)
         processors.seen(token)
         if grammar is not None:
@@ -523,7 +533,7 @@ class Sampler:
         # NaN (max propagates it) or infinity: the shift below would make NaN of every score, and
         # torch.multinomial would raise a RuntimeError that reads as the server's failure.
         if not math.isfinite(float(largest)):
-            if self._grammar is not None and float(largest) == float("-inf"):
+            if self._grammar is not None and self._grammar.masking and float(largest) == float("-inf"):
                 raise self._grammar.nothing_allowed()  # the constraint and min_tokens leave nothing
             raise sampling_failed(self.config)
         # Shifted first, so the largest is 0 and nothing overflows whatever the temperature.

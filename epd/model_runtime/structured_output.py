@@ -16,8 +16,24 @@ across the hand-off without crossing it. The grammar's only end is the model's e
 token (its stop token here), so a complete answer ends "stop" as any answer that reaches it; rows
 without a constraint never build any of this.
 
-xgrammar is an optional dependency (`pip install 'epd[structured]'`): a server without it refuses
-a request that asks for structured outputs with INVALID_ARGUMENT saying what to install.
+Under a reasoning parser (`StructuredOutputs.after_reasoning`) the constraint waits, as vLLM's
+does by default: nothing is masked until the model has generated its end-of-reasoning token
+(`</think>`), which the grammar does not see; the tokens after it keep to the grammar. When the
+prompt already closed the thinking block (vLLM's `is_reasoning_end` of the prompt: its last think
+marker is `</think>`, e.g. Qwen3's `enable_thinking: false` renders an empty block) the grammar
+holds from the first token. Prefill reads the prompt (`reasoning_ended`) and tells decode
+(`PrefillHandle.prompt_ends_reasoning`), which has no prompt.
+
+Compiling has a deadline (`ModelConfig.structured_compile_timeout_s`): a spec still compiling
+then is refused with INVALID_ARGUMENT saying to simplify it. xgrammar's compile cannot be
+interrupted, so it runs on to its end on a thread left to it (the next compiles get a new one), and
+the spec is remembered so that asking again under that deadline does not start it again.
+
+xgrammar is an optional dependency (`pip install 'epd[structured]'`) of the services that run the
+model: a server without it refuses a request that asks for structured outputs with INVALID_ARGUMENT
+saying what to install. The front door needs none of it: it checks what needs no compiler
+(`StructuredOutputs.validate`) and leaves the rest to prefill, whose refusal (the compiler's
+reason) reaches the client as a 400.
 """
 
 from __future__ import annotations
@@ -26,12 +42,14 @@ import asyncio
 import contextvars
 import functools
 import json
+import math
 import os
 import re
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Collection
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,6 +77,20 @@ COMPILE_THREAD_NAME = "grammar_compile"
 
 MAX_ERROR_CHARS = 300
 """A compiler's message is cut to this many characters in the error sent to the client."""
+
+COMPILE_TIMEOUT_S = 30.0
+"""How long a constraint may take to compile by default (`ModelConfig.structured_compile_timeout_s`,
+--structured-compile-timeout-s): a large JSON schema against a 152k-token vocabulary compiles in
+seconds on a 2-core VM; a pathological one (a regex with large repetition counts) in minutes."""
+
+REMEMBERED_TOO_SLOW = 256
+"""Specs refused as too slow to compile that a compiler remembers (the least recent out first), so
+that asking again under a deadline no longer is refused at once instead of starting another
+compile that cannot be stopped."""
+
+REASONING_MARKERS = ("<think>", "</think>")
+"""The markers vLLM's reasoning parsers (qwen3, deepseek_r1) part an answer at; a structured
+output under one starts after the second (`StructuredOutputs.after_reasoning`)."""
 
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+?:\d+: ")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ")
@@ -94,62 +126,85 @@ def _json_text(spec: StructuredOutputs) -> str:
     return '{"type": "object"}' if spec.json_object else spec.json_schema
 
 
-def check_structured_outputs(spec: StructuredOutputs) -> None:
-    """InvalidConstraint when the constraint does not parse (a schema, regex or grammar xgrammar
-    cannot read), with xgrammar's reason; needs no vocabulary, so the front door checks before a
-    video is encoded. Also InvalidConstraint when xgrammar is missing."""
-    try:
-        spec.validate()
-    except ValueError as exc:
-        raise InvalidConstraint(str(exc)) from None
-    xgr = import_xgrammar()
-    kind = spec.kind
-    try:
-        if kind in ("json_schema", "json_object"):
-            xgr.Grammar.from_json_schema(_json_text(spec), any_whitespace=not spec.disable_any_whitespace)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(spec.regex)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(spec.grammar)
-        else:
-            xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for a bad spec
-        raise InvalidConstraint(_invalid(kind, exc)) from None
+def _kind_name(kind: str) -> str:
+    return {"json_schema": "JSON schema", "json_object": "JSON object grammar"}.get(kind, kind)
 
 
 def _invalid(kind: str, exc: BaseException) -> str:
-    name = {"json_schema": "JSON schema", "json_object": "JSON object grammar"}.get(kind, kind)
-    return f"the structured-output {name} does not compile: {compiler_message(exc)}"
+    return f"the structured-output {_kind_name(kind)} does not compile: {compiler_message(exc)}"
+
+
+def _too_slow(kind: str, timeout_s: float) -> str:
+    return (
+        f"the structured-output {_kind_name(kind)} took longer than {timeout_s:g} s to compile "
+        "(this server's --structured-compile-timeout-s); simplify it: fewer or smaller repetition "
+        "counts, fewer alternatives, a smaller schema"
+    )
+
+
+def reasoning_ended(token_ids: Sequence[int], start_id: int, end_id: int) -> bool:
+    """Whether `token_ids` (a prompt) leave the model outside a thinking block: their last think
+    marker is the end one. vLLM's `BaseThinkingReasoningParser.is_reasoning_end` (qwen3's and
+    deepseek_r1's), which its structured outputs read of the prompt to start the grammar at once."""
+    for token in reversed(token_ids):
+        if token == start_id:
+            return False
+        if token == end_id:
+            return True
+    return False
 
 
 class CompiledGrammar:
     """A constraint compiled against one vocabulary; immutable, shared by every request with the
     same spec (xgrammar's cache hands the same one back)."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, reasoning_ids: tuple[int, int] | None = None) -> None:
+        """reasoning_ids: the (`<think>`, `</think>`) token ids when the constraint starts after the
+        reasoning (`StructuredOutputs.after_reasoning`); None: from the first token."""
         self._compiled = compiled
         self.vocab_size = vocab_size
+        self.reasoning_ids = reasoning_ids
 
-    def matcher(self) -> GrammarState:
-        return GrammarState(self._compiled, self.vocab_size)
+    def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the prompt closed the thinking block, so the constraint holds from the first
+        token (False for a constraint that does not wait for the reasoning: it holds anyway)."""
+        return self.reasoning_ids is not None and reasoning_ended(prompt_token_ids, *self.reasoning_ids)
+
+    def matcher(self, prompt_ends_reasoning: bool = False) -> GrammarState:
+        """A request's state at its answer's start; `prompt_ends_reasoning`: `prompt_ends_reasoning`
+        of its prompt (prefill) or as prefill found it (decode)."""
+        waits = self.reasoning_ids is not None and not prompt_ends_reasoning
+        end_id = self.reasoning_ids[1] if waits and self.reasoning_ids is not None else None
+        return GrammarState(self._compiled, self.vocab_size, end_id)
 
 
 class GrammarState:
     """One request's place in its constraint (an xgrammar matcher) and its token bitmask."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, reasoning_end_id: int | None = None) -> None:
+        """reasoning_end_id: the token the constraint waits for (`</think>`): until the model has
+        generated it nothing is masked and no token advances the matcher; None: it holds now."""
         import xgrammar as xgr
 
         self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
+        self._waits_for = reasoning_end_id
+
+    @property
+    def masking(self) -> bool:
+        """The constraint holds (it waits for no end of reasoning, or that end was generated)."""
+        return self._waits_for is None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] float32 -> a copy with every token the constraint does not allow next at
-        -inf (the input, maybe a row of decode's batch, is left as it is)."""
+        -inf (the input, maybe a row of decode's batch, is left as it is); the input itself while
+        the constraint waits for the end of the reasoning."""
         import torch
 
+        if self._waits_for is not None:
+            return logits
         self._matcher.fill_next_token_bitmask(self._bitmask)
         if logits.device.type == "cpu" and sys.byteorder == "little":
             # Bit i of int32 word j is token 32 j + i: the words' bytes unpacked little-endian
@@ -167,7 +222,13 @@ class GrammarState:
 
     def accept(self, token_id: int, chosen_here: bool = True) -> None:
         """Advance by the token the sampler chose (`chosen_here`), or by one chosen elsewhere
-        (decode's first token, prefill's choice): SamplingFailed when the constraint refuses it."""
+        (decode's first token, prefill's choice): SamplingFailed when the constraint refuses it.
+        While the constraint waits for the end of the reasoning, a token only tells whether it is
+        that end (vLLM's grammar never sees the reasoning nor its end marker)."""
+        if self._waits_for is not None:
+            if token_id == self._waits_for:
+                self._waits_for = None
+            return
         if self._matcher.accept_token(token_id):
             return
         if not chosen_here:
@@ -211,13 +272,21 @@ class GrammarCompiler:
         self._eos_token_ids = sorted(eos_token_ids)
         self._cache_limit_bytes = cache_limit_bytes
         self._compiler: Any = None
+        self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
+        self._too_slow: OrderedDict[StructuredOutputs, float] = OrderedDict()  # spec -> its timeout
+        self.num_abandoned = 0
+        """Compiles that ran past their deadline, each left on its own thread to its end."""
 
     def compile_now(self, spec: StructuredOutputs) -> CompiledGrammar:
         """Compile here (on the calling thread); InvalidConstraint for a spec that does not compile."""
-        check_structured_outputs(spec)
+        try:
+            spec.validate()
+        except ValueError as exc:
+            raise InvalidConstraint(str(exc)) from None
         compiler = self._xgrammar_compiler()
+        reasoning_ids = self._reasoning_token_ids() if spec.after_reasoning else None
         kind = spec.kind
         try:
             if kind in ("json_schema", "json_object"):
@@ -232,13 +301,71 @@ class GrammarCompiler:
                 compiled = compiler.compile_grammar(choice_grammar(spec.choice))
         except Exception as exc:  # noqa: BLE001 - a spec xgrammar refuses
             raise InvalidConstraint(_invalid(kind, exc)) from None
-        return CompiledGrammar(compiled, self.vocab_size)
+        return CompiledGrammar(compiled, self.vocab_size, reasoning_ids)
 
-    async def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+    def _reasoning_token_ids(self) -> tuple[int, int]:
+        start, end = self._reasoning_ids
+        if start is None or end is None:
+            # The front door refuses chat requests under a parser the model cannot serve
+            # (`epd.gateway.reasoning.parser_misfit`); this is a caller that did not ask it.
+            raise InvalidConstraint(
+                "the structured output is to start after the reasoning's end, but this model's "
+                f"tokenizer does not have {' and '.join(REASONING_MARKERS)} as single tokens"
+            )
+        return start, end
+
+    async def compile(self, spec: StructuredOutputs, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
         """`compile_now` on the compiler's thread, in the caller's context (log records keep the
-        request's id); cancelling the await drops a compile that has not started."""
-        call = functools.partial(contextvars.copy_context().run, self.compile_now, spec)
-        return await asyncio.wrap_future(self._thread.submit(call))
+        request's id); cancelling the await drops a compile that has not started. InvalidConstraint
+        when the compile runs for longer than timeout_s (0: no bound), counted from its start (a
+        wait behind other compiles is not its fault); the compile goes on to its end on the thread,
+        which this compiler leaves to it."""
+        ran_past = self._too_slow.get(spec)
+        if ran_past is not None and 0 < timeout_s <= ran_past:  # a longer deadline may try again
+            self._too_slow.move_to_end(spec)
+            raise InvalidConstraint(_too_slow(spec.kind, ran_past))
+        loop = asyncio.get_running_loop()
+        while True:
+            started: asyncio.Future[None] = loop.create_future()
+
+            def run(started: asyncio.Future[None] = started) -> CompiledGrammar:
+                self._xgrammar_compiler()  # the vocabulary read once (`prepare`), before the clock
+                loop.call_soon_threadsafe(_resolve, started)
+                return self.compile_now(spec)
+
+            thread = self._thread
+            future = thread.submit(functools.partial(contextvars.copy_context().run, run))
+            done = asyncio.wrap_future(future)
+            try:
+                await asyncio.wait((started, done), return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                future.cancel()  # one not started is dropped
+                raise
+            if not future.cancelled():
+                break
+            # It was queued behind a compile that ran past its deadline, on a thread since left to
+            # that compile: submitted again, to the new thread.
+        try:  # asyncio.wait: the deadline leaves `done` as it is (its compile cannot be stopped)
+            finished, _ = await asyncio.wait((done,), timeout=timeout_s if 0 < timeout_s < math.inf else None)
+        except asyncio.CancelledError:
+            done.cancel()
+            raise
+        if finished:
+            return done.result()
+        done.cancel()  # its compile's end, whenever it comes, is for no one
+        self._leave_thread(thread)
+        self._too_slow[spec] = timeout_s
+        while len(self._too_slow) > REMEMBERED_TOO_SLOW:
+            self._too_slow.popitem(last=False)
+        raise InvalidConstraint(_too_slow(spec.kind, timeout_s))
+
+    def _leave_thread(self, thread: ThreadPoolExecutor) -> None:
+        """Leave `thread` to the compile it runs (xgrammar's cannot be stopped): the next compiles
+        get a new thread, and those queued on this one are submitted again there."""
+        if self._thread is thread:
+            self.num_abandoned += 1
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
+            thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def ready(self) -> bool:
@@ -266,6 +393,10 @@ class GrammarCompiler:
                     cache_enabled=True,
                     cache_limit_bytes=self._cache_limit_bytes,
                 )
+                # as vLLM's reasoning parsers look them up (`vocab.get`)
+                vocab = self._tokenizer.get_vocab()
+                start, end = (vocab.get(marker) for marker in REASONING_MARKERS)
+                self._reasoning_ids = (start, end)
             return self._compiler
 
     def close(self) -> None:
@@ -296,17 +427,25 @@ def grammar_compiler(adapter: Any) -> GrammarCompiler:
 
 
 async def compile_for(
-    adapter: Any, spec: StructuredOutputs | None, model_thread: _Runs | None = None
+    adapter: Any,
+    spec: StructuredOutputs | None,
+    model_thread: _Runs | None = None,
+    timeout_s: float = COMPILE_TIMEOUT_S,
 ) -> CompiledGrammar | None:
-    """A request's constraint compiled for `adapter`'s vocabulary (None: it has none). The first
-    one reads the tokenizer's vocabulary on `model_thread`, where the prompts are tokenised (the
-    model's tokenizer is shared; reads of a settled one are safe from any thread, but this one
-    read costs a model step nothing); compiling needs only xgrammar's copy of the vocabulary, on
-    the compiler's thread."""
+    """A request's constraint compiled for `adapter`'s vocabulary (None: it has none), within
+    timeout_s of compiling (`GrammarCompiler.compile`). The first one reads the tokenizer's
+    vocabulary on `model_thread`, where the prompts are tokenised (the model's tokenizer is shared;
+    reads of a settled one are safe from any thread, but this one read costs a model step
+    nothing); compiling needs only xgrammar's copy of the vocabulary, on the compiler's thread."""
     if spec is None:
         return None
     import_xgrammar()  # the install hint before anything else
     compiler = grammar_compiler(adapter)
     if not compiler.ready and model_thread is not None:
         await model_thread.run(compiler.prepare)
-    return await compiler.compile(spec)
+    return await compiler.compile(spec, timeout_s)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

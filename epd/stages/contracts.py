@@ -331,6 +331,10 @@ class PrefillHandle(Generic[T]):
     distinct_prompt_token_ids: list[int] = field(default_factory=list)
     """The prompt's distinct token ids, increasing, for the decoder's repetition penalty (which
     covers the prompt, as vLLM's and generate()'s); empty unless the request's penalty is on."""
+    prompt_ends_reasoning: bool = False
+    """The prompt closed the thinking block, so a structured output that starts after the
+    reasoning (`StructuredOutputs.after_reasoning`) holds from the first token; False without one.
+    Prefill reads the prompt (`CompiledGrammar.prompt_ends_reasoning`), the decoder has none."""
     max_new_tokens: int = 0
     """The request's max_new_tokens as prefill ran it: what it asked, or what the context left
     after the prompt (`GenerationConfig.fit_max_new_tokens`); the decoder generates at most this

@@ -13,10 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from epd.model_runtime.logprobs import MAX_LOGPROBS
-
-REASONING_MARKERS = ("<think>", "</think>")
-"""The markers vLLM's reasoning parsers (qwen3, deepseek_r1) part an answer at: each must be one
-token of the model's vocabulary (vLLM looks both up and refuses to start the parser without them)."""
+from epd.model_runtime.structured_output import REASONING_MARKERS  # each one token of a thinking model
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,7 @@ def structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutput
         choice=tuple(msg.choice),
         grammar=msg.grammar,
         disable_any_whitespace=msg.disable_any_whitespace,
+        after_reasoning=msg.after_reasoning,
     )
 
 
@@ -268,6 +269,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         num_reused_prompt_tokens=h.num_reused_prompt_tokens,
         first_text=h.first_text,
         distinct_prompt_token_ids=h.distinct_prompt_token_ids,
+        prompt_ends_reasoning=h.prompt_ends_reasoning,
         max_new_tokens=h.max_new_tokens,
         first_logprob=None if h.first_logprob is None else logprob_to_proto(h.first_logprob),
         other_choices=[
@@ -305,6 +307,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         num_reused_prompt_tokens=msg.num_reused_prompt_tokens,
         first_text=msg.first_text if msg.HasField("first_text") else None,
         distinct_prompt_token_ids=list(msg.distinct_prompt_token_ids),
+        prompt_ends_reasoning=msg.prompt_ends_reasoning,
         max_new_tokens=msg.max_new_tokens,
         first_logprob=logprob_from_proto(msg.first_logprob) if msg.HasField("first_logprob") else None,
         other_choices=[

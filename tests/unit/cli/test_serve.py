@@ -152,6 +152,19 @@ def test_the_linear_kernel_reaches_every_model_service():
     assert configs.model_config(plain).linear_kernel == "torch"
 
 
+def test_the_structured_compile_timeout_reaches_the_services_that_compile():
+    args = build_parser().parse_args(["serve", "--structured-compile-timeout-s", "2.5"])
+    args.model = "/m"
+    makers = {"prefill": configs.prefill_config, "decode": configs.decode_config}
+    for name, command in stack_commands(args).items():
+        role = name.split("[")[0]
+        if role in makers:
+            assert makers[role](_parsed(command)).model.structured_compile_timeout_s == 2.5, name
+    plain = build_parser().parse_args(["serve", "--colocate"])
+    plain.model = "/m"
+    assert configs.model_config(plain).structured_compile_timeout_s == 30.0
+
+
 def test_the_log_format_reaches_every_service():
     args = build_parser().parse_args(["--log-format", "json", "serve"])
     args.model = "/m"

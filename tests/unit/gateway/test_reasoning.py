@@ -14,11 +14,12 @@ from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import (
     ReasoningSplit,
     ReasoningStream,
+    constrained_after_reasoning,
     delta_fields,
     split_reasoning,
     thinking_on,
 )
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.errors import InvalidRequest
 from epd.video.types import SamplingOptions
 
@@ -159,3 +160,10 @@ def test_the_config_takes_vllms_parser_names_only():
     assert HttpApiConfig(reasoning_parser="deepseek_r1").reasoning_parser == "deepseek_r1"
     with pytest.raises(ValueError, match="--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'"):
         HttpApiConfig(reasoning_parser="r1")
+
+
+def test_under_a_parser_a_chat_requests_constraint_starts_after_the_reasoning():
+    spec = StructuredOutputs(regex="a")
+    generation = constrained_after_reasoning(GenerationConfig(structured_outputs=spec))
+    assert generation.structured_outputs == StructuredOutputs(regex="a", after_reasoning=True)
+    assert constrained_after_reasoning(GenerationConfig()) == GenerationConfig()  # none: nothing to start

@@ -1,9 +1,12 @@
 """xgrammar's constraints in the Sampler: the mask leaves exactly the allowed tokens, greedy picks
 the best allowed one, the matcher goes on across the prefill -> decode hand-off, the answer ends
-when the constraint is complete; bad specs and a server without xgrammar are clear 400s."""
+when the constraint is complete; bad specs and a server without xgrammar are clear 400s. Under a
+reasoning parser the constraint waits for the model's `</think>` (vLLM's rule, `reasoning_ended`),
+across the hand-off too; a spec that compiles for too long is refused saying so."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -22,9 +25,10 @@ from epd.model_runtime.sampling import (
 )
 from epd.model_runtime.structured_output import (
     GrammarCompiler,
-    check_structured_outputs,
     choice_grammar,
+    compile_for,
     compiler_message,
+    reasoning_ended,
 )
 
 SHIPPED = Path(__file__).resolve().parents[3] / "models" / "epd-tiny-videoqa"
@@ -125,10 +129,8 @@ def test_decode_continues_the_matcher_from_prefills_first_token(tokenizer, compi
 ])  # fmt: skip
 def test_a_spec_that_does_not_compile_is_refused_with_the_compilers_reason(spec, message, compiler):
     with pytest.raises(InvalidConstraint, match=message) as caught:
-        check_structured_outputs(spec)
-    assert "/project/cpp" not in str(caught.value) and "\n" not in str(caught.value)
-    with pytest.raises(InvalidConstraint, match=message):
         compiler.compile_now(spec)
+    assert "/project/cpp" not in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_compiler_messages_are_one_bounded_line_without_the_cpp_log_prefix():
@@ -154,7 +156,7 @@ def test_a_server_without_xgrammar_says_what_to_install(monkeypatch):
     with pytest.raises(
         InvalidConstraint, match=r"structured outputs need xgrammar.*pip install 'epd\[structured\]'"
     ):
-        check_structured_outputs(StructuredOutputs(regex="a"))
+        asyncio.run(compile_for(object(), StructuredOutputs(regex="a")))
 
 
 def test_rows_without_a_constraint_build_no_matcher():
@@ -177,3 +179,125 @@ def test_min_tokens_holding_back_the_constraints_only_token_fails_the_request_sa
     sampler(logits)  # "a" (or its token): the only start the constraint allows
     with pytest.raises(SamplingFailed, match="no token both keeps to the structured-output constraint"):
         sampler(logits)
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer():
+    """The shipped tokenizer with a thinking model's markers as added tokens (as Qwen3's has them)."""
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer
+
+
+@pytest.mark.parametrize(("ids", "ended"), [
+    ([], False), ([7, 8], False), ([1, 7], False), ([2, 7], True), ([1, 7, 2], True),
+    ([1, 2, 1, 7], False), ([2, 7, 1], False), ([1, 2, 7, 2], True),
+])  # fmt: skip
+def test_the_prompt_ends_the_reasoning_when_its_last_think_marker_is_the_end_one(ids, ended):
+    """vLLM's `is_reasoning_end` (start 1, end 2): read from the prompt's end, a start marker
+    first means thinking, an end marker first means it is over; neither, not over."""
+    assert reasoning_ended(ids, 1, 2) is ended
+
+
+def test_a_constraint_after_the_reasoning_masks_nothing_until_the_end_token(thinking_tokenizer):
+    """Before `</think>` the sampler chooses as without a constraint (the matcher never sees those
+    tokens, nor `</think>`); after it, exactly as a constraint from the first token would; a
+    decoder told the first token (`seen`) continues alike, on either side of the end."""
+    vocab = len(thinking_tokenizer)
+    end = thinking_tokenizer.convert_tokens_to_ids("</think>")
+    compiler = GrammarCompiler(thinking_tokenizer, vocab, {thinking_tokenizer.eos_token_id})
+    regex = "(red|blue) (circle|square)"
+    gated = compiler.compile_now(StructuredOutputs(regex=regex, after_reasoning=True))
+    plain = compiler.compile_now(StructuredOutputs(regex=regex))
+    torch.manual_seed(0)
+    thinking = [torch.randn(vocab) for _ in range(3)]
+    forced_end = torch.zeros(vocab)
+    forced_end[end] = 10.0
+    answer = [torch.randn(vocab) for _ in range(6)]
+    config = GenerationConfig(structured_outputs=StructuredOutputs(regex=regex, after_reasoning=True))
+
+    unconstrained = [int(torch.argmax(logits)) for logits in thinking]
+    after = Sampler(config, grammar=plain)
+    want = [*unconstrained, end, *(after(logits) for logits in answer)]
+    assert any(not plain.matcher().mask(logits).equal(logits) for logits in thinking), "the mask would bite"
+
+    alone = Sampler(config, grammar=gated)
+    steps = [*thinking, forced_end, *answer]
+    assert [alone(logits) for logits in steps] == want
+    for split in (1, len(thinking) + 1):  # decode takes over inside the reasoning, or right after its end
+        prefill = Sampler(config, grammar=gated)
+        got = [prefill(logits) for logits in steps[:split]]
+        decode = Sampler(config, 1, grammar=gated)
+        for token in got:
+            decode.seen(token)
+        assert [*got, *(decode(logits) for logits in steps[split:])] == want, split
+
+
+def test_a_prompt_that_closed_the_thinking_block_is_constrained_from_the_first_token(thinking_tokenizer):
+    vocab = len(thinking_tokenizer)
+    start, end = thinking_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    compiler = GrammarCompiler(thinking_tokenizer, vocab, {thinking_tokenizer.eos_token_id})
+    spec = StructuredOutputs(regex="(red|blue) x", after_reasoning=True)
+    gated = compiler.compile_now(spec)
+    assert gated.prompt_ends_reasoning([5, start, 9, end, 9]) and not gated.prompt_ends_reasoning(
+        [5, start, 9]
+    )
+    assert not compiler.compile_now(StructuredOutputs(regex="(red|blue) x")).prompt_ends_reasoning(
+        [start, end]
+    )
+    torch.manual_seed(2)
+    steps = [torch.randn(vocab) for _ in range(4)]
+    from_start = Sampler(
+        GenerationConfig(), grammar=compiler.compile_now(StructuredOutputs(regex="(red|blue) x"))
+    )
+    want = [from_start(logits) for logits in steps]
+    got = Sampler(GenerationConfig(), grammar=gated, prompt_ends_reasoning=True)
+    assert [got(logits) for logits in steps] == want
+    decode = Sampler(GenerationConfig(), 1, grammar=gated, prompt_ends_reasoning=True)
+    decode.seen(want[0])
+    assert [decode(logits) for logits in steps[1:]] == want[1:]
+
+
+def test_a_constraint_after_the_reasoning_needs_the_think_markers(compiler):
+    with pytest.raises(InvalidConstraint, match="does not have <think> and </think> as single tokens"):
+        compiler.compile_now(StructuredOutputs(regex="a", after_reasoning=True))
+
+
+SLOW_REGEX = "[a-z]*" * 3000
+"""Compiles for about 1.4 s on the shipped vocabulary (2-core VM): xgrammar's states multiply."""
+
+
+def test_a_spec_that_compiles_for_too_long_is_refused_and_others_go_on(tokenizer):
+    """The deadline refuses it with what to do; the compile it cannot stop runs on elsewhere, so
+    the next spec compiles on a fresh thread at once; the slow spec asked again is refused without
+    another compile."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler.prepare()
+
+    async def run() -> None:
+        with pytest.raises(
+            InvalidConstraint, match=r"regex took longer than 0.05 s to compile .*simplify it"
+        ):
+            await compiler.compile(StructuredOutputs(regex=SLOW_REGEX), timeout_s=0.05)
+        assert compiler.num_abandoned == 1
+        # a second request queued behind nothing: the slow compile's thread was left to it
+        await compiler.compile(StructuredOutputs(regex="(red|blue) x"), timeout_s=30)
+        with pytest.raises(InvalidConstraint, match="took longer than 0.05 s"):
+            await compiler.compile(StructuredOutputs(regex=SLOW_REGEX), timeout_s=0.05)
+        assert compiler.num_abandoned == 1  # refused at once: no second compile left running
+
+    asyncio.run(run())
+
+
+def test_compiles_queued_behind_one_that_ran_past_its_deadline_are_compiled(tokenizer):
+    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler.prepare()
+
+    async def run() -> list[object]:
+        slow = compiler.compile(StructuredOutputs(regex=SLOW_REGEX + "x"), timeout_s=0.05)
+        queued = [compiler.compile(StructuredOutputs(regex=f"a{i}"), timeout_s=30) for i in range(3)]
+        return await asyncio.gather(slow, *queued, return_exceptions=True)
+
+    slow, *queued = asyncio.run(run())
+    assert isinstance(slow, InvalidConstraint) and "took longer" in str(slow)
+    assert all(not isinstance(q, BaseException) for q in queued), queued

@@ -90,6 +90,7 @@ def _handle() -> PrefillHandle:
         num_reused_prompt_tokens=50,
         first_text=" a",
         distinct_prompt_token_ids=[3, 17, 151643],
+        prompt_ends_reasoning=True,
         max_new_tokens=12,
         other_choices=[ChoiceStart(43, " b"), ChoiceStart(44, None)],
         kv_handle="abc123",

@@ -115,7 +115,9 @@ def test_every_generation_setting_crosses_the_wire():
         prompt_logprobs=0,  # as logprobs: 0 is asked
         n=3,
         priority=-2,
-        structured_outputs=StructuredOutputs(choice=("a", "b c"), disable_any_whitespace=True),
+        structured_outputs=StructuredOutputs(
+            choice=("a", "b c"), disable_any_whitespace=True, after_reasoning=True
+        ),
     )
     defaults = GenerationConfig()
     assert all(getattr(config, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(config))
