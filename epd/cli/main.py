@@ -1054,7 +1054,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE_OR_TEMPLATE",
         help="embedded mode: the Jinja chat template that renders the prompt instead of the "
-        "model's own, a file's path or the template's text (as `epd serve --chat-template`)",
+        "model's own, a file's path or the template's text (as `epd serve --chat-template`); not "
+        "with --prompt, which has no template",
     )
     ask.add_argument(
         "--no-add-generation-prompt",
