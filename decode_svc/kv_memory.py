@@ -97,7 +97,10 @@ class KvMemory:
         """Hold room for `owner` (waits its turn until there is room; cancelling the wait leaves
         the queue). ResourceExhausted when the wait queue is full."""
         self.check_admissible(final_length)
-        if not self._waiting and self.fits(final_length):
+        # Room now, and no one waiting ahead of it (none, or, by priority, none of a value as low):
+        # held at once, even when the wait queue is full (it never joins it). The waiting head does
+        # not fit (each `_grant` leaves it so), so one that would queue behind it waits.
+        if self.fits(final_length) and self._waiting.goes_first(priority):
             self._held[owner] = final_length
             return
         if len(self._waiting) >= self.max_waiting:
@@ -110,7 +113,6 @@ class KvMemory:
         future = asyncio.get_running_loop().create_future()
         entry = (owner, final_length, future)
         self._waiting.push(entry, priority)
-        self._grant()  # ahead of the waiting head by priority, it may fit where the head does not
         try:
             await future
         except asyncio.CancelledError:

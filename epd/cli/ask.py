@@ -83,6 +83,8 @@ def run_ask(args: argparse.Namespace) -> int:
                 "--chat-template sets the embedded model's template; a gateway's prompts render with "
                 "the template its prefill was started with (its --chat-template): leave it out with --endpoint"
             )
+        if args.prompt is not None and args.chat_template is not None:  # as --chat-template-kwargs
+            raise ValueError("--chat-template renders a chat's prompt; --prompt has no template: drop one")
         prefill = None if model is None else configs.ask_prefill_config(args, model)
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"epd: {exc}", file=sys.stderr)

@@ -610,12 +610,12 @@ STAGE_FLAGS: dict[str, tuple[Callable[..., None], ...]] = {
     ),
     "decode": (add_decode_scheduler_flags,),
 }
-SHARED_STAGE_FLAGS: tuple[Callable[..., None], ...] = (add_scheduling_policy_flag,)
-"""Flags every stage role takes, defined once on `epd serve` and passed to each role's replicas
-(`epd/cli/serve.py` `stage_flags`) or the colocated stages."""
 """Each stage role's own flags, which `epd serve` takes too and passes to every replica of the
 role (`epd/cli/serve.py` `stage_flags`) or builds the colocated stage with (`epd/cli/configs.py`):
 one definition per flag, so the role and the stack cannot drift apart."""
+SHARED_STAGE_FLAGS: tuple[Callable[..., None], ...] = (add_scheduling_policy_flag,)
+"""Flags every stage role takes, defined once on `epd serve` and passed to each role's replicas
+(`epd/cli/serve.py` `stage_flags`) or the colocated stages."""
 
 
 def _seconds(text: str) -> float:
@@ -1077,7 +1077,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE_OR_TEMPLATE",
         help="embedded mode: the Jinja chat template that renders the prompt instead of the "
-        "model's own, a file's path or the template's text (as `epd serve --chat-template`)",
+        "model's own, a file's path or the template's text (as `epd serve --chat-template`); not "
+        "with --prompt, which has no template",
     )
     ask.add_argument(
         "--no-add-generation-prompt",

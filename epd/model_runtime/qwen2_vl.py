@@ -161,13 +161,14 @@ class Qwen2VLAdapter(QwenTextAdapter):
         )
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
+        num_rendered = text.count(pad)  # before the expansion (a given template may render none)
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
         visual_mask = input_ids[0] == pad_id
-        if int(visual_mask.sum()) != num_tokens:
+        if num_rendered != 1 or int(visual_mask.sum()) != num_tokens:
             raise ValueError(
-                f"the chat template rendered {text.count(pad) - num_tokens + 1} {visual.modality} "
+                f"the chat template rendered {num_rendered} {visual.modality} "
                 "placeholders; send at most one video or image part per request"
             )
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)

@@ -13,7 +13,7 @@ recomputes it later; here decode reserves a request's room for its whole life be
 so room never runs out mid-answer, and no stage can recompute a request's lost work). A request
 of low priority waits as long as higher ones keep coming: as vLLM's, no ageing.
 
-No torch, no gRPC: unit-tested alone (tests/unit/test_scheduling.py).
+No torch, no gRPC: unit-tested alone (tests/unit/stages/test_scheduling.py).
 """
 
 from __future__ import annotations
@@ -69,6 +69,14 @@ class WaitingQueue(Generic[T]):
         i = bisect.bisect_right(self._keys, key)
         self._keys.insert(i, key)
         self._items.insert(i, item)
+
+    def goes_first(self, priority: int = 0) -> bool:
+        """Whether an item pushed now with `priority` would be served before every waiting one
+        (the queue is empty, or under the priority policy it is of a lower value than the first's):
+        one that can be served at once then need not queue at all."""
+        if not self._keys:
+            return True
+        return self.policy == "priority" and priority < self._keys[0][0]
 
     def peek(self) -> T:
         """The item served next (IndexError when empty)."""

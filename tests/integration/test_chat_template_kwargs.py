@@ -179,6 +179,22 @@ def test_the_runtime_passes_only_the_variables_the_template_reads(tiny_models):
     assert noted[: len(plain)] == plain and len(noted) > len(plain)
 
 
+def test_a_template_that_renders_no_media_placeholder_says_how_many_it_rendered(tiny_models):
+    """A given template (--chat-template, a trusted request's) may leave the media part out: the
+    400 counts the placeholders rendered (0), not a negative number."""
+    from epd.model_runtime.adapter import VisualMeta
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.loader import load_adapter
+
+    adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "prefill")
+    conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+    visual = VisualMeta("video", (2, 4, 4), 1.0, adapter.num_visual_tokens((2, 4, 4)))
+    assert visual.num_visual_tokens > 1
+    no_media = "{% for m in messages %}{{ m.content[-1].text }}{% endfor %}"
+    with pytest.raises(ValueError, match="^the chat template rendered 0 video placeholders"):
+        adapter.build_prompt(conversation, visual, chat_template=no_media)
+
+
 # -- through the real processes ----------------------------------------------------------------
 
 

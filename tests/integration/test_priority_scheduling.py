@@ -7,7 +7,6 @@ INVALID_ARGUMENT on gRPC) with a message that names the flag, as vLLM's."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import AsyncEpdClient, EpdClient
 from epd.client.types import EpdError, TokenDelta
+from tests.integration.test_model_info import _post
 from tests.stack import Stack, free_port
 
 QUESTION = "what colour is the square?"
@@ -98,19 +98,6 @@ def test_a_high_priority_request_queued_behind_low_priority_ones_is_served_first
         asyncio.run(run())
         assert finished == ["high", "low1", "low2"]
         assert stack.alive()
-
-
-def _post(http_port: int, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{http_port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_fcfs_refuses_a_nonzero_priority_with_a_400_naming_the_flag(shared_stack):

@@ -430,6 +430,16 @@ def test_epd_ask_embedded_holds_logprobs_to_its_servers_bound(capsys, tmp_path):
         capsys.readouterr()
 
 
+def test_epd_ask_refuses_a_chat_template_with_a_raw_prompt(capsys, tmp_path):
+    """--prompt runs its text without a template, so --chat-template would be ignored silently
+    (embedded): refused before the model loads, as --chat-template-kwargs is."""
+    where = ["--model", str(tmp_path / "no-model")]
+    assert _ask("--prompt", "the sky is", *where, "--chat-template", "{{ messages }}") == 2
+    assert capsys.readouterr().err.strip() == (
+        "epd: --chat-template renders a chat's prompt; --prompt has no template: drop one"
+    )
+
+
 def test_epd_ask_reads_logprobs_flags_for_both_modes():
     args = build_parser().parse_args(["ask", VIDEO, "q?", "--logprobs", "3", "--prompt-logprobs", "0"])
     generation = configs.generation_config(args)

@@ -18,7 +18,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillSchedulerConfig
 from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
 from epd.stages.contracts import check_generation_limits, check_request_priority
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import Busy, InvalidRequest
 from epd.stages.model_info import ModelInfo, common_model_info
 from epd.stages.request_pool import RequestPool
 from epd.stages.scheduling import PRIORITY_MAX, PRIORITY_MIN, WaitingQueue, check_priority
@@ -262,6 +262,26 @@ def test_a_higher_priority_request_that_fits_goes_ahead_of_a_waiting_head_that_d
 
     assert asyncio.run(scenario("priority")) == (True, 0)
     assert asyncio.run(scenario("fcfs")) == (False, 0)
+
+
+def test_a_request_ahead_of_the_waiting_head_that_fits_is_granted_even_when_the_wait_queue_is_full():
+    """It never joins the queue, so the queue's bound does not refuse it (it was Busy: a 429 for a
+    request served at once). One that would wait behind the head is still refused."""
+
+    async def scenario() -> None:
+        memory = KvMemory(100, 1, max_running=4, max_waiting=1, scheduling_policy="priority")
+        await memory.reserve("holder", 40)
+        big = asyncio.ensure_future(memory.reserve("big", 90, 5))  # fills the one waiting place
+        await asyncio.sleep(0)
+        assert memory.num_waiting == 1
+        await memory.reserve("small", 30, 0)  # ahead of big by priority, and 2 x 40 fits
+        assert memory.num_holding == 2
+        with pytest.raises(Busy):
+            await memory.reserve("behind", 10, 5)  # behind big (same priority, later): waits, and no place
+        big.cancel()
+        await asyncio.gather(big, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
 
 
 # -- the front door learns prefill's policy --------------------------------------------------
