@@ -568,6 +568,22 @@ def _whose(chat_template: str | None) -> str:
     return "the model's chat template" if chat_template is None else "the given chat template"
 
 
+def check_one_placeholder(num_rendered: int, modality: str) -> None:
+    """ValueError unless the chat template rendered the request's media part as the one
+    placeholder a family expands: more is more than one media part; none is a template that left
+    the media part out (a given one may), where "at most one part" would send the client astray."""
+    if num_rendered == 0:
+        raise ValueError(
+            f"the chat template rendered 0 {modality} placeholders: it leaves the {modality} part out; "
+            "use a chat template that renders it (the model's own does) or send the question without it"
+        )
+    if num_rendered != 1:
+        raise ValueError(
+            f"the chat template rendered {num_rendered} {modality} placeholders; "
+            "send at most one video or image part per request"
+        )
+
+
 def _strings_in(value: Any) -> Iterator[str]:
     """Every string of a JSON value (keys too), depth first."""
     if isinstance(value, str):
