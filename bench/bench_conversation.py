@@ -141,9 +141,12 @@ class Turn:
     encoder_cache_hit: bool = False
 
 
-def ask(port: int, messages: list[dict], args, timeout_s: float, cache_salt: str = "") -> Turn:
-    """One streaming /v1/chat/completions: TTFT at the first chunk that carries tokens; the answer,
-    its token ids and timings from the final chunk's `epd` details; tokens from `usage`."""
+def ask(
+    port: int, messages: list[dict], args, timeout_s: float, cache_salt: str = "", fields: dict | None = None
+) -> Turn:
+    """One streaming /v1/chat/completions (with `fields` added to its body): TTFT at the first chunk
+    that carries tokens; the answer, its token ids and timings from the final chunk's `epd`
+    details; tokens from `usage`."""
     body: dict = {
         "messages": messages,
         "max_tokens": args.max_tokens,
@@ -152,6 +155,7 @@ def ask(port: int, messages: list[dict], args, timeout_s: float, cache_salt: str
         "stream": True,
         "stream_options": {"include_usage": True},
         "media": {"num_frames": args.num_frames},
+        **(fields or {}),
     }
     if cache_salt:
         body["cache_salt"] = cache_salt

@@ -30,7 +30,7 @@ from epd.model_runtime.adapter import (
     VisualMeta,
     VLMAdapter,
 )
-from epd.model_runtime.chat_template import check_syntax
+from epd.model_runtime.chat_template import ServerChatTemplate, check_syntax
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
@@ -110,6 +110,10 @@ class PrefillEngine:
         """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
+        self.server_chat_template = (
+            None if config.chat_template is None else ServerChatTemplate(config.chat_template)
+        )
+        """--chat-template, marked as the operator's: its failures are the server's, not the client's."""
         self.reasoning_markers = adapter.single_tokens(REASONING_MARKERS)
         """Which think markers the tokenizer has (`ModelInfo.reasoning_markers`): looked up once,
         the vocabulary does not change and get_vocab() builds a dict of it."""
@@ -180,7 +184,7 @@ class PrefillEngine:
         else None (the model's own)."""
         refuse_untrusted(template.chat_template, self.config.trust_request_chat_template)
         if template.chat_template is None:
-            return self.config.chat_template
+            return self.server_chat_template
         try:
             check_syntax(template.chat_template)
         except ValueError as exc:

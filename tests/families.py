@@ -342,3 +342,19 @@ def load_stage_adapters(checkpoint, family: str, adapter_cls, language_stage: st
     assert isinstance(encoder, adapter_cls) and encoder.visual is not None and encoder.model is None
     assert isinstance(language, adapter_cls) and language.model is not None and language.visual is None
     return encoder, language
+
+
+def check_a_template_without_the_media_part_is_refused_as_such(adapter) -> None:
+    """A given chat template (--chat-template, a trusted request's) may leave the media part out:
+    `build_prompt` refuses the prompt saying the template rendered 0 placeholders and to use one
+    that renders the part, not "send at most one part" (what 2 placeholders mean)."""
+    import pytest
+
+    conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+    visual = VisualMeta("video", (2, 4, 4), 1.0, 8)  # refused before the grid is read
+    no_media = "{% for m in messages %}{{ m.content[-1].text }}{% endfor %}"
+    with pytest.raises(
+        ValueError, match="^the chat template rendered 0 video placeholders: it leaves"
+    ) as refused:
+        adapter.build_prompt(conversation, visual, chat_template=no_media)
+    assert "at most one" not in str(refused.value)

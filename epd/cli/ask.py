@@ -421,7 +421,10 @@ async def _ask_embedded(
     media = None if path is None else path.read_bytes()  # None: --no-video
     if media is not None:
         sniff_container(media)  # an unsupported file is refused now, before the model loads (seconds)
+    from epd.cli import configs
     from epd.client.conversation import History
+    from epd.decode_svc.config import DecodeConfig
+    from epd.encoder_svc.config import EncoderConfig
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
     from epd.model_runtime.loader import resolve_model_path
@@ -432,7 +435,13 @@ async def _ask_embedded(
     if not args.json:
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
     # One pipeline for every turn: its encoder and prefix caches serve the follow-ups.
-    pipeline = build_embedded_pipeline(model, prefill=prefill)
+    policy = configs.ask_scheduling_policy(args)
+    pipeline = build_embedded_pipeline(
+        model,
+        encoder=EncoderConfig(model=model, scheduling_policy=policy),
+        prefill=prefill,
+        decode=DecodeConfig(model=model, scheduling_policy=policy),
+    )
 
     async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
         if prompt is not None:

@@ -82,6 +82,7 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        priority=args.priority,
         stop=tuple(args.stop),
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
@@ -297,11 +298,19 @@ def _prefill_config(
 
 
 def ask_prefill_config(args: argparse.Namespace, model: ModelConfig) -> PrefillConfig:
-    """`epd ask`'s embedded prefill: the defaults, with its --chat-template. ValueError: a
-    --chat-template that is neither a file nor a template, or does not parse."""
-    if args.chat_template is None:
-        return PrefillConfig(model=model)
-    return PrefillConfig(model=model, chat_template=load_chat_template(args.chat_template))
+    """`epd ask`'s embedded prefill: the defaults, with its --chat-template and the scheduling
+    policy of its --priority (`ask_scheduling_policy`). ValueError: a --chat-template that is
+    neither a file nor a template, or does not parse."""
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    scheduler = PrefillSchedulerConfig(scheduling_policy=ask_scheduling_policy(args))
+    return PrefillConfig(model=model, chat_template=chat_template, scheduler=scheduler)
+
+
+def ask_scheduling_policy(args: argparse.Namespace) -> str:
+    """The embedded stages' policy: `priority` with a non-zero --priority, which every stage takes
+    then as a server started with --scheduling-policy priority does (one request per turn: it has
+    nothing to go ahead of); fcfs otherwise, the stages' default."""
+    return "priority" if args.priority else "fcfs"
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:

@@ -299,6 +299,14 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None, help="sampling's seed (default: a random one)")
     g.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="vLLM's request priority, lower served earlier, for a gateway whose stages run "
+        "--scheduling-policy priority (with fcfs, anything but 0 is refused); embedded, the one "
+        "request per turn has nothing to go ahead of (default 0)",
+    )
+    g.add_argument(
         "--logprobs",
         type=int,
         default=None,

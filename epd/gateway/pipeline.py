@@ -412,6 +412,7 @@ class Pipeline:
         ]
         handles: list[PrefillHandle] = []  # the first prefill's, and at most one more
         prefilling_again = asyncio.Lock()
+        failed_again: list[Exception] = []  # the second prefill's error: it is not tried a third time
 
         async def prefill() -> PrefillHandle:
             nonlocal transfer_bytes
@@ -445,8 +446,11 @@ class Pipeline:
             """The second prefill's handle, made by the first choice that lost the first one's
             cache; a choice that loses it later takes the same one (the request is prefilled
             again once). `lost` is raised when it samples another first token for `choice` than
-            the one the client has."""
+            the one the client has; the second prefill's error, when it failed, for every choice
+            (a choice that waited for it gets that error, not a third prefill)."""
             async with prefilling_again:
+                if failed_again:
+                    raise failed_again[0]
                 if len(handles) == 1:
                     taken = [c.index for c in choices if c.taken]
                     log.warning(
@@ -455,7 +459,11 @@ class Pipeline:
                         lost,
                         f" (choices {taken} have it already and go on)" if taken else "",
                     )
-                    await prefill()
+                    try:
+                        await prefill()
+                    except Exception as exc:  # not a cancel: that ends the request, not the prefill
+                        failed_again.append(exc)
+                        raise
             again = handles[-1]
             first = again.for_choice(choice.index)
             if choice.sent is not None and first.first_token_id != choice.sent.token_ids[0]:

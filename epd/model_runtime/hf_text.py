@@ -25,7 +25,7 @@ from epd.model_runtime.adapter import (
     VLMAdapter,
 )
 from epd.model_runtime.batch_kv import BatchKv
-from epd.model_runtime.chat_template import error_text, template_variables
+from epd.model_runtime.chat_template import ServerChatTemplate, error_text, template_variables
 from epd.model_runtime.hf_loading import load_full_model
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.logprobs import PromptLogprobRows, prompt_logprob_rows
@@ -192,8 +192,11 @@ class HfTextAdapter(VLMAdapter):
         ValueError when a text part, a tool call's arguments or a variable's text holds the
         model's visual placeholder (only a media part places it: in text it would take the
         media's embeddings, or miscount them), when the template cannot leave the last message
-        open, when it refuses the conversation itself, or when a given `chat_template` fails to
-        render (its error's message, one short line: the template is the caller's)."""
+        open, when a template refuses the conversation itself (its `raise_exception`), or when a
+        request's `chat_template` fails to render (its error's message, one short line: the
+        template is the caller's). The operator's template failing otherwise is the server's
+        error: the model's own raises as it fails, the server's (`ServerChatTemplate`) a
+        RuntimeError that names --chat-template."""
         placeholders = (self.processor.video_token, self.processor.image_token)
         if any(
             token in part.get("text", "")
@@ -226,10 +229,12 @@ class HfTextAdapter(VLMAdapter):
                 **variables,
             )
         except TemplateSyntaxError:
-            if chat_template is not None:  # checked where it was given (`chat_template.check_syntax`)
+            if _the_requests(chat_template):  # checked where it was given (`chat_template.check_syntax`)
                 raise ValueError("the chat template does not parse; send one that does") from None
-            raise  # the checkpoint's template is broken: the server's error, not the request's
-        except SecurityError as exc:  # a TemplateError: a given template reached past the sandbox
+            raise  # the checkpoint's (or --chat-template's) template is broken: the server's error
+        except SecurityError as exc:  # a TemplateError: a template reached past the sandbox
+            if not _the_requests(chat_template):  # the operator's template: the server's error
+                raise _servers_failure(chat_template, exc) from exc
             raise ValueError(
                 f"{_whose(chat_template)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
                 "template reads the messages and its variables, not Python's internals"
@@ -248,10 +253,10 @@ class HfTextAdapter(VLMAdapter):
             # conversation (a 400 of up to the text limit): its explanation is enough.
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
         except Exception as exc:
-            if chat_template is None and not (variables and isinstance(exc, TypeError)):
-                raise
-            # A given template's own failure (`{{ 1 / 0 }}`, a method of nothing), or a request's
-            # variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
+            if not _the_requests(chat_template) and not (variables and isinstance(exc, TypeError)):
+                raise _servers_failure(chat_template, exc) from exc
+            # A request's template's own failure (`{{ 1 / 0 }}`, a method of nothing), or a
+            # request's variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
             raise ValueError(
                 f"{_whose(chat_template)} failed to render: {type(exc).__name__}: {error_text(exc)}; "
                 "send values (chat_template_kwargs) and a template that render together"
@@ -564,8 +569,42 @@ class QwenTextAdapter(HfTextAdapter):
 
 
 def _whose(chat_template: str | None) -> str:
-    """The template an error names: the one given to `_render`, or the model's own."""
-    return "the model's chat template" if chat_template is None else "the given chat template"
+    """The template an error names: the model's own (None), the server's (--chat-template,
+    `ServerChatTemplate`), or the request's (any other given to `_render`)."""
+    if chat_template is None:
+        return "the model's chat template"
+    if isinstance(chat_template, ServerChatTemplate):
+        return "the server's chat template (--chat-template)"
+    return "the request's chat template"
+
+
+def _the_requests(chat_template: str | None) -> bool:
+    """Whether `chat_template` is a request's own: its failures are the client's to fix."""
+    return chat_template is not None and not isinstance(chat_template, ServerChatTemplate)
+
+
+def _servers_failure(chat_template: str | None, exc: Exception) -> Exception:
+    """The operator's template failed to render: the model's own, as it is (INTERNAL to the
+    client, the traceback in the server log); --chat-template's, saying so in that log."""
+    if chat_template is None:
+        return exc
+    return RuntimeError(f"{_whose(chat_template)} failed to render: {type(exc).__name__}: {error_text(exc)}")
+
+
+def check_one_placeholder(num_rendered: int, modality: str) -> None:
+    """ValueError unless the chat template rendered the request's media part as the one
+    placeholder a family expands: more is more than one media part; none is a template that left
+    the media part out (a given one may), where "at most one part" would send the client astray."""
+    if num_rendered == 0:
+        raise ValueError(
+            f"the chat template rendered 0 {modality} placeholders: it leaves the {modality} part out; "
+            "use a chat template that renders it (the model's own does) or send the question without it"
+        )
+    if num_rendered != 1:
+        raise ValueError(
+            f"the chat template rendered {num_rendered} {modality} placeholders; "
+            "send at most one video or image part per request"
+        )
 
 
 def _strings_in(value: Any) -> Iterator[str]:

@@ -68,7 +68,7 @@ from epd.model_runtime.hf_loading import (
     read_part,
     safetensors_files,
 )
-from epd.model_runtime.hf_text import HfTextAdapter
+from epd.model_runtime.hf_text import HfTextAdapter, check_one_placeholder
 from epd.model_runtime.kv_cache import KvCache
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
@@ -223,9 +223,10 @@ class LlavaOnevisionAdapter(HfTextAdapter):
             conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
         )
         pad = proc.video_token if visual.modality == "video" else proc.image_token
-        if text.count(pad) != 1 or text.count(proc.video_token) + text.count(proc.image_token) != 1:
+        check_one_placeholder(text.count(pad), visual.modality)
+        if text.count(proc.video_token) + text.count(proc.image_token) != 1:
             raise ValueError(
-                f"the chat template rendered {text.count(pad)} {visual.modality} placeholders; "
+                "the chat template rendered both a video and an image placeholder; "
                 "send at most one video or image part per request"
             )
         # Expanded by the processor's own code, as its __call__ does.

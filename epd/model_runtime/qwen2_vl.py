@@ -35,7 +35,7 @@ from epd.model_runtime.hf_loading import language_key as _language_key  # noqa: 
 from epd.model_runtime.hf_loading import load_language_model as _load_text_part
 from epd.model_runtime.hf_loading import safetensors_files as _safetensors_files  # noqa: F401
 from epd.model_runtime.hf_loading import vision_key as _vision_key  # noqa: F401
-from epd.model_runtime.hf_text import QwenTextAdapter
+from epd.model_runtime.hf_text import QwenTextAdapter, check_one_placeholder
 from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
@@ -161,15 +161,14 @@ class Qwen2VLAdapter(QwenTextAdapter):
         )
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
-        num_rendered = text.count(pad)  # before the expansion (a given template may render none)
+        check_one_placeholder(text.count(pad), visual.modality)
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
         visual_mask = input_ids[0] == pad_id
-        if num_rendered != 1 or int(visual_mask.sum()) != num_tokens:
+        if int(visual_mask.sum()) != num_tokens:
             raise ValueError(
-                f"the chat template rendered {num_rendered} {visual.modality} "
-                "placeholders; send at most one video or image part per request"
+                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
             )
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 

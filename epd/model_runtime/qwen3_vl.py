@@ -50,7 +50,7 @@ from epd.model_runtime.hf_loading import (
     load_language_model,
     load_vision_part,
 )
-from epd.model_runtime.hf_text import QwenTextAdapter, RopeHolder
+from epd.model_runtime.hf_text import QwenTextAdapter, RopeHolder, check_one_placeholder
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
@@ -251,11 +251,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
             conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
         )
         pad = proc.video_token if visual.modality == "video" else proc.image_token
-        if text.count(pad) != 1:
-            raise ValueError(
-                f"the chat template rendered {text.count(pad)} {visual.modality} placeholders; "
-                "send at most one video or image part per request"
-            )
+        check_one_placeholder(text.count(pad), visual.modality)
         # Expanded by the processor's own code, as its __call__ does (timestamps included).
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)
         if visual.modality == "video":

@@ -104,6 +104,44 @@ def test_the_servers_template_renders_every_prompt_as_the_processor_does_with_it
             _tokenize(pipeline, TEXT_ONLY, chat_template=REQUEST_TEMPLATE)
 
 
+def test_the_servers_template_failing_is_the_servers_error_and_its_raise_exception_the_clients(tiny_models):
+    """--chat-template is the operator's: its own failure (`{{ x / 0 }}`) is INTERNAL to the client,
+    "internal error", the message naming the flag for the log; its `raise_exception` refuses the
+    conversation (INVALID_ARGUMENT), as the model's own template's does, naming the server's
+    template, not the request's (which sent none)."""
+    import grpc
+
+    from epd.transport.errors import status_of
+
+    template = (
+        "{% if 'refuse' in messages[0].content[0].text %}{{ raise_exception('no system prompt here') }}"
+        "{% else %}{{ messages[0].content[0].text / 0 }}{% endif %}"
+    )
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    refused = [{"role": "user", "content": [{"type": "text", "text": "refuse this"}]}]
+    with build_embedded_pipeline(
+        model, prefill=PrefillConfig(model=model, chat_template=template)
+    ) as pipeline:
+        for call in (_ask, _tokenize):
+            with pytest.raises(InvalidRequest) as info:
+                call(pipeline, refused)
+            assert str(info.value) == (
+                "the server's chat template (--chat-template) cannot render this conversation: no "
+                "system prompt here; send its messages in a shape the model takes (for example with "
+                "a user message before the assistant's)"
+            )
+            with pytest.raises(RuntimeError) as failed:
+                call(pipeline, TEXT_ONLY)
+            assert not isinstance(failed.value, ValueError)
+            assert str(failed.value).startswith(
+                "the server's chat template (--chat-template) failed to render: TypeError: unsupported operand"
+            )
+            assert status_of(failed.value) == (
+                grpc.StatusCode.INTERNAL,
+                "internal error; the server log has details",
+            )
+
+
 def test_a_trusted_request_template_renders_its_own_prompt_and_the_cache_stays_exact(tiny_models):
     path = tiny_models["qwen2_vl"]
     model = ModelConfig(model=str(path))

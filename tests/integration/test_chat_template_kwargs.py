@@ -181,18 +181,13 @@ def test_the_runtime_passes_only_the_variables_the_template_reads(tiny_models):
 
 def test_a_template_that_renders_no_media_placeholder_says_how_many_it_rendered(tiny_models):
     """A given template (--chat-template, a trusted request's) may leave the media part out: the
-    400 counts the placeholders rendered (0), not a negative number."""
-    from epd.model_runtime.adapter import VisualMeta
+    400 counts the placeholders rendered (0), not a negative number, and says what to change."""
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.loader import load_adapter
+    from tests.families import check_a_template_without_the_media_part_is_refused_as_such
 
     adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "prefill")
-    conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
-    visual = VisualMeta("video", (2, 4, 4), 1.0, adapter.num_visual_tokens((2, 4, 4)))
-    assert visual.num_visual_tokens > 1
-    no_media = "{% for m in messages %}{{ m.content[-1].text }}{% endfor %}"
-    with pytest.raises(ValueError, match="^the chat template rendered 0 video placeholders"):
-        adapter.build_prompt(conversation, visual, chat_template=no_media)
+    check_a_template_without_the_media_part_is_refused_as_such(adapter)
 
 
 # -- through the real processes ----------------------------------------------------------------

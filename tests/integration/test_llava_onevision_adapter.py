@@ -25,6 +25,7 @@ from tests.families import (
     assert_epd_ask_equals_references,
     assert_reference_varies,
     assert_same_state,
+    check_a_template_without_the_media_part_is_refused_as_such,
     checkpoint_keys,
     conversation,
     generate_references,
@@ -260,6 +261,10 @@ def test_hub_key_layout_maps_to_the_same_parts():
     assert language_key("language_model.lm_head.weight") == "lm_head.weight"
     assert language_key("vision_tower.vision_model.post_layernorm.weight") is None
     assert vision_key("language_model.model.norm.weight") is None
+
+
+def test_a_template_that_renders_no_media_placeholder_says_so(language):
+    check_a_template_without_the_media_part_is_refused_as_such(language)
 
 
 def test_the_loader_detects_llava_onevision_and_loads_each_stages_part(checkpoint):

@@ -7,6 +7,7 @@ INVALID_ARGUMENT on gRPC) with a message that names the flag, as vLLM's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.error
 import urllib.request
@@ -114,3 +115,20 @@ def test_fcfs_refuses_a_nonzero_priority_with_a_400_naming_the_flag(shared_stack
             client.ask(None, QUESTION, max_new_tokens=2, priority=-1)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "--scheduling-policy priority" in info.value.message
+
+
+def test_epd_ask_sends_its_priority_to_an_endpoint_and_takes_it_embedded(shared_stack, tiny_models, capsys):
+    """`epd ask --priority N`: against --endpoint it is the request's priority (the fcfs stack
+    refuses a non-zero one naming the flag, so it was sent; 0 is taken); embedded, the stages take
+    it as a server started with --scheduling-policy priority does and answer."""
+    from epd.cli.main import main
+
+    ask = ["ask", "--no-video", QUESTION, "--max-new-tokens", "2", "--json"]
+    assert main([*ask, "--endpoint", shared_stack.gateway, "--priority", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "INVALID_ARGUMENT" in err and "--scheduling-policy priority" in err, err
+    assert main([*ask, "--endpoint", shared_stack.gateway, "--priority", "0"]) == 0
+    capsys.readouterr()
+    assert main([*ask, "--model", str(tiny_models["qwen2_vl"]), "--priority", "-3"]) == 0
+    out = capsys.readouterr().out
+    assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) == 2, out

@@ -26,6 +26,7 @@ from tests.families import (
     assert_epd_ask_equals_references,
     assert_qwen_parts_load_exactly,
     assert_reference_varies,
+    check_a_template_without_the_media_part_is_refused_as_such,
     checkpoint_keys,
     conversation,
     generate_references,
@@ -243,6 +244,10 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
         Qwen3VLAdapter, checkpoint, monkeypatch, vision_keys, language_keys
     )
     assert_qwen_parts_load_exactly(model, tower_only, language_only)
+
+
+def test_a_template_that_renders_no_media_placeholder_says_so(language):
+    check_a_template_without_the_media_part_is_refused_as_such(language)
 
 
 def test_the_loader_detects_qwen3_vl_and_loads_each_stages_part(checkpoint):
