@@ -326,6 +326,7 @@ class _Qwen3CoderReader:
         self._tools = tools
         self._properties: Mapping[str, Any] = {}
         self._at = 0  # the body's characters read
+        self._scan = 0  # where to look for the current parameter's `</parameter>` next
         self._num_parameters = 0
         self._closed = False  # its `</function>` was read
         self._broken = False
@@ -334,9 +335,9 @@ class _Qwen3CoderReader:
     def advance(self, body: str, final: bool) -> list[str]:
         out: list[str] = []
         if self.name is None and not self._broken:
-            at = len(body) - len(body.lstrip())
+            at = _skip_space(body, 0)
             if not body.startswith(_FUNCTION, at):
-                self._broken = not _FUNCTION.startswith(body[at:]) or final
+                self._broken = final or _tag_at(body, at, (_FUNCTION,)) is None
                 return []
             end = body.find(">", at + len(_FUNCTION))
             if end < 0:
@@ -350,18 +351,17 @@ class _Qwen3CoderReader:
             self._properties = _properties(self._tools, name)
             out.append("{")
         while self.name is not None and not self._closed and not self._broken:
-            at = self._at + len(body[self._at :]) - len(body[self._at :].lstrip())
-            rest = body[at:]
-            if rest.startswith(_FUNCTION_END):
+            at = _skip_space(body, self._at)
+            if body.startswith(_FUNCTION_END, at):
                 self._closed, self._at = True, at + len(_FUNCTION_END)
                 out.append("}")
-            elif rest.startswith(_PARAMETER):
+            elif body.startswith(_PARAMETER, at):
                 parameter = self._parameter(body, at, final)
                 if parameter is None:
                     break
                 out.append(parameter)
             else:
-                self._broken = final or not any(tag.startswith(rest) for tag in (_FUNCTION_END, _PARAMETER))
+                self._broken = final or _tag_at(body, at, (_FUNCTION_END, _PARAMETER)) is None
                 break
         self._sent += out
         return ["".join(out)] if out else []
@@ -373,30 +373,52 @@ class _Qwen3CoderReader:
             self._broken = final
             return None
         start = name_end + 1 + (body.startswith("\n", name_end + 1))
-        end = start
+        end = max(start, self._scan)  # a long value is searched once, not again at every delta
         while True:
             end = body.find(_PARAMETER_END, end)
             if end < 0:
+                self._scan = max(start, len(body) - len(_PARAMETER_END) + 1)
                 self._broken = final
                 return None
-            after = body[end + len(_PARAMETER_END) :].lstrip()
-            if any(after.startswith(tag) for tag in _AFTER_PARAMETER) or (final and not after):
+            after = _skip_space(body, end + len(_PARAMETER_END))
+            whole = _tag_at(body, after, _AFTER_PARAMETER)
+            if whole or (final and after == len(body)):
                 break
-            if not final and any(tag.startswith(after) for tag in _AFTER_PARAMETER):
+            if whole is not None and not final:
+                self._scan = end
                 return None  # the next tag is not whole yet
             end += len(_PARAMETER_END)
         name = body[at + len(_PARAMETER) : name_end]
         value = body[start:end]
         value = value[:-1] if value.endswith("\n") else value
-        self._at = end + len(_PARAMETER_END)
+        self._at, self._scan = end + len(_PARAMETER_END), 0
         separator = ", " if self._num_parameters else ""
         self._num_parameters += 1
-        return f"{separator}{json.dumps(name, ensure_ascii=False)}: {_value_json(parameter_value(value, self._properties.get(name)))}"
+        value_json = _value_json(parameter_value(value, self._properties.get(name)))
+        return f"{separator}{json.dumps(name, ensure_ascii=False)}: {value_json}"
 
     def call(self, body: str) -> ParsedToolCall | None:
         if self.name is None or not self._closed:
             return None
         return ParsedToolCall(self.name, "".join(self._sent))
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def _skip_space(text: str, at: int) -> int:
+    """Where the whitespace at `at` ends."""
+    match = _SPACE.match(text, at)
+    return match.end() if match else at
+
+
+def _tag_at(text: str, at: int, tags: Sequence[str]) -> bool | None:
+    """True when one of `tags` is whole at `at`; False when the text ends with a start of one
+    there (the next delta shows which); None when none can be there."""
+    if any(text.startswith(tag, at) for tag in tags):
+        return True
+    rest = text[at : at + max(map(len, tags))]
+    return False if any(tag.startswith(rest) and len(rest) < len(tag) for tag in tags) else None
 
 
 def _properties(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
