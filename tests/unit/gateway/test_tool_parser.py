@@ -45,6 +45,8 @@ ANSWERS = {
         (None, [("f", '{"a": [1, 2.5, 100.0, 0, {"b": null}], "c": "é\\n\\"😀", "d": true}')]),
     '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>': (None, [("f", '{"x": 1}')]),  # sent whole
     '<tool_call>{"name": "f", "arguments": {}}</tool_call>': (None, [("f", "{}")]),
+    # A repeated key is kept, as the stream sent it (json.loads would keep the last alone).
+    '<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}}</tool_call>': (None, [("f", '{"a": 1, "a": 2}')]),
     # Cut by max_tokens mid-arguments, or broken after them: content, as vLLM's whole answer.
     '<tool_call>\n{"name": "f", "arguments": {"city": "Par': ('<tool_call>\n{"name": "f", "arguments": {"city": "Par', []),
     '<tool_call>{"name": "f", "arguments": {"n": 12': ('<tool_call>{"name": "f", "arguments": {"n": 12', []),
