@@ -966,7 +966,8 @@ def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
         choices=TOOL_CALL_PARSERS,
         default=None,
         help="vLLM's: how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, the Qwen2.5, "
-        "Qwen3 and Qwen3-VL templates' form); needed by --enable-auto-tool-choice",
+        "Qwen3 and Qwen3-VL templates' form; qwen3_coder: <tool_call><function=NAME><parameter=P>..., "
+        "Qwen3-Coder's and Qwen3.5's); needed by --enable-auto-tool-choice",
     )
 
 

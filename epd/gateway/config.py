@@ -133,7 +133,8 @@ class HttpApiConfig:
     answered, the calls found in the answer's text by `tool_call_parser` (`epd.gateway.tool_parser`);
     off, such a request is a 400 naming both flags, as vLLM's."""
     tool_call_parser: str = ""
-    """vLLM's `--tool-call-parser` ("hermes"; "" = none), needed by `enable_auto_tool_choice`."""
+    """vLLM's `--tool-call-parser` ("hermes" or "qwen3_coder", by how the model writes its calls;
+    "" = none), needed by `enable_auto_tool_choice`."""
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     """Which media URLs and paths requests may use."""
     demo: WebDemoConfig = field(default_factory=WebDemoConfig)

@@ -49,7 +49,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -412,6 +412,8 @@ class HttpApi:
             if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
                 self._check_reasoning_parser()
                 check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
+                if self.config.http.tool_call_parser:  # how "auto" reads the answer's calls
+                    chat.tool_choice = replace(chat.tool_choice, parser=self.config.http.tool_call_parser)
                 if self.config.http.reasoning_parser:
                     chat.generation = constrained_after_reasoning(chat.generation)
             if (ticket := request.get(TICKET_KEY)) is not None:  # n choices are n decode requests

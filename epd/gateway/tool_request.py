@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epd.gateway.json_fields import boolean_field, checked_text, shown_value
@@ -41,6 +41,12 @@ class ToolChoice:
     """The function's name, for "named"."""
     parallel: bool = True
     """OpenAI's `parallel_tool_calls`: false keeps an answer's first call alone (vLLM's)."""
+    tools: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)
+    """The request's tools (checked), whose schemas type what a parser reads ("auto"); not part
+    of what the choice is (two choices of "auto" are equal)."""
+    parser: str = "hermes"
+    """How the answer's text is read for calls ("auto"): the server's `--tool-call-parser`, set by
+    the chat door (`epd.gateway.tool_parser.TOOL_CALL_PARSERS`)."""
 
     @property
     def parses_text(self) -> bool:
@@ -62,7 +68,9 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolC
     check_tools(tools)
     checked_text(to_json(tools), "tools")  # text the wire can carry (no lone surrogate)
     choice = _tool_choice(body.get("tool_choice"), function_names(tools))
-    return tuple(tools), replace(choice, parallel=boolean_field(body, "parallel_tool_calls", True))
+    return tuple(tools), replace(
+        choice, parallel=boolean_field(body, "parallel_tool_calls", True), tools=tuple(tools)
+    )
 
 
 def _tool_choice(value: Any, names: Sequence[str]) -> ToolChoice:

@@ -230,6 +230,12 @@ def _streamed_calls(choices: list[dict]) -> tuple[list[dict], str, str]:
     return [calls[i] for i in sorted(calls)], content, choices[-1]["finish_reason"]
 
 
+def _num_argument_fragments(choices: list[dict]) -> int:
+    return sum(
+        bool(d["function"].get("arguments")) for c in choices for d in c["delta"].get("tool_calls", [])
+    )
+
+
 def _named(call: dict) -> tuple[str, str]:
     return call["function"]["name"], call["function"]["arguments"]
 
@@ -259,9 +265,11 @@ def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
         (call,) = message["tool_calls"]
         assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
         assert _named(call) == ("get_weather", '{"city": "Rome"}')
-        calls, content, finish = _streamed_calls(_stream(port, forced_text))
+        chunks = _stream(port, forced_text)
+        calls, content, finish = _streamed_calls(chunks)
         assert ([_named(c) for c in calls], content, finish) == ([_named(call)], "", "tool_calls")
         assert calls[0]["id"].startswith("chatcmpl-tool-")
+        assert _num_argument_fragments(chunks) > 1  # the arguments as they were written, not whole
 
         # "none": the tools are in the prompt, the text is not parsed.
         none = _chat(port, {**forced_text, "tool_choice": "none"})
@@ -342,3 +350,50 @@ def test_auto_without_the_flag_is_a_400_naming_it(tool_model, tmp_path):
             port, _body(tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=8)
         )
         assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
+QWEN3_CODER_CALL_TEXT = (
+    "<tool_call>\n<function=get_forecast>\n<parameter=city>\nRome\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_the_stack_reads_qwen3_coder_calls_plain_and_streamed(tool_model, tmp_path):
+    """`--tool-call-parser qwen3_coder` (Qwen3-Coder's and Qwen3.5's form), the answer forced to a
+    call's text by a choice grammar: the values typed by the tool's schema (`days` an integer),
+    streamed as the name, then the parameters as they end, joining to the whole answer's arguments."""
+    port = free_port()
+    extra = {
+        "gateway": [
+            "--http-port",
+            str(port),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "qwen3_coder",
+        ]
+    }
+    body = _body(
+        tools=[FORECAST, TIME], structured_outputs={"choice": [QWEN3_CODER_CALL_TEXT]}, max_tokens=128
+    )
+    with Stack(tool_model, tmp_path / "logs", extra=extra):
+        choice = _chat(port, body)
+        (call,) = choice["message"]["tool_calls"]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (None, "tool_calls")
+        assert _named(call) == ("get_forecast", '{"city": "Rome", "days": 3}')
+        chunks = _stream(port, body)
+        calls, content, finish = _streamed_calls(chunks)
+        assert ([_named(c) for c in calls], content, finish) == ([_named(call)], "", "tool_calls")
+        assert _num_argument_fragments(chunks) == 3  # "{" with the name, each parameter, then "}"
+        # The hermes form is not this parser's: the text stays content.
+        hermes = _chat(port, {**body, "structured_outputs": {"choice": [CALL_TEXT]}})
+        assert (hermes["message"]["content"], hermes["finish_reason"]) == (CALL_TEXT, "stop")

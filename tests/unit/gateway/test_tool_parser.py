@@ -1,7 +1,9 @@
-"""vLLM's `hermes` tool call parser (`epd.gateway.tool_parser`): the `<tool_call>` JSON objects of
-an answer become calls and the text outside them the content, whole and as a stream of deltas
-(which must part it exactly as the whole text, wherever the deltas cut it); malformed calls stay
-content; the answer's message and finish reason under each tool choice."""
+"""vLLM's `hermes` and `qwen3_coder` tool call parsers (`epd.gateway.tool_parser`): the
+`<tool_call>` blocks of an answer become calls and the text outside them the content, whole and
+as a stream of deltas (which must part it exactly as the whole text, wherever the deltas cut it,
+the fragments of a call's arguments joining to the whole answer's arguments); malformed calls stay
+content; a call cut after its name went out stays sent (vLLM's stream); the answer's message and
+finish reason under each tool choice."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ import pytest
 from epd.gateway.openai_protocol import completion_body
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.tool_parser import (
+    ArgumentsFragment,
     ParsedToolCall,
     ToolAnswerStream,
+    ToolCallHeader,
     ToolCallStream,
     answer_tool_calls,
+    parameter_value,
     parse_tool_calls,
 )
 from epd.gateway.tool_request import ToolChoice
@@ -35,6 +40,23 @@ ANSWERS = {
     '<tool_call>{"name": "f"}</tool_call>' + CALL: ('<tool_call>{"name": "f"}</tool_call>', [("get_weather", '{"city": "Paris"}')]),
     '<tool_call>\n{"name": "f", "arguments": {"a": "é"}}': (None, [("f", '{"a": "é"}')]),  # cut before </tool_call>
     '<tool_call>\n{"name": "f", "argu': ('<tool_call>\n{"name": "f", "argu', []),  # cut mid-JSON
+    # The arguments as json.dumps writes them, whatever the model's spacing and escapes.
+    '<tool_call>{"name":"f","arguments":{"a":[1,2.50,1E2,-0,{"b":null}],"c":"\\u00e9\\n\\"\\ud83d\\ude00","d":true}}</tool_call>':
+        (None, [("f", '{"a": [1, 2.5, 100.0, 0, {"b": null}], "c": "é\\n\\"😀", "d": true}')]),
+    '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>': (None, [("f", '{"x": 1}')]),  # sent whole
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call>': (None, [("f", "{}")]),
+    # A repeated key is kept, as the stream sent it (json.loads would keep the last alone).
+    '<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}}</tool_call>': (None, [("f", '{"a": 1, "a": 2}')]),
+    # Cut by max_tokens mid-arguments, or broken after them: content, as vLLM's whole answer.
+    '<tool_call>\n{"name": "f", "arguments": {"city": "Par': ('<tool_call>\n{"name": "f", "arguments": {"city": "Par', []),
+    '<tool_call>{"name": "f", "arguments": {"n": 12': ('<tool_call>{"name": "f", "arguments": {"n": 12', []),
+    'a <tool_call>{"name": "f", "arguments": {"a": 1} x}</tool_call>': ('a <tool_call>{"name": "f", "arguments": {"a": 1} x}</tool_call>', []),
+}  # fmt: skip
+STREAMED = {
+    # Streamed, such a call's name and arguments went out as they came: sent, they stay (vLLM's).
+    '<tool_call>\n{"name": "f", "arguments": {"city": "Par': (None, [("f", '{"city": "Par')]),
+    '<tool_call>{"name": "f", "arguments": {"n": 12': (None, [("f", '{"n": 12')]),
+    'a <tool_call>{"name": "f", "arguments": {"a": 1} x}</tool_call>': ("a ", [("f", '{"a": 1}')]),
 }  # fmt: skip
 
 
@@ -43,12 +65,24 @@ def _whole(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     return split.content, [(c.name, c.arguments) for c in split.calls]
 
 
-def _streamed(deltas: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    stream = ToolCallStream()
+def _streamed(
+    deltas: list[str], parser: str = "hermes", tools: tuple = ()
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """The calls a client builds from the stream's items (a header, then fragments; or a whole call)."""
+    stream = ToolCallStream(parser, tools)
     items = [item for d in deltas for item in stream.add(d)] + stream.finish()
-    calls = [(i.name, i.arguments) for i in items if isinstance(i, ParsedToolCall)]
+    calls: list[list[str]] = []
+    for item in items:
+        if isinstance(item, ParsedToolCall):
+            calls.append([item.name, item.arguments])
+        elif isinstance(item, ToolCallHeader):
+            calls.append([item.name, ""])
+        elif isinstance(item, ArgumentsFragment):
+            assert item.text and calls
+            calls[-1][1] += item.text
     content = "".join(i for i in items if isinstance(i, str))
-    return (content or None) if calls else content, calls
+    assert stream.num_calls == len(calls)
+    return (content or None) if calls else content, [(name, arguments) for name, arguments in calls]
 
 
 def _cuts(text: str, num_cuts: int):
@@ -79,15 +113,46 @@ def test_the_stream_parts_an_answer_as_the_whole_text_wherever_the_deltas_cut_it
     a tag split across deltas (`<tool` + `_call>`) is found, and the parts are the whole text's."""
     cuts = [[text], list(text), *_cuts(text, 1), *(_cuts(text, 2) if len(text) < 40 else [])]
     for deltas in cuts:
-        assert _streamed(deltas) == ANSWERS[text], deltas
+        assert _streamed(deltas) == STREAMED.get(text, ANSWERS[text]), deltas
 
 
-def test_a_delta_holds_back_only_what_could_begin_a_tag_and_sends_a_call_when_it_closes():
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"a": {"b": [[], {}, [1, [2]]]}, "c": ""}',
+        '{ "x" : -1.5e-3 , "y" : [ true , false , null ] }',
+        '{"s": "tab\\there \\/ \\u0001 \\\\ ü \\u20ac"}',
+        '{"big": 123456789012345678901234567890, "f": 0.1}',
+    ],
+)
+def test_the_streamed_arguments_join_to_json_dumps_of_the_arguments(arguments):
+    text = '<tool_call>{"name": "f", "arguments": ' + arguments + "}</tool_call>"
+    want = json.dumps(json.loads(arguments), ensure_ascii=False)
+    assert _whole(text) == (None, [("f", want)])
+    for deltas in [list(text), *_cuts(text, 1)]:
+        assert _streamed(deltas) == (None, [("f", want)]), deltas
+
+
+def test_a_hermes_call_streams_its_name_then_its_arguments_as_they_are_written():
+    """vLLM's hermes stream: the name once read, then the arguments' text as it grows (before
+    `</tool_call>` arrives)."""
+    stream = ToolCallStream()
+    assert stream.add('<tool_call>\n{"name": "get_weather", "argu') == []
+    header, fragment = stream.add('ments": {"city": "Pa')
+    assert (header.name, fragment.text) == ("get_weather", '{"city": "Pa')
+    assert header.id.startswith("chatcmpl-tool-")
+    assert stream.add("r") == [ArgumentsFragment("r")]
+    assert stream.add('is", "days": 1') == [ArgumentsFragment('is", "days": ')]  # 1 may go on: 10
+    assert stream.add("0}}\n</tool") == [ArgumentsFragment("10}")]
+    assert stream.add("_call>") == [] and stream.finish() == [] and stream.num_calls == 1
+
+
+def test_a_delta_holds_back_only_what_could_begin_a_tag():
     stream = ToolCallStream()
     assert stream.add("Sure. <tool") == ["Sure. "]  # "<tool" waits
     assert stream.add('_call>{"name": "f", ') == []
-    (call,) = stream.add('"arguments": {}}</tool_call>\n')
-    assert (call.name, call.arguments) == ("f", "{}")
+    header, fragment = stream.add('"arguments": {}}</tool_call>\n')
+    assert (header.name, fragment.text) == ("f", "{}")
     assert stream.add("\n") == []  # whitespace after a call waits: it may be all there is
     assert stream.add("ok") == ["\n\nok"]
     assert stream.finish() == []
@@ -178,3 +243,109 @@ def test_without_parallel_tool_calls_the_first_call_alone_is_kept():
     assert [d["tool_calls"][0]["index"] for d in deltas] == [0, 0] and stream.num_calls == 1
     array = '[{"name": "get_weather", "parameters": {}}, {"name": "get_time", "parameters": {}}]'
     assert len(answer_tool_calls(array, ToolChoice("required", parallel=False))[1]) == 1
+
+
+QWEN_TOOLS = (
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "limit": {"type": "integer"},
+                    "score": {"type": "number"},
+                    "exact": {"type": "boolean"},
+                    "filters": {"type": "object"},
+                    "tags": {"type": "array"},
+                    "after": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                },
+            },
+        },
+    },
+)
+Q_CALL = (
+    "<tool_call>\n<function=search>\n<parameter=query>\nred cats\n</parameter>\n"
+    "<parameter=limit>\n5\n</parameter>\n</function>\n</tool_call>"
+)
+Q_CODE = (  # a value holding the format itself, as code: its inner </parameter> is not the end
+    "<tool_call>\n<function=write>\n<parameter=text>\nx = '</parameter>'\ny\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+Q_ANSWERS = {
+    Q_CALL: (None, [("search", '{"query": "red cats", "limit": 5}')]),
+    "Looking.\n" + Q_CALL + "\n" + Q_CALL: ("Looking.\n", [("search", '{"query": "red cats", "limit": 5}')] * 2),
+    Q_CODE: (None, [("write", '{"text": "x = \'</parameter>\'\\ny"}')]),
+    "<tool_call>\n<function=search>\n</function>\n</tool_call>": (None, [("search", "{}")]),
+    "<tool_call>\n<function=search>\n<parameter=score>\n2.0\n</parameter>\n<parameter=exact>\nTrue\n</parameter>\n"
+    "<parameter=tags>\n['a', 1]\n</parameter>\n<parameter=filters>\n{\"k\": [1]}\n</parameter>\n"
+    "<parameter=after>\nNone\n</parameter>\n<parameter=other>\n7\n</parameter>\n</function>":  # cut after </function>
+        (None, [("search", '{"score": 2, "exact": true, "tags": ["a", 1], "filters": {"k": [1]}, "after": null, "other": "7"}')]),
+    "<tool_call>\n<function=search>\n<parameter=query>\nred": ("<tool_call>\n<function=search>\n<parameter=query>\nred", []),
+    "<tool_call>\n<function=bad name>\n</function>\n</tool_call>": ("<tool_call>\n<function=bad name>\n</function>\n</tool_call>", []),
+    "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>": ("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", []),
+    "plain <tool": ("plain <tool", []),
+}  # fmt: skip
+Q_STREAMED = {  # cut after its name went out: the name, `{` and the parameters read so far stay sent
+    "<tool_call>\n<function=search>\n<parameter=query>\nred": (None, [("search", "{")]),
+}
+
+
+@pytest.mark.parametrize("text", list(Q_ANSWERS))
+def test_qwen3_coder_calls_whole_and_streamed_wherever_the_deltas_cut_them(text):
+    split = parse_tool_calls(text, "qwen3_coder", QWEN_TOOLS)
+    assert (split.content, [(c.name, c.arguments) for c in split.calls]) == Q_ANSWERS[text]
+    for _, arguments in Q_ANSWERS[text][1]:
+        json.loads(arguments)
+    cuts = [[text], list(text), *_cuts(text, 1), *(_cuts(text, 2) if len(text) < 40 else [])]
+    for deltas in cuts:
+        assert _streamed(deltas, "qwen3_coder", QWEN_TOOLS) == Q_STREAMED.get(text, Q_ANSWERS[text]), deltas
+
+
+def test_a_qwen3_coder_call_streams_its_name_then_each_parameter_as_vllms():
+    """vLLM's qwen3_coder stream: the name with `{`, a parameter once its `</parameter>` is
+    followed by the next tag, `}` at `</function>`."""
+    stream = ToolCallStream("qwen3_coder", QWEN_TOOLS)
+    assert stream.add("<tool_call>\n<function=sea") == []
+    header, fragment = stream.add("rch>\n<parameter=limit>\n5\n</parameter>")
+    assert (header.name, fragment.text) == ("search", "{")
+    assert stream.add("\n<param") == []  # "<param" may be text of the value yet
+    assert stream.add("eter=") == [ArgumentsFragment('"limit": 5')]
+    assert stream.add("query>\ncats\n</parameter>\n</function>") == [ArgumentsFragment(', "query": "cats"}')]
+    assert stream.add("\n</tool_call>") == [] and stream.finish() == [] and stream.num_calls == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "schema", "want"),
+    [
+        ("hello\nworld", {"type": "string"}, "hello\nworld"),
+        ("null", {"type": "string"}, "null"),  # a string stays text
+        ("null", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
+        ("None", {"type": "integer"}, None),
+        ("42", {"type": "integer"}, 42),
+        ("4.2", {"type": "integer"}, "4.2"),  # not an integer: the text
+        ("3.0", {"type": "number"}, 3),
+        ("3.5", {"type": "number"}, 3.5),
+        ("1e999", {"type": "number"}, "1e999"),
+        ("TRUE", {"type": "boolean"}, True),
+        ("yes", {"type": "boolean"}, False),  # vLLM's: anything but "true" is false
+        ('{"a": 1}', {"type": "object"}, {"a": 1}),
+        ("{'a': 1}", {"type": "object"}, {"a": 1}),  # a Python literal
+        ("\"{'a': 1}\"", {"type": "object"}, {"a": 1}),  # a JSON string of one
+        ("[1, 2", {"type": "array"}, "[1, 2"),
+        ("7", None, "7"),  # a parameter the tool does not declare
+        ("7", {}, "7"),  # no type
+    ],
+)
+def test_qwen3_coder_values_take_their_parameters_types_as_vllms(text, schema, want):
+    got = parameter_value(text, schema)
+    assert (got, type(got)) == (want, type(want))
+
+
+def test_streamed_calls_past_the_first_are_dropped_without_parallel_tool_calls():
+    stream = ToolAnswerStream(ToolChoice("auto", parallel=False, parser="qwen3_coder", tools=QWEN_TOOLS))
+    deltas = [d for c in Q_CALL + Q_CALL for d in stream.add(c)] + stream.finish()
+    assert {d["tool_calls"][0]["index"] for d in deltas} == {0} and stream.num_calls == 1
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+    assert arguments == '{"query": "red cats", "limit": 5}'
