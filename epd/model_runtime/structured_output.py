@@ -51,6 +51,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -275,7 +276,8 @@ class GrammarCompiler:
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
-        self._too_slow: OrderedDict[StructuredOutputs, float] = OrderedDict()  # spec -> its timeout
+        # spec (`_slow_key`) -> the timeout it ran past
+        self._too_slow: OrderedDict[StructuredOutputs, float] = OrderedDict()
         self.num_abandoned = 0
         """Compiles that ran past their deadline, each left on its own thread to its end."""
 
@@ -320,9 +322,10 @@ class GrammarCompiler:
         when the compile runs for longer than timeout_s (0: no bound), counted from its start (a
         wait behind other compiles is not its fault); the compile goes on to its end on the thread,
         which this compiler leaves to it."""
-        ran_past = self._too_slow.get(spec)
+        key = _slow_key(spec)
+        ran_past = self._too_slow.get(key)
         if ran_past is not None and 0 < timeout_s <= ran_past:  # a longer deadline may try again
-            self._too_slow.move_to_end(spec)
+            self._too_slow.move_to_end(key)
             raise InvalidConstraint(_too_slow(spec.kind, ran_past))
         loop = asyncio.get_running_loop()
         while True:
@@ -354,7 +357,7 @@ class GrammarCompiler:
             return done.result()
         done.cancel()  # its compile's end, whenever it comes, is for no one
         self._leave_thread(thread)
-        self._too_slow[spec] = timeout_s
+        self._too_slow[key] = timeout_s
         while len(self._too_slow) > REMEMBERED_TOO_SLOW:
             self._too_slow.popitem(last=False)
         raise InvalidConstraint(_too_slow(spec.kind, timeout_s))
@@ -444,6 +447,12 @@ async def compile_for(
     if not compiler.ready and model_thread is not None:
         await model_thread.run(compiler.prepare)
     return await compiler.compile(spec, timeout_s)
+
+
+def _slow_key(spec: StructuredOutputs) -> StructuredOutputs:
+    """What a spec's compile time depends on: its grammar, not whether it waits for the reasoning's
+    end (a chat request under a reasoning parser, and the same spec from the SDK, compile alike)."""
+    return replace(spec, after_reasoning=False)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -301,3 +301,19 @@ def test_compiles_queued_behind_one_that_ran_past_its_deadline_are_compiled(toke
     slow, *queued = asyncio.run(run())
     assert isinstance(slow, InvalidConstraint) and "took longer" in str(slow)
     assert all(not isinstance(q, BaseException) for q in queued), queued
+
+
+def test_a_slow_spec_is_remembered_whether_or_not_it_waits_for_the_reasoning(thinking_tokenizer):
+    """The same grammar compiles as slowly under a reasoning parser (a chat request's) as from the
+    first token (the SDK's): asked both ways, one compile is left running, not two."""
+    compiler = GrammarCompiler(thinking_tokenizer, len(thinking_tokenizer), {thinking_tokenizer.eos_token_id})
+    compiler.prepare()
+
+    async def run() -> None:
+        for after_reasoning in (False, True):
+            with pytest.raises(InvalidConstraint, match="took longer than 0.05 s"):
+                spec = StructuredOutputs(regex=SLOW_REGEX + "y", after_reasoning=after_reasoning)
+                await compiler.compile(spec, timeout_s=0.05)
+        assert compiler.num_abandoned == 1
+
+    asyncio.run(run())
