@@ -31,7 +31,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -293,34 +293,26 @@ def _template(
     (`epd.stages.tools.check_tools`)."""
     if chat_template is not None and not isinstance(chat_template, str):
         raise TypeError(f"chat_template must be a Jinja template's text (a str), got {_shown(chat_template)}")
-    tools_json = ""
-    if tool_list:
-        if not isinstance(tool_list, Sequence) or isinstance(tool_list, (str, bytes)):
-            raise TypeError(f"tools must be a list of function tools (dicts), got {_shown(tool_list)}")
-        try:
-            tools_json = tools.to_json(tool_list)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"tools must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
-            ) from None
+    tools_json = _json_option(
+        "tools",
+        tool_list,
+        isinstance(tool_list, Sequence) and not isinstance(tool_list, (str, bytes)),
+        "a list of function tools (dicts)",
+        tools.to_json,
+    )
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
     ):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {_shown(value)}")
-    kwargs_json = ""
-    if chat_template_kwargs:
-        if not isinstance(chat_template_kwargs, Mapping):
-            raise TypeError(
-                f"chat_template_kwargs must be a dict of variable names to values, got {_shown(chat_template_kwargs)}"
-            )
-        try:
-            kwargs_json = template_kwargs.to_json(chat_template_kwargs)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"chat_template_kwargs must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
-            ) from None
+    kwargs_json = _json_option(
+        "chat_template_kwargs",
+        chat_template_kwargs,
+        isinstance(chat_template_kwargs, Mapping),
+        "a dict of variable names to values",
+        template_kwargs.to_json,
+    )
     if (
         add_generation_prompt is None
         and not continue_final_message
@@ -338,6 +330,23 @@ def _template(
     if add_generation_prompt is not None:
         options.add_generation_prompt = add_generation_prompt
     return options
+
+
+def _json_option(name: str, value: Any, fits: bool, what: str, to_json: Callable[[Any], str]) -> str:
+    """A template option's JSON text for the wire ("" for None or an empty one); TypeError unless
+    it `fits` (is `what`) and holds JSON values."""
+    if value is None:
+        return ""
+    if not fits:
+        raise TypeError(f"{name} must be {what}, got {_shown(value)}")
+    if not value:
+        return ""
+    try:
+        return to_json(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{name} must hold JSON values (None, bools, numbers, str, lists, dicts): {exc}"
+        ) from None
 
 
 def _raw_prompt(prompt: Any) -> messages_pb2.RawPrompt | None:

@@ -804,16 +804,19 @@ def _message(
     tool_choice: ToolChoice,
 ) -> tuple[dict[str, Any], int]:
     """A choice's message and the number of its tool calls: its text whole, or parted by the
-    reasoning parser (an echo goes in front of the content, as vLLM's), its content's tool calls
-    taken out under the request's tool choice (`answer_tool_calls`)."""
+    reasoning parser, its content's tool calls taken out under the request's tool choice
+    (`answer_tool_calls`), then an echo put in front of the content (as vLLM's: the calls are the
+    generated text's, as the stream, which sends the echo in a chunk of its own, reads them)."""
     if thinking is None:
-        content: str | None = echoed + answer
+        content: str | None = answer
         fields: dict[str, Any] = {}
     else:
         split = split_reasoning(answer, thinking)
-        content = echoed + (split.content or "") if echoed else split.content
+        content = split.content
         fields = message_fields(split, include_reasoning)
     content, calls = answer_tool_calls(content, tool_choice)
+    if echoed:
+        content = echoed + (content or "")
     if calls:
         fields["tool_calls"] = [call.to_json() for call in calls]
     return {"role": role, "content": content, **fields}, len(calls)

@@ -50,7 +50,8 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -275,7 +276,8 @@ class GrammarCompiler:
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
-        self._too_slow: OrderedDict[StructuredOutputs, float] = OrderedDict()  # spec -> its timeout
+        # spec (`_slow_key`) -> the timeout it ran past
+        self._too_slow: OrderedDict[StructuredOutputs, float] = OrderedDict()
         self.num_abandoned = 0
         """Compiles that ran past their deadline, each left on its own thread to its end."""
 
@@ -316,13 +318,15 @@ class GrammarCompiler:
 
     async def compile(self, spec: StructuredOutputs, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
         """`compile_now` on the compiler's thread, in the caller's context (log records keep the
-        request's id); cancelling the await drops a compile that has not started. InvalidConstraint
+        request's id); cancelling the await drops a compile that has not started (one that has
+        keeps its deadline, `_keep_deadline`). InvalidConstraint
         when the compile runs for longer than timeout_s (0: no bound), counted from its start (a
         wait behind other compiles is not its fault); the compile goes on to its end on the thread,
         which this compiler leaves to it."""
-        ran_past = self._too_slow.get(spec)
+        key = _slow_key(spec)
+        ran_past = self._too_slow.get(key)
         if ran_past is not None and 0 < timeout_s <= ran_past:  # a longer deadline may try again
-            self._too_slow.move_to_end(spec)
+            self._too_slow.move_to_end(key)
             raise InvalidConstraint(_too_slow(spec.kind, ran_past))
         loop = asyncio.get_running_loop()
         while True:
@@ -339,25 +343,56 @@ class GrammarCompiler:
             try:
                 await asyncio.wait((started, done), return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
-                future.cancel()  # one not started is dropped
+                if not future.cancel():  # one not started is dropped; one started keeps its deadline
+                    self._keep_deadline(future, thread, key, timeout_s)
                 raise
             if not future.cancelled():
                 break
             # It was queued behind a compile that ran past its deadline, on a thread since left to
             # that compile: submitted again, to the new thread.
+        bounded = 0 < timeout_s < math.inf
+        ends_at = loop.time() + timeout_s if bounded else math.inf
         try:  # asyncio.wait: the deadline leaves `done` as it is (its compile cannot be stopped)
-            finished, _ = await asyncio.wait((done,), timeout=timeout_s if 0 < timeout_s < math.inf else None)
+            finished, _ = await asyncio.wait((done,), timeout=timeout_s if bounded else None)
         except asyncio.CancelledError:
             done.cancel()
+            # Nobody waits for it now, but the thread is still held: past its deadline it is left
+            # to it, as when its request waits, so that the compiles behind it do not wait for
+            # its end (a pathological spec sent and dropped would hold them all).
+            self._keep_deadline(future, thread, key, timeout_s, ends_at - loop.time())
             raise
         if finished:
             return done.result()
         done.cancel()  # its compile's end, whenever it comes, is for no one
+        self._ran_past(thread, key, timeout_s)
+        raise InvalidConstraint(_too_slow(spec.kind, timeout_s))
+
+    def _keep_deadline(
+        self,
+        future: Future[CompiledGrammar],
+        thread: ThreadPoolExecutor,
+        key: StructuredOutputs,
+        timeout_s: float,
+        left_s: float | None = None,
+    ) -> None:
+        """Enforce the deadline of a compile that nobody waits for any more (its request went
+        away): `_ran_past` when it still runs `left_s` (default `timeout_s`) from now."""
+        if not 0 < timeout_s < math.inf:
+            return
+
+        def check() -> None:
+            if not future.done():
+                self._ran_past(thread, key, timeout_s)
+
+        asyncio.get_running_loop().call_later(max(0.0, timeout_s if left_s is None else left_s), check)
+
+    def _ran_past(self, thread: ThreadPoolExecutor, key: StructuredOutputs, timeout_s: float) -> None:
+        """A compile on `thread` ran past its deadline: the thread is left to it, the spec remembered."""
         self._leave_thread(thread)
-        self._too_slow[spec] = timeout_s
+        self._too_slow[key] = max(timeout_s, self._too_slow.get(key, 0.0))
+        self._too_slow.move_to_end(key)
         while len(self._too_slow) > REMEMBERED_TOO_SLOW:
             self._too_slow.popitem(last=False)
-        raise InvalidConstraint(_too_slow(spec.kind, timeout_s))
 
     def _leave_thread(self, thread: ThreadPoolExecutor) -> None:
         """Leave `thread` to the compile it runs (xgrammar's cannot be stopped): the next compiles
@@ -444,6 +479,12 @@ async def compile_for(
     if not compiler.ready and model_thread is not None:
         await model_thread.run(compiler.prepare)
     return await compiler.compile(spec, timeout_s)
+
+
+def _slow_key(spec: StructuredOutputs) -> StructuredOutputs:
+    """What a spec's compile time depends on: its grammar, not whether it waits for the reasoning's
+    end (a chat request under a reasoning parser, and the same spec from the SDK, compile alike)."""
+    return replace(spec, after_reasoning=False)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

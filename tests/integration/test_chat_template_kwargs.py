@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import shutil
 
 import grpc
@@ -32,6 +31,7 @@ from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.families import family_checkpoints
 from tests.integration.test_model_info import _post as post_json
+from tests.integration.test_model_info import _sse_chunks as sse_chunks
 from tests.reference import decode_for_test, template_reference
 from tests.stack import Stack, free_port
 
@@ -198,17 +198,7 @@ def _chat(port: int, body: dict) -> tuple[int, dict]:
 
 
 def _streamed_text(port: int, body: dict) -> str:
-    import urllib.request
-
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        raw = reply.read()
-    chunks = [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
-              if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+    chunks = sse_chunks(port, "/v1/chat/completions", body)
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import urllib.request
 
 import grpc
 import pytest
@@ -25,6 +23,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.messages import Message
 from tests.integration.test_model_info import _post as post_json
+from tests.integration.test_model_info import _sse_chunks as sse_chunks
 
 MAX_NEW_TOKENS = 10
 SPECIALS = ("<|vision_start|>", "<|vision_end|>")
@@ -101,15 +100,7 @@ def test_the_answers_text_is_the_tokenizers_decode_with_the_requests_options(tin
 
 
 def _sse_text(port: int, path: str, body: dict) -> str:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        raw = reply.read()
-    chunks = [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
-              if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+    chunks = sse_chunks(port, path, body)
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     return "".join((c["delta"].get("content") or "") if "delta" in c else c.get("text", "") for c in choices)
 

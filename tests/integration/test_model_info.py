@@ -58,6 +58,19 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+def _sse_chunks(port: int, path: str, body: dict) -> list[dict]:
+    """POST `body` with `"stream": true` to `path`: the answer's chunks, `[DONE]` left out."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        raw = reply.read()
+    return [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+
+
 def _chat(port: int, video: bytes, **fields) -> tuple[int, dict]:
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
     body = {"model": "epd", "max_tokens": 2, "media": {"num_frames": 2}, **fields,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import urllib.request
 from dataclasses import replace
 
 import pytest
@@ -36,6 +35,7 @@ from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.tokenize import TokenizeInput
 from tests.embedded import request_summary
 from tests.integration.test_model_info import _post as post_json
+from tests.integration.test_model_info import _sse_chunks as sse_chunks
 from tests.reference import template_reference
 from tests.stack import Stack, free_port
 
@@ -203,16 +203,7 @@ def _chat(port: int, body: dict) -> dict:
 
 
 def _stream(port: int, body: dict) -> list[dict]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        raw = reply.read()
-    chunks = [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
-              if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
-    return [c["choices"][0] for c in chunks if c["choices"]]
+    return [c["choices"][0] for c in sse_chunks(port, "/v1/chat/completions", body) if c["choices"]]
 
 
 def _streamed_calls(choices: list[dict]) -> tuple[list[dict], str, str]:

@@ -526,3 +526,62 @@ def test_a_model_that_cannot_load_is_a_500_not_the_clients_400_and_its_path_stay
         assert error["message"].startswith("the server cannot load its model; its operator must fix it")
         assert "/models/m" not in error["message"] and "safetensors" not in error["message"]
         assert "cannot load /models/m: model.safetensors is truncated or corrupt" in caplog.text
+
+
+class _TwoChoicesPipeline(Pipeline):
+    """n=2: choice 0 thinks, calls a tool (the tag split across steps) and finishes first; choice 1
+    thinks and answers text, finishing with the summary."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.gateway.pipeline import ChoiceSummary
+        from epd.stages.contracts import TokenStep
+
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        steps = [
+            (0, "hm</thi"), (1, "ok</think>It is"), (0, "nk><tool"), (0, "_call>" + call[len("<tool_call>") : 30]),
+            (1, " sunny."), (0, call[30:] + "\n"),
+        ]  # fmt: skip
+        for i, (index, text) in enumerate(steps):
+            finish = "stop" if i == len(steps) - 1 else ""
+            yield TokenStep([5 + i], text, finish_reason=finish, index=index)
+        summary = _summary([5, 7, 8, 10], "hm</think>" + call + "\n", 30)
+        summary.finish_reason = "stop"
+        summary.choices = [
+            ChoiceSummary(0, summary.answer, summary.token_ids, "stop"),
+            ChoiceSummary(1, "ok</think>It is sunny.", [6, 9], "length"),
+        ]
+        yield summary
+
+
+def test_streamed_choices_part_their_own_tool_calls_with_their_own_finish_reasons():
+    """n=2 under --reasoning-parser and --tool-call-parser: each choice's content is parsed for calls
+    by its own parser state (the reasoning never), a choice that finishes first ends "tool_calls"
+    after its calls, the other keeps its own reason; the deltas joined are the whole answer's."""
+    import json
+
+    config = GatewayConfig(
+        http=HttpApiConfig(
+            port=0, reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes"
+        )
+    )
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "q"}], "tools": [tool], "n": 2, "stream": True}
+    text = _post_chat(_TwoChoicesPipeline(), body, config)
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    by_index: dict[int, list[dict]] = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            by_index[choice["index"]].append(choice)
+    first, second = by_index[0], by_index[1]
+    reasoning = ["".join(c["delta"].get("reasoning") or "" for c in cs) for cs in (first, second)]
+    content = ["".join(c["delta"].get("content") or "" for c in cs) for cs in (first, second)]
+    calls = [[d for c in cs for d in c["delta"].get("tool_calls", [])] for cs in (first, second)]
+    assert (reasoning, content) == (["hm", "ok"], ["", "It is sunny."])
+    assert calls[1] == [] and [d["index"] for d in calls[0]] == [0, 0]
+    assert calls[0][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert json.loads(calls[0][1]["function"]["arguments"]) == {"city": "Paris"}
+    finishes = [[c["finish_reason"] for c in cs if c["finish_reason"]] for cs in (first, second)]
+    assert finishes == [["tool_calls"], ["length"]]

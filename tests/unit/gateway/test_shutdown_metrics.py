@@ -5,7 +5,10 @@ deploy's cut requests looked like impatient clients on the dashboards.
 
 Real gateway servers (gRPC and HTTP) in this process over a metered pipeline whose stages are
 stand-ins: prefill answers at once, the decoder streams a token every 20 ms (or none) until it is
-cancelled. What is under test is what the metric says, whatever the answer's length."""
+cancelled. What is under test is what the metric says, whatever the answer's length.
+
+And a streamed Ask whose client cancels once it has the summary (the SDK does, as it returns) is
+counted OK, even while its handler still runs."""
 
 from __future__ import annotations
 
@@ -136,3 +139,57 @@ def test_a_grpc_call_cut_at_shutdown_is_counted_with_the_status_its_client_gets(
     got, counts = asyncio.run(scenario())
     assert got == code
     assert counts == {code.name: 1.0}, counts
+
+
+class _OneToken(DecodeStage):
+    async def generate(self, handle, generation, request_id, pruning=None):  # type: ignore[override]
+        yield TokenStep([7], "a", finish_reason="stop")
+
+
+class _LingeringPipeline(MeteredPipeline):
+    """Its run goes on after the summary (as a real one's cleanup may, under load), so the client
+    has the whole answer while the call's handler still runs."""
+
+    async def ask(self, req):  # type: ignore[override]
+        async for item in super().ask(req):
+            yield item
+        await asyncio.Event().wait()
+
+
+def test_a_grpc_call_its_client_cancels_after_the_summary_is_counted_ok():
+    """The SDK cancels a streamed Ask as it returns with the whole answer; a handler still running
+    then was counted CANCELLED, as a client that went away without it (cac45fc)."""
+
+    async def scenario():
+        metrics = GatewayMetrics()
+        pipeline = _LingeringPipeline(Pipeline(None, _Prefill(), _OneToken()), metrics)  # type: ignore[arg-type]
+        config = GatewayConfig(server=ServerConfig(host="127.0.0.1", port=0, grace_s=0.5))
+        hs = await start(config, pipeline)
+        await hs.set_serving()
+        header = gateway_pb2.AskHeader(
+            request_id="whole", messages=messages_to_proto([Message.user("hello")])
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
+                call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(
+                    iter([gateway_pb2.AskRequest(header=header)])
+                )
+                async for response in call:
+                    if response.HasField("summary"):
+                        call.cancel()  # as the SDK's ask returns
+                        break
+                codes = ("OK", "CANCELLED")
+                for _ in range(3000):  # the count is made when the handler ends
+                    counted = {
+                        c: n
+                        for c in codes
+                        if (n := metrics.value("epd_grpc_responses_total", method="Ask", code=c))
+                    }
+                    if counted:
+                        return counted
+                    await asyncio.sleep(0.01)
+                return {}
+        finally:
+            await hs.stop(0)
+
+    assert asyncio.run(scenario()) == {"OK": 1.0}

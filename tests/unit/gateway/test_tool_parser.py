@@ -349,3 +349,26 @@ def test_streamed_calls_past_the_first_are_dropped_without_parallel_tool_calls()
     assert {d["tool_calls"][0]["index"] for d in deltas} == {0} and stream.num_calls == 1
     arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
     assert arguments == '{"query": "red cats", "limit": 5}'
+
+
+@pytest.mark.parametrize(
+    ("choice", "answer", "want_calls"),
+    [
+        (FUNCTIONS, '{"city": "Paris"}', [("get_weather", '{"city": "Paris"}')]),
+        (ToolChoice("required"), '[{"name": "get_time", "parameters": {}}]', [("get_time", "{}")]),
+        (ToolChoice("auto"), CALL, [("get_weather", '{"city": "Paris"}')]),
+    ],
+)
+def test_an_echo_goes_in_front_of_the_content_not_into_the_calls(choice, answer, want_calls):
+    """As vLLM's (and as the stream sends it, an echo's chunk of its own): the calls are read from
+    the generated text alone, the echoed message's text is the content's start. A named function's
+    arguments began with the echo, and "required"'s array, the echo before it, was no call at all."""
+    echoed = "The weather:"
+    for thinking in (None, False):
+        choice_json = completion_body(
+            _summary(answer), "epd", echoed=echoed, thinking=thinking, tool_choice=choice
+        )["choices"][0]
+        message = choice_json["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+        assert (message["content"], calls) == (echoed, want_calls)
+        assert choice_json["finish_reason"] == ("stop" if choice.mode == "named" else "tool_calls")

@@ -87,6 +87,20 @@ def test_tools_and_tool_history_survive_the_wire():
     assert template_to_proto(ChatTemplateOptions()) is None
 
 
+def test_the_sdk_refuses_tools_that_are_not_a_list_even_when_falsy():
+    """`tools=False` (or `{}`, `0`) was dropped silently: the answer came without the tools."""
+    from epd.client import build_header
+
+    messages = [Message.user("q")]
+    for value in (False, {}, 0, "get_weather", {"type": "function"}):
+        with pytest.raises(TypeError, match="tools must be a list of function tools"):
+            build_header(None, 0, "", {"tools": value}, messages)
+    with pytest.raises(TypeError, match="tools must hold JSON values"):
+        build_header(None, 0, "", {"tools": [{"type": "function", "x": {1}}]}, messages)
+    assert not build_header(None, 0, "", {"tools": []}, messages).HasField("template")
+    assert build_header(None, 0, "", {"tools": [WEATHER]}, messages).template.tools_json
+
+
 def test_tool_choice_defaults_and_modes():
     assert parse().tool_choice == ToolChoice("auto")  # with tools: auto, as OpenAI's and vLLM's
     assert parse(tools=None).tool_choice == ToolChoice("none")

@@ -301,3 +301,42 @@ def test_compiles_queued_behind_one_that_ran_past_its_deadline_are_compiled(toke
     slow, *queued = asyncio.run(run())
     assert isinstance(slow, InvalidConstraint) and "took longer" in str(slow)
     assert all(not isinstance(q, BaseException) for q in queued), queued
+
+
+def test_a_slow_spec_is_remembered_whether_or_not_it_waits_for_the_reasoning(thinking_tokenizer):
+    """The same grammar compiles as slowly under a reasoning parser (a chat request's) as from the
+    first token (the SDK's): asked both ways, one compile is left running, not two."""
+    compiler = GrammarCompiler(thinking_tokenizer, len(thinking_tokenizer), {thinking_tokenizer.eos_token_id})
+    compiler.prepare()
+
+    async def run() -> None:
+        for after_reasoning in (False, True):
+            with pytest.raises(InvalidConstraint, match="took longer than 0.05 s"):
+                spec = StructuredOutputs(regex=SLOW_REGEX + "y", after_reasoning=after_reasoning)
+                await compiler.compile(spec, timeout_s=0.05)
+        assert compiler.num_abandoned == 1
+
+    asyncio.run(run())
+
+
+def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer):
+    """A client that goes away while its spec compiles (a cancelled await) left the compile on the
+    compiler's one thread with no deadline: every later spec waited behind it, however long it ran
+    (a pathological spec sent and dropped, again and again, held them all). Its deadline still
+    leaves the thread to it, and the spec is remembered as too slow."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler.prepare()
+    slow = StructuredOutputs(regex=SLOW_REGEX + "z")
+
+    async def run() -> None:
+        task = asyncio.ensure_future(compiler.compile(slow, timeout_s=0.5))
+        await asyncio.sleep(0.2)  # compiling by now (it takes over a second)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.5)  # past its deadline
+        assert compiler.num_abandoned == 1
+        with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
+            await compiler.compile(slow, timeout_s=0.5)
+        await compiler.compile(StructuredOutputs(regex="(red|blue) z"), timeout_s=30)
+
+    asyncio.run(run())
