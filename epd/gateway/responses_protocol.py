@@ -53,6 +53,7 @@ from typing import Any
 from epd.gateway.json_fields import shown_value
 from epd.gateway.openai_protocol import (
     KNOWN_CHAT_FIELDS,
+    UNSUPPORTED_CHAT_FIELDS,
     ChatRequest,
     epd_details,
     parse_chat_request,
@@ -74,10 +75,13 @@ PASSED_TO_CHAT = frozenset(
         "skip_special_tokens", "spaces_between_special_tokens", "priority", "cache_salt", "request_id",
         "media", "pruning", "chat_template_kwargs", "chat_template", "include_reasoning",
         "parallel_tool_calls", "user", "service_tier", "structured_outputs", *GUIDED_FIELDS,
+        # chat's unsupported fields (vLLM's mm_processor_kwargs, best_of, ...): refused by chat's check
+        *(set(UNSUPPORTED_CHAT_FIELDS) - {"functions", "function_call"}),
     }
 )  # fmt: skip
 """Fields that mean the same in a Responses body as in chat's (vLLM's extras among them): passed as
-they are; chat's unsupported ones too, refused by chat's check with its own message."""
+they are; chat's unsupported ones too, refused by chat's check with its own message (but for
+its deprecated `functions` / `function_call`, which Responses does not have: logged as unknown)."""
 
 _TRANSLATED = frozenset(
     {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "metadata"}
@@ -425,7 +429,7 @@ class ResponseEvents:
         return events
 
     def _reasoning_text(self, text: str) -> list[dict[str, Any]]:
-        if not text:
+        if not text or not self.chat.include_reasoning:  # vLLM's include_reasoning false: no reasoning item
             return []
         events = []
         if self._open is None or self._open["type"] != "reasoning":

@@ -137,6 +137,8 @@ def test_a_named_function_and_text_format_are_chats():
         ({"input": "hi", "max_output_tokens": 0}, "'max_completion_tokens' must be an integer from 1"),
         ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "'include' is not supported"),
         ({"input": [{"role": "robot", "content": "x"}]}, "message roles must be"),
+        ({"input": "hi", "best_of": 2}, "'best_of' is not supported"),
+        ({"input": "hi", "mm_processor_kwargs": {"fps": 1}}, 'frame sampling goes in "media"'),
     ],
 )
 def test_refusals_say_what_to_send(body, match):
@@ -186,6 +188,12 @@ def test_reasoning_and_calls_are_items_in_order():
         "completed",
     )
     assert call["call_id"].startswith("chatcmpl-tool-") and call["id"].startswith("fc_")
+
+
+def test_include_reasoning_false_leaves_the_reasoning_item_out():
+    request = parse(input="hi", include_reasoning=False)
+    body = response_body(summary("think</think>ok"), request, thinking=True)
+    assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [("message", "ok")]
 
 
 def test_a_named_call_has_no_message_item():
