@@ -4,14 +4,21 @@ the `response` object and its streamed events, which carry the same items."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import pytest
 
-from epd.gateway.pipeline import AskSummary
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.http_api import start_http_api
+from epd.gateway.metrics import GatewayMetrics
+from epd.gateway.pipeline import AskSummary, Pipeline
 from epd.gateway.responses_protocol import ResponseEvents, parse_responses_request, response_body
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
-from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.contracts import TokenStep
+from epd.stages.errors import InvalidRequest, NotFound, Unavailable
+from epd.stages.server_config import ServerConfig
 from epd.video.types import SamplingOptions
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
@@ -233,3 +240,60 @@ def test_an_error_event_carries_the_status_and_the_next_sequence_number():
     shaper.start()
     event = shaper.error({"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}})
     assert event == {"type": "error", "sequence_number": 2, "code": 502, "message": "gone", "param": None}
+
+
+class FailsAfterOneToken(Pipeline):
+    """A pipeline whose stage fails after the first token (what a decode replica lost mid-answer
+    makes): the HTTP layer's handling of it is under test, not the stages."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]
+
+    async def ask(self, req):  # type: ignore[override]
+        yield TokenStep([7], "a")
+        raise Unavailable("decode went away")
+
+
+async def _post_responses(pipeline: Pipeline, body: dict) -> tuple[int, str]:
+    config = GatewayConfig(server=ServerConfig(port=0), http=HttpApiConfig(port=0))
+    http = await start_http_api(config, pipeline, GatewayMetrics())
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                f"http://127.0.0.1:{http.port}/v1/responses",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                return resp.status, (await resp.read()).decode()
+    finally:
+        await http.stop()
+
+
+def test_a_stream_that_fails_after_its_200_ends_with_an_error_event():
+    status, text = asyncio.run(_post_responses(FailsAfterOneToken(), {"input": "hi", "stream": True}))
+    assert status == 200
+    frames = [frame.splitlines() for frame in text.strip().split("\n\n")]
+    kinds = [lines[0].removeprefix("event: ") for lines in frames]
+    events = [json.loads(lines[1].removeprefix("data: ")) for lines in frames]
+    assert kinds == [e["type"] for e in events]  # each event named by its type
+    assert kinds[-2:] == ["response.output_text.delta", "error"] and "[DONE]" not in text
+    error = events[-1]
+    assert (
+        error["code"] == 503 and "decode went away" in error["message"] and "request id " in error["message"]
+    )
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+class FailsAtOnce(Pipeline):
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]
+
+    async def ask(self, req):  # type: ignore[override]
+        raise Unavailable("decode went away")
+        yield  # an async generator, as the pipeline's
+
+
+def test_a_failure_before_the_first_token_is_its_own_status():
+    for stream in (False, True):
+        status, text = asyncio.run(_post_responses(FailsAtOnce(), {"input": "hi", "stream": stream}))
+        assert status == 503 and json.loads(text)["error"]["code"] == 503
