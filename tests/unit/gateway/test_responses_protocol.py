@@ -9,6 +9,8 @@ import json
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
@@ -297,3 +299,59 @@ def test_a_failure_before_the_first_token_is_its_own_status():
     for stream in (False, True):
         status, text = asyncio.run(_post_responses(FailsAtOnce(), {"input": "hi", "stream": stream}))
         assert status == 503 and json.loads(text)["error"]["code"] == 503
+
+
+LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(), st.text(max_size=12))
+ANY = st.recursive(
+    LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "video_url", "input_file", "x"])},
+    optional={"text": ANY, "image_url": ANY, "video_url": ANY},
+)
+ITEM = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"]),
+        "role": st.sampled_from(["user", "system", "developer", "assistant", "tool", "x"]),
+        "content": st.one_of(st.text(max_size=8), st.lists(PART, max_size=2), ANY),
+        "call_id": ANY,
+        "name": ANY,
+        "arguments": ANY,
+        "output": ANY,
+    },
+)
+BODY = st.fixed_dictionaries(
+    {"input": st.one_of(st.text(max_size=8), st.lists(ITEM, max_size=3), ANY)},
+    optional={
+        name: ANY
+        for name in (
+            "instructions",
+            "tools",
+            "tool_choice",
+            "text",
+            "reasoning",
+            "metadata",
+            "store",
+            "max_output_tokens",
+            "temperature",
+            "stream",
+            "parallel_tool_calls",
+            "user",
+        )
+    },  # fmt: skip
+)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(body=BODY)
+def test_any_body_parses_or_is_a_400_and_its_answer_shapes(body):
+    """Whatever the JSON, a request or a clear 400: never another exception (a 500)."""
+    try:
+        request = parse(**body)
+    except InvalidRequest as exc:
+        assert str(exc)
+        return
+    json.dumps(response_body(summary("x</think>y"), request, thinking=True))
