@@ -235,8 +235,8 @@ def error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
 
 @dataclass
 class ChatRequest:
-    """What one chat-completions body (or a legacy completions body: `raw_prompt`) asks for, in the
-    pipeline's terms."""
+    """What one chat-completions body (or a legacy completions body: `raw_prompt`; or a Responses
+    API body: `responses`) asks for, in the pipeline's terms."""
 
     model: str
     messages: list[Message]
