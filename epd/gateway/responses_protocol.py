@@ -95,6 +95,9 @@ _CHAT_NAMES = {
 """Chat's names of what the Responses API asks under other names: a 400 naming the right one,
 rather than a request answered without what it asked for."""
 
+_RENAMED = {"'max_completion_tokens'": "'max_output_tokens'", "response_format": "text.format"}
+"""Chat's names in its refusals -> the names a Responses body sent them under."""
+
 _NOT_STORED = (
     "epd keeps no responses (vLLM stores them only with VLLM_ENABLE_RESPONSES_API_STORE set): "
     "send the whole conversation in 'input', earlier answers as assistant messages and "
@@ -156,7 +159,13 @@ def parse_responses_request(
     if metadata is not None and not isinstance(metadata, dict):
         raise InvalidRequest("'metadata' must be an object of strings")
     assert set(chat_body) <= KNOWN_CHAT_FIELDS
-    chat = parse_chat_request(chat_body, served_model, sampling_defaults, generation_defaults)
+    try:
+        chat = parse_chat_request(chat_body, served_model, sampling_defaults, generation_defaults)
+    except InvalidRequest as exc:  # chat's message, under the names this body used
+        message = str(exc)
+        for chat_name, name in _RENAMED.items():
+            message = message.replace(chat_name, name)
+        raise InvalidRequest(message) from None
     chat.responses = {
         "instructions": body.get("instructions"),
         "metadata": metadata or {},
@@ -285,6 +294,11 @@ def _text_format(text: Any) -> dict[str, Any] | None:
         raise InvalidRequest('\'text\' must be an object such as {"format": {"type": "json_object"}}')
     fmt = text.get("format") or {"type": "text"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest(
+                'text.format of type "json_schema" needs the schema in \'schema\': {"type": "json_schema", '
+                '"name": "answer", "schema": {"type": "object", ...}}'
+            )
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     if fmt.get("type") in ("text", "json_object"):
