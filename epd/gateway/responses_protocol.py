@@ -22,8 +22,10 @@ serves it over a chat model: the body becomes a chat-completions body, parsed by
                   "auto" | "required" | {"type": "function", "name"}; `parallel_tool_calls`
     text.format   {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name",
                   "schema", "strict"?}: chat's `response_format` (structured outputs)
-    reasoning     accepted and not acted on, as vLLM does for a model other than gpt-oss: the
-                  `--reasoning-parser` parts a thinking model's answer into a reasoning item
+    reasoning     accepted and not acted on: vLLM reads `reasoning.effort` for gpt-oss's Harmony
+                  format, which epd does not serve; a thinking model's thinking is turned off by
+                  `chat_template_kwargs: {"enable_thinking": false}`, as in chat, and the
+                  `--reasoning-parser` parts its answer into a reasoning item
     store         false only: epd keeps no responses (vLLM stores them only with
                   VLLM_ENABLE_RESPONSES_API_STORE set), so `store: true`, `previous_response_id`,
                   `background` and `conversation` are refused with a 400; send the whole
