@@ -7,6 +7,10 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
                                    `chat.completion.chunk`s ending in `data: [DONE]` (with
                                    stream_options include_usage, a last usage chunk; with
                                    vLLM's continuous_usage_stats too, the usage so far on each)
+    POST /v1/responses          OpenAI's Responses API over the same conversation model
+                                (epd/gateway/responses_protocol.py) -> a `response`, or with
+                                "stream": true its semantic SSE events (`event: response.created`
+                                ... `response.completed`)
     POST /v1/completions        legacy completions: one raw prompt (text or token ids), no chat
                                 template (epd/gateway/completions_protocol.py) -> `text_completion`,
                                 streamed as chat's is, in `text_completion` chunks
@@ -110,6 +114,7 @@ from epd.gateway.reasoning import (
     parser_misfit,
     thinking_on,
 )
+from epd.gateway.responses_protocol import ResponseEvents, parse_responses_request, response_body
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.tool_parser import ToolAnswerStream, tool_finish_reason
@@ -195,6 +200,7 @@ class HttpApi:
         )
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=defer_continue)
         app.router.add_post("/v1/completions", self.completions, expect_handler=defer_continue)
+        app.router.add_post("/v1/responses", self.responses, expect_handler=defer_continue)
         app.router.add_get("/v1/models", self.models, expect_handler=defer_continue)
         app.router.add_get("/v1/models/{model:.+}", self.model, expect_handler=defer_continue)
         app.router.add_get("/health", self.health, expect_handler=defer_continue)
@@ -397,6 +403,10 @@ class HttpApi:
         """Legacy completions: a raw prompt, no chat template (`epd.gateway.completions_protocol`)."""
         return await self._complete(request, parse_completion_request)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: its body read as a chat request (`epd.gateway.responses_protocol`)."""
+        return await self._complete(request, parse_responses_request)
+
     async def _complete(self, request: web.Request, parse: ParseRequest) -> web.StreamResponse:
         try:
             body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
@@ -457,6 +467,8 @@ class HttpApi:
                         log_summary(item)
                         if chat.raw_prompt is not None:
                             return web.json_response(text_completion_body(item, chat))
+                        if chat.responses is not None:
+                            return web.json_response(response_body(item, chat, self._thinking(chat)))
                         return web.json_response(
                             completion_body(
                                 item,
@@ -528,7 +540,10 @@ class HttpApi:
         if self.config.http.sse_keepalive_s > 0:
             keep_alive = asyncio.ensure_future(self._keep_alive(request, request_id, stream))
         try:
-            await self._write_events(request, chat, request_id, events, stream)
+            if chat.responses is not None:
+                await self._write_response_events(request, chat, request_id, events, stream)
+            else:
+                await self._write_events(request, chat, request_id, events, stream)
         finally:
             if keep_alive is not None:
                 keep_alive.cancel()
@@ -716,22 +731,81 @@ class HttpApi:
         except ConnectionResetError:
             raise
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
-            if isinstance(exc, asyncio.CancelledError):
-                if not self.in_flight.cutting:
-                    raise  # its client went away
-                exc = self.in_flight.shutdown_error(num_tokens, request_id)
-            if (response := await stream.settled()) is None:
-                raise exc  # nothing sent yet: the caller answers with the error's own status
-            status, error_type, message = http_error_of(exc)
-            request[STREAM_ERROR_KEY] = status
-            if status == 500:
-                log.exception("internal error mid-stream in %s", request_id)
-            body = error_body(tracing.with_request_id(message, request_id), error_type, status)
+            response, body = await self._stream_failed(request, request_id, stream, exc, num_tokens)
             await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         if stream.response is None:
             raise RuntimeError("the pipeline ended without a token")
         await stream.response.write(b"data: [DONE]\n\n")
         await stream.response.write_eof()
+
+    async def _stream_failed(
+        self, request: web.Request, request_id: str, stream: _Stream, exc: BaseException, num_tokens: int
+    ) -> tuple[web.StreamResponse, dict[str, Any]]:
+        """A streamed answer's failure: (its response, already 200, and the error's body to send on
+        it); raises the error itself when nothing was sent yet (the caller answers with its own
+        status), or the cancel when its client went away."""
+        if isinstance(exc, asyncio.CancelledError):
+            if not self.in_flight.cutting:
+                raise exc  # its client went away
+            exc = self.in_flight.shutdown_error(num_tokens, request_id)
+        if (response := await stream.settled()) is None:
+            raise exc  # nothing sent yet: the caller answers with the error's own status
+        status, error_type, message = http_error_of(exc)
+        request[STREAM_ERROR_KEY] = status
+        if status == 500:
+            log.exception("internal error mid-stream in %s", request_id, exc_info=exc)
+        return response, error_body(tracing.with_request_id(message, request_id), error_type, status)
+
+    async def _write_response_events(
+        self,
+        request: web.Request,
+        chat: ChatRequest,
+        request_id: str,
+        events: AsyncIterator[PipelineEvent],
+        stream: _Stream,
+    ) -> None:
+        """A Responses API answer's semantic events (`ResponseEvents`), each an SSE `event:` and
+        `data:` pair; the 200 goes with the first token, as chat's; no [DONE] (OpenAI's stream
+        ends with response.completed)."""
+        shaper = ResponseEvents(chat, request_id, self._thinking(chat))
+        call = current_call()
+        num_tokens = 0
+
+        async def send(items: list[dict[str, Any]]) -> None:
+            assert stream.response is not None
+            for event in items:
+                await stream.response.write(sse_event(event))
+
+        try:
+            async with aclosing(events):  # type: ignore[type-var]
+                async for item in events:
+                    if not isinstance(item, (TokenStep, AskSummary)):
+                        continue  # stage events and prompt logprobs have no place in the format
+                    if not stream.answering:
+                        stream.answering = True  # no keep-alive from now on
+                        await stream.begin(request, request_id)
+                        await send(shaper.start())
+                    if isinstance(item, TokenStep):
+                        num_tokens += len(item.token_ids)
+                        if call is not None:  # what a cut's status (and the request metric) goes by
+                            call.num_tokens = num_tokens
+                        await send(shaper.add(item.text))
+                        continue
+                    log_summary(item)
+                    await send(shaper.finish(item))
+        except ConnectionResetError:
+            raise
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
+            response, body = await self._stream_failed(request, request_id, stream, exc, num_tokens)
+            await response.write(sse_event(shaper.error(body)))
+        if stream.response is None:
+            raise RuntimeError("the pipeline ended without a token")
+        await stream.response.write_eof()
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    """One server-sent event named by its type, as OpenAI's Responses stream frames them."""
+    return f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n"
 
 
 def _tool_deltas(

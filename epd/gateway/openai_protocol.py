@@ -235,8 +235,8 @@ def error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
 
 @dataclass
 class ChatRequest:
-    """What one chat-completions body (or a legacy completions body: `raw_prompt`) asks for, in the
-    pipeline's terms."""
+    """What one chat-completions body (or a legacy completions body: `raw_prompt`; or a Responses
+    API body: `responses`) asks for, in the pipeline's terms."""
 
     model: str
     messages: list[Message]
@@ -276,6 +276,9 @@ class ChatRequest:
     """OpenAI's `tool_choice` over the request's tools (`template.tools`): whether the answer's
     text is parsed for calls (`epd.gateway.tool_parser`) or forced to them
     (`epd.gateway.tool_request`)."""
+    responses: dict[str, Any] | None = None
+    """A Responses API request's fields its answer repeats (`epd.gateway.responses_protocol`);
+    None for a chat or legacy completions request."""
 
     @property
     def response_role(self) -> str:

@@ -7,7 +7,8 @@ reasoning out, `enable_thinking: false` and a cut inside the block part it as vL
 every token, and legacy completions and a stack without the flag answer the text whole. Over the tiny
 Qwen2-VL, whose tokenizer has no think markers, the flag gets every chat request refused with a 500
 naming the flag and the model (vLLM refuses to start such a parser), where it made every answer all
-reasoning with a null content. A structured output waits for the end of the reasoning."""
+reasoning with a null content. A structured output waits for the end of the reasoning. The
+Responses API (`/v1/responses`) parts the same answer into a reasoning item and a message item."""
 
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def _stream(port: int, body: dict) -> list[dict]:
         raw = reply.read()
     return [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
             if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+
+
+def _response_events(port: int, body: dict) -> list[dict]:
+    """A streamed /v1/responses answer's events (each SSE event's data)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/responses",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        raw = reply.read()
+    return [json.loads(line[len(b"data: ") :]) for line in raw.splitlines() if line.startswith(b"data: ")]
 
 
 def _joined(chunks: list[dict], name: str, index: int = 0) -> str | None:
@@ -111,6 +124,22 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         ended = next(i for i, (_, t) in enumerate(deltas) if end_id in t)
         assert not any("content" in d for d, _ in deltas[:ended])
         assert not any("reasoning" in d for d, _ in deltas[ended + 1 :])
+
+        # The Responses API: a reasoning item, then the message; streamed as vLLM's reasoning events.
+        responses = {"model": "epd", "input": "name a colour", "max_output_tokens": MAX_TOKENS,
+                     "allowed_token_ids": allowed}  # fmt: skip
+        status, response = post_json(port, "/v1/responses", responses)
+        assert status == 200, response
+        assert [(i["type"], i["content"][0]["text"]) for i in response["output"]] == [
+            ("reasoning", reasoning),
+            ("message", content),
+        ]
+        events = _response_events(port, responses)
+        assert (
+            "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == reasoning
+        )
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == content
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
 
         # n choices: each parted on its own (greedy: the same answer twice).
         chunks = _stream(port, _body(allowed_token_ids=allowed, n=2))

@@ -54,7 +54,7 @@ _SAMPLE_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".png", ".jpg", ".j
 
 
 BODY_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/demo/frames", "/tokenize", "/detokenize"}
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/demo/frames", "/tokenize", "/detokenize"}
 )
 """Routes whose POST body is read with `read_json_body` under the admission limits."""
 

@@ -1,0 +1,522 @@
+"""OpenAI's Responses API JSON (`POST /v1/responses`) <-> the pipeline (no HTTP in here), as vLLM
+serves it over a chat model: the body becomes a chat-completions body, parsed by chat's own
+`parse_chat_request` (one set of checks, one `ChatRequest`), and the answer is shaped into a
+`response` object, or streamed as its semantic events.
+
+    input         a string (the user's message), or a list of items: messages {"role": "user" |
+                  "system" | "developer" | "assistant", "content": a string or parts}, whose parts
+                  are "input_text" (an assistant's "output_text"), "input_image" {"image_url": an
+                  https:// or data: URL} and, as vLLM's Responses API takes them, chat's own
+                  "text", "image_url" and "video_url" parts: a video goes in a
+                  {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}} part
+                  (Responses has no video part of its own); `function_call` {call_id, name,
+                  arguments} and `function_call_output` {call_id, output} items are the tool
+                  history (an assistant's `tool_calls`, a tool message); `reasoning` items are
+                  dropped (a template renders no earlier turn's thinking)
+    instructions  a system message before the input
+    max_output_tokens, temperature, top_p, and chat's vLLM extras (top_k, seed, stop, min_p,
+                  repetition_penalty, ..., "media" frame sampling, "pruning", cache_salt,
+                  chat_template_kwargs, priority: `PASSED_TO_CHAT`)
+    tools         Responses' flat {"type": "function", "name", "description", "parameters"}
+                  (other tool types, hosted by OpenAI, are refused); `tool_choice` "none" |
+                  "auto" | "required" | {"type": "function", "name"}; `parallel_tool_calls`
+    text.format   {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name",
+                  "schema", "strict"?}: chat's `response_format` (structured outputs)
+    reasoning     accepted and not acted on: vLLM reads `reasoning.effort` for gpt-oss's Harmony
+                  format, which epd does not serve; a thinking model's thinking is turned off by
+                  `chat_template_kwargs: {"enable_thinking": false}`, as in chat, and the
+                  `--reasoning-parser` parts its answer into a reasoning item
+    store         false only: epd keeps no responses (vLLM stores them only with
+                  VLLM_ENABLE_RESPONSES_API_STORE set), so `store: true`, `previous_response_id`,
+                  `background` and `conversation` are refused with a 400; send the whole
+                  conversation in `input` instead
+    metadata, user  accepted; metadata comes back in the response
+
+The answer: {"id": "resp_<request id>", "object": "response", "status": "completed", or
+"incomplete" with incomplete_details.reason "max_output_tokens" when max_output_tokens cut it,
+"output": [a reasoning item (with a reasoning parser), a message item of one output_text part,
+function_call items], "usage": {input_tokens, output_tokens, total_tokens, ...}} and chat's `epd`
+details. Streamed: SSE `event: <type>` / `data: {...}` pairs, each with its `sequence_number`:
+response.created, response.in_progress, then per output item response.output_item.added, its
+parts' events (a message's response.content_part.added / response.output_text.delta / .done /
+response.content_part.done; a reasoning item's, vLLM's names, response.reasoning_part.added /
+response.reasoning_text.delta / .done / response.reasoning_part.done; a call's
+response.function_call_arguments.delta / .done), response.output_item.done, and last
+response.completed (response.incomplete when cut) carrying the whole response. The whole answer
+is shaped by the same `ResponseEvents` fed the text at once, so both carry the same items.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from epd.gateway.json_fields import shown_value
+from epd.gateway.openai_protocol import (
+    KNOWN_CHAT_FIELDS,
+    UNSUPPORTED_CHAT_FIELDS,
+    ChatRequest,
+    epd_details,
+    parse_chat_request,
+    refuse_unsupported_fields,
+)
+from epd.gateway.pipeline import AskSummary
+from epd.gateway.reasoning import ReasoningStream
+from epd.gateway.structured_request import GUIDED_FIELDS
+from epd.gateway.tool_parser import ToolAnswerStream
+from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.errors import InvalidRequest
+from epd.video.types import SamplingOptions
+
+PASSED_TO_CHAT = frozenset(
+    {
+        "model", "stream", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+        "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens",
+        "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+        "skip_special_tokens", "spaces_between_special_tokens", "priority", "cache_salt", "request_id",
+        "media", "pruning", "chat_template_kwargs", "chat_template", "include_reasoning",
+        "parallel_tool_calls", "user", "service_tier", "structured_outputs", *GUIDED_FIELDS,
+        # chat's unsupported fields (vLLM's mm_processor_kwargs, best_of, ...): refused by chat's check
+        *(set(UNSUPPORTED_CHAT_FIELDS) - {"functions", "function_call"}),
+    }
+)  # fmt: skip
+"""Fields that mean the same in a Responses body as in chat's (vLLM's extras among them): passed as
+they are; chat's unsupported ones too, refused by chat's check with its own message (but for
+its deprecated `functions` / `function_call`, which Responses does not have: logged as unknown)."""
+
+_TRANSLATED = frozenset(
+    {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "metadata"}
+)
+_CHAT_NAMES = {
+    "messages": "'input' (a string, or a list of messages)",
+    "max_tokens": "'max_output_tokens'",
+    "max_completion_tokens": "'max_output_tokens'",
+    "response_format": "'text': {\"format\": {...}}",
+}
+"""Chat's names of what the Responses API asks under other names: a 400 naming the right one,
+rather than a request answered without what it asked for."""
+
+_RENAMED = {"'max_completion_tokens'": "'max_output_tokens'", "response_format": "text.format"}
+"""Chat's names in its refusals -> the names a Responses body sent them under."""
+
+_NOT_STORED = (
+    "epd keeps no responses (vLLM stores them only with VLLM_ENABLE_RESPONSES_API_STORE set): "
+    "send the whole conversation in 'input', earlier answers as assistant messages and "
+    "function_call items"
+)
+_UNSUPPORTED = {
+    "background": (False,),
+    "top_logprobs": (0,),
+    "include": ([],),
+    "truncation": ("disabled",),
+    "max_tool_calls": (),
+    "prompt": (),
+}
+"""Responses fields this server does not implement, with the values that ask for nothing."""
+
+_KNOWN = (
+    set(PASSED_TO_CHAT)
+    | _TRANSLATED
+    | set(_CHAT_NAMES)
+    | set(_UNSUPPORTED)
+    | {
+        "store",
+        "previous_response_id",
+        "conversation",
+        "stream_options",
+    }
+)
+
+
+def parse_responses_request(
+    body: Any, served_model: str, sampling_defaults: SamplingOptions, generation_defaults: GenerationConfig
+) -> ChatRequest:
+    """Validate a Responses body into the request chat's handler runs (its `responses` set to the
+    fields the answer repeats); raises InvalidRequest (400) or NotFound (404, model)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    if body.get("store") is True:
+        raise InvalidRequest(f"'store': true is not supported; leave it unset or false: {_NOT_STORED}")
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            raise InvalidRequest(f"'{name}' is not supported: {_NOT_STORED}")
+    for name, instead in _CHAT_NAMES.items():
+        if name in body:
+            raise InvalidRequest(f"'{name}' is chat completions' field; the Responses API takes {instead}")
+    refuse_unsupported_fields(body, _UNSUPPORTED, _KNOWN)
+    chat_body = {name: body[name] for name in PASSED_TO_CHAT & set(body)}
+    chat_body["messages"] = _messages(body.get("input"), body.get("instructions"))
+    if body.get("max_output_tokens") is not None:
+        chat_body["max_completion_tokens"] = body["max_output_tokens"]
+    if (tools := body.get("tools")) is not None:
+        chat_body["tools"] = _tools(tools)
+    if (choice := body.get("tool_choice")) is not None:
+        chat_body["tool_choice"] = _tool_choice(choice)
+    if (response_format := _text_format(body.get("text"))) is not None:
+        chat_body["response_format"] = response_format
+    if body.get("reasoning") is not None and not isinstance(body["reasoning"], dict):
+        raise InvalidRequest('\'reasoning\' must be an object such as {"effort": "low"}')
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidRequest("'metadata' must be an object of strings")
+    assert set(chat_body) <= KNOWN_CHAT_FIELDS
+    try:
+        chat = parse_chat_request(chat_body, served_model, sampling_defaults, generation_defaults)
+    except InvalidRequest as exc:  # chat's message, under the names this body used
+        message = str(exc)
+        for chat_name, name in _RENAMED.items():
+            message = message.replace(chat_name, name)
+        raise InvalidRequest(message) from None
+    chat.responses = {
+        "instructions": body.get("instructions"),
+        "metadata": metadata or {},
+        "tools": body.get("tools") or [],
+        "tool_choice": choice if choice is not None else "auto",
+        "parallel_tool_calls": chat.tool_choice.parallel,
+        "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+        "reasoning": body.get("reasoning"),
+        "user": body.get("user"),
+    }
+    return chat
+
+
+def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
+    """`input` (and `instructions`, first) as chat messages."""
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequest("'instructions' must be a string (the system message)")
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(value, str):
+        return [*messages, {"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(
+            "'input' must be a string or a non-empty list of items (messages, function calls)"
+        )
+    for i, item in enumerate(value):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append(_message(item, i))
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # a turn's calls: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise InvalidRequest(
+                    f"input[{i}] (a function_call_output) needs 'output', the call's result as a string"
+                )
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking: chat templates render none of it
+        else:
+            raise InvalidRequest(
+                f"input[{i}] has type {shown_value(kind)}; this server takes 'message', 'function_call', "
+                "'function_call_output' and 'reasoning' items"
+            )
+    return messages
+
+
+_PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
+
+
+def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
+    """One message item as chat's message: Responses' parts renamed to chat's."""
+    content = item.get("content")
+    if not isinstance(content, list):
+        return {"role": item.get("role"), "content": content}  # a string; anything else chat refuses
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _PART_TYPES:
+            parts.append({"type": "text", "text": part.get("text")})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise InvalidRequest(
+                    f"an input_image part of input[{i}] needs 'image_url', an https:// or data: URL "
+                    "(this server has no files API for 'file_id')"
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind in ("image_url", "video_url"):
+            parts.append(part)  # chat's own, as vLLM's Responses API takes them
+        else:
+            raise InvalidRequest(
+                f"unsupported content part {shown_value(kind)} in input[{i}]; use 'input_text', "
+                "'input_image' or (a video) {'type': 'video_url', 'video_url': {'url': ...}}"
+            )
+    return {"role": item.get("role"), "content": parts}
+
+
+def _tools(tools: Any) -> list[Any]:
+    """Responses' flat function tools as chat's {"type": "function", "function": {...}}."""
+    if not isinstance(tools, list):
+        raise InvalidRequest(
+            '\'tools\' must be a list of {"type": "function", "name": ..., "parameters": {...}}'
+        )
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise InvalidRequest(
+                f"tools[{i}] has type {shown_value(kind)}; this server runs function tools alone "
+                '({"type": "function", "name": ..., "parameters": {...}}): OpenAI\'s hosted tools are not served'
+            )
+        function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters", "strict")}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    """Responses' {"type": "function", "name"} as chat's; the strings are the same."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") != "function":
+        raise InvalidRequest(
+            f'\'tool_choice\' must be "none", "auto", "required" or {{"type": "function", "name": ...}}, '
+            f"got {shown_value(choice)}"
+        )
+    return choice
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` as chat's `response_format` (None: plain text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or not isinstance(text.get("format", {}), dict):
+        raise InvalidRequest('\'text\' must be an object such as {"format": {"type": "json_object"}}')
+    fmt = text.get("format") or {"type": "text"}
+    if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest(
+                'text.format of type "json_schema" needs the schema in \'schema\': {"type": "json_schema", '
+                '"name": "answer", "schema": {"type": "object", ...}}'
+            )
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    if fmt.get("type") in ("text", "json_object"):
+        return None if fmt["type"] == "text" else {"type": "json_object"}
+    raise InvalidRequest(
+        f'text.format has type {shown_value(fmt.get("type"))}; use "text", "json_object" or '
+        '"json_schema" (with "name" and "schema")'
+    )
+
+
+# -- the answer ---------------------------------------------------------------------------------
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseEvents:
+    """One response's semantic events, from its text as it comes (`add`) to its end (`finish`):
+    the reasoning parser's parts (`thinking` None: no parser) and the tool choice's calls
+    (`ToolAnswerStream`, as chat's stream parts them) become output items, opened and closed in
+    order. `output` is the items done; `response` the response object as it stands."""
+
+    def __init__(self, chat: ChatRequest, request_id: str, thinking: bool | None, created: int | None = None):
+        self.chat = chat
+        self.request_id = request_id
+        self.created = created if created is not None else int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self._sequence = 0
+        self._reasoning = None if thinking is None else ReasoningStream(thinking)
+        self._tools = ToolAnswerStream(chat.tool_choice) if chat.tool_choice.mode != "none" else None
+        self._open: dict[str, Any] | None = None  # the item being written
+        self._text = ""  # the open item's text (a message's or reasoning's) or arguments
+
+    def start(self) -> list[dict[str, Any]]:
+        """response.created and response.in_progress."""
+        response = self.response("in_progress")
+        return [
+            self._event("response.created", response=response),
+            self._event("response.in_progress", response=response),
+        ]
+
+    def add(self, text: str) -> list[dict[str, Any]]:
+        """The events of the answer's next text."""
+        if self._reasoning is None:
+            return self._content(text)
+        split = self._reasoning.add(text)
+        events = self._reasoning_text(split.reasoning or "")
+        return events + self._content(split.content or "")
+
+    def finish(self, summary: AskSummary) -> list[dict[str, Any]]:
+        """The held-back tails, the last item's close and response.completed (or .incomplete)."""
+        events = []
+        if self._reasoning is not None:
+            events += self._reasoning_text(self._reasoning.finish().reasoning or "")
+        if self._tools is not None:
+            events += self._deltas(self._tools.finish())
+        events += self._close()
+        response = self.response("incomplete" if summary.finish_reason == "length" else "completed", summary)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return events + [self._event(kind, response=response)]
+
+    def response(self, status: str, summary: AskSummary | None = None) -> dict[str, Any]:
+        chat, echo = self.chat, self.chat.responses or {}
+        body: dict[str, Any] = {
+            "id": f"resp_{self.request_id}",
+            "object": "response",
+            "created_at": self.created,
+            "model": chat.model,
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "error": None,
+            "output": list(self.output),
+            "max_output_tokens": None
+            if chat.generation.fit_max_new_tokens
+            else chat.generation.max_new_tokens,
+            "temperature": chat.generation.temperature,
+            "top_p": chat.generation.top_p,
+            "store": False,
+            "previous_response_id": None,
+            **echo,
+            "usage": None if summary is None else _usage(summary),
+        }
+        if summary is not None:
+            body["epd"] = epd_details(summary)
+        return body
+
+    def error(self, error: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's `error` event of a stream that failed after its 200, from chat's error body
+        (`epd.gateway.openai_protocol.error_body`)."""
+        inner = error["error"]
+        return self._event("error", code=inner["code"], message=inner["message"], param=None)
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        if self._tools is None:
+            return self._message_text(text)
+        return self._deltas(self._tools.add(text))
+
+    def _deltas(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Chat's deltas of the tool stream (content, or a call's opening and arguments) as events."""
+        events = []
+        for delta in deltas:
+            if delta.get("content"):
+                events += self._message_text(delta["content"])
+            for call in delta.get("tool_calls", []):
+                if "id" in call:
+                    events += self._close()
+                    item = {
+                        "id": _item_id("fc"),
+                        "type": "function_call",
+                        "call_id": call["id"],
+                        "name": call["function"]["name"],
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                    events += self._open_item(item)
+                if arguments := call["function"].get("arguments"):
+                    self._text += arguments
+                    events.append(self._item_event("response.function_call_arguments.delta", delta=arguments))
+        return events
+
+    def _message_text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._open is None or self._open["type"] != "message":
+            events += self._close()
+            item = {
+                "id": _item_id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "status": "in_progress",
+            }
+            events += self._open_item(item)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            events.append(self._item_event("response.content_part.added", content_index=0, part=part))
+        self._text += text
+        events.append(
+            self._item_event("response.output_text.delta", content_index=0, delta=text, logprobs=[])
+        )
+        return events
+
+    def _reasoning_text(self, text: str) -> list[dict[str, Any]]:
+        if not text or not self.chat.include_reasoning:  # vLLM's include_reasoning false: no reasoning item
+            return []
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close()
+            events += self._open_item(
+                {"id": _item_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
+            )
+            part = {"type": "reasoning_text", "text": ""}
+            events.append(self._item_event("response.reasoning_part.added", content_index=0, part=part))
+        self._text += text
+        events.append(self._item_event("response.reasoning_text.delta", content_index=0, delta=text))
+        return events
+
+    def _open_item(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self._open, self._text = item, ""
+        return [self._event("response.output_item.added", output_index=len(self.output), item=dict(item))]
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The open item's done events; it joins `output`."""
+        item, text = self._open, self._text
+        if item is None:
+            return []
+        events = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            events.append(
+                self._item_event("response.output_text.done", content_index=0, text=text, logprobs=[])
+            )
+            events.append(self._item_event("response.content_part.done", content_index=0, part=part))
+            item["content"] = [part]
+        elif item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            events.append(self._item_event("response.reasoning_text.done", content_index=0, text=text))
+            events.append(self._item_event("response.reasoning_part.done", content_index=0, part=part))
+            item["content"] = [part]
+        else:
+            item["arguments"] = text
+            events.append(self._item_event("response.function_call_arguments.done", arguments=text))
+        item["status"] = "completed"
+        events.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
+        self.output.append(item)
+        self._open, self._text = None, ""
+        return events
+
+    def _item_event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        assert self._open is not None
+        return self._event(kind, item_id=self._open["id"], output_index=len(self.output), **fields)
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+
+def response_body(
+    summary: AskSummary, chat: ChatRequest, thinking: bool | None, created: int | None = None
+) -> dict[str, Any]:
+    """The whole answer's `response`: its text through the same `ResponseEvents` a stream goes
+    through, at once."""
+    events = ResponseEvents(chat, summary.request_id, thinking, created)
+    events.add(summary.answer)
+    return events.finish(summary)[-1]["response"]
+
+
+def _usage(summary: AskSummary) -> dict[str, Any]:
+    """The Responses API's usage: chat's counts under its names (no count of reasoning tokens: the
+    parser parts text, not tokens)."""
+    output = len(summary.token_ids)
+    return {
+        "input_tokens": summary.num_prompt_tokens,
+        "input_tokens_details": {"cached_tokens": summary.num_reused_prompt_tokens},
+        "output_tokens": output,
+        "total_tokens": summary.num_prompt_tokens + output,
+    }

@@ -1,0 +1,186 @@
+"""OpenAI's Responses API (`POST /v1/responses`) through the real stack, driven by the `openai`
+client's `responses.create` as a user drives it: a video question's answer is chat completions'
+token for token (greedy), its streamed events joined are the whole response, a named function
+comes back as a function_call item with the arguments chat's call has, text.format json_schema
+is chat's response_format, and `store: true` is a 400 saying epd keeps no responses."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.request
+
+import openai
+import pytest
+
+from tests.integration.test_structured_outputs import SCHEMA
+from tests.integration.test_tool_calls import _no_whitespace
+
+QUESTION = "what colour is the moving square?"
+MAX_TOKENS = 8
+MEDIA = {"media": {"num_frames": 4}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(shared_stack):
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def video_url(media_files):
+    return "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+
+
+def _parts(video_url: str) -> list[dict]:
+    return [{"type": "text", "text": QUESTION}, {"type": "video_url", "video_url": {"url": video_url}}]
+
+
+def test_a_video_question_is_chats_answer_plain_and_streamed(client, video_url):
+    chat = client.chat.completions.create(
+        model="epd",
+        messages=[{"role": "user", "content": _parts(video_url)}],
+        max_tokens=MAX_TOKENS,
+        extra_body=MEDIA,
+    )
+    response = client.responses.create(
+        model="epd",
+        input=[{"role": "user", "content": _parts(video_url)}],
+        max_output_tokens=MAX_TOKENS,
+        extra_body=MEDIA,
+    )
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.model_extra["epd"]["token_ids"] == chat.choices[0].model_extra["token_ids"]
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert chat.choices[0].finish_reason == "length"  # the tiny model runs to max_tokens
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens == MAX_TOKENS
+
+    events = list(
+        client.responses.create(
+            model="epd",
+            input=[{"role": "user", "content": _parts(video_url)}],
+            max_output_tokens=MAX_TOKENS,
+            stream=True,
+            extra_body=MEDIA,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == response.output_text
+    final = events[-1].response
+    assert final.output_text == response.output_text and final.usage.output_tokens == MAX_TOKENS
+    assert final.model_extra["epd"]["token_ids"] == response.model_extra["epd"]["token_ids"]
+
+
+def test_a_named_function_is_a_function_call_item(client, shared_stack, tiny_models):
+    compact = _no_whitespace(tiny_models["qwen2_vl"])
+    chat = client.chat.completions.create(
+        model="epd",
+        messages=[{"role": "user", "content": "weather in Rome?"}],
+        tools=[{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=48,
+        extra_body={"logit_bias": compact},
+    )
+    (chat_call,) = chat.choices[0].message.tool_calls
+    ask = {
+        "model": "epd",
+        "input": "weather in Rome?",
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 48,
+        "extra_body": {"logit_bias": compact},
+    }
+    response = client.responses.create(**ask)
+    (call,) = response.output
+    assert (call.type, call.name, call.arguments) == (
+        "function_call",
+        "get_weather",
+        chat_call.function.arguments,
+    )
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome") and call.call_id
+    events = list(client.responses.create(**ask, stream=True))
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert arguments == call.arguments
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.type, done.name, done.arguments) == ("function_call", "get_weather", call.arguments)
+
+
+def test_text_format_json_schema_is_chats_response_format(client, video_url):
+    fmt = {"type": "json_schema", "name": "objects", "schema": SCHEMA, "strict": True}
+    chat = client.chat.completions.create(
+        model="epd",
+        messages=[{"role": "user", "content": _parts(video_url)}],
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}},
+        extra_body=MEDIA,
+    )
+    response = client.responses.create(
+        model="epd",
+        input=[{"role": "user", "content": _parts(video_url)}],
+        max_output_tokens=64,
+        text={"format": fmt},
+        extra_body=MEDIA,
+    )
+    assert response.model_extra["epd"]["token_ids"] == chat.choices[0].model_extra["token_ids"]
+    assert response.output_text == chat.choices[0].message.content
+    assert response.text.format.type == "json_schema"
+    plain = client.responses.create(
+        model="epd",
+        input=[{"role": "user", "content": _parts(video_url)}],
+        max_output_tokens=64,
+        extra_body=MEDIA,
+    )
+    assert plain.model_extra["epd"]["token_ids"] != response.model_extra["epd"]["token_ids"]  # constrained
+    if response.status == "completed":
+        assert isinstance(json.loads(response.output_text), dict)
+
+
+def test_refusals_are_chats_statuses(client, shared_stack):
+    with pytest.raises(openai.BadRequestError, match="epd keeps no responses") as info:
+        client.responses.create(model="epd", input="hi", store=True)
+    assert info.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="'previous_response_id' is not supported"):
+        client.responses.create(model="epd", input="hi", previous_response_id="resp_1")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="other", input="hi")
+    # The smallest raw body answers, and the route has its own label in the metrics.
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{shared_stack.http_port}/v1/responses",
+        data=json.dumps({"model": "epd", "input": "ping", "max_output_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        assert json.loads(reply.read())["object"] == "response"
+    with urllib.request.urlopen(f"http://127.0.0.1:{shared_stack.http_port}/metrics", timeout=30) as reply:
+        metrics = reply.read().decode()
+    assert 'route="/v1/responses"' in metrics and 'code="400"' in metrics

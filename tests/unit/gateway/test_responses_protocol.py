@@ -1,0 +1,361 @@
+"""The Responses API body (`POST /v1/responses`) -> the chat request the handler runs: input items,
+instructions, tools, text.format, what is refused with a 400 that says what to send; and the answer:
+the `response` object and its streamed events, which carry the same items."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.http_api import start_http_api
+from epd.gateway.metrics import GatewayMetrics
+from epd.gateway.pipeline import AskSummary, Pipeline
+from epd.gateway.responses_protocol import ResponseEvents, parse_responses_request, response_body
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
+from epd.stages.contracts import TokenStep
+from epd.stages.errors import InvalidRequest, NotFound, Unavailable
+from epd.stages.server_config import ServerConfig
+from epd.video.types import SamplingOptions
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+VIDEO = "data:video/mp4;base64,AAAA"
+
+
+def parse(**body):
+    return parse_responses_request({"model": "m", **body}, "m", SamplingOptions(), GenerationConfig())
+
+
+def summary(answer: str, finish_reason: str = "stop") -> AskSummary:
+    return AskSummary("r1", answer, [5, 6, 7], finish_reason, 0, 0, 4, {}, 0, False, "", [])
+
+
+def test_a_string_input_with_instructions_is_a_system_and_a_user_message():
+    request = parse(input="hi", instructions="be brief", max_output_tokens=5, temperature=0.5, top_k=3)
+    assert [(m.role, m.parts[0].text) for m in request.messages] == [("system", "be brief"), ("user", "hi")]
+    assert request.generation.max_new_tokens == 5 and not request.generation.fit_max_new_tokens
+    assert (request.generation.temperature, request.generation.top_k) == (0.5, 3)
+    assert request.responses is not None and request.responses["instructions"] == "be brief"
+    assert request.media_url == "" and not request.stream
+
+
+def test_items_parts_video_and_tool_history():
+    request = parse(
+        input=[
+            {"role": "developer", "content": [{"type": "input_text", "text": "sys"}]},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "what?"},
+                    {"type": "video_url", "video_url": {"url": VIDEO}},
+                ],
+            },
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+            {"type": "reasoning", "summary": []},
+        ],
+        tools=[TOOL],
+        tool_choice="none",
+        media={"num_frames": 4},
+    )
+    roles = [m.role for m in request.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool"]
+    assert [p.type for p in request.messages[1].parts] == ["text", "video"]
+    assert (request.media_url, request.modality, request.sampling.num_frames) == (VIDEO, "video", 4)
+    assert [c.id for c in request.messages[2].tool_calls] == ["c1", "c2"]  # one turn's calls
+    assert request.messages[3].tool_call_id == "c1"
+    assert request.template.tools[0] == {
+        "type": "function",
+        "function": {k: v for k, v in TOOL.items() if k != "type"},
+    }
+
+
+def test_an_input_image_is_chats_image_part():
+    request = parse(
+        input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}
+        ]
+    )
+    assert (request.media_url, request.modality) == ("data:image/png;base64,AA", "image")
+
+
+def test_a_named_function_and_text_format_are_chats():
+    named = parse(input="hi", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
+    assert (named.tool_choice.mode, named.tool_choice.function) == ("named", "get_weather")
+    assert named.generation.structured_outputs is not None  # the function's parameters' grammar
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"format": {"type": "json_schema", "name": "a", "schema": schema, "strict": True}}
+    structured = parse(input="hi", text=fmt).generation.structured_outputs
+    assert structured is not None and json.loads(structured.json_schema) == schema
+    assert parse(
+        input="hi", text={"format": {"type": "json_object"}}
+    ).generation.structured_outputs == StructuredOutputs(json_object=True)
+    assert parse(input="hi", text={"format": {"type": "text"}}).generation.structured_outputs is None
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (
+            {"input": "hi", "store": True},
+            "'store': true is not supported.*epd keeps no responses.*VLLM_ENABLE",
+        ),
+        (
+            {"input": "hi", "previous_response_id": "resp_1"},
+            "'previous_response_id' is not supported: epd keeps no",
+        ),
+        ({"input": "hi", "conversation": "c"}, "'conversation' is not supported"),
+        ({"input": "hi", "background": True}, "'background' is not supported"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "'messages' is chat completions' field.*'input'"),
+        ({"input": "hi", "max_tokens": 4}, "takes 'max_output_tokens'"),
+        ({"input": "hi", "response_format": {"type": "json_object"}}, "takes 'text'"),
+        ({}, "'input' must be a string or a non-empty list"),
+        ({"input": []}, "'input' must be a string or a non-empty list"),
+        ({"input": [{"type": "web_search_call"}]}, "input\\[0\\] has type 'web_search_call'"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "needs 'output'"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "unsupported content part 'input_file'",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "needs 'image_url'.*no files API",
+        ),
+        (
+            {"input": "hi", "tools": [{"type": "web_search"}]},
+            "tools\\[0\\] has type 'web_search'.*hosted tools",
+        ),
+        ({"input": "hi", "tool_choice": {"type": "file_search"}}, "'tool_choice' must be"),
+        (
+            {"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+            "not in 'tools'",
+        ),
+        ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format has type 'xml'"),
+        ({"input": "hi", "text": "json"}, "'text' must be an object"),
+        (
+            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "a"}}},
+            "needs the schema in 'schema'",
+        ),
+        ({"input": "hi", "instructions": 3}, "'instructions' must be a string"),
+        ({"input": "hi", "metadata": "x"}, "'metadata' must be an object"),
+        ({"input": "hi", "reasoning": "high"}, "'reasoning' must be an object"),
+        ({"input": "hi", "max_output_tokens": 0}, "'max_output_tokens' must be an integer from 1"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "'include' is not supported"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "message roles must be"),
+        ({"input": "hi", "best_of": 2}, "'best_of' is not supported"),
+        ({"input": "hi", "mm_processor_kwargs": {"fps": 1}}, 'frame sampling goes in "media"'),
+    ],
+)
+def test_refusals_say_what_to_send(body, match):
+    with pytest.raises(InvalidRequest, match=match):
+        parse(**body)
+
+
+def test_another_model_is_a_404_and_unknown_fields_are_logged(caplog):
+    with pytest.raises(NotFound):
+        parse_responses_request({"model": "x", "input": "hi"}, "m", SamplingOptions(), GenerationConfig())
+    with caplog.at_level("WARNING"):
+        parse(input="hi", store=False, prompt_cache_key="k", reasoning={"effort": "low"}, user="u")
+    assert "ignored request fields ['prompt_cache_key']" in caplog.text
+
+
+def test_the_response_object():
+    request = parse(input="hi", metadata={"k": "v"}, max_output_tokens=3)
+    body = response_body(summary("hello"), request, None, created=1)
+    assert body["id"] == "resp_r1" and body["object"] == "response" and body["created_at"] == 1
+    assert (body["status"], body["incomplete_details"], body["store"]) == ("completed", None, False)
+    assert body["metadata"] == {"k": "v"} and body["max_output_tokens"] == 3
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant" and item["id"].startswith("msg_")
+    assert item["content"] == [{"type": "output_text", "text": "hello", "annotations": []}]
+    assert body["usage"] == {
+        "input_tokens": 4,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 3,
+        "total_tokens": 7,
+    }
+    cut = response_body(summary("hel", "length"), request, None)
+    assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+
+
+def test_reasoning_and_calls_are_items_in_order():
+    request = parse(input="hi", tools=[TOOL], tool_choice="auto")
+    text = 'think</think>ok <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    body = response_body(summary(text), request, thinking=True)
+    kinds = [item["type"] for item in body["output"]]
+    assert kinds == ["reasoning", "message", "function_call"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert body["output"][1]["content"][0]["text"] == "ok "
+    call = body["output"][2]
+    assert (call["name"], json.loads(call["arguments"]), call["status"]) == (
+        "get_weather",
+        {"city": "Rome"},
+        "completed",
+    )
+    assert call["call_id"].startswith("chatcmpl-tool-") and call["id"].startswith("fc_")
+
+
+def test_include_reasoning_false_leaves_the_reasoning_item_out():
+    request = parse(input="hi", include_reasoning=False)
+    body = response_body(summary("think</think>ok"), request, thinking=True)
+    assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [("message", "ok")]
+
+
+def test_a_named_call_has_no_message_item():
+    request = parse(input="hi", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
+    body = response_body(summary('{"city": "Rome"}'), request, None)
+    assert [(i["type"], i.get("arguments")) for i in body["output"]] == [
+        ("function_call", '{"city": "Rome"}')
+    ]
+
+
+def test_streamed_events_join_into_the_whole_response():
+    request = parse(input="hi", tools=[TOOL], tool_choice="auto", stream=True)
+    text = 'hmm</think>Sure. <tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    shaper = ResponseEvents(request, "r1", thinking=True, created=1)
+    events = shaper.start()
+    for i in range(0, len(text), 3):  # markers split across deltas
+        events += shaper.add(text[i : i + 3])
+    events += shaper.finish(summary(text))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+    final = events[-1]["response"]
+    whole = response_body(summary(text), request, thinking=True, created=1)
+    strip = [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in final["output"]]
+    assert strip == [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in whole["output"]]
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    content = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (reasoning, content) == ("hmm", "Sure. ")
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [i["id"] for i in final["output"]]  # each item's id the same from added to done
+
+
+def test_an_error_event_carries_the_status_and_the_next_sequence_number():
+    shaper = ResponseEvents(parse(input="hi"), "r1", None)
+    shaper.start()
+    event = shaper.error({"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}})
+    assert event == {"type": "error", "sequence_number": 2, "code": 502, "message": "gone", "param": None}
+
+
+class FailsAfterOneToken(Pipeline):
+    """A pipeline whose stage fails after the first token (what a decode replica lost mid-answer
+    makes): the HTTP layer's handling of it is under test, not the stages."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]
+
+    async def ask(self, req):  # type: ignore[override]
+        yield TokenStep([7], "a")
+        raise Unavailable("decode went away")
+
+
+async def _post_responses(pipeline: Pipeline, body: dict) -> tuple[int, str]:
+    config = GatewayConfig(server=ServerConfig(port=0), http=HttpApiConfig(port=0))
+    http = await start_http_api(config, pipeline, GatewayMetrics())
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                f"http://127.0.0.1:{http.port}/v1/responses",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                return resp.status, (await resp.read()).decode()
+    finally:
+        await http.stop()
+
+
+def test_a_stream_that_fails_after_its_200_ends_with_an_error_event():
+    status, text = asyncio.run(_post_responses(FailsAfterOneToken(), {"input": "hi", "stream": True}))
+    assert status == 200
+    frames = [frame.splitlines() for frame in text.strip().split("\n\n")]
+    kinds = [lines[0].removeprefix("event: ") for lines in frames]
+    events = [json.loads(lines[1].removeprefix("data: ")) for lines in frames]
+    assert kinds == [e["type"] for e in events]  # each event named by its type
+    assert kinds[-2:] == ["response.output_text.delta", "error"] and "[DONE]" not in text
+    error = events[-1]
+    assert (
+        error["code"] == 503 and "decode went away" in error["message"] and "request id " in error["message"]
+    )
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+class FailsAtOnce(Pipeline):
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]
+
+    async def ask(self, req):  # type: ignore[override]
+        raise Unavailable("decode went away")
+        yield  # an async generator, as the pipeline's
+
+
+def test_a_failure_before_the_first_token_is_its_own_status():
+    for stream in (False, True):
+        status, text = asyncio.run(_post_responses(FailsAtOnce(), {"input": "hi", "stream": stream}))
+        assert status == 503 and json.loads(text)["error"]["code"] == 503
+
+
+LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(), st.text(max_size=12))
+ANY = st.recursive(
+    LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "video_url", "input_file", "x"])},
+    optional={"text": ANY, "image_url": ANY, "video_url": ANY},
+)
+ITEM = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"]),
+        "role": st.sampled_from(["user", "system", "developer", "assistant", "tool", "x"]),
+        "content": st.one_of(st.text(max_size=8), st.lists(PART, max_size=2), ANY),
+        "call_id": ANY,
+        "name": ANY,
+        "arguments": ANY,
+        "output": ANY,
+    },
+)
+BODY = st.fixed_dictionaries(
+    {"input": st.one_of(st.text(max_size=8), st.lists(ITEM, max_size=3), ANY)},
+    optional={
+        name: ANY
+        for name in (
+            "instructions",
+            "tools",
+            "tool_choice",
+            "text",
+            "reasoning",
+            "metadata",
+            "store",
+            "max_output_tokens",
+            "temperature",
+            "stream",
+            "parallel_tool_calls",
+            "user",
+        )
+    },  # fmt: skip
+)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(body=BODY)
+def test_any_body_parses_or_is_a_400_and_its_answer_shapes(body):
+    """Whatever the JSON, a request or a clear 400: never another exception (a 500)."""
+    try:
+        request = parse(**body)
+    except InvalidRequest as exc:
+        assert str(exc)
+        return
+    json.dumps(response_body(summary("x</think>y"), request, thinking=True))
