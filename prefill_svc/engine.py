@@ -25,12 +25,13 @@ import torch
 from epd.model_runtime.adapter import (
     PrefillChunk,
     Prompt,
+    RenderOptions,
     UnsupportedByFamily,
     VisualFeatures,
     VisualMeta,
     VLMAdapter,
 )
-from epd.model_runtime.chat_template import ServerChatTemplate, check_syntax
+from epd.model_runtime.chat_template import check_syntax
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
@@ -94,7 +95,7 @@ class PrefillOutput:
 
 class PrefillEngine:
     """The prefill stage's per-request work around the model: validation and the prompt before a
-    request queues (`prepare`), the first token and the handle after its last step (`finish`).
+    request queues (`render`, then `admit`), the first token and the handle after its last step (`finish`).
     The batched steps in between are `PrefillRunner`'s."""
 
     def __init__(self, config: PrefillConfig, adapter: VLMAdapter) -> None:
@@ -110,10 +111,6 @@ class PrefillEngine:
         """Prompt plus generated tokens at most: the model's, or --max-model-len (None: not known)."""
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
-        self.server_chat_template = (
-            None if config.chat_template is None else ServerChatTemplate(config.chat_template)
-        )
-        """--chat-template, marked as the operator's: its failures are the server's, not the client's."""
         self.reasoning_markers = adapter.single_tokens(REASONING_MARKERS)
         """Which think markers the tokenizer has (`ModelInfo.reasoning_markers`): looked up once,
         the vocabulary does not change and get_vocab() builds a dict of it."""
@@ -131,8 +128,9 @@ class PrefillEngine:
                 served,
                 config.max_model_len,
             )
-        # /tokenize and /detokenize run on a thread of their own (`LocalPrefillStage`) with the
-        # model thread's tokenizer, which no call changes once settled: no second copy in memory.
+        # Prompts, /tokenize and /detokenize run on the stage's tokenizer threads
+        # (`LocalPrefillStage`) with the one tokenizer, which no call changes once settled: no
+        # second copy in memory.
         adapter.settle_tokenizer()
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_ttl_s)
         # Families whose cache is attention-only and that continue a cache in chunks. A hybrid
@@ -142,7 +140,7 @@ class PrefillEngine:
         self.prefix_caching = adapter.supports_chunked_prefill and not getattr(adapter, "linear_layers", None)
 
     def model_info(self) -> ModelInfo:
-        """What this stage's model and limits take: what `validate` and `prepare` check a request against."""
+        """What this stage's model and limits take: what `validate` and `render` check a request against."""
         return ModelInfo(
             vocab_size=self.adapter.vocab_size,
             context_tokens=self.context_tokens,
@@ -156,8 +154,8 @@ class PrefillEngine:
         )
 
     def tokenize(self, request: TokenizeInput) -> TokenizeOutput:
-        """/tokenize: a text's ids, or a text-only conversation's as `prepare` renders its prompt.
-        Any thread may call it, also while the model thread tokenises a prompt with the same
+        """/tokenize: a text's ids, or a text-only conversation's as `render` renders its prompt.
+        Any thread may call it, also while another thread tokenises a prompt with the same
         tokenizer: no call changes the tokenizer (`VLMAdapter.settle_tokenizer`)."""
         request.check(self.config.max_text_chars)
         try:
@@ -166,11 +164,8 @@ class PrefillEngine:
             else:
                 token_ids = self.adapter.tokenize_conversation(
                     to_chat_template(request.messages, ""),
-                    request.template.add_generation_prompt,
                     request.add_special_tokens,
-                    request.template.continue_final_message,
-                    request.template.template_variables(),
-                    self._chat_template(request.template),
+                    self._render_options(request.template),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -178,18 +173,18 @@ class PrefillEngine:
             token_ids, self.adapter.token_strings(token_ids) if request.return_token_strs else None
         )
 
-    def _chat_template(self, template: ChatTemplateOptions) -> str | None:
-        """The template a request's prompt renders with: the request's own (on a server that trusts
-        them, parsed here: InvalidRequest with jinja's message otherwise), else --chat-template,
-        else None (the model's own)."""
+    def _render_options(self, template: ChatTemplateOptions) -> RenderOptions:
+        """What a request's prompt renders with; its template the request's own (on a server that
+        trusts them, parsed here: InvalidRequest with jinja's message otherwise), else
+        --chat-template, else None (the model's own)."""
         refuse_untrusted(template.chat_template, self.config.trust_request_chat_template)
         if template.chat_template is None:
-            return self.server_chat_template
+            return template.render_options(self.config.chat_template)
         try:
             check_syntax(template.chat_template)
         except ValueError as exc:
             raise InvalidRequest(f"'chat_template': {exc}; send a template that parses") from None
-        return template.chat_template
+        return template.render_options(template.chat_template, requests_template=True)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """/detokenize: at most `max_text_chars` ids of the vocabulary (what a longest /tokenize
@@ -259,7 +254,7 @@ class PrefillEngine:
         if any(tuple(d.shape) != tuple(embeds.shape) for d in media.deepstack):
             raise InvalidRequest("each DeepStack feature must have the visual embeddings' shape, row for row")
 
-    def prepare(
+    def render(
         self,
         messages: Sequence[Message],
         media: EncodedMedia | None,
@@ -272,13 +267,19 @@ class PrefillEngine:
         template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> PrefillRequest:
         """Validate the request and build its prompt: everything that can refuse it, before it
-        queues (a bad request never takes a queue place). `cache_salt` (the tenant) is part of
-        the prefix-cache key: KV is reused only within one salt. `raw_prompt`: instead of
-        `messages` (empty then, and no media), a prompt run as it is (`epd.stages.raw_prompt`).
-        `template`: how the chat template renders the prompt (a new answer, or the last message
-        left open to continue; its variables; its own template). The prefix cache needs no part of it in
-        its key: a continued message's, another variable's or another template's prompt is other
-        token ids, and the cache reuses only an entry's common token prefix."""
+        queues (a bad request never takes a queue place). Any thread may run it: it reads the
+        adapter's tokenizer (settled, `VLMAdapter.settle_tokenizer`), processor and config (the
+        chat template, the visual placeholders' expansion, the positions, which need no weights),
+        and touches neither the model nor the prefix cache, so prefill runs it on its tokenizer
+        threads and a slow chat template holds no prefill step (`LocalPrefillStage.prefill`).
+        `cache_salt` (the tenant) is part of the prefix-cache key: KV is reused only within one
+        salt. `raw_prompt`:
+        instead of `messages` (empty then, and no media), a prompt run as it is
+        (`epd.stages.raw_prompt`). `template`: how the chat template renders the prompt (a new
+        answer, or the last message left open to continue; its variables; its own template). The
+        prefix cache needs no part of it in its key: a continued message's, another variable's or
+        another template's prompt is other token ids, and the cache reuses only an entry's common
+        token prefix. The prefix cache is looked up by `admit`."""
         if raw_prompt is not None:
             check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)
             if media is not None:
@@ -306,10 +307,7 @@ class PrefillEngine:
                 prompt = self.adapter.build_prompt(
                     to_chat_template(messages, meta.modality if meta else ""),
                     meta,
-                    template.add_generation_prompt,
-                    template.continue_final_message,
-                    template.template_variables(),
-                    self._chat_template(template),
+                    self._render_options(template),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
@@ -353,7 +351,6 @@ class PrefillEngine:
         if use_prefix_cache and not exclusive and self.prefix_caching and self.prefix_cache.enabled:
             request.prefix_key = self._prefix_key(media, pruning, cache_salt, raw=raw_prompt is not None)
             visual = prompt.visual_mask.nonzero()
-            visual_end = int(visual[-1]) + 1 if visual.numel() else 0  # the reuse must cover them all
             # The media comes after text-only turns ("hello", an answer, then the video): their
             # entry (the text-only key) holds this prompt's KV up to its first visual token, the
             # same token ids at the same positions (every M-RoPE row is the text position there
@@ -364,20 +361,26 @@ class PrefillEngine:
             # supersedes, leaves (`PrefixCache.put`).
             if media is not None and visual.numel() and not media_in_opening(messages):
                 request.prefix_also = PrefixView(self._prefix_key(None, pruning, cache_salt), int(visual[0]))
-            # A request asking for prompt_logprobs needs every prompt position's logits, which a
-            # reused prefix never computes: it runs the whole prompt (as vLLM skips the prefix
-            # cache for it), and its KV is still stored for later turns.
-            asks_prompt_logprobs = generation.prompt_logprobs is not None
-            hit = (
-                None
-                if asks_prompt_logprobs
-                else self.prefix_cache.lookup(
-                    request.prefix_key, prompt.input_ids[0], visual_end, request.prefix_also
-                )
-            )
-            if hit is not None:
-                request.prefix = hit
-                request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
+        return request
+
+    def admit(self, request: PrefillRequest) -> PrefillRequest:
+        """A rendered request (`render`) with its prefix-cache hit, if any: on the model thread,
+        which alone touches the prefix cache (its steps store into it)."""
+        # A request asking for prompt_logprobs needs every prompt position's logits, which a
+        # reused prefix never computes: it runs the whole prompt (as vLLM skips the prefix
+        # cache for it), and its KV is still stored for later turns.
+        if request.prefix_key is None or request.generation is None or request.prompt is None:
+            return request
+        if request.generation.prompt_logprobs is not None:
+            return request
+        visual = request.prompt.visual_mask.nonzero()
+        visual_end = int(visual[-1]) + 1 if visual.numel() else 0  # the reuse must cover them all
+        hit = self.prefix_cache.lookup(
+            request.prefix_key, request.prompt.input_ids[0], visual_end, request.prefix_also
+        )
+        if hit is not None:
+            request.prefix = hit
+            request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
 
     def _check_prompt_logprobs(self, exclusive: bool, num_prompt_tokens: int, k: int) -> None:
@@ -501,7 +504,7 @@ class PrefillEngine:
     ) -> PrefillOutput:
         """One request, whole and alone (benchmarks and tools; the service runs `PrefillRunner`).
         The prefix cache is left alone: a benchmark repeating a prompt times the whole prefill."""
-        request = self.prepare(messages, media, generation, pruning, use_prefix_cache=False)
+        request = self.render(messages, media, generation, pruning, use_prefix_cache=False)
         t0 = time.perf_counter()
         if request.exclusive:
             return self.prefill_pruned(request)
@@ -527,7 +530,7 @@ class PrefillEngine:
     def prefill_pruned(self, request: PrefillRequest) -> PrefillOutput:
         """A request with token dropping or KV compression: whole and alone, as `pruned_prefill` does it."""
         prompt, media, pruning = _parts(request)
-        assert media is not None  # a text-only request is never exclusive (`prepare`)
+        assert media is not None  # a text-only request is never exclusive (`render`)
         if media.deepstack:
             return self._prefill_kept_tokens(request)
         t0 = time.perf_counter()

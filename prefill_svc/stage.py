@@ -1,10 +1,12 @@
 """The prefill stage in this process: requests through the prefill core, caches kept in a `KvStore`.
 
-    prefill(...)  -> engine.prepare on the model thread (validation, chat template, positions:
-                     a bad request is refused here and never queues)
+    prefill(...)  -> engine.render on a tokenizer thread (validation, chat template, tokenisation,
+                     positions: a bad request is refused here and never queues; a slow template
+                     holds that thread only, never a prefill step)
+                  -> engine.admit on the model thread (the prefix cache's lookup)
                   -> core.submit: waits in the scheduler, runs in batched/chunked steps
                   -> the finished cache goes into the KvStore under a new handle
-    tokenize(...) / detokenize(...) -> the tokenizer thread, never the model thread, with the
+    tokenize(...) / detokenize(...) -> a tokenizer thread, never the model thread, with the
                      model's one tokenizer: they never wait for a prefill step
 
 Used by the prefill gRPC servicer and by the embedded mode. A cancelled prefill leaves the queue
@@ -24,6 +26,7 @@ from typing import Any, TypeVar
 
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.structured_output import compile_for
+from epd.model_runtime.threads import pin_torch_threads
 from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.runner import PrefillRunner
@@ -41,7 +44,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TOKENIZER_THREAD_NAME = "prefill_tokenize"
-"""The thread that answers /tokenize and /detokenize (py-spy and thread dumps show it)."""
+"""The threads that render prompts and answer /tokenize and /detokenize (py-spy and thread dumps
+show them)."""
+
+TOKENIZER_THREADS = 4
+"""How many prompts (and /tokenize calls) render at once, off the model thread. More than one, so
+that a slow chat template (a trusted request's own, a long tool list) holds one thread and the
+requests behind it render on the others; when every one is held, later requests wait for one
+(docs/architecture.md, "Prefill core"). Jinja renders in Python, under the GIL, so more threads
+would not render faster."""
 
 
 def build_prefill_core(engine: PrefillEngine, model_thread: ModelThread) -> EngineCore[PrefillRequest]:
@@ -68,8 +79,16 @@ class LocalPrefillStage(PrefillStage):
         self.kv_address = kv_address
         """host:port decoders pull this stage's caches from ("" when they take them in-process)."""
         self.core = core or build_prefill_core(engine, model_thread)
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix=TOKENIZER_THREAD_NAME)
-        """Answers /tokenize and /detokenize (started at the first); `close_tokenizer` stops it."""
+        self._tokenizer_thread = ThreadPoolExecutor(
+            TOKENIZER_THREADS,
+            thread_name_prefix=TOKENIZER_THREAD_NAME,
+            # Positions are torch operations: one torch thread each, so that only the model
+            # thread runs an OpenMP team (docs/architecture.md, "Concurrency").
+            initializer=pin_torch_threads,
+            initargs=(1,),
+        )
+        """Render prompts and answer /tokenize and /detokenize (started at the first call);
+        `close_tokenizer` stops them."""
 
     async def prefill(
         self,
@@ -88,17 +107,23 @@ class LocalPrefillStage(PrefillStage):
         it can release a cache whose answer it never got; "" = a new one."""
         out: PrefillOutput | None = None
         try:
-            request = await self.model_thread.run(
-                self.engine.prepare,
-                messages,
-                media,
-                generation,
-                pruning,
-                request_id,
-                cache_salt=cache_salt,
-                raw_prompt=raw_prompt,
-                template=template,
+            # The chat template and tokenisation off the model thread (as vLLM renders in its
+            # front end, off the engine): a slow template delays only its own request. The same
+            # adapter calls as on the model thread, so the same token ids.
+            rendered = await self._on_tokenizer_thread(
+                functools.partial(
+                    self.engine.render,
+                    messages,
+                    media,
+                    generation,
+                    pruning,
+                    request_id,
+                    cache_salt=cache_salt,
+                    raw_prompt=raw_prompt,
+                    template=template,
+                )
             )
+            request = await self.model_thread.run(self.engine.admit, rendered)
             # Off the event loop and the model thread; a spec seen before comes from the cache.
             request.grammar = await compile_for(
                 self.engine.adapter,
@@ -129,12 +154,12 @@ class LocalPrefillStage(PrefillStage):
         return self.engine.model_info()
 
     async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
-        # Off the model thread, on one thread of its own: it never waits for a prefill step nor
-        # takes model time from one. It shares the model thread's tokenizer, without a lock: no
-        # call changes the tokenizer's settings (`VLMAdapter.settle_tokenizer`), so the two threads
-        # only read it, at once if they like, and no copy is kept (a prefill process holds 46-141
-        # MiB less with a Qwen2-sized vocabulary; docs/benchmarks.md). Calls beyond the one running
-        # queue there, in arrival order.
+        # Off the model thread, on the tokenizer threads (which render prompts too): it never
+        # waits for a prefill step nor takes model time from one. They share the model's one
+        # tokenizer, without a lock: no call changes the tokenizer's settings
+        # (`VLMAdapter.settle_tokenizer`), so the threads only read it, at once if they like, and
+        # no copy is kept (a prefill process holds 46-141 MiB less with a Qwen2-sized vocabulary;
+        # docs/benchmarks.md). Calls beyond the threads queue there, in arrival order.
         return await self._on_tokenizer_thread(self.engine.tokenize, request)
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
@@ -170,8 +195,8 @@ class LocalPrefillStage(PrefillStage):
         )
 
     def close_tokenizer(self, wait: bool = False) -> None:
-        """Stop the tokenizer thread after the call it runs; queued calls are cancelled. `wait`:
-        return once the thread has ended (it joins it: not on the event loop)."""
+        """Stop the tokenizer threads after the calls they run; queued calls are cancelled. `wait`:
+        return once the threads have ended (it joins them: not on the event loop)."""
         self._tokenizer_thread.shutdown(wait=wait, cancel_futures=True)
 
     async def close(self) -> None:

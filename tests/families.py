@@ -9,7 +9,7 @@ from pathlib import Path
 import safetensors
 import torch
 
-from epd.model_runtime.adapter import VisualMeta
+from epd.model_runtime.adapter import RenderOptions, VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_reference import question_message, source_timed_inputs
 from epd.model_runtime.loader import check_model_dir, load_adapter
@@ -356,5 +356,5 @@ def check_a_template_without_the_media_part_is_refused_as_such(adapter) -> None:
     with pytest.raises(
         ValueError, match="^the chat template rendered 0 video placeholders: it leaves"
     ) as refused:
-        adapter.build_prompt(conversation, visual, chat_template=no_media)
+        adapter.build_prompt(conversation, visual, RenderOptions(chat_template=no_media))
     assert "at most one" not in str(refused.value)

@@ -89,6 +89,32 @@ class VisualMeta:
     `second_per_grid_t` as evenly spaced frames from 0 s."""
 
 
+@dataclass(frozen=True)
+class RenderOptions:
+    """How a family renders a conversation with its chat template: transformers'
+    `apply_chat_template(conversation, chat_template=..., add_generation_prompt=...,
+    continue_final_message=..., **variables)`. The stages build it from a request's
+    `ChatTemplateOptions` (`ChatTemplateOptions.render_options`); the defaults are a new assistant
+    answer with the model's own template and no extra variables."""
+
+    add_generation_prompt: bool = True
+    """End with the template's opening of the assistant's answer."""
+    continue_final_message: bool = False
+    """Leave the last message open, without the template's end of its turn, for the model to continue."""
+    variables: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Extra template variables: a request's `chat_template_kwargs` and its `tools` (as
+    `apply_chat_template(..., tools=...)` takes them); those the template does not read are dropped
+    where it renders (vLLM's `resolve_chat_template_kwargs`)."""
+    chat_template: str | None = None
+    """A template to render with instead of the model's own (vLLM's --chat-template or a
+    request's, already resolved); None: the processor's own."""
+    requests_template: bool = False
+    """`chat_template` is the request's own: its failures are the client's (INVALID_ARGUMENT).
+    False: the operator's (--chat-template, or the model's own), whose failures are the server's
+    (INTERNAL, its details in the log); a template's `raise_exception` refuses the conversation
+    whoever wrote it (`HfTextAdapter._render`)."""
+
+
 @dataclass
 class Prompt:
     """A tokenised, chat-templated prompt with the visual placeholders expanded."""
@@ -291,20 +317,15 @@ class VLMAdapter(ABC):
         self,
         conversation: list[dict[str, Any]],
         visual: VisualMeta | None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        options: RenderOptions = RenderOptions(),
     ) -> Prompt:
         """Render `conversation` exactly as the family's `processor.apply_chat_template(conversation,
-        chat_template=..., add_generation_prompt=..., continue_final_message=...,
-        **chat_template_kwargs)` renders it (the defaults: a new assistant answer;
-        `continue_final_message`: the last message left open, for the model to continue;
-        `chat_template_kwargs`: extra template variables, those the template does not read
-        dropped, the request's `tools` among them, passed on as `apply_chat_template(...,
-        tools=...)` takes them: `ChatTemplateOptions.template_variables`; `chat_template`: a
-        template to render with instead of the model's own, vLLM's --chat-template or a
-        request's), expand its one media placeholder to the visual tokens, compute the position
+        chat_template=..., add_generation_prompt=..., continue_final_message=..., **variables)`
+        renders it with `options` (`RenderOptions`: the defaults a new assistant answer;
+        `continue_final_message` the last message left open, for the model to continue;
+        `variables` extra template variables, those the template does not read dropped, the
+        request's `tools` among them; `chat_template` a template to render with instead of the
+        model's own), expand its one media placeholder to the visual tokens, compute the position
         ids `generate()` would use.
 
         conversation: the processor's chat form, [{"role": "system" | "user" | "assistant" | "tool",
@@ -331,19 +352,15 @@ class VLMAdapter(ABC):
     def tokenize_conversation(
         self,
         conversation: list[dict[str, Any]],
-        add_generation_prompt: bool,
         add_special_tokens: bool,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        options: RenderOptions = RenderOptions(),
     ) -> list[int]:
         """A conversation without media (`build_prompt`'s form) rendered with the model's chat
-        template (or `chat_template`) and tokenised; with `add_generation_prompt` and without
-        special tokens, exactly `build_prompt(conversation, None, ..., chat_template_kwargs=...,
-        chat_template=...).input_ids`; with
-        `continue_final_message`, its last message left open (transformers' `apply_chat_template`
-        option). ValueError as
-        `build_prompt`'s, or when the template cannot leave the last message open."""
+        template as `options` say and tokenised; with `options.add_generation_prompt` and without
+        special tokens, exactly `build_prompt(conversation, None, options).input_ids`; with
+        `options.continue_final_message`, its last message left open (transformers'
+        `apply_chat_template` option). ValueError as `build_prompt`'s, or when the template cannot
+        leave the last message open."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its chat template")
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
@@ -362,9 +379,10 @@ class VLMAdapter(ABC):
 
     def settle_tokenizer(self) -> None:
         """Leave the tokenizer in the state every call of this adapter asks of it, so that no later
-        call changes it: `tokenize`, `tokenize_conversation`, `token_strings` and `decode_tokens`
-        may then run on one thread other than the model thread (prefill's /tokenize thread) while
-        the model thread tokenises prompts, with the one tokenizer (call before that thread starts).
+        call changes it: `build_prompt`, `build_raw_prompt`, `tokenize`, `tokenize_conversation`,
+        `token_strings` and `decode_tokens` may then run on several threads at once (prefill's
+        tokenizer threads, which render prompts and answer /tokenize), with the one tokenizer
+        (call before those threads start).
         This family exposes no tokenizer: nothing to settle."""
         return None
 

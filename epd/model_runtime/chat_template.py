@@ -18,16 +18,6 @@ import jinja2.meta
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 
-class ServerChatTemplate(str):
-    """The server's own template (prefill's --chat-template), as prefill passes it to the adapter:
-    a str, which transformers renders as any, marked as the operator's. A template's failure is
-    then the server's (INTERNAL, its details in the log) where a request's own is the client's
-    (INVALID_ARGUMENT); a template's `raise_exception` refuses the conversation, the client's
-    whoever wrote the template, as for the model's own (`HfTextAdapter._render`)."""
-
-    __slots__ = ()
-
-
 def check_syntax(chat_template: str) -> None:
     """ValueError, one line with the line number and jinja's message, unless `chat_template`
     parses as transformers parses a chat template."""

@@ -21,11 +21,12 @@ from epd.model_runtime.adapter import (
     PrefillChunk,
     PrefillState,
     Prompt,
+    RenderOptions,
     TextDims,
     VLMAdapter,
 )
 from epd.model_runtime.batch_kv import BatchKv
-from epd.model_runtime.chat_template import ServerChatTemplate, error_text, template_variables
+from epd.model_runtime.chat_template import error_text, template_variables
 from epd.model_runtime.hf_loading import load_full_model
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.logprobs import PromptLogprobRows, prompt_logprob_rows
@@ -121,21 +122,12 @@ class HfTextAdapter(VLMAdapter):
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def _text_only_prompt(
-        self,
-        conversation: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
-    ) -> Prompt:
+    def _text_only_prompt(self, conversation: list[dict[str, Any]], options: RenderOptions) -> Prompt:
         """`build_prompt` of a conversation without a media part: the processor's own template of
         its text, tokenised as the processor's __call__ tokenises it, and the positions generate()
         gives a prompt without grids (`_prepare_position_ids_for_generation` then skips
         get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
-        text = self._render_text_only(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
-        )
+        text = self._render_text_only(conversation, options)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
         return _text_prompt(input_ids)
 
@@ -155,19 +147,10 @@ class HfTextAdapter(VLMAdapter):
             )
         return _text_prompt(torch.tensor([ids], dtype=torch.long))
 
-    def _render_text_only(
-        self,
-        conversation: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
-    ) -> str:
+    def _render_text_only(self, conversation: list[dict[str, Any]], options: RenderOptions) -> str:
         """The chat template of a conversation without media; ValueError as `_render`'s, or when
         the template adds a visual placeholder of its own."""
-        text = self._render(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
-        )
+        text = self._render(conversation, options)
         if any(token in text for token in (self.processor.video_token, self.processor.image_token)):
             raise ValueError(
                 "the chat template rendered a visual placeholder for a conversation without media; "
@@ -175,27 +158,20 @@ class HfTextAdapter(VLMAdapter):
             )
         return text
 
-    def _render(
-        self,
-        conversation: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
-    ) -> str:
+    def _render(self, conversation: list[dict[str, Any]], options: RenderOptions) -> str:
         """The chat template of `conversation`, as a string (every family's prompt starts here):
-        `chat_template` (the server's --chat-template or the request's, as vLLM passes it to
-        `apply_chat_template`), None: the processor's own; with those of `chat_template_kwargs`
+        `options.chat_template` (the server's --chat-template or the request's, as vLLM passes it
+        to `apply_chat_template`), None: the processor's own; with those of `options.variables`
         the template reads (vLLM's filter: a name it does not read would reach the processor's own
-        options instead; the request's `tools` come among them,
-        `ChatTemplateOptions.template_variables`, and reach apply_chat_template as its `tools=`).
+        options instead; the request's `tools` come among them and reach apply_chat_template as
+        its `tools=`).
         ValueError when a text part, a tool call's arguments or a variable's text holds the
         model's visual placeholder (only a media part places it: in text it would take the
         media's embeddings, or miscount them), when the template cannot leave the last message
         open, when a template refuses the conversation itself (its `raise_exception`), or when a
         request's `chat_template` fails to render (its error's message, one short line: the
         template is the caller's). The operator's template failing otherwise is the server's
-        error: the model's own raises as it fails, the server's (`ServerChatTemplate`) a
+        error: the model's own raises as it fails, the server's (--chat-template) a
         RuntimeError that names --chat-template."""
         placeholders = (self.processor.video_token, self.processor.image_token)
         if any(
@@ -214,7 +190,8 @@ class HfTextAdapter(VLMAdapter):
             raise ValueError(
                 "a tool call's arguments contain the model's visual placeholder token; remove it"
             )
-        variables = self._template_variables(chat_template_kwargs or {}, chat_template)
+        chat_template = options.chat_template
+        variables = self._template_variables(options.variables, chat_template)
         if any(token in text for text in _strings_in(variables) for token in placeholders):
             raise ValueError(
                 "a chat_template_kwargs value or a tool contains the model's visual placeholder token; remove it"
@@ -223,20 +200,20 @@ class HfTextAdapter(VLMAdapter):
             return self.processor.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
                 tokenize=False,
                 **variables,
             )
         except TemplateSyntaxError:
-            if _the_requests(chat_template):  # checked where it was given (`chat_template.check_syntax`)
+            if options.requests_template:  # checked where it was given (`chat_template.check_syntax`)
                 raise ValueError("the chat template does not parse; send one that does") from None
             raise  # the checkpoint's (or --chat-template's) template is broken: the server's error
         except SecurityError as exc:  # a TemplateError: a template reached past the sandbox
-            if not _the_requests(chat_template):  # the operator's template: the server's error
-                raise _servers_failure(chat_template, exc) from exc
+            if not options.requests_template:  # the operator's template: the server's error
+                raise _servers_failure(options, exc) from exc
             raise ValueError(
-                f"{_whose(chat_template)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
+                f"{_whose(options)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
                 "template reads the messages and its variables, not Python's internals"
             ) from None
         except TemplateError as exc:
@@ -244,7 +221,7 @@ class HfTextAdapter(VLMAdapter):
             # for a conversation without a user message, which an assistant's message last allows):
             # a shape of conversation the model does not take, as vLLM's 400 says.
             raise ValueError(
-                f"{_whose(chat_template)} cannot render this conversation: {error_text(exc)}; send "
+                f"{_whose(options)} cannot render this conversation: {error_text(exc)}; send "
                 "its messages in a shape the model takes (for example with a user message before "
                 "the assistant's)"
             ) from None
@@ -253,17 +230,17 @@ class HfTextAdapter(VLMAdapter):
             # conversation (a 400 of up to the text limit): its explanation is enough.
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
         except Exception as exc:
-            if not _the_requests(chat_template) and not (variables and isinstance(exc, TypeError)):
-                raise _servers_failure(chat_template, exc) from exc
+            if not options.requests_template and not (variables and isinstance(exc, TypeError)):
+                raise _servers_failure(options, exc) from exc
             # A request's template's own failure (`{{ 1 / 0 }}`, a method of nothing), or a
             # request's variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
             raise ValueError(
-                f"{_whose(chat_template)} failed to render: {type(exc).__name__}: {error_text(exc)}; "
+                f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}; "
                 "send values (chat_template_kwargs) and a template that render together"
             ) from None
 
     def _template_variables(
-        self, chat_template_kwargs: Mapping[str, Any], chat_template: str | None = None
+        self, variables: Mapping[str, Any], chat_template: str | None = None
     ) -> dict[str, Any]:
         """The request's variables that the chat template reads (the others dropped), as vLLM's
         `resolve_chat_template_kwargs` finds them: with the parser transformers renders with
@@ -271,15 +248,15 @@ class HfTextAdapter(VLMAdapter):
         template that parser refuses, which then cannot render either), every one of them is
         passed: never silently none. The server's own names (`template_kwargs.RESERVED`, vLLM's
         `chat_template` and `tokenize` among them) were refused at every door already."""
-        if not chat_template_kwargs:
+        if not variables:
             return {}
         template = chat_template if chat_template is not None else self.processor.chat_template
         if isinstance(template, dict):  # a processor with named templates renders with "default"
             template = template.get("default")
         read = template_variables(template) if isinstance(template, str) else None
         if read is None:
-            return dict(chat_template_kwargs)
-        return {name: value for name, value in chat_template_kwargs.items() if name in read}
+            return dict(variables)
+        return {name: value for name, value in variables.items() if name in read}
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -287,15 +264,10 @@ class HfTextAdapter(VLMAdapter):
     def tokenize_conversation(
         self,
         conversation: list[dict[str, Any]],
-        add_generation_prompt: bool,
         add_special_tokens: bool,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        options: RenderOptions = RenderOptions(),
     ) -> list[int]:
-        text = self._render_text_only(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
-        )
+        text = self._render_text_only(conversation, options)
         return self.tokenize(text, add_special_tokens)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
@@ -313,7 +285,7 @@ class HfTextAdapter(VLMAdapter):
         # settings, which transformers changes only when a call asks for others than it holds
         # (`TokenizersBackend.set_truncation_and_padding`, `encode_special_tokens`): every call of
         # ours asks for transformers' defaults (none, none, the tokenizer's own), so after one such
-        # call nothing ever changes it, and calls from two threads only read it (concurrent reads
+        # call nothing ever changes it, and calls from several threads only read it (concurrent reads
         # are safe; a change while another thread encodes would alter that call's ids or, before
         # tokenizers 0.23.1, fail itself: "Already borrowed"). A tokenizer.json that sets truncation or
         # padding would make the first call change them: it happens here, before a second thread.
@@ -568,27 +540,22 @@ class QwenTextAdapter(HfTextAdapter):
         return count_parameters(self.model, self.visual)
 
 
-def _whose(chat_template: str | None) -> str:
-    """The template an error names: the model's own (None), the server's (--chat-template,
-    `ServerChatTemplate`), or the request's (any other given to `_render`)."""
-    if chat_template is None:
+def _whose(options: RenderOptions) -> str:
+    """The template an error names: the model's own (no `chat_template`), the server's
+    (--chat-template), or the request's (`RenderOptions.requests_template`)."""
+    if options.chat_template is None:
         return "the model's chat template"
-    if isinstance(chat_template, ServerChatTemplate):
+    if not options.requests_template:
         return "the server's chat template (--chat-template)"
     return "the request's chat template"
 
 
-def _the_requests(chat_template: str | None) -> bool:
-    """Whether `chat_template` is a request's own: its failures are the client's to fix."""
-    return chat_template is not None and not isinstance(chat_template, ServerChatTemplate)
-
-
-def _servers_failure(chat_template: str | None, exc: Exception) -> Exception:
+def _servers_failure(options: RenderOptions, exc: Exception) -> Exception:
     """The operator's template failed to render: the model's own, as it is (INTERNAL to the
     client, the traceback in the server log); --chat-template's, saying so in that log."""
-    if chat_template is None:
+    if options.chat_template is None:
         return exc
-    return RuntimeError(f"{_whose(chat_template)} failed to render: {type(exc).__name__}: {error_text(exc)}")
+    return RuntimeError(f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}")
 
 
 def check_one_placeholder(num_rendered: int, modality: str) -> None:

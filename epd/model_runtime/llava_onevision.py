@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -53,6 +52,7 @@ from epd.model_runtime.adapter import (
     PrefillChunk,
     PrefillState,
     Prompt,
+    RenderOptions,
     TextDims,
     VisionInputs,
     VisualMeta,
@@ -205,23 +205,12 @@ class LlavaOnevisionAdapter(HfTextAdapter):
         self,
         conversation: list[dict[str, Any]],
         visual: VisualMeta | None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        options: RenderOptions = RenderOptions(),
     ) -> Prompt:
         if visual is None:
-            return self._text_only_prompt(
-                conversation,
-                add_generation_prompt,
-                continue_final_message,
-                chat_template_kwargs,
-                chat_template,
-            )
+            return self._text_only_prompt(conversation, options)
         proc = self.processor
-        text = self._render(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
-        )
+        text = self._render(conversation, options)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         check_one_placeholder(text.count(pad), visual.modality)
         if text.count(proc.video_token) + text.count(proc.image_token) != 1:

@@ -14,7 +14,6 @@ Qwen2.5-VL also needs `second_per_grid_ts` (seconds per temporal patch group) fo
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -26,6 +25,7 @@ from epd.model_runtime.adapter import (
     PrefillChunk,
     PrefillState,
     Prompt,
+    RenderOptions,
     VisionInputs,
     VisualMeta,
 )
@@ -141,24 +141,13 @@ class Qwen2VLAdapter(QwenTextAdapter):
         self,
         conversation: list[dict[str, Any]],
         visual: VisualMeta | None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        options: RenderOptions = RenderOptions(),
     ) -> Prompt:
         if visual is None:
-            return self._text_only_prompt(
-                conversation,
-                add_generation_prompt,
-                continue_final_message,
-                chat_template_kwargs,
-                chat_template,
-            )
+            return self._text_only_prompt(conversation, options)
         # The processor's own template renders the parts in order (no separator between text parts,
         # earlier turns as it renders them); we only expand the one placeholder, as its __call__ does.
-        text = self._render(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
-        )
+        text = self._render(conversation, options)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
         check_one_placeholder(text.count(pad), visual.modality)

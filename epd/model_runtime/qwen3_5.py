@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -67,6 +66,7 @@ from epd.model_runtime.adapter import (
     PrefillChunk,
     PrefillState,
     Prompt,
+    RenderOptions,
     TextDims,
     UnsupportedByFamily,
     VisionInputs,
@@ -178,20 +178,14 @@ class Qwen3_5Adapter(HfTextAdapter):
         self,
         conversation: list[dict[str, Any]],
         visual: VisualMeta | None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        options: RenderOptions = RenderOptions(),
     ) -> Prompt:
         # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
         return Qwen3VLAdapter.build_prompt(
             self,  # type: ignore[arg-type]
             conversation,
             visual,
-            add_generation_prompt,
-            continue_final_message,
-            chat_template_kwargs,
-            chat_template,
+            options,
         )
 
     def _timestamps_metadata(self, visual: VisualMeta):

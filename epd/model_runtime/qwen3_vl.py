@@ -25,7 +25,6 @@ each chunk adding the DeepStack rows of its own visual positions.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -38,6 +37,7 @@ from epd.model_runtime.adapter import (
     PrefillChunk,
     PrefillState,
     Prompt,
+    RenderOptions,
     UnsupportedByFamily,
     VisionInputs,
     VisualFeatures,
@@ -233,23 +233,12 @@ class Qwen3VLAdapter(QwenTextAdapter):
         self,
         conversation: list[dict[str, Any]],
         visual: VisualMeta | None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        options: RenderOptions = RenderOptions(),
     ) -> Prompt:
         if visual is None:
-            return self._text_only_prompt(
-                conversation,
-                add_generation_prompt,
-                continue_final_message,
-                chat_template_kwargs,
-                chat_template,
-            )
+            return self._text_only_prompt(conversation, options)
         proc = self.processor
-        text = self._render(
-            conversation, add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template
-        )
+        text = self._render(conversation, options)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         check_one_placeholder(text.count(pad), visual.modality)
         # Expanded by the processor's own code, as its __call__ does (timestamps included).

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd.model_runtime.adapter import RenderOptions
 from epd.stages.chat_template import check_request_chat_template
 from epd.stages.errors import InvalidRequest
 from epd.stages.template_kwargs import check_chat_template_kwargs
@@ -144,13 +145,23 @@ class ChatTemplateOptions:
     transformers' `apply_chat_template(..., tools=...)` passes them; a template that does not read
     it renders the conversation without them (as vLLM's). Empty: none."""
 
-    def template_variables(self) -> dict[str, Any]:
-        """The variables the template renders with beyond the conversation and the two flags: the
-        request's `chat_template_kwargs` and, when given, its `tools` (both filtered where the
-        template is rendered to those it reads)."""
-        if not self.tools:
-            return dict(self.chat_template_kwargs)
-        return {**self.chat_template_kwargs, "tools": [dict(tool) for tool in self.tools]}
+    def render_options(self, chat_template: str | None, requests_template: bool = False) -> RenderOptions:
+        """What the model's adapter renders the prompt with (`RenderOptions`): the two flags, the
+        variables the template renders with beyond the conversation (the request's
+        `chat_template_kwargs` and, when given, its `tools`, both filtered where the template is
+        rendered to those it reads), and `chat_template`, the template the server resolved for
+        this request (the request's own, `requests_template`, else --chat-template; None: the
+        model's own)."""
+        variables = dict(self.chat_template_kwargs)
+        if self.tools:
+            variables["tools"] = [dict(tool) for tool in self.tools]
+        return RenderOptions(
+            self.add_generation_prompt,
+            self.continue_final_message,
+            variables,
+            chat_template,
+            requests_template,
+        )
 
     def check(self, messages: Sequence[Message], to_answer: bool = True) -> None:
         """InvalidRequest unless these options can render `messages`: not both flags (vLLM's 400:

@@ -160,22 +160,23 @@ def test_the_runtime_passes_only_the_variables_the_template_reads(tiny_models):
     for the processor's own options), so its value is not looked at; one it reads may not hold a
     visual placeholder, which would take the media's embeddings."""
     assert "enable_thinking" in template_variables(QWEN3_5_CHAT_TEMPLATE)
+    from epd.model_runtime.adapter import RenderOptions
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.loader import load_adapter
 
     adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "prefill")
     conversation = [{"role": "user", "content": [{"type": "text", "text": "name a colour"}]}]
-    plain = adapter.tokenize_conversation(conversation, True, False)
+    plain = adapter.tokenize_conversation(conversation, False)
     unread = {"enable_thinking": False, "num_frames": 1, "note": "<|video_pad|>"}
-    assert adapter.tokenize_conversation(conversation, True, False, False, unread) == plain
+    assert adapter.tokenize_conversation(conversation, False, RenderOptions(variables=unread)) == plain
     # Variables not known (a template transformers' parser refuses): all passed, not all dropped.
     assert adapter._template_variables(unread, "{% if %}") == unread
     adapter.processor.chat_template = adapter.processor.chat_template + "{{ note }}"
     with pytest.raises(
         ValueError, match="a chat_template_kwargs value or a tool contains the model's visual placeholder"
     ):
-        adapter.tokenize_conversation(conversation, True, False, False, unread)
-    noted = adapter.tokenize_conversation(conversation, True, False, False, {"note": " red"})
+        adapter.tokenize_conversation(conversation, False, RenderOptions(variables=unread))
+    noted = adapter.tokenize_conversation(conversation, False, RenderOptions(variables={"note": " red"}))
     assert noted[: len(plain)] == plain and len(noted) > len(plain)
 
 

@@ -191,9 +191,9 @@ def test_echo_and_what_prefill_refuses(checkpoints):
         # Prefill's own rules, for a caller other than the gateway (its PrefillService).
         engine = pipeline.prefill.engine
         with pytest.raises(InvalidRequest, match="send a conversation .messages. or a raw prompt, not both"):
-            engine.prepare([Message.user("hi")], None, GenerationConfig(), raw_prompt=RawPrompt(PROMPT))
+            engine.render([Message.user("hi")], None, GenerationConfig(), raw_prompt=RawPrompt(PROMPT))
         with pytest.raises(InvalidRequest, match="the prompt is text or token ids, not both"):
-            engine.prepare([], None, GenerationConfig(), raw_prompt=RawPrompt(PROMPT, (1, 2)))
+            engine.render([], None, GenerationConfig(), raw_prompt=RawPrompt(PROMPT, (1, 2)))
     assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
     assert streamed(echoed_sse)[0] == PROMPT + plain["choices"][0]["text"]
     assert (

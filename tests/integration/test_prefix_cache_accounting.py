@@ -72,7 +72,7 @@ def ask(
 
 def prompt_ids(pipeline, messages: list[dict]):
     """The text-only prompt's token ids, as prefill renders it (the cache left alone)."""
-    request = pipeline.prefill.engine.prepare(
+    request = pipeline.prefill.engine.render(
         from_chat_template(messages),
         None,
         GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),

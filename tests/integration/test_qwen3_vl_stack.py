@@ -438,11 +438,11 @@ def test_prefill_refuses_them_too_before_queueing(pipeline, media_files):
         MediaInput(media_files["png"].read_bytes()), SamplingOptions(), lambda e: None
     )
     with pytest.raises(InvalidRequest, match=r"prefill_drop \(prefill stage\).*qwen3_vl"):
-        pipeline.prefill.engine.prepare(
+        pipeline.prefill.engine.render(
             question_messages(QUESTION), media, GenerationConfig(), PruningConfig(prefill_drop=True)
         )
     with pytest.raises(InvalidRequest, match="carries 0 DeepStack features but this qwen3_vl model adds 2"):
-        pipeline.prefill.engine.prepare(
+        pipeline.prefill.engine.render(
             question_messages(QUESTION), dataclasses.replace(media, deepstack=[]), GenerationConfig()
         )
 

@@ -156,7 +156,7 @@ def test_a_text_part_holding_the_visual_placeholder_is_refused_alike_in_every_fa
         calls = (
             (adapter.build_prompt, text_only, None),
             (adapter.build_prompt, with_media, meta),
-            (adapter.tokenize_conversation, text_only, True, False),
+            (adapter.tokenize_conversation, text_only, False),
         )
         for call, *args in calls:
             with pytest.raises(
@@ -179,7 +179,7 @@ def test_media_options_and_pruning_have_nothing_to_act_on_without_media(checkpoi
             assert got.pruning.stages == [] and got.kept_visual_token_index == []
             # Prefill's own rule, for a caller other than the gateway (its PrefillService):
             # nothing runs whole and alone, only kv_dtype is kept.
-            prepared = pipeline.prefill.engine.prepare(
+            prepared = pipeline.prefill.engine.render(
                 from_chat_template(messages), None, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS),
                 PruningConfig.from_preset(preset, kv_dtype="bfloat16"),
             )  # fmt: skip

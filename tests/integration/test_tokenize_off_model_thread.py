@@ -1,14 +1,16 @@
-"""Prefill answers /tokenize and /detokenize off its model thread, with the model thread's tokenizer.
+"""Prefill renders prompts and answers /tokenize and /detokenize off its model thread, with the
+model's one tokenizer.
 
 A /tokenize used to run on the model thread: it waited for the prefill step in progress, and a
-flood of them took model time from prefill (docs/benchmarks.md, "/tokenize"). Now it runs on the
-stage's tokenizer thread, so it answers while the model thread is busy. It shares the one tokenizer
-with the model thread, which tokenises prompts meanwhile: no call of ours changes the tokenizer's
-truncation/padding settings once the engine settled them (`VLMAdapter.settle_tokenizer`), so the
-two threads only read it, and prefill keeps no second copy (46-141 MiB with a Qwen2-sized vocabulary). A
-change while another thread encodes would alter that call's ids (or, before tokenizers 0.23.1,
-fail itself: "Already borrowed"). Real tiny models of every family, real processors and fast
-tokenizers.
+flood of them took model time from prefill (docs/benchmarks.md, "/tokenize"). Prompts were rendered
+(chat template, tokenisation) there too, so a slow chat template held every prefill. Both now run
+on the stage's tokenizer threads, so they go on while the model thread is busy, and a slow
+template holds only its own request. The threads share the one tokenizer: no call of ours changes
+the tokenizer's truncation/padding settings once the engine settled them
+(`VLMAdapter.settle_tokenizer`), so the threads only read it, and prefill keeps no second copy
+(46-141 MiB with a Qwen2-sized vocabulary). A change while another thread encodes would alter that
+call's ids (or, before tokenizers 0.23.1, fail itself: "Already borrowed"). Real tiny models of
+every family, real processors and fast tokenizers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import threading
 
 import pytest
 
+from epd.model_runtime.adapter import RenderOptions
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
@@ -167,7 +170,9 @@ def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_proc
         conversation, add_generation_prompt=False, continue_final_message=True, tokenize=False
     )
     assert rendered.endswith("The sky is")
-    ids = adapter.tokenize_conversation(conversation, False, False, True)
+    ids = adapter.tokenize_conversation(
+        conversation, False, RenderOptions(add_generation_prompt=False, continue_final_message=True)
+    )
     assert ids == processor.tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert adapter.token_strings(ids) == processor.tokenizer.convert_ids_to_tokens(ids)
 
@@ -204,9 +209,10 @@ def test_tokenize_answers_while_the_model_thread_is_busy(adapter):
 
 class _HeldEncode:
     """transformers' Rust tokenizer (a fast tokenizer's `_tokenizer`) behind a stand-in that holds
-    the model thread's next encode at its start, until `release`: transformers has applied that
-    call's truncation/padding settings, and its encode has not run. A change of settings by another
-    thread now would reach that encode. Every other call and attribute goes to the tokenizer."""
+    the first encode after it is installed (a prefill's prompt) at its start, until `release`:
+    transformers has applied that call's truncation/padding settings, and its encode has not run.
+    A change of settings by another thread now would reach that encode. Every other call and
+    attribute goes to the tokenizer."""
 
     def __init__(self, backend) -> None:
         object.__setattr__(self, "_backend", backend)
@@ -214,7 +220,7 @@ class _HeldEncode:
         object.__setattr__(self, "release", threading.Event())
 
     def encode_batch(self, *args, **kwargs):
-        if threading.current_thread().name.startswith("model_") and not self.release.is_set():
+        if not self.entered.is_set():
             self.entered.set()
             self.release.wait(3 * HANG_GUARD_S)  # past the test's own waits: the test ends it
         return self._backend.encode_batch(*args, **kwargs)
@@ -226,13 +232,13 @@ class _HeldEncode:
         setattr(self._backend, name, value)
 
 
-def test_tokenize_runs_to_the_end_while_the_model_thread_is_inside_its_tokenisation(adapter, processor):
-    """The race a tokenizer shared by the two threads could lose, made to happen: the model
-    thread is held inside its tokenisation of a prompt (`prepare`), between transformers applying
-    the call's settings and the encode, while /tokenize and /detokenize calls run on the same
-    tokenizer. They answer without waiting for it (no lock), with the tokenizer's ids; when the
-    model thread goes on, its prompt is still exactly the tokenizer's (no /tokenize call changed
-    the settings its encode runs with), and it prefills."""
+def test_tokenize_runs_to_the_end_while_a_prompt_is_inside_its_tokenisation(adapter, processor):
+    """The race a tokenizer shared by several threads could lose, made to happen: a prefill's
+    prompt is held inside its tokenisation (`render`), between transformers applying the call's
+    settings and the encode, while /tokenize and /detokenize calls run on the same tokenizer. They
+    answer without waiting for it (no lock), with the tokenizer's ids; when the prompt's encode
+    goes on, it is still exactly the tokenizer's (no /tokenize call changed the settings its encode
+    runs with), and it prefills."""
     model_thread = ModelThread()
     stage = LocalPrefillStage(PrefillEngine(PrefillConfig(), adapter), KvStore(1 << 30, 600.0), model_thread)
     question = "a red circle moves left, " * 40
@@ -250,7 +256,7 @@ def test_tokenize_runs_to_the_end_while_the_model_thread_is_inside_its_tokenisat
             stage.prefill(from_chat_template(conversation), None, GenerationConfig(max_new_tokens=1), "p")
         )
         try:
-            assert await asyncio.to_thread(held.entered.wait, HANG_GUARD_S)  # the model thread is held
+            assert await asyncio.to_thread(held.entered.wait, HANG_GUARD_S)  # the prompt's encode is held
             answers = await asyncio.wait_for(
                 asyncio.gather(
                     stage.tokenize(
@@ -262,22 +268,22 @@ def test_tokenize_runs_to_the_end_while_the_model_thread_is_inside_its_tokenisat
                 ),
                 HANG_GUARD_S,
             )
-            model_thread_was_held = not prefill.done()
+            prompt_was_held = not prefill.done()
         finally:
             held.release.set()
         handle = await asyncio.wait_for(prefill, HANG_GUARD_S)
         await stage.release(handle, "done")
         await stage.close()
-        return answers, model_thread_was_held, handle
+        return answers, prompt_was_held, handle
 
     adapter.tokenizer._tokenizer = held
     try:
-        (chat, raw, text), model_thread_was_held, handle = asyncio.run(scenario())
+        (chat, raw, text), prompt_was_held, handle = asyncio.run(scenario())
     finally:
         adapter.tokenizer._tokenizer = backend
         held.release.set()
         model_thread.close()
-    assert model_thread_was_held  # every /tokenize answered while the model thread was inside its own
+    assert prompt_was_held  # every /tokenize answered while the prompt's tokenisation was held
     assert chat.token_ids == expected
     assert raw.token_ids == expected_raw
     assert raw.token_strs == processor.tokenizer.convert_ids_to_tokens(expected_raw)
@@ -287,14 +293,14 @@ def test_tokenize_runs_to_the_end_while_the_model_thread_is_inside_its_tokenisat
 
 def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, processor):
     """The race a shared tokenizer could lose: many /tokenize and /detokenize calls at once on the
-    tokenizer thread while the model thread tokenises long chat and raw prompts (`prepare`) and
-    prefills them, both with the one tokenizer. Every answer and every prompt's length is exactly
+    tokenizer threads while long chat and raw prompts are tokenised (`render`, on those threads
+    too) and prefilled, all with the one tokenizer. Every answer and every prompt's length is exactly
     what the tokenizer gives alone, and no call fails (a call that changed the tokenizer's settings
     while the other thread encodes would alter that one's ids, or fail itself: "Already borrowed")."""
     model_thread = ModelThread()
     config = PrefillConfig(scheduler=PrefillSchedulerConfig(max_waiting_prefills=1024))  # all queue at once
     stage = LocalPrefillStage(PrefillEngine(config, adapter), KvStore(1 << 30, 600.0), model_thread)
-    # Long prompts (the threads' encodes overlap) and many short ones (the model thread tokenises
+    # Long prompts (the threads' encodes overlap) and many short ones (prompts are tokenised
     # often, with /tokenize's calls in between).
     lengths_words = [150 * (i + 1) for i in range(8)] + [10 + i % 20 for i in range(56)]
     questions = [
@@ -357,3 +363,87 @@ def test_concurrent_tokenize_calls_during_prefill_give_the_prompts_ids(adapter, 
         processor.tokenizer.convert_ids_to_tokens(e) for e in expected_raw
     ]
     assert texts == [processor.tokenizer.decode(e) for e in expected]
+
+
+SLOW_TEMPLATE = (
+    "{% for i in range(20000) %}{% endfor %}"  # a loop of the template's own (the gate below holds it longer)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content[-1].text }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor):
+    """A trusted request's own chat template that renders for a long time (here: held inside its
+    rendering until the test lets it go) does not delay another request: that one is rendered,
+    prefilled and answered while the first is still rendering, on another thread than the model
+    thread (when prompts rendered on the model thread, the second waited for the first's template;
+    with one render thread, too). A /tokenize answers meanwhile. Then the slow one finishes, its
+    prompt exactly the processor's rendering with that template."""
+    model_thread = ModelThread()
+    config = PrefillConfig(trust_request_chat_template=True)
+    stage = LocalPrefillStage(PrefillEngine(config, adapter), KvStore(1 << 30, 600.0), model_thread)
+    slow_conversation = _conversation("what colour is the circle?")
+    fast_conversation = _conversation("a red circle moves left")
+    expected_slow = processor.tokenizer(
+        processor.apply_chat_template(
+            slow_conversation, chat_template=SLOW_TEMPLATE, add_generation_prompt=True, tokenize=False
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
+    expected_fast = processor.tokenizer(
+        processor.apply_chat_template(fast_conversation, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
+    rendering, release = threading.Event(), threading.Event()
+    render = adapter._render
+
+    def held_render(conversation, options):
+        if options.chat_template == SLOW_TEMPLATE:
+            rendering.set()
+            release.wait(3 * HANG_GUARD_S)  # past the test's own waits: the test ends it
+        return render(conversation, options)
+
+    async def scenario():
+        slow = asyncio.ensure_future(
+            stage.prefill(
+                from_chat_template(slow_conversation),
+                None,
+                GenerationConfig(max_new_tokens=1),
+                "slow",
+                template=ChatTemplateOptions(chat_template=SLOW_TEMPLATE),
+            )
+        )
+        try:
+            assert await asyncio.to_thread(rendering.wait, HANG_GUARD_S)  # the slow one is rendering
+            fast = await asyncio.wait_for(
+                stage.prefill(
+                    from_chat_template(fast_conversation), None, GenerationConfig(max_new_tokens=1), "f"
+                ),
+                HANG_GUARD_S,
+            )
+            counted = await asyncio.wait_for(
+                stage.tokenize(
+                    TokenizeInput(messages=from_chat_template(fast_conversation), add_special_tokens=False),
+                    "t",
+                ),
+                HANG_GUARD_S,
+            )
+            slow_was_rendering = not slow.done()
+        finally:
+            release.set()
+        slow_handle = await asyncio.wait_for(slow, HANG_GUARD_S)
+        for handle in (fast, slow_handle):
+            await stage.release(handle, "done")
+        await stage.close()
+        return fast, counted, slow_was_rendering, slow_handle
+
+    adapter._render = held_render
+    try:
+        fast, counted, slow_was_rendering, slow_handle = asyncio.run(scenario())
+    finally:
+        del adapter._render  # the class's method again
+        release.set()
+        model_thread.close()
+    assert slow_was_rendering  # the other request was answered while the slow template rendered
+    assert fast.num_prompt_tokens == len(expected_fast) and counted.token_ids == expected_fast
+    assert slow_handle.num_prompt_tokens == len(expected_slow)

@@ -63,7 +63,7 @@ def test_tool_history_is_parsed_and_rendered_as_transformers_takes_it():
         Message("tool", (text("sunny, 21 C"),), tool_call_id="call_1"),
     ]
     assert request.template.tools == (WEATHER, TIME)
-    assert request.template.template_variables() == {"tools": [WEATHER, TIME]}
+    assert request.template.render_options(None).variables == {"tools": [WEATHER, TIME]}
     conversation = to_chat_template(request.messages, "")
     assert conversation[1]["tool_calls"] == [
         {

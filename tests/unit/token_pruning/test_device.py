@@ -226,9 +226,7 @@ def _ask_pruned(adapter, video, pruning: PruningConfig, max_new_tokens: int):
                          key_mask=key_mask, pruning=stats)  # fmt: skip
     generation = GenerationConfig(max_new_tokens=max_new_tokens)
     prefill = PrefillEngine(PrefillConfig(), adapter)
-    out = prefill.prefill_pruned(
-        prefill.prepare(question_messages("what moves?"), media, generation, pruning)
-    )
+    out = prefill.prefill_pruned(prefill.render(question_messages("what moves?"), media, generation, pruning))
     h = out.handle
     decoding = DecodeEngine(adapter).start(
         out.cache, h.first_token_id, h.next_position_ids, generation, h.visual_entry_mask, pruning

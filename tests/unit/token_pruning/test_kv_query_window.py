@@ -50,7 +50,7 @@ def test_a_window_into_the_video_scores_with_the_text_after_it(tiny_models, medi
     for window in (0, 60):
         config = PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.5,
                                kv_compress=True, kv_keep_ratio=0.5, kv_query_window=window)  # fmt: skip
-        request = engine.prepare(question_messages("what colour is the moving square?"), media,
+        request = engine.render(question_messages("what colour is the moving square?"), media,
                                  GenerationConfig(max_new_tokens=1), config)  # fmt: skip
         caches[window] = engine.prefill_pruned(request).cache
 
@@ -76,7 +76,7 @@ def test_a_prefill_drop_window_into_the_video_scores_with_the_text_after_it(tiny
     for window in (0, 60):
         config = PruningConfig(prefill_drop=True, prefill_drop_layer=1, prefill_keep_ratio=0.5,
                                prefill_query_window=window)  # fmt: skip
-        request = engine.prepare(question_messages("what colour is the moving square?"), media,
+        request = engine.render(question_messages("what colour is the moving square?"), media,
                                  GenerationConfig(max_new_tokens=1), config)  # fmt: skip
         out = engine.prefill_pruned(request)
         kept[window], caches[window] = out.handle.kept_visual_token_index, out.cache
