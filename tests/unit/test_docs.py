@@ -32,6 +32,9 @@ from epd.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_DOCS = ("README.md", "docs/architecture.md", "docs/security.md")
+VLLM_GUIDE = "docs/from-vllm.md"
+"""Names vLLM's and SGLang's flags beside epd's: its own tests below read its tables; the paths,
+code names, RPCs and metrics it cites are checked as the user docs' are."""
 DEPLOY_DOCS = ("compose/README.md", "deploy/README.md")
 OTHER_DOCS = ("epd/train/README.md",)
 BENCHMARKS = "docs/benchmarks.md"
@@ -54,7 +57,10 @@ NOT_PATHS = {
 }
 """Words with a slash in the docs that are not repository paths."""
 
-EXTERNAL_NAMES = {"SupportsMultiModal": "vLLM's model interface, named for comparison"}
+EXTERNAL_NAMES = {
+    "SupportsMultiModal": "vLLM's model interface, named for comparison",
+    "VLLM_API_KEY": "vLLM's environment variable, named for comparison",
+}
 """Code names the docs cite that are not epd's (nor used by it)."""
 
 
@@ -352,7 +358,7 @@ def proto_messages_and_services() -> tuple[dict[str, set[str]], dict[str, set[st
     return messages, services
 
 
-@pytest.mark.parametrize("doc", USER_DOCS + DEPLOY_DOCS)
+@pytest.mark.parametrize("doc", (*USER_DOCS, *DEPLOY_DOCS, VLLM_GUIDE))
 def test_every_rpc_and_proto_field_the_docs_name_exists(doc):
     """`PrefillService.PullKv`, `epd.v1.LoadService/GetLoad`, `AskHeader.cache_salt`: a name of the
     wire format (a domain class of the same name, such as the gateway's `AskRequest`, answers for
@@ -476,7 +482,7 @@ def test_stated_defaults_are_read_as_written():
     ] == [8192, 120, 4 << 30, 2**36, 0, 0.3, None, None]
 
 
-@pytest.mark.parametrize("doc", USER_DOCS + DEPLOY_DOCS + OTHER_DOCS)
+@pytest.mark.parametrize("doc", (*USER_DOCS, *DEPLOY_DOCS, *OTHER_DOCS, VLLM_GUIDE))
 def test_every_repository_path_the_docs_cite_exists(doc):
     """From the repository's root, or from the doc's own folder (deploy/README.md's `k8s/...`)."""
     files = repository_files()
@@ -494,7 +500,7 @@ def test_every_repository_path_the_docs_cite_exists(doc):
     assert not missing, f"{doc} cites paths that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("doc", USER_DOCS)
+@pytest.mark.parametrize("doc", (*USER_DOCS, VLLM_GUIDE))
 def test_every_file_name_the_docs_cite_exists(doc):
     """The code layout names files without their folder (`media_open.py`, `kv_store.py`)."""
     names = {Path(p).name for p in repository_files()}
@@ -502,7 +508,7 @@ def test_every_file_name_the_docs_cite_exists(doc):
     assert not sorted(cited - names), f"{doc} cites files that do not exist: {sorted(cited - names)}"
 
 
-@pytest.mark.parametrize("doc", USER_DOCS)
+@pytest.mark.parametrize("doc", (*USER_DOCS, VLLM_GUIDE))
 def test_every_code_name_the_docs_cite_exists(doc):
     """`Class`, `Class.attribute`, `function()`, `CONSTANT` in backticks: each part is a name the
     code (or a library epd calls, by the name epd uses) has."""
@@ -529,7 +535,7 @@ def exposed_metrics() -> set[str]:
     return set(re.findall(r"^# HELP (\w+) ", GatewayMetrics().render(), re.M))
 
 
-@pytest.mark.parametrize("doc", USER_DOCS)
+@pytest.mark.parametrize("doc", (*USER_DOCS, VLLM_GUIDE))
 def test_every_metric_the_docs_name_is_exposed(doc):
     exposed = exposed_metrics()
     named = set(re.findall(r"\bepd_[a-z0-9_]+\b", read(doc)))
@@ -679,3 +685,113 @@ def test_the_readmes_ports_are_the_services_defaults():
         parsers[f"epd serve {role}"].get_default("port")
         for role in ("gateway", "encoder", "prefill", "decode")
     ] == [GATEWAY, ENCODER, PREFILL, DECODE]
+
+
+def markdown_table(text: str, first_header: str) -> list[list[str]]:
+    """The rows (cells, stripped) of the table whose header's first cell is `first_header`."""
+    rows: list[list[str]] = []
+    inside = False
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if cells and cells[0] == first_header:
+            inside = True
+        elif not cells:
+            if inside:
+                return rows
+        elif inside and not set(line) <= set("|-: "):
+            rows.append(cells)
+    assert rows, f"no table headed {first_header!r} (has the way it is written changed?)"
+    return rows
+
+
+def spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+@pytest.mark.parametrize("table", ["vLLM flag", "SGLang flag"])
+def test_the_vllm_guide_puts_each_epd_flag_where_the_parser_has_it(table):
+    """Each row's epd flags are flags of every command its "where" cell names (`epd serve`,
+    `epd serve prefill`, `epd`), and a row naming flags names where they go."""
+    parsers = epd_parsers()
+    wrong = []
+    for vllm, epd, where in markdown_table(read(VLLM_GUIDE), table):
+        flags = [f for span in spans(epd) for f in FLAG.findall(span) if span.startswith("--")]
+        commands = [span for span in spans(where) if span in parsers]
+        if flags and not commands:
+            wrong.append(f"{vllm}: {flags} with no epd command named in {where!r}")
+        wrong += [
+            f"{vllm}: {command} has no {flag}"
+            for command in commands
+            for flag in flags
+            if flag not in flags_of(parsers[command])
+        ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_vllm_guide_covers_vllms_common_serve_flags():
+    named = {f for row in markdown_table(read(VLLM_GUIDE), "vLLM flag") for f in FLAG.findall(row[0])}
+    common = {
+        "--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+        "--max-num-batched-tokens", "--gpu-memory-utilization", "--dtype", "--api-key", "--chat-template",
+        "--trust-request-chat-template", "--enable-auto-tool-choice", "--tool-call-parser",
+        "--reasoning-parser", "--max-logprobs", "--scheduling-policy", "--enable-prefix-caching",
+        "--limit-mm-per-prompt", "--mm-processor-kwargs", "--tensor-parallel-size", "--enforce-eager",
+        "--generation-config", "--seed", "--disable-log-requests", "--uvicorn-log-level",
+        "--allowed-local-media-path", "--guided-decoding-backend", "--structured-outputs-config",
+        "--speculative-config", "--lora-modules",
+    }  # fmt: skip
+    assert not sorted(common - named), f"{VLLM_GUIDE} no longer says what to do for {sorted(common - named)}"
+
+
+def endpoint_fields() -> dict[str, tuple[set[str], set[str]]]:
+    """endpoint -> (fields it reads or refuses, fields it refuses unless they ask for nothing)."""
+    from epd.gateway import completions_protocol, responses_protocol
+    from epd.gateway.openai_protocol import KNOWN_CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS
+
+    return {
+        "chat": (set(KNOWN_CHAT_FIELDS), set(UNSUPPORTED_CHAT_FIELDS)),
+        "completions": (
+            set(completions_protocol._COMPLETION_KNOWN),
+            set(completions_protocol._COMPLETION_UNSUPPORTED),
+        ),
+        "responses": (
+            set(responses_protocol._KNOWN),
+            set(responses_protocol._UNSUPPORTED)
+            | (set(UNSUPPORTED_CHAT_FIELDS) & set(responses_protocol.PASSED_TO_CHAT)),
+        ),
+    }
+
+
+def test_the_vllm_guides_request_fields_are_what_each_endpoint_does():
+    """A field the guide calls refused is refused by every endpoint its row names; any other is
+    read there (known, and not refused); every field chat refuses is in the table as refused."""
+    fields = endpoint_fields()
+    wrong, refused_in_chat = [], set()
+    for names, endpoints, status in markdown_table(read(VLLM_GUIDE), "field"):
+        word = re.match(r"[\w']+", status)
+        assert word and word.group() in ("same", "differs", "accepted", "refused", "epd's"), status
+        refused = word.group() == "refused"
+        for name in spans(names):
+            for endpoint in re.findall(r"\w+", endpoints):
+                known, unsupported = fields[endpoint]
+                if refused and name not in unsupported:
+                    wrong.append(f"{name} ({endpoint}): called refused, but {endpoint} does not refuse it")
+                if not refused and (name not in known or name in unsupported):
+                    wrong.append(
+                        f"{name} ({endpoint}): called {word.group()!r}, but {endpoint} does not read it"
+                    )
+                if refused and endpoint == "chat":
+                    refused_in_chat.add(name)
+    missing = sorted(fields["chat"][1] - refused_in_chat)
+    assert not missing, f"{VLLM_GUIDE}'s field table does not list these refused chat fields: {missing}"
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_vllm_guide_names_an_epd_metric_for_each_of_vllms():
+    rows = markdown_table(read(VLLM_GUIDE), "vLLM")
+    exposed = exposed_metrics()
+    wrong = [row[0] for row in rows if not re.findall(r"\bepd_[a-z0-9_]+\b", row[1])]
+    wrong += [
+        name for row in rows for name in re.findall(r"\bepd_[a-z0-9_]+\b", row[1]) if name not in exposed
+    ]
+    assert not wrong, f"{VLLM_GUIDE}'s metrics table: no such epd metric for {wrong}"
