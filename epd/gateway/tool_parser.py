@@ -150,29 +150,84 @@ class _CallReader(Protocol):
         ...
 
 
-_HERMES_START = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*\{')
-"""A hermes call's start in the order the templates teach: its name, then its arguments' `{`."""
+class _CallStart:
+    """A call's start, read character by character as it comes (never read again): `{"name":
+    "<name>", "<key>": {` with JSON whitespace between the tokens, the order the templates teach
+    (hermes' `arguments`) and vLLM's "required" schema lists (`parameters`). `name` is set once it
+    is read; `failed` once the text cannot be that start."""
+
+    def __init__(self, key: str) -> None:
+        self._tokens: tuple[str | None, ...] = ("{", '"name"', ":", None, ",", json.dumps(key), ":", "{")
+        self._token = 0  # the token being read (None: the name's string)
+        self._offset = 0  # its characters read
+        self._raw: list[str] = []  # the name's string, raw
+        self._escaped = False
+        self._name: str | None = None
+        self.name: str | None = None
+        self.failed = False
+
+    def feed(self, text: str) -> int | None:
+        """Reads `text`; the index in it just past the arguments' `{` when the start is whole there."""
+        for i, char in enumerate(text):
+            if self.failed or self.name is not None:
+                return None
+            token = self._tokens[self._token]
+            if token is None:  # the name's string
+                if self._offset == 0:
+                    if char in " \t\n\r":
+                        continue
+                    if char != '"':
+                        self.failed = True
+                        continue
+                    self._offset = 1
+                elif self._escaped:
+                    self._escaped = False
+                    self._raw.append(char)
+                elif char == "\\":
+                    self._escaped = True
+                    self._raw.append(char)
+                elif char == '"':
+                    try:
+                        self._name = json.loads('"' + "".join(self._raw) + '"')
+                    except ValueError:
+                        self.failed = True
+                        continue
+                    self.failed = not self._name
+                    self._token, self._offset = self._token + 1, 0
+                else:
+                    self._raw.append(char)
+                continue
+            if self._offset == 0 and char in " \t\n\r":
+                continue
+            if char != token[self._offset]:
+                self.failed = True
+                continue
+            self._offset += 1
+            if self._offset == len(token):
+                self._token, self._offset = self._token + 1, 0
+                if self._token == len(self._tokens):
+                    self.name = self._name
+                    return i + 1
+        return None
 
 
 class _HermesReader:
     def __init__(self) -> None:
         self.name: str | None = None
-        self._fed = 0  # the body's characters fed to the normalizer (from the arguments' `{`)
+        self._start = _CallStart("arguments")
+        self._fed = 0  # the body's characters read (from the arguments' `{`, fed to the normalizer)
         self._normalizer = _JsonNormalizer()
         self._sent: list[str] = []
 
     def advance(self, body: str, final: bool) -> list[str]:
         if self.name is None:
-            match = _HERMES_START.match(body)
-            if match is None:
+            if self._start.failed:  # not in the templates' order: read whole at the end
                 return []
-            try:
-                name = json.loads(match.group(1))
-            except ValueError:
+            at = self._start.feed(body[self._fed :])
+            if at is None:
+                self._fed = len(body)
                 return []
-            if not name:  # not a call: read whole at the end
-                return []
-            self.name, self._fed = name, match.end() - 1
+            self.name, self._fed = self._start.name, self._fed + at - 1
         self._normalizer.feed(body[self._fed :])
         self._fed = len(body)
         out = self._normalizer.take(final)
@@ -326,7 +381,8 @@ class _Qwen3CoderReader:
         self._tools = tools
         self._properties: Mapping[str, Any] = {}
         self._at = 0  # the body's characters read
-        self._scan = 0  # where to look for the current parameter's `</parameter>` next
+        self._name_scan = 0  # where to look next for the function's or parameter's name's `>`
+        self._scan = 0  # where to look next for the current parameter's `</parameter>`
         self._num_parameters = 0
         self._closed = False  # its `</function>` was read
         self._broken = False
@@ -339,9 +395,9 @@ class _Qwen3CoderReader:
             if not body.startswith(_FUNCTION, at):
                 self._broken = final or _tag_at(body, at, (_FUNCTION,)) is None
                 return []
-            end = body.find(">", at + len(_FUNCTION))
+            end = _find(body, ">", max(at + len(_FUNCTION), self._name_scan))
             if end < 0:
-                self._broken = final
+                self._name_scan, self._broken = len(body), final
                 return []
             name = body[at + len(_FUNCTION) : end]
             if not name or set(name) & _BAD_NAME_CHARS:  # vLLM's: not a function's name
@@ -368,14 +424,14 @@ class _Qwen3CoderReader:
 
     def _parameter(self, body: str, at: int, final: bool) -> str | None:
         """The parameter at `at` as its arguments' fragment, once its end is certain."""
-        name_end = body.find(">", at + len(_PARAMETER))
+        name_end = _find(body, ">", max(at + len(_PARAMETER), self._name_scan))
         if name_end < 0:
-            self._broken = final
+            self._name_scan, self._broken = len(body), final
             return None
         start = name_end + 1 + (body.startswith("\n", name_end + 1))
         end = max(start, self._scan)  # a long value is searched once, not again at every delta
         while True:
-            end = body.find(_PARAMETER_END, end)
+            end = _find(body, _PARAMETER_END, end)
             if end < 0:
                 self._scan = max(start, len(body) - len(_PARAMETER_END) + 1)
                 self._broken = final
@@ -391,7 +447,7 @@ class _Qwen3CoderReader:
         name = body[at + len(_PARAMETER) : name_end]
         value = body[start:end]
         value = value[:-1] if value.endswith("\n") else value
-        self._at, self._scan = end + len(_PARAMETER_END), 0
+        self._at, self._scan, self._name_scan = end + len(_PARAMETER_END), 0, 0
         separator = ", " if self._num_parameters else ""
         self._num_parameters += 1
         value_json = _value_json(parameter_value(value, self._properties.get(name)))
@@ -523,6 +579,7 @@ class ToolCallStream:
         self._reader = _reader(parser, tools)
         self._header_sent = False  # the block's call went out as a header
         self._held = ""  # outside: a tail that may begin <tool_call>; inside: the block's text so far
+        self._scanned = 0  # inside: where </tool_call> may begin in the block's text (none before)
         self._blank = ""  # outside: the current segment's text while it is whitespace alone
         self._segment_shown = False  # the current segment has had text other than whitespace
 
@@ -533,16 +590,16 @@ class ToolCallStream:
         self._held = ""
         while pending:
             if self._inside:
-                end = pending.find(END)
+                end = _find(pending, END, self._scanned)
                 if end < 0:
-                    self._held = pending
+                    self._held, self._scanned = pending, max(0, len(pending) - len(END) + 1)
                     if self._incremental:  # a tail that may begin </tool_call> is not the call's
                         self._advance(pending[: len(pending) - _prefix_tail(pending, END)], out)
                     return out
                 self._close_call(pending[:end], True, out)
                 pending = pending[end + len(END) :]
                 continue
-            start = pending.find(START)
+            start = _find(pending, START, 0)  # outside, only a tag's start is held: nothing is read again
             if start >= 0:
                 self._outside_text(pending[:start], out)
                 self._inside = True
@@ -593,7 +650,7 @@ class ToolCallStream:
         fragments = self._reader.advance(body, True)
         call = self._reader.call(body)
         header_sent = self._header_sent
-        self._inside, self._header_sent = False, False
+        self._inside, self._header_sent, self._scanned = False, False, 0
         self._reader = _reader(self._parser, self._tools)
         if header_sent:  # its start went out: the rest of its arguments (what was sent stays)
             out += [ArgumentsFragment(text) for text in fragments]
@@ -605,6 +662,13 @@ class ToolCallStream:
             self.num_calls += 1
             out.append(call)
         self._blank, self._segment_shown = "", False  # a new segment after the call
+
+
+def _find(text: str, marker: str, start: int) -> int:
+    """Where `marker` begins in `text` from `start` (-1: nowhere); the one place the stream's
+    blocks are searched, so each character is searched once however the deltas come (the tests
+    count what it reads)."""
+    return text.find(marker, start)
 
 
 def _prefix_tail(text: str, marker: str) -> int:

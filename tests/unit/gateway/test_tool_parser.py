@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from epd.gateway import tool_parser
 from epd.gateway.openai_protocol import completion_body
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.tool_parser import (
@@ -372,3 +373,31 @@ def test_an_echo_goes_in_front_of_the_content_not_into_the_calls(choice, answer,
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
         assert (message["content"], calls) == (echoed, want_calls)
         assert choice_json["finish_reason"] == ("stop" if choice.mode == "named" else "tool_calls")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+def test_a_long_call_streamed_in_small_deltas_is_searched_once(parser, monkeypatch):
+    """Each delta's search for `</tool_call>`, a name's `>` or a value's `</parameter>` starts
+    where the last one stopped: the characters searched grow with the text, not with its square
+    (they were the whole block again at every delta)."""
+    value = "lorem ipsum " * 500
+    if parser == "hermes":
+        text = (
+            "<tool_call>\n" + json.dumps({"name": "write", "arguments": {"text": value}}) + "\n</tool_call>"
+        )
+    else:
+        text = f"<tool_call>\n<function=write>\n<parameter=text>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    searched = []
+    find = tool_parser._find
+
+    def counted(text: str, marker: str, start: int) -> int:
+        at = find(text, marker, start)
+        searched.append((at + len(marker) if at >= 0 else len(text)) - start)
+        return at
+
+    monkeypatch.setattr(tool_parser, "_find", counted)
+    deltas = [text[i : i + 4] for i in range(0, len(text), 4)]
+    assert _streamed(deltas, parser) == (None, [("write", json.dumps({"text": value}))])
+    # Each delta's few searches read its own characters and a marker's length before them (where
+    # one may begin); the whole block again at every delta would be about len(text) ** 2 / 8.
+    assert sum(searched) < len(text) + 40 * len(deltas)
