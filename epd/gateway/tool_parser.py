@@ -60,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from epd.gateway.tool_request import ToolChoice, forced_calls
+from epd.gateway.tool_request import ToolChoice
 
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")
 """The names `--tool-call-parser` takes (vLLM's)."""
@@ -560,6 +560,154 @@ def _literal(text: str) -> Any:
         return text
 
 
+class RequiredCallStream:
+    """tool_choice "required"'s answer, the grammar's JSON array `[{"name": ..., "parameters":
+    {...}}, ...]` (vLLM's schema), parted as it is generated, as vLLM's stream parts it: an item's
+    `ToolCallHeader` once `{"name": "...", "parameters": {` is read (the schema's order, the
+    grammar's), then its parameters' text as `ArgumentsFragment`s in `json.dumps`'s spelling
+    (`_JsonNormalizer`, as hermes' arguments), so that they join to exactly the whole answer's
+    arguments; an item written otherwise goes out whole at its end. Each character is read once.
+    `incremental` False: each item whole at its end (`ParsedToolCall`), the whole answer's calls,
+    which are calls only when the array is `complete`. The text is content when no call went out
+    and it is not such an array (a cut by max_tokens, as vLLM's whole answer); a call that went out
+    stays (the rest of the text is dropped), as vLLM's stream."""
+
+    def __init__(self, incremental: bool = True) -> None:
+        self.num_calls = 0
+        self._incremental = incremental
+        self._phase = (
+            "open"  # "open" ([), "item" ({, or ] after [), "in_item", "next" (, or ]), "end", "broken"
+        )
+        self._text: list[str] = []  # the whole answer: the content when it is no array of calls
+        self._first = True  # no item yet: `]` may close the array
+        self._item: list[str] = []  # the current item's text
+        self._depth = 0  # the item's brackets open
+        self._in_string = False
+        self._escaped = False
+        self._start = _CallStart("parameters")
+        self._normalizer: _JsonNormalizer | None = None  # the item's parameters, from their `{`
+        self._sent: list[str] = []  # the item's parameters' text made so far
+        self._header_sent = False
+
+    @property
+    def complete(self) -> bool:
+        """The text is a whole array of calls (whitespace may follow)."""
+        return self._phase == "end"
+
+    def add(self, text: str) -> list[StreamItem]:
+        """The items the delta `text` completes, in order."""
+        self._text.append(text)
+        out: list[StreamItem] = []
+        at = 0
+        while at < len(text) and self._phase != "broken":
+            if self._phase == "in_item":
+                at = self._read_item(text, at, out)
+                continue
+            char, at = text[at], at + 1
+            if char in " \t\n\r":
+                continue
+            if self._phase == "open":
+                self._phase = "item" if char == "[" else "broken"
+            elif self._phase == "item" and char == "{":
+                self._begin_item()
+            elif self._phase == "item" and char == "]" and self._first:
+                self._phase = "end"
+            elif self._phase == "next" and char in ",]":
+                self._phase, self._first = ("item" if char == "," else "end"), False
+            else:  # not the grammar's array: content, or dropped once a call went out
+                self._phase = "broken"
+        return out
+
+    def finish(self) -> list[StreamItem]:
+        """At the answer's end: the certain rest of a cut call's parameters, or the whole text as
+        content when no call went out and it is no array of calls."""
+        out: list[StreamItem] = []
+        if self._phase == "in_item" and self._header_sent:
+            out += self._fragments(final=True)
+        if not self.num_calls and not self.complete and (text := "".join(self._text)):
+            out.append(text)
+        return out
+
+    def _begin_item(self) -> None:
+        self._phase, self._item, self._depth = "in_item", ["{"], 1
+        self._start, self._normalizer, self._sent, self._header_sent = (
+            _CallStart("parameters"),
+            None,
+            [],
+            False,
+        )
+        self._start.feed("{")
+
+    def _read_item(self, text: str, at: int, out: list[StreamItem]) -> int:
+        """Reads the current item's text from `text[at]`, to its end or the delta's; where it stopped."""
+        end = len(text)
+        for i in range(at, len(text)):
+            char = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+        piece = text[at:end]
+        self._item.append(piece)
+        if self._normalizer is not None:
+            self._normalizer.feed(piece)
+        elif not self._start.failed and (start := self._start.feed(piece)) is not None:
+            self._normalizer = _JsonNormalizer()
+            self._normalizer.feed(piece[start - 1 :])  # from the parameters' `{`
+            if self._incremental:
+                out.append(ToolCallHeader(self._start.name or ""))
+                self._header_sent = True
+                self.num_calls += 1
+        closed = self._depth == 0
+        fragments = self._fragments(final=closed)
+        if self._header_sent:
+            out += fragments
+        if closed:
+            self._end_item(out)
+        return end
+
+    def _fragments(self, final: bool) -> list[StreamItem]:
+        if self._normalizer is None:
+            return []
+        texts = self._normalizer.take(final)
+        self._sent += texts
+        return [ArgumentsFragment(text) for text in texts]
+
+    def _end_item(self, out: list[StreamItem]) -> None:
+        self._phase = "next"
+        try:
+            item = json.loads("".join(self._item))
+        except (ValueError, RecursionError):
+            item = None
+        if not (
+            isinstance(item, dict)
+            and isinstance(item.get("name"), str)
+            and isinstance(item.get("parameters"), dict)
+        ):
+            self._phase = "broken"  # not a call: what went out stays (a header sent), else content
+        elif not self._header_sent:
+            if (
+                self._normalizer is not None
+            ):  # as the stream sends it: the name read first, the parameters' text
+                call = ParsedToolCall(self._start.name or "", "".join(self._sent))
+            else:
+                call = ParsedToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+            out.append(call)
+            self.num_calls += 1
+
+
 def _reader(parser: str, tools: Sequence[Mapping[str, Any]]) -> _CallReader:
     return _Qwen3CoderReader(tools) if parser == "qwen3_coder" else _HermesReader()
 
@@ -705,27 +853,31 @@ def tool_call_deltas(call: ParsedToolCall, index: int) -> list[dict[str, Any]]:
 
 def answer_tool_calls(content: str | None, choice: ToolChoice) -> tuple[str | None, list[ParsedToolCall]]:
     """A whole answer's (content, calls) under the request's tool choice: "auto" parsed by the
-    choice's parser (`parse_tool_calls`), "named" and "required" read from the grammar's JSON
-    (`forced_calls`; the content "" as vLLM's), "none" as it is; the first call alone without
+    choice's parser (`parse_tool_calls`), "named" the text as generated (the one call's
+    arguments), "required" the grammar's array (`RequiredCallStream`; not a whole array: the text
+    as content), the content "" as vLLM's; "none" as it is; the first call alone without
     `parallel_tool_calls`."""
-    if choice.forced:
-        forced = forced_calls(content or "", choice)
-        if forced is None:  # "required"'s array cut short: the text as it is
+    if choice.mode == "named":  # the text as generated, as vLLM's (streamed as it comes)
+        return "", [ParsedToolCall(choice.function, content or "")]
+    if choice.mode == "required":
+        stream = RequiredCallStream(incremental=False)
+        calls = [item for item in stream.add(content or "") if isinstance(item, ParsedToolCall)]
+        if not stream.complete:  # "required"'s array cut short: the text as it is
             return content, []
-        return "", [ParsedToolCall(name, arguments) for name, arguments in forced][
-            : None if choice.parallel else 1
-        ]
+        return "", calls[: None if choice.parallel else 1]
     if choice.parses_text and content:
         split = parse_tool_calls(content, choice.parser, choice.tools)
         return split.content, split.calls[: None if choice.parallel else 1]
     return content, []
 
 
-def tool_finish_reason(choice: ToolChoice, num_calls: int, finish_reason: str) -> str:
+def tool_finish_reason(choice: ToolChoice, num_calls: int, finish_reason: str, streamed: bool = False) -> str:
     """vLLM's: "tool_calls" when the answer's text made calls ("auto"; streamed, also a call cut
-    after its name went out), or when "required"'s grammar ended ("stop"); a named function's
-    answer keeps its own."""
-    if num_calls and (choice.mode == "auto" or (choice.mode == "required" and finish_reason == "stop")):
+    after its name went out), or when "required"'s grammar ended ("stop"; `streamed`, whenever a
+    call went out, a cut by max_tokens too, as vLLM's stream); a named function's answer keeps its
+    own."""
+    required = choice.mode == "required" and (streamed or finish_reason == "stop")
+    if num_calls and (choice.mode == "auto" or required):
         return "tool_calls"
     return finish_reason
 
@@ -735,30 +887,26 @@ class ToolAnswerStream:
     ({"content"}) and calls (`header_delta`, `arguments_delta`); the calls `answer_tool_calls`
     gives the whole answer. "auto" parses as the text comes (`ToolCallStream`: a call's name once
     read, its arguments as they are written); a named function's call goes out with the first
-    text, its arguments as they come (vLLM's); "required"'s array is read at the end."""
+    text, its arguments as they come (vLLM's); "required"'s array item by item as it is generated
+    (`RequiredCallStream`: a call's name once read, its parameters as they are written)."""
 
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
         self.num_calls = 0
-        self._calls = ToolCallStream(choice.parser, choice.tools)
-        self._text = ""  # "required": the whole answer, read at the end
+        self._calls: ToolCallStream | RequiredCallStream = (
+            RequiredCallStream() if choice.mode == "required" else ToolCallStream(choice.parser, choice.tools)
+        )
         self._skipping = False  # the streamed call is past the first, without parallel_tool_calls
 
     def add(self, text: str) -> list[dict[str, Any]]:
-        if self.choice.mode == "auto":
-            return self._deltas(self._calls.add(text))
         if self.choice.mode == "named":
             return self._named(text)
-        self._text += text
-        return []
+        return self._deltas(self._calls.add(text))
 
     def finish(self) -> list[dict[str, Any]]:
-        if self.choice.mode == "auto":
-            return self._deltas(self._calls.finish())
         if self.choice.mode == "named":
             return self._named("") if not self.num_calls else []
-        content, calls = answer_tool_calls(self._text, self.choice)
-        return self._deltas(calls) if calls else ([{"content": content}] if content else [])
+        return self._deltas(self._calls.finish())
 
     def _named(self, text: str) -> list[dict[str, Any]]:
         deltas = []
