@@ -621,7 +621,9 @@ class HttpApi:
                 deltas.append(delta)
             if (calls := tooled.pop(index, None)) is not None:
                 deltas += calls.finish()
-                reason = tool_finish_reason(chat.tool_choice, calls.num_calls, reason or "stop")
+                reason = tool_finish_reason(
+                    chat.tool_choice, calls.num_calls, reason or "stop", streamed=True
+                )
             for delta in deltas:
                 await send(chunk_body(request_id, chat.model, created, delta, token_ids=[], index=index))
             final = _final_chunk(chat, request_id, created, index, reason, stop)

@@ -48,8 +48,11 @@ is shaped by the same `ResponseEvents` fed the text at once, so both carry the s
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from epd.gateway.json_fields import shown_value
@@ -146,7 +149,7 @@ def parse_responses_request(
             raise InvalidRequest(f"'{name}' is chat completions' field; the Responses API takes {instead}")
     refuse_unsupported_fields(body, _UNSUPPORTED, _KNOWN)
     chat_body = {name: body[name] for name in PASSED_TO_CHAT & set(body)}
-    chat_body["messages"] = _messages(body.get("input"), body.get("instructions"))
+    chat_body["messages"], sources = _messages(body.get("input"), body.get("instructions"))
     if body.get("max_output_tokens") is not None:
         chat_body["max_completion_tokens"] = body["max_output_tokens"]
     if (tools := body.get("tools")) is not None:
@@ -167,7 +170,7 @@ def parse_responses_request(
         message = str(exc)
         for chat_name, name in _RENAMED.items():
             message = message.replace(chat_name, name)
-        raise InvalidRequest(message) from None
+        raise InvalidRequest(_input_names(message, sources)) from None
     chat.responses = {
         "instructions": body.get("instructions"),
         "metadata": metadata or {},
@@ -181,23 +184,40 @@ def parse_responses_request(
     return chat
 
 
-def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
-    """`input` (and `instructions`, first) as chat messages."""
+@dataclass(frozen=True)
+class _Source:
+    """Where a chat message came from in the Responses body: the names chat's refusals of it
+    (`messages[i]...`) are given instead (`_input_names`)."""
+
+    name: str
+    """The message: "instructions", "input" (a string) or "input[j]"."""
+    content: str
+    """Its content (`messages[i].content`): a function_call_output's is its `output`."""
+    calls: tuple[str, ...] = ()
+    """Its tool calls' items, in order (one turn's function_call items merge into one message)."""
+
+
+def _messages(value: Any, instructions: Any) -> tuple[list[dict[str, Any]], list[_Source]]:
+    """`input` (and `instructions`, first) as chat messages, and where each came from."""
     messages: list[dict[str, Any]] = []
+    sources: list[_Source] = []
     if instructions is not None:
         if not isinstance(instructions, str):
             raise InvalidRequest("'instructions' must be a string (the system message)")
         messages.append({"role": "system", "content": instructions})
+        sources.append(_Source("instructions", "instructions"))
     if isinstance(value, str):
-        return [*messages, {"role": "user", "content": value}]
+        return [*messages, {"role": "user", "content": value}], [*sources, _Source("input", "input")]
     if not isinstance(value, list) or not value:
         raise InvalidRequest(
             "'input' must be a string or a non-empty list of items (messages, function calls)"
         )
     for i, item in enumerate(value):
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        item_name = f"input[{i}]"
         if kind == "message":
             messages.append(_message(item, i))
+            sources.append(_Source(item_name, f"{item_name}.content"))
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id"),
@@ -207,8 +227,10 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # a turn's calls: one assistant message
+                sources[-1] = replace(sources[-1], calls=(*sources[-1].calls, item_name))
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(_Source(item_name, f"{item_name}.content", (item_name,)))
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
@@ -216,6 +238,7 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
                     f"input[{i}] (a function_call_output) needs 'output', the call's result as a string"
                 )
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            sources.append(_Source(item_name, f"{item_name}.output"))
         elif kind == "reasoning":
             continue  # an earlier turn's thinking: chat templates render none of it
         else:
@@ -223,7 +246,34 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
                 f"input[{i}] has type {shown_value(kind)}; this server takes 'message', 'function_call', "
                 "'function_call_output' and 'reasoning' items"
             )
-    return messages
+    return messages, sources
+
+
+_CHAT_MESSAGE = re.compile(
+    r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function\.(name|arguments))?|(\.tool_call_id)|(\.content))?"
+)
+"""How chat's refusals name a message, its tool call (a field of it), its tool_call_id or content."""
+
+
+def _input_names(message: str, sources: Sequence[_Source]) -> str:
+    """Chat's refusal `message` naming `messages[i]...` with the names of the Responses body's
+    `input` (`input[j]`, whose index differs after `instructions` or merged function_call items;
+    a call's `input[j].arguments`, a tool_call_id's `input[j].call_id`, ...)."""
+
+    def name(match: re.Match[str]) -> str:
+        i = int(match.group(1))
+        if i >= len(sources):
+            return match.group(0)
+        source = sources[i]
+        if match.group(2) is not None:
+            j = int(match.group(2))
+            call = source.calls[j] if j < len(source.calls) else f"{source.name}.tool_calls[{j}]"
+            return call + (f".{match.group(3)}" if match.group(3) else "")
+        if match.group(4):
+            return f"{source.name}.call_id"
+        return source.content if match.group(5) else source.name
+
+    return _CHAT_MESSAGE.sub(name, message)
 
 
 _PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}

@@ -60,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from epd.gateway.tool_request import ToolChoice, forced_calls
+from epd.gateway.tool_request import ToolChoice
 
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")
 """The names `--tool-call-parser` takes (vLLM's)."""
@@ -150,29 +150,84 @@ class _CallReader(Protocol):
         ...
 
 
-_HERMES_START = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*\{')
-"""A hermes call's start in the order the templates teach: its name, then its arguments' `{`."""
+class _CallStart:
+    """A call's start, read character by character as it comes (never read again): `{"name":
+    "<name>", "<key>": {` with JSON whitespace between the tokens, the order the templates teach
+    (hermes' `arguments`) and vLLM's "required" schema lists (`parameters`). `name` is set once it
+    is read; `failed` once the text cannot be that start."""
+
+    def __init__(self, key: str) -> None:
+        self._tokens: tuple[str | None, ...] = ("{", '"name"', ":", None, ",", json.dumps(key), ":", "{")
+        self._token = 0  # the token being read (None: the name's string)
+        self._offset = 0  # its characters read
+        self._raw: list[str] = []  # the name's string, raw
+        self._escaped = False
+        self._name: str | None = None
+        self.name: str | None = None
+        self.failed = False
+
+    def feed(self, text: str) -> int | None:
+        """Reads `text`; the index in it just past the arguments' `{` when the start is whole there."""
+        for i, char in enumerate(text):
+            if self.failed or self.name is not None:
+                return None
+            token = self._tokens[self._token]
+            if token is None:  # the name's string
+                if self._offset == 0:
+                    if char in " \t\n\r":
+                        continue
+                    if char != '"':
+                        self.failed = True
+                        continue
+                    self._offset = 1
+                elif self._escaped:
+                    self._escaped = False
+                    self._raw.append(char)
+                elif char == "\\":
+                    self._escaped = True
+                    self._raw.append(char)
+                elif char == '"':
+                    try:
+                        self._name = json.loads('"' + "".join(self._raw) + '"')
+                    except ValueError:
+                        self.failed = True
+                        continue
+                    self.failed = not self._name
+                    self._token, self._offset = self._token + 1, 0
+                else:
+                    self._raw.append(char)
+                continue
+            if self._offset == 0 and char in " \t\n\r":
+                continue
+            if char != token[self._offset]:
+                self.failed = True
+                continue
+            self._offset += 1
+            if self._offset == len(token):
+                self._token, self._offset = self._token + 1, 0
+                if self._token == len(self._tokens):
+                    self.name = self._name
+                    return i + 1
+        return None
 
 
 class _HermesReader:
     def __init__(self) -> None:
         self.name: str | None = None
-        self._fed = 0  # the body's characters fed to the normalizer (from the arguments' `{`)
+        self._start = _CallStart("arguments")
+        self._fed = 0  # the body's characters read (from the arguments' `{`, fed to the normalizer)
         self._normalizer = _JsonNormalizer()
         self._sent: list[str] = []
 
     def advance(self, body: str, final: bool) -> list[str]:
         if self.name is None:
-            match = _HERMES_START.match(body)
-            if match is None:
+            if self._start.failed:  # not in the templates' order: read whole at the end
                 return []
-            try:
-                name = json.loads(match.group(1))
-            except ValueError:
+            at = self._start.feed(body[self._fed :])
+            if at is None:
+                self._fed = len(body)
                 return []
-            if not name:  # not a call: read whole at the end
-                return []
-            self.name, self._fed = name, match.end() - 1
+            self.name, self._fed = self._start.name, self._fed + at - 1
         self._normalizer.feed(body[self._fed :])
         self._fed = len(body)
         out = self._normalizer.take(final)
@@ -326,7 +381,8 @@ class _Qwen3CoderReader:
         self._tools = tools
         self._properties: Mapping[str, Any] = {}
         self._at = 0  # the body's characters read
-        self._scan = 0  # where to look for the current parameter's `</parameter>` next
+        self._name_scan = 0  # where to look next for the function's or parameter's name's `>`
+        self._scan = 0  # where to look next for the current parameter's `</parameter>`
         self._num_parameters = 0
         self._closed = False  # its `</function>` was read
         self._broken = False
@@ -339,9 +395,9 @@ class _Qwen3CoderReader:
             if not body.startswith(_FUNCTION, at):
                 self._broken = final or _tag_at(body, at, (_FUNCTION,)) is None
                 return []
-            end = body.find(">", at + len(_FUNCTION))
+            end = _find(body, ">", max(at + len(_FUNCTION), self._name_scan))
             if end < 0:
-                self._broken = final
+                self._name_scan, self._broken = len(body), final
                 return []
             name = body[at + len(_FUNCTION) : end]
             if not name or set(name) & _BAD_NAME_CHARS:  # vLLM's: not a function's name
@@ -368,14 +424,14 @@ class _Qwen3CoderReader:
 
     def _parameter(self, body: str, at: int, final: bool) -> str | None:
         """The parameter at `at` as its arguments' fragment, once its end is certain."""
-        name_end = body.find(">", at + len(_PARAMETER))
+        name_end = _find(body, ">", max(at + len(_PARAMETER), self._name_scan))
         if name_end < 0:
-            self._broken = final
+            self._name_scan, self._broken = len(body), final
             return None
         start = name_end + 1 + (body.startswith("\n", name_end + 1))
         end = max(start, self._scan)  # a long value is searched once, not again at every delta
         while True:
-            end = body.find(_PARAMETER_END, end)
+            end = _find(body, _PARAMETER_END, end)
             if end < 0:
                 self._scan = max(start, len(body) - len(_PARAMETER_END) + 1)
                 self._broken = final
@@ -391,7 +447,7 @@ class _Qwen3CoderReader:
         name = body[at + len(_PARAMETER) : name_end]
         value = body[start:end]
         value = value[:-1] if value.endswith("\n") else value
-        self._at, self._scan = end + len(_PARAMETER_END), 0
+        self._at, self._scan, self._name_scan = end + len(_PARAMETER_END), 0, 0
         separator = ", " if self._num_parameters else ""
         self._num_parameters += 1
         value_json = _value_json(parameter_value(value, self._properties.get(name)))
@@ -504,6 +560,154 @@ def _literal(text: str) -> Any:
         return text
 
 
+class RequiredCallStream:
+    """tool_choice "required"'s answer, the grammar's JSON array `[{"name": ..., "parameters":
+    {...}}, ...]` (vLLM's schema), parted as it is generated, as vLLM's stream parts it: an item's
+    `ToolCallHeader` once `{"name": "...", "parameters": {` is read (the schema's order, the
+    grammar's), then its parameters' text as `ArgumentsFragment`s in `json.dumps`'s spelling
+    (`_JsonNormalizer`, as hermes' arguments), so that they join to exactly the whole answer's
+    arguments; an item written otherwise goes out whole at its end. Each character is read once.
+    `incremental` False: each item whole at its end (`ParsedToolCall`), the whole answer's calls,
+    which are calls only when the array is `complete`. The text is content when no call went out
+    and it is not such an array (a cut by max_tokens, as vLLM's whole answer); a call that went out
+    stays (the rest of the text is dropped), as vLLM's stream."""
+
+    def __init__(self, incremental: bool = True) -> None:
+        self.num_calls = 0
+        self._incremental = incremental
+        self._phase = (
+            "open"  # "open" ([), "item" ({, or ] after [), "in_item", "next" (, or ]), "end", "broken"
+        )
+        self._text: list[str] = []  # the whole answer: the content when it is no array of calls
+        self._first = True  # no item yet: `]` may close the array
+        self._item: list[str] = []  # the current item's text
+        self._depth = 0  # the item's brackets open
+        self._in_string = False
+        self._escaped = False
+        self._start = _CallStart("parameters")
+        self._normalizer: _JsonNormalizer | None = None  # the item's parameters, from their `{`
+        self._sent: list[str] = []  # the item's parameters' text made so far
+        self._header_sent = False
+
+    @property
+    def complete(self) -> bool:
+        """The text is a whole array of calls (whitespace may follow)."""
+        return self._phase == "end"
+
+    def add(self, text: str) -> list[StreamItem]:
+        """The items the delta `text` completes, in order."""
+        self._text.append(text)
+        out: list[StreamItem] = []
+        at = 0
+        while at < len(text) and self._phase != "broken":
+            if self._phase == "in_item":
+                at = self._read_item(text, at, out)
+                continue
+            char, at = text[at], at + 1
+            if char in " \t\n\r":
+                continue
+            if self._phase == "open":
+                self._phase = "item" if char == "[" else "broken"
+            elif self._phase == "item" and char == "{":
+                self._begin_item()
+            elif self._phase == "item" and char == "]" and self._first:
+                self._phase = "end"
+            elif self._phase == "next" and char in ",]":
+                self._phase, self._first = ("item" if char == "," else "end"), False
+            else:  # not the grammar's array: content, or dropped once a call went out
+                self._phase = "broken"
+        return out
+
+    def finish(self) -> list[StreamItem]:
+        """At the answer's end: the certain rest of a cut call's parameters, or the whole text as
+        content when no call went out and it is no array of calls."""
+        out: list[StreamItem] = []
+        if self._phase == "in_item" and self._header_sent:
+            out += self._fragments(final=True)
+        if not self.num_calls and not self.complete and (text := "".join(self._text)):
+            out.append(text)
+        return out
+
+    def _begin_item(self) -> None:
+        self._phase, self._item, self._depth = "in_item", ["{"], 1
+        self._start, self._normalizer, self._sent, self._header_sent = (
+            _CallStart("parameters"),
+            None,
+            [],
+            False,
+        )
+        self._start.feed("{")
+
+    def _read_item(self, text: str, at: int, out: list[StreamItem]) -> int:
+        """Reads the current item's text from `text[at]`, to its end or the delta's; where it stopped."""
+        end = len(text)
+        for i in range(at, len(text)):
+            char = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+        piece = text[at:end]
+        self._item.append(piece)
+        if self._normalizer is not None:
+            self._normalizer.feed(piece)
+        elif not self._start.failed and (start := self._start.feed(piece)) is not None:
+            self._normalizer = _JsonNormalizer()
+            self._normalizer.feed(piece[start - 1 :])  # from the parameters' `{`
+            if self._incremental:
+                out.append(ToolCallHeader(self._start.name or ""))
+                self._header_sent = True
+                self.num_calls += 1
+        closed = self._depth == 0
+        fragments = self._fragments(final=closed)
+        if self._header_sent:
+            out += fragments
+        if closed:
+            self._end_item(out)
+        return end
+
+    def _fragments(self, final: bool) -> list[StreamItem]:
+        if self._normalizer is None:
+            return []
+        texts = self._normalizer.take(final)
+        self._sent += texts
+        return [ArgumentsFragment(text) for text in texts]
+
+    def _end_item(self, out: list[StreamItem]) -> None:
+        self._phase = "next"
+        try:
+            item = json.loads("".join(self._item))
+        except (ValueError, RecursionError):
+            item = None
+        if not (
+            isinstance(item, dict)
+            and isinstance(item.get("name"), str)
+            and isinstance(item.get("parameters"), dict)
+        ):
+            self._phase = "broken"  # not a call: what went out stays (a header sent), else content
+        elif not self._header_sent:
+            if (
+                self._normalizer is not None
+            ):  # as the stream sends it: the name read first, the parameters' text
+                call = ParsedToolCall(self._start.name or "", "".join(self._sent))
+            else:
+                call = ParsedToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+            out.append(call)
+            self.num_calls += 1
+
+
 def _reader(parser: str, tools: Sequence[Mapping[str, Any]]) -> _CallReader:
     return _Qwen3CoderReader(tools) if parser == "qwen3_coder" else _HermesReader()
 
@@ -523,6 +727,7 @@ class ToolCallStream:
         self._reader = _reader(parser, tools)
         self._header_sent = False  # the block's call went out as a header
         self._held = ""  # outside: a tail that may begin <tool_call>; inside: the block's text so far
+        self._scanned = 0  # inside: where </tool_call> may begin in the block's text (none before)
         self._blank = ""  # outside: the current segment's text while it is whitespace alone
         self._segment_shown = False  # the current segment has had text other than whitespace
 
@@ -533,16 +738,16 @@ class ToolCallStream:
         self._held = ""
         while pending:
             if self._inside:
-                end = pending.find(END)
+                end = _find(pending, END, self._scanned)
                 if end < 0:
-                    self._held = pending
+                    self._held, self._scanned = pending, max(0, len(pending) - len(END) + 1)
                     if self._incremental:  # a tail that may begin </tool_call> is not the call's
                         self._advance(pending[: len(pending) - _prefix_tail(pending, END)], out)
                     return out
                 self._close_call(pending[:end], True, out)
                 pending = pending[end + len(END) :]
                 continue
-            start = pending.find(START)
+            start = _find(pending, START, 0)  # outside, only a tag's start is held: nothing is read again
             if start >= 0:
                 self._outside_text(pending[:start], out)
                 self._inside = True
@@ -593,7 +798,7 @@ class ToolCallStream:
         fragments = self._reader.advance(body, True)
         call = self._reader.call(body)
         header_sent = self._header_sent
-        self._inside, self._header_sent = False, False
+        self._inside, self._header_sent, self._scanned = False, False, 0
         self._reader = _reader(self._parser, self._tools)
         if header_sent:  # its start went out: the rest of its arguments (what was sent stays)
             out += [ArgumentsFragment(text) for text in fragments]
@@ -605,6 +810,13 @@ class ToolCallStream:
             self.num_calls += 1
             out.append(call)
         self._blank, self._segment_shown = "", False  # a new segment after the call
+
+
+def _find(text: str, marker: str, start: int) -> int:
+    """Where `marker` begins in `text` from `start` (-1: nowhere); the one place the stream's
+    blocks are searched, so each character is searched once however the deltas come (the tests
+    count what it reads)."""
+    return text.find(marker, start)
 
 
 def _prefix_tail(text: str, marker: str) -> int:
@@ -641,27 +853,31 @@ def tool_call_deltas(call: ParsedToolCall, index: int) -> list[dict[str, Any]]:
 
 def answer_tool_calls(content: str | None, choice: ToolChoice) -> tuple[str | None, list[ParsedToolCall]]:
     """A whole answer's (content, calls) under the request's tool choice: "auto" parsed by the
-    choice's parser (`parse_tool_calls`), "named" and "required" read from the grammar's JSON
-    (`forced_calls`; the content "" as vLLM's), "none" as it is; the first call alone without
+    choice's parser (`parse_tool_calls`), "named" the text as generated (the one call's
+    arguments), "required" the grammar's array (`RequiredCallStream`; not a whole array: the text
+    as content), the content "" as vLLM's; "none" as it is; the first call alone without
     `parallel_tool_calls`."""
-    if choice.forced:
-        forced = forced_calls(content or "", choice)
-        if forced is None:  # "required"'s array cut short: the text as it is
+    if choice.mode == "named":  # the text as generated, as vLLM's (streamed as it comes)
+        return "", [ParsedToolCall(choice.function, content or "")]
+    if choice.mode == "required":
+        stream = RequiredCallStream(incremental=False)
+        calls = [item for item in stream.add(content or "") if isinstance(item, ParsedToolCall)]
+        if not stream.complete:  # "required"'s array cut short: the text as it is
             return content, []
-        return "", [ParsedToolCall(name, arguments) for name, arguments in forced][
-            : None if choice.parallel else 1
-        ]
+        return "", calls[: None if choice.parallel else 1]
     if choice.parses_text and content:
         split = parse_tool_calls(content, choice.parser, choice.tools)
         return split.content, split.calls[: None if choice.parallel else 1]
     return content, []
 
 
-def tool_finish_reason(choice: ToolChoice, num_calls: int, finish_reason: str) -> str:
+def tool_finish_reason(choice: ToolChoice, num_calls: int, finish_reason: str, streamed: bool = False) -> str:
     """vLLM's: "tool_calls" when the answer's text made calls ("auto"; streamed, also a call cut
-    after its name went out), or when "required"'s grammar ended ("stop"); a named function's
-    answer keeps its own."""
-    if num_calls and (choice.mode == "auto" or (choice.mode == "required" and finish_reason == "stop")):
+    after its name went out), or when "required"'s grammar ended ("stop"; `streamed`, whenever a
+    call went out, a cut by max_tokens too, as vLLM's stream); a named function's answer keeps its
+    own."""
+    required = choice.mode == "required" and (streamed or finish_reason == "stop")
+    if num_calls and (choice.mode == "auto" or required):
         return "tool_calls"
     return finish_reason
 
@@ -671,30 +887,26 @@ class ToolAnswerStream:
     ({"content"}) and calls (`header_delta`, `arguments_delta`); the calls `answer_tool_calls`
     gives the whole answer. "auto" parses as the text comes (`ToolCallStream`: a call's name once
     read, its arguments as they are written); a named function's call goes out with the first
-    text, its arguments as they come (vLLM's); "required"'s array is read at the end."""
+    text, its arguments as they come (vLLM's); "required"'s array item by item as it is generated
+    (`RequiredCallStream`: a call's name once read, its parameters as they are written)."""
 
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
         self.num_calls = 0
-        self._calls = ToolCallStream(choice.parser, choice.tools)
-        self._text = ""  # "required": the whole answer, read at the end
+        self._calls: ToolCallStream | RequiredCallStream = (
+            RequiredCallStream() if choice.mode == "required" else ToolCallStream(choice.parser, choice.tools)
+        )
         self._skipping = False  # the streamed call is past the first, without parallel_tool_calls
 
     def add(self, text: str) -> list[dict[str, Any]]:
-        if self.choice.mode == "auto":
-            return self._deltas(self._calls.add(text))
         if self.choice.mode == "named":
             return self._named(text)
-        self._text += text
-        return []
+        return self._deltas(self._calls.add(text))
 
     def finish(self) -> list[dict[str, Any]]:
-        if self.choice.mode == "auto":
-            return self._deltas(self._calls.finish())
         if self.choice.mode == "named":
             return self._named("") if not self.num_calls else []
-        content, calls = answer_tool_calls(self._text, self.choice)
-        return self._deltas(calls) if calls else ([{"content": content}] if content else [])
+        return self._deltas(self._calls.finish())
 
     def _named(self, text: str) -> list[dict[str, Any]]:
         deltas = []

@@ -160,25 +160,6 @@ def _required_schema(functions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return schema
 
 
-def forced_calls(text: str, choice: ToolChoice) -> list[tuple[str, str]] | None:
-    """(name, arguments' JSON text) of each call a forced answer's `text` holds: the named
-    function's, its arguments the text as generated (vLLM's, even when max_tokens cut it); or
-    "required"'s array, each item's parameters, None when the text is not what the grammar allows
-    (an answer cut by max_tokens): then it is content."""
-    if choice.mode == "named":  # the text as generated, as vLLM's (streamed as it comes)
-        return [(choice.function, text)]
-    try:
-        items = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(items, list) or not all(
-        isinstance(i, dict) and isinstance(i.get("name"), str) and isinstance(i.get("parameters"), dict)
-        for i in items
-    ):
-        return None
-    return [(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
-
-
 def check_auto_tool_choice(choice: ToolChoice, enabled: bool) -> None:
     """InvalidRequest for tool_choice "auto" (the default with tools) on a server started without
     `--enable-auto-tool-choice` (vLLM's 400: without a parser the calls could not be found)."""

@@ -291,10 +291,37 @@ def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
         assert all(
             isinstance(json.loads(c["function"]["arguments"]), dict) for c in choice["message"]["tool_calls"]
         )
-        calls, _, finish = _streamed_calls(_stream(port, required))
+        chunks = _stream(port, required)
+        calls, _, finish = _streamed_calls(chunks)
         assert ([_named(c) for c in calls], finish) == (
             [_named(c) for c in choice["message"]["tool_calls"]],
             "tool_calls",
+        )
+        # As it is generated (vLLM's), not at the end: the first call's name goes out before the
+        # chunk of the answer's last token.
+        first_call = next(i for i, c in enumerate(chunks) if c["delta"].get("tool_calls"))
+        last_token = max(i for i, c in enumerate(chunks) if c.get("token_ids"))
+        assert first_call < last_token
+
+        # Cut by max_tokens before the array's last token (the answer's last is the end of text): the
+        # whole answer is no array of calls,
+        # its text the content, "length" (vLLM's); streamed, the calls that went out stay, their
+        # parameters as far as they were written, and the finish reason is "tool_calls" (vLLM's).
+        status, reply = post_json(port, "/v1/chat/completions", required)
+        assert status == 200, reply
+        cut = {**required, "max_tokens": reply["usage"]["completion_tokens"] - 2}
+        whole = _chat(port, cut)
+        assert (whole["finish_reason"], whole["message"].get("tool_calls")) == ("length", None)
+        assert whole["message"]["content"] and whole["message"]["content"][0] == "["
+        calls, content, finish = _streamed_calls(_stream(port, cut))
+        want = choice["message"]["tool_calls"]
+        assert (finish, content, [c["function"]["name"] for c in calls]) == (
+            "tool_calls",
+            "",
+            [c["function"]["name"] for c in want],
+        )
+        assert all(
+            w["function"]["arguments"].startswith(c["function"]["arguments"]) for c, w in zip(calls, want)
         )
 
         # /tokenize renders the tools as the chat request's prompt.

@@ -159,6 +159,41 @@ def test_refusals_say_what_to_send(body, match):
         parse(**body)
 
 
+def _call(call_id: str, arguments: str = "{}", name: str = "get_weather") -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        # The instructions are message 0, one turn's calls one message: chat's messages[2].tool_calls[1].
+        (
+            [{"role": "user", "content": "hi"}, _call("c1"), _call("c2", "[1]")],
+            "input[2].arguments must be a JSON object's text",
+        ),
+        ([{"role": "user", "content": "hi"}, _call("c1"), _call("c2", name="a b")], "input[2].name must be"),
+        ([{"role": "user", "content": 3}], "input[0].content must be a string or a non-empty list"),
+        # A reasoning item is no message: chat's messages[3] is input[4].
+        (
+            [
+                {"type": "reasoning", "summary": []},
+                {"role": "user", "content": "hi"},
+                _call("c1"),
+                _call("c2"),
+                {"type": "function_call_output", "call_id": 3, "output": "x"},
+            ],
+            "input[4].call_id must be a string",
+        ),
+    ],
+)
+def test_chats_refusals_of_a_message_name_its_input_item(items, message):
+    """Chat's checks name `messages[i]`; a Responses body has no messages, and its `input` index
+    differs after `instructions` or merged function_call items: the 400 names the item."""
+    with pytest.raises(InvalidRequest) as refused:
+        parse(instructions="Be brief.", input=items)
+    assert str(refused.value).startswith(message) and "messages[" not in str(refused.value)
+
+
 def test_another_model_is_a_404_and_unknown_fields_are_logged(caplog):
     with pytest.raises(NotFound):
         parse_responses_request({"model": "x", "input": "hi"}, "m", SamplingOptions(), GenerationConfig())

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from epd.gateway import tool_parser
 from epd.gateway.openai_protocol import completion_body
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.tool_parser import (
@@ -23,9 +24,19 @@ from epd.gateway.tool_parser import (
     answer_tool_calls,
     parameter_value,
     parse_tool_calls,
+    tool_finish_reason,
 )
 from epd.gateway.tool_request import ToolChoice
 
+
+class _AnyId(str):
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and other.startswith("chatcmpl-tool-")
+
+    __hash__ = str.__hash__
+
+
+ANY_ID = _AnyId()
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_B = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "n": [1, 2]}}\n</tool_call>'
 ANSWERS = {
@@ -174,23 +185,113 @@ def test_a_named_functions_answer_streams_its_arguments_as_they_come():
     assert answer_tool_calls('{"city": "Paris"}', FUNCTIONS)[0] == ""
 
 
-def test_required_answers_are_read_at_the_end_and_a_cut_array_stays_content():
+REQUIRED = (
+    '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+)
+REQUIRED_ANSWERS = {
+    # "required"'s answer (the grammar's array) -> (content, [(name, arguments)]), whole
+    REQUIRED: ("", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    # The parameters as json.dumps writes them, whatever the grammar's spacing and escapes.
+    '[{"name":"f","parameters":{"a":[1,2.50,{"b":null}],"s":"\\u00e9\\n","t":true}}]':
+        ("", [("f", '{"a": [1, 2.5, {"b": null}], "s": "é\\n", "t": true}')]),
+    '[\n  {\n    "name": "f",\n    "parameters": {"x": [1, -0.5]}\n  }\n]\n': ("", [("f", '{"x": [1, -0.5]}')]),
+    '[{"parameters": {"x": 1}, "name": "f"}]': ("", [("f", '{"x": 1}')]),  # sent whole at its end
+    # Cut by max_tokens (not the grammar's whole array): the text, as vLLM's whole answer.
+    '[{"name": "get_weather", "parameters": {"city": "Par': ('[{"name": "get_weather", "parameters": {"city": "Par', []),
+    '[{"name": "get_wea': ('[{"name": "get_wea', []),
+    '[{"name": "f", "parameters": {}}, {"name": "g", "para': ('[{"name": "f", "parameters": {}}, {"name": "g", "para', []),
+    '[{"name": "f", "parameters": {"n": 12': ('[{"name": "f", "parameters": {"n": 12', []),
+    '[{"name": "f", "parameters": 3}]': ('[{"name": "f", "parameters": 3}]', []),  # not a call
+}  # fmt: skip
+REQUIRED_STREAMED = {
+    # Streamed, a call whose name went out stays, its parameters as far as they were certain (vLLM's).
+    '[{"name": "get_weather", "parameters": {"city": "Par': ("", [("get_weather", '{"city": "Par')]),
+    '[{"name": "f", "parameters": {}}, {"name": "g", "para': ("", [("f", "{}")]),
+    '[{"name": "f", "parameters": {"n": 12': ("", [("f", '{"n": 12')]),
+}
+
+
+def _required_streamed(deltas: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """The content and calls a client builds from "required"'s streamed chunk deltas."""
     stream = ToolAnswerStream(ToolChoice("required"))
-    text = (
-        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
-    )
-    assert stream.add(text[:10]) == [] and stream.add(text[10:]) == []
-    deltas = stream.finish()
-    assert [d["tool_calls"][0]["index"] for d in deltas] == [0, 0, 1, 1]
-    assert [d["tool_calls"][0]["function"] for d in deltas[1::2]] == [
-        {"arguments": '{"city": "Paris"}'},
-        {"arguments": "{}"},
+    chunks = [delta for text in deltas for delta in stream.add(text)] + stream.finish()
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for call in chunk.get("tool_calls", []):
+            function = call["function"]
+            if "name" in function:
+                assert call["index"] == len(calls) and function["arguments"] == ""
+                calls[call["index"]] = [function["name"], ""]
+            else:
+                assert function["arguments"]
+                calls[call["index"]][1] += function["arguments"]
+    assert stream.num_calls == len(calls)
+    return "".join(c.get("content", "") for c in chunks), [
+        (name, arguments) for name, arguments in calls.values()
     ]
-    assert stream.num_calls == 2
-    cut = ToolAnswerStream(ToolChoice("required"))
-    cut.add(text[:30])
-    assert (cut.finish(), cut.num_calls) == ([{"content": text[:30]}], 0)
-    assert answer_tool_calls(text[:30], ToolChoice("required")) == (text[:30], [])
+
+
+@pytest.mark.parametrize("text", list(REQUIRED_ANSWERS))
+def test_required_answers_stream_each_call_as_it_is_generated_wherever_the_deltas_cut_it(text):
+    """vLLM's stream of "required": each item's name once read, then its parameters' text; the
+    fragments join to exactly the whole answer's arguments, for every split into one, two or three
+    deltas (three for short texts) and one character at a time; a cut array is content whole."""
+    content, calls = answer_tool_calls(text, ToolChoice("required"))
+    assert (content, [(c.name, c.arguments) for c in calls]) == REQUIRED_ANSWERS[text]
+    cuts = [[text], list(text), *_cuts(text, 1), *(_cuts(text, 2) if len(text) < 40 else [])]
+    for deltas in cuts:
+        assert _required_streamed(deltas) == REQUIRED_STREAMED.get(text, REQUIRED_ANSWERS[text]), deltas
+
+
+def test_a_required_call_goes_out_before_the_array_ends():
+    """The first call's name and parameters go out while the model still writes the second."""
+    stream = ToolAnswerStream(ToolChoice("required"))
+    assert stream.add('[{"name": "get_weather", "parameters": {"ci') == [
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": ANY_ID,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
+    ]
+    assert stream.add('ty": "Paris"}}, {"name": "get_time", "parameters": {}}') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]},
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": ANY_ID,
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+    ]
+    assert (stream.add("]"), stream.finish(), stream.num_calls) == ([], [], 2)
+
+
+def test_a_required_answer_cut_by_max_tokens_keeps_its_streamed_call_and_finishes_tool_calls():
+    """vLLM's stream: once a call went out, the finish reason is "tool_calls" even for a cut by
+    max_tokens (its whole answer: the cut array is content, the finish reason "length")."""
+    required = ToolChoice("required")
+    cut = '[{"name": "get_weather", "parameters": {"city": "Par'
+    stream = ToolAnswerStream(required)
+    stream.add(cut)
+    stream.finish()
+    assert tool_finish_reason(required, stream.num_calls, "length", streamed=True) == "tool_calls"
+    assert answer_tool_calls(cut, required) == (cut, [])
+    assert tool_finish_reason(required, 0, "length") == "length"
+    before_a_name = ToolAnswerStream(required)  # nothing went out: the text is content, "length"
+    assert before_a_name.add('[{"name": "get_') == [] and before_a_name.finish() == [
+        {"content": '[{"name": "get_'}
+    ]
+    assert tool_finish_reason(required, before_a_name.num_calls, "length", streamed=True) == "length"
 
 
 def _summary(answer: str, finish: str = "stop") -> AskSummary:
@@ -372,3 +473,31 @@ def test_an_echo_goes_in_front_of_the_content_not_into_the_calls(choice, answer,
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
         assert (message["content"], calls) == (echoed, want_calls)
         assert choice_json["finish_reason"] == ("stop" if choice.mode == "named" else "tool_calls")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+def test_a_long_call_streamed_in_small_deltas_is_searched_once(parser, monkeypatch):
+    """Each delta's search for `</tool_call>`, a name's `>` or a value's `</parameter>` starts
+    where the last one stopped: the characters searched grow with the text, not with its square
+    (they were the whole block again at every delta)."""
+    value = "lorem ipsum " * 500
+    if parser == "hermes":
+        text = (
+            "<tool_call>\n" + json.dumps({"name": "write", "arguments": {"text": value}}) + "\n</tool_call>"
+        )
+    else:
+        text = f"<tool_call>\n<function=write>\n<parameter=text>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    searched = []
+    find = tool_parser._find
+
+    def counted(text: str, marker: str, start: int) -> int:
+        at = find(text, marker, start)
+        searched.append((at + len(marker) if at >= 0 else len(text)) - start)
+        return at
+
+    monkeypatch.setattr(tool_parser, "_find", counted)
+    deltas = [text[i : i + 4] for i in range(0, len(text), 4)]
+    assert _streamed(deltas, parser) == (None, [("write", json.dumps({"text": value}))])
+    # Each delta's few searches read its own characters and a marker's length before them (where
+    # one may begin); the whole block again at every delta would be about len(text) ** 2 / 8.
+    assert sum(searched) < len(text) + 40 * len(deltas)
