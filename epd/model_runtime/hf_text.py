@@ -189,7 +189,8 @@ class HfTextAdapter(VLMAdapter):
         the template reads (vLLM's filter: a name it does not read would reach the processor's own
         options instead; the request's `tools` come among them,
         `ChatTemplateOptions.template_variables`, and reach apply_chat_template as its `tools=`).
-        ValueError when a text part, a tool call's arguments or a variable's text holds the
+        ValueError when a text part, a tool call's arguments, a tool message's call id or a
+        variable's text holds the
         model's visual placeholder (only a media part places it: in text it would take the
         media's embeddings, or miscount them), when the template cannot leave the last message
         open, when a template refuses the conversation itself (its `raise_exception`), or when a
@@ -213,6 +214,10 @@ class HfTextAdapter(VLMAdapter):
         ):
             raise ValueError(
                 "a tool call's arguments contain the model's visual placeholder token; remove it"
+            )
+        if any(token in m.get("tool_call_id", "") for m in conversation for token in placeholders):
+            raise ValueError(
+                "a tool message's tool_call_id contains the model's visual placeholder token; remove it"
             )
         variables = self._template_variables(chat_template_kwargs or {}, chat_template)
         if any(token in text for text in _strings_in(variables) for token in placeholders):
