@@ -34,8 +34,7 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.tokenize import TokenizeInput
 from tests.embedded import request_summary
-from tests.integration.test_model_info import _post as post_json
-from tests.integration.test_model_info import _sse_chunks as sse_chunks
+from tests.local_http import post_json, sse_chunks
 from tests.reference import template_reference
 from tests.stack import Stack, free_port
 
