@@ -5,7 +5,8 @@ loaded replica; the colocated front door its own prefill stage):
     POST /tokenize     {"prompt": "..."} (add_special_tokens, default true), or {"messages": [...]}
                        (add_generation_prompt, default true; continue_final_message, default
                        false, not with add_generation_prompt; chat_template_kwargs, the
-                       template's variables; tools, rendered as a chat request's;
+                       template's variables; tools, rendered as a chat request's, tool_choice
+                       and parallel_tool_calls ignored, as vLLM's;
                        chat_template, with prefill's --trust-request-chat-template;
                        add_special_tokens, default false);
                        either with return_token_strs (default false)
@@ -31,7 +32,7 @@ from aiohttp import web
 from epd.gateway.http_body import defer_continue, read_json_body
 from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
 from epd.gateway.openai_protocol import parse_messages, requested_model, template_options
-from epd.gateway.tool_request import parse_tools
+from epd.gateway.tool_request import checked_tools
 from epd.stages.errors import InvalidRequest
 from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeInput
 from epd.transport import tracing
@@ -58,8 +59,9 @@ def parse_tokenize_request(body: Any, served_model: str) -> TokenizeInput:
         return TokenizeInput(
             messages=messages,
             add_special_tokens=boolean_field(body, "add_special_tokens", False),
-            # the tools rendered as a chat request's are (its tool_choice shapes the answer alone)
-            template=replace(template_options(body), tools=parse_tools(body)[0]),
+            # the tools rendered as a chat request's are; tool_choice and parallel_tool_calls,
+            # which shape an answer alone, are ignored (vLLM's TokenizeChatRequest has neither)
+            template=replace(template_options(body), tools=checked_tools(body)),
             return_token_strs=return_token_strs,
         )
     if not isinstance(body.get("prompt"), str):

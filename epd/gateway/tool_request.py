@@ -63,14 +63,19 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolC
     """The request's tools (checked: `epd.stages.tools.check_tools`) and its tool choice (with
     `parallel_tool_calls`); InvalidRequest naming the field. No tools: tool_choice "none" or "auto" ask for nothing (as
     vLLM's), a forced choice is refused."""
+    tools = checked_tools(body)
+    choice = _tool_choice(body.get("tool_choice"), function_names(tools))
+    return tools, replace(choice, parallel=boolean_field(body, "parallel_tool_calls", True), tools=tools)
+
+
+def checked_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The request's tools, checked as `parse_tools` checks them, without its tool choice (which
+    /tokenize ignores, as vLLM's: only the tools are rendered)."""
     tools = body.get("tools")
     tools = [] if tools is None else tools
     check_tools(tools)
     checked_text(to_json(tools), "tools")  # text the wire can carry (no lone surrogate)
-    choice = _tool_choice(body.get("tool_choice"), function_names(tools))
-    return tuple(tools), replace(
-        choice, parallel=boolean_field(body, "parallel_tool_calls", True), tools=tuple(tools)
-    )
+    return tuple(tools)
 
 
 def _tool_choice(value: Any, names: Sequence[str]) -> ToolChoice:

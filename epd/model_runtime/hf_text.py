@@ -165,9 +165,9 @@ class HfTextAdapter(VLMAdapter):
         the template reads (vLLM's filter: a name it does not read would reach the processor's own
         options instead; the request's `tools` come among them and reach apply_chat_template as
         its `tools=`).
-        ValueError when a text part, a tool call's arguments or a variable's text holds the
-        model's visual placeholder (only a media part places it: in text it would take the
-        media's embeddings, or miscount them), when the template cannot leave the last message
+        ValueError when a text part, a tool call's arguments, a tool message's call id or a
+        variable's text holds the model's visual placeholder (only a media part places it: in
+        text it would take the media's embeddings, or miscount them), when the template cannot leave the last message
         open, when a template refuses the conversation itself (its `raise_exception`), or when a
         request's `chat_template` fails to render (its error's message, one short line: the
         template is the caller's). The operator's template failing otherwise is the server's
@@ -189,6 +189,10 @@ class HfTextAdapter(VLMAdapter):
         ):
             raise ValueError(
                 "a tool call's arguments contain the model's visual placeholder token; remove it"
+            )
+        if any(token in m.get("tool_call_id", "") for m in conversation for token in placeholders):
+            raise ValueError(
+                "a tool message's tool_call_id contains the model's visual placeholder token; remove it"
             )
         chat_template = options.chat_template
         variables = self._template_variables(options.variables, chat_template)

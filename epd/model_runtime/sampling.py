@@ -145,6 +145,17 @@ class SamplingFailed(ValueError):
     server's. Mapped to INVALID_ARGUMENT (`epd.transport.errors`); the stage serves on."""
 
 
+class ConstraintBusy(Exception):
+    """A structured-output spec that needs compiling came while this server's compiles that ran past
+    their deadline (`structured_output.MAX_ABANDONED_COMPILES`, which cannot be stopped) still
+    run: retry later. Mapped to RESOURCE_EXHAUSTED with a retry hint (`epd.transport.errors`), as
+    a full stage queue is (HTTP 429 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class InvalidConstraint(ValueError):
     """A request's structured-output constraint cannot be used: it does not compile against the
     model's vocabulary, the model's family exposes no tokenizer for it, or xgrammar is not

@@ -27,7 +27,11 @@ holds from the first token. Prefill reads the prompt (`reasoning_ended`) and tel
 Compiling has a deadline (`ModelConfig.structured_compile_timeout_s`): a spec still compiling
 then is refused with INVALID_ARGUMENT saying to simplify it. xgrammar's compile cannot be
 interrupted, so it runs on to its end on a thread left to it (the next compiles get a new one), and
-the spec is remembered so that asking again under that deadline does not start it again.
+the spec is remembered so that asking again under that deadline does not start it again; once that
+compile has finished, the spec is served from xgrammar's cache like any other. At most
+`MAX_ABANDONED_COMPILES` such compiles run at once: past that, a spec that needs compiling is
+refused at once with RESOURCE_EXHAUSTED to retry later (HTTP 429), so that pathological specs sent
+again and again cannot start threads without bound.
 
 xgrammar is an optional dependency (`pip install 'epd[structured]'`) of the services that run the
 model: a server without it refuses a request that asks for structured outputs with INVALID_ARGUMENT
@@ -56,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from epd.model_runtime.sampling import InvalidConstraint, SamplingFailed, StructuredOutputs
+from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, SamplingFailed, StructuredOutputs
 
 if TYPE_CHECKING:
     import torch  # the front door checks specs without torch
@@ -88,6 +92,15 @@ REMEMBERED_TOO_SLOW = 256
 """Specs refused as too slow to compile that a compiler remembers (the least recent out first), so
 that asking again under a deadline no longer is refused at once instead of starting another
 compile that cannot be stopped."""
+
+MAX_ABANDONED_COMPILES = 2
+"""Compiles that ran past their deadline and still run (each on a thread left to it: xgrammar's
+cannot be stopped) above which a spec that needs compiling is refused at once (`ConstraintBusy`):
+each holds a core for as long as it runs, minutes for a pathological spec."""
+
+REMEMBERED_COMPILED = 4096
+"""Specs a compiler remembers having compiled (the least recent out first): xgrammar's cache most
+likely holds them, so they are served even while `MAX_ABANDONED_COMPILES` compiles still run."""
 
 REASONING_MARKERS = ("<think>", "</think>")
 """The markers vLLM's reasoning parsers (qwen3, deepseek_r1) part an answer at; a structured
@@ -140,6 +153,13 @@ def _too_slow(kind: str, timeout_s: float) -> str:
         f"the structured-output {_kind_name(kind)} took longer than {timeout_s:g} s to compile "
         "(this server's --structured-compile-timeout-s); simplify it: fewer or smaller repetition "
         "counts, fewer alternatives, a smaller schema"
+    )
+
+
+def _busy(num_running: int) -> str:
+    return (
+        f"too many slow structured-output specs are still compiling on this server ({num_running} ran "
+        "past its --structured-compile-timeout-s and cannot be stopped); retry later"
     )
 
 
@@ -276,8 +296,11 @@ class GrammarCompiler:
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
-        # spec (`_slow_key`) -> the timeout it ran past
-        self._too_slow: OrderedDict[StructuredOutputs, float] = OrderedDict()
+        # spec (`_slow_key`) -> (the timeout it ran past, its compile left running)
+        self._too_slow: OrderedDict[StructuredOutputs, tuple[float, Future[CompiledGrammar]]] = OrderedDict()
+        # specs (`_slow_key`) compiled, so most likely in xgrammar's cache
+        self._compiled: OrderedDict[StructuredOutputs, None] = OrderedDict()
+        self._abandoned: list[Future[CompiledGrammar]] = []  # left to their threads, maybe running
         self.num_abandoned = 0
         """Compiles that ran past their deadline, each left on its own thread to its end."""
 
@@ -322,12 +345,22 @@ class GrammarCompiler:
         keeps its deadline, `_keep_deadline`). InvalidConstraint
         when the compile runs for longer than timeout_s (0: no bound), counted from its start (a
         wait behind other compiles is not its fault); the compile goes on to its end on the thread,
-        which this compiler leaves to it."""
+        which this compiler leaves to it. ConstraintBusy for a spec not compiled before while
+        `MAX_ABANDONED_COMPILES` such compiles still run."""
         key = _slow_key(spec)
-        ran_past = self._too_slow.get(key)
-        if ran_past is not None and 0 < timeout_s <= ran_past:  # a longer deadline may try again
-            self._too_slow.move_to_end(key)
-            raise InvalidConstraint(_too_slow(spec.kind, ran_past))
+        slow = self._too_slow.get(key)
+        if slow is not None:
+            ran_past, left_running = slow
+            if _compiled_late(left_running):  # in xgrammar's cache now: served from there
+                del self._too_slow[key]
+                self._remember_compiled(key)
+            elif 0 < timeout_s <= ran_past:  # a longer deadline may try again
+                self._too_slow.move_to_end(key)
+                raise InvalidConstraint(_too_slow(spec.kind, ran_past))
+        if key not in self._compiled:
+            running = self.num_abandoned_running
+            if running >= MAX_ABANDONED_COMPILES:
+                raise ConstraintBusy(_busy(running))
         loop = asyncio.get_running_loop()
         while True:
             started: asyncio.Future[None] = loop.create_future()
@@ -362,9 +395,11 @@ class GrammarCompiler:
             self._keep_deadline(future, thread, key, timeout_s, ends_at - loop.time())
             raise
         if finished:
-            return done.result()
+            compiled = done.result()
+            self._remember_compiled(key)
+            return compiled
         done.cancel()  # its compile's end, whenever it comes, is for no one
-        self._ran_past(thread, key, timeout_s)
+        self._ran_past(future, thread, key, timeout_s)
         raise InvalidConstraint(_too_slow(spec.kind, timeout_s))
 
     def _keep_deadline(
@@ -382,23 +417,44 @@ class GrammarCompiler:
 
         def check() -> None:
             if not future.done():
-                self._ran_past(thread, key, timeout_s)
+                self._ran_past(future, thread, key, timeout_s)
 
         asyncio.get_running_loop().call_later(max(0.0, timeout_s if left_s is None else left_s), check)
 
-    def _ran_past(self, thread: ThreadPoolExecutor, key: StructuredOutputs, timeout_s: float) -> None:
-        """A compile on `thread` ran past its deadline: the thread is left to it, the spec remembered."""
-        self._leave_thread(thread)
-        self._too_slow[key] = max(timeout_s, self._too_slow.get(key, 0.0))
+    def _ran_past(
+        self,
+        future: Future[CompiledGrammar],
+        thread: ThreadPoolExecutor,
+        key: StructuredOutputs,
+        timeout_s: float,
+    ) -> None:
+        """The compile `future` on `thread` ran past its deadline: the thread is left to it, the
+        spec remembered (until that compile has finished)."""
+        self._leave_thread(future, thread)
+        before = self._too_slow.get(key)
+        self._too_slow[key] = (max(timeout_s, before[0] if before else 0.0), future)
         self._too_slow.move_to_end(key)
         while len(self._too_slow) > REMEMBERED_TOO_SLOW:
             self._too_slow.popitem(last=False)
 
-    def _leave_thread(self, thread: ThreadPoolExecutor) -> None:
-        """Leave `thread` to the compile it runs (xgrammar's cannot be stopped): the next compiles
-        get a new thread, and those queued on this one are submitted again there."""
+    def _remember_compiled(self, key: StructuredOutputs) -> None:
+        self._compiled[key] = None
+        self._compiled.move_to_end(key)
+        while len(self._compiled) > REMEMBERED_COMPILED:
+            self._compiled.popitem(last=False)
+
+    @property
+    def num_abandoned_running(self) -> int:
+        """Compiles that ran past their deadline and still run, each on the thread left to it."""
+        self._abandoned = [future for future in self._abandoned if not future.done()]
+        return len(self._abandoned)
+
+    def _leave_thread(self, future: Future[CompiledGrammar], thread: ThreadPoolExecutor) -> None:
+        """Leave `thread` to the compile it runs (`future`; xgrammar's cannot be stopped): the next
+        compiles get a new thread, and those queued on this one are submitted again there."""
         if self._thread is thread:
             self.num_abandoned += 1
+            self._abandoned.append(future)
             self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
             thread.shutdown(wait=False, cancel_futures=True)
 
@@ -485,6 +541,11 @@ def _slow_key(spec: StructuredOutputs) -> StructuredOutputs:
     """What a spec's compile time depends on: its grammar, not whether it waits for the reasoning's
     end (a chat request under a reasoning parser, and the same spec from the SDK, compile alike)."""
     return replace(spec, after_reasoning=False)
+
+
+def _compiled_late(future: Future[CompiledGrammar]) -> bool:
+    """Whether a compile left to its thread has since finished and compiled (xgrammar cached it)."""
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -203,8 +203,13 @@ def _check_tool_fields(message: Message, i: int) -> None:
 
 
 def num_text_chars(messages: Sequence[Message]) -> int:
-    return sum(len(p.text) for m in messages for p in m.parts) + sum(
-        len(call.arguments) for m in messages for call in m.tool_calls
+    """The text the chat template may render: the text parts, the calls' ids and arguments, and the
+    tool messages' call ids (the names are bounded on their own, `check_function_name`)."""
+    return sum(
+        sum(len(p.text) for p in m.parts)
+        + len(m.tool_call_id)
+        + sum(len(call.id) + len(call.arguments) for call in m.tool_calls)
+        for m in messages
     )
 
 

@@ -1,6 +1,6 @@
 """The one place where domain errors (`epd.stages.errors`, `epd.video.types.MediaError`,
 `epd.model_runtime.loader.ModelLoadError`, `epd.model_runtime.sampling.SamplingFailed` and
-`InvalidConstraint`) become gRPC status codes.
+`InvalidConstraint`, `ConstraintBusy`) become gRPC status codes.
 
 Engines raise domain errors with a message that tells the caller what to
 change; servicer methods are wrapped by `rpc_errors`, which aborts the call with the mapped
@@ -17,7 +17,7 @@ import logging
 import grpc
 
 from epd.model_runtime.loader import ModelLoadError
-from epd.model_runtime.sampling import InvalidConstraint, SamplingFailed
+from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, SamplingFailed
 from epd.stages.errors import (
     DeadlineExceeded,
     EpdError,
@@ -55,6 +55,9 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     # One request's scores could not be sampled (its settings or input): not the replica's failure,
     # so not a status the gateway sanitises, retries elsewhere or turns into a broken stream.
     (SamplingFailed, grpc.StatusCode.INVALID_ARGUMENT),
+    # Too many slow structured-output compiles still run (they cannot be stopped): retry later,
+    # marked for retry as a full queue (`retry_after_of`).
+    (ConstraintBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
     # A structured-output constraint that does not compile (or no xgrammar to compile it): the
     # request's to change, wherever it is found (the front door, prefill or decode).
     (InvalidConstraint, grpc.StatusCode.INVALID_ARGUMENT),

@@ -9,17 +9,11 @@ in the echoed message is a 400. (Echo is HTTP's alone: tests/unit/gateway/test_c
 from __future__ import annotations
 
 import base64
-import json
 
-from tests.integration.test_continue_final_message import VIDEO_EARLIER, _post, continued_over_http
+from tests.integration.test_continue_final_message import CHAT, VIDEO_EARLIER, continued_over_http
+from tests.local_http import post_json, sse_chunks
 
 GIVEN = VIDEO_EARLIER[-1]["content"][0]["text"]  # "It is": the assistant's start, continued
-
-
-def _chunks(raw: bytes) -> list[dict]:
-    lines = [line[len(b"data: ") :] for line in raw.splitlines() if line.startswith(b"data: ")]
-    assert lines[-1] == b"[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 def _content(chunks: list[dict]) -> str:
@@ -34,21 +28,17 @@ def test_echo_gives_back_the_whole_continued_message_plain_and_streamed(
     body["echo"] = True
     port = shared_stack.http_port
 
-    status, raw = _post(port, body)
-    assert status == 200, raw
-    reply = json.loads(raw)
+    status, reply = post_json(port, CHAT, body)
+    assert status == 200, reply
     choice = reply["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": GIVEN + text}
     assert choice["token_ids"] == want and reply["epd"]["token_ids"] == want
     assert reply["usage"]["completion_tokens"] == len(want)
     assert reply["usage"]["prompt_tokens"] == len(prompt_ids)
 
-    status, raw = _post(
-        port,
-        {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    chunks = sse_chunks(
+        port, CHAT, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     )
-    assert status == 200, raw
-    chunks = _chunks(raw)
     role, echoed = chunks[0]["choices"][0], chunks[1]["choices"][0]
     assert role["delta"] == {"role": "assistant", "content": ""}
     # The given start in a chunk of its own, made by no generated token (vLLM's usage there: 0 tokens).
@@ -73,22 +63,23 @@ def test_echo_follows_the_answers_role_and_refuses_a_video_it_would_echo(shared_
         ("defaults", {}),
         ("defaults echoed", {"echo": True}),
     ):
-        status, raw = _post(port, {**base, **extra})
-        assert status == 200, (name, raw)
-        answers[name] = json.loads(raw)["choices"][0]["message"]
+        status, reply = post_json(port, CHAT, {**base, **extra})
+        assert status == 200, (name, reply)
+        answers[name] = reply["choices"][0]["message"]
     assert answers["plain"]["role"] == answers["echoed"]["role"] == "user"
     assert answers["echoed"]["content"] == question + answers["plain"]["content"]
     assert answers["defaults echoed"] == answers["defaults"] and answers["defaults"]["role"] == "assistant"
-    status, raw = _post(port, {**base, "add_generation_prompt": False, "echo": True, "stream": True})
-    assert status == 200, raw
-    assert _content(_chunks(raw)) == question + answers["plain"]["content"]
+    chunks = sse_chunks(port, CHAT, {**base, "add_generation_prompt": False, "echo": True})
+    assert _content(chunks) == question + answers["plain"]["content"]
 
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
     video_part = {"type": "video_url", "video_url": {"url": url}}
     with_video = [{"role": "user", "content": [video_part, {"type": "text", "text": question}]}]
-    status, raw = _post(port, {**base, "messages": with_video, "add_generation_prompt": False, "echo": True})
-    message = json.loads(raw)["error"]["message"]
-    assert status == 400 and "the last message holds a video, which has no text to echo" in message, raw
+    status, reply = post_json(
+        port, CHAT, {**base, "messages": with_video, "add_generation_prompt": False, "echo": True}
+    )
+    message = reply["error"]["message"]
+    assert status == 400 and "the last message holds a video, which has no text to echo" in message, reply
     assert "leave 'echo' unset or false" in message
-    status, raw = _post(port, {**base, "add_generation_prompt": False, "echo": True})
-    assert status == 200 and json.loads(raw)["choices"][0]["message"] == answers["echoed"]  # still serving
+    status, reply = post_json(port, CHAT, {**base, "add_generation_prompt": False, "echo": True})
+    assert status == 200 and reply["choices"][0]["message"] == answers["echoed"]  # still serving

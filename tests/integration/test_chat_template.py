@@ -27,7 +27,7 @@ from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.integration.test_model_info import _post as post_json
+from tests.local_http import post_json
 from tests.reference import decode_for_test, template_reference
 from tests.stack import INSECURE_STAGE, Stack, child_env, epd_command, free_port
 

@@ -30,8 +30,7 @@ from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.families import family_checkpoints
-from tests.integration.test_model_info import _post as post_json
-from tests.integration.test_model_info import _sse_chunks as sse_chunks
+from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, template_reference
 from tests.stack import Stack, free_port
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import shutil
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -31,7 +28,7 @@ from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.families import family_checkpoints
-from tests.integration.test_model_info import _post as post_json
+from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, template_reference
 from tests.stack import Stack, free_port
 
@@ -39,6 +36,7 @@ MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+CHAT = "/v1/chat/completions"
 
 # The processor's chat form, each ending with the assistant's (partial) answer.
 TEXT_ONLY = [
@@ -114,19 +112,6 @@ def test_every_family_continues_the_assistants_message_or_answers_after_it_as_ge
 # -- through the real processes (tiny Qwen2-VL) ------------------------------------------------
 
 
-def _post(port: int, body: dict) -> tuple[int, bytes]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
 def _openai(messages: list[dict], url: str) -> list[dict]:
     return [
         {
@@ -169,15 +154,11 @@ def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack,
     url = body["messages"][0]["content"][0]["video_url"]["url"]
     port = shared_stack.http_port
 
-    status, raw = _post(port, body)
-    assert status == 200, raw
-    reply = json.loads(raw)
+    status, reply = post_json(port, CHAT, body)
+    assert status == 200, reply
     assert reply["epd"]["token_ids"] == want and reply["usage"]["prompt_tokens"] == len(prompt_ids)
     assert reply["choices"][0]["message"]["content"] == text
-    status, raw = _post(port, {**body, "stream": True})
-    assert status == 200, raw
-    chunks = [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
-              if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+    chunks = sse_chunks(port, CHAT, body)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
 
     with EpdClient(shared_stack.gateway, timeout_s=120) as client:
@@ -199,10 +180,12 @@ def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack,
             with pytest.raises(EpdError, match=match) as info:
                 client.ask(media_files["mp4"], messages=messages, num_frames=NUM_FRAMES, **options)
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            status, raw = _post(
-                port, {**body, "messages": _openai(messages, url), "add_generation_prompt": True, **options}
+            status, reply = post_json(
+                port,
+                CHAT,
+                {**body, "messages": _openai(messages, url), "add_generation_prompt": True, **options},
             )
-            assert status == 400 and match in json.loads(raw)["error"]["message"], raw
+            assert status == 400 and match in reply["error"]["message"], reply
         assert (
             client.ask(
                 media_files["mp4"],
@@ -242,7 +225,7 @@ def test_a_conversation_the_models_template_refuses_is_a_400_quoting_it(tiny_mod
     with Stack(model, tmp_path / "logs", extra={"gateway": ["--http-port", str(http_port)]}) as stack:
         status, body = post_json(
             http_port,
-            "/v1/chat/completions",
+            CHAT,
             {"model": "epd", "max_tokens": 2, "messages": no_user, **CONTINUE},
         )
         assert status == 400 and said in body["error"]["message"], body

@@ -22,8 +22,7 @@ from epd.gateway.pipeline import AskRequest, AskSummary, TokenStep
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.messages import Message
-from tests.integration.test_model_info import _post as post_json
-from tests.integration.test_model_info import _sse_chunks as sse_chunks
+from tests.local_http import post_json, sse_chunks
 
 MAX_NEW_TOKENS = 10
 SPECIALS = ("<|vision_start|>", "<|vision_end|>")

@@ -1,6 +1,6 @@
 """Property-based fuzzing (Hypothesis) of the gateway's two front doors against one real stack:
-random JSON bodies on the HTTP API (/v1/chat/completions) and random message streams on the gRPC
-Ask stream. Properties: every answer is a success or a documented error (HTTP 4xx JSON / a gRPC
+random JSON bodies on the HTTP API (/v1/chat/completions and /v1/responses, sharing one budget of
+examples) and random message streams on the gRPC Ask stream. Properties: every answer is a success or a documented error (HTTP 4xx JSON / a gRPC
 status from DOCUMENTED_CODES, never 5xx, UNKNOWN or INTERNAL), no message leaks a traceback or an
 internal path, every call ends within its timeout, and afterwards the stack is healthy and answers
 a normal request.
@@ -42,6 +42,7 @@ from tests.stack import INTERNAL_AUTH_METADATA, TEST_INTERNAL_SECRET, Stack, fre
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 CALL_TIMEOUT_S = 60.0
 MAX_EXAMPLES = int(os.environ.get("EPD_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
@@ -113,14 +114,61 @@ def chat_bodies(draw, video_url: str) -> bytes:
     return json.dumps(body).encode()
 
 
-def test_fuzz_http_chat_completions(stack, video_bytes):
+RESPONSES_FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "stream", "tools",
+                    "tool_choice", "text", "reasoning", "store", "metadata", "previous_response_id", "media",
+                    "parallel_tool_calls", "truncation", "include")  # fmt: skip
+RESPONSES_ITEM_TYPES = st.sampled_from(
+    ["message", "function_call", "function_call_output", "reasoning", "x", None]
+)
+RESPONSES_PART_TYPES = st.sampled_from(
+    ["input_text", "output_text", "input_image", "video_url", "image_url", "x"]
+)
+
+
+@st.composite
+def responses_bodies(draw, video_url: str) -> bytes:
+    """A Responses body: any JSON, or an `input` of items (messages of parts, calls, their
+    outputs) whose fields are drawn from the right names with any values."""
+    kind = draw(st.integers(0, 3))
+    if kind == 0:  # any JSON at all
+        return json.dumps(draw(JSON)).encode()
+    if kind == 1:  # a string input
+        body: dict[str, Any] = {"input": draw(st.text(max_size=30))}
+    else:
+        url = video_url if kind == 2 else draw(URLS)
+        part = {"type": draw(RESPONSES_PART_TYPES), "text": draw(st.text(max_size=20)),
+                "video_url": {"url": url}, "image_url": draw(st.one_of(st.just(url), JSON))}  # fmt: skip
+        items = []
+        for _ in range(draw(st.integers(1, 3))):
+            item = {"type": draw(RESPONSES_ITEM_TYPES), "role": draw(st.sampled_from(["user", "developer", "x"])),
+                    "content": draw(st.one_of(st.just([part]), JSON))}  # fmt: skip
+            for name in draw(
+                st.lists(st.sampled_from(["call_id", "name", "arguments", "output"]), max_size=3)
+            ):
+                item[name] = draw(JSON)
+            items.append({k: v for k, v in item.items() if v is not None})
+        body = {"input": items}
+    body["max_output_tokens"] = 2
+    for name in draw(st.lists(st.sampled_from(RESPONSES_FIELDS), max_size=4, unique=True)):
+        body[name] = draw(JSON)
+    return json.dumps(body).encode()
+
+
+def test_fuzz_http_front_doors(stack, video_bytes):
+    """/v1/chat/completions and /v1/responses, one budget of examples between them."""
     video_url = "data:video/mp4;base64," + base64.b64encode(video_bytes).decode()
 
     @FUZZ
-    @given(body=chat_bodies(video_url))
-    def run(body: bytes) -> None:
+    @given(
+        call=st.one_of(
+            st.tuples(st.just(CHAT), chat_bodies(video_url)),
+            st.tuples(st.just(RESPONSES), responses_bodies(video_url)),
+        )
+    )
+    def run(call: tuple[str, bytes]) -> None:
+        path, body = call
         response = asyncio.run(
-            asyncio.wait_for(request(stack.http_port, "POST", CHAT, body, AUTH), CALL_TIMEOUT_S)
+            asyncio.wait_for(request(stack.http_port, "POST", path, body, AUTH), CALL_TIMEOUT_S)
         )
         text = response.body.decode("utf-8", "replace")
         assert response.status < 500, (response.status, text[:1000])

@@ -31,6 +31,7 @@ from epd.stages.messages import from_chat_template, question_messages, to_chat_t
 from epd.stages.server_config import ServerConfig
 from epd.v1 import load_pb2, load_pb2_grpc
 from epd.video.types import SamplingOptions
+from tests.local_http import post_json
 from tests.media import make_video
 from tests.stack import Stack, free_port
 
@@ -45,39 +46,13 @@ def _get(port: int, path: str) -> dict:
         return json.loads(reply.read())
 
 
-def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _sse_chunks(port: int, path: str, body: dict) -> list[dict]:
-    """POST `body` with `"stream": true` to `path`: the answer's chunks, `[DONE]` left out."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        raw = reply.read()
-    return [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
-            if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
-
-
 def _chat(port: int, video: bytes, **fields) -> tuple[int, dict]:
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
     body = {"model": "epd", "max_tokens": 2, "media": {"num_frames": 2}, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": "what happens?"}]}]}  # fmt: skip
     body = {name: value for name, value in body.items() if value is not None}  # None: a field left unset
-    return _post(port, "/v1/chat/completions", body)
+    return post_json(port, "/v1/chat/completions", body)
 
 
 def _encoder_steps(address: str) -> int:
@@ -161,7 +136,7 @@ def test_the_colocated_front_door_checks_the_vocabulary_and_reports_max_model_le
         http = await start_http_api(config, pipeline, pipeline.metrics)
         try:
             card = await asyncio.to_thread(_get, http.port, "/v1/models/epd")
-            tokenized = await asyncio.to_thread(_post, http.port, "/tokenize", {"messages": CONVERSATION})
+            tokenized = await asyncio.to_thread(post_json, http.port, "/tokenize", {"messages": CONVERSATION})
             return card, tokenized
         finally:
             await http.stop(0.5)
@@ -262,7 +237,7 @@ def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared
     port = shared_stack.http_port
     max_model_len = _model_card(port)["max_model_len"]
 
-    status, body = _post(port, "/tokenize", {"model": "epd", "messages": CONVERSATION})
+    status, body = post_json(port, "/tokenize", {"model": "epd", "messages": CONVERSATION})
     assert status == 200, body
     rendered = processor.apply_chat_template(
         [{"role": "system", "content": [{"type": "text", "text": "answer briefly"}]}, CONVERSATION[1]],
@@ -275,17 +250,17 @@ def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared
         max_model_len,
         None,
     )
-    status, chat = _post(
+    status, chat = post_json(
         port, "/v1/chat/completions", {"model": "epd", "max_tokens": 1, "messages": CONVERSATION}
     )
     assert status == 200, chat
     assert chat["usage"]["prompt_tokens"] == body["count"]
-    status, without = _post(port, "/tokenize", {"messages": CONVERSATION, "add_generation_prompt": False})
+    status, without = post_json(port, "/tokenize", {"messages": CONVERSATION, "add_generation_prompt": False})
     assert status == 200 and without["count"] < body["count"]
 
-    status, body = _post(port, "/tokenize", {"prompt": "a red circle moves left"})
+    status, body = post_json(port, "/tokenize", {"prompt": "a red circle moves left"})
     assert status == 200 and body["tokens"] == tokenizer("a red circle moves left")["input_ids"], body
-    status, body = _post(port, "/detokenize", {"tokens": tokenizer(rendered)["input_ids"]})
+    status, body = post_json(port, "/detokenize", {"tokens": tokenizer(rendered)["input_ids"]})
     assert (status, body) == (200, {"prompt": tokenizer.decode(tokenizer(rendered)["input_ids"])})
     assert "<|im_start|>" in body["prompt"]  # special tokens kept, as vLLM's /detokenize
 
@@ -296,15 +271,15 @@ def test_tokenize_and_detokenize_through_the_stack_use_prefills_tokenizer(shared
             {"type": "text", "text": "what happens?"},
         ],
     }
-    status, body = _post(port, "/tokenize", {"messages": [video]})
+    status, body = post_json(port, "/tokenize", {"messages": [video]})
     assert status == 400 and "tokenize counts text only" in body["error"]["message"], body
     vocab_size = _text_config(tiny_models["qwen2_vl"])["vocab_size"]
-    status, body = _post(port, "/detokenize", {"tokens": [1, vocab_size]})
+    status, body = post_json(port, "/detokenize", {"tokens": [1, vocab_size]})
     assert (
         status == 400
         and f"token id {vocab_size} is outside 0 to {vocab_size - 1}" in body["error"]["message"]
     ), body
-    status, body = _post(port, "/tokenize", {"model": "other", "prompt": "x"})
+    status, body = post_json(port, "/tokenize", {"model": "other", "prompt": "x"})
     assert status == 404, body
 
 
@@ -328,12 +303,12 @@ def test_tokenize_takes_an_answered_conversation_and_continues_its_last_message(
         rendered = processor.apply_chat_template(conversation, tokenize=False, **options)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
-    status, closed = _post(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False})
+    status, closed = post_json(port, "/tokenize", {"messages": ANSWERED, "add_generation_prompt": False})
     assert status == 200, closed
     assert closed["tokens"] == template_ids(add_generation_prompt=False) and closed["count"] == len(
         closed["tokens"]
     )
-    status, opened = _post(
+    status, opened = post_json(
         port,
         "/tokenize",
         {"messages": ANSWERED, "add_generation_prompt": False, "continue_final_message": True},
@@ -347,12 +322,12 @@ def test_tokenize_takes_an_answered_conversation_and_continues_its_last_message(
         {"continue_final_message": True},
         {"continue_final_message": True, "add_generation_prompt": True},
     ):
-        status, body = _post(port, "/tokenize", {"messages": ANSWERED, **options})
+        status, body = post_json(port, "/tokenize", {"messages": ANSWERED, **options})
         assert status == 400, body
         assert (
             "add_generation_prompt and continue_final_message cannot both be true" in body["error"]["message"]
         )
-    status, body = _post(
+    status, body = post_json(
         port,
         "/v1/chat/completions",
         {
@@ -373,12 +348,12 @@ def test_tokenize_gives_token_strs_when_asked(shared_stack, tiny_models):
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models["qwen2_vl"]))
     port = shared_stack.http_port
-    status, body = _post(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": True})
+    status, body = post_json(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": True})
     assert status == 200 and body["tokens"] == tokenizer("a red circle")["input_ids"], body
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
     # the vocabulary's tokens, not their text
     assert body["token_strs"] == ["a", "Ġ", "red", "Ġc", "ir", "cle"]
-    status, body = _post(
+    status, body = post_json(
         port,
         "/tokenize",
         {
@@ -390,5 +365,5 @@ def test_tokenize_gives_token_strs_when_asked(shared_stack, tiny_models):
     )
     assert status == 200 and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"]), body
     assert "<|im_start|>" in body["token_strs"] and len(body["token_strs"]) == body["count"]
-    status, body = _post(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": False})
+    status, body = post_json(port, "/tokenize", {"prompt": "a red circle", "return_token_strs": False})
     assert status == 200 and body["token_strs"] is None, body

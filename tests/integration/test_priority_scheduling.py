@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import AsyncEpdClient, EpdClient
 from epd.client.types import EpdError, TokenDelta
-from tests.integration.test_model_info import _post
+from tests.local_http import post_json
 from tests.stack import Stack, free_port
 
 QUESTION = "what colour is the square?"
@@ -105,10 +105,10 @@ def test_fcfs_refuses_a_nonzero_priority_with_a_400_naming_the_flag(shared_stack
     chat = {"model": "epd", "max_tokens": 2, "messages": [{"role": "user", "content": QUESTION}]}
     completion = {"model": "epd", "max_tokens": 2, "prompt": QUESTION}
     for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
-        status, answer = _post(shared_stack.http_port, path, {**body, "priority": 1})
+        status, answer = post_json(shared_stack.http_port, path, {**body, "priority": 1})
         assert status == 400, (path, answer)
         assert "--scheduling-policy priority" in answer["error"]["message"]
-        status, answer = _post(shared_stack.http_port, path, {**body, "priority": 0})
+        status, answer = post_json(shared_stack.http_port, path, {**body, "priority": 0})
         assert status == 200, (path, answer)
     with EpdClient(shared_stack.gateway) as client:
         with pytest.raises(EpdError) as info:

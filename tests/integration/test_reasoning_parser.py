@@ -12,15 +12,12 @@ Responses API (`/v1/responses`) parts the same answer into a reasoning item and 
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 from transformers import AutoTokenizer
 
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.integration.test_model_info import _model_card
-from tests.integration.test_model_info import _post as post_json
+from tests.local_http import post_json, sse_chunks
 from tests.stack import Stack, free_port
 
 MAX_TOKENS = 12
@@ -43,27 +40,7 @@ def _chat(port: int, body: dict) -> dict:
 
 
 def _stream(port: int, body: dict) -> list[dict]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        raw = reply.read()
-    return [json.loads(line[len(b"data: "):]) for line in raw.splitlines()
-            if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
-
-
-def _response_events(port: int, body: dict) -> list[dict]:
-    """A streamed /v1/responses answer's events (each SSE event's data)."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/responses",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        raw = reply.read()
-    return [json.loads(line[len(b"data: ") :]) for line in raw.splitlines() if line.startswith(b"data: ")]
+    return sse_chunks(port, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
 
 
 def _joined(chunks: list[dict], name: str, index: int = 0) -> str | None:
@@ -134,7 +111,7 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
             ("reasoning", reasoning),
             ("message", content),
         ]
-        events = _response_events(port, responses)
+        events = sse_chunks(port, "/v1/responses", responses)
         assert (
             "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == reasoning
         )

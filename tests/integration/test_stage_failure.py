@@ -18,6 +18,7 @@ from epd.cli.health import is_serving
 from epd.client import EpdClient
 from epd.client.retry import RetryPolicy
 from epd.client.types import EpdError
+from tests.local_http import post_json
 from tests.stack import Stack, free_port, zygote
 
 MESSAGE = re.compile(r"^decode stage unavailable \(request id [0-9a-f]+\)$")
@@ -32,16 +33,7 @@ def chat(port: int, media_path) -> tuple[int, dict]:
         "max_tokens": 4,
         "media": {"num_frames": 4},
     }  # fmt: skip
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(port, "/v1/chat/completions", body)
 
 
 def wait_until(predicate, timeout_s: float = 60.0) -> bool:

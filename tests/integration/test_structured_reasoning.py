@@ -19,7 +19,7 @@ import xgrammar as xgr
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
-from tests.integration.test_model_info import _post as post_json
+from tests.local_http import post_json
 from tests.reference import whole_model
 from tests.stack import Stack, free_port
 

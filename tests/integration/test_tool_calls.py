@@ -34,8 +34,7 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.tokenize import TokenizeInput
 from tests.embedded import request_summary
-from tests.integration.test_model_info import _post as post_json
-from tests.integration.test_model_info import _sse_chunks as sse_chunks
+from tests.local_http import post_json, sse_chunks
 from tests.reference import template_reference
 from tests.stack import Stack, free_port
 
@@ -174,6 +173,15 @@ def test_the_prompt_with_tools_and_tool_history_is_the_processors_own(tool_model
         ):
             asyncio.run(
                 pipeline.prefill.tokenize(replace(tokenize, messages=from_chat_template(history)), "t")
+            )
+        answer = {**HISTORY[2], "tool_call_id": "call_<|video_pad|>"}  # templates may render it
+        with pytest.raises(
+            InvalidRequest, match="a tool message's tool_call_id contains the model's visual placeholder"
+        ):
+            asyncio.run(
+                pipeline.prefill.tokenize(
+                    replace(tokenize, messages=from_chat_template([*HISTORY[:2], answer])), "t"
+                )
             )
     # A template that does not read `tools` (the stock tiny one) renders without them.
     with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:

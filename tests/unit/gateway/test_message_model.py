@@ -12,9 +12,12 @@ from epd.stages.messages import (
     MAX_PARTS,
     VIDEO,
     Message,
+    ToolCall,
     check_messages,
     from_chat_template,
+    num_text_chars,
     question_messages,
+    text,
     to_chat_template,
 )
 from epd.transport import convert
@@ -95,6 +98,20 @@ def test_check_messages_limits_the_text():
     check_messages(HISTORY, max_text_chars=100)
     with pytest.raises(InvalidRequest, match="characters of text; the limit is 10"):
         check_messages(HISTORY, max_text_chars=10)
+
+
+def test_the_text_limit_counts_call_ids_and_arguments():
+    """A tool message's tool_call_id and a call's id are text the chat template may render, as the
+    call's arguments are: a long one is held to the limit too."""
+    call = ToolCall("c" * 40, "get_weather", '{"city": "Paris"}')
+    history = [
+        Message.user("weather?"),
+        Message("assistant", (text(""),), (call,)),
+        Message("tool", (text("sunny"),), tool_call_id="t" * 50),
+    ]
+    assert num_text_chars(history) == len("weather?") + 40 + len('{"city": "Paris"}') + len("sunny") + 50
+    with pytest.raises(InvalidRequest, match="characters of text; the limit is 100"):
+        check_messages(history, max_text_chars=100)
 
 
 def test_check_messages_limits_the_parts():

@@ -243,3 +243,22 @@ def test_tokenize_renders_the_tools_as_a_chat_request():
     request = parse_tokenize_request({"model": "epd", "messages": HISTORY, "tools": [WEATHER]}, "epd")
     assert request.template.tools == (WEATHER,)
     assert request.messages == parse().messages
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tool_choice": "required"},  # no tools: a chat request's 400
+        {"tool_choice": {"type": "function", "function": {"name": "not_a_tool"}}},
+        {"tool_choice": "sometimes", "parallel_tool_calls": "yes"},
+    ],
+)
+def test_tokenize_ignores_tool_choice_as_vllms_does(fields):
+    """/tokenize renders the tools; what shapes an answer alone (tool_choice, parallel_tool_calls)
+    it ignores, as vLLM's TokenizeChatRequest, which has neither, does."""
+    request = parse_tokenize_request({"model": "epd", "messages": HISTORY, **fields}, "epd")
+    assert request.template.tools == ()
+    request = parse_tokenize_request(
+        {"model": "epd", "messages": HISTORY, "tools": [WEATHER], **fields}, "epd"
+    )
+    assert request.template.tools == (WEATHER,)

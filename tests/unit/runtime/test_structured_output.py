@@ -10,6 +10,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 import xgrammar as xgr
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.sampling import (
+    ConstraintBusy,
     GenerationConfig,
     InvalidConstraint,
     Sampler,
@@ -24,12 +26,14 @@ from epd.model_runtime.sampling import (
     StructuredOutputs,
 )
 from epd.model_runtime.structured_output import (
+    MAX_ABANDONED_COMPILES,
     GrammarCompiler,
     choice_grammar,
     compile_for,
     compiler_message,
     reasoning_ended,
 )
+from epd.transport.errors import code_of, retry_after_of
 
 SHIPPED = Path(__file__).resolve().parents[3] / "models" / "epd-tiny-videoqa"
 VOCAB = 512
@@ -338,5 +342,53 @@ def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer):
         with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
             await compiler.compile(slow, timeout_s=0.5)
         await compiler.compile(StructuredOutputs(regex="(red|blue) z"), timeout_s=30)
+
+    asyncio.run(run())
+
+
+def test_compiles_left_running_are_bounded_and_past_that_new_specs_are_refused_to_retry(tokenizer):
+    """Each compile that runs past its deadline keeps a thread (and a core) to its end: past
+    MAX_ABANDONED_COMPILES of them still running, a spec that needs compiling is refused at once
+    (RESOURCE_EXHAUSTED to retry later, `retry_after_s`), and no thread is started for it; a spec
+    compiled before (in xgrammar's cache) is still served."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler.prepare()
+    known = StructuredOutputs(regex="(red|blue) k")
+
+    async def run() -> None:
+        await compiler.compile(known, timeout_s=30)
+        for i in range(MAX_ABANDONED_COMPILES):
+            with pytest.raises(InvalidConstraint, match="took longer than 0.05 s"):
+                await compiler.compile(StructuredOutputs(regex=SLOW_REGEX + f"b{i}"), timeout_s=0.05)
+        assert compiler.num_abandoned_running == MAX_ABANDONED_COMPILES
+        for spec in (StructuredOutputs(regex=SLOW_REGEX + "b"), StructuredOutputs(regex="a new one")):
+            with pytest.raises(
+                ConstraintBusy, match="too many slow structured-output specs .*retry later"
+            ) as busy:
+                await compiler.compile(spec, timeout_s=0.05)
+            assert busy.value.retry_after_s > 0
+            assert code_of(busy.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert retry_after_of(busy.value) == busy.value.retry_after_s  # sent as the stage's retry mark
+        assert compiler.num_abandoned == MAX_ABANDONED_COMPILES  # none started
+        await compiler.compile(known, timeout_s=30)
+
+    asyncio.run(run())
+
+
+def test_a_slow_spec_whose_compile_finished_is_served_from_the_cache(tokenizer):
+    """The spec refused as too slow is remembered only while its compile runs: once that compile
+    has finished (xgrammar cached it), asking again under the same deadline is served."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler.prepare()
+    slow = StructuredOutputs(regex=SLOW_REGEX + "c")
+
+    async def run() -> None:
+        with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
+            await compiler.compile(slow, timeout_s=0.5)
+        while compiler.num_abandoned_running:
+            await asyncio.sleep(0.05)
+        grammar = await compiler.compile(slow, timeout_s=0.5)
+        assert grammar.matcher() is not None
+        assert compiler.num_abandoned == 1
 
     asyncio.run(run())
