@@ -671,12 +671,15 @@ class ToolAnswerStream:
     ({"content"}) and calls (`header_delta`, `arguments_delta`); the calls `answer_tool_calls`
     gives the whole answer. "auto" parses as the text comes (`ToolCallStream`: a call's name once
     read, its arguments as they are written); a named function's call goes out with the first
-    text, its arguments as they come (vLLM's); "required"'s array is read at the end."""
+    text, its arguments as they come (vLLM's); "required"'s array is read at the end.
+    `incremental` False: "auto"'s calls go out whole at their block's end, and a block that is no
+    whole call (cut by max_tokens after its name) stays content, as in `answer_tool_calls` (a
+    whole answer shaped as deltas: the Responses API's `response_body`)."""
 
-    def __init__(self, choice: ToolChoice) -> None:
+    def __init__(self, choice: ToolChoice, incremental: bool = True) -> None:
         self.choice = choice
         self.num_calls = 0
-        self._calls = ToolCallStream(choice.parser, choice.tools)
+        self._calls = ToolCallStream(choice.parser, choice.tools, incremental)
         self._text = ""  # "required": the whole answer, read at the end
         self._skipping = False  # the streamed call is past the first, without parallel_tool_calls
 

@@ -359,3 +359,17 @@ def test_any_body_parses_or_is_a_400_and_its_answer_shapes(body):
         assert str(exc)
         return
     json.dumps(response_body(summary("x</think>y"), request, thinking=True))
+
+
+def test_a_call_cut_after_its_name_is_text_in_the_whole_response_as_in_chats():
+    """max_output_tokens cuts a call inside its arguments: the whole response keeps the block as
+    the message's text (chat's whole answer, `answer_tool_calls`), not a function_call item whose
+    arguments do not parse; the stream, which sent the name already, keeps its call."""
+    request = parse(input="hi", tools=[TOOL], tool_choice="auto")
+    text = 'ok <tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'
+    body = response_body(summary(text, "length"), request, None)
+    assert body["status"] == "incomplete"
+    assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [("message", text)]
+    shaper = ResponseEvents(request, "r1", None)
+    events = shaper.add(text) + shaper.finish(summary(text, "length"))
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "function_call"]
