@@ -49,6 +49,7 @@ call cut after its name: streamed, its name went out and stays; whole, it is tex
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -147,7 +148,8 @@ def parse_responses_request(
             raise InvalidRequest(f"'{name}' is chat completions' field; the Responses API takes {instead}")
     refuse_unsupported_fields(body, _UNSUPPORTED, _KNOWN)
     chat_body = {name: body[name] for name in PASSED_TO_CHAT & set(body)}
-    chat_body["messages"] = _messages(body.get("input"), body.get("instructions"))
+    sources: list[list[str]] = []
+    chat_body["messages"] = _messages(body.get("input"), body.get("instructions"), sources)
     if body.get("max_output_tokens") is not None:
         chat_body["max_completion_tokens"] = body["max_output_tokens"]
     if (tools := body.get("tools")) is not None:
@@ -165,7 +167,7 @@ def parse_responses_request(
     try:
         chat = parse_chat_request(chat_body, served_model, sampling_defaults, generation_defaults)
     except InvalidRequest as exc:  # chat's message, under the names this body used
-        message = str(exc)
+        message = _input_names(str(exc), sources)
         for chat_name, name in _RENAMED.items():
             message = message.replace(chat_name, name)
         raise InvalidRequest(message) from None
@@ -182,14 +184,18 @@ def parse_responses_request(
     return chat
 
 
-def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
-    """`input` (and `instructions`, first) as chat messages."""
+def _messages(value: Any, instructions: Any, sources: list[list[str]]) -> list[dict[str, Any]]:
+    """`input` (and `instructions`, first) as chat messages; `sources` gets, per message, the
+    names of what it was made of (an assistant's calls: one `input` item per call), for chat's
+    refusals (`_input_names`)."""
     messages: list[dict[str, Any]] = []
     if instructions is not None:
         if not isinstance(instructions, str):
             raise InvalidRequest("'instructions' must be a string (the system message)")
         messages.append({"role": "system", "content": instructions})
+        sources.append(["'instructions'"])
     if isinstance(value, str):
+        sources.append(["'input'"])
         return [*messages, {"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidRequest(
@@ -199,6 +205,7 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             messages.append(_message(item, i))
+            sources.append([f"input[{i}]"])
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id"),
@@ -208,8 +215,10 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # a turn's calls: one assistant message
+                sources[-1].append(f"input[{i}]")
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append([f"input[{i}]"])
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
@@ -217,6 +226,7 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
                     f"input[{i}] (a function_call_output) needs 'output', the call's result as a string"
                 )
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            sources.append([f"input[{i}]"])
         elif kind == "reasoning":
             continue  # an earlier turn's thinking: chat templates render none of it
         else:
@@ -225,6 +235,28 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
                 "'function_call_output' and 'reasoning' items"
             )
     return messages
+
+
+_CHAT_MESSAGE = re.compile(
+    r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?(\.tool_call_id|\.id)?"
+)
+_CALL_FIELDS = {".id": ".call_id", ".tool_call_id": ".call_id"}
+
+
+def _input_names(message: str, sources: list[list[str]]) -> str:
+    """Chat's refusal naming `messages[i]` (`.tool_calls[j].function.arguments`, ...) under the
+    names of the Responses body that made that message: `input[k]` (`.arguments`), 'instructions'."""
+
+    def name(match: re.Match[str]) -> str:
+        i, j, field = int(match.group(1)), match.group(2), match.group(3) or ""
+        if i >= len(sources):
+            return match.group(0)
+        made_of = sources[i]
+        if j is not None and int(j) < len(made_of):  # a function_call item's own field names
+            return made_of[int(j)] + _CALL_FIELDS.get(field, field)
+        return made_of[0] + _CALL_FIELDS.get(field, field)
+
+    return _CHAT_MESSAGE.sub(name, message)
 
 
 _PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}

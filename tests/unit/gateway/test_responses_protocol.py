@@ -159,6 +159,44 @@ def test_refusals_say_what_to_send(body, match):
         parse(**body)
 
 
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (  # after instructions (messages[1] in chat's request) and with input_text (chat's "text")
+            {"instructions": "be brief", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "a text part of input\\[0\\] needs its text",
+        ),
+        (  # the second of a turn's calls (chat's messages[1].tool_calls[1].function.arguments)
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{bad"},
+                ],
+                "tools": [TOOL],
+            },
+            "^input\\[2\\].arguments is not JSON text",
+        ),
+        (  # chat's messages[2].tool_call_id
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": 7, "output": "sunny"},
+                ],
+                "tools": [TOOL],
+            },
+            "^input\\[2\\].call_id must be a string",
+        ),
+    ],
+)
+def test_chats_refusals_name_the_input_item(body, match):
+    """Chat's parser refuses the converted request: its message names the Responses body's item
+    (input[k], its call_id and arguments), not the chat messages the body never had."""
+    with pytest.raises(InvalidRequest, match=match):
+        parse(**body)
+
+
 def test_another_model_is_a_404_and_unknown_fields_are_logged(caplog):
     with pytest.raises(NotFound):
         parse_responses_request({"model": "x", "input": "hi"}, "m", SamplingOptions(), GenerationConfig())
