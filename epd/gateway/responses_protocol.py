@@ -99,7 +99,11 @@ _CHAT_NAMES = {
 """Chat's names of what the Responses API asks under other names: a 400 naming the right one,
 rather than a request answered without what it asked for."""
 
-_RENAMED = {"'max_completion_tokens'": "'max_output_tokens'", "response_format": "text.format"}
+_RENAMED = {
+    "'max_completion_tokens'": "'max_output_tokens'",
+    "response_format": "text.format",
+    "a string id, function.name and function.arguments": "a string call_id, name and arguments",
+}
 """Chat's names in its refusals -> the names a Responses body sent them under."""
 
 _NOT_STORED = (

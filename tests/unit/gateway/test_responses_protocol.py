@@ -188,6 +188,16 @@ def test_refusals_say_what_to_send(body, match):
             },
             "^input\\[2\\].call_id must be a string",
         ),
+        (  # chat's messages[1].tool_calls[0] without function.name
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "arguments": "{}"},
+                ],
+                "tools": [TOOL],
+            },
+            "^input\\[1\\] needs a string call_id, name and arguments",
+        ),
     ],
 )
 def test_chats_refusals_name_the_input_item(body, match):
