@@ -19,7 +19,7 @@ token of 8.3 symbols), so its ids mean nothing, but the structures a process hol
    PrefillService.Tokenize calls one after another: a busy spell, after which the process hands
    its allocator's free memory back (`epd.transport.idle_memory`; start-up alone does not).
 2. threads: in this process, one tokenizer (the adapter's) used the ways prefill can use it: a
-   "model thread" tokenises prompts of --prompt-chars characters as `prepare` does
+   "model thread" tokenises prompts of --prompt-chars characters as `render` does
    (`build_prompt` of a text-only conversation) in a loop, while --num-calls /tokenize calls of a
    short prompt (`tokenize`) run one after another on a second thread. Designs:
      alone   /tokenize with nothing else running (the baseline);

@@ -43,7 +43,8 @@ response.content_part.done; a reasoning item's, vLLM's names, response.reasoning
 response.reasoning_text.delta / .done / response.reasoning_part.done; a call's
 response.function_call_arguments.delta / .done), response.output_item.done, and last
 response.completed (response.incomplete when cut) carrying the whole response. The whole answer
-is shaped by the same `ResponseEvents` fed the text at once, so both carry the same items.
+is shaped by the same `ResponseEvents` fed the text at once, so both carry the same items (but for a
+call cut after its name: streamed, its name went out and stays; whole, it is text, as chat's).
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ _CHAT_NAMES = {
 """Chat's names of what the Responses API asks under other names: a 400 naming the right one,
 rather than a request answered without what it asked for."""
 
-_RENAMED = {"'max_completion_tokens'": "'max_output_tokens'", "response_format": "text.format"}
+_RENAMED = {
+    "'max_completion_tokens'": "'max_output_tokens'",
+    "response_format": "text.format",
+    "a string id, function.name and function.arguments": "a string call_id, name and arguments",
+}
 """Chat's names in its refusals -> the names a Responses body sent them under."""
 
 _NOT_STORED = (
@@ -167,10 +172,10 @@ def parse_responses_request(
     try:
         chat = parse_chat_request(chat_body, served_model, sampling_defaults, generation_defaults)
     except InvalidRequest as exc:  # chat's message, under the names this body used
-        message = str(exc)
+        message = _input_names(str(exc), sources)
         for chat_name, name in _RENAMED.items():
             message = message.replace(chat_name, name)
-        raise InvalidRequest(_input_names(message, sources)) from None
+        raise InvalidRequest(message) from None
     chat.responses = {
         "instructions": body.get("instructions"),
         "metadata": metadata or {},
@@ -372,16 +377,30 @@ class ResponseEvents:
     """One response's semantic events, from its text as it comes (`add`) to its end (`finish`):
     the reasoning parser's parts (`thinking` None: no parser) and the tool choice's calls
     (`ToolAnswerStream`, as chat's stream parts them) become output items, opened and closed in
-    order. `output` is the items done; `response` the response object as it stands."""
+    order. `output` is the items done; `response` the response object as it stands. `whole`: the
+    text comes at once (`response_body`): the calls are read as chat's whole answer reads them
+    (`answer_tool_calls`), so a call cut after its name stays the message's text, not a
+    function_call item whose arguments do not parse (a stream cannot take back a name sent)."""
 
-    def __init__(self, chat: ChatRequest, request_id: str, thinking: bool | None, created: int | None = None):
+    def __init__(
+        self,
+        chat: ChatRequest,
+        request_id: str,
+        thinking: bool | None,
+        created: int | None = None,
+        whole: bool = False,
+    ):
         self.chat = chat
         self.request_id = request_id
         self.created = created if created is not None else int(time.time())
         self.output: list[dict[str, Any]] = []
         self._sequence = 0
         self._reasoning = None if thinking is None else ReasoningStream(thinking)
-        self._tools = ToolAnswerStream(chat.tool_choice) if chat.tool_choice.mode != "none" else None
+        self._tools = (
+            ToolAnswerStream(chat.tool_choice, incremental=not whole)
+            if chat.tool_choice.mode != "none"
+            else None
+        )
         self._open: dict[str, Any] | None = None  # the item being written
         self._text = ""  # the open item's text (a message's or reasoning's) or arguments
 
@@ -555,7 +574,7 @@ def response_body(
 ) -> dict[str, Any]:
     """The whole answer's `response`: its text through the same `ResponseEvents` a stream goes
     through, at once."""
-    events = ResponseEvents(chat, summary.request_id, thinking, created)
+    events = ResponseEvents(chat, summary.request_id, thinking, created, whole=True)
     events.add(summary.answer)
     return events.finish(summary)[-1]["response"]
 

@@ -888,13 +888,18 @@ class ToolAnswerStream:
     gives the whole answer. "auto" parses as the text comes (`ToolCallStream`: a call's name once
     read, its arguments as they are written); a named function's call goes out with the first
     text, its arguments as they come (vLLM's); "required"'s array item by item as it is generated
-    (`RequiredCallStream`: a call's name once read, its parameters as they are written)."""
+    (`RequiredCallStream`: a call's name once read, its parameters as they are written).
+    `incremental` False: "auto"'s calls go out whole at their block's end, and a block that is no
+    whole call (cut by max_tokens after its name) stays content, as in `answer_tool_calls` (a
+    whole answer shaped as deltas: the Responses API's `response_body`)."""
 
-    def __init__(self, choice: ToolChoice) -> None:
+    def __init__(self, choice: ToolChoice, incremental: bool = True) -> None:
         self.choice = choice
         self.num_calls = 0
         self._calls: ToolCallStream | RequiredCallStream = (
-            RequiredCallStream() if choice.mode == "required" else ToolCallStream(choice.parser, choice.tools)
+            RequiredCallStream(incremental)
+            if choice.mode == "required"
+            else ToolCallStream(choice.parser, choice.tools, incremental)
         )
         self._skipping = False  # the streamed call is past the first, without parallel_tool_calls
 

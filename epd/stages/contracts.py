@@ -447,8 +447,9 @@ def check_request_priority(priority: int, scheduling_policy: str) -> None:
 
 def bad_words_token_ids(generation: GenerationConfig, adapter: VLMAdapter) -> tuple[tuple[int, ...], ...]:
     """The request's bad_words as the model's token sequences, made where its sampler is (prefill's
-    first token, when it admits the request, before its prompt runs; decode's others), on the model
-    thread that owns the tokenizer; InvalidRequest for a word the tokenizer gives no token, or an id
+    first token, when it renders the request, before it queues, on a tokenizer thread; decode's
+    others, on its model thread), with the settled tokenizer (`VLMAdapter.settle_tokenizer`);
+    InvalidRequest for a word the tokenizer gives no token, or an id
     outside the logits (the front door refuses the empty ones already)."""
     if not generation.bad_words:
         return ()

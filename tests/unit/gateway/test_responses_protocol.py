@@ -194,6 +194,54 @@ def test_chats_refusals_of_a_message_name_its_input_item(items, message):
     assert str(refused.value).startswith(message) and "messages[" not in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (  # after instructions (messages[1] in chat's request) and with input_text (chat's "text")
+            {"instructions": "be brief", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "a text part of input\\[0\\] needs its text",
+        ),
+        (  # the second of a turn's calls (chat's messages[1].tool_calls[1].function.arguments)
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{bad"},
+                ],
+                "tools": [TOOL],
+            },
+            "^input\\[2\\].arguments is not JSON text",
+        ),
+        (  # chat's messages[2].tool_call_id
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": 7, "output": "sunny"},
+                ],
+                "tools": [TOOL],
+            },
+            "^input\\[2\\].call_id must be a string",
+        ),
+        (  # chat's messages[1].tool_calls[0] without function.name
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "arguments": "{}"},
+                ],
+                "tools": [TOOL],
+            },
+            "^input\\[1\\] needs a string call_id, name and arguments",
+        ),
+    ],
+)
+def test_chats_refusals_name_the_input_item(body, match):
+    """Chat's parser refuses the converted request: its message names the Responses body's item
+    (input[k], its call_id and arguments), not the chat messages the body never had."""
+    with pytest.raises(InvalidRequest, match=match):
+        parse(**body)
+
+
 def test_another_model_is_a_404_and_unknown_fields_are_logged(caplog):
     with pytest.raises(NotFound):
         parse_responses_request({"model": "x", "input": "hi"}, "m", SamplingOptions(), GenerationConfig())
@@ -394,3 +442,17 @@ def test_any_body_parses_or_is_a_400_and_its_answer_shapes(body):
         assert str(exc)
         return
     json.dumps(response_body(summary("x</think>y"), request, thinking=True))
+
+
+def test_a_call_cut_after_its_name_is_text_in_the_whole_response_as_in_chats():
+    """max_output_tokens cuts a call inside its arguments: the whole response keeps the block as
+    the message's text (chat's whole answer, `answer_tool_calls`), not a function_call item whose
+    arguments do not parse; the stream, which sent the name already, keeps its call."""
+    request = parse(input="hi", tools=[TOOL], tool_choice="auto")
+    text = 'ok <tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'
+    body = response_body(summary(text, "length"), request, None)
+    assert body["status"] == "incomplete"
+    assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [("message", text)]
+    shaper = ResponseEvents(request, "r1", None)
+    events = shaper.add(text) + shaper.finish(summary(text, "length"))
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "function_call"]
