@@ -109,6 +109,7 @@ from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (
     ReasoningStream,
+    ReasoningTokens,
     constrained_after_reasoning,
     delta_fields,
     parser_misfit,
@@ -461,14 +462,20 @@ class HttpApi:
             events = self.pipeline.ask(ask)
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
+            reasoning_tokens = ReasoningTokens(self._thinking(chat) if chat.responses is not None else None)
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
+                    if isinstance(item, TokenStep):
+                        reasoning_tokens.add(item.text, len(item.token_ids))
                     if isinstance(item, AskSummary):
                         log_summary(item)
                         if chat.raw_prompt is not None:
                             return web.json_response(text_completion_body(item, chat))
                         if chat.responses is not None:
-                            return web.json_response(response_body(item, chat, self._thinking(chat)))
+                            body = response_body(
+                                item, chat, self._thinking(chat), None, reasoning_tokens.count
+                            )
+                            return web.json_response(body)
                         return web.json_response(
                             completion_body(
                                 item,
@@ -770,6 +777,7 @@ class HttpApi:
         `data:` pair; the 200 goes with the first token, as chat's; no [DONE] (OpenAI's stream
         ends with response.completed)."""
         shaper = ResponseEvents(chat, request_id, self._thinking(chat))
+        reasoning_tokens = ReasoningTokens(self._thinking(chat))
         call = current_call()
         num_tokens = 0
 
@@ -791,15 +799,17 @@ class HttpApi:
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
+                        reasoning_tokens.add(item.text, len(item.token_ids))
                         await send(shaper.add(item.text))
                         continue
                     log_summary(item)
-                    await send(shaper.finish(item))
+                    await send(shaper.finish(item, reasoning_tokens.count))
         except ConnectionResetError:
             raise
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
             response, body = await self._stream_failed(request, request_id, stream, exc, num_tokens)
-            await response.write(sse_event(shaper.error(body)))
+            for event in shaper.failed(body):
+                await response.write(sse_event(event))
         if stream.response is None:
             raise RuntimeError("the pipeline ended without a token")
         await stream.response.write_eof()

@@ -141,6 +141,25 @@ class ReasoningStream:
         return 0
 
 
+class ReasoningTokens:
+    """The count of an answer's reasoning tokens (the Responses API's
+    `usage.output_tokens_details.reasoning_tokens`), step by step: every token of a step that
+    comes while the answer is still inside its thinking block counts, the step that ends it (the
+    `</think>` token) included; 0 without a parser (`thinking` None) or with thinking off. The
+    gateway has no tokenizer, so it goes by each step's text through the same split as the
+    answer's (`ReasoningStream`), not by the marker's token id."""
+
+    def __init__(self, thinking: bool | None) -> None:
+        self._stream = None if thinking is None else ReasoningStream(thinking)
+        self.count = 0
+
+    def add(self, text: str, num_tokens: int) -> None:
+        """One step: its decoded `text` and how many tokens made it."""
+        if self._stream is not None and self._stream.in_reasoning:
+            self.count += num_tokens
+            self._stream.add(text)
+
+
 def message_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, str | None]:
     """A chat message's reasoning fields: vLLM's `reasoning` and its older name
     `reasoning_content`, which clients written for earlier vLLM and DeepSeek's API read; both

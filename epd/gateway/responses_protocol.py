@@ -35,14 +35,16 @@ serves it over a chat model: the body becomes a chat-completions body, parsed by
 The answer: {"id": "resp_<request id>", "object": "response", "status": "completed", or
 "incomplete" with incomplete_details.reason "max_output_tokens" when max_output_tokens cut it,
 "output": [a reasoning item (with a reasoning parser), a message item of one output_text part,
-function_call items], "usage": {input_tokens, output_tokens, total_tokens, ...}} and chat's `epd`
+function_call items; the item max_output_tokens cut "incomplete"], "usage": {input_tokens,
+output_tokens, output_tokens_details.reasoning_tokens, total_tokens, ...}} and chat's `epd`
 details. Streamed: SSE `event: <type>` / `data: {...}` pairs, each with its `sequence_number`:
 response.created, response.in_progress, then per output item response.output_item.added, its
 parts' events (a message's response.content_part.added / response.output_text.delta / .done /
 response.content_part.done; a reasoning item's, vLLM's names, response.reasoning_part.added /
 response.reasoning_text.delta / .done / response.reasoning_part.done; a call's
 response.function_call_arguments.delta / .done), response.output_item.done, and last
-response.completed (response.incomplete when cut) carrying the whole response. The whole answer
+response.completed (response.incomplete when cut) carrying the whole response; a stream that
+fails after its 200 ends with `error` and response.failed (`ResponseEvents.failed`). The whole answer
 is shaped by the same `ResponseEvents` fed the text at once, so both carry the same items (but for a
 call cut after its name: streamed, its name went out and stays; whole, it is text, as chat's).
 """
@@ -402,10 +404,12 @@ class ResponseEvents:
             else None
         )
         self._open: dict[str, Any] | None = None  # the item being written
+        self.started = False  # response.created sent
         self._text = ""  # the open item's text (a message's or reasoning's) or arguments
 
     def start(self) -> list[dict[str, Any]]:
         """response.created and response.in_progress."""
+        self.started = True
         response = self.response("in_progress")
         return [
             self._event("response.created", response=response),
@@ -420,19 +424,24 @@ class ResponseEvents:
         events = self._reasoning_text(split.reasoning or "")
         return events + self._content(split.content or "")
 
-    def finish(self, summary: AskSummary) -> list[dict[str, Any]]:
-        """The held-back tails, the last item's close and response.completed (or .incomplete)."""
+    def finish(self, summary: AskSummary, reasoning_tokens: int = 0) -> list[dict[str, Any]]:
+        """The held-back tails, the last item's close and response.completed (or .incomplete:
+        the item max_output_tokens cut is "incomplete" too, as OpenAI marks it).
+        `reasoning_tokens`: `ReasoningTokens.count` of the answer."""
         events = []
         if self._reasoning is not None:
             events += self._reasoning_text(self._reasoning.finish().reasoning or "")
         if self._tools is not None:
             events += self._deltas(self._tools.finish())
-        events += self._close()
-        response = self.response("incomplete" if summary.finish_reason == "length" else "completed", summary)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        status = "incomplete" if summary.finish_reason == "length" else "completed"
+        events += self._close(status)
+        response = self.response(status, summary, reasoning_tokens)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return events + [self._event(kind, response=response)]
 
-    def response(self, status: str, summary: AskSummary | None = None) -> dict[str, Any]:
+    def response(
+        self, status: str, summary: AskSummary | None = None, reasoning_tokens: int = 0
+    ) -> dict[str, Any]:
         chat, echo = self.chat, self.chat.responses or {}
         body: dict[str, Any] = {
             "id": f"resp_{self.request_id}",
@@ -451,17 +460,24 @@ class ResponseEvents:
             "store": False,
             "previous_response_id": None,
             **echo,
-            "usage": None if summary is None else _usage(summary),
+            "usage": None if summary is None else _usage(summary, reasoning_tokens),
         }
         if summary is not None:
             body["epd"] = epd_details(summary)
         return body
 
-    def error(self, error: dict[str, Any]) -> dict[str, Any]:
-        """OpenAI's `error` event of a stream that failed after its 200, from chat's error body
-        (`epd.gateway.openai_protocol.error_body`)."""
+    def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]:
+        """The end of a stream that failed after its 200, from chat's error body
+        (`epd.gateway.openai_protocol.error_body`): response.created and .in_progress first when
+        no token came before (a keep-alive sent the 200), OpenAI's `error` event, and
+        response.failed, the response with status "failed" and its `error`, as OpenAI ends a
+        failed response (the open item stays out of its output: it was not done)."""
         inner = error["error"]
-        return self._event("error", code=inner["code"], message=inner["message"], param=None)
+        events = [] if self.started else self.start()
+        events.append(self._event("error", code=inner["code"], message=inner["message"], param=None))
+        response = self.response("failed")
+        response["error"] = {"code": str(inner["code"]), "message": inner["message"]}
+        return events + [self._event("response.failed", response=response)]
 
     def _content(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -532,8 +548,8 @@ class ResponseEvents:
         self._open, self._text = item, ""
         return [self._event("response.output_item.added", output_index=len(self.output), item=dict(item))]
 
-    def _close(self) -> list[dict[str, Any]]:
-        """The open item's done events; it joins `output`."""
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """The open item's done events, with its `status`; it joins `output`."""
         item, text = self._open, self._text
         if item is None:
             return []
@@ -553,7 +569,7 @@ class ResponseEvents:
         else:
             item["arguments"] = text
             events.append(self._item_event("response.function_call_arguments.done", arguments=text))
-        item["status"] = "completed"
+        item["status"] = status
         events.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
         self._open, self._text = None, ""
@@ -570,22 +586,26 @@ class ResponseEvents:
 
 
 def response_body(
-    summary: AskSummary, chat: ChatRequest, thinking: bool | None, created: int | None = None
+    summary: AskSummary,
+    chat: ChatRequest,
+    thinking: bool | None,
+    created: int | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
     """The whole answer's `response`: its text through the same `ResponseEvents` a stream goes
-    through, at once."""
+    through, at once (`reasoning_tokens`: `ReasoningTokens.count` of its steps)."""
     events = ResponseEvents(chat, summary.request_id, thinking, created, whole=True)
     events.add(summary.answer)
-    return events.finish(summary)[-1]["response"]
+    return events.finish(summary, reasoning_tokens)[-1]["response"]
 
 
-def _usage(summary: AskSummary) -> dict[str, Any]:
-    """The Responses API's usage: chat's counts under its names (no count of reasoning tokens: the
-    parser parts text, not tokens)."""
+def _usage(summary: AskSummary, reasoning_tokens: int) -> dict[str, Any]:
+    """The Responses API's usage: chat's counts under its names, and the reasoning tokens."""
     output = len(summary.token_ids)
     return {
         "input_tokens": summary.num_prompt_tokens,
         "input_tokens_details": {"cached_tokens": summary.num_reused_prompt_tokens},
         "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": summary.num_prompt_tokens + output,
     }

@@ -499,34 +499,25 @@ _INTEGER_PREFIXES = ("int", "uint", "long", "short", "unsigned")
 
 
 def parameter_value(text: str, schema: Any) -> Any:
-    """A qwen3_coder parameter's value from its text by its schema's type, as vLLM's: a parameter
-    the tool does not declare, a string type, or no type: the text; "null" / "None" null where the
-    type is not a string's (or the schema allows null); integers and numbers parsed (a number
-    without a fraction an integer); a boolean true when the text is "true" (any case); objects,
-    arrays and other types JSON, else a Python literal; the text whenever parsing fails."""
-    if not isinstance(schema, Mapping):
+    """A qwen3_coder parameter's value from its text by its schema's type, exactly as vLLM's
+    `_convert_param_value`: "null" (any case) null whatever the type, a string's and an undeclared
+    parameter's too; then a parameter the tool does not declare, a string type, or a schema
+    without a type: the text (an `anyOf` counts as an object); integers `int()`; numbers
+    `float()`, an integer when it has no fraction; a boolean true when the text is "true" (any
+    case), else false; objects and arrays JSON, else (and any other type) a Python literal
+    (`ast.literal_eval`: "None" null, "True" true); the text whenever parsing fails."""
+    if text.lower() == "null":
+        return None
+    if schema is None:  # the tool does not declare it
         return text
-    allows_null = False
-    if "type" in schema:
+    if isinstance(schema, Mapping) and "type" in schema:
         kind = str(schema["type"]).strip().lower()
-        allows_null = kind == "null"
-    elif "anyOf" in schema:
-        kind, picked = "string", False
-        for option in schema["anyOf"] if isinstance(schema["anyOf"], list) else ():
-            if isinstance(option, Mapping) and "type" in option:
-                option_kind = str(option["type"]).strip().lower()
-                if option_kind == "null":
-                    allows_null = True
-                elif not picked:
-                    kind, picked = option_kind, True
+    elif isinstance(schema, Mapping) and "anyOf" in schema:
+        kind = "object"
     else:
         kind = "string"
-    if allows_null and text.lower() in ("null", "none"):
-        return None
     if kind in _STRING_TYPES:
         return text
-    if text.lower() in ("null", "none"):
-        return None
     if kind.startswith(_INTEGER_PREFIXES):
         try:
             return int(text)
@@ -540,16 +531,12 @@ def parameter_value(text: str, schema: Any) -> Any:
             return text
     if kind in ("boolean", "bool", "binary"):
         return text.lower() == "true"
-    container = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
-    if container:
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
         try:
-            value = json.loads(text)
+            return json.loads(text)
         except (ValueError, RecursionError):
             pass
-        else:  # a JSON string holding a Python literal (a template's `str(dict)`): read it too
-            return _literal(value) if isinstance(value, str) else value
-    value = _literal(text)
-    return _literal(value) if container and isinstance(value, str) else value
+    return _literal(text)
 
 
 def _literal(text: str) -> Any:

@@ -14,6 +14,7 @@ from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import (
     ReasoningSplit,
     ReasoningStream,
+    ReasoningTokens,
     constrained_after_reasoning,
     delta_fields,
     split_reasoning,
@@ -167,3 +168,20 @@ def test_under_a_parser_a_chat_requests_constraint_starts_after_the_reasoning():
     generation = constrained_after_reasoning(GenerationConfig(structured_outputs=spec))
     assert generation.structured_outputs == StructuredOutputs(regex="a", after_reasoning=True)
     assert constrained_after_reasoning(GenerationConfig()) == GenerationConfig()  # none: nothing to start
+
+
+@pytest.mark.parametrize(
+    ("thinking", "steps", "want"),
+    [
+        (None, [("a", 1), ("</think>", 1), ("b", 1)], 0),  # no parser
+        (False, [("a", 1), ("</think>", 1), ("b", 1)], 0),  # thinking off
+        (True, [("a", 2), ("</think>", 1), ("b", 1), ("c", 1)], 3),  # the marker's token counts
+        (True, [("a</thi", 2), ("nk>b", 2), ("c", 1)], 4),  # a marker split across steps
+        (True, [("a", 1), ("b", 1)], 2),  # cut inside the block: all reasoning
+    ],
+)
+def test_reasoning_tokens_are_those_up_to_and_including_the_end_marker(thinking, steps, want):
+    count = ReasoningTokens(thinking)
+    for text, num_tokens in steps:
+        count.add(text, num_tokens)
+    assert count.count == want

@@ -263,10 +263,25 @@ def test_the_response_object():
         "input_tokens": 4,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": 3,
+        "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 7,
     }
+    assert item["status"] == "completed"
     cut = response_body(summary("hel", "length"), request, None)
     assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+
+
+def test_the_item_max_output_tokens_cut_is_incomplete_as_openais():
+    """OpenAI marks the cut message "incomplete" on the item as on the response; the items done
+    before it stay "completed"."""
+    request = parse(input="hi", max_output_tokens=3)
+    (item,) = response_body(summary("hel", "length"), request, None)["output"]
+    assert (item["type"], item["status"]) == ("message", "incomplete")
+    shaper = ResponseEvents(request, "r1", thinking=True)
+    events = shaper.add("hmm</think>Su") + shaper.finish(summary("hmm</think>Su", "length"))
+    done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
+    final = [i["status"] for i in events[-1]["response"]["output"]]
+    assert done == final == ["completed", "incomplete"]
 
 
 def test_reasoning_and_calls_are_items_in_order():
@@ -324,11 +339,26 @@ def test_streamed_events_join_into_the_whole_response():
     assert added == [i["id"] for i in final["output"]]  # each item's id the same from added to done
 
 
+GONE = {"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}}
+
+
 def test_an_error_event_carries_the_status_and_the_next_sequence_number():
     shaper = ResponseEvents(parse(input="hi"), "r1", None)
     shaper.start()
-    event = shaper.error({"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}})
-    assert event == {"type": "error", "sequence_number": 2, "code": 502, "message": "gone", "param": None}
+    error, failed = shaper.failed(GONE)
+    assert error == {"type": "error", "sequence_number": 2, "code": 502, "message": "gone", "param": None}
+    assert (failed["type"], failed["sequence_number"]) == ("response.failed", 3)
+    assert (failed["response"]["status"], failed["response"]["error"]) == (
+        "failed",
+        {"code": "502", "message": "gone"},
+    )
+
+
+def test_a_failure_before_any_token_sends_response_created_first():
+    """After a keep-alive (the 200 out) and before the first token: the stream still opens with
+    response.created and .in_progress, as OpenAI's always does."""
+    kinds = [e["type"] for e in ResponseEvents(parse(input="hi"), "r1", None).failed(GONE)]
+    assert kinds == ["response.created", "response.in_progress", "error", "response.failed"]
 
 
 class FailsAfterOneToken(Pipeline):
@@ -343,8 +373,10 @@ class FailsAfterOneToken(Pipeline):
         raise Unavailable("decode went away")
 
 
-async def _post_responses(pipeline: Pipeline, body: dict) -> tuple[int, str]:
-    config = GatewayConfig(server=ServerConfig(port=0), http=HttpApiConfig(port=0))
+async def _post_responses(pipeline: Pipeline, body: dict, keepalive_s: float = 15.0) -> tuple[int, str]:
+    config = GatewayConfig(
+        server=ServerConfig(port=0), http=HttpApiConfig(port=0, sse_keepalive_s=keepalive_s)
+    )
     http = await start_http_api(config, pipeline, GatewayMetrics())
     try:
         async with aiohttp.ClientSession() as session:
@@ -365,8 +397,8 @@ def test_a_stream_that_fails_after_its_200_ends_with_an_error_event():
     kinds = [lines[0].removeprefix("event: ") for lines in frames]
     events = [json.loads(lines[1].removeprefix("data: ")) for lines in frames]
     assert kinds == [e["type"] for e in events]  # each event named by its type
-    assert kinds[-2:] == ["response.output_text.delta", "error"] and "[DONE]" not in text
-    error = events[-1]
+    assert kinds[-3:] == ["response.output_text.delta", "error", "response.failed"] and "[DONE]" not in text
+    error = events[-2]
     assert (
         error["code"] == 503 and "decode went away" in error["message"] and "request id " in error["message"]
     )
@@ -380,6 +412,32 @@ class FailsAtOnce(Pipeline):
     async def ask(self, req):  # type: ignore[override]
         raise Unavailable("decode went away")
         yield  # an async generator, as the pipeline's
+
+
+class FailsAfterAKeepAlive(Pipeline):
+    """Fails before its first token, but only after the keep-alive sent the 200 (a long encode
+    that then failed)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]
+
+    async def ask(self, req):  # type: ignore[override]
+        await asyncio.sleep(0.5)
+        raise Unavailable("decode went away")
+        yield  # an async generator, as the pipeline's
+
+
+def test_a_stream_failing_after_a_keep_alive_opens_with_response_created_and_ends_failed():
+    body = {"input": "hi", "stream": True}
+    status, text = asyncio.run(_post_responses(FailsAfterAKeepAlive(), body, keepalive_s=0.05))
+    assert status == 200 and text.startswith(": keep-alive\n\n")
+    frames = [f.splitlines() for f in text.strip().split("\n\n") if not f.startswith(": keep-alive")]
+    events = [json.loads(lines[1].removeprefix("data: ")) for lines in frames]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "decode went away" in failed["error"]["message"]
 
 
 def test_a_failure_before_the_first_token_is_its_own_status():

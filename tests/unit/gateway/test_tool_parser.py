@@ -421,9 +421,14 @@ def test_a_qwen3_coder_call_streams_its_name_then_each_parameter_as_vllms():
     ("text", "schema", "want"),
     [
         ("hello\nworld", {"type": "string"}, "hello\nworld"),
-        ("null", {"type": "string"}, "null"),  # a string stays text
-        ("null", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
-        ("None", {"type": "integer"}, None),
+        ("null", {"type": "string"}, None),  # vLLM's: "null" in any case is null, whatever the type
+        ("NULL", {"type": "integer"}, None),
+        ("Null", None, None),  # undeclared too
+        ("None", {"type": "string"}, "None"),
+        ("None", {"type": "integer"}, "None"),  # not an integer: the text
+        ("None", {"type": "object"}, None),  # a Python literal
+        ("7", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 7),  # anyOf: read as an object's
+        ("x", {"anyOf": [{"type": "string"}, {"type": "null"}]}, "x"),
         ("42", {"type": "integer"}, 42),
         ("4.2", {"type": "integer"}, "4.2"),  # not an integer: the text
         ("3.0", {"type": "number"}, 3),
@@ -433,7 +438,7 @@ def test_a_qwen3_coder_call_streams_its_name_then_each_parameter_as_vllms():
         ("yes", {"type": "boolean"}, False),  # vLLM's: anything but "true" is false
         ('{"a": 1}', {"type": "object"}, {"a": 1}),
         ("{'a': 1}", {"type": "object"}, {"a": 1}),  # a Python literal
-        ("\"{'a': 1}\"", {"type": "object"}, {"a": 1}),  # a JSON string of one
+        ("\"{'a': 1}\"", {"type": "object"}, "{'a': 1}"),  # a JSON string: a string, as vLLM's
         ("[1, 2", {"type": "array"}, "[1, 2"),
         ("7", None, "7"),  # a parameter the tool does not declare
         ("7", {}, "7"),  # no type
