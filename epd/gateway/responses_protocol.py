@@ -476,7 +476,9 @@ class ResponseEvents:
         events = [] if self.started else self.start()
         events.append(self._event("error", code=inner["code"], message=inner["message"], param=None))
         response = self.response("failed")
-        response["error"] = {"code": str(inner["code"]), "message": inner["message"]}
+        # OpenAI's response error code is a name ("server_error", ...), not the HTTP status the
+        # `error` event carries: the error body's type.
+        response["error"] = {"code": inner.get("type") or str(inner["code"]), "message": inner["message"]}
         return events + [self._event("response.failed", response=response)]
 
     def _content(self, text: str) -> list[dict[str, Any]]:

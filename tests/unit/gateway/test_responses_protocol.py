@@ -350,7 +350,7 @@ def test_an_error_event_carries_the_status_and_the_next_sequence_number():
     assert (failed["type"], failed["sequence_number"]) == ("response.failed", 3)
     assert (failed["response"]["status"], failed["response"]["error"]) == (
         "failed",
-        {"code": "502", "message": "gone"},
+        {"code": "server_error", "message": "gone"},
     )
 
 
