@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 
 from epd.model_runtime.loader import load_adapter
@@ -40,10 +39,10 @@ async def start(config: PrefillConfig) -> HealthyServer:
         engine = PrefillEngine(config, adapter)
         core = build_prefill_core(engine, model_thread)  # scheduler + batched runner on the model thread
         servicer.stage = LocalPrefillStage(engine, kv_store, model_thread, kv_address, core=core)
-        # After the drain: the core's loop and the tokenizer thread (waited for off the loop), then
-        # the model thread.
-        stage = servicer.stage
-        hs.closers += [stage.close, functools.partial(stage.close_tokenizer, wait=True), model_thread.close]
+        # After the drain: the core's loop and the tokenizer threads (waited for off the loop, for at
+        # most CLOSE_WAIT_S: a looping trusted chat template must not hold the shutdown), then the
+        # model thread.
+        hs.closers += [servicer.stage.close, servicer.stage.close_tokenizer, model_thread.close]
         await hs.set_serving(True)
     log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, kv_address)
     return hs

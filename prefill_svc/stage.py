@@ -19,6 +19,8 @@ import asyncio
 import contextvars
 import functools
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -35,7 +37,7 @@ from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
 from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
-from epd.stages.model_thread import ModelThread
+from epd.stages.model_thread import CLOSE_WAIT_S, ModelThread
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig
@@ -84,11 +86,12 @@ class LocalPrefillStage(PrefillStage):
             thread_name_prefix=TOKENIZER_THREAD_NAME,
             # Positions are torch operations: one torch thread each, so that only the model
             # thread runs an OpenMP team (docs/architecture.md, "Concurrency").
-            initializer=pin_torch_threads,
-            initargs=(1,),
+            initializer=self._start_tokenizer_thread,
         )
         """Render prompts and answer /tokenize and /detokenize (started at the first call);
         `close_tokenizer` stops them."""
+        self._tokenizer_threads: list[threading.Thread] = []
+        """The tokenizer threads started, which `close_tokenizer` waits for."""
 
     async def prefill(
         self,
@@ -194,11 +197,28 @@ class LocalPrefillStage(PrefillStage):
             kv_store_refused=kv.num_refused,
         )
 
-    def close_tokenizer(self, wait: bool = False) -> None:
-        """Stop the tokenizer threads after the calls they run; queued calls are cancelled. `wait`:
-        return once the threads have ended (it joins them: not on the event loop)."""
-        self._tokenizer_thread.shutdown(wait=wait, cancel_futures=True)
+    def _start_tokenizer_thread(self) -> None:
+        """Each tokenizer thread's first act: one torch thread (positions are torch operations, and
+        only the model thread runs an OpenMP team: docs/architecture.md, "Concurrency"), and known
+        to `close_tokenizer` before it takes a call."""
+        pin_torch_threads(1)
+        self._tokenizer_threads.append(threading.current_thread())
+
+    def close_tokenizer(self, wait_s: float | None = None) -> None:
+        """Stop the tokenizer threads after the calls they run (queued calls are cancelled), and wait
+        for them to end, for at most `wait_s` in all (default `CLOSE_WAIT_S`, as the model thread's
+        close; 0: do not wait). It joins threads: not on the event loop. A thread still rendering
+        then (a trusted request's own chat template that loops: Python cannot stop it) is named in
+        a warning and left to end with its render or with the process. Idempotent."""
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        deadline_s = time.monotonic() + (CLOSE_WAIT_S if wait_s is None else wait_s)
+        if deadline_s <= time.monotonic():
+            return
+        for thread in self._tokenizer_threads:
+            thread.join(max(0.0, deadline_s - time.monotonic()))
+        if running := [t.name for t in self._tokenizer_threads if t.is_alive()]:
+            log.warning("prefill tokenizer threads %s still render after close", ", ".join(running))
 
     async def close(self) -> None:
-        self.close_tokenizer()
+        self.close_tokenizer(wait_s=0)  # on the event loop: the owner waits for them after (its closers)
         await self.core.close()

@@ -46,8 +46,11 @@ class EmbeddedPipeline(Pipeline):
         self.model_thread = thread
 
     def close(self) -> None:
-        """Stop the stages' threads and wait for them (calls running finish, for at most
-        `model_thread.CLOSE_WAIT_S`; queued ones are cancelled). The pipeline takes no request
+        """Stop the stages' threads and wait for them (calls running finish; queued ones are
+        cancelled): the encoder's decode workers for at most `parallel_decoder.CLOSE_WAIT_S`,
+        prefill's tokenizer threads and then the model threads for at most
+        `model_thread.CLOSE_WAIT_S` each; a thread still running then is named in a warning and
+        left (a looping trusted chat template cannot be stopped). The pipeline takes no request
         after it. Idempotent."""
         self.encoder.close()
         self.prefill.close_tokenizer()

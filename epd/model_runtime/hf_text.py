@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from jinja2 import TemplateError, TemplateSyntaxError
@@ -215,7 +215,7 @@ class HfTextAdapter(VLMAdapter):
             raise  # the checkpoint's (or --chat-template's) template is broken: the server's error
         except SecurityError as exc:  # a TemplateError: a template reached past the sandbox
             if not options.requests_template:  # the operator's template: the server's error
-                raise _servers_failure(options, exc) from exc
+                _raise_servers_failure(options, exc)
             raise ValueError(
                 f"{_whose(options)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
                 "template reads the messages and its variables, not Python's internals"
@@ -235,7 +235,7 @@ class HfTextAdapter(VLMAdapter):
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
         except Exception as exc:
             if not options.requests_template and not (variables and isinstance(exc, TypeError)):
-                raise _servers_failure(options, exc) from exc
+                _raise_servers_failure(options, exc)
             # A request's template's own failure (`{{ 1 / 0 }}`, a method of nothing), or a
             # request's variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
             raise ValueError(
@@ -554,12 +554,15 @@ def _whose(options: RenderOptions) -> str:
     return "the request's chat template"
 
 
-def _servers_failure(options: RenderOptions, exc: Exception) -> Exception:
-    """The operator's template failed to render: the model's own, as it is (INTERNAL to the
-    client, the traceback in the server log); --chat-template's, saying so in that log."""
+def _raise_servers_failure(options: RenderOptions, exc: Exception) -> NoReturn:
+    """The operator's template failed to render: the model's own, `exc` as it is (INTERNAL to the
+    client, the traceback in the server log; raised again, not `from` itself, which made it its own
+    cause); --chat-template's, saying so in that log."""
     if options.chat_template is None:
-        return exc
-    return RuntimeError(f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}")
+        raise exc
+    raise RuntimeError(
+        f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}"
+    ) from exc
 
 
 def check_one_placeholder(num_rendered: int, modality: str) -> None:

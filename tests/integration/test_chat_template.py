@@ -13,6 +13,7 @@ import asyncio
 import subprocess
 
 import pytest
+from jinja2.exceptions import SecurityError
 
 from epd.client import EpdClient
 from epd.gateway.embedded import build_embedded_pipeline
@@ -221,3 +222,25 @@ def test_a_template_that_does_not_parse_stops_the_prefill_service_at_start(tiny_
     assert lines == [lines[-1]] and lines[0].startswith(
         "epd serve prefill: --chat-template: the chat template does not parse: line 1: "
     ), proc.stderr
+
+
+@pytest.mark.parametrize(
+    "template, error",
+    [
+        ("{{ messages[0].content[0].text / 0 }}", TypeError),
+        ("{{ messages.__class__.__mro__ }}", SecurityError),
+    ],
+)
+def test_the_models_own_template_failing_is_raised_as_it_is_not_as_its_own_cause(
+    tiny_models, template, error
+):
+    """The model's own template (no --chat-template) that fails to render, by its own error or the
+    sandbox's, is the server's error, raised as it is: its cause is not itself (it was raised `from`
+    itself, a cycle in the chain a traceback walks)."""
+    from epd.model_runtime.loader import load_adapter
+
+    adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), "prefill")
+    adapter.processor.chat_template = template
+    with pytest.raises(error) as failed:
+        adapter.tokenize_conversation(TEXT_ONLY, add_special_tokens=False)
+    assert failed.value.__cause__ is not failed.value

@@ -12,9 +12,7 @@ import base64
 import io
 import json
 import time
-import urllib.error
 import urllib.request
-from typing import Any
 
 import grpc
 import numpy as np
@@ -27,6 +25,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
 from tests.integration.test_completions import post_embedded
 from tests.integration.test_engine_load_metrics import _by_stage, _metrics
+from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, reference_tokens
 
 QUESTION = "what colour is the moving square?"
@@ -61,24 +60,6 @@ def _unseen_image_body(**fields) -> dict:
                                                       {"type": "text", "text": "what is in it?"}]}]}  # fmt: skip
 
 
-def _post(port: int, path: str, body: dict) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            text = reply.read().decode()
-            if body.get("stream"):
-                return reply.status, [
-                    json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")
-                ]
-            return reply.status, json.loads(text)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def _tokens(answer: dict) -> list[list[int]]:
     """Each choice's token ids, by index."""
     assert [c["index"] for c in answer["choices"]] == list(range(len(answer["choices"])))
@@ -92,7 +73,9 @@ def _engine_requests(port: int) -> dict[str, float]:
 def test_seeded_choices_are_the_single_requests_of_seed_plus_i_from_one_encode_and_one_prefill(shared_stack):
     port = shared_stack.http_port
     before = _engine_requests(port)
-    status, answer = _post(port, "/v1/chat/completions", _unseen_image_body(n=3, temperature=1.0, seed=SEED))
+    status, answer = post_json(
+        port, "/v1/chat/completions", _unseen_image_body(n=3, temperature=1.0, seed=SEED)
+    )
     assert status == 200, answer
     after = _engine_requests(port)
     # one encode, one prefill, a decode request per choice
@@ -104,7 +87,7 @@ def test_seeded_choices_are_the_single_requests_of_seed_plus_i_from_one_encode_a
     choices = _tokens(answer)
     assert len(set(map(tuple, choices))) > 1, "the choices sampled alike; the comparison would prove little"
     for i, choice in enumerate(answer["choices"]):
-        status, alone = _post(
+        status, alone = post_json(
             port, "/v1/chat/completions", _unseen_image_body(temperature=1.0, seed=SEED + i)
         )
         assert status == 200, alone
@@ -124,15 +107,15 @@ def test_seeded_choices_are_the_single_requests_of_seed_plus_i_from_one_encode_a
 
 def test_greedy_choices_are_identical_and_equal_generate(shared_stack, media_files, greedy):
     port = shared_stack.http_port
-    status, answer = _post(port, "/v1/chat/completions", _video_body(media_files, n=2))
+    status, answer = post_json(port, "/v1/chat/completions", _video_body(media_files, n=2))
     assert status == 200, answer
     assert _tokens(answer) == [greedy, greedy]
-    status, completion = _post(
+    status, completion = post_json(
         port,
         "/v1/completions",
         {"model": "epd", "prompt": "the sky is", "max_tokens": MAX_NEW_TOKENS, "n": 2},
     )
-    status_one, one = _post(
+    status_one, one = post_json(
         port, "/v1/completions", {"model": "epd", "prompt": "the sky is", "max_tokens": MAX_NEW_TOKENS}
     )
     assert (status, status_one) == (200, 200), completion
@@ -143,14 +126,14 @@ def test_greedy_choices_are_identical_and_equal_generate(shared_stack, media_fil
 def test_streamed_choices_carry_their_index_and_the_usage_chunk_sums_them(shared_stack, media_files):
     port = shared_stack.http_port
     fields = {"n": 3, "temperature": 1.0, "seed": SEED}
-    status, plain = _post(port, "/v1/chat/completions", _video_body(media_files, **fields))
+    status, plain = post_json(port, "/v1/chat/completions", _video_body(media_files, **fields))
     assert status == 200, plain
-    status, events = _post(
+    events = sse_chunks(
         port,
         "/v1/chat/completions",
-        _video_body(media_files, stream=True, stream_options={"include_usage": True}, **fields),
+        _video_body(media_files, stream_options={"include_usage": True}, **fields),
     )
-    assert status == 200 and "error" not in events[-1], events[-1]
+    assert "error" not in events[-1], events[-1]
     *chunks, last = events
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == sum(map(len, _tokens(plain)))
     assert last["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
@@ -162,12 +145,9 @@ def test_streamed_choices_carry_their_index_and_the_usage_chunk_sums_them(shared
         assert "".join(c["delta"].get("content", "") for c in mine) == choice["message"]["content"]
     assert {c["index"] for e in chunks for c in e["choices"]} == {0, 1, 2}
     # legacy completions stream the same way
-    status, events = _post(
-        port,
-        "/v1/completions",
-        {"model": "epd", "prompt": "the sky is", "max_tokens": 4, "stream": True, **fields},
+    events = sse_chunks(
+        port, "/v1/completions", {"model": "epd", "prompt": "the sky is", "max_tokens": 4, **fields}
     )
-    assert status == 200
     finished = sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"])
     assert finished == [0, 1, 2]
 
@@ -179,18 +159,18 @@ def test_each_choice_has_its_own_logprobs_those_of_its_single_request(shared_sta
     # prefix or run in another batch (test_logprobs' tolerance).
     port = shared_stack.http_port
     fields = {"n": 3, "temperature": 1.0, "seed": SEED, "logprobs": True, "top_logprobs": 2}
-    status, answer = _post(port, "/v1/chat/completions", _unseen_image_body(**fields))
+    status, answer = post_json(port, "/v1/chat/completions", _unseen_image_body(**fields))
     assert status == 200, answer
     assert len(set(map(tuple, _tokens(answer)))) > 1, (
         "the choices sampled alike; the check would prove little"
     )
-    status, events = _post(port, "/v1/chat/completions", _unseen_image_body(stream=True, **fields))
-    assert status == 200 and "error" not in events[-1], events[-1]
+    events = sse_chunks(port, "/v1/chat/completions", _unseen_image_body(**fields))
+    assert "error" not in events[-1], events[-1]
     for i, choice in enumerate(answer["choices"]):
         content = choice["logprobs"]["content"]
         assert len(content) == len(choice["token_ids"])
         single_fields = {k: v for k, v in fields.items() if k != "n"} | {"seed": SEED + i}
-        status, alone = _post(port, "/v1/chat/completions", _unseen_image_body(**single_fields))
+        status, alone = post_json(port, "/v1/chat/completions", _unseen_image_body(**single_fields))
         assert status == 200, alone
         assert _same_logprobs(content, alone["choices"][0]["logprobs"]["content"])
         streamed = [
@@ -201,7 +181,7 @@ def test_each_choice_has_its_own_logprobs_those_of_its_single_request(shared_sta
             for entry in c["logprobs"]["content"]
         ]
         assert _same_logprobs(streamed, content)
-    status, completion = _post(
+    status, completion = post_json(
         port,
         "/v1/completions",
         {"model": "epd", "prompt": "the sky is", "max_tokens": 4, "n": 2, "logprobs": 1},
@@ -218,12 +198,12 @@ def test_each_choice_keeps_to_the_constraint_with_its_own_grammar_state(shared_s
     port = shared_stack.http_port
     colours = ["red", "green", "blue", "a yellow square"]
     fields = {"n": 3, "temperature": 1.0, "seed": SEED, "structured_outputs": {"choice": colours}}
-    status, answer = _post(port, "/v1/chat/completions", _unseen_image_body(**fields))
+    status, answer = post_json(port, "/v1/chat/completions", _unseen_image_body(**fields))
     assert status == 200, answer
     for i, choice in enumerate(answer["choices"]):
         assert choice["message"]["content"] in colours and choice["finish_reason"] == "stop", choice
         single = {k: v for k, v in fields.items() if k != "n"} | {"seed": SEED + i}
-        status, alone = _post(port, "/v1/chat/completions", _unseen_image_body(**single))
+        status, alone = post_json(port, "/v1/chat/completions", _unseen_image_body(**single))
         assert status == 200, alone
         assert choice["token_ids"] == alone["choices"][0]["token_ids"]
 
@@ -245,7 +225,7 @@ def _same_logprobs(got: list[dict], want: list[dict]) -> bool:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_n_past_the_limit_is_a_400_saying_what_to_do(shared_stack, media_files, path):
     body = _video_body(media_files, n=17) if path == "/v1/chat/completions" else {"prompt": "a", "n": 17}
-    status, answer = _post(shared_stack.http_port, path, body)
+    status, answer = post_json(shared_stack.http_port, path, body)
     assert status == 400, answer
     assert "'n' must be an integer from 1 to 16 (choices per request), got 17" in answer["error"]["message"]
 
@@ -345,7 +325,7 @@ def _early_stop(port: int, path: str, body: dict) -> tuple[dict, int, int]:
     over seeds, not fixed: the tiny model's weights make the tokens."""
     for seed in range(SEED, SEED + 20):
         fields = {"n": 2, "temperature": 1.0, "seed": seed, "max_tokens": LONG_TOKENS, "ignore_eos": True}
-        status, answer = _post(port, path, {**body, **fields})
+        status, answer = post_json(port, path, {**body, **fields})
         assert status == 200, answer
         first, second = _tokens(answer)
         for k in range(1, 6):
@@ -367,7 +347,7 @@ def test_a_choice_that_ends_early_sends_its_finish_while_the_other_goes_on(share
         body = {"model": "epd", "prompt": "the sky is"}
     fields, stop_id, k = _early_stop(port, path, body)
     fields["stop_token_ids"] = [stop_id]
-    status, plain = _post(port, path, {**body, **fields})
+    status, plain = post_json(port, path, {**body, **fields})
     assert status == 200, plain
     first, second = _tokens(plain)  # by index
     assert len(first) == k + 1 and first[-1] == stop_id and len(second) == LONG_TOKENS
@@ -377,10 +357,8 @@ def test_a_choice_that_ends_early_sends_its_finish_while_the_other_goes_on(share
     ]
     assert plain["usage"]["completion_tokens"] == k + 1 + LONG_TOKENS
 
-    status, events = _post(
-        port, path, {**body, **fields, "stream": True, "stream_options": {"include_usage": True}}
-    )
-    assert status == 200 and "error" not in events[-1], events[-1]
+    events = sse_chunks(port, path, {**body, **fields, "stream_options": {"include_usage": True}})
+    assert "error" not in events[-1], events[-1]
     *chunks, last = events
     assert last["choices"] == [] and last["usage"] == plain["usage"]  # the usage once, at the end
 

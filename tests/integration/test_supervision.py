@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import signal
 import subprocess
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -23,6 +21,7 @@ import psutil
 from epd.cli.health import is_serving
 from epd.cli.main import REPLICA_PORT_STEP
 from epd.transport.affinity import rendezvous_order
+from tests.local_http import post_json
 from tests.stack import ROOT, child_env, epd_command, port_with_replicas, serving_pid
 
 FRAMES = 4
@@ -30,7 +29,8 @@ TOKENS = 6
 RESTART_WAIT_S = 90.0  # a deadline for a restart to be seen, not a timing assertion
 
 
-def _chat(http_port: int, url: str) -> list[int]:
+def _chat_answer(http_port: int, url: str) -> tuple[int, dict]:
+    """(HTTP status, the JSON answer) of a greedy chat request about the video at `url`."""
     body = {
         "model": "epd",
         "max_tokens": TOKENS,
@@ -46,17 +46,13 @@ def _chat(http_port: int, url: str) -> list[int]:
             }
         ],
     }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{http_port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return json.loads(reply.read())["epd"]["token_ids"]
-    except urllib.error.HTTPError as exc:
-        exc.msg = f"{exc.msg}: {exc.read().decode(errors='replace')}"  # the gateway's reason, in the report
-        raise
+    return post_json(http_port, "/v1/chat/completions", body)
+
+
+def _chat(http_port: int, url: str) -> list[int]:
+    status, answer = _chat_answer(http_port, url)
+    assert status == 200, answer  # the gateway's reason, in the report
+    return answer["epd"]["token_ids"]
 
 
 def _chat_once_back(http_port: int, url: str, launcher: subprocess.Popen, log: Path) -> list[int]:
@@ -65,9 +61,10 @@ def _chat_once_back(http_port: int, url: str, launcher: subprocess.Popen, log: P
     deadline = time.monotonic() + RESTART_WAIT_S
     while True:
         try:
-            return _chat(http_port, url)
-        except urllib.error.HTTPError as exc:
-            assert exc.code in (502, 503, 504), exc.msg
+            status, answer = _chat_answer(http_port, url)
+            if status == 200:
+                return answer["epd"]["token_ids"]
+            assert status in (502, 503, 504), answer
         except urllib.error.URLError:  # connection refused: the HTTP API is not listening yet
             pass
         assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import shutil
 import threading
 
@@ -30,7 +31,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
-from epd.prefill_svc.stage import LocalPrefillStage
+from epd.prefill_svc.stage import TOKENIZER_THREAD_NAME, LocalPrefillStage
 from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.model_thread import ModelThread
 from epd.stages.raw_prompt import RawPrompt
@@ -372,6 +373,20 @@ SLOW_TEMPLATE = (
 )
 
 
+def _hold_slow_renders(adapter, rendering: threading.Event, release: threading.Event) -> None:
+    """Make `adapter` hold each render with `SLOW_TEMPLATE` at its start (setting `rendering`) until
+    `release`; `del adapter._render` undoes it."""
+    render = adapter._render
+
+    def held_render(conversation, options):
+        if options.chat_template == SLOW_TEMPLATE:
+            rendering.set()
+            release.wait(3 * HANG_GUARD_S)  # past the test's own waits: the test ends it
+        return render(conversation, options)
+
+    adapter._render = held_render
+
+
 def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor):
     """A trusted request's own chat template that renders for a long time (here: held inside its
     rendering until the test lets it go) does not delay another request: that one is rendered,
@@ -395,13 +410,6 @@ def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor
         add_special_tokens=False,
     )["input_ids"]
     rendering, release = threading.Event(), threading.Event()
-    render = adapter._render
-
-    def held_render(conversation, options):
-        if options.chat_template == SLOW_TEMPLATE:
-            rendering.set()
-            release.wait(3 * HANG_GUARD_S)  # past the test's own waits: the test ends it
-        return render(conversation, options)
 
     async def scenario():
         slow = asyncio.ensure_future(
@@ -437,7 +445,7 @@ def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor
         await stage.close()
         return fast, counted, slow_was_rendering, slow_handle
 
-    adapter._render = held_render
+    _hold_slow_renders(adapter, rendering, release)
     try:
         fast, counted, slow_was_rendering, slow_handle = asyncio.run(scenario())
     finally:
@@ -447,3 +455,54 @@ def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor
     assert slow_was_rendering  # the other request was answered while the slow template rendered
     assert fast.num_prompt_tokens == len(expected_fast) and counted.token_ids == expected_fast
     assert slow_handle.num_prompt_tokens == len(expected_slow)
+
+
+def test_closing_the_tokenizer_threads_waits_for_a_held_render_only_up_to_the_bound(
+    adapter, monkeypatch, caplog
+):
+    """A render that does not end (a trusted request's own chat template that loops; here held
+    until the test lets it go) does not hold the close: `close_tokenizer`, as `epd serve prefill`
+    and the embedded pipeline call it at shutdown, waits up to `CLOSE_WAIT_S` (made short here)
+    and names the thread it leaves in a WARNING. Before, prefill's server waited for it without a
+    bound and the embedded pipeline did not wait at all. The render is still held when the close
+    returns: no time is measured."""
+    from epd.prefill_svc import stage as stage_module
+
+    monkeypatch.setattr(stage_module, "CLOSE_WAIT_S", 0.2, raising=False)
+    model_thread = ModelThread()
+    config = PrefillConfig(trust_request_chat_template=True)
+    stage = LocalPrefillStage(PrefillEngine(config, adapter), KvStore(1 << 30, 600.0), model_thread)
+    rendering, release = threading.Event(), threading.Event()
+
+    async def scenario() -> bool:
+        held = asyncio.ensure_future(
+            stage.tokenize(
+                TokenizeInput(
+                    messages=from_chat_template(_conversation("what colour is the circle?")),
+                    template=ChatTemplateOptions(chat_template=SLOW_TEMPLATE),
+                ),
+                "held",
+            )
+        )
+        try:
+            assert await asyncio.to_thread(rendering.wait, HANG_GUARD_S)
+            with caplog.at_level(logging.WARNING, logger=stage_module.__name__):
+                await asyncio.wait_for(asyncio.to_thread(stage.close_tokenizer), HANG_GUARD_S)
+            return not held.done()
+        finally:
+            release.set()
+            await asyncio.wait_for(held, HANG_GUARD_S)
+            await stage.close()
+
+    _hold_slow_renders(adapter, rendering, release)
+    try:
+        still_rendering = asyncio.run(scenario())
+    finally:
+        del adapter._render  # the class's method again
+        release.set()
+        model_thread.close()
+    assert still_rendering  # the close returned while the render was held
+    left = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "still render after close" in r.message
+    ]
+    assert len(left) == 1 and TOKENIZER_THREAD_NAME in left[0].message
