@@ -330,15 +330,19 @@ def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer):
     leaves the thread to it, and the spec is remembered as too slow."""
     compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
     compiler.prepare()
-    slow = StructuredOutputs(regex=SLOW_REGEX + "z")
+    # Slower than SLOW_REGEX (about 4 s here): asked again below while its abandoned compile still
+    # runs. One that has finished by then is served from the cache instead (as it should be), which
+    # SLOW_REGEX's 1.4 s (less on a quiet machine) did not rule out.
+    slow = StructuredOutputs(regex="[a-z]*" * 5000 + "z")
 
     async def run() -> None:
         task = asyncio.ensure_future(compiler.compile(slow, timeout_s=0.5))
-        await asyncio.sleep(0.2)  # compiling by now (it takes over a second)
+        await asyncio.sleep(0.2)  # compiling by now (it takes seconds)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0.5)  # past its deadline
         assert compiler.num_abandoned == 1
+        assert compiler.num_abandoned_running == 1  # still compiling: its refusal still holds
         with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
             await compiler.compile(slow, timeout_s=0.5)
         await compiler.compile(StructuredOutputs(regex="(red|blue) z"), timeout_s=30)
