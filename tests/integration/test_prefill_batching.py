@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
 import pytest
@@ -254,7 +255,12 @@ def test_a_full_queue_refuses_with_the_flag_that_raises_it(families):
 
     async def run():
         first = asyncio.create_task(stage.prefill(question_messages(q, m), fam.media[2], GREEDY, "first"))
-        await asyncio.sleep(0)  # `first` queues its preparation on the model thread first
+        # Prompts render on a pool of threads and join the queue as their renders end: `first` is
+        # in it before `second` comes (it stays there, waiting or running, until its prefill ends).
+        deadline = time.monotonic() + 60
+        while not stage.core.scheduler.requests() and not first.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert stage.core.scheduler.requests(), "the first prefill never queued"
         with pytest.raises(ResourceExhausted, match="--max-waiting-prefills"):
             await stage.prefill(question_messages(q, m), fam.media[2], GREEDY, "second")
         return await first
