@@ -892,7 +892,8 @@ def add_http_listen_flags(p: argparse.ArgumentParser, g) -> None:
         action="append",
         default=None,
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* and the gRPC API (default: $EPD_API_KEY); "
+        help="require 'Authorization: Bearer KEY' on /v1/* (and vLLM's other guarded paths) and the gRPC API "
+        "(default: $EPD_API_KEY); "
         "repeat it (or use --api-key-file) for several keys, each its own cache tenant; "
         "needed to listen beyond loopback unless --no-api-key",
     )

@@ -139,6 +139,14 @@ log = logging.getLogger(__name__)
 UNROUTED = "unmatched"
 """Name of the catch-all route, and the route label of requests it answers (metrics, logs)."""
 
+KEYED_PATH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/invocations", "/tokenize", "/detokenize")
+"""With --api-key, a path starting with one of these needs the key whether or not a route takes it
+(plain prefixes, as vLLM's AuthenticationMiddleware matches them): vLLM guards /v1, /v2, /inference
+and /cohere always and the prefix of every route it registers (/invocations, /tokenize), so a
+client without the key gets vLLM's 401 before a 404 for a vLLM path epd does not serve
+(/v1/embeddings, /invocations), and a path no vLLM serving a generative model has (/pooling,
+/classify, /sleep) a 404 there and here. Besides these, the POSTs of `BODY_ROUTES` (the web demo's)."""
+
 STREAM_ERROR_KEY = web.RequestKey("epd_stream_error_status", int)
 """The status of the error event a streamed answer ended with, for the request's log line: the
 response itself went out as 200 with the first token."""
@@ -256,7 +264,7 @@ class HttpApi:
                 )
             elif (
                 self.config.http.api_keys
-                and (request.path.startswith("/v1/") or route in BODY_ROUTES)
+                and (request.path.startswith(KEYED_PATH_PREFIXES) or route in BODY_ROUTES)
                 and not self._authorized(request)
             ):  # the web demo's POST too: it decodes media
                 response = json_error(

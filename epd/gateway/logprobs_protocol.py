@@ -8,10 +8,14 @@ pipeline, which knows the bound (`Pipeline.max_logprobs`).
 
 Answers, one entry per generated token (a streamed chunk carries its own tokens'):
   chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
-               "bytes"}, ...]}, ...]}, top_logprobs the k most likely in rank order (OpenAI's);
+               "bytes"}, ...]}, ...]}, top_logprobs k entries in vLLM's order: the sampled token
+               first, then the most likely others in rank order (vLLM keeps a position's logprobs
+               as one dict, sampled token first, and its chat answer takes that dict's first k; so
+               a sampled token outside the k most likely displaces the k-th. A greedy answer's are
+               the k most likely in rank order, OpenAI's);
   completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}, each
-               dict the sampled token and the k most likely (k + 1 entries when the sampled one is
-               not among them), as OpenAI's and vLLM's.
+               dict the same order untruncated: the sampled token and the k most likely (k + 1
+               entries when the sampled one is not among them), as OpenAI's and vLLM's.
 A logprob of -inf (a logit the model masked) is sent as -9999.0, vLLM's and OpenAI's floor: JSON
 has no infinity.
 """
@@ -93,6 +97,12 @@ def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
 
+def _sampled_first(lp: TokenLogprob) -> list[tuple[str, float]]:
+    """A position's (token, logprob) pairs in vLLM's order: the sampled token, then the k most
+    likely without it (its dict of token id -> logprob, filled in that order)."""
+    return [(lp.token, lp.logprob), *((t.token, t.logprob) for t in lp.top if t.token_id != lp.token_id)]
+
+
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
     """A chat choice's (or chunk's) `logprobs` object for these tokens."""
     return {
@@ -102,8 +112,8 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
                 "logprob": _floored(lp.logprob),
                 "bytes": _token_bytes(lp.token),
                 "top_logprobs": [
-                    {"token": t.token, "logprob": _floored(t.logprob), "bytes": _token_bytes(t.token)}
-                    for t in lp.top
+                    {"token": token, "logprob": _floored(logprob), "bytes": _token_bytes(token)}
+                    for token, logprob in _sampled_first(lp)[: len(lp.top)]
                 ],
             }
             for lp in logprobs
@@ -127,10 +137,7 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) 
         "top_logprobs": [
             None
             if math.isnan(lp.logprob)
-            else {
-                lp.token: _floored(lp.logprob),  # the sampled token first, then the most likely
-                **{t.token: _floored(t.logprob) for t in lp.top if t.token_id != lp.token_id},
-            }
+            else {token: _floored(logprob) for token, logprob in _sampled_first(lp)}
             for lp in logprobs
         ],
         "text_offset": offsets,

@@ -151,10 +151,12 @@ class OutputText:
         if self.text.stopped or stop_token or eos:
             self.finish_reason = "stop"
             # A stop string found in a stop token's own text (include_stop_str_in_output) is the
-            # one the text was cut at; an end-of-sequence token that is also a stop token was
-            # asked for by the client: its id.
+            # one the text was cut at. An end-of-sequence token that ends the answer is None even
+            # when the client also listed it in stop_token_ids: vLLM's check_stop tests the
+            # end-of-sequence token before stop_token_ids (under ignore_eos it is a plain stop
+            # token again, and its id).
             self.stop_reason = (
-                self.text.matched_stop if self.text.stopped else token_id if stop_token else None
+                self.text.matched_stop if self.text.stopped else token_id if stop_token and not eos else None
             )
         elif length:
             self.finish_reason = "length"

@@ -72,6 +72,34 @@ def test_api_key_guards_v1_only():
     assert statuses == [401, 401, 200, 200]
 
 
+def test_api_key_answers_401_before_404_where_vllm_does():
+    """vLLM's AuthenticationMiddleware guards /v1, /v2, /inference, /cohere and the prefixes of the
+    routes it registers (/invocations, /tokenize) before routing: a client without the key learns
+    nothing of what is served there. A path vLLM has only for pooling models, or in its dev mode,
+    is a 404 there and here."""
+    keyed = [
+        "/v1/embeddings",
+        "/v1/load_lora_adapter",
+        "/v2/models",
+        "/inference/v1/generate",
+        "/invocations",
+    ]
+    keyed += ["/cohere/v2/chat", "/v1", "/tokenize"]
+    open_ = ["/pooling", "/classify", "/score", "/rerank", "/sleep", "/reset_prefix_cache"]
+
+    async def calls(session):
+        out = {}
+        for path in keyed + open_:
+            async with session.post(path, json={}) as resp:
+                out[path] = resp.status
+        async with session.post("/invocations", json={}, headers={"Authorization": "Bearer k1"}) as resp:
+            out["keyed /invocations"] = resp.status
+        return out
+
+    statuses, _ = asyncio.run(_requests("k1", calls))
+    assert statuses == {**dict.fromkeys(keyed, 401), **dict.fromkeys(open_, 404), "keyed /invocations": 404}
+
+
 def test_unknown_route_and_bad_json_are_json_errors():
     async def calls(session):
         async with session.get("/v2/nothing") as resp:

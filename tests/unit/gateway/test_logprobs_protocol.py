@@ -23,7 +23,10 @@ DRAWN = TokenLogprob(7, "é", -3.5, (TopLogprob(1, " a", -0.5), TopLogprob(2, "b
 GREEDY = TokenLogprob(1, " a", -0.25, (TopLogprob(1, " a", -0.25), TopLogprob(9, "<s>", -math.inf)))
 
 
-def test_chat_entries_carry_token_logprob_bytes_and_the_most_likely_in_rank_order():
+def test_chat_entries_carry_token_logprob_bytes_and_k_top_logprobs_the_sampled_token_first():
+    """vLLM's order: a position's logprobs are one dict, the sampled token first and then the k
+    most likely, and chat's top_logprobs are that dict's first k entries: a sampled token outside
+    the k displaces the k-th; a greedy answer's are the k most likely in rank order."""
     assert chat_logprobs([DRAWN, GREEDY]) == {
         "content": [
             {
@@ -31,8 +34,8 @@ def test_chat_entries_carry_token_logprob_bytes_and_the_most_likely_in_rank_orde
                 "logprob": -3.5,
                 "bytes": [195, 169],
                 "top_logprobs": [
+                    {"token": "é", "logprob": -3.5, "bytes": [195, 169]},
                     {"token": " a", "logprob": -0.5, "bytes": [32, 97]},
-                    {"token": "b", "logprob": -1.5, "bytes": [98]},
                 ],
             },
             {
@@ -46,6 +49,14 @@ def test_chat_entries_carry_token_logprob_bytes_and_the_most_likely_in_rank_orde
             },
         ]
     }
+
+
+def test_chat_top_logprobs_put_a_sampled_runner_up_before_the_most_likely():
+    runner_up = TokenLogprob(2, "b", -1.5, (TopLogprob(1, " a", -0.5), TopLogprob(2, "b", -1.5)))
+    (entry,) = chat_logprobs([runner_up])["content"]
+    assert [(t["token"], t["logprob"]) for t in entry["top_logprobs"]] == [("b", -1.5), (" a", -0.5)]
+    just_sampled = TokenLogprob(2, "b", -1.5)  # top_logprobs 0: none, as vLLM's
+    assert chat_logprobs([just_sampled])["content"][0]["top_logprobs"] == []
 
 
 def test_completion_dicts_hold_the_sampled_token_and_the_most_likely_with_text_offsets():

@@ -198,7 +198,9 @@ def test_no_seed_draws_a_fresh_one_per_request_once():
         (GenerationConfig(stop=("zz", "wor", "o w")), (1, 2), "o w"),  # the earliest of two matches
         (GenerationConfig(stop_token_ids=(2,)), (1, 2), 2),  # the stop token's id
         (GenerationConfig(stop_token_ids=(2,), include_stop_str_in_output=True), (1, 2), 2),
-        (GenerationConfig(stop_token_ids=(9,)), (1, 9), 9),  # end of sequence, asked for as a stop token
+        # End of sequence, also asked for as a stop token: vLLM's check_stop tests the EOS first
+        (GenerationConfig(stop_token_ids=(9,)), (1, 9), None),
+        (GenerationConfig(stop_token_ids=(9,), ignore_eos=True), (1, 9), 9),  # then it is a stop token alone
         (GenerationConfig(), (1, 9), None),  # end of sequence
         (GenerationConfig(max_new_tokens=2, stop_token_ids=(2,)), (1, 2), None),  # the length limit first
         (GenerationConfig(max_new_tokens=1, stop=("ell",)), (1,), "ell"),  # a stop string at the limit
