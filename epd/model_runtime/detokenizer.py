@@ -132,16 +132,15 @@ class OutputText:
         "stop" or "length"; what was held back is released with it)."""
         self.num_tokens += 1
         may_stop = self.num_tokens >= self.config.min_tokens
-        # vLLM v1's order (`check_stop`, then its detokenizer): the length cap first, so that an
-        # end-of-sequence or stop token drawn as the last allowed token ends the answer "length"
-        # (and a stop token's text is then kept); a stop string found in that token's text still
-        # makes it "stop".
+        # vLLM's order (`check_stop` since it moved min_tokens there, then its detokenizer): the
+        # end-of-sequence and stop tokens before the length cap, so that either drawn as the last
+        # allowed token ends the answer "stop", as a stop string found in that token's text does.
         length = self.num_tokens >= self.config.max_new_tokens
-        stop_token = may_stop and not length and token_id in self.stop_token_ids
+        stop_token = may_stop and token_id in self.stop_token_ids
         # With a structured-output constraint the end-of-sequence token is the constraint's end
         # (allowed only once it is complete), so it ends the answer even under ignore_eos.
         ends_at_eos = not self.config.ignore_eos or self.config.structured_outputs is not None
-        eos = may_stop and not length and token_id in self.eos_token_ids and ends_at_eos
+        eos = may_stop and token_id in self.eos_token_ids and ends_at_eos
         # The text of a stop token, or of the end-of-sequence token that ends the answer, is not
         # the answer's unless asked for (vLLM's detokenizer leaves out the token that stopped the
         # request: "<|im_end|>" does not end an answer decoded with skip_special_tokens false);

@@ -274,10 +274,11 @@ def _output(config, tokens):
         # before min_tokens, neither end-of-sequence nor a stop token nor a stop string ends it
         (GenerationConfig(min_tokens=3, stop_token_ids=(5,)), (5, 9, 5), [(".", ""), ("", ""), ("", "stop")]),
         (GenerationConfig(min_tokens=1, stop=("l",)), (1, 2, 3), [("Hello", ""), (" wor", ""), ("", "stop")]),
-        # vLLM checks the length cap first: end-of-sequence or a stop token as the last allowed
-        # token ends it "length" (the stop token's text kept); a stop string there still "stop"
-        (GenerationConfig(max_new_tokens=2), (1, 9), [("Hello", ""), ("", "length")]),
-        (GenerationConfig(max_new_tokens=2, stop_token_ids=(5,)), (1, 5), [("Hello", ""), (".", "length")]),
+        # vLLM checks end-of-sequence and stop tokens before the length cap: either as the last
+        # allowed token ends it "stop" (the stop token's text left out), as a stop string there does
+        (GenerationConfig(max_new_tokens=2), (1, 9), [("Hello", ""), ("", "stop")]),
+        (GenerationConfig(max_new_tokens=2, stop_token_ids=(5,)), (1, 5), [("Hello", ""), ("", "stop")]),
+        (GenerationConfig(max_new_tokens=2), (1, 2), [("Hello", ""), (" wor", "length")]),
         (GenerationConfig(max_new_tokens=2, stop=(" w",)), (1, 2), [("Hell", ""), ("o", "stop")]),
         (GenerationConfig(max_new_tokens=3), (1, 9), [("Hello", ""), ("", "stop")]),
     ],
