@@ -26,7 +26,7 @@ from pathlib import Path
 
 from epd import __version__
 from epd.gateway.reasoning import REASONING_PARSERS
-from epd.gateway.tool_parser import TOOL_CALL_PARSERS
+from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
