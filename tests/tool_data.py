@@ -4,6 +4,9 @@ chat API's (tests/integration/test_tool_calls.py), the Responses API's, the requ
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 _CONTENT = (
     "{% if content is string %}{{ content }}"
     "{% elif content %}{% for part in content %}"
@@ -95,3 +98,10 @@ def no_whitespace_bias(model) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     ids = [i for token, i in tokenizer.get_vocab().items() if token and set(token) <= set("ĠĊĉč")]
     return {str(i): -100 for i in ids}
+
+
+def tool_template_model(model: Path, copy: Path) -> Path:
+    """A copy (at `copy`) of the checkpoint `model` with `TOOL_TEMPLATE` as its chat template."""
+    shutil.copytree(model, copy)
+    (copy / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    return copy

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -37,7 +36,7 @@ from tests.embedded import request_summary
 from tests.local_http import post_json, sse_chunks
 from tests.reference import template_reference
 from tests.stack import Stack, free_port
-from tests.tool_data import CALL_TEXT, HISTORY, TIME, TOOL_TEMPLATE, TOOLS, no_whitespace_bias
+from tests.tool_data import CALL_TEXT, HISTORY, TIME, TOOLS, no_whitespace_bias, tool_template_model
 
 MAX_NEW_TOKENS = 8
 
@@ -51,10 +50,7 @@ TRANSFORMERS_HISTORY = [  # the same as a transformers user writes it: the argum
 @pytest.fixture(scope="module")
 def tool_model(tiny_models, tmp_path_factory):
     """The tiny Qwen2-VL checkpoint with `TOOL_TEMPLATE` as its chat template."""
-    model = tmp_path_factory.mktemp("tools") / "qwen2_vl_tools"
-    shutil.copytree(tiny_models["qwen2_vl"], model)
-    (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    return model
+    return tool_template_model(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("tools") / "qwen2_vl_tools")
 
 
 def test_the_prompt_with_tools_and_tool_history_is_the_processors_own(tool_model, tiny_models):
