@@ -90,6 +90,23 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}
 """A hermes call of `WEATHER`, the text a choice grammar forces an answer to (tool_choice "auto")."""
 
 
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
+QWEN3_CODER_CALL_TEXT = (
+    "<tool_call>\n<function=get_forecast>\n<parameter=city>\nRome\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+"""A qwen3_coder call of `FORECAST`: its values typed by the schema (`days` an integer)."""
+
+
 def no_whitespace_bias(model) -> dict[str, float]:
     """logit_bias against every token of whitespace alone: the random tiny model fills a JSON
     grammar's optional whitespace until max_tokens cuts it, which a real model does not."""

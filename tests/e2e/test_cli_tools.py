@@ -3,7 +3,8 @@ against a gateway (the SDK's `tools=` over gRPC), on the tiny Qwen2-VL with a ch
 reads `tools` (`tests.tool_data.TOOL_TEMPLATE`): the tools are in the prompt (the answer is
 generate()'s on the processor's own rendering with them), and the answer's calls are read as the
 chat API reads them, each choice forced so that the calls are exact: "auto" by a choice grammar of
-a call's text (read by hermes), a named function and "required" by their own grammars."""
+a call's text (read by hermes, or by qwen3_coder with its values typed by the tool's schema), a
+named function and "required" by their own grammars."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 
 from tests.reference import template_reference
 from tests.stack import Stack, run_epd_forked
-from tests.tool_data import CALL_TEXT, TOOLS, no_whitespace_bias, tool_template_model
+from tests.tool_data import (
+    CALL_TEXT,
+    FORECAST,
+    QWEN3_CODER_CALL_TEXT,
+    TIME,
+    TOOLS,
+    no_whitespace_bias,
+    tool_template_model,
+)
 
 QUESTION = "weather in Rome?"
 
@@ -55,6 +64,27 @@ def test_ask_tools_prints_the_answers_calls_embedded_and_through_the_stack(tool_
                 assert out["num_prompt_tokens"] == len(prompt_ids), (where, name)
                 answers.setdefault(name, []).append(out)
         text = run_epd_forked(*ask[:-1], *choices["auto"], "--endpoint", stack.gateway)
+        # qwen3_coder's form, its values typed by the schema of the request's tool (`days` an integer).
+        forecast = tmp_path / "forecast.json"
+        forecast.write_text(json.dumps([FORECAST, TIME]))
+        coder = [
+            "--tools",
+            str(forecast),
+            "--tool-call-parser",
+            "qwen3_coder",
+            "--choice",
+            QWEN3_CODER_CALL_TEXT,
+        ]
+        for where in (["--model", str(tool_model)], ["--endpoint", stack.gateway]):
+            proc = run_epd_forked(*ask[:2], QUESTION, *coder, "--max-new-tokens", "128", "--json", *where)
+            assert proc.returncode == 0, (where, proc.stderr)
+            out = json.loads(proc.stdout)
+            assert (out["answer"], out["content"], out["finish_reason"]) == (
+                QWEN3_CODER_CALL_TEXT,
+                None,
+                "tool_calls",
+            )
+            assert _calls(out) == [("get_forecast", '{"city": "Rome", "days": 3}')], where
     assert text.returncode == 0, text.stderr
     assert 'tool call: get_weather {"city": "Rome"}' in text.stdout.splitlines()
     assert "tokens (tool_calls)" in text.stderr

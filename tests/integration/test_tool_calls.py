@@ -36,7 +36,16 @@ from tests.embedded import request_summary
 from tests.local_http import post_json, sse_chunks
 from tests.reference import template_reference
 from tests.stack import Stack, free_port
-from tests.tool_data import CALL_TEXT, HISTORY, TIME, TOOLS, no_whitespace_bias, tool_template_model
+from tests.tool_data import (
+    CALL_TEXT,
+    FORECAST,
+    HISTORY,
+    QWEN3_CODER_CALL_TEXT,
+    TIME,
+    TOOLS,
+    no_whitespace_bias,
+    tool_template_model,
+)
 
 MAX_NEW_TOKENS = 8
 
@@ -283,22 +292,6 @@ def test_auto_without_the_flag_is_a_400_naming_it(tool_model, tmp_path):
             port, _body(tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=8)
         )
         assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"
-
-
-FORECAST = {
-    "type": "function",
-    "function": {
-        "name": "get_forecast",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        },
-    },
-}
-QWEN3_CODER_CALL_TEXT = (
-    "<tool_call>\n<function=get_forecast>\n<parameter=city>\nRome\n</parameter>\n"
-    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
-)
 
 
 def test_the_stack_reads_qwen3_coder_calls_plain_and_streamed(tool_model, tmp_path):
