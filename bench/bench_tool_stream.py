@@ -11,7 +11,7 @@ import argparse
 import json
 import time
 
-from epd.gateway.tool_parser import TOOL_CALL_PARSERS, ToolCallStream
+from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS, ToolCallStream
 
 
 def call_text(parser: str, value: str) -> str:

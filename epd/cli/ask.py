@@ -25,6 +25,10 @@ turn sends the earlier questions and answers too (`epd.client.conversation.Histo
 `client.conversation`). Embedded mode keeps its one pipeline across turns, so the servers' caches
 (the encoder's, prefill's prefix cache) serve the follow-ups as they would behind a gateway.
 
+`--tools FILE` (a JSON list of OpenAI function tools) renders them into the prompt and reads the
+answer's calls as the chat API does (`epd.cli.ask_tools`: --tool-choice, --tool-call-parser); the
+answer is then shown once whole, its content and a line per call (--json: `content`, `tool_calls`).
+
 Both modes print the SDK's typed result (`epd.client.AskResult`): the answer as it streams, stage
 progress on stderr, with --logprobs K / --prompt-logprobs K a table per token after the answer (its
 logprob and the K most likely tokens'), then a timings line; with --json one object per turn and line,
@@ -47,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from epd.cli.ask_tools import AskTools
     from epd.client import AskResult, StreamEvent
     from epd.client import StageEvent as ClientStageEvent
     from epd.gateway.pipeline import AskSummary, Pipeline
@@ -59,6 +64,7 @@ if TYPE_CHECKING:
 
 def run_ask(args: argparse.Namespace) -> int:
     from epd.cli import configs
+    from epd.cli.ask_tools import ask_tools
     from epd.client import EpdError
     from epd.model_runtime.loader import ModelLoadError
     from epd.stages.errors import InvalidRequest
@@ -68,6 +74,7 @@ def run_ask(args: argparse.Namespace) -> int:
         prompt = _raw_prompt(args)
         path = None if prompt is not None else _media_path(args)
         messages = None if prompt is not None else _messages(args, template)
+        tools = ask_tools(args)
         _check_tls_flags(args)
         if args.fps is not None and args.num_frames:  # what every door refuses (ONE_FRAME_CHOICE)
             raise ValueError(
@@ -91,9 +98,9 @@ def run_ask(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(
-            _ask_remote(args, path, messages, prompt, template)
+            _ask_remote(args, path, messages, prompt, template, tools)
             if model is None
-            else _ask_embedded(args, path, messages, model, prompt, template, prefill)
+            else _ask_embedded(args, path, messages, model, prompt, template, prefill, tools)
         )
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
@@ -311,9 +318,13 @@ async def _questions(args: argparse.Namespace) -> AsyncIterator[str]:
 
 
 async def _print_turns(
-    args: argparse.Namespace, turns: AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]], notice: str
+    args: argparse.Namespace,
+    turns: AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]],
+    notice: str,
+    tools: AskTools | None = None,
 ) -> None:
-    """Run each turn's stream, showing it as it comes, then print its result."""
+    """Run each turn's stream, showing it as it comes, then print its result. With `tools` that
+    read the answer for calls, the answer is shown once whole: its content, then its calls."""
     from epd.client import AskResult, StageEvent, TokenDelta
 
     number = 0
@@ -331,13 +342,17 @@ async def _print_turns(
                 else:
                     _progress(item.stage, item.state, item.duration_ms, args.json)
             elif isinstance(item, TokenDelta):
-                answering = answering or bool(item.text)
-                _emit_text(item.text, args.json)
+                quiet = args.json or (tools is not None and tools.parses)  # its calls read once it is whole
+                answering = answering or (bool(item.text) and not quiet)
+                _emit_text(item.text, quiet)
             elif isinstance(item, AskResult):
                 result = item
         if result is None:
             raise RuntimeError("the stream ended without a result")
+        called = tools.answer(result) if tools is not None and tools.parses else None
         if not args.json:
+            if called is not None:
+                print("\n".join(called.lines()), end="", flush=True)
             print(file=sys.stdout, flush=True)  # the answer's line ends
             if result.logprobs is not None:
                 _print_logprobs("the answer's tokens", result.logprobs)
@@ -349,9 +364,11 @@ async def _print_turns(
             extra: dict[str, Any] = {"notice": notice} if notice else {}
             if _conversational(args):
                 extra.update(turn=number, question=question)
+            if called is not None:
+                extra.update(called.to_dict())
             print(json.dumps({**result.to_dict(), **extra}), flush=True)
         else:
-            _print_summary(result)
+            _print_summary(result, called.finish_reason if called is not None else None)
 
 
 def _progress(stage: str, state: str, duration_ms: float, quiet: bool) -> None:
@@ -392,7 +409,8 @@ def _print_logprobs(what: str, logprobs: list[TokenLogprob], ranked: bool = Fals
         print("  " + "  ".join([*cells, row[-1]]).rstrip(), flush=True)
 
 
-def _print_summary(result: AskResult) -> None:
+def _print_summary(result: AskResult, finish_reason: str | None = None) -> None:
+    """The timings line; `finish_reason`: the tool choice's, in place of the result's."""
     from epd.stages.names import TIMING_NAMES
 
     timings = ", ".join(f"{name} {getattr(result.timings_ms, f'{name}_ms'):.0f} ms" for name in TIMING_NAMES)
@@ -401,7 +419,7 @@ def _print_summary(result: AskResult) -> None:
     print(
         f"epd: {result.num_frames} frames, {result.num_visual_tokens} visual tokens, "
         f"{result.num_prompt_tokens} prompt tokens{reused_text}, "
-        f"{len(result.token_ids)} tokens ({result.finish_reason}); {timings}",
+        f"{len(result.token_ids)} tokens ({finish_reason or result.finish_reason}); {timings}",
         file=sys.stderr,
         flush=True,
     )
@@ -415,6 +433,7 @@ async def _ask_embedded(
     prompt: str | None = None,
     template: ChatTemplateOptions | None = None,
     prefill: PrefillConfig | None = None,
+    tools: AskTools | None = None,
 ) -> None:
     from epd.video.media_open import sniff_container
 
@@ -448,7 +467,7 @@ async def _ask_embedded(
             yield "", _embedded_stream(args, pipeline, None, [], raw_prompt=RawPrompt(text=prompt))
             return
         if messages is not None:
-            yield "", _embedded_stream(args, pipeline, media, messages, template=template)
+            yield "", _embedded_stream(args, pipeline, media, messages, template=template, tools=tools)
             return
         history = History(with_media=media is not None)
         async for question in _questions(args):
@@ -461,7 +480,7 @@ async def _ask_embedded(
             )
             history.add(question, answer[0])
 
-    await _print_turns(args, turns(), notice)
+    await _print_turns(args, turns(), notice, tools)
 
 
 async def _embedded_stream(
@@ -472,10 +491,14 @@ async def _embedded_stream(
     answer: list[str] | None = None,
     raw_prompt: RawPrompt | None = None,
     template: ChatTemplateOptions | None = None,
+    tools: AskTools | None = None,
 ) -> AsyncIterator[StreamEvent]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
     the answer's text is appended to `answer` for the caller's history. `raw_prompt`: instead
-    of `messages` (then []). `template`: how the chat template ends `messages` (None: the defaults)."""
+    of `messages` (then []). `template`: how the chat template ends `messages` (None: the defaults).
+    `tools`: rendered into the prompt, a forced choice's structured output on the answer."""
+    from dataclasses import replace
+
     from epd.cli import configs
     from epd.client import StageEvent as ClientStageEvent
     from epd.client import TokenDelta
@@ -484,15 +507,21 @@ async def _embedded_stream(
     from epd.stages.messages import ChatTemplateOptions
     from epd.stages.names import Stage
 
+    generation = configs.generation_config(args)
+    template = template or ChatTemplateOptions()
+    if tools is not None:
+        template = replace(template, tools=tools.tools)
+        if tools.forced is not None:
+            generation = replace(generation, structured_outputs=tools.forced)
     request = AskRequest(
         messages=messages,
         media=None if media is None else MediaInput(media),
         sampling=configs.sampling_options(args),
-        generation=configs.generation_config(args),
+        generation=generation,
         pruning=configs.pruning_config(args),
         cache_salt=args.cache_salt,
         raw_prompt=raw_prompt,
-        template=template or ChatTemplateOptions(),
+        template=template,
     )
     started = time.perf_counter()
     events: list[ClientStageEvent] = []
@@ -564,6 +593,7 @@ async def _ask_remote(
     messages: list[Message] | None,
     prompt: str | None = None,
     template: ChatTemplateOptions | None = None,
+    tools: AskTools | None = None,
 ) -> None:
     from epd.cli import configs
     from epd.client import AsyncEpdClient
@@ -575,6 +605,10 @@ async def _ask_remote(
         **configs.generation_options(args), pruning=args.pruning, pruning_knobs=dict(args.pruning_knob),
         cache_salt=args.cache_salt,
     )  # fmt: skip
+    if tools is not None:  # the SDK's tools=, and a forced choice's structured output
+        options["tools"] = list(tools.tools)
+        if tools.forced is not None:
+            options["structured_outputs"] = tools.forced
     tls = dict(
         root_certificates_path=args.tls_ca,
         client_certificate_path=args.tls_cert,
@@ -608,7 +642,7 @@ async def _ask_remote(
             async for question in _questions(args):
                 yield question, chat.stream(question)
 
-        await _print_turns(args, turns(), "")
+        await _print_turns(args, turns(), "", tools)
 
 
 def _say(text: str, quiet: bool) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from epd import __version__
 from epd.gateway.reasoning import REASONING_PARSERS
-from epd.gateway.tool_parser import TOOL_CALL_PARSERS
+from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
@@ -1116,6 +1116,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SALT",
         help="share cached video tokens and prompt prefixes only with requests of the same salt "
         "(vLLM's cache_salt; a gateway with API keys adds the key's own)",
+    )
+    g = ask.add_argument_group("tool calling (the chat API's tools and tool_choice, vLLM's meanings)")
+    g.add_argument(
+        "--tools",
+        default="",
+        metavar="FILE",
+        help='a JSON file holding a list of OpenAI function tools, [{"type": "function", "function": '
+        '{"name", "description", "parameters"}}], rendered into the prompt by the chat template; the '
+        "answer's calls are printed (--json: content and tool_calls, as the chat API's message)",
+    )
+    g.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="auto (the default with --tools: the calls the model writes, read by --tool-call-parser), "
+        "required (forced to one call or more), a function's name (forced to its arguments) or none "
+        "(the tools in the prompt, the answer unparsed)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how the model writes tool calls, as `epd serve --tool-call-parser` (hermes: Qwen2.5, "
+        "Qwen3 and Qwen3-VL; qwen3_coder: Qwen3-Coder and Qwen3.5); needed by --tool-choice auto",
     )
     g = ask.add_argument_group("TLS (--endpoint of a gateway started with --tls-cert)")
     g.add_argument(

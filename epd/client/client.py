@@ -152,7 +152,8 @@ def build_header(
     server's; INVALID_ARGUMENT unless its prefill runs with --trust-request-chat-template), and
     tools (OpenAI's function tools, [{"type": "function", "function": {"name", "description",
     "parameters"}}], rendered into the prompt as the template's `tools`; the answer is the model's
-    text, its calls unparsed: the HTTP API parses them). A conversation may hold an assistant's
+    text, its calls unparsed: the HTTP API parses them, and `epd ask --tools` with
+    `epd.gateway.tool_parsers.answer.answer_tool_calls`). A conversation may hold an assistant's
     tool calls and tools' results: `Message("assistant", (text(""),), (ToolCall(id, name,
     arguments_json),))`, `Message("tool", (text(result),), tool_call_id=id)`, or OpenAI's dicts.
     Unset (None) values take the server's defaults; with no seed, each sampled request draws one.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S, parse_dns_entry
 from epd.gateway.reasoning import REASONING_PARSERS
-from epd.gateway.tool_parser import TOOL_CALL_PARSERS
+from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.server_config import ServerConfig, is_loopback
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -131,7 +131,7 @@ class HttpApiConfig:
     legacy completions, gRPC and the SDK answer the text whole."""
     enable_auto_tool_choice: bool = False
     """vLLM's `--enable-auto-tool-choice`: tool_choice "auto" (the default with tools) is
-    answered, the calls found in the answer's text by `tool_call_parser` (`epd.gateway.tool_parser`);
+    answered, the calls found in the answer's text by `tool_call_parser` (`epd.gateway.tool_parsers`);
     off, such a request is a 400 naming both flags, as vLLM's."""
     tool_call_parser: str = ""
     """vLLM's `--tool-call-parser` ("hermes" or "qwen3_coder", by how the model writes its calls;

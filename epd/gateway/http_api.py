@@ -118,7 +118,7 @@ from epd.gateway.reasoning import (
 from epd.gateway.responses_protocol import ResponseEvents, parse_responses_request, response_body
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
-from epd.gateway.tool_parser import ToolAnswerStream, tool_finish_reason
+from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
 from epd.gateway.tool_request import check_auto_tool_choice
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.model_runtime.detokenizer import StopReason

@@ -17,7 +17,7 @@ vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop
 `chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
 `continue_final_message`; vLLM's `include_reasoning` (false: the reasoning left out of a thinking
 model's answer, which `--reasoning-parser` parts: `epd.gateway.reasoning`); OpenAI's `tools` and
-`tool_choice` (`epd.gateway.tool_request`; the answer's calls: `epd.gateway.tool_parser`), with an
+`tool_choice` (`epd.gateway.tool_request`; the answer's calls: `epd.gateway.tool_parsers`), with an
 assistant's `tool_calls` and `tool` messages in the conversation; frame sampling goes in
 one extra object, `"media": {"fps", "max_frames", "min_frames", "num_frames", "max_pixels",
 "start_time_s", "end_time_s"}` (with the openai client: `extra_body={"media": {...}}`), and token
@@ -63,7 +63,7 @@ from epd.gateway.logprobs_protocol import (
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import message_fields, split_reasoning
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
-from epd.gateway.tool_parser import answer_tool_calls, tool_finish_reason
+from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason
 from epd.gateway.tool_request import ToolChoice, forced_structured_outputs, parse_tools
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
@@ -274,7 +274,7 @@ class ChatRequest:
     (with `--reasoning-parser`; without one the answer is the text whole, as vLLM's)."""
     tool_choice: ToolChoice = ToolChoice()
     """OpenAI's `tool_choice` over the request's tools (`template.tools`): whether the answer's
-    text is parsed for calls (`epd.gateway.tool_parser`) or forced to them
+    text is parsed for calls (`epd.gateway.tool_parsers`) or forced to them
     (`epd.gateway.tool_request`)."""
     responses: dict[str, Any] | None = None
     """A Responses API request's fields its answer repeats (`epd.gateway.responses_protocol`);
@@ -770,7 +770,7 @@ def completion_body(
     the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
     choice's text into the message's reasoning and content; `tool_choice` (`ChatRequest.tool_choice`)
-    takes the content's tool calls into the message's `tool_calls` (`epd.gateway.tool_parser`)."""
+    takes the content's tool calls into the message's `tool_calls` (`epd.gateway.tool_parsers`)."""
     choices = []
     for choice in summary.all_choices():
         message, num_calls = _message(role, echoed, choice.answer, thinking, include_reasoning, tool_choice)

@@ -70,7 +70,7 @@ from epd.gateway.openai_protocol import (
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import ReasoningStream
 from epd.gateway.structured_request import GUIDED_FIELDS
-from epd.gateway.tool_parser import ToolAnswerStream
+from epd.gateway.tool_parsers.answer import ToolAnswerStream
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.video.types import SamplingOptions

@@ -46,7 +46,7 @@ class ToolChoice:
     of what the choice is (two choices of "auto" are equal)."""
     parser: str = "hermes"
     """How the answer's text is read for calls ("auto"): the server's `--tool-call-parser`, set by
-    the chat door (`epd.gateway.tool_parser.TOOL_CALL_PARSERS`)."""
+    the chat door (`epd.gateway.tool_parsers.stream.TOOL_CALL_PARSERS`)."""
 
     @property
     def parses_text(self) -> bool:

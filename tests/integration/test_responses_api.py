@@ -14,22 +14,12 @@ import openai
 import pytest
 
 from tests.integration.test_structured_outputs import SCHEMA
-from tests.integration.test_tool_calls import _no_whitespace
+from tests.tool_data import WEATHER, no_whitespace_bias
 
 QUESTION = "what colour is the moving square?"
 MAX_TOKENS = 8
 MEDIA = {"media": {"num_frames": 4}}
-TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "the weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Rome"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
+TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat form of chat's
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +92,11 @@ def test_a_video_question_is_chats_answer_plain_and_streamed(client, video_url):
 
 
 def test_a_named_function_is_a_function_call_item(client, shared_stack, tiny_models):
-    compact = _no_whitespace(tiny_models["qwen2_vl"])
+    compact = no_whitespace_bias(tiny_models["qwen2_vl"])
     chat = client.chat.completions.create(
         model="epd",
         messages=[{"role": "user", "content": "weather in Rome?"}],
-        tools=[{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}],
+        tools=[WEATHER],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=48,
         extra_body={"logit_bias": compact},

@@ -1,4 +1,4 @@
-"""vLLM's `hermes` and `qwen3_coder` tool call parsers (`epd.gateway.tool_parser`): the
+"""vLLM's `hermes` and `qwen3_coder` tool call parsers (`epd.gateway.tool_parsers`): the
 `<tool_call>` blocks of an answer become calls and the text outside them the content, whole and
 as a stream of deltas (which must part it exactly as the whole text, wherever the deltas cut it,
 the fragments of a call's arguments joining to the whole answer's arguments); malformed calls stay
@@ -12,20 +12,13 @@ import json
 
 import pytest
 
-from epd.gateway import tool_parser
 from epd.gateway.openai_protocol import completion_body
 from epd.gateway.pipeline import AskSummary
-from epd.gateway.tool_parser import (
-    ArgumentsFragment,
-    ParsedToolCall,
-    ToolAnswerStream,
-    ToolCallHeader,
-    ToolCallStream,
-    answer_tool_calls,
-    parameter_value,
-    parse_tool_calls,
-    tool_finish_reason,
-)
+from epd.gateway.tool_parsers import markers
+from epd.gateway.tool_parsers.answer import ToolAnswerStream, answer_tool_calls, tool_finish_reason
+from epd.gateway.tool_parsers.calls import ArgumentsFragment, ParsedToolCall, ToolCallHeader
+from epd.gateway.tool_parsers.qwen3_coder import parameter_value
+from epd.gateway.tool_parsers.stream import ToolCallStream, parse_tool_calls
 from epd.gateway.tool_request import ToolChoice
 
 
@@ -493,14 +486,14 @@ def test_a_long_call_streamed_in_small_deltas_is_searched_once(parser, monkeypat
     else:
         text = f"<tool_call>\n<function=write>\n<parameter=text>\n{value}\n</parameter>\n</function>\n</tool_call>"
     searched = []
-    find = tool_parser._find
+    find = markers.find_marker
 
     def counted(text: str, marker: str, start: int) -> int:
         at = find(text, marker, start)
         searched.append((at + len(marker) if at >= 0 else len(text)) - start)
         return at
 
-    monkeypatch.setattr(tool_parser, "_find", counted)
+    monkeypatch.setattr(markers, "find_marker", counted)
     deltas = [text[i : i + 4] for i in range(0, len(text), 4)]
     assert _streamed(deltas, parser) == (None, [("write", json.dumps({"text": value}))])
     # Each delta's few searches read its own characters and a marker's length before them (where
