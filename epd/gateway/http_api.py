@@ -109,13 +109,13 @@ from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (
     ReasoningStream,
-    ReasoningTokens,
     constrained_after_reasoning,
     delta_fields,
     parser_misfit,
     thinking_on,
 )
-from epd.gateway.responses_protocol import ResponseEvents, parse_responses_request, response_body
+from epd.gateway.responses_events import ResponseEvents, response_body
+from epd.gateway.responses_protocol import parse_responses_request
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.gateway.tokenize_api import add_tokenize_routes
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
@@ -470,19 +470,17 @@ class HttpApi:
             events = self.pipeline.ask(ask)
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
-            reasoning_tokens = ReasoningTokens(self._thinking(chat) if chat.responses is not None else None)
+            steps: list[TokenStep] = []  # a Responses answer's, shaped at its end (`response_body`)
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
-                    if isinstance(item, TokenStep):
-                        reasoning_tokens.add(item.text, len(item.token_ids))
+                    if isinstance(item, TokenStep) and chat.responses is not None:
+                        steps.append(item)
                     if isinstance(item, AskSummary):
                         log_summary(item)
                         if chat.raw_prompt is not None:
                             return web.json_response(text_completion_body(item, chat))
                         if chat.responses is not None:
-                            body = response_body(
-                                item, chat, self._thinking(chat), None, reasoning_tokens.count
-                            )
+                            body = response_body(item, chat, self._thinking(chat), steps)
                             return web.json_response(body)
                         return web.json_response(
                             completion_body(
@@ -785,7 +783,6 @@ class HttpApi:
         `data:` pair; the 200 goes with the first token, as chat's; no [DONE] (OpenAI's stream
         ends with response.completed)."""
         shaper = ResponseEvents(chat, request_id, self._thinking(chat))
-        reasoning_tokens = ReasoningTokens(self._thinking(chat))
         call = current_call()
         num_tokens = 0
 
@@ -807,11 +804,10 @@ class HttpApi:
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
-                        reasoning_tokens.add(item.text, len(item.token_ids))
-                        await send(shaper.add(item.text))
+                        await send(shaper.add(item.text, len(item.token_ids), item.logprobs))
                         continue
                     log_summary(item)
-                    await send(shaper.finish(item, reasoning_tokens.count))
+                    await send(shaper.finish(item))
         except ConnectionResetError:
             raise
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of

@@ -514,21 +514,23 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
         content = message.get("content")
         if content is None and roles[i] == "assistant":  # OpenAI's own history: a turn of tool calls alone
             content = ""
-        if isinstance(content, str):
+        as_string = isinstance(content, str)  # a text's refusal names the content, or its part's text
+        if as_string:
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list) or not content:
             raise InvalidRequest(
                 f"messages[{i}].content must be a string or a non-empty list of content parts"
             )
         parts: list[ContentPart] = []
-        for part in content:
+        for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise InvalidRequest(
                         f"a text part of messages[{i}] needs its text: {{'type': 'text', 'text': '...'}}"
                     )
-                parts.append(text_part(checked_text(part["text"], f"messages[{i}].content text")))
+                name = f"messages[{i}].content" + ("" if as_string else f"[{k}].text")
+                parts.append(text_part(checked_text(part["text"], name)))
             elif kind in ("video_url", "image_url"):
                 if roles[i] != "user":
                     raise InvalidRequest(

@@ -96,18 +96,46 @@ def split_reasoning(text: str, thinking: bool) -> ReasoningSplit:
 
 class ReasoningStream:
     """One choice's streamed text, parted delta by delta; the parts joined are `split_reasoning`'s
-    of the whole text (`finish` gives what was held back)."""
+    of the whole text (`finish` gives what was held back). Fed each step's token count too, it
+    counts the answer's reasoning tokens (`num_reasoning_tokens`) in the same pass."""
 
     def __init__(self, thinking: bool) -> None:
         self.in_reasoning = thinking
         """True until the text after `</think>` begins (False from the start with thinking off)."""
+        self.num_reasoning_tokens = 0
+        """The tokens inside the thinking block so far, its markers left out, as vLLM counts the
+        Responses API's `usage.output_tokens_details.reasoning_tokens` (`add`)."""
         self._start_dropped = False  # the model's own `<think>`, dropped once
         self._held = ""  # the reasoning text's tail that may begin a marker: len < len(END)
 
-    def add(self, text: str) -> ReasoningSplit:
-        """The parts of `text`, the next delta ("" for a part it has none of)."""
+    def add(self, text: str, num_tokens: int = 0) -> ReasoningSplit:
+        """The parts of `text`, the next delta ("" for a part it has none of); `num_tokens`: how
+        many tokens made it, counted while it thinks. The gateway has no tokenizer: a step's
+        tokens count by where its text falls, and each marker the step completes (a single token
+        of a thinking model's tokenizer, `parser_misfit`) is one of them that does not count, as
+        vLLM counts by token id the tokens between `<think>` and `</think>`."""
         if not self.in_reasoning:
             return ReasoningSplit("", text)
+        dropped = self._start_dropped
+        split = self._split(text)
+        num_markers = (not self.in_reasoning) + (self._start_dropped and not dropped)
+        self.num_reasoning_tokens += max(0, num_tokens - num_markers)
+        return split
+
+    def finish(self) -> ReasoningSplit:
+        """The held-back tail at the answer's end: reasoning (no marker came of it)."""
+        held, self._held = self._held, ""
+        if not self.in_reasoning:
+            return ReasoningSplit("", "")
+        # A tail held as a possible `<think>` may be the model's own, whole (an answer cut right
+        # after it): dropped as `split_reasoning` drops it, and its token is no reasoning token.
+        dropped = self._start_dropped
+        reasoning = self._drop_start(held)
+        if self._start_dropped and not dropped:
+            self.num_reasoning_tokens = max(0, self.num_reasoning_tokens - 1)
+        return ReasoningSplit(reasoning, "")
+
+    def _split(self, text: str) -> ReasoningSplit:
         pending = self._held + text
         end = pending.find(END)
         if end >= 0:
@@ -116,13 +144,6 @@ class ReasoningStream:
         keep = self._marker_prefix_len(pending)
         self._held = pending[len(pending) - keep :]
         return ReasoningSplit(self._drop_start(pending[: len(pending) - keep]), "")
-
-    def finish(self) -> ReasoningSplit:
-        """The held-back tail at the answer's end: reasoning (no marker came of it)."""
-        held, self._held = self._held, ""
-        # A tail held as a possible `<think>` may be the model's own, whole (an answer cut right
-        # after it): dropped as `split_reasoning` drops it.
-        return ReasoningSplit(self._drop_start(held) if self.in_reasoning else "", "")
 
     def _drop_start(self, reasoning: str) -> str:
         if self._start_dropped or START not in reasoning:
@@ -139,25 +160,6 @@ class ReasoningStream:
             if any(m.startswith(tail) for m in markers):
                 return size
         return 0
-
-
-class ReasoningTokens:
-    """The count of an answer's reasoning tokens (the Responses API's
-    `usage.output_tokens_details.reasoning_tokens`), step by step: every token of a step that
-    comes while the answer is still inside its thinking block counts, the step that ends it (the
-    `</think>` token) included; 0 without a parser (`thinking` None) or with thinking off. The
-    gateway has no tokenizer, so it goes by each step's text through the same split as the
-    answer's (`ReasoningStream`), not by the marker's token id."""
-
-    def __init__(self, thinking: bool | None) -> None:
-        self._stream = None if thinking is None else ReasoningStream(thinking)
-        self.count = 0
-
-    def add(self, text: str, num_tokens: int) -> None:
-        """One step: its decoded `text` and how many tokens made it."""
-        if self._stream is not None and self._stream.in_reasoning:
-            self.count += num_tokens
-            self._stream.add(text)
 
 
 def message_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, str | None]:

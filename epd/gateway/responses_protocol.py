@@ -1,7 +1,6 @@
 """OpenAI's Responses API JSON (`POST /v1/responses`) <-> the pipeline (no HTTP in here), as vLLM
 serves it over a chat model: the body becomes a chat-completions body, parsed by chat's own
-`parse_chat_request` (one set of checks, one `ChatRequest`), and the answer is shaped into a
-`response` object, or streamed as its semantic events.
+`parse_chat_request` (one set of checks, one `ChatRequest`).
 
     input         a string (the user's message), or a list of items: messages {"role": "user" |
                   "system" | "developer" | "assistant", "content": a string or parts}, whose parts
@@ -30,30 +29,20 @@ serves it over a chat model: the body becomes a chat-completions body, parsed by
                   VLLM_ENABLE_RESPONSES_API_STORE set), so `store: true`, `previous_response_id`,
                   `background` and `conversation` are refused with a 400; send the whole
                   conversation in `input` instead
+    include, top_logprobs  `include: ["message.output_text.logprobs"]` asks for the output
+                  text's logprobs, each with the `top_logprobs` most likely tokens (0 to the
+                  server's --max-logprobs; 0 by default): chat's `logprobs: true` and
+                  `top_logprobs`, vLLM's; top_logprobs above 0 without it is a 400 (vLLM ignores
+                  it), and so is any other `include` value (epd runs no hosted tools and keeps no
+                  encrypted reasoning)
     metadata, user  accepted; metadata comes back in the response
 
-The answer: {"id": "resp_<request id>", "object": "response", "status": "completed", or
-"incomplete" with incomplete_details.reason "max_output_tokens" when max_output_tokens cut it,
-"output": [a reasoning item (with a reasoning parser), a message item of one output_text part,
-function_call items; the item max_output_tokens cut "incomplete"], "usage": {input_tokens,
-output_tokens, output_tokens_details.reasoning_tokens, total_tokens, ...}} and chat's `epd`
-details. Streamed: SSE `event: <type>` / `data: {...}` pairs, each with its `sequence_number`:
-response.created, response.in_progress, then per output item response.output_item.added, its
-parts' events (a message's response.content_part.added / response.output_text.delta / .done /
-response.content_part.done; a reasoning item's, vLLM's names, response.reasoning_part.added /
-response.reasoning_text.delta / .done / response.reasoning_part.done; a call's
-response.function_call_arguments.delta / .done), response.output_item.done, and last
-response.completed (response.incomplete when cut) carrying the whole response; a stream that
-fails after its 200 ends with `error` and response.failed (`ResponseEvents.failed`). The whole answer
-is shaped by the same `ResponseEvents` fed the text at once, so both carry the same items (but for a
-call cut after its name: streamed, its name went out and stays; whole, it is text, as chat's).
+The answer is shaped in `epd.gateway.responses_events` (`ResponseEvents`).
 """
 
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -63,14 +52,10 @@ from epd.gateway.openai_protocol import (
     KNOWN_CHAT_FIELDS,
     UNSUPPORTED_CHAT_FIELDS,
     ChatRequest,
-    epd_details,
     parse_chat_request,
     refuse_unsupported_fields,
 )
-from epd.gateway.pipeline import AskSummary
-from epd.gateway.reasoning import ReasoningStream
 from epd.gateway.structured_request import GUIDED_FIELDS
-from epd.gateway.tool_parsers.answer import ToolAnswerStream
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.video.types import SamplingOptions
@@ -92,8 +77,13 @@ they are; chat's unsupported ones too, refused by chat's check with its own mess
 its deprecated `functions` / `function_call`, which Responses does not have: logged as unknown)."""
 
 _TRANSLATED = frozenset(
-    {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "metadata"}
-)
+    {
+        "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "metadata",
+        "include", "top_logprobs",
+    }
+)  # fmt: skip
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The `include` value that asks for the output text's logprobs (vLLM's and OpenAI's)."""
 _CHAT_NAMES = {
     "messages": "'input' (a string, or a list of messages)",
     "max_tokens": "'max_output_tokens'",
@@ -107,6 +97,7 @@ _RENAMED = {
     "'max_completion_tokens'": "'max_output_tokens'",
     "response_format": "text.format",
     "a string id, function.name and function.arguments": "a string call_id, name and arguments",
+    'needs "logprobs": true; set logprobs to true,': f"needs 'include': [\"{LOGPROBS_INCLUDE}\"]; add it,",
 }
 """Chat's names in its refusals -> the names a Responses body sent them under."""
 
@@ -117,8 +108,6 @@ _NOT_STORED = (
 )
 _UNSUPPORTED = {
     "background": (False,),
-    "top_logprobs": (0,),
-    "include": ([],),
     "truncation": ("disabled",),
     "max_tool_calls": (),
     "prompt": (),
@@ -159,6 +148,7 @@ def parse_responses_request(
     chat_body["messages"], sources = _messages(body.get("input"), body.get("instructions"))
     if body.get("max_output_tokens") is not None:
         chat_body["max_completion_tokens"] = body["max_output_tokens"]
+    chat_body.update(_logprobs(body))
     if (tools := body.get("tools")) is not None:
         chat_body["tools"] = _tools(tools)
     if (choice := body.get("tool_choice")) is not None:
@@ -202,6 +192,25 @@ class _Source:
     """Its content (`messages[i].content`): a function_call_output's is its `output`."""
     calls: tuple[str, ...] = ()
     """Its tool calls' items, in order (one turn's function_call items merge into one message)."""
+
+
+def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """`include` and `top_logprobs` as chat's `logprobs` and `top_logprobs`: vLLM's, the output
+    text's logprobs only with `include: ["message.output_text.logprobs"]`, each with the
+    `top_logprobs` most likely tokens (0 by default). A top_logprobs above 0 without it is refused
+    by chat's check, as chat refuses it without `logprobs: true` (vLLM ignores it)."""
+    include = [] if body.get("include") is None else body["include"]
+    if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
+        raise InvalidRequest(f"'include' must be a list of strings such as [\"{LOGPROBS_INCLUDE}\"]")
+    if other := [value for value in include if value != LOGPROBS_INCLUDE]:
+        raise InvalidRequest(
+            f"'include' value {shown_value(other[0])} is not supported by this server; it includes "
+            f'"{LOGPROBS_INCLUDE}" alone (it runs no hosted tools and keeps no reasoning state)'
+        )
+    fields: dict[str, Any] = {"logprobs": LOGPROBS_INCLUDE in include}
+    if body.get("top_logprobs") is not None:
+        fields["top_logprobs"] = body["top_logprobs"]
+    return fields
 
 
 def _messages(value: Any, instructions: Any) -> tuple[list[dict[str, Any]], list[_Source]]:
@@ -366,248 +375,3 @@ def _text_format(text: Any) -> dict[str, Any] | None:
         f'text.format has type {shown_value(fmt.get("type"))}; use "text", "json_object" or '
         '"json_schema" (with "name" and "schema")'
     )
-
-
-# -- the answer ---------------------------------------------------------------------------------
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-class ResponseEvents:
-    """One response's semantic events, from its text as it comes (`add`) to its end (`finish`):
-    the reasoning parser's parts (`thinking` None: no parser) and the tool choice's calls
-    (`ToolAnswerStream`, as chat's stream parts them) become output items, opened and closed in
-    order. `output` is the items done; `response` the response object as it stands. `whole`: the
-    text comes at once (`response_body`): the calls are read as chat's whole answer reads them
-    (`answer_tool_calls`), so a call cut after its name stays the message's text, not a
-    function_call item whose arguments do not parse (a stream cannot take back a name sent)."""
-
-    def __init__(
-        self,
-        chat: ChatRequest,
-        request_id: str,
-        thinking: bool | None,
-        created: int | None = None,
-        whole: bool = False,
-    ):
-        self.chat = chat
-        self.request_id = request_id
-        self.created = created if created is not None else int(time.time())
-        self.output: list[dict[str, Any]] = []
-        self._sequence = 0
-        self._reasoning = None if thinking is None else ReasoningStream(thinking)
-        self._tools = (
-            ToolAnswerStream(chat.tool_choice, incremental=not whole)
-            if chat.tool_choice.mode != "none"
-            else None
-        )
-        self._open: dict[str, Any] | None = None  # the item being written
-        self.started = False  # response.created sent
-        self._text = ""  # the open item's text (a message's or reasoning's) or arguments
-
-    def start(self) -> list[dict[str, Any]]:
-        """response.created and response.in_progress."""
-        self.started = True
-        response = self.response("in_progress")
-        return [
-            self._event("response.created", response=response),
-            self._event("response.in_progress", response=response),
-        ]
-
-    def add(self, text: str) -> list[dict[str, Any]]:
-        """The events of the answer's next text."""
-        if self._reasoning is None:
-            return self._content(text)
-        split = self._reasoning.add(text)
-        events = self._reasoning_text(split.reasoning or "")
-        return events + self._content(split.content or "")
-
-    def finish(self, summary: AskSummary, reasoning_tokens: int = 0) -> list[dict[str, Any]]:
-        """The held-back tails, the last item's close and response.completed (or .incomplete:
-        the item max_output_tokens cut is "incomplete" too, as OpenAI marks it).
-        `reasoning_tokens`: `ReasoningTokens.count` of the answer."""
-        events = []
-        if self._reasoning is not None:
-            events += self._reasoning_text(self._reasoning.finish().reasoning or "")
-        if self._tools is not None:
-            events += self._deltas(self._tools.finish())
-        status = "incomplete" if summary.finish_reason == "length" else "completed"
-        events += self._close(status)
-        response = self.response(status, summary, reasoning_tokens)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return events + [self._event(kind, response=response)]
-
-    def response(
-        self, status: str, summary: AskSummary | None = None, reasoning_tokens: int = 0
-    ) -> dict[str, Any]:
-        chat, echo = self.chat, self.chat.responses or {}
-        body: dict[str, Any] = {
-            "id": f"resp_{self.request_id}",
-            "object": "response",
-            "created_at": self.created,
-            "model": chat.model,
-            "status": status,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "error": None,
-            "output": list(self.output),
-            "max_output_tokens": None
-            if chat.generation.fit_max_new_tokens
-            else chat.generation.max_new_tokens,
-            "temperature": chat.generation.temperature,
-            "top_p": chat.generation.top_p,
-            "store": False,
-            "previous_response_id": None,
-            **echo,
-            "usage": None if summary is None else _usage(summary, reasoning_tokens),
-        }
-        if summary is not None:
-            body["epd"] = epd_details(summary)
-        return body
-
-    def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]:
-        """The end of a stream that failed after its 200, from chat's error body
-        (`epd.gateway.openai_protocol.error_body`): response.created and .in_progress first when
-        no token came before (a keep-alive sent the 200), OpenAI's `error` event, and
-        response.failed, the response with status "failed" and its `error`, as OpenAI ends a
-        failed response (the open item stays out of its output: it was not done)."""
-        inner = error["error"]
-        events = [] if self.started else self.start()
-        events.append(self._event("error", code=inner["code"], message=inner["message"], param=None))
-        response = self.response("failed")
-        # OpenAI's response error code is a name ("server_error", ...), not the HTTP status the
-        # `error` event carries: the error body's type.
-        response["error"] = {"code": inner.get("type") or str(inner["code"]), "message": inner["message"]}
-        return events + [self._event("response.failed", response=response)]
-
-    def _content(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        if self._tools is None:
-            return self._message_text(text)
-        return self._deltas(self._tools.add(text))
-
-    def _deltas(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Chat's deltas of the tool stream (content, or a call's opening and arguments) as events."""
-        events = []
-        for delta in deltas:
-            if delta.get("content"):
-                events += self._message_text(delta["content"])
-            for call in delta.get("tool_calls", []):
-                if "id" in call:
-                    events += self._close()
-                    item = {
-                        "id": _item_id("fc"),
-                        "type": "function_call",
-                        "call_id": call["id"],
-                        "name": call["function"]["name"],
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
-                    events += self._open_item(item)
-                if arguments := call["function"].get("arguments"):
-                    self._text += arguments
-                    events.append(self._item_event("response.function_call_arguments.delta", delta=arguments))
-        return events
-
-    def _message_text(self, text: str) -> list[dict[str, Any]]:
-        events = []
-        if self._open is None or self._open["type"] != "message":
-            events += self._close()
-            item = {
-                "id": _item_id("msg"),
-                "type": "message",
-                "role": "assistant",
-                "content": [],
-                "status": "in_progress",
-            }
-            events += self._open_item(item)
-            part = {"type": "output_text", "text": "", "annotations": []}
-            events.append(self._item_event("response.content_part.added", content_index=0, part=part))
-        self._text += text
-        events.append(
-            self._item_event("response.output_text.delta", content_index=0, delta=text, logprobs=[])
-        )
-        return events
-
-    def _reasoning_text(self, text: str) -> list[dict[str, Any]]:
-        if not text or not self.chat.include_reasoning:  # vLLM's include_reasoning false: no reasoning item
-            return []
-        events = []
-        if self._open is None or self._open["type"] != "reasoning":
-            events += self._close()
-            events += self._open_item(
-                {"id": _item_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
-            )
-            part = {"type": "reasoning_text", "text": ""}
-            events.append(self._item_event("response.reasoning_part.added", content_index=0, part=part))
-        self._text += text
-        events.append(self._item_event("response.reasoning_text.delta", content_index=0, delta=text))
-        return events
-
-    def _open_item(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        self._open, self._text = item, ""
-        return [self._event("response.output_item.added", output_index=len(self.output), item=dict(item))]
-
-    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
-        """The open item's done events, with its `status`; it joins `output`."""
-        item, text = self._open, self._text
-        if item is None:
-            return []
-        events = []
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
-            events.append(
-                self._item_event("response.output_text.done", content_index=0, text=text, logprobs=[])
-            )
-            events.append(self._item_event("response.content_part.done", content_index=0, part=part))
-            item["content"] = [part]
-        elif item["type"] == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
-            events.append(self._item_event("response.reasoning_text.done", content_index=0, text=text))
-            events.append(self._item_event("response.reasoning_part.done", content_index=0, part=part))
-            item["content"] = [part]
-        else:
-            item["arguments"] = text
-            events.append(self._item_event("response.function_call_arguments.done", arguments=text))
-        item["status"] = status
-        events.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
-        self.output.append(item)
-        self._open, self._text = None, ""
-        return events
-
-    def _item_event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        assert self._open is not None
-        return self._event(kind, item_id=self._open["id"], output_index=len(self.output), **fields)
-
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        return event
-
-
-def response_body(
-    summary: AskSummary,
-    chat: ChatRequest,
-    thinking: bool | None,
-    created: int | None = None,
-    reasoning_tokens: int = 0,
-) -> dict[str, Any]:
-    """The whole answer's `response`: its text through the same `ResponseEvents` a stream goes
-    through, at once (`reasoning_tokens`: `ReasoningTokens.count` of its steps)."""
-    events = ResponseEvents(chat, summary.request_id, thinking, created, whole=True)
-    events.add(summary.answer)
-    return events.finish(summary, reasoning_tokens)[-1]["response"]
-
-
-def _usage(summary: AskSummary, reasoning_tokens: int) -> dict[str, Any]:
-    """The Responses API's usage: chat's counts under its names, and the reasoning tokens."""
-    output = len(summary.token_ids)
-    return {
-        "input_tokens": summary.num_prompt_tokens,
-        "input_tokens_details": {"cached_tokens": summary.num_reused_prompt_tokens},
-        "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": summary.num_prompt_tokens + output,
-    }

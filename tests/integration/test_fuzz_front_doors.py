@@ -116,7 +116,7 @@ def chat_bodies(draw, video_url: str) -> bytes:
 
 RESPONSES_FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "stream", "tools",
                     "tool_choice", "text", "reasoning", "store", "metadata", "previous_response_id", "media",
-                    "parallel_tool_calls", "truncation", "include")  # fmt: skip
+                    "parallel_tool_calls", "truncation", "include", "top_logprobs")  # fmt: skip
 RESPONSES_ITEM_TYPES = st.sampled_from(
     ["message", "function_call", "function_call_output", "reasoning", "x", None]
 )

@@ -91,6 +91,45 @@ def test_a_video_question_is_chats_answer_plain_and_streamed(client, video_url):
     assert final.model_extra["epd"]["token_ids"] == response.model_extra["epd"]["token_ids"]
 
 
+def test_logprobs_are_chats_on_the_text_and_its_deltas(client, video_url):
+    """include: ["message.output_text.logprobs"] with top_logprobs, vLLM's: the output_text's
+    logprobs are chat's for the same greedy request, and the streamed deltas' joined are the same
+    (without "bytes", as OpenAI's delta events)."""
+    chat = client.chat.completions.create(
+        model="epd",
+        messages=[{"role": "user", "content": _parts(video_url)}],
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=MEDIA,
+    )
+    want = [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert len(want) == MAX_TOKENS and all(len(lp["top_logprobs"]) == 2 for lp in want)
+    ask = {
+        "model": "epd",
+        "input": [{"role": "user", "content": _parts(video_url)}],
+        "max_output_tokens": MAX_TOKENS,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+        "extra_body": MEDIA,
+    }
+    response = client.responses.create(**ask)
+    assert response.model_extra["epd"]["token_ids"] == chat.choices[0].model_extra["token_ids"]
+    (text,) = response.output[0].content
+    assert [lp.model_dump() for lp in text.logprobs] == want and response.top_logprobs == 2
+
+    events = list(client.responses.create(**ask, stream=True))
+    deltas = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+
+    def without_bytes(lp: dict) -> dict:
+        top = [{"token": t["token"], "logprob": t["logprob"]} for t in lp["top_logprobs"]]
+        return {"token": lp["token"], "logprob": lp["logprob"], "top_logprobs": top}
+
+    assert deltas == [without_bytes(lp) for lp in want]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == deltas
+
+
 def test_a_named_function_is_a_function_call_item(client, shared_stack, tiny_models):
     compact = no_whitespace_bias(tiny_models["qwen2_vl"])
     chat = client.chat.completions.create(
@@ -117,7 +156,8 @@ def test_a_named_function_is_a_function_call_item(client, shared_stack, tiny_mod
         "get_weather",
         chat_call.function.arguments,
     )
-    assert json.loads(call.arguments)["city"] in ("Paris", "Rome") and call.call_id
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")  # OpenAI's forms
     events = list(client.responses.create(**ask, stream=True))
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert arguments == call.arguments

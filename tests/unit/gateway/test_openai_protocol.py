@@ -250,7 +250,11 @@ def test_out_of_range_and_non_finite_fields_name_the_field(change, match):
 def test_text_that_cannot_be_utf8_is_refused():
     b = body()
     b["messages"][0]["content"][0]["text"] = "what \ud800 happens?"
-    with pytest.raises(InvalidRequest, match="'messages\\[0\\].content text' is not valid Unicode"):
+    with pytest.raises(InvalidRequest, match="'messages\\[0\\].content\\[0\\].text' is not valid Unicode"):
+        parse(b)
+    b = body()
+    b["messages"][0]["content"] = "what \ud800 happens?"  # the content a string: named as such
+    with pytest.raises(InvalidRequest, match="'messages\\[0\\].content' is not valid Unicode"):
         parse(b)
     b = body()
     b["messages"][0]["content"][1]["video_url"]["url"] = "/videos/\udcff.mp4"

@@ -14,7 +14,6 @@ from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import (
     ReasoningSplit,
     ReasoningStream,
-    ReasoningTokens,
     constrained_after_reasoning,
     delta_fields,
     split_reasoning,
@@ -173,15 +172,20 @@ def test_under_a_parser_a_chat_requests_constraint_starts_after_the_reasoning():
 @pytest.mark.parametrize(
     ("thinking", "steps", "want"),
     [
-        (None, [("a", 1), ("</think>", 1), ("b", 1)], 0),  # no parser
         (False, [("a", 1), ("</think>", 1), ("b", 1)], 0),  # thinking off
-        (True, [("a", 2), ("</think>", 1), ("b", 1), ("c", 1)], 3),  # the marker's token counts
-        (True, [("a</thi", 2), ("nk>b", 2), ("c", 1)], 4),  # a marker split across steps
+        (True, [("a", 2), ("</think>", 1), ("b", 1), ("c", 1)], 2),  # the marker's token does not count
+        (True, [("<think>", 1), ("a", 1), ("</think>", 1), ("b", 1)], 1),  # nor the model's own <think>
+        (True, [("a", 1), ("<think>", 1)], 1),  # the model's <think>, held, then the answer cut
+        (True, [("a</thi", 2), ("nk>b", 2), ("c", 1)], 3),  # a marker split across steps: one token
         (True, [("a", 1), ("b", 1)], 2),  # cut inside the block: all reasoning
     ],
 )
-def test_reasoning_tokens_are_those_up_to_and_including_the_end_marker(thinking, steps, want):
-    count = ReasoningTokens(thinking)
+def test_reasoning_tokens_are_those_between_the_markers_as_vllms(thinking, steps, want):
+    """vLLM counts the Responses API's reasoning_tokens by token id between <think> (or the
+    answer's start, a block the prompt opened) and </think>, the markers left out; the stream that
+    parts the text counts them in the same pass."""
+    stream = ReasoningStream(thinking)
     for text, num_tokens in steps:
-        count.add(text, num_tokens)
-    assert count.count == want
+        stream.add(text, num_tokens)
+    stream.finish()
+    assert stream.num_reasoning_tokens == want

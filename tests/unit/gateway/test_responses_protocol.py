@@ -16,7 +16,9 @@ from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskSummary, Pipeline
-from epd.gateway.responses_protocol import ResponseEvents, parse_responses_request, response_body
+from epd.gateway.responses_events import ResponseEvents, response_body
+from epd.gateway.responses_protocol import parse_responses_request
+from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import TokenStep
 from epd.stages.errors import InvalidRequest, NotFound, Unavailable
@@ -33,6 +35,11 @@ def parse(**body):
 
 def summary(answer: str, finish_reason: str = "stop") -> AskSummary:
     return AskSummary("r1", answer, [5, 6, 7], finish_reason, 0, 0, 4, {}, 0, False, "", [])
+
+
+def whole(answer: AskSummary, request, thinking, created=None) -> dict:
+    """The whole response of an answer that came in one step."""
+    return response_body(answer, request, thinking, [TokenStep(answer.token_ids, answer.answer)], created)
 
 
 def test_a_string_input_with_instructions_is_a_system_and_a_user_message():
@@ -148,7 +155,15 @@ def test_a_named_function_and_text_format_are_chats():
         ({"input": "hi", "metadata": "x"}, "'metadata' must be an object"),
         ({"input": "hi", "reasoning": "high"}, "'reasoning' must be an object"),
         ({"input": "hi", "max_output_tokens": 0}, "'max_output_tokens' must be an integer from 1"),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "'include' is not supported"),
+        (
+            {"input": "hi", "include": ["reasoning.encrypted_content"]},
+            "'include' value 'reasoning.encrypted_content' is not supported.*output_text.logprobs\" alone",
+        ),
+        ({"input": "hi", "include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
+        (
+            {"input": "hi", "top_logprobs": 2},
+            "'top_logprobs' \\(2\\) needs 'include': \\[\"message.output_text.logprobs\"\\]; add it",
+        ),
         ({"input": [{"role": "robot", "content": "x"}]}, "message roles must be"),
         ({"input": "hi", "best_of": 2}, "'best_of' is not supported"),
         ({"input": "hi", "mm_processor_kwargs": {"fps": 1}}, 'frame sampling goes in "media"'),
@@ -157,6 +172,26 @@ def test_a_named_function_and_text_format_are_chats():
 def test_refusals_say_what_to_send(body, match):
     with pytest.raises(InvalidRequest, match=match):
         parse(**body)
+
+
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        ({"instructions": "be \ud800", "input": "hi"}, "instructions"),
+        ({"input": "hi \ud800"}, "input"),
+        ({"instructions": "x", "input": [{"role": "user", "content": "\ud800"}]}, "input[0].content"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "\ud800"}]}]},
+            "input[0].content[1].text",
+        ),
+    ],
+)  # fmt: skip
+def test_a_text_chat_refuses_is_named_as_the_body_wrote_it(body, name):
+    """Chat's refusal of a text (a lone surrogate no UTF-8 encoder takes) names the field the
+    Responses body sent it in: 'instructions', not "'instructions text'"."""
+    with pytest.raises(InvalidRequest) as refused:
+        parse(**body)
+    assert str(refused.value) == f"'{name}' is not valid Unicode text (it holds a lone surrogate escape)"
 
 
 def _call(call_id: str, arguments: str = "{}", name: str = "get_weather") -> dict:
@@ -252,7 +287,7 @@ def test_another_model_is_a_404_and_unknown_fields_are_logged(caplog):
 
 def test_the_response_object():
     request = parse(input="hi", metadata={"k": "v"}, max_output_tokens=3)
-    body = response_body(summary("hello"), request, None, created=1)
+    body = whole(summary("hello"), request, None, created=1)
     assert body["id"] == "resp_r1" and body["object"] == "response" and body["created_at"] == 1
     assert (body["status"], body["incomplete_details"], body["store"]) == ("completed", None, False)
     assert body["metadata"] == {"k": "v"} and body["max_output_tokens"] == 3
@@ -267,7 +302,7 @@ def test_the_response_object():
         "total_tokens": 7,
     }
     assert item["status"] == "completed"
-    cut = response_body(summary("hel", "length"), request, None)
+    cut = whole(summary("hel", "length"), request, None)
     assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
 
 
@@ -275,7 +310,7 @@ def test_the_item_max_output_tokens_cut_is_incomplete_as_openais():
     """OpenAI marks the cut message "incomplete" on the item as on the response; the items done
     before it stay "completed"."""
     request = parse(input="hi", max_output_tokens=3)
-    (item,) = response_body(summary("hel", "length"), request, None)["output"]
+    (item,) = whole(summary("hel", "length"), request, None)["output"]
     assert (item["type"], item["status"]) == ("message", "incomplete")
     shaper = ResponseEvents(request, "r1", thinking=True)
     events = shaper.add("hmm</think>Su") + shaper.finish(summary("hmm</think>Su", "length"))
@@ -287,7 +322,7 @@ def test_the_item_max_output_tokens_cut_is_incomplete_as_openais():
 def test_reasoning_and_calls_are_items_in_order():
     request = parse(input="hi", tools=[TOOL], tool_choice="auto")
     text = 'think</think>ok <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-    body = response_body(summary(text), request, thinking=True)
+    body = whole(summary(text), request, thinking=True)
     kinds = [item["type"] for item in body["output"]]
     assert kinds == ["reasoning", "message", "function_call"]
     assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
@@ -298,18 +333,19 @@ def test_reasoning_and_calls_are_items_in_order():
         {"city": "Rome"},
         "completed",
     )
-    assert call["call_id"].startswith("chatcmpl-tool-") and call["id"].startswith("fc_")
+    # OpenAI's forms, as vLLM's stream names them (not chat's "chatcmpl-tool-..." id)
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
 
 
 def test_include_reasoning_false_leaves_the_reasoning_item_out():
     request = parse(input="hi", include_reasoning=False)
-    body = response_body(summary("think</think>ok"), request, thinking=True)
+    body = whole(summary("think</think>ok"), request, thinking=True)
     assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [("message", "ok")]
 
 
 def test_a_named_call_has_no_message_item():
     request = parse(input="hi", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
-    body = response_body(summary('{"city": "Rome"}'), request, None)
+    body = whole(summary('{"city": "Rome"}'), request, None)
     assert [(i["type"], i.get("arguments")) for i in body["output"]] == [
         ("function_call", '{"city": "Rome"}')
     ]
@@ -329,14 +365,83 @@ def test_streamed_events_join_into_the_whole_response():
     assert kinds[-1] == "response.completed"
     assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
     final = events[-1]["response"]
-    whole = response_body(summary(text), request, thinking=True, created=1)
+    body = whole(summary(text), request, thinking=True, created=1)
     strip = [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in final["output"]]
-    assert strip == [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in whole["output"]]
+    assert strip == [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in body["output"]]
     reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     content = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert (reasoning, content) == ("hmm", "Sure. ")
     added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
     assert added == [i["id"] for i in final["output"]]  # each item's id the same from added to done
+
+
+def _step(token_id: int, text: str) -> TokenStep:
+    """One token's step, with its logprob (-token_id) and one most likely token."""
+    top = (TopLogprob(0, "?", -0.5),)
+    return TokenStep([token_id], text, logprobs=[TokenLogprob(token_id, text, -float(token_id), top)])
+
+
+def _logprob(step: TokenStep, delta: bool = False) -> dict:
+    """OpenAI's entry for `step`'s token: the output_text's, or (`delta`) a delta event's, without bytes."""
+    (lp,) = step.logprobs or ()
+    entry = {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode())}
+    top = {"token": "?", "logprob": -0.5, "bytes": [63]}
+    if delta:
+        return {"token": lp.token, "logprob": lp.logprob, "top_logprobs": [{"token": "?", "logprob": -0.5}]}
+    return {**entry, "top_logprobs": [top]}
+
+
+def test_logprobs_go_on_the_output_text_and_its_deltas():
+    """include: ["message.output_text.logprobs"] with top_logprobs (vLLM's): the message's text
+    carries its tokens' logprobs, each delta event its own; the reasoning's tokens (markers too)
+    have none, as a reasoning item has no place for them, and are counted as reasoning tokens
+    (markers left out, as vLLM) in the same pass."""
+    request = parse(input="hi", include=["message.output_text.logprobs"], top_logprobs=1, stream=True)
+    assert request.generation.logprobs == 1
+    steps = [_step(1, "hm"), _step(2, "m"), _step(3, "</think>"), _step(4, "Su"), _step(5, "re")]
+    shaper = ResponseEvents(request, "r1", thinking=True)
+    events = [e for s in steps for e in shaper.add(s.text, len(s.token_ids), s.logprobs)]
+    events += shaper.finish(summary("hmm</think>Sure"))
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [d["logprobs"] for d in deltas] == [[_logprob(steps[3], True)], [_logprob(steps[4], True)]]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    response = events[-1]["response"]
+    text = response["output"][1]["content"][0]
+    assert text["logprobs"] == [_logprob(steps[3]), _logprob(steps[4])]
+    assert done["logprobs"] == [_logprob(steps[3], True), _logprob(steps[4], True)]  # the event's form
+    assert response["top_logprobs"] == 1
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+    body = response_body(summary("hmm</think>Sure"), request, True, steps)  # the whole answer: the same
+    assert body["output"][1]["content"] == response["output"][1]["content"]
+    assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+
+
+def test_held_back_text_takes_its_tokens_logprobs_to_the_delta_that_releases_it():
+    """Under "auto" tools, "<" may begin a call: held back, its token's logprob waits and goes
+    with the delta that sends it once it is content; a call's tokens have none."""
+    request = parse(input="hi", include=["message.output_text.logprobs"], tools=[TOOL], tool_choice="auto")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    steps = [_step(1, "a "), _step(2, "<"), _step(3, "b"), _step(4, call)]
+    shaper = ResponseEvents(request, "r1", thinking=None)
+    deltas = [shaper.add(s.text, 1, s.logprobs) for s in steps]
+    sent = [[e["logprobs"] for e in d if e["type"] == "response.output_text.delta"] for d in deltas]
+    assert sent == [
+        [[_logprob(steps[0], True)]],
+        [],
+        [[_logprob(steps[1], True), _logprob(steps[2], True)]],
+        [],
+    ]
+    response = shaper.finish(summary("a <b" + call))[-1]["response"]
+    message, function_call = response["output"]
+    assert message["content"][0]["logprobs"] == [_logprob(s) for s in steps[:3]]
+    assert function_call["type"] == "function_call" and "logprobs" not in function_call
+
+
+def test_without_include_no_logprobs_are_asked_or_sent():
+    request = parse(input="hi", top_logprobs=0)
+    assert request.generation.logprobs is None
+    body = whole(summary("hello"), request, None)
+    assert body["top_logprobs"] is None and "logprobs" not in body["output"][0]["content"][0]
 
 
 GONE = {"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}}
@@ -485,6 +590,8 @@ BODY = st.fixed_dictionaries(
             "stream",
             "parallel_tool_calls",
             "user",
+            "include",
+            "top_logprobs",
         )
     },  # fmt: skip
 )
@@ -499,7 +606,7 @@ def test_any_body_parses_or_is_a_400_and_its_answer_shapes(body):
     except InvalidRequest as exc:
         assert str(exc)
         return
-    json.dumps(response_body(summary("x</think>y"), request, thinking=True))
+    json.dumps(whole(summary("x</think>y"), request, thinking=True))
 
 
 def test_a_call_cut_after_its_name_is_text_in_the_whole_response_as_in_chats():
@@ -508,7 +615,7 @@ def test_a_call_cut_after_its_name_is_text_in_the_whole_response_as_in_chats():
     arguments do not parse; the stream, which sent the name already, keeps its call."""
     request = parse(input="hi", tools=[TOOL], tool_choice="auto")
     text = 'ok <tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'
-    body = response_body(summary(text, "length"), request, None)
+    body = whole(summary(text, "length"), request, None)
     assert body["status"] == "incomplete"
     assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [("message", text)]
     shaper = ResponseEvents(request, "r1", None)
