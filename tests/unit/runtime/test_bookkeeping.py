@@ -202,7 +202,7 @@ def test_no_seed_draws_a_fresh_one_per_request_once():
         (GenerationConfig(stop_token_ids=(9,)), (1, 9), None),
         (GenerationConfig(stop_token_ids=(9,), ignore_eos=True), (1, 9), 9),  # then it is a stop token alone
         (GenerationConfig(), (1, 9), None),  # end of sequence
-        (GenerationConfig(max_new_tokens=2, stop_token_ids=(2,)), (1, 2), None),  # the length limit first
+        (GenerationConfig(max_new_tokens=2, stop_token_ids=(2,)), (1, 2), 2),  # before the length limit
         (GenerationConfig(max_new_tokens=1, stop=("ell",)), (1,), "ell"),  # a stop string at the limit
         (GenerationConfig(stop=("lo",)), (3,), None),  # still going on
     ],
