@@ -382,13 +382,18 @@ def _step(token_id: int, text: str) -> TokenStep:
 
 
 def _logprob(step: TokenStep, delta: bool = False) -> dict:
-    """OpenAI's entry for `step`'s token: the output_text's, or (`delta`) a delta event's, without bytes."""
+    """OpenAI's entry for `step`'s token: the output_text's, or (`delta`) a delta event's, without
+    bytes. Its one top_logprobs entry is the sampled token itself, not the more likely "?": vLLM
+    lists the sampled token first and takes the first k (k = 1 here), as chat does."""
     (lp,) = step.logprobs or ()
     entry = {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode())}
-    top = {"token": "?", "logprob": -0.5, "bytes": [63]}
     if delta:
-        return {"token": lp.token, "logprob": lp.logprob, "top_logprobs": [{"token": "?", "logprob": -0.5}]}
-    return {**entry, "top_logprobs": [top]}
+        return {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token": lp.token, "logprob": lp.logprob}],
+        }
+    return {**entry, "top_logprobs": [entry]}
 
 
 def test_logprobs_go_on_the_output_text_and_its_deltas():

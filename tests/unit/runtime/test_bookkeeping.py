@@ -223,15 +223,15 @@ def test_output_text_names_the_stop_that_ended_the_answer(config, tokens, stop_r
         (GenerationConfig(skip_special_tokens=False), (1, 9), "Hello"),  # the EOS that ended it
         (GenerationConfig(skip_special_tokens=False, include_stop_str_in_output=True), (1, 9), "Hello<|im_end|>"),
         (GenerationConfig(skip_special_tokens=False, ignore_eos=True, max_new_tokens=3), (1, 9, 3), "Hello<|im_end|>ld"),
-        (GenerationConfig(skip_special_tokens=False, max_new_tokens=2), (1, 9), "Hello<|im_end|>"),  # length first
+        (GenerationConfig(skip_special_tokens=False, max_new_tokens=2), (1, 9), "Hello"),  # before the length limit
         (GenerationConfig(skip_special_tokens=False, min_tokens=3, max_new_tokens=5), (1, 9, 3, 9), "Hello<|im_end|>ld"),
     ],
 )  # fmt: skip
 def test_the_end_of_sequence_that_ends_an_answer_is_not_in_its_text(config, tokens, answer):
     """vLLM's detokenizer leaves out the token that stopped the request (end-of-sequence, as a stop
     token) unless include_stop_str_in_output: with skip_special_tokens false an answer does not end
-    with "<|im_end|>"; one the answer goes on past (ignore_eos, min_tokens) or ends at the length
-    limit is the answer's, special tokens kept."""
+    with "<|im_end|>", even as the last allowed token; one the answer goes on past (ignore_eos,
+    min_tokens) is the answer's, special tokens kept."""
     words = {1: "Hello", 3: "ld", 9: "<|im_end|>"}
 
     def detokenize(ids, skip_special_tokens=True, spaces_between_special_tokens=True):
