@@ -609,8 +609,9 @@ class Pipeline:
         its compile no longer adds to the time to the first token after the encode (prefill finds
         it compiled), and a spec that does not compile is refused without waiting for the encode,
         which is cancelled (a request sharing this media's encode is not failed by it: the
-        encoder's single flight hands the work to it). Prefill waits for both: one that went
-        before a slow compile ended would compile the spec a second time, behind the first."""
+        encoder's single flight hands the work to it). Prefill is called once both have ended,
+        the spec in its compiler's cache then: one sent sooner would wait behind the compile there
+        anyway, and behind one that ran past its deadline would start it again."""
         media_input = req.media or MediaInput(b"")
         encoded: list[EncodedMedia] = []
 
