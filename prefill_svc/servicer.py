@@ -1,7 +1,8 @@
 """PrefillService over gRPC: Prefill is protobuf in (the visual embeddings' upload), a
 PrefillStage call, protobuf out (the stage's PrefillHandle); PullKv streams a cache to a decoder;
 ReleaseKv drops one: confirmed by the decoder that has it (`received`), or released by the gateway
-because its request ended before a decoder had it; GetModelInfo says what the loaded model and
+because its request ended before a decoder had it; CompileStructuredOutputs compiles a request's
+constraint while its media is encoded, so that its Prefill finds it compiled; GetModelInfo says what the loaded model and
 this server's limits take (the gateway reads it: epd/gateway/model_info.py); Tokenize and
 Detokenize serve the HTTP API's /tokenize and /detokenize with the model's tokenizer.
 
@@ -25,7 +26,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore, check_handle
 from epd.prefill_svc.stage import LocalPrefillStage
-from epd.stages.contracts import check_cache_salt
+from epd.stages.contracts import MediaInput, check_cache_salt
 from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
@@ -167,6 +168,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return tokenize_output_to_proto(
             await self._loaded().tokenize(tokenize_input_from_proto(request), request_id)
         )
+
+    @rpc_errors
+    async def CompileStructuredOutputs(self, request, context):
+        request_id = tracing.adopt_request_id(request.request_id)
+        if not request.HasField("structured_outputs"):
+            raise InvalidRequest("set structured_outputs: the constraint to compile")
+        spec = convert.structured_from_proto(request.structured_outputs)
+        await self._loaded().compile_structured_outputs(spec, [], MediaInput(None), request_id)
+        return prefill_pb2.CompileStructuredOutputsResult()
 
     @rpc_errors
     async def Detokenize(self, request, context):

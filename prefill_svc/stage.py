@@ -26,14 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from epd.model_runtime.sampling import GenerationConfig
-from epd.model_runtime.structured_output import compile_for
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
+from epd.model_runtime.structured_output import CompiledGrammar, compile_for
 from epd.model_runtime.threads import pin_torch_threads
 from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.runner import PrefillRunner
 from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
-from epd.stages.contracts import EncodedMedia, PrefillHandle, PrefillStage
+from epd.stages.contracts import EncodedMedia, MediaInput, PrefillHandle, PrefillStage
 from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
@@ -127,13 +127,9 @@ class LocalPrefillStage(PrefillStage):
                 )
             )
             request = await self.model_thread.run(self.engine.admit, rendered)
-            # Off the event loop and the model thread; a spec seen before comes from the cache.
-            request.grammar = await compile_for(
-                self.engine.adapter,
-                generation.structured_outputs,
-                self.model_thread,
-                self.engine.config.model.structured_compile_timeout_s,
-            )
+            # Off the event loop and the model thread; a spec seen before (or compiled early,
+            # `compile_structured_outputs`) comes from the cache.
+            request.grammar = await self._compile(generation.structured_outputs)
             async for item in self.core.submit(request):
                 out = item  # the one output: the finished prompt's handle and cache
         except asyncio.CancelledError:
@@ -147,6 +143,25 @@ class LocalPrefillStage(PrefillStage):
             out.handle,
             kv_handle=self.kv_store.put(out.cache, kv_handle, num_choices=out.handle.num_choices),
             kv_address=self.kv_address,
+        )
+
+    async def compile_structured_outputs(
+        self,
+        spec: StructuredOutputs,
+        messages: Sequence[Message],
+        media: MediaInput,
+        request_id: str,
+        cache_salt: str = "",
+    ) -> None:
+        await self._compile(spec)
+
+    async def _compile(self, spec: StructuredOutputs | None) -> CompiledGrammar | None:
+        """`spec` compiled for this model (None: none), under --structured-compile-timeout-s."""
+        return await compile_for(
+            self.engine.adapter,
+            spec,
+            self.model_thread,
+            self.engine.config.model.structured_compile_timeout_s,
         )
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:

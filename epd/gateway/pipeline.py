@@ -386,15 +386,7 @@ class Pipeline:
         media: EncodedMedia | None = None
         transfer_bytes = 0
         if media_type(req.messages):  # text alone: no encoder call at all
-            media = await self.encoder.encode(
-                req.media or MediaInput(b""),
-                req.sampling,
-                emit,
-                request_id,
-                req.pruning,
-                req.cache_salt,
-                priority=req.generation.priority,
-            )
+            media = await self._encode(req, request_id, emit)
             timings[Stage.VIDEO_DECODE.value] = media.decode_ms
             timings[Stage.ENCODE.value] = media.encode_ms
             # The request's transfer_bytes, hop by hop as the remote stages count them (0 in one
@@ -610,6 +602,41 @@ class Pipeline:
                     pruning.record("decode_evict", *step.decode_evict)
                 run.emit(step)
         choice.ended = True
+
+    async def _encode(self, req: AskRequest, request_id: str, emit: Emit) -> EncodedMedia:
+        """The request's media, encoded. A structured output is compiled meanwhile, by the prefill
+        replica the request's prefill goes to (`PrefillStage.compile_structured_outputs`), so that
+        its compile no longer adds to the time to the first token after the encode (prefill finds
+        it compiled), and a spec that does not compile is refused without waiting for the encode,
+        which is cancelled (a request sharing this media's encode is not failed by it: the
+        encoder's single flight hands the work to it). Prefill is called once both have ended,
+        the spec in its compiler's cache then: one sent sooner would wait behind the compile there
+        anyway, and behind one that ran past its deadline would start it again."""
+        media_input = req.media or MediaInput(b"")
+        encoded: list[EncodedMedia] = []
+
+        async def encode() -> None:
+            encoded.append(
+                await self.encoder.encode(
+                    media_input,
+                    req.sampling,
+                    emit,
+                    request_id,
+                    req.pruning,
+                    req.cache_salt,
+                    priority=req.generation.priority,
+                )
+            )
+
+        runs = [encode()]
+        if (spec := req.generation.structured_outputs) is not None:
+            runs.append(
+                self.prefill.compile_structured_outputs(
+                    spec, req.messages, media_input, request_id, req.cache_salt
+                )
+            )
+        await _all_of(runs)  # the first error (a refused spec, a failed encode) cancels the other
+        return encoded[0]
 
     async def _prefill(self, req: AskRequest, media: EncodedMedia | None, request_id: str) -> PrefillHandle:
         """Prefill's handle. The call runs in a task of its own: a cancel that lands as it completes

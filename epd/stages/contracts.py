@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from epd.model_runtime.adapter import VisualMeta, VLMAdapter
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
@@ -530,6 +530,24 @@ class PrefillStage(ABC):
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         """Drop the KV cache of `handle`: its request ended (cancelled or failed) before a decoder
         took it. Idempotent: an unknown, expired or already taken handle is not an error."""
+
+    async def compile_structured_outputs(
+        self,
+        spec: StructuredOutputs,
+        messages: Sequence[Message],
+        media: MediaInput,
+        request_id: str,
+        cache_salt: str = "",
+    ) -> None:
+        """Compile a request's constraint where its `prefill` will run (the same replica: routed
+        by `messages`, the media not yet encoded and `cache_salt` as `prefill` routes), so that
+        `prefill` finds it compiled; the pipeline calls it while the media is encoded. Raises the
+        constraint's refusal (InvalidConstraint: it does not compile, or not within the stage's
+        deadline; ConstraintBusy: too many slow compiles still run, retry later), which `prefill`
+        would raise after the encode. Any other failure (a replica lost, one that cannot compile
+        early) is logged and returns: `prefill` compiles the spec then, as it always does. This
+        default compiles nothing early."""
+        return None
 
     def model_info(self) -> ModelInfo | None:
         """What the model behind this stage can take (`epd.stages.model_info`); None while not

@@ -183,9 +183,14 @@ def generation_to_proto(cfg: GenerationConfig) -> common_pb2.GenerationParams:
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     fields["logit_bias"] = dict(cfg.logit_bias)  # (id, bias) pairs -> the proto's map
     structured = fields.pop("structured_outputs")
-    if structured is not None:  # field for field too; None is unset
-        fields["structured_outputs"] = common_pb2.StructuredOutputs(**dataclasses.asdict(structured))
+    if structured is not None:  # None is unset
+        fields["structured_outputs"] = structured_to_proto(structured)
     return common_pb2.GenerationParams(**fields)
+
+
+def structured_to_proto(spec: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    """Field for field (the message names each field of StructuredOutputs)."""
+    return common_pb2.StructuredOutputs(**dataclasses.asdict(spec))
 
 
 def event_to_proto(event: StageEvent, at_ms: float) -> common_pb2.StageEvent:

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import grpc
 
-from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import (
     DecodeStage,
     EncodedMedia,
@@ -95,6 +95,11 @@ HASH_IN_THREAD_BYTES = 1 << 20
 FORMER_NAMES_MAX = 4096
 """Removed addresses whose TLS name a pool remembers (`ReplicaPool.server_name`): far more pods
 than leave routing within a KV cache's lifetime (--kv-ttl)."""
+
+CONSTRAINT_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""What prefill's CompileStructuredOutputs answers for the constraint itself (it does not compile;
+too many slow compiles run: retry later), which refuses the request; any other status (a replica
+lost, one that predates the call: UNIMPLEMENTED) leaves the compile to the request's Prefill."""
 
 HANG_SLACK_S = 0.05
 """A try that ended in DEADLINE_EXCEEDED this close to its attempt timeout hung (ours expired);
@@ -529,6 +534,38 @@ class RemotePrefillStage(PrefillStage):
         media_num_bytes = convert.encoded_media_num_bytes(media) if media else 0
         handle.pruning.transfer_bytes = media_num_bytes + 2 * len(result.visual_entry_mask)
         return handle
+
+    async def compile_structured_outputs(
+        self,
+        spec: StructuredOutputs,
+        messages: Sequence[Message],
+        media: MediaInput,
+        request_id: str,
+        cache_salt: str = "",
+    ) -> None:
+        message = prefill_pb2.CompileStructuredOutputsRequest(
+            request_id=request_id, structured_outputs=convert.structured_to_proto(spec)
+        )
+
+        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> None:
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            await stub.CompileStructuredOutputs(message, timeout=timeout_s)
+
+        # `prefill`'s key, with the sha256 of the media the encoder has not answered yet (hashed
+        # here as the encoder's routing hashes it): the replica whose compiler cache the prefill
+        # then finds it in, unless that replica is lost or overloaded by then (it compiles again
+        # where it goes, as without this call).
+        key = prefill_key(messages, await media_key(media, self.pool), cache_salt)
+        try:
+            await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
+        except UpstreamError as exc:
+            if exc.code in CONSTRAINT_REFUSALS:
+                raise
+            log.warning(
+                "request %s: its structured output could not be compiled ahead (%s); prefill compiles it",
+                request_id,
+                exc,
+            )
 
     async def release(self, handle: PrefillHandle, request_id: str) -> None:
         if not handle.kv_address:

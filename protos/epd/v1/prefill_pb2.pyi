@@ -194,3 +194,15 @@ class DetokenizeResult(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class CompileStructuredOutputsRequest(_message.Message):
+    __slots__ = ("request_id", "structured_outputs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    structured_outputs: _common_pb2.StructuredOutputs
+    def __init__(self, request_id: _Optional[str] = ..., structured_outputs: _Optional[_Union[_common_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
+
+class CompileStructuredOutputsResult(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -66,6 +66,11 @@ class PrefillServiceStub:
                 request_serializer=epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_prefill__pb2.DetokenizeResult.FromString,
                 _registered_method=True)
+        self.CompileStructuredOutputs = channel.unary_unary(
+                '/epd.v1.PrefillService/CompileStructuredOutputs',
+                request_serializer=epd_dot_v1_dot_prefill__pb2.CompileStructuredOutputsRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.CompileStructuredOutputsResult.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -130,6 +135,18 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompileStructuredOutputs(self, request, context):
+        """Compiles a request's structured-output constraint against the loaded model's vocabulary, as
+        Prefill would, so that the request's Prefill finds it in the compiler's cache: the gateway asks
+        the replica the request's Prefill goes to as soon as it admits a request with media, while the
+        media is encoded, and refuses the request (its encode cancelled) when the constraint does not
+        compile. INVALID_ARGUMENT with the compiler's reason (or past --structured-compile-timeout-s);
+        RESOURCE_EXHAUSTED to retry later while too many slow compiles still run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +179,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.FromString,
                     response_serializer=epd_dot_v1_dot_prefill__pb2.DetokenizeResult.SerializeToString,
+            ),
+            'CompileStructuredOutputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileStructuredOutputs,
+                    request_deserializer=epd_dot_v1_dot_prefill__pb2.CompileStructuredOutputsRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.CompileStructuredOutputsResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -328,6 +350,33 @@ class PrefillService:
             '/epd.v1.PrefillService/Detokenize',
             epd_dot_v1_dot_prefill__pb2.DetokenizeRequest.SerializeToString,
             epd_dot_v1_dot_prefill__pb2.DetokenizeResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileStructuredOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/CompileStructuredOutputs',
+            epd_dot_v1_dot_prefill__pb2.CompileStructuredOutputsRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__pb2.CompileStructuredOutputsResult.FromString,
             options,
             channel_credentials,
             insecure,
