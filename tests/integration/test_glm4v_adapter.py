@@ -11,9 +11,11 @@ part's tensors; the three services answer as generate() does."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from transformers.video_utils import VideoMetadata
@@ -24,6 +26,7 @@ from epd.model_runtime.glm4v import Glm4vAdapter
 from epd.model_runtime.hf_loading import language_key, vision_key
 from epd.model_runtime.structured_output import REASONING_MARKERS
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from epd.video.types import DecodedVideo
 from tests.families import (
     CASES,
     MAX_NEW_TOKENS,
@@ -44,7 +47,7 @@ from tests.families import (
     visual_meta,
 )
 from tests.families import qwen_processor_inputs as _processor_inputs
-from tests.reference import decode_for_test, whole_model
+from tests.reference import decode_for_test, reference_tokens, whole_model
 
 # A conversation that goes on after the model's answer: the video stays in the first turn.
 FOLLOW_UP = [
@@ -164,6 +167,61 @@ def test_the_video_processor_resizes_a_clip_as_qwen3_vls_does():
         inspect.getsource(m.smart_resize) for m in (video_processing_glm4v, video_processing_qwen3_vl)
     )
     assert glm == qwen
+
+
+def test_frames_resized_one_at_a_time_are_the_processors_pixels_of_the_whole_clip(vision):
+    """Bit for bit: `preprocess` (group by group, as the encoder runs it) of frames the decoder's
+    resizer made one at a time for the clip's frame count equals the processor on the whole clip as
+    decoded (generate()'s input): under the tiny processor's t x h x w bound (enlarged to multiples
+    of 28), over it (shrunk), at odd counts; a frame whose target is not its own fixed point stays
+    as decoded."""
+    vp = vision.processor.video_processor
+    assert vision.frame_resizer(1) is None  # `preprocess` refuses a 1-frame clip with its own message
+    rng = np.random.default_rng(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the tower's threads split the processor's resize across frames
+    try:
+        for (height, width), num_frames in [
+            ((180, 320), 3),
+            ((180, 320), 31),
+            ((1080, 1920), 9),
+            ((61, 97), 5),
+            ((30, 40), 2),
+        ]:
+            frames = rng.integers(0, 256, size=(num_frames, height, width, 3), dtype=np.uint8)  # [T, H, W, 3]
+            resize = vision.frame_resizer(num_frames)
+            assert resize is not None
+            resized = np.stack([resize(f) for f in frames])  # [T, h, w, 3]
+            times = [i / 2.0 for i in range(num_frames)]
+            groups = [
+                vision.preprocess(
+                    DecodedVideo(resized[i : i + 2], times[i : i + 2], 2.0, num_frames / 2, 2.0),
+                    clip_num_frames=num_frames,
+                )
+                for i in range(0, num_frames, 2)
+            ]
+            want = vp(videos=[frames], do_sample_frames=False, return_tensors="pt")
+            assert torch.equal(torch.cat([g.pixel_values for g in groups]), want["pixel_values_videos"])
+            _, grid_h, grid_w = want["video_grid_thw"][0].tolist()
+            assert {g.grid_thw[1:] for g in groups} == {(grid_h, grid_w)}
+            assert resized.shape[1:3] in {(grid_h * 14, grid_w * 14), (height, width)}
+            assert (height, width) == (1080, 1920) or resized.shape[1:3] != (height, width)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_answer_about_a_clip_the_decoder_shrank_equals_generate(checkpoint, tmp_path):
+    """generate() gets 23 frames as decoded (320x180) and its processor shrinks the clip; the
+    pipeline's decoder resized them already, and its encoder preprocessed them group by group."""
+    from epd.gateway.embedded import build_embedded_pipeline
+    from tests.embedded import ask_tokens
+    from tests.media import make_video
+
+    clip = make_video(tmp_path / "wide.mp4", size=(320, 180), seconds=3.0, gop=10)
+    want = reference_tokens(checkpoint, decode_for_test(clip, 23), QUESTION, 12)
+    assert_reference_varies(want, 12)
+    with build_embedded_pipeline(ModelConfig(model=str(checkpoint))) as pipeline:
+        assert asyncio.run(ask_tokens(pipeline, clip, QUESTION, 23, 12)) == want
 
 
 def test_without_group_times_the_prompt_assumes_evenly_spaced_frames_from_zero(
