@@ -49,7 +49,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import eos_token_ids, fingerprint, load_language_model, load_vision_part
-from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder, check_one_placeholder
+from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
 from epd.video.types import DecodedVideo, FrameResize
@@ -167,20 +167,7 @@ class Glm4vAdapter(HfTextAdapter):
         if visual is None:
             return self._text_only_prompt(conversation, options)
         proc = self.processor
-        text = self._render(conversation, options)
-        pad = proc.video_token if visual.modality == "video" else proc.image_token
-        check_one_placeholder(text.count(pad), visual.modality)
-        # Expanded by the processor's own code, as its __call__ does (frame timestamps included).
-        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
-        if visual.modality == "video":
-            metadata = Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]
-            expanded = proc.replace_video_token(
-                {"video_grid_thw": grid, "video_metadata": [metadata]}, video_idx=0
-            )
-        else:
-            expanded = proc.replace_image_token({"image_grid_thw": grid}, image_idx=0)
-        text = text.replace(pad, expanded, 1)
-        input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        input_ids = Qwen3VLAdapter._expanded_ids(self, conversation, visual, options)  # type: ignore[arg-type]
         visual_mask = input_ids[0] == proc.image_token_id  # a video's tokens are `<|image|>` too
         if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
             raise ValueError(
@@ -194,6 +181,11 @@ class Glm4vAdapter(HfTextAdapter):
                 "a text part holds GLM's media markers (<|begin_of_video|>, <|end_of_video|>); remove them"
             )
         return Prompt(input_ids, self._prompt_positions(input_ids, mm_types, visual), visual_mask)
+
+    def _timestamps_metadata(self, visual: VisualMeta):
+        """Qwen3-VL's: each group's time repeated over its frames at 1 frame/s, which GLM's
+        `timestamps[::2]` reads back as the group's time."""
+        return Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]
 
     def _prompt_positions(
         self, input_ids: torch.Tensor, mm_types: torch.Tensor, visual: VisualMeta

@@ -202,15 +202,8 @@ def build_model(spec: TinyVLMSpec, tokenizer):
     if spec.family == "glm4v":
         return _build_glm4v_model(spec, tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = max(len(tokenizer), spec.vocab_size)
     text = dict(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=32768,
+        **text_sizes(spec, tokenizer),
         # M-RoPE splits head_dim/2 rotary frequencies into (t, h, w) sections.
         rope_parameters={"rope_type": "default", "mrope_section": _mrope_section(spec)},
         eos_token_id=ids["<|im_end|>"],
@@ -290,8 +283,25 @@ def build_model(spec: TinyVLMSpec, tokenizer):
         raise ValueError(f"unknown init {spec.init!r}; use 'scaled' or 'hf'")
     torch.manual_seed(spec.seed)
     model = cls(config).eval()
-    if spec.init == "hf":
-        return model
+    return model if spec.init == "hf" else scale_weights(model, spec)
+
+
+def text_sizes(spec: TinyVLMSpec, tokenizer) -> dict[str, int]:
+    """The language model's sizes every family's text config takes from `spec`."""
+    return dict(
+        vocab_size=max(len(tokenizer), spec.vocab_size),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=32768,
+    )
+
+
+def scale_weights(model, spec: TinyVLMSpec):
+    """`spec.init` "scaled": every matrix of `model` re-drawn with std `weight_std` (shrunk for wide
+    inputs), so that a random model's greedy answers vary; returns the model."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
@@ -423,13 +433,7 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     text = dict(
         model_type="qwen2",
-        vocab_size=max(len(tokenizer), spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=32768,
+        **text_sizes(spec, tokenizer),
         eos_token_id=eos,
         bos_token_id=pad,
         pad_token_id=pad,
@@ -522,13 +526,9 @@ def _build_glm4v_processor(spec: TinyVLMSpec):
     image_size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
     video_size = {"shortest_edge": 56 * 56 * 2, "longest_edge": 112 * 112 * 64}
     return Glm4vProcessor(
-        image_processor=Glm4vImageProcessor(
-            size=image_size, patch_size=14, merge_size=2, temporal_patch_size=2
-        ),
+        image_processor=Glm4vImageProcessor(size=image_size),  # patch 14, merge 2, temporal 2: the defaults
         tokenizer=tokenizer,
-        video_processor=Glm4vVideoProcessor(
-            size=video_size, patch_size=14, merge_size=2, temporal_patch_size=2
-        ),
+        video_processor=Glm4vVideoProcessor(size=video_size),
         chat_template=GLM4V_CHAT_TEMPLATE,
     )
 
@@ -543,13 +543,7 @@ def _build_glm4v_model(spec: TinyVLMSpec, tokenizer):
     head_dim = spec.hidden_size // spec.num_attention_heads
     half = head_dim // 2 // 2  # rotary frequencies per head: half of head_dim rotates (as the hub's)
     text = dict(
-        vocab_size=max(len(tokenizer), spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=32768,
+        **text_sizes(spec, tokenizer),
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -586,10 +580,4 @@ def _build_glm4v_model(spec: TinyVLMSpec, tokenizer):
     config.pad_token_id = ids["<|endoftext|>"]
     torch.manual_seed(spec.seed)
     model = Glm4vForConditionalGeneration(config).eval()
-    if spec.init == "hf":
-        return model
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
-    return model
+    return model if spec.init == "hf" else scale_weights(model, spec)
