@@ -388,19 +388,40 @@ def test_the_thinking_markers_are_single_tokens_kept_in_the_answer_text(language
     assert answer == "<think>red</think>"
 
 
-def test_three_services_equal_generate(checkpoint, media_files, references, tmp_path_factory):
+def test_three_services_equal_generate_and_refuse_pruning_naming_the_family(
+    checkpoint, media_files, references, tmp_path_factory
+):
     """The unchanged engines serve this family: encoder (default 2-frame groups, each sized as its
-    clip), prefill and decode processes, each loading only its part, answer as generate() does."""
-    from epd.client import EpdClient
+    clip), prefill and decode processes, each loading only its part, answer as generate() does,
+    one request at a time and two at once (one decode batch while both decode). A pruning stage is
+    INVALID_ARGUMENT naming the family, the encoder's and prefill's alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from epd.client import EpdClient, EpdError
     from tests.stack import Stack
 
-    with Stack(checkpoint, tmp_path_factory.mktemp("logs_glm4v")) as stack:
+    def ask(case, **options):
+        media, num_frames = case
         with EpdClient(stack.gateway) as client:
-            for media, num_frames in CASES:
-                result = client.ask(
-                    media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS
-                )
-                assert result.token_ids == references[(media, num_frames)], (media, num_frames)
+            return client.ask(
+                media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS, **options
+            )
+
+    with Stack(checkpoint, tmp_path_factory.mktemp("logs_glm4v")) as stack:
+        for case in CASES:
+            assert ask(case).token_ids == references[case], case
+        together = [("mp4", 32), ("png", 1)]
+        with ThreadPoolExecutor(len(together)) as pool:
+            answers = list(pool.map(ask, together))
+        assert [a.token_ids for a in answers] == [references[case] for case in together]
+        for knobs in ({"temporal_drop": True}, {"prefill_drop": True, "prefill_keep_ratio": 0.5}):
+            with pytest.raises(EpdError) as err:
+                ask(("mp4", 8), pruning_knobs=knobs)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not supported for model family glm4v" in err.value.message, err.value.message
+        assert stack.alive()
 
 
 def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):
