@@ -34,7 +34,6 @@ Qwen's decoder layers (GLM-4's carries two extra norms and rotates half of each 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -53,8 +52,6 @@ from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
 from epd.video.types import DecodedVideo, FrameResize
-
-log = logging.getLogger(__name__)
 
 STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
 
