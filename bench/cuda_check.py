@@ -86,7 +86,7 @@ PRUNING_KNOBS = {"decode_min_steps": 4, "decode_evict_interval": 4}
 PRUNING_STAGES = ["temporal", "spatial_merge", "prefill_drop", "kv_compress", "decode_evict"]
 CASES = [("mp4", 8), ("mp4", 64), ("png", 1)]
 # Parts 1 and 5 run the first two unless --families names others ("all": every family epd serves).
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
 # (media, frames, max_new_tokens, start delay s): tests/integration/test_exactness.py's batch.
 BATCH = [("mp4", 64, 20, 0.0), ("mp4", 8, 7, 0.0), ("png", 1, 13, 0.05), ("mp4", 8, 20, 0.3)]
 NEAR_TIE_LOGITS = 1e-3

@@ -42,7 +42,7 @@ def build_qwen3_vl_moe_checkpoint(directory):
     a sparse MoE block (`QWEN3_VL_MOE_TEXT`), saved as `build_checkpoint` saves the others."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    from epd.model_runtime.tiny_model import TinyVLMSpec, build_model, build_processor
+    from epd.model_runtime.tiny_model import TinyVLMSpec, build_model, build_processor, scale_weights
 
     spec = TinyVLMSpec(family="qwen3_vl")
     processor = build_processor(spec)
@@ -91,10 +91,7 @@ def build_qwen3_vl_moe_checkpoint(directory):
     config.eos_token_id, config.pad_token_id = eos, pad
     torch.manual_seed(spec.seed)
     model = Qwen3VLMoeForConditionalGeneration(config).eval()
-    with torch.no_grad():  # tiny_model's scaled init (varied greedy output), router and experts included
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
+    scale_weights(model, spec)  # varied greedy output, router and experts included
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
@@ -107,7 +104,7 @@ def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Pa
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     out = dict(tiny_models)
-    for family in ("qwen3_vl", "qwen3_5", "llava_onevision"):
+    for family in ("qwen3_vl", "qwen3_5", "llava_onevision", "glm4v"):
         out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
     out["qwen3_vl_moe"] = build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe")
     return out

@@ -36,8 +36,8 @@ def reference_inputs(processor, video: DecodedVideo, messages: list[dict], **tem
     `apply_chat_template` (`template`: its add_generation_prompt, default true, and
     continue_final_message), then the processor's __call__ with the frames our encoder samples, given
     as each family's adapter tests give them: Qwen2-VL / Qwen2.5-VL with the sampled frames as the
-    whole clip, Qwen3-style processors (Qwen3-VL, its MoE, Qwen3.5) with the source's fps and frame
-    indices (for their `<t seconds>` text), LLaVA-OneVision with the frames as they are."""
+    whole clip, Qwen3-style processors (Qwen3-VL, its MoE, Qwen3.5) and GLM-4.1V's with the source's
+    fps and frame indices (for their timestamp text), LLaVA-OneVision with the frames as they are."""
     from transformers.video_utils import VideoMetadata
 
     template = {"add_generation_prompt": True, **template}
@@ -45,7 +45,7 @@ def reference_inputs(processor, video: DecodedVideo, messages: list[dict], **tem
     if video.is_image:
         return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
     kind = type(processor).__name__
-    if kind.startswith("Qwen3"):
+    if kind.startswith(("Qwen3", "Glm4v")):
         return source_timed_inputs(processor, video, messages, **template)
     if kind.startswith("LlavaOnevision"):
         return processor(text=[text], videos=[video.frames], return_tensors="pt",
@@ -67,7 +67,7 @@ def reference_inputs(processor, video: DecodedVideo, messages: list[dict], **tem
 def source_timed_inputs(
     processor, video: DecodedVideo, messages: list[dict], metadata=None, **template: bool
 ):
-    """A Qwen3-style processor's own __call__ on the same frames, for `messages` (`template`:
+    """A Qwen3-style (or GLM-4.1V) processor's own __call__ on the same frames, for `messages` (`template`:
     apply_chat_template's options). Video metadata as a user of transformers gives it (unless
     `metadata` is given): the source's fps and the decoded frames' indices in the source."""
     from transformers.video_utils import VideoMetadata
@@ -81,5 +81,7 @@ def source_timed_inputs(
         fps = video.source_fps
         indices = [round(t * fps) for t in video.timestamps_s]
         metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
-    kwargs = {"do_sample_frames": False, "cap_pixels_per_frame": False, "video_metadata": [metadata]}
+    kwargs: dict[str, Any] = {"do_sample_frames": False, "video_metadata": [metadata]}
+    if not type(processor).__name__.startswith("Glm4v"):  # GLM's bounds no frame alone: no such option
+        kwargs["cap_pixels_per_frame"] = False
     return processor(text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs=kwargs)

@@ -355,7 +355,19 @@ class HfTextAdapter(VLMAdapter):
         return embeds
 
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        raise NotImplementedError
+        """Rows from token 0 in one right-padded forward (`_padded_embeds`) with their M-RoPE
+        positions (`_padded_mrope_positions`): a family whose text model takes nothing else
+        (Qwen2-VL, GLM-4.1V); the others override it."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.hf_config.text_config)
+        out = self._language_model()(
+            inputs_embeds=self._padded_embeds([self._chunk_embeds(row)[0] for row in rows]),  # [B, L, H]
+            position_ids=self._padded_mrope_positions(rows).to(self.device),  # [4, B, L]
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return self._padded_results(cache, out.last_hidden_state, rows)
 
     # What every family's `_prefill_padded` shares. Rows start at token 0 and are right-padded to
     # the longest, [B, L]. No padding mask is needed: attention is causal and the padding comes

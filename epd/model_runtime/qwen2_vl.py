@@ -21,8 +21,6 @@ import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
-    ChunkResult,
-    PrefillChunk,
     PrefillState,
     Prompt,
     RenderOptions,
@@ -199,20 +197,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
         return self._prefill_whole(prompt, visual_embeds)
 
-    supports_chunked_prefill = True  # `HfTextAdapter.prefill_chunks` over the two below
-
-    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        """Rows from token 0 in one right-padded forward (`HfTextAdapter._padded_embeds`)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.hf_config.text_config)
-        out = self._language_model()(
-            inputs_embeds=self._padded_embeds([self._chunk_embeds(row)[0] for row in rows]),  # [B, L, H]
-            position_ids=self._padded_mrope_positions(rows).to(self.device),  # [4, B, L]
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return self._padded_results(cache, out.last_hidden_state, rows)
+    supports_chunked_prefill = True  # `HfTextAdapter.prefill_chunks` and its M-RoPE padded forward
 
 
 def _rope_index_fn(hf_config):

@@ -188,6 +188,11 @@ class Qwen3_5Adapter(HfTextAdapter):
             options,
         )
 
+    def _expanded_ids(
+        self, conversation: list[dict[str, Any]], visual: VisualMeta, options: RenderOptions
+    ) -> torch.Tensor:
+        return Qwen3VLAdapter._expanded_ids(self, conversation, visual, options)  # type: ignore[arg-type]
+
     def _timestamps_metadata(self, visual: VisualMeta):
         return Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]
 

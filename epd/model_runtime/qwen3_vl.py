@@ -237,11 +237,25 @@ class Qwen3VLAdapter(QwenTextAdapter):
     ) -> Prompt:
         if visual is None:
             return self._text_only_prompt(conversation, options)
+        input_ids = self._expanded_ids(conversation, visual, options)
+        pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
+        visual_mask = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
+        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
+            raise ValueError(
+                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
+            )
+        return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
+
+    def _expanded_ids(
+        self, conversation: list[dict[str, Any]], visual: VisualMeta, options: RenderOptions
+    ) -> torch.Tensor:
+        """[1, L]: the template's rendering of `conversation` with its one media placeholder
+        expanded by the processor's own code, as its __call__ does (a video's group timestamps
+        included: `_timestamps_metadata`), tokenised as it tokenises it. Also GLM-4.1V's."""
         proc = self.processor
         text = self._render(conversation, options)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
         check_one_placeholder(text.count(pad), visual.modality)
-        # Expanded by the processor's own code, as its __call__ does (timestamps included).
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)
         if visual.modality == "video":
             expanded = proc.replace_video_token(
@@ -250,13 +264,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
         else:
             expanded = proc.replace_image_token({"image_grid_thw": grid}, image_idx=0)
         text = text.replace(pad, expanded, 1)
-        input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        visual_mask = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
-        return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
+        return self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
 
     def _timestamps_metadata(self, visual: VisualMeta):
         """VideoMetadata whose frame times give `visual.group_timestamps_s` back through the

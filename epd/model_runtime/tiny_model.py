@@ -87,7 +87,7 @@ _CORPUS_WORDS = (
 class TinyVLMSpec:
     """Sizes of a built checkpoint. Defaults give a ~1M-parameter model that runs fast on a CPU."""
 
-    family: str = "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_5"
+    family: str = "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision" or "glm4v"
     vocab_size: int = 512  # BPE vocabulary incl. special tokens (rounded up with unused ids)
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -115,7 +115,9 @@ class TinyVLMSpec:
     hub's models use 4; with 2, layers alternate linear, full, linear, full, ...)."""
 
 
-def _train_tokenizer(vocab_size: int, extra_words: tuple[str, ...] = ()):
+def _train_tokenizer(
+    vocab_size: int, extra_words: tuple[str, ...] = (), special_tokens: list[str] = SPECIAL_TOKENS
+):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -123,7 +125,7 @@ def _train_tokenizer(vocab_size: int, extra_words: tuple[str, ...] = ()):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -145,6 +147,8 @@ def build_processor(spec: TinyVLMSpec):
 
     if spec.family == "llava_onevision":
         return _build_llava_onevision_processor(spec)
+    if spec.family == "glm4v":
+        return _build_glm4v_processor(spec)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
         eos_token="<|im_end|>",
@@ -195,16 +199,11 @@ def build_model(spec: TinyVLMSpec, tokenizer):
     """A randomly initialised model of the real class, its special token ids taken from `tokenizer`."""
     if spec.family == "llava_onevision":
         return _build_llava_onevision_model(spec, tokenizer)
+    if spec.family == "glm4v":
+        return _build_glm4v_model(spec, tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = max(len(tokenizer), spec.vocab_size)
     text = dict(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=32768,
+        **text_sizes(spec, tokenizer),
         # M-RoPE splits head_dim/2 rotary frequencies into (t, h, w) sections.
         rope_parameters={"rope_type": "default", "mrope_section": _mrope_section(spec)},
         eos_token_id=ids["<|im_end|>"],
@@ -284,8 +283,25 @@ def build_model(spec: TinyVLMSpec, tokenizer):
         raise ValueError(f"unknown init {spec.init!r}; use 'scaled' or 'hf'")
     torch.manual_seed(spec.seed)
     model = cls(config).eval()
-    if spec.init == "hf":
-        return model
+    return model if spec.init == "hf" else scale_weights(model, spec)
+
+
+def text_sizes(spec: TinyVLMSpec, tokenizer) -> dict[str, int]:
+    """The language model's sizes every family's text config takes from `spec`."""
+    return dict(
+        vocab_size=max(len(tokenizer), spec.vocab_size),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=32768,
+    )
+
+
+def scale_weights(model, spec: TinyVLMSpec):
+    """`spec.init` "scaled": every matrix of `model` re-drawn with std `weight_std` (shrunk for wide
+    inputs), so that a random model's greedy answers vary; returns the model."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
@@ -349,7 +365,7 @@ def build_checkpoint(path: str | os.PathLike, spec: TinyVLMSpec = TinyVLMSpec())
     out.mkdir(parents=True, exist_ok=True)
     processor = build_processor(spec)
     model = build_model(spec, processor.tokenizer)
-    model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = model.config.eos_token_id
     model.generation_config.pad_token_id = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.save_pretrained(out)
     processor.save_pretrained(out)
@@ -417,13 +433,7 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     text = dict(
         model_type="qwen2",
-        vocab_size=max(len(tokenizer), spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=32768,
+        **text_sizes(spec, tokenizer),
         eos_token_id=eos,
         bos_token_id=pad,
         pad_token_id=pad,
@@ -462,3 +472,112 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
             elif param.shape == model.model.image_newline.shape and param is model.model.image_newline:
                 param.normal_(0.0, 1.0)
     return model
+
+
+# -- GLM-4.1V / GLM-4.5V (dense: glm4v) --------------------------------------------------------------
+# GLM-4.1V-9B-Thinking's template, reduced the same way: "[gMASK]<sop>", role tokens with no closing
+# token, each media part as <|begin_of_video|><|video|><|end_of_video|> (or the image's), and a
+# generation prompt "<|assistant|>\n" after which the model opens its own <think> block.
+GLM4V_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>\n{% else %}<|{{ message['role'] }}|>\n{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif part['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+GLM4V_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+]
+# The hub checkpoints stop at any of these (generation_config.json's eos_token_id list).
+GLM4V_EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+
+
+def _build_glm4v_processor(spec: TinyVLMSpec):
+    """GLM-4.1V's processors: patch 14, merge 2 (sizes multiples of 28); the video processor's pixel
+    bounds are over all frames together (t x h x w), as Qwen3-VL's; <think> and </think> added
+    tokens that are not special, as in the hub's tokenizer."""
+    from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words, GLM4V_SPECIAL_TOKENS),
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=GLM4V_SPECIAL_TOKENS[1:],
+    )
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = GLM4V_CHAT_TEMPLATE
+    image_size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    video_size = {"shortest_edge": 56 * 56 * 2, "longest_edge": 112 * 112 * 64}
+    return Glm4vProcessor(
+        image_processor=Glm4vImageProcessor(size=image_size),  # patch 14, merge 2, temporal 2: the defaults
+        tokenizer=tokenizer,
+        video_processor=Glm4vVideoProcessor(size=video_size),
+        chat_template=GLM4V_CHAT_TEMPLATE,
+    )
+
+
+def _build_glm4v_model(spec: TinyVLMSpec, tokenizer):
+    """GLM-4.1V's tower (per-frame attention, learned position embeddings resampled to each grid, a
+    conv downsample and a gated merger) and GLM-4's text model (partial rotary M-RoPE), tiny."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL_TOKENS}
+    eos = [ids[t] for t in GLM4V_EOS_TOKENS]
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    half = head_dim // 2 // 2  # rotary frequencies per head: half of head_dim rotates (as the hub's)
+    text = dict(
+        **text_sizes(spec, tokenizer),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [half - 2 * (half * 12 // 32), half * 12 // 32, half * 12 // 32],
+        },
+        eos_token_id=eos,
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_embed_dim,
+        num_heads=spec.vision_num_heads,
+        out_hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        image_size=112,  # an 8 x 8 learned position grid, resampled to each frame's grid
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+    )
+    config = Glm4vConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image|>"],
+        video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"],
+        image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"],
+        video_end_token_id=ids["<|end_of_video|>"],
+        tie_word_embeddings=False,
+    )
+    config.eos_token_id = eos
+    config.pad_token_id = ids["<|endoftext|>"]
+    torch.manual_seed(spec.seed)
+    model = Glm4vForConditionalGeneration(config).eval()
+    return model if spec.init == "hf" else scale_weights(model, spec)

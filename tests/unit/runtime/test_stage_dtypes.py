@@ -12,7 +12,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from tests.families import build_qwen3_5_checkpoint, build_qwen3_vl_moe_checkpoint, load_video
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,7 @@ def checkpoints(tiny_models, tmp_path_factory) -> dict:
         "qwen3_vl_moe": build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe"),
         "qwen3_5": build_qwen3_5_checkpoint(root / "qwen3_5"),
         "llava_onevision": build_checkpoint(root / "llava_onevision", TinyVLMSpec(family="llava_onevision")),
+        "glm4v": build_checkpoint(root / "glm4v", TinyVLMSpec(family="glm4v")),
     }
 
 
