@@ -83,12 +83,15 @@ class ToolAnswerStream:
     text, its arguments as they come (vLLM's); "required"'s array item by item as it is generated
     (`RequiredCallStream`: a call's name once read, its parameters as they are written).
     `incremental` False: "auto"'s calls go out whole at their block's end, and a block that is no
-    whole call (cut by max_tokens after its name) stays content, as in `answer_tool_calls` (a
-    whole answer shaped as deltas: the Responses API's `response_body`)."""
+    whole call (cut by max_tokens after its name) stays content; "required"'s text is read whole at
+    the end, so an array cut short is all content; both as in `answer_tool_calls` (a whole answer
+    shaped as deltas: the Responses API's `response_body`)."""
 
     def __init__(self, choice: ToolChoice, incremental: bool = True) -> None:
         self.choice = choice
         self.num_calls = 0
+        # "required" read whole: its text, until `finish` reads it as `answer_tool_calls` does
+        self._whole_text: list[str] | None = [] if choice.mode == "required" and not incremental else None
         self._calls: ToolCallStream | RequiredCallStream = (
             RequiredCallStream(incremental)
             if choice.mode == "required"
@@ -99,11 +102,17 @@ class ToolAnswerStream:
     def add(self, text: str) -> list[dict[str, Any]]:
         if self.choice.mode == "named":
             return self._named(text)
+        if self._whole_text is not None:
+            self._whole_text.append(text)
+            return []
         return self._deltas(self._calls.add(text))
 
     def finish(self) -> list[dict[str, Any]]:
         if self.choice.mode == "named":
             return self._named("") if not self.num_calls else []
+        if self._whole_text is not None:
+            content, calls = answer_tool_calls("".join(self._whole_text), self.choice)
+            return ([{"content": content}] if content else []) + self._deltas(calls)
         return self._deltas(self._calls.finish())
 
     def _named(self, text: str) -> list[dict[str, Any]]:

@@ -287,6 +287,29 @@ def test_a_required_answer_cut_by_max_tokens_keeps_its_streamed_call_and_finishe
     assert tool_finish_reason(required, before_a_name.num_calls, "length", streamed=True) == "length"
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "get_weather", "parameters": {}}, {"name": "get_ti',  # one whole item, then cut
+        '[{"name": "get_weather", "parameters": {}}, {"name": "get_time", "parameters": {}}]',
+        '[{"name": "get_weather", "parameters": {"city": "Par',
+    ],
+)
+@pytest.mark.parametrize("cut", [1, 7, 1000])
+def test_a_required_answer_read_whole_is_answer_tool_calls_wherever_the_deltas_cut_it(text, cut):
+    """Not incremental (the Responses API's whole answer): "required"'s text is read as chat's
+    whole answer reads it, so an array cut after a whole item is all content, not one call."""
+    required = ToolChoice("required")
+    stream = ToolAnswerStream(required, incremental=False)
+    deltas = [d for i in range(0, len(text), cut) for d in stream.add(text[i : i + cut])] + stream.finish()
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls = [
+        c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if "name" in c["function"]
+    ]
+    want_content, want_calls = answer_tool_calls(text, required)
+    assert (content, calls) == (want_content or "", [c.name for c in want_calls])
+
+
 def _summary(answer: str, finish: str = "stop") -> AskSummary:
     return AskSummary("r1", answer, [5, 6, 7], finish, 0, 0, 3, {}, 0, False, "", [])
 
