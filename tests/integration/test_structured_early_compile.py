@@ -22,6 +22,7 @@ from epd.client.types import EpdError, StageEvent
 from epd.model_runtime.structured_output import MAX_ABANDONED_COMPILES
 from tests.integration.test_cancellation import VerboseStack, wait_until
 from tests.integration.test_cancellation import long_clip as _long_clip
+from tests.integration.test_structured_gateway import SLOW_REGEX
 from tests.integration.test_structured_outputs import (
     CASES,
     NUM_FRAMES,
@@ -34,9 +35,6 @@ from tests.reference import decode_for_test
 from tests.stack import free_port
 
 TIMEOUT_S = 0.5
-SLOW_REGEX = "[a-z]*" * 5000 + "z"
-"""A regex xgrammar compiles for about 4 s against the tiny vocabulary (tests/unit/runtime/
-test_structured_output.py), far past TIMEOUT_S; a suffix makes each a spec of its own."""
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +100,18 @@ def test_past_the_bound_on_slow_compiles_a_new_spec_is_a_429_with_retry_after(st
     known = {"guided_regex": "(red|blue) (circle|square) known"}
     status, body = chat(stack.http_port, media_files, **known)
     assert status == 200, body
-    for i in range(MAX_ABANDONED_COMPILES):
-        status, body = chat(stack.http_port, media_files, guided_regex=SLOW_REGEX + str(i))
+    # The slow specs are sent at once, so that the new spec comes about TIMEOUT_S after their
+    # compiles began, while they still run (about 4 s each); one after another, each request's
+    # own time would let the first compile finish before the new spec came (seen on a busy machine).
+    with ThreadPoolExecutor(MAX_ABANDONED_COMPILES) as pool:
+        slow = list(
+            pool.map(
+                # a suffix makes each a spec of its own, compiled anew
+                lambda i: chat(stack.http_port, media_files, guided_regex=f"{SLOW_REGEX}z{i}"),
+                range(MAX_ABANDONED_COMPILES),
+            )
+        )
+    for status, body in slow:
         assert status == 400, body
         assert f"regex took longer than {TIMEOUT_S:g} s to compile" in body["error"]["message"]
     status, body, headers = chat_with_headers(stack.http_port, media_files, guided_regex="(yes|no) new")
