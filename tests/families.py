@@ -107,7 +107,7 @@ def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Pa
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     out = dict(tiny_models)
-    for family in ("qwen3_vl", "qwen3_5", "llava_onevision"):
+    for family in ("qwen3_vl", "qwen3_5", "llava_onevision", "internvl"):
         out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
     out["qwen3_vl_moe"] = build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe")
     return out

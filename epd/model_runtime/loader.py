@@ -35,12 +35,14 @@ _FAMILIES = {
     "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeAdapter"),
     "qwen3_5": ("qwen3_5", "Qwen3_5Adapter"),
     "llava_onevision": ("llava_onevision", "LlavaOnevisionAdapter"),
+    "internvl": ("internvl", "InternVLAdapter"),
 }
 SUPPORTED = (
     "Qwen2-VL and Qwen2.5-VL checkpoints (model_type qwen2_vl or qwen2_5_vl) "
     "and Qwen3-VL dense and MoE ones (model_type qwen3_vl or qwen3_vl_moe)"
     ", Qwen3.5 (model_type qwen3_5)"
     ", LLaVA-OneVision (model_type llava_onevision)"
+    ", InternVL3 / InternVL3.5 -hf (model_type internvl)"
 )
 
 # safetensors refuses headers above 100 MB; a bigger length means the first bytes are not a header.

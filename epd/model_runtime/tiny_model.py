@@ -87,7 +87,9 @@ _CORPUS_WORDS = (
 class TinyVLMSpec:
     """Sizes of a built checkpoint. Defaults give a ~1M-parameter model that runs fast on a CPU."""
 
-    family: str = "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_5"
+    family: str = (
+        "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision" or "internvl"
+    )
     vocab_size: int = 512  # BPE vocabulary incl. special tokens (rounded up with unused ids)
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -113,6 +115,8 @@ class TinyVLMSpec:
     qwen3_5_full_attention_interval: int = 2
     """Qwen3.5 only: every n-th language layer is full attention, the others Gated DeltaNet (the
     hub's models use 4; with 2, layers alternate linear, full, linear, full, ...)."""
+    internvl_text_model: str = "qwen3"
+    """InternVL only: its language model, "qwen3" (InternVL3.5's) or "qwen2" (InternVL3's)."""
 
 
 def _train_tokenizer(vocab_size: int, extra_words: tuple[str, ...] = ()):
@@ -145,6 +149,8 @@ def build_processor(spec: TinyVLMSpec):
 
     if spec.family == "llava_onevision":
         return _build_llava_onevision_processor(spec)
+    if spec.family == "internvl":
+        return _build_internvl_processor(spec)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
         eos_token="<|im_end|>",
@@ -195,6 +201,8 @@ def build_model(spec: TinyVLMSpec, tokenizer):
     """A randomly initialised model of the real class, its special token ids taken from `tokenizer`."""
     if spec.family == "llava_onevision":
         return _build_llava_onevision_model(spec, tokenizer)
+    if spec.family == "internvl":
+        return _build_internvl_model(spec, tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = max(len(tokenizer), spec.vocab_size)
     text = dict(
@@ -461,4 +469,126 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
                 param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
             elif param.shape == model.model.image_newline.shape and param is model.model.image_newline:
                 param.normal_(0.0, 1.0)
+    return model
+
+
+# -- InternVL -------------------------------------------------------------------------------------
+# The template of the OpenGVLab/InternVL3*-hf checkpoints (transformers' convert_internvl_weights_to_hf.py),
+# with the image placeholder the processor expands (`<IMG_CONTEXT>`): each media part, then its
+# text, in the user's order; no default system message. Special tokens: Qwen's plus InternVL's
+# <img>, </img>, <IMG_CONTEXT> and <video>, named as the hub's tokenizer names them
+# (`extra_special_tokens`, which InternVLProcessor reads).
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)
+INTERNVL_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+# InternViT tiles and frames of 112 px, patch 14: 8 x 8 patches, pixel-shuffled (0.5) to 4 x 4 =
+# 16 tokens each (448 px, 32 x 32 -> 256 on the hub). Images: up to 6 tiles and a thumbnail (12 on the hub).
+INTERNVL_IMAGE_SIZE = 112
+INTERNVL_MAX_TILES = 6
+
+
+def _build_internvl_processor(spec: TinyVLMSpec):
+    from transformers import (
+        GotOcr2ImageProcessor,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[*SPECIAL_TOKENS[1:], *INTERNVL_TOKENS.values()],
+        extra_special_tokens=INTERNVL_TOKENS,
+    )
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    side = INTERNVL_IMAGE_SIZE
+    size = {"height": side, "width": side}
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # ImageNet's, as the hub's processors
+    return InternVLProcessor(
+        image_processor=GotOcr2ImageProcessor(
+            size=size,
+            crop_to_patches=True,
+            min_patches=1,
+            max_patches=INTERNVL_MAX_TILES,
+            image_mean=mean,
+            image_std=std,
+        ),
+        tokenizer=tokenizer,
+        video_processor=InternVLVideoProcessor(size=size, image_mean=mean, image_std=std),
+        image_seq_length=(side // 14 // 2) ** 2,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
+    )
+
+
+def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
+    """InternViT tower + pixel-shuffle projector + a Qwen3 (InternVL3.5) or Qwen2 (InternVL3)
+    language model, as OpenGVLab/InternVL3_5-*-HF, tiny."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    if spec.internvl_text_model not in ("qwen3", "qwen2"):
+        raise ValueError(
+            f"unknown InternVL language model {spec.internvl_text_model!r}; use 'qwen3' or 'qwen2'"
+        )
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = dict(
+        model_type=spec.internvl_text_model,
+        vocab_size=max(len(tokenizer), spec.vocab_size),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=32768,
+        eos_token_id=eos,
+        bos_token_id=pad,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    if spec.internvl_text_model == "qwen3":
+        text["head_dim"] = spec.hidden_size // spec.num_attention_heads
+    vision = dict(
+        hidden_size=spec.vision_embed_dim,
+        intermediate_size=spec.vision_embed_dim * 2,
+        num_hidden_layers=spec.vision_depth,
+        num_attention_heads=spec.vision_num_heads,
+        image_size=INTERNVL_IMAGE_SIZE,
+        patch_size=14,
+    )
+    config = InternVLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
+        image_seq_length=(INTERNVL_IMAGE_SIZE // 14 // 2) ** 2,
+        downsample_ratio=0.5,
+        tie_word_embeddings=False,
+    )
+    config.eos_token_id = eos
+    config.pad_token_id = pad
+    torch.manual_seed(spec.seed)
+    model = InternVLForConditionalGeneration(config).eval()
+    if spec.init == "hf":
+        return model
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Qwen3's per-head query/key norms (weights of one) keep a random model's attention
+                # nearly uniform and its greedy answer one repeated token; doubled, it varies.
+                param.fill_(2.0)
     return model

@@ -1,0 +1,345 @@
+"""InternVL through `InternVLAdapter` split in one process: the encoder's adapter (InternViT tower +
+pixel-shuffle projector only) -> `encode`, the language adapter (Qwen3 or Qwen2 + lm_head) ->
+`build_prompt` + `prefill` + a greedy `decode_step` loop, equals `model.generate(do_sample=False)`
+token for token on a tiny checkpoint of the real transformers classes, for 8 and 32 frames and a
+tiled image. The prompt (one `Frame{i}: <img>...</img>` group per frame) and pixels are the
+processor's own, on epd's frames whatever the video processor's own sampling says; positions are
+1-D; pixel shuffle and tiling change the answer when left out; frame groups encode independently
+(what the encoder's `frames_per_group` relies on); chunked and batched prefill and batched decode
+equal the plain paths; each one-part adapter reads only its own part's tensors; three services
+answer as generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epd.model_runtime.adapter import PrefillChunk, VisionInputs
+from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.internvl import InternVLAdapter, language_key, vision_key
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from tests.families import (
+    CASES,
+    MAX_NEW_TOKENS,
+    QUESTION,
+    assert_batched_decode_equals_alone,
+    assert_epd_ask_equals_references,
+    assert_reference_varies,
+    assert_same_state,
+    check_a_template_without_the_media_part_is_refused_as_such,
+    checkpoint_keys,
+    conversation,
+    generate_references,
+    greedy,
+    load_each_part,
+    load_stage_adapters,
+    load_video,
+    visual_meta,
+)
+from tests.reference import whole_model
+
+TOKENS_PER_FRAME = 16  # 112 px / patch 14 = 8 x 8 patches, pixel-shuffled to 4 x 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("internvl") / "m", TinyVLMSpec(family="internvl"))
+
+
+@pytest.fixture(scope="module")
+def vision(checkpoint):
+    return InternVLAdapter(str(checkpoint), ModelConfig(), {"vision"})  # the encoder's
+
+
+@pytest.fixture(scope="module")
+def language(checkpoint):
+    return InternVLAdapter(str(checkpoint), ModelConfig(), {"language"})  # prefill's and decode's
+
+
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    return whole_model(checkpoint)
+
+
+def _processor_inputs(processor, video):
+    """The processor's own __call__ on epd's frames (its own frame sampling off, as vLLM calls it)."""
+    text = processor.apply_chat_template(conversation(video), add_generation_prompt=True, tokenize=False)
+    if video.is_image:
+        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
+    return processor(
+        text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False}
+    )
+
+
+def _split(vision, language, video, embeds=None, inputs=None):
+    """Encoder adapter -> language adapter, greedy; returns (tokens, the prefill's last logits)."""
+    inputs = vision.preprocess(video) if inputs is None else inputs
+    if embeds is None:
+        embeds = vision.encode(inputs)
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
+    state = language.prefill(prompt, embeds)
+    return greedy(language, state), state.last_logits
+
+
+@pytest.fixture(scope="module")
+def references(whole, media_files):
+    return generate_references(whole, media_files, _processor_inputs)
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_reference_output_varies(references, media, num_frames):
+    assert_reference_varies(references[(media, num_frames)])
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_prompt_pixels_and_positions_are_the_processors_and_1d(
+    vision, language, whole, media_files, media, num_frames
+):
+    model, processor = whole
+    video = load_video(media_files, media, num_frames)
+    ref = _processor_inputs(processor, video)
+    inputs = vision.preprocess(video)
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
+
+    assert torch.equal(prompt.input_ids, ref["input_ids"])
+    assert torch.equal(inputs.pixel_values, ref["pixel_values"])  # frames or tiles, [N, C, H, W]
+    placeholders = prompt.input_ids[0] == model.config.image_token_id
+    assert torch.equal(prompt.visual_mask, placeholders)
+    tiles = inputs.grid_thw[0]
+    assert inputs.grid_thw == (tiles, 8, 8)
+    assert int(placeholders.sum()) == tiles * TOKENS_PER_FRAME == vision.num_visual_tokens(inputs.grid_thw)
+    text = processor.tokenizer.decode(prompt.input_ids[0])
+    if video.is_image:  # dynamic resolution: several tiles and the thumbnail, in one <img> group
+        assert tiles > 2 and text.count("<img>") == 1
+    else:  # one labelled group per frame, no tiling
+        assert tiles == num_frames and text.count("<img>") == num_frames
+        assert f"Frame{num_frames}: <img>" in text and f"Frame{num_frames + 1}:" not in text
+    length = prompt.num_tokens
+    assert prompt.position_ids.shape == (4, 1, length)
+    assert all(torch.equal(row[0], torch.arange(length)) for row in prompt.position_ids)
+
+
+def test_epds_frames_are_used_whatever_the_video_processors_own_sampling(checkpoint, vision, media_files):
+    """A checkpoint whose video processor samples frames itself (`do_sample_frames`, `num_frames`)
+    still gets epd's frames, all of them: epd chooses the frames, as vLLM's --media-io-kwargs do."""
+    sampling = InternVLAdapter(str(checkpoint), ModelConfig(), {"vision"})
+    vp = sampling.processor.video_processor
+    vp.do_sample_frames, vp.num_frames = True, 4
+    video = load_video(media_files, "mp4", 8)
+    inputs = sampling.preprocess(video)
+    assert inputs.grid_thw[0] == 8
+    assert torch.equal(inputs.pixel_values, vision.preprocess(video).pixel_values)
+
+
+@pytest.mark.parametrize("media,num_frames", CASES)
+def test_in_process_split_equals_generate(vision, language, media_files, references, media, num_frames):
+    tokens, _ = _split(vision, language, load_video(media_files, media, num_frames))
+    assert tokens == references[(media, num_frames)]
+
+
+def test_a_qwen2_language_model_as_internvl3s_is_exact_too(tmp_path_factory, media_files):
+    """InternVL3's checkpoints carry Qwen2 (InternVL3.5's Qwen3): the language part is whatever
+    the text config names, built as InternVLModel builds it."""
+    checkpoint = build_checkpoint(
+        tmp_path_factory.mktemp("internvl_qwen2") / "m",
+        TinyVLMSpec(family="internvl", internvl_text_model="qwen2"),
+    )
+    vision = InternVLAdapter(str(checkpoint), ModelConfig(), {"vision"})
+    language = InternVLAdapter(str(checkpoint), ModelConfig(), {"language"})
+    assert language.hf_config.text_config.model_type == "qwen2"
+    references = generate_references(whole_model(checkpoint), media_files, _processor_inputs)
+    for media, num_frames in (("mp4", 8), ("png", 1)):
+        assert_reference_varies(references[(media, num_frames)])
+        tokens, _ = _split(vision, language, load_video(media_files, media, num_frames))
+        assert tokens == references[(media, num_frames)], media
+
+
+def test_next_positions_cross_as_four_equal_ints(vision, language, media_files):
+    video = load_video(media_files, "mp4", 8)
+    inputs = vision.preprocess(video)
+    prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
+    state = language.prefill(prompt, vision.encode(inputs))
+    assert state.next_position_ids.tolist() == [prompt.num_tokens] * 4
+
+
+def _unshuffled_embeds(vision, inputs) -> torch.Tensor:
+    """Tower -> CLS dropped -> each run of 4 patches IN A ROW concatenated (not the model's 2 x 2
+    pixel shuffle) -> projector: the same count, another grouping of the patches."""
+    part = vision.visual
+    with torch.inference_mode():
+        hidden = part.vision_tower(pixel_values=inputs.pixel_values).last_hidden_state[:, 1:]
+        n, patches, dim = hidden.shape
+        return part.multi_modal_projector(hidden.reshape(n, patches // 4, dim * 4)).flatten(0, 1)
+
+
+def test_negative_controls_change_the_answer(vision, language, media_files, references):
+    video = load_video(media_files, "mp4", 8)
+    inputs = vision.preprocess(video)
+    tokens, logits = _split(vision, language, video)
+    assert tokens == references[("mp4", 8)]
+
+    other = _unshuffled_embeds(vision, inputs)
+    assert other.shape == vision.encode(inputs).shape  # same count, another grouping
+    other_tokens, other_logits = _split(vision, language, video, embeds=other)
+    assert not torch.allclose(logits, other_logits, atol=1e-3) and other_tokens != tokens
+
+    # the image without its tiles (the thumbnail alone): another prompt and answer than generate()'s
+    image = load_video(media_files, "png", 1)
+    thumbnail = vision.processor.image_processor(
+        images=[image.frames[0]], crop_to_patches=False, return_tensors="pt"
+    )
+    alone = VisionInputs("image", thumbnail["pixel_values"], (1, 8, 8), 0.0)
+    assert _split(vision, language, image, inputs=alone)[0] != references[("png", 1)]
+
+
+def test_frame_groups_encode_independently_and_encode_batch_equals_encode(vision, media_files):
+    """The encoder encodes `frames_per_group` frames at a time and concatenates."""
+    video = load_video(media_files, "mp4", 8)
+    inputs = vision.preprocess(video)
+    whole = vision.encode(inputs)
+    groups = [
+        VisionInputs("video", inputs.pixel_values[i : i + 2], (2, 8, 8), inputs.second_per_grid_t)
+        for i in range(0, 8, 2)
+    ]
+    assert torch.allclose(torch.cat([vision.encode(g) for g in groups]), whole, atol=1e-5)
+    image = vision.preprocess(load_video(media_files, "png", 1))
+    batched = vision.encode_batch([groups[0], image, inputs])
+    alone = [vision.encode(groups[0]), vision.encode(image), whole]
+    assert [b.shape for b in batched] == [a.shape for a in alone]
+    assert all(torch.allclose(b, a, atol=1e-5) for b, a in zip(batched, alone, strict=True))
+
+
+def _prompt_and_embeds(vision, language, media_files, media, num_frames):
+    video = load_video(media_files, media, num_frames)
+    inputs = vision.preprocess(video)
+    return language.build_prompt(conversation(video), visual_meta(vision, inputs)), vision.encode(inputs)
+
+
+def test_chunked_and_batched_prefill_equal_prefill_alone(vision, language, media_files):
+    (p1, e1), (p2, e2) = (
+        _prompt_and_embeds(vision, language, media_files, m, n) for m, n in (("mp4", 8), ("png", 1))
+    )
+    alone = [language.prefill(p, e) for p, e in ((p1, e1), (p2, e2))]
+    # both prompts in one padded forward
+    rows = language.prefill_chunks(
+        [PrefillChunk(p1, e1, 0, p1.num_tokens), PrefillChunk(p2, e2, 0, p2.num_tokens)]
+    )
+    for got, want in zip(rows, alone, strict=True):
+        assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)
+        kv = language.chunk_cache_to_kv(got.cache)
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(kv.keys, want.cache.keys, strict=True))
+    # the video prompt in three chunks that cut through a frame's tokens and between frames
+    cuts = [0, 30, int(p1.visual_mask.nonzero()[-1]) - 5, p1.num_tokens]
+    cache = None
+    for start, end in zip(cuts, cuts[1:], strict=False):
+        (result,) = language.prefill_chunks([PrefillChunk(p1, e1, start, end, cache)])
+        cache = result.cache
+    assert torch.allclose(result.last_logits, alone[0].last_logits, atol=1e-4)
+    assert greedy(
+        language,
+        type(alone[0])(
+            language.chunk_cache_to_kv(cache), result.last_logits, alone[0].next_position_ids, p1.num_tokens
+        ),
+    ) == greedy(language, alone[0])
+
+
+def test_batched_decode_equals_decoding_each_request_alone(vision, language, media_files):
+    states = [
+        language.prefill(*_prompt_and_embeds(vision, language, media_files, media, n))
+        for media, n in (("mp4", 8), ("png", 1), ("mp4", 32))  # prompts of different lengths
+    ]
+    assert language.kv_bytes_per_token * states[0].num_prompt_tokens == states[0].cache.num_bytes
+    assert_batched_decode_equals_alone(language, states)
+
+
+def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
+    checkpoint, whole, monkeypatch
+):
+    model, _ = whole
+    keys, vision_keys, language_keys = checkpoint_keys(checkpoint, vision_key, language_key)
+    assert not vision_keys & language_keys and vision_keys | language_keys == keys
+    assert all(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in vision_keys)
+    assert all(k.startswith("language_model.") for k in language_keys)
+
+    tower_only, language_only = load_each_part(
+        InternVLAdapter, checkpoint, monkeypatch, vision_keys, language_keys
+    )
+    expected = {vision_key(k): v for k, v in model.state_dict().items() if vision_key(k)}
+    assert_same_state(tower_only.visual.state_dict(), expected)
+    expected = {k: v for k, v in model.state_dict().items() if language_key(k)}
+    assert_same_state(language_only.model.state_dict(), expected)
+
+
+def test_module_names_map_to_the_same_parts():
+    """A whole model's state_dict names ("model.*", "lm_head.*") and the saved layout's
+    ("language_model.model.*", "language_model.lm_head.*") name the same tensors."""
+    assert (
+        vision_key("model.vision_tower.encoder.layer.0.lambda_1") == "vision_tower.encoder.layer.0.lambda_1"
+    )
+    assert vision_key("multi_modal_projector.linear_1.bias") == "multi_modal_projector.linear_1.bias"
+    assert language_key("model.language_model.norm.weight") == "model.language_model.norm.weight"
+    assert language_key("language_model.model.layers.0.self_attn.q_norm.weight") == (
+        "model.language_model.layers.0.self_attn.q_norm.weight"
+    )
+    assert language_key("language_model.lm_head.weight") == language_key("lm_head.weight") == "lm_head.weight"
+    assert language_key("vision_tower.embeddings.cls_token") is None
+    assert vision_key("language_model.model.norm.weight") is None
+
+
+def test_a_template_that_renders_no_media_placeholder_says_so(language):
+    check_a_template_without_the_media_part_is_refused_as_such(language)
+
+
+def test_the_loader_detects_internvl_and_loads_each_stages_part(checkpoint):
+    _, decode = load_stage_adapters(checkpoint, "internvl", InternVLAdapter, "decode")
+    assert decode.supports_batched_decode and not decode.supports_sparse_vision
+
+
+def test_the_whole_model_adapter_equals_the_split(checkpoint, vision, media_files, references):
+    both = InternVLAdapter(str(checkpoint), ModelConfig(), {"vision", "language"})
+    for media, num_frames in (("mp4", 8), ("png", 1)):
+        video = load_video(media_files, media, num_frames)
+        assert torch.allclose(both.encode(both.preprocess(video)), vision.encode(vision.preprocess(video)))
+        assert _split(both, both, video)[0] == references[(media, num_frames)]
+
+
+def test_layerwise_pruning_is_refused_by_name_and_the_sizes_are_described(language):
+    """The prefill drop, KV compression and decode eviction need `layerwise_prefill` /
+    `capture_queries`, which this family does not implement: refused, naming it."""
+    from epd.model_runtime.adapter import UnsupportedByFamily
+
+    dims = language.text_dims
+    c = language.hf_config.text_config
+    assert (dims.num_layers, dims.hidden_size, dims.num_kv_heads) == (
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_key_value_heads,
+    )
+    assert language.kv_bytes_per_token == 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4
+    embeds = language.embed(torch.tensor([[1, 2, 3]]))
+    assert embeds.shape == (1, 3, dims.hidden_size)
+    with pytest.raises(UnsupportedByFamily, match="InternVLAdapter cannot run its decoder layer by layer"):
+        language.layerwise_prefill(embeds, torch.arange(3).view(1, 1, 3).expand(4, 1, 3))
+    with pytest.raises(UnsupportedByFamily, match="InternVLAdapter"):
+        language.capture_queries([0], torch.tensor([2]))
+
+
+def test_three_services_equal_generate(checkpoint, media_files, references, tmp_path_factory):
+    """The unchanged engines serve this family: encoder (default 2-frame groups), prefill and
+    decode processes, each loading only its part, answer exactly as generate() does."""
+    from epd.client import EpdClient
+    from tests.stack import Stack
+
+    with Stack(checkpoint, tmp_path_factory.mktemp("logs_internvl")) as stack:
+        with EpdClient(stack.gateway) as client:
+            for media, num_frames in CASES:
+                result = client.ask(
+                    media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS
+                )
+                assert result.token_ids == references[(media, num_frames)], (media, num_frames)
+                visual = TOKENS_PER_FRAME * num_frames if media == "mp4" else None
+                assert visual is None or result.num_visual_tokens == visual
+
+
+def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):
+    assert_epd_ask_equals_references(checkpoint, media_files, references, capsys)
