@@ -38,13 +38,12 @@ import torch
 from epd.model_runtime.adapter import Prompt, RenderOptions, VisionInputs, VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import (
-    build_language_only,
     eos_token_ids,
     fingerprint,
     load_full_model,
-    load_language_state,
+    load_nested_language_model,
     load_vision_part,
-    read_part,
+    nested_language_key,
     safetensors_files,
 )
 from epd.model_runtime.hf_text import OneDimTextAdapter, check_one_placeholder, one_dim_positions
@@ -203,16 +202,7 @@ def vision_key(key: str) -> str | None:
     return rest if rest.startswith(("vision_tower.", "multi_modal_projector.")) else None
 
 
-def language_key(key: str) -> str | None:
-    """A checkpoint key -> its name in `LanguageOnly` ("model.language_model.*", "lm_head.*"),
-    else None (the tower's and projector's are never read)."""
-    for prefix in ("lm_head.", "language_model.lm_head."):
-        if key.startswith(prefix):
-            return "lm_head." + key[len(prefix) :]
-    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
-        if key.startswith(prefix):
-            return "model.language_model." + key[len(prefix) :]
-    return None
+language_key = nested_language_key  # the text model and lm_head; nothing else on the language side
 
 
 def _vision_part_class():
@@ -256,15 +246,10 @@ def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
 def _load_language_part(path: str, hf_config, dtype: torch.dtype):
     """`LanguageOnly` with the text model (whatever its type: AutoModel, as InternVLModel builds
     it) and lm_head; without safetensors the full model, its tower dropped."""
-    from transformers import AutoModel
-
     root, files = safetensors_files(path)
     if not files:
         log.info("no safetensors in %s; loading the full model for its language model", root)
         model = load_full_model(str(root), dtype, torch.device("cpu"))
         model.model.vision_tower = model.model.multi_modal_projector = None
         return model
-    text_config = hf_config.text_config
-    model = build_language_only(text_config, dtype, lambda: AutoModel.from_config(text_config, dtype=dtype))
-    load_language_state(model, read_part(root, files, language_key), hf_config, path)  # 1B/2B tie the head
-    return model
+    return load_nested_language_model(root, files, path, hf_config, dtype, language_key)[0]

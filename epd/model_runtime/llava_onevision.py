@@ -53,13 +53,12 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import (
-    build_language_only,
     eos_token_ids,
     fingerprint,
     load_full_model,
-    load_language_state,
+    load_nested_language_model,
     load_vision_part,
-    read_part,
+    nested_language_key,
     safetensors_files,
 )
 from epd.model_runtime.hf_text import OneDimTextAdapter, check_one_placeholder, one_dim_positions
@@ -326,13 +325,7 @@ def language_key(key: str) -> str | None:
     "image_newline" (the video's closing embedding), else None (the tower's are never read)."""
     if key in ("image_newline", "model.image_newline"):
         return NEWLINE_KEY
-    for prefix in ("lm_head.", "language_model.lm_head."):
-        if key.startswith(prefix):
-            return "lm_head." + key[len(prefix) :]
-    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
-        if key.startswith(prefix):
-            return "model.language_model." + key[len(prefix) :]
-    return None
+    return nested_language_key(key)
 
 
 def _vision_part_class():
@@ -378,8 +371,6 @@ def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
 
 def _load_language_part(path: str, hf_config, dtype: torch.dtype):
     """(`LanguageOnly` with the Qwen2 text model and lm_head, image_newline [hidden])."""
-    from transformers import AutoModel
-
     root, files = safetensors_files(path)
     if not files:
         log.info("no safetensors in %s; loading the full model for its language model", root)
@@ -387,13 +378,10 @@ def _load_language_part(path: str, hf_config, dtype: torch.dtype):
         newline = model.model.image_newline.data
         model.model.vision_tower = model.model.multi_modal_projector = None
         return model, newline
-    text_config = hf_config.text_config
-    model = build_language_only(text_config, dtype, lambda: AutoModel.from_config(text_config, dtype=dtype))
-    state = read_part(root, files, language_key)
-    newline = state.pop(NEWLINE_KEY, None)
+    model, extras = load_nested_language_model(root, files, path, hf_config, dtype, language_key)
+    newline = extras.get(NEWLINE_KEY)
     if newline is None:
         raise ValueError(f"checkpoint {path} has no image_newline")
-    load_language_state(model, state, hf_config, path)  # the 0.5B checkpoints tie the head
     return model, newline.to(dtype)
 
 

@@ -294,11 +294,16 @@ def build_model(spec: TinyVLMSpec, tokenizer):
     model = cls(config).eval()
     if spec.init == "hf":
         return model
+    _scale_matrices(model, spec)
+    return model
+
+
+def _scale_matrices(model, spec: TinyVLMSpec) -> None:
+    """Every matrix re-drawn with std `spec.weight_std` (less for wide inputs): varied greedy output."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
-    return model
 
 
 def _qwen3_5_config(spec: TinyVLMSpec, text: dict[str, Any], common: dict[str, Any]):
@@ -423,20 +428,7 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
 
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    text = dict(
-        model_type="qwen2",
-        vocab_size=max(len(tokenizer), spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=32768,
-        eos_token_id=eos,
-        bos_token_id=pad,
-        pad_token_id=pad,
-        tie_word_embeddings=False,
-    )
+    text = _nested_text_config(spec, tokenizer, "qwen2")
     vision = dict(
         model_type="siglip_vision_model",
         hidden_size=spec.vision_embed_dim,
@@ -545,22 +537,7 @@ def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
             f"unknown InternVL language model {spec.internvl_text_model!r}; use 'qwen3' or 'qwen2'"
         )
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    text = dict(
-        model_type=spec.internvl_text_model,
-        vocab_size=max(len(tokenizer), spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=32768,
-        eos_token_id=eos,
-        bos_token_id=pad,
-        pad_token_id=pad,
-        tie_word_embeddings=False,
-    )
-    if spec.internvl_text_model == "qwen3":
-        text["head_dim"] = spec.hidden_size // spec.num_attention_heads
+    text = _nested_text_config(spec, tokenizer, spec.internvl_text_model)
     vision = dict(
         hidden_size=spec.vision_embed_dim,
         intermediate_size=spec.vision_embed_dim * 2,
@@ -583,12 +560,34 @@ def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
     model = InternVLForConditionalGeneration(config).eval()
     if spec.init == "hf":
         return model
+    _scale_matrices(model, spec)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
                 # Qwen3's per-head query/key norms (weights of one) keep a random model's attention
                 # nearly uniform and its greedy answer one repeated token; doubled, it varies.
                 param.fill_(2.0)
     return model
+
+
+def _nested_text_config(spec: TinyVLMSpec, tokenizer, model_type: str) -> dict[str, Any]:
+    """The text config of a LLaVA-style model's language model (`model_type` "qwen2" or "qwen3"),
+    sized by `spec`, its special token ids taken from `tokenizer`."""
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text: dict[str, Any] = dict(
+        model_type=model_type,
+        vocab_size=max(len(tokenizer), spec.vocab_size),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=32768,
+        eos_token_id=eos,
+        bos_token_id=pad,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    if model_type == "qwen3":  # its config's default head_dim (128) is not hidden / heads
+        text["head_dim"] = spec.hidden_size // spec.num_attention_heads
+    return text
