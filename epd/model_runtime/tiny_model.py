@@ -512,9 +512,10 @@ def _build_internvl_processor(spec: TinyVLMSpec):
     size = {"height": side, "width": side}
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # ImageNet's, as the hub's processors
     return InternVLProcessor(
+        # crop_to_patches left at the image processor's default (off), as the hub's: InternVLProcessor
+        # turns it on for its own calls, which the adapter must reproduce
         image_processor=GotOcr2ImageProcessor(
             size=size,
-            crop_to_patches=True,
             min_patches=1,
             max_patches=INTERNVL_MAX_TILES,
             image_mean=mean,
