@@ -241,6 +241,22 @@ def test_module_names_map_to_the_same_parts():
     assert vision_key("language_model.model.norm.weight") is None
 
 
+def test_a_processor_whose_tokens_per_tile_disagree_with_the_model_is_refused_at_load(checkpoint, tmp_path):
+    """The prompt would hold another count of placeholders than the tower makes tokens: refused
+    when the checkpoint loads (`epd serve` says so before serving), not at the first request."""
+    import json
+    import shutil
+
+    from epd.model_runtime.loader import ModelLoadError, load_adapter
+
+    copy = shutil.copytree(checkpoint, tmp_path / "m")
+    config = json.loads((copy / "processor_config.json").read_text())
+    config["image_seq_length"] = TOKENS_PER_FRAME * 4
+    (copy / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="writes 64 placeholders per tile but the model makes 16"):
+        load_adapter(ModelConfig(model=str(copy)), "prefill")
+
+
 def test_a_template_that_renders_no_media_placeholder_says_so(language):
     check_a_template_without_the_media_part_is_refused_as_such(language)
 
