@@ -533,9 +533,8 @@ class OneDimTextAdapter(HfTextAdapter):
     is what `generate()` uses: positions 0..L-1, then L, L+1, ... No pruning hook that needs
     attention re-implemented (layerwise prefill, query capture) is written for these families."""
 
-    supports_chunked_prefill = (
-        True  # `HfTextAdapter.prefill_chunks` over `_prefill_padded` / `_prefill_continue`
-    )
+    # `HfTextAdapter.prefill_chunks` over `_prefill_padded` below and `_prefill_continue`
+    supports_chunked_prefill = True
 
     def _text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         return position_ids[0]  # [B, n]: every row holds the 1-D position
