@@ -116,7 +116,8 @@ class TinyVLMSpec:
     """Qwen3.5 only: every n-th language layer is full attention, the others Gated DeltaNet (the
     hub's models use 4; with 2, layers alternate linear, full, linear, full, ...)."""
     internvl_text_model: str = "qwen3"
-    """InternVL only: its language model, "qwen3" (InternVL3.5's) or "qwen2" (InternVL3's)."""
+    """InternVL only: its language model, "qwen3" (InternVL3.5's), "qwen2" (InternVL3's) or "llama"
+    (InternVL3-9B's InternLM3, converted to Llama)."""
 
 
 def _train_tokenizer(vocab_size: int, extra_words: tuple[str, ...] = ()):
@@ -533,9 +534,9 @@ def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
     language model, as OpenGVLab/InternVL3_5-*-HF, tiny."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
-    if spec.internvl_text_model not in ("qwen3", "qwen2"):
+    if spec.internvl_text_model not in ("qwen3", "qwen2", "llama"):
         raise ValueError(
-            f"unknown InternVL language model {spec.internvl_text_model!r}; use 'qwen3' or 'qwen2'"
+            f"unknown InternVL language model {spec.internvl_text_model!r}; use 'qwen3', 'qwen2' or 'llama'"
         )
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     text = _nested_text_config(spec, tokenizer, spec.internvl_text_model)
@@ -572,7 +573,7 @@ def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
 
 
 def _nested_text_config(spec: TinyVLMSpec, tokenizer, model_type: str) -> dict[str, Any]:
-    """The text config of a LLaVA-style model's language model (`model_type` "qwen2" or "qwen3"),
+    """The text config of a LLaVA-style model's language model (`model_type` "qwen2", "qwen3" or "llama"),
     sized by `spec`, its special token ids taken from `tokenizer`."""
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     text: dict[str, Any] = dict(

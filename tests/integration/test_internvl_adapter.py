@@ -139,16 +139,17 @@ def test_in_process_split_equals_generate(vision, language, media_files, referen
     assert tokens == references[(media, num_frames)]
 
 
-def test_a_qwen2_language_model_as_internvl3s_is_exact_too(tmp_path_factory, media_files):
-    """InternVL3's checkpoints carry Qwen2 (InternVL3.5's Qwen3): the language part is whatever
-    the text config names, built as InternVLModel builds it."""
+@pytest.mark.parametrize("text_model", ["qwen2", "llama"])
+def test_internvl3s_qwen2_and_llama_language_models_are_exact_too(tmp_path_factory, media_files, text_model):
+    """InternVL3's checkpoints carry Qwen2, its 9B InternLM3 as Llama (InternVL3.5's Qwen3): the
+    language part is whatever the text config names, built as InternVLModel builds it."""
     checkpoint = build_checkpoint(
-        tmp_path_factory.mktemp("internvl_qwen2") / "m",
-        TinyVLMSpec(family="internvl", internvl_text_model="qwen2"),
+        tmp_path_factory.mktemp(f"internvl_{text_model}") / "m",
+        TinyVLMSpec(family="internvl", internvl_text_model=text_model),
     )
     vision = InternVLAdapter(str(checkpoint), ModelConfig(), {"vision"})
     language = InternVLAdapter(str(checkpoint), ModelConfig(), {"language"})
-    assert language.hf_config.text_config.model_type == "qwen2"
+    assert language.hf_config.text_config.model_type == text_model
     references = generate_references(whole_model(checkpoint), media_files, _processor_inputs)
     for media, num_frames in (("mp4", 8), ("png", 1)):
         assert_reference_varies(references[(media, num_frames)])
