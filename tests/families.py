@@ -11,7 +11,7 @@ import torch
 
 from epd.model_runtime.adapter import PrefillChunk, PrefillState, RenderOptions, VisionInputs, VisualMeta
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_reference import question_message, source_timed_inputs
+from epd.model_runtime.hf_reference import question_message, reference_inputs, source_timed_inputs
 from epd.model_runtime.loader import check_model_dir, load_adapter
 from tests.reference import decode_for_test
 
@@ -115,6 +115,13 @@ def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Pa
 
 def conversation(video) -> list[dict]:
     return question_message(video, QUESTION)
+
+
+def own_frames_inputs(processor, video):
+    """The processor's own inputs for the test question on epd's frames as they are (its own frame
+    sampling off, as vLLM calls it with frames it was given): LLaVA-OneVision's and InternVL's
+    reference (`reference_inputs`)."""
+    return reference_inputs(processor, video, conversation(video))
 
 
 def qwen_processor_inputs(

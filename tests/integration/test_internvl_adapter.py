@@ -36,6 +36,7 @@ from tests.families import (
     load_each_part,
     load_stage_adapters,
     load_video,
+    own_frames_inputs,
     visual_meta,
 )
 from tests.reference import whole_model
@@ -63,16 +64,6 @@ def whole(checkpoint):
     return whole_model(checkpoint)
 
 
-def _processor_inputs(processor, video):
-    """The processor's own __call__ on epd's frames (its own frame sampling off, as vLLM calls it)."""
-    text = processor.apply_chat_template(conversation(video), add_generation_prompt=True, tokenize=False)
-    if video.is_image:
-        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-    return processor(
-        text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False}
-    )
-
-
 def _split(vision, language, video, embeds=None, inputs=None):
     """Encoder adapter -> language adapter, greedy; returns (tokens, the prefill's last logits)."""
     inputs = vision.preprocess(video) if inputs is None else inputs
@@ -85,7 +76,7 @@ def _split(vision, language, video, embeds=None, inputs=None):
 
 @pytest.fixture(scope="module")
 def references(whole, media_files):
-    return generate_references(whole, media_files, _processor_inputs)
+    return generate_references(whole, media_files, own_frames_inputs)
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
@@ -99,7 +90,7 @@ def test_prompt_pixels_and_positions_are_the_processors_and_1d(
 ):
     model, processor = whole
     video = load_video(media_files, media, num_frames)
-    ref = _processor_inputs(processor, video)
+    ref = own_frames_inputs(processor, video)
     inputs = vision.preprocess(video)
     prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
 
@@ -150,7 +141,7 @@ def test_internvl3s_qwen2_and_llama_language_models_are_exact_too(tmp_path_facto
     vision = InternVLAdapter(str(checkpoint), ModelConfig(), {"vision"})
     language = InternVLAdapter(str(checkpoint), ModelConfig(), {"language"})
     assert language.hf_config.text_config.model_type == text_model
-    references = generate_references(whole_model(checkpoint), media_files, _processor_inputs)
+    references = generate_references(whole_model(checkpoint), media_files, own_frames_inputs)
     for media, num_frames in (("mp4", 8), ("png", 1)):
         assert_reference_varies(references[(media, num_frames)])
         tokens, _ = _split(vision, language, load_video(media_files, media, num_frames))

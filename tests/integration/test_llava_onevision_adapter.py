@@ -34,6 +34,7 @@ from tests.families import (
     load_each_part,
     load_stage_adapters,
     load_video,
+    own_frames_inputs,
     visual_meta,
 )
 from tests.reference import whole_model
@@ -61,15 +62,6 @@ def whole(checkpoint):
     return whole_model(checkpoint)
 
 
-def _processor_inputs(processor, video):
-    text = processor.apply_chat_template(conversation(video), add_generation_prompt=True, tokenize=False)
-    if video.is_image:
-        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-    return processor(
-        text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False}
-    )
-
-
 def _split(vision, language, video, embeds=None, video_newline=True):
     """Encoder adapter -> language adapter, greedy; returns (tokens, the prefill's last logits)."""
     inputs = vision.preprocess(video)
@@ -82,7 +74,7 @@ def _split(vision, language, video, embeds=None, video_newline=True):
 
 @pytest.fixture(scope="module")
 def references(whole, media_files):
-    return generate_references(whole, media_files, _processor_inputs)
+    return generate_references(whole, media_files, own_frames_inputs)
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
@@ -96,7 +88,7 @@ def test_prompt_pixels_and_positions_are_the_processors_and_1d(
 ):
     model, processor = whole
     video = load_video(media_files, media, num_frames)
-    ref = _processor_inputs(processor, video)
+    ref = own_frames_inputs(processor, video)
     inputs = vision.preprocess(video)
     prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
 
