@@ -9,7 +9,7 @@ traceback and the others still run (the exit code is 1 when any part failed or a
 did not hold).
 
 1. exactness, float32: the test suite's tiny Qwen2-VL and Qwen2.5-VL (with `--families all` also
-   Qwen3-VL, its MoE, Qwen3.5 and LLaVA-OneVision; built from the real config classes, saved,
+   Qwen3-VL, its MoE, Qwen3.5, LLaVA-OneVision and InternVL; built from the real config classes, saved,
    loaded back through from_pretrained), served by the embedded pipeline on the
    device: the colocated server's engine cores (batched tower steps, batched and chunked prefill,
    the decode batch over KV slots). Each case alone, then the four cases of
@@ -86,7 +86,16 @@ PRUNING_KNOBS = {"decode_min_steps": 4, "decode_evict_interval": 4}
 PRUNING_STAGES = ["temporal", "spatial_merge", "prefill_drop", "kv_compress", "decode_evict"]
 CASES = [("mp4", 8), ("mp4", 64), ("png", 1)]
 # Parts 1 and 5 run the first two unless --families names others ("all": every family epd serves).
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "llava_onevision",
+    "glm4v",
+    "internvl",
+]
 # (media, frames, max_new_tokens, start delay s): tests/integration/test_exactness.py's batch.
 BATCH = [("mp4", 64, 20, 0.0), ("mp4", 8, 7, 0.0), ("png", 1, 13, 0.05), ("mp4", 8, 20, 0.3)]
 NEAR_TIE_LOGITS = 1e-3

@@ -13,7 +13,7 @@ from epd.video.types import DecodeLimits, SamplingOptions
 
 DEFAULT_PORT = 50051
 SMALLEST_PATCH_PIXELS = 14 * 14
-"""The smallest vision patch of the families served (Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision: 14x14)."""
+"""The smallest vision patch of the families served (Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision, InternVL: 14x14)."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class EncoderConfig:
     (docs/benchmarks.md: 1.11x of max(decode, encode) with 2, 1.25x with 8)."""
     frames_at_model_size: bool = True
     """The PyAV decoder resizes each frame to the size the model's processor would give it as
-    soon as it is decoded (`VLMAdapter.frame_resizer`: Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision, and
+    soon as it is decoded (`VLMAdapter.frame_resizer`: Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision, InternVL, and
     Qwen3-VL / Qwen3.5 at the whole clip's size for the plan's frame count, where that gives the
     processor's pixels bit for bit), so a request holds its frames at the model's size, not the
     source's: 48 frames of 1080p were 285 MiB, at the tiny Qwen2-VL's 140x84 they are 1.6 MiB.

@@ -9,9 +9,9 @@ from pathlib import Path
 import safetensors
 import torch
 
-from epd.model_runtime.adapter import RenderOptions, VisualMeta
+from epd.model_runtime.adapter import PrefillChunk, PrefillState, RenderOptions, VisionInputs, VisualMeta
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_reference import question_message, source_timed_inputs
+from epd.model_runtime.hf_reference import question_message, reference_inputs, source_timed_inputs
 from epd.model_runtime.loader import check_model_dir, load_adapter
 from tests.reference import decode_for_test
 
@@ -104,7 +104,7 @@ def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Pa
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     out = dict(tiny_models)
-    for family in ("qwen3_vl", "qwen3_5", "llava_onevision", "glm4v"):
+    for family in ("qwen3_vl", "qwen3_5", "llava_onevision", "glm4v", "internvl"):
         out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
     out["qwen3_vl_moe"] = build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe")
     return out
@@ -112,6 +112,13 @@ def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Pa
 
 def conversation(video) -> list[dict]:
     return question_message(video, QUESTION)
+
+
+def own_frames_inputs(processor, video):
+    """The processor's own inputs for the test question on epd's frames as they are (its own frame
+    sampling off, as vLLM calls it with frames it was given): LLaVA-OneVision's and InternVL's
+    reference (`reference_inputs`)."""
+    return reference_inputs(processor, video, conversation(video))
 
 
 def qwen_processor_inputs(
@@ -355,3 +362,115 @@ def check_a_template_without_the_media_part_is_refused_as_such(adapter) -> None:
     ) as refused:
         adapter.build_prompt(conversation, visual, RenderOptions(chat_template=no_media))
     assert "at most one" not in str(refused.value)
+
+
+# -- checks shared by the families with 1-D positions (LLaVA-OneVision, InternVL) -------------------
+
+
+def one_dim_prompt_and_embeds(vision, language, media_files, media, num_frames):
+    """(the language adapter's prompt, the encoder adapter's embeddings) for the test question."""
+    video = load_video(media_files, media, num_frames)
+    inputs = vision.preprocess(video)
+    return language.build_prompt(conversation(video), visual_meta(vision, inputs)), vision.encode(inputs)
+
+
+def assert_frame_groups_encode_as_the_whole(vision, media_files) -> None:
+    """The encoder encodes `frames_per_group` frames at a time and concatenates: 2-frame groups of
+    8 frames give the whole clip's embeddings, and `encode_batch` of a group, the image and the
+    clip gives each one's `encode`."""
+    video = load_video(media_files, "mp4", 8)
+    inputs = vision.preprocess(video)
+    whole = vision.encode(inputs)
+    _, side, _ = inputs.grid_thw
+    groups = [
+        VisionInputs("video", inputs.pixel_values[i : i + 2], (2, side, side), inputs.second_per_grid_t)
+        for i in range(0, 8, 2)
+    ]
+    assert torch.allclose(torch.cat([vision.encode(g) for g in groups]), whole, atol=1e-5)
+    image = vision.preprocess(load_video(media_files, "png", 1))
+    batched = vision.encode_batch([groups[0], image, inputs])
+    alone = [vision.encode(groups[0]), vision.encode(image), whole]
+    assert [b.shape for b in batched] == [a.shape for a in alone]
+    assert all(torch.allclose(b, a, atol=1e-5) for b, a in zip(batched, alone, strict=True))
+
+
+def assert_chunked_and_batched_prefill_equal_alone(vision, language, media_files, last_cut: int) -> None:
+    """The 8-frame video's and the image's prompts in one padded `prefill_chunks` forward, and the
+    video's in three chunks (cut at token 30 and `last_cut` tokens after its last visual token),
+    equal `prefill` of each alone."""
+    (p1, e1), (p2, e2) = (
+        one_dim_prompt_and_embeds(vision, language, media_files, m, n) for m, n in (("mp4", 8), ("png", 1))
+    )
+    alone = [language.prefill(p, e) for p, e in ((p1, e1), (p2, e2))]
+    rows = language.prefill_chunks(
+        [PrefillChunk(p1, e1, 0, p1.num_tokens), PrefillChunk(p2, e2, 0, p2.num_tokens)]
+    )
+    for got, want in zip(rows, alone, strict=True):
+        assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)
+        kv = language.chunk_cache_to_kv(got.cache)
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(kv.keys, want.cache.keys, strict=True))
+    cuts = [0, 30, int(p1.visual_mask.nonzero()[-1]) + last_cut, p1.num_tokens]
+    cache = None
+    for start, end in zip(cuts, cuts[1:], strict=False):
+        (result,) = language.prefill_chunks([PrefillChunk(p1, e1, start, end, cache)])
+        cache = result.cache
+    assert torch.allclose(result.last_logits, alone[0].last_logits, atol=1e-4)
+    chunked = PrefillState(
+        language.chunk_cache_to_kv(cache), result.last_logits, alone[0].next_position_ids, p1.num_tokens
+    )
+    assert greedy(language, chunked) == greedy(language, alone[0])
+
+
+def assert_batched_decode_of_three_prompts_equals_alone(vision, language, media_files) -> None:
+    """Prompts of different lengths (8 frames, the image, 32 frames) decoded in one batch."""
+    states = [
+        language.prefill(*one_dim_prompt_and_embeds(vision, language, media_files, media, n))
+        for media, n in (("mp4", 8), ("png", 1), ("mp4", 32))
+    ]
+    assert language.kv_bytes_per_token * states[0].num_prompt_tokens == states[0].cache.num_bytes
+    assert_batched_decode_equals_alone(language, states)
+
+
+def assert_layerwise_pruning_refused_and_sizes_described(language) -> None:
+    """The prefill drop, KV compression and decode eviction need `layerwise_prefill` /
+    `capture_queries`, which a family without them refuses, naming its adapter; its sizes are
+    still described (what budgets and FLOP counts read)."""
+    import pytest
+
+    from epd.model_runtime.adapter import UnsupportedByFamily
+
+    name = type(language).__name__
+    dims = language.text_dims
+    c = language.hf_config.text_config
+    assert (dims.num_layers, dims.hidden_size, dims.num_kv_heads) == (
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_key_value_heads,
+    )
+    assert language.kv_bytes_per_token == 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4
+    embeds = language.embed(torch.tensor([[1, 2, 3]]))
+    assert embeds.shape == (1, 3, dims.hidden_size)
+    with pytest.raises(UnsupportedByFamily, match=f"{name} cannot run its decoder layer by layer"):
+        language.layerwise_prefill(embeds, torch.arange(3).view(1, 1, 3).expand(4, 1, 3))
+    with pytest.raises(UnsupportedByFamily, match=name):
+        language.capture_queries([0], torch.tensor([2]))
+
+
+def assert_three_services_equal_references(
+    checkpoint, media_files, references, logs: Path, tokens_per_frame: int
+) -> None:
+    """The unchanged engines serve the family: encoder (default 2-frame groups), prefill and
+    decode processes, each loading only its part, answer every case as generate() does, a video
+    with `tokens_per_frame` visual tokens a frame."""
+    from epd.client import EpdClient
+    from tests.stack import Stack
+
+    with Stack(checkpoint, logs) as stack:
+        with EpdClient(stack.gateway) as client:
+            for media, num_frames in CASES:
+                result = client.ask(
+                    media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS
+                )
+                assert result.token_ids == references[(media, num_frames)], (media, num_frames)
+                if media == "mp4":
+                    assert result.num_visual_tokens == tokens_per_frame * num_frames

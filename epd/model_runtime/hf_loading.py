@@ -116,6 +116,20 @@ def language_key(key: str) -> str | None:
     return None
 
 
+def nested_language_key(key: str) -> str | None:
+    """A language model nested in a LLaVA-style checkpoint (LLaVA-OneVision, InternVL): the saved
+    layout ("language_model.model.*", "language_model.lm_head.*"; older ones "language_model.*")
+    or a whole model's module names ("model.language_model.*", "lm_head.*") -> `LanguageOnly`'s
+    names; any other key (the tower's, the projector's) -> None (never read)."""
+    for prefix in ("lm_head.", "language_model.lm_head."):
+        if key.startswith(prefix):
+            return "lm_head." + key[len(prefix) :]
+    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+        if key.startswith(prefix):
+            return "model.language_model." + key[len(prefix) :]
+    return None
+
+
 class LanguageOnly(torch.nn.Module):
     """The language half of the model at the whole model's attribute paths (`model.language_model`,
     `lm_head`; no `model.visual`), so prefill and decode run the same modules either way."""
@@ -221,6 +235,23 @@ def load_language_state(model: LanguageOnly, state: dict[str, torch.Tensor], hf_
             f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
+
+
+def load_nested_language_model(
+    root: Path, files: list[str], path: str, hf_config, dtype: torch.dtype, rename
+) -> tuple[LanguageOnly, dict[str, torch.Tensor]]:
+    """`LanguageOnly` of whatever text model the config names (`AutoModel`, as LLaVA-style models
+    build it) and an lm_head, loaded from the tensors of the checkpoint's safetensors `files`
+    that `rename` maps to its names; (the model, the other tensors `rename` picked, by name: a
+    family's own language-side extras, LLaVA-OneVision's image_newline)."""
+    from transformers import AutoModel
+
+    text_config = hf_config.text_config
+    model = build_language_only(text_config, dtype, lambda: AutoModel.from_config(text_config, dtype=dtype))
+    state = read_part(root, files, rename)
+    extras = {k: state.pop(k) for k in list(state) if not k.startswith(("model.language_model.", "lm_head."))}
+    load_language_state(model, state, hf_config, path)  # the small checkpoints tie the head
+    return model, extras
 
 
 def load_language_model(path: str, hf_config, dtype: torch.dtype, text_cls):

@@ -37,7 +37,8 @@ def reference_inputs(processor, video: DecodedVideo, messages: list[dict], **tem
     continue_final_message), then the processor's __call__ with the frames our encoder samples, given
     as each family's adapter tests give them: Qwen2-VL / Qwen2.5-VL with the sampled frames as the
     whole clip, Qwen3-style processors (Qwen3-VL, its MoE, Qwen3.5) and GLM-4.1V's with the source's
-    fps and frame indices (for their timestamp text), LLaVA-OneVision with the frames as they are."""
+    fps and frame indices (for their timestamp text), LLaVA-OneVision and InternVL with the frames as
+    they are (their own frame sampling off)."""
     from transformers.video_utils import VideoMetadata
 
     template = {"add_generation_prompt": True, **template}
@@ -47,7 +48,7 @@ def reference_inputs(processor, video: DecodedVideo, messages: list[dict], **tem
     kind = type(processor).__name__
     if kind.startswith(("Qwen3", "Glm4v")):
         return source_timed_inputs(processor, video, messages, **template)
-    if kind.startswith("LlavaOnevision"):
+    if kind.startswith(("LlavaOnevision", "InternVL")):
         return processor(text=[text], videos=[video.frames], return_tensors="pt",
                          videos_kwargs={"do_sample_frames": False})  # fmt: skip
     t = video.num_frames

@@ -1,8 +1,8 @@
 """The language-model side every family runs on transformers' text models: decode (one request or
 a batch), the decode cache and KV sizes, chunked prefill's row handling, and the small accessors
 the engines and pruning code use. A family subclasses `HfTextAdapter` and overrides the hooks
-where its model differs (`_step_positions` / `_batch_positions` for 1-D rotary positions,
-`_kv_shape` for hybrid layers)."""
+where its model differs (`_text_positions` for 1-D rotary positions, `OneDimTextAdapter` the
+whole of it; `_kv_shape` for hybrid layers)."""
 
 from __future__ import annotations
 
@@ -311,7 +311,7 @@ class HfTextAdapter(VLMAdapter):
         length = prompt.num_tokens
         out = lm(
             inputs_embeds=embeds,
-            position_ids=prompt.position_ids.to(self.device),
+            position_ids=self._text_positions(prompt.position_ids).to(self.device),
             attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
             past_key_values=cache,
             use_cache=True,
@@ -407,7 +407,9 @@ class HfTextAdapter(VLMAdapter):
         self._check_continues(row)
         out = self._language_model()(
             inputs_embeds=self._chunk_embeds(row),
-            position_ids=row.prompt.position_ids[:, :, row.start : row.end].to(self.device),
+            position_ids=self._text_positions(row.prompt.position_ids[:, :, row.start : row.end]).to(
+                self.device
+            ),
             attention_mask=torch.ones(1, row.end, dtype=torch.long, device=self.device),
             past_key_values=row.cache,
             use_cache=True,
@@ -475,13 +477,18 @@ class HfTextAdapter(VLMAdapter):
         )
         return kv.to_dynamic(self.hf_config.text_config)
 
+    def _text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The interface's positions [4, B, n] -> what the text model takes: all four rows (M-RoPE's
+        text, t, h, w); a family with 1-D rotary positions takes row 0 (`OneDimTextAdapter`)."""
+        return position_ids
+
     def _step_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The interface's [4] positions of one step -> the text model's: [4, 1, 1] (M-RoPE)."""
-        return position_ids.view(4, 1, 1)
+        """The interface's [4] positions of one step -> the text model's (M-RoPE: [4, 1, 1])."""
+        return self._text_positions(position_ids.view(4, 1, 1))
 
     def _batch_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The interface's [4, B] positions of a batch step -> the text model's: [4, B, 1]."""
-        return position_ids[:, :, None]
+        """The interface's [4, B] positions of a batch step -> the text model's (M-RoPE: [4, B, 1])."""
+        return self._text_positions(position_ids[:, :, None])
 
     @torch.inference_mode()
     def decode_step(self, token_id: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
@@ -526,6 +533,51 @@ class HfTextAdapter(VLMAdapter):
         )
         batch.advance()
         return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
+
+
+class OneDimTextAdapter(HfTextAdapter):
+    """`HfTextAdapter` for a language model with plain 1-D rotary positions (LLaVA-OneVision's and
+    InternVL's Qwen2 / Qwen3). The interface's positions are 4 rows (Qwen's text row + M-RoPE
+    rows); such a family fills all four with the same 1-D position and the model reads row 0:
+    `Prompt.position_ids` is [4, 1, L] of arange(L) in every row (`one_dim_positions`),
+    `PrefillState.next_position_ids` (the 4 ints that cross to decode) is [L, L, L, L], and each
+    decode step's positions (+1 on every row, as the decode core does) are read from row 0. This
+    is what `generate()` uses: positions 0..L-1, then L, L+1, ... No pruning hook that needs
+    attention re-implemented (layerwise prefill, query capture) is written for these families."""
+
+    # `HfTextAdapter.prefill_chunks` over `_prefill_padded` below and `_prefill_continue`
+    supports_chunked_prefill = True
+
+    def _text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return position_ids[0]  # [B, n]: every row holds the 1-D position
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
+        num_visual = int(prompt.visual_mask.sum())
+        if visual_embeds.shape[0] != num_visual:
+            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+        return self._prefill_whole(prompt, visual_embeds)
+
+    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
+        from transformers import DynamicCache
+
+        embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
+        positions = torch.arange(embeds.shape[1], dtype=torch.long, device=self.device).expand(len(rows), -1)
+        cache = DynamicCache(config=self.hf_config.text_config)
+        out = self._language_model()(
+            inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        return self._padded_results(cache, out.last_hidden_state, rows)
+
+    @property
+    def text_dims(self) -> TextDims:
+        c = self.hf_config.text_config
+        layers, kv_heads, head_dim, _ = self._kv_shape()
+        return TextDims(layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, kv_heads, head_dim)
+
+    @property
+    def num_parameters(self) -> int:
+        return count_parameters(self.model, self.visual)
 
 
 class QwenTextAdapter(HfTextAdapter):
@@ -610,8 +662,12 @@ def _text_prompt(input_ids: torch.Tensor) -> Prompt:
     """A prompt of text alone, input_ids [1, L]: every position row (M-RoPE's three and the text
     row; a 1-D family reads them alike) the plain position 0..L-1, no visual token."""
     length = input_ids.shape[1]
-    positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
-    return Prompt(input_ids, positions, torch.zeros(length, dtype=torch.bool))
+    return Prompt(input_ids, one_dim_positions(length), torch.zeros(length, dtype=torch.bool))
+
+
+def one_dim_positions(length: int) -> torch.Tensor:
+    """[4, 1, length]: the plain positions 0..length-1 in every row."""
+    return torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
 
 
 class RopeHolder:

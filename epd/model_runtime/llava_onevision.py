@@ -29,11 +29,7 @@ What crosses Encode -> Prefill:
   * image: (1, image height, image width) in PIXELS of the original image: the anyres token count
     and unpadding follow from the original size, which prefill must know to expand `<image>`.
 
-Positions: 1-D. The interface's positions are 4 rows (Qwen's text row + M-RoPE rows); this family
-fills all four with the same 1-D position and reads row 0 only: `Prompt.position_ids` is
-[4, 1, L] of arange(L) in every row, `PrefillState.next_position_ids` (the 4 ints that cross to
-decode) is [L, L, L, L], and each decode step's positions (+1 on every row, as the decode core
-does) are read from row 0. This is what `generate()` uses: positions 0..L-1, then L, L+1, ...
+Positions: 1-D (`OneDimTextAdapter`: all four interface rows hold the same position, row 0 is read).
 No sparse (subset-of-patches) encoding: SigLIP's position embeddings are per patch of a fixed grid.
 """
 
@@ -48,27 +44,24 @@ import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
-    ChunkResult,
     PrefillChunk,
     PrefillState,
     Prompt,
     RenderOptions,
-    TextDims,
     VisionInputs,
     VisualMeta,
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import (
-    build_language_only,
     eos_token_ids,
     fingerprint,
     load_full_model,
-    load_language_state,
+    load_nested_language_model,
     load_vision_part,
-    read_part,
+    nested_language_key,
     safetensors_files,
 )
-from epd.model_runtime.hf_text import HfTextAdapter, check_one_placeholder
+from epd.model_runtime.hf_text import OneDimTextAdapter, check_one_placeholder, one_dim_positions
 from epd.model_runtime.kv_cache import KvCache
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
@@ -79,7 +72,7 @@ STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"langu
 NEWLINE_KEY = "image_newline"
 
 
-class LlavaOnevisionAdapter(HfTextAdapter):
+class LlavaOnevisionAdapter(OneDimTextAdapter):
     """Loads only the parts a stage needs: "vision" (SigLIP tower, projector, image_newline) and/or
     "language" (Qwen2 embeddings, decoder layers, lm_head, and the 1 x hidden image_newline that
     closes a video). From safetensors, a one-part stage reads only its own part's tensors; both
@@ -242,9 +235,7 @@ class LlavaOnevisionAdapter(HfTextAdapter):
             raise ValueError(
                 "the prompt's visual placeholders do not match the grid; the tokenizer split them"
             )
-        length = input_ids.shape[1]
-        positions = torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
-        return Prompt(input_ids, positions, visual_mask)
+        return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 
     def _embed(
         self,
@@ -295,8 +286,6 @@ class LlavaOnevisionAdapter(HfTextAdapter):
             num_prompt_tokens=length,
         )
 
-    supports_chunked_prefill = True  # `HfTextAdapter.prefill_chunks` over the two below
-
     def _chunk_embeds(self, row: PrefillChunk) -> torch.Tensor:
         first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens of earlier chunks
         mask = row.prompt.visual_mask[row.start : row.end]
@@ -306,54 +295,9 @@ class LlavaOnevisionAdapter(HfTextAdapter):
             row.visual_embeds[first : first + int(mask.sum())],
         )
 
-    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        from transformers import DynamicCache
-
-        embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
-        positions = torch.arange(embeds.shape[1], dtype=torch.long, device=self.device).expand(len(rows), -1)
-        cache = DynamicCache(config=self.hf_config.text_config)
-        out = self._language_model()(
-            inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-        return self._padded_results(cache, out.last_hidden_state, rows)
-
-    def _prefill_continue(self, row: PrefillChunk) -> ChunkResult:
-        self._check_continues(row)
-        out = self._language_model()(
-            inputs_embeds=self._chunk_embeds(row),
-            position_ids=row.prompt.position_ids[0, :, row.start : row.end].to(self.device),
-            attention_mask=torch.ones(1, row.end, dtype=torch.long, device=self.device),
-            past_key_values=row.cache,
-            use_cache=True,
-        )
-        return self._continued_result(row, out.last_hidden_state)
-
-    # -- decode (`HfTextAdapter`'s, on the 1-D position) ---------------------------------------
-
-    def _step_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """position_ids: the interface's [4]; row 0 is the 1-D position (all rows are equal)."""
-        return position_ids.reshape(4)[:1].view(1, 1)
-
-    def _batch_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """position_ids [4, B]: row 0 is each request's 1-D position -> [B, 1]."""
-        return position_ids[0][:, None]
-
-    # -- pruning interface (the parts that need no attention re-implementation) ---------------
-    # layerwise_prefill, capture_queries and the decode-cache eviction hooks keep the defaults:
-    # the prefill drop, KV compression and decode eviction are refused (UnsupportedByFamily).
-
-    @property
-    def text_dims(self) -> TextDims:
-        c = self.hf_config.text_config
-        layers, kv_heads, head_dim, _ = self._kv_shape()
-        return TextDims(layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, kv_heads, head_dim)
-
-    @property
-    def num_parameters(self) -> int:
-        parts = [self.model] if self.model is not None else []
-        if self.visual is not None and (self.model is None or self.visual is not self.model.model):
-            parts.append(self.visual)
-        return sum(p.numel() for m in parts for p in m.parameters())
+    # -- decode: `OneDimTextAdapter`'s (`HfTextAdapter`'s on the 1-D position) --------------------
+    # Pruning: layerwise_prefill, capture_queries and the decode-cache eviction hooks keep the
+    # defaults: the prefill drop, KV compression and decode eviction are refused (UnsupportedByFamily).
 
 
 # -- stage loading ----------------------------------------------------------------------------
@@ -381,13 +325,7 @@ def language_key(key: str) -> str | None:
     "image_newline" (the video's closing embedding), else None (the tower's are never read)."""
     if key in ("image_newline", "model.image_newline"):
         return NEWLINE_KEY
-    for prefix in ("lm_head.", "language_model.lm_head."):
-        if key.startswith(prefix):
-            return "lm_head." + key[len(prefix) :]
-    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
-        if key.startswith(prefix):
-            return "model.language_model." + key[len(prefix) :]
-    return None
+    return nested_language_key(key)
 
 
 def _vision_part_class():
@@ -433,8 +371,6 @@ def _load_vision_part(path: str, hf_config, dtype: torch.dtype):
 
 def _load_language_part(path: str, hf_config, dtype: torch.dtype):
     """(`LanguageOnly` with the Qwen2 text model and lm_head, image_newline [hidden])."""
-    from transformers import AutoModel
-
     root, files = safetensors_files(path)
     if not files:
         log.info("no safetensors in %s; loading the full model for its language model", root)
@@ -442,13 +378,10 @@ def _load_language_part(path: str, hf_config, dtype: torch.dtype):
         newline = model.model.image_newline.data
         model.model.vision_tower = model.model.multi_modal_projector = None
         return model, newline
-    text_config = hf_config.text_config
-    model = build_language_only(text_config, dtype, lambda: AutoModel.from_config(text_config, dtype=dtype))
-    state = read_part(root, files, language_key)
-    newline = state.pop(NEWLINE_KEY, None)
+    model, extras = load_nested_language_model(root, files, path, hf_config, dtype, language_key)
+    newline = extras.get(NEWLINE_KEY)
     if newline is None:
         raise ValueError(f"checkpoint {path} has no image_newline")
-    load_language_state(model, state, hf_config, path)  # the 0.5B checkpoints tie the head
     return model, newline.to(dtype)
 
 

@@ -36,6 +36,7 @@ _FAMILIES = {
     "qwen3_5": ("qwen3_5", "Qwen3_5Adapter"),
     "llava_onevision": ("llava_onevision", "LlavaOnevisionAdapter"),
     "glm4v": ("glm4v", "Glm4vAdapter"),
+    "internvl": ("internvl", "InternVLAdapter"),
 }
 SUPPORTED = (
     "Qwen2-VL and Qwen2.5-VL checkpoints (model_type qwen2_vl or qwen2_5_vl) "
@@ -43,6 +44,7 @@ SUPPORTED = (
     ", Qwen3.5 (model_type qwen3_5)"
     ", LLaVA-OneVision (model_type llava_onevision)"
     ", GLM-4.1V (model_type glm4v)"
+    ", InternVL3 / InternVL3.5 -hf (model_type internvl)"
 )
 
 # safetensors refuses headers above 100 MB; a bigger length means the first bytes are not a header.

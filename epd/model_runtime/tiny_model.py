@@ -87,7 +87,7 @@ _CORPUS_WORDS = (
 class TinyVLMSpec:
     """Sizes of a built checkpoint. Defaults give a ~1M-parameter model that runs fast on a CPU."""
 
-    family: str = "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision" or "glm4v"
+    family: str = "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision", "glm4v" or "internvl"
     vocab_size: int = 512  # BPE vocabulary incl. special tokens (rounded up with unused ids)
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -113,6 +113,9 @@ class TinyVLMSpec:
     qwen3_5_full_attention_interval: int = 2
     """Qwen3.5 only: every n-th language layer is full attention, the others Gated DeltaNet (the
     hub's models use 4; with 2, layers alternate linear, full, linear, full, ...)."""
+    internvl_text_model: str = "qwen3"
+    """InternVL only: its language model, "qwen3" (InternVL3.5's), "qwen2" (InternVL3's) or "llama"
+    (InternVL3-9B's InternLM3, converted to Llama)."""
 
 
 def _train_tokenizer(
@@ -149,6 +152,8 @@ def build_processor(spec: TinyVLMSpec):
         return _build_llava_onevision_processor(spec)
     if spec.family == "glm4v":
         return _build_glm4v_processor(spec)
+    if spec.family == "internvl":
+        return _build_internvl_processor(spec)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
         eos_token="<|im_end|>",
@@ -201,6 +206,8 @@ def build_model(spec: TinyVLMSpec, tokenizer):
         return _build_llava_onevision_model(spec, tokenizer)
     if spec.family == "glm4v":
         return _build_glm4v_model(spec, tokenizer)
+    if spec.family == "internvl":
+        return _build_internvl_model(spec, tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(
         **text_sizes(spec, tokenizer),
@@ -431,14 +438,7 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
 
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    text = dict(
-        model_type="qwen2",
-        **text_sizes(spec, tokenizer),
-        eos_token_id=eos,
-        bos_token_id=pad,
-        pad_token_id=pad,
-        tie_word_embeddings=False,
-    )
+    text = _nested_text_config(spec, tokenizer, "qwen2")
     vision = dict(
         model_type="siglip_vision_model",
         hidden_size=spec.vision_embed_dim,
@@ -581,3 +581,127 @@ def _build_glm4v_model(spec: TinyVLMSpec, tokenizer):
     torch.manual_seed(spec.seed)
     model = Glm4vForConditionalGeneration(config).eval()
     return model if spec.init == "hf" else scale_weights(model, spec)
+
+
+# -- InternVL -------------------------------------------------------------------------------------
+# The template of the OpenGVLab/InternVL3*-hf checkpoints (transformers' convert_internvl_weights_to_hf.py),
+# with the image placeholder the processor expands (`<IMG_CONTEXT>`): each media part, then its
+# text, in the user's order; no default system message. Special tokens: Qwen's plus InternVL's
+# <img>, </img>, <IMG_CONTEXT> and <video>, named as the hub's tokenizer names them
+# (`extra_special_tokens`, which InternVLProcessor reads).
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)
+INTERNVL_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+# InternViT tiles and frames of 112 px, patch 14: 8 x 8 patches, pixel-shuffled (0.5) to 4 x 4 =
+# 16 tokens each (448 px, 32 x 32 -> 256 on the hub). Images: up to 6 tiles and a thumbnail (12 on the hub).
+INTERNVL_IMAGE_SIZE = 112
+INTERNVL_MAX_TILES = 6
+
+
+def _build_internvl_processor(spec: TinyVLMSpec):
+    from transformers import (
+        GotOcr2ImageProcessor,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec.vocab_size, spec.extra_words),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[*SPECIAL_TOKENS[1:], *INTERNVL_TOKENS.values()],
+        extra_special_tokens=INTERNVL_TOKENS,
+    )
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    side = INTERNVL_IMAGE_SIZE
+    size = {"height": side, "width": side}
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # ImageNet's, as the hub's processors
+    return InternVLProcessor(
+        # crop_to_patches left at the image processor's default (off), as the hub's: InternVLProcessor
+        # turns it on for its own calls, which the adapter must reproduce
+        image_processor=GotOcr2ImageProcessor(
+            size=size,
+            min_patches=1,
+            max_patches=INTERNVL_MAX_TILES,
+            image_mean=mean,
+            image_std=std,
+        ),
+        tokenizer=tokenizer,
+        video_processor=InternVLVideoProcessor(size=size, image_mean=mean, image_std=std),
+        image_seq_length=(side // 14 // 2) ** 2,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
+    )
+
+
+def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
+    """InternViT tower + pixel-shuffle projector + a Qwen3 (InternVL3.5) or Qwen2 (InternVL3)
+    language model, as OpenGVLab/InternVL3_5-*-HF, tiny."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    if spec.internvl_text_model not in ("qwen3", "qwen2", "llama"):
+        raise ValueError(
+            f"unknown InternVL language model {spec.internvl_text_model!r}; use 'qwen3', 'qwen2' or 'llama'"
+        )
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = _nested_text_config(spec, tokenizer, spec.internvl_text_model)
+    vision = dict(
+        hidden_size=spec.vision_embed_dim,
+        intermediate_size=spec.vision_embed_dim * 2,
+        num_hidden_layers=spec.vision_depth,
+        num_attention_heads=spec.vision_num_heads,
+        image_size=INTERNVL_IMAGE_SIZE,
+        patch_size=14,
+    )
+    config = InternVLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
+        image_seq_length=(INTERNVL_IMAGE_SIZE // 14 // 2) ** 2,
+        downsample_ratio=0.5,
+        tie_word_embeddings=False,
+    )
+    config.eos_token_id = eos
+    config.pad_token_id = pad
+    torch.manual_seed(spec.seed)
+    model = InternVLForConditionalGeneration(config).eval()
+    if spec.init == "hf":
+        return model
+    scale_weights(model, spec)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Qwen3's per-head query/key norms (weights of one) keep a random model's attention
+                # nearly uniform and its greedy answer one repeated token; doubled, it varies.
+                param.fill_(2.0)
+    return model
+
+
+def _nested_text_config(spec: TinyVLMSpec, tokenizer, model_type: str) -> dict[str, Any]:
+    """The text config of a LLaVA-style model's language model (`model_type` "qwen2", "qwen3" or "llama"),
+    sized by `spec`, its special token ids taken from `tokenizer`."""
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text: dict[str, Any] = dict(
+        model_type=model_type,
+        **text_sizes(spec, tokenizer),
+        eos_token_id=eos,
+        bos_token_id=pad,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    if model_type == "qwen3":  # its config's default head_dim (128) is not hidden / heads
+        text["head_dim"] = spec.hidden_size // spec.num_attention_heads
+    return text

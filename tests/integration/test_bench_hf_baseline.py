@@ -16,7 +16,7 @@ NUM_FRAMES = 4
 MAX_NEW_TOKENS = 6
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision", "glm4v"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision", "glm4v", "internvl"])
 def test_the_hf_baseline_generates_the_references_tokens(tiny_models, media_files, tmp_path, family):
     from epd.bench.serve import build_parser, run_hf_baseline
 

@@ -36,7 +36,16 @@ from tests.stack import Stack, free_port
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "llava_onevision",
+    "glm4v",
+    "internvl",
+]
 NO_THINKING = {"enable_thinking": False}
 READS_IT = {"qwen3_5"}
 """The families whose tiny template reads `enable_thinking` (Qwen3.5's, as the hub's does)."""

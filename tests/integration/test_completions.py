@@ -38,7 +38,16 @@ from tests.reference import whole_model
 
 PROMPT = "Once upon a time, in a land far away,"
 MAX_TOKENS = 12
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "llava_onevision",
+    "glm4v",
+    "internvl",
+]
 
 
 @pytest.fixture(scope="module")

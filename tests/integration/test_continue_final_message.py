@@ -34,7 +34,16 @@ from tests.stack import Stack, free_port
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "llava_onevision",
+    "glm4v",
+    "internvl",
+]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 CHAT = "/v1/chat/completions"
 

@@ -26,7 +26,7 @@ from epd.video.types import DecodedVideo, SamplingOptions
 from tests.embedded import ask_tokens
 from tests.families import assert_pipeline_answers_as_generate, build_qwen3_5_checkpoint
 from tests.media import make_video
-from tests.reference import decode_for_test, question_message, reference_tokens, whole_model
+from tests.reference import decode_for_test, reference_tokens, whole_model
 
 QUESTION = "what colour is the moving square?"
 NO_CACHE = TokenCacheConfig(memory_budget_bytes=0)
@@ -39,12 +39,13 @@ def wide_clip(tmp_path_factory):
 
 
 QWEN3_FAMILIES = ["qwen3_vl", "qwen3_5"]
+FIXED_SIZE_FAMILIES = ["llava_onevision", "internvl"]  # every frame resized to one square
 
 
 @pytest.fixture(scope="module")
 def models(tiny_models, tmp_path_factory):
-    """The families with a resizer: Qwen2-VL, Qwen2.5-VL (per-frame bounds), LLaVA-OneVision
-    (one fixed size), Qwen3-VL and Qwen3.5 (the whole clip's bound)."""
+    """The families with a resizer: Qwen2-VL, Qwen2.5-VL (per-frame bounds), LLaVA-OneVision and
+    InternVL (one fixed size), Qwen3-VL and Qwen3.5 (the whole clip's bound)."""
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     def tiny(family: str):
@@ -53,6 +54,7 @@ def models(tiny_models, tmp_path_factory):
     return {
         **tiny_models,
         "llava_onevision": tiny("llava_onevision"),
+        "internvl": tiny("internvl"),
         "qwen3_vl": tiny("qwen3_vl"),
         "qwen3_5": build_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "m"),
     }
@@ -61,18 +63,18 @@ def models(tiny_models, tmp_path_factory):
 def _processor_pixels(adapter, frames: np.ndarray) -> dict:
     """What the family's `preprocess` gets from its video processor for `frames` [T, H, W, 3]."""
     vp = adapter.processor.video_processor
-    kwargs = {} if adapter.family == "llava_onevision" else {"cap_pixels_per_frame": False}
+    kwargs = {} if adapter.family in FIXED_SIZE_FAMILIES else {"cap_pixels_per_frame": False}
     return dict(vp(videos=[frames], do_sample_frames=False, return_tensors="pt", **kwargs))
 
 
 def _target_size(adapter, pixels: dict) -> tuple[int, int]:
-    if adapter.family == "llava_onevision":
+    if adapter.family in FIXED_SIZE_FAMILIES:
         return adapter.processor.video_processor.size.height, adapter.processor.video_processor.size.width
     _, grid_h, grid_w = pixels["video_grid_thw"][0].tolist()
     return grid_h * 14, grid_w * 14  # patch 14
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", *FIXED_SIZE_FAMILIES])
 def test_resized_frames_give_the_processors_own_pixels(models, family):
     """Bit for bit: the processor on frames the resizer made, one at a time, equals the processor
     on the frames as decoded, for shrunk, enlarged (under min_pixels), odd and unchanged sizes."""
@@ -249,25 +251,12 @@ def test_qwen3_answer_about_a_shrunk_odd_clip_equals_generate(models, wide_clip,
         assert_pipeline_answers_as_generate(pipeline, whole_model(models[family]), wide_clip, 23, 12)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", *FIXED_SIZE_FAMILIES])
 def test_answer_about_a_shrunk_video_equals_generate(models, wide_clip, family):
     """generate() gets the frames as decoded (320x180) and its processor resizes them; the
     pipeline's decoder resized them already."""
     video = decode_for_test(wide_clip, 8)  # [8, 180, 320, 3]
-    # its processor takes no Qwen video kwargs (tests/integration/test_llava_onevision_adapter.py)
-    if family == "llava_onevision":
-        model, processor = whole_model(models[family])
-        text = processor.apply_chat_template(
-            question_message(video, QUESTION), add_generation_prompt=True, tokenize=False
-        )
-        inputs = processor(
-            text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False}
-        )
-        with torch.inference_mode():
-            generated = model.generate(**inputs, do_sample=False, max_new_tokens=12)
-        want = generated[0, inputs["input_ids"].shape[1] :].tolist()
-    else:
-        want = reference_tokens(models[family], video, QUESTION, 12)
+    want = reference_tokens(models[family], video, QUESTION, 12)  # each processor's own inputs
     with build_embedded_pipeline(ModelConfig(model=str(models[family]))) as pipeline:
         got = asyncio.run(ask_tokens(pipeline, wide_clip, QUESTION, 8, 12))
     assert got == want

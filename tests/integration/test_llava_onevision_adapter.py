@@ -13,18 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epd.model_runtime.adapter import PrefillChunk, VisionInputs
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter, language_key, vision_key
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.families import (
     CASES,
-    MAX_NEW_TOKENS,
-    QUESTION,
-    assert_batched_decode_equals_alone,
+    assert_batched_decode_of_three_prompts_equals_alone,
+    assert_chunked_and_batched_prefill_equal_alone,
     assert_epd_ask_equals_references,
+    assert_frame_groups_encode_as_the_whole,
+    assert_layerwise_pruning_refused_and_sizes_described,
     assert_reference_varies,
     assert_same_state,
+    assert_three_services_equal_references,
     check_a_template_without_the_media_part_is_refused_as_such,
     checkpoint_keys,
     conversation,
@@ -33,6 +34,7 @@ from tests.families import (
     load_each_part,
     load_stage_adapters,
     load_video,
+    own_frames_inputs,
     visual_meta,
 )
 from tests.reference import whole_model
@@ -60,15 +62,6 @@ def whole(checkpoint):
     return whole_model(checkpoint)
 
 
-def _processor_inputs(processor, video):
-    text = processor.apply_chat_template(conversation(video), add_generation_prompt=True, tokenize=False)
-    if video.is_image:
-        return processor(text=[text], images=[video.frames[0]], return_tensors="pt")
-    return processor(
-        text=[text], videos=[video.frames], return_tensors="pt", videos_kwargs={"do_sample_frames": False}
-    )
-
-
 def _split(vision, language, video, embeds=None, video_newline=True):
     """Encoder adapter -> language adapter, greedy; returns (tokens, the prefill's last logits)."""
     inputs = vision.preprocess(video)
@@ -81,7 +74,7 @@ def _split(vision, language, video, embeds=None, video_newline=True):
 
 @pytest.fixture(scope="module")
 def references(whole, media_files):
-    return generate_references(whole, media_files, _processor_inputs)
+    return generate_references(whole, media_files, own_frames_inputs)
 
 
 @pytest.mark.parametrize("media,num_frames", CASES)
@@ -95,7 +88,7 @@ def test_prompt_pixels_and_positions_are_the_processors_and_1d(
 ):
     model, processor = whole
     video = load_video(media_files, media, num_frames)
-    ref = _processor_inputs(processor, video)
+    ref = own_frames_inputs(processor, video)
     inputs = vision.preprocess(video)
     prompt = language.build_prompt(conversation(video), visual_meta(vision, inputs))
 
@@ -161,64 +154,16 @@ def test_negative_controls_change_the_answer(vision, language, media_files, refe
 
 
 def test_frame_groups_encode_independently_and_encode_batch_equals_encode(vision, media_files):
-    """The encoder encodes `frames_per_group` frames at a time and concatenates: exact here
-    because the closing newline is prefill's, not the encoder's."""
-    video = load_video(media_files, "mp4", 8)
-    inputs = vision.preprocess(video)
-    whole = vision.encode(inputs)
-    groups = [
-        VisionInputs("video", inputs.pixel_values[i : i + 2], (2, 5, 5), inputs.second_per_grid_t)
-        for i in range(0, 8, 2)
-    ]
-    assert torch.allclose(torch.cat([vision.encode(g) for g in groups]), whole, atol=1e-5)
-    image = vision.preprocess(load_video(media_files, "png", 1))
-    batched = vision.encode_batch([groups[0], image, inputs])
-    alone = [vision.encode(groups[0]), vision.encode(image), whole]
-    assert [b.shape for b in batched] == [a.shape for a in alone]
-    assert all(torch.allclose(b, a, atol=1e-5) for b, a in zip(batched, alone, strict=True))
-
-
-def _prompt_and_embeds(vision, language, media_files, media, num_frames):
-    video = load_video(media_files, media, num_frames)
-    inputs = vision.preprocess(video)
-    return language.build_prompt(conversation(video), visual_meta(vision, inputs)), vision.encode(inputs)
+    assert_frame_groups_encode_as_the_whole(vision, media_files)
 
 
 def test_chunked_and_batched_prefill_equal_prefill_alone(vision, language, media_files):
-    (p1, e1), (p2, e2) = (
-        _prompt_and_embeds(vision, language, media_files, m, n) for m, n in (("mp4", 8), ("png", 1))
-    )
-    alone = [language.prefill(p, e) for p, e in ((p1, e1), (p2, e2))]
-    # both prompts in one padded forward
-    rows = language.prefill_chunks(
-        [PrefillChunk(p1, e1, 0, p1.num_tokens), PrefillChunk(p2, e2, 0, p2.num_tokens)]
-    )
-    for got, want in zip(rows, alone, strict=True):
-        assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)
-        kv = language.chunk_cache_to_kv(got.cache)
-        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(kv.keys, want.cache.keys, strict=True))
-    # the video prompt in three chunks that cut through its visual tokens and its closing newline
-    cuts = [0, 30, int(p1.visual_mask.nonzero()[-1]) + 1, p1.num_tokens]
-    cache = None
-    for start, end in zip(cuts, cuts[1:], strict=False):
-        (result,) = language.prefill_chunks([PrefillChunk(p1, e1, start, end, cache)])
-        cache = result.cache
-    assert torch.allclose(result.last_logits, alone[0].last_logits, atol=1e-4)
-    assert greedy(
-        language,
-        type(alone[0])(
-            language.chunk_cache_to_kv(cache), result.last_logits, alone[0].next_position_ids, p1.num_tokens
-        ),
-    ) == greedy(language, alone[0])
+    # the video prompt's chunks cut through its visual tokens and its closing newline
+    assert_chunked_and_batched_prefill_equal_alone(vision, language, media_files, last_cut=1)
 
 
 def test_batched_decode_equals_decoding_each_request_alone(vision, language, media_files):
-    states = [
-        language.prefill(*_prompt_and_embeds(vision, language, media_files, media, n))
-        for media, n in (("mp4", 8), ("png", 1), ("mp4", 32))  # prompts of different lengths
-    ]
-    assert language.kv_bytes_per_token * states[0].num_prompt_tokens == states[0].cache.num_bytes
-    assert_batched_decode_equals_alone(language, states)
+    assert_batched_decode_of_three_prompts_equals_alone(vision, language, media_files)
 
 
 def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly(
@@ -281,43 +226,12 @@ def test_the_whole_model_adapter_equals_the_split(checkpoint, vision, media_file
 
 
 def test_layerwise_pruning_is_refused_by_name_and_the_sizes_are_described(language):
-    """The prefill drop, KV compression and decode eviction need `layerwise_prefill` /
-    `capture_queries`, which this family does not implement yet: refused, naming it."""
-    from epd.model_runtime.adapter import UnsupportedByFamily
-
-    dims = language.text_dims
-    c = language.hf_config.text_config
-    assert (dims.num_layers, dims.hidden_size, dims.num_kv_heads) == (
-        c.num_hidden_layers,
-        c.hidden_size,
-        c.num_key_value_heads,
-    )
-    assert language.kv_bytes_per_token == 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4
-    embeds = language.embed(torch.tensor([[1, 2, 3]]))
-    assert embeds.shape == (1, 3, dims.hidden_size)
-    with pytest.raises(
-        UnsupportedByFamily, match="LlavaOnevisionAdapter cannot run its decoder layer by layer"
-    ):
-        language.layerwise_prefill(embeds, torch.arange(3).view(1, 1, 3).expand(4, 1, 3))
-    with pytest.raises(UnsupportedByFamily, match="LlavaOnevisionAdapter"):
-        language.capture_queries([0], torch.tensor([2]))
+    assert_layerwise_pruning_refused_and_sizes_described(language)
 
 
 def test_three_services_equal_generate(checkpoint, media_files, references, tmp_path_factory):
-    """The unchanged engines serve this family: encoder (default 2-frame groups), prefill and
-    decode processes, each loading only its part, answer exactly as generate() does."""
-    from epd.client import EpdClient
-    from tests.stack import Stack
-
-    with Stack(checkpoint, tmp_path_factory.mktemp("logs_llava_onevision")) as stack:
-        with EpdClient(stack.gateway) as client:
-            for media, num_frames in CASES:
-                result = client.ask(
-                    media_files[media], QUESTION, num_frames=num_frames, max_new_tokens=MAX_NEW_TOKENS
-                )
-                assert result.token_ids == references[(media, num_frames)], (media, num_frames)
-                visual = 9 * num_frames if media == "mp4" else None
-                assert visual is None or result.num_visual_tokens == visual
+    logs = tmp_path_factory.mktemp("logs_llava_onevision")
+    assert_three_services_equal_references(checkpoint, media_files, references, logs, 9)
 
 
 def test_epd_ask_with_this_model_answers_as_generate(checkpoint, media_files, references, capsys):

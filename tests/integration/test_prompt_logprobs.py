@@ -298,7 +298,7 @@ def assert_json_prompt_logprobs(got: list, ids: list[int], logprobs: torch.Tenso
         assert all(isinstance(e["decoded_token"], str) for e in entry.values())
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "llava_onevision", "qwen3_5", "glm4v"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava_onevision", "qwen3_5", "glm4v", "internvl"])
 def test_every_familys_chunked_prefill_computes_them(family, tmp_path):
     """Each family's own padded forward and continued chunk: a raw prompt's first 7 tokens in a
     padded forward beside a shorter prompt that does not ask, then the rest after its cache; the

@@ -72,7 +72,16 @@ def summary(pipeline, messages: list[dict], media: MediaInput | None = None, **o
 
 # -- every family, in one process ---------------------------------------------------------------
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "llava_onevision",
+    "glm4v",
+    "internvl",
+]
 
 
 @pytest.fixture(scope="module")

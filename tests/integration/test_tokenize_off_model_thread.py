@@ -82,7 +82,8 @@ def _backend_settings(adapter) -> tuple:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+    "family",
+    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v", "internvl"],
 )
 def test_prefill_keeps_one_tokenizer_that_no_call_changes(checkpoints, family):
     """The engine adds no tokenizer to the process (it kept a deep copy for /tokenize), and no
@@ -153,7 +154,8 @@ def test_a_tokenizer_json_with_truncation_and_padding_is_settled_before_a_second
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+    "family",
+    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v", "internvl"],
 )
 def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_processor(checkpoints, family):
     """/tokenize's continue_final_message and return_token_strs in every family: the ids of the

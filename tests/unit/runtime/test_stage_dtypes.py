@@ -12,7 +12,20 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from tests.families import build_qwen3_5_checkpoint, build_qwen3_vl_moe_checkpoint, load_video
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "llava_onevision",
+    "glm4v",
+    "internvl",
+]
+WHOLE_MODEL_PART = (
+    "llava_onevision",
+    "internvl",
+)  # the encoder's part is `model.model`'s tower and projector
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +40,15 @@ def checkpoints(tiny_models, tmp_path_factory) -> dict:
         "qwen3_5": build_qwen3_5_checkpoint(root / "qwen3_5"),
         "llava_onevision": build_checkpoint(root / "llava_onevision", TinyVLMSpec(family="llava_onevision")),
         "glm4v": build_checkpoint(root / "glm4v", TinyVLMSpec(family="glm4v")),
+        "internvl": build_checkpoint(root / "internvl", TinyVLMSpec(family="internvl")),
     }
 
 
 def _whole_models_part(whole, encoder) -> torch.nn.Module:
     """The whole model's module that the encoder stage loads alone (LLaVA-OneVision's part is the
-    tower, projector and image_newline of `model.model`; Qwen's the tower `model.model.visual`)."""
-    return whole.model.model if whole.hf_config.model_type == "llava_onevision" else whole.visual
+    tower, projector and image_newline of `model.model`, InternVL's its tower and projector; Qwen's
+    the tower `model.model.visual`)."""
+    return whole.model.model if whole.hf_config.model_type in WHOLE_MODEL_PART else whole.visual
 
 
 def _floating_dtypes(named) -> dict[str, torch.dtype]:
@@ -58,7 +73,7 @@ def test_encoder_stage_has_the_whole_models_dtypes_and_embeddings(checkpoints, m
         name: d for name, d in _floating_dtypes(part.named_parameters()).items() if name in params
     }
     assert set(params.values()) == {getattr(torch, dtype)}
-    if family != "llava_onevision":  # SigLIP has learned positions, no rotary
+    if family not in WHOLE_MODEL_PART:  # SigLIP and InternViT have learned positions, no rotary
         assert buffers["rotary_pos_emb.inv_freq"] == torch.float32, "the case this test is about"
 
     inputs = whole.preprocess(load_video(media_files, "mp4", 8))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from epd.model_runtime.glm4v import Glm4vAdapter
+from epd.model_runtime.internvl import InternVLAdapter
 from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter
 from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.model_runtime.qwen3_5 import Qwen3_5Adapter
@@ -48,6 +49,7 @@ def test_qwen2_families_run_every_stage():
         (Qwen3_5Adapter, "qwen3_5", set()),
         (LlavaOnevisionAdapter, "llava_onevision", set()),
         (Glm4vAdapter, "glm4v", set()),
+        (InternVLAdapter, "internvl", set()),
     ],
 )
 def test_other_families_refuse_what_they_cannot_run_naming_stage_service_and_family(cls, family, allowed):
