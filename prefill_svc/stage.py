@@ -212,13 +212,13 @@ class LocalPrefillStage(PrefillStage):
         a warning and left to end with its render or with the process. Idempotent."""
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         deadline_s = time.monotonic() + (CLOSE_WAIT_S if wait_s is None else wait_s)
-        if deadline_s <= time.monotonic():
-            return
         for thread in self._tokenizer_threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))
         if running := [t.name for t in self._tokenizer_threads if t.is_alive()]:
             log.warning("prefill tokenizer threads %s still render after close", ", ".join(running))
 
     async def close(self) -> None:
-        self.close_tokenizer(wait_s=0)  # on the event loop: the owner waits for them after (its closers)
+        # On the event loop: no new render starts; the owner waits for the running ones after
+        # (`close_tokenizer`, off the loop).
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         await self.core.close()

@@ -506,3 +506,53 @@ def test_closing_the_tokenizer_threads_waits_for_a_held_render_only_up_to_the_bo
         r for r in caplog.records if r.levelno == logging.WARNING and "still render after close" in r.message
     ]
     assert len(left) == 1 and TOKENIZER_THREAD_NAME in left[0].message
+
+
+def test_closing_an_embedded_pipeline_waits_for_all_its_parts_within_one_bound(
+    tiny_models, monkeypatch, caplog
+):
+    """An embedded pipeline's close waits for its parts in turn against one deadline,
+    `CLOSE_WAIT_S` (made short here): with a render held in a tokenizer thread (a looping trusted
+    chat template) and a call held on the model thread, the model threads' close gets what the
+    tokenizer threads' wait left of it, nothing, where each part had its own bound one after
+    another (the encoder's 5 s, the tokenizer's 30 s, the model's 30 s: 65 s at worst). The close
+    returns with both still held, and names both in warnings. The waits each part was given are
+    recorded, not timed."""
+    from epd.gateway import embedded as embedded_module
+    from epd.gateway.embedded import build_embedded_pipeline
+
+    monkeypatch.setattr(embedded_module, "CLOSE_WAIT_S", 0.2)
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"])))
+    started = threading.Semaphore(0)
+    release = threading.Event()
+
+    def held() -> None:
+        started.release()
+        release.wait(3 * HANG_GUARD_S)  # past the test's own waits: the test ends it
+
+    given: dict[str, tuple] = {}
+
+    def recorded(name: str, close):
+        def close_and_record(*args):
+            given[name] = args
+            return close(*args)
+
+        return close_and_record
+
+    try:
+        pipeline.prefill._tokenizer_thread.submit(held)  # what a looping chat template does to its thread
+        threading.Thread(target=pipeline.model_thread.call, args=(held,), daemon=True).start()
+        assert started.acquire(timeout=HANG_GUARD_S) and started.acquire(timeout=HANG_GUARD_S)
+        pipeline.prefill.close_tokenizer = recorded("tokenizer", pipeline.prefill.close_tokenizer)
+        pipeline.model_thread.close = recorded("model", pipeline.model_thread.close)
+        with caplog.at_level(logging.WARNING):
+            pipeline.close()
+        still_held = not release.is_set()
+    finally:
+        release.set()
+    assert still_held
+    assert 0 < given["tokenizer"][0] <= 0.2
+    assert given["model"] == (0.0,)  # the held render took all of the one bound
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(TOKENIZER_THREAD_NAME in w and "still render after close" in w for w in warned), warned
+    assert any("model_0" in w and "still run a call after close" in w for w in warned), warned
