@@ -204,7 +204,7 @@ class HfTextAdapter(VLMAdapter):
                 "a chat_template_kwargs value or a tool contains the model's visual placeholder token; remove it"
             )
         try:
-            return self.processor.apply_chat_template(
+            text = self.processor.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
                 add_generation_prompt=options.add_generation_prompt,
@@ -243,6 +243,8 @@ class HfTextAdapter(VLMAdapter):
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
         except Exception as exc:
             _raise_render_failure(options, exc, bool(variables))
+        options.between_steps()  # the template rendered: the request may have gone meanwhile
+        return text
 
     def _template_variables(
         self, variables: Mapping[str, Any], chat_template: str | None = None

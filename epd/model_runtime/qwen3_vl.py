@@ -251,6 +251,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
             expanded = proc.replace_image_token({"image_grid_thw": grid}, image_idx=0)
         text = text.replace(pad, expanded, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        options.between_steps()  # expanded and tokenised; the positions next
         visual_mask = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
         if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
             raise ValueError(
