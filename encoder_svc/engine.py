@@ -68,6 +68,7 @@ from epd.stages.errors import InvalidRequest, NotFound, ResourceExhausted
 from epd.stages.names import Stage
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.decord_backend import DecordDecoder
+from epd.video.parallel_decoder import CLOSE_WAIT_S as PARALLEL_CLOSE_WAIT_S
 from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.simple_decoder import check_duration
 from epd.video.types import DecodeCancelled, DecodedVideo, SamplingOptions
@@ -564,10 +565,15 @@ class EncoderEngine:
                 "or max_pixels"
             )
 
-    def close(self) -> None:
-        self.decoder.close()
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop the decode workers and the decord child, waiting for them for at most `wait_s` in
+        all (0: stop them, wait for nothing) and never longer than `parallel_decoder.CLOSE_WAIT_S`
+        (a worker stops at its next frame: one that takes longer is stuck)."""
+        wait_s = PARALLEL_CLOSE_WAIT_S if wait_s is None else min(wait_s, PARALLEL_CLOSE_WAIT_S)
+        ends_s = time.monotonic() + wait_s
+        self.decoder.close(wait_s)
         if self._decord is not None:
-            self._decord.close()
+            self._decord.close(max(0.0, ends_s - time.monotonic()))
 
 
 def _slice(video: DecodedVideo, start: int, end: int) -> DecodedVideo:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from epd.encoder_svc.config import EncoderConfig
@@ -10,7 +11,7 @@ from epd.encoder_svc.servicer import SERVICE_NAME, EncoderServicer
 from epd.encoder_svc.stage import LocalEncodeStage, build_encode_core
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.threads import StepThreads, pin_torch_threads
-from epd.stages.model_thread import ModelThread
+from epd.stages.model_thread import ModelThread, close_in_turn
 from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import encoder_pb2_grpc
@@ -37,8 +38,9 @@ async def start(config: EncoderConfig) -> HealthyServer:
         engine = EncoderEngine(config, adapter)
         core = build_encode_core(engine, model_thread)  # tower jobs of all requests, batched per step
         servicer.stage = LocalEncodeStage(engine, model_thread, core=core)
-        # After the drain: the decode workers and request drivers, then the model thread.
-        hs.closers += [servicer.stage.close, model_thread.close]
+        # After the drain: the decode workers and request drivers, then the model thread, for at
+        # most CLOSE_WAIT_S in all (the workers' own bound does not add to the model thread's).
+        hs.closers += [functools.partial(close_in_turn, [servicer.stage.close, model_thread.close])]
         await hs.set_serving(True)
     log.info("encoder serving on port %d", hs.port)
     return hs

@@ -89,10 +89,11 @@ class LocalEncodeStage(EncodeStage):
     def load(self) -> EngineLoad:
         return self.core.load()
 
-    def close(self) -> None:
-        """Stop the request drivers and the decode workers (not the model thread: its owner's)."""
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop the request drivers and the decode workers (not the model thread: its owner's),
+        waiting for the workers for at most `wait_s` (`EncoderEngine.close`)."""
         self.drivers.close()
-        self.engine.close()
+        self.engine.close(wait_s)
 
     async def encode(
         self,

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -265,6 +265,7 @@ class PrefillEngine:
         cache_salt: str = "",
         raw_prompt: RawPrompt | None = None,
         template: ChatTemplateOptions = ChatTemplateOptions(),
+        checkpoint: Callable[[], None] | None = None,
     ) -> PrefillRequest:
         """Validate the request and build its prompt: everything that can refuse it, before it
         queues (a bad request never takes a queue place). Any thread may run it: it reads the
@@ -279,7 +280,8 @@ class PrefillEngine:
         answer, or the last message left open to continue; its variables; its own template). The
         prefix cache needs no part of it in its key: a continued message's, another variable's or
         another template's prompt is other token ids, and the cache reuses only an entry's common
-        token prefix. The prefix cache is looked up by `admit`."""
+        token prefix. The prefix cache is looked up by `admit`. `checkpoint`: called between the
+        render's steps (`RenderOptions.checkpoint`), it raises to stop a render nobody waits for."""
         if raw_prompt is not None:
             check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)
             if media is not None:
@@ -298,6 +300,8 @@ class PrefillEngine:
         if media is not None:
             self._check_visual(media)
         meta = None if media is None else media.meta
+        if checkpoint is not None:  # checked: the prompt next (the template, the tokens, the positions)
+            checkpoint()
         try:
             # Rendered by the model's own chat template, parts in the user's order; the media
             # part's placeholder takes the kind the encoder found in the bytes.
@@ -307,7 +311,7 @@ class PrefillEngine:
                 prompt = self.adapter.build_prompt(
                     to_chat_template(messages, meta.modality if meta else ""),
                     meta,
-                    self._render_options(template),
+                    replace(self._render_options(template), checkpoint=checkpoint),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None

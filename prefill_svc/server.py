@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from epd.model_runtime.loader import load_adapter
@@ -11,7 +12,7 @@ from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import SERVICE_NAME, PrefillServicer
 from epd.prefill_svc.stage import LocalPrefillStage, build_prefill_core
-from epd.stages.model_thread import ModelThread
+from epd.stages.model_thread import ModelThread, close_in_turn
 from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import prefill_pb2_grpc
@@ -39,10 +40,11 @@ async def start(config: PrefillConfig) -> HealthyServer:
         engine = PrefillEngine(config, adapter)
         core = build_prefill_core(engine, model_thread)  # scheduler + batched runner on the model thread
         servicer.stage = LocalPrefillStage(engine, kv_store, model_thread, kv_address, core=core)
-        # After the drain: the core's loop and the tokenizer threads (waited for off the loop, for at
-        # most CLOSE_WAIT_S: a looping trusted chat template must not hold the shutdown), then the
-        # model thread.
-        hs.closers += [servicer.stage.close, servicer.stage.close_tokenizer, model_thread.close]
+        # After the drain: the core's loop, then the tokenizer threads and the model thread, waited
+        # for off the loop for at most CLOSE_WAIT_S in all (a looping trusted chat template must
+        # not hold the shutdown, nor add its wait to the model thread's).
+        threads = [servicer.stage.close_tokenizer, model_thread.close]
+        hs.closers += [servicer.stage.close, functools.partial(close_in_turn, threads)]
         await hs.set_serving(True)
     log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, kv_address)
     return hs

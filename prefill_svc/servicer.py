@@ -80,6 +80,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
         kv_handle = check_handle(header.kv_handle)
+        remaining_s = context.time_remaining()  # None: the caller set no deadline
         handle = await self.stage.prefill(
             messages,
             media,
@@ -90,6 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             kv_handle,
             raw_prompt=raw_prompt,
             template=template,
+            deadline_s=None if remaining_s is None else time.monotonic() + remaining_s,
         )
         # A caller that goes away as the prefill finishes never gets the handle (the handler has
         # no await left to be cancelled at), so nobody would release the stored cache before its

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
@@ -35,6 +35,7 @@ from epd.prefill_svc.runner import PrefillRunner
 from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
 from epd.stages.contracts import EncodedMedia, MediaInput, PrefillHandle, PrefillStage
 from epd.stages.engine_core import EngineCore, EngineLoad
+from epd.stages.errors import DeadlineExceeded
 from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.model_thread import CLOSE_WAIT_S, ModelThread
@@ -50,11 +51,46 @@ TOKENIZER_THREAD_NAME = "prefill_tokenize"
 show them)."""
 
 TOKENIZER_THREADS = 4
-"""How many prompts (and /tokenize calls) render at once, off the model thread. More than one, so
-that a slow chat template (a trusted request's own, a long tool list) holds one thread and the
-requests behind it render on the others; when every one is held, later requests wait for one
-(docs/architecture.md, "Prefill core"). Jinja renders in Python, under the GIL, so more threads
-would not render faster."""
+"""How many prompts (and /tokenize calls) render at once with the server's chat template
+(--chat-template or the model's own), off the model thread. More than one, so that a slow render
+(a long tool list) holds one thread and the requests behind it render on the others; when every
+one is held, later requests wait for one (docs/architecture.md, "Prefill core"). Jinja renders in
+Python, under the GIL, so more threads would not render faster."""
+
+REQUEST_TEMPLATE_THREAD_NAME = "prefill_template"
+"""The threads that render prompts with a request's own chat template."""
+
+REQUEST_TEMPLATE_THREADS = TOKENIZER_THREADS - 1
+"""How many renders of requests' own chat templates (--trust-request-chat-template) run at once,
+on threads of their own: requests that bring no template never wait behind them, however slow
+(a template that loops holds its thread until it ends). Before, they shared the tokenizer
+threads, and four slow ones held every request and /tokenize (docs/benchmarks.md, "Render
+threads"). One fewer than the server's, as the bound the requests' templates had there when one
+thread was kept for the server's."""
+
+
+class _RenderCancelled(Exception):
+    """A render stopped between its steps: its caller went away (nobody sees it)."""
+
+
+@dataclass
+class _RenderTurn:
+    """What a render on a tokenizer thread checks before it starts and between its steps."""
+
+    request_id: str
+    deadline_s: float | None
+    """time.monotonic() at which the caller gives up; None: none."""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    """Set when the awaiting task is cancelled (its caller went away, or its deadline ended the call)."""
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise _RenderCancelled(self.request_id)
+        if self.deadline_s is not None and time.monotonic() >= self.deadline_s:
+            raise DeadlineExceeded(
+                f"request {self.request_id} reached its deadline before its prompt was rendered (prefill's "
+                "render threads were busy with other prompts); retry with a longer deadline, or later"
+            )
 
 
 def build_prefill_core(engine: PrefillEngine, model_thread: ModelThread) -> EngineCore[PrefillRequest]:
@@ -90,8 +126,14 @@ class LocalPrefillStage(PrefillStage):
         )
         """Render prompts and answer /tokenize and /detokenize (started at the first call);
         `close_tokenizer` stops them."""
+        self._template_thread = ThreadPoolExecutor(
+            REQUEST_TEMPLATE_THREADS,
+            thread_name_prefix=REQUEST_TEMPLATE_THREAD_NAME,
+            initializer=self._start_tokenizer_thread,
+        )
+        """The same, for prompts and /tokenize calls rendered with the request's own chat template."""
         self._tokenizer_threads: list[threading.Thread] = []
-        """The tokenizer threads started, which `close_tokenizer` waits for."""
+        """The threads of both started, which `close_tokenizer` waits for."""
 
     async def prefill(
         self,
@@ -105,27 +147,30 @@ class LocalPrefillStage(PrefillStage):
         *,
         raw_prompt: RawPrompt | None = None,
         template: ChatTemplateOptions = ChatTemplateOptions(),
+        deadline_s: float | None = None,
     ) -> PrefillHandle:
         """`kv_handle`: the caller's handle for the stored cache (`kv_store.check_handle`), so that
-        it can release a cache whose answer it never got; "" = a new one."""
+        it can release a cache whose answer it never got; "" = a new one. `deadline_s`
+        (time.monotonic()): when the caller gives up (its gRPC deadline); a render not started
+        by then is refused, DeadlineExceeded, and one in progress stops at its next step; None:
+        no deadline but the caller's cancelling."""
         out: PrefillOutput | None = None
         try:
             # The chat template and tokenisation off the model thread (as vLLM renders in its
             # front end, off the engine): a slow template delays only its own request. The same
             # adapter calls as on the model thread, so the same token ids.
-            rendered = await self._on_tokenizer_thread(
-                functools.partial(
-                    self.engine.render,
-                    messages,
-                    media,
-                    generation,
-                    pruning,
-                    request_id,
-                    cache_salt=cache_salt,
-                    raw_prompt=raw_prompt,
-                    template=template,
-                )
+            render = functools.partial(
+                self.engine.render,
+                messages,
+                media,
+                generation,
+                pruning,
+                request_id,
+                cache_salt=cache_salt,
+                raw_prompt=raw_prompt,
+                template=template,
             )
+            rendered = await self._render(render, request_id, deadline_s, template.chat_template is not None)
             request = await self.model_thread.run(self.engine.admit, rendered)
             # Off the event loop and the model thread; a spec seen before (or compiled early,
             # `compile_structured_outputs`) comes from the cache.
@@ -178,16 +223,53 @@ class LocalPrefillStage(PrefillStage):
         # (`VLMAdapter.settle_tokenizer`), so the threads only read it, at once if they like, and
         # no copy is kept (a prefill process holds 46-141 MiB less with a Qwen2-sized vocabulary;
         # docs/benchmarks.md). Calls beyond the threads queue there, in arrival order.
-        return await self._on_tokenizer_thread(self.engine.tokenize, request)
+        return await self._on_tokenizer_thread(
+            self.engine.tokenize, request, requests_template=request.template.chat_template is not None
+        )
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
         return await self._on_tokenizer_thread(self.engine.detokenize, token_ids)
 
-    async def _on_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the tokenizer thread, in the caller's context (as `ModelThread.run`);
-        cancelling the await drops a call that has not started."""
+    async def _render(
+        self,
+        render: Callable[..., PrefillRequest],
+        request_id: str,
+        deadline_s: float | None,
+        requests_template: bool,
+    ) -> PrefillRequest:
+        """`render(checkpoint=...)` (`PrefillEngine.render`) on a tokenizer thread, stopped between
+        its steps once nobody waits for it: cancelling the await drops a render not started and
+        stops one in progress at its next step (`RenderOptions.checkpoint`: a chat template's
+        render in progress runs to its end); a render whose `deadline_s` passed while it waited
+        for a thread is refused unrendered, and one in progress stops at its next step, both
+        DeadlineExceeded."""
+        turn = _RenderTurn(request_id, deadline_s)
+
+        def checked() -> PrefillRequest:
+            turn.check()
+            try:
+                return render(checkpoint=turn.check)
+            except _RenderCancelled:
+                log.info(
+                    "the render of request %s stopped between its steps: its caller went away", request_id
+                )
+                raise
+
+        try:
+            return await self._on_tokenizer_thread(checked, requests_template=requests_template)
+        except asyncio.CancelledError:
+            turn.cancelled.set()
+            raise
+
+    async def _on_tokenizer_thread(
+        self, fn: Callable[..., T], *args: Any, requests_template: bool = False
+    ) -> T:
+        """`fn(*args)` on a tokenizer thread (one of those for a request's own chat template when
+        `requests_template`), in the caller's context (as `ModelThread.run`); cancelling the await
+        drops a call that has not started."""
         call = functools.partial(contextvars.copy_context().run, fn, *args)
-        return await asyncio.wrap_future(self._tokenizer_thread.submit(call))
+        pool = self._template_thread if requests_template else self._tokenizer_thread
+        return await asyncio.wrap_future(pool.submit(call))
 
     def load(self) -> EngineLoad:
         """What the prefill core is doing now (running/waiting requests, last batch size, steps),
@@ -225,15 +307,19 @@ class LocalPrefillStage(PrefillStage):
         close; 0: do not wait). It joins threads: not on the event loop. A thread still rendering
         then (a trusted request's own chat template that loops: Python cannot stop it) is named in
         a warning and left to end with its render or with the process. Idempotent."""
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._stop_tokenizer()
         deadline_s = time.monotonic() + (CLOSE_WAIT_S if wait_s is None else wait_s)
-        if deadline_s <= time.monotonic():
-            return
         for thread in self._tokenizer_threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))
         if running := [t.name for t in self._tokenizer_threads if t.is_alive()]:
             log.warning("prefill tokenizer threads %s still render after close", ", ".join(running))
 
     async def close(self) -> None:
-        self.close_tokenizer(wait_s=0)  # on the event loop: the owner waits for them after (its closers)
+        # On the event loop: no new render starts; the owner waits for the running ones after
+        # (`close_tokenizer`, off the loop).
+        self._stop_tokenizer()
         await self.core.close()
+
+    def _stop_tokenizer(self) -> None:
+        for pool in (self._tokenizer_thread, self._template_thread):
+            pool.shutdown(wait=False, cancel_futures=True)

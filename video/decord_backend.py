@@ -199,6 +199,12 @@ def _read_frames(reader, positions: list[int], buf, seek: bool) -> tuple[int, in
     return frames.shape
 
 
+CLOSE_WAIT_S = 5.0
+"""How long `close` waits for the child to end when asked, before it kills it."""
+KILL_WAIT_S = 5.0
+"""How long a killed child is waited for (SIGKILL: it ends at once, unless the machine is stuck)."""
+
+
 class DecordDecoder:
     """`decode(data, opts, limits) -> DecodedVideo` through decord in a killable child process."""
 
@@ -225,7 +231,7 @@ class DecordDecoder:
     def _kill_child(self) -> None:
         if self._proc is not None:
             self._proc.kill()
-            self._proc.join(timeout=5)
+            self._proc.join(timeout=KILL_WAIT_S)
             self.num_restarts += 1
         if self._conn is not None:
             self._conn.close()
@@ -338,17 +344,19 @@ class DecordDecoder:
             stats={"decode_ms": (time.perf_counter() - started) * 1e3},
         )
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Ask the child to end and wait for it for at most `wait_s` (the rest of its owner's
+        close, `EncoderEngine.close`), then kill it. Idempotent."""
         with self._lock:
             if self._conn is not None and self._proc is not None and self._proc.is_alive():
                 try:
                     self._conn.send(None)
-                    self._proc.join(timeout=5)
+                    self._proc.join(timeout=wait_s)
                 except OSError:
                     pass
             if self._proc is not None and self._proc.is_alive():
                 self._proc.kill()
-                self._proc.join(timeout=5)
+                self._proc.join(timeout=KILL_WAIT_S)
             if self._conn is not None:
                 self._conn.close()
             self._proc, self._conn = None, None

@@ -20,7 +20,7 @@ from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.stage import LocalPrefillStage
-from epd.stages.model_thread import ModelThread
+from epd.stages.model_thread import CLOSE_WAIT_S, ModelThread, close_in_turn
 
 
 class EmbeddedPipeline(Pipeline):
@@ -45,16 +45,15 @@ class EmbeddedPipeline(Pipeline):
         self.decoder: LocalDecodeStage = decoder
         self.model_thread = thread
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
         """Stop the stages' threads and wait for them (calls running finish; queued ones are
-        cancelled): the encoder's decode workers for at most `parallel_decoder.CLOSE_WAIT_S`,
-        prefill's tokenizer threads and then the model threads for at most
-        `model_thread.CLOSE_WAIT_S` each; a thread still running then is named in a warning and
-        left (a looping trusted chat template cannot be stopped). The pipeline takes no request
-        after it. Idempotent."""
-        self.encoder.close()
-        self.prefill.close_tokenizer()
-        self.model_thread.close()
+        cancelled): the encoder's decode workers, prefill's tokenizer threads, then the model
+        threads, for at most `wait_s` in all (default `model_thread.CLOSE_WAIT_S`; `close_in_turn`;
+        the encoder's part also within its own `parallel_decoder.CLOSE_WAIT_S`); a thread still running then is named in a warning
+        and left (a looping trusted chat template cannot be stopped). The pipeline takes no
+        request after it. Idempotent."""
+        parts = [self.encoder.close, self.prefill.close_tokenizer, self.model_thread.close]
+        close_in_turn(parts, CLOSE_WAIT_S if wait_s is None else wait_s)
 
     async def aclose(self) -> None:
         await super().aclose()

@@ -38,7 +38,7 @@ over gRPC as dtype + shape + bytes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -113,6 +113,16 @@ class RenderOptions:
     False: the operator's (--chat-template, or the model's own), whose failures are the server's
     (INTERNAL, its details in the log); a template's `raise_exception` refuses the conversation
     whoever wrote it (`HfTextAdapter._render`)."""
+    checkpoint: Callable[[], None] | None = field(default=None, compare=False)
+    """Called between a prompt's render steps (after the chat template, and after the placeholder
+    expansion and tokenisation, before the positions): it raises to stop a render whose request
+    was cancelled or ran out of time, the exception leaving `build_prompt` as it is (prefill's
+    tokenizer threads, `LocalPrefillStage.prefill`). A step in progress, a chat template's render
+    above all, runs to its end: Python cannot stop a thread. None: never stopped."""
+
+    def between_steps(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint()
 
 
 @dataclass

@@ -6,12 +6,13 @@ whole of it; `_kv_shape` for hybrid layers)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import torch
-from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2 import TemplateError, TemplateSyntaxError, UndefinedError
 from jinja2.exceptions import SecurityError
 
 from epd.model_runtime.adapter import (
@@ -38,6 +39,8 @@ from epd.model_runtime.qwen_text_layers import (
     dynamic_cache_kv,
     set_dynamic_cache_kv,
 )
+
+log = logging.getLogger(__name__)
 
 
 class HfTextAdapter(VLMAdapter):
@@ -201,7 +204,7 @@ class HfTextAdapter(VLMAdapter):
                 "a chat_template_kwargs value or a tool contains the model's visual placeholder token; remove it"
             )
         try:
-            return self.processor.apply_chat_template(
+            text = self.processor.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
                 add_generation_prompt=options.add_generation_prompt,
@@ -221,9 +224,14 @@ class HfTextAdapter(VLMAdapter):
                 "template reads the messages and its variables, not Python's internals"
             ) from None
         except TemplateError as exc:
-            # The template's own `raise_exception` (Qwen3.5's "No user query found in messages."
-            # for a conversation without a user message, which an assistant's message last allows):
-            # a shape of conversation the model does not take, as vLLM's 400 says.
+            if (
+                type(exc) is not TemplateError
+            ):  # jinja's own failure (UndefinedError: `{{ x.y }}` of an undefined x)
+                _raise_render_failure(options, exc, bool(variables))
+            # The template's own `raise_exception` (transformers raises a plain TemplateError;
+            # Qwen3.5's "No user query found in messages." for a conversation without a user
+            # message, which an assistant's message last allows): a shape of conversation the
+            # model does not take, as vLLM's 400 says, whoever wrote the template.
             raise ValueError(
                 f"{_whose(options)} cannot render this conversation: {error_text(exc)}; send "
                 "its messages in a shape the model takes (for example with a user message before "
@@ -234,14 +242,9 @@ class HfTextAdapter(VLMAdapter):
             # conversation (a 400 of up to the text limit): its explanation is enough.
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
         except Exception as exc:
-            if not options.requests_template and not (variables and isinstance(exc, TypeError)):
-                _raise_servers_failure(options, exc)
-            # A request's template's own failure (`{{ 1 / 0 }}`, a method of nothing), or a
-            # request's variable of a type the template cannot use (`{{ n + 1 }}` with n a string).
-            raise ValueError(
-                f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}; "
-                "send values (chat_template_kwargs) and a template that render together"
-            ) from None
+            _raise_render_failure(options, exc, bool(variables))
+        options.between_steps()  # the template rendered: the request may have gone meanwhile
+        return text
 
     def _template_variables(
         self, variables: Mapping[str, Any], chat_template: str | None = None
@@ -618,11 +621,28 @@ def _whose(options: RenderOptions) -> str:
     return "the request's chat template"
 
 
+def _raise_render_failure(options: RenderOptions, exc: Exception, has_variables: bool) -> NoReturn:
+    """A template failed to render of itself (`{{ 1 / 0 }}`, a method of nothing, an undefined
+    name's attribute), not by its `raise_exception`: the request's own template, or a request's
+    variable the template cannot use (`{{ n + 1 }}` with n a string, `{{ tool.function.name }}` of
+    a tool without one), is the client's error (ValueError); the operator's otherwise the server's
+    (`_raise_servers_failure`)."""
+    if not options.requests_template and not (has_variables and isinstance(exc, (TypeError, UndefinedError))):
+        _raise_servers_failure(options, exc)
+    raise ValueError(
+        f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}; "
+        "send values (chat_template_kwargs) and a template that render together"
+    ) from None
+
+
 def _raise_servers_failure(options: RenderOptions, exc: Exception) -> NoReturn:
     """The operator's template failed to render: the model's own, `exc` as it is (INTERNAL to the
     client, the traceback in the server log; raised again, not `from` itself, which made it its own
     cause); --chat-template's, saying so in that log."""
     if options.chat_template is None:
+        # The traceback the client's INTERNAL leaves in the log shows jinja's frames, not whose
+        # template they render: this line says it.
+        log.error("%s failed to render: %s: %s", _whose(options), type(exc).__name__, error_text(exc))
         raise exc
     raise RuntimeError(
         f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}"

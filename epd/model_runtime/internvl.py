@@ -177,6 +177,7 @@ class InternVLAdapter(OneDimTextAdapter):
             expanded = proc.replace_image_token({"num_patches": [count]}, image_idx=0)
         text = text.replace(pad, expanded, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        options.between_steps()  # expanded and tokenised; the positions next
         visual_mask = input_ids[0] == self.image_token_id
         if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
             raise ValueError(

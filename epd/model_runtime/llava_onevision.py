@@ -227,6 +227,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
             )
         text = text.replace(pad, expanded, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        options.between_steps()  # expanded and tokenised; the positions next
         placeholders = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
         visual_mask = placeholders.clone()
         if visual.modality == "video":  # the last placeholder is the newline prefill writes

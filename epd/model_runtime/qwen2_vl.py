@@ -151,6 +151,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
         check_one_placeholder(text.count(pad), visual.modality)
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        options.between_steps()  # expanded and tokenised; the positions next
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
         visual_mask = input_ids[0] == pad_id
         if int(visual_mask.sum()) != num_tokens:

@@ -264,7 +264,9 @@ class Qwen3VLAdapter(QwenTextAdapter):
         else:
             expanded = proc.replace_image_token({"image_grid_thw": grid}, image_idx=0)
         text = text.replace(pad, expanded, 1)
-        return self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        options.between_steps()  # expanded and tokenised; the positions next (every caller's)
+        return input_ids
 
     def _timestamps_metadata(self, visual: VisualMeta):
         """VideoMetadata whose frame times give `visual.group_timestamps_s` back through the

@@ -48,7 +48,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -66,6 +66,20 @@ THREAD_NAME = "model_{}"
 CLOSE_WAIT_S = 30.0
 """How long `close` (and interpreter exit) waits for the calls still running: a model step takes
 seconds at most; a call that runs longer is stuck, and the caller goes on without it."""
+
+
+def close_in_turn(closers: Sequence[Callable[[float], object]], wait_s: float = CLOSE_WAIT_S) -> None:
+    """Close the parts of one owner (an embedded pipeline, a stage server after its drain) in
+    order, each `close(wait_s)` given what is left of one deadline `wait_s` from now: the whole
+    close takes at most `wait_s`, where each part's own bound one after another added up (an
+    embedded pipeline's encoder 5 s, tokenizer threads 30 s and model threads 30 s: 65 s). A part
+    reached with nothing left is still stopped (`close(0)`: queued work cancelled, nothing waited
+    for), and each part names its threads still running in a warning. It joins threads: not on
+    the event loop."""
+    deadline_s = time.monotonic() + wait_s
+    for close in closers:
+        close(max(0.0, deadline_s - time.monotonic()))
+
 
 _open_pools: set[ModelThread] = set()
 """Pools not closed yet, which `_close_at_exit` closes (the threads hold their pool alive anyway)."""
@@ -172,11 +186,11 @@ class ModelThread:
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Stop the threads after the calls they are running, and wait for them to end, for at most
-        `wait_s` (0: do not wait); calls still queued are cancelled. Idempotent. From the event
-        loop it blocks the loop while a call runs: `EmbeddedPipeline.aclose` calls it off the loop."""
+        `wait_s` (0: do not wait); calls still queued are cancelled, and threads still running a
+        call then are named in a warning. Idempotent. From the event loop it blocks the loop while a
+        call runs: `EmbeddedPipeline.aclose` calls it off the loop."""
         self._stop()
-        if wait_s > 0:
-            self._join(time.monotonic() + wait_s)
+        self._join(time.monotonic() + wait_s)
 
     def _stop(self) -> None:
         with _open_pools_lock:
@@ -197,7 +211,12 @@ class ModelThread:
         for worker in self._workers:
             if worker is not me and worker.ident is not None:
                 worker.join(max(0.0, deadline_s - time.monotonic()))
-        running = [w.name for w in self._workers if w.is_alive() and w is not me]
+        with self._lock:  # an idle worker told to stop but not yet awake runs no call (a 0 s close)
+            running = [
+                w.name
+                for i, w in enumerate(self._workers)
+                if w.is_alive() and w is not me and i not in self._idle
+            ]
         if running:
             log.warning(
                 "model threads %s still run a call after close; a process that exits now may abort",

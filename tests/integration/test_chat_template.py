@@ -116,10 +116,12 @@ def test_the_servers_template_failing_is_the_servers_error_and_its_raise_excepti
 
     template = (
         "{% if 'refuse' in messages[0].content[0].text %}{{ raise_exception('no system prompt here') }}"
+        "{% elif 'undefined' in messages[0].content[0].text %}{{ missing.attr }}"
         "{% else %}{{ messages[0].content[0].text / 0 }}{% endif %}"
     )
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     refused = [{"role": "user", "content": [{"type": "text", "text": "refuse this"}]}]
+    undefined = [{"role": "user", "content": [{"type": "text", "text": "an undefined name"}]}]
     with build_embedded_pipeline(
         model, prefill=PrefillConfig(model=model, chat_template=template)
     ) as pipeline:
@@ -131,16 +133,55 @@ def test_the_servers_template_failing_is_the_servers_error_and_its_raise_excepti
                 "system prompt here; send its messages in a shape the model takes (for example with "
                 "a user message before the assistant's)"
             )
-            with pytest.raises(RuntimeError) as failed:
-                call(pipeline, TEXT_ONLY)
-            assert not isinstance(failed.value, ValueError)
-            assert str(failed.value).startswith(
-                "the server's chat template (--chat-template) failed to render: TypeError: unsupported operand"
-            )
-            assert status_of(failed.value) == (
-                grpc.StatusCode.INTERNAL,
-                "internal error; the server log has details",
-            )
+            # jinja's own failures, an undefined name's attribute (a TemplateError, as
+            # `raise_exception`'s, which was a 400 too) among them: the server's.
+            for messages, said in (
+                (TEXT_ONLY, "TypeError: unsupported operand"),
+                (undefined, "UndefinedError: 'missing' is undefined"),
+            ):
+                with pytest.raises(RuntimeError) as failed:
+                    call(pipeline, messages)
+                assert not isinstance(failed.value, ValueError)
+                assert str(failed.value).startswith(
+                    f"the server's chat template (--chat-template) failed to render: {said}"
+                )
+                assert status_of(failed.value) == (
+                    grpc.StatusCode.INTERNAL,
+                    "internal error; the server log has details",
+                )
+
+
+def test_the_models_own_template_failing_is_the_servers_error_named_in_the_log(tiny_models, caplog):
+    """The checkpoint's own template (here: the loaded processor's, replaced by one that reads an
+    undefined name's attribute) failing of itself is INTERNAL, as --chat-template's: jinja's
+    UndefinedError, a TemplateError, was a 400 like a template's `raise_exception`. The log names
+    whose template failed (its traceback shows only jinja's frames). A request's own template
+    failing so stays its caller's error (400)."""
+    import logging
+
+    import grpc
+    from jinja2 import UndefinedError
+
+    from epd.transport.errors import status_of
+
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    trusted = PrefillConfig(model=model, trust_request_chat_template=True)
+    with build_embedded_pipeline(model, prefill=trusted) as pipeline:
+        processor = pipeline.prefill.engine.adapter.processor
+        processor.chat_template = "{{ missing.attr }}"
+        for call in (_ask, _tokenize):
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="epd.model_runtime.hf_text"):
+                with pytest.raises(UndefinedError) as failed:
+                    call(pipeline, TEXT_ONLY)
+            assert status_of(failed.value)[0] == grpc.StatusCode.INTERNAL
+            assert "the model's chat template failed to render: UndefinedError: 'missing' is undefined" in [
+                r.getMessage() for r in caplog.records
+            ]
+            with pytest.raises(
+                InvalidRequest, match="the request's chat template failed to render: UndefinedError"
+            ):
+                call(pipeline, TEXT_ONLY, chat_template="{{ missing.attr }}")
 
 
 def test_a_trusted_request_template_renders_its_own_prompt_and_the_cache_stays_exact(tiny_models):

@@ -209,18 +209,23 @@ def test_media_without_a_part_to_place_it_is_refused(tiny_models, media_files):
 def test_prefill_service_takes_a_header_without_visual_and_refuses_what_disagrees(tiny_models, media_files):
     """PrefillService.Prefill (the servicer in this process, a stand-in for its RPC context): a
     header without `visual` is a text-only prompt; media messages without `visual`, and tensor
-    chunks without it, are INVALID_ARGUMENT saying what to change."""
+    chunks without it, are INVALID_ARGUMENT saying what to change; a call whose deadline has
+    passed (`time_remaining()` 0) is DEADLINE_EXCEEDED before its prompt renders."""
     from epd.prefill_svc.config import PrefillConfig
     from epd.prefill_svc.servicer import PrefillServicer
     from epd.transport import convert
     from epd.v1 import prefill_pb2
 
     class Context:
-        def __init__(self) -> None:
+        def __init__(self, remaining_s: float | None = None) -> None:
             self.status: tuple[grpc.StatusCode, str] | None = None
+            self.remaining_s = remaining_s
 
         def add_done_callback(self, callback) -> None:
             pass
+
+        def time_remaining(self) -> float | None:
+            return self.remaining_s  # None: the caller set no deadline
 
         async def abort(self, code, message, trailing_metadata=()):
             self.status = (code, message)
@@ -233,7 +238,9 @@ def test_prefill_service_takes_a_header_without_visual_and_refuses_what_disagree
         media = asyncio.run(pipeline.encoder.encode(MediaInput(media_files["png"].read_bytes()), SamplingOptions(),
                                                     lambda event: None, "chunks"))  # fmt: skip
 
-        def call(messages: list[dict], chunks=()) -> tuple[prefill_pb2.PrefillResult | None, Context]:
+        def call(
+            messages: list[dict], chunks=(), remaining_s: float | None = None
+        ) -> tuple[prefill_pb2.PrefillResult | None, Context]:
             header = prefill_pb2.PrefillHeader(request_id="t", messages=convert.messages_to_proto(
                 from_chat_template(messages)), generation=generation)  # fmt: skip
 
@@ -242,7 +249,7 @@ def test_prefill_service_takes_a_header_without_visual_and_refuses_what_disagree
                 for chunk in chunks:
                     yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
-            context = Context()
+            context = Context(remaining_s)
             try:
                 return asyncio.run(servicer.Prefill(requests(), context)), context
             except RuntimeError:
@@ -257,6 +264,10 @@ def test_prefill_service_takes_a_header_without_visual_and_refuses_what_disagree
         _, context = call(CONVERSATIONS["system_and_text"], list(convert.encoded_media_chunks(media)))
         assert context.status is not None and context.status[0] == grpc.StatusCode.INVALID_ARGUMENT
         assert "visual_embeds were sent without the header's visual metadata" in context.status[1]
+        # The call's deadline reaches the render: one already past is refused before it renders.
+        _, context = call(CONVERSATIONS["system_and_text"], remaining_s=0.0)
+        assert context.status is not None and context.status[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "reached its deadline before its prompt was rendered" in context.status[1]
 
 
 # -- the prefix cache ----------------------------------------------------------------------------

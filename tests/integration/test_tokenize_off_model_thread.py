@@ -16,6 +16,7 @@ every family, real processors and fast tokenizers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -31,7 +32,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
-from epd.prefill_svc.stage import TOKENIZER_THREAD_NAME, LocalPrefillStage
+from epd.prefill_svc.stage import REQUEST_TEMPLATE_THREAD_NAME, TOKENIZER_THREAD_NAME, LocalPrefillStage
 from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.model_thread import ModelThread
 from epd.stages.raw_prompt import RawPrompt
@@ -389,6 +390,34 @@ def _hold_slow_renders(adapter, rendering: threading.Event, release: threading.E
     adapter._render = held_render
 
 
+@contextlib.contextmanager
+def _slow_renders_held(adapter, rendering, release: threading.Event, model_thread: ModelThread):
+    """`_hold_slow_renders` for the block; after it, the class's render again, every held render
+    let go, and `model_thread` closed."""
+    _hold_slow_renders(adapter, rendering, release)
+    try:
+        yield
+    finally:
+        del adapter._render  # the class's method again
+        release.set()
+        model_thread.close()
+
+
+async def _served_meanwhile(stage: LocalPrefillStage, conversation: list[dict]):
+    """A prefill and a /tokenize of `conversation` with the server's template, each within the hang guard."""
+    fast = await asyncio.wait_for(
+        stage.prefill(from_chat_template(conversation), None, GenerationConfig(max_new_tokens=1), "f"),
+        HANG_GUARD_S,
+    )
+    counted = await asyncio.wait_for(
+        stage.tokenize(
+            TokenizeInput(messages=from_chat_template(conversation), add_special_tokens=False), "t"
+        ),
+        HANG_GUARD_S,
+    )
+    return fast, counted
+
+
 def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor):
     """A trusted request's own chat template that renders for a long time (here: held inside its
     rendering until the test lets it go) does not delay another request: that one is rendered,
@@ -425,19 +454,7 @@ def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor
         )
         try:
             assert await asyncio.to_thread(rendering.wait, HANG_GUARD_S)  # the slow one is rendering
-            fast = await asyncio.wait_for(
-                stage.prefill(
-                    from_chat_template(fast_conversation), None, GenerationConfig(max_new_tokens=1), "f"
-                ),
-                HANG_GUARD_S,
-            )
-            counted = await asyncio.wait_for(
-                stage.tokenize(
-                    TokenizeInput(messages=from_chat_template(fast_conversation), add_special_tokens=False),
-                    "t",
-                ),
-                HANG_GUARD_S,
-            )
+            fast, counted = await _served_meanwhile(stage, fast_conversation)
             slow_was_rendering = not slow.done()
         finally:
             release.set()
@@ -447,13 +464,8 @@ def test_a_slow_chat_template_holds_no_other_requests_prefill(adapter, processor
         await stage.close()
         return fast, counted, slow_was_rendering, slow_handle
 
-    _hold_slow_renders(adapter, rendering, release)
-    try:
+    with _slow_renders_held(adapter, rendering, release, model_thread):
         fast, counted, slow_was_rendering, slow_handle = asyncio.run(scenario())
-    finally:
-        del adapter._render  # the class's method again
-        release.set()
-        model_thread.close()
     assert slow_was_rendering  # the other request was answered while the slow template rendered
     assert fast.num_prompt_tokens == len(expected_fast) and counted.token_ids == expected_fast
     assert slow_handle.num_prompt_tokens == len(expected_slow)
@@ -496,15 +508,219 @@ def test_closing_the_tokenizer_threads_waits_for_a_held_render_only_up_to_the_bo
             await asyncio.wait_for(held, HANG_GUARD_S)
             await stage.close()
 
-    _hold_slow_renders(adapter, rendering, release)
-    try:
+    with _slow_renders_held(adapter, rendering, release, model_thread):
         still_rendering = asyncio.run(scenario())
-    finally:
-        del adapter._render  # the class's method again
-        release.set()
-        model_thread.close()
     assert still_rendering  # the close returned while the render was held
     left = [
         r for r in caplog.records if r.levelno == logging.WARNING and "still render after close" in r.message
     ]
-    assert len(left) == 1 and TOKENIZER_THREAD_NAME in left[0].message
+    assert len(left) == 1 and REQUEST_TEMPLATE_THREAD_NAME in left[0].message  # the request's template's
+
+
+def test_closing_an_embedded_pipeline_waits_for_all_its_parts_within_one_bound(
+    tiny_models, monkeypatch, caplog
+):
+    """An embedded pipeline's close waits for its parts in turn against one deadline,
+    `CLOSE_WAIT_S` (made short here): with a render held in a tokenizer thread (a looping trusted
+    chat template) and a call held on the model thread, the model threads' close gets what the
+    tokenizer threads' wait left of it, nothing, where each part had its own bound one after
+    another (the encoder's 5 s, the tokenizer's 30 s, the model's 30 s: 65 s at worst). The close
+    returns with both still held, and names both in warnings. The waits each part was given are
+    recorded, not timed."""
+    from epd.gateway import embedded as embedded_module
+    from epd.gateway.embedded import build_embedded_pipeline
+
+    monkeypatch.setattr(embedded_module, "CLOSE_WAIT_S", 0.2)
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"])))
+    started = threading.Semaphore(0)
+    release = threading.Event()
+
+    def held() -> None:
+        started.release()
+        release.wait(3 * HANG_GUARD_S)  # past the test's own waits: the test ends it
+
+    given: dict[str, tuple] = {}
+
+    def recorded(name: str, close):
+        def close_and_record(*args):
+            given[name] = args
+            return close(*args)
+
+        return close_and_record
+
+    try:
+        pipeline.prefill._tokenizer_thread.submit(held)  # what a looping chat template does to its thread
+        threading.Thread(target=pipeline.model_thread.call, args=(held,), daemon=True).start()
+        assert started.acquire(timeout=HANG_GUARD_S) and started.acquire(timeout=HANG_GUARD_S)
+        pipeline.prefill.close_tokenizer = recorded("tokenizer", pipeline.prefill.close_tokenizer)
+        pipeline.model_thread.close = recorded("model", pipeline.model_thread.close)
+        with caplog.at_level(logging.WARNING):
+            pipeline.close()
+        still_held = not release.is_set()
+    finally:
+        release.set()
+    assert still_held
+    assert 0 < given["tokenizer"][0] <= 0.2
+    assert given["model"] == (0.0,)  # the held render took all of the one bound
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(TOKENIZER_THREAD_NAME in w and "still render after close" in w for w in warned), warned
+    assert any("model_0" in w and "still run a call after close" in w for w in warned), warned
+
+
+class _Entered:
+    """Stands for `_hold_slow_renders`' event: counts the renders that entered, each a release."""
+
+    def __init__(self) -> None:
+        self.renders = threading.Semaphore(0)
+        self.num_renders = 0
+
+    def set(self) -> None:
+        self.num_renders += 1
+        self.renders.release()
+
+    def wait_for(self, num_renders: int) -> bool:
+        return all(self.renders.acquire(timeout=HANG_GUARD_S) for _ in range(num_renders))
+
+
+def _trusting_stage(adapter, model_thread: ModelThread) -> LocalPrefillStage:
+    config = PrefillConfig(trust_request_chat_template=True)
+    return LocalPrefillStage(PrefillEngine(config, adapter), KvStore(1 << 30, 600.0), model_thread)
+
+
+def _slow_prefill(stage: LocalPrefillStage, request_id: str, deadline_s: float | None = None):
+    return asyncio.ensure_future(
+        stage.prefill(
+            from_chat_template(_conversation("what colour is the circle?")),
+            None,
+            GenerationConfig(max_new_tokens=1),
+            request_id,
+            template=ChatTemplateOptions(chat_template=SLOW_TEMPLATE),
+            deadline_s=deadline_s,
+        )
+    )
+
+
+def test_requests_own_templates_never_hold_every_render_thread(adapter, processor):
+    """Trusted requests' own templates render on threads of their own, at most
+    `REQUEST_TEMPLATE_THREADS` at once: with more slow ones than the server has tokenizer threads
+    (here held inside their render until the test lets them go), a request with the server's
+    template is prefilled and a /tokenize answered while they are held, and the one beyond the
+    bound has not started. Before, they shared the four tokenizer threads: four slow ones held
+    every request and /tokenize until one ended."""
+    from epd.prefill_svc.stage import REQUEST_TEMPLATE_THREADS, TOKENIZER_THREADS
+
+    model_thread = ModelThread()
+    stage = _trusting_stage(adapter, model_thread)
+    fast_conversation = _conversation("a red circle moves left")
+    expected_fast = processor.tokenizer(
+        processor.apply_chat_template(fast_conversation, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
+    entered, release = _Entered(), threading.Event()
+
+    async def scenario():
+        slow = [_slow_prefill(stage, f"slow{i}") for i in range(TOKENIZER_THREADS)]
+        try:
+            assert await asyncio.to_thread(entered.wait_for, REQUEST_TEMPLATE_THREADS)
+            fast, counted = await _served_meanwhile(stage, fast_conversation)
+            held = (entered.num_renders, sum(not s.done() for s in slow))
+        finally:
+            release.set()
+        for handle in [fast, *await asyncio.wait_for(asyncio.gather(*slow), HANG_GUARD_S)]:
+            await stage.release(handle, "done")
+        await stage.close()
+        return fast, counted, held
+
+    with _slow_renders_held(adapter, entered, release, model_thread):
+        fast, counted, held = asyncio.run(scenario())
+    assert held == (REQUEST_TEMPLATE_THREADS, TOKENIZER_THREADS)  # the bound's renders held, the rest waiting
+    assert fast.num_prompt_tokens == len(expected_fast) and counted.token_ids == expected_fast
+
+
+def test_a_render_whose_deadline_passed_while_it_waited_is_refused_unrendered(adapter):
+    """A prefill whose deadline (its gRPC call's) passes while it waits for a render thread (every
+    one held here by a slow request template) is refused, DEADLINE_EXCEEDED, when a thread takes
+    it, and its template never renders: before, it was rendered for nobody. The deadline is in the
+    past when the threads are let go: nothing is timed."""
+    import time
+
+    import grpc
+
+    from epd.prefill_svc.stage import REQUEST_TEMPLATE_THREADS
+    from epd.stages.errors import DeadlineExceeded
+    from epd.transport.errors import status_of
+
+    model_thread = ModelThread()
+    stage = _trusting_stage(adapter, model_thread)
+    entered, release = _Entered(), threading.Event()
+
+    async def scenario():
+        held = [_slow_prefill(stage, f"held{i}") for i in range(REQUEST_TEMPLATE_THREADS)]
+        try:
+            assert await asyncio.to_thread(entered.wait_for, REQUEST_TEMPLATE_THREADS)
+            deadline_s = time.monotonic() + 0.05
+            late = _slow_prefill(stage, "late", deadline_s)
+            while time.monotonic() <= deadline_s:  # past its deadline before a thread is free
+                await asyncio.sleep(0.05)
+        finally:
+            release.set()
+        with pytest.raises(
+            DeadlineExceeded, match="reached its deadline before its prompt was rendered"
+        ) as info:
+            await asyncio.wait_for(late, HANG_GUARD_S)
+        for handle in await asyncio.wait_for(asyncio.gather(*held), HANG_GUARD_S):
+            await stage.release(handle, "done")
+        await stage.close()
+        return info.value
+
+    with _slow_renders_held(adapter, entered, release, model_thread):
+        refused = asyncio.run(scenario())
+    assert entered.num_renders == REQUEST_TEMPLATE_THREADS  # the late one's template never rendered
+    assert status_of(refused)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class _CountingTokenizer:
+    """The adapter's tokenizer, counting the calls that tokenise a text containing `marker`."""
+
+    def __init__(self, tokenizer, marker: str) -> None:
+        self.tokenizer, self.marker, self.num_calls = tokenizer, marker, 0
+
+    def __call__(self, text, *args, **kwargs):
+        self.num_calls += isinstance(text, str) and self.marker in text
+        return self.tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_cancelled_render_stops_after_its_template(adapter, caplog):
+    """A prefill cancelled (its caller went away) while its chat template renders (held here) stops
+    at the render's next step: its template's text is never tokenised nor given positions, and the
+    stop is logged. The template's render itself runs to its end (Python cannot stop a thread).
+    Before, the render ran to its end for nobody."""
+    model_thread = ModelThread()
+    stage = _trusting_stage(adapter, model_thread)
+    entered, release = _Entered(), threading.Event()
+    counting = _CountingTokenizer(adapter.tokenizer, "what colour is the circle?")
+
+    async def scenario():
+        slow = _slow_prefill(stage, "gone")
+        try:
+            assert await asyncio.to_thread(entered.wait_for, 1)
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+        finally:
+            release.set()
+        await asyncio.to_thread(stage.close_tokenizer)  # the render's thread has ended
+        await stage.close()
+
+    adapter.tokenizer = counting
+    try:
+        with _slow_renders_held(adapter, entered, release, model_thread):
+            with caplog.at_level(logging.INFO, logger="epd.prefill_svc.stage"):
+                asyncio.run(scenario())
+    finally:
+        adapter.tokenizer = counting.tokenizer
+    assert counting.num_calls == 0
+    assert any("render of request gone stopped between its steps" in r.getMessage() for r in caplog.records)

@@ -429,6 +429,9 @@ def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, vid
         def cancelled(self) -> bool:
             return rpc_cancelled
 
+        def time_remaining(self) -> float | None:
+            return None  # the caller set no deadline
+
     async def scenario():
         request = _ask(videos, max_new_tokens=4)
         media = await embedded.encoder.encode(request.media, request.sampling, lambda event: None, "rpc-end")

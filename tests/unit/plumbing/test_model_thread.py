@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from epd.stages.model_thread import ModelThread
+from epd.stages.model_thread import ModelThread, close_in_turn
 
 HANG_GUARD_S = 30.0
 
@@ -201,6 +201,40 @@ def test_close_without_waiting_and_from_a_call_of_its_own():
     for worker in own._workers:
         worker.join(HANG_GUARD_S)
         assert not worker.is_alive()
+
+
+def test_parts_closed_in_turn_share_one_deadline(caplog):
+    """`close_in_turn` (an embedded pipeline's and a stage server's close): each part is closed with
+    what is left of one bound, so two stuck pools cost one wait, not two; the second, reached with
+    nothing left, is still stopped (no further call) and named in a warning. The waits given are
+    recorded, not timed."""
+    import logging
+
+    pools, blockers = [ModelThread(), ModelThread()], [Blocker(), Blocker()]
+    given: list[float] = []
+
+    def closer(pool: ModelThread):
+        def close(wait_s: float) -> None:
+            given.append(wait_s)
+            pool.close(wait_s)
+
+        return close
+
+    try:
+        for pool, blocker in zip(pools, blockers, strict=True):
+            pool._submit("", blocker, (), {})
+            assert blocker.started.wait(HANG_GUARD_S)
+        with caplog.at_level(logging.WARNING, logger="epd.stages.model_thread"):
+            close_in_turn([closer(p) for p in pools], wait_s=0.2)
+        still_held = [not b.returned.is_set() for b in blockers]
+    finally:
+        for blocker in blockers:
+            blocker.release.set()
+    assert still_held == [True, True]
+    assert 0 < given[0] <= 0.2 and given[1] == 0.0  # the first's wait took all of the bound
+    assert sum("still run a call after close" in r.getMessage() for r in caplog.records) == 2
+    with pytest.raises(RuntimeError, match="closed"):
+        pools[1].call(print)
 
 
 def _queued_order(
