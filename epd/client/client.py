@@ -17,7 +17,8 @@
         chat.ask("which appears first?")
 
 One call = one `GatewayService.Ask` stream: a header, the media in 1 MiB chunks (or only its
-sha256 when the servers have it), then stage events, token deltas and a summary come back.
+sha256 when the servers have it), then stage events, the prompt's logprobs in pieces (when
+asked: joined into `AskResult.prompt_logprobs`), token deltas and a summary come back.
 Every call has a deadline (`timeout_s`, per client or per call, covering retries); UNAVAILABLE
 is retried before the first token only (`retry.RetryPolicy`); failures raise `EpdError` with
 the gRPC status, the server's message, and `retry_after_s` when the server was busy.
