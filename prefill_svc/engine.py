@@ -35,7 +35,13 @@ from epd.model_runtime.chat_template import check_syntax
 from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
-from epd.model_runtime.logprobs import TokenLogprob, prompt_token_logprobs, rows_logprobs, token_logprob
+from epd.model_runtime.logprobs import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    TokenLogprob,
+    prompt_token_logprobs,
+    rows_logprobs,
+    token_logprob,
+)
 from epd.model_runtime.sampling import GenerationConfig, Sampler
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
@@ -61,7 +67,6 @@ from epd.stages.messages import (
 )
 from epd.stages.model_info import REASONING_MARKERS, ModelInfo
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
-from epd.stages.server_config import MAX_MESSAGE_BYTES
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
 from epd.token_pruning import (
     ModelSizes,
@@ -73,15 +78,6 @@ from epd.token_pruning import (
 )
 
 log = logging.getLogger(__name__)
-
-PROMPT_LOGPROB_ENTRY_BYTES = 32
-"""A bound on one token's entry of `PrefillResult.prompt_logprobs` on the wire (id, text, float32
-value, rank, framing: about 20 bytes for a token text of 8 characters)."""
-MAX_PROMPT_LOGPROBS_BYTES = MAX_MESSAGE_BYTES * 3 // 4
-"""The prompt logprobs travel whole in prefill's answer and the gateway's AskSummary, each one gRPC
-message of at most MAX_MESSAGE_BYTES: a request whose prompt_logprobs (prompt tokens x (k + 1)
-entries) could pass this is refused before its prompt runs. With k = 20: about 4,600 prompt tokens;
-k = 0: about 98,000."""
 
 
 @dataclass
@@ -391,19 +387,17 @@ class PrefillEngine:
         """InvalidRequest when `prompt_logprobs` cannot be computed for this request: a family whose
         prefill has no per-position logits, or token dropping / KV compression, whose prompt runs
         gathered or layer by layer (the dropped positions would have no logits, and what is kept is
-        not the prompt the model would see). ResourceExhausted when they would not fit in one
-        answer message (`MAX_PROMPT_LOGPROBS_BYTES`), before the prompt runs."""
+        not the prompt the model would see). ResourceExhausted past `MAX_PROMPT_LOGPROB_ENTRIES`, the
+        memory one answer may take, before the prompt runs."""
         if not self.adapter.supports_prompt_logprobs:
             family = self.adapter.family or type(self.adapter).__name__
             raise InvalidRequest(f"this {family} model does not compute prompt_logprobs; leave it unset")
-        if (
-            num_bytes := num_prompt_tokens * (k + 1) * PROMPT_LOGPROB_ENTRY_BYTES
-        ) > MAX_PROMPT_LOGPROBS_BYTES:
+        if (num_entries := num_prompt_tokens * (k + 1)) > MAX_PROMPT_LOGPROB_ENTRIES:
             raise ResourceExhausted(
-                f"prompt_logprobs={k} for a {num_prompt_tokens}-token prompt would be about "
-                f"{num_bytes / 2**20:.1f} MiB, over the {MAX_PROMPT_LOGPROBS_BYTES / 2**20:.0f} MiB one answer "
-                f"carries (at most {MAX_PROMPT_LOGPROBS_BYTES // ((k + 1) * PROMPT_LOGPROB_ENTRY_BYTES)} "
-                "prompt tokens at this k); ask for fewer top tokens, or send a shorter prompt"
+                f"prompt_logprobs={k} for a {num_prompt_tokens}-token prompt would be {num_entries} entries "
+                f"(prompt tokens x (k + 1)), over the {MAX_PROMPT_LOGPROB_ENTRIES} one answer may hold (the "
+                f"gateway's memory for it; at most {MAX_PROMPT_LOGPROB_ENTRIES // (k + 1)} prompt tokens at "
+                "this k); ask for fewer top tokens, or send a shorter prompt"
             )
         if exclusive:
             raise InvalidRequest(

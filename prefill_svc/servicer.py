@@ -1,5 +1,5 @@
 """PrefillService over gRPC: Prefill is protobuf in (the visual embeddings' upload), a
-PrefillStage call, protobuf out (the stage's PrefillHandle); PullKv streams a cache to a decoder;
+PrefillStage call, protobuf out (the stage's PrefillHandle, after its prompt logprobs in pieces); PullKv streams a cache to a decoder;
 ReleaseKv drops one: confirmed by the decoder that has it (`received`), or released by the gateway
 because its request ended before a decoder had it; CompileStructuredOutputs compiles a request's
 constraint while its media is encoded, so that its Prefill finds it compiled; GetModelInfo says what the loaded model and
@@ -93,9 +93,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             template=template,
             deadline_s=None if remaining_s is None else time.monotonic() + remaining_s,
         )
-        # A caller that goes away as the prefill finishes never gets the handle (the handler has
-        # no await left to be cancelled at), so nobody would release the stored cache before its
-        # TTL: the RPC's end says whether the answer got out.
+        # A caller that goes away as the answer goes out never gets the handle, so nobody would
+        # release the stored cache before its TTL: the RPC's end says whether the answer got out.
         context.add_done_callback(self._release_unless_answered(handle.kv_handle, request_id))
         tracing.stage_timings(
             log,
@@ -105,7 +104,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
             kv_num_bytes=handle.kv_num_bytes,
         )
-        return convert.handle_to_proto(handle)
+        for response in convert.prefill_responses(handle):  # the prompt's logprobs first, in pieces
+            yield response
 
     def _release_unless_answered(self, kv_handle: str, request_id: str):
         def done(context) -> None:

@@ -543,11 +543,12 @@ async def _embedded_stream(
 
 def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult:
     """The pipeline's own summary as the SDK's result, so that both modes print the same thing:
-    through the gateway's converter and the SDK's, the path a remote answer takes."""
+    through the gateway's converter and the SDK's, the path a remote answer takes (the prompt's
+    logprobs beside it, as the SDK joins them from the pieces before the summary)."""
     from epd.client.types import result_from_proto
     from epd.gateway.servicer import summary_to_proto
 
-    return result_from_proto(summary_to_proto(summary), events)
+    return result_from_proto(summary_to_proto(summary), events, summary.prompt_logprobs)
 
 
 def _check_tls_flags(args: argparse.Namespace) -> None:

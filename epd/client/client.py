@@ -17,7 +17,8 @@
         chat.ask("which appears first?")
 
 One call = one `GatewayService.Ask` stream: a header, the media in 1 MiB chunks (or only its
-sha256 when the servers have it), then stage events, token deltas and a summary come back.
+sha256 when the servers have it), then stage events, the prompt's logprobs in pieces (when
+asked: joined into `AskResult.prompt_logprobs`), token deltas and a summary come back.
 Every call has a deadline (`timeout_s`, per client or per call, covering retries); UNAVAILABLE
 is retried before the first token only (`retry.RetryPolicy`); failures raise `EpdError` with
 the gRPC status, the server's message, and `retry_after_s` when the server was busy.
@@ -26,13 +27,14 @@ the gRPC status, the server's message, and `retry_after_s` when the server was b
 from __future__ import annotations
 
 import asyncio
-import atexit
 import math
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -50,6 +52,7 @@ from epd.client.types import (
     StreamEvent,
     TokenDelta,
     TokenizeResult,
+    TokenLogprob,
     result_from_proto,
     stage_event_from_proto,
     tokenize_result_from_proto,
@@ -57,7 +60,7 @@ from epd.client.types import (
 from epd.stages import template_kwargs, tools
 from epd.stages.messages import IMAGE, VIDEO, ContentPart, Message, from_chat_template, media_type
 from epd.transport.aio_cancel import cancelled_by_grpc, lost_while_sending
-from epd.transport.message_convert import logprobs_from_proto, messages_to_proto
+from epd.transport.message_convert import logprob_from_proto, logprobs_from_proto, messages_to_proto
 from epd.transport.status_metadata import retry_after_in
 from epd.transport.tracing import metadata_value
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
@@ -134,7 +137,8 @@ def build_header(
     log-probability and the k most likely tokens' (`AskResult.logprobs`, `TokenDelta.logprobs`;
     raw model distribution, vLLM's default); prompt_logprobs=k (vLLM's, bounded alike): each
     prompt token's log-probability given the tokens before it, its rank and the k most likely
-    tokens' there (`AskResult.prompt_logprobs`; no streamed deltas carry them); structured outputs as vLLM's `structured_outputs`
+    tokens' there (`AskResult.prompt_logprobs`, sent in pieces before the first token; no
+    streamed deltas carry them); structured outputs as vLLM's `structured_outputs`
     ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice": [...]} or {"grammar":
     "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format` ({"type":
     "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).
@@ -611,6 +615,8 @@ class AsyncEpdClient:
         Leaving early (`aclose()`, or `async with contextlib.aclosing(...)` around a loop that
         breaks) cancels the call on the server."""
         events: list[StageEvent] = []
+        prompt_logprobs: list[TokenLogprob] = []
+        pieces_attempt = 0
         # aclosing: when this generator is closed early, the call is cancelled now (`_responses`'s
         # finally), not whenever the garbage collector gets to the inner generator.
         async with aclosing(
@@ -618,7 +624,11 @@ class AsyncEpdClient:
         ) as msgs:
             async for msg, meta in msgs:
                 kind = msg.WhichOneof("kind")
-                if kind == "event":
+                if kind == "prompt_logprobs":  # in pieces, before the first delta; kept for the result
+                    if meta[0] != pieces_attempt:  # a retried call sends them all again
+                        prompt_logprobs, pieces_attempt = [], meta[0]
+                    prompt_logprobs.extend(logprob_from_proto(lp) for lp in msg.prompt_logprobs.logprobs)
+                elif kind == "event":
                     event = stage_event_from_proto(msg.event)
                     events.append(event)
                     yield event
@@ -627,7 +637,7 @@ class AsyncEpdClient:
                         list(msg.delta.token_ids), msg.delta.text, logprobs_from_proto(msg.delta.logprobs)
                     )
                 elif kind == "summary":
-                    result = result_from_proto(msg.summary, events)
+                    result = result_from_proto(msg.summary, events, prompt_logprobs or None)
                     result.num_attempts, result.media_num_bytes_sent = meta
                     yield result
                     return
@@ -913,31 +923,37 @@ class EpdClient:
     private event loop in its own thread, so it also works where a loop is already running
     (Jupyter, other async frameworks' threads).
 
-    `close()` when done (or `with`); a client still open at interpreter exit is closed then
-    (`_close_at_exit`). Its thread is a daemon, which cannot run once the interpreter finalizes:
-    a stream left half read was closed only then, by its generator's finalizer, which waited
-    forever for the loop to cancel the call (the script hung at exit)."""
+    `close()` when done (or `with`). A client dropped without it is closed when it is garbage
+    collected (its channel, sockets and thread), with a ResourceWarning as Python gives for an
+    unclosed file (shown under `python -X dev` or `-W default`); one still open at interpreter exit
+    is closed then, likewise. Both by its `weakref.finalize` (`_close_dropped`), which holds what it
+    closes (`_ClientParts`), never the client. Its thread is a daemon, which cannot run once the
+    interpreter finalizes: a stream left half read was closed only then, by its generator's
+    finalizer, which waited forever for the loop to cancel the call (the script hung at exit);
+    finalizers run at exit before that, while the thread still runs."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, **settings) -> None:
-        self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="epd-client", daemon=True)
-        self._thread.start()
+        loop = asyncio.new_event_loop()
+        self._parts = _ClientParts(
+            loop, threading.Thread(target=_run_loop, args=(loop,), name="epd-client", daemon=True)
+        )
+        self._parts.thread.start()
         try:
             self._client: AsyncEpdClient = self._run(_make(endpoint, timeout_s, settings))
         except BaseException:
             # No one can close a client that was never made: each failed construction (a missing
             # certificate file, a bad option) would leave its thread and loop running.
-            self._stop_loop()
+            self._parts.closed = True
+            _stop_loop(self._parts)
             raise
-        with _open_clients_lock:
-            _open_clients.add(self)
+        self._parts.client = self._client
+        self._finalizer = weakref.finalize(self, _close_dropped, self._parts)
 
     def _run(self, coro):
-        if self._closed:
+        if self._parts.closed:
             coro.close()  # never to be awaited: closed now, or Python warns about it later
             raise RuntimeError("the client is closed; make a new EpdClient")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self._parts.loop).result()
 
     @property
     def endpoint(self) -> str:
@@ -978,7 +994,7 @@ class EpdClient:
         return self._iterate(self._client.ask_stream(video, question, **options))
 
     def _iterate(self, agen: AsyncGenerator) -> Iterator:
-        if self._closed:  # before the generator starts on a loop that is gone
+        if self._parts.closed:  # before the generator starts on a loop that is gone
             raise RuntimeError("the client is closed; make a new EpdClient")
         try:
             while True:
@@ -989,34 +1005,14 @@ class EpdClient:
         finally:
             # Breaking out early cancels the call on the server (the async generators close
             # theirs in turn, down to `_responses`). A client closed meanwhile cancelled it already.
-            if not self._closed:
+            if not self._parts.closed:
                 self._run(agen.aclose())
 
     def close(self) -> None:
         """Close the channel (a call in flight ends with CANCELLED) and the streams left open, then
         stop the client's thread. Idempotent."""
-        if self._closed:
-            return
-        try:
-            self._run(self._client.close())
-            # A stream left half read: its async generators are closed now, on the loop, rather
-            # than by the garbage collector later, when the loop is gone ("Event loop is closed").
-            self._run(self._loop.shutdown_asyncgens())
-            # What grpc.aio still has running for a call the closed channel ended (its status
-            # handler waits one more turn of the loop): cancelled and awaited, as `asyncio.run`
-            # ends its tasks, not destroyed pending when the loop closes ("Task was destroyed
-            # but it is pending!").
-            self._run(_end_other_tasks())
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        with _open_clients_lock:
-            _open_clients.discard(self)
-        self._closed = True  # first: a call made from now on is refused, not queued on a stopped loop
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        if self._finalizer.detach() is not None:  # closed here: nothing left for the finalizer, no warning
+            _close(self._parts)
 
     def __enter__(self) -> EpdClient:
         return self
@@ -1037,16 +1033,63 @@ async def _make(endpoint: str, timeout_s: float, settings: dict[str, Any]) -> As
     return AsyncEpdClient(endpoint, timeout_s, **settings)  # grpc.aio channels bind to the running loop
 
 
-_open_clients: set[EpdClient] = set()
-"""Clients not closed yet, which `_close_at_exit` closes."""
-_open_clients_lock = threading.Lock()
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The client thread: its loop until stopped, then closed there (a client collected on this very
+    thread cannot wait for that: `_close`)."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
 
 
-@atexit.register
-def _close_at_exit() -> None:
-    """Close the clients nobody closed (a script that never calls `close`), while their threads can
-    still run: atexit handlers run before the interpreter finalizes."""
-    with _open_clients_lock:
-        clients = list(_open_clients)
-    for client in clients:
-        client.close()
+@dataclass
+class _ClientParts:
+    """What an EpdClient holds that must be closed: what its finalizer takes, as it may not hold the client."""
+
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    client: AsyncEpdClient | None = None
+    closed: bool = False
+    """Set as closing starts: a call made from then on is refused, not queued on a stopped loop."""
+
+
+async def _wind_down(client: AsyncEpdClient) -> None:
+    await client.close()
+    # A stream left half read: its async generators are closed now, on the loop, rather than by the
+    # garbage collector later, when the loop is gone ("Event loop is closed").
+    await asyncio.get_running_loop().shutdown_asyncgens()
+    # What grpc.aio still has running for a call the closed channel ended (its status handler waits
+    # one more turn of the loop): cancelled and awaited, as `asyncio.run` ends its tasks, not
+    # destroyed pending when the loop closes ("Task was destroyed but it is pending!").
+    await _end_other_tasks()
+
+
+def _close(parts: _ClientParts) -> None:
+    """Close the channel and the streams left open, then stop the loop and its thread."""
+    parts.closed = True
+    assert parts.client is not None
+    if threading.current_thread() is parts.thread:
+        # Collected on its own loop's thread (a cycle the collector found there): waiting for the
+        # loop here would wait for itself; the loop winds down on its own, then stops and closes.
+        parts.loop.create_task(_wind_down(parts.client)).add_done_callback(lambda _: parts.loop.stop())
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(_wind_down(parts.client), parts.loop).result()
+    finally:
+        _stop_loop(parts)
+
+
+def _stop_loop(parts: _ClientParts) -> None:
+    parts.loop.call_soon_threadsafe(parts.loop.stop)
+    parts.thread.join()  # `_run_loop` closes the loop as it ends
+
+
+def _close_dropped(parts: _ClientParts) -> None:
+    """An EpdClient's finalizer: it was garbage collected, or the interpreter exits, unclosed."""
+    assert parts.client is not None
+    warnings.warn(
+        f"unclosed EpdClient for {parts.client.endpoint}: close() it, or use `with EpdClient(...) as client:`",
+        ResourceWarning,
+        stacklevel=1,  # the collector or the exit calls this: no caller of the user's to point at
+    )
+    _close(parts)

@@ -363,7 +363,10 @@ def pruning_from_proto(p: common_pb2.PruningReport) -> PruningReport:
     )
 
 
-def result_from_proto(s: gateway_pb2.AskSummary, events: list[StageEvent]) -> AskResult:
+def result_from_proto(
+    s: gateway_pb2.AskSummary, events: list[StageEvent], prompt_logprobs: list[TokenLogprob] | None = None
+) -> AskResult:
+    """prompt_logprobs: joined from the call's `AskResponse.prompt_logprobs` pieces (None: none came)."""
     grid = list(s.grid_thw)
     return AskResult(
         answer=s.answer,
@@ -386,7 +389,7 @@ def result_from_proto(s: gateway_pb2.AskSummary, events: list[StageEvent]) -> As
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
         stop_reason=stop_reason_from_proto(s),
         logprobs=logprobs_from_proto(s.logprobs),
-        prompt_logprobs=logprobs_from_proto(s.prompt_logprobs),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

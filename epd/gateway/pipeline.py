@@ -207,8 +207,9 @@ async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
 class PromptLogprobs:
     """The prompt's logprobs (`AskSummary.prompt_logprobs`, the same list), sent once prefill has
     them, before the answer's first token, for a request that asked (`GenerationConfig.prompt_logprobs`):
-    what a streamed legacy completion with `echo` and `logprobs` begins with, as vLLM streams it.
-    Other consumers may skip it (the summary has the list too)."""
+    what a streamed legacy completion with `echo` and `logprobs` begins with, as vLLM streams it,
+    and what the gRPC Ask stream sends, in pieces (`AskResponse.prompt_logprobs`). Other consumers
+    may skip it (the summary has the list too)."""
 
     prompt_logprobs: list[TokenLogprob]
 
@@ -411,6 +412,8 @@ class Pipeline:
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
             handle = await self._prefill(req, media, request_id)
+            if handles:  # a prefill again scores the same prompt: the first's are kept, not two lists
+                handle.prompt_logprobs = None
             handles.append(handle)
             transfer_bytes += handle.pruning.transfer_bytes  # a prefill again sends the media again
             if handle.num_choices != len(choices):

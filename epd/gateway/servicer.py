@@ -1,5 +1,5 @@
 """GatewayService over gRPC: read the upload, run the pipeline on the header's messages, stream
-events and tokens; Tokenize and Detokenize answer with the pipeline's calls the HTTP API's
+events, the prompt's logprobs (in pieces) and tokens; Tokenize and Detokenize answer with the pipeline's calls the HTTP API's
 /tokenize and /detokenize make."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from epd.gateway.admission import Admission, Overloaded, Ticket, peer_host
 from epd.gateway.config import GatewayConfig
 from epd.gateway.metrics import GatewayMetrics
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PromptLogprobs
 from epd.gateway.shutdown import Call, CallsInFlight
 from epd.stages.contracts import StageEvent, TokenStep, check_cache_salt
 from epd.stages.errors import DeadlineExceeded, InvalidRequest
@@ -188,7 +188,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
                     elif isinstance(item, AskSummary):
                         yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
-                    elif isinstance(item, TokenStep):  # the prompt's logprobs come in the summary
+                    elif isinstance(item, PromptLogprobs):  # in pieces: no message bounds them
+                        for piece in convert.prompt_logprobs_pieces(item.prompt_logprobs):
+                            yield gateway_pb2.AskResponse(prompt_logprobs=piece)
+                    elif isinstance(item, TokenStep):
                         call.num_tokens += len(item.token_ids)
                         delta = gateway_pb2.TokenDelta(
                             token_ids=item.token_ids,
@@ -267,6 +270,5 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         kept_visual_token_index=s.kept_visual_token_index,
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
         logprobs=[convert.logprob_to_proto(lp) for lp in s.logprobs or ()],
-        prompt_logprobs=[convert.logprob_to_proto(lp) for lp in s.prompt_logprobs or ()],
     )
     return convert.set_stop_reason(summary, s.stop_reason)

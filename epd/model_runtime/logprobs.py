@@ -108,6 +108,15 @@ def token_logprob(row: RowLogprobs, token_id: int, token_text: Callable[[int], s
     )
 
 
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
+"""The most entries a request's `prompt_logprobs` may hold: prompt tokens x (k + 1), each token's own
+and its k top tokens'. Prefill refuses more (RESOURCE_EXHAUSTED, 413) before the prompt runs. This is
+the memory bound of the request that holds the most at the gateway: its list of them (about 220 bytes
+an entry as Python objects) and, while its HTTP answer is written, vLLM's JSON of them (dicts, text
+and bytes: about 425 bytes an entry): about 640 bytes an entry, so 320 MiB at this bound
+(docs/benchmarks.md, "Prompt logprobs at the gateway"). With k = 20: 24,966 prompt tokens; k = 5:
+87,381; k = 0: 524,288. On the wire they go in pieces (`PromptLogprobs`), so no message bounds them."""
+
 PROMPT_LOGPROBS_CHUNK_BYTES = 64 << 20
 """The float32 logits one step of `prompt_logprobs` holds at once ([positions, vocab]): a prompt's
 full logits (32k positions x 152k vocabulary = 19 GiB) are never held, as vLLM computes them in chunks."""

@@ -297,7 +297,8 @@ class PrefillHandle(Generic[T]):
 
     The prefill engine builds it without the location (`kv_handle`, `kv_address` empty) and the
     stage that stores the cache fills that in; `epd.transport.convert` carries it as
-    `epd.v1.PrefillResult`, field for field."""
+    `epd.v1.PrefillResult`, field for field, but for `prompt_logprobs`, which go before it in pieces
+    (`prefill_responses`)."""
 
     first_token_id: int
     num_prompt_tokens: int
@@ -348,8 +349,9 @@ class PrefillHandle(Generic[T]):
     asked (`GenerationConfig.logprobs`); the decoder streams it with its first step."""
     prompt_logprobs: list[TokenLogprob] | None = None
     """Every prompt token, each after the first with its log-probability given the tokens before
-    it, rank and top k (the first's logprob is NaN: `prompt_token_logprobs`), when the request asked (`GenerationConfig.prompt_logprobs`);
-    for the gateway to send: `for_choice` leaves it out of what a decoder gets."""
+    it, rank and top k (the first's logprob is NaN: `prompt_token_logprobs`), when the request asked
+    (`GenerationConfig.prompt_logprobs`); at most `MAX_PROMPT_LOGPROB_ENTRIES` entries. For the
+    gateway to send: `for_choice` leaves it out of what a decoder gets."""
 
     @property
     def num_choices(self) -> int:

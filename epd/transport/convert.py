@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
+from epd.model_runtime.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import (
     ChoiceStart,
@@ -23,13 +24,14 @@ from epd.stages.contracts import (
     pruning_stats_from_record,
     pruning_stats_to_record,
 )
-from epd.stages.errors import InvalidRequest
+from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport.message_convert import logprob_from_proto as logprob_from_proto  # re-exported
 from epd.transport.message_convert import logprob_to_proto as logprob_to_proto  # re-exported
 from epd.transport.message_convert import logprobs_from_proto as logprobs_from_proto  # re-exported
 from epd.transport.message_convert import messages_from_proto as messages_from_proto  # re-exported
 from epd.transport.message_convert import messages_to_proto as messages_to_proto  # re-exported
+from epd.transport.message_convert import prompt_logprobs_pieces as prompt_logprobs_pieces  # re-exported
 from epd.transport.message_convert import raw_prompt_from_proto as raw_prompt_from_proto  # re-exported
 from epd.transport.message_convert import raw_prompt_to_proto as raw_prompt_to_proto  # re-exported
 from epd.transport.message_convert import set_stop_reason as set_stop_reason  # re-exported
@@ -285,12 +287,57 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
             )
             for c in h.other_choices
         ],
-        prompt_logprobs=[logprob_to_proto(lp) for lp in h.prompt_logprobs or ()],
     )
 
 
+def prefill_responses(h: PrefillHandle) -> Iterator[prefill_pb2.PrefillResponse]:
+    """Prefill's answer: the prompt's logprobs in pieces when the request asked, then the result."""
+    for piece in prompt_logprobs_pieces(h.prompt_logprobs or ()):
+        yield prefill_pb2.PrefillResponse(prompt_logprobs=piece)
+    yield prefill_pb2.PrefillResponse(result=handle_to_proto(h))
+
+
+class PrefillAnswer:
+    """Prefill's answer as its messages arrive (`prefill_responses`): the prompt logprobs' pieces,
+    joined and bounded as they come, then the result (`handle`)."""
+
+    def __init__(self) -> None:
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.num_prompt_logprob_entries = 0
+        self.result: prefill_pb2.PrefillResult | None = None
+
+    def add(self, response: prefill_pb2.PrefillResponse) -> None:
+        if response.WhichOneof("kind") != "prompt_logprobs":
+            self.result = response.result
+            return
+        piece = response.prompt_logprobs.logprobs
+        self.num_prompt_logprob_entries += sum(1 + len(lp.top_logprobs) for lp in piece)
+        # Prefill refuses a request past this before its prompt runs; held here too, since this
+        # list is what the gateway's memory bound is about.
+        if self.num_prompt_logprob_entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise ResourceExhausted(
+                f"prefill sent more than {MAX_PROMPT_LOGPROB_ENTRIES} prompt logprob entries, the most one "
+                "answer may hold; ask for fewer top tokens (prompt_logprobs), or send a shorter prompt"
+            )
+        self.prompt_logprobs.extend(logprob_from_proto(lp) for lp in piece)
+
+    def handle(self, relay: bool = False) -> PrefillHandle:
+        if self.result is None:
+            raise InvalidRequest("prefill's answer ended without its result")
+        handle = handle_from_proto(self.result, relay)
+        if self.prompt_logprobs:
+            if len(self.prompt_logprobs) != handle.num_prompt_tokens:
+                raise InvalidRequest(
+                    f"prefill sent {len(self.prompt_logprobs)} prompt logprobs for a "
+                    f"{handle.num_prompt_tokens}-token prompt; it sends one per prompt token"
+                )
+            handle.prompt_logprobs = self.prompt_logprobs
+        return handle
+
+
 def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> PrefillHandle:
-    """relay: keep visual_entry_mask in wire form (the gateway, which only passes it to decode)."""
+    """relay: keep visual_entry_mask in wire form (the gateway, which only passes it to decode).
+    Without the prompt's logprobs, which come in pieces before it (`PrefillAnswer`)."""
     if len(msg.next_position_ids) != 4 or not msg.kv_handle:
         raise InvalidRequest("prefill result must carry a kv_handle and 4 next_position_ids")
     return PrefillHandle(
@@ -323,7 +370,6 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
             )
             for c in msg.other_choices
         ],
-        prompt_logprobs=logprobs_from_proto(msg.prompt_logprobs),
     )
 
 

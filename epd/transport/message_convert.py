@@ -1,14 +1,14 @@
 """`epd.stages.messages` <-> `epd.v1.ChatMessage`, the one converter of the message model, used by
 the gateway (Ask), the remote prefill stage and its servicer, and the SDK; likewise the raw prompt
 (`epd.stages.raw_prompt` <-> `epd.v1.RawPrompt`) and a finished answer's `stop_reason` (a oneof of
-GenerateResponse and AskSummary), a generated token's logprobs (`TokenLogprob`), and the chat
-template's options (`ChatTemplateOptions`). Kept
+GenerateResponse and AskSummary), a token's logprobs (`TokenLogprob`; a prompt's in pieces,
+`prompt_logprobs_pieces`), and the chat template's options (`ChatTemplateOptions`). Kept
 free of torch so that the SDK can import it; `epd.transport.convert` re-exports it beside the
 other converters."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
@@ -123,3 +123,31 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
 def logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprob]) -> list[TokenLogprob] | None:
     """A step's (or answer's) logprobs: None when none were sent (the request did not ask)."""
     return [logprob_from_proto(m) for m in msgs] or None
+
+
+PROMPT_LOGPROBS_PIECE_BYTES = 1 << 20
+"""A piece of a prompt's logprobs (`PromptLogprobs`) holds entries until the next would take it
+past this many bytes, as tensors go in 1 MiB chunks: far under gRPC's 4 MiB message limit, however
+long the prompt. One position's entry alone may pass it (k + 1 tokens, about 22 bytes each)."""
+
+_ENTRY_FRAMING_BYTES = 6
+"""A repeated message's tag and length prefix (1 + up to 5 bytes) around each entry in a piece."""
+
+
+def prompt_logprobs_pieces(
+    logprobs: Iterable[TokenLogprob], piece_bytes: int = PROMPT_LOGPROBS_PIECE_BYTES
+) -> Iterator[common_pb2.PromptLogprobs]:
+    """A prompt's logprobs as consecutive pieces, in order, each at most `piece_bytes` on the wire
+    unless its one entry is larger; none for an empty list."""
+    entries: list[common_pb2.TokenLogprob] = []
+    num_bytes = 0
+    for lp in logprobs:
+        entry = logprob_to_proto(lp)
+        entry_bytes = entry.ByteSize() + _ENTRY_FRAMING_BYTES
+        if entries and num_bytes + entry_bytes > piece_bytes:
+            yield common_pb2.PromptLogprobs(logprobs=entries)
+            entries, num_bytes = [], 0
+        entries.append(entry)
+        num_bytes += entry_bytes
+    if entries:
+        yield common_pb2.PromptLogprobs(logprobs=entries)

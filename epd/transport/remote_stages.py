@@ -503,10 +503,14 @@ class RemotePrefillStage(PrefillStage):
                 for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
                     yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
-        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> prefill_pb2.PrefillResult:
+        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> convert.PrefillAnswer:
             stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            call = stub.Prefill(requests(), timeout=timeout_s)
+            answer = convert.PrefillAnswer()
             try:
-                return await stub.Prefill(requests(), timeout=timeout_s)
+                async for response in call:  # the prompt's logprobs in pieces, then the result
+                    answer.add(response)
+                return answer
             except asyncio.CancelledError:
                 release = asyncio.ensure_future(
                     stub.ReleaseKv(
@@ -517,6 +521,9 @@ class RemotePrefillStage(PrefillStage):
                 _cancelled_releases.add(release)
                 release.add_done_callback(_released_after_cancel(request_id))
                 raise
+            finally:
+                if not call.done():  # a cancel, or a piece refused: the server stops sending now
+                    call.cancel()
 
         # The replica whose prefix cache holds this conversation (rendezvous on the video's sha256
         # when the conversation opens with it, else on its opening), or a raw prompt (on its beginning).
@@ -525,14 +532,15 @@ class RemotePrefillStage(PrefillStage):
             key = raw_prompt_key(raw_prompt, cache_salt)
         else:
             key = prefill_key(messages, media.sha256 if media else "", cache_salt)
-        result = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
-        handle = convert.handle_from_proto(result, relay=True)
+        answer = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
+        handle = answer.handle(relay=True)
+        assert answer.result is not None  # `handle` refuses an answer without it
         # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill
         # (sent whole, prefix-cache hit or not: prefill hashes them for its key), and the
         # visual-entry mask (decode eviction only) prefill -> gateway, then gateway -> decode in
         # the GenerateRequest.
         media_num_bytes = convert.encoded_media_num_bytes(media) if media else 0
-        handle.pruning.transfer_bytes = media_num_bytes + 2 * len(result.visual_entry_mask)
+        handle.pruning.transfer_bytes = media_num_bytes + 2 * len(answer.result.visual_entry_mask)
         return handle
 
     async def compile_structured_outputs(

@@ -4,8 +4,8 @@ model's full forward logits (`model(**inputs).logits`) at each position, with th
 in the embedded pipeline (batched with requests that do not ask, a video prompt's placeholder
 positions included, a prompt prefilled in chunks), for a prompt whose prefix the prefix cache holds
 (computed whole all the same), and through the real stack's processes (HTTP chat and completions,
-completions' echo with logprobs, gRPC via the SDK). A request that does not ask computes no
-position's logits but its last."""
+completions' echo with logprobs, gRPC via the SDK; a prompt of over 15,000 tokens, whose logprobs pass the 4
+MiB of one gRPC message). A request that does not ask computes no position's logits but its last."""
 
 from __future__ import annotations
 
@@ -337,26 +337,51 @@ def test_every_familys_chunked_prefill_computes_them(family, tmp_path):
     )
 
 
-def test_prompt_logprobs_that_would_not_fit_in_one_answer_are_refused_before_the_prompt_runs(
+def test_a_long_prompts_logprobs_come_whole_through_the_stack(shared_stack, tiny_models):
+    """A raw prompt of over 15,000 tokens with prompt_logprobs=20: its 320,000+ entries pass the 4
+    MiB one gRPC message carries, and prefill refused it (413). They travel in pieces now (prefill
+    -> gateway, gateway -> SDK): the HTTP answer and the SDK's AskResult have all of them, each
+    equal to the unsplit model's full forward."""
+    from epd.stages.server_config import MAX_MESSAGE_BYTES
+    from epd.transport import convert
+
+    long_prompt = " ".join([PROMPT] * 500)
+    ids, logprobs = reference(tiny_models["qwen2_vl"], prompt=long_prompt)
+    assert len(ids) > 15_000
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0, timeout=300
+    )
+    completion = http.completions.create(
+        model="epd", prompt=long_prompt, max_tokens=1, extra_body={"prompt_logprobs": 20}
+    ).model_dump()
+    assert_json_prompt_logprobs(completion["choices"][0]["prompt_logprobs"], ids, logprobs, 20)
+    with EpdClient(shared_stack.gateway, timeout_s=300) as client:
+        result = client.ask(None, prompt=long_prompt, max_new_tokens=1, prompt_logprobs=20)
+    assert result.num_prompt_tokens == len(ids)
+    assert_prompt_logprobs(result.prompt_logprobs, ids, logprobs, 20)
+    assert result.prompt_logprobs is not None  # what one message could not carry:
+    assert sum(convert.logprob_to_proto(lp).ByteSize() for lp in result.prompt_logprobs) > MAX_MESSAGE_BYTES
+
+
+def test_prompt_logprobs_past_the_gateways_memory_bound_are_refused_before_the_prompt_runs(
     tiny_models, monkeypatch
 ):
-    """They travel whole in prefill's answer (one gRPC message of at most 4 MiB): the engine bounds
-    prompt tokens x (k + 1) entries by PROMPT_LOGPROB_ENTRY_BYTES each, which a real answer's
-    entries stay under, and refuses more (413) before any forward."""
+    """prompt tokens x (k + 1) entries past MAX_PROMPT_LOGPROB_ENTRIES (what the gateway holds for
+    one answer) are refused (413) before any forward, saying the most prompt tokens at that k."""
     import epd.prefill_svc.engine as engine_module
-    from epd.prefill_svc.engine import PROMPT_LOGPROB_ENTRY_BYTES, PrefillEngine
+    from epd.prefill_svc.engine import PrefillEngine
     from epd.stages.errors import ResourceExhausted
     from epd.stages.messages import Message
-    from epd.transport import convert
 
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     engine = PrefillEngine(PrefillConfig(model=model), load_adapter(model, "prefill"))
     messages = [Message.user(PROMPT + " " + TEXT_CHAT[1]["content"][0]["text"])]
     out = engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
-    wire = convert.handle_to_proto(out.handle).prompt_logprobs
-    num_entries = sum(1 + len(lp.top_logprobs) for lp in wire)
-    assert sum(lp.ByteSize() + 2 for lp in wire) <= num_entries * PROMPT_LOGPROB_ENTRY_BYTES
-    monkeypatch.setattr(engine_module, "MAX_PROMPT_LOGPROBS_BYTES", 21 * PROMPT_LOGPROB_ENTRY_BYTES * 10)
+    assert out.handle.prompt_logprobs is not None
+    num_entries = len(out.handle.prompt_logprobs) * 21
+    monkeypatch.setattr(engine_module, "MAX_PROMPT_LOGPROB_ENTRIES", num_entries)
+    engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))  # at the bound
+    monkeypatch.setattr(engine_module, "MAX_PROMPT_LOGPROB_ENTRIES", 21 * 10)
     with pytest.raises(
         ResourceExhausted, match=r"at most 10 prompt tokens at this k\); ask for fewer top tokens"
     ):

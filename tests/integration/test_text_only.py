@@ -249,9 +249,13 @@ def test_prefill_service_takes_a_header_without_visual_and_refuses_what_disagree
                 for chunk in chunks:
                     yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
+            async def answer() -> prefill_pb2.PrefillResult:
+                (response,) = [r async for r in servicer.Prefill(requests(), context)]  # no prompt logprobs
+                return response.result
+
             context = Context(remaining_s)
             try:
-                return asyncio.run(servicer.Prefill(requests(), context)), context
+                return asyncio.run(answer()), context
             except RuntimeError:
                 return None, context
 

@@ -449,7 +449,8 @@ def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, vid
                 yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
         context = RpcEnd()
-        result = await servicer.Prefill(messages(), context)
+        (response,) = [r async for r in servicer.Prefill(messages(), context)]  # no prompt logprobs asked
+        result = response.result
         assert len(store) == 1
         for callback in context.callbacks:  # the RPC ends
             callback(context)

@@ -133,6 +133,12 @@ class TokenLogprob(_message.Message):
     rank: int
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
+class PromptLogprobs(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
 class PruningOptions(_message.Message):
     __slots__ = ("preset", "knobs")
     class KnobsEntry(_message.Message):

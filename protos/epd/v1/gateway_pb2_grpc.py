@@ -57,8 +57,8 @@ class GatewayServiceServicer:
     """
 
     def Ask(self, request_iterator, context):
-        """Client-streams a header then the media bytes; streams back stage events, token deltas, and a
-        final summary.
+        """Client-streams a header then the media bytes; streams back stage events, the prompt's logprobs
+        in pieces when asked, token deltas, and a final summary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,10 +36,10 @@ class PrefillServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.stream_unary(
+        self.Prefill = channel.stream_stream(
                 '/epd.v1.PrefillService/Prefill',
                 request_serializer=epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.PullKv = channel.unary_stream(
                 '/epd.v1.PrefillService/PullKv',
@@ -79,8 +79,9 @@ class PrefillServiceServicer:
     """
 
     def Prefill(self, request_iterator, context):
-        """Client-streams a header then the visual embeddings; answers with the first token and a handle
-        to the KV cache.
+        """Client-streams a header then the visual embeddings; streams back the prompt's logprobs in
+        pieces when the request asked (GenerationParams.prompt_logprobs), then the first token and a
+        handle to the KV cache (PrefillResult, last).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,10 +151,10 @@ class PrefillServiceServicer:
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.stream_unary_rpc_method_handler(
+            'Prefill': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=epd_dot_v1_dot_prefill__pb2.PrefillResult.SerializeToString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'PullKv': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKv,
@@ -209,12 +210,12 @@ class PrefillService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/epd.v1.PrefillService/Prefill',
             epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            epd_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
+            epd_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -361,6 +362,53 @@ def test_a_closed_client_says_so_without_a_warning(tmp_path):
                 call()
         gc.collect()  # a coroutine never awaited warns when it is collected
     assert [str(w.message) for w in caught] == []
+
+
+GONE_WITHIN_S = 30.0
+"""How long a dropped client's thread and socket may take to go: a bound for a hang, not a timing check."""
+
+
+def test_a_client_dropped_without_close_is_closed_by_the_garbage_collector_with_a_warning():
+    """It lived until the interpreter exited (a module-level set held it for the exit's close), its
+    thread, event loop, channel and connection with it. Now `del` and a collection close it, with
+    a ResourceWarning, as Python's unclosed files and grpc's channels are handled."""
+    import psutil
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def client_sockets() -> int:
+        return sum(
+            bool(c.raddr) and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+            for c in psutil.Process().net_connections(kind="tcp")
+        )
+
+    try:
+        threads_before, sockets_before = _client_threads(), client_sockets()
+        client = EpdClient(f"127.0.0.1:{port}", retry=NO_RETRY)
+        with pytest.raises(EpdError) as raised:  # a call, so that the channel connects
+            client.detokenize([1])
+        assert raised.value.code == grpc.StatusCode.UNIMPLEMENTED  # no gateway service there: connected
+        assert _client_threads() == threads_before + 1 and client_sockets() == sockets_before + 1
+        gc.collect()  # earlier tests' garbage warns now, not in the record below
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del client, raised
+            gc.collect()
+        assert [str(w.message) for w in caught if w.category is ResourceWarning] == [
+            f"unclosed EpdClient for 127.0.0.1:{port}: close() it, or use `with EpdClient(...) as client:`"
+        ]
+        end_at = time.monotonic() + GONE_WITHIN_S
+        while (_client_threads(), client_sockets()) != (threads_before, sockets_before):
+            assert time.monotonic() < end_at, (
+                f"{_client_threads()} client threads and {client_sockets()} sockets still open"
+            )
+            time.sleep(0.05)
+    finally:
+        server.stop(None)
 
 
 def test_asking_about_a_directory_says_it_is_one(tmp_path):

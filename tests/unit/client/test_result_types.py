@@ -13,12 +13,13 @@ import pytest
 from google.protobuf.message import Message
 
 from epd.client import AskResult, GridTHW, PruningReport, PruningStageCount, Stage, StageEvent, Timings
-from epd.client.types import result_from_proto, stage_event_from_proto
+from epd.client.types import TokenLogprob, result_from_proto, stage_event_from_proto
 from epd.gateway import pipeline
 from epd.gateway.openai_protocol import epd_details
 from epd.gateway.servicer import summary_to_proto
 from epd.stages.names import TIMING_NAMES
 from epd.token_pruning import PruningStats
+from epd.transport.message_convert import logprob_from_proto
 from epd.v1 import common_pb2, gateway_pb2
 
 
@@ -50,11 +51,17 @@ def full_summary() -> gateway_pb2.AskSummary:
         stop_string="\n",
         logprobs=[common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5, top_logprobs=[
             common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5)])],
-        prompt_logprobs=[common_pb2.TokenLogprob(token_id=3, token="q", logprob=math.nan),
-                         common_pb2.TokenLogprob(token_id=4, token="r", logprob=-2.0, rank=3, top_logprobs=[
-                             common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.25)])],
     )  # fmt: skip
     return summary
+
+
+def prompt_logprobs() -> list[TokenLogprob]:
+    """What the `AskResponse.prompt_logprobs` pieces before the summary carried, joined."""
+    return [logprob_from_proto(lp) for lp in (
+        common_pb2.TokenLogprob(token_id=3, token="q", logprob=math.nan),
+        common_pb2.TokenLogprob(token_id=4, token="r", logprob=-2.0, rank=3, top_logprobs=[
+            common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.25)]),
+    )]  # fmt: skip
 
 
 def _unset_fields(msg: Message) -> list[str]:
@@ -98,10 +105,10 @@ def test_every_value_of_the_summary_arrives_typed():
     summary = full_summary()
     event = common_pb2.StageEvent(stage="prefill", state="finished", at_ms=9.0, duration_ms=3.0,
                                   details={"num_prompt_tokens": "70"})  # fmt: skip
-    result = result_from_proto(summary, [stage_event_from_proto(event)])
+    result = result_from_proto(summary, [stage_event_from_proto(event)], prompt_logprobs())
     out = result.to_dict()
     for field in gateway_pb2.AskSummary.DESCRIPTOR.fields:
-        if field.name in ("pruning", "timings_ms", "logprobs", "prompt_logprobs"):
+        if field.name in ("pruning", "timings_ms", "logprobs"):
             continue
         if field.containing_oneof:  # the member that is set, under the oneof's name
             if summary.WhichOneof(field.containing_oneof.name) == field.name:
@@ -142,7 +149,7 @@ def test_every_value_of_the_summary_arrives_typed():
 
 def test_no_protobuf_anywhere_in_the_result():
     event = stage_event_from_proto(common_pb2.StageEvent(stage="encode", state="started"))
-    result = result_from_proto(full_summary(), [event])
+    result = result_from_proto(full_summary(), [event], prompt_logprobs())
 
     def walk(value, where: str) -> None:
         assert not isinstance(value, Message), where

@@ -1,17 +1,20 @@
 """A request of n choices whose decoders lost the first prefill's cache (`KvSourceLost`) is
 prefilled again once: when that second prefill fails, the choices waiting for it fail with its
-error and none starts a third. Fake stages (no model, no gRPC), as tests/unit/gateway/
+error and none starts a third; the second's prompt logprobs are not kept beside the first's. Fake stages (no model, no gRPC), as tests/unit/gateway/
 test_transfer_bytes.py; the lost replica through real processes is
 tests/integration/test_kv_source_lost.py."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
 
 from epd.gateway.pipeline import AskRequest, Pipeline
+from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import ChoiceStart, MediaInput
 from epd.stages.errors import Unavailable
@@ -50,3 +53,49 @@ def test_a_failed_second_prefill_fails_the_waiting_choices_without_a_third():
     with pytest.raises(Unavailable, match="no prefill replica answers"):
         asyncio.run(run())
     assert prefill.num_calls == 2
+
+
+class _Logprobs(list):
+    """A prompt's logprobs list that a weak reference can follow."""
+
+
+class ScoresThePrompt(Prefill):
+    """Each prefill answers the prompt's logprobs, a fresh list each time (`made`)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, "prefill-0:50052")
+        self.made: list[weakref.ref] = []
+
+    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", **kwargs):
+        handle = await super().prefill(messages, media, generation, request_id, pruning, cache_salt)
+        logprobs = _Logprobs(TokenLogprob(7, "a", -1.0, rank=1) for _ in range(handle.num_prompt_tokens))
+        self.made.append(weakref.ref(logprobs))
+        return replace(handle, prompt_logprobs=logprobs)
+
+
+def test_a_second_prefill_does_not_keep_a_second_list_of_the_prompts_logprobs():
+    """The gateway holds one list of them a request (the bound MAX_PROMPT_LOGPROB_ENTRIES is
+    about): a prefill again, after a lost cache, scores the same prompt; its list is let go as it
+    arrives, the first's answers."""
+    prefill = ScoresThePrompt()
+    alive_while_decoding: list[bool] = []
+
+    class Looks(Decoder):
+        async def generate(self, handle, generation, request_id, pruning=None):
+            if len(prefill.made) == 2:  # the second prefill's cache: is its list still held?
+                gc.collect()
+                alive_while_decoding.append(prefill.made[1]() is not None)
+            async for step in super().generate(handle, generation, request_id, pruning):
+                yield step
+
+    pipeline = Pipeline(Encoder(0), prefill, Looks(num_lost=1))
+    request = AskRequest(
+        question_messages("what colour?"), MediaInput(b"\0"), generation=GenerationConfig(prompt_logprobs=0)
+    )
+
+    async def run() -> list:
+        return [item async for item in pipeline.ask(request)]
+
+    items = asyncio.run(run())
+    assert prefill.num_calls == 2 and alive_while_decoding == [False]
+    assert items[-1].prompt_logprobs is not None and len(items[-1].prompt_logprobs) == 20

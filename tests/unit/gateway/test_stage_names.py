@@ -16,6 +16,7 @@ from epd.gateway.servicer import summary_to_proto
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.names import TIMED_STAGES, TIMING_NAMES, timings_from_either, timings_with_legacy_names
 from epd.token_pruning import PruningStats
+from epd.transport import convert
 from epd.v1 import gateway_pb2
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -108,7 +109,10 @@ def test_the_grpc_summary_carries_every_field_of_the_pipelines_summary():
     assert result.grid_thw == (2, 4, 6) and result.kept_visual_token_index == [0, 3]
     assert result.num_reused_prompt_tokens == 52
     assert result.logprobs == domain_summary().logprobs
-    assert result.prompt_logprobs == domain_summary().prompt_logprobs
+    # The prompt's come before the summary, in pieces (`AskResponse.prompt_logprobs`).
+    pieces = list(convert.prompt_logprobs_pieces(domain_summary().prompt_logprobs or ()))
+    joined = [convert.logprob_from_proto(lp) for piece in pieces for lp in piece.logprobs]
+    assert result_from_proto(wire, [], joined).prompt_logprobs == domain_summary().prompt_logprobs
     assert (
         result.timings_ms.video_decode_ms == 1.0 and result.timings_ms.total_ms == 1.0 + len(TIMING_NAMES) - 1
     )

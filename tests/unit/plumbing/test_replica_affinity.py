@@ -203,16 +203,17 @@ def _prefill_replicas(turns) -> tuple[dict[str, str], list[str]]:
     got: dict[str, str] = {}
 
     def prefill_methods(address: list[str]) -> dict[str, grpc.RpcMethodHandler]:
-        async def prefill(requests, context) -> prefill_pb2.PrefillResult:
+        async def prefill(requests, context):
             header = None
             async for msg in requests:
                 header = header or msg.header
             got[header.request_id] = address[0]
-            return prefill_pb2.PrefillResult(kv_handle=header.kv_handle, next_position_ids=[1, 1, 1, 1])
+            result = prefill_pb2.PrefillResult(kv_handle=header.kv_handle, next_position_ids=[1, 1, 1, 1])
+            yield prefill_pb2.PrefillResponse(result=result)
 
         return {
-            "Prefill": grpc.stream_unary_rpc_method_handler(
-                prefill, prefill_pb2.PrefillRequest.FromString, prefill_pb2.PrefillResult.SerializeToString
+            "Prefill": grpc.stream_stream_rpc_method_handler(
+                prefill, prefill_pb2.PrefillRequest.FromString, prefill_pb2.PrefillResponse.SerializeToString
             )
         }
 

@@ -221,13 +221,26 @@ def test_the_token_cache_stores_encoded_media_whole(tmp_path, disk):
     assert hit is not cache.get(key), "each hit is a fresh object"
 
 
+def _prefill_answer(handle: PrefillHandle) -> convert.PrefillAnswer:
+    """Prefill's answer for `handle` as the gateway reads it, each message through its bytes."""
+    answer = convert.PrefillAnswer()
+    for response in convert.prefill_responses(handle):
+        answer.add(prefill_pb2.PrefillResponse.FromString(response.SerializeToString()))
+    return answer
+
+
 def test_prefill_handle_round_trips_through_the_proto():
     handle = _handle()
-    assert {f.name for f in dataclasses.fields(PrefillHandle)} == set(
-        prefill_pb2.PrefillResult.DESCRIPTOR.fields_by_name
-    ), "PrefillHandle and PrefillResult name the same fields"
-    msg = prefill_pb2.PrefillResult.FromString(convert.handle_to_proto(handle).SerializeToString())
-    back = convert.handle_from_proto(msg)
+    handle.prompt_logprobs = [
+        dataclasses.replace(_logprob(i), rank=i + 1) for i in range(handle.num_prompt_tokens)
+    ]
+    assert {f.name for f in dataclasses.fields(PrefillHandle)} == {
+        *prefill_pb2.PrefillResult.DESCRIPTOR.fields_by_name,
+        "prompt_logprobs",
+    }, (
+        "PrefillHandle and PrefillResult name the same fields (the prompt's logprobs come before it, in pieces)"
+    )
+    back = _prefill_answer(handle).handle()
     # The mask crosses the wire flat; the decoder shapes it by its cache.
     assert back.visual_entry_mask is not None
     assert torch.equal(back.visual_entry_mask, handle.visual_entry_mask.flatten())
@@ -243,6 +256,47 @@ def test_prefill_handle_round_trips_through_the_proto():
             ).first_text
             == text
         )
+
+
+def test_a_long_prompts_logprobs_cross_in_pieces_under_the_message_limit():
+    """10,000 prompt tokens with 20 top tokens each: over 4 MiB, which one message cannot carry
+    (prefill refused such a request before it ran). They go in pieces of at most
+    PROMPT_LOGPROBS_PIECE_BYTES and come back whole, in order, bit for bit."""
+    from epd.stages.server_config import MAX_MESSAGE_BYTES
+    from epd.transport.message_convert import PROMPT_LOGPROBS_PIECE_BYTES
+
+    top = tuple(TopLogprob(100_000 + t, f"token{t:04d}", -0.5 - t) for t in range(20))
+    num_tokens = 10_000
+    logprobs = [
+        TokenLogprob(100_000 + i, f"prompt{i:05d}", -1.25 - i, top, rank=1 + i) for i in range(num_tokens)
+    ]
+    handle = dataclasses.replace(_handle(), num_prompt_tokens=num_tokens, prompt_logprobs=logprobs)
+    responses = list(convert.prefill_responses(handle))
+    pieces = [r for r in responses if r.WhichOneof("kind") == "prompt_logprobs"]
+    assert responses[-1].WhichOneof("kind") == "result" and responses[:-1] == pieces
+    assert sum(r.ByteSize() for r in pieces) > MAX_MESSAGE_BYTES
+    assert all(r.ByteSize() <= PROMPT_LOGPROBS_PIECE_BYTES + 16 for r in pieces), [
+        r.ByteSize() for r in pieces
+    ]
+    assert _prefill_answer(handle).handle().prompt_logprobs == logprobs
+    assert list(convert.prompt_logprobs_pieces([])) == []
+
+
+def test_prefill_answers_prompt_logprobs_are_checked_as_they_arrive(monkeypatch):
+    """The gateway holds the list: past MAX_PROMPT_LOGPROB_ENTRIES it stops reading (prefill refuses
+    such a request before it runs); one per prompt token, and the result must come."""
+    from epd.stages.errors import ResourceExhausted
+
+    handle = _handle()
+    handle.prompt_logprobs = [_logprob(i) for i in range(handle.num_prompt_tokens)]  # 4 entries each
+    monkeypatch.setattr(convert, "MAX_PROMPT_LOGPROB_ENTRIES", 4 * handle.num_prompt_tokens - 1)
+    with pytest.raises(ResourceExhausted, match="more than 359 prompt logprob entries"):
+        _prefill_answer(handle)
+    monkeypatch.undo()
+    with pytest.raises(InvalidRequest, match="prefill sent 89 prompt logprobs for a 90-token prompt"):
+        _prefill_answer(dataclasses.replace(handle, prompt_logprobs=handle.prompt_logprobs[1:])).handle()
+    with pytest.raises(InvalidRequest, match="ended without its result"):
+        convert.PrefillAnswer().handle()
 
 
 def test_pruning_stats_and_token_steps_round_trip_through_the_proto():

@@ -1,0 +1,123 @@
+"""What the request with the most prompt logprobs holds at the gateway: MAX_PROMPT_LOGPROB_ENTRIES
+entries (prompt tokens x (k + 1)), received in pieces from prefill and answered over HTTP.
+
+    PYTHONPATH=. python bench/bench_prompt_logprobs_memory.py
+    PYTHONPATH=. python bench/bench_prompt_logprobs_memory.py --k 5 --token-chars 4
+
+No model and no servers: the gateway's own steps on a list made up at the bound (ids in Qwen2-VL's
+151,936-token vocabulary, token texts of `--token-chars` characters, BPE's usual length), each
+measured by tracemalloc (Python's allocations; the peak is above what the step started with):
+1. prefill's answer as the gateway reads it: the pieces (`prefill_responses`, serialized as on the
+   wire) joined by `PrefillAnswer`, what it then holds (the list) and its peak (one piece more);
+2. the HTTP answer, as `web.json_response` writes it: vLLM's JSON of them
+   (`prompt_logprobs_json`), its text and its bytes, all held at once at the end;
+3. the Ask stream's pieces to the SDK (`prompt_logprobs_pieces`): one at a time.
+The times are each step's without tracemalloc, on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from epd.gateway.logprobs_protocol import prompt_logprobs_json  # noqa: E402
+from epd.model_runtime.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, TokenLogprob, TopLogprob  # noqa: E402
+from epd.stages.contracts import PrefillHandle  # noqa: E402
+from epd.transport import convert  # noqa: E402
+from epd.v1 import prefill_pb2  # noqa: E402
+
+QWEN_VOCAB = 151_936
+
+
+def made_up(num_tokens: int, k: int, token_chars: int) -> list[TokenLogprob]:
+    rng = random.Random(0)
+
+    def text() -> str:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(token_chars))
+
+    def top() -> tuple[TopLogprob, ...]:
+        return tuple(TopLogprob(rng.randrange(QWEN_VOCAB), text(), -rng.random() * 20) for _ in range(k))
+
+    return [
+        TokenLogprob(
+            rng.randrange(QWEN_VOCAB), text(), -rng.random() * 20, top(), rng.randrange(1, QWEN_VOCAB)
+        )
+        for _ in range(num_tokens)
+    ]
+
+
+def measured(step: Callable[[], Any]) -> tuple[Any, int, int, float]:
+    """(its result, bytes it still holds, its peak above the start, seconds without tracing)."""
+    started = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - started
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    result = step()
+    held, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return result, held - base, peak - base, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--k", type=int, default=20, help="top tokens a position (vLLM's most by default)")
+    parser.add_argument("--token-chars", type=int, default=6, help="characters of each token's text")
+    args = parser.parse_args()
+    num_tokens = MAX_PROMPT_LOGPROB_ENTRIES // (args.k + 1)
+    num_entries = num_tokens * (args.k + 1)
+    logprobs = made_up(num_tokens, args.k, args.token_chars)
+    handle = PrefillHandle(
+        first_token_id=1, num_prompt_tokens=num_tokens, num_cached_tokens=num_tokens,
+        next_position_ids=[num_tokens] * 4, kv_num_bytes=0, prefill_ms=0.0, kv_handle="ab" * 16,
+        prompt_logprobs=logprobs,
+    )  # fmt: skip
+    wire = [r.SerializeToString() for r in convert.prefill_responses(handle)]
+    print(
+        f"{num_tokens} prompt tokens x (k={args.k} + 1) = {num_entries} entries (MAX_PROMPT_LOGPROB_ENTRIES "
+        f"{MAX_PROMPT_LOGPROB_ENTRIES}), token texts of {args.token_chars} characters; on the wire "
+        f"{sum(map(len, wire)) / 2**20:.1f} MiB in {len(wire) - 1} pieces of at most "
+        f"{max(map(len, wire[:-1])) / 2**20:.2f} MiB"
+    )
+
+    def receive() -> list[TokenLogprob]:
+        answer = convert.PrefillAnswer()
+        for data in wire:
+            answer.add(prefill_pb2.PrefillResponse.FromString(data))
+        return answer.handle(relay=True).prompt_logprobs or []
+
+    def http_answer() -> tuple:
+        body = {"choices": [{"prompt_logprobs": prompt_logprobs_json(logprobs)}]}
+        text = json.dumps(body)
+        return body, text, text.encode()
+
+    def ask_pieces() -> int:
+        return max(piece.ByteSize() for piece in convert.prompt_logprobs_pieces(logprobs))
+
+    mib = 2**20
+    for name, step in (
+        ("1. prefill's pieces joined at the gateway", receive),
+        ("2. the HTTP answer (JSON, text, bytes)", http_answer),
+        ("3. the Ask stream's pieces to the SDK", ask_pieces),
+    ):
+        _, held, peak, seconds = measured(step)
+        print(
+            f"{name:45s} holds {held / mib:7.1f} MiB ({held / num_entries:5.0f} B an entry), "
+            f"peak {peak / mib:7.1f} MiB, {seconds:6.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
