@@ -176,6 +176,10 @@ UNSUPPORTED_CHAT_FIELDS = {
     "reasoning_effort": (),
     "thinking_token_budget": (),
     "repetition_detection": (),
+    # The same in vLLM's earlier request (0 is off): ignoring them would let a repetition run on.
+    "max_repetition_pattern_size": (0,),
+    "min_repetition_pattern_size": (0,),
+    "repetition_min_count": (0,),
     "watermarking": (False,),
     "return_prompt_text": (False,),
 }
