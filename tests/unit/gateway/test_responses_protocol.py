@@ -156,8 +156,9 @@ def test_a_named_function_and_text_format_are_chats():
         ({"input": "hi", "reasoning": "high"}, "'reasoning' must be an object"),
         ({"input": "hi", "max_output_tokens": 0}, "'max_output_tokens' must be an integer from 1"),
         (
-            {"input": "hi", "include": ["reasoning.encrypted_content"]},
-            "'include' value 'reasoning.encrypted_content' is not supported.*output_text.logprobs\" alone",
+            {"input": "hi", "include": ["reasoning.encrypted_content", "web_search_call.results"]},
+            "'include' value 'web_search_call.results' is not one this server takes; it takes "
+            '"code_interpreter_call.outputs", .*"reasoning.encrypted_content"',
         ),
         ({"input": "hi", "include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
         (
@@ -440,6 +441,24 @@ def test_held_back_text_takes_its_tokens_logprobs_to_the_delta_that_releases_it(
     message, function_call = response["output"]
     assert message["content"][0]["logprobs"] == [_logprob(s) for s in steps[:3]]
     assert function_call["type"] == "function_call" and "logprobs" not in function_call
+
+
+def test_the_include_values_vllm_takes_are_accepted_and_give_nothing_more():
+    """vLLM's request takes six `include` values; a client that always sends one (Codex:
+    "reasoning.encrypted_content") was refused with a 400. The five but the logprobs ask for
+    what epd has none of: the answer is the one without them."""
+    others = [
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "reasoning.encrypted_content",
+    ]
+    request = parse(input="hi", include=others)
+    assert request.generation == parse(input="hi").generation
+    assert request.generation.logprobs is None
+    with_logprobs = parse(input="hi", include=[*others, "message.output_text.logprobs"])
+    assert with_logprobs.generation.logprobs == 0
 
 
 def test_without_include_no_logprobs_are_asked_or_sent():
