@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types.responses import ResponseErrorEvent
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
@@ -471,11 +472,20 @@ def test_without_include_no_logprobs_are_asked_or_sent():
 GONE = {"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}}
 
 
-def test_an_error_event_carries_the_status_and_the_next_sequence_number():
+def test_an_error_event_carries_the_error_name_and_the_next_sequence_number():
+    """OpenAI's ResponseErrorEvent has a string (or null) `code`: the HTTP status as a number, chat's
+    error body's, failed a typed client's parse of the event."""
     shaper = ResponseEvents(parse(input="hi"), "r1", None)
     shaper.start()
     error, failed = shaper.failed(GONE)
-    assert error == {"type": "error", "sequence_number": 2, "code": 502, "message": "gone", "param": None}
+    assert error == {
+        "type": "error",
+        "sequence_number": 2,
+        "code": "server_error",
+        "message": "gone",
+        "param": None,
+    }
+    ResponseErrorEvent.model_validate(error)  # the openai SDK's own type of the event
     assert (failed["type"], failed["sequence_number"]) == ("response.failed", 3)
     assert (failed["response"]["status"], failed["response"]["error"]) == (
         "failed",
@@ -529,8 +539,11 @@ def test_a_stream_that_fails_after_its_200_ends_with_an_error_event():
     assert kinds[-3:] == ["response.output_text.delta", "error", "response.failed"] and "[DONE]" not in text
     error = events[-2]
     assert (
-        error["code"] == 503 and "decode went away" in error["message"] and "request id " in error["message"]
+        error["code"] == "service_unavailable"  # a 503's name: OpenAI's code is a string
+        and "decode went away" in error["message"]
+        and "request id " in error["message"]
     )
+    ResponseErrorEvent.model_validate(error)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
