@@ -65,7 +65,9 @@ class Generation:
         )
         # prefill sampled it: penalties, min_tokens and the constraint's matcher count it
         self.sampler.seen(first_token_id)
-        self.output = OutputText(adapter.detokenize, adapter.eos_token_ids, config)
+        self.output = OutputText(
+            adapter.detokenize, adapter.eos_token_ids, config, eos_token_id=adapter.eos_token_id
+        )
         self.last_token = first_token_id
         self.finish_reason = ""
         self.eviction = None

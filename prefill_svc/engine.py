@@ -647,9 +647,13 @@ class PrefillEngine:
             token = sampler(last_logits if request.generation.n == 1 else last_logits.clone())
             # The decoder's first step, worked out here so the first token can go out before the
             # cache reaches a decoder; a token that ends the request is left to the decoder.
-            text, finish = OutputText(self.adapter.detokenize, self.adapter.eos_token_ids, generation).add(
-                token
+            output = OutputText(
+                self.adapter.detokenize,
+                self.adapter.eos_token_ids,
+                generation,
+                eos_token_id=self.adapter.eos_token_id,
             )
+            text, finish = output.add(token)
             logprob = None if row is None else token_logprob(row, token, self.adapter.token_text)
             starts.append(ChoiceStart(token, None if finish else text, logprob))
         first, first_text = starts[0].first_token_id, starts[0].first_text

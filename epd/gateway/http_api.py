@@ -110,6 +110,7 @@ from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (
     ReasoningStream,
     constrained_after_reasoning,
+    count_reasoning_tokens,
     delta_fields,
     parser_misfit,
     thinking_on,
@@ -470,17 +471,20 @@ class HttpApi:
             events = self.pipeline.ask(ask)
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
-            steps: list[TokenStep] = []  # a Responses answer's, shaped at its end (`response_body`)
+            # A Responses answer's, shaped at its end (`response_body`); a chat answer's with a
+            # reasoning parser, whose reasoning tokens are counted from them.
+            thinking = self._thinking(chat)
+            steps: list[TokenStep] = []
             async with aclosing(events):  # type: ignore[type-var]
                 async for item in events:
-                    if isinstance(item, TokenStep) and chat.responses is not None:
+                    if isinstance(item, TokenStep) and (chat.responses is not None or thinking is not None):
                         steps.append(item)
                     if isinstance(item, AskSummary):
                         log_summary(item)
                         if chat.raw_prompt is not None:
                             return web.json_response(text_completion_body(item, chat))
                         if chat.responses is not None:
-                            body = response_body(item, chat, self._thinking(chat), steps)
+                            body = response_body(item, chat, thinking, steps)
                             return web.json_response(body)
                         return web.json_response(
                             completion_body(
@@ -488,9 +492,14 @@ class HttpApi:
                                 chat.model,
                                 role=chat.response_role,
                                 echoed=chat.echoed_text,
-                                thinking=self._thinking(chat),
+                                thinking=thinking,
                                 include_reasoning=chat.include_reasoning,
                                 tool_choice=chat.tool_choice,
+                                reasoning_tokens=None
+                                if thinking is None
+                                else count_reasoning_tokens(
+                                    ((s.index, s.text, len(s.token_ids)) for s in steps), thinking
+                                ),
                             )
                         )
             raise RuntimeError("the pipeline ended without a summary")
@@ -596,8 +605,10 @@ class HttpApi:
         # The prompt's, when prefill computed them (`PromptLogprobs`): a completion's echo with
         # logprobs streams them with the prompt's text.
         prompt_logprobs: list[TokenLogprob] | None = None
-        # Each choice's text parted into reasoning and content, by index (with --reasoning-parser).
+        # Each choice's text parted into reasoning and content, by index (with --reasoning-parser),
+        # and the reasoning tokens of those finished (the final usage's).
         parted = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(chat.generation.n)}
+        reasoning_tokens = 0
         # Each choice's content parted into text and tool calls, by index (with tools to parse or force).
         tooled = (
             {i: ToolAnswerStream(chat.tool_choice) for i in range(chat.generation.n)}
@@ -626,12 +637,13 @@ class HttpApi:
             """Choice `index`'s end: the tails its parsers held back (a reasoning marker's start, a
             tool call's text), then its finish chunk ("tool_calls" when it made calls, as vLLM's;
             with the summary's `epd` details on the request's last)."""
+            nonlocal reasoning_tokens
             finished.add(index)
             deltas = []
-            if (text := parted.pop(index, None)) is not None and (
-                delta := delta_fields(text.finish(), chat.include_reasoning)
-            ):
-                deltas.append(delta)
+            if (text := parted.pop(index, None)) is not None:
+                if delta := delta_fields(text.finish(), chat.include_reasoning):
+                    deltas.append(delta)
+                reasoning_tokens += text.num_reasoning_tokens
             if (calls := tooled.pop(index, None)) is not None:
                 deltas += calls.finish()
                 reason = tool_finish_reason(
@@ -691,7 +703,7 @@ class HttpApi:
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
                         if item.token_ids or item.text:
-                            split = parted[item.index].add(item.text) if parted else None
+                            split = parted[item.index].add(item.text, len(item.token_ids)) if parted else None
                             delta = None if split is None else delta_fields(split, chat.include_reasoning)
                             more: list[
                                 dict[str, Any]
@@ -740,7 +752,7 @@ class HttpApi:
                             {
                                 **_final_chunk(chat, request_id, created, None),
                                 "choices": [],
-                                "usage": usage(item),
+                                "usage": usage(item, None if thinking is None else reasoning_tokens),
                             }
                         )
         except ConnectionResetError:

@@ -176,6 +176,10 @@ UNSUPPORTED_CHAT_FIELDS = {
     "reasoning_effort": (),
     "thinking_token_budget": (),
     "repetition_detection": (),
+    # The same in vLLM's earlier request (0 is off): ignoring them would let a repetition run on.
+    "max_repetition_pattern_size": (0,),
+    "min_repetition_pattern_size": (0,),
+    "repetition_min_count": (0,),
     "watermarking": (False,),
     "return_prompt_text": (False,),
 }
@@ -706,17 +710,23 @@ def _bad_words(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
 # -- responses ----------------------------------------------------------------------------------
 
 
-def usage(summary: AskSummary) -> dict[str, Any]:
+def usage(summary: AskSummary, reasoning_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage; `prompt_tokens_details.cached_tokens` are the prompt tokens whose KV came
     from prefill's prefix cache (as OpenAI and vLLM report prompt caching). The prompt counts once
-    and the completion tokens are every choice's (as vLLM's, for n choices)."""
+    and the completion tokens are every choice's (as vLLM's, for n choices). `reasoning_tokens`
+    (every choice's, `epd.gateway.reasoning.count_reasoning_tokens`; None without
+    `--reasoning-parser`) goes in `completion_tokens_details`, as vLLM's chat reports it only with
+    a reasoning parser."""
     completion = sum(len(choice.token_ids) for choice in summary.all_choices())
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": summary.num_prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": summary.num_prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": summary.num_reused_prompt_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def epd_details(summary: AskSummary) -> dict[str, Any]:
@@ -767,12 +777,14 @@ def completion_body(
     thinking: bool | None = None,
     include_reasoning: bool = True,
     tool_choice: ToolChoice = ToolChoice(),
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
     the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
-    choice's text into the message's reasoning and content; `tool_choice` (`ChatRequest.tool_choice`)
-    takes the content's tool calls into the message's `tool_calls` (`epd.gateway.tool_parsers`)."""
+    choice's text into the message's reasoning and content, whose tokens `reasoning_tokens`
+    counts (`usage`); `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls
+    into the message's `tool_calls` (`epd.gateway.tool_parsers`)."""
     choices = []
     for choice in summary.all_choices():
         message, num_calls = _message(role, echoed, choice.answer, thinking, include_reasoning, tool_choice)
@@ -793,7 +805,7 @@ def completion_body(
         "created": created if created is not None else int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(summary),
+        "usage": usage(summary, reasoning_tokens),
         # vLLM's: None for the first prompt token, then each token's (only when asked).
         "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),
         "epd": epd_details(summary),

@@ -22,7 +22,7 @@ at most a marker's length.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,7 +104,8 @@ class ReasoningStream:
         """True until the text after `</think>` begins (False from the start with thinking off)."""
         self.num_reasoning_tokens = 0
         """The tokens inside the thinking block so far, its markers left out, as vLLM counts the
-        Responses API's `usage.output_tokens_details.reasoning_tokens` (`add`)."""
+        Responses API's `usage.output_tokens_details.reasoning_tokens` and chat's
+        `usage.completion_tokens_details.reasoning_tokens` (`add`)."""
         self._start_dropped = False  # the model's own `<think>`, dropped once
         self._held = ""  # the reasoning text's tail that may begin a marker: len < len(END)
 
@@ -168,6 +169,20 @@ def message_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, 
     null with `include_reasoning: false`."""
     reasoning = split.reasoning if include_reasoning else None
     return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def count_reasoning_tokens(steps: Iterable[tuple[int, str, int]], thinking: bool) -> int:
+    """Chat's `usage.completion_tokens_details.reasoning_tokens` of a whole answer from its steps,
+    each (choice index, text, number of tokens), in order: every choice's through a
+    `ReasoningStream` of its own, as a stream counts them, summed over the choices (vLLM's sum)."""
+    streams: dict[int, ReasoningStream] = {}
+    for index, text, num_tokens in steps:
+        streams.setdefault(index, ReasoningStream(thinking)).add(text, num_tokens)
+    total = 0
+    for stream in streams.values():
+        stream.finish()  # a held-back whole `<think>` at the answer's end is no reasoning token
+        total += stream.num_reasoning_tokens
+    return total
 
 
 def delta_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, str]:

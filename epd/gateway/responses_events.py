@@ -164,12 +164,14 @@ class ResponseEvents:
         response.failed, the response with status "failed" and its `error`, as OpenAI ends a
         failed response (the open item stays out of its output: it was not done)."""
         inner = error["error"]
+        # OpenAI's error codes here are names ("server_error", ...: a string or null in both the
+        # `error` event and the failed response's `error`), not the HTTP status of chat's error
+        # body, which a typed client refuses to parse: the error body's type.
+        code = inner.get("type") or str(inner["code"])
         events = [] if self.started else self.start()
-        events.append(self._event("error", code=inner["code"], message=inner["message"], param=None))
+        events.append(self._event("error", code=code, message=inner["message"], param=None))
         response = self.response("failed")
-        # OpenAI's response error code is a name ("server_error", ...), not the HTTP status the
-        # `error` event carries: the error body's type.
-        response["error"] = {"code": inner.get("type") or str(inner["code"]), "message": inner["message"]}
+        response["error"] = {"code": code, "message": inner["message"]}
         return events + [self._event("response.failed", response=response)]
 
     def _usage(self, summary: AskSummary) -> dict[str, Any]:

@@ -33,8 +33,9 @@ serves it over a chat model: the body becomes a chat-completions body, parsed by
                   text's logprobs, each with the `top_logprobs` most likely tokens (0 to the
                   server's --max-logprobs; 0 by default): chat's `logprobs: true` and
                   `top_logprobs`, vLLM's; top_logprobs above 0 without it is a 400 (vLLM ignores
-                  it), and so is any other `include` value (epd runs no hosted tools and keeps no
-                  encrypted reasoning)
+                  it). vLLM's five other `include` values are accepted and give nothing, as
+                  vLLM's simple path gives nothing for them (epd runs no hosted tools and keeps no
+                  encrypted reasoning); a value vLLM does not take is a 400, as vLLM's
     metadata, user  accepted; metadata comes back in the response
 
 The answer is shaped in `epd.gateway.responses_events` (`ResponseEvents`).
@@ -84,6 +85,18 @@ _TRANSLATED = frozenset(
 )  # fmt: skip
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The `include` value that asks for the output text's logprobs (vLLM's and OpenAI's)."""
+INCLUDE_VALUES = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    LOGPROBS_INCLUDE,
+    "reasoning.encrypted_content",
+)
+"""The `include` values vLLM's request takes (its ResponsesRequest's Literal): clients that always
+send one (Codex sends "reasoning.encrypted_content") are served. But for the logprobs, each asks
+for what epd has none of (hosted tools' output, an input image's URL, encrypted reasoning to send
+back), so it adds nothing to the answer, as from vLLM's non-Harmony path."""
 _CHAT_NAMES = {
     "messages": "'input' (a string, or a list of messages)",
     "max_tokens": "'max_output_tokens'",
@@ -202,10 +215,10 @@ def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
     include = [] if body.get("include") is None else body["include"]
     if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
         raise InvalidRequest(f"'include' must be a list of strings such as [\"{LOGPROBS_INCLUDE}\"]")
-    if other := [value for value in include if value != LOGPROBS_INCLUDE]:
+    if other := [value for value in include if value not in INCLUDE_VALUES]:
         raise InvalidRequest(
-            f"'include' value {shown_value(other[0])} is not supported by this server; it includes "
-            f'"{LOGPROBS_INCLUDE}" alone (it runs no hosted tools and keeps no reasoning state)'
+            f"'include' value {shown_value(other[0])} is not one this server takes; it takes "
+            + ", ".join(f'"{value}"' for value in INCLUDE_VALUES)
         )
     fields: dict[str, Any] = {"logprobs": LOGPROBS_INCLUDE in include}
     if body.get("top_logprobs") is not None:

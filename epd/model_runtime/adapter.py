@@ -244,7 +244,11 @@ class VLMAdapter(ABC):
     """One model family's implementation of the stage operations. Not thread-safe: one model
     call at a time (the services run model calls on a single executor thread)."""
 
+    eos_token_id: int | None = None
+    """The tokenizer's end-of-sequence id: an answer it ends has `stop_reason` None (vLLM's)."""
     eos_token_ids: frozenset[int]
+    """Every id that ends an answer (`hf_loading.end_of_sequence`): `eos_token_id` and the
+    generation config's others, which end it as stop tokens (their id its `stop_reason`)."""
     hidden_size: int
     family: str = ""  # config.json's model_type ("qwen2_vl", "qwen3_vl", ...); part of the token cache key
     fingerprint: str  # identity of the loaded checkpoint, part of the token cache key

@@ -98,8 +98,8 @@ class IncrementalText:
 class OutputText:
     """A request's generated tokens, one at a time -> (text delta, finish reason): `IncrementalText`
     and the rules that end a generation: a stop string, an end-of-sequence token (unless
-    `ignore_eos`), one of `stop_token_ids` (the text of either left out unless
-    `include_stop_str_in_output`, as vLLM's),
+    `ignore_eos`; the model's others than the tokenizer's end it as stop tokens, vLLM's), one of
+    `stop_token_ids` (the text of either left out unless `include_stop_str_in_output`, as vLLM's),
     `max_new_tokens`; before `min_tokens` tokens are out, only the last (as vLLM's). The text is
     `detokenize` with the request's `skip_special_tokens` and `spaces_between_special_tokens`. Decode runs one
     per request; prefill runs one over the first token alone, so that the gateway can stream that
@@ -107,8 +107,15 @@ class OutputText:
     text; `PrefillHandle.first_text`)."""
 
     def __init__(
-        self, detokenize: Detokenize, eos_token_ids: Collection[int], config: GenerationConfig
+        self,
+        detokenize: Detokenize,
+        eos_token_ids: Collection[int],
+        config: GenerationConfig,
+        *,
+        eos_token_id: int | None,
     ) -> None:
+        """eos_token_ids: every id that ends an answer; eos_token_id: the tokenizer's among them
+        (`VLMAdapter.eos_token_id`), the one whose answer has no `stop_reason`."""
         # The request's decode options travel in its GenerationConfig, so prefill's first token and
         # decode's tokens are detokenised alike.
         decode = functools.partial(
@@ -118,14 +125,16 @@ class OutputText:
         )
         self.text = IncrementalText(decode, config.stop, config.include_stop_str_in_output, config.min_tokens)
         self.eos_token_ids = eos_token_ids
+        self.eos_token_id = eos_token_id
         self.stop_token_ids = frozenset(config.stop_token_ids)
         self.config = config
         self.num_tokens = 0
         self.finish_reason = ""
         self.stop_reason: StopReason = None
         """vLLM's `stop_reason`, once finished: the stop string that matched, or the id of the
-        `stop_token_ids` token that ended the answer; None when the end-of-sequence token or the
-        length limit ended it (or while going on)."""
+        `stop_token_ids` token (or end-of-sequence token other than the tokenizer's) that ended the
+        answer; None when the tokenizer's end-of-sequence token or the length limit ended it (or
+        while going on)."""
 
     def add(self, token_id: int) -> tuple[str, str]:
         """Append one token: (the newly released text, the finish reason: "" while going on, else
@@ -150,12 +159,14 @@ class OutputText:
         if self.text.stopped or stop_token or eos:
             self.finish_reason = "stop"
             # A stop string found in a stop token's own text (include_stop_str_in_output) is the
-            # one the text was cut at. An end-of-sequence token that ends the answer is None even
-            # when the client also listed it in stop_token_ids: vLLM's check_stop tests the
-            # end-of-sequence token before stop_token_ids (under ignore_eos it is a plain stop
-            # token again, and its id).
+            # one the text was cut at. The tokenizer's end-of-sequence token that ends the answer
+            # is None even when the client also listed it in stop_token_ids: vLLM's check_stop
+            # tests it before stop_token_ids (under ignore_eos it is a plain stop token again,
+            # and its id). The model's other end-of-sequence ids are stop tokens to vLLM (added
+            # to stop_token_ids from the generation config): their id.
+            primary_eos = eos and token_id == self.eos_token_id
             self.stop_reason = (
-                self.text.matched_stop if self.text.stopped else token_id if stop_token and not eos else None
+                self.text.matched_stop if self.text.stopped else None if primary_eos else token_id
             )
         elif length:
             self.finish_reason = "length"

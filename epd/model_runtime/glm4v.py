@@ -47,7 +47,7 @@ from epd.model_runtime.adapter import (
     VisualMeta,
 )
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_loading import eos_token_ids, fingerprint, load_language_model, load_vision_part
+from epd.model_runtime.hf_loading import end_of_sequence, fingerprint, load_language_model, load_vision_part
 from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
@@ -88,7 +88,7 @@ class Glm4vAdapter(HfTextAdapter):
         self.temporal_patch_size = vision_config.temporal_patch_size
         self.hidden_size = self.hf_config.text_config.hidden_size
         self._load_parts(path, _load_vision_tower, _load_language_model)
-        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
+        self.eos_token_id, self.eos_token_ids = end_of_sequence(path, self.tokenizer)
 
     # -- encoder -----------------------------------------------------------------------------
 

@@ -57,12 +57,17 @@ def generation_config(path: str):
         return None
 
 
-def eos_token_ids(path: str, tokenizer) -> frozenset[int]:
-    """The checkpoint's generation config's eos ids, else the tokenizer's."""
+def end_of_sequence(path: str, tokenizer) -> tuple[int | None, frozenset[int]]:
+    """(the tokenizer's end-of-sequence id, every id that ends an answer), as vLLM's: the first is
+    its request's `eos_token_id`, which its `check_stop` tests before the stop tokens (an answer
+    it ends has `stop_reason` None); the checkpoint's generation config's other `eos_token_id`s
+    (GLM-4.1V's `<|user|>` and `<|observation|>`, Qwen2.5-VL's `<|endoftext|>`) vLLM adds to the
+    request's `stop_token_ids` (`SamplingParams.update_from_generation_config`), so an answer one
+    ends has its id for `stop_reason`, and ignore_eos lets them through as it does the first."""
+    primary = tokenizer.eos_token_id
     eos = getattr(generation_config(path), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return frozenset([eos] if isinstance(eos, int) else eos)
+    others = () if eos is None else [eos] if isinstance(eos, int) else eos
+    return primary, frozenset([*others, *([] if primary is None else [primary])])
 
 
 def load_full_model(path: str, dtype: torch.dtype, device: torch.device):

@@ -38,7 +38,7 @@ import torch
 from epd.model_runtime.adapter import Prompt, RenderOptions, VisionInputs, VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import (
-    eos_token_ids,
+    end_of_sequence,
     fingerprint,
     load_full_model,
     load_nested_language_model,
@@ -101,7 +101,7 @@ class InternVLAdapter(OneDimTextAdapter):
             self.visual = _load_vision_part(path, self.hf_config, self.dtype).to(self.device)
         elif "language" in self.parts:
             self.model = _load_language_part(path, self.hf_config, self.dtype).to(self.device).eval()
-        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
+        self.eos_token_id, self.eos_token_ids = end_of_sequence(path, self.tokenizer)
 
     # -- encoder -----------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import (
-    eos_token_ids,
+    end_of_sequence,
     fingerprint,
     load_full_model,
     load_nested_language_model,
@@ -116,7 +116,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
             self.model, newline = _load_language_part(path, self.hf_config, self.dtype)
             self.model = self.model.to(self.device).eval()
             self.image_newline = newline.to(self.device)
-        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
+        self.eos_token_id, self.eos_token_ids = end_of_sequence(path, self.tokenizer)
 
     # -- encoder -----------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from epd.model_runtime.adapter import (
     VisualMeta,
 )
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_loading import eos_token_ids, fingerprint, load_vision_part
+from epd.model_runtime.hf_loading import end_of_sequence, fingerprint, load_vision_part
 from epd.model_runtime.hf_loading import language_key as _language_key  # noqa: F401 (tests import these here)
 from epd.model_runtime.hf_loading import load_language_model as _load_text_part
 from epd.model_runtime.hf_loading import safetensors_files as _safetensors_files  # noqa: F401
@@ -69,7 +69,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
         self.merge_size = self.hf_config.vision_config.spatial_merge_size
         self.hidden_size = self.hf_config.text_config.hidden_size
         self._load_parts(path, _load_vision_tower, _load_language_model)
-        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
+        self.eos_token_id, self.eos_token_ids = end_of_sequence(path, self.tokenizer)
 
     # -- encoder -----------------------------------------------------------------------------
 

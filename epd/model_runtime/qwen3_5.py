@@ -77,7 +77,7 @@ from epd.model_runtime.adapter import (
 from epd.model_runtime.batch_kv import BatchKv
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import (
-    eos_token_ids,
+    end_of_sequence,
     fingerprint,
     load_language_model,
     load_vision_part,
@@ -141,7 +141,7 @@ class Qwen3_5Adapter(HfTextAdapter):
         if len(self.attention_layers) + len(self.linear_layers) != len(self.layer_types):
             raise ValueError(f"unknown Qwen3.5 layer types {sorted(set(self.layer_types))}")
         self._load_parts(path, _load_vision_tower, _load_language_model)
-        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
+        self.eos_token_id, self.eos_token_ids = end_of_sequence(path, self.tokenizer)
 
     # -- encoder (Qwen3-VL's processor and tower, without DeepStack) ---------------------------
 

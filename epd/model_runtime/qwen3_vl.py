@@ -45,7 +45,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import (
-    eos_token_ids,
+    end_of_sequence,
     fingerprint,
     load_language_model,
     load_vision_part,
@@ -91,7 +91,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
         self.num_deepstack_layers = len(vision_config.deepstack_visual_indexes)
         self.hidden_size = self.hf_config.text_config.hidden_size
         self._load_parts(path, self._load_vision_tower, self._load_language_model)
-        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
+        self.eos_token_id, self.eos_token_ids = end_of_sequence(path, self.tokenizer)
 
     def _hf_classes(self) -> tuple[Any, Any, Any]:
         """transformers' (model, vision tower, text model) classes of this family: the owner of

@@ -19,6 +19,7 @@ import grpc
 import openai
 import pytest
 from aiohttp import web
+from transformers import AutoTokenizer
 
 from epd.client import EpdClient, EpdError
 from epd.gateway.config import GatewayConfig
@@ -183,6 +184,34 @@ def test_stop_reason_names_the_stop_string_or_token_on_chat_and_completions(chec
     assert streamed(chat_token_sse, "delta")[2]["stop_reason"] == chat_stop
     assert chat_plain["choices"][0]["stop_reason"] is None
     assert streamed(chat_length_sse, "delta")[2]["stop_reason"] is None
+
+
+def test_an_answer_the_models_other_end_of_sequence_token_ends_has_its_id_for_stop_reason(checkpoints):
+    """GLM-4.1V's generation config ends an answer at <|endoftext|> (its tokenizer's end of
+    sequence), <|user|> or <|observation|>. vLLM adds the config's others to the request's
+    stop_token_ids: an answer <|user|> ends has its id for stop_reason (it was null, as for the
+    tokenizer's own, which check_stop tests first), and ignore_eos lets both through."""
+    path = checkpoints["glm4v"]
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    eos, user = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|user|>")
+    assert tokenizer.convert_ids_to_tokens(eos) == "<|endoftext|>" and user != eos
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
+    with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
+        answers = post_embedded(
+            pipeline,
+            ("/v1/chat/completions", {**chat, "allowed_token_ids": [user]}),
+            ("/v1/chat/completions", {**chat, "allowed_token_ids": [user], "stream": True}),
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "allowed_token_ids": [user]}),
+            ("/v1/chat/completions", {**chat, "allowed_token_ids": [eos]}),
+            ("/v1/chat/completions", {**chat, "allowed_token_ids": [user], "ignore_eos": True}),
+        )
+    by_user, by_user_sse, completion, by_eos, ignored = (a for _, a in answers)
+    for choice in (by_user["choices"][0], streamed(by_user_sse, "delta")[2], completion["choices"][0]):
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", user)
+    assert by_user["choices"][0]["token_ids"] == [user] and by_user["epd"]["stop_reason"] == user
+    assert (by_eos["choices"][0]["finish_reason"], by_eos["choices"][0]["stop_reason"]) == ("stop", None)
+    assert ignored["choices"][0]["token_ids"] == [user] * 3
+    assert (ignored["choices"][0]["finish_reason"], ignored["choices"][0]["stop_reason"]) == ("length", None)
 
 
 def test_echo_and_what_prefill_refuses(checkpoints):

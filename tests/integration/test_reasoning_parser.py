@@ -4,7 +4,8 @@ Qwen3.5, whose template opens a thinking block in the prompt: a chat answer that
 before it in `reasoning` / `reasoning_content` and the text after in `content`, each equal to the
 tokenizer's decode of its own tokens, plain and streamed; `include_reasoning: false` leaves the
 reasoning out, `enable_thinking: false` and a cut inside the block part it as vLLM does, usage counts
-every token, and legacy completions and a stack without the flag answer the text whole. Over the tiny
+every token and, as vLLM's, the reasoning's in `completion_tokens_details`, and legacy completions
+and a stack without the flag answer the text whole. Over the tiny
 Qwen2-VL, whose tokenizer has no think markers, the flag gets every chat request refused with a 500
 naming the flag and the model (vLLM refuses to start such a parser), where it made every answer all
 reasoning with a null content. A structured output waits for the end of the reasoning. The
@@ -86,12 +87,15 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
             content,
         )
         assert reply["usage"]["completion_tokens"] == len(ids)  # the reasoning's tokens count too
+        # vLLM's chat usage with a reasoning parser: those before </think>'s (the marker left out).
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": end}
 
         chunks = _stream(port, _body(allowed_token_ids=allowed))
         assert (_joined(chunks, "reasoning"), _joined(chunks, "reasoning_content")) == (reasoning, reasoning)
         assert _joined(chunks, "content") == content
         assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])] == ids
         assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+        assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": end}
         # No delta has content before the one with </think>'s token, nor reasoning after it.
         deltas = [
             (c["choices"][0]["delta"], c["choices"][0].get("token_ids", []))
@@ -125,13 +129,17 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
                 {"reasoning_tokens": end},
             )
 
-        # n choices: each parted on its own (greedy: the same answer twice).
+        # n choices: each parted on its own (greedy: the same answer twice), their reasoning
+        # tokens summed (vLLM's), whole and streamed.
         chunks = _stream(port, _body(allowed_token_ids=allowed, n=2))
         for index in (0, 1):
             assert (_joined(chunks, "reasoning", index), _joined(chunks, "content", index)) == (
                 reasoning,
                 content,
             )
+        assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2 * end}
+        both = _chat(port, _body(allowed_token_ids=allowed, n=2))
+        assert both["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2 * end}
 
         # include_reasoning false: the content alone.
         hidden = _chat(port, _body(allowed_token_ids=allowed, include_reasoning=False))["choices"][0][
@@ -154,6 +162,7 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         reply = _chat(port, off)
         message = reply["choices"][0]["message"]
         assert (message["reasoning"], message["content"]) == (None, decode(reply["epd"]["token_ids"]))
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
         chunks = _stream(port, off)
         assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (None, message["content"])
 
@@ -183,6 +192,7 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         reply = _chat(port, _body(allowed_token_ids=allowed))
         assert reply["epd"]["token_ids"] == ids
         assert reply["choices"][0]["message"] == {"role": "assistant", "content": decode(ids)}  # whole
+        assert "completion_tokens_details" not in reply["usage"]  # vLLM's: only with a parser
         chunks = _stream(port, _body(allowed_token_ids=allowed))
         assert _joined(chunks, "content") == decode(ids) and _joined(chunks, "reasoning") is None
 

@@ -326,6 +326,8 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
     ("media_io_kwargs", {"video": {"num_frames": 16}}), ("reasoning_effort", "none"),
     ("thinking_token_budget", 64), ("repetition_detection", {"max_pattern_size": 8}), ("watermarking", True),
     ("return_prompt_text", True),
+    # vLLM's earlier form of repetition_detection (0 is off), not ignored either.
+    ("max_repetition_pattern_size", 8), ("min_repetition_pattern_size", 2), ("repetition_min_count", 3),
 ])  # fmt: skip
 def test_a_field_this_server_does_not_implement_is_refused_not_ignored(field, value):
     """They were answered 200 as if they had not been sent (the biased tokens still came)."""
@@ -359,6 +361,9 @@ def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
         watermarking=False,
         return_prompt_text=False,
         reasoning_effort=None,
+        max_repetition_pattern_size=0,  # vLLM's default: no repetition check
+        min_repetition_pattern_size=0,
+        repetition_min_count=0,
     )
     assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32, fit_max_new_tokens=True)
     with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):

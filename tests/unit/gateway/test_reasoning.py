@@ -15,6 +15,7 @@ from epd.gateway.reasoning import (
     ReasoningSplit,
     ReasoningStream,
     constrained_after_reasoning,
+    count_reasoning_tokens,
     delta_fields,
     split_reasoning,
     thinking_on,
@@ -189,3 +190,23 @@ def test_reasoning_tokens_are_those_between_the_markers_as_vllms(thinking, steps
         stream.add(text, num_tokens)
     stream.finish()
     assert stream.num_reasoning_tokens == want
+
+
+def test_chats_reasoning_tokens_are_each_choices_summed_and_reported_only_with_a_parser():
+    """vLLM's chat usage (`completion_tokens_details.reasoning_tokens`, with a reasoning parser):
+    each choice's count, its steps interleaved with the other's, summed; no field without one."""
+    steps = [
+        (0, "a", 1),
+        (1, "x", 2),
+        (0, "</think>", 1),
+        (1, "y", 1),
+        (0, "b", 1),
+        (1, "</think>", 1),
+        (1, "z", 1),
+    ]
+    assert count_reasoning_tokens(steps, thinking=True) == 1 + 3
+    assert count_reasoning_tokens(steps, thinking=False) == 0
+    assert count_reasoning_tokens([(0, "a", 1), (0, "<think>", 1)], thinking=True) == 1  # held, then dropped
+    with_parser = completion_body(_summary("a</think>b"), "m", thinking=True, reasoning_tokens=4)["usage"]
+    assert with_parser["completion_tokens_details"] == {"reasoning_tokens": 4}
+    assert "completion_tokens_details" not in completion_body(_summary("a"), "m")["usage"]

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types.responses import ResponseErrorEvent
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
@@ -156,8 +157,9 @@ def test_a_named_function_and_text_format_are_chats():
         ({"input": "hi", "reasoning": "high"}, "'reasoning' must be an object"),
         ({"input": "hi", "max_output_tokens": 0}, "'max_output_tokens' must be an integer from 1"),
         (
-            {"input": "hi", "include": ["reasoning.encrypted_content"]},
-            "'include' value 'reasoning.encrypted_content' is not supported.*output_text.logprobs\" alone",
+            {"input": "hi", "include": ["reasoning.encrypted_content", "web_search_call.results"]},
+            "'include' value 'web_search_call.results' is not one this server takes; it takes "
+            '"code_interpreter_call.outputs", .*"reasoning.encrypted_content"',
         ),
         ({"input": "hi", "include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
         (
@@ -442,6 +444,24 @@ def test_held_back_text_takes_its_tokens_logprobs_to_the_delta_that_releases_it(
     assert function_call["type"] == "function_call" and "logprobs" not in function_call
 
 
+def test_the_include_values_vllm_takes_are_accepted_and_give_nothing_more():
+    """vLLM's request takes six `include` values; a client that always sends one (Codex:
+    "reasoning.encrypted_content") was refused with a 400. The five but the logprobs ask for
+    what epd has none of: the answer is the one without them."""
+    others = [
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "reasoning.encrypted_content",
+    ]
+    request = parse(input="hi", include=others)
+    assert request.generation == parse(input="hi").generation
+    assert request.generation.logprobs is None
+    with_logprobs = parse(input="hi", include=[*others, "message.output_text.logprobs"])
+    assert with_logprobs.generation.logprobs == 0
+
+
 def test_without_include_no_logprobs_are_asked_or_sent():
     request = parse(input="hi", top_logprobs=0)
     assert request.generation.logprobs is None
@@ -452,11 +472,20 @@ def test_without_include_no_logprobs_are_asked_or_sent():
 GONE = {"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}}
 
 
-def test_an_error_event_carries_the_status_and_the_next_sequence_number():
+def test_an_error_event_carries_the_error_name_and_the_next_sequence_number():
+    """OpenAI's ResponseErrorEvent has a string (or null) `code`: the HTTP status as a number, chat's
+    error body's, failed a typed client's parse of the event."""
     shaper = ResponseEvents(parse(input="hi"), "r1", None)
     shaper.start()
     error, failed = shaper.failed(GONE)
-    assert error == {"type": "error", "sequence_number": 2, "code": 502, "message": "gone", "param": None}
+    assert error == {
+        "type": "error",
+        "sequence_number": 2,
+        "code": "server_error",
+        "message": "gone",
+        "param": None,
+    }
+    ResponseErrorEvent.model_validate(error)  # the openai SDK's own type of the event
     assert (failed["type"], failed["sequence_number"]) == ("response.failed", 3)
     assert (failed["response"]["status"], failed["response"]["error"]) == (
         "failed",
@@ -510,8 +539,11 @@ def test_a_stream_that_fails_after_its_200_ends_with_an_error_event():
     assert kinds[-3:] == ["response.output_text.delta", "error", "response.failed"] and "[DONE]" not in text
     error = events[-2]
     assert (
-        error["code"] == 503 and "decode went away" in error["message"] and "request id " in error["message"]
+        error["code"] == "service_unavailable"  # a 503's name: OpenAI's code is a string
+        and "decode went away" in error["message"]
+        and "request id " in error["message"]
     )
+    ResponseErrorEvent.model_validate(error)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 

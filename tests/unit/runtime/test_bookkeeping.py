@@ -108,7 +108,7 @@ def test_output_text_applies_the_rules_that_end_a_generation(config, tokens, exp
     """Decode's steps and prefill's first token go through these rules (`OutputText`): a finish
     releases what was held back."""
     words = {1: "Hello", 2: " wor", 3: "ld", 9: ""}
-    out = OutputText(lambda ids, **_: "".join(words[i] for i in ids), {9}, config)
+    out = OutputText(lambda ids, **_: "".join(words[i] for i in ids), {9}, config, eos_token_id=9)
     assert [out.add(t) for t in tokens] == expected
 
 
@@ -210,11 +210,33 @@ def test_no_seed_draws_a_fresh_one_per_request_once():
 def test_output_text_names_the_stop_that_ended_the_answer(config, tokens, stop_reason):
     """vLLM's `stop_reason`: the matched stop string, the stop token id, else None (EOS, length)."""
     words = {1: "Hello", 2: " wor", 3: "ld", 9: ""}
-    out = OutputText(lambda ids, **_: "".join(words[i] for i in ids), {9}, config)
+    out = OutputText(lambda ids, **_: "".join(words[i] for i in ids), {9}, config, eos_token_id=9)
     for token in tokens:
         out.add(token)
     assert out.stop_reason == stop_reason
     assert type(out.stop_reason) is type(stop_reason)
+
+
+@pytest.mark.parametrize(
+    ("config", "tokens", "finish", "stop_reason"),
+    [
+        (GenerationConfig(), (1, 9), "stop", None),  # the tokenizer's end of sequence
+        (GenerationConfig(), (1, 8), "stop", 8),  # the generation config's other one: a stop token
+        (GenerationConfig(stop_token_ids=(8,)), (1, 8), "stop", 8),  # listed too: the same
+        (GenerationConfig(ignore_eos=True), (1, 8), "", None),  # ignore_eos lets both through
+        (GenerationConfig(min_tokens=3), (1, 8), "", None),  # held back before min_tokens, as a stop token
+    ],
+)
+def test_the_models_other_end_of_sequence_ids_end_an_answer_as_stop_tokens(
+    config, tokens, finish, stop_reason
+):
+    """vLLM adds the generation config's eos ids other than the tokenizer's to the request's
+    stop_token_ids: an answer GLM-4.1V ends with <|user|> has that id for its stop_reason, where
+    one the tokenizer's end of sequence ends has none (check_stop tests it first)."""
+    words = {1: "Hello", 8: "", 9: ""}
+    out = OutputText(lambda ids, **_: "".join(words[i] for i in ids), {8, 9}, config, eos_token_id=9)
+    assert [out.add(t)[1] for t in tokens][-1] == finish
+    assert (out.stop_reason, type(out.stop_reason)) == (stop_reason, type(stop_reason))
 
 
 @pytest.mark.parametrize(
@@ -237,6 +259,6 @@ def test_the_end_of_sequence_that_ends_an_answer_is_not_in_its_text(config, toke
     def detokenize(ids, skip_special_tokens=True, spaces_between_special_tokens=True):
         return "".join("" if skip_special_tokens and i == 9 else words[i] for i in ids)
 
-    out = OutputText(detokenize, {9}, config)
+    out = OutputText(detokenize, {9}, config, eos_token_id=9)
     assert "".join(out.add(t)[0] for t in tokens) == answer
     assert out.finish_reason

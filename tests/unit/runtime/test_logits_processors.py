@@ -250,7 +250,7 @@ WORDS = {1: "Hello", 2: " wor", 3: "ld", 5: ".", 9: ""}
 
 
 def _output(config, tokens):
-    out = OutputText(lambda ids, **_: "".join(WORDS[i] for i in ids), {9}, config)
+    out = OutputText(lambda ids, **_: "".join(WORDS[i] for i in ids), {9}, config, eos_token_id=9)
     return [out.add(t) for t in tokens]
 
 

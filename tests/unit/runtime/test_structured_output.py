@@ -96,7 +96,10 @@ def test_the_answer_ends_stop_when_the_constraint_is_complete_even_under_ignore_
     config = GenerationConfig(max_new_tokens=16, ignore_eos=True, structured_outputs=spec)
     sampler = Sampler(config, grammar=compiler.compile_now(spec))
     output = OutputText(
-        lambda ids, **options: tokenizer.decode(ids, **options), {tokenizer.eos_token_id}, config
+        lambda ids, **options: tokenizer.decode(ids, **options),
+        {tokenizer.eos_token_id},
+        config,
+        eos_token_id=tokenizer.eos_token_id,
     )
     logits = torch.zeros(VOCAB)
     finish = ""
