@@ -1,6 +1,7 @@
 """`shield_grpc_batches` behind a real grpc.aio server on 127.0.0.1 (in this process): calls of
-each shape the gateway makes (a streamed answer, an upload with a streamed answer, an upload with
-one answer, a unary call) are cut at each point an operation can be in flight (a read, a stalled
+each shape gRPC has (a streamed answer, an upload with a streamed answer, an upload with one
+answer, a unary call; the gateway makes all but the upload with one answer since Prefill answers a
+stream) are cut at each point an operation can be in flight (a read, a stalled
 upload, the answer of a unary call; by a cancelled task, a `wait_for` timeout, `call.cancel()`,
 the call's deadline, or before its first operation). After each cut the call has its final
 status, the server's handler has ended, no task is left pending, and every batch the cut left in
