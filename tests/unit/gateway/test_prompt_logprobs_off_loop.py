@@ -61,7 +61,7 @@ def test_json_bytes_are_json_dumps_bytes():
         ],
         "exactly": list(range(LIST_SLICE_ITEMS)),
         "nested": [[{"a": list(range(LIST_SLICE_ITEMS + 1))}]],
-        1: None,
+        2: None,
         True: (1.5, float("nan")),
         None: {},
         "empty": [],
