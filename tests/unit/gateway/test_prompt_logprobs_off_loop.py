@@ -76,7 +76,6 @@ def test_prefills_pieces_are_made_and_joined_off_the_event_loop(monkeypatch):
     made, joined = _Threads(), _Threads()
     monkeypatch.setattr(message_convert, "logprob_to_proto", made.wrap(message_convert.logprob_to_proto))
     monkeypatch.setattr(convert, "logprob_from_proto", joined.wrap(convert.logprob_from_proto))
-    monkeypatch.setattr(message_convert, "PROMPT_LOGPROBS_PIECE_BYTES", PIECE_BYTES)
     handle = PrefillHandle(
         first_token_id=1, num_prompt_tokens=NUM_PROMPT_TOKENS, num_cached_tokens=0,
         next_position_ids=[NUM_PROMPT_TOKENS] * 4, kv_num_bytes=0, prefill_ms=0.0, kv_handle="ab" * 16,
