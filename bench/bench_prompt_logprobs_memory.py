@@ -9,8 +9,8 @@ No model and no servers: the gateway's own steps on a list made up at the bound 
 measured by tracemalloc (Python's allocations; the peak is above what the step started with):
 1. prefill's answer as the gateway reads it: the pieces (`prefill_responses`, serialized as on the
    wire) joined by `PrefillAnswer`, what it then holds (the list) and its peak (one piece more);
-2. the HTTP answer, as `web.json_response` writes it: vLLM's JSON of them
-   (`prompt_logprobs_json`), its text and its bytes, all held at once at the end;
+2. the HTTP answer, as `json_answer` writes it: vLLM's JSON of them (`prompt_logprobs_json`)
+   and its bytes (`json_bytes`), both held at once at the end;
 3. the Ask stream's pieces to the SDK (`prompt_logprobs_pieces`): one at a time.
 The times are each step's without tracemalloc, on this machine.
 """
@@ -18,7 +18,7 @@ The times are each step's without tracemalloc, on this machine.
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import random
 import sys
 import time
@@ -29,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from epd.gateway.json_answer import json_bytes  # noqa: E402
 from epd.gateway.logprobs_protocol import prompt_logprobs_json  # noqa: E402
 from epd.model_runtime.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, TokenLogprob, TopLogprob  # noqa: E402
 from epd.stages.contracts import PrefillHandle  # noqa: E402
@@ -55,6 +56,22 @@ def made_up(num_tokens: int, k: int, token_chars: int) -> list[TokenLogprob]:
     ]
 
 
+def at_the_bound(k: int, token_chars: int) -> tuple[PrefillHandle, list[bytes]]:
+    """Prefill's handle with the most prompt logprobs at this k, and its answer's messages as
+    serialized on the wire (`prefill_responses`)."""
+    num_tokens = MAX_PROMPT_LOGPROB_ENTRIES // (k + 1)
+    handle = PrefillHandle(
+        first_token_id=1, num_prompt_tokens=num_tokens, num_cached_tokens=num_tokens,
+        next_position_ids=[num_tokens] * 4, kv_num_bytes=0, prefill_ms=0.0, kv_handle="ab" * 16,
+        prompt_logprobs=made_up(num_tokens, k, token_chars),
+    )  # fmt: skip
+
+    async def responses() -> list[bytes]:
+        return [r.SerializeToString() async for r in convert.prefill_responses(handle)]
+
+    return handle, asyncio.run(responses())
+
+
 def measured(step: Callable[[], Any]) -> tuple[Any, int, int, float]:
     """(its result, bytes it still holds, its peak above the start, seconds without tracing)."""
     started = time.perf_counter()
@@ -76,15 +93,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=20, help="top tokens a position (vLLM's most by default)")
     parser.add_argument("--token-chars", type=int, default=6, help="characters of each token's text")
     args = parser.parse_args()
-    num_tokens = MAX_PROMPT_LOGPROB_ENTRIES // (args.k + 1)
+    handle, wire = at_the_bound(args.k, args.token_chars)
+    logprobs = handle.prompt_logprobs or []
+    num_tokens = handle.num_prompt_tokens
     num_entries = num_tokens * (args.k + 1)
-    logprobs = made_up(num_tokens, args.k, args.token_chars)
-    handle = PrefillHandle(
-        first_token_id=1, num_prompt_tokens=num_tokens, num_cached_tokens=num_tokens,
-        next_position_ids=[num_tokens] * 4, kv_num_bytes=0, prefill_ms=0.0, kv_handle="ab" * 16,
-        prompt_logprobs=logprobs,
-    )  # fmt: skip
-    wire = [r.SerializeToString() for r in convert.prefill_responses(handle)]
     print(
         f"{num_tokens} prompt tokens x (k={args.k} + 1) = {num_entries} entries (MAX_PROMPT_LOGPROB_ENTRIES "
         f"{MAX_PROMPT_LOGPROB_ENTRIES}), token texts of {args.token_chars} characters; on the wire "
@@ -92,16 +104,18 @@ def main() -> None:
         f"{max(map(len, wire[:-1])) / 2**20:.2f} MiB"
     )
 
-    def receive() -> list[TokenLogprob]:
+    async def read() -> list[TokenLogprob]:
         answer = convert.PrefillAnswer()
         for data in wire:
-            answer.add(prefill_pb2.PrefillResponse.FromString(data))
+            await answer.add(prefill_pb2.PrefillResponse.FromString(data))
         return answer.handle(relay=True).prompt_logprobs or []
+
+    def receive() -> list[TokenLogprob]:
+        return asyncio.run(read())
 
     def http_answer() -> tuple:
         body = {"choices": [{"prompt_logprobs": prompt_logprobs_json(logprobs)}]}
-        text = json.dumps(body)
-        return body, text, text.encode()
+        return body, json_bytes(body)
 
     def ask_pieces() -> int:
         return max(piece.ByteSize() for piece in convert.prompt_logprobs_pieces(logprobs))
@@ -109,7 +123,7 @@ def main() -> None:
     mib = 2**20
     for name, step in (
         ("1. prefill's pieces joined at the gateway", receive),
-        ("2. the HTTP answer (JSON, text, bytes)", http_answer),
+        ("2. the HTTP answer (JSON and its bytes)", http_answer),
         ("3. the Ask stream's pieces to the SDK", ask_pieces),
     ):
         _, held, peak, seconds = measured(step)

@@ -104,7 +104,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
             kv_num_bytes=handle.kv_num_bytes,
         )
-        for response in convert.prefill_responses(handle):  # the prompt's logprobs first, in pieces
+        async for response in convert.prefill_responses(handle):  # the prompt's logprobs first, in pieces
             yield response
 
     def _release_unless_answered(self, kv_handle: str, request_id: str):

@@ -47,6 +47,7 @@ comes back in the `x-request-id` response header, and every error message ends w
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -85,6 +86,7 @@ from epd.gateway.http_body import (
     unsupported_encoding_message,
     unsupported_expect,
 )
+from epd.gateway.json_answer import json_answer, json_bytes
 from epd.gateway.logprobs_protocol import completion_logprobs
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -481,14 +483,15 @@ class HttpApi:
                         steps.append(item)
                     if isinstance(item, AskSummary):
                         log_summary(item)
+                        summary = item
                         if chat.raw_prompt is not None:
-                            return web.json_response(text_completion_body(item, chat))
-                        if chat.responses is not None:
-                            body = response_body(item, chat, thinking, steps)
-                            return web.json_response(body)
-                        return web.json_response(
-                            completion_body(
-                                item,
+                            build = functools.partial(text_completion_body, summary, chat)
+                        elif chat.responses is not None:
+                            build = functools.partial(response_body, summary, chat, thinking, steps)
+                        else:
+                            build = functools.partial(
+                                completion_body,
+                                summary,
                                 chat.model,
                                 role=chat.response_role,
                                 echoed=chat.echoed_text,
@@ -501,7 +504,8 @@ class HttpApi:
                                     ((s.index, s.text, len(s.token_ids)) for s in steps), thinking
                                 ),
                             )
-                        )
+                        # the prompt's logprobs: up to half a million entries, written off the loop
+                        return await json_answer(build, off_loop=bool(summary.prompt_logprobs))
             raise RuntimeError("the pipeline ended without a summary")
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
@@ -616,7 +620,8 @@ class HttpApi:
             else {}
         )
 
-        async def send(body: dict[str, Any]) -> None:
+        async def send(body: dict[str, Any], off_loop: bool = False) -> None:
+            """`off_loop`: a chunk with the prompt's logprobs, written on a worker thread (`json_answer`)."""
             assert stream.response is not None
             if chat.continuous_usage:
                 body.setdefault(
@@ -629,7 +634,8 @@ class HttpApi:
                 )
             elif chat.include_usage:
                 body.setdefault("usage", None)
-            await stream.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            data = await asyncio.to_thread(json_bytes, body) if off_loop else json.dumps(body).encode()
+            await stream.response.write(b"data: " + data + b"\n\n")
 
         finished: set[int] = set()  # the choices whose finish chunk went out, by index
 
@@ -686,10 +692,22 @@ class HttpApi:
                                 echo_logprobs = (
                                     prompt_logprobs if chat.generation.logprobs is not None else None
                                 )
+                                echo_chunk = functools.partial(
+                                    _delta_chunk,
+                                    chat,
+                                    request_id,
+                                    created,
+                                    echoed,
+                                    None,
+                                    echo_logprobs,
+                                    index=index,
+                                )
+                                # with the prompt's logprobs (up to half a million entries): built
+                                # and written off the loop
+                                off_loop = bool(echo_logprobs)
                                 await send(
-                                    _delta_chunk(
-                                        chat, request_id, created, echoed, None, echo_logprobs, index=index
-                                    )
+                                    await asyncio.to_thread(echo_chunk) if off_loop else echo_chunk(),
+                                    off_loop=off_loop,
                                 )
                                 # The answer's offsets go on from the prompt tokens' (each token's
                                 # text), as in the whole answer's list (`text_completion_body`).

@@ -411,9 +411,7 @@ class Pipeline:
             nonlocal transfer_bytes
             emit(StageEvent(Stage.PREFILL, "started"))
             t_prefill = time.perf_counter()
-            handle = await self._prefill(req, media, request_id)
-            if handles:  # a prefill again scores the same prompt: the first's are kept, not two lists
-                handle.prompt_logprobs = None
+            handle = await self._prefill(req, media, request_id, again=bool(handles))
             handles.append(handle)
             transfer_bytes += handle.pruning.transfer_bytes  # a prefill again sends the media again
             if handle.num_choices != len(choices):
@@ -641,18 +639,24 @@ class Pipeline:
         await _all_of(runs)  # the first error (a refused spec, a failed encode) cancels the other
         return encoded[0]
 
-    async def _prefill(self, req: AskRequest, media: EncodedMedia | None, request_id: str) -> PrefillHandle:
-        """Prefill's handle. The call runs in a task of its own: a cancel that lands as it completes
+    async def _prefill(
+        self, req: AskRequest, media: EncodedMedia | None, request_id: str, again: bool = False
+    ) -> PrefillHandle:
+        """Prefill's handle. `again`: a prefill again after a lost cache, which does not ask for the
+        prompt's logprobs the first one answered: they would be the same, and asking makes prefill
+        compute every position's logits without its prefix cache and send up to half a million
+        entries that the gateway would join only to drop. The call runs in a task of its own: a cancel that lands as it completes
         (the answer is in, this task not yet resumed) would lose the handle with this task, and
         its cache would stay stored until --kv-ttl; so the call's outcome is released instead.
         A call still running is cancelled (prefill then stores nothing, or releases what the RPC's
         cancel left stored, and the remote stage releases the handle it chose, in case the answer
         was already on its way)."""
+        generation = replace(req.generation, prompt_logprobs=None) if again else req.generation
         call = asyncio.ensure_future(
             self.prefill.prefill(
                 req.messages,
                 media,
-                req.generation,
+                generation,
                 request_id,
                 req.pruning,
                 req.cache_salt,

@@ -189,7 +189,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     elif isinstance(item, AskSummary):
                         yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
                     elif isinstance(item, PromptLogprobs):  # in pieces: no message bounds them
-                        for piece in convert.prompt_logprobs_pieces(item.prompt_logprobs):
+                        async for piece in convert.prompt_logprobs_pieces_off_loop(item.prompt_logprobs):
                             yield gateway_pb2.AskResponse(prompt_logprobs=piece)
                     elif isinstance(item, TokenStep):
                         call.num_tokens += len(item.token_ids)

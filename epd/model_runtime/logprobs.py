@@ -112,8 +112,8 @@ MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 """The most entries a request's `prompt_logprobs` may hold: prompt tokens x (k + 1), each token's own
 and its k top tokens'. Prefill refuses more (RESOURCE_EXHAUSTED, 413) before the prompt runs. This is
 the memory bound of the request that holds the most at the gateway: its list of them (about 220 bytes
-an entry as Python objects) and, while its HTTP answer is written, vLLM's JSON of them (dicts, text
-and bytes: about 425 bytes an entry): about 640 bytes an entry, so 320 MiB at this bound
+an entry as Python objects) and, while its HTTP answer is written, vLLM's JSON of them (dicts and
+bytes: about 425 bytes an entry at the peak): about 640 bytes an entry, so 320 MiB at this bound
 (docs/benchmarks.md, "Prompt logprobs at the gateway"). With k = 20: 24,966 prompt tokens; k = 5:
 87,381; k = 0: 524,288. On the wire they go in pieces (`PromptLogprobs`), so no message bounds them."""
 

@@ -8,7 +8,8 @@ other converters."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
@@ -151,3 +152,15 @@ def prompt_logprobs_pieces(
         num_bytes += entry_bytes
     if entries:
         yield common_pb2.PromptLogprobs(logprobs=entries)
+
+
+async def prompt_logprobs_pieces_off_loop(
+    logprobs: Iterable[TokenLogprob], piece_bytes: int = PROMPT_LOGPROBS_PIECE_BYTES
+) -> AsyncIterator[common_pb2.PromptLogprobs]:
+    """`prompt_logprobs_pieces`, each piece made on a worker thread: a piece is about 50,000
+    entries, 0.3 s of Python (3.6 s for the largest list), which on a server's event loop would
+    stall every other call's stream that long (docs/benchmarks.md, "Prompt logprobs on the event
+    loop"). A caller cancelled while a piece is made leaves that piece to end on its thread."""
+    pieces = prompt_logprobs_pieces(logprobs, piece_bytes)
+    while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+        yield piece

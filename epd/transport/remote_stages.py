@@ -509,7 +509,7 @@ class RemotePrefillStage(PrefillStage):
             answer = convert.PrefillAnswer()
             try:
                 async for response in call:  # the prompt's logprobs in pieces, then the result
-                    answer.add(response)
+                    await answer.add(response)
                 return answer
             except asyncio.CancelledError:
                 release = asyncio.ensure_future(

@@ -1,6 +1,6 @@
 """A request of n choices whose decoders lost the first prefill's cache (`KvSourceLost`) is
 prefilled again once: when that second prefill fails, the choices waiting for it fail with its
-error and none starts a third; the second's prompt logprobs are not kept beside the first's. Fake stages (no model, no gRPC), as tests/unit/gateway/
+error and none starts a third; the second is not asked for the prompt's logprobs again. Fake stages (no model, no gRPC), as tests/unit/gateway/
 test_transfer_bytes.py; the lost replica through real processes is
 tests/integration/test_kv_source_lost.py."""
 
@@ -60,31 +60,35 @@ class _Logprobs(list):
 
 
 class ScoresThePrompt(Prefill):
-    """Each prefill answers the prompt's logprobs, a fresh list each time (`made`)."""
+    """Each prefill answers the prompt's logprobs when asked, as prefill does, a fresh list each
+    time (`made`); `asked`: each call's `prompt_logprobs`."""
 
     def __init__(self) -> None:
         super().__init__(0, "prefill-0:50052")
         self.made: list[weakref.ref] = []
+        self.asked: list[int | None] = []
 
     async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", **kwargs):
         handle = await super().prefill(messages, media, generation, request_id, pruning, cache_salt)
+        self.asked.append(generation.prompt_logprobs)
+        if generation.prompt_logprobs is None:
+            return handle
         logprobs = _Logprobs(TokenLogprob(7, "a", -1.0, rank=1) for _ in range(handle.num_prompt_tokens))
         self.made.append(weakref.ref(logprobs))
         return replace(handle, prompt_logprobs=logprobs)
 
 
-def test_a_second_prefill_does_not_keep_a_second_list_of_the_prompts_logprobs():
+def test_a_second_prefill_does_not_ask_for_the_prompts_logprobs_again():
     """The gateway holds one list of them a request (the bound MAX_PROMPT_LOGPROB_ENTRIES is
-    about): a prefill again, after a lost cache, scores the same prompt; its list is let go as it
-    arrives, the first's answers."""
+    about): a prefill again, after a lost cache, would score the same prompt, so it is not asked
+    to (which would cost prefill every position's logits and its prefix cache, and the gateway the
+    list's transfer and join); the first's answers, and the decoders run on the second's cache."""
     prefill = ScoresThePrompt()
-    alive_while_decoding: list[bool] = []
+    decoded_from: list[str] = []
 
     class Looks(Decoder):
         async def generate(self, handle, generation, request_id, pruning=None):
-            if len(prefill.made) == 2:  # the second prefill's cache: is its list still held?
-                gc.collect()
-                alive_while_decoding.append(prefill.made[1]() is not None)
+            decoded_from.append(handle.kv_handle)
             async for step in super().generate(handle, generation, request_id, pruning):
                 yield step
 
@@ -97,5 +101,8 @@ def test_a_second_prefill_does_not_keep_a_second_list_of_the_prompts_logprobs():
         return [item async for item in pipeline.ask(request)]
 
     items = asyncio.run(run())
-    assert prefill.num_calls == 2 and alive_while_decoding == [False]
+    assert prefill.num_calls == 2 and prefill.asked == [0, None] and len(prefill.made) == 1
+    assert decoded_from == [f"{1:032x}", f"{2:032x}"]  # the first's cache lost, the second's decoded
     assert items[-1].prompt_logprobs is not None and len(items[-1].prompt_logprobs) == 20
+    gc.collect()
+    assert items[-1].prompt_logprobs is prefill.made[0]()

@@ -221,12 +221,23 @@ def test_the_token_cache_stores_encoded_media_whole(tmp_path, disk):
     assert hit is not cache.get(key), "each hit is a fresh object"
 
 
+def _prefill_responses(handle: PrefillHandle) -> list[prefill_pb2.PrefillResponse]:
+    async def collect() -> list[prefill_pb2.PrefillResponse]:
+        return [response async for response in convert.prefill_responses(handle)]
+
+    return asyncio.run(collect())
+
+
 def _prefill_answer(handle: PrefillHandle) -> convert.PrefillAnswer:
     """Prefill's answer for `handle` as the gateway reads it, each message through its bytes."""
-    answer = convert.PrefillAnswer()
-    for response in convert.prefill_responses(handle):
-        answer.add(prefill_pb2.PrefillResponse.FromString(response.SerializeToString()))
-    return answer
+
+    async def read() -> convert.PrefillAnswer:
+        answer = convert.PrefillAnswer()
+        async for response in convert.prefill_responses(handle):
+            await answer.add(prefill_pb2.PrefillResponse.FromString(response.SerializeToString()))
+        return answer
+
+    return asyncio.run(read())
 
 
 def test_prefill_handle_round_trips_through_the_proto():
@@ -271,7 +282,7 @@ def test_a_long_prompts_logprobs_cross_in_pieces_under_the_message_limit():
         TokenLogprob(100_000 + i, f"prompt{i:05d}", -1.25 - i, top, rank=1 + i) for i in range(num_tokens)
     ]
     handle = dataclasses.replace(_handle(), num_prompt_tokens=num_tokens, prompt_logprobs=logprobs)
-    responses = list(convert.prefill_responses(handle))
+    responses = _prefill_responses(handle)
     pieces = [r for r in responses if r.WhichOneof("kind") == "prompt_logprobs"]
     assert responses[-1].WhichOneof("kind") == "result" and responses[:-1] == pieces
     assert sum(r.ByteSize() for r in pieces) > MAX_MESSAGE_BYTES
