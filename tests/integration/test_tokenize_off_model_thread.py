@@ -37,7 +37,7 @@ from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.model_thread import ModelThread
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
-from tests.families import family_checkpoints
+from tests.families import FAMILIES, family_checkpoints
 
 HANG_GUARD_S = 60.0
 """Only ends a test that would otherwise wait forever (a call stuck behind the held model thread)."""
@@ -82,10 +82,7 @@ def _backend_settings(adapter) -> tuple:
     return backend.truncation, backend.padding, backend.encode_special_tokens
 
 
-@pytest.mark.parametrize(
-    "family",
-    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v", "internvl"],
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_keeps_one_tokenizer_that_no_call_changes(checkpoints, family):
     """The engine adds no tokenizer to the process (it kept a deep copy for /tokenize), and no
     call that prefill's two threads make (the model thread's prompts, /tokenize's and
@@ -154,10 +151,7 @@ def test_a_tokenizer_json_with_truncation_and_padding_is_settled_before_a_second
     assert ids == adapter.tokenizer(text, add_special_tokens=False)["input_ids"] and len(ids) > 4
 
 
-@pytest.mark.parametrize(
-    "family",
-    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v", "internvl"],
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_processor(checkpoints, family):
     """/tokenize's continue_final_message and return_token_strs in every family: the ids of the
     family's own processor's rendering with the last message left open, and its tokenizer's
