@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from epd.model_runtime.adapter import (
-    PrefillState,
     Prompt,
     RenderOptions,
     TextDims,
@@ -198,13 +197,6 @@ class Glm4vAdapter(HfTextAdapter):
         )
         text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
         return torch.cat([text_row, mrope], dim=0)
-
-    @torch.inference_mode()
-    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
-        return self._prefill_whole(prompt, visual_embeds)
 
     # -- sizes (the pruning stages themselves are refused: `supported_pruning`) ---------------
 

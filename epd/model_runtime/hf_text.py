@@ -298,13 +298,21 @@ class HfTextAdapter(VLMAdapter):
         # padding would make the first call change them: it happens here, before a second thread.
         self.tokenizer("", add_special_tokens=False)
 
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
+        """`_prefill_whole`: a family whose text model takes the embeddings and positions alone
+        (Qwen2-VL, GLM-4.1V, the 1-D families); the others override it."""
+        return self._prefill_whole(prompt, visual_embeds)
+
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual
         positions filled in order, the prompt's [4, 1, L] positions, `extra` passed to the text
         model (DeepStack's); the cache transformers' `DynamicCache(config)` builds (a hybrid model's
-        linear layers: `LinearAttentionLayer`)."""
+        linear layers: `LinearAttentionLayer`). ValueError unless there is one embedding per
+        visual position (`masked_scatter` would take the first of too many)."""
         from transformers import DynamicCache
 
+        check_visual_count(prompt, visual_embeds)
         lm = self._language_model()
         input_ids = prompt.input_ids.to(self.device)
         embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
@@ -554,13 +562,6 @@ class OneDimTextAdapter(HfTextAdapter):
     def _text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         return position_ids[0]  # [B, n]: every row holds the 1-D position
 
-    @torch.inference_mode()
-    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
-        return self._prefill_whole(prompt, visual_embeds)
-
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
         from transformers import DynamicCache
 
@@ -683,6 +684,13 @@ def _text_prompt(input_ids: torch.Tensor) -> Prompt:
     row; a 1-D family reads them alike) the plain position 0..L-1, no visual token."""
     length = input_ids.shape[1]
     return Prompt(input_ids, one_dim_positions(length), torch.zeros(length, dtype=torch.bool))
+
+
+def check_visual_count(prompt: Prompt, visual_embeds: torch.Tensor) -> None:
+    """ValueError unless `visual_embeds` [n, hidden] has one row per visual position of `prompt`."""
+    num_visual = int(prompt.visual_mask.sum())
+    if visual_embeds.shape[0] != num_visual:
+        raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
 
 
 def one_dim_positions(length: int) -> torch.Tensor:

@@ -61,7 +61,12 @@ from epd.model_runtime.hf_loading import (
     nested_language_key,
     safetensors_files,
 )
-from epd.model_runtime.hf_text import OneDimTextAdapter, check_one_placeholder, one_dim_positions
+from epd.model_runtime.hf_text import (
+    OneDimTextAdapter,
+    check_one_placeholder,
+    check_visual_count,
+    one_dim_positions,
+)
 from epd.model_runtime.kv_cache import KvCache
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
@@ -266,9 +271,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         not what generate() computes (the tests' negative control)."""
         from transformers import DynamicCache
 
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+        check_visual_count(prompt, visual_embeds)
         embeds = self._embed(prompt.input_ids, prompt.visual_mask, visual_embeds, video_newline)
         cache = DynamicCache(config=self.hf_config.text_config)
         length = prompt.num_tokens

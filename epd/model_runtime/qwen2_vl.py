@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
-    PrefillState,
     Prompt,
     RenderOptions,
     VisionInputs,
@@ -193,10 +192,6 @@ class Qwen2VLAdapter(QwenTextAdapter):
             cu_seqlens=cu_seqlens.to(self.device),
         )
         return out.pooler_output
-
-    @torch.inference_mode()
-    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        return self._prefill_whole(prompt, visual_embeds)
 
     supports_chunked_prefill = True  # `HfTextAdapter.prefill_chunks` and its M-RoPE padded forward
 

@@ -214,9 +214,6 @@ class Qwen3_5Adapter(HfTextAdapter):
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
         state = self._prefill_whole(prompt, visual_embeds)
         self._check_layers(state.cache)  # attention layers' KV + linear layers' conv/recurrent states
         return state

@@ -312,9 +312,6 @@ class Qwen3VLAdapter(QwenTextAdapter):
         """deepstack: `encode_features`' DeepStack features, rows aligned with `visual_embeds`.
         None runs the language model without them: not what generate() computes (the tests'
         negative control); the stages pass them through `prefill_features`."""
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
         extra: dict[str, Any] = {}
         if deepstack is not None:
             if len(deepstack) != self.num_deepstack_layers:
