@@ -306,13 +306,17 @@ def text_sizes(spec: TinyVLMSpec, tokenizer) -> dict[str, int]:
     )
 
 
-def scale_weights(model, spec: TinyVLMSpec):
+def scale_weights(model, spec: TinyVLMSpec, unit_vectors: tuple[torch.Tensor, ...] = ()):
     """`spec.init` "scaled": every matrix of `model` re-drawn with std `weight_std` (shrunk for wide
-    inputs), so that a random model's greedy answers vary; returns the model."""
+    inputs), so that a random model's greedy answers vary, and `unit_vectors` (parameters of
+    `model`: LLaVA-OneVision's image_newline) re-drawn with std 1, in the parameters' order;
+    returns the model."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
+            elif any(param is vector for vector in unit_vectors):
+                param.normal_(0.0, 1.0)
     return model
 
 
@@ -465,13 +469,7 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
     model = LlavaOnevisionForConditionalGeneration(config).eval()
     if spec.init == "hf":
         return model
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
-            elif param.shape == model.model.image_newline.shape and param is model.model.image_newline:
-                param.normal_(0.0, 1.0)
-    return model
+    return scale_weights(model, spec, unit_vectors=(model.model.image_newline,))
 
 
 # -- GLM-4.1V / GLM-4.5V (dense: glm4v) --------------------------------------------------------------
