@@ -366,15 +366,16 @@ class HfTextAdapter(VLMAdapter):
         return embeds
 
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        """Rows from token 0 in one right-padded forward (`_padded_embeds`) with their M-RoPE
-        positions (`_padded_mrope_positions`): a family whose text model takes nothing else
-        (Qwen2-VL, GLM-4.1V); the others override it."""
+        """Rows from token 0 in one right-padded forward (`_padded_embeds`) with their positions
+        (`_padded_mrope_positions`, as the text model takes them: `_text_positions`): a family
+        whose text model takes nothing else (Qwen2-VL, GLM-4.1V, the 1-D families); the others
+        override it."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.hf_config.text_config)
         out = self._language_model()(
             inputs_embeds=self._padded_embeds([self._chunk_embeds(row)[0] for row in rows]),  # [B, L, H]
-            position_ids=self._padded_mrope_positions(rows).to(self.device),  # [4, B, L]
+            position_ids=self._text_positions(self._padded_mrope_positions(rows)).to(self.device),
             past_key_values=cache,
             use_cache=True,
         )
@@ -556,22 +557,11 @@ class OneDimTextAdapter(HfTextAdapter):
     is what `generate()` uses: positions 0..L-1, then L, L+1, ... No pruning hook that needs
     attention re-implemented (layerwise prefill, query capture) is written for these families."""
 
-    # `HfTextAdapter.prefill_chunks` over `_prefill_padded` below and `_prefill_continue`
+    # `HfTextAdapter.prefill_chunks` over `_prefill_padded` and `_prefill_continue`, on row 0
     supports_chunked_prefill = True
 
     def _text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         return position_ids[0]  # [B, n]: every row holds the 1-D position
-
-    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        from transformers import DynamicCache
-
-        embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
-        positions = torch.arange(embeds.shape[1], dtype=torch.long, device=self.device).expand(len(rows), -1)
-        cache = DynamicCache(config=self.hf_config.text_config)
-        out = self._language_model()(
-            inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-        return self._padded_results(cache, out.last_hidden_state, rows)
 
     @property
     def text_dims(self) -> TextDims:
