@@ -104,7 +104,8 @@ def build_qwen3_vl_moe_checkpoint(directory):
 
 def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Path]:
     """A tiny checkpoint of every family by name: conftest's two Qwen2 families (`tiny_models`)
-    and the others built under `root` (as their adapter tests build them)."""
+    and the others built under `root`, each of its default `TinyVLMSpec` (Qwen3.5's two layers,
+    linear and full, where its adapter tests' have four) and Qwen3-VL MoE's as its tests build it."""
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     out = dict(tiny_models)

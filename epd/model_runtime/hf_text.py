@@ -549,7 +549,7 @@ class HfTextAdapter(VLMAdapter):
 
 class OneDimTextAdapter(HfTextAdapter):
     """`HfTextAdapter` for a language model with plain 1-D rotary positions (LLaVA-OneVision's and
-    InternVL's Qwen2 / Qwen3). The interface's positions are 4 rows (Qwen's text row + M-RoPE
+    InternVL's Qwen2 / Qwen3 / Llama). The interface's positions are 4 rows (Qwen's text row + M-RoPE
     rows); such a family fills all four with the same 1-D position and the model reads row 0:
     `Prompt.position_ids` is [4, 1, L] of arange(L) in every row (`one_dim_positions`),
     `PrefillState.next_position_ids` (the 4 ints that cross to decode) is [L, L, L, L], and each

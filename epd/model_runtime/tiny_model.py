@@ -657,8 +657,8 @@ def _build_internvl_processor(spec: TinyVLMSpec):
 
 
 def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
-    """InternViT tower + pixel-shuffle projector + a Qwen3 (InternVL3.5) or Qwen2 (InternVL3)
-    language model, as OpenGVLab/InternVL3_5-*-HF, tiny."""
+    """InternViT tower + pixel-shuffle projector + a Qwen3 (InternVL3.5), Qwen2 (InternVL3) or
+    Llama (InternVL3-9B) language model (`spec.internvl_text_model`), as OpenGVLab/InternVL3_5-*-HF, tiny."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
     if spec.internvl_text_model not in ("qwen3", "qwen2", "llama"):
