@@ -47,7 +47,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import eos_token_ids, fingerprint, load_language_model, load_vision_part
-from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
+from epd.model_runtime.hf_text import HfTextAdapter, mrope_prompt_positions
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
 from epd.video.types import DecodedVideo, FrameResize
@@ -189,14 +189,7 @@ class Glm4vAdapter(HfTextAdapter):
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
         from transformers.models.glm4v.modeling_glm4v import Glm4vModel
 
-        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
-        kwargs = {"video_grid_thw": grid} if visual.modality == "video" else {"image_grid_thw": grid}
-        rope_index: Any = Glm4vModel.get_rope_index  # reads only self.config, get_vision_position_ids
-        mrope, _ = rope_index(
-            RopeHolder(self.hf_config, Glm4vModel), input_ids, mm_token_type_ids=mm_types, **kwargs
-        )
-        text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
-        return torch.cat([text_row, mrope], dim=0)
+        return mrope_prompt_positions(Glm4vModel, self.hf_config, input_ids, visual, mm_types)
 
     # -- sizes (the pruning stages themselves are refused: `supported_pruning`) ---------------
 

@@ -24,6 +24,7 @@ from epd.model_runtime.adapter import (
     Prompt,
     RenderOptions,
     TextDims,
+    VisualMeta,
     VLMAdapter,
 )
 from epd.model_runtime.batch_kv import BatchKv
@@ -688,9 +689,35 @@ def one_dim_positions(length: int) -> torch.Tensor:
     return torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
 
 
+def mrope_prompt_positions(
+    model_cls,
+    hf_config,
+    input_ids: torch.Tensor,
+    visual: VisualMeta,
+    mm_token_type_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[4, 1, L]: the text row and `model_cls.get_rope_index`'s three M-RoPE rows of a prompt with
+    one media item, as generate's `_prepare_position_ids_for_generation` (get_rope_index reads only
+    self.config and self.get_vision_position_ids: no model needed, `RopeHolder`).
+    `mm_token_type_ids` [1, L] (0 text, 1 image, 2 video): by default the media's placeholders,
+    by the config's token id for its modality (GLM-4.1V's tell a video's by its markers)."""
+    mm_type = 2 if visual.modality == "video" else 1
+    if mm_token_type_ids is None:
+        pad_id = hf_config.video_token_id if mm_type == 2 else hf_config.image_token_id
+        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
+    grid = torch.tensor([visual.grid_thw], dtype=torch.long)
+    kwargs = {"video_grid_thw": grid} if mm_type == 2 else {"image_grid_thw": grid}
+    rope_index: Any = model_cls.get_rope_index
+    mrope, _ = rope_index(
+        RopeHolder(hf_config, model_cls), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
+    )
+    text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
+    return torch.cat([text_row, mrope], dim=0)
+
+
 class RopeHolder:
-    """Stands in for `model_cls` (`Qwen3VLModel`, `Qwen3_5Model`) in its `get_rope_index`, which
-    reads only these two."""
+    """Stands in for `model_cls` (`Qwen3VLModel`, `Qwen3_5Model`, `Glm4vModel`) in its
+    `get_rope_index`, which reads only these two."""
 
     def __init__(self, config, model_cls) -> None:
         self.config = config
