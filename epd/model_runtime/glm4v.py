@@ -47,7 +47,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import eos_token_ids, fingerprint, load_language_model, load_vision_part
-from epd.model_runtime.hf_text import HfTextAdapter, mrope_prompt_positions
+from epd.model_runtime.hf_text import HfTextAdapter, checked_visual_mask, mrope_prompt_positions
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
 from epd.video.types import DecodedVideo, FrameResize
@@ -164,11 +164,10 @@ class Glm4vAdapter(HfTextAdapter):
             return self._text_only_prompt(conversation, options)
         proc = self.processor
         input_ids = Qwen3VLAdapter._expanded_ids(self, conversation, visual, options)  # type: ignore[arg-type]
-        visual_mask = input_ids[0] == proc.image_token_id  # a video's tokens are `<|image|>` too
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        # a video's tokens are `<|image|>` too
+        visual_mask = checked_visual_mask(
+            input_ids[0] == proc.image_token_id, self.num_visual_tokens(visual.grid_thw)
+        )
         # The media markers around the placeholders tell a video's from an image's (what
         # get_rope_index reads); a text part's own markers must not turn one into the other.
         mm_types = torch.tensor(proc.create_mm_token_type_ids(input_ids.tolist()), dtype=torch.long)

@@ -677,6 +677,24 @@ def _text_prompt(input_ids: torch.Tensor) -> Prompt:
     return Prompt(input_ids, one_dim_positions(length), torch.zeros(length, dtype=torch.bool))
 
 
+def checked_visual_mask(visual_mask: torch.Tensor, num_visual: int) -> torch.Tensor:
+    """`visual_mask` [L] (the expanded prompt's placeholder positions), ValueError unless they are
+    the grid's `num_visual`: a text part's placeholder is refused before (`_render`), so more come
+    from a chat template that writes one of its own (a request's, or the operator's), fewer from a
+    tokenizer that split the expansion."""
+    found = int(visual_mask.sum())
+    if found != num_visual:
+        raise ValueError(
+            f"the prompt has {found} visual placeholder tokens where the media has {num_visual}: "
+            + (
+                "the chat template writes a visual placeholder of its own; remove it from the template"
+                if found > num_visual
+                else "the tokenizer split the placeholders"
+            )
+        )
+    return visual_mask
+
+
 def check_visual_count(prompt: Prompt, visual_embeds: torch.Tensor) -> None:
     """ValueError unless `visual_embeds` [n, hidden] has one row per visual position of `prompt`."""
     num_visual = int(prompt.visual_mask.sum())

@@ -65,6 +65,7 @@ from epd.model_runtime.hf_text import (
     OneDimTextAdapter,
     check_one_placeholder,
     check_visual_count,
+    checked_visual_mask,
     one_dim_positions,
 )
 from epd.model_runtime.kv_cache import KvCache
@@ -237,10 +238,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         visual_mask = placeholders.clone()
         if visual.modality == "video":  # the last placeholder is the newline prefill writes
             visual_mask[int(placeholders.nonzero()[-1])] = False
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        checked_visual_mask(visual_mask, self.num_visual_tokens(visual.grid_thw))
         return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 
     def _embed(

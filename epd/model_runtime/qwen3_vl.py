@@ -50,7 +50,12 @@ from epd.model_runtime.hf_loading import (
     load_language_model,
     load_vision_part,
 )
-from epd.model_runtime.hf_text import QwenTextAdapter, check_one_placeholder, mrope_prompt_positions
+from epd.model_runtime.hf_text import (
+    QwenTextAdapter,
+    check_one_placeholder,
+    checked_visual_mask,
+    mrope_prompt_positions,
+)
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
@@ -239,11 +244,9 @@ class Qwen3VLAdapter(QwenTextAdapter):
             return self._text_only_prompt(conversation, options)
         input_ids = self._expanded_ids(conversation, visual, options)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
-        visual_mask = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        visual_mask = checked_visual_mask(
+            input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad), self.num_visual_tokens(visual.grid_thw)
+        )
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _expanded_ids(
