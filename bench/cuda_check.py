@@ -67,7 +67,7 @@ from epd.stages.messages import question_messages  # noqa: E402
 from epd.video import simple_decoder  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
 from tests.embedded import ask_tokens  # noqa: E402
-from tests.families import build_qwen3_vl_moe_checkpoint  # noqa: E402
+from tests.families import FAMILIES, build_qwen3_vl_moe_checkpoint  # noqa: E402
 from tests.media import make_video  # noqa: E402
 from tests.reference import (  # noqa: E402
     decode_for_test,
@@ -85,17 +85,8 @@ PRUNING_PRESET = "balanced"
 PRUNING_KNOBS = {"decode_min_steps": 4, "decode_evict_interval": 4}
 PRUNING_STAGES = ["temporal", "spatial_merge", "prefill_drop", "kv_compress", "decode_evict"]
 CASES = [("mp4", 8), ("mp4", 64), ("png", 1)]
-# Parts 1 and 5 run the first two unless --families names others ("all": every family epd serves).
-FAMILIES = [
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "llava_onevision",
-    "glm4v",
-    "internvl",
-]
+# Parts 1 and 5 run the first two of FAMILIES (tests/families.py) unless --families names others
+# ("all": every family epd serves).
 # (media, frames, max_new_tokens, start delay s): tests/integration/test_exactness.py's batch.
 BATCH = [("mp4", 64, 20, 0.0), ("mp4", 8, 7, 0.0), ("png", 1, 13, 0.05), ("mp4", 8, 20, 0.3)]
 NEAR_TIE_LOGITS = 1e-3

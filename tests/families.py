@@ -12,8 +12,12 @@ import torch
 from epd.model_runtime.adapter import PrefillChunk, PrefillState, RenderOptions, VisionInputs, VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_reference import question_message, reference_inputs, source_timed_inputs
-from epd.model_runtime.loader import check_model_dir, load_adapter
+from epd.model_runtime.loader import _FAMILIES, check_model_dir, load_adapter
 from tests.reference import decode_for_test
+
+FAMILIES = list(_FAMILIES)
+"""Every model type epd serves, in the loader's order: the every-family tests' parameters (a
+family added to the loader is in them at once; `family_checkpoints` builds each)."""
 
 QUESTION = "what colour is the moving square?"
 MAX_NEW_TOKENS = 20
@@ -100,13 +104,16 @@ def build_qwen3_vl_moe_checkpoint(directory):
 
 def family_checkpoints(tiny_models: dict[str, Path], root: Path) -> dict[str, Path]:
     """A tiny checkpoint of every family by name: conftest's two Qwen2 families (`tiny_models`)
-    and the others built under `root` (as their adapter tests build them)."""
+    and the others built under `root`, each of its default `TinyVLMSpec` (Qwen3.5's two layers,
+    linear and full, where its adapter tests' have four) and Qwen3-VL MoE's as its tests build it."""
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     out = dict(tiny_models)
-    for family in ("qwen3_vl", "qwen3_5", "llava_onevision", "glm4v", "internvl"):
-        out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
-    out["qwen3_vl_moe"] = build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe")
+    for family in FAMILIES:
+        if family == "qwen3_vl_moe":
+            out[family] = build_qwen3_vl_moe_checkpoint(root / family)
+        elif family not in out:
+            out[family] = build_checkpoint(root / family, TinyVLMSpec(family=family))
     return out
 
 

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from epd.model_runtime.adapter import (
-    PrefillState,
     Prompt,
     RenderOptions,
     TextDims,
@@ -48,7 +47,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import end_of_sequence, fingerprint, load_language_model, load_vision_part
-from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
+from epd.model_runtime.hf_text import HfTextAdapter, checked_visual_mask, mrope_prompt_positions
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
 from epd.video.types import DecodedVideo, FrameResize
@@ -165,11 +164,10 @@ class Glm4vAdapter(HfTextAdapter):
             return self._text_only_prompt(conversation, options)
         proc = self.processor
         input_ids = Qwen3VLAdapter._expanded_ids(self, conversation, visual, options)  # type: ignore[arg-type]
-        visual_mask = input_ids[0] == proc.image_token_id  # a video's tokens are `<|image|>` too
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        # a video's tokens are `<|image|>` too
+        visual_mask = checked_visual_mask(
+            input_ids[0] == proc.image_token_id, self.num_visual_tokens(visual.grid_thw)
+        )
         # The media markers around the placeholders tell a video's from an image's (what
         # get_rope_index reads); a text part's own markers must not turn one into the other.
         mm_types = torch.tensor(proc.create_mm_token_type_ids(input_ids.tolist()), dtype=torch.long)
@@ -190,21 +188,7 @@ class Glm4vAdapter(HfTextAdapter):
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
         from transformers.models.glm4v.modeling_glm4v import Glm4vModel
 
-        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
-        kwargs = {"video_grid_thw": grid} if visual.modality == "video" else {"image_grid_thw": grid}
-        rope_index: Any = Glm4vModel.get_rope_index  # reads only self.config, get_vision_position_ids
-        mrope, _ = rope_index(
-            RopeHolder(self.hf_config, Glm4vModel), input_ids, mm_token_type_ids=mm_types, **kwargs
-        )
-        text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
-        return torch.cat([text_row, mrope], dim=0)
-
-    @torch.inference_mode()
-    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
-        return self._prefill_whole(prompt, visual_embeds)
+        return mrope_prompt_positions(Glm4vModel, self.hf_config, input_ids, visual, mm_types)
 
     # -- sizes (the pruning stages themselves are refused: `supported_pruning`) ---------------
 

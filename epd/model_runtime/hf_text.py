@@ -24,6 +24,7 @@ from epd.model_runtime.adapter import (
     Prompt,
     RenderOptions,
     TextDims,
+    VisualMeta,
     VLMAdapter,
 )
 from epd.model_runtime.batch_kv import BatchKv
@@ -298,13 +299,21 @@ class HfTextAdapter(VLMAdapter):
         # padding would make the first call change them: it happens here, before a second thread.
         self.tokenizer("", add_special_tokens=False)
 
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
+        """`_prefill_whole`: a family whose text model takes the embeddings and positions alone
+        (Qwen2-VL, GLM-4.1V, the 1-D families); the others override it."""
+        return self._prefill_whole(prompt, visual_embeds)
+
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual
         positions filled in order, the prompt's [4, 1, L] positions, `extra` passed to the text
         model (DeepStack's); the cache transformers' `DynamicCache(config)` builds (a hybrid model's
-        linear layers: `LinearAttentionLayer`)."""
+        linear layers: `LinearAttentionLayer`). ValueError unless there is one embedding per
+        visual position (`masked_scatter` would take the first of too many)."""
         from transformers import DynamicCache
 
+        check_visual_count(prompt, visual_embeds)
         lm = self._language_model()
         input_ids = prompt.input_ids.to(self.device)
         embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
@@ -358,15 +367,16 @@ class HfTextAdapter(VLMAdapter):
         return embeds
 
     def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        """Rows from token 0 in one right-padded forward (`_padded_embeds`) with their M-RoPE
-        positions (`_padded_mrope_positions`): a family whose text model takes nothing else
-        (Qwen2-VL, GLM-4.1V); the others override it."""
+        """Rows from token 0 in one right-padded forward (`_padded_embeds`) with their positions
+        (`_padded_mrope_positions`, as the text model takes them: `_text_positions`): a family
+        whose text model takes nothing else (Qwen2-VL, GLM-4.1V, the 1-D families); the others
+        override it."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.hf_config.text_config)
         out = self._language_model()(
             inputs_embeds=self._padded_embeds([self._chunk_embeds(row)[0] for row in rows]),  # [B, L, H]
-            position_ids=self._padded_mrope_positions(rows).to(self.device),  # [4, B, L]
+            position_ids=self._text_positions(self._padded_mrope_positions(rows)).to(self.device),
             past_key_values=cache,
             use_cache=True,
         )
@@ -540,7 +550,7 @@ class HfTextAdapter(VLMAdapter):
 
 class OneDimTextAdapter(HfTextAdapter):
     """`HfTextAdapter` for a language model with plain 1-D rotary positions (LLaVA-OneVision's and
-    InternVL's Qwen2 / Qwen3). The interface's positions are 4 rows (Qwen's text row + M-RoPE
+    InternVL's Qwen2 / Qwen3 / Llama). The interface's positions are 4 rows (Qwen's text row + M-RoPE
     rows); such a family fills all four with the same 1-D position and the model reads row 0:
     `Prompt.position_ids` is [4, 1, L] of arange(L) in every row (`one_dim_positions`),
     `PrefillState.next_position_ids` (the 4 ints that cross to decode) is [L, L, L, L], and each
@@ -548,29 +558,11 @@ class OneDimTextAdapter(HfTextAdapter):
     is what `generate()` uses: positions 0..L-1, then L, L+1, ... No pruning hook that needs
     attention re-implemented (layerwise prefill, query capture) is written for these families."""
 
-    # `HfTextAdapter.prefill_chunks` over `_prefill_padded` below and `_prefill_continue`
+    # `HfTextAdapter.prefill_chunks` over `_prefill_padded` and `_prefill_continue`, on row 0
     supports_chunked_prefill = True
 
     def _text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         return position_ids[0]  # [B, n]: every row holds the 1-D position
-
-    @torch.inference_mode()
-    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
-        return self._prefill_whole(prompt, visual_embeds)
-
-    def _prefill_padded(self, rows: list[PrefillChunk]) -> list[ChunkResult]:
-        from transformers import DynamicCache
-
-        embeds = self._padded_embeds([self._chunk_embeds(row)[0] for row in rows])  # [B, L, H]
-        positions = torch.arange(embeds.shape[1], dtype=torch.long, device=self.device).expand(len(rows), -1)
-        cache = DynamicCache(config=self.hf_config.text_config)
-        out = self._language_model()(
-            inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-        return self._padded_results(cache, out.last_hidden_state, rows)
 
     @property
     def text_dims(self) -> TextDims:
@@ -685,14 +677,65 @@ def _text_prompt(input_ids: torch.Tensor) -> Prompt:
     return Prompt(input_ids, one_dim_positions(length), torch.zeros(length, dtype=torch.bool))
 
 
+def checked_visual_mask(visual_mask: torch.Tensor, num_visual: int) -> torch.Tensor:
+    """`visual_mask` [L] (the expanded prompt's placeholder positions), ValueError unless they are
+    the grid's `num_visual`: a text part's placeholder is refused before (`_render`), so more come
+    from a chat template that writes one of its own (a request's, or the operator's), fewer from a
+    tokenizer that split the expansion."""
+    found = int(visual_mask.sum())
+    if found != num_visual:
+        raise ValueError(
+            f"the prompt has {found} visual placeholder tokens where the media has {num_visual}: "
+            + (
+                "the chat template writes a visual placeholder of its own; remove it from the template"
+                if found > num_visual
+                else "the tokenizer split the placeholders"
+            )
+        )
+    return visual_mask
+
+
+def check_visual_count(prompt: Prompt, visual_embeds: torch.Tensor) -> None:
+    """ValueError unless `visual_embeds` [n, hidden] has one row per visual position of `prompt`."""
+    num_visual = int(prompt.visual_mask.sum())
+    if visual_embeds.shape[0] != num_visual:
+        raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+
+
 def one_dim_positions(length: int) -> torch.Tensor:
     """[4, 1, length]: the plain positions 0..length-1 in every row."""
     return torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
 
 
+def mrope_prompt_positions(
+    model_cls,
+    hf_config,
+    input_ids: torch.Tensor,
+    visual: VisualMeta,
+    mm_token_type_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[4, 1, L]: the text row and `model_cls.get_rope_index`'s three M-RoPE rows of a prompt with
+    one media item, as generate's `_prepare_position_ids_for_generation` (get_rope_index reads only
+    self.config and self.get_vision_position_ids: no model needed, `RopeHolder`).
+    `mm_token_type_ids` [1, L] (0 text, 1 image, 2 video): by default the media's placeholders,
+    by the config's token id for its modality (GLM-4.1V's tell a video's by its markers)."""
+    mm_type = 2 if visual.modality == "video" else 1
+    if mm_token_type_ids is None:
+        pad_id = hf_config.video_token_id if mm_type == 2 else hf_config.image_token_id
+        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
+    grid = torch.tensor([visual.grid_thw], dtype=torch.long)
+    kwargs = {"video_grid_thw": grid} if mm_type == 2 else {"image_grid_thw": grid}
+    rope_index: Any = model_cls.get_rope_index
+    mrope, _ = rope_index(
+        RopeHolder(hf_config, model_cls), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
+    )
+    text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
+    return torch.cat([text_row, mrope], dim=0)
+
+
 class RopeHolder:
-    """Stands in for `model_cls` (`Qwen3VLModel`, `Qwen3_5Model`) in its `get_rope_index`, which
-    reads only these two."""
+    """Stands in for `model_cls` (`Qwen3VLModel`, `Qwen3_5Model`, `Glm4vModel`) in its
+    `get_rope_index`, which reads only these two."""
 
     def __init__(self, config, model_cls) -> None:
         self.config = config

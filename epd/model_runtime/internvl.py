@@ -46,7 +46,12 @@ from epd.model_runtime.hf_loading import (
     nested_language_key,
     safetensors_files,
 )
-from epd.model_runtime.hf_text import OneDimTextAdapter, check_one_placeholder, one_dim_positions
+from epd.model_runtime.hf_text import (
+    OneDimTextAdapter,
+    check_one_placeholder,
+    checked_visual_mask,
+    one_dim_positions,
+)
 from epd.model_runtime.llava_onevision import resize_frame_to_size
 from epd.video.types import DecodedVideo, FrameResize
 
@@ -178,11 +183,9 @@ class InternVLAdapter(OneDimTextAdapter):
         text = text.replace(pad, expanded, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next
-        visual_mask = input_ids[0] == self.image_token_id
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        visual_mask = checked_visual_mask(
+            input_ids[0] == self.image_token_id, self.num_visual_tokens(visual.grid_thw)
+        )
         return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 
     # prefill, chunked and batched prefill, decode: `OneDimTextAdapter`'s.

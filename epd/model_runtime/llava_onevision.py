@@ -61,7 +61,13 @@ from epd.model_runtime.hf_loading import (
     nested_language_key,
     safetensors_files,
 )
-from epd.model_runtime.hf_text import OneDimTextAdapter, check_one_placeholder, one_dim_positions
+from epd.model_runtime.hf_text import (
+    OneDimTextAdapter,
+    check_one_placeholder,
+    check_visual_count,
+    checked_visual_mask,
+    one_dim_positions,
+)
 from epd.model_runtime.kv_cache import KvCache
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
@@ -232,10 +238,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         visual_mask = placeholders.clone()
         if visual.modality == "video":  # the last placeholder is the newline prefill writes
             visual_mask[int(placeholders.nonzero()[-1])] = False
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        checked_visual_mask(visual_mask, self.num_visual_tokens(visual.grid_thw))
         return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 
     def _embed(
@@ -266,9 +269,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         not what generate() computes (the tests' negative control)."""
         from transformers import DynamicCache
 
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
+        check_visual_count(prompt, visual_embeds)
         embeds = self._embed(prompt.input_ids, prompt.visual_mask, visual_embeds, video_newline)
         cache = DynamicCache(config=self.hf_config.text_config)
         length = prompt.num_tokens

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # model_type in config.json -> (module epd.model_runtime.<module>, its adapter class); a new family
-# is one entry here plus its file (which also defines STAGE_PARTS: the parts each stage loads).
+# is one entry here plus its file (which also defines STAGE_PARTS: the parts each stage loads). The
+# every-family tests take their families from here (tests/families.py's FAMILIES), so a new one
+# needs a tiny checkpoint (tiny_model.py's TINY_FAMILIES).
 _FAMILIES = {
     "qwen2_vl": ("qwen2_vl", "Qwen2VLAdapter"),
     "qwen2_5_vl": ("qwen2_vl", "Qwen2VLAdapter"),

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from epd.model_runtime.adapter import (
-    PrefillState,
     Prompt,
     RenderOptions,
     VisionInputs,
@@ -33,7 +32,7 @@ from epd.model_runtime.hf_loading import language_key as _language_key  # noqa: 
 from epd.model_runtime.hf_loading import load_language_model as _load_text_part
 from epd.model_runtime.hf_loading import safetensors_files as _safetensors_files  # noqa: F401
 from epd.model_runtime.hf_loading import vision_key as _vision_key  # noqa: F401
-from epd.model_runtime.hf_text import QwenTextAdapter, check_one_placeholder
+from epd.model_runtime.hf_text import QwenTextAdapter, check_one_placeholder, checked_visual_mask
 from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
@@ -153,11 +152,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
-        visual_mask = input_ids[0] == pad_id
-        if int(visual_mask.sum()) != num_tokens:
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        visual_mask = checked_visual_mask(input_ids[0] == pad_id, num_tokens)
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
@@ -193,10 +188,6 @@ class Qwen2VLAdapter(QwenTextAdapter):
             cu_seqlens=cu_seqlens.to(self.device),
         )
         return out.pooler_output
-
-    @torch.inference_mode()
-    def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        return self._prefill_whole(prompt, visual_embeds)
 
     supports_chunked_prefill = True  # `HfTextAdapter.prefill_chunks` and its M-RoPE padded forward
 

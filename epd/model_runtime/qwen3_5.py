@@ -82,7 +82,7 @@ from epd.model_runtime.hf_loading import (
     load_language_model,
     load_vision_part,
 )
-from epd.model_runtime.hf_text import HfTextAdapter, RopeHolder
+from epd.model_runtime.hf_text import HfTextAdapter, mrope_prompt_positions
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.thread_hooks import owner_thread_only
@@ -200,23 +200,10 @@ class Qwen3_5Adapter(HfTextAdapter):
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
-        mm_type = 2 if visual.modality == "video" else 1
-        pad_id = self.hf_config.video_token_id if mm_type == 2 else self.hf_config.image_token_id
-        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
-        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
-        kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
-        rope_index: Any = Qwen3_5Model.get_rope_index  # reads only self.config, get_vision_position_ids
-        mrope, _ = rope_index(
-            RopeHolder(self.hf_config, Qwen3_5Model), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
-        )
-        text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
-        return torch.cat([text_row, mrope], dim=0)
+        return mrope_prompt_positions(Qwen3_5Model, self.hf_config, input_ids, visual)
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, visual_embeds: torch.Tensor) -> PrefillState:
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
         state = self._prefill_whole(prompt, visual_embeds)
         self._check_layers(state.cache)  # attention layers' KV + linear layers' conv/recurrent states
         return state

@@ -50,7 +50,12 @@ from epd.model_runtime.hf_loading import (
     load_language_model,
     load_vision_part,
 )
-from epd.model_runtime.hf_text import QwenTextAdapter, RopeHolder, check_one_placeholder
+from epd.model_runtime.hf_text import (
+    QwenTextAdapter,
+    check_one_placeholder,
+    checked_visual_mask,
+    mrope_prompt_positions,
+)
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
@@ -239,11 +244,9 @@ class Qwen3VLAdapter(QwenTextAdapter):
             return self._text_only_prompt(conversation, options)
         input_ids = self._expanded_ids(conversation, visual, options)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
-        visual_mask = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
-        if int(visual_mask.sum()) != self.num_visual_tokens(visual.grid_thw):
-            raise ValueError(
-                "the prompt's visual placeholders do not match the grid; the tokenizer split them"
-            )
+        visual_mask = checked_visual_mask(
+            input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad), self.num_visual_tokens(visual.grid_thw)
+        )
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _expanded_ids(
@@ -291,19 +294,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
-        model_cls = self._hf_classes()[0]
-        mm_type = 2 if visual.modality == "video" else 1
-        pad_id = self.hf_config.video_token_id if mm_type == 2 else self.hf_config.image_token_id
-        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
-        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
-        kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
-        # get_rope_index reads only self.config and self.get_vision_position_ids: no model needed.
-        rope_index: Any = model_cls.get_rope_index
-        mrope, _ = rope_index(
-            RopeHolder(self.hf_config, model_cls), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
-        )
-        text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
-        return torch.cat([text_row, mrope], dim=0)
+        return mrope_prompt_positions(self._hf_classes()[0], self.hf_config, input_ids, visual)
 
     @torch.inference_mode()
     def prefill(
@@ -312,9 +303,6 @@ class Qwen3VLAdapter(QwenTextAdapter):
         """deepstack: `encode_features`' DeepStack features, rows aligned with `visual_embeds`.
         None runs the language model without them: not what generate() computes (the tests'
         negative control); the stages pass them through `prefill_features`."""
-        num_visual = int(prompt.visual_mask.sum())
-        if visual_embeds.shape[0] != num_visual:
-            raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
         extra: dict[str, Any] = {}
         if deepstack is not None:
             if len(deepstack) != self.num_deepstack_layers:

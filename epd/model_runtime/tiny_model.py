@@ -83,11 +83,16 @@ _CORPUS_WORDS = (
 )
 
 
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision", "glm4v", "internvl")
+"""The families `build_checkpoint` builds (Qwen3-VL MoE's tiny checkpoint is built from Qwen3-VL's
+by tests/families.py's `build_qwen3_vl_moe_checkpoint`)."""
+
+
 @dataclass(frozen=True)
 class TinyVLMSpec:
     """Sizes of a built checkpoint. Defaults give a ~1M-parameter model that runs fast on a CPU."""
 
-    family: str = "qwen2_vl"  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision", "glm4v" or "internvl"
+    family: str = "qwen2_vl"  # one of TINY_FAMILIES
     vocab_size: int = 512  # BPE vocabulary incl. special tokens (rounded up with unused ids)
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -148,6 +153,7 @@ def build_processor(spec: TinyVLMSpec):
         Qwen2VLVideoProcessor,
     )
 
+    _check_family(spec)
     if spec.family == "llava_onevision":
         return _build_llava_onevision_processor(spec)
     if spec.family == "glm4v":
@@ -202,6 +208,7 @@ def _build_qwen3_vl_processor(spec: TinyVLMSpec, tokenizer):
 
 def build_model(spec: TinyVLMSpec, tokenizer):
     """A randomly initialised model of the real class, its special token ids taken from `tokenizer`."""
+    _check_family(spec)
     if spec.family == "llava_onevision":
         return _build_llava_onevision_model(spec, tokenizer)
     if spec.family == "glm4v":
@@ -278,12 +285,8 @@ def build_model(spec: TinyVLMSpec, tokenizer):
         )
         config = Qwen3VLConfig(text_config=text, vision_config=vision, **common)  # type: ignore[assignment]
         cls = Qwen3VLForConditionalGeneration  # type: ignore[assignment]
-    elif spec.family == "qwen3_5":
+    else:  # qwen3_5: every other family returned above or was refused (`_check_family`)
         config, cls = _qwen3_5_config(spec, text, common)
-    else:
-        raise ValueError(
-            f"unknown model family {spec.family!r}; use 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl' or 'qwen3_5'"
-        )
     config.eos_token_id = ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
     if spec.init not in ("scaled", "hf"):
@@ -291,6 +294,14 @@ def build_model(spec: TinyVLMSpec, tokenizer):
     torch.manual_seed(spec.seed)
     model = cls(config).eval()
     return model if spec.init == "hf" else scale_weights(model, spec)
+
+
+def _check_family(spec: TinyVLMSpec) -> None:
+    if spec.family not in TINY_FAMILIES:
+        *first, last = TINY_FAMILIES
+        raise ValueError(
+            f"unknown model family {spec.family!r}; use {', '.join(repr(f) for f in first)} or {last!r}"
+        )
 
 
 def text_sizes(spec: TinyVLMSpec, tokenizer) -> dict[str, int]:
@@ -306,13 +317,17 @@ def text_sizes(spec: TinyVLMSpec, tokenizer) -> dict[str, int]:
     )
 
 
-def scale_weights(model, spec: TinyVLMSpec):
+def scale_weights(model, spec: TinyVLMSpec, unit_vectors: tuple[torch.Tensor, ...] = ()):
     """`spec.init` "scaled": every matrix of `model` re-drawn with std `weight_std` (shrunk for wide
-    inputs), so that a random model's greedy answers vary; returns the model."""
+    inputs), so that a random model's greedy answers vary, and `unit_vectors` (parameters of
+    `model`: LLaVA-OneVision's image_newline) re-drawn with std 1, in the parameters' order;
+    returns the model."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
+            elif any(param is vector for vector in unit_vectors):
+                param.normal_(0.0, 1.0)
     return model
 
 
@@ -465,13 +480,7 @@ def _build_llava_onevision_model(spec: TinyVLMSpec, tokenizer):
     model = LlavaOnevisionForConditionalGeneration(config).eval()
     if spec.init == "hf":
         return model
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, spec.weight_std / max(1.0, (param.shape[-1] / 64) ** 0.5))
-            elif param.shape == model.model.image_newline.shape and param is model.model.image_newline:
-                param.normal_(0.0, 1.0)
-    return model
+    return scale_weights(model, spec, unit_vectors=(model.model.image_newline,))
 
 
 # -- GLM-4.1V / GLM-4.5V (dense: glm4v) --------------------------------------------------------------
@@ -648,8 +657,8 @@ def _build_internvl_processor(spec: TinyVLMSpec):
 
 
 def _build_internvl_model(spec: TinyVLMSpec, tokenizer):
-    """InternViT tower + pixel-shuffle projector + a Qwen3 (InternVL3.5) or Qwen2 (InternVL3)
-    language model, as OpenGVLab/InternVL3_5-*-HF, tiny."""
+    """InternViT tower + pixel-shuffle projector + a Qwen3 (InternVL3.5), Qwen2 (InternVL3) or
+    Llama (InternVL3-9B) language model (`spec.internvl_text_model`), as OpenGVLab/InternVL3_5-*-HF, tiny."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
     if spec.internvl_text_model not in ("qwen3", "qwen2", "llama"):

@@ -29,23 +29,13 @@ from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.families import family_checkpoints
+from tests.families import FAMILIES, family_checkpoints
 from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, template_reference
 from tests.stack import Stack, free_port
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
-FAMILIES = [
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "llava_onevision",
-    "glm4v",
-    "internvl",
-]
 NO_THINKING = {"enable_thinking": False}
 READS_IT = {"qwen3_5"}
 """The families whose tiny template reads `enable_thinking` (Qwen3.5's, as the hub's does)."""

@@ -34,21 +34,11 @@ from epd.stages.messages import Message
 from epd.stages.raw_prompt import RawPrompt
 from tests import reference
 from tests.embedded import request_summary
-from tests.families import family_checkpoints
+from tests.families import FAMILIES, family_checkpoints
 from tests.reference import whole_model
 
 PROMPT = "Once upon a time, in a land far away,"
 MAX_TOKENS = 12
-FAMILIES = [
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "llava_onevision",
-    "glm4v",
-    "internvl",
-]
 
 
 @pytest.fixture(scope="module")

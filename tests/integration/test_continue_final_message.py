@@ -27,23 +27,13 @@ from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.families import family_checkpoints
+from tests.families import FAMILIES, family_checkpoints
 from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, template_reference
 from tests.stack import Stack, free_port
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
-FAMILIES = [
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "llava_onevision",
-    "glm4v",
-    "internvl",
-]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 CHAT = "/v1/chat/completions"
 

@@ -41,7 +41,7 @@ from epd.stages.model_thread import ModelThread
 from epd.video.types import DecodedVideo, SamplingOptions
 from tests.reference import decode_for_test, reference_inputs
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+QWEN2_FAMILIES = ["qwen2_vl", "qwen2_5_vl"]  # conftest's tiny models (`tiny_models`)
 HANG_GUARD_S = 120.0
 RTOL, ATOL = 1e-5, 1e-6  # float32 rounding of differently sized matrix products, nothing more
 NEAR_TIE = 1e-3  # largest top-2 logit gap at which a differing greedy token is accepted
@@ -53,7 +53,7 @@ REQUESTS = [("mp4", 8), ("mp4_b", 6), ("mp4", 4), ("png", 1)]
 NO_CACHE = TokenCacheConfig(memory_budget_bytes=0)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=QWEN2_FAMILIES)
 def family(request) -> str:
     return request.param
 

@@ -20,12 +20,12 @@ import pytest
 import torch
 from transformers.video_utils import VideoMetadata
 
-from epd.model_runtime.adapter import PrefillChunk, PrefillState, VisualMeta
+from epd.model_runtime.adapter import PrefillChunk, PrefillState, RenderOptions, VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.glm4v import Glm4vAdapter
 from epd.model_runtime.hf_loading import language_key, vision_key
 from epd.model_runtime.structured_output import REASONING_MARKERS
-from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from epd.model_runtime.tiny_model import GLM4V_CHAT_TEMPLATE, TinyVLMSpec, build_checkpoint
 from epd.video.types import DecodedVideo
 from tests.families import (
     CASES,
@@ -352,6 +352,20 @@ def test_each_one_part_adapter_reads_only_its_own_tensors_and_loads_them_exactly
 
 def test_a_template_that_renders_no_media_placeholder_says_so(language):
     check_a_template_without_the_media_part_is_refused_as_such(language)
+
+
+def test_a_template_that_writes_a_placeholder_of_its_own_is_named(language):
+    """A video's tokens and an image's are the same `<|image|>`, so a request's template that
+    writes one beside the video (the placeholder check counts `<|video|>`) gives one placeholder
+    more than the grid's tokens: the template is named, not the tokenizer."""
+    template = GLM4V_CHAT_TEMPLATE.replace("<|end_of_video|>", "<|end_of_video|><|image|>")
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+    meta = VisualMeta("video", (2, 4, 6), 1.0, language.num_visual_tokens((2, 4, 6)), (0.0, 1.0))
+    with pytest.raises(
+        ValueError,
+        match="^the prompt has 13 visual placeholder tokens where the media has 12: the chat template writes",
+    ):
+        language.build_prompt(messages, meta, RenderOptions(chat_template=template, requests_template=True))
 
 
 def test_a_text_part_holding_the_video_markers_is_refused(language):

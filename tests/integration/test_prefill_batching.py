@@ -39,7 +39,7 @@ from tests.reference import decode_for_test, reference_inputs
 
 KV_ATOL = 1e-4
 TIE_TOL = 1e-3
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+QWEN2_FAMILIES = ["qwen2_vl", "qwen2_5_vl"]  # conftest's tiny models (`tiny_models`)
 # (media, frames, question): prompts from ~40 to ~430 tokens, videos and an image.
 CASES = [
     ("mp4", 4, "what colour is the moving square?"),
@@ -108,7 +108,7 @@ def _kinds():
 
 @pytest.fixture(scope="module")
 def families(tiny_models, media_files) -> dict[str, Family]:
-    return {family: Family(tiny_models[family], media_files) for family in FAMILIES}
+    return {family: Family(tiny_models[family], media_files) for family in QWEN2_FAMILIES}
 
 
 def make_stage(adapter, scheduler: PrefillSchedulerConfig) -> LocalPrefillStage:
@@ -142,7 +142,7 @@ def assert_close_kv(keys, values, ref_keys, ref_values, what: str) -> None:
         assert err <= KV_ATOL, f"{what}: layer {layer} KV differs by {err:.2e} > {KV_ATOL}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", QWEN2_FAMILIES)
 @pytest.mark.parametrize("scheduler", [BATCHED, CHUNKED], ids=["batched", "chunked"])
 def test_concurrent_prompts_equal_alone_and_generate(families, family, scheduler):
     fam = families[family]

@@ -23,14 +23,15 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import language_key, vision_key
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.qwen3_5 import Qwen3_5Adapter
-from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.families import (
     CASES,
     MAX_NEW_TOKENS,
     QUESTION,
+    QWEN3_5_LAYER_TYPES,
     assert_epd_ask_equals_references,
     assert_qwen_parts_load_exactly,
     assert_reference_varies,
+    build_qwen3_5_checkpoint,
     checkpoint_keys,
     conversation,
     decode_alone,
@@ -44,13 +45,10 @@ from tests.families import (
 from tests.families import qwen_processor_inputs as _processor_inputs
 from tests.reference import whole_model
 
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    spec = TinyVLMSpec(family="qwen3_5", num_hidden_layers=4)
-    return build_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "m", spec)
+    return build_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "m")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +94,7 @@ def references(whole, media_files):
 
 def test_the_tiny_model_is_hybrid_without_deepstack(language, whole):
     model, _ = whole
-    assert language.layer_types == LAYER_TYPES == model.config.text_config.layer_types
+    assert language.layer_types == QWEN3_5_LAYER_TYPES == model.config.text_config.layer_types
     assert language.attention_layers == [1, 3] and language.linear_layers == [0, 2]
     assert language.num_deepstack_layers == 0
     assert not hasattr(model.model.visual, "deepstack_merger_list")

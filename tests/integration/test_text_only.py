@@ -30,7 +30,7 @@ from epd.stages.tokenize import TokenizeInput
 from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.families import family_checkpoints
+from tests.families import FAMILIES, family_checkpoints
 from tests.reference import decode_for_test, reference_tokens_for_messages, text_only_reference
 
 MAX_NEW_TOKENS = 12
@@ -71,17 +71,6 @@ def summary(pipeline, messages: list[dict], media: MediaInput | None = None, **o
 
 
 # -- every family, in one process ---------------------------------------------------------------
-
-FAMILIES = [
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "llava_onevision",
-    "glm4v",
-    "internvl",
-]
 
 
 @pytest.fixture(scope="module")

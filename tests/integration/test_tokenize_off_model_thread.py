@@ -27,6 +27,7 @@ import pytest
 
 from epd.model_runtime.adapter import RenderOptions
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import question_message
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
@@ -37,7 +38,7 @@ from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.model_thread import ModelThread
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
-from tests.families import family_checkpoints
+from tests.families import FAMILIES, family_checkpoints, load_video, visual_meta
 
 HANG_GUARD_S = 60.0
 """Only ends a test that would otherwise wait forever (a call stuck behind the held model thread)."""
@@ -82,10 +83,7 @@ def _backend_settings(adapter) -> tuple:
     return backend.truncation, backend.padding, backend.encode_special_tokens
 
 
-@pytest.mark.parametrize(
-    "family",
-    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v", "internvl"],
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_keeps_one_tokenizer_that_no_call_changes(checkpoints, family):
     """The engine adds no tokenizer to the process (it kept a deep copy for /tokenize), and no
     call that prefill's two threads make (the model thread's prompts, /tokenize's and
@@ -154,10 +152,7 @@ def test_a_tokenizer_json_with_truncation_and_padding_is_settled_before_a_second
     assert ids == adapter.tokenizer(text, add_special_tokens=False)["input_ids"] and len(ids) > 4
 
 
-@pytest.mark.parametrize(
-    "family",
-    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava_onevision", "glm4v", "internvl"],
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_continues_a_final_message_and_names_its_tokens_as_its_processor(checkpoints, family):
     """/tokenize's continue_final_message and return_token_strs in every family: the ids of the
     family's own processor's rendering with the last message left open, and its tokenizer's
@@ -724,3 +719,38 @@ def test_a_cancelled_render_stops_after_its_template(adapter, caplog):
         adapter.tokenizer = counting.tokenizer
     assert counting.num_calls == 0
     assert any("render of request gone stopped between its steps" in r.getMessage() for r in caplog.records)
+
+
+class _Gone(Exception):
+    """What a render's checkpoint raises for a request that went away (the stage's own is private)."""
+
+
+@pytest.mark.parametrize("media,num_frames", [("mp4", 8), ("png", 1)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_render_stops_after_its_media_expansion(
+    checkpoints, media_files, family, media, num_frames
+):
+    """Every family's `build_prompt` of a media prompt calls the render's checkpoint twice: after
+    the chat template (`_render`, shared) and again after its own expansion and tokenisation of the
+    media placeholder, before the positions (get_rope_index on a long video's prompt); a checkpoint
+    that raises the second time leaves `build_prompt` with its exception. A family that forgets its
+    own call renders a gone request's positions to their end."""
+    adapter = load_adapter(ModelConfig(model=str(checkpoints[family])), "all")
+    video = load_video(media_files, media, num_frames)
+    meta = visual_meta(adapter, adapter.preprocess(video))
+    calls = 0
+
+    def checkpoint() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise _Gone
+
+    with pytest.raises(_Gone):
+        adapter.build_prompt(
+            question_message(video, "what moves?"), meta, RenderOptions(checkpoint=checkpoint)
+        )
+    assert calls == 2
+    calls = -10  # never raises: a whole render calls it exactly twice
+    adapter.build_prompt(question_message(video, "what moves?"), meta, RenderOptions(checkpoint=checkpoint))
+    assert calls == -8

@@ -10,18 +10,8 @@ import torch
 
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
-from tests.families import build_qwen3_5_checkpoint, build_qwen3_vl_moe_checkpoint, load_video
+from tests.families import FAMILIES, family_checkpoints, load_video
 
-FAMILIES = [
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "llava_onevision",
-    "glm4v",
-    "internvl",
-]
 WHOLE_MODEL_PART = (
     "llava_onevision",
     "internvl",
@@ -30,18 +20,7 @@ WHOLE_MODEL_PART = (
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_models, tmp_path_factory) -> dict:
-    from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
-
-    root = tmp_path_factory.mktemp("dtype_models")
-    return {
-        **tiny_models,
-        "qwen3_vl": build_checkpoint(root / "qwen3_vl", TinyVLMSpec(family="qwen3_vl")),
-        "qwen3_vl_moe": build_qwen3_vl_moe_checkpoint(root / "qwen3_vl_moe"),
-        "qwen3_5": build_qwen3_5_checkpoint(root / "qwen3_5"),
-        "llava_onevision": build_checkpoint(root / "llava_onevision", TinyVLMSpec(family="llava_onevision")),
-        "glm4v": build_checkpoint(root / "glm4v", TinyVLMSpec(family="glm4v")),
-        "internvl": build_checkpoint(root / "internvl", TinyVLMSpec(family="internvl")),
-    }
+    return family_checkpoints(tiny_models, tmp_path_factory.mktemp("dtype_models"))
 
 
 def _whole_models_part(whole, encoder) -> torch.nn.Module:
