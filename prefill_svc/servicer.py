@@ -95,7 +95,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
         # A caller that goes away as the answer goes out never gets the handle, so nobody would
         # release the stored cache before its TTL: the RPC's end says whether the answer got out.
-        context.add_done_callback(self._release_unless_answered(handle.kv_handle, request_id))
+        # So does an answer that failed on its way (a piece or the result that could not be made
+        # or sent): the RPC ends with an error, not cancelled, and the caller has no handle either.
+        answered = [False]  # the result, the stream's last message, handed to gRPC
+        context.add_done_callback(self._release_unless_answered(handle.kv_handle, request_id, answered))
         tracing.stage_timings(
             log,
             "prefill done",
@@ -106,13 +109,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
         async for response in convert.prefill_responses(handle):  # the prompt's logprobs first, in pieces
             yield response
+        answered[0] = True
 
-    def _release_unless_answered(self, kv_handle: str, request_id: str):
+    def _release_unless_answered(self, kv_handle: str, request_id: str, answered: list[bool]):
         def done(context) -> None:
-            if context.cancelled() and self.kv_store.release(kv_handle):
-                log.info(
-                    "released the KV cache of request %s: its caller went away before the answer", request_id
-                )
+            if (context.cancelled() or not answered[0]) and self.kv_store.release(kv_handle):
+                why = "its caller went away" if context.cancelled() else "its answer failed"
+                log.info("released the KV cache of request %s: %s before the answer", request_id, why)
 
         return done
 

@@ -403,11 +403,12 @@ def test_a_cancel_that_lands_as_prefills_answer_arrives_leaves_no_kv_cache(embed
     assert asyncio.run(scenario()) == (0, 0)
 
 
-@pytest.mark.parametrize("rpc_cancelled", [True, False])
-def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, videos, rpc_cancelled):
+@pytest.mark.parametrize("rpc_end", ["cancelled", "ok", "failed"])
+def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, videos, rpc_end, monkeypatch):
     """The server's half of that race: the handler has no await left after storing the cache, so a
     caller that goes away then is seen only in how the RPC ends. Ended cancelled, the answer never
-    got out: the cache is released; ended OK, the caller has the handle: it stays."""
+    got out: the cache is released; ended OK, the caller has the handle: it stays; the answer failed
+    on its way after the cache was stored (an error, not a cancel): released too, not left to its TTL."""
     from epd.prefill_svc.config import PrefillConfig
     from epd.prefill_svc.servicer import PrefillServicer
     from epd.transport import convert
@@ -427,10 +428,13 @@ def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, vid
             self.callbacks.append(callback)
 
         def cancelled(self) -> bool:
-            return rpc_cancelled
+            return rpc_end == "cancelled"
 
         def time_remaining(self) -> float | None:
             return None  # the caller set no deadline
+
+        async def abort(self, code, message, trailing_metadata=()):  # what rpc_errors ends a failed call with
+            raise RuntimeError(message)
 
     async def scenario():
         request = _ask(videos, max_new_tokens=4)
@@ -449,15 +453,27 @@ def test_prefill_releases_a_stored_cache_whose_rpc_ended_cancelled(embedded, vid
                 yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
         context = RpcEnd()
-        (response,) = [r async for r in servicer.Prefill(messages(), context)]  # no prompt logprobs asked
-        result = response.result
+        if rpc_end == "failed":
+            stored: list[str] = []
+
+            def fails(handle):
+                stored.append(handle.kv_handle)
+                raise RuntimeError("the result could not be made")
+
+            monkeypatch.setattr(convert, "handle_to_proto", fails)
+            with pytest.raises(RuntimeError):
+                [r async for r in servicer.Prefill(messages(), context)]
+            (kv_handle,) = stored
+        else:
+            (response,) = [r async for r in servicer.Prefill(messages(), context)]  # no prompt logprobs asked
+            kv_handle = response.result.kv_handle
         assert len(store) == 1
         for callback in context.callbacks:  # the RPC ends
             callback(context)
-        return result.kv_handle
+        return kv_handle
 
     kv_handle = asyncio.run(scenario())
-    assert len(store) == (0 if rpc_cancelled else 1)
+    assert len(store) == (1 if rpc_end == "ok" else 0)
     store.release(kv_handle)
 
 
