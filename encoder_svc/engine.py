@@ -31,12 +31,14 @@ request's *driver*):
 Cancellation: the caller says `interest.leave()` (`single_flight.Interest`) when its client goes
 away. A request waiting on another's encode of the same media stops waiting. The work itself
 watches its flight's cancel flag, which is set once nobody wants the result: while other requests
-wait on it, it goes on (on this thread) for them after its leader left. The decoder watches it too: the demux pass stops within a few hundred packets or 32 KiB of the file,
-its workers at their next frame or read, and a wait for the next group within 50 ms. The driver checks it after every frame
-group and before each model call or tower job (a call already queued on the model thread checks
-it again before it starts; the stage takes a queued tower job out of the core's queue at once),
-then closes the frame stream and raises RequestCancelled. (The decord backend
-decodes the whole sample in its child process first; a cancel there takes effect after it.)
+wait on it, it goes on (on this thread) for them after its leader left. The decoder watches that
+flag too: the demux pass stops within a few hundred packets or 32 KiB of the file, its workers at
+their next frame or read, and a wait for the next group within 50 ms. The driver checks it after
+every frame group, before each model call or tower job and every `TOWER_POLL_S` while it waits
+for one (a call already queued on the model thread checks it again before it starts; the stage
+takes a queued tower job out of the core's queue at once), then closes the frame stream and
+raises RequestCancelled. (The decord backend decodes the whole sample in its child process
+first; a cancel there takes effect after it.)
 """
 
 from __future__ import annotations
