@@ -28,13 +28,17 @@ request's *driver*):
      them), is what the cache stores and what the stage returns. Pruning stages that would lose
      the DeepStack alignment are refused before step 1 (`refuse_unsupported_pruning`).
 
-Cancellation: the caller sets `cancel` (a threading.Event) when its client goes away. The
-decoder watches it too: the demux pass stops within a few hundred packets or 32 KiB of the file,
-its workers at their next frame or read, and a wait for the next group within 50 ms. The driver checks it after every frame
-group and before each model call or tower job (a call already queued on the model thread checks
-it again before it starts; the stage takes a queued tower job out of the core's queue at once),
-then closes the frame stream and raises RequestCancelled. (The decord backend
-decodes the whole sample in its child process first; a cancel there takes effect after it.)
+Cancellation: the caller says `interest.leave()` (`single_flight.Interest`) when its client goes
+away. A request waiting on another's encode of the same media stops waiting. The work itself
+watches its flight's cancel flag, which is set once nobody wants the result: while other requests
+wait on it, it goes on (on this thread) for them after its leader left. The decoder watches that
+flag too: the demux pass stops within a few hundred packets or 32 KiB of the file, its workers at
+their next frame or read, and a wait for the next group within 50 ms. The driver checks it after
+every frame group, before each model call or tower job and every `TOWER_POLL_S` while it waits
+for one (a call already queued on the model thread checks it again before it starts; the stage
+takes a queued tower job out of the core's queue at once), then closes the frame stream and
+raises RequestCancelled. (The decord backend decodes the whole sample in its child process
+first; a cancel there takes effect after it.)
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import torch
 
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.pruning import encode_stage_pruning
-from epd.encoder_svc.single_flight import SingleFlight
+from epd.encoder_svc.single_flight import Interest, SingleFlight
 from epd.encoder_svc.token_cache import TokenCache, make_cache_key
 from epd.model_runtime.adapter import VisionInputs, VisualFeatures, VisualMeta, VLMAdapter
 from epd.stages.contracts import (
@@ -86,12 +90,17 @@ RunModel = Callable[..., Any]
 blocking the caller until it is done."""
 
 
-class PendingFeatures(Protocol):
-    """A frame group submitted to the vision tower: `result()` blocks the driver until its
-    features are back (raises RequestCancelled when the request is cancelled meanwhile);
-    `cancel()` takes it out of the tower's queue."""
+TOWER_POLL_S = 0.05
+"""How often a driver waiting for a tower job looks at its work's cancel flag: a work that nobody
+wants any more (its leader left, then its last waiter) stops within this even mid-wait."""
 
-    def result(self) -> VisualFeatures: ...
+
+class PendingFeatures(Protocol):
+    """A frame group submitted to the vision tower: `result(timeout_s)` blocks the driver until its
+    features are back (raises TimeoutError past `timeout_s`, RequestCancelled when the request is
+    cancelled meanwhile); `cancel()` takes it out of the tower's queue."""
+
+    def result(self, timeout_s: float | None = None) -> VisualFeatures: ...
 
     def cancel(self) -> None: ...
 
@@ -108,7 +117,7 @@ class _Done:
 
     features: VisualFeatures
 
-    def result(self) -> VisualFeatures:
+    def result(self, timeout_s: float | None = None) -> VisualFeatures:
         return self.features
 
     def cancel(self) -> None:
@@ -175,7 +184,11 @@ class _Request:
     def wait(self, pending: PendingFeatures) -> VisualFeatures:
         t0 = time.perf_counter()
         try:
-            return pending.result()
+            while True:
+                try:
+                    return pending.result(TOWER_POLL_S)
+                except TimeoutError:
+                    self.check_cancelled()
         finally:
             self.model_s += time.perf_counter() - t0
 
@@ -240,16 +253,19 @@ class EncoderEngine:
         *,
         run_model: RunModel = run_here,
         run_tower: RunTower | None = None,
-        cancel: threading.Event | None = None,
+        interest: Interest | None = None,
         cache_salt: str = "",
     ) -> EncodedMedia:
-        """Blocks until the media is encoded. Raises RequestCancelled once `cancel` is set.
-        `cache_salt`: the request's tenant, part of the cache key (`cache_key`)."""
+        """Blocks until the media is encoded. `interest`: the caller's hold on the request, whose
+        `leave()` cancels it (RequestCancelled), unless it leads an encode that others wait on:
+        that goes on for them (module docstring). `cache_salt`: the request's tenant, part of the
+        cache key (`cache_key`)."""
         # Before any work, cached or not: a stage (of any service) that would lose DeepStack.
         refuse_unsupported_pruning(
             self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
         )
-        req = _Request(run_model, run_tower, cancel or threading.Event())
+        interest = interest or Interest()
+        req = _Request(run_model, run_tower, interest.cancel)
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         if media.data is not None and media.sha256 and media.sha256 != sha256:
@@ -263,12 +279,21 @@ class EncoderEngine:
         if (cached := self._cached(key, sampling)) is not None:
             return self._hit(cached, sha256, on_event)
         # A request already encoding this media with these options: wait for its result.
-        flight, shared = self.flights.join(key, req.check_cancelled)
+        flight, shared = self.flights.join(
+            key,
+            req.check_cancelled,
+            lambda: log.info("waiting for the encode of media %s in flight", sha256[:12]),
+        )
         if flight is None:
             assert shared is not None
             return self._hit(shared, sha256, on_event, shared=True)
         out: EncodedMedia | None = None
         try:
+            if not interest.lead(flight):
+                raise RequestCancelled("cancelled before its encode started")
+            # The work stops when nobody wants it any more, not when this request's caller goes:
+            # others may be waiting on it by then (`single_flight`).
+            req.cancel = flight.cancel
             # A flight that landed since our first look (`in`: a miss is counted once per request).
             if key in self.cache and (cached := self._cached(key, sampling)) is not None:
                 out = cached
@@ -277,6 +302,7 @@ class EncoderEngine:
                 raise NotFound(
                     f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
                 )
+            log.info("decoding and encoding media %s (%d bytes): not cached", sha256[:12], len(media.data))
             out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning, cache_salt)
             self.cache.put(key, out, {SOURCE_DURATION_FACT: req.source_duration_s})
             return out

@@ -8,7 +8,9 @@ the waiting groups of several requests in one tower call per step on the `ModelT
 while the decode threads go on decoding. Encode-stage pruning stays a per-request model call.
 
 Cancelling `encode` (the client went away) sets the driver's cancel flag, so decoding stops at
-the next frame group, and takes the request's queued tower job out of the core's queue at once.
+the next frame group, and takes the request's queued tower job out of the core's queue at once;
+unless other requests wait on this request's encode of the same media (`single_flight`): then
+its driver goes on with the work, tower jobs and all, for them, and only the cancelled call ends.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 from epd.encoder_svc.engine import EncoderEngine, PendingFeatures
 from epd.encoder_svc.runner import EncodeRunner
 from epd.encoder_svc.scheduler import EncodeScheduler, TowerJob
+from epd.encoder_svc.single_flight import Interest
 from epd.model_runtime.adapter import VisionInputs, VisualFeatures
 from epd.model_runtime.threads import pin_torch_threads
 from epd.stages.contracts import (
@@ -108,10 +111,13 @@ class LocalEncodeStage(EncodeStage):
         check_request_priority(priority, self.engine.config.scheduling_policy)
         loop = asyncio.get_running_loop()
         towers = _TowerJobs(self.core, request_id, loop, priority)
+        interest = Interest()
 
-        def drive(cancel: threading.Event) -> EncodedMedia:  # on a request-pool thread
+        # The pool's own cancel flag is set in the same instant as `interest.leave()` below; the
+        # engine watches the interest, which knows whether others wait on this request's work.
+        def drive(_: threading.Event) -> EncodedMedia:  # on a request-pool thread
             def threadsafe(event: StageEvent) -> None:
-                if not cancel.is_set():  # nobody listens any more (and the loop may be gone)
+                if not interest.cancel.is_set():  # nobody listens any more (and the loop may be gone)
                     loop.call_soon_threadsafe(on_event, event)
 
             try:
@@ -122,7 +128,7 @@ class LocalEncodeStage(EncodeStage):
                     pruning,
                     run_model=self.model_thread.call,
                     run_tower=towers.submit,
-                    cancel=cancel,
+                    interest=interest,
                     cache_salt=cache_salt,
                 )
             except RequestCancelled as exc:
@@ -132,6 +138,14 @@ class LocalEncodeStage(EncodeStage):
         try:
             return await self.drivers.run(drive, priority)
         except asyncio.CancelledError:
+            if interest.leave():
+                # Its tower jobs stay queued: they are the waiting requests' now.
+                log.info(
+                    "encode of request %s cancelled by its caller; its decode and encode go on for "
+                    "the requests waiting on the same media",
+                    request_id,
+                )
+                raise
             await towers.cancel()  # its queued tower job has left the queue when this returns
             log.info("encode of request %s cancelled by its caller; its decoding stops", request_id)
             raise
@@ -201,9 +215,9 @@ class _PendingGroup:
         self.group_index = group_index
         self.loop = loop
 
-    def result(self) -> VisualFeatures:
+    def result(self, timeout_s: float | None = None) -> VisualFeatures:
         try:
-            return self.future.result()
+            return self.future.result(timeout_s)
         except (concurrent.futures.CancelledError, RuntimeError) as exc:  # RuntimeError: the loop closed
             if isinstance(exc, RuntimeError) and not self.loop.is_closed():
                 raise

@@ -149,11 +149,17 @@ class PrefillEngine:
             scheduling_policy=self.config.scheduler.scheduling_policy,
         )
 
-    def tokenize(self, request: TokenizeInput) -> TokenizeOutput:
+    def tokenize(
+        self, request: TokenizeInput, checkpoint: Callable[[], None] | None = None
+    ) -> TokenizeOutput:
         """/tokenize: a text's ids, or a text-only conversation's as `render` renders its prompt.
         Any thread may call it, also while another thread tokenises a prompt with the same
-        tokenizer: no call changes the tokenizer (`VLMAdapter.settle_tokenizer`)."""
+        tokenizer: no call changes the tokenizer (`VLMAdapter.settle_tokenizer`). `checkpoint`:
+        as `render`'s, called before the text is tokenised (and its chat template rendered) and
+        between those steps."""
         request.check(self.config.max_text_chars)
+        if checkpoint is not None:
+            checkpoint()
         try:
             if request.prompt is not None:
                 token_ids = self.adapter.tokenize(request.prompt, request.add_special_tokens)
@@ -161,7 +167,7 @@ class PrefillEngine:
                 token_ids = self.adapter.tokenize_conversation(
                     to_chat_template(request.messages, ""),
                     request.add_special_tokens,
-                    self._render_options(request.template),
+                    replace(self._render_options(request.template), checkpoint=checkpoint),
                 )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None

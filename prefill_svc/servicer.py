@@ -170,8 +170,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     @rpc_errors
     async def Tokenize(self, request, context):
         request_id = tracing.adopt_request_id(request.request_id)
+        remaining_s = context.time_remaining()  # None: the caller set no deadline
+        deadline_s = None if remaining_s is None else time.monotonic() + remaining_s
         return tokenize_output_to_proto(
-            await self._loaded().tokenize(tokenize_input_from_proto(request), request_id)
+            await self._loaded().tokenize(tokenize_input_from_proto(request), request_id, deadline_s)
         )
 
     @rpc_errors

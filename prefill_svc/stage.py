@@ -216,15 +216,21 @@ class LocalPrefillStage(PrefillStage):
     def model_info(self) -> ModelInfo:
         return self.engine.model_info()
 
-    async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
+    async def tokenize(
+        self, request: TokenizeInput, request_id: str, deadline_s: float | None = None
+    ) -> TokenizeOutput:
         # Off the model thread, on the tokenizer threads (which render prompts too): it never
         # waits for a prefill step nor takes model time from one. They share the model's one
         # tokenizer, without a lock: no call changes the tokenizer's settings
         # (`VLMAdapter.settle_tokenizer`), so the threads only read it, at once if they like, and
         # no copy is kept (a prefill process holds 46-141 MiB less with a Qwen2-sized vocabulary;
-        # docs/benchmarks.md). Calls beyond the threads queue there, in arrival order.
-        return await self._on_tokenizer_thread(
-            self.engine.tokenize, request, requests_template=request.template.chat_template is not None
+        # docs/benchmarks.md). Calls beyond the threads queue there, in arrival order. Checked as
+        # a prompt's render is (`_render`): `deadline_s` (its gRPC call's) and its caller leaving.
+        return await self._render(
+            functools.partial(self.engine.tokenize, request),
+            request_id,
+            deadline_s,
+            request.template.chat_template is not None,
         )
 
     async def detokenize(self, token_ids: Sequence[int], request_id: str) -> str:
@@ -232,12 +238,12 @@ class LocalPrefillStage(PrefillStage):
 
     async def _render(
         self,
-        render: Callable[..., PrefillRequest],
+        render: Callable[..., T],
         request_id: str,
         deadline_s: float | None,
         requests_template: bool,
-    ) -> PrefillRequest:
-        """`render(checkpoint=...)` (`PrefillEngine.render`) on a tokenizer thread, stopped between
+    ) -> T:
+        """`render(checkpoint=...)` (`PrefillEngine.render`, `PrefillEngine.tokenize`) on a tokenizer thread, stopped between
         its steps once nobody waits for it: cancelling the await drops a render not started and
         stops one in progress at its next step (`RenderOptions.checkpoint`: a chat template's
         render in progress runs to its end); a render whose `deadline_s` passed while it waited
@@ -245,7 +251,7 @@ class LocalPrefillStage(PrefillStage):
         DeadlineExceeded."""
         turn = _RenderTurn(request_id, deadline_s)
 
-        def checked() -> PrefillRequest:
+        def checked() -> T:
             turn.check()
             try:
                 return render(checkpoint=turn.check)

@@ -346,12 +346,22 @@ class DecordDecoder:
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Ask the child to end and wait for it for at most `wait_s` (the rest of its owner's
-        close, `EncoderEngine.close`), then kill it. Idempotent."""
-        with self._lock:
+        close, `EncoderEngine.close`), then kill it. A decode still running in the child holds it
+        (the lock) for up to `DecordConfig.timeout_s`: past `wait_s` the child is killed under it
+        instead, and that decode fails as a crashed child (DecoderCrashed, which also reaps it).
+        Idempotent."""
+        deadline_s = time.monotonic() + wait_s
+        if not self._lock.acquire(timeout=wait_s):
+            proc = self._proc
+            if proc is not None:
+                proc.kill()  # the decode waiting on it sees the pipe close at once
+            log.warning("the decord child was killed at close, in the middle of a decode")
+            return
+        try:
             if self._conn is not None and self._proc is not None and self._proc.is_alive():
                 try:
                     self._conn.send(None)
-                    self._proc.join(timeout=wait_s)
+                    self._proc.join(timeout=max(0.0, deadline_s - time.monotonic()))
                 except OSError:
                     pass
             if self._proc is not None and self._proc.is_alive():
@@ -360,6 +370,8 @@ class DecordDecoder:
             if self._conn is not None:
                 self._conn.close()
             self._proc, self._conn = None, None
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> DecordDecoder:
         return self

@@ -2,6 +2,9 @@
 
 - gone mid-decode: the encoder logs the request cancelled and stops its decoding at the next frame
   group, and the next request is answered;
+- gone mid-decode while a second request waits on the same media (the encoder's single flight):
+  the decode goes on for the second, which gets the exact answer (that of an independent decode,
+  under another cache salt), and the encoder decoded the media once (its log);
 - gone right after prefill (20 times): the prefill KV store is empty again each time, and no
   following request gets RESOURCE_EXHAUSTED from a store that would hold only two leaked caches;
 - a decoder that cannot pull (its --allow-kv-from refuses the prefill): the gateway releases each
@@ -52,6 +55,20 @@ def long_clip(tmp_path_factory):
     return make_video(
         tmp_path_factory.mktemp("long") / "long.mp4",
         size=(640, 480),
+        fps=30.0,
+        seconds=30.0,
+        gop=900,
+        pattern="texture",
+    )
+
+
+@pytest.fixture(scope="module")
+def slow_clip(tmp_path_factory):
+    """long_clip at 1280x720: its one decode takes the encoder about a second, so a second request
+    has the time to join it before the first leaves."""
+    return make_video(
+        tmp_path_factory.mktemp("slow") / "slow.mp4",
+        size=(1280, 720),
         fps=30.0,
         seconds=30.0,
         gop=900,
@@ -124,6 +141,62 @@ def test_a_client_that_disconnects_mid_decode_frees_the_encoder(stack, long_clip
     with EpdClient(stack.gateway, timeout_s=WAIT_S) as client:
         answer = client.ask(media_files["mp4"], QUESTION, **SMALL)
     assert len(answer.token_ids) == SMALL["max_new_tokens"]
+
+
+def _log_has(stack: Stack, *parts: str) -> bool:
+    return any(
+        all(p in line for p in parts) for line in (stack.log_dir / "encoder.log").read_text().splitlines()
+    )
+
+
+def test_a_shared_decode_goes_on_for_the_waiting_request_when_its_leader_leaves(stack, slow_clip):
+    """The first request leads the decode of a slow clip; a second about the same clip waits on it
+    (the encoder logs the wait); the first leaves mid-decode. Before, the second then took the work
+    over and decoded the clip again from its first frame; now the decode goes on for it."""
+    # Many frames (a decode of seconds) but small ones: the KV cache fits the stack's small store.
+    options = dict(num_frames=32, max_pixels=64 * 48, max_new_tokens=4)
+    decodes_before = (stack.log_dir / "encoder.log").read_text().count("decoding and encoding media")
+
+    async def scenario() -> AskResult:
+        async with AsyncEpdClient(stack.gateway, timeout_s=WAIT_S) as client:
+            started = asyncio.Event()
+
+            async def lead() -> None:
+                async for item in client.stream(slow_clip, QUESTION, request_id="leader-leaves", **options):
+                    if isinstance(item, StageEvent) and (item.stage, item.state) == (
+                        "video_decode",
+                        "started",
+                    ):
+                        started.set()
+                    assert not isinstance(item, AskResult), "the leader ended before it left"
+
+            leader = asyncio.ensure_future(lead())
+            await asyncio.wait_for(started.wait(), WAIT_S)
+            waiter = asyncio.ensure_future(
+                client.ask(slow_clip, QUESTION, request_id="waits-on-it", **options)
+            )
+            await asyncio.to_thread(
+                wait_until,
+                lambda: _log_has(stack, "waiting for the encode of media", "waits-on-it"),
+                "the second request's wait on the first's encode",
+            )
+            assert not leader.done(), "the leader ended before it left"
+            leader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leader
+            return await asyncio.wait_for(waiter, WAIT_S)
+
+    answer = asyncio.run(scenario())
+    log = (stack.log_dir / "encoder.log").read_text()
+    assert log.count("decoding and encoding media") - decodes_before == 1, "the clip was decoded again"
+    assert _log_has(
+        stack, "encode of request leader-leaves cancelled by its caller", "go on for the requests waiting"
+    )
+    assert not _log_has(stack, "encode of request leader-leaves stopped")
+    with EpdClient(stack.gateway, timeout_s=WAIT_S) as client:  # another salt: decoded anew, alone
+        reference = client.ask(slow_clip, QUESTION, cache_salt="reference", **options)
+    assert answer.token_ids == reference.token_ids
+    assert answer.answer == reference.answer
 
 
 def test_clients_that_leave_right_after_prefill_leave_no_kv_cache(stack, media_files):

@@ -754,3 +754,86 @@ def test_every_familys_render_stops_after_its_media_expansion(
     calls = -10  # never raises: a whole render calls it exactly twice
     adapter.build_prompt(question_message(video, "what moves?"), meta, RenderOptions(checkpoint=checkpoint))
     assert calls == -8
+
+
+def _slow_tokenize(stage: LocalPrefillStage, request_id: str, deadline_s: float | None = None):
+    request = TokenizeInput(
+        messages=from_chat_template(_conversation("what colour is the circle?")),
+        add_special_tokens=False,
+        template=ChatTemplateOptions(chat_template=SLOW_TEMPLATE),
+    )
+    return asyncio.ensure_future(stage.tokenize(request, request_id, deadline_s))
+
+
+def test_a_tokenize_whose_deadline_passed_while_it_waited_is_refused_unrendered(adapter):
+    """/tokenize gets its gRPC call's deadline and a prompt's checks (`LocalPrefillStage._render`):
+    one whose deadline passes while every render thread is held is refused, DEADLINE_EXCEEDED,
+    and its template never renders. Before, it had no deadline and was rendered for nobody. The
+    deadline is in the past when the threads are let go: nothing is timed."""
+    import time
+
+    import grpc
+
+    from epd.prefill_svc.stage import REQUEST_TEMPLATE_THREADS
+    from epd.stages.errors import DeadlineExceeded
+    from epd.transport.errors import status_of
+
+    model_thread = ModelThread()
+    stage = _trusting_stage(adapter, model_thread)
+    entered, release = _Entered(), threading.Event()
+
+    async def scenario():
+        held = [_slow_tokenize(stage, f"held{i}") for i in range(REQUEST_TEMPLATE_THREADS)]
+        try:
+            assert await asyncio.to_thread(entered.wait_for, REQUEST_TEMPLATE_THREADS)
+            deadline_s = time.monotonic() + 0.05
+            late = _slow_tokenize(stage, "late", deadline_s)
+            while time.monotonic() <= deadline_s:  # past its deadline before a thread is free
+                await asyncio.sleep(0.05)
+        finally:
+            release.set()
+        with pytest.raises(
+            DeadlineExceeded, match="reached its deadline before its prompt was rendered"
+        ) as info:
+            await asyncio.wait_for(late, HANG_GUARD_S)
+        answers = await asyncio.wait_for(asyncio.gather(*held), HANG_GUARD_S)
+        await stage.close()
+        return info.value, answers
+
+    with _slow_renders_held(adapter, entered, release, model_thread):
+        refused, answers = asyncio.run(scenario())
+    assert entered.num_renders == REQUEST_TEMPLATE_THREADS  # the late one's template never rendered
+    assert status_of(refused)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert all(a.token_ids for a in answers)
+
+
+def test_a_cancelled_tokenize_stops_after_its_template(adapter, caplog):
+    """A /tokenize cancelled (its caller went away) while its chat template renders (held here)
+    stops at the next step: the template's text is never tokenised, and the stop is logged.
+    Before, it ran to its end for nobody."""
+    model_thread = ModelThread()
+    stage = _trusting_stage(adapter, model_thread)
+    entered, release = _Entered(), threading.Event()
+    counting = _CountingTokenizer(adapter.tokenizer, "what colour is the circle?")
+
+    async def scenario():
+        slow = _slow_tokenize(stage, "gone")
+        try:
+            assert await asyncio.to_thread(entered.wait_for, 1)
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+        finally:
+            release.set()
+        await asyncio.to_thread(stage.close_tokenizer)  # the render's thread has ended
+        await stage.close()
+
+    adapter.tokenizer = counting
+    try:
+        with _slow_renders_held(adapter, entered, release, model_thread):
+            with caplog.at_level(logging.INFO, logger="epd.prefill_svc.stage"):
+                asyncio.run(scenario())
+    finally:
+        adapter.tokenizer = counting.tokenizer
+    assert counting.num_calls == 0
+    assert any("render of request gone stopped between its steps" in r.getMessage() for r in caplog.records)

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import re
 import threading
+import time
 from collections.abc import Generator
 from contextlib import aclosing
 
@@ -339,6 +340,63 @@ def test_stopping_the_encoder_service_closes_its_decode_pool(tiny_models):
     started = asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
     assert started, "the service started no decode worker"
     assert [t.name for t in started if t.is_alive()] == []
+
+
+PART_S = 0.05
+"""How long each closed part takes here, at least (a sleep): enough to tell one deadline from two."""
+
+
+@pytest.mark.parametrize("service", ["encoder", "prefill"])
+def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, monkeypatch, service):
+    """After its drain, a model server closes what holds threads in turn, each part given what
+    is left of one bound (`close_in_turn`, at most CLOSE_WAIT_S in all): each part's wait is at
+    least PART_S (the time the part before it took) below the one before. A part closed with a
+    bound of its own (`hs.closers += [part.close]`: its default, or a fresh CLOSE_WAIT_S) gets a
+    wait that does not shrink, or none at all, and fails this. The waits given are recorded, not
+    timed."""
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.prefill_svc.stage import LocalPrefillStage
+    from epd.stages.model_thread import CLOSE_WAIT_S
+    from epd.stages.server_config import ServerConfig
+
+    given: list[tuple[str, float | None]] = []
+
+    def spy(owner: type, method: str, name: str) -> None:
+        original = getattr(owner, method)
+
+        def close(self, wait_s=None):
+            given.append((name, wait_s))
+            time.sleep(PART_S)
+            return original(self) if wait_s is None else original(self, wait_s)
+
+        monkeypatch.setattr(owner, method, close)
+
+    spy(ModelThread, "close", "model thread")
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    if service == "encoder":
+        from epd.encoder_svc import server as encoder_server
+
+        spy(LocalEncodeStage, "close", "decode pool and drivers")
+        start = encoder_server.start(EncoderConfig(model=model, server=ServerConfig(port=0)))
+        parts = ["decode pool and drivers", "model thread"]
+    else:
+        from epd.prefill_svc import server as prefill_server
+
+        spy(LocalPrefillStage, "close_tokenizer", "tokenizer threads")
+        start = prefill_server.start(PrefillConfig(model=model, server=ServerConfig(port=0)))
+        parts = ["tokenizer threads", "model thread"]
+
+    async def scenario() -> None:
+        hs = await start
+        await hs.stop(0)
+
+    asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
+    assert [name for name, _ in given] == parts
+    waits = [wait_s for _, wait_s in given]
+    assert all(w is not None for w in waits), f"a part closed with its own default bound: {given}"
+    assert waits[0] <= CLOSE_WAIT_S
+    for before, after in zip(waits, waits[1:], strict=False):
+        assert after <= before - PART_S, f"a part got a bound of its own: {given}"
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import importlib.metadata
 import multiprocessing
 import os
 import signal
+import time
 
 import grpc
 import numpy as np
@@ -247,3 +248,49 @@ def test_a_hung_decord_child_does_not_outlive_its_killed_server(video_factory, t
     finally:
         if child.is_running():
             child.kill()
+
+
+def test_close_is_bounded_while_a_decode_holds_the_child(video_factory):
+    """`close(wait_s)` is one part of its owner's one close deadline (`close_in_turn`): a decode
+    still running in the child (here a child stopped mid-request, as a hung decode) must not hold
+    it for the decode's own bound (`DecordConfig.timeout_s`). Past `wait_s` the child is killed,
+    and the decode fails as a crashed child. Before, close waited for the decoder's lock, so for
+    the whole decode."""
+    import threading
+
+    import psutil
+
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    opts = SamplingOptions(num_frames=3)
+    guard_s = 60.0
+    with DecordDecoder(DecordConfig(timeout_s=10 * guard_s)) as dec:
+        dec.decode(data, opts)  # the child is up, in its request loop
+        assert dec._proc is not None
+        child = psutil.Process(dec._proc.pid)
+        child.suspend()  # the next decode hangs in it
+        outcome: list = []
+
+        def decode() -> None:
+            try:
+                outcome.append(dec.decode(data, opts))
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                outcome.append(exc)
+
+        decoding = threading.Thread(target=decode)
+        decoding.start()
+        try:
+            deadline = time.monotonic() + guard_s
+            while not dec._lock.locked():  # the decode holds the child
+                assert time.monotonic() < deadline, "the decode never reached the child"
+                time.sleep(0.01)
+            closing = threading.Thread(target=dec.close, args=(0.2,))
+            closing.start()
+            closing.join(guard_s)
+            assert not closing.is_alive(), "close waited for the decode running in the child"
+            decoding.join(guard_s)
+            assert not decoding.is_alive()
+        finally:
+            if child.is_running():
+                child.kill()
+        assert len(outcome) == 1 and isinstance(outcome[0], DecoderCrashed), outcome
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
