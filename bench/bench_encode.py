@@ -49,8 +49,8 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_encode_args(p: argparse.ArgumentParser) -> None:
+    """The video, tower and decode options this bench and bench_shared_encode.py share."""
     p.add_argument("--height", type=int, default=720)
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--gop-s", type=float, default=2.0)
@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the encoder")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "epd-bench"))
-    args = p.parse_args(argv)
+
+
+def encode_setup(args: argparse.Namespace):
+    """(encoder-stage adapter, the video's bytes, its SamplingOptions) for `add_encode_args`'s
+    options: the clip and the tiny tower made once under --cache-dir, then reused."""
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
@@ -94,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     adapter = load_adapter(ModelConfig(model=str(model_dir), num_threads=args.threads), "encoder")
     data = video_path.read_bytes()
     sampling = SamplingOptions(num_frames=args.frames, max_pixels=args.max_pixels)
+    return adapter, data, sampling
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_encode_args(p)
+    args = p.parse_args(argv)
+    adapter, data, sampling = encode_setup(args)
     decode_cfg = ParallelDecodeConfig(num_workers=args.workers)
     no_cache = TokenCacheConfig(memory_budget_bytes=0)
 

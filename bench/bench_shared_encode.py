@@ -21,27 +21,21 @@ import argparse
 import hashlib
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-import torch  # noqa: E402
-
 # Checkout-only scripts: they make their clips with tests/media.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from epd.bench.bench_encode import add_encode_args, encode_setup  # noqa: E402
 from epd.encoder_svc.config import EncoderConfig  # noqa: E402
 from epd.encoder_svc.engine import EncoderEngine  # noqa: E402
 from epd.encoder_svc.single_flight import Interest  # noqa: E402
 from epd.encoder_svc.token_cache import TokenCacheConfig  # noqa: E402
-from epd.model_runtime.config import ModelConfig  # noqa: E402
-from epd.model_runtime.loader import load_adapter  # noqa: E402
-from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
 from epd.stages.contracts import MediaInput, RequestCancelled, StageEvent  # noqa: E402
 from epd.video.parallel_decoder import ParallelDecodeConfig  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
-from tests.media import make_video  # noqa: E402
 
 
 def one_round(engine: EncoderEngine, data: bytes, sampling: SamplingOptions, frames: int, restart: bool):
@@ -99,49 +93,9 @@ def one_round(engine: EncoderEngine, data: bytes, sampling: SamplingOptions, fra
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--height", type=int, default=720)
-    p.add_argument("--seconds", type=float, default=30.0)
-    p.add_argument("--gop-s", type=float, default=2.0)
-    p.add_argument("--frames", type=int, default=32)
-    p.add_argument("--frames-per-group", type=int, default=2)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-pixels", type=int, default=448 * 448)
-    p.add_argument("--vision-depth", type=int, default=8)
-    p.add_argument("--vision-width", type=int, default=256)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the encoder")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "epd-bench"))
+    add_encode_args(p)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    cache = Path(args.cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    width = args.height * 16 // 9 // 2 * 2
-    video_path = cache / f"enc_{args.height}p_{args.seconds:g}s_gop{args.gop_s:g}.mp4"
-    if not video_path.exists():
-        print(f"generating {video_path.name} ...", file=sys.stderr)
-        make_video(
-            video_path,
-            codec="h264",
-            size=(width, args.height),
-            fps=30.0,
-            seconds=args.seconds,
-            gop=int(30 * args.gop_s),
-            pattern="noise",
-            single_slice=True,
-        )
-    spec = TinyVLMSpec(
-        vision_depth=args.vision_depth,
-        vision_embed_dim=args.vision_width,
-        vision_num_heads=4,
-        max_pixels=args.max_pixels,
-        min_pixels=56 * 56,
-    )
-    model_dir = cache / f"model_d{args.vision_depth}_w{args.vision_width}_p{args.max_pixels}"
-    if not (model_dir / "config.json").exists():
-        build_checkpoint(model_dir, spec)
-    adapter = load_adapter(ModelConfig(model=str(model_dir), num_threads=args.threads), "encoder")
-    data = video_path.read_bytes()
-    sampling = SamplingOptions(num_frames=args.frames, max_pixels=args.max_pixels)
+    adapter, data, sampling = encode_setup(args)
     engine = EncoderEngine(
         EncoderConfig(
             decode=ParallelDecodeConfig(num_workers=args.workers),
