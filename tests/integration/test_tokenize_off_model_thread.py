@@ -688,18 +688,19 @@ class _CountingTokenizer:
         return getattr(self.tokenizer, name)
 
 
-def test_a_cancelled_render_stops_after_its_template(adapter, caplog):
-    """A prefill cancelled (its caller went away) while its chat template renders (held here) stops
-    at the render's next step: its template's text is never tokenised nor given positions, and the
-    stop is logged. The template's render itself runs to its end (Python cannot stop a thread).
-    Before, the render ran to its end for nobody."""
+@pytest.mark.parametrize("call", ["prefill", "tokenize"])
+def test_a_cancelled_render_stops_after_its_template(adapter, caplog, call):
+    """A prefill or a /tokenize cancelled (its caller went away) while its chat template renders
+    (held here) stops at the render's next step: its template's text is never tokenised nor given
+    positions, and the stop is logged. The template's render itself runs to its end (Python cannot
+    stop a thread). Before, the render ran to its end for nobody."""
     model_thread = ModelThread()
     stage = _trusting_stage(adapter, model_thread)
     entered, release = _Entered(), threading.Event()
     counting = _CountingTokenizer(adapter.tokenizer, "what colour is the circle?")
 
     async def scenario():
-        slow = _slow_prefill(stage, "gone")
+        slow = (_slow_prefill if call == "prefill" else _slow_tokenize)(stage, "gone")
         try:
             assert await asyncio.to_thread(entered.wait_for, 1)
             slow.cancel()
@@ -805,35 +806,3 @@ def test_a_tokenize_whose_deadline_passed_while_it_waited_is_refused_unrendered(
     assert entered.num_renders == REQUEST_TEMPLATE_THREADS  # the late one's template never rendered
     assert status_of(refused)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
     assert all(a.token_ids for a in answers)
-
-
-def test_a_cancelled_tokenize_stops_after_its_template(adapter, caplog):
-    """A /tokenize cancelled (its caller went away) while its chat template renders (held here)
-    stops at the next step: the template's text is never tokenised, and the stop is logged.
-    Before, it ran to its end for nobody."""
-    model_thread = ModelThread()
-    stage = _trusting_stage(adapter, model_thread)
-    entered, release = _Entered(), threading.Event()
-    counting = _CountingTokenizer(adapter.tokenizer, "what colour is the circle?")
-
-    async def scenario():
-        slow = _slow_tokenize(stage, "gone")
-        try:
-            assert await asyncio.to_thread(entered.wait_for, 1)
-            slow.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await slow
-        finally:
-            release.set()
-        await asyncio.to_thread(stage.close_tokenizer)  # the render's thread has ended
-        await stage.close()
-
-    adapter.tokenizer = counting
-    try:
-        with _slow_renders_held(adapter, entered, release, model_thread):
-            with caplog.at_level(logging.INFO, logger="epd.prefill_svc.stage"):
-                asyncio.run(scenario())
-    finally:
-        adapter.tokenizer = counting.tokenizer
-    assert counting.num_calls == 0
-    assert any("render of request gone stopped between its steps" in r.getMessage() for r in caplog.records)
