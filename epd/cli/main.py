@@ -241,7 +241,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--model",
         default=_env("EPD_MODEL", "default"),
         help="local directory or hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, "
-        "Qwen3-VL, Qwen3.5, LLaVA-OneVision, InternVL3/3.5 -hf; default: the embedded model)",
+        "Qwen3-VL, Qwen3.5, LLaVA-OneVision, GLM-4.1V, InternVL3/3.5 -hf; default: the embedded model)",
     )
     g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
     g.add_argument(
