@@ -9,7 +9,7 @@ traceback and the others still run (the exit code is 1 when any part failed or a
 did not hold).
 
 1. exactness, float32: the test suite's tiny Qwen2-VL and Qwen2.5-VL (with `--families all` also
-   Qwen3-VL, its MoE, Qwen3.5, LLaVA-OneVision and InternVL; built from the real config classes, saved,
+   Qwen3-VL, its MoE, Qwen3.5, LLaVA-OneVision, GLM-4.1V and InternVL; built from the real config classes, saved,
    loaded back through from_pretrained), served by the embedded pipeline on the
    device: the colocated server's engine cores (batched tower steps, batched and chunked prefill,
    the decode batch over KV slots). Each case alone, then the four cases of

@@ -146,7 +146,8 @@ def add_prefill_limit_flags(p) -> None:
         default=PrefillConfig.max_logprobs,
         metavar="N",
         help="vLLM's: the most top tokens a request may ask logprobs of at each position (chat "
-        "completions' top_logprobs, completions' logprobs; default 20); more is refused with 400 / "
+        "completions' and responses' top_logprobs, completions' logprobs, prompt_logprobs; default 20); "
+        "more is refused with 400 / "
         "INVALID_ARGUMENT. They are of the raw model distribution (vLLM's default logprobs mode)",
     )
     p.add_argument(
@@ -241,7 +242,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--model",
         default=_env("EPD_MODEL", "default"),
         help="local directory or hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, "
-        "Qwen3-VL, Qwen3.5, LLaVA-OneVision, InternVL3/3.5 -hf; default: the embedded model)",
+        "Qwen3-VL, Qwen3.5, LLaVA-OneVision, GLM-4.1V, InternVL3/3.5 -hf; default: the embedded model)",
     )
     g.add_argument("--device", default=_env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
     g.add_argument(
@@ -715,8 +716,9 @@ def add_grace_flag(p: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=30.0,
         metavar="SECONDS",
-        help="on SIGTERM/SIGINT, requests in flight get this long to finish before they are "
-        "cut off (an idle service exits at once; a second signal stops at once)",
+        help="on SIGTERM/SIGINT/SIGHUP, requests in flight get this long to finish before they are "
+        "cut off (an idle service exits at once; a second signal, 1 s or more after the first, stops "
+        "at once); then the service's threads (model, prompt renders, video decode) get 30 s more in all",
     )
 
 

@@ -6,7 +6,8 @@ exposes is named in README.md. Every command line in any of the repository's *.m
 benchmarks' included) names only flags of the command it runs, and only values its choices allow;
 the deploy docs' `epd` commands parse whole; the environment variables, RPCs and proto fields the
 docs name exist; README's set-up matches the scripts and pins it describes, its default ports the
-services', its account of the default model that model's card. Nothing here starts a process: the
+services', its account of the default model that model's card; every list of the served families
+names each one the loader serves. Nothing here starts a process: the
 parsers are built (or caught as a script's main() is about to parse) in this one."""
 
 from __future__ import annotations
@@ -677,6 +678,50 @@ def test_the_token_cache_format_version_is_the_codes():
         "docs/architecture.md no longer gives the token cache key's format version where this test reads it"
     )
     assert int(stated.group(1)) == token_cache._KEY_VERSION
+
+
+FAMILY_NAMES = {
+    "qwen2_vl": "Qwen2-VL",
+    "qwen2_5_vl": "Qwen2.5-VL",
+    "qwen3_vl": "Qwen3-VL",
+    "qwen3_vl_moe": "Qwen3-VL",
+    "qwen3_5": "Qwen3.5",
+    "llava_onevision": "LLaVA-OneVision",
+    "glm4v": "GLM-4.1V",
+    "internvl": "InternVL",
+}
+"""The name each list of the served families gives a model type the loader serves."""
+
+
+def test_every_list_of_the_served_families_names_each():
+    """README.md's opening and its table, from-vllm.md's "Supported models", every model service's
+    and `epd ask`'s --model help and the loader's refusal name every family the loader serves (a
+    family added in one place was missing from the others)."""
+    from epd.model_runtime.loader import SUPPORTED
+    from tests.families import FAMILIES
+
+    assert sorted(FAMILY_NAMES) == sorted(FAMILIES), "name a new family here, then in every list below"
+    readme = read("README.md")
+    guide = " ".join(read(VLLM_GUIDE).split())
+    supported = re.search(r"\*\*Supported models\*\*(.*?)(?: - \*\*|$)", guide)
+    assert supported, f"{VLLM_GUIDE} no longer lists the supported models where this test reads them"
+    parsers = epd_parsers()
+    lists = {
+        "README.md's opening": " ".join(readme.split("\n## ", 1)[0].split()),
+        f"{VLLM_GUIDE}'s Supported models": supported.group(1),
+        "the loader's SUPPORTED": SUPPORTED,
+    }
+    for command in ("epd ask", "epd serve", "epd serve encoder", "epd serve prefill", "epd serve decode"):
+        (model,) = [a for a in parsers[command]._actions if "--model" in a.option_strings]
+        lists[f"{command} --model's help"] = model.help or ""
+    missing = [
+        f"{where}: {name}"
+        for where, text in lists.items()
+        for name in FAMILY_NAMES.values()
+        if name not in text
+    ]
+    table = {spans(row[1])[0] for row in markdown_table(readme, "family")}
+    assert not missing and table == set(FAMILIES), (missing, sorted(table ^ set(FAMILIES)))
 
 
 def test_the_readmes_ports_are_the_services_defaults():
