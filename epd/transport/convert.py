@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
-from epd.model_runtime.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, TokenLogprob
+from epd.model_runtime.logprobs import MAX_PROMPT_LOGPROB_ENTRIES
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import (
     ChoiceStart,
@@ -27,6 +27,7 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.token_pruning import PruningConfig, PruningStats
+from epd.transport.message_convert import PromptLogprobsFromPieces
 from epd.transport.message_convert import logprob_from_proto as logprob_from_proto  # re-exported
 from epd.transport.message_convert import logprob_to_proto as logprob_to_proto  # re-exported
 from epd.transport.message_convert import logprobs_from_proto as logprobs_from_proto  # re-exported
@@ -307,7 +308,7 @@ class PrefillAnswer:
     joined and bounded as they come, then the result (`handle`)."""
 
     def __init__(self) -> None:
-        self.prompt_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs = PromptLogprobsFromPieces()
         self.num_prompt_logprob_entries = 0
         self.result: prefill_pb2.PrefillResult | None = None
 
@@ -332,7 +333,7 @@ class PrefillAnswer:
                 f"prefill sent more than {MAX_PROMPT_LOGPROB_ENTRIES} prompt logprob entries, the most one "
                 "answer may hold; ask for fewer top tokens (prompt_logprobs), or send a shorter prompt"
             )
-        self.prompt_logprobs.extend(logprob_from_proto(lp) for lp in piece)
+        self.prompt_logprobs.append_piece(response.prompt_logprobs)
 
     def handle(self, relay: bool = False) -> PrefillHandle:
         if self.result is None:
