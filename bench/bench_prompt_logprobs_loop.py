@@ -9,7 +9,9 @@ request's answer is joined, answered over HTTP and sent on the Ask stream, each 
 No model and no servers: the gateway's own steps on MAX_PROMPT_LOGPROB_ENTRIES entries made up as
 bench/bench_prompt_logprobs_memory.py makes them (`at_the_bound`), in one event loop beside a "stream" that wakes
 every --token-interval-ms (a decoder's tokens) and notes its largest gap; without the big answer,
-that gap is the interval plus the loop's own jitter (the first line).
+that gap is the interval plus the loop's own jitter (the first line). Throughout, the gateway holds
+one such answer joined (what steps 2 and 3 read), as it would while a request is answered: every
+full garbage collection walks whatever Python objects it is made of.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import asyncio
 import gc
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -31,6 +33,7 @@ from bench_prompt_logprobs_memory import at_the_bound  # noqa: E402
 
 from epd.gateway.json_answer import json_answer  # noqa: E402
 from epd.gateway.logprobs_protocol import prompt_logprobs_json  # noqa: E402
+from epd.model_runtime.logprobs import TokenLogprob  # noqa: E402
 from epd.transport import convert  # noqa: E402
 from epd.v1 import prefill_pb2  # noqa: E402
 
@@ -80,8 +83,16 @@ def main() -> None:
     args = parser.parse_args()
     interval_s = args.token_interval_ms / 1000
     handle, responses = at_the_bound(args.k, args.token_chars)
-    logprobs = handle.prompt_logprobs or []
     num_tokens = handle.num_prompt_tokens
+    del handle  # the made-up list: the gateway holds only what it joined (`held`), which 2 and 3 read
+
+    async def joined() -> Sequence[TokenLogprob]:
+        answer = convert.PrefillAnswer()
+        for data in responses:
+            await answer.add(prefill_pb2.PrefillResponse.FromString(data))
+        return answer.handle(relay=True).prompt_logprobs or []
+
+    logprobs = asyncio.run(joined())
 
     async def idle() -> None:
         await asyncio.sleep(1.0)

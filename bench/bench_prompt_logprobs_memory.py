@@ -6,9 +6,10 @@ entries (prompt tokens x (k + 1)), received in pieces from prefill and answered 
 
 No model and no servers: the gateway's own steps on a list made up at the bound (ids in Qwen2-VL's
 151,936-token vocabulary, token texts of `--token-chars` characters, BPE's usual length), each
-measured by tracemalloc (Python's allocations; the peak is above what the step started with):
+measured by tracemalloc (Python's allocations; the peak is above what the step started with) and
+by the resident memory its result added (protobuf's messages live in arenas tracemalloc does not see):
 1. prefill's answer as the gateway reads it: the pieces (`prefill_responses`, serialized as on the
-   wire) joined by `PrefillAnswer`, what it then holds (the list) and its peak (one piece more);
+   wire) joined by `PrefillAnswer`, what it then holds (the pieces' messages) and its peak;
 2. the HTTP answer, as `json_answer` writes it: vLLM's JSON of them (`prompt_logprobs_json`)
    and its bytes (`json_bytes`), both held at once at the end;
 3. the Ask stream's pieces to the SDK (`prompt_logprobs_pieces`): one at a time.
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import os
 import random
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +75,29 @@ def at_the_bound(k: int, token_chars: int) -> tuple[PrefillHandle, list[bytes]]:
     return handle, asyncio.run(responses())
 
 
-def measured(step: Callable[[], Any]) -> tuple[Any, int, int, float]:
-    """(its result, bytes it still holds, its peak above the start, seconds without tracing)."""
+def resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measured(step: Callable[[], Any]) -> tuple[Any, int, int, float, int]:
+    """(its result, bytes it still holds, its peak above the start, seconds without tracing, the
+    resident memory its result added: protobuf's arenas, which tracemalloc does not see)."""
+    gc.collect()
+    resident = resident_bytes()
     started = time.perf_counter()
-    step()
+    kept = step()
     seconds = time.perf_counter() - started
+    gc.collect()
+    resident = resident_bytes() - resident
+    del kept
     tracemalloc.start()
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
     result = step()
     held, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return result, held - base, peak - base, seconds
+    return result, held - base, peak - base, seconds, resident
 
 
 def main() -> None:
@@ -94,8 +108,8 @@ def main() -> None:
     parser.add_argument("--token-chars", type=int, default=6, help="characters of each token's text")
     args = parser.parse_args()
     handle, wire = at_the_bound(args.k, args.token_chars)
-    logprobs = handle.prompt_logprobs or []
     num_tokens = handle.num_prompt_tokens
+    del handle  # the made-up list: 2 and 3 read what the gateway joined (`logprobs`)
     num_entries = num_tokens * (args.k + 1)
     print(
         f"{num_tokens} prompt tokens x (k={args.k} + 1) = {num_entries} entries (MAX_PROMPT_LOGPROB_ENTRIES "
@@ -104,14 +118,16 @@ def main() -> None:
         f"{max(map(len, wire[:-1])) / 2**20:.2f} MiB"
     )
 
-    async def read() -> list[TokenLogprob]:
+    async def read() -> Sequence[TokenLogprob]:
         answer = convert.PrefillAnswer()
         for data in wire:
             await answer.add(prefill_pb2.PrefillResponse.FromString(data))
         return answer.handle(relay=True).prompt_logprobs or []
 
-    def receive() -> list[TokenLogprob]:
+    def receive() -> Sequence[TokenLogprob]:
         return asyncio.run(read())
+
+    logprobs = receive()
 
     def http_answer() -> tuple:
         body = {"choices": [{"prompt_logprobs": prompt_logprobs_json(logprobs)}]}
@@ -126,10 +142,12 @@ def main() -> None:
         ("2. the HTTP answer (JSON and its bytes)", http_answer),
         ("3. the Ask stream's pieces to the SDK", ask_pieces),
     ):
-        _, held, peak, seconds = measured(step)
+        _, held, peak, seconds, resident = measured(step)
         print(
             f"{name:45s} holds {held / mib:7.1f} MiB ({held / num_entries:5.0f} B an entry), "
             f"peak {peak / mib:7.1f} MiB, {seconds:6.2f} s"
+            # what the others free of earlier steps' makes their resident memory's change meaningless
+            + (f"; resident +{resident / mib:.1f} MiB" if step is receive else "")
         )
 
 

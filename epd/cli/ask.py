@@ -548,7 +548,8 @@ def _result_of(summary: AskSummary, events: list[ClientStageEvent]) -> AskResult
     from epd.client.types import result_from_proto
     from epd.gateway.servicer import summary_to_proto
 
-    return result_from_proto(summary_to_proto(summary), events, summary.prompt_logprobs)
+    prompt_logprobs = None if summary.prompt_logprobs is None else list(summary.prompt_logprobs)
+    return result_from_proto(summary_to_proto(summary), events, prompt_logprobs)
 
 
 def _check_tls_flags(args: argparse.Namespace) -> None:

@@ -52,7 +52,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -608,7 +608,7 @@ class HttpApi:
         thinking = self._thinking(chat)
         # The prompt's, when prefill computed them (`PromptLogprobs`): a completion's echo with
         # logprobs streams them with the prompt's text.
-        prompt_logprobs: list[TokenLogprob] | None = None
+        prompt_logprobs: Sequence[TokenLogprob] | None = None
         # Each choice's text parted into reasoning and content, by index (with --reasoning-parser),
         # and the reasoning tokens of those finished (the final usage's).
         parted = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(chat.generation.n)}
@@ -874,7 +874,7 @@ def _delta_chunk(
     created: int,
     text: str,
     token_ids: list[int] | None,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
     text_offset: int = 0,
     index: int = 0,
     delta: dict[str, Any] | None = None,

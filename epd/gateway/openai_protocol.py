@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -847,7 +848,7 @@ def chunk_body(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     stop_reason: StopReason = None,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk` of choice `index`; `token_ids` (extra) are the tokens this chunk's

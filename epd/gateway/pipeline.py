@@ -112,7 +112,7 @@ class AskSummary:
     logprobs: list[TokenLogprob] | None = None
     """One per token of `token_ids` when the request asked (`GenerationConfig.logprobs`), else None;
     choice 0's, as `answer` above."""
-    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: Sequence[TokenLogprob] | None = None
     """vLLM's `prompt_logprobs`, when the request asked (`GenerationConfig.prompt_logprobs`): the
     prompt's tokens, each after the first with its log-probability given the tokens before it,
     its rank and the top k there (the first's logprob is NaN: nothing comes before it); else None."""
@@ -211,7 +211,7 @@ class PromptLogprobs:
     and what the gRPC Ask stream sends, in pieces (`AskResponse.prompt_logprobs`). Other consumers
     may skip it (the summary has the list too)."""
 
-    prompt_logprobs: list[TokenLogprob]
+    prompt_logprobs: Sequence[TokenLogprob]
 
 
 PipelineEvent = StageEvent | PromptLogprobs | TokenStep | AskSummary

@@ -111,10 +111,11 @@ def token_logprob(row: RowLogprobs, token_id: int, token_text: Callable[[int], s
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 """The most entries a request's `prompt_logprobs` may hold: prompt tokens x (k + 1), each token's own
 and its k top tokens'. Prefill refuses more (RESOURCE_EXHAUSTED, 413) before the prompt runs. This is
-the memory bound of the request that holds the most at the gateway: its list of them (about 220 bytes
-an entry as Python objects) and, while its HTTP answer is written, vLLM's JSON of them (dicts and
-bytes: about 425 bytes an entry at the peak): about 640 bytes an entry, so 320 MiB at this bound
-(docs/benchmarks.md, "Prompt logprobs at the gateway"). With k = 20: 24,966 prompt tokens; k = 5:
+the memory bound of the request that holds the most at the gateway: the pieces prefill sent them in,
+kept as protobuf messages (about 80 bytes an entry) and, while its HTTP answer is written, vLLM's
+JSON of them (dicts, token texts and bytes: about 505 bytes an entry at the peak): about 590 bytes
+an entry, so 295 MiB at this bound (docs/benchmarks.md, "Prompt logprobs at the gateway"). With
+k = 20: 24,966 prompt tokens; k = 5:
 87,381; k = 0: 524,288. On the wire they go in pieces (`PromptLogprobs`), so no message bounds them."""
 
 PROMPT_LOGPROBS_CHUNK_BYTES = 64 << 20

@@ -347,7 +347,7 @@ class PrefillHandle(Generic[T]):
     first_logprob: TokenLogprob | None = None
     """`first_token_id`'s log-probability and the top tokens at its position, when the request
     asked (`GenerationConfig.logprobs`); the decoder streams it with its first step."""
-    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: Sequence[TokenLogprob] | None = None
     """Every prompt token, each after the first with its log-probability given the tokens before
     it, rank and top k (the first's logprob is NaN: `prompt_token_logprobs`), when the request asked
     (`GenerationConfig.prompt_logprobs`); at most `MAX_PROMPT_LOGPROB_ENTRIES` entries. For the

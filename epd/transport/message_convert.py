@@ -9,8 +9,9 @@ other converters."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages import template_kwargs, tools
@@ -124,6 +125,59 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
 def logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprob]) -> list[TokenLogprob] | None:
     """A step's (or answer's) logprobs: None when none were sent (the request did not ask)."""
     return [logprob_from_proto(m) for m in msgs] or None
+
+
+class PromptLogprobsFromPieces(Sequence[TokenLogprob]):
+    """A prompt's logprobs as the pieces that brought them (`PromptLogprobs`), kept as those protobuf
+    messages, each entry made a `TokenLogprob` only when read. Joined as `TokenLogprob`s, the half
+    million entries a request may hold (`MAX_PROMPT_LOGPROB_ENTRIES`) were as many Python objects,
+    each of which every full garbage collection walks holding the GIL, stalling every other stream
+    on the gateway up to 0.75 s (docs/benchmarks.md, "Prompt logprobs on the event loop"); a piece
+    holds its entries outside Python's heap, a few objects whatever its size. Equal to any sequence
+    of the same entries, as the list it replaces was."""
+
+    def __init__(self) -> None:
+        self._pieces: list[common_pb2.PromptLogprobs] = []
+        self._ends: list[int] = []  # each piece's end: how many entries it and those before hold
+
+    def append_piece(self, piece: common_pb2.PromptLogprobs) -> None:
+        if piece.logprobs:
+            self._pieces.append(piece)
+            self._ends.append(len(self) + len(piece.logprobs))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    @overload
+    def __getitem__(self, index: int) -> TokenLogprob: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TokenLogprob]: ...
+
+    def __getitem__(self, index: int | slice) -> TokenLogprob | list[TokenLogprob]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(f"prompt logprob {index} of {len(self)}")
+        piece = bisect.bisect_right(self._ends, position)
+        start = self._ends[piece - 1] if piece else 0
+        return logprob_from_proto(self._pieces[piece].logprobs[position - start])
+
+    def __iter__(self) -> Iterator[TokenLogprob]:
+        for piece in self._pieces:
+            for msg in piece.logprobs:
+                yield logprob_from_proto(msg)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the list it replaces
+
+    def __repr__(self) -> str:
+        return f"PromptLogprobsFromPieces({len(self)} entries in {len(self._pieces)} pieces)"
 
 
 PROMPT_LOGPROBS_PIECE_BYTES = 1 << 20
