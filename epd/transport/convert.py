@@ -336,12 +336,18 @@ class PrefillAnswer:
         self.prompt_logprobs.append_piece(response.prompt_logprobs)
 
     def handle(self, relay: bool = False) -> PrefillHandle:
+        """The answer's PrefillHandle. A malformed answer is prefill's fault, not the client's:
+        RuntimeError (INTERNAL / 500, its detail in the log), not the InvalidRequest that
+        `handle_from_proto` raises for a caller's malformed handle."""
         if self.result is None:
-            raise InvalidRequest("prefill's answer ended without its result")
-        handle = handle_from_proto(self.result, relay)
+            raise RuntimeError("prefill's answer ended without its result")
+        try:
+            handle = handle_from_proto(self.result, relay)
+        except InvalidRequest as exc:
+            raise RuntimeError(f"prefill's answer is malformed: {exc}") from exc
         if self.prompt_logprobs:
             if len(self.prompt_logprobs) != handle.num_prompt_tokens:
-                raise InvalidRequest(
+                raise RuntimeError(
                     f"prefill sent {len(self.prompt_logprobs)} prompt logprobs for a "
                     f"{handle.num_prompt_tokens}-token prompt; it sends one per prompt token"
                 )

@@ -13,6 +13,7 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -36,6 +37,7 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport import convert
+from epd.transport.errors import status_of
 from epd.transport.tensor_wire import TensorAssembler
 from epd.v1 import common_pb2, encoder_pb2, prefill_pb2
 
@@ -344,10 +346,17 @@ def test_prefill_answers_prompt_logprobs_are_checked_as_they_arrive(monkeypatch)
     with pytest.raises(ResourceExhausted, match="more than 359 prompt logprob entries"):
         _prefill_answer(handle)
     monkeypatch.undo()
-    with pytest.raises(InvalidRequest, match="prefill sent 89 prompt logprobs for a 90-token prompt"):
+    # A malformed answer is prefill's fault: INTERNAL (500), its detail in the log, not a 400.
+    with pytest.raises(RuntimeError, match="prefill sent 89 prompt logprobs for a 90-token prompt") as wrong:
         _prefill_answer(dataclasses.replace(handle, prompt_logprobs=handle.prompt_logprobs[1:])).handle()
-    with pytest.raises(InvalidRequest, match="ended without its result"):
+    with pytest.raises(RuntimeError, match="ended without its result") as missing:
         convert.PrefillAnswer().handle()
+    broken = convert.PrefillAnswer()
+    broken.result = prefill_pb2.PrefillResult()  # no kv_handle, no positions
+    with pytest.raises(RuntimeError, match="prefill's answer is malformed: prefill result must carry") as bad:
+        broken.handle()
+    for caught in (wrong, missing, bad):
+        assert status_of(caught.value)[0] == grpc.StatusCode.INTERNAL
 
 
 def test_pruning_stats_and_token_steps_round_trip_through_the_proto():
