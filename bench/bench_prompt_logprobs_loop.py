@@ -27,10 +27,8 @@ from pathlib import Path
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_prompt_logprobs_memory import at_the_bound  # noqa: E402
-
+from epd.bench.bench_prompt_logprobs_memory import at_the_bound  # noqa: E402
 from epd.gateway.json_answer import json_answer  # noqa: E402
 from epd.gateway.logprobs_protocol import prompt_logprobs_json  # noqa: E402
 from epd.model_runtime.logprobs import TokenLogprob  # noqa: E402
