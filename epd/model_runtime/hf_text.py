@@ -225,9 +225,8 @@ class HfTextAdapter(VLMAdapter):
                 "template reads the messages and its variables, not Python's internals"
             ) from None
         except TemplateError as exc:
-            if (
-                type(exc) is not TemplateError
-            ):  # jinja's own failure (UndefinedError: `{{ x.y }}` of an undefined x)
+            # A subclass is jinja's own failure (UndefinedError: `{{ x.y }}` of an undefined x).
+            if type(exc) is not TemplateError:
                 _raise_render_failure(options, exc, bool(variables))
             # The template's own `raise_exception` (transformers raises a plain TemplateError;
             # Qwen3.5's "No user query found in messages." for a conversation without a user
