@@ -9,8 +9,8 @@ leader). When the leader's caller goes away (`Interest.leave`: a client that dis
 gateway that cancelled the encode because the request failed elsewhere, e.g. its structured-output
 spec did not compile), the work goes on, on the leader's thread, for the requests waiting on it;
 the leader itself is answered at once. The work is cancelled (`Flight.cancel`) only once nobody
-wants it: its leader left and the last waiter left too. Before, a waiter took the work over and
-decoded and encoded the media again from the start.
+wants it: its leader left and the last waiter left too. (Were it cancelled with its leader, a
+waiter would take the work over and decode and encode the media again from the start.)
 
 If the work fails, its waiters do not inherit that: one of them takes the work over (the next to
 `join`), the others wait for it in turn. A waiter that is itself cancelled stops waiting within

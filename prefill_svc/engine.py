@@ -276,13 +276,12 @@ class PrefillEngine:
         and touches neither the model nor the prefix cache, so prefill runs it on its tokenizer
         threads and a slow chat template holds no prefill step (`LocalPrefillStage.prefill`).
         `cache_salt` (the tenant) is part of the prefix-cache key: KV is reused only within one
-        salt. `raw_prompt`:
-        instead of `messages` (empty then, and no media), a prompt run as it is
-        (`epd.stages.raw_prompt`). `template`: how the chat template renders the prompt (a new
-        answer, or the last message left open to continue; its variables; its own template). The
-        prefix cache needs no part of it in its key: a continued message's, another variable's or
-        another template's prompt is other token ids, and the cache reuses only an entry's common
-        token prefix. The prefix cache is looked up by `admit`. `checkpoint`: called between the
+        salt (the cache is looked up by `admit`). `raw_prompt`: instead of `messages` (empty then,
+        and no media), a prompt run as it is (`epd.stages.raw_prompt`). `template`: how the chat
+        template renders the prompt (a new answer, or the last message left open to continue; its
+        variables; its own template). The prefix cache needs no part of it in its key: a continued
+        message's, another variable's or another template's prompt is other token ids, and the
+        cache reuses only an entry's common token prefix. `checkpoint`: called between the
         render's steps (`RenderOptions.checkpoint`), it raises to stop a render nobody waits for."""
         if raw_prompt is not None:
             check_raw_prompt(raw_prompt, messages, self.config.max_text_chars, self.adapter.vocab_size)

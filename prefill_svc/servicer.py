@@ -1,10 +1,11 @@
 """PrefillService over gRPC: Prefill is protobuf in (the visual embeddings' upload), a
-PrefillStage call, protobuf out (the stage's PrefillHandle, after its prompt logprobs in pieces); PullKv streams a cache to a decoder;
-ReleaseKv drops one: confirmed by the decoder that has it (`received`), or released by the gateway
-because its request ended before a decoder had it; CompileStructuredOutputs compiles a request's
-constraint while its media is encoded, so that its Prefill finds it compiled; GetModelInfo says what the loaded model and
-this server's limits take (the gateway reads it: epd/gateway/model_info.py); Tokenize and
-Detokenize serve the HTTP API's /tokenize and /detokenize with the model's tokenizer.
+PrefillStage call, protobuf out (the stage's PrefillHandle, after its prompt logprobs in pieces);
+PullKv streams a cache to a decoder; ReleaseKv drops one: confirmed by the decoder that has it
+(`received`), or released by the gateway because its request ended before a decoder had it;
+CompileStructuredOutputs compiles a request's constraint while its media is encoded, so that its
+Prefill finds it compiled; GetModelInfo says what the loaded model and this server's limits take
+(the gateway reads it: epd/gateway/model_info.py); Tokenize and Detokenize serve the HTTP API's
+/tokenize and /detokenize with the model's tokenizer.
 
 Handover in two steps (`KvStore.lease` / `confirm`): a decoder's PullKv (`keep_until_confirmed`)
 leaves the cache in the store, so a pull that breaks half way, or a decoder that dies before it

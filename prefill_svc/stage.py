@@ -198,6 +198,7 @@ class LocalPrefillStage(PrefillStage):
         request_id: str,
         cache_salt: str = "",
     ) -> None:
+        # One replica: the routing arguments (`messages`, `media`, `cache_salt`) choose nothing here.
         await self._compile(spec)
 
     async def _compile(self, spec: StructuredOutputs | None) -> CompiledGrammar | None:
@@ -243,12 +244,12 @@ class LocalPrefillStage(PrefillStage):
         deadline_s: float | None,
         requests_template: bool,
     ) -> T:
-        """`render(checkpoint=...)` (`PrefillEngine.render`, `PrefillEngine.tokenize`) on a tokenizer thread, stopped between
-        its steps once nobody waits for it: cancelling the await drops a render not started and
-        stops one in progress at its next step (`RenderOptions.checkpoint`: a chat template's
-        render in progress runs to its end); a render whose `deadline_s` passed while it waited
-        for a thread is refused unrendered, and one in progress stops at its next step, both
-        DeadlineExceeded."""
+        """`render(checkpoint=...)` (`PrefillEngine.render`, `PrefillEngine.tokenize`) on a
+        tokenizer thread, stopped between its steps once nobody waits for it: cancelling the await
+        drops a render not started and stops one in progress at its next step
+        (`RenderOptions.checkpoint`: a chat template's render in progress runs to its end); a
+        render whose `deadline_s` passed while it waited for a thread is refused unrendered, and
+        one in progress stops at its next step, both DeadlineExceeded."""
         turn = _RenderTurn(request_id, deadline_s)
 
         def checked() -> T:

@@ -296,9 +296,9 @@ class GrammarCompiler:
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
-        # spec (`_slow_key`) -> (the timeout it ran past, its compile left running)
+        # spec (`_compile_key`) -> (the timeout it ran past, its compile left running)
         self._too_slow: OrderedDict[StructuredOutputs, tuple[float, Future[CompiledGrammar]]] = OrderedDict()
-        # specs (`_slow_key`) compiled, so most likely in xgrammar's cache
+        # specs (`_compile_key`) compiled, so most likely in xgrammar's cache
         self._compiled: OrderedDict[StructuredOutputs, None] = OrderedDict()
         self._abandoned: list[Future[CompiledGrammar]] = []  # left to their threads, maybe running
         self.num_abandoned = 0
@@ -342,12 +342,12 @@ class GrammarCompiler:
     async def compile(self, spec: StructuredOutputs, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
         """`compile_now` on the compiler's thread, in the caller's context (log records keep the
         request's id); cancelling the await drops a compile that has not started (one that has
-        keeps its deadline, `_keep_deadline`). InvalidConstraint
-        when the compile runs for longer than timeout_s (0: no bound), counted from its start (a
-        wait behind other compiles is not its fault); the compile goes on to its end on the thread,
-        which this compiler leaves to it. ConstraintBusy for a spec not compiled before while
-        `MAX_ABANDONED_COMPILES` such compiles still run."""
-        key = _slow_key(spec)
+        keeps its deadline, `_keep_deadline`). InvalidConstraint when the compile runs for longer
+        than timeout_s (0: no bound), counted from its start (a wait behind other compiles is not
+        its fault); the compile goes on to its end on the thread, which this compiler leaves to it.
+        ConstraintBusy for a spec not compiled before while `MAX_ABANDONED_COMPILES` such compiles
+        still run."""
+        key = _compile_key(spec)
         slow = self._too_slow.get(key)
         if slow is not None:
             ran_past, left_running = slow
@@ -537,9 +537,10 @@ async def compile_for(
     return await compiler.compile(spec, timeout_s)
 
 
-def _slow_key(spec: StructuredOutputs) -> StructuredOutputs:
-    """What a spec's compile time depends on: its grammar, not whether it waits for the reasoning's
-    end (a chat request under a reasoning parser, and the same spec from the SDK, compile alike)."""
+def _compile_key(spec: StructuredOutputs) -> StructuredOutputs:
+    """The key the compiler remembers a spec under (too slow, or compiled): its grammar, which its
+    compile depends on, not whether it waits for the reasoning's end (a chat request under a
+    reasoning parser, and the same spec from the SDK, compile alike)."""
     return replace(spec, after_reasoning=False)
 
 
