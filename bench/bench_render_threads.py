@@ -120,7 +120,7 @@ async def _behind_slow(stage, num_slow: int, slow_loop: int, shared: bool) -> tu
     from epd.stages.messages import from_chat_template
 
     if shared:  # before: one pool of threads for every render
-        stage._template_thread = stage._tokenizer_thread
+        stage._template_pool = stage._tokenizer_pool
     messages = from_chat_template(_conversation(2))
     slow_render = _render_call(stage, messages, _slow_template(slow_loop))
     fast_render = _render_call(stage, messages)

@@ -117,7 +117,7 @@ class LocalPrefillStage(PrefillStage):
         self.kv_address = kv_address
         """host:port decoders pull this stage's caches from ("" when they take them in-process)."""
         self.core = core or build_prefill_core(engine, model_thread)
-        self._tokenizer_thread = ThreadPoolExecutor(
+        self._tokenizer_pool = ThreadPoolExecutor(
             TOKENIZER_THREADS,
             thread_name_prefix=TOKENIZER_THREAD_NAME,
             # Positions are torch operations: one torch thread each, so that only the model
@@ -126,7 +126,7 @@ class LocalPrefillStage(PrefillStage):
         )
         """Render prompts and answer /tokenize and /detokenize (started at the first call);
         `close_tokenizer` stops them."""
-        self._template_thread = ThreadPoolExecutor(
+        self._template_pool = ThreadPoolExecutor(
             REQUEST_TEMPLATE_THREADS,
             thread_name_prefix=REQUEST_TEMPLATE_THREAD_NAME,
             initializer=self._start_tokenizer_thread,
@@ -275,7 +275,7 @@ class LocalPrefillStage(PrefillStage):
         `requests_template`), in the caller's context (as `ModelThread.run`); cancelling the await
         drops a call that has not started."""
         call = functools.partial(contextvars.copy_context().run, fn, *args)
-        pool = self._template_thread if requests_template else self._tokenizer_thread
+        pool = self._template_pool if requests_template else self._tokenizer_pool
         return await asyncio.wrap_future(pool.submit(call))
 
     def load(self) -> EngineLoad:
@@ -328,5 +328,5 @@ class LocalPrefillStage(PrefillStage):
         await self.core.close()
 
     def _stop_tokenizer(self) -> None:
-        for pool in (self._tokenizer_thread, self._template_thread):
+        for pool in (self._tokenizer_pool, self._template_pool):
             pool.shutdown(wait=False, cancel_futures=True)

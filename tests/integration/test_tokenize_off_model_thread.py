@@ -544,7 +544,7 @@ def test_closing_an_embedded_pipeline_waits_for_all_its_parts_within_one_bound(
         return close_and_record
 
     try:
-        pipeline.prefill._tokenizer_thread.submit(held)  # what a looping chat template does to its thread
+        pipeline.prefill._tokenizer_pool.submit(held)  # what a looping chat template does to its thread
         threading.Thread(target=pipeline.model_thread.call, args=(held,), daemon=True).start()
         assert started.acquire(timeout=HANG_GUARD_S) and started.acquire(timeout=HANG_GUARD_S)
         pipeline.prefill.close_tokenizer = recorded("tokenizer", pipeline.prefill.close_tokenizer)
