@@ -89,7 +89,8 @@ def ask_tools(args: argparse.Namespace) -> AskTools | None:
     from epd.gateway.tool_request import forced_structured_outputs, parse_tools
 
     if not args.tools:
-        given = [flag for flag, value in (("--tool-choice", args.tool_choice), ("--tool-call-parser", args.tool_call_parser)) if value]  # fmt: skip
+        flags = (("--tool-choice", args.tool_choice), ("--tool-call-parser", args.tool_call_parser))
+        given = [flag for flag, value in flags if value]
         if given:
             raise ValueError(
                 f"{' and '.join(given)} read the calls of --tools FILE: give --tools FILE or drop them"

@@ -16,15 +16,17 @@ response.reasoning_text.delta / .done / response.reasoning_part.done; a call's
 response.function_call_arguments.delta / .done), response.output_item.done, and last
 response.completed (response.incomplete when cut) carrying the whole response; a stream that fails
 after its 200 ends with `error` and response.failed (`ResponseEvents.failed`). The whole answer is
-shaped by the same `ResponseEvents` fed the same steps (`response_body`), so both carry the same items (but for a
-call cut after its name: streamed, its name went out and stays; whole, it is text, as chat's).
+shaped by the same `ResponseEvents` fed the same steps (`response_body`), so both carry the same
+items (but for a call cut after its name: streamed, its name went out and stays; whole, it is
+text, as chat's).
 
 Logprobs (`include: ["message.output_text.logprobs"]`): OpenAI's {"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}]} per token on the message's output_text, the same
 without "bytes" (OpenAI's event form) on its response.output_text.done and, each its own tokens',
-on its response.output_text.delta events. A step's tokens go with the text they make: a reasoning item or
-a call has no logprobs, so those tokens' are left out (vLLM's whole answer puts every token's on
-the message); text a parser held back takes its tokens' along to the delta that releases it.
+on its response.output_text.delta events. A step's tokens go with the text they make: a reasoning
+item or a call has no logprobs, so those tokens' are left out (vLLM's whole answer puts every
+token's on the message); text a parser held back takes its tokens' along to the delta that releases
+it.
 """
 
 from __future__ import annotations

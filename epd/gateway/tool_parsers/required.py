@@ -24,9 +24,8 @@ class RequiredCallStream:
     def __init__(self, incremental: bool = True) -> None:
         self.num_calls = 0
         self._incremental = incremental
-        self._phase = (
-            "open"  # "open" ([), "item" ({, or ] after [), "in_item", "next" (, or ]), "end", "broken"
-        )
+        # "open" ([), "item" ({, or ] after [), "in_item", "next" (, or ]), "end", "broken"
+        self._phase = "open"
         self._text: list[str] = []  # the whole answer: the content when it is no array of calls
         self._first = True  # no item yet: `]` may close the array
         self._item: list[str] = []  # the current item's text
@@ -78,13 +77,9 @@ class RequiredCallStream:
 
     def _begin_item(self) -> None:
         self._phase, self._item, self._depth = "in_item", ["{"], 1
-        self._start, self._normalizer, self._sent, self._header_sent = (
-            CallStart("parameters"),
-            None,
-            [],
-            False,
-        )
+        self._start = CallStart("parameters")
         self._start.feed("{")
+        self._normalizer, self._sent, self._header_sent = None, [], False
 
     def _read_item(self, text: str, at: int, out: list[StreamItem]) -> int:
         """Reads the current item's text from `text[at]`, to its end or the delta's; where it stopped."""
@@ -139,9 +134,7 @@ class RequiredCallStream:
         ):
             self._phase = "broken"  # not a call: what went out stays (a header sent), else content
         elif not self._header_sent:
-            if (
-                self._normalizer is not None
-            ):  # as the stream sends it: the name read first, the parameters' text
+            if self._normalizer is not None:  # as the stream sends it: the name, then the parameters' text
                 call = ParsedToolCall(self._start.name or "", "".join(self._sent))
             else:
                 call = ParsedToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))

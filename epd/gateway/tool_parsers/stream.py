@@ -87,9 +87,8 @@ class ToolCallStream:
                 self._close_call(pending[:end], True, out)
                 pending = pending[end + len(END) :]
                 continue
-            start = markers.find_marker(
-                pending, START, 0
-            )  # outside, only a tag's start is held: nothing is read again
+            # outside, only a tag's start is held: nothing is read again
+            start = markers.find_marker(pending, START, 0)
             if start >= 0:
                 self._outside_text(pending[:start], out)
                 self._inside = True
