@@ -1,10 +1,12 @@
 """How long the request with the most prompt logprobs stalls the gateway's event loop, which every
 other request's stream shares: a concurrent stream's largest gap between two tokens while that
 request's answer is joined, answered over HTTP and sent on the Ask stream, each step on the loop
-(as before) and off it (`PrefillAnswer.add`, `json_answer`, `prompt_logprobs_pieces_off_loop`).
+(as before) and off it (`PrefillAnswer.add`, `json_answer`, `prompt_logprobs_pieces_off_loop`);
+then the SDK's event loop while it joins the Ask stream's pieces into `AskResult.prompt_logprobs`.
 
     PYTHONPATH=. python bench/bench_prompt_logprobs_loop.py
     PYTHONPATH=. python bench/bench_prompt_logprobs_loop.py --k 5 --token-interval-ms 20
+    PYTHONPATH=. python bench/bench_prompt_logprobs_loop.py --steps 3,4
 
 No model and no servers: the gateway's own steps on MAX_PROMPT_LOGPROB_ENTRIES entries made up as
 bench/bench_prompt_logprobs_memory.py makes them (`at_the_bound`), in one event loop beside a "stream" that wakes
@@ -33,7 +35,7 @@ from epd.gateway.json_answer import json_answer  # noqa: E402
 from epd.gateway.logprobs_protocol import prompt_logprobs_json  # noqa: E402
 from epd.model_runtime.logprobs import TokenLogprob  # noqa: E402
 from epd.transport import convert  # noqa: E402
-from epd.v1 import prefill_pb2  # noqa: E402
+from epd.v1 import gateway_pb2, prefill_pb2  # noqa: E402
 
 
 async def largest_gap_s(step: Callable[[], Awaitable[object]], interval_s: float) -> tuple[float, float, int]:
@@ -78,7 +80,11 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=20, help="top tokens a position (vLLM's most by default)")
     parser.add_argument("--token-chars", type=int, default=6, help="characters of each token's text")
     parser.add_argument("--token-interval-ms", type=float, default=10.0, help="the other stream's pace")
+    parser.add_argument(
+        "--steps", default="1,2,3,4", help="which steps to run (a commit before step 4 has none)"
+    )
     args = parser.parse_args()
+    steps = {int(step) for step in args.steps.split(",")}
     interval_s = args.token_interval_ms / 1000
     handle, responses = at_the_bound(args.k, args.token_chars)
     num_tokens = handle.num_prompt_tokens
@@ -114,12 +120,36 @@ def main() -> None:
         return await json_answer(http_body, off_loop=True)
 
     async def ask_pieces(on_loop: bool) -> None:
-        if on_loop:
-            for _ in convert.prompt_logprobs_pieces(logprobs):
+        """The Ask stream's messages, made and serialized (gRPC's part) as the servicer sends them:
+        off the loop, what `prompt_logprobs_pieces_off_loop` gives for what the gateway joined."""
+        pieces = convert.prompt_logprobs_pieces(logprobs) if on_loop else None
+        if pieces is not None:
+            for piece in pieces:
+                gateway_pb2.AskResponse(prompt_logprobs=piece).SerializeToString()
                 await asyncio.sleep(0)
         else:
-            async for _ in convert.prompt_logprobs_pieces_off_loop(logprobs):
+            async for piece in convert.prompt_logprobs_pieces_off_loop(logprobs):
+                gateway_pb2.AskResponse(prompt_logprobs=piece).SerializeToString()
                 await asyncio.sleep(0)
+
+    ask_messages = [
+        gateway_pb2.AskResponse(prompt_logprobs=piece).SerializeToString()
+        for piece in convert.prompt_logprobs_pieces(logprobs)
+    ]
+
+    async def sdk_join(on_loop: bool) -> None:
+        """The SDK's join of the Ask stream's pieces into one list, as gRPC hands them over: on the
+        loop as the SDK did (`extend` per piece), off it as it does (`_join_prompt_logprobs`)."""
+        joined: list[TokenLogprob] = []
+        for data in ask_messages:
+            piece = gateway_pb2.AskResponse.FromString(data).prompt_logprobs
+            if on_loop:
+                joined.extend(convert.logprob_from_proto(lp) for lp in piece.logprobs)
+                await asyncio.sleep(0)
+            else:  # imported here: a commit from before it runs --steps 1,2,3
+                from epd.client.client import _join_prompt_logprobs
+
+                await _join_prompt_logprobs(joined, piece)
 
     print(
         f"{num_tokens} prompt tokens x (k={args.k} + 1) = {num_tokens * (args.k + 1)} entries, "
@@ -129,11 +159,14 @@ def main() -> None:
     async def run() -> None:
         base, _, _ = await largest_gap_s(idle, interval_s)
         print(f"{'nothing else (1 s)':42s} largest gap {base * 1000:7.1f} ms")
-        for name, step in (
-            ("1. prefill's pieces joined", join),
-            ("2. the HTTP answer (JSON built, written)", http_answer),
-            ("3. the Ask stream's pieces made", ask_pieces),
+        for number, name, step in (
+            (1, "1. prefill's pieces joined", join),
+            (2, "2. the HTTP answer (JSON built, written)", http_answer),
+            (3, "3. the Ask stream's messages made", ask_pieces),
+            (4, "4. the SDK joins the Ask stream's pieces", sdk_join),
         ):
+            if number not in steps:
+                continue
             for on_loop in (True, False):
                 gap, seconds, collections = await largest_gap_s(lambda: step(on_loop), interval_s)  # noqa: B023
                 where = "on the loop " if on_loop else "off the loop"

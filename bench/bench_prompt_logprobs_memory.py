@@ -12,8 +12,12 @@ by the resident memory its result added (protobuf's messages live in arenas trac
    wire) joined by `PrefillAnswer`, what it then holds (the pieces' messages) and its peak;
 2. the HTTP answer, as `json_answer` writes it: vLLM's JSON of them (`prompt_logprobs_json`)
    and its bytes (`json_bytes`), both held at once at the end;
-3. the Ask stream's pieces to the SDK (`prompt_logprobs_pieces`): one at a time.
+3. the Ask stream's messages to the SDK, as the servicer makes them (`prompt_logprobs_pieces_off_loop`
+   on what was joined): one at a time;
+4. the SDK's `AskResult.prompt_logprobs`, joined from those messages as the SDK joins them.
 The times are each step's without tracemalloc, on this machine.
+
+    PYTHONPATH=. python bench/bench_prompt_logprobs_memory.py --steps 1,2,3   (a commit before step 4)
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import random
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,7 @@ from epd.gateway.logprobs_protocol import prompt_logprobs_json  # noqa: E402
 from epd.model_runtime.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, TokenLogprob, TopLogprob  # noqa: E402
 from epd.stages.contracts import PrefillHandle  # noqa: E402
 from epd.transport import convert  # noqa: E402
-from epd.v1 import prefill_pb2  # noqa: E402
+from epd.v1 import gateway_pb2, prefill_pb2  # noqa: E402
 
 QWEN_VOCAB = 151_936
 
@@ -106,7 +110,11 @@ def main() -> None:
     )
     parser.add_argument("--k", type=int, default=20, help="top tokens a position (vLLM's most by default)")
     parser.add_argument("--token-chars", type=int, default=6, help="characters of each token's text")
+    parser.add_argument(
+        "--steps", default="1,2,3,4", help="which steps to run (a commit before step 4 has none)"
+    )
     args = parser.parse_args()
+    steps = {int(step) for step in args.steps.split(",")}
     handle, wire = at_the_bound(args.k, args.token_chars)
     num_tokens = handle.num_prompt_tokens
     del handle  # the made-up list: 2 and 3 read what the gateway joined (`logprobs`)
@@ -133,21 +141,51 @@ def main() -> None:
         body = {"choices": [{"prompt_logprobs": prompt_logprobs_json(logprobs)}]}
         return body, json_bytes(body)
 
+    async def ask_messages_one_at_a_time() -> AsyncIterator[bytes]:
+        async for piece in convert.prompt_logprobs_pieces_off_loop(logprobs):
+            yield gateway_pb2.AskResponse(prompt_logprobs=piece).SerializeToString()
+
+    async def ask_messages() -> list[bytes]:
+        return [data async for data in ask_messages_one_at_a_time()]
+
     def ask_pieces() -> int:
-        return max(piece.ByteSize() for piece in convert.prompt_logprobs_pieces(logprobs))
+        """The largest message: one is held at a time (the servicer's, then gRPC's bytes)."""
+
+        async def largest() -> int:
+            sizes = [len(data) async for data in ask_messages_one_at_a_time()]
+            return max(sizes)
+
+        return asyncio.run(largest())
+
+    messages = asyncio.run(ask_messages()) if 4 in steps else []
+
+    def sdk_join() -> list[TokenLogprob]:
+        # imported here: a commit from before it runs --steps 1,2,3
+        from epd.client.client import _join_prompt_logprobs
+
+        async def join() -> list[TokenLogprob]:
+            joined: list[TokenLogprob] = []
+            for data in messages:
+                await _join_prompt_logprobs(joined, gateway_pb2.AskResponse.FromString(data).prompt_logprobs)
+            return joined
+
+        return asyncio.run(join())
 
     mib = 2**20
-    for name, step in (
-        ("1. prefill's pieces joined at the gateway", receive),
-        ("2. the HTTP answer (JSON and its bytes)", http_answer),
-        ("3. the Ask stream's pieces to the SDK", ask_pieces),
+    for number, name, step in (
+        (1, "1. prefill's pieces joined at the gateway", receive),
+        (2, "2. the HTTP answer (JSON and its bytes)", http_answer),
+        (3, "3. the Ask stream's messages to the SDK", ask_pieces),
+        (4, "4. the SDK's AskResult.prompt_logprobs", sdk_join),
     ):
+        if number not in steps:
+            continue
         _, held, peak, seconds, resident = measured(step)
         print(
             f"{name:45s} holds {held / mib:7.1f} MiB ({held / num_entries:5.0f} B an entry), "
             f"peak {peak / mib:7.1f} MiB, {seconds:6.2f} s"
             # what the others free of earlier steps' makes their resident memory's change meaningless
-            + (f"; resident +{resident / mib:.1f} MiB" if step is receive else "")
+            + (f"; resident +{resident / mib:.1f} MiB" if step in (receive, sdk_join) else "")
         )
 
 

@@ -505,6 +505,15 @@ def _check_options(options: dict[str, Any]) -> None:
                  [Message.user(VIDEO, "?")])  # fmt: skip
 
 
+async def _join_prompt_logprobs(joined: list[TokenLogprob], piece: common_pb2.PromptLogprobs) -> None:
+    """`piece`'s entries made `TokenLogprob`s at the end of `joined`, the result's one list (the
+    public `AskResult.prompt_logprobs` is a list: made once, entry by entry, no list of the piece's
+    beside it), on a worker thread: a piece is about 50,000 entries, 0.3 s of Python, which on the
+    client's event loop would stall every other call's stream that long (a blocking `EpdClient`'s
+    calls share one loop too; docs/benchmarks.md, "Prompt logprobs on the event loop")."""
+    await asyncio.to_thread(joined.extend, map(logprob_from_proto, piece.logprobs))
+
+
 class AsyncEpdClient:
     """asyncio client; use `async with AsyncEpdClient(endpoint) as client:`. It may also be made
     before the event loop runs (`client = AsyncEpdClient(...)`, then `asyncio.run(main())`): its
@@ -627,7 +636,7 @@ class AsyncEpdClient:
                 if kind == "prompt_logprobs":  # in pieces, before the first delta; kept for the result
                     if meta[0] != pieces_attempt:  # a retried call sends them all again
                         prompt_logprobs, pieces_attempt = [], meta[0]
-                    prompt_logprobs.extend(logprob_from_proto(lp) for lp in msg.prompt_logprobs.logprobs)
+                    await _join_prompt_logprobs(prompt_logprobs, msg.prompt_logprobs)
                 elif kind == "event":
                     event = stage_event_from_proto(msg.event)
                     events.append(event)

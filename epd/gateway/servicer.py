@@ -188,7 +188,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         yield gateway_pb2.AskResponse(event=convert.event_to_proto(item, at_ms))
                     elif isinstance(item, AskSummary):
                         yield gateway_pb2.AskResponse(summary=summary_to_proto(item))
-                    elif isinstance(item, PromptLogprobs):  # in pieces: no message bounds them
+                    # In pieces, as no message bounds them: prefill's own, forwarded as they came
+                    # (the embedded pipeline's list is cut into pieces on worker threads).
+                    elif isinstance(item, PromptLogprobs):
                         async for piece in convert.prompt_logprobs_pieces_off_loop(item.prompt_logprobs):
                             yield gateway_pb2.AskResponse(prompt_logprobs=piece)
                     elif isinstance(item, TokenStep):

@@ -25,7 +25,7 @@ from epd.stages.contracts import (
     pruning_stats_from_record,
     pruning_stats_to_record,
 )
-from epd.stages.errors import InvalidRequest, ResourceExhausted
+from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.transport.message_convert import PromptLogprobsFromPieces
 from epd.transport.message_convert import logprob_from_proto as logprob_from_proto  # re-exported
@@ -305,7 +305,9 @@ async def prefill_responses(h: PrefillHandle) -> AsyncIterator[prefill_pb2.Prefi
 
 class PrefillAnswer:
     """Prefill's answer as its messages arrive (`prefill_responses`): the prompt logprobs' pieces,
-    joined and bounded as they come, then the result (`handle`)."""
+    joined and bounded as they come, then the result (`handle`). An answer that is malformed
+    (past the bound, without its result, a malformed result, a wrong count of prompt logprobs) is
+    RuntimeError: our own prefill's fault, INTERNAL / 500, not the client's."""
 
     def __init__(self) -> None:
         self.prompt_logprobs = PromptLogprobsFromPieces()
@@ -326,12 +328,13 @@ class PrefillAnswer:
             return
         piece = response.prompt_logprobs.logprobs
         self.num_prompt_logprob_entries += sum(1 + len(lp.top_logprobs) for lp in piece)
-        # Prefill refuses a request past this before its prompt runs; held here too, since these
-        # pieces are what the gateway's memory bound is about.
+        # Prefill refuses a request past this before its prompt runs (RESOURCE_EXHAUSTED, 413:
+        # the client's to change); held here too, since these pieces are what the gateway's memory
+        # bound is about. An answer past it is prefill's fault, as any other malformed answer.
         if self.num_prompt_logprob_entries > MAX_PROMPT_LOGPROB_ENTRIES:
-            raise ResourceExhausted(
-                f"prefill sent more than {MAX_PROMPT_LOGPROB_ENTRIES} prompt logprob entries, the most one "
-                "answer may hold; ask for fewer top tokens (prompt_logprobs), or send a shorter prompt"
+            raise RuntimeError(
+                f"prefill's answer is malformed: more than {MAX_PROMPT_LOGPROB_ENTRIES} prompt logprob "
+                "entries, the most one answer may hold (prefill refuses a request past it before its prompt runs)"
             )
         self.prompt_logprobs.append_piece(response.prompt_logprobs)
 

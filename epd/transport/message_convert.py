@@ -145,6 +145,11 @@ class PromptLogprobsFromPieces(Sequence[TokenLogprob]):
             self._pieces.append(piece)
             self._ends.append(len(self) + len(piece.logprobs))
 
+    @property
+    def pieces(self) -> tuple[common_pb2.PromptLogprobs, ...]:
+        """The pieces as they came, in order (none empty): what the Ask stream forwards."""
+        return tuple(self._pieces)
+
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
@@ -214,7 +219,15 @@ async def prompt_logprobs_pieces_off_loop(
     """`prompt_logprobs_pieces`, each piece made on a worker thread: a piece is about 50,000
     entries, 0.3 s of Python (3.6 s for the largest list), which on a server's event loop would
     stall every other call's stream that long (docs/benchmarks.md, "Prompt logprobs on the event
-    loop"). A caller cancelled while a piece is made leaves that piece to end on its thread."""
+    loop"). A caller cancelled while a piece is made leaves that piece to end on its thread.
+    Logprobs that came in pieces (`PromptLogprobsFromPieces`: the gateway's, from prefill, which
+    cut them to `PROMPT_LOGPROBS_PIECE_BYTES` too) go on as those pieces: no entry is made a
+    `TokenLogprob` and a message again (2.7 s of Python for the largest list, for the same bytes;
+    docs/benchmarks.md, "Prompt logprobs on the event loop")."""
+    if isinstance(logprobs, PromptLogprobsFromPieces):
+        for as_it_came in logprobs.pieces:
+            yield as_it_came
+        return
     pieces = prompt_logprobs_pieces(logprobs, piece_bytes)
     while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
         yield piece

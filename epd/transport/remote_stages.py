@@ -429,26 +429,35 @@ class RemoteEncodeStage(EncodeStage):
         return encoded
 
 
-_cancelled_releases: set[asyncio.Future] = set()
-"""ReleaseKv calls of cancelled prefill calls, running on their own (held so they are not collected)."""
+_unanswered_releases: set[asyncio.Future] = set()
+"""ReleaseKv calls for prefill calls whose caller got no handle (cancelled, or answered malformed),
+running on their own (held so they are not collected)."""
 
 
-def _released_after_cancel(request_id: str) -> Callable[[asyncio.Future], None]:
+def _release_unanswered(
+    stub: prefill_pb2_grpc.PrefillServiceStub, kv_handle: str, request_id: str, why: str, timeout_s: float
+) -> asyncio.Future:
+    """ReleaseKv of the cache a prefill call may have stored under the caller's `kv_handle`, on the
+    call's own replica, running on its own (a cancel of the caller does not stop it); logged when it
+    released one (`why`: how the call ended) or failed."""
+    release = asyncio.ensure_future(
+        stub.ReleaseKv(
+            prefill_pb2.ReleaseKvRequest(kv_handle=kv_handle, request_id=request_id), timeout=timeout_s
+        )
+    )
+    _unanswered_releases.add(release)
+
     def done(release: asyncio.Future) -> None:
-        _cancelled_releases.discard(release)
+        _unanswered_releases.discard(release)
         if release.cancelled():
             return
         if (exc := release.exception()) is not None:
-            log.warning(
-                "request %s: releasing the KV cache of its cancelled prefill call failed: %s", request_id, exc
-            )
+            log.warning("request %s: releasing the KV cache of its prefill call failed: %s", request_id, exc)
         elif release.result().released:
-            log.info(
-                "released the KV cache of request %s: its prefill call was cancelled as it was answered",
-                request_id,
-            )
+            log.info("released the KV cache of request %s: its prefill call %s", request_id, why)
 
-    return done
+    release.add_done_callback(done)
+    return release
 
 
 class RemotePrefillStage(PrefillStage):
@@ -503,26 +512,37 @@ class RemotePrefillStage(PrefillStage):
                 for chunk in convert.encoded_media_chunks(media):  # embeddings + DeepStack features
                     yield prefill_pb2.PrefillRequest(visual_embeds=chunk)
 
-        async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> convert.PrefillAnswer:
+        async def attempt(
+            channel: grpc.aio.Channel, timeout_s: float
+        ) -> tuple[PrefillHandle, prefill_pb2.PrefillResult]:
             stub = prefill_pb2_grpc.PrefillServiceStub(channel)
             call = stub.Prefill(requests(), timeout=timeout_s)
             answer = convert.PrefillAnswer()
             try:
                 async for response in call:  # the prompt's logprobs in pieces, then the result
                     await answer.add(response)
-                return answer
+                handle = answer.handle(relay=True)
+                assert answer.result is not None  # `handle` refuses an answer without it
+                return handle, answer.result
             except asyncio.CancelledError:
-                release = asyncio.ensure_future(
-                    stub.ReleaseKv(
-                        prefill_pb2.ReleaseKvRequest(kv_handle=kv_handle, request_id=request_id),
-                        timeout=self.timeout_s,
-                    )
+                _release_unanswered(
+                    stub, kv_handle, request_id, "was cancelled as it was answered", self.timeout_s
                 )
-                _cancelled_releases.add(release)
-                release.add_done_callback(_released_after_cancel(request_id))
+                raise
+            except RuntimeError:
+                # A malformed answer (`PrefillAnswer`): the server sent it whole, or we stopped
+                # reading it, and keeps the cache it stored under our handle (whether or not the
+                # answer names it) for a decoder that will never come: released now, not at
+                # --kv-ttl. Awaited, so that the request ends with nothing held; the call first
+                # stops, so that the server sends no more.
+                call.cancel()
+                release = _release_unanswered(
+                    stub, kv_handle, request_id, "answered malformed", self.timeout_s
+                )
+                await asyncio.wait([release])  # unlike await, neither raises its error nor cancels it
                 raise
             finally:
-                if not call.done():  # a cancel, or a piece refused: the server stops sending now
+                if not call.done():  # a cancel: the server stops sending now
                     call.cancel()
 
         # The replica whose prefix cache holds this conversation (rendezvous on the video's sha256
@@ -532,15 +552,13 @@ class RemotePrefillStage(PrefillStage):
             key = raw_prompt_key(raw_prompt, cache_salt)
         else:
             key = prefill_key(messages, media.sha256 if media else "", cache_salt)
-        answer = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
-        handle = answer.handle(relay=True)
-        assert answer.result is not None  # `handle` refuses an answer without it
+        handle, result = await self.pool.call(key, attempt, "prefill", request_id, self.timeout_s)
         # This call's hops of the request's transfer_bytes: the media's tensors gateway -> prefill
         # (sent whole, prefix-cache hit or not: prefill hashes them for its key), and the
         # visual-entry mask (decode eviction only) prefill -> gateway, then gateway -> decode in
         # the GenerateRequest.
         media_num_bytes = convert.encoded_media_num_bytes(media) if media else 0
-        handle.pruning.transfer_bytes = media_num_bytes + 2 * len(answer.result.visual_entry_mask)
+        handle.pruning.transfer_bytes = media_num_bytes + 2 * len(result.visual_entry_mask)
         return handle
 
     async def compile_structured_outputs(

@@ -562,7 +562,7 @@ def test_a_prefill_call_cancelled_as_its_answer_goes_out_is_released_by_the_call
 
     servicer = PrefillServicer(PrefillConfig(), store)
     servicer.stage = CancelTheCallerOnceStored()  # type: ignore[assignment]
-    servicer._release_unless_answered = lambda kv_handle, request_id: lambda context: None  # type: ignore[method-assign]
+    servicer._release_unless_answered = lambda kv_handle, request_id, answered: lambda context: None  # type: ignore[method-assign]
 
     async def scenario():
         server = grpc.aio.server()
@@ -590,6 +590,66 @@ def test_a_prefill_call_cancelled_as_its_answer_goes_out_is_released_by_the_call
 
     assert asyncio.run(scenario()) == (0, 0)
     assert len(stored_under) == 1 and re.fullmatch(r"[0-9a-f]{32}", stored_under[0])
+
+
+@pytest.mark.parametrize("malformed", ["past the entries' bound", "a prompt logprob short", "no positions"])
+def test_a_malformed_prefill_answer_is_internal_and_its_kv_cache_released(
+    embedded, videos, malformed, monkeypatch
+):
+    """Our own prefill's malformed answer (more prompt logprob entries than the gateway holds, a
+    wrong count of them, a malformed result) is prefill's fault, INTERNAL (500), and the cache it
+    stored is released as the request ends: its RPC ended well (or the gateway stopped reading
+    it), so the server keeps it for a decoder that never comes, until --kv-ttl. The gateway's
+    pipeline over a real remote prefill stage, a real prefill servicer on a real gRPC server, its
+    real stage storing the cache, the answer made malformed on its way out."""
+    import grpc
+
+    from epd.gateway.pipeline import Pipeline
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.prefill_svc.servicer import PrefillServicer
+    from epd.transport import convert
+    from epd.transport.errors import status_of
+    from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+    from epd.v1 import prefill_pb2_grpc
+
+    store: KvStore = embedded.prefill.kv_store
+    real = embedded.prefill
+    stored_under: list[str] = []
+
+    class AnswersMalformed:
+        async def prefill(self, *args, **kwargs):
+            handle = await real.prefill(*args, **kwargs)
+            stored_under.append(handle.kv_handle)
+            if malformed == "a prompt logprob short":
+                return dataclasses.replace(handle, prompt_logprobs=handle.prompt_logprobs[1:])
+            if malformed == "no positions":
+                return dataclasses.replace(handle, next_position_ids=[])
+            return handle
+
+    if malformed == "past the entries' bound":  # the gateway's reading; prefill's own check is the engine's
+        monkeypatch.setattr(convert, "MAX_PROMPT_LOGPROB_ENTRIES", 3)
+    servicer = PrefillServicer(PrefillConfig(), store)
+    servicer.stage = AnswersMalformed()  # type: ignore[assignment]
+
+    async def scenario() -> BaseException:
+        server = grpc.aio.server()
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stage = RemotePrefillStage(ReplicaPool([f"127.0.0.1:{port}"]), timeout_s=60)
+        try:
+            pipeline = Pipeline(embedded.encoder, stage, embedded.decoder)
+            with pytest.raises(RuntimeError, match="prefill") as failed:
+                async for _ in pipeline.ask(_ask(videos, max_new_tokens=4, prompt_logprobs=1)):
+                    pass
+            return failed.value
+        finally:
+            await stage.close()
+            await server.stop(None)
+
+    error = asyncio.run(scenario())
+    assert status_of(error)[0] == grpc.StatusCode.INTERNAL, error
+    assert len(stored_under) == 1 and (len(store), store.num_bytes) == (0, 0)
 
 
 def test_a_callers_kv_handle_must_be_a_new_random_id():

@@ -1,18 +1,21 @@
 """The SDK joins the prompt's logprobs from the `AskResponse.prompt_logprobs` pieces that come
-before the first token into `AskResult.prompt_logprobs`; a call retried after UNAVAILABLE (before
-its first token, after some pieces) starts the list over, so no token is there twice. The server
-is a bare GatewayService on loopback answering what the real one sends, in pieces of the real size."""
+before the first token into `AskResult.prompt_logprobs`, each piece's entries made on a worker
+thread, off the client's event loop; a call retried after UNAVAILABLE (before its first token,
+after some pieces) starts the list over, so no token is there twice. The server is a bare
+GatewayService on loopback answering what the real one sends, in pieces of the real size."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 
 from epd.client import AsyncEpdClient
+from epd.client import client as client_module
 from epd.client.retry import RetryPolicy
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
-from epd.transport.message_convert import prompt_logprobs_pieces
+from epd.transport.message_convert import logprob_from_proto, prompt_logprobs_pieces
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
 NUM_PROMPT_TOKENS = 3000
@@ -50,8 +53,17 @@ class LosesItsFirstCall(gateway_pb2_grpc.GatewayServiceServicer):
         )
 
 
-def test_the_pieces_join_into_the_result_and_a_retried_call_starts_them_over():
+def test_the_pieces_join_into_the_result_and_a_retried_call_starts_them_over(monkeypatch):
+    """The result's list is made as the pieces come, each piece's entries on a worker thread: on
+    the client's event loop, 0.3 s a piece of the largest list stalled every other call's stream."""
     servicer = LosesItsFirstCall()
+    made_on: set[int] = set()
+
+    def noted(msg):
+        made_on.add(threading.get_ident())
+        return logprob_from_proto(msg)
+
+    monkeypatch.setattr(client_module, "logprob_from_proto", noted)
 
     async def run():
         server = grpc.aio.server()
@@ -61,11 +73,13 @@ def test_the_pieces_join_into_the_result_and_a_retried_call_starts_them_over():
         try:
             retry = RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
             async with AsyncEpdClient(f"127.0.0.1:{port}", retry=retry) as client:
-                return await client.ask(None, "q?", prompt_logprobs=2)
+                return await client.ask(None, "q?", prompt_logprobs=2), threading.get_ident()
         finally:
             await server.stop(0)
 
-    result = asyncio.run(run())
+    result, loop_thread = asyncio.run(run())
+    assert made_on and loop_thread not in made_on
+    assert type(result.prompt_logprobs) is list  # the SDK's documented type
     assert servicer.num_calls == 2 and result.num_attempts == 2
     assert len(list(prompt_logprobs_pieces(_prompt_logprobs(), PIECE_BYTES))) > 2
     assert result.prompt_logprobs == _prompt_logprobs()

@@ -1,7 +1,8 @@
 """A prompt's logprobs (up to MAX_PROMPT_LOGPROB_ENTRIES, half a million entries) are turned into
 pieces, joined from pieces and written as JSON on worker threads, never on the event loop, where
 they stalled every other request's stream for seconds (docs/benchmarks.md, "Prompt logprobs on the
-event loop"). Each test records the thread the costly per-entry step ran on: the real converters
+event loop"), and the Ask stream forwards the pieces prefill sent as they came, no entry made
+again. Each test records the thread the costly per-entry step ran on: the real converters
 and JSON builders, wrapped to note it. The HTTP answers come from a real HttpApi over real sockets,
 its pipeline on the fake stages of tests/unit/gateway/test_transfer_bytes.py; the bytes are those
 `json.dumps` writes."""
@@ -16,19 +17,22 @@ from dataclasses import replace
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
 
+from epd.client import AsyncEpdClient
 from epd.gateway import json_answer, openai_protocol
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import HttpApi
 from epd.gateway.json_answer import LIST_SLICE_ITEMS, json_bytes
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
+from epd.gateway.servicer import GatewayServicer
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.contracts import PrefillHandle
 from epd.transport import convert, message_convert
-from epd.v1 import prefill_pb2
+from epd.v1 import gateway_pb2_grpc, prefill_pb2
 from tests.unit.gateway.test_transfer_bytes import Decoder, Encoder, Prefill
 
 NUM_PROMPT_TOKENS = 3000
@@ -98,7 +102,8 @@ def test_prefills_pieces_are_made_off_the_event_loop_and_joined_as_they_came(mon
 
 
 def test_the_ask_streams_pieces_are_made_off_the_event_loop(monkeypatch):
-    """The gateway's servicer (and the SDK's peers) send the pieces `prompt_logprobs_pieces_off_loop` makes."""
+    """The gateway's servicer (and the SDK's peers) send the pieces `prompt_logprobs_pieces_off_loop`
+    makes of a list (the embedded pipeline's, prefill's own)."""
     made = _Threads()
     monkeypatch.setattr(message_convert, "logprob_to_proto", made.wrap(message_convert.logprob_to_proto))
     logprobs = _logprobs()
@@ -111,6 +116,61 @@ def test_the_ask_streams_pieces_are_made_off_the_event_loop(monkeypatch):
     assert len(out) > 1
     assert [message_convert.logprob_from_proto(lp) for p in out for lp in p.logprobs] == logprobs
     assert made.idents and loop_thread not in made.idents
+
+
+class ScoresThePromptInPieces(Prefill):
+    """Answers a prompt of NUM_PROMPT_TOKENS with its logprobs as the remote prefill stage has
+    them: prefill's pieces (of PIECE_BYTES), joined by `PrefillAnswer` from their messages' bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(0, "prefill-0:50052")
+        handle = PrefillHandle(
+            first_token_id=1, num_prompt_tokens=NUM_PROMPT_TOKENS, num_cached_tokens=0,
+            next_position_ids=[NUM_PROMPT_TOKENS] * 4, kv_num_bytes=0, prefill_ms=0.0, kv_handle="ab" * 16,
+        )  # fmt: skip
+        answer = convert.PrefillAnswer()
+        responses = [
+            *(prefill_pb2.PrefillResponse(prompt_logprobs=piece)
+              for piece in message_convert.prompt_logprobs_pieces(_logprobs(), PIECE_BYTES)),
+            prefill_pb2.PrefillResponse(result=convert.handle_to_proto(handle)),
+        ]  # fmt: skip
+        for response in responses:
+            asyncio.run(answer.add(prefill_pb2.PrefillResponse.FromString(response.SerializeToString())))
+        self.answer = answer.handle(relay=True).prompt_logprobs
+
+    async def prefill(self, messages, media, generation, request_id, pruning=None, cache_salt="", **kwargs):
+        handle = await super().prefill(messages, media, generation, request_id, pruning, cache_salt)
+        return replace(handle, num_prompt_tokens=NUM_PROMPT_TOKENS, prompt_logprobs=self.answer)
+
+
+def test_the_ask_stream_forwards_prefills_pieces_as_they_came(monkeypatch):
+    """The gRPC Ask stream sends the prompt's logprobs in the pieces prefill sent them in, as they
+    are: no entry made a `TokenLogprob` and a message again at the gateway (1 s of Python for the
+    largest list; docs/benchmarks.md, "Prompt logprobs on the event loop"). A real
+    GatewayServicer on a real gRPC server, asked by the SDK; the pipeline's fake stages answer one
+    token, prefill's the prompt's logprobs joined as the remote prefill stage joins them."""
+    prefill = ScoresThePromptInPieces()  # its pieces made now, before the count starts
+    remade = _Threads()
+    for name in ("logprob_to_proto", "logprob_from_proto"):
+        monkeypatch.setattr(message_convert, name, remade.wrap(getattr(message_convert, name)))
+    servicer = GatewayServicer(GatewayConfig(), Pipeline(Encoder(0), prefill, AnswersWithLogprobs()))
+
+    async def ask():
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with AsyncEpdClient(f"127.0.0.1:{port}") as client:
+                return await client.ask(None, "name a colour", prompt_logprobs=2, max_new_tokens=1)
+        finally:
+            await server.stop(0)
+
+    result = asyncio.run(ask())
+    assert not remade.idents  # the SDK's own conversion is not message_convert's module function
+    assert isinstance(prefill.answer, message_convert.PromptLogprobsFromPieces)
+    assert len(prefill.answer.pieces) > 1
+    assert result.prompt_logprobs == _logprobs()
 
 
 class ScoresThePrompt(Prefill):

@@ -337,16 +337,15 @@ def test_joined_prompt_logprobs_are_not_objects_the_garbage_collector_walks():
 
 def test_prefill_answers_prompt_logprobs_are_checked_as_they_arrive(monkeypatch):
     """The gateway holds the list: past MAX_PROMPT_LOGPROB_ENTRIES it stops reading (prefill refuses
-    such a request before it runs); one per prompt token, and the result must come."""
-    from epd.stages.errors import ResourceExhausted
-
+    such a request before it runs); one per prompt token, and the result must come. A malformed
+    answer is prefill's fault: INTERNAL (500), its detail in the log, not a 400, nor the 413 that
+    prefill's own up-front refusal of such a request is (the client's to change)."""
     handle = _handle()
     handle.prompt_logprobs = [_logprob(i) for i in range(handle.num_prompt_tokens)]  # 4 entries each
     monkeypatch.setattr(convert, "MAX_PROMPT_LOGPROB_ENTRIES", 4 * handle.num_prompt_tokens - 1)
-    with pytest.raises(ResourceExhausted, match="more than 359 prompt logprob entries"):
+    with pytest.raises(RuntimeError, match="malformed: more than 359 prompt logprob entries") as too_many:
         _prefill_answer(handle)
     monkeypatch.undo()
-    # A malformed answer is prefill's fault: INTERNAL (500), its detail in the log, not a 400.
     with pytest.raises(RuntimeError, match="prefill sent 89 prompt logprobs for a 90-token prompt") as wrong:
         _prefill_answer(dataclasses.replace(handle, prompt_logprobs=handle.prompt_logprobs[1:])).handle()
     with pytest.raises(RuntimeError, match="ended without its result") as missing:
@@ -355,7 +354,7 @@ def test_prefill_answers_prompt_logprobs_are_checked_as_they_arrive(monkeypatch)
     broken.result = prefill_pb2.PrefillResult()  # no kv_handle, no positions
     with pytest.raises(RuntimeError, match="prefill's answer is malformed: prefill result must carry") as bad:
         broken.handle()
-    for caught in (wrong, missing, bad):
+    for caught in (too_many, wrong, missing, bad):
         assert status_of(caught.value)[0] == grpc.StatusCode.INTERNAL
 
 
