@@ -85,13 +85,10 @@ def constrained_after_reasoning(generation: GenerationConfig) -> GenerationConfi
 
 
 def split_reasoning(text: str, thinking: bool) -> ReasoningSplit:
-    """A whole answer's text parted at its first `</think>` (`thinking`: `thinking_on`)."""
-    if not thinking:
-        return ReasoningSplit(None, text)
-    end = text.find(END)
-    if end < 0:  # cut inside the block (max_tokens): all of it is reasoning
-        return ReasoningSplit(text.replace(START, "", 1), None)
-    return ReasoningSplit(text[:end].replace(START, "", 1), text[end + len(END) :] or None)
+    """A whole answer's text parted at its first `</think>` (`thinking`: `thinking_on`): as one
+    step of `part_answers`, so a whole text, a stream's deltas and a whole answer's steps are
+    parted by the one machine (`ReasoningStream`)."""
+    return part_answers([(0, text, 0)], thinking).split(0)
 
 
 class ReasoningStream:
@@ -171,18 +168,48 @@ def message_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, 
     return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
-def count_reasoning_tokens(steps: Iterable[tuple[int, str, int]], thinking: bool) -> int:
-    """Chat's `usage.completion_tokens_details.reasoning_tokens` of a whole answer from its steps,
-    each (choice index, text, number of tokens), in order: every choice's through a
-    `ReasoningStream` of its own, as a stream counts them, summed over the choices (vLLM's sum)."""
+@dataclass(frozen=True)
+class PartedAnswers:
+    """A whole answer's choices, each parted into reasoning and content (`part_answers`)."""
+
+    thinking: bool
+    splits: Mapping[int, ReasoningSplit]
+    """By choice index, those that had steps."""
+    num_reasoning_tokens: int
+    """Every choice's reasoning tokens (`ReasoningStream.num_reasoning_tokens`), summed: vLLM's
+    chat usage `completion_tokens_details.reasoning_tokens`."""
+
+    def split(self, index: int) -> ReasoningSplit:
+        """Choice `index`'s parts (an empty answer's when it had no step)."""
+        if index in self.splits:
+            return self.splits[index]
+        return ReasoningSplit("", None) if self.thinking else ReasoningSplit(None, "")
+
+
+def part_answers(steps: Iterable[tuple[int, str, int]], thinking: bool) -> PartedAnswers:
+    """A whole answer parted from its steps, each (choice index, text, number of tokens), in
+    order, in one pass: every choice's through a `ReasoningStream` of its own, as a stream parts
+    it, which counts its reasoning tokens as it parts the text (the Responses answer's shape,
+    `epd.gateway.responses_events.response_body`). As vLLM's whole message: `reasoning` None with
+    thinking off; `content` None when nothing came after the block (or it never closed)."""
     streams: dict[int, ReasoningStream] = {}
+    parts: dict[int, tuple[list[str], list[str]]] = {}
     for index, text, num_tokens in steps:
-        streams.setdefault(index, ReasoningStream(thinking)).add(text, num_tokens)
-    total = 0
-    for stream in streams.values():
-        stream.finish()  # a held-back whole `<think>` at the answer's end is no reasoning token
-        total += stream.num_reasoning_tokens
-    return total
+        stream = streams.setdefault(index, ReasoningStream(thinking))
+        split = stream.add(text, num_tokens)
+        reasoning, content = parts.setdefault(index, ([], []))
+        reasoning.append(split.reasoning or "")
+        content.append(split.content or "")
+    splits = {}
+    for index, stream in streams.items():
+        # a held-back tail is reasoning; a held whole `<think>` at the end is dropped, no token
+        reasoning, content = parts[index]
+        reasoning.append(stream.finish().reasoning or "")
+        joined = "".join(content)
+        splits[index] = (
+            ReasoningSplit("".join(reasoning), joined or None) if thinking else ReasoningSplit(None, joined)
+        )
+    return PartedAnswers(thinking, splits, sum(s.num_reasoning_tokens for s in streams.values()))
 
 
 def delta_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, str]:
