@@ -22,7 +22,7 @@ at most a marker's length.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,6 +104,7 @@ class ReasoningStream:
         Responses API's `usage.output_tokens_details.reasoning_tokens` and chat's
         `usage.completion_tokens_details.reasoning_tokens` (`add`)."""
         self._start_dropped = False  # the model's own `<think>`, dropped once
+        self._tokens_in_reasoning = thinking  # until a token reads `</think>` (`num_content_tokens`)
         self._held = ""  # the reasoning text's tail that may begin a marker: len < len(END)
 
     def add(self, text: str, num_tokens: int = 0) -> ReasoningSplit:
@@ -119,6 +120,23 @@ class ReasoningStream:
         num_markers = (not self.in_reasoning) + (self._start_dropped and not dropped)
         self.num_reasoning_tokens += max(0, num_tokens - num_markers)
         return split
+
+    def num_content_tokens(self, token_texts: Sequence[str]) -> int:
+        """How many of the next step's tokens, the last ones, are the content's, by each token's
+        text decoded alone (as logprobs name it; call it before `add`): those after the token that
+        reads `</think>` (one token of a thinking model's tokenizer, `parser_misfit`), as vLLM's
+        parsers tell them by token id. By token, not by where the step's text falls: decode may
+        hold a step's text back (a stop string's possible start) and send it with later tokens.
+        Should the text leave the block with no such token (the marker spelled in pieces), the
+        tokens from the next step on are content."""
+        if self._tokens_in_reasoning and not self.in_reasoning:
+            self._tokens_in_reasoning = False
+        if not self._tokens_in_reasoning:
+            return len(token_texts)
+        if END not in token_texts:
+            return 0
+        self._tokens_in_reasoning = False
+        return len(token_texts) - token_texts.index(END) - 1
 
     def finish(self) -> ReasoningSplit:
         """The held-back tail at the answer's end: reasoning (no marker came of it)."""
