@@ -163,10 +163,7 @@ def test_a_named_function_and_text_format_are_chats():
             '"code_interpreter_call.outputs", .*"reasoning.encrypted_content"',
         ),
         ({"input": "hi", "include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
-        (
-            {"input": "hi", "top_logprobs": 2},
-            "'top_logprobs' \\(2\\) needs 'include': \\[\"message.output_text.logprobs\"\\]; add it",
-        ),
+        ({"input": "hi", "top_logprobs": "2"}, "'top_logprobs' must be an integer"),
         ({"input": [{"role": "robot", "content": "x"}]}, "message roles must be"),
         ({"input": "hi", "best_of": 2}, "'best_of' is not supported"),
         ({"input": "hi", "mm_processor_kwargs": {"fps": 1}}, 'frame sampling goes in "media"'),
@@ -514,8 +511,13 @@ def test_the_include_values_vllm_takes_are_accepted_and_give_nothing_more():
 
 
 def test_without_include_no_logprobs_are_asked_or_sent():
-    request = parse(input="hi", top_logprobs=0)
-    assert request.generation.logprobs is None
+    """vLLM reads top_logprobs only with the logprobs `include`: without it, any integer asks for
+    nothing (it was a 400 above 0); with it, one out of range is chat's 400."""
+    for top in (0, 2, 50, -1):
+        assert parse(input="hi", top_logprobs=top).generation.logprobs is None
+    with pytest.raises(InvalidRequest, match="'top_logprobs' must be an integer from 0"):
+        parse(input="hi", top_logprobs=-1, include=["message.output_text.logprobs"])
+    request = parse(input="hi", top_logprobs=2)
     body = whole(summary("hello"), request, None)
     assert body["top_logprobs"] is None and "logprobs" not in body["output"][0]["content"][0]
 
