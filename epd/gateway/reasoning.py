@@ -1,8 +1,9 @@
 """vLLM's reasoning parsers (`--reasoning-parser qwen3 | deepseek_r1`): a thinking model's answer
 split into its reasoning, the text inside `<think> ... </think>`, and its content, the text after.
 No HTTP and no tokenizer in here: the chat door (`epd.gateway.http_api`) feeds each choice's
-decoded text, whole or as the stream's deltas, and puts the parts in the message's `reasoning`
-(and its older name `reasoning_content`) and `content`.
+decoded text step by step, a whole answer's steps at its end (`part_answers`) or the stream's as
+they come, and puts the parts in the message's `reasoning` (and its older name
+`reasoning_content`) and `content`.
 
 The split is on the decoded text, as vLLM's `extract_reasoning` splits it: in Qwen3's, Qwen3.5's
 and DeepSeek-R1's tokenizers `<think>` and `</think>` are added tokens that are not special, so
@@ -94,7 +95,8 @@ def split_reasoning(text: str, thinking: bool) -> ReasoningSplit:
 class ReasoningStream:
     """One choice's streamed text, parted delta by delta; the parts joined are `split_reasoning`'s
     of the whole text (`finish` gives what was held back). Fed each step's token count too, it
-    counts the answer's reasoning tokens (`num_reasoning_tokens`) in the same pass."""
+    counts the answer's reasoning tokens (`num_reasoning_tokens`) in the same pass; fed its tokens'
+    texts, it tells which of them are the content's (`num_content_tokens`, for their logprobs)."""
 
     def __init__(self, thinking: bool) -> None:
         self.in_reasoning = thinking
