@@ -112,7 +112,6 @@ from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (
     ReasoningStream,
     constrained_after_reasoning,
-    count_reasoning_tokens,
     delta_fields,
     parser_misfit,
     thinking_on,
@@ -474,7 +473,8 @@ class HttpApi:
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
             # A Responses answer's, shaped at its end (`response_body`); a chat answer's with a
-            # reasoning parser, whose reasoning tokens are counted from them.
+            # reasoning parser, parted and its reasoning tokens counted from them in one pass
+            # (`completion_body`).
             thinking = self._thinking(chat)
             steps: list[TokenStep] = []
             async with aclosing(events):  # type: ignore[type-var]
@@ -498,11 +498,7 @@ class HttpApi:
                                 thinking=thinking,
                                 include_reasoning=chat.include_reasoning,
                                 tool_choice=chat.tool_choice,
-                                reasoning_tokens=None
-                                if thinking is None
-                                else count_reasoning_tokens(
-                                    ((s.index, s.text, len(s.token_ids)) for s in steps), thinking
-                                ),
+                                steps=steps,
                             )
                         # the prompt's logprobs: up to half a million entries, written off the loop
                         return await json_answer(build, off_loop=bool(summary.prompt_logprobs))

@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,8 +61,8 @@ from epd.gateway.logprobs_protocol import (
     prompt_logprobs_json,
     prompt_logprobs_option,
 )
-from epd.gateway.pipeline import AskSummary
-from epd.gateway.reasoning import message_fields, split_reasoning
+from epd.gateway.pipeline import AskSummary, ChoiceSummary
+from epd.gateway.reasoning import PartedAnswers, message_fields, part_answers
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
 from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason
 from epd.gateway.tool_request import ToolChoice, forced_structured_outputs, parse_tools
@@ -81,7 +81,7 @@ from epd.model_runtime.sampling import (
     check_stop_strings,
 )
 from epd.stages.chat_template import check_request_chat_template
-from epd.stages.contracts import check_cache_salt
+from epd.stages.contracts import TokenStep, check_cache_salt
 from epd.stages.errors import Busy, InvalidRequest, NotFound
 from epd.stages.messages import (
     ROLES,
@@ -715,7 +715,7 @@ def usage(summary: AskSummary, reasoning_tokens: int | None = None) -> dict[str,
     """OpenAI's usage; `prompt_tokens_details.cached_tokens` are the prompt tokens whose KV came
     from prefill's prefix cache (as OpenAI and vLLM report prompt caching). The prompt counts once
     and the completion tokens are every choice's (as vLLM's, for n choices). `reasoning_tokens`
-    (every choice's, `epd.gateway.reasoning.count_reasoning_tokens`; None without
+    (every choice's, `epd.gateway.reasoning.part_answers`; None without
     `--reasoning-parser`) goes in `completion_tokens_details`, as vLLM's chat reports it only with
     a reasoning parser."""
     completion = sum(len(choice.token_ids) for choice in summary.all_choices())
@@ -778,17 +778,23 @@ def completion_body(
     thinking: bool | None = None,
     include_reasoning: bool = True,
     tool_choice: ToolChoice = ToolChoice(),
-    reasoning_tokens: int | None = None,
+    steps: Iterable[TokenStep] | None = None,
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
     the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
-    choice's text into the message's reasoning and content, whose tokens `reasoning_tokens`
-    counts (`usage`); `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls
-    into the message's `tool_calls` (`epd.gateway.tool_parsers`)."""
+    choice's text, from the answer's token `steps` (needed then), into the message's reasoning and
+    content, counting the reasoning's tokens in the same pass (`part_answers`, as the Responses
+    answer parts and counts its steps); `tool_choice` (`ChatRequest.tool_choice`) takes the
+    content's tool calls into the message's `tool_calls` (`epd.gateway.tool_parsers`)."""
+    parted = None
+    if thinking is not None:
+        if steps is None:
+            raise ValueError("a reasoning parser parts the answer from its token steps: pass them")
+        parted = part_answers(((s.index, s.text, len(s.token_ids)) for s in steps), thinking)
     choices = []
     for choice in summary.all_choices():
-        message, num_calls = _message(role, echoed, choice.answer, thinking, include_reasoning, tool_choice)
+        message, num_calls = _message(role, echoed, choice, parted, include_reasoning, tool_choice)
         choices.append(
             {
                 "index": choice.index,
@@ -806,7 +812,7 @@ def completion_body(
         "created": created if created is not None else int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(summary, reasoning_tokens),
+        "usage": usage(summary, None if parted is None else parted.num_reasoning_tokens),
         # vLLM's: None for the first prompt token, then each token's (only when asked).
         "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),
         "epd": epd_details(summary),
@@ -816,20 +822,20 @@ def completion_body(
 def _message(
     role: str,
     echoed: str,
-    answer: str,
-    thinking: bool | None,
+    choice: ChoiceSummary,
+    parted: PartedAnswers | None,
     include_reasoning: bool,
     tool_choice: ToolChoice,
 ) -> tuple[dict[str, Any], int]:
-    """A choice's message and the number of its tool calls: its text whole, or parted by the
-    reasoning parser, its content's tool calls taken out under the request's tool choice
+    """A choice's message and the number of its tool calls: its text whole, or as the reasoning
+    parser parted it (`parted`), its content's tool calls taken out under the request's tool choice
     (`answer_tool_calls`), then an echo put in front of the content (as vLLM's: the calls are the
     generated text's, as the stream, which sends the echo in a chunk of its own, reads them)."""
-    if thinking is None:
-        content: str | None = answer
+    if parted is None:
+        content: str | None = choice.answer
         fields: dict[str, Any] = {}
     else:
-        split = split_reasoning(answer, thinking)
+        split = parted.split(choice.index)
         content = split.content
         fields = message_fields(split, include_reasoning)
     content, calls = answer_tool_calls(content, tool_choice)

@@ -1,8 +1,9 @@
 """vLLM's reasoning parsers (`--reasoning-parser qwen3 | deepseek_r1`): a thinking model's answer
 split into its reasoning, the text inside `<think> ... </think>`, and its content, the text after.
 No HTTP and no tokenizer in here: the chat door (`epd.gateway.http_api`) feeds each choice's
-decoded text, whole or as the stream's deltas, and puts the parts in the message's `reasoning`
-(and its older name `reasoning_content`) and `content`.
+decoded text step by step, a whole answer's steps at its end (`part_answers`) or the stream's as
+they come, and puts the parts in the message's `reasoning` (and its older name
+`reasoning_content`) and `content`.
 
 The split is on the decoded text, as vLLM's `extract_reasoning` splits it: in Qwen3's, Qwen3.5's
 and DeepSeek-R1's tokenizers `<think>` and `</think>` are added tokens that are not special, so
@@ -22,7 +23,7 @@ at most a marker's length.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -85,19 +86,17 @@ def constrained_after_reasoning(generation: GenerationConfig) -> GenerationConfi
 
 
 def split_reasoning(text: str, thinking: bool) -> ReasoningSplit:
-    """A whole answer's text parted at its first `</think>` (`thinking`: `thinking_on`)."""
-    if not thinking:
-        return ReasoningSplit(None, text)
-    end = text.find(END)
-    if end < 0:  # cut inside the block (max_tokens): all of it is reasoning
-        return ReasoningSplit(text.replace(START, "", 1), None)
-    return ReasoningSplit(text[:end].replace(START, "", 1), text[end + len(END) :] or None)
+    """A whole answer's text parted at its first `</think>` (`thinking`: `thinking_on`): as one
+    step of `part_answers`, so a whole text, a stream's deltas and a whole answer's steps are
+    parted by the one machine (`ReasoningStream`)."""
+    return part_answers([(0, text, 0)], thinking).split(0)
 
 
 class ReasoningStream:
     """One choice's streamed text, parted delta by delta; the parts joined are `split_reasoning`'s
     of the whole text (`finish` gives what was held back). Fed each step's token count too, it
-    counts the answer's reasoning tokens (`num_reasoning_tokens`) in the same pass."""
+    counts the answer's reasoning tokens (`num_reasoning_tokens`) in the same pass; fed its tokens'
+    texts, it tells which of them are the content's (`num_content_tokens`, for their logprobs)."""
 
     def __init__(self, thinking: bool) -> None:
         self.in_reasoning = thinking
@@ -107,6 +106,7 @@ class ReasoningStream:
         Responses API's `usage.output_tokens_details.reasoning_tokens` and chat's
         `usage.completion_tokens_details.reasoning_tokens` (`add`)."""
         self._start_dropped = False  # the model's own `<think>`, dropped once
+        self._tokens_in_reasoning = thinking  # until a token reads `</think>` (`num_content_tokens`)
         self._held = ""  # the reasoning text's tail that may begin a marker: len < len(END)
 
     def add(self, text: str, num_tokens: int = 0) -> ReasoningSplit:
@@ -122,6 +122,23 @@ class ReasoningStream:
         num_markers = (not self.in_reasoning) + (self._start_dropped and not dropped)
         self.num_reasoning_tokens += max(0, num_tokens - num_markers)
         return split
+
+    def num_content_tokens(self, token_texts: Sequence[str]) -> int:
+        """How many of the next step's tokens, the last ones, are the content's, by each token's
+        text decoded alone (as logprobs name it; call it before `add`): those after the token that
+        reads `</think>` (one token of a thinking model's tokenizer, `parser_misfit`), as vLLM's
+        parsers tell them by token id. By token, not by where the step's text falls: decode may
+        hold a step's text back (a stop string's possible start) and send it with later tokens.
+        Should the text leave the block with no such token (the marker spelled in pieces), the
+        tokens from the next step on are content."""
+        if self._tokens_in_reasoning and not self.in_reasoning:
+            self._tokens_in_reasoning = False
+        if not self._tokens_in_reasoning:
+            return len(token_texts)
+        if END not in token_texts:
+            return 0
+        self._tokens_in_reasoning = False
+        return len(token_texts) - token_texts.index(END) - 1
 
     def finish(self) -> ReasoningSplit:
         """The held-back tail at the answer's end: reasoning (no marker came of it)."""
@@ -171,18 +188,48 @@ def message_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, 
     return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
-def count_reasoning_tokens(steps: Iterable[tuple[int, str, int]], thinking: bool) -> int:
-    """Chat's `usage.completion_tokens_details.reasoning_tokens` of a whole answer from its steps,
-    each (choice index, text, number of tokens), in order: every choice's through a
-    `ReasoningStream` of its own, as a stream counts them, summed over the choices (vLLM's sum)."""
+@dataclass(frozen=True)
+class PartedAnswers:
+    """A whole answer's choices, each parted into reasoning and content (`part_answers`)."""
+
+    thinking: bool
+    splits: Mapping[int, ReasoningSplit]
+    """By choice index, those that had steps."""
+    num_reasoning_tokens: int
+    """Every choice's reasoning tokens (`ReasoningStream.num_reasoning_tokens`), summed: vLLM's
+    chat usage `completion_tokens_details.reasoning_tokens`."""
+
+    def split(self, index: int) -> ReasoningSplit:
+        """Choice `index`'s parts (an empty answer's when it had no step)."""
+        if index in self.splits:
+            return self.splits[index]
+        return ReasoningSplit("", None) if self.thinking else ReasoningSplit(None, "")
+
+
+def part_answers(steps: Iterable[tuple[int, str, int]], thinking: bool) -> PartedAnswers:
+    """A whole answer parted from its steps, each (choice index, text, number of tokens), in
+    order, in one pass: every choice's through a `ReasoningStream` of its own, as a stream parts
+    it, which counts its reasoning tokens as it parts the text (the Responses answer's shape,
+    `epd.gateway.responses_events.response_body`). As vLLM's whole message: `reasoning` None with
+    thinking off; `content` None when nothing came after the block (or it never closed)."""
     streams: dict[int, ReasoningStream] = {}
+    parts: dict[int, tuple[list[str], list[str]]] = {}
     for index, text, num_tokens in steps:
-        streams.setdefault(index, ReasoningStream(thinking)).add(text, num_tokens)
-    total = 0
-    for stream in streams.values():
-        stream.finish()  # a held-back whole `<think>` at the answer's end is no reasoning token
-        total += stream.num_reasoning_tokens
-    return total
+        stream = streams.setdefault(index, ReasoningStream(thinking))
+        split = stream.add(text, num_tokens)
+        reasoning, content = parts.setdefault(index, ([], []))
+        reasoning.append(split.reasoning or "")
+        content.append(split.content or "")
+    splits = {}
+    for index, stream in streams.items():
+        # a held-back tail is reasoning; a held whole `<think>` at the end is dropped, no token
+        reasoning, content = parts[index]
+        reasoning.append(stream.finish().reasoning or "")
+        joined = "".join(content)
+        splits[index] = (
+            ReasoningSplit("".join(reasoning), joined or None) if thinking else ReasoningSplit(None, joined)
+        )
+    return PartedAnswers(thinking, splits, sum(s.num_reasoning_tokens for s in streams.values()))
 
 
 def delta_fields(split: ReasoningSplit, include_reasoning: bool) -> dict[str, str]:

@@ -25,8 +25,10 @@ Logprobs (`include: ["message.output_text.logprobs"]`): OpenAI's {"token", "logp
 without "bytes" (OpenAI's event form) on its response.output_text.done and, each its own tokens',
 on its response.output_text.delta events. A step's tokens go with the text they make: a reasoning
 item or a call has no logprobs, so those tokens' are left out (vLLM's whole answer puts every
-token's on the message); text a parser held back takes its tokens' along to the delta that releases
-it.
+token's on the message). The content's tokens are told by token, those after the one that reads
+`</think>` (`ReasoningStream.num_content_tokens`), so a step that begins inside the block and ends
+it gives the message the tokens after the marker's; text held back (by a parser, or by decode for a
+stop string's possible start) takes its tokens' along to the delta that releases it.
 """
 
 from __future__ import annotations
@@ -110,14 +112,20 @@ class ResponseEvents:
     ) -> list[dict[str, Any]]:
         """The events of the answer's next step: its `text`, made by `num_tokens` tokens (counted
         as reasoning tokens while it thinks) with their `logprobs` when the request asked."""
-        thinking = self._reasoning is not None and self._reasoning.in_reasoning
-        if self._logprobs and not thinking:  # a step begun inside the block is reasoning's
-            self._held_logprobs += logprobs or ()
+        if self._logprobs and logprobs:
+            # The content's tokens, the step's last ones (the others are reasoning's, which has
+            # no logprobs); held until a delta carries their text.
+            num_content = (
+                len(logprobs)
+                if self._reasoning is None
+                else self._reasoning.num_content_tokens([lp.token for lp in logprobs])
+            )
+            self._held_logprobs += logprobs[len(logprobs) - num_content :]
         if self._reasoning is None:
             return self._step_events(self._content(text))
         split = self._reasoning.add(text, num_tokens)
         events = self._reasoning_text(split.reasoning or "")
-        return self._step_events(events + self._content(split.content or ""))
+        return events + self._step_events(self._content(split.content or ""))
 
     def finish(self, summary: AskSummary) -> list[dict[str, Any]]:
         """The held-back tails, the last item's close and response.completed (or .incomplete:
@@ -190,9 +198,9 @@ class ResponseEvents:
         }
 
     def _step_events(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A step's `events`; the content tokens' logprobs no delta took went into a call's
-        arguments (no logprobs there) unless the step sent nothing: then its text is held back,
-        and they wait for the delta that releases it."""
+        """A step's content `events`; the content tokens' logprobs no delta took went into a
+        call's arguments (no logprobs there) unless the step sent no content: then its text is held
+        back (or not made yet: part of a character), and they wait for the delta that releases it."""
         if events:
             self._held_logprobs = []
         return events

@@ -32,8 +32,8 @@ serves it over a chat model: the body becomes a chat-completions body, parsed by
     include, top_logprobs  `include: ["message.output_text.logprobs"]` asks for the output
                   text's logprobs, each with the `top_logprobs` most likely tokens (0 to the
                   server's --max-logprobs; 0 by default): chat's `logprobs: true` and
-                  `top_logprobs`, vLLM's; top_logprobs above 0 without it is a 400 (vLLM ignores
-                  it). vLLM's five other `include` values are accepted and give nothing, as
+                  `top_logprobs`, vLLM's; without it top_logprobs is ignored, as vLLM ignores
+                  it. vLLM's five other `include` values are accepted and give nothing, as
                   vLLM's simple path gives nothing for them (epd runs no hosted tools and keeps no
                   encrypted reasoning); a value vLLM does not take is a 400, as vLLM's
     metadata, user  accepted; metadata comes back in the response
@@ -110,7 +110,6 @@ _RENAMED = {
     "'max_completion_tokens'": "'max_output_tokens'",
     "response_format": "text.format",
     "a string id, function.name and function.arguments": "a string call_id, name and arguments",
-    'needs "logprobs": true; set logprobs to true,': f"needs 'include': [\"{LOGPROBS_INCLUDE}\"]; add it,",
 }
 """Chat's names in its refusals -> the names a Responses body sent them under."""
 
@@ -210,8 +209,8 @@ class _Source:
 def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
     """`include` and `top_logprobs` as chat's `logprobs` and `top_logprobs`: vLLM's, the output
     text's logprobs only with `include: ["message.output_text.logprobs"]`, each with the
-    `top_logprobs` most likely tokens (0 by default). A top_logprobs above 0 without it is refused
-    by chat's check, as chat refuses it without `logprobs: true` (vLLM ignores it)."""
+    `top_logprobs` most likely tokens (0 by default, checked as chat's); without it top_logprobs
+    asks for nothing, as vLLM ignores it (chat refuses one above 0 without `logprobs: true`)."""
     include = [] if body.get("include") is None else body["include"]
     if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
         raise InvalidRequest(f"'include' must be a list of strings such as [\"{LOGPROBS_INCLUDE}\"]")
@@ -220,10 +219,14 @@ def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
             f"'include' value {shown_value(other[0])} is not one this server takes; it takes "
             + ", ".join(f'"{value}"' for value in INCLUDE_VALUES)
         )
-    fields: dict[str, Any] = {"logprobs": LOGPROBS_INCLUDE in include}
-    if body.get("top_logprobs") is not None:
-        fields["top_logprobs"] = body["top_logprobs"]
-    return fields
+    if LOGPROBS_INCLUDE not in include:
+        # vLLM's: top_logprobs is read only with the include (`to_sampling_params`), ignored
+        # without it; an integer all the same, as its request's schema types it.
+        top = body.get("top_logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+            raise InvalidRequest(f"'top_logprobs' must be an integer, got {shown_value(top)}")
+        return {"logprobs": False}
+    return {"logprobs": True, "top_logprobs": body.get("top_logprobs")}
 
 
 def _messages(value: Any, instructions: Any) -> tuple[list[dict[str, Any]], list[_Source]]:

@@ -129,6 +129,20 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
                 {"reasoning_tokens": end},
             )
 
+        # Logprobs: the message's text carries its own tokens', chat's for the same tokens (those
+        # after </think>'s). A stop string that begins with "</think>" (never met) makes decode hold
+        # the marker's text back and send it with the next token's: a step that begins inside the
+        # block and ends it, whose content token's logprob was dropped with the reasoning's.
+        chat_logprobs = _chat(port, _body(allowed_token_ids=allowed, logprobs=True))["choices"][0]["logprobs"]
+        want = [{k: v for k, v in lp.items() if k != "bytes"} for lp in chat_logprobs["content"][end + 1 :]]
+        for stop in ([], ["</think>@@"]):
+            asked = {**responses, "include": ["message.output_text.logprobs"], "stop": stop}
+            events = sse_chunks(port, "/v1/responses", asked)
+            assert events[-1]["response"]["epd"]["token_ids"] == ids, stop
+            deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+            assert "".join(e["delta"] for e in deltas) == content, stop
+            assert [lp for e in deltas for lp in e["logprobs"]] == want, stop
+
         # n choices: each parted on its own (greedy: the same answer twice), their reasoning
         # tokens summed (vLLM's), whole and streamed.
         chunks = _stream(port, _body(allowed_token_ids=allowed, n=2))

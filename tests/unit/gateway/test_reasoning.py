@@ -10,17 +10,18 @@ import pytest
 
 from epd.gateway.config import HttpApiConfig
 from epd.gateway.openai_protocol import completion_body, parse_chat_request
-from epd.gateway.pipeline import AskSummary
+from epd.gateway.pipeline import AskSummary, ChoiceSummary
 from epd.gateway.reasoning import (
     ReasoningSplit,
     ReasoningStream,
     constrained_after_reasoning,
-    count_reasoning_tokens,
     delta_fields,
+    part_answers,
     split_reasoning,
     thinking_on,
 )
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
+from epd.stages.contracts import TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.video.types import SamplingOptions
 
@@ -118,30 +119,36 @@ def _summary(answer: str) -> AskSummary:
     return AskSummary("r1", answer, [5, 6, 7], "length", 0, 0, 3, {}, 0, False, "", [])
 
 
+def _parted(answer: str, **fields) -> dict:
+    """`completion_body` of `_summary(answer)` under a reasoning parser, the answer its one step."""
+    return completion_body(_summary(answer), "m", created=1, steps=[TokenStep([5, 6, 7], answer)], **fields)
+
+
 def test_a_chat_message_carries_the_parts_and_the_flag_off_leaves_it_as_it_was():
     answer = "\nplan</think>\n\nred"
     plain = completion_body(_summary(answer), "m", created=1)
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": answer}
-    parted = completion_body(_summary(answer), "m", created=1, thinking=True)
+    parted = _parted(answer, thinking=True)
     assert parted["choices"][0]["message"] == {
         "role": "assistant",
         "content": "\n\nred",
         "reasoning": "\nplan",
         "reasoning_content": "\nplan",
     }
-    assert parted["usage"] == plain["usage"]  # every generated token counts, the reasoning's too
-    hidden = completion_body(_summary(answer), "m", created=1, thinking=True, include_reasoning=False)
+    # every generated token counts, the reasoning's too
+    assert parted["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    hidden = _parted(answer, thinking=True, include_reasoning=False)
     assert hidden["choices"][0]["message"] == {
         "role": "assistant",
         "content": "\n\nred",
         "reasoning": None,
         "reasoning_content": None,
     }
-    cut = completion_body(_summary("still thinking"), "m", created=1, thinking=True)["choices"][0]
+    cut = _parted("still thinking", thinking=True)["choices"][0]
     assert (cut["message"]["content"], cut["message"]["reasoning"]) == (None, "still thinking")
-    off = completion_body(_summary("a</think>b"), "m", created=1, thinking=False)["choices"][0]
+    off = _parted("a</think>b", thinking=False)["choices"][0]
     assert (off["message"]["content"], off["message"]["reasoning"]) == ("a</think>b", None)
-    echoed = completion_body(_summary("x</think>y"), "m", 1, echoed="I said: ", thinking=True)
+    echoed = _parted("x</think>y", echoed="I said: ", thinking=True)
     assert echoed["choices"][0]["message"]["content"] == "I said: y"  # an echo leads the content
 
 
@@ -192,21 +199,50 @@ def test_reasoning_tokens_are_those_between_the_markers_as_vllms(thinking, steps
     assert stream.num_reasoning_tokens == want
 
 
+STEPS = [
+    (0, "a", 1),
+    (1, "x", 2),
+    (0, "</think>", 1),
+    (1, "y", 1),
+    (0, "b", 1),
+    (1, "</think>", 1),
+    (1, "z", 1),
+]
+"""Two choices' steps (choice index, text, number of tokens), interleaved."""
+
+
 def test_chats_reasoning_tokens_are_each_choices_summed_and_reported_only_with_a_parser():
     """vLLM's chat usage (`completion_tokens_details.reasoning_tokens`, with a reasoning parser):
     each choice's count, its steps interleaved with the other's, summed; no field without one."""
-    steps = [
-        (0, "a", 1),
-        (1, "x", 2),
-        (0, "</think>", 1),
-        (1, "y", 1),
-        (0, "b", 1),
-        (1, "</think>", 1),
-        (1, "z", 1),
-    ]
-    assert count_reasoning_tokens(steps, thinking=True) == 1 + 3
-    assert count_reasoning_tokens(steps, thinking=False) == 0
-    assert count_reasoning_tokens([(0, "a", 1), (0, "<think>", 1)], thinking=True) == 1  # held, then dropped
-    with_parser = completion_body(_summary("a</think>b"), "m", thinking=True, reasoning_tokens=4)["usage"]
-    assert with_parser["completion_tokens_details"] == {"reasoning_tokens": 4}
+    assert part_answers(STEPS, thinking=True).num_reasoning_tokens == 1 + 3
+    assert part_answers(STEPS, thinking=False).num_reasoning_tokens == 0
+    assert part_answers([(0, "a", 1), (0, "<think>", 1)], thinking=True).num_reasoning_tokens == 1  # dropped
     assert "completion_tokens_details" not in completion_body(_summary("a"), "m")["usage"]
+
+
+def test_a_whole_chat_answer_is_parted_and_counted_in_one_pass_over_its_steps(monkeypatch):
+    """A whole chat answer under a reasoning parser goes through each choice's `ReasoningStream`
+    once, step by step, as a stream does and as the Responses answer does: that one pass parts
+    the text and counts the reasoning tokens (the text was parted a second time, whole)."""
+    parts: list[str] = []
+    split = ReasoningStream._split
+
+    def counted(self, text):
+        parts.append(text)
+        return split(self, text)
+
+    monkeypatch.setattr(ReasoningStream, "_split", counted)
+    summary = _summary("a</think>b")
+    summary.choices = [
+        ChoiceSummary(0, "a</think>b", [1, 2, 3], "stop"),
+        ChoiceSummary(1, "xy</think>z", [4, 5, 6, 7, 8], "stop"),
+    ]
+    steps = [TokenStep(list(range(n)), text, index=index) for index, text, n in STEPS]
+    body = completion_body(summary, "m", created=1, thinking=True, steps=steps)
+    # each step's text once while it thinks; after </think> a step is content as it comes
+    assert parts == ["a", "x", "</think>", "y", "</think>"]
+    messages = [(c["message"]["reasoning"], c["message"]["content"]) for c in body["choices"]]
+    assert messages == [("a", "b"), ("xy", "z")]
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1 + 3}
+    with pytest.raises(ValueError, match="from its token steps"):
+        completion_body(summary, "m", thinking=True)

@@ -15,6 +15,7 @@ from openai.types.responses import ResponseErrorEvent
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
+from epd.gateway.logprobs_protocol import chat_logprobs
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskSummary, Pipeline
 from epd.gateway.responses_events import ResponseEvents, response_body
@@ -162,10 +163,7 @@ def test_a_named_function_and_text_format_are_chats():
             '"code_interpreter_call.outputs", .*"reasoning.encrypted_content"',
         ),
         ({"input": "hi", "include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
-        (
-            {"input": "hi", "top_logprobs": 2},
-            "'top_logprobs' \\(2\\) needs 'include': \\[\"message.output_text.logprobs\"\\]; add it",
-        ),
+        ({"input": "hi", "top_logprobs": "2"}, "'top_logprobs' must be an integer"),
         ({"input": [{"role": "robot", "content": "x"}]}, "message roles must be"),
         ({"input": "hi", "best_of": 2}, "'best_of' is not supported"),
         ({"input": "hi", "mm_processor_kwargs": {"fps": 1}}, 'frame sampling goes in "media"'),
@@ -423,6 +421,56 @@ def test_logprobs_go_on_the_output_text_and_its_deltas():
     assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
 
 
+def _tokens_step(texts: list[str], text: str) -> TokenStep:
+    """A step of several tokens (`texts`, each decoded alone, ids from 10 on) that made `text`."""
+    ids = [10 + sum(map(len, texts[:i])) for i in range(len(texts))]
+    return TokenStep(
+        ids, text, logprobs=[TokenLogprob(i, t, -float(i)) for i, t in zip(ids, texts, strict=True)]
+    )
+
+
+def test_a_step_that_ends_the_block_gives_its_content_tokens_logprobs_to_the_message():
+    """A step of several tokens that begins inside the thinking block and ends it: the tokens
+    after `</think>`'s are the message's, their logprobs those chat gives for the same tokens
+    (they were all dropped with the step's reasoning). A content token whose character is not
+    whole yet gives its logprob to the delta that sends the character; content tokens that come
+    before their text (decode held it back) give theirs to the delta that sends it."""
+    request = parse(input="hi", include=["message.output_text.logprobs"], stream=True)
+    steps = [
+        _tokens_step(["hm", "</think>", "\ufffd"], "hm</think>"),  # half of "é": no content text yet
+        _tokens_step(["\ufffd", "Su", "re"], "éSure"),
+        _tokens_step([" a", "</think>"], " a</think>"),  # a second </think> is content
+    ]
+    want = chat_logprobs([lp for s in steps for lp in s.logprobs or ()])["content"]
+    shaper = ResponseEvents(request, "r1", thinking=True)
+    events = [e for s in steps for e in shaper.add(s.text, len(s.token_ids), s.logprobs)]
+    events += shaper.finish(summary("hm</think>éSure a</think>"))
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [d["delta"] for d in deltas] == ["éSure", " a</think>"]
+    delta_logprobs = [[lp["token"] for lp in d["logprobs"]] for d in deltas]
+    assert delta_logprobs == [["\ufffd", "\ufffd", "Su", "re"], [" a", "</think>"]]
+    text = events[-1]["response"]["output"][1]["content"][0]
+    assert text["logprobs"] == want[2:]  # chat's entries for the message's tokens
+    assert [lp for d in deltas for lp in d["logprobs"]] == [
+        {k: v for k, v in lp.items() if k != "bytes"} for lp in want[2:]
+    ]
+    body = response_body(summary("hm</think>éSure a</think>"), request, True, steps)  # whole: the same
+    assert body["output"][1]["content"][0]["logprobs"] == want[2:]
+
+    # A stop string that begins with "</think>" makes decode hold text back: the text lags the
+    # tokens, so content tokens come while the text is still reasoning; they wait for it.
+    lagging = [
+        _tokens_step(["hm"], ""),
+        _tokens_step(["</think>"], "hm"),
+        _tokens_step(["Su"], ""),
+        _tokens_step(["re"], "</think>Sure"),
+    ]
+    shaper = ResponseEvents(request, "r2", thinking=True)
+    events = [e for s in lagging for e in shaper.add(s.text, len(s.token_ids), s.logprobs)]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [(d["delta"], [lp["token"] for lp in d["logprobs"]]) for d in deltas] == [("Sure", ["Su", "re"])]
+
+
 def test_held_back_text_takes_its_tokens_logprobs_to_the_delta_that_releases_it():
     """Under "auto" tools, "<" may begin a call: held back, its token's logprob waits and goes
     with the delta that sends it once it is content; a call's tokens have none."""
@@ -463,8 +511,13 @@ def test_the_include_values_vllm_takes_are_accepted_and_give_nothing_more():
 
 
 def test_without_include_no_logprobs_are_asked_or_sent():
-    request = parse(input="hi", top_logprobs=0)
-    assert request.generation.logprobs is None
+    """vLLM reads top_logprobs only with the logprobs `include`: without it, any integer asks for
+    nothing (it was a 400 above 0); with it, one out of range is chat's 400."""
+    for top in (0, 2, 50, -1):
+        assert parse(input="hi", top_logprobs=top).generation.logprobs is None
+    with pytest.raises(InvalidRequest, match="'top_logprobs' must be an integer from 0"):
+        parse(input="hi", top_logprobs=-1, include=["message.output_text.logprobs"])
+    request = parse(input="hi", top_logprobs=2)
     body = whole(summary("hello"), request, None)
     assert body["top_logprobs"] is None and "logprobs" not in body["output"][0]["content"][0]
 

@@ -20,6 +20,7 @@ from epd.gateway.tool_parsers.calls import ArgumentsFragment, ParsedToolCall, To
 from epd.gateway.tool_parsers.qwen3_coder import parameter_value
 from epd.gateway.tool_parsers.stream import ToolCallStream, parse_tool_calls
 from epd.gateway.tool_request import ToolChoice
+from epd.stages.contracts import TokenStep
 
 
 class _AnyId(str):
@@ -314,6 +315,11 @@ def _summary(answer: str, finish: str = "stop") -> AskSummary:
     return AskSummary("r1", answer, [5, 6, 7], finish, 0, 0, 3, {}, 0, False, "", [])
 
 
+def _steps(answer: str) -> list[TokenStep]:
+    """`_summary`'s answer as its one token step (a reasoning parser parts the steps)."""
+    return [TokenStep([5, 6, 7], answer)]
+
+
 @pytest.mark.parametrize(
     ("choice", "answer", "finish", "want"),
     [
@@ -340,9 +346,9 @@ def test_the_answers_message_holds_the_calls_with_vllms_finish_reason(choice, an
 
 def test_with_the_reasoning_parser_the_calls_are_taken_from_the_content_alone():
     answer = "I should call " + CALL + "</think>" + CALL_B
-    message = completion_body(_summary(answer), "epd", thinking=True, tool_choice=ToolChoice("auto"))[
-        "choices"
-    ][0]["message"]
+    message = completion_body(
+        _summary(answer), "epd", thinking=True, tool_choice=ToolChoice("auto"), steps=_steps(answer)
+    )["choices"][0]["message"]
     assert message["reasoning"] == "I should call " + CALL
     assert (message["content"], [c["function"]["name"] for c in message["tool_calls"]]) == (
         None,
@@ -488,7 +494,12 @@ def test_an_echo_goes_in_front_of_the_content_not_into_the_calls(choice, answer,
     echoed = "The weather:"
     for thinking in (None, False):
         choice_json = completion_body(
-            _summary(answer), "epd", echoed=echoed, thinking=thinking, tool_choice=choice
+            _summary(answer),
+            "epd",
+            echoed=echoed,
+            thinking=thinking,
+            tool_choice=choice,
+            steps=_steps(answer),
         )["choices"][0]
         message = choice_json["message"]
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
