@@ -306,22 +306,18 @@ class HfTextAdapter(VLMAdapter):
 
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual
-        positions filled in order, the prompt's [4, 1, L] positions, `extra` passed to the text
-        model (DeepStack's); the cache transformers' `DynamicCache(config)` builds (a hybrid model's
-        linear layers: `LinearAttentionLayer`). ValueError unless there is one embedding per
+        positions filled in order (`_prompt_embeds`), the prompt's [4, 1, L] positions (as the text
+        model takes them: `_text_positions`), `extra` passed to the text model (DeepStack's); the
+        cache transformers' `DynamicCache(config)` builds (a hybrid model's linear layers:
+        `LinearAttentionLayer`). ValueError unless there is one embedding per
         visual position (`masked_scatter` would take the first of too many)."""
         from transformers import DynamicCache
 
         check_visual_count(prompt, visual_embeds)
-        lm = self._language_model()
-        input_ids = prompt.input_ids.to(self.device)
-        embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
-        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
-        embeds = embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
         cache = DynamicCache(config=self.hf_config.text_config)
         length = prompt.num_tokens
-        out = lm(
-            inputs_embeds=embeds,
+        out = self._language_model()(
+            inputs_embeds=self._prompt_embeds(prompt, visual_embeds),
             position_ids=self._text_positions(prompt.position_ids).to(self.device),
             attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
             past_key_values=cache,
@@ -335,6 +331,13 @@ class HfTextAdapter(VLMAdapter):
             next_position_ids=prompt.position_ids[:, 0, -1] + 1,
             num_prompt_tokens=length,
         )
+
+    def _prompt_embeds(self, prompt: Prompt, visual_embeds: torch.Tensor) -> torch.Tensor:
+        """[1, L, hidden]: the prompt's token embeddings, its visual positions filled with
+        `visual_embeds` in order (LLaVA-OneVision's also write a video's closing newline)."""
+        embeds = self._language_model().embed_tokens(prompt.input_ids.to(self.device))  # [1, L, hidden]
+        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
+        return embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
 
     # -- chunked prefill ---------------------------------------------------------------------
 
