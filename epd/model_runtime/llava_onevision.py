@@ -62,7 +62,7 @@ from epd.model_runtime.hf_loading import (
 )
 from epd.model_runtime.hf_text import (
     OneDimTextAdapter,
-    check_one_placeholder,
+    check_media_placeholders,
     checked_visual_mask,
     one_dim_positions,
 )
@@ -208,12 +208,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         proc = self.processor
         text = self._render(conversation, options)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
-        check_one_placeholder(text.count(pad), visual.modality)
-        if text.count(proc.video_token) + text.count(proc.image_token) != 1:
-            raise ValueError(
-                "the chat template rendered both a video and an image placeholder; "
-                "send at most one video or image part per request"
-            )
+        check_media_placeholders(text, proc, visual.modality, options)
         # Expanded by the processor's own code, as its __call__ does.
         t, h, w = visual.grid_thw
         if visual.modality == "video":

@@ -53,7 +53,7 @@ from epd.model_runtime.hf_loading import (
 from epd.model_runtime.hf_text import (
     HfTextAdapter,
     QwenTextAdapter,
-    check_one_placeholder,
+    check_media_placeholders,
     checked_visual_mask,
     mrope_prompt_positions,
 )
@@ -378,7 +378,7 @@ def expanded_ids(
     proc = adapter.processor
     text = adapter._render(conversation, options)
     pad = proc.video_token if visual.modality == "video" else proc.image_token
-    check_one_placeholder(text.count(pad), visual.modality)
+    check_media_placeholders(text, proc, visual.modality, options)
     grid = torch.tensor([visual.grid_thw], dtype=torch.long)
     if visual.modality == "video":
         metadata = timestamps_metadata(visual, temporal_patch_size)
