@@ -48,7 +48,7 @@ from epd.model_runtime.adapter import (
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import end_of_sequence, fingerprint, load_language_model, load_vision_part
 from epd.model_runtime.hf_text import HfTextAdapter, checked_visual_mask, mrope_prompt_positions
-from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
+from epd.model_runtime.qwen3_vl import Qwen3VLAdapter, expanded_ids
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
 from epd.video.types import DecodedVideo, FrameResize
 
@@ -163,7 +163,7 @@ class Glm4vAdapter(HfTextAdapter):
         if visual is None:
             return self._text_only_prompt(conversation, options)
         proc = self.processor
-        input_ids = Qwen3VLAdapter._expanded_ids(self, conversation, visual, options)  # type: ignore[arg-type]
+        input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
         # a video's tokens are `<|image|>` too
         visual_mask = checked_visual_mask(
             input_ids[0] == proc.image_token_id, self.num_visual_tokens(visual.grid_thw)
@@ -176,11 +176,6 @@ class Glm4vAdapter(HfTextAdapter):
                 "a text part holds GLM's media markers (<|begin_of_video|>, <|end_of_video|>); remove them"
             )
         return Prompt(input_ids, self._prompt_positions(input_ids, mm_types, visual), visual_mask)
-
-    def _timestamps_metadata(self, visual: VisualMeta):
-        """Qwen3-VL's: each group's time repeated over its frames at 1 frame/s, which GLM's
-        `timestamps[::2]` reads back as the group's time."""
-        return Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]
 
     def _prompt_positions(
         self, input_ids: torch.Tensor, mm_types: torch.Tensor, visual: VisualMeta

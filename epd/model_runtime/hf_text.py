@@ -152,14 +152,11 @@ class HfTextAdapter(VLMAdapter):
         return _text_prompt(torch.tensor([ids], dtype=torch.long))
 
     def _render_text_only(self, conversation: list[dict[str, Any]], options: RenderOptions) -> str:
-        """The chat template of a conversation without media; ValueError as `_render`'s, or when
-        the template adds a visual placeholder of its own."""
+        """The chat template of a conversation without media; ValueError as `_render`'s, or, when
+        the template writes a visual placeholder of its own, `refuse_templates_placeholder`'s."""
         text = self._render(conversation, options)
         if any(token in text for token in (self.processor.video_token, self.processor.image_token)):
-            raise ValueError(
-                "the chat template rendered a visual placeholder for a conversation without media; "
-                "add the video or image part"
-            )
+            refuse_templates_placeholder(options, "for a conversation without media")
         return text
 
     def _render(self, conversation: list[dict[str, Any]], options: RenderOptions) -> str:
@@ -178,13 +175,17 @@ class HfTextAdapter(VLMAdapter):
         error: the model's own raises as it fails, the server's (--chat-template) a
         RuntimeError that names --chat-template."""
         placeholders = (self.processor.video_token, self.processor.image_token)
+        # A message's text parts joined, as the templates join them (nothing between): "<|vid" and
+        # "eo_pad|>" in two parts make a placeholder the template would seem to write itself.
         if any(
-            token in part.get("text", "")
+            token in "".join(part.get("text", "") for part in m["content"])
             for m in conversation
-            for part in m["content"]
             for token in placeholders
         ):
-            raise ValueError("a text part contains the model's visual placeholder token; remove it")
+            raise ValueError(
+                "a text part contains the model's visual placeholder token (or a message's text parts "
+                "make one together); remove it"
+            )
         if any(
             token in text
             for m in conversation
@@ -306,22 +307,18 @@ class HfTextAdapter(VLMAdapter):
 
     def _prefill_whole(self, prompt: Prompt, visual_embeds: torch.Tensor, **extra: Any) -> PrefillState:
         """One prompt in one forward (call under inference_mode): token embeddings with the visual
-        positions filled in order, the prompt's [4, 1, L] positions, `extra` passed to the text
-        model (DeepStack's); the cache transformers' `DynamicCache(config)` builds (a hybrid model's
-        linear layers: `LinearAttentionLayer`). ValueError unless there is one embedding per
+        positions filled in order (`_prompt_embeds`), the prompt's [4, 1, L] positions (as the text
+        model takes them: `_text_positions`), `extra` passed to the text model (DeepStack's); the
+        cache transformers' `DynamicCache(config)` builds (a hybrid model's linear layers:
+        `LinearAttentionLayer`). ValueError unless there is one embedding per
         visual position (`masked_scatter` would take the first of too many)."""
         from transformers import DynamicCache
 
         check_visual_count(prompt, visual_embeds)
-        lm = self._language_model()
-        input_ids = prompt.input_ids.to(self.device)
-        embeds = lm.embed_tokens(input_ids)  # [1, L, hidden]
-        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
-        embeds = embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
         cache = DynamicCache(config=self.hf_config.text_config)
         length = prompt.num_tokens
-        out = lm(
-            inputs_embeds=embeds,
+        out = self._language_model()(
+            inputs_embeds=self._prompt_embeds(prompt, visual_embeds),
             position_ids=self._text_positions(prompt.position_ids).to(self.device),
             attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
             past_key_values=cache,
@@ -335,6 +332,13 @@ class HfTextAdapter(VLMAdapter):
             next_position_ids=prompt.position_ids[:, 0, -1] + 1,
             num_prompt_tokens=length,
         )
+
+    def _prompt_embeds(self, prompt: Prompt, visual_embeds: torch.Tensor) -> torch.Tensor:
+        """[1, L, hidden]: the prompt's token embeddings, its visual positions filled with
+        `visual_embeds` in order (LLaVA-OneVision's also write a video's closing newline)."""
+        embeds = self._language_model().embed_tokens(prompt.input_ids.to(self.device))  # [1, L, hidden]
+        mask = prompt.visual_mask.to(self.device)[None, :, None].expand_as(embeds)
+        return embeds.masked_scatter(mask, visual_embeds.to(self.device, embeds.dtype))
 
     # -- chunked prefill ---------------------------------------------------------------------
 
@@ -640,20 +644,41 @@ def _raise_servers_failure(options: RenderOptions, exc: Exception) -> NoReturn:
     ) from exc
 
 
-def check_one_placeholder(num_rendered: int, modality: str) -> None:
-    """ValueError unless the chat template rendered the request's media part as the one
-    placeholder a family expands: more is more than one media part; none is a template that left
-    the media part out (a given one may), where "at most one part" would send the client astray."""
+def check_media_placeholders(text: str, processor: Any, modality: str, options: RenderOptions) -> None:
+    """Refuse a chat template's rendering `text` unless it holds the request's media part as the
+    one placeholder a family expands (the processor's video or image token) and no other visual
+    placeholder. None: the template leaves the media part out (a given one may): ValueError, the
+    client may send the question without it. More, of either kind: the template writes a
+    placeholder of its own (`refuse_templates_placeholder`), which would otherwise be expanded in
+    the media's place or stay a media token without media (with the other kind's placeholder:
+    Qwen's and GLM-4.1V's would read it as text, a prompt generate() has no answer for)."""
+    pad, other = (
+        (processor.video_token, processor.image_token)
+        if modality == "video"
+        else (processor.image_token, processor.video_token)
+    )
+    num_rendered = text.count(pad)
     if num_rendered == 0:
         raise ValueError(
             f"the chat template rendered 0 {modality} placeholders: it leaves the {modality} part out; "
             "use a chat template that renders it (the model's own does) or send the question without it"
         )
-    if num_rendered != 1:
-        raise ValueError(
-            f"the chat template rendered {num_rendered} {modality} placeholders; "
-            "send at most one video or image part per request"
-        )
+    if num_rendered > 1:
+        refuse_templates_placeholder(options, f"({num_rendered} of {pad} for one {modality})")
+    if other in text:
+        refuse_templates_placeholder(options, f"({other} beside the {modality}'s {pad})")
+
+
+def refuse_templates_placeholder(options: RenderOptions, which: str) -> NoReturn:
+    """The chat template wrote a visual placeholder of its own (`which` says where): neither a
+    client's text (`HfTextAdapter._render`) nor its one media part (`check_messages`) can, so the
+    template is at fault, and its author's is the error, as for a template that fails to render: the
+    request's template, ValueError (INVALID_ARGUMENT); the operator's (--chat-template, or the
+    model's own), RuntimeError (INTERNAL), which names it for the server's log."""
+    message = f"{_whose(options)} writes a visual placeholder of its own {which}; remove it from the template"
+    if options.requests_template:
+        raise ValueError(message)
+    raise RuntimeError(message)
 
 
 def _strings_in(value: Any) -> Iterator[str]:
@@ -678,18 +703,14 @@ def _text_prompt(input_ids: torch.Tensor) -> Prompt:
 
 def checked_visual_mask(visual_mask: torch.Tensor, num_visual: int) -> torch.Tensor:
     """`visual_mask` [L] (the expanded prompt's placeholder positions), ValueError unless they are
-    the grid's `num_visual`: a text part's placeholder is refused before (`_render`), so more come
-    from a chat template that writes one of its own (a request's, or the operator's), fewer from a
-    tokenizer that split the expansion."""
+    the grid's `num_visual`. A text part's placeholder and a template's own are refused before
+    (`_render`, `check_media_placeholders`), so a count that differs is the tokenizer's, which
+    split or merged the expansion."""
     found = int(visual_mask.sum())
     if found != num_visual:
         raise ValueError(
             f"the prompt has {found} visual placeholder tokens where the media has {num_visual}: "
-            + (
-                "the chat template writes a visual placeholder of its own; remove it from the template"
-                if found > num_visual
-                else "the tokenizer split the placeholders"
-            )
+            "the tokenizer does not keep the expanded placeholders whole"
         )
     return visual_mask
 

@@ -48,7 +48,7 @@ from epd.model_runtime.hf_loading import (
 )
 from epd.model_runtime.hf_text import (
     OneDimTextAdapter,
-    check_one_placeholder,
+    check_media_placeholders,
     checked_visual_mask,
     one_dim_positions,
 )
@@ -168,12 +168,7 @@ class InternVLAdapter(OneDimTextAdapter):
         proc = self.processor
         text = self._render(conversation, options)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
-        check_one_placeholder(text.count(pad), visual.modality)
-        if text.count(proc.video_token) + text.count(proc.image_token) != 1:
-            raise ValueError(
-                "the chat template rendered both a video and an image placeholder; "
-                "send at most one video or image part per request"
-            )
+        check_media_placeholders(text, proc, visual.modality, options)
         # Expanded by the processor's own code, as its __call__ does (only the counts are read).
         count = visual.grid_thw[0]
         if visual.modality == "video":

@@ -45,7 +45,6 @@ import torch
 
 from epd.model_runtime.adapter import (
     PrefillChunk,
-    PrefillState,
     Prompt,
     RenderOptions,
     VisionInputs,
@@ -63,12 +62,10 @@ from epd.model_runtime.hf_loading import (
 )
 from epd.model_runtime.hf_text import (
     OneDimTextAdapter,
-    check_one_placeholder,
-    check_visual_count,
+    check_media_placeholders,
     checked_visual_mask,
     one_dim_positions,
 )
-from epd.model_runtime.kv_cache import KvCache
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
@@ -211,12 +208,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         proc = self.processor
         text = self._render(conversation, options)
         pad = proc.video_token if visual.modality == "video" else proc.image_token
-        check_one_placeholder(text.count(pad), visual.modality)
-        if text.count(proc.video_token) + text.count(proc.image_token) != 1:
-            raise ValueError(
-                "the chat template rendered both a video and an image placeholder; "
-                "send at most one video or image part per request"
-            )
+        check_media_placeholders(text, proc, visual.modality, options)
         # Expanded by the processor's own code, as its __call__ does.
         t, h, w = visual.grid_thw
         if visual.modality == "video":
@@ -242,51 +234,25 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 
     def _embed(
-        self,
-        input_ids: torch.Tensor,
-        visual_mask: torch.Tensor,
-        visual: torch.Tensor | None,
-        newline: bool = True,
+        self, input_ids: torch.Tensor, visual_mask: torch.Tensor, visual: torch.Tensor
     ) -> torch.Tensor:
         """[1, n, hidden]: token embeddings of `input_ids` [1, n], the visual positions filled with
         `visual` (in order), a video's closing placeholder with `image_newline`."""
         lm = self._language_model()
         embeds = lm.embed_tokens(input_ids.to(self.device))
         mask = visual_mask.to(self.device)
-        if visual is not None and int(mask.sum()):
+        if int(mask.sum()):
             embeds[0, mask] = visual.to(self.device, embeds.dtype)
         closing = (input_ids[0].to(self.device) == self.video_token_id) & ~mask
-        if newline and bool(closing.any()):
+        if bool(closing.any()):
             assert self.image_newline is not None
             embeds[0, closing] = self.image_newline.to(embeds.dtype)
         return embeds
 
-    @torch.inference_mode()
-    def prefill(
-        self, prompt: Prompt, visual_embeds: torch.Tensor, video_newline: bool = True
-    ) -> PrefillState:
-        """video_newline=False leaves the video's closing placeholder as its own token embedding:
-        not what generate() computes (the tests' negative control)."""
-        from transformers import DynamicCache
+    # prefill: `HfTextAdapter`'s (`_prefill_whole` on the 1-D row), over these embeddings
 
-        check_visual_count(prompt, visual_embeds)
-        embeds = self._embed(prompt.input_ids, prompt.visual_mask, visual_embeds, video_newline)
-        cache = DynamicCache(config=self.hf_config.text_config)
-        length = prompt.num_tokens
-        out = self._language_model()(
-            inputs_embeds=embeds,
-            position_ids=prompt.position_ids[0].to(self.device),  # [1, L]: the 1-D row
-            attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = self.lm_head(out.last_hidden_state[:, -1:])
-        return PrefillState(
-            cache=KvCache.from_dynamic(cache),
-            last_logits=logits[0, -1],
-            next_position_ids=prompt.position_ids[:, 0, -1] + 1,  # [L, L, L, L]
-            num_prompt_tokens=length,
-        )
+    def _prompt_embeds(self, prompt: Prompt, visual_embeds: torch.Tensor) -> torch.Tensor:
+        return self._embed(prompt.input_ids, prompt.visual_mask, visual_embeds)
 
     def _chunk_embeds(self, row: PrefillChunk) -> torch.Tensor:
         first = int(row.prompt.visual_mask[: row.start].sum())  # visual tokens of earlier chunks

@@ -32,7 +32,7 @@ from epd.model_runtime.hf_loading import language_key as _language_key  # noqa: 
 from epd.model_runtime.hf_loading import load_language_model as _load_text_part
 from epd.model_runtime.hf_loading import safetensors_files as _safetensors_files  # noqa: F401
 from epd.model_runtime.hf_loading import vision_key as _vision_key  # noqa: F401
-from epd.model_runtime.hf_text import QwenTextAdapter, check_one_placeholder, checked_visual_mask
+from epd.model_runtime.hf_text import QwenTextAdapter, check_media_placeholders, checked_visual_mask
 from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
         text = self._render(conversation, options)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         num_tokens = self.num_visual_tokens(visual.grid_thw)  # every placeholder, before any dropping
-        check_one_placeholder(text.count(pad), visual.modality)
+        check_media_placeholders(text, self.processor, visual.modality, options)
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next

@@ -188,14 +188,6 @@ class Qwen3_5Adapter(HfTextAdapter):
             options,
         )
 
-    def _expanded_ids(
-        self, conversation: list[dict[str, Any]], visual: VisualMeta, options: RenderOptions
-    ) -> torch.Tensor:
-        return Qwen3VLAdapter._expanded_ids(self, conversation, visual, options)  # type: ignore[arg-type]
-
-    def _timestamps_metadata(self, visual: VisualMeta):
-        return Qwen3VLAdapter._timestamps_metadata(self, visual)  # type: ignore[arg-type]
-
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model

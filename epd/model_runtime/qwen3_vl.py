@@ -51,8 +51,9 @@ from epd.model_runtime.hf_loading import (
     load_vision_part,
 )
 from epd.model_runtime.hf_text import (
+    HfTextAdapter,
     QwenTextAdapter,
-    check_one_placeholder,
+    check_media_placeholders,
     checked_visual_mask,
     mrope_prompt_positions,
 )
@@ -242,55 +243,12 @@ class Qwen3VLAdapter(QwenTextAdapter):
     ) -> Prompt:
         if visual is None:
             return self._text_only_prompt(conversation, options)
-        input_ids = self._expanded_ids(conversation, visual, options)
+        input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         visual_mask = checked_visual_mask(
             input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad), self.num_visual_tokens(visual.grid_thw)
         )
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
-
-    def _expanded_ids(
-        self, conversation: list[dict[str, Any]], visual: VisualMeta, options: RenderOptions
-    ) -> torch.Tensor:
-        """[1, L]: the template's rendering of `conversation` with its one media placeholder
-        expanded by the processor's own code, as its __call__ does (a video's group timestamps
-        included: `_timestamps_metadata`), tokenised as it tokenises it. Also GLM-4.1V's."""
-        proc = self.processor
-        text = self._render(conversation, options)
-        pad = proc.video_token if visual.modality == "video" else proc.image_token
-        check_one_placeholder(text.count(pad), visual.modality)
-        grid = torch.tensor([visual.grid_thw], dtype=torch.long)
-        if visual.modality == "video":
-            expanded = proc.replace_video_token(
-                {"video_grid_thw": grid, "video_metadata": [self._timestamps_metadata(visual)]}, video_idx=0
-            )
-        else:
-            expanded = proc.replace_image_token({"image_grid_thw": grid}, image_idx=0)
-        text = text.replace(pad, expanded, 1)
-        input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        options.between_steps()  # expanded and tokenised; the positions next (every caller's)
-        return input_ids
-
-    def _timestamps_metadata(self, visual: VisualMeta):
-        """VideoMetadata whose frame times give `visual.group_timestamps_s` back through the
-        processor's averaging: each group's time repeated over its frames at fps 1. Without times,
-        evenly spaced frames from 0 s at `second_per_grid_t` seconds per group."""
-        from transformers.video_utils import VideoMetadata
-
-        num_groups = visual.grid_thw[0]
-        tp = self.temporal_patch_size
-        if visual.group_timestamps_s:
-            if len(visual.group_timestamps_s) != num_groups:
-                raise ValueError(
-                    f"{len(visual.group_timestamps_s)} group timestamps for {num_groups} temporal groups"
-                )
-            # "frame indices" in seconds at 1 frame/s: the processor's idx / fps is then the time itself
-            times = [t for t in visual.group_timestamps_s for _ in range(tp)]
-            return VideoMetadata(total_num_frames=len(times), fps=1.0, frames_indices=times)  # type: ignore[arg-type]
-        fps = tp / visual.second_per_grid_t
-        return VideoMetadata(
-            total_num_frames=num_groups * tp, fps=fps, frames_indices=list(range(num_groups * tp))
-        )
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
@@ -404,6 +362,58 @@ class Qwen3VLAdapter(QwenTextAdapter):
             f"{self.family_label} ({self.family}) cannot run the prefill drop or KV compression: its "
             "layer-by-layer prefill does not add DeepStack features yet"
         )
+
+
+def expanded_ids(
+    adapter: HfTextAdapter,
+    conversation: list[dict[str, Any]],
+    visual: VisualMeta,
+    options: RenderOptions,
+    temporal_patch_size: int,
+) -> torch.Tensor:
+    """[1, L]: the adapter's chat template of `conversation` with its one media placeholder
+    expanded by the processor's own code, as its __call__ does (a video's group timestamps
+    included: `timestamps_metadata`), tokenised as it tokenises it. Qwen3-VL's (and its MoE's),
+    Qwen3.5's and GLM-4.1V's: their processors expand alike."""
+    proc = adapter.processor
+    text = adapter._render(conversation, options)
+    pad = proc.video_token if visual.modality == "video" else proc.image_token
+    check_media_placeholders(text, proc, visual.modality, options)
+    grid = torch.tensor([visual.grid_thw], dtype=torch.long)
+    if visual.modality == "video":
+        metadata = timestamps_metadata(visual, temporal_patch_size)
+        expanded = proc.replace_video_token(
+            {"video_grid_thw": grid, "video_metadata": [metadata]}, video_idx=0
+        )
+    else:
+        expanded = proc.replace_image_token({"image_grid_thw": grid}, image_idx=0)
+    text = text.replace(pad, expanded, 1)
+    input_ids = adapter.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    options.between_steps()  # expanded and tokenised; the positions next (every caller's)
+    return input_ids
+
+
+def timestamps_metadata(visual: VisualMeta, temporal_patch_size: int):
+    """VideoMetadata whose frame times give `visual.group_timestamps_s` back through the
+    processor's reading of them (Qwen3-VL averages each group's frames, GLM-4.1V takes its first):
+    each group's time repeated over its `temporal_patch_size` frames at 1 frame/s. Without times,
+    evenly spaced frames from 0 s at `second_per_grid_t` seconds per group."""
+    from transformers.video_utils import VideoMetadata
+
+    num_groups = visual.grid_thw[0]
+    tp = temporal_patch_size
+    if visual.group_timestamps_s:
+        if len(visual.group_timestamps_s) != num_groups:
+            raise ValueError(
+                f"{len(visual.group_timestamps_s)} group timestamps for {num_groups} temporal groups"
+            )
+        # "frame indices" in seconds at 1 frame/s: the processor's idx / fps is then the time itself
+        times = [t for t in visual.group_timestamps_s for _ in range(tp)]
+        return VideoMetadata(total_num_frames=len(times), fps=1.0, frames_indices=times)  # type: ignore[arg-type]
+    fps = tp / visual.second_per_grid_t
+    return VideoMetadata(
+        total_num_frames=num_groups * tp, fps=fps, frames_indices=list(range(num_groups * tp))
+    )
 
 
 def _processor_resize(vp, frames: torch.Tensor, height: int, width: int) -> torch.Tensor:

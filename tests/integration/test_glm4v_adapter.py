@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -354,18 +355,21 @@ def test_a_template_that_renders_no_media_placeholder_says_so(language):
     check_a_template_without_the_media_part_is_refused_as_such(language)
 
 
-def test_a_template_that_writes_a_placeholder_of_its_own_is_named(language):
-    """A video's tokens and an image's are the same `<|image|>`, so a request's template that
-    writes one beside the video (the placeholder check counts `<|video|>`) gives one placeholder
-    more than the grid's tokens: the template is named, not the tokenizer."""
+def test_a_template_that_writes_a_placeholder_of_its_own_is_its_authors_error(language):
+    """A video's tokens and an image's are the same `<|image|>`, so a template that writes one
+    beside the video would give one placeholder more than the grid's tokens. It is named before
+    the expansion: a request's template is the client's error (ValueError), the operator's
+    (--chat-template) the server's (RuntimeError, INTERNAL), not the client's."""
     template = GLM4V_CHAT_TEMPLATE.replace("<|end_of_video|>", "<|end_of_video|><|image|>")
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
     meta = VisualMeta("video", (2, 4, 6), 1.0, language.num_visual_tokens((2, 4, 6)), (0.0, 1.0))
-    with pytest.raises(
-        ValueError,
-        match="^the prompt has 13 visual placeholder tokens where the media has 12: the chat template writes",
-    ):
+    said = "writes a visual placeholder of its own (<|image|> beside the video's <|video|>); remove it"
+    with pytest.raises(ValueError, match=rf"^the request's chat template {re.escape(said)}"):
         language.build_prompt(messages, meta, RenderOptions(chat_template=template, requests_template=True))
+    with pytest.raises(
+        RuntimeError, match=rf"^the server's chat template \(--chat-template\) {re.escape(said)}"
+    ):
+        language.build_prompt(messages, meta, RenderOptions(chat_template=template))
 
 
 def test_a_text_part_holding_the_video_markers_is_refused(language):

@@ -148,19 +148,73 @@ def test_a_text_part_holding_the_visual_placeholder_is_refused_alike_in_every_fa
     adapter = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill")
     meta = VisualMeta("video", (2, 4, 4), 1.0, adapter.num_visual_tokens((2, 4, 4)))
     for token in (adapter.processor.video_token, adapter.processor.image_token):
-        said = {"type": "text", "text": f"what is {token}?"}
-        text_only = [{"role": "user", "content": [said]}]
-        with_media = [{"role": "user", "content": [{"type": "video"}, said]}]
-        calls = (
-            (adapter.build_prompt, text_only, None),
-            (adapter.build_prompt, with_media, meta),
-            (adapter.tokenize_conversation, text_only, False),
+        half = len(token) // 2
+        # one part holding it, or two that the template joins into it (the model's templates put
+        # nothing between a message's parts)
+        for said in (
+            [{"type": "text", "text": f"what is {token}?"}],
+            [
+                {"type": "text", "text": f"what is {token[:half]}"},
+                {"type": "text", "text": f"{token[half:]}?"},
+            ],
+        ):
+            text_only = [{"role": "user", "content": said}]
+            with_media = [{"role": "user", "content": [{"type": "video"}, *said]}]
+            calls = (
+                (adapter.build_prompt, text_only, None),
+                (adapter.build_prompt, with_media, meta),
+                (adapter.tokenize_conversation, text_only, False),
+            )
+            for call, *args in calls:
+                with pytest.raises(
+                    ValueError,
+                    match=r"^a text part contains the model's visual placeholder token \(or a message's "
+                    r"text parts make one together\); remove it$",
+                ):
+                    call(*args)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_template_that_writes_a_placeholder_of_its_own_is_its_authors_error(checkpoints, family):
+    """A chat template that writes a visual placeholder beside the media part's (a second one, or
+    one of the other kind, which Qwen's and GLM-4.1V's prompts took as text, a prompt generate()
+    has no answer for) or into a conversation without media: the request's template is the
+    client's error (400), the operator's (--chat-template) the server's (INTERNAL), as for a
+    template that fails to render; in every family, with one check (`check_media_placeholders`)."""
+    from epd.model_runtime.adapter import RenderOptions
+    from epd.transport.errors import status_of
+
+    adapter = load_adapter(ModelConfig(model=str(checkpoints[family])), "prefill")
+    video, image = adapter.processor.video_token, adapter.processor.image_token
+    own = adapter.processor.chat_template
+    assert isinstance(own, str)
+    question = {"type": "text", "text": "what moves?"}
+    video_meta = VisualMeta("video", (2, 4, 4), 1.0, adapter.num_visual_tokens((2, 4, 4)), (0.0, 1.0))
+    image_meta = VisualMeta("image", (1, 4, 4), 0.0, adapter.num_visual_tokens((1, 4, 4)))
+    cases = (  # (media part, its meta, what the template writes after the conversation)
+        ("video", video_meta, image),
+        ("video", video_meta, video),
+        ("image", image_meta, video),
+        (None, None, video),
+    )
+    for kind, meta, extra in cases:
+        conversation = [{"role": "user", "content": [*([{"type": kind}] if kind else []), question]}]
+        template = own + extra
+        with pytest.raises(
+            ValueError, match="^the request's chat template writes a visual placeholder of its own"
+        ):
+            adapter.build_prompt(
+                conversation, meta, RenderOptions(chat_template=template, requests_template=True)
+            )
+        with pytest.raises(RuntimeError) as failed:
+            adapter.build_prompt(conversation, meta, RenderOptions(chat_template=template))
+        assert str(failed.value).startswith(
+            "the server's chat template (--chat-template) writes a visual placeholder of its own"
+        ), (kind, extra)
+        assert status_of(failed.value) == (
+            grpc.StatusCode.INTERNAL,
+            "internal error; the server log has details",
         )
-        for call, *args in calls:
-            with pytest.raises(
-                ValueError, match="^a text part contains the model's visual placeholder token; remove it$"
-            ):
-                call(*args)
 
 
 def test_media_options_and_pruning_have_nothing_to_act_on_without_media(checkpoints):
