@@ -65,6 +65,7 @@ EXTERNAL_NAMES = {
     "MinTokensLogitsProcessor": "vLLM's min_tokens logits processor, named for comparison",
     "all_stop_token_ids": "vLLM's SamplingParams field that min_tokens holds back",
     "maybe_filter_parallel_tool_calls": "vLLM's parallel_tool_calls: false, named for comparison",
+    "VLLM_MAX_N_SEQUENCES": "vLLM's bound on n, named for comparison",
 }
 """Code names the docs cite that are not epd's (nor used by it)."""
 
