@@ -1,6 +1,6 @@
-"""`epd ask --tools FILE` (a JSON list of OpenAI's function tools), `--tool-choice` and
-`--tool-call-parser`: the chat API's tool calling from the command line, embedded and against
---endpoint alike.
+"""`epd ask --tools FILE` (a JSON list of OpenAI's function tools), `--tool-choice`,
+`--tool-call-parser` and `--no-parallel-tool-calls`: the chat API's tool calling from the command
+line, embedded and against --endpoint alike.
 
 The tools are rendered into the prompt by the chat template (the SDK's `tools=`, the template's
 `tools` variable), and the answer's calls are read as the HTTP API reads them
@@ -13,6 +13,9 @@ answers the raw text, as vLLM's offline `LLM.chat(tools=...)` does. `--tool-choi
     required  the answer forced, by a structured output, to vLLM's JSON array of calls
     NAME      forced to the arguments of the function NAME (one call)
     none      the tools in the prompt, the answer's text as it is
+
+`--no-parallel-tool-calls` is the chat API's `"parallel_tool_calls": false`: the answer's first
+call alone (vLLM drops the others after parsing, and so does `answer_tool_calls` here).
 
 The parser is the client's flag, not the server's report: the gateway's gRPC door parses nothing
 (its --tool-call-parser belongs to its HTTP door, which may be off), and the model family decides
@@ -83,13 +86,18 @@ class ToolAnswer:
 
 
 def ask_tools(args: argparse.Namespace) -> AskTools | None:
-    """--tools, --tool-choice and --tool-call-parser read and checked (None without --tools);
+    """--tools, --tool-choice, --tool-call-parser and --no-parallel-tool-calls read and checked
+    (None without --tools);
     ValueError saying what to change, InvalidRequest for tools no door takes (the HTTP API's 400s)."""
     from epd.cli import configs
     from epd.gateway.tool_request import forced_structured_outputs, parse_tools
 
     if not args.tools:
-        flags = (("--tool-choice", args.tool_choice), ("--tool-call-parser", args.tool_call_parser))
+        flags = (
+            ("--tool-choice", args.tool_choice),
+            ("--tool-call-parser", args.tool_call_parser),
+            ("--no-parallel-tool-calls", not args.parallel_tool_calls),
+        )
         given = [flag for flag, value in flags if value]
         if given:
             raise ValueError(
@@ -109,6 +117,7 @@ def ask_tools(args: argparse.Namespace) -> AskTools | None:
     body = {
         "tools": tools,
         "tool_choice": {"type": "function", "function": {"name": value}} if named else value,
+        "parallel_tool_calls": args.parallel_tool_calls,
     }
     checked, choice = parse_tools(body)
     if choice.mode == "auto":

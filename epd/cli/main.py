@@ -1143,6 +1143,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the model writes tool calls, as `epd serve --tool-call-parser` (hermes: Qwen2.5, "
         "Qwen3 and Qwen3-VL; qwen3_coder: Qwen3-Coder and Qwen3.5); needed by --tool-choice auto",
     )
+    g.add_argument(
+        "--no-parallel-tool-calls",
+        dest="parallel_tool_calls",
+        action="store_false",
+        help="keep the answer's first tool call alone (the chat API's parallel_tool_calls: false, vLLM's)",
+    )
     g = ask.add_argument_group("TLS (--endpoint of a gateway started with --tls-cert)")
     g.add_argument(
         "--tls-ca", default="", metavar="PATH", help="PEM CA that signed the gateway's certificate"

@@ -11,6 +11,14 @@ A request's life here:
     ...                                   # read the body, run the pipeline
     ticket.close()                        # gives back the slot and every byte reserved
 
+A request counts once, whatever its `n` (OpenAI's and vLLM's choices): a default server then takes
+any n up to epd's 16 (`MAX_CHOICES`) from any client, as vLLM takes any n up to its own bound,
+while what one client holds stays bounded: --max-requests-per-client requests, each of at most 16 choices. Each choice is a
+decode request of its own, which reserves its decoder's KV room like any other (decode's
+--kv-budget-bytes, and --max-waiting-requests for those waiting for it), so choices meet the
+back-pressure of the memory they take. Counted as n requests, an n above the per-client limit (8
+by default) could never run.
+
 Media an HTTP request names by local path or URL is reserved the same way as it is read
 (`epd.gateway.media_fetch.load_media`). Body bytes stay reserved until the request ends, because the media they carry is held (as
 bytes, then as the pipeline's input) for that long. Work a request started that outlives its
@@ -28,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
-from epd.stages.errors import Busy, InvalidRequest
+from epd.stages.errors import Busy
 
 if TYPE_CHECKING:
     from epd.gateway.config import GatewayConfig
@@ -138,42 +146,6 @@ class Admission:
             self.num_requests_of_key[key_id] += 1
         return Ticket(self, client, key_id)
 
-    def _take_more_slots(self, ticket: Ticket, num_slots: int) -> None:
-        """`num_slots` more of `ticket`'s client's (and API key's) request slots, or Overloaded
-        (nothing taken): a request of n choices runs n decode requests, so it counts as n. More
-        choices than a limit allows at all are InvalidRequest."""
-        limits = self.limits
-        num_choices = num_slots + 1
-        for limit, flag in (
-            (limits.max_requests_per_client, "--max-requests-per-client"),
-            (limits.max_requests_per_api_key if ticket.key_id else 0, "--max-requests-per-api-key"),
-        ):
-            if limit and num_choices > limit:  # never fits: a 400 to change, not a 429 to retry
-                raise InvalidRequest(
-                    f"n={num_choices} choices count as {num_choices} requests, more than this server lets one "
-                    f"client have in flight ({limit}, its {flag}): ask for at most {limit} choices"
-                )
-        if self.num_requests_of[ticket.client] + num_slots > limits.max_requests_per_client:
-            raise Overloaded(
-                f"this request's {num_slots + 1} choices (n) count as {num_slots + 1} requests, and this client "
-                f"has {self.num_requests_of[ticket.client] - 1} others in flight (limit "
-                f"{limits.max_requests_per_client}, the server's --max-requests-per-client); wait for some to "
-                "finish, or ask for fewer choices"
-            )
-        if (
-            ticket.key_id
-            and self.num_requests_of_key[ticket.key_id] + num_slots > limits.max_requests_per_api_key
-        ):
-            raise Overloaded(
-                f"this request's {num_slots + 1} choices (n) count as {num_slots + 1} requests, and this API key "
-                f"has {self.num_requests_of_key[ticket.key_id] - 1} others in flight (limit "
-                f"{limits.max_requests_per_api_key}, the server's --max-requests-per-api-key); wait for some "
-                "to finish, or ask for fewer choices"
-            )
-        self.num_requests_of[ticket.client] += num_slots
-        if ticket.key_id:
-            self.num_requests_of_key[ticket.key_id] += num_slots
-
     @property
     def num_requests(self) -> int:
         return sum(self.num_requests_of.values())
@@ -190,13 +162,13 @@ class Admission:
                 f"{self.limits.max_inflight_body_bytes}); retry shortly or send less"
             )
 
-    def _release(self, client: str, num_bytes: int, key_id: str = "", num_slots: int = 1) -> None:
+    def _release(self, client: str, num_bytes: int, key_id: str = "") -> None:
         self.num_reserved_bytes -= num_bytes
-        self.num_requests_of[client] -= num_slots
+        self.num_requests_of[client] -= 1
         if self.num_requests_of[client] <= 0:
             del self.num_requests_of[client]  # the map holds only clients with requests in flight
         if key_id:
-            self.num_requests_of_key[key_id] -= num_slots
+            self.num_requests_of_key[key_id] -= 1
             if self.num_requests_of_key[key_id] <= 0:
                 del self.num_requests_of_key[key_id]
 
@@ -214,8 +186,6 @@ class Ticket:
         self.client = client
         self.key_id = key_id
         self.num_reserved_bytes = 0
-        self.num_slots = 1
-        """Request slots held: one, or a request's n choices (`count_choices`)."""
         self._num_holds = 0
         self._close_asked = False
         self._closed = False
@@ -226,15 +196,6 @@ class Ticket:
             raise RuntimeError("reserve_bytes on a closed ticket")
         self._admission._reserve(num_bytes)
         self.num_reserved_bytes += num_bytes
-
-    def count_choices(self, num_choices: int) -> None:
-        """Hold one request slot per choice (OpenAI's `n`; each is a decode request of its own), or
-        raise Overloaded (429) with nothing more held, so that n choices cannot pass the
-        per-client and per-key limits that n requests would meet; InvalidRequest (400) when n is
-        more than a limit allows at all."""
-        if num_choices > self.num_slots:
-            self._admission._take_more_slots(self, num_choices - self.num_slots)
-            self.num_slots = num_choices
 
     def check_room(self, num_bytes: int) -> None:
         """Overloaded unless the process budget could take `num_bytes` more now; reserves nothing
@@ -268,7 +229,7 @@ class Ticket:
     def _give_back_if_done(self) -> None:
         if self._close_asked and not self._num_holds and not self._closed:
             self._closed = True
-            self._admission._release(self.client, self.num_reserved_bytes, self.key_id, self.num_slots)
+            self._admission._release(self.client, self.num_reserved_bytes, self.key_id)
 
     def __enter__(self) -> Ticket:
         return self

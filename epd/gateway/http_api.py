@@ -437,8 +437,6 @@ class HttpApi:
                     chat.tool_choice = replace(chat.tool_choice, parser=self.config.http.tool_call_parser)
                 if self.config.http.reasoning_parser:
                     chat.generation = constrained_after_reasoning(chat.generation)
-            if (ticket := request.get(TICKET_KEY)) is not None:  # n choices are n decode requests
-                ticket.count_choices(chat.generation.n)
             # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
             # event loop (every other client's stream, both APIs) goes on meanwhile.
             data = None  # a text-only conversation: nothing to load, no encoder call
@@ -446,6 +444,7 @@ class HttpApi:
                 data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
             elif chat.media_url:
                 # a file's or a fetch's bytes count as a body's
+                ticket = request.get(TICKET_KEY)
                 data = await load_media(
                     chat.media_url,
                     self.config.http.media,

@@ -7,8 +7,8 @@ The order is vLLM v1's sampler's:
   1. allowed_token_ids: every other logit at -inf;
   2. bad_words: the tokens that would complete a bad word at -inf (`epd.model_runtime.bad_words`);
   3. logit_bias: bias[t] added to logit[t] (a token at -inf stays there);
-  4. min_tokens: end-of-sequence (unless ignore_eos) and stop_token_ids at -inf while fewer than
-     min_tokens tokens are out;
+  4. min_tokens: every end-of-sequence id of the model and stop_token_ids at -inf while fewer than
+     min_tokens tokens are out (under ignore_eos too, as vLLM's);
   5. repetition_penalty over the prompt's and the output's tokens (positive logits divided by it,
      negative ones multiplied), then frequency_penalty x count and presence_penalty x (count > 0)
      subtracted over the output's tokens;
@@ -39,7 +39,7 @@ class LogitsProcessors:
         bad_words_token_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         """prompt_token_ids: the prompt's token ids (repeats allowed), read only for
-        repetition_penalty; eos_token_ids: the model's, held back by min_tokens unless ignore_eos;
+        repetition_penalty; eos_token_ids: the model's, held back by min_tokens (ignore_eos too);
         bad_words_token_ids: config.bad_words tokenised (`tokenize_bad_words`)."""
         self.config = config
         self.num_output_tokens = 0
@@ -49,7 +49,10 @@ class LogitsProcessors:
         self._always_banned = _ids(self._bad_words.always)  # [W] the bad words of one token
         self.masks_tokens = bool(config.allowed_token_ids or bad_words_token_ids)
         """Whether allowed_token_ids or bad_words may leave a step no token (`Sampler` checks)."""
-        held = set(config.stop_token_ids) | (set() if config.ignore_eos else set(eos_token_ids))
+        # vLLM's MinTokensLogitsProcessor holds back its `all_stop_token_ids`, which gains the model's
+        # end-of-sequence ids whatever ignore_eos says: ignore_eos lets them through after
+        # min_tokens, not before it.
+        held = set(config.stop_token_ids) | set(eos_token_ids)
         self._held_back = _ids(sorted(held))  # [S]
         self._bias_ids = _ids([t for t, _ in config.logit_bias])  # [N]
         self._bias = torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32)  # [N]

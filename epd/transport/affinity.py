@@ -25,6 +25,13 @@ on the opening's replica. Keyed by the video instead, those turns would leave th
 replica, and no conversation with another opening could have shared their KV anyway: a hit must
 match the prompt through the video, opening included.
 
+Neither key holds the request's tools, though the chat template renders them into the prompt: one
+that reads them (Qwen's) puts them ahead of the conversation, in its system message, so requests
+with other tools differ from there on and share no prefix through the video or the opening
+wherever they go (keyed on tools, they would only spread); one that does not read them (the shipped
+model's) renders the same prompt with any tools, and those requests hit each other's entries only
+on one replica. Requests sharing their tools and media share a home either way.
+
 Load. A call without a key (decode; media the gateway could not hash) goes to the healthy replica
 with the least work: the larger of what the replica last reported (`set_load`: running + waiting
 requests over its engine cores, `LoadService.GetLoad`, refreshed in the background) and the calls

@@ -547,7 +547,10 @@ class RemotePrefillStage(PrefillStage):
 
         # The replica whose prefix cache holds this conversation (rendezvous on the video's sha256
         # when the conversation opens with it, else on its opening), or a raw prompt (on its beginning).
-        # Not on `template`: a continued message's prompt shares its conversation's token prefix.
+        # Not on `template`: a continued message's prompt shares its conversation's token prefix. Nor
+        # on its tools: a template that renders them puts them ahead of the conversation, so other
+        # tools share no prefix through the video or the opening anywhere, and one that ignores them
+        # renders the same prompt with any (affinity's module doc).
         if raw_prompt is not None:
             key = raw_prompt_key(raw_prompt, cache_salt)
         else:

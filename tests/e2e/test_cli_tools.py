@@ -4,7 +4,8 @@ reads `tools` (`tests.tool_data.TOOL_TEMPLATE`): the tools are in the prompt (th
 generate()'s on the processor's own rendering with them), and the answer's calls are read as the
 chat API reads them, each choice forced so that the calls are exact: "auto" by a choice grammar of
 a call's text (read by hermes, or by qwen3_coder with its values typed by the tool's schema), a
-named function and "required" by their own grammars."""
+named function and "required" by their own grammars; `--no-parallel-tool-calls` keeps the first of
+two calls."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.tool_data import (
 )
 
 QUESTION = "weather in Rome?"
+TWO_CALLS = CALL_TEXT + "\n" + CALL_TEXT.replace("get_weather", "get_time")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,10 @@ def test_ask_tools_prints_the_answers_calls_embedded_and_through_the_stack(tool_
         "auto": ["--tool-call-parser", "hermes", "--choice", CALL_TEXT, "--max-new-tokens", "128"],
         "named": ["--tool-choice", "get_weather", *bias, "--max-new-tokens", "48"],
         "required": ["--tool-choice", "required", *bias, "--max-new-tokens", "96"],
-    }
+        # two calls written, the first alone kept (the chat API's parallel_tool_calls: false)
+        "first": ["--tool-call-parser", "hermes", "--choice", TWO_CALLS, "--no-parallel-tool-calls",
+                  "--max-new-tokens", "160"],
+    }  # fmt: skip
     answers = {}
     with Stack(tool_model, tmp_path / "logs") as stack:
         for where in (["--model", str(tool_model)], ["--endpoint", stack.gateway]):
@@ -92,7 +97,7 @@ def test_ask_tools_prints_the_answers_calls_embedded_and_through_the_stack(tool_
     for name, (embedded, remote) in answers.items():
         assert embedded["token_ids"] == remote["token_ids"], name  # one answer, two doors
         assert _calls(embedded) == _calls(remote) if name != "none" else "tool_calls" not in remote, name
-    none, auto, named, required = (answers[name][0] for name in choices)
+    none, auto, named, required, first = (answers[name][0] for name in choices)
     # "none": the tools in the prompt, the text as generated, unparsed.
     assert none["token_ids"] == want and "tool_calls" not in none
     # "auto": the answer is the call's text, hermes reads it out; nothing else is left.
@@ -113,3 +118,10 @@ def test_ask_tools_prints_the_answers_calls_embedded_and_through_the_stack(tool_
     items = json.loads(required["answer"])
     assert _calls(required) == [(item["name"], json.dumps(item["parameters"])) for item in items]
     assert (required["content"], required["finish_reason"]) == ("", "tool_calls")
+    # --no-parallel-tool-calls: the answer wrote two calls, the first alone is kept.
+    assert first["answer"] == TWO_CALLS
+    assert (first["content"], _calls(first), first["finish_reason"]) == (
+        None,
+        [("get_weather", '{"city": "Rome"}')],
+        "tool_calls",
+    )

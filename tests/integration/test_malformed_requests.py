@@ -1,7 +1,7 @@
 """Malformed and oversized requests against one real stack (HTTP API and gRPC): each gets a clear
 4xx / INVALID_ARGUMENT whose JSON message names the field, never a 5xx, a traceback or a dropped
-connection; oversized bodies get 413 before they are read; past a client's requests in flight or
-the process's body budget, 429 + Retry-After (RESOURCE_EXHAUSTED on gRPC); and the stack keeps
+connection; oversized bodies get 413 before they are read; past a client's requests in flight (a
+request of n choices counts once) or the process's body budget, 429 + Retry-After (RESOURCE_EXHAUSTED on gRPC); and the stack keeps
 answering good requests afterwards (the last tests of the module)."""
 
 from __future__ import annotations
@@ -369,3 +369,34 @@ def test_health_afterwards(stack):
     response = asyncio.run(request(stack.http_port, "GET", "/health"))
     assert response.status == 200 and response.json() == {"status": "ok"}
     assert stack.alive()
+
+
+def test_a_request_of_n_choices_counts_once_against_its_clients_requests_in_flight(stack, video_url):
+    """With one of its two slots held, the client's request of 16 choices runs: n choices are one
+    request to --max-requests-per-client (vLLM takes any n up to its bound), and the third request
+    is refused as before, whatever its n."""
+
+    async def run() -> tuple[Response, Response]:
+        held = await Connection.open(stack.http_port)
+        await held.send_head("POST", CHAT, _post_head(2, expect=True))
+        assert (await held.read_response()).status == 100  # admitted, its body held back
+        body = json.dumps(chat(video_url, n=16, temperature=1.0, seed=7, max_tokens=1)).encode()
+        answered = await request(stack.http_port, "POST", CHAT, body, AUTH)
+        await held.send(b"[]")
+        await held.read_response()  # ends it (a 400): the slot is back
+        slots = [await Connection.open(stack.http_port) for _ in range(MAX_REQUESTS_PER_CLIENT)]
+        for conn in slots:
+            await conn.send_head("POST", CHAT, _post_head(2, expect=True))
+            assert (await conn.read_response()).status == 100
+        refused = await request(stack.http_port, "POST", CHAT, body, AUTH)
+        await held.close()
+        for conn in slots:  # ended as the other tests end them
+            await conn.send(b"[]")
+            await conn.read_response()
+            await conn.close()
+        return answered, refused
+
+    answered, refused = asyncio.run(run())
+    assert answered.status == 200, answered.body
+    assert len(answered.json()["choices"]) == 16
+    assert_clean_json_error(refused, 429, "--max-requests-per-client")

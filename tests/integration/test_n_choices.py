@@ -3,7 +3,8 @@ colocated server: the media is encoded and the prompt prefilled once (the cores'
 on /metrics), each choice sampled by its own sampler (seed + i, so choice i is the single request
 with that seed, token for token), greedy choices all equal generate(); streamed chunks carry their
 choice's index, a choice's finish goes out when it finishes while the others go on, and the usage
-sums the choices; n past 16 is a 400, and the gRPC Ask, which streams
+sums the choices; a default server takes n up to 16 from one client, a request counting once against
+its requests in flight; n past 16 is a 400, and the gRPC Ask, which streams
 one answer, refuses n > 1; a client that leaves frees every choice's decoder and the cache."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import io
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -22,6 +24,7 @@ from PIL import Image
 from epd.client import EpdClient
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.sampling import MAX_CHOICES
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
 from tests.integration.test_completions import post_embedded
 from tests.integration.test_engine_load_metrics import _by_stage, _metrics
@@ -228,6 +231,22 @@ def test_n_past_the_limit_is_a_400_saying_what_to_do(shared_stack, media_files, 
     status, answer = post_json(shared_stack.http_port, path, body)
     assert status == 400, answer
     assert "'n' must be an integer from 1 to 16 (choices per request), got 17" in answer["error"]["message"]
+
+
+def test_a_default_server_takes_n_up_to_16_from_one_client_at_once(shared_stack, media_files):
+    """vLLM takes any n up to its own bound (epd's is 16, `MAX_CHOICES`). A request counts once
+    against the client's --max-requests-per-client (8 by default), each of its choices a decode
+    request reserving its own KV room: counted as n requests, an n from 9 to 16 was a 400 on a
+    default server, and two such requests from one client were more than it let in."""
+    port = shared_stack.http_port
+    body = _video_body(media_files, n=MAX_CHOICES, max_tokens=2, temperature=1.0, seed=SEED)
+    with ThreadPoolExecutor(2) as pool:  # both from this one client (peer IP), in flight together
+        answers = list(pool.map(lambda _: post_json(port, "/v1/chat/completions", body), range(2)))
+    assert [status for status, _ in answers] == [200, 200], answers
+    first, second = (_tokens(answer) for _, answer in answers)
+    assert len(first) == MAX_CHOICES and first == second  # each choice seeded SEED + its index
+    assert answers[0][1]["usage"]["completion_tokens"] == sum(map(len, first))
+    _wait_until_nothing_is_held(port)
 
 
 def test_grpc_ask_streams_one_answer_and_refuses_n(shared_stack):

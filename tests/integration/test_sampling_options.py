@@ -1,7 +1,7 @@
 """vLLM's sampling options through the disaggregated stack (three service processes and the
 gateway): greedy with a repetition penalty or min_tokens gives exactly `generate()`'s tokens on the
-unsplit model; presence and frequency penalties equal a reference computed from the unsplit
-model's logits; logit_bias and stop_token_ids work through the OpenAI HTTP API; allowed_token_ids
+unsplit model (min_tokens holds end-of-sequence back under ignore_eos too); presence and
+frequency penalties equal a reference computed from the unsplit model's logits; logit_bias and stop_token_ids work through the OpenAI HTTP API; allowed_token_ids
 and bad_words give exactly `generate()`'s tokens with transformers' own masks (its
 prefix_allowed_tokens_fn and bad_words_ids) through the stack and the embedded pipeline."""
 
@@ -147,6 +147,19 @@ def test_greedy_with_min_tokens_equals_generate_min_new_tokens(shipped_stack, mi
     result = ask(shipped_stack, SAMPLE, question, num_frames=8, max_new_tokens=10, min_tokens=min_tokens)
     assert result.token_ids == want
     assert len(want) > min_tokens and result.finish_reason == "stop"  # end-of-sequence right after
+
+
+def test_min_tokens_holds_back_end_of_sequence_under_ignore_eos_too(shipped_stack):
+    """vLLM holds every end-of-sequence id back before min_tokens whatever ignore_eos says; after
+    it, ignore_eos lets end-of-sequence out without ending the answer."""
+    question = "how many objects are there in the video?"
+    sample = decode_for_test(SAMPLE, 8)
+    want = reference_tokens(SHIPPED, sample, question, 10, min_new_tokens=4)  # ends at end-of-sequence
+    result = ask(
+        shipped_stack, SAMPLE, question, num_frames=8, max_new_tokens=10, min_tokens=4, ignore_eos=True
+    )
+    assert len(want) < 10 and result.token_ids[: len(want)] == want
+    assert len(result.token_ids) == 10 and result.finish_reason == "length"
 
 
 def chat_body(media_files, max_tokens: int = 8, **fields) -> dict:

@@ -62,6 +62,10 @@ EXTERNAL_NAMES = {
     "SupportsMultiModal": "vLLM's model interface, named for comparison",
     "VLLM_API_KEY": "vLLM's environment variable, named for comparison",
     "_get_top_logprobs": "vLLM's chat serving function, where the guide was checked",
+    "MinTokensLogitsProcessor": "vLLM's min_tokens logits processor, named for comparison",
+    "all_stop_token_ids": "vLLM's SamplingParams field that min_tokens holds back",
+    "maybe_filter_parallel_tool_calls": "vLLM's parallel_tool_calls: false, named for comparison",
+    "VLLM_MAX_N_SEQUENCES": "vLLM's bound on n, named for comparison",
 }
 """Code names the docs cite that are not epd's (nor used by it)."""
 
@@ -71,6 +75,9 @@ EXTERNAL_FILES = {
     "protocol.py": "vLLM's chat request (vllm/entrypoints/openai/chat_completion/)",
     "api_router.py": "vLLM's routes (vllm/entrypoints/openai/models/)",
     "utils.py": "vLLM's check_stop (vllm/v1/core/sched/)",
+    "builtin.py": "vLLM's built-in logits processors (vllm/v1/sample/logits_processor/)",
+    "sampling_params.py": "vLLM's SamplingParams (vllm/)",
+    "tool_calls_utils.py": "vLLM's tool call filtering (vllm/entrypoints/serve/utils/)",
     "logprobs.py": "vLLM's logprobs layout (vllm/v1/engine/)",
     "loggers.py": "vLLM's metric names (vllm/v1/metrics/)",
     "server_args.py": "SGLang's flags (python/sglang/srt/)",

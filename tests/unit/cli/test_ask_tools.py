@@ -1,16 +1,19 @@
-"""`epd ask --tools / --tool-choice / --tool-call-parser` refused before any model loads or call is
-made, with exit 2 and one line saying what to change."""
+"""`epd ask --tools / --tool-choice / --tool-call-parser / --no-parallel-tool-calls` read as the chat
+API reads its fields, and refused before any model loads or call is made, with exit 2 and one line
+saying what to change."""
 
 from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from epd.cli.ask import run_ask
+from epd.cli.ask_tools import ask_tools
 from epd.cli.main import build_parser
-from tests.tool_data import TOOLS
+from tests.tool_data import CALL_TEXT, TOOLS
 
 
 @pytest.fixture
@@ -51,3 +54,24 @@ def test_tool_flags_without_tools_and_unreadable_tools_exit_2(tmp_path, capsys):
     bad.write_text('[{"type": "function"}]')
     assert run_ask(build_parser().parse_args([*ask, "--tools", str(bad), "--tool-choice", "none"])) == 2
     assert "tools[0]" in capsys.readouterr().err
+
+
+def test_no_parallel_tool_calls_keeps_the_answers_first_call_alone(tools, capsys):
+    """The chat API's `"parallel_tool_calls": false`: vLLM keeps the first of the calls parsed."""
+    time_call = CALL_TEXT.replace("get_weather", "get_time")
+    answer = SimpleNamespace(answer=f"{CALL_TEXT}\n{time_call}", finish_reason="stop")  # what is read
+    ask = ["ask", "--no-video", "weather?", "--tools", tools, "--tool-call-parser", "hermes"]
+    both = ask_tools(build_parser().parse_args(ask))
+    first = ask_tools(build_parser().parse_args([*ask, "--no-parallel-tool-calls"]))
+    assert both is not None and first is not None
+    assert [call.name for call in both.answer(answer).calls] == ["get_weather", "get_time"]
+    assert [call.name for call in first.answer(answer).calls] == ["get_weather"]
+    assert first.answer(answer).finish_reason == "tool_calls"
+    # without --tools there are no calls to keep
+    assert (
+        run_ask(build_parser().parse_args(["ask", "--no-video", "weather?", "--no-parallel-tool-calls"])) == 2
+    )
+    assert (
+        "--no-parallel-tool-calls read the calls of --tools FILE: give --tools FILE or drop them"
+        in capsys.readouterr().err
+    )

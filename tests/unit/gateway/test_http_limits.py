@@ -537,28 +537,3 @@ def test_malformed_requests_in_a_loop_are_one_line_a_minute_that_counts_the_rest
     assert "chunk" in lines[1].lower() and lines[1].endswith(
         "(4 more such lines left out since the last one)"
     ), lines
-
-
-def test_n_choices_count_as_n_requests_in_flight():
-    """A request of n choices runs n decode requests: it holds n of its client's slots (429 while
-    others hold them), and n past the limit is a 400 saying how many fit."""
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}).encode()
-
-    async def run(port, admission):
-        conn = await Connection.open(port)
-        await conn.send_head("POST", "/v1/chat/completions", _post_head(2, expect=True))
-        assert (await conn.read_response()).status == 100  # one request in flight
-        busy = await request(port, "POST", "/v1/chat/completions", body)
-        await conn.send(b"[]")
-        _assert_json_error(await conn.read_response(), 400, "must be a JSON object")  # its slot is back
-        await conn.close()
-        too_many = await request(port, "POST", "/v1/chat/completions", body.replace(b'"n": 2', b'"n": 3'))
-        return busy, too_many, admission.num_requests
-
-    busy, too_many, num_requests_after = asyncio.run(_serve(run, max_requests_per_client=2))
-    _assert_json_error(busy, 429, "this request's 2 choices (n) count as 2 requests")
-    _assert_json_error(
-        too_many, 400, "n=3 choices count as 3 requests, more than this server lets one client"
-    )
-    assert "--max-requests-per-client): ask for at most 2 choices" in too_many.json()["error"]["message"]
-    assert num_requests_after == 0

@@ -193,10 +193,11 @@ def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
 
 
 def _prefill_replicas(turns) -> tuple[dict[str, str], list[str]]:
-    """Each (request id, messages, media or None) of `turns(addresses)` prefilled in order through
+    """Each (request id, messages, media or None[, template options]) of `turns(addresses)` prefilled in order through
     the real `RemotePrefillStage` over three real grpc.aio prefill servers on loopback that note
     who got which request: ({request id: replica address}, the addresses)."""
     from epd.model_runtime.sampling import GenerationConfig
+    from epd.stages.messages import ChatTemplateOptions
     from epd.transport.remote_stages import RemotePrefillStage
     from epd.v1 import prefill_pb2
 
@@ -231,8 +232,9 @@ def _prefill_replicas(turns) -> tuple[dict[str, str], list[str]]:
         pool = ReplicaPool([address for _, address in servers])
         stage = RemotePrefillStage(pool, TIMEOUT_S)
         try:
-            for request_id, messages, media in turns([address for _, address in servers]):
-                await stage.prefill(messages, media, GenerationConfig(), request_id)
+            for request_id, messages, media, *template in turns([address for _, address in servers]):
+                options = template[0] if template else ChatTemplateOptions()
+                await stage.prefill(messages, media, GenerationConfig(), request_id, template=options)
         finally:
             await pool.close()
             for server, _ in servers:
@@ -328,3 +330,42 @@ def test_a_conversation_whose_video_comes_later_stays_on_its_openings_replica():
     assert {got[f"opens{i}"] for i in range(4)} == {video_home}
     for i, messages in enumerate(chosen["others"]):  # type: ignore[arg-type]
         assert got[f"later{i}"] == rendezvous_order(conversation_key(messages), addresses)[0] != video_home
+
+
+def test_the_prefill_replica_does_not_depend_on_the_requests_tools():
+    """Tools are rendered into the prompt, but keying on them would win no prefix-cache hit and
+    lose some: a template that renders them does so ahead of the conversation (Qwen's: in its
+    system message), so prompts with other tools differ from there on and share nothing through
+    the video or the opening wherever they go; a template that does not read them (the shipped
+    model's) renders the same prompt with any tools, which must then share one replica. So the
+    conversations about one video, and the turns of one text-only conversation, with any tools or
+    none, each go to one home."""
+    from epd.stages.messages import VIDEO, ChatTemplateOptions, Message
+    from epd.transport.affinity import conversation_key
+    from tests.tool_data import TOOLS
+
+    weather = TOOLS[0]
+    tool_sets = [
+        (),
+        *(({**weather, "function": {**weather["function"], "name": f"f{i}"}},) for i in range(8)),
+    ]
+    sha = "7" * 64
+    opening = [Message.system("be brief"), Message.user("hello")]
+    follow_up = [*opening, Message.assistant("hi"), Message.user("and then?")]
+    about_video = [
+        (
+            f"v{i}",
+            [Message.system("be brief"), Message.user(VIDEO, f"question {i}")],
+            _media(sha),
+            ChatTemplateOptions(tools=tools),
+        )
+        for i, tools in enumerate(tool_sets)
+    ]
+    text_only = [
+        (f"t{i}", follow_up if i % 2 else opening, None, ChatTemplateOptions(tools=tools))
+        for i, tools in enumerate(tool_sets)
+    ]
+    got, addresses = _prefill_replicas(lambda addresses: about_video + text_only)
+    assert {got[f"v{i}"] for i in range(len(tool_sets))} == {rendezvous_order(sha, addresses)[0]}
+    opening_home = rendezvous_order(conversation_key(opening), addresses)[0]
+    assert {got[f"t{i}"] for i in range(len(tool_sets))} == {opening_home}

@@ -60,8 +60,15 @@ def test_min_tokens_holds_back_eos_and_stop_token_ids_until_enough_tokens_are_ou
     processors.seen(0)
     assert processors.before_sampling(logits).tolist() == logits.tolist()  # two out: free again
     assert logits.tolist() == [0.0, 5.0, 0.0, 0.0, 9.0]  # the caller's logits are not touched
-    # ignore_eos: end-of-sequence is no stop, so min_tokens leaves it alone (vLLM's)
-    ignoring = LogitsProcessors(GenerationConfig(min_tokens=2, ignore_eos=True), (), {EOS})
+    # ignore_eos still holds end-of-sequence back before min_tokens (vLLM's all_stop_token_ids
+    # gains the model's end-of-sequence ids whatever ignore_eos says), and lets it through after
+    ignoring = LogitsProcessors(
+        GenerationConfig(min_tokens=2, ignore_eos=True, stop_token_ids=(1,)), (), {EOS, 3}
+    )
+    inf = float("inf")
+    assert ignoring.before_sampling(logits).tolist() == [0.0, -inf, 0.0, -inf, -inf]
+    ignoring.seen(0)
+    ignoring.seen(0)
     assert ignoring.before_sampling(logits).tolist() == logits.tolist()
 
 

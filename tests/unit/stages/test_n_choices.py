@@ -1,18 +1,16 @@
 """OpenAI's and vLLM's `n` (several choices from one prompt) in the bookkeeping, without servers:
-each choice's seed, the KV store holding one cache for n decoders, and the admission counting a
-request of n choices as n requests."""
+each choice's seed and the KV store holding one cache for n decoders."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from epd.gateway.admission import Admission, AdmissionLimits, Overloaded
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.sampling import MAX_CHOICES, GenerationConfig, choice_seed
 from epd.prefill_svc.kv_store import KvStore
 from epd.stages.contracts import ChoiceStart, PrefillHandle
-from epd.stages.errors import InvalidRequest, NotFound
+from epd.stages.errors import NotFound
 
 
 def _cache() -> KvCache:
@@ -76,25 +74,3 @@ def test_in_process_takes_of_n_choices_get_their_own_copies():
     assert store.take(handle) is cache and torch.equal(cache.keys[0], _cache().keys[0])
     with pytest.raises(NotFound):
         store.take(handle)
-
-
-def test_n_choices_hold_n_request_slots_and_give_them_all_back():
-    admission = Admission(AdmissionLimits(max_requests_per_client=4, max_inflight_body_bytes=100))
-    ticket = admission.admit("10.0.0.1")
-    ticket.count_choices(3)
-    assert admission.num_requests == 3
-    other = admission.admit("10.0.0.1")
-    with pytest.raises(
-        Overloaded, match=r"this request's 2 choices \(n\) count as 2 requests.*ask for fewer"
-    ):
-        other.count_choices(2)
-    assert admission.num_requests == 4  # nothing more held
-    ticket.close()
-    other.close()
-    assert admission.num_requests == 0
-    # more choices than the limit ever lets in: a 400 saying how many fit, not a 429 to retry
-    alone = admission.admit("10.0.0.1")
-    with pytest.raises(InvalidRequest, match=r"n=5 choices count as 5 requests.*ask for at most 4 choices"):
-        alone.count_choices(5)
-    alone.close()
-    assert admission.num_requests == 0
