@@ -297,6 +297,11 @@ STAGE_CALLS = [
     ("prefill", prefill_pb2_grpc.PrefillServiceStub, "Prefill", prefill_pb2.PrefillRequest, True),
     ("prefill", prefill_pb2_grpc.PrefillServiceStub, "PullKv", prefill_pb2.PullKvRequest, False),
     ("prefill", prefill_pb2_grpc.PrefillServiceStub, "ReleaseKv", prefill_pb2.ReleaseKvRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "GetModelInfo", prefill_pb2.GetModelInfoRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "Tokenize", prefill_pb2.TokenizeRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "Detokenize", prefill_pb2.DetokenizeRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "CompileStructuredOutputs",
+     prefill_pb2.CompileStructuredOutputsRequest, False),
     ("decode", decode_pb2_grpc.DecodeServiceStub, "Generate", decode_pb2.GenerateRequest, False),
 ]  # fmt: skip
 
@@ -325,6 +330,58 @@ def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_cl
                 if not authed:  # refused before the servicer reads anything, never echoing what was sent
                     assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (error.code(), error.details())
                     assert TEST_INTERNAL_SECRET[:16] not in (error.details() or ""), error.details()
+                assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
+                    error.code(),
+                    error.details(),
+                )
+                assert_no_leak(error.details() or "")
+
+        run()
+    assert stack.alive()
+
+
+# --- bytes that may not parse as the method's request at all (gRPC's deserializer, then the servicer) ---
+
+RAW_CALLS = [
+    (server, f"/epd.v1.{service.name}/{method.name}", method.client_streaming, method.server_streaming)
+    for server, module in (("gateway", gateway_pb2), ("encoder", encoder_pb2), ("prefill", prefill_pb2),
+                           ("decode", decode_pb2))
+    for service in module.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+]  # fmt: skip
+
+
+def raw_call(channel: grpc.Channel, path: str, client_streaming: bool, server_streaming: bool):
+    """A method of `path` that sends and returns bytes as they are (no protobuf on our side)."""
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, False): channel.stream_unary, (True, True): channel.stream_stream}  # fmt: skip
+    return kind[client_streaming, server_streaming](path)
+
+
+@pytest.mark.parametrize("server,path,client_streaming,server_streaming", RAW_CALLS,
+                         ids=[c[1].rsplit(".", 1)[1] for c in RAW_CALLS])  # fmt: skip
+def test_fuzz_raw_bytes(stack, server, path, client_streaming, server_streaming):
+    """Junk bytes as each method's request(s), with the API key (the gateway) or the secret (a
+    stage): a documented status or an answer, never INTERNAL or UNKNOWN (a message that is not
+    protobuf is INVALID_ARGUMENT)."""
+    address = stack.gateway if server == "gateway" else stack.address(server)
+    metadata = [("authorization", f"Bearer {API_KEY}")] if server == "gateway" else INTERNAL_AUTH_METADATA
+    with grpc.insecure_channel(address) as channel:
+        call = raw_call(channel, path, client_streaming, server_streaming)
+
+        @settings(FUZZ, max_examples=max(MAX_EXAMPLES // 4, 5))
+        @given(messages=st.lists(st.binary(max_size=80), min_size=1, max_size=3))
+        def run(messages: list[bytes]) -> None:
+            try:
+                answer = call(
+                    iter(messages) if client_streaming else messages[0],
+                    timeout=CALL_TIMEOUT_S,
+                    metadata=metadata,
+                )
+                if server_streaming:
+                    for _ in answer:
+                        pass
+            except grpc.RpcError as error:
                 assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
                     error.code(),
                     error.details(),
