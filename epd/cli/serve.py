@@ -45,7 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
-# After its grace period, how long the launcher still waits for a service before SIGKILL.
+# After its grace period, how long the launcher still waits for a service before SIGKILL: what it
+# closes after its drain, then its exit. 5 s in all cut a stage's close short, whose threads get
+# one deadline of 30 s (a stuck model step or prompt render).
+_AFTER_DRAIN_S = 32.0
+"""The longest a service closes after its drain: decode's receipts to prefill (`CONFIRM_WAIT_S`,
+2 s), then its threads' one deadline (`close_in_turn`, `model_thread.CLOSE_WAIT_S`, 30 s). Written
+out, as their modules load torch, which the launcher does not; tests/unit/cli/test_serve.py adds
+them up (and tests/unit/deploy gives the manifests this much too)."""
 _EXIT_MARGIN_S = 5.0
 # The gateway first: its requests in flight still need the stages to finish.
 _STOP_ORDER = (("gateway",), ("encoder", "prefill", "decode"))
@@ -628,7 +635,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
                 slot.proc = start(slot)
         return _supervise(slots, start, signals, policy, ready_timeout_s)
     finally:
-        _stop_all(slots, args.grace_period + _EXIT_MARGIN_S, signals)
+        _stop_all(slots, args.grace_period + _AFTER_DRAIN_S + _EXIT_MARGIN_S, signals)
         zygote.stop()
         remove_board(board)
         files.remove()

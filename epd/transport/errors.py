@@ -15,6 +15,7 @@ import inspect
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from epd.model_runtime.loader import ModelLoadError
 from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, SamplingFailed
@@ -65,6 +66,10 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     # (the model's local path, the file at fault) goes to the server log, `MODEL_NOT_LOADED` to
     # the client.
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
+    # A request message that is not protobuf (a stream's, parsed as the servicer reads it; a
+    # one-message request's, parsed by `server.UnaryRequestParsing`): the caller's to fix. No
+    # servicer parses protobuf of its own, so no other DecodeError can reach here.
+    (DecodeError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 MODEL_NOT_LOADED = "the server cannot load its model; its operator must fix it (the server log says why)"
@@ -201,6 +206,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     code = code_of(exc)
     if isinstance(exc, ModelLoadError):
         return code, MODEL_NOT_LOADED
+    if isinstance(exc, DecodeError):
+        return (
+            code,
+            f"a request message is not valid protobuf ({exc}): send the messages protos/epd/v1 defines",
+        )
     if isinstance(exc, (UpstreamError, EpdError)) or any(isinstance(exc, kind) for kind, _ in _CODES):
         return code, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):

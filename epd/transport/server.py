@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from epd.stages.server_config import MAX_MESSAGE_BYTES, ServerConfig
 from epd.transport import security, tracing
 from epd.transport.auth import InternalSecretInterceptor
+from epd.transport.errors import status_of
 from epd.transport.idle_memory import release_when_idle
 from epd.transport.internal_secrets import internal_secrets
 
@@ -126,6 +128,50 @@ class HealthyServer:
                 log.exception("closing %r after the drain failed", close)
 
 
+class UnaryRequestParsing(grpc.aio.ServerInterceptor):
+    """Parses a one-message request in the handler, where a message that is not protobuf is the
+    caller's INVALID_ARGUMENT (`epd.transport.errors.status_of`), not gRPC's own UNKNOWN
+    "Unexpected <class 'google.protobuf.message.DecodeError'>" (gRPC parses it before any handler
+    runs, and answers what that raises with UNKNOWN). A request stream's messages are parsed as
+    the servicer reads them, so `rpc_errors` already maps theirs. Innermost: the handler below
+    it gets the parsed request, those above it the bytes."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        behavior = handler.unary_unary or handler.unary_stream
+
+        async def parsed(request: bytes, context: grpc.aio.ServicerContext):
+            try:
+                return parse(request)
+            except DecodeError as exc:
+                await context.abort(*status_of(exc))
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def streaming(request: bytes, context):
+                message = await parsed(request, context)
+                async with contextlib.aclosing(behavior(message, context)) as responses:
+                    async for response in responses:
+                        yield response
+
+            wrapped: Any = streaming
+        else:
+
+            async def unary(request: bytes, context):
+                return await behavior(await parsed(request, context), context)
+
+            wrapped = unary
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(wrapped, request_deserializer=None, response_serializer=handler.response_serializer)
+
+
 async def create_server(
     config: ServerConfig,
     register: Callable[[grpc.aio.Server], None],
@@ -148,7 +194,10 @@ async def create_server(
     secrets = config.security.accepted_internal_secrets
     guard = [InternalSecretInterceptor(internal_secrets(config.security))] if secrets and not public else []
     credentials = security.server_credentials(config.security)
-    server = grpc.aio.server(options=options, interceptors=[tracing.ServerTracing(), *guard, *interceptors])
+    server = grpc.aio.server(
+        options=options,
+        interceptors=[tracing.ServerTracing(), *guard, *interceptors, UnaryRequestParsing()],
+    )
     register(server)
     try:
         if credentials is None:

@@ -62,6 +62,16 @@ def assert_no_leak(text: str) -> None:
         assert leak not in text, text[:1000]
 
 
+def assert_documented(error: grpc.RpcError) -> None:
+    """A status of DOCUMENTED_CODES (not DEADLINE_EXCEEDED: each call ends within its timeout)
+    whose message leaks nothing."""
+    assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
+        error.code(),
+        error.details(),
+    )
+    assert_no_leak(error.details() or "")
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
     http_port = free_port()
@@ -213,11 +223,7 @@ def test_fuzz_grpc_ask_stream(stack, video_bytes):
                 for _ in stub.Ask(iter(messages), metadata=metadata, timeout=CALL_TIMEOUT_S):
                     pass
             except grpc.RpcError as error:
-                assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
-                    error.code(),
-                    error.details(),
-                )
-                assert_no_leak(error.details() or "")
+                assert_documented(error)
 
         run()
 
@@ -250,9 +256,24 @@ _SCALARS = {
 }
 
 
+CONSTRAINTS = st.one_of(
+    st.builds(common_pb2.StructuredOutputs, json_schema=JSON.map(json.dumps)),
+    st.builds(common_pb2.StructuredOutputs, regex=st.one_of(st.text(max_size=20), st.sampled_from(
+        ["[a-z]+", "(a|b)*c", "\\d{3,}", "(((", "a{99999}", ".*"]))),
+    st.builds(common_pb2.StructuredOutputs, choice=st.lists(st.text(max_size=8), max_size=4)),
+    st.builds(common_pb2.StructuredOutputs, grammar=st.one_of(st.text(max_size=30), st.sampled_from(
+        ['root ::= "yes" | "no"', "root ::= root", 'root ::= [a-z]+ "."', "root ::="]))),
+)  # fmt: skip
+"""Structured-output constraints that reach the compiler's parsers (JSON text as a schema, regular
+expressions and grammars of the right shape) beside the field fuzzing's random text."""
+
+
 def _value(field: FieldDescriptor, depth: int) -> st.SearchStrategy:
     if field.type == FieldDescriptor.TYPE_MESSAGE:
-        return protos(message_class(field.message_type), depth + 1)
+        message = protos(message_class(field.message_type), depth + 1)
+        if field.message_type.full_name == "epd.v1.StructuredOutputs":
+            return st.one_of(message, CONSTRAINTS)
+        return message
     if field.type == FieldDescriptor.TYPE_ENUM:
         return st.sampled_from([v.number for v in field.enum_type.values] + [999])
     return _SCALARS.get(field.type, st.integers(0, 100))
@@ -297,6 +318,11 @@ STAGE_CALLS = [
     ("prefill", prefill_pb2_grpc.PrefillServiceStub, "Prefill", prefill_pb2.PrefillRequest, True),
     ("prefill", prefill_pb2_grpc.PrefillServiceStub, "PullKv", prefill_pb2.PullKvRequest, False),
     ("prefill", prefill_pb2_grpc.PrefillServiceStub, "ReleaseKv", prefill_pb2.ReleaseKvRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "GetModelInfo", prefill_pb2.GetModelInfoRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "Tokenize", prefill_pb2.TokenizeRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "Detokenize", prefill_pb2.DetokenizeRequest, False),
+    ("prefill", prefill_pb2_grpc.PrefillServiceStub, "CompileStructuredOutputs",
+     prefill_pb2.CompileStructuredOutputsRequest, False),
     ("decode", decode_pb2_grpc.DecodeServiceStub, "Generate", decode_pb2.GenerateRequest, False),
 ]  # fmt: skip
 
@@ -325,11 +351,55 @@ def test_fuzz_stage_request_streams(stack, stage, stub_class, method, request_cl
                 if not authed:  # refused before the servicer reads anything, never echoing what was sent
                     assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (error.code(), error.details())
                     assert TEST_INTERNAL_SECRET[:16] not in (error.details() or ""), error.details()
-                assert error.code() in DOCUMENTED_CODES - {grpc.StatusCode.DEADLINE_EXCEEDED}, (
-                    error.code(),
-                    error.details(),
+                assert_documented(error)
+
+        run()
+    assert stack.alive()
+
+
+# --- bytes that may not parse as the method's request at all (gRPC's deserializer, then the servicer) ---
+
+RAW_CALLS = [
+    (server, f"/epd.v1.{service.name}/{method.name}", method.client_streaming, method.server_streaming)
+    for server, module in (("gateway", gateway_pb2), ("encoder", encoder_pb2), ("prefill", prefill_pb2),
+                           ("decode", decode_pb2))
+    for service in module.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+]  # fmt: skip
+
+
+def raw_call(channel: grpc.Channel, path: str, client_streaming: bool, server_streaming: bool):
+    """A method of `path` that sends and returns bytes as they are (no protobuf on our side)."""
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, False): channel.stream_unary, (True, True): channel.stream_stream}  # fmt: skip
+    return kind[client_streaming, server_streaming](path)
+
+
+@pytest.mark.parametrize("server,path,client_streaming,server_streaming", RAW_CALLS,
+                         ids=[c[1].rsplit(".", 1)[1] for c in RAW_CALLS])  # fmt: skip
+def test_fuzz_raw_bytes(stack, server, path, client_streaming, server_streaming):
+    """Junk bytes as each method's request(s), with the API key (the gateway) or the secret (a
+    stage): a documented status or an answer, never INTERNAL or UNKNOWN (a message that is not
+    protobuf is INVALID_ARGUMENT)."""
+    address = stack.gateway if server == "gateway" else stack.address(server)
+    metadata = [("authorization", f"Bearer {API_KEY}")] if server == "gateway" else INTERNAL_AUTH_METADATA
+    with grpc.insecure_channel(address) as channel:
+        call = raw_call(channel, path, client_streaming, server_streaming)
+
+        @settings(FUZZ, max_examples=max(MAX_EXAMPLES // 4, 5))
+        @given(messages=st.lists(st.binary(max_size=80), min_size=1, max_size=3))
+        def run(messages: list[bytes]) -> None:
+            try:
+                answer = call(
+                    iter(messages) if client_streaming else messages[0],
+                    timeout=CALL_TIMEOUT_S,
+                    metadata=metadata,
                 )
-                assert_no_leak(error.details() or "")
+                if server_streaming:
+                    for _ in answer:
+                        pass
+            except grpc.RpcError as error:
+                assert_documented(error)
 
         run()
     assert stack.alive()

@@ -69,20 +69,32 @@ EXTERNAL_NAMES = {
 }
 """Code names the docs cite that are not epd's (nor used by it)."""
 
-EXTERNAL_FILES = {
-    "arg_utils.py": "vLLM's engine flags (vllm/engine/), where the guide was checked",
-    "cli_args.py": "vLLM's server flags (vllm/entrypoints/openai/)",
-    "protocol.py": "vLLM's chat request (vllm/entrypoints/openai/chat_completion/)",
-    "api_router.py": "vLLM's routes (vllm/entrypoints/openai/models/)",
-    "utils.py": "vLLM's check_stop (vllm/v1/core/sched/)",
-    "builtin.py": "vLLM's built-in logits processors (vllm/v1/sample/logits_processor/)",
-    "sampling_params.py": "vLLM's SamplingParams (vllm/)",
-    "tool_calls_utils.py": "vLLM's tool call filtering (vllm/entrypoints/serve/utils/)",
-    "logprobs.py": "vLLM's logprobs layout (vllm/v1/engine/)",
-    "loggers.py": "vLLM's metric names (vllm/v1/metrics/)",
-    "server_args.py": "SGLang's flags (python/sglang/srt/)",
-}
-"""File names the docs cite that are another project's (docs/from-vllm.md says what it was checked against)."""
+OTHER_PROJECTS_FILES = ("vllm/", "sglang/", "python/sglang/", "transformers/", "src/transformers/")
+OTHER_PROJECTS = ("vllm-project/vllm", "sgl-project/sglang", "huggingface/transformers")
+"""How the docs name another project's file (docs/from-vllm.md says what it was checked against):
+by its path in that project (`vllm/engine/arg_utils.py`), or with the project's repository
+(`vllm-project/vllm`, a GitHub address). A bare name is epd's."""
+
+
+def cited_file_names(text: str) -> set[str]:
+    """The `.py` and `.proto` file names `text` cites as epd's: each name with the path written
+    before it, less those that path says are another project's."""
+    names = set()
+    for m in re.finditer(r"(?<![\w./:-])(?P<path>[\w.:/-]*/)?(?P<name>\w+\.(?:py|proto))\b", text):
+        path = m.group("path") or ""
+        if not (path.startswith(OTHER_PROJECTS_FILES) or any(repo in path for repo in OTHER_PROJECTS)):
+            names.add(m.group("name"))
+    return names
+
+
+def test_a_file_of_another_project_is_not_taken_for_epds():
+    text = (
+        "vLLM's `vllm/entrypoints/openai/cli_args.py`, SGLang's `python/sglang/srt/server_args.py`,"
+        " transformers' transformers/models/qwen2_vl/modeling_qwen2_vl.py, and"
+        " https://github.com/vllm-project/vllm/blob/main/vllm/v1/engine/logprobs.py; epd's `kv_store.py`,"
+        " prefill_svc/no_such_file.py, `other_name.py` and epd/v1/vllm.proto"
+    )
+    assert cited_file_names(text) == {"kv_store.py", "no_such_file.py", "other_name.py", "vllm.proto"}
 
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w*-])")
@@ -525,7 +537,7 @@ def test_every_repository_path_the_docs_cite_exists(doc):
 def test_every_file_name_the_docs_cite_exists(doc):
     """The code layout names files without their folder (`media_open.py`, `kv_store.py`)."""
     names = {Path(p).name for p in repository_files()}
-    cited = set(re.findall(r"\b[\w]+\.(?:py|proto)\b", read(doc))) - set(EXTERNAL_FILES)
+    cited = cited_file_names(read(doc))
     assert not sorted(cited - names), f"{doc} cites files that do not exist: {sorted(cited - names)}"
 
 

@@ -279,6 +279,18 @@ def test_replica_and_health_defaults():
     assert (args.encoders, args.prefills, args.decodes, args.health_timeout) == (1, 1, 1, 10.0)
 
 
+def test_the_launcher_waits_for_what_a_service_closes_after_its_drain():
+    """The launcher SIGKILLs a service `--grace-period` + `_AFTER_DRAIN_S` + `_EXIT_MARGIN_S` after
+    its SIGTERM: `_AFTER_DRAIN_S` (written out: the bounds' modules load torch) must cover the
+    longest of the services' closes, added up from the code's bounds (5 s in all, before, cut a
+    stage's 30 s close deadline short)."""
+    from epd.cli import serve
+    from tests.unit.deploy.epd_commands import AFTER_THE_DRAIN_S
+
+    longest_role = max(AFTER_THE_DRAIN_S, key=AFTER_THE_DRAIN_S.__getitem__)
+    assert serve._AFTER_DRAIN_S >= AFTER_THE_DRAIN_S[longest_role], longest_role
+
+
 def test_a_negative_grace_period_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "encoder", "--grace-period", "-1"])

@@ -368,10 +368,10 @@ GONE_WITHIN_S = 30.0
 """How long a dropped client's thread and socket may take to go: a bound for a hang, not a timing check."""
 
 
-def test_a_client_dropped_without_close_is_closed_by_the_garbage_collector_with_a_warning():
-    """It lived until the interpreter exited (a module-level set held it for the exit's close), its
-    thread, event loop, channel and connection with it. Now `del` and a collection close it, with
-    a ResourceWarning, as Python's unclosed files and grpc's channels are handled."""
+@pytest.fixture
+def health_server():
+    """A gRPC server with only the health service (a client's call to it connects and is
+    answered UNIMPLEMENTED): (its port, a count of the client sockets connected to it)."""
     import psutil
     from grpc_health.v1 import health, health_pb2_grpc
 
@@ -387,28 +387,84 @@ def test_a_client_dropped_without_close_is_closed_by_the_garbage_collector_with_
         )
 
     try:
-        threads_before, sockets_before = _client_threads(), client_sockets()
-        client = EpdClient(f"127.0.0.1:{port}", retry=NO_RETRY)
-        with pytest.raises(EpdError) as raised:  # a call, so that the channel connects
-            client.detokenize([1])
-        assert raised.value.code == grpc.StatusCode.UNIMPLEMENTED  # no gateway service there: connected
-        assert _client_threads() == threads_before + 1 and client_sockets() == sockets_before + 1
-        gc.collect()  # earlier tests' garbage warns now, not in the record below
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            del client, raised
-            gc.collect()
-        assert [str(w.message) for w in caught if w.category is ResourceWarning] == [
-            f"unclosed EpdClient for 127.0.0.1:{port}: close() it, or use `with EpdClient(...) as client:`"
-        ]
-        end_at = time.monotonic() + GONE_WITHIN_S
-        while (_client_threads(), client_sockets()) != (threads_before, sockets_before):
-            assert time.monotonic() < end_at, (
-                f"{_client_threads()} client threads and {client_sockets()} sockets still open"
-            )
-            time.sleep(0.05)
+        yield port, client_sockets
     finally:
         server.stop(None)
+
+
+def connected_client(port: int) -> EpdClient:
+    client = EpdClient(f"127.0.0.1:{port}", retry=NO_RETRY)
+    with pytest.raises(EpdError) as raised:  # a call, so that the channel connects
+        client.detokenize([1])
+    assert raised.value.code == grpc.StatusCode.UNIMPLEMENTED  # no gateway service there: connected
+    return client
+
+
+def wait_until_gone(expected: tuple[int, int], client_sockets) -> None:
+    """Until the client threads and sockets are back to `expected` (a bound for a hang)."""
+    end_at = time.monotonic() + GONE_WITHIN_S
+    while (_client_threads(), client_sockets()) != expected:
+        assert time.monotonic() < end_at, (
+            f"{_client_threads()} client threads and {client_sockets()} sockets still open"
+        )
+        time.sleep(0.05)
+
+
+def unclosed_warning(port: int) -> str:
+    return f"unclosed EpdClient for 127.0.0.1:{port}: close() it, or use `with EpdClient(...) as client:`"
+
+
+def test_a_client_dropped_without_close_is_closed_by_the_garbage_collector_with_a_warning(health_server):
+    """It lived until the interpreter exited (a module-level set held it for the exit's close), its
+    thread, event loop, channel and connection with it. Now `del` and a collection close it, with
+    a ResourceWarning, as Python's unclosed files and grpc's channels are handled."""
+    port, client_sockets = health_server
+    threads_before, sockets_before = _client_threads(), client_sockets()
+    client = connected_client(port)
+    assert _client_threads() == threads_before + 1 and client_sockets() == sockets_before + 1
+    gc.collect()  # earlier tests' garbage warns now, not in the record below
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del client
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == [unclosed_warning(port)]
+    wait_until_gone((threads_before, sockets_before), client_sockets)
+
+
+def test_a_client_collected_on_its_own_loops_thread_still_closes(health_server, monkeypatch):
+    """The collector may run on any thread, the client's own among them (a cycle that holds the
+    client, found by a collection its loop's work set off): there the finalizer cannot wait for
+    the loop to close the client, as it does from any other thread (it would wait for itself, and
+    the thread, channel and connection would stay); it leaves the loop to close it and stop."""
+    from epd.client import client as client_module
+
+    port, client_sockets = health_server
+    threads_before, sockets_before = _client_threads(), client_sockets()
+    client = connected_client(port)
+    loop, client_thread = client._parts.loop, client._parts.thread
+    closed_on: list[threading.Thread] = []
+    real_close = client_module._close
+    monkeypatch.setattr(
+        client_module,
+        "_close",
+        lambda parts: (closed_on.append(threading.current_thread()), real_close(parts)),
+    )
+    gc.collect()  # earlier tests' garbage warns now, not in the record below
+    gc.disable()  # only the collection on the client's thread below may find the cycle
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cycle: list = [client]
+            cycle.append(cycle)
+            del client, cycle  # only the cycle holds the client now
+            loop.call_soon_threadsafe(gc.collect)
+            client_thread.join(GONE_WITHIN_S)  # a bound for a hang: the thread stops once the client closed
+        assert closed_on == [client_thread]
+        assert [str(w.message) for w in caught if w.category is ResourceWarning] == [unclosed_warning(port)]
+    finally:
+        gc.enable()
+    assert not client_thread.is_alive() and loop.is_closed()
+    wait_until_gone((threads_before, sockets_before), client_sockets)
 
 
 def test_asking_about_a_directory_says_it_is_one(tmp_path):

@@ -22,6 +22,7 @@ from tests.unit.deploy.epd_commands import (
     kv_source_problems,
     parse_epd,
     serve_config,
+    stop_bound_s,
 )
 
 COMPOSE = ROOT / "compose"
@@ -73,6 +74,14 @@ def env_of(svc: dict) -> dict[str, str]:
     return {k: str(v) for k, v in (svc.get("environment") or {}).items()}
 
 
+def duration_s(text: str) -> float:
+    """A compose duration ("70s", "1m10s", "1h"; Docker's default stop_grace_period is 10s)."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", str(text))
+    assert parts and any(parts.groups()), f"not a compose duration: {text!r}"
+    hours, minutes, seconds = (float(g or 0) for g in parts.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
 def check_stack(doc: dict) -> list[str]:
     """Commands, ports, health checks, wiring, start order, model cache, API key."""
     services, problems, cfgs = doc["services"], [], {}
@@ -105,6 +114,9 @@ def check_stack(doc: dict) -> list[str]:
             ok = False
         if not ok:
             problems.append(f"{name}: healthcheck must run `epd health localhost:{port}`, is {test}")
+        need_s = stop_bound_s(role, cfg.server.grace_s)
+        if (given_s := duration_s(svc.get("stop_grace_period", "10s"))) < need_s:
+            problems.append(f"{name}: stop_grace_period is {given_s:g} s; its stop may take {need_s:g} s")
     problems += [f"no service runs `epd serve {r}`" for r in BUILDERS if r not in cfgs]
     if problems:
         return problems
@@ -501,6 +513,12 @@ MUTATIONS = [
         "decode: --internal-secret-file /run/secrets/internal-secret is not",
     ),
     ("secret undeclared", lambda d: d.pop("secrets"), "gateway: --internal-secret-file"),
+    (
+        "stop grace of the drain only",
+        _set("decode", "stop_grace_period", value="35s"),
+        "decode: stop_grace_period is 35 s; its stop may take 67 s",
+    ),  # fmt: skip
+    ("no stop grace (10 s)", _set("prefill", "stop_grace_period"), "prefill: stop_grace_period is 10 s"),
     ("not restarted", _set("decode", "restart", value="no"), "decode: restart is 'no'"),
     ("restart dropped", _set("gateway", "restart"), "gateway: restart is None"),
     ("no replicas", _set("encoder", "deploy", "replicas", value="0"), "encoder: 0 replicas"),

@@ -19,6 +19,7 @@ from tests.unit.deploy.epd_commands import (
     kv_source_problems,
     parse_epd,
     serve_config,
+    stop_bound_s,
 )
 
 K8S = ROOT / "deploy" / "k8s"
@@ -243,9 +244,11 @@ def test_the_readme_gives_each_deployments_replica_count():
     assert {role: int(n) for role, n in rows} == counts
 
 
-def test_pods_have_the_time_their_drain_takes_and_the_readme_says_how_long():
-    """On SIGTERM a service drains its calls in flight for up to --grace-period seconds: the kubelet
-    waits longer before its SIGKILL, and deploy/README.md gives that drain (it said 5 s)."""
+def test_pods_have_the_time_their_stop_takes_and_the_readme_says_how_long():
+    """On SIGTERM a service drains its calls in flight for up to --grace-period seconds, then closes
+    what it holds within bounds of its own (`stop_bound_s`, from the code's constants): the kubelet
+    waits that long before its SIGKILL (35 s covered the drain only, not a stuck thread's 30 s
+    after it), and deploy/README.md gives that drain (it said 5 s)."""
     objs = load_objects()
     stated = re.search(
         r"drains the calls in flight for up to\s+`--grace-period` seconds \(default (\d+)",
@@ -257,7 +260,9 @@ def test_pods_have_the_time_their_drain_takes_and_the_readme_says_how_long():
         env = container_env(c, objs)
         args = parse_epd([expand(str(a), env) for a in c.get("command", []) + c.get("args", [])], env)
         assert args.grace_period == float(stated.group(1)), dep["metadata"]["name"]
-        assert pod(dep)["spec"]["terminationGracePeriodSeconds"] > args.grace_period, dep["metadata"]["name"]
+        need_s = stop_bound_s(args.role, args.grace_period)
+        given_s = pod(dep)["spec"]["terminationGracePeriodSeconds"]
+        assert given_s >= need_s, f"{dep['metadata']['name']}: {given_s} s to stop; it may take {need_s} s"
 
 
 def test_every_stage_reaches_all_its_pods_through_a_headless_service():
