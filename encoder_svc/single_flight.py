@@ -68,12 +68,13 @@ class Flight(Generic[T]):
             return self._runs_for()
 
     def _runs_for(self) -> tuple[str, int]:  # owner's lock held
-        leader = self.leader or Interest()
-        wanting = ([] if self.leader_left else [leader]) + self.waiters
+        leader = self.leader
+        staying = [leader] if leader is not None and not self.leader_left else []
+        wanting = staying + self.waiters
         if not wanting:
-            return leader.request_id, leader.priority
+            return ("", 0) if leader is None else (leader.request_id, leader.priority)
         best = min(w.priority for w in wanting)
-        who = leader if not self.leader_left else next(w for w in wanting if w.priority == best)
+        who = staying[0] if staying else next(w for w in wanting if w.priority == best)
         return who.request_id, best
 
     def _retarget(self) -> Callable[[], None]:
