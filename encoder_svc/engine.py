@@ -283,6 +283,7 @@ class EncoderEngine:
             key,
             req.check_cancelled,
             lambda: log.info("waiting for the encode of media %s in flight", sha256[:12]),
+            interest,
         )
         if flight is None:
             assert shared is not None

@@ -60,6 +60,13 @@ class EncodeScheduler(Scheduler[TowerJob]):
         self.waiting.push(request, request.priority)
         self.num_patches_waiting += request.num_patches
 
+    def reprioritize(self, job: TowerJob, priority: int) -> None:
+        """`job` is served at `priority` from now (the shared work it belongs to runs for other
+        requests, `encoder_svc/single_flight.py`): waiting, it moves to its place at that
+        priority, keeping its arrival among equals; running, it only keeps the number."""
+        job.priority = priority
+        self.waiting.reprioritize(job, priority)
+
     def schedule(self) -> list[TowerJob]:
         batch: list[TowerJob] = []
         num_patches = 0

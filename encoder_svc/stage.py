@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
+from collections.abc import Callable
 
 from epd.encoder_svc.engine import EncoderEngine, PendingFeatures
 from epd.encoder_svc.runner import EncodeRunner
@@ -110,8 +112,10 @@ class LocalEncodeStage(EncodeStage):
     ) -> EncodedMedia:
         check_request_priority(priority, self.engine.config.scheduling_policy)
         loop = asyncio.get_running_loop()
-        towers = _TowerJobs(self.core, request_id, loop, priority)
-        interest = Interest()
+        towers = _TowerJobs(self.core, self.scheduler, request_id, loop, priority)
+        # Work this request leads runs for whoever wants it: its tower jobs follow their best
+        # priority (`single_flight`), which may change once it leaves or others wait on it.
+        interest = Interest(request_id, priority, on_change=lambda: towers.run_for(interest.runs_for))
 
         # The pool's own cancel flag is set in the same instant as `interest.leave()` below; the
         # engine watches the interest, which knows whether others wait on this request's work.
@@ -154,17 +158,40 @@ class LocalEncodeStage(EncodeStage):
 class _TowerJobs:
     """One media request's way into the core from its driver thread: `submit` queues a frame group
     as a tower job on the event loop and returns at once (the driver goes on preprocessing);
-    `cancel` (on the loop) takes its queued jobs out of the queue and refuses later ones."""
+    `cancel` (on the loop) takes its queued jobs out of the queue and refuses later ones;
+    `run_for` moves its jobs, queued and to come, to another request id and priority (the work is
+    shared, `single_flight`)."""
 
     def __init__(
-        self, core: EngineCore[TowerJob], request_id: str, loop: asyncio.AbstractEventLoop, priority: int = 0
+        self,
+        core: EngineCore[TowerJob],
+        scheduler: EncodeScheduler,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        priority: int = 0,
     ) -> None:
         self.core = core
-        self.request_id = request_id
+        self.scheduler = scheduler
+        self.request_id = request_id  # loop only, as `priority`
         self.priority = priority
         self.loop = loop
         self._tasks: set[asyncio.Task] = set()  # loop only
+        self._jobs: set[TowerJob] = set()  # submitted and not yet encoded; loop only
         self._cancelled = False  # loop only
+
+    def run_for(self, runs_for: Callable[[], tuple[str, int]]) -> None:  # any thread
+        """The jobs are for the request id and priority `runs_for()` gives, read on the loop (the
+        latest, whatever order the calls from several threads run in): those queued move to their
+        place at that priority (`EncodeScheduler.reprioritize`), later ones are made so."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: the stage is stopping
+            self.loop.call_soon_threadsafe(self._run_for, runs_for)
+
+    def _run_for(self, runs_for: Callable[[], tuple[str, int]]) -> None:
+        request_id, priority = runs_for()
+        self.request_id, self.priority = request_id, priority
+        for job in self._jobs:
+            job.request_id = request_id
+            self.scheduler.reprioritize(job, priority)
 
     def submit(self, inputs: VisionInputs, group_index: int) -> PendingFeatures:  # driver thread
         try:
@@ -188,11 +215,13 @@ class _TowerJobs:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self._jobs.add(job)
         try:
             # Closing the submission (this task cancelled) removes the job from the queue at once.
             return [embeds async for embeds in self.core.submit(job)][0]
         finally:
             self._tasks.discard(task)
+            self._jobs.discard(job)
 
     async def cancel(self) -> None:
         self._cancelled = True

@@ -298,6 +298,28 @@ class Stack:
         return all(p.poll() is None for p in self.procs.values())
 
 
+class VerboseStack(Stack):
+    """A Stack whose services log at INFO, where RPC ends, cancellations and KV handovers are
+    reported, for tests that read the services' logs."""
+
+    def command(self, name: str) -> list[str]:
+        cmd = super().command(name)
+        at = cmd.index("serve")
+        return [*cmd[:at], "--log-level", "INFO", *cmd[at:]]
+
+
+def wait_until(predicate, what: str, timeout_s: float = 120.0) -> None:
+    """Poll `predicate` until it holds; the test fails, saying `what` did not happen, after
+    `timeout_s` (a guard against a broken build hanging, not a timing assertion)."""
+    import pytest
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 def replica_file_stack(
     model: Path, tmp_path: Path, stage: str, *gateway_flags: str
 ) -> tuple[Stack, Path, int]:

@@ -16,6 +16,7 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PromptLogprobs
 from epd.gateway.shutdown import Call, CallsInFlight
 from epd.stages.contracts import StageEvent, TokenStep, check_cache_salt
+from epd.stages.deadline import set_client_deadline
 from epd.stages.errors import DeadlineExceeded, InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
@@ -127,7 +128,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     @contextmanager
     def _unary_call(self, context, num_request_bytes: int) -> Iterator[Call]:
         """A unary call admitted as an HTTP body is (a slot, its request's bytes reserved) and
-        ended with the gateway's own status if the shutdown cuts it."""
+        ended with the gateway's own status if the shutdown cuts it. Its stage calls last no
+        longer than its client waits (epd.stages.deadline)."""
+        set_client_deadline(context.time_remaining())
         with self.in_flight.tracking() as call:
             try:
                 with self._admit(context) as ticket:
@@ -140,6 +143,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def _ask(self, request_iterator, context, call: Call):
         started = time.perf_counter()
+        # The stage calls made for it last no longer than its client waits (epd.stages.deadline).
+        set_client_deadline(context.time_remaining())
         try:
             ticket = self._admit(context)
         except Overloaded:

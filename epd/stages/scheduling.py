@@ -87,6 +87,20 @@ class WaitingQueue(Generic[T]):
         del self._keys[0]
         return self._items.pop(0)
 
+    def reprioritize(self, item: T, priority: int) -> bool:
+        """Move `item` (by identity) to its place at `priority`, keeping its arrival: among items
+        of that priority it goes where it would be had it come with it. False when it is not here."""
+        for i, waiting in enumerate(self._items):
+            if waiting is item:
+                arrival = self._keys[i][1]
+                del self._keys[i], self._items[i]
+                key = (priority if self.policy == "priority" else 0, arrival)
+                at = bisect.bisect_right(self._keys, key)
+                self._keys.insert(at, key)
+                self._items.insert(at, item)
+                return True
+        return False
+
     def remove(self, item: T) -> bool:
         """Take `item` out wherever it waits (by identity); False when it is not here."""
         for i, waiting in enumerate(self._items):

@@ -9,7 +9,9 @@ media goes to the least loaded healthy replica (`epd.transport.affinity`).
 Retries, before anything reached the client only. Encode and prefill are idempotent (a cache miss
 on another replica, the same answer): a try that fails with UNAVAILABLE (replica gone, draining or
 not reachable), or that hangs past `attempt_timeout_s`, is made again on the next healthy replica
-in the call's order, each healthy replica at most once, while the call's deadline allows. A decode
+in the call's order, each healthy replica at most once, while the call's deadline allows: the
+stage timeout, or less when the request's client gives up sooner (its gRPC deadline,
+`epd.stages.deadline`), which each stage gets with the call. A decode
 stream that fails the same ways before its first token is retried the same way (the new replica
 pulls the KV cache from prefill again; if that cache is gone the retry fails and says so). After
 the first token nothing is retried: the client has part of an answer, and gets ABORTED saying so
@@ -47,6 +49,7 @@ from epd.stages.contracts import (
     PrefillStage,
     TokenStep,
 )
+from epd.stages.deadline import timeout_within_client_deadline
 from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
@@ -270,9 +273,10 @@ class ReplicaPool:
         """`attempt(channel, timeout_s)` on the first choice for `key`; when a try fails with
         UNAVAILABLE or hangs past `attempt_timeout_s`, again on the next healthy replica (a fresh
         attempt: the caller rebuilds its request stream), each at most once, within `deadline_s`
-        in all. Any other failure, or the last try's, is the stage's error."""
+        in all, and within the time the request's client has left (`epd.stages.deadline`). Any
+        other failure, or the last try's, is the stage's error."""
         loop = asyncio.get_running_loop()
-        end_at = loop.time() + deadline_s
+        end_at = loop.time() + timeout_within_client_deadline(deadline_s)
         tries = self.candidates(key)
         if not tries:
             raise self.nothing_to_call(stage, request_id)
@@ -651,7 +655,8 @@ class RemoteDecodeStage(DecodeStage):
     ) -> AsyncIterator[TokenStep]:
         """Tokens from the least loaded decode replica. One that fails (UNAVAILABLE) or hangs past
         the pool's attempt timeout before its first token is left for the next healthy replica,
-        each at most once within `timeout_s`; after the first token a failure is ABORTED. One that
+        each at most once within `timeout_s` and the time the request's client has left
+        (`epd.stages.deadline`); after the first token a failure is ABORTED. One that
         is full (RESOURCE_EXHAUSTED marked busy) is left for the next replica too; when the last
         is full as well, that busy error is raised (the pipeline waits for room)."""
         if not handle.kv_address:
@@ -662,7 +667,7 @@ class RemoteDecodeStage(DecodeStage):
             generation=convert.generation_to_proto(generation),
             pruning=convert.pruning_to_proto(pruning),
         )
-        end_at = time.monotonic() + self.timeout_s
+        end_at = time.monotonic() + timeout_within_client_deadline(self.timeout_s)
         tries = self.pool.candidates()
         if not tries:
             raise self.pool.nothing_to_call("decode", request_id)

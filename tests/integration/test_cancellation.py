@@ -17,7 +17,6 @@ Waits poll with a deadline only so that a broken build fails instead of hanging.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -25,21 +24,12 @@ import pytest
 from epd.client import AskResult, AsyncEpdClient, EpdClient, EpdError, StageEvent
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.media import make_video
-from tests.stack import Stack
+from tests.stack import Stack, VerboseStack, wait_until
 
 QUESTION = "what colour is the square?"
 SMALL = {"num_frames": 4, "max_new_tokens": 4}
 KV_STORE_BYTES = 100_000  # holds two KV caches of SMALL requests (checked below): a third is refused
 WAIT_S = 120.0
-
-
-class VerboseStack(Stack):
-    """A Stack whose services log at INFO, where cancellations are reported."""
-
-    def command(self, name: str) -> list[str]:
-        cmd = super().command(name)
-        at = cmd.index("serve")
-        return [*cmd[:at], "--log-level", "INFO", *cmd[at:]]
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +64,6 @@ def slow_clip(tmp_path_factory):
         gop=900,
         pattern="texture",
     )
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not happen within {WAIT_S:.0f} s")
-        time.sleep(0.05)
 
 
 def kv_caches_held(stack: Stack) -> int:

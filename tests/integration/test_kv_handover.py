@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 import urllib.request
 
 import grpc
@@ -35,22 +34,13 @@ from epd.transport.load import fetch_loads
 from epd.transport.remote_stages import RemoteEncodeStage, RemotePrefillStage, ReplicaPool
 from epd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from epd.video.types import SamplingOptions
-from tests.stack import ROOT, Stack, child_env, free_port
+from tests.stack import ROOT, Stack, VerboseStack, child_env, free_port, wait_until
 
 QUESTION = "what colour is the square?"
 KV_TTL_S = 5.0
 KV_STORE_BYTES = 256 << 20
 WAIT_S = 120.0
 MAX_TRANSFER_BYTES = 1 << 30
-
-
-class VerboseStack(Stack):
-    """A Stack whose services log at INFO (handover, cancellation lines)."""
-
-    def command(self, name: str) -> list[str]:
-        cmd = super().command(name)
-        at = cmd.index("serve")
-        return [*cmd[:at], "--log-level", "INFO", *cmd[at:]]
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +52,6 @@ def stack(tiny_models, tmp_path_factory):
     with VerboseStack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_kv"), extra=extra) as s:
         s.http_port = http_port
         yield s
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not happen within {WAIT_S:.0f} s")
-        time.sleep(0.1)
 
 
 def kv_caches_held(stack: Stack, release: str = "no-such-handle") -> int:

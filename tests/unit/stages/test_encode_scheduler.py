@@ -188,3 +188,73 @@ def test_core_respects_the_patch_budget_across_steps():
     finally:
         thread.close()
     assert runner.steps == [["first"], ["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_a_waiting_job_moved_to_another_priority_goes_to_its_place_there():
+    """A shared encode's jobs take the priority of the requests that want it (single flight): a
+    waiting job moved to a better priority is taken before the jobs of the priority it left, after
+    those already waiting at its new one; moved back, it keeps its arrival among its equals."""
+    s = EncodeScheduler(max_patches_per_step=100, max_waiting_jobs=8, scheduling_policy="priority")
+    jobs = {name: TowerJob(request_id=name, num_patches=100, priority=p) for name, p in
+            [("a", 0), ("b", -1), ("shared", 5), ("c", 5)]}  # fmt: skip
+    for j in jobs.values():
+        s.add(j)
+    s.reprioritize(jobs["shared"], -1)
+    assert jobs["shared"].priority == -1
+    assert [names(s.schedule()) for _ in range(2)] == [["b"], ["shared"]]
+    s.add(moved_back := TowerJob(request_id="late", num_patches=100, priority=5))
+    s.reprioritize(moved_back, 0)
+    s.reprioritize(moved_back, 5)  # behind "c" again, which came before it
+    assert [names(s.schedule()) for _ in range(3)] == [["a"], ["c"], ["late"]]
+
+
+def test_a_shared_encodes_queued_jobs_follow_the_requests_that_want_it():
+    """The stage's wiring of single flight into the tower queue (`_TowerJobs.run_for`), no model: a
+    low-priority leader's queued job moves ahead of a priority-0 job once a priority -3 request
+    waits on its work, and is that request's once the leader leaves, so the next step encodes it
+    first, under that request's id. Before, it kept the leader's priority and id to the end."""
+    import torch
+
+    from epd.encoder_svc.single_flight import Interest, SingleFlight
+    from epd.encoder_svc.stage import _TowerJobs
+    from epd.model_runtime.adapter import VisionInputs
+
+    scheduler = EncodeScheduler(max_patches_per_step=100, max_waiting_jobs=8, scheduling_policy="priority")
+    runner = RecordingRunner()
+    thread = ModelThread()
+    core = EngineCore(scheduler, runner, thread)
+    flights: SingleFlight[str] = SingleFlight(poll_s=0.01)
+    group = VisionInputs("image", torch.zeros(100, 1), (1, 10, 10), 0.0)
+
+    async def scenario():
+        first = asyncio.ensure_future(_one(core, job("first", 100)))
+        assert await asyncio.to_thread(runner.entered.wait, HANG_GUARD_S)  # step 1 holds the thread
+        other = asyncio.ensure_future(_one(core, job("other", 100)))
+        towers = _TowerJobs(core, scheduler, "leader", asyncio.get_running_loop(), priority=5)
+        leader = Interest("leader", 5, on_change=lambda: towers.run_for(leader.runs_for))
+        flight, _ = flights.join("k", lambda: None, interest=leader)
+        assert flight is not None and leader.lead(flight)
+        pending = await asyncio.to_thread(towers.submit, group, 0)  # from a driver thread
+        while scheduler.load().num_waiting < 2:
+            await asyncio.sleep(0.001)
+        assert [(j.request_id, j.priority) for j in scheduler.waiting] == [("other", 0), ("leader", 5)]
+        waiter = asyncio.ensure_future(
+            asyncio.to_thread(flights.join, "k", lambda: None, interest=Interest("urgent", -3))
+        )
+        while [j.request_id for j in scheduler.waiting] != ["leader", "other"]:
+            await asyncio.sleep(0.001)
+        assert leader.leave() is True  # the work goes on for the waiting request
+        while next(iter(scheduler.waiting)).request_id != "urgent":
+            await asyncio.sleep(0.001)
+        runner.hold.set()
+        assert await asyncio.to_thread(pending.result, HANG_GUARD_S) == "embeds of urgent"
+        flight.land("tokens")
+        assert await waiter == (None, "tokens")
+        assert await first == "embeds of first" and await other == "embeds of other"
+        await core.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
+    finally:
+        thread.close()
+    assert runner.steps == [["first"], ["urgent"], ["other"]]

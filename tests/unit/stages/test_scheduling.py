@@ -307,3 +307,16 @@ def test_the_policy_and_the_priority_cross_the_wire():
     assert model_info_from_proto(prefill_pb2.ModelInfo()).scheduling_policy == "fcfs", "a prefill from before"
     wire = generation_to_proto(GenerationConfig(priority=-4))
     assert wire.priority == -4 and generation_from_proto(wire, GenerationConfig()).priority == -4
+
+
+def test_reprioritize_moves_an_item_keeping_its_arrival_and_fcfs_keeps_the_order():
+    queue: WaitingQueue[str] = WaitingQueue("priority")
+    for item, priority in [("a", 0), ("b", 2), ("c", 2), ("d", 1)]:
+        queue.push(item, priority)
+    assert queue.reprioritize("c", 0) and list(queue) == ["a", "c", "d", "b"]
+    assert queue.reprioritize("a", 2) and list(queue) == ["c", "d", "a", "b"]  # "a" came before "b"
+    assert not queue.reprioritize("gone", 0)
+    fcfs: WaitingQueue[str] = WaitingQueue("fcfs")
+    for item in "xyz":
+        fcfs.push(item)
+    assert fcfs.reprioritize("z", -5) and list(fcfs) == ["x", "y", "z"]

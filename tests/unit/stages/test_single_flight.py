@@ -195,3 +195,103 @@ def test_leaving_after_the_work_landed_cancels_nothing():
     assert flight is not None and interest.lead(flight)
     flight.land("tokens")
     assert interest.leave() is False and not flight.cancel.is_set()
+
+
+class _Changes:
+    """A leader's `on_change`: records who the work runs for each time it is told, as the encoder's
+    tower jobs read it (`Interest.runs_for`, when the call runs)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+        self.interest: Interest | None = None
+
+    def __call__(self) -> None:
+        assert self.interest is not None
+        self.seen.append(self.interest.runs_for())
+
+
+def _leader(flights: SingleFlight[str], request_id: str, priority: int) -> tuple[Interest, _Changes]:
+    changes = _Changes()
+    interest = changes.interest = Interest(request_id, priority, on_change=changes)
+    flight, _ = flights.join("k", _never, interest=interest)
+    assert flight is not None and interest.lead(flight)
+    return interest, changes
+
+
+def _waiter(flights: SingleFlight[str], request_id: str, priority: int, out: list):
+    """A request waiting on the work, and the event that cancels it."""
+    cancel, check = _cancellable()
+    interest = Interest(request_id, priority)
+
+    def run() -> None:
+        try:
+            out.append(flights.join("k", check, interest=interest))
+        except Cancelled:
+            out.append("cancelled")
+
+    thread = threading.Thread(target=run)
+    waiting = flights.num_waiting("k")
+    thread.start()
+    _wait_for(lambda: flights.num_waiting("k") > waiting)
+    return thread, cancel
+
+
+def test_the_work_runs_at_the_best_priority_of_those_who_want_it_and_a_left_leader_counts_no_more():
+    """Lower is served earlier (vLLM's priority). A low-priority leader's work is raised to the
+    priority of a request that waits on it (under the leader's id while it stays); once the leader
+    leaves, the work runs for the best of those still waiting, under the id of the first of them;
+    as they leave in turn, it drops to the best of the rest. Before, the work kept its leader's id
+    and priority to its end."""
+    flights: SingleFlight[str] = SingleFlight(poll_s=0.01)
+    leader, changes = _leader(flights, "leader", 5)
+    assert leader.runs_for() == ("leader", 5) and changes.seen == []
+    out: list = []
+    urgent, leave_urgent = _waiter(flights, "urgent", -3, out)
+    assert leader.runs_for() == ("leader", -3) and changes.seen == [("leader", -3)]
+    later, leave_later = _waiter(flights, "later", 1, out)
+    assert changes.seen == [("leader", -3)]  # nothing changed: not told
+    assert leader.leave() is True
+    assert leader.runs_for() == ("urgent", -3) and changes.seen[-1] == ("urgent", -3)
+    leave_urgent.set()
+    urgent.join(5)
+    assert leader.runs_for() == ("later", 1) and changes.seen[-1] == ("later", 1)
+    flight = leader._flight  # noqa: SLF001 - the work the leader's thread still does
+    assert flight is not None and not flight.cancel.is_set()
+    flight.land("tokens")
+    later.join(5)
+    assert out == ["cancelled", (None, "tokens")]
+    leave_later.set()
+
+
+def test_a_high_priority_leader_that_leaves_no_longer_boosts_its_low_priority_waiters():
+    flights: SingleFlight[str] = SingleFlight(poll_s=0.01)
+    leader, changes = _leader(flights, "urgent-leader", -5)
+    out: list = []
+    first, _ = _waiter(flights, "slow-1", 7, out)
+    second, _ = _waiter(flights, "slow-2", 7, out)
+    assert leader.runs_for() == ("urgent-leader", -5) and changes.seen == []
+    assert leader.leave() is True
+    assert leader.runs_for() == ("slow-1", 7) and changes.seen == [("slow-1", 7)]  # the first of equals
+    flight = leader._flight  # noqa: SLF001
+    assert flight is not None
+    flight.land("tokens")
+    for thread in (first, second):
+        thread.join(5)
+    assert out == [(None, "tokens")] * 2
+
+
+def test_waiters_that_come_before_their_leader_leads_are_counted_when_it_does():
+    """The leader joins (and so makes the flight), then leads it a moment later on its thread: a
+    request that waits on it meanwhile raises the work's priority as soon as it is led."""
+    flights: SingleFlight[str] = SingleFlight(poll_s=0.01)
+    changes = _Changes()
+    interest = changes.interest = Interest("leader", 0, on_change=changes)
+    flight, _ = flights.join("k", _never, interest=interest)
+    assert flight is not None
+    out: list = []
+    waiter, _ = _waiter(flights, "urgent", -1, out)
+    assert changes.seen == []
+    assert interest.lead(flight)
+    assert changes.seen == [("leader", -1)]
+    flight.land("tokens")
+    waiter.join(5)
