@@ -108,8 +108,9 @@ class PrefillEngine:
         self.max_prompt_tokens = config.served_prompt_tokens(self.context_tokens)
         """The longest prompt served: --max-model-len's context lowers the prompt limit too."""
         self.reasoning_markers = adapter.single_tokens(REASONING_MARKERS)
-        """Which think markers the tokenizer has (`ModelInfo.reasoning_markers`): looked up once,
-        the vocabulary does not change and get_vocab() builds a dict of it."""
+        """Which think markers the tokenizer has, with their token ids (`ModelInfo.reasoning_markers`
+        and `reasoning_marker_ids`): looked up once, the vocabulary does not change and
+        get_vocab() builds a dict of it."""
         if (
             config.max_model_len is not None
             and (served := self.model_info().max_model_len) < config.max_model_len
@@ -144,7 +145,8 @@ class PrefillEngine:
             max_new_tokens=self.config.max_new_tokens_limit,
             model_type=self.adapter.family,
             max_logprobs=self.config.max_logprobs,
-            reasoning_markers=self.reasoning_markers,
+            reasoning_markers=tuple(self.reasoning_markers),
+            reasoning_marker_ids=tuple(self.reasoning_markers.values()),
             trust_request_chat_template=self.config.trust_request_chat_template,
             scheduling_policy=self.config.scheduler.scheduling_policy,
         )

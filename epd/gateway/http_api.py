@@ -110,9 +110,11 @@ from epd.gateway.pipeline import (
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (
+    MarkerIds,
     ReasoningStream,
     constrained_after_reasoning,
     delta_fields,
+    marker_ids,
     parser_misfit,
     thinking_on,
 )
@@ -200,6 +202,7 @@ class HttpApi:
         self.in_flight = CallsInFlight()
         """The requests answering now, ended with their own status at shutdown (`epd/gateway/shutdown.py`)."""
         self._reasoning_misfit_logged = False
+        self._text_count_logged = False  # `_marker_ids`: reasoning tokens counted by their text
 
     def app(self) -> web.Application:
         # client_max_size only backs up read_json_body for any route that calls request.read().
@@ -486,7 +489,14 @@ class HttpApi:
                         if chat.raw_prompt is not None:
                             build = functools.partial(text_completion_body, summary, chat)
                         elif chat.responses is not None:
-                            build = functools.partial(response_body, summary, chat, thinking, steps)
+                            build = functools.partial(
+                                response_body,
+                                summary,
+                                chat,
+                                thinking,
+                                steps,
+                                marker_ids=self._marker_ids(thinking),
+                            )
                         else:
                             build = functools.partial(
                                 completion_body,
@@ -498,6 +508,7 @@ class HttpApi:
                                 include_reasoning=chat.include_reasoning,
                                 tool_choice=chat.tool_choice,
                                 steps=steps,
+                                marker_ids=self._marker_ids(thinking),
                             )
                         # the prompt's logprobs: up to half a million entries, written off the loop
                         return await json_answer(build, off_loop=bool(summary.prompt_logprobs))
@@ -522,6 +533,23 @@ class HttpApi:
             self._reasoning_misfit_logged = True
             log.error("refusing chat requests: %s", misfit)
         raise ServerMisconfigured(misfit)
+
+    def _marker_ids(self, thinking: bool | None) -> MarkerIds | None:
+        """The served model's think markers' token ids, by which a thinking answer's reasoning
+        tokens are counted (`epd.gateway.reasoning.marker_ids`; None without a parser). Not known
+        (no model info yet, a prefill from before them, replicas that disagree), they are counted
+        by where the text falls, which the first such answer logs once, for the operator."""
+        if thinking is None:
+            return None
+        ids = marker_ids(self.pipeline.model_info())
+        if ids is None and not self._text_count_logged:
+            self._text_count_logged = True
+            log.warning(
+                "counting reasoning tokens by where the answer's text falls, not by token id: prefill has "
+                "not reported the token ids of <think> and </think> (no model info yet, a prefill from "
+                "before them, or replicas whose ids differ); usage's reasoning_tokens may differ from vLLM's"
+            )
+        return ids
 
     def _thinking(self, chat: ChatRequest) -> bool | None:
         """With `--reasoning-parser`, whether `chat`'s answer begins inside a thinking block
@@ -606,7 +634,10 @@ class HttpApi:
         prompt_logprobs: Sequence[TokenLogprob] | None = None
         # Each choice's text parted into reasoning and content, by index (with --reasoning-parser),
         # and the reasoning tokens of those finished (the final usage's).
-        parted = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(chat.generation.n)}
+        ids = self._marker_ids(thinking)
+        parted = (
+            {} if thinking is None else {i: ReasoningStream(thinking, ids) for i in range(chat.generation.n)}
+        )
         reasoning_tokens = 0
         # Each choice's content parted into text and tool calls, by index (with tools to parse or force).
         tooled = (
@@ -716,7 +747,7 @@ class HttpApi:
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
                         if item.token_ids or item.text:
-                            split = parted[item.index].add(item.text, len(item.token_ids)) if parted else None
+                            split = parted[item.index].add(item.text, item.token_ids) if parted else None
                             delta = None if split is None else delta_fields(split, chat.include_reasoning)
                             more: list[
                                 dict[str, Any]
@@ -807,7 +838,8 @@ class HttpApi:
         """A Responses API answer's semantic events (`ResponseEvents`), each an SSE `event:` and
         `data:` pair; the 200 goes with the first token, as chat's; no [DONE] (OpenAI's stream
         ends with response.completed)."""
-        shaper = ResponseEvents(chat, request_id, self._thinking(chat))
+        thinking = self._thinking(chat)
+        shaper = ResponseEvents(chat, request_id, thinking, marker_ids=self._marker_ids(thinking))
         call = current_call()
         num_tokens = 0
 
@@ -829,7 +861,7 @@ class HttpApi:
                         num_tokens += len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
-                        await send(shaper.add(item.text, len(item.token_ids), item.logprobs))
+                        await send(shaper.add(item.text, item.token_ids, item.logprobs))
                         continue
                     log_summary(item)
                     await send(shaper.finish(item))

@@ -62,7 +62,7 @@ from epd.gateway.logprobs_protocol import (
     prompt_logprobs_option,
 )
 from epd.gateway.pipeline import AskSummary, ChoiceSummary
-from epd.gateway.reasoning import PartedAnswers, message_fields, part_answers
+from epd.gateway.reasoning import MarkerIds, PartedAnswers, message_fields, part_answers
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
 from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason
 from epd.gateway.tool_request import ToolChoice, forced_structured_outputs, parse_tools
@@ -779,19 +779,20 @@ def completion_body(
     include_reasoning: bool = True,
     tool_choice: ToolChoice = ToolChoice(),
     steps: Iterable[TokenStep] | None = None,
+    marker_ids: MarkerIds | None = None,
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
     the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
     choice's text, from the answer's token `steps` (needed then), into the message's reasoning and
     content, counting the reasoning's tokens in the same pass (`part_answers`, as the Responses
-    answer parts and counts its steps); `tool_choice` (`ChatRequest.tool_choice`) takes the
+    answer parts and counts its steps; by token id with the served model's `marker_ids`); `tool_choice` (`ChatRequest.tool_choice`) takes the
     content's tool calls into the message's `tool_calls` (`epd.gateway.tool_parsers`)."""
     parted = None
     if thinking is not None:
         if steps is None:
             raise ValueError("a reasoning parser parts the answer from its token steps: pass them")
-        parted = part_answers(((s.index, s.text, len(s.token_ids)) for s in steps), thinking)
+        parted = part_answers(((s.index, s.text, s.token_ids) for s in steps), thinking, marker_ids)
     choices = []
     for choice in summary.all_choices():
         message, num_calls = _message(role, echoed, choice, parted, include_reasoning, tool_choice)

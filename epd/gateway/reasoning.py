@@ -19,6 +19,12 @@ The stream is split exactly as the whole answer is: a delta's tail that could be
 (`<`, `</thi`, ...) is held back until the next delta shows what it is, or the answer ends, so a
 marker split across deltas (or spelled in several tokens) is found all the same; the held text is
 at most a marker's length.
+
+The reasoning tokens (usage's `reasoning_tokens`) are counted by token id, as vLLM's parsers count
+them (`BaseThinkingReasoningParser.count_reasoning_tokens`): the gateway loads no tokenizer, so
+prefill reports the markers' ids (`ModelInfo.reasoning_marker_ids`, read by `marker_ids`). Not
+where the text falls: decode may send a step's text late (a stop string's possible start held
+back) or with the text of tokens after `</think>`'s.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.model_info import REASONING_MARKERS, ModelInfo
 
 START, END = REASONING_MARKERS  # "<think>", "</think>"
+
+MarkerIds = tuple[int, int]
+"""The token ids of `<think>` and `</think>` in the served model's tokenizer."""
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 """The names `--reasoning-parser` takes, vLLM's: both split at `<think>` / `</think>`; qwen3
@@ -53,6 +62,16 @@ def parser_misfit(parser: str, info: ModelInfo | None) -> str | None:
         f"as single tokens, but the served model ({info.model_type}) lacks {' and '.join(missing)}: "
         "the server's operator must restart it without --reasoning-parser or serve a thinking model"
     )
+
+
+def marker_ids(info: ModelInfo | None) -> MarkerIds | None:
+    """The served model's `<think>` and `</think>` token ids as prefill reports them, or None when
+    not known (no model info yet, a prefill from before them, replicas whose ids differ): then the
+    reasoning tokens are counted by where the text falls (`ReasoningStream.add`)."""
+    if info is None:
+        return None
+    start, end = info.reasoning_token_id(START), info.reasoning_token_id(END)
+    return None if start is None or end is None else (start, end)
 
 
 @dataclass(frozen=True)
@@ -89,39 +108,55 @@ def split_reasoning(text: str, thinking: bool) -> ReasoningSplit:
     """A whole answer's text parted at its first `</think>` (`thinking`: `thinking_on`): as one
     step of `part_answers`, so a whole text, a stream's deltas and a whole answer's steps are
     parted by the one machine (`ReasoningStream`)."""
-    return part_answers([(0, text, 0)], thinking).split(0)
+    return part_answers([(0, text, ())], thinking).split(0)
 
 
 class ReasoningStream:
     """One choice's streamed text, parted delta by delta; the parts joined are `split_reasoning`'s
-    of the whole text (`finish` gives what was held back). Fed each step's token count too, it
+    of the whole text (`finish` gives what was held back). Fed each step's token ids too, it
     counts the answer's reasoning tokens (`num_reasoning_tokens`) in the same pass; fed its tokens'
-    texts, it tells which of them are the content's (`num_content_tokens`, for their logprobs)."""
+    texts, it tells which of them are the content's (`num_content_tokens`, for their logprobs).
+    `marker_ids`: the served model's (`marker_ids`), None when not known."""
 
-    def __init__(self, thinking: bool) -> None:
+    def __init__(self, thinking: bool, marker_ids: MarkerIds | None = None) -> None:
         self.in_reasoning = thinking
         """True until the text after `</think>` begins (False from the start with thinking off)."""
         self.num_reasoning_tokens = 0
         """The tokens inside the thinking block so far, its markers left out, as vLLM counts the
         Responses API's `usage.output_tokens_details.reasoning_tokens` and chat's
         `usage.completion_tokens_details.reasoning_tokens` (`add`)."""
+        self._marker_ids = marker_ids
+        self._counting = thinking  # until the `</think>` token (by id)
         self._start_dropped = False  # the model's own `<think>`, dropped once
         self._tokens_in_reasoning = thinking  # until a token reads `</think>` (`num_content_tokens`)
         self._held = ""  # the reasoning text's tail that may begin a marker: len < len(END)
 
-    def add(self, text: str, num_tokens: int = 0) -> ReasoningSplit:
-        """The parts of `text`, the next delta ("" for a part it has none of); `num_tokens`: how
-        many tokens made it, counted while it thinks. The gateway has no tokenizer: a step's
-        tokens count by where its text falls, and each marker the step completes (a single token
-        of a thinking model's tokenizer, `parser_misfit`) is one of them that does not count, as
-        vLLM counts by token id the tokens between `<think>` and `</think>`."""
+    def add(self, text: str, token_ids: Sequence[int] = ()) -> ReasoningSplit:
+        """The parts of `text`, the next delta ("" for a part it has none of), made by the tokens
+        `token_ids`; those inside the thinking block count as reasoning tokens. By id, as vLLM's
+        parsers count them: every token before the `</think>` token (from the answer's start,
+        which the template opened, as vLLM PR #45787 counts), the markers' tokens left out, however
+        decode sent their text. Without the ids (`marker_ids` None) a step's tokens count by where
+        its text falls, each marker the text completes one of them that does not count."""
+        if self._marker_ids is not None:
+            self._count(token_ids, *self._marker_ids)
         if not self.in_reasoning:
             return ReasoningSplit("", text)
         dropped = self._start_dropped
         split = self._split(text)
-        num_markers = (not self.in_reasoning) + (self._start_dropped and not dropped)
-        self.num_reasoning_tokens += max(0, num_tokens - num_markers)
+        if self._marker_ids is None:
+            num_markers = (not self.in_reasoning) + (self._start_dropped and not dropped)
+            self.num_reasoning_tokens += max(0, len(token_ids) - num_markers)
         return split
+
+    def _count(self, token_ids: Sequence[int], start: int, end: int) -> None:
+        for token in token_ids:
+            if not self._counting:
+                return
+            if token == end:
+                self._counting = False
+            elif token != start:
+                self.num_reasoning_tokens += 1
 
     def num_content_tokens(self, token_texts: Sequence[str]) -> int:
         """How many of the next step's tokens, the last ones, are the content's, by each token's
@@ -149,7 +184,7 @@ class ReasoningStream:
         # after it): dropped as `split_reasoning` drops it, and its token is no reasoning token.
         dropped = self._start_dropped
         reasoning = self._drop_start(held)
-        if self._start_dropped and not dropped:
+        if self._start_dropped and not dropped and self._marker_ids is None:
             self.num_reasoning_tokens = max(0, self.num_reasoning_tokens - 1)
         return ReasoningSplit(reasoning, "")
 
@@ -206,17 +241,20 @@ class PartedAnswers:
         return ReasoningSplit("", None) if self.thinking else ReasoningSplit(None, "")
 
 
-def part_answers(steps: Iterable[tuple[int, str, int]], thinking: bool) -> PartedAnswers:
-    """A whole answer parted from its steps, each (choice index, text, number of tokens), in
-    order, in one pass: every choice's through a `ReasoningStream` of its own, as a stream parts
-    it, which counts its reasoning tokens as it parts the text (the Responses answer's shape,
-    `epd.gateway.responses_events.response_body`). As vLLM's whole message: `reasoning` None with
-    thinking off; `content` None when nothing came after the block (or it never closed)."""
+def part_answers(
+    steps: Iterable[tuple[int, str, Sequence[int]]], thinking: bool, marker_ids: MarkerIds | None = None
+) -> PartedAnswers:
+    """A whole answer parted from its steps, each (choice index, text, token ids), in order, in
+    one pass: every choice's through a `ReasoningStream` of its own (`marker_ids`: the served
+    model's), as a stream parts it, which counts its reasoning tokens as it parts the text (the
+    Responses answer's shape, `epd.gateway.responses_events.response_body`). As vLLM's whole
+    message: `reasoning` None with thinking off; `content` None when nothing came after the block
+    (or it never closed)."""
     streams: dict[int, ReasoningStream] = {}
     parts: dict[int, tuple[list[str], list[str]]] = {}
-    for index, text, num_tokens in steps:
-        stream = streams.setdefault(index, ReasoningStream(thinking))
-        split = stream.add(text, num_tokens)
+    for index, text, token_ids in steps:
+        stream = streams.setdefault(index, ReasoningStream(thinking, marker_ids))
+        split = stream.add(text, token_ids)
         reasoning, content = parts.setdefault(index, ([], []))
         reasoning.append(split.reasoning or "")
         content.append(split.content or "")

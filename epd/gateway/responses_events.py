@@ -41,7 +41,7 @@ from typing import Any
 from epd.gateway.logprobs_protocol import chat_logprobs
 from epd.gateway.openai_protocol import ChatRequest, epd_details
 from epd.gateway.pipeline import AskSummary
-from epd.gateway.reasoning import ReasoningStream
+from epd.gateway.reasoning import MarkerIds, ReasoningStream
 from epd.gateway.tool_parsers.answer import ToolAnswerStream
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.stages.contracts import TokenStep
@@ -79,13 +79,14 @@ class ResponseEvents:
         thinking: bool | None,
         created: int | None = None,
         whole: bool = False,
+        marker_ids: MarkerIds | None = None,
     ):
         self.chat = chat
         self.request_id = request_id
         self.created = created if created is not None else int(time.time())
         self.output: list[dict[str, Any]] = []
         self._sequence = 0
-        self._reasoning = None if thinking is None else ReasoningStream(thinking)
+        self._reasoning = None if thinking is None else ReasoningStream(thinking, marker_ids)
         self._tools = (
             ToolAnswerStream(chat.tool_choice, incremental=not whole)
             if chat.tool_choice.mode != "none"
@@ -108,10 +109,11 @@ class ResponseEvents:
         ]
 
     def add(
-        self, text: str, num_tokens: int = 0, logprobs: Sequence[TokenLogprob] | None = None
+        self, text: str, token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprob] | None = None
     ) -> list[dict[str, Any]]:
-        """The events of the answer's next step: its `text`, made by `num_tokens` tokens (counted
-        as reasoning tokens while it thinks) with their `logprobs` when the request asked."""
+        """The events of the answer's next step: its `text`, made by the tokens `token_ids`
+        (counted as reasoning tokens while it thinks, `ReasoningStream.add`) with their `logprobs`
+        when the request asked."""
         if self._logprobs and logprobs:
             # The content's tokens, the step's last ones (the others are reasoning's, which has
             # no logprobs); held until a delta carries their text.
@@ -123,7 +125,7 @@ class ResponseEvents:
             self._held_logprobs += logprobs[len(logprobs) - num_content :]
         if self._reasoning is None:
             return self._step_events(self._content(text))
-        split = self._reasoning.add(text, num_tokens)
+        split = self._reasoning.add(text, token_ids)
         events = self._reasoning_text(split.reasoning or "")
         return events + self._step_events(self._content(split.content or ""))
 
@@ -333,10 +335,12 @@ def response_body(
     thinking: bool | None,
     steps: Iterable[TokenStep],
     created: int | None = None,
+    marker_ids: MarkerIds | None = None,
 ) -> dict[str, Any]:
     """The whole answer's `response`: its token `steps` through the same `ResponseEvents` a stream
-    goes through (which counts its reasoning tokens and places its logprobs), at its end."""
-    events = ResponseEvents(chat, summary.request_id, thinking, created, whole=True)
+    goes through (which counts its reasoning tokens, by id with the served model's `marker_ids`,
+    and places its logprobs), at its end."""
+    events = ResponseEvents(chat, summary.request_id, thinking, created, whole=True, marker_ids=marker_ids)
     for step in steps:
-        events.add(step.text, len(step.token_ids), step.logprobs)
+        events.add(step.text, step.token_ids, step.logprobs)
     return events.finish(summary)[-1]["response"]

@@ -385,11 +385,11 @@ class VLMAdapter(ABC):
         """The text of token ids, special tokens kept (/detokenize; answers use `detokenize`)."""
         raise UnsupportedByFamily(f"{type(self).__name__} does not expose its tokenizer")
 
-    def single_tokens(self, texts: Sequence[str]) -> tuple[str, ...]:
+    def single_tokens(self, texts: Sequence[str]) -> dict[str, int]:
         """Those of `texts` that are one token of the vocabulary (added tokens included), in their
-        order: as vLLM's reasoning parsers look their markers up. None of them for a family that
-        exposes no tokenizer."""
-        return ()
+        order, with their token ids: as vLLM's reasoning parsers look their markers up. None of
+        them for a family that exposes no tokenizer."""
+        return {}
 
     def settle_tokenizer(self) -> None:
         """Leave the tokenizer in the state every call of this adapter asks of it, so that no later

@@ -284,9 +284,9 @@ class HfTextAdapter(VLMAdapter):
     def decode_tokens(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def single_tokens(self, texts: Sequence[str]) -> tuple[str, ...]:
+    def single_tokens(self, texts: Sequence[str]) -> dict[str, int]:
         vocab = self.tokenizer.get_vocab()  # {token: id}, added tokens too (vLLM's `vocab.get`)
-        return tuple(text for text in texts if text in vocab)
+        return {text: vocab[text] for text in texts if text in vocab}
 
     def settle_tokenizer(self) -> None:
         # A fast tokenizer's Rust backend holds truncation, padding and special-token splitting

@@ -38,6 +38,10 @@ class ModelInfo:
     """Which of `REASONING_MARKERS` are single tokens of the model's tokenizer, in that order: a
     thinking model's (Qwen3, Qwen3.5, DeepSeek-R1) has both, Qwen2-VL's neither. The front door
     refuses chat requests under `--reasoning-parser` without both (`epd.gateway.reasoning`)."""
+    reasoning_marker_ids: tuple[int, ...] = ()
+    """The token id of each of `reasoning_markers`, in that order: the front door counts a thinking
+    answer's reasoning tokens by them, as vLLM's reasoning parsers count by token id (it has no
+    tokenizer). () when not known: a prefill from before them, or replicas whose ids differ."""
     trust_request_chat_template: bool = False
     """Prefill renders a request's own `chat_template` (--trust-request-chat-template): the front
     door refuses one without it before the media costs an encode (prefill refuses it too)."""
@@ -45,6 +49,16 @@ class ModelInfo:
     """Prefill's --scheduling-policy (`epd.stages.scheduling`): under fcfs the front door refuses a
     request's non-zero priority before its media costs an encode (`epd serve` gives every stage
     the same policy; a stage started by hand with another refuses such a request itself)."""
+
+    def reasoning_token_id(self, marker: str) -> int | None:
+        """`marker`'s token id (one of `reasoning_markers`), or None when it is not a single token
+        or its id is not known."""
+        if (
+            len(self.reasoning_marker_ids) != len(self.reasoning_markers)
+            or marker not in self.reasoning_markers
+        ):
+            return None
+        return self.reasoning_marker_ids[self.reasoning_markers.index(marker)]
 
     @property
     def max_model_len(self) -> int:
@@ -70,6 +84,11 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         return min(known) if known else None
 
     vocab = [i.vocab_size for i in distinct]
+    # a marker only when every replica's tokenizer has it: the parser works on whichever answers;
+    # its id only when every replica's is the same (else the reasoning is counted by its text)
+    markers = tuple(m for m in REASONING_MARKERS if all(m in i.reasoning_markers for i in distinct))
+    ids = [{i.reasoning_token_id(m) for i in distinct} for m in markers]
+    marker_ids = tuple(token for same in ids if len(same) == 1 for token in same if token is not None)
     return ModelInfo(
         vocab_size=None if None in vocab else max(v for v in vocab if v is not None),
         context_tokens=smallest(i.context_tokens for i in distinct),
@@ -77,10 +96,8 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         max_new_tokens=min(i.max_new_tokens for i in distinct),
         model_type=",".join(sorted({i.model_type for i in distinct})),
         max_logprobs=min(i.max_logprobs for i in distinct),
-        # a marker only when every replica's tokenizer has it: the parser works on whichever answers
-        reasoning_markers=tuple(
-            m for m in REASONING_MARKERS if all(m in i.reasoning_markers for i in distinct)
-        ),
+        reasoning_markers=markers,
+        reasoning_marker_ids=marker_ids if len(marker_ids) == len(markers) else (),
         # only when every replica takes them: any of them may get the request
         trust_request_chat_template=all(i.trust_request_chat_template for i in distinct),
         # priority only when every replica orders by it: a replica under fcfs would refuse the request

@@ -29,6 +29,7 @@ def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
         model_type=info.model_type,
         max_logprobs=info.max_logprobs,
         reasoning_markers=info.reasoning_markers,
+        reasoning_marker_ids=info.reasoning_marker_ids,
         trust_request_chat_template=info.trust_request_chat_template,
         scheduling_policy=info.scheduling_policy,
     )
@@ -44,6 +45,7 @@ def model_info_from_proto(msg: prefill_pb2.ModelInfo) -> ModelInfo:
         # unset: a prefill from before --max-logprobs, which refused every logprobs request
         max_logprobs=msg.max_logprobs if msg.HasField("max_logprobs") else 0,
         reasoning_markers=tuple(msg.reasoning_markers),
+        reasoning_marker_ids=tuple(msg.reasoning_marker_ids),  # empty: a prefill from before them
         trust_request_chat_template=msg.trust_request_chat_template,
         scheduling_policy=msg.scheduling_policy or "fcfs",  # unset: a prefill from before the flag
     )

@@ -66,12 +66,14 @@ async def _post(url: str, path: str, body: dict) -> tuple[int, Any]:
         return resp.status, [json.loads(e) for e in events[:-1]]
 
 
-def post_embedded(pipeline, *requests: tuple[str, dict]) -> list[tuple[int, Any]]:
-    """Each (path, body) posted in turn to the HTTP API served over `pipeline` on a free port, as
-    `epd serve --colocate` serves it."""
+def post_embedded(
+    pipeline, *requests: tuple[str, dict], config: GatewayConfig | None = None
+) -> list[tuple[int, Any]]:
+    """Each (path, body) posted in turn to the HTTP API (`config`'s, the defaults by default)
+    served over `pipeline` on a free port, as `epd serve --colocate` serves it."""
 
     async def run() -> list[tuple[int, Any]]:
-        api = HttpApi(GatewayConfig(), pipeline, GatewayMetrics())
+        api = HttpApi(config or GatewayConfig(), pipeline, GatewayMetrics())
         runner = web.AppRunner(api.app(), handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()

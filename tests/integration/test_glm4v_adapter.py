@@ -400,8 +400,8 @@ def test_the_thinking_markers_are_single_tokens_kept_in_the_answer_text(language
     """GLM-4.1V-Thinking writes `<think>...</think>` itself: `--reasoning-parser deepseek_r1`
     parts it, which needs both markers as single tokens that the answer's text keeps (added
     tokens that are not special, as in the hub's tokenizer)."""
-    assert language.single_tokens(REASONING_MARKERS) == REASONING_MARKERS
     ids = [language.tokenizer.convert_tokens_to_ids(m) for m in REASONING_MARKERS]
+    assert language.single_tokens(REASONING_MARKERS) == dict(zip(REASONING_MARKERS, ids))
     answer = language.detokenize([ids[0], *language.tokenize("red", False), ids[1]])
     assert answer == "<think>red</think>"
 

@@ -4,7 +4,9 @@ Qwen3.5, whose template opens a thinking block in the prompt: a chat answer that
 before it in `reasoning` / `reasoning_content` and the text after in `content`, each equal to the
 tokenizer's decode of its own tokens, plain and streamed; `include_reasoning: false` leaves the
 reasoning out, `enable_thinking: false` and a cut inside the block part it as vLLM does, usage counts
-every token and, as vLLM's, the reasoning's in `completion_tokens_details`, and legacy completions
+every token and, as vLLM's, the reasoning's in `completion_tokens_details` by token id (prefill
+reports the markers' ids: a stop string that makes decode send `</think>`'s text late counts the
+same, over the stack and the embedded pipeline alike), and legacy completions
 and a stack without the flag answer the text whole. Over the tiny
 Qwen2-VL, whose tokenizer has no think markers, the flag gets every chat request refused with a 500
 naming the flag and the model (vLLM refuses to start such a parser), where it made every answer all
@@ -13,10 +15,16 @@ Responses API (`/v1/responses`) parts the same answer into a reasoning item and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from transformers import AutoTokenizer
 
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.embedded import build_embedded_pipeline
+from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+from tests.integration.test_completions import post_embedded
 from tests.integration.test_model_info import _model_card
 from tests.local_http import post_json, sse_chunks
 from tests.stack import Stack, free_port
@@ -52,13 +60,14 @@ def _joined(chunks: list[dict], name: str, index: int = 0) -> str | None:
     return "".join(parts) if parts else None
 
 
-def _thinking_answer(port: int, end_id: int) -> tuple[list[int], list[int]]:
-    """(allowed ids, the answer's ids) of the first pair of ordinary tokens whose greedy answer,
-    with `</think>` allowed beside them, holds it after a token of reasoning and before one of
-    content (the tiny model is random: which pair does is found, not assumed)."""
+def _thinking_answer(chat: Callable[[dict], dict], end_id: int) -> tuple[list[int], list[int]]:
+    """(allowed ids, the answer's ids) of the first pair of ordinary tokens whose greedy answer
+    (`chat`'s, a body to its reply), with `</think>` allowed beside them, holds it after a token of
+    reasoning and before one of content (the tiny model is random: which pair does is found, not
+    assumed)."""
     for first in range(40, 300, 7):
         allowed = [first, first + 1, end_id]
-        ids = _chat(port, _body(allowed_token_ids=allowed))["epd"]["token_ids"]
+        ids = chat(_body(allowed_token_ids=allowed))["epd"]["token_ids"]
         if end_id in ids and 0 < ids.index(end_id) < len(ids) - 1:
             return allowed, ids
     raise AssertionError("no pair of tokens made an answer with </think> inside it")
@@ -74,7 +83,7 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
     port = free_port()
     extra = {"gateway": ["--http-port", str(port), "--reasoning-parser", "qwen3"]}
     with Stack(qwen3_5, tmp_path / "logs", extra=extra):
-        allowed, ids = _thinking_answer(port, end_id)
+        allowed, ids = _thinking_answer(lambda body: _chat(port, body), end_id)
         end = ids.index(end_id)
         reasoning, content = decode(ids[:end]), decode(ids[end + 1 :])
         assert reasoning and content
@@ -142,6 +151,23 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
             deltas = [e for e in events if e["type"] == "response.output_text.delta"]
             assert "".join(e["delta"] for e in deltas) == content, stop
             assert [lp for e in deltas for lp in e["logprobs"]] == want, stop
+
+        # The same stop string: decode sends "</think>" late, with the content token after it, so
+        # where the text falls would count the marker's token and more; vLLM counts by token id,
+        # the tokens before </think>'s, and so does the gateway with prefill's ids of the markers.
+        held = _body(allowed_token_ids=allowed, stop=["</think>@@"])
+        reply = _chat(port, held)
+        assert (reply["epd"]["token_ids"], reply["usage"]["completion_tokens_details"]) == (
+            ids,
+            {"reasoning_tokens": end},
+        )
+        assert _stream(port, held)[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": end}
+        held_response = {**responses, "stop": ["</think>@@"]}
+        status, response = post_json(port, "/v1/responses", held_response)
+        assert status == 200, response
+        streamed = sse_chunks(port, "/v1/responses", held_response)[-1]["response"]
+        for usage in (response["usage"], streamed["usage"]):
+            assert usage["output_tokens_details"] == {"reasoning_tokens": end}
 
         # n choices: each parted on its own (greedy: the same answer twice), their reasoning
         # tokens summed (vLLM's), whole and streamed.
@@ -232,3 +258,37 @@ def test_the_stack_refuses_chat_requests_when_the_models_tokenizer_has_no_think_
         assert status == 200, reply
     gateway_log = (logs / "gateway.log").read_text()
     assert gateway_log.count("refusing chat requests: --reasoning-parser qwen3") == 1  # once, not per request
+
+
+def test_the_embedded_pipeline_counts_the_reasoning_tokens_by_id_as_the_stack(qwen3_5):
+    """`epd serve --colocate`'s pipeline (no gRPC): its own prefill stage's model info gives the
+    markers' ids, so an answer whose `</think>` text decode sends late (a stop string that begins
+    with it) counts as vLLM's, the tokens before `</think>`'s, whole and streamed, chat and the
+    Responses API."""
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_5))
+    end_id = tokenizer.convert_tokens_to_ids("</think>")
+    config = GatewayConfig(http=HttpApiConfig(reasoning_parser="qwen3"))
+    with build_embedded_pipeline(ModelConfig(model=str(qwen3_5))) as pipeline:
+
+        def chat(body: dict) -> dict:
+            ((status, reply),) = post_embedded(pipeline, ("/v1/chat/completions", body), config=config)
+            assert status == 200, reply
+            return reply
+
+        allowed, ids = _thinking_answer(chat, end_id)
+        end = ids.index(end_id)
+        held = _body(allowed_token_ids=allowed, stop=["</think>@@"])
+        response = {"model": "epd", "input": "name a colour", "max_output_tokens": MAX_TOKENS,
+                    "allowed_token_ids": allowed, "stop": ["</think>@@"]}  # fmt: skip
+        (_, whole), (_, chunks), (status, answer) = post_embedded(
+            pipeline,
+            ("/v1/chat/completions", held),
+            ("/v1/chat/completions", {**held, "stream": True, "stream_options": {"include_usage": True}}),
+            ("/v1/responses", response),
+            config=config,
+        )
+        assert whole["epd"]["token_ids"] == ids
+        assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": end}
+        assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": end}
+        assert status == 200, answer
+        assert answer["usage"]["output_tokens_details"] == {"reasoning_tokens": end}

@@ -142,7 +142,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type", "max_logprobs", "reasoning_markers", "trust_request_chat_template", "scheduling_policy")
+    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type", "max_logprobs", "reasoning_markers", "trust_request_chat_template", "scheduling_policy", "reasoning_marker_ids")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class ModelInfo(_message.Message):
     REASONING_MARKERS_FIELD_NUMBER: _ClassVar[int]
     TRUST_REQUEST_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASONING_MARKER_IDS_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     context_tokens: int
     max_prompt_tokens: int
@@ -161,7 +162,8 @@ class ModelInfo(_message.Message):
     reasoning_markers: _containers.RepeatedScalarFieldContainer[str]
     trust_request_chat_template: bool
     scheduling_policy: str
-    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., reasoning_markers: _Optional[_Iterable[str]] = ..., trust_request_chat_template: _Optional[bool] = ..., scheduling_policy: _Optional[str] = ...) -> None: ...
+    reasoning_marker_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., reasoning_markers: _Optional[_Iterable[str]] = ..., trust_request_chat_template: _Optional[bool] = ..., scheduling_policy: _Optional[str] = ..., reasoning_marker_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "add_special_tokens", "return_token_strs", "template")

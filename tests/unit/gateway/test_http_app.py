@@ -613,3 +613,38 @@ def test_streamed_choices_part_their_own_tool_calls_with_their_own_finish_reason
     assert json.loads(calls[0][1]["function"]["arguments"]) == {"city": "Paris"}
     finishes = [[c["finish_reason"] for c in cs if c["finish_reason"]] for cs in (first, second)]
     assert finishes == [["tool_calls"], ["length"]]
+
+
+def test_without_the_think_markers_ids_reasoning_is_counted_by_its_text_and_that_logged_once(caplog):
+    """Prefill has not reported the think markers' token ids (here no model info at all): the
+    reasoning tokens are counted by where the text falls, and the first answer so counted logs a
+    warning saying why, once for the process, not per request."""
+    import json
+
+    config = GatewayConfig(http=HttpApiConfig(port=0, reasoning_parser="qwen3"))
+    body = {"messages": [{"role": "user", "content": "q"}], "n": 2}
+
+    async def run() -> list[dict]:
+        api = HttpApi(config, _TwoChoicesPipeline(), GatewayMetrics())
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                replies = []
+                for _ in range(2):
+                    async with session.post("/v1/chat/completions", json=body) as resp:
+                        replies.append(json.loads(await resp.read()))
+                return replies
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.WARNING, logger="epd.gateway.http_api"):
+        replies = asyncio.run(run())
+    # by text: choice 0's "hm</thi" (1 token), then "nk><tool" (1 token, taken for the marker's);
+    # choice 1's "ok</think>It is" (1 token, taken for the marker's)
+    assert [r["usage"]["completion_tokens_details"] for r in replies] == [{"reasoning_tokens": 1}] * 2
+    warnings = [
+        r.getMessage() for r in caplog.records if "counting reasoning tokens by where" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and "token ids of <think> and </think>" in warnings[0]

@@ -5,6 +5,7 @@ as the whole text, wherever the deltas cut it), and the chat message and chunk f
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from epd.gateway.reasoning import (
     ReasoningStream,
     constrained_after_reasoning,
     delta_fields,
+    marker_ids,
     part_answers,
     split_reasoning,
     thinking_on,
@@ -23,6 +25,7 @@ from epd.gateway.reasoning import (
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import TokenStep
 from epd.stages.errors import InvalidRequest
+from epd.stages.model_info import ModelInfo, common_model_info
 from epd.video.types import SamplingOptions
 
 ANSWERS = [
@@ -177,6 +180,51 @@ def test_under_a_parser_a_chat_requests_constraint_starts_after_the_reasoning():
     assert constrained_after_reasoning(GenerationConfig()) == GenerationConfig()  # none: nothing to start
 
 
+THINK, END = 7, 8
+"""The think markers' token ids in these tests (`marker_ids`: prefill reports the model's)."""
+
+
+@pytest.mark.parametrize(
+    ("thinking", "steps", "want"),
+    [
+        (False, [("a", [1]), ("</think>", [END]), ("b", [2])], 0),  # thinking off
+        (
+            True,
+            [("a", [1, 2]), ("</think>", [END]), ("b", [3]), ("c", [4])],
+            2,
+        ),  # the marker's token does not count
+        (
+            True,
+            [("<think>", [THINK]), ("a", [1]), ("</think>", [END]), ("b", [2])],
+            1,
+        ),  # nor the model's <think>
+        (True, [("a", [1]), ("<think>", [THINK])], 1),  # the model's <think>, held, then the answer cut
+        (True, [("a", [1]), ("b", [2])], 2),  # cut inside the block: all reasoning
+        # content tokens after </think>'s in the same step: not reasoning (by text: 2 + 3 - 1 = 4)
+        (True, [("a", [1, 2]), ("</think>bc", [END, 3, 4])], 2),
+        # a stop string that begins with "</think>" makes decode send the marker's text late, with the
+        # content token after it (by text: 3 + 1 = 4, the marker's token and more counted)
+        (True, [("P", [1]), ("P", [1]), ("P", [1]), ("", [END]), ("</think>Q", [2]), ("R", [3])], 3),
+        # the text's marker cut anywhere: the token decides (by text: 2 + 2 - 1 = 3)
+        (True, [("a</thi", [1, END]), ("nk>b", [2, 3]), ("c", [4])], 1),
+        # "</think>" spelled in pieces is no marker token: vLLM counts on, as its id never came
+        (True, [("a</", [1, 2]), ("think>b", [3, 4])], 4),
+    ],
+)
+def test_reasoning_tokens_are_counted_by_token_id_as_vllms(thinking, steps, want):
+    """vLLM counts reasoning_tokens (the Responses API's, and chat's) by token id between <think>
+    (or the answer's start, a block the prompt opened) and </think>, the markers left out, however
+    the text of those tokens comes; the stream that parts the text counts them in the same pass,
+    and a whole answer's steps (`part_answers`) the same."""
+    stream = ReasoningStream(thinking, marker_ids=(THINK, END))
+    for text, token_ids in steps:
+        stream.add(text, token_ids)
+    stream.finish()
+    assert stream.num_reasoning_tokens == want
+    whole = part_answers([(0, text, ids) for text, ids in steps], thinking, marker_ids=(THINK, END))
+    assert whole.num_reasoning_tokens == want
+
+
 @pytest.mark.parametrize(
     ("thinking", "steps", "want"),
     [
@@ -188,35 +236,48 @@ def test_under_a_parser_a_chat_requests_constraint_starts_after_the_reasoning():
         (True, [("a", 1), ("b", 1)], 2),  # cut inside the block: all reasoning
     ],
 )
-def test_reasoning_tokens_are_those_between_the_markers_as_vllms(thinking, steps, want):
-    """vLLM counts the Responses API's reasoning_tokens by token id between <think> (or the
-    answer's start, a block the prompt opened) and </think>, the markers left out; the stream that
-    parts the text counts them in the same pass."""
+def test_without_the_markers_ids_reasoning_tokens_are_counted_by_where_the_text_falls(thinking, steps, want):
+    """Prefill has not reported the markers' ids (no model info yet, an older prefill): a step's
+    tokens count while its text is the reasoning's, each marker its text completes one token that
+    does not count."""
     stream = ReasoningStream(thinking)
     for text, num_tokens in steps:
-        stream.add(text, num_tokens)
+        stream.add(text, list(range(num_tokens)))
     stream.finish()
     assert stream.num_reasoning_tokens == want
 
 
+def test_the_markers_ids_are_those_prefill_reports_when_every_replica_agrees():
+    info = ModelInfo(1024, 4096, 4096, 512, "qwen3_5", reasoning_markers=("<think>", "</think>"))
+    assert marker_ids(None) is None and marker_ids(info) is None  # not known: counted by the text
+    known = replace(info, reasoning_marker_ids=(THINK, END))
+    assert marker_ids(known) == (THINK, END)
+    assert marker_ids(replace(known, reasoning_markers=("</think>",), reasoning_marker_ids=(END,))) is None
+    assert marker_ids(common_model_info([known, known])) == (THINK, END)
+    assert marker_ids(common_model_info([known, replace(known, reasoning_marker_ids=(1, 2))])) is None
+    assert marker_ids(common_model_info([known, info])) is None  # one replica from before the ids
+
+
 STEPS = [
-    (0, "a", 1),
-    (1, "x", 2),
-    (0, "</think>", 1),
-    (1, "y", 1),
-    (0, "b", 1),
-    (1, "</think>", 1),
-    (1, "z", 1),
+    (0, "a", [1]),
+    (1, "x", [1, 2]),
+    (0, "</think>", [END]),
+    (1, "y", [3]),
+    (0, "b", [4]),
+    (1, "</think>", [END]),
+    (1, "z", [5]),
 ]
-"""Two choices' steps (choice index, text, number of tokens), interleaved."""
+"""Two choices' steps (choice index, text, token ids), interleaved."""
 
 
-def test_chats_reasoning_tokens_are_each_choices_summed_and_reported_only_with_a_parser():
+@pytest.mark.parametrize("ids", [(THINK, END), None])
+def test_chats_reasoning_tokens_are_each_choices_summed_and_reported_only_with_a_parser(ids):
     """vLLM's chat usage (`completion_tokens_details.reasoning_tokens`, with a reasoning parser):
     each choice's count, its steps interleaved with the other's, summed; no field without one."""
-    assert part_answers(STEPS, thinking=True).num_reasoning_tokens == 1 + 3
-    assert part_answers(STEPS, thinking=False).num_reasoning_tokens == 0
-    assert part_answers([(0, "a", 1), (0, "<think>", 1)], thinking=True).num_reasoning_tokens == 1  # dropped
+    assert part_answers(STEPS, thinking=True, marker_ids=ids).num_reasoning_tokens == 1 + 3
+    assert part_answers(STEPS, thinking=False, marker_ids=ids).num_reasoning_tokens == 0
+    cut = [(0, "a", [1]), (0, "<think>", [THINK])]
+    assert part_answers(cut, thinking=True, marker_ids=ids).num_reasoning_tokens == 1  # dropped
     assert "completion_tokens_details" not in completion_body(_summary("a"), "m")["usage"]
 
 
@@ -237,8 +298,8 @@ def test_a_whole_chat_answer_is_parted_and_counted_in_one_pass_over_its_steps(mo
         ChoiceSummary(0, "a</think>b", [1, 2, 3], "stop"),
         ChoiceSummary(1, "xy</think>z", [4, 5, 6, 7, 8], "stop"),
     ]
-    steps = [TokenStep(list(range(n)), text, index=index) for index, text, n in STEPS]
-    body = completion_body(summary, "m", created=1, thinking=True, steps=steps)
+    steps = [TokenStep(ids, text, index=index) for index, text, ids in STEPS]
+    body = completion_body(summary, "m", created=1, thinking=True, steps=steps, marker_ids=(THINK, END))
     # each step's text once while it thinks; after </think> a step is content as it comes
     assert parts == ["a", "x", "</think>", "y", "</think>"]
     messages = [(c["message"]["reasoning"], c["message"]["content"]) for c in body["choices"]]

@@ -405,7 +405,7 @@ def test_logprobs_go_on_the_output_text_and_its_deltas():
     assert request.generation.logprobs == 1
     steps = [_step(1, "hm"), _step(2, "m"), _step(3, "</think>"), _step(4, "Su"), _step(5, "re")]
     shaper = ResponseEvents(request, "r1", thinking=True)
-    events = [e for s in steps for e in shaper.add(s.text, len(s.token_ids), s.logprobs)]
+    events = [e for s in steps for e in shaper.add(s.text, s.token_ids, s.logprobs)]
     events += shaper.finish(summary("hmm</think>Sure"))
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert [d["logprobs"] for d in deltas] == [[_logprob(steps[3], True)], [_logprob(steps[4], True)]]
@@ -443,7 +443,7 @@ def test_a_step_that_ends_the_block_gives_its_content_tokens_logprobs_to_the_mes
     ]
     want = chat_logprobs([lp for s in steps for lp in s.logprobs or ()])["content"]
     shaper = ResponseEvents(request, "r1", thinking=True)
-    events = [e for s in steps for e in shaper.add(s.text, len(s.token_ids), s.logprobs)]
+    events = [e for s in steps for e in shaper.add(s.text, s.token_ids, s.logprobs)]
     events += shaper.finish(summary("hm</think>éSure a</think>"))
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert [d["delta"] for d in deltas] == ["éSure", " a</think>"]
@@ -466,7 +466,7 @@ def test_a_step_that_ends_the_block_gives_its_content_tokens_logprobs_to_the_mes
         _tokens_step(["re"], "</think>Sure"),
     ]
     shaper = ResponseEvents(request, "r2", thinking=True)
-    events = [e for s in lagging for e in shaper.add(s.text, len(s.token_ids), s.logprobs)]
+    events = [e for s in lagging for e in shaper.add(s.text, s.token_ids, s.logprobs)]
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert [(d["delta"], [lp["token"] for lp in d["logprobs"]]) for d in deltas] == [("Sure", ["Su", "re"])]
 
@@ -478,7 +478,7 @@ def test_held_back_text_takes_its_tokens_logprobs_to_the_delta_that_releases_it(
     call = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
     steps = [_step(1, "a "), _step(2, "<"), _step(3, "b"), _step(4, call)]
     shaper = ResponseEvents(request, "r1", thinking=None)
-    deltas = [shaper.add(s.text, 1, s.logprobs) for s in steps]
+    deltas = [shaper.add(s.text, s.token_ids, s.logprobs) for s in steps]
     sent = [[e["logprobs"] for e in d if e["type"] == "response.output_text.delta"] for d in deltas]
     assert sent == [
         [[_logprob(steps[0], True)]],

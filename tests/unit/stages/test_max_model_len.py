@@ -27,8 +27,8 @@ class _Adapter:
     def settle_tokenizer(self) -> None:
         pass
 
-    def single_tokens(self, texts) -> tuple[str, ...]:
-        return ()
+    def single_tokens(self, texts) -> dict[str, int]:
+        return {}
 
 
 @pytest.mark.parametrize("value", [0, -1])

@@ -1,13 +1,14 @@
 """`ModelInfo.reasoning_markers`: which of vLLM's think markers are single tokens of the served
-model's tokenizer, read by prefill from the real tiny checkpoints (Qwen3.5's tokenizer has `<think>`
-and `</think>` as added tokens, Qwen2-VL's has neither), carried over the wire and merged over
-replicas; `parser_misfit` turns a missing one into the message a chat request is refused with."""
+model's tokenizer, and their ids (`reasoning_marker_ids`), read by prefill from the real tiny
+checkpoints (Qwen3.5's tokenizer has `<think>` and `</think>` as added tokens, Qwen2-VL's has
+neither), carried over the wire and merged over replicas; `parser_misfit` turns a missing one into the message a chat request is refused with."""
 
 from __future__ import annotations
 
 import pytest
+from transformers import AutoTokenizer
 
-from epd.gateway.reasoning import parser_misfit
+from epd.gateway.reasoning import marker_ids, parser_misfit
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
@@ -30,11 +31,15 @@ def _info(model_dir) -> ModelInfo:
 def test_prefill_reports_the_think_markers_a_thinking_models_tokenizer_has(qwen3_5, tiny_models):
     thinking = _info(qwen3_5)
     assert thinking.reasoning_markers == ("<think>", "</think>")
+    # with their ids, by which the front door counts the reasoning tokens (it has no tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_5))
+    ids = tuple(tokenizer.convert_tokens_to_ids(["<think>", "</think>"]))
+    assert thinking.reasoning_marker_ids == ids and marker_ids(thinking) == ids
     assert model_info_from_proto(model_info_to_proto(thinking)) == thinking
     assert parser_misfit("qwen3", thinking) is None
 
     plain = _info(tiny_models["qwen2_vl"])
-    assert plain.reasoning_markers == ()
+    assert (plain.reasoning_markers, plain.reasoning_marker_ids) == ((), ())
     assert model_info_from_proto(model_info_to_proto(plain)) == plain
     for parser in ("qwen3", "deepseek_r1"):
         message = parser_misfit(parser, plain)
