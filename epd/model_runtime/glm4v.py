@@ -153,7 +153,7 @@ class Glm4vAdapter(ClipResizeAdapter):
         input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
         # a video's tokens are `<|image|>` too
         visual_mask = checked_visual_mask(
-            input_ids[0] == proc.image_token_id, self.num_visual_tokens(visual.grid_thw)
+            input_ids[0] == proc.image_token_id, self.num_visual_tokens(visual.grid_thw), proc.image_token
         )
         # The media markers around the placeholders tell a video's from an image's (what
         # get_rope_index reads); a text part's own markers must not turn one into the other.

@@ -174,7 +174,9 @@ class Qwen3VLProcessorAdapter(ClipResizeAdapter):
         input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
         visual_mask = checked_visual_mask(
-            input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad), self.num_visual_tokens(visual.grid_thw)
+            input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad),
+            self.num_visual_tokens(visual.grid_thw),
+            pad,
         )
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
