@@ -15,7 +15,7 @@ What differs from Qwen3-VL (`qwen3_vl.py`), and is reproduced here exactly as tr
     embeddings alone; `prefill_features` refuses DeepStack features.
   * Prompts and pixels are Qwen3-VL's: the same processor class (`Qwen3VLProcessor`, timestamps per
     temporal group), so `preprocess` and `build_prompt` are Qwen3-VL's code, inherited from
-    `Qwen3VLProcessorAdapter` (qwen3_vl.py; the base of both). Positions come from
+    `Qwen3VLProcessorAdapter` (qwen3_vl.py, Qwen3-VL's base too). Positions come from
     `Qwen3_5Model.get_rope_index` (each temporal group placed like an image), [4, 1, L]; decode
     continues every row from its last prompt value + 1 as generate() does.
   * The template's generation prompt opens a thinking block (`<think>\\n`); we render whatever the
