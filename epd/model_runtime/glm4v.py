@@ -18,7 +18,7 @@ What differs from Qwen3-VL (`qwen3_vl.py`), and is reproduced here exactly as tr
   * Frames: the video processor's own sampling (2 fps, at most 300 s) is off; epd's decoded frames
     and their real times go in as they are (`group_timestamps`). Its resize bounds t x h x w over
     the whole clip, line for line Qwen3-VL's `smart_resize`, so frame groups are sized as their
-    clip by Qwen3-VL's code (`clip_frame_size`, `frame_resizer`).
+    clip by Qwen3-VL's code (`clip_frame_size`, `frame_resizer`: the base class, `ClipResizeAdapter`).
   * Positions: `Glm4vModel.get_rope_index` places each temporal group like a separate image (t = 1)
     between the timestamp texts; the timestamps move no position (time_interval 1). Prefill
     positions are [4, 1, L] (text row + 3 M-RoPE rows); each decode step continues every row from
@@ -47,15 +47,15 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import end_of_sequence, fingerprint, load_language_model, load_vision_part
-from epd.model_runtime.hf_text import HfTextAdapter, checked_visual_mask, mrope_prompt_positions
-from epd.model_runtime.qwen3_vl import Qwen3VLAdapter, expanded_ids
+from epd.model_runtime.hf_text import checked_visual_mask, mrope_prompt_positions
+from epd.model_runtime.qwen3_vl import ClipResizeAdapter, expanded_ids
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
-from epd.video.types import DecodedVideo, FrameResize
+from epd.video.types import DecodedVideo
 
 STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
 
 
-class Glm4vAdapter(HfTextAdapter):
+class Glm4vAdapter(ClipResizeAdapter):
     """Loads only the parts a stage needs: "vision" (the tower with its downsample and merger)
     and/or "language" (embeddings, decoder layers, lm_head). From safetensors, a one-part stage
     reads only its own part's tensors; both parts load transformers' whole model."""
@@ -111,15 +111,6 @@ class Glm4vAdapter(HfTextAdapter):
             group_timestamps_s=self.group_timestamps(video),
         )
 
-    def clip_frame_size(self, height: int, width: int, clip_num_frames: int) -> tuple[int, int]:
-        return Qwen3VLAdapter.clip_frame_size(self, height, width, clip_num_frames)  # type: ignore[arg-type]
-
-    def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
-        return Qwen3VLAdapter._resize_as_clip(self, video, clip_num_frames)  # type: ignore[arg-type]
-
-    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
-        return Qwen3VLAdapter.frame_resizer(self, clip_num_frames)  # type: ignore[arg-type]
-
     def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
         """Seconds of each temporal group's first frame, as the processor reads them from video
         metadata (fps = the source's, frames_indices = the decoded frames' indices in the source):
@@ -148,10 +139,6 @@ class Glm4vAdapter(HfTextAdapter):
         out = self.visual(pixels, grid_thw=grid).pooler_output  # [sum tokens, hidden]
         return list(out.split([self.num_visual_tokens(i.grid_thw) for i in inputs]))
 
-    def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        t, h, w = grid_thw
-        return t * h * w // self.merge_size**2
-
     # -- prefill -----------------------------------------------------------------------------
 
     def build_prompt(
@@ -166,7 +153,7 @@ class Glm4vAdapter(HfTextAdapter):
         input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
         # a video's tokens are `<|image|>` too
         visual_mask = checked_visual_mask(
-            input_ids[0] == proc.image_token_id, self.num_visual_tokens(visual.grid_thw)
+            input_ids[0] == proc.image_token_id, self.num_visual_tokens(visual.grid_thw), proc.image_token
         )
         # The media markers around the placeholders tell a video's from an image's (what
         # get_rope_index reads); a text part's own markers must not turn one into the other.

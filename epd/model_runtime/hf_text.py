@@ -701,16 +701,20 @@ def _text_prompt(input_ids: torch.Tensor) -> Prompt:
     return Prompt(input_ids, one_dim_positions(length), torch.zeros(length, dtype=torch.bool))
 
 
-def checked_visual_mask(visual_mask: torch.Tensor, num_visual: int) -> torch.Tensor:
-    """`visual_mask` [L] (the expanded prompt's placeholder positions), ValueError unless they are
-    the grid's `num_visual`. A text part's placeholder and a template's own are refused before
-    (`_render`, `check_media_placeholders`), so a count that differs is the tokenizer's, which
-    split or merged the expansion."""
+def checked_visual_mask(visual_mask: torch.Tensor, num_visual: int, placeholder: str) -> torch.Tensor:
+    """`visual_mask` [L] (the expanded prompt's `placeholder` tokens), unless they are not the
+    grid's `num_visual`. A text part's placeholder and a template's own are refused before
+    (`_render`, `check_media_placeholders`), and the expansion writes `num_visual` of them, so a
+    count that differs is the checkpoint's: its tokenizer splits or merges the placeholder (not
+    one added token), or gives it another id than the one the mask is read by (the processor's or
+    the model config's). Nothing in the request can change that: RuntimeError, INTERNAL to the
+    client, the message (what the operator should check) in the server log with the traceback."""
     found = int(visual_mask.sum())
     if found != num_visual:
-        raise ValueError(
-            f"the prompt has {found} visual placeholder tokens where the media has {num_visual}: "
-            "the tokenizer does not keep the expanded placeholders whole"
+        raise RuntimeError(
+            f"the model's tokenizer gave {found} {placeholder} tokens for the {num_visual} that the "
+            f"prompt's media expanded to: check that the checkpoint's tokenizer has {placeholder} as "
+            "one added token (tokenizer.json's added_tokens) with the id its processor and config give it"
         )
     return visual_mask
 

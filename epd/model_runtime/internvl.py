@@ -179,7 +179,7 @@ class InternVLAdapter(OneDimTextAdapter):
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next
         visual_mask = checked_visual_mask(
-            input_ids[0] == self.image_token_id, self.num_visual_tokens(visual.grid_thw)
+            input_ids[0] == self.image_token_id, self.num_visual_tokens(visual.grid_thw), proc.image_token
         )
         return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 

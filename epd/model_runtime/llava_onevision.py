@@ -230,7 +230,7 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         visual_mask = placeholders.clone()
         if visual.modality == "video":  # the last placeholder is the newline prefill writes
             visual_mask[int(placeholders.nonzero()[-1])] = False
-        checked_visual_mask(visual_mask, self.num_visual_tokens(visual.grid_thw))
+        checked_visual_mask(visual_mask, self.num_visual_tokens(visual.grid_thw), pad)
         return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 
     def _embed(

@@ -152,7 +152,7 @@ class Qwen2VLAdapter(QwenTextAdapter):
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next
         pad_id = self.tokenizer.convert_tokens_to_ids(pad)
-        visual_mask = checked_visual_mask(input_ids[0] == pad_id, num_tokens)
+        visual_mask = checked_visual_mask(input_ids[0] == pad_id, num_tokens, pad)
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:

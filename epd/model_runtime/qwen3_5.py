@@ -14,7 +14,8 @@ What differs from Qwen3-VL (`qwen3_vl.py`), and is reproduced here exactly as tr
   * No DeepStack: the tower (Qwen3-VL's, without the DeepStack mergers) returns the visual
     embeddings alone; `prefill_features` refuses DeepStack features.
   * Prompts and pixels are Qwen3-VL's: the same processor class (`Qwen3VLProcessor`, timestamps per
-    temporal group), so `preprocess` and `build_prompt` are Qwen3-VL's code. Positions come from
+    temporal group), so `preprocess` and `build_prompt` are Qwen3-VL's code, inherited from
+    `Qwen3VLProcessorAdapter` (qwen3_vl.py, Qwen3-VL's base too). Positions come from
     `Qwen3_5Model.get_rope_index` (each temporal group placed like an image), [4, 1, L]; decode
     continues every row from its last prompt value + 1 as generate() does.
   * The template's generation prompt opens a thinking block (`<think>\\n`); we render whatever the
@@ -66,7 +67,6 @@ from epd.model_runtime.adapter import (
     PrefillChunk,
     PrefillState,
     Prompt,
-    RenderOptions,
     TextDims,
     UnsupportedByFamily,
     VisionInputs,
@@ -82,11 +82,10 @@ from epd.model_runtime.hf_loading import (
     load_language_model,
     load_vision_part,
 )
-from epd.model_runtime.hf_text import HfTextAdapter, mrope_prompt_positions
+from epd.model_runtime.hf_text import mrope_prompt_positions
 from epd.model_runtime.kv_cache import KvCache
-from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
+from epd.model_runtime.qwen3_vl import Qwen3VLProcessorAdapter
 from epd.model_runtime.thread_hooks import owner_thread_only
-from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ PRUNING_REFUSED = (
 )
 
 
-class Qwen3_5Adapter(HfTextAdapter):
+class Qwen3_5Adapter(Qwen3VLProcessorAdapter):
     """Loads only the parts a stage needs: "vision" (the tower) and/or "language" (embeddings,
     hybrid decoder layers, lm_head). From safetensors, a one-part stage reads only its own part's
     tensors (never the hub's `mtp.*` multi-token-prediction weights); both parts load transformers'
@@ -143,22 +142,7 @@ class Qwen3_5Adapter(HfTextAdapter):
         self._load_parts(path, _load_vision_tower, _load_language_model)
         self.eos_token_id, self.eos_token_ids = end_of_sequence(path, self.tokenizer)
 
-    # -- encoder (Qwen3-VL's processor and tower, without DeepStack) ---------------------------
-
-    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
-        return Qwen3VLAdapter.preprocess(self, video, clip_num_frames)  # type: ignore[arg-type]
-
-    def clip_frame_size(self, height: int, width: int, clip_num_frames: int) -> tuple[int, int]:
-        return Qwen3VLAdapter.clip_frame_size(self, height, width, clip_num_frames)  # type: ignore[arg-type]
-
-    def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
-        return Qwen3VLAdapter._resize_as_clip(self, video, clip_num_frames)  # type: ignore[arg-type]
-
-    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
-        return Qwen3VLAdapter.frame_resizer(self, clip_num_frames)  # type: ignore[arg-type]
-
-    def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
-        return Qwen3VLAdapter.group_timestamps(self, video)  # type: ignore[arg-type]
+    # -- encoder (preprocess, frame sizes, group times: `Qwen3VLProcessorAdapter`'s) ---------
 
     @torch.inference_mode()
     def encode(self, inputs: VisionInputs) -> torch.Tensor:
@@ -168,25 +152,7 @@ class Qwen3_5Adapter(HfTextAdapter):
         out = self.visual(inputs.pixel_values.to(self.device, self.visual.dtype), grid_thw=grid)
         return out.pooler_output  # [t * h/2 * w/2, hidden]
 
-    def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        t, h, w = grid_thw
-        return t * h * w // self.merge_size**2
-
-    # -- prefill -----------------------------------------------------------------------------
-
-    def build_prompt(
-        self,
-        conversation: list[dict[str, Any]],
-        visual: VisualMeta | None,
-        options: RenderOptions = RenderOptions(),
-    ) -> Prompt:
-        # Qwen3-VL's: the processor's template, its own timestamped expansion; positions ours.
-        return Qwen3VLAdapter.build_prompt(
-            self,  # type: ignore[arg-type]
-            conversation,
-            visual,
-            options,
-        )
+    # -- prefill (build_prompt: `Qwen3VLProcessorAdapter`'s, with these positions) -----------
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""

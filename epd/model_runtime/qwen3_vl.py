@@ -20,11 +20,17 @@ No sparse (subset-of-patches) encoding: the tower resamples learned position emb
 Batching: `encode_features_batch` runs one tower call for several frame groups and splits the
 embeddings and every DeepStack feature back per group; `prefill_chunks` batches and chunks prompts,
 each chunk adding the DeepStack rows of its own visual positions.
+
+What other families share is in two base classes here, not borrowed method by method:
+`ClipResizeAdapter` (frames sized by `smart_resize` of the whole clip, the visual token count) is
+GLM-4.1V's base too, and `Qwen3VLProcessorAdapter` (pixels, group times and prompts of
+`Qwen3VLProcessor`) Qwen3.5's; `Qwen3VLAdapter` adds the tower with DeepStack and its prefill.
 """
 
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from functools import partial
 from typing import Any
 
@@ -64,7 +70,122 @@ log = logging.getLogger(__name__)
 STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
 
 
-class Qwen3VLAdapter(QwenTextAdapter):
+class ClipResizeAdapter(HfTextAdapter):
+    """A family whose video processor sizes every frame of a clip by Qwen3-VL's `smart_resize` of
+    the whole clip (t x h x w within its `size`): Qwen3-VL (and its MoE), Qwen3.5 and GLM-4.1V
+    (whose processor's `smart_resize` is Qwen3-VL's line for line). So a frame group is resized to
+    its clip's size here, and the decoder's frames are too (`frame_resizer`)."""
+
+    merge_size: int
+    temporal_patch_size: int
+
+    def clip_frame_size(self, height: int, width: int, clip_num_frames: int) -> tuple[int, int]:
+        """(height, width) the video processor gives every frame of a clip of `clip_num_frames`
+        frames of height x width: its `smart_resize` on the whole clip, which bounds
+        t x h x w by size.shortest_edge and size.longest_edge (no per-frame cap, as we call it)."""
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+        vp = self.processor.video_processor
+        if clip_num_frames < vp.temporal_patch_size:  # smart_resize refuses it (generate() too)
+            raise MediaError(  # a request sampling by fps gets 1 frame only with min_frames or max_frames 1
+                f"this model ({self.family}) takes videos of at least {vp.temporal_patch_size} frames; "
+                f"ask for num_frames >= {vp.temporal_patch_size} (sampling by fps: min_frames and max_frames "
+                f">= {vp.temporal_patch_size})"
+            )
+        return smart_resize(
+            clip_num_frames,
+            height,
+            width,
+            temporal_factor=vp.temporal_patch_size,
+            factor=vp.patch_size * vp.merge_size,
+            min_pixels=vp.size.shortest_edge,
+            max_pixels=vp.size.longest_edge,
+        )
+
+    def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
+        """The frames [t, H, W, 3] uint8 resized as the processor resizes the whole clip: [t, 3, h, w]
+        uint8. Frames the decoder already resized (`frame_resizer`) are returned as they are."""
+        height, width = self.clip_frame_size(video.frames.shape[1], video.frames.shape[2], clip_num_frames)
+        frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()  # [t, 3, H, W]
+        return _processor_resize(self.processor.video_processor, frames, height, width)
+
+    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
+        """The processor's resize of the whole clip, one frame at a time (`resize_frame_as_clip`):
+        the target size depends on the clip's frame count, which the decoder knows from its plan
+        before the first frame, and on the frame's size; torchvision resizes each frame's planes
+        on their own, so a frame alone comes out as it does among the clip's."""
+        if clip_num_frames < self.processor.video_processor.temporal_patch_size:
+            return None  # `preprocess` refuses the clip, with its own message
+        return partial(resize_frame_as_clip, self, clip_num_frames)
+
+    def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+
+class Qwen3VLProcessorAdapter(ClipResizeAdapter):
+    """A family on Qwen3-VL's processor (`Qwen3VLProcessor`): Qwen3-VL (and its MoE) and Qwen3.5.
+    Their pixels, group times and prompts (the processor's template and its timestamped
+    expansion) are this code; their positions come from their own model class's
+    `get_rope_index` (`_prompt_positions`)."""
+
+    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
+        if video.is_image:
+            out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            return VisionInputs("image", out["pixel_values"], grid, 0.0)  # type: ignore[arg-type]
+        # Resized here to the whole clip's size, then the processor's own rescale, normalise and
+        # patchify: its resize would size the group alone, and its bounds are over t x h x w.
+        # A 1-frame tail group is padded by patchify repeating the frame, as the clip's tail is.
+        frames = self._resize_as_clip(video, clip_num_frames or video.num_frames)  # [t, 3, h, w] uint8
+        out = self.processor.video_processor(
+            videos=[frames],
+            do_sample_frames=False,
+            do_resize=False,
+            cap_pixels_per_frame=False,
+            return_tensors="pt",
+        )
+        grid = tuple(int(x) for x in out["video_grid_thw"][0])
+        return VisionInputs(
+            "video",
+            out["pixel_values_videos"],
+            grid,  # type: ignore[arg-type]
+            second_per_grid_t=self.temporal_patch_size / video.sampled_fps,
+            group_timestamps_s=self.group_timestamps(video),
+        )
+
+    def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
+        """Seconds of each temporal group as the processor computes them from video metadata
+        (fps = the source's, frames_indices = the decoded frames' indices in the source): what
+        `processor(videos=..., video_metadata=...)` writes for these frames."""
+        fps = video.source_fps if video.source_fps > 0 else video.sampled_fps
+        indices = [round(t * fps) for t in video.timestamps_s]
+        times = self.processor._calculate_timestamps(indices, fps, self.temporal_patch_size)
+        return tuple(float(t) for t in times)
+
+    def build_prompt(
+        self,
+        conversation: list[dict[str, Any]],
+        visual: VisualMeta | None,
+        options: RenderOptions = RenderOptions(),
+    ) -> Prompt:
+        if visual is None:
+            return self._text_only_prompt(conversation, options)
+        input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
+        pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
+        visual_mask = checked_visual_mask(
+            input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad),
+            self.num_visual_tokens(visual.grid_thw),
+            pad,
+        )
+        return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
+
+    @abstractmethod
+    def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
+        """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
+
+
+class Qwen3VLAdapter(Qwen3VLProcessorAdapter, QwenTextAdapter):
     """Loads only the parts a stage needs: "vision" (the tower with its DeepStack mergers) and/or
     "language" (embeddings, decoder layers, lm_head). From safetensors, a one-part stage reads only
     its own part's tensors; both parts load transformers' whole model."""
@@ -124,79 +245,6 @@ class Qwen3VLAdapter(QwenTextAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
-        if video.is_image:
-            out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
-            grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            return VisionInputs("image", out["pixel_values"], grid, 0.0)  # type: ignore[arg-type]
-        # Resized here to the whole clip's size, then the processor's own rescale, normalise and
-        # patchify: its resize would size the group alone, and its bounds are over t x h x w.
-        # A 1-frame tail group is padded by patchify repeating the frame, as the clip's tail is.
-        frames = self._resize_as_clip(video, clip_num_frames or video.num_frames)  # [t, 3, h, w] uint8
-        out = self.processor.video_processor(
-            videos=[frames],
-            do_sample_frames=False,
-            do_resize=False,
-            cap_pixels_per_frame=False,
-            return_tensors="pt",
-        )
-        grid = tuple(int(x) for x in out["video_grid_thw"][0])
-        return VisionInputs(
-            "video",
-            out["pixel_values_videos"],
-            grid,  # type: ignore[arg-type]
-            second_per_grid_t=self.temporal_patch_size / video.sampled_fps,
-            group_timestamps_s=self.group_timestamps(video),
-        )
-
-    def clip_frame_size(self, height: int, width: int, clip_num_frames: int) -> tuple[int, int]:
-        """(height, width) the video processor gives every frame of a clip of `clip_num_frames`
-        frames of height x width: its `smart_resize` on the whole clip, which bounds
-        t x h x w by size.shortest_edge and size.longest_edge (no per-frame cap, as we call it)."""
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
-
-        vp = self.processor.video_processor
-        if clip_num_frames < vp.temporal_patch_size:  # smart_resize refuses it (generate() too)
-            raise MediaError(  # a request sampling by fps gets 1 frame only with min_frames or max_frames 1
-                f"this model ({self.family}) takes videos of at least {vp.temporal_patch_size} frames; "
-                f"ask for num_frames >= {vp.temporal_patch_size} (sampling by fps: min_frames and max_frames "
-                f">= {vp.temporal_patch_size})"
-            )
-        return smart_resize(
-            clip_num_frames,
-            height,
-            width,
-            temporal_factor=vp.temporal_patch_size,
-            factor=vp.patch_size * vp.merge_size,
-            min_pixels=vp.size.shortest_edge,
-            max_pixels=vp.size.longest_edge,
-        )
-
-    def _resize_as_clip(self, video: DecodedVideo, clip_num_frames: int) -> torch.Tensor:
-        """The frames [t, H, W, 3] uint8 resized as the processor resizes the whole clip: [t, 3, h, w]
-        uint8. Frames the decoder already resized (`frame_resizer`) are returned as they are."""
-        height, width = self.clip_frame_size(video.frames.shape[1], video.frames.shape[2], clip_num_frames)
-        frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()  # [t, 3, H, W]
-        return _processor_resize(self.processor.video_processor, frames, height, width)
-
-    def frame_resizer(self, clip_num_frames: int) -> FrameResize | None:
-        """The processor's resize of the whole clip, one frame at a time (`resize_frame_as_clip`):
-        the target size depends on the clip's frame count, which the decoder knows from its plan
-        before the first frame, and on the frame's size; torchvision resizes each frame's planes
-        on their own, so a frame alone comes out as it does among the clip's."""
-        if clip_num_frames < self.processor.video_processor.temporal_patch_size:
-            return None  # `preprocess` refuses the clip, with its own message
-        return partial(resize_frame_as_clip, self, clip_num_frames)
-
-    def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
-        """Seconds of each temporal group as the processor computes them from video metadata
-        (fps = the source's, frames_indices = the decoded frames' indices in the source): what
-        `processor(videos=..., video_metadata=...)` writes for these frames."""
-        fps = video.source_fps if video.source_fps > 0 else video.sampled_fps
-        indices = [round(t * fps) for t in video.timestamps_s]
-        times = self.processor._calculate_timestamps(indices, fps, self.temporal_patch_size)
-        return tuple(float(t) for t in times)
-
     def encode(self, inputs: VisionInputs) -> torch.Tensor:
         raise NotImplementedError(
             "Qwen3-VL's tower also yields DeepStack features that prefill needs; call encode_features"
@@ -229,26 +277,7 @@ class Qwen3VLAdapter(QwenTextAdapter):
         deepstack = [feature.split(sizes) for feature in out.deepstack_features]  # [layer][input]
         return [VisualFeatures(embeds[j], [d[j] for d in deepstack]) for j in range(len(inputs))]
 
-    def num_visual_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        t, h, w = grid_thw
-        return t * h * w // self.merge_size**2
-
     # -- prefill -----------------------------------------------------------------------------
-
-    def build_prompt(
-        self,
-        conversation: list[dict[str, Any]],
-        visual: VisualMeta | None,
-        options: RenderOptions = RenderOptions(),
-    ) -> Prompt:
-        if visual is None:
-            return self._text_only_prompt(conversation, options)
-        input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
-        pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
-        visual_mask = checked_visual_mask(
-            input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad), self.num_visual_tokens(visual.grid_thw)
-        )
-        return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
@@ -426,7 +455,7 @@ def _processor_resize(vp, frames: torch.Tensor, height: int, width: int) -> torc
     return TorchvisionBackend.resize(vp, frames, SizeDict(height=height, width=width), resample=vp.resample)
 
 
-def resize_frame_as_clip(adapter: Qwen3VLAdapter, clip_num_frames: int, rgb: np.ndarray) -> np.ndarray:
+def resize_frame_as_clip(adapter: ClipResizeAdapter, clip_num_frames: int, rgb: np.ndarray) -> np.ndarray:
     """One decoded frame [H, W, 3] uint8 resized as `adapter.preprocess` resizes every frame of a
     clip of `clip_num_frames` frames of this size ([h, w, 3], h and w from `clip_frame_size`), or
     `rgb` itself where `preprocess` would not leave the resized frame as it is.
