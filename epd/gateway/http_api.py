@@ -538,10 +538,11 @@ class HttpApi:
         """The served model's think markers' token ids, by which a thinking answer's reasoning
         tokens are counted (`epd.gateway.reasoning.marker_ids`; None without a parser). Not known
         (no model info yet, a prefill from before them, replicas that disagree), they are counted
-        by where the text falls, which the first such answer logs once, for the operator."""
+        by where the text falls, which the first such answer logs once, for the operator; each
+        answer reads them afresh, so those after they come are counted by id."""
         if thinking is None:
             return None
-        ids = marker_ids(self.pipeline.model_info())
+        ids = marker_ids(self.pipeline.model_info(), self.config.http.reasoning_parser)
         if ids is None and not self._text_count_logged:
             self._text_count_logged = True
             log.warning(

@@ -21,10 +21,11 @@ marker split across deltas (or spelled in several tokens) is found all the same;
 at most a marker's length.
 
 The reasoning tokens (usage's `reasoning_tokens`) are counted by token id, as vLLM's parsers count
-them (`BaseThinkingReasoningParser.count_reasoning_tokens`): the gateway loads no tokenizer, so
-prefill reports the markers' ids (`ModelInfo.reasoning_marker_ids`, read by `marker_ids`). Not
-where the text falls: decode may send a step's text late (a stop string's possible start held
-back) or with the text of tokens after `</think>`'s.
+them, each its own way (`MarkerIds.later_blocks`: deepseek_r1 counts a block the model opens again
+after its `</think>`, qwen3 does not): the gateway loads no tokenizer, so prefill reports the
+markers' ids (`ModelInfo.reasoning_marker_ids`, read by `marker_ids`). Not where the text falls:
+decode may send a step's text late (a stop string's possible start held back) or with the text of
+tokens after `</think>`'s.
 """
 
 from __future__ import annotations
@@ -38,12 +39,25 @@ from epd.stages.model_info import REASONING_MARKERS, ModelInfo
 
 START, END = REASONING_MARKERS  # "<think>", "</think>"
 
-MarkerIds = tuple[int, int]
-"""The token ids of `<think>` and `</think>` in the served model's tokenizer."""
+
+@dataclass(frozen=True)
+class MarkerIds:
+    """How a thinking answer's reasoning tokens are counted by id: the served model's `<think>`
+    and `</think>` token ids, and whether the parser counts a block the model opens again after
+    its `</think>` (`marker_ids`)."""
+
+    start: int
+    end: int
+    later_blocks: bool = False
+    """vLLM's deepseek_r1 counts them: its `BaseThinkingReasoningParser.count_reasoning_tokens`
+    (vllm/frontend/processing/reasoning/basic_parsers.py) counts every token inside `<think>`
+    ... `</think>`, nested or again, by depth. Its qwen3 (the parser engine's Qwen3 grammar,
+    vllm/frontend/processing/parser/qwen3.py) leaves reasoning at the first `</think>` for good."""
+
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 """The names `--reasoning-parser` takes, vLLM's: both split at `<think>` / `</think>`; qwen3
-also reads `enable_thinking`."""
+also reads `enable_thinking`; deepseek_r1 counts a block opened again (`MarkerIds.later_blocks`)."""
 
 
 def parser_misfit(parser: str, info: ModelInfo | None) -> str | None:
@@ -64,14 +78,15 @@ def parser_misfit(parser: str, info: ModelInfo | None) -> str | None:
     )
 
 
-def marker_ids(info: ModelInfo | None) -> MarkerIds | None:
-    """The served model's `<think>` and `</think>` token ids as prefill reports them, or None when
-    not known (no model info yet, a prefill from before them, replicas whose ids differ): then the
-    reasoning tokens are counted by where the text falls (`ReasoningStream.add`)."""
+def marker_ids(info: ModelInfo | None, parser: str) -> MarkerIds | None:
+    """The served model's `<think>` and `</think>` token ids as prefill reports them, with
+    `--reasoning-parser parser`'s counting rule, or None when not known (no model info yet, a
+    prefill from before them, replicas whose ids differ): then the reasoning tokens are counted by
+    where the text falls (`ReasoningStream.add`)."""
     if info is None:
         return None
     start, end = info.reasoning_token_id(START), info.reasoning_token_id(END)
-    return None if start is None or end is None else (start, end)
+    return None if start is None or end is None else MarkerIds(start, end, parser == "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,8 @@ class ReasoningStream:
         Responses API's `usage.output_tokens_details.reasoning_tokens` and chat's
         `usage.completion_tokens_details.reasoning_tokens` (`add`)."""
         self._marker_ids = marker_ids
-        self._counting = thinking  # until the `</think>` token (by id)
+        self._depth = int(thinking)  # blocks open at this token (by id): the template's first
+        self._own_start = thinking  # the model's `<think>` before its `</think>` opens no other
         self._start_dropped = False  # the model's own `<think>`, dropped once
         self._tokens_in_reasoning = thinking  # until a token reads `</think>` (`num_content_tokens`)
         self._held = ""  # the reasoning text's tail that may begin a marker: len < len(END)
@@ -134,12 +150,12 @@ class ReasoningStream:
     def add(self, text: str, token_ids: Sequence[int] = ()) -> ReasoningSplit:
         """The parts of `text`, the next delta ("" for a part it has none of), made by the tokens
         `token_ids`; those inside the thinking block count as reasoning tokens. By id, as vLLM's
-        parsers count them: every token before the `</think>` token (from the answer's start,
-        which the template opened, as vLLM PR #45787 counts), the markers' tokens left out, however
-        decode sent their text. Without the ids (`marker_ids` None) a step's tokens count by where
+        parsers count them (`_count`): every token before the `</think>` token (from the answer's
+        start, which the template opened), and with deepseek_r1 those of a block opened again
+        after it, the markers' tokens left out, however decode sent their text. Without the ids (`marker_ids` None) a step's tokens count by where
         its text falls, each marker the text completes one of them that does not count."""
         if self._marker_ids is not None:
-            self._count(token_ids, *self._marker_ids)
+            self._count(token_ids, self._marker_ids)
         if not self.in_reasoning:
             return ReasoningSplit("", text)
         dropped = self._start_dropped
@@ -149,13 +165,20 @@ class ReasoningStream:
             self.num_reasoning_tokens += max(0, len(token_ids) - num_markers)
         return split
 
-    def _count(self, token_ids: Sequence[int], start: int, end: int) -> None:
+    def _count(self, token_ids: Sequence[int], ids: MarkerIds) -> None:
+        """By id, as vLLM's parser counts (`MarkerIds.later_blocks`): a block the template opened
+        counts from the answer's start, the model's own `<think>` in it taken for its opener (as
+        the text split drops it); with `later_blocks`, each `<think>` after opens a block (nested
+        ones too) that its `</think>` closes; without, the first `</think>` ends the count."""
         for token in token_ids:
-            if not self._counting:
-                return
-            if token == end:
-                self._counting = False
-            elif token != start:
+            if token == ids.end:
+                self._own_start = False
+                self._depth = max(0, self._depth - 1) if ids.later_blocks else 0
+            elif token == ids.start:
+                if ids.later_blocks and not self._own_start:
+                    self._depth += 1
+                self._own_start = False
+            elif self._depth:
                 self.num_reasoning_tokens += 1
 
     def num_content_tokens(self, token_texts: Sequence[str]) -> int:

@@ -91,26 +91,6 @@ class Glm4vAdapter(ClipResizeAdapter):
 
     # -- encoder -----------------------------------------------------------------------------
 
-    def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
-        if video.is_image:
-            out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
-            grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            return VisionInputs("image", out["pixel_values"], grid, 0.0)  # type: ignore[arg-type]
-        # Resized to the whole clip's size (Qwen3-VL's code: the same smart_resize), then the
-        # processor's own rescale, normalise and patchify, its frame sampling off.
-        frames = self._resize_as_clip(video, clip_num_frames or video.num_frames)  # [t, 3, h, w] uint8
-        out = self.processor.video_processor(
-            videos=[frames], do_sample_frames=False, do_resize=False, return_tensors="pt"
-        )
-        grid = tuple(int(x) for x in out["video_grid_thw"][0])
-        return VisionInputs(
-            "video",
-            out["pixel_values_videos"],
-            grid,  # type: ignore[arg-type]
-            second_per_grid_t=self.temporal_patch_size / video.sampled_fps,
-            group_timestamps_s=self.group_timestamps(video),
-        )
-
     def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
         """Seconds of each temporal group's first frame, as the processor reads them from video
         metadata (fps = the source's, frames_indices = the decoded frames' indices in the source):

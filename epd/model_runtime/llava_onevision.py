@@ -226,11 +226,15 @@ class LlavaOnevisionAdapter(OneDimTextAdapter):
         text = text.replace(pad, expanded, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next
-        placeholders = input_ids[0] == self.tokenizer.convert_tokens_to_ids(pad)
+        # Read by the config's ids (the model's, what `_embed` reads too): a tokenizer without the
+        # placeholder has no id for it, and `checked_visual_mask` says so.
+        video = visual.modality == "video"
+        placeholders = input_ids[0] == (self.video_token_id if video else self.image_token_id)
+        # A video's expansion writes one more: its last placeholder is the newline prefill writes.
+        checked_visual_mask(placeholders, self.num_visual_tokens(visual.grid_thw) + int(video), pad)
         visual_mask = placeholders.clone()
-        if visual.modality == "video":  # the last placeholder is the newline prefill writes
+        if video:
             visual_mask[int(placeholders.nonzero()[-1])] = False
-        checked_visual_mask(visual_mask, self.num_visual_tokens(visual.grid_thw), pad)
         return Prompt(input_ids, one_dim_positions(input_ids.shape[1]), visual_mask)
 
     def _embed(

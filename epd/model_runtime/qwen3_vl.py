@@ -22,16 +22,18 @@ embeddings and every DeepStack feature back per group; `prefill_chunks` batches 
 each chunk adding the DeepStack rows of its own visual positions.
 
 What other families share is in two base classes here, not borrowed method by method:
-`ClipResizeAdapter` (frames sized by `smart_resize` of the whole clip, the visual token count) is
-GLM-4.1V's base too, and `Qwen3VLProcessorAdapter` (pixels, group times and prompts of
-`Qwen3VLProcessor`) Qwen3.5's; `Qwen3VLAdapter` adds the tower with DeepStack and its prefill.
+`ClipResizeAdapter` (frames sized by `smart_resize` of the whole clip, their pixels through the
+family's processor, the visual token count) is GLM-4.1V's base too, and `Qwen3VLProcessorAdapter`
+(group times and prompts of `Qwen3VLProcessor`) Qwen3.5's; `Qwen3VLAdapter` adds the tower with DeepStack and its prefill.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -74,10 +76,14 @@ class ClipResizeAdapter(HfTextAdapter):
     """A family whose video processor sizes every frame of a clip by Qwen3-VL's `smart_resize` of
     the whole clip (t x h x w within its `size`): Qwen3-VL (and its MoE), Qwen3.5 and GLM-4.1V
     (whose processor's `smart_resize` is Qwen3-VL's line for line). So a frame group is resized to
-    its clip's size here, and the decoder's frames are too (`frame_resizer`)."""
+    its clip's size here, and the decoder's frames are too (`frame_resizer`); `preprocess` gives
+    the processor those frames for its own rescale, normalise and patchify, each family its
+    `group_timestamps`."""
 
     merge_size: int
     temporal_patch_size: int
+    # The family's video processor's own options beyond those `preprocess` sets.
+    video_processor_options: Mapping[str, Any] = MappingProxyType({})
 
     def clip_frame_size(self, height: int, width: int, clip_num_frames: int) -> tuple[int, int]:
         """(height, width) the video processor gives every frame of a clip of `clip_num_frames`
@@ -122,13 +128,6 @@ class ClipResizeAdapter(HfTextAdapter):
         t, h, w = grid_thw
         return t * h * w // self.merge_size**2
 
-
-class Qwen3VLProcessorAdapter(ClipResizeAdapter):
-    """A family on Qwen3-VL's processor (`Qwen3VLProcessor`): Qwen3-VL (and its MoE) and Qwen3.5.
-    Their pixels, group times and prompts (the processor's template and its timestamped
-    expansion) are this code; their positions come from their own model class's
-    `get_rope_index` (`_prompt_positions`)."""
-
     def preprocess(self, video: DecodedVideo, clip_num_frames: int | None = None) -> VisionInputs:
         if video.is_image:
             out = self.processor.image_processor(images=[video.frames[0]], return_tensors="pt")
@@ -142,8 +141,8 @@ class Qwen3VLProcessorAdapter(ClipResizeAdapter):
             videos=[frames],
             do_sample_frames=False,
             do_resize=False,
-            cap_pixels_per_frame=False,
             return_tensors="pt",
+            **self.video_processor_options,
         )
         grid = tuple(int(x) for x in out["video_grid_thw"][0])
         return VisionInputs(
@@ -153,6 +152,21 @@ class Qwen3VLProcessorAdapter(ClipResizeAdapter):
             second_per_grid_t=self.temporal_patch_size / video.sampled_fps,
             group_timestamps_s=self.group_timestamps(video),
         )
+
+    @abstractmethod
+    def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
+        """Seconds of each temporal group, as the family's processor writes them in the prompt."""
+
+
+class Qwen3VLProcessorAdapter(ClipResizeAdapter):
+    """A family on Qwen3-VL's processor (`Qwen3VLProcessor`): Qwen3-VL (and its MoE) and Qwen3.5.
+    Their group times and prompts (the processor's template and its timestamped expansion) are
+    this code, their pixels `ClipResizeAdapter.preprocess`; their positions come from their own model class's
+    `get_rope_index` (`_prompt_positions`)."""
+
+    # Its resize is off (`preprocess`; `clip_frame_size` sizes the frames, without a per-frame
+    # cap), so False changes no pixel: said, it silences the warning that the default will change.
+    video_processor_options = MappingProxyType({"cap_pixels_per_frame": False})
 
     def group_timestamps(self, video: DecodedVideo) -> tuple[float, ...]:
         """Seconds of each temporal group as the processor computes them from video metadata

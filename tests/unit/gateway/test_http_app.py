@@ -14,6 +14,7 @@ from epd.gateway.http_api import HttpApi
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.stages.errors import Busy
+from epd.stages.model_info import ModelInfo
 
 UPLOAD_LIMIT_BYTES = 1000
 JSON = {"Content-Type": "application/json"}
@@ -615,24 +616,40 @@ def test_streamed_choices_part_their_own_tool_calls_with_their_own_finish_reason
     assert finishes == [["tool_calls"], ["length"]]
 
 
-def test_without_the_think_markers_ids_reasoning_is_counted_by_its_text_and_that_logged_once(caplog):
+class _LateModelInfoPipeline(_TwoChoicesPipeline):
+    """`_TwoChoicesPipeline` whose model info (with the think markers' ids: `</think>` is the
+    token of choice 0's third step) is known only once `info` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.info: ModelInfo | None = None
+
+    def model_info(self) -> ModelInfo | None:  # type: ignore[override]
+        return self.info
+
+
+def test_without_the_think_markers_ids_reasoning_is_counted_by_its_text_logged_once_until_they_come(caplog):
     """Prefill has not reported the think markers' token ids (here no model info at all): the
     reasoning tokens are counted by where the text falls, and the first answer so counted logs a
-    warning saying why, once for the process, not per request."""
+    warning saying why, once for the process, not per request. The ids known later (prefill's
+    model info came late), the next answer is counted by them: the log is once, the count is not
+    stuck on the text."""
     import json
 
     config = GatewayConfig(http=HttpApiConfig(port=0, reasoning_parser="qwen3"))
     body = {"messages": [{"role": "user", "content": "q"}], "n": 2}
+    pipeline = _LateModelInfoPipeline()
 
     async def run() -> list[dict]:
-        api = HttpApi(config, _TwoChoicesPipeline(), GatewayMetrics())
+        api = HttpApi(config, pipeline, GatewayMetrics())
         runner = web.AppRunner(api.app())
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
                 replies = []
-                for _ in range(2):
+                for info in (None, None, _THINKING_INFO):
+                    pipeline.info = info
                     async with session.post("/v1/chat/completions", json=body) as resp:
                         replies.append(json.loads(await resp.read()))
                 return replies
@@ -642,9 +659,23 @@ def test_without_the_think_markers_ids_reasoning_is_counted_by_its_text_and_that
     with caplog.at_level(logging.WARNING, logger="epd.gateway.http_api"):
         replies = asyncio.run(run())
     # by text: choice 0's "hm</thi" (1 token), then "nk><tool" (1 token, taken for the marker's);
-    # choice 1's "ok</think>It is" (1 token, taken for the marker's)
-    assert [r["usage"]["completion_tokens_details"] for r in replies] == [{"reasoning_tokens": 1}] * 2
+    # choice 1's "ok</think>It is" (1 token, taken for the marker's). By id: choice 0's token 5
+    # before `</think>`'s 7; choice 1's 6 and 9 (its "</think>" is text inside token 6, no marker token)
+    counts = [r["usage"]["completion_tokens_details"]["reasoning_tokens"] for r in replies]
+    assert counts == [1, 1, 1 + 2]
     warnings = [
         r.getMessage() for r in caplog.records if "counting reasoning tokens by where" in r.getMessage()
     ]
     assert len(warnings) == 1 and "token ids of <think> and </think>" in warnings[0]
+
+
+_THINKING_INFO = ModelInfo(
+    1024,
+    32768,
+    32768,
+    4096,
+    "qwen3_5",
+    reasoning_markers=("<think>", "</think>"),
+    reasoning_marker_ids=(99, 7),
+)
+"""A thinking model's info whose `</think>` is token 7."""

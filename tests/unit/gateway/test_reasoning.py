@@ -13,6 +13,7 @@ from epd.gateway.config import HttpApiConfig
 from epd.gateway.openai_protocol import completion_body, parse_chat_request
 from epd.gateway.pipeline import AskSummary, ChoiceSummary
 from epd.gateway.reasoning import (
+    MarkerIds,
     ReasoningSplit,
     ReasoningStream,
     constrained_after_reasoning,
@@ -182,6 +183,8 @@ def test_under_a_parser_a_chat_requests_constraint_starts_after_the_reasoning():
 
 THINK, END = 7, 8
 """The think markers' token ids in these tests (`marker_ids`: prefill reports the model's)."""
+QWEN3_IDS = MarkerIds(THINK, END)
+"""Counted as `--reasoning-parser qwen3` counts: to the first `</think>`."""
 
 
 @pytest.mark.parametrize(
@@ -216,13 +219,53 @@ def test_reasoning_tokens_are_counted_by_token_id_as_vllms(thinking, steps, want
     (or the answer's start, a block the prompt opened) and </think>, the markers left out, however
     the text of those tokens comes; the stream that parts the text counts them in the same pass,
     and a whole answer's steps (`part_answers`) the same."""
-    stream = ReasoningStream(thinking, marker_ids=(THINK, END))
+    stream = ReasoningStream(thinking, marker_ids=QWEN3_IDS)
     for text, token_ids in steps:
         stream.add(text, token_ids)
     stream.finish()
     assert stream.num_reasoning_tokens == want
-    whole = part_answers([(0, text, ids) for text, ids in steps], thinking, marker_ids=(THINK, END))
+    whole = part_answers([(0, text, ids) for text, ids in steps], thinking, marker_ids=QWEN3_IDS)
     assert whole.num_reasoning_tokens == want
+
+
+@pytest.mark.parametrize(
+    ("steps", "qwen3", "deepseek_r1"),
+    [
+        # a second block after the first's </think>: its tokens, not its markers', count for deepseek_r1
+        (
+            [("a", [1, 2]), ("</think>", [END]), ("b", [3]), ("<think>", [THINK]), ("c", [4, 5]),
+             ("</think>", [END]), ("d", [6])],
+            2,
+            2 + 2,
+        ),
+        # nested in it: open until its own </think>
+        (
+            [("a", [1]), ("</think>", [END]), ("<think>", [THINK]), ("<think>", [THINK]), ("x", [2]),
+             ("</think>", [END]), ("y", [3]), ("</think>", [END]), ("z", [4])],
+            1,
+            1 + 2,
+        ),
+        # the model's own <think> in the block the template opened is that block's, opens no other
+        ([("<think>", [THINK]), ("a", [1]), ("</think>", [END]), ("b", [2])], 1, 1),
+        # a block opened again and cut by max_tokens: counted to the end
+        ([("a", [1]), ("</think>", [END]), ("<think>", [THINK]), ("c", [2, 3])], 1, 1 + 2),
+    ],
+)  # fmt: skip
+def test_a_block_the_model_opens_again_is_counted_as_its_parser_counts_it_in_vllm(steps, qwen3, deepseek_r1):
+    """The model writes `<think>` again after its `</think>`: vLLM's deepseek_r1 counts that block's
+    tokens too (`BaseThinkingReasoningParser.count_reasoning_tokens`, a depth counter), its qwen3
+    does not (its grammar leaves reasoning at the first `</think>` for good). The text is parted
+    alike: the block the template opened is the reasoning, all after its `</think>` content."""
+    for later_blocks, want in ((False, qwen3), (True, deepseek_r1)):
+        ids = MarkerIds(THINK, END, later_blocks)
+        stream = ReasoningStream(True, ids)
+        for text, token_ids in steps:
+            stream.add(text, token_ids)
+        stream.finish()
+        assert stream.num_reasoning_tokens == want
+        whole = part_answers([(0, text, token_ids) for text, token_ids in steps], True, ids)
+        assert whole.num_reasoning_tokens == want
+        assert whole.split(0) == split_reasoning("".join(text for text, _ in steps), True)
 
 
 @pytest.mark.parametrize(
@@ -249,13 +292,17 @@ def test_without_the_markers_ids_reasoning_tokens_are_counted_by_where_the_text_
 
 def test_the_markers_ids_are_those_prefill_reports_when_every_replica_agrees():
     info = ModelInfo(1024, 4096, 4096, 512, "qwen3_5", reasoning_markers=("<think>", "</think>"))
-    assert marker_ids(None) is None and marker_ids(info) is None  # not known: counted by the text
+    assert marker_ids(None, "qwen3") is None and marker_ids(info, "qwen3") is None  # not known: by the text
     known = replace(info, reasoning_marker_ids=(THINK, END))
-    assert marker_ids(known) == (THINK, END)
-    assert marker_ids(replace(known, reasoning_markers=("</think>",), reasoning_marker_ids=(END,))) is None
-    assert marker_ids(common_model_info([known, known])) == (THINK, END)
-    assert marker_ids(common_model_info([known, replace(known, reasoning_marker_ids=(1, 2))])) is None
-    assert marker_ids(common_model_info([known, info])) is None  # one replica from before the ids
+    assert marker_ids(known, "qwen3") == QWEN3_IDS
+    assert marker_ids(known, "deepseek_r1") == MarkerIds(THINK, END, later_blocks=True)
+    one_marker = replace(known, reasoning_markers=("</think>",), reasoning_marker_ids=(END,))
+    assert marker_ids(one_marker, "qwen3") is None
+    assert marker_ids(common_model_info([known, known]), "qwen3") == QWEN3_IDS
+    assert (
+        marker_ids(common_model_info([known, replace(known, reasoning_marker_ids=(1, 2))]), "qwen3") is None
+    )
+    assert marker_ids(common_model_info([known, info]), "qwen3") is None  # one replica from before the ids
 
 
 STEPS = [
@@ -270,7 +317,7 @@ STEPS = [
 """Two choices' steps (choice index, text, token ids), interleaved."""
 
 
-@pytest.mark.parametrize("ids", [(THINK, END), None])
+@pytest.mark.parametrize("ids", [QWEN3_IDS, None])
 def test_chats_reasoning_tokens_are_each_choices_summed_and_reported_only_with_a_parser(ids):
     """vLLM's chat usage (`completion_tokens_details.reasoning_tokens`, with a reasoning parser):
     each choice's count, its steps interleaved with the other's, summed; no field without one."""
@@ -299,7 +346,7 @@ def test_a_whole_chat_answer_is_parted_and_counted_in_one_pass_over_its_steps(mo
         ChoiceSummary(1, "xy</think>z", [4, 5, 6, 7, 8], "stop"),
     ]
     steps = [TokenStep(ids, text, index=index) for index, text, ids in STEPS]
-    body = completion_body(summary, "m", created=1, thinking=True, steps=steps, marker_ids=(THINK, END))
+    body = completion_body(summary, "m", created=1, thinking=True, steps=steps, marker_ids=QWEN3_IDS)
     # each step's text once while it thinks; after </think> a step is content as it comes
     assert parts == ["a", "x", "</think>", "y", "</think>"]
     messages = [(c["message"]["reasoning"], c["message"]["content"]) for c in body["choices"]]

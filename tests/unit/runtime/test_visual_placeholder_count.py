@@ -5,14 +5,19 @@ placeholder as one added token) can make the count differ. Prefill answers INTER
 (what the operator should check) for the server log; before, it was INVALID_ARGUMENT, telling the
 client to change a request that nothing in it could fix.
 
-The checkpoint is the tiny Qwen2-VL's tokenizer, processor and config as saved, its tokenizer
-files edited as a broken conversion would leave them: `<|video_pad|>` still in the vocabulary but
-no added token, so the real tokenizer splits it into byte pieces."""
+The checkpoints are tiny Qwen2-VL's and LLaVA-OneVision's tokenizer, processor and config as
+saved, their tokenizer files edited as a broken conversion would leave them: the video placeholder
+(`<|video_pad|>`, `<video>`) no added token, so the real tokenizer splits it into byte pieces (and
+LLaVA-OneVision's, not in the trained vocabulary, has no id at all). LLaVA-OneVision's video
+expansion writes one placeholder more than the grid's count (the closing newline prefill writes):
+the count is checked before that last one is looked for, so none found is the same clear error,
+not an IndexError."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -20,58 +25,92 @@ import torch
 
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter
 from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.model_runtime.sampling import GenerationConfig
+from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.stages.contracts import EncodedMedia
 from epd.stages.messages import question_messages
 from epd.transport.errors import status_of
 
-PAD = "<|video_pad|>"
+
+@dataclass(frozen=True)
+class Family:
+    adapter: type
+    placeholder: str  # the video's
+    grid_thw: tuple[int, int, int]  # a 2-frame video grid of the tiny checkpoint
+    num_visual: int  # the grid's visual tokens
+    expanded: int  # the placeholders its expansion writes
+
+
+FAMILIES = {
+    "qwen2_vl": Family(Qwen2VLAdapter, "<|video_pad|>", (2, 4, 4), 8, 8),
+    # 5 x 5 patches pooled to 3 x 3 per frame, then the closing newline
+    "llava_onevision": Family(LlavaOnevisionAdapter, "<video>", (2, 5, 5), 18, 19),
+}
 
 
 @pytest.fixture(scope="module")
-def split_placeholder_checkpoint(tiny_models, tmp_path_factory):
-    """The tiny Qwen2-VL's files but its weights (a prompt needs none), `PAD` no added token."""
-    source = tiny_models["qwen2_vl"]
-    target = tmp_path_factory.mktemp("split_placeholder")
-    for path in source.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, target / path.name)
-    tokenizer = json.loads((source / "tokenizer.json").read_text())
-    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != PAD]
-    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    config["extra_special_tokens"].remove(PAD)
-    (target / "tokenizer_config.json").write_text(json.dumps(config))
-    return target
+def checkpoints(tiny_models, tmp_path_factory):
+    """Each family's tiny checkpoint as saved."""
+    llava = build_checkpoint(
+        tmp_path_factory.mktemp("llava_onevision") / "m", TinyVLMSpec(family="llava_onevision")
+    )
+    return {"qwen2_vl": tiny_models["qwen2_vl"], "llava_onevision": llava}
 
 
-def _render(checkpoint):
-    """The prefill engine's render of a question about a 2 x 4 x 4 video grid (8 visual tokens)."""
-    adapter = Qwen2VLAdapter(str(checkpoint), ModelConfig(), set())  # prompts only, no weights
-    meta = VisualMeta("video", (2, 4, 4), 1.0, 8)
-    media = EncodedMedia(torch.zeros(8, adapter.hidden_size), meta, 4, [], 0.0, 0.0)
+@pytest.fixture(scope="module")
+def split_placeholder_checkpoints(checkpoints, tmp_path_factory):
+    """Each family's files but its weights (a prompt needs none), its video placeholder no added token."""
+    out = {}
+    for family, source in checkpoints.items():
+        pad = FAMILIES[family].placeholder
+        target = tmp_path_factory.mktemp(f"split_placeholder_{family}")
+        for path in source.iterdir():
+            if path.suffix != ".safetensors":
+                shutil.copy(path, target / path.name)
+        tokenizer = json.loads((source / "tokenizer.json").read_text())
+        tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != pad]
+        (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+        config = json.loads((source / "tokenizer_config.json").read_text())
+        config["extra_special_tokens"].remove(pad)
+        (target / "tokenizer_config.json").write_text(json.dumps(config))
+        out[family] = target
+    return out
+
+
+def _render(family, checkpoint):
+    """The prefill engine's render of a question about the family's 2-frame video grid."""
+    spec = FAMILIES[family]
+    adapter = spec.adapter(str(checkpoint), ModelConfig(), set())  # prompts only, no weights
+    assert adapter.num_visual_tokens(spec.grid_thw) == spec.num_visual
+    meta = VisualMeta("video", spec.grid_thw, 1.0, spec.num_visual)
+    media = EncodedMedia(torch.zeros(spec.num_visual, adapter.hidden_size), meta, 4, [], 0.0, 0.0)
     engine = PrefillEngine(PrefillConfig(), adapter)
     return engine.render(question_messages("what moves?"), media, GenerationConfig(max_new_tokens=1))
 
 
-def test_a_tokenizer_that_splits_the_placeholder_is_the_servers_error(split_placeholder_checkpoint):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tokenizer_that_splits_the_placeholder_is_the_servers_error(family, split_placeholder_checkpoints):
+    spec = FAMILIES[family]
     with pytest.raises(RuntimeError) as failed:
-        _render(split_placeholder_checkpoint)
+        _render(family, split_placeholder_checkpoints[family])
     code, client_message = status_of(failed.value)
     assert code == grpc.StatusCode.INTERNAL
     assert client_message == "internal error; the server log has details"
+    pad = spec.placeholder
     assert str(failed.value) == (
-        f"the model's tokenizer gave 0 {PAD} tokens for the 8 that the prompt's media expanded to: "
-        f"check that the checkpoint's tokenizer has {PAD} as one added token (tokenizer.json's "
+        f"the model's tokenizer gave 0 {pad} tokens for the {spec.expanded} that the prompt's media "
+        f"expanded to: check that the checkpoint's tokenizer has {pad} as one added token (tokenizer.json's "
         "added_tokens) with the id its processor and config give it"
     )
 
 
-def test_the_same_request_renders_with_the_checkpoints_own_tokenizer(tiny_models):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_same_request_renders_with_the_checkpoints_own_tokenizer(family, checkpoints):
     """The control: only the tokenizer files differ, and with the saved ones the prompt holds the
-    grid's 8 placeholders."""
-    request = _render(tiny_models["qwen2_vl"])
-    assert int(request.prompt.visual_mask.sum()) == 8
+    grid's visual tokens (LLaVA-OneVision's closing newline not among them)."""
+    request = _render(family, checkpoints[family])
+    assert int(request.prompt.visual_mask.sum()) == FAMILIES[family].num_visual

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from epd.gateway.reasoning import marker_ids, parser_misfit
+from epd.gateway.reasoning import MarkerIds, marker_ids, parser_misfit
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
@@ -34,7 +34,7 @@ def test_prefill_reports_the_think_markers_a_thinking_models_tokenizer_has(qwen3
     # with their ids, by which the front door counts the reasoning tokens (it has no tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(str(qwen3_5))
     ids = tuple(tokenizer.convert_tokens_to_ids(["<think>", "</think>"]))
-    assert thinking.reasoning_marker_ids == ids and marker_ids(thinking) == ids
+    assert thinking.reasoning_marker_ids == ids and marker_ids(thinking, "qwen3") == MarkerIds(*ids)
     assert model_info_from_proto(model_info_to_proto(thinking)) == thinking
     assert parser_misfit("qwen3", thinking) is None
 
