@@ -151,7 +151,11 @@ class Qwen2VLAdapter(QwenTextAdapter):
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next
-        pad_id = self.tokenizer.convert_tokens_to_ids(pad)
+        # The config's id, as the positions and the model's own embedding read it: a tokenizer that
+        # lacks the placeholder then gets checked_visual_mask's message, not a None compared.
+        pad_id = (
+            self.hf_config.video_token_id if visual.modality == "video" else self.hf_config.image_token_id
+        )
         visual_mask = checked_visual_mask(input_ids[0] == pad_id, num_tokens, pad)
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 

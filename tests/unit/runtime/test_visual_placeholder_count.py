@@ -27,6 +27,7 @@ from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter
 from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
+from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.prefill_svc.config import PrefillConfig
@@ -47,6 +48,7 @@ class Family:
 
 FAMILIES = {
     "qwen2_vl": Family(Qwen2VLAdapter, "<|video_pad|>", (2, 4, 4), 8, 8),
+    "qwen3_vl": Family(Qwen3VLAdapter, "<|video_pad|>", (2, 4, 4), 8, 8),
     # 5 x 5 patches pooled to 3 x 3 per frame, then the closing newline
     "llava_onevision": Family(LlavaOnevisionAdapter, "<video>", (2, 5, 5), 18, 19),
 }
@@ -58,7 +60,8 @@ def checkpoints(tiny_models, tmp_path_factory):
     llava = build_checkpoint(
         tmp_path_factory.mktemp("llava_onevision") / "m", TinyVLMSpec(family="llava_onevision")
     )
-    return {"qwen2_vl": tiny_models["qwen2_vl"], "llava_onevision": llava}
+    qwen3_vl = build_checkpoint(tmp_path_factory.mktemp("qwen3_vl") / "m", TinyVLMSpec(family="qwen3_vl"))
+    return {"qwen2_vl": tiny_models["qwen2_vl"], "qwen3_vl": qwen3_vl, "llava_onevision": llava}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,9 @@ def split_placeholder_checkpoints(checkpoints, tmp_path_factory):
                 shutil.copy(path, target / path.name)
         tokenizer = json.loads((source / "tokenizer.json").read_text())
         tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != pad]
+        # Out of the trained vocabulary too, as a broken conversion can leave it: no id at all, so a
+        # mask read by the tokenizer's id would compare with None (the config's id is read).
+        tokenizer["model"]["vocab"].pop(pad, None)
         (target / "tokenizer.json").write_text(json.dumps(tokenizer))
         config = json.loads((source / "tokenizer_config.json").read_text())
         config["extra_special_tokens"].remove(pad)
@@ -87,7 +93,10 @@ def _render(family, checkpoint):
     adapter = spec.adapter(str(checkpoint), ModelConfig(), set())  # prompts only, no weights
     assert adapter.num_visual_tokens(spec.grid_thw) == spec.num_visual
     meta = VisualMeta("video", spec.grid_thw, 1.0, spec.num_visual)
-    media = EncodedMedia(torch.zeros(spec.num_visual, adapter.hidden_size), meta, 4, [], 0.0, 0.0)
+    features = torch.zeros(spec.num_visual, adapter.hidden_size)
+    deepstack = [features] * adapter.num_deepstack_layers  # Qwen3-VL's per-layer features
+    # 4 frames (2 pairs), 0.5 s apart: Qwen3-VL writes each pair's time into the prompt
+    media = EncodedMedia(features, meta, 4, [0.0, 0.5, 1.0, 1.5], 0.0, 0.0, deepstack=deepstack)
     engine = PrefillEngine(PrefillConfig(), adapter)
     return engine.render(question_messages("what moves?"), media, GenerationConfig(max_new_tokens=1))
 
