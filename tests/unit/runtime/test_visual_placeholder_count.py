@@ -5,7 +5,7 @@ placeholder as one added token) can make the count differ. Prefill answers INTER
 (what the operator should check) for the server log; before, it was INVALID_ARGUMENT, telling the
 client to change a request that nothing in it could fix.
 
-The checkpoints are tiny Qwen2-VL's and LLaVA-OneVision's tokenizer, processor and config as
+The checkpoints are tiny Qwen2-VL's, Qwen3-VL's and LLaVA-OneVision's tokenizer, processor and config as
 saved, their tokenizer files edited as a broken conversion would leave them: the video placeholder
 (`<|video_pad|>`, `<video>`) no added token, so the real tokenizer splits it into byte pieces (and
 LLaVA-OneVision's, not in the trained vocabulary, has no id at all). LLaVA-OneVision's video
