@@ -204,7 +204,11 @@ def _shut(rec: Opened) -> None:
 
 
 def child_pids() -> set[int]:
-    """This process's children, running (zombies, exited but not yet reaped, hold nothing)."""
+    """This process's children, running (zombies, exited but not yet reaped, hold nothing).
+
+    Read twice per test, one file per thread of the test process (a child is listed under the
+    thread that started it), and that process holds hundreds of threads by the middle of the
+    suite: plain os.open/os.read, a third of Path.read_text's cost there (~3 ms a test saved)."""
     pids: set[int] = set()
     try:
         tasks = os.listdir("/proc/self/task")
@@ -212,9 +216,16 @@ def child_pids() -> set[int]:
         return pids
     for tid in tasks:
         try:
-            pids.update(int(p) for p in Path(f"/proc/self/task/{tid}/children").read_text().split())
+            fd = os.open(f"/proc/self/task/{tid}/children", os.O_RDONLY)
+        except OSError:  # the thread has ended
+            continue
+        try:
+            listed = os.read(fd, 1 << 16)
         except OSError:
             continue
+        finally:
+            os.close(fd)
+        pids.update(int(p) for p in listed.split())
     return {pid for pid in pids if _running(pid)}
 
 

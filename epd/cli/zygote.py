@@ -57,6 +57,17 @@ _COMMON_PRELOAD = (
     "epd.model_runtime.loader",
     "epd.model_runtime.hf_loading",
     "epd.model_runtime.hf_text",
+    # What every service imports after the fork before it serves, gRPC-free (the command line, the
+    # stages' configs, aiohttp for media URLs): ~0.4 s of CPU each service (and each command a test
+    # forks, tests/stack.py) skips. Those that import grpc (epd.cli.serve, epd.cli.configs, the
+    # servers) stay after the fork; test_zygote checks that none of these brings grpc in.
+    "aiohttp",
+    "epd.cli.main",
+    "epd.cli.ask",
+    "epd.encoder_svc.config",
+    "epd.prefill_svc.config",
+    "epd.decode_svc.config",
+    "epd.gateway.config",
 )
 # transformers' per-family files that loading a checkpoint of that model_type imports (those the
 # installed transformers has).

@@ -113,11 +113,12 @@ def test_ask_with_a_regex_answers_text_it_matches(tiny_models, media_files):
     regex = "(red|green|blue) (circle|square)"
     args = embedded_ask_args(tiny_models, media_files)
     args[args.index("--max-new-tokens") + 1] = "32"
-    proc = run_epd(*args, "--regex", regex)
+    # forked from the session's zygote: what `epd ask` does with the flag, not its start-up
+    proc = run_epd_forked(*args, "--regex", regex)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert re.fullmatch(regex, result["answer"]) and result["finish_reason"] == "stop", result
-    proc = run_epd(*args, "--regex", "(a")
+    proc = run_epd_forked(*args, "--regex", "(a")
     assert proc.returncode != 0 and "the structured-output regex does not compile" in proc.stderr
 
 

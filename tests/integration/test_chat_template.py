@@ -10,7 +10,6 @@ does not parse stops `epd serve prefill` at start, in one line."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import pytest
 from jinja2.exceptions import SecurityError
@@ -30,7 +29,7 @@ from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.local_http import post_json
 from tests.reference import decode_for_test, template_reference
-from tests.stack import INSECURE_STAGE, Stack, child_env, epd_command, free_port
+from tests.stack import INSECURE_STAGE, Stack, free_port, run_epd_forked
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
@@ -248,15 +247,10 @@ def test_the_stack_serves_a_prefill_started_with_a_template_file(tiny_models, tm
 
 
 def test_a_template_that_does_not_parse_stops_the_prefill_service_at_start(tiny_models):
-    proc = subprocess.run(
-        epd_command(
-            "serve", "prefill", "--port", str(free_port()), "--model", str(tiny_models["qwen2_vl"]),
-            "--chat-template", "{% if messages %}unclosed", *INSECURE_STAGE,
-        ),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
+    # forked from the session's zygote, as a stack's prefill is: the same `epd serve prefill`
+    proc = run_epd_forked(
+        "serve", "prefill", "--port", str(free_port()), "--model", str(tiny_models["qwen2_vl"]),
+        "--chat-template", "{% if messages %}unclosed", *INSECURE_STAGE, timeout_s=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

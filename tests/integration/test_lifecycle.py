@@ -35,6 +35,7 @@ from tests.stack import (
     child_env,
     epd_command,
     free_port,
+    run_epd_forked,
     stage_replica,
     wait_until_serving,
 )
@@ -110,13 +111,9 @@ def test_serve_on_a_broken_model_says_why_in_one_line(tiny_models, tmp_path, how
 def test_one_service_reports_its_model_and_closes_cleanly(tiny_models, tmp_path):
     """The service checks too (it may be started alone, by compose or Kubernetes)."""
     model = _break(tiny_models["qwen2_vl"], "truncated weights", tmp_path)
-    proc = subprocess.run(
-        epd_command("serve", "prefill", "--port", str(free_port()), "--model", str(model), *INSECURE_STAGE),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=ROOT,
-        timeout=120,
+    # forked from the session's zygote, as a stack's prefill is: the same `epd serve prefill`
+    proc = run_epd_forked(
+        "serve", "prefill", "--port", str(free_port()), "--model", str(model), *INSECURE_STAGE, timeout_s=120
     )
     assert proc.returncode == EXIT_MODEL, proc.stderr
     assert (
@@ -126,14 +123,8 @@ def test_one_service_reports_its_model_and_closes_cleanly(tiny_models, tmp_path)
 
 def test_ask_embedded_on_an_unsupported_model_prints_the_reason(tiny_models, media_files, tmp_path):
     model = _break(tiny_models["qwen2_vl"], "unsupported model_type", tmp_path)
-    proc = subprocess.run(
-        epd_command("ask", str(media_files["png"]), "what is it?", "--model", str(model)),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=ROOT,
-        timeout=180,
-    )
+    # forked from the session's zygote: what `epd ask` does with the model, not its start-up
+    proc = run_epd_forked("ask", str(media_files["png"]), "what is it?", "--model", str(model))
     assert proc.returncode == EXIT_MODEL, proc.stderr  # as `epd serve`'s (it was 1, "FAILED_PRECONDITION")
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"epd: cannot load {model}: "), proc.stderr

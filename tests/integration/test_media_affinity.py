@@ -82,6 +82,11 @@ def two_prefill_stack(model_dir, log_dir):
     try:
         with stack:
             assert is_serving(second, timeout_s=5.0)
+            # The gateway went SERVING at its first check with a replica of each stage serving, and
+            # (interval 0) checks no more: a prefill still loading then stayed out of routing. One
+            # /health check now that both serve puts both in (the turns then went to the other).
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as reply:
+                assert reply.status == 200
             yield stack, prefills, http_port, replica
     finally:
         if replica.poll() is None:

@@ -60,3 +60,18 @@ def test_a_service_reaped_between_the_check_and_the_signal_is_not_an_error():
         pid = child.pid
 
     ServiceProcess(ReapedAfterTheCheck()).send_signal(15)  # type: ignore[arg-type]
+
+
+def test_the_preload_imports_no_grpc():
+    """gRPC is not fork-safe once initialised: nothing the zygote imports before it forks may bring
+    it in (the gRPC-free part of the command line and the stages' configs is preloaded; what
+    imports grpc is imported by each service after the fork)."""
+    modules = [
+        m for m in preload_modules("qwen2_vl", family_module("qwen2_vl")) if m != "epd.cli.zygote_signals"
+    ]
+    code = f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
+    code += "sys.exit(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')) != [])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
