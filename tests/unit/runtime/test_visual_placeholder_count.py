@@ -7,8 +7,8 @@ client to change a request that nothing in it could fix.
 
 The checkpoints are tiny Qwen2-VL's, Qwen3-VL's and LLaVA-OneVision's tokenizer, processor and config as
 saved, their tokenizer files edited as a broken conversion would leave them: the video placeholder
-(`<|video_pad|>`, `<video>`) no added token, so the real tokenizer splits it into byte pieces (and
-LLaVA-OneVision's, not in the trained vocabulary, has no id at all). LLaVA-OneVision's video
+(`<|video_pad|>`, `<video>`) neither an added token nor in the trained vocabulary, so the real
+tokenizer splits it into byte pieces and has no id for it. LLaVA-OneVision's video
 expansion writes one placeholder more than the grid's count (the closing newline prefill writes):
 the count is checked before that last one is looked for, so none found is the same clear error,
 not an IndexError."""
