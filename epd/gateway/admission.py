@@ -13,11 +13,11 @@ A request's life here:
 
 A request counts once, whatever its `n` (OpenAI's and vLLM's choices): a default server then takes
 any n up to epd's 16 (`MAX_CHOICES`) from any client, as vLLM takes any n up to its own bound,
-while what one client holds stays bounded: --max-requests-per-client requests, each of at most 16 choices. Each choice is a
-decode request of its own, which reserves its decoder's KV room like any other (decode's
---kv-budget-bytes, and --max-waiting-requests for those waiting for it), so choices meet the
-back-pressure of the memory they take. Counted as n requests, an n above the per-client limit (8
-by default) could never run.
+while what one client holds stays bounded: --max-requests-per-client requests, each of at most 16
+choices. Each choice is a decode request of its own, which reserves its decoder's KV room like any
+other (decode's --kv-budget-bytes, and --max-waiting-requests for those waiting for it), so
+choices meet the back-pressure of the memory they take. Counted as n requests, an n above the
+per-client limit (8 by default) could never run.
 
 Media an HTTP request names by local path or URL is reserved the same way as it is read
 (`epd.gateway.media_fetch.load_media`). Body bytes stay reserved until the request ends, because the media they carry is held (as
