@@ -46,11 +46,13 @@ import asyncio
 import contextvars
 import functools
 import json
+import logging
 import math
 import os
 import re
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -64,6 +66,8 @@ from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, Sampli
 
 if TYPE_CHECKING:
     import torch  # the front door checks specs without torch
+
+log = logging.getLogger(__name__)
 
 
 class _Runs(Protocol):
@@ -295,7 +299,11 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
+        self._threads: list[threading.Thread] = []
+        """The compile threads started and not known to have ended, the ones left to a compile past
+        its deadline too: `close` waits for them."""
+        self._threads_lock = threading.Lock()
+        self._thread = self._new_thread()
         # spec (`_compile_key`) -> (the timeout it ran past, its compile left running)
         self._too_slow: OrderedDict[StructuredOutputs, tuple[float, Future[CompiledGrammar]]] = OrderedDict()
         # specs (`_compile_key`) compiled, so most likely in xgrammar's cache
@@ -455,7 +463,7 @@ class GrammarCompiler:
         if self._thread is thread:
             self.num_abandoned += 1
             self._abandoned.append(future)
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
+            self._thread = self._new_thread()
             thread.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -490,8 +498,34 @@ class GrammarCompiler:
                 self._reasoning_ids = (start, end)
             return self._compiler
 
-    def close(self) -> None:
+    def _new_thread(self) -> ThreadPoolExecutor:
+        """A compile thread (started at its first compile), known to `close` before it compiles."""
+        with self._threads_lock:  # those ended go (one is left behind per compile past its deadline)
+            self._threads[:] = [t for t in self._threads if t.is_alive()]
+        return ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME, initializer=self._started)
+
+    def _started(self) -> None:
+        with self._threads_lock:
+            self._threads.append(threading.current_thread())
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Take no compile after this (queued ones are cancelled) and wait for the compiles still
+        running, those left past their deadline too, for at most `wait_s` (0: do not wait). It joins
+        threads: not on the event loop. A compile still running then (xgrammar's cannot be stopped)
+        is named in a warning and left to end with its compile or with the process (`epd serve`
+        leaves by `os._exit`, which does not wait for it)."""
         self._thread.shutdown(wait=False, cancel_futures=True)
+        deadline_s = time.monotonic() + wait_s
+        with self._threads_lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline_s - time.monotonic()))
+        if running := [t.name for t in threads if t.is_alive()]:
+            log.warning(
+                "grammar compile threads %s still compile after close (a structured output's constraint; "
+                "xgrammar's compile cannot be stopped)",
+                ", ".join(running),
+            )
 
 
 _COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
@@ -515,6 +549,16 @@ def grammar_compiler(adapter: Any) -> GrammarCompiler:
             compiler = GrammarCompiler(tokenizer, vocab_size, adapter.eos_token_ids)
             _COMPILERS[adapter] = compiler
         return compiler
+
+
+def close_compiler(adapter: Any, wait_s: float = 0.0) -> None:
+    """Close the compiler of `adapter` (`GrammarCompiler.close`: wait for its compiles for at most
+    `wait_s`), if one was made; a later `grammar_compiler(adapter)` makes a new one (another
+    pipeline built on the same loaded model)."""
+    with _COMPILERS_LOCK:
+        compiler = _COMPILERS.pop(adapter, None)
+    if compiler is not None:
+        compiler.close(wait_s)
 
 
 async def compile_for(

@@ -383,8 +383,9 @@ def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, m
         from epd.prefill_svc import server as prefill_server
 
         spy(LocalPrefillStage, "close_tokenizer", "tokenizer threads")
+        spy(LocalPrefillStage, "close_compiles", "grammar compiles")
         start = prefill_server.start(PrefillConfig(model=model, server=ServerConfig(port=0)))
-        parts = ["tokenizer threads", "model thread"]
+        parts = ["tokenizer threads", "model thread", "grammar compiles"]
 
     async def scenario() -> None:
         hs = await start
