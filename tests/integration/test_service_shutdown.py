@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import urllib.request
 
 import grpc
 import pytest
 
 from epd.client import EpdClient
-from tests.stack import Stack, free_port, stage_replica, wait_until_serving
+from tests.stack import ROOT, Stack, child_env, epd_command, free_port, stage_replica, wait_until_serving
 
 
 def test_each_model_service_closes_its_threads_after_the_drain(tiny_models, media_files, tmp_path):
@@ -51,9 +52,10 @@ def test_each_model_service_closes_its_threads_after_the_drain(tiny_models, medi
         )
 
 
-SLOW_REGEX = "a*" * 5000
-"""A regex xgrammar compiles for minutes (over 200 s on the tiny vocabulary on the 2-core VM),
-far past the close's one deadline (`CLOSE_WAIT_S`, 30 s), within the 64 KiB a spec may have."""
+SLOW_REGEX = "a*" * 10000
+"""A regex xgrammar compiles for many minutes (half as long, 5000 repeats, ran over 200 s on the
+tiny vocabulary on the 2-core VM), far past the close's one deadline (`CLOSE_WAIT_S`, 30 s) and the
+tests' hang guards, within the 64 KiB a spec may have."""
 
 
 def test_prefill_with_a_compile_still_running_names_it_and_exits_within_its_close(tiny_models, tmp_path):
@@ -85,4 +87,37 @@ def test_prefill_with_a_compile_still_running_names_it_and_exits_within_its_clos
     log = (tmp_path / "prefill-2.log").read_text()
     assert code == 0, log[-3000:]
     assert "grammar compile threads grammar_compile_0 still compile after close" in log, log[-3000:]
-    assert "threads still running after the service stopped: grammar_compile_0" in log, log[-3000:]
+    assert "threads still running after the service stopped: grammar_compile_0\n" in log, log[-3000:]
+
+
+def test_ask_embedded_with_a_compile_still_running_exits_after_its_error(tiny_models):
+    """`epd ask` (embedded) leaves through the interpreter's exit, which joined every
+    `ThreadPoolExecutor` thread, a compile past its deadline too: it printed the constraint's
+    error, then waited for the compile to end (minutes) before exiting. The compile threads are
+    daemons now (as the model threads), waited for at exit for at most `EXIT_WAIT_S` and named in
+    a warning. The run is bounded only as a hang guard (the compile runs far longer)."""
+    from epd.model_runtime.structured_output import EXIT_WAIT_S
+
+    argv = [
+        "ask",
+        "--no-video",
+        "what is it?",
+        "--model",
+        str(tiny_models["qwen2_vl"]),
+        "--regex",
+        SLOW_REGEX,
+    ]
+    try:
+        proc = subprocess.run(
+            epd_command(*argv, "--structured-compile-timeout-s", "0.5"),
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            cwd=ROOT,
+            timeout=EXIT_WAIT_S + 150,
+        )
+    except subprocess.TimeoutExpired as exc:  # its command line holds the 20 000-character regex
+        pytest.fail(f"epd ask did not exit after its error: the compile held it\n{str(exc.stderr)[-3000:]}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "epd: INVALID_ARGUMENT: the structured-output regex took longer than 0.5 s" in proc.stderr
+    assert "grammar compile threads grammar_compile_0 still compile after close" in proc.stderr, proc.stderr
