@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
@@ -43,7 +44,10 @@ async def start(config: DecodeConfig) -> HealthyServer:
         # After the drain: the core's loop and its receipts to prefill, the KV channels, then the model
         # thread and the structured-output compiles (last: one cannot be stopped), against one
         # deadline (`close_in_turn`), as prefill's.
-        threads = [model_thread.close, functools.partial(close_compiler, adapter)]
+        threads: list[Callable[[float], object]] = [
+            model_thread.close,
+            functools.partial(close_compiler, adapter),
+        ]
         hs.closers += [servicer.stage.close, puller.close, functools.partial(close_in_turn, threads)]
         await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
