@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.engine import DecodeEngine
@@ -10,8 +12,9 @@ from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.servicer import SERVICE_NAME, DecodeServicer
 from epd.decode_svc.stage import LocalDecodeStage
 from epd.model_runtime.loader import load_adapter
+from epd.model_runtime.structured_output import close_compiler
 from epd.model_runtime.threads import StepThreads, lower_cpu_priority, pin_torch_threads
-from epd.stages.model_thread import ModelThread
+from epd.stages.model_thread import ModelThread, close_in_turn
 from epd.transport.load_servicer import stage_loads, with_load_service
 from epd.transport.server import HealthyServer, create_server, run_service
 from epd.v1 import decode_pb2_grpc
@@ -38,8 +41,14 @@ async def start(config: DecodeConfig) -> HealthyServer:
         servicer.stage = LocalDecodeStage(
             DecodeEngine(adapter), puller.take_kv, model_thread, config, confirm_kv=puller.confirm_kv
         )
-        # After the drain: the core's loop and its receipts to prefill, the KV channels, then the model thread.
-        hs.closers += [servicer.stage.close, puller.close, model_thread.close]
+        # After the drain: the core's loop and its receipts to prefill, the KV channels, then the model
+        # thread and the structured-output compiles (last: one cannot be stopped), against one
+        # deadline (`close_in_turn`), as prefill's.
+        threads: list[Callable[[float], object]] = [
+            model_thread.close,
+            functools.partial(close_compiler, adapter),
+        ]
+        hs.closers += [servicer.stage.close, puller.close, functools.partial(close_in_turn, threads)]
         await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
     return hs

@@ -28,6 +28,7 @@ from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore, check_handle
 from epd.prefill_svc.stage import LocalPrefillStage
 from epd.stages.contracts import MediaInput, check_cache_salt
+from epd.stages.deadline import set_client_deadline
 from epd.stages.errors import InvalidRequest, Unavailable
 from epd.transport import convert, tracing
 from epd.transport.errors import rpc_errors
@@ -81,7 +82,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         request_id = tracing.adopt_request_id(header.request_id)
         cache_salt = check_cache_salt(header.cache_salt)  # the tenant, set by the gateway
         kv_handle = check_handle(header.kv_handle)
-        remaining_s = context.time_remaining()  # None: the caller set no deadline
+        set_client_deadline(context.time_remaining())  # the render's checks read it (None: none)
         handle = await self.stage.prefill(
             messages,
             media,
@@ -92,7 +93,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             kv_handle,
             raw_prompt=raw_prompt,
             template=template,
-            deadline_s=None if remaining_s is None else time.monotonic() + remaining_s,
         )
         # A caller that goes away as the answer goes out never gets the handle, so nobody would
         # release the stored cache before its TTL: the RPC's end says whether the answer got out.
@@ -171,10 +171,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     @rpc_errors
     async def Tokenize(self, request, context):
         request_id = tracing.adopt_request_id(request.request_id)
-        remaining_s = context.time_remaining()  # None: the caller set no deadline
-        deadline_s = None if remaining_s is None else time.monotonic() + remaining_s
+        set_client_deadline(context.time_remaining())  # the render's checks read it (None: none)
         return tokenize_output_to_proto(
-            await self._loaded().tokenize(tokenize_input_from_proto(request), request_id, deadline_s)
+            await self._loaded().tokenize(tokenize_input_from_proto(request), request_id)
         )
 
     @rpc_errors

@@ -27,13 +27,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
-from epd.model_runtime.structured_output import CompiledGrammar, compile_for
+from epd.model_runtime.structured_output import CompiledGrammar, close_compiler, compile_for
 from epd.model_runtime.threads import pin_torch_threads
 from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.runner import PrefillRunner
 from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler
 from epd.stages.contracts import EncodedMedia, MediaInput, PrefillHandle, PrefillStage
+from epd.stages.deadline import client_deadline
 from epd.stages.engine_core import EngineCore, EngineLoad
 from epd.stages.errors import DeadlineExceeded
 from epd.stages.messages import ChatTemplateOptions, Message
@@ -147,13 +148,13 @@ class LocalPrefillStage(PrefillStage):
         *,
         raw_prompt: RawPrompt | None = None,
         template: ChatTemplateOptions = ChatTemplateOptions(),
-        deadline_s: float | None = None,
     ) -> PrefillHandle:
         """`kv_handle`: the caller's handle for the stored cache (`kv_store.check_handle`), so that
-        it can release a cache whose answer it never got; "" = a new one. `deadline_s`
-        (time.monotonic()): when the caller gives up (its gRPC deadline); a render not started
-        by then is refused, DeadlineExceeded, and one in progress stops at its next step; None:
-        no deadline but the caller's cancelling."""
+        it can release a cache whose answer it never got; "" = a new one. The request's client
+        deadline (`epd.stages.deadline`: set by the prefill servicer from its gRPC call, by the
+        gateway in front of an embedded pipeline): a render not started by then is refused,
+        DeadlineExceeded, and one in progress stops at its next step; none set: no deadline but
+        the caller's cancelling."""
         out: PrefillOutput | None = None
         try:
             # The chat template and tokenisation off the model thread (as vLLM renders in its
@@ -170,7 +171,7 @@ class LocalPrefillStage(PrefillStage):
                 raw_prompt=raw_prompt,
                 template=template,
             )
-            rendered = await self._render(render, request_id, deadline_s, template.chat_template is not None)
+            rendered = await self._render(render, request_id, template.chat_template is not None)
             request = await self.model_thread.run(self.engine.admit, rendered)
             # Off the event loop and the model thread; a spec seen before (or compiled early,
             # `compile_structured_outputs`) comes from the cache.
@@ -217,20 +218,17 @@ class LocalPrefillStage(PrefillStage):
     def model_info(self) -> ModelInfo:
         return self.engine.model_info()
 
-    async def tokenize(
-        self, request: TokenizeInput, request_id: str, deadline_s: float | None = None
-    ) -> TokenizeOutput:
+    async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
         # Off the model thread, on the tokenizer threads (which render prompts too): it never
         # waits for a prefill step nor takes model time from one. They share the model's one
         # tokenizer, without a lock: no call changes the tokenizer's settings
         # (`VLMAdapter.settle_tokenizer`), so the threads only read it, at once if they like, and
         # no copy is kept (a prefill process holds 46-141 MiB less with a Qwen2-sized vocabulary;
         # docs/benchmarks.md). Calls beyond the threads queue there, in arrival order. Checked as
-        # a prompt's render is (`_render`): `deadline_s` (its gRPC call's) and its caller leaving.
+        # a prompt's render is (`_render`): its client's deadline and its caller leaving.
         return await self._render(
             functools.partial(self.engine.tokenize, request),
             request_id,
-            deadline_s,
             request.template.chat_template is not None,
         )
 
@@ -241,24 +239,37 @@ class LocalPrefillStage(PrefillStage):
         self,
         render: Callable[..., T],
         request_id: str,
-        deadline_s: float | None,
         requests_template: bool,
     ) -> T:
         """`render(checkpoint=...)` (`PrefillEngine.render`, `PrefillEngine.tokenize`) on a
         tokenizer thread, stopped between its steps once nobody waits for it: cancelling the await
         drops a render not started and stops one in progress at its next step
         (`RenderOptions.checkpoint`: a chat template's render in progress runs to its end); a
-        render whose `deadline_s` passed while it waited for a thread is refused unrendered, and
-        one in progress stops at its next step, both DeadlineExceeded."""
-        turn = _RenderTurn(request_id, deadline_s)
+        render whose client deadline (`epd.stages.deadline`) passed while it waited for a thread
+        is refused unrendered, and one in progress stops at its next step, both DeadlineExceeded."""
+        turn = _RenderTurn(request_id, client_deadline())
 
         def checked() -> T:
-            turn.check()
+            try:
+                turn.check()
+            except DeadlineExceeded:
+                log.info(
+                    "the render of request %s was refused unrendered: its client's deadline passed while "
+                    "it waited for a thread",
+                    request_id,
+                )
+                raise
             try:
                 return render(checkpoint=turn.check)
             except _RenderCancelled:
                 log.info(
                     "the render of request %s stopped between its steps: its caller went away", request_id
+                )
+                raise
+            except DeadlineExceeded:
+                log.info(
+                    "the render of request %s stopped between its steps: its client's deadline passed",
+                    request_id,
                 )
                 raise
 
@@ -320,6 +331,14 @@ class LocalPrefillStage(PrefillStage):
             thread.join(max(0.0, deadline_s - time.monotonic()))
         if running := [t.name for t in self._tokenizer_threads if t.is_alive()]:
             log.warning("prefill tokenizer threads %s still render after close", ", ".join(running))
+
+    def close_compiles(self, wait_s: float = 0.0) -> None:
+        """Take no structured-output compile after this and wait for those still running (one
+        left past its deadline too) for at most `wait_s`; one still compiling then (xgrammar's
+        compile cannot be stopped: a pathological regex runs for minutes) is named in a warning and
+        left to the process's exit (`structured_output.close_compiler`). It joins threads: not on
+        the event loop. Idempotent."""
+        close_compiler(self.engine.adapter, wait_s)
 
     async def close(self) -> None:
         # On the event loop: no new render starts; the owner waits for the running ones after

@@ -47,12 +47,18 @@ class EmbeddedPipeline(Pipeline):
 
     def close(self, wait_s: float | None = None) -> None:
         """Stop the stages' threads and wait for them (calls running finish; queued ones are
-        cancelled): the encoder's decode workers, prefill's tokenizer threads, then the model
-        threads, for at most `wait_s` in all (default `model_thread.CLOSE_WAIT_S`; `close_in_turn`;
-        the encoder's part also within its own `parallel_decoder.CLOSE_WAIT_S`); a thread still running then is named in a warning
-        and left (a looping trusted chat template cannot be stopped). The pipeline takes no
-        request after it. Idempotent."""
-        parts = [self.encoder.close, self.prefill.close_tokenizer, self.model_thread.close]
+        cancelled): the encoder's decode workers, prefill's tokenizer threads, the model threads,
+        then the structured-output compiles (prefill's and decode's: one compiler per model), for
+        at most `wait_s` in all (default `model_thread.CLOSE_WAIT_S`; `close_in_turn`; the
+        encoder's part also within its own `parallel_decoder.CLOSE_WAIT_S`); a thread still running
+        then is named in a warning and left (a looping trusted chat template, a pathological
+        regex's compile cannot be stopped). The pipeline takes no request after it. Idempotent."""
+        parts = [
+            self.encoder.close,
+            self.prefill.close_tokenizer,
+            self.model_thread.close,
+            self.prefill.close_compiles,
+        ]
         close_in_turn(parts, CLOSE_WAIT_S if wait_s is None else wait_s)
 
     async def aclose(self) -> None:

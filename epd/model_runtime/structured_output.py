@@ -43,20 +43,25 @@ reason) reaches the client as a 400.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import functools
+import itertools
 import json
+import logging
 import math
 import os
+import queue
 import re
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -64,6 +69,9 @@ from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, Sampli
 
 if TYPE_CHECKING:
     import torch  # the front door checks specs without torch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _Runs(Protocol):
@@ -295,7 +303,10 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
+        self._threads: list[_CompileThread] = []
+        """The compile threads made and not known to have ended, the ones left to a compile past
+        its deadline too: `close` waits for them."""
+        self._thread = self._new_thread()
         # spec (`_compile_key`) -> (the timeout it ran past, its compile left running)
         self._too_slow: OrderedDict[StructuredOutputs, tuple[float, Future[CompiledGrammar]]] = OrderedDict()
         # specs (`_compile_key`) compiled, so most likely in xgrammar's cache
@@ -405,7 +416,7 @@ class GrammarCompiler:
     def _keep_deadline(
         self,
         future: Future[CompiledGrammar],
-        thread: ThreadPoolExecutor,
+        thread: _CompileThread,
         key: StructuredOutputs,
         timeout_s: float,
         left_s: float | None = None,
@@ -424,7 +435,7 @@ class GrammarCompiler:
     def _ran_past(
         self,
         future: Future[CompiledGrammar],
-        thread: ThreadPoolExecutor,
+        thread: _CompileThread,
         key: StructuredOutputs,
         timeout_s: float,
     ) -> None:
@@ -449,14 +460,14 @@ class GrammarCompiler:
         self._abandoned = [future for future in self._abandoned if not future.done()]
         return len(self._abandoned)
 
-    def _leave_thread(self, future: Future[CompiledGrammar], thread: ThreadPoolExecutor) -> None:
+    def _leave_thread(self, future: Future[CompiledGrammar], thread: _CompileThread) -> None:
         """Leave `thread` to the compile it runs (`future`; xgrammar's cannot be stopped): the next
         compiles get a new thread, and those queued on this one are submitted again there."""
         if self._thread is thread:
             self.num_abandoned += 1
             self._abandoned.append(future)
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD_NAME)
-            thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = self._new_thread()
+            thread.shutdown()
 
     @property
     def ready(self) -> bool:
@@ -490,8 +501,101 @@ class GrammarCompiler:
                 self._reasoning_ids = (start, end)
             return self._compiler
 
-    def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+    def _new_thread(self) -> _CompileThread:
+        """A compile thread (started at its first compile), known to `close`."""
+        # those ended go (one is left behind per compile past its deadline)
+        self._threads = [t for t in self._threads if t.running] + [_CompileThread()]
+        return self._threads[-1]
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Take no compile after this (queued ones are cancelled) and wait for the compiles still
+        running, those left past their deadline too, for at most `wait_s` (0: do not wait). It joins
+        threads: not on the event loop. A compile still running then (xgrammar's cannot be stopped)
+        is named in a warning and left to end with its compile or with the process (`epd serve`
+        leaves by `os._exit`, which does not wait for it)."""
+        self._thread.shutdown()
+        deadline_s = time.monotonic() + wait_s
+        threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline_s - time.monotonic()))
+        if running := [t.name for t in threads if t.running]:
+            log.warning(
+                "grammar compile threads %s still compile after close (a structured output's constraint; "
+                "xgrammar's compile cannot be stopped)",
+                ", ".join(running),
+            )
+
+
+class _CompileThread:
+    """One daemon thread that runs the compiles submitted to it in turn (what this compiler took
+    from a `ThreadPoolExecutor(1)`: `submit`, `shutdown`). A daemon, as the model threads are: a
+    compile cannot be stopped, and a `ThreadPoolExecutor`'s thread is joined at interpreter exit
+    for as long as its compile runs (`epd ask` with a pathological regex waited minutes to exit
+    after its error); an open compiler's compiles are waited for at exit for at most
+    `EXIT_WAIT_S` (`_close_at_exit`)."""
+
+    def __init__(self) -> None:
+        self.name = f"{COMPILE_THREAD_NAME}_{next(_thread_numbers)}"
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._shut = False
+        self._thread: threading.Thread | None = None  # started at the first submit
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot compile after the compiler closed")
+            self._queue.put((future, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                self._thread.start()
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - the caller's, through its future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self) -> None:
+        """Take nothing more; the compiles queued are cancelled, the running one goes on to its end
+        (the thread then ends). It does not wait (`join`)."""
+        with self._lock:
+            self._shut = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self._queue.put(None)
+
+    @property
+    def running(self) -> bool:
+        """Started and not ended (a compile, or waiting for the next)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+_thread_numbers = itertools.count()
+
+EXIT_WAIT_S = 30.0
+"""How long interpreter exit waits for the compiles of the compilers still open (`epd ask`, a
+script: `_close_at_exit`), as long as a service's close gives them (`model_thread.CLOSE_WAIT_S`):
+a daemon thread that comes back from xgrammar while the interpreter finalizes aborts the process
+(as a torch call's does, `epd.stages.model_thread`), so a compile that ends soon is let end; one
+that runs longer is named in a warning and ends with the process."""
 
 
 _COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
@@ -515,6 +619,26 @@ def grammar_compiler(adapter: Any) -> GrammarCompiler:
             compiler = GrammarCompiler(tokenizer, vocab_size, adapter.eos_token_ids)
             _COMPILERS[adapter] = compiler
         return compiler
+
+
+def close_compiler(adapter: Any, wait_s: float = 0.0) -> None:
+    """Close the compiler of `adapter` (`GrammarCompiler.close`: wait for its compiles for at most
+    `wait_s`), if one was made; a later `grammar_compiler(adapter)` makes a new one (another
+    pipeline built on the same loaded model)."""
+    with _COMPILERS_LOCK:
+        compiler = _COMPILERS.pop(adapter, None)
+    if compiler is not None:
+        compiler.close(wait_s)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the compilers nobody closed, their compiles waited for together: `EXIT_WAIT_S` in all."""
+    with _COMPILERS_LOCK:
+        compilers = list(_COMPILERS.values())
+    deadline_s = time.monotonic() + EXIT_WAIT_S
+    for compiler in compilers:
+        compiler.close(max(0.0, deadline_s - time.monotonic()))
 
 
 async def compile_for(

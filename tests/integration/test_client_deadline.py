@@ -18,6 +18,7 @@ hanging; nothing is timed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 
@@ -142,3 +143,51 @@ def test_prefill_ends_a_call_at_its_clients_deadline_when_the_gateway_stalls(sta
 async def _tokenize_after(stack: Stack):
     async with AsyncEpdClient(stack.gateway, timeout_s=WAIT_S) as client:
         return await client.tokenize(messages=CONVERSATION, timeout_s=WAIT_S)
+
+
+EMBEDDED_DEADLINE_S = 0.5
+"""The embedded request's client deadline: far under the slow template's render."""
+
+
+def test_an_embedded_pipelines_prefill_refuses_the_render_at_its_clients_deadline(tiny_models, caplog):
+    """In embedded mode (`build_embedded_pipeline`: `epd serve --colocate`'s gateway, `epd ask`
+    without --endpoint) the local prefill reads the client deadline of the request's task
+    (`epd.stages.deadline`, which the gateway's gRPC front door sets as here), as a prefill service
+    reads its gRPC call's: the slow render stops at its next step once the deadline passed (or is
+    refused unrendered, on a machine busy enough that the deadline passed before it started), and
+    the request ends DEADLINE_EXCEEDED, nothing prefilled nor decoded. Before, the local stages
+    had no deadline: the render ran, and the prompt was prefilled and answered for a client long
+    gone."""
+    from epd.gateway.embedded import build_embedded_pipeline
+    from epd.gateway.pipeline import AskRequest
+    from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.sampling import GenerationConfig
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.stages.deadline import set_client_deadline
+    from epd.stages.errors import DeadlineExceeded
+    from epd.stages.messages import ChatTemplateOptions, from_chat_template
+    from epd.transport.errors import status_of
+    from tests.embedded import request_summary
+
+    model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
+    request = AskRequest(
+        from_chat_template(CONVERSATION),
+        generation=GenerationConfig(max_new_tokens=2),
+        template=ChatTemplateOptions(chat_template=SLOW_TEMPLATE),
+        request_id="late-embedded",
+    )
+
+    async def ask():  # in a task of its own, as the gateway's handler
+        set_client_deadline(EMBEDDED_DEADLINE_S)
+        return await request_summary(pipeline, request)
+
+    prefill = PrefillConfig(model=model, trust_request_chat_template=True)
+    with build_embedded_pipeline(model, prefill=prefill) as pipeline:
+        with caplog.at_level(logging.INFO, logger="epd.prefill_svc.stage"):
+            with pytest.raises(DeadlineExceeded) as refused:
+                asyncio.run(asyncio.wait_for(ask(), WAIT_S))
+    assert status_of(refused.value)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    renders = [
+        r.getMessage() for r in caplog.records if "the render of request late-embedded" in r.getMessage()
+    ]
+    assert len(renders) == 1 and "its client's deadline passed" in renders[0], renders

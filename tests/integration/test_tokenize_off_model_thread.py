@@ -22,6 +22,9 @@ import json
 import logging
 import shutil
 import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 
@@ -34,11 +37,14 @@ from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.stage import REQUEST_TEMPLATE_THREAD_NAME, TOKENIZER_THREAD_NAME, LocalPrefillStage
+from epd.stages.deadline import set_client_deadline
 from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.model_thread import ModelThread
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
 from tests.families import FAMILIES, family_checkpoints, load_video, visual_meta
+
+T = TypeVar("T")
 
 HANG_GUARD_S = 60.0
 """Only ends a test that would otherwise wait forever (a call stuck behind the held model thread)."""
@@ -582,16 +588,28 @@ def _trusting_stage(adapter, model_thread: ModelThread) -> LocalPrefillStage:
     return LocalPrefillStage(PrefillEngine(config, adapter), KvStore(1 << 30, 600.0), model_thread)
 
 
+def _with_client_deadline(call: Callable[[], Awaitable[T]], deadline_s: float | None) -> asyncio.Future[T]:
+    """`call()` in a task of its own with the client deadline `deadline_s` (time.monotonic();
+    None: none) set for it, as the prefill servicer sets its gRPC call's (`epd.stages.deadline`)."""
+
+    async def run() -> T:
+        if deadline_s is not None:
+            set_client_deadline(deadline_s - time.monotonic())
+        return await call()
+
+    return asyncio.ensure_future(run())
+
+
 def _slow_prefill(stage: LocalPrefillStage, request_id: str, deadline_s: float | None = None):
-    return asyncio.ensure_future(
-        stage.prefill(
+    return _with_client_deadline(
+        lambda: stage.prefill(
             from_chat_template(_conversation("what colour is the circle?")),
             None,
             GenerationConfig(max_new_tokens=1),
             request_id,
             template=ChatTemplateOptions(chat_template=SLOW_TEMPLATE),
-            deadline_s=deadline_s,
-        )
+        ),
+        deadline_s,
     )
 
 
@@ -763,7 +781,7 @@ def _slow_tokenize(stage: LocalPrefillStage, request_id: str, deadline_s: float 
         add_special_tokens=False,
         template=ChatTemplateOptions(chat_template=SLOW_TEMPLATE),
     )
-    return asyncio.ensure_future(stage.tokenize(request, request_id, deadline_s))
+    return _with_client_deadline(lambda: stage.tokenize(request, request_id), deadline_s)
 
 
 def test_a_tokenize_whose_deadline_passed_while_it_waited_is_refused_unrendered(adapter):

@@ -346,7 +346,7 @@ PART_S = 0.05
 """How long each closed part takes here, at least (a sleep): enough to tell one deadline from two."""
 
 
-@pytest.mark.parametrize("service", ["encoder", "prefill"])
+@pytest.mark.parametrize("service", ["encoder", "prefill", "decode"])
 def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, monkeypatch, service):
     """After its drain, a model server closes what holds threads in turn, each part given what
     is left of one bound (`close_in_turn`, at most CLOSE_WAIT_S in all): each part's wait is at
@@ -379,12 +379,26 @@ def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, m
         spy(LocalEncodeStage, "close", "decode pool and drivers")
         start = encoder_server.start(EncoderConfig(model=model, server=ServerConfig(port=0)))
         parts = ["decode pool and drivers", "model thread"]
-    else:
+    elif service == "prefill":
         from epd.prefill_svc import server as prefill_server
 
         spy(LocalPrefillStage, "close_tokenizer", "tokenizer threads")
+        spy(LocalPrefillStage, "close_compiles", "grammar compiles")
         start = prefill_server.start(PrefillConfig(model=model, server=ServerConfig(port=0)))
-        parts = ["tokenizer threads", "model thread"]
+        parts = ["tokenizer threads", "model thread", "grammar compiles"]
+    else:
+        from epd.decode_svc import server as decode_server
+        from epd.decode_svc.config import DecodeConfig
+        from epd.model_runtime.structured_output import close_compiler as original_close_compiler
+
+        def close_compiler(adapter, wait_s=None):
+            given.append(("grammar compiles", wait_s))
+            time.sleep(PART_S)
+            original_close_compiler(adapter, wait_s)
+
+        monkeypatch.setattr(decode_server, "close_compiler", close_compiler, raising=False)
+        start = decode_server.start(DecodeConfig(model=model, server=ServerConfig(port=0)))
+        parts = ["model thread", "grammar compiles"]
 
     async def scenario() -> None:
         hs = await start
