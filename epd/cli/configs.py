@@ -26,7 +26,14 @@ from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.chat_template import load_chat_template
 from epd.stages.errors import InvalidRequest
-from epd.stages.server_config import ServerConfig, TransportSecurity, is_loopback, parse_secrets, read_secrets
+from epd.stages.server_config import (
+    SECRET_CHECK_INTERVAL_S,
+    ServerConfig,
+    TransportSecurity,
+    is_loopback,
+    parse_secrets,
+    read_secrets,
+)
 from epd.token_pruning import PruningConfig
 from epd.video.parallel_decoder import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -154,6 +161,7 @@ def transport_security(args: argparse.Namespace) -> TransportSecurity:
         internal_secret=secrets[0] if secrets else "",
         previous_internal_secrets=secrets[1:],
         internal_secret_file=getattr(args, "internal_secret_file", "") if secrets else "",
+        secret_check_interval_s=getattr(args, "secret_check_interval_s", SECRET_CHECK_INTERVAL_S),
     )
 
 

@@ -772,6 +772,7 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
         "else the secret itself in $EPD_INTERNAL_SECRET. A stage refuses to start without one "
         "unless --tls-client-ca (mTLS) or --insecure-no-internal-auth (`epd serve` gives its own one)",
     )
+    add_secret_check_flag(g)
     g.add_argument(
         "--insecure-no-internal-auth",
         action="store_true",
@@ -779,6 +780,29 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
         "development on a closed machine or network only",
     )
     p.set_defaults(internal_secret_env=_env("EPD_INTERNAL_SECRET", ""))
+
+
+def _secret_check_interval(text: str) -> float:
+    value = _positive_seconds(text)
+    if value == float("inf"):  # the file would never be looked at again: no rotation
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+    return value
+
+
+def add_secret_check_flag(g) -> None:
+    """Every service's (`add_security_flags`), and `epd serve`'s, which passes it to the stack's
+    services (`epd.cli.serve.stack_security_flags`; --colocate has no internal secret)."""
+    from epd.stages.server_config import SECRET_CHECK_INTERVAL_S
+
+    g.add_argument(
+        "--secret-check-interval-s",
+        type=_secret_check_interval,
+        default=SECRET_CHECK_INTERVAL_S,
+        metavar="SECONDS",
+        help="how often the internal secret file is looked at (a stat; re-read when it changed): "
+        "a rotation step is in effect everywhere this long after the file changed "
+        f"(default {SECRET_CHECK_INTERVAL_S:g}; docs/security.md)",
+    )
 
 
 def add_stack_security_flags(p: argparse.ArgumentParser) -> None:
@@ -819,6 +843,7 @@ def add_stack_security_flags(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="PEM CA bundle clients of the gateway must present a certificate of (mTLS at the front door)",
     )
+    add_secret_check_flag(g)
     p.set_defaults(api_key_env=_env("EPD_API_KEY", ""))
 
 

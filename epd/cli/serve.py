@@ -178,8 +178,14 @@ def stack_security_flags(args: argparse.Namespace, files: _StackFiles) -> dict[s
     gateway: list[str] = []
     if not args.internal_secret_env:  # else the services read $EPD_INTERNAL_SECRET themselves
         secret = files.write("internal-secret", secrets.token_hex(32).encode())
-        stage += ["--internal-secret-file", secret]
-        gateway += ["--internal-secret-file", secret]
+        followed = [
+            "--internal-secret-file",
+            secret,
+            "--secret-check-interval-s",
+            repr(args.secret_check_interval_s),
+        ]
+        stage += followed
+        gateway += followed
     if keys := configs.api_keys(args):
         gateway += ["--api-key-file", files.write("api-keys", "\n".join(keys).encode() + b"\n")]
     if args.max_requests_per_api_key:

@@ -6,6 +6,7 @@ service configs (encoder_svc.config, ...) embed `ServerConfig`, and engines read
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,9 @@ CHUNK_BYTES = 1 << 20
 receiver start copying early."""
 MAX_MESSAGE_BYTES = 4 << 20
 """gRPC receive/send limit we set on purpose on every server and channel."""
+SECRET_CHECK_INTERVAL_S = 5.0
+"""`TransportSecurity.secret_check_interval_s`'s default: a stat every 5 s costs nothing, and a
+rotation step waits no longer than that (plus, in Kubernetes, the kubelet's own delay)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,11 @@ class TransportSecurity:
     internal_secret_file: str = field(default="", repr=False)
     """The file the secrets above were read from (`--internal-secret-file`): re-read when it
     changes, so a rotation takes no restart (`epd.transport.internal_secrets`); "" = fixed."""
+    secret_check_interval_s: float = SECRET_CHECK_INTERVAL_S
+    """Seconds between looks at `internal_secret_file` (`--secret-check-interval-s`: a stat; the
+    file is re-read only when it changed; the calls in between use what was read). A rotation step
+    is in effect everywhere this long after the file changed (plus, in Kubernetes, the kubelet's
+    own delay in updating a mounted Secret, about a minute): wait that long before the next step."""
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -63,6 +72,11 @@ class TransportSecurity:
             raise ValueError("an empty internal secret is none: it cannot be accepted")
         if self.internal_secret_file and not self.internal_secret:
             raise ValueError("an internal secret file needs the secrets read from it")
+        if not 0 < self.secret_check_interval_s < math.inf:  # 0 would stat the file on every call
+            raise ValueError(
+                "--secret-check-interval-s must be > 0 seconds (how often the internal secret file "
+                f"is looked at for a change), got {self.secret_check_interval_s}"
+            )
 
     @property
     def accepted_internal_secrets(self) -> tuple[str, ...]:

@@ -5,7 +5,8 @@ A rotation (docs/security.md, "Rotating the internal secret") changes the file t
 mounted Kubernetes Secret (or a compose secret edited in place) changes under the running
 services. Every use asks `InternalSecrets.current()`: the stage servers' check of each call
 (`epd.transport.auth.InternalSecretInterceptor`), the secret the gateway and decode present on
-each call (`epd.transport.security.stage_channel`). At most every `check_interval_s` that looks at
+each call (`epd.transport.security.stage_channel`). At most every `check_interval_s`
+(`--secret-check-interval-s`, `TransportSecurity.secret_check_interval_s`) that looks at
 the file's identity (device, inode, modification time, size: a Secret's update swaps in a new file,
 an edit in place changes the time or size) and re-reads it only when that changed. A file that
 cannot be used any more (unreadable, empty, a malformed line) keeps the secrets read before and
@@ -24,15 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from epd.stages.server_config import TransportSecurity, read_secrets
+from epd.stages.server_config import SECRET_CHECK_INTERVAL_S, TransportSecurity, read_secrets
 
 log = logging.getLogger(__name__)
-
-SECRET_CHECK_INTERVAL_S = 5.0
-"""Seconds between looks at the secret file (a stat; the file is re-read only when it changed). A
-rotation step is in effect everywhere this long after the file changed (plus, in Kubernetes, the
-kubelet's own delay in updating a mounted Secret, about a minute): wait that long before the next
-step. A stat every 5 s costs nothing; the calls in between use what was read."""
 
 Stamp = tuple[int, int, int, int] | str
 """(device, inode, mtime_ns, size) of the file, or why it could not be looked at."""
@@ -101,7 +96,7 @@ class InternalSecrets:
         self._secrets = secrets
 
 
-_shared: dict[tuple[str, tuple[str, ...]], InternalSecrets] = {}
+_shared: dict[tuple[str, tuple[str, ...], float], InternalSecrets] = {}
 _shared_lock = threading.Lock()
 
 
@@ -110,8 +105,16 @@ def internal_secrets(security: TransportSecurity) -> InternalSecrets:
     and its channels' secret follow the file together), a fixed one without a file."""
     if not security.internal_secret_file:
         return InternalSecrets(security.accepted_internal_secrets)
-    key = (security.internal_secret_file, security.accepted_internal_secrets)
+    key = (
+        security.internal_secret_file,
+        security.accepted_internal_secrets,
+        security.secret_check_interval_s,
+    )
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = InternalSecrets(security.accepted_internal_secrets, security.internal_secret_file)
+            _shared[key] = InternalSecrets(
+                security.accepted_internal_secrets,
+                security.internal_secret_file,
+                security.secret_check_interval_s,
+            )
         return _shared[key]

@@ -300,13 +300,18 @@ def _swap_in(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+CHECK_INTERVAL_S = 0.25
+"""The services' --secret-check-interval-s in the rotation test: each step is followed within it,
+where the default 5 s made the test wait 5 s a step."""
+
+
 def _until(condition, what: str, timeout_s: float = 120.0) -> None:
-    """Until `condition()` holds: the services look at the file every SECRET_CHECK_INTERVAL_S (a
-    deadline for that, not a timing assertion)."""
+    """Until `condition()` holds: the services look at the file every CHECK_INTERVAL_S (a deadline
+    for that, not a timing assertion)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, what
-        time.sleep(0.5)
+        time.sleep(CHECK_INTERVAL_S)
 
 
 def test_a_secret_file_rotates_in_place_without_a_restart(tiny_models, tmp_path, media_files):
@@ -322,7 +327,8 @@ def test_a_secret_file_rotates_in_place_without_a_restart(tiny_models, tmp_path,
     path = tmp_path / "internal-secret"
     path.write_text(f"{old}\n")
     extra = {
-        role: ["--internal-secret-file", str(path)] for role in ("encoder", "prefill", "decode", "gateway")
+        role: ["--internal-secret-file", str(path), "--secret-check-interval-s", str(CHECK_INTERVAL_S)]
+        for role in ("encoder", "prefill", "decode", "gateway")
     }
     logs = tmp_path / "logs"
     stages = ("encoder", "prefill", "decode")
