@@ -786,8 +786,9 @@ def completion_body(
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
     choice's text, from the answer's token `steps` (needed then), into the message's reasoning and
     content, counting the reasoning's tokens in the same pass (`part_answers`, as the Responses
-    answer parts and counts its steps; by token id with the served model's `marker_ids`); `tool_choice` (`ChatRequest.tool_choice`) takes the
-    content's tool calls into the message's `tool_calls` (`epd.gateway.tool_parsers`)."""
+    answer parts and counts its steps; by token id with the served model's `marker_ids`);
+    `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls into the message's
+    `tool_calls` (`epd.gateway.tool_parsers`)."""
     parted = None
     if thinking is not None:
         if steps is None:

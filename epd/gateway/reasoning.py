@@ -50,9 +50,9 @@ class MarkerIds:
     end: int
     later_blocks: bool = False
     """vLLM's deepseek_r1 counts them: its `BaseThinkingReasoningParser.count_reasoning_tokens`
-    (vllm/frontend/processing/reasoning/basic_parsers.py) counts every token inside `<think>`
-    ... `</think>`, nested or again, by depth. Its qwen3 (the parser engine's Qwen3 grammar,
-    vllm/frontend/processing/parser/qwen3.py) leaves reasoning at the first `</think>` for good."""
+    (vllm/reasoning/basic_parsers.py) counts every token inside `<think>` ... `</think>`,
+    nested or again, by depth. Its qwen3 (the parser engine's Qwen3 grammar, vllm/parser/qwen3.py)
+    leaves reasoning at the first `</think>` for good (docs/from-vllm.md cites both)."""
 
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -152,8 +152,9 @@ class ReasoningStream:
         `token_ids`; those inside the thinking block count as reasoning tokens. By id, as vLLM's
         parsers count them (`_count`): every token before the `</think>` token (from the answer's
         start, which the template opened), and with deepseek_r1 those of a block opened again
-        after it, the markers' tokens left out, however decode sent their text. Without the ids (`marker_ids` None) a step's tokens count by where
-        its text falls, each marker the text completes one of them that does not count."""
+        after it, the markers' tokens left out, however decode sent their text. Without the ids
+        (`marker_ids` None) a step's tokens count by where its text falls, each marker the text
+        completes one of them that does not count."""
         if self._marker_ids is not None:
             self._count(token_ids, self._marker_ids)
         if not self.in_reasoning:

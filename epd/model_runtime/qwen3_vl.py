@@ -24,7 +24,8 @@ each chunk adding the DeepStack rows of its own visual positions.
 What other families share is in two base classes here, not borrowed method by method:
 `ClipResizeAdapter` (frames sized by `smart_resize` of the whole clip, their pixels through the
 family's processor, the visual token count) is GLM-4.1V's base too, and `Qwen3VLProcessorAdapter`
-(group times and prompts of `Qwen3VLProcessor`) Qwen3.5's; `Qwen3VLAdapter` adds the tower with DeepStack and its prefill.
+(group times and prompts of `Qwen3VLProcessor`) Qwen3.5's; `Qwen3VLAdapter` adds the tower with
+DeepStack and its prefill.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ class ClipResizeAdapter(HfTextAdapter):
 class Qwen3VLProcessorAdapter(ClipResizeAdapter):
     """A family on Qwen3-VL's processor (`Qwen3VLProcessor`): Qwen3-VL (and its MoE) and Qwen3.5.
     Their group times and prompts (the processor's template and its timestamped expansion) are
-    this code, their pixels `ClipResizeAdapter.preprocess`; their positions come from their own model class's
-    `get_rope_index` (`_prompt_positions`)."""
+    this code, their pixels `ClipResizeAdapter.preprocess`; their positions come from their own
+    model class's `get_rope_index` (`_prompt_positions`)."""
 
     # Its resize is off (`preprocess`; `clip_frame_size` sizes the frames, without a per-frame
     # cap), so False changes no pixel: said, it silences the warning that the default will change.

@@ -160,7 +160,10 @@ def _denying_handler(
     on_refused: Callable[[str], None] | None = None,
 ) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call before reading it;
-    `on_refused` is told the status its client got."""
+    `on_refused` is told the status its client got. Its request messages stay bytes (no
+    deserializer): a refused caller's messages are not parsed, so junk in its stream, drained
+    before the refusal, is refused UNAUTHENTICATED as any other, not gRPC's UNKNOWN for the
+    DecodeError that parsing it raised."""
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -171,7 +174,7 @@ def _denying_handler(
     async def deny(request_or_iterator, context) -> None:
         await _deny(request_or_iterator, context, message, on_refused)
 
-    return make(deny, handler.request_deserializer, handler.response_serializer)
+    return make(deny, None, handler.response_serializer)
 
 
 # -- Cache tenancy: the default cache_salt of a request ------------------------------------------

@@ -219,6 +219,37 @@ def test_a_stage_with_a_secret_refuses_calls_without_it_but_answers_health():
     asyncio.run(run())
 
 
+def test_a_refused_stream_of_junk_bytes_is_unauthenticated_not_a_parse_error():
+    """A caller without the secret is refused before its messages are read as protobuf: a request
+    stream of bytes that do not parse (prefill's `Prefill`, a real servicer) gets UNAUTHENTICATED,
+    not gRPC's UNKNOWN naming the DecodeError that parsing them for the drain raised."""
+    from epd.prefill_svc.config import PrefillConfig
+    from epd.prefill_svc.kv_store import KvStore
+    from epd.prefill_svc.servicer import PrefillServicer
+    from epd.v1 import prefill_pb2_grpc
+
+    def register(server: grpc.aio.Server) -> None:
+        servicer = PrefillServicer(PrefillConfig(), KvStore(1 << 20, 60.0))
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+
+    async def run() -> grpc.aio.AioRpcError:
+        config = ServerConfig(security=TransportSecurity(internal_secret=SECRET))
+        hs = await create_server(config, register, ["epd.v1.PrefillService"])
+        await hs.set_serving()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{hs.port}") as channel:
+                prefill = channel.stream_unary("/epd.v1.PrefillService/Prefill")  # bytes as they are
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await prefill(iter([b"\x0a\xff"]), timeout=5)  # field 1, a length past the end
+                return refused.value
+        finally:
+            await hs.stop(0)
+
+    refused = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED, refused.details()
+    assert refused.details().startswith(MISSING_SECRET_MESSAGE)
+
+
 def test_a_stage_mid_rotation_accepts_the_new_and_the_old_secret_and_refuses_a_retired_one():
     """A stage configured with [new, old] (its secret file's lines) takes calls from callers that
     present either (those restarted with the new file and those not yet); a secret already retired,
