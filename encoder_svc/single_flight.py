@@ -191,8 +191,10 @@ class SingleFlight(Generic[T]):
                     return flight, None
                 flight.waiters.append(interest)
                 retarget = flight._retarget()
-            retarget()
             try:
+                # Inside the try: whatever happens from here, the finally takes the waiter off the
+                # list, so a waiter that left never keeps the shared work alive.
+                retarget()
                 on_wait()
                 while not flight._done.wait(self.poll_s):
                     check_cancelled()

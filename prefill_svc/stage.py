@@ -89,8 +89,9 @@ class _RenderTurn:
             raise _RenderCancelled(self.request_id)
         if self.deadline_s is not None and time.monotonic() >= self.deadline_s:
             raise DeadlineExceeded(
-                f"request {self.request_id} reached its deadline before its prompt was rendered (prefill's "
-                "render threads were busy with other prompts); retry with a longer deadline, or later"
+                f"request {self.request_id} reached its deadline before its prompt was rendered (it waited "
+                "for one of prefill's render threads, or its chat template renders slowly); retry with a "
+                "longer deadline, or later"
             )
 
 

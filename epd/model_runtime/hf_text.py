@@ -701,6 +701,14 @@ def _text_prompt(input_ids: torch.Tensor) -> Prompt:
     return Prompt(input_ids, one_dim_positions(length), torch.zeros(length, dtype=torch.bool))
 
 
+def placeholder_id(hf_config, modality: str) -> int:
+    """The config's token id of `modality`'s placeholder ("video" or "image"), as the model's own
+    embedding and `get_rope_index` read it (Qwen2-VL's and Qwen3-VL's families). Read from the
+    config, not the tokenizer: a tokenizer that lacks the placeholder then gets
+    `checked_visual_mask`'s message, not a comparison with None."""
+    return hf_config.video_token_id if modality == "video" else hf_config.image_token_id
+
+
 def checked_visual_mask(visual_mask: torch.Tensor, num_visual: int, placeholder: str) -> torch.Tensor:
     """`visual_mask` [L] (the expanded prompt's `placeholder` tokens), unless they are not the
     grid's `num_visual`. A text part's placeholder and a template's own are refused before
@@ -745,8 +753,7 @@ def mrope_prompt_positions(
     by the config's token id for its modality (GLM-4.1V's tell a video's by its markers)."""
     mm_type = 2 if visual.modality == "video" else 1
     if mm_token_type_ids is None:
-        pad_id = hf_config.video_token_id if mm_type == 2 else hf_config.image_token_id
-        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
+        mm_token_type_ids = (input_ids == placeholder_id(hf_config, visual.modality)).long() * mm_type
     grid = torch.tensor([visual.grid_thw], dtype=torch.long)
     kwargs = {"video_grid_thw": grid} if mm_type == 2 else {"image_grid_thw": grid}
     rope_index: Any = model_cls.get_rope_index

@@ -32,7 +32,12 @@ from epd.model_runtime.hf_loading import language_key as _language_key  # noqa: 
 from epd.model_runtime.hf_loading import load_language_model as _load_text_part
 from epd.model_runtime.hf_loading import safetensors_files as _safetensors_files  # noqa: F401
 from epd.model_runtime.hf_loading import vision_key as _vision_key  # noqa: F401
-from epd.model_runtime.hf_text import QwenTextAdapter, check_media_placeholders, checked_visual_mask
+from epd.model_runtime.hf_text import (
+    QwenTextAdapter,
+    check_media_placeholders,
+    checked_visual_mask,
+    placeholder_id,
+)
 from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
@@ -151,19 +156,14 @@ class Qwen2VLAdapter(QwenTextAdapter):
         text = text.replace(pad, pad * num_tokens, 1)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         options.between_steps()  # expanded and tokenised; the positions next
-        # The config's id, as the positions and the model's own embedding read it: a tokenizer that
-        # lacks the placeholder then gets checked_visual_mask's message, not a None compared.
-        pad_id = (
-            self.hf_config.video_token_id if visual.modality == "video" else self.hf_config.image_token_id
-        )
+        pad_id = placeholder_id(self.hf_config, visual.modality)
         visual_mask = checked_visual_mask(input_ids[0] == pad_id, num_tokens, pad)
         return Prompt(input_ids, self._prompt_positions(input_ids, visual), visual_mask)
 
     def _prompt_positions(self, input_ids: torch.Tensor, visual: VisualMeta) -> torch.Tensor:
         """[4, 1, L]: text row + M-RoPE rows, as generate's _prepare_position_ids_for_generation."""
         mm_type = 2 if visual.modality == "video" else 1
-        pad_id = self.hf_config.video_token_id if mm_type == 2 else self.hf_config.image_token_id
-        mm_token_type_ids = (input_ids == pad_id).long() * mm_type
+        mm_token_type_ids = (input_ids == placeholder_id(self.hf_config, visual.modality)).long() * mm_type
         grid = torch.tensor([visual.grid_thw], dtype=torch.long)
         kwargs = {"image_grid_thw": grid} if mm_type == 1 else {"video_grid_thw": grid}
         if self.family == "qwen2_5_vl" and mm_type == 2:

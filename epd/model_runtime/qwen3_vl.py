@@ -65,6 +65,7 @@ from epd.model_runtime.hf_text import (
     check_media_placeholders,
     checked_visual_mask,
     mrope_prompt_positions,
+    placeholder_id,
 )
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
@@ -188,13 +189,8 @@ class Qwen3VLProcessorAdapter(ClipResizeAdapter):
             return self._text_only_prompt(conversation, options)
         input_ids = expanded_ids(self, conversation, visual, options, self.temporal_patch_size)
         pad = self.processor.video_token if visual.modality == "video" else self.processor.image_token
-        # The config's id, as mrope_prompt_positions and the model's embedding read it (a tokenizer
-        # that lacks the placeholder then gets checked_visual_mask's message).
-        pad_id = (
-            self.hf_config.video_token_id if visual.modality == "video" else self.hf_config.image_token_id
-        )
         visual_mask = checked_visual_mask(
-            input_ids[0] == pad_id,
+            input_ids[0] == placeholder_id(self.hf_config, visual.modality),
             self.num_visual_tokens(visual.grid_thw),
             pad,
         )
