@@ -148,6 +148,31 @@ def test_close_timeout_reaches_every_service_and_the_colocated_stages():
         build_parser().parse_args(["serve", "prefill", "--close-timeout-s", "-1"])
 
 
+def test_the_colocated_pipeline_closes_within_close_timeout(tiny_models, monkeypatch):
+    """`epd serve --colocate --close-timeout-s S`: the embedded pipeline the front door closes
+    after its drain (`Pipeline.aclose`) has S as its close's one deadline, not the default. The
+    front door itself is not started here: what it is handed is kept and closed."""
+    import asyncio
+
+    from epd.cli import serve
+    from epd.gateway import server as gateway
+
+    handed = []
+
+    async def main(config, local=None):
+        handed.append(local)
+
+    monkeypatch.setattr(gateway, "main", main)
+    argv = ["serve", "--colocate", "--model", str(tiny_models["qwen2_vl"]), "--close-timeout-s", "4.5"]
+    args = build_parser().parse_args(argv)
+    asyncio.run(serve._colocated(configs.colocated_gateway_config(args), configs.colocated_stages(args)))
+    [pipeline] = handed
+    try:
+        assert pipeline.close_timeout_s == 4.5
+    finally:
+        pipeline.close()
+
+
 def test_the_prefix_cache_flags_reach_the_stacks_prefill():
     args = build_parser().parse_args(["serve", "--prefix-cache-bytes", "0", "--prefix-cache-ttl", "5"])
     args.model = "/m"
