@@ -733,7 +733,7 @@ def add_close_timeout_flag(p: argparse.ArgumentParser) -> None:
         help="after the drain (or `epd ask`'s last answer), the threads still running (a model step, "
         "a prompt render, a video decode, a structured output's compile) get this long in all to end; "
         "one still running then is named in a warning and left to the exit (0: wait for none). A "
-        "deployment's stop grace must cover --grace-period + this (+ 7 s)",
+        "deployment's stop grace must cover --grace-period + this + 7 s (at least --grace-period + 12 s)",
     )
 
 
