@@ -43,12 +43,16 @@ async def start(config: DecodeConfig) -> HealthyServer:
         )
         # After the drain: the core's loop and its receipts to prefill, the KV channels, then the model
         # thread and the structured-output compiles (last: one cannot be stopped), against one
-        # deadline (`close_in_turn`), as prefill's.
+        # deadline (`close_in_turn`, --close-timeout-s), as prefill's.
         threads: list[Callable[[float], object]] = [
             model_thread.close,
             functools.partial(close_compiler, adapter),
         ]
-        hs.closers += [servicer.stage.close, puller.close, functools.partial(close_in_turn, threads)]
+        hs.closers += [
+            servicer.stage.close,
+            puller.close,
+            functools.partial(close_in_turn, threads, config.server.close_timeout_s),
+        ]
         await hs.set_serving(True)
     log.info("decode serving on port %d", hs.port)
     return hs

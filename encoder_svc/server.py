@@ -39,8 +39,9 @@ async def start(config: EncoderConfig) -> HealthyServer:
         core = build_encode_core(engine, model_thread)  # tower jobs of all requests, batched per step
         servicer.stage = LocalEncodeStage(engine, model_thread, core=core)
         # After the drain: the decode workers and request drivers, then the model thread, for at
-        # most CLOSE_WAIT_S in all (the workers' own bound does not add to the model thread's).
-        hs.closers += [functools.partial(close_in_turn, [servicer.stage.close, model_thread.close])]
+        # most --close-timeout-s in all (the workers' own bound does not add to the model thread's).
+        closers = [servicer.stage.close, model_thread.close]
+        hs.closers += [functools.partial(close_in_turn, closers, config.server.close_timeout_s)]
         await hs.set_serving(True)
     log.info("encoder serving on port %d", hs.port)
     return hs

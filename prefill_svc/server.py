@@ -41,12 +41,15 @@ async def start(config: PrefillConfig) -> HealthyServer:
         core = build_prefill_core(engine, model_thread)  # scheduler + batched runner on the model thread
         servicer.stage = LocalPrefillStage(engine, kv_store, model_thread, kv_address, core=core)
         # After the drain: the core's loop, then the tokenizer threads, the model thread and the
-        # structured-output compiles, waited for off the loop for at most CLOSE_WAIT_S in all (a
+        # structured-output compiles, waited for off the loop for at most --close-timeout-s in all (a
         # looping trusted chat template or a pathological regex must not hold the shutdown, nor
         # add its wait to the model thread's). The compiles last: one cannot be stopped and may
         # run for minutes, so the model thread's step is waited for first.
         threads = [servicer.stage.close_tokenizer, model_thread.close, servicer.stage.close_compiles]
-        hs.closers += [servicer.stage.close, functools.partial(close_in_turn, threads)]
+        hs.closers += [
+            servicer.stage.close,
+            functools.partial(close_in_turn, threads, config.server.close_timeout_s),
+        ]
         await hs.set_serving(True)
     log.info("prefill serving on port %d, KV caches pulled from %s", hs.port, kv_address)
     return hs

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from epd.cli.ask_tools import AskTools
     from epd.client import AskResult, StreamEvent
     from epd.client import StageEvent as ClientStageEvent
+    from epd.gateway.embedded import EmbeddedPipeline
     from epd.gateway.pipeline import AskSummary, Pipeline
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.logprobs import TokenLogprob
@@ -65,8 +66,6 @@ if TYPE_CHECKING:
 def run_ask(args: argparse.Namespace) -> int:
     from epd.cli import configs
     from epd.cli.ask_tools import ask_tools
-    from epd.client import EpdError
-    from epd.model_runtime.loader import ModelLoadError
     from epd.stages.errors import InvalidRequest
 
     try:
@@ -96,11 +95,36 @@ def run_ask(args: argparse.Namespace) -> int:
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return 2
+    # Embedded mode's pipeline, closed once the answers or the error are printed (its close waits
+    # up to --close-timeout-s for a step or compile still running: not before the user sees why).
+    # Left to the interpreter's exit, its threads got a deadline of their own per kind of thread.
+    opened: list[EmbeddedPipeline] = []
+    try:
+        return _run_ask(args, path, messages, model, prompt, template, prefill, tools, opened)
+    finally:
+        for pipeline in opened:
+            pipeline.close()
+
+
+def _run_ask(
+    args: argparse.Namespace,
+    path: Path | None,
+    messages: list[Message] | None,
+    model: ModelConfig | None,
+    prompt: str | None,
+    template: ChatTemplateOptions | None,
+    prefill: PrefillConfig | None,
+    tools: AskTools | None,
+    opened: list[EmbeddedPipeline],
+) -> int:
+    from epd.client import EpdError
+    from epd.model_runtime.loader import ModelLoadError
+
     try:
         asyncio.run(
             _ask_remote(args, path, messages, prompt, template, tools)
             if model is None
-            else _ask_embedded(args, path, messages, model, prompt, template, prefill, tools)
+            else _ask_embedded(args, path, messages, model, prompt, template, prefill, tools, opened)
         )
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
@@ -434,7 +458,9 @@ async def _ask_embedded(
     template: ChatTemplateOptions | None = None,
     prefill: PrefillConfig | None = None,
     tools: AskTools | None = None,
+    opened: list[EmbeddedPipeline] | None = None,
 ) -> None:
+    """`opened`: where the pipeline is put for the caller to close (`run_ask`)."""
     from epd.video.media_open import sniff_container
 
     media = None if path is None else path.read_bytes()  # None: --no-video
@@ -460,7 +486,10 @@ async def _ask_embedded(
         encoder=EncoderConfig(model=model, scheduling_policy=policy),
         prefill=prefill,
         decode=DecodeConfig(model=model, scheduling_policy=policy),
+        close_timeout_s=args.close_timeout_s,
     )
+    if opened is not None:
+        opened.append(pipeline)
 
     async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
         if prompt is not None:

@@ -134,7 +134,11 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=args.host, port=args.port, grace_s=args.grace_period, security=transport_security(args)
+        host=args.host,
+        port=args.port,
+        grace_s=args.grace_period,
+        close_timeout_s=args.close_timeout_s,
+        security=transport_security(args),
     )
 
 
@@ -382,7 +386,12 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     # local, one of each. The HTTP API on the server's host (loopback): `epd serve` sets no --http-host.
     return checked_gateway(
         GatewayConfig(
-            server=ServerConfig(port=args.gateway_port, grace_s=args.grace_period, security=security),
+            server=ServerConfig(
+                port=args.gateway_port,
+                grace_s=args.grace_period,
+                close_timeout_s=args.close_timeout_s,  # the local stages' close (`EmbeddedPipeline`)
+                security=security,
+            ),
             http=http_api_config(args),
             max_requests_per_client=args.max_requests_per_client,
             max_inflight_body_bytes=args.max_inflight_body_bytes,

@@ -27,6 +27,7 @@ from pathlib import Path
 from epd import __version__
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
+from epd.stages.model_thread import CLOSE_WAIT_S
 
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
 # that the default ports' replicas (50051, 50061, ...; 50052, 50062, ...) never meet.
@@ -718,7 +719,21 @@ def add_grace_flag(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT/SIGHUP, requests in flight get this long to finish before they are "
         "cut off (an idle service exits at once; a second signal, 1 s or more after the first, stops "
-        "at once); then the service's threads (model, prompt renders, video decode) get 30 s more in all",
+        "at once); then the service's threads get --close-timeout-s more",
+    )
+    add_close_timeout_flag(p)
+
+
+def add_close_timeout_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--close-timeout-s",
+        type=_seconds,
+        default=CLOSE_WAIT_S,
+        metavar="SECONDS",
+        help="after the drain (or `epd ask`'s last answer), the threads still running (a model step, "
+        "a prompt render, a video decode, a structured output's compile) get this long in all to end; "
+        "one still running then is named in a warning and left to the exit (0: wait for none). A "
+        "deployment's stop grace must cover --grace-period + this + 7 s (at least --grace-period + 12 s)",
     )
 
 
@@ -1193,6 +1208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(TLS: with the system's CAs when no --tls-ca)",
     )
     add_model_flags(ask)
+    add_close_timeout_flag(ask)  # embedded mode: how long its close waits for its threads
     add_generation_flags(ask)
     add_sampling_flags(ask)
     add_pruning_flags(ask)

@@ -45,14 +45,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
-# After its grace period, how long the launcher still waits for a service before SIGKILL: what it
-# closes after its drain, then its exit. 5 s in all cut a stage's close short, whose threads get
-# one deadline of 30 s (a stuck model step or prompt render).
-_AFTER_DRAIN_S = 32.0
-"""The longest a service closes after its drain: decode's receipts to prefill (`CONFIRM_WAIT_S`,
-2 s), then its threads' one deadline (`close_in_turn`, `model_thread.CLOSE_WAIT_S`, 30 s). Written
+# After its grace period, how long the launcher still waits for a service before SIGKILL
+# (`stop_wait_s`): what it does after its drain (a stage: `_BEFORE_CLOSE_S`, then its threads' one
+# deadline, --close-timeout-s), then its exit. 5 s in all cut a stage's close short, whose threads
+# get 30 s by default (a stuck model step or prompt render).
+_BEFORE_CLOSE_S = 2.0
+"""The longest a stage spends after its drain before it closes its threads: decode's receipts to
+prefill (`CONFIRM_WAIT_S`, 2 s)."""
+_GATEWAY_AFTER_DRAIN_S = 7.0
+"""The longest the stack's gateway spends after its drain: the statuses of the calls it cut
+(`CUT_MARGIN_S`, 2 s), then the KV releases still running (`RELEASES_WAIT_S`, 5 s). Both written
 out, as their modules load torch, which the launcher does not; tests/unit/cli/test_serve.py adds
-them up (and tests/unit/deploy gives the manifests this much too)."""
+the code's bounds up (and tests/unit/deploy gives the manifests as much)."""
 _EXIT_MARGIN_S = 5.0
 # The gateway first: its requests in flight still need the stages to finish.
 _STOP_ORDER = (("gateway",), ("encoder", "prefill", "decode"))
@@ -66,6 +70,14 @@ _POLL_S = 0.2
 _HEALTH_INTERVAL_S = 1.0
 _HEALTH_CHECK_TIMEOUT_S = 2.0
 _GATEWAY_STAGE_CHECK_S = 1.0
+
+
+def stop_wait_s(grace_period_s: float, close_timeout_s: float) -> float:
+    """How long the launcher waits for a service from its SIGTERM to its exit before SIGKILL: its
+    drain, what it does after it (a stage: `_BEFORE_CLOSE_S`, then its close; the gateway:
+    `_GATEWAY_AFTER_DRAIN_S`), and the exit itself."""
+    after_drain_s = max(_GATEWAY_AFTER_DRAIN_S, _BEFORE_CLOSE_S + close_timeout_s)
+    return grace_period_s + after_drain_s + _EXIT_MARGIN_S
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -276,6 +288,7 @@ async def _colocated(config, stages: ColocatedStages) -> None:
             prefill=stages.prefill,
             decode=stages.decode,
             schedule=stages.schedule,
+            close_timeout_s=config.server.close_timeout_s,
         ),
     )
 
@@ -401,7 +414,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "--structured-compile-timeout-s",
         str(args.structured_compile_timeout_s),
     ]
-    grace = ["--grace-period", str(args.grace_period)]
+    grace = ["--grace-period", str(args.grace_period), "--close-timeout-s", str(args.close_timeout_s)]
     own = {role: stage_flags(args, role) for role in MODEL_ROLES}
     if args.schedule == "ttft-first":
         own["decode"] += ["--nice", str(TTFT_FIRST_DECODE_NICE)]
@@ -641,7 +654,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
                 slot.proc = start(slot)
         return _supervise(slots, start, signals, policy, ready_timeout_s)
     finally:
-        _stop_all(slots, args.grace_period + _AFTER_DRAIN_S + _EXIT_MARGIN_S, signals)
+        _stop_all(slots, stop_wait_s(args.grace_period, args.close_timeout_s), signals)
         zygote.stop()
         remove_board(board)
         files.remove()

@@ -38,18 +38,21 @@ class EmbeddedPipeline(Pipeline):
         prefill: LocalPrefillStage,
         decoder: LocalDecodeStage,
         thread: ModelThread,
+        close_timeout_s: float = CLOSE_WAIT_S,
     ) -> None:
         super().__init__(encoder, prefill, decoder)
         self.encoder: LocalEncodeStage = encoder
         self.prefill: LocalPrefillStage = prefill
         self.decoder: LocalDecodeStage = decoder
         self.model_thread = thread
+        self.close_timeout_s = close_timeout_s
+        """`close`'s one deadline by default (`--close-timeout-s`: `epd serve --colocate`, `epd ask`)."""
 
     def close(self, wait_s: float | None = None) -> None:
         """Stop the stages' threads and wait for them (calls running finish; queued ones are
         cancelled): the encoder's decode workers, prefill's tokenizer threads, the model threads,
         then the structured-output compiles (prefill's and decode's: one compiler per model), for
-        at most `wait_s` in all (default `model_thread.CLOSE_WAIT_S`; `close_in_turn`; the
+        at most `wait_s` in all (default `close_timeout_s`; `close_in_turn`; the
         encoder's part also within its own `parallel_decoder.CLOSE_WAIT_S`); a thread still running
         then is named in a warning and left (a looping trusted chat template, a pathological
         regex's compile cannot be stopped). The pipeline takes no request after it. Idempotent."""
@@ -59,7 +62,7 @@ class EmbeddedPipeline(Pipeline):
             self.model_thread.close,
             self.prefill.close_compiles,
         ]
-        close_in_turn(parts, CLOSE_WAIT_S if wait_s is None else wait_s)
+        close_in_turn(parts, self.close_timeout_s if wait_s is None else wait_s)
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -79,9 +82,10 @@ def build_embedded_pipeline(
     adapter: VLMAdapter | None = None,
     decode: DecodeConfig | None = None,
     schedule: SharedModelSchedule = SharedModelSchedule(),
+    close_timeout_s: float = CLOSE_WAIT_S,
 ) -> EmbeddedPipeline:
     """Loads the model once (vision + language) on the first model thread and wires the three
-    local stages to it. The calling thread, which runs no model call, is left one torch thread
+    local stages to it; `close_timeout_s`: its close's one deadline (`EmbeddedPipeline.close`). The calling thread, which runs no model call, is left one torch thread
     (so it never starts an OpenMP team of its own: epd.model_runtime.threads)."""
     encoder = encoder or EncoderConfig(model=model)
     prefill = prefill or PrefillConfig(model=model)
@@ -108,4 +112,5 @@ def build_embedded_pipeline(
             DecodeEngine(adapter), take_from_store(kv_store), thread, decode or DecodeConfig(model=model)
         ),
         thread,
+        close_timeout_s,
     )

@@ -531,8 +531,8 @@ class _CompileThread:
     from a `ThreadPoolExecutor(1)`: `submit`, `shutdown`). A daemon, as the model threads are: a
     compile cannot be stopped, and a `ThreadPoolExecutor`'s thread is joined at interpreter exit
     for as long as its compile runs (`epd ask` with a pathological regex waited minutes to exit
-    after its error); an open compiler's compiles are waited for at exit for at most
-    `EXIT_WAIT_S` (`_close_at_exit`)."""
+    after its error); a compiler's close waits for its compiles within its owner's deadline, and
+    an open compiler's compiles are waited for at exit for at most `EXIT_WAIT_S` (`_close_at_exit`)."""
 
     def __init__(self) -> None:
         self.name = f"{COMPILE_THREAD_NAME}_{next(_thread_numbers)}"
@@ -591,8 +591,9 @@ class _CompileThread:
 _thread_numbers = itertools.count()
 
 EXIT_WAIT_S = 30.0
-"""How long interpreter exit waits for the compiles of the compilers still open (`epd ask`, a
-script: `_close_at_exit`), as long as a service's close gives them (`model_thread.CLOSE_WAIT_S`):
+"""How long interpreter exit waits for the compiles of the compilers still open (a script that
+closed nothing: `_close_at_exit`; `epd ask` closes its pipeline, and a closed compiler is not
+waited for again), as long as a service's close gives them by default (`model_thread.CLOSE_WAIT_S`):
 a daemon thread that comes back from xgrammar while the interpreter finalizes aborts the process
 (as a torch call's does, `epd.stages.model_thread`), so a compile that ends soon is let end; one
 that runs longer is named in a warning and ends with the process."""

@@ -64,8 +64,10 @@ THREAD_NAME = "model_{}"
 """Worker i is named model_i (py-spy and thread dumps show which call runs where)."""
 
 CLOSE_WAIT_S = 30.0
-"""How long `close` (and interpreter exit) waits for the calls still running: a model step takes
-seconds at most; a call that runs longer is stuck, and the caller goes on without it."""
+"""How long `close` (and interpreter exit) waits for the calls still running by default: a model
+step takes seconds at most; a call that runs longer is stuck, and the caller goes on without it.
+A service's whole close after its drain gets the same by default, its own setting
+(`ServerConfig.close_timeout_s`, `--close-timeout-s`)."""
 
 
 def close_in_turn(closers: Sequence[Callable[[float], object]], wait_s: float = CLOSE_WAIT_S) -> None:

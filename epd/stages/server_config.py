@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epd.stages.model_thread import CLOSE_WAIT_S
+
 CHUNK_BYTES = 1 << 20
 """Payload per message. With the 4 MiB channel limit this leaves room for headers and lets the
 receiver start copying early."""
@@ -106,6 +108,10 @@ class ServerConfig:
     """Largest gRPC message sent or received; tensors are chunked below it."""
     grace_s: float = 5.0
     """On shutdown, in-flight calls get this long to finish."""
+    close_timeout_s: float = CLOSE_WAIT_S
+    """After the drain, the service's threads (model steps, prompt renders, video decodes,
+    structured-output compiles) get this long in all to end (`close_in_turn`, one deadline); one
+    still running then is named in a WARNING and left to the exit (`--close-timeout-s`)."""
     security: TransportSecurity = field(default_factory=TransportSecurity)
     """TLS (mTLS) and the internal secret, of this server and of its channels to stages."""
     max_connection_age_s: float = MAX_CONNECTION_AGE_S
@@ -117,6 +123,8 @@ class ServerConfig:
     own schedule: `epd.gateway.dns_replicas`.)"""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.close_timeout_s < math.inf:
+            raise ValueError(f"close_timeout_s must be a number of seconds >= 0, got {self.close_timeout_s}")
         if not self.max_connection_age_s >= 0:
             raise ValueError(
                 f"max_connection_age_s must be >= 0 (0 = never), got {self.max_connection_age_s}"

@@ -518,21 +518,17 @@ def test_closing_the_tokenizer_threads_waits_for_a_held_render_only_up_to_the_bo
     assert len(left) == 1 and REQUEST_TEMPLATE_THREAD_NAME in left[0].message  # the request's template's
 
 
-def test_closing_an_embedded_pipeline_waits_for_all_its_parts_within_one_bound(
-    tiny_models, monkeypatch, caplog
-):
-    """An embedded pipeline's close waits for its parts in turn against one deadline,
-    `CLOSE_WAIT_S` (made short here): with a render held in a tokenizer thread (a looping trusted
+def test_closing_an_embedded_pipeline_waits_for_all_its_parts_within_one_bound(tiny_models, caplog):
+    """An embedded pipeline's close waits for its parts in turn against one deadline, its
+    `close_timeout_s` (`--close-timeout-s`; made short here): with a render held in a tokenizer thread (a looping trusted
     chat template) and a call held on the model thread, the model threads' close gets what the
     tokenizer threads' wait left of it, nothing, where each part had its own bound one after
     another (the encoder's 5 s, the tokenizer's 30 s, the model's 30 s: 65 s at worst). The close
     returns with both still held, and names both in warnings. The waits each part was given are
     recorded, not timed."""
-    from epd.gateway import embedded as embedded_module
     from epd.gateway.embedded import build_embedded_pipeline
 
-    monkeypatch.setattr(embedded_module, "CLOSE_WAIT_S", 0.2)
-    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"])))
+    pipeline = build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"])), close_timeout_s=0.2)
     started = threading.Semaphore(0)
     release = threading.Event()
 

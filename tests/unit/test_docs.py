@@ -45,6 +45,7 @@ NOT_EPD_FLAGS = {
     "--max-num-batched-tokens": "vLLM's name for --max-prefill-tokens-per-step",
     "--max-num-seqs": "vLLM's name for --max-running-requests",
     "--kv-cache-memory-bytes": "vLLM's KV cache size, --kv-budget-bytes' counterpart",
+    "--shutdown-timeout": "vLLM's drain of the requests in flight, --grace-period's counterpart",
     "--quick": "bench/bench_decode.py's own flag",
     "--parts": "bench/cuda_check.py's own flag",
     "--families": "bench/cuda_check.py's own flag",
@@ -66,6 +67,7 @@ EXTERNAL_NAMES = {
     "all_stop_token_ids": "vLLM's SamplingParams field that min_tokens holds back",
     "maybe_filter_parallel_tool_calls": "vLLM's parallel_tool_calls: false, named for comparison",
     "VLLM_MAX_N_SEQUENCES": "vLLM's bound on n, named for comparison",
+    "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "vLLM's bound on its teardown, --close-timeout-s' counterpart",
 }
 """Code names the docs cite that are not epd's (nor used by it)."""
 

@@ -344,20 +344,24 @@ def test_stopping_the_encoder_service_closes_its_decode_pool(tiny_models):
 
 PART_S = 0.05
 """How long each closed part takes here, at least (a sleep): enough to tell one deadline from two."""
+CLOSE_TIMEOUT_S = 3.0
+"""The closes' one deadline here (`--close-timeout-s`), far below the default (30 s)."""
 
 
 @pytest.mark.parametrize("service", ["encoder", "prefill", "decode"])
 def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, monkeypatch, service):
     """After its drain, a model server closes what holds threads in turn, each part given what
-    is left of one bound (`close_in_turn`, at most CLOSE_WAIT_S in all): each part's wait is at
-    least PART_S (the time the part before it took) below the one before. A part closed with a
-    bound of its own (`hs.closers += [part.close]`: its default, or a fresh CLOSE_WAIT_S) gets a
-    wait that does not shrink, or none at all, and fails this. The waits given are recorded, not
-    timed."""
+    is left of one bound, its config's (`close_in_turn`, at most `close_timeout_s` in all:
+    --close-timeout-s): each part's wait is at least PART_S (the time the part before it took)
+    below the one before, the first within the config's bound. A part closed with a bound of its
+    own (`hs.closers += [part.close]`: its default, or a fresh CLOSE_WAIT_S) gets a wait that does
+    not shrink, or none at all, and fails this; so does a close that ignores the config (30 s,
+    hard-coded, before). The waits given are recorded, not timed."""
     from epd.prefill_svc.config import PrefillConfig
     from epd.prefill_svc.stage import LocalPrefillStage
-    from epd.stages.model_thread import CLOSE_WAIT_S
     from epd.stages.server_config import ServerConfig
+
+    server_config = ServerConfig(port=0, close_timeout_s=CLOSE_TIMEOUT_S)
 
     given: list[tuple[str, float | None]] = []
 
@@ -377,14 +381,14 @@ def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, m
         from epd.encoder_svc import server as encoder_server
 
         spy(LocalEncodeStage, "close", "decode pool and drivers")
-        start = encoder_server.start(EncoderConfig(model=model, server=ServerConfig(port=0)))
+        start = encoder_server.start(EncoderConfig(model=model, server=server_config))
         parts = ["decode pool and drivers", "model thread"]
     elif service == "prefill":
         from epd.prefill_svc import server as prefill_server
 
         spy(LocalPrefillStage, "close_tokenizer", "tokenizer threads")
         spy(LocalPrefillStage, "close_compiles", "grammar compiles")
-        start = prefill_server.start(PrefillConfig(model=model, server=ServerConfig(port=0)))
+        start = prefill_server.start(PrefillConfig(model=model, server=server_config))
         parts = ["tokenizer threads", "model thread", "grammar compiles"]
     else:
         from epd.decode_svc import server as decode_server
@@ -397,7 +401,7 @@ def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, m
             original_close_compiler(adapter, wait_s)
 
         monkeypatch.setattr(decode_server, "close_compiler", close_compiler, raising=False)
-        start = decode_server.start(DecodeConfig(model=model, server=ServerConfig(port=0)))
+        start = decode_server.start(DecodeConfig(model=model, server=server_config))
         parts = ["model thread", "grammar compiles"]
 
     async def scenario() -> None:
@@ -408,9 +412,41 @@ def test_a_model_servers_parts_close_in_turn_against_one_deadline(tiny_models, m
     assert [name for name, _ in given] == parts
     waits = [wait_s for _, wait_s in given]
     assert all(w is not None for w in waits), f"a part closed with its own default bound: {given}"
-    assert waits[0] <= CLOSE_WAIT_S
+    assert waits[0] <= CLOSE_TIMEOUT_S, f"the close ignored its config's bound: {given}"
     for before, after in zip(waits, waits[1:], strict=False):
         assert after <= before - PART_S, f"a part got a bound of its own: {given}"
+
+
+def test_epd_ask_closes_its_pipeline_within_its_close_timeout(tiny_models, monkeypatch, capsys):
+    """`epd ask` (embedded) closes its pipeline once its answer is printed, against one deadline,
+    --close-timeout-s: the exit hooks then find no model thread pool or grammar compiler of it
+    left, whose waits would each have a deadline of their own (`epd ask` with a pathological
+    regex waited for the compile at interpreter exit, `structured_output.EXIT_WAIT_S`, whatever
+    the close's deadline). The deadlines given are recorded, not timed."""
+    from epd.cli.ask import run_ask
+    from epd.cli.main import build_parser
+    from epd.gateway.embedded import EmbeddedPipeline
+    from epd.model_runtime import structured_output
+    from epd.stages import model_thread
+
+    given: list[float] = []
+    original = EmbeddedPipeline.close
+
+    def close(self, wait_s=None):
+        given.append(self.close_timeout_s if wait_s is None else wait_s)
+        original(self, wait_s)
+
+    monkeypatch.setattr(EmbeddedPipeline, "close", close)
+    pools, compilers = set(model_thread._open_pools), set(structured_output._COMPILERS.values())
+    model = str(tiny_models["qwen2_vl"])
+    flags = ["--max-new-tokens", "2", "--regex", "a+", "--close-timeout-s", str(CLOSE_TIMEOUT_S)]
+    code = run_ask(build_parser().parse_args(["ask", "--no-video", "hi?", "--model", model, *flags]))
+    assert code == 0, capsys.readouterr().err
+    assert given == [CLOSE_TIMEOUT_S]
+    assert set(model_thread._open_pools) <= pools, "a model thread pool of epd ask was left to the exit"
+    assert set(structured_output._COMPILERS.values()) <= compilers, (
+        "a compiler of epd ask was left to the exit"
+    )
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,54 @@ def test_grace_period_reaches_every_service():
     assert build_parser().parse_args(["serve", "decode"]).grace_period == 30.0
 
 
+def test_close_timeout_reaches_every_service_and_the_colocated_stages():
+    """--close-timeout-s (the threads' one deadline after the drain) reaches the stack's every
+    service's config, and the colocated front door's, whose embedded pipeline closes with it
+    (`serve._colocated`); the launcher's kill wait grows with it (`stop_wait_s`). The default is
+    the model thread's own (30 s)."""
+    from epd.cli.serve import stop_wait_s
+    from epd.stages.model_thread import CLOSE_WAIT_S
+
+    args = build_parser().parse_args(["serve", "--close-timeout-s", "4.5"])
+    args.model = "/m"
+    for name, command in stack_commands(args).items():
+        assert command[command.index("--close-timeout-s") + 1] == "4.5", name
+        role = build_parser().parse_args(command[command.index("serve") :])
+        assert configs.server_config(role).close_timeout_s == 4.5, name
+    colocated = build_parser().parse_args(["serve", "--colocate", "--close-timeout-s", "4.5"])
+    assert configs.colocated_gateway_config(colocated).server.close_timeout_s == 4.5
+    assert stop_wait_s(0.0, 60.0) - stop_wait_s(0.0, 30.0) == 30.0
+    for argv in (["serve", "decode"], ["ask", "v.mp4", "q?"]):
+        assert build_parser().parse_args(argv).close_timeout_s == CLOSE_WAIT_S
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "prefill", "--close-timeout-s", "-1"])
+
+
+def test_the_colocated_pipeline_closes_within_close_timeout(tiny_models, monkeypatch):
+    """`epd serve --colocate --close-timeout-s S`: the embedded pipeline the front door closes
+    after its drain (`Pipeline.aclose`) has S as its close's one deadline, not the default. The
+    front door itself is not started here: what it is handed is kept and closed."""
+    import asyncio
+
+    from epd.cli import serve
+    from epd.gateway import server as gateway
+
+    handed = []
+
+    async def main(config, local=None):
+        handed.append(local)
+
+    monkeypatch.setattr(gateway, "main", main)
+    argv = ["serve", "--colocate", "--model", str(tiny_models["qwen2_vl"]), "--close-timeout-s", "4.5"]
+    args = build_parser().parse_args(argv)
+    asyncio.run(serve._colocated(configs.colocated_gateway_config(args), configs.colocated_stages(args)))
+    [pipeline] = handed
+    try:
+        assert pipeline.close_timeout_s == 4.5
+    finally:
+        pipeline.close()
+
+
 def test_the_prefix_cache_flags_reach_the_stacks_prefill():
     args = build_parser().parse_args(["serve", "--prefix-cache-bytes", "0", "--prefix-cache-ttl", "5"])
     args.model = "/m"
@@ -279,16 +327,17 @@ def test_replica_and_health_defaults():
     assert (args.encoders, args.prefills, args.decodes, args.health_timeout) == (1, 1, 1, 10.0)
 
 
-def test_the_launcher_waits_for_what_a_service_closes_after_its_drain():
-    """The launcher SIGKILLs a service `--grace-period` + `_AFTER_DRAIN_S` + `_EXIT_MARGIN_S` after
-    its SIGTERM: `_AFTER_DRAIN_S` (written out: the bounds' modules load torch) must cover the
-    longest of the services' closes, added up from the code's bounds (5 s in all, before, cut a
-    stage's 30 s close deadline short)."""
+@pytest.mark.parametrize("close_timeout_s", [0.0, 2.0, 30.0, 120.0])
+def test_the_launcher_waits_for_what_a_service_closes_after_its_drain(close_timeout_s):
+    """The launcher SIGKILLs a service `stop_wait_s(--grace-period, --close-timeout-s)` after its
+    SIGTERM: that must cover every service's stop, added up from the code's bounds
+    (`_BEFORE_CLOSE_S` and `_GATEWAY_AFTER_DRAIN_S` are written out: the bounds' modules load
+    torch; 5 s in all, before, cut a stage's 30 s close deadline short)."""
     from epd.cli import serve
-    from tests.unit.deploy.epd_commands import AFTER_THE_DRAIN_S
+    from tests.unit.deploy.epd_commands import stop_bound_s
 
-    longest_role = max(AFTER_THE_DRAIN_S, key=AFTER_THE_DRAIN_S.__getitem__)
-    assert serve._AFTER_DRAIN_S >= AFTER_THE_DRAIN_S[longest_role], longest_role
+    for role in ("gateway", "encoder", "prefill", "decode"):
+        assert serve.stop_wait_s(30.0, close_timeout_s) >= stop_bound_s(role, 30.0, close_timeout_s), role
 
 
 def test_a_negative_grace_period_is_a_usage_error(capsys):

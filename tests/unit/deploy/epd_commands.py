@@ -15,7 +15,6 @@ from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.stage import CONFIRM_WAIT_S
 from epd.gateway.pipeline import RELEASES_WAIT_S
 from epd.stages.errors import InvalidRequest
-from epd.stages.model_thread import CLOSE_WAIT_S
 from epd.transport.server import CUT_MARGIN_S
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -43,25 +42,24 @@ def parse_epd(argv: list[str], env: dict[str, str] | None = None):
             ) from None
 
 
-AFTER_THE_DRAIN_S = {
-    "gateway": CUT_MARGIN_S + RELEASES_WAIT_S,
-    "encoder": CLOSE_WAIT_S,
-    "prefill": CLOSE_WAIT_S,
-    "decode": CONFIRM_WAIT_S + CLOSE_WAIT_S,
-}
-"""What a service (`epd serve ROLE`, not --colocate) still does after its drain of --grace-period,
-at most: the gateway gives the calls it cut their statuses (`CUT_MARGIN_S`, HTTP's too), then the
-KV releases still running (`RELEASES_WAIT_S`); a stage closes its threads against one deadline
-(`close_in_turn`, `CLOSE_WAIT_S`: a stuck model step or prompt render gets that long), decode
-first its receipts to prefill (`CONFIRM_WAIT_S`)."""
+def after_the_drain_s(role: str, close_timeout_s: float) -> float:
+    """What a service (`epd serve ROLE`, not --colocate) still does after its drain of --grace-period,
+    at most: the gateway gives the calls it cut their statuses (`CUT_MARGIN_S`, HTTP's too), then the
+    KV releases still running (`RELEASES_WAIT_S`); a stage closes its threads against one deadline
+    (`close_in_turn`, --close-timeout-s: a stuck model step or prompt render gets that long), decode
+    first its receipts to prefill (`CONFIRM_WAIT_S`)."""
+    if role == "gateway":
+        return CUT_MARGIN_S + RELEASES_WAIT_S
+    return (CONFIRM_WAIT_S if role == "decode" else 0.0) + close_timeout_s
 
 
-def stop_bound_s(role: str, grace_period_s: float) -> float:
-    """How long `epd serve ROLE --grace-period S` may take from SIGTERM to its exit: the drain,
-    what follows it, and the exit itself (the margin `epd serve`'s launcher gives, `_EXIT_MARGIN_S`).
-    A pod's terminationGracePeriodSeconds, compose's stop_grace_period and the launcher's wait
-    (`_AFTER_DRAIN_S`) must cover it: past them the service is SIGKILLed mid-close."""
-    return grace_period_s + AFTER_THE_DRAIN_S[role] + _EXIT_MARGIN_S
+def stop_bound_s(role: str, grace_period_s: float, close_timeout_s: float) -> float:
+    """How long `epd serve ROLE --grace-period G --close-timeout-s C` may take from SIGTERM to its
+    exit: the drain, what follows it, and the exit itself (the margin `epd serve`'s launcher gives,
+    `_EXIT_MARGIN_S`). A pod's terminationGracePeriodSeconds, compose's stop_grace_period and the
+    launcher's wait (`serve.stop_wait_s`) must cover it: past them the service is SIGKILLed
+    mid-close."""
+    return grace_period_s + after_the_drain_s(role, close_timeout_s) + _EXIT_MARGIN_S
 
 
 SECRET_FROM = "internal secret read from "

@@ -114,7 +114,7 @@ def check_stack(doc: dict) -> list[str]:
             ok = False
         if not ok:
             problems.append(f"{name}: healthcheck must run `epd health localhost:{port}`, is {test}")
-        need_s = stop_bound_s(role, cfg.server.grace_s)
+        need_s = stop_bound_s(role, cfg.server.grace_s, cfg.server.close_timeout_s)
         if (given_s := duration_s(svc.get("stop_grace_period", "10s"))) < need_s:
             problems.append(f"{name}: stop_grace_period is {given_s:g} s; its stop may take {need_s:g} s")
     problems += [f"no service runs `epd serve {r}`" for r in BUILDERS if r not in cfgs]
@@ -519,6 +519,11 @@ MUTATIONS = [
         "decode: stop_grace_period is 35 s; its stop may take 67 s",
     ),  # fmt: skip
     ("no stop grace (10 s)", _set("prefill", "stop_grace_period"), "prefill: stop_grace_period is 10 s"),
+    (
+        "a longer close, the same stop grace",
+        lambda d: d["services"]["prefill"]["command"].extend(["--close-timeout-s", "60"]),
+        "prefill: stop_grace_period is 70 s; its stop may take 95 s",
+    ),
     ("not restarted", _set("decode", "restart", value="no"), "decode: restart is 'no'"),
     ("restart dropped", _set("gateway", "restart"), "gateway: restart is None"),
     ("no replicas", _set("encoder", "deploy", "replicas", value="0"), "encoder: 0 replicas"),

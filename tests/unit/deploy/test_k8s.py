@@ -246,7 +246,7 @@ def test_the_readme_gives_each_deployments_replica_count():
 
 def test_pods_have_the_time_their_stop_takes_and_the_readme_says_how_long():
     """On SIGTERM a service drains its calls in flight for up to --grace-period seconds, then closes
-    what it holds within bounds of its own (`stop_bound_s`, from the code's constants): the kubelet
+    what it holds within --close-timeout-s (`stop_bound_s`, from the code's constants): the kubelet
     waits that long before its SIGKILL (35 s covered the drain only, not a stuck thread's 30 s
     after it), and deploy/README.md gives that drain (it said 5 s)."""
     objs = load_objects()
@@ -260,7 +260,7 @@ def test_pods_have_the_time_their_stop_takes_and_the_readme_says_how_long():
         env = container_env(c, objs)
         args = parse_epd([expand(str(a), env) for a in c.get("command", []) + c.get("args", [])], env)
         assert args.grace_period == float(stated.group(1)), dep["metadata"]["name"]
-        need_s = stop_bound_s(args.role, args.grace_period)
+        need_s = stop_bound_s(args.role, args.grace_period, args.close_timeout_s)
         given_s = pod(dep)["spec"]["terminationGracePeriodSeconds"]
         assert given_s >= need_s, f"{dep['metadata']['name']}: {given_s} s to stop; it may take {need_s} s"
 
