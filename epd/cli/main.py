@@ -1460,8 +1460,37 @@ def _hide_secrets_from_ps() -> None:
     setproctitle.setproctitle(" ".join(["epd", *shown]))
 
 
+SERVE_ROLES = ("encoder", "prefill", "decode", "gateway")
+
+
+def flags_before_role(argv: list[str]) -> list[str]:
+    """The flags written between `serve` and its role (`epd serve --grace-period 7 prefill`):
+    argparse would parse them as the stack's and then let the role's defaults overwrite them,
+    silently, so `parse_command` refuses them instead."""
+    if "serve" not in argv:
+        return []
+    rest = argv[argv.index("serve") + 1 :]
+    role_at = next((i for i, token in enumerate(rest) if token in SERVE_ROLES), None)
+    if role_at is None:
+        return []
+    return [token for token in rest[:role_at] if token.startswith("-")]
+
+
+def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
+    """`epd`'s command line (`argv`, or the process's own) parsed, or exit 2 saying what to change."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if args.command == "serve" and args.role and (early := flags_before_role(given)):
+        parser.error(
+            f"{' '.join(early)} before the role {args.role!r} would be ignored: a service's flags come "
+            f"after its role (epd serve {args.role} {early[0]} ...)"
+        )
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command(argv)
     if argv is None:  # the process's own command line (not a test's or the zygote's call)
         _hide_secrets_from_ps()
     from epd.transport.tracing import configure_logging

@@ -64,3 +64,32 @@ def test_epd_serve_tls_flags_that_do_not_go_together_are_named():
     ]:
         with pytest.raises(ValueError, match=expected):
             stack_transport(parser.parse_args(["serve", *argv]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--grace-period", "7", "prefill"],
+        ["serve", "--close-timeout-s=2", "decode", "--model", "m"],
+        ["--log-level", "INFO", "serve", "--grace-period", "1", "gateway"],
+    ],
+)
+def test_a_services_flag_before_its_role_is_refused_not_ignored(capsys, argv):
+    """argparse parses `epd serve --grace-period 7 prefill`'s flag as the stack's, then the role's
+    default overwrites it: the service would run with 30 s, silently. `epd` refuses it, saying
+    where the flag goes."""
+    from epd.cli.main import parse_command
+
+    with pytest.raises(SystemExit) as info:
+        parse_command(argv)
+    assert info.value.code == 2
+    role = next(token for token in argv if token in ("prefill", "decode", "gateway"))
+    assert f"before the role {role!r} would be ignored" in capsys.readouterr().err
+
+
+def test_a_services_flag_after_its_role_is_its_own():
+    from epd.cli.main import flags_before_role
+
+    argv = ["serve", "prefill", "--grace-period", "7", "--model", "decode"]
+    assert build_parser().parse_args(argv).grace_period == 7.0
+    assert flags_before_role(argv) == []  # a flag's value that names a role is not one
