@@ -453,7 +453,9 @@ async def _ask_embedded(
     notice = _notice(is_meaningless(model_path), args.json) or _say(accuracy_notice(model_path), args.json)
     if not args.json:
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
-    # One pipeline for every turn: its encoder and prefix caches serve the follow-ups.
+    # One pipeline for every turn: its encoder and prefix caches serve the follow-ups. Closed at the
+    # end: `main` also runs in processes that go on (tests, a notebook), which kept every ask's
+    # model threads, decode workers and tokenizer threads (atexit closes them only at exit).
     policy = configs.ask_scheduling_policy(args)
     pipeline = build_embedded_pipeline(
         model,
@@ -480,7 +482,10 @@ async def _ask_embedded(
             )
             history.add(question, answer[0])
 
-    await _print_turns(args, turns(), notice, tools)
+    try:
+        await _print_turns(args, turns(), notice, tools)
+    finally:
+        await pipeline.aclose()
 
 
 async def _embedded_stream(
