@@ -5,6 +5,7 @@ Tests are marked by folder: tests/unit -> unit, tests/integration -> integration
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -43,6 +44,15 @@ def _no_leaks(request):
 
 
 _leak_reports: list[tuple[str, list[str]]] = []
+
+
+@pytest.fixture
+def closing():
+    """`closing(thing)` returns `thing` and closes it at the test's end (its `close()`), for what a
+    test makes inline and drops: an `EncoderEngine`'s decode workers, a stage's request drivers.
+    Nothing else ends their threads before the interpreter's exit."""
+    with contextlib.ExitStack() as stack:
+        yield lambda thing: stack.enter_context(contextlib.closing(thing))
 
 
 def _wider_fixture_values(request) -> list:

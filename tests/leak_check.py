@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sysconfig
+import threading
 import time
 import traceback
 import types
@@ -255,6 +256,21 @@ def _still_running(pids: set[int]) -> dict[int, str]:
         time.sleep(0.05)
         pids = {pid for pid in pids if _running(pid)}
     return {pid: _cmdline(pid) for pid in pids}
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+
+def threads_left(before: set[threading.Thread]) -> list[str]:
+    """The names of the threads started since `before` (a `set(threading.enumerate())`) and still
+    running after PROCESS_EXIT_WAIT_S: for a test of a close() that must end the threads its object
+    started (nothing checks threads after every test: the test process keeps a few that are
+    Python's or gRPC's own, started once)."""
+    deadline = time.monotonic() + PROCESS_EXIT_WAIT_S
+    started = [t for t in threading.enumerate() if t not in before]
+    while (alive := [t for t in started if t.is_alive()]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(t.name for t in alive)
 
 
 # --- per test and per run -------------------------------------------------------------------

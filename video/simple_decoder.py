@@ -208,6 +208,12 @@ def scaled_size(width: int, height: int, max_pixels: int | None) -> tuple[int, i
 
 _thread_state = threading.local()
 
+SWSCALE_THREADS = 1
+"""swscale's own threads per conversion. Its default (0) starts one per core for every converter,
+and each thread that converts keeps one (`_reformatter`): an encoder's decode pool of one worker a
+core held cores x cores idle swscale threads besides its workers. Parallelism is across the decode
+workers, not inside one (`parallel_decoder`); a frame's conversion is the same either way."""
+
 
 def _reformatter():
     """This thread's swscale converter. `frame.to_ndarray(format=...)` builds a new swscale
@@ -229,7 +235,11 @@ def frame_to_rgb(frame, max_pixels: int | None) -> np.ndarray:
     Every PyAV backend converts through here so that they return identical pixels.
     """
     w, h = scaled_size(frame.width, frame.height, max_pixels)
-    rgb = _reformatter().reformat(frame, width=w, height=h, format="rgb24").to_ndarray()
+    rgb = (
+        _reformatter()
+        .reformat(frame, width=w, height=h, format="rgb24", threads=SWSCALE_THREADS)
+        .to_ndarray()
+    )
     rotation = int(round(frame.rotation)) % 360 if frame.rotation else 0
     if rotation in (90, 180, 270):
         rgb = np.ascontiguousarray(np.rot90(rgb, k=rotation // 90))
@@ -248,7 +258,11 @@ def downscale_rgb(rgb: np.ndarray, max_pixels: int | None) -> np.ndarray:
     if (w, h) == (width, height):
         return rgb
     frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-    return _reformatter().reformat(frame, width=w, height=h, format="rgb24").to_ndarray()
+    return (
+        _reformatter()
+        .reformat(frame, width=w, height=h, format="rgb24", threads=SWSCALE_THREADS)
+        .to_ndarray()
+    )
 
 
 def check_size(num_bytes: int, limits: DecodeLimits) -> None:

@@ -97,7 +97,8 @@ def run_ask(args: argparse.Namespace) -> int:
         return 2
     # Embedded mode's pipeline, closed once the answers or the error are printed (its close waits
     # up to --close-timeout-s for a step or compile still running: not before the user sees why).
-    # Left to the interpreter's exit, its threads got a deadline of their own per kind of thread.
+    # Left to the interpreter's exit, its threads got a deadline of their own per kind of thread,
+    # and a process that goes on (`main` in tests, a notebook) kept every ask's threads.
     opened: list[EmbeddedPipeline] = []
     try:
         return _run_ask(args, path, messages, model, prompt, template, prefill, tools, opened)

@@ -106,10 +106,28 @@ def _run_child(mode: str, model: Path, media: Path) -> subprocess.CompletedProce
 @pytest.mark.parametrize("mode", ["pool-closed", "pipeline-open", "decoder-open"])
 def test_a_process_exits_cleanly_with_a_model_call_still_running(mode, tiny_models, media_files):
     """pool-closed: `ModelThread.close()` waits for the running call; pipeline-open (a script that
-    never closes, as `epd ask` does not): the atexit handlers close the model threads and decode
+    never closes its pipeline): the atexit handlers close the model threads and decode
     workers, and wait; decoder-open: the decode workers, inside a frame's resize, likewise."""
     child = _run_child(mode, tiny_models["qwen2_vl"], media_files["mp4"])
     assert "terminate called" not in child.stderr, child.stderr[-2000:]
     assert child.returncode == 0, f"exit status {child.returncode}: {child.stderr[-2000:]}"
     alive = [line for line in child.stdout.splitlines() if line.startswith("alive at exit:")]
     assert alive == ["alive at exit: "], f"epd threads alive when the interpreter finalizes: {alive}"
+
+
+def test_epd_ask_in_process_ends_the_threads_it_started(tiny_models, media_files, capsys):
+    """`main(["ask", ...])` embedded, in a process that goes on (a test, a notebook): its pipeline is
+    closed when it returns, its model threads, decode workers and tokenizer threads ended (they
+    were left to the interpreter's exit, one set per call: a test process held hundreds)."""
+    import threading
+
+    from epd.cli.main import main
+    from tests import leak_check
+
+    before = set(threading.enumerate())
+    code = main(
+        ["ask", str(media_files["mp4"]), "what colour is the square?", "--model", str(tiny_models["qwen2_vl"]),
+         "--json", "--num-frames", "4", "--max-new-tokens", "2"]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    assert leak_check.threads_left(before) == []

@@ -110,7 +110,7 @@ async def _until(predicate, what: str) -> None:
         raise AssertionError(f"waited in vain for {what}") from None
 
 
-def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adapter, media_files):
+def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adapter, media_files, closing):
     stage, release = _stage(adapter, max_tower_jobs_per_request=1)  # one group each in the queue
     datas = {name: media_files[name].read_bytes() for name in ("mp4", "mp4_b", "png")}
 
@@ -136,6 +136,7 @@ def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adap
     try:
         outs = asyncio.run(scenario())
     finally:
+        stage.close()  # its request drivers and decode workers; the model thread is the test's
         stage.model_thread.close()
     assert stage.runner.max_batch_size >= len(REQUESTS) - first_step[0], (
         "the waiting groups went through the tower together"
@@ -143,14 +144,14 @@ def test_concurrent_requests_share_tower_steps_and_get_their_own_embeddings(adap
     load = stage.load()
     assert (load.num_running, load.num_waiting) == (0, 0) and stage.scheduler.requests() == []
     assert load.num_steps < sum((n + 1) // 2 for _, n in REQUESTS), "fewer steps than frame groups"
-    alone = EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter)
+    alone = closing(EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter))
     for (media, num_frames), out in zip(REQUESTS, outs, strict=True):
         ref = alone.encode(MediaInput(datas[media]), SamplingOptions(num_frames=num_frames), lambda e: None)
         assert out.meta == ref.meta and out.num_frames == ref.num_frames
         torch.testing.assert_close(out.embeds, ref.embeds, rtol=RTOL, atol=ATOL)
 
 
-def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_files):
+def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_files, closing):
     """While the tower is busy, the driver preprocesses and queues the request's next groups (up to
     `max_tower_jobs_per_request`); the next step encodes them all at once. The embeddings equal
     those of encoding group by group."""
@@ -199,9 +200,10 @@ def test_one_requests_queued_groups_merge_into_one_tower_call(adapter, media_fil
     try:
         out = asyncio.run(scenario())
     finally:
+        stage.close()  # its request drivers and decode workers; the model thread is the test's
         stage.model_thread.close()
     assert stage.load().num_steps == 2 and stage.runner.max_batch_size == 3, "groups 2-4 went in one call"
-    ref = EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter).encode(
+    ref = closing(EncoderEngine(EncoderConfig(cache=NO_CACHE), adapter)).encode(
         MediaInput(data), SamplingOptions(num_frames=8), lambda e: None
     )
     assert out.meta == ref.meta
@@ -233,6 +235,7 @@ def test_a_cancelled_requests_queued_jobs_leave_at_once_and_are_never_encoded(ad
     try:
         out = asyncio.run(scenario())
     finally:
+        stage.close()  # its request drivers and decode workers; the model thread is the test's
         stage.model_thread.close()
     assert out.num_frames == 1
     assert (

@@ -37,12 +37,14 @@ def _encode(engine, data, sampling, sha=""):
     return out, events
 
 
-def test_overlap_gives_the_same_tokens_as_whole_sample(adapter, media_files):
+def test_overlap_gives_the_same_tokens_as_whole_sample(adapter, media_files, closing):
     data = media_files["mp4"].read_bytes()
     sampling = SamplingOptions(num_frames=16)
-    whole, _ = _encode(EncoderEngine(EncoderConfig(frames_per_group=0), adapter), data, sampling)
+    whole, _ = _encode(closing(EncoderEngine(EncoderConfig(frames_per_group=0), adapter)), data, sampling)
     grouped, events = _encode(
-        EncoderEngine(EncoderConfig(frames_per_group=4, merge_decoded_groups=False), adapter), data, sampling
+        closing(EncoderEngine(EncoderConfig(frames_per_group=4, merge_decoded_groups=False), adapter)),
+        data,
+        sampling,
     )
     assert grouped.meta == whole.meta
     torch.testing.assert_close(grouped.embeds, whole.embeds, rtol=1e-5, atol=1e-6)
@@ -51,7 +53,7 @@ def test_overlap_gives_the_same_tokens_as_whole_sample(adapter, media_files):
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "pairs"])
-def test_groups_already_decoded_merge_into_fewer_groups(adapter, tmp_path, merge):
+def test_groups_already_decoded_merge_into_fewer_groups(adapter, tmp_path, merge, closing):
     """One keyframe interval: every frame is decoded once the first pair is, so the encoder (by
     default) merges the groups already decoded, up to frames_per_group x max_tower_jobs_per_request
     frames (2 x 4): 16 frames in two groups instead of eight pairs, with the embeddings of the
@@ -60,16 +62,16 @@ def test_groups_already_decoded_merge_into_fewer_groups(adapter, tmp_path, merge
 
     data = make_video(tmp_path / "one_keyframe.mp4", size=(112, 84), seconds=2.0, gop=1000).read_bytes()
     sampling = SamplingOptions(num_frames=16)
-    whole, _ = _encode(EncoderEngine(EncoderConfig(frames_per_group=0), adapter), data, sampling)
+    whole, _ = _encode(closing(EncoderEngine(EncoderConfig(frames_per_group=0), adapter)), data, sampling)
     config = EncoderConfig(frames_per_group=2, max_tower_jobs_per_request=4, merge_decoded_groups=merge)
-    got, events = _encode(EncoderEngine(config, adapter), data, sampling)
+    got, events = _encode(closing(EncoderEngine(config, adapter)), data, sampling)
     assert got.meta == whole.meta
     torch.testing.assert_close(got.embeds, whole.embeds, rtol=1e-5, atol=1e-6)
     progress = [e.details["frames_done"] for e in events if e.stage == "encode" and e.state == "progress"]
     assert progress == (["8", "16"] if merge else [str(n) for n in range(2, 17, 2)])
 
 
-def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
+def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path, closing):
     """A request that starts while another is decoding and encoding on the same engine keeps its
     pairs, so that the two requests' tower steps interleave and batch. The first request is held
     inside its frame stream (after its first group) while the second runs."""
@@ -80,7 +82,7 @@ def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
         tmp_path / "other.mp4", size=(112, 84), seconds=2.0, gop=1000, pattern="noise"
     ).read_bytes()
     sampling = SamplingOptions(num_frames=16)
-    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+    engine = closing(EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter))
     first_group_out, let_go = threading.Event(), threading.Event()
     open_frames = engine.open_frames
 
@@ -113,8 +115,8 @@ def test_groups_merge_only_for_a_request_that_starts_alone(adapter, tmp_path):
     assert first_progress == ["8", "16"], "the first request started alone and merged"
 
 
-def test_cache_hit_skips_decoding_and_encoding(adapter, media_files):
-    engine = EncoderEngine(EncoderConfig(), adapter)
+def test_cache_hit_skips_decoding_and_encoding(adapter, media_files, closing):
+    engine = closing(EncoderEngine(EncoderConfig(), adapter))
     data = media_files["mp4"].read_bytes()
     first, _ = _encode(engine, data, SamplingOptions(num_frames=8))
     again, events = _encode(engine, data, SamplingOptions(num_frames=8))
@@ -135,8 +137,8 @@ def test_cache_hit_skips_decoding_and_encoding(adapter, media_files):
         {"num_frames": 8, "start_time_s": 1.0},
     ],
 )
-def test_cache_key_changes_with_sampling(adapter, media_files, change):
-    engine = EncoderEngine(EncoderConfig(), adapter)
+def test_cache_key_changes_with_sampling(adapter, media_files, change, closing):
+    engine = closing(EncoderEngine(EncoderConfig(), adapter))
     data = media_files["mp4"].read_bytes()
     _encode(engine, data, SamplingOptions(num_frames=8))
     out, _ = _encode(engine, data, SamplingOptions(**change))
@@ -144,13 +146,15 @@ def test_cache_key_changes_with_sampling(adapter, media_files, change):
 
 
 @pytest.mark.parametrize("budget_bytes", [None, 0], ids=["cache-on", "cache-off"])
-def test_a_video_asked_about_twice_at_once_is_decoded_and_encoded_once(adapter, media_files, budget_bytes):
+def test_a_video_asked_about_twice_at_once_is_decoded_and_encoded_once(
+    adapter, media_files, budget_bytes, closing
+):
     """Two requests about the same new video at the same time: the second waits for the first's
     encode (encoder_svc/single_flight.py) and gets its tokens as a hit, even with the token cache
     off; by-hash too. The first is held in its decode until the others wait, so the overlap is
     certain, not a race."""
     cache = TokenCacheConfig() if budget_bytes is None else TokenCacheConfig(memory_budget_bytes=budget_bytes)
-    engine = EncoderEngine(EncoderConfig(cache=cache), adapter)
+    engine = closing(EncoderEngine(EncoderConfig(cache=cache), adapter))
     data = media_files["mp4"].read_bytes()
     sampling = SamplingOptions(num_frames=8)
     key = engine.cache_key(hashlib.sha256(data).hexdigest(), sampling)
@@ -178,8 +182,8 @@ def test_a_video_asked_about_twice_at_once_is_decoded_and_encoded_once(adapter, 
     assert [e.stage for e in events] == ["encode"] and events[0].details["shared_with"] == "in-flight request"
 
 
-def test_a_request_waiting_on_a_failed_encode_does_the_work_itself(adapter, media_files):
-    engine = EncoderEngine(EncoderConfig(), adapter)
+def test_a_request_waiting_on_a_failed_encode_does_the_work_itself(adapter, media_files, closing):
+    engine = closing(EncoderEngine(EncoderConfig(), adapter))
     data = media_files["mp4"].read_bytes()
     sampling = SamplingOptions(num_frames=4)
     key = engine.cache_key(hashlib.sha256(data).hexdigest(), sampling)
@@ -205,8 +209,8 @@ def test_a_request_waiting_on_a_failed_encode_does_the_work_itself(adapter, medi
     assert len(calls) == 2 and not out.cache_hit and engine.flights.num_shared == 0
 
 
-def test_unknown_hash_is_not_found(adapter):
-    engine = EncoderEngine(EncoderConfig(), adapter)
+def test_unknown_hash_is_not_found(adapter, closing):
+    engine = closing(EncoderEngine(EncoderConfig(), adapter))
     with pytest.raises(NotFound, match="not cached here; send the file itself"):
         _encode(engine, None, SamplingOptions(), sha="cd" * 32)
 
@@ -237,7 +241,7 @@ def test_stack_cache_by_bytes_and_by_hash_and_across_restart(tiny_models, media_
 
 @pytest.mark.parametrize("limit", ["max_visual_tokens", "max_duration_s"])
 def test_a_restart_with_a_lower_limit_refuses_cached_entries_by_bytes_and_by_hash(
-    adapter, media_files, tmp_path, limit
+    adapter, media_files, tmp_path, limit, closing
 ):
     """Disk-tier entries outlive the limits they were made under: an encoder restarted with a lower
     --max-visual-tokens or --max-duration-s refuses them as it refuses the same request uncached
@@ -252,34 +256,34 @@ def test_a_restart_with_a_lower_limit_refuses_cached_entries_by_bytes_and_by_has
     data = media_files["mp4"].read_bytes()  # 8 s
     sha = hashlib.sha256(data).hexdigest()
     sampling = SamplingOptions(num_frames=16)
-    made, _ = _encode(EncoderEngine(EncoderConfig(cache=cache), adapter), data, sampling)
+    made, _ = _encode(closing(EncoderEngine(EncoderConfig(cache=cache), adapter)), data, sampling)
     if limit == "max_visual_tokens":
         lower = EncoderConfig(cache=cache, max_visual_tokens=made.meta.num_visual_tokens - 1)
     else:
         lower = EncoderConfig(cache=cache, limits=replace(EncoderConfig().limits, max_duration_s=5.0))
-    uncached = EncoderEngine(replace(lower, cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+    uncached = closing(EncoderEngine(replace(lower, cache=TokenCacheConfig(memory_budget_bytes=0)), adapter))
     with pytest.raises(over_limit) as miss:
         _encode(uncached, data, sampling)
-    restarted = EncoderEngine(lower, adapter)
+    restarted = closing(EncoderEngine(lower, adapter))
     for media, media_sha in ((data, ""), (None, sha)):
         with pytest.raises(over_limit) as hit:
             _encode(restarted, media, sampling, media_sha)
         assert str(hit.value) == str(miss.value)
-    again, _ = _encode(EncoderEngine(EncoderConfig(cache=cache), adapter), None, sampling, sha)
+    again, _ = _encode(closing(EncoderEngine(EncoderConfig(cache=cache), adapter)), None, sampling, sha)
     assert again.cache_hit and again.meta == made.meta
 
 
-def test_an_entry_that_does_not_record_its_duration_is_a_miss(adapter, media_files, tmp_path):
+def test_an_entry_that_does_not_record_its_duration_is_a_miss(adapter, media_files, tmp_path, closing):
     """An entry written before entries recorded their video's duration cannot be held to
     --max-duration-s: it is a miss (by hash, not found; by bytes, decoded and checked again)."""
     cache = TokenCacheConfig(disk_dir=str(tmp_path / "token-cache"))
     data = media_files["mp4_b"].read_bytes()
     sha = hashlib.sha256(data).hexdigest()
     sampling = SamplingOptions(num_frames=4)
-    engine = EncoderEngine(EncoderConfig(cache=cache), adapter)
+    engine = closing(EncoderEngine(EncoderConfig(cache=cache), adapter))
     made, _ = _encode(engine, data, sampling)
     engine.cache.put(engine.cache_key(sha, sampling), made)  # as the encoder used to put it: no facts
-    restarted = EncoderEngine(EncoderConfig(cache=cache), adapter)
+    restarted = closing(EncoderEngine(EncoderConfig(cache=cache), adapter))
     with pytest.raises(NotFound, match="not cached here"):
         _encode(restarted, None, sampling, sha)
     by_bytes, _ = _encode(restarted, data, sampling)
@@ -287,22 +291,22 @@ def test_an_entry_that_does_not_record_its_duration_is_a_miss(adapter, media_fil
     assert _encode(restarted, None, sampling, sha)[0].cache_hit
 
 
-def test_cache_can_be_disabled(adapter, media_files):
-    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+def test_cache_can_be_disabled(adapter, media_files, closing):
+    engine = closing(EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter))
     data = media_files["mp4"].read_bytes()
     _encode(engine, data, SamplingOptions(num_frames=4))
     out, _ = _encode(engine, data, SamplingOptions(num_frames=4))
     assert not out.cache_hit
 
 
-def test_decord_backend_gives_the_same_tokens(adapter, media_files):
+def test_decord_backend_gives_the_same_tokens(adapter, media_files, closing):
     from epd.video.decord_backend import decord_available
 
     if not decord_available():
         pytest.skip("decord is not installed (optional backend: pip install 'epd[decord]')")
     data = media_files["mp4"].read_bytes()
     sampling = SamplingOptions(num_frames=8)
-    pyav, _ = _encode(EncoderEngine(EncoderConfig(), adapter), data, sampling)
+    pyav, _ = _encode(closing(EncoderEngine(EncoderConfig(), adapter)), data, sampling)
     engine = EncoderEngine(EncoderConfig(decode_backend="decord"), adapter)
     try:
         dec, _ = _encode(engine, data, sampling)
@@ -312,7 +316,7 @@ def test_decord_backend_gives_the_same_tokens(adapter, media_files):
     assert torch.equal(dec.embeds, pyav.embeds)
 
 
-def test_the_decord_backend_gives_pyav_a_long_hevc_video_asked_near_its_end(adapter, tmp_path):
+def test_the_decord_backend_gives_pyav_a_long_hevc_video_asked_near_its_end(adapter, tmp_path, closing):
     """decord reads HEVC from the first frame (it cannot seek in it): four frames near the end of
     a 60 s clip took ~600 decoded frames, over --max-decoded-pixels (100 frames here), where PyAV
     seeks and stays within it. The encoder hands such a request to PyAV: the same tokens as the
@@ -328,7 +332,7 @@ def test_the_decord_backend_gives_pyav_a_long_hevc_video_asked_near_its_end(adap
                       gop=10).read_bytes()  # fmt: skip
     sampling = SamplingOptions(num_frames=4, start_time_s=55.0)
     limits = DecodeLimits(max_decoded_pixels=100 * MIN_PIXELS_PER_FRAME)
-    pyav, _ = _encode(EncoderEngine(EncoderConfig(limits=limits), adapter), data, sampling)
+    pyav, _ = _encode(closing(EncoderEngine(EncoderConfig(limits=limits), adapter)), data, sampling)
     engine = EncoderEngine(EncoderConfig(decode_backend="decord", limits=limits), adapter)
     try:
         handed, _ = _encode(engine, data, sampling)
@@ -338,14 +342,16 @@ def test_the_decord_backend_gives_pyav_a_long_hevc_video_asked_near_its_end(adap
 
 
 @pytest.mark.parametrize("change", [{"dtype": "bfloat16"}, {"device": "cuda"}, {"linear_kernel": "onednn"}])
-def test_the_key_holds_the_numerics_the_tower_runs_in(adapter, change):
+def test_the_key_holds_the_numerics_the_tower_runs_in(adapter, change, closing):
     """The disk tier outlives the process and may be shared: a bfloat16 encoder was handed a float32
     encoder's embeddings (and the reverse, so a lossless float32 answer was no longer generate()'s)."""
     sha, sampling = "ab" * 32, SamplingOptions(num_frames=8)
-    float32 = EncoderEngine(EncoderConfig(), adapter).cache_key(sha, sampling)
-    other = EncoderEngine(EncoderConfig(model=ModelConfig(**change)), adapter).cache_key(sha, sampling)
+    float32 = closing(EncoderEngine(EncoderConfig(), adapter)).cache_key(sha, sampling)
+    other = closing(EncoderEngine(EncoderConfig(model=ModelConfig(**change)), adapter)).cache_key(
+        sha, sampling
+    )
     assert other != float32
-    same_kind = EncoderEngine(EncoderConfig(model=ModelConfig(device="cpu")), adapter).cache_key(
+    same_kind = closing(EncoderEngine(EncoderConfig(model=ModelConfig(device="cpu")), adapter)).cache_key(
         sha, sampling
     )
     assert same_kind == float32

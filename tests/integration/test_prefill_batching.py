@@ -111,9 +111,21 @@ def families(tiny_models, media_files) -> dict[str, Family]:
     return {family: Family(tiny_models[family], media_files) for family in QWEN2_FAMILIES}
 
 
-def make_stage(adapter, scheduler: PrefillSchedulerConfig) -> LocalPrefillStage:
-    engine = PrefillEngine(PrefillConfig(scheduler=scheduler), adapter)
-    return LocalPrefillStage(engine, KvStore(1 << 30, 600.0), ModelThread())
+@pytest.fixture
+def make_stage():
+    """make_stage(adapter, scheduler): a prefill stage on its own model thread, whose tokenizer and
+    model threads end with the test."""
+    stages: list[LocalPrefillStage] = []
+
+    def make(adapter, scheduler: PrefillSchedulerConfig) -> LocalPrefillStage:
+        engine = PrefillEngine(PrefillConfig(scheduler=scheduler), adapter)
+        stages.append(LocalPrefillStage(engine, KvStore(1 << 30, 600.0), ModelThread()))
+        return stages[-1]
+
+    yield make
+    for stage in stages:
+        stage.close_tokenizer()
+        stage.model_thread.close()
 
 
 async def prefill_all(stage: LocalPrefillStage, fam: Family, pruning=PruningConfig()):
@@ -144,7 +156,7 @@ def assert_close_kv(keys, values, ref_keys, ref_values, what: str) -> None:
 
 @pytest.mark.parametrize("family", QWEN2_FAMILIES)
 @pytest.mark.parametrize("scheduler", [BATCHED, CHUNKED], ids=["batched", "chunked"])
-def test_concurrent_prompts_equal_alone_and_generate(families, family, scheduler):
+def test_concurrent_prompts_equal_alone_and_generate(families, family, scheduler, make_stage):
     fam = families[family]
     stage = make_stage(fam.adapter, scheduler)
     handles = asyncio.run(prefill_all(stage, fam))
@@ -171,7 +183,7 @@ def test_concurrent_prompts_equal_alone_and_generate(families, family, scheduler
     assert len(set(lengths)) == len(lengths), "the cases should differ in length"
 
 
-def test_pruned_requests_keep_their_exact_semantics_among_batched_ones(families):
+def test_pruned_requests_keep_their_exact_semantics_among_batched_ones(families, make_stage):
     """A prefill-drop + KV-compression request runs alone and whole: bit for bit its unbatched result."""
     fam = families["qwen2_vl"]
     pruning = PruningConfig(
@@ -205,7 +217,7 @@ def test_pruned_requests_keep_their_exact_semantics_among_batched_ones(families)
         )
 
 
-def test_cancelled_requests_leave_the_queue_and_free_their_chunks(families):
+def test_cancelled_requests_leave_the_queue_and_free_their_chunks(families, make_stage):
     fam = families["qwen2_vl"]
     stage = make_stage(
         fam.adapter, PrefillSchedulerConfig(max_prefill_tokens_per_step=32, prefill_chunk_tokens=16)
@@ -243,7 +255,7 @@ def test_cancelled_requests_leave_the_queue_and_free_their_chunks(families):
     assert handle.first_token_id == fam.alone[0].handle.first_token_id
 
 
-def test_a_full_queue_refuses_with_the_flag_that_raises_it(families):
+def test_a_full_queue_refuses_with_the_flag_that_raises_it(families, make_stage):
     fam = families["qwen2_vl"]
     stage = make_stage(
         fam.adapter,
@@ -269,7 +281,7 @@ def test_a_full_queue_refuses_with_the_flag_that_raises_it(families):
     assert handle.first_token_id == fam.alone[2].handle.first_token_id  # the admitted one was not dropped
 
 
-def test_bad_requests_never_queue(families):
+def test_bad_requests_never_queue(families, make_stage):
     fam = families["qwen2_vl"]
     stage = make_stage(fam.adapter, BATCHED)
     media = fam.media[0]
@@ -283,7 +295,7 @@ def test_bad_requests_never_queue(families):
     assert stage.load().num_steps == 0 and not stage.core.scheduler.requests()
 
 
-def test_a_request_whose_first_token_cannot_be_sampled_fails_alone(families):
+def test_a_request_whose_first_token_cannot_be_sampled_fails_alone(families, make_stage):
     """Among prompts batched into one step, one whose logits are NaN (an inf in its embeddings)
     with a temperature cannot sample its first token: it fails with that error, and the others of
     the step get their tokens, as alone."""

@@ -381,15 +381,19 @@ def test_the_wire_carries_every_deepstack_feature_and_counts_them_in_the_budget(
         convert.encoded_media_from_proto(msg, missing)
 
 
-def test_a_qwen2_vl_entry_is_never_served_to_qwen3_vl(checkpoint, media_files, tmp_path, monkeypatch):
+def test_a_qwen2_vl_entry_is_never_served_to_qwen3_vl(
+    checkpoint, media_files, tmp_path, monkeypatch, closing
+):
     """Same bytes, same sampling, same cache directory and (forced) the same model fingerprint:
     only the family differs, and the Qwen3-VL encoder misses what the Qwen2-VL one stored."""
     cache = TokenCacheConfig(disk_dir=str(tmp_path / "cache"))
-    qwen2 = EncoderEngine(
-        EncoderConfig(cache=cache), load_adapter(ModelConfig(model=str(demo_model_dir())), "encoder")
+    qwen2 = closing(
+        EncoderEngine(
+            EncoderConfig(cache=cache), load_adapter(ModelConfig(model=str(demo_model_dir())), "encoder")
+        )
     )
-    qwen3 = EncoderEngine(
-        EncoderConfig(cache=cache), load_adapter(ModelConfig(model=str(checkpoint)), "encoder")
+    qwen3 = closing(
+        EncoderEngine(EncoderConfig(cache=cache), load_adapter(ModelConfig(model=str(checkpoint)), "encoder"))
     )
     monkeypatch.setattr(qwen3.adapter, "fingerprint", qwen2.adapter.fingerprint)
     data = media_files["mp4"].read_bytes()
@@ -406,7 +410,7 @@ def test_a_qwen2_vl_entry_is_never_served_to_qwen3_vl(checkpoint, media_files, t
     )
     # And the Qwen3-VL entry it stores holds its DeepStack features and times, on disk too.
     qwen3.encode(MediaInput(data), sampling, lambda e: None)
-    restarted = EncoderEngine(EncoderConfig(cache=cache), qwen3.adapter)
+    restarted = closing(EncoderEngine(EncoderConfig(cache=cache), qwen3.adapter))
     hit = restarted.encode(MediaInput(None, sha), sampling, lambda e: None)
     assert hit.cache_hit and len(hit.deepstack) == 2 and len(hit.meta.group_timestamps_s) == 4
 

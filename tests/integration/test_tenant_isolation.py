@@ -49,8 +49,8 @@ def _encode(engine: EncoderEngine, data: bytes | None, salt: str, sha: str = "")
                          cache_salt=salt)  # fmt: skip
 
 
-def test_another_salt_encodes_again_and_the_same_salt_hits(adapter, media_files):
-    engine = EncoderEngine(EncoderConfig(), adapter)
+def test_another_salt_encodes_again_and_the_same_salt_hits(adapter, media_files, closing):
+    engine = closing(EncoderEngine(EncoderConfig(), adapter))
     data = media_files["mp4"].read_bytes()
     alice = _encode(engine, data, "alice")
     bob = _encode(engine, data, "bob")
@@ -61,11 +61,11 @@ def test_another_salt_encodes_again_and_the_same_salt_hits(adapter, media_files)
     assert (stats.num_hits, stats.num_misses, stats.num_entries) == (2, 3, 3)
 
 
-def test_another_salt_builds_the_keyframe_index_again(adapter, media_files):
+def test_another_salt_builds_the_keyframe_index_again(adapter, media_files, closing):
     """A keyframe-index hit skips the demux pass, which the decode time a client is told shows:
     the same bytes from another tenant build their index again; from the same tenant, once."""
     # no token cache
-    engine = EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter)
+    engine = closing(EncoderEngine(EncoderConfig(cache=TokenCacheConfig(memory_budget_bytes=0)), adapter))
     data = media_files["mp4"].read_bytes()
     index_cache = engine.decoder.index_cache
     _encode(engine, data, "alice")
@@ -76,8 +76,8 @@ def test_another_salt_builds_the_keyframe_index_again(adapter, media_files):
     assert (index_cache.num_misses, index_cache.num_hits) == (2, 2)
 
 
-def test_a_by_hash_request_of_another_tenant_is_not_found_like_unknown_media(adapter, media_files):
-    engine = EncoderEngine(EncoderConfig(), adapter)
+def test_a_by_hash_request_of_another_tenant_is_not_found_like_unknown_media(adapter, media_files, closing):
+    engine = closing(EncoderEngine(EncoderConfig(), adapter))
     data = media_files["mp4"].read_bytes()
     sha = hashlib.sha256(data).hexdigest()
     _encode(engine, data, "alice")
@@ -85,7 +85,7 @@ def test_a_by_hash_request_of_another_tenant_is_not_found_like_unknown_media(ada
     with pytest.raises(NotFound) as other_tenant:
         _encode(engine, None, "bob", sha)
     with pytest.raises(NotFound) as unknown:  # an encoder that never saw the media
-        _encode(EncoderEngine(EncoderConfig(), adapter), None, "alice", sha)
+        _encode(closing(EncoderEngine(EncoderConfig(), adapter)), None, "alice", sha)
     assert str(other_tenant.value) == str(unknown.value)
     assert "send the file itself" in str(other_tenant.value)
 

@@ -121,7 +121,7 @@ def test_model_thread_call_runs_there_and_refuses_to_wait_on_itself():
         thread.close()
 
 
-def test_a_blocked_decode_does_not_stop_another_requests_encode(adapter, videos):
+def test_a_blocked_decode_does_not_stop_another_requests_encode(adapter, videos, closing):
     """A waits for its second frame group (blocked) while B is encoded from start to end; B and A
     then give the same tokens as each encoded alone."""
     engine = _engine(adapter, GatedEngine)
@@ -146,11 +146,12 @@ def test_a_blocked_decode_does_not_stop_another_requests_encode(adapter, videos)
         "4",
         "6",
     ]
-    alone = _engine(adapter)
+    alone = closing(_engine(adapter))
     for data, out in ((videos["mp4"], out_a), (videos["mp4_b"], out_b)):
         ref = alone.encode(MediaInput(data), SAMPLING, lambda e: None)
         assert out.meta == ref.meta
         torch.testing.assert_close(out.embeds, ref.embeds, rtol=0, atol=0)
+    stage.close()  # its request drivers and decode workers; the model thread is the test's
     stage.model_thread.close()
 
 
@@ -183,6 +184,7 @@ def test_cancel_sets_the_flag_stops_tower_calls_and_closes_the_stream(adapter, v
     assert len(tower_calls) == 1 + 3, "no tower call for A after the cancel (B made 3)"
     assert stage.drivers.num_cancelled == 1 and stage.drivers.num_admitted == 0
     assert out_b.num_frames == 6
+    stage.close()
     stage.model_thread.close()
 
 

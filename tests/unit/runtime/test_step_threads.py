@@ -219,7 +219,7 @@ def test_the_encoders_request_drivers_run_torch_on_one_thread(tiny_models):
         torch.set_num_threads(2)  # the count new threads would take from the last one set
         assert asyncio.run(stage.drivers.run(lambda cancel: torch.get_num_threads())) == 1
     finally:
-        stage.drivers.close()
+        stage.close()  # its request drivers and decode workers
         stage.model_thread.close()
         torch.set_num_threads(before)
 

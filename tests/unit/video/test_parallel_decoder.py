@@ -346,6 +346,37 @@ def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, k
     assert _reformatter() is _reformatter() and results[0][1] is not _reformatter()  # one per thread
 
 
+def test_a_threads_converter_starts_no_threads_of_its_own(video_factory):
+    """A decode thread's converter (kept for the thread's life) converts on that thread: swscale's
+    default started one thread per core for each, kept idle beside every decode worker (a pool of
+    one worker a core held cores x cores of them). The process's threads, before and after a thread
+    converts frames (scaled and not), while it still runs: the same."""
+    import io
+    import os
+
+    import av
+
+    from epd.video.simple_decoder import frame_to_rgb
+
+    with av.open(
+        io.BytesIO(video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=1.0, gop=10))
+    ) as c:
+        frames = list(c.decode(c.streams.video[0]))
+    started: list[str] = []
+
+    def convert() -> None:  # measured on the thread: its converter ends with it
+        before = set(os.listdir("/proc/self/task"))
+        for frame in frames[:3]:
+            frame_to_rgb(frame, None)
+            frame_to_rgb(frame, 48 * 32)
+        started.extend(set(os.listdir("/proc/self/task")) - before)
+
+    worker = threading.Thread(target=convert)
+    worker.start()
+    worker.join()
+    assert started == [], f"threads started by a thread's frame conversions: {started}"
+
+
 def test_frame_resize_is_applied_to_each_frame_as_it_is_decoded(video_factory, decoder):
     """With `frame_resizer`, the request's frames are stored at the size its resize returns
     ([U, 32, 48, 3] for a 96x64 clip halved), each one what the function gives for the reference
