@@ -67,7 +67,7 @@ def port_is_free(port: int) -> bool:
 def port_with_replicas(count: int, taken: set[int]) -> int:
     """A free port p with p + REPLICA_PORT_STEP * i free too, for i < count (`epd serve --encoders N`
     puts replica i there); the ports are added to `taken`."""
-    from epd.cli.main import REPLICA_PORT_STEP
+    from epd.cli.parsers.serve import REPLICA_PORT_STEP
 
     while True:
         port = free_port()

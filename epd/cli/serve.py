@@ -338,7 +338,7 @@ def _die_with_parent(launcher_pid: int) -> None:
 def replica_ports(args: argparse.Namespace) -> dict[str, list[int]]:
     """Each stage's replicas' ports: replica i on the stage's port + REPLICA_PORT_STEP * i (so with
     one replica, the stage's port)."""
-    from epd.cli.main import REPLICA_PORT_STEP
+    from epd.cli.parsers.serve import REPLICA_PORT_STEP
 
     return {
         role: [
@@ -355,7 +355,7 @@ def replica_name(role: str, index: int) -> str:
 def port_clash(args: argparse.Namespace) -> str | None:
     """Why the stack's ports cannot all be bound as asked (two services on one port, one beyond
     65535), or None."""
-    from epd.cli.main import REPLICA_PORT_STEP
+    from epd.cli.parsers.serve import REPLICA_PORT_STEP
 
     taken: dict[int, str] = {args.gateway_port: "gateway"}
     if args.http_port:
@@ -395,7 +395,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack, by name ("gateway", "encoder[0]",
     "encoder[1]", ...; the model services' are run forked, without their first `_COMMAND_PREFIX`
     words)."""
-    from epd.cli.main import add_sampling_flags
+    from epd.cli.flags.media import add_sampling_flags
     from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE
 
     log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
@@ -478,7 +478,7 @@ def stage_flags(args: argparse.Namespace, role: str) -> list[str]:
     functions define (the encoder's and frame sampling; prefill's KV store, prefix cache,
     scheduler and max_tokens limit; decode's KV memory, batch and queue) and every stage's
     (`SHARED_STAGE_FLAGS`: --scheduling-policy), with the value the stack was given."""
-    from epd.cli.main import SHARED_STAGE_FLAGS, STAGE_FLAGS
+    from epd.cli.flags.stages import SHARED_STAGE_FLAGS, STAGE_FLAGS
 
     return flag_words(args, (*STAGE_FLAGS[role], *SHARED_STAGE_FLAGS))
 
@@ -486,7 +486,7 @@ def stage_flags(args: argparse.Namespace, role: str) -> list[str]:
 def gateway_flags(args: argparse.Namespace) -> list[str]:
     """The stack's `GATEWAY_FLAGS` (admission, routing, the HTTP API's model name, media and body
     flags) as the gateway's command line, with the value the stack was given."""
-    from epd.cli.main import GATEWAY_FLAGS
+    from epd.cli.flags.gateway import GATEWAY_FLAGS
 
     return flag_words(args, GATEWAY_FLAGS)
 

@@ -41,7 +41,7 @@ import pytest
 from PIL import Image
 
 from epd.cli.health import is_serving
-from epd.cli.main import REPLICA_PORT_STEP
+from epd.cli.parsers.serve import REPLICA_PORT_STEP
 from epd.client import AsyncEpdClient, EpdError, TokenDelta
 from epd.client.retry import NO_RETRY
 from epd.transport.affinity import rendezvous_order

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from epd.cli.health import is_serving
-from epd.cli.main import REPLICA_PORT_STEP
+from epd.cli.parsers.serve import REPLICA_PORT_STEP
 from epd.transport.affinity import rendezvous_order
 from tests.local_http import post_json
 from tests.stack import ROOT, child_env, epd_command, port_with_replicas, serving_pid

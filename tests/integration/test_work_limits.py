@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from epd.cli.configs import encoder_config, gateway_config
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.client import EpdClient
 from epd.client.types import EpdError
 from tests.media import make_video

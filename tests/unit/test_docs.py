@@ -28,7 +28,7 @@ import pytest
 
 from epd.bench.quality import build_parser as bench_quality_parser
 from epd.bench.serve import build_parser as bench_serve_parser
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -747,7 +747,7 @@ def test_every_list_of_the_served_families_names_each():
 
 def test_the_readmes_ports_are_the_services_defaults():
     """ "Default ports: gateway 50050, ..." and the replicas' "port + 10·i" are what the parsers use."""
-    from epd.cli.main import REPLICA_PORT_STEP
+    from epd.cli.parsers.serve import REPLICA_PORT_STEP
     from epd.decode_svc.config import DEFAULT_PORT as DECODE
     from epd.encoder_svc.config import DEFAULT_PORT as ENCODER
     from epd.gateway.config import DEFAULT_PORT as GATEWAY

@@ -426,7 +426,7 @@ def test_epd_ask_closes_its_pipeline_within_its_close_timeout(tiny_models, monke
     regex waited for the compile at interpreter exit, `structured_output.EXIT_WAIT_S`, whatever
     the close's deadline). The deadlines given are recorded, not timed."""
     from epd.cli.ask import run_ask
-    from epd.cli.main import build_parser
+    from epd.cli.parsers.root import build_parser
     from epd.gateway.embedded import EmbeddedPipeline
     from epd.model_runtime import structured_output
     from epd.stages import model_thread

@@ -92,7 +92,7 @@ def test_a_preload_that_did_not_load_is_never_tried_twice(separator):
 def test_which_commands_choose_an_allocator(words, allocator):
     """The gateway (no model) and `epd ask` never run themselves again; a gateway the stack starts
     inherits the launcher's LD_PRELOAD."""
-    from epd.cli.main import build_parser
+    from epd.cli.parsers.root import build_parser
 
     assert getattr(build_parser().parse_args(words), "allocator", None) == allocator
 

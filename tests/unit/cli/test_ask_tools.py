@@ -12,7 +12,7 @@ import pytest
 
 from epd.cli.ask import run_ask
 from epd.cli.ask_tools import ask_tools
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from tests.tool_data import CALL_TEXT, TOOLS
 
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from epd.cli import configs
 from epd.cli.ask import run_ask
 from epd.cli.health import check_health
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.cli.serve import EXIT_USAGE, serve_role
 from epd.stages.server_config import TransportSecurity
 from epd.transport import security

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_a_services_flag_before_its_role_is_refused_not_ignored(capsys, argv):
 
 
 def test_a_services_flag_after_its_role_is_its_own():
-    from epd.cli.main import flags_before_role
+    from epd.cli.parsers.serve import flags_before_role
 
     argv = ["serve", "prefill", "--grace-period", "7", "--model", "decode"]
     assert build_parser().parse_args(argv).grace_period == 7.0

@@ -16,7 +16,9 @@ import grpc
 import pytest
 
 from epd.cli import configs
-from epd.cli.main import GATEWAY_FLAGS, STAGE_FLAGS, build_parser
+from epd.cli.flags.gateway import GATEWAY_FLAGS
+from epd.cli.flags.stages import STAGE_FLAGS
+from epd.cli.parsers.root import build_parser
 from epd.cli.serve import (
     EXIT_MODEL,
     EXIT_USAGE,
@@ -352,7 +354,7 @@ def test_the_launcher_imports_no_torch():
     code = """
 import sys
 from epd.cli import serve
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.model_runtime.loader import check_model_dir, resolve_model_path
 args = build_parser().parse_args(["serve"])
 args.model = resolve_model_path(args.model)

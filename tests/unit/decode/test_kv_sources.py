@@ -12,7 +12,7 @@ import re
 import grpc
 import pytest
 
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.decode_svc import kv_pull
 from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.kv_pull import KvPuller

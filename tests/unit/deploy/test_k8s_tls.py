@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import yaml
 
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.transport.server import LIVENESS_SERVICE
 from tests.unit.deploy.epd_commands import serve_config
 from tests.unit.deploy.test_k8s import K8S, container, container_env, expand, load_objects, of_kind, pod

@@ -107,7 +107,7 @@ def test_an_api_key_on_the_command_line_is_hidden_from_ps():
     `--api-key KEY` stayed there for as long as the gateway ran."""
     import psutil
 
-    from epd.cli.main import hide_secrets
+    from epd.cli.secret_flags import hide_secrets
 
     assert hide_secrets(["serve", "--api-key", "k1", "--api-key=k2", "--port", "1"]) == [
         "serve",

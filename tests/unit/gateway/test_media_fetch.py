@@ -450,7 +450,7 @@ def test_fetch_of_private_address_is_refused_by_default():
 
 def test_an_allow_list_entry_that_is_not_a_domain_name_is_refused_at_start():
     from epd.cli import configs
-    from epd.cli.main import build_parser
+    from epd.cli.parsers.root import build_parser
 
     args = build_parser().parse_args(
         ["serve", "gateway", "--allowed-media-domains", "a.com," + "é" * 70 + ".org"]

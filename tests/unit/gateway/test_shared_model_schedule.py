@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.gateway.config import SharedModelSchedule
 
 

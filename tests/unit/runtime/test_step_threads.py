@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from epd.cli.main import _num_threads
+from epd.cli.flags.arg_types import num_threads
 from epd.model_runtime.threads import (
     AUTO,
     StepThreads,
@@ -70,10 +70,10 @@ def test_a_fixed_count_stays_and_apply_sets_torch_only_on_change():
 
 
 def test_the_flag_takes_a_count_or_auto():
-    assert _num_threads("auto") == AUTO and _num_threads("4") == 4
+    assert num_threads("auto") == AUTO and num_threads("4") == 4
     for bad in ("0", "-1", "many"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive number or auto"):
-            _num_threads(bad)
+            num_threads(bad)
 
 
 # -- one process's model threads running several calls at once (`epd serve --colocate`) ----------

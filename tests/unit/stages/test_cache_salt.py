@@ -64,7 +64,7 @@ def test_the_front_doors_salt_follows_the_configured_key():
 
 def test_several_api_keys_each_accepted_and_others_refused(tmp_path):
     from epd.cli import configs
-    from epd.cli.main import build_parser
+    from epd.cli.parsers.root import build_parser
     from epd.transport.auth import any_key_matches
 
     key_file = tmp_path / "keys"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.cli.serve import stage_flags
 from epd.gateway.openai_protocol import parse_chat_request
 from epd.model_runtime.chat_template import check_syntax, template_variables

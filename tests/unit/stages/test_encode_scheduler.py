@@ -91,7 +91,7 @@ def test_config_refuses_no_tower_job_per_request_and_the_flag_reaches_it():
     with pytest.raises(ValueError, match="--max-tower-jobs-per-request"):
         EncoderConfig(max_tower_jobs_per_request=0)
     from epd.cli import configs
-    from epd.cli.main import build_parser
+    from epd.cli.parsers.root import build_parser
 
     args = build_parser().parse_args(["serve", "encoder", "--max-tower-jobs-per-request", "2"])
     assert configs.encoder_config(args).max_tower_jobs_per_request == 2

@@ -11,7 +11,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.cli import configs
-from epd.cli.main import build_parser
+from epd.cli.parsers.root import build_parser
 from epd.stages.server_config import MAX_SECRETS, ServerConfig, TransportSecurity, read_secrets
 from epd.transport import security
 from epd.transport.auth import MISSING_SECRET_MESSAGE

@@ -498,7 +498,7 @@ def test_image_over_the_pixel_limit_is_refused_before_decoding():
 
 def test_cli_flags_reach_the_encoder_config():
     from epd.cli.configs import encoder_config
-    from epd.cli.main import build_parser
+    from epd.cli.parsers.root import build_parser
 
     args = build_parser().parse_args(["serve", "encoder", "--max-source-pixels", "1000000", "--max-decoded-pixels",
                                       "123456789", "--max-demux-s", "2.5", "--index-cache-bytes", "4096",

@@ -1,0 +1,160 @@
+"""The gateway's flags: admission per client (`Admission`), routing among stage replicas
+(`GatewayConfig`), and the OpenAI-compatible HTTP API (`HttpApiConfig`, `MediaFetchConfig`); and
+`GATEWAY_FLAGS`, those `epd serve` takes too."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+from epd.cli.flags.arg_types import addresses, env, port_number, positive_seconds, seconds
+from epd.gateway.reasoning import REASONING_PARSERS
+from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
+
+
+def add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """The front door's limits per client and on request bodies held (the gateway role, and `epd
+    serve` for its gateway or the colocated one)."""
+    g = p.add_argument_group("admission")
+    g.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=8,
+        help="requests one client (peer IP) may have in flight on HTTP and gRPC together",
+    )
+    g.add_argument(
+        "--max-inflight-body-bytes",
+        type=int,
+        default=0,
+        help="request-body bytes held at once over all requests (0 = twice the largest HTTP body)",
+    )
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """How the gateway spreads stage calls over replicas (the gateway role, and `epd serve` for its
+    stack's gateway; --colocate has one local stage of each, nothing to route)."""
+    g = p.add_argument_group("routing among stage replicas")
+    g.add_argument(
+        "--routing",
+        choices=("affinity", "round-robin"),
+        default="affinity",
+        help="affinity: a video's calls go to the replicas holding its caches (unless "
+        "overloaded), others to the least loaded; round-robin: every call in turn",
+    )
+    g.add_argument(
+        "--stage-attempt-timeout",
+        type=seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="longest one try of a stage call may take (decode: until its first token) before "
+        "the next replica is tried (0 = only the stage deadline)",
+    )
+    g.add_argument(
+        "--load-refresh-interval",
+        type=seconds,
+        default=0.5,
+        metavar="SECONDS",
+        help="seconds between reads of the replicas' loads for routing (0 = off)",
+    )
+
+
+def add_http_listen_flags(p: argparse.ArgumentParser, g) -> None:
+    """Where the gateway's HTTP API listens and who may call it: `epd serve gateway` only (`epd
+    serve` listens on loopback alone, with its own --http-port and the keys of
+    `add_stack_security_flags`)."""
+    g.add_argument("--http-port", type=port_number, default=0, help="port of the HTTP API (0 = off)")
+    g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (and vLLM's other guarded paths) and the gRPC API "
+        "(default: $EPD_API_KEY); "
+        "repeat it (or use --api-key-file) for several keys, each its own cache tenant; "
+        "needed to listen beyond loopback unless --no-api-key",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default="",
+        metavar="PATH",
+        help="more API keys, one per line ('#' starts a comment)",
+    )
+    p.set_defaults(api_key_env=env("EPD_API_KEY", ""))
+    g.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve a non-loopback --host/--http-host with no API key: closed, trusted networks only",
+    )
+
+
+def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
+    """The HTTP API's flags: with `listen`, where it listens (`add_http_listen_flags`, the gateway
+    role); the rest (model name, media, body) `epd serve` takes too (`GATEWAY_FLAGS`)."""
+    g = p.add_argument_group("OpenAI-compatible HTTP API")
+    if listen:
+        add_http_listen_flags(p, g)
+    g.add_argument("--served-model-name", default="epd", help="model id listed by /v1/models")
+    g.add_argument(
+        "--allowed-local-media-path",
+        default="",
+        help="directory that local paths / file:// media URLs may be read from (default: none)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        type=addresses,
+        default=(),
+        help="comma-separated domains http(s) media URLs may be fetched from (default: none); "
+        "private addresses are refused regardless",
+    )
+    g.add_argument(
+        "--media-fetch-timeout", type=positive_seconds, default=30.0, help="seconds to fetch one media URL"
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=positive_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="seconds a request body may take to arrive, whole (HTTP 408 past it)",
+    )
+    g.add_argument(
+        "--sse-keepalive",
+        type=seconds,
+        default=15.0,
+        metavar="SECONDS",
+        help="a streamed answer with no token yet gets an SSE comment this often, so that "
+        "proxies' idle timeouts do not cut a long encode (0 = off: the 200 comes with the "
+        "first token, and every error before it keeps its own HTTP status)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="vLLM's: a thinking model's chat answer parted at <think> ... </think> into the "
+        "message's reasoning (and reasoning_content) and content (default: off, the text whole)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's: answer tool_choice \"auto\" (the default with tools): the chat answer's tool calls, "
+        "found by --tool-call-parser, go in the message's tool_calls (default: off, such a request is a 400)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="vLLM's: how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, the Qwen2.5, "
+        "Qwen3 and Qwen3-VL templates' form; qwen3_coder: <tool_call><function=NAME><parameter=P>..., "
+        "Qwen3-Coder's and Qwen3.5's); needed by --enable-auto-tool-choice",
+    )
+
+
+GATEWAY_FLAGS: tuple[Callable[..., None], ...] = (
+    add_admission_flags,
+    add_routing_flags,
+    functools.partial(add_http_api_flags, listen=False),
+)
+"""The gateway role's flags `epd serve` takes too: one definition each, passed to the stack's
+gateway (`epd/cli/serve.py` `gateway_flags`) or built into the colocated front door's config
+(`epd/cli/configs.py` `colocated_gateway_config`; routing excepted, its stages being local)."""

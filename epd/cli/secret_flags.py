@@ -1,0 +1,34 @@
+"""Secrets given as flags (an API key), hidden from the process's command line as `ps` shows it."""
+
+from __future__ import annotations
+
+import sys
+
+SECRET_FLAGS = ("--api-key",)
+"""Flags whose value is a secret: hidden from this process's command line as `ps` shows it."""
+
+
+def hide_secrets(argv: list[str]) -> list[str] | None:
+    """`argv` with every SECRET_FLAGS value replaced by ***, or None when it holds none."""
+    shown, hidden = list(argv), False
+    for i, word in enumerate(argv):
+        name, eq, _ = word.partition("=")
+        if name in SECRET_FLAGS and eq:
+            shown[i], hidden = f"{name}=***", True
+        elif word in SECRET_FLAGS and i + 1 < len(argv):
+            shown[i + 1], hidden = "***", True
+    return shown if hidden else None
+
+
+def hide_secrets_from_ps() -> None:
+    """Every local user reads a process's command line (`ps`, /proc/PID/cmdline): an API key given
+    as `--api-key KEY` showed there for as long as the gateway (or `epd serve`, `epd ask`) ran.
+    Rewritten as soon as the flags are parsed; $EPD_API_KEY or --api-key-file never show at all."""
+    shown = hide_secrets(sys.argv[1:])
+    if shown is None:
+        return
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(["epd", *shown]))
