@@ -752,7 +752,8 @@ class HttpApi:
                         choice_tokens[item.index] = choice_tokens.get(item.index, 0) + len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
-                        if item.token_ids or item.text:
+                        # echo_only: the prompt alone went out (vLLM's echo without generation)
+                        if (item.token_ids or item.text) and not chat.echo_only:
                             split = parted[item.index].add(item.text, item.token_ids) if parted else None
                             delta = None if split is None else delta_fields(split, chat.include_reasoning)
                             more: list[

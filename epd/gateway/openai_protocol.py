@@ -270,6 +270,11 @@ class ChatRequest:
     """`echo`, vLLM's meanings: a legacy completion's text begins with its (text) prompt; a chat
     answer's content begins with the last message's, when that message's role is the answer's
     (`echoed_text`)."""
+    echo_only: bool = False
+    """A legacy completion's `echo` with `max_tokens` 0, vLLM's echo without generation: the answer
+    is the prompt alone, with its logprobs when asked (how lm-evaluation-harness scores a text's
+    loglikelihood). As vLLM's, one token is generated (`usage` counts it, `token_ids` lists it)
+    and its text left out."""
     template: ChatTemplateOptions = ChatTemplateOptions()
     """vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`: how
     the chat template renders the prompt. A continued message's answer is the continuation alone,
